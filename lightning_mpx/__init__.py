@@ -1,0 +1,38 @@
+"""lightning_mpx: Apex-style mixed precision (opt levels, cast table, master weights, dynamic loss scaling).
+
+The core is framework-agnostic; the Lightning plugin and the Accelerate adapter are thin layers over
+:class:`~lightning_mpx.amp.Amp`.
+"""
+
+from lightning_mpx.amp import Amp
+from lightning_mpx.cast_lists import CATEGORIES, DEFAULT_TABLE
+from lightning_mpx.cast_policy import BannedOpError, CastPolicy, disable_casts
+from lightning_mpx.cast_table import CastEntry, CastTable, dispatchable
+from lightning_mpx.loss_scaler import LossScaleFloorError, LossScaler
+from lightning_mpx.master_weights import MasterWeights, convert_module
+from lightning_mpx.opt_levels import DESCRIPTIONS, OPT_LEVELS, Properties, resolve_properties
+from lightning_mpx.unscale import unscale_grads_
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Amp",
+    "BannedOpError",
+    "CATEGORIES",
+    "CastEntry",
+    "CastPolicy",
+    "CastTable",
+    "DEFAULT_TABLE",
+    "DESCRIPTIONS",
+    "LossScaleFloorError",
+    "LossScaler",
+    "MasterWeights",
+    "OPT_LEVELS",
+    "Properties",
+    "__version__",
+    "convert_module",
+    "disable_casts",
+    "dispatchable",
+    "resolve_properties",
+    "unscale_grads_",
+]

@@ -1,0 +1,524 @@
+"""The framework-agnostic mixed-precision engine: opt level + cast policy + loss scalers + master weights.
+
+:class:`Amp` is what the Lightning plugin and the Accelerate adapter drive; it also works in a plain loop::
+
+    amp = Amp("O2")
+    model = amp.prepare_model(model)
+    optimizer = amp.prepare_optimizer(torch.optim.AdamW(model.parameters()))
+    for x, y in data:
+        with amp.forward_context():
+            loss = loss_fn(amp.cast_outputs(model(amp.cast_inputs(x))), y)
+        amp.backward(loss)
+        amp.clip_grad_norm_(optimizer, 1.0)   # optional: clips the unscaled gradients
+        amp.step(optimizer)                   # skipped (returns False) when gradients overflowed
+        amp.update()                          # once per iteration: adjusts the scale(s)
+        optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Iterator
+
+import torch
+from torch import nn
+
+from lightning_mpx.cast_policy import CastPolicy
+from lightning_mpx.cast_table import CastTable
+from lightning_mpx.loss_scaler import LossScaler, OnFloor
+from lightning_mpx.master_weights import MasterWeights, convert_module
+from lightning_mpx.opt_levels import Properties, resolve_properties
+from lightning_mpx.unscale import BACKENDS, unscale_grads_
+
+log = logging.getLogger("lightning_mpx")
+
+
+class _Stage(enum.Enum):
+    READY = "ready"
+    UNSCALED = "unscaled"
+
+
+@dataclass
+class _OptimizerState:
+    optimizer: torch.optim.Optimizer
+    stage: _Stage = _Stage.READY
+    loss_id: int | None = None  # the scale that the optimizer's pending gradients carry
+    contributing: set[int] = field(default_factory=set)  # loss ids whose overflow this step must report
+    found_inf: torch.Tensor | None = None
+    grad_norm: torch.Tensor | None = None
+
+
+class Amp:
+    """Mixed precision for one training run.
+
+    Args:
+        opt_level: ``"O0"`` to ``"O3"`` (see :mod:`lightning_mpx.opt_levels`).
+        half_dtype: ``"float16"`` or ``"bfloat16"``.
+        num_losses: Number of losses with a loss scaler each (``loss_id`` 0 to ``num_losses - 1``), as Apex's
+            ``num_losses``: a GAN gives its generator and discriminator losses their own scale.
+        cast_table: The table of the O1 policy; a fresh copy of the default when ``None``. Only valid when the
+            policy is on.
+        allow_banned: Run banned ops (``binary_cross_entropy``) in FP32 instead of raising.
+        unscale_backend: ``"auto"``, ``"foreach"`` or ``"reference"`` (see :mod:`lightning_mpx.unscale`).
+        init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_loss_scale, max_loss_scale,
+            on_floor: Loss-scaler settings (see :class:`~lightning_mpx.loss_scaler.LossScaler`).
+        **overrides: Opt-level property overrides: ``cast_model_type``, ``patch_torch_functions``,
+            ``keep_batchnorm_fp32``, ``master_weights``, ``loss_scale``.
+
+    Attributes:
+        found_inf_reducer: Optional callable that reduces an optimizer's overflow flag in place across processes
+            (the adapters set it under a distributed strategy) so that every rank makes the same skip decision.
+        log_overflows: Whether overflow messages are logged (adapters turn it off on ranks other than zero).
+    """
+
+    def __init__(
+        self,
+        opt_level: str = "O1",
+        *,
+        half_dtype: str | torch.dtype = "float16",
+        num_losses: int = 1,
+        cast_table: CastTable | None = None,
+        allow_banned: bool = False,
+        unscale_backend: str = "auto",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 1,
+        min_loss_scale: float = 1.0,
+        max_loss_scale: float = 2.0**24,
+        on_floor: OnFloor = "raise",
+        overflow_log_interval: float = 10.0,
+        **overrides: Any,
+    ) -> None:
+        self.properties: Properties = resolve_properties(opt_level, half_dtype=half_dtype, **overrides)
+        if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
+            raise ValueError(f"num_losses={num_losses!r} must be a positive integer.")
+        if unscale_backend not in BACKENDS:
+            raise ValueError(
+                f"unscale_backend={unscale_backend!r} is not valid; valid choices: {', '.join(BACKENDS)}."
+            )
+        if cast_table is not None and not self.properties.patch_torch_functions:
+            raise ValueError(
+                f"cast_table is only used by the cast-table policy, which is off at opt_level="
+                f"{self.properties.opt_level!r} (patch_torch_functions=False); use opt_level='O1'."
+            )
+        self.policy: CastPolicy | None = (
+            CastPolicy(cast_table, self.properties.half_dtype, allow_banned=allow_banned)
+            if self.properties.patch_torch_functions
+            else None
+        )
+        scaler_settings = dict(
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            min_loss_scale=min_loss_scale,
+            max_loss_scale=max_loss_scale,
+            on_floor=on_floor,
+        )
+        self.scalers: list[LossScaler] = [
+            LossScaler(self.properties.loss_scale, **scaler_settings) for _ in range(num_losses)  # type: ignore[arg-type]
+        ]
+        self.unscale_backend = unscale_backend
+        self.found_inf_reducer: Callable[[torch.Tensor], None] | None = None
+        self.log_overflows = True
+        self.overflow_log_interval = overflow_log_interval
+        self.master_weights: list[MasterWeights] = []
+        self.skipped_steps: list[int] = [0] * num_losses
+        self.last_overflow_parameters: list[str] = []
+        self._names: dict[int, str] = {}
+        self._optimizers: dict[int, _OptimizerState] = {}
+        self._iteration_found: dict[int, torch.Tensor] = {}
+        self._grad_norms: dict[int, torch.Tensor] = {}
+        self._overflows_reported: list[torch.Tensor | None] = [None] * num_losses
+        self._last_overflow_log = -float("inf")
+        self._suppressed_overflow_logs = 0
+
+    # -- set-up -------------------------------------------------------------------------------------------------
+    @property
+    def opt_level(self) -> str:
+        return self.properties.opt_level
+
+    @property
+    def half_dtype(self) -> torch.dtype:
+        return self.properties.half_dtype
+
+    @property
+    def num_losses(self) -> int:
+        return len(self.scalers)
+
+    def prepare_model(self, module: nn.Module) -> nn.Module:
+        """Convert ``module`` for the opt level (in place) and return it.
+
+        O2/O3 cast it to half (batch norm FP32 when ``keep_batchnorm_fp32``), O2 also creates FP32 master weights;
+        O0 makes half parameters FP32; O1 leaves it as it is.
+
+        Raises:
+            ValueError: for O2/O3 with a module that has no floating-point parameters.
+        """
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module.")
+        prefix = f"model{len(self.master_weights)}." if self.master_weights else ""
+        for name, param in module.named_parameters():
+            self._names.setdefault(id(param), prefix + name)
+        props = self.properties
+        if props.casts_model:
+            convert_module(module, props.half_dtype, keep_batchnorm_fp32=props.keep_batchnorm_fp32 is not False)
+        elif props.cast_model_type == torch.float32:
+            for param in module.parameters():
+                if param.dtype in (torch.float16, torch.bfloat16):
+                    param.data = param.data.float()
+        if props.master_weights:
+            self.master_weights.append(
+                MasterWeights((prefix + name, p) for name, p in module.named_parameters())
+            )
+        return module
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Register ``optimizer`` (prepare its model first); for O2 its parameters become the FP32 masters.
+
+        Raises:
+            ValueError: for optimizers that need a closure (LBFGS), which loss scaling cannot support.
+        """
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer.")
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError(
+                "optimizer=LBFGS re-evaluates the loss through a closure several times per step, which loss scaling "
+                "and step skipping cannot support; use opt_level='O0', or a first-order optimizer."
+            )
+        if self.properties.master_weights:
+            if not self.master_weights:
+                raise RuntimeError("prepare_model() must run before prepare_optimizer() with master weights (O2).")
+            for masters in self.master_weights:
+                masters.attach(optimizer)
+            stray = [p for p in _params(optimizer) if p.dtype in (torch.float16, torch.bfloat16) and p.requires_grad]
+            if stray:
+                raise ValueError(
+                    f"optimizer holds {len(stray)} half parameter(s) that belong to no prepared model; call "
+                    "prepare_model() on every model whose parameters it trains."
+                )
+        self._optimizers[id(optimizer)] = _OptimizerState(optimizer)
+        return optimizer
+
+    # -- forward ------------------------------------------------------------------------------------------------
+    def forward_context(self) -> ContextManager[Any]:
+        """The scope of a forward pass: the cast policy at O1, nothing otherwise."""
+        return self.policy.scope() if self.policy is not None else contextlib.nullcontext()
+
+    def cast_inputs(self, data: Any) -> Any:
+        """Floating-point tensors in ``data`` (nested in lists, tuples, dicts) cast to half when the model is."""
+        if not self.properties.casts_model:
+            return data
+        return _cast_collection(data, self.properties.half_dtype, (torch.float32, torch.float64))
+
+    def cast_outputs(self, data: Any) -> Any:
+        """Half tensors in ``data`` cast to FP32 when the model is half, so the loss is computed in FP32 (Apex)."""
+        if not self.properties.casts_model:
+            return data
+        return _cast_collection(data, torch.float32, (self.properties.half_dtype,))
+
+    # -- backward -----------------------------------------------------------------------------------------------
+    def scale_loss(self, loss: torch.Tensor, loss_id: int = 0) -> torch.Tensor:
+        """``loss`` times the scale of ``loss_id``.
+
+        If an optimizer already holds gradients of another loss that it has not stepped on yet, they are rescaled
+        to this loss's scale first, so that one gradient buffer never mixes two scales.
+        """
+        scaler = self._scaler(loss_id)
+        scaled = scaler.scale(loss)
+        for state in self._optimizers.values():
+            if state.stage is not _Stage.READY:
+                continue  # already unscaled for its coming step: this loss's gradients are not meant for it
+            if state.loss_id is None:
+                state.loss_id = loss_id
+            elif state.loss_id != loss_id:
+                self._rescale_pending(state, loss_id)
+        return scaled
+
+    def backward(self, loss: torch.Tensor, loss_id: int = 0, **backward_kwargs: Any) -> None:
+        """``scale_loss(loss, loss_id).backward(**backward_kwargs)``."""
+        self.scale_loss(loss, loss_id).backward(**backward_kwargs)
+
+    # -- optimizer step -----------------------------------------------------------------------------------------
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale ``optimizer``'s gradients (into the FP32 masters at O2) and record overflow; once per step.
+
+        Raises:
+            RuntimeError: if called twice for the same optimizer before :meth:`step`.
+        """
+        state = self._state(optimizer)
+        if state.stage is _Stage.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last step().")
+        self._unscale(state)
+
+    def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """Clip ``optimizer``'s unscaled gradients to a global L2 norm; returns the norm before clipping.
+
+        When the gradients are still scaled, unscaling, the overflow check, the norm and the clip are done together.
+        """
+        state = self._state(optimizer)
+        if state.stage is _Stage.READY:
+            self._unscale(state, max_norm=float(max_norm))
+        else:
+            state.grad_norm = torch.nn.utils.clip_grad_norm_(_params_with_grad(optimizer), max_norm)
+        assert state.grad_norm is not None
+        self._grad_norms[state.loss_id or 0] = state.grad_norm
+        return state.grad_norm
+
+    def clip_grad_value_(self, optimizer: torch.optim.Optimizer, clip_value: float) -> None:
+        """Clamp ``optimizer``'s unscaled gradients to ``[-clip_value, clip_value]``."""
+        state = self._state(optimizer)
+        if state.stage is _Stage.READY:
+            self._unscale(state)
+        torch.nn.utils.clip_grad_value_(_params_with_grad(optimizer), clip_value)
+
+    def step(self, optimizer: torch.optim.Optimizer, **step_kwargs: Any) -> bool:
+        """Step ``optimizer`` unless its gradients overflowed; returns whether it stepped.
+
+        On overflow nothing is changed: parameters, optimizer state and (if the caller honours the return value)
+        the learning-rate schedule stay as they were.
+
+        .. warning:: Reads the overflow flag on the host (one sync per step, as ``torch.amp.GradScaler`` does).
+
+        Raises:
+            LossScaleFloorError: on overflow with the scale at its floor and ``on_floor="raise"``; the step is
+                skipped first.
+        """
+        state = self._state(optimizer)
+        if "closure" in step_kwargs and step_kwargs["closure"] is not None:
+            raise ValueError(
+                "closure: loss scaling cannot re-run a closure inside the optimizer step; run the closure first, "
+                "then call step() without it."
+            )
+        if state.stage is _Stage.READY:
+            self._unscale(state)
+        found = state.found_inf
+        assert found is not None
+        if self.found_inf_reducer is not None:
+            self.found_inf_reducer(found)
+        loss_ids = state.contributing | {state.loss_id or 0}
+        for loss_id in loss_ids:
+            seen = self._iteration_found.get(loss_id)
+            self._iteration_found[loss_id] = found.clone() if seen is None else torch.maximum(seen, found)
+        overflow = bool(found.item())
+        if overflow:
+            names = self._nonfinite_names(optimizer)
+            self.last_overflow_parameters = names
+            for loss_id in loss_ids:
+                self.skipped_steps[loss_id] += 1
+            self._log_overflow(names, loss_ids)
+            self._finish_step(state)
+            for loss_id in sorted(loss_ids):
+                self.scalers[loss_id].handle_overflow(names)
+            return False
+        optimizer.step(**step_kwargs)
+        for masters in self.master_weights:
+            masters.copy_to_model()
+        self._finish_step(state)
+        return True
+
+    def update(self) -> None:
+        """Close the iteration: update the scale of every loss whose optimizers stepped (or skipped) since the
+        last call, and clear the cast cache. Call it once per iteration, after the optimizer steps; with
+        accumulation, only after the real step. No host sync."""
+        for loss_id, found in self._iteration_found.items():
+            self.scalers[loss_id].update(found)
+        self._iteration_found.clear()
+        if self.policy is not None:
+            self.policy.clear_cache()
+
+    # -- metrics and checkpoints --------------------------------------------------------------------------------
+    def metrics(self) -> dict[str, torch.Tensor | float]:
+        """``mpx/loss_scale``, ``mpx/overflows`` (since the last call), ``mpx/skipped_steps`` (total) and
+        ``mpx/grad_norm`` (unscaled, when computed), with a ``/loss{id}`` suffix when there are several losses.
+
+        Values are device tensors or Python numbers: building them does not wait for the device.
+        """
+        out: dict[str, torch.Tensor | float] = {}
+        for loss_id, scaler in enumerate(self.scalers):
+            suffix = f"/loss{loss_id}" if len(self.scalers) > 1 else ""
+            total = scaler.overflow_count
+            reported = self._overflows_reported[loss_id]
+            out["mpx/loss_scale" + suffix] = scaler.scale_tensor.clone()
+            out["mpx/overflows" + suffix] = (total - reported) if reported is not None else total.clone()
+            self._overflows_reported[loss_id] = total.clone()
+            out["mpx/skipped_steps" + suffix] = float(self.skipped_steps[loss_id])
+            if loss_id in self._grad_norms:
+                out["mpx/grad_norm" + suffix] = self._grad_norms.pop(loss_id)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Scalers, FP32 masters and counters: everything needed, with the optimizer's own state, to resume."""
+        return {
+            "opt_level": self.properties.opt_level,
+            "half_dtype": str(self.properties.half_dtype),
+            "scalers": [scaler.state_dict() for scaler in self.scalers],
+            "master_weights": [masters.state_dict() for masters in self.master_weights],
+            "skipped_steps": list(self.skipped_steps),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (after :meth:`prepare_model`); masters come back bit-exact."""
+        if len(state["scalers"]) != len(self.scalers):
+            raise ValueError(
+                f"the checkpoint has {len(state['scalers'])} loss scaler(s) but this Amp has num_losses="
+                f"{len(self.scalers)}."
+            )
+        if len(state["master_weights"]) != len(self.master_weights):
+            raise ValueError(
+                f"the checkpoint has master weights for {len(state['master_weights'])} model(s) but "
+                f"{len(self.master_weights)} model(s) were prepared with master weights."
+            )
+        for scaler, scaler_state in zip(self.scalers, state["scalers"]):
+            scaler.load_state_dict(scaler_state)
+        for masters, masters_state in zip(self.master_weights, state["master_weights"]):
+            masters.load_state_dict(masters_state)
+        self.skipped_steps = list(state.get("skipped_steps", self.skipped_steps))
+
+    # -- internals ----------------------------------------------------------------------------------------------
+    def _scaler(self, loss_id: int) -> LossScaler:
+        if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(self.scalers):
+            raise ValueError(
+                f"loss_id={loss_id!r} is out of range; valid choices: 0 to {len(self.scalers) - 1} "
+                f"(num_losses={len(self.scalers)})."
+            )
+        return self.scalers[loss_id]
+
+    def _state(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
+        state = self._optimizers.get(id(optimizer))
+        if state is None:
+            raise RuntimeError(
+                f"optimizer={type(optimizer).__name__} was not registered; call prepare_optimizer() on it first."
+            )
+        return state
+
+    def _grad_pairs(self, optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(scaled gradients, where their unscaled values go) for the optimizer's parameters."""
+        sources: list[torch.Tensor] = []
+        targets: list[torch.Tensor] = []
+        for param in _params(optimizer):
+            model_param = self._model_param(param)
+            grad = model_param.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise NotImplementedError("sparse gradients are not supported by lightning_mpx's unscale.")
+            if model_param is param:
+                sources.append(grad)
+                targets.append(grad)
+            else:
+                if param.grad is None or param.grad.shape != param.shape:
+                    param.grad = torch.empty_like(param)
+                sources.append(grad)
+                targets.append(param.grad)
+        return sources, targets
+
+    def _model_param(self, param: torch.Tensor) -> torch.Tensor:
+        for masters in self.master_weights:
+            model_param = masters.model_of(param)
+            if model_param is not param:
+                return model_param
+        return param
+
+    def _unscale(self, state: _OptimizerState, max_norm: float | None = None) -> None:
+        loss_id = state.loss_id or 0
+        scaler = self.scalers[loss_id]
+        sources, targets = self._grad_pairs(state.optimizer)
+        device = scaler.device or (sources[0].device if sources else torch.device("cpu"))
+        scaler.to(device)
+        found = torch.zeros((), dtype=torch.float32, device=device) if state.found_inf is None else state.found_inf
+        norm = unscale_grads_(
+            sources,
+            scaler.inv_scale(),
+            found,
+            out=targets,
+            max_norm=max_norm,
+            backend=self.unscale_backend,
+        )
+        state.found_inf = found
+        state.grad_norm = norm
+        state.stage = _Stage.UNSCALED
+
+    def _rescale_pending(self, state: _OptimizerState, new_loss_id: int) -> None:
+        old_id = state.loss_id or 0
+        old, new = self.scalers[old_id], self.scalers[new_loss_id]
+        grads = [self._model_param(p).grad for p in _params(state.optimizer)]
+        grads = [g for g in grads if g is not None]
+        if grads:
+            new.to(grads[0].device)
+            ratio = (new.scale_tensor.double() / old.scale_tensor.double()).float()
+            if state.found_inf is None:
+                state.found_inf = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+            unscale_grads_(grads, ratio, state.found_inf, backend=self.unscale_backend)
+            state.contributing.add(old_id)
+        state.loss_id = new_loss_id
+
+    def _finish_step(self, state: _OptimizerState) -> None:
+        if self.master_weights:
+            for param in _params(state.optimizer):
+                model_param = self._model_param(param)
+                if model_param is not param:
+                    model_param.grad = None
+        state.stage = _Stage.READY
+        state.loss_id = None
+        state.contributing = set()
+        state.found_inf = None
+
+    def _nonfinite_names(self, optimizer: torch.optim.Optimizer) -> list[str]:
+        """Names of the parameters whose gradients hold inf or NaN (overflow steps only: it syncs)."""
+        candidates = []
+        for index, param in enumerate(_params(optimizer)):
+            grad = param.grad if param.grad is not None else self._model_param(param).grad
+            if grad is not None:
+                name = self._names.get(id(self._model_param(param)), f"param{index}")
+                candidates.append((name, grad))
+        if not candidates:
+            return []
+        finite = torch.stack([torch.isfinite(g).all() for _, g in candidates]).tolist()
+        return [name for (name, _), ok in zip(candidates, finite) if not ok]
+
+    def _log_overflow(self, names: list[str], loss_ids: set[int]) -> None:
+        if not self.log_overflows:
+            return
+        now = time.monotonic()
+        if now - self._last_overflow_log < self.overflow_log_interval:
+            self._suppressed_overflow_logs += 1
+            return
+        suppressed = self._suppressed_overflow_logs
+        self._last_overflow_log, self._suppressed_overflow_logs = now, 0
+        scales = ", ".join(f"loss {i}: {self.scalers[i].get_scale():g}" for i in sorted(loss_ids))
+        shown = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
+        log.info(
+            "Gradient overflow: step skipped (scale before update %s); non-finite gradients in %s%s",
+            scales,
+            shown or "no parameter (flag set by another process)",
+            f"; {suppressed} earlier overflow message(s) suppressed" if suppressed else "",
+        )
+
+
+def _params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def _params_with_grad(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for p in _params(optimizer) if p.grad is not None]
+
+
+def _cast_collection(data: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
+    if isinstance(data, torch.Tensor):
+        return data.to(dtype) if data.dtype in castable else data
+    if isinstance(data, dict):
+        return type(data)((k, _cast_collection(v, dtype, castable)) for k, v in data.items())
+    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
+        return type(data)(*(_cast_collection(v, dtype, castable) for v in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(_cast_collection(v, dtype, castable) for v in data)
+    return data

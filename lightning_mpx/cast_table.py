@@ -1,0 +1,209 @@
+"""The cast table: which function runs in which precision.
+
+A :class:`CastTable` maps function objects to a category (see :mod:`lightning_mpx.cast_lists`). Every policy owns
+its own table; :meth:`CastTable.default` returns a fresh copy of the default data that the user may extend without
+affecting anyone else::
+
+    table = CastTable.default()
+    table.register(torch.einsum, "half")
+    table.register_float_function(torch.nn.functional, "silu")
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+from torch.overrides import handle_torch_function, has_torch_function
+
+from lightning_mpx.cast_lists import BANNED_ADVICE, CATEGORIES, DEFAULT_TABLE
+
+_NAMESPACES: Mapping[str, Any] = {
+    "torch": torch,
+    "torch.nn.functional": torch.nn.functional,
+    "torch.Tensor": torch.Tensor,
+}
+_DISPATCHABLE_MARK = "__lightning_mpx_dispatchable__"
+
+
+@dataclass(frozen=True)
+class CastEntry:
+    """One row of a table: a function, where it was found, and its category."""
+
+    namespace: str
+    name: str
+    function: Callable[..., Any]
+    category: str
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.namespace}.{self.name}"
+
+
+class CastTable:
+    """A mutable, per-owner map from functions to cast categories.
+
+    Functions are matched by identity when torch dispatches them to the cast policy, so only callables that take
+    part in torch's ``__torch_function__`` protocol can be registered: public torch functions, ``Tensor`` methods,
+    ``torch.ops`` operators, and your own functions decorated with :func:`dispatchable`.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[Callable[..., Any], CastEntry] = {}
+        self._version = 0  # bumped on every change, so that policies re-read the table
+
+    @classmethod
+    def default(cls) -> CastTable:
+        """A new table holding the default data of :mod:`lightning_mpx.cast_lists`."""
+        return cls.from_data(DEFAULT_TABLE)
+
+    @classmethod
+    def from_data(cls, data: Mapping[str, Mapping[str, tuple[str, ...]]]) -> CastTable:
+        """Build a table from ``{namespace: {category: names}}`` data; names missing from this torch are skipped."""
+        table = cls()
+        for namespace, by_category in data.items():
+            if namespace not in _NAMESPACES:
+                raise ValueError(f"namespace={namespace!r} is not known; valid choices: {', '.join(_NAMESPACES)}.")
+            owner = _NAMESPACES[namespace]
+            for category, names in by_category.items():
+                _check_category(category)
+                for name in names:
+                    function = getattr(owner, name, None)
+                    if function is not None:
+                        table._add(CastEntry(namespace, name, function, category))
+        return table
+
+    def copy(self) -> CastTable:
+        """An independent copy: registering into it leaves this table as it is."""
+        other = CastTable()
+        other._entries = dict(self._entries)
+        return other
+
+    # -- registration -------------------------------------------------------------------------------------------
+    def register(self, function: Callable[..., Any], category: str) -> None:
+        """Put ``function`` in ``category`` (``"half"``, ``"float"``, ``"promote"``, ``"sequence"`` or
+        ``"banned"``), replacing any earlier category."""
+        _check_category(category)
+        if not callable(function):
+            raise TypeError(f"function={function!r} is not callable.")
+        if not _takes_part_in_dispatch(function):
+            raise TypeError(
+                f"function={function!r} does not take part in torch's __torch_function__ protocol, so the cast policy "
+                "would never see it being called. Register a torch function, a Tensor method or a torch.ops operator, "
+                "or decorate your own function with lightning_mpx.dispatchable."
+            )
+        namespace = getattr(function, "__module__", None) or type(function).__module__
+        name = getattr(function, "__name__", repr(function))
+        self._add(CastEntry(namespace, name, function, category))
+
+    def register_function(self, module: ModuleType | type, name: str, category: str) -> None:
+        """Register ``getattr(module, name)``, in the spirit of Apex's ``register_*_function(module, name)``."""
+        if not hasattr(module, name):
+            raise ValueError(f"name={name!r}: {getattr(module, '__name__', module)!r} has no attribute {name!r}.")
+        self.register(getattr(module, name), category)
+
+    def register_half_function(self, module: ModuleType | type, name: str) -> None:
+        """Run ``module.name`` with half inputs."""
+        self.register_function(module, name, "half")
+
+    def register_float_function(self, module: ModuleType | type, name: str) -> None:
+        """Run ``module.name`` with FP32 inputs."""
+        self.register_function(module, name, "float")
+
+    def register_promote_function(self, module: ModuleType | type, name: str) -> None:
+        """Run ``module.name`` in the widest floating type of its inputs."""
+        self.register_function(module, name, "promote")
+
+    def unregister(self, function: Callable[..., Any]) -> None:
+        """Remove ``function``: it then runs with its inputs as given."""
+        if self._entries.pop(function, None) is None:
+            raise KeyError(f"function={function!r} is not in this table.")
+        self._version += 1
+
+    # -- queries ------------------------------------------------------------------------------------------------
+    def category_of(self, function: Callable[..., Any]) -> str | None:
+        """The category of ``function``, or ``None`` when the table does not list it."""
+        entry = self._entries.get(function)
+        return None if entry is None else entry.category
+
+    def entry(self, function: Callable[..., Any]) -> CastEntry | None:
+        return self._entries.get(function)
+
+    def entries(self, category: str | None = None) -> list[CastEntry]:
+        """All rows, or those of one category, in registration order."""
+        if category is not None:
+            _check_category(category)
+        return [entry for entry in self._entries.values() if category is None or entry.category == category]
+
+    def banned_advice(self, function: Callable[..., Any]) -> str:
+        entry = self._entries.get(function)
+        name = entry.name if entry else getattr(function, "__name__", repr(function))
+        return BANNED_ADVICE.get(
+            name, f"{name} is banned in this cast table; pass allow_banned=True to run it in FP32 instead."
+        )
+
+    def __contains__(self, function: object) -> bool:
+        return function in self._entries
+
+    def __iter__(self) -> Iterator[CastEntry]:
+        return iter(list(self._entries.values()))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        counts = {c: sum(1 for e in self._entries.values() if e.category == c) for c in CATEGORIES}
+        return "CastTable(" + ", ".join(f"{c}={n}" for c, n in counts.items()) + ")"
+
+    def _add(self, entry: CastEntry) -> None:
+        self._entries[entry.function] = entry
+        self._version += 1
+
+
+def _check_category(category: object) -> None:
+    if category not in CATEGORIES:
+        raise ValueError(f"category={category!r} is not a cast category; valid choices: {', '.join(CATEGORIES)}.")
+
+
+def _takes_part_in_dispatch(function: Callable[..., Any]) -> bool:
+    if isinstance(function, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return True
+    if getattr(function, _DISPATCHABLE_MARK, False):
+        return True
+    module = getattr(function, "__module__", None) or getattr(getattr(function, "__objclass__", None), "__module__", "")
+    return isinstance(module, str) and (module == "torch" or module.startswith(("torch.", "torch._")))
+
+
+def dispatchable(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Make your own function visible to cast policies, so that it can be registered in a :class:`CastTable`.
+
+    The wrapper routes calls through torch's ``__torch_function__`` protocol whenever one of its tensor arguments
+    (positional, keyword, or inside a list or tuple) asks for it, as every torch function does. Without an active
+    policy it simply calls ``function``.
+
+    Example:
+        >>> @dispatchable
+        ... def fused_gelu_linear(x, weight): ...
+        >>> table.register(fused_gelu_linear, "half")  # doctest: +SKIP
+    """
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        tensors = tuple(_tensors_in(args)) + tuple(_tensors_in(tuple(kwargs.values())))
+        if tensors and has_torch_function(tensors):
+            return handle_torch_function(wrapper, tensors, *args, **kwargs)
+        return function(*args, **kwargs)
+
+    setattr(wrapper, _DISPATCHABLE_MARK, True)
+    return wrapper
+
+
+def _tensors_in(values: tuple[Any, ...]) -> Iterator[torch.Tensor]:
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from _tensors_in(tuple(value))

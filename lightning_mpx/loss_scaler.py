@@ -1,0 +1,242 @@
+"""Dynamic and static loss scaling with the state kept on the device.
+
+The scale, the growth and hysteresis trackers and the overflow counter are small tensors created lazily on the
+device of the first loss. :meth:`LossScaler.update` changes them with tensor ops only: a normal step never waits for
+the device. With ``hysteresis=1`` and no bound reached, the scale follows ``torch.amp.GradScaler`` exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Literal, Sequence
+
+import torch
+
+from lightning_mpx.opt_levels import LossScale, _check_loss_scale
+
+OnFloor = Literal["raise", "warn", "continue"]
+ON_FLOOR_CHOICES: tuple[str, ...] = ("raise", "warn", "continue")
+
+
+class LossScaleFloorError(FloatingPointError):
+    """Gradients overflowed while the loss scale was already at its floor: training cannot make progress."""
+
+
+class LossScaler:
+    """Scales losses and tracks the scale of one loss.
+
+    Args:
+        loss_scale: ``"dynamic"``, or a positive number for a static scale.
+        init_scale: First scale of a dynamic scaler (``2**16``, as torch's GradScaler and Apex).
+        growth_factor: Factor applied after ``growth_interval`` steps in a row without overflow.
+        backoff_factor: Factor applied on an overflow (once ``hysteresis`` overflows have been seen).
+        growth_interval: Overflow-free steps before the scale grows.
+        hysteresis: Overflows tolerated before a backoff; the count restarts after each backoff and each growth.
+            ``1`` backs off on every overflow, like GradScaler.
+        min_loss_scale: The floor of a dynamic scale.
+        max_loss_scale: The ceiling of a dynamic scale.
+        on_floor: What an overflow does when the scale cannot go lower (a dynamic scale at ``min_loss_scale``, or
+            any static scale): ``"raise"`` :class:`LossScaleFloorError` naming the parameters with non-finite
+            gradients, ``"warn"``, or ``"continue"`` silently. The step is skipped in every case.
+
+    .. warning::
+        :meth:`get_scale`, :meth:`state_dict` and :meth:`handle_overflow` read device values and so wait for the
+        device; :meth:`scale`, :meth:`update` and :meth:`inv_scale` do not.
+    """
+
+    def __init__(
+        self,
+        loss_scale: LossScale = "dynamic",
+        *,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 1,
+        min_loss_scale: float = 1.0,
+        max_loss_scale: float = 2.0**24,
+        on_floor: OnFloor = "raise",
+    ) -> None:
+        _check_loss_scale(loss_scale)
+        _positive("init_scale", init_scale)
+        _positive("min_loss_scale", min_loss_scale)
+        if not isinstance(max_loss_scale, (int, float)) or isinstance(max_loss_scale, bool) or max_loss_scale <= 0:
+            raise ValueError(f"max_loss_scale={max_loss_scale!r} must be a positive number (math.inf for no ceiling).")
+        if not growth_factor > 1.0 or not math.isfinite(growth_factor):
+            raise ValueError(f"growth_factor={growth_factor!r} must be a finite number greater than 1.0, e.g. 2.0.")
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor={backoff_factor!r} must be between 0 and 1 (exclusive), e.g. 0.5.")
+        for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer.")
+        if min_loss_scale > max_loss_scale:
+            raise ValueError(
+                f"min_loss_scale={min_loss_scale!r} is above max_loss_scale={max_loss_scale!r}; the floor must not "
+                "exceed the ceiling."
+            )
+        if loss_scale == "dynamic" and not min_loss_scale <= init_scale <= max_loss_scale:
+            raise ValueError(
+                f"init_scale={init_scale!r} lies outside [min_loss_scale={min_loss_scale!r}, "
+                f"max_loss_scale={max_loss_scale!r}]."
+            )
+        if on_floor not in ON_FLOOR_CHOICES:
+            raise ValueError(f"on_floor={on_floor!r} is not valid; valid choices: {', '.join(ON_FLOOR_CHOICES)}.")
+        self.dynamic = loss_scale == "dynamic"
+        self.init_scale = float(init_scale if self.dynamic else loss_scale)  # type: ignore[arg-type]
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = growth_interval
+        self.hysteresis = hysteresis
+        self.min_loss_scale = float(min_loss_scale)
+        self.max_loss_scale = float(max_loss_scale)
+        self.on_floor: OnFloor = on_floor
+        self._scale: torch.Tensor | None = None
+        self._growth_tracker: torch.Tensor | None = None
+        self._hysteresis_tracker: torch.Tensor | None = None
+        self._overflows: torch.Tensor | None = None
+        self._pending_state: dict[str, Any] | None = None
+
+    # -- device state -------------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device | None:
+        return None if self._scale is None else self._scale.device
+
+    def to(self, device: torch.device | str) -> LossScaler:
+        """Create (or move) the state on ``device``; called implicitly by the first :meth:`scale`."""
+        device = torch.device(device)
+        if self._scale is None:
+            self._scale = torch.full((), self.init_scale, dtype=torch.float32, device=device)
+            self._growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
+            self._hysteresis_tracker = torch.full((), self.hysteresis, dtype=torch.int32, device=device)
+            self._overflows = torch.zeros((), dtype=torch.int64, device=device)
+            if self._pending_state is not None:
+                self._apply_state(self._pending_state)
+                self._pending_state = None
+        elif self._scale.device != device:
+            self._scale = self._scale.to(device)
+            self._growth_tracker = self._growth_tracker.to(device)  # type: ignore[union-attr]
+            self._hysteresis_tracker = self._hysteresis_tracker.to(device)  # type: ignore[union-attr]
+            self._overflows = self._overflows.to(device)  # type: ignore[union-attr]
+        return self
+
+    @property
+    def scale_tensor(self) -> torch.Tensor:
+        """The scale as a 0-d FP32 device tensor (read it without a host sync)."""
+        if self._scale is None:
+            self.to("cpu")
+        return self._scale  # type: ignore[return-value]
+
+    @property
+    def overflow_count(self) -> torch.Tensor:
+        """Overflow events seen by :meth:`update` so far, as a 0-d int64 device tensor."""
+        self.scale_tensor
+        return self._overflows  # type: ignore[return-value]
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (waits for the device)."""
+        return float(self.scale_tensor.item())
+
+    # -- the per-step work --------------------------------------------------------------------------------------
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the current scale (a no-op for a static scale of 1.0)."""
+        if self._scale is None or self._scale.device != loss.device:
+            self.to(loss.device)
+        if not self.dynamic and self.init_scale == 1.0:
+            return loss
+        return loss * self._scale  # type: ignore[operator]
+
+    def inv_scale(self) -> torch.Tensor:
+        """``1 / scale`` as a 0-d FP32 tensor, with the reciprocal taken in FP64 as GradScaler does."""
+        return self.scale_tensor.double().reciprocal().float()
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        """Advance the state after one iteration; ``found_inf > 0`` marks an overflow. No host sync."""
+        scale = self.scale_tensor
+        found = found_inf.to(device=scale.device, dtype=torch.float32).reshape(())
+        self._overflows.add_((found > 0).to(torch.int64))  # type: ignore[union-attr]
+        if not self.dynamic:
+            return
+        if self.hysteresis == 1:
+            # torch's own kernel: exactly GradScaler's trajectory; the bounds are applied after it.
+            torch._amp_update_scale_(
+                scale, self._growth_tracker, found, self.growth_factor, self.backoff_factor, self.growth_interval
+            )
+            scale.clamp_(self.min_loss_scale, self.max_loss_scale)
+            return
+        overflow = found > 0
+        tracker = self._hysteresis_tracker - overflow.to(torch.int32)  # type: ignore[operator]
+        back_off = overflow & (tracker <= 0)
+        successes = torch.where(overflow, torch.zeros_like(self._growth_tracker), self._growth_tracker + 1)  # type: ignore[arg-type, operator]
+        grow = ~overflow & (successes >= self.growth_interval)
+        new_scale = torch.where(back_off, (scale * self.backoff_factor).clamp(min=self.min_loss_scale), scale)
+        new_scale = torch.where(grow, (scale * self.growth_factor).clamp(max=self.max_loss_scale), new_scale)
+        scale.copy_(new_scale)
+        self._growth_tracker.copy_(torch.where(grow, torch.zeros_like(successes), successes))  # type: ignore[union-attr]
+        self._hysteresis_tracker.copy_(  # type: ignore[union-attr]
+            torch.where(back_off | grow, torch.full_like(tracker, self.hysteresis), tracker)
+        )
+
+    def at_floor(self) -> bool:
+        """Whether an overflow now could not lower the scale (waits for the device)."""
+        return not self.dynamic or self.get_scale() <= self.min_loss_scale
+
+    def handle_overflow(self, bad_parameters: Sequence[str]) -> None:
+        """Apply ``on_floor`` if the scale is at its floor; call it on overflow steps only (it waits for the device).
+
+        Raises:
+            LossScaleFloorError: when ``on_floor="raise"`` and the scale cannot go lower.
+        """
+        if self.on_floor == "continue" or not self.at_floor():
+            return
+        shown = ", ".join(bad_parameters[:10]) + (f" and {len(bad_parameters) - 10} more" if len(bad_parameters) > 10 else "")
+        kind = "dynamic loss scale is at its floor" if self.dynamic else "static loss scale cannot be lowered"
+        message = (
+            f"Gradients overflowed and the {kind} (scale={self.get_scale():g}, min_loss_scale={self.min_loss_scale:g}):"
+            f" non-finite gradients in {shown or 'unknown parameters'}. The step was skipped and parameters are "
+            "unchanged. Check the loss and inputs for inf/NaN, lower the learning rate, or use bfloat16; pass "
+            "on_floor='warn' or 'continue' to keep training."
+        )
+        if self.on_floor == "raise":
+            raise LossScaleFloorError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    # -- checkpoints --------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly (waits for the device)."""
+        if self._scale is None:
+            return dict(self._pending_state) if self._pending_state else {
+                "scale": self.init_scale, "growth_tracker": 0, "hysteresis_tracker": self.hysteresis,
+                "overflows": 0, "dynamic": self.dynamic,
+            }
+        return {
+            "scale": float(self._scale.item()),
+            "growth_tracker": int(self._growth_tracker.item()),  # type: ignore[union-attr]
+            "hysteresis_tracker": int(self._hysteresis_tracker.item()),  # type: ignore[union-attr]
+            "overflows": int(self._overflows.item()),  # type: ignore[union-attr]
+            "dynamic": self.dynamic,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = {"scale", "growth_tracker", "hysteresis_tracker", "overflows"} - set(state)
+        if missing:
+            raise KeyError(f"loss-scaler state is missing {sorted(missing)}; was it saved by LossScaler.state_dict()?")
+        if self._scale is None:
+            self._pending_state = dict(state)
+        else:
+            self._apply_state(state)
+
+    def _apply_state(self, state: dict[str, Any]) -> None:
+        self._scale.fill_(state["scale"])  # type: ignore[union-attr]
+        self._growth_tracker.fill_(state["growth_tracker"])  # type: ignore[union-attr]
+        self._hysteresis_tracker.fill_(state["hysteresis_tracker"])  # type: ignore[union-attr]
+        self._overflows.fill_(state["overflows"])  # type: ignore[union-attr]
+
+    def __repr__(self) -> str:
+        kind = "dynamic" if self.dynamic else f"static {self.init_scale:g}"
+        return f"LossScaler({kind}, growth_interval={self.growth_interval}, hysteresis={self.hysteresis})"
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive finite number.")
