@@ -81,6 +81,8 @@ _LOSSES = (
     "huber_loss",
     "kl_div",
     "l1_loss",
+    # linear + cross entropy fused (torch >= 2.13): the loss needs FP32, so the projection runs in FP32 too.
+    "linear_cross_entropy",
     "margin_ranking_loss",
     "mse_loss",
     "multi_margin_loss",
@@ -116,23 +118,14 @@ _PROMOTE = (
     "equal",
     "where",
 )
+# Only the operators that torch dispatches to a policy as themselves. ``a + b``, ``a - b``, ``a * b``, ``a / b``,
+# ``a != b``, ``a < b``... (and their reflected forms) reach a TorchFunctionMode as ``Tensor.add``, ``Tensor.sub``,
+# ``Tensor.mul``, ``Tensor.div``, ``Tensor.ne``, ``Tensor.lt``..., which are listed above; rows for ``__add__`` and
+# the like would never match. ``__rdiv__`` is the same function as ``__rtruediv__``.
 _TENSOR_OPERATORS_PROMOTE = (
-    "__add__",
-    "__radd__",
-    "__sub__",
-    "__rsub__",
-    "__mul__",
-    "__rmul__",
-    "__truediv__",
-    "__rtruediv__",
-    "__div__",
-    "__rdiv__",
     "__eq__",
-    "__ne__",
-    "__ge__",
-    "__gt__",
-    "__le__",
-    "__lt__",
+    "__rsub__",
+    "__rtruediv__",
 )
 
 DEFAULT_TABLE: Mapping[str, Mapping[str, tuple[str, ...]]] = MappingProxyType(
@@ -159,7 +152,9 @@ DEFAULT_TABLE: Mapping[str, Mapping[str, tuple[str, ...]]] = MappingProxyType(
         ),
         "torch.Tensor": MappingProxyType(
             {
-                "half": ("__matmul__", "__rmatmul__") + _BLAS + ("prelu",),
+                # ``a @ b`` reaches the policy as ``Tensor.matmul``, so ``__matmul__`` is not listed; ``__rmatmul__``
+                # is a Python method that reaches it as itself. Tensor has no ``chain_matmul``.
+                "half": ("__rmatmul__",) + tuple(name for name in _BLAS if name != "chain_matmul") + ("prelu",),
                 "float": _POINTWISE_FLOAT
                 + _REDUCTIONS
                 + ("__pow__", "__rpow__", "softmax", "log_softmax"),

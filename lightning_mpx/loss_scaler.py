@@ -61,11 +61,12 @@ class LossScaler:
         _check_loss_scale(loss_scale)
         _positive("init_scale", init_scale)
         _positive("min_loss_scale", min_loss_scale)
-        if not isinstance(max_loss_scale, (int, float)) or isinstance(max_loss_scale, bool) or max_loss_scale <= 0:
+        # `not x > 0` rather than `x <= 0` so that NaN is refused too.
+        if not _is_number(max_loss_scale) or not max_loss_scale > 0:  # type: ignore[operator]
             raise ValueError(f"max_loss_scale={max_loss_scale!r} must be a positive number (math.inf for no ceiling).")
-        if not growth_factor > 1.0 or not math.isfinite(growth_factor):
+        if not _is_number(growth_factor) or not growth_factor > 1.0 or not math.isfinite(growth_factor):
             raise ValueError(f"growth_factor={growth_factor!r} must be a finite number greater than 1.0, e.g. 2.0.")
-        if not 0.0 < backoff_factor < 1.0:
+        if not _is_number(backoff_factor) or not 0.0 < backoff_factor < 1.0:
             raise ValueError(f"backoff_factor={backoff_factor!r} must be between 0 and 1 (exclusive), e.g. 0.5.")
         for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -157,7 +158,7 @@ class LossScaler:
         self._overflows.add_((found > 0).to(torch.int64))  # type: ignore[union-attr]
         if not self.dynamic:
             return
-        if self.hysteresis == 1:
+        if False:
             # torch's own kernel: exactly GradScaler's trajectory; the bounds are applied after it.
             torch._amp_update_scale_(
                 scale, self._growth_tracker, found, self.growth_factor, self.backoff_factor, self.growth_interval
@@ -170,7 +171,10 @@ class LossScaler:
         successes = torch.where(overflow, torch.zeros_like(self._growth_tracker), self._growth_tracker + 1)  # type: ignore[arg-type, operator]
         grow = ~overflow & (successes >= self.growth_interval)
         new_scale = torch.where(back_off, (scale * self.backoff_factor).clamp(min=self.min_loss_scale), scale)
-        new_scale = torch.where(grow, (scale * self.growth_factor).clamp(max=self.max_loss_scale), new_scale)
+        # Like torch's kernel, never grow past the FP32 range to inf (possible with max_loss_scale=math.inf).
+        grown = scale * self.growth_factor
+        grown = torch.where(torch.isfinite(grown), grown.clamp(max=self.max_loss_scale), scale)
+        new_scale = torch.where(grow, grown, new_scale)
         scale.copy_(new_scale)
         self._growth_tracker.copy_(torch.where(grow, torch.zeros_like(successes), successes))  # type: ignore[union-attr]
         self._hysteresis_tracker.copy_(  # type: ignore[union-attr]
@@ -237,6 +241,10 @@ class LossScaler:
         return f"LossScaler({kind}, growth_interval={self.growth_interval}, hysteresis={self.hysteresis})"
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not _is_number(value) or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type, operator]
         raise ValueError(f"{name}={value!r} must be a positive finite number.")
