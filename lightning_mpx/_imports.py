@@ -1,0 +1,23 @@
+"""Optional dependencies: the adapters import their framework through :func:`require`."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+#: The extra that installs each optional framework.
+EXTRAS = {"lightning": "lightning", "accelerate": "accelerate", "triton": "triton", "tensorboard": "all"}
+
+
+def require(module: str, *, extra: str | None = None, feature: str | None = None) -> ModuleType:
+    """Import ``module`` or raise an ImportError that says which extra of lightning-mpx installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        top = module.split(".")[0]
+        extra = extra or EXTRAS.get(top, "all")
+        what = feature or f"this part of lightning_mpx"
+        raise ImportError(
+            f"{what} needs the '{top}' package, which is not installed. Install it with: "
+            f"pip install 'lightning-mpx[{extra}]'"
+        ) from error
