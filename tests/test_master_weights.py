@@ -1,0 +1,65 @@
+"""Half-model conversion and FP32 master weights."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_mpx import MasterWeights, convert_module
+
+
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=str)
+def test_convert_keeps_identity_and_batchnorm(half):
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.SyncBatchNorm(4), nn.Linear(4, 2))
+    weight = model[0].weight
+    convert_module(model, half)
+    assert model[0].weight is weight and weight.dtype == half
+    for bn in (model[1], model[2]):
+        assert bn.weight.dtype == torch.float32 and bn.running_var.dtype == torch.float32
+    assert model[1].num_batches_tracked.dtype == torch.int64  # integer buffers untouched
+    out = model[1](torch.randn(2, 4, 5, 5, dtype=half))  # torch runs FP32 batch norm on half inputs
+    assert out.dtype == half
+
+
+def test_convert_without_keep_batchnorm():
+    model = convert_module(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), torch.float16, keep_batchnorm_fp32=False)
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+    assert model[1].running_mean.dtype == torch.float16
+
+
+def test_convert_refuses_modules_without_float_parameters():
+    with pytest.raises(ValueError, match=r"module=Embedding has no floating-point parameters|module=ReLU"):
+        convert_module(nn.ReLU(), torch.float16)
+
+
+def test_masters_are_exact_fp32_copies_and_attach_moves_optimizer_state():
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model[0].weight.grad = torch.ones(3, 3)
+    opt.step()  # creates momentum state for the FP32 weight, before conversion
+    convert_module(model, torch.float16)
+    masters = MasterWeights(model.named_parameters())
+    pairs = dict((id(p), m) for p, m in masters.half_pairs)
+    assert len(pairs) == 2  # linear weight and bias; batch norm is its own master
+    masters.attach(opt)
+    held = opt.param_groups[0]["params"]
+    assert held[0] is pairs[id(model[0].weight)] and held[2] is model[1].weight
+    assert opt.state[held[0]]["momentum_buffer"].dtype == torch.float32
+    assert masters.names == ["0.weight", "0.bias", "1.weight", "1.bias"]
+
+
+def test_copy_to_model_and_state_round_trip_bit_exact():
+    model = convert_module(nn.Linear(4, 4), torch.bfloat16)
+    masters = MasterWeights(model.named_parameters())
+    with torch.no_grad():
+        for _, m in masters.half_pairs:
+            m.add_(1e-3)  # a change too small to survive rounding through bfloat16 at some entries
+    state = masters.state_dict()
+    masters.copy_to_model()
+    for p, m in masters.half_pairs:
+        assert torch.equal(p, m.to(torch.bfloat16))
+    other = MasterWeights(convert_module(nn.Linear(4, 4), torch.bfloat16).named_parameters())
+    other.load_state_dict(state)
+    for (_, a), (_, b) in zip(masters.half_pairs, other.half_pairs):
+        assert torch.equal(a, b)
+    with pytest.raises(KeyError, match=r"missing \['bias'\]"):
+        other.load_state_dict({"weight": state["weight"]})
