@@ -158,7 +158,7 @@ class LossScaler:
         self._overflows.add_((found > 0).to(torch.int64))  # type: ignore[union-attr]
         if not self.dynamic:
             return
-        if False:
+        if self.hysteresis == 1:
             # torch's own kernel: exactly GradScaler's trajectory; the bounds are applied after it.
             torch._amp_update_scale_(
                 scale, self._growth_tracker, found, self.growth_factor, self.backoff_factor, self.growth_interval
@@ -231,9 +231,13 @@ class LossScaler:
             self._apply_state(state)
 
     def _apply_state(self, state: dict[str, Any]) -> None:
+        # A state saved with a longer growth_interval (or a larger hysteresis) can hold a tracker past this scaler's
+        # limit; torch's kernel grows only when the tracker *equals* the interval, so it would never grow again.
+        # With the same settings the trackers are always below the limits and this changes nothing.
         self._scale.fill_(state["scale"])  # type: ignore[union-attr]
-        self._growth_tracker.fill_(state["growth_tracker"])  # type: ignore[union-attr]
-        self._hysteresis_tracker.fill_(state["hysteresis_tracker"])  # type: ignore[union-attr]
+        growth_tracker = min(int(state["growth_tracker"]), self.growth_interval - 1)
+        self._growth_tracker.fill_(growth_tracker)  # type: ignore[union-attr]
+        self._hysteresis_tracker.fill_(min(int(state["hysteresis_tracker"]), self.hysteresis))  # type: ignore[union-attr]
         self._overflows.fill_(state["overflows"])  # type: ignore[union-attr]
 
     def __repr__(self) -> str:
