@@ -15,6 +15,7 @@ import torch
 
 from lightning_mpx.opt_levels import LossScale, _check_loss_scale
 
+_FP32_MAX = float(torch.finfo(torch.float32).max)
 OnFloor = Literal["raise", "warn", "continue"]
 ON_FLOOR_CHOICES: tuple[str, ...] = ("raise", "warn", "continue")
 
@@ -225,6 +226,12 @@ class LossScaler:
         missing = {"scale", "growth_tracker", "hysteresis_tracker", "overflows"} - set(state)
         if missing:
             raise KeyError(f"loss-scaler state is missing {sorted(missing)}; was it saved by LossScaler.state_dict()?")
+        if "dynamic" in state and bool(state["dynamic"]) != self.dynamic:
+            saved = "a dynamic" if state["dynamic"] else "a static"
+            raise ValueError(
+                f"the checkpoint holds {saved} loss scale but this scaler is "
+                f"{'dynamic' if self.dynamic else 'static'}; resume with the same loss_scale setting."
+            )
         if self._scale is None:
             self._pending_state = dict(state)
         else:
@@ -250,5 +257,5 @@ def _is_number(value: object) -> bool:
 
 
 def _positive(name: str, value: object) -> None:
-    if not _is_number(value) or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type, operator]
-        raise ValueError(f"{name}={value!r} must be a positive finite number.")
+    if not _is_number(value) or not math.isfinite(value) or value <= 0 or value > _FP32_MAX:  # type: ignore[arg-type, operator]
+        raise ValueError(f"{name}={value!r} must be a positive finite number that FP32 can hold.")

@@ -28,6 +28,7 @@ DESCRIPTIONS: dict[str, str] = {
     "(a speed baseline, not for accuracy).",
 }
 
+_FP32_MAX = float(torch.finfo(torch.float32).max)  # the scale lives in an FP32 tensor
 _OVERRIDABLE = ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32", "master_weights", "loss_scale")
 
 
@@ -133,7 +134,7 @@ def _check_loss_scale(loss_scale: object) -> None:
         return
     if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)):
         raise ValueError(f"loss_scale={loss_scale!r} is not valid; valid choices: 'dynamic' or a positive number.")
-    if not math.isfinite(loss_scale) or loss_scale <= 0:
+    if not math.isfinite(loss_scale) or loss_scale <= 0 or loss_scale > _FP32_MAX:
         raise ValueError(
             f"loss_scale={loss_scale!r} must be a positive finite number; valid choices: 'dynamic' or a positive "
             "number such as 1.0 or 128.0."

@@ -462,3 +462,14 @@ def test_min_above_max_names_both():
 def test_bad_on_floor_lists_the_choices():
     with pytest.raises(ValueError, match=r"on_floor='explode'.*raise, warn, continue"):
         LossScaler(on_floor="explode")  # type: ignore[arg-type]
+
+
+def test_static_checkpoint_does_not_load_into_a_dynamic_scaler():
+    static = LossScaler(128.0)
+    with pytest.raises(ValueError, match=r"checkpoint holds a static loss scale but this scaler is dynamic"):
+        LossScaler("dynamic").load_state_dict(static.state_dict())
+
+
+def test_init_scale_beyond_fp32_range_is_refused():
+    with pytest.raises(ValueError, match=r"init_scale=1e\+39 must be a positive finite number"):
+        LossScaler(init_scale=1e39, max_loss_scale=float("inf"))

@@ -118,3 +118,8 @@ def test_unknown_override_lists_valid_names():
 def test_non_bool_flags_are_refused():
     with pytest.raises(TypeError, match=r"master_weights='yes' must be True or False"):
         resolve_properties("O2", master_weights="yes")
+
+
+def test_loss_scale_beyond_fp32_range_is_refused():
+    with pytest.raises(ValueError, match=r"loss_scale=1e\+39 must be a positive finite number"):
+        resolve_properties("O1", loss_scale=1e39)
