@@ -8,7 +8,8 @@ function up in the table and casts the floating-point tensor arguments:
 * ``float``: half inputs become FP32;
 * ``promote`` and ``sequence``: when the floating inputs disagree, all become the widest of them;
 * ``banned``: :class:`BannedOpError`, or FP32 when the policy allows banned ops;
-* anything else runs with its inputs as given.
+* anything else runs with its inputs as given, and so does a call with an ``out=`` tensor: casting ``out`` would
+  write the result into a copy (as ``torch.autocast``, such calls are not cast).
 
 Torch dispatches a torch function written in Python (``F.softmax``, ``F.multi_head_attention_forward``...) to the
 mode as one call, and the ops it calls internally run with the mode set aside: such a function is cast as a whole,
@@ -70,17 +71,19 @@ class CastPolicy:
         self.allow_banned = allow_banned
         self.cache_casts = cache_casts
         self._actions: dict[Callable[..., Any], int] = {}
-        self._actions_of: tuple[int, int] = (-1, -1)
+        # The table and table version that _actions was memoised from. The table itself, not its id(): an id can be
+        # reused by a new table once the old one is freed.
+        self._actions_of: tuple[CastTable | None, int] = (None, -1)
         # (tensor, dtype, grad enabled) -> (tensor._version when cast, cast tensor)
         self._cache: dict[tuple[torch.Tensor, torch.dtype, bool], tuple[int, torch.Tensor]] = {}
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[CastPolicy]:
         """Apply the policy to torch calls on this thread until the block ends (also when it raises)."""
-        signature = (id(self.table), self.table._version)
-        if signature != self._actions_of:
+        table, version = self._actions_of
+        if table is not self.table or version != self.table._version:
             self._actions = {}
-            self._actions_of = signature
+            self._actions_of = (self.table, self.table._version)
         with _CastMode(self):
             yield self
 
@@ -115,7 +118,11 @@ class CastPolicy:
             return value.to(dtype)
         if isinstance(value, (list, tuple)) and value and not isinstance(value, torch.Size):
             cast_items = [self._cast(item, dtype, castable) for item in value]
-            return type(value)(cast_items) if isinstance(value, list) else tuple(cast_items)
+            if all(new is old for new, old in zip(cast_items, value)):
+                return value  # nothing to cast: keep the caller's container, whatever its type
+            if isinstance(value, list):
+                return cast_items
+            return type(value)(*cast_items) if hasattr(value, "_fields") else tuple(cast_items)  # namedtuple
         return value
 
     def _cast_all(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None, dtype: torch.dtype,
@@ -168,6 +175,9 @@ class _CastMode(TorchFunctionMode):
             action = policy._classify(func)
         if action == _PASS or self.disabled:
             return func(*args, **kwargs) if kwargs else func(*args)
+        if action != _BANNED and kwargs and kwargs.get("out") is not None:
+            # Casting the out= tensor would write the result into a copy that the caller never sees.
+            return func(*args, **kwargs)
         if action == _HALF:
             args, kwargs = policy._cast_all(args, kwargs, policy.half_dtype, (torch.float32,))
         elif action == _FLOAT:

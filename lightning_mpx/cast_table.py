@@ -95,8 +95,12 @@ class CastTable:
                 "would never see it being called. Register a torch function, a Tensor method or a torch.ops operator, "
                 "or decorate your own function with lightning_mpx.dispatchable."
             )
-        namespace = getattr(function, "__module__", None) or type(function).__module__
         name = getattr(function, "__name__", repr(function))
+        # Name it after the public namespace that holds it (``torch.Tensor.add``, not ``builtins.add``).
+        namespace = next(
+            (ns for ns, owner in _NAMESPACES.items() if getattr(owner, name, None) is function),
+            getattr(function, "__module__", None) or type(function).__module__,
+        )
         self._add(CastEntry(namespace, name, function, category))
 
     def register_function(self, module: ModuleType | type, name: str, category: str) -> None:

@@ -1,0 +1,373 @@
+"""The cast policy: the rules of each category, banned ops, gradients, the parameter cache, scopes and threads."""
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from lightning_mpx import BannedOpError, CastPolicy, CastTable, disable_casts, dispatchable
+
+f16, bf16, f32, f64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+HALF_DTYPES = [f16, bf16]
+
+
+def _dtype_id(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
+@dispatchable
+def _probe(*args, **kwargs):
+    """Returns its arguments as received: registered in a category, it shows exactly what the policy handed over."""
+    return args + tuple(kwargs.values())
+
+
+def _policy_with_probe(category, half_dtype=f16):
+    table = CastTable.default()
+    table.register(_probe, category)
+    return CastPolicy(table, half_dtype)
+
+
+class _Calls(TorchFunctionMode):
+    """Records the arguments ``target`` receives. Enter it before (so below) the policy's scope: the policy casts,
+    then calls the function again, which reaches this mode with the arguments the policy made."""
+
+    def __init__(self, target):
+        super().__init__()
+        self.target = target
+        self.args = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is self.target:
+            self.args.append(args)
+        return func(*args, **kwargs)
+
+
+# --- promote and sequence -----------------------------------------------------------------------------------------
+PROMOTIONS = [
+    # (input dtypes, dtype they all run in)
+    ((f16, f32), f32),
+    ((bf16, f32), f32),
+    ((f32, bf16), f32),
+    ((f16, bf16), f32),  # neither half type holds the other: FP32 holds both
+    ((f16, f64), f64),
+    ((f32, f64), f64),  # FP64 wins
+    ((f16, f32, f64), f64),
+]
+
+
+@pytest.mark.parametrize("category", ["promote", "sequence"])
+@pytest.mark.parametrize(
+    ("dtypes", "expected"),
+    [pytest.param(d, e, id="+".join(map(_dtype_id, d)) + "->" + _dtype_id(e)) for d, e in PROMOTIONS],
+)
+def test_mixed_inputs_run_in_the_widest_type(category, dtypes, expected):
+    tensors = [torch.randn(3).to(dtype) for dtype in dtypes]
+    with _policy_with_probe(category).scope():
+        received = _probe(*tensors) if category == "promote" else _probe(tensors)[0]
+    assert [t.dtype for t in received] == [expected] * len(dtypes)
+    for got, given in zip(received, tensors):
+        torch.testing.assert_close(got, given.to(expected), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [f16, bf16, f32, f64], ids=_dtype_id)
+def test_agreeing_inputs_are_untouched(dtype):
+    a, b = torch.randn(3).to(dtype), torch.randn(3).to(dtype)
+    with _policy_with_probe("promote").scope():
+        received = _probe(a, b, torch.arange(3))  # integer tensors take no part in promotion
+    assert received[0] is a and received[1] is b
+    assert received[2].dtype == torch.int64
+
+
+@pytest.mark.parametrize("half_dtype", HALF_DTYPES, ids=_dtype_id)
+def test_real_promote_and_sequence_ops(half_dtype):
+    h, f = torch.randn(2, 3).to(half_dtype), torch.randn(2, 3)
+    assert (h + f).dtype == f32 and (h * f).dtype == f32  # torch's own promotion agrees
+    with CastPolicy(half_dtype=half_dtype).scope():
+        assert (h + f).dtype == f32
+        assert torch.where(h > 0, h, f).dtype == f32
+        assert torch.cat([h, f]).dtype == f32
+        assert torch.stack((f, h)).dtype == f32
+        assert torch.cat([h, h]).dtype == half_dtype
+        assert (h - h.double()).dtype == f64
+    # An op that torch itself refuses for mixed dtypes runs under the policy, in FP32 for float16 with bfloat16.
+    a, b = torch.randn(4, 3, dtype=f16), torch.randn(4, 3, dtype=bf16)
+    with pytest.raises(RuntimeError):
+        torch.cross(a, b, dim=1)
+    with CastPolicy().scope():
+        assert torch.cross(a, b, dim=1).dtype == f32
+
+
+def test_in_place_ops_are_not_promoted():
+    # In-place ops are not in the table on purpose: promoting would cast ``self`` to FP32, which makes a copy, and
+    # the update would land in that copy while the caller's tensor stayed as it was.
+    h, f = torch.zeros(3, dtype=f16), torch.ones(3)
+    with CastPolicy().scope():
+        out = h.add_(f)
+        h += f
+        h.mul_(f)
+    assert out is h and h.dtype == f16
+    torch.testing.assert_close(h, torch.full((3,), 2.0, dtype=f16))
+
+
+def test_zero_dim_tensors():
+    h = torch.randn(3, dtype=f16)
+    scale = torch.tensor(2.0)
+    # Torch's own rule lets a 0-dim tensor adopt the dtype of the dimensioned one; the policy, like Apex, counts
+    # every floating tensor, so a 0-dim FP32 tensor makes the op run in FP32.
+    assert (h * scale).dtype == f16
+    with CastPolicy().scope():
+        assert (h * scale).dtype == f32
+        assert torch.add(torch.tensor(1.0, dtype=f16), torch.tensor(1.0, dtype=bf16)).dtype == f32
+        assert torch.add(torch.tensor(1.0, dtype=f16), torch.tensor(1.0, dtype=f16)).dtype == f16
+        # Python numbers are not tensors and take no part.
+        assert (h * 2.0).dtype == f16 and torch.add(h, 1).dtype == f16
+        # A 0-dim FP32 input of a half op is cast like any other.
+        assert torch.addmv(torch.tensor(1.0), torch.randn(2, 3), torch.randn(3)).dtype == f16
+
+
+# --- half and float ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("half_dtype", HALF_DTYPES, ids=_dtype_id)
+def test_half_casts_fp32_only(half_dtype):
+    f, d, h, i = torch.randn(2), torch.randn(2, dtype=f64), torch.randn(2, dtype=f16), torch.arange(2)
+    with _policy_with_probe("half", half_dtype).scope():
+        received = _probe(f, d, h, i, [f, 3.0], weight=f)
+    assert [t.dtype for t in received[:4]] == [half_dtype, f64, f16, torch.int64]  # FP64 left alone, as autocast
+    assert received[1] is d and received[2] is h and received[3] is i
+    assert received[4][0].dtype == half_dtype and received[4][1] == 3.0
+    assert received[5].dtype == half_dtype  # keyword arguments too
+
+
+def test_float_casts_half_only():
+    h, b, d, f = torch.randn(2, dtype=f16), torch.randn(2, dtype=bf16), torch.randn(2, dtype=f64), torch.randn(2)
+    with _policy_with_probe("float").scope():
+        received = _probe(h, b, d, f, weight=h)
+    assert [t.dtype for t in received] == [f32, f32, f64, f32, f32]
+    assert received[2] is d and received[3] is f
+
+
+def test_containers_keep_their_type():
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "first second")
+    h = torch.randn(2, dtype=f16)
+    pair, untouched = Pair(h, 1), (torch.arange(2), "x")
+    with _policy_with_probe("float").scope():
+        got_pair, got_untouched = _probe(pair, untouched)
+    assert type(got_pair) is Pair and got_pair.first.dtype == f32 and got_pair.second == 1
+    assert got_untouched is untouched
+
+
+def test_out_argument_is_written_and_not_cast():
+    a, b = torch.randn(2, 3), torch.randn(3, 4)
+    out = torch.empty(2, 4)
+    with CastPolicy().scope():
+        result = torch.mm(a, b, out=out)
+        summed = torch.sum(torch.randn(3, dtype=f16), dim=0, out=torch.empty((), dtype=f16))
+    assert result is out and out.dtype == f32
+    torch.testing.assert_close(out, a @ b)
+    assert summed.dtype == f16
+
+
+def test_ops_not_in_the_table_run_as_given():
+    with CastPolicy().scope():
+        for dtype in (f16, bf16, f32, f64):
+            x = torch.randn(3, 4).to(dtype)
+            assert torch.relu(x).dtype == dtype and F.relu(x).dtype == dtype and x.sigmoid().dtype == dtype
+        # A Python-level function that is not listed runs as one call: its inner matmul is not cast.
+        assert F.silu(torch.randn(3)).dtype == f32
+
+
+def test_outside_a_scope_nothing_is_cast():
+    policy = CastPolicy()
+    with policy.scope():
+        assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype == f16
+    assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype == f32
+
+
+def test_bad_half_dtype_names_argument_and_choices():
+    with pytest.raises(ValueError, match=r"half_dtype=torch\.float32.*bfloat16"):
+        CastPolicy(half_dtype=f32)
+
+
+# --- banned ops -------------------------------------------------------------------------------------------------
+def test_binary_cross_entropy_is_banned_with_advice():
+    p, y = torch.rand(4, dtype=f16), torch.rand(4, dtype=f16)
+    with CastPolicy().scope():
+        with pytest.raises(BannedOpError, match="binary_cross_entropy_with_logits"):
+            F.binary_cross_entropy(p, y)
+        with pytest.raises(BannedOpError, match="BCEWithLogitsLoss"):
+            torch.nn.BCELoss()(p.float(), y.float())  # banned whatever the dtype: the module calls the function
+        # The safe alternative runs, in FP32.
+        assert F.binary_cross_entropy_with_logits(p, y).dtype == f32
+    assert issubclass(BannedOpError, RuntimeError)
+
+
+@pytest.mark.parametrize("half_dtype", HALF_DTYPES, ids=_dtype_id)
+def test_allow_banned_runs_in_fp32(half_dtype):
+    p, y = torch.rand(4) * 0.8 + 0.1, torch.rand(4)
+    with CastPolicy(half_dtype=half_dtype, allow_banned=True).scope():
+        loss = F.binary_cross_entropy(p.to(half_dtype), y.to(half_dtype))
+    assert loss.dtype == f32
+    torch.testing.assert_close(loss, F.binary_cross_entropy(p.to(half_dtype).float(), y.to(half_dtype).float()))
+
+
+def test_a_registered_ban_has_a_generic_message():
+    table = CastTable.default()
+    table.register(torch.erfinv, "banned")
+    with CastPolicy(table).scope(), pytest.raises(BannedOpError, match="erfinv is banned.*allow_banned=True"):
+        torch.erfinv(torch.rand(2))
+
+
+# --- gradients --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("half_dtype", HALF_DTYPES, ids=_dtype_id)
+def test_gradients_reach_fp32_parameters(half_dtype):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    x, target = torch.randn(5, 8), torch.randint(0, 4, (5,))
+
+    F.cross_entropy(model(x), target).backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    with CastPolicy(half_dtype=half_dtype).scope():
+        logits = model(x)
+        loss = F.cross_entropy(logits, target)
+    assert logits.dtype == half_dtype and loss.dtype == f32
+    loss.backward()
+    for p, want in zip(model.parameters(), reference):
+        assert p.dtype == f32 and p.grad.dtype == f32
+        torch.testing.assert_close(p.grad, want, rtol=5e-2, atol=2e-2)
+
+
+# --- the parameter cache ----------------------------------------------------------------------------------------
+def _linear_weights(policy, w, b, x, calls=2):
+    """The weight tensors that F.linear received in ``calls`` calls under ``policy``."""
+    with _Calls(F.linear) as seen, policy.scope():
+        for _ in range(calls):
+            F.linear(x, w, b)
+    return [args[1] for args in seen.args]
+
+
+def test_a_parameter_is_cast_once_per_iteration():
+    w, b, x = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(4)), torch.randn(2, 3)
+    policy = CastPolicy()
+    first, second = _linear_weights(policy, w, b, x)
+    assert first.dtype == f16 and first is second
+    assert policy.cache_size == 2  # w and b; the input is not a parameter
+    # Later scopes of the same iteration reuse it too.
+    assert _linear_weights(policy, w, b, x, calls=1)[0] is first
+
+    policy.clear_cache()
+    assert policy.cache_size == 0
+    again = _linear_weights(policy, w, b, x, calls=1)[0]
+    assert again is not first
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+
+
+def test_an_in_place_update_is_cast_again():
+    w, b, x = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(4)), torch.randn(2, 3)
+    policy = CastPolicy()
+    before = _linear_weights(policy, w, b, x, calls=1)[0]
+    with torch.no_grad():
+        w.add_(1)  # an optimizer step, without clear_cache()
+    after = _linear_weights(policy, w, b, x, calls=1)[0]
+    assert after is not before
+    torch.testing.assert_close(after, w.detach().half(), rtol=0, atol=0)
+
+
+def test_grad_and_no_grad_casts_are_not_shared():
+    w, b, x = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(4)), torch.randn(2, 3)
+    policy = CastPolicy()
+    with torch.no_grad():
+        no_grad = _linear_weights(policy, w, b, x, calls=1)[0]
+    with_grad = _linear_weights(policy, w, b, x, calls=1)[0]
+    assert no_grad is not with_grad
+    assert not no_grad.requires_grad and with_grad.requires_grad and with_grad.grad_fn is not None
+    with torch.no_grad():
+        assert _linear_weights(policy, w, b, x, calls=1)[0] is no_grad
+
+
+def test_cache_can_be_turned_off():
+    w, b, x = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(4)), torch.randn(2, 3)
+    policy = CastPolicy(cache_casts=False)
+    first, second = _linear_weights(policy, w, b, x)
+    assert first is not second and policy.cache_size == 0
+
+
+# --- disable_casts and scope state -----------------------------------------------------------------------------
+def _mm_dtype():
+    return torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype
+
+
+def test_disable_casts_inside_a_scope():
+    with CastPolicy().scope():
+        with disable_casts():
+            assert _mm_dtype() == f32
+            assert (torch.randn(2, dtype=f16) + torch.randn(2)).dtype == f32  # torch's own promotion
+            with disable_casts():
+                assert _mm_dtype() == f32
+            assert _mm_dtype() == f32
+        assert _mm_dtype() == f16
+
+
+def test_disable_casts_restores_state_when_the_block_raises():
+    with CastPolicy().scope():
+        with pytest.raises(KeyError), disable_casts():
+            raise KeyError("boom")
+        assert _mm_dtype() == f16
+
+
+def test_disable_casts_outside_a_scope_is_harmless():
+    with disable_casts():
+        assert _mm_dtype() == f32
+    with CastPolicy().scope():
+        assert _mm_dtype() == f16
+
+
+def test_scope_is_left_when_the_body_raises():
+    policy = CastPolicy()
+    with pytest.raises(ZeroDivisionError), policy.scope():
+        assert _mm_dtype() == f16
+        1 / 0  # noqa: B018
+    assert _mm_dtype() == f32
+    with policy.scope():  # and the policy still works afterwards
+        assert _mm_dtype() == f16
+
+
+def test_nested_scopes():
+    outer, inner = CastPolicy(half_dtype=f16), CastPolicy(half_dtype=bf16)
+    with outer.scope() as entered:
+        assert entered is outer
+        with inner.scope():
+            assert _mm_dtype() == bf16  # the innermost policy casts first; bf16 inputs are no FP32 for the outer
+            with outer.scope():
+                assert _mm_dtype() == f16
+            assert _mm_dtype() == bf16
+        assert _mm_dtype() == f16
+    assert _mm_dtype() == f32
+
+
+# --- threads ----------------------------------------------------------------------------------------------------
+def test_a_scope_does_not_reach_other_threads():
+    # Torch function modes are thread-local: a scope on one thread leaves the others alone.
+    entered, checked = threading.Event(), threading.Event()
+    seen = {}
+
+    def worker():
+        with CastPolicy().scope():
+            seen["worker"] = _mm_dtype()
+            entered.set()
+            checked.wait(timeout=30)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    try:
+        assert entered.wait(timeout=30)
+        seen["main"] = _mm_dtype()
+    finally:
+        checked.set()
+        thread.join(timeout=30)
+    assert seen == {"worker": f16, "main": f32}
