@@ -74,8 +74,8 @@ class CastPolicy:
         # The table and table version that _actions was memoised from. The table itself, not its id(): an id can be
         # reused by a new table once the old one is freed.
         self._actions_of: tuple[CastTable | None, int] = (None, -1)
-        # (tensor, dtype, grad enabled) -> (tensor._version when cast, cast tensor)
-        self._cache: dict[tuple[torch.Tensor, torch.dtype, bool], tuple[int, torch.Tensor]] = {}
+        # (id(tensor), dtype, grad enabled) -> (tensor._version when cast, cast tensor, tensor)
+        self._cache: dict[tuple[int, torch.dtype, bool], tuple[int, torch.Tensor, torch.Tensor]] = {}
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[CastPolicy]:
@@ -104,19 +104,23 @@ class CastPolicy:
 
     def _cast(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
         if isinstance(value, torch.Tensor):
-            if value.dtype not in castable or value.dtype == dtype:
+            if value.dtype not in castable or value.dtype is dtype:
                 return value
-            if self.cache_casts and value.is_leaf and value.requires_grad:
-                key = (value, dtype, torch.is_grad_enabled())
+            if value.requires_grad and value.is_leaf and self.cache_casts:
+                # Keyed by id() (Tensor.__hash__ is a Python call); the entry keeps the tensor alive, so the id
+                # cannot be reused while the entry exists.
+                key = (id(value), dtype, torch.is_grad_enabled())
                 hit = self._cache.get(key)
                 version = value._version
                 if hit is not None and hit[0] == version:
                     return hit[1]
                 cast = value.to(dtype)
-                self._cache[key] = (version, cast)
+                self._cache[key] = (version, cast, value)
                 return cast
             return value.to(dtype)
-        if isinstance(value, (list, tuple)) and value and not isinstance(value, torch.Size):
+        if type(value) is list or (isinstance(value, tuple) and not isinstance(value, torch.Size)):
+            if not value:
+                return value
             cast_items = [self._cast(item, dtype, castable) for item in value]
             if all(new is old for new, old in zip(cast_items, value)):
                 return value  # nothing to cast: keep the caller's container, whatever its type
@@ -127,9 +131,10 @@ class CastPolicy:
 
     def _cast_all(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None, dtype: torch.dtype,
                   castable: tuple[torch.dtype, ...]) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
-        args = tuple(self._cast(a, dtype, castable) for a in args)
+        cast = self._cast
+        args = tuple([cast(a, dtype, castable) for a in args])
         if kwargs:
-            kwargs = {k: self._cast(v, dtype, castable) for k, v in kwargs.items()}
+            kwargs = {k: cast(v, dtype, castable) for k, v in kwargs.items()}
         return args, kwargs
 
 
