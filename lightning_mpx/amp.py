@@ -449,8 +449,7 @@ class Amp:
     def _rescale_pending(self, state: _OptimizerState, new_loss_id: int) -> None:
         old_id = state.loss_id or 0
         old, new = self.scalers[old_id], self.scalers[new_loss_id]
-        grads = [self._model_param(p).grad for p in _params(state.optimizer)]
-        grads = [g for g in grads if g is not None]
+        grads = [g for p in _params(state.optimizer) if (g := self._model_param(p).grad) is not None]
         if grads:
             new.to(grads[0].device)
             ratio = (new.scale_tensor.double() / old.scale_tensor.double()).float()

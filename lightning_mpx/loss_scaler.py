@@ -161,6 +161,7 @@ class LossScaler:
             return
         if self.hysteresis == 1:
             # torch's own kernel: exactly GradScaler's trajectory; the bounds are applied after it.
+            assert self._growth_tracker is not None
             torch._amp_update_scale_(
                 scale, self._growth_tracker, found, self.growth_factor, self.backoff_factor, self.growth_interval
             )

@@ -324,3 +324,36 @@ def test_bad_input_messages():
         Amp("O2").prepare_model(nn.ReLU())
     with pytest.raises(RuntimeError, match=r"prepare_model\(\) must run before prepare_optimizer\(\)"):
         Amp("O2").prepare_optimizer(torch.optim.SGD(_net().parameters(), lr=1.0))
+
+
+def test_update_clears_the_cast_cache_at_the_iteration_boundary():
+    amp, model, opt = _setup("O1")
+    x, y = _batch()
+    with amp.forward_context():
+        loss = F.cross_entropy(model(x), y)
+    assert amp.policy.cache_size > 0  # the half copies of the weights are cached during the iteration
+    amp.backward(loss)
+    amp.step(opt)
+    amp.update()
+    assert amp.policy.cache_size == 0
+
+
+def test_overflow_messages_are_rate_limited_and_name_parameters(caplog):
+    amp, model, opt = _setup("O1", overflow_log_interval=3600.0)
+    caplog.set_level("INFO", logger="lightning_mpx")
+    for _ in range(3):
+        x, y = _batch()
+        amp.backward(F.cross_entropy(model(x), y))
+        _inject_inf(model)
+        assert not amp.step(opt)
+        amp.update()
+        opt.zero_grad()
+    messages = [r.getMessage() for r in caplog.records if r.name == "lightning_mpx"]
+    assert len(messages) == 1 and "0.weight" in messages[0] and "skipped" in messages[0]
+    assert amp.skipped_steps == [3]
+    amp.log_overflows = False  # what adapters set on ranks other than zero
+    amp.overflow_log_interval = 0.0
+    amp.backward(F.cross_entropy(model(_batch()[0]), _batch()[1]))
+    _inject_inf(model)
+    amp.step(opt)
+    assert len([r for r in caplog.records if r.name == "lightning_mpx"]) == 1
