@@ -7,7 +7,8 @@ and writes JSON (default ``benchmarks/results/cast_overhead.json``).
     python benchmarks/cast_overhead.py [--steps 200] [--repeats 5] [--out PATH]
 
 "added us/op" is the O1 time minus the autocast time, divided by the number of torch calls that the policy
-intercepts in one forward pass.
+intercepts in one forward pass. "hybrid floor" is autocast plus a do-nothing TorchFunctionMode: the least that a
+design combining autocast with a mode for the table's differences could cost.
 """
 
 from __future__ import annotations
@@ -66,6 +67,19 @@ class TinyLM(nn.Module):
         return nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
+class _PassThrough(TorchFunctionMode):
+    """A mode that only dispatches: what any TorchFunctionMode costs before it does any work."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **kwargs) if kwargs else func(*args)
+
+
+@contextlib.contextmanager
+def _autocast_and_mode(dtype: torch.dtype) -> Any:
+    with torch.autocast("cpu", dtype=dtype), _PassThrough():
+        yield
+
+
 class _Counter(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
@@ -112,6 +126,9 @@ def main() -> None:
         variants: dict[str, tuple[Callable[[], ContextManager[Any]], Callable[[], None]]] = {
             "fp32": (contextlib.nullcontext, lambda: None),
             "autocast": (lambda: torch.autocast("cpu", dtype=dtype), lambda: None),
+            # The floor of a hybrid design (autocast casting, a mode for the table's differences): autocast plus a
+            # mode that dispatches and does nothing else.
+            "hybrid_floor": (lambda: _autocast_and_mode(dtype), lambda: None),
             "O1": (policy.scope, policy.clear_cache),
         }
         samples: dict[str, list[float]] = {name: [] for name in variants}
@@ -127,20 +144,25 @@ def main() -> None:
                 "fp32_us": med["fp32"],
                 "autocast_us": med["autocast"],
                 "o1_us": med["O1"],
+                "hybrid_floor_us": med["hybrid_floor"],
+                "hybrid_floor_over_autocast": med["hybrid_floor"] / med["autocast"],
                 "o1_over_autocast": med["O1"] / med["autocast"],
                 "intercepted_calls_per_forward": counter.calls,
                 "added_us_per_intercepted_call": (med["O1"] - med["autocast"]) / counter.calls,
             }
         )
 
-    header = f"{'dtype':<9} {'fp32 us':>9} {'autocast us':>12} {'O1 us':>9} {'O1/autocast':>12} {'calls':>6} {'added us/call':>14}"
+    header = (
+        f"{'dtype':<9} {'fp32 us':>9} {'autocast us':>12} {'O1 us':>9} {'O1/autocast':>12} {'calls':>6} "
+        f"{'added us/call':>14} {'hybrid floor':>13}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
         print(
             f"{r['dtype']:<9} {r['fp32_us']:>9.0f} {r['autocast_us']:>12.0f} {r['o1_us']:>9.0f} "
             f"{r['o1_over_autocast']:>11.2f}x {r['intercepted_calls_per_forward']:>6} "
-            f"{r['added_us_per_intercepted_call']:>14.2f}"
+            f"{r['added_us_per_intercepted_call']:>14.2f} {r['hybrid_floor_over_autocast']:>12.2f}x"
         )
     result = {
         "benchmark": "cast_overhead",
