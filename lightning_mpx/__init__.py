@@ -15,6 +15,16 @@ from lightning_mpx.unscale import unscale_grads_
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    # The Lightning plugin is imported on first use, so that ``import lightning_mpx`` needs torch alone.
+    if name == "MixedPrecisionPlugin":
+        from lightning_mpx.lightning import MixedPrecisionPlugin
+
+        return MixedPrecisionPlugin
+    raise AttributeError(f"module 'lightning_mpx' has no attribute {name!r}")
+
+
 __all__ = [
     "Amp",
     "BannedOpError",
@@ -27,6 +37,7 @@ __all__ = [
     "LossScaleFloorError",
     "LossScaler",
     "MasterWeights",
+    "MixedPrecisionPlugin",
     "OPT_LEVELS",
     "Properties",
     "__version__",

@@ -258,6 +258,10 @@ class Amp:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last step().")
         self._unscale(state)
 
+    def is_unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s gradients have been unscaled since its last :meth:`step`."""
+        return self._state(optimizer).stage is _Stage.UNSCALED
+
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Clip ``optimizer``'s unscaled gradients to a global L2 norm; returns the norm before clipping.
 

@@ -106,6 +106,19 @@ class MasterWeights:
                         for k, v in state.items()
                     }
 
+    def sync_from_model(self) -> None:
+        """Re-take the masters from the model parameters, on the model's current device.
+
+        For frameworks that move the model to its device, or broadcast rank zero's weights to every process, after
+        the masters were made: the masters then follow the model the optimizer will train. Identity is kept (the
+        optimizer's references stay valid).
+        """
+        with torch.no_grad():
+            for param, master in self.half_pairs:
+                if master.device != param.device:
+                    master.data = master.data.to(param.device)
+                master.copy_(param)
+
     def copy_to_model(self) -> None:
         """Write the masters into the half model parameters (after a real optimizer step)."""
         pairs = self.half_pairs

@@ -63,3 +63,17 @@ def test_copy_to_model_and_state_round_trip_bit_exact():
         assert torch.equal(a, b)
     with pytest.raises(KeyError, match=r"missing \['bias'\]"):
         other.load_state_dict({"weight": state["weight"]})
+
+
+def test_sync_from_model_keeps_master_identity_and_takes_the_model_values():
+    model = nn.Linear(4, 3)
+    convert_module(model, torch.float16)
+    masters = MasterWeights(model.named_parameters())
+    before = [m for _, m in masters.half_pairs]
+    with torch.no_grad():
+        model.weight.fill_(0.25)  # e.g. a broadcast from rank zero after the masters were made
+    masters.sync_from_model()
+    after = [m for _, m in masters.half_pairs]
+    assert all(a is b for a, b in zip(before, after))
+    assert masters.master_of(model.weight).dtype == torch.float32
+    assert torch.equal(masters.master_of(model.weight), torch.full((3, 4), 0.25))

@@ -1,0 +1,411 @@
+"""The Lightning plugin: ``Trainer(plugins=[MixedPrecisionPlugin("O1")])``.
+
+A :class:`lightning.pytorch.plugins.Precision` that hands every precision decision to the core engine
+(:class:`~lightning_mpx.amp.Amp`). What it adds is the glue to Lightning's training loop:
+
+* the O1 cast policy is active in training, validation, test and predict steps; at O2/O3 the model is converted
+  before the strategy wraps it, and its inputs and outputs are cast at the model's boundary (Apex's behaviour:
+  the model sees half inputs, the loss sees FP32 outputs);
+* backward scales the loss (``self.manual_backward(loss, loss_id=1)`` picks a loss's own scaler);
+* the optimizer step unscales once, clips the unscaled gradients, skips on overflow (also the learning-rate
+  scheduler's step), and the scale is updated once per iteration;
+* ``mpx/*`` metrics reach the Trainer's loggers at its logging cadence, and the plugin's state goes into checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Generator, Iterator
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_mpx._imports import require
+from lightning_mpx.amp import Amp
+from lightning_mpx.cast_policy import disable_casts
+from lightning_mpx.cast_table import CastTable
+from lightning_mpx.loss_scaler import OnFloor
+
+_pl = require("lightning.pytorch", extra="lightning", feature="lightning_mpx.MixedPrecisionPlugin")
+
+from lightning.pytorch.plugins.precision import Precision  # noqa: E402
+from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
+from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
+from lightning.pytorch.utilities.types import LRSchedulerConfig  # noqa: E402
+
+__all__ = ["MixedPrecisionPlugin"]
+
+#: Strategies whose model is one ordinary module per process, the kind this plugin converts and steps.
+_SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
+
+
+class MixedPrecisionPlugin(Precision):
+    """Apex-style mixed precision for the Lightning Trainer.
+
+    Args:
+        opt_level: ``"O0"`` (FP32), ``"O1"`` (cast-table policy), ``"O2"`` (half model, FP32 master weights, batch
+            norm FP32) or ``"O3"`` (pure half).
+        half_dtype: ``"float16"`` or ``"bfloat16"``.
+        num_losses: Number of losses with their own loss scaler; choose one in manual optimization with
+            ``self.manual_backward(loss, loss_id=i)``.
+        cast_table: Your own :class:`~lightning_mpx.cast_table.CastTable` for O1 (a copy of the default, extended).
+        allow_banned: Run banned ops in FP32 instead of raising.
+        unscale_backend: ``"auto"``, ``"foreach"`` or ``"reference"``.
+        init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_loss_scale, max_loss_scale,
+            on_floor, overflow_log_interval: Loss-scaler settings (see :class:`~lightning_mpx.amp.Amp`).
+        **overrides: Opt-level property overrides (``keep_batchnorm_fp32``, ``loss_scale``, ``master_weights``,
+            ``cast_model_type``, ``patch_torch_functions``), validated as in
+            :func:`~lightning_mpx.opt_levels.resolve_properties`.
+
+    Example::
+
+        trainer = Trainer(plugins=[MixedPrecisionPlugin("O2", keep_batchnorm_fp32=True)], gradient_clip_val=1.0)
+    """
+
+    def __init__(
+        self,
+        opt_level: str = "O1",
+        *,
+        half_dtype: str | torch.dtype = "float16",
+        num_losses: int = 1,
+        cast_table: CastTable | None = None,
+        allow_banned: bool = False,
+        unscale_backend: str = "auto",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 1,
+        min_loss_scale: float = 1.0,
+        max_loss_scale: float = 2.0**24,
+        on_floor: OnFloor = "raise",
+        overflow_log_interval: float = 10.0,
+        **overrides: Any,
+    ) -> None:
+        self._settings: dict[str, Any] = dict(
+            half_dtype=half_dtype,
+            num_losses=num_losses,
+            cast_table=cast_table,
+            allow_banned=allow_banned,
+            unscale_backend=unscale_backend,
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            min_loss_scale=min_loss_scale,
+            max_loss_scale=max_loss_scale,
+            on_floor=on_floor,
+            overflow_log_interval=overflow_log_interval,
+            **overrides,
+        )
+        self._opt_level = opt_level
+        # Built now so that bad arguments fail at Trainer construction, not mid-setup.
+        self.amp = Amp(opt_level, **self._settings)
+        # Lightning reads ``precision`` to describe the run (e.g. in its summary and in ``trainer.precision``).
+        self.precision = f"mpx-{self.amp.opt_level}-{str(self.amp.half_dtype).removeprefix('torch.')}"
+        self._module: nn.Module | None = None
+        self._hooks: list[Any] = []
+        self._masters_synced = False
+        self._skipped: dict[int, bool] = {}
+        self._update_pending = False
+        self._toggle_state: dict[Any, bool] | None = None
+        self._saved_requires_grad: list[tuple[torch.Tensor, bool]] | None = None
+        self._log_step: int | None = None  # the step to log the mpx metrics at, once the scale is updated
+
+    # -- model ---------------------------------------------------------------------------------------------------
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Convert the LightningModule for the opt level before the strategy wraps it (O2/O3: half, batch norm FP32
+        when asked, FP32 masters; input and output casts at the model's boundary)."""
+        if module is not self._module:
+            if self._module is not None:  # a different model: a fresh engine with the same settings
+                self.amp = Amp(self._opt_level, **self._settings)
+                self._masters_synced = False
+            self.amp.prepare_model(module)
+            self._module = module
+        self._remove_hooks()
+        if self.amp.properties.casts_model:
+            self._add_boundary_casts(module)
+        return module
+
+    def connect(
+        self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
+        """Register the optimizers with the engine (O2: masters in place of the half parameters), make per-step
+        learning-rate schedulers skip with their optimizer, and set up cross-process overflow agreement."""
+        trainer = _trainer_of(model)
+        strategy = type(trainer.strategy).__name__ if trainer is not None else None
+        if trainer is not None and not any(
+            cls.__name__ in _SUPPORTED_STRATEGIES for cls in type(trainer.strategy).__mro__
+        ):
+            raise ValueError(
+                f"strategy={strategy} is not supported by MixedPrecisionPlugin; supported: single-device and DDP "
+                "strategies (e.g. strategy='ddp'). Sharded strategies bring their own precision plugin."
+            )
+        if not self._masters_synced:
+            # The model was moved to its device (and, under DDP, given rank zero's weights) after convert_module
+            # made the masters: take them again from the weights that will actually be trained.
+            for masters in self.amp.master_weights:
+                masters.sync_from_model()
+            self._masters_synced = True
+        for optimizer in optimizers:
+            self.amp.prepare_optimizer(_unwrap(optimizer))
+        if trainer is not None:
+            self.amp.log_overflows = trainer.is_global_zero
+            if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+                self.amp.found_inf_reducer = _all_reduce_max
+        automatic = trainer is None or trainer.lightning_module.automatic_optimization
+        schedulers = [
+            dataclasses.replace(config, scheduler=_SkipAwareScheduler(config.scheduler, self._was_skipped))
+            if automatic and isinstance(config, LRSchedulerConfig) and config.interval == "step"
+            else config
+            for config in lr_schedulers
+        ]
+        return model, optimizers, schedulers
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """The O1 cast policy (nothing at the other levels)."""
+        with self.amp.forward_context():
+            yield
+
+    @contextlib.contextmanager
+    def train_step_context(self) -> Generator[None, None, None]:
+        # A new training step starts: the previous iteration is over, so its scale update is due now.
+        self._end_iteration()
+        with self.forward_context():
+            yield
+
+    # -- backward ------------------------------------------------------------------------------------------------
+    def backward(  # type: ignore[override]
+        self,
+        tensor: torch.Tensor,
+        model: Any,
+        optimizer: Any,
+        *args: Any,
+        loss_id: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        """Backward on the loss times the scale of ``loss_id`` (``self.manual_backward(loss, loss_id=1)``)."""
+        with disable_casts():  # a manual backward runs inside the training step's cast scope
+            model.backward(self.amp.scale_loss(tensor, loss_id), *args, **kwargs)
+
+    # -- optimizer step ------------------------------------------------------------------------------------------
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Any,
+        model: Any,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        """Run the closure, unscale once, call the hooks and clip, then step unless the gradients overflowed."""
+        optimizer = _unwrap(optimizer)
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError(
+                "optimizer=LBFGS re-evaluates the loss through its closure several times per step, which loss "
+                "scaling and step skipping cannot support; use a first-order optimizer or Trainer precision '32'."
+            )
+        closure_result = closure()
+        automatic = model.automatic_optimization
+        skip_backward = closure_result is None and automatic  # training_step returned None: nothing to step
+        with disable_casts():
+            if not skip_backward and not self.amp.is_unscaled(optimizer) and _hooks_read_gradients(model):
+                # Hooks must see true gradients. Without such hooks the unscale is left to the clip (one fused pass)
+                # or to the step.
+                self.amp.unscale_(optimizer)
+                self._show_unscaled_on_model(optimizer)
+            self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then gradient clipping
+            if skip_backward:
+                return closure_result
+            stepped = self.amp.step(optimizer, **kwargs)
+        self._skipped[id(optimizer)] = not stepped
+        self._update_pending = True
+        trainer = model.trainer
+        if self._log_step is None and trainer.loggers and trainer._logger_connector.should_update_logs:
+            self._log_step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        if automatic:  # one optimizer per iteration: the iteration ends with its step
+            self._end_iteration()
+        return closure_result
+
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        """Clip the unscaled gradients; by norm, unscaling, the overflow check and the clip share one pass.
+
+        Unlike Lightning's own AMP plugin this works with fused optimizers (``AdamW(fused=True)``): the plugin, not
+        the optimizer, unscales.
+        """
+        if clip_val <= 0:
+            return
+        optimizer = _unwrap(optimizer)
+        with disable_casts():
+            if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+                self.amp.clip_grad_value_(optimizer, float(clip_val))
+            else:
+                self.amp.clip_grad_norm_(optimizer, float(clip_val))
+
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        """Unscale ``optimizer``'s gradients now (once per step)."""
+        optimizer = _unwrap(optimizer)
+        if not self.amp.is_unscaled(optimizer):
+            self.amp.unscale_(optimizer)
+
+    def main_params(self, optimizer: Optimizer) -> Iterator[torch.Tensor]:  # type: ignore[override]
+        """The parameters the optimizer updates (the FP32 masters at O2)."""
+        for group in _unwrap(optimizer).param_groups:
+            yield from group["params"]
+
+    def step_was_skipped(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer``'s most recent step was skipped because its gradients overflowed."""
+        return self._skipped.get(id(_unwrap(optimizer)), False)
+
+    # -- metrics, checkpoints, teardown --------------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        """The current ``mpx/*`` metrics as Python numbers (this reads device values: it syncs)."""
+        self._end_iteration(log=False)
+        return {k: float(v) for k, v in self.amp.metrics().items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Loss scalers, FP32 master weights and counters, saved in Lightning checkpoints."""
+        self._end_iteration()  # a pending scale update belongs to the iteration that was just checkpointed
+        return self.amp.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.amp.load_state_dict(state_dict)
+
+    def teardown(self) -> None:
+        self._end_iteration()
+        for param, requires_grad in self._saved_requires_grad or []:
+            param.requires_grad_(requires_grad)
+        self._saved_requires_grad, self._toggle_state = None, None
+        self._remove_hooks()
+
+    # -- internals -----------------------------------------------------------------------------------------------
+    def _was_skipped(self, scheduler: Any) -> bool:
+        return self._skipped.get(id(getattr(scheduler, "optimizer", None)), False)
+
+    def _end_iteration(self, log: bool = True) -> None:
+        """Update the scales of the iteration that ended, then log its metrics if it was a logging step."""
+        if self._update_pending:
+            self.amp.update()
+            self._update_pending = False
+        if log and self._log_step is not None:
+            step, self._log_step = self._log_step, None
+            trainer = self._module.trainer if isinstance(self._module, _pl.LightningModule) else None
+            if trainer is not None:
+                values = {k: float(v) for k, v in self.amp.metrics().items()}  # a logging step: syncing is fine
+                for logger in trainer.loggers:
+                    logger.log_metrics(values, step=step)
+
+    def _show_unscaled_on_model(self, optimizer: Optimizer) -> None:
+        """At O2 the unscaled gradients live in the FP32 masters; hooks that read the model's own parameters get a
+        half copy of them, so that ``grad_norm(self)`` and friends show true values as with Lightning's AMP."""
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for masters in self.amp.master_weights:
+            for param, master in masters.half_pairs:
+                if id(master) in params and master.grad is not None and param.grad is not None:
+                    param.grad.copy_(master.grad)
+
+    def _add_boundary_casts(self, module: nn.Module) -> None:
+        # Apex casts a half model's inputs to half and its outputs to FP32. Here the casts sit on the
+        # LightningModule and on its direct children that hold half parameters (``self.generator(z)`` in a GAN), as
+        # removable forward hooks of this model only. Children without parameters (a loss module) are left alone so
+        # that losses see FP32.
+        half = self.amp.half_dtype
+        targets = [module] + [
+            child for child in module.children() if any(p.dtype == half for p in child.parameters(recurse=True))
+        ]
+        for target in targets:
+            self._hooks.append(target.register_forward_pre_hook(self._cast_inputs_hook, with_kwargs=True))
+            self._hooks.append(target.register_forward_hook(self._cast_outputs_hook))
+
+    def _cast_inputs_hook(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        if self.amp.master_weights:
+            self._follow_toggle()
+        return self.amp.cast_inputs(args), self.amp.cast_inputs(kwargs)
+
+    def _follow_toggle(self) -> None:
+        """Make ``toggle_optimizer`` work at O2.
+
+        Lightning's ``toggle_optimizer`` freezes the parameters of the other optimizers, which at O2 are the FP32
+        masters, so the half model would still compute their gradients. Before a forward, the model's half
+        parameters take the masters' ``requires_grad`` while a toggle is active, and their own back when it ends.
+        """
+        state = getattr(self._module, "_param_requires_grad_state", None) or None
+        if state is self._toggle_state:
+            return
+        self._toggle_state = state  # holding the dict also keeps its id from being reused by the next toggle
+        pairs = [pair for masters in self.amp.master_weights for pair in masters.half_pairs]
+        if state is not None:
+            if self._saved_requires_grad is None:
+                self._saved_requires_grad = [(param, param.requires_grad) for param, _ in pairs]
+            for param, master in pairs:
+                param.requires_grad_(master.requires_grad)
+        elif self._saved_requires_grad is not None:
+            for param, requires_grad in self._saved_requires_grad:
+                param.requires_grad_(requires_grad)
+            self._saved_requires_grad = None
+
+    def _cast_outputs_hook(self, module: nn.Module, args: Any, output: Any) -> Any:
+        return self.amp.cast_outputs(output)
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+
+class _SkipAwareScheduler:
+    """A per-step learning-rate scheduler that does not advance after its optimizer skipped a step.
+
+    Everything but ``step`` is the wrapped scheduler's own (``state_dict``, ``optimizer``, ``get_last_lr``...).
+    """
+
+    def __init__(self, scheduler: Any, was_skipped: Callable[[Any], bool]) -> None:
+        object.__setattr__(self, "_scheduler", scheduler)
+        object.__setattr__(self, "_was_skipped", was_skipped)
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._was_skipped(self._scheduler):
+            return None  # the optimizer did not move, so neither does its schedule
+        return self._scheduler.step(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._scheduler, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._scheduler, name, value)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._scheduler!r})"
+
+
+def _unwrap(optimizer: Any) -> Optimizer:
+    """The torch optimizer inside a ``LightningOptimizer``."""
+    return getattr(optimizer, "optimizer", optimizer) if not isinstance(optimizer, Optimizer) else optimizer
+
+
+def _trainer_of(model: nn.Module) -> Any:
+    module = getattr(model, "module", model)  # DDP
+    module = getattr(module, "_forward_module", module)  # Lightning's wrapper inside DDP
+    try:
+        return module.trainer if isinstance(module, _pl.LightningModule) else None
+    except RuntimeError:  # not attached to a Trainer
+        return None
+
+
+def _hooks_read_gradients(model: Any) -> bool:
+    """Whether the LightningModule or a callback implements ``on_before_optimizer_step``."""
+    if is_overridden("on_before_optimizer_step", model):
+        return True
+    base = _pl.Callback.on_before_optimizer_step
+    return any(type(cb).on_before_optimizer_step is not base for cb in model.trainer.callbacks)
+
+
+def _all_reduce_max(flag: torch.Tensor) -> None:
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)

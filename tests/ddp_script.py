@@ -1,0 +1,41 @@
+"""Run by tests/test_lightning.py: two CPU processes under Lightning's DDP strategy, an overflow on rank 0 only.
+
+Each rank writes what it ended with to ``$MPX_OUT/rank{r}.json``; the test checks that both skipped the same step.
+"""
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from lightning_mpx import MixedPrecisionPlugin
+from tests.lightning_helpers import Classifier, classification_data, loader, make_trainer
+
+
+class RankZeroOverflow(Classifier):
+    def on_after_backward(self) -> None:
+        # After DDP's all-reduce: only rank 0's gradient holds the inf, so the ranks agree only if the plugin
+        # reduces the overflow flag.
+        if self.global_rank == 0 and self.trainer.global_step == 2:
+            self.net[0].weight.grad[0, 0] = float("inf")
+
+
+def main() -> None:
+    plugin = MixedPrecisionPlugin("O2", init_scale=1024.0, growth_interval=1000)
+    model = RankZeroOverflow(optimizer="sgd", lr=0.05)
+    trainer = make_trainer(plugin, strategy="ddp", devices=2, max_epochs=1)
+    trainer.fit(model, loader(classification_data(n=80), batch_size=8))  # 5 steps per rank
+    result: dict[str, Any] = {
+        "skipped_steps": plugin.amp.skipped_steps,
+        "scale": plugin.amp.scalers[0].get_scale(),
+        "params": [p.detach().float().flatten().tolist() for p in model.parameters()],
+        "steps_taken": trainer.global_step,
+    }
+    out = os.environ["MPX_OUT"]
+    with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
