@@ -6,7 +6,7 @@ import importlib
 from types import ModuleType
 
 #: The extra that installs each optional framework.
-EXTRAS = {"lightning": "lightning", "accelerate": "accelerate", "triton": "triton", "tensorboard": "all"}
+EXTRAS = {"lightning": "lightning", "accelerate": "accelerate", "triton": "triton", "tensorboard": "demo", "matplotlib": "demo"}
 
 
 def require(module: str, *, extra: str | None = None, feature: str | None = None) -> ModuleType:

@@ -1,0 +1,89 @@
+"""The ``lightning-mpx`` console script: ``demo`` and ``plot``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lightning_mpx.opt_levels import OPT_LEVELS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lightning-mpx", description="lightning_mpx: Apex-style mixed precision.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser(
+        "demo",
+        help="train a small character-level transformer with Lightning and print a summary",
+        description="Train a byte-level transformer on the Python standard library's source with "
+        "MixedPrecisionPlugin; TensorBoard logs go to the run folder.",
+    )
+    demo.add_argument("--opt-level", default="O1", choices=OPT_LEVELS, help="opt level (default: O1)")
+    demo.add_argument("--half-dtype", default="float16", choices=("float16", "bfloat16"), help="default: float16")
+    demo.add_argument("--steps", type=int, default=300, help="optimizer steps (default: 300)")
+    demo.add_argument("--batch-size", type=int, default=32)
+    demo.add_argument("--seq-len", type=int, default=64)
+    demo.add_argument("--dim", type=int, default=128)
+    demo.add_argument("--layers", type=int, default=2)
+    demo.add_argument("--lr", type=float, default=3e-3)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--accelerator", default="auto", help="Lightning accelerator: auto, cpu, gpu (default: auto)")
+    demo.add_argument("--run-dir", default=None, help="TensorBoard run folder (default: runs/demo-LEVEL-DTYPE-TIME)")
+    demo.add_argument("--no-progress-bar", action="store_true")
+    demo.add_argument("--plot", action="store_true", help="also write the loss-scale plot into the run folder")
+
+    plot = commands.add_parser(
+        "plot",
+        help="plot a run's loss-scale curve (overflows marked) beside its training loss",
+        description="Read the TensorBoard event files under RUN_DIR and write a PNG.",
+    )
+    plot.add_argument("run_dir", metavar="RUN_DIR")
+    plot.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/loss_scale.png)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "demo":
+        from lightning_mpx.demo import DemoConfig, format_summary, train
+
+        for name in ("steps", "batch_size", "seq_len", "dim", "layers"):
+            if getattr(args, name) < 1:
+                print(f"lightning-mpx demo: --{name.replace('_', '-')}={getattr(args, name)} must be >= 1", file=sys.stderr)
+                return 2
+        result = train(
+            DemoConfig(
+                opt_level=args.opt_level,
+                half_dtype=args.half_dtype,
+                steps=args.steps,
+                batch_size=args.batch_size,
+                seq_len=args.seq_len,
+                dim=args.dim,
+                layers=args.layers,
+                lr=args.lr,
+                seed=args.seed,
+                accelerator=args.accelerator,
+                run_dir=args.run_dir,
+                progress_bar=not args.no_progress_bar,
+            )
+        )
+        print(format_summary(result))
+        if args.plot:
+            from lightning_mpx.plot import plot_run
+
+            print(f"plot: {plot_run(result.run_dir)}")
+        print(f"see the curves with: tensorboard --logdir {result.run_dir}   or: lightning-mpx plot {result.run_dir}")
+        return 0
+    from lightning_mpx.plot import plot_run
+
+    try:
+        path = plot_run(args.run_dir, args.out)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"lightning-mpx plot: {error}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
