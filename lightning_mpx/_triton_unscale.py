@@ -29,7 +29,6 @@ Byte counts per element (``s``/``d``: source/destination element sizes):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -251,8 +250,12 @@ def _plan(workspace: UnscaleWorkspace, src: Tensors, dst: Tensors) -> _Plan:
 
 # -- checks ------------------------------------------------------------------------------------------------------
 def interpreting() -> bool:
-    """Whether triton runs kernels in its interpreter (``TRITON_INTERPRET=1``), which works on CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    """Whether these kernels run in triton's interpreter, which takes CPU tensors.
+
+    Triton decides when a kernel is decorated, from ``TRITON_INTERPRET=1`` in the environment at that moment (when
+    this module is first imported); setting the variable later changes nothing, so the kernel itself is asked.
+    """
+    return not isinstance(_chunk_kernel, triton.runtime.JITFunction)
 
 
 def supports(src: Tensors, dst: Tensors) -> bool:

@@ -17,6 +17,7 @@ chunk tables in an :class:`UnscaleWorkspace` that the caller owns and passes bac
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from collections import OrderedDict
 from types import MappingProxyType
@@ -131,7 +132,7 @@ def unscale_grads_(
 def resolve_backend(tensors: Tensors) -> str:
     """The backend that ``"auto"`` picks for these tensors: ``"triton"`` when they are all CUDA tensors and triton
     is installed, else ``"foreach"``."""
-    if tensors and all(t.is_cuda for t in tensors) and _triton_available():
+    if tensors and all(t.is_cuda for t in tensors) and _triton_available() and not _interpreter_requested():
         return "triton"
     return "foreach"
 
@@ -176,6 +177,11 @@ def _triton_available() -> bool:
     return "triton" in sys.modules or importlib.util.find_spec("triton") is not None
 
 
+def _interpreter_requested() -> bool:
+    # Under TRITON_INTERPRET=1 the kernels run on the host and cannot read CUDA memory.
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
 def _triton_backend(tensors: Tensors, what: str) -> Any:
     """The kernel module, after checking that the tensors can go to it."""
     from lightning_mpx._imports import require
@@ -183,10 +189,17 @@ def _triton_backend(tensors: Tensors, what: str) -> Any:
     require("triton", extra="triton", feature=f"{what}(backend='triton')")
     from lightning_mpx import _triton_unscale
 
-    cpu = next((t for t in tensors if not t.is_cuda), None)
-    if cpu is not None and not _triton_unscale.interpreting():
+    interpreted = _triton_unscale.interpreting()
+    wrong = next((t for t in tensors if t.is_cuda == interpreted), None)
+    if wrong is not None:
+        if interpreted:
+            raise ValueError(
+                f"backend='triton' got a tensor on {wrong.device}, but its kernels run in triton's interpreter "
+                "(TRITON_INTERPRET=1), which takes CPU tensors only; valid choices for CUDA tensors there: auto, "
+                "foreach, reference."
+            )
         raise ValueError(
-            f"backend='triton' runs on CUDA tensors, but got a tensor on {cpu.device}; valid choices for it: "
+            f"backend='triton' runs on CUDA tensors, but got a tensor on {wrong.device}; valid choices for it: "
             "auto, foreach, reference (CPU tensors work with 'triton' only under TRITON_INTERPRET=1)."
         )
     return _triton_unscale
