@@ -191,12 +191,12 @@ def run_case(
         2 * size,
     )
     grad_holders = _as_params(grads)
-    add(
-        "unscale+clip",
-        lambda: unscale_grads_(grads, inv, found, max_norm=max_norm, **kw),
-        lambda: (torch_unscale(grads, inv, found), torch.nn.utils.clip_grad_norm_(grad_holders, max_norm, foreach=True)),
-        3 * size,
-    )
+
+    def torch_clip() -> None:
+        torch_unscale(grads, inv, found)
+        torch.nn.utils.clip_grad_norm_(grad_holders, max_norm, foreach=True)
+
+    add("unscale+clip", lambda: unscale_grads_(grads, inv, found, max_norm=max_norm, **kw), torch_clip, 3 * size)
     if dtype != torch.float32 and only in (None, "O2 grads", "O2 copy"):
         masters = [torch.empty(g.shape, dtype=torch.float32, device=device) for g in grads]
         master_holders = _as_params(masters)

@@ -224,9 +224,10 @@ def _triton(
     if not kernels.supports(sources, dests):
         # Several devices, non-dense layouts or other dtypes: the foreach twin gives the same answers.
         return _foreach(grads, inv_scale, found_inf, out, want_norm, max_norm, None)
-    return kernels.unscale(  # type: ignore[no-any-return]
-        sources, dests, inv_scale, found_inf, want_norm, max_norm, UnscaleWorkspace() if workspace is None else workspace
-    )
+    if workspace is None:
+        workspace = UnscaleWorkspace()
+    norm: torch.Tensor | None = kernels.unscale(sources, dests, inv_scale, found_inf, want_norm, max_norm, workspace)
+    return norm
 
 
 def _foreach(

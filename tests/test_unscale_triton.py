@@ -349,7 +349,8 @@ def test_triton_errors_name_the_argument_and_the_choices(monkeypatch):
     # A tensor on the device the kernels cannot read.
     monkeypatch.setattr(kernels, "interpreting", lambda: not INTERPRETED)
     with pytest.raises(ValueError, match=r"backend='triton' .*valid choices .*auto, foreach, reference"):
-        unscale_grads_([torch.ones(2, device=device)], _inv(2.0, device), torch.zeros((), device=device), backend="triton")
+        unscale_grads_([torch.ones(2, device=device)], _inv(2.0, device), torch.zeros((), device=device),
+                       backend="triton")
     monkeypatch.undo()
     # triton missing: ImportError naming the extra.
     monkeypatch.setitem(sys.modules, "triton", None)
