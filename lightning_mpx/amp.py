@@ -32,7 +32,7 @@ from lightning_mpx.cast_table import CastTable
 from lightning_mpx.loss_scaler import LossScaler, OnFloor
 from lightning_mpx.master_weights import MasterWeights, convert_module
 from lightning_mpx.opt_levels import Properties, resolve_properties
-from lightning_mpx.unscale import BACKENDS, unscale_grads_
+from lightning_mpx.unscale import BACKENDS, UnscaleWorkspace, unscale_grads_
 
 log = logging.getLogger("lightning_mpx")
 
@@ -50,6 +50,7 @@ class _OptimizerState:
     contributing: set[int] = field(default_factory=set)  # loss ids whose overflow this step must report
     found_inf: torch.Tensor | None = None
     grad_norm: torch.Tensor | None = None
+    workspace: UnscaleWorkspace = field(default_factory=UnscaleWorkspace)  # fused unscale's tables, kept across steps
 
 
 class Amp:
@@ -63,7 +64,8 @@ class Amp:
         cast_table: The table of the O1 policy; a fresh copy of the default when ``None``. Only valid when the
             policy is on.
         allow_banned: Run banned ops (``binary_cross_entropy``) in FP32 instead of raising.
-        unscale_backend: ``"auto"``, ``"foreach"`` or ``"reference"`` (see :mod:`lightning_mpx.unscale`).
+        unscale_backend: ``"auto"``, ``"foreach"``, ``"reference"`` or ``"triton"`` (see :mod:`lightning_mpx.unscale`);
+            also used for the master-to-model copy at O2.
         init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_loss_scale, max_loss_scale,
             on_floor: Loss-scaler settings (see :class:`~lightning_mpx.loss_scaler.LossScaler`).
         **overrides: Opt-level property overrides: ``cast_model_type``, ``patch_torch_functions``,
@@ -176,7 +178,9 @@ class Amp:
                     param.data = param.data.float()
         if props.master_weights:
             self.master_weights.append(
-                MasterWeights((prefix + name, p) for name, p in module.named_parameters())
+                MasterWeights(
+                    ((prefix + name, p) for name, p in module.named_parameters()), copy_backend=self.unscale_backend
+                )
             )
         return module
 
@@ -445,6 +449,7 @@ class Amp:
             out=targets,
             max_norm=max_norm,
             backend=self.unscale_backend,
+            workspace=state.workspace,
         )
         state.found_inf = found
         state.grad_norm = norm
@@ -459,7 +464,7 @@ class Amp:
             ratio = (new.scale_tensor.double() / old.scale_tensor.double()).float()
             if state.found_inf is None:
                 state.found_inf = torch.zeros((), dtype=torch.float32, device=grads[0].device)
-            unscale_grads_(grads, ratio, state.found_inf, backend=self.unscale_backend)
+            unscale_grads_(grads, ratio, state.found_inf, backend=self.unscale_backend, workspace=state.workspace)
             state.contributing.add(old_id)
         state.loss_id = new_loss_id
 

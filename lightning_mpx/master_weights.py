@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_mpx._dtypes import HALF_DTYPES
+from lightning_mpx.unscale import BACKENDS, UnscaleWorkspace, cast_copy_
 
 
 def has_floating_parameters(module: nn.Module) -> bool:
@@ -56,9 +57,18 @@ class MasterWeights:
     Args:
         named_parameters: ``(name, parameter)`` pairs of the model; FP32 parameters (batch norm kept FP32) are their
             own masters, half parameters get an FP32 copy.
+        copy_backend: How :meth:`copy_to_model` copies: ``"auto"`` (the fused Triton kernel for CUDA parameters when
+            triton is installed, else torch's foreach copy), ``"foreach"``, ``"reference"`` or ``"triton"``.
+
+    Attributes:
+        workspace: The copy kernel's table cache, kept across steps.
     """
 
-    def __init__(self, named_parameters: Iterable[tuple[str, nn.Parameter]]) -> None:
+    def __init__(self, named_parameters: Iterable[tuple[str, nn.Parameter]], *, copy_backend: str = "auto") -> None:
+        if copy_backend not in BACKENDS:
+            raise ValueError(f"copy_backend={copy_backend!r} is not valid; valid choices: {', '.join(BACKENDS)}.")
+        self.copy_backend = copy_backend
+        self.workspace = UnscaleWorkspace()
         self.names: list[str] = []
         self.model_params: list[torch.Tensor] = []
         self.masters: list[torch.Tensor] = []
@@ -120,18 +130,14 @@ class MasterWeights:
                 master.copy_(param)
 
     def copy_to_model(self) -> None:
-        """Write the masters into the half model parameters (after a real optimizer step)."""
+        """Write the masters into the half model parameters (after a real optimizer step).
+
+        One pass that reads 4 bytes and writes 2 per element; on CUDA with triton, one launch per dtype pair.
+        """
         pairs = self.half_pairs
-        if not pairs:
-            return
-        with torch.no_grad():
-            by_dtype: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-            for param, master in pairs:
-                dst, src = by_dtype.setdefault((param.device, param.dtype), ([], []))
-                dst.append(param)
-                src.append(master)
-            for dst, src in by_dtype.values():
-                torch._foreach_copy_(dst, src)
+        if pairs:
+            params, masters = zip(*pairs)
+            cast_copy_(params, masters, backend=self.copy_backend, workspace=self.workspace)
 
     def clear_model_grads(self) -> None:
         """Drop the half model gradients once they have been unscaled into the masters."""

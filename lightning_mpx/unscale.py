@@ -5,21 +5,81 @@ also clip by the global L2 norm of the unscaled gradients. Backends:
 
 * ``"foreach"``: torch's multi-tensor kernels (``_amp_foreach_non_finite_check_and_unscale_``, ``_foreach_norm``);
 * ``"reference"``: a plain per-tensor loop, the readable twin that tests hold the others to;
-* ``"auto"``: the fastest available for the tensors' device (``"foreach"`` for now; fused GPU kernels plug in here).
+* ``"triton"``: fused multi-tensor kernels written in Triton (:mod:`lightning_mpx._triton_unscale`): each pass reads
+  and writes every element once, the norm needs no extra pass, and clipping by norm costs one read-only pass plus one
+  multiply pass. CUDA tensors (CPU tensors only under ``TRITON_INTERPRET=1``, as the tests run it);
+* ``"auto"``: ``"triton"`` for CUDA tensors when triton is installed, ``"foreach"`` otherwise.
 
-No backend waits for the device: the flag and the norm stay device tensors.
+No backend waits for the device: the flag and the norm stay device tensors. The fused backend keeps its pointer and
+chunk tables in an :class:`UnscaleWorkspace` that the caller owns and passes back on every step.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
+from collections import OrderedDict
 from types import MappingProxyType
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 Tensors = Sequence[torch.Tensor]
 
 _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
+
+
+class UnscaleWorkspace:
+    """The fused backend's state across steps: chunk tables and scratch buffers, owned by the caller.
+
+    Building a table (one row per chunk of every tensor, with addresses) costs host time and a host-to-device copy,
+    so the ``"triton"`` backend keeps it here and reuses it for as long as the tensors it was built for keep their
+    storage. The key is every tensor's address, element count and dtype, the destinations' addresses, the device
+    and the count: a new gradient buffer, a resized or re-cast parameter, a different parameter list all get a new
+    table. The last ``max_plans`` tables are kept (a call with gradients only and one with FP32 master gradients
+    each need their own). :class:`~lightning_mpx.amp.Amp` keeps one per optimizer, and each
+    :class:`~lightning_mpx.master_weights.MasterWeights` one for its copy to the model. Other backends ignore it.
+
+    Args:
+        chunk_size: Elements per chunk (one program each); a power of two, a multiple of ``block_size``.
+        block_size: Elements a program handles per loop step; a power of two.
+        num_warps: Warps per program on the GPU.
+        max_plans: How many tables to keep.
+
+    Attributes:
+        builds: How many tables this workspace has built (a step that reuses one adds nothing).
+
+    .. warning:: A workspace's scratch buffers are reused by every call: use one workspace per CUDA stream, and do
+       not share one between threads.
+    """
+
+    def __init__(self, *, chunk_size: int = 16384, block_size: int = 1024, num_warps: int = 4, max_plans: int = 4):
+        for name, value in (("chunk_size", chunk_size), ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+                raise ValueError(f"{name}={value!r} must be a positive power of two.")
+        if chunk_size < block_size:
+            raise ValueError(f"chunk_size={chunk_size} must be at least block_size={block_size}.")
+        if isinstance(num_warps, bool) or num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"num_warps={num_warps!r} is not valid; valid choices: 1, 2, 4, 8, 16, 32.")
+        if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 1:
+            raise ValueError(f"max_plans={max_plans!r} must be a positive integer.")
+        self.chunk_size = chunk_size
+        self.block_size = block_size
+        self.num_warps = num_warps
+        self.max_plans = max_plans
+        self.builds = 0
+        self._plans: OrderedDict[Any, Any] = OrderedDict()
+
+    def clear(self) -> None:
+        """Drop every cached table (they are rebuilt on the next call)."""
+        self._plans.clear()
+
+    def __repr__(self) -> str:
+        return (
+            f"UnscaleWorkspace(chunk_size={self.chunk_size}, block_size={self.block_size}, "
+            f"num_warps={self.num_warps}, tables={len(self._plans)}, builds={self.builds})"
+        )
 
 
 def unscale_grads_(
@@ -31,6 +91,7 @@ def unscale_grads_(
     compute_norm: bool = False,
     max_norm: float | None = None,
     backend: str = "auto",
+    workspace: UnscaleWorkspace | None = None,
 ) -> torch.Tensor | None:
     """Unscale ``grads`` by ``inv_scale`` and record non-finite values in ``found_inf``.
 
@@ -44,10 +105,16 @@ def unscale_grads_(
         compute_norm: Return the global L2 norm of the unscaled gradients (before any clipping).
         max_norm: Also clip the unscaled gradients to this global L2 norm, as ``torch.nn.utils.clip_grad_norm_``
             does; implies ``compute_norm``.
-        backend: ``"auto"``, ``"foreach"`` or ``"reference"``.
+        backend: ``"auto"``, ``"foreach"``, ``"reference"`` or ``"triton"``.
+        workspace: Where the ``"triton"`` backend keeps its tables across calls; pass the same one every step
+            (without one, the tables are rebuilt on every call).
 
     Returns:
         The norm as a 0-d FP32 tensor when asked for, else ``None``.
+
+    Raises:
+        ValueError: for an unknown backend, or ``backend="triton"`` with CPU tensors outside ``TRITON_INTERPRET=1``.
+        ImportError: for ``backend="triton"`` when triton is not installed.
     """
     if out is not None and len(out) != len(grads):
         raise ValueError(f"out has {len(out)} tensors but grads has {len(grads)}; they must match one to one.")
@@ -57,13 +124,110 @@ def unscale_grads_(
     if implementation is None:
         raise ValueError(f"backend={backend!r} is not an unscale backend; valid choices: {', '.join(BACKENDS)}.")
     if backend == "auto":
-        implementation = _BACKENDS[resolve_backend(grads)]
-    return implementation(grads, inv_scale, found_inf, out, compute_norm or max_norm is not None, max_norm)
+        implementation = _BACKENDS[resolve_backend(grads if out is None else [*grads, *out])]
+    want_norm = compute_norm or max_norm is not None
+    return implementation(grads, inv_scale, found_inf, out, want_norm, max_norm, workspace)
 
 
-def resolve_backend(grads: Tensors) -> str:
-    """The backend that ``"auto"`` picks for these tensors."""
+def resolve_backend(tensors: Tensors) -> str:
+    """The backend that ``"auto"`` picks for these tensors: ``"triton"`` when they are all CUDA tensors and triton
+    is installed, else ``"foreach"``."""
+    if tensors and all(t.is_cuda for t in tensors) and _triton_available() and not _interpreter_requested():
+        return "triton"
     return "foreach"
+
+
+def cast_copy_(
+    dst: Tensors, src: Tensors, *, backend: str = "auto", workspace: UnscaleWorkspace | None = None
+) -> None:
+    """``dst[i].copy_(src[i])`` for every pair, casting (FP32 master parameters into half model parameters).
+
+    Args:
+        dst: Destination tensors (FP32, FP16 or BF16).
+        src: Source tensors of the same shapes.
+        backend: ``"auto"``, ``"foreach"``, ``"reference"`` or ``"triton"``, as for :func:`unscale_grads_`.
+        workspace: Table cache of the ``"triton"`` backend.
+    """
+    if len(dst) != len(src):
+        raise ValueError(f"dst has {len(dst)} tensors but src has {len(src)}; they must match one to one.")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend={backend!r} is not a copy backend; valid choices: {', '.join(BACKENDS)}.")
+    if backend == "auto":
+        backend = resolve_backend([*dst, *src])
+    with torch.no_grad():
+        if backend == "reference":
+            for d, s in zip(dst, src):
+                d.copy_(s)
+            return
+        if backend == "triton":
+            kernels = _triton_backend([*dst, *src], "cast_copy_")
+            pairs = [(s, d) for s, d in zip(src, dst) if s.numel()]
+            if not pairs:
+                return
+            sources, dests = (list(x) for x in zip(*pairs))
+            if kernels.supports(sources, dests):
+                kernels.copy(sources, dests, UnscaleWorkspace() if workspace is None else workspace)
+                return
+            # Several devices or layouts the kernels do not take: the foreach twin below does the copy.
+        for s_group, d_group in _grouped_pairs(src, dst):
+            torch._foreach_copy_(d_group, s_group)
+
+
+def _triton_available() -> bool:
+    return "triton" in sys.modules or importlib.util.find_spec("triton") is not None
+
+
+def _interpreter_requested() -> bool:
+    # Under TRITON_INTERPRET=1 the kernels run on the host and cannot read CUDA memory.
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _triton_backend(tensors: Tensors, what: str) -> Any:
+    """The kernel module, after checking that the tensors can go to it."""
+    from lightning_mpx._imports import require
+
+    require("triton", extra="triton", feature=f"{what}(backend='triton')")
+    from lightning_mpx import _triton_unscale
+
+    interpreted = _triton_unscale.interpreting()
+    wrong = next((t for t in tensors if t.is_cuda == interpreted), None)
+    if wrong is not None:
+        if interpreted:
+            raise ValueError(
+                f"backend='triton' got a tensor on {wrong.device}, but its kernels run in triton's interpreter "
+                "(TRITON_INTERPRET=1), which takes CPU tensors only; valid choices for CUDA tensors there: auto, "
+                "foreach, reference."
+            )
+        raise ValueError(
+            f"backend='triton' runs on CUDA tensors, but got a tensor on {wrong.device}; valid choices for it: "
+            "auto, foreach, reference (CPU tensors work with 'triton' only under TRITON_INTERPRET=1)."
+        )
+    return _triton_unscale
+
+
+def _triton(
+    grads: Tensors,
+    inv_scale: torch.Tensor,
+    found_inf: torch.Tensor,
+    out: Tensors | None,
+    want_norm: bool,
+    max_norm: float | None,
+    workspace: UnscaleWorkspace | None,
+) -> torch.Tensor | None:
+    kernels = _triton_backend(list(grads) + list(out or []), "unscale_grads_")
+    targets = list(grads if out is None else out)
+    # Empty tensors have nothing to unscale; dropping them keeps them out of the table.
+    pairs = [(g, t) for g, t in zip(grads, targets) if g.numel()]
+    if not pairs:
+        return torch.zeros((), dtype=torch.float32, device=found_inf.device) if want_norm else None
+    sources, dests = (list(x) for x in zip(*pairs))
+    if not kernels.supports(sources, dests):
+        # Several devices, non-dense layouts or other dtypes: the foreach twin gives the same answers.
+        return _foreach(grads, inv_scale, found_inf, out, want_norm, max_norm, None)
+    if workspace is None:
+        workspace = UnscaleWorkspace()
+    norm: torch.Tensor | None = kernels.unscale(sources, dests, inv_scale, found_inf, want_norm, max_norm, workspace)
+    return norm
 
 
 def _foreach(
@@ -73,6 +237,7 @@ def _foreach(
     out: Tensors | None,
     want_norm: bool,
     max_norm: float | None,
+    workspace: UnscaleWorkspace | None = None,
 ) -> torch.Tensor | None:
     targets = list(grads if out is None else out)
     if out is not None:
@@ -104,6 +269,7 @@ def _reference(
     out: Tensors | None,
     want_norm: bool,
     max_norm: float | None,
+    workspace: UnscaleWorkspace | None = None,
 ) -> torch.Tensor | None:
     targets = list(grads if out is None else out)
     squares = torch.zeros((), dtype=torch.float32, device=found_inf.device)
@@ -148,8 +314,11 @@ def _grouped_pairs(src: Tensors, dst: Tensors) -> list[tuple[list[torch.Tensor],
 
 
 _Backend = Callable[
-    [Tensors, torch.Tensor, torch.Tensor, "Tensors | None", bool, "float | None"], "torch.Tensor | None"
+    [Tensors, torch.Tensor, torch.Tensor, "Tensors | None", bool, "float | None", "UnscaleWorkspace | None"],
+    "torch.Tensor | None",
 ]
-_BACKENDS: Mapping[str, _Backend] = MappingProxyType({"auto": _foreach, "foreach": _foreach, "reference": _reference})
+_BACKENDS: Mapping[str, _Backend] = MappingProxyType(
+    {"auto": _foreach, "foreach": _foreach, "reference": _reference, "triton": _triton}
+)
 #: The names accepted by ``backend=``.
 BACKENDS: tuple[str, ...] = tuple(_BACKENDS)

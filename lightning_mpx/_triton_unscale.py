@@ -1,0 +1,386 @@
+"""Fused multi-tensor kernels in Triton: the ``"triton"`` backend of :func:`lightning_mpx.unscale.unscale_grads_`.
+
+This module imports triton; :mod:`lightning_mpx.unscale` imports it only when the backend is used, so that
+``import lightning_mpx`` needs torch alone.
+
+Design. Every tensor of a call is cut into chunks of ``workspace.chunk_size`` elements, and a table with one row per
+chunk, ``(source address, destination address, length)`` as int64, is built on the host, copied to the device once
+and kept in the caller's :class:`~lightning_mpx.unscale.UnscaleWorkspace` for the next steps. One program handles one
+chunk: it loads its row, casts the two addresses to typed pointers (``int64 -> tl.pointer_type``) and walks the chunk
+``block_size`` elements at a time. Tensors of one (source dtype, destination dtype) pair share a launch, so the
+number of launches depends on the number of dtype pairs (one or two in practice), never on the number of tensors.
+Folding each chunk's start into its addresses keeps every in-kernel offset below ``chunk_size``: no 32-bit overflow,
+whatever the tensor size.
+
+The scale is a device tensor read by the kernel (a new scale never recompiles anything and never needs the host).
+The non-finite flag is set by a masked store of 1.0 (every writer writes the same value, so the result does not
+depend on their order). The norm is deterministic: each program writes the sum of squares of its chunk to its own
+slot of a partials buffer, and a one-program kernel adds the slots in a fixed order and takes the square root; there
+are no float atomics.
+
+Byte counts per element (``s``/``d``: source/destination element sizes):
+
+* unscale in place (+ flag, + norm): read ``s``, write ``s`` - the floor (8 bytes for FP32);
+* unscale into FP32 masters (O2): read ``s``, write ``d`` (2 + 4 for half gradients);
+* unscale + clip by norm: one read-only pass for the flag and the norm (``s``), then one pass that multiplies by
+  ``clip coefficient / scale`` (``s + d``): 12 bytes for FP32 in place, 8 for half gradients into FP32 masters;
+* FP32 masters to half model parameters: read 4, write 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
+
+if TYPE_CHECKING:
+    from lightning_mpx.unscale import UnscaleWorkspace
+
+Tensors = Sequence[torch.Tensor]
+
+#: Largest finite FP32 value: |x| <= it is false exactly for inf, -inf and NaN.
+_FP32_MAX = tl.constexpr(3.4028234663852886e38)
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+SUPPORTED_DTYPES = tuple(_TL_DTYPES)
+
+
+@triton.jit
+def _round_to(x, DST: tl.constexpr):
+    """FP32 ``x`` rounded to nearest-even in ``DST``, the same on the GPU and in triton's interpreter.
+
+    For BF16 the rounding is done on the bits: the interpreter's own FP32 -> BF16 cast truncates, and the GPU's
+    ``cvt.rn`` rounds to nearest-even, which is what this computes (NaN becomes the canonical BF16 NaN).
+    """
+    if DST == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        upper = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        upper = tl.where(x != x, 0x7FC0, upper)  # NaN: the carry of the rounding could reach the sign bit
+        return upper.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DST)
+
+
+@triton.jit
+def _block(src, dst, offs, n, scale, squares, bad, DST, HAS_SCALE, STORE, CHECK, NORM, MASKED: tl.constexpr):
+    """One block of a chunk; unmasked blocks let the compiler use vector loads and stores."""
+    if MASKED:
+        mask = offs < n
+        x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(src + offs).to(tl.float32)
+    if HAS_SCALE:
+        x = x * scale  # one FP32 multiply, then one rounding to DST: what torch's unscale does
+    y = _round_to(x, DST)
+    if STORE:
+        if MASKED:
+            tl.store(dst + offs, y, mask=mask)
+        else:
+            tl.store(dst + offs, y)
+    # The flag and the norm are taken on the value as stored (rounded to DST), as the reference does: an unscaled
+    # value that overflows the destination dtype is an overflow.
+    v = y.to(tl.float32)
+    if CHECK:
+        bad = tl.maximum(bad, tl.where(tl.abs(v) <= _FP32_MAX, 0, 1))  # false for inf, -inf and NaN
+    if NORM:
+        squares += v * v  # masked lanes hold 0
+    return squares, bad
+
+
+@triton.jit
+def _chunk_kernel(
+    table_ptr,
+    scale_ptr,
+    found_ptr,
+    partials_ptr,
+    SRC: tl.constexpr,
+    DST: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    STORE: tl.constexpr,
+    CHECK: tl.constexpr,
+    NORM: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One chunk: ``dst = round_DST(float(src) * scale)``, with the flag and the sum of squares of the result."""
+    pid = tl.program_id(0)
+    row = table_ptr + pid.to(tl.int64) * 3
+    src = tl.load(row).to(tl.pointer_type(SRC))
+    dst = tl.load(row + 1).to(tl.pointer_type(DST))
+    if ALIGNED:
+        # Every address of this launch is a multiple of 16 bytes (checked when the table was built): without the
+        # hint, pointers loaded from memory get one-element loads.
+        src = tl.multiple_of(src, 16)
+        dst = tl.multiple_of(dst, 16)
+    n = tl.load(row + 2).to(tl.int32)
+    scale = tl.load(scale_ptr) if HAS_SCALE else 1.0
+    squares = tl.zeros([BLOCK], dtype=tl.float32)
+    bad = tl.zeros([BLOCK], dtype=tl.int32)
+    # A constant trip count; only the last block of a tensor is masked, and the steps past the end of a short
+    # chunk are fully masked and move no data.
+    for start in range(0, CHUNK, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        if start + BLOCK <= n:
+            squares, bad = _block(src, dst, offs, n, scale, squares, bad, DST, HAS_SCALE, STORE, CHECK, NORM, False)
+        else:
+            squares, bad = _block(src, dst, offs, n, scale, squares, bad, DST, HAS_SCALE, STORE, CHECK, NORM, True)
+    if CHECK:
+        tl.store(found_ptr, 1.0, mask=tl.max(bad, axis=0) > 0)
+    if NORM:
+        tl.store(partials_ptr + pid, tl.sum(squares, axis=0))
+
+
+@triton.jit
+def _finalize_kernel(
+    partials_ptr,
+    n,
+    norm_ptr,
+    coef_ptr,
+    scale_ptr,
+    max_norm,
+    CLIP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Norm from the partial sums in a fixed order; with ``CLIP``, ``coef_ptr`` gets ``clip coefficient * scale``."""
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    # A while loop: triton 3.6's interpreter cannot take a runtime bound in range() with numpy 2.
+    start = 0
+    while start < n:
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(partials_ptr + offs, mask=offs < n, other=0.0)
+        start += BLOCK
+    norm = tl.sqrt_rn(tl.sum(acc, axis=0))
+    tl.store(norm_ptr, norm)
+    if CLIP:
+        # As torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6) is evaluated by torch as
+        # reciprocal(norm + 1e-6) * max_norm, each step rounded; clamp(max=1) keeps NaN.
+        coef = tl.div_rn(1.0, norm + 1e-6) * max_norm
+        coef = tl.minimum(coef, 1.0, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(coef_ptr, coef * tl.load(scale_ptr))
+
+
+# -- tables ------------------------------------------------------------------------------------------------------
+@dataclass
+class _Group:
+    src_dtype: torch.dtype
+    dst_dtype: torch.dtype
+    rows: slice  # rows of the plan's table
+    partials: slice  # slots of the plan's partials buffer
+    aligned: bool  # every source and destination address is a multiple of 16 bytes
+
+
+@dataclass
+class _Plan:
+    """Chunk table of one list of (source, destination) tensors on one device, kept across steps."""
+
+    table: torch.Tensor  # int64 [chunks, 3] on the device
+    groups: list[_Group]
+    partials: torch.Tensor  # FP32 [max(chunks, 1)]: per-chunk sums of squares
+    coef: torch.Tensor  # FP32 [1]: clip coefficient * inv_scale, written and read within one call
+
+
+def _key(src: Tensors, dst: Tensors) -> tuple[object, ...]:
+    # Everything the table depends on: addresses, sizes, dtypes and the count. Built with map() over the C
+    # accessors because it runs on every step (about 0.2 us per tensor).
+    return (
+        tuple(map(torch.Tensor.data_ptr, src)),
+        tuple(map(torch.Tensor.data_ptr, dst)),
+        tuple(map(torch.Tensor.numel, src)),
+        tuple(t.dtype for t in src),
+        tuple(t.dtype for t in dst),
+        src[0].device,
+    )
+
+
+def _build(src: Tensors, dst: Tensors, chunk: int, device: torch.device) -> _Plan:
+    groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
+    for index, (s, d) in enumerate(zip(src, dst)):
+        groups.setdefault((s.dtype, d.dtype), []).append(index)
+    tables: list[torch.Tensor] = []
+    plan_groups: list[_Group] = []
+    row = 0
+    for (src_dtype, dst_dtype), members in groups.items():
+        numels = torch.tensor([src[i].numel() for i in members], dtype=torch.int64)
+        counts = (numels + chunk - 1) // chunk
+        total = int(counts.sum())
+        if total == 0:
+            continue  # only empty tensors: nothing to launch
+        owner = torch.repeat_interleave(torch.arange(len(members)), counts)
+        first = torch.cumsum(counts, 0) - counts
+        start = (torch.arange(total) - first[owner]) * chunk
+        length = torch.minimum(numels[owner] - start, torch.full_like(start, chunk))
+        src_addr = torch.tensor([src[i].data_ptr() for i in members], dtype=torch.int64)[owner]
+        dst_addr = torch.tensor([dst[i].data_ptr() for i in members], dtype=torch.int64)[owner]
+        src_size = torch.empty((), dtype=src_dtype).element_size()
+        dst_size = torch.empty((), dtype=dst_dtype).element_size()
+        rows = torch.stack([src_addr + start * src_size, dst_addr + start * dst_size, length], dim=1)
+        aligned = bool((rows[:, :2] % 16 == 0).all())
+        tables.append(rows)
+        plan_groups.append(_Group(src_dtype, dst_dtype, slice(row, row + total), slice(row, row + total), aligned))
+        row += total
+    host = torch.cat(tables) if tables else torch.zeros((0, 3), dtype=torch.int64)
+    if device.type == "cuda":
+        # Pinned + non_blocking: the copy is queued on the stream; the host does not wait for the device.
+        table = host.pin_memory().to(device, non_blocking=True)
+    else:
+        table = host.to(device)
+    partials = torch.zeros(max(row, 1), dtype=torch.float32, device=device)
+    coef = torch.zeros(1, dtype=torch.float32, device=device)
+    return _Plan(table.contiguous(), plan_groups, partials, coef)
+
+
+def _plan(workspace: UnscaleWorkspace, src: Tensors, dst: Tensors) -> _Plan:
+    key = _key(src, dst)
+    plans = workspace._plans
+    plan = plans.get(key)
+    if plan is None:
+        plan = _build(src, dst, workspace.chunk_size, src[0].device)
+        workspace.builds += 1
+        plans[key] = plan
+        while len(plans) > workspace.max_plans:
+            plans.popitem(last=False)
+    else:
+        plans.move_to_end(key)
+    return plan  # type: ignore[no-any-return]
+
+
+# -- checks ------------------------------------------------------------------------------------------------------
+def interpreting() -> bool:
+    """Whether these kernels run in triton's interpreter, which takes CPU tensors.
+
+    Triton decides when a kernel is decorated, from ``TRITON_INTERPRET=1`` in the environment at that moment (when
+    this module is first imported); setting the variable later changes nothing, so the kernel itself is asked.
+    """
+    return not isinstance(_chunk_kernel, triton.runtime.JITFunction)
+
+
+def supports(src: Tensors, dst: Tensors) -> bool:
+    """Whether the kernels can take these tensors: one device, supported dtypes, dense storage, matching layouts.
+
+    The kernels walk storage element by element, so a source and its destination must lay their elements out alike
+    and without gaps (contiguous, or the same strides on dense storage such as channels-last).
+    """
+    device = src[0].device
+    for s, d in zip(src, dst):
+        if s.device != device or d.device != device:
+            return False
+        if s.dtype not in _TL_DTYPES or d.dtype not in _TL_DTYPES:
+            return False
+        if not s.is_contiguous():
+            if s.stride() != d.stride() or not _dense(s):
+                return False
+        elif s is not d and (s.shape != d.shape or not d.is_contiguous()):
+            return False
+    return True
+
+
+def _dense(t: torch.Tensor) -> bool:
+    return t.is_contiguous(memory_format=torch.channels_last) if t.dim() == 4 else (
+        t.is_contiguous(memory_format=torch.channels_last_3d) if t.dim() == 5 else False
+    )
+
+
+# -- launches ----------------------------------------------------------------------------------------------------
+def _launch_chunks(
+    plan: _Plan,
+    workspace: UnscaleWorkspace,
+    scale: torch.Tensor | None,
+    found: torch.Tensor | None,
+    *,
+    store: bool,
+    norm: bool,
+) -> None:
+    for group in plan.groups:
+        rows = plan.table[group.rows]
+        grid = (rows.shape[0],)
+        _chunk_kernel[grid](
+            rows,
+            scale if scale is not None else plan.coef,
+            found if found is not None else plan.coef,
+            plan.partials[group.partials],
+            SRC=_TL_DTYPES[group.src_dtype],
+            DST=_TL_DTYPES[group.dst_dtype],
+            HAS_SCALE=scale is not None,
+            STORE=store,
+            CHECK=found is not None,
+            NORM=norm,
+            ALIGNED=group.aligned,
+            CHUNK=workspace.chunk_size,
+            BLOCK=workspace.block_size,
+            num_warps=workspace.num_warps,
+        )
+
+
+def _finalize(
+    plan: _Plan, workspace: UnscaleWorkspace, scale: torch.Tensor, max_norm: float | None
+) -> torch.Tensor:
+    total = plan.groups[-1].partials.stop if plan.groups else 0
+    norm = torch.empty((), dtype=torch.float32, device=plan.partials.device)  # fresh: callers may keep old norms
+    _finalize_kernel[(1,)](
+        plan.partials,
+        total,
+        norm,
+        plan.coef,
+        scale,
+        float(max_norm) if max_norm is not None else 0.0,
+        CLIP=max_norm is not None,
+        BLOCK=workspace.block_size,
+        num_warps=workspace.num_warps,
+    )
+    return norm
+
+
+def unscale(
+    grads: Tensors,
+    targets: Tensors,
+    inv_scale: torch.Tensor,
+    found_inf: torch.Tensor,
+    want_norm: bool,
+    max_norm: float | None,
+    workspace: UnscaleWorkspace,
+) -> torch.Tensor | None:
+    """The fused unscale (see the module docstring); ``grads`` and ``targets`` are non-empty, on one device."""
+    device = grads[0].device
+    with _on(device):
+        plan = _plan(workspace, grads, targets)
+        scale = inv_scale.to(device=device, dtype=torch.float32).reshape(1)
+        flag = found_inf if found_inf.device == device else torch.zeros(1, dtype=torch.float32, device=device)
+        if max_norm is None:
+            _launch_chunks(plan, workspace, scale, flag, store=True, norm=want_norm)
+            norm = _finalize(plan, workspace, scale, None) if want_norm else None
+        else:
+            # 12-byte path: read-only pass for flag and norm, then one multiply by clip_coef * inv_scale.
+            _launch_chunks(plan, workspace, scale, flag, store=False, norm=True)
+            norm = _finalize(plan, workspace, scale, max_norm)
+            _launch_chunks(plan, workspace, plan.coef, None, store=True, norm=False)
+    if flag is not found_inf:
+        found_inf.copy_(torch.maximum(found_inf, flag.to(found_inf.device).reshape(found_inf.shape)))
+    if norm is not None and norm.device != found_inf.device:
+        norm = norm.to(found_inf.device)
+    return norm
+
+
+def copy(src: Tensors, dst: Tensors, workspace: UnscaleWorkspace) -> None:
+    """``dst[i].copy_(src[i])`` for every pair, one launch per dtype pair (FP32 masters to half parameters)."""
+    with _on(src[0].device):
+        plan = _plan(workspace, src, dst)
+        _launch_chunks(plan, workspace, None, None, store=True, norm=False)
+
+
+class _on:
+    """Make ``device`` current for the launches (triton launches on the current CUDA device)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._context = torch.cuda.device(device) if device.type == "cuda" else None
+
+    def __enter__(self) -> None:
+        if self._context is not None:
+            self._context.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._context is not None:
+            self._context.__exit__(*exc)
