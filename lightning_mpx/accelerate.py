@@ -64,9 +64,9 @@ from lightning_mpx.unscale import BACKENDS
 
 # Import through require() so that a missing accelerate names the extra that installs it.
 require("accelerate", feature="lightning_mpx.accelerate")
-from accelerate import Accelerator as _BaseAccelerator  # noqa: E402
-from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
-from accelerate.utils import (  # noqa: E402
+from accelerate import Accelerator as _BaseAccelerator  # type: ignore[import-untyped]  # noqa: E402
+from accelerate.optimizer import AcceleratedOptimizer  # type: ignore[import-untyped]  # noqa: E402
+from accelerate.utils import (  # type: ignore[import-untyped]  # noqa: E402
     AutocastKwargs,
     DistributedType,
     GradScalerKwargs,
@@ -87,7 +87,7 @@ _SUPPORTED_DISTRIBUTED = (DistributedType.NO, DistributedType.MULTI_CPU, Distrib
 
 
 @dataclasses.dataclass
-class MixedPrecisionKwargs(KwargsHandler):
+class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
     """Settings of the opt level, in Accelerate's kwargs-handler style.
 
     Pass it as ``Accelerator(mixed_precision="O2", kwargs_handlers=[MixedPrecisionKwargs(...)])``. The defaults are
@@ -256,18 +256,18 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
         of ``args``, because O2's optimizer needs the FP32 masters that preparing its model creates."""
         if self.amp is None:
             return super().prepare(*args, device_placement=device_placement)
-        placements = device_placement if device_placement is not None else [None] * len(args)
-        if len(placements) != len(args):
-            raise ValueError(
-                f"device_placement has {len(placements)} element(s) but {len(args)} object(s) were passed."
-            )
-        objects = list(args)
-        for index, obj in enumerate(objects):
-            if isinstance(obj, nn.Module) and not getattr(obj, "_is_accelerate_prepared", False):
-                objects[index] = self.prepare_model(obj, device_placement=placements[index])
-                # Marks it as Accelerate does at the end of prepare(), so that the second pass leaves it alone.
-                objects[index]._is_accelerate_prepared = True
-        return super().prepare(*objects, device_placement=device_placement)
+        # Stable: models first, everything else in its order; the results go back to the caller's order.
+        order = sorted(range(len(args)), key=lambda i: not isinstance(args[i], nn.Module))
+        placements = device_placement  # of the wrong length: Accelerate raises its own error
+        if device_placement is not None and len(device_placement) == len(args):
+            placements = [device_placement[i] for i in order]
+        prepared = super().prepare(*(args[i] for i in order), device_placement=placements)
+        if len(args) <= 1:
+            return prepared
+        result: list[Any] = [None] * len(args)
+        for position, index in enumerate(order):
+            result[index] = prepared[position]
+        return tuple(result)
 
     def prepare_model(
         self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
@@ -284,7 +284,7 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
         if self.amp.properties.patch_torch_functions or self.amp.properties.casts_model:
             # An instance attribute, as Accelerate's own autocast wrapper: the class and other instances are untouched,
             # and unwrap_model(model, keep_fp32_wrapper=False) removes it through _original_forward.
-            model._original_forward = model.forward
+            model._original_forward = model.forward  # type: ignore[assignment]
             model.forward = _AmpForward(model.forward, self.amp)
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 

@@ -51,6 +51,7 @@ def main(out_dir: Path) -> None:
         "scale": accelerator.amp.scalers[0].get_scale(),
     }
     (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
+    accelerator.save_state(str(out_dir / "checkpoint"))
     accelerator.end_training()
 
 

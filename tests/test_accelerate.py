@@ -568,3 +568,6 @@ def test_two_processes_skip_together_and_stay_identical(tmp_path):
     params = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     _assert_same_tensors(params[0], params[1])
     assert params[0]["masters"][0].dtype == torch.float32 and params[0]["model"]["0.weight"].dtype == torch.float16
+    saved = sorted(p.name for p in (tmp_path / "checkpoint").iterdir())
+    assert AMP_STATE_NAME in saved and "model.safetensors" in saved
+    assert "model_1.safetensors" not in saved  # the DDP-wrapped model is registered once
