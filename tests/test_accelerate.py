@@ -247,7 +247,10 @@ def test_o2_optimizer_holds_fp32_masters_and_prepare_order_does_not_matter():
     accelerator = _accelerator("O2")
     model = _net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    opt, model = accelerator.prepare(opt, model)  # optimizer first: models are prepared first anyway
+    opt, model = accelerator.prepare(opt, model, device_placement=[True, True])  # models are prepared first anyway
+    assert isinstance(model, nn.Sequential) and len(accelerator._models) == 1
+    single = accelerator.prepare(_net(seed=1))  # one object in, one object out, as in Accelerate
+    assert isinstance(single, nn.Sequential) and single[0].weight.dtype == torch.float16
     held = _masters(opt)
     assert all(p.dtype == torch.float32 for p in held)
     assert not any(p is model[0].weight for p in held)
@@ -396,7 +399,7 @@ def test_accumulation_divides_the_loss_and_updates_the_scale_once_per_real_step(
 
 
 # -- several optimizers and losses -----------------------------------------------------------------------------------
-def test_gan_two_optimizers_two_losses_skip_and_update_independently():
+def test_gan_two_optimizers_two_losses_skip_and_update_independently(tmp_path):
     accelerator = _accelerator("O2", num_losses=2, growth_interval=1, init_scale=16.0)
     torch.manual_seed(0)
     gen, disc = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8)), nn.Sequential(nn.Linear(8, 1))
@@ -427,11 +430,14 @@ def test_gan_two_optimizers_two_losses_skip_and_update_independently():
         if it == 2:
             _assert_same_tensors([p.clone() for p in _masters(opt_d)], d_before)
     assert skipped == [(False, False), (False, False), (True, False), (False, False)]
-    metrics = accelerator.mpx_metrics()  # the pending update of loss 1 happens at the next backward or save_state
-    accelerator._close_iteration()
+    metrics = accelerator.mpx_metrics()
+    # Loss 1's last update is pending until the next backward; save_state applies it so the checkpoint holds it.
+    assert accelerator.amp.scalers[1].get_scale() == 16.0 * 2**3
+    accelerator.save_state(str(tmp_path))
+    saved = torch.load(tmp_path / AMP_STATE_NAME, weights_only=True)
     scales = [s.get_scale() for s in accelerator.amp.scalers]
     # Once per iteration each: loss 0 grew 3 times and halved once, loss 1 grew 4 times.
-    assert scales == [16.0 * 2**3 / 2, 16.0 * 2**4]
+    assert scales == [16.0 * 2**3 / 2, 16.0 * 2**4] == [s["scale"] for s in saved["scalers"]]
     assert metrics["mpx/skipped_steps/loss0"] == 1.0 and metrics["mpx/skipped_steps/loss1"] == 0.0
     assert {"mpx/loss_scale/loss0", "mpx/loss_scale/loss1", "mpx/overflows/loss0"} <= metrics.keys()
 
