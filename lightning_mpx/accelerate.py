@@ -1,0 +1,613 @@
+"""Hugging Face Accelerate with Apex-style opt levels: ``Accelerator(mixed_precision="O2")``.
+
+Swap the import and pick an opt level; the rest of an Accelerate script stays as it is::
+
+    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+
+    accelerator = Accelerator(mixed_precision="O2", kwargs_handlers=[MixedPrecisionKwargs(half_dtype="bfloat16")])
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            loss = F.cross_entropy(model(x), y)
+            accelerator.backward(loss)                     # scaled, divided by the accumulation steps
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)   # on the unscaled gradients
+            optimizer.step()                               # skipped on overflow: optimizer.step_was_skipped
+            scheduler.step()                               # does not advance on a skipped step
+            optimizer.zero_grad()
+        accelerator.log({"loss": loss.item()}, step=step)  # + mpx/loss_scale, mpx/overflows, ...
+
+``mixed_precision`` also takes Accelerate's own values (``"no"``, ``"fp16"``, ``"bf16"``, ``"fp8"``), which keep
+their native behaviour untouched. With an opt level, Accelerate itself runs with ``mixed_precision="no"`` and a
+:class:`~lightning_mpx.amp.Amp` does the work:
+
+* ``prepare`` converts each model for the opt level (before device placement's DDP wrapper, after it is moved to the
+  device, so that O2's FP32 masters live on the device), replaces its ``forward`` *on that instance only* (O1: the
+  cast policy is active during the forward; O2/O3: float inputs cast to half; every level: half outputs cast to
+  FP32 so that the loss is computed in FP32), and wraps each optimizer so that ``step`` is ``Amp.step``.
+* **When the scale is updated.** ``Amp.update()`` must run once per iteration, after the real optimizer steps. The
+  adapter calls it (1) as soon as every optimizer prepared by this accelerator has stepped (or skipped) since the
+  last update, which covers one optimizer, and one loss driving several optimizers; otherwise (2) at the next
+  ``backward``, or (3) at ``save_state``, whichever comes first, which covers a GAN whose optimizers step one after
+  the other on their own losses. So each loss's scale is updated once per iteration, never once per optimizer
+  call, and always before the next scaled backward. Inside ``accumulate()`` only the real (synchronising) step
+  counts.
+* Under several processes the overflow flag is all-reduced (MAX) before each step, so all ranks skip together, and
+  only the main process logs overflow messages.
+* ``log()`` adds ``mpx/loss_scale``, ``mpx/overflows`` (since the previous log), ``mpx/skipped_steps`` and
+  ``mpx/grad_norm`` (when ``clip_grad_norm_`` computed it) to the values you log, read from the device only then;
+  ``MixedPrecisionKwargs(log_metrics=False)`` turns this off and :meth:`Accelerator.mpx_metrics` returns them.
+* ``save_state``/``load_state`` write and read the loss scalers, the FP32 masters and the skip counters in
+  ``lightning_mpx_amp.bin`` next to Accelerate's own files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import pickle
+import weakref
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from lightning_mpx._dtypes import parse_half_dtype
+from lightning_mpx._imports import require
+from lightning_mpx.amp import Amp
+from lightning_mpx.cast_table import CastTable
+from lightning_mpx.loss_scaler import LossScaler, OnFloor
+from lightning_mpx.opt_levels import OPT_LEVELS
+from lightning_mpx.unscale import BACKENDS
+
+# Import through require() so that a missing accelerate names the extra that installs it.
+require("accelerate", feature="lightning_mpx.accelerate")
+from accelerate import Accelerator as _BaseAccelerator  # type: ignore[import-untyped]  # noqa: E402
+from accelerate.optimizer import AcceleratedOptimizer  # type: ignore[import-untyped]  # noqa: E402
+from accelerate.utils import (  # type: ignore[import-untyped]  # noqa: E402
+    AutocastKwargs,
+    DistributedType,
+    GradScalerKwargs,
+    KwargsHandler,
+    convert_to_fp32,
+)
+
+__all__ = ["AMP_STATE_NAME", "NATIVE_MIXED_PRECISION", "Accelerator", "MixedPrecisionKwargs"]
+
+#: Accelerate's own ``mixed_precision`` values, passed through unchanged.
+NATIVE_MIXED_PRECISION: tuple[str, ...] = ("no", "fp16", "bf16", "fp8")
+#: The file that ``save_state`` writes the :class:`~lightning_mpx.amp.Amp` state to.
+AMP_STATE_NAME = "lightning_mpx_amp.bin"
+
+_OPT_LEVEL_OVERRIDES = ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32", "master_weights", "loss_scale")
+_ADAPTER_FIELDS = ("log_metrics",)
+_SUPPORTED_DISTRIBUTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+
+
+@dataclasses.dataclass
+class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
+    """Settings of the opt level, in Accelerate's kwargs-handler style.
+
+    Pass it as ``Accelerator(mixed_precision="O2", kwargs_handlers=[MixedPrecisionKwargs(...)])``. The defaults are
+    :class:`~lightning_mpx.amp.Amp`'s; only the fields you change are passed on. Values are checked here as far as
+    they can be without the opt level, and again, against the opt level, when the :class:`Accelerator` is built.
+
+    Args:
+        half_dtype: ``"float16"`` or ``"bfloat16"`` (or ``"fp16"``, ``"bf16"``, a torch dtype). With bfloat16 the
+            default loss scale is a static 1.0.
+        num_losses: Number of losses with a scaler each; pass ``loss_id`` to :meth:`Accelerator.backward`.
+        cast_model_type, patch_torch_functions, keep_batchnorm_fp32, master_weights, loss_scale: Opt-level property
+            overrides (see :func:`~lightning_mpx.opt_levels.resolve_properties`); ``None`` keeps the preset's value.
+        init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_loss_scale, max_loss_scale,
+            on_floor: Loss-scaler settings (see :class:`~lightning_mpx.loss_scaler.LossScaler`).
+        cast_table: The O1 cast table (a copy of the default when ``None``).
+        allow_banned: Run banned ops in FP32 instead of raising.
+        unscale_backend: ``"auto"``, ``"foreach"`` or ``"reference"``.
+        overflow_log_interval: Minimum seconds between two overflow log messages.
+        log_metrics: Add the ``mpx/...`` metrics to every :meth:`Accelerator.log` call.
+
+    Raises:
+        ValueError: for a value that is invalid whatever the opt level (a dtype, a scaler setting, ...).
+        TypeError: for a flag that is not a bool.
+    """
+
+    half_dtype: str | torch.dtype = "float16"
+    num_losses: int = 1
+    cast_model_type: str | torch.dtype | None = None
+    patch_torch_functions: bool | None = None
+    keep_batchnorm_fp32: bool | None = None
+    master_weights: bool | None = None
+    loss_scale: float | str | None = None
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    min_loss_scale: float = 1.0
+    max_loss_scale: float = 2.0**24
+    on_floor: OnFloor = "raise"
+    cast_table: CastTable | None = None
+    allow_banned: bool = False
+    unscale_backend: str = "auto"
+    overflow_log_interval: float = 10.0
+    log_metrics: bool = True
+
+    def __post_init__(self) -> None:
+        parse_half_dtype(self.half_dtype)
+        if isinstance(self.num_losses, bool) or not isinstance(self.num_losses, int) or self.num_losses < 1:
+            raise ValueError(f"num_losses={self.num_losses!r} must be a positive integer.")
+        for name in ("patch_torch_functions", "keep_batchnorm_fp32", "master_weights"):
+            if getattr(self, name) not in (None, True, False):
+                raise TypeError(f"{name}={getattr(self, name)!r} must be True, False or None (the preset's value).")
+        for name in ("allow_banned", "log_metrics"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}={getattr(self, name)!r} must be True or False.")
+        if self.unscale_backend not in BACKENDS:
+            raise ValueError(
+                f"unscale_backend={self.unscale_backend!r} is not valid; valid choices: {', '.join(BACKENDS)}."
+            )
+        if self.cast_table is not None and not isinstance(self.cast_table, CastTable):
+            raise TypeError(f"cast_table={type(self.cast_table).__name__} must be a lightning_mpx.CastTable or None.")
+        # The scaler validates its own settings (and the loss scale) with messages that name them.
+        LossScaler(
+            "dynamic" if self.loss_scale is None else self.loss_scale,  # type: ignore[arg-type]
+            init_scale=self.init_scale,
+            growth_factor=self.growth_factor,
+            backoff_factor=self.backoff_factor,
+            growth_interval=self.growth_interval,
+            hysteresis=self.hysteresis,
+            min_loss_scale=self.min_loss_scale,
+            max_loss_scale=self.max_loss_scale,
+            on_floor=self.on_floor,
+        )
+
+    def amp_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments for :class:`~lightning_mpx.amp.Amp`: the fields changed from their defaults."""
+        return {k: v for k, v in self.to_kwargs().items() if k not in _ADAPTER_FIELDS}
+
+
+class Accelerator(_BaseAccelerator):  # type: ignore[misc]
+    """``accelerate.Accelerator`` that also accepts the opt levels ``"O0"`` to ``"O3"`` as ``mixed_precision``.
+
+    Args:
+        *args: Passed to ``accelerate.Accelerator``.
+        mixed_precision: An opt level (``"O0"``, ``"O1"``, ``"O2"``, ``"O3"``) or one of Accelerate's values
+            (``"no"``, ``"fp16"``, ``"bf16"``, ``"fp8"``), which behave exactly as in Accelerate. ``None`` reads
+            ``ACCELERATE_MIXED_PRECISION``, which may also hold an opt level.
+        kwargs_handlers: Accelerate's handlers, plus at most one :class:`MixedPrecisionKwargs` (opt levels only).
+        **kwargs: Passed to ``accelerate.Accelerator``.
+
+    Attributes:
+        amp: The :class:`~lightning_mpx.amp.Amp` that does the work, or ``None`` with a native value.
+        mpx_kwargs: The :class:`MixedPrecisionKwargs` in use, or ``None`` with a native value.
+
+    Raises:
+        ValueError: for an unknown ``mixed_precision``, a :class:`MixedPrecisionKwargs` without an opt level, an
+            invalid opt-level combination, torch's ``GradScalerKwargs``/``AutocastKwargs`` with an opt level, or a
+            DeepSpeed, FSDP, Megatron-LM or XLA set-up with an opt level.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        mixed_precision: str | None = None,
+        kwargs_handlers: list[KwargsHandler] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.amp: Amp | None = None
+        self.mpx_kwargs: MixedPrecisionKwargs | None = None
+        handlers = list(kwargs_handlers or [])
+        ours = [h for h in handlers if isinstance(h, MixedPrecisionKwargs)]
+        theirs = [h for h in handlers if not isinstance(h, MixedPrecisionKwargs)]
+        if len(ours) > 1:
+            raise ValueError(f"kwargs_handlers holds {len(ours)} MixedPrecisionKwargs; pass at most one.")
+        opt_level = _opt_level_of(mixed_precision)
+        if opt_level is None:
+            if ours:
+                raise ValueError(
+                    f"MixedPrecisionKwargs configures an opt level, but mixed_precision={mixed_precision!r}; use "
+                    f"one of {', '.join(map(repr, OPT_LEVELS))}, or drop MixedPrecisionKwargs."
+                )
+            super().__init__(*args, mixed_precision=mixed_precision, kwargs_handlers=theirs or None, **kwargs)
+            return
+
+        native = [type(h).__name__ for h in theirs if isinstance(h, (GradScalerKwargs, AutocastKwargs))]
+        if native:
+            raise ValueError(
+                f"{', '.join(native)} configure torch's GradScaler/autocast, which mixed_precision={opt_level!r} "
+                "does not use; pass the loss-scaler settings in MixedPrecisionKwargs instead."
+            )
+        settings = ours[0] if ours else MixedPrecisionKwargs()
+        # Built before Accelerate sets up processes and devices, so that a bad combination fails fast.
+        amp = Amp(opt_level, **settings.amp_kwargs())
+        super().__init__(*args, mixed_precision="no", kwargs_handlers=theirs or None, **kwargs)
+        if self.distributed_type not in _SUPPORTED_DISTRIBUTED:
+            raise ValueError(
+                f"mixed_precision={opt_level!r} supports single-process and DDP training, not "
+                f"distributed_type={self.distributed_type}; use Accelerate's native mixed precision there."
+            )
+        self.amp, self.mpx_kwargs = amp, settings
+        if self.num_processes > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            amp.found_inf_reducer = _all_reduce_max  # every rank takes the same skip decision
+            amp.log_overflows = self.is_main_process
+        # Optimizers that stepped (or skipped) since the last Amp.update(): see the module docstring.
+        self._stepped: set[int] = set()
+        self._converted: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self.register_save_state_pre_hook(self._save_amp_state)
+        self.register_load_state_pre_hook(self._load_amp_state)
+
+    # -- what the user sees ---------------------------------------------------------------------------------------
+    @property
+    def mixed_precision(self) -> str:
+        """The opt level, or Accelerate's own mode (``"no"``, ``"fp16"``, ...)."""
+        amp = getattr(self, "amp", None)
+        return amp.opt_level if amp is not None else str(self.state.mixed_precision)
+
+    @property
+    def opt_level(self) -> str | None:
+        """The opt level, or ``None`` with a native ``mixed_precision`` value."""
+        return self.amp.opt_level if self.amp is not None else None
+
+    # -- prepare ----------------------------------------------------------------------------------------------------
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        """As ``accelerate.Accelerator.prepare``; with an opt level, models are prepared first whatever the order
+        of ``args``, because O2's optimizer needs the FP32 masters that preparing its model creates."""
+        if self.amp is None:
+            return super().prepare(*args, device_placement=device_placement)
+        # Stable: models first, everything else in its order; the results go back to the caller's order.
+        order = sorted(range(len(args)), key=lambda i: not isinstance(args[i], nn.Module))
+        placements = device_placement  # of the wrong length: Accelerate raises its own error
+        if device_placement is not None and len(device_placement) == len(args):
+            placements = [device_placement[i] for i in order]
+        prepared = super().prepare(*(args[i] for i in order), device_placement=placements)
+        if len(args) <= 1:
+            return prepared
+        result: list[Any] = [None] * len(args)
+        for position, index in enumerate(order):
+            result[index] = prepared[position]
+        return tuple(result)
+
+    def prepare_model(
+        self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ) -> nn.Module:
+        """As ``accelerate.Accelerator.prepare_model``, with the opt level's conversion and forward applied first."""
+        if self.amp is None or getattr(model, "_is_accelerate_prepared", False) or model in self._converted:
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        place = self.device_placement if device_placement is None else device_placement
+        if place and not self.verify_device_map(model):
+            # On the device before conversion: O2's masters are created next to the parameters they copy.
+            model.to(self.device)
+        self.amp.prepare_model(model)
+        self._converted.add(model)
+        if self.amp.properties.patch_torch_functions or self.amp.properties.casts_model:
+            # An instance attribute, as Accelerate's own autocast wrapper: the class and other instances are untouched,
+            # and unwrap_model(model, keep_fp32_wrapper=False) removes it through _original_forward.
+            model._original_forward = model.forward  # type: ignore[assignment]
+            model.forward = _AmpForward(model.forward, self.amp)
+        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
+        """As ``accelerate.Accelerator.prepare_optimizer``; with an opt level the optimizer steps through the
+        :class:`~lightning_mpx.amp.Amp` (at O2 on the FP32 masters). Prepare its model first."""
+        if self.amp is None or getattr(optimizer, "_is_accelerate_prepared", False):
+            return super().prepare_optimizer(optimizer, device_placement=device_placement)
+        self.amp.prepare_optimizer(optimizer)
+        wrapped = _AmpOptimizer(
+            optimizer,
+            self.amp,
+            self._optimizer_stepped,
+            device_placement=self.device_placement if device_placement is None else device_placement,
+        )
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    # -- forward and backward ---------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def autocast(self, autocast_handler: AutocastKwargs | None = None) -> Iterator[None]:
+        """As ``accelerate.Accelerator.autocast``; with an opt level, the O1 cast policy's scope (nothing at O0,
+        O2 and O3, whose model is cast as a whole)."""
+        if self.amp is None:
+            with super().autocast(autocast_handler):
+                yield
+            return
+        if autocast_handler is not None:
+            raise ValueError(
+                f"autocast_handler configures torch.autocast, which mixed_precision={self.amp.opt_level!r} does "
+                "not use; use lightning_mpx.disable_casts() to run part of an O1 forward pass in FP32."
+            )
+        with self.amp.forward_context():
+            yield
+
+    def backward(self, loss: torch.Tensor, loss_id: int = 0, **kwargs: Any) -> None:
+        """Scaled backward of ``loss / gradient_accumulation_steps`` (Accelerate's division is kept).
+
+        Args:
+            loss: The loss.
+            loss_id: Which loss scaler to use (``0`` to ``num_losses - 1``); opt levels only.
+            **kwargs: Passed to ``Tensor.backward``.
+        """
+        if self.amp is None:
+            if loss_id != 0:
+                raise ValueError(
+                    f"loss_id={loss_id!r} needs an opt level (mixed_precision='O1', ...) with "
+                    "MixedPrecisionKwargs(num_losses=...); Accelerate's native modes have one scaler."
+                )
+            super().backward(loss, **kwargs)
+            return
+        self._close_iteration()  # a pending update must reach the scale this backward uses
+        self.amp.backward(loss / self.gradient_accumulation_steps, loss_id=loss_id, **kwargs)
+
+    # -- gradients --------------------------------------------------------------------------------------------------
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """Unscale the gradients of ``optimizer`` (one, a list, or ``None``: every prepared optimizer that holds
+        gradients). At O2 the unscaled gradients are the FP32 masters' ``.grad``. Does nothing to an optimizer
+        already unscaled since its last step. Call it right before the step: a later backward would add scaled
+        gradients to unscaled ones."""
+        if self.amp is None:
+            super().unscale_gradients(optimizer)
+            return
+        self._check_sync("unscale_gradients")
+        if optimizer is None:
+            owners = [opt for opt in self._amp_optimizers() if self._has_grads(opt)]
+        else:
+            owners = [self._owner(opt) for opt in (optimizer if isinstance(optimizer, (list, tuple)) else [optimizer])]
+        self._unscale(owners)
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        """Clip the unscaled gradients of ``parameters`` to a global norm; returns the norm before clipping.
+
+        With an opt level, ``parameters`` (the model's or the optimizer's) are mapped to the optimizers that train
+        them, which are unscaled first; when they are exactly one optimizer's parameters and ``norm_type`` is 2,
+        unscaling, the overflow check, the norm and the clip are one fused pass, and the norm is logged as
+        ``mpx/grad_norm``.
+
+        Raises:
+            RuntimeError: inside ``accumulate()`` on a step that does not synchronise gradients.
+            ValueError: when a parameter with a gradient belongs to no optimizer prepared by this accelerator.
+        """
+        if self.amp is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)  # type: ignore[no-any-return]
+        self._check_sync("clip_grad_norm_")
+        owners, targets = self._targets(parameters)
+        if float(norm_type) == 2.0 and len(owners) == 1:
+            owner = owners[0]
+            if {id(p) for p in targets} == {id(p) for p in _params(owner.optimizer)}:
+                norm = self.amp.clip_grad_norm_(owner.optimizer, max_norm)
+                owner.unscaled = True
+                return norm
+        self._unscale(owners)
+        return torch.nn.utils.clip_grad_norm_(targets, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """Clamp the unscaled gradients of ``parameters`` to ``[-clip_value, clip_value]`` (see
+        :meth:`clip_grad_norm_` for how parameters are mapped)."""
+        if self.amp is None:
+            super().clip_grad_value_(parameters, clip_value)
+            return
+        self._check_sync("clip_grad_value_")
+        owners, targets = self._targets(parameters)
+        self._unscale(owners)
+        torch.nn.utils.clip_grad_value_(targets, clip_value)
+
+    # -- metrics ----------------------------------------------------------------------------------------------------
+    def mpx_metrics(self) -> dict[str, float]:
+        """``mpx/loss_scale``, ``mpx/overflows`` (since the previous call), ``mpx/skipped_steps`` and
+        ``mpx/grad_norm`` (when ``clip_grad_norm_`` computed it since the previous call) as Python floats, with a
+        ``/loss{id}`` suffix when there are several losses. Reads the device (one sync); empty with a native value."""
+        if self.amp is None:
+            return {}
+        return {name: float(value) for name, value in self.amp.metrics().items()}
+
+    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
+        """As ``accelerate.Accelerator.log``; with an opt level the :meth:`mpx_metrics` are added to ``values``
+        (your own values win on a name clash) unless ``MixedPrecisionKwargs(log_metrics=False)``. The device is read
+        only here, and only on the main process, which is the only one that logs."""
+        if self.amp is not None and self.mpx_kwargs is not None and self.mpx_kwargs.log_metrics and self.is_main_process:
+            values = {**self.mpx_metrics(), **values}
+        super().log(values, step=step, log_kwargs=log_kwargs)
+
+    # -- internals ----------------------------------------------------------------------------------------------------
+    def _amp_optimizers(self) -> list[_AmpOptimizer]:
+        return [opt for opt in self._optimizers if isinstance(opt, _AmpOptimizer)]
+
+    def _optimizer_stepped(self, optimizer: _AmpOptimizer) -> None:
+        self._stepped.add(id(optimizer))
+        if all(id(opt) in self._stepped for opt in self._amp_optimizers()):
+            self._close_iteration()
+
+    def _close_iteration(self) -> None:
+        if self.amp is not None and self._stepped:
+            self.amp.update()
+            self._stepped.clear()
+
+    def _check_sync(self, what: str) -> None:
+        if not self.sync_gradients:
+            raise RuntimeError(
+                f"{what}() was called while accelerator.sync_gradients is False (inside accumulate(), before the "
+                "last micro-batch): the gradients are still accumulating, scaled. Call it under "
+                "`if accelerator.sync_gradients:`."
+            )
+
+    def _owner(self, optimizer: Any) -> _AmpOptimizer:
+        for opt in self._amp_optimizers():
+            if optimizer is opt or optimizer is opt.optimizer:
+                return opt
+        raise ValueError(f"optimizer={type(optimizer).__name__} was not prepared by this Accelerator.")
+
+    def _has_grads(self, owner: _AmpOptimizer) -> bool:
+        return any(p.grad is not None or owner.model_param(p).grad is not None for p in _params(owner.optimizer))
+
+    def _targets(self, parameters: Any) -> tuple[list[_AmpOptimizer], list[torch.Tensor]]:
+        """The optimizers that train ``parameters``, and the tensors whose ``.grad`` hold their unscaled gradients
+        (the FP32 masters at O2, the parameters themselves otherwise)."""
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        index: dict[int, tuple[_AmpOptimizer, torch.Tensor]] = {}
+        for opt in self._amp_optimizers():
+            for param in _params(opt.optimizer):
+                index[id(param)] = index[id(opt.model_param(param))] = (opt, param)
+        owners: dict[int, _AmpOptimizer] = {}
+        targets: dict[int, torch.Tensor] = {}
+        strays = 0
+        for param in params:
+            hit = index.get(id(param))
+            if hit is None:
+                strays += param.grad is not None
+                continue
+            owners.setdefault(id(hit[0]), hit[0])
+            targets.setdefault(id(hit[1]), hit[1])
+        if strays:
+            raise ValueError(
+                f"parameters holds {strays} tensor(s) with gradients that no optimizer prepared by this Accelerator "
+                "trains: their gradients are scaled and cannot be unscaled. Prepare the optimizer that trains them."
+            )
+        return list(owners.values()), list(targets.values())
+
+    def _unscale(self, owners: Iterable[_AmpOptimizer]) -> None:
+        assert self.amp is not None
+        for owner in owners:
+            if not owner.unscaled:
+                self.amp.unscale_(owner.optimizer)
+                owner.unscaled = True
+
+    def _save_amp_state(self, models: list[nn.Module], weights: list[dict[str, Any]], output_dir: str) -> None:
+        assert self.amp is not None
+        self._close_iteration()  # the checkpoint holds the scale the next backward would use
+        state = self.amp.state_dict()  # every rank reads its device state (all ranks agree: the flags are reduced)
+        if self.is_main_process or (self.project_configuration.save_on_each_node and self.is_local_main_process):
+            torch.save(state, os.path.join(output_dir, AMP_STATE_NAME))
+
+    def _load_amp_state(self, models: list[nn.Module], input_dir: str) -> None:
+        assert self.amp is not None
+        path = os.path.join(input_dir, AMP_STATE_NAME)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"{path} does not exist: the checkpoint in {input_dir} was not saved by lightning_mpx's Accelerator "
+                f"with an opt level, so the loss scale and FP32 masters of mixed_precision={self.amp.opt_level!r} "
+                "cannot be restored."
+            )
+        self._close_iteration()
+        for opt in self._amp_optimizers():
+            opt.unscaled = False
+        self.amp.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+
+class _AmpOptimizer(AcceleratedOptimizer):  # type: ignore[misc]
+    """Accelerate's optimizer wrapper whose real step goes through :meth:`Amp.step`.
+
+    ``step_was_skipped`` is true after an overflow, which keeps a prepared scheduler from advancing; inside
+    ``accumulate()`` a step that does not synchronise gradients does nothing, as in Accelerate.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        amp: Amp,
+        on_step: Callable[[_AmpOptimizer], None],
+        device_placement: bool = True,
+    ) -> None:
+        super().__init__(optimizer, device_placement=device_placement, scaler=None)
+        self.amp = amp
+        self.on_step = on_step
+        self.unscaled = False  # unscaled since the last step (by clip_grad_norm_/unscale_gradients)
+
+    def model_param(self, param: torch.Tensor) -> torch.Tensor:
+        """The model parameter behind an optimizer parameter (its half copy at O2; itself otherwise)."""
+        for masters in self.amp.master_weights:
+            model_param = masters.model_of(param)
+            if model_param is not param:
+                return model_param
+        return param
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        if not self.gradient_state.sync_gradients:
+            return  # accumulating: Accelerate steps only on the synchronising micro-batch
+        if closure is not None:
+            raise ValueError(
+                "closure: loss scaling cannot re-run a closure inside the optimizer step; call the closure, then "
+                "optimizer.step() without it."
+            )
+        self._is_overflow = True  # stays true if Amp.step raises (LossScaleFloorError skips the step first)
+        stepped = self.amp.step(self.optimizer)
+        self._is_overflow = not stepped
+        self.unscaled = False
+        self.on_step(self)
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        if not self.gradient_state.sync_gradients:
+            return
+        # At O2 the backward writes the half model parameters' .grad, which the optimizer (holding the masters)
+        # does not see: clear them too, or a zero_grad without a step would leak them into the next step.
+        for param in _params(self.optimizer):
+            model_param = self.model_param(param)
+            if model_param is not param and model_param.grad is not None:
+                if set_to_none is False:
+                    model_param.grad.zero_()
+                else:
+                    model_param.grad = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("on_step", None)  # a bound method of the Accelerator: not part of the optimizer
+        return state  # type: ignore[no-any-return]
+
+
+class _AmpForward:
+    """A prepared model's ``forward`` under the opt level: O1's cast policy around it, O2/O3's float inputs cast to
+    half; half outputs cast to FP32 (as Accelerate's own wrapper) so that the loss is computed in FP32."""
+
+    def __init__(self, forward: Callable[..., Any], amp: Amp) -> None:
+        self._forward = forward
+        self._amp = amp
+        # __wrapped__ is the plain function, so that Accelerate's unwrap_model(keep_fp32_wrapper=False) can restore it.
+        functools.update_wrapper(self, getattr(forward, "__func__", forward))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        amp = self._amp
+        if amp.properties.casts_model:
+            args, kwargs = amp.cast_inputs(args), amp.cast_inputs(kwargs)
+        with amp.forward_context():
+            output = self._forward(*args, **kwargs)
+        return convert_to_fp32(output)
+
+    def __getstate__(self) -> Any:
+        raise pickle.PicklingError(
+            "Cannot pickle a model prepared with an opt level; unwrap it first with "
+            "accelerator.unwrap_model(model, keep_fp32_wrapper=False)."
+        )
+
+
+def _params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def _all_reduce_max(flag: torch.Tensor) -> None:
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+
+
+def _opt_level_of(mixed_precision: object) -> str | None:
+    """The opt level that ``mixed_precision`` (or ``ACCELERATE_MIXED_PRECISION`` when it is ``None``) names, or
+    ``None`` for Accelerate's own values."""
+    value = mixed_precision
+    if value is None:
+        env = os.environ.get("ACCELERATE_MIXED_PRECISION")
+        return env if env in OPT_LEVELS else None
+    text = str(value)  # PrecisionType members are str enums
+    if text in OPT_LEVELS:
+        return text
+    if text in NATIVE_MIXED_PRECISION:
+        return None
+    hint = ""
+    if len(text) == 2 and text[1] in "0123" and text[0] in "0o":
+        hint = (
+            f" The opt level starts with the capital letter O, not "
+            f"{'the digit zero' if text[0] == '0' else 'a lower-case o'}: did you mean 'O{text[1]}'?"
+        )
+    raise ValueError(
+        f"mixed_precision={value!r} is not valid; valid choices: Accelerate's "
+        f"{', '.join(map(repr, NATIVE_MIXED_PRECISION))} or lightning_mpx's opt levels "
+        f"{', '.join(map(repr, OPT_LEVELS))}.{hint}"
+    )
