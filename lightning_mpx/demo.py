@@ -225,7 +225,7 @@ def train(config: DemoConfig) -> DemoResult:
         limit_val_batches=config.val_batches,
         num_sanity_val_steps=0,
         logger=TensorBoardLogger(str(run_dir.parent), name=run_dir.name, version=""),
-        log_every_n_steps=config.log_every_n_steps,
+        log_every_n_steps=min(config.log_every_n_steps, max(1, config.steps // 5)),  # short runs get curves too
         enable_checkpointing=False,
         enable_progress_bar=config.progress_bar,
         enable_model_summary=False,

@@ -1,0 +1,82 @@
+"""The ``lightning-mpx`` console script: ``demo`` and ``plot``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from lightning_mpx.cli import main
+from lightning_mpx.demo import DemoConfig, train
+from lightning_mpx.plot import plot_run, read_scalars
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--steps", "6", "--dim", "16", "--layers", "1", "--batch-size", "4", "--seq-len", "16", "--no-progress-bar"]
+
+
+def test_demo_trains_logs_and_prints_the_summary(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["demo", *TINY, "--half-dtype", "bfloat16", "--run-dir", str(run), "--plot"]) == 0
+    out = capsys.readouterr().out
+    for row in ("final train loss", "final val loss", "steps", "skipped steps", "final loss scale", "tokens / second"):
+        assert row in out
+    assert "| steps            | 6" in out
+    series = read_scalars(run)
+    assert {"mpx/loss_scale", "mpx/overflows", "mpx/skipped_steps", "train/loss", "val/loss"} <= set(series)
+    png = run / "loss_scale.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_marks_overflows_from_a_run_that_had_them(tmp_path):
+    # A scale far beyond float16's range overflows at once, then backs off step by step.
+    result = train(
+        DemoConfig(
+            steps=8, dim=16, layers=1, batch_size=4, seq_len=16, progress_bar=False, log_every_n_steps=1,
+            run_dir=str(tmp_path / "overflowing"), plugin_kwargs=dict(init_scale=2.0**24),
+        )
+    )  # fmt: skip
+    assert result.skipped_steps > 0
+    series = read_scalars(result.run_dir)
+    overflow_steps = [step for step, value in series["mpx/overflows"] if value > 0]
+    scales = dict(series["mpx/loss_scale"])
+    assert overflow_steps and all(scales[s] < 2.0**24 for s in overflow_steps)  # halved where it overflowed
+    out = plot_run(result.run_dir, tmp_path / "curves.png")
+    assert out.stat().st_size > 10_000
+
+
+def test_plot_explains_a_folder_without_event_files(tmp_path, capsys):
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "holds no TensorBoard event files" in capsys.readouterr().err
+    assert main(["plot", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_demo_rejects_bad_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--opt-level", "O4"])
+    assert "invalid choice: 'O4'" in capsys.readouterr().err
+    assert main(["demo", "--steps", "0"]) == 2
+    assert "--steps=0 must be >= 1" in capsys.readouterr().err
+
+
+def test_console_script_is_declared():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["lightning-mpx"] == "lightning_mpx.cli:main"
+
+
+@pytest.mark.parametrize(
+    "module,extra",
+    [("lightning_mpx.lightning", "lightning"), ("lightning_mpx.demo", "lightning")],
+)
+def test_adapter_without_its_framework_names_the_extra(module, extra):
+    code = (
+        "import sys\n"
+        "for name in ('lightning', 'lightning.pytorch'): sys.modules[name] = None  # as if not installed\n"
+        f"import {module}\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode != 0
+    assert f"pip install 'lightning-mpx[{extra}]'" in run.stderr
