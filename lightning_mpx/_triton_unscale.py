@@ -30,6 +30,7 @@ Byte counts per element (``s``/``d``: source/destination element sizes):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -44,7 +45,7 @@ Tensors = Sequence[torch.Tensor]
 #: Largest finite FP32 value: |x| <= it is false exactly for inf, -inf and NaN.
 _FP32_MAX = tl.constexpr(3.4028234663852886e38)
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_TL_DTYPES = MappingProxyType({torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16})
 SUPPORTED_DTYPES = tuple(_TL_DTYPES)
 
 
