@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--layers", type=int, default=2)
     demo.add_argument("--lr", type=float, default=3e-3)
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--growth-interval", type=int, default=50, help="clean steps before the loss scale doubles (default: 50)"
+    )
     demo.add_argument("--accelerator", default="auto", help="Lightning accelerator: auto, cpu, gpu (default: auto)")
     demo.add_argument("--run-dir", default=None, help="TensorBoard run folder (default: runs/demo-LEVEL-DTYPE-TIME)")
     demo.add_argument("--no-progress-bar", action="store_true")
@@ -47,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from lightning_mpx.demo import DemoConfig, format_summary, train
 
-        for name in ("steps", "batch_size", "seq_len", "dim", "layers"):
+        for name in ("steps", "batch_size", "seq_len", "dim", "layers", "growth_interval"):
             if getattr(args, name) < 1:
                 print(f"lightning-mpx demo: --{name.replace('_', '-')}={getattr(args, name)} must be >= 1", file=sys.stderr)
                 return 2
@@ -62,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 layers=args.layers,
                 lr=args.lr,
                 seed=args.seed,
+                growth_interval=args.growth_interval,
                 accelerator=args.accelerator,
                 run_dir=args.run_dir,
                 progress_bar=not args.no_progress_bar,

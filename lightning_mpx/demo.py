@@ -164,6 +164,9 @@ class DemoConfig:
     accelerator: str = "auto"
     progress_bar: bool = True
     log_every_n_steps: int = 10
+    # A short growth interval, so that the scaler's probing (doubling, then halving at an overflow) shows in a short
+    # run; production runs keep the default of 2000.
+    growth_interval: int = 50
     plugin_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -213,7 +216,8 @@ def train(config: DemoConfig) -> DemoResult:
     val_loader = torch.utils.data.DataLoader(val_set, batch_size=config.batch_size)
 
     run_dir = Path(config.run_dir or f"runs/demo-{config.opt_level}-{config.half_dtype}-{time.strftime('%Y%m%d-%H%M%S')}")
-    plugin = MixedPrecisionPlugin(config.opt_level, half_dtype=config.half_dtype, **config.plugin_kwargs)
+    plugin_kwargs = {"growth_interval": config.growth_interval, **config.plugin_kwargs}
+    plugin = MixedPrecisionPlugin(config.opt_level, half_dtype=config.half_dtype, **plugin_kwargs)
     curve = _ValCurve()
     trainer = _pl.Trainer(
         accelerator=config.accelerator,
