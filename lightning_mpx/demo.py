@@ -23,6 +23,8 @@ from lightning_mpx._imports import require
 
 _pl = require("lightning.pytorch", extra="lightning", feature="the lightning-mpx demo")
 
+from lightning.pytorch import Callback, LightningModule  # noqa: E402
+
 
 def load_corpus(max_bytes: int = 2_000_000) -> bytes:
     """Up to ``max_bytes`` of the standard library's ``.py`` files, in a fixed (sorted) order.
@@ -83,7 +85,7 @@ class _Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class CharTransformer(_pl.LightningModule):
+class CharTransformer(LightningModule):
     """A GPT-style byte-level language model.
 
     Args:
@@ -131,8 +133,9 @@ class CharTransformer(_pl.LightningModule):
         self.log("val/loss", self._loss(batch), prog_bar=True)
 
     def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
-        warmup, total = self.hparams.warmup, max(self.hparams.total_steps, self.hparams.warmup + 1)
+        hparams: Any = self.hparams
+        optimizer = torch.optim.AdamW(self.parameters(), lr=hparams.lr, weight_decay=0.01)
+        warmup, total = hparams.warmup, max(hparams.total_steps, hparams.warmup + 1)
 
         def schedule(step: int) -> float:
             if step < warmup:
@@ -188,7 +191,7 @@ class DemoResult:
     val_curve: list[tuple[int, float]] = field(default_factory=list)
 
 
-class _ValCurve(_pl.Callback):
+class _ValCurve(Callback):
     def __init__(self) -> None:
         self.points: list[tuple[int, float]] = []
 

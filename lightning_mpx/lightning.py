@@ -104,8 +104,11 @@ class MixedPrecisionPlugin(Precision):
         self._opt_level = opt_level
         # Built now so that bad arguments fail at Trainer construction, not mid-setup.
         self.amp = Amp(opt_level, **self._settings)
-        # Lightning reads ``precision`` to describe the run (e.g. in its summary and in ``trainer.precision``).
-        self.precision = f"mpx-{self.amp.opt_level}-{str(self.amp.half_dtype).removeprefix('torch.')}"
+        # ``trainer.precision`` in Lightning's own words (its model summary sizes the weights from it): what the
+        # parameters are stored in, and whether the compute is mixed.
+        prefix = "bf16" if self.amp.half_dtype == torch.bfloat16 else "16"
+        level = self.amp.opt_level
+        self.precision = "32-true" if level == "O0" else f"{prefix}-mixed" if level == "O1" else f"{prefix}-true"  # type: ignore[assignment]
         self._module: nn.Module | None = None
         self._hooks: list[Any] = []
         self._masters_synced = False
@@ -114,6 +117,11 @@ class MixedPrecisionPlugin(Precision):
         self._toggle_state: dict[Any, bool] | None = None
         self._saved_requires_grad: list[tuple[torch.Tensor, bool]] | None = None
         self._log_step: int | None = None  # the step to log the mpx metrics at, once the scale is updated
+
+    @property
+    def opt_level(self) -> str:
+        """The opt level, ``"O0"`` to ``"O3"``."""
+        return self.amp.opt_level
 
     # -- model ---------------------------------------------------------------------------------------------------
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -158,7 +166,8 @@ class MixedPrecisionPlugin(Precision):
                 self.amp.found_inf_reducer = _all_reduce_max
         automatic = trainer is None or trainer.lightning_module.automatic_optimization
         schedulers = [
-            dataclasses.replace(config, scheduler=_SkipAwareScheduler(config.scheduler, self._was_skipped))
+            # The wrapper stands in for the scheduler everywhere Lightning uses it (step, state_dict, optimizer).
+            dataclasses.replace(config, scheduler=_SkipAwareScheduler(config.scheduler, self._was_skipped))  # type: ignore[arg-type]
             if automatic and isinstance(config, LRSchedulerConfig) and config.interval == "step"
             else config
             for config in lr_schedulers

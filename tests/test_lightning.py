@@ -37,6 +37,9 @@ def test_each_opt_level_trains_with_its_dtypes(level, half_name, half):
     plugin = MixedPrecisionPlugin(level, half_dtype=half_name)
     model = Classifier(optimizer="sgd", lr=0.1)
     trainer = make_trainer(plugin, max_epochs=4)
+    prefix = "16" if half == torch.float16 else "bf16"
+    expected_precision = {"O0": "32-true", "O1": f"{prefix}-mixed"}.get(level, f"{prefix}-true")
+    assert trainer.precision == expected_precision and plugin.opt_level == level
     data = loader(classification_data(n=128))
     trainer.fit(model, data, data)
     trainer.test(model, data, verbose=False)
