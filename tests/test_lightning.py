@@ -495,3 +495,21 @@ def test_snapshot_helper_detects_a_change():
         model.net[0].weight[0, 0] += 1e-6
     with pytest.raises(AssertionError):
         assert_same(before, snapshot(model, optimizer))
+
+
+def test_steps_that_do_not_log_read_no_metrics(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    plugin = MixedPrecisionPlugin("O1")
+    calls: list[int] = []
+    metrics = plugin.amp.metrics
+
+    def counting_metrics() -> dict:
+        calls.append(1)
+        return metrics()
+
+    plugin.amp.metrics = counting_metrics  # this test's own engine only
+    logger = CSVLogger(str(tmp_path), name="run", version=0)
+    trainer = make_trainer(plugin, max_steps=12, logger=logger, log_every_n_steps=5)
+    trainer.fit(Classifier(), loader(classification_data(n=192)))
+    assert len(calls) == 2  # steps 4 and 9: the only device reads of the metrics
