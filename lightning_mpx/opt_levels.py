@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from typing import Any, Literal, Union
+from types import MappingProxyType
+from typing import Any, Literal, Mapping, Union
 
 import torch
 
@@ -19,14 +20,14 @@ LossScale = Union[float, Literal["dynamic"]]
 OPT_LEVELS: tuple[str, ...] = ("O0", "O1", "O2", "O3")
 
 #: One line per preset, for help texts, logs and error messages.
-DESCRIPTIONS: dict[str, str] = {
+DESCRIPTIONS: Mapping[str, str] = MappingProxyType({
     "O0": "Pure FP32 training: nothing is cast, static loss scale 1.0 (the accuracy baseline).",
     "O1": "Cast-table policy: the model stays FP32, matmuls and convolutions run in half, "
     "softmax, reductions and losses in FP32; dynamic loss scaling.",
     "O2": "Half model with batch norm kept FP32, FP32 master weights for the optimizer; dynamic loss scaling.",
     "O3": "Pure half: the whole model in half precision, no master weights, static loss scale 1.0 "
     "(a speed baseline, not for accuracy).",
-}
+})
 
 _FP32_MAX = float(torch.finfo(torch.float32).max)  # the scale lives in an FP32 tensor
 _OVERRIDABLE = ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32", "master_weights", "loss_scale")
@@ -95,8 +96,14 @@ class Properties:
 
     @property
     def description(self) -> str:
-        """The one-line description of the preset this started from."""
-        return DESCRIPTIONS[self.opt_level]
+        """The one-line description of the preset this started from, with the loss scaling actually in use (a
+        bfloat16 preset or an override can change it)."""
+        text = DESCRIPTIONS[self.opt_level]
+        actual = "dynamic loss scaling" if self.dynamic_loss_scale else f"static loss scale {float(self.loss_scale)}"  # type: ignore[arg-type]
+        for clause in ("dynamic loss scaling", "static loss scale 1.0"):
+            if clause in text and clause != actual:
+                text = text.replace(clause, actual)
+        return text
 
     @property
     def casts_model(self) -> bool:

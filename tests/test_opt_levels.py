@@ -123,3 +123,11 @@ def test_non_bool_flags_are_refused():
 def test_loss_scale_beyond_fp32_range_is_refused():
     with pytest.raises(ValueError, match=r"loss_scale=1e\+39 must be a positive finite number"):
         resolve_properties("O1", loss_scale=1e39)
+
+
+def test_description_states_the_loss_scaling_in_use():
+    assert "dynamic loss scaling" in resolve_properties("O1").description
+    bf16 = resolve_properties("O1", half_dtype="bfloat16").description
+    assert "static loss scale 1.0" in bf16 and "dynamic" not in bf16
+    assert "static loss scale 128.0" in resolve_properties("O2", loss_scale=128.0).description
+    assert "dynamic loss scaling" in resolve_properties("O3", loss_scale="dynamic").description
