@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -83,13 +84,13 @@ def run_variant(name: str, seed: int, args: argparse.Namespace, runs_dir: Path) 
     return {
         "variant": name,
         "seed": seed,
-        "val_loss": result.val_loss,
-        "train_loss": result.train_loss,
+        "val_loss": _number(result.val_loss),
+        "train_loss": _number(result.train_loss),
         "skipped_steps": result.skipped_steps,
         "loss_scale": float(result.loss_scale),
         "steps": result.steps,
         "seconds": result.seconds,
-        "val_curve": [[int(step), float(loss)] for step, loss in result.val_curve],
+        "val_curve": [[int(step), _number(float(loss))] for step, loss in result.val_curve],
     }
 
 
@@ -102,22 +103,25 @@ def summarise(runs: list[dict[str, Any]], tolerance: float) -> list[dict[str, An
     baseline = statistics.fmean(r["val_loss"] for r in by_variant["O0"]) if "O0" in by_variant else None
     rows = []
     for name, group in by_variant.items():
-        losses = [r["val_loss"] for r in group]
-        mean = statistics.fmean(losses)
-        ratio = mean / baseline if baseline else None
+        losses = [r["val_loss"] if r["val_loss"] is not None else math.nan for r in group]
+        finite = all(math.isfinite(loss) for loss in losses)  # O3 float16 can end in NaN
+        mean = statistics.fmean(losses) if finite else math.nan
+        ratio = mean / baseline if baseline and finite else None
         level = name.split("-")[0]
-        if level in GATED_LEVELS and ratio is not None:
-            verdict = "PASS" if abs(ratio - 1.0) <= tolerance else "FAIL"
+        if level in GATED_LEVELS:
+            verdict = "PASS" if ratio is not None and abs(ratio - 1.0) <= tolerance else "FAIL"
         else:
             verdict = "baseline" if level == "O0" else "reported"
         rows.append(
             {
                 "variant": name,
                 "seeds": [r["seed"] for r in group],
-                "val_loss_mean": mean,
-                "val_loss_std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
-                "val_loss_min": min(losses),
-                "val_loss_max": max(losses),
+                "val_loss_mean": _number(mean),
+                "val_loss_std": _number(statistics.stdev(losses) if len(losses) > 1 and finite else 0.0 if finite
+                                        else math.nan),
+                "val_loss_min": _number(min(losses)) if finite else None,
+                "val_loss_max": _number(max(losses)) if finite else None,
+                "non_finite_runs": sum(1 for loss in losses if not math.isfinite(loss)),
                 "ratio_to_O0": ratio,
                 "skipped_steps": [r["skipped_steps"] for r in group],
                 "final_loss_scale": [r["loss_scale"] for r in group],
@@ -128,11 +132,18 @@ def summarise(runs: list[dict[str, Any]], tolerance: float) -> list[dict[str, An
     return rows
 
 
+def _number(value: float) -> float | None:
+    """``value``, or ``None`` when it is not finite (strict JSON has no NaN)."""
+    return value if math.isfinite(value) else None
+
+
 def mean_curves(runs: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
     """Validation curve per variant, averaged over the seeds at each recorded step."""
     points: dict[str, dict[int, list[float]]] = {}
     for run in runs:
         for step, loss in run["val_curve"]:
+            if loss is None:
+                continue  # a run that diverged: the mean is over the runs that did not
             points.setdefault(run["variant"], {}).setdefault(step, []).append(loss)
     return {
         name: [(step, statistics.fmean(values)) for step, values in sorted(steps.items())]
@@ -171,6 +182,19 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def _fmt(value: float | None) -> str:
+    return "nan" if value is None else f"{value:.4f}"
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, allow_nan=False, default=_strict) + "\n")
+
+
+def _strict(value: Any) -> Any:
+    raise TypeError(f"{value!r} is not JSON serialisable")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -222,8 +246,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 run = run_variant(name, seed, args, runs_dir)
                 runs.append(run)
                 loads.append(os.getloadavg())
+                _write(args.out.with_suffix(".partial.json"), {"benchmark": "convergence", "partial": True,
+                                                               "runs": runs})
                 print(
-                    f"  {name:<14} seed {seed}: val {run['val_loss']:.4f}  skipped {run['skipped_steps']:>3}  "
+                    f"  {name:<14} seed {seed}: val {_fmt(run['val_loss'])}  skipped {run['skipped_steps']:>3}  "
                     f"scale {run['loss_scale']:g}  {run['seconds']:.0f} s",
                     flush=True,
                 )
@@ -237,7 +263,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         skipped = "/".join(str(s) for s in r["skipped_steps"])
         scales = "/".join(f"{s:g}" for s in r["final_loss_scale"])
         print(
-            f"{r['variant']:<14} {r['val_loss_mean']:>13.4f} {r['val_loss_std']:>7.4f} {ratio:>8} {skipped:>12} "
+            f"{r['variant']:<14} {_fmt(r['val_loss_mean']):>13} {_fmt(r['val_loss_std']):>7} {ratio:>8} {skipped:>12} "
             f"{scales:>22}  {r['verdict']}"
         )
     import lightning
@@ -259,8 +285,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "curves": {name: [list(p) for p in points] for name, points in mean_curves(runs).items()},
         "runs": runs,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    _write(args.out, result)
+    args.out.with_suffix(".partial.json").unlink(missing_ok=True)
     print(f"wrote {args.out}")
     if args.plot:
         title = (
