@@ -306,8 +306,9 @@ def _lightning_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], tot
     trainer.fit(Wrapper(), loader)
     extra: dict[str, Any] = {"lightning_precision": str(trainer.precision)}
     plugin = trainer.precision_plugin
-    if variant.startswith("lightning-") and hasattr(plugin, "_desired_input_dtype"):
-        extra["effective_dtype"] = str(plugin._desired_input_dtype).removeprefix("torch.")
+    if variant.startswith("lightning-"):
+        # What Lightning actually ran: it replaces "16-mixed" by "bf16-mixed" on CPU.
+        extra["effective_dtype"] = "bfloat16" if getattr(plugin, "precision", "") == "bf16-mixed" else "float16"
     if isinstance(plugin, MixedPrecisionPlugin):
         extra["skipped_steps"] = sum(plugin.amp.skipped_steps)
     return timer.times, extra
