@@ -51,9 +51,10 @@ class _OptimizerState:
     found_inf: torch.Tensor | None = None
     grad_norm: torch.Tensor | None = None
     workspace: UnscaleWorkspace = field(default_factory=UnscaleWorkspace)  # fused unscale's tables, kept across steps
-    # (optimizer parameter, model parameter holding its gradient) pairs, and the parameter ids they were built from
+    # (optimizer parameter, model parameter holding its gradient) pairs at O2, and the parameter lists (identity and
+    # length) they were built from
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    pairs_key: tuple[int, ...] | None = None
+    pairs_key: tuple[tuple[int, int], ...] | None = None
 
 
 class Amp:
@@ -414,6 +415,14 @@ class Amp:
         """(scaled gradients, where their unscaled values go) for the optimizer's parameters."""
         sources: list[torch.Tensor] = []
         targets: list[torch.Tensor] = []
+        if not self.master_weights:  # every parameter holds its own gradient, unscaled in place
+            for param in _params(optimizer):
+                grad = param.grad
+                if grad is not None:
+                    if grad.is_sparse:
+                        raise NotImplementedError("sparse gradients are not supported by lightning_mpx's unscale.")
+                    sources.append(grad)
+            return sources, list(sources)
         for param, model_param in self._param_pairs(self._state(optimizer)):
             grad = model_param.grad
             if grad is None:
@@ -432,8 +441,13 @@ class Amp:
 
     def _param_pairs(self, state: _OptimizerState) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(optimizer parameter, model parameter)`` for each of the optimizer's parameters (the same tensor unless
-        it is an O2 master), cached per optimizer and rebuilt when its parameter groups change."""
-        key = tuple([id(p) for group in state.optimizer.param_groups for p in group["params"]])
+        it is an O2 master), cached per optimizer.
+
+        The cache is rebuilt when a parameter group is added or removed, or a group's parameter list is replaced or
+        changes length: what ``add_param_group`` and ordinary code do. Swapping one tensor for another inside a
+        group's list in place, at the same length, is not detected (nothing in torch or Lightning does that).
+        """
+        key = tuple([(id(group["params"]), len(group["params"])) for group in state.optimizer.param_groups])
         if key != state.pairs_key:
             state.pairs = [(param, self._model_param(param)) for param in _params(state.optimizer)]
             state.pairs_key = key
