@@ -51,6 +51,10 @@ class _OptimizerState:
     found_inf: torch.Tensor | None = None
     grad_norm: torch.Tensor | None = None
     workspace: UnscaleWorkspace = field(default_factory=UnscaleWorkspace)  # fused unscale's tables, kept across steps
+    # (optimizer parameter, model parameter holding its gradient) pairs at O2, and the parameter lists (identity and
+    # length) they were built from
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    pairs_key: tuple[tuple[int, int], ...] | None = None
 
 
 class Amp:
@@ -411,22 +415,43 @@ class Amp:
         """(scaled gradients, where their unscaled values go) for the optimizer's parameters."""
         sources: list[torch.Tensor] = []
         targets: list[torch.Tensor] = []
-        for param in _params(optimizer):
-            model_param = self._model_param(param)
+        if not self.master_weights:  # every parameter holds its own gradient, unscaled in place
+            for param in _params(optimizer):
+                grad = param.grad
+                if grad is not None:
+                    if grad.is_sparse:
+                        raise NotImplementedError("sparse gradients are not supported by lightning_mpx's unscale.")
+                    sources.append(grad)
+            return sources, list(sources)
+        for param, model_param in self._param_pairs(self._state(optimizer)):
             grad = model_param.grad
             if grad is None:
                 continue
             if grad.is_sparse:
                 raise NotImplementedError("sparse gradients are not supported by lightning_mpx's unscale.")
+            sources.append(grad)
             if model_param is param:
-                sources.append(grad)
                 targets.append(grad)
             else:
-                if param.grad is None or param.grad.shape != param.shape:
-                    param.grad = torch.empty_like(param)
-                sources.append(grad)
-                targets.append(param.grad)
+                target = param.grad
+                if target is None or target.shape != param.shape:
+                    target = param.grad = torch.empty_like(param)
+                targets.append(target)
         return sources, targets
+
+    def _param_pairs(self, state: _OptimizerState) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(optimizer parameter, model parameter)`` for each of the optimizer's parameters (the same tensor unless
+        it is an O2 master), cached per optimizer.
+
+        The cache is rebuilt when a parameter group is added or removed, or a group's parameter list is replaced or
+        changes length: what ``add_param_group`` and ordinary code do. Swapping one tensor for another inside a
+        group's list in place, at the same length, is not detected (nothing in torch or Lightning does that).
+        """
+        key = tuple([(id(group["params"]), len(group["params"])) for group in state.optimizer.param_groups])
+        if key != state.pairs_key:
+            state.pairs = [(param, self._model_param(param)) for param in _params(state.optimizer)]
+            state.pairs_key = key
+        return state.pairs
 
     def _model_param(self, param: torch.Tensor) -> torch.Tensor:
         for masters in self.master_weights:
@@ -470,8 +495,7 @@ class Amp:
 
     def _finish_step(self, state: _OptimizerState) -> None:
         if self.master_weights:
-            for param in _params(state.optimizer):
-                model_param = self._model_param(param)
+            for param, model_param in self._param_pairs(state):
                 if model_param is not param:
                     model_param.grad = None
         state.stage = _Stage.READY

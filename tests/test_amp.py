@@ -357,3 +357,31 @@ def test_overflow_messages_are_rate_limited_and_name_parameters(caplog):
     _inject_inf(model)
     amp.step(opt)
     assert len([r for r in caplog.records if r.name == "lightning_mpx"]) == 1
+
+
+def test_parameter_pairs_follow_a_param_group_added_after_steps():
+    # The engine caches (optimizer parameter, model parameter) pairs per optimizer; a group added later must be
+    # unscaled and stepped too, its master gradient coming from its own half parameter.
+    torch.manual_seed(0)
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    amp = Amp("O2", half_dtype="bfloat16", loss_scale=8.0)
+    amp.prepare_model(first)
+    amp.prepare_model(second)
+    optimizer = amp.prepare_optimizer(torch.optim.SGD(first.parameters(), lr=0.1))
+    x = torch.randn(2, 4, dtype=torch.bfloat16)
+
+    def step() -> None:
+        amp.backward((first(x).float().sum() + second(x).float().sum()))
+        assert amp.step(optimizer)
+        amp.update()
+        optimizer.zero_grad()
+
+    step()
+    second.zero_grad()  # its half gradients of the first step were never the optimizer's
+    masters = amp.master_weights[1].masters
+    optimizer.add_param_group({"params": list(masters)})
+    before = [m.detach().clone() for m in masters]
+    step()
+    assert torch.allclose(masters[0], before[0] - 0.1 * x.float().sum(0).expand(4, 4), atol=1e-2)
+    assert torch.allclose(masters[1], before[1] - 0.1 * 2.0)  # d(sum)/d(bias) = batch size
+    assert all(p.grad is None for p in second.parameters())  # half gradients dropped once unscaled

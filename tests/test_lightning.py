@@ -513,3 +513,50 @@ def test_steps_that_do_not_log_read_no_metrics(tmp_path):
     trainer = make_trainer(plugin, max_steps=12, logger=logger, log_every_n_steps=5)
     trainer.fit(Classifier(), loader(classification_data(n=192)))
     assert len(calls) == 2  # steps 4 and 9: the only device reads of the metrics
+
+
+class _EmbeddingLM(pl.LightningModule):
+    """A model whose forward calls its own direct children (embedding, norm, head), as most language models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(16, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 16)
+        self.seen: list[tuple[torch.dtype, torch.dtype]] = []  # (norm input, model output) per training step
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        self.seen.append((x.dtype, x.dtype))
+        return self.head(self.norm(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        logits = self(tokens)
+        self.seen[-1] = (self.seen[-1][0], logits.dtype)
+        return F.cross_entropy(logits.reshape(-1, 16), tokens.reshape(-1))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_children_called_inside_the_forward_stay_half(level):
+    # Only the model's boundary is cast: the embedding's output feeds the half LayerNorm in half (an FP32 output
+    # there made LayerNorm fail with mixed dtypes on CPU), and the model's output reaches the loss in FP32.
+    model = _EmbeddingLM()
+    data = torch.utils.data.TensorDataset(torch.randint(0, 16, (8, 5), generator=torch.Generator().manual_seed(0)))
+    make_trainer(MixedPrecisionPlugin(level, half_dtype="bfloat16"), max_steps=2).fit(model, loader(data, 4))
+    assert model.seen == [(torch.bfloat16, torch.float32)] * 2
+    assert model.embed.weight.dtype == torch.bfloat16
+
+
+def test_boundary_depth_is_restored_when_the_forward_raises():
+    model = _EmbeddingLM()
+    plugin = MixedPrecisionPlugin("O2", half_dtype="bfloat16")
+    plugin.convert_module(model)
+    with pytest.raises(IndexError):
+        model(torch.tensor([[99]]))  # out of the embedding's range
+    assert plugin._boundary_depth == 0
+    assert model(torch.tensor([[1, 2]])).dtype == torch.float32

@@ -1,0 +1,128 @@
+"""Host-side cost of the engine's per-step work (``Amp.step`` + ``Amp.update``), excluding forward and backward.
+
+A model of ``--params`` small parameters (``Linear(8, 8)`` layers side by side, so the arithmetic is negligible and
+what is left is per-parameter Python and dispatch) is trained with plain SGD. For each opt level the script times
+
+* ``engine``: ``amp.step(optimizer); amp.update(); optimizer.zero_grad()`` per iteration (median of ``--repeats``
+  runs of ``--steps`` iterations), which includes SGD's own per-parameter work;
+* ``grad_pairs`` and ``finish_step``: the engine's two per-parameter bookkeeping passes alone (best of 5, timeit).
+
+It is the before/after measurement of the "per-step Python work" fix in ``docs/benchmarks.md``; run it once with
+``PYTHONPATH`` pointing at each version.
+
+    python benchmarks/engine_overhead.py [--params 150] [--steps 200] [--repeats 5] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+import timeit
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import lightning_mpx
+from lightning_mpx import Amp
+
+
+class _SideBySide(nn.ModuleList):
+    """Layers applied to the same input and summed: many parameters, no deep chain to overflow."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(layer(x) for layer in self)  # type: ignore[return-value]
+
+
+def measure(level: str, params: int, steps: int, repeats: int) -> dict[str, Any]:
+    """Per-iteration engine time and the two bookkeeping passes for one opt level (bfloat16)."""
+    torch.manual_seed(0)
+    model = _SideBySide([nn.Linear(8, 8) for _ in range(max(1, params // 2))])
+    amp = Amp(level, half_dtype="bfloat16")
+    model = amp.prepare_model(model)
+    optimizer = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
+    x = torch.randn(4, 8)
+
+    def backward() -> None:
+        with amp.forward_context():
+            loss = amp.cast_outputs(model(amp.cast_inputs(x))).float().sum()
+        amp.backward(loss)
+
+    def engine() -> None:
+        amp.step(optimizer)
+        amp.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(20):
+        backward()
+        engine()
+    runs = []
+    for _ in range(repeats):
+        total = 0.0
+        for _ in range(steps):
+            backward()
+            start = time.perf_counter()
+            engine()
+            total += time.perf_counter() - start
+        runs.append(total / steps * 1e6)
+    backward()
+    state = amp._state(optimizer)
+    grad_pairs = min(timeit.repeat(lambda: amp._grad_pairs(optimizer), number=200, repeat=5)) / 200 * 1e6
+    finish = min(timeit.repeat(lambda: amp._finish_step(state), number=200, repeat=5)) / 200 * 1e6
+    return {
+        "opt_level": level,
+        "parameters": sum(1 for _ in model.parameters()),
+        "engine_us_per_step": statistics.median(runs),
+        "engine_us_runs": runs,
+        "grad_pairs_us": grad_pairs,
+        "finish_step_us": finish,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", type=int, default=150, help="number of parameter tensors (GPT-2 small: 148)")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--levels", nargs="+", choices=("O1", "O2", "O3"), default=["O1", "O2"])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--label", default="", help="a name for this version in the JSON (e.g. before/after)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "engine_overhead.json")
+    args = parser.parse_args(argv)
+    if args.params < 2 or args.steps < 1 or args.repeats < 1:
+        parser.error("--params must be at least 2, --steps and --repeats at least 1")
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    rows = [measure(level, args.params, args.steps, args.repeats) for level in args.levels]
+    header = f"{'level':<6} {'params':>7} {'engine us/step':>15} {'grad_pairs us':>14} {'finish_step us':>15}"
+    print(f"lightning_mpx from {Path(lightning_mpx.__file__).parent}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['opt_level']:<6} {r['parameters']:>7} {r['engine_us_per_step']:>15.0f} {r['grad_pairs_us']:>14.1f} "
+              f"{r['finish_step_us']:>15.1f}")
+    result = {
+        "benchmark": "engine_overhead",
+        "label": args.label,
+        "package_path": str(Path(lightning_mpx.__file__).parent),
+        "device": platform.processor() or platform.machine(),
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "loadavg": [load_before, os.getloadavg()],
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,601 @@
+"""Training-step speed and memory: lightning_mpx against FP32, Lightning's own AMP and plain torch.autocast.
+
+Two models, a GPT-2-like decoder on random tokens and a ResNet-style convolutional net with batch norm on random
+images (``--size small`` for CPU, ``--size real`` for a GPU: GPT-2 small's shape at sequence 512, a CIFAR ResNet-18).
+Every variant runs in its own fresh subprocess with the same seed, data, optimizer (AdamW) and thread count, so peak
+memory is per variant and nothing leaks from one to the next; with ``--repeats N`` the whole variant list is run N
+times, in order, and the per-run medians are combined by their median.
+
+Variants (``--variants`` picks a subset):
+
+* ``fp32``: Lightning, ``precision="32-true"``;
+* ``mpx-O{1,2,3}-{fp16,bf16}``: Lightning with ``MixedPrecisionPlugin``;
+* ``lightning-16-mixed``, ``lightning-bf16-mixed``: Lightning's own AMP (on CPU Lightning runs "16-mixed" as
+  bfloat16 autocast: the JSON records the dtype it actually used);
+* ``torch-autocast-{fp16,bf16}``: a hand-written loop with ``torch.autocast`` (+ ``torch.amp.GradScaler`` for fp16);
+* ``loop-fp32``, ``core-O1-{fp16,bf16}``, ``core-O2-{fp16,bf16}``: hand-written loops, plain and with ``Amp``.
+
+Step time is the median over ``--steps`` steps after ``--warmup`` (forward, backward, optimizer step; measured by a
+Lightning callback from ``on_train_batch_start`` to ``on_train_batch_end`` or around the loop body, with
+``torch.cuda.synchronize()`` on GPU). Peak memory is ``torch.cuda.max_memory_allocated`` on GPU and the child's peak
+RSS on CPU (which includes the ~0.5 GB of the imported libraries). The ratios compare throughput with Lightning's
+"16-mixed" and "bf16-mixed" rows of the same run.
+
+    python benchmarks/step.py [--device cpu|cuda] [--model gpt|resnet|all] [--steps 20] [--warmup 5] [--out PATH]
+
+float16 matmuls are very slow on most CPUs (no native fp16 arithmetic): the fp16 rows on CPU say nothing about
+speed on a GPU, and ``--cpu-fp16-steps`` runs them with fewer steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+LIGHTNING_VARIANTS = (
+    "fp32",
+    "mpx-O1-fp16",
+    "mpx-O1-bf16",
+    "mpx-O2-fp16",
+    "mpx-O2-bf16",
+    "mpx-O3-fp16",
+    "mpx-O3-bf16",
+    "lightning-16-mixed",
+    "lightning-bf16-mixed",
+)
+LOOP_VARIANTS = (
+    "loop-fp32",
+    "torch-autocast-fp16",
+    "torch-autocast-bf16",
+    "core-O1-fp16",
+    "core-O1-bf16",
+    "core-O2-fp16",
+    "core-O2-bf16",
+)
+VARIANTS = LIGHTNING_VARIANTS + LOOP_VARIANTS
+MODELS = ("gpt", "resnet")
+REFERENCES = ("lightning-16-mixed", "lightning-bf16-mixed")
+
+
+def is_fp16(variant: str) -> bool:
+    """Whether the variant computes in float16 (``lightning-16-mixed`` only on a GPU: on CPU Lightning uses bf16)."""
+    return variant.endswith("fp16")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of one benchmark model and its batch."""
+
+    batch: int
+    # gpt
+    vocab: int = 0
+    seq: int = 0
+    dim: int = 0
+    layers: int = 0
+    heads: int = 0
+    # resnet
+    image: int = 0
+    width: int = 0
+    blocks: tuple[int, ...] = ()
+    classes: int = 10
+
+
+SPECS: dict[tuple[str, str], ModelSpec] = {
+    ("gpt", "small"): ModelSpec(batch=8, vocab=512, seq=64, dim=64, layers=2, heads=4),
+    ("gpt", "real"): ModelSpec(batch=8, vocab=50257, seq=512, dim=768, layers=12, heads=12),
+    ("resnet", "small"): ModelSpec(batch=16, image=32, width=16, blocks=(1, 1, 1)),
+    ("resnet", "real"): ModelSpec(batch=128, image=32, width=64, blocks=(2, 2, 2, 2)),
+}
+
+
+# -- models (built in the child; torch is imported there) -------------------------------------------------------------
+def build_model(kind: str, spec: ModelSpec) -> Any:
+    """The network (an ``nn.Module`` that maps a batch's input to logits)."""
+    import math
+
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, dim: int, heads: int) -> None:
+            super().__init__()
+            self.heads = heads
+            self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+            self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+            self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, d = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+            att = att.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+            y = (att.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d)
+            x = x + self.proj(y)
+            return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
+
+    class GPT(nn.Module):
+        """GPT-2's layout (learned positions, pre-norm blocks, tied input/output embedding)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok = nn.Embedding(spec.vocab, spec.dim)
+            self.pos = nn.Embedding(spec.seq, spec.dim)
+            self.blocks = nn.ModuleList(Block(spec.dim, spec.heads) for _ in range(spec.layers))
+            self.ln = nn.LayerNorm(spec.dim)
+            self.head = nn.Linear(spec.dim, spec.vocab, bias=False)
+            self.head.weight = self.tok.weight
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln(x))
+
+    class Basic(nn.Module):
+        def __init__(self, cin: int, cout: int, stride: int) -> None:
+            super().__init__()
+            self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+            self.bn1 = nn.BatchNorm2d(cout)
+            self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+            self.bn2 = nn.BatchNorm2d(cout)
+            self.short = (
+                nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                if stride != 1 or cin != cout
+                else nn.Identity()
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = torch.relu(self.bn1(self.conv1(x)))
+            return torch.relu(self.bn2(self.conv2(y)) + self.short(x))
+
+    class ResNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            w = spec.width
+            self.stem = nn.Sequential(nn.Conv2d(3, w, 3, 1, 1, bias=False), nn.BatchNorm2d(w), nn.ReLU())
+            layers, cin = [], w
+            for stage, count in enumerate(spec.blocks):
+                cout = w * 2**stage
+                for i in range(count):
+                    layers.append(Basic(cin, cout, 2 if i == 0 and stage > 0 else 1))
+                    cin = cout
+            self.layers = nn.Sequential(*layers)
+            self.fc = nn.Linear(cin, spec.classes)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.layers(self.stem(x)).mean((2, 3)))
+
+    return GPT() if kind == "gpt" else ResNet()
+
+
+def make_batches(kind: str, spec: ModelSpec, count: int, device: Any) -> list[tuple[Any, Any]]:
+    """``count`` distinct random batches (tokens and next tokens, or images and labels), the same for every variant."""
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    batches = []
+    for _ in range(count):
+        if kind == "gpt":
+            tokens = torch.randint(0, spec.vocab, (spec.batch, spec.seq + 1), generator=g)
+            batches.append((tokens[:, :-1].to(device), tokens[:, 1:].to(device)))
+        else:
+            images = torch.randn(spec.batch, 3, spec.image, spec.image, generator=g)
+            labels = torch.randint(0, spec.classes, (spec.batch,), generator=g)
+            batches.append((images.to(device), labels.to(device)))
+    return batches
+
+
+def _loss(logits: Any, target: Any) -> Any:
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+
+
+# -- the child: one variant, one model ----------------------------------------------------------------------------------
+def run_child(variant: str, kind: str, spec: ModelSpec, steps: int, warmup: int, device: str,
+              threads: int) -> dict[str, Any]:
+    """Train ``variant`` for ``warmup + steps`` steps in this process; returns its step times and peak memory."""
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    cuda = device == "cuda"
+    dev = torch.device(device)
+    total = warmup + steps
+    batches = make_batches(kind, spec, min(total, 8), dev)
+    sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    net = build_model(kind, spec)
+    extra: dict[str, Any] = {}
+    if variant in LIGHTNING_VARIANTS:
+        times, extra = _lightning_steps(variant, net, batches, total, device, sync)
+    else:
+        times, extra = _loop_steps(variant, net, batches, total, dev, sync)
+    timed = times[warmup:]
+    median = statistics.median(timed)
+    peak = (
+        torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
+    return {
+        "variant": variant,
+        "model": kind,
+        "steps_timed": len(timed),
+        "step_ms_median": median * 1e3,
+        "step_ms_iqr": _iqr(timed) * 1e3,
+        "step_ms_min": min(timed) * 1e3,  # the least disturbed step: a floor under a shared machine's load
+        "samples_per_second": spec.batch / median,
+        "peak_memory_bytes": int(peak),
+        "peak_memory_kind": "cuda_max_memory_allocated" if cuda else "peak_rss",
+        **extra,
+    }
+
+
+def _iqr(values: list[float]) -> float:
+    if len(values) < 4:
+        return 0.0
+    q = statistics.quantiles(values, n=4)
+    return q[2] - q[0]
+
+
+def _lightning_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], total: int, device: str,
+                     sync: Callable[[], None]) -> tuple[list[float], dict[str, Any]]:
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_mpx import MixedPrecisionPlugin
+
+    class Wrapper(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            return _loss(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    class Timer(pl.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self._start = 0.0
+
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            sync()
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            sync()
+            self.times.append(time.perf_counter() - self._start)
+
+    kwargs: dict[str, Any] = {}
+    if variant == "fp32":
+        kwargs["precision"] = "32-true"
+    elif variant.startswith("lightning-"):
+        kwargs["precision"] = variant.removeprefix("lightning-")
+    else:
+        _, level, dtype = variant.split("-")
+        kwargs["plugins"] = [
+            MixedPrecisionPlugin(level, half_dtype="float16" if dtype == "fp16" else "bfloat16", on_floor="continue")
+        ]
+    timer = Timer()
+    trainer = pl.Trainer(
+        accelerator="gpu" if device == "cuda" else "cpu",
+        devices=1,
+        max_steps=total,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[timer],
+        **kwargs,
+    )
+    loader = torch.utils.data.DataLoader(_ListDataset(batches), batch_size=None, shuffle=False)
+    trainer.fit(Wrapper(), loader)
+    extra: dict[str, Any] = {"lightning_precision": str(trainer.precision)}
+    plugin = trainer.precision_plugin
+    if variant.startswith("lightning-"):
+        # What Lightning actually ran: it replaces "16-mixed" by "bf16-mixed" on CPU.
+        extra["effective_dtype"] = "bfloat16" if getattr(plugin, "precision", "") == "bf16-mixed" else "float16"
+    if isinstance(plugin, MixedPrecisionPlugin):
+        extra["skipped_steps"] = sum(plugin.amp.skipped_steps)
+    return timer.times, extra
+
+
+class _ListDataset:
+    """Cycles through a few prepared batches (``batch_size=None`` loader: each item is a batch)."""
+
+    def __init__(self, batches: list[tuple[Any, Any]], length: int = 10**6) -> None:
+        self.batches, self.length = batches, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        return self.batches[index % len(self.batches)]
+
+
+def _loop_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], total: int, dev: Any,
+                sync: Callable[[], None]) -> tuple[list[float], dict[str, Any]]:
+    import contextlib
+
+    import torch
+
+    from lightning_mpx import Amp
+
+    net.to(dev)
+    times: list[float] = []
+    extra: dict[str, Any] = {}
+    if variant.startswith("core-"):
+        _, level, dtype = variant.split("-")
+        amp = Amp(level, half_dtype="float16" if dtype == "fp16" else "bfloat16", on_floor="continue")
+        net = amp.prepare_model(net)
+        optimizer = amp.prepare_optimizer(torch.optim.AdamW(net.parameters(), lr=1e-3))
+        for i in range(total):
+            x, y = batches[i % len(batches)]
+            sync()
+            start = time.perf_counter()
+            with amp.forward_context():
+                loss = _loss(amp.cast_outputs(net(amp.cast_inputs(x))), y)
+            amp.backward(loss)
+            amp.step(optimizer)
+            amp.update()
+            optimizer.zero_grad(set_to_none=True)
+            sync()
+            times.append(time.perf_counter() - start)
+        extra["skipped_steps"] = sum(amp.skipped_steps)
+        return times, extra
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    if variant == "loop-fp32":
+        context: Callable[[], Any] = contextlib.nullcontext
+        scaler = None
+    else:
+        dtype = torch.float16 if variant.endswith("fp16") else torch.bfloat16
+        device_type = dev.type
+        context = lambda: torch.autocast(device_type, dtype=dtype)  # noqa: E731
+        # bfloat16 has float32's range: torch's recipe (and Lightning's bf16-mixed) uses no scaler for it.
+        scaler = torch.amp.GradScaler(device_type) if dtype == torch.float16 else None
+    for i in range(total):
+        x, y = batches[i % len(batches)]
+        sync()
+        start = time.perf_counter()
+        with context():
+            loss = _loss(net(x), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync()
+        times.append(time.perf_counter() - start)
+    return times, extra
+
+
+# -- the parent ---------------------------------------------------------------------------------------------------------
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _spawn(variant: str, kind: str, args: argparse.Namespace, steps: int) -> dict[str, Any]:
+    cmd = [
+        sys.executable, os.path.abspath(__file__), "--_child", variant, "--model", kind, "--size", args.size,
+        "--steps", str(steps), "--warmup", str(args.warmup), "--device", args.device, "--threads", str(args.threads),
+    ]  # fmt: skip
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.child_timeout)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"variant {variant} on {kind} failed (exit {done.returncode}):\n{tail}")
+    return json.loads(lines[-1])
+
+
+def combine(samples: list[dict[str, Any]], batch: int) -> dict[str, Any]:
+    """One row from the repeats of one variant: medians of the step-time medians, max of the peaks."""
+    row = dict(samples[0])
+    row["step_ms_median"] = statistics.median(s["step_ms_median"] for s in samples)
+    row["step_ms_runs"] = [s["step_ms_median"] for s in samples]
+    row["step_ms_min"] = min(s["step_ms_min"] for s in samples)
+    row["samples_per_second"] = batch / (row["step_ms_median"] / 1e3)
+    row["peak_memory_bytes"] = max(s["peak_memory_bytes"] for s in samples)
+    row["repeats"] = len(samples)
+    return row
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Throughput and peak-memory ratios against Lightning's AMP rows of the same model (when measured)."""
+    for kind in {r["model"] for r in rows}:
+        group = [r for r in rows if r["model"] == kind]
+        refs = {r["variant"]: r for r in group if r["variant"] in REFERENCES}
+        fp32 = next((r for r in group if r["variant"] == "fp32"), None)
+        for r in group:
+            for name, ref in refs.items():
+                key = name.removeprefix("lightning-").replace("-", "_")
+                r[f"throughput_vs_{key}"] = r["samples_per_second"] / ref["samples_per_second"]
+                r[f"step_time_vs_{key}"] = r["step_ms_median"] / ref["step_ms_median"]
+                # Paired: each repeat's ratio from two runs close in time, then the median over the repeats. Less
+                # sensitive to a load that changes between the start and the end of the run.
+                paired = [a / b for a, b in zip(r.get("step_ms_runs", []), ref.get("step_ms_runs", []))]
+                if paired:
+                    r[f"step_time_vs_{key}_paired"] = statistics.median(paired)
+                    r[f"step_time_vs_{key}_paired_range"] = [min(paired), max(paired)]
+            if fp32 is not None:
+                r["peak_memory_vs_fp32"] = r["peak_memory_bytes"] / fp32["peak_memory_bytes"]
+
+
+def check_targets(rows: list[dict[str, Any]], device: str) -> list[dict[str, Any]]:
+    """The issue's targets that this run can judge (GPU targets on CUDA, the CPU target on CPU)."""
+
+    def row(kind: str, variant: str) -> dict[str, Any] | None:
+        return next((r for r in rows if r["model"] == kind and r["variant"] == variant), None)
+
+    checks = []
+    for kind in sorted({r["model"] for r in rows}):
+        if device == "cpu":
+            for dtype in ("bf16",):
+                o1, ref = row(kind, f"mpx-O1-{dtype}"), row(kind, "lightning-bf16-mixed")
+                if o1 and ref:
+                    value = o1.get("step_time_vs_bf16_mixed_paired", o1["step_ms_median"] / ref["step_ms_median"])
+                    checks.append({"model": kind, "target": "mpx-O1-bf16 step time <= 1.3x lightning-bf16-mixed",
+                                   "value": value, "met": value <= 1.3})
+        else:
+            ref, fp32 = row(kind, "lightning-16-mixed"), row(kind, "fp32")
+            o1, o2 = row(kind, "mpx-O1-fp16"), row(kind, "mpx-O2-fp16")
+            if o2 and ref:
+                value = o2["samples_per_second"] / ref["samples_per_second"]
+                checks.append({"model": kind, "target": "mpx-O2-fp16 throughput >= 1.05x lightning-16-mixed",
+                               "value": value, "met": value >= 1.05})
+            if o1 and ref:
+                value = o1["samples_per_second"] / ref["samples_per_second"]
+                checks.append({"model": kind, "target": "mpx-O1-fp16 throughput within 3% of lightning-16-mixed",
+                               "value": value, "met": value >= 0.97})
+            if o2 and fp32:
+                value = o2["peak_memory_bytes"] / fp32["peak_memory_bytes"]
+                checks.append({"model": kind, "target": "mpx-O2-fp16 peak memory below fp32",
+                               "value": value, "met": value < 1.0})
+    return checks
+
+
+def print_table(rows: list[dict[str, Any]], device: str) -> None:
+    header = (
+        f"{'model':<7} {'variant':<21} {'steps':>5} {'step ms':>9} {'samples/s':>10} {'peak MiB':>9} "
+        f"{'vs 16-mixed':>12} {'vs bf16-mixed':>14} {'paired t/bf16':>14} {'skipped':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        a = r.get("throughput_vs_16_mixed")
+        b = r.get("throughput_vs_bf16_mixed")
+        c = r.get("step_time_vs_bf16_mixed_paired")
+        print(
+            f"{r['model']:<7} {r['variant']:<21} {r['steps_timed']:>5} {r['step_ms_median']:>9.2f} "
+            f"{r['samples_per_second']:>10.1f} {r['peak_memory_bytes'] / 2**20:>9.0f} "
+            f"{(f'{a:.2f}x' if a else '-'):>12} {(f'{b:.2f}x' if b else '-'):>14} "
+            f"{(f'{c:.2f}x' if c else '-'):>14} {r.get('skipped_steps', '-'):>8}"
+        )
+    print("(vs: throughput of the row / throughput of Lightning's AMP row, same run; paired t/bf16: median over the "
+          "repeats of the row's step time / lightning-bf16-mixed's step time in the same repeat)")
+    if device == "cpu":
+        print("note: on CPU Lightning runs precision='16-mixed' as bfloat16 autocast; the fp16 rows use float16, "
+              "which has no fast CPU kernels: they are correctness rows, not speed configurations.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    parser.add_argument("--model", choices=(*MODELS, "all"), default="all")
+    parser.add_argument("--size", choices=("small", "real"), default=None, help="default: small on CPU, real on CUDA")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant, after the warm-up")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--cpu-fp16-steps", type=int, default=None,
+                        help="timed steps for float16 rows on CPU (default: --steps)")
+    parser.add_argument("--repeats", type=int, default=1, help="run the variant list this many times")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), metavar="VARIANT",
+                        help=f"subset of: {', '.join(VARIANTS)}")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in every child")
+    parser.add_argument("--child-timeout", type=float, default=900.0, help="seconds per variant before giving up")
+    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/step_<device>.json")
+    parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.repeats < 1:
+        parser.error("--steps and --repeats must be at least 1, --warmup at least 0")
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.size is None:
+        args.size = "real" if args.device == "cuda" else "small"
+    kinds = MODELS if args.model == "all" else (args.model,)
+    if args._child is not None:
+        result = run_child(args._child, kinds[0], SPECS[(kinds[0], args.size)], args.steps, args.warmup,
+                           args.device, args.threads)
+        print(json.dumps(result))
+        return None
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device is available")
+    fp16_steps = args.cpu_fp16_steps if args.device == "cpu" and args.cpu_fp16_steps else args.steps
+    samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    loads = [os.getloadavg()]
+    started = time.perf_counter()
+    for repeat in range(args.repeats):
+        for kind in kinds:
+            for variant in args.variants:
+                steps = fp16_steps if is_fp16(variant) else args.steps
+                sample = _spawn(variant, kind, args, steps)
+                samples.setdefault((kind, variant), []).append(sample)
+                loads.append(os.getloadavg())
+                print(f"  [{repeat + 1}/{args.repeats}] {kind:<6} {variant:<21} {sample['step_ms_median']:9.2f} ms",
+                      flush=True)
+    rows = [combine(group, SPECS[(kind, args.size)].batch) for (kind, _), group in samples.items()]
+    add_ratios(rows)
+    checks = check_targets(rows, args.device)
+    print_table(rows, args.device)
+    for check in checks:
+        print(f"target [{check['model']}] {check['target']}: {check['value']:.3f} -> "
+              f"{'MET' if check['met'] else 'NOT MET'}")
+
+    import lightning
+    import torch
+
+    result = {
+        "benchmark": "step",
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else _cpu_model(),
+        "device_type": args.device,
+        "threads": args.threads,
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "python": platform.python_version(),
+        "size": args.size,
+        "specs": {kind: vars(SPECS[(kind, args.size)]) for kind in kinds},
+        "steps": args.steps,
+        "fp16_steps": fp16_steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "loadavg": loads,
+        "wall_seconds": time.perf_counter() - started,
+        "rows": rows,
+        "targets": checks,
+    }
+    out = args.out or Path(__file__).parent / "results" / f"step_{args.device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

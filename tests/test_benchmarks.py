@@ -1,0 +1,136 @@
+"""The benchmark scripts run end to end in tiny configurations and write the rows and fields the docs rely on.
+
+These tests prove that the scripts work; they never assert on timings.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import convergence  # noqa: E402
+import engine_overhead  # noqa: E402
+import step  # noqa: E402
+
+STEP_FIELDS = {
+    "variant", "model", "steps_timed", "step_ms_median", "samples_per_second", "peak_memory_bytes",
+    "peak_memory_kind", "repeats", "throughput_vs_bf16_mixed", "step_time_vs_bf16_mixed",
+}  # fmt: skip
+
+
+def test_step_script_end_to_end_in_subprocesses(tmp_path):
+    out = tmp_path / "step.json"
+    variants = ["mpx-O1-bf16", "lightning-bf16-mixed"]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "step.py"), "--device", "cpu", "--model", "gpt", "--steps", "2",
+         "--warmup", "1", "--variants", *variants, "--out", str(out)],
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["device_type"] == "cpu" and result["torch"] and result["lightning"] and result["loadavg"]
+    assert [r["variant"] for r in result["rows"]] == variants
+    for row in result["rows"]:
+        assert STEP_FIELDS <= set(row), STEP_FIELDS - set(row)
+        assert row["model"] == "gpt" and row["steps_timed"] == 2 and row["peak_memory_kind"] == "peak_rss"
+        assert row["step_ms_median"] > 0 and row["peak_memory_bytes"] > 0
+    reference = next(r for r in result["rows"] if r["variant"] == "lightning-bf16-mixed")
+    assert reference["throughput_vs_bf16_mixed"] == pytest.approx(1.0)
+    (target,) = result["targets"]  # the CPU target: O1 against Lightning's bf16-mixed
+    assert target["model"] == "gpt" and isinstance(target["met"], bool)
+    assert target["value"] == pytest.approx(result["rows"][0]["step_time_vs_bf16_mixed"])
+
+
+@pytest.mark.parametrize("variant", ["mpx-O3-bf16", "torch-autocast-bf16", "loop-fp32", "lightning-16-mixed"])
+def test_step_child_variants_run_in_process(variant):
+    spec = step.ModelSpec(batch=2, image=8, width=4, blocks=(1, 1))
+    row = step.run_child(variant, "resnet", spec, steps=2, warmup=1, device="cpu", threads=1)
+    assert row["variant"] == variant and row["steps_timed"] == 2 and row["samples_per_second"] > 0
+    if variant == "lightning-16-mixed":
+        assert row["effective_dtype"] == "bfloat16"  # Lightning's "16-mixed" runs as bfloat16 on CPU
+    if variant.startswith("mpx-"):
+        assert row["skipped_steps"] == 0
+
+
+def test_step_ratios_and_cpu_target_from_rows():
+    rows = [
+        {"model": "gpt", "variant": "fp32", "step_ms_median": 20.0, "samples_per_second": 400.0,
+         "peak_memory_bytes": 100},
+        {"model": "gpt", "variant": "lightning-bf16-mixed", "step_ms_median": 10.0, "samples_per_second": 800.0,
+         "peak_memory_bytes": 90},
+        {"model": "gpt", "variant": "mpx-O1-bf16", "step_ms_median": 14.0, "samples_per_second": 8 / 0.014,
+         "peak_memory_bytes": 95},
+    ]  # fmt: skip
+    step.add_ratios(rows)
+    assert rows[0]["throughput_vs_bf16_mixed"] == pytest.approx(0.5)
+    assert rows[2]["peak_memory_vs_fp32"] == pytest.approx(0.95)
+    (check,) = step.check_targets(rows, "cpu")
+    assert check["value"] == pytest.approx(1.4) and check["met"] is False
+
+
+def test_step_rejects_unknown_variants_and_models(capsys):
+    with pytest.raises(SystemExit):
+        step.main(["--variants", "mpx-O4-fp16"])
+    with pytest.raises(SystemExit):
+        step.main(["--model", "bert"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_convergence_quick_writes_rows_curves_and_plot(tmp_path):
+    out, png = tmp_path / "conv.json", tmp_path / "conv.png"
+    result = convergence.main(
+        ["--quick", "--levels", "O0", "O2", "--dtypes", "bfloat16", "--out", str(out), "--plot", str(png),
+         "--runs-dir", str(tmp_path / "runs")]
+    )  # fmt: skip
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == result["rows"]
+    assert [r["variant"] for r in saved["rows"]] == ["O0", "O2-bfloat16"]
+    o0, o2 = saved["rows"]
+    assert o0["verdict"] == "baseline" and o0["ratio_to_O0"] == pytest.approx(1.0)
+    assert o2["verdict"] in ("PASS", "FAIL") and o2["skipped_steps"] == [0] and o2["final_loss_scale"] == [1.0]
+    assert set(saved["curves"]) == {"O0", "O2-bfloat16"} and len(saved["curves"]["O0"]) >= 2
+    assert png.stat().st_size > 0 and not out.with_suffix(".partial.json").exists()
+
+
+def test_convergence_summary_survives_a_diverged_run():
+    runs = [
+        {"variant": "O0", "seed": s, "val_loss": 2.0 + s / 100, "skipped_steps": 0, "loss_scale": 1.0,
+         "seconds": 1.0, "val_curve": [[10, 3.0], [20, 2.0]]} for s in (0, 1)
+    ] + [
+        {"variant": "O1-float16", "seed": s, "val_loss": 2.05, "skipped_steps": 1, "loss_scale": 2.0**15,
+         "seconds": 1.0, "val_curve": [[20, 2.05]]} for s in (0, 1)
+    ] + [
+        {"variant": "O3-float16", "seed": 0, "val_loss": None, "skipped_steps": 19, "loss_scale": 1.0,
+         "seconds": 1.0, "val_curve": [[20, None]]},
+        {"variant": "O3-float16", "seed": 1, "val_loss": 2.5, "skipped_steps": 0, "loss_scale": 1.0,
+         "seconds": 1.0, "val_curve": [[20, 2.5]]},
+    ]  # fmt: skip
+    rows = {r["variant"]: r for r in convergence.summarise(runs, tolerance=0.02)}
+    assert rows["O0"]["val_loss_mean"] == pytest.approx(2.005)
+    assert rows["O1-float16"]["verdict"] == "FAIL"  # +2.2 %
+    assert rows["O3-float16"]["val_loss_mean"] is None and rows["O3-float16"]["non_finite_runs"] == 1
+    assert rows["O3-float16"]["verdict"] == "reported"
+    assert convergence.mean_curves(runs)["O3-float16"] == [(20, 2.5)]
+    json.dumps(rows, allow_nan=False)  # strict JSON
+    assert not any(isinstance(v, float) and math.isnan(v) for r in rows.values() for v in r.values())
+
+
+def test_convergence_variant_names_and_bad_flags():
+    assert convergence.variant_names(["O0", "O3"], ["bfloat16"]) == ["O0", "O3-bfloat16"]
+    with pytest.raises(SystemExit):
+        convergence.main(["--levels", "O5"])
+
+
+def test_engine_overhead_rows(tmp_path):
+    out = tmp_path / "eo.json"
+    result = engine_overhead.main(["--params", "6", "--steps", "3", "--repeats", "1", "--out", str(out)])
+    assert [r["opt_level"] for r in json.loads(out.read_text())["rows"]] == ["O1", "O2"]
+    assert all(r["parameters"] == 6 and r["engine_us_per_step"] > 0 for r in result["rows"])
