@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
+from typing import Mapping
+
 import torch
 
-# Immutable: the accepted spellings of each half dtype.
-_HALF_DTYPE_NAMES: dict[str, torch.dtype] = {
+#: The accepted spellings of each half dtype.
+_HALF_DTYPE_NAMES: Mapping[str, torch.dtype] = MappingProxyType({
     "float16": torch.float16,
     "fp16": torch.float16,
     "half": torch.float16,
     "16": torch.float16,
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
-}
+})
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 

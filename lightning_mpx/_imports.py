@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
+from types import MappingProxyType, ModuleType
 
 #: The extra that installs each optional framework.
-EXTRAS = {"lightning": "lightning", "accelerate": "accelerate", "triton": "triton", "tensorboard": "demo", "matplotlib": "demo"}
+EXTRAS = MappingProxyType(
+    {"lightning": "lightning", "accelerate": "accelerate", "triton": "triton", "tensorboard": "demo", "matplotlib": "demo"}
+)
 
 
 def require(module: str, *, extra: str | None = None, feature: str | None = None) -> ModuleType:

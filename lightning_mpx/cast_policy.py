@@ -23,6 +23,7 @@ forward passes) is cast again. Casts are differentiable, so gradients reach the 
 from __future__ import annotations
 
 import contextlib
+from types import MappingProxyType
 from typing import Any, Callable, Iterator
 
 import torch
@@ -33,7 +34,9 @@ from lightning_mpx.cast_table import CastTable
 
 # Actions, resolved once per function and memoised by each policy.
 _PASS, _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _BANNED = range(6)
-_CATEGORY_ACTION = {"half": _HALF, "float": _FLOAT, "promote": _PROMOTE, "sequence": _SEQUENCE, "banned": _BANNED}
+_CATEGORY_ACTION = MappingProxyType(
+    {"half": _HALF, "float": _FLOAT, "promote": _PROMOTE, "sequence": _SEQUENCE, "banned": _BANNED}
+)
 _LOW = (torch.float16, torch.bfloat16)
 
 

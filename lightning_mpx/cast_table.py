@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from types import ModuleType
+from types import MappingProxyType, ModuleType
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -21,11 +21,9 @@ from torch.overrides import handle_torch_function, has_torch_function
 
 from lightning_mpx.cast_lists import BANNED_ADVICE, CATEGORIES, DEFAULT_TABLE
 
-_NAMESPACES: Mapping[str, Any] = {
-    "torch": torch,
-    "torch.nn.functional": torch.nn.functional,
-    "torch.Tensor": torch.Tensor,
-}
+_NAMESPACES: Mapping[str, Any] = MappingProxyType(
+    {"torch": torch, "torch.nn.functional": torch.nn.functional, "torch.Tensor": torch.Tensor}
+)
 _DISPATCHABLE_MARK = "__lightning_mpx_dispatchable__"
 
 
