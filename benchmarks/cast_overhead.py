@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -27,6 +26,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_mpx import CastPolicy
+
+from _machine import cpu_model  # benchmarks/ is on sys.path when a script runs
 
 
 class Block(nn.Module):
@@ -166,7 +167,7 @@ def main() -> None:
         )
     result = {
         "benchmark": "cast_overhead",
-        "device": platform.processor() or platform.machine(),
+        "device": cpu_model(),
         "threads": args.threads,
         "torch": torch.__version__,
         "steps": args.steps,

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from _machine import cpu_model  # benchmarks/ is on sys.path when a script runs
+
 LEVELS = ("O0", "O1", "O2", "O3")
 DTYPES = ("float16", "bfloat16")
 #: Variants whose final validation loss must match O0's within the tolerance.
@@ -174,16 +176,6 @@ def plot(curves: dict[str, list[tuple[int, float]]], path: Path, title: str) -> 
     plt.close(fig)
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _fmt(value: float | None) -> str:
     return "nan" if value is None else f"{value:.4f}"
 
@@ -270,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     result = {
         "benchmark": "convergence",
-        "device": _cpu_model() if args.accelerator != "gpu" else torch.cuda.get_device_name(),
+        "device": cpu_model() if args.accelerator != "gpu" else torch.cuda.get_device_name(),
         "threads": args.threads,
         "torch": torch.__version__,
         "lightning": lightning.__version__,

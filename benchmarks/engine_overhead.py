@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 import timeit
@@ -30,6 +29,8 @@ from torch import nn
 
 import lightning_mpx
 from lightning_mpx import Amp
+
+from _machine import cpu_model  # benchmarks/ is on sys.path when a script runs
 
 
 class _SideBySide(nn.ModuleList):
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "engine_overhead",
         "label": args.label,
         "package_path": str(Path(lightning_mpx.__file__).parent),
-        "device": platform.processor() or platform.machine(),
+        "device": cpu_model(),
         "threads": args.threads,
         "torch": torch.__version__,
         "loadavg": [load_before, os.getloadavg()],

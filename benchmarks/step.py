@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from _machine import cpu_model  # benchmarks/ is on sys.path when a script runs
+
 LIGHTNING_VARIANTS = (
     "fp32",
     "mpx-O1-fp16",
@@ -388,16 +390,6 @@ def _loop_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], total: i
 
 
 # -- the parent ---------------------------------------------------------------------------------------------------------
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _spawn(variant: str, kind: str, args: argparse.Namespace, steps: int) -> dict[str, Any]:
     cmd = [
         sys.executable, os.path.abspath(__file__), "--_child", variant, "--model", kind, "--size", args.size,
@@ -572,7 +564,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
 
     result = {
         "benchmark": "step",
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else _cpu_model(),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else cpu_model(),
         "device_type": args.device,
         "threads": args.threads,
         "cpu_count": os.cpu_count(),
