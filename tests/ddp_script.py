@@ -35,6 +35,11 @@ def main() -> None:
     out = os.environ["MPX_OUT"]
     with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(result, f)
+    # Lightning destroys the process group at exit only for NCCL. A gloo group left alive can abort the interpreter
+    # at exit ("terminate called without an active exception", pytorch/pytorch#190489), so end it here, as torch's
+    # docs ask every training script to do.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

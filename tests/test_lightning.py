@@ -413,14 +413,15 @@ def test_metrics_follow_the_trainers_logging_cadence(tmp_path):
 # -- distribution ---------------------------------------------------------------------------------------------------
 def test_ddp_two_processes_skip_together(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), MPX_OUT=str(tmp_path))
-    subprocess.run(
+    proc = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "ddp_script.py")],
-        check=True,
         cwd=tmp_path,
         env=env,
         capture_output=True,
+        text=True,
         timeout=300,
     )
+    assert proc.returncode == 0, f"exit code {proc.returncode}; stderr ends with:\n{proc.stderr[-3000:]}"
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert results[0]["skipped_steps"] == results[1]["skipped_steps"] == [1]
     assert results[0]["scale"] == results[1]["scale"] == 512.0
