@@ -29,6 +29,8 @@ Byte counts per element (``s``/``d``: source/destination element sizes):
 
 from __future__ import annotations
 
+import itertools
+import operator
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Sequence
@@ -169,47 +171,96 @@ def _finalize_kernel(
 class _Group:
     src_dtype: torch.dtype
     dst_dtype: torch.dtype
-    rows: slice  # rows of the plan's table
-    partials: slice  # slots of the plan's partials buffer
+    table: torch.Tensor  # this group's rows of the plan's table (a view)
+    partials: torch.Tensor  # this group's slots of the plan's partials buffer (a view)
     aligned: bool  # every source and destination address is a multiple of 16 bytes
 
 
 @dataclass
 class _Plan:
-    """Chunk table of one list of (source, destination) tensors on one device, kept across steps."""
+    """Chunk table of one list of (source, destination) tensors on one device, kept across steps.
 
-    table: torch.Tensor  # int64 [chunks, 3] on the device
-    groups: list[_Group]
-    partials: torch.Tensor  # FP32 [max(chunks, 1)]: per-chunk sums of squares
-    coef: torch.Tensor  # FP32 [1]: clip coefficient * inv_scale, written and read within one call
+    ``supported`` is false when the kernels cannot take the tensors (several devices, layouts that differ between a
+    source and its destination, other dtypes); the verdict is cached like a table, and the caller uses the foreach
+    twin.
+    """
+
+    supported: bool
+    device: torch.device | None = None
+    table: torch.Tensor | None = None  # int64 [chunks, 3] on the device
+    groups: tuple[_Group, ...] = ()
+    partials: torch.Tensor | None = None  # FP32 [max(chunks, 1)]: per-chunk sums of squares
+    coef: torch.Tensor | None = None  # FP32 [1]: clip coefficient * inv_scale, written and read within one call
 
 
-def _key(src: Tensors, dst: Tensors) -> tuple[object, ...]:
-    # Everything the table depends on: addresses, sizes, dtypes and the count. Built with map() over the C
-    # accessors because it runs on every step (about 0.2 us per tensor).
+_DTYPE = operator.attrgetter("dtype")
+_NOT = operator.not_
+
+
+def _fingerprint(tensors: Tensors) -> tuple[object, ...]:
+    # Built from C-level accessors mapped over the list, because it runs on every step (about 0.05 us per tensor
+    # and accessor): Python-level loops over thousands of tensors would dominate a step's host time.
+    contiguous = tuple(map(torch.Tensor.is_contiguous, tensors))
     return (
-        tuple(map(torch.Tensor.data_ptr, src)),
-        tuple(map(torch.Tensor.data_ptr, dst)),
-        tuple(map(torch.Tensor.numel, src)),
-        tuple(t.dtype for t in src),
-        tuple(t.dtype for t in dst),
-        src[0].device,
+        tuple(map(torch.Tensor.data_ptr, tensors)),
+        tuple(map(torch.Tensor.numel, tensors)),
+        tuple(map(_DTYPE, tensors)),
+        tuple(map(torch.Tensor.get_device, tensors)),
+        contiguous,
+        # Only tensors that are not contiguous have a layout beyond their size that matters to ``supports``.
+        tuple((t.shape, t.stride()) for t in itertools.compress(tensors, map(_NOT, contiguous))),
     )
 
 
+def key(src: Tensors, dst: Tensors) -> tuple[object, ...]:
+    """Everything a plan depends on: each tensor's address, element count, dtype, device and layout.
+
+    A table holds addresses and lengths, so a new gradient buffer, a resized or re-cast tensor or a different list
+    needs a new one; the device and layout parts make the cached ``supported`` verdict (and the device checks done
+    before a plan is built) hold for every call that finds the plan. ``dst is src`` is the in-place case.
+    """
+    if dst is src:
+        return (_fingerprint(src),)
+    return (_fingerprint(src), _fingerprint(dst))
+
+
+def cached(workspace: UnscaleWorkspace, plan_key: tuple[object, ...]) -> _Plan | None:
+    """The workspace's plan for this key, if it has one (marked as the most recently used)."""
+    plans = workspace._plans
+    plan = plans.get(plan_key)
+    if plan is not None:
+        plans.move_to_end(plan_key)
+    return plan  # type: ignore[no-any-return]
+
+
+def plan(workspace: UnscaleWorkspace, plan_key: tuple[object, ...], src: Tensors, dst: Tensors) -> _Plan:
+    """Build the plan for ``src``/``dst`` (a table, or an unsupported verdict) and keep it in the workspace."""
+    pairs = [(s, d) for s, d in zip(src, dst) if s.numel()]  # empty tensors need no rows and no checks
+    if pairs and not supports([s for s, _ in pairs], [d for _, d in pairs]):
+        new = _Plan(supported=False)
+    else:
+        device = (pairs[0][0] if pairs else src[0]).device if src else None
+        new = _build(src, dst, workspace.chunk_size, device) if device is not None else _Plan(supported=True)
+        workspace.builds += 1
+    plans = workspace._plans
+    plans[plan_key] = new
+    while len(plans) > workspace.max_plans:
+        plans.popitem(last=False)
+    return new
+
+
 def _build(src: Tensors, dst: Tensors, chunk: int, device: torch.device) -> _Plan:
-    groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
+    by_pair: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
     for index, (s, d) in enumerate(zip(src, dst)):
-        groups.setdefault((s.dtype, d.dtype), []).append(index)
+        if s.numel():
+            by_pair.setdefault((s.dtype, d.dtype), []).append(index)
     tables: list[torch.Tensor] = []
-    plan_groups: list[_Group] = []
+    spans: list[tuple[torch.dtype, torch.dtype, slice, bool]] = []
     row = 0
-    for (src_dtype, dst_dtype), members in groups.items():
+    for (src_dtype, dst_dtype), members in by_pair.items():
         numels = torch.tensor([src[i].numel() for i in members], dtype=torch.int64)
         counts = (numels + chunk - 1) // chunk
         total = int(counts.sum())
-        if total == 0:
-            continue  # only empty tensors: nothing to launch
         owner = torch.repeat_interleave(torch.arange(len(members)), counts)
         first = torch.cumsum(counts, 0) - counts
         start = (torch.arange(total) - first[owner]) * chunk
@@ -221,7 +272,7 @@ def _build(src: Tensors, dst: Tensors, chunk: int, device: torch.device) -> _Pla
         rows = torch.stack([src_addr + start * src_size, dst_addr + start * dst_size, length], dim=1)
         aligned = bool((rows[:, :2] % 16 == 0).all())
         tables.append(rows)
-        plan_groups.append(_Group(src_dtype, dst_dtype, slice(row, row + total), slice(row, row + total), aligned))
+        spans.append((src_dtype, dst_dtype, slice(row, row + total), aligned))
         row += total
     host = torch.cat(tables) if tables else torch.zeros((0, 3), dtype=torch.int64)
     if device.type == "cuda":
@@ -231,22 +282,9 @@ def _build(src: Tensors, dst: Tensors, chunk: int, device: torch.device) -> _Pla
         table = host.to(device)
     partials = torch.zeros(max(row, 1), dtype=torch.float32, device=device)
     coef = torch.zeros(1, dtype=torch.float32, device=device)
-    return _Plan(table.contiguous(), plan_groups, partials, coef)
-
-
-def _plan(workspace: UnscaleWorkspace, src: Tensors, dst: Tensors) -> _Plan:
-    key = _key(src, dst)
-    plans = workspace._plans
-    plan = plans.get(key)
-    if plan is None:
-        plan = _build(src, dst, workspace.chunk_size, src[0].device)
-        workspace.builds += 1
-        plans[key] = plan
-        while len(plans) > workspace.max_plans:
-            plans.popitem(last=False)
-    else:
-        plans.move_to_end(key)
-    return plan  # type: ignore[no-any-return]
+    table = table.contiguous()
+    groups = tuple(_Group(sd, dd, table[rows], partials[rows], aligned) for sd, dd, rows, aligned in spans)
+    return _Plan(True, device, table, groups, partials, coef)
 
 
 # -- checks ------------------------------------------------------------------------------------------------------
@@ -271,10 +309,12 @@ def supports(src: Tensors, dst: Tensors) -> bool:
             return False
         if s.dtype not in _TL_DTYPES or d.dtype not in _TL_DTYPES:
             return False
+        if s is not d and s.shape != d.shape:
+            return False
         if not s.is_contiguous():
             if s.stride() != d.stride() or not _dense(s):
                 return False
-        elif s is not d and (s.shape != d.shape or not d.is_contiguous()):
+        elif s is not d and not d.is_contiguous():
             return False
     return True
 
@@ -295,14 +335,14 @@ def _launch_chunks(
     store: bool,
     norm: bool,
 ) -> None:
+    coef = plan.coef
+    assert coef is not None
     for group in plan.groups:
-        rows = plan.table[group.rows]
-        grid = (rows.shape[0],)
-        _chunk_kernel[grid](
-            rows,
-            scale if scale is not None else plan.coef,
-            found if found is not None else plan.coef,
-            plan.partials[group.partials],
+        _chunk_kernel[(group.table.shape[0],)](
+            group.table,
+            scale if scale is not None else coef,
+            found if found is not None else coef,
+            group.partials,
             SRC=_TL_DTYPES[group.src_dtype],
             DST=_TL_DTYPES[group.dst_dtype],
             HAS_SCALE=scale is not None,
@@ -319,13 +359,15 @@ def _launch_chunks(
 def _finalize(
     plan: _Plan, workspace: UnscaleWorkspace, scale: torch.Tensor, max_norm: float | None
 ) -> torch.Tensor:
-    total = plan.groups[-1].partials.stop if plan.groups else 0
-    norm = torch.empty((), dtype=torch.float32, device=plan.partials.device)  # fresh: callers may keep old norms
+    partials, coef = plan.partials, plan.coef
+    assert partials is not None and coef is not None
+    total = sum(group.partials.numel() for group in plan.groups)
+    norm = torch.empty((), dtype=torch.float32, device=partials.device)  # fresh: callers may keep old norms
     _finalize_kernel[(1,)](
-        plan.partials,
+        partials,
         total,
         norm,
-        plan.coef,
+        coef,
         scale,
         float(max_norm) if max_norm is not None else 0.0,
         CLIP=max_norm is not None,
@@ -336,18 +378,19 @@ def _finalize(
 
 
 def unscale(
-    grads: Tensors,
-    targets: Tensors,
+    plan: _Plan,
     inv_scale: torch.Tensor,
     found_inf: torch.Tensor,
     want_norm: bool,
     max_norm: float | None,
     workspace: UnscaleWorkspace,
 ) -> torch.Tensor | None:
-    """The fused unscale (see the module docstring); ``grads`` and ``targets`` are non-empty, on one device."""
-    device = grads[0].device
+    """The fused unscale (see the module docstring) over a supported plan from :func:`plan`."""
+    if not plan.groups:  # nothing but empty tensors: nothing to unscale, a norm of zero
+        return torch.zeros((), dtype=torch.float32, device=found_inf.device) if want_norm else None
+    device = plan.device
+    assert device is not None
     with _on(device):
-        plan = _plan(workspace, grads, targets)
         scale = inv_scale.to(device=device, dtype=torch.float32).reshape(1)
         flag = found_inf if found_inf.device == device else torch.zeros(1, dtype=torch.float32, device=device)
         if max_norm is None:
@@ -365,11 +408,12 @@ def unscale(
     return norm
 
 
-def copy(src: Tensors, dst: Tensors, workspace: UnscaleWorkspace) -> None:
-    """``dst[i].copy_(src[i])`` for every pair, one launch per dtype pair (FP32 masters to half parameters)."""
-    with _on(src[0].device):
-        plan = _plan(workspace, src, dst)
-        _launch_chunks(plan, workspace, None, None, store=True, norm=False)
+def copy(plan: _Plan, workspace: UnscaleWorkspace) -> None:
+    """``dst[i].copy_(src[i])`` for every pair of a supported plan, one launch per dtype pair."""
+    if plan.groups:
+        assert plan.device is not None
+        with _on(plan.device):
+            _launch_chunks(plan, workspace, None, None, store=True, norm=False)
 
 
 class _on:

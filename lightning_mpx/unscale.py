@@ -17,6 +17,7 @@ chunk tables in an :class:`UnscaleWorkspace` that the caller owns and passes bac
 from __future__ import annotations
 
 import importlib.util
+import operator
 import os
 import sys
 from collections import OrderedDict
@@ -28,6 +29,7 @@ import torch
 Tensors = Sequence[torch.Tensor]
 
 _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
+_IS_CUDA = operator.attrgetter("is_cuda")
 
 
 class UnscaleWorkspace:
@@ -35,9 +37,11 @@ class UnscaleWorkspace:
 
     Building a table (one row per chunk of every tensor, with addresses) costs host time and a host-to-device copy,
     so the ``"triton"`` backend keeps it here and reuses it for as long as the tensors it was built for keep their
-    storage. The key is every tensor's address, element count and dtype, the destinations' addresses, the device
-    and the count: a new gradient buffer, a resized or re-cast parameter, a different parameter list all get a new
-    table. The last ``max_plans`` tables are kept (a call with gradients only and one with FP32 master gradients
+    storage. The key is every source's and destination's address, element count, dtype, device and layout (strides
+    where not contiguous), and the count: a new gradient buffer, a resized, re-cast or moved parameter, a different
+    parameter list all get a new table. The checks that decide whether the kernels can take the tensors at all are
+    made when a table is built and kept with it (a "not supported" verdict too), so a call that finds its table does
+    no per-tensor Python work beyond building the key. The last ``max_plans`` tables are kept (a call with gradients only and one with FP32 master gradients
     each need their own). :class:`~lightning_mpx.amp.Amp` keeps one per optimizer, and each
     :class:`~lightning_mpx.master_weights.MasterWeights` one for its copy to the model. Other backends ignore it.
 
@@ -132,7 +136,7 @@ def unscale_grads_(
 def resolve_backend(tensors: Tensors) -> str:
     """The backend that ``"auto"`` picks for these tensors: ``"triton"`` when they are all CUDA tensors and triton
     is installed, else ``"foreach"``."""
-    if tensors and all(t.is_cuda for t in tensors) and _triton_available() and not _interpreter_requested():
+    if tensors and all(map(_IS_CUDA, tensors)) and _triton_available() and not _interpreter_requested():
         return "triton"
     return "foreach"
 
@@ -160,13 +164,10 @@ def cast_copy_(
                 d.copy_(s)
             return
         if backend == "triton":
-            kernels = _triton_backend([*dst, *src], "cast_copy_")
-            pairs = [(s, d) for s, d in zip(src, dst) if s.numel()]
-            if not pairs:
-                return
-            sources, dests = (list(x) for x in zip(*pairs))
-            if kernels.supports(sources, dests):
-                kernels.copy(sources, dests, UnscaleWorkspace() if workspace is None else workspace)
+            workspace = UnscaleWorkspace() if workspace is None else workspace
+            kernels, plan = _triton_plan(src, dst, workspace, "cast_copy_")
+            if plan.supported:
+                kernels.copy(plan, workspace)
                 return
             # Several devices or layouts the kernels do not take: the foreach twin below does the copy.
         for s_group, d_group in _grouped_pairs(src, dst):
@@ -182,14 +183,28 @@ def _interpreter_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def _triton_backend(tensors: Tensors, what: str) -> Any:
-    """The kernel module, after checking that the tensors can go to it."""
+def _triton_plan(src: Tensors, dst: Tensors, workspace: UnscaleWorkspace, what: str) -> tuple[Any, Any]:
+    """The kernel module and the plan for these tensors: the workspace's cached one, or a new one after checking
+    that the tensors can go to the kernels at all.
+
+    A cached plan is found only for tensors with the same addresses, sizes, dtypes, devices and layouts as the ones
+    it was checked and built for, so a step that finds one does no per-tensor Python work beyond building the key.
+    """
     from lightning_mpx._imports import require
 
     require("triton", extra="triton", feature=f"{what}(backend='triton')")
-    from lightning_mpx import _triton_unscale
+    from lightning_mpx import _triton_unscale as kernels
 
-    interpreted = _triton_unscale.interpreting()
+    plan_key = kernels.key(src, dst)
+    plan = kernels.cached(workspace, plan_key)
+    if plan is None:
+        _check_triton_devices(kernels, [*src, *dst])
+        plan = kernels.plan(workspace, plan_key, src, dst)
+    return kernels, plan
+
+
+def _check_triton_devices(kernels: Any, tensors: Tensors) -> None:
+    interpreted = kernels.interpreting()
     wrong = next((t for t in tensors if t.is_cuda == interpreted), None)
     if wrong is not None:
         if interpreted:
@@ -202,7 +217,6 @@ def _triton_backend(tensors: Tensors, what: str) -> Any:
             f"backend='triton' runs on CUDA tensors, but got a tensor on {wrong.device}; valid choices for it: "
             "auto, foreach, reference (CPU tensors work with 'triton' only under TRITON_INTERPRET=1)."
         )
-    return _triton_unscale
 
 
 def _triton(
@@ -214,19 +228,13 @@ def _triton(
     max_norm: float | None,
     workspace: UnscaleWorkspace | None,
 ) -> torch.Tensor | None:
-    kernels = _triton_backend(list(grads) + list(out or []), "unscale_grads_")
-    targets = list(grads if out is None else out)
-    # Empty tensors have nothing to unscale; dropping them keeps them out of the table.
-    pairs = [(g, t) for g, t in zip(grads, targets) if g.numel()]
-    if not pairs:
-        return torch.zeros((), dtype=torch.float32, device=found_inf.device) if want_norm else None
-    sources, dests = (list(x) for x in zip(*pairs))
-    if not kernels.supports(sources, dests):
-        # Several devices, non-dense layouts or other dtypes: the foreach twin gives the same answers.
-        return _foreach(grads, inv_scale, found_inf, out, want_norm, max_norm, None)
     if workspace is None:
         workspace = UnscaleWorkspace()
-    norm: torch.Tensor | None = kernels.unscale(sources, dests, inv_scale, found_inf, want_norm, max_norm, workspace)
+    kernels, plan = _triton_plan(grads, grads if out is None else out, workspace, "unscale_grads_")
+    if not plan.supported:
+        # Several devices, non-dense layouts or other dtypes: the foreach twin gives the same answers.
+        return _foreach(grads, inv_scale, found_inf, out, want_norm, max_norm, None)
+    norm: torch.Tensor | None = kernels.unscale(plan, inv_scale, found_inf, want_norm, max_norm, workspace)
     return norm
 
 

@@ -255,6 +255,34 @@ def test_triton_tables_are_cached_and_rebuilt_when_storage_changes(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_triton_cached_table_is_not_reused_for_a_new_layout_at_the_same_address(device):
+    # Same storage, same sizes, same dtype, other strides: a transposed view of a square gradient. A table found by
+    # address alone would copy it into its master untransposed; the key's layout part sends it to the foreach twin.
+    ws = _workspace()
+    square = torch.randn(6, 6, device=device) * 64
+    grads = [square, torch.randn(5, device=device) * 64]
+    found = torch.zeros((), device=device)
+    out = [torch.empty(g.shape, device=device) for g in grads]  # the same FP32 masters on every call
+    for grads_now in (grads, [square.t(), grads[1]], [square.t(), grads[1]]):
+        unscale_grads_(grads_now, _inv(64.0, device), found, out=out, backend="triton", workspace=ws)
+        for got, g in zip(out, grads_now):
+            assert torch.equal(got, g / 64.0)
+    # One table for the contiguous list; the transposed list's "not supported" verdict is cached too.
+    assert ws.builds == 1 and len(ws._plans) == 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_destination_of_another_shape_is_never_written_by_a_table(device):
+    # Channels-last tensors of batch 2 and batch 1 have the same strides; a kernel walking the source's storage
+    # would write past the end of the smaller destination.
+    src = torch.randn(2, 3, 4, 4, device=device).contiguous(memory_format=torch.channels_last)
+    small = torch.empty(1, 3, 4, 4, device=device).contiguous(memory_format=torch.channels_last)
+    assert src.stride() == small.stride()
+    assert not kernels.supports([src], [small])
+    assert kernels.supports([src], [torch.empty_like(src)])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_triton_master_to_model_copy_rounds_like_torch(device, dtype):
     g = torch.Generator().manual_seed(1)
@@ -391,6 +419,21 @@ def test_triton_benchmark_check_runs():
     assert result.returncode == 0, result.stderr
     assert "check passed" in result.stdout
 
+
+
+def test_triton_host_benchmark_rows(tmp_path):
+    out = tmp_path / "host.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "triton_host.py"), "--counts", "3", "40", "--repeats", "1",
+         "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = __import__("json").loads(out.read_text())["rows"]
+    assert [r["tensors"] for r in rows] == [3, 40]
+    for r in rows:
+        assert 0 < r["cached_us"] and 0 < r["checked_us"] and 0 < r["build_us"]
+        assert r["checked_over_cached"] == r["checked_us"] / r["cached_us"]
 
 _COMPILE_FOR_GPU = r"""
 import re, sys
