@@ -561,3 +561,22 @@ def test_boundary_depth_is_restored_when_the_forward_raises():
         model(torch.tensor([[99]]))  # out of the embedding's range
     assert plugin._boundary_depth == 0
     assert model(torch.tensor([[1, 2]])).dtype == torch.float32
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_torch_compiled_submodule_trains_exactly_as_in_eager_mode(level):
+    # Dynamo traces the compiled net with the O1 cast policy active around it (or the O2 boundary hooks around the
+    # LightningModule); "aot_eager" keeps torch's kernels, so any difference would come from the casts themselves.
+    def train(compiled: bool) -> list[torch.Tensor]:
+        torch._dynamo.reset()
+        model = Classifier(optimizer="sgd", lr=0.1)
+        if compiled:
+            model.net = torch.compile(model.net, backend="aot_eager")
+        make_trainer(MixedPrecisionPlugin(level, half_dtype="bfloat16"), max_steps=3).fit(
+            model, loader(classification_data(n=48))
+        )
+        return [p.detach().clone() for p in model.parameters()]
+
+    eager, compiled = train(False), train(True)
+    assert all(p.dtype == (torch.bfloat16 if level == "O2" else torch.float32) for p in compiled)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
