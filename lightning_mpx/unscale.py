@@ -41,8 +41,8 @@ class UnscaleWorkspace:
     where not contiguous), and the count: a new gradient buffer, a resized, re-cast or moved parameter, a different
     parameter list all get a new table. The checks that decide whether the kernels can take the tensors at all are
     made when a table is built and kept with it (a "not supported" verdict too), so a call that finds its table does
-    no per-tensor Python work beyond building the key. The last ``max_plans`` tables are kept (a call with gradients only and one with FP32 master gradients
-    each need their own). :class:`~lightning_mpx.amp.Amp` keeps one per optimizer, and each
+    no per-tensor Python work beyond building the key. The last ``max_plans`` tables are kept (a call with gradients
+    only and one with FP32 master gradients each need their own). :class:`~lightning_mpx.amp.Amp` keeps one per optimizer, and each
     :class:`~lightning_mpx.master_weights.MasterWeights` one for its copy to the model. Other backends ignore it.
 
     Args:
