@@ -42,8 +42,9 @@ class UnscaleWorkspace:
     parameter list all get a new table. The checks that decide whether the kernels can take the tensors at all are
     made when a table is built and kept with it (a "not supported" verdict too), so a call that finds its table does
     no per-tensor Python work beyond building the key. The last ``max_plans`` tables are kept (a call with gradients
-    only and one with FP32 master gradients each need their own). :class:`~lightning_mpx.amp.Amp` keeps one per optimizer, and each
-    :class:`~lightning_mpx.master_weights.MasterWeights` one for its copy to the model. Other backends ignore it.
+    only and one with FP32 master gradients each need their own). :class:`~lightning_mpx.amp.Amp` keeps one per
+    optimizer, and each :class:`~lightning_mpx.master_weights.MasterWeights` one for its copy to the model. Other
+    backends ignore it.
 
     Args:
         chunk_size: Elements per chunk (one program each); a power of two, a multiple of ``block_size``.
