@@ -274,12 +274,14 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
     ) -> nn.Module:
         """As ``accelerate.Accelerator.prepare_model``, with the opt level's conversion and forward applied first."""
         if self.amp is None or getattr(model, "_is_accelerate_prepared", False) or model in self._converted:
+            if self.amp is not None and model in self._converted and not evaluation_mode:
+                self.amp.prepare_model(model, train=True)  # prepared for evaluation before: masters now (once)
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         place = self.device_placement if device_placement is None else device_placement
         if place and not self.verify_device_map(model):
             # On the device before conversion: O2's masters are created next to the parameters they copy.
             model.to(self.device)
-        self.amp.prepare_model(model)
+        self.amp.prepare_model(model, train=not evaluation_mode)  # no FP32 masters for a model only evaluated
         self._converted.add(model)
         if self.amp.properties.patch_torch_functions or self.amp.properties.casts_model:
             # An instance attribute, as Accelerate's own autocast wrapper: the class and other instances are untouched,

@@ -159,17 +159,26 @@ class Amp:
     def num_losses(self) -> int:
         return len(self.scalers)
 
-    def prepare_model(self, module: nn.Module) -> nn.Module:
+    def prepare_model(self, module: nn.Module, *, train: bool = True) -> nn.Module:
         """Convert ``module`` for the opt level (in place) and return it.
 
         O2/O3 cast it to half (batch norm FP32 when ``keep_batchnorm_fp32``), O2 also creates FP32 master weights;
         O0 makes half parameters FP32; O1 leaves it as it is.
+
+        Args:
+            module: The model.
+            train: ``False`` for a model that is only evaluated: it is converted the same way, but no FP32 masters
+                are made for it (at O2 they would double its memory for nothing), and an optimizer over its half
+                parameters is refused. Preparing the same module again with ``train=True`` adds the masters;
+                preparing it twice for training makes them once.
 
         Raises:
             ValueError: for O2/O3 with a module that has no floating-point parameters.
         """
         if not isinstance(module, nn.Module):
             raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module.")
+        if not isinstance(train, bool):
+            raise TypeError(f"train={train!r} must be True or False.")
         prefix = f"model{len(self.master_weights)}." if self.master_weights else ""
         for name, param in module.named_parameters():
             self._names.setdefault(id(param), prefix + name)
@@ -180,13 +189,17 @@ class Amp:
             for param in module.parameters():
                 if param.dtype in (torch.float16, torch.bfloat16):
                     param.data = param.data.float()
-        if props.master_weights:
+        if props.master_weights and train and not self._has_masters(module):
             self.master_weights.append(
                 MasterWeights(
                     ((prefix + name, p) for name, p in module.named_parameters()), copy_backend=self.unscale_backend
                 )
             )
         return module
+
+    def _has_masters(self, module: nn.Module) -> bool:
+        """Whether a parameter of ``module`` already has its masters (it was prepared for training before)."""
+        return any(masters.covers(p) for masters in self.master_weights for p in module.parameters())
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Register ``optimizer`` (prepare its model first); for O2 its parameters become the FP32 masters.
@@ -203,14 +216,17 @@ class Amp:
             )
         if self.properties.master_weights:
             if not self.master_weights:
-                raise RuntimeError("prepare_model() must run before prepare_optimizer() with master weights (O2).")
+                raise RuntimeError(
+                    "prepare_model() must run before prepare_optimizer() with master weights (O2), with train=True: "
+                    "a model prepared with train=False has no masters for an optimizer to train."
+                )
             for masters in self.master_weights:
                 masters.attach(optimizer)
             stray = [p for p in _params(optimizer) if p.dtype in (torch.float16, torch.bfloat16) and p.requires_grad]
             if stray:
                 raise ValueError(
-                    f"optimizer holds {len(stray)} half parameter(s) that belong to no prepared model; call "
-                    "prepare_model() on every model whose parameters it trains."
+                    f"optimizer holds {len(stray)} half parameter(s) that belong to no model prepared for training; "
+                    "call prepare_model() (with train=True) on every model whose parameters it trains."
                 )
         self._optimizers[id(optimizer)] = _OptimizerState(optimizer)
         return optimizer

@@ -127,13 +127,21 @@ class MixedPrecisionPlugin(Precision):
     # -- model ---------------------------------------------------------------------------------------------------
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Convert the LightningModule for the opt level before the strategy wraps it (O2/O3: half, batch norm FP32
-        when asked, FP32 masters; input and output casts at the model's boundary)."""
+        when asked, FP32 masters; input and output casts at the model's boundary).
+
+        FP32 masters are made only when the Trainer is fitting: ``validate``, ``test`` and ``predict`` get the half
+        model without them (as Lightning skips the DDP wrapper when not fitting). A later ``fit`` adds them."""
+        trainer = _trainer_of(module)
+        fitting = trainer is None or trainer.state.fn == "fit"
         if module is not self._module:
             if self._module is not None:  # a different model: a fresh engine with the same settings
                 self.amp = Amp(self._opt_level, **self._settings)
                 self._masters_synced = False
-            self.amp.prepare_model(module)
+            self.amp.prepare_model(module, train=fitting)
             self._module = module
+        elif fitting and self.amp.properties.master_weights and not self.amp.master_weights:
+            self.amp.prepare_model(module, train=True)  # evaluated before, fitted now: the masters are made here
+            self._masters_synced = False
         self._remove_hooks()
         if self.amp.properties.casts_model:
             self._add_boundary_casts(module)

@@ -92,6 +92,10 @@ class MasterWeights:
         """``(model parameter, FP32 master)`` for every half parameter."""
         return [(p, m) for p, m in zip(self.model_params, self.masters) if m is not p]
 
+    def covers(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is one of the model parameters these masters were made for."""
+        return id(param) in self._master_of
+
     def master_of(self, param: torch.Tensor) -> torch.Tensor:
         return self._master_of.get(id(param), param)
 

@@ -265,6 +265,28 @@ def test_o2_optimizer_holds_fp32_masters_and_prepare_order_does_not_matter():
     assert all(p.grad is None for p in model.parameters()) and all(p.grad is None for p in held)
 
 
+def test_o2_model_prepared_in_evaluation_mode_has_no_masters():
+    accelerator = _accelerator("O2", half_dtype="bfloat16")
+    model = accelerator.prepare_model(_net(), evaluation_mode=True)
+    assert accelerator.amp.master_weights == []
+    assert model[0].weight.dtype == torch.bfloat16 and model[1].weight.dtype == torch.float32
+    model.eval()
+    with torch.no_grad():
+        assert model(_batch()[0]).dtype == torch.float32  # inputs cast to half, outputs back to FP32
+
+    # Prepared again for training (Accelerate itself returns the model as it is): the masters are made then, once.
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = accelerator.prepare(model, opt)
+    assert len(accelerator.amp.master_weights) == 1
+    assert {p.dtype for p in _masters(opt)} == {torch.float32}
+    model.train()
+    before = model[0].weight.detach().clone()
+    x, y = _batch()
+    accelerator.backward(F.cross_entropy(model(x), y))
+    opt.step()
+    assert not opt.step_was_skipped and not torch.equal(before, model[0].weight)
+
+
 def test_zero_grad_without_step_clears_the_half_model_gradients():
     accelerator, model, opt, _ = _setup("O2")
     x, y = _batch()

@@ -67,6 +67,28 @@ def test_o3_has_no_masters_and_trains_half_params_directly():
     assert all(p.dtype == torch.bfloat16 for g in opt.param_groups for p in g["params"] if p.dim() > 1)
 
 
+def test_o2_model_prepared_for_evaluation_only_gets_no_masters_until_trained():
+    amp = Amp("O2", half_dtype="bfloat16")
+    model = amp.prepare_model(_net(), train=False)
+    assert amp.master_weights == [] and model[0].weight.dtype == torch.bfloat16
+    assert model[1].weight.dtype == torch.float32  # batch norm still kept FP32
+    out = amp.cast_outputs(model(amp.cast_inputs(_batch()[0])))
+    assert out.dtype == torch.float32
+    with pytest.raises(RuntimeError, match="train=True"):
+        amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    amp.prepare_model(model)  # now trained: masters are made, once however often it is prepared
+    amp.prepare_model(model)
+    assert len(amp.master_weights) == 1
+    opt = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert all(p.dtype == torch.float32 for g in opt.param_groups for p in g["params"])
+    before = model[0].weight.detach().clone()
+    _, stepped = _train_step(amp, model, opt, *_batch())
+    assert stepped and not torch.equal(before, model[0].weight)
+    with pytest.raises(TypeError, match="train='no' must be True or False"):
+        amp.prepare_model(_net(), train="no")
+
+
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_master_weights_and_scaler_round_trip_bit_exactly(level):
     amp, model, opt = _setup(level)

@@ -65,6 +65,26 @@ def test_each_opt_level_trains_with_its_dtypes(level, half_name, half):
             model(torch.randn(2, 16))
 
 
+def test_o2_evaluation_without_fit_makes_no_masters_and_a_later_fit_does():
+    # predict/validate/test only need the half model: FP32 masters would triple its weight memory for nothing.
+    plugin = MixedPrecisionPlugin("O2", half_dtype="bfloat16")
+    model = Classifier(optimizer="sgd", lr=0.1)
+    trainer = make_trainer(plugin, max_epochs=2)
+    data = loader(classification_data(n=64))
+    predictions = trainer.predict(model, data)
+    trainer.validate(model, data, verbose=False)
+    assert plugin.amp.master_weights == []
+    assert model.net[0].weight.dtype == torch.bfloat16 and predictions[0].dtype == torch.float32
+
+    before = model.net[0].weight.detach().clone()
+    trainer.fit(model, data)
+    assert len(plugin.amp.master_weights) == 1
+    held = [p for g in trainer.optimizers[0].param_groups for p in g["params"]]
+    assert {p.dtype for p in held} == {torch.float32}
+    assert not torch.equal(before, model.net[0].weight)
+    assert torch.equal(model.net[0].weight, plugin.amp.master_weights[0].master_of(model.net[0].weight).bfloat16())
+
+
 def test_o2_conv_net_keeps_batchnorm_fp32_and_trains_fp32_masters():
     class ConvNet(pl.LightningModule):
         def __init__(self) -> None:
