@@ -136,6 +136,7 @@ class Amp:
         self.log_overflows = True
         self.overflow_log_interval = overflow_log_interval
         self.master_weights: list[MasterWeights] = []
+        self._evaluation_only = False  # O2 models were prepared with train=False (and none for training)
         self.skipped_steps: list[int] = [0] * num_losses
         self.last_overflow_parameters: list[str] = []
         self._names: dict[int, str] = {}
@@ -189,6 +190,8 @@ class Amp:
             for param in module.parameters():
                 if param.dtype in (torch.float16, torch.bfloat16):
                     param.data = param.data.float()
+        if props.master_weights and not train:
+            self._evaluation_only = True
         if props.master_weights and train and not self._has_masters(module):
             self.master_weights.append(
                 MasterWeights(
@@ -393,7 +396,13 @@ class Amp:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (after :meth:`prepare_model`); masters come back bit-exact."""
+        """Restore :meth:`state_dict` output (after :meth:`prepare_model`); masters come back bit-exact.
+
+        When every model was prepared with ``train=False``, the checkpoint's masters are not needed and are left
+        out: the half model's own weights come from the model's state dict.
+        """
+        if self._evaluation_only and not self.master_weights:
+            state = {**state, "master_weights": []}
         if len(state["scalers"]) != len(self.scalers):
             raise ValueError(
                 f"the checkpoint has {len(state['scalers'])} loss scaler(s) but this Amp has num_losses="

@@ -571,6 +571,24 @@ def test_load_state_without_amp_state_says_why(tmp_path):
         accelerator.load_state(str(tmp_path))
 
 
+def test_load_state_into_an_evaluation_only_o2_model(tmp_path):
+    accelerator, model, opt, sched = _setup("O2", growth_interval=1)
+    for step in range(3):
+        _step(accelerator, model, opt, sched, *_batch(step))
+    accelerator.save_state(str(tmp_path))
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    scale = accelerator.amp.scalers[0].get_scale()
+    assert scale == 2.0**19  # 2**16 grown on each of 3 steps
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+    evaluator = _accelerator("O2", growth_interval=1)
+    fresh = evaluator.prepare_model(_net(seed=5), evaluation_mode=True)
+    evaluator.load_state(str(tmp_path))  # the checkpoint's masters are not needed without an optimizer
+    assert evaluator.amp.master_weights == [] and evaluator.amp.scalers[0].get_scale() == scale
+    _assert_same_tensors(fresh.state_dict(), trained)
+
+
 # -- two processes ---------------------------------------------------------------------------------------------------
 def _free_port():
     with socket.socket() as s:

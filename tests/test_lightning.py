@@ -393,6 +393,26 @@ def test_resume_from_checkpoint_in_a_new_process_is_exact(tmp_path):
     assert_same(resumed["optimizer"]["state"], straight_trainer.optimizers[0].state_dict()["state"])
 
 
+def test_o2_evaluation_from_a_training_checkpoint_restores_the_scale_without_masters(tmp_path):
+    data = loader(classification_data(n=64))
+    trained_plugin = MixedPrecisionPlugin("O2", init_scale=2.0**12, growth_interval=2)
+    trained = Classifier(optimizer="adamw", lr=0.01)
+    trainer = make_trainer(trained_plugin, max_epochs=1)
+    trainer.fit(trained, data)
+    ckpt = tmp_path / "trained.ckpt"
+    trainer.save_checkpoint(ckpt)
+    assert trained_plugin.amp.scalers[0].get_scale() == 2.0**14  # 4 steps, growth every 2
+
+    plugin = MixedPrecisionPlugin("O2", init_scale=2.0**12, growth_interval=2)
+    model = Classifier(optimizer="adamw", lr=0.01)
+    evaluator = make_trainer(plugin)
+    evaluator.validate(model, data, ckpt_path=ckpt, verbose=False)
+    predictions = evaluator.predict(model, data, ckpt_path=ckpt)
+    assert plugin.amp.master_weights == [] and plugin.amp.scalers[0].get_scale() == 2.0**14
+    assert_same(model.state_dict(), trained.state_dict())  # the half weights come from the checkpoint's model
+    assert torch.equal(torch.cat(predictions), torch.cat(make_trainer(trained_plugin).predict(trained, data)))
+
+
 # -- metrics in TensorBoard -----------------------------------------------------------------------------------------
 def test_tensorboard_scale_curve_halves_at_injected_overflows(tmp_path):
     from lightning.pytorch.loggers import TensorBoardLogger
