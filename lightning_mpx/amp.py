@@ -436,6 +436,13 @@ class Amp:
             )
         return state
 
+    def _refuse_sparse(self, param: torch.Tensor) -> None:
+        name = self._names.get(id(param), "an unnamed parameter")
+        raise ValueError(
+            f"parameter {name} has a sparse gradient, which lightning_mpx cannot unscale or check for overflow; "
+            "it needs dense gradients (for example nn.Embedding(..., sparse=False), the default)."
+        )
+
     def _grad_pairs(self, optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(scaled gradients, where their unscaled values go) for the optimizer's parameters."""
         sources: list[torch.Tensor] = []
@@ -445,7 +452,7 @@ class Amp:
                 grad = param.grad
                 if grad is not None:
                     if grad.is_sparse:
-                        raise NotImplementedError("sparse gradients are not supported by lightning_mpx's unscale.")
+                        self._refuse_sparse(param)
                     sources.append(grad)
             return sources, list(sources)
         for param, model_param in self._param_pairs(self._state(optimizer)):
@@ -453,7 +460,7 @@ class Amp:
             if grad is None:
                 continue
             if grad.is_sparse:
-                raise NotImplementedError("sparse gradients are not supported by lightning_mpx's unscale.")
+                self._refuse_sparse(model_param)
             sources.append(grad)
             if model_param is param:
                 targets.append(grad)

@@ -407,3 +407,17 @@ def test_parameter_pairs_follow_a_param_group_added_after_steps():
     assert torch.allclose(masters[0], before[0] - 0.1 * x.float().sum(0).expand(4, 4), atol=1e-2)
     assert torch.allclose(masters[1], before[1] - 0.1 * 2.0)  # d(sum)/d(bias) = batch size
     assert all(p.grad is None for p in second.parameters())  # half gradients dropped once unscaled
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_sparse_gradients_are_refused_with_the_parameters_name(level):
+    amp = Amp(level, half_dtype="bfloat16")
+    model = amp.prepare_model(nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2)))
+    opt = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    before = [p.detach().clone() for p in model.parameters()]
+    with amp.forward_context():
+        loss = amp.cast_outputs(model(torch.tensor([1, 2, 3]))).float().sum()
+    amp.backward(loss)
+    with pytest.raises(ValueError, match=r"parameter 0\.weight has a sparse gradient.*sparse=False"):
+        amp.step(opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing was changed
