@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_mpx import CastPolicy
 
-from _machine import cpu_model  # benchmarks/ is on sys.path when a script runs
+from _machine import cpu_model, write_json  # benchmarks/ is on sys.path when a script runs
 
 
 class Block(nn.Module):
@@ -175,9 +174,7 @@ def main() -> None:
         "batch": args.batch,
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ It is the before/after measurement of the "per-step Python work" fix in ``docs/b
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -30,7 +29,7 @@ from torch import nn
 import lightning_mpx
 from lightning_mpx import Amp
 
-from _machine import cpu_model  # benchmarks/ is on sys.path when a script runs
+from _machine import cpu_model, write_json  # benchmarks/ is on sys.path when a script runs
 
 
 class _SideBySide(nn.ModuleList):
@@ -119,9 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "repeats": args.repeats,
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
     return result
 
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from _machine import cpu_model  # benchmarks/ is on sys.path when a script runs
+from _machine import cpu_model, write_json  # benchmarks/ is on sys.path when a script runs
 
 LIGHTNING_VARIANTS = (
     "fp32",
@@ -583,9 +583,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         "targets": checks,
     }
     out = args.out or Path(__file__).parent / "results" / f"step_{args.device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(f"wrote {out}")
+    write_json(out, result, default=str)
     return result
 
 

@@ -20,7 +20,6 @@ tensors under ``TRITON_INTERPRET=1`` (set here when there is no GPU); host time 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -41,7 +40,7 @@ from lightning_mpx import _triton_unscale as kernels
 from lightning_mpx import unscale
 from lightning_mpx.unscale import UnscaleWorkspace
 
-from _machine import cpu_model  # benchmarks/ is on sys.path when a script runs
+from _machine import cpu_model, write_json  # benchmarks/ is on sys.path when a script runs
 
 
 def _per_call_us(fn: Callable[[], object], repeats: int) -> float:
@@ -115,9 +114,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
     return result
 
 
