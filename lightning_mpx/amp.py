@@ -169,9 +169,9 @@ class Amp:
         Args:
             module: The model.
             train: ``False`` for a model that is only evaluated: it is converted the same way, but no FP32 masters
-                are made for it (at O2 they would double its memory for nothing), and an optimizer over its half
-                parameters is refused. Preparing the same module again with ``train=True`` adds the masters;
-                preparing it twice for training makes them once.
+                are made for it (at O2 they would add 4 bytes per half parameter for nothing), and an optimizer over
+                its half parameters is refused. Preparing the same module again with ``train=True`` adds the
+                masters; preparing it twice for training makes them once.
 
         Raises:
             ValueError: for O2/O3 with a module that has no floating-point parameters.
