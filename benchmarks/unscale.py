@@ -44,7 +44,7 @@ if CHECK:
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lightning_mpx.unscale import UnscaleWorkspace, cast_copy_, unscale_grads_  # noqa: E402
+from lightning_mpx.unscale import UnscaleWorkspace, cast_copy_, foreach_check_and_unscale_, unscale_grads_  # noqa: E402
 
 Shapes = list[tuple[int, ...]]
 
@@ -128,7 +128,7 @@ def copy_bandwidth(device: torch.device, warmup: int, repeats: int, nbytes: int)
 # -- variants -------------------------------------------------------------------------------------------------------
 def torch_unscale(grads: list[torch.Tensor], inv: torch.Tensor, found: torch.Tensor) -> None:
     for group in _by_dtype(grads):
-        torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
+        foreach_check_and_unscale_(group, found, inv)  # torch's op; bfloat16 on CUDA: mul + inf-norm (no torch op)
 
 
 def torch_norm(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -239,6 +239,37 @@ def _triton(
     return norm
 
 
+_BF16_FALLBACK_ELEMENTS = 1 << 26
+
+
+def foreach_check_and_unscale_(group: Tensors, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """Multiply one device's and dtype's tensors by ``inv_scale`` in place and raise ``found_inf`` on a non-finite.
+
+    torch's ``_amp_foreach_non_finite_check_and_unscale_`` does both in one multi-tensor kernel, multiplying in FP32
+    and rounding once, but its CUDA build refuses bfloat16 ("not implemented for 'BFloat16'", torch 2.11, found on an
+    H100). A bfloat16 ``_foreach_mul_`` by the FP32 scale tensor would round the scale to bfloat16 first (a second
+    rounding, up to 2**-9 off for a scale that is not a power of two), so there the products are taken in FP32 on
+    copies of at most 2**26 elements at a time, checked with an infinity norm and rounded once into the gradients.
+    """
+    if not group or group[0].dtype != torch.bfloat16 or group[0].device.type == "cpu":
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
+        return
+    scale = inv_scale.reshape(()).float()
+    batch: list[torch.Tensor] = []
+    size = 0
+    for index, tensor in enumerate(group):
+        if tensor.numel():  # an infinity norm of no elements is an error
+            batch.append(tensor)
+            size += tensor.numel()
+        if batch and (size >= _BF16_FALLBACK_ELEMENTS or index == len(group) - 1):
+            wide = [t.float() for t in batch]
+            torch._foreach_mul_(wide, scale)
+            peaks = torch.stack(torch._foreach_norm(wide, float("inf")))
+            found_inf.copy_(torch.maximum(found_inf, (~torch.isfinite(peaks)).any().to(found_inf.dtype)))
+            torch._foreach_copy_(batch, wide)
+            batch, size = [], 0
+
+
 def _foreach(
     grads: Tensors,
     inv_scale: torch.Tensor,
@@ -256,7 +287,7 @@ def _foreach(
     for (device, _), group in _grouped(targets).items():
         flag = found_inf if device == found_inf.device else torch.zeros_like(found_inf, device=device)
         scale = inv_scale if inv_scale.device == device else inv_scale.to(device, non_blocking=True)
-        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, scale.reshape(1) if scale.dim() else scale)
+        foreach_check_and_unscale_(group, flag, scale.reshape(1) if scale.dim() else scale)
         if flag is not found_inf:
             found_inf.copy_(torch.maximum(found_inf, flag.to(found_inf.device)))
         if want_norm:
