@@ -4,10 +4,14 @@ This module imports triton; :mod:`lightning_mpx.unscale` imports it only when th
 ``import lightning_mpx`` needs torch alone.
 
 Design. Every tensor of a call is cut into chunks of ``workspace.chunk_size`` elements, and a table with one row per
-chunk, ``(source address, destination address, length)`` as int64, is built on the host, copied to the device once
-and kept in the caller's :class:`~lightning_mpx.unscale.UnscaleWorkspace` for the next steps. One program handles one
-chunk: it loads its row, casts the two addresses to typed pointers (``int64 -> tl.pointer_type``) and walks the chunk
-``block_size`` elements at a time. Tensors of one (source dtype, destination dtype) pair share a launch, so the
+chunk, ``(tensor index, first element, length)`` as int64, is built on the host, copied to the device once and kept
+in the caller's :class:`~lightning_mpx.unscale.UnscaleWorkspace` for the next steps: it depends only on the tensors'
+sizes, dtypes and layouts. The tensors' base addresses live in two small int64 arrays beside it (one entry per
+tensor), uploaded again only when an address changes: ``zero_grad(set_to_none=True)``, torch's default, gives the
+gradients new buffers whenever the caching allocator hands out other blocks, and rebuilding the table for that cost
+tens of milliseconds of host time per step on an H100 run (``benchmarks/gpu_host_profile.py``). One program
+handles one chunk: it loads its row and its tensor's two base addresses, casts them to typed pointers
+(``int64 -> tl.pointer_type``), offsets them to the chunk and walks it ``block_size`` elements at a time. Tensors of one (source dtype, destination dtype) pair share a launch, so the
 number of launches depends on the number of dtype pairs (one or two in practice), never on the number of tensors.
 Folding each chunk's start into its addresses keeps every in-kernel offset below ``chunk_size``: no 32-bit overflow,
 whatever the tensor size.
@@ -96,6 +100,8 @@ def _block(src, dst, offs, n, scale, squares, bad, DST, HAS_SCALE, STORE, CHECK,
 @triton.jit
 def _chunk_kernel(
     table_ptr,
+    src_base_ptr,
+    dst_base_ptr,
     scale_ptr,
     found_ptr,
     partials_ptr,
@@ -112,11 +118,14 @@ def _chunk_kernel(
     """One chunk: ``dst = round_DST(float(src) * scale)``, with the flag and the sum of squares of the result."""
     pid = tl.program_id(0)
     row = table_ptr + pid.to(tl.int64) * 3
-    src = tl.load(row).to(tl.pointer_type(SRC))
-    dst = tl.load(row + 1).to(tl.pointer_type(DST))
+    owner = tl.load(row)
+    first = tl.load(row + 1)
+    src = tl.load(src_base_ptr + owner).to(tl.pointer_type(SRC)) + first
+    dst = tl.load(dst_base_ptr + owner).to(tl.pointer_type(DST)) + first
     if ALIGNED:
-        # Every address of this launch is a multiple of 16 bytes (checked when the table was built): without the
-        # hint, pointers loaded from memory get one-element loads.
+        # Every base address of this launch is a multiple of 16 bytes (checked when the addresses were uploaded) and
+        # every chunk starts a multiple of 16 bytes into its tensor: without the hint, pointers loaded from memory
+        # get one-element loads.
         src = tl.multiple_of(src, 16)
         dst = tl.multiple_of(dst, 16)
     n = tl.load(row + 2).to(tl.int32)
@@ -171,9 +180,12 @@ def _finalize_kernel(
 class _Group:
     src_dtype: torch.dtype
     dst_dtype: torch.dtype
+    members: tuple[int, ...]  # indices, in the call's lists, of this group's tensors (the table's tensor index)
     table: torch.Tensor  # this group's rows of the plan's table (a view)
     partials: torch.Tensor  # this group's slots of the plan's partials buffer (a view)
-    aligned: bool  # every source and destination address is a multiple of 16 bytes
+    src_base: torch.Tensor | None = None  # int64 [len(members)] on the device, set by bind()
+    dst_base: torch.Tensor | None = None
+    aligned: bool = False  # every source and destination base address is a multiple of 16 bytes
 
 
 @dataclass
@@ -187,10 +199,12 @@ class _Plan:
 
     supported: bool
     device: torch.device | None = None
-    table: torch.Tensor | None = None  # int64 [chunks, 3] on the device
+    table: torch.Tensor | None = None  # int64 [chunks, 3] on the device: tensor index in its group, start, length
     groups: tuple[_Group, ...] = ()
     partials: torch.Tensor | None = None  # FP32 [max(chunks, 1)]: per-chunk sums of squares
     coef: torch.Tensor | None = None  # FP32 [1]: clip coefficient * inv_scale, written and read within one call
+    addresses: tuple[object, ...] = ()  # the source and destination addresses the groups' bases hold
+    uploads: int = 0  # how many times base addresses were uploaded
 
 
 _DTYPE = operator.attrgetter("dtype")
@@ -202,7 +216,6 @@ def _fingerprint(tensors: Tensors) -> tuple[object, ...]:
     # and accessor): Python-level loops over thousands of tensors would dominate a step's host time.
     contiguous = tuple(map(torch.Tensor.is_contiguous, tensors))
     return (
-        tuple(map(torch.Tensor.data_ptr, tensors)),
         tuple(map(torch.Tensor.numel, tensors)),
         tuple(map(_DTYPE, tensors)),
         tuple(map(torch.Tensor.get_device, tensors)),
@@ -213,11 +226,11 @@ def _fingerprint(tensors: Tensors) -> tuple[object, ...]:
 
 
 def key(src: Tensors, dst: Tensors) -> tuple[object, ...]:
-    """Everything a plan depends on: each tensor's address, element count, dtype, device and layout.
+    """Everything a plan's table depends on: each tensor's element count, dtype, device and layout.
 
-    A table holds addresses and lengths, so a new gradient buffer, a resized or re-cast tensor or a different list
-    needs a new one; the device and layout parts make the cached ``supported`` verdict (and the device checks done
-    before a plan is built) hold for every call that finds the plan. ``dst is src`` is the in-place case.
+    A resized or re-cast tensor or a different list needs a new table; the device and layout parts make the cached
+    ``supported`` verdict (and the device checks done before a plan is built) hold for every call that finds the
+    plan. Addresses are not part of it: :func:`bind` refreshes them. ``dst is src`` is the in-place case.
     """
     if dst is src:
         return (_fingerprint(src),)
@@ -231,6 +244,41 @@ def cached(workspace: UnscaleWorkspace, plan_key: tuple[object, ...]) -> _Plan |
     if plan is not None:
         plans.move_to_end(plan_key)
     return plan  # type: ignore[no-any-return]
+
+
+def bind(found: _Plan, src: Tensors, dst: Tensors) -> None:
+    """Point a supported plan at these tensors: upload their base addresses if they differ from the last call's.
+
+    The check is two C-level maps over the lists (about 0.05 us per tensor); the upload, when an address changed, is
+    one small pinned host-to-device copy queued on the stream (the host does not wait for the device).
+    """
+    if not found.groups:
+        return
+    addresses = (tuple(map(torch.Tensor.data_ptr, src)), None if dst is src else tuple(map(torch.Tensor.data_ptr, dst)))
+    if addresses == found.addresses:
+        return
+    src_ptrs = addresses[0]
+    dst_ptrs = src_ptrs if addresses[1] is None else addresses[1]
+    flat: list[int] = []
+    spans = []
+    for group in found.groups:
+        s = [src_ptrs[i] for i in group.members]
+        d = [dst_ptrs[i] for i in group.members]
+        spans.append((len(flat), len(s), all(a % 16 == 0 for a in s) and all(a % 16 == 0 for a in d)))
+        flat += s + d
+    host = torch.tensor(flat, dtype=torch.int64)
+    assert found.device is not None
+    if found.device.type == "cuda":
+        # Pinned (from torch's caching host allocator, which keeps the block until the copy is done) + non_blocking.
+        bases = host.pin_memory().to(found.device, non_blocking=True)
+    else:
+        bases = host.to(found.device)
+    for group, (offset, count, aligned) in zip(found.groups, spans):
+        group.src_base = bases[offset : offset + count]
+        group.dst_base = bases[offset + count : offset + 2 * count]
+        group.aligned = aligned
+    found.addresses = addresses
+    found.uploads += 1
 
 
 def plan(workspace: UnscaleWorkspace, plan_key: tuple[object, ...], src: Tensors, dst: Tensors) -> _Plan:
@@ -255,7 +303,7 @@ def _build(src: Tensors, dst: Tensors, chunk: int, device: torch.device) -> _Pla
         if s.numel():
             by_pair.setdefault((s.dtype, d.dtype), []).append(index)
     tables: list[torch.Tensor] = []
-    spans: list[tuple[torch.dtype, torch.dtype, slice, bool]] = []
+    spans: list[tuple[torch.dtype, torch.dtype, tuple[int, ...], slice]] = []
     row = 0
     for (src_dtype, dst_dtype), members in by_pair.items():
         numels = torch.tensor([src[i].numel() for i in members], dtype=torch.int64)
@@ -265,14 +313,8 @@ def _build(src: Tensors, dst: Tensors, chunk: int, device: torch.device) -> _Pla
         first = torch.cumsum(counts, 0) - counts
         start = (torch.arange(total) - first[owner]) * chunk
         length = torch.minimum(numels[owner] - start, torch.full_like(start, chunk))
-        src_addr = torch.tensor([src[i].data_ptr() for i in members], dtype=torch.int64)[owner]
-        dst_addr = torch.tensor([dst[i].data_ptr() for i in members], dtype=torch.int64)[owner]
-        src_size = torch.empty((), dtype=src_dtype).element_size()
-        dst_size = torch.empty((), dtype=dst_dtype).element_size()
-        rows = torch.stack([src_addr + start * src_size, dst_addr + start * dst_size, length], dim=1)
-        aligned = bool((rows[:, :2] % 16 == 0).all())
-        tables.append(rows)
-        spans.append((src_dtype, dst_dtype, slice(row, row + total), aligned))
+        tables.append(torch.stack([owner, start, length], dim=1))
+        spans.append((src_dtype, dst_dtype, tuple(members), slice(row, row + total)))
         row += total
     host = torch.cat(tables) if tables else torch.zeros((0, 3), dtype=torch.int64)
     if device.type == "cuda":
@@ -283,7 +325,7 @@ def _build(src: Tensors, dst: Tensors, chunk: int, device: torch.device) -> _Pla
     partials = torch.zeros(max(row, 1), dtype=torch.float32, device=device)
     coef = torch.zeros(1, dtype=torch.float32, device=device)
     table = table.contiguous()
-    groups = tuple(_Group(sd, dd, table[rows], partials[rows], aligned) for sd, dd, rows, aligned in spans)
+    groups = tuple(_Group(sd, dd, members, table[rows], partials[rows]) for sd, dd, members, rows in spans)
     return _Plan(True, device, table, groups, partials, coef)
 
 
@@ -340,6 +382,8 @@ def _launch_chunks(
     for group in plan.groups:
         _chunk_kernel[(group.table.shape[0],)](
             group.table,
+            group.src_base,
+            group.dst_base,
             scale if scale is not None else coef,
             found if found is not None else coef,
             group.partials,

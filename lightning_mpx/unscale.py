@@ -35,16 +35,18 @@ _IS_CUDA = operator.attrgetter("is_cuda")
 class UnscaleWorkspace:
     """The fused backend's state across steps: chunk tables and scratch buffers, owned by the caller.
 
-    Building a table (one row per chunk of every tensor, with addresses) costs host time and a host-to-device copy,
-    so the ``"triton"`` backend keeps it here and reuses it for as long as the tensors it was built for keep their
-    storage. The key is every source's and destination's address, element count, dtype, device and layout (strides
-    where not contiguous), and the count: a new gradient buffer, a resized, re-cast or moved parameter, a different
-    parameter list all get a new table. The checks that decide whether the kernels can take the tensors at all are
-    made when a table is built and kept with it (a "not supported" verdict too), so a call that finds its table does
-    no per-tensor Python work beyond building the key. The last ``max_plans`` tables are kept (a call with gradients
-    only and one with FP32 master gradients each need their own). :class:`~lightning_mpx.amp.Amp` keeps one per
-    optimizer, and each :class:`~lightning_mpx.master_weights.MasterWeights` one for its copy to the model. Other
-    backends ignore it.
+    Building a table (one row per chunk of every tensor) costs host time and a host-to-device copy, so the
+    ``"triton"`` backend keeps it here and reuses it for as long as the tensors keep their element counts, dtypes,
+    devices and layouts (strides where not contiguous) and the list its length: a resized, re-cast or moved
+    parameter or a different parameter list gets a new table. Addresses are not in the table: each tensor's base
+    address sits in a small array beside it, uploaded again (one pinned copy of 16 bytes per tensor) only when an
+    address changed, which ``zero_grad(set_to_none=True)`` causes whenever the allocator hands the gradients other
+    blocks. The checks that decide whether the kernels can take the tensors at all are made when a table is built
+    and kept with it (a "not supported" verdict too), so a call that finds its table does no per-tensor Python work
+    beyond building the key and comparing the addresses. The last ``max_plans`` tables are kept (a call with
+    gradients only and one with FP32 master gradients each need their own). :class:`~lightning_mpx.amp.Amp` keeps
+    one per optimizer, and each :class:`~lightning_mpx.master_weights.MasterWeights` one for its copy to the model.
+    Other backends ignore it.
 
     Args:
         chunk_size: Elements per chunk (one program each); a power of two, a multiple of ``block_size``.
@@ -188,8 +190,9 @@ def _triton_plan(src: Tensors, dst: Tensors, workspace: UnscaleWorkspace, what: 
     """The kernel module and the plan for these tensors: the workspace's cached one, or a new one after checking
     that the tensors can go to the kernels at all.
 
-    A cached plan is found only for tensors with the same addresses, sizes, dtypes, devices and layouts as the ones
-    it was checked and built for, so a step that finds one does no per-tensor Python work beyond building the key.
+    A cached plan is found only for tensors with the same sizes, dtypes, devices and layouts as the ones it was
+    checked and built for, so a step that finds one does no per-tensor Python work beyond building the key; new
+    addresses (new gradient buffers) are uploaded into the plan without rebuilding its table.
     """
     from lightning_mpx._imports import require
 
@@ -201,6 +204,8 @@ def _triton_plan(src: Tensors, dst: Tensors, workspace: UnscaleWorkspace, what: 
     if plan is None:
         _check_triton_devices(kernels, [*src, *dst])
         plan = kernels.plan(workspace, plan_key, src, dst)
+    if plan.supported:
+        kernels.bind(plan, src, dst)
     return kernels, plan
 
 

@@ -237,21 +237,51 @@ def test_triton_tables_are_cached_and_rebuilt_when_storage_changes(device):
         assert all(torch.equal(g, e) for g, e in zip(grads, expected))
     assert ws.builds == 1
 
-    grads[5] = grads[5].clone()  # new storage for one gradient: the old table would write to the old buffer
+    old = grads[5]
+    grads[5] = old.clone()  # new storage for one gradient: the table is kept, the new address is taken
+    before = old.clone()
     expected = [g / 2.0 for g in grads]
     unscale_grads_(grads, _inv(2.0, device), found, backend="triton", workspace=ws)
-    assert ws.builds == 2 and all(torch.equal(g, e) for g, e in zip(grads, expected))
+    assert ws.builds == 1 and all(torch.equal(g, e) for g, e in zip(grads, expected))
+    assert torch.equal(old, before)  # the old buffer is never written
 
     grads.append(torch.ones(3, device=device))  # one more parameter
     unscale_grads_(grads, _inv(2.0, device), found, backend="triton", workspace=ws)
-    assert ws.builds == 3 and torch.equal(grads[-1], torch.full((3,), 0.5, device=device))
+    assert ws.builds == 2 and torch.equal(grads[-1], torch.full((3,), 0.5, device=device))
 
     half = [g.half() for g in grads]  # another dtype: another table; the LRU keeps max_plans of them
     unscale_grads_(half, _inv(2.0, device), found, backend="triton", workspace=ws)
-    assert ws.builds == 4 and len(ws._plans) == 2
+    assert ws.builds == 3 and len(ws._plans) == 2
     ws.clear()
     unscale_grads_(half, _inv(2.0, device), found, backend="triton", workspace=ws)
-    assert ws.builds == 5
+    assert ws.builds == 4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_new_gradient_buffers_every_step_reuse_the_table(device):
+    # What zero_grad(set_to_none=True), torch's default, does: every step's gradients are new tensors of the same
+    # shapes, at addresses the allocator may or may not reuse. Each step must write exactly the new buffers, without
+    # rebuilding the table, in place and into FP32 masters, with clipping.
+    ws = _workspace()
+    masters = [torch.empty(g.shape, device=device) for g in _grads(torch.float32, device)]
+    kept = []  # holding the old gradients forces new addresses
+    for step in range(4):
+        grads = [g * (step + 1) for g in _grads(torch.float32, device)]
+        ref = [g.clone() for g in grads]
+        ref_out = [torch.empty_like(m) for m in masters]
+        found = torch.zeros((), device=device)
+        norm = unscale_grads_(grads, _inv(64.0, device), found, out=masters, max_norm=1.0, backend="triton",
+                              workspace=ws)
+        ref_norm = unscale_grads_(ref, _inv(64.0, device), torch.zeros((), device=device), out=ref_out, max_norm=1.0,
+                                  backend="reference")
+        torch.testing.assert_close(norm, ref_norm, rtol=2e-6, atol=0)
+        for got, want in zip(masters, ref_out):
+            torch.testing.assert_close(got, want, rtol=3e-7, atol=0)
+        in_place = [g.clone() for g in grads]
+        unscale_grads_(in_place, _inv(4.0, device), found, backend="triton", workspace=ws)
+        assert all(torch.equal(g, r / 4.0) for g, r in zip(in_place, grads))
+        kept.append((grads, in_place))
+    assert ws.builds == 2  # one table for into-masters, one for in place; addresses re-uploaded, never rebuilt
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -446,7 +476,7 @@ def compile(fn, signature, constexprs, cc):
     source = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
     return triton.compile(source, target=GPUTarget("cuda", cc, 32), options={"num_warps": 4}).asm["ptx"]
 
-pointers = {"table_ptr": "*i64", "scale_ptr": "*fp32", "found_ptr": "*fp32", "partials_ptr": "*fp32"}
+pointers = {"table_ptr": "*i64", "src_base_ptr": "*i64", "dst_base_ptr": "*i64", "scale_ptr": "*fp32", "found_ptr": "*fp32", "partials_ptr": "*fp32"}
 for cc in (80, 90):
     for src, dst, store, check, norm in [
         (tl.float32, tl.float32, True, True, True), (tl.float16, tl.float32, False, True, True),
