@@ -47,7 +47,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import pickle
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
@@ -288,7 +287,25 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
             # and unwrap_model(model, keep_fp32_wrapper=False) removes it through _original_forward.
             model._original_forward = model.forward  # type: ignore[assignment]
             model.forward = _AmpForward(model.forward, self.amp)
-        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        if self.amp.master_weights and prepared is not model:
+            # Wrapped (DDP broadcasts rank zero's weights to every process): the masters take the weights that
+            # will be trained, where they differ from them.
+            self.amp.refresh_masters(model.parameters(), force=True)
+        return prepared
+
+    def free_memory(self, *objects: Any) -> Any:
+        """As ``accelerate.Accelerator.free_memory``; with an opt level, the engine's masters, optimizers and loss
+        scales are released too: the next ``prepare`` starts a fresh engine with the same settings."""
+        released = super().free_memory(*objects)
+        if self.amp is not None:
+            assert self.mpx_kwargs is not None
+            old = self.amp
+            self.amp = Amp(old.opt_level, **self.mpx_kwargs.amp_kwargs())
+            self.amp.found_inf_reducer, self.amp.log_overflows = old.found_inf_reducer, old.log_overflows
+            self._stepped.clear()
+            self._converted = weakref.WeakSet()
+        return released
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
         """As ``accelerate.Accelerator.prepare_optimizer``; with an opt level the optimizer steps through the
@@ -375,7 +392,7 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
         owners, targets = self._targets(parameters)
         if float(norm_type) == 2.0 and len(owners) == 1:
             owner = owners[0]
-            if {id(p) for p in targets} == {id(p) for p in _params(owner.optimizer)}:
+            if {id(p) for p in targets} == {id(p) for p in self.amp.master_params(owner.optimizer)}:
                 norm = self.amp.clip_grad_norm_(owner.optimizer, max_norm)
                 owner.unscaled = True
                 return norm
@@ -439,16 +456,18 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
         raise ValueError(f"optimizer={type(optimizer).__name__} was not prepared by this Accelerator.")
 
     def _has_grads(self, owner: _AmpOptimizer) -> bool:
-        return any(p.grad is not None or owner.model_param(p).grad is not None for p in _params(owner.optimizer))
+        return any(p.grad is not None for p in _params(owner.optimizer))
 
     def _targets(self, parameters: Any) -> tuple[list[_AmpOptimizer], list[torch.Tensor]]:
         """The optimizers that train ``parameters``, and the tensors whose ``.grad`` hold their unscaled gradients
         (the FP32 masters at O2, the parameters themselves otherwise)."""
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         index: dict[int, tuple[_AmpOptimizer, torch.Tensor]] = {}
+        assert self.amp is not None
         for opt in self._amp_optimizers():
             for param in _params(opt.optimizer):
-                index[id(param)] = index[id(opt.model_param(param))] = (opt, param)
+                master = self.amp.master_of(param)  # where the unscaled gradient lives
+                index[id(param)] = index[id(master)] = (opt, master)
         owners: dict[int, _AmpOptimizer] = {}
         targets: dict[int, torch.Tensor] = {}
         strays = 0
@@ -514,14 +533,6 @@ class _AmpOptimizer(AcceleratedOptimizer):  # type: ignore[misc]
         self.on_step = on_step
         self.unscaled = False  # unscaled since the last step (by clip_grad_norm_/unscale_gradients)
 
-    def model_param(self, param: torch.Tensor) -> torch.Tensor:
-        """The model parameter behind an optimizer parameter (its half copy at O2; itself otherwise)."""
-        for masters in self.amp.master_weights:
-            model_param = masters.model_of(param)
-            if model_param is not param:
-                return model_param
-        return param
-
     def step(self, closure: Callable[[], Any] | None = None) -> None:
         if not self.gradient_state.sync_gradients:
             return  # accumulating: Accelerate steps only on the synchronising micro-batch
@@ -535,20 +546,6 @@ class _AmpOptimizer(AcceleratedOptimizer):  # type: ignore[misc]
         self._is_overflow = not stepped
         self.unscaled = False
         self.on_step(self)
-
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        super().zero_grad(set_to_none=set_to_none)
-        if not self.gradient_state.sync_gradients:
-            return
-        # At O2 the backward writes the half model parameters' .grad, which the optimizer (holding the masters)
-        # does not see: clear them too, or a zero_grad without a step would leak them into the next step.
-        for param in _params(self.optimizer):
-            model_param = self.model_param(param)
-            if model_param is not param and model_param.grad is not None:
-                if set_to_none is False:
-                    model_param.grad.zero_()
-                else:
-                    model_param.grad = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -574,11 +571,33 @@ class _AmpForward:
             output = self._forward(*args, **kwargs)
         return convert_to_fp32(output)
 
-    def __getstate__(self) -> Any:
-        raise pickle.PicklingError(
-            "Cannot pickle a model prepared with an opt level; unwrap it first with "
-            "accelerator.unwrap_model(model, keep_fp32_wrapper=False)."
+    def __getstate__(self) -> dict[str, Any]:
+        # What the forward needs, not the engine (its masters, optimizers and scales stay with the original): a
+        # deepcopy (AveragedModel, EMA) or a pickled model gets an engine of its own with the same casts.
+        amp = self._amp
+        policy = amp.policy
+        return {
+            "forward": self._forward,
+            "properties": amp.properties,
+            "cast_table": policy.table if policy is not None else None,
+            "allow_banned": policy.allow_banned if policy is not None else False,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        props = state["properties"]
+        self._forward = state["forward"]
+        self._amp = Amp(
+            props.opt_level,
+            half_dtype=props.half_dtype,
+            cast_table=state["cast_table"],
+            allow_banned=state["allow_banned"],
+            cast_model_type=props.cast_model_type,
+            patch_torch_functions=props.patch_torch_functions,
+            keep_batchnorm_fp32=props.keep_batchnorm_fp32,
+            master_weights=props.master_weights,
+            loss_scale=props.loss_scale,
         )
+        functools.update_wrapper(self, getattr(self._forward, "__func__", self._forward))
 
 
 def _params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:

@@ -21,8 +21,9 @@ import contextlib
 import enum
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -44,17 +45,28 @@ class _Stage(enum.Enum):
 
 @dataclass
 class _OptimizerState:
-    optimizer: torch.optim.Optimizer
+    optimizer_ref: weakref.ref[torch.optim.Optimizer]  # Amp keeps no optimizer alive that the user let go
     stage: _Stage = _Stage.READY
     loss_id: int | None = None  # the scale that the optimizer's pending gradients carry
     contributing: set[int] = field(default_factory=set)  # loss ids whose overflow this step must report
     found_inf: torch.Tensor | None = None
     grad_norm: torch.Tensor | None = None
     workspace: UnscaleWorkspace = field(default_factory=UnscaleWorkspace)  # fused unscale's tables, kept across steps
-    # (optimizer parameter, model parameter holding its gradient) pairs at O2, and the parameter lists (identity and
-    # length) they were built from
+    # (model parameter, its FP32 master or itself) for the optimizer's parameters, the masters of each parameter
+    # group in order (what the groups hold during a step), and the parameter lists (identity, length) they were
+    # built from
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    group_masters: list[list[torch.Tensor]] = field(default_factory=list)
     pairs_key: tuple[tuple[int, int], ...] | None = None
+    swapped: list[list[torch.Tensor]] | None = None  # the groups' own lists while the masters stand in for them
+    hooks: list[Any] = field(default_factory=list)  # handles of the hooks registered on the optimizer
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        optimizer = self.optimizer_ref()
+        if optimizer is None:
+            raise RuntimeError("the optimizer was garbage-collected")
+        return optimizer
 
 
 class Amp:
@@ -180,6 +192,7 @@ class Amp:
             raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module.")
         if not isinstance(train, bool):
             raise TypeError(f"train={train!r} must be True or False.")
+        self.master_weights = [masters for masters in self.master_weights if masters.alive]
         prefix = f"model{len(self.master_weights)}." if self.master_weights else ""
         for name, param in module.named_parameters():
             self._names.setdefault(id(param), prefix + name)
@@ -192,17 +205,20 @@ class Amp:
                     param.data = param.data.float()
         if props.master_weights and not train:
             self._evaluation_only = True
-        if props.master_weights and train and not self._has_masters(module):
+        if props.master_weights and train and not all(map(self._covered, module.parameters())):
+            # Parameters another prepared model already covers (a shared submodule) keep their one master.
             self.master_weights.append(
                 MasterWeights(
-                    ((prefix + name, p) for name, p in module.named_parameters()), copy_backend=self.unscale_backend
+                    ((self._names.get(id(p), prefix + name), p) for name, p in module.named_parameters()),
+                    copy_backend=self.unscale_backend,
+                    exclude=self._covered,
                 )
             )
         return module
 
-    def _has_masters(self, module: nn.Module) -> bool:
-        """Whether a parameter of ``module`` already has its masters (it was prepared for training before)."""
-        return any(masters.covers(p) for masters in self.master_weights for p in module.parameters())
+    def _covered(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` already belongs to the masters of a model prepared for training."""
+        return any(masters.covers(param) for masters in self.master_weights)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Register ``optimizer`` (prepare its model first); for O2 its parameters become the FP32 masters.
@@ -223,16 +239,65 @@ class Amp:
                     "prepare_model() must run before prepare_optimizer() with master weights (O2), with train=True: "
                     "a model prepared with train=False has no masters for an optimizer to train."
                 )
-            for masters in self.master_weights:
-                masters.attach(optimizer)
-            stray = [p for p in _params(optimizer) if p.dtype in (torch.float16, torch.bfloat16) and p.requires_grad]
-            if stray:
-                raise ValueError(
-                    f"optimizer holds {len(stray)} half parameter(s) that belong to no model prepared for training; "
-                    "call prepare_model() (with train=True) on every model whose parameters it trains."
-                )
-        self._optimizers[id(optimizer)] = _OptimizerState(optimizer)
+        key = id(optimizer)
+        if key in self._optimizers:
+            return optimizer  # registered before (a framework preparing it twice)
+        state = _OptimizerState(weakref.ref(optimizer))
+        if self.properties.master_weights:
+            self._param_pairs(state)  # refuses half parameters of unprepared models; makes missing masters
+            for param, master in state.pairs:
+                if master is not param and param in optimizer.state:  # state made before preparing: now the master's
+                    old = optimizer.state.pop(param)
+                    optimizer.state[master] = {
+                        k: v.float() if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v
+                        for k, v in old.items()
+                    }
+            state.hooks = [
+                optimizer.register_step_pre_hook(self._refuse_direct_step),
+                optimizer.register_state_dict_pre_hook(self._masters_in_hook),
+                optimizer.register_state_dict_post_hook(self._masters_out_hook),
+                optimizer.register_load_state_dict_pre_hook(self._masters_in_hook),
+                optimizer.register_load_state_dict_post_hook(self._masters_out_hook),
+            ]
+        self._optimizers[key] = state
+        weakref.finalize(optimizer, self._optimizers.pop, key, None)
         return optimizer
+
+    def release_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Forget ``optimizer`` and remove the hooks put on it (its masters stay with their model)."""
+        state = self._optimizers.pop(id(optimizer), None)
+        if state is not None:
+            for handle in state.hooks:
+                handle.remove()
+
+    def master_params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The tensors ``optimizer`` updates: the FP32 masters of its half parameters at O2, its parameters
+        otherwise. Their ``.grad`` holds the unscaled gradients between an unscale and the step."""
+        state = self._state(optimizer)
+        if not self.properties.master_weights:
+            return list(_params(optimizer))
+        return [master for _, master in self._param_pairs(state)]
+
+    def master_of(self, param: torch.Tensor) -> torch.Tensor:
+        """The FP32 master of a model parameter at O2 (the parameter itself when it has none)."""
+        for masters in self.master_weights:
+            if masters.covers(param):
+                return masters.master_of(param)
+        return param
+
+    def refresh_masters(self, params: Iterable[torch.Tensor] | None = None, *, force: bool = False) -> list[str]:
+        """Take writes made to the half model into the FP32 masters now (done before every step anyway).
+
+        Args:
+            params: The model parameters to check (default: every prepared model's).
+            force: Compare the values of every parameter checked, whatever its version counter: for writes made in
+                place through ``p.data`` (``p.data.copy_(...)``), which the version counter does not see.
+
+        Returns:
+            The names of the parameters whose masters took a write.
+        """
+        params = None if params is None else list(params)
+        return [name for masters in self.master_weights for name in masters.refresh(params, force=force)]
 
     # -- forward ------------------------------------------------------------------------------------------------
     def forward_context(self) -> ContextManager[Any]:
@@ -298,7 +363,7 @@ class Amp:
         if state.stage is _Stage.READY:
             self._unscale(state, max_norm=float(max_norm))
         else:
-            state.grad_norm = torch.nn.utils.clip_grad_norm_(_params_with_grad(optimizer), max_norm)
+            state.grad_norm = torch.nn.utils.clip_grad_norm_(self._unscaled_params(optimizer), max_norm)
         assert state.grad_norm is not None
         self._grad_norms[state.loss_id or 0] = state.grad_norm
         return state.grad_norm
@@ -308,7 +373,7 @@ class Amp:
         state = self._state(optimizer)
         if state.stage is _Stage.READY:
             self._unscale(state)
-        torch.nn.utils.clip_grad_value_(_params_with_grad(optimizer), clip_value)
+        torch.nn.utils.clip_grad_value_(self._unscaled_params(optimizer), clip_value)
 
     def step(self, optimizer: torch.optim.Optimizer, **step_kwargs: Any) -> bool:
         """Step ``optimizer`` unless its gradients overflowed; returns whether it stepped.
@@ -349,9 +414,16 @@ class Amp:
             for loss_id in sorted(loss_ids):
                 self.scalers[loss_id].handle_overflow(names)
             return False
-        optimizer.step(**step_kwargs)
-        for masters in self.master_weights:
-            masters.copy_to_model()
+        if not self.master_weights:
+            optimizer.step(**step_kwargs)
+        else:
+            params = [param for param, _ in self._param_pairs(state)]
+            for masters in self.master_weights:
+                masters.refresh(params)  # writes to the model since the last step (loaded weights, SWA, EMA...)
+            with self._masters_in(state):
+                optimizer.step(**step_kwargs)
+            for masters in self.master_weights:
+                masters.copy_to_model(params)
         self._finish_step(state)
         return True
 
@@ -391,7 +463,7 @@ class Amp:
             "opt_level": self.properties.opt_level,
             "half_dtype": str(self.properties.half_dtype),
             "scalers": [scaler.state_dict() for scaler in self.scalers],
-            "master_weights": [masters.state_dict() for masters in self.master_weights],
+            "master_weights": [masters.state_dict() for masters in self.master_weights if masters.alive],
             "skipped_steps": list(self.skipped_steps),
         }
 
@@ -401,6 +473,7 @@ class Amp:
         When every model was prepared with ``train=False``, the checkpoint's masters are not needed and are left
         out: the half model's own weights come from the model's state dict.
         """
+        self.master_weights = [masters for masters in self.master_weights if masters.alive]
         if self._evaluation_only and not self.master_weights:
             state = {**state, "master_weights": []}
         if len(state["scalers"]) != len(self.scalers):
@@ -413,6 +486,8 @@ class Amp:
                 f"the checkpoint has master weights for {len(state['master_weights'])} model(s) but "
                 f"{len(self.master_weights)} model(s) were prepared with master weights."
             )
+        for masters, masters_state in zip(self.master_weights, state["master_weights"]):
+            masters.check_state_dict(masters_state)  # all checks first: a refused checkpoint changes nothing
         for scaler, scaler_state in zip(self.scalers, state["scalers"]):
             scaler.load_state_dict(scaler_state)
         for masters, masters_state in zip(self.master_weights, state["master_weights"]):
@@ -436,6 +511,10 @@ class Amp:
             )
         return state
 
+    def _unscaled_params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The tensors whose ``.grad`` holds ``optimizer``'s unscaled gradients (masters at O2), with a gradient."""
+        return [p for p in self.master_params(optimizer) if p.grad is not None]
+
     def _refuse_sparse(self, param: torch.Tensor) -> None:
         name = self._names.get(id(param), "an unnamed parameter")
         raise ValueError(
@@ -444,7 +523,11 @@ class Amp:
         )
 
     def _grad_pairs(self, optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(scaled gradients, where their unscaled values go) for the optimizer's parameters."""
+        """(scaled gradients, where their unscaled values go) for the optimizer's parameters.
+
+        At O2 the unscaled values go to the masters' ``.grad``; a master whose parameter has no gradient this step
+        gets none either, so the optimizer never steps it on an old one.
+        """
         sources: list[torch.Tensor] = []
         targets: list[torch.Tensor] = []
         if not self.master_weights:  # every parameter holds its own gradient, unscaled in place
@@ -455,42 +538,115 @@ class Amp:
                         self._refuse_sparse(param)
                     sources.append(grad)
             return sources, list(sources)
-        for param, model_param in self._param_pairs(self._state(optimizer)):
-            grad = model_param.grad
+        for param, master in self._param_pairs(self._state(optimizer)):
+            grad = param.grad
             if grad is None:
+                if master is not param:
+                    master.grad = None
                 continue
             if grad.is_sparse:
-                self._refuse_sparse(model_param)
+                self._refuse_sparse(param)
             sources.append(grad)
-            if model_param is param:
+            if master is param:
                 targets.append(grad)
             else:
-                target = param.grad
-                if target is None or target.shape != param.shape:
-                    target = param.grad = torch.empty_like(param)
+                target = master.grad
+                if target is None or target.shape != master.shape:
+                    target = master.grad = torch.empty_like(master)
                 targets.append(target)
         return sources, targets
 
     def _param_pairs(self, state: _OptimizerState) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(optimizer parameter, model parameter)`` for each of the optimizer's parameters (the same tensor unless
-        it is an O2 master), cached per optimizer.
+        """``(model parameter, its FP32 master or itself)`` for each of the optimizer's parameters, cached per
+        optimizer, with each group's list of masters.
 
         The cache is rebuilt when a parameter group is added or removed, or a group's parameter list is replaced or
-        changes length: what ``add_param_group`` and ordinary code do. Swapping one tensor for another inside a
-        group's list in place, at the same length, is not detected (nothing in torch or Lightning does that).
+        changes length: what ``add_param_group`` and ordinary code do. A half parameter that has no master yet (a
+        frozen part of the model, unfrozen and added later) gets one here, as Apex did. Swapping one tensor for
+        another inside a group's list in place, at the same length, is not detected (nothing in torch or Lightning
+        does that).
         """
-        key = tuple([(id(group["params"]), len(group["params"])) for group in state.optimizer.param_groups])
+        optimizer = state.optimizer
+        if state.swapped is not None:
+            return state.pairs  # the groups hold the masters right now
+        key = tuple([(id(group["params"]), len(group["params"])) for group in optimizer.param_groups])
         if key != state.pairs_key:
-            state.pairs = [(param, self._model_param(param)) for param in _params(state.optimizer)]
+            group_masters = []
+            stray = []
+            for group in optimizer.param_groups:
+                masters = []
+                for param in group["params"]:
+                    master = self._master_for(param)
+                    if master is None:
+                        stray.append(param)
+                        master = param
+                    masters.append(master)
+                group_masters.append(masters)
+            if stray:
+                raise ValueError(
+                    f"optimizer holds {len(stray)} half parameter(s) that belong to no model prepared for training "
+                    f"(first: shape {tuple(stray[0].shape)}, {stray[0].dtype}); call prepare_model() (with "
+                    "train=True) on every model whose parameters it trains."
+                )
+            state.group_masters = group_masters
+            state.pairs = [
+                (param, master)
+                for group, masters in zip(optimizer.param_groups, group_masters)
+                for param, master in zip(group["params"], masters)
+            ]
             state.pairs_key = key
         return state.pairs
 
-    def _model_param(self, param: torch.Tensor) -> torch.Tensor:
+    def _master_for(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The master of a model parameter (made now if it has none yet); ``None`` for a half parameter that
+        belongs to no prepared model."""
         for masters in self.master_weights:
-            model_param = masters.model_of(param)
-            if model_param is not param:
-                return model_param
+            if masters.covers(param):
+                return masters.master_of(param, create=True)
+        if param.dtype in (torch.float16, torch.bfloat16) and param.requires_grad:
+            return None
         return param
+
+    @contextlib.contextmanager
+    def _masters_in(self, state: _OptimizerState) -> Iterator[None]:
+        """The masters stand in for the model's parameters in the optimizer's groups (for its step)."""
+        self._swap_in(state)
+        try:
+            yield
+        finally:
+            self._swap_out(state)
+
+    def _swap_in(self, state: _OptimizerState) -> None:
+        if state.swapped is not None:
+            return
+        self._param_pairs(state)
+        groups = state.optimizer.param_groups
+        state.swapped = [group["params"] for group in groups]
+        for group, masters in zip(groups, state.group_masters):
+            group["params"] = masters
+
+    def _swap_out(self, state: _OptimizerState) -> None:
+        if state.swapped is None:
+            return
+        # By position: load_state_dict replaces the group dicts themselves.
+        for group, params in zip(state.optimizer.param_groups, state.swapped):
+            group["params"] = params
+        state.swapped = None
+
+    def _masters_in_hook(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
+        self._swap_in(self._state(optimizer))
+
+    def _masters_out_hook(self, optimizer: torch.optim.Optimizer, *args: Any) -> Any:
+        self._swap_out(self._state(optimizer))
+        return args[0] if args else None  # the state_dict post-hook returns the state dict
+
+    def _refuse_direct_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._state(optimizer).swapped is None:
+            raise RuntimeError(
+                "optimizer.step() was called on an optimizer prepared by lightning_mpx with FP32 master weights, "
+                "outside Amp.step(): its groups hold the half model parameters and their gradients are still "
+                "scaled. Call amp.step(optimizer) instead (the Lightning plugin and the Accelerate adapter do)."
+            )
 
     def _unscale(self, state: _OptimizerState, max_norm: float | None = None) -> None:
         loss_id = state.loss_id or 0
@@ -515,7 +671,7 @@ class Amp:
     def _rescale_pending(self, state: _OptimizerState, new_loss_id: int) -> None:
         old_id = state.loss_id or 0
         old, new = self.scalers[old_id], self.scalers[new_loss_id]
-        grads = [g for p in _params(state.optimizer) if (g := self._model_param(p).grad) is not None]
+        grads = [g for p in _params(state.optimizer) if (g := p.grad) is not None]
         if grads:
             new.to(grads[0].device)
             ratio = (new.scale_tensor.double() / old.scale_tensor.double()).float()
@@ -527,9 +683,12 @@ class Amp:
 
     def _finish_step(self, state: _OptimizerState) -> None:
         if self.master_weights:
-            for param, model_param in self._param_pairs(state):
-                if model_param is not param:
-                    model_param.grad = None
+            for param, master in self._param_pairs(state):
+                if master is not param:
+                    # Both consumed: the half gradient was unscaled into the master's, which the step used. Freeing
+                    # the FP32 one keeps it out of the next forward's and backward's peak memory.
+                    param.grad = None
+                    master.grad = None
         state.stage = _Stage.READY
         state.loss_id = None
         state.contributing = set()
@@ -539,9 +698,9 @@ class Amp:
         """Names of the parameters whose gradients hold inf or NaN (overflow steps only: it syncs)."""
         candidates = []
         for index, param in enumerate(_params(optimizer)):
-            grad = param.grad if param.grad is not None else self._model_param(param).grad
+            grad = param.grad if param.grad is not None else self.master_of(param).grad
             if grad is not None:
-                name = self._names.get(id(self._model_param(param)), f"param{index}")
+                name = self._names.get(id(param), f"param{index}")
                 candidates.append((name, grad))
         if not candidates:
             return []
@@ -570,10 +729,6 @@ class Amp:
 def _params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     for group in optimizer.param_groups:
         yield from group["params"]
-
-
-def _params_with_grad(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for p in _params(optimizer) if p.grad is not None]
 
 
 def _cast_collection(data: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:

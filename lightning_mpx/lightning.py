@@ -115,8 +115,6 @@ class MixedPrecisionPlugin(Precision):
         self._masters_synced = False
         self._skipped: dict[int, bool] = {}
         self._update_pending = False
-        self._toggle_state: dict[Any, bool] | None = None
-        self._saved_requires_grad: list[tuple[torch.Tensor, bool]] | None = None
         self._log_step: int | None = None  # the step to log the mpx metrics at, once the scale is updated
 
     @property
@@ -275,8 +273,7 @@ class MixedPrecisionPlugin(Precision):
 
     def main_params(self, optimizer: Optimizer) -> Iterator[torch.Tensor]:  # type: ignore[override]
         """The parameters the optimizer updates (the FP32 masters at O2)."""
-        for group in _unwrap(optimizer).param_groups:
-            yield from group["params"]
+        yield from self.amp.master_params(_unwrap(optimizer))
 
     def step_was_skipped(self, optimizer: Optimizer) -> bool:
         """Whether ``optimizer``'s most recent step was skipped because its gradients overflowed."""
@@ -298,9 +295,6 @@ class MixedPrecisionPlugin(Precision):
 
     def teardown(self) -> None:
         self._end_iteration()
-        for param, requires_grad in self._saved_requires_grad or []:
-            param.requires_grad_(requires_grad)
-        self._saved_requires_grad, self._toggle_state = None, None
         self._remove_hooks()
 
     # -- internals -----------------------------------------------------------------------------------------------
@@ -323,10 +317,10 @@ class MixedPrecisionPlugin(Precision):
     def _show_unscaled_on_model(self, optimizer: Optimizer) -> None:
         """At O2 the unscaled gradients live in the FP32 masters; hooks that read the model's own parameters get a
         half copy of them, so that ``grad_norm(self)`` and friends show true values as with Lightning's AMP."""
-        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        for masters in self.amp.master_weights:
-            for param, master in masters.half_pairs:
-                if id(master) in params and master.grad is not None and param.grad is not None:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                master = self.amp.master_of(param)
+                if master is not param and master.grad is not None and param.grad is not None:
                     param.grad.copy_(master.grad)
 
     def _add_boundary_casts(self, module: nn.Module) -> None:
@@ -350,31 +344,7 @@ class MixedPrecisionPlugin(Precision):
         self._boundary_depth += 1
         if self._boundary_depth > 1:
             return None  # called from inside the model: not a boundary
-        if self.amp.master_weights:
-            self._follow_toggle()
         return self.amp.cast_inputs(args), self.amp.cast_inputs(kwargs)
-
-    def _follow_toggle(self) -> None:
-        """Make ``toggle_optimizer`` work at O2.
-
-        Lightning's ``toggle_optimizer`` freezes the parameters of the other optimizers, which at O2 are the FP32
-        masters, so the half model would still compute their gradients. Before a forward, the model's half
-        parameters take the masters' ``requires_grad`` while a toggle is active, and their own back when it ends.
-        """
-        state = getattr(self._module, "_param_requires_grad_state", None) or None
-        if state is self._toggle_state:
-            return
-        self._toggle_state = state  # holding the dict also keeps its id from being reused by the next toggle
-        pairs = [pair for masters in self.amp.master_weights for pair in masters.half_pairs]
-        if state is not None:
-            if self._saved_requires_grad is None:
-                self._saved_requires_grad = [(param, param.requires_grad) for param, _ in pairs]
-            for param, master in pairs:
-                param.requires_grad_(master.requires_grad)
-        elif self._saved_requires_grad is not None:
-            for param, requires_grad in self._saved_requires_grad:
-                param.requires_grad_(requires_grad)
-            self._saved_requires_grad = None
 
     def _cast_outputs_hook(self, module: nn.Module, args: Any, output: Any) -> Any:
         self._boundary_depth = max(0, self._boundary_depth - 1)

@@ -1,14 +1,15 @@
 """Half models and FP32 master weights (O2, O3).
 
 :func:`convert_module` casts a module's floating-point parameters and buffers to half in place, keeping batch norm
-in FP32 when asked. :class:`MasterWeights` holds FP32 copies of the half parameters; :meth:`MasterWeights.attach`
-hands them to the optimizer in place of the half parameters, so that the optimizer's update and its state are FP32,
-and :meth:`MasterWeights.copy_to_model` writes the result back to the model after each real step.
+in FP32 when asked. :class:`MasterWeights` holds FP32 copies of the half parameters, kept coherent with the model;
+:class:`~lightning_mpx.amp.Amp` hands them to the optimizer for its step (so the update and the optimizer state are
+FP32), and :meth:`MasterWeights.copy_to_model` writes the result back to the model after each real step.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import weakref
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -52,117 +53,239 @@ def convert_module(module: nn.Module, dtype: torch.dtype, *, keep_batchnorm_fp32
 
 
 class MasterWeights:
-    """FP32 master copies of a model's half parameters.
+    """FP32 master copies of a model's half parameters, kept coherent with the model.
+
+    The optimizer keeps holding the model's own parameters (so ``optimizer.param_groups``, ``add_param_group``,
+    ``toggle_optimizer`` and callbacks that map optimizer parameters to module names see the model);
+    :class:`~lightning_mpx.amp.Amp` puts the masters in their place only for the duration of a step, a
+    ``state_dict`` and a ``load_state_dict`` of the optimizer. The model is the user's: a write to a half parameter
+    made outside the step (``model.load_state_dict`` after preparing, ``StochasticWeightAveraging``, EMA, ``copy_``
+    under ``no_grad``, ``p.data = ...``) is seen through the parameter's version counter and storage address and
+    taken into its master before the master is next used (:meth:`refresh`): the elements the write changed take the
+    model's value, the others keep their FP32 master value, so a model loaded with the half rounding of its own
+    masters (a checkpoint resume) keeps the exact masters. Writes made in place through ``p.data`` (``p.data.copy_``,
+    ``p.data.clamp_``) bypass the version counter; call :meth:`refresh` with ``force=True`` after them.
+
+    Masters are made for the trainable half parameters when the masters are created, and for any other half
+    parameter of the model (a frozen backbone unfrozen later) the first time an optimizer steps it. Parameters are
+    held through weak references: a model the user lets go takes its masters with it.
 
     Args:
         named_parameters: ``(name, parameter)`` pairs of the model; FP32 parameters (batch norm kept FP32) are their
             own masters, half parameters get an FP32 copy.
         copy_backend: How :meth:`copy_to_model` copies: ``"auto"`` (the fused Triton kernel for CUDA parameters when
             triton is installed, else torch's foreach copy), ``"foreach"``, ``"reference"`` or ``"triton"``.
+        exclude: Parameters another :class:`MasterWeights` already covers (a submodule shared by two models): they
+            are left to it, so every tensor has one master.
 
     Attributes:
         workspace: The copy kernel's table cache, kept across steps.
     """
 
-    def __init__(self, named_parameters: Iterable[tuple[str, nn.Parameter]], *, copy_backend: str = "auto") -> None:
+    def __init__(
+        self,
+        named_parameters: Iterable[tuple[str, nn.Parameter]],
+        *,
+        copy_backend: str = "auto",
+        exclude: Callable[[torch.Tensor], bool] | None = None,
+    ) -> None:
         if copy_backend not in BACKENDS:
             raise ValueError(f"copy_backend={copy_backend!r} is not valid; valid choices: {', '.join(BACKENDS)}.")
         self.copy_backend = copy_backend
         self.workspace = UnscaleWorkspace()
-        self.names: list[str] = []
-        self.model_params: list[torch.Tensor] = []
-        self.masters: list[torch.Tensor] = []
-        seen: set[int] = set()
+        self._entries: dict[int, _Entry] = {}
         for name, param in named_parameters:
-            if id(param) in seen or not param.requires_grad:
+            if id(param) in self._entries or (exclude is not None and exclude(param)):
                 continue
-            seen.add(id(param))
-            self.names.append(name)
-            self.model_params.append(param)
-            if param.dtype in HALF_DTYPES:
-                master = param.detach().clone().float().requires_grad_(True)
+            entry = _Entry(name, weakref.ref(param))
+            self._entries[id(param)] = entry
+            if param.requires_grad:
+                self._make_master(entry, param)
+
+    # -- lookups ------------------------------------------------------------------------------------------------
+    def _live(self) -> Iterator[tuple[_Entry, torch.Tensor]]:
+        dead = []
+        for key, entry in self._entries.items():
+            param = entry.param()
+            if param is None:
+                dead.append(key)
             else:
-                master = param
-            self.masters.append(master)
-        self._master_of = {id(p): m for p, m in zip(self.model_params, self.masters)}
-        self._model_of = {id(m): p for p, m in zip(self.model_params, self.masters)}
+                yield entry, param
+        for key in dead:
+            del self._entries[key]
+
+    def _entry(self, param: torch.Tensor) -> _Entry | None:
+        entry = self._entries.get(id(param))
+        return entry if entry is not None and entry.param() is param else None
+
+    @property
+    def alive(self) -> bool:
+        """Whether any parameter these masters were made for still exists."""
+        return any(True for _ in self._live())
+
+    @property
+    def names(self) -> list[str]:
+        return [entry.name for entry, _ in self._live()]
 
     @property
     def half_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(model parameter, FP32 master)`` for every half parameter."""
-        return [(p, m) for p, m in zip(self.model_params, self.masters) if m is not p]
+        """``(model parameter, FP32 master)`` for every half parameter that has a master."""
+        return [(param, entry.master) for entry, param in self._live() if entry.master is not None]
 
     def covers(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is one of the model parameters these masters were made for."""
-        return id(param) in self._master_of
+        return self._entry(param) is not None
 
-    def master_of(self, param: torch.Tensor) -> torch.Tensor:
-        return self._master_of.get(id(param), param)
+    def master_of(self, param: torch.Tensor, *, create: bool = False) -> torch.Tensor:
+        """The FP32 master of ``param`` (``param`` itself when it is FP32 or not covered); with ``create``, a half
+        parameter without one (frozen when the masters were made) gets it now."""
+        entry = self._entry(param)
+        if entry is None:
+            return param
+        if entry.master is None and create and param.dtype in HALF_DTYPES:
+            self._make_master(entry, param)
+        return entry.master if entry.master is not None else param
 
-    def model_of(self, master: torch.Tensor) -> torch.Tensor:
-        return self._model_of.get(id(master), master)
+    def name_of(self, param: torch.Tensor) -> str | None:
+        entry = self._entry(param)
+        return entry.name if entry is not None else None
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Put the masters in ``optimizer``'s parameter groups in place of the half parameters.
+    # -- coherence ----------------------------------------------------------------------------------------------
+    def _make_master(self, entry: _Entry, param: torch.Tensor) -> None:
+        if param.dtype in HALF_DTYPES:
+            entry.master = param.detach().float().requires_grad_(True)
+        entry.mark(param)
 
-        Any optimizer state already held for a half parameter moves to its master, in FP32.
+    def refresh(self, params: Iterable[torch.Tensor] | None = None, *, force: bool = False) -> list[str]:
+        """Take writes made to the model's half parameters since the masters last matched them; returns the names
+        of the parameters taken.
+
+        A parameter counts as written when its version counter or storage address moved (``force``: always). Its
+        master then takes the model's value where the two differ as half values, and keeps its FP32 value where
+        they agree: the comparison runs only for written parameters, so a step that finds nothing written costs
+        two attribute reads per parameter.
+
+        Args:
+            params: The model parameters to check (default: all).
+            force: Check every parameter's values, whatever its version (after writes through ``p.data``).
         """
-        for group in optimizer.param_groups:
-            for index, param in enumerate(group["params"]):
-                master = self._master_of.get(id(param))
-                if master is None or master is param:
+        taken = []
+        entries = (
+            self._live()
+            if params is None
+            else ((e, p) for p in params if (e := self._entry(p)) is not None)
+        )
+        with torch.no_grad():
+            for entry, param in entries:
+                master = entry.master
+                if master is None or (not force and entry.unchanged(param)):
                     continue
-                group["params"][index] = master
-                if param in optimizer.state:
-                    state = optimizer.state.pop(param)
-                    optimizer.state[master] = {
-                        k: v.float() if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v
-                        for k, v in state.items()
-                    }
+                if master.device != param.device:
+                    master.data = master.data.to(param.device)
+                if master.shape != param.shape:
+                    master.data = param.detach().float()
+                else:
+                    changed = param != master.to(param.dtype)
+                    master.copy_(torch.where(changed, param.float(), master))
+                entry.mark(param)
+                taken.append(entry.name)
+        return taken
 
     def sync_from_model(self) -> None:
         """Re-take the masters from the model parameters, on the model's current device.
 
         For frameworks that move the model to its device, or broadcast rank zero's weights to every process, after
-        the masters were made: the masters then follow the model the optimizer will train. Identity is kept (the
-        optimizer's references stay valid).
+        the masters were made. Identity is kept (an optimizer's state for them stays valid).
         """
         with torch.no_grad():
-            for param, master in self.half_pairs:
+            for entry, param in self._live():
+                master = entry.master
+                if master is None:
+                    continue
                 if master.device != param.device:
                     master.data = master.data.to(param.device)
                 master.copy_(param)
+                entry.mark(param)
 
-    def copy_to_model(self) -> None:
-        """Write the masters into the half model parameters (after a real optimizer step).
-
-        One pass that reads 4 bytes and writes 2 per element; on CUDA with triton, one launch per dtype pair.
-        """
-        pairs = self.half_pairs
-        if pairs:
-            params, masters = zip(*pairs)
-            cast_copy_(params, masters, backend=self.copy_backend, workspace=self.workspace)
+    def copy_to_model(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Write the masters into the half model parameters (after a real optimizer step): all of them, or those of
+        ``params``. One pass that reads 4 bytes and writes 2 per element; on CUDA with triton, one launch per dtype
+        pair."""
+        if params is None:
+            pairs = [(p, e) for e, p in self._live() if e.master is not None]
+        else:
+            pairs = [(p, e) for p in params if (e := self._entry(p)) is not None and e.master is not None]
+        if not pairs:
+            return
+        models = [p for p, _ in pairs]
+        cast_copy_(models, [e.master for _, e in pairs], backend=self.copy_backend, workspace=self.workspace)
+        for param, entry in pairs:
+            entry.mark(param)
 
     def clear_model_grads(self) -> None:
         """Drop the half model gradients once they have been unscaled into the masters."""
         for param, _ in self.half_pairs:
             param.grad = None
 
+    # -- checkpoints --------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The FP32 masters of the half parameters, by name, cloned (exact, not rounded through half)."""
-        return {name: m.detach().clone() for name, p, m in zip(self.names, self.model_params, self.masters) if m is not p}
+        """The FP32 masters of the half parameters, by name, cloned (exact, not rounded through half); writes made to
+        the model since the last step are taken first."""
+        self.refresh()
+        return {entry.name: entry.master.detach().clone() for entry, _ in self._live() if entry.master is not None}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore masters bit-exactly and refresh the half model parameters from them."""
-        expected = {name for name, p, m in zip(self.names, self.model_params, self.masters) if m is not p}
-        missing, unexpected = expected - set(state), set(state) - expected
+    def check_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Raise, changing nothing, if ``state`` cannot be loaded: other names, or a tensor of another shape."""
+        live = {entry.name: (entry, param) for entry, param in self._live()}
+        expected = {name for name, (entry, param) in live.items() if entry.master is not None}
+        unexpected = [name for name in state if name not in live]
+        missing = sorted(expected - set(state))
         if missing or unexpected:
             raise KeyError(
-                f"master-weight state does not match the model: missing {sorted(missing)}, unexpected "
-                f"{sorted(unexpected)}."
+                f"master-weight state does not match the model: missing {missing}, unexpected {sorted(unexpected)}."
             )
+        for name, tensor in state.items():
+            param = live[name][1]
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"master weight {name!r} has shape {tuple(tensor.shape)} in the checkpoint but the parameter has "
+                    f"shape {tuple(param.shape)}; nothing was loaded."
+                )
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore masters bit-exactly and refresh the half model parameters from them.
+
+        Raises:
+            KeyError: when names are missing or unexpected; ValueError: when a shape differs (also one that would
+                broadcast). Nothing is loaded in either case.
+        """
+        self.check_state_dict(state)
         with torch.no_grad():
-            for name, param, master in zip(self.names, self.model_params, self.masters):
-                if master is not param:
-                    master.copy_(state[name])
+            for entry, param in list(self._live()):
+                if entry.name not in state:
+                    continue
+                if entry.master is None:
+                    self._make_master(entry, param)
+                assert entry.master is not None
+                entry.master.copy_(state[entry.name])
         self.copy_to_model()
+
+
+class _Entry:
+    """One model parameter: its name, a weak reference, its master (``None`` until made; FP32 parameters have
+    none) and the version and address it had when the master last matched it."""
+
+    __slots__ = ("name", "param", "master", "version", "address")
+
+    def __init__(self, name: str, param: weakref.ref[torch.Tensor]) -> None:
+        self.name = name
+        self.param = param
+        self.master: torch.Tensor | None = None
+        self.version = -1
+        self.address = -1
+
+    def mark(self, param: torch.Tensor) -> None:
+        self.version, self.address = param._version, param.data_ptr()
+
+    def unchanged(self, param: torch.Tensor) -> bool:
+        return param._version == self.version and param.data_ptr() == self.address

@@ -41,7 +41,7 @@ def main(out_dir: Path) -> None:
         opt.zero_grad()
         skipped.append(opt.step_was_skipped)
     rank = accelerator.process_index
-    masters = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+    masters = [p.detach().clone() for p in accelerator.amp.master_params(opt.optimizer)]
     # Parameters only: DDP broadcasts batch-norm buffers before each forward, so after the last one they differ.
     params = {name: p.detach().clone() for name, p in inner.named_parameters()}
     torch.save({"model": params, "masters": masters}, out_dir / f"rank{rank}.pt")

@@ -84,7 +84,7 @@ def _inf_into_first_grad(model):
 
 
 def _masters(opt):
-    return [p for g in opt.param_groups for p in g["params"]]
+    return opt.amp.master_params(opt.optimizer)
 
 
 def _snapshot(model, opt, sched):
@@ -256,12 +256,14 @@ def test_o2_optimizer_holds_fp32_masters_and_prepare_order_does_not_matter():
     held = _masters(opt)
     assert all(p.dtype == torch.float32 for p in held)
     assert not any(p is model[0].weight for p in held)
+    # The optimizer itself keeps the model's parameters (what code that walks param_groups expects).
+    assert [id(p) for g in opt.param_groups for p in g["params"]] == [id(p) for p in model.parameters()]
     x, y = _batch()
     _step(accelerator, model, opt, torch.optim.lr_scheduler.LambdaLR(opt.optimizer, lambda _: 1.0), x, y)
     assert all(s["exp_avg"].dtype == torch.float32 for s in opt.state.values())
     for param, master in accelerator.amp.master_weights[0].half_pairs:
         assert torch.equal(param, master.half())
-    # The half model gradients were consumed by the step, the masters' by zero_grad.
+    # The half model gradients and the masters' were consumed by the step.
     assert all(p.grad is None for p in model.parameters()) and all(p.grad is None for p in held)
 
 

@@ -46,8 +46,10 @@ def test_o2_keeps_batchnorm_fp32_and_optimizer_holds_fp32_masters(half):
     assert model[0].weight.dtype == half and model[3].bias.dtype == half
     assert model[1].weight.dtype == torch.float32 and model[1].running_mean.dtype == torch.float32
     held = [p for g in opt.param_groups for p in g["params"]]
-    assert all(p.dtype == torch.float32 for p in held)
-    assert model[0].weight not in set(held)  # the half weight was replaced by its master
+    assert [id(p) for p in held] == [id(p) for p in model.parameters()]  # the optimizer keeps the model's params
+    stepped_on = amp.master_params(opt)  # ... and steps FP32 masters in their place
+    assert all(p.dtype == torch.float32 for p in stepped_on)
+    assert all(m is not p for m, p in zip(stepped_on, held) if p.dtype == half)
     _train_step(amp, model, opt, *_batch())
     assert all(s["exp_avg"].dtype == torch.float32 for s in opt.state.values())
     # after a real step the half model equals its masters rounded to half
@@ -81,7 +83,7 @@ def test_o2_model_prepared_for_evaluation_only_gets_no_masters_until_trained():
     amp.prepare_model(model)
     assert len(amp.master_weights) == 1
     opt = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    assert all(p.dtype == torch.float32 for g in opt.param_groups for p in g["params"])
+    assert all(p.dtype == torch.float32 for p in amp.master_params(opt))
     before = model[0].weight.detach().clone()
     _, stepped = _train_step(amp, model, opt, *_batch())
     assert stepped and not torch.equal(before, model[0].weight)
@@ -400,8 +402,9 @@ def test_parameter_pairs_follow_a_param_group_added_after_steps():
 
     step()
     second.zero_grad()  # its half gradients of the first step were never the optimizer's
-    masters = amp.master_weights[1].masters
-    optimizer.add_param_group({"params": list(masters)})
+    optimizer.add_param_group({"params": list(second.parameters())})  # the model's own half parameters
+    masters = [amp.master_of(p) for p in second.parameters()]
+    assert all(m.dtype == torch.float32 for m in masters)
     before = [m.detach().clone() for m in masters]
     step()
     assert torch.allclose(masters[0], before[0] - 0.1 * x.float().sum(0).expand(4, 4), atol=1e-2)

@@ -50,8 +50,8 @@ def test_each_opt_level_trains_with_its_dtypes(level, half_name, half):
     assert model.hidden_dtypes == {s: expected_hidden for s in ("train", "val", "test", "predict")}
     param_dtype = half if level in ("O2", "O3") else torch.float32
     assert model.net[0].weight.dtype == param_dtype
-    optimizer_dtypes = {p.dtype for g in trainer.optimizers[0].param_groups for p in g["params"]}
-    assert optimizer_dtypes == ({half} if level == "O3" else {torch.float32})  # O2: FP32 masters
+    stepped_dtypes = {p.dtype for p in plugin.amp.master_params(trainer.optimizers[0])}
+    assert stepped_dtypes == ({half} if level == "O3" else {torch.float32})  # O2: FP32 masters
     # It learned: the loss went down and nothing overflowed.
     first, last = sum(model.losses[:4]) / 4, sum(model.losses[-4:]) / 4
     assert last < 0.7 * first
@@ -79,8 +79,7 @@ def test_o2_evaluation_without_fit_makes_no_masters_and_a_later_fit_does():
     before = model.net[0].weight.detach().clone()
     trainer.fit(model, data)
     assert len(plugin.amp.master_weights) == 1
-    held = [p for g in trainer.optimizers[0].param_groups for p in g["params"]]
-    assert {p.dtype for p in held} == {torch.float32}
+    assert {p.dtype for p in plugin.amp.master_params(trainer.optimizers[0])} == {torch.float32}
     assert not torch.equal(before, model.net[0].weight)
     assert torch.equal(model.net[0].weight, plugin.amp.master_weights[0].master_of(model.net[0].weight).bfloat16())
 
@@ -116,9 +115,9 @@ def test_o2_conv_net_keeps_batchnorm_fp32_and_trains_fp32_masters():
     assert conv.weight.dtype == model.head.weight.dtype == torch.float16
     assert not torch.equal(bn.weight, initial_bn)  # batch norm trained
     optimizer = trainer.optimizers[0]
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    params = plugin.amp.master_params(optimizer)
     assert all(p.dtype == torch.float32 for p in params)
-    # The optimizer holds masters, not the half parameters; the half model is a rounding of them.
+    # The optimizer steps masters in place of the half parameters; the half model is a rounding of them.
     masters = plugin.amp.master_weights[0]
     assert masters.master_of(conv.weight) is not conv.weight
     assert any(p is masters.master_of(conv.weight) for p in params)
