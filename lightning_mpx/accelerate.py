@@ -44,6 +44,7 @@ their native behaviour untouched. With an opt level, Accelerate itself runs with
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import os
@@ -56,6 +57,7 @@ from torch import nn
 from lightning_mpx._dtypes import parse_half_dtype
 from lightning_mpx._imports import require
 from lightning_mpx.amp import Amp
+from lightning_mpx.cast_table import _NAMESPACES as _TABLE_NAMESPACES
 from lightning_mpx.cast_table import CastTable
 from lightning_mpx.loss_scaler import LossScaler, OnFloor
 from lightning_mpx.opt_levels import OPT_LEVELS
@@ -558,10 +560,8 @@ class _AmpForward:
     half; half outputs cast to FP32 (as Accelerate's own wrapper) so that the loss is computed in FP32."""
 
     def __init__(self, forward: Callable[..., Any], amp: Amp) -> None:
-        self._forward = forward
-        self._amp = amp
         # __wrapped__ is the plain function, so that Accelerate's unwrap_model(keep_fp32_wrapper=False) can restore it.
-        functools.update_wrapper(self, getattr(forward, "__func__", forward))
+        self._init(forward, amp)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         amp = self._amp
@@ -573,31 +573,63 @@ class _AmpForward:
 
     def __getstate__(self) -> dict[str, Any]:
         # What the forward needs, not the engine (its masters, optimizers and scales stay with the original): a
-        # deepcopy (AveragedModel, EMA) or a pickled model gets an engine of its own with the same casts.
-        amp = self._amp
-        policy = amp.policy
+        # pickled model gets an engine of its own with the same casts. The table travels as names, resolved
+        # again on load (torch's functions pickle by name only where torch allows it).
+        policy = self._amp.policy
+        data: dict[str, dict[str, list[str]]] = {}
+        extra: list[tuple[Any, str]] = []
+        for entry in policy.table if policy is not None else ():
+            if entry.namespace in _TABLE_NAMESPACES:
+                data.setdefault(entry.namespace, {}).setdefault(entry.category, []).append(entry.name)
+            else:
+                extra.append((entry.function, entry.category))  # a user's @dispatchable: pickled by reference
         return {
             "forward": self._forward,
-            "properties": amp.properties,
-            "cast_table": policy.table if policy is not None else None,
+            "properties": self._amp.properties,
+            "table": (data, extra) if policy is not None else None,
             "allow_banned": policy.allow_banned if policy is not None else False,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        props = state["properties"]
-        self._forward = state["forward"]
-        self._amp = Amp(
-            props.opt_level,
-            half_dtype=props.half_dtype,
-            cast_table=state["cast_table"],
-            allow_banned=state["allow_banned"],
-            cast_model_type=props.cast_model_type,
-            patch_torch_functions=props.patch_torch_functions,
-            keep_batchnorm_fp32=props.keep_batchnorm_fp32,
-            master_weights=props.master_weights,
-            loss_scale=props.loss_scale,
+        table = None
+        if state["table"] is not None:
+            data, extra = state["table"]
+            table = CastTable.from_data({ns: {c: tuple(names) for c, names in by.items()} for ns, by in data.items()})
+            for function, category in extra:
+                table.register(function, category)
+        self._init(state["forward"], _engine_for_forward(state["properties"], table, state["allow_banned"]))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _AmpForward:
+        # A deepcopy (AveragedModel, EMA callbacks) forwards through the copied model, with an engine of its own.
+        policy = self._amp.policy
+        engine = _engine_for_forward(
+            self._amp.properties,
+            policy.table.copy() if policy is not None else None,
+            policy.allow_banned if policy is not None else False,
         )
-        functools.update_wrapper(self, getattr(self._forward, "__func__", self._forward))
+        twin = _AmpForward.__new__(_AmpForward)
+        twin._init(copy.deepcopy(self._forward, memo), engine)
+        return twin
+
+    def _init(self, forward: Callable[..., Any], amp: Amp) -> None:
+        self._forward = forward
+        self._amp = amp
+        functools.update_wrapper(self, getattr(forward, "__func__", forward))
+
+
+def _engine_for_forward(properties: Any, table: CastTable | None, allow_banned: bool) -> Amp:
+    """An :class:`Amp` with ``properties`` and ``table``, for a copied model's forward (no models, no optimizers)."""
+    return Amp(
+        properties.opt_level,
+        half_dtype=properties.half_dtype,
+        cast_table=table,
+        allow_banned=allow_banned,
+        cast_model_type=properties.cast_model_type,
+        patch_torch_functions=properties.patch_torch_functions,
+        keep_batchnorm_fp32=properties.keep_batchnorm_fp32,
+        master_weights=properties.master_weights,
+        loss_scale=properties.loss_scale,
+    )
 
 
 def _params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:

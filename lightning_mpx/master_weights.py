@@ -182,12 +182,14 @@ class MasterWeights:
                     continue
                 if master.device != param.device:
                     master.data = master.data.to(param.device)
+                entry.mark(param)
                 if master.shape != param.shape:
                     master.data = param.detach().float()
                 else:
-                    changed = param != master.to(param.dtype)
+                    changed = param != master.to(param.dtype)  # NaN != NaN: a NaN written is taken
+                    if not bool(changed.any()):  # a write of the same half values (a checkpoint's rounding)
+                        continue
                     master.copy_(torch.where(changed, param.float(), master))
-                entry.mark(param)
                 taken.append(entry.name)
         return taken
 

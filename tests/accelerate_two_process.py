@@ -20,7 +20,9 @@ from lightning_mpx.accelerate import Accelerator
 
 def main(out_dir: Path) -> None:
     accelerator = Accelerator(mixed_precision="O2", cpu=True)
-    torch.manual_seed(0)
+    # Each rank starts from other weights: DDP broadcasts rank 0's when it wraps the model, and the FP32 masters must
+    # follow, or the ranks drift apart from the first step on.
+    torch.manual_seed(accelerator.process_index)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
