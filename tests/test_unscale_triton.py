@@ -338,12 +338,12 @@ def test_triton_master_weights_copy_to_model(device):
     fused.workspace = _workspace()
     twin = MasterWeights(model.named_parameters(), copy_backend="foreach")
     with torch.no_grad():
-        for m in fused.masters:
+        for _, m in fused.half_pairs:
             m.add_(torch.randn(m.shape, device=device) * 0.01)
     fused.copy_to_model()
     fused.copy_to_model()
     fused_params = [p.detach().clone() for p in model.parameters()]
-    for m, t in zip(fused.masters, twin.masters):
+    for (_, m), (_, t) in zip(fused.half_pairs, twin.half_pairs):
         t.data.copy_(m)
     twin.copy_to_model()
     assert all(torch.equal(a, b) for a, b in zip(fused_params, model.parameters()))
