@@ -31,7 +31,7 @@ from torch import nn
 from lightning_mpx.cast_policy import CastPolicy
 from lightning_mpx.cast_table import CastTable
 from lightning_mpx.loss_scaler import LossScaler, OnFloor
-from lightning_mpx.master_weights import MasterWeights, convert_module
+from lightning_mpx.master_weights import MasterWeights, Mirror, convert_module
 from lightning_mpx.opt_levels import Properties, resolve_properties
 from lightning_mpx.unscale import BACKENDS, UnscaleWorkspace, unscale_grads_
 
@@ -60,6 +60,7 @@ class _OptimizerState:
     pairs_key: tuple[tuple[int, int], ...] | None = None
     swapped: list[list[torch.Tensor]] | None = None  # the groups' own lists while the masters stand in for them
     hooks: list[Any] = field(default_factory=list)  # handles of the hooks registered on the optimizer
+    mirrors: list[Mirror] | None = None  # O2: the step-time view of its half parameters' masters
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -417,13 +418,13 @@ class Amp:
         if not self.master_weights:
             optimizer.step(**step_kwargs)
         else:
-            params = [param for param, _ in self._param_pairs(state)]
-            for masters in self.master_weights:
-                masters.refresh(params)  # writes to the model since the last step (loaded weights, SWA, EMA...)
+            mirrors = self._mirrors(state)
+            for mirror in mirrors:
+                mirror.take_writes()  # writes to the model since the last step (loaded weights, SWA, EMA...)
             with self._masters_in(state):
                 optimizer.step(**step_kwargs)
-            for masters in self.master_weights:
-                masters.copy_to_model(params)
+            for mirror in mirrors:
+                mirror.copy_to_model()
         self._finish_step(state)
         return True
 
@@ -492,6 +493,8 @@ class Amp:
             scaler.load_state_dict(scaler_state)
         for masters, masters_state in zip(self.master_weights, state["master_weights"]):
             masters.load_state_dict(masters_state)
+        for optimizer_state in self._optimizers.values():
+            optimizer_state.mirrors = None  # loading may have made masters for parameters that had none
         self.skipped_steps = list(state.get("skipped_steps", self.skipped_steps))
 
     # -- internals ----------------------------------------------------------------------------------------------
@@ -595,7 +598,17 @@ class Amp:
                 for param, master in zip(group["params"], masters)
             ]
             state.pairs_key = key
+            state.mirrors = None
         return state.pairs
+
+    def _mirrors(self, state: _OptimizerState) -> list[Mirror]:
+        """The optimizer's half parameters and their masters, one :class:`Mirror` per prepared model, kept until
+        the optimizer's parameter lists change."""
+        pairs = self._param_pairs(state)
+        if state.mirrors is None:
+            params = [param for param, master in pairs if master is not param]
+            state.mirrors = [m for masters in self.master_weights if (m := masters.mirror(params)).params]
+        return state.mirrors
 
     def _master_for(self, param: torch.Tensor) -> torch.Tensor | None:
         """The master of a model parameter (made now if it has none yet); ``None`` for a half parameter that
