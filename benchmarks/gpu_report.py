@@ -56,6 +56,7 @@ class Source:
     time: float
     command: str | None  # recorded by gpu_suite; None for a raw script's JSON
     check: bool = False  # made by ``gpu_suite.py --check``: exercises the code, measures nothing
+    status: str = "-"  # a suite part's status ("complete", or "incomplete"/"running" when it was cut short)
     order: int = 0  # position in the chronological order (set by load_sources)
 
     @property
@@ -167,7 +168,8 @@ def load_sources(paths: Sequence[Path]) -> Sources:
             when = datetime.fromisoformat(created).timestamp() if created else file_time(path)
             result = dict(data.get("result") or {})
             result.setdefault("device", suite.get("environment", {}).get("device"))
-            source = Source(path, kind, result, when, suite.get("command"), check=bool(suite.get("check")))
+            source = Source(path, kind, result, when, suite.get("command"), check=bool(suite.get("check")),
+                            status=suite.get("status", "-"))
             source.data["environment"] = suite.get("environment", {})
         else:
             source = Source(path, kind, data, file_time(path), None)
@@ -542,12 +544,12 @@ def render(sources: Sources, merged: Merged, verdicts: list[Verdict], folders: S
     out += ["", "### Targets", "", verdict_table(verdicts), ""]
     out += ["\"not measured\" means no file holds the rows the target needs. The host-sync count is stated, not "
             "judged: `Amp.step` reads the overflow flag once per step by design (as `GradScaler.step` does).", ""]
-    out += ["### Sources", "", "| file | holds | command |", "|---|---|---|"]
+    out += ["### Sources", "", "| file | holds | status | command |", "|---|---|---|---|"]
     for s in sources.items:
-        recorded = "" if s.command else " (reconstructed from the file's settings)"
-        out.append(f"| {s.name} | {s.kind} | `{reconstructed_command(s)}`{recorded} |")
+        recorded = "" if s.command else " (not recorded in the file: rebuilt from its settings)"
+        out.append(f"| {s.name} | {s.kind} | {s.status} | `{reconstructed_command(s)}`{recorded} |")
     for sk in sources.skipped:
-        out.append(f"| {sk.path.name} | not read: {sk.reason} | - |")
+        out.append(f"| {sk.path.name} | not read: {sk.reason} | - | - |")
     if merged.superseded:
         out += ["", "Superseded (the later file's rows are used): " + "; ".join(
             f"{old}: {n} rows by {new}" for old, news in merged.superseded.items() for new, n in news.items()) + "."]
@@ -556,19 +558,20 @@ def render(sources: Sources, merged: Merged, verdicts: list[Verdict], folders: S
         out += ["", "### Fused unscale kernels against torch (`benchmarks/unscale.py`)", "",
                 f"Copy bandwidth measured in each run: {', '.join(bws)} GB/s. Speed-up = torch ms / fused ms; "
                 "\"% of copy\" = the bytes the variant must move at the floor / fused time, against the copy "
-                "bandwidth of the same run. bfloat16: torch has no CUDA check-and-unscale op for it, so the torch "
-                "column is the foreach twin (multiply + norm).", "", unscale_table(merged.unscale)]
+                "bandwidth of the same run. bfloat16 gradients unscaled in place: torch has no CUDA check-and-unscale "
+                "op for them, so their torch column is lightning_mpx's foreach twin (FP32 multiply + infinity "
+                "norm).", "", unscale_table(merged.unscale)]
         sweep = sweep_table(merged.unscale)
         if sweep:
             sources_sweep = _sources_of([r for r in merged.unscale if r["set"].startswith("sweep")])
             out += ["", f"Small-tensor sweep, unscale+clip, FP32, speed-up (fused / torch ms); {sources_sweep}:", "",
                     sweep]
-    for source in merged.step_runs:
-        for model in MODELS:
-            if not any(r["model"] == model for r in source.data.get("rows", [])):
-                continue
+    for model in MODELS:  # per model, the latest run first; ratios only within a run
+        runs = [s for s in reversed(merged.step_runs) if any(r["model"] == model for r in s.data.get("rows", []))]
+        for rank, source in enumerate(runs):
             spec = source.data.get("specs", {}).get(model, {})
-            out += ["", f"### Training step, {model} (`{source.name}`)", "",
+            when = "latest run" if rank == 0 else "earlier run"
+            out += ["", f"### Training step, {model}: {when} (`{source.name}`)", "",
                     f"`{reconstructed_command(source)}`; {_spec_text(model, spec)}; {source.data.get('steps')} "
                     f"timed steps after {source.data.get('warmup')} warm-up; peak memory = "
                     "`torch.cuda.max_memory_allocated`.", "", step_table(source, model)]
@@ -641,7 +644,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         "environment": environment(sources),
         "sources": [{"file": str(s.path), "kind": s.kind, "command": reconstructed_command(s),
-                     "recorded_command": s.command is not None, "check": s.check} for s in sources.items],
+                     "recorded_command": s.command is not None, "check": s.check, "status": s.status}
+                    for s in sources.items],
         "verdicts": [vars(v) for v in verdicts],
         "unscale_rows": merged.unscale,
     }  # fmt: skip
