@@ -99,13 +99,13 @@ def test_all_check_tests_part_collects_and_passes_its_own_checks(check_dir):
 
 def test_report_reads_the_check_output_and_fills_the_doc(check_dir, tmp_path):
     doc = tmp_path / "benchmarks.md"
-    doc.write_text(f"# intro\n\n{gpu_report.BEGIN}\nold\n{gpu_report.END}\n\n## after\n")
+    doc.write_text(f"# intro\n\n{gpu_report.BEGIN}\nstale-body\n{gpu_report.END}\n\n## after\n")
     result = gpu_report.main([str(check_dir), "--doc", str(doc), "--json", str(tmp_path / "report.json")])
     assert {v["target"] for v in result["verdicts"]} >= TARGETS
     assert {s["kind"] for s in result["sources"]} == {"tests", "unscale", "step", "fidelity"}
     assert all(s["recorded_command"] and s["check"] for s in result["sources"])
     text = doc.read_text()
-    assert text.startswith("# intro") and text.endswith("## after\n") and "old" not in text
+    assert text.startswith("# intro") and text.endswith("## after\n") and "stale-body" not in text
     assert "measure nothing" in text and "### Targets" in text and "### Training step, gpt" in text
     assert json.loads((tmp_path / "report.json").read_text())["verdicts"] == result["verdicts"]
 
@@ -119,7 +119,7 @@ def test_report_on_the_committed_h100_results_prefers_later_files():
     assert rows[("gpt2-124m", "bfloat16", "unscale")] == "unscale_bf16_fix.json"  # same commit: name order
     assert rows[("sweep 10x4", "float32", "unscale+clip")] == "unscale_bind.json"
     assert merged.superseded["unscale.json"] == {"unscale_bind.json": 32}
-    assert {s.name for s in sources.skipped} == {"host_profile.json", "host_profile_bind.json"}
+    assert {s.path.name for s in sources.skipped} == {"host_profile.json", "host_profile_bind.json"}
     assert merged.tests is not None and merged.tests.name == "pytest_triton_cuda_bind.txt"
     verdicts = gpu_report.all_targets(merged)
     by_scope = {(v.target, v.scope): v for v in verdicts}
