@@ -26,7 +26,6 @@ import json
 import math
 import re
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -433,7 +432,9 @@ def all_targets(merged: Merged) -> list[Verdict]:
 
 # -- tables (also used by gpu_suite for each part's markdown) -----------------------------------------------------
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
-    return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else f"{value:{spec}}{suffix}"
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return f"{value:{spec}}{suffix}"
 
 
 def unscale_table(rows: list[dict[str, Any]], with_source: bool = True) -> str:
@@ -589,7 +590,8 @@ def _spec_text(model: str, spec: dict[str, Any]) -> str:
     if model == "gpt":
         return (f"GPT-2-style, vocabulary {spec['vocab']}, sequence {spec['seq']}, width {spec['dim']}, "
                 f"{spec['layers']} layers, batch {spec['batch']}")
-    return f"ResNet, width {spec['width']}, blocks {spec['blocks']}, {spec['image']}x{spec['image']} images, batch {spec['batch']}"
+    return (f"ResNet, width {spec['width']}, blocks {spec['blocks']}, {spec['image']}x{spec['image']} images, "
+            f"batch {spec['batch']}")
 
 
 def _rel(path: Path) -> str:

@@ -56,7 +56,7 @@ from typing import Any, Callable, Iterator
 if "--check" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (the kernels are decorated at import)
 
-from _machine import cpu_model, write_json  # benchmarks/ is on sys.path when a script runs
+from _machine import cpu_model, write_json  # noqa: E402  (benchmarks/ is on sys.path when a script runs)
 
 import gpu_report  # noqa: E402
 
@@ -128,6 +128,13 @@ def _shown(argv: list[str]) -> str:
     return shlex.join(shown)
 
 
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """Kill a child started in its own session, and whatever it started."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 class Part:
     """The record of one part: its commands and results, rewritten to DIR after every change."""
 
@@ -147,6 +154,7 @@ class Part:
             "commands": [],
         }
         self.result: dict[str, Any] = {}
+        self.save()  # a part cut off before its first sub-run ends still says it started
 
     @property
     def elapsed(self) -> float:
@@ -170,10 +178,14 @@ class Part:
                 record["returncode"] = proc.wait(timeout=max(timeout, 1.0))
                 record["status"] = "ok" if record["returncode"] == 0 else "failed"
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)  # the child and whatever it started
-                proc.wait()
+                _kill_group(proc)
                 record["returncode"], record["status"] = None, "timeout"
+            except BaseException:  # interrupted or terminated: its own session would outlive us otherwise
+                _kill_group(proc)
+                record.update(returncode=None, status="interrupted", seconds=round(time.perf_counter() - start, 2))
+                self.suite["commands"].append(record)
+                self.save("interrupted")
+                raise
         record["seconds"] = round(time.perf_counter() - start, 2)
         tail = log.read_text(errors="replace").strip().splitlines()[-6:]
         print("\n".join(f"    {line}" for line in tail), flush=True)
@@ -670,6 +682,11 @@ def part_step(args: argparse.Namespace, env: dict[str, Any], model: str) -> Part
         except RuntimeError as error:  # the child failed: step.py's message has the end of its stderr
             record.update(status="failed", returncode=1)
             part.result["failed"][variant] = str(error)[-2000:]
+        except BaseException:  # interrupted or terminated (subprocess.run has killed the child): keep the rows
+            record.update(status="interrupted", returncode=None, seconds=round(time.perf_counter() - start, 2))
+            part.suite["commands"].append(record)
+            part.save("interrupted")
+            raise
         record["seconds"] = round(time.perf_counter() - start, 2)
         durations.append(record["seconds"])
         part.suite["commands"].append(record)
@@ -758,6 +775,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None and not args.check:
         parser.error("--out DIR is required: the folder the results go to (e.g. $OUT on the device)")
     args.command = _shown([sys.executable, str(Path(__file__).resolve()), *raw_argv])
+    # A device's time limit sends SIGTERM: unwind (children killed, files already written) instead of dying mid-write.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     with contextlib.ExitStack() as stack:
         if args.out is None:
             args.out = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu-suite-check-")))
