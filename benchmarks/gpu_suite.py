@@ -160,6 +160,12 @@ class Part:
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
 
+    def timeout(self, args: argparse.Namespace, default: float) -> float:
+        """Seconds for the next subprocess: ``--timeout`` (else ``default``), cut to what is left of ``--budget``
+        (at least 30 s), so that a hung child cannot carry the part past the device's per-command limit."""
+        wanted = args.timeout or default
+        return min(wanted, max(args.budget - self.elapsed, 30.0)) if args.budget else wanted
+
     def run(self, argv: list[str], timeout: float, log: Path) -> dict[str, Any]:
         """Run ``argv`` from the repository root under ``timeout`` (its whole process group killed at the limit),
         its output into ``log``; record and return what happened."""
@@ -238,7 +244,7 @@ def part_tests(args: argparse.Namespace, env: dict[str, Any]) -> Part:
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton or cuda", "tests"]
     if args.check:
         argv.insert(-1, "--collect-only")  # on CPU the CUDA tests skip: collecting proves the selection resolves
-    record = part.run(argv, args.timeout or 360, args.out / "raw" / "tests_pytest.txt")
+    record = part.run(argv, part.timeout(args, 360), args.out / "raw" / "tests_pytest.txt")
     summary = gpu_report.parse_pytest_summary((args.out / "raw" / "tests_pytest.txt").read_text(errors="replace"))
     if summary is None and args.check:
         text = (args.out / "raw" / "tests_pytest.txt").read_text(errors="replace").strip().splitlines()
@@ -249,7 +255,7 @@ def part_tests(args: argparse.Namespace, env: dict[str, Any]) -> Part:
     part.save()
     checks_out = args.out / "raw" / "tests_checks.json"
     argv = [sys.executable, str(Path(__file__).resolve()), "_checks", "--out", str(checks_out)]
-    record = part.run(argv + (["--check"] if args.check else []), args.timeout or 300,
+    record = part.run(argv + (["--check"] if args.check else []), part.timeout(args, 300),
                       args.out / "raw" / "tests_checks.log")
     if checks_out.exists():
         checks = json.loads(checks_out.read_text())
@@ -574,7 +580,7 @@ def part_unscale(args: argparse.Namespace, env: dict[str, Any]) -> Part:
     part = Part("unscale", args.out, args.check, args.command, env)
     raws: list[tuple[str, dict[str, Any]]] = []
     if args.check:
-        part.run([sys.executable, str(HERE / "unscale.py"), "--check"], args.timeout or 240,
+        part.run([sys.executable, str(HERE / "unscale.py"), "--check"], part.timeout(args, 240),
                  args.out / "raw" / "unscale_check.log")  # fmt: skip
         # unscale.py --check writes no JSON: produce the raw file it would write from the same functions, on CPU.
         raw_path = args.out / "raw" / "unscale_check.json"
@@ -590,8 +596,7 @@ def part_unscale(args: argparse.Namespace, env: dict[str, Any]) -> Part:
             raw_path = args.out / "raw" / f"unscale_{sets}.json"
             argv = [sys.executable, str(HERE / "unscale.py"), "--sets", sets, "--out", str(raw_path)]
             argv += [] if sweep else ["--no-sweep"]
-            remaining = args.budget - part.elapsed if args.budget else 1e9
-            part.run(argv, min(args.timeout or 240, max(remaining, 30)), args.out / "raw" / f"unscale_{sets}.log")
+            part.run(argv, part.timeout(args, 240), args.out / "raw" / f"unscale_{sets}.log")
             if raw_path.exists():
                 raws.append((os.path.relpath(raw_path, args.out), json.loads(raw_path.read_text())))
                 part.result = merge_unscale(raws)
@@ -665,7 +670,7 @@ def part_step(args: argparse.Namespace, env: dict[str, Any], model: str) -> Part
         if durations and remaining < 1.2 * max(durations):
             part.result["not_run"].append(variant)  # it would not finish inside the budget: keep what is done
             continue
-        child_timeout = min(args.timeout or 150, max(remaining, 30))
+        child_timeout = part.timeout(args, 150)
         argv = ["--device", device, "--model", model, "--size", size, "--steps", str(steps), "--warmup", str(warmup),
                 "--child-timeout", str(child_timeout)]  # fmt: skip
         step_args = step.build_parser().parse_args(argv)
@@ -711,7 +716,7 @@ def part_fidelity(args: argparse.Namespace, env: dict[str, Any]) -> Part:
     else:
         argv += ["--accelerator", "gpu", "--seeds", "0", "--levels", "O0", "O1", "O2",
                  "--plot", str(args.out / "convergence_cuda.png")]  # fmt: skip
-    part.run(argv, min(args.timeout or 420, args.budget or 420), args.out / "raw" / "fidelity.log")
+    part.run(argv, part.timeout(args, 420), args.out / "raw" / "fidelity.log")
     partial = raw.with_suffix(".partial.json")
     if raw.exists():
         part.result = json.loads(raw.read_text())
