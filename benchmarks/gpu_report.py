@@ -1,0 +1,662 @@
+"""Merge GPU results into ``docs/benchmarks.md``'s GPU tables and say, target by target, whether each is met.
+
+Reads every ``*.json`` (and ``pytest*.txt``) directly inside the given folders: what ``benchmarks/gpu_suite.py``
+writes (``suite_<part>.json``) and the raw JSON of ``benchmarks/unscale.py``, ``benchmarks/step.py`` and
+``benchmarks/convergence.py``; anything else (host profiles, partial files) is listed as not read.
+
+    python benchmarks/gpu_report.py benchmarks/results/gpu/2026-11-23-h100             # prints, fills the doc
+    python benchmarks/gpu_report.py DIR... [--doc docs/benchmarks.md | --no-doc] [--json PATH]
+
+When several files hold the same row (an unscale set/dtype/variant, a pytest run), the later file wins: later by the
+``created`` time a suite file records, else by the time of the git commit that last touched the file, else by its
+modification time; files with equal times count in the order of their names, so a re-run saved as
+``<name>_<suffix>.json`` is later than ``<name>.json``. The report says which rows were superseded. Step-time ratios
+are never mixed across files: each model's targets come from the latest file that holds both rows of a ratio.
+
+The targets (issue 14): fused passes at >= 80 % of the copy bandwidth; unscale+clip >= 1.5x torch's ``unscale_`` +
+``clip_grad_norm_``; the O2 master-gradient path >= 2.5x torch's ops; never slower on the small-tensor sweep; O2 >=
+1.05x Lightning's "16-mixed" throughput, O1 within 3 % of it, O2's peak memory below FP32's. A target with no
+measurement is "not measured"; no figure is ever estimated. The host syncs per normal step are stated, not judged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import subprocess
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- gpu-report:begin -->", "<!-- gpu-report:end -->"
+
+#: The parameter sets the bandwidth and speed-up targets are judged on (the issue's 124M and 1.3B).
+TARGET_SETS = ("gpt2-124m", "gpt-1.3b")
+SET_ORDER = ("gpt2-124m", "bert-base", "resnet50", "gpt-1.3b")
+DTYPE_ORDER = ("float32", "float16", "bfloat16")
+VARIANT_ORDER = ("unscale", "unscale+norm", "unscale+clip", "O2 grads", "O2 copy")
+MODELS = ("gpt", "resnet")
+MET, NOT_MET, NOT_MEASURED, STATED = "met", "NOT MET", "not measured", "stated"
+
+
+# -- sources --------------------------------------------------------------------------------------------------------
+@dataclass
+class Source:
+    """One results file: what kind of result it holds, when it was made and what it says."""
+
+    path: Path
+    kind: str  # "unscale", "step", "fidelity", "tests"
+    data: dict[str, Any]
+    time: float
+    command: str | None  # recorded by gpu_suite; None for a raw script's JSON
+    check: bool = False  # made by ``gpu_suite.py --check``: exercises the code, measures nothing
+    status: str = "-"  # a suite part's status ("complete", or "incomplete"/"running" when it was cut short)
+    order: int = 0  # position in the chronological order (set by load_sources)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def device(self) -> str | None:
+        return self.data.get("device")
+
+
+@dataclass
+class Skipped:
+    path: Path
+    reason: str
+
+
+@dataclass
+class Sources:
+    """Everything read from the folders, in chronological order."""
+
+    items: list[Source] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+
+    def of(self, kind: str) -> list[Source]:
+        return [s for s in self.items if s.kind == kind]
+
+
+def classify(data: Any) -> tuple[str | None, str]:
+    """The kind of result a parsed JSON file holds, or ``None`` and why it is not read."""
+    if not isinstance(data, dict):
+        return None, "not a JSON object"
+    suite = data.get("suite")
+    if isinstance(suite, dict) and "part" in suite:
+        return suite["part"], ""
+    if data.get("partial"):
+        return None, "partial file of an interrupted run (the complete file, if any, is read instead)"
+    if data.get("benchmark") == "step":
+        return "step", ""
+    if data.get("benchmark") == "convergence":
+        return "fidelity", ""
+    if "copy_bandwidth_GBps" in data and isinstance(data.get("rows"), list):
+        return "unscale", ""
+    return None, "not a result the report reads"
+
+
+_PYTEST_SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xpassed|warnings?)")
+
+
+def parse_pytest_summary(text: str) -> dict[str, Any] | None:
+    """Counts from pytest's last summary line (``82 passed, 71 skipped, 697 deselected in 37.81s``), if any."""
+    for line in reversed(text.strip().splitlines()):
+        if re.search(r" in [\d.]+s", line) and _PYTEST_SUMMARY.search(line):
+            counts = {kind.rstrip("s") if kind.startswith(("error", "warning")) else kind: int(n)
+                      for n, kind in _PYTEST_SUMMARY.findall(line)}  # fmt: skip
+            failed = [m.group(1) for m in re.finditer(r"^(?:FAILED|ERROR) (\S+)", text, re.MULTILINE)]
+            return {"summary": line.strip("= "), "counts": counts, "failed_tests": failed}
+    return None
+
+
+def file_time(path: Path) -> float:
+    """When ``path`` was made: the time of the git commit that last touched it when it is committed and unchanged,
+    else its modification time."""
+    try:
+        status = subprocess.run(["git", "status", "--porcelain", "--", path.name], cwd=path.parent,
+                                capture_output=True, text=True, timeout=20)  # fmt: skip
+        if status.returncode == 0 and not status.stdout.strip():
+            log = subprocess.run(["git", "log", "-1", "--format=%ct", "--", path.name], cwd=path.parent,
+                                 capture_output=True, text=True, timeout=20)  # fmt: skip
+            if log.returncode == 0 and log.stdout.strip():
+                return float(log.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return path.stat().st_mtime
+
+
+def load_sources(paths: Sequence[Path]) -> Sources:
+    """Read the result files in ``paths`` (folders, or files) and order them from earliest to latest."""
+    files: list[Path] = []
+    for p in paths:
+        if p.is_dir():
+            files += sorted(p.glob("*.json")) + sorted(p.glob("pytest*.txt"))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"{p}: no such file or folder")
+    sources = Sources()
+    for path in files:
+        if path.suffix == ".txt":
+            parsed = parse_pytest_summary(path.read_text(errors="replace"))
+            if parsed is None:
+                sources.skipped.append(Skipped(path, "no pytest summary line"))
+                continue
+            data = {"pytest": {**parsed, "command": None, "log": path.name}, "checks": [], "syncs": {}}
+            sources.items.append(Source(path, "tests", data, file_time(path), None))
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            sources.skipped.append(Skipped(path, f"unreadable JSON ({error})"))
+            continue
+        kind, why = classify(data)
+        if kind is None:
+            sources.skipped.append(Skipped(path, why))
+            continue
+        suite = data.get("suite")
+        if suite is not None:
+            created = suite.get("created")
+            when = datetime.fromisoformat(created).timestamp() if created else file_time(path)
+            result = dict(data.get("result") or {})
+            result.setdefault("device", suite.get("environment", {}).get("device"))
+            source = Source(path, kind, result, when, suite.get("command"), check=bool(suite.get("check")),
+                            status=suite.get("status", "-"))
+            source.data["environment"] = suite.get("environment", {})
+        else:
+            source = Source(path, kind, data, file_time(path), None)
+        sources.items.append(source)
+    sources.items.sort(key=lambda s: (s.time, s.path.stem))
+    for index, source in enumerate(sources.items):
+        source.order = index
+    devices = {s.device for s in sources.items if s.device}
+    if len(devices) > 1:
+        raise ValueError(
+            f"the files come from {len(devices)} devices ({', '.join(sorted(devices))}); a report covers one device: "
+            "pass the folders of one device at a time."
+        )
+    return sources
+
+
+def environment(sources: Sources) -> dict[str, str]:
+    """Device and library versions, as the files record them (several values joined when they differ)."""
+    found: dict[str, set[str]] = {}
+    for s in sources.items:
+        env = dict(s.data.get("environment") or {})
+        for key in ("device", "torch", "triton", "lightning", "cuda"):
+            value = env.get(key) or s.data.get(key)
+            if value:
+                found.setdefault(key, set()).add(str(value))
+    return {k: ", ".join(sorted(v)) for k, v in found.items()}
+
+
+def reconstructed_command(source: Source) -> str:
+    """The command recorded with a suite file, or the one a raw file's own settings imply."""
+    if source.command:
+        return source.command
+    d = source.data
+    if source.kind == "unscale":
+        rows = d.get("rows", [])
+        sets = _unique(r["set"] for r in rows if not r["set"].startswith("sweep"))
+        dtypes = _unique(r["dtype"] for r in rows if not r["set"].startswith("sweep"))
+        sweep = any(r["set"].startswith("sweep") for r in rows)
+        return (f"python benchmarks/unscale.py --sets {','.join(sets)} --dtypes {','.join(dtypes)}"
+                f"{'' if sweep else ' --no-sweep'} --repeats {d.get('repeats')} --warmup {d.get('warmup')}")
+    if source.kind == "step":
+        variants = _unique(r["variant"] for r in d.get("rows", []))
+        models = list(d.get("specs", {})) or _unique(r["model"] for r in d.get("rows", []))
+        command = (f"python benchmarks/step.py --device {d.get('device_type', 'cuda')} --model "
+                   f"{models[0] if len(models) == 1 else 'all'} --steps {d.get('steps')} --warmup {d.get('warmup')}")
+        if d.get("repeats", 1) != 1:
+            command += f" --repeats {d['repeats']}"
+        if len(variants) < 16:
+            command += " --variants " + " ".join(variants)
+        return command
+    if source.kind == "fidelity":
+        c = d.get("config", {})
+        return (f"python benchmarks/convergence.py --accelerator {c.get('accelerator')} --steps {c.get('steps')} "
+                f"--seeds {' '.join(map(str, c.get('seeds', [])))} --levels {' '.join(c.get('levels', []))} "
+                f"--dtypes {' '.join(c.get('dtypes', []))}")
+    return "python -m pytest -q -k \"triton or cuda\" tests"
+
+
+def _unique(values: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(values))
+
+
+# -- merging --------------------------------------------------------------------------------------------------------
+@dataclass
+class Merged:
+    """The latest row of each kind, with where it came from and what it replaced."""
+
+    unscale: list[dict[str, Any]]
+    superseded: dict[str, dict[str, int]]  # earlier file -> {later file: rows replaced}
+    step_runs: list[Source]  # every step file, latest last
+    fidelity: Source | None
+    tests: Source | None
+
+
+def merge(sources: Sources) -> Merged:
+    """Row by row, the latest measurement; step and fidelity files stay whole (their ratios are within one run)."""
+    latest: dict[tuple[str, str, str], dict[str, Any]] = {}
+    superseded: dict[str, dict[str, int]] = {}
+    for s in sources.of("unscale"):  # chronological: a later file overwrites
+        bw = s.data.get("copy_bandwidth_GBps")
+        for row in s.data.get("rows", []):
+            key = (row["set"], row["dtype"], row["variant"])
+            if key in latest:
+                old = latest[key]["source"]
+                superseded.setdefault(old, {}).setdefault(s.name, 0)
+                superseded[old][s.name] += 1
+            latest[key] = {**row, "source": s.name, "copy_bandwidth_GBps": row.get("copy_bandwidth_GBps", bw)}
+    rows = sorted(latest.values(), key=_unscale_order)
+    tests = sources.of("tests")
+    fidelity = sources.of("fidelity")
+    return Merged(rows, superseded, sources.of("step"), fidelity[-1] if fidelity else None,
+                  tests[-1] if tests else None)
+
+
+def _unscale_order(row: dict[str, Any]) -> tuple[Any, ...]:
+    name = row["set"]
+    if name.startswith("sweep"):
+        count, size = (int(x) for x in name.split()[1].split("x"))
+        return (1, count, size, 0, 0)
+    position = SET_ORDER.index(name) if name in SET_ORDER else len(SET_ORDER)
+    return (0, position, name, _index(DTYPE_ORDER, row["dtype"]), _index(VARIANT_ORDER, row["variant"]))
+
+
+def _index(order: Sequence[str], value: str) -> int:
+    return order.index(value) if value in order else len(order)
+
+
+# -- targets --------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Verdict:
+    """One target on one scope: the figure it was judged on and whether it holds."""
+
+    target: str
+    scope: str
+    status: str  # MET, NOT_MET, NOT_MEASURED or STATED
+    figure: str
+    value: float | None = None
+    source: str = ""
+
+
+def _min_row(rows: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    return min(rows, key=lambda r: r[key])
+
+
+def unscale_targets(rows: list[dict[str, Any]]) -> list[Verdict]:
+    """The four fused-kernel targets, each per parameter set (the sweep as one scope)."""
+    verdicts = []
+    for name in TARGET_SETS:
+        group = [r for r in rows if r["set"] == name]
+        target = "fused passes >= 80% of copy bandwidth"
+        if group:
+            worst = _min_row(group, "pct_of_copy_bandwidth")
+            value = worst["pct_of_copy_bandwidth"]
+            verdicts.append(Verdict(target, name, MET if value >= 80.0 else NOT_MET,
+                                    f"min {value:.1f}% ({worst['dtype']} {worst['variant']}; "
+                                    f"{len(group)} rows, max {max(r['pct_of_copy_bandwidth'] for r in group):.1f}%)",
+                                    value, _sources_of(group)))  # fmt: skip
+        else:
+            verdicts.append(Verdict(target, name, NOT_MEASURED, "-"))
+        for variant, bar, label in (
+            ("unscale+clip", 1.5, "unscale+clip >= 1.5x torch unscale_ + clip_grad_norm_"),
+            ("O2 grads", 2.5, "O2 master-gradient path >= 2.5x torch ops"),
+        ):
+            picked = [r for r in group if r["variant"] == variant]
+            if not picked:
+                verdicts.append(Verdict(label, name, NOT_MEASURED, "-"))
+                continue
+            worst = _min_row(picked, "speedup")
+            each = ", ".join(f"{r['dtype']} {r['speedup']:.2f}x" for r in picked)
+            verdicts.append(Verdict(label, name, MET if worst["speedup"] >= bar else NOT_MET,
+                                    f"min {worst['speedup']:.2f}x ({each})", worst["speedup"], _sources_of(picked)))
+    sweep = [r for r in rows if r["set"].startswith("sweep")]
+    label = "never slower than torch on the small-tensor sweep (unscale+clip)"
+    if sweep:
+        worst = _min_row(sweep, "speedup")
+        verdicts.append(Verdict(label, f"sweep ({len(sweep)} cases)", MET if worst["speedup"] >= 1.0 else NOT_MET,
+                                f"min {worst['speedup']:.2f}x ({worst['set'].removeprefix('sweep ')} tensors x "
+                                f"elements)", worst["speedup"], _sources_of(sweep)))  # fmt: skip
+    else:
+        verdicts.append(Verdict(label, "sweep", NOT_MEASURED, "-"))
+    return verdicts
+
+
+def _sources_of(rows: list[dict[str, Any]]) -> str:
+    return ", ".join(_unique(r["source"] for r in rows))
+
+
+def _row(source: Source, model: str, variant: str) -> dict[str, Any] | None:
+    return next((r for r in source.data.get("rows", []) if r["model"] == model and r["variant"] == variant), None)
+
+
+def step_targets(runs: list[Source]) -> list[Verdict]:
+    """The three step targets per model, each from the latest file that holds both of its rows."""
+    checks = (
+        ("O2 >= 1.05x \"16-mixed\" throughput", "mpx-O2-fp16", "lightning-16-mixed", "samples_per_second", 1.05),
+        ("O1 within 3% of \"16-mixed\" throughput", "mpx-O1-fp16", "lightning-16-mixed", "samples_per_second", 0.97),
+        ("O2 peak memory below FP32", "mpx-O2-fp16", "fp32", "peak_memory_bytes", None),
+    )
+    verdicts = []
+    for model in MODELS:
+        for label, variant, reference, key, bar in checks:
+            pair = None
+            for source in reversed(runs):
+                row, ref = _row(source, model, variant), _row(source, model, reference)
+                if row and ref:
+                    pair = (source, row, ref)
+                    break
+            if pair is None:
+                verdicts.append(Verdict(label, model, NOT_MEASURED, "-"))
+                continue
+            source, row, ref = pair
+            value = row[key] / ref[key]
+            if bar is None:
+                met = value < 1.0
+                figure = (f"{value:.3f}x ({row[key] / 2**20:.0f} / {ref[key] / 2**20:.0f} MiB, "
+                          f"{variant} / {reference})")  # fmt: skip
+            else:
+                met = value >= bar
+                figure = f"{value:.3f}x ({variant} {row[key]:.1f} / {reference} {ref[key]:.1f} samples/s)"
+            verdicts.append(Verdict(label, model, MET if met else NOT_MET, figure, value, source.name))
+    return verdicts
+
+
+def fidelity_targets(source: Source | None) -> list[Verdict]:
+    label = "O1/O2 final validation loss within tolerance of O0 (CUDA)"
+    if source is None:
+        return [Verdict(label, "demo model", NOT_MEASURED, "-")]
+    rows = [r for r in source.data.get("rows", []) if r.get("verdict") in ("PASS", "FAIL")]
+    if not rows:
+        return [Verdict(label, "demo model", NOT_MEASURED, "no O1/O2 rows")]
+    tolerance = source.data.get("tolerance", 0.02)
+    worst = max(rows, key=lambda r: abs((r["ratio_to_O0"] or math.inf) - 1.0))
+    gap = (worst["ratio_to_O0"] - 1.0) * 100 if worst["ratio_to_O0"] is not None else math.nan
+    status = MET if all(r["verdict"] == "PASS" for r in rows) else NOT_MET
+    return [Verdict(label.replace("tolerance", f"{tolerance * 100:g}%"), "demo model", status,
+                    f"largest gap {gap:+.3f}% ({worst['variant']}; {len(rows)} variants)", gap, source.name)]
+
+
+def tests_targets(source: Source | None) -> list[Verdict]:
+    """The CUDA tests (judged: they must pass) and the host syncs per normal step (stated, not judged)."""
+    if source is None:
+        return [Verdict("CUDA tests pass", "pytest -k \"triton or cuda\"", NOT_MEASURED, "-"),
+                Verdict("host syncs per normal Amp step", "Amp O1/O2", NOT_MEASURED, "-")]
+    verdicts = []
+    pytest = source.data.get("pytest") or {}
+    counts = pytest.get("counts") or {}
+    if counts:
+        ok = counts.get("failed", 0) == 0 and counts.get("error", 0) == 0 and pytest.get("returncode", 0) in (0, None)
+        verdicts.append(Verdict("CUDA tests pass", "pytest -k \"triton or cuda\"", MET if ok else NOT_MET,
+                                pytest.get("summary", ""), None, source.name))
+    else:
+        verdicts.append(Verdict("CUDA tests pass", "pytest -k \"triton or cuda\"", NOT_MEASURED, "-"))
+    checks = source.data.get("checks") or []
+    if checks:
+        failed = [c["name"] for c in checks if not c.get("passed")]
+        verdicts.append(Verdict("suite CUDA checks pass (fused parity, scaler, masters, plugin)", "gpu_suite",
+                                MET if not failed else NOT_MET,
+                                f"{len(checks) - len(failed)}/{len(checks)} passed"
+                                + (f"; failed: {', '.join(failed)}" if failed else ""), None, source.name))
+    syncs = source.data.get("syncs") or {}
+    measured = {k: v for k, v in syncs.items() if v.get("per_step") is not None}
+    if measured:
+        figure = "; ".join(f"{k}: {_sync_figure(v)}" for k, v in measured.items())
+        verdicts.append(Verdict("host syncs per normal step", "torch.cuda sync debug mode", STATED, figure, None,
+                                source.name))
+    else:
+        verdicts.append(Verdict("host syncs per normal step", "Amp O1/O2", NOT_MEASURED,
+                                next((v.get("note", "-") for v in syncs.values()), "-")))
+    return verdicts
+
+
+def _sync_figure(entry: dict[str, Any]) -> str:
+    per_step = entry["per_step"]
+    return f"{max(per_step)} per step" if len(set(per_step)) == 1 else f"{min(per_step)}-{max(per_step)} per step"
+
+
+def all_targets(merged: Merged) -> list[Verdict]:
+    return (unscale_targets(merged.unscale) + step_targets(merged.step_runs) + fidelity_targets(merged.fidelity)
+            + tests_targets(merged.tests))
+
+
+# -- tables (also used by gpu_suite for each part's markdown) -----------------------------------------------------
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return f"{value:{spec}}{suffix}"
+
+
+def unscale_table(rows: list[dict[str, Any]], with_source: bool = True) -> str:
+    """Per parameter set, dtype and variant: fused and torch times, speed-up, bandwidth and share of copy."""
+    sets = [r for r in rows if not r["set"].startswith("sweep")]
+    head = "| set | dtype | variant | tensors | fused ms | torch ms | speed-up | fused GB/s | % of copy |"
+    rule = "|---|---|---|---:|---:|---:|---:|---:|---:|"
+    if with_source:
+        head, rule = head + " source |", rule + "---|"
+    lines = [head, rule]
+    for r in sets:
+        line = (f"| {r['set']} | {r['dtype']} | {r['variant']} | {r['tensors']} | {r['fused_ms']:.3f} | "
+                f"{r['torch_ms']:.3f} | {r['speedup']:.2f}x | {_fmt(r.get('fused_GBps'), '.0f')} | "
+                f"{_fmt(r.get('pct_of_copy_bandwidth'), '.1f')} |")  # fmt: skip
+        lines.append(line + (f" {r.get('source', '')} |" if with_source else ""))
+    return "\n".join(lines)
+
+
+def sweep_table(rows: list[dict[str, Any]]) -> str:
+    """The many-small-tensors sweep as a grid: speed-up of the fused path over torch's (unscale+clip, FP32)."""
+    sweep = [r for r in rows if r["set"].startswith("sweep")]
+    if not sweep:
+        return ""
+    grid: dict[int, dict[int, dict[str, Any]]] = {}
+    for r in sweep:
+        count, size = (int(x) for x in r["set"].split()[1].split("x"))
+        grid.setdefault(count, {})[size] = r
+    sizes = sorted({s for row in grid.values() for s in row})
+    lines = ["| tensors \\ elements each | " + " | ".join(f"{s:,}" for s in sizes) + " |",
+             "|---:|" + "---:|" * len(sizes)]  # fmt: skip
+    for count in sorted(grid):
+        cells = [grid[count].get(s) for s in sizes]
+        lines.append(f"| {count:,} | " + " | ".join(
+            f"{c['speedup']:.2f}x ({c['fused_ms']:.3f} / {c['torch_ms']:.3f} ms)" if c else "-" for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def step_table(source: Source, model: str) -> str:
+    """One model's rows of one step run, with the ratios computed within that run."""
+    rows = [r for r in source.data.get("rows", []) if r["model"] == model]
+    refs = {name: _row(source, model, name) for name in ("lightning-16-mixed", "lightning-bf16-mixed", "fp32")}
+    lines = ["| variant | step ms (median) | samples/s | peak MiB | throughput vs 16-mixed | throughput vs "
+             "bf16-mixed | peak memory vs FP32 | skipped steps |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        def ratio(name: str, key: str) -> str:
+            ref = refs[name]
+            return f"{r[key] / ref[key]:.3f}x" if ref else "-"
+
+        lines.append(f"| {r['variant']} | {r['step_ms_median']:.2f} | {r['samples_per_second']:.1f} | "
+                     f"{r['peak_memory_bytes'] / 2**20:.0f} | {ratio('lightning-16-mixed', 'samples_per_second')} | "
+                     f"{ratio('lightning-bf16-mixed', 'samples_per_second')} | "
+                     f"{ratio('fp32', 'peak_memory_bytes')} | {r.get('skipped_steps', '-')} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def fidelity_table(source: Source) -> str:
+    lines = ["| variant | final val loss | vs O0 | skipped steps | final scale | verdict |",
+             "|---|---:|---:|---:|---:|---|"]  # fmt: skip
+    for r in source.data.get("rows", []):
+        ratio = r.get("ratio_to_O0")
+        lines.append(f"| {r['variant']} | {_fmt(r.get('val_loss_mean'), '.4f')} | "
+                     f"{'-' if ratio is None else f'{(ratio - 1) * 100:+.3f}%'} | "
+                     f"{'/'.join(map(str, r.get('skipped_steps', [])))} | "
+                     f"{'/'.join(f'{s:g}' for s in r.get('final_loss_scale', []))} | {r.get('verdict', '')} |")
+    return "\n".join(lines)
+
+
+def tests_table(source: Source) -> str:
+    """pytest's summary, the suite's own checks and the sync counts."""
+    data = source.data
+    pytest = data.get("pytest") or {}
+    lines = [f"`{pytest.get('command') or reconstructed_command(source)}`: **{pytest.get('summary', 'no summary')}**"]
+    if pytest.get("failed_tests"):
+        lines.append("Failed: " + ", ".join(f"`{t}`" for t in pytest["failed_tests"]))
+    checks = data.get("checks") or []
+    if checks:
+        lines += ["", "| check | result | detail |", "|---|---|---|"]
+        lines += [f"| {c['name']} | {'pass' if c.get('passed') else 'FAIL'} | {c.get('detail', '')} |" for c in checks]
+    syncs = data.get("syncs") or {}
+    if syncs:
+        lines += ["", "| loop | host syncs per normal step | where |", "|---|---:|---|"]
+        for name, entry in syncs.items():
+            per_step = entry.get("per_step")
+            where = "; ".join(entry.get("locations", [])) or entry.get("note", "")
+            lines.append(f"| {name} | {'-' if per_step is None else ', '.join(map(str, per_step))} | {where} |")
+    return "\n".join(lines)
+
+
+def verdict_table(verdicts: list[Verdict]) -> str:
+    lines = ["| target | scope | verdict | figure | source |", "|---|---|---|---|---|"]
+    for v in verdicts:
+        status = f"**{v.status}**" if v.status in (MET, NOT_MET) else v.status
+        lines.append(f"| {v.target} | {v.scope} | {status} | {v.figure} | {v.source or '-'} |")
+    return "\n".join(lines)
+
+
+# -- the report -----------------------------------------------------------------------------------------------------
+def render(sources: Sources, merged: Merged, verdicts: list[Verdict], folders: Sequence[Path]) -> str:
+    """The markdown that goes between the GPU markers of ``docs/benchmarks.md``."""
+    env = environment(sources)
+    out = ["*Generated by `python benchmarks/gpu_report.py " + " ".join(_rel(f) for f in folders) + "`; do not "
+           "edit by hand between the markers.*", ""]
+    if any(s.check for s in sources.items):
+        out += ["**These inputs come from `gpu_suite.py --check`: they exercise the code on CPU and measure "
+                "nothing.**", ""]
+    out.append(f"Device: **{env.get('device', 'unknown')}**; torch {env.get('torch', '?')}, triton "
+               f"{env.get('triton', '?')}, Lightning {env.get('lightning', '?')}, CUDA {env.get('cuda', '?')}.")
+    out += ["", "### Targets", "", verdict_table(verdicts), ""]
+    out += ["\"not measured\" means no file holds the rows the target needs. The host-sync count is stated, not "
+            "judged: `Amp.step` reads the overflow flag once per step by design (as `GradScaler.step` does).", ""]
+    out += ["### Sources", "", "| file | holds | status | command |", "|---|---|---|---|"]
+    for s in sources.items:
+        recorded = "" if s.command else " (not recorded in the file: rebuilt from its settings)"
+        out.append(f"| {s.name} | {s.kind} | {s.status} | `{reconstructed_command(s)}`{recorded} |")
+    for sk in sources.skipped:
+        out.append(f"| {sk.path.name} | not read: {sk.reason} | - | - |")
+    if merged.superseded:
+        out += ["", "Superseded (the later file's rows are used): " + "; ".join(
+            f"{old}: {n} rows by {new}" for old, news in merged.superseded.items() for new, n in news.items()) + "."]
+    if merged.unscale:
+        bws = _unique(f"{r['copy_bandwidth_GBps']:.0f}" for r in merged.unscale if r.get("copy_bandwidth_GBps"))
+        out += ["", "### Fused unscale kernels against torch (`benchmarks/unscale.py`)", "",
+                f"Copy bandwidth measured in each run: {', '.join(bws)} GB/s. Speed-up = torch ms / fused ms; "
+                "\"% of copy\" = the bytes the variant must move at the floor / fused time, against the copy "
+                "bandwidth of the same run. bfloat16 gradients unscaled in place: torch has no CUDA check-and-unscale "
+                "op for them, so their torch column is lightning_mpx's foreach twin (FP32 multiply + infinity "
+                "norm).", "", unscale_table(merged.unscale)]
+        sweep = sweep_table(merged.unscale)
+        if sweep:
+            sources_sweep = _sources_of([r for r in merged.unscale if r["set"].startswith("sweep")])
+            out += ["", f"Small-tensor sweep, unscale+clip, FP32, speed-up (fused / torch ms); {sources_sweep}:", "",
+                    sweep]
+    for model in MODELS:  # per model, the latest run first; ratios only within a run
+        runs = [s for s in reversed(merged.step_runs) if any(r["model"] == model for r in s.data.get("rows", []))]
+        for rank, source in enumerate(runs):
+            spec = source.data.get("specs", {}).get(model, {})
+            when = "latest run" if rank == 0 else "earlier run"
+            out += ["", f"### Training step, {model}: {when} (`{source.name}`)", "",
+                    f"`{reconstructed_command(source)}`; {_spec_text(model, spec)}; {source.data.get('steps')} "
+                    f"timed steps after {source.data.get('warmup')} warm-up; peak memory = "
+                    "`torch.cuda.max_memory_allocated`.", "", step_table(source, model)]
+    if merged.fidelity is not None:
+        out += ["", f"### Fidelity on CUDA (`{merged.fidelity.name}`)", "",
+                f"`{reconstructed_command(merged.fidelity)}`", "", fidelity_table(merged.fidelity)]
+    if merged.tests is not None:
+        out += ["", f"### CUDA tests (`{merged.tests.name}`)", "", tests_table(merged.tests)]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _spec_text(model: str, spec: dict[str, Any]) -> str:
+    if not spec:
+        return "model size not recorded"
+    if model == "gpt":
+        return (f"GPT-2-style, vocabulary {spec['vocab']}, sequence {spec['seq']}, width {spec['dim']}, "
+                f"{spec['layers']} layers, batch {spec['batch']}")
+    return (f"ResNet, width {spec['width']}, blocks {spec['blocks']}, {spec['image']}x{spec['image']} images, "
+            f"batch {spec['batch']}")
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def fill_doc(doc: Path, body: str) -> None:
+    """Replace what lies between the GPU markers of ``doc`` with ``body``."""
+    text = doc.read_text()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{doc} has no '{BEGIN}' ... '{END}' markers; add them where the GPU tables belong.")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    doc.write_text(f"{head}{BEGIN}\n{body}{END}{tail}")
+
+
+def print_verdicts(verdicts: list[Verdict]) -> None:
+    width = max(len(v.target) for v in verdicts)
+    for v in verdicts:
+        print(f"{v.target:<{width}}  [{v.scope}]  {v.status.upper() if v.status == MET else v.status}: {v.figure}"
+              + (f"  ({v.source})" if v.source else ""))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folders", nargs="+", type=Path, metavar="DIR", help="result folders (or files)")
+    parser.add_argument("--doc", type=Path, default=DOC, help=f"markdown file to fill (default: {_rel(DOC)})")
+    parser.add_argument("--no-doc", action="store_true", help="print only; leave the markdown file alone")
+    parser.add_argument("--json", type=Path, default=None, help="also write the verdicts and merged rows here")
+    args = parser.parse_args(argv)
+    try:
+        sources = load_sources(args.folders)
+    except (FileNotFoundError, ValueError) as error:
+        parser.error(str(error))
+    if not sources.items:
+        parser.error(f"no result files in {', '.join(map(str, args.folders))}")
+    merged = merge(sources)
+    verdicts = all_targets(merged)
+    for s in sources.skipped:
+        print(f"not read: {s.path.name} ({s.reason})")
+    for old, news in merged.superseded.items():
+        for new, n in news.items():
+            print(f"superseded: {n} rows of {old} by {new}")
+    print_verdicts(verdicts)
+    body = render(sources, merged, verdicts, args.folders)
+    if not args.no_doc:
+        fill_doc(args.doc, body)
+        print(f"wrote the GPU tables of {args.doc}")
+    result = {
+        "environment": environment(sources),
+        "sources": [{"file": str(s.path), "kind": s.kind, "command": reconstructed_command(s),
+                     "recorded_command": s.command is not None, "check": s.check, "status": s.status}
+                    for s in sources.items],
+        "verdicts": [vars(v) for v in verdicts],
+        "unscale_rows": merged.unscale,
+    }  # fmt: skip
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        print(f"wrote {args.json}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

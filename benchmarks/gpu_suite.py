@@ -1,0 +1,812 @@
+"""The GPU suite: every GPU claim of lightning_mpx, in parts that each fit in one command on a lent GPU.
+
+A GPU is lent to some sessions only, for minutes, 10 at most per command. Each part runs on its own, well under
+9 minutes on an H100, and writes ``suite_<part>.json`` (device, torch/triton/Lightning versions, the commands, the
+results) and ``suite_<part>.md`` (its table) into ``--out DIR``, after every sub-run, so a part cut off by the
+device's time limit still leaves what it measured. Every subprocess runs under a timeout.
+
+    python benchmarks/gpu_suite.py tests    --out DIR   # pytest -k "triton or cuda" + the CUDA checks below (~1 min)
+    python benchmarks/gpu_suite.py unscale  --out DIR   # benchmarks/unscale.py, one run per parameter set (~1.5 min)
+    python benchmarks/gpu_suite.py step --model gpt    --out DIR   # benchmarks/step.py --device cuda (~5.5 min)
+    python benchmarks/gpu_suite.py step --model resnet --out DIR   # (~4.5 min)
+    python benchmarks/gpu_suite.py fidelity --out DIR   # benchmarks/convergence.py O0/O1/O2, seed 0 (~0.5 min)
+    python benchmarks/gpu_suite.py all --check          # every part's code path on CPU, tiny sizes (the test suite)
+
+Parts:
+
+* ``tests``: ``pytest -k "triton or cuda" tests``, then this file's own CUDA checks in a child process: the fused
+  kernels against the reference backend on CUDA tensors (unscale in place and into FP32 masters, with norm and
+  clipping, the overflow flag, the master-to-model copy), the loss scaler's backoff and growth on the device,
+  ``MasterWeights`` and ``Amp`` O2 steps with the fused backend against the foreach one, a Lightning
+  ``MixedPrecisionPlugin`` fit, and the host syncs of a normal (non-overflow) step counted with
+  ``torch.cuda.set_sync_debug_mode("warn")`` for ``Amp`` O1/O2 and for torch's ``GradScaler`` loop. ``Amp.step``
+  reads the overflow flag once per step by design (as ``GradScaler.step`` does): the count is reported, not judged.
+* ``unscale``: ``benchmarks/unscale.py`` per parameter set (GPT-2 124M, GPT 1.3B, ResNet-50 with the small-tensor
+  sweep, BERT-base; FP32/FP16/BF16), each run measuring the copy bandwidth it is compared with.
+* ``step``: ``benchmarks/step.py --device cuda`` at real sizes (GPT-2 small at sequence 512, a CIFAR ResNet-18), the
+  16 variants one child process each, the rows the targets need first; stops starting new ones when ``--budget``
+  runs out.
+* ``fidelity``: ``benchmarks/convergence.py --accelerator gpu --seeds 0 --levels O0 O1 O2`` (200 steps).
+
+``--check`` runs the same code on CPU with tiny sizes and triton's interpreter (``TRITON_INTERPRET=1``): pytest
+only collects, step runs 1 step of a few small variants, fidelity is ``--quick``. It measures nothing; its files say
+so. Merge the parts' files into ``docs/benchmarks.md`` with ``python benchmarks/gpu_report.py DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+if "--check" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (the kernels are decorated at import)
+
+from _machine import cpu_model, write_json  # noqa: E402  (benchmarks/ is on sys.path when a script runs)
+
+import gpu_report  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+PARTS = ("tests", "unscale", "step", "fidelity")
+CHECK_DEVICE = "cpu (gpu_suite --check: exercises the code, measures nothing)"
+
+#: step.py's variants, the ones the targets and the report's ratios need first (a part cut short keeps them).
+STEP_ORDER = (
+    "fp32", "lightning-16-mixed", "mpx-O2-fp16", "mpx-O1-fp16", "lightning-bf16-mixed", "mpx-O2-bf16",
+    "mpx-O1-bf16", "torch-autocast-fp16", "torch-autocast-bf16", "mpx-O3-fp16", "mpx-O3-bf16", "core-O1-fp16",
+    "core-O1-bf16", "core-O2-fp16", "core-O2-bf16", "loop-fp32",
+)  # fmt: skip
+#: --check: one child per model (each imports torch, the plugin row Lightning too), a plugin row and a hand-written
+#: loop; step.py's own tests run the other variants, the report's tests the ratios.
+STEP_CHECK = {"gpt": ("mpx-O2-fp16",), "resnet": ("loop-fp32",)}
+#: unscale.py runs: (sets, sweep?); the issue's sets first, the sweep with the small-tensor ResNet set.
+UNSCALE_RUNS = (("gpt2-124m", False), ("gpt-1.3b", False), ("resnet50", True), ("bert-base", False))
+#: The backend the checks hold to the reference; explicit, since "auto" takes foreach for CPU tensors (--check).
+FUSED = "triton"
+
+
+# -- environment and files ------------------------------------------------------------------------------------------
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment(check: bool) -> dict[str, Any]:
+    """What the results depend on: device, library versions, commit."""
+    import torch
+
+    cuda = torch.cuda.is_available() and not check
+    commit = _git("rev-parse", "HEAD")
+    return {
+        "device": torch.cuda.get_device_name() if cuda else CHECK_DEVICE if check else cpu_model(),
+        "device_type": "cuda" if cuda else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": _version("triton"),
+        "lightning": _version("lightning"),
+        "accelerate": _version("accelerate"),
+        "python": platform.python_version(),
+        "cpu": cpu_model(),
+        "git_commit": commit,
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")) if commit else None,
+    }
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _shown(argv: list[str]) -> str:
+    """A command as someone would type it from the repository root."""
+    shown = ["python" if a == sys.executable else os.path.relpath(a, ROOT) if a.startswith(str(ROOT)) else a
+             for a in argv]  # fmt: skip
+    return shlex.join(shown)
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """Kill a child started in its own session, and whatever it started."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+class Part:
+    """The record of one part: its commands and results, rewritten to DIR after every change."""
+
+    def __init__(self, name: str, out: Path, check: bool, command: str, env: dict[str, Any]) -> None:
+        self.name, self.out, self.check = name, out, check
+        self.started = time.perf_counter()
+        self.suite: dict[str, Any] = {
+            "part": name.split("_")[0],
+            "name": name,
+            "command": command,
+            "check": check,
+            "created": _now(),
+            "finished": None,
+            "status": "running",
+            "wall_seconds": 0.0,
+            "environment": env,
+            "commands": [],
+        }
+        self.result: dict[str, Any] = {}
+        self.save()  # a part cut off before its first sub-run ends still says it started
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def timeout(self, args: argparse.Namespace, default: float) -> float:
+        """Seconds for the next subprocess: ``--timeout`` (else ``default``), cut to what is left of ``--budget``
+        (at least 30 s), so that a hung child cannot carry the part past the device's per-command limit."""
+        wanted = args.timeout or default
+        return min(wanted, max(args.budget - self.elapsed, 30.0)) if args.budget else wanted
+
+    def run(self, argv: list[str], timeout: float, log: Path) -> dict[str, Any]:
+        """Run ``argv`` from the repository root under ``timeout`` (its whole process group killed at the limit),
+        its output into ``log``; record and return what happened."""
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        if self.check:
+            env["TRITON_INTERPRET"] = "1"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        record: dict[str, Any] = {"command": _shown(argv), "log": os.path.relpath(log, self.out), "timeout_s": timeout}
+        print(f"[{self.name}] $ {record['command']}  (timeout {timeout:.0f} s)", flush=True)
+        start = time.perf_counter()
+        with log.open("w") as sink:
+            proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # fmt: skip
+            try:
+                record["returncode"] = proc.wait(timeout=max(timeout, 1.0))
+                record["status"] = "ok" if record["returncode"] == 0 else "failed"
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                record["returncode"], record["status"] = None, "timeout"
+            except BaseException:  # interrupted or terminated: its own session would outlive us otherwise
+                _kill_group(proc)
+                record.update(returncode=None, status="interrupted", seconds=round(time.perf_counter() - start, 2))
+                self.suite["commands"].append(record)
+                self.save("interrupted")
+                raise
+        record["seconds"] = round(time.perf_counter() - start, 2)
+        tail = log.read_text(errors="replace").strip().splitlines()[-6:]
+        print("\n".join(f"    {line}" for line in tail), flush=True)
+        print(f"[{self.name}] {record['status']} in {record['seconds']:.0f} s", flush=True)
+        self.suite["commands"].append(record)
+        self.save()
+        return record
+
+    def failed(self) -> bool:
+        return self.suite["status"] != "complete"
+
+    def save(self, status: str | None = None) -> None:
+        if status is not None:
+            self.suite["status"] = status
+            self.suite["finished"] = _now()
+        self.suite["wall_seconds"] = round(self.elapsed, 1)
+        write_json(self.out / f"suite_{self.name}.json", {"suite": self.suite, "result": self.result}, default=str)
+        (self.out / f"suite_{self.name}.md").write_text(self.markdown())
+
+    def markdown(self) -> str:
+        """This part's table, rendered by the report's own functions (what gpu_report.py reads, shown)."""
+        s = self.suite
+        env = s["environment"]
+        lines = [f"# GPU suite: {self.name} ({s['status']})", "",
+                 f"`{s['command']}` on {env['device']}; torch {env['torch']}, triton {env['triton']}, "
+                 f"Lightning {env['lightning']}; commit {env['git_commit'] or '?'}; {s['wall_seconds']:.0f} s.", ""]
+        if self.check:
+            lines += ["**--check: ran on CPU with tiny sizes; these numbers measure nothing.**", ""]
+        lines += ["| command | status | seconds |", "|---|---|---:|"]
+        lines += [f"| `{c['command']}` | {c['status']} | {c['seconds']:.0f} |" for c in s["commands"]]
+        source = gpu_report.Source(self.out / f"suite_{self.name}.json", s["part"], self.result, 0.0, s["command"],
+                                   self.check)  # fmt: skip
+        body = ""
+        if s["part"] == "unscale" and self.result.get("rows"):
+            body = gpu_report.unscale_table(self.result["rows"], with_source=False)
+            sweep = gpu_report.sweep_table(self.result["rows"])
+            body += f"\n\nSmall-tensor sweep (unscale+clip, speed-up):\n\n{sweep}" if sweep else ""
+        elif s["part"] == "step" and self.result.get("rows"):
+            body = gpu_report.step_table(source, self.result["model"])
+        elif s["part"] == "fidelity" and self.result.get("rows"):
+            body = gpu_report.fidelity_table(source)
+        elif s["part"] == "tests" and self.result:
+            body = gpu_report.tests_table(source)
+        return "\n".join(lines) + ("\n\n" + body if body else "") + "\n"
+
+
+# -- tests ----------------------------------------------------------------------------------------------------------
+def part_tests(args: argparse.Namespace, env: dict[str, Any]) -> Part:
+    part = Part("tests", args.out, args.check, args.command, env)
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton or cuda", "tests"]
+    if args.check:
+        argv.insert(-1, "--collect-only")  # on CPU the CUDA tests skip: collecting proves the selection resolves
+    record = part.run(argv, part.timeout(args, 360), args.out / "raw" / "tests_pytest.txt")
+    summary = gpu_report.parse_pytest_summary((args.out / "raw" / "tests_pytest.txt").read_text(errors="replace"))
+    if summary is None and args.check:
+        text = (args.out / "raw" / "tests_pytest.txt").read_text(errors="replace").strip().splitlines()
+        summary = {"summary": text[-1] if text else "", "counts": {}, "failed_tests": []}
+    part.result["pytest"] = {**(summary or {"summary": "no summary line", "counts": {}, "failed_tests": []}),
+                             "command": record["command"], "returncode": record["returncode"],
+                             "log": record["log"]}  # fmt: skip
+    part.save()
+    checks_out = args.out / "raw" / "tests_checks.json"
+    argv = [sys.executable, str(Path(__file__).resolve()), "_checks", "--out", str(checks_out)]
+    record = part.run(argv + (["--check"] if args.check else []), part.timeout(args, 300),
+                      args.out / "raw" / "tests_checks.log")
+    if checks_out.exists():
+        checks = json.loads(checks_out.read_text())
+        part.result["checks"], part.result["syncs"] = checks["checks"], checks["syncs"]
+    else:
+        part.result["checks"] = [{"name": "CUDA checks child", "passed": False,
+                                  "detail": f"{record['status']}; see {record['log']}"}]  # fmt: skip
+        part.result["syncs"] = {}
+    ok = all(c["status"] == "ok" for c in part.suite["commands"]) and all(c["passed"] for c in part.result["checks"])
+    part.save("complete" if ok else "failed")
+    return part
+
+
+def run_checks(out: Path, check: bool) -> int:
+    """The CUDA checks (child process of the ``tests`` part); on CPU under ``--check`` the same code on CPU
+    tensors with the kernels in triton's interpreter, and no sync counting (there is no CUDA to sync with)."""
+    import torch
+
+    device = torch.device("cpu" if check else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("the tests part needs a CUDA device (none found); use --check to run it on CPU", file=sys.stderr)
+        return 2
+    checks: list[dict[str, Any]] = []
+    syncs: dict[str, Any] = {}
+
+    def add(name: str, fn: Callable[[], str | None]) -> None:
+        try:
+            detail = fn() or ""
+            checks.append({"name": name, "passed": True, "detail": detail})
+        except Exception as error:  # one failing check must not hide the others
+            tail = traceback.format_exc().strip().splitlines()[-3:]
+            checks.append({"name": name, "passed": False, "detail": f"{type(error).__name__}: {error}"[:500],
+                           "traceback": tail})  # fmt: skip
+        print(f"  {'pass' if checks[-1]['passed'] else 'FAIL'}  {name}  {checks[-1]['detail']}", flush=True)
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        add(f"fused unscale parity, {_dt(dtype)}", lambda d=dtype: _unscale_parity(device, d, check))
+    add("fused master copy parity (cast_copy_, MasterWeights)", lambda: _copy_parity(device, check))
+    add("loss scaler backoff and growth on the device", lambda: _scaler(device))
+    add("Amp O2 float16 steps: fused backend = foreach backend", lambda: _amp_parity(device))
+    add("Amp overflow step skipped, scale halved", lambda: _amp_overflow(device))
+    add("Lightning MixedPrecisionPlugin O2 fit", lambda: _plugin(device))
+    for name, loop in (("Amp O1 float16", "O1"), ("Amp O2 float16", "O2"), ("Amp O2 bfloat16", "O2-bf16"),
+                       ("torch autocast + GradScaler float16", "gradscaler")):  # fmt: skip
+        try:
+            syncs[name] = _count_syncs(device, loop)
+        except Exception as error:
+            syncs[name] = {"per_step": None, "locations": [], "note": f"{type(error).__name__}: {error}"[:300]}
+            checks.append({"name": f"sync count, {name}", "passed": False, "detail": syncs[name]["note"]})
+        print(f"  syncs  {name}: {syncs[name]}", flush=True)
+    write_json(out, {"device": str(device), "checks": checks, "syncs": syncs})
+    return 0 if all(c["passed"] for c in checks) else 1
+
+
+def _dt(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _workspace(check: bool) -> Any:
+    from lightning_mpx.unscale import UnscaleWorkspace
+
+    # Small chunks in the interpreter: the same code paths (several chunks per tensor) at a size it runs quickly.
+    return UnscaleWorkspace(chunk_size=64, block_size=16, num_warps=1) if check else UnscaleWorkspace()
+
+
+def _shapes(check: bool) -> list[tuple[int, ...]]:
+    return [(3, 5), (7,), (130,), (1,)] if check else [(1000, 33), (4097,), (7,), (64, 3, 3, 3), (1,)]
+
+
+def _unscale_parity(device: Any, dtype: Any, check: bool) -> str:
+    """The fused backend against the reference: in place, with the norm, with clipping, into FP32 masters, and
+    the overflow flag."""
+    import torch
+
+    from lightning_mpx.unscale import unscale_grads_
+
+    ws = _workspace(check)
+    grads = [torch.randn(s, device=device).mul_(512.0).to(dtype) for s in _shapes(check)]
+    inv = torch.full((), 1 / 512.0, device=device)
+    notes = []
+
+    def both(**kw: Any) -> tuple[list[Any], list[Any], Any, Any, Any, Any]:
+        fused, twin = [g.clone() for g in grads], [g.clone() for g in grads]
+        out_f = [torch.empty(g.shape, device=device) for g in grads] if kw.pop("masters", False) else None
+        out_t = [torch.empty(g.shape, device=device) for g in grads] if out_f is not None else None
+        f_found, t_found = torch.zeros((), device=device), torch.zeros((), device=device)
+        f_norm = unscale_grads_(fused, inv, f_found, out=out_f, backend="triton", workspace=ws, **kw)
+        t_norm = unscale_grads_(twin, inv, t_found, out=out_t, backend="reference", **kw)
+        return out_f or fused, out_t or twin, f_found, t_found, f_norm, t_norm
+
+    fused, twin, f_found, t_found, f_norm, t_norm = both(compute_norm=True)
+    assert all(torch.equal(a, b) for a, b in zip(fused, twin)), "in-place unscale differs from the reference"
+    assert f_found.item() == t_found.item() == 0.0, "overflow flag set on finite gradients"
+    torch.testing.assert_close(f_norm, t_norm, rtol=1e-5, atol=0)
+    notes.append(f"norm {f_norm.item():.4g} vs {t_norm.item():.4g}")
+    fused, twin, *_, f_norm, t_norm = both(max_norm=0.5)
+    for a, b in zip(fused, twin):  # one rounding against two: may differ by a unit in the last place
+        torch.testing.assert_close(a, b)
+    notes.append("clip close")
+    if dtype != torch.float32:
+        fused, twin, *_ = both(masters=True, max_norm=0.5)
+        for a, b in zip(fused, twin):
+            torch.testing.assert_close(a, b)
+        notes.append("into FP32 masters close")
+    grads[1].view(-1)[0] = float("inf")
+    *_, f_found, t_found, _, _ = both()
+    assert f_found.item() == t_found.item() == 1.0, f"overflow flag {f_found.item()} / {t_found.item()}, want 1"
+    notes.append("inf flagged")
+    return "; ".join(notes)
+
+
+def _copy_parity(device: Any, check: bool) -> str:
+    import torch
+    from torch import nn
+
+    from lightning_mpx import MasterWeights, convert_module
+    from lightning_mpx.unscale import cast_copy_
+
+    src = [torch.randn(s, device=device) for s in _shapes(check)]
+    for dtype in (torch.float16, torch.bfloat16):
+        fused = [torch.empty(s.shape, dtype=dtype, device=device) for s in src]
+        cast_copy_(fused, src, backend="triton", workspace=_workspace(check))
+        assert all(torch.equal(f, s.to(dtype)) for f, s in zip(fused, src)), f"cast_copy_ {_dt(dtype)} differs"
+    model = convert_module(nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 8)).to(device),
+                           torch.float16)  # fmt: skip
+    masters = MasterWeights(model.named_parameters(), copy_backend="triton")
+    masters.workspace = _workspace(check)
+    with torch.no_grad():
+        for _, master in masters.half_pairs:
+            master.add_(torch.randn_like(master) * 1e-2)
+    masters.copy_to_model()
+    assert all(torch.equal(p, m.to(p.dtype)) for p, m in masters.half_pairs), "copy_to_model differs from .to()"
+    kept = [p for p in model.parameters() if p.dtype == torch.float32]
+    assert len(kept) == 2 and all(masters.master_of(p) is p for p in kept), "batch norm not kept FP32 as its own master"
+    return f"{len(masters.half_pairs)} half parameters, {len(kept)} FP32 (batch norm)"
+
+
+def _scaler(device: Any) -> str:
+    import torch
+
+    from lightning_mpx import LossScaler
+
+    scaler = LossScaler(init_scale=2.0**16, growth_interval=2)
+    scaled = scaler.scale(torch.ones((), device=device))
+    assert scaled.device.type == device.type and scaler.device.type == device.type
+    scaler.update(torch.ones((), device=device))  # overflow: back off
+    after_overflow = scaler.get_scale()
+    for _ in range(2):
+        scaler.update(torch.zeros((), device=device))  # two clean iterations: grow
+    grown = scaler.get_scale()
+    assert (after_overflow, grown) == (2.0**15, 2.0**16), (after_overflow, grown)
+    assert int(scaler.overflow_count.item()) == 1
+    return f"2**16 -> {after_overflow:g} -> {grown:g}"
+
+
+def _model(device: Any) -> Any:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 16)).to(device)
+
+
+def _batch(device: Any, step: int) -> tuple[Any, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 32, generator=g).to(device), torch.randint(0, 16, (8,), generator=g).to(device)
+
+
+def _amp_run(device: Any, level: str, half: str, backend: str, steps: int) -> tuple[Any, Any, Any]:
+    """``steps`` ordinary Amp steps of the small model; returns (amp, model, optimizer)."""
+    import torch
+
+    from lightning_mpx import Amp
+
+    amp = Amp(level, half_dtype=half, unscale_backend=backend, on_floor="continue")
+    model = amp.prepare_model(_model(device))
+    optimizer = amp.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for step in range(steps):
+        _amp_step(amp, model, optimizer, *_batch(device, step))
+    return amp, model, optimizer
+
+
+def _amp_step(amp: Any, model: Any, optimizer: Any, x: Any, y: Any, loss_factor: float = 1.0) -> bool:
+    import torch.nn.functional as F
+
+    with amp.forward_context():
+        loss = F.cross_entropy(amp.cast_outputs(model(amp.cast_inputs(x))).float(), y) * loss_factor
+    amp.backward(loss)
+    stepped = amp.step(optimizer)
+    amp.update()
+    optimizer.zero_grad(set_to_none=True)
+    return stepped
+
+
+def _amp_parity(device: Any) -> str:
+    import torch
+
+    _, fused_model, _ = _amp_run(device, "O2", "float16", FUSED, 4)
+    _, twin_model, _ = _amp_run(device, "O2", "float16", "foreach", 4)
+    worst = 0.0
+    for a, b in zip(fused_model.parameters(), twin_model.parameters()):
+        torch.testing.assert_close(a, b)
+        worst = max(worst, (a.float() - b.float()).abs().max().item())
+    return f"4 steps, largest parameter difference {worst:.3g}"
+
+
+def _amp_overflow(device: Any) -> str:
+    amp, model, optimizer = _amp_run(device, "O2", "float16", FUSED, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    scale = amp.scalers[0].get_scale()
+    stepped = _amp_step(amp, model, optimizer, *_batch(device, 99), loss_factor=float("inf"))
+    assert not stepped and amp.skipped_steps == [1], (stepped, amp.skipped_steps)
+    assert all(a.equal(b) for a, b in zip(before, model.parameters())), "a skipped step changed the parameters"
+    assert amp.scalers[0].get_scale() == scale / 2, (amp.scalers[0].get_scale(), scale)
+    return f"skipped, scale {scale:g} -> {scale / 2:g}, parameters unchanged"
+
+
+def _plugin(device: Any) -> str:
+    import lightning.pytorch as pl
+    import torch
+    import torch.nn.functional as F
+
+    from lightning_mpx import MixedPrecisionPlugin
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model("cpu")
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            return F.cross_entropy(self.net(x).float(), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    data = [_batch("cpu", i) for i in range(4)]
+    module = Module()
+    start = [p.detach().float().clone() for p in module.parameters()]
+    plugin = MixedPrecisionPlugin("O2", half_dtype="float16", unscale_backend=FUSED)
+    trainer = pl.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, max_steps=4,
+                         plugins=[plugin], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
+    params = list(module.parameters())  # back on the CPU: Lightning's teardown moves the model there
+    assert trainer.global_step == 4, trainer.global_step
+    assert trainer.strategy.root_device.type == device.type, trainer.strategy.root_device
+    assert params[0].dtype == torch.float16, params[0].dtype
+    assert all(torch.isfinite(p).all() for p in params), "non-finite parameters after fit"
+    moved = sum(not torch.equal(p.float().cpu(), s) for p, s in zip(params, start))
+    assert moved, "no parameter changed"
+    return f"4 steps, {moved}/{len(params)} parameters moved, skipped {sum(plugin.amp.skipped_steps)}"
+
+
+@contextlib.contextmanager
+def _sync_warnings() -> Iterator[list[warnings.WarningMessage]]:
+    """Record the warnings that ``torch.cuda.set_sync_debug_mode("warn")`` raises, one per host sync."""
+    import torch
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield caught
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+def _count_syncs(device: Any, loop: str, warmup: int = 3, steps: int = 5) -> dict[str, Any]:
+    """Host syncs in each of ``steps`` normal steps that follow ``warmup`` steps (kernel compilation, first
+    allocations). ``loop``: ``"O1"``, ``"O2"``, ``"O2-bf16"`` (``Amp``, default backend) or ``"gradscaler"``."""
+    import torch
+    import torch.nn.functional as F
+
+    if loop == "gradscaler":
+        model = _model(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler(device.type)
+
+        def one(x: Any, y: Any) -> None:
+            with torch.autocast(device.type, dtype=torch.float16):
+                loss = F.cross_entropy(model(x).float(), y)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+    else:
+        level, _, half = loop.partition("-")
+        backend = "auto" if device.type == "cuda" else FUSED
+        amp, model, optimizer = _amp_run(device, level, "bfloat16" if half == "bf16" else "float16", backend, 0)
+
+        def one(x: Any, y: Any) -> None:
+            _amp_step(amp, model, optimizer, x, y)
+
+    for step in range(warmup):
+        one(*_batch(device, step))
+    if device.type != "cuda":  # --check: the loop ran; there is no device to sync with
+        return {"per_step": None, "locations": [], "note": "no CUDA device (--check): syncs not counted"}
+    per_step, locations = [], []
+    for step in range(warmup, warmup + steps):
+        batch = _batch(device, step)  # copying the batch to the device is the data loader's sync, not the step's
+        torch.cuda.synchronize()
+        with _sync_warnings() as caught:
+            one(*batch)
+        found = [w for w in caught if "synchroniz" in str(w.message)]
+        per_step.append(len(found))
+        locations += [_where(w.filename, w.lineno) for w in found]
+    return {"per_step": per_step, "locations": sorted(set(locations)), "warmup": warmup}
+
+
+def _where(filename: str, lineno: int) -> str:
+    return f"{os.path.relpath(filename, ROOT) if filename.startswith(str(ROOT)) else filename}:{lineno}"
+
+
+# -- unscale --------------------------------------------------------------------------------------------------------
+def part_unscale(args: argparse.Namespace, env: dict[str, Any]) -> Part:
+    part = Part("unscale", args.out, args.check, args.command, env)
+    raws: list[tuple[str, dict[str, Any]]] = []
+    if args.check:
+        part.run([sys.executable, str(HERE / "unscale.py"), "--check"], part.timeout(args, 240),
+                 args.out / "raw" / "unscale_check.log")  # fmt: skip
+        # unscale.py --check writes no JSON: produce the raw file it would write from the same functions, on CPU.
+        raw_path = args.out / "raw" / "unscale_check.json"
+        write_json(raw_path, _unscale_check_raw())
+        raws.append((os.path.relpath(raw_path, args.out), json.loads(raw_path.read_text())))
+        part.result = merge_unscale(raws)
+        part.save()
+    else:
+        for sets, sweep in UNSCALE_RUNS:
+            if args.budget and part.elapsed > args.budget:
+                part.suite.setdefault("not_run", []).append(sets)
+                continue
+            raw_path = args.out / "raw" / f"unscale_{sets}.json"
+            argv = [sys.executable, str(HERE / "unscale.py"), "--sets", sets, "--out", str(raw_path)]
+            argv += [] if sweep else ["--no-sweep"]
+            part.run(argv, part.timeout(args, 240), args.out / "raw" / f"unscale_{sets}.log")
+            if raw_path.exists():
+                raws.append((os.path.relpath(raw_path, args.out), json.loads(raw_path.read_text())))
+                part.result = merge_unscale(raws)
+                part.save()
+    ok = raws and all(c["status"] == "ok" for c in part.suite["commands"]) and not part.suite.get("not_run")
+    part.save("complete" if ok else "incomplete")
+    return part
+
+
+def merge_unscale(raws: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """One unscale result from several unscale.py runs; each row keeps its own run's copy bandwidth."""
+    rows = []
+    for name, raw in raws:
+        for row in raw["rows"]:
+            rows.append({**row, "copy_bandwidth_GBps": raw["copy_bandwidth_GBps"], "run": name})
+    first = raws[0][1] if raws else {}
+    return {
+        "device": first.get("device"),
+        "torch": first.get("torch"),
+        "triton": first.get("triton"),
+        "cuda": first.get("cuda"),
+        "copy_bandwidth_GBps": [raw["copy_bandwidth_GBps"] for _, raw in raws],
+        "repeats": first.get("repeats"),
+        "warmup": first.get("warmup"),
+        "runs": [name for name, _ in raws],
+        "rows": rows,
+    }
+
+
+def _unscale_check_raw() -> dict[str, Any]:
+    """unscale.py's pipeline (run_case, copy_bandwidth) on CPU in the interpreter, tiny shapes, written in the
+    layout of its GPU JSON so that the merge and the report read it as they read a GPU run."""
+    import argparse as ap
+
+    import torch
+    import triton
+
+    import unscale
+
+    device = torch.device("cpu")
+    case = ap.Namespace(warmup=0, repeats=1, workspace={"chunk_size": 64, "block_size": 16, "num_warps": 1})
+    bw = unscale.copy_bandwidth(device, 0, 1, nbytes=1 << 20)
+    rows = []
+    for name in gpu_report.TARGET_SETS:  # the set names the report judges, tiny shapes
+        for dtype in (torch.float32, torch.float16):
+            rows += [{"set": name, **r} for r in unscale.run_case([(3, 5), (7,), (130,)], dtype, device, case, bw)]
+    rows += [{"set": "sweep 3x4", **r}
+             for r in unscale.run_case([(4,)] * 3, torch.float32, device, case, bw, only="unscale+clip")]
+    return {"device": CHECK_DEVICE, "torch": torch.__version__, "triton": triton.__version__,
+            "cuda": torch.version.cuda, "python": platform.python_version(), "copy_bandwidth_GBps": bw,
+            "repeats": 1, "warmup": 0, "rows": rows}  # fmt: skip
+
+
+# -- step -----------------------------------------------------------------------------------------------------------
+def part_step(args: argparse.Namespace, env: dict[str, Any], model: str) -> Part:
+    """step.py's variants for one model, one child process each (step.py's own child), saved after each."""
+    import step
+
+    part = Part(f"step_{model}", args.out, args.check, args.command, env)
+    device, size = ("cpu", "small") if args.check else ("cuda", "real")
+    steps, warmup = (1, 0) if args.check else (args.steps, args.warmup)
+    variants = list(STEP_CHECK[model]) if args.check else [v for v in STEP_ORDER if v in (args.variants or STEP_ORDER)]
+    spec = step.SPECS[(model, size)]
+    samples: list[dict[str, Any]] = []
+    durations: list[float] = []
+    part.result = {"benchmark": "step", "model": model, "device": env["device"], "device_type": device,
+                   "size": size, "specs": {model: vars(spec)}, "steps": steps, "warmup": warmup, "repeats": 1,
+                   "rows": [], "targets": [], "failed": {}, "not_run": []}  # fmt: skip
+    for variant in variants:
+        remaining = args.budget - part.elapsed if args.budget else 1e9
+        if durations and remaining < 1.2 * max(durations):
+            part.result["not_run"].append(variant)  # it would not finish inside the budget: keep what is done
+            continue
+        child_timeout = part.timeout(args, 150)
+        argv = ["--device", device, "--model", model, "--size", size, "--steps", str(steps), "--warmup", str(warmup),
+                "--child-timeout", str(child_timeout)]  # fmt: skip
+        step_args = step.build_parser().parse_args(argv)
+        child = [sys.executable, str(HERE / "step.py"), "--_child", variant, "--model", model, "--size", size,
+                 "--steps", str(steps), "--warmup", str(warmup), "--device", device, "--threads", "1"]  # as step.py
+        record = {"command": _shown(child), "log": None, "timeout_s": child_timeout}
+        print(f"[{part.name}] {variant} (timeout {child_timeout:.0f} s)", flush=True)
+        start = time.perf_counter()
+        try:
+            samples.append(step._spawn(variant, model, step_args, steps))
+            record.update(status="ok", returncode=0)
+        except subprocess.TimeoutExpired:
+            record.update(status="timeout", returncode=None)
+        except RuntimeError as error:  # the child failed: step.py's message has the end of its stderr
+            record.update(status="failed", returncode=1)
+            part.result["failed"][variant] = str(error)[-2000:]
+        except BaseException:  # interrupted or terminated (subprocess.run has killed the child): keep the rows
+            record.update(status="interrupted", returncode=None, seconds=round(time.perf_counter() - start, 2))
+            part.suite["commands"].append(record)
+            part.save("interrupted")
+            raise
+        record["seconds"] = round(time.perf_counter() - start, 2)
+        durations.append(record["seconds"])
+        part.suite["commands"].append(record)
+        print(f"[{part.name}] {variant}: {record['status']} in {record['seconds']:.0f} s"
+              + (f", {samples[-1]['step_ms_median']:.2f} ms/step" if record["status"] == "ok" else ""), flush=True)
+        rows = [step.combine([s], spec.batch) for s in samples]
+        step.add_ratios(rows)
+        part.result["rows"], part.result["targets"] = rows, step.check_targets(rows, device)
+        part.save()
+    ok = all(c["status"] == "ok" for c in part.suite["commands"]) and not part.result["not_run"]
+    part.save("complete" if ok else "incomplete")
+    return part
+
+
+# -- fidelity -------------------------------------------------------------------------------------------------------
+def part_fidelity(args: argparse.Namespace, env: dict[str, Any]) -> Part:
+    part = Part("fidelity", args.out, args.check, args.command, env)
+    raw = args.out / "raw" / ("convergence_check.json" if args.check else "convergence_cuda.json")
+    argv = [sys.executable, str(HERE / "convergence.py"), "--out", str(raw)]
+    if args.check:  # 4 steps of a tiny model on CPU, bfloat16 (float16 matmuls crawl on CPUs)
+        argv += ["--quick", "--accelerator", "cpu", "--levels", "O0", "O2", "--dtypes", "bfloat16", "--plot", ""]
+    else:
+        argv += ["--accelerator", "gpu", "--seeds", "0", "--levels", "O0", "O1", "O2",
+                 "--plot", str(args.out / "convergence_cuda.png")]  # fmt: skip
+    part.run(argv, part.timeout(args, 420), args.out / "raw" / "fidelity.log")
+    partial = raw.with_suffix(".partial.json")
+    if raw.exists():
+        part.result = json.loads(raw.read_text())
+    elif partial.exists():  # cut off: the finished runs, not yet summarised
+        import convergence
+
+        runs = json.loads(partial.read_text())["runs"]
+        part.result = {"benchmark": "convergence", "partial": True, "runs": runs,
+                       "rows": convergence.summarise(runs, 0.02) if any(r["variant"] == "O0" for r in runs) else []}
+    if part.result:
+        part.result["device"] = env["device"]
+    ok = raw.exists() and part.suite["commands"][-1]["status"] == "ok"
+    part.save("complete" if ok else "incomplete")
+    return part
+
+
+# -- main -----------------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("part", choices=(*PARTS, "all"), help="which part to run ('all': one after the other)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for the results (required on GPU; --check uses a temporary folder)")
+    parser.add_argument("--check", action="store_true", help="run the code paths on CPU, tiny sizes, no GPU")
+    parser.add_argument("--model", choices=("gpt", "resnet", "all"), default="all",
+                        help="step: which model ('all' runs both; on a 10-minute device, one per command)")
+    parser.add_argument("--variants", nargs="+", choices=STEP_ORDER, default=None, metavar="VARIANT",
+                        help="step: a subset of step.py's variants")
+    parser.add_argument("--steps", type=int, default=20, help="step: timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=5, help="step: warm-up steps per variant")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds per subprocess (default: 360 pytest, 300 checks, 240 unscale run, 150 step "
+                             "variant, 420 fidelity)")  # fmt: skip
+    parser.add_argument("--budget", type=float, default=480.0,
+                        help="seconds per part after which no new sub-run starts (default 480; 0: no limit)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    raw_argv = sys.argv[1:] if argv is None else argv
+    if raw_argv[:1] == ["_checks"]:  # the tests part's child: python gpu_suite.py _checks --out FILE [--check]
+        child = argparse.ArgumentParser(prog="gpu_suite.py _checks")
+        child.add_argument("--out", type=Path, required=True)
+        child.add_argument("--check", action="store_true")
+        opts = child.parse_args(raw_argv[1:])
+        return run_checks(opts.out, opts.check)
+    parser = build_parser()
+    args = parser.parse_args(raw_argv)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error(f"--steps={args.steps} must be at least 1 and --warmup={args.warmup} at least 0")
+    if args.timeout is not None and args.timeout <= 0:
+        parser.error(f"--timeout={args.timeout} must be a positive number of seconds")
+    if args.budget < 0:
+        parser.error(f"--budget={args.budget} must be 0 (no limit) or a positive number of seconds")
+    if args.variants and args.part not in ("step", "all"):
+        parser.error(f"--variants applies to the step part, not to {args.part!r}")
+    import torch
+
+    if not args.check and not torch.cuda.is_available():
+        parser.error(f"the {args.part!r} part needs a CUDA device and none is available; "
+                     "--check runs the code paths on CPU (it measures nothing)")  # fmt: skip
+    if args.out is None and not args.check:
+        parser.error("--out DIR is required: the folder the results go to (e.g. $OUT on the device)")
+    args.command = _shown([sys.executable, str(Path(__file__).resolve()), *raw_argv])
+    # A device's time limit sends SIGTERM: unwind (children killed, files already written) instead of dying mid-write.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    with contextlib.ExitStack() as stack:
+        if args.out is None:
+            args.out = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu-suite-check-")))
+        args.out.mkdir(parents=True, exist_ok=True)
+        env = environment(args.check)
+        parts: list[Part] = []
+        for name in PARTS if args.part == "all" else (args.part,):
+            if name == "tests":
+                parts.append(part_tests(args, env))
+            elif name == "unscale":
+                parts.append(part_unscale(args, env))
+            elif name == "step":
+                for model in ("gpt", "resnet") if args.model == "all" else (args.model,):
+                    parts.append(part_step(args, env, model))
+            else:
+                parts.append(part_fidelity(args, env))
+        print()
+        for p in parts:
+            print(f"{p.name:<12} {p.suite['status']:<10} {p.suite['wall_seconds']:6.0f} s  "
+                  f"{args.out / f'suite_{p.name}.json'}")
+        bad = [p.name for p in parts if p.failed()]
+        if bad:
+            print(f"not complete: {', '.join(bad)} (see the logs under {args.out / 'raw'})")
+        return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""The GPU suite runs every part's code path on CPU (``gpu_suite.py all --check``) and writes the fields that
+``gpu_report.py`` reads; the report merges files, prefers later ones and judges targets from what it is given.
+
+No test here asserts a timing: the figures in these files are either ``--check`` output (which measures nothing) or
+the committed H100 results, of which only the report's bookkeeping (which file, which rows) is checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_report  # noqa: E402
+import gpu_suite  # noqa: E402
+
+H100 = ROOT / "benchmarks" / "results" / "gpu" / "2026-11-23-h100"
+PART_FILES = ("tests", "unscale", "step_gpt", "step_resnet", "fidelity")
+UNSCALE_FIELDS = {"set", "dtype", "variant", "tensors", "fused_ms", "torch_ms", "speedup", "fused_GBps",
+                  "pct_of_copy_bandwidth", "copy_bandwidth_GBps"}  # fmt: skip
+STEP_FIELDS = {"model", "variant", "step_ms_median", "samples_per_second", "peak_memory_bytes"}
+FIDELITY_FIELDS = {"variant", "val_loss_mean", "ratio_to_O0", "verdict", "skipped_steps", "final_loss_scale"}
+TARGETS = {
+    "fused passes >= 80% of copy bandwidth",
+    "unscale+clip >= 1.5x torch unscale_ + clip_grad_norm_",
+    "O2 master-gradient path >= 2.5x torch ops",
+    "never slower than torch on the small-tensor sweep (unscale+clip)",
+    "O2 >= 1.05x \"16-mixed\" throughput",
+    "O1 within 3% of \"16-mixed\" throughput",
+    "O2 peak memory below FP32",
+}
+
+
+@pytest.fixture(scope="module")
+def check_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One ``all --check`` run (about a minute on two busy cores), shared by the tests that read its files."""
+    out = tmp_path_factory.mktemp("gpu-suite-check")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the suite must set it itself
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "all", "--check", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+def _suite(out: Path, name: str) -> dict[str, Any]:
+    return json.loads((out / f"suite_{name}.json").read_text())
+
+
+def test_all_check_writes_every_part_with_environment_and_commands(check_dir):
+    for name in PART_FILES:
+        data = _suite(check_dir, name)
+        suite = data["suite"]
+        assert suite["status"] == "complete" and suite["check"] is True, (name, suite["status"])
+        env = suite["environment"]
+        assert env["device"] == gpu_suite.CHECK_DEVICE and env["torch"] and env["triton"] and env["lightning"]
+        assert suite["command"].startswith("python benchmarks/gpu_suite.py all --check")
+        assert suite["commands"] and all(c["status"] == "ok" and c["command"] for c in suite["commands"])
+        markdown = (check_dir / f"suite_{name}.md").read_text()
+        assert "measure nothing" in markdown and "| command | status | seconds |" in markdown
+
+
+def test_all_check_rows_have_the_fields_the_report_reads(check_dir):
+    unscale = _suite(check_dir, "unscale")["result"]
+    assert {r["set"] for r in unscale["rows"]} >= {*gpu_report.TARGET_SETS, "sweep 3x4"}
+    for row in unscale["rows"]:
+        assert UNSCALE_FIELDS <= set(row), UNSCALE_FIELDS - set(row)
+    assert {r["variant"] for r in unscale["rows"]} == set(gpu_report.VARIANT_ORDER)
+    for model in ("gpt", "resnet"):
+        step = _suite(check_dir, f"step_{model}")["result"]
+        assert [r["variant"] for r in step["rows"]] == list(gpu_suite.STEP_CHECK[model])
+        assert step["specs"][model] and not step["failed"] and not step["not_run"]
+        for row in step["rows"]:
+            assert STEP_FIELDS <= set(row) and row["model"] == model
+    fidelity = _suite(check_dir, "fidelity")["result"]
+    assert [r["variant"] for r in fidelity["rows"]] == ["O0", "O2-bfloat16"]
+    assert all(FIDELITY_FIELDS <= set(r) for r in fidelity["rows"])
+
+
+def test_all_check_tests_part_collects_and_passes_its_own_checks(check_dir):
+    result = _suite(check_dir, "tests")["result"]
+    assert "collected" in result["pytest"]["summary"] and result["pytest"]["returncode"] == 0
+    names = [c["name"] for c in result["checks"]]
+    assert len(names) == 8 and all(c["passed"] for c in result["checks"]), result["checks"]
+    assert any("parity" in n for n in names) and any("MixedPrecisionPlugin" in n for n in names)
+    assert set(result["syncs"]) == {"Amp O1 float16", "Amp O2 float16", "Amp O2 bfloat16",
+                                    "torch autocast + GradScaler float16"}  # fmt: skip
+    assert all(s["per_step"] is None and "no CUDA" in s["note"] for s in result["syncs"].values())
+
+
+def test_report_reads_the_check_output_and_fills_the_doc(check_dir, tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(f"# intro\n\n{gpu_report.BEGIN}\nstale-body\n{gpu_report.END}\n\n## after\n")
+    result = gpu_report.main([str(check_dir), "--doc", str(doc), "--json", str(tmp_path / "report.json")])
+    assert {v["target"] for v in result["verdicts"]} >= TARGETS
+    assert {s["kind"] for s in result["sources"]} == {"tests", "unscale", "step", "fidelity"}
+    assert all(s["recorded_command"] and s["check"] for s in result["sources"])
+    text = doc.read_text()
+    assert text.startswith("# intro") and text.endswith("## after\n") and "stale-body" not in text
+    assert "measure nothing" in text and "### Targets" in text and "### Training step, gpt" in text
+    assert json.loads((tmp_path / "report.json").read_text())["verdicts"] == result["verdicts"]
+
+
+def test_report_on_the_committed_h100_results_prefers_later_files():
+    sources = gpu_report.load_sources([H100])
+    merged = gpu_report.merge(sources)
+    rows = {(r["set"], r["dtype"], r["variant"]): r["source"] for r in merged.unscale}
+    assert rows[("gpt2-124m", "float32", "unscale+clip")] == "unscale_bind.json"  # re-run after the binding fix
+    assert rows[("gpt-1.3b", "float16", "O2 grads")] == "unscale.json"  # not re-run: the earlier file stays
+    assert rows[("gpt2-124m", "bfloat16", "unscale")] == "unscale_bf16_fix.json"  # same commit: name order
+    assert rows[("sweep 10x4", "float32", "unscale+clip")] == "unscale_bind.json"
+    assert merged.superseded["unscale.json"] == {"unscale_bind.json": 32}
+    assert {s.path.name for s in sources.skipped} == {"host_profile.json", "host_profile_bind.json"}
+    assert merged.tests is not None and merged.tests.name == "pytest_triton_cuda_bind.txt"
+    verdicts = gpu_report.all_targets(merged)
+    by_scope = {(v.target, v.scope): v for v in verdicts}
+    assert by_scope[("O2 >= 1.05x \"16-mixed\" throughput", "gpt")].source == "step_cuda_gpt_bind.json"
+    assert by_scope[("O2 >= 1.05x \"16-mixed\" throughput", "resnet")].source == "step_cuda_resnet.json"
+    measured = [v for v in verdicts if v.target in TARGETS]
+    assert len(measured) == 13 and all(v.status in (gpu_report.MET, gpu_report.NOT_MET) for v in measured)
+    assert gpu_report.environment(sources)["device"] == "NVIDIA H100 80GB HBM3"
+
+
+def _raw_unscale(rows: list[tuple[str, str, float]]) -> dict[str, Any]:
+    """A raw unscale.py file with made-up rows (test data for the merge, not a measurement)."""
+    return {"device": "test device", "torch": "t", "triton": "x", "copy_bandwidth_GBps": 100.0, "repeats": 1,
+            "warmup": 0, "rows": [{"set": s, "dtype": "float32", "variant": v, "tensors": 1, "elements": 1,
+                                   "fused_ms": 1.0, "torch_ms": x, "speedup": x, "fused_GBps": 50.0,
+                                   "pct_of_copy_bandwidth": 50.0} for s, v, x in rows]}  # fmt: skip
+
+
+def _suite_file(part: str, created: str, result: dict[str, Any]) -> dict[str, Any]:
+    env = {"device": "test device", "torch": "t", "triton": "x"}
+    return {"suite": {"part": part, "command": f"python benchmarks/gpu_suite.py {part}", "created": created,
+                      "environment": env, "status": "complete"}, "result": result}  # fmt: skip
+
+
+def _step_rows(model: str, values: dict[str, tuple[float, int]]) -> list[dict[str, Any]]:
+    return [{"model": model, "variant": v, "step_ms_median": 1.0, "samples_per_second": sps,
+             "peak_memory_bytes": mem} for v, (sps, mem) in values.items()]  # fmt: skip
+
+
+def test_report_later_suite_file_wins_and_step_ratios_stay_within_one_file(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps(_suite_file("unscale", "2026-01-01T00:00:00+00:00", _raw_unscale(
+        [("gpt2-124m", "unscale+clip", 1.0), ("sweep 10x4", "unscale+clip", 1.0)]))))
+    (tmp_path / "b.json").write_text(json.dumps(_suite_file("unscale", "2026-01-02T00:00:00+00:00", _raw_unscale(
+        [("gpt2-124m", "unscale+clip", 2.0)]))))
+    full = {"fp32": (10.0, 100), "lightning-16-mixed": (20.0, 90), "mpx-O2-fp16": (21.0, 80),
+            "mpx-O1-fp16": (19.0, 95)}  # fmt: skip
+    (tmp_path / "s1.json").write_text(json.dumps(_suite_file("step", "2026-01-01T00:00:00+00:00",
+                                                             {"rows": _step_rows("gpt", full)})))
+    subset = {"lightning-16-mixed": (10.0, 90), "mpx-O2-fp16": (12.0, 80)}
+    (tmp_path / "s2.json").write_text(json.dumps(_suite_file("step", "2026-01-03T00:00:00+00:00",
+                                                             {"rows": _step_rows("gpt", subset)})))
+    merged = gpu_report.merge(gpu_report.load_sources([tmp_path]))
+    (clip,) = [r for r in merged.unscale if r["set"] == "gpt2-124m"]
+    assert clip["source"] == "b.json" and clip["speedup"] == 2.0
+    assert merged.superseded == {"a.json": {"b.json": 1}}
+    verdicts = {(v.target, v.scope): v for v in gpu_report.all_targets(merged)}
+    o2 = verdicts[("O2 >= 1.05x \"16-mixed\" throughput", "gpt")]
+    assert (o2.source, o2.value) == ("s2.json", pytest.approx(1.2))  # both rows in the later file
+    memory = verdicts[("O2 peak memory below FP32", "gpt")]
+    assert (memory.source, memory.value) == ("s1.json", pytest.approx(0.8))  # fp32 only in the earlier one
+    o1 = verdicts[("O1 within 3% of \"16-mixed\" throughput", "gpt")]
+    assert (o1.source, o1.value) == ("s1.json", pytest.approx(0.95))
+    missing = verdicts[("fused passes >= 80% of copy bandwidth", "gpt-1.3b")]
+    assert missing.status == gpu_report.NOT_MEASURED and missing.value is None
+    assert verdicts[("O2 >= 1.05x \"16-mixed\" throughput", "resnet")].status == gpu_report.NOT_MEASURED
+
+
+def test_report_refuses_two_devices_and_a_doc_without_markers(tmp_path, capsys):
+    (tmp_path / "a.json").write_text(json.dumps(_raw_unscale([("gpt2-124m", "unscale", 1.0)])))
+    other = {**_raw_unscale([("gpt2-124m", "unscale", 1.0)]), "device": "another device"}
+    (tmp_path / "b.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit):
+        gpu_report.main([str(tmp_path), "--no-doc"])
+    assert "a report covers one device" in capsys.readouterr().err
+    doc = tmp_path / "doc.md"
+    doc.write_text("no markers\n")
+    with pytest.raises(ValueError, match="markers"):
+        gpu_report.fill_doc(doc, "body\n")
+
+
+@pytest.mark.parametrize(
+    ("text", "counts"),
+    [
+        ("FAILED tests/x.py::t[a]\n1 failed, 80 passed, 70 skipped, 697 deselected in 32.75s\n",
+         {"failed": 1, "passed": 80, "skipped": 70, "deselected": 697}),
+        ("82 passed, 71 skipped, 697 deselected in 37.81s\n", {"passed": 82, "skipped": 71, "deselected": 697}),
+        ("========= 3 passed, 1 warning in 1.00s =========\n", {"passed": 3, "warning": 1}),
+    ],
+)  # fmt: skip
+def test_pytest_summary_parsing(text, counts):
+    parsed = gpu_report.parse_pytest_summary(text)
+    assert parsed is not None and parsed["counts"] == counts
+    assert parsed["failed_tests"] == (["tests/x.py::t[a]"] if "FAILED" in text else [])
+
+
+def test_suite_argument_errors(capsys, monkeypatch):
+    for argv, message in (
+        (["bench"], "invalid choice"),
+        (["tests", "--check", "--variants", "fp32"], "--variants applies to the step part"),
+        (["step", "--check", "--steps", "0"], "--steps=0 must be at least 1"),
+        (["step", "--check", "--timeout", "-1"], "--timeout=-1.0 must be a positive"),
+    ):
+        with pytest.raises(SystemExit):
+            gpu_suite.main(argv)
+        assert message in capsys.readouterr().err, argv
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        gpu_suite.main(["unscale", "--out", "somewhere"])
+    assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_readme_lists_every_part_and_the_doc_has_the_markers():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Tests and benchmarks"):]
+    for command in ("gpu_suite.py tests --out", "gpu_suite.py unscale --out", "gpu_suite.py step --model gpt --out",
+                    "gpu_suite.py step --model resnet --out", "gpu_suite.py fidelity --out",
+                    "gpu_suite.py all --check", "gpu_report.py"):  # fmt: skip
+        assert command in section, command
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert doc.count(gpu_report.BEGIN) == 1 and doc.count(gpu_report.END) == 1
