@@ -270,8 +270,15 @@ class Amp:
         return scaled
 
     def backward(self, loss: torch.Tensor, loss_id: int = 0, **backward_kwargs: Any) -> None:
-        """``scale_loss(loss, loss_id).backward(**backward_kwargs)``."""
-        self.scale_loss(loss, loss_id).backward(**backward_kwargs)
+        """``scale_loss(loss, loss_id).backward(**backward_kwargs)`` inside :meth:`backward_context`."""
+        scaled = self.scale_loss(loss, loss_id)
+        with self.backward_context():
+            scaled.backward(**backward_kwargs)
+
+    def backward_context(self) -> ContextManager[Any]:
+        """The scope of a backward pass: activation checkpointing recomputes with the forward's casts inside it (the
+        cast policy's :meth:`~lightning_mpx.cast_policy.CastPolicy.recompute_scope`); nothing without a policy."""
+        return self.policy.recompute_scope() if self.policy is not None else contextlib.nullcontext()
 
     # -- optimizer step -----------------------------------------------------------------------------------------
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:

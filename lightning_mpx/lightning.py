@@ -208,7 +208,9 @@ class MixedPrecisionPlugin(Precision):
     ) -> None:
         """Backward on the loss times the scale of ``loss_id`` (``self.manual_backward(loss, loss_id=1)``)."""
         with disable_casts():  # a manual backward runs inside the training step's cast scope
-            model.backward(self.amp.scale_loss(tensor, loss_id), *args, **kwargs)
+            scaled = self.amp.scale_loss(tensor, loss_id)
+            with self.amp.backward_context():  # activation checkpointing recomputes with the forward's casts
+                model.backward(scaled, *args, **kwargs)
 
     # -- optimizer step ------------------------------------------------------------------------------------------
     def optimizer_step(  # type: ignore[override]
