@@ -56,7 +56,7 @@ from torch import nn
 
 from lightning_mpx._dtypes import parse_half_dtype
 from lightning_mpx._imports import require
-from lightning_mpx.amp import Amp
+from lightning_mpx.amp import Amp, _cast_collection
 from lightning_mpx.cast_table import CastTable
 from lightning_mpx.loss_scaler import LossScaler, OnFloor
 from lightning_mpx.opt_levels import OPT_LEVELS
@@ -71,7 +71,6 @@ from accelerate.utils import (  # type: ignore[import-untyped]  # noqa: E402
     DistributedType,
     GradScalerKwargs,
     KwargsHandler,
-    convert_to_fp32,
 )
 
 __all__ = ["AMP_STATE_NAME", "NATIVE_MIXED_PRECISION", "Accelerator", "MixedPrecisionKwargs"]
@@ -572,7 +571,8 @@ class _AmpForward:
             args, kwargs = amp.cast_inputs(args), amp.cast_inputs(kwargs)
         with amp.forward_context():
             output = self._forward(*args, **kwargs)
-        return convert_to_fp32(output)
+        # Accelerate's convert_to_fp32 loses defaultdicts and skips dataclasses; this keeps every container's type.
+        return _cast_collection(output, torch.float32, (torch.float16, torch.bfloat16))
 
     def __getstate__(self) -> Any:
         raise pickle.PicklingError(
