@@ -22,7 +22,14 @@ from torch.overrides import handle_torch_function, has_torch_function
 from lightning_mpx.cast_lists import BANNED_ADVICE, CATEGORIES, DEFAULT_TABLE
 
 _NAMESPACES: Mapping[str, Any] = MappingProxyType(
-    {"torch": torch, "torch.nn.functional": torch.nn.functional, "torch.Tensor": torch.Tensor}
+    {
+        "torch": torch,
+        "torch.nn.functional": torch.nn.functional,
+        "torch.Tensor": torch.Tensor,
+        "torch.fft": torch.fft,
+        "torch.linalg": torch.linalg,
+        "torch.special": torch.special,
+    }
 )
 _DISPATCHABLE_MARK = "__lightning_mpx_dispatchable__"
 
