@@ -23,7 +23,8 @@ their native behaviour untouched. With an opt level, Accelerate itself runs with
 
 * ``prepare`` converts each model for the opt level (before device placement's DDP wrapper, after it is moved to the
   device, so that O2's FP32 masters live on the device), replaces its ``forward`` *on that instance only* (O1: the
-  cast policy is active during the forward; O2/O3: float inputs cast to half; every level: half outputs cast to
+  cast policy is active during the forward; O2: loss functions called inside it run in FP32; O2/O3: float inputs
+  cast to half; every level: half outputs cast to
   FP32 so that the loss is computed in FP32), and wraps each optimizer so that ``step`` is ``Amp.step``.
 * **When the scale is updated.** ``Amp.update()`` must run once per iteration, after the real optimizer steps. The
   adapter calls it (1) as soon as every optimizer prepared by this accelerator has stepped (or skipped) since the
@@ -307,8 +308,8 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
     # -- forward and backward ---------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def autocast(self, autocast_handler: AutocastKwargs | None = None) -> Iterator[None]:
-        """As ``accelerate.Accelerator.autocast``; with an opt level, the O1 cast policy's scope (nothing at O0,
-        O2 and O3, whose model is cast as a whole)."""
+        """As ``accelerate.Accelerator.autocast``; with an opt level, ``Amp.forward_context``: the O1 cast policy's
+        scope, at O2 the policy that runs loss functions in FP32 (nothing at O0 and O3)."""
         if self.amp is None:
             with super().autocast(autocast_handler):
                 yield
@@ -556,8 +557,9 @@ class _AmpOptimizer(AcceleratedOptimizer):  # type: ignore[misc]
 
 
 class _AmpForward:
-    """A prepared model's ``forward`` under the opt level: O1's cast policy around it, O2/O3's float inputs cast to
-    half; half outputs cast to FP32 (as Accelerate's own wrapper) so that the loss is computed in FP32."""
+    """A prepared model's ``forward`` under the opt level: ``Amp.forward_context`` around it (O1's cast policy; at O2,
+    loss functions in FP32), O2/O3's float inputs cast to half; half outputs cast to FP32 (as Accelerate's own
+    wrapper) so that the loss is computed in FP32."""
 
     def __init__(self, forward: Callable[..., Any], amp: Amp) -> None:
         self._forward = forward

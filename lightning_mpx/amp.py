@@ -116,11 +116,12 @@ class Amp:
                 f"cast_table is only used by the cast-table policy, which is off at opt_level="
                 f"{self.properties.opt_level!r} (patch_torch_functions=False); use opt_level='O1'."
             )
-        self.policy: CastPolicy | None = (
-            CastPolicy(cast_table, self.properties.half_dtype, allow_banned=allow_banned)
-            if self.properties.patch_torch_functions
-            else None
-        )
+        self.policy: CastPolicy | None = None
+        if self.properties.patch_torch_functions:
+            self.policy = CastPolicy(cast_table, self.properties.half_dtype, allow_banned=allow_banned)
+        elif self.properties.casts_model and self.properties.master_weights:
+            # O2: a loss computed inside the half model's own forward runs in FP32 (CastTable.default_o2()).
+            self.policy = CastPolicy(CastTable.default_o2(), self.properties.half_dtype, allow_banned=True)
         scaler_settings = dict(
             init_scale=init_scale,
             growth_factor=growth_factor,
@@ -239,7 +240,8 @@ class Amp:
 
     # -- forward ------------------------------------------------------------------------------------------------
     def forward_context(self) -> ContextManager[Any]:
-        """The scope of a forward pass: the cast policy at O1, nothing otherwise."""
+        """The scope of a forward pass: the cast policy at O1; at O2, a policy that runs loss functions called inside
+        the model in FP32; nothing otherwise."""
         return self.policy.scope() if self.policy is not None else contextlib.nullcontext()
 
     def cast_inputs(self, data: Any) -> Any:

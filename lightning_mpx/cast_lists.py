@@ -292,6 +292,17 @@ DEFAULT_TABLE: Mapping[str, Mapping[str, tuple[str, ...]]] = MappingProxyType(
     }
 )
 
+#: The table of an O2 forward pass. The model is already half; a loss that it computes inside its own forward (every
+#: Hugging Face ``...ForSequenceClassification`` and ``...ForCausalLM``) runs in FP32 and returns FP32, as a loss
+#: computed on the FP32 outputs does. Softmax, norms and reductions are left in half: their output feeds half layers
+#: (an FP32 output would meet half weights), and torch's half kernels already accumulate in FP32.
+O2_TABLE: Mapping[str, Mapping[str, tuple[str, ...]]] = MappingProxyType(
+    {
+        "torch.nn.functional": MappingProxyType({"float": _LOSSES + ("binary_cross_entropy",)}),
+        "torch": MappingProxyType({"float": _TORCH_LOSSES}),
+    }
+)
+
 #: What the error for a banned op suggests instead, by function name.
 BANNED_ADVICE: Mapping[str, str] = MappingProxyType(
     {
