@@ -81,11 +81,11 @@ def _assert_same_grads(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
 
 
-def _core_grads(reentrant: bool | None, half: str) -> dict[str, torch.Tensor]:
+def _core_grads(reentrant: bool | None, half: str, device: str = "cpu") -> dict[str, torch.Tensor]:
     amp = Amp("O1", half_dtype=half, loss_scale=1.0)
-    model = amp.prepare_model(TinyLM(reentrant))
+    model = amp.prepare_model(TinyLM(reentrant).to(device))
     with amp.forward_context():
-        loss = _loss(model, _tokens())
+        loss = _loss(model, _tokens().to(device))
     amp.backward(loss)
     return _grads(model)
 
@@ -95,6 +95,13 @@ def _core_grads(reentrant: bool | None, half: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("reentrant", REENTRANT.values(), ids=REENTRANT.keys())
 def test_core_checkpointed_gradients_equal_plain_o1(reentrant, half):
     _assert_same_grads(_core_grads(reentrant, half), _core_grads(None, half))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("reentrant", REENTRANT.values(), ids=REENTRANT.keys())
+def test_cuda_checkpointed_gradients_equal_plain_o1(reentrant):
+    """On CUDA the autograd engine runs the backward pass on its device thread: the recompute mode goes with it."""
+    _assert_same_grads(_core_grads(reentrant, "float16", "cuda"), _core_grads(None, "float16", "cuda"))
 
 
 @pytest.mark.parametrize("reentrant", REENTRANT.values(), ids=REENTRANT.keys())
