@@ -38,7 +38,7 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
         att = (q @ k.transpose(-2, -1)) * (1.0 / (d // self.heads) ** 0.5)
-        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf")).softmax(-1)
         x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
