@@ -5,7 +5,7 @@ its own table; :meth:`CastTable.default` returns a fresh copy of the default dat
 affecting anyone else::
 
     table = CastTable.default()
-    table.register(torch.einsum, "half")
+    table.register(torch.outer, "half")
     table.register_float_function(torch.nn.functional, "silu")
 """
 
