@@ -33,7 +33,6 @@ the recomputed forward gets the forward's dtypes.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
@@ -107,9 +106,9 @@ class CastPolicy:
     def recompute_scope(self) -> Iterator[CastPolicy]:
         """Apply the policy to forward code that autograd re-runs during a backward pass entered in this block.
 
-        Enter it around ``loss.backward()`` (``Amp.backward`` does): activation checkpointing (``torch.utils.checkpoint``
-        with ``use_reentrant=True`` or ``False``) then recomputes with the forward's casts, as it does for
-        ``torch.autocast``. Only calls made with gradients enabled are cast: during a backward pass that is the
+        Enter it around ``loss.backward()`` (``Amp.backward`` does): activation checkpointing
+        (``torch.utils.checkpoint`` with ``use_reentrant=True`` or ``False``) then recomputes with the forward's
+        casts, as it does for ``torch.autocast``. Only calls made with gradients enabled are cast: during a backward pass that is the
         recomputation, while the engine's own backward functions (and Python ``autograd.Function.backward``) run
         with gradients disabled and are left alone, unless the backward builds a graph (``create_graph=True``).
         """
@@ -217,6 +216,9 @@ _BACKWARD_ARGUMENTS: Mapping[Callable[..., Any], tuple[str, str]] = MappingProxy
     }
 )
 _BACKWARD_ENTRIES = frozenset(_BACKWARD_ARGUMENTS)
+_BACKWARD_SIGNATURES: Mapping[Callable[..., Any], inspect.Signature] = MappingProxyType(
+    {func: inspect.signature(func) for func in _BACKWARD_ARGUMENTS}
+)
 
 
 def _run_backward(policy: CastPolicy, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -231,7 +233,7 @@ def _run_backward(policy: CastPolicy, func: Callable[..., Any], args: tuple[Any,
     computes the same gradients) reaches the engine directly, with the recompute mode in place.
     """
     roots_name, inputs_name = _BACKWARD_ARGUMENTS[func]
-    bound = _signature(func).bind(*args, **kwargs)
+    bound = _BACKWARD_SIGNATURES[func].bind(*args, **kwargs)
     roots, inputs = bound.arguments.get(roots_name), bound.arguments.get(inputs_name)
     tensors = list(_tensors(roots)) + list(_tensors(inputs))
     if not tensors or any(not t.requires_grad for t in tensors):
@@ -250,11 +252,6 @@ def _run_backward(policy: CastPolicy, func: Callable[..., Any], args: tuple[Any,
                 inputs=bound.arguments.get("inputs"),
             )
         return func(*bound.args, **bound.kwargs)
-
-
-@functools.lru_cache(maxsize=None)
-def _signature(func: Callable[..., Any]) -> inspect.Signature:
-    return inspect.signature(func)
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
