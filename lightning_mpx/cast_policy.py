@@ -235,9 +235,13 @@ def _run_backward(policy: CastPolicy, func: Callable[..., Any], args: tuple[Any,
     roots_name, inputs_name = _BACKWARD_ARGUMENTS[func]
     bound = _BACKWARD_SIGNATURES[func].bind(*args, **kwargs)
     roots, inputs = bound.arguments.get(roots_name), bound.arguments.get(inputs_name)
-    tensors = list(_tensors(roots)) + list(_tensors(inputs))
-    if not tensors or any(not t.requires_grad for t in tensors):
-        return func(*args, **kwargs)  # nothing to differentiate: torch's own error or result
+    root_tensors, input_tensors = list(_tensors(roots)), list(_tensors(inputs))
+    if (
+        not root_tensors
+        or any(t.grad_fn is None for t in root_tensors)  # a leaf (or no graph): no recomputation behind it
+        or any(not t.requires_grad for t in input_tensors)
+    ):
+        return func(*args, **kwargs)  # torch's own result or error
     bound.arguments[roots_name] = _as_edges(roots)
     if inputs is not None:
         bound.arguments[inputs_name] = _as_edges(inputs)
