@@ -23,7 +23,8 @@ their native behaviour untouched. With an opt level, Accelerate itself runs with
 
 * ``prepare`` converts each model for the opt level (before device placement's DDP wrapper, after it is moved to the
   device, so that O2's FP32 masters live on the device), replaces its ``forward`` *on that instance only* (O1: the
-  cast policy is active during the forward; O2/O3: float inputs cast to half; every level: half outputs cast to
+  cast policy is active during the forward; O2: loss functions called inside it run in FP32; O2/O3: float inputs
+  cast to half; every level: half outputs cast to
   FP32 so that the loss is computed in FP32), and wraps each optimizer so that ``step`` is ``Amp.step``.
 * **When the scale is updated.** ``Amp.update()`` must run once per iteration, after the real optimizer steps. The
   adapter calls it (1) as soon as every optimizer prepared by this accelerator has stepped (or skipped) since the
@@ -56,7 +57,7 @@ from torch import nn
 
 from lightning_mpx._dtypes import parse_half_dtype
 from lightning_mpx._imports import require
-from lightning_mpx.amp import Amp
+from lightning_mpx.amp import Amp, _cast_collection
 from lightning_mpx.cast_table import _NAMESPACES as _TABLE_NAMESPACES
 from lightning_mpx.cast_table import CastTable
 from lightning_mpx.loss_scaler import LossScaler, OnFloor
@@ -72,7 +73,6 @@ from accelerate.utils import (  # type: ignore[import-untyped]  # noqa: E402
     DistributedType,
     GradScalerKwargs,
     KwargsHandler,
-    convert_to_fp32,
 )
 
 __all__ = ["AMP_STATE_NAME", "NATIVE_MIXED_PRECISION", "Accelerator", "MixedPrecisionKwargs"]
@@ -327,8 +327,8 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
     # -- forward and backward ---------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def autocast(self, autocast_handler: AutocastKwargs | None = None) -> Iterator[None]:
-        """As ``accelerate.Accelerator.autocast``; with an opt level, the O1 cast policy's scope (nothing at O0,
-        O2 and O3, whose model is cast as a whole)."""
+        """As ``accelerate.Accelerator.autocast``; with an opt level, ``Amp.forward_context``: the O1 cast policy's
+        scope, at O2 the policy that runs loss functions in FP32 (nothing at O0 and O3)."""
         if self.amp is None:
             with super().autocast(autocast_handler):
                 yield
@@ -556,8 +556,9 @@ class _AmpOptimizer(AcceleratedOptimizer):  # type: ignore[misc]
 
 
 class _AmpForward:
-    """A prepared model's ``forward`` under the opt level: O1's cast policy around it, O2/O3's float inputs cast to
-    half; half outputs cast to FP32 (as Accelerate's own wrapper) so that the loss is computed in FP32."""
+    """A prepared model's ``forward`` under the opt level: ``Amp.forward_context`` around it (O1's cast policy; at O2,
+    loss functions in FP32), O2/O3's float inputs cast to half; half outputs cast to FP32 (as Accelerate's own
+    wrapper) so that the loss is computed in FP32."""
 
     def __init__(self, forward: Callable[..., Any], amp: Amp) -> None:
         # __wrapped__ is the plain function, so that Accelerate's unwrap_model(keep_fp32_wrapper=False) can restore it.
@@ -569,7 +570,8 @@ class _AmpForward:
             args, kwargs = amp.cast_inputs(args), amp.cast_inputs(kwargs)
         with amp.forward_context():
             output = self._forward(*args, **kwargs)
-        return convert_to_fp32(output)
+        # Accelerate's convert_to_fp32 loses defaultdicts and skips dataclasses; this keeps every container's type.
+        return _cast_collection(output, torch.float32, (torch.float16, torch.bfloat16))
 
     def __getstate__(self) -> dict[str, Any]:
         # What the forward needs, not the engine (its masters, optimizers and scales stay with the original): a
@@ -622,7 +624,7 @@ def _engine_for_forward(properties: Any, table: CastTable | None, allow_banned: 
     return Amp(
         properties.opt_level,
         half_dtype=properties.half_dtype,
-        cast_table=table,
+        cast_table=table if properties.patch_torch_functions else None,  # O2's loss-only table is made by Amp
         allow_banned=allow_banned,
         cast_model_type=properties.cast_model_type,
         patch_torch_functions=properties.patch_torch_functions,

@@ -17,13 +17,16 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import copy
+import dataclasses
 import enum
 import logging
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable, Iterator
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, MutableMapping
 
 import torch
 from torch import nn
@@ -126,11 +129,12 @@ class Amp:
                 f"cast_table is only used by the cast-table policy, which is off at opt_level="
                 f"{self.properties.opt_level!r} (patch_torch_functions=False); use opt_level='O1'."
             )
-        self.policy: CastPolicy | None = (
-            CastPolicy(cast_table, self.properties.half_dtype, allow_banned=allow_banned)
-            if self.properties.patch_torch_functions
-            else None
-        )
+        self.policy: CastPolicy | None = None
+        if self.properties.patch_torch_functions:
+            self.policy = CastPolicy(cast_table, self.properties.half_dtype, allow_banned=allow_banned)
+        elif self.properties.casts_model and self.properties.master_weights:
+            # O2: a loss computed inside the half model's own forward runs in FP32 (CastTable.default_o2()).
+            self.policy = CastPolicy(CastTable.default_o2(), self.properties.half_dtype, allow_banned=True)
         scaler_settings = dict(
             init_scale=init_scale,
             growth_factor=growth_factor,
@@ -302,7 +306,8 @@ class Amp:
 
     # -- forward ------------------------------------------------------------------------------------------------
     def forward_context(self) -> ContextManager[Any]:
-        """The scope of a forward pass: the cast policy at O1, nothing otherwise."""
+        """The scope of a forward pass: the cast policy at O1; at O2, a policy that runs loss functions called inside
+        the model in FP32; nothing otherwise."""
         return self.policy.scope() if self.policy is not None else contextlib.nullcontext()
 
     def cast_inputs(self, data: Any) -> Any:
@@ -336,8 +341,15 @@ class Amp:
         return scaled
 
     def backward(self, loss: torch.Tensor, loss_id: int = 0, **backward_kwargs: Any) -> None:
-        """``scale_loss(loss, loss_id).backward(**backward_kwargs)``."""
-        self.scale_loss(loss, loss_id).backward(**backward_kwargs)
+        """``scale_loss(loss, loss_id).backward(**backward_kwargs)`` inside :meth:`backward_context`."""
+        scaled = self.scale_loss(loss, loss_id)
+        with self.backward_context():
+            scaled.backward(**backward_kwargs)
+
+    def backward_context(self) -> ContextManager[Any]:
+        """The scope of a backward pass: activation checkpointing recomputes with the forward's casts inside it (the
+        cast policy's :meth:`~lightning_mpx.cast_policy.CastPolicy.recompute_scope`); nothing without a policy."""
+        return self.policy.recompute_scope() if self.policy is not None else contextlib.nullcontext()
 
     # -- optimizer step -----------------------------------------------------------------------------------------
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -745,12 +757,49 @@ def _params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
 
 
 def _cast_collection(data: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
+    """``data`` with its tensors of a ``castable`` dtype cast to ``dtype``, through lists, tuples, namedtuples,
+    mappings and dataclasses, each rebuilt as its own type (a Hugging Face ``ModelOutput``, which is both an
+    ``OrderedDict`` and a dataclass, stays one; a ``defaultdict`` keeps its ``default_factory``)."""
     if isinstance(data, torch.Tensor):
         return data.to(dtype) if data.dtype in castable else data
-    if isinstance(data, dict):
-        return type(data)((k, _cast_collection(v, dtype, castable)) for k, v in data.items())
+    if dataclasses.is_dataclass(data) and not isinstance(data, type):
+        return _cast_dataclass(data, dtype, castable)
+    if isinstance(data, Mapping):
+        return _cast_mapping(data, dtype, castable)
     if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
         return type(data)(*(_cast_collection(v, dtype, castable) for v in data))
     if isinstance(data, (list, tuple)):
         return type(data)(_cast_collection(v, dtype, castable) for v in data)
     return data
+
+
+def _cast_dataclass(data: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
+    # replace() runs __init__ and __post_init__ again, which a ModelOutput needs to rebuild its mapping.
+    changes = {
+        f.name: _cast_collection(getattr(data, f.name), dtype, castable)
+        for f in dataclasses.fields(data)
+        if f.init and hasattr(data, f.name)
+    }
+    new = dataclasses.replace(data, **changes)
+    if isinstance(data, MutableMapping):  # keys set as items, outside the fields, come along too
+        for key, value in data.items():
+            if key not in new:
+                new[key] = _cast_collection(value, dtype, castable)
+    return new
+
+
+def _cast_mapping(data: Mapping[Any, Any], dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
+    items = {key: _cast_collection(value, dtype, castable) for key, value in data.items()}
+    if isinstance(data, collections.defaultdict):
+        return type(data)(data.default_factory, items)
+    try:
+        return type(data)(items)
+    except TypeError:  # a constructor that takes no mapping: fill a shallow copy instead
+        if not isinstance(data, MutableMapping):
+            raise TypeError(
+                f"cannot rebuild a {type(data).__name__} with cast tensors: its constructor takes no mapping and it "
+                "cannot be changed in place; return a dict, a dataclass or a MutableMapping from the model."
+            ) from None
+        new = copy.copy(data)
+        new.update(items)
+        return new

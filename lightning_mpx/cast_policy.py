@@ -15,16 +15,27 @@ Torch dispatches a torch function written in Python (``F.softmax``, ``F.multi_he
 mode as one call, and the ops it calls internally run with the mode set aside: such a function is cast as a whole,
 by its own table entry, or runs as given when the table does not list it.
 
-Casts of leaf tensors that require grad (the parameters) are cached until :meth:`CastPolicy.clear_cache`, which the
-training loop calls at each iteration boundary; a parameter changed in place since (an optimizer step between two
-forward passes) is cast again. Casts are differentiable, so gradients reach the FP32 parameters in FP32.
+Casts of leaf tensors that require grad (the parameters) are cached. Casts made with gradients enabled live until
+:meth:`CastPolicy.clear_cache`, which the training loop calls at each iteration boundary; a parameter changed in place
+since (an optimizer step between two forward passes) or given new storage (``p.data = ...``) is cast again. Casts made
+without gradients (evaluation) live for one scope: a write through ``p.data`` changes the values without any trace on
+the parameter, and evaluation-only runs never reach an iteration boundary. Casts are differentiable, so gradients
+reach the FP32 parameters in FP32.
+
+Activation checkpointing (``torch.utils.checkpoint``, Hugging Face ``gradient_checkpointing_enable()``) re-runs part
+of the forward pass during the backward pass, where the forward's scope has ended. Torch restores ``torch.autocast``'s
+state for that recomputation, but not torch-function modes, so :meth:`CastPolicy.recompute_scope` is entered around
+the backward pass (``Amp.backward`` does it): inside it the policy casts only code that runs with gradients enabled,
+which during a backward pass is the recomputation (the engine runs backward functions with gradients disabled), and
+the recomputed forward gets the forward's dtypes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from types import MappingProxyType
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -33,7 +44,7 @@ from lightning_mpx._dtypes import parse_half_dtype
 from lightning_mpx.cast_table import CastTable
 
 # Actions, resolved once per function and memoised by each policy.
-_PASS, _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _BANNED = range(6)
+_PASS, _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _BANNED, _BACKWARD = range(7)
 _CATEGORY_ACTION = MappingProxyType(
     {"half": _HALF, "float": _FLOAT, "promote": _PROMOTE, "sequence": _SEQUENCE, "banned": _BANNED}
 )
@@ -77,31 +88,56 @@ class CastPolicy:
         # The table and table version that _actions was memoised from. The table itself, not its id(): an id can be
         # reused by a new table once the old one is freed.
         self._actions_of: tuple[CastTable | None, int] = (None, -1)
-        # (id(tensor), dtype, grad enabled) -> (tensor._version when cast, cast tensor, tensor)
-        self._cache: dict[tuple[int, torch.dtype, bool], tuple[int, torch.Tensor, torch.Tensor]] = {}
+        # Parameter casts made with gradients enabled, until clear_cache(), and without, until the next scope entry:
+        # (id(tensor), dtype) -> _CacheEntry
+        self._grad_cache: dict[tuple[int, torch.dtype], _CacheEntry] = {}
+        self._no_grad_cache: dict[tuple[int, torch.dtype], _CacheEntry] = {}
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[CastPolicy]:
         """Apply the policy to torch calls on this thread until the block ends (also when it raises)."""
-        table, version = self._actions_of
-        if table is not self.table or version != self.table._version:
-            self._actions = {}
-            self._actions_of = (self.table, self.table._version)
+        self._refresh_actions()
+        # Evaluation casts are redone in every scope: a write through ``p.data`` leaves no trace on ``p``.
+        self._no_grad_cache.clear()
         with _CastMode(self):
+            yield self
+
+    @contextlib.contextmanager
+    def recompute_scope(self) -> Iterator[CastPolicy]:
+        """Apply the policy to forward code that autograd re-runs during a backward pass entered in this block.
+
+        Enter it around ``loss.backward()`` (``Amp.backward`` does): activation checkpointing
+        (``torch.utils.checkpoint`` with ``use_reentrant=True`` or ``False``) then recomputes with the forward's
+        casts, as it does for ``torch.autocast``. Only calls made with gradients enabled are cast: during a backward pass that is the
+        recomputation, while the engine's own backward functions (and Python ``autograd.Function.backward``) run
+        with gradients disabled and are left alone, unless the backward builds a graph (``create_graph=True``).
+        """
+        self._refresh_actions()
+        with _CastMode(self, recompute_only=True):
             yield self
 
     def clear_cache(self) -> None:
         """Drop the cached casts of parameters: call it at each iteration boundary, after the optimizer step."""
-        self._cache.clear()
+        self._grad_cache.clear()
+        self._no_grad_cache.clear()
 
     @property
     def cache_size(self) -> int:
-        return len(self._cache)
+        return len(self._grad_cache) + len(self._no_grad_cache)
 
     # -- internals ----------------------------------------------------------------------------------------------
+    def _refresh_actions(self) -> None:
+        table, version = self._actions_of
+        if table is not self.table or version != self.table._version:
+            self._actions = {}
+            self._actions_of = (self.table, self.table._version)
+
     def _classify(self, func: Callable[..., Any]) -> int:
         category = self.table.category_of(func)
-        action = _PASS if category is None else _CATEGORY_ACTION[category]
+        if func in _BACKWARD_ENTRIES:
+            action = _BACKWARD
+        else:
+            action = _PASS if category is None else _CATEGORY_ACTION[category]
         self._actions[func] = action
         return action
 
@@ -112,13 +148,14 @@ class CastPolicy:
             if value.requires_grad and value.is_leaf and self.cache_casts:
                 # Keyed by id() (Tensor.__hash__ is a Python call); the entry keeps the tensor alive, so the id
                 # cannot be reused while the entry exists.
-                key = (id(value), dtype, torch.is_grad_enabled())
-                hit = self._cache.get(key)
-                version = value._version
-                if hit is not None and hit[0] == version:
-                    return hit[1]
+                cache = self._grad_cache if torch.is_grad_enabled() else self._no_grad_cache
+                key = (id(value), dtype)
+                hit = cache.get(key)
+                version, address = value._version, value.data_ptr()
+                if hit is not None and hit.version == version and hit.address == address:
+                    return hit.cast
                 cast = value.to(dtype)
-                self._cache[key] = (version, cast, value)
+                cache[key] = _CacheEntry(version, address, cast, value, value.untyped_storage())
                 return cast
             return value.to(dtype)
         if type(value) is list or (isinstance(value, tuple) and not isinstance(value, torch.Size)):
@@ -141,6 +178,16 @@ class CastPolicy:
         return args, kwargs
 
 
+class _CacheEntry(NamedTuple):
+    """A cached cast and what it was made from."""
+
+    version: int  # the tensor's version counter: in-place updates through the tensor itself bump it
+    address: int  # its data_ptr(): ``p.data = other`` changes it
+    cast: torch.Tensor
+    tensor: torch.Tensor  # keeps the tensor alive, so that its id() is not reused while the entry exists
+    storage: Any  # the storage cast from, kept alive so that a new storage cannot take its address
+
+
 def _widest(values: Any, found: set[torch.dtype]) -> None:
     for value in values:
         if isinstance(value, torch.Tensor):
@@ -160,15 +207,86 @@ def _promote_dtype(found: set[torch.dtype]) -> torch.dtype | None:
 
 
 _ALL_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# The calls that start a backward pass, with the names of their (roots, inputs) arguments.
+_BACKWARD_ARGUMENTS: Mapping[Callable[..., Any], tuple[str, str]] = MappingProxyType(
+    {
+        torch.Tensor.backward: ("self", "inputs"),
+        torch.autograd.backward: ("tensors", "inputs"),
+        torch.autograd.grad: ("outputs", "inputs"),
+    }
+)
+_BACKWARD_ENTRIES = frozenset(_BACKWARD_ARGUMENTS)
+_BACKWARD_SIGNATURES: Mapping[Callable[..., Any], inspect.Signature] = MappingProxyType(
+    {func: inspect.signature(func) for func in _BACKWARD_ARGUMENTS}
+)
+
+
+def _run_backward(policy: CastPolicy, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run a backward pass (``func`` is ``Tensor.backward``, ``torch.autograd.backward`` or ``torch.autograd.grad``)
+    with a recompute mode of ``policy`` on the mode stack, so that activation checkpointing recomputes with the
+    forward's casts.
+
+    Torch sets a mode aside while the mode handles a call, and any call of these functions with a mode active is
+    handed to the mode: the mode stack that the autograd engine captures for the backward pass would never hold a
+    cast mode. Torch decides whether to hand a call to the modes by looking at the call's tensor arguments only, so
+    the same call made with the tensors' gradient edges (``torch.autograd.graph.get_gradient_edge``, public API that
+    computes the same gradients) reaches the engine directly, with the recompute mode in place.
+    """
+    roots_name, inputs_name = _BACKWARD_ARGUMENTS[func]
+    bound = _BACKWARD_SIGNATURES[func].bind(*args, **kwargs)
+    roots, inputs = bound.arguments.get(roots_name), bound.arguments.get(inputs_name)
+    root_tensors, input_tensors = list(_tensors(roots)), list(_tensors(inputs))
+    if (
+        not root_tensors
+        or any(t.grad_fn is None for t in root_tensors)  # a leaf (or no graph): no recomputation behind it
+        or any(not t.requires_grad for t in input_tensors)
+    ):
+        return func(*args, **kwargs)  # torch's own result or error
+    bound.arguments[roots_name] = _as_edges(roots)
+    if inputs is not None:
+        bound.arguments[inputs_name] = _as_edges(inputs)
+    with _CastMode(policy, recompute_only=True):
+        if func is torch.Tensor.backward:
+            gradient = bound.arguments.get("gradient")
+            return torch.autograd.backward(
+                bound.arguments["self"],
+                None if gradient is None else (gradient,),
+                bound.arguments.get("retain_graph"),
+                bound.arguments.get("create_graph", False),
+                inputs=bound.arguments.get("inputs"),
+            )
+        return func(*bound.args, **bound.kwargs)
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        yield from (v for v in value.values() if isinstance(v, torch.Tensor))
+    elif isinstance(value, (list, tuple)):
+        yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+def _as_edges(value: Any) -> Any:
+    edge = torch.autograd.graph.get_gradient_edge
+    if isinstance(value, torch.Tensor):
+        return edge(value)
+    if isinstance(value, dict):
+        return {k: edge(v) if isinstance(v, torch.Tensor) else v for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return tuple(edge(v) if isinstance(v, torch.Tensor) else v for v in value)
+    return value
 
 
 class _CastMode(TorchFunctionMode):
     """The torch-function mode behind :meth:`CastPolicy.scope`; one per scope entry."""
 
-    def __init__(self, policy: CastPolicy) -> None:
+    def __init__(self, policy: CastPolicy, *, recompute_only: bool = False) -> None:
         super().__init__()
         self.policy = policy
         self.disabled = 0
+        # A backward pass's mode (CastPolicy.recompute_scope): casts only what runs with gradients enabled.
+        self.recompute_only = recompute_only
 
     def __torch_function__(
         self,
@@ -182,6 +300,10 @@ class _CastMode(TorchFunctionMode):
         if action is None:
             action = policy._classify(func)
         if action == _PASS or self.disabled:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        if action == _BACKWARD:
+            return _run_backward(policy, func, args, kwargs or {})
+        if self.recompute_only and not torch.is_grad_enabled():
             return func(*args, **kwargs) if kwargs else func(*args)
         if action != _BANNED and kwargs and kwargs.get("out") is not None:
             # Casting the out= tensor would write the result into a copy that the caller never sees.

@@ -5,7 +5,7 @@ its own table; :meth:`CastTable.default` returns a fresh copy of the default dat
 affecting anyone else::
 
     table = CastTable.default()
-    table.register(torch.einsum, "half")
+    table.register(torch.outer, "half")
     table.register_float_function(torch.nn.functional, "silu")
 """
 
@@ -19,10 +19,17 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch.overrides import handle_torch_function, has_torch_function
 
-from lightning_mpx.cast_lists import BANNED_ADVICE, CATEGORIES, DEFAULT_TABLE
+from lightning_mpx.cast_lists import BANNED_ADVICE, CATEGORIES, DEFAULT_TABLE, O2_TABLE
 
 _NAMESPACES: Mapping[str, Any] = MappingProxyType(
-    {"torch": torch, "torch.nn.functional": torch.nn.functional, "torch.Tensor": torch.Tensor}
+    {
+        "torch": torch,
+        "torch.nn.functional": torch.nn.functional,
+        "torch.Tensor": torch.Tensor,
+        "torch.fft": torch.fft,
+        "torch.linalg": torch.linalg,
+        "torch.special": torch.special,
+    }
 )
 _DISPATCHABLE_MARK = "__lightning_mpx_dispatchable__"
 
@@ -57,6 +64,12 @@ class CastTable:
     def default(cls) -> CastTable:
         """A new table holding the default data of :mod:`lightning_mpx.cast_lists`."""
         return cls.from_data(DEFAULT_TABLE)
+
+    @classmethod
+    def default_o2(cls) -> CastTable:
+        """A new table for the forward pass of a half model (O2): loss functions in FP32, nothing else
+        (:data:`~lightning_mpx.cast_lists.O2_TABLE`)."""
+        return cls.from_data(O2_TABLE)
 
     @classmethod
     def from_data(cls, data: Mapping[str, Mapping[str, tuple[str, ...]]]) -> CastTable:

@@ -249,6 +249,8 @@ def train(config: DemoConfig) -> DemoResult:
     start = time.perf_counter()
     trainer.fit(model, train_loader, val_loader)
     seconds = time.perf_counter() - start
+    # Read before the closing validation: ``validate`` starts a new stage and clears the training metrics.
+    train_loss = float(trainer.callback_metrics.get("train/loss", float("nan")))
     if not curve.points or curve.points[-1][0] != trainer.global_step:
         trainer.validate(model, val_loader, verbose=False)
         curve.points.append((trainer.global_step, float(trainer.callback_metrics["val/loss"])))
@@ -259,7 +261,7 @@ def train(config: DemoConfig) -> DemoResult:
         half_dtype=config.half_dtype,
         device=str(trainer.strategy.root_device),
         steps=trainer.global_step,
-        train_loss=float(trainer.callback_metrics.get("train/loss", float("nan"))),
+        train_loss=train_loss,
         val_loss=curve.points[-1][1],
         skipped_steps=int(metrics.get("mpx/skipped_steps", 0)),
         loss_scale=metrics.get("mpx/loss_scale", float("nan")),

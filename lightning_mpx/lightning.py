@@ -3,9 +3,9 @@
 A :class:`lightning.pytorch.plugins.Precision` that hands every precision decision to the core engine
 (:class:`~lightning_mpx.amp.Amp`). What it adds is the glue to Lightning's training loop:
 
-* the O1 cast policy is active in training, validation, test and predict steps; at O2/O3 the model is converted
-  before the strategy wraps it, and its inputs and outputs are cast at the model's boundary (Apex's behaviour:
-  the model sees half inputs, the loss sees FP32 outputs);
+* the O1 cast policy is active in training, validation, test and predict steps (at O2, the policy that runs loss
+  functions in FP32); at O2/O3 the model is converted before the strategy wraps it, and its inputs and outputs are
+  cast at the model's boundary (Apex's behaviour: the model sees half inputs, the loss sees FP32 outputs);
 * backward scales the loss (``self.manual_backward(loss, loss_id=1)`` picks a loss's own scaler);
 * the optimizer step unscales once, clips the unscaled gradients, skips on overflow (also the learning-rate
   scheduler's step), and the scale is updated once per iteration;
@@ -183,7 +183,7 @@ class MixedPrecisionPlugin(Precision):
 
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        """The O1 cast policy (nothing at the other levels)."""
+        """``Amp.forward_context``: the O1 cast policy; at O2, loss functions in FP32; nothing at O0 and O3."""
         with self.amp.forward_context():
             yield
 
@@ -206,7 +206,9 @@ class MixedPrecisionPlugin(Precision):
     ) -> None:
         """Backward on the loss times the scale of ``loss_id`` (``self.manual_backward(loss, loss_id=1)``)."""
         with disable_casts():  # a manual backward runs inside the training step's cast scope
-            model.backward(self.amp.scale_loss(tensor, loss_id), *args, **kwargs)
+            scaled = self.amp.scale_loss(tensor, loss_id)
+            with self.amp.backward_context():  # activation checkpointing recomputes with the forward's casts
+                model.backward(scaled, *args, **kwargs)
 
     # -- optimizer step ------------------------------------------------------------------------------------------
     def optimizer_step(  # type: ignore[override]

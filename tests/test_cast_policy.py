@@ -281,13 +281,47 @@ def test_an_in_place_update_is_cast_again():
 def test_grad_and_no_grad_casts_are_not_shared():
     w, b, x = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(4)), torch.randn(2, 3)
     policy = CastPolicy()
-    with torch.no_grad():
-        no_grad = _linear_weights(policy, w, b, x, calls=1)[0]
-    with_grad = _linear_weights(policy, w, b, x, calls=1)[0]
-    assert no_grad is not with_grad
+    with _Calls(F.linear) as seen, policy.scope():
+        with torch.no_grad():
+            F.linear(x, w, b)
+        F.linear(x, w, b)
+        with torch.no_grad():
+            F.linear(x, w, b)
+    no_grad, with_grad, no_grad_again = (args[1] for args in seen.args)
+    assert no_grad is not with_grad and no_grad_again is no_grad
     assert not no_grad.requires_grad and with_grad.requires_grad and with_grad.grad_fn is not None
+
+
+def test_no_grad_casts_last_one_scope_and_grad_casts_one_iteration():
+    # Evaluation casts are redone at each scope entry (writes through ``p.data`` leave no trace on ``p``, and an
+    # evaluation-only run never calls clear_cache); training casts are kept until the iteration boundary.
+    w, b, x = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(4)), torch.randn(2, 3)
+    policy = CastPolicy()
     with torch.no_grad():
-        assert _linear_weights(policy, w, b, x, calls=1)[0] is no_grad
+        first = _linear_weights(policy, w, b, x, calls=1)[0]
+        second = _linear_weights(policy, w, b, x, calls=1)[0]
+    assert first is not second
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    assert _linear_weights(policy, w, b, x, calls=1)[0] is _linear_weights(policy, w, b, x, calls=1)[0]
+
+
+# A write through ``p.data.copy_`` between two training scopes of one iteration is not seen (nothing on ``p`` records
+# it); training loops call clear_cache() at the iteration boundary.
+@pytest.mark.parametrize(
+    ("write", "grad"), [("copy_", False), ("assign", False), ("assign", True)], ids=["copy_", "assign", "assign-grad"]
+)
+def test_writes_through_data_are_cast_again(write, grad):
+    w, b, x = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(4)), torch.randn(2, 3)
+    policy = CastPolicy()
+    new = torch.randn(4, 3)
+    with torch.set_grad_enabled(grad):
+        _linear_weights(policy, w, b, x, calls=1)
+        if write == "copy_":
+            w.data.copy_(new)  # p.data has its own version counter: p._version does not change
+        else:
+            w.data = new.clone()  # new storage
+        after = _linear_weights(policy, w, b, x, calls=1)[0]
+    torch.testing.assert_close(after, new.half(), rtol=0, atol=0)
 
 
 def test_cache_can_be_turned_off():

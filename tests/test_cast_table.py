@@ -32,6 +32,18 @@ def _call(*args, **kwargs):
     return args, kwargs
 
 
+def _spd(n=3):
+    """A symmetric positive definite matrix (well conditioned, also after rounding to half)."""
+    a = _r(n, n)
+    return a @ a.T + n * torch.eye(n)
+
+
+_GEQRF = torch.geqrf(_r(3, 3))
+_LU = torch.linalg.lu_factor(_spd())
+_POOLED2D = F.max_pool2d(_r(1, 1, 4, 4), 2, return_indices=True)
+_POOLED3D = F.max_pool3d(_r(1, 1, 4, 4, 4), 2, return_indices=True)
+
+
 # --- argument builders: name -> (x, y) -> (args, kwargs) --------------------------------------------------------
 # ``x`` and ``y`` turn an FP32 tensor into an input of the dtype under test. For ``half``, ``float`` and ``banned``
 # rows both give the same dtype; for ``promote`` and ``sequence`` rows ``x`` gives the half dtype and ``y`` FP32, so
@@ -132,6 +144,94 @@ ARGS = {
     "soft_margin_loss": lambda x, y: _call(x(_r(4)), y(_signs(4))),
     "triplet_margin_loss": lambda x, y: _call(x(_r(4, 3)), y(_r(4, 3)), y(_r(4, 3))),
     "triplet_margin_with_distance_loss": lambda x, y: _call(x(_r(4, 3)), y(_r(4, 3)), y(_r(4, 3))),
+    # float: no fast (or no) half kernel
+    "cdist": lambda x, y: _call(x(_r(3, 4)), y(_r(5, 4))),
+    "pdist": _UNARY,
+    "quantile": lambda x, y: _call(x(_r(3, 4)), 0.5),
+    "nanquantile": lambda x, y: _call(x(_r(3, 4)), 0.5),
+    "stft": lambda x, y: _call(x(_r(64)), 16, window=y(torch.ones(16)), return_complex=True),
+    "trace": lambda x, y: _call(x(_r(3, 3))),
+    "polar": lambda x, y: _call(x(_r(3)), y(_r(3))),
+    "view_as_complex": lambda x, y: _call(x(_r(3, 2))),
+    "fake_quantize_per_tensor_affine": lambda x, y: _call(x(_r(3, 4)), 0.1, 0, 0, 255),
+    "frobenius_norm": lambda x, y: _call(x(_r(3, 4)), [0, 1]),
+    "nuclear_norm": _UNARY,
+    "rms_norm": lambda x, y: _call(x(_r(2, 4)), (4,)),
+    "avg_pool3d": lambda x, y: _call(x(_r(1, 1, 4, 4, 4)), 2),
+    "max_pool3d": lambda x, y: _call(x(_r(1, 1, 4, 4, 4)), 2),
+    "adaptive_avg_pool3d": lambda x, y: _call(x(_r(1, 1, 4, 4, 4)), 2),
+    "adaptive_max_pool3d": lambda x, y: _call(x(_r(1, 1, 4, 4, 4)), 2),
+    "fractional_max_pool2d": lambda x, y: _call(x(_r(1, 1, 8, 8)), 2, output_size=4),
+    "fractional_max_pool3d": lambda x, y: _call(x(_r(1, 1, 8, 8, 8)), 2, output_size=4),
+    "max_unpool2d": lambda x, y: _call(x(_POOLED2D[0]), _POOLED2D[1], 2),
+    "max_unpool3d": lambda x, y: _call(x(_POOLED3D[0]), _POOLED3D[1], 2),
+    # (input, grid, interpolation mode, padding mode, align_corners)
+    "grid_sampler": lambda x, y: _call(x(_r(1, 1, 4, 4)), y(_r(1, 2, 2, 2) * 2 - 1), 0, 0, False),
+    "grid_sampler_2d": lambda x, y: _call(x(_r(1, 1, 4, 4)), y(_r(1, 2, 2, 2) * 2 - 1), 0, 0, False),
+    "grid_sampler_3d": lambda x, y: _call(x(_r(1, 1, 4, 4, 4)), y(_r(1, 2, 2, 2, 3) * 2 - 1), 0, 0, False),
+    "torch.kl_div": lambda x, y: _call(x(_r(3, 4).log()), y(_r(3, 4)), 1, log_target=False),  # reduction: enum
+    "torch.poisson_nll_loss": lambda x, y: _call(x(_r(3, 4)), y(_r(3, 4)), True, False, 1e-8, 1),
+    # float: linear algebra (torch.*, Tensor.* and torch.linalg.*)
+    **dict.fromkeys(
+        ("cholesky", "cholesky_ex", "cond", "det", "eig", "eigh", "eigvals", "eigvalsh", "inverse", "inv", "inv_ex",
+         "lu", "lu_factor", "lu_factor_ex", "matrix_norm", "matrix_rank", "pinverse", "pinv", "qr", "slogdet", "svd",
+         "svdvals", "geqrf", "vector_norm"),
+        lambda x, y: _call(x(_spd())),
+    ),  # fmt: skip
+    "cholesky_inverse": lambda x, y: _call(x(torch.linalg.cholesky(_spd()))),
+    "cholesky_solve": lambda x, y: _call(x(_r(3, 2)), y(torch.linalg.cholesky(_spd()))),
+    "orgqr": lambda x, y: _call(x(_GEQRF[0]), y(_GEQRF[1])),
+    "householder_product": lambda x, y: _call(x(_GEQRF[0]), y(_GEQRF[1])),
+    "ormqr": lambda x, y: _call(x(_GEQRF[0]), y(_GEQRF[1]), y(_r(3, 2))),
+    "triangular_solve": lambda x, y: _call(x(_r(3, 2)), y(_spd().triu())),  # (b, A)
+    "solve_triangular": lambda x, y: _call(x(_spd().triu()), y(_r(3, 2)), upper=True),  # (A, B)
+    **dict.fromkeys(("solve", "solve_ex", "lstsq"), lambda x, y: _call(x(_spd()), y(_r(3, 2)))),
+    "tensorinv": lambda x, y: _call(x(_spd(4).reshape(4, 2, 2)), ind=1),
+    "tensorsolve": lambda x, y: _call(x(_spd(4).reshape(2, 2, 4)), y(_r(2, 2))),
+    "lu_solve": lambda x, y: _call(x(_r(3, 2)), y(_LU[0]), _LU[1]),  # torch.lu_solve(b, LU, pivots)
+    "torch.linalg.lu_solve": lambda x, y: _call(x(_LU[0]), _LU[1], y(_r(3, 2))),  # (LU, pivots, B)
+    # float: FFTs
+    **dict.fromkeys(
+        ("fft", "ifft", "fft2", "ifft2", "fftn", "ifftn", "rfft", "irfft", "rfft2", "irfft2", "rfftn", "irfftn",
+         "hfft", "ihfft", "hfft2", "ihfft2", "hfftn", "ihfftn"),
+        lambda x, y: _call(x(_r(4, 4))),
+    ),  # fmt: skip
+    # half: more matrix products and recurrent layers
+    "einsum": lambda x, y: _call("ij,jk->ik", x(_r(3, 4)), y(_r(4, 5))),
+    "convolution": lambda x, y: _call(x(_r(1, 2, 5)), y(_r(3, 2, 3)), y(_r(3)), [1], [0], [1], False, [0], 1),
+    "vecdot": _BINARY,
+    "multi_dot": lambda x, y: _call([x(_r(3, 4)), y(_r(4, 5)), y(_r(5, 2))]),
+    # (input, hx, flat weights, has_biases, num_layers, dropout, train, bidirectional, batch_first); 4, 3 or 1 gates
+    "lstm": lambda x, y: _call(
+        x(_r(5, 2, 4)), (y(_r(1, 2, 3)), y(_r(1, 2, 3))), [y(_r(12, 4)), y(_r(12, 3)), y(_r(12)), y(_r(12))],
+        True, 1, 0.0, False, False, False,
+    ),
+    "gru": lambda x, y: _call(
+        x(_r(5, 2, 4)), y(_r(1, 2, 3)), [y(_r(9, 4)), y(_r(9, 3)), y(_r(9)), y(_r(9))], True, 1, 0.0, False, False,
+        False,
+    ),
+    **dict.fromkeys(
+        ("rnn_tanh", "rnn_relu"),
+        lambda x, y: _call(
+            x(_r(5, 2, 4)), y(_r(1, 2, 3)), [y(_r(3, 4)), y(_r(3, 3)), y(_r(3)), y(_r(3))], True, 1, 0.0, False,
+            False, False,
+        ),
+    ),
+    # (input, hx, w_ih, w_hh, b_ih, b_hh)
+    "lstm_cell": lambda x, y: _call(
+        x(_r(2, 4)), (y(_r(2, 3)), y(_r(2, 3))), y(_r(12, 4)), y(_r(12, 3)), y(_r(12)), y(_r(12))
+    ),
+    "gru_cell": lambda x, y: _call(x(_r(2, 4)), y(_r(2, 3)), y(_r(9, 4)), y(_r(9, 3)), y(_r(9)), y(_r(9))),
+    **dict.fromkeys(
+        ("rnn_tanh_cell", "rnn_relu_cell"),
+        lambda x, y: _call(x(_r(2, 4)), y(_r(2, 3)), y(_r(3, 4)), y(_r(3, 3)), y(_r(3)), y(_r(3))),
+    ),
+    # promote: x is half, y is FP32
+    "tensordot": lambda x, y: _call(x(_r(3, 4)), y(_r(4, 5)), 1),
+    "vdot": lambda x, y: _call(x(_r(4)), y(_r(4))),
+    "index_copy": lambda x, y: _call(x(_r(3, 4)), 0, torch.tensor([0, 2]), y(_r(2, 4))),
+    "index_put": lambda x, y: _call(x(_r(4)), (torch.tensor([1]),), y(_r(1))),
+    "scatter_add": lambda x, y: _call(x(_r(2, 3)), 0, torch.tensor([[0, 1, 0]]), y(_r(1, 3))),
     # banned
     "binary_cross_entropy": _BINARY,
     # promote: x is half, y is FP32
@@ -218,7 +318,8 @@ def _run(entry, policy, x_dtype, y_dtype):
     return out, received.received
 
 
-@pytest.mark.filterwarnings("ignore:.*chain_matmul is deprecated:UserWarning")
+@pytest.mark.filterwarnings("ignore:.*is deprecated:UserWarning")
+@pytest.mark.filterwarnings("ignore:.*deprecated:FutureWarning")
 @pytest.mark.parametrize("half_dtype", HALF_DTYPES, ids=_dtype_id)
 @pytest.mark.parametrize("entry", [pytest.param(e, id=e.qualified_name) for e in DEFAULT_ENTRIES])
 def test_default_entry_casts_its_inputs(entry, half_dtype):
@@ -318,14 +419,16 @@ def test_policy_follows_a_swapped_table():
 
 
 @pytest.mark.parametrize("half_dtype", HALF_DTYPES, ids=_dtype_id)
-def test_register_half_function_einsum(half_dtype):
+def test_register_half_function_outer(half_dtype):
+    a, b = torch.randn(3), torch.randn(4)
+    with CastPolicy(CastTable.default(), half_dtype).scope():
+        assert torch.outer(a, b).dtype == torch.float32  # not in the default table
     table = CastTable.default()
-    table.register_half_function(torch, "einsum")
-    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    table.register_half_function(torch, "outer")
     with CastPolicy(table, half_dtype).scope():
-        out = torch.einsum("ij,jk->ik", a, b)
+        out = torch.outer(a, b)
     assert out.dtype == half_dtype
-    torch.testing.assert_close(out.float(), a @ b, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), torch.outer(a, b), rtol=2e-2, atol=2e-2)
 
 
 def test_register_float_and_promote_function():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import tomllib
@@ -28,6 +29,19 @@ def test_demo_trains_logs_and_prints_the_summary(tmp_path, capsys):
     assert {"mpx/loss_scale", "mpx/overflows", "mpx/skipped_steps", "train/loss", "val/loss"} <= set(series)
     png = run / "loss_scale.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_final_train_loss_survives_the_closing_validation(tmp_path):
+    # 3 steps, validation every 100: the curve's last point comes from a validate() after fit, which used to clear
+    # the training metrics (the summary printed "final train loss nan").
+    result = train(
+        DemoConfig(
+            steps=3, dim=16, layers=1, batch_size=4, seq_len=16, val_batches=1, corpus_bytes=20_000,
+            progress_bar=False, run_dir=str(tmp_path / "run"),
+        )
+    )  # fmt: skip
+    assert result.val_curve[-1][0] == 3
+    assert math.isfinite(result.train_loss) and 0 < result.train_loss < 10
 
 
 def test_plot_marks_overflows_from_a_run_that_had_them(tmp_path):

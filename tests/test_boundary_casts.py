@@ -1,0 +1,199 @@
+"""Casts at a half model's boundary keep every container's type: Hugging Face ``ModelOutput`` (an ``OrderedDict``
+and a dataclass), ``defaultdict``, other mappings and dataclasses, in the core, the Lightning plugin and the
+Accelerate adapter."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import types
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_mpx import Amp
+
+f16, f32 = torch.float16, torch.float32
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    extra: Any = None
+    count: int = 3
+    derived: int = dataclasses.field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.derived = self.count * 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    hidden: torch.Tensor
+
+
+class Pair(NamedTuple):
+    first: torch.Tensor
+    second: torch.Tensor
+
+
+class Keyword(dict):
+    """A dict subclass whose constructor takes no mapping."""
+
+    def __init__(self, *, tag: str) -> None:
+        super().__init__()
+        self.tag = tag
+
+
+def _model_output(**values: Any) -> Any:
+    modeling_outputs = pytest.importorskip("transformers.modeling_outputs")
+    return modeling_outputs.SequenceClassifierOutput(**values)
+
+
+def _cast(data: Any) -> Any:
+    return Amp("O2").cast_outputs(data)  # half tensors to FP32
+
+
+def _h(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape).to(f16)
+
+
+def test_model_output_keeps_its_type_keys_and_attributes():
+    out = _model_output(loss=_h(1)[0], logits=_h(2, 3), hidden_states=(_h(2, 4), _h(2, 4)))
+    cast = _cast(out)
+    assert type(cast) is type(out)
+    assert list(cast.keys()) == ["loss", "logits", "hidden_states"]
+    assert cast.logits.dtype == f32 and cast["loss"].dtype == f32 and cast[0].dtype == f32
+    assert type(cast.hidden_states) is tuple and {t.dtype for t in cast.hidden_states} == {f32}
+    assert cast.attentions is None
+    torch.testing.assert_close(cast.logits, out.logits.float(), rtol=0, atol=0)
+
+
+def test_model_output_without_its_first_field():
+    cast = _cast(_model_output(logits=_h(2, 3)))
+    assert list(cast.keys()) == ["logits"] and cast.loss is None and cast.logits.dtype == f32
+
+
+def test_defaultdict_keeps_its_default_factory():
+    data = collections.defaultdict(list, {"x": _h(2), "y": [_h(1)]})
+    cast = _cast(data)
+    assert type(cast) is collections.defaultdict and cast.default_factory is list
+    assert cast["x"].dtype == f32 and cast["y"][0].dtype == f32
+    assert cast["missing"] == []
+
+
+@pytest.mark.parametrize(
+    "mapping",
+    [collections.OrderedDict, types.MappingProxyType, lambda d: collections.Counter(d)],
+    ids=["OrderedDict", "MappingProxyType", "Counter"],
+)
+def test_other_mappings_keep_their_type(mapping):
+    data = mapping({"a": _h(2), "b": 1})
+    cast = _cast(data)
+    assert type(cast) is type(data) and cast["a"].dtype == f32 and cast["b"] == 1
+
+
+def test_a_dict_subclass_with_its_own_constructor_is_copied_and_filled():
+    data = Keyword(tag="t")
+    data["a"] = _h(2)
+    cast = _cast(data)
+    assert type(cast) is Keyword and cast.tag == "t" and cast["a"].dtype == f32 and data["a"].dtype == f16
+
+
+def test_dataclasses_keep_their_type_and_nested_values_are_cast():
+    out = Output(_h(2), extra={"pair": Pair(_h(1), _h(1))}, count=5)
+    cast = _cast(out)
+    assert type(cast) is Output and cast.count == 5 and cast.derived == 10
+    assert cast.logits.dtype == f32
+    assert type(cast.extra["pair"]) is Pair and {t.dtype for t in cast.extra["pair"]} == {f32}
+    frozen = _cast(Frozen(_h(3)))
+    assert type(frozen) is Frozen and frozen.hidden.dtype == f32
+
+
+def test_inputs_are_cast_to_half_in_the_same_containers():
+    amp = Amp("O2")
+    data = {"batch": Output(torch.randn(2)), "masks": collections.defaultdict(int, {"m": torch.ones(2)})}
+    cast = amp.cast_inputs(data)
+    assert cast["batch"].logits.dtype == f16 and type(cast["masks"]) is collections.defaultdict
+    assert cast["masks"]["m"].dtype == f16 and cast["masks"].default_factory is int
+
+
+def test_dataclass_types_are_left_alone():
+    assert _cast(Output) is Output
+
+
+# --- through the adapters -------------------------------------------------------------------------------------------
+class _Net(nn.Module):
+    """Returns its logits in the container that ``kind`` names."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind = kind
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        logits = self.linear(x)
+        if self.kind == "model_output":
+            return _model_output(logits=logits)
+        if self.kind == "defaultdict":
+            return collections.defaultdict(list, logits=logits)
+        return Output(logits)
+
+
+KINDS = ["model_output", "defaultdict", "dataclass"]
+
+
+def _check(out: Any, kind: str) -> None:
+    expected = {"model_output": "SequenceClassifierOutput", "defaultdict": "defaultdict", "dataclass": "Output"}
+    assert type(out).__name__ == expected[kind]
+    logits = out["logits"] if kind == "defaultdict" else out.logits
+    assert logits.dtype == f32
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lightning_o2_boundary_keeps_the_output_type(kind):
+    pl = pytest.importorskip("lightning.pytorch")
+    from lightning_mpx import MixedPrecisionPlugin
+
+    from .lightning_helpers import make_trainer
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _Net(kind)
+            self.outputs: list[Any] = []
+
+        def forward(self, x: torch.Tensor) -> Any:
+            return self.net(x)
+
+        def predict_step(self, batch: Any, batch_idx: int) -> Any:
+            out = self(batch[0])
+            self.outputs.append(out)
+            return out
+
+    module = Module()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(2, 4)), batch_size=2)
+    make_trainer(MixedPrecisionPlugin("O2")).predict(module, data)
+    assert module.net.linear.weight.dtype == f16
+    _check(module.outputs[0], kind)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_accelerate_outputs_keep_their_type(kind):
+    pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    from lightning_mpx.accelerate import Accelerator
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        accelerator = Accelerator(mixed_precision="O2")
+        model = accelerator.prepare(_Net(kind))
+        _check(model(torch.randn(2, 4)), kind)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
