@@ -675,9 +675,10 @@ class Amp:
                 return (
                     f"The likely cause is {type(optimizer).__name__}'s eps={eps:g}, which is {shown} in {half[0]} "
                     f"(smallest normal {tiny:g}): with half parameters and no FP32 master weights (opt_level="
-                    f"{self.properties.opt_level!r}) the optimizer state is half, and its update divides by about "
-                    f"sqrt(v) + eps, which underflows to 0. Use opt_level='O2' (FP32 masters and optimizer state), "
-                    f"half_dtype='bfloat16', or a larger eps such as 1e-4"
+                    f"{self.properties.opt_level!r}) the optimizer state is half too, and the update divides by "
+                    f"sqrt(v) + eps, where both underflow to 0 for small gradients: the weights become inf/NaN. Use "
+                    f"opt_level='O2' (FP32 masters and optimizer state), half_dtype='bfloat16', or a larger eps such "
+                    f"as 1e-4"
                 )
         return None
 
