@@ -335,7 +335,9 @@ class Amp:
         state = self._state(optimizer)
         if state.stage is not _Stage.UNSCALED:
             self._unscale(state)
-        torch.nn.utils.clip_grad_value_(_params_with_grad(optimizer), clip_value)
+        params = _params_with_grad(optimizer)
+        if params:  # torch's clip refuses an empty list
+            torch.nn.utils.clip_grad_value_(params, clip_value)
 
     def step(self, optimizer: torch.optim.Optimizer, **step_kwargs: Any) -> bool:
         """Step ``optimizer`` unless its gradients overflowed; returns whether it stepped.
