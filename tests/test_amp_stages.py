@@ -113,6 +113,21 @@ def test_gradients_left_by_a_skipped_clip_accumulate_as_in_fp32(level, calls_upd
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_step_after_update_without_a_backward_steps_the_gradients_left_behind(level):
+    # Clipped, the iteration closed without a step, then stepped with no new backward: the gradients are already
+    # unscaled, so they are checked but not divided again.
+    amp, model, opt, ref, ref_opt = _pair(level)
+    _backward(amp, model, seed=1)
+    amp.clip_grad_norm_(opt, 0.05)
+    amp.update()
+    assert amp.step(opt)
+    _ref_backward(ref, seed=1)
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    ref_opt.step()
+    _assert_close_to_reference(amp, opt, ref_opt)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
 @pytest.mark.parametrize("first", ["unscale_", "clip_grad_norm_", "clip_grad_value_"])
 def test_backward_after_unscale_and_before_step_is_added_at_the_right_scale(level, first):
     # Before the fix the second backward's gradients were stepped 65,536x too large.
@@ -146,19 +161,33 @@ def test_unscale_twice_still_names_the_calls():
     assert amp.is_unscaled(opt)
 
 
-def test_an_overflow_seen_by_a_skipped_unscale_counts_toward_the_next_update():
+@pytest.mark.parametrize("calls_update", [True, False], ids=["update", "no-update"])
+def test_an_overflow_seen_by_a_skipped_unscale_counts_toward_the_next_update(calls_update):
     # As torch's GradScaler.update() counts every unscale_(): a batch skipped because its gradients overflowed backs
-    # the scale off, or training that skips such batches would never leave the overflowing scale.
+    # the scale off, or training that skips such batches would never leave the overflowing scale. Without an
+    # update() after the skipped batch (the adapters' case) it counts toward the next one.
     amp, model, opt, _, _ = _pair("O1", init_scale=2.0**10)
     _backward(amp, model, seed=1)
     model[0].weight.grad[0, 0] = float("inf")
     norm = amp.clip_grad_norm_(opt, 1.0)
     assert not torch.isfinite(norm)  # the user skips the batch
-    amp.update()
-    assert amp.scalers[0].get_scale() == 2.0**9
+    if calls_update:
+        amp.update()
+        assert amp.scalers[0].get_scale() == 2.0**9
     opt.zero_grad()
     _backward(amp, model, seed=2)
-    assert amp.step(opt)  # the next batch is clean
+    assert amp.step(opt)  # the next batch is clean: its step is not skipped for the old overflow
+    amp.update()
+    assert amp.scalers[0].get_scale() == 2.0**9  # backed off once, whichever update saw the overflow
+    assert amp.skipped_steps == [0]
+
+
+def test_clip_grad_value_without_gradients_does_nothing():
+    # A batch without gradients (a Lightning training_step that returned None) with clipping by value: torch's
+    # clip_grad_value_ refuses an empty list.
+    amp, _, opt, _, _ = _pair("O1")
+    amp.clip_grad_value_(opt, 1.0)
+    assert amp.is_unscaled(opt)
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
@@ -371,7 +400,7 @@ class AmpAgainstFP32(RuleBasedStateMachine):
 
     What the design refuses (``unscale_`` twice in one iteration) must raise ``RuntimeError`` and change nothing.
     Out of scope, as with ``torch.amp.GradScaler``: a backward or a second step after a step without zeroing that
-    optimizer's gradients first.
+    optimizer's gradients first (the backward rule zeroes them, as a training loop does).
     """
 
     NAMES = ("first", "second")
@@ -420,12 +449,18 @@ class AmpAgainstFP32(RuleBasedStateMachine):
         return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     def _tolerance(self):
-        return TOLERANCE[self.amp.half_dtype]
+        # Tighter than TOLERANCE (these models are tiny; the largest differences seen were 5e-5 in float16 and 9e-4
+        # in bfloat16), so that a missed or wrongly scaled step of size lr * gradient cannot hide in it.
+        if self.amp.half_dtype == torch.float16:
+            return dict(rtol=1e-3, atol=5e-4)
+        return dict(rtol=4e-3, atol=4e-3)
 
     # -- rules --------------------------------------------------------------------------------------------------------
-    @precondition(lambda self: not any(self.stepped.values()))
-    @rule(loss_id=st.integers(0, 1), seed=st.integers(0, 50))
-    def backward(self, loss_id, seed):
+    @rule(loss_id=st.integers(0, 1), seed=st.integers(0, 50), set_to_none=st.booleans())
+    def backward(self, loss_id, seed, set_to_none):
+        for name in self.NAMES:
+            if self.stepped[name]:  # what a loop does after a step, before the next backward
+                self.zero_grad(name, set_to_none)
         g = torch.Generator().manual_seed(seed)
         x, t0, t1 = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g), torch.randn(5, 2, generator=g)
         amp, first, second = self.amp, self.models["first"], self.models["second"]
@@ -534,13 +569,12 @@ class AmpAgainstFP32(RuleBasedStateMachine):
         self.clip_grad_norm(name, max_norm)
         self.zero_grad(name, set_to_none)
 
-    @rule()
-    def state_dict_round_trip(self):
-        self.amp.load_state_dict(copy.deepcopy(self.amp.state_dict()))
-
-    @rule()
-    def resume_from_a_checkpoint(self):
-        # At an iteration boundary: a fresh Amp, models and optimizers restored from the saved states.
+    @rule(fresh=st.booleans())
+    def checkpoint(self, fresh):
+        if not fresh:  # a round trip through the same objects, at any point: changes nothing
+            self.amp.load_state_dict(copy.deepcopy(self.amp.state_dict()))
+            return
+        # A resume at an iteration boundary: a fresh Amp, models and optimizers restored from the saved states.
         self.amp.update()
         for name in self.NAMES:
             self.zero_grad(name, set_to_none=True)
@@ -576,7 +610,7 @@ class AmpAgainstFP32(RuleBasedStateMachine):
 
 AmpAgainstFP32.TestCase.settings = settings(
     max_examples=40,
-    stateful_step_count=25,
+    stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
