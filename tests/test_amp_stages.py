@@ -21,9 +21,12 @@ from torch import nn
 from lightning_mpx import Amp
 from lightning_mpx.loss_scaler import LossScaleFloorError
 
-TOLERANCE = {  # parameters after a few steps against FP32: the half forward/backward's rounding, not a factor
-    torch.float16: dict(rtol=5e-3, atol=5e-3),
-    torch.bfloat16: dict(rtol=3e-2, atol=3e-2),
+# Parameters after a few steps against FP32: the half forward/backward's rounding (the largest differences seen in
+# these tiny models were 5e-5 in float16 and 9e-4 in bfloat16), tight enough that a missed or wrongly scaled step of
+# size lr * gradient cannot hide in it.
+TOLERANCE = {
+    torch.float16: dict(rtol=1e-3, atol=5e-4),
+    torch.bfloat16: dict(rtol=4e-3, atol=4e-3),
 }
 
 
@@ -118,11 +121,11 @@ def test_a_step_after_update_without_a_backward_steps_the_gradients_left_behind(
     # unscaled, so they are checked but not divided again.
     amp, model, opt, ref, ref_opt = _pair(level)
     _backward(amp, model, seed=1)
-    amp.clip_grad_norm_(opt, 0.05)
+    amp.clip_grad_norm_(opt, 0.5)
     amp.update()
     assert amp.step(opt)
     _ref_backward(ref, seed=1)
-    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
     ref_opt.step()
     _assert_close_to_reference(amp, opt, ref_opt)
 
@@ -449,11 +452,7 @@ class AmpAgainstFP32(RuleBasedStateMachine):
         return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     def _tolerance(self):
-        # Tighter than TOLERANCE (these models are tiny; the largest differences seen were 5e-5 in float16 and 9e-4
-        # in bfloat16), so that a missed or wrongly scaled step of size lr * gradient cannot hide in it.
-        if self.amp.half_dtype == torch.float16:
-            return dict(rtol=1e-3, atol=5e-4)
-        return dict(rtol=4e-3, atol=4e-3)
+        return TOLERANCE[self.amp.half_dtype]
 
     # -- rules --------------------------------------------------------------------------------------------------------
     @rule(loss_id=st.integers(0, 1), seed=st.integers(0, 50), set_to_none=st.booleans())
