@@ -362,7 +362,11 @@ class Amp:
             self._unscale(state)
         loss_ids = sorted(state.found_by_loss)
         # One tensor for the reduction across processes and one host read; all ranks then agree loss by loss.
-        flags = torch.stack([state.found_by_loss[i].reshape(()) for i in loss_ids])
+        flags = (
+            state.found_by_loss[loss_ids[0]].reshape(1)  # one loss, the usual case: a view, no kernel
+            if len(loss_ids) == 1
+            else torch.stack([state.found_by_loss[i].reshape(()) for i in loss_ids])
+        )
         if self.found_inf_reducer is not None:
             self.found_inf_reducer(flags)
         self._record_found(dict(zip(loss_ids, flags.unbind(0))))
@@ -549,18 +553,21 @@ class Amp:
     def _unscale(self, state: _OptimizerState, max_norm: float | None = None) -> None:
         loss_id = state.loss_id or 0
         scaler = self.scalers[loss_id]
-        if state.stage is _Stage.SKIPPED:
+        skipped = state.stage is _Stage.SKIPPED
+        if skipped:
             # Left unscaled by a batch that did not step, and no backward since: check them (and clip), but do not
             # divide them again.
-            sources = [p.grad for p in _params(state.optimizer) if p.grad is not None]
-            targets = None
-            factor = torch.ones((), dtype=torch.float32, device=sources[0].device if sources else None)
+            sources: list[torch.Tensor] = [p.grad for p in _params(state.optimizer) if p.grad is not None]
+            targets: list[torch.Tensor] | None = None
         else:
             sources, targets = self._grad_pairs(state.optimizer)
-            grad_scale = state.grad_scale if state.grad_scale is not None else scaler.scale_tensor
-            factor = grad_scale.double().reciprocal().float()  # in FP64, as GradScaler
         device = scaler.device or (sources[0].device if sources else torch.device("cpu"))
         scaler.to(device)
+        if skipped:
+            factor = torch.ones((), dtype=torch.float32, device=device)
+        else:
+            grad_scale = state.grad_scale if state.grad_scale is not None else scaler.scale_tensor
+            factor = grad_scale.double().reciprocal().float()  # in FP64, as GradScaler
         found = torch.zeros((), dtype=torch.float32, device=device)
         norm = unscale_grads_(
             sources,
