@@ -270,7 +270,8 @@ class LossScaler:
         self._unit = not self.dynamic and float(state["scale"]) == 1.0
         growth_tracker = min(int(state["growth_tracker"]), self.growth_interval - 1)
         self._growth_tracker.fill_(growth_tracker)  # type: ignore[union-attr]
-        self._hysteresis_tracker.fill_(max(1, min(int(state["hysteresis_tracker"]), self.hysteresis)))  # type: ignore[union-attr]
+        hysteresis_tracker = max(1, min(int(state["hysteresis_tracker"]), self.hysteresis))
+        self._hysteresis_tracker.fill_(hysteresis_tracker)  # type: ignore[union-attr]
         self._overflows.fill_(state["overflows"])  # type: ignore[union-attr]
 
     def __repr__(self) -> str:

@@ -223,7 +223,7 @@ def test_gradients_pending_across_an_update_keep_their_scale(level):
         torch.testing.assert_close(got.grad.float(), want.grad, **TOLERANCE[amp.half_dtype])
 
 
-# -- per-loss attribution -----------------------------------------------------------------------------------------------
+# -- per-loss attribution ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("level", ["O1", "O2"])
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_a_discriminator_overflow_does_not_back_off_the_generator_scale(level, set_to_none):
@@ -307,7 +307,7 @@ def test_attribution_needs_no_host_sync_before_the_step():
     assert recorded.ops and not any("_local_scalar_dense" in op for op in recorded.ops), recorded.ops
 
 
-# -- static scale from a checkpoint -------------------------------------------------------------------------------------
+# -- static scale from a checkpoint ------------------------------------------------------------------------------------
 def test_a_static_scale_loaded_from_a_checkpoint_is_applied_both_ways():
     # Before the fix a static 128 loaded into a static 1.0 scaler divided the gradients by 128 but never multiplied
     # the loss: the gradients came out 128x too small.
@@ -323,7 +323,7 @@ def test_a_static_scale_loaded_from_a_checkpoint_is_applied_both_ways():
         torch.testing.assert_close(got.grad, want.grad, **TOLERANCE[torch.float16])
 
 
-# -- loss_id ------------------------------------------------------------------------------------------------------------
+# -- loss_id -----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("loss_id", [np.int64(1), np.int32(1), np.uint8(1), torch.tensor(1)], ids=repr)
 def test_integer_like_loss_ids_are_accepted(loss_id):
     amp = Amp("O1", num_losses=2)
@@ -345,9 +345,9 @@ def test_other_loss_ids_are_refused_with_the_choices(loss_id):
 
 
 # -- the floor error's hint for Adam's eps in half ---------------------------------------------------------------------
-def _o3_adamw(eps=1e-8, level="O3", half="float16"):
+def _o3_adamw(eps=1e-8, level="O3", half="float16", **settings):
     torch.manual_seed(0)
-    amp = Amp(level, half_dtype=half, on_floor="raise")
+    amp = Amp(level, half_dtype=half, on_floor="raise", **settings)
     model = amp.prepare_model(nn.Linear(8, 4))
     opt = amp.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, eps=eps))
     return amp, model, opt
@@ -377,8 +377,7 @@ def test_o3_float16_adamw_floor_error_names_the_eps():
     "eps, level, half", [(1e-4, "O3", "float16"), (1e-8, "O2", "float16"), (1e-8, "O3", "bfloat16")]
 )
 def test_the_floor_error_keeps_its_general_advice_otherwise(eps, level, half):
-    amp, model, opt = _o3_adamw(eps, level, half)
-    amp.scalers[0] = type(amp.scalers[0])(1.0)  # static: any overflow is at the floor
+    amp, model, opt = _o3_adamw(eps, level, half, loss_scale=1.0)  # static: any overflow is at the floor
     amp.backward(model(amp.cast_inputs(torch.ones(2, 8))).float().sum())
     next(model.parameters()).grad.view(-1)[0] = float("nan")
     with pytest.raises(LossScaleFloorError, match="Check the loss and inputs") as info:
@@ -386,7 +385,7 @@ def test_the_floor_error_keeps_its_general_advice_otherwise(eps, level, half):
     assert "eps" not in str(info.value)
 
 
-# -- consecutive_hysteresis through Amp ----------------------------------------------------------------------------------
+# -- consecutive_hysteresis through Amp --------------------------------------------------------------------------------
 def test_consecutive_hysteresis_reaches_the_scalers_and_is_validated():
     amp = Amp("O1", num_losses=2, hysteresis=2, consecutive_hysteresis=True)
     assert all(s.consecutive_hysteresis and s.hysteresis == 2 for s in amp.scalers)
@@ -413,12 +412,14 @@ class AmpAgainstFP32(RuleBasedStateMachine):
         half=st.sampled_from(["float16", "bfloat16"]),
         dynamic=st.booleans(),
         hysteresis=st.integers(1, 2),
+        backend=st.sampled_from(["auto", "reference"]),
         seed=st.integers(0, 3),
     )
-    def setup(self, level, half, dynamic, hysteresis, seed):
+    def setup(self, level, half, dynamic, hysteresis, backend, seed):
         torch.manual_seed(seed)
         self.settings = dict(
             half_dtype=half,
+            unscale_backend=backend,
             num_losses=2,
             init_scale=2.0**8,
             growth_interval=2,
