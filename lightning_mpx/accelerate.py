@@ -101,8 +101,9 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
         num_losses: Number of losses with a scaler each; pass ``loss_id`` to :meth:`Accelerator.backward`.
         cast_model_type, patch_torch_functions, keep_batchnorm_fp32, master_weights, loss_scale: Opt-level property
             overrides (see :func:`~lightning_mpx.opt_levels.resolve_properties`); ``None`` keeps the preset's value.
-        init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_loss_scale, max_loss_scale,
-            on_floor: Loss-scaler settings (see :class:`~lightning_mpx.loss_scaler.LossScaler`).
+        init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, consecutive_hysteresis,
+            min_loss_scale, max_loss_scale, on_floor: Loss-scaler settings (see
+            :class:`~lightning_mpx.loss_scaler.LossScaler`).
         cast_table: The O1 cast table (a copy of the default when ``None``).
         allow_banned: Run banned ops in FP32 instead of raising.
         unscale_backend: ``"auto"``, ``"foreach"`` or ``"reference"``.
@@ -126,6 +127,7 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
     backoff_factor: float = 0.5
     growth_interval: int = 2000
     hysteresis: int = 1
+    consecutive_hysteresis: bool = False
     min_loss_scale: float = 1.0
     max_loss_scale: float = 2.0**24
     on_floor: OnFloor = "raise"
@@ -159,6 +161,7 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
             backoff_factor=self.backoff_factor,
             growth_interval=self.growth_interval,
             hysteresis=self.hysteresis,
+            consecutive_hysteresis=self.consecutive_hysteresis,
             min_loss_scale=self.min_loss_scale,
             max_loss_scale=self.max_loss_scale,
             on_floor=self.on_floor,
@@ -490,7 +493,7 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
     def _unscale(self, owners: Iterable[_AmpOptimizer]) -> None:
         assert self.amp is not None
         for owner in owners:
-            if not owner.unscaled:
+            if not self.amp.is_unscaled(owner.optimizer):  # the engine's stage: a skipped batch's clip is forgotten
                 self.amp.unscale_(owner.optimizer)
                 owner.unscaled = True
 

@@ -23,6 +23,7 @@ import copy
 import dataclasses
 import enum
 import logging
+import operator
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -42,17 +43,27 @@ log = logging.getLogger("lightning_mpx")
 
 
 class _Stage(enum.Enum):
-    READY = "ready"
-    UNSCALED = "unscaled"
+    """Where an optimizer is in its iteration (one state machine per optimizer, as ``torch.amp.GradScaler``'s)."""
+
+    READY = "ready"  # its gradients, if any, carry the scale of `loss_id`
+    UNSCALED = "unscaled"  # unscale_() or clip_grad_*() ran: its gradients hold true values, step() is next
+    # update() closed an iteration in which it was unscaled but did not step (a skipped batch): the gradients it
+    # left behind, unless zeroed since, still hold true values
+    SKIPPED = "skipped"
 
 
 @dataclass
 class _OptimizerState:
     optimizer_ref: weakref.ref[torch.optim.Optimizer]  # Amp keeps no optimizer alive that the user let go
     stage: _Stage = _Stage.READY
-    loss_id: int | None = None  # the scale that the optimizer's pending gradients carry
-    contributing: set[int] = field(default_factory=set)  # loss ids whose overflow this step must report
-    found_inf: torch.Tensor | None = None
+    loss_id: int | None = None  # the loss whose scale the optimizer's pending gradients carry
+    # The scale those gradients carry when update() has changed the scaler since (else None: the scaler's own).
+    grad_scale: torch.Tensor | None = None
+    # Overflow flag per loss whose gradients the optimizer holds: each check charges the non-finite values it finds
+    # to the loss whose backward ran since the previous check (the ones found before are already charged, and stay
+    # non-finite), so that one loss's overflow does not back off another's scale.
+    found_by_loss: dict[int, torch.Tensor] = field(default_factory=dict)
+    found_inf: torch.Tensor | None = None  # all of them together: the skip decision
     grad_norm: torch.Tensor | None = None
     workspace: UnscaleWorkspace = field(default_factory=UnscaleWorkspace)  # fused unscale's tables, kept across steps
     # (model parameter, its FP32 master or itself) for the optimizer's parameters, the masters of each parameter
@@ -64,6 +75,10 @@ class _OptimizerState:
     swapped: list[list[torch.Tensor]] | None = None  # the groups' own lists while the masters stand in for them
     hooks: list[Any] = field(default_factory=list)  # handles of the hooks registered on the optimizer
     mirrors: list[Mirror] | None = None  # O2: the step-time view of its half parameters' masters
+    # O2, from an unscale to the end of the iteration: the version of each half gradient the unscale read (by id).
+    # A half gradient that is gone or was written since (zero_grad either way) was cleared by the user, and the
+    # unscaled copy its master holds must not outlive it.
+    unscaled_versions: dict[int, int] = field(default_factory=dict)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -86,8 +101,9 @@ class Amp:
         allow_banned: Run banned ops (``binary_cross_entropy``) in FP32 instead of raising.
         unscale_backend: ``"auto"``, ``"foreach"``, ``"reference"`` or ``"triton"`` (see :mod:`lightning_mpx.unscale`);
             also used for the master-to-model copy at O2.
-        init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_loss_scale, max_loss_scale,
-            on_floor: Loss-scaler settings (see :class:`~lightning_mpx.loss_scaler.LossScaler`).
+        init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, consecutive_hysteresis,
+            min_loss_scale, max_loss_scale, on_floor: Loss-scaler settings (see
+            :class:`~lightning_mpx.loss_scaler.LossScaler`).
         **overrides: Opt-level property overrides: ``cast_model_type``, ``patch_torch_functions``,
             ``keep_batchnorm_fp32``, ``master_weights``, ``loss_scale``.
 
@@ -111,6 +127,7 @@ class Amp:
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
         hysteresis: int = 1,
+        consecutive_hysteresis: bool = False,
         min_loss_scale: float = 1.0,
         max_loss_scale: float = 2.0**24,
         on_floor: OnFloor = "raise",
@@ -141,6 +158,7 @@ class Amp:
             backoff_factor=backoff_factor,
             growth_interval=growth_interval,
             hysteresis=hysteresis,
+            consecutive_hysteresis=consecutive_hysteresis,
             min_loss_scale=min_loss_scale,
             max_loss_scale=max_loss_scale,
             on_floor=on_floor,
@@ -324,19 +342,29 @@ class Amp:
 
     # -- backward -----------------------------------------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor, loss_id: int = 0) -> torch.Tensor:
-        """``loss`` times the scale of ``loss_id``.
+        """``loss`` times the scale of ``loss_id`` (an ``int``, numpy integers included).
 
-        If an optimizer already holds gradients of another loss that it has not stepped on yet, they are rescaled
-        to this loss's scale first, so that one gradient buffer never mixes two scales.
+        Before the backward that follows, every optimizer's gradients are made to carry this scale, so that one
+        gradient buffer never mixes two scales:
+
+        * gradients of another loss it has not stepped on yet (or of this loss at a scale :meth:`update` has changed
+          since) are rescaled to this loss's scale;
+        * gradients that :meth:`unscale_` or ``clip_grad_*`` left unscaled without a :meth:`step` after them (a
+          skipped batch, or a backward between the clip and the step, as when accumulating after a clip) are scaled
+          back up, so they add to this backward's gradients as the FP32 run would (zeroed gradients stay zero). An
+          overflow that unscale found there still counts toward the next :meth:`update`.
+
+        Gradients left after a :meth:`step` are not rescaled: zero them before the next backward (as with
+        ``torch.amp.GradScaler``).
         """
-        scaler = self._scaler(loss_id)
-        scaled = scaler.scale(loss)
+        loss_id = self._loss_index(loss_id)
+        scaled = self.scalers[loss_id].scale(loss)
         for state in self._optimizers.values():
             if state.stage is not _Stage.READY:
-                continue  # already unscaled for its coming step: this loss's gradients are not meant for it
-            if state.loss_id is None:
+                self._rescale_unscaled(state, loss_id)
+            elif state.loss_id is None:
                 state.loss_id = loss_id
-            elif state.loss_id != loss_id:
+            elif state.loss_id != loss_id or state.grad_scale is not None:
                 self._rescale_pending(state, loss_id)
         return scaled
 
@@ -356,15 +384,18 @@ class Amp:
         """Unscale ``optimizer``'s gradients (into the FP32 masters at O2) and record overflow; once per step.
 
         Raises:
-            RuntimeError: if called twice for the same optimizer before :meth:`step`.
+            RuntimeError: if called twice for the same optimizer without a :meth:`step` or :meth:`update` between.
         """
         state = self._state(optimizer)
         if state.stage is _Stage.UNSCALED:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last step().")
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since its last step() or update() (directly or "
+                "through clip_grad_norm_()/clip_grad_value_()); call step() (or update()) before unscaling again."
+            )
         self._unscale(state)
 
     def is_unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``optimizer``'s gradients have been unscaled since its last :meth:`step`."""
+        """Whether ``optimizer``'s gradients have been unscaled since its last :meth:`step` or :meth:`update`."""
         return self._state(optimizer).stage is _Stage.UNSCALED
 
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
@@ -373,7 +404,7 @@ class Amp:
         When the gradients are still scaled, unscaling, the overflow check, the norm and the clip are done together.
         """
         state = self._state(optimizer)
-        if state.stage is _Stage.READY:
+        if state.stage is not _Stage.UNSCALED:
             self._unscale(state, max_norm=float(max_norm))
         else:
             state.grad_norm = torch.nn.utils.clip_grad_norm_(self._unscaled_params(optimizer), max_norm)
@@ -384,17 +415,20 @@ class Amp:
     def clip_grad_value_(self, optimizer: torch.optim.Optimizer, clip_value: float) -> None:
         """Clamp ``optimizer``'s unscaled gradients to ``[-clip_value, clip_value]``."""
         state = self._state(optimizer)
-        if state.stage is _Stage.READY:
+        if state.stage is not _Stage.UNSCALED:
             self._unscale(state)
-        torch.nn.utils.clip_grad_value_(self._unscaled_params(optimizer), clip_value)
+        params = self._unscaled_params(optimizer)
+        if params:  # torch's clip refuses an empty list
+            torch.nn.utils.clip_grad_value_(params, clip_value)
 
     def step(self, optimizer: torch.optim.Optimizer, **step_kwargs: Any) -> bool:
         """Step ``optimizer`` unless its gradients overflowed; returns whether it stepped.
 
         On overflow nothing is changed: parameters, optimizer state and (if the caller honours the return value)
-        the learning-rate schedule stay as they were.
+        the learning-rate schedule stay as they were. The overflow counts against the losses whose gradients held
+        the non-finite values (see :meth:`scale_loss`), not every loss that reached the optimizer.
 
-        .. warning:: Reads the overflow flag on the host (one sync per step, as ``torch.amp.GradScaler`` does).
+        .. warning:: Reads the overflow flags on the host (one sync per step, as ``torch.amp.GradScaler`` does).
 
         Raises:
             LossScaleFloorError: on overflow with the scale at its floor and ``on_floor="raise"``; the step is
@@ -406,26 +440,29 @@ class Amp:
                 "closure: loss scaling cannot re-run a closure inside the optimizer step; run the closure first, "
                 "then call step() without it."
             )
-        if state.stage is _Stage.READY:
+        if state.stage is not _Stage.UNSCALED:
             self._unscale(state)
-        found = state.found_inf
-        assert found is not None
+        loss_ids = sorted(state.found_by_loss)
+        # One tensor for the reduction across processes and one host read; all ranks then agree loss by loss.
+        flags = (
+            state.found_by_loss[loss_ids[0]].reshape(1)  # one loss, the usual case: a view, no kernel
+            if len(loss_ids) == 1
+            else torch.stack([state.found_by_loss[i].reshape(()) for i in loss_ids])
+        )
         if self.found_inf_reducer is not None:
-            self.found_inf_reducer(found)
-        loss_ids = state.contributing | {state.loss_id or 0}
-        for loss_id in loss_ids:
-            seen = self._iteration_found.get(loss_id)
-            self._iteration_found[loss_id] = found.clone() if seen is None else torch.maximum(seen, found)
-        overflow = bool(found.item())
-        if overflow:
+            self.found_inf_reducer(flags)
+        self._record_found(dict(zip(loss_ids, flags.unbind(0))))
+        overflowed = [i for i, flag in zip(loss_ids, flags.tolist()) if flag > 0]
+        if overflowed:
             names = self._nonfinite_names(optimizer)
             self.last_overflow_parameters = names
-            for loss_id in loss_ids:
+            for loss_id in overflowed:
                 self.skipped_steps[loss_id] += 1
-            self._log_overflow(names, loss_ids)
+            self._log_overflow(names, overflowed)
             self._finish_step(state)
-            for loss_id in sorted(loss_ids):
-                self.scalers[loss_id].handle_overflow(names)
+            hint = self._floor_hint(optimizer)
+            for loss_id in overflowed:
+                self.scalers[loss_id].handle_overflow(names, hint=hint)
             return False
         if not self.master_weights:
             optimizer.step(**step_kwargs)
@@ -441,9 +478,29 @@ class Amp:
         return True
 
     def update(self) -> None:
-        """Close the iteration: update the scale of every loss whose optimizers stepped (or skipped) since the
-        last call, and clear the cast cache. Call it once per iteration, after the optimizer steps; with
-        accumulation, only after the real step. No host sync."""
+        """Close the iteration: update the scale of every loss whose optimizers stepped, skipped or were unscaled
+        since the last call, reset every optimizer's stage (as ``torch.amp.GradScaler.update()`` does), and clear
+        the cast cache. Call it once per iteration, after the optimizer steps; with accumulation, only after the
+        real step. No host sync.
+
+        An optimizer that was unscaled (or clipped) but did not step, a skipped batch, starts the next iteration
+        afresh: its overflow flag counts toward this update, and gradients it still holds are treated as the true
+        values they are (scaled back up by the next backward, or stepped as they are by a step without one).
+        """
+        for state in self._optimizers.values():
+            if state.stage is _Stage.UNSCALED:
+                self._record_found(state.found_by_loss)
+                state.stage = _Stage.SKIPPED
+                state.found_by_loss, state.found_inf, state.grad_norm = {}, None, None
+        for state in self._optimizers.values():
+            if (
+                state.stage is _Stage.READY
+                and state.loss_id is not None
+                and state.grad_scale is None
+                and state.loss_id in self._iteration_found
+            ):
+                # Gradients pending across the update keep the scale they were computed with.
+                state.grad_scale = self.scalers[state.loss_id].scale_tensor.clone()
         for loss_id, found in self._iteration_found.items():
             self.scalers[loss_id].update(found)
         self._iteration_found.clear()
@@ -510,13 +567,18 @@ class Amp:
         self.skipped_steps = list(state.get("skipped_steps", self.skipped_steps))
 
     # -- internals ----------------------------------------------------------------------------------------------
-    def _scaler(self, loss_id: int) -> LossScaler:
-        if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(self.scalers):
+    def _loss_index(self, loss_id: int) -> int:
+        """``loss_id`` as a Python int (numpy and other integer types accepted; bool refused), checked in range."""
+        try:
+            index = None if isinstance(loss_id, bool) or _is_bool_tensor(loss_id) else operator.index(loss_id)
+        except TypeError:
+            index = None
+        if index is None or not 0 <= index < len(self.scalers):
             raise ValueError(
                 f"loss_id={loss_id!r} is out of range; valid choices: 0 to {len(self.scalers) - 1} "
                 f"(num_losses={len(self.scalers)})."
             )
-        return self.scalers[loss_id]
+        return index
 
     def _state(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
         state = self._optimizers.get(id(optimizer))
@@ -676,35 +738,130 @@ class Amp:
     def _unscale(self, state: _OptimizerState, max_norm: float | None = None) -> None:
         loss_id = state.loss_id or 0
         scaler = self.scalers[loss_id]
-        sources, targets = self._grad_pairs(state.optimizer)
+        skipped = state.stage is _Stage.SKIPPED
+        if skipped:
+            # Left unscaled by a batch that did not step, and no backward since: check them (and clip), but do not
+            # divide them again.
+            sources = [true for true, _ in self._leftovers(state)]
+            targets: list[torch.Tensor] | None = None
+        else:
+            sources, targets = self._grad_pairs(state.optimizer)
         device = scaler.device or (sources[0].device if sources else torch.device("cpu"))
         scaler.to(device)
-        found = torch.zeros((), dtype=torch.float32, device=device) if state.found_inf is None else state.found_inf
+        if skipped:
+            factor = torch.ones((), dtype=torch.float32, device=device)
+        else:
+            grad_scale = state.grad_scale if state.grad_scale is not None else scaler.scale_tensor
+            factor = grad_scale.double().reciprocal().float()  # in FP64, as GradScaler
+        found = torch.zeros((), dtype=torch.float32, device=device)
         norm = unscale_grads_(
             sources,
-            scaler.inv_scale(),
+            factor,
             found,
             out=targets,
             max_norm=max_norm,
             backend=self.unscale_backend,
             workspace=state.workspace,
         )
-        state.found_inf = found
+        self._charge(state, loss_id, found)
         state.grad_norm = norm
+        state.grad_scale = None
         state.stage = _Stage.UNSCALED
+        if self.master_weights and not skipped:
+            state.unscaled_versions = dict(zip(map(id, sources), map(_VERSION, sources)))
+
+    def _charge(self, state: _OptimizerState, loss_id: int, found: torch.Tensor) -> None:
+        """Charge the overflow that one check of ``state``'s gradients found to ``loss_id``, whose backward ran since
+        the previous check; non-finite values found before belong to the loss they were charged to then."""
+        if state.found_inf is None:
+            state.found_inf = found
+            state.found_by_loss = {loss_id: found}
+            return
+        new = found * (state.found_inf == 0)
+        seen = state.found_by_loss.get(loss_id)
+        state.found_by_loss[loss_id] = new if seen is None else torch.maximum(seen, new)
+        state.found_inf = torch.maximum(state.found_inf, found)
+
+    def _record_found(self, found_by_loss: dict[int, torch.Tensor]) -> None:
+        """Add overflow flags to the ones the next :meth:`update` applies, loss by loss."""
+        for loss_id, found in found_by_loss.items():
+            seen = self._iteration_found.get(loss_id)
+            self._iteration_found[loss_id] = found if seen is None else torch.maximum(seen, found)
 
     def _rescale_pending(self, state: _OptimizerState, new_loss_id: int) -> None:
+        """Bring gradients pending for another loss (or for this one at a scale since updated) to ``new_loss_id``'s
+        scale, checking them on the way: what they hold now is charged to the loss they came from."""
         old_id = state.loss_id or 0
-        old, new = self.scalers[old_id], self.scalers[new_loss_id]
-        grads = [g for p in _params(state.optimizer) if (g := p.grad) is not None]
+        old_scale = state.grad_scale if state.grad_scale is not None else self.scalers[old_id].scale_tensor
+        grads = [g for p in _params(state.optimizer) if (g := p.grad) is not None]  # the model's, still scaled
         if grads:
-            new.to(grads[0].device)
-            ratio = (new.scale_tensor.double() / old.scale_tensor.double()).float()
-            if state.found_inf is None:
-                state.found_inf = torch.zeros((), dtype=torch.float32, device=grads[0].device)
-            unscale_grads_(grads, ratio, state.found_inf, backend=self.unscale_backend, workspace=state.workspace)
-            state.contributing.add(old_id)
+            new = self.scalers[new_loss_id].to(grads[0].device)
+            ratio = (new.scale_tensor.double() / old_scale.to(grads[0].device).double()).float()
+            found = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+            unscale_grads_(grads, ratio, found, backend=self.unscale_backend, workspace=state.workspace)
+            self._charge(state, old_id, found)
         state.loss_id = new_loss_id
+        state.grad_scale = None
+
+    def _leftovers(self, state: _OptimizerState) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(gradient with true values, the model's gradient it belongs in) for the gradients an unscale left behind
+        that the user has not cleared since.
+
+        Without masters both are the parameter's own gradient (unscaled in place). At O2 the true values sit in the
+        master's gradient; the half gradient the unscale read tells whether the user cleared it since (gone, or
+        written: ``zero_grad`` either way), in which case the master's copy is dropped (``set_to_none=False``: its
+        zeros are taken instead).
+        """
+        if not self.master_weights:
+            return [(g, g) for p in _params(state.optimizer) if (g := p.grad) is not None]
+        out = []
+        versions = state.unscaled_versions
+        for param, master in self._param_pairs(state):
+            grad = param.grad
+            if master is param:
+                if grad is not None:
+                    out.append((grad, grad))
+                continue
+            true = master.grad
+            if grad is None or true is None:
+                master.grad = None  # cleared (set_to_none), or nothing was unscaled into it
+                continue
+            if versions.get(id(grad)) != grad._version:  # written since the unscale: the user's values stand
+                true.copy_(grad)
+            out.append((true, grad))
+        return out
+
+    def _rescale_unscaled(self, state: _OptimizerState, new_loss_id: int) -> None:
+        """Scale gradients that unscale_() left with their true values (no step followed) back up to
+        ``new_loss_id``'s scale, where the coming backward adds its own; at O2 from the FP32 masters' gradients (the
+        ones a clip changed and a ``zero_grad`` cleared) into the half model's."""
+        if state.stage is _Stage.UNSCALED:
+            self._record_found(state.found_by_loss)  # an overflow seen by unscale_() counts toward update()
+        old_id = state.loss_id or 0
+        state.found_by_loss, state.found_inf, state.grad_norm = {}, None, None
+        leftovers = self._leftovers(state)
+        sources = [true for true, _ in leftovers]
+        targets = [model_grad for _, model_grad in leftovers]
+        if sources:
+            scaler = self.scalers[new_loss_id].to(sources[0].device)
+            found = torch.zeros((), dtype=torch.float32, device=sources[0].device)
+            unscale_grads_(
+                sources,
+                scaler.scale_tensor,
+                found,
+                out=targets if self.master_weights else None,
+                backend=self.unscale_backend,
+                workspace=state.workspace,
+            )
+            self._charge(state, old_id, found)
+        if self.master_weights:
+            for param, master in self._param_pairs(state):
+                if master is not param:
+                    master.grad = None  # carried into the half gradient
+        state.unscaled_versions = {}
+        state.stage = _Stage.READY
+        state.loss_id = new_loss_id
+        state.grad_scale = None
 
     def _finish_step(self, state: _OptimizerState) -> None:
         if self.master_weights:
@@ -716,8 +873,35 @@ class Amp:
                     master.grad = None
         state.stage = _Stage.READY
         state.loss_id = None
-        state.contributing = set()
+        state.grad_scale = None
+        state.unscaled_versions = {}
+        state.found_by_loss = {}
         state.found_inf = None
+        state.grad_norm = None
+
+    def _floor_hint(self, optimizer: torch.optim.Optimizer) -> str | None:
+        """The likely cause of a floor error that is not the loss: an Adam ``eps`` that the half optimizer state
+        cannot hold (O3, or any half model without FP32 masters: AdamW's default 1e-8 is 0 in float16)."""
+        if "adam" not in type(optimizer).__name__.lower():
+            return None
+        for group in optimizer.param_groups:
+            eps = group.get("eps")
+            stepped = [self.master_of(p) for p in group["params"]]  # at O2 the FP32 masters, not the half model
+            half = [p.dtype for p in stepped if p.dtype in (torch.float16, torch.bfloat16)]
+            if not half or not isinstance(eps, (int, float)) or isinstance(eps, bool):
+                continue
+            tiny = torch.finfo(half[0]).tiny  # the smallest normal number
+            if eps < tiny:
+                shown = "0" if torch.tensor(eps, dtype=half[0]).item() == 0 else "a subnormal"
+                return (
+                    f"The likely cause is {type(optimizer).__name__}'s eps={eps:g}, which is {shown} in {half[0]} "
+                    f"(smallest normal {tiny:g}): with half parameters and no FP32 master weights (opt_level="
+                    f"{self.properties.opt_level!r}) the optimizer state is half too, and the update divides by "
+                    f"sqrt(v) + eps, where both underflow to 0 for small gradients: the weights become inf/NaN. Use "
+                    f"opt_level='O2' (FP32 masters and optimizer state), half_dtype='bfloat16', or a larger eps such "
+                    f"as 1e-4"
+                )
+        return None
 
     def _nonfinite_names(self, optimizer: torch.optim.Optimizer) -> list[str]:
         """Names of the parameters whose gradients hold inf or NaN (overflow steps only: it syncs)."""
@@ -732,7 +916,7 @@ class Amp:
         finite = torch.stack([torch.isfinite(g).all() for _, g in candidates]).tolist()
         return [name for (name, _), ok in zip(candidates, finite) if not ok]
 
-    def _log_overflow(self, names: list[str], loss_ids: set[int]) -> None:
+    def _log_overflow(self, names: list[str], loss_ids: list[int]) -> None:
         if not self.log_overflows:
             return
         now = time.monotonic()
@@ -754,6 +938,13 @@ class Amp:
 def _params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     for group in optimizer.param_groups:
         yield from group["params"]
+
+
+_VERSION = operator.attrgetter("_version")
+
+
+def _is_bool_tensor(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype == torch.bool
 
 
 def _cast_collection(data: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:

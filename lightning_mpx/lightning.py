@@ -30,6 +30,7 @@ from lightning_mpx.loss_scaler import OnFloor
 
 _pl = require("lightning.pytorch", extra="lightning", feature="lightning_mpx.MixedPrecisionPlugin")
 
+from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
 from lightning.pytorch.plugins.precision import Precision  # noqa: E402
 from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
@@ -386,8 +387,9 @@ class _SkipAwareScheduler:
 
 
 def _unwrap(optimizer: Any) -> Optimizer:
-    """The torch optimizer inside a ``LightningOptimizer``."""
-    return getattr(optimizer, "optimizer", optimizer) if not isinstance(optimizer, Optimizer) else optimizer
+    """The torch optimizer inside a ``LightningOptimizer`` (which Lightning builds as a subclass of the optimizer's
+    own class, so an ``isinstance(..., Optimizer)`` test cannot tell them apart)."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 def _trainer_of(model: nn.Module) -> Any:

@@ -31,10 +31,16 @@ class LossScaler:
         loss_scale: ``"dynamic"``, or a positive number for a static scale.
         init_scale: First scale of a dynamic scaler (``2**16``, as torch's GradScaler and Apex).
         growth_factor: Factor applied after ``growth_interval`` steps in a row without overflow.
-        backoff_factor: Factor applied on an overflow (once ``hysteresis`` overflows have been seen).
+        backoff_factor: Factor applied on an overflow (see ``hysteresis``).
         growth_interval: Overflow-free steps before the scale grows.
-        hysteresis: Overflows tolerated before a backoff; the count restarts after each backoff and each growth.
-            ``1`` backs off on every overflow, like GradScaler.
+        hysteresis: How many overflows it takes to back off, as in Megatron-LM's ``DynamicGradScaler`` and
+            DeepSpeed's ``DynamicLossScaler``: a tracker starts at ``hysteresis``; an overflow lowers it by one, or
+            backs off when it is already at 1, and it stays at 1 (every further overflow backs off) until a growth
+            restores it. A backoff does not restore it, so under persistent overflow the scale falls by one backoff
+            per step once ``hysteresis - 1`` overflows have been tolerated. ``1`` backs off on every overflow,
+            exactly like GradScaler.
+        consecutive_hysteresis: Also restore the tracker after every overflow-free step (DeepSpeed's
+            ``consecutive_hysteresis``), so that only ``hysteresis`` overflows *in a row* back off.
         min_loss_scale: The floor of a dynamic scale.
         max_loss_scale: The ceiling of a dynamic scale.
         on_floor: What an overflow does when the scale cannot go lower (a dynamic scale at ``min_loss_scale``, or
@@ -55,6 +61,7 @@ class LossScaler:
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
         hysteresis: int = 1,
+        consecutive_hysteresis: bool = False,
         min_loss_scale: float = 1.0,
         max_loss_scale: float = 2.0**24,
         on_floor: OnFloor = "raise",
@@ -72,6 +79,8 @@ class LossScaler:
         for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer.")
+        if not isinstance(consecutive_hysteresis, bool):
+            raise TypeError(f"consecutive_hysteresis={consecutive_hysteresis!r} must be True or False.")
         if min_loss_scale > max_loss_scale:
             raise ValueError(
                 f"min_loss_scale={min_loss_scale!r} is above max_loss_scale={max_loss_scale!r}; the floor must not "
@@ -90,6 +99,7 @@ class LossScaler:
         self.backoff_factor = float(backoff_factor)
         self.growth_interval = growth_interval
         self.hysteresis = hysteresis
+        self.consecutive_hysteresis = consecutive_hysteresis
         self.min_loss_scale = float(min_loss_scale)
         self.max_loss_scale = float(max_loss_scale)
         self.on_floor: OnFloor = on_floor
@@ -98,6 +108,10 @@ class LossScaler:
         self._hysteresis_tracker: torch.Tensor | None = None
         self._overflows: torch.Tensor | None = None
         self._pending_state: dict[str, Any] | None = None
+        # Whether scale() may hand back the loss itself: a static scale of exactly 1.0, known on the host (it changes
+        # only when a checkpoint is loaded, whose value the host reads anyway), so that scale() and inv_scale() always
+        # agree.
+        self._unit = not self.dynamic and self.init_scale == 1.0
 
     # -- device state -------------------------------------------------------------------------------------------
     @property
@@ -144,7 +158,7 @@ class LossScaler:
         """``loss`` times the current scale (a no-op for a static scale of 1.0)."""
         if self._scale is None or self._scale.device != loss.device:
             self.to(loss.device)
-        if not self.dynamic and self.init_scale == 1.0:
+        if self._unit:
             return loss
         return loss * self._scale  # type: ignore[operator]
 
@@ -167,9 +181,12 @@ class LossScaler:
             )
             scale.clamp_(self.min_loss_scale, self.max_loss_scale)
             return
+        # DeepSpeed's DynamicLossScaler (Megatron-LM's DynamicGradScaler is the same): an overflow with the
+        # hysteresis tracker at 1 backs off, any other lowers the tracker; it stays at 1 (every overflow backs off)
+        # until a growth (with consecutive_hysteresis: any overflow-free step) restores it.
         overflow = found > 0
-        tracker = self._hysteresis_tracker - overflow.to(torch.int32)  # type: ignore[operator]
-        back_off = overflow & (tracker <= 0)
+        back_off = overflow & (self._hysteresis_tracker <= 1)  # type: ignore[operator]
+        tracker = (self._hysteresis_tracker - overflow.to(torch.int32)).clamp(min=1)  # type: ignore[operator]
         successes = torch.where(overflow, torch.zeros_like(self._growth_tracker), self._growth_tracker + 1)  # type: ignore[arg-type, operator]
         grow = ~overflow & (successes >= self.growth_interval)
         new_scale = torch.where(back_off, (scale * self.backoff_factor).clamp(min=self.min_loss_scale), scale)
@@ -179,16 +196,22 @@ class LossScaler:
         new_scale = torch.where(grow, grown, new_scale)
         scale.copy_(new_scale)
         self._growth_tracker.copy_(torch.where(grow, torch.zeros_like(successes), successes))  # type: ignore[union-attr]
+        restore = ~overflow if self.consecutive_hysteresis else grow
         self._hysteresis_tracker.copy_(  # type: ignore[union-attr]
-            torch.where(back_off | grow, torch.full_like(tracker, self.hysteresis), tracker)
+            torch.where(restore, torch.full_like(tracker, self.hysteresis), tracker)
         )
 
     def at_floor(self) -> bool:
         """Whether an overflow now could not lower the scale (waits for the device)."""
         return not self.dynamic or self.get_scale() <= self.min_loss_scale
 
-    def handle_overflow(self, bad_parameters: Sequence[str]) -> None:
+    def handle_overflow(self, bad_parameters: Sequence[str], hint: str | None = None) -> None:
         """Apply ``on_floor`` if the scale is at its floor; call it on overflow steps only (it waits for the device).
+
+        Args:
+            bad_parameters: Names of the parameters with non-finite gradients.
+            hint: The likely cause, when the caller knows better than "check the loss and inputs" (it replaces that
+                advice in the message).
 
         Raises:
             LossScaleFloorError: when ``on_floor="raise"`` and the scale cannot go lower.
@@ -200,8 +223,9 @@ class LossScaler:
         message = (
             f"Gradients overflowed and the {kind} (scale={self.get_scale():g}, min_loss_scale={self.min_loss_scale:g}):"
             f" non-finite gradients in {shown or 'unknown parameters'}. The step was skipped and parameters are "
-            "unchanged. Check the loss and inputs for inf/NaN, lower the learning rate, or use bfloat16; pass "
-            "on_floor='warn' or 'continue' to keep training."
+            "unchanged. "
+            + (hint or "Check the loss and inputs for inf/NaN, lower the learning rate, or use bfloat16")
+            + "; pass on_floor='warn' or 'continue' to keep training."
         )
         if self.on_floor == "raise":
             raise LossScaleFloorError(message)
@@ -243,14 +267,17 @@ class LossScaler:
         # limit; torch's kernel grows only when the tracker *equals* the interval, so it would never grow again.
         # With the same settings the trackers are always below the limits and this changes nothing.
         self._scale.fill_(state["scale"])  # type: ignore[union-attr]
+        self._unit = not self.dynamic and float(state["scale"]) == 1.0
         growth_tracker = min(int(state["growth_tracker"]), self.growth_interval - 1)
         self._growth_tracker.fill_(growth_tracker)  # type: ignore[union-attr]
-        self._hysteresis_tracker.fill_(min(int(state["hysteresis_tracker"]), self.hysteresis))  # type: ignore[union-attr]
+        hysteresis_tracker = max(1, min(int(state["hysteresis_tracker"]), self.hysteresis))
+        self._hysteresis_tracker.fill_(hysteresis_tracker)  # type: ignore[union-attr]
         self._overflows.fill_(state["overflows"])  # type: ignore[union-attr]
 
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else f"static {self.init_scale:g}"
-        return f"LossScaler({kind}, growth_interval={self.growth_interval}, hysteresis={self.hysteresis})"
+        consecutive = ", consecutive_hysteresis=True" if self.consecutive_hysteresis else ""
+        return f"LossScaler({kind}, growth_interval={self.growth_interval}, hysteresis={self.hysteresis}{consecutive})"
 
 
 def _is_number(value: object) -> bool:

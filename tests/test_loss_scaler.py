@@ -37,6 +37,7 @@ def dynamic_settings(draw: st.DrawFn) -> dict:
         "backoff_factor": draw(st.sampled_from([0.5, 0.25])),
         "growth_interval": draw(st.integers(1, 5)),
         "hysteresis": draw(st.integers(1, 4)),
+        "consecutive_hysteresis": draw(st.booleans()),
         "min_loss_scale": init * draw(st.sampled_from([1.0, 0.75])) * 2.0 ** -draw(st.integers(0, 4)),
         "max_loss_scale": init * draw(st.sampled_from([1.0, 1.25])) * 2.0 ** draw(st.integers(0, 4)),
     }
@@ -51,6 +52,7 @@ class ScalerModel:
     backoff_factor: float
     growth_interval: int
     hysteresis: int
+    consecutive_hysteresis: bool
     min_loss_scale: float
     max_loss_scale: float
     growth_tracker: int = 0
@@ -65,11 +67,13 @@ class ScalerModel:
         if found_inf > 0:
             self.overflows += 1
             self.growth_tracker = 0
-            self.hysteresis_tracker -= 1
-            if self.hysteresis_tracker <= 0:
+            if self.hysteresis_tracker == 1:  # exhausted: every overflow backs off until a growth
                 self.scale = max(self.scale * np.float32(self.backoff_factor), np.float32(self.min_loss_scale))
-                self.hysteresis_tracker = self.hysteresis
+            else:
+                self.hysteresis_tracker -= 1
             return
+        if self.consecutive_hysteresis:
+            self.hysteresis_tracker = self.hysteresis
         self.growth_tracker += 1
         if self.growth_tracker == self.growth_interval:
             grown = self.scale * np.float32(self.growth_factor)
@@ -117,25 +121,25 @@ def test_defaults():
 
 
 def test_hysteresis_tolerates_overflows_before_backing_off():
-    scaler = LossScaler(init_scale=8.0, hysteresis=3, growth_interval=2, min_loss_scale=2.0)
+    scaler = LossScaler(init_scale=32.0, hysteresis=3, growth_interval=2, min_loss_scale=2.0)
     trajectory = []
     for found_inf in [1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 1]:
         _update(scaler, found_inf)
         state = scaler.state_dict()
         trajectory.append((state["scale"], state["hysteresis_tracker"], state["growth_tracker"]))
     assert trajectory == [
-        (8.0, 2, 0),
+        (32.0, 2, 0),
+        (32.0, 1, 0),
+        (16.0, 1, 0),  # third overflow: back off; the tracker stays exhausted...
+        (8.0, 1, 0),  # ...so the next overflow backs off too (Megatron-LM, DeepSpeed)
+        (8.0, 1, 1),  # a success alone does not restore the tracker...
+        (16.0, 3, 0),  # ...a growth does
+        (16.0, 2, 0),
+        (16.0, 1, 0),
         (8.0, 1, 0),
-        (4.0, 3, 0),  # third overflow: back off, tracker restarts
-        (4.0, 2, 0),
-        (4.0, 2, 1),  # a success alone does not restart the hysteresis tracker...
-        (8.0, 3, 0),  # ...a growth does
-        (8.0, 2, 0),
-        (8.0, 1, 0),
-        (4.0, 3, 0),
-        (4.0, 2, 0),
         (4.0, 1, 0),
-        (2.0, 3, 0),  # clamped at min_loss_scale=2.0 (4 * 0.5 = 2 exactly here)
+        (2.0, 1, 0),
+        (2.0, 1, 0),  # clamped at min_loss_scale=2.0
     ]
     assert int(scaler.overflow_count) == 10
 
@@ -236,7 +240,7 @@ def test_state_dict_contents():
     assert scaler.state_dict() == {
         "scale": 2.0,
         "growth_tracker": 1,
-        "hysteresis_tracker": 2,
+        "hysteresis_tracker": 1,  # exhausted by the backoff; only a growth restores it
         "overflows": 2,
         "dynamic": True,
     }

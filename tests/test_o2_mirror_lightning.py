@@ -81,3 +81,35 @@ def test_backbone_finetuning_unfreezes_into_fp32_masters(half):
         assert optimizer.state[master]["exp_avg_sq"].dtype == torch.float32
         assert torch.equal(param, master.to(param.dtype))
     assert plugin.amp.skipped_steps == [0] or half == "float16"  # fp16 may probe the scale once
+
+
+class _Manual(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        self.skipped: list[bool] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()  # a LightningOptimizer
+        x, y = batch
+        self.manual_backward(F.cross_entropy(self.net(x), y))
+        if batch_idx == 2:
+            self.net[0].weight.grad.view(-1)[0] = float("inf")
+        self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        opt.step()
+        opt.zero_grad()
+        self.skipped.append(self.trainer.precision_plugin.step_was_skipped(opt))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_manual_optimization_passes_the_lightning_optimizer_itself(level):
+    # clip_gradients and step_was_skipped take what self.optimizers() returns, a LightningOptimizer.
+    plugin = MixedPrecisionPlugin(level, half_dtype="bfloat16", loss_scale="dynamic", on_floor="continue")
+    model = _Manual()
+    make_trainer(plugin, max_epochs=1).fit(model, loader(classification_data(n=64)))
+    assert model.skipped == [False, False, True, False]
