@@ -270,3 +270,22 @@ def test_accelerate_free_memory_releases_masters_and_optimizers():
     opt.step()
     assert not opt.step_was_skipped
     assert len(accelerator.amp.master_weights) == 1 and len(accelerator.amp._optimizers) == 1
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_clipped_then_skipped_batch_leaves_no_master_gradient_behind(set_to_none):
+    # Clip, skip the batch, zero the model's gradients, then a step in which the head gets no gradient: the head's
+    # master must not be stepped on the skipped batch's unscaled gradient.
+    amp = Amp("O2", loss_scale=128.0)
+    model = amp.prepare_model(_net())
+    opt = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _batch()
+    amp.backward(F.cross_entropy(amp.cast_outputs(model(amp.cast_inputs(x))), y))
+    amp.clip_grad_norm_(opt, 1.0)  # unscaled into the masters ... and the batch is skipped
+    amp.update()
+    model.zero_grad(set_to_none=set_to_none)
+    head = model[2].weight.detach().clone()
+    features = model[1](model[0](amp.cast_inputs(x)))
+    amp.backward(features.float().square().mean())
+    assert amp.step(opt)
+    assert torch.equal(model[2].weight, head)
