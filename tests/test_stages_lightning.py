@@ -146,13 +146,13 @@ class ZeroesWithoutNone(pl.LightningModule):
         )
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
 @pytest.mark.parametrize("id_type", [int, np.int64])
-def test_a_discriminator_overflow_backs_off_only_its_own_scale(id_type):
+def test_a_discriminator_overflow_backs_off_only_its_own_scale(id_type, level):
     # Before the fix the zeroed (set_to_none=False) gradients of the generator's loss counted as loss 1's in the
-    # discriminator's step, so its overflow backed off both scales: [128, 128]. numpy loss ids were refused.
-    # (O1 only: at O2, LightningOptimizer.zero_grad clears the FP32 masters but not the half model's gradients; see
-    # the report.)
-    plugin = MixedPrecisionPlugin("O1", num_losses=2, init_scale=256.0)
+    # discriminator's step, so its overflow backed off both scales: [128, 128]. numpy loss ids were refused. At O2
+    # the optimizers hold the model's own parameters, so their zero_grad clears what the next step would read.
+    plugin = MixedPrecisionPlugin(level, num_losses=2, init_scale=256.0)
     model = ZeroesWithoutNone(nan_at=1, id_type=id_type)
     data = loader(torch.utils.data.TensorDataset(torch.randn(24, 8)), batch_size=8)  # 3 iterations
     make_trainer(plugin).fit(model, data)
