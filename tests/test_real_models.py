@@ -7,8 +7,11 @@ loss scaler may skip no step beyond its probing (a few at the start in float16 w
 bfloat16), and GPT-2's tied weights must still be one tensor with one FP32 master at O2. See tests/real_models.py for
 the data, the models and the training protocol.
 
-Coverage (the file must stay within about 3 minutes on 2 CPU cores, where float16 matrix products are ~60x slower
-than bfloat16 ones): the Trainer runs every level x dtype; the Accelerator runs O1 in bfloat16 and O2 in float16.
+Coverage: the file must stay within about 3 minutes on 2 CPU cores, and on a CPU without float16 matrix kernels
+(AVX-512 with BF16 but no FP16, as on the AMD EPYC this was tuned on) float16 products are ~60x slower than bfloat16
+ones. So the Trainer runs
+every level x dtype, the Accelerator O1 in bfloat16 and O2 in float16 (it shares the Trainer's engine, and gives the
+same bits for the same case).
 The O0 baseline is trained once per model and seed, through the Trainer with Lightning's own ``precision="32-true"``;
 ``test_accelerate_o0_is_the_baseline`` checks that the Accelerator's O0 gives the same result.
 """
