@@ -565,6 +565,16 @@ class AmpAgainstFP32(RuleBasedStateMachine):
         if set_to_none:
             self.has_grad[name] = False
 
+    @rule(name=st.sampled_from(NAMES), value=st.sampled_from([0.25, -2.0, 3.0]))
+    def write_the_model(self, name, value):
+        # Loading weights, an EMA or SWA callback, a user's clamp: a write to the model outside the step, at any
+        # point of the iteration. The values are exact in half, so the twin gets the same ones; at O2 the masters
+        # must take them before the next step instead of overwriting them.
+        with torch.no_grad():
+            for param, ref in zip(self.models[name].parameters(), self.ref_models[name].parameters()):
+                param.fill_(value)
+                ref.fill_(value)
+
     @rule(name=st.sampled_from(NAMES), max_norm=st.sampled_from([0.05, 50.0]), set_to_none=st.booleans())
     def skip_a_bad_batch(self, name, max_norm, set_to_none):
         # What a loop that checks the norm and skips the batch does: clip, no step, zero the gradients.
