@@ -57,7 +57,7 @@ from torch import nn
 
 from lightning_mpx._dtypes import parse_half_dtype
 from lightning_mpx._imports import require
-from lightning_mpx.amp import Amp, _cast_collection
+from lightning_mpx.amp import MODEL_WRITES, Amp, _cast_collection
 from lightning_mpx.cast_table import _NAMESPACES as _TABLE_NAMESPACES
 from lightning_mpx.cast_table import CastTable
 from lightning_mpx.loss_scaler import LossScaler, OnFloor
@@ -108,6 +108,8 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
         allow_banned: Run banned ops in FP32 instead of raising.
         unscale_backend: ``"auto"``, ``"foreach"`` or ``"reference"``.
         overflow_log_interval: Minimum seconds between two overflow log messages.
+        model_writes: ``"versions"`` or ``"values"``: how O2 sees writes to the half model (see
+            :class:`~lightning_mpx.amp.Amp`).
         log_metrics: Add the ``mpx/...`` metrics to every :meth:`Accelerator.log` call.
 
     Raises:
@@ -135,6 +137,7 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
     allow_banned: bool = False
     unscale_backend: str = "auto"
     overflow_log_interval: float = 10.0
+    model_writes: str = "versions"
     log_metrics: bool = True
 
     def __post_init__(self) -> None:
@@ -150,6 +153,11 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
         if self.unscale_backend not in BACKENDS:
             raise ValueError(
                 f"unscale_backend={self.unscale_backend!r} is not valid; valid choices: {', '.join(BACKENDS)}."
+            )
+        if self.model_writes not in MODEL_WRITES:
+            raise ValueError(
+                f"model_writes={self.model_writes!r} is not valid; valid choices: "
+                f"{', '.join(map(repr, MODEL_WRITES))}."
             )
         if self.cast_table is not None and not isinstance(self.cast_table, CastTable):
             raise TypeError(f"cast_table={type(self.cast_table).__name__} must be a lightning_mpx.CastTable or None.")

@@ -41,6 +41,11 @@ from lightning_mpx.unscale import BACKENDS, UnscaleWorkspace, unscale_grads_
 
 log = logging.getLogger("lightning_mpx")
 
+#: How O2 finds writes made to the half model outside the step: ``"versions"`` (version counters and storage
+#: addresses, free; misses in-place writes through ``p.data``) or ``"values"`` (a comparison of every half parameter
+#: with its master's rounding before each step: one extra read of the weights and one host sync per step).
+MODEL_WRITES = ("versions", "values")
+
 
 class _Stage(enum.Enum):
     """Where an optimizer is in its iteration (one state machine per optimizer, as ``torch.amp.GradScaler``'s)."""
@@ -104,6 +109,12 @@ class Amp:
         init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, consecutive_hysteresis,
             min_loss_scale, max_loss_scale, on_floor: Loss-scaler settings (see
             :class:`~lightning_mpx.loss_scaler.LossScaler`).
+        overflow_log_interval: Minimum seconds between two overflow log messages.
+        model_writes: How O2 takes writes made to the half model outside the step into the FP32 masters:
+            ``"versions"`` (default: version counters and storage addresses, no cost; in-place writes through
+            ``p.data``, such as WGAN's ``p.data.clamp_()``, are not seen) or ``"values"`` (every half parameter is
+            compared with its master's rounding before each step: one read of the weights and one host sync per
+            step, and every write is seen).
         **overrides: Opt-level property overrides: ``cast_model_type``, ``patch_torch_functions``,
             ``keep_batchnorm_fp32``, ``master_weights``, ``loss_scale``.
 
@@ -132,8 +143,14 @@ class Amp:
         max_loss_scale: float = 2.0**24,
         on_floor: OnFloor = "raise",
         overflow_log_interval: float = 10.0,
+        model_writes: str = "versions",
         **overrides: Any,
     ) -> None:
+        if model_writes not in MODEL_WRITES:
+            raise ValueError(
+                f"model_writes={model_writes!r} is not valid; valid choices: {', '.join(map(repr, MODEL_WRITES))}."
+            )
+        self.model_writes = model_writes
         self.properties: Properties = resolve_properties(opt_level, half_dtype=half_dtype, **overrides)
         if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
             raise ValueError(f"num_losses={num_losses!r} must be a positive integer.")
@@ -681,7 +698,10 @@ class Amp:
         pairs = self._param_pairs(state)
         if state.mirrors is None:
             params = [param for param, master in pairs if master is not param]
-            state.mirrors = [m for masters in self.master_weights if (m := masters.mirror(params)).params]
+            compare = self.model_writes == "values"
+            state.mirrors = [
+                m for masters in self.master_weights if (m := masters.mirror(params, compare=compare)).params
+            ]
         return state.mirrors
 
     def _master_for(self, param: torch.Tensor) -> torch.Tensor | None:

@@ -181,10 +181,10 @@ class MasterWeights:
                 taken.append(entry.name)
         return taken
 
-    def mirror(self, params: Iterable[torch.Tensor]) -> Mirror:
+    def mirror(self, params: Iterable[torch.Tensor], *, compare: bool = False) -> Mirror:
         """The step-time view of ``params``' masters (those that have one): see :class:`Mirror`."""
         pairs = [(e, p) for p in params if (e := self._entry(p)) is not None and e.master is not None]
-        return Mirror(pairs, self.copy_backend)
+        return Mirror(pairs, self.copy_backend, compare)
 
     def sync_from_model(self) -> None:
         """Re-take the masters from the model parameters, on the model's current device.
@@ -274,7 +274,8 @@ class Mirror:
     common case, and the fused copy of the masters into the model.
     """
 
-    def __init__(self, pairs: list[tuple[_Entry, torch.Tensor]], copy_backend: str) -> None:
+    def __init__(self, pairs: list[tuple[_Entry, torch.Tensor]], copy_backend: str, compare: bool = False) -> None:
+        self.compare = compare  # compare values every step (writes through p.data), not only version counters
         self._entries = [entry for entry, _ in pairs]
         self.params = [param for _, param in pairs]
         self.masters = [entry.master for entry, _ in pairs]
@@ -287,11 +288,26 @@ class Mirror:
 
     def take_writes(self) -> list[str]:
         """Take writes made to the parameters since the masters last matched them (see :meth:`MasterWeights.refresh`)."""
+        if self.compare:
+            return self._take_by_value()
         if self._current() == self._marks:
             return []
         taken = [e.name for e, p in zip(self._entries, self.params) if not e.unchanged(p) and _take_write(e, p)]
         self._marks = self._current()
         return taken
+
+    def _take_by_value(self) -> list[str]:
+        """Every parameter whose half values differ from its master's rounding takes them (one host read for all)."""
+        if not self.params:
+            return []
+        with torch.no_grad():
+            changed = [p != m.to(p.dtype) for p, m in zip(self.params, self.masters)]
+            written = torch.stack([c.any() for c in changed]).tolist()
+            for master, param, mask, hit in zip(self.masters, self.params, changed, written):
+                if hit:
+                    master.copy_(torch.where(mask, param.float(), master))
+        self._marks = self._current()
+        return [e.name for e, hit in zip(self._entries, written) if hit]
 
     def copy_to_model(self) -> None:
         """Write the masters into the half parameters (after a real step) and remember their new versions."""

@@ -289,3 +289,29 @@ def test_a_clipped_then_skipped_batch_leaves_no_master_gradient_behind(set_to_no
     amp.backward(features.float().square().mean())
     assert amp.step(opt)
     assert torch.equal(model[2].weight, head)
+
+
+def test_writes_through_p_data_are_seen_with_model_writes_values():
+    # WGAN's weight clipping, `p.data.clamp_(-c, c)` after every step: invisible to version counters, so the default
+    # loses it at the next copy; model_writes="values" compares the weights with the masters before each step.
+    def clipped_run(model_writes: str) -> torch.Tensor:
+        amp = Amp("O2", model_writes=model_writes, loss_scale=128.0)
+        model = amp.prepare_model(_net())
+        opt = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+        for i in range(3):
+            _step(amp, model, opt, seed=i)
+            for p in model.parameters():
+                p.data.clamp_(-0.01, 0.01)
+        return amp.master_of(model[0].weight)
+
+    reference = _net()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for i in range(3):
+        _fp32_step(reference, ref_opt, seed=i)
+        for p in reference.parameters():
+            p.data.clamp_(-0.01, 0.01)
+    seen = clipped_run("values")
+    torch.testing.assert_close(seen, reference[0].weight.detach(), atol=5e-3, rtol=0)  # half forward
+    assert clipped_run("versions").abs().max() > 0.05  # the default's documented limit: the clamp was lost
+    with pytest.raises(ValueError, match=r"model_writes='always' is not valid; valid choices: 'versions', 'values'"):
+        Amp("O2", model_writes="always")
