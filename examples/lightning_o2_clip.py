@@ -1,4 +1,4 @@
-"""O2 with Lightning: a half convolutional net with batch norm kept in FP32, FP32 master weights in the optimizer,
+"""O2 with Lightning: a half convolutional net with batch norm kept in FP32, FP32 master weights for the optimizer,
 gradient clipping by norm on the unscaled gradients, a per-step LR schedule (which does not advance on skipped
 steps) and the loss-scale metrics in TensorBoard.
 
@@ -65,8 +65,8 @@ def main() -> None:
     model = ConvNet(args.steps)
     trainer.fit(model, loader)
     bn, conv = model.features[1], model.features[0]
-    print(f"conv weight {conv.weight.dtype}, batch norm weight {bn.weight.dtype}, optimizer holds "
-          f"{trainer.optimizers[0].param_groups[0]['params'][0].dtype} masters")
+    print(f"conv weight {conv.weight.dtype}, batch norm weight {bn.weight.dtype}, optimizer steps "
+          f"{plugin.amp.master_of(conv.weight).dtype} masters")
     print({"train/loss": round(float(trainer.callback_metrics["train/loss"]), 4), **plugin.metrics()})
 
 

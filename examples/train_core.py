@@ -43,7 +43,7 @@ def train(opt_level: str | None, half_dtype: str, steps: int, device: torch.devi
         model = amp.prepare_model(model)  # O2/O3: half model (batch norm FP32 at O2), FP32 masters at O2
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     if amp is not None:
-        optimizer = amp.prepare_optimizer(optimizer)  # O2: the optimizer now updates the FP32 masters
+        optimizer = amp.prepare_optimizer(optimizer)  # O2: amp.step() steps FP32 masters for its half params
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
         idx = torch.randint(0, x.shape[0], (128,), generator=g).to(device)
