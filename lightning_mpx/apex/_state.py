@@ -57,6 +57,7 @@ class AmpState:
         touched: Optimizers named in ``scale_loss`` blocks since the last ``Amp.update()`` (by ``id``).
         stepped: Of those, the ones that stepped (or skipped) since.
         skip_next: Optimizers whose next ``step()`` is skipped because a block that named them overflowed.
+        stash: O2: unscaled FP32 master gradients of earlier blocks, per optimizer, added after the next unscale.
         registrations: ``(function, category)`` from ``register_*_function`` and the decorators (kept across
             ``initialize``).
     """
@@ -71,6 +72,7 @@ class AmpState:
     touched: set[int] = field(default_factory=set)
     stepped: set[int] = field(default_factory=set)
     skip_next: set[int] = field(default_factory=set)
+    stash: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     registrations: list[tuple[Callable[..., Any], str]] = field(default_factory=list)
 
     def reset(self) -> None:

@@ -334,6 +334,8 @@ def scale_loss(
         # A new iteration began for an optimizer that already stepped: close the last one.
         _update(state)
     state.touched.update(ids)
+    if amp.properties.master_weights:
+        _stash(state, amp)
     yield amp.scale_loss(loss, loss_id)
     if amp.policy is not None and amp.properties.patch_torch_functions:
         amp.policy.clear_cache()  # Apex cleared its cast cache at the end of every block
@@ -344,9 +346,42 @@ def scale_loss(
         amp.unscale_(optimizer)
         found = amp._state(optimizer).found_by_loss.get(loss_id)
         overflow = overflow or (found is not None and bool(found.item() > 0))
+    for key in list(state.stash):
+        _restore_stash(state, amp, state.optimizers[key].optimizer)
     if overflow:
         state.skip_next.update(ids)
         _log_overflow(amp, loss_id)
+
+
+def _stash(state: AmpState, amp: Amp) -> None:
+    """O2: take the unscaled FP32 master gradients of earlier blocks out of the way of this block's backward.
+
+    The core would scale them back up into the half gradients, where a true gradient above 65504 / scale overflows;
+    Apex kept them in FP32 and added them after unscaling the next block, and so does this (it is the core's
+    ``scale_loss`` that finds nothing left to rescale: both gradients are cleared here).
+    """
+    for key, wrapper in state.optimizers.items():
+        inner = wrapper.optimizer
+        if not amp.is_unscaled(inner):
+            continue
+        params = [p for group in inner.param_groups for p in group["params"]]
+        kept = state.stash.setdefault(key, [])
+        for param, master in zip(params, amp.master_params(inner)):
+            if master is not param and master.grad is not None:
+                kept.append((master, master.grad))
+                master.grad = None
+                param.grad = None
+
+
+def _restore_stash(state: AmpState, amp: Amp, optimizer: torch.optim.Optimizer) -> None:
+    """Add the stashed FP32 gradients of ``optimizer`` to its unscaled master gradients (unscaling first)."""
+    kept = state.stash.pop(id(optimizer), None)
+    if kept is None:
+        return
+    if not amp.is_unscaled(optimizer):
+        amp.unscale_(optimizer)
+    for master, grad in kept:
+        master.grad = grad if master.grad is None else master.grad.add_(grad)
 
 
 def _resolve(optimizers: Any) -> list[torch.optim.Optimizer]:
@@ -377,11 +412,12 @@ def _optimizer_step(state: AmpState, optimizer: torch.optim.Optimizer) -> None:
     amp = state.require()
     key = id(optimizer)
     if key in state.skip_next:
+        # A block that named it overflowed (in its gradients or another optimizer's): skip, as Apex. The overflow is
+        # already charged to that block's loss, whose scale backs off in the update below.
         state.skip_next.discard(key)
-        if amp.is_unscaled(optimizer):
-            amp.step(optimizer)  # its own overflow: the core skips it (and counts it)
-        # else: another optimizer of the block overflowed; this one skips too, as in Apex
+        state.stash.pop(key, None)
     else:
+        _restore_stash(state, amp, optimizer)
         amp.step(optimizer)
     state.stepped.add(key)
     if state.touched <= state.stepped:
@@ -394,6 +430,7 @@ def _update(state: AmpState) -> None:
     state.touched.clear()
     state.stepped.clear()
     state.skip_next.clear()
+    state.stash.clear()
 
 
 # -- checkpoints and masters ----------------------------------------------------------------------------------------
@@ -455,7 +492,9 @@ def _register(function: Callable[..., Any], category: str) -> None:
     _amp_state.registrations.append((function, category))
     amp = _amp_state.amp
     if amp is not None and amp.policy is not None and amp.properties.patch_torch_functions:
-        amp.policy.table.register(function, category)  # the policy reads its table live
+        amp.policy.table.register(function, category)
+        # The policy re-reads its table when a scope is entered; initialize's scope stays entered, so re-read now.
+        amp.policy._refresh_actions()
 
 
 def _register_named(module: Any, name: str, category: str) -> None:
