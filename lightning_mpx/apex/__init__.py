@@ -4,7 +4,7 @@ See :mod:`lightning_mpx.apex.amp` for what maps onto :class:`lightning_mpx.Amp` 
 :mod:`lightning_mpx.apex._state` for ``_amp_state``.
 """
 
-from lightning_mpx.apex import amp
+from lightning_mpx.apex import amp, fp16_utils
 from lightning_mpx.apex._state import _amp_state
 
-__all__ = ["_amp_state", "amp"]
+__all__ = ["_amp_state", "amp", "fp16_utils"]
