@@ -450,3 +450,28 @@ def test_amp_state_loss_scalers_and_reinitialize_undoes_hooks():
     assert model2(torch.randn(1, 4)).dtype == torch.float32
     with pytest.raises(RuntimeError, match="same dtype"):
         model(torch.randn(1, 4))  # the first model's O2 input cast is gone with the first initialize
+
+
+def test_reset_from_another_thread_or_under_another_mode_is_refused():
+    amp.initialize(_mlp(), opt_level="O1")
+    errors = []
+
+    def other():
+        try:
+            _amp_state.reset()
+        except RuntimeError as error:
+            errors.append(str(error))
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert errors and "another thread" in errors[0]
+    class PassThrough(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with PassThrough():
+        with pytest.raises(RuntimeError, match="innermost"):
+            amp.initialize(_mlp(), opt_level="O1")
+    _amp_state.reset()
+    assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.float32

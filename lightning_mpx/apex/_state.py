@@ -16,6 +16,7 @@ Nothing else in the package holds state outside an object the user can see.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -77,17 +78,34 @@ class AmpState:
 
     def reset(self) -> None:
         """Undo what the last ``initialize`` set up (hooks, the O1 scope) and forget it; keeps the registrations."""
-        for handle in self.hooks:
-            handle.remove()
         if self.cast_scope is not None:
+            self._check_can_exit_scope()
             scope, self.cast_scope = self.cast_scope, None
             scope.__exit__(None, None, None)
+        for handle in self.hooks:
+            handle.remove()
         if self.amp is not None:
             for wrapper in self.optimizers.values():
                 self.amp.release_optimizer(wrapper.optimizer)
         registrations = self.registrations
         self.__init__()  # type: ignore[misc]
         self.registrations = registrations
+
+    def _check_can_exit_scope(self) -> None:
+        """The O1 scope is a mode on this thread's torch-function mode stack: only its thread can leave it, and only
+        when it is on top (leaving it from under another mode would pop that mode instead)."""
+        if threading.get_ident() != self.cast_thread:
+            raise RuntimeError(
+                "amp.initialize() (or _amp_state.reset()) was called on another thread than the one whose O1 cast "
+                "scope it must leave; call it on the thread that called amp.initialize()."
+            )
+        stack = torch.overrides._get_current_function_mode_stack()
+        amp = self.amp
+        if not stack or getattr(stack[-1], "policy", None) is not (amp.policy if amp is not None else None):
+            raise RuntimeError(
+                "the O1 cast scope entered by amp.initialize() is not the innermost torch-function mode on this thread "
+                "(a mode entered after initialize() is still active); leave that mode first."
+            )
 
     def require(self) -> Amp:
         if self.amp is None:

@@ -322,6 +322,8 @@ def scale_loss(
     Several blocks before one ``step()`` accumulate: a later block's backward adds to the unscaled gradients of the
     earlier ones (they are scaled back up first). An overflow in the block skips the next ``step()`` of every
     optimizer it names and backs off this loss's scale.
+
+    ``model`` and ``delay_overflow_check`` are accepted for compatibility and unused (as in Apex's last releases).
     """
     state = _amp_state
     amp = state.amp
