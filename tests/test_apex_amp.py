@@ -475,3 +475,24 @@ def test_reset_from_another_thread_or_under_another_mode_is_refused():
             amp.initialize(_mlp(), opt_level="O1")
     _amp_state.reset()
     assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.float32
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_delayed_block_after_an_unscaled_one_then_step(opt_level):
+    reference = _mlp()
+    model = copy.deepcopy(reference)
+    before = [p.detach().clone() for p in reference.parameters()]
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = _data()
+    x2, y2 = _data(2)
+    _reference_grads(reference, [lambda m: _loss(m, x, y), lambda m: _loss(m, x2, y2)])
+    ref_opt.step()
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=opt_level)
+    start = [m.detach().clone() for m in amp.master_params(opt)]  # at O2 the half weights' values
+    with amp.scale_loss(_loss(model, x, y), opt) as scaled:
+        scaled.backward()
+    with amp.scale_loss(_loss(model, x2, y2), opt, delay_unscale=True) as scaled:
+        scaled.backward()
+    opt.step()  # unscales the delayed block and adds the first block's gradients
+    for p, s, r, b in zip(amp.master_params(opt), start, reference.parameters(), before):
+        torch.testing.assert_close(p - s, r.detach() - b, atol=2e-5, rtol=3e-2)  # the update, not the weights
