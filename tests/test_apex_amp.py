@@ -496,3 +496,37 @@ def test_delayed_block_after_an_unscaled_one_then_step(opt_level):
     opt.step()  # unscales the delayed block and adds the first block's gradients
     for p, s, r, b in zip(amp.master_params(opt), start, reference.parameters(), before):
         torch.testing.assert_close(p - s, r.detach() - b, atol=2e-5, rtol=3e-2)  # the update, not the weights
+
+
+class _MixedModel(nn.Module):
+    """The user made the first layer half and kept the second FP32 (what cast_model_type=False is for)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(4, 8).half()
+        self.second = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.second(torch.relu(self.first(x.half())).float())
+
+
+def test_o2_with_cast_model_type_false_keeps_the_model_and_masters_its_half_parameters():
+    model = _MixedModel()
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
+                                cast_model_type=False)
+    assert [p.dtype for p in model.parameters()] == [torch.float16] * 2 + [torch.float32] * 2
+    params, masters = list(model.parameters()), list(amp.master_params(opt))
+    assert all(m.dtype == torch.float32 for m in masters)
+    assert masters[0] is not params[0] and masters[2] is params[2]
+    x, y = _data()
+    assert model(x).dtype == torch.float32  # no boundary hooks: the model's own forward decides
+    before = [p.detach().clone() for p in params]
+    with amp.scale_loss(_loss(model, x, y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert all(v.dtype == torch.float32 for v in model.state_dict().values())
+    # O1 (no masters) with cast_model_type=False: the model is left alone too
+    model = amp.initialize(_MixedModel(), opt_level="O1", cast_model_type=False)
+    assert next(model.parameters()).dtype == torch.float16

@@ -156,3 +156,15 @@ def test_manual_master_helpers(flat):
     torch.testing.assert_close(torch.cat([p.float().reshape(-1) for p in model_params]),
                                torch.cat([m.reshape(-1) for m in master_params]).half().float())
     assert to_python_float(torch.tensor(2.5)) == 2.5 and to_python_float([3.0]) == 3.0
+
+
+def test_an_all_fp32_optimizer_gets_loss_scaling_only():
+    model = _net()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=8.0)
+    x, y = _data()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    opt.backward(_loss(model, x, y))
+    opt.step()
+    assert not opt.overflow and opt.loss_scale == 8.0
+    assert not torch.equal(before[0], next(model.parameters()))

@@ -70,6 +70,7 @@ class AmpState:
     hooks: list[Any] = field(default_factory=list)
     cast_scope: Any = None
     cast_thread: int | None = None
+    holder: Any = None  # cast_model_type=False at O2: the module that holds the half parameters given masters
     touched: set[int] = field(default_factory=set)
     stepped: set[int] = field(default_factory=set)
     skip_next: set[int] = field(default_factory=set)

@@ -166,12 +166,10 @@ def initialize(
     if any(isinstance(opt, AmpOptimizer) for opt in optimizers_list):
         raise ValueError("optimizers: an optimizer returned by a previous amp.initialize() was passed; pass the "
                          "original optimizer (its .optimizer attribute).")
-    if cast_model_type is False:
-        raise ValueError(
-            "cast_model_type=False (keep the model as given, with FP32 masters for the parameters you made half) is "
-            "not supported by lightning_mpx.apex; valid choices: None (the opt level's default), torch.float16, "
-            "torch.float32."
-        )
+    # cast_model_type=False: the models stay as given; at O2 the parameters the user made half get FP32 masters.
+    keep_model = cast_model_type is False
+    if keep_model:
+        cast_model_type = None
     overrides: dict[str, Any] = {}
     for name, value in (
         ("cast_model_type", cast_model_type),
@@ -182,6 +180,16 @@ def initialize(
     ):
         if value is not None:
             overrides[name] = value
+    half_params = [
+        p for m in models_list for p in m.parameters() if p.dtype in (torch.float16, torch.bfloat16)
+    ] if keep_model else []
+    if keep_model:
+        from lightning_mpx.opt_levels import resolve_properties
+
+        wants_masters = resolve_properties(opt_level, **overrides).master_weights
+        if not (wants_masters and half_params):
+            # Nothing to cast and no masters to keep: the preset's policy and loss scaling only.
+            overrides.update(cast_model_type=None, master_weights=False, keep_batchnorm_fp32=None)
     amp = Amp(
         opt_level,
         num_losses=num_losses,
@@ -201,9 +209,16 @@ def initialize(
             amp.policy.table.register(function, category)
     _amp_state.amp = amp
     _amp_state.loss_scalers = [ScalerView(amp, i) for i in range(num_losses)]
+    if keep_model and amp.properties.master_weights:
+        # The core makes masters per prepared model and casts it; a holder of the half parameters alone is already
+        # half, so preparing it only makes their masters.
+        from lightning_mpx.apex.fp16_utils import _HalfParameters
+
+        _amp_state.holder = amp.prepare_model(_HalfParameters(half_params))
     for model in models_list:
-        amp.prepare_model(model)
-        _add_model_hooks(amp, model, cast_model_outputs)
+        if not keep_model:
+            amp.prepare_model(model)
+        _add_model_hooks(amp, model, cast_model_outputs, cast_model=not keep_model)
     wrapped = []
     for optimizer in optimizers_list:
         amp.prepare_optimizer(optimizer)
@@ -251,15 +266,18 @@ def _parse_loss_scale(value: Any) -> Any:
     return value
 
 
-def _add_model_hooks(amp: Amp, model: nn.Module, cast_model_outputs: torch.dtype | None) -> None:
+def _add_model_hooks(
+    amp: Amp, model: nn.Module, cast_model_outputs: torch.dtype | None, *, cast_model: bool = True
+) -> None:
     """Apex patched ``model.forward``; here: removable hooks on this model instance only."""
     props = amp.properties
-    if props.casts_model:
+    casts = props.casts_model and cast_model
+    if casts:
         def cast_inputs(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
             return amp.cast_inputs(args), amp.cast_inputs(kwargs)
 
         _amp_state.hooks.append(model.register_forward_pre_hook(cast_inputs, with_kwargs=True))
-    out_dtype = cast_model_outputs if cast_model_outputs is not None else (torch.float32 if props.casts_model else None)
+    out_dtype = cast_model_outputs if cast_model_outputs is not None else (torch.float32 if casts else None)
     if out_dtype is not None:
         castable = tuple(d for d in (torch.float16, torch.bfloat16, torch.float32) if d != out_dtype)
 

@@ -83,8 +83,9 @@ class FP16_Optimizer:
             raise ValueError("dynamic_loss_args is only used with dynamic_loss_scale=True.")
         scale_factor = float(args.get("scale_factor", 2.0))
         self.verbose = verbose
+        half = [p for g in init_optimizer.param_groups for p in g["params"] if p.dtype in _HALF]
         self.amp = Amp(
-            "O2",
+            "O2" if half else "O0",  # an all-FP32 optimizer needs no masters: loss scaling only
             loss_scale="dynamic" if dynamic_loss_scale else static_loss_scale,
             init_scale=float(args.get("init_scale", 2.0**32)),
             growth_factor=scale_factor,
@@ -96,11 +97,7 @@ class FP16_Optimizer:
         )
         self.amp.log_overflows = False
         self.optimizer = init_optimizer
-        half = [p for g in init_optimizer.param_groups for p in g["params"] if p.dtype in _HALF]
-        if half:
-            self._holder = self.amp.prepare_model(_HalfParameters(half))
-        else:
-            self._holder = self.amp.prepare_model(nn.Module())  # nothing to convert: an all-FP32 optimizer
+        self._holder = self.amp.prepare_model(_HalfParameters(half)) if half else None
         self.amp.prepare_optimizer(init_optimizer)
         self.overflow = False
         self.first_closure_call_this_step = True
