@@ -26,7 +26,8 @@ from lightning_mpx.amp import Amp
 
 
 class ScalerView:
-    """Apex's ``LossScaler`` as scripts read it: ``loss_scale()``, over the core's :class:`~lightning_mpx.LossScaler`."""
+    """Apex's ``LossScaler`` as scripts read it (``loss_scale()``), over the core's
+    :class:`~lightning_mpx.LossScaler`."""
 
     def __init__(self, amp: Amp, loss_id: int) -> None:
         self._amp = amp

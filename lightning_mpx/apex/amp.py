@@ -253,7 +253,9 @@ def _parse_keep_batchnorm(value: Any) -> bool | None:
     if isinstance(value, str):
         if value in ("True", "False"):
             return value == "True"
-        raise ValueError(f"keep_batchnorm_fp32={value!r} is not valid; valid choices: None, True, False, 'True', 'False'.")
+        raise ValueError(
+            f"keep_batchnorm_fp32={value!r} is not valid; valid choices: None, True, False, 'True', 'False'."
+        )
     return value
 
 
@@ -262,7 +264,9 @@ def _parse_loss_scale(value: Any) -> Any:
         try:
             return float(value)
         except ValueError:
-            raise ValueError(f"loss_scale={value!r} is not valid; valid choices: 'dynamic' or a positive number.") from None
+            raise ValueError(
+                f"loss_scale={value!r} is not valid; valid choices: 'dynamic' or a positive number."
+            ) from None
     return value
 
 
@@ -473,7 +477,10 @@ def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
     out = {} if destination is None else destination
     full = amp.state_dict()
     for i, scaler_state in enumerate(full["scalers"]):
-        out[f"loss_scaler{i}"] = {"loss_scale": float(scaler_state["scale"]), "unskipped": int(scaler_state["growth_tracker"])}
+        out[f"loss_scaler{i}"] = {
+            "loss_scale": float(scaler_state["scale"]),
+            "unskipped": int(scaler_state["growth_tracker"]),
+        }
     out["lightning_mpx"] = full
     return out
 

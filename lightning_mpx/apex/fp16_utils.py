@@ -78,7 +78,9 @@ class FP16_Optimizer:
         args = dict(dynamic_loss_args or {})
         unknown = sorted(set(args) - set(_DYNAMIC_ARGS))
         if unknown:
-            raise TypeError(f"dynamic_loss_args has unknown key(s) {unknown}; valid choices: {', '.join(_DYNAMIC_ARGS)}.")
+            raise TypeError(
+                f"dynamic_loss_args has unknown key(s) {unknown}; valid choices: {', '.join(_DYNAMIC_ARGS)}."
+            )
         if args and not dynamic_loss_scale:
             raise ValueError("dynamic_loss_args is only used with dynamic_loss_scale=True.")
         scale_factor = float(args.get("scale_factor", 2.0))
@@ -219,7 +221,10 @@ def model_grads_to_master_grads(
 ) -> None:
     """Copy the model gradients into the master gradients (as FP32)."""
     if flat_master:
-        grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device) for p in model_params]
+        grads = [
+            p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device)
+            for p in model_params
+        ]
         master_params[0].grad = torch.cat([g.float() for g in grads])
         return
     for model, master in zip(model_params, master_params):
