@@ -534,3 +534,21 @@ def test_o2_with_cast_model_type_false_keeps_the_model_and_masters_its_half_para
     # O1 (no masters) with cast_model_type=False: the model is left alone too
     model = amp.initialize(_MixedModel(), opt_level="O1", cast_model_type=False)
     assert next(model.parameters()).dtype == torch.float16
+
+
+def test_apex_scaler_entries_round_trip():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    model = _mlp()
+    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1")
+
+    @settings(max_examples=30, deadline=None)
+    @given(exponent=st.integers(0, 24), unskipped=st.integers(0, 1999))
+    def round_trip(exponent, unskipped):
+        entry = {"loss_scale": float(2.0**exponent), "unskipped": unskipped}
+        amp.load_state_dict({"loss_scaler0": entry})
+        assert amp.state_dict()["loss_scaler0"] == entry
+        assert _amp_state.loss_scalers[0].loss_scale() == entry["loss_scale"]
+
+    round_trip()
