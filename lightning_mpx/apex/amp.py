@@ -39,8 +39,10 @@ from torch import nn
 
 from lightning_mpx.amp import Amp, _cast_collection
 from lightning_mpx.apex._state import AmpState, ScalerView, _amp_state, is_rank_zero
+from lightning_mpx.apex.fp16_utils import _HalfParameters
 from lightning_mpx.cast_policy import disable_casts as _disable_casts
-from lightning_mpx.cast_table import dispatchable
+from lightning_mpx.cast_table import _takes_part_in_dispatch, dispatchable
+from lightning_mpx.opt_levels import resolve_properties
 
 __all__ = [
     "disable_casts",
@@ -166,6 +168,11 @@ def initialize(
     if any(isinstance(opt, AmpOptimizer) for opt in optimizers_list):
         raise ValueError("optimizers: an optimizer returned by a previous amp.initialize() was passed; pass the "
                          "original optimizer (its .optimizer attribute).")
+    if cast_model_outputs is not None and cast_model_outputs not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(
+            f"cast_model_outputs={cast_model_outputs!r} is not valid; valid choices: None, torch.float32, "
+            "torch.float16, torch.bfloat16."
+        )
     # cast_model_type=False: the models stay as given; at O2 the parameters the user made half get FP32 masters.
     keep_model = cast_model_type is False
     if keep_model:
@@ -184,8 +191,6 @@ def initialize(
         p for m in models_list for p in m.parameters() if p.dtype in (torch.float16, torch.bfloat16)
     ] if keep_model else []
     if keep_model:
-        from lightning_mpx.opt_levels import resolve_properties
-
         wants_masters = resolve_properties(opt_level, **overrides).master_weights
         if not (wants_masters and half_params):
             # Nothing to cast and no masters to keep: the preset's policy and loss scaling only.
@@ -199,11 +204,6 @@ def initialize(
         **overrides,
     )
     amp.log_overflows = False  # Apex's own message is logged instead (rank zero only)
-    if cast_model_outputs is not None and cast_model_outputs not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(
-            f"cast_model_outputs={cast_model_outputs!r} is not valid; valid choices: None, torch.float32, "
-            "torch.float16, torch.bfloat16."
-        )
     if amp.policy is not None and amp.properties.patch_torch_functions:
         for function, category in _amp_state.registrations:
             amp.policy.table.register(function, category)
@@ -212,8 +212,6 @@ def initialize(
     if keep_model and amp.properties.master_weights:
         # The core makes masters per prepared model and casts it; a holder of the half parameters alone is already
         # half, so preparing it only makes their masters.
-        from lightning_mpx.apex.fp16_utils import _HalfParameters
-
         _amp_state.holder = amp.prepare_model(_HalfParameters(half_params))
     for model in models_list:
         if not keep_model:
@@ -528,8 +526,6 @@ def _register_named(module: Any, name: str, category: str) -> None:
     if not hasattr(module, name):
         raise ValueError(f"name={name!r}: {getattr(module, '__name__', module)!r} has no attribute {name!r}.")
     function = getattr(module, name)
-    from lightning_mpx.cast_table import _takes_part_in_dispatch
-
     if not _takes_part_in_dispatch(function):
         raise TypeError(
             f"name={name!r}: {getattr(module, '__name__', module)}.{name} does not take part in torch's "
