@@ -60,6 +60,11 @@ __all__ = [
 ]
 
 log = logging.getLogger("lightning_mpx.apex")
+
+#: Rows of Apex's O1 lists that the core's default table does not have, added to the table of the ``Amp`` that
+#: ``initialize`` makes (not to the default): Apex's ``tensor_overrides.FP32_FUNCS`` lists ``Tensor.cpu``, so a
+#: half tensor comes back to the host as FP32.
+_APEX_ROWS: tuple[tuple[Callable[..., Any], str], ...] = ((torch.Tensor.cpu, "float"),)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -205,8 +210,8 @@ def initialize(
     )
     amp.log_overflows = False  # Apex's own message is logged instead (rank zero only)
     if amp.policy is not None and amp.properties.patch_torch_functions:
-        for function, category in _amp_state.registrations:
-            amp.policy.table.register(function, category)
+        for function, category in (*_APEX_ROWS, *_amp_state.registrations):
+            amp.policy.table.register(function, category)  # into this Amp's own copy of the table
     _amp_state.amp = amp
     _amp_state.loss_scalers = [ScalerView(amp, i) for i in range(num_losses)]
     if keep_model and amp.properties.master_weights:
