@@ -1,0 +1,125 @@
+"""``_amp_state``: the one piece of module-level state in lightning_mpx (Apex's own ``amp._amp_state``).
+
+Apex kept its whole run in a module-level singleton, and old scripts read it (``_amp_state.loss_scalers[0]
+.loss_scale()`` to log the scale). To run those scripts unchanged, :mod:`lightning_mpx.apex` keeps one such object,
+:data:`_amp_state`, documented here and nowhere else:
+
+* :func:`lightning_mpx.apex.amp.initialize` resets it and fills it with the :class:`~lightning_mpx.Amp` that does the
+  work, the wrapped optimizers and the hooks it put on the models; a second ``initialize`` undoes the first one's hooks
+  and cast scope first.
+* The cast registrations made with ``register_*_function`` and the ``*_function`` decorators are the exception: they
+  are made at import time, before ``initialize``, so ``initialize`` applies them to its cast table and keeps them
+  (Apex's ``_USER_CAST_REGISTRY`` behaved the same).
+
+Nothing else in the package holds state outside an object the user can see.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from lightning_mpx.amp import Amp
+
+
+class ScalerView:
+    """Apex's ``LossScaler`` as scripts read it (``loss_scale()``), over the core's
+    :class:`~lightning_mpx.LossScaler`."""
+
+    def __init__(self, amp: Amp, loss_id: int) -> None:
+        self._amp = amp
+        self._loss_id = loss_id
+
+    def loss_scale(self) -> float:
+        """The current scale of this loss (waits for the device, as Apex's did)."""
+        return self._amp.scalers[self._loss_id].get_scale()
+
+    @property
+    def dynamic(self) -> bool:
+        return self._amp.scalers[self._loss_id].dynamic
+
+    def __repr__(self) -> str:
+        return f"ScalerView(loss_id={self._loss_id}, {self._amp.scalers[self._loss_id]!r})"
+
+
+@dataclass
+class AmpState:
+    """What ``amp.initialize`` set up (see the module docstring).
+
+    Attributes:
+        amp: The core engine, ``None`` before ``initialize`` (or after ``initialize(enabled=False)``).
+        loss_scalers: One :class:`ScalerView` per loss.
+        verbosity: Apex's ``verbosity``: 0 silences the overflow messages.
+        optimizers: The wrapped optimizers by ``id`` of the optimizer they wrap.
+        hooks: Handles of the hooks put on the models (removed by the next ``initialize``).
+        cast_scope: The O1 cast-policy scope entered by ``initialize`` on its thread (exited by the next one).
+        touched: Optimizers named in ``scale_loss`` blocks since the last ``Amp.update()`` (by ``id``).
+        stepped: Of those, the ones that stepped (or skipped) since.
+        skip_next: Optimizers whose next ``step()`` is skipped because a block that named them overflowed.
+        stash: O2: unscaled FP32 master gradients of earlier blocks, per optimizer, added after the next unscale.
+        registrations: ``(function, category)`` from ``register_*_function`` and the decorators (kept across
+            ``initialize``).
+    """
+
+    amp: Amp | None = None
+    loss_scalers: list[ScalerView] = field(default_factory=list)
+    verbosity: int = 1
+    optimizers: dict[int, Any] = field(default_factory=dict)
+    hooks: list[Any] = field(default_factory=list)
+    cast_scope: Any = None
+    cast_thread: int | None = None
+    holder: Any = None  # cast_model_type=False at O2: the module that holds the half parameters given masters
+    touched: set[int] = field(default_factory=set)
+    stepped: set[int] = field(default_factory=set)
+    skip_next: set[int] = field(default_factory=set)
+    stash: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    registrations: list[tuple[Callable[..., Any], str]] = field(default_factory=list)
+
+    def reset(self) -> None:
+        """Undo what the last ``initialize`` set up (hooks, the O1 scope) and forget it; keeps the registrations."""
+        if self.cast_scope is not None:
+            self._check_can_exit_scope()
+            scope, self.cast_scope = self.cast_scope, None
+            scope.__exit__(None, None, None)
+        for handle in self.hooks:
+            handle.remove()
+        if self.amp is not None:
+            for wrapper in self.optimizers.values():
+                self.amp.release_optimizer(wrapper.optimizer)
+        registrations = self.registrations
+        self.__init__()  # type: ignore[misc]
+        self.registrations = registrations
+
+    def _check_can_exit_scope(self) -> None:
+        """The O1 scope is a mode on this thread's torch-function mode stack: only its thread can leave it, and only
+        when it is on top (leaving it from under another mode would pop that mode instead)."""
+        if threading.get_ident() != self.cast_thread:
+            raise RuntimeError(
+                "amp.initialize() (or _amp_state.reset()) was called on another thread than the one whose O1 cast "
+                "scope it must leave; call it on the thread that called amp.initialize()."
+            )
+        stack = torch.overrides._get_current_function_mode_stack()
+        amp = self.amp
+        if not stack or getattr(stack[-1], "policy", None) is not (amp.policy if amp is not None else None):
+            raise RuntimeError(
+                "the O1 cast scope entered by amp.initialize() is not the innermost torch-function mode on this thread "
+                "(a mode entered after initialize() is still active); leave that mode first."
+            )
+
+    def require(self) -> Amp:
+        if self.amp is None:
+            raise RuntimeError("amp.initialize() has not been called (or was called with enabled=False).")
+        return self.amp
+
+
+#: The documented exception to "no module-level mutable state" (see the module docstring).
+_amp_state = AmpState()
+
+
+def is_rank_zero() -> bool:
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or (
+        torch.distributed.get_rank() == 0
+    )
