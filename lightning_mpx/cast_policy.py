@@ -51,8 +51,10 @@ _CATEGORY_ACTION = MappingProxyType(
 _LOW = (torch.float16, torch.bfloat16)
 
 
-class BannedOpError(RuntimeError):
-    """A banned op (such as ``binary_cross_entropy``) was called inside a cast-policy scope."""
+class BannedOpError(NotImplementedError):
+    """A banned op (such as ``binary_cross_entropy``) was called inside a cast-policy scope.
+
+    A ``NotImplementedError``, as Apex raised for banned ops (and so also a ``RuntimeError``)."""
 
 
 class CastPolicy:
