@@ -47,7 +47,7 @@ from lightning_mpx.cast_table import CastTable
 _PASS, _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _BANNED, _BACKWARD = range(7)
 _CATEGORY_ACTION = MappingProxyType(
     {"half": _HALF, "float": _FLOAT, "promote": _PROMOTE, "sequence": _SEQUENCE, "banned": _BANNED}
-)
+)  # read only when a policy resolves its table, never while a forward pass runs
 _LOW = (torch.float16, torch.bfloat16)
 
 
@@ -127,25 +127,26 @@ class CastPolicy:
 
     # -- internals ----------------------------------------------------------------------------------------------
     def _refresh_actions(self) -> None:
+        """Resolve the table into ``{function: action}`` when the table (or its version) changed since last time.
+
+        The map is built whole and then only read: ``torch.compile`` traces the mode's ``__torch_function__`` and
+        guards on this dict, so a lazily filled (mutated) map would recompile, and a ``MappingProxyType`` read after
+        a mutation is a graph break. A function missing from the map runs as given.
+        """
         table, version = self._actions_of
         if table is not self.table or version != self.table._version:
-            self._actions = {}
+            actions = {entry.function: _CATEGORY_ACTION[entry.category] for entry in self.table}
+            actions.update(dict.fromkeys(_BACKWARD_ENTRIES, _BACKWARD))
+            self._actions = actions
             self._actions_of = (self.table, self.table._version)
-
-    def _classify(self, func: Callable[..., Any]) -> int:
-        category = self.table.category_of(func)
-        if func in _BACKWARD_ENTRIES:
-            action = _BACKWARD
-        else:
-            action = _PASS if category is None else _CATEGORY_ACTION[category]
-        self._actions[func] = action
-        return action
 
     def _cast(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
         if isinstance(value, torch.Tensor):
             if value.dtype not in castable or value.dtype is dtype:
                 return value
-            if value.requires_grad and value.is_leaf and self.cache_casts:
+            if value.requires_grad and value.is_leaf and self.cache_casts and not torch.compiler.is_compiling():
+                # Under torch.compile the cast is a node of the graph, done once per use in the compiled code; a
+                # cache read while tracing would guard on the cache's size and keys and recompile as it fills.
                 # Keyed by id() (Tensor.__hash__ is a Python call); the entry keeps the tensor alive, so the id
                 # cannot be reused while the entry exists.
                 cache = self._grad_cache if torch.is_grad_enabled() else self._no_grad_cache
@@ -296,9 +297,7 @@ class _CastMode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         policy = self.policy
-        action = policy._actions.get(func)
-        if action is None:
-            action = policy._classify(func)
+        action = policy._actions.get(func, _PASS)
         if action == _PASS or self.disabled:
             return func(*args, **kwargs) if kwargs else func(*args)
         if action == _BACKWARD:
