@@ -92,6 +92,9 @@ class CastPolicy:
         # (id(tensor), dtype) -> _CacheEntry
         self._grad_cache: dict[tuple[int, torch.dtype], _CacheEntry] = {}
         self._no_grad_cache: dict[tuple[int, torch.dtype], _CacheEntry] = {}
+        # Resolved now rather than at the first scope: a scope entered inside a compiled region would otherwise
+        # resolve while tracing and recompile at the second call.
+        self._refresh_actions()
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[CastPolicy]:
