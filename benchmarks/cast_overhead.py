@@ -130,16 +130,22 @@ Step = Callable[[], torch.Tensor]
 def _time(model: nn.Module, step: Step, steps: int, after: Callable[[], None]) -> float:
     start = time.perf_counter()
     for _ in range(steps):
-        step().backward()
+        step()
         model.zero_grad(set_to_none=True)
         after()
     return (time.perf_counter() - start) / steps * 1e6
 
 
-def _in(ctx: Callable[[], ContextManager[Any]], fn: Step) -> Step:
+def _in(ctx: Callable[[], ContextManager[Any]], fn: Step,
+        backward_ctx: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> Step:
+    """One step: ``fn()`` (the forward pass) inside ``ctx()``, then its backward pass inside ``backward_ctx()``."""
+
     def step() -> torch.Tensor:
         with ctx():
-            return fn()
+            loss = fn()
+        with backward_ctx():
+            loss.backward()
+        return loss
 
     return step
 
@@ -156,7 +162,7 @@ def _hook_calls(model: nn.Module, step: Step, after: Callable[[], None]) -> int:
 
     sys.setprofile(profile)
     try:
-        step().backward()
+        step()
     finally:
         sys.setprofile(None)
     model.zero_grad(set_to_none=True)
@@ -168,13 +174,15 @@ def _variants(model: TinyLM, data: tuple[torch.Tensor, torch.Tensor], dtype: tor
               compile_backend: str | None) -> dict[str, tuple[Step, Callable[[], None]]]:
     """name -> (step, what to run after each step), eager or compiled."""
     clear = policy.clear_cache
+    null = contextlib.nullcontext
+    # The O1 rows enter the policy's recompute scope around the backward pass, as Amp.backward does.
     if compile_backend is None:
         return {
-            "fp32": (lambda: model(*data), lambda: None),
+            "fp32": (_in(null, lambda: model(*data)), lambda: None),
             "autocast": (_in(lambda: torch.autocast("cpu", dtype=dtype), lambda: model(*data)), lambda: None),
             "mode_floor": (_in(lambda: _autocast_and_mode(dtype), lambda: model(*data)), lambda: None),
-            "O1": (_in(policy.scope, lambda: model(*data)), clear),
-            "twin": (lambda: model.twin(*data, dtype), lambda: None),
+            "O1": (_in(policy.scope, lambda: model(*data), policy.recompute_scope), clear),
+            "twin": (_in(null, lambda: model.twin(*data, dtype)), lambda: None),
         }
     compiled = torch.compile(model, backend=compile_backend)
 
@@ -185,8 +193,8 @@ def _variants(model: TinyLM, data: tuple[torch.Tensor, torch.Tensor], dtype: tor
 
     return {
         "autocast": (_in(lambda: torch.autocast("cpu", dtype=dtype), lambda: compiled(*data)), lambda: None),
-        "O1_outside": (_in(policy.scope, lambda: compiled(*data)), clear),
-        "O1_inside": (lambda: inside(*data), clear),
+        "O1_outside": (_in(policy.scope, lambda: compiled(*data), policy.recompute_scope), clear),
+        "O1_inside": (_in(null, lambda: inside(*data), policy.recompute_scope), clear),
     }
 
 
