@@ -265,3 +265,68 @@ def test_exception_inside_compiled_scope_leaves_no_mode_behind():
         f(_x(3, 3))
     assert not torch.overrides._get_current_function_mode_stack()
     assert (_x(3, 3) @ _x(3, 3)).dtype == torch.float32
+
+
+# -- through the plugins ------------------------------------------------------------------------------------------
+
+
+def _trainer_losses(compiled: bool) -> list[float]:
+    pytest.importorskip("lightning")
+    from lightning_mpx.lightning import MixedPrecisionPlugin
+    from tests.lightning_helpers import Classifier, classification_data, loader, make_trainer
+
+    model = Classifier()
+    model.net[0]._forward_hooks.clear()  # the helper's dtype recorder writes to a dict: a recompile per new key
+    if compiled:
+        model.net = torch.compile(model.net, backend="aot_eager")
+    trainer = make_trainer(MixedPrecisionPlugin("O1", half_dtype="bfloat16"))
+    trainer.fit(model, loader(classification_data()))
+    return model.losses
+
+
+def test_trainer_with_a_compiled_network_at_o1_matches_eager_without_graph_breaks():
+    eager = _trainer_losses(compiled=False)
+    compiled = _trainer_losses(compiled=True)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1  # one graph, no recompile over the steps
+    assert len(compiled) == len(eager) == 4  # 64 samples, batches of 16, one epoch
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=2e-2, atol=1e-2)
+
+
+def _accelerate_losses(compile_after_prepare: bool) -> list[float]:
+    pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    from lightning_mpx.accelerate import Accelerator
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 3))
+        accelerator = Accelerator(mixed_precision="O1")
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        model, opt = accelerator.prepare(net, opt)
+        if compile_after_prepare:
+            model = torch.compile(model, backend="aot_eager")
+        losses = []
+        for step in range(6):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+            loss = F.cross_entropy(model(x), y)
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+def test_accelerator_with_a_compiled_model_at_o1_matches_eager_without_graph_breaks():
+    eager = _accelerate_losses(compile_after_prepare=False)
+    compiled = _accelerate_losses(compile_after_prepare=True)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-2, atol=1e-3)
