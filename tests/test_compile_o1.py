@@ -330,3 +330,35 @@ def test_accelerator_with_a_compiled_model_at_o1_matches_eager_without_graph_bre
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-2, atol=1e-3)
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.ln, self.fc2 = nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)
+
+    def _inner(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.ln(self.fc1(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(self._inner, x, use_reentrant=False)
+        return self.fc2(h).float().pow(2).mean()
+
+
+def test_activation_checkpointing_under_compile_gives_eager_gradients():
+    x = _x(4, 8)
+    grads = []
+    for compiled in (False, True):
+        model = _Checkpointed()
+        policy = CastPolicy(half_dtype=HALF)
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        with policy.scope():
+            loss = run(x)
+        with policy.recompute_scope():
+            loss.backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for name, grad in grads[0].items():
+        assert grads[1][name].dtype == torch.float32
+        torch.testing.assert_close(grads[1][name], grad, rtol=2e-2, atol=1e-3, msg=name)
