@@ -49,6 +49,7 @@ _CATEGORY_ACTION = MappingProxyType(
     {"half": _HALF, "float": _FLOAT, "promote": _PROMOTE, "sequence": _SEQUENCE, "banned": _BANNED}
 )  # read only when a policy resolves its table, never while a forward pass runs
 _LOW = (torch.float16, torch.bfloat16)
+_CONTAINERS = (torch.Tensor, list, tuple)  # what _cast may change; anything else is passed as given
 
 
 class BannedOpError(RuntimeError):
@@ -175,10 +176,10 @@ class CastPolicy:
 
     def _cast_all(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None, dtype: torch.dtype,
                   castable: tuple[torch.dtype, ...]) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
-        cast = self._cast
-        args = tuple([cast(a, dtype, castable) for a in args])
+        cast, kinds = self._cast, _CONTAINERS
+        args = tuple([cast(a, dtype, castable) if isinstance(a, kinds) else a for a in args])
         if kwargs:
-            kwargs = {k: cast(v, dtype, castable) for k, v in kwargs.items()}
+            kwargs = {k: cast(v, dtype, castable) if isinstance(v, kinds) else v for k, v in kwargs.items()}
         return args, kwargs
 
 
@@ -288,6 +289,8 @@ class _CastMode(TorchFunctionMode):
     def __init__(self, policy: CastPolicy, *, recompute_only: bool = False) -> None:
         super().__init__()
         self.policy = policy
+        # The policy's resolved table, bound once per scope: the hook reads it on every torch call.
+        self.actions = policy._actions
         self.disabled = 0
         # A backward pass's mode (CastPolicy.recompute_scope): casts only what runs with gradients enabled.
         self.recompute_only = recompute_only
@@ -299,10 +302,10 @@ class _CastMode(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        policy = self.policy
-        action = policy._actions.get(func, _PASS)
+        action = self.actions.get(func, _PASS)
         if action == _PASS or self.disabled:
             return func(*args, **kwargs) if kwargs else func(*args)
+        policy = self.policy
         if action == _BACKWARD:
             return _run_backward(policy, func, args, kwargs or {})
         if self.recompute_only and not torch.is_grad_enabled():
