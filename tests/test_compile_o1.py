@@ -293,7 +293,7 @@ def test_trainer_with_a_compiled_network_at_o1_matches_eager_without_graph_break
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=2e-2, atol=1e-2)
 
 
-def _accelerate_losses(compile_after_prepare: bool) -> list[float]:
+def _accelerate_losses(compile_after_prepare: bool) -> tuple[list[float], list[int]]:
     pytest.importorskip("accelerate")
     from accelerate.state import AcceleratorState, GradientState
 
@@ -309,26 +309,31 @@ def _accelerate_losses(compile_after_prepare: bool) -> list[float]:
         model, opt = accelerator.prepare(net, opt)
         if compile_after_prepare:
             model = torch.compile(model, backend="aot_eager")
-        losses = []
+        losses, forward_hook_calls = [], []
         for step in range(6):
             g = torch.Generator().manual_seed(step)
             x, y = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
-            loss = F.cross_entropy(model(x), y)
+            output, calls = _hook_calls(lambda: model(x))
+            forward_hook_calls.append(calls)
+            loss = F.cross_entropy(output, y)
             accelerator.backward(loss)
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-        return losses
+        return losses, forward_hook_calls
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
 
 
 def test_accelerator_with_a_compiled_model_at_o1_matches_eager_without_graph_breaks():
-    eager = _accelerate_losses(compile_after_prepare=False)
-    compiled = _accelerate_losses(compile_after_prepare=True)
+    eager, eager_calls = _accelerate_losses(compile_after_prepare=False)
+    compiled, compiled_calls = _accelerate_losses(compile_after_prepare=True)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1
+    # The prepared forward enters the policy, so compiling the prepared model puts the policy inside the compiled
+    # region: the steady-state forward makes no call into the hook (eager makes one per table op).
+    assert eager_calls[-1] > 0 and compiled_calls[1:] == [0] * 5
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-2, atol=1e-3)
 
 
@@ -362,3 +367,42 @@ def test_activation_checkpointing_under_compile_gives_eager_gradients():
     for name, grad in grads[0].items():
         assert grads[1][name].dtype == torch.float32
         torch.testing.assert_close(grads[1][name], grad, rtol=2e-2, atol=1e-3, msg=name)
+
+
+def _hook_calls(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """``fn()`` and the number of calls into the cast policy's hook that it made."""
+    import sys
+
+    from lightning_mpx.cast_policy import _CastMode
+
+    code, calls = _CastMode.__torch_function__.__code__, 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event == "call" and frame.f_code is code:
+            calls += 1
+
+    sys.setprofile(profile)
+    try:
+        result = fn()
+    finally:
+        sys.setprofile(None)
+    return result, calls
+
+
+def test_policy_entered_inside_compiled_region_makes_no_hook_calls_in_the_forward():
+    torch.manual_seed(0)
+    model = Block()
+    policy = CastPolicy(half_dtype=HALF)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def run(*data: torch.Tensor) -> torch.Tensor:
+        with policy.scope():
+            return model(*data)
+
+    _train(model, run, policy, steps=2)
+    loss, calls = _hook_calls(lambda: run(*_data(5)))
+    assert calls == 0
+    with policy.scope():
+        eager = model(*_data(5))
+    torch.testing.assert_close(loss, eager, rtol=1e-2, atol=1e-2)
