@@ -1,14 +1,21 @@
-"""Cost of the O1 cast policy against torch.autocast, on CPU, with a small op-bound transformer.
+"""Cost of the O1 cast policy against torch.autocast, on CPU, eager and under ``torch.compile``.
 
-Runs forward + backward of the same model under (a) FP32, (b) ``torch.autocast("cpu", dtype)`` and (c) lightning_mpx's
-O1 policy with the same dtype, interleaving the variants so that they see the same machine state. Prints a table
-and writes JSON (default ``benchmarks/results/cast_overhead.json``).
+Two models: ``tiny`` (2 layers, d=64) and ``mid`` (4 layers, d=256), forward + backward, one thread by default.
 
-    python benchmarks/cast_overhead.py [--steps 200] [--repeats 5] [--out PATH]
+Eager rows, interleaved so that they see the same machine state: FP32; ``torch.autocast("cpu", dtype)``; autocast
+plus a do-nothing ``TorchFunctionMode`` (``mode_floor``: what any mode costs before it does work, the floor of the
+policy's hook); the O1 policy; and the explicit-cast twin (the same model with the table's casts written out by
+hand, no mode at all).
 
-"added us/op" is the O1 time minus the autocast time, divided by the number of torch calls that the policy
-intercepts in one forward pass. "hybrid floor" is autocast plus a do-nothing TorchFunctionMode: the least that a
-design combining autocast with a mode for the table's differences could cost.
+Compiled rows (inductor, unless ``--backend``): ``torch.autocast`` outside the compiled model; the O1 policy entered
+outside the compiled model (``O1_outside``: how ``Amp.forward_context()`` and the plugins use it); and the O1 policy
+entered inside the compiled function (``O1_inside``). Each compiled row starts from ``torch._dynamo.reset()`` and
+reports dynamo's graph breaks, the graphs compiled (the backend's calls), the recompiles (compilations after the first
+step) and the calls into the policy's hook in one steady-state step (counted with ``sys.setprofile``).
+
+    python benchmarks/cast_overhead.py [--models tiny mid] [--steps 100] [--repeats 5] [--no-compile] [--out PATH]
+
+Prints a table and writes JSON (default ``benchmarks/results/cast_overhead.json``).
 """
 
 from __future__ import annotations
@@ -16,14 +23,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 from torch.overrides import TorchFunctionMode
 
+import lightning_mpx.cast_policy
 from lightning_mpx import CastPolicy
 
 from _machine import cpu_model, write_json  # benchmarks/ is on sys.path when a script runs
@@ -50,6 +60,27 @@ class Block(nn.Module):
         return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
 
 
+def _twin_block(block: Block, x: torch.Tensor, half: torch.dtype) -> torch.Tensor:
+    """``Block.forward`` with the default table's casts written out: linear and matmul in half; layer norm, softmax
+    and GELU in FP32; the residual additions promote to FP32."""
+    b, t, d = x.shape
+    f32 = torch.float32
+
+    def linear(mod: nn.Linear, h: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(h.to(half), mod.weight.to(half), mod.bias.to(half))
+
+    def norm(mod: nn.LayerNorm, h: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(h.to(f32), mod.normalized_shape, mod.weight, mod.bias, mod.eps)
+
+    q, k, v = linear(block.qkv, norm(block.ln1, x)).view(b, t, 3, block.heads, d // block.heads).unbind(2)
+    q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+    att = (q @ k.transpose(-2, -1)) * (1.0 / (d // block.heads) ** 0.5)
+    att = att.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf")).to(f32).softmax(-1)
+    y = (att.to(half) @ v).transpose(1, 2).reshape(b, t, d)
+    x = x + linear(block.proj, y).to(f32)
+    return x + linear(block.fc2, nn.functional.gelu(linear(block.fc1, norm(block.ln2, x)).to(f32))).to(f32)
+
+
 class TinyLM(nn.Module):
     def __init__(self, vocab: int = 64, dim: int = 64, heads: int = 4, layers: int = 2, seq: int = 32) -> None:
         super().__init__()
@@ -66,6 +97,19 @@ class TinyLM(nn.Module):
         logits = self.head(self.ln(x))
         return nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
+    def twin(self, idx: torch.Tensor, targets: torch.Tensor, half: torch.dtype) -> torch.Tensor:
+        """The forward pass with the casts of O1 written out (the explicit-cast twin)."""
+        f32 = torch.float32
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = _twin_block(block, x, half)
+        h = nn.functional.layer_norm(x, self.ln.normalized_shape, self.ln.weight, self.ln.bias, self.ln.eps)
+        logits = nn.functional.linear(h.to(half), self.head.weight.to(half), self.head.bias.to(half)).to(f32)
+        return nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+MODELS = {"tiny": {"dim": 64, "heads": 4, "layers": 2}, "mid": {"dim": 256, "heads": 4, "layers": 4}}
+
 
 class _PassThrough(TorchFunctionMode):
     """A mode that only dispatches: what any TorchFunctionMode costs before it does any work."""
@@ -80,98 +124,186 @@ def _autocast_and_mode(dtype: torch.dtype) -> Any:
         yield
 
 
-class _Counter(TorchFunctionMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.calls += 1
-        return func(*args, **(kwargs or {}))
+Step = Callable[[], torch.Tensor]
 
 
-def _time(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor], ctx: Callable[[], ContextManager[Any]],
-          steps: int, after: Callable[[], None]) -> float:
+def _time(model: nn.Module, step: Step, steps: int, after: Callable[[], None]) -> float:
     start = time.perf_counter()
     for _ in range(steps):
-        with ctx():
-            loss = model(*data)
-        loss.backward()
+        step()
         model.zero_grad(set_to_none=True)
         after()
     return (time.perf_counter() - start) / steps * 1e6
 
 
+def _in(ctx: Callable[[], ContextManager[Any]], fn: Step,
+        backward_ctx: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> Step:
+    """One step: ``fn()`` (the forward pass) inside ``ctx()``, then its backward pass inside ``backward_ctx()``."""
+
+    def step() -> torch.Tensor:
+        with ctx():
+            loss = fn()
+        with backward_ctx():
+            loss.backward()
+        return loss
+
+    return step
+
+
+def _hook_calls(model: nn.Module, step: Step, after: Callable[[], None]) -> int:
+    """Calls into the policy's ``__torch_function__`` during one step (forward and backward)."""
+    code = lightning_mpx.cast_policy._CastMode.__torch_function__.__code__
+    calls = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event == "call" and frame.f_code is code:
+            calls += 1
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    model.zero_grad(set_to_none=True)
+    after()
+    return calls
+
+
+def _variants(model: TinyLM, data: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype, policy: CastPolicy,
+              compile_backend: str | None) -> dict[str, tuple[Step, Callable[[], None]]]:
+    """name -> (step, what to run after each step), eager or compiled."""
+    clear = policy.clear_cache
+    null = contextlib.nullcontext
+    # The O1 rows enter the policy's recompute scope around the backward pass, as Amp.backward does.
+    if compile_backend is None:
+        return {
+            "fp32": (_in(null, lambda: model(*data)), lambda: None),
+            "autocast": (_in(lambda: torch.autocast("cpu", dtype=dtype), lambda: model(*data)), lambda: None),
+            "mode_floor": (_in(lambda: _autocast_and_mode(dtype), lambda: model(*data)), lambda: None),
+            "O1": (_in(policy.scope, lambda: model(*data), policy.recompute_scope), clear),
+            "twin": (_in(null, lambda: model.twin(*data, dtype)), lambda: None),
+        }
+    compiled = torch.compile(model, backend=compile_backend)
+
+    @torch.compile(backend=compile_backend)
+    def inside(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with policy.scope():
+            return model(idx, targets)
+
+    return {
+        "autocast": (_in(lambda: torch.autocast("cpu", dtype=dtype), lambda: compiled(*data)), lambda: None),
+        "O1_outside": (_in(policy.scope, lambda: compiled(*data), policy.recompute_scope), clear),
+        "O1_inside": (_in(null, lambda: inside(*data), policy.recompute_scope), clear),
+    }
+
+
+def _counting(backend: str) -> tuple[Any, list[int]]:
+    """A backend that counts the graphs it is given before handing them to ``backend``."""
+    graphs = [0]
+    inner = torch._dynamo.lookup_backend(backend)
+
+    def count(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs[0] += 1
+        return inner(gm, example_inputs)
+
+    return count, graphs
+
+
+def run_model(name: str, dtype: torch.dtype, args: argparse.Namespace) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    model = TinyLM(**MODELS[name])
+    idx = torch.randint(0, 64, (args.batch, 32))
+    data = (idx, torch.roll(idx, -1, 1))
+    policy = CastPolicy(half_dtype=dtype)
+    steps = args.steps if name == "tiny" else max(args.steps // 4, 10)
+    rows = []
+
+    eager = _variants(model, data, dtype, policy, None)
+    for step, after in eager.values():  # warm-up
+        _time(model, step, 10, after)
+    samples: dict[str, list[float]] = {v: [] for v in eager}
+    for _ in range(args.repeats):
+        for v, (step, after) in eager.items():
+            samples[v].append(_time(model, step, steps, after))
+    med = {v: statistics.median(s) for v, s in samples.items()}
+    o1_calls = _hook_calls(model, *eager["O1"])
+    for v in eager:
+        rows.append({"model": name, "mode": "eager", "variant": v, "us": med[v], "over_autocast": med[v] / med["autocast"],
+                     "hook_calls": o1_calls if v == "O1" else None})
+
+    if args.no_compile:
+        return rows
+    compiled: dict[str, dict[str, Any]] = {}
+    for v in ("autocast", "O1_outside", "O1_inside"):
+        # Each variant compiled from a clean dynamo state, counting its graphs, breaks and recompiles over 20 steps.
+        torch._dynamo.reset()
+        counters.clear()
+        backend, graphs = _counting(args.backend)
+        step, after = _variants(model, data, dtype, policy, backend)[v]
+        _time(model, step, 1, after)
+        first = graphs[0]
+        _time(model, step, 19, after)
+        compiled[v] = {
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "graphs": graphs[0],
+            "recompiles": graphs[0] - first,
+            "hook_calls": _hook_calls(model, step, after),
+        }
+    # For timing, the three compiled side by side (reset() above drops compiled code), so that they can alternate.
+    torch._dynamo.reset()
+    stepped = _variants(model, data, dtype, policy, args.backend)
+    for step, after in stepped.values():
+        _time(model, step, 10, after)
+    samples = {v: [] for v in stepped}
+    for _ in range(args.repeats):
+        for v, (step, after) in stepped.items():
+            samples[v].append(_time(model, step, steps, after))
+    med = {v: statistics.median(s) for v, s in samples.items()}
+    for v in stepped:
+        rows.append({"model": name, "mode": f"compiled ({args.backend})", "variant": v, "us": med[v],
+                     "over_autocast": med[v] / med["autocast"], **compiled[v]})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["tiny", "mid"])
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--steps", type=int, default=100, help="steps per sample for tiny (a quarter for mid)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--no-compile", action="store_true", help="eager rows only")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cast_overhead.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    model = TinyLM()
-    idx = torch.randint(0, 64, (args.batch, 32))
-    data = (idx, torch.roll(idx, -1, 1))
+    dtype = getattr(torch, args.dtype)
+    rows = [row for name in args.models for row in run_model(name, dtype, args)]
 
-    counter = _Counter()
-    with counter:
-        model(*data)
-
-    rows = []
-    for dtype in (torch.bfloat16, torch.float16):
-        policy = CastPolicy(half_dtype=dtype)
-        variants: dict[str, tuple[Callable[[], ContextManager[Any]], Callable[[], None]]] = {
-            "fp32": (contextlib.nullcontext, lambda: None),
-            "autocast": (lambda: torch.autocast("cpu", dtype=dtype), lambda: None),
-            # The floor of a hybrid design (autocast casting, a mode for the table's differences): autocast plus a
-            # mode that dispatches and does nothing else.
-            "hybrid_floor": (lambda: _autocast_and_mode(dtype), lambda: None),
-            "O1": (policy.scope, policy.clear_cache),
-        }
-        samples: dict[str, list[float]] = {name: [] for name in variants}
-        for name, (ctx, after) in variants.items():  # warm-up
-            _time(model, data, ctx, 20, after)
-        for _ in range(args.repeats):
-            for name, (ctx, after) in variants.items():
-                samples[name].append(_time(model, data, ctx, args.steps, after))
-        med = {name: statistics.median(values) for name, values in samples.items()}
-        rows.append(
-            {
-                "dtype": str(dtype).removeprefix("torch."),
-                "fp32_us": med["fp32"],
-                "autocast_us": med["autocast"],
-                "o1_us": med["O1"],
-                "hybrid_floor_us": med["hybrid_floor"],
-                "hybrid_floor_over_autocast": med["hybrid_floor"] / med["autocast"],
-                "o1_over_autocast": med["O1"] / med["autocast"],
-                "intercepted_calls_per_forward": counter.calls,
-                "added_us_per_intercepted_call": (med["O1"] - med["autocast"]) / counter.calls,
-            }
-        )
-
-    header = (
-        f"{'dtype':<9} {'fp32 us':>9} {'autocast us':>12} {'O1 us':>9} {'O1/autocast':>12} {'calls':>6} "
-        f"{'added us/call':>14} {'hybrid floor':>13}"
-    )
+    header = (f"{'model':<5} {'mode':<20} {'variant':<11} {'us/step':>9} {'/autocast':>10} {'breaks':>7} "
+              f"{'graphs':>7} {'recompiles':>11} {'hook calls':>11}")
     print(header)
     print("-" * len(header))
+
+    def cell(value: Any, width: int) -> str:
+        return f"{'-' if value is None else value:>{width}}"
+
     for r in rows:
-        print(
-            f"{r['dtype']:<9} {r['fp32_us']:>9.0f} {r['autocast_us']:>12.0f} {r['o1_us']:>9.0f} "
-            f"{r['o1_over_autocast']:>11.2f}x {r['intercepted_calls_per_forward']:>6} "
-            f"{r['added_us_per_intercepted_call']:>14.2f} {r['hybrid_floor_over_autocast']:>12.2f}x"
-        )
+        print(f"{r['model']:<5} {r['mode']:<20} {r['variant']:<11} {r['us']:>9.0f} {r['over_autocast']:>9.3f}x "
+              f"{cell(r.get('graph_breaks'), 7)} {cell(r.get('graphs'), 7)} {cell(r.get('recompiles'), 11)} "
+              f"{cell(r.get('hook_calls'), 11)}")
     result = {
         "benchmark": "cast_overhead",
         "device": cpu_model(),
         "threads": args.threads,
         "torch": torch.__version__,
+        "dtype": args.dtype,
         "steps": args.steps,
         "repeats": args.repeats,
         "batch": args.batch,
+        "backend": args.backend,
         "rows": rows,
     }
     write_json(args.out, result)

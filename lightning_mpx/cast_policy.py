@@ -47,8 +47,9 @@ from lightning_mpx.cast_table import CastTable
 _PASS, _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _BANNED, _BACKWARD = range(7)
 _CATEGORY_ACTION = MappingProxyType(
     {"half": _HALF, "float": _FLOAT, "promote": _PROMOTE, "sequence": _SEQUENCE, "banned": _BANNED}
-)
+)  # read only when a policy resolves its table, never while a forward pass runs
 _LOW = (torch.float16, torch.bfloat16)
+_CONTAINERS = (torch.Tensor, list, tuple)  # what _cast may change; anything else is passed as given
 
 
 class BannedOpError(NotImplementedError):
@@ -94,6 +95,9 @@ class CastPolicy:
         # (id(tensor), dtype) -> _CacheEntry
         self._grad_cache: dict[tuple[int, torch.dtype], _CacheEntry] = {}
         self._no_grad_cache: dict[tuple[int, torch.dtype], _CacheEntry] = {}
+        # Resolved now rather than at the first scope: a scope entered inside a compiled region would otherwise
+        # resolve while tracing and recompile at the second call.
+        self._refresh_actions()
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[CastPolicy]:
@@ -129,25 +133,26 @@ class CastPolicy:
 
     # -- internals ----------------------------------------------------------------------------------------------
     def _refresh_actions(self) -> None:
+        """Resolve the table into ``{function: action}`` when the table (or its version) changed since last time.
+
+        The map is built whole and then only read: ``torch.compile`` traces the mode's ``__torch_function__`` and
+        guards on this dict, so a lazily filled (mutated) map would recompile, and a ``MappingProxyType`` read after
+        a mutation is a graph break. A function missing from the map runs as given.
+        """
         table, version = self._actions_of
         if table is not self.table or version != self.table._version:
-            self._actions = {}
+            actions = {entry.function: _CATEGORY_ACTION[entry.category] for entry in self.table}
+            actions.update(dict.fromkeys(_BACKWARD_ENTRIES, _BACKWARD))
+            self._actions = actions
             self._actions_of = (self.table, self.table._version)
-
-    def _classify(self, func: Callable[..., Any]) -> int:
-        category = self.table.category_of(func)
-        if func in _BACKWARD_ENTRIES:
-            action = _BACKWARD
-        else:
-            action = _PASS if category is None else _CATEGORY_ACTION[category]
-        self._actions[func] = action
-        return action
 
     def _cast(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
         if isinstance(value, torch.Tensor):
             if value.dtype not in castable or value.dtype is dtype:
                 return value
-            if value.requires_grad and value.is_leaf and self.cache_casts:
+            if value.requires_grad and value.is_leaf and self.cache_casts and not torch.compiler.is_compiling():
+                # Under torch.compile the cast is a node of the graph, done once per use in the compiled code; a
+                # cache read while tracing would guard on the cache's size and keys and recompile as it fills.
                 # Keyed by id() (Tensor.__hash__ is a Python call); the entry keeps the tensor alive, so the id
                 # cannot be reused while the entry exists.
                 cache = self._grad_cache if torch.is_grad_enabled() else self._no_grad_cache
@@ -173,10 +178,10 @@ class CastPolicy:
 
     def _cast_all(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None, dtype: torch.dtype,
                   castable: tuple[torch.dtype, ...]) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
-        cast = self._cast
-        args = tuple([cast(a, dtype, castable) for a in args])
+        cast, kinds = self._cast, _CONTAINERS
+        args = tuple([cast(a, dtype, castable) if isinstance(a, kinds) else a for a in args])
         if kwargs:
-            kwargs = {k: cast(v, dtype, castable) for k, v in kwargs.items()}
+            kwargs = {k: cast(v, dtype, castable) if isinstance(v, kinds) else v for k, v in kwargs.items()}
         return args, kwargs
 
 
@@ -286,6 +291,8 @@ class _CastMode(TorchFunctionMode):
     def __init__(self, policy: CastPolicy, *, recompute_only: bool = False) -> None:
         super().__init__()
         self.policy = policy
+        # The policy's resolved table, bound once per scope: the hook reads it on every torch call.
+        self.actions = policy._actions
         self.disabled = 0
         # A backward pass's mode (CastPolicy.recompute_scope): casts only what runs with gradients enabled.
         self.recompute_only = recompute_only
@@ -297,12 +304,10 @@ class _CastMode(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        policy = self.policy
-        action = policy._actions.get(func)
-        if action is None:
-            action = policy._classify(func)
+        action = self.actions.get(func, _PASS)
         if action == _PASS or self.disabled:
             return func(*args, **kwargs) if kwargs else func(*args)
+        policy = self.policy
         if action == _BACKWARD:
             return _run_backward(policy, func, args, kwargs or {})
         if self.recompute_only and not torch.is_grad_enabled():

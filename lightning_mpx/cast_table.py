@@ -208,12 +208,19 @@ def dispatchable(function: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         tensors = tuple(_tensors_in(args)) + tuple(_tensors_in(tuple(kwargs.values())))
-        if tensors and has_torch_function(tensors):
+        # While torch.compile traces, has_torch_function() answers for tensor subclasses only, not for the active
+        # torch-function modes, so the modes are asked for directly: otherwise a policy would see the call in eager
+        # and not under compile.
+        if tensors and (has_torch_function(tensors) or (torch.compiler.is_compiling() and _mode_active())):
             return handle_torch_function(wrapper, tensors, *args, **kwargs)
         return function(*args, **kwargs)
 
     setattr(wrapper, _DISPATCHABLE_MARK, True)
     return wrapper
+
+
+def _mode_active() -> bool:
+    return torch._C._is_torch_function_mode_enabled()
 
 
 def _tensors_in(values: tuple[Any, ...]) -> Iterator[torch.Tensor]:

@@ -13,3 +13,12 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# Hypothesis draws the same examples on every run (a randomized run that fails once in a while is a flaky test, and
+# CI must be deterministic); HYPOTHESIS_PROFILE=explore draws new ones, to search for bugs.
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("deterministic", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))

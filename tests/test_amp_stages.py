@@ -565,11 +565,12 @@ class AmpAgainstFP32(RuleBasedStateMachine):
         if set_to_none:
             self.has_grad[name] = False
 
-    @rule(name=st.sampled_from(NAMES), value=st.sampled_from([0.25, -2.0, 3.0]))
+    @rule(name=st.sampled_from(NAMES), value=st.sampled_from([0.125, -0.25, 0.0625]))
     def write_the_model(self, name, value):
         # Loading weights, an EMA or SWA callback, a user's clamp: a write to the model outside the step, at any
-        # point of the iteration. The values are exact in half, so the twin gets the same ones; at O2 the masters
-        # must take them before the next step instead of overwriting them.
+        # point of the iteration. The values are exact in half and of the weights' own size (larger ones grow the
+        # half-precision error past the tolerances), so the twin gets the same ones; at O2 the masters must take
+        # them before the next step instead of overwriting them.
         with torch.no_grad():
             for param, ref in zip(self.models[name].parameters(), self.ref_models[name].parameters()):
                 param.fill_(value)
