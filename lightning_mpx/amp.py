@@ -83,7 +83,7 @@ class _OptimizerState:
     # O2, from an unscale to the end of the iteration: the version of each half gradient the unscale read (by id).
     # A half gradient that is gone or was written since (zero_grad either way) was cleared by the user, and the
     # unscaled copy its master holds must not outlive it.
-    unscaled_versions: dict[int, int] = field(default_factory=dict)
+    unscaled_marks: tuple[tuple[int, int] | None, ...] = ()
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -410,6 +410,11 @@ class Amp:
                 "through clip_grad_norm_()/clip_grad_value_()); call step() (or update()) before unscaling again."
             )
         self._unscale(state)
+        if self.master_weights:
+            # As after torch.amp.GradScaler.unscale_(): the model's own gradients hold the true values (a half copy;
+            # the FP32 ones the step uses stay in the masters), so code that clips or inspects them works. A write
+            # to them before the step is taken into the masters.
+            self.show_unscaled_on_model(optimizer)
 
     def is_unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer``'s gradients have been unscaled since its last :meth:`step` or :meth:`update`."""
@@ -459,6 +464,8 @@ class Amp:
             )
         if state.stage is not _Stage.UNSCALED:
             self._unscale(state)
+        elif self.master_weights:
+            self._follow_cleared_grads(state)
         loss_ids = sorted(state.found_by_loss)
         # One tensor for the reduction across processes and one host read; all ranks then agree loss by loss.
         flags = (
@@ -788,7 +795,7 @@ class Amp:
         state.grad_scale = None
         state.stage = _Stage.UNSCALED
         if self.master_weights and not skipped:
-            state.unscaled_versions = dict(zip(map(id, sources), map(_VERSION, sources)))
+            state.unscaled_marks = self._grad_marks(state)
 
     def _charge(self, state: _OptimizerState, loss_id: int, found: torch.Tensor) -> None:
         """Charge the overflow that one check of ``state``'s gradients found to ``loss_id``, whose backward ran since
@@ -823,6 +830,34 @@ class Amp:
         state.loss_id = new_loss_id
         state.grad_scale = None
 
+    def show_unscaled_on_model(self, optimizer: torch.optim.Optimizer) -> None:
+        """At O2, copy the unscaled FP32 master gradients into the half model's gradients (rounded), for code that
+        reads the model's own gradients between the unscale and the step (Lightning's ``on_before_optimizer_step``
+        hooks, ``grad_norm(self)``). The masters' FP32 gradients stay what the step uses."""
+        state = self._state(optimizer)
+        if not self.master_weights or state.stage is not _Stage.UNSCALED:
+            return
+        self._follow_cleared_grads(state)
+        for param, master in self._param_pairs(state):
+            if master is not param and master.grad is not None and param.grad is not None:
+                param.grad.copy_(master.grad)
+        state.unscaled_marks = self._grad_marks(state)  # the copies are ours, not the user's writes
+
+    def _follow_cleared_grads(self, state: _OptimizerState) -> None:
+        """Between an unscale and the step, the user may clear the half gradients (``zero_grad`` either way, a
+        skipped batch): the FP32 master gradients the step would use follow them (see :meth:`_leftovers`). A step
+        that finds them as the unscale left them compares one tuple."""
+        if self._grad_marks(state) != state.unscaled_marks:
+            self._leftovers(state)
+
+    def _grad_marks(self, state: _OptimizerState) -> tuple[tuple[int, int] | None, ...]:
+        """Identity and version of each half parameter's gradient (``None`` where it has none), in pair order."""
+        return tuple(
+            None if (g := param.grad) is None else (id(g), g._version)
+            for param, master in self._param_pairs(state)
+            if master is not param
+        )
+
     def _leftovers(self, state: _OptimizerState) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(gradient with true values, the model's gradient it belongs in) for the gradients an unscale left behind
         that the user has not cleared since.
@@ -835,18 +870,25 @@ class Amp:
         if not self.master_weights:
             return [(g, g) for p in _params(state.optimizer) if (g := p.grad) is not None]
         out = []
-        versions = state.unscaled_versions
+        marks = state.unscaled_marks
+        index = 0
         for param, master in self._param_pairs(state):
             grad = param.grad
             if master is param:
                 if grad is not None:
                     out.append((grad, grad))
                 continue
+            was = marks[index] if index < len(marks) else None
+            index += 1
             true = master.grad
-            if grad is None or true is None:
-                master.grad = None  # cleared (set_to_none), or nothing was unscaled into it
-                continue
-            if versions.get(id(grad)) != grad._version:  # written since the unscale: the user's values stand
+            if true is None:
+                continue  # nothing was unscaled into it
+            if grad is None:
+                if was is not None:  # cleared by the user (set_to_none) since the unscale
+                    master.grad = None
+                    continue
+                grad = param.grad = torch.zeros_like(param)  # unscaled without a half gradient (Apex's stash)
+            elif (id(grad), grad._version) != was:  # written since the unscale (zero_grad): the user's values stand
                 true.copy_(grad)
             out.append((true, grad))
         return out
@@ -878,7 +920,7 @@ class Amp:
             for param, master in self._param_pairs(state):
                 if master is not param:
                     master.grad = None  # carried into the half gradient
-        state.unscaled_versions = {}
+        state.unscaled_marks = ()
         state.stage = _Stage.READY
         state.loss_id = new_loss_id
         state.grad_scale = None
@@ -887,14 +929,13 @@ class Amp:
         if self.master_weights:
             for param, master in self._param_pairs(state):
                 if master is not param:
-                    # Both consumed: the half gradient was unscaled into the master's, which the step used. Freeing
-                    # the FP32 one keeps it out of the next forward's and backward's peak memory.
-                    param.grad = None
+                    # The FP32 gradient was the step's: freeing it keeps it out of the next forward's and backward's
+                    # peak memory. The half gradient is the user's, cleared by their zero_grad as in any loop.
                     master.grad = None
         state.stage = _Stage.READY
         state.loss_id = None
         state.grad_scale = None
-        state.unscaled_versions = {}
+        state.unscaled_marks = ()
         state.found_by_loss = {}
         state.found_inf = None
         state.grad_norm = None

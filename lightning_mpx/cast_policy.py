@@ -291,8 +291,6 @@ class _CastMode(TorchFunctionMode):
     def __init__(self, policy: CastPolicy, *, recompute_only: bool = False) -> None:
         super().__init__()
         self.policy = policy
-        # The policy's resolved table, bound once per scope: the hook reads it on every torch call.
-        self.actions = policy._actions
         self.disabled = 0
         # A backward pass's mode (CastPolicy.recompute_scope): casts only what runs with gradients enabled.
         self.recompute_only = recompute_only
@@ -304,7 +302,7 @@ class _CastMode(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        action = self.actions.get(func, _PASS)
+        action = self.policy._actions.get(func, _PASS)  # read live: a table changed inside a scope takes effect
         if action == _PASS or self.disabled:
             return func(*args, **kwargs) if kwargs else func(*args)
         policy = self.policy

@@ -234,7 +234,7 @@ class MixedPrecisionPlugin(Precision):
                 # Hooks must see true gradients. Without such hooks the unscale is left to the clip (one fused pass)
                 # or to the step.
                 self.amp.unscale_(optimizer)
-                self._show_unscaled_on_model(optimizer)
+                self.amp.show_unscaled_on_model(optimizer)
             self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then gradient clipping
             if skip_backward:
                 return closure_result
@@ -316,15 +316,6 @@ class MixedPrecisionPlugin(Precision):
                 values = {k: float(v) for k, v in self.amp.metrics().items()}  # a logging step: syncing is fine
                 for logger in trainer.loggers:
                     logger.log_metrics(values, step=step)
-
-    def _show_unscaled_on_model(self, optimizer: Optimizer) -> None:
-        """At O2 the unscaled gradients live in the FP32 masters; hooks that read the model's own parameters get a
-        half copy of them, so that ``grad_norm(self)`` and friends show true values as with Lightning's AMP."""
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                master = self.amp.master_of(param)
-                if master is not param and master.grad is not None and param.grad is not None:
-                    param.grad.copy_(master.grad)
 
     def _add_boundary_casts(self, module: nn.Module) -> None:
         # Apex casts a half model's inputs to half and its outputs to FP32. Here the casts sit on the
