@@ -44,7 +44,7 @@ from lightning_mpx._dtypes import parse_half_dtype
 from lightning_mpx.cast_table import CastTable
 
 # Actions, resolved once per function and memoised by each policy.
-_PASS, _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _BANNED, _BACKWARD = range(7)
+_PASS, _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _BANNED, _BACKWARD, _INPLACE_FLOAT = range(8)
 _CATEGORY_ACTION = MappingProxyType(
     {"half": _HALF, "float": _FLOAT, "promote": _PROMOTE, "sequence": _SEQUENCE, "banned": _BANNED}
 )  # read only when a policy resolves its table, never while a forward pass runs
@@ -87,10 +87,14 @@ class CastPolicy:
         self.half_dtype = parse_half_dtype(half_dtype)
         self.allow_banned = allow_banned
         self.cache_casts = cache_casts
+        #: Refuse in-place twins of ``float``-category ``Tensor`` methods on half tensors (``x.half().exp_()``) with
+        #: ``NotImplementedError``, as Apex did: the result cannot be FP32 in a half tensor. Off by default (the
+        #: op then runs in half as written); :mod:`lightning_mpx.apex` turns it on.
+        self.refuse_inplace_float = False
         self._actions: dict[Callable[..., Any], int] = {}
         # The table and table version that _actions was memoised from. The table itself, not its id(): an id can be
         # reused by a new table once the old one is freed.
-        self._actions_of: tuple[CastTable | None, int] = (None, -1)
+        self._actions_of: tuple[Any, ...] = (None, -1, False)
         # Parameter casts made with gradients enabled, until clear_cache(), and without, until the next scope entry:
         # (id(tensor), dtype) -> _CacheEntry
         self._grad_cache: dict[tuple[int, torch.dtype], _CacheEntry] = {}
@@ -139,12 +143,18 @@ class CastPolicy:
         guards on this dict, so a lazily filled (mutated) map would recompile, and a ``MappingProxyType`` read after
         a mutation is a graph break. A function missing from the map runs as given.
         """
-        table, version = self._actions_of
-        if table is not self.table or version != self.table._version:
+        table, version = self._actions_of[:2]
+        refuse = self.refuse_inplace_float
+        if table is not self.table or version != self.table._version or self._actions_of[2:] != (refuse,):
             actions = {entry.function: _CATEGORY_ACTION[entry.category] for entry in self.table}
             actions.update(dict.fromkeys(_BACKWARD_ENTRIES, _BACKWARD))
+            if refuse:
+                for entry in self.table.entries("float"):
+                    inplace = getattr(torch.Tensor, entry.name + "_", None) if entry.namespace == "torch.Tensor" else None
+                    if inplace is not None and inplace not in actions:
+                        actions[inplace] = _INPLACE_FLOAT
             self._actions = actions
-            self._actions_of = (self.table, self.table._version)
+            self._actions_of = (self.table, self.table._version, refuse)
 
     def _cast(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
         if isinstance(value, torch.Tensor):
@@ -308,6 +318,16 @@ class _CastMode(TorchFunctionMode):
         policy = self.policy
         if action == _BACKWARD:
             return _run_backward(policy, func, args, kwargs or {})
+        if action == _INPLACE_FLOAT:
+            target = args[0] if args else None
+            if isinstance(target, torch.Tensor) and target.dtype in _LOW:
+                name = getattr(func, "__name__", repr(func))
+                raise NotImplementedError(
+                    f"Tensor.{name} on a {target.dtype} tensor: {name[:-1]} belongs to the FP32 list, and an in-place "
+                    f"op cannot write an FP32 result into a half tensor; use the out-of-place {name[:-1]}(), or make "
+                    "the tensor FP32 first (as Apex refused it)."
+                )
+            return func(*args, **kwargs) if kwargs else func(*args)
         if self.recompute_only and not torch.is_grad_enabled():
             return func(*args, **kwargs) if kwargs else func(*args)
         if action != _BANNED and kwargs and kwargs.get("out") is not None:

@@ -167,11 +167,13 @@ def test_tensor_cpu_returns_fp32_as_in_apex():
     assert lightning_mpx.CastTable.default().category_of(torch.Tensor.cpu) is None  # the core's default is unchanged
 
 
-@pytest.mark.xfail(strict=True, reason="the policy does not refuse in-place float-list ops on half tensors")
 def test_inplace_float_op_on_half_is_refused_as_in_apex():
     amp.initialize(_mlp(), opt_level="O1")
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(NotImplementedError, match=r"Tensor.exp_ on a torch.float16 tensor.*out-of-place exp\(\)"):
         torch.randn(2).half().exp_()
+    x = torch.randn(2)
+    x.exp_()  # an FP32 tensor: allowed, as in Apex
+    assert torch.randn(2).half().add_(1).dtype == torch.float16  # not a float-list op: allowed
 
 
 def test_banned_op_gives_the_bce_with_logits_advice():

@@ -405,3 +405,15 @@ def test_a_scope_does_not_reach_other_threads():
         checked.set()
         thread.join(timeout=30)
     assert seen == {"worker": f16, "main": f32}
+
+
+def test_inplace_float_ops_on_half_run_as_written_unless_refused():
+    policy = CastPolicy(half_dtype="float16")
+    x = torch.full((3,), 0.5, dtype=torch.float16)
+    with policy.scope():
+        assert x.clone().exp_().dtype == torch.float16  # the default: in place, in half, as written
+    policy.refuse_inplace_float = True  # Apex's rule (lightning_mpx.apex turns it on)
+    with policy.scope():
+        with pytest.raises(NotImplementedError, match="Tensor.exp_ on a torch.float16 tensor"):
+            x.clone().exp_()
+        assert x.clone().float().exp_().dtype == torch.float32

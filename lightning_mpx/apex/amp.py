@@ -212,6 +212,7 @@ def initialize(
     if amp.policy is not None and amp.properties.patch_torch_functions:
         for function, category in (*_APEX_ROWS, *_amp_state.registrations):
             amp.policy.table.register(function, category)  # into this Amp's own copy of the table
+        amp.policy.refuse_inplace_float = True  # Apex refused x.half().exp_() with NotImplementedError
     _amp_state.amp = amp
     _amp_state.loss_scalers = [ScalerView(amp, i) for i in range(num_losses)]
     if keep_model and amp.properties.master_weights:
