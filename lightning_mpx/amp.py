@@ -416,6 +416,15 @@ class Amp:
             # to them before the step is taken into the masters.
             self.show_unscaled_on_model(optimizer)
 
+    def found_inf(self, optimizer: torch.optim.Optimizer, loss_id: int | None = None) -> torch.Tensor | None:
+        """The overflow flag (a device tensor, nonzero on overflow) that the checks of ``optimizer``'s gradients since
+        its last step found: all losses together, or those charged to ``loss_id``; ``None`` when nothing was checked.
+        Reading it on the host waits for the device."""
+        state = self._state(optimizer)
+        if loss_id is None:
+            return state.found_inf
+        return state.found_by_loss.get(self._loss_index(loss_id))
+
     def is_unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer``'s gradients have been unscaled since its last :meth:`step` or :meth:`update`."""
         return self._state(optimizer).stage is _Stage.UNSCALED

@@ -628,3 +628,17 @@ AmpAgainstFP32.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 test_amp_against_fp32 = AmpAgainstFP32.TestCase
+
+
+def test_found_inf_reports_the_flag_per_loss():
+    amp = Amp("O1", num_losses=2, init_scale=256.0)
+    model = amp.prepare_model(nn.Linear(4, 2))
+    opt = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert amp.found_inf(opt) is None
+    amp.backward(model(torch.randn(3, 4)).float().sum(), loss_id=0)
+    amp.backward(model(torch.randn(3, 4)).float().sum() * float("inf"), loss_id=1)
+    amp.unscale_(opt)
+    assert amp.found_inf(opt).item() > 0 and amp.found_inf(opt, 1).item() > 0
+    assert amp.found_inf(opt, 0).item() == 0  # loss 0's gradients were checked (finite) before loss 1's backward
+    with pytest.raises(ValueError, match=r"loss_id=2 is out of range"):
+        amp.found_inf(opt, 2)

@@ -372,7 +372,7 @@ def scale_loss(
     overflow = False
     for optimizer in wrapped:
         amp.unscale_(optimizer)
-        found = amp._state(optimizer).found_by_loss.get(loss_id)
+        found = amp.found_inf(optimizer, loss_id)
         overflow = overflow or (found is not None and bool(found.item() > 0))
     for key in list(state.stash):
         _restore_stash(state, amp, state.optimizers[key].optimizer)
