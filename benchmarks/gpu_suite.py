@@ -24,7 +24,7 @@ Parts:
 * ``unscale``: ``benchmarks/unscale.py`` per parameter set (GPT-2 124M, GPT 1.3B, ResNet-50 with the small-tensor
   sweep, BERT-base; FP32/FP16/BF16), each run measuring the copy bandwidth it is compared with.
 * ``step``: ``benchmarks/step.py --device cuda`` at real sizes (GPT-2 small at sequence 512, a CIFAR ResNet-18), the
-  16 variants one child process each, the rows the targets need first; stops starting new ones when ``--budget``
+  18 variants one child process each, the rows the targets need first; stops starting new ones when ``--budget``
   runs out.
 * ``fidelity``: ``benchmarks/convergence.py --accelerator gpu --seeds 0 --levels O0 O1 O2`` (200 steps).
 
@@ -69,7 +69,8 @@ CHECK_DEVICE = "cpu (gpu_suite --check: exercises the code, measures nothing)"
 STEP_ORDER = (
     "fp32", "lightning-16-mixed", "mpx-O2-fp16", "mpx-O1-fp16", "lightning-bf16-mixed", "mpx-O2-bf16",
     "mpx-O1-bf16", "torch-autocast-fp16", "torch-autocast-bf16", "mpx-O3-fp16", "mpx-O3-bf16", "core-O1-fp16",
-    "core-O1-bf16", "core-O2-fp16", "core-O2-bf16", "loop-fp32",
+    "core-O1-bf16", "core-O2-fp16", "core-O2-bf16", "loop-fp32", "mpx-O1-fp16-compiled",
+    "lightning-16-mixed-compiled",
 )  # fmt: skip
 #: --check: one child per model (each imports torch, the plugin row Lightning too), a plugin row and a hand-written
 #: loop; step.py's own tests run the other variants, the report's tests the ratios.

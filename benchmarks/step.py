@@ -12,6 +12,8 @@ Variants (``--variants`` picks a subset):
 * ``mpx-O{1,2,3}-{fp16,bf16}``: Lightning with ``MixedPrecisionPlugin``;
 * ``lightning-16-mixed``, ``lightning-bf16-mixed``: Lightning's own AMP (on CPU Lightning runs "16-mixed" as
   bfloat16 autocast: the JSON records the dtype it actually used);
+* ``mpx-O1-fp16-compiled``, ``lightning-16-mixed-compiled``: the same Trainer rows with the network passed through
+  ``torch.compile`` (inductor): O1 compiled against Lightning's AMP compiled;
 * ``torch-autocast-{fp16,bf16}``: a hand-written loop with ``torch.autocast`` (+ ``torch.amp.GradScaler`` for fp16);
 * ``loop-fp32``, ``core-O1-{fp16,bf16}``, ``core-O2-{fp16,bf16}``: hand-written loops, plain and with ``Amp``.
 
@@ -54,6 +56,9 @@ LIGHTNING_VARIANTS = (
     "mpx-O3-bf16",
     "lightning-16-mixed",
     "lightning-bf16-mixed",
+    # torch.compile'd network (inductor) under the same Trainer: O1 compiled against Lightning's AMP compiled.
+    "mpx-O1-fp16-compiled",
+    "lightning-16-mixed-compiled",
 )
 LOOP_VARIANTS = (
     "loop-fp32",
@@ -70,6 +75,7 @@ REFERENCES = ("lightning-16-mixed", "lightning-bf16-mixed")
 
 
 def is_fp16(variant: str) -> bool:
+    variant = variant.removesuffix("-compiled")
     """Whether the variant computes in float16 (``lightning-16-mixed`` only on a GPU: on CPU Lightning uses bf16)."""
     return variant.endswith("fp16")
 
@@ -282,6 +288,10 @@ def _lightning_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], tot
             sync()
             self.times.append(time.perf_counter() - self._start)
 
+    if variant.endswith("-compiled"):
+        variant = variant.removesuffix("-compiled")
+        # The Wrapper above holds the compiled module; its parameters are the network's own.
+        net = torch.compile(net)
     kwargs: dict[str, Any] = {}
     if variant == "fp32":
         kwargs["precision"] = "32-true"

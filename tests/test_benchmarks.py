@@ -49,7 +49,9 @@ def test_step_script_end_to_end_in_subprocesses(tmp_path):
     assert target["value"] == pytest.approx(result["rows"][0]["step_time_vs_bf16_mixed"])
 
 
-@pytest.mark.parametrize("variant", ["mpx-O3-bf16", "torch-autocast-bf16", "loop-fp32", "lightning-16-mixed"])
+@pytest.mark.parametrize(
+    "variant", ["mpx-O3-bf16", "torch-autocast-bf16", "loop-fp32", "lightning-16-mixed", "mpx-O1-fp16-compiled"]
+)
 def test_step_child_variants_run_in_process(variant):
     spec = step.ModelSpec(batch=2, image=8, width=4, blocks=(1, 1))
     row = step.run_child(variant, "resnet", spec, steps=2, warmup=1, device="cpu", threads=1)
