@@ -226,6 +226,11 @@ class MasterWeights:
     def state_dict(self) -> dict[str, Any]:
         """The FP32 masters of the half parameters, by name, cloned (exact, not rounded through half); writes made to
         the model since the last step are taken first."""
+        for entry, param in list(self._live()):
+            if entry.master is None and param.requires_grad and param.dtype in HALF_DTYPES:
+                # Trainable now (unfrozen since preparing) but not stepped yet: its master is made here, so the
+                # checkpoint matches a run that prepares the model with it trainable.
+                self._make_master(entry, param)
         self.refresh()
         return {entry.name: entry.master.detach().clone() for entry, _ in self._live() if entry.master is not None}
 

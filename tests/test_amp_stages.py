@@ -434,6 +434,10 @@ class AmpAgainstFP32(RuleBasedStateMachine):
         self.level = level
         self.amp = Amp(level, **self.settings)
         self.models = {"first": nn.Linear(4, 3), "second": nn.Linear(3, 2)}
+        # Gradual unfreezing: the second model's bias is frozen when the model is prepared (no master for it at O2)
+        # until the add_param_group rule trains it.
+        self.unfrozen = False
+        self.models["second"].bias.requires_grad_(False)
         for model in self.models.values():
             self.amp.prepare_model(model)
         self.opts = {name: self._optimizer(name, self.models[name]) for name in self.NAMES}
@@ -448,11 +452,13 @@ class AmpAgainstFP32(RuleBasedStateMachine):
         self.stepped = dict.fromkeys(self.NAMES, False)  # stepped since the last zero_grad
         self.has_grad = dict.fromkeys(self.NAMES, False)
 
-    @staticmethod
-    def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    def _optimizer(self, name: str, model: nn.Module) -> torch.optim.Optimizer:
         if name == "first":
             return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
-        return torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = torch.optim.AdamW([model.weight], lr=1e-2)
+        if self.unfrozen:  # the group structure add_param_group made, for a resume
+            opt.add_param_group({"params": [model.bias]})
+        return opt
 
     def _tolerance(self):
         return TOLERANCE[self.amp.half_dtype]
@@ -565,6 +571,17 @@ class AmpAgainstFP32(RuleBasedStateMachine):
         if set_to_none:
             self.has_grad[name] = False
 
+    @precondition(lambda self: not self.unfrozen)
+    @rule()
+    def unfreeze_and_add_param_group(self):
+        # BackboneFinetuning's move, at any point of the iteration: the frozen half bias joins the optimizer as a
+        # new group (at O2 it gets its FP32 master then), in the Amp run and in the FP32 twin alike.
+        pairs = ((self.models["second"], self.opts["second"]), (self.ref_models["second"], self.ref_opts["second"]))
+        for model, opt in pairs:
+            model.bias.requires_grad_(True)
+            opt.add_param_group({"params": [model.bias]})
+        self.unfrozen = True
+
     @rule(name=st.sampled_from(NAMES), value=st.sampled_from([0.125, -0.25, 0.0625]))
     def write_the_model(self, name, value):
         # Loading weights, an EMA or SWA callback, a user's clamp: a write to the model outside the step, at any
@@ -600,6 +617,7 @@ class AmpAgainstFP32(RuleBasedStateMachine):
         )
         self.amp = Amp(self.level, **self.settings)
         self.models = {"first": nn.Linear(4, 3), "second": nn.Linear(3, 2)}
+        self.models["second"].bias.requires_grad_(self.unfrozen)
         for name, model in self.models.items():
             self.amp.prepare_model(model)
             model.load_state_dict(saved["models"][name])

@@ -315,3 +315,28 @@ def test_writes_through_p_data_are_seen_with_model_writes_values():
     assert clipped_run("versions").abs().max() > 0.05  # the default's documented limit: the clamp was lost
     with pytest.raises(ValueError, match=r"model_writes='always' is not valid; valid choices: 'versions', 'values'"):
         Amp("O2", model_writes="always")
+
+
+def test_checkpoint_after_unfreezing_before_any_step_resumes_with_the_part_trainable():
+    # Unfreeze + add_param_group, then save before the new group ever stepped: the resumed run prepares the model with
+    # the part trainable (so with its master), and the checkpoint must hold that master too.
+    torch.manual_seed(0)
+    model = _net()
+    model[0].requires_grad_(False)
+    amp = Amp("O2")
+    amp.prepare_model(model)
+    opt = amp.prepare_optimizer(torch.optim.SGD(model[2].parameters(), lr=0.1))
+    model[0].requires_grad_(True)
+    opt.add_param_group({"params": list(model[0].parameters())})
+    saved = copy.deepcopy({"amp": amp.state_dict(), "model": model.state_dict(), "opt": opt.state_dict()})
+
+    fresh = Amp("O2")
+    resumed = fresh.prepare_model(_net(seed=4))
+    fresh_opt = torch.optim.SGD(resumed[2].parameters(), lr=0.1)
+    fresh_opt.add_param_group({"params": list(resumed[0].parameters())})
+    fresh.prepare_optimizer(fresh_opt)
+    resumed.load_state_dict(saved["model"])
+    fresh_opt.load_state_dict(saved["opt"])
+    fresh.load_state_dict(saved["amp"])
+    assert torch.equal(fresh.master_of(resumed[0].weight), amp.master_of(model[0].weight))
+    assert _step(fresh, resumed, fresh_opt)
