@@ -232,9 +232,8 @@ class MixedPrecisionPlugin(Precision):
         with disable_casts():
             if not skip_backward and not self.amp.is_unscaled(optimizer) and _hooks_read_gradients(model):
                 # Hooks must see true gradients. Without such hooks the unscale is left to the clip (one fused pass)
-                # or to the step.
+                # or to the step. At O2 unscale_ also leaves the true values on the model's own gradients.
                 self.amp.unscale_(optimizer)
-                self.amp.show_unscaled_on_model(optimizer)
             self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then gradient clipping
             if skip_backward:
                 return closure_result
