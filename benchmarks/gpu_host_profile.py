@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import io
+import pstats
 import json
 import statistics
 import sys
@@ -37,9 +40,9 @@ from lightning_mpx import Amp  # noqa: E402
 VARIANTS = ("autocast-fp16", "core-O1-fp16", "core-O2-fp16", "core-O1-bf16", "autocast-bf16")
 
 
-def make_step(variant: str, dev: torch.device) -> Callable[[Any, Any], None]:
+def make_step(variant: str, dev: torch.device, model: str = "gpt") -> Callable[[Any, Any], None]:
     torch.manual_seed(0)
-    net = build_model("gpt", SPECS[("gpt", "real")]).to(dev)
+    net = build_model(model, SPECS[(model, "real")]).to(dev)
     dtype = torch.float16 if variant.endswith("fp16") else torch.bfloat16
     if variant.startswith("core-"):
         level = variant.split("-")[1]
@@ -94,23 +97,27 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--model", choices=("gpt", "resnet"), default="gpt")
+    parser.add_argument("--profile", choices=VARIANTS, default="core-O1-fp16",
+                        help="the variant whose one step is profiled (torch.profiler) and whose host code is "
+                        "profiled with cProfile over --steps steps")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gpu" / "host_profile.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_host_profile.py measures CUDA steps and no CUDA device is present: nothing measured.")
         return 0
     dev = torch.device("cuda")
-    batches = make_batches("gpt", SPECS[("gpt", "real")], 4, dev)
+    batches = make_batches(args.model, SPECS[(args.model, "real")], 4, dev)
     rows = []
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     print(f"{'variant':16} {'host ms':>8} {'step ms':>8} {'host share':>10}")
     for variant in VARIANTS:
-        row = {"variant": variant, **measure(make_step(variant, dev), batches, args.steps, args.warmup)}
+        row = {"variant": variant, **measure(make_step(variant, dev, args.model), batches, args.steps, args.warmup)}
         row["host_share"] = row["host_ms"] / row["step_ms"]
         rows.append(row)
         print(f"{variant:16} {row['host_ms']:8.2f} {row['step_ms']:8.2f} {row['host_share']:10.2f}")
         torch.cuda.empty_cache()
-    step = make_step("core-O1-fp16", dev)
+    step = make_step(args.profile, dev, args.model)
     for i in range(3):
         step(*batches[i % len(batches)])
     torch.cuda.synchronize()
@@ -118,10 +125,23 @@ def main() -> int:
         step(*batches[0])
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    print(f"torch.profiler, one {args.profile} step, by self CPU time:")
     print(table)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for i in range(args.steps):
+        step(*batches[i % len(batches)])
+    torch.cuda.synchronize()
+    profiler.disable()
+    buffer = io.StringIO()
+    pstats.Stats(profiler, stream=buffer).sort_stats("tottime").print_stats(30)
+    python_table = buffer.getvalue()
+    print(f"cProfile, {args.steps} {args.profile} steps, by own time:")
+    print(python_table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                    "command": " ".join(sys.argv), "rows": rows, "o1_profile": table}, indent=1))
+                                    "command": " ".join(sys.argv), "model": args.model, "rows": rows, "profiled": args.profile,
+                                    "op_profile": table, "python_profile": python_table}, indent=1))
     print(f"wrote {args.out}")
     return 0
 

@@ -67,10 +67,10 @@ CHECK_DEVICE = "cpu (gpu_suite --check: exercises the code, measures nothing)"
 
 #: step.py's variants, the ones the targets and the report's ratios need first (a part cut short keeps them).
 STEP_ORDER = (
-    "fp32", "lightning-16-mixed", "mpx-O2-fp16", "mpx-O1-fp16", "lightning-bf16-mixed", "mpx-O2-bf16",
-    "mpx-O1-bf16", "torch-autocast-fp16", "torch-autocast-bf16", "mpx-O3-fp16", "mpx-O3-bf16", "core-O1-fp16",
-    "core-O1-bf16", "core-O2-fp16", "core-O2-bf16", "loop-fp32", "mpx-O1-fp16-compiled",
-    "lightning-16-mixed-compiled",
+    "fp32", "lightning-16-mixed", "mpx-O2-fp16", "mpx-O1-fp16", "mpx-O1-fp16-compiled",
+    "lightning-16-mixed-compiled", "lightning-bf16-mixed", "mpx-O2-bf16", "mpx-O1-bf16", "torch-autocast-fp16",
+    "torch-autocast-bf16", "mpx-O3-fp16", "mpx-O3-bf16", "core-O1-fp16", "core-O1-bf16", "core-O2-fp16",
+    "core-O2-bf16", "loop-fp32",
 )  # fmt: skip
 #: --check: one child per model (each imports torch, the plugin row Lightning too), a plugin row and a hand-written
 #: loop; step.py's own tests run the other variants, the report's tests the ratios.
