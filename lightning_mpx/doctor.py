@@ -28,12 +28,17 @@ import math
 from pathlib import Path
 from typing import Any
 
-from lightning_mpx.plot import LOSS_TAGS, OVERFLOW_TAG, SCALE_TAG, read_scalars
+from lightning_mpx.plot import (
+    HEADROOM_PREFIX,
+    LOSS_TAGS,
+    MODULE_OVERFLOW_PREFIX,
+    OVERFLOW_TAG,
+    SCALE_TAG,
+    UNDERFLOW_PREFIX,
+    read_scalars,
+)
 
 SKIPPED_TAG = "mpx/skipped_steps"
-MODULE_OVERFLOW_PREFIX = "mpx/overflow/"
-UNDERFLOW_PREFIX = "mpx/underflow/"
-HEADROOM_PREFIX = "mpx/headroom/"
 PROMOTED_PREFIX = "mpx/promoted/"
 
 #: An interval between two logged points "overflows on most steps" when at least this fraction of its steps
@@ -198,15 +203,16 @@ def diagnose_scalars(series: dict[str, Series], run_dir: str = "") -> Diagnosis:
     for finding in underflow_findings:
         (problems if finding.problem else info).append(finding)
     healthy_evidence.extend(underflow_evidence)
-    info.extend(_promoted(mpx))
+    info.extend(_promoted(mpx, module_overflows))
     notes = []
     if not _by_suffix(mpx, UNDERFLOW_PREFIX):
         notes.append(
             "no mpx/underflow/* or mpx/headroom/* scalars in this run: underflow (a scale that is too low) could not "
             "be judged."
         )
-    if not module_overflows:
-        notes.append("no mpx/overflow/<module> scalars in this run: overflows cannot be traced to modules.")
+    overflowed = any(value > 0 for tag, points in mpx.items() if tag.startswith(OVERFLOW_TAG) for _, value in points)
+    if overflowed and not module_overflows:
+        notes.append("no mpx/overflow/<module> scalars in this run: its overflows cannot be traced to modules.")
     findings: list[Finding] = problems
     if not problems:
         findings = [Finding("healthy", False, "healthy: no persistent overflow, no heavy underflow", tuple(healthy_evidence))]
@@ -350,14 +356,14 @@ def _underflow(mpx: dict[str, Series]) -> tuple[list[Finding], list[str]]:
         tail_scale = _tail(scale)
         first, final = tail_scale[0][1], tail_scale[-1][1]
         factor = 2.0 ** max(1, math.floor(math.log2(HEADROOM_TARGET / run_room))) if run_room > 0 else 2.0**10
-        lines.append(f"every group's largest gradient is at most {_fmt_ratio(run_room)} of the half maximum: the scale has room")
+        lines.append(f"no group's largest gradient is above {_fmt_ratio(run_room)} of the half maximum: the scale has room")
         if final > first:
             lines.append(f"the loss scale grew from {_fmt_scale(first)} to {_fmt_scale(final)} over {span}")
             return [
                 Finding(
                     "scale_climbing", False,
                     f"underflow in {', '.join(names)} while the loss scale is still climbing",
-                    tuple(evidence + lines),
+                    tuple(lines),
                     f"it falls as the scale grows; to get there sooner start higher (init_scale={_fmt_num(final * factor)}) "
                     "or grow more often (a shorter growth_interval)",
                     names, window[0],
@@ -371,7 +377,7 @@ def _underflow(mpx: dict[str, Series]) -> tuple[list[Finding], list[str]]:
             Finding(
                 "scale_too_low", True,
                 f"loss scale too low: heavy underflow in {', '.join(names)} with the scale {_fmt_scale(final)} not growing",
-                tuple(evidence + lines),
+                tuple(lines),
                 f"raise the scale about {_fmt_num(factor)}x: loss_scale={_fmt_num(final * factor)} for a static scale, or "
                 'loss_scale="dynamic" (the default) to let it find the largest safe scale; a dynamic scale stuck '
                 "here needs a higher max_loss_scale or a shorter growth_interval",
@@ -397,23 +403,30 @@ def _underflow(mpx: dict[str, Series]) -> tuple[list[Finding], list[str]]:
 
 
 # -- promotion ----------------------------------------------------------------------------------------------------
-def _promoted(mpx: dict[str, Series]) -> list[Finding]:
+def _promoted(mpx: dict[str, Series], module_overflows: dict[str, Series]) -> list[Finding]:
     found = []
     for module, points in sorted(_by_suffix(mpx, PROMOTED_PREFIX).items()):
         since = next((step for step, value in points if value >= 0.5), None)
-        if since is None:
-            continue
-        found.append((since, module or "<root>"))
+        if since is not None:
+            found.append((since, module))
     if not found:
         return []
     found.sort()
-    names = tuple(name for _, name in found)
+    names = tuple(name or "<root>" for _, name in found)
+    evidence = []
+    for since, module in found:
+        line = f"mpx/promoted/{module or '<root>'}: 1 since step {since}"
+        overflows = [(step, value) for step, value in module_overflows.get(module, []) if value > 0]
+        if overflows:
+            after = sum(value for step, value in overflows if step > since)
+            line += f"; its gradients overflowed in {sum(v for _, v in overflows):g} steps up to step {overflows[-1][0]}"
+            line += f", {after:g} of them after the promotion" if after else ", none after the promotion"
+        evidence.append(line)
     return [
         Finding(
             "promoted", False,
             f"running in FP32: {', '.join(names)} (promoted at the loss-scale floor, or pinned with fp32_modules)",
-            tuple(f"mpx/promoted/{name}: 1 since step {since}" for since, name in found),
-            None, names, found[0][0],
+            tuple(evidence), None, names, found[0][0],
         )
     ]  # fmt: skip
 
