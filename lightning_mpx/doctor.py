@@ -252,7 +252,9 @@ def _persistent_overflow(
     skipped = mpx.get(SKIPPED_TAG + suffix)
     if skipped:
         before = next((value for step, value in reversed(skipped) if step < since), 0.0)
-        evidence.append(f"skipped steps {before:g} before step {since}, {skipped[-1][1]:g} at step {skipped[-1][0]}")
+        evidence.append(
+            f"skipped steps: {skipped[-1][1]:g} at step {skipped[-1][0]}" + (f", {before:g} before step {since}" if since else "")
+        )
     forward = False
     if loss is not None:
         bad = _trailing(loss, lambda i: not math.isfinite(loss[i][1]))

@@ -4,6 +4,7 @@ when the run logged them, the underflow and headroom per group and the overflows
 from __future__ import annotations
 
 import itertools
+import math
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,11 @@ def plot_figure(series: dict[str, list[tuple[int, float]]], title: str = "") -> 
     if loss_tag is not None:
         steps, values = zip(*series[loss_tag])
         ax_loss.plot(steps, values, color="tab:green")
+        bad = [step for step, value in series[loss_tag] if not math.isfinite(value)]
+        if bad:  # a line plot leaves them out silently: mark them at the lowest finite value
+            floor = min((v for v in values if math.isfinite(v)), default=0.0)
+            ax_loss.scatter(bad, [floor] * len(bad), marker="x", color="tab:red", label="loss not finite (nan/inf)")
+            ax_loss.legend(loc="best", fontsize="small")
         ax_loss.set_title(f"Training loss ({loss_tag})")
     else:
         ax_loss.set_title("Training loss (not logged)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import runpy
 from pathlib import Path
 
 import matplotlib
@@ -237,3 +238,16 @@ def test_a_real_lightning_run_is_diagnosed_healthy(tmp_path, capsys):
     status, out = run_doctor(Path(result.run_dir), capsys)
     assert status == 0, out
     assert "OK: healthy" in out and "loss scale between 65536 (2^16)" in out
+
+
+def test_the_example_overflow_run_is_diagnosed_from_its_events(tmp_path, capsys):
+    # examples/scale_collapse.py's "overflow" setting: layer boom's activations pass float16's maximum from step 4,
+    # the scale halves from 2^16 down to its floor of 1 and stays there (on_floor="continue").
+    example = runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "scale_collapse.py"))
+    row = example["train"]("overflow", tmp_path, steps=36, log_every=2, boom_at_step=4)
+    assert row["final loss scale"] == 1.0 and row["skipped steps"] == 32
+    status, out = run_doctor(Path(row["run dir"]), capsys)
+    assert status == 1, out
+    (finding,) = doctor.diagnose(row["run dir"]).findings
+    assert finding.kind == "persistent_overflow" and finding.since_step == 4
+    assert "the forward already produces non-finite values" in out
