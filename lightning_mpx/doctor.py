@@ -59,6 +59,9 @@ UNDERFLOW_HEAVY = 0.5
 #: the top puts the small end under float16's smallest normal. Zero gradients of unused embedding rows count as
 #: underflow too; their group's headroom stays normal, so they are not reported.
 HEADROOM_LOW = 2.0**-12
+#: Without underflow telemetry, a loss scale at or below this that never changed and never overflowed is pointed
+#: out (information, not a problem): Apex-era static scales (128, 1024) are often too low for float16.
+CONSTANT_SCALE_SUSPECT = 2.0**10
 #: A suggested higher scale aims the largest gradient at this fraction of the half maximum (room for spikes).
 HEADROOM_TARGET = 2.0**-3
 #: The end of the run that states are judged on: this fraction of the logged points, and at least
@@ -81,12 +84,12 @@ class Finding:
     """One finding of the doctor.
 
     Attributes:
-        kind: ``"healthy"``, ``"persistent_overflow"``, ``"scale_too_low"``, ``"scale_climbing"``,
-            ``"heavy_underflow"`` or ``"promoted"``.
+        kind: Problems: ``"persistent_overflow"``, ``"scale_too_low"``, ``"heavy_underflow"``. Information:
+            ``"healthy"``, ``"scale_climbing"``, ``"constant_scale"``, ``"promoted"``.
         problem: Whether it makes the exit status 1.
         summary: One line.
         evidence: The steps and values it rests on, one line each.
-        fix: The suggested fix (``None`` for information).
+        fix: The suggested fix (a hint for information; ``None`` when there is nothing to do).
         modules: The modules (or parameter groups) it names, culprits first.
         since_step: The first step the state was seen at (the first step of the logging interval it showed in).
         loss: The loss-scale tag suffix (``"/loss1"``) when the run has several loss scales, else ``""``.
@@ -154,7 +157,7 @@ class Diagnosis:
             lines.append(f"{label}: {finding.summary}")
             lines.extend(f"  - {line}" for line in finding.evidence)
             if finding.fix:
-                lines.append(f"  fix: {finding.fix}")
+                lines.append(f"  {'fix' if finding.problem else 'hint'}: {finding.fix}")
         lines.extend(f"note: {note}" for note in self.notes)
         problems = sum(finding.problem for finding in self.findings)
         lines.append(
@@ -206,6 +209,7 @@ def diagnose_scalars(series: dict[str, Series], run_dir: str = "") -> Diagnosis:
     info.extend(_promoted(mpx, module_overflows))
     notes = []
     if not _by_suffix(mpx, UNDERFLOW_PREFIX):
+        info.extend(_unchecked_constant_scales(mpx))
         notes.append(
             "no mpx/underflow/* or mpx/headroom/* scalars in this run: underflow (a scale that is too low) could not "
             "be judged."
@@ -314,9 +318,12 @@ def _scale_summary(mpx: dict[str, Series], suffix: str) -> str:
     steps = mpx[SCALE_TAG + suffix][-1][0] + 1
     skipped = mpx.get(SKIPPED_TAG + suffix)
     text = (
-        f"loss scale{suffix} between {_fmt_scale(min(scale))} and {_fmt_scale(max(scale))}, "
-        f"{_fmt_scale(scale[-1])} at the end; {total:g} overflow steps in {steps} ({100 * total / steps:.1f}%)"
+        f"loss scale{suffix} {_fmt_scale(scale[0])} throughout"
+        if min(scale) == max(scale)
+        else f"loss scale{suffix} between {_fmt_scale(min(scale))} and {_fmt_scale(max(scale))}, "
+        f"{_fmt_scale(scale[-1])} at the end"
     )
+    text += f"; {total:g} overflow steps in {steps} ({100 * total / steps:.1f}%)"
     if skipped:
         text += f", {skipped[-1][1]:g} skipped in all"
     return text
@@ -402,6 +409,31 @@ def _underflow(mpx: dict[str, Series]) -> tuple[list[Finding], list[str]]:
             )
         )  # fmt: skip
     return findings, []
+
+
+def _unchecked_constant_scales(mpx: dict[str, Series]) -> list[Finding]:
+    """Without underflow telemetry, a scale that never changed and never overflowed is worth a look: a static scale
+    that is too low loses the small gradients silently."""
+    found = []
+    for tag in sorted(t for t in mpx if t == SCALE_TAG or t.startswith(SCALE_TAG + "/loss")):
+        suffix = tag[len(SCALE_TAG) :]
+        scale = mpx[tag]
+        overflows = sum(value for _, value in mpx.get(OVERFLOW_TAG + suffix, []))
+        if overflows or scale[0][1] > CONSTANT_SCALE_SUSPECT or any(v != scale[0][1] for _, v in scale):
+            continue
+        found.append(
+            Finding(
+                "constant_scale", False,
+                f"the loss scale{suffix} stayed at {_fmt_scale(scale[0][1])} and never overflowed: if it is static, "
+                "it may be too low",
+                (f"mpx/loss_scale{suffix} {scale[0][1]:g} at every logged step {scale[0][0]}-{scale[-1][0]}, "
+                 f"mpx/overflows{suffix} 0",),
+                "in float16 a gradient below 2^-24 / scale is lost (bfloat16 needs no scale); log the underflow "
+                "telemetry (mpx/underflow/*) to know, or let a dynamic scale (the default) find the largest safe one",
+                (), scale[0][0], suffix,
+            )
+        )  # fmt: skip
+    return found
 
 
 # -- promotion ----------------------------------------------------------------------------------------------------

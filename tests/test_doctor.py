@@ -186,6 +186,8 @@ def test_json_output(runs, capsys):
     (finding,) = data["findings"]
     assert finding["kind"] == "persistent_overflow" and finding["modules"] == ["boom"] and finding["since_step"] == 30
     assert data["steps"] == [0, STEPS - 1]
+    status, out = run_doctor(runs["too_low"], capsys, "--json")
+    assert [f["kind"] for f in json.loads(out)["findings"]] == ["scale_too_low"]
     status, out = run_doctor(runs["healthy"], capsys, "--json")
     assert status == 0 and json.loads(out)["findings"][0]["kind"] == "healthy"
 
@@ -237,7 +239,8 @@ def test_a_real_lightning_run_is_diagnosed_healthy(tmp_path, capsys):
     )  # fmt: skip
     status, out = run_doctor(Path(result.run_dir), capsys)
     assert status == 0, out
-    assert "OK: healthy" in out and "loss scale between 65536 (2^16)" in out
+    assert "OK: healthy" in out and "loss scale 65536 (2^16) throughout" in out
+    assert "INFO" not in out  # a dynamic scale that has not grown yet is no static scale to question
 
 
 def test_the_example_overflow_run_is_diagnosed_from_its_events(tmp_path, capsys):
@@ -251,3 +254,12 @@ def test_the_example_overflow_run_is_diagnosed_from_its_events(tmp_path, capsys)
     (finding,) = doctor.diagnose(row["run dir"]).findings
     assert finding.kind == "persistent_overflow" and finding.since_step == 4
     assert "the forward already produces non-finite values" in out
+
+
+def test_without_telemetry_a_low_constant_scale_is_pointed_out_but_not_a_problem(runs):
+    # The too-low run as written before the underflow tags existed.
+    old = {tag: points for tag, points in read_scalars(runs["too_low"]).items() if "/underflow/" not in tag and "/headroom/" not in tag}
+    diagnosis = doctor.diagnose_scalars(old)
+    assert diagnosis.exit_status == 0
+    assert [f.kind for f in diagnosis.findings] == ["healthy", "constant_scale"]
+    assert "could not be judged" in diagnosis.notes[0]
