@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{row['setting']:<18}{row['train/loss']:>12.4f}{row['skipped steps']:>9}{row['final loss scale']:>10g}  "
             f"{row['run dir']}"
         )
-    print(f"next: lightning-mpx doctor {Path(args.out) / names[-1]}   and   lightning-mpx plot {Path(args.out) / names[-1]}")
+    last = Path(args.out) / names[-1]
+    print(f"next: lightning-mpx doctor {last}   and   lightning-mpx plot {last}")
 
 
 if __name__ == "__main__":

@@ -219,7 +219,8 @@ def diagnose_scalars(series: dict[str, Series], run_dir: str = "") -> Diagnosis:
         notes.append("no mpx/overflow/<module> scalars in this run: its overflows cannot be traced to modules.")
     findings: list[Finding] = problems
     if not problems:
-        findings = [Finding("healthy", False, "healthy: no persistent overflow, no heavy underflow", tuple(healthy_evidence))]
+        summary = "healthy: no persistent overflow, no heavy underflow"
+        findings = [Finding("healthy", False, summary, tuple(healthy_evidence))]
     return Diagnosis(run_dir, min(steps), max(steps), tuple(findings + info), tuple(notes))
 
 
@@ -246,7 +247,8 @@ def _persistent_overflow(
     window_steps = last - since + 1
     count = sum(value for _, value in overflows[streak:])
     evidence = [
-        f"{count:g} of the {window_steps} steps {since}-{last} overflowed (mpx/overflows{suffix}): the steps were skipped",
+        f"{count:g} of the {window_steps} steps {since}-{last} overflowed (mpx/overflows{suffix}): "
+        "the steps were skipped",
         (
             f"loss scale {_fmt_scale(final)} never changed in the run (a static scale, or one stuck at its floor)"
             if flat == 0
@@ -256,16 +258,16 @@ def _persistent_overflow(
     skipped = mpx.get(SKIPPED_TAG + suffix)
     if skipped:
         before = next((value for step, value in reversed(skipped) if step < since), 0.0)
-        evidence.append(
-            f"skipped steps: {skipped[-1][1]:g} at step {skipped[-1][0]}" + (f", {before:g} before step {since}" if since else "")
-        )
+        line = f"skipped steps: {skipped[-1][1]:g} at step {skipped[-1][0]}"
+        evidence.append(line + (f", {before:g} before step {since}" if since else ""))
     forward = False
     if loss is not None:
         bad = _trailing(loss, lambda i: not math.isfinite(loss[i][1]))
         if bad is not None and loss[bad][0] <= last:
             forward = True
             evidence.append(
-                f"the logged loss is {loss[-1][1]} since step {loss[bad][0]}: the forward already produces non-finite values"
+                f"the logged loss is {loss[-1][1]} since step {loss[bad][0]}: the forward already produces "
+                "non-finite values"
             )
     culprits: list[tuple[int, float, str]] = []
     for module, points in module_overflows.items():
@@ -278,7 +280,10 @@ def _persistent_overflow(
     culprits.sort()
     modules = tuple(name or "<root>" for _, _, name in culprits)
     for first, hits, module in culprits[:8]:
-        evidence.append(f"mpx/overflow/{module}: non-finite gradients in {-hits:g} of those {count:g} overflow steps, since step {first}")
+        evidence.append(
+            f"mpx/overflow/{module}: non-finite gradients in {-hits:g} of those {count:g} overflow steps, "
+            f"since step {first}"
+        )
     if culprits:
         since = min(first for first, _, _ in culprits)
         where = f"module {modules[0]}" if len(modules) == 1 else f"modules {', '.join(modules[:4])}" + (
@@ -331,13 +336,14 @@ def _scale_summary(mpx: dict[str, Series], suffix: str) -> str:
 
 # -- underflow ----------------------------------------------------------------------------------------------------
 def _underflow(mpx: dict[str, Series]) -> tuple[list[Finding], list[str]]:
+    """The underflow findings, and the evidence lines a healthy finding shows."""
     underflow = _by_suffix(mpx, UNDERFLOW_PREFIX)
     if not underflow:
         return [], []
     headroom = _by_suffix(mpx, HEADROOM_PREFIX)
     fraction: dict[str, float] = {}
     room: dict[str, float] = {}
-    window: tuple[int, int] = (0, 0)
+    window = (0, 0)
     for group, points in underflow.items():
         tail = _tail(points)
         fraction[group] = sum(value for _, value in tail) / len(tail)
@@ -350,65 +356,62 @@ def _underflow(mpx: dict[str, Series]) -> tuple[list[Finding], list[str]]:
     run_room = max(room.values()) if room else None
     if run_room is not None:
         top = max(room, key=lambda g: room[g])
-        evidence.append(f"largest gradient {_fmt_ratio(run_room)} of the half maximum (group {top or '<root>'}, {span})")
-    heavy = [g for g in sorted(fraction, key=lambda g: -fraction[g]) if fraction[g] >= UNDERFLOW_HEAVY and room.get(g, 0.0) <= HEADROOM_LOW]
+        evidence.append(
+            f"largest gradient {_fmt_ratio(run_room)} of the half maximum (group {top or '<root>'}, {span})"
+        )
+    by_fraction = sorted(fraction, key=lambda g: -fraction[g])
+    heavy = [g for g in by_fraction if fraction[g] >= UNDERFLOW_HEAVY and room.get(g, 0.0) <= HEADROOM_LOW]
     if not heavy:
         return [], evidence
-    scale = next((mpx[tag] for tag in sorted(mpx) if tag == SCALE_TAG or tag.startswith(SCALE_TAG + "/loss")), None)
-    lines = [
-        f"mpx/underflow/{g}: {fraction[g]:.3f} of its gradient elements zero or below the half dtype's smallest "
-        f"normal (mean over {span})" + (f"; its largest is {_fmt_ratio(room[g])} of the half maximum" if g in room else "")
-        for g in heavy
-    ]
-    names = tuple(g or "<root>" for g in heavy)
-    if run_room is not None and run_room <= HEADROOM_LOW and scale is not None:
-        tail_scale = _tail(scale)
-        first, final = tail_scale[0][1], tail_scale[-1][1]
-        factor = 2.0 ** max(1, math.floor(math.log2(HEADROOM_TARGET / run_room))) if run_room > 0 else 2.0**10
-        lines.append(f"no group's largest gradient is above {_fmt_ratio(run_room)} of the half maximum: the scale has room")
-        if final > first:
-            lines.append(f"the loss scale grew from {_fmt_scale(first)} to {_fmt_scale(final)} over {span}")
-            return [
-                Finding(
-                    "scale_climbing", False,
-                    f"underflow in {', '.join(names)} while the loss scale is still climbing",
-                    tuple(lines),
-                    f"it falls as the scale grows; to get there sooner start higher (init_scale={_fmt_num(final * factor)}) "
-                    "or grow more often (a shorter growth_interval)",
-                    names, window[0],
-                )
-            ], []  # fmt: skip
-        never = all(value == final for _, value in scale)
-        lines.append(
-            f"loss scale {_fmt_scale(final)} " + ("never changed in the run" if never else f"did not grow over {span}")
+    lines = []
+    for group in heavy:
+        line = (
+            f"mpx/underflow/{group}: {fraction[group]:.3f} of its gradient elements zero or below the half dtype's "
+            f"smallest normal (mean over {span})"
         )
-        return [
-            Finding(
-                "scale_too_low", True,
-                f"loss scale too low: heavy underflow in {', '.join(names)} with the scale {_fmt_scale(final)} not growing",
-                tuple(lines),
-                f"raise the scale about {_fmt_num(factor)}x: loss_scale={_fmt_num(final * factor)} for a static scale, or "
-                'loss_scale="dynamic" (the default) to let it find the largest safe scale; a dynamic scale stuck '
-                "here needs a higher max_loss_scale or a shorter growth_interval",
-                names, window[0],
-            )
-        ], []  # fmt: skip
-    findings = []
-    for group, line in zip(heavy, lines):
-        name = group or "<root>"
-        gap = f" about 2^{round(math.log2(run_room / room[group]))} times" if run_room and room.get(group) else ""
-        findings.append(
-            Finding(
-                "heavy_underflow", True,
-                f"heavy underflow in module {name}",
-                (line, evidence[-1]),
-                f"its gradients are{gap} smaller than the largest ones, so the scale cannot rise for it: keep it in "
-                f'FP32 (fp32_modules=["{name}"]) or train in bfloat16; a small weight on the loss term it feeds '
-                "shrinks its gradients the same way",
-                (name,), window[0],
-            )
-        )  # fmt: skip
-    return findings, []
+        if group in room:
+            line += f"; its largest is {_fmt_ratio(room[group])} of the half maximum"
+        lines.append(line)
+    names = tuple(g or "<root>" for g in heavy)
+    scale = next((mpx[tag] for tag in sorted(mpx) if tag == SCALE_TAG or tag.startswith(SCALE_TAG + "/loss")), None)
+    if run_room is None or run_room > HEADROOM_LOW or scale is None:
+        # Another group uses the range (or the headroom is unknown): a larger scale would not help this one.
+        found = [_heavy_underflow(g, line, room, run_room, evidence[-1], window[0]) for g, line in zip(heavy, lines)]
+        return found, []
+    tail_scale = _tail(scale)
+    first, final = tail_scale[0][1], tail_scale[-1][1]
+    factor = 2.0 ** max(1, math.floor(math.log2(HEADROOM_TARGET / run_room))) if run_room > 0 else 2.0**10
+    lines.append(f"no group's largest gradient is above {_fmt_ratio(run_room)} of the half maximum: the scale has room")
+    if final > first:
+        lines.append(f"the loss scale grew from {_fmt_scale(first)} to {_fmt_scale(final)} over {span}")
+        fix = (
+            f"it falls as the scale grows; to get there sooner start higher (init_scale={_fmt_num(final * factor)}) "
+            "or grow more often (a shorter growth_interval)"
+        )
+        summary = f"underflow in {', '.join(names)} while the loss scale is still climbing"
+        return [Finding("scale_climbing", False, summary, tuple(lines), fix, names, window[0])], []
+    never = all(value == final for _, value in scale)
+    lines.append(f"loss scale {_fmt_scale(final)} " + ("never changed in the run" if never else f"flat over {span}"))
+    fix = (
+        f"raise the scale about {_fmt_num(factor)}x: loss_scale={_fmt_num(final * factor)} for a static scale, or "
+        'loss_scale="dynamic" (the default) to let it find the largest safe scale; a dynamic scale stuck here needs '
+        "a higher max_loss_scale or a shorter growth_interval"
+    )
+    summary = f"loss scale too low: heavy underflow in {', '.join(names)}, the scale {_fmt_scale(final)} not growing"
+    return [Finding("scale_too_low", True, summary, tuple(lines), fix, names, window[0])], []
+
+
+def _heavy_underflow(
+    group: str, line: str, room: dict[str, float], run_room: float | None, room_line: str, since: int
+) -> Finding:
+    name = group or "<root>"
+    gap = f" about 2^{round(math.log2(run_room / room[group]))} times" if run_room and room.get(group) else ""
+    fix = (
+        f"its gradients are{gap} smaller than the largest ones, so the scale cannot rise for it: keep it in FP32 "
+        f'(fp32_modules=["{name}"]) or train in bfloat16; a small weight on the loss term it feeds shrinks its '
+        "gradients the same way"
+    )
+    return Finding("heavy_underflow", True, f"heavy underflow in module {name}", (line, room_line), fix, (name,), since)
 
 
 def _unchecked_constant_scales(mpx: dict[str, Series]) -> list[Finding]:
@@ -453,7 +456,8 @@ def _promoted(mpx: dict[str, Series], module_overflows: dict[str, Series]) -> li
         overflows = [(step, value) for step, value in module_overflows.get(module, []) if value > 0]
         if overflows:
             after = sum(value for step, value in overflows if step > since)
-            line += f"; its gradients overflowed in {sum(v for _, v in overflows):g} steps up to step {overflows[-1][0]}"
+            total = sum(value for _, value in overflows)
+            line += f"; its gradients overflowed in {total:g} steps up to step {overflows[-1][0]}"
             line += f", {after:g} of them after the promotion" if after else ", none after the promotion"
         evidence.append(line)
     return [

@@ -126,7 +126,9 @@ def _scale_panel(ax: Any, series: dict[str, list[tuple[int, float]]], scale_tags
     ax.grid(True, alpha=0.3)
 
 
-def _underflow_panel(ax: Any, underflow: dict[str, list[tuple[int, float]]], headroom: dict[str, list[tuple[int, float]]]) -> None:
+def _underflow_panel(
+    ax: Any, underflow: dict[str, list[tuple[int, float]]], headroom: dict[str, list[tuple[int, float]]]
+) -> None:
     twin = ax.twinx() if headroom else None
     for index, (group, points) in enumerate(sorted(underflow.items())[:_MAX_CURVES]):
         color = f"C{index % 10}"
