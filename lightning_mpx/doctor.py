@@ -44,8 +44,8 @@ PROMOTED_PREFIX = "mpx/promoted/"
 #: An interval between two logged points "overflows on most steps" when at least this fraction of its steps
 #: overflowed (``mpx/overflows`` divided by the steps the interval covers).
 OVERFLOW_MOST_STEPS = 0.5
-#: Persistent overflow needs the overflowing steps, with the scale unable to go lower, to cover at least this many
-#: steps at the end of the run (a dynamic scale backing off from a high start overflows a few steps in a row).
+#: Persistent overflow: the intervals that overflow on most steps cover at least this many steps at the end of the
+#: run (a dynamic scale backing off from a high start overflows a few steps in a row: 8 from 2^24 down to 2^16).
 PERSISTENT_MIN_STEPS = 10
 #: A module is named as a culprit of persistent overflow when its gradients were non-finite in at least this
 #: fraction of the overflow steps.
@@ -238,23 +238,31 @@ def _persistent_overflow(
         return None
     final = scale[-1][1]
     flat = _trailing(scale, lambda i: scale[i][1] == final)
-    flat_start = _first_step(scale, flat)  # type: ignore[arg-type]
     since = _first_step(overflows, streak)
     last = overflows[-1][0]
-    stuck_since = max(since, flat_start)
-    if last - stuck_since + 1 < PERSISTENT_MIN_STEPS:
-        return None  # a scale still backing off, or a short burst
-    window_steps = last - since + 1
+    if last - since + 1 < PERSISTENT_MIN_STEPS:
+        return None  # a short burst, or a dynamic scale backing off from a high start
     count = sum(value for _, value in overflows[streak:])
     evidence = [
-        f"{count:g} of the {window_steps} steps {since}-{last} overflowed (mpx/overflows{suffix}): "
-        "the steps were skipped",
-        (
-            f"loss scale {_fmt_scale(final)} never changed in the run (a static scale, or one stuck at its floor)"
-            if flat == 0
-            else f"loss scale {_fmt_scale(final)} unchanged since step {flat_start}: at its floor, it cannot go lower"
-        ),
+        f"{count:g} of the {last - since + 1} steps {since}-{last} overflowed (mpx/overflows{suffix}): "
+        "the steps were skipped"
     ]
+    if flat == 0:
+        evidence.append(f"loss scale {_fmt_scale(final)} never changed in the run (static, or stuck at its floor)")
+        state = "the loss scale cannot go lower"
+    elif flat is not None and flat < len(scale) - 1:
+        evidence.append(
+            f"loss scale {_fmt_scale(final)} unchanged since step {_first_step(scale, flat)}: at its floor, it cannot "
+            "go lower"
+        )
+        state = "the loss scale is at its floor"
+    else:
+        before = next((value for step, value in reversed(scale) if step < since), scale[0][1])
+        evidence.append(
+            f"loss scale falling: {_fmt_scale(before)} before step {since}, {_fmt_scale(final)} at step {last}; "
+            "each overflow lowers it on its way to min_loss_scale"
+        )
+        state = "the loss scale is collapsing"
     skipped = mpx.get(SKIPPED_TAG + suffix)
     if skipped:
         before = next((value for step, value in reversed(skipped) if step < since), 0.0)
@@ -301,7 +309,7 @@ def _persistent_overflow(
                 "amp.last_overflow.first_module (diagnose_overflows=True) names it"
             )
     else:
-        summary = f"persistent overflow since step {since}: the loss scale is at its floor and most steps are skipped"
+        summary = f"persistent overflow since step {since}: {state} and most steps are skipped"
         fix = (
             "find the module: the overflow warnings and amp.last_overflow name the parameters with non-finite "
             "gradients; keep it in FP32 (fp32_modules=[...]) or on_floor=\"promote\", or train in bfloat16"
@@ -503,12 +511,17 @@ def _tail(points: Series) -> Series:
 
 
 def _fmt_num(value: float) -> str:
-    return f"{value:g}" if value < 1e7 else f"2**{round(math.log2(value))}"
+    """A scale as one would type it: ``65536``, ``0.5``, ``2**30``."""
+    if value >= 2.0**24:
+        return f"2**{round(math.log2(value))}"
+    return f"{int(value)}" if value.is_integer() else f"{value:g}"
 
 
 def _fmt_scale(value: float) -> str:
+    """A scale with its power of two: ``65536 (2^16)``."""
     if value > 0 and math.isfinite(value) and math.log2(value).is_integer():
-        return f"{value:g} (2^{int(math.log2(value))})"
+        shown = f"{int(value)}" if 1 <= value < 2.0**53 else f"{value:g}"
+        return f"{shown} (2^{int(math.log2(value))})"
     return f"{value:g}"
 
 

@@ -69,7 +69,11 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         {
             **dynamic_scale({40, 90}),
             "train/loss": loss_curve(),
-            **telemetry({"encoder": 0.02, "head": 0.01}, {"encoder": 0.2, "head": 0.05}),
+            # "embed": the rows of tokens not in the batch get exactly zero gradients (counted as underflow), but
+            # its largest gradient is near the top of the range: not underflow to report.
+            **telemetry(
+                {"encoder": 0.02, "head": 0.01, "embed": 0.7}, {"encoder": 0.2, "head": 0.05, "embed": 2.0**-5}
+            ),
             # A module that overflowed once, at the scaler's probing overflow: not persistent.
             "mpx/overflow/encoder": [(s, float(s == 40)) for s in range(STEPS)],
         },
@@ -131,6 +135,7 @@ def test_healthy_run(runs, capsys):
     assert status == 0, out
     assert "OK: healthy" in out and "diagnosis: healthy" in out
     assert "2 overflow steps in 120" in out  # the evidence
+    assert "underflow at most 0.700 (group embed" in out
     assert "PROBLEM" not in out
 
 
@@ -218,6 +223,17 @@ def test_a_scale_backing_off_from_a_high_start_is_healthy():
     # Overflows on the first 8 steps while the scale halves from 2^24 to 2^16: the scaler doing its job.
     series = dynamic_scale(set(range(8)), start=2.0**24)
     assert doctor.diagnose_scalars(series).exit_status == 0
+
+
+def test_a_run_that_ends_while_its_scale_collapses_is_a_problem():
+    # Overflows on every step from step 105: the scale halves each step and has not reached its floor at the end.
+    series = dynamic_scale(set(range(105, STEPS)))
+    scales = dict(series["mpx/loss_scale"])
+    assert (scales[104], scales[119]) == (2.0**20, 2.0**5)
+    (finding,) = doctor.diagnose_scalars(series).findings
+    assert (finding.kind, finding.since_step) == ("persistent_overflow", 105)
+    assert "the loss scale is collapsing" in finding.summary
+    assert "loss scale falling: 1048576 (2^20) before step 105, 32 (2^5) at step 119" in finding.evidence[1]
 
 
 def test_plot_adds_the_underflow_and_overflow_panels(runs, tmp_path):
