@@ -22,11 +22,12 @@ steps), so a scale that backed off at the start and settled is healthy. The thre
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from lightning_mpx.plot import (
     HEADROOM_PREFIX,
@@ -232,13 +233,15 @@ def _persistent_overflow(
     overflows = mpx.get(OVERFLOW_TAG + suffix, [])
     if not overflows:
         return None
-    spans = _spans(overflows)
+    logged = [step for step, _ in overflows]  # the logging steps: each count covers the steps since the previous
+    starts = _interval_starts(overflows, logged)
+    spans = [step - start + 1 for (step, _), start in zip(overflows, starts)]
     streak = _trailing(overflows, lambda i: overflows[i][1] >= OVERFLOW_MOST_STEPS * spans[i])
     if streak is None:
         return None
     final = scale[-1][1]
     flat = _trailing(scale, lambda i: scale[i][1] == final)
-    since = _first_step(overflows, streak)
+    since = starts[streak]
     last = overflows[-1][0]
     if last - since + 1 < PERSISTENT_MIN_STEPS:
         return None  # a short burst, or a dynamic scale backing off from a high start
@@ -252,7 +255,7 @@ def _persistent_overflow(
         state = "the loss scale cannot go lower"
     elif flat is not None and flat < len(scale) - 1:
         evidence.append(
-            f"loss scale {_fmt_scale(final)} unchanged since step {_first_step(scale, flat)}: at its floor, it cannot "
+            f"loss scale {_fmt_scale(final)} unchanged since step {_interval_starts(scale)[flat]}: at its floor, it cannot "
             "go lower"
         )
         state = "the loss scale is at its floor"
@@ -282,9 +285,12 @@ def _persistent_overflow(
         in_window = [(step, value) for step, value in points if step >= since]
         hits = sum(value for _, value in in_window)
         if count and hits >= MODULE_SHARE * count:
-            module_spans = _spans(points)
+            # A module's tag appears at the first logging step after its first overflow: its counts cover the
+            # run's logging intervals, not the steps since its own previous point.
+            module_starts = _interval_starts(points, logged)
+            module_spans = [step - begin + 1 for (step, _), begin in zip(points, module_starts)]
             start = _trailing(points, lambda i: points[i][1] >= OVERFLOW_MOST_STEPS * module_spans[i])
-            culprits.append((_first_step(points, start) if start is not None else since, -hits, module))
+            culprits.append((module_starts[start] if start is not None else since, -hits, module))
     culprits.sort()
     modules = tuple(name or "<root>" for _, _, name in culprits)
     for first, hits, module in culprits[:8]:
@@ -482,16 +488,15 @@ def _by_suffix(mpx: dict[str, Series], prefix: str) -> dict[str, Series]:
     return {tag[len(prefix) :]: points for tag, points in mpx.items() if tag.startswith(prefix)}
 
 
-def _spans(points: Series) -> list[int]:
-    """The number of steps each logged point covers: the steps since the previous point (the first point covers the
-    steps from 0)."""
-    previous = [-1] + [step for step, _ in points[:-1]]
-    return [max(1, step - before) for (step, _), before in zip(points, previous)]
-
-
-def _first_step(points: Series, index: int) -> int:
-    """The first step the point at ``index`` covers."""
-    return points[index - 1][0] + 1 if index > 0 else 0
+def _interval_starts(points: Series, logged: Sequence[int] | None = None) -> list[int]:
+    """The first step each logged point covers: one past the previous logging step (of ``logged``, by default the
+    points' own steps), 0 for the first. A count logged at step ``s`` covers the steps since the previous logging."""
+    steps = sorted(set(logged if logged is not None else (step for step, _ in points)))
+    starts = []
+    for step, _ in points:
+        index = bisect.bisect_left(steps, step)
+        starts.append(steps[index - 1] + 1 if index > 0 else 0)
+    return starts
 
 
 def _trailing(points: Series, holds: Any) -> int | None:

@@ -96,9 +96,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         {
             **dynamic_scale(overflowing),
             "train/loss": loss_curve(nan_from=30),
-            "mpx/overflow/boom": [(s, float(s >= 30)) for s in range(STEPS)],
+            # As forensics logs them: a module's tag appears at its first overflow, and reports 0 when clean since.
+            "mpx/overflow/boom": [(s, 1.0) for s in range(30, STEPS)],
             # An old blip, and two steps where its gradients were non-finite too: not a culprit.
-            "mpx/overflow/encoder": [(s, float(s in (12, 60, 61))) for s in range(STEPS)],
+            "mpx/overflow/encoder": [(s, float(s in (12, 60, 61))) for s in range(12, STEPS)],
         },
     )
     made["old_tags_overflow"] = write_run(
