@@ -351,19 +351,30 @@ def _scale_summary(mpx: dict[str, Series], suffix: str) -> str:
 # -- underflow ----------------------------------------------------------------------------------------------------
 def _underflow(mpx: dict[str, Series]) -> tuple[list[Finding], list[str]]:
     """The underflow findings, and the evidence lines a healthy finding shows."""
-    underflow = _by_suffix(mpx, UNDERFLOW_PREFIX)
+    # A group that runs in FP32 (promoted or pinned) keeps its small gradients: its underflow is not judged.
+    fp32 = [module for module, points in _by_suffix(mpx, PROMOTED_PREFIX).items() if points[-1][1] >= 0.5]
+    underflow = {
+        group: points
+        for group, points in _by_suffix(mpx, UNDERFLOW_PREFIX).items()
+        if not any(group == module or group.startswith(module + ".") for module in fp32)
+    }
     if not underflow:
         return [], []
     headroom = _by_suffix(mpx, HEADROOM_PREFIX)
     fraction: dict[str, float] = {}
     room: dict[str, float] = {}
     window = (0, 0)
+    overflow_points = 0
     for group, points in underflow.items():
         tail = _tail(points)
         fraction[group] = sum(value for _, value in tail) / len(tail)
         window = (tail[0][0], tail[-1][0])
         if group in headroom:
-            room[group] = max(value for _, value in _tail(headroom[group]))
+            # A headroom of 1 or more (inf) is an overflow step, which the overflow findings judge: left out here.
+            values = [value for _, value in _tail(headroom[group])]
+            below = [value for value in values if value < 1.0]
+            overflow_points = max(overflow_points, len(values) - len(below))
+            room[group] = max(below, default=1.0)
     span = f"steps {window[0]}-{window[1]}"
     worst = max(fraction, key=lambda g: fraction[g])
     evidence = [f"underflow at most {fraction[worst]:.3f} (group {worst or '<root>'}, mean over {span})"]
@@ -371,7 +382,8 @@ def _underflow(mpx: dict[str, Series]) -> tuple[list[Finding], list[str]]:
     if run_room is not None:
         top = max(room, key=lambda g: room[g])
         evidence.append(
-            f"largest gradient {_fmt_ratio(run_room)} of the half maximum (group {top or '<root>'}, {span})"
+            f"largest gradient {_fmt_ratio(run_room)} of the half maximum (group {top or '<root>'}, {span}"
+            + (f"; {overflow_points} logged overflow step(s) left out)" if overflow_points else ")")
         )
     by_fraction = sorted(fraction, key=lambda g: -fraction[g])
     heavy = [g for g in by_fraction if fraction[g] >= UNDERFLOW_HEAVY and room.get(g, 0.0) <= HEADROOM_LOW]

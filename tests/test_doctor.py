@@ -76,6 +76,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
             ),
             # A module that overflowed once, at the scaler's probing overflow: not persistent.
             "mpx/overflow/encoder": [(s, float(s == 40)) for s in range(STEPS)],
+            # The logging step 90 overflowed: its headroom is inf.
+            "mpx/headroom/head": [(s, math.inf if s == 90 else 0.05) for s in range(STEPS)],
         },
     )
     made["too_low"] = write_run(
@@ -120,6 +122,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
             "train/loss": loss_curve(),
             "mpx/overflow/boom": [(s, float(30 <= s < 50)) for s in range(STEPS)],
             "mpx/promoted/boom": [(s, float(s >= 50)) for s in range(STEPS)],
+            # In FP32 its gradients do not underflow, however small: not judged.
+            **telemetry({"boom": 1.0, "head": 0.0}, {"boom": 2.0**-30, "head": 0.3}),
         },
     )
     made["no_mpx"] = write_run(root / "no_mpx", {"train/loss": loss_curve()})
@@ -138,6 +142,7 @@ def test_healthy_run(runs, capsys):
     assert "OK: healthy" in out and "diagnosis: healthy" in out
     assert "2 overflow steps in 120" in out  # the evidence
     assert "underflow at most 0.700 (group embed" in out
+    assert "largest gradient 0.2 (2^-2.3) of the half maximum (group encoder, steps 90-119; 1 logged overflow" in out
     assert "PROBLEM" not in out
 
 
