@@ -5,7 +5,7 @@ a TensorBoardLogger into ``OUT/<setting>``:
 
 - ``healthy``: a dynamic loss scale (the default);
 - ``too_low``: a static ``loss_scale=1`` and a loss weighted by 1e-5, so the gradients fall under float16's range;
-- ``underflow_module``: a dynamic scale, and a ``tiny`` branch whose gradients are 2^-24 of the rest's;
+- ``underflow_module``: a dynamic scale, and a ``tiny`` branch whose gradients are 2^-30 of the rest's;
 - ``overflow``: the layer ``boom`` has weights so large that its activations exceed float16's maximum (65504) on
   every step; ``on_floor="continue"`` keeps the run going with the scale at its floor;
 - ``promote``: the same with ``on_floor="promote"`` (when this version of ``Amp`` has it): ``boom`` runs in FP32
@@ -45,7 +45,7 @@ class Classifier(pl.LightningModule):
             LayerNorm after it (``norm``) brings them back, so in FP32 the model trains on as before.
         boom_at_step: The step the weights blow up at.
         loss_weight: Multiplies the loss (and so every gradient): 1e-5 makes the gradients underflow at a scale of 1.
-        tiny_branch: Add a ``tiny`` branch to the logits, weighted by 2^-24: its gradients are 2^-24 of the rest's.
+        tiny_branch: Add a ``tiny`` branch to the logits, weighted by 2^-30: its gradients are 2^-30 of the rest's.
     """
 
     def __init__(
@@ -69,7 +69,7 @@ class Classifier(pl.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.head(self.norm(self.boom(self.encoder(x))))
         if self.tiny is not None:
-            logits = logits + 2.0**-24 * self.tiny(x)
+            logits = logits + 2.0**-30 * self.tiny(x)
         return logits
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -97,7 +97,8 @@ def plot_figure(series: dict[str, list[tuple[int, float]]], title: str = "") -> 
     if underflow:
         _underflow_panel(more.pop(0), underflow, _by_prefix(series, HEADROOM_PREFIX))
     if module_overflows:
-        _module_overflow_panel(more.pop(0), module_overflows)
+        first_step = min(step for tag in scale_tags for step, _ in series[tag][:1])
+        _module_overflow_panel(more.pop(0), module_overflows, first_step)
     fig.suptitle(title, fontsize="small")
     fig.tight_layout()
     return fig
@@ -142,21 +143,26 @@ def _underflow_panel(
     ax.set_ylabel("gradient elements zero or subnormal (fraction)")
     ax.set_title("Underflow (solid) and headroom (dashed, right: max |grad| / half max)")
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper left", fontsize="x-small")
+    ax.legend(loc="center left", fontsize="x-small")
     if twin is not None:
         twin.set_yscale("log", base=2)
         twin.axhline(1.0, color="tab:red", linewidth=0.8, linestyle=":")  # at or above: overflow
         twin.set_ylabel("headroom (log2)")
-        twin.legend(loc="upper right", fontsize="x-small")
+        twin.legend(loc="center right", fontsize="x-small")
 
 
-def _module_overflow_panel(ax: Any, module_overflows: dict[str, list[tuple[int, float]]]) -> None:
+def _module_overflow_panel(ax: Any, module_overflows: dict[str, list[tuple[int, float]]], first_step: int) -> None:
+    from matplotlib.ticker import MaxNLocator
+
     totals = {module: sum(v for _, v in points) for module, points in module_overflows.items()}
     shown = sorted(totals, key=lambda m: (-totals[m], m))[:_MAX_CURVES]
     for module in shown:
-        steps = [s for s, _ in module_overflows[module]]
-        cumulative = list(itertools.accumulate(v for _, v in module_overflows[module]))
+        # A module's tag starts at its first overflow: its curve starts at 0 from the run's first logged step.
+        steps = [first_step] + [s for s, _ in module_overflows[module]]
+        cumulative = [0.0, *itertools.accumulate(v for _, v in module_overflows[module])]
         ax.step(steps, cumulative, where="post", label=f"{module or '<root>'} ({totals[module]:g})")
+    ax.set_ylim(bottom=0)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     hidden = len(totals) - len(shown)
     ax.set_xlabel("step")
     ax.set_ylabel("overflow steps (cumulative)")
