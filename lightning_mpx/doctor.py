@@ -27,7 +27,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from lightning_mpx.plot import (
     HEADROOM_PREFIX,
@@ -254,10 +254,9 @@ def _persistent_overflow(
         evidence.append(f"loss scale {_fmt_scale(final)} never changed in the run (static, or stuck at its floor)")
         state = "the loss scale cannot go lower"
     elif flat is not None and flat < len(scale) - 1:
-        evidence.append(
-            f"loss scale {_fmt_scale(final)} unchanged since step {_interval_starts(scale)[flat]}: at its floor, it cannot "
-            "go lower"
-        )
+        floor_since = _interval_starts(scale)[flat]
+        evidence.append(f"loss scale {_fmt_scale(final)} unchanged since step {floor_since}: at its floor, it cannot "
+                        "go lower")
         state = "the loss scale is at its floor"
     else:
         before = next((value for step, value in reversed(scale) if step < since), scale[0][1])
@@ -511,7 +510,7 @@ def _interval_starts(points: Series, logged: Sequence[int] | None = None) -> lis
     return starts
 
 
-def _trailing(points: Series, holds: Any) -> int | None:
+def _trailing(points: Series, holds: Callable[[int], bool]) -> int | None:
     """The index where the run of points at the end of ``points`` for which ``holds(i)`` starts (``None``: the last
     point does not hold)."""
     start = None
