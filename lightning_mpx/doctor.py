@@ -255,8 +255,9 @@ def _persistent_overflow(
         state = "the loss scale cannot go lower"
     elif flat is not None and flat < len(scale) - 1:
         floor_since = _interval_starts(scale)[flat]
-        evidence.append(f"loss scale {_fmt_scale(final)} unchanged since step {floor_since}: at its floor, it cannot "
-                        "go lower")
+        evidence.append(
+            f"loss scale {_fmt_scale(final)} unchanged since step {floor_since}: at its floor, it cannot go lower"
+        )
         state = "the loss scale is at its floor"
     else:
         before = next((value for step, value in reversed(scale) if step < since), scale[0][1])
