@@ -294,3 +294,15 @@ def test_without_telemetry_a_low_constant_scale_is_pointed_out_but_not_a_problem
     assert diagnosis.exit_status == 0
     assert [f.kind for f in diagnosis.findings] == ["healthy", "constant_scale"]
     assert "could not be judged" in diagnosis.notes[0]
+
+
+def test_two_loss_scales_are_judged_each_on_its_own():
+    healthy = dynamic_scale({40})
+    collapsed = dynamic_scale(set(range(30, STEPS)))
+    series = {f"{tag}/loss0": points for tag, points in healthy.items()}
+    series.update({f"{tag}/loss1": points for tag, points in collapsed.items()})
+    diagnosis = doctor.diagnose_scalars(series)
+    (finding,) = diagnosis.findings
+    assert (finding.kind, finding.loss, finding.since_step) == ("persistent_overflow", "/loss1", 30)
+    assert finding.summary.endswith("(loss scale/loss1)")
+    assert "mpx/overflows/loss1" in finding.evidence[0]
