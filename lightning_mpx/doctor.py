@@ -174,7 +174,18 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
         FileNotFoundError: ``run_dir`` does not exist or holds no event files.
         NoMixedPrecisionTagsError: the events hold no ``mpx/*`` scalars.
     """
-    return diagnose_scalars(read_scalars(run_dir), str(run_dir))
+    diagnosis = diagnose_scalars(read_scalars(run_dir), str(run_dir))
+    folders = sorted({str(path.parent) for path in Path(run_dir).rglob("events.out.tfevents.*")})
+    if len(folders) > 1:
+        # read_scalars merges them (a later point at the same step wins): fine for one run's split files, not for
+        # several runs (TensorBoardLogger's version_0, version_1).
+        shown = ", ".join(folders[:4]) + (f" and {len(folders) - 4} more" if len(folders) > 4 else "")
+        note = (
+            f"RUN_DIR holds event files in {len(folders)} folders ({shown}), read as one run; if they are separate "
+            "runs, point the doctor at one."
+        )
+        diagnosis = dataclasses.replace(diagnosis, notes=(*diagnosis.notes, note))
+    return diagnosis
 
 
 def diagnose_scalars(series: dict[str, Series], run_dir: str = "") -> Diagnosis:

@@ -306,3 +306,14 @@ def test_two_loss_scales_are_judged_each_on_its_own():
     assert (finding.kind, finding.loss, finding.since_step) == ("persistent_overflow", "/loss1", 30)
     assert finding.summary.endswith("(loss scale/loss1)")
     assert "mpx/overflows/loss1" in finding.evidence[0]
+
+
+def test_several_runs_under_one_folder_are_pointed_out(runs, tmp_path, capsys):
+    root = tmp_path / "runs"
+    write_run(root / "version_0", dynamic_scale(set()))
+    write_run(root / "version_1", dynamic_scale(set()))
+    status, out = run_doctor(root, capsys)
+    assert status == 0
+    assert "note: RUN_DIR holds event files in 2 folders" in out
+    _, out = run_doctor(root / "version_0", capsys)
+    assert "folders" not in out
