@@ -1,4 +1,4 @@
-"""The ``lightning-mpx`` console script: ``demo`` and ``plot``."""
+"""The ``lightning-mpx`` console script: ``demo``, ``plot`` and ``doctor``."""
 
 from __future__ import annotations
 
@@ -42,6 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plot.add_argument("run_dir", metavar="RUN_DIR")
     plot.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/loss_scale.png)")
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="diagnose a run's precision health (overflow, underflow, the loss scale) from its TensorBoard events",
+        description="Read the mpx/* scalars under RUN_DIR and print the findings with their evidence and a fix. "
+        "Exit status: 0 healthy, 1 a problem found, 2 no mpx/* scalars (or no events) under RUN_DIR.",
+    )
+    doctor.add_argument("run_dir", metavar="RUN_DIR")
+    doctor.add_argument("--json", action="store_true", help="print the findings as JSON")
     return parser
 
 
@@ -78,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plot: {plot_run(result.run_dir)}")
         print(f"see the curves with: tensorboard --logdir {result.run_dir}   or: lightning-mpx plot {result.run_dir}")
         return 0
+    if args.command == "doctor":
+        return _doctor(args.run_dir, args.json)
     from lightning_mpx.plot import plot_run
 
     try:
@@ -87,6 +98,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(path)
     return 0
+
+
+def _doctor(run_dir: str, as_json: bool) -> int:
+    from lightning_mpx.doctor import EXIT_NO_TAGS, NoMixedPrecisionTagsError, diagnose, to_json
+
+    try:
+        diagnosis = diagnose(run_dir)
+    except (FileNotFoundError, NoMixedPrecisionTagsError) as error:
+        print(f"lightning-mpx doctor: {error}", file=sys.stderr)
+        return EXIT_NO_TAGS
+    print(to_json(diagnosis) if as_json else diagnosis.format())
+    return diagnosis.exit_status
 
 
 if __name__ == "__main__":
