@@ -3,15 +3,35 @@
 :class:`OverflowRecord` is what :attr:`lightning_mpx.Amp.last_overflow` holds after a step that overflowed. It is
 built on overflow steps only, where the overflow flag is read on the host anyway; a step that does not overflow
 builds nothing and reads nothing.
+
+Where the non-finite values came from (the forward or the backward, and the first module whose output held them) is
+known only when the forward was watched: :class:`ForwardWatch` puts forward hooks on the prepared models that flag
+non-finite outputs on the device, without a host sync. :class:`~lightning_mpx.Amp` watches every step with
+``diagnose_overflows=True``; otherwise it watches only after an overflow with the loss scale at its floor, until a
+step that does not overflow, so that the overflows that matter (the ones the scale cannot absorb) get a diagnosis
+and a healthy run has no hook at all.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+import functools
+import math
+import weakref
+from typing import Any, Iterable, Literal, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from lightning_mpx.cast_policy import disable_casts
 
 Kind = Literal["inf", "nan", "inf+nan"]
 Origin = Literal["forward", "backward", "unknown"]
+
+#: The tag prefix of the per-module overflow counts that :meth:`lightning_mpx.Amp.metrics` reports.
+OVERFLOW_TAG = "mpx/overflow/"
+#: The name the root module's own parameters go by in a tag (the module name itself is ``""``).
+ROOT_TAG = "_root"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +51,16 @@ class OverflowRecord:
             was not watched on this step.
         first_module: The first module, in forward order, whose output held non-finite values (``None`` unless
             ``origin == "forward"`` and the forward was watched).
-        rank: The process that found it (0 without a distributed strategy).
+        rank: The process that found it (0 without a distributed strategy). Under DDP, on rank 0: the first of
+            :attr:`ranks`.
+        ranks: The processes that found non-finite values: those whose own forward produced them when any did,
+            else those whose gradients held them (under DDP gradients are averaged across processes before the
+            step, so that is every process). On ranks other than 0, and without a distributed strategy: empty when
+            nothing was found, else ``(rank,)``.
+        loss_nonfinite: Whether a loss passed to :meth:`~lightning_mpx.Amp.scale_loss` was non-finite (``None``
+            when the forward was not watched).
+        nonfinite_outputs: Every module whose output held non-finite values, in forward order (empty when the
+            forward was not watched).
     """
 
     step: int
@@ -42,6 +71,9 @@ class OverflowRecord:
     origin: Origin = "unknown"
     first_module: str | None = None
     rank: int = 0
+    ranks: tuple[int, ...] = ()
+    loss_nonfinite: bool | None = None
+    nonfinite_outputs: tuple[str, ...] = ()
 
     def culprits(self) -> list[str]:
         """The modules to blame: the first non-finite module of the forward when it is known, else every module
@@ -49,3 +81,334 @@ class OverflowRecord:
         if self.origin == "forward" and self.first_module is not None:
             return [self.first_module]
         return list(self.modules)
+
+    def describe(self) -> str:
+        """One line for the log: the culprit modules with their kind, the origin and the rank(s)."""
+        shown = [f"{name or '<root>'} ({self.modules.get(name, 'output')})" for name in self.culprits()[:5]]
+        more = len(self.culprits()) - len(shown)
+        text = "culprit " + (", ".join(shown) if shown else "unknown") + (f" (+{more} more)" if more > 0 else "")
+        text += f"; origin {self.origin}"
+        if self.origin == "forward":
+            if self.first_module is not None:
+                text += f" (first non-finite output: {self.first_module or '<root>'})"
+            elif self.loss_nonfinite:
+                text += " (the loss)"
+        ranks = self.ranks or (self.rank,)
+        return text + f"; rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def module_of(parameter: str) -> str:
+    """The module a parameter name belongs to: the name without its last component (``""`` for the root's own)."""
+    return parameter.rpartition(".")[0]
+
+
+def overflow_tag(module: str) -> str:
+    """The metric tag of a module's overflow count: ``mpx/overflow/<module>`` (``mpx/overflow/_root`` for ``""``)."""
+    return OVERFLOW_TAG + (module or ROOT_TAG)
+
+
+def merge_kinds(a: Kind | None, b: Kind | None) -> Kind:
+    """The kind of a tensor or module holding both ``a`` and ``b``."""
+    found = {part for kind in (a, b) if kind for part in kind.split("+")}
+    return "inf+nan" if found == {"inf", "nan"} else ("nan" if "nan" in found else "inf")
+
+
+def merge_records(records: Sequence[OverflowRecord]) -> OverflowRecord:
+    """One record from every process's record of the same overflow step (rank 0's view under DDP).
+
+    The parameters and modules are the union; the origin, the first module and :attr:`OverflowRecord.rank` come
+    from the first process whose forward produced non-finite values, else from the first whose gradients held them.
+    """
+    if not records:
+        raise ValueError("records=[] holds no record to merge.")
+    forward = [r for r in records if r.origin == "forward"]
+    found = [r for r in records if r.parameters]
+    blamed = sorted(forward or found, key=lambda r: r.rank)
+    lead = blamed[0] if blamed else min(records, key=lambda r: r.rank)
+    parameters: dict[str, Kind] = {}
+    modules: dict[str, Kind] = {}
+    for record in sorted(records, key=lambda r: r.rank):
+        for name, kind in record.parameters.items():
+            parameters[name] = merge_kinds(parameters.get(name), kind)
+        for name, kind in record.modules.items():
+            modules[name] = merge_kinds(modules.get(name), kind)
+    if forward:
+        origin: Origin = "forward"
+    elif all(r.origin == "backward" for r in records):
+        origin = "backward"
+    else:
+        origin = "unknown"
+    return dataclasses.replace(
+        lead,
+        parameters=parameters,
+        modules=modules,
+        origin=origin,
+        first_module=lead.first_module if origin == "forward" else None,
+        ranks=tuple(r.rank for r in blamed),
+        loss_nonfinite=None if lead.loss_nonfinite is None else any(bool(r.loss_nonfinite) for r in records),
+    )
+
+
+class ForwardWatch:
+    """Forward hooks on the prepared models that flag, on the device, which modules produced non-finite outputs.
+
+    One preallocated FP32 tensor holds, for the loss (slot 0) and each module, the position in forward order of its
+    first non-finite output since the last step (``inf`` while none). The hooks write it with torch ops only: no
+    host sync. Forwards run with gradients disabled (validation) are not watched: they cannot cause an overflow.
+    The hooks are removable handles owned by the watch; :meth:`disarm` removes them.
+    """
+
+    def __init__(self) -> None:
+        self._models: list[tuple[weakref.ref[nn.Module], str]] = []
+        self._handles: list[Any] = []
+        self._names: list[str] = []
+        self._seen: torch.Tensor | None = None
+        self._position = 0
+        self._stale = True  # a step has run since the flags were cleared: the next forward clears them first
+        self.active = False
+        self.automatic = False  # armed by an overflow at the floor (disarmed by the next step that does not overflow)
+        self.complete = False  # the forwards since the last step were all watched
+
+    def add_model(self, module: nn.Module, prefix: str) -> None:
+        """Watch ``module`` too (now if the watch is active, else from the next :meth:`arm`); names get ``prefix``."""
+        if any(ref() is module for ref, _ in self._models):
+            return
+        self._models.append((weakref.ref(module), prefix))
+        if self.active:
+            self._hook(module, prefix)
+            self.complete = False
+
+    def arm(self, *, automatic: bool = False) -> None:
+        """Register the hooks (nothing when they are registered already). The forwards after the next step are the
+        first fully watched ones."""
+        if self.active:
+            return
+        self._models = [(ref, prefix) for ref, prefix in self._models if ref() is not None]
+        for ref, prefix in self._models:
+            module = ref()
+            if module is not None:
+                self._hook(module, prefix)
+        self.active, self.automatic, self.complete = True, automatic, False
+
+    def disarm(self) -> None:
+        """Remove every hook and drop the flags."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._names.clear()
+        self._seen = None
+        self.active = self.automatic = self.complete = False
+
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        """Flag a non-finite loss (slot 0), on the device."""
+        if torch.is_tensor(loss) and loss.is_floating_point():
+            self._flag(0, [loss])
+
+    def step_done(self) -> None:
+        """A step has read the flags: the next watched forward starts afresh."""
+        self._stale = True
+
+    def flags(self) -> torch.Tensor | None:
+        """The device tensor of first non-finite positions (loss, then modules), or ``None`` when nothing was
+        watched."""
+        return self._seen if self.active else None
+
+    def decode(self, values: Sequence[float]) -> tuple[bool, tuple[str, ...]]:
+        """(whether the loss was non-finite, the modules with non-finite outputs in forward order) from the values
+        of :meth:`flags` read on the host."""
+        loss = bool(values) and math.isfinite(values[0])
+        flagged = sorted((position, name) for name, position in zip(self._names, values[1:]) if math.isfinite(position))
+        return loss, tuple(name for _, name in flagged)
+
+    # -- internals ----------------------------------------------------------------------------------------------
+    def _hook(self, module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_modules():
+            full = prefix + name if name else prefix.rstrip(".")
+            self._names.append(full)
+            self._handles.append(child.register_forward_hook(functools.partial(self._on_output, len(self._names))))
+
+    def _on_output(self, slot: int, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return  # evaluation: no gradient can come of it
+        tensors = list(_floating_tensors(output))
+        if tensors:
+            self._flag(slot, tensors)
+
+    def _flag(self, slot: int, tensors: list[torch.Tensor]) -> None:
+        with disable_casts():  # our bookkeeping is not the model's compute
+            device = tensors[0].device
+            size = len(self._names) + 1
+            seen = self._seen
+            if seen is None or seen.numel() != size:  # first use, or a model added since
+                old, seen = seen, torch.full((size,), math.inf, dtype=torch.float32, device=device)
+                if old is not None and not self._stale:
+                    seen[: min(size, old.numel())].copy_(old[:size])
+                self._seen = seen
+            elif seen.device != device:  # the model was moved to its device after it was prepared
+                seen = self._seen = seen.to(device)
+            if self._stale:
+                # Cleared here, at the first watched forward after a step, rather than in the step, so that a
+                # second optimizer stepping on the same forward still reads them.
+                seen.fill_(math.inf)
+                self._position = 0
+                self._stale = False
+                self.complete = True
+            self._position += 1
+            if len(tensors) == 1:
+                finite = torch.isfinite(tensors[0]).all()
+            else:
+                finite = torch.stack([torch.isfinite(t).all().to(device) for t in tensors]).all()
+            entry = seen[slot]
+            entry.copy_(torch.where(finite, entry, entry.clamp(max=float(self._position))))
+
+
+def _floating_tensors(data: Any) -> Iterable[torch.Tensor]:
+    """The floating-point tensors in a module's output (through tuples, lists, mappings and dataclasses)."""
+    if isinstance(data, torch.Tensor):
+        if data.is_floating_point() and data.numel():
+            yield data
+    elif isinstance(data, Mapping):
+        for value in data.values():
+            yield from _floating_tensors(value)
+    elif isinstance(data, (list, tuple)):
+        for value in data:
+            yield from _floating_tensors(value)
+    elif dataclasses.is_dataclass(data) and not isinstance(data, type):
+        for f in dataclasses.fields(data):
+            yield from _floating_tensors(getattr(data, f.name, None))
+
+
+class OverflowForensics:
+    """The forensics of one :class:`~lightning_mpx.Amp`: builds the record of an overflow step, keeps the
+    per-module counts for the metrics and owns the forward watch.
+
+    Args:
+        diagnose: Watch every forward (``diagnose_overflows=True``); otherwise only after an overflow at the floor.
+    """
+
+    def __init__(self, diagnose: bool = False) -> None:
+        self.watch = ForwardWatch()
+        self._counts: dict[str, int] = {}  # overflow steps per module since the last metrics() call
+        self.diagnose = diagnose
+
+    @property
+    def diagnose(self) -> bool:
+        """Whether every forward is watched (setting it registers or removes the hooks)."""
+        return self._diagnose
+
+    @diagnose.setter
+    def diagnose(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"diagnose_overflows={value!r} must be True or False.")
+        self._diagnose = value
+        if value:
+            self.watch.arm()
+            self.watch.automatic = False
+        else:
+            self.watch.disarm()
+
+    def build(
+        self,
+        grads: Sequence[tuple[str, torch.Tensor]],
+        *,
+        step: int,
+        loss_ids: Sequence[int],
+        scales: Sequence[torch.Tensor],
+        rank: int = 0,
+    ) -> OverflowRecord:
+        """The record of an overflow step: one batched device computation and one host read.
+
+        Args:
+            grads: (parameter name, gradient) for the optimizer's parameters that have one.
+            step: The number of steps before this one.
+            loss_ids: The losses the overflow was charged to.
+            scales: Their scales, as device tensors.
+            rank: This process's rank.
+        """
+        parts: list[torch.Tensor] = []
+        device = grads[0][1].device if grads else (scales[0].device if scales else torch.device("cpu"))
+        with disable_casts():
+            if grads:
+                parts.append(
+                    torch.stack(
+                        [torch.stack([torch.isinf(g).any(), torch.isnan(g).any()]).to(device) for _, g in grads]
+                    )
+                    .flatten()
+                    .double()
+                )
+            parts.extend(s.reshape(1).to(device=device, dtype=torch.float64) for s in scales)
+            flags = self.watch.flags()
+            if flags is not None:
+                parts.append(flags.to(device=device, dtype=torch.float64))
+            values = torch.cat(parts).tolist() if parts else []  # the one host read
+        parameters: dict[str, Kind] = {}
+        for index, (name, _) in enumerate(grads):
+            inf, nan = values[2 * index] > 0, values[2 * index + 1] > 0
+            if inf or nan:
+                parameters[name] = "inf+nan" if inf and nan else ("inf" if inf else "nan")
+        offset = 2 * len(grads)
+        scale_values = tuple(values[offset : offset + len(scales)])
+        modules: dict[str, Kind] = {}
+        for name, kind in parameters.items():
+            module = module_of(name)
+            modules[module] = merge_kinds(modules.get(module), kind)
+        origin: Origin = "unknown"
+        first: str | None = None
+        loss_bad: bool | None = None
+        outputs: tuple[str, ...] = ()
+        if flags is not None:
+            loss_bad, outputs = self.watch.decode(values[offset + len(scales) :])
+            complete = self.watch.complete
+            if loss_bad or outputs:
+                origin = "forward"
+                first = outputs[0] if outputs and complete else None
+            elif complete:
+                origin = "backward"
+            if not complete:
+                loss_bad = loss_bad or None  # a False from a partial watch proves nothing
+        found = bool(parameters) or origin == "forward"
+        return OverflowRecord(
+            step=step,
+            loss_ids=tuple(loss_ids),
+            scales=scale_values,
+            parameters=parameters,
+            modules=modules,
+            origin=origin,
+            first_module=first,
+            rank=rank,
+            ranks=(rank,) if found else (),
+            loss_nonfinite=loss_bad,
+            nonfinite_outputs=outputs,
+        )
+
+    def gather(self, record: OverflowRecord) -> OverflowRecord:
+        """Under an initialised process group of several processes, every rank's record merged (all ranks call
+        this together, on the same overflow step); ``record`` itself otherwise."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return record
+        records: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(records, record)
+        return merge_records(records)
+
+    def overflowed(self, record: OverflowRecord, *, at_floor: bool) -> None:
+        """Count the record's modules and, at the floor, watch the following forwards."""
+        for module in record.modules:
+            self._counts[module] = self._counts.get(module, 0) + 1
+        if at_floor and not self.watch.active:
+            self.watch.arm(automatic=True)
+        self.watch.step_done()
+
+    def stepped(self) -> None:
+        """A step that did not overflow (call only while the watch is active): an automatic watch ends."""
+        if self.watch.automatic:
+            self.watch.disarm()
+        else:
+            self.watch.step_done()
+
+    def metrics(self) -> dict[str, float]:
+        """``mpx/overflow/<module>``: overflow steps since the last call in which the module had non-finite
+        gradients; a module seen before and clean since reports 0."""
+        out = {overflow_tag(module): float(count) for module, count in self._counts.items()}
+        self._counts = dict.fromkeys(self._counts, 0)
+        return out
