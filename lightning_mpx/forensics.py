@@ -59,8 +59,9 @@ class OverflowRecord:
             nothing was found, else ``(rank,)``.
         loss_nonfinite: Whether a loss passed to :meth:`~lightning_mpx.Amp.scale_loss` was non-finite (``None``
             when the forward was not watched).
-        nonfinite_outputs: Every module whose output held non-finite values, in forward order (empty when the
-            forward was not watched).
+        nonfinite_outputs: Every module whose output held non-finite values, in forward order, with the kind of
+            those values (empty when the forward was not watched): ``"inf"`` in the first one is an activation past
+            the half dtype's range, ``"nan"`` a NaN that came in (data) or was made there (``inf - inf``).
     """
 
     step: int
@@ -73,7 +74,7 @@ class OverflowRecord:
     rank: int = 0
     ranks: tuple[int, ...] = ()
     loss_nonfinite: bool | None = None
-    nonfinite_outputs: tuple[str, ...] = ()
+    nonfinite_outputs: dict[str, Kind] = dataclasses.field(default_factory=dict)
 
     def culprits(self) -> list[str]:
         """The modules to blame: the first non-finite module of the forward when it is known, else every module
@@ -84,15 +85,16 @@ class OverflowRecord:
 
     def describe(self) -> str:
         """One line for the log: the culprit modules with their kind, the origin and the rank(s)."""
-        shown = [f"{name or '<root>'} ({self.modules.get(name, 'output')})" for name in self.culprits()[:5]]
-        more = len(self.culprits()) - len(shown)
-        text = "culprit " + (", ".join(shown) if shown else "unknown") + (f" (+{more} more)" if more > 0 else "")
-        text += f"; origin {self.origin}"
-        if self.origin == "forward":
-            if self.first_module is not None:
-                text += f" (first non-finite output: {self.first_module or '<root>'})"
-            elif self.loss_nonfinite:
-                text += " (the loss)"
+        culprits = self.culprits()
+        if self.origin == "forward" and self.first_module is not None:
+            kind = self.nonfinite_outputs.get(self.first_module)
+            text = f"culprit {self.first_module or '<root>'} (first non-finite output, {kind}); origin forward"
+        else:
+            shown = ", ".join(f"{name or '<root>'} ({self.modules[name]})" for name in culprits[:5])
+            more = f" (+{len(culprits) - 5} more)" if len(culprits) > 5 else ""
+            text = f"culprit {shown or 'unknown'}{more}; origin {self.origin}"
+            if self.origin == "forward" and self.loss_nonfinite:
+                text += " (the loss was non-finite)"
         ranks = self.ranks or (self.rank,)
         return text + f"; rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
@@ -152,9 +154,9 @@ def merge_records(records: Sequence[OverflowRecord]) -> OverflowRecord:
 class ForwardWatch:
     """Forward hooks on the prepared models that flag, on the device, which modules produced non-finite outputs.
 
-    One preallocated FP32 tensor holds, for the loss (slot 0) and each module, the position in forward order of its
-    first non-finite output since the last step (``inf`` while none). The hooks write it with torch ops only: no
-    host sync. Forwards run with gradients disabled (validation) are not watched: they cannot cause an overflow.
+    One preallocated FP32 tensor holds, for the loss (row 0) and each module, the position in forward order of its
+    first non-finite output since the last step (``inf`` while none) and whether its outputs held inf and NaN. The
+    hooks write it with torch ops only: no host sync. Forwards run with gradients disabled (validation) are not watched: they cannot cause an overflow.
     The hooks are removable handles owned by the watch; :meth:`disarm` removes them.
     """
 
@@ -209,16 +211,17 @@ class ForwardWatch:
         self._stale = True
 
     def flags(self) -> torch.Tensor | None:
-        """The device tensor of first non-finite positions (loss, then modules), or ``None`` when nothing was
-        watched."""
+        """The device tensor of (first non-finite position, inf seen, NaN seen) rows (the loss, then each module),
+        or ``None`` when nothing was watched."""
         return self._seen if self.active else None
 
-    def decode(self, values: Sequence[float]) -> tuple[bool, tuple[str, ...]]:
-        """(whether the loss was non-finite, the modules with non-finite outputs in forward order) from the values
-        of :meth:`flags` read on the host."""
-        loss = bool(values) and math.isfinite(values[0])
-        flagged = sorted((position, name) for name, position in zip(self._names, values[1:]) if math.isfinite(position))
-        return loss, tuple(name for _, name in flagged)
+    def decode(self, values: Sequence[float]) -> tuple[bool, dict[str, Kind]]:
+        """(whether the loss was non-finite, the modules with non-finite outputs and their kind, in forward order)
+        from the values of :meth:`flags` read on the host (flattened)."""
+        rows = [values[i : i + 3] for i in range(0, len(values), 3)]
+        loss = bool(rows) and math.isfinite(rows[0][0])
+        flagged = sorted((row[0], name, row) for name, row in zip(self._names, rows[1:]) if math.isfinite(row[0]))
+        return loss, {name: _kind(row[1] > 0, row[2] > 0) for _, name, row in flagged}
 
     # -- internals ----------------------------------------------------------------------------------------------
     def _hook(self, module: nn.Module, prefix: str) -> None:
@@ -239,27 +242,38 @@ class ForwardWatch:
             device = tensors[0].device
             size = len(self._names) + 1
             seen = self._seen
-            if seen is None or seen.numel() != size:  # first use, or a model added since
-                old, seen = seen, torch.full((size,), math.inf, dtype=torch.float32, device=device)
+            if seen is None or len(seen) != size:  # first use, or a model added since
+                old, seen = seen, _fresh(size, device)
                 if old is not None and not self._stale:
-                    seen[: min(size, old.numel())].copy_(old[:size])
+                    seen[: min(size, len(old))].copy_(old[:size])
                 self._seen = seen
             elif seen.device != device:  # the model was moved to its device after it was prepared
                 seen = self._seen = seen.to(device)
             if self._stale:
                 # Cleared here, at the first watched forward after a step, rather than in the step, so that a
                 # second optimizer stepping on the same forward still reads them.
-                seen.fill_(math.inf)
+                seen.copy_(_fresh(1, device).expand_as(seen))
                 self._position = 0
                 self._stale = False
                 self.complete = True
             self._position += 1
-            if len(tensors) == 1:
-                finite = torch.isfinite(tensors[0]).all()
-            else:
-                finite = torch.stack([torch.isfinite(t).all().to(device) for t in tensors]).all()
-            entry = seen[slot]
-            entry.copy_(torch.where(finite, entry, entry.clamp(max=float(self._position))))
+            found = torch.stack([torch.isinf(tensors[0]).any(), torch.isnan(tensors[0]).any()])
+            for tensor in tensors[1:]:
+                found = found | torch.stack([torch.isinf(tensor).any(), torch.isnan(tensor).any()]).to(device)
+            row = seen[slot]
+            first = torch.where(found.any(), row[0].clamp(max=float(self._position)), row[0])
+            row.copy_(torch.cat([first.reshape(1), torch.maximum(row[1:], found.float())]))
+
+
+def _fresh(rows: int, device: torch.device) -> torch.Tensor:
+    """Watch rows with nothing seen: position ``inf``, no inf, no NaN."""
+    seen = torch.zeros((rows, 3), dtype=torch.float32, device=device)
+    seen[:, 0] = math.inf
+    return seen
+
+
+def _kind(inf: bool, nan: bool) -> Kind:
+    return "inf+nan" if inf and nan else ("inf" if inf else "nan")
 
 
 def _floating_tensors(data: Any) -> Iterable[torch.Tensor]:
@@ -339,13 +353,13 @@ class OverflowForensics:
             parts.extend(s.reshape(1).to(device=device, dtype=torch.float64) for s in scales)
             flags = self.watch.flags()
             if flags is not None:
-                parts.append(flags.to(device=device, dtype=torch.float64))
+                parts.append(flags.flatten().to(device=device, dtype=torch.float64))
             values = torch.cat(parts).tolist() if parts else []  # the one host read
         parameters: dict[str, Kind] = {}
         for index, (name, _) in enumerate(grads):
             inf, nan = values[2 * index] > 0, values[2 * index + 1] > 0
             if inf or nan:
-                parameters[name] = "inf+nan" if inf and nan else ("inf" if inf else "nan")
+                parameters[name] = _kind(inf, nan)
         offset = 2 * len(grads)
         scale_values = tuple(values[offset : offset + len(scales)])
         modules: dict[str, Kind] = {}
@@ -355,13 +369,13 @@ class OverflowForensics:
         origin: Origin = "unknown"
         first: str | None = None
         loss_bad: bool | None = None
-        outputs: tuple[str, ...] = ()
+        outputs: dict[str, Kind] = {}
         if flags is not None:
             loss_bad, outputs = self.watch.decode(values[offset + len(scales) :])
             complete = self.watch.complete
             if loss_bad or outputs:
                 origin = "forward"
-                first = outputs[0] if outputs and complete else None
+                first = next(iter(outputs)) if outputs and complete else None
             elif complete:
                 origin = "backward"
             if not complete:

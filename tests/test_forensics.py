@@ -76,7 +76,9 @@ def test_record_names_the_layer_the_kind_and_the_origin(level, case):
         assert record.modules == {"explode": "inf"}  # the forward was finite; only explode's weight got inf
     else:
         assert record.first_module == CULPRIT[case] and record.loss_nonfinite is True
-        assert record.nonfinite_outputs[0] == CULPRIT[case]
+        # The first non-finite output: an activation past 65504 (inf) in blow, the data's NaN in inp.
+        first_kind = {"activation": "inf", "data": "nan"}[case]
+        assert list(record.nonfinite_outputs.items())[0] == (CULPRIT[case], first_kind)
     if case == "data":
         assert set(record.parameters.values()) == {"nan"}
     # The counts go out once, then stay at 0 for the modules seen.
@@ -214,7 +216,9 @@ def test_lightning_o1_record_log_and_metrics(case, caplog):
     assert record.modules == _modules_of(reference)
     assert record.origin == ORIGIN[case] and record.culprits() == [f"net.{CULPRIT[case]}"]
     if ORIGIN[case] == "forward":
-        assert record.first_module == f"net.{CULPRIT[case]}"
+        assert record.first_module == f"net.{CULPRIT[case]}" and f"net.{CULPRIT[case]}" in record.nonfinite_outputs
+    else:
+        assert record.nonfinite_outputs == {} and record.loss_nonfinite is False
     messages = [r.getMessage() for r in caplog.records if "Gradient overflow" in r.getMessage()]
     assert f"culprit net.{CULPRIT[case]}" in messages[0] and f"origin {ORIGIN[case]}" in messages[0]
     assert "rank 0" in messages[0]
