@@ -54,14 +54,16 @@ class OverflowRecord:
         rank: The process that found it (0 without a distributed strategy). Under DDP, on rank 0: the first of
             :attr:`ranks`.
         ranks: The processes that found non-finite values: those whose own forward produced them when any did,
-            else those whose gradients held them (under DDP gradients are averaged across processes before the
-            step, so that is every process). On ranks other than 0, and without a distributed strategy: empty when
+            else those whose own backward did (known when watched), else those whose gradients held them (under DDP
+            gradients are averaged across processes before the step, so that is every process). On ranks other than 0, and without a distributed strategy: empty when
             nothing was found, else ``(rank,)``.
         loss_nonfinite: Whether a loss passed to :meth:`~lightning_mpx.Amp.scale_loss` was non-finite (``None``
             when the forward was not watched).
         nonfinite_outputs: Every module whose output held non-finite values, in forward order, with the kind of
             those values (empty when the forward was not watched): ``"inf"`` in the first one is an activation past
             the half dtype's range, ``"nan"`` a NaN that came in (data) or was made there (``inf - inf``).
+        backward_nonfinite: Under DDP with the forward watched: whether this process's own backward produced
+            non-finite gradients, before they were averaged across processes (``None`` otherwise).
     """
 
     step: int
@@ -75,6 +77,7 @@ class OverflowRecord:
     ranks: tuple[int, ...] = ()
     loss_nonfinite: bool | None = None
     nonfinite_outputs: dict[str, Kind] = dataclasses.field(default_factory=dict)
+    backward_nonfinite: bool | None = None
 
     def culprits(self) -> list[str]:
         """The modules to blame: the first non-finite module of the forward when it is known, else every module
@@ -119,13 +122,15 @@ def merge_records(records: Sequence[OverflowRecord]) -> OverflowRecord:
     """One record from every process's record of the same overflow step (rank 0's view under DDP).
 
     The parameters and modules are the union; the origin, the first module and :attr:`OverflowRecord.rank` come
-    from the first process whose forward produced non-finite values, else from the first whose gradients held them.
+    from the first process whose forward produced non-finite values, else from the first whose own backward did,
+    else from the first whose gradients held them.
     """
     if not records:
         raise ValueError("records=[] holds no record to merge.")
     forward = [r for r in records if r.origin == "forward"]
+    backward = [r for r in records if r.backward_nonfinite]
     found = [r for r in records if r.parameters]
-    blamed = sorted(forward or found, key=lambda r: r.rank)
+    blamed = sorted(forward or backward or found, key=lambda r: r.rank)
     lead = blamed[0] if blamed else min(records, key=lambda r: r.rank)
     parameters: dict[str, Kind] = {}
     modules: dict[str, Kind] = {}
@@ -156,8 +161,11 @@ class ForwardWatch:
 
     One preallocated FP32 tensor holds, for the loss (row 0) and each module, the position in forward order of its
     first non-finite output since the last step (``inf`` while none) and whether its outputs held inf and NaN. The
-    hooks write it with torch ops only: no host sync. Forwards run with gradients disabled (validation) are not watched: they cannot cause an overflow.
-    The hooks are removable handles owned by the watch; :meth:`disarm` removes them.
+    hooks write it with torch ops only: no host sync. Forwards run with gradients disabled (validation) are not
+    watched: they cannot cause an overflow. Under an initialised process group of several processes, gradient hooks
+    on the parameters also flag (row 1) whether this process's own backward produced non-finite gradients, before
+    DDP averages them across processes. The hooks are removable handles owned by the watch; :meth:`disarm` removes
+    them.
     """
 
     def __init__(self) -> None:
@@ -166,6 +174,7 @@ class ForwardWatch:
         self._names: list[str] = []
         self._seen: torch.Tensor | None = None
         self._position = 0
+        self._grad_hooks = False
         self._stale = True  # a step has run since the flags were cleared: the next forward clears them first
         self.active = False
         self.automatic = False  # armed by an overflow at the floor (disarmed by the next step that does not overflow)
@@ -198,6 +207,7 @@ class ForwardWatch:
             handle.remove()
         self._handles.clear()
         self._names.clear()
+        self._grad_hooks = False
         self._seen = None
         self.active = self.automatic = self.complete = False
 
@@ -220,15 +230,34 @@ class ForwardWatch:
         from the values of :meth:`flags` read on the host (flattened)."""
         rows = [values[i : i + 3] for i in range(0, len(values), 3)]
         loss = bool(rows) and math.isfinite(rows[0][0])
-        flagged = sorted((row[0], name, row) for name, row in zip(self._names, rows[1:]) if math.isfinite(row[0]))
+        flagged = sorted((row[0], name, row) for name, row in zip(self._names, rows[_HEAD:]) if math.isfinite(row[0]))
         return loss, {name: _kind(row[1] > 0, row[2] > 0) for _, name, row in flagged}
+
+    def decode_gradients(self, values: Sequence[float]) -> bool | None:
+        """Whether this process's own backward produced non-finite gradients (``None`` when not watched: a single
+        process, or the hooks were registered before the process group existed)."""
+        if not self._grad_hooks or len(values) < 6:
+            return None
+        return math.isfinite(values[3])
 
     # -- internals ----------------------------------------------------------------------------------------------
     def _hook(self, module: nn.Module, prefix: str) -> None:
         for name, child in module.named_modules():
             full = prefix + name if name else prefix.rstrip(".")
             self._names.append(full)
-            self._handles.append(child.register_forward_hook(functools.partial(self._on_output, len(self._names))))
+            hook = functools.partial(self._on_output, len(self._names) + _HEAD - 1)
+            self._handles.append(child.register_forward_hook(hook))
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # A tensor hook sees this backward's own gradient, before DDP's reducer averages it across processes.
+            for param in module.parameters():
+                if param.requires_grad:
+                    self._handles.append(param.register_hook(self._on_grad))
+                    self._grad_hooks = True
+
+    def _on_grad(self, grad: torch.Tensor) -> None:
+        if grad.is_floating_point() and not grad.is_sparse:
+            self._flag(1, [grad])
 
     def _on_output(self, slot: int, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
@@ -240,7 +269,7 @@ class ForwardWatch:
     def _flag(self, slot: int, tensors: list[torch.Tensor]) -> None:
         with disable_casts():  # our bookkeeping is not the model's compute
             device = tensors[0].device
-            size = len(self._names) + 1
+            size = len(self._names) + _HEAD
             seen = self._seen
             if seen is None or len(seen) != size:  # first use, or a model added since
                 old, seen = seen, _fresh(size, device)
@@ -263,6 +292,9 @@ class ForwardWatch:
             row = seen[slot]
             first = torch.where(found.any(), row[0].clamp(max=float(self._position)), row[0])
             row.copy_(torch.cat([first.reshape(1), torch.maximum(row[1:], found.float())]))
+
+
+_HEAD = 2  # rows before the modules': the loss, this process's own gradients
 
 
 def _fresh(rows: int, device: torch.device) -> torch.Tensor:
@@ -369,6 +401,7 @@ class OverflowForensics:
         origin: Origin = "unknown"
         first: str | None = None
         loss_bad: bool | None = None
+        own_backward: bool | None = None
         outputs: dict[str, Kind] = {}
         if flags is not None:
             loss_bad, outputs = self.watch.decode(values[offset + len(scales) :])
@@ -378,8 +411,10 @@ class OverflowForensics:
                 first = next(iter(outputs)) if outputs and complete else None
             elif complete:
                 origin = "backward"
+            own_backward = self.watch.decode_gradients(values[offset + len(scales) :])
             if not complete:
                 loss_bad = loss_bad or None  # a False from a partial watch proves nothing
+                own_backward = own_backward or None
         found = bool(parameters) or origin == "forward"
         return OverflowRecord(
             step=step,
@@ -393,6 +428,7 @@ class OverflowForensics:
             ranks=(rank,) if found else (),
             loss_nonfinite=loss_bad,
             nonfinite_outputs=outputs,
+            backward_nonfinite=own_backward,
         )
 
     def gather(self, record: OverflowRecord) -> OverflowRecord:

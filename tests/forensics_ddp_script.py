@@ -1,5 +1,6 @@
 """Run by tests/test_forensics.py: two CPU processes under Lightning's DDP strategy; a NaN in the batch of rank 1
-only, at global step 1. Each rank writes its overflow record and its overflow log lines to ``$MPX_OUT/rank{r}.json``.
+only, at global step 1, and a gradient explosion (finite forward) on rank 1 only at step 3. Each rank writes its
+overflow records and its overflow log lines to ``$MPX_OUT/rank{r}.json``.
 """
 
 import dataclasses
@@ -30,18 +31,17 @@ def main() -> None:
     mpx_log = logging.getLogger("lightning_mpx")
     mpx_log.addHandler(handler)
     mpx_log.setLevel(logging.INFO)
-    plugin = MixedPrecisionPlugin("O1", diagnose_overflows=True)
-    model = ForensicsModule("clean", nan_on_rank=1, nan_at_step=1)
-    trainer = make_trainer(plugin, strategy="ddp", devices=2, max_steps=3)
-    trainer.fit(model, loader(ForensicsData("clean", n=32), batch_size=4))
-    record = plugin.amp.last_overflow
+    # Rank 1 only: a NaN in the batch at step 1 (forward), a gradient explosion with a finite forward at step 3.
+    plugin = MixedPrecisionPlugin("O1", diagnose_overflows=True, overflow_log_interval=0.0)
+    model = ForensicsModule("gradient", nan_at=(1, 1), only_at=(3, 1))
+    trainer = make_trainer(plugin, strategy="ddp", devices=2, max_steps=5)
+    trainer.fit(model, loader(ForensicsData("gradient", n=40), batch_size=4))
+    records = {r.step: r for r in model.records if r is not None}  # the last record, as seen after each step
     result: dict[str, Any] = {
         "skipped_steps": plugin.amp.skipped_steps,
-        "record": dataclasses.asdict(record) if record is not None else None,
+        "records": [dict(dataclasses.asdict(r), culprits=r.culprits()) for _, r in sorted(records.items())],
         "messages": handler.messages,
     }
-    if record is not None:
-        result["record"]["culprits"] = record.culprits()
     with open(os.path.join(os.environ["MPX_OUT"], f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(result, f)
     # Lightning destroys the process group at exit only for NCCL. A gloo group left alive can abort the interpreter

@@ -40,6 +40,7 @@ def make_net(case: str) -> nn.Sequential:
             net.blow.weight.fill_(8.0)
             net.blow.bias.zero_()
             net.inp.weight.abs_()
+            net.inp.bias.zero_()  # zero inputs make zero activations, so a zero batch does not overflow
             net.explode.weight.fill_(1e-4)
     return net
 
@@ -68,21 +69,27 @@ class ForensicsModule(pl.LightningModule):
 
     Args:
         case: One of :data:`CASES` or ``"clean"``.
-        nan_on_rank: Put a NaN into the batch on this rank only, at global step ``nan_at_step``.
+        nan_at: (global step, rank): put a NaN into the batch there only.
+        only_at: (global step, rank): the batch is zeros everywhere else (with ``"gradient"``: no overflow there).
     """
 
-    def __init__(self, case: str, nan_on_rank: int | None = None, nan_at_step: int = 1) -> None:
+    def __init__(
+        self, case: str, nan_at: tuple[int, int] | None = None, only_at: tuple[int, int] | None = None
+    ) -> None:
         super().__init__()
         self.case = case
         self.net = make_net(case)
-        self.nan_on_rank = nan_on_rank
-        self.nan_at_step = nan_at_step
+        self.nan_at = nan_at
+        self.only_at = only_at
         self.grad_kinds: list[dict[str, str]] = []
         self.records: list[Any] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        if self.global_rank == self.nan_on_rank and self.trainer.global_step == self.nan_at_step:
+        where = (self.trainer.global_step, self.global_rank)
+        if self.only_at is not None and where != self.only_at:
+            x = torch.zeros_like(x)
+        if where == self.nan_at:
             x = x.clone()
             x[0, 0] = float("nan")
         return F.cross_entropy(self.net(x), y)
