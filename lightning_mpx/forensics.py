@@ -157,25 +157,26 @@ def merge_records(records: Sequence[OverflowRecord]) -> OverflowRecord:
 
 
 class ForwardWatch:
-    """Forward hooks on the prepared models that flag, on the device, which modules produced non-finite outputs.
+    """Forward hooks on the prepared models that record, on the device, which modules produced non-finite outputs.
 
-    One preallocated FP32 tensor holds, for the loss (row 0) and each module, the position in forward order of its
-    first non-finite output since the last step (``inf`` while none) and whether its outputs held inf and NaN. The
-    hooks write it with torch ops only: no host sync. Forwards run with gradients disabled (validation) are not
-    watched: they cannot cause an overflow. Under an initialised process group of several processes, gradient hooks
-    on the parameters also flag (row 1) whether this process's own backward produced non-finite gradients, before
-    DDP averages them across processes. The hooks are removable handles owned by the watch; :meth:`disarm` removes
-    them.
+    Each watched call (a module's output, the loss, a gradient) writes the largest magnitude of what it produced
+    (``inf`` or ``NaN`` when non-finite; one reduction) into the next entry of a preallocated FP32 tensor, and the
+    host appends which module it was to a list: torch ops only, no host sync. On an overflow step the written
+    entries are read with the rest of the record, and the first non-finite entry names the first module. Forwards run
+    with gradients disabled (validation) are not watched: they cannot cause an overflow. Under an initialised
+    process group of several processes, gradient hooks on the parameters also record whether this process's own
+    backward produced non-finite gradients, before DDP averages them across processes. The hooks are removable
+    handles owned by the watch; :meth:`disarm` removes them.
     """
 
     def __init__(self) -> None:
         self._models: list[tuple[weakref.ref[nn.Module], str]] = []
         self._handles: list[Any] = []
-        self._names: list[str] = []
-        self._seen: torch.Tensor | None = None
-        self._position = 0
+        self._names: list[str] = []  # slot - _HEAD -> module name
+        self._values: torch.Tensor | None = None  # one entry per watched call since the last step
+        self._calls: list[int] = []  # the slot of each of those calls
         self._grad_hooks = False
-        self._stale = True  # a step has run since the flags were cleared: the next forward clears them first
+        self._stale = True  # a step has run since the calls were cleared: the next watched call clears them first
         self.active = False
         self.automatic = False  # armed by an overflow at the floor (disarmed by the next step that does not overflow)
         self.complete = False  # the forwards since the last step were all watched
@@ -202,49 +203,56 @@ class ForwardWatch:
         self.active, self.automatic, self.complete = True, automatic, False
 
     def disarm(self) -> None:
-        """Remove every hook and drop the flags."""
+        """Remove every hook and drop what was recorded."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self._names.clear()
+        self._calls.clear()
         self._grad_hooks = False
-        self._seen = None
+        self._values = None
         self.active = self.automatic = self.complete = False
 
     def observe_loss(self, loss: torch.Tensor) -> None:
-        """Flag a non-finite loss (slot 0), on the device."""
+        """Record the loss (slot 0), on the device."""
         if torch.is_tensor(loss) and loss.is_floating_point():
-            self._flag(0, [loss])
+            self._record(0, [loss])
 
     def step_done(self) -> None:
-        """A step has read the flags: the next watched forward starts afresh."""
+        """A step has read the records: the next watched call starts afresh."""
         self._stale = True
 
     def flags(self) -> torch.Tensor | None:
-        """The device tensor of (first non-finite position, inf seen, NaN seen) rows (the loss, then each module),
-        or ``None`` when nothing was watched."""
-        return self._seen if self.active else None
-
-    def decode(self, values: Sequence[float]) -> tuple[bool, dict[str, Kind]]:
-        """(whether the loss was non-finite, the modules with non-finite outputs and their kind, in forward order)
-        from the values of :meth:`flags` read on the host (flattened)."""
-        rows = [values[i : i + 3] for i in range(0, len(values), 3)]
-        loss = bool(rows) and math.isfinite(rows[0][0])
-        flagged = sorted((row[0], name, row) for name, row in zip(self._names, rows[_HEAD:]) if math.isfinite(row[0]))
-        return loss, {name: _kind(row[1] > 0, row[2] > 0) for _, name, row in flagged}
-
-    def decode_gradients(self, values: Sequence[float]) -> bool | None:
-        """Whether this process's own backward produced non-finite gradients (``None`` when not watched: a single
-        process, or the hooks were registered before the process group existed)."""
-        if not self._grad_hooks or len(values) < 6:
+        """The device tensor of the watched calls' largest magnitudes since the last step (in call order), or
+        ``None`` when nothing was watched."""
+        if not self.active or self._values is None or not self._calls:
             return None
-        return math.isfinite(values[3])
+        return self._values[: len(self._calls)]
+
+    def decode(self, values: Sequence[float]) -> tuple[bool, dict[str, Kind], bool | None]:
+        """From the values of :meth:`flags` read on the host: whether the loss was non-finite, the modules with
+        non-finite outputs and their kind in forward order (of their first non-finite output), and whether this
+        process's own backward produced non-finite gradients (``None`` without gradient hooks)."""
+        loss = False
+        backward: bool | None = False if self._grad_hooks else None
+        outputs: dict[str, Kind] = {}
+        for slot, value in zip(self._calls, values):
+            if math.isfinite(value):
+                continue
+            kind: Kind = "nan" if math.isnan(value) else "inf"
+            if slot == 0:
+                loss = True
+            elif slot == 1:
+                backward = True
+            else:
+                name = self._names[slot - _HEAD]
+                outputs[name] = merge_kinds(outputs.get(name), kind)
+        return loss, outputs, backward
 
     # -- internals ----------------------------------------------------------------------------------------------
     def _hook(self, module: nn.Module, prefix: str) -> None:
         for name, child in module.named_modules():
-            full = prefix + name if name else prefix.rstrip(".")
-            self._names.append(full)
+            self._names.append(prefix + name if name else prefix.rstrip("."))
             hook = functools.partial(self._on_output, len(self._names) + _HEAD - 1)
             self._handles.append(child.register_forward_hook(hook))
         dist = torch.distributed
@@ -257,51 +265,41 @@ class ForwardWatch:
 
     def _on_grad(self, grad: torch.Tensor) -> None:
         if grad.is_floating_point() and not grad.is_sparse:
-            self._flag(1, [grad])
+            self._record(1, [grad])
 
     def _on_output(self, slot: int, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
             return  # evaluation: no gradient can come of it
         tensors = list(_floating_tensors(output))
         if tensors:
-            self._flag(slot, tensors)
+            self._record(slot, tensors)
 
-    def _flag(self, slot: int, tensors: list[torch.Tensor]) -> None:
+    def _record(self, slot: int, tensors: list[torch.Tensor]) -> None:
         with disable_casts():  # our bookkeeping is not the model's compute
             device = tensors[0].device
-            size = len(self._names) + _HEAD
-            seen = self._seen
-            if seen is None or len(seen) != size:  # first use, or a model added since
-                old, seen = seen, _fresh(size, device)
-                if old is not None and not self._stale:
-                    seen[: min(size, len(old))].copy_(old[:size])
-                self._seen = seen
-            elif seen.device != device:  # the model was moved to its device after it was prepared
-                seen = self._seen = seen.to(device)
             if self._stale:
-                # Cleared here, at the first watched forward after a step, rather than in the step, so that a
-                # second optimizer stepping on the same forward still reads them.
-                seen.copy_(_fresh(1, device).expand_as(seen))
-                self._position = 0
+                # Cleared here, at the first watched call after a step, rather than in the step, so that a second
+                # optimizer stepping on the same forward still reads them.
+                self._calls.clear()
                 self._stale = False
                 self.complete = True
-            self._position += 1
-            found = torch.stack([torch.isinf(tensors[0]).any(), torch.isnan(tensors[0]).any()])
-            for tensor in tensors[1:]:
-                found = found | torch.stack([torch.isinf(tensor).any(), torch.isnan(tensor).any()]).to(device)
-            row = seen[slot]
-            first = torch.where(found.any(), row[0].clamp(max=float(self._position)), row[0])
-            row.copy_(torch.cat([first.reshape(1), torch.maximum(row[1:], found.float())]))
+            index = len(self._calls)
+            values = self._values
+            if values is None or values.device != device or index >= len(values):
+                # First use, more calls than ever before, or the model moved to its device after it was prepared.
+                grown = torch.empty(max(64, 2 * index), dtype=torch.float32, device=device)
+                if values is not None and index:
+                    grown[:index].copy_(values[:index])
+                values = self._values = grown
+            if len(tensors) == 1:
+                peak = torch.linalg.vector_norm(tensors[0], math.inf)  # inf or NaN when they are there
+            else:
+                peak = torch.stack([torch.linalg.vector_norm(t, math.inf).float().to(device) for t in tensors]).amax()
+            values[index].copy_(peak)
+            self._calls.append(slot)
 
 
-_HEAD = 2  # rows before the modules': the loss, this process's own gradients
-
-
-def _fresh(rows: int, device: torch.device) -> torch.Tensor:
-    """Watch rows with nothing seen: position ``inf``, no inf, no NaN."""
-    seen = torch.zeros((rows, 3), dtype=torch.float32, device=device)
-    seen[:, 0] = math.inf
-    return seen
+_HEAD = 2  # slots before the modules': the loss, this process's own gradients
 
 
 def _kind(inf: bool, nan: bool) -> Kind:
@@ -385,7 +383,7 @@ class OverflowForensics:
             parts.extend(s.reshape(1).to(device=device, dtype=torch.float64) for s in scales)
             flags = self.watch.flags()
             if flags is not None:
-                parts.append(flags.flatten().to(device=device, dtype=torch.float64))
+                parts.append(flags.to(device=device, dtype=torch.float64))
             values = torch.cat(parts).tolist() if parts else []  # the one host read
         parameters: dict[str, Kind] = {}
         for index, (name, _) in enumerate(grads):
@@ -404,14 +402,13 @@ class OverflowForensics:
         own_backward: bool | None = None
         outputs: dict[str, Kind] = {}
         if flags is not None:
-            loss_bad, outputs = self.watch.decode(values[offset + len(scales) :])
+            loss_bad, outputs, own_backward = self.watch.decode(values[offset + len(scales) :])
             complete = self.watch.complete
             if loss_bad or outputs:
                 origin = "forward"
                 first = next(iter(outputs)) if outputs and complete else None
             elif complete:
                 origin = "backward"
-            own_backward = self.watch.decode_gradients(values[offset + len(scales) :])
             if not complete:
                 loss_bad = loss_bad or None  # a False from a partial watch proves nothing
                 own_backward = own_backward or None
