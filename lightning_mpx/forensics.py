@@ -306,6 +306,14 @@ def _kind(inf: bool, nan: bool) -> Kind:
     return "inf+nan" if inf and nan else ("inf" if inf else "nan")
 
 
+def _inf_nan(tensor: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
+    """``[any inf, any NaN]`` of ``tensor`` as a device tensor, in chunks so that the temporary masks stay small
+    next to a large gradient."""
+    flat = tensor.reshape(-1)
+    found = [torch.stack([torch.isinf(part).any(), torch.isnan(part).any()]) for part in flat.split(chunk)]
+    return found[0] if len(found) == 1 else torch.stack(found).any(0)
+
+
 def _floating_tensors(data: Any) -> Iterable[torch.Tensor]:
     """The floating-point tensors in a module's output (through tuples, lists, mappings and dataclasses)."""
     if isinstance(data, torch.Tensor):
@@ -373,13 +381,7 @@ class OverflowForensics:
         device = grads[0][1].device if grads else (scales[0].device if scales else torch.device("cpu"))
         with disable_casts():
             if grads:
-                parts.append(
-                    torch.stack(
-                        [torch.stack([torch.isinf(g).any(), torch.isnan(g).any()]).to(device) for _, g in grads]
-                    )
-                    .flatten()
-                    .double()
-                )
+                parts.append(torch.cat([_inf_nan(g).to(device) for _, g in grads]).double())
             parts.extend(s.reshape(1).to(device=device, dtype=torch.float64) for s in scales)
             flags = self.watch.flags()
             if flags is not None:

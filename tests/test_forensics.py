@@ -260,3 +260,14 @@ def test_accelerator_reports_the_record_and_the_counts():
     assert accelerator.mpx_metrics()["mpx/overflow/explode"] == 1.0
     with pytest.raises(TypeError, match="diagnose_overflows"):
         MixedPrecisionKwargs(diagnose_overflows="no")
+
+
+def test_gradient_kinds_in_chunks_match_the_whole_tensor():
+    from lightning_mpx.forensics import _inf_nan
+
+    for positions in [(), (3,), (95,), (3, 95), (57,)]:
+        grad = torch.randn(100)
+        for i, p in enumerate(positions):
+            grad[p] = float("inf") if i == 0 else float("nan")
+        whole = [bool(grad.isinf().any()), bool(grad.isnan().any())]
+        assert _inf_nan(grad).tolist() == _inf_nan(grad, chunk=7).tolist() == whole
