@@ -130,7 +130,8 @@ class Amp:
         log_overflows: Whether overflow messages are logged (adapters turn it off on ranks other than zero).
         last_overflow: The :class:`~lightning_mpx.forensics.OverflowRecord` of the most recent overflow step
             (``None`` before the first): the parameters and modules with non-finite gradients, inf or NaN, the
-            origin (forward or backward) and the rank(s). Under a distributed strategy, rank 0's merges every rank's.
+            origin (forward or backward) and the rank(s). Under a distributed strategy with ``found_inf_reducer``
+            set, every rank's record is gathered and merged (on every rank; only rank 0 logs).
         last_overflow_parameters: The names of the parameters with non-finite gradients at that step (this
             process's).
     """

@@ -51,12 +51,12 @@ class OverflowRecord:
             was not watched on this step.
         first_module: The first module, in forward order, whose output held non-finite values (``None`` unless
             ``origin == "forward"`` and the forward was watched).
-        rank: The process that found it (0 without a distributed strategy). Under DDP, on rank 0: the first of
+        rank: The process that found it (0 without a distributed strategy). Merged under DDP: the first of
             :attr:`ranks`.
-        ranks: The processes that found non-finite values: those whose own forward produced them when any did,
-            else those whose own backward did (known when watched), else those whose gradients held them (under DDP
-            gradients are averaged across processes before the step, so that is every process). On ranks other than 0, and without a distributed strategy: empty when
-            nothing was found, else ``(rank,)``.
+        ranks: The processes that found non-finite values. Merged under DDP: those whose own forward produced them
+            when any did, else those whose own backward did (known when watched), else those whose gradients held
+            them (DDP averages gradients across processes before the step, so that is every process). Without a
+            distributed strategy: ``(rank,)``, or empty when nothing was found (the flag came from elsewhere).
         loss_nonfinite: Whether a loss passed to :meth:`~lightning_mpx.Amp.scale_loss` was non-finite (``None``
             when the forward was not watched).
         nonfinite_outputs: Every module whose output held non-finite values, in forward order, with the kind of

@@ -33,7 +33,7 @@ def _setup(level: str, case: str, **settings: Any) -> tuple[Amp, nn.Module, torc
     return amp, net, amp.prepare_optimizer(torch.optim.SGD(net.parameters(), lr=1e-3))
 
 
-def _iteration(amp: Amp, net: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> dict[str, str]:
+def _iteration(amp: Amp, net: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> dict:
     """One training iteration; returns the reference kinds of the (scaled) gradients the step sees."""
     with amp.forward_context():
         loss = F.cross_entropy(amp.cast_outputs(net(amp.cast_inputs(x))), y)
@@ -181,7 +181,7 @@ def test_merge_records_names_the_rank_whose_forward_was_non_finite():
         merge_records([])
 
 
-# -- Lightning --------------------------------------------------------------------------------------------------------
+# -- Lightning ------------------------------------------------------------------------------------------------------
 class _Collect(Logger):
     def __init__(self) -> None:
         super().__init__()
@@ -243,7 +243,7 @@ def test_lightning_without_diagnose_registers_no_hooks():
     assert seen == [0, 0, 0] and _hooks(model) == 0 and plugin.amp.last_overflow is None
 
 
-# -- Accelerate ---------------------------------------------------------------------------------------------------------
+# -- Accelerate -----------------------------------------------------------------------------------------------------
 def test_accelerator_reports_the_record_and_the_counts():
     from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
 
