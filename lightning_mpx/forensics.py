@@ -213,6 +213,14 @@ class ForwardWatch:
         self._values = None
         self.active = self.automatic = self.complete = False
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A model pickled or deep-copied with the hooks on it (torch.save(model), an EMA copy) takes a disarmed
+        # watch along: its hooks then do nothing, and the models it watched are not pickled with it.
+        state = dict(self.__dict__)
+        state.update(_models=[], _handles=[], _names=[], _values=None, _calls=[], _grad_hooks=False)
+        state.update(active=False, automatic=False, complete=False)
+        return state
+
     def observe_loss(self, loss: torch.Tensor) -> None:
         """Record the loss (slot 0), on the device."""
         if torch.is_tensor(loss) and loss.is_floating_point():
@@ -264,12 +272,12 @@ class ForwardWatch:
                     self._grad_hooks = True
 
     def _on_grad(self, grad: torch.Tensor) -> None:
-        if grad.is_floating_point() and not grad.is_sparse:
+        if self.active and grad.is_floating_point() and not grad.is_sparse:
             self._record(1, [grad])
 
     def _on_output(self, slot: int, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
-            return  # evaluation: no gradient can come of it
+        if not torch.is_grad_enabled() or not self.active:
+            return  # evaluation (no gradient can come of it), or a disarmed copy's hooks
         tensors = list(_floating_tensors(output))
         if tensors:
             self._record(slot, tensors)

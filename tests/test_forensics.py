@@ -271,3 +271,20 @@ def test_gradient_kinds_in_chunks_match_the_whole_tensor():
             grad[p] = float("inf") if i == 0 else float("nan")
         whole = [bool(grad.isinf().any()), bool(grad.isnan().any())]
         assert _inf_nan(grad).tolist() == _inf_nan(grad, chunk=7).tolist() == whole
+
+
+def test_a_watched_model_can_be_pickled_and_deep_copied():
+    import copy
+    import io
+
+    amp, net, opt = _setup("O1", "activation", diagnose_overflows=True)
+    buffer = io.BytesIO()
+    torch.save(net, buffer)  # the whole module, hooks included
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    twin = copy.deepcopy(net)
+    x, y = make_batch("activation")
+    for other in (loaded, twin):
+        other(x)  # its hooks belong to a disarmed copy of the watch: they record nothing
+    reference = _iteration(amp, net, opt, x, y)
+    assert amp.last_overflow.parameters == reference and amp.last_overflow.first_module == "blow"
