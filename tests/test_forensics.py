@@ -3,6 +3,7 @@ Lightning Trainer and an Accelerator; the record is compared with the gradients'
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -21,6 +22,7 @@ from tests.forensics_models import (
     ForensicsData,
     ForensicsModule,
     make_batch,
+    kind_of,
     make_net,
     reference_kinds,
 )
@@ -61,6 +63,13 @@ def _modules_of(kinds: dict[str, str]) -> dict[str, str]:
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_record_names_the_layer_the_kind_and_the_origin(level, case):
     amp, net, opt = _setup(level, case, diagnose_overflows=True)
+    outputs: dict[str, str | None] = {}  # the reference for the forward: what each layer really produced
+
+    def remember(module: nn.Module, args: Any, out: torch.Tensor, name: str) -> None:
+        outputs.setdefault(name, kind_of(out))
+
+    for name in ("inp", "blow", "explode", "out"):
+        getattr(net, name).register_forward_hook(functools.partial(remember, name=name))
     reference = _iteration(amp, net, opt, *make_batch(case))
     record = amp.last_overflow
     assert isinstance(record, OverflowRecord)
@@ -74,11 +83,16 @@ def test_record_names_the_layer_the_kind_and_the_origin(level, case):
     if case == "gradient":
         assert record.first_module is None and record.loss_nonfinite is False
         assert record.modules == {"explode": "inf"}  # the forward was finite; only explode's weight got inf
+        assert set(outputs.values()) == {None} and record.nonfinite_outputs == {}
     else:
         assert record.first_module == CULPRIT[case] and record.loss_nonfinite is True
         # The first non-finite output: an activation past 65504 (inf) in blow, the data's NaN in inp.
         first_kind = {"activation": "inf", "data": "nan"}[case]
+        assert outputs[CULPRIT[case]] == first_kind
         assert list(record.nonfinite_outputs.items())[0] == (CULPRIT[case], first_kind)
+        assert {k: v for k, v in record.nonfinite_outputs.items() if k in outputs} == {
+            k: v for k, v in outputs.items() if v is not None
+        }
     if case == "data":
         assert set(record.parameters.values()) == {"nan"}
     # The counts go out once, then stay at 0 for the modules seen.
@@ -86,7 +100,9 @@ def test_record_names_the_layer_the_kind_and_the_origin(level, case):
     assert {k: v for k, v in metrics.items() if k.startswith("mpx/overflow/")} == {
         overflow_tag(m): 1.0 for m in _modules_of(reference)
     }
-    assert all(v == 0.0 for k, v in amp.metrics().items() if k.startswith("mpx/overflow/"))
+    assert {k: v for k, v in amp.metrics().items() if k.startswith("mpx/overflow/")} == {
+        overflow_tag(m): 0.0 for m in _modules_of(reference)
+    }
 
 
 def test_evaluation_forwards_are_not_watched():
