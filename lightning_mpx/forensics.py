@@ -43,7 +43,8 @@ class OverflowRecord:
         loss_ids: The losses the overflow was charged to.
         scales: The loss scale of each of those losses when the gradients were computed.
         parameters: Parameter name to the kind of non-finite values its gradient held (``"inf"``, ``"nan"`` or
-            ``"inf+nan"``).
+            ``"inf+nan"``). When the backward was watched, as the backward produced them (before a clip, and under
+            DDP this process's own, before the averaging); otherwise as the step found them.
         modules: The same, per module (the parameter name without its last component; ``""`` for parameters of
             the root module).
         origin: ``"forward"`` when the forward already produced non-finite values (the loss or a module's output),
@@ -62,8 +63,8 @@ class OverflowRecord:
         nonfinite_outputs: Every module whose output held non-finite values, in forward order, with the kind of
             those values (empty when the forward was not watched): ``"inf"`` in the first one is an activation past
             the half dtype's range, ``"nan"`` a NaN that came in (data) or was made there (``inf - inf``).
-        backward_nonfinite: Under DDP with the forward watched: whether this process's own backward produced
-            non-finite gradients, before they were averaged across processes (``None`` otherwise).
+        backward_nonfinite: Whether this process's own backward produced non-finite gradients, before they were
+            clipped or averaged across processes (``None`` when the backward was not watched).
     """
 
     step: int
@@ -163,19 +164,19 @@ class ForwardWatch:
     (``inf`` or ``NaN`` when non-finite; one reduction) into the next entry of a preallocated FP32 tensor, and the
     host appends which module it was to a list: torch ops only, no host sync. On an overflow step the written
     entries are read with the rest of the record, and the first non-finite entry names the first module. Forwards run
-    with gradients disabled (validation) are not watched: they cannot cause an overflow. Under an initialised
-    process group of several processes, gradient hooks on the parameters also record whether this process's own
-    backward produced non-finite gradients, before DDP averages them across processes. The hooks are removable
-    handles owned by the watch; :meth:`disarm` removes them.
+    with gradients disabled (validation) are not watched: they cannot cause an overflow. Gradient hooks on the
+    parameters record each backward's own gradients the same way: before a clip changes them (at O1 the unscaled
+    gradients are clipped in place) and before DDP averages them across processes. The hooks are removable handles
+    owned by the watch; :meth:`disarm` removes them.
     """
 
     def __init__(self) -> None:
         self._models: list[tuple[weakref.ref[nn.Module], str]] = []
         self._handles: list[Any] = []
         self._names: list[str] = []  # slot - _HEAD -> module name
+        self._params: list[str] = []  # -1 - slot -> parameter name
         self._values: torch.Tensor | None = None  # one entry per watched call since the last step
         self._calls: list[int] = []  # the slot of each of those calls
-        self._grad_hooks = False
         self._stale = True  # a step has run since the calls were cleared: the next watched call clears them first
         self.active = False
         self.automatic = False  # armed by an overflow at the floor (disarmed by the next step that does not overflow)
@@ -208,8 +209,8 @@ class ForwardWatch:
             handle.remove()
         self._handles.clear()
         self._names.clear()
+        self._params.clear()
         self._calls.clear()
-        self._grad_hooks = False
         self._values = None
         self.active = self.automatic = self.complete = False
 
@@ -217,7 +218,7 @@ class ForwardWatch:
         # A model pickled or deep-copied with the hooks on it (torch.save(model), an EMA copy) takes a disarmed
         # watch along: its hooks then do nothing, and the models it watched are not pickled with it.
         state = dict(self.__dict__)
-        state.update(_models=[], _handles=[], _names=[], _values=None, _calls=[], _grad_hooks=False)
+        state.update(_models=[], _handles=[], _names=[], _params=[], _values=None, _calls=[])
         state.update(active=False, automatic=False, complete=False)
         return state
 
@@ -237,25 +238,31 @@ class ForwardWatch:
             return None
         return self._values[: len(self._calls)]
 
-    def decode(self, values: Sequence[float]) -> tuple[bool, dict[str, Kind], bool | None]:
+    @property
+    def parameter_names(self) -> frozenset[str]:
+        """The parameters whose gradients the hooks watch."""
+        return frozenset(self._params)
+
+    def decode(self, values: Sequence[float]) -> tuple[bool, dict[str, Kind], dict[str, Kind]]:
         """From the values of :meth:`flags` read on the host: whether the loss was non-finite, the modules with
-        non-finite outputs and their kind in forward order (of their first non-finite output), and whether this
-        process's own backward produced non-finite gradients (``None`` without gradient hooks)."""
+        non-finite outputs and their kind in forward order (of their first non-finite output), and the parameters
+        whose gradients a backward produced non-finite, with their kind, in backward order."""
         loss = False
-        backward: bool | None = False if self._grad_hooks else None
         outputs: dict[str, Kind] = {}
+        grads: dict[str, Kind] = {}
         for slot, value in zip(self._calls, values):
             if math.isfinite(value):
                 continue
             kind: Kind = "nan" if math.isnan(value) else "inf"
             if slot == 0:
                 loss = True
-            elif slot == 1:
-                backward = True
+            elif slot < 0:
+                name = self._params[-1 - slot]
+                grads[name] = merge_kinds(grads.get(name), kind)
             else:
                 name = self._names[slot - _HEAD]
                 outputs[name] = merge_kinds(outputs.get(name), kind)
-        return loss, outputs, backward
+        return loss, outputs, grads
 
     # -- internals ----------------------------------------------------------------------------------------------
     def _hook(self, module: nn.Module, prefix: str) -> None:
@@ -263,17 +270,16 @@ class ForwardWatch:
             self._names.append(prefix + name if name else prefix.rstrip("."))
             hook = functools.partial(self._on_output, len(self._names) + _HEAD - 1)
             self._handles.append(child.register_forward_hook(hook))
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            # A tensor hook sees this backward's own gradient, before DDP's reducer averages it across processes.
-            for param in module.parameters():
-                if param.requires_grad:
-                    self._handles.append(param.register_hook(self._on_grad))
-                    self._grad_hooks = True
+        for name, param in module.named_parameters():
+            if param.requires_grad:
+                # A tensor hook sees this backward's own gradient: before it is accumulated, unscaled, clipped or
+                # averaged across processes by DDP's reducer.
+                self._params.append(prefix + name)
+                self._handles.append(param.register_hook(functools.partial(self._on_grad, -len(self._params))))
 
-    def _on_grad(self, grad: torch.Tensor) -> None:
+    def _on_grad(self, slot: int, grad: torch.Tensor) -> None:
         if self.active and grad.is_floating_point() and not grad.is_sparse:
-            self._record(1, [grad])
+            self._record(slot, [grad])
 
     def _on_output(self, slot: int, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled() or not self.active:
@@ -307,7 +313,7 @@ class ForwardWatch:
             self._calls.append(slot)
 
 
-_HEAD = 2  # slots before the modules': the loss, this process's own gradients
+_HEAD = 1  # slots before the modules': the loss (parameters have negative slots)
 
 
 def _kind(inf: bool, nan: bool) -> Kind:
@@ -402,18 +408,25 @@ class OverflowForensics:
                 parameters[name] = _kind(inf, nan)
         offset = 2 * len(grads)
         scale_values = tuple(values[offset : offset + len(scales)])
-        modules: dict[str, Kind] = {}
-        for name, kind in parameters.items():
-            module = module_of(name)
-            modules[module] = merge_kinds(modules.get(module), kind)
         origin: Origin = "unknown"
         first: str | None = None
         loss_bad: bool | None = None
         own_backward: bool | None = None
         outputs: dict[str, Kind] = {}
         if flags is not None:
-            loss_bad, outputs, own_backward = self.watch.decode(values[offset + len(scales) :])
+            loss_bad, outputs, produced = self.watch.decode(values[offset + len(scales) :])
+            order = {name: index for index, (name, _) in enumerate(grads)}  # this optimizer's, in its order
+            produced = {name: kind for name, kind in produced.items() if name in order}
             complete = self.watch.complete
+            if produced or complete:
+                own_backward = bool(produced)
+            if produced and complete:
+                # What the backward produced stands for the watched parameters (a clip at O1 has changed what the
+                # step found: NaN for inf, or the clip value); the others keep what the step found (also values
+                # that only overflowed when accumulated).
+                watched = self.watch.parameter_names
+                merged = {**produced, **{n: k for n, k in parameters.items() if n not in watched}}
+                parameters = dict(sorted(merged.items(), key=lambda item: order[item[0]]))
             if loss_bad or outputs:
                 origin = "forward"
                 first = next(iter(outputs)) if outputs and complete else None
@@ -422,6 +435,10 @@ class OverflowForensics:
             if not complete:
                 loss_bad = loss_bad or None  # a False from a partial watch proves nothing
                 own_backward = own_backward or None
+        modules: dict[str, Kind] = {}
+        for name, kind in parameters.items():
+            module = module_of(name)
+            modules[module] = merge_kinds(modules.get(module), kind)
         found = bool(parameters) or origin == "forward"
         return OverflowRecord(
             step=step,

@@ -304,3 +304,28 @@ def test_a_watched_model_can_be_pickled_and_deep_copied():
         other(x)  # its hooks belong to a disarmed copy of the watch: they record nothing
     reference = _iteration(amp, net, opt, x, y)
     assert amp.last_overflow.parameters == reference and amp.last_overflow.first_module == "blow"
+
+
+@pytest.mark.parametrize("clip", ["norm", "value"])
+@pytest.mark.parametrize("case", CASES)
+def test_watched_record_sees_the_gradients_before_an_o1_clip(case, clip):
+    # At O1 the gradients are unscaled and clipped in place before the step reads them: a non-finite norm's
+    # coefficient turns inf into NaN (or everything into NaN), a value clip turns inf into the clip value. The
+    # gradient hooks of the watch keep what the backward produced.
+    amp, net, opt = _setup("O1", case, diagnose_overflows=True)
+    x, y = make_batch(case)
+    with amp.forward_context():
+        loss = F.cross_entropy(net(x), y)
+    amp.backward(loss)
+    reference = reference_kinds((n, p.grad) for n, p in net.named_parameters())
+    if clip == "norm":
+        amp.clip_grad_norm_(opt, 1.0)
+    else:
+        amp.clip_grad_value_(opt, 1.0)
+    if case == "gradient":  # explode.weight's inf became NaN (norm) or 1.0 (value); elsewhere all was NaN already
+        assert reference_kinds((n, p.grad) for n, p in net.named_parameters()) != reference
+    amp.step(opt)
+    record = amp.last_overflow
+    assert record.parameters == reference and record.modules == _modules_of(reference)
+    assert record.origin == ORIGIN[case] and record.culprits() == [CULPRIT[case]]
+    assert record.backward_nonfinite is True
