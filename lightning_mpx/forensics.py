@@ -6,7 +6,7 @@ builds nothing and reads nothing.
 
 Where the non-finite values came from (the forward or the backward, and the first module whose output held them) is
 known only when the forward was watched: :class:`ForwardWatch` puts forward hooks on the prepared models that flag
-non-finite outputs on the device, without a host sync. :class:`~lightning_mpx.Amp` watches every step with
+non-finite outputs on the device, without a host sync (and gradient hooks that keep what each backward produced). :class:`~lightning_mpx.Amp` watches every step with
 ``diagnose_overflows=True``; otherwise it watches only after an overflow with the loss scale at its floor, until a
 step that does not overflow, so that the overflows that matter (the ones the scale cannot absorb) get a diagnosis
 and a healthy run has no hook at all.
