@@ -51,6 +51,10 @@ def _hooks(net: nn.Module) -> int:
     return sum(len(m._forward_hooks) for m in net.modules())
 
 
+def _grad_hooks(net: nn.Module) -> int:
+    return sum(len(p._backward_hooks or {}) for p in net.parameters())
+
+
 def _modules_of(kinds: dict[str, str]) -> dict[str, str]:
     out: dict[str, Any] = {}
     for name, kind in kinds.items():
@@ -123,7 +127,7 @@ def test_no_hooks_by_default_and_origin_unknown_above_the_floor():
     amp, net, opt = _setup("O1", "clean")
     for step in range(3):
         _iteration(amp, net, opt, *make_batch("clean", seed=step))
-        assert _hooks(net) == 0
+        assert _hooks(net) == 0 and _grad_hooks(net) == 0
     assert amp.last_overflow is None and not any(k.startswith("mpx/overflow/") for k in amp.metrics())
 
     amp, net, opt = _setup("O1", "activation")  # overflows, but the scale can still back off
@@ -141,12 +145,13 @@ def test_overflow_at_the_floor_watches_until_a_clean_step():
     _iteration(amp, net, opt, x, y)
     assert amp.last_overflow.origin == "unknown"  # not watched yet
     assert _hooks(net) == len(list(net.modules()))  # armed by the overflow at the floor
+    assert _grad_hooks(net) == len(list(net.parameters()))
     _iteration(amp, net, opt, x, y)
     assert amp.last_overflow.step == 1 and amp.last_overflow.origin == "forward"
     assert amp.last_overflow.culprits() == ["blow"]
     assert amp.skipped_steps == [2]
     _iteration(amp, net, opt, small, y)  # no overflow: the watch ends
-    assert amp.skipped_steps == [2] and _hooks(net) == 0
+    assert amp.skipped_steps == [2] and _hooks(net) == 0 and _grad_hooks(net) == 0
     _iteration(amp, net, opt, x, y)
     assert amp.last_overflow.step == 3 and amp.last_overflow.origin == "unknown"
     assert amp.metrics()["mpx/overflow/blow"] == 3.0
@@ -256,7 +261,8 @@ def test_lightning_without_diagnose_registers_no_hooks():
 
     model = Probe("clean")
     make_trainer(plugin, max_steps=3).fit(model, loader(ForensicsData("clean"), batch_size=4))
-    assert seen == [0, 0, 0] and _hooks(model) == 0 and plugin.amp.last_overflow is None
+    assert seen == [0, 0, 0] and _hooks(model) == 0 and _grad_hooks(model) == 0
+    assert plugin.amp.last_overflow is None
 
 
 # -- Accelerate -----------------------------------------------------------------------------------------------------
