@@ -111,6 +111,9 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
         model_writes: ``"versions"`` or ``"values"``: how O2 sees writes to the half model (see
             :class:`~lightning_mpx.amp.Amp`).
         log_metrics: Add the ``mpx/...`` metrics to every :meth:`Accelerator.log` call.
+        diagnose_overflows: Watch every forward for non-finite module outputs, so that each overflow's record
+            (``accelerator.amp.last_overflow``) tells forward from backward and names the first module (see
+            :class:`~lightning_mpx.amp.Amp`).
 
     Raises:
         ValueError: for a value that is invalid whatever the opt level (a dtype, a scaler setting, ...).
@@ -139,6 +142,7 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
     overflow_log_interval: float = 10.0
     model_writes: str = "versions"
     log_metrics: bool = True
+    diagnose_overflows: bool = False
 
     def __post_init__(self) -> None:
         parse_half_dtype(self.half_dtype)
@@ -147,7 +151,7 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
         for name in ("patch_torch_functions", "keep_batchnorm_fp32", "master_weights"):
             if getattr(self, name) not in (None, True, False):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be True, False or None (the preset's value).")
-        for name in ("allow_banned", "log_metrics"):
+        for name in ("allow_banned", "log_metrics", "diagnose_overflows"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be True or False.")
         if self.unscale_backend not in BACKENDS:
@@ -314,6 +318,7 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
         if self.amp is not None:
             assert self.mpx_kwargs is not None
             old = self.amp
+            old.diagnose_overflows = False  # its forward hooks leave the models
             self.amp = Amp(old.opt_level, **self.mpx_kwargs.amp_kwargs())
             self.amp.found_inf_reducer, self.amp.log_overflows = old.found_inf_reducer, old.log_overflows
             self._stepped.clear()

@@ -34,6 +34,7 @@ from torch import nn
 
 from lightning_mpx.cast_policy import CastPolicy
 from lightning_mpx.cast_table import CastTable
+from lightning_mpx.forensics import OverflowForensics, OverflowRecord
 from lightning_mpx.loss_scaler import LossScaler, OnFloor
 from lightning_mpx.master_weights import MasterWeights, Mirror, convert_module
 from lightning_mpx.opt_levels import Properties, resolve_properties
@@ -110,6 +111,11 @@ class Amp:
             min_loss_scale, max_loss_scale, on_floor: Loss-scaler settings (see
             :class:`~lightning_mpx.loss_scaler.LossScaler`).
         overflow_log_interval: Minimum seconds between two overflow log messages.
+        diagnose_overflows: Watch every forward with hooks that flag non-finite module outputs on the device, so
+            that each overflow's :attr:`last_overflow` says whether the forward or the backward produced the
+            non-finite values and which module did first. Without it the forward is watched only after an overflow
+            with the scale at its floor, until the next step that does not overflow (see
+            :mod:`lightning_mpx.forensics`).
         model_writes: How O2 takes writes made to the half model outside the step into the FP32 masters:
             ``"versions"`` (default: version counters and storage addresses, no cost; in-place writes through
             ``p.data``, such as WGAN's ``p.data.clamp_()``, are not seen) or ``"values"`` (every half parameter is
@@ -122,6 +128,12 @@ class Amp:
         found_inf_reducer: Optional callable that reduces an optimizer's overflow flag in place across processes
             (the adapters set it under a distributed strategy) so that every rank makes the same skip decision.
         log_overflows: Whether overflow messages are logged (adapters turn it off on ranks other than zero).
+        last_overflow: The :class:`~lightning_mpx.forensics.OverflowRecord` of the most recent overflow step
+            (``None`` before the first): the parameters and modules with non-finite gradients, inf or NaN, the
+            origin (forward or backward) and the rank(s). Under a distributed strategy with ``found_inf_reducer``
+            set, every rank's record is gathered and merged (on every rank; only rank 0 logs).
+        last_overflow_parameters: The names of the parameters with non-finite gradients at that step (this
+            process's).
     """
 
     def __init__(
@@ -144,6 +156,7 @@ class Amp:
         on_floor: OnFloor = "raise",
         overflow_log_interval: float = 10.0,
         model_writes: str = "versions",
+        diagnose_overflows: bool = False,
         **overrides: Any,
     ) -> None:
         if model_writes not in MODEL_WRITES:
@@ -191,6 +204,9 @@ class Amp:
         self._evaluation_only = False  # O2 models were prepared with train=False (and none for training)
         self.skipped_steps: list[int] = [0] * num_losses
         self.last_overflow_parameters: list[str] = []
+        self.last_overflow: OverflowRecord | None = None
+        self.forensics = OverflowForensics(diagnose_overflows)  # validates the flag
+        self._steps = 0
         self._names: dict[int, str] = {}
         self._optimizers: dict[int, _OptimizerState] = {}
         self._iteration_found: dict[int, torch.Tensor] = {}
@@ -211,6 +227,16 @@ class Amp:
     @property
     def num_losses(self) -> int:
         return len(self.scalers)
+
+    @property
+    def diagnose_overflows(self) -> bool:
+        """Whether every forward is watched for non-finite outputs (see ``diagnose_overflows`` above); setting it
+        registers or removes the hooks."""
+        return self.forensics.diagnose
+
+    @diagnose_overflows.setter
+    def diagnose_overflows(self, value: bool) -> None:
+        self.forensics.diagnose = value
 
     def prepare_model(self, module: nn.Module, *, train: bool = True) -> nn.Module:
         """Convert ``module`` for the opt level (in place) and return it.
@@ -236,6 +262,7 @@ class Amp:
         prefix = f"model{len(self.master_weights)}." if self.master_weights else ""
         for name, param in module.named_parameters():
             self._names.setdefault(id(param), prefix + name)
+        self.forensics.watch.add_model(module, prefix)
         props = self.properties
         if props.casts_model:
             convert_module(module, props.half_dtype, keep_batchnorm_fp32=props.keep_batchnorm_fp32 is not False)
@@ -376,6 +403,8 @@ class Amp:
         """
         loss_id = self._loss_index(loss_id)
         scaled = self.scalers[loss_id].scale(loss)
+        if self.forensics.watch.active:  # a device flag, no sync
+            self.forensics.watch.observe_loss(loss)
         for state in self._optimizers.values():
             if state.stage is not _Stage.READY:
                 self._rescale_unscaled(state, loss_id)
@@ -466,6 +495,7 @@ class Amp:
                 skipped first.
         """
         state = self._state(optimizer)
+        self._steps += 1
         if "closure" in step_kwargs and step_kwargs["closure"] is not None:
             raise ValueError(
                 "closure: loss scaling cannot re-run a closure inside the optimizer step; run the closure first, "
@@ -487,8 +517,7 @@ class Amp:
         self._record_found(dict(zip(loss_ids, flags.unbind(0))))
         overflowed = [i for i, flag in zip(loss_ids, flags.tolist()) if flag > 0]
         if overflowed:
-            names = self._nonfinite_names(optimizer)
-            self.last_overflow_parameters = names
+            names = self._record_overflow(optimizer, overflowed)
             for loss_id in overflowed:
                 self.skipped_steps[loss_id] += 1
             self._log_overflow(names, overflowed)
@@ -497,6 +526,8 @@ class Amp:
             for loss_id in overflowed:
                 self.scalers[loss_id].handle_overflow(names, hint=hint)
             return False
+        if self.forensics.watch.active:
+            self.forensics.stepped()  # an automatic watch ends with the first step that does not overflow
         if not self.master_weights:
             optimizer.step(**step_kwargs)
         else:
@@ -543,7 +574,9 @@ class Amp:
     # -- metrics and checkpoints --------------------------------------------------------------------------------
     def metrics(self) -> dict[str, torch.Tensor | float]:
         """``mpx/loss_scale``, ``mpx/overflows`` (since the last call), ``mpx/skipped_steps`` (total) and
-        ``mpx/grad_norm`` (unscaled, when computed), with a ``/loss{id}`` suffix when there are several losses.
+        ``mpx/grad_norm`` (unscaled, when computed), with a ``/loss{id}`` suffix when there are several losses;
+        ``mpx/overflow/<module>``: the overflow steps since the last call in which the module had non-finite
+        gradients (0 for a module that had some before; ``_root`` stands for the root module's own parameters).
 
         Values are device tensors or Python numbers: building them does not wait for the device.
         """
@@ -558,6 +591,7 @@ class Amp:
             out["mpx/skipped_steps" + suffix] = float(self.skipped_steps[loss_id])
             if loss_id in self._grad_norms:
                 out["mpx/grad_norm" + suffix] = self._grad_norms.pop(loss_id)
+        out.update(self.forensics.metrics())  # mpx/overflow/<module>, host counters
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -973,14 +1007,36 @@ class Amp:
                 )
         return None
 
-    def _nonfinite_names(self, optimizer: torch.optim.Optimizer) -> list[str]:
-        """Names of the parameters whose gradients hold inf or NaN (overflow steps only: it syncs)."""
+    def _record_overflow(self, optimizer: torch.optim.Optimizer, overflowed: list[int]) -> list[str]:
+        """Build :attr:`last_overflow` (gathered to rank 0 under a distributed strategy) and count it; at the floor,
+        watch the next forwards. Overflow steps only; returns this process's non-finite parameter names."""
+        dist = torch.distributed
+        distributed = dist.is_available() and dist.is_initialized()
+        local = self.forensics.build(
+            self._named_grads(optimizer),
+            step=self._steps - 1,
+            loss_ids=overflowed,
+            scales=[self.scalers[i].scale_tensor for i in overflowed],
+            rank=dist.get_rank() if distributed else 0,
+        )
+        # All ranks are here together only when the flags were reduced across them.
+        self.last_overflow = self.forensics.gather(local) if self.found_inf_reducer is not None else local
+        self.last_overflow_parameters = list(local.parameters)
+        self.forensics.overflowed(self.last_overflow, at_floor=any(self.scalers[i].at_floor() for i in overflowed))
+        return self.last_overflow_parameters
+
+    def _named_grads(self, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+        """(name, gradient) of the optimizer's parameters that have one (the master's where the model's is gone)."""
         candidates = []
         for index, param in enumerate(_params(optimizer)):
             grad = param.grad if param.grad is not None else self.master_of(param).grad
             if grad is not None:
-                name = self._names.get(id(param), f"param{index}")
-                candidates.append((name, grad))
+                candidates.append((self._names.get(id(param), f"param{index}"), grad))
+        return candidates
+
+    def _nonfinite_names(self, optimizer: torch.optim.Optimizer) -> list[str]:
+        """Names of the parameters whose gradients hold inf or NaN (overflow steps only: it syncs)."""
+        candidates = self._named_grads(optimizer)
         if not candidates:
             return []
         finite = torch.stack([torch.isfinite(g).all() for _, g in candidates]).tolist()
@@ -997,10 +1053,12 @@ class Amp:
         self._last_overflow_log, self._suppressed_overflow_logs = now, 0
         scales = ", ".join(f"loss {i}: {self.scalers[i].get_scale():g}" for i in sorted(loss_ids))
         shown = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
+        record = self.last_overflow
         log.info(
-            "Gradient overflow: step skipped (scale before update %s); non-finite gradients in %s%s",
+            "Gradient overflow: step skipped (scale before update %s); non-finite gradients in %s%s%s",
             scales,
             shown or "no parameter (flag set by another process)",
+            f"; {record.describe()}" if record is not None else "",
             f"; {suppressed} earlier overflow message(s) suppressed" if suppressed else "",
         )
 

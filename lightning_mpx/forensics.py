@@ -3,15 +3,35 @@
 :class:`OverflowRecord` is what :attr:`lightning_mpx.Amp.last_overflow` holds after a step that overflowed. It is
 built on overflow steps only, where the overflow flag is read on the host anyway; a step that does not overflow
 builds nothing and reads nothing.
+
+Where the non-finite values came from (the forward or the backward, and the first module whose output held them) is
+known only when the forward was watched: :class:`ForwardWatch` puts forward hooks on the prepared models that flag
+non-finite outputs on the device, without a host sync (and gradient hooks that keep what each backward produced). :class:`~lightning_mpx.Amp` watches every step with
+``diagnose_overflows=True``; otherwise it watches only after an overflow with the loss scale at its floor, until a
+step that does not overflow, so that the overflows that matter (the ones the scale cannot absorb) get a diagnosis
+and a healthy run has no hook at all.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+import functools
+import math
+import weakref
+from typing import Any, Iterable, Literal, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from lightning_mpx.cast_policy import disable_casts
 
 Kind = Literal["inf", "nan", "inf+nan"]
 Origin = Literal["forward", "backward", "unknown"]
+
+#: The tag prefix of the per-module overflow counts that :meth:`lightning_mpx.Amp.metrics` reports.
+OVERFLOW_TAG = "mpx/overflow/"
+#: The name the root module's own parameters go by in a tag (the module name itself is ``""``).
+ROOT_TAG = "_root"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +43,8 @@ class OverflowRecord:
         loss_ids: The losses the overflow was charged to.
         scales: The loss scale of each of those losses when the gradients were computed.
         parameters: Parameter name to the kind of non-finite values its gradient held (``"inf"``, ``"nan"`` or
-            ``"inf+nan"``).
+            ``"inf+nan"``). When the backward was watched, as the backward produced them (before a clip, and under
+            DDP this process's own, before the averaging); otherwise as the step found them.
         modules: The same, per module (the parameter name without its last component; ``""`` for parameters of
             the root module).
         origin: ``"forward"`` when the forward already produced non-finite values (the loss or a module's output),
@@ -31,7 +52,19 @@ class OverflowRecord:
             was not watched on this step.
         first_module: The first module, in forward order, whose output held non-finite values (``None`` unless
             ``origin == "forward"`` and the forward was watched).
-        rank: The process that found it (0 without a distributed strategy).
+        rank: The process that found it (0 without a distributed strategy). Merged under DDP: the first of
+            :attr:`ranks`.
+        ranks: The processes that found non-finite values. Merged under DDP: those whose own forward produced them
+            when any did, else those whose own backward did (known when watched), else those whose gradients held
+            them (DDP averages gradients across processes before the step, so that is every process). Without a
+            distributed strategy: ``(rank,)``, or empty when nothing was found (the flag came from elsewhere).
+        loss_nonfinite: Whether a loss passed to :meth:`~lightning_mpx.Amp.scale_loss` was non-finite (``None``
+            when the forward was not watched).
+        nonfinite_outputs: Every module whose output held non-finite values, in forward order, with the kind of
+            those values (empty when the forward was not watched): ``"inf"`` in the first one is an activation past
+            the half dtype's range, ``"nan"`` a NaN that came in (data) or was made there (``inf - inf``).
+        backward_nonfinite: Whether this process's own backward produced non-finite gradients, before they were
+            clipped or averaged across processes (``None`` when the backward was not watched).
     """
 
     step: int
@@ -42,6 +75,10 @@ class OverflowRecord:
     origin: Origin = "unknown"
     first_module: str | None = None
     rank: int = 0
+    ranks: tuple[int, ...] = ()
+    loss_nonfinite: bool | None = None
+    nonfinite_outputs: dict[str, Kind] = dataclasses.field(default_factory=dict)
+    backward_nonfinite: bool | None = None
 
     def culprits(self) -> list[str]:
         """The modules to blame: the first non-finite module of the forward when it is known, else every module
@@ -49,3 +86,403 @@ class OverflowRecord:
         if self.origin == "forward" and self.first_module is not None:
             return [self.first_module]
         return list(self.modules)
+
+    def describe(self) -> str:
+        """One line for the log: the culprit modules with their kind, the origin and the rank(s)."""
+        culprits = self.culprits()
+        if self.origin == "forward" and self.first_module is not None:
+            kind = self.nonfinite_outputs.get(self.first_module)
+            text = f"culprit {self.first_module or '<root>'} (first non-finite output, {kind}); origin forward"
+        else:
+            shown = ", ".join(f"{name or '<root>'} ({self.modules[name]})" for name in culprits[:5])
+            more = f" (+{len(culprits) - 5} more)" if len(culprits) > 5 else ""
+            text = f"culprit {shown or 'unknown'}{more}; origin {self.origin}"
+            if self.origin == "forward" and self.loss_nonfinite:
+                text += " (the loss was non-finite)"
+        ranks = self.ranks or (self.rank,)
+        return text + f"; rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def module_of(parameter: str) -> str:
+    """The module a parameter name belongs to: the name without its last component (``""`` for the root's own)."""
+    return parameter.rpartition(".")[0]
+
+
+def overflow_tag(module: str) -> str:
+    """The metric tag of a module's overflow count: ``mpx/overflow/<module>`` (``mpx/overflow/_root`` for ``""``)."""
+    return OVERFLOW_TAG + (module or ROOT_TAG)
+
+
+def merge_kinds(a: Kind | None, b: Kind | None) -> Kind:
+    """The kind of a tensor or module holding both ``a`` and ``b``."""
+    found = {part for kind in (a, b) if kind for part in kind.split("+")}
+    return "inf+nan" if found == {"inf", "nan"} else ("nan" if "nan" in found else "inf")
+
+
+def merge_records(records: Sequence[OverflowRecord]) -> OverflowRecord:
+    """One record from every process's record of the same overflow step (rank 0's view under DDP).
+
+    The parameters and modules are the union; the origin, the first module and :attr:`OverflowRecord.rank` come
+    from the first process whose forward produced non-finite values, else from the first whose own backward did,
+    else from the first whose gradients held them.
+    """
+    if not records:
+        raise ValueError("records=[] holds no record to merge.")
+    forward = [r for r in records if r.origin == "forward"]
+    backward = [r for r in records if r.backward_nonfinite]
+    found = [r for r in records if r.parameters]
+    blamed = sorted(forward or backward or found, key=lambda r: r.rank)
+    lead = blamed[0] if blamed else min(records, key=lambda r: r.rank)
+    parameters: dict[str, Kind] = {}
+    modules: dict[str, Kind] = {}
+    for record in sorted(records, key=lambda r: r.rank):
+        for name, kind in record.parameters.items():
+            parameters[name] = merge_kinds(parameters.get(name), kind)
+        for name, kind in record.modules.items():
+            modules[name] = merge_kinds(modules.get(name), kind)
+    if forward:
+        origin: Origin = "forward"
+    elif all(r.origin == "backward" for r in records):
+        origin = "backward"
+    else:
+        origin = "unknown"
+    return dataclasses.replace(
+        lead,
+        parameters=parameters,
+        modules=modules,
+        origin=origin,
+        first_module=lead.first_module if origin == "forward" else None,
+        ranks=tuple(r.rank for r in blamed),
+        loss_nonfinite=None if lead.loss_nonfinite is None else any(bool(r.loss_nonfinite) for r in records),
+    )
+
+
+class ForwardWatch:
+    """Forward hooks on the prepared models that record, on the device, which modules produced non-finite outputs.
+
+    Each watched call (a module's output, the loss, a gradient) writes the largest magnitude of what it produced
+    (``inf`` or ``NaN`` when non-finite; one reduction) into the next entry of a preallocated FP32 tensor, and the
+    host appends which module it was to a list: torch ops only, no host sync. On an overflow step the written
+    entries are read with the rest of the record, and the first non-finite entry names the first module. Forwards run
+    with gradients disabled (validation) are not watched: they cannot cause an overflow. Gradient hooks on the
+    parameters record each backward's own gradients the same way: before a clip changes them (at O1 the unscaled
+    gradients are clipped in place) and before DDP averages them across processes. The hooks are removable handles
+    owned by the watch; :meth:`disarm` removes them.
+    """
+
+    def __init__(self) -> None:
+        self._models: list[tuple[weakref.ref[nn.Module], str]] = []
+        self._handles: list[Any] = []
+        self._names: list[str] = []  # slot - _HEAD -> module name
+        self._params: list[str] = []  # -1 - slot -> parameter name
+        self._values: torch.Tensor | None = None  # one entry per watched call since the last step
+        self._calls: list[int] = []  # the slot of each of those calls
+        self._stale = True  # a step has run since the calls were cleared: the next watched call clears them first
+        self.active = False
+        self.automatic = False  # armed by an overflow at the floor (disarmed by the next step that does not overflow)
+        self.complete = False  # the forwards since the last step were all watched
+
+    def add_model(self, module: nn.Module, prefix: str) -> None:
+        """Watch ``module`` too (now if the watch is active, else from the next :meth:`arm`); names get ``prefix``."""
+        if any(ref() is module for ref, _ in self._models):
+            return
+        self._models.append((weakref.ref(module), prefix))
+        if self.active:
+            self._hook(module, prefix)
+            self.complete = False
+
+    def arm(self, *, automatic: bool = False) -> None:
+        """Register the hooks (nothing when they are registered already). The forwards after the next step are the
+        first fully watched ones."""
+        if self.active:
+            return
+        self._models = [(ref, prefix) for ref, prefix in self._models if ref() is not None]
+        for ref, prefix in self._models:
+            module = ref()
+            if module is not None:
+                self._hook(module, prefix)
+        self.active, self.automatic, self.complete = True, automatic, False
+
+    def disarm(self) -> None:
+        """Remove every hook and drop what was recorded."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._names.clear()
+        self._params.clear()
+        self._calls.clear()
+        self._values = None
+        self.active = self.automatic = self.complete = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A model pickled or deep-copied with the hooks on it (torch.save(model), an EMA copy) takes a disarmed
+        # watch along: its hooks then do nothing, and the models it watched are not pickled with it.
+        state = dict(self.__dict__)
+        state.update(_models=[], _handles=[], _names=[], _params=[], _values=None, _calls=[])
+        state.update(active=False, automatic=False, complete=False)
+        return state
+
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        """Record the loss (slot 0), on the device."""
+        if torch.is_tensor(loss) and loss.is_floating_point():
+            self._record(0, [loss])
+
+    def step_done(self) -> None:
+        """A step has read the records: the next watched call starts afresh."""
+        self._stale = True
+
+    def flags(self) -> torch.Tensor | None:
+        """The device tensor of the watched calls' largest magnitudes since the last step (in call order), or
+        ``None`` when nothing was watched."""
+        if not self.active or self._values is None or not self._calls:
+            return None
+        return self._values[: len(self._calls)]
+
+    @property
+    def parameter_names(self) -> frozenset[str]:
+        """The parameters whose gradients the hooks watch."""
+        return frozenset(self._params)
+
+    def decode(self, values: Sequence[float]) -> tuple[bool, dict[str, Kind], dict[str, Kind]]:
+        """From the values of :meth:`flags` read on the host: whether the loss was non-finite, the modules with
+        non-finite outputs and their kind in forward order (of their first non-finite output), and the parameters
+        whose gradients a backward produced non-finite, with their kind, in backward order."""
+        loss = False
+        outputs: dict[str, Kind] = {}
+        grads: dict[str, Kind] = {}
+        for slot, value in zip(self._calls, values):
+            if math.isfinite(value):
+                continue
+            kind: Kind = "nan" if math.isnan(value) else "inf"
+            if slot == 0:
+                loss = True
+            elif slot < 0:
+                name = self._params[-1 - slot]
+                grads[name] = merge_kinds(grads.get(name), kind)
+            else:
+                name = self._names[slot - _HEAD]
+                outputs[name] = merge_kinds(outputs.get(name), kind)
+        return loss, outputs, grads
+
+    # -- internals ----------------------------------------------------------------------------------------------
+    def _hook(self, module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_modules():
+            self._names.append(prefix + name if name else prefix.rstrip("."))
+            hook = functools.partial(self._on_output, len(self._names) + _HEAD - 1)
+            self._handles.append(child.register_forward_hook(hook))
+        for name, param in module.named_parameters():
+            if param.requires_grad:
+                # A tensor hook sees this backward's own gradient: before it is accumulated, unscaled, clipped or
+                # averaged across processes by DDP's reducer.
+                self._params.append(prefix + name)
+                self._handles.append(param.register_hook(functools.partial(self._on_grad, -len(self._params))))
+
+    def _on_grad(self, slot: int, grad: torch.Tensor) -> None:
+        if self.active and grad.is_floating_point() and not grad.is_sparse:
+            self._record(slot, [grad])
+
+    def _on_output(self, slot: int, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled() or not self.active:
+            return  # evaluation (no gradient can come of it), or a disarmed copy's hooks
+        tensors = list(_floating_tensors(output))
+        if tensors:
+            self._record(slot, tensors)
+
+    def _record(self, slot: int, tensors: list[torch.Tensor]) -> None:
+        with disable_casts():  # our bookkeeping is not the model's compute
+            device = tensors[0].device
+            if self._stale:
+                # Cleared here, at the first watched call after a step, rather than in the step, so that a second
+                # optimizer stepping on the same forward still reads them.
+                self._calls.clear()
+                self._stale = False
+                self.complete = True
+            index = len(self._calls)
+            values = self._values
+            if values is None or values.device != device or index >= len(values):
+                # First use, more calls than ever before, or the model moved to its device after it was prepared.
+                grown = torch.empty(max(64, 2 * index), dtype=torch.float32, device=device)
+                if values is not None and index:
+                    grown[:index].copy_(values[:index])
+                values = self._values = grown
+            if len(tensors) == 1:
+                peak = torch.linalg.vector_norm(tensors[0], math.inf)  # inf or NaN when they are there
+            else:
+                peak = torch.stack([torch.linalg.vector_norm(t, math.inf).float().to(device) for t in tensors]).amax()
+            values[index].copy_(peak)
+            self._calls.append(slot)
+
+
+_HEAD = 1  # slots before the modules': the loss (parameters have negative slots)
+
+
+def _kind(inf: bool, nan: bool) -> Kind:
+    return "inf+nan" if inf and nan else ("inf" if inf else "nan")
+
+
+def _inf_nan(tensor: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
+    """``[any inf, any NaN]`` of ``tensor`` as a device tensor, in chunks so that the temporary masks stay small
+    next to a large gradient."""
+    flat = tensor.reshape(-1)
+    found = [torch.stack([torch.isinf(part).any(), torch.isnan(part).any()]) for part in flat.split(chunk)]
+    return found[0] if len(found) == 1 else torch.stack(found).any(0)
+
+
+def _floating_tensors(data: Any) -> Iterable[torch.Tensor]:
+    """The floating-point tensors in a module's output (through tuples, lists, mappings and dataclasses)."""
+    if isinstance(data, torch.Tensor):
+        if data.is_floating_point() and data.numel():
+            yield data
+    elif isinstance(data, Mapping):
+        for value in data.values():
+            yield from _floating_tensors(value)
+    elif isinstance(data, (list, tuple)):
+        for value in data:
+            yield from _floating_tensors(value)
+    elif dataclasses.is_dataclass(data) and not isinstance(data, type):
+        for f in dataclasses.fields(data):
+            yield from _floating_tensors(getattr(data, f.name, None))
+
+
+class OverflowForensics:
+    """The forensics of one :class:`~lightning_mpx.Amp`: builds the record of an overflow step, keeps the
+    per-module counts for the metrics and owns the forward watch.
+
+    Args:
+        diagnose: Watch every forward (``diagnose_overflows=True``); otherwise only after an overflow at the floor.
+    """
+
+    def __init__(self, diagnose: bool = False) -> None:
+        self.watch = ForwardWatch()
+        self._counts: dict[str, int] = {}  # overflow steps per module since the last metrics() call
+        self.diagnose = diagnose
+
+    @property
+    def diagnose(self) -> bool:
+        """Whether every forward is watched (setting it registers or removes the hooks)."""
+        return self._diagnose
+
+    @diagnose.setter
+    def diagnose(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"diagnose_overflows={value!r} must be True or False.")
+        self._diagnose = value
+        if value:
+            self.watch.arm()
+            self.watch.automatic = False
+        else:
+            self.watch.disarm()
+
+    def build(
+        self,
+        grads: Sequence[tuple[str, torch.Tensor]],
+        *,
+        step: int,
+        loss_ids: Sequence[int],
+        scales: Sequence[torch.Tensor],
+        rank: int = 0,
+    ) -> OverflowRecord:
+        """The record of an overflow step: one batched device computation and one host read.
+
+        Args:
+            grads: (parameter name, gradient) for the optimizer's parameters that have one.
+            step: The number of steps before this one.
+            loss_ids: The losses the overflow was charged to.
+            scales: Their scales, as device tensors.
+            rank: This process's rank.
+        """
+        parts: list[torch.Tensor] = []
+        device = grads[0][1].device if grads else (scales[0].device if scales else torch.device("cpu"))
+        with disable_casts():
+            if grads:
+                parts.append(torch.cat([_inf_nan(g).to(device) for _, g in grads]).double())
+            parts.extend(s.reshape(1).to(device=device, dtype=torch.float64) for s in scales)
+            flags = self.watch.flags()
+            if flags is not None:
+                parts.append(flags.to(device=device, dtype=torch.float64))
+            values = torch.cat(parts).tolist() if parts else []  # the one host read
+        parameters: dict[str, Kind] = {}
+        for index, (name, _) in enumerate(grads):
+            inf, nan = values[2 * index] > 0, values[2 * index + 1] > 0
+            if inf or nan:
+                parameters[name] = _kind(inf, nan)
+        offset = 2 * len(grads)
+        scale_values = tuple(values[offset : offset + len(scales)])
+        origin: Origin = "unknown"
+        first: str | None = None
+        loss_bad: bool | None = None
+        own_backward: bool | None = None
+        outputs: dict[str, Kind] = {}
+        if flags is not None:
+            loss_bad, outputs, produced = self.watch.decode(values[offset + len(scales) :])
+            order = {name: index for index, (name, _) in enumerate(grads)}  # this optimizer's, in its order
+            produced = {name: kind for name, kind in produced.items() if name in order}
+            complete = self.watch.complete
+            if produced or complete:
+                own_backward = bool(produced)
+            if produced and complete:
+                # What the backward produced stands for the watched parameters (a clip at O1 has changed what the
+                # step found: NaN for inf, or the clip value); the others keep what the step found (also values
+                # that only overflowed when accumulated).
+                watched = self.watch.parameter_names
+                merged = {**produced, **{n: k for n, k in parameters.items() if n not in watched}}
+                parameters = dict(sorted(merged.items(), key=lambda item: order[item[0]]))
+            if loss_bad or outputs:
+                origin = "forward"
+                first = next(iter(outputs)) if outputs and complete else None
+            elif complete:
+                origin = "backward"
+            if not complete:
+                loss_bad = loss_bad or None  # a False from a partial watch proves nothing
+                own_backward = own_backward or None
+        modules: dict[str, Kind] = {}
+        for name, kind in parameters.items():
+            module = module_of(name)
+            modules[module] = merge_kinds(modules.get(module), kind)
+        found = bool(parameters) or origin == "forward"
+        return OverflowRecord(
+            step=step,
+            loss_ids=tuple(loss_ids),
+            scales=scale_values,
+            parameters=parameters,
+            modules=modules,
+            origin=origin,
+            first_module=first,
+            rank=rank,
+            ranks=(rank,) if found else (),
+            loss_nonfinite=loss_bad,
+            nonfinite_outputs=outputs,
+            backward_nonfinite=own_backward,
+        )
+
+    def gather(self, record: OverflowRecord) -> OverflowRecord:
+        """Under an initialised process group of several processes, every rank's record merged (all ranks call
+        this together, on the same overflow step); ``record`` itself otherwise."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return record
+        records: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(records, record)
+        return merge_records(records)
+
+    def overflowed(self, record: OverflowRecord, *, at_floor: bool) -> None:
+        """Count the record's modules and, at the floor, watch the following forwards."""
+        for module in record.modules:
+            self._counts[module] = self._counts.get(module, 0) + 1
+        if at_floor and not self.watch.active:
+            self.watch.arm(automatic=True)
+        self.watch.step_done()
+
+    def stepped(self) -> None:
+        """A step that did not overflow (call only while the watch is active): an automatic watch ends."""
+        if self.watch.automatic:
+            self.watch.disarm()
+        else:
+            self.watch.step_done()
+
+    def metrics(self) -> dict[str, float]:
+        """``mpx/overflow/<module>``: overflow steps since the last call in which the module had non-finite
+        gradients; a module seen before and clean since reports 0."""
+        out = {overflow_tag(module): float(count) for module, count in self._counts.items()}
+        self._counts = dict.fromkeys(self._counts, 0)
+        return out

@@ -56,6 +56,9 @@ class MixedPrecisionPlugin(Precision):
         unscale_backend: ``"auto"``, ``"foreach"`` or ``"reference"``.
         init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_loss_scale, max_loss_scale,
             on_floor, overflow_log_interval: Loss-scaler settings (see :class:`~lightning_mpx.amp.Amp`).
+        diagnose_overflows: Watch every training forward for non-finite module outputs, so that each overflow's
+            record (``plugin.amp.last_overflow``) tells forward from backward and names the first module; without
+            it only after an overflow at the floor (see :class:`~lightning_mpx.amp.Amp`).
         **overrides: Opt-level property overrides (``keep_batchnorm_fp32``, ``loss_scale``, ``master_weights``,
             ``cast_model_type``, ``patch_torch_functions``), validated as in
             :func:`~lightning_mpx.opt_levels.resolve_properties`.
@@ -83,6 +86,7 @@ class MixedPrecisionPlugin(Precision):
         max_loss_scale: float = 2.0**24,
         on_floor: OnFloor = "raise",
         overflow_log_interval: float = 10.0,
+        diagnose_overflows: bool = False,
         **overrides: Any,
     ) -> None:
         self._settings: dict[str, Any] = dict(
@@ -100,6 +104,7 @@ class MixedPrecisionPlugin(Precision):
             max_loss_scale=max_loss_scale,
             on_floor=on_floor,
             overflow_log_interval=overflow_log_interval,
+            diagnose_overflows=diagnose_overflows,
             **overrides,
         )
         self._opt_level = opt_level
@@ -134,6 +139,7 @@ class MixedPrecisionPlugin(Precision):
         fitting = trainer is None or trainer.state.fn == "fit"
         if module is not self._module:
             if self._module is not None:  # a different model: a fresh engine with the same settings
+                self.amp.diagnose_overflows = False  # its forward hooks leave the old model
                 self.amp = Amp(self._opt_level, **self._settings)
                 self._masters_synced = False
             self.amp.prepare_model(module, train=fitting)

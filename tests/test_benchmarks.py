@@ -136,3 +136,15 @@ def test_engine_overhead_rows(tmp_path):
     result = engine_overhead.main(["--params", "6", "--steps", "3", "--repeats", "1", "--out", str(out)])
     assert [r["opt_level"] for r in json.loads(out.read_text())["rows"]] == ["O1", "O2"]
     assert all(r["parameters"] == 6 and r["engine_us_per_step"] > 0 for r in result["rows"])
+
+
+def test_forensics_overhead_rows(tmp_path):
+    import forensics_overhead
+
+    out = tmp_path / "fo.json"
+    forensics_overhead.main(["--layers", "2", "--steps", "2", "--repeats", "1", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["row"], r["diagnose"]) for r in rows] == [
+        (row, diagnose) for diagnose in ("off", "watched") for row in ("clean-step", "iteration", "overflow-step")
+    ]
+    assert all(r["us"] > 0 and r["modules"] == 5 and r["parameters"] == 4 for r in rows)
