@@ -27,16 +27,18 @@ import operator
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, MutableMapping
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, MutableMapping, Sequence
 
 import torch
 from torch import nn
 
 from lightning_mpx.cast_policy import CastPolicy
 from lightning_mpx.cast_table import CastTable
+from lightning_mpx.forensics import OverflowRecord
 from lightning_mpx.loss_scaler import LossScaler, OnFloor
 from lightning_mpx.master_weights import MasterWeights, Mirror, convert_module
 from lightning_mpx.opt_levels import Properties, resolve_properties
+from lightning_mpx.promotion import Promotion
 from lightning_mpx.unscale import BACKENDS, UnscaleWorkspace, unscale_grads_
 
 log = logging.getLogger("lightning_mpx")
@@ -115,6 +117,10 @@ class Amp:
             ``p.data``, such as WGAN's ``p.data.clamp_()``, are not seen) or ``"values"`` (every half parameter is
             compared with its master's rounding before each step: one read of the weights and one host sync per
             step, and every write is seen).
+        fp32_modules: Module-name patterns (:mod:`fnmatch`, on the names of ``model.named_modules()``, e.g.
+            ``["lm_head", "*.norm"]``) of modules that run in FP32 at every opt level (see
+            :mod:`lightning_mpx.promotion`). A pattern that matches no module raises ``ValueError`` when an
+            optimizer is prepared.
         **overrides: Opt-level property overrides: ``cast_model_type``, ``patch_torch_functions``,
             ``keep_batchnorm_fp32``, ``master_weights``, ``loss_scale``.
 
@@ -144,6 +150,7 @@ class Amp:
         on_floor: OnFloor = "raise",
         overflow_log_interval: float = 10.0,
         model_writes: str = "versions",
+        fp32_modules: Sequence[str] = (),
         **overrides: Any,
     ) -> None:
         if model_writes not in MODEL_WRITES:
@@ -191,6 +198,10 @@ class Amp:
         self._evaluation_only = False  # O2 models were prepared with train=False (and none for training)
         self.skipped_steps: list[int] = [0] * num_losses
         self.last_overflow_parameters: list[str] = []
+        self.last_overflow: OverflowRecord | None = None
+        self._step_calls = 0  # Amp.step() calls so far, all optimizers (OverflowRecord.step)
+        #: The modules that run in FP32: pinned by ``fp32_modules`` or promoted by ``on_floor="promote"``.
+        self.promotion = Promotion(self, fp32_modules)
         self._names: dict[int, str] = {}
         self._optimizers: dict[int, _OptimizerState] = {}
         self._iteration_found: dict[int, torch.Tensor] = {}
@@ -211,6 +222,17 @@ class Amp:
     @property
     def num_losses(self) -> int:
         return len(self.scalers)
+
+    @property
+    def fp32_modules(self) -> list[str]:
+        """Names of the modules that run in FP32: pinned by ``fp32_modules``, then promoted at the floor."""
+        return self.promotion.fp32_modules
+
+    @property
+    def promoted_modules(self) -> dict[str, dict[str, Any]]:
+        """The modules ``on_floor="promote"`` promoted to FP32, each with its evidence (``step``, ``origin``,
+        ``scale``, ``parameters``)."""
+        return dict(self.promotion.promoted)
 
     def prepare_model(self, module: nn.Module, *, train: bool = True) -> nn.Module:
         """Convert ``module`` for the opt level (in place) and return it.
@@ -243,6 +265,7 @@ class Amp:
             for param in module.parameters():
                 if param.dtype in (torch.float16, torch.bfloat16):
                     param.data = param.data.float()
+        self.promotion.add_model(module, prefix)  # fp32_modules: back to FP32 before any master is made
         if props.master_weights and not train:
             self._evaluation_only = True
         if props.master_weights and train and not all(map(self._covered, module.parameters())):
@@ -279,6 +302,7 @@ class Amp:
                     "prepare_model() must run before prepare_optimizer() with master weights (O2), with train=True: "
                     "a model prepared with train=False has no masters for an optimizer to train."
                 )
+        self.promotion.check_patterns_matched()
         key = id(optimizer)
         if key in self._optimizers:
             return optimizer  # registered before (a framework preparing it twice)
@@ -466,6 +490,7 @@ class Amp:
                 skipped first.
         """
         state = self._state(optimizer)
+        self._step_calls += 1
         if "closure" in step_kwargs and step_kwargs["closure"] is not None:
             raise ValueError(
                 "closure: loss scaling cannot re-run a closure inside the optimizer step; run the closure first, "
@@ -489,11 +514,21 @@ class Amp:
         if overflowed:
             names = self._nonfinite_names(optimizer)
             self.last_overflow_parameters = names
+            if self.last_overflow is None or self.last_overflow.step != self._step_calls - 1:
+                # Replaced by the forensics branch at merge: a minimal record of this step (origin "unknown").
+                self.last_overflow = self._fallback_overflow_record(optimizer, names, overflowed)
             for loss_id in overflowed:
                 self.skipped_steps[loss_id] += 1
             self._log_overflow(names, overflowed)
             self._finish_step(state)
             hint = self._floor_hint(optimizer)
+            if self.scalers[overflowed[0]].on_floor == "promote" and any(
+                self.scalers[i].at_floor() for i in overflowed
+            ):
+                why_not = self.promotion.floor_overflow(self.last_overflow)
+                if why_not is None:
+                    return False  # promoted (or waiting for the next overflow's evidence): training goes on
+                hint = why_not + (f". {hint}" if hint else "")
             for loss_id in overflowed:
                 self.scalers[loss_id].handle_overflow(names, hint=hint)
             return False
@@ -558,6 +593,7 @@ class Amp:
             out["mpx/skipped_steps" + suffix] = float(self.skipped_steps[loss_id])
             if loss_id in self._grad_norms:
                 out["mpx/grad_norm" + suffix] = self._grad_norms.pop(loss_id)
+        out.update(self.promotion.metrics())
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -568,6 +604,7 @@ class Amp:
             "scalers": [scaler.state_dict() for scaler in self.scalers],
             "master_weights": [masters.state_dict() for masters in self.master_weights if masters.alive],
             "skipped_steps": list(self.skipped_steps),
+            "promotion": self.promotion.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -589,12 +626,18 @@ class Amp:
                 f"the checkpoint has master weights for {len(state['master_weights'])} model(s) but "
                 f"{len(self.master_weights)} model(s) were prepared with master weights."
             )
+        promotion = state.get("promotion")
+        self.promotion.check_state_dict(promotion)
+        promoted_params = self.promotion.param_names(promotion)
         for masters, masters_state in zip(self.master_weights, state["master_weights"]):
-            masters.check_state_dict(masters_state)  # all checks first: a refused checkpoint changes nothing
+            # All checks first: a refused checkpoint changes nothing.
+            masters.check_state_dict(masters_state, fp32=promoted_params)
         for scaler, scaler_state in zip(self.scalers, state["scalers"]):
             scaler.load_state_dict(scaler_state)
+        self.promotion.load_state_dict(promotion)  # the run that saved it promoted these modules: so does this one
         for masters, masters_state in zip(self.master_weights, state["master_weights"]):
             masters.load_state_dict(masters_state)
+        self.promotion.load_weights(promotion)
         for optimizer_state in self._optimizers.values():
             optimizer_state.mirrors = None  # loading may have made masters for parameters that had none
         self.skipped_steps = list(state.get("skipped_steps", self.skipped_steps))
@@ -985,6 +1028,32 @@ class Amp:
             return []
         finite = torch.stack([torch.isfinite(g).all() for _, g in candidates]).tolist()
         return [name for (name, _), ok in zip(candidates, finite) if not ok]
+
+    def _fallback_overflow_record(
+        self, optimizer: torch.optim.Optimizer, names: list[str], loss_ids: list[int]
+    ) -> OverflowRecord:
+        """Replaced by the forensics branch at merge. The non-finite gradients of an overflow step, by parameter and
+        module, with origin "unknown" (the forward is not watched here). Overflow steps only: it syncs."""
+        wanted = set(names)
+        parameters: dict[str, Any] = {}
+        for index, param in enumerate(_params(optimizer)):
+            name = self._names.get(id(param), f"param{index}")
+            grad = param.grad if param.grad is not None else self.master_of(param).grad
+            if name in wanted and grad is not None:
+                inf, nan = bool(torch.isinf(grad).any()), bool(torch.isnan(grad).any())
+                parameters[name] = "inf+nan" if inf and nan else "nan" if nan else "inf"
+        modules: dict[str, Any] = {}
+        for name, kind in parameters.items():
+            module = name.rpartition(".")[0]
+            seen = modules.get(module)
+            modules[module] = kind if seen in (None, kind) else "inf+nan"
+        return OverflowRecord(
+            step=self._step_calls - 1,
+            loss_ids=tuple(loss_ids),
+            scales=tuple(self.scalers[i].get_scale() for i in loss_ids),
+            parameters=parameters,
+            modules=modules,
+        )
 
     def _log_overflow(self, names: list[str], loss_ids: list[int]) -> None:
         if not self.log_overflows:
