@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Generator, Iterator
+from typing import Any, Callable, Generator, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -55,7 +55,10 @@ class MixedPrecisionPlugin(Precision):
         allow_banned: Run banned ops in FP32 instead of raising.
         unscale_backend: ``"auto"``, ``"foreach"`` or ``"reference"``.
         init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_loss_scale, max_loss_scale,
-            on_floor, overflow_log_interval: Loss-scaler settings (see :class:`~lightning_mpx.amp.Amp`).
+            on_floor, overflow_log_interval: Loss-scaler settings (see :class:`~lightning_mpx.amp.Amp`);
+            ``on_floor="promote"`` runs the modules that keep overflowing at the floor in FP32 from then on.
+        fp32_modules: Module-name patterns (fnmatch on the LightningModule's ``named_modules()`` names, e.g.
+            ``["lm_head", "*.norm"]``) of modules that run in FP32 at every opt level.
         **overrides: Opt-level property overrides (``keep_batchnorm_fp32``, ``loss_scale``, ``master_weights``,
             ``cast_model_type``, ``patch_torch_functions``), validated as in
             :func:`~lightning_mpx.opt_levels.resolve_properties`.
@@ -83,6 +86,7 @@ class MixedPrecisionPlugin(Precision):
         max_loss_scale: float = 2.0**24,
         on_floor: OnFloor = "raise",
         overflow_log_interval: float = 10.0,
+        fp32_modules: Sequence[str] = (),
         **overrides: Any,
     ) -> None:
         self._settings: dict[str, Any] = dict(
@@ -100,6 +104,7 @@ class MixedPrecisionPlugin(Precision):
             max_loss_scale=max_loss_scale,
             on_floor=on_floor,
             overflow_log_interval=overflow_log_interval,
+            fp32_modules=fp32_modules,
             **overrides,
         )
         self._opt_level = opt_level

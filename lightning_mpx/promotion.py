@@ -241,7 +241,13 @@ class Promotion:
                     len(self._streak), self.patience, ", ".join(sorted(culprits)),
                 )
             return None
-        common = frozenset.intersection(*self._streak)
+        why = self._why_not(frozenset.intersection(*self._streak), record)
+        self._streak.clear()  # a decision was made (promoted, or the floor error is raised): the next starts afresh
+        return why
+
+    def _why_not(self, common: frozenset[str], record: OverflowRecord | None) -> str | None:
+        """Promote the modules in ``common``, or say why they cannot be."""
+        amp = self.amp
         if not common:
             seen = " / ".join(", ".join(sorted(c)) for c in self._streak)
             return (
@@ -266,7 +272,6 @@ class Promotion:
         if why is not None:
             return why
         self._promote(targets, record)
-        self._streak.clear()
         return None
 
     def _targets(self, culprits: Iterable[str]) -> tuple[list[str], str | None]:
