@@ -136,8 +136,8 @@ class Promotion:
     Attributes:
         patience: Overflows in a row at the floor that must share a culprit before it is promoted
             (:data:`FLOOR_OVERFLOWS_TO_PROMOTE`).
-        promoted: Module name to the evidence of its promotion (``step``, ``origin``, ``scale``, ``parameters``),
-            in the order the decisions were made.
+        promoted: Module name to the evidence of its promotion (``step``, ``origin``, ``scale`` at the floor, the
+            ``culprits`` blamed, the non-finite ``parameters`` inside it), in the order the decisions were made.
     """
 
     def __init__(self, amp: Amp, patterns: Sequence[str] = ()) -> None:
@@ -178,8 +178,12 @@ class Promotion:
     # -- set-up (fp32_modules) ----------------------------------------------------------------------------------
     def add_model(self, module: nn.Module, prefix: str) -> None:
         """Pin the submodules of a model being prepared that the patterns match (after its cast to half)."""
-        self._roots = [(p, ref) for p, ref in self._roots if ref() is not None and ref() is not module]
-        self._roots.append((prefix, weakref.ref(module)))
+        known = [p for p, ref in self._roots if ref() is module]
+        if known:
+            prefix = known[0]  # prepared again (evaluated, then trained): its names keep their first prefix
+        else:
+            self._roots = [(p, ref) for p, ref in self._roots if ref() is not None]
+            self._roots.append((prefix, weakref.ref(module)))
         if not self.patterns:
             return
         for relative, _ in module.named_modules():
@@ -271,7 +275,7 @@ class Promotion:
         targets, why = self._targets(common)
         if why is not None:
             return why
-        self._promote(targets, record)
+        self._promote(targets, record, common)
         return None
 
     def _targets(self, culprits: Iterable[str]) -> tuple[list[str], str | None]:
@@ -295,9 +299,10 @@ class Promotion:
                 targets.append(prefix + relative)
         return [t for t in targets if not any(t.startswith(o + ".") for o in targets)], None
 
-    def _promote(self, targets: list[str], record: OverflowRecord | None) -> None:
+    def _promote(self, targets: list[str], record: OverflowRecord | None, culprits: Iterable[str]) -> None:
         amp = self.amp
         for name in targets:
+            blamed = sorted(c for c in culprits if c == name or c.startswith(name + "."))
             module = self._module(name)
             assert module is not None
             if amp.properties.casts_model:
@@ -310,15 +315,17 @@ class Promotion:
                 "step": -1 if record is None else int(record.step),
                 "origin": "unknown" if record is None else str(record.origin),
                 "scale": None if record is None or not record.scales else float(min(record.scales)),
+                "culprits": blamed,
                 "parameters": params,
             }
             if amp.log_overflows:
                 shown = ", ".join(f"{p} ({kind})" for p, kind in list(params.items())[:5]) or "none recorded"
                 log.warning(
                     "on_floor='promote': running %s in FP32 from now on (step %s, opt_level %s): the loss scale is at "
-                    "its floor (%s) and the last %d overflows there came from it (origin %s; non-finite gradients: "
+                    "its floor (%s) and the last %d overflows there came from %s (origin %s; non-finite gradients: "
                     "%s)",
                     name, self.promoted[name]["step"], amp.opt_level, self.promoted[name]["scale"], self.patience,
+                    "it" if blamed == [name] else ", ".join(blamed) + ", which already ran in FP32",
                     self.promoted[name]["origin"], shown,
                 )
         self._rehook()

@@ -296,27 +296,29 @@ class Blowup(nn.Linear):
 
 
 class ForwardOverflow(nn.Module):
-    """``blowup``'s output is inf in float16; the layer norm after it brings the values back to O(1), so in FP32
-    nothing overflows."""
+    """``block.0``'s output is inf in float16; the layer norm after it brings the values back to O(1), so in FP32
+    nothing overflows. At O1 promoting ``block.0`` cures it; at O2 its output goes back to half (still inf), so it is
+    blamed again and its parent ``block`` (with the norm) is promoted."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.blowup = Blowup(8, 32)
-        self.norm = nn.LayerNorm(32)
+        self.block = nn.Sequential(Blowup(8, 32), nn.LayerNorm(32))
         self.head = nn.Linear(32, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(self.blowup(x)))
+        return self.head(self.block(x))
 
 
 @pytest.mark.xfail(strict=False, reason="needs the forensics branch (origin 'forward' and first_module)")
-def test_promote_cures_a_forward_overflow() -> None:
+@pytest.mark.parametrize(("level", "promoted"), [("O1", ["block.0"]), ("O2", ["block.0", "block"])])
+def test_promote_cures_a_forward_overflow(level: str, promoted: list[str]) -> None:
     x, y = raw_feature_data(scale=1.0)
     model = ForwardOverflow()
-    amp = Amp("O1", on_floor="promote", **FLOOR)
+    amp = Amp(level, on_floor="promote", **FLOOR)
     amp.prepare_model(model)
     optimizer = amp.prepare_optimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
     stepped = _core_run(amp, model, optimizer, x, y, 12)
-    assert amp.fp32_modules == ["blowup"]
+    assert amp.fp32_modules == promoted
+    assert amp.promoted_modules[promoted[-1]]["origin"] == "forward"
     assert stepped[-5:] == [True] * 5
