@@ -64,7 +64,8 @@ class Net(nn.Module):
 def data(n: int = 32) -> torch.utils.data.DataLoader:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 16, generator=g)
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, (x[:, :4] > 0).long().sum(1) % 4), batch_size=8)
+    y = (x[:, :4] > 0).long().sum(1) % 4
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
 
 
 class NetModule(pl.LightningModule):
@@ -121,7 +122,8 @@ def test_lightning_runs_pinned_modules_in_fp32(level: str) -> None:
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_accelerator_runs_pinned_modules_in_fp32(level: str) -> None:
-    accelerator = Accelerator(mixed_precision=level, cpu=True, kwargs_handlers=[MixedPrecisionKwargs(fp32_modules=PATTERNS)])
+    handler = MixedPrecisionKwargs(fp32_modules=PATTERNS)
+    accelerator = Accelerator(mixed_precision=level, cpu=True, kwargs_handlers=[handler])
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer, loader = accelerator.prepare(model, optimizer, data())

@@ -79,7 +79,8 @@ class RawFeaturesModule(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         optimizer = make_optimizer(self.model)
-        decay = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 0.5 * (1 + math.cos(math.pi * min(i / self.steps, 1))))
+        cosine = lambda i: 0.5 * (1 + math.cos(math.pi * min(i / self.steps, 1)))  # noqa: E731
+        decay = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": decay, "interval": "step"}}
 
 
@@ -147,7 +148,8 @@ def test_lightning_resume_keeps_the_promotion(level: str, tmp_path: Any) -> None
     trainer.fit(module, data_loader())
     path = tmp_path / "promoted.ckpt"
     trainer.save_checkpoint(path)
-    assert torch.load(path, weights_only=False)["MixedPrecisionPlugin"]["promotion"]["promoted"].keys() == {"model.stem"}
+    saved = torch.load(path, weights_only=False)["MixedPrecisionPlugin"]["promotion"]
+    assert saved["promoted"].keys() == {"model.stem"}
 
     seen: dict[str, Any] = {}
 
