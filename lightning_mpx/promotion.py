@@ -11,7 +11,9 @@ Two ways in, one mechanism:
   the same modules (the modules :meth:`OverflowRecord.culprits` names in each of the last
   :data:`FLOOR_OVERFLOWS_TO_PROMOTE` overflows at the floor), those modules run in FP32 from then on. The decision is
   logged with its evidence (a warning on the ``lightning_mpx`` logger, rank zero), shown as ``mpx/promoted/<module>``
-  metrics, and saved in :meth:`Amp.state_dict <lightning_mpx.amp.Amp.state_dict>`, so a resumed run keeps it.
+  metrics, and saved in :meth:`Amp.state_dict <lightning_mpx.amp.Amp.state_dict>`, so a resumed run keeps it. The
+  overflows counted need not fall on consecutive steps (a clean step between them does not reset the count): at the
+  floor any overflow is serious, and ``on_floor="raise"`` would have ended the run at the first.
 
 What "runs in FP32" means per opt level:
 
