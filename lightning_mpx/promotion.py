@@ -136,7 +136,7 @@ class Promotion:
         patterns: ``fp32_modules`` (see :func:`check_patterns`).
 
     Attributes:
-        patience: Overflows in a row at the floor that must share a culprit before it is promoted
+        patience: How many of the last overflows at the floor must share a culprit before it is promoted
             (:data:`FLOOR_OVERFLOWS_TO_PROMOTE`).
         promoted: Module name to the evidence of its promotion (``step``, ``origin``, ``scale`` at the floor, the
             ``culprits`` blamed, the non-finite ``parameters`` inside it), in the order the decisions were made.
