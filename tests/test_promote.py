@@ -324,3 +324,34 @@ def test_promote_cures_a_forward_overflow(level: str, promoted: list[str]) -> No
     assert amp.fp32_modules == promoted
     assert amp.promoted_modules[promoted[-1]]["origin"] == "forward"
     assert stepped[-5:] == [True] * 5
+
+
+def test_accelerator_promotes_and_resumes(tmp_path: Any) -> None:
+    """The same through the Accelerate adapter: promoted while training, and again by ``load_state``."""
+    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+
+    x, y = raw_feature_data()
+
+    def setup() -> tuple[Accelerator, RawFeatures, Any]:
+        handler = MixedPrecisionKwargs(on_floor="promote", **FLOOR)
+        accelerator = Accelerator(mixed_precision="O2", cpu=True, kwargs_handlers=[handler])
+        model = RawFeatures()
+        model, optimizer = accelerator.prepare(model, make_optimizer(model))
+        return accelerator, model, optimizer
+
+    accelerator, model, optimizer = setup()
+    for _ in range(8):
+        accelerator.backward(F.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    assert accelerator.amp.fp32_modules == ["stem"] and accelerator.amp.skipped_steps == [5]
+    assert accelerator.mpx_metrics()["mpx/promoted/stem"] == 1.0
+    accelerator.save_state(str(tmp_path))
+
+    accelerator, fresh, optimizer = setup()
+    accelerator.load_state(str(tmp_path))
+    assert accelerator.amp.fp32_modules == ["stem"] and fresh.stem.weight.dtype == torch.float32
+    assert torch.equal(fresh.stem.weight, model.stem.weight)
+    accelerator.backward(F.mse_loss(fresh(x), y))
+    optimizer.step()
+    assert not optimizer.step_was_skipped
