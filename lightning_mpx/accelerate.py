@@ -50,7 +50,7 @@ import dataclasses
 import functools
 import os
 import weakref
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -62,6 +62,7 @@ from lightning_mpx.cast_table import _NAMESPACES as _TABLE_NAMESPACES
 from lightning_mpx.cast_table import CastTable
 from lightning_mpx.loss_scaler import LossScaler, OnFloor
 from lightning_mpx.opt_levels import OPT_LEVELS
+from lightning_mpx.promotion import check_patterns
 from lightning_mpx.unscale import BACKENDS
 
 # Import through require() so that a missing accelerate names the extra that installs it.
@@ -110,6 +111,8 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
         overflow_log_interval: Minimum seconds between two overflow log messages.
         model_writes: ``"versions"`` or ``"values"``: how O2 sees writes to the half model (see
             :class:`~lightning_mpx.amp.Amp`).
+        fp32_modules: Module-name patterns (fnmatch on the model's ``named_modules()`` names, e.g.
+            ``["lm_head", "*.norm"]``) of modules that run in FP32 at every opt level.
         log_metrics: Add the ``mpx/...`` metrics to every :meth:`Accelerator.log` call.
         diagnose_overflows: Watch every forward for non-finite module outputs, so that each overflow's record
             (``accelerator.amp.last_overflow``) tells forward from backward and names the first module (see
@@ -141,11 +144,13 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
     unscale_backend: str = "auto"
     overflow_log_interval: float = 10.0
     model_writes: str = "versions"
+    fp32_modules: Sequence[str] = ()
     log_metrics: bool = True
     diagnose_overflows: bool = False
 
     def __post_init__(self) -> None:
         parse_half_dtype(self.half_dtype)
+        self.fp32_modules = check_patterns(self.fp32_modules)
         if isinstance(self.num_losses, bool) or not isinstance(self.num_losses, int) or self.num_losses < 1:
             raise ValueError(f"num_losses={self.num_losses!r} must be a positive integer.")
         for name in ("patch_torch_functions", "keep_batchnorm_fp32", "master_weights"):

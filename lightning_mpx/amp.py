@@ -27,7 +27,7 @@ import operator
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, MutableMapping
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, MutableMapping, Sequence
 
 import torch
 from torch import nn
@@ -38,6 +38,7 @@ from lightning_mpx.forensics import OverflowForensics, OverflowRecord
 from lightning_mpx.loss_scaler import LossScaler, OnFloor
 from lightning_mpx.master_weights import MasterWeights, Mirror, convert_module
 from lightning_mpx.opt_levels import Properties, resolve_properties
+from lightning_mpx.promotion import Promotion
 from lightning_mpx.unscale import BACKENDS, UnscaleWorkspace, unscale_grads_
 
 log = logging.getLogger("lightning_mpx")
@@ -121,6 +122,10 @@ class Amp:
             ``p.data``, such as WGAN's ``p.data.clamp_()``, are not seen) or ``"values"`` (every half parameter is
             compared with its master's rounding before each step: one read of the weights and one host sync per
             step, and every write is seen).
+        fp32_modules: Module-name patterns (:mod:`fnmatch`, on the names of ``model.named_modules()``, e.g.
+            ``["lm_head", "*.norm"]``) of modules that run in FP32 at every opt level (see
+            :mod:`lightning_mpx.promotion`). A pattern that matches no module raises ``ValueError`` when an
+            optimizer is prepared.
         **overrides: Opt-level property overrides: ``cast_model_type``, ``patch_torch_functions``,
             ``keep_batchnorm_fp32``, ``master_weights``, ``loss_scale``.
 
@@ -157,6 +162,7 @@ class Amp:
         overflow_log_interval: float = 10.0,
         model_writes: str = "versions",
         diagnose_overflows: bool = False,
+        fp32_modules: Sequence[str] = (),
         **overrides: Any,
     ) -> None:
         if model_writes not in MODEL_WRITES:
@@ -206,7 +212,9 @@ class Amp:
         self.last_overflow_parameters: list[str] = []
         self.last_overflow: OverflowRecord | None = None
         self.forensics = OverflowForensics(diagnose_overflows)  # validates the flag
-        self._steps = 0
+        self._steps = 0  # Amp.step() calls so far, all optimizers (OverflowRecord.step)
+        #: The modules that run in FP32: pinned by ``fp32_modules`` or promoted by ``on_floor="promote"``.
+        self.promotion = Promotion(self, fp32_modules)
         self._names: dict[int, str] = {}
         self._optimizers: dict[int, _OptimizerState] = {}
         self._iteration_found: dict[int, torch.Tensor] = {}
@@ -237,6 +245,17 @@ class Amp:
     @diagnose_overflows.setter
     def diagnose_overflows(self, value: bool) -> None:
         self.forensics.diagnose = value
+
+    @property
+    def fp32_modules(self) -> list[str]:
+        """Names of the modules that run in FP32: pinned by ``fp32_modules``, then promoted at the floor."""
+        return self.promotion.fp32_modules
+
+    @property
+    def promoted_modules(self) -> dict[str, dict[str, Any]]:
+        """The modules ``on_floor="promote"`` promoted to FP32, each with its evidence (``step``, ``origin``,
+        ``scale``, ``culprits``, ``parameters``)."""
+        return dict(self.promotion.promoted)
 
     def prepare_model(self, module: nn.Module, *, train: bool = True) -> nn.Module:
         """Convert ``module`` for the opt level (in place) and return it.
@@ -270,6 +289,7 @@ class Amp:
             for param in module.parameters():
                 if param.dtype in (torch.float16, torch.bfloat16):
                     param.data = param.data.float()
+        self.promotion.add_model(module, prefix)  # fp32_modules: back to FP32 before any master is made
         if props.master_weights and not train:
             self._evaluation_only = True
         if props.master_weights and train and not all(map(self._covered, module.parameters())):
@@ -306,6 +326,7 @@ class Amp:
                     "prepare_model() must run before prepare_optimizer() with master weights (O2), with train=True: "
                     "a model prepared with train=False has no masters for an optimizer to train."
                 )
+        self.promotion.check_patterns_matched()
         key = id(optimizer)
         if key in self._optimizers:
             return optimizer  # registered before (a framework preparing it twice)
@@ -523,6 +544,13 @@ class Amp:
             self._log_overflow(names, overflowed)
             self._finish_step(state)
             hint = self._floor_hint(optimizer)
+            if self.scalers[overflowed[0]].on_floor == "promote" and any(
+                self.scalers[i].at_floor() for i in overflowed
+            ):
+                why_not = self.promotion.floor_overflow(self.last_overflow)
+                if why_not is None:
+                    return False  # promoted (or waiting for the next overflow's evidence): training goes on
+                hint = why_not + (f". {hint}" if hint else "")
             for loss_id in overflowed:
                 self.scalers[loss_id].handle_overflow(names, hint=hint)
             return False
@@ -592,6 +620,7 @@ class Amp:
             if loss_id in self._grad_norms:
                 out["mpx/grad_norm" + suffix] = self._grad_norms.pop(loss_id)
         out.update(self.forensics.metrics())  # mpx/overflow/<module>, host counters
+        out.update(self.promotion.metrics())
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -602,6 +631,7 @@ class Amp:
             "scalers": [scaler.state_dict() for scaler in self.scalers],
             "master_weights": [masters.state_dict() for masters in self.master_weights if masters.alive],
             "skipped_steps": list(self.skipped_steps),
+            "promotion": self.promotion.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -623,12 +653,18 @@ class Amp:
                 f"the checkpoint has master weights for {len(state['master_weights'])} model(s) but "
                 f"{len(self.master_weights)} model(s) were prepared with master weights."
             )
+        promotion = state.get("promotion")
+        self.promotion.check_state_dict(promotion)
+        promoted_params = self.promotion.param_names(promotion)
         for masters, masters_state in zip(self.master_weights, state["master_weights"]):
-            masters.check_state_dict(masters_state)  # all checks first: a refused checkpoint changes nothing
+            # All checks first: a refused checkpoint changes nothing.
+            masters.check_state_dict(masters_state, fp32=promoted_params)
         for scaler, scaler_state in zip(self.scalers, state["scalers"]):
             scaler.load_state_dict(scaler_state)
+        self.promotion.load_state_dict(promotion)  # the run that saved it promoted these modules: so does this one
         for masters, masters_state in zip(self.master_weights, state["master_weights"]):
             masters.load_state_dict(masters_state)
+        self.promotion.load_weights(promotion)
         for optimizer_state in self._optimizers.values():
             optimizer_state.mirrors = None  # loading may have made masters for parameters that had none
         self.skipped_steps = list(state.get("skipped_steps", self.skipped_steps))
@@ -1033,14 +1069,6 @@ class Amp:
             if grad is not None:
                 candidates.append((self._names.get(id(param), f"param{index}"), grad))
         return candidates
-
-    def _nonfinite_names(self, optimizer: torch.optim.Optimizer) -> list[str]:
-        """Names of the parameters whose gradients hold inf or NaN (overflow steps only: it syncs)."""
-        candidates = self._named_grads(optimizer)
-        if not candidates:
-            return []
-        finite = torch.stack([torch.isfinite(g).all() for _, g in candidates]).tolist()
-        return [name for (name, _), ok in zip(candidates, finite) if not ok]
 
     def _log_overflow(self, names: list[str], loss_ids: list[int]) -> None:
         if not self.log_overflows:

@@ -302,6 +302,8 @@ class _CastMode(TorchFunctionMode):
         super().__init__()
         self.policy = policy
         self.disabled = 0
+        # Above 0 inside a module pinned or promoted to FP32 (lightning_mpx.promotion): half ops run in FP32.
+        self.fp32 = 0
         # A backward pass's mode (CastPolicy.recompute_scope): casts only what runs with gradients enabled.
         self.recompute_only = recompute_only
 
@@ -316,6 +318,8 @@ class _CastMode(TorchFunctionMode):
         if action == _PASS or self.disabled:
             return func(*args, **kwargs) if kwargs else func(*args)
         policy = self.policy
+        if action == _HALF and self.fp32:
+            action = _FLOAT  # inside an FP32 module: the table's half ops run in FP32
         if action == _BACKWARD:
             return _run_backward(policy, func, args, kwargs or {})
         if action == _INPLACE_FLOAT:
@@ -350,6 +354,36 @@ class _CastMode(TorchFunctionMode):
                 raise BannedOpError(policy.table.banned_advice(func))
             args, kwargs = policy._cast_all(args, kwargs, torch.float32, _LOW)
         return func(*args, **kwargs) if kwargs else func(*args)
+
+
+def enter_fp32() -> list[_CastMode]:
+    """Make the table's half ops run in FP32 in every cast policy active on this thread, until :func:`exit_fp32` is
+    given what this returned (nests). What a module pinned to FP32 at O1 runs under (see
+    :mod:`lightning_mpx.promotion`, which calls the two from forward hooks)."""
+    modes = [mode for mode in torch.overrides._get_current_function_mode_stack() if isinstance(mode, _CastMode)]
+    for mode in modes:
+        mode.fp32 += 1
+    return modes
+
+
+def exit_fp32(modes: list[_CastMode] | None = None) -> None:
+    """Undo one :func:`enter_fp32` (``None``: in the cast policies active on this thread now, which are the same ones
+    unless a policy was entered and left open in between)."""
+    if modes is None:
+        modes = [mode for mode in torch.overrides._get_current_function_mode_stack() if isinstance(mode, _CastMode)]
+    for mode in modes:
+        mode.fp32 = max(0, mode.fp32 - 1)
+
+
+@contextlib.contextmanager
+def fp32_scope() -> Iterator[None]:
+    """Run the table's half ops of every active cast policy on this thread in FP32 inside the block (state restored
+    when it ends or raises; scopes nest)."""
+    modes = enter_fp32()
+    try:
+        yield
+    finally:
+        exit_fp32(modes)
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Generator, Iterator
+from typing import Any, Callable, Generator, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -59,6 +59,10 @@ class MixedPrecisionPlugin(Precision):
         diagnose_overflows: Watch every training forward for non-finite module outputs, so that each overflow's
             record (``plugin.amp.last_overflow``) tells forward from backward and names the first module; without
             it only after an overflow at the floor (see :class:`~lightning_mpx.amp.Amp`).
+            on_floor, overflow_log_interval: Loss-scaler settings (see :class:`~lightning_mpx.amp.Amp`);
+            ``on_floor="promote"`` runs the modules that keep overflowing at the floor in FP32 from then on.
+        fp32_modules: Module-name patterns (fnmatch on the LightningModule's ``named_modules()`` names, e.g.
+            ``["lm_head", "*.norm"]``) of modules that run in FP32 at every opt level.
         **overrides: Opt-level property overrides (``keep_batchnorm_fp32``, ``loss_scale``, ``master_weights``,
             ``cast_model_type``, ``patch_torch_functions``), validated as in
             :func:`~lightning_mpx.opt_levels.resolve_properties`.
@@ -87,6 +91,7 @@ class MixedPrecisionPlugin(Precision):
         on_floor: OnFloor = "raise",
         overflow_log_interval: float = 10.0,
         diagnose_overflows: bool = False,
+        fp32_modules: Sequence[str] = (),
         **overrides: Any,
     ) -> None:
         self._settings: dict[str, Any] = dict(
@@ -105,6 +110,7 @@ class MixedPrecisionPlugin(Precision):
             on_floor=on_floor,
             overflow_log_interval=overflow_log_interval,
             diagnose_overflows=diagnose_overflows,
+            fp32_modules=fp32_modules,
             **overrides,
         )
         self._opt_level = opt_level

@@ -16,8 +16,8 @@ import torch
 from lightning_mpx.opt_levels import LossScale, _check_loss_scale
 
 _FP32_MAX = float(torch.finfo(torch.float32).max)
-OnFloor = Literal["raise", "warn", "continue"]
-ON_FLOOR_CHOICES: tuple[str, ...] = ("raise", "warn", "continue")
+OnFloor = Literal["raise", "warn", "continue", "promote"]
+ON_FLOOR_CHOICES: tuple[str, ...] = ("raise", "warn", "continue", "promote")
 
 
 class LossScaleFloorError(FloatingPointError):
@@ -45,7 +45,10 @@ class LossScaler:
         max_loss_scale: The ceiling of a dynamic scale.
         on_floor: What an overflow does when the scale cannot go lower (a dynamic scale at ``min_loss_scale``, or
             any static scale): ``"raise"`` :class:`LossScaleFloorError` naming the parameters with non-finite
-            gradients, ``"warn"``, or ``"continue"`` silently. The step is skipped in every case.
+            gradients, ``"warn"``, ``"continue"`` silently, or ``"promote"``: the modules the overflows keep coming
+            from run in FP32 from then on (done by :class:`~lightning_mpx.amp.Amp`, see
+            :mod:`lightning_mpx.promotion`; it raises as ``"raise"`` where no module can be blamed, and a scaler used
+            on its own raises too). The step is skipped in every case.
 
     .. warning::
         :meth:`get_scale`, :meth:`state_dict` and :meth:`handle_overflow` read device values and so wait for the
@@ -227,7 +230,7 @@ class LossScaler:
             + (hint or "Check the loss and inputs for inf/NaN, lower the learning rate, or use bfloat16")
             + "; pass on_floor='warn' or 'continue' to keep training."
         )
-        if self.on_floor == "raise":
+        if self.on_floor in ("raise", "promote"):  # "promote" gets here only when no module could be blamed
             raise LossScaleFloorError(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 

@@ -147,6 +147,15 @@ class MasterWeights:
             self._make_master(entry, param)
         return entry.master if entry.master is not None else param
 
+    def release(self, param: torch.Tensor) -> torch.Tensor | None:
+        """Forget the master of ``param``, which has become FP32 in place (a module promoted to FP32): from now on it
+        is its own master, as an FP32 parameter is. Returns the master it had (``None`` if none)."""
+        entry = self._entry(param)
+        if entry is None:
+            return None
+        master, entry.master = entry.master, None
+        return master
+
     def name_of(self, param: torch.Tensor) -> str | None:
         entry = self._entry(param)
         return entry.name if entry is not None else None
@@ -234,10 +243,11 @@ class MasterWeights:
         self.refresh()
         return {entry.name: entry.master.detach().clone() for entry, _ in self._live() if entry.master is not None}
 
-    def check_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Raise, changing nothing, if ``state`` cannot be loaded: other names, or a tensor of another shape."""
+    def check_state_dict(self, state: dict[str, torch.Tensor], fp32: Iterable[str] = ()) -> None:
+        """Raise, changing nothing, if ``state`` cannot be loaded: other names, or a tensor of another shape.
+        ``fp32``: names of parameters the checkpoint holds elsewhere, as FP32 weights (modules promoted to FP32)."""
         live = {entry.name: (entry, param) for entry, param in self._live()}
-        expected = {name for name, (entry, param) in live.items() if entry.master is not None}
+        expected = {name for name, (entry, param) in live.items() if entry.master is not None} - set(fp32)
         unexpected = [name for name in state if name not in live]
         missing = sorted(expected - set(state))
         if missing or unexpected:
@@ -266,7 +276,9 @@ class MasterWeights:
                     continue
                 if entry.master is None:
                     self._make_master(entry, param)
-                assert entry.master is not None
+                if entry.master is None:  # an FP32 parameter now (its module was promoted): the value is its own
+                    param.copy_(state[entry.name])
+                    continue
                 entry.master.copy_(state[entry.name])
         self.copy_to_model()
 
