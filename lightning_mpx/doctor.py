@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from lightning_mpx.plot import (
+    FIRST_OVERFLOW_PREFIX,
     HEADROOM_PREFIX,
     LOSS_TAGS,
     MODULE_OVERFLOW_PREFIX,
@@ -204,12 +205,13 @@ def diagnose_scalars(series: dict[str, Series], run_dir: str = "") -> Diagnosis:
     steps = [step for points in mpx.values() for step, _ in points]
     loss = next((series[tag] for tag in LOSS_TAGS if tag in series), None)
     module_overflows = _by_suffix(mpx, MODULE_OVERFLOW_PREFIX)
+    first_overflows = _by_suffix(mpx, FIRST_OVERFLOW_PREFIX)
     problems: list[Finding] = []
     info: list[Finding] = []
     healthy_evidence: list[str] = []
     for tag in sorted(t for t in mpx if t == SCALE_TAG or t.startswith(SCALE_TAG + "/loss")):
         suffix = tag[len(SCALE_TAG) :]
-        overflow = _persistent_overflow(mpx, suffix, module_overflows, loss)
+        overflow = _persistent_overflow(mpx, suffix, module_overflows, loss, first_overflows)
         if overflow is not None:
             problems.append(overflow)
         else:
@@ -238,7 +240,11 @@ def diagnose_scalars(series: dict[str, Series], run_dir: str = "") -> Diagnosis:
 
 # -- persistent overflow ------------------------------------------------------------------------------------------
 def _persistent_overflow(
-    mpx: dict[str, Series], suffix: str, module_overflows: dict[str, Series], loss: Series | None
+    mpx: dict[str, Series],
+    suffix: str,
+    module_overflows: dict[str, Series],
+    loss: Series | None,
+    first_overflows: dict[str, Series] | None = None,
 ) -> Finding | None:
     scale = mpx[SCALE_TAG + suffix]
     overflows = mpx.get(OVERFLOW_TAG + suffix, [])
@@ -291,11 +297,19 @@ def _persistent_overflow(
                 f"the logged loss is {loss[-1][1]} since step {loss[bad][0]}: the forward already produces "
                 "non-finite values"
             )
+    # A forward overflow makes every gradient non-finite; where the forward was watched, the first module whose
+    # output went non-finite (mpx/overflow_first/<module>) is the culprit, and the gradient counts are not.
+    watched = {
+        module: points
+        for module, points in (first_overflows or {}).items()
+        if any(step >= since and value > 0 for step, value in points)
+    }
+    source, source_prefix = (watched, FIRST_OVERFLOW_PREFIX) if watched else (module_overflows, MODULE_OVERFLOW_PREFIX)
     culprits: list[tuple[int, float, str]] = []
-    for module, points in module_overflows.items():
+    for module, points in source.items():
         in_window = [(step, value) for step, value in points if step >= since]
         hits = sum(value for _, value in in_window)
-        if count and hits >= MODULE_SHARE * count:
+        if count and (hits >= MODULE_SHARE * count or (watched and hits > 0)):
             # A module's tag appears at the first logging step after its first overflow: its counts cover the
             # run's logging intervals, not the steps since its own previous point.
             module_starts = _interval_starts(points, logged)
@@ -305,12 +319,13 @@ def _persistent_overflow(
     culprits.sort()
     modules = tuple(name or "<root>" for _, _, name in culprits)
     for first, hits, module in culprits[:8]:
+        what = "the first non-finite forward output" if watched else "non-finite gradients"
         evidence.append(
-            f"mpx/overflow/{module}: non-finite gradients in {-hits:g} of those {count:g} overflow steps, "
-            f"since step {first}"
+            f"{source_prefix}{module}: {what} in {-hits:g} of those {count:g} overflow steps, since step {first}"
         )
     if culprits:
-        since = min(first for first, _, _ in culprits)
+        if not watched:  # a watched module's tag starts with the watch (at the floor), not with the overflows
+            since = min(first for first, _, _ in culprits)
         where = f"module {modules[0]}" if len(modules) == 1 else f"modules {', '.join(modules[:4])}" + (
             f" and {len(modules) - 4} more" if len(modules) > 4 else ""
         )

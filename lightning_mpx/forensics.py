@@ -32,6 +32,8 @@ Origin = Literal["forward", "backward", "unknown"]
 OVERFLOW_TAG = "mpx/overflow/"
 #: The name the root module's own parameters go by in a tag (the module name itself is ``""``).
 ROOT_TAG = "_root"
+#: The metric prefix of the first module whose forward output went non-finite (watched overflow steps only).
+FIRST_TAG = "mpx/overflow_first/"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,6 +357,7 @@ class OverflowForensics:
     def __init__(self, diagnose: bool = False) -> None:
         self.watch = ForwardWatch()
         self._counts: dict[str, int] = {}  # overflow steps per module since the last metrics() call
+        self._first_counts: dict[str, int] = {}  # watched forward overflows per first non-finite module
         self.diagnose = diagnose
 
     @property
@@ -469,6 +472,8 @@ class OverflowForensics:
         """Count the record's modules and, at the floor, watch the following forwards."""
         for module in record.modules:
             self._counts[module] = self._counts.get(module, 0) + 1
+        if record.origin == "forward" and record.first_module is not None:
+            self._first_counts[record.first_module] = self._first_counts.get(record.first_module, 0) + 1
         if at_floor and not self.watch.active:
             self.watch.arm(automatic=True)
         self.watch.step_done()
@@ -482,7 +487,11 @@ class OverflowForensics:
 
     def metrics(self) -> dict[str, float]:
         """``mpx/overflow/<module>``: overflow steps since the last call in which the module had non-finite
-        gradients; a module seen before and clean since reports 0."""
+        gradients; ``mpx/overflow_first/<module>``: watched overflow steps since the last call whose forward went
+        non-finite first in that module (a forward overflow poisons every gradient: this names the culprit). A
+        module seen before and clean since reports 0."""
         out = {overflow_tag(module): float(count) for module, count in self._counts.items()}
+        out.update({FIRST_TAG + (module or ROOT_TAG): float(n) for module, n in self._first_counts.items()})
         self._counts = dict.fromkeys(self._counts, 0)
+        self._first_counts = dict.fromkeys(self._first_counts, 0)
         return out

@@ -16,6 +16,8 @@ LOSS_TAGS = ("train/loss", "train_loss", "loss")
 UNDERFLOW_PREFIX = "mpx/underflow/"
 HEADROOM_PREFIX = "mpx/headroom/"
 MODULE_OVERFLOW_PREFIX = "mpx/overflow/"
+#: Watched forward overflows by the first module whose output went non-finite (lightning_mpx.forensics).
+FIRST_OVERFLOW_PREFIX = "mpx/overflow_first/"
 _MAX_CURVES = 8  # per panel; the rest are left out (the title says how many)
 
 

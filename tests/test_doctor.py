@@ -281,6 +281,9 @@ def test_the_example_overflow_run_is_diagnosed_from_its_events(tmp_path, capsys)
     (finding,) = doctor.diagnose(row["run dir"]).findings
     assert finding.kind == "persistent_overflow" and finding.since_step == 4
     assert "the forward already produces non-finite values" in out
+    # Every module's gradients went NaN; the forward watch armed at the floor names the one that overflowed first.
+    assert finding.modules == ("boom",), out
+    assert "mpx/overflow_first/boom: the first non-finite forward output" in out
 
 
 def test_without_telemetry_a_low_constant_scale_is_pointed_out_but_not_a_problem(runs):
