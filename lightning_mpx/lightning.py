@@ -226,6 +226,10 @@ class MixedPrecisionPlugin(Precision):
                 "optimizer=LBFGS re-evaluates the loss through its closure several times per step, which loss "
                 "scaling and step skipping cannot support; use a first-order optimizer or Trainer precision '32'."
             )
+        trainer = model.trainer
+        if trainer.loggers and trainer._logger_connector.should_update_logs:
+            # A logging step: its unscale measures underflow and headroom (Amp.update() ends the request).
+            self.amp.request_telemetry()
         closure_result = closure()
         automatic = model.automatic_optimization
         skip_backward = closure_result is None and automatic  # training_step returned None: nothing to step
@@ -240,7 +244,6 @@ class MixedPrecisionPlugin(Precision):
             stepped = self.amp.step(optimizer, **kwargs)
         self._skipped[id(optimizer)] = not stepped
         self._update_pending = True
-        trainer = model.trainer
         if self._log_step is None and trainer.loggers and trainer._logger_connector.should_update_logs:
             self._log_step = trainer.fit_loop.epoch_loop._batches_that_stepped
         if automatic:  # one optimizer per iteration: the iteration ends with its step
