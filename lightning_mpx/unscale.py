@@ -374,8 +374,9 @@ def _reference(
             under.append((magnitude < stats.tiny).sum().to(found_inf.device))
             peak = magnitude.max() if magnitude.numel() else magnitude.new_zeros(())
             peaks.append(peak.to(found_inf.device))
-        stats.underflow = _stack(under, torch.int64, found_inf.device)
-        stats.peak = _stack(peaks, torch.float32, found_inf.device)
+        empty = torch.zeros(0, device=found_inf.device)
+        stats.underflow = (torch.stack(under) if under else empty).to(torch.int64)
+        stats.peak = (torch.stack(peaks) if peaks else empty).to(torch.float32)
     for index, target in enumerate(targets):
         if out is not None:
             target.copy_(grads[index])
@@ -399,12 +400,13 @@ def _foreach_stats(grads: Tensors, stats: GradStats, device: torch.device) -> No
 
     For each batch: ``|x| / tiny`` rounded down is zero exactly for the elements below ``tiny`` (the division is by
     a power of two: exact), so an L0 norm (count of nonzero elements, NaN and inf included) counts the others; the
-    largest magnitude is an infinity norm (NaN propagates and is then read as inf).
+    largest magnitude is an infinity norm (NaN propagates and is then read as inf). Empty tensors get 0 and 0.
     """
     scale = 1.0 / stats.tiny
     numels = [t.numel() for t in grads]
-    counts: list[torch.Tensor | float] = [0.0] * len(grads)
-    peaks: list[torch.Tensor | float] = [0.0] * len(grads)
+    positions: list[int] = []
+    kept: list[torch.Tensor] = []  # per batch: non-underflowing counts, FP32
+    peaks: list[torch.Tensor] = []
     for (_, _), indices in _grouped_indices(grads).items():
         batch: list[int] = []
         size = 0
@@ -413,29 +415,23 @@ def _foreach_stats(grads: Tensors, stats: GradStats, device: torch.device) -> No
             size += numels[index]
             if size >= _BF16_FALLBACK_ELEMENTS or position == len(indices) - 1:
                 tensors = [grads[i].detach() for i in batch]
-                for i, peak in zip(batch, torch._foreach_norm(tensors, float("inf"), dtype=torch.float32)):
-                    peaks[i] = peak.to(device)
+                peaks.append(torch.stack(torch._foreach_norm(tensors, float("inf"), dtype=torch.float32)).to(device))
                 magnitudes = torch._foreach_abs(tensors)
                 torch._foreach_mul_(magnitudes, scale)
                 torch._foreach_floor_(magnitudes)
-                for i, count in zip(batch, torch._foreach_norm(magnitudes, 0, dtype=torch.float32)):
-                    counts[i] = count.to(device)
+                kept.append(torch.stack(torch._foreach_norm(magnitudes, 0, dtype=torch.float32)).to(device))
                 del magnitudes
+                positions += batch
                 batch, size = [], 0
-    numel = torch.tensor(numels, dtype=torch.float64, device=device)
-    counted = _stack(counts, torch.float64, device)
-    stats.underflow = (numel - counted).round().to(torch.int64)
-    peak_all = _stack(peaks, torch.float32, device)
-    stats.peak = torch.where(peak_all.isnan(), torch.inf, peak_all)
-
-
-def _stack(values: list[torch.Tensor] | list[torch.Tensor | float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Per-tensor 0-d results (Python zeros for empty tensors) as one ``[n]`` tensor of ``dtype``."""
-    if not values:
-        return torch.zeros(0, dtype=dtype, device=device)
-    return torch.stack(
-        [v.to(dtype) if isinstance(v, torch.Tensor) else torch.zeros((), dtype=dtype, device=device) for v in values]
-    )
+    underflow = torch.zeros(len(grads), dtype=torch.int64, device=device)
+    peak = torch.zeros(len(grads), dtype=torch.float32, device=device)
+    if positions:
+        where = torch.tensor(positions, dtype=torch.int64).to(device, non_blocking=True)
+        numel = torch.tensor([numels[i] for i in positions], dtype=torch.float64).to(device, non_blocking=True)
+        underflow.index_copy_(0, where, (numel - torch.cat(kept).double()).round().to(torch.int64))
+        found = torch.cat(peaks)
+        peak.index_copy_(0, where, torch.where(found.isnan(), torch.inf, found))
+    stats.underflow, stats.peak = underflow, peak
 
 
 def _grouped_indices(tensors: Tensors) -> dict[tuple[torch.device, torch.dtype], list[int]]:
