@@ -12,8 +12,8 @@ It is the before/after measurement of the "per-step Python work" fix in ``docs/b
 
 Telemetry rows (float16, dynamic scale): two identical engines side by side in one process, ``on`` (underflow and
 headroom telemetry requested every ``--telemetry-every`` iterations, as the Lightning plugin does on logging steps)
-and ``off`` (never requested), run in alternating blocks of ``--steps`` iterations (the order swapped every repeat,
-``--repeats`` times). Reported: the engine time of ``on``'s non-logging iterations against ``off``'s iterations (the
+and ``off`` (never requested), stepping in turn, one iteration each (``--steps`` iterations per repeat, the order
+swapped every repeat, ``--repeats`` times). Reported: the engine time of ``on``'s non-logging iterations against ``off``'s iterations (the
 acceptance: equal within noise), and ``on``'s logging iterations (the request, the measuring unscale, and building
 ``Amp.metrics()``), whose extra cost over ``off`` is the price of a logging step.
 
@@ -93,7 +93,7 @@ def measure(level: str, params: int, steps: int, repeats: int) -> dict[str, Any]
 
 def measure_telemetry(level: str, params: int, steps: int, repeats: int, every: int) -> dict[str, Any]:
     """Engine time per iteration with telemetry requested every ``every`` iterations (non-logging and logging
-    iterations apart) and without it, in alternating blocks (float16)."""
+    iterations apart) and without it, the two engines stepping in turn (float16)."""
     engines = {}
     for name in ("on", "off"):
         torch.manual_seed(0)
@@ -128,15 +128,17 @@ def measure_telemetry(level: str, params: int, steps: int, repeats: int, every: 
         for _ in range(2 * every):
             iteration(name)
     for repeat in range(repeats):
-        for name in ("on", "off") if repeat % 2 == 0 else ("off", "on"):
-            block: list[float] = []
-            for _ in range(steps):
+        order = ("on", "off") if repeat % 2 == 0 else ("off", "on")
+        blocks: dict[str, list[float]] = {"on_nonlogging": [], "off": []}
+        for _ in range(steps):
+            for name in order:  # one iteration each, in turn: a change of load hits both alike
                 logging, us = iteration(name)
                 key = "off" if name == "off" else "on_logging" if logging else "on_nonlogging"
                 times[key].append(us)
                 if key != "on_logging":
-                    block.append(us)
-            block_means["off" if name == "off" else "on_nonlogging"].append(statistics.mean(block))
+                    blocks[key].append(us)
+        for key, block in blocks.items():
+            block_means[key].append(statistics.mean(block))
     on, off = statistics.median(times["on_nonlogging"]), statistics.median(times["off"])
     logging_us = statistics.median(times["on_logging"])
     return {
@@ -146,8 +148,8 @@ def measure_telemetry(level: str, params: int, steps: int, repeats: int, every: 
         "off_us_median": off,
         "on_nonlogging_us_median": on,
         "nonlogging_vs_off_pct": (on / off - 1) * 100,
-        "off_block_means_us": block_means["off"],
-        "on_nonlogging_block_means_us": block_means["on_nonlogging"],
+        "off_repeat_means_us": block_means["off"],
+        "on_nonlogging_repeat_means_us": block_means["on_nonlogging"],
         "on_logging_us_median": logging_us,
         "logging_extra_us": logging_us - off,
         "logging_iterations": len(times["on_logging"]),
@@ -190,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{'on, logging us':>15} {'logging extra us':>17}"
         )
         print()
-        print(f"telemetry requested every {args.telemetry_every} iterations (float16), alternating blocks; medians")
+        print(f"telemetry requested every {args.telemetry_every} iterations (float16), engines in turn; medians")
         print(header)
         print("-" * len(header))
         for r in telemetry_rows:

@@ -503,18 +503,19 @@ def unscale(
 
 
 def _stats_buffers(plan: _Plan) -> None:
-    """Make the plan's statistics buffers and its row-to-tensor index, once (the first logging step)."""
+    """Make the plan's statistics buffers and its row-to-tensor index, once (the first logging step), on the device
+    without reading it back."""
     if plan.owners is not None or plan.table is None:
         return
+    device = plan.table.device
     rows = plan.table.shape[0]
-    owners = torch.zeros(rows, dtype=torch.int64)
-    host_table = plan.table.cpu()  # once per plan, on a logging step
+    owners = torch.zeros(rows, dtype=torch.int64, device=device)
     for group in plan.groups:
-        members = torch.tensor(group.members, dtype=torch.int64)
-        owners[group.rows] = members[host_table[group.rows, 0]]
-    plan.owners = owners.to(plan.table.device)
-    plan.under = torch.zeros(max(rows, 1), dtype=torch.int32, device=plan.table.device)
-    plan.peak = torch.zeros(max(rows, 1), dtype=torch.float32, device=plan.table.device)
+        members = torch.tensor(group.members, dtype=torch.int64).to(device)
+        owners[group.rows] = members[group.table[:, 0]]
+    plan.owners = owners
+    plan.under = torch.zeros(max(rows, 1), dtype=torch.int32, device=device)
+    plan.peak = torch.zeros(max(rows, 1), dtype=torch.float32, device=device)
 
 
 def tensor_stats(plan: _Plan, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
