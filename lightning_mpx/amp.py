@@ -123,6 +123,8 @@ class Amp:
         found_inf_reducer: Optional callable that reduces an optimizer's overflow flag in place across processes
             (the adapters set it under a distributed strategy) so that every rank makes the same skip decision.
         log_overflows: Whether overflow messages are logged (adapters turn it off on ranks other than zero).
+        telemetry: The :class:`~lightning_mpx.telemetry.GradTelemetry` behind :meth:`request_telemetry`: the request
+            flag and the latest underflow and headroom results.
     """
 
     def __init__(

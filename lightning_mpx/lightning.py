@@ -226,8 +226,7 @@ class MixedPrecisionPlugin(Precision):
                 "optimizer=LBFGS re-evaluates the loss through its closure several times per step, which loss "
                 "scaling and step skipping cannot support; use a first-order optimizer or Trainer precision '32'."
             )
-        trainer = model.trainer
-        if trainer.loggers and trainer._logger_connector.should_update_logs:
+        if model.trainer.loggers and model.trainer._logger_connector.should_update_logs:
             # A logging step: its unscale measures underflow and headroom (Amp.update() ends the request).
             self.amp.request_telemetry()
         closure_result = closure()
@@ -244,6 +243,7 @@ class MixedPrecisionPlugin(Precision):
             stepped = self.amp.step(optimizer, **kwargs)
         self._skipped[id(optimizer)] = not stepped
         self._update_pending = True
+        trainer = model.trainer
         if self._log_step is None and trainer.loggers and trainer._logger_connector.should_update_logs:
             self._log_step = trainer.fit_loop.epoch_loop._batches_that_stepped
         if automatic:  # one optimizer per iteration: the iteration ends with its step

@@ -22,16 +22,15 @@ from lightning_mpx.unscale import GradStats, UnscaleWorkspace, unscale_grads_
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # numpy under the interpreter
 
-_TRITON = importlib.util.find_spec("triton") is not None
+_TRITON_DEVICE = None  # where the "triton" backend runs here: CPU tensors in the interpreter, else CUDA ones
+if importlib.util.find_spec("triton") is not None:
+    from lightning_mpx import _triton_unscale as kernels
+
+    _TRITON_DEVICE = "cpu" if kernels.interpreting() else "cuda" if torch.cuda.is_available() else None
 BACKENDS = [
     "reference",
     "foreach",
-    pytest.param(
-        "triton",
-        marks=pytest.mark.skipif(
-            not _TRITON or torch.cuda.is_available(), reason="needs triton's interpreter on CPU (no GPU, triton)"
-        ),
-    ),
+    pytest.param("triton", marks=pytest.mark.skipif(_TRITON_DEVICE is None, reason="triton is not installed")),
 ]
 
 
@@ -72,13 +71,23 @@ def _known(half: torch.dtype, src: torch.dtype) -> tuple[list[torch.Tensor], lis
 
 
 def _measure(backend, grads, half, *, out=None, max_norm=None):
+    """Unscale with statistics on the backend's device; the statistics and flag come back on the CPU, and ``grads``
+    and ``out`` (lists, changed in place) hold the unscaled values, also on the CPU."""
+    device = _TRITON_DEVICE if backend == "triton" else "cpu"
+    on_device = [g.to(device) for g in grads]
+    out_device = None if out is None else [o.to(device) for o in out]
     stats = GradStats(torch.finfo(half).tiny)
-    found = torch.zeros(())
+    found = torch.zeros((), device=device)
     unscale_grads_(
-        grads, torch.tensor(2.0**-3), found, out=out, max_norm=max_norm, backend=backend, workspace=_workspace(),
-        stats=stats,
+        on_device, torch.tensor(2.0**-3, device=device), found, out=out_device, max_norm=max_norm, backend=backend,
+        workspace=_workspace(), stats=stats,
     )
-    return stats, found
+    grads[:] = [g.cpu() for g in on_device]
+    if out is not None:
+        out[:] = [o.cpu() for o in out_device]
+    assert stats.underflow is not None and stats.peak is not None
+    stats.underflow, stats.peak = stats.underflow.cpu(), stats.peak.cpu()
+    return stats, found.cpu()
 
 
 CASES = [  # (half dtype, source dtype, unscale into FP32 masters)
@@ -128,8 +137,13 @@ def test_backends_agree_with_the_reference_and_leave_the_unscale_alone(backend, 
     assert float(found) == float(ref_found) == 1.0
     plain = fresh()
     plain_out = [torch.empty(41) for _ in range(5)] if master else None
-    plain_found = torch.zeros(())
-    unscale_grads_(plain, torch.tensor(2.0**-3), plain_found, out=plain_out, backend=backend, workspace=_workspace())
+    device = _TRITON_DEVICE if backend == "triton" else "cpu"
+    plain = [g.to(device) for g in plain]
+    plain_out = None if plain_out is None else [o.to(device) for o in plain_out]
+    unscale_grads_(plain, torch.tensor(2.0**-3, device=device), torch.zeros((), device=device), out=plain_out,
+                   backend=backend, workspace=_workspace())
+    plain = [g.cpu() for g in plain]
+    plain_out = None if plain_out is None else [o.cpu() for o in plain_out]
     for a, b in zip(out if master else grads, plain_out if master else plain):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
 
