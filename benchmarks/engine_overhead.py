@@ -13,7 +13,8 @@ It is the before/after measurement of the "per-step Python work" fix in ``docs/b
 Telemetry rows (float16, dynamic scale): two identical engines side by side in one process, ``on`` (underflow and
 headroom telemetry requested every ``--telemetry-every`` iterations, as the Lightning plugin does on logging steps)
 and ``off`` (never requested), stepping in turn, one iteration each (``--steps`` iterations per repeat, the order
-swapped every repeat, ``--repeats`` times). Reported: the engine time of ``on``'s non-logging iterations against ``off``'s iterations (the
+swapped every repeat, ``--repeats`` times), with two such pairs built in opposite orders to cancel a bias of
+construction order. Reported: the engine time of ``on``'s non-logging iterations against ``off``'s iterations (the
 acceptance: equal within noise), and ``on``'s logging iterations (the request, the measuring unscale, and building
 ``Amp.metrics()``), whose extra cost over ``off`` is the price of a logging step.
 
@@ -93,27 +94,33 @@ def measure(level: str, params: int, steps: int, repeats: int) -> dict[str, Any]
 
 def measure_telemetry(level: str, params: int, steps: int, repeats: int, every: int) -> dict[str, Any]:
     """Engine time per iteration with telemetry requested every ``every`` iterations (non-logging and logging
-    iterations apart) and without it, the two engines stepping in turn (float16)."""
-    engines = {}
-    for name in ("on", "off"):
-        torch.manual_seed(0)
-        model = _SideBySide([nn.Linear(8, 8) for _ in range(max(1, params // 2))])
-        amp = Amp(level, half_dtype="float16", init_scale=2.0**10)
-        model = amp.prepare_model(model)
-        optimizer = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
-        engines[name] = (amp, model, optimizer)
-    x = torch.randn(4, 8)
-    counters = {"on": 0, "off": 0}
-    times: dict[str, list[float]] = {"on_nonlogging": [], "on_logging": [], "off": []}
-    block_means: dict[str, list[float]] = {"on_nonlogging": [], "off": []}
+    iterations apart) and without it, the two engines stepping in turn (float16).
 
-    def iteration(name: str) -> tuple[bool, float]:
-        amp, model, optimizer = engines[name]
+    Two pairs of engines are built, one in each order ("on" first, then "off" first), and every repeat runs both:
+    on this machine the engine built first is a few percent slower at O2 whatever it does (an A/A run shows it), and
+    the two orders cancel that out.
+    """
+    engines: dict[tuple[int, str], tuple[Amp, nn.Module, torch.optim.Optimizer]] = {}
+    for pair, order in enumerate((("on", "off"), ("off", "on"))):
+        for name in order:
+            torch.manual_seed(0)
+            model = _SideBySide([nn.Linear(8, 8) for _ in range(max(1, params // 2))])
+            amp = Amp(level, half_dtype="float16", init_scale=2.0**10)
+            model = amp.prepare_model(model)
+            optimizer = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
+            engines[pair, name] = (amp, model, optimizer)
+    x = torch.randn(4, 8)
+    counters = dict.fromkeys(engines, 0)
+    times: dict[str, list[float]] = {"on_nonlogging": [], "on_logging": [], "off": []}
+    repeat_means: dict[str, list[float]] = {"on_nonlogging": [], "off": []}
+
+    def iteration(key: tuple[int, str]) -> tuple[bool, float]:
+        amp, model, optimizer = engines[key]
         with amp.forward_context():
             loss = amp.cast_outputs(model(amp.cast_inputs(x))).float().sum()
         amp.backward(loss)
-        logging = name == "on" and counters[name] % every == 0
-        counters[name] += 1
+        logging = key[1] == "on" and counters[key] % every == 0
+        counters[key] += 1
         start = time.perf_counter()
         if logging:
             amp.request_telemetry()
@@ -124,36 +131,37 @@ def measure_telemetry(level: str, params: int, steps: int, repeats: int, every: 
             amp.metrics()  # what a logging step builds (device tensors; the logger's read is not counted)
         return logging, (time.perf_counter() - start) * 1e6
 
-    for name in ("on", "off"):  # warm-up, the telemetry path included (iteration 0 logs)
+    for key in engines:  # warm-up, the telemetry path included (iteration 0 logs)
         for _ in range(20):
-            iteration(name)
+            iteration(key)
     for repeat in range(repeats):
-        order = ("on", "off") if repeat % 2 == 0 else ("off", "on")
-        blocks: dict[str, list[float]] = {"on_nonlogging": [], "off": []}
-        for _ in range(steps):
-            for name in order:  # one iteration each, in turn: a change of load hits both alike
-                logging, us = iteration(name)
-                key = "off" if name == "off" else "on_logging" if logging else "on_nonlogging"
-                times[key].append(us)
-                if key != "on_logging":
-                    blocks[key].append(us)
-        for key, block in blocks.items():
-            block_means[key].append(statistics.mean(block))
+        names = ("on", "off") if repeat % 2 == 0 else ("off", "on")
+        means: dict[str, list[float]] = {"on_nonlogging": [], "off": []}
+        for pair in (0, 1):
+            for _ in range(steps):
+                for name in names:  # one iteration each, in turn: a change of load hits both alike
+                    logging, us = iteration((pair, name))
+                    kind = "off" if name == "off" else "on_logging" if logging else "on_nonlogging"
+                    times[kind].append(us)
+                    if kind != "on_logging":
+                        means[kind].append(us)
+        for kind, values in means.items():
+            repeat_means[kind].append(statistics.mean(values))
     on, off = statistics.median(times["on_nonlogging"]), statistics.median(times["off"])
     logging_us = statistics.median(times["on_logging"]) if times["on_logging"] else float("nan")
     return {
         "opt_level": level,
-        "parameters": sum(1 for _ in engines["on"][1].parameters()),
+        "parameters": sum(1 for _ in engines[0, "on"][1].parameters()),
         "telemetry_every": every,
         "off_us_median": off,
         "on_nonlogging_us_median": on,
         "nonlogging_vs_off_pct": (on / off - 1) * 100,
-        "off_repeat_means_us": block_means["off"],
-        "on_nonlogging_repeat_means_us": block_means["on_nonlogging"],
+        "off_repeat_means_us": repeat_means["off"],
+        "on_nonlogging_repeat_means_us": repeat_means["on_nonlogging"],
         "on_logging_us_median": logging_us,
         "logging_extra_us": logging_us - off,
         "logging_iterations": len(times["on_logging"]),
-        "measurements": engines["on"][0].telemetry.measurements,
+        "measurements": sum(engines[pair, "on"][0].telemetry.measurements for pair in (0, 1)),
     }
 
 
