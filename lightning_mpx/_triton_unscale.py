@@ -22,6 +22,12 @@ depend on their order). The norm is deterministic: each program writes the sum o
 slot of a partials buffer, and a one-program kernel adds the slots in a fixed order and takes the square root; there
 are no float atomics.
 
+Statistics (``STATS``, a compile-time flag: launches without it compile to the kernels they were before). On a
+logging step each program also measures its chunk's *scaled* values, before the multiply: how many are below the
+half dtype's smallest normal number (``tiny``, zero included) and the largest magnitude (inf for inf and NaN). They go
+to per-chunk slots of two buffers made on the first such call, and :func:`tensor_stats` adds them up per tensor with
+two torch ops (an ``index_add_`` and a ``scatter_reduce_``); the caller reduces those per module.
+
 Byte counts per element (``s``/``d``: source/destination element sizes):
 
 * unscale in place (+ flag, + norm): read ``s``, write ``s`` - the floor (8 bytes for FP32);
@@ -35,7 +41,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Sequence
 
@@ -72,13 +78,25 @@ def _round_to(x, DST: tl.constexpr):
 
 
 @triton.jit
-def _block(src, dst, offs, n, scale, squares, bad, DST, HAS_SCALE, STORE, CHECK, NORM, MASKED: tl.constexpr):
+def _block(
+    src, dst, offs, n, scale, squares, bad, under, peak, tiny, DST, HAS_SCALE, STORE, CHECK, NORM, STATS,
+    MASKED: tl.constexpr,
+):
     """One block of a chunk; unmasked blocks let the compiler use vector loads and stores."""
     if MASKED:
         mask = offs < n
         x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
     else:
         x = tl.load(src + offs).to(tl.float32)
+    if STATS:
+        # The scaled value, before the multiply; NaN counts as infinitely large (not as underflow).
+        a = tl.abs(x)
+        a = tl.where(a == a, a, float("inf"))
+        small = a < tiny
+        if MASKED:
+            small = small & mask  # masked lanes hold 0: not elements
+        under += small.to(tl.int32)
+        peak = tl.maximum(peak, a)
     if HAS_SCALE:
         x = x * scale  # one FP32 multiply, then one rounding to DST: what torch's unscale does
     y = _round_to(x, DST)
@@ -94,7 +112,7 @@ def _block(src, dst, offs, n, scale, squares, bad, DST, HAS_SCALE, STORE, CHECK,
         bad = tl.maximum(bad, tl.where(tl.abs(v) <= _FP32_MAX, 0, 1))  # false for inf, -inf and NaN
     if NORM:
         squares += v * v  # masked lanes hold 0
-    return squares, bad
+    return squares, bad, under, peak
 
 
 @triton.jit
@@ -105,12 +123,16 @@ def _chunk_kernel(
     scale_ptr,
     found_ptr,
     partials_ptr,
+    under_ptr,
+    peak_ptr,
+    tiny,
     SRC: tl.constexpr,
     DST: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     STORE: tl.constexpr,
     CHECK: tl.constexpr,
     NORM: tl.constexpr,
+    STATS: tl.constexpr,
     ALIGNED: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -132,18 +154,29 @@ def _chunk_kernel(
     scale = tl.load(scale_ptr) if HAS_SCALE else 1.0
     squares = tl.zeros([BLOCK], dtype=tl.float32)
     bad = tl.zeros([BLOCK], dtype=tl.int32)
+    under = tl.zeros([BLOCK], dtype=tl.int32)  # unused (and removed by the compiler) without STATS
+    peak = tl.zeros([BLOCK], dtype=tl.float32)
     # A constant trip count; only the last block of a tensor is masked, and the steps past the end of a short
     # chunk are fully masked and move no data.
     for start in range(0, CHUNK, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         if start + BLOCK <= n:
-            squares, bad = _block(src, dst, offs, n, scale, squares, bad, DST, HAS_SCALE, STORE, CHECK, NORM, False)
+            squares, bad, under, peak = _block(
+                src, dst, offs, n, scale, squares, bad, under, peak, tiny, DST, HAS_SCALE, STORE, CHECK, NORM, STATS,
+                False,
+            )
         else:
-            squares, bad = _block(src, dst, offs, n, scale, squares, bad, DST, HAS_SCALE, STORE, CHECK, NORM, True)
+            squares, bad, under, peak = _block(
+                src, dst, offs, n, scale, squares, bad, under, peak, tiny, DST, HAS_SCALE, STORE, CHECK, NORM, STATS,
+                True,
+            )
     if CHECK:
         tl.store(found_ptr, 1.0, mask=tl.max(bad, axis=0) > 0)
     if NORM:
         tl.store(partials_ptr + pid, tl.sum(squares, axis=0))
+    if STATS:
+        tl.store(under_ptr + pid, tl.sum(under, axis=0))
+        tl.store(peak_ptr + pid, tl.max(peak, axis=0))
 
 
 @triton.jit
@@ -183,6 +216,7 @@ class _Group:
     members: tuple[int, ...]  # indices, in the call's lists, of this group's tensors (the table's tensor index)
     table: torch.Tensor  # this group's rows of the plan's table (a view)
     partials: torch.Tensor  # this group's slots of the plan's partials buffer (a view)
+    rows: slice = field(default_factory=lambda: slice(0, 0))  # this group's rows in the plan's table
     src_base: torch.Tensor | None = None  # int64 [len(members)] on the device, set by bind()
     dst_base: torch.Tensor | None = None
     aligned: bool = False  # every source and destination base address is a multiple of 16 bytes
@@ -205,6 +239,11 @@ class _Plan:
     coef: torch.Tensor | None = None  # FP32 [1]: clip coefficient * inv_scale, written and read within one call
     addresses: tuple[object, ...] = ()  # the source and destination addresses the groups' bases hold
     uploads: int = 0  # how many times base addresses were uploaded
+    # Statistics (made on the first call that asks for them): per row, the index of its tensor in the call's list,
+    # and the per-chunk underflow counts (int32) and peaks (FP32).
+    owners: torch.Tensor | None = None
+    under: torch.Tensor | None = None
+    peak: torch.Tensor | None = None
 
 
 _DTYPE = operator.attrgetter("dtype")
@@ -325,7 +364,7 @@ def _build(src: Tensors, dst: Tensors, chunk: int, device: torch.device) -> _Pla
     partials = torch.zeros(max(row, 1), dtype=torch.float32, device=device)
     coef = torch.zeros(1, dtype=torch.float32, device=device)
     table = table.contiguous()
-    groups = tuple(_Group(sd, dd, members, table[rows], partials[rows]) for sd, dd, members, rows in spans)
+    groups = tuple(_Group(sd, dd, members, table[rows], partials[rows], rows) for sd, dd, members, rows in spans)
     return _Plan(True, device, table, groups, partials, coef)
 
 
@@ -376,9 +415,11 @@ def _launch_chunks(
     *,
     store: bool,
     norm: bool,
+    stats_tiny: float | None = None,
 ) -> None:
     coef = plan.coef
     assert coef is not None
+    stats = stats_tiny is not None
     for group in plan.groups:
         _chunk_kernel[(group.table.shape[0],)](
             group.table,
@@ -387,12 +428,16 @@ def _launch_chunks(
             scale if scale is not None else coef,
             found if found is not None else coef,
             group.partials,
+            plan.under[group.rows] if stats else coef,  # type: ignore[index]
+            plan.peak[group.rows] if stats else coef,  # type: ignore[index]
+            stats_tiny if stats else 0.0,
             SRC=_TL_DTYPES[group.src_dtype],
             DST=_TL_DTYPES[group.dst_dtype],
             HAS_SCALE=scale is not None,
             STORE=store,
             CHECK=found is not None,
             NORM=norm,
+            STATS=stats,
             ALIGNED=group.aligned,
             CHUNK=workspace.chunk_size,
             BLOCK=workspace.block_size,
@@ -428,8 +473,13 @@ def unscale(
     want_norm: bool,
     max_norm: float | None,
     workspace: UnscaleWorkspace,
+    *,
+    stats_tiny: float | None = None,
 ) -> torch.Tensor | None:
-    """The fused unscale (see the module docstring) over a supported plan from :func:`plan`."""
+    """The fused unscale (see the module docstring) over a supported plan from :func:`plan`; with ``stats_tiny``,
+    the per-chunk statistics of the scaled values too (read them with :func:`tensor_stats`)."""
+    if stats_tiny is not None:
+        _stats_buffers(plan)
     if not plan.groups:  # nothing but empty tensors: nothing to unscale, a norm of zero
         return torch.zeros((), dtype=torch.float32, device=found_inf.device) if want_norm else None
     device = plan.device
@@ -438,11 +488,11 @@ def unscale(
         scale = inv_scale.to(device=device, dtype=torch.float32).reshape(1)
         flag = found_inf if found_inf.device == device else torch.zeros(1, dtype=torch.float32, device=device)
         if max_norm is None:
-            _launch_chunks(plan, workspace, scale, flag, store=True, norm=want_norm)
+            _launch_chunks(plan, workspace, scale, flag, store=True, norm=want_norm, stats_tiny=stats_tiny)
             norm = _finalize(plan, workspace, scale, None) if want_norm else None
         else:
             # 12-byte path: read-only pass for flag and norm, then one multiply by clip_coef * inv_scale.
-            _launch_chunks(plan, workspace, scale, flag, store=False, norm=True)
+            _launch_chunks(plan, workspace, scale, flag, store=False, norm=True, stats_tiny=stats_tiny)
             norm = _finalize(plan, workspace, scale, max_norm)
             _launch_chunks(plan, workspace, plan.coef, None, store=True, norm=False)
     if flag is not found_inf:
@@ -450,6 +500,37 @@ def unscale(
     if norm is not None and norm.device != found_inf.device:
         norm = norm.to(found_inf.device)
     return norm
+
+
+def _stats_buffers(plan: _Plan) -> None:
+    """Make the plan's statistics buffers and its row-to-tensor index, once (the first logging step), on the device
+    without reading it back."""
+    if plan.owners is not None or plan.table is None:
+        return
+    device = plan.table.device
+    rows = plan.table.shape[0]
+    owners = torch.zeros(rows, dtype=torch.int64, device=device)
+    for group in plan.groups:
+        members = torch.tensor(group.members, dtype=torch.int64).to(device)
+        owners[group.rows] = members[group.table[:, 0]]
+    plan.owners = owners
+    plan.under = torch.zeros(max(rows, 1), dtype=torch.int32, device=device)
+    plan.peak = torch.zeros(max(rows, 1), dtype=torch.float32, device=device)
+
+
+def tensor_stats(plan: _Plan, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per tensor of the call (``count`` of them, empty ones included): the underflow counts (int64) and the peaks
+    (FP32) that the last ``unscale(..., stats_tiny=...)`` over ``plan`` wrote per chunk, on ``device``."""
+    under = torch.zeros(count, dtype=torch.int64, device=device)
+    peak = torch.zeros(count, dtype=torch.float32, device=device)
+    if plan.owners is None or not plan.owners.numel():
+        return under, peak
+    assert plan.under is not None and plan.peak is not None
+    rows = plan.owners.numel()
+    owners = plan.owners.to(device)
+    under.index_add_(0, owners, plan.under[:rows].to(device, torch.int64))
+    peak.scatter_reduce_(0, owners, plan.peak[:rows].to(device), "amax")
+    return under, peak
 
 
 def copy(plan: _Plan, workspace: UnscaleWorkspace) -> None:

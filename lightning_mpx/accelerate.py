@@ -84,7 +84,7 @@ NATIVE_MIXED_PRECISION: tuple[str, ...] = ("no", "fp16", "bf16", "fp8")
 AMP_STATE_NAME = "lightning_mpx_amp.bin"
 
 _OPT_LEVEL_OVERRIDES = ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32", "master_weights", "loss_scale")
-_ADAPTER_FIELDS = ("log_metrics",)
+_ADAPTER_FIELDS = ("log_metrics", "telemetry_every_n_steps")
 _SUPPORTED_DISTRIBUTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
@@ -117,6 +117,10 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
         diagnose_overflows: Watch every forward for non-finite module outputs, so that each overflow's record
             (``accelerator.amp.last_overflow``) tells forward from backward and names the first module (see
             :class:`~lightning_mpx.amp.Amp`).
+        telemetry_every_n_steps: Measure underflow and headroom (``mpx/underflow/<module>``,
+            ``mpx/headroom/<module>``, see :mod:`lightning_mpx.telemetry`) in the unscale of every n-th iteration
+            (the first, then every n-th: log when ``step % n == 0``); ``None`` (default) measures only after
+            :meth:`Accelerator.request_mpx_telemetry`.
 
     Raises:
         ValueError: for a value that is invalid whatever the opt level (a dtype, a scaler setting, ...).
@@ -147,6 +151,7 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
     fp32_modules: Sequence[str] = ()
     log_metrics: bool = True
     diagnose_overflows: bool = False
+    telemetry_every_n_steps: int | None = None
 
     def __post_init__(self) -> None:
         parse_half_dtype(self.half_dtype)
@@ -159,6 +164,9 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
         for name in ("allow_banned", "log_metrics", "diagnose_overflows"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be True or False.")
+        every = self.telemetry_every_n_steps
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"telemetry_every_n_steps={every!r} must be a positive integer or None.")
         if self.unscale_backend not in BACKENDS:
             raise ValueError(
                 f"unscale_backend={self.unscale_backend!r} is not valid; valid choices: {', '.join(BACKENDS)}."
@@ -255,6 +263,7 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
             amp.log_overflows = self.is_main_process
         # Optimizers that stepped (or skipped) since the last Amp.update(): see the module docstring.
         self._stepped: set[int] = set()
+        self._iterations = 0  # Amp.update() calls so far: telemetry_every_n_steps counts them
         self._converted: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self.register_save_state_pre_hook(self._save_amp_state)
         self.register_load_state_pre_hook(self._load_amp_state)
@@ -379,6 +388,9 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
             super().backward(loss, **kwargs)
             return
         self._close_iteration()  # a pending update must reach the scale this backward uses
+        every = self.mpx_kwargs.telemetry_every_n_steps if self.mpx_kwargs is not None else None
+        if every is not None and self._iterations % every == 0:
+            self.amp.request_telemetry()  # before this iteration's unscale; Amp.update() ends the request
         self.amp.backward(loss / self.gradient_accumulation_steps, loss_id=loss_id, **kwargs)
 
     # -- gradients --------------------------------------------------------------------------------------------------
@@ -434,10 +446,21 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
         torch.nn.utils.clip_grad_value_(targets, clip_value)
 
     # -- metrics ----------------------------------------------------------------------------------------------------
+    def request_mpx_telemetry(self) -> None:
+        """Measure underflow and headroom in this iteration's unscale (call it before the optimizer step); the next
+        :meth:`log` or :meth:`mpx_metrics` holds ``mpx/underflow/<module>`` and ``mpx/headroom/<module>``."""
+        if self.amp is None:
+            raise ValueError(
+                f"request_mpx_telemetry() needs an opt level, but mixed_precision={self.mixed_precision!r}; use "
+                f"one of {', '.join(map(repr, OPT_LEVELS))}."
+            )
+        self.amp.request_telemetry()
+
     def mpx_metrics(self) -> dict[str, float]:
         """``mpx/loss_scale``, ``mpx/overflows`` (since the previous call), ``mpx/skipped_steps`` and
         ``mpx/grad_norm`` (when ``clip_grad_norm_`` computed it since the previous call) as Python floats, with a
-        ``/loss{id}`` suffix when there are several losses. Reads the device (one sync); empty with a native value."""
+        ``/loss{id}`` suffix when there are several losses, and ``mpx/underflow/<module>``/``mpx/headroom/<module>``
+        after telemetry was measured. Reads the device (one sync); empty with a native value."""
         if self.amp is None:
             return {}
         return {name: float(value) for name, value in self.amp.metrics().items()}
@@ -463,6 +486,7 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
         if self.amp is not None and self._stepped:
             self.amp.update()
             self._stepped.clear()
+            self._iterations += 1
 
     def _check_sync(self, what: str) -> None:
         if not self.sync_gradients:

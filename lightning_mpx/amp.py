@@ -39,6 +39,7 @@ from lightning_mpx.loss_scaler import LossScaler, OnFloor
 from lightning_mpx.master_weights import MasterWeights, Mirror, convert_module
 from lightning_mpx.opt_levels import Properties, resolve_properties
 from lightning_mpx.promotion import Promotion
+from lightning_mpx.telemetry import GradTelemetry
 from lightning_mpx.unscale import BACKENDS, UnscaleWorkspace, unscale_grads_
 
 log = logging.getLogger("lightning_mpx")
@@ -139,6 +140,8 @@ class Amp:
             set, every rank's record is gathered and merged (on every rank; only rank 0 logs).
         last_overflow_parameters: The names of the parameters with non-finite gradients at that step (this
             process's).
+        telemetry: The :class:`~lightning_mpx.telemetry.GradTelemetry` behind :meth:`request_telemetry`: the request
+            flag and the latest underflow and headroom results.
     """
 
     def __init__(
@@ -222,6 +225,7 @@ class Amp:
         self._overflows_reported: list[torch.Tensor | None] = [None] * num_losses
         self._last_overflow_log = -float("inf")
         self._suppressed_overflow_logs = 0
+        self.telemetry = GradTelemetry(self.properties.half_dtype)  # underflow/headroom, on request only
 
     # -- set-up -------------------------------------------------------------------------------------------------
     @property
@@ -598,13 +602,25 @@ class Amp:
         self._iteration_found.clear()
         if self.policy is not None:
             self.policy.clear_cache()
+        self.telemetry.requested = False  # a request covers one iteration
 
     # -- metrics and checkpoints --------------------------------------------------------------------------------
+    def request_telemetry(self) -> None:
+        """Measure underflow and headroom of the scaled gradients in every optimizer's unscale until the next
+        :meth:`update` (call it before the step of an iteration whose metrics will be logged).
+
+        The next :meth:`metrics` call then holds ``mpx/underflow/<group>`` and ``mpx/headroom/<group>`` (see
+        :mod:`lightning_mpx.telemetry`). The measurement runs in the unscale pass on the device, with no host sync;
+        without a request nothing is measured.
+        """
+        self.telemetry.requested = True
+
     def metrics(self) -> dict[str, torch.Tensor | float]:
         """``mpx/loss_scale``, ``mpx/overflows`` (since the last call), ``mpx/skipped_steps`` (total) and
         ``mpx/grad_norm`` (unscaled, when computed), with a ``/loss{id}`` suffix when there are several losses;
         ``mpx/overflow/<module>``: the overflow steps since the last call in which the module had non-finite
         gradients (0 for a module that had some before; ``_root`` stands for the root module's own parameters).
+        after a :meth:`request_telemetry`, ``mpx/underflow/<group>`` and ``mpx/headroom/<group>`` too.
 
         Values are device tensors or Python numbers: building them does not wait for the device.
         """
@@ -621,6 +637,7 @@ class Amp:
                 out["mpx/grad_norm" + suffix] = self._grad_norms.pop(loss_id)
         out.update(self.forensics.metrics())  # mpx/overflow/<module>, host counters
         out.update(self.promotion.metrics())
+        out.update(self.telemetry.metrics())
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -860,6 +877,8 @@ class Amp:
             grad_scale = state.grad_scale if state.grad_scale is not None else scaler.scale_tensor
             factor = grad_scale.double().reciprocal().float()  # in FP64, as GradScaler
         found = torch.zeros((), dtype=torch.float32, device=device)
+        # Telemetry measures scaled gradients: not the leftovers of a skipped batch, which hold true values.
+        stats = self.telemetry.stats() if self.telemetry.requested and not skipped else None
         norm = unscale_grads_(
             sources,
             factor,
@@ -868,7 +887,10 @@ class Amp:
             max_norm=max_norm,
             backend=self.unscale_backend,
             workspace=state.workspace,
+            stats=stats,
         )
+        if stats is not None:
+            self.telemetry.record(id(state), sources, _params(state.optimizer), self._names, stats)
         self._charge(state, loss_id, found)
         state.grad_norm = norm
         state.grad_scale = None

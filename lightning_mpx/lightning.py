@@ -238,6 +238,9 @@ class MixedPrecisionPlugin(Precision):
                 "optimizer=LBFGS re-evaluates the loss through its closure several times per step, which loss "
                 "scaling and step skipping cannot support; use a first-order optimizer or Trainer precision '32'."
             )
+        if model.trainer.loggers and model.trainer._logger_connector.should_update_logs:
+            # A logging step: its unscale measures underflow and headroom (Amp.update() ends the request).
+            self.amp.request_telemetry()
         closure_result = closure()
         automatic = model.automatic_optimization
         skip_backward = closure_result is None and automatic  # training_step returned None: nothing to step

@@ -12,6 +12,11 @@ also clip by the global L2 norm of the unscaled gradients. Backends:
 
 No backend waits for the device: the flag and the norm stay device tensors. The fused backend keeps its pointer and
 chunk tables in an :class:`UnscaleWorkspace` that the caller owns and passes back on every step.
+
+On request (``stats=GradStats(tiny)``, a logging step) the same call also measures the *scaled* gradients, per tensor:
+how many elements are below the half dtype's smallest normal number (zero included) and the largest magnitude. The
+fused backend takes both in the pass that unscales (a compile-time flag: calls without ``stats`` run the kernels they
+ran before); the foreach and reference backends take them with a few extra reads before they unscale.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import operator
 import os
 import sys
 from collections import OrderedDict
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
@@ -89,6 +95,32 @@ class UnscaleWorkspace:
         )
 
 
+@dataclass
+class GradStats:
+    """Per-tensor statistics of the scaled gradients, filled in by ``unscale_grads_(..., stats=...)``.
+
+    The values measured are the gradients as they are before the multiply by ``inv_scale`` (whatever their storage
+    dtype: FP32 at O1, half at O2), so that the thresholds of the half dtype tell what the half backward could hold.
+
+    Args:
+        tiny: The threshold: an element whose magnitude is below it counts as underflowing. Pass
+            ``torch.finfo(half_dtype).tiny``, the smallest normal number (subnormal or flushed to zero below it).
+
+    Attributes:
+        underflow: int64 ``[len(grads)]`` on the flag's device: per tensor, the elements with ``|x| < tiny`` (zeros
+            included, NaN not), or ``None`` before the call.
+        peak: FP32 ``[len(grads)]``: per tensor, the largest ``|x|`` (``inf`` when it holds inf or NaN; 0 when empty).
+    """
+
+    tiny: float
+    underflow: torch.Tensor | None = None
+    peak: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tiny, bool) or not isinstance(self.tiny, (int, float)) or not self.tiny > 0:
+            raise ValueError(f"tiny={self.tiny!r} must be a positive number (torch.finfo(half_dtype).tiny).")
+
+
 def unscale_grads_(
     grads: Tensors,
     inv_scale: torch.Tensor,
@@ -99,6 +131,7 @@ def unscale_grads_(
     max_norm: float | None = None,
     backend: str = "auto",
     workspace: UnscaleWorkspace | None = None,
+    stats: GradStats | None = None,
 ) -> torch.Tensor | None:
     """Unscale ``grads`` by ``inv_scale`` and record non-finite values in ``found_inf``.
 
@@ -115,6 +148,7 @@ def unscale_grads_(
         backend: ``"auto"``, ``"foreach"``, ``"reference"`` or ``"triton"``.
         workspace: Where the ``"triton"`` backend keeps its tables across calls; pass the same one every step
             (without one, the tables are rebuilt on every call).
+        stats: Also measure the scaled gradients (see :class:`GradStats`); its tensors are replaced by new ones.
 
     Returns:
         The norm as a 0-d FP32 tensor when asked for, else ``None``.
@@ -133,6 +167,10 @@ def unscale_grads_(
     if backend == "auto":
         implementation = _BACKENDS[resolve_backend(grads if out is None else [*grads, *out])]
     want_norm = compute_norm or max_norm is not None
+    if stats is not None:
+        if not isinstance(stats, GradStats):
+            raise TypeError(f"stats={type(stats).__name__} must be a lightning_mpx.unscale.GradStats or None.")
+        return implementation(grads, inv_scale, found_inf, out, want_norm, max_norm, workspace, stats)
     return implementation(grads, inv_scale, found_inf, out, want_norm, max_norm, workspace)
 
 
@@ -233,14 +271,20 @@ def _triton(
     want_norm: bool,
     max_norm: float | None,
     workspace: UnscaleWorkspace | None,
+    stats: GradStats | None = None,
 ) -> torch.Tensor | None:
     if workspace is None:
         workspace = UnscaleWorkspace()
     kernels, plan = _triton_plan(grads, grads if out is None else out, workspace, "unscale_grads_")
     if not plan.supported:
         # Several devices, non-dense layouts or other dtypes: the foreach twin gives the same answers.
-        return _foreach(grads, inv_scale, found_inf, out, want_norm, max_norm, None)
-    norm: torch.Tensor | None = kernels.unscale(plan, inv_scale, found_inf, want_norm, max_norm, workspace)
+        return _foreach(grads, inv_scale, found_inf, out, want_norm, max_norm, None, stats)
+    if stats is None:
+        return kernels.unscale(plan, inv_scale, found_inf, want_norm, max_norm, workspace)  # type: ignore[no-any-return]
+    norm: torch.Tensor | None = kernels.unscale(
+        plan, inv_scale, found_inf, want_norm, max_norm, workspace, stats_tiny=float(stats.tiny)
+    )
+    stats.underflow, stats.peak = kernels.tensor_stats(plan, len(grads), found_inf.device)
     return norm
 
 
@@ -283,7 +327,10 @@ def _foreach(
     want_norm: bool,
     max_norm: float | None,
     workspace: UnscaleWorkspace | None = None,
+    stats: GradStats | None = None,
 ) -> torch.Tensor | None:
+    if stats is not None:
+        _foreach_stats(grads, stats, found_inf.device)  # before the unscale: the scaled values
     targets = list(grads if out is None else out)
     if out is not None:
         for src, dst in _grouped_pairs(grads, targets):
@@ -315,9 +362,21 @@ def _reference(
     want_norm: bool,
     max_norm: float | None,
     workspace: UnscaleWorkspace | None = None,
+    stats: GradStats | None = None,
 ) -> torch.Tensor | None:
     targets = list(grads if out is None else out)
     squares = torch.zeros((), dtype=torch.float32, device=found_inf.device)
+    if stats is not None:
+        under, peaks = [], []
+        for grad in grads:  # before the unscale: the scaled values
+            magnitude = grad.detach().float().abs()
+            magnitude = torch.where(magnitude.isnan(), torch.inf, magnitude)  # NaN counts as infinitely large
+            under.append((magnitude < stats.tiny).sum().to(found_inf.device))
+            peak = magnitude.max() if magnitude.numel() else magnitude.new_zeros(())
+            peaks.append(peak.to(found_inf.device))
+        empty = torch.zeros(0, device=found_inf.device)
+        stats.underflow = (torch.stack(under) if under else empty).to(torch.int64)
+        stats.peak = (torch.stack(peaks) if peaks else empty).to(torch.float32)
     for index, target in enumerate(targets):
         if out is not None:
             target.copy_(grads[index])
@@ -334,6 +393,54 @@ def _reference(
         for target in targets:
             target.mul_(coef.to(target.device))
     return total
+
+
+def _foreach_stats(grads: Tensors, stats: GradStats, device: torch.device) -> None:
+    """:class:`GradStats` with torch's multi-tensor kernels, on copies of at most 2**26 elements at a time.
+
+    For each batch: ``|x| / tiny`` rounded down is zero exactly for the elements below ``tiny`` (the division is by
+    a power of two: exact), so an L0 norm (count of nonzero elements, NaN and inf included) counts the others; the
+    largest magnitude is an infinity norm (NaN propagates and is then read as inf). Empty tensors get 0 and 0.
+    """
+    scale = 1.0 / stats.tiny
+    numels = [t.numel() for t in grads]
+    positions: list[int] = []
+    kept: list[torch.Tensor] = []  # per batch: non-underflowing counts, FP32
+    peaks: list[torch.Tensor] = []
+    for (_, _), indices in _grouped_indices(grads).items():
+        batch: list[int] = []
+        size = 0
+        for position, index in enumerate(indices):
+            batch.append(index)
+            size += numels[index]
+            if size >= _BF16_FALLBACK_ELEMENTS or position == len(indices) - 1:
+                tensors = [grads[i].detach() for i in batch]
+                peaks.append(torch.stack(torch._foreach_norm(tensors, float("inf"), dtype=torch.float32)).to(device))
+                magnitudes = torch._foreach_abs(tensors)
+                torch._foreach_mul_(magnitudes, scale)
+                torch._foreach_floor_(magnitudes)
+                kept.append(torch.stack(torch._foreach_norm(magnitudes, 0, dtype=torch.float32)).to(device))
+                del magnitudes
+                positions += batch
+                batch, size = [], 0
+    underflow = torch.zeros(len(grads), dtype=torch.int64, device=device)
+    peak = torch.zeros(len(grads), dtype=torch.float32, device=device)
+    if positions:
+        where = torch.tensor(positions, dtype=torch.int64).to(device, non_blocking=True)
+        numel = torch.tensor([numels[i] for i in positions], dtype=torch.float64).to(device, non_blocking=True)
+        underflow.index_copy_(0, where, (numel - torch.cat(kept).double()).round().to(torch.int64))
+        found = torch.cat(peaks)
+        peak.index_copy_(0, where, torch.where(found.isnan(), torch.inf, found))
+    stats.underflow, stats.peak = underflow, peak
+
+
+def _grouped_indices(tensors: Tensors) -> dict[tuple[torch.device, torch.dtype], list[int]]:
+    """Indices of the non-empty tensors, by device and dtype (an infinity norm of no elements is an error)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        if tensor.numel():
+            groups.setdefault((tensor.device, tensor.dtype), []).append(index)
+    return groups
 
 
 def _global_norm(norms: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -358,10 +465,7 @@ def _grouped_pairs(src: Tensors, dst: Tensors) -> list[tuple[list[torch.Tensor],
     return list(groups.values())
 
 
-_Backend = Callable[
-    [Tensors, torch.Tensor, torch.Tensor, "Tensors | None", bool, "float | None", "UnscaleWorkspace | None"],
-    "torch.Tensor | None",
-]
+_Backend = Callable[..., "torch.Tensor | None"]
 _BACKENDS: Mapping[str, _Backend] = MappingProxyType(
     {"auto": _foreach, "foreach": _foreach, "reference": _reference, "triton": _triton}
 )
