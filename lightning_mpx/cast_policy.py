@@ -33,6 +33,7 @@ the recomputed forward gets the forward's dtypes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
@@ -99,6 +100,9 @@ class CastPolicy:
         # (id(tensor), dtype) -> _CacheEntry
         self._grad_cache: dict[tuple[int, torch.dtype], _CacheEntry] = {}
         self._no_grad_cache: dict[tuple[int, torch.dtype], _CacheEntry] = {}
+        # True while a _HandOff runs compiled code with this policy's mode taken off the stack: the compiled code
+        # (a _ScopeInside) then enters the scope itself, inside the compiled region. Read while tracing (guarded).
+        self._handed_off = False
         # Resolved now rather than at the first scope: a scope entered inside a compiled region would otherwise
         # resolve while tracing and recompile at the second call.
         self._refresh_actions()
@@ -125,6 +129,55 @@ class CastPolicy:
         self._refresh_actions()
         with _CastMode(self, recompute_only=True):
             yield self
+
+    def backward(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """``tensor.backward(*args, **kwargs)`` inside :meth:`recompute_scope`, without a call into the policy's hook.
+
+        The same as ``with policy.recompute_scope(): tensor.backward(...)``, which hands ``Tensor.backward`` to the
+        policy's mode first: this goes to the autograd engine directly (``Amp.backward`` uses it).
+        """
+        self._refresh_actions()
+        _run_backward(self, torch.Tensor.backward, (tensor, *args), kwargs)
+
+    def hand_off_compiled(self, root: Any, *, methods: Mapping[str, Callable[..., Any]] | None = None,
+                          compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
+                          ) -> list[HandOffHandle]:
+        """Let compiled code called inside this policy's scope run with the policy inside the compiled region.
+
+        A policy entered outside ``torch.compile``'d code is traced into its graph (the casts are in the graph), but
+        its mode stays on the stack while the compiled code runs and is handed every torch call of torch's own
+        runtime there. After this, each ``torch.compile``'d module found in ``root`` (``root`` itself or a submodule)
+        takes the policy's mode off the stack while it runs and enters the scope itself, inside its compiled
+        region: the same casts (the graph is the same), and no call into the policy's hook. Outside a scope, or with
+        casts disabled, it runs as before. A backward pass started with :meth:`backward` (or inside
+        :meth:`recompute_scope`) leaves compiled graphs' backward alone too.
+
+        Args:
+            root: A module, or any object for ``methods`` only.
+            methods: ``{name: original}`` for compiled methods set as instance attributes of ``root``, with their
+                uncompiled function, compiled again by ``compile_fn`` with the scope inside.
+            compile_fn: What compiled those methods (for example the ``dynamo_ctx`` of a ``torch.compile``'d module).
+
+        Returns:
+            Handles whose ``remove()`` restores the modules and methods.
+        """
+        handles = []
+        if isinstance(root, torch.nn.Module):
+            from torch._dynamo.eval_frame import OptimizedModule
+
+            for module in root.modules():
+                if isinstance(module, OptimizedModule):
+                    handle = _hand_off_module(self, module)
+                    if handle is not None:
+                        handles.append(handle)
+        if methods:
+            if compile_fn is None:
+                raise TypeError("compile_fn=None: methods need the function that compiled them")
+            for name, original in methods.items():
+                handle = _hand_off_method(self, root, name, original, compile_fn)
+                if handle is not None:
+                    handles.append(handle)
+        return handles
 
     def clear_cache(self) -> None:
         """Drop the cached casts of parameters: call it at each iteration boundary, after the optimizer step."""
@@ -259,9 +312,27 @@ def _run_backward(policy: CastPolicy, func: Callable[..., Any], args: tuple[Any,
         or any(not t.requires_grad for t in input_tensors)
     ):
         return func(*args, **kwargs)  # torch's own result or error
+    if func is torch.Tensor.backward and bound.arguments.get("gradient") is None and root_tensors[0].numel() == 1:
+        # What the engine would make for a scalar, made here: inside the mode it would be a call into the hook.
+        bound.arguments["gradient"] = torch.ones_like(root_tensors[0], memory_format=torch.preserve_format)
+    _leave_compiled_backward(policy, root_tensors)
     bound.arguments[roots_name] = _as_edges(roots)
     if inputs is not None:
         bound.arguments[inputs_name] = _as_edges(inputs)
+    if func is torch.Tensor.backward and _make_grads is not None and _engine_run_backward is not None:
+        # torch.autograd.backward's own steps, with the gradient checked before the mode is entered (inside it, the
+        # checks' tensor calls would go through the hook).
+        edges = (bound.arguments["self"],)
+        inputs = bound.arguments.get("inputs")
+        inputs = () if inputs is None else inputs if isinstance(inputs, tuple) else (inputs,)
+        if inputs or bound.arguments.get("inputs") is None:
+            create_graph = bool(bound.arguments.get("create_graph", False))
+            retain_graph = bound.arguments.get("retain_graph")
+            grads = _make_grads(edges, (bound.arguments.get("gradient"),), is_grads_batched=False)
+            with _CastMode(policy, recompute_only=True):
+                _engine_run_backward(edges, grads, create_graph if retain_graph is None else retain_graph,
+                                     create_graph, inputs, allow_unreachable=True, accumulate_grad=True)
+            return None
     with _CastMode(policy, recompute_only=True):
         if func is torch.Tensor.backward:
             gradient = bound.arguments.get("gradient")
@@ -273,6 +344,54 @@ def _run_backward(policy: CastPolicy, func: Callable[..., Any], args: tuple[Any,
                 inputs=bound.arguments.get("inputs"),
             )
         return func(*bound.args, **bound.kwargs)
+
+
+# torch.autograd.backward's two steps (private; the public call is used where a torch release lacks them).
+_make_grads = getattr(torch.autograd, "_make_grads", None)
+_engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+# How far from the roots of a backward pass to look for compiled graphs' backward nodes (a loss computed eagerly from
+# a compiled model's output is a few nodes away; an eager model is not searched further than this).
+_SEARCH_DEPTH, _SEARCH_NODES = 8, 32
+_COMPILED_BACKWARD = "CompiledFunctionBackward"  # the node of an AOT-autograd (torch.compile) graph's backward
+
+
+def _leave_compiled_backward(policy: CastPolicy, roots: list[torch.Tensor]) -> None:
+    """Take ``policy``'s recompute modes off the mode stack while the backward of a compiled graph runs.
+
+    A compiled graph's backward is one node whose recomputation, if any, is inside the graph, with the forward's
+    casts traced into it; the mode would only be handed the node's own runtime calls. The autograd engine restores
+    the mode stack it captured for every node it runs, so a pre-hook that pops the modes affects that node alone
+    (also when it raises). Only nodes near the roots are looked at (at most ``_SEARCH_NODES``).
+    """
+    hook = None
+    frontier = [t.grad_fn for t in roots]
+    budget = _SEARCH_NODES
+    for _ in range(_SEARCH_DEPTH):
+        following = []
+        for node in frontier:
+            if node is None:
+                continue
+            if type(node).__name__ == _COMPILED_BACKWARD:
+                if hook is None:
+                    hook = functools.partial(_pop_recompute_modes, policy)
+                node.register_prehook(hook)
+            budget -= 1
+            if budget <= 0:
+                return
+            following.extend(edge[0] for edge in node.next_functions)
+        if not following:
+            return
+        frontier = following
+
+
+def _pop_recompute_modes(policy: CastPolicy, grad_outputs: Any) -> None:
+    stack_len, stack_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
+    while stack_len():
+        top = stack_at(stack_len() - 1)
+        if not (type(top) is _CastMode and top.policy is policy and top.recompute_only):
+            return
+        torch._C._pop_torch_function_stack()
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -367,3 +486,100 @@ def disable_casts() -> Iterator[None]:
     finally:
         for mode in modes:
             mode.disabled -= 1
+
+
+# -- compiled code called from inside a scope ---------------------------------------------------------------------
+#
+# Dynamo traces an active mode's __torch_function__ into the graph, so the compiled code already holds the casts; but a
+# mode left on the stack while the compiled code runs is still handed every torch call of its runtime (AOT autograd's
+# wrappers, inductor's extern kernels), which it lets through one by one. A hand-off takes the policy's mode off the
+# stack around the compiled call, and the compiled code enters the policy's scope itself (traced, so no mode is on the
+# stack at run time): the same casts, no call into the hook.
+
+
+class _ScopeInside:
+    """``fn`` inside the policy's scope when a :class:`_HandOff` took the policy's mode off the stack to call the
+    compiled code that runs this (read while tracing: dynamo guards on the flag)."""
+
+    def __init__(self, policy: CastPolicy, fn: Callable[..., Any]) -> None:
+        self.policy = policy
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.policy._handed_off:
+            with self.policy.scope():
+                return self.fn(*args, **kwargs)
+        return self.fn(*args, **kwargs)
+
+
+class _HandOff:
+    """Calls compiled code (which runs a :class:`_ScopeInside`) with the policy's active forward modes taken off the
+    mode stack, and puts them back afterwards, also when it raises."""
+
+    def __init__(self, policy: CastPolicy, compiled: Callable[..., Any]) -> None:
+        self.policy = policy
+        self.compiled = compiled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        policy = self.policy
+        if torch.compiler.is_compiling():  # called from other compiled code: traced as it is
+            return self.compiled(*args, **kwargs)
+        popped = []
+        stack_len, stack_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
+        while stack_len():
+            top = stack_at(stack_len() - 1)
+            if not (type(top) is _CastMode and top.policy is policy and not top.recompute_only and not top.disabled):
+                break
+            popped.append(torch._C._pop_torch_function_stack())
+        if not popped:
+            return self.compiled(*args, **kwargs)
+        previous, policy._handed_off = policy._handed_off, True
+        try:
+            return self.compiled(*args, **kwargs)
+        finally:
+            policy._handed_off = previous
+            for mode in reversed(popped):
+                torch._C._push_on_torch_function_stack(mode)
+
+
+class HandOffHandle:
+    """Undoes a hand-off installed by :meth:`CastPolicy.hand_off_compiled`: ``handle.remove()``."""
+
+    def __init__(self, restore: list[tuple[Any, str, Any]]) -> None:
+        self._restore = restore  # (object, attribute, previous instance value or _MISSING)
+
+    def remove(self) -> None:
+        """Restore the attributes that the hand-off replaced (idempotent)."""
+        for owner, name, previous in reversed(self._restore):
+            if previous is _MISSING:
+                owner.__dict__.pop(name, None)
+            else:
+                owner.__dict__[name] = previous
+        self._restore = []
+
+
+_MISSING = object()
+
+
+def _hand_off_module(policy: CastPolicy, module: torch.nn.Module) -> HandOffHandle | None:
+    """Hand-off for a ``torch.compile``'d module (an ``OptimizedModule``): its original module's ``forward`` enters the
+    scope (inside the compiled region), and its compiled ``forward`` is called through a :class:`_HandOff`."""
+    inner = module._orig_mod
+    outer = module.__dict__.get("forward")
+    if outer is None or isinstance(outer, _HandOff):
+        return None
+    restore = [(inner, "forward", inner.__dict__.get("forward", _MISSING)), (module, "forward", outer)]
+    inner.__dict__["forward"] = _ScopeInside(policy, inner.forward)
+    module.__dict__["forward"] = _HandOff(policy, outer)
+    return HandOffHandle(restore)
+
+
+def _hand_off_method(policy: CastPolicy, owner: Any, name: str, original: Callable[..., Any],
+                     compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]]) -> HandOffHandle | None:
+    """Hand-off for a compiled method ``owner.name`` (an instance attribute) whose uncompiled version is ``original``
+    and that ``compile_fn`` compiled (Lightning's ``trainer.fit(torch.compile(model))`` compiles the steps so)."""
+    current = owner.__dict__.get(name)
+    if current is None or isinstance(current, _HandOff):
+        return None
+    owner.__dict__[name] = _HandOff(policy, compile_fn(_ScopeInside(policy, original)))
+    return HandOffHandle([(owner, name, current)])
