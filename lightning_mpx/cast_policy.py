@@ -581,5 +581,7 @@ def _hand_off_method(policy: CastPolicy, owner: Any, name: str, original: Callab
     current = owner.__dict__.get(name)
     if current is None or isinstance(current, _HandOff):
         return None
-    owner.__dict__[name] = _HandOff(policy, compile_fn(_ScopeInside(policy, original)))
+    handoff = _HandOff(policy, compile_fn(_ScopeInside(policy, original)))
+    functools.update_wrapper(handoff, original)  # __wrapped__: what was compiled (Lightning's is_overridden reads it)
+    owner.__dict__[name] = handoff
     return HandOffHandle([(owner, name, current)])
