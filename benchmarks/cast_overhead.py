@@ -8,10 +8,12 @@ policy's hook); the O1 policy; and the explicit-cast twin (the same model with t
 hand, no mode at all).
 
 Compiled rows (inductor, unless ``--backend``): ``torch.autocast`` outside the compiled model; the O1 policy entered
-outside the compiled model (``O1_outside``: how ``Amp.forward_context()`` and the plugins use it); and the O1 policy
-entered inside the compiled function (``O1_inside``). Each compiled row starts from ``torch._dynamo.reset()`` and
-reports dynamo's graph breaks, the graphs compiled (the backend's calls), the recompiles (compilations after the first
-step) and the calls into the policy's hook in one steady-state step (counted with ``sys.setprofile``).
+outside the compiled model (``O1_outside``: ``Amp.forward_context()`` around a model compiled by hand); the same with
+the compiled model handed off (``O1_handoff``: ``CastPolicy.hand_off_compiled``, what the Lightning plugin does with a
+compiled model); and the O1 policy entered inside the compiled function (``O1_inside``: the Accelerate adapter's
+prepared forward). Each compiled row starts from ``torch._dynamo.reset()`` and reports dynamo's graph breaks, the
+graphs compiled (the backend's calls), the recompiles (compilations after the first step) and the calls into the
+policy's hook in one steady-state step (counted with ``sys.setprofile``).
 
     python benchmarks/cast_overhead.py [--models tiny mid] [--steps 100] [--repeats 5] [--no-compile] [--out PATH]
 
@@ -137,14 +139,13 @@ def _time(model: nn.Module, step: Step, steps: int, after: Callable[[], None]) -
 
 
 def _in(ctx: Callable[[], ContextManager[Any]], fn: Step,
-        backward_ctx: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> Step:
-    """One step: ``fn()`` (the forward pass) inside ``ctx()``, then its backward pass inside ``backward_ctx()``."""
+        backward: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> Step:
+    """One step: ``fn()`` (the forward pass) inside ``ctx()``, then ``backward(loss)``."""
 
     def step() -> torch.Tensor:
         with ctx():
             loss = fn()
-        with backward_ctx():
-            loss.backward()
+        backward(loss)
         return loss
 
     return step
@@ -175,16 +176,18 @@ def _variants(model: TinyLM, data: tuple[torch.Tensor, torch.Tensor], dtype: tor
     """name -> (step, what to run after each step), eager or compiled."""
     clear = policy.clear_cache
     null = contextlib.nullcontext
-    # The O1 rows enter the policy's recompute scope around the backward pass, as Amp.backward does.
+    # The O1 rows run the backward pass in the policy's recompute scope (policy.backward), as Amp.backward does.
     if compile_backend is None:
         return {
             "fp32": (_in(null, lambda: model(*data)), lambda: None),
             "autocast": (_in(lambda: torch.autocast("cpu", dtype=dtype), lambda: model(*data)), lambda: None),
             "mode_floor": (_in(lambda: _autocast_and_mode(dtype), lambda: model(*data)), lambda: None),
-            "O1": (_in(policy.scope, lambda: model(*data), policy.recompute_scope), clear),
+            "O1": (_in(policy.scope, lambda: model(*data), policy.backward), clear),
             "twin": (_in(null, lambda: model.twin(*data, dtype)), lambda: None),
         }
     compiled = torch.compile(model, backend=compile_backend)
+    handed_off = torch.compile(model, backend=compile_backend)
+    policy.hand_off_compiled(handed_off)  # as the Lightning plugin does with a compiled model
 
     @torch.compile(backend=compile_backend)
     def inside(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -193,8 +196,9 @@ def _variants(model: TinyLM, data: tuple[torch.Tensor, torch.Tensor], dtype: tor
 
     return {
         "autocast": (_in(lambda: torch.autocast("cpu", dtype=dtype), lambda: compiled(*data)), lambda: None),
-        "O1_outside": (_in(policy.scope, lambda: compiled(*data), policy.recompute_scope), clear),
-        "O1_inside": (_in(null, lambda: inside(*data), policy.recompute_scope), clear),
+        "O1_outside": (_in(policy.scope, lambda: compiled(*data), policy.backward), clear),
+        "O1_handoff": (_in(policy.scope, lambda: handed_off(*data), policy.backward), clear),
+        "O1_inside": (_in(null, lambda: inside(*data), policy.backward), clear),
     }
 
 
@@ -235,7 +239,7 @@ def run_model(name: str, dtype: torch.dtype, args: argparse.Namespace) -> list[d
     if args.no_compile:
         return rows
     compiled: dict[str, dict[str, Any]] = {}
-    for v in ("autocast", "O1_outside", "O1_inside"):
+    for v in ("autocast", "O1_outside", "O1_handoff", "O1_inside"):
         # Each variant compiled from a clean dynamo state, counting its graphs, breaks and recompiles over 20 steps.
         torch._dynamo.reset()
         counters.clear()

@@ -93,6 +93,7 @@ class CastPolicy:
         #: op then runs in half as written); :mod:`lightning_mpx.apex` turns it on.
         self.refuse_inplace_float = False
         self._actions: dict[Callable[..., Any], int] = {}
+        self._actions_stamp = 0  # bumped whenever _actions is rebuilt: compiled code guards on it
         # The table and table version that _actions was memoised from. The table itself, not its id(): an id can be
         # reused by a new table once the old one is freed.
         self._actions_of: tuple[Any, ...] = (None, -1, False)
@@ -208,6 +209,7 @@ class CastPolicy:
                         actions[inplace] = _INPLACE_FLOAT
             self._actions = actions
             self._actions_of = (self.table, self.table._version, refuse)
+            self._actions_stamp += 1
 
     def _cast(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
         if isinstance(value, torch.Tensor):
@@ -414,6 +416,20 @@ def _as_edges(value: Any) -> Any:
     return value
 
 
+def _action_of(policy: CastPolicy, func: Callable[..., Any], stamp: int) -> int:
+    """``func``'s action in ``policy``'s resolved table (``stamp`` is ``policy._actions_stamp``).
+
+    Under ``torch.compile`` dynamo runs this while tracing and keeps the result as a constant, guarding on ``stamp``
+    (an int, rebuilt tables get a new one) instead of on every key of the table: read as a dict in the traced code,
+    the table's ~330 function keys would each become a guard, checked at every call of the compiled code.
+    """
+    return policy._actions.get(func, _PASS)
+
+
+# What torch.compiler.assume_constant_result(_action_of) sets, without importing dynamo (seconds) at import time.
+_action_of._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 class _CastMode(TorchFunctionMode):
     """The torch-function mode behind :meth:`CastPolicy.scope`; one per scope entry."""
 
@@ -431,10 +447,10 @@ class _CastMode(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        action = self.policy._actions.get(func, _PASS)  # read live: a table changed inside a scope takes effect
+        policy = self.policy
+        action = _action_of(policy, func, policy._actions_stamp)  # read live: a table changed inside a scope applies
         if action == _PASS or self.disabled:
             return func(*args, **kwargs) if kwargs else func(*args)
-        policy = self.policy
         if action == _BACKWARD:
             return _run_backward(policy, func, args, kwargs or {})
         if action == _INPLACE_FLOAT:
@@ -568,8 +584,11 @@ def _hand_off_module(policy: CastPolicy, module: torch.nn.Module) -> HandOffHand
     outer = module.__dict__.get("forward")
     if outer is None or isinstance(outer, _HandOff):
         return None
-    restore = [(inner, "forward", inner.__dict__.get("forward", _MISSING)), (module, "forward", outer)]
-    inner.__dict__["forward"] = _ScopeInside(policy, inner.forward)
+    restore = [(module, "forward", outer)]
+    current = inner.__dict__.get("forward", _MISSING)
+    if not (isinstance(current, _ScopeInside) and current.policy is policy):  # not twice for one module
+        restore.append((inner, "forward", current))
+        inner.__dict__["forward"] = _ScopeInside(policy, inner.forward)
     module.__dict__["forward"] = _HandOff(policy, outer)
     return HandOffHandle(restore)
 
