@@ -288,6 +288,7 @@ _BACKWARD_ARGUMENTS: Mapping[Callable[..., Any], tuple[str, str]] = MappingProxy
     }
 )
 _BACKWARD_ENTRIES = frozenset(_BACKWARD_ARGUMENTS)
+_TENSOR_BACKWARD_KEYWORDS = frozenset({"gradient", "retain_graph", "create_graph", "inputs"})
 _BACKWARD_SIGNATURES: Mapping[Callable[..., Any], inspect.Signature] = MappingProxyType(
     {func: inspect.signature(func) for func in _BACKWARD_ARGUMENTS}
 )
@@ -305,8 +306,12 @@ def _run_backward(policy: CastPolicy, func: Callable[..., Any], args: tuple[Any,
     computes the same gradients) reaches the engine directly, with the recompute mode in place.
     """
     roots_name, inputs_name = _BACKWARD_ARGUMENTS[func]
-    bound = _BACKWARD_SIGNATURES[func].bind(*args, **kwargs)
-    roots, inputs = bound.arguments.get(roots_name), bound.arguments.get(inputs_name)
+    if func is torch.Tensor.backward and len(args) == 1 and _TENSOR_BACKWARD_KEYWORDS.issuperset(kwargs):
+        bound, arguments = None, {"self": args[0], **kwargs}  # the common call, without inspect's binding
+    else:
+        bound = _BACKWARD_SIGNATURES[func].bind(*args, **kwargs)
+        arguments = bound.arguments
+    roots, inputs = arguments.get(roots_name), arguments.get(inputs_name)
     root_tensors, input_tensors = list(_tensors(roots)), list(_tensors(inputs))
     if (
         not root_tensors
@@ -314,37 +319,37 @@ def _run_backward(policy: CastPolicy, func: Callable[..., Any], args: tuple[Any,
         or any(not t.requires_grad for t in input_tensors)
     ):
         return func(*args, **kwargs)  # torch's own result or error
-    if func is torch.Tensor.backward and bound.arguments.get("gradient") is None and root_tensors[0].numel() == 1:
+    if func is torch.Tensor.backward and arguments.get("gradient") is None and root_tensors[0].numel() == 1:
         # What the engine would make for a scalar, made here: inside the mode it would be a call into the hook.
-        bound.arguments["gradient"] = torch.ones_like(root_tensors[0], memory_format=torch.preserve_format)
+        arguments["gradient"] = torch.ones_like(root_tensors[0], memory_format=torch.preserve_format)
     _leave_compiled_backward(policy, root_tensors)
-    bound.arguments[roots_name] = _as_edges(roots)
+    arguments[roots_name] = _as_edges(roots)
     if inputs is not None:
-        bound.arguments[inputs_name] = _as_edges(inputs)
-    if func is torch.Tensor.backward and _make_grads is not None and _engine_run_backward is not None:
-        # torch.autograd.backward's own steps, with the gradient checked before the mode is entered (inside it, the
-        # checks' tensor calls would go through the hook).
-        edges = (bound.arguments["self"],)
-        inputs = bound.arguments.get("inputs")
+        arguments[inputs_name] = _as_edges(inputs)
+    if func is torch.Tensor.backward:
+        create_graph = bool(arguments.get("create_graph", False))
+        retain_graph = arguments.get("retain_graph")
+        edges = (arguments["self"],)
+        inputs = arguments.get("inputs")
+        if isinstance(inputs, dict):
+            inputs = tuple(inputs.values())
         inputs = () if inputs is None else inputs if isinstance(inputs, tuple) else (inputs,)
-        if inputs or bound.arguments.get("inputs") is None:
-            create_graph = bool(bound.arguments.get("create_graph", False))
-            retain_graph = bound.arguments.get("retain_graph")
-            grads = _make_grads(edges, (bound.arguments.get("gradient"),), is_grads_batched=False)
+        if _make_grads is not None and _engine_run_backward is not None and (inputs or arguments.get("inputs") is None):
+            # torch.autograd.backward's own steps, with the gradient checked before the mode is entered (inside it,
+            # the checks' tensor calls would go through the hook).
+            grads = _make_grads(edges, (arguments.get("gradient"),), is_grads_batched=False)
             with _CastMode(policy, recompute_only=True):
                 _engine_run_backward(edges, grads, create_graph if retain_graph is None else retain_graph,
                                      create_graph, inputs, allow_unreachable=True, accumulate_grad=True)
             return None
-    with _CastMode(policy, recompute_only=True):
-        if func is torch.Tensor.backward:
-            gradient = bound.arguments.get("gradient")
+        gradient = arguments.get("gradient")
+        with _CastMode(policy, recompute_only=True):
             return torch.autograd.backward(
-                bound.arguments["self"],
-                None if gradient is None else (gradient,),
-                bound.arguments.get("retain_graph"),
-                bound.arguments.get("create_graph", False),
-                inputs=bound.arguments.get("inputs"),
+                edges[0], None if gradient is None else (gradient,), retain_graph, create_graph,
+                inputs=arguments.get("inputs"),
             )
+    assert bound is not None
+    with _CastMode(policy, recompute_only=True):
         return func(*bound.args, **bound.kwargs)
 
 
@@ -374,7 +379,10 @@ def _leave_compiled_backward(policy: CastPolicy, roots: list[torch.Tensor]) -> N
         for node in frontier:
             if node is None:
                 continue
-            if type(node).__name__ == _COMPILED_BACKWARD:
+            name = type(node).__name__
+            if name == "AccumulateGrad":  # a leaf: nothing behind it
+                continue
+            if name == _COMPILED_BACKWARD:
                 if hook is None:
                     hook = functools.partial(_pop_recompute_modes, policy)
                 node.register_prehook(hook)
