@@ -45,11 +45,14 @@ from lightning_mpx._dtypes import parse_half_dtype
 from lightning_mpx.cast_table import CastTable
 
 # Actions, resolved once per function and memoised by each policy.
-_PASS, _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _BANNED, _BACKWARD, _INPLACE_FLOAT = range(8)
+# _PASS is 0 (falsy) and the casting actions come before _BANNED: the hook tests for them so. _NATIVE is a "promote"
+# entry whose own type promotion gives the widest dtype (elementwise arithmetic, see _NATIVE_PROMOTION).
+_PASS, _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _NATIVE, _BANNED, _BACKWARD, _INPLACE_FLOAT = range(9)
 _CATEGORY_ACTION = MappingProxyType(
     {"half": _HALF, "float": _FLOAT, "promote": _PROMOTE, "sequence": _SEQUENCE, "banned": _BANNED}
 )  # read only when a policy resolves its table, never while a forward pass runs
 _LOW = (torch.float16, torch.bfloat16)
+_FP32 = (torch.float32,)
 _CONTAINERS = (torch.Tensor, list, tuple)  # what _cast may change; anything else is passed as given
 
 
@@ -201,6 +204,9 @@ class CastPolicy:
         refuse = self.refuse_inplace_float
         if table is not self.table or version != self.table._version or self._actions_of[2:] != (refuse,):
             actions = {entry.function: _CATEGORY_ACTION[entry.category] for entry in self.table}
+            for function in _NATIVE_PROMOTION:
+                if actions.get(function) == _PROMOTE:
+                    actions[function] = _NATIVE
             actions.update(dict.fromkeys(_BACKWARD_ENTRIES, _BACKWARD))
             if refuse:
                 for entry in self.table.entries("float"):
@@ -212,46 +218,69 @@ class CastPolicy:
             self._actions_stamp += 1
 
     def _cast(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
+        """``value`` with its floating tensors of a ``castable`` dtype cast to ``dtype`` (in lists and tuples too)."""
         if isinstance(value, torch.Tensor):
-            if value.dtype not in castable or value.dtype is dtype:
+            current = value.dtype
+            if current is dtype or current not in castable:
                 return value
-            if value.requires_grad and value.is_leaf and self.cache_casts and not torch.compiler.is_compiling():
-                # Under torch.compile the cast is a node of the graph, done once per use in the compiled code; a
-                # cache read while tracing would guard on the cache's size and keys and recompile as it fills.
-                # Keyed by id() (Tensor.__hash__ is a Python call); the entry keeps the tensor alive, so the id
-                # cannot be reused while the entry exists.
-                cache = self._grad_cache if torch.is_grad_enabled() else self._no_grad_cache
-                key = (id(value), dtype)
-                hit = cache.get(key)
-                version, address = value._version, value.data_ptr()
-                if hit is not None and hit.version == version and hit.address == address:
-                    return hit.cast
-                cast = value.to(dtype)
-                cache[key] = _CacheEntry(version, address, cast, value, value.untyped_storage())
-                return cast
-            return value.to(dtype)
+            return self._cast_tensor(value, dtype)
         if type(value) is list or (isinstance(value, tuple) and not isinstance(value, torch.Size)):
-            if not value:
-                return value
-            cast_items = [self._cast(item, dtype, castable) for item in value]
-            if all(new is old for new, old in zip(cast_items, value)):
-                return value  # nothing to cast: keep the caller's container, whatever its type
-            if isinstance(value, list):
-                return cast_items
-            return type(value)(*cast_items) if hasattr(value, "_fields") else tuple(cast_items)  # namedtuple
+            return self._cast_sequence(value, dtype, castable)
         return value
+
+    def _cast_tensor(self, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.cache_casts and value.requires_grad and value.is_leaf and not torch.compiler.is_compiling():
+            # Under torch.compile the cast is a node of the graph, done once per use in the compiled code; a
+            # cache read while tracing would guard on the cache's size and keys and recompile as it fills.
+            # Keyed by id() (Tensor.__hash__ is a Python call); the entry keeps the tensor alive, so the id
+            # cannot be reused while the entry exists.
+            cache = self._grad_cache if torch.is_grad_enabled() else self._no_grad_cache
+            key = (id(value), dtype)
+            hit = cache.get(key)
+            version, address = value._version, value.data_ptr()
+            if hit is not None and hit[0] == version and hit[1] == address:
+                return hit[2]
+            cast = value.to(dtype)
+            # (version, address, cast, tensor, storage): see _CacheEntry
+            cache[key] = (version, address, cast, value, value.untyped_storage())
+            return cast
+        return value.to(dtype)
+
+    def _cast_sequence(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
+        items = None  # a copy, made at the first item that changes
+        for index, item in enumerate(value):
+            if isinstance(item, _CONTAINERS):
+                cast = self._cast(item, dtype, castable)
+                if cast is not item:
+                    if items is None:
+                        items = list(value)
+                    items[index] = cast
+        if items is None:
+            return value  # nothing to cast: keep the caller's container, whatever its type
+        if isinstance(value, list):
+            return items
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)  # namedtuple
 
     def _cast_all(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None, dtype: torch.dtype,
                   castable: tuple[torch.dtype, ...]) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
-        cast, kinds = self._cast, _CONTAINERS
-        args = tuple([cast(a, dtype, castable) if isinstance(a, kinds) else a for a in args])
+        """The call's arguments with :meth:`_cast` applied; the same objects where nothing changes."""
+        new_args = self._cast_sequence(args, dtype, castable)
         if kwargs:
-            kwargs = {k: cast(v, dtype, castable) if isinstance(v, kinds) else v for k, v in kwargs.items()}
-        return args, kwargs
+            new_kwargs = None
+            for name, item in kwargs.items():
+                if isinstance(item, _CONTAINERS):
+                    cast = self._cast(item, dtype, castable)
+                    if cast is not item:
+                        if new_kwargs is None:
+                            new_kwargs = dict(kwargs)
+                        new_kwargs[name] = cast
+            if new_kwargs is not None:
+                kwargs = new_kwargs
+        return new_args, kwargs
 
 
 class _CacheEntry(NamedTuple):
-    """A cached cast and what it was made from."""
+    """A cached cast and what it was made from (the cache stores it as a plain tuple in this order)."""
 
     version: int  # the tensor's version counter: in-place updates through the tensor itself bump it
     address: int  # its data_ptr(): ``p.data = other`` changes it
@@ -279,6 +308,12 @@ def _promote_dtype(found: set[torch.dtype]) -> torch.dtype | None:
 
 
 _ALL_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Binary elementwise arithmetic: for two tensors that are both zero-dimensional or both not, torch promotes to the
+# widest floating dtype itself (a zero-dimensional tensor next to a larger one does not promote: those are cast).
+_NATIVE_PROMOTION = frozenset(
+    [getattr(ns, name) for ns in (torch, torch.Tensor) for name in ("add", "sub", "mul", "div", "true_divide")]
+    + [torch.Tensor.__rsub__, torch.Tensor.__rtruediv__]
+)
 # The calls that start a backward pass, with the names of their (roots, inputs) arguments.
 _BACKWARD_ARGUMENTS: Mapping[Callable[..., Any], tuple[str, str]] = MappingProxyType(
     {
@@ -457,7 +492,40 @@ class _CastMode(TorchFunctionMode):
     ) -> Any:
         policy = self.policy
         action = _action_of(policy, func, policy._actions_stamp)  # read live: a table changed inside a scope applies
-        if action == _PASS or self.disabled:
+        if not action or self.disabled:  # _PASS
+            return func(*args, **kwargs) if kwargs else func(*args)
+        if action < _BANNED:  # _HALF, _FLOAT, _PROMOTE, _SEQUENCE
+            if self.recompute_only and not torch.is_grad_enabled():
+                return func(*args, **kwargs) if kwargs else func(*args)
+            if kwargs and kwargs.get("out") is not None:
+                # Casting the out= tensor would write the result into a copy that the caller never sees.
+                return func(*args, **kwargs)
+            if action == _HALF:
+                args, kwargs = policy._cast_all(args, kwargs, policy.half_dtype, _FP32)
+            elif action == _FLOAT:
+                args, kwargs = policy._cast_all(args, kwargs, torch.float32, _LOW)
+            else:
+                if not kwargs and len(args) == 2:
+                    # The common binary call (x + y, x * 2.0): no promotion when both tensors have one dtype or only
+                    # one argument holds tensors (what _widest would find).
+                    a, b = args
+                    a_tensor, b_tensor = isinstance(a, torch.Tensor), isinstance(b, torch.Tensor)
+                    if a_tensor and b_tensor:
+                        if a.dtype is b.dtype or (action == _NATIVE and (a.dim() == 0) == (b.dim() == 0)):
+                            # Two tensors of one dimension category: torch's own type promotion computes in the
+                            # widest dtype, as the explicit casts would (without a cast kernel and its graph node).
+                            return func(a, b)
+                    elif (a_tensor and not isinstance(b, (list, tuple))) or (
+                        b_tensor and not isinstance(a, (list, tuple))
+                    ):
+                        return func(a, b)
+                found: set[torch.dtype] = set()
+                _widest(args, found)
+                if kwargs:
+                    _widest(tuple(kwargs.values()), found)
+                widest = _promote_dtype(found)
+                if widest is not None:
+                    args, kwargs = policy._cast_all(args, kwargs, widest, _ALL_FLOATS)
             return func(*args, **kwargs) if kwargs else func(*args)
         if action == _BACKWARD:
             return _run_backward(policy, func, args, kwargs or {})
@@ -471,27 +539,12 @@ class _CastMode(TorchFunctionMode):
                     "the tensor FP32 first (as Apex refused it)."
                 )
             return func(*args, **kwargs) if kwargs else func(*args)
+        # _BANNED
         if self.recompute_only and not torch.is_grad_enabled():
             return func(*args, **kwargs) if kwargs else func(*args)
-        if action != _BANNED and kwargs and kwargs.get("out") is not None:
-            # Casting the out= tensor would write the result into a copy that the caller never sees.
-            return func(*args, **kwargs)
-        if action == _HALF:
-            args, kwargs = policy._cast_all(args, kwargs, policy.half_dtype, (torch.float32,))
-        elif action == _FLOAT:
-            args, kwargs = policy._cast_all(args, kwargs, torch.float32, _LOW)
-        elif action == _PROMOTE or action == _SEQUENCE:
-            found: set[torch.dtype] = set()
-            _widest(args, found)
-            if kwargs:
-                _widest(tuple(kwargs.values()), found)
-            widest = _promote_dtype(found)
-            if widest is not None:
-                args, kwargs = policy._cast_all(args, kwargs, widest, _ALL_FLOATS)
-        elif action == _BANNED:
-            if not policy.allow_banned:
-                raise BannedOpError(policy.table.banned_advice(func))
-            args, kwargs = policy._cast_all(args, kwargs, torch.float32, _LOW)
+        if not policy.allow_banned:
+            raise BannedOpError(policy.table.banned_advice(func))
+        args, kwargs = policy._cast_all(args, kwargs, torch.float32, _LOW)
         return func(*args, **kwargs) if kwargs else func(*args)
 
 
