@@ -354,9 +354,6 @@ def _run_backward(policy: CastPolicy, func: Callable[..., Any], args: tuple[Any,
         or any(not t.requires_grad for t in input_tensors)
     ):
         return func(*args, **kwargs)  # torch's own result or error
-    if func is torch.Tensor.backward and arguments.get("gradient") is None and root_tensors[0].numel() == 1:
-        # What the engine would make for a scalar, made here: inside the mode it would be a call into the hook.
-        arguments["gradient"] = torch.ones_like(root_tensors[0], memory_format=torch.preserve_format)
     _leave_compiled_backward(policy, root_tensors)
     arguments[roots_name] = _as_edges(roots)
     if inputs is not None:
@@ -378,6 +375,9 @@ def _run_backward(policy: CastPolicy, func: Callable[..., Any], args: tuple[Any,
                                      create_graph, inputs, allow_unreachable=True, accumulate_grad=True)
             return None
         gradient = arguments.get("gradient")
+        if gradient is None and root_tensors[0].numel() == 1:
+            # What the engine would make for a scalar, made here: inside the mode it would be a call into the hook.
+            gradient = torch.ones_like(root_tensors[0], memory_format=torch.preserve_format)
         with _CastMode(policy, recompute_only=True):
             return torch.autograd.backward(
                 edges[0], None if gradient is None else (gradient,), retain_graph, create_graph,
@@ -394,7 +394,7 @@ _engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", Non
 
 # How far from the roots of a backward pass to look for compiled graphs' backward nodes (a loss computed eagerly from
 # a compiled model's output is a few nodes away; an eager model is not searched further than this).
-_SEARCH_DEPTH, _SEARCH_NODES = 8, 32
+_SEARCH_DEPTH, _SEARCH_NODES = 6, 12
 _COMPILED_BACKWARD = "CompiledFunctionBackward"  # the node of an AOT-autograd (torch.compile) graph's backward
 
 

@@ -189,6 +189,7 @@ def test_policy_backward_is_tensor_backward_in_the_recompute_scope():
 
 
 def _lightning_module(compiled_net: bool) -> Any:
+    pytest.importorskip("lightning")
     import lightning.pytorch as pl
 
     class Module(pl.LightningModule):
@@ -234,10 +235,15 @@ def _fit(module: Any, fit_model: Any) -> tuple[list[float], list[int]]:
     return count.losses, count.calls
 
 
-def test_trainer_with_a_compiled_submodule_makes_no_hook_call_per_step():
+@pytest.fixture(scope="module")
+def lightning_eager() -> tuple[list[float], list[int]]:
     pytest.importorskip("lightning")
     eager_module = _lightning_module(compiled_net=False)
-    eager, eager_calls = _fit(eager_module, eager_module)
+    return _fit(eager_module, eager_module)
+
+
+def test_trainer_with_a_compiled_submodule_makes_no_hook_call_per_step(lightning_eager):
+    eager, eager_calls = lightning_eager
     module = _lightning_module(compiled_net=True)
     losses, calls = _fit(module, module)
     assert min(eager_calls) > 0
@@ -247,10 +253,8 @@ def test_trainer_with_a_compiled_submodule_makes_no_hook_call_per_step():
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager), rtol=1e-2, atol=1e-2)
 
 
-def test_trainer_fitting_a_compiled_lightning_module_makes_no_hook_call_per_step():
-    pytest.importorskip("lightning")
-    eager_module = _lightning_module(compiled_net=False)
-    eager, _ = _fit(eager_module, eager_module)
+def test_trainer_fitting_a_compiled_lightning_module_makes_no_hook_call_per_step(lightning_eager):
+    eager, _ = lightning_eager
     module = _lightning_module(compiled_net=False)
     losses, calls = _fit(module, torch.compile(module, backend="aot_eager"))  # Lightning compiles training_step
     assert calls[1:] == [0] * 4, calls
@@ -291,9 +295,14 @@ def _accelerate_run(compile_mode: str | None) -> tuple[list[float], list[int]]:
         GradientState._reset_state()
 
 
+@pytest.fixture(scope="module")
+def accelerate_eager() -> tuple[list[float], list[int]]:
+    return _accelerate_run(None)
+
+
 @pytest.mark.parametrize("compile_mode", ["before_prepare", "after_prepare"])
-def test_accelerator_with_a_compiled_model_makes_no_hook_call_per_step(compile_mode):
-    eager, eager_calls = _accelerate_run(None)
+def test_accelerator_with_a_compiled_model_makes_no_hook_call_per_step(compile_mode, accelerate_eager):
+    eager, eager_calls = accelerate_eager
     losses, calls = _accelerate_run(compile_mode)
     assert min(eager_calls) > 0
     assert calls[1:] == [0] * 4, calls
