@@ -209,9 +209,10 @@ class MixedPrecisionPlugin(Precision):
         """Backward on the loss times the scale of ``loss_id`` (``self.manual_backward(loss, loss_id=1)``)."""
         with disable_casts():  # a manual backward runs inside the training step's cast scope
             scaled = self.amp.scale_loss(tensor, loss_id)
-            if self.amp.policy is not None and not is_overridden("backward", model) and not getattr(model, "_fabric", None):
+            policy = self.amp.policy
+            if policy is not None and not is_overridden("backward", model) and not getattr(model, "_fabric", None):
                 # LightningModule.backward's loss.backward(), in the policy's recompute scope without a hook call
-                self.amp.policy.backward(scaled, *args, **kwargs)
+                policy.backward(scaled, *args, **kwargs)
                 return
             with self.amp.backward_context():  # activation checkpointing recomputes with the forward's casts
                 model.backward(scaled, *args, **kwargs)
