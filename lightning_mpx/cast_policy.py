@@ -45,9 +45,8 @@ from lightning_mpx._dtypes import parse_half_dtype
 from lightning_mpx.cast_table import CastTable
 
 # Actions, resolved once per function and memoised by each policy.
-# _PASS is 0 (falsy) and the casting actions come before _BANNED: the hook tests for them so. _NATIVE is a "promote"
-# entry whose own type promotion gives the widest dtype (elementwise arithmetic, see _NATIVE_PROMOTION).
-_PASS, _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _NATIVE, _BANNED, _BACKWARD, _INPLACE_FLOAT = range(9)
+# _PASS is 0 (falsy) and the casting actions come before _BANNED: the hook tests for them so.
+_PASS, _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _BANNED, _BACKWARD, _INPLACE_FLOAT = range(8)
 _CATEGORY_ACTION = MappingProxyType(
     {"half": _HALF, "float": _FLOAT, "promote": _PROMOTE, "sequence": _SEQUENCE, "banned": _BANNED}
 )  # read only when a policy resolves its table, never while a forward pass runs
@@ -204,9 +203,6 @@ class CastPolicy:
         refuse = self.refuse_inplace_float
         if table is not self.table or version != self.table._version or self._actions_of[2:] != (refuse,):
             actions = {entry.function: _CATEGORY_ACTION[entry.category] for entry in self.table}
-            for function in _NATIVE_PROMOTION:
-                if actions.get(function) == _PROMOTE:
-                    actions[function] = _NATIVE
             actions.update(dict.fromkeys(_BACKWARD_ENTRIES, _BACKWARD))
             if refuse:
                 for entry in self.table.entries("float"):
@@ -308,12 +304,6 @@ def _promote_dtype(found: set[torch.dtype]) -> torch.dtype | None:
 
 
 _ALL_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# Binary elementwise arithmetic: for two tensors that are both zero-dimensional or both not, torch promotes to the
-# widest floating dtype itself (a zero-dimensional tensor next to a larger one does not promote: those are cast).
-_NATIVE_PROMOTION = frozenset(
-    [getattr(ns, name) for ns in (torch, torch.Tensor) for name in ("add", "sub", "mul", "div", "true_divide")]
-    + [torch.Tensor.__rsub__, torch.Tensor.__rtruediv__]
-)
 # The calls that start a backward pass, with the names of their (roots, inputs) arguments.
 _BACKWARD_ARGUMENTS: Mapping[Callable[..., Any], tuple[str, str]] = MappingProxyType(
     {
@@ -511,9 +501,7 @@ class _CastMode(TorchFunctionMode):
                     a, b = args
                     a_tensor, b_tensor = isinstance(a, torch.Tensor), isinstance(b, torch.Tensor)
                     if a_tensor and b_tensor:
-                        if a.dtype is b.dtype or (action == _NATIVE and (a.dim() == 0) == (b.dim() == 0)):
-                            # Two tensors of one dimension category: torch's own type promotion computes in the
-                            # widest dtype, as the explicit casts would (without a cast kernel and its graph node).
+                        if a.dtype is b.dtype:
                             return func(a, b)
                     elif (a_tensor and not isinstance(b, (list, tuple))) or (
                         b_tensor and not isinstance(a, (list, tuple))
