@@ -411,10 +411,11 @@ def _leave_compiled_backward(policy: CastPolicy, roots: list[torch.Tensor]) -> N
                 if hook is None:
                     hook = functools.partial(_pop_recompute_modes, policy)
                 node.register_prehook(hook)
+                continue  # behind it: the compiled graph's inputs (parameters, mostly), not searched
             budget -= 1
             if budget <= 0:
                 return
-            following.extend(edge[0] for edge in node.next_functions)
+            following.extend([edge[0] for edge in node.next_functions])
         if not following:
             return
         frontier = following
