@@ -8,12 +8,18 @@ policy's hook); the O1 policy; and the explicit-cast twin (the same model with t
 hand, no mode at all).
 
 Compiled rows (inductor, unless ``--backend``): ``torch.autocast`` outside the compiled model; the O1 policy entered
-outside the compiled model (``O1_outside``: how ``Amp.forward_context()`` and the plugins use it); and the O1 policy
-entered inside the compiled function (``O1_inside``). Each compiled row starts from ``torch._dynamo.reset()`` and
-reports dynamo's graph breaks, the graphs compiled (the backend's calls), the recompiles (compilations after the first
-step) and the calls into the policy's hook in one steady-state step (counted with ``sys.setprofile``).
+outside the compiled model (``O1_outside``: ``Amp.forward_context()`` around a model compiled by hand); the same with
+the compiled model handed off (``O1_handoff``: ``CastPolicy.hand_off_compiled``, what the Lightning plugin does with a
+compiled model); and the O1 policy entered inside the compiled function (``O1_inside``: the Accelerate adapter's
+prepared forward). Each compiled row starts from ``torch._dynamo.reset()`` and reports dynamo's graph breaks, the
+graphs compiled (the backend's calls), the recompiles (compilations after the first step) and the calls into the
+policy's hook in one steady-state step (counted with ``sys.setprofile``).
 
     python benchmarks/cast_overhead.py [--models tiny mid] [--steps 100] [--repeats 5] [--no-compile] [--out PATH]
+
+The variants are timed side by side in rotated order (``4 * repeats`` rounds of a quarter of ``--steps``); each
+ratio is the median over rounds of the ratio within a round, with its interquartile range (``/floor``: O1 over
+``mode_floor``; ``/twin``: O1 over the explicit-cast twin).
 
 Prints a table and writes JSON (default ``benchmarks/results/cast_overhead.json``).
 """
@@ -137,14 +143,13 @@ def _time(model: nn.Module, step: Step, steps: int, after: Callable[[], None]) -
 
 
 def _in(ctx: Callable[[], ContextManager[Any]], fn: Step,
-        backward_ctx: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> Step:
-    """One step: ``fn()`` (the forward pass) inside ``ctx()``, then its backward pass inside ``backward_ctx()``."""
+        backward: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> Step:
+    """One step: ``fn()`` (the forward pass) inside ``ctx()``, then ``backward(loss)``."""
 
     def step() -> torch.Tensor:
         with ctx():
             loss = fn()
-        with backward_ctx():
-            loss.backward()
+        backward(loss)
         return loss
 
     return step
@@ -175,16 +180,18 @@ def _variants(model: TinyLM, data: tuple[torch.Tensor, torch.Tensor], dtype: tor
     """name -> (step, what to run after each step), eager or compiled."""
     clear = policy.clear_cache
     null = contextlib.nullcontext
-    # The O1 rows enter the policy's recompute scope around the backward pass, as Amp.backward does.
+    # The O1 rows run the backward pass in the policy's recompute scope (policy.backward), as Amp.backward does.
     if compile_backend is None:
         return {
             "fp32": (_in(null, lambda: model(*data)), lambda: None),
             "autocast": (_in(lambda: torch.autocast("cpu", dtype=dtype), lambda: model(*data)), lambda: None),
             "mode_floor": (_in(lambda: _autocast_and_mode(dtype), lambda: model(*data)), lambda: None),
-            "O1": (_in(policy.scope, lambda: model(*data), policy.recompute_scope), clear),
+            "O1": (_in(policy.scope, lambda: model(*data), policy.backward), clear),
             "twin": (_in(null, lambda: model.twin(*data, dtype)), lambda: None),
         }
     compiled = torch.compile(model, backend=compile_backend)
+    handed_off = torch.compile(model, backend=compile_backend)
+    policy.hand_off_compiled(handed_off)  # as the Lightning plugin does with a compiled model
 
     @torch.compile(backend=compile_backend)
     def inside(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -193,8 +200,9 @@ def _variants(model: TinyLM, data: tuple[torch.Tensor, torch.Tensor], dtype: tor
 
     return {
         "autocast": (_in(lambda: torch.autocast("cpu", dtype=dtype), lambda: compiled(*data)), lambda: None),
-        "O1_outside": (_in(policy.scope, lambda: compiled(*data), policy.recompute_scope), clear),
-        "O1_inside": (_in(null, lambda: inside(*data), policy.recompute_scope), clear),
+        "O1_outside": (_in(policy.scope, lambda: compiled(*data), policy.backward), clear),
+        "O1_handoff": (_in(policy.scope, lambda: handed_off(*data), policy.backward), clear),
+        "O1_inside": (_in(null, lambda: inside(*data), policy.backward), clear),
     }
 
 
@@ -210,6 +218,39 @@ def _counting(backend: str) -> tuple[Any, list[int]]:
     return count, graphs
 
 
+def _alternate(model: nn.Module, variants: dict[str, tuple[Step, Callable[[], None]]], steps: int, repeats: int
+               ) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
+    """Time the variants side by side: ``4 * repeats`` rounds of ``steps // 4`` steps each, the order rotated every
+    round, so that a slow spell of a shared machine hits every variant of the round alike.
+
+    Returns the median microseconds per step of each variant, and its ratios to the references of the same round
+    (``autocast``; for O1 also ``mode_floor`` and ``twin`` when present): the median and the interquartile range.
+    """
+    names = list(variants)
+    per_round = max(steps // 4, 2)
+    samples: dict[str, list[float]] = {v: [] for v in names}
+    for r in range(4 * repeats):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for v in order:
+            step, after = variants[v]
+            samples[v].append(_time(model, step, per_round, after))
+    times = {v: statistics.median(s) for v, s in samples.items()}
+
+    def ratio(v: str, ref: str) -> tuple[float, list[float]]:
+        values = sorted(a / b for a, b in zip(samples[v], samples[ref]))
+        quartiles = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+        return statistics.median(values), [quartiles[0], quartiles[2]]
+
+    ratios: dict[str, dict[str, Any]] = {}
+    for v in names:
+        ratios[v] = {}
+        for ref in ("autocast", "mode_floor", "twin"):
+            if ref in variants and (ref == "autocast" or v == "O1"):
+                median, iqr = ratio(v, ref)
+                ratios[v][f"over_{ref}"], ratios[v][f"over_{ref}_iqr"] = median, iqr
+    return times, ratios
+
+
 def run_model(name: str, dtype: torch.dtype, args: argparse.Namespace) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     model = TinyLM(**MODELS[name])
@@ -222,20 +263,16 @@ def run_model(name: str, dtype: torch.dtype, args: argparse.Namespace) -> list[d
     eager = _variants(model, data, dtype, policy, None)
     for step, after in eager.values():  # warm-up
         _time(model, step, 10, after)
-    samples: dict[str, list[float]] = {v: [] for v in eager}
-    for _ in range(args.repeats):
-        for v, (step, after) in eager.items():
-            samples[v].append(_time(model, step, steps, after))
-    med = {v: statistics.median(s) for v, s in samples.items()}
+    times, ratios = _alternate(model, eager, steps, args.repeats)
     o1_calls = _hook_calls(model, *eager["O1"])
     for v in eager:
-        rows.append({"model": name, "mode": "eager", "variant": v, "us": med[v], "over_autocast": med[v] / med["autocast"],
+        rows.append({"model": name, "mode": "eager", "variant": v, "us": times[v], **ratios[v],
                      "hook_calls": o1_calls if v == "O1" else None})
 
     if args.no_compile:
         return rows
     compiled: dict[str, dict[str, Any]] = {}
-    for v in ("autocast", "O1_outside", "O1_inside"):
+    for v in ("autocast", "O1_outside", "O1_handoff", "O1_inside"):
         # Each variant compiled from a clean dynamo state, counting its graphs, breaks and recompiles over 20 steps.
         torch._dynamo.reset()
         counters.clear()
@@ -255,14 +292,10 @@ def run_model(name: str, dtype: torch.dtype, args: argparse.Namespace) -> list[d
     stepped = _variants(model, data, dtype, policy, args.backend)
     for step, after in stepped.values():
         _time(model, step, 10, after)
-    samples = {v: [] for v in stepped}
-    for _ in range(args.repeats):
-        for v, (step, after) in stepped.items():
-            samples[v].append(_time(model, step, steps, after))
-    med = {v: statistics.median(s) for v, s in samples.items()}
+    times, ratios = _alternate(model, stepped, steps, args.repeats)
     for v in stepped:
-        rows.append({"model": name, "mode": f"compiled ({args.backend})", "variant": v, "us": med[v],
-                     "over_autocast": med[v] / med["autocast"], **compiled[v]})
+        rows.append({"model": name, "mode": f"compiled ({args.backend})", "variant": v, "us": times[v], **ratios[v],
+                     **compiled[v]})
     return rows
 
 
@@ -282,18 +315,25 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     rows = [row for name in args.models for row in run_model(name, dtype, args)]
 
-    header = (f"{'model':<5} {'mode':<20} {'variant':<11} {'us/step':>9} {'/autocast':>10} {'breaks':>7} "
-              f"{'graphs':>7} {'recompiles':>11} {'hook calls':>11}")
+    header = (f"{'model':<5} {'mode':<20} {'variant':<11} {'us/step':>9} {'/autocast (IQR)':>24} "
+              f"{'/floor (IQR)':>24} {'/twin (IQR)':>24} {'breaks':>7} {'graphs':>7} {'recompiles':>11} "
+              f"{'hook calls':>11}")
     print(header)
     print("-" * len(header))
 
     def cell(value: Any, width: int) -> str:
         return f"{'-' if value is None else value:>{width}}"
 
+    def ratio(row: dict[str, Any], ref: str) -> str:
+        if f"over_{ref}" not in row:
+            return f"{'-':>24}"
+        low, high = row[f"over_{ref}_iqr"]
+        return f"{row[f'over_{ref}']:>8.3f}x ({low:.3f}-{high:.3f})"
+
     for r in rows:
-        print(f"{r['model']:<5} {r['mode']:<20} {r['variant']:<11} {r['us']:>9.0f} {r['over_autocast']:>9.3f}x "
-              f"{cell(r.get('graph_breaks'), 7)} {cell(r.get('graphs'), 7)} {cell(r.get('recompiles'), 11)} "
-              f"{cell(r.get('hook_calls'), 11)}")
+        print(f"{r['model']:<5} {r['mode']:<20} {r['variant']:<11} {r['us']:>9.0f} {ratio(r, 'autocast')} "
+              f"{ratio(r, 'mode_floor')} {ratio(r, 'twin')} {cell(r.get('graph_breaks'), 7)} "
+              f"{cell(r.get('graphs'), 7)} {cell(r.get('recompiles'), 11)} {cell(r.get('hook_calls'), 11)}")
     result = {
         "benchmark": "cast_overhead",
         "device": cpu_model(),

@@ -74,6 +74,7 @@ from accelerate.utils import (  # type: ignore[import-untyped]  # noqa: E402
     DistributedType,
     GradScalerKwargs,
     KwargsHandler,
+    is_compiled_module,
 )
 
 __all__ = ["AMP_STATE_NAME", "NATIVE_MIXED_PRECISION", "Accelerator", "MixedPrecisionKwargs"]
@@ -316,8 +317,11 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
         if self.amp.properties.patch_torch_functions or self.amp.properties.casts_model:
             # An instance attribute, as Accelerate's own autocast wrapper: the class and other instances are untouched,
             # and unwrap_model(model, keep_fp32_wrapper=False) removes it through _original_forward.
-            model._original_forward = model.forward  # type: ignore[assignment]
-            model.forward = _AmpForward(model.forward, self.amp)
+            # A torch.compile'd model gets it on its original module, inside the compiled region: the policy is
+            # traced into the graph and no mode is left on the stack while the compiled code runs.
+            target = model._orig_mod if is_compiled_module(model) else model
+            target._original_forward = target.forward  # type: ignore[assignment]
+            target.forward = _AmpForward(target.forward, self.amp)
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         if self.amp.master_weights and prepared is not model:
             # Wrapped (DDP broadcasts rank zero's weights to every process): the masters take the weights that

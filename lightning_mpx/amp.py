@@ -442,8 +442,10 @@ class Amp:
     def backward(self, loss: torch.Tensor, loss_id: int = 0, **backward_kwargs: Any) -> None:
         """``scale_loss(loss, loss_id).backward(**backward_kwargs)`` inside :meth:`backward_context`."""
         scaled = self.scale_loss(loss, loss_id)
-        with self.backward_context():
+        if self.policy is None:
             scaled.backward(**backward_kwargs)
+        else:  # the backward_context() scope, entered without a call into the policy's hook
+            self.policy.backward(scaled, **backward_kwargs)
 
     def backward_context(self) -> ContextManager[Any]:
         """The scope of a backward pass: activation checkpointing recomputes with the forward's casts inside it (the

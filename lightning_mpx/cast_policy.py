@@ -33,6 +33,7 @@ the recomputed forward gets the forward's dtypes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
@@ -44,11 +45,13 @@ from lightning_mpx._dtypes import parse_half_dtype
 from lightning_mpx.cast_table import CastTable
 
 # Actions, resolved once per function and memoised by each policy.
+# _PASS is 0 (falsy) and the casting actions come before _BANNED: the hook tests for them so.
 _PASS, _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _BANNED, _BACKWARD, _INPLACE_FLOAT = range(8)
 _CATEGORY_ACTION = MappingProxyType(
     {"half": _HALF, "float": _FLOAT, "promote": _PROMOTE, "sequence": _SEQUENCE, "banned": _BANNED}
 )  # read only when a policy resolves its table, never while a forward pass runs
 _LOW = (torch.float16, torch.bfloat16)
+_FP32 = (torch.float32,)
 _CONTAINERS = (torch.Tensor, list, tuple)  # what _cast may change; anything else is passed as given
 
 
@@ -92,6 +95,7 @@ class CastPolicy:
         #: op then runs in half as written); :mod:`lightning_mpx.apex` turns it on.
         self.refuse_inplace_float = False
         self._actions: dict[Callable[..., Any], int] = {}
+        self._actions_stamp = 0  # bumped whenever _actions is rebuilt: compiled code guards on it
         # The table and table version that _actions was memoised from. The table itself, not its id(): an id can be
         # reused by a new table once the old one is freed.
         self._actions_of: tuple[Any, ...] = (None, -1, False)
@@ -99,6 +103,9 @@ class CastPolicy:
         # (id(tensor), dtype) -> _CacheEntry
         self._grad_cache: dict[tuple[int, torch.dtype], _CacheEntry] = {}
         self._no_grad_cache: dict[tuple[int, torch.dtype], _CacheEntry] = {}
+        # True while a _HandOff runs compiled code with this policy's mode taken off the stack: the compiled code
+        # (a _ScopeInside) then enters the scope itself, inside the compiled region. Read while tracing (guarded).
+        self._handed_off = False
         # Resolved now rather than at the first scope: a scope entered inside a compiled region would otherwise
         # resolve while tracing and recompile at the second call.
         self._refresh_actions()
@@ -125,6 +132,55 @@ class CastPolicy:
         self._refresh_actions()
         with _CastMode(self, recompute_only=True):
             yield self
+
+    def backward(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """``tensor.backward(*args, **kwargs)`` inside :meth:`recompute_scope`, without a call into the policy's hook.
+
+        The same as ``with policy.recompute_scope(): tensor.backward(...)``, which hands ``Tensor.backward`` to the
+        policy's mode first: this goes to the autograd engine directly (``Amp.backward`` uses it).
+        """
+        self._refresh_actions()
+        _run_backward(self, torch.Tensor.backward, (tensor, *args), kwargs)
+
+    def hand_off_compiled(self, root: Any, *, methods: Mapping[str, Callable[..., Any]] | None = None,
+                          compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
+                          ) -> list[HandOffHandle]:
+        """Let compiled code called inside this policy's scope run with the policy inside the compiled region.
+
+        A policy entered outside ``torch.compile``'d code is traced into its graph (the casts are in the graph), but
+        its mode stays on the stack while the compiled code runs and is handed every torch call of torch's own
+        runtime there. After this, each ``torch.compile``'d module found in ``root`` (``root`` itself or a submodule)
+        takes the policy's mode off the stack while it runs and enters the scope itself, inside its compiled
+        region: the same casts (the graph is the same), and no call into the policy's hook. Outside a scope, or with
+        casts disabled, it runs as before. A backward pass started with :meth:`backward` (or inside
+        :meth:`recompute_scope`) leaves compiled graphs' backward alone too.
+
+        Args:
+            root: A module, or any object for ``methods`` only.
+            methods: ``{name: original}`` for compiled methods set as instance attributes of ``root``, with their
+                uncompiled function, compiled again by ``compile_fn`` with the scope inside.
+            compile_fn: What compiled those methods (for example the ``dynamo_ctx`` of a ``torch.compile``'d module).
+
+        Returns:
+            Handles whose ``remove()`` restores the modules and methods.
+        """
+        handles = []
+        if isinstance(root, torch.nn.Module):
+            from torch._dynamo.eval_frame import OptimizedModule
+
+            for module in root.modules():
+                if isinstance(module, OptimizedModule):
+                    handle = _hand_off_module(self, module)
+                    if handle is not None:
+                        handles.append(handle)
+        if methods:
+            if compile_fn is None:
+                raise TypeError("compile_fn=None: methods need the function that compiled them")
+            for name, original in methods.items():
+                handle = _hand_off_method(self, root, name, original, compile_fn)
+                if handle is not None:
+                    handles.append(handle)
+        return handles
 
     def clear_cache(self) -> None:
         """Drop the cached casts of parameters: call it at each iteration boundary, after the optimizer step."""
@@ -155,48 +211,72 @@ class CastPolicy:
                         actions[inplace] = _INPLACE_FLOAT
             self._actions = actions
             self._actions_of = (self.table, self.table._version, refuse)
+            self._actions_stamp += 1
 
     def _cast(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
+        """``value`` with its floating tensors of a ``castable`` dtype cast to ``dtype`` (in lists and tuples too)."""
         if isinstance(value, torch.Tensor):
-            if value.dtype not in castable or value.dtype is dtype:
+            current = value.dtype
+            if current is dtype or current not in castable:
                 return value
-            if value.requires_grad and value.is_leaf and self.cache_casts and not torch.compiler.is_compiling():
-                # Under torch.compile the cast is a node of the graph, done once per use in the compiled code; a
-                # cache read while tracing would guard on the cache's size and keys and recompile as it fills.
-                # Keyed by id() (Tensor.__hash__ is a Python call); the entry keeps the tensor alive, so the id
-                # cannot be reused while the entry exists.
-                cache = self._grad_cache if torch.is_grad_enabled() else self._no_grad_cache
-                key = (id(value), dtype)
-                hit = cache.get(key)
-                version, address = value._version, value.data_ptr()
-                if hit is not None and hit.version == version and hit.address == address:
-                    return hit.cast
-                cast = value.to(dtype)
-                cache[key] = _CacheEntry(version, address, cast, value, value.untyped_storage())
-                return cast
-            return value.to(dtype)
+            return self._cast_tensor(value, dtype)
         if type(value) is list or (isinstance(value, tuple) and not isinstance(value, torch.Size)):
-            if not value:
-                return value
-            cast_items = [self._cast(item, dtype, castable) for item in value]
-            if all(new is old for new, old in zip(cast_items, value)):
-                return value  # nothing to cast: keep the caller's container, whatever its type
-            if isinstance(value, list):
-                return cast_items
-            return type(value)(*cast_items) if hasattr(value, "_fields") else tuple(cast_items)  # namedtuple
+            return self._cast_sequence(value, dtype, castable)
         return value
+
+    def _cast_tensor(self, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.cache_casts and value.requires_grad and value.is_leaf and not torch.compiler.is_compiling():
+            # Under torch.compile the cast is a node of the graph, done once per use in the compiled code; a
+            # cache read while tracing would guard on the cache's size and keys and recompile as it fills.
+            # Keyed by id() (Tensor.__hash__ is a Python call); the entry keeps the tensor alive, so the id
+            # cannot be reused while the entry exists.
+            cache = self._grad_cache if torch.is_grad_enabled() else self._no_grad_cache
+            key = (id(value), dtype)
+            hit = cache.get(key)
+            version, address = value._version, value.data_ptr()
+            if hit is not None and hit[0] == version and hit[1] == address:
+                return hit[2]
+            cast = value.to(dtype)
+            # (version, address, cast, tensor, storage): see _CacheEntry
+            cache[key] = (version, address, cast, value, value.untyped_storage())
+            return cast
+        return value.to(dtype)
+
+    def _cast_sequence(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
+        items = None  # a copy, made at the first item that changes
+        for index, item in enumerate(value):
+            if isinstance(item, _CONTAINERS):
+                cast = self._cast(item, dtype, castable)
+                if cast is not item:
+                    if items is None:
+                        items = list(value)
+                    items[index] = cast
+        if items is None:
+            return value  # nothing to cast: keep the caller's container, whatever its type
+        if isinstance(value, list):
+            return items
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)  # namedtuple
 
     def _cast_all(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None, dtype: torch.dtype,
                   castable: tuple[torch.dtype, ...]) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
-        cast, kinds = self._cast, _CONTAINERS
-        args = tuple([cast(a, dtype, castable) if isinstance(a, kinds) else a for a in args])
+        """The call's arguments with :meth:`_cast` applied; the same objects where nothing changes."""
+        new_args = self._cast_sequence(args, dtype, castable)
         if kwargs:
-            kwargs = {k: cast(v, dtype, castable) if isinstance(v, kinds) else v for k, v in kwargs.items()}
-        return args, kwargs
+            new_kwargs = None
+            for name, item in kwargs.items():
+                if isinstance(item, _CONTAINERS):
+                    cast = self._cast(item, dtype, castable)
+                    if cast is not item:
+                        if new_kwargs is None:
+                            new_kwargs = dict(kwargs)
+                        new_kwargs[name] = cast
+            if new_kwargs is not None:
+                kwargs = new_kwargs
+        return new_args, kwargs
 
 
 class _CacheEntry(NamedTuple):
-    """A cached cast and what it was made from."""
+    """A cached cast and what it was made from (the cache stores it as a plain tuple in this order)."""
 
     version: int  # the tensor's version counter: in-place updates through the tensor itself bump it
     address: int  # its data_ptr(): ``p.data = other`` changes it
@@ -233,6 +313,7 @@ _BACKWARD_ARGUMENTS: Mapping[Callable[..., Any], tuple[str, str]] = MappingProxy
     }
 )
 _BACKWARD_ENTRIES = frozenset(_BACKWARD_ARGUMENTS)
+_TENSOR_BACKWARD_KEYWORDS = frozenset({"gradient", "retain_graph", "create_graph", "inputs"})
 _BACKWARD_SIGNATURES: Mapping[Callable[..., Any], inspect.Signature] = MappingProxyType(
     {func: inspect.signature(func) for func in _BACKWARD_ARGUMENTS}
 )
@@ -250,8 +331,12 @@ def _run_backward(policy: CastPolicy, func: Callable[..., Any], args: tuple[Any,
     computes the same gradients) reaches the engine directly, with the recompute mode in place.
     """
     roots_name, inputs_name = _BACKWARD_ARGUMENTS[func]
-    bound = _BACKWARD_SIGNATURES[func].bind(*args, **kwargs)
-    roots, inputs = bound.arguments.get(roots_name), bound.arguments.get(inputs_name)
+    if func is torch.Tensor.backward and len(args) == 1 and _TENSOR_BACKWARD_KEYWORDS.issuperset(kwargs):
+        bound, arguments = None, {"self": args[0], **kwargs}  # the common call, without inspect's binding
+    else:
+        bound = _BACKWARD_SIGNATURES[func].bind(*args, **kwargs)
+        arguments = bound.arguments
+    roots, inputs = arguments.get(roots_name), arguments.get(inputs_name)
     root_tensors, input_tensors = list(_tensors(roots)), list(_tensors(inputs))
     if (
         not root_tensors
@@ -259,20 +344,90 @@ def _run_backward(policy: CastPolicy, func: Callable[..., Any], args: tuple[Any,
         or any(not t.requires_grad for t in input_tensors)
     ):
         return func(*args, **kwargs)  # torch's own result or error
-    bound.arguments[roots_name] = _as_edges(roots)
+    _leave_compiled_backward(policy, root_tensors)
+    arguments[roots_name] = _as_edges(roots)
     if inputs is not None:
-        bound.arguments[inputs_name] = _as_edges(inputs)
-    with _CastMode(policy, recompute_only=True):
-        if func is torch.Tensor.backward:
-            gradient = bound.arguments.get("gradient")
+        arguments[inputs_name] = _as_edges(inputs)
+    if func is torch.Tensor.backward:
+        create_graph = bool(arguments.get("create_graph", False))
+        retain_graph = arguments.get("retain_graph")
+        edges = (arguments["self"],)
+        inputs = arguments.get("inputs")
+        if isinstance(inputs, dict):
+            inputs = tuple(inputs.values())
+        inputs = () if inputs is None else inputs if isinstance(inputs, tuple) else (inputs,)
+        if _make_grads is not None and _engine_run_backward is not None and (inputs or arguments.get("inputs") is None):
+            # torch.autograd.backward's own steps, with the gradient checked before the mode is entered (inside it,
+            # the checks' tensor calls would go through the hook).
+            grads = _make_grads(edges, (arguments.get("gradient"),), is_grads_batched=False)
+            with _CastMode(policy, recompute_only=True):
+                _engine_run_backward(edges, grads, create_graph if retain_graph is None else retain_graph,
+                                     create_graph, inputs, allow_unreachable=True, accumulate_grad=True)
+            return None
+        gradient = arguments.get("gradient")
+        if gradient is None and root_tensors[0].numel() == 1:
+            # What the engine would make for a scalar, made here: inside the mode it would be a call into the hook.
+            gradient = torch.ones_like(root_tensors[0], memory_format=torch.preserve_format)
+        with _CastMode(policy, recompute_only=True):
             return torch.autograd.backward(
-                bound.arguments["self"],
-                None if gradient is None else (gradient,),
-                bound.arguments.get("retain_graph"),
-                bound.arguments.get("create_graph", False),
-                inputs=bound.arguments.get("inputs"),
+                edges[0], None if gradient is None else (gradient,), retain_graph, create_graph,
+                inputs=arguments.get("inputs"),
             )
+    assert bound is not None
+    with _CastMode(policy, recompute_only=True):
         return func(*bound.args, **bound.kwargs)
+
+
+# torch.autograd.backward's two steps (private; the public call is used where a torch release lacks them).
+_make_grads = getattr(torch.autograd, "_make_grads", None)
+_engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+# How far from the roots of a backward pass to look for compiled graphs' backward nodes (a loss computed eagerly from
+# a compiled model's output is a few nodes away; an eager model is not searched further than this).
+_SEARCH_DEPTH, _SEARCH_NODES = 6, 12
+_COMPILED_BACKWARD = "CompiledFunctionBackward"  # the node of an AOT-autograd (torch.compile) graph's backward
+
+
+def _leave_compiled_backward(policy: CastPolicy, roots: list[torch.Tensor]) -> None:
+    """Take ``policy``'s recompute modes off the mode stack while the backward of a compiled graph runs.
+
+    A compiled graph's backward is one node whose recomputation, if any, is inside the graph, with the forward's
+    casts traced into it; the mode would only be handed the node's own runtime calls. The autograd engine restores
+    the mode stack it captured for every node it runs, so a pre-hook that pops the modes affects that node alone
+    (also when it raises). Only nodes near the roots are looked at (at most ``_SEARCH_NODES``).
+    """
+    hook = None
+    frontier = [t.grad_fn for t in roots]
+    budget = _SEARCH_NODES
+    for _ in range(_SEARCH_DEPTH):
+        following = []
+        for node in frontier:
+            if node is None:
+                continue
+            name = type(node).__name__
+            if name == "AccumulateGrad":  # a leaf: nothing behind it
+                continue
+            if name == _COMPILED_BACKWARD:
+                if hook is None:
+                    hook = functools.partial(_pop_recompute_modes, policy)
+                node.register_prehook(hook)
+                continue  # behind it: the compiled graph's inputs (parameters, mostly), not searched
+            budget -= 1
+            if budget <= 0:
+                return
+            following.extend([edge[0] for edge in node.next_functions])
+        if not following:
+            return
+        frontier = following
+
+
+def _pop_recompute_modes(policy: CastPolicy, grad_outputs: Any) -> None:
+    stack_len, stack_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
+    while stack_len():
+        top = stack_at(stack_len() - 1)
+        if not (type(top) is _CastMode and top.policy is policy and top.recompute_only):
+            return
+        torch._C._pop_torch_function_stack()
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -295,6 +450,20 @@ def _as_edges(value: Any) -> Any:
     return value
 
 
+def _action_of(policy: CastPolicy, func: Callable[..., Any], stamp: int) -> int:
+    """``func``'s action in ``policy``'s resolved table (``stamp`` is ``policy._actions_stamp``).
+
+    Under ``torch.compile`` dynamo runs this while tracing and keeps the result as a constant, guarding on ``stamp``
+    (an int, rebuilt tables get a new one) instead of on every key of the table: read as a dict in the traced code,
+    the table's ~330 function keys would each become a guard, checked at every call of the compiled code.
+    """
+    return policy._actions.get(func, _PASS)
+
+
+# What torch.compiler.assume_constant_result(_action_of) sets, without importing dynamo (seconds) at import time.
+_action_of._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 class _CastMode(TorchFunctionMode):
     """The torch-function mode behind :meth:`CastPolicy.scope`; one per scope entry."""
 
@@ -314,12 +483,43 @@ class _CastMode(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        action = self.policy._actions.get(func, _PASS)  # read live: a table changed inside a scope takes effect
-        if action == _PASS or self.disabled:
-            return func(*args, **kwargs) if kwargs else func(*args)
         policy = self.policy
+        action = _action_of(policy, func, policy._actions_stamp)  # read live: a table changed inside a scope applies
+        if not action or self.disabled:  # _PASS
+            return func(*args, **kwargs) if kwargs else func(*args)
         if action == _HALF and self.fp32:
             action = _FLOAT  # inside an FP32 module: the table's half ops run in FP32
+        if action < _BANNED:  # _HALF, _FLOAT, _PROMOTE, _SEQUENCE
+            if self.recompute_only and not torch.is_grad_enabled():
+                return func(*args, **kwargs) if kwargs else func(*args)
+            if kwargs and kwargs.get("out") is not None:
+                # Casting the out= tensor would write the result into a copy that the caller never sees.
+                return func(*args, **kwargs)
+            if action == _HALF:
+                args, kwargs = policy._cast_all(args, kwargs, policy.half_dtype, _FP32)
+            elif action == _FLOAT:
+                args, kwargs = policy._cast_all(args, kwargs, torch.float32, _LOW)
+            else:
+                if not kwargs and len(args) == 2:
+                    # The common binary call (x + y, x * 2.0): no promotion when both tensors have one dtype or only
+                    # one argument holds tensors (what _widest would find).
+                    a, b = args
+                    a_tensor, b_tensor = isinstance(a, torch.Tensor), isinstance(b, torch.Tensor)
+                    if a_tensor and b_tensor:
+                        if a.dtype is b.dtype:
+                            return func(a, b)
+                    elif (a_tensor and not isinstance(b, (list, tuple))) or (
+                        b_tensor and not isinstance(a, (list, tuple))
+                    ):
+                        return func(a, b)
+                found: set[torch.dtype] = set()
+                _widest(args, found)
+                if kwargs:
+                    _widest(tuple(kwargs.values()), found)
+                widest = _promote_dtype(found)
+                if widest is not None:
+                    args, kwargs = policy._cast_all(args, kwargs, widest, _ALL_FLOATS)
+            return func(*args, **kwargs) if kwargs else func(*args)
         if action == _BACKWARD:
             return _run_backward(policy, func, args, kwargs or {})
         if action == _INPLACE_FLOAT:
@@ -332,27 +532,12 @@ class _CastMode(TorchFunctionMode):
                     "the tensor FP32 first (as Apex refused it)."
                 )
             return func(*args, **kwargs) if kwargs else func(*args)
+        # _BANNED
         if self.recompute_only and not torch.is_grad_enabled():
             return func(*args, **kwargs) if kwargs else func(*args)
-        if action != _BANNED and kwargs and kwargs.get("out") is not None:
-            # Casting the out= tensor would write the result into a copy that the caller never sees.
-            return func(*args, **kwargs)
-        if action == _HALF:
-            args, kwargs = policy._cast_all(args, kwargs, policy.half_dtype, (torch.float32,))
-        elif action == _FLOAT:
-            args, kwargs = policy._cast_all(args, kwargs, torch.float32, _LOW)
-        elif action == _PROMOTE or action == _SEQUENCE:
-            found: set[torch.dtype] = set()
-            _widest(args, found)
-            if kwargs:
-                _widest(tuple(kwargs.values()), found)
-            widest = _promote_dtype(found)
-            if widest is not None:
-                args, kwargs = policy._cast_all(args, kwargs, widest, _ALL_FLOATS)
-        elif action == _BANNED:
-            if not policy.allow_banned:
-                raise BannedOpError(policy.table.banned_advice(func))
-            args, kwargs = policy._cast_all(args, kwargs, torch.float32, _LOW)
+        if not policy.allow_banned:
+            raise BannedOpError(policy.table.banned_advice(func))
+        args, kwargs = policy._cast_all(args, kwargs, torch.float32, _LOW)
         return func(*args, **kwargs) if kwargs else func(*args)
 
 
@@ -401,3 +586,105 @@ def disable_casts() -> Iterator[None]:
     finally:
         for mode in modes:
             mode.disabled -= 1
+
+
+# -- compiled code called from inside a scope ---------------------------------------------------------------------
+#
+# Dynamo traces an active mode's __torch_function__ into the graph, so the compiled code already holds the casts; but a
+# mode left on the stack while the compiled code runs is still handed every torch call of its runtime (AOT autograd's
+# wrappers, inductor's extern kernels), which it lets through one by one. A hand-off takes the policy's mode off the
+# stack around the compiled call, and the compiled code enters the policy's scope itself (traced, so no mode is on the
+# stack at run time): the same casts, no call into the hook.
+
+
+class _ScopeInside:
+    """``fn`` inside the policy's scope when a :class:`_HandOff` took the policy's mode off the stack to call the
+    compiled code that runs this (read while tracing: dynamo guards on the flag)."""
+
+    def __init__(self, policy: CastPolicy, fn: Callable[..., Any]) -> None:
+        self.policy = policy
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.policy._handed_off:
+            with self.policy.scope():
+                return self.fn(*args, **kwargs)
+        return self.fn(*args, **kwargs)
+
+
+class _HandOff:
+    """Calls compiled code (which runs a :class:`_ScopeInside`) with the policy's active forward modes taken off the
+    mode stack, and puts them back afterwards, also when it raises."""
+
+    def __init__(self, policy: CastPolicy, compiled: Callable[..., Any]) -> None:
+        self.policy = policy
+        self.compiled = compiled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        policy = self.policy
+        if torch.compiler.is_compiling():  # called from other compiled code: traced as it is
+            return self.compiled(*args, **kwargs)
+        popped = []
+        stack_len, stack_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
+        while stack_len():
+            top = stack_at(stack_len() - 1)
+            if not (type(top) is _CastMode and top.policy is policy and not top.recompute_only and not top.disabled):
+                break
+            popped.append(torch._C._pop_torch_function_stack())
+        if not popped:
+            return self.compiled(*args, **kwargs)
+        previous, policy._handed_off = policy._handed_off, True
+        try:
+            return self.compiled(*args, **kwargs)
+        finally:
+            policy._handed_off = previous
+            for mode in reversed(popped):
+                torch._C._push_on_torch_function_stack(mode)
+
+
+class HandOffHandle:
+    """Undoes a hand-off installed by :meth:`CastPolicy.hand_off_compiled`: ``handle.remove()``."""
+
+    def __init__(self, restore: list[tuple[Any, str, Any]]) -> None:
+        self._restore = restore  # (object, attribute, previous instance value or _MISSING)
+
+    def remove(self) -> None:
+        """Restore the attributes that the hand-off replaced (idempotent)."""
+        for owner, name, previous in reversed(self._restore):
+            if previous is _MISSING:
+                owner.__dict__.pop(name, None)
+            else:
+                owner.__dict__[name] = previous
+        self._restore = []
+
+
+_MISSING = object()
+
+
+def _hand_off_module(policy: CastPolicy, module: torch.nn.Module) -> HandOffHandle | None:
+    """Hand-off for a ``torch.compile``'d module (an ``OptimizedModule``): its original module's ``forward`` enters the
+    scope (inside the compiled region), and its compiled ``forward`` is called through a :class:`_HandOff`."""
+    inner = module._orig_mod
+    outer = module.__dict__.get("forward")
+    if outer is None or isinstance(outer, _HandOff):
+        return None
+    restore = [(module, "forward", outer)]
+    current = inner.__dict__.get("forward", _MISSING)
+    if not (isinstance(current, _ScopeInside) and current.policy is policy):  # not twice for one module
+        restore.append((inner, "forward", current))
+        inner.__dict__["forward"] = _ScopeInside(policy, inner.forward)
+    module.__dict__["forward"] = _HandOff(policy, outer)
+    return HandOffHandle(restore)
+
+
+def _hand_off_method(policy: CastPolicy, owner: Any, name: str, original: Callable[..., Any],
+                     compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]]) -> HandOffHandle | None:
+    """Hand-off for a compiled method ``owner.name`` (an instance attribute) whose uncompiled version is ``original``
+    and that ``compile_fn`` compiled (Lightning's ``trainer.fit(torch.compile(model))`` compiles the steps so)."""
+    current = owner.__dict__.get(name)
+    if current is None or isinstance(current, _HandOff):
+        return None
+    handoff = _HandOff(policy, compile_fn(_ScopeInside(policy, original)))
+    functools.update_wrapper(handoff, original)  # __wrapped__: what was compiled (Lightning's is_overridden reads it)
+    owner.__dict__[name] = handoff
+    return HandOffHandle([(owner, name, current)])

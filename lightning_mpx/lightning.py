@@ -156,6 +156,7 @@ class MixedPrecisionPlugin(Precision):
         self._remove_hooks()
         if self.amp.properties.casts_model:
             self._add_boundary_casts(module)
+        self._hand_off_compiled(module)
         return module
 
     def connect(
@@ -220,6 +221,11 @@ class MixedPrecisionPlugin(Precision):
         """Backward on the loss times the scale of ``loss_id`` (``self.manual_backward(loss, loss_id=1)``)."""
         with disable_casts():  # a manual backward runs inside the training step's cast scope
             scaled = self.amp.scale_loss(tensor, loss_id)
+            policy = self.amp.policy
+            if policy is not None and not is_overridden("backward", model) and not getattr(model, "_fabric", None):
+                # LightningModule.backward's loss.backward(), in the policy's recompute scope without a hook call
+                policy.backward(scaled, *args, **kwargs)
+                return
             with self.amp.backward_context():  # activation checkpointing recomputes with the forward's casts
                 model.backward(scaled, *args, **kwargs)
 
@@ -359,6 +365,21 @@ class MixedPrecisionPlugin(Precision):
         if self._boundary_depth > 0:
             return None  # returning from a call inside the model
         return self.amp.cast_outputs(output)
+
+    def _hand_off_compiled(self, module: nn.Module) -> None:
+        # torch.compile'd submodules, and the steps that trainer.fit(torch.compile(model)) compiles, enter the cast
+        # policy inside their compiled region (CastPolicy.hand_off_compiled): no call into its hook while they run.
+        policy = self.amp.policy
+        if policy is None:
+            return
+        ctx = getattr(module, "_compiler_ctx", None)
+        methods = {}
+        if isinstance(ctx, dict) and ctx.get("compiler") == "dynamo" and ctx.get("dynamo_ctx") is not None:
+            for name in ("training_step", "validation_step", "test_step", "predict_step"):
+                if ctx.get(f"original_{name}") is not None:
+                    methods[name] = ctx[f"original_{name}"]
+        compile_fn = ctx["dynamo_ctx"] if methods else None
+        self._hooks.extend(policy.hand_off_compiled(module, methods=methods, compile_fn=compile_fn))
 
     def _remove_hooks(self) -> None:
         for handle in self._hooks:

@@ -1,0 +1,185 @@
+"""Compiled code under an O1 scope entered outside it makes no call into the cast hook (forward and backward) once
+handed off (``CastPolicy.hand_off_compiled``), and matches eager within half precision; the plugins' paths are in
+``tests/test_compile_handoff_plugins.py``.
+
+Calls into the hook are counted by observing the entries into the policy's ``__torch_function__`` (``sys.setprofile``
+on its code object), nothing in torch is patched. The compiled runs use the ``aot_eager`` backend.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.utils import counters
+
+from lightning_mpx import CastPolicy, disable_casts
+from lightning_mpx.cast_policy import _CastMode
+
+HALF = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    counters.clear()
+
+
+class _HookCounter:
+    """Counts entries into the cast policy's ``__torch_function__`` on this thread while active."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._code = _CastMode.__torch_function__.__code__
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is self._code:
+            self.calls += 1
+
+    def __enter__(self) -> _HookCounter:
+        self.calls = 0
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        sys.setprofile(None)
+
+
+class LossNet(nn.Module):
+    """A small pre-norm block ending in its loss (so that a compiled copy holds every op of the step)."""
+
+    def __init__(self, dim: int = 16, classes: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.ln = nn.LayerNorm(dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, classes)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.fc2(F.gelu(self.fc1(self.ln(x))).softmax(-1) @ torch.eye(2 * x.shape[-1]))
+        return F.cross_entropy(logits, y)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def _policy_steps(net: nn.Module, policy: CastPolicy, run: Callable[..., torch.Tensor], steps: int = 4
+                  ) -> tuple[list[float], list[int]]:
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    losses, calls = [], []
+    for step in range(steps):
+        batch = _batch(step)
+        with _HookCounter() as counter:
+            with policy.scope():
+                loss = run(*batch)
+            policy.backward(loss)
+        calls.append(counter.calls)
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        policy.clear_cache()
+    return losses, calls
+
+
+def test_handed_off_compiled_module_makes_no_hook_call_and_matches_eager():
+    eager_net, net = LossNet(), LossNet()
+    eager_policy, policy = CastPolicy(half_dtype=HALF), CastPolicy(half_dtype=HALF)
+    eager, eager_calls = _policy_steps(eager_net, eager_policy, eager_net)
+    compiled = torch.compile(net, backend="aot_eager")
+    handles = policy.hand_off_compiled(compiled)
+    assert len(handles) == 1
+    losses, calls = _policy_steps(net, policy, compiled)
+    assert min(eager_calls) > 0  # eager: one call per torch call of the step
+    assert calls[1:] == [0, 0, 0], calls  # forward and backward, after the first (compiling) step
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager), rtol=1e-2, atol=1e-2)
+    for handle in handles:
+        handle.remove()
+    assert "forward" not in net.__dict__
+
+
+def test_without_hand_off_the_outer_mode_sees_the_compiled_runtime():
+    # The case the hand-off exists for (and what a broken hand-off looks like).
+    net, policy = LossNet(), CastPolicy(half_dtype=HALF)
+    _, calls = _policy_steps(net, policy, torch.compile(net, backend="aot_eager"))
+    assert min(calls) > 0
+
+
+def test_handed_off_module_keeps_eager_semantics_outside_scope_disabled_and_on_error():
+    net, policy = LossNet(), CastPolicy(half_dtype=HALF)
+    seen: list[torch.dtype] = []
+    net.fc1.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    compiled = torch.compile(net, backend="aot_eager")
+    policy.hand_off_compiled(compiled)
+    x, y = _batch(0)
+    compiled(x, y)  # no scope: FP32 as in eager
+    with policy.scope():
+        compiled(x, y)
+        with disable_casts():
+            compiled(x, y)  # casts disabled: FP32 as in eager
+    assert seen == [torch.float32, HALF, torch.float32]
+    with pytest.raises(IndexError):
+        with policy.scope():
+            compiled(x, torch.tensor([9] * 8))  # a class index out of range
+    assert not torch.overrides._get_current_function_mode_stack()
+    assert policy._handed_off is False
+
+
+class _CheckpointedThenCompiled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.GELU())
+        self.net = LossNet()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(self.pre, x, use_reentrant=False)
+        return self.net(h, y)
+
+
+def test_eager_checkpoint_recomputes_with_casts_after_a_compiled_backward():
+    # The compiled graph's backward runs first and leaves the recompute mode; the eager checkpoint after it must
+    # still recompute with the forward's casts (a dtype mismatch would raise or change the gradients).
+    grads = []
+    for compiled in (False, True):
+        model, policy = _CheckpointedThenCompiled(), CastPolicy(half_dtype=HALF)
+        if compiled:
+            model.net = torch.compile(model.net, backend="aot_eager")
+            policy.hand_off_compiled(model)
+        x, y = _batch(1)
+        with policy.scope():
+            loss = model(x, y)
+        policy.backward(loss)
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    names = [n.replace("._orig_mod", "") for n in grads[1]]
+    assert names == list(grads[0])
+    for (name, grad), compiled_grad in zip(grads[0].items(), grads[1].values()):
+        assert compiled_grad.dtype == torch.float32
+        torch.testing.assert_close(compiled_grad, grad, rtol=2e-2, atol=2e-3, msg=name)
+
+
+def test_policy_backward_is_tensor_backward_in_the_recompute_scope():
+    net, policy = LossNet(), CastPolicy(half_dtype=HALF)
+    x, y = _batch(2)
+    with policy.scope():
+        loss = net(x, y)
+    with _HookCounter() as counter:
+        policy.backward(loss, retain_graph=True)
+    assert counter.calls == 0
+    first = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    with policy.recompute_scope():
+        loss.backward()
+    torch.testing.assert_close([p.grad for p in net.parameters()], first)
+    with pytest.raises(RuntimeError, match="implicitly created only for scalar"):
+        with policy.scope():
+            out = net.fc1(x)
+        policy.backward(out)
