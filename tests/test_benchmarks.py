@@ -136,6 +136,11 @@ def test_engine_overhead_rows(tmp_path):
     result = engine_overhead.main(["--params", "6", "--steps", "3", "--repeats", "1", "--out", str(out)])
     assert [r["opt_level"] for r in json.loads(out.read_text())["rows"]] == ["O1", "O2"]
     assert all(r["parameters"] == 6 and r["engine_us_per_step"] > 0 for r in result["rows"])
+    telemetry = result["telemetry_rows"]
+    assert [r["opt_level"] for r in telemetry] == ["O1", "O2"]
+    # --telemetry-every 10 by default, two "on" engines: 2 warm-up requests each, then iteration 20 (of 20-22).
+    assert all(r["logging_iterations"] == 2 and r["measurements"] == 6 for r in telemetry)
+    assert all(r["off_us_median"] > 0 and r["on_nonlogging_us_median"] > 0 for r in telemetry)
 
 
 def test_forensics_overhead_rows(tmp_path):
@@ -148,8 +153,3 @@ def test_forensics_overhead_rows(tmp_path):
         (row, diagnose) for diagnose in ("off", "watched") for row in ("clean-step", "iteration", "overflow-step")
     ]
     assert all(r["us"] > 0 and r["modules"] == 5 and r["parameters"] == 4 for r in rows)
-    telemetry = result["telemetry_rows"]
-    assert [r["opt_level"] for r in telemetry] == ["O1", "O2"]
-    # --telemetry-every 10 by default, two "on" engines: 2 warm-up requests each, then iteration 20 (of 20-22).
-    assert all(r["logging_iterations"] == 2 and r["measurements"] == 6 for r in telemetry)
-    assert all(r["off_us_median"] > 0 and r["on_nonlogging_us_median"] > 0 for r in telemetry)
