@@ -148,3 +148,25 @@ def assert_same(a: Any, b: Any) -> None:
             assert_same(x, y)
     else:
         assert a == b
+
+
+class RecordingLogger(pl.loggers.Logger):
+    """A Lightning logger that keeps every ``log_metrics`` call as ``(step, metrics)`` in :attr:`logged`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.logged.append((int(step or 0), dict(metrics)))

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.loggers import Logger
 from torch import nn
 
 from lightning_mpx import Amp, MixedPrecisionPlugin
@@ -26,7 +25,7 @@ from tests.forensics_models import (
     make_net,
     reference_kinds,
 )
-from tests.lightning_helpers import loader, make_trainer
+from tests.lightning_helpers import RecordingLogger, loader, make_trainer
 
 
 def _setup(level: str, case: str, **settings: Any) -> tuple[Amp, nn.Module, torch.optim.Optimizer]:
@@ -203,31 +202,11 @@ def test_merge_records_names_the_rank_whose_forward_was_non_finite():
 
 
 # -- Lightning ------------------------------------------------------------------------------------------------------
-class _Collect(Logger):
-    def __init__(self) -> None:
-        super().__init__()
-        self.metrics: list[tuple[int, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "collect"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.metrics.append((step, dict(metrics)))
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_lightning_o1_record_log_and_metrics(case, caplog):
     plugin = MixedPrecisionPlugin("O1", diagnose_overflows=True)
     model = ForensicsModule(case)
-    logger = _Collect()
+    logger = RecordingLogger()
     trainer = make_trainer(plugin, max_steps=2, logger=logger, log_every_n_steps=1)
     with caplog.at_level(logging.INFO, logger="lightning_mpx"):
         trainer.fit(model, loader(ForensicsData(case), batch_size=4))
@@ -243,7 +222,7 @@ def test_lightning_o1_record_log_and_metrics(case, caplog):
     messages = [r.getMessage() for r in caplog.records if "Gradient overflow" in r.getMessage()]
     assert f"culprit net.{CULPRIT[case]}" in messages[0] and f"origin {ORIGIN[case]}" in messages[0]
     assert "rank 0" in messages[0]
-    first_step, logged = logger.metrics[0]
+    first_step, logged = logger.logged[0]
     assert first_step == 0
     assert {k: v for k, v in logged.items() if k.startswith("mpx/overflow/")} == {
         overflow_tag(m): 1.0 for m in _modules_of(reference)

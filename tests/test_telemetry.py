@@ -263,26 +263,7 @@ def test_telemetry_merge_sums_counts_and_takes_the_largest_peak():
 
 # -- Lightning --------------------------------------------------------------------------------------------------------
 pl = pytest.importorskip("lightning.pytorch")
-
-
-class _RecordingLogger(pl.loggers.Logger):
-    def __init__(self) -> None:
-        super().__init__()
-        self.logged: list[tuple[int, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "recording"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.logged.append((int(step or 0), dict(metrics)))
+from tests.lightning_helpers import RecordingLogger  # noqa: E402  (needs Lightning)
 
 
 class _TinyGradients(pl.LightningModule):
@@ -334,7 +315,7 @@ def _tiny_run(logger: Any, steps: int, every: int) -> tuple[Any, _Measurements]:
 
 
 def test_lightning_logs_underflow_falling_as_the_scale_grows():
-    logger = _RecordingLogger()
+    logger = RecordingLogger()
     _, measured = _tiny_run(logger, steps=40, every=4)
     rows = [(step, m) for step, m in logger.logged if "mpx/underflow/model.0" in m]
     steps = [step for step, _ in rows]
