@@ -44,8 +44,8 @@ from lightning_mpx.unscale import BACKENDS, UnscaleWorkspace, unscale_grads_
 
 log = logging.getLogger("lightning_mpx")
 
-#: How O2 finds writes made to the half model outside the step: ``"versions"`` (version counters and storage
-#: addresses, free; misses in-place writes through ``p.data``) or ``"values"`` (a comparison of every half parameter
+#: How O2 finds writes made to the half model outside the step: ``"versions"`` (version counters, storage
+#: addresses and the parameters' handed-out ``.data``, free when nothing was written) or ``"values"`` (a comparison of every half parameter
 #: with its master's rounding before each step: one extra read of the weights and one host sync per step).
 MODEL_WRITES = ("versions", "values")
 
@@ -119,8 +119,9 @@ class Amp:
             with the scale at its floor, until the next step that does not overflow (see
             :mod:`lightning_mpx.forensics`).
         model_writes: How O2 takes writes made to the half model outside the step into the FP32 masters:
-            ``"versions"`` (default: version counters and storage addresses, no cost; in-place writes through
-            ``p.data``, such as WGAN's ``p.data.clamp_()``, are not seen) or ``"values"`` (every half parameter is
+            ``"versions"`` (default: version counters and storage addresses, and the ``.data`` each half parameter
+            hands out, such as WGAN's ``p.data.clamp_()``: no cost when nothing was written; see
+            :class:`~lightning_mpx.master_weights.WatchedParameter`) or ``"values"`` (every half parameter is
             compared with its master's rounding before each step: one read of the weights and one host sync per
             step, and every write is seen).
         fp32_modules: Module-name patterns (:mod:`fnmatch`, on the names of ``model.named_modules()``, e.g.
@@ -382,8 +383,9 @@ class Amp:
 
         Args:
             params: The model parameters to check (default: every prepared model's).
-            force: Compare the values of every parameter checked, whatever its version counter: for writes made in
-                place through ``p.data`` (``p.data.copy_(...)``), which the version counter does not see.
+            force: Compare the values of every parameter checked, whatever its version counter: for writes the
+                cheap checks cannot see (through a tensor kept from ``p.data`` after the alias it came from is gone,
+                or through ``.data`` of a parameter of a user's own ``nn.Parameter`` subclass).
 
         Returns:
             The names of the parameters whose masters took a write.

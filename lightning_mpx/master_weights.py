@@ -65,7 +65,9 @@ class MasterWeights:
     taken into its master before the master is next used (:meth:`refresh`): the elements the write changed take the
     model's value, the others keep their FP32 master value, so a model loaded with the half rounding of its own
     masters (a checkpoint resume) keeps the exact masters. Writes made in place through ``p.data`` (``p.data.copy_``,
-    ``p.data.clamp_``) bypass the version counter; call :meth:`refresh` with ``force=True`` after them.
+    ``p.data.clamp_``) bypass the version counter: a half parameter with a master is made a
+    :class:`WatchedParameter`, which tells the masters when its ``.data`` is handed out, and that parameter is
+    compared at the next :meth:`refresh` (see :class:`_DataWatch`).
 
     Masters are made for the trainable half parameters when the masters are created, and for any other half
     parameter of the model (a frozen backbone unfrozen later) the first time an optimizer steps it. Parameters are
@@ -95,6 +97,7 @@ class MasterWeights:
         self.copy_backend = copy_backend
         self.workspace = UnscaleWorkspace()
         self._entries: dict[int, _Entry] = {}
+        self._watch = _DataWatch()
         for name, param in named_parameters:
             if id(param) in self._entries or (exclude is not None and exclude(param)):
                 continue
@@ -154,6 +157,7 @@ class MasterWeights:
         if entry is None:
             return None
         master, entry.master = entry.master, None
+        _unwatch_data(param)
         return master
 
     def name_of(self, param: torch.Tensor) -> str | None:
@@ -164,6 +168,7 @@ class MasterWeights:
     def _make_master(self, entry: _Entry, param: torch.Tensor) -> None:
         if param.dtype in HALF_DTYPES:
             entry.master = param.detach().float().requires_grad_(True)
+            _watch_data(param, self._watch)
         entry.mark(param)
 
     def refresh(self, params: Iterable[torch.Tensor] | None = None, *, force: bool = False) -> list[str]:
@@ -179,21 +184,24 @@ class MasterWeights:
             params: The model parameters to check (default: all).
             force: Check every parameter's values, whatever its version (after writes through ``p.data``).
         """
-        taken = []
-        entries = (
+        written = []
+        entries = list(
             self._live()
             if params is None
             else ((e, p) for p in params if (e := self._entry(p)) is not None)
         )
+        handed_out = self._watch.due({id(p) for _, p in entries})
         for entry, param in entries:
-            if entry.master is not None and (force or not entry.unchanged(param)) and _take_write(entry, param):
-                taken.append(entry.name)
-        return taken
+            if entry.master is None:
+                continue
+            if force or id(param) in handed_out or not entry.unchanged(param):
+                written.append((entry, param))
+        return _take_writes(written)
 
     def mirror(self, params: Iterable[torch.Tensor], *, compare: bool = False) -> Mirror:
         """The step-time view of ``params``' masters (those that have one): see :class:`Mirror`."""
         pairs = [(e, p) for p in params if (e := self._entry(p)) is not None and e.master is not None]
-        return Mirror(pairs, self.copy_backend, compare)
+        return Mirror(pairs, self.copy_backend, compare, self._watch)
 
     def sync_from_model(self) -> None:
         """Re-take the masters from the model parameters, on the model's current device.
@@ -287,17 +295,27 @@ class Mirror:
     """The half parameters one optimizer steps and their masters, held for its steps.
 
     :meth:`take_writes` and :meth:`copy_to_model` are what a step adds at O2: a comparison of the parameters'
-    version counters and addresses as two tuples (C-level maps, about 0.1 us per parameter) that finds nothing in the
-    common case, and the fused copy of the masters into the model.
+    version counters and addresses as two tuples (C-level maps, about 0.1 us per parameter) and one look at the
+    masters' :class:`_DataWatch` (whether anyone took a parameter's ``.data``), which find nothing in the common
+    case, and the fused copy of the masters into the model.
     """
 
-    def __init__(self, pairs: list[tuple[_Entry, torch.Tensor]], copy_backend: str, compare: bool = False) -> None:
-        self.compare = compare  # compare values every step (writes through p.data), not only version counters
+    def __init__(
+        self,
+        pairs: list[tuple[_Entry, torch.Tensor]],
+        copy_backend: str,
+        compare: bool = False,
+        watch: _DataWatch | None = None,
+    ) -> None:
+        self.compare = compare  # compare values every step, not only version counters and handed-out .data
+        self._pairs = pairs
         self._entries = [entry for entry, _ in pairs]
         self.params = [param for _, param in pairs]
         self.masters = [entry.master for entry, _ in pairs]
         self.copy_backend = copy_backend
         self.workspace = UnscaleWorkspace()
+        self._watch = watch if watch is not None else _DataWatch()
+        self._keys = {id(param) for param in self.params}
         self._marks: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     def _current(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -306,25 +324,14 @@ class Mirror:
     def take_writes(self) -> list[str]:
         """Take writes made to the parameters since the masters last matched them (see :meth:`MasterWeights.refresh`)."""
         if self.compare:
-            return self._take_by_value()
-        if self._current() == self._marks:
-            return []
-        taken = [e.name for e, p in zip(self._entries, self.params) if not e.unchanged(p) and _take_write(e, p)]
+            taken = _take_writes(self._pairs)
+        else:
+            handed_out = self._watch.due(self._keys) if self._watch.active() else ()
+            if not handed_out and self._current() == self._marks:
+                return []
+            taken = _take_writes([(e, p) for e, p in self._pairs if id(p) in handed_out or not e.unchanged(p)])
         self._marks = self._current()
         return taken
-
-    def _take_by_value(self) -> list[str]:
-        """Every parameter whose half values differ from its master's rounding takes them (one host read for all)."""
-        if not self.params:
-            return []
-        with torch.no_grad():
-            changed = [p != m.to(p.dtype) for p, m in zip(self.params, self.masters)]
-            written = torch.stack([c.any() for c in changed]).tolist()
-            for master, param, mask, hit in zip(self.masters, self.params, changed, written):
-                if hit:
-                    master.copy_(torch.where(mask, param.float(), master))
-        self._marks = self._current()
-        return [e.name for e, hit in zip(self._entries, written) if hit]
 
     def copy_to_model(self) -> None:
         """Write the masters into the half parameters (after a real step) and remember their new versions."""
@@ -339,22 +346,142 @@ class Mirror:
 _VERSION = operator.attrgetter("_version")
 
 
-def _take_write(entry: _Entry, param: torch.Tensor) -> bool:
-    """Take a write of ``param`` into its master where the two differ as half values; whether anything changed."""
-    master = entry.master
-    assert master is not None
-    entry.mark(param)
+def _take_writes(pairs: list[tuple[_Entry, torch.Tensor]]) -> list[str]:
+    """Take the writes of ``pairs``' parameters into their masters where the two differ as half values (the other
+    elements keep their FP32 master value), with one host read for all; returns the names of those that changed."""
+    taken: list[str] = []
+    compared = []
     with torch.no_grad():
-        if master.device != param.device:
-            master.data = master.data.to(param.device)
-        if master.shape != param.shape:
-            master.data = param.detach().float()
-            return True
-        changed = param != master.to(param.dtype)  # NaN != NaN: a NaN written is taken
-        if not bool(changed.any()):  # the same half values written again (a checkpoint's rounding): keep them
-            return False
-        master.copy_(torch.where(changed, param.float(), master))
-    return True
+        for entry, param in pairs:
+            master = entry.master
+            assert master is not None
+            entry.mark(param)
+            if master.device != param.device:
+                master.data = master.data.to(param.device)
+            if master.shape != param.shape:
+                master.data = param.detach().float()
+                taken.append(entry.name)
+                continue
+            compared.append((entry, param, param != master.to(param.dtype)))  # NaN != NaN: a NaN written is taken
+        if not compared:
+            return taken
+        device = compared[0][2].device
+        hits = torch.stack([mask.any().to(device) for _, _, mask in compared]).tolist()
+        for (entry, param, mask), hit in zip(compared, hits):
+            if hit:  # the same half values written again (a checkpoint's rounding) keep the FP32 masters
+                master = entry.master
+                assert master is not None
+                master.copy_(torch.where(mask, param.float(), master))
+                taken.append(entry.name)
+    return taken
+
+
+class _DataWatch:
+    """Which half parameters had their ``.data`` taken since the masters last looked (see :class:`WatchedParameter`).
+
+    ``p.data`` is an alias of ``p`` with a version counter of its own, so writes through it (``p.data.copy_``,
+    ``p.data.clamp_``) leave no trace on ``p``. The watch keeps, per parameter, a weak reference to each alias
+    handed out and its version: an alias written while alive moves its own version; an alias that dies (the usual
+    ``p.data.clamp_()`` temporary) marks its parameter for one value comparison, as nothing can tell any more
+    whether it was written.
+    """
+
+    __slots__ = ("dirty", "aliases")
+
+    def __init__(self) -> None:
+        self.dirty: set[int] = set()  # ids of parameters to compare once
+        self.aliases: dict[int, list[tuple[weakref.ref[torch.Tensor], int]]] = {}  # live aliases and their versions
+
+    def active(self) -> bool:
+        return bool(self.dirty or self.aliases)
+
+    def handed_out(self, param: torch.Tensor, alias: torch.Tensor) -> None:
+        key, dirty = id(param), self.dirty
+        live = [(ref, version) for ref, version in self.aliases.get(key, ()) if ref() is not None]
+        live.append((weakref.ref(alias, lambda _: dirty.add(key)), alias._version))
+        self.aliases[key] = live
+
+    def assigned(self, param: torch.Tensor) -> None:
+        self.dirty.add(id(param))
+
+    def due(self, keys: set[int]) -> set[int]:
+        """The parameters among ``keys`` whose ``.data`` may have been written since the last call (then forgotten,
+        but for their live aliases' current versions)."""
+        due = self.dirty & keys
+        self.dirty -= due
+        for key in [key for key in self.aliases if key in keys]:
+            live = []
+            for ref, version in self.aliases[key]:
+                alias = ref()
+                if alias is None:
+                    continue
+                if alias._version != version:
+                    due.add(key)
+                live.append((ref, alias._version))
+            if live:
+                self.aliases[key] = live
+            else:
+                del self.aliases[key]
+        return due
+
+
+_TENSOR_DATA = torch._C.TensorBase.data  # the C-level ``.data`` descriptor that WatchedParameter wraps
+
+
+class WatchedParameter(nn.Parameter):
+    """An ``nn.Parameter`` whose ``.data`` tells its FP32 masters when it is handed out or replaced.
+
+    The half parameters of a model with masters (O2, O3) get this class in place (``param.__class__``) for as long
+    as they have masters; it behaves as ``nn.Parameter`` in every other way (``isinstance`` checks,
+    ``torch.compile``, DDP, ``state_dict``). Pickling and ``copy.deepcopy`` give a plain ``nn.Parameter``.
+    """
+
+    @property  # type: ignore[override]
+    def data(self) -> torch.Tensor:
+        alias = _TENSOR_DATA.__get__(self)
+        watch = self.__dict__.get("_mpx_data_watch")
+        if watch is not None:
+            watch.handed_out(self, alias)
+        return alias
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        _TENSOR_DATA.__set__(self, value)
+        watch = self.__dict__.get("_mpx_data_watch")
+        if watch is not None:
+            watch.assigned(self)
+
+    def __repr__(self) -> str:
+        return repr(nn.Parameter(_TENSOR_DATA.__get__(self), self.requires_grad))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
+        if id(self) in memo:
+            return memo[id(self)]
+        data = _TENSOR_DATA.__get__(self).clone(memory_format=torch.preserve_format)
+        result = nn.Parameter(data, self.requires_grad)
+        memo[id(self)] = result
+        return result
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        plain = nn.Parameter(_TENSOR_DATA.__get__(self), self.requires_grad)
+        plain.__dict__.update((k, v) for k, v in self.__dict__.items() if k != "_mpx_data_watch")
+        return plain.__reduce_ex__(protocol)
+
+
+def _watch_data(param: torch.Tensor, watch: _DataWatch) -> None:
+    """Make ``param`` tell ``watch`` about its ``.data`` (a plain ``nn.Parameter`` only: a subclass of the user's
+    is left as it is, and writes through its ``.data`` need ``refresh_masters(force=True)`` or
+    ``model_writes="values"``)."""
+    if type(param) is nn.Parameter:
+        param.__class__ = WatchedParameter
+    if type(param) is WatchedParameter:
+        param.__dict__["_mpx_data_watch"] = watch
+
+
+def _unwatch_data(param: torch.Tensor) -> None:
+    if type(param) is WatchedParameter:
+        param.__dict__.pop("_mpx_data_watch", None)
+        param.__class__ = nn.Parameter
 
 
 class _Entry:

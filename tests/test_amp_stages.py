@@ -582,15 +582,16 @@ class AmpAgainstFP32(RuleBasedStateMachine):
             opt.add_param_group({"params": [model.bias]})
         self.unfrozen = True
 
-    @rule(name=st.sampled_from(NAMES), value=st.sampled_from([0.125, -0.25, 0.0625]))
-    def write_the_model(self, name, value):
+    @rule(name=st.sampled_from(NAMES), value=st.sampled_from([0.125, -0.25, 0.0625]), through_data=st.booleans())
+    def write_the_model(self, name, value, through_data):
         # Loading weights, an EMA or SWA callback, a user's clamp: a write to the model outside the step, at any
         # point of the iteration. The values are exact in half and of the weights' own size (larger ones grow the
         # half-precision error past the tolerances), so the twin gets the same ones; at O2 the masters must take
         # them before the next step instead of overwriting them.
+        # ``through_data``: WGAN's ``p.data.fill_`` style, which leaves no trace on ``p``'s own version counter.
         with torch.no_grad():
             for param, ref in zip(self.models[name].parameters(), self.ref_models[name].parameters()):
-                param.fill_(value)
+                (param.data if through_data else param).fill_(value)
                 ref.fill_(value)
 
     @rule(name=st.sampled_from(NAMES), max_norm=st.sampled_from([0.05, 50.0]), set_to_none=st.booleans())

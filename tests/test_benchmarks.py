@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import convergence  # noqa: E402
 import engine_overhead  # noqa: E402
+import mirror_check  # noqa: E402
 import step  # noqa: E402
 
 STEP_FIELDS = {
@@ -141,6 +142,15 @@ def test_engine_overhead_rows(tmp_path):
     # --telemetry-every 10 by default, two "on" engines: 2 warm-up requests each, then iteration 20 (of 20-22).
     assert all(r["logging_iterations"] == 2 and r["measurements"] == 6 for r in telemetry)
     assert all(r["off_us_median"] > 0 and r["on_nonlogging_us_median"] > 0 for r in telemetry)
+
+
+def test_mirror_check_rows(tmp_path):
+    out = tmp_path / "mc.json"
+    result = mirror_check.main(["--params", "4", "--calls", "2", "--repeats", "1", "--out", str(out)])
+    cases = [r["case"] for r in json.loads(out.read_text())["rows"]]
+    assert cases == ["nothing", "data_read", "data_clamp", "values_nothing", "values_clamp", "pattern_read",
+                     "pattern_clamp"]  # fmt: skip
+    assert all(r["params"] == 4 and r["us_median"] > 0 for r in result["rows"])
 
 
 def test_forensics_overhead_rows(tmp_path):
