@@ -169,6 +169,9 @@ def test_exceptions_and_entry_points_name_known_operators():
 )  # fmt: skip
 def test_the_categories_outside_the_test_lists_are_torch_autocasts(op, run, expected):
     assert NOT_FP32_OUTSIDE_TEST_LISTS[op] == ("half" if expected == torch.bfloat16 else "promote")
+    if op == "mkldnn_rnn_layer" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        # torch's own autocast LSTM fails there ("could not create a primitive descriptor"): nothing to compare with
+        pytest.skip("this CPU has no oneDNN bfloat16 support (seen on AMD EPYC without AVX-512)")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert run(torch.randn(4, 8)).dtype == expected
 
