@@ -213,40 +213,43 @@ class CastPolicy:
             self._actions_of = (self.table, self.table._version, refuse)
             self._actions_stamp += 1
 
-    def _cast(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
-        """``value`` with its floating tensors of a ``castable`` dtype cast to ``dtype`` (in lists and tuples too)."""
+    def _cast(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...], cache: Any) -> Any:
+        """``value`` with its floating tensors of a ``castable`` dtype cast to ``dtype`` (in lists and tuples too).
+
+        ``cache`` is the parameter-cast cache to use (``None``: no caching), chosen once per call by :meth:`_cast_all`.
+        """
         if isinstance(value, torch.Tensor):
             current = value.dtype
             if current is dtype or current not in castable:
                 return value
-            return self._cast_tensor(value, dtype)
+            return self._cast_tensor(value, dtype, cache)
         if type(value) is list or (isinstance(value, tuple) and not isinstance(value, torch.Size)):
-            return self._cast_sequence(value, dtype, castable)
+            return self._cast_sequence(value, dtype, castable, cache)
         return value
 
-    def _cast_tensor(self, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if self.cache_casts and value.requires_grad and value.is_leaf and not torch.compiler.is_compiling():
-            # Under torch.compile the cast is a node of the graph, done once per use in the compiled code; a
-            # cache read while tracing would guard on the cache's size and keys and recompile as it fills.
-            # Keyed by id() (Tensor.__hash__ is a Python call); the entry keeps the tensor alive, so the id
-            # cannot be reused while the entry exists.
-            cache = self._grad_cache if torch.is_grad_enabled() else self._no_grad_cache
+    @staticmethod
+    def _cast_tensor(value: torch.Tensor, dtype: torch.dtype, cache: dict[Any, Any] | None) -> torch.Tensor:
+        # ``to(dtype=...)``: the keyword form skips the argument parser's failed try of ``to(device, ...)``, about
+        # 2 us of a ~4 us cast of a small tensor.
+        if cache is not None and value.requires_grad and value.is_leaf:
+            # Keyed by id() (Tensor.__hash__ is a Python call); the entry keeps the tensor alive, so the id cannot be
+            # reused while the entry exists.
             key = (id(value), dtype)
             hit = cache.get(key)
             version, address = value._version, value.data_ptr()
             if hit is not None and hit[0] == version and hit[1] == address:
                 return hit[2]
-            cast = value.to(dtype)
+            cast = value.to(dtype=dtype)
             # (version, address, cast, tensor, storage): see _CacheEntry
             cache[key] = (version, address, cast, value, value.untyped_storage())
             return cast
-        return value.to(dtype)
+        return value.to(dtype=dtype)
 
-    def _cast_sequence(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
+    def _cast_sequence(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...], cache: Any) -> Any:
         items = None  # a copy, made at the first item that changes
         for index, item in enumerate(value):
             if isinstance(item, _CONTAINERS):
-                cast = self._cast(item, dtype, castable)
+                cast = self._cast(item, dtype, castable, cache)
                 if cast is not item:
                     if items is None:
                         items = list(value)
@@ -257,22 +260,48 @@ class CastPolicy:
             return items
         return type(value)(*items) if hasattr(value, "_fields") else tuple(items)  # namedtuple
 
+    def _cache_now(self) -> dict[Any, Any] | None:
+        """The parameter-cast cache for a call made now: ``None`` when caching is off or while compiling (under
+        ``torch.compile`` the cast is a node of the graph, done once per use in the compiled code; a cache read while
+        tracing would guard on the cache's size and keys and recompile as it fills)."""
+        if not self.cache_casts or torch.compiler.is_compiling():
+            return None
+        return self._grad_cache if torch.is_grad_enabled() else self._no_grad_cache
+
     def _cast_all(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None, dtype: torch.dtype,
                   castable: tuple[torch.dtype, ...]) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
         """The call's arguments with :meth:`_cast` applied; the same objects where nothing changes."""
-        new_args = self._cast_sequence(args, dtype, castable)
+        cache = self._cache_now()
+        new_args = None  # a copy, made at the first argument that changes
+        index = 0
+        for item in args:
+            if isinstance(item, torch.Tensor):  # the common argument, handled here without a call
+                current = item.dtype
+                if current is not dtype and current in castable:
+                    if new_args is None:
+                        new_args = list(args)
+                    new_args[index] = self._cast_tensor(item, dtype, cache)
+            elif type(item) is list or type(item) is tuple or isinstance(item, (list, tuple)):
+                cast = self._cast(item, dtype, castable, cache)
+                if cast is not item:
+                    if new_args is None:
+                        new_args = list(args)
+                    new_args[index] = cast
+            index += 1
+        if new_args is not None:
+            args = tuple(new_args)
         if kwargs:
             new_kwargs = None
             for name, item in kwargs.items():
                 if isinstance(item, _CONTAINERS):
-                    cast = self._cast(item, dtype, castable)
+                    cast = self._cast(item, dtype, castable, cache)
                     if cast is not item:
                         if new_kwargs is None:
                             new_kwargs = dict(kwargs)
                         new_kwargs[name] = cast
             if new_kwargs is not None:
                 kwargs = new_kwargs
-        return new_args, kwargs
+        return args, kwargs
 
 
 class _CacheEntry(NamedTuple):
@@ -506,8 +535,17 @@ class _CastMode(TorchFunctionMode):
                     a, b = args
                     a_tensor, b_tensor = isinstance(a, torch.Tensor), isinstance(b, torch.Tensor)
                     if a_tensor and b_tensor:
-                        if a.dtype is b.dtype:
+                        a_dtype, b_dtype = a.dtype, b.dtype
+                        if a_dtype is b_dtype or not (a_dtype.is_floating_point and b_dtype.is_floating_point):
                             return func(a, b)
+                        # Two floating dtypes (x + x.half()): what _widest and _cast_all find, without them.
+                        widest = torch.promote_types(a_dtype, b_dtype)
+                        cache = policy._cache_now()
+                        if a_dtype is not widest and a_dtype in _ALL_FLOATS:
+                            a = policy._cast_tensor(a, widest, cache)
+                        if b_dtype is not widest and b_dtype in _ALL_FLOATS:
+                            b = policy._cast_tensor(b, widest, cache)
+                        return func(a, b)
                     elif (a_tensor and not isinstance(b, (list, tuple))) or (
                         b_tensor and not isinstance(a, (list, tuple))
                     ):
