@@ -53,6 +53,7 @@ _CATEGORY_ACTION = MappingProxyType(
 _LOW = (torch.float16, torch.bfloat16)
 _FP32 = (torch.float32,)
 _CONTAINERS = (torch.Tensor, list, tuple)  # what _cast may change; anything else is passed as given
+_UNSET: Any = object()  # a parameter-cast cache not looked up yet (CastPolicy._cache_now)
 
 
 class BannedOpError(NotImplementedError):
@@ -213,10 +214,11 @@ class CastPolicy:
             self._actions_of = (self.table, self.table._version, refuse)
             self._actions_stamp += 1
 
-    def _cast(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...], cache: Any) -> Any:
+    def _cast(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...], cache: Any = _UNSET) -> Any:
         """``value`` with its floating tensors of a ``castable`` dtype cast to ``dtype`` (in lists and tuples too).
 
-        ``cache`` is the parameter-cast cache to use (``None``: no caching), chosen once per call by :meth:`_cast_all`.
+        ``cache``: the parameter-cast cache to use (``None``: no caching; ``_UNSET``: :meth:`_cache_now`'s, looked
+        up only when a parameter is cast).
         """
         if isinstance(value, torch.Tensor):
             current = value.dtype
@@ -227,25 +229,18 @@ class CastPolicy:
             return self._cast_sequence(value, dtype, castable, cache)
         return value
 
-    @staticmethod
-    def _cast_tensor(value: torch.Tensor, dtype: torch.dtype, cache: dict[Any, Any] | None) -> torch.Tensor:
+    def _cast_tensor(self, value: torch.Tensor, dtype: torch.dtype, cache: Any = _UNSET) -> torch.Tensor:
         # ``to(dtype=...)``: the keyword form skips the argument parser's failed try of ``to(device, ...)``, about
         # 2 us of a ~4 us cast of a small tensor.
-        if cache is not None and value.requires_grad and value.is_leaf:
-            # Keyed by id() (Tensor.__hash__ is a Python call); the entry keeps the tensor alive, so the id cannot be
-            # reused while the entry exists.
-            key = (id(value), dtype)
-            hit = cache.get(key)
-            version, address = value._version, value.data_ptr()
-            if hit is not None and hit[0] == version and hit[1] == address:
-                return hit[2]
-            cast = value.to(dtype=dtype)
-            # (version, address, cast, tensor, storage): see _CacheEntry
-            cache[key] = (version, address, cast, value, value.untyped_storage())
-            return cast
+        if value.requires_grad and value.is_leaf:
+            if cache is _UNSET:
+                cache = self._cache_now()
+            if cache is not None:
+                return _cached_cast(cache, value, dtype)
         return value.to(dtype=dtype)
 
-    def _cast_sequence(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...], cache: Any) -> Any:
+    def _cast_sequence(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...],
+                       cache: Any = _UNSET) -> Any:
         items = None  # a copy, made at the first item that changes
         for index, item in enumerate(value):
             if isinstance(item, _CONTAINERS):
@@ -270,18 +265,27 @@ class CastPolicy:
 
     def _cast_all(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None, dtype: torch.dtype,
                   castable: tuple[torch.dtype, ...]) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
-        """The call's arguments with :meth:`_cast` applied; the same objects where nothing changes."""
-        cache = self._cache_now()
+        """The call's arguments with :meth:`_cast` applied; the same objects where nothing changes.
+
+        The hook's hot path: the tensor arguments are handled inline (no call per tensor), and the parameter-cast
+        cache is looked up once, at the first parameter to cast.
+        """
+        cache = _UNSET
         new_args = None  # a copy, made at the first argument that changes
         index = 0
         for item in args:
-            if isinstance(item, torch.Tensor):  # the common argument, handled here without a call
+            if isinstance(item, torch.Tensor):
                 current = item.dtype
                 if current is not dtype and current in castable:
                     if new_args is None:
                         new_args = list(args)
-                    new_args[index] = self._cast_tensor(item, dtype, cache)
-            elif type(item) is list or type(item) is tuple or isinstance(item, (list, tuple)):
+                    if item.requires_grad and item.is_leaf:  # a parameter: cached
+                        if cache is _UNSET:
+                            cache = self._cache_now()
+                        new_args[index] = item.to(dtype=dtype) if cache is None else _cached_cast(cache, item, dtype)
+                    else:
+                        new_args[index] = item.to(dtype=dtype)
+            elif type(item) is list or isinstance(item, tuple):
                 cast = self._cast(item, dtype, castable, cache)
                 if cast is not item:
                     if new_args is None:
@@ -302,6 +306,23 @@ class CastPolicy:
             if new_kwargs is not None:
                 kwargs = new_kwargs
         return args, kwargs
+
+
+def _cached_cast(cache: dict[Any, Any], value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``value.to(dtype=dtype)`` through ``cache``, for a leaf tensor that requires grad (a parameter).
+
+    Keyed by id() (Tensor.__hash__ is a Python call); the entry keeps the tensor alive, so the id cannot be reused
+    while the entry exists. A tensor changed in place since (its version) or given new storage (its address) is cast
+    again.
+    """
+    key = (id(value), dtype)
+    hit = cache.get(key)
+    version, address = value._version, value.data_ptr()
+    if hit is not None and hit[0] == version and hit[1] == address:
+        return hit[2]
+    cast = value.to(dtype=dtype)
+    cache[key] = (version, address, cast, value, value.untyped_storage())  # see _CacheEntry
+    return cast
 
 
 class _CacheEntry(NamedTuple):
@@ -540,11 +561,10 @@ class _CastMode(TorchFunctionMode):
                             return func(a, b)
                         # Two floating dtypes (x + x.half()): what _widest and _cast_all find, without them.
                         widest = torch.promote_types(a_dtype, b_dtype)
-                        cache = policy._cache_now()
                         if a_dtype is not widest and a_dtype in _ALL_FLOATS:
-                            a = policy._cast_tensor(a, widest, cache)
+                            a = policy._cast_tensor(a, widest)
                         if b_dtype is not widest and b_dtype in _ALL_FLOATS:
-                            b = policy._cast_tensor(b, widest, cache)
+                            b = policy._cast_tensor(b, widest)
                         return func(a, b)
                     elif (a_tensor and not isinstance(b, (list, tuple))) or (
                         b_tensor and not isinstance(a, (list, tuple))
