@@ -285,7 +285,13 @@ class CastPolicy:
                         new_args[index] = item.to(dtype=dtype) if cache is None else _cached_cast(cache, item, dtype)
                     else:
                         new_args[index] = item.to(dtype=dtype)
-            elif type(item) is list or isinstance(item, tuple):
+            elif type(item) is tuple or type(item) is list:  # not torch.Size or a namedtuple: _cast sees to those
+                cast = self._cast_sequence(item, dtype, castable, cache)
+                if cast is not item:
+                    if new_args is None:
+                        new_args = list(args)
+                    new_args[index] = cast
+            elif isinstance(item, (list, tuple)):
                 cast = self._cast(item, dtype, castable, cache)
                 if cast is not item:
                     if new_args is None:
@@ -297,12 +303,20 @@ class CastPolicy:
         if kwargs:
             new_kwargs = None
             for name, item in kwargs.items():
-                if isinstance(item, _CONTAINERS):
+                if isinstance(item, torch.Tensor):
+                    current = item.dtype
+                    if current is dtype or current not in castable:
+                        continue
+                    cast = self._cast_tensor(item, dtype, cache)
+                elif isinstance(item, (list, tuple)):
                     cast = self._cast(item, dtype, castable, cache)
-                    if cast is not item:
-                        if new_kwargs is None:
-                            new_kwargs = dict(kwargs)
-                        new_kwargs[name] = cast
+                    if cast is item:
+                        continue
+                else:
+                    continue
+                if new_kwargs is None:
+                    new_kwargs = dict(kwargs)
+                new_kwargs[name] = cast
             if new_kwargs is not None:
                 kwargs = new_kwargs
         return args, kwargs
