@@ -15,7 +15,14 @@ prepared forward). Each compiled row starts from ``torch._dynamo.reset()`` and r
 graphs compiled (the backend's calls), the recompiles (compilations after the first step) and the calls into the
 policy's hook in one steady-state step (counted with ``sys.setprofile``).
 
-    python benchmarks/cast_overhead.py [--models tiny mid] [--steps 100] [--repeats 5] [--no-compile] [--out PATH]
+    python benchmarks/cast_overhead.py [--models tiny mid] [--steps 100] [--repeats 5] [--no-compile] [--per-call]
+                                       [--out PATH]
+
+``--per-call`` adds single calls on small tensors (views, a same-dtype and a mixed add, linear with a cast input and
+cached parameters, softmax of a half tensor, layer norm): no mode, a do-nothing mode alone, the call with its casts
+written out (no mode), and O1, timed in rotated rounds with CPU time (``time.process_time``); ``hook_own_us`` is
+``O1 - twin - (mode - none)`` per round, the median over rounds: what the policy's hook adds beyond any mode's
+dispatch and the casts themselves.
 
 The variants are timed side by side in rotated order (``4 * repeats`` rounds of a quarter of ``--steps``); each
 ratio is the median over rounds of the ratio within a round, with its interquartile range (``/floor``: O1 over
@@ -299,6 +306,54 @@ def run_model(name: str, dtype: torch.dtype, args: argparse.Namespace) -> list[d
     return rows
 
 
+def per_call(dtype: torch.dtype, calls: int = 2000, rounds: int = 15) -> list[dict[str, Any]]:
+    """Microseconds per single call (CPU time), see the module's docstring (``--per-call``)."""
+    f = nn.functional
+    f32 = torch.float32
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    xh = x.to(dtype)
+    lin = nn.Linear(8, 8)
+    w, b = lin.weight, lin.bias
+    wh, bh = w.to(dtype), b.to(dtype)  # the twin's parameter casts, made once (O1 caches them)
+    ops: dict[str, tuple[str, Callable[[], Any], Callable[[], Any]]] = {  # name: (action, call, its twin)
+        "view": ("pass", lambda: x.view(8, 4), lambda: x.view(8, 4)),
+        "transpose": ("pass", lambda: x.transpose(0, 1), lambda: x.transpose(0, 1)),
+        "add (same dtype)": ("promote", lambda: x + y, lambda: x + y),
+        "add (fp32 + half)": ("promote", lambda: x + xh, lambda: x + xh.to(f32)),
+        "linear (fp32 input)": ("half", lambda: f.linear(x, w, b), lambda: f.linear(x.to(dtype), wh, bh)),
+        "Tensor.softmax (half)": ("float", lambda: xh.softmax(-1), lambda: xh.to(f32).softmax(-1)),
+        "F.softmax (half)": ("float", lambda: f.softmax(xh, -1), lambda: f.softmax(xh.to(f32), -1)),
+        "F.layer_norm (fp32)": ("float", lambda: f.layer_norm(x, (8,), b, b), lambda: f.layer_norm(x, (8,), b, b)),
+    }
+    policy = CastPolicy(half_dtype=dtype)
+    null = contextlib.nullcontext
+    variants: dict[str, tuple[Callable[[], ContextManager[Any]], int]] = {
+        "none": (null, 1), "mode": (_PassThrough, 1), "twin": (null, 2), "O1": (policy.scope, 1)}
+
+    def run(fn: Callable[[], Any]) -> float:
+        start = time.process_time()
+        for _ in range(calls):
+            fn()
+        return (time.process_time() - start) / calls * 1e6
+
+    rows = []
+    names = list(variants)
+    for op, entry in ops.items():
+        samples: dict[str, list[float]] = {v: [] for v in names}
+        for r in range(rounds):
+            for v in names[r % len(names):] + names[: r % len(names)]:
+                ctx, which = variants[v]
+                with ctx():
+                    samples[v].append(run(entry[which]))
+                policy.clear_cache()
+        own = [o - t - m + n for o, t, m, n in zip(samples["O1"], samples["twin"], samples["mode"], samples["none"])]
+        rows.append({"op": op, "action": entry[0], **{f"{v}_us": statistics.median(s) for v, s in samples.items()},
+                     "mode_cost_us": statistics.median([m - n for m, n in zip(samples["mode"], samples["none"])]),
+                     "hook_own_us": statistics.median(own),
+                     "hook_own_iqr": [statistics.quantiles(own, n=4)[0], statistics.quantiles(own, n=4)[2]]})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["tiny", "mid"])
@@ -309,6 +364,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--no-compile", action="store_true", help="eager rows only")
+    parser.add_argument("--per-call", action="store_true", help="also time single calls (see the docstring)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cast_overhead.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -334,6 +390,14 @@ def main() -> None:
         print(f"{r['model']:<5} {r['mode']:<20} {r['variant']:<11} {r['us']:>9.0f} {ratio(r, 'autocast')} "
               f"{ratio(r, 'mode_floor')} {ratio(r, 'twin')} {cell(r.get('graph_breaks'), 7)} "
               f"{cell(r.get('graphs'), 7)} {cell(r.get('recompiles'), 11)} {cell(r.get('hook_calls'), 11)}")
+    calls = per_call(dtype) if args.per_call else []
+    if calls:
+        print(f"\n{'single call (us, CPU time)':<24} {'action':<8} {'none':>7} {'mode':>7} {'twin':>7} {'O1':>7} "
+              f"{'mode cost':>10} {'hook own (IQR)':>22}")
+        for c in calls:
+            low, high = c["hook_own_iqr"]
+            print(f"{c['op']:<24} {c['action']:<8} {c['none_us']:>7.2f} {c['mode_us']:>7.2f} {c['twin_us']:>7.2f} "
+                  f"{c['O1_us']:>7.2f} {c['mode_cost_us']:>10.2f} {c['hook_own_us']:>8.2f} ({low:.2f}-{high:.2f})")
     result = {
         "benchmark": "cast_overhead",
         "device": cpu_model(),
@@ -345,6 +409,7 @@ def main() -> None:
         "batch": args.batch,
         "backend": args.backend,
         "rows": rows,
+        "per_call": calls,
     }
     write_json(args.out, result)
 

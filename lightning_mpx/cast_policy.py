@@ -53,6 +53,7 @@ _CATEGORY_ACTION = MappingProxyType(
 _LOW = (torch.float16, torch.bfloat16)
 _FP32 = (torch.float32,)
 _CONTAINERS = (torch.Tensor, list, tuple)  # what _cast may change; anything else is passed as given
+_UNSET: Any = object()  # a parameter-cast cache not looked up yet (CastPolicy._cache_now)
 
 
 class BannedOpError(NotImplementedError):
@@ -213,40 +214,37 @@ class CastPolicy:
             self._actions_of = (self.table, self.table._version, refuse)
             self._actions_stamp += 1
 
-    def _cast(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
-        """``value`` with its floating tensors of a ``castable`` dtype cast to ``dtype`` (in lists and tuples too)."""
+    def _cast(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...], cache: Any = _UNSET) -> Any:
+        """``value`` with its floating tensors of a ``castable`` dtype cast to ``dtype`` (in lists and tuples too).
+
+        ``cache``: the parameter-cast cache to use (``None``: no caching; ``_UNSET``: :meth:`_cache_now`'s, looked
+        up only when a parameter is cast).
+        """
         if isinstance(value, torch.Tensor):
             current = value.dtype
             if current is dtype or current not in castable:
                 return value
-            return self._cast_tensor(value, dtype)
+            return self._cast_tensor(value, dtype, cache)
         if type(value) is list or (isinstance(value, tuple) and not isinstance(value, torch.Size)):
-            return self._cast_sequence(value, dtype, castable)
+            return self._cast_sequence(value, dtype, castable, cache)
         return value
 
-    def _cast_tensor(self, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if self.cache_casts and value.requires_grad and value.is_leaf and not torch.compiler.is_compiling():
-            # Under torch.compile the cast is a node of the graph, done once per use in the compiled code; a
-            # cache read while tracing would guard on the cache's size and keys and recompile as it fills.
-            # Keyed by id() (Tensor.__hash__ is a Python call); the entry keeps the tensor alive, so the id
-            # cannot be reused while the entry exists.
-            cache = self._grad_cache if torch.is_grad_enabled() else self._no_grad_cache
-            key = (id(value), dtype)
-            hit = cache.get(key)
-            version, address = value._version, value.data_ptr()
-            if hit is not None and hit[0] == version and hit[1] == address:
-                return hit[2]
-            cast = value.to(dtype)
-            # (version, address, cast, tensor, storage): see _CacheEntry
-            cache[key] = (version, address, cast, value, value.untyped_storage())
-            return cast
-        return value.to(dtype)
+    def _cast_tensor(self, value: torch.Tensor, dtype: torch.dtype, cache: Any = _UNSET) -> torch.Tensor:
+        # ``to(dtype=...)``: the keyword form skips the argument parser's failed try of ``to(device, ...)``, about
+        # 2 us of a ~4 us cast of a small tensor.
+        if value.requires_grad and value.is_leaf:
+            if cache is _UNSET:
+                cache = self._cache_now()
+            if cache is not None:
+                return _cached_cast(cache, value, dtype)
+        return value.to(dtype=dtype)
 
-    def _cast_sequence(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
+    def _cast_sequence(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...],
+                       cache: Any = _UNSET) -> Any:
         items = None  # a copy, made at the first item that changes
         for index, item in enumerate(value):
             if isinstance(item, _CONTAINERS):
-                cast = self._cast(item, dtype, castable)
+                cast = self._cast(item, dtype, castable, cache)
                 if cast is not item:
                     if items is None:
                         items = list(value)
@@ -257,22 +255,88 @@ class CastPolicy:
             return items
         return type(value)(*items) if hasattr(value, "_fields") else tuple(items)  # namedtuple
 
+    def _cache_now(self) -> dict[Any, Any] | None:
+        """The parameter-cast cache for a call made now: ``None`` when caching is off or while compiling (under
+        ``torch.compile`` the cast is a node of the graph, done once per use in the compiled code; a cache read while
+        tracing would guard on the cache's size and keys and recompile as it fills)."""
+        if not self.cache_casts or torch.compiler.is_compiling():
+            return None
+        return self._grad_cache if torch.is_grad_enabled() else self._no_grad_cache
+
     def _cast_all(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None, dtype: torch.dtype,
                   castable: tuple[torch.dtype, ...]) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
-        """The call's arguments with :meth:`_cast` applied; the same objects where nothing changes."""
-        new_args = self._cast_sequence(args, dtype, castable)
+        """The call's arguments with :meth:`_cast` applied; the same objects where nothing changes.
+
+        The hook's hot path: the tensor arguments are handled inline (no call per tensor), and the parameter-cast
+        cache is looked up once, at the first parameter to cast.
+        """
+        cache = _UNSET
+        new_args = None  # a copy, made at the first argument that changes
+        index = 0
+        for item in args:
+            if isinstance(item, torch.Tensor):
+                current = item.dtype
+                if current is not dtype and current in castable:
+                    if new_args is None:
+                        new_args = list(args)
+                    if item.requires_grad and item.is_leaf:  # a parameter: cached
+                        if cache is _UNSET:
+                            cache = self._cache_now()
+                        new_args[index] = item.to(dtype=dtype) if cache is None else _cached_cast(cache, item, dtype)
+                    else:
+                        new_args[index] = item.to(dtype=dtype)
+            elif type(item) is tuple or type(item) is list:  # not torch.Size or a namedtuple: _cast sees to those
+                cast = self._cast_sequence(item, dtype, castable, cache)
+                if cast is not item:
+                    if new_args is None:
+                        new_args = list(args)
+                    new_args[index] = cast
+            elif isinstance(item, (list, tuple)):
+                cast = self._cast(item, dtype, castable, cache)
+                if cast is not item:
+                    if new_args is None:
+                        new_args = list(args)
+                    new_args[index] = cast
+            index += 1
+        if new_args is not None:
+            args = tuple(new_args)
         if kwargs:
             new_kwargs = None
             for name, item in kwargs.items():
-                if isinstance(item, _CONTAINERS):
-                    cast = self._cast(item, dtype, castable)
-                    if cast is not item:
-                        if new_kwargs is None:
-                            new_kwargs = dict(kwargs)
-                        new_kwargs[name] = cast
+                if isinstance(item, torch.Tensor):
+                    current = item.dtype
+                    if current is dtype or current not in castable:
+                        continue
+                    cast = self._cast_tensor(item, dtype, cache)
+                elif isinstance(item, (list, tuple)):
+                    cast = self._cast(item, dtype, castable, cache)
+                    if cast is item:
+                        continue
+                else:
+                    continue
+                if new_kwargs is None:
+                    new_kwargs = dict(kwargs)
+                new_kwargs[name] = cast
             if new_kwargs is not None:
                 kwargs = new_kwargs
-        return new_args, kwargs
+        return args, kwargs
+
+
+def _cached_cast(cache: dict[Any, Any], value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``value.to(dtype=dtype)`` through ``cache``, for a leaf tensor that requires grad (a parameter).
+
+    Keyed by id() (Tensor.__hash__ is a Python call); the entry keeps the tensor alive, so the id cannot be reused
+    while the entry exists. A tensor changed in place since (its version) or given new storage (its address) is cast
+    again.
+    """
+    key = (id(value), dtype)
+    hit = cache.get(key)
+    version, address = value._version, value.data_ptr()
+    if hit is not None and hit[0] == version and hit[1] == address:
+        return hit[2]
+    cast = value.to(dtype=dtype)
+    cache[key] = (version, address, cast, value, value.untyped_storage())  # see _CacheEntry
+    return cast
 
 
 class _CacheEntry(NamedTuple):
@@ -506,8 +570,16 @@ class _CastMode(TorchFunctionMode):
                     a, b = args
                     a_tensor, b_tensor = isinstance(a, torch.Tensor), isinstance(b, torch.Tensor)
                     if a_tensor and b_tensor:
-                        if a.dtype is b.dtype:
+                        a_dtype, b_dtype = a.dtype, b.dtype
+                        if a_dtype is b_dtype or not (a_dtype.is_floating_point and b_dtype.is_floating_point):
                             return func(a, b)
+                        # Two floating dtypes (x + x.half()): what _widest and _cast_all find, without them.
+                        widest = torch.promote_types(a_dtype, b_dtype)
+                        if a_dtype is not widest and a_dtype in _ALL_FLOATS:
+                            a = policy._cast_tensor(a, widest)
+                        if b_dtype is not widest and b_dtype in _ALL_FLOATS:
+                            b = policy._cast_tensor(b, widest)
+                        return func(a, b)
                     elif (a_tensor and not isinstance(b, (list, tuple))) or (
                         b_tensor and not isinstance(a, (list, tuple))
                     ):

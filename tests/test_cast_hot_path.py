@@ -1,0 +1,99 @@
+"""The O1 hook's short paths (two-tensor promotion, inline argument casts, the parameter-cast cache) give what the
+general path gives, and the explicit-cast twin of ``benchmarks/cast_overhead.py`` applies exactly the table's casts."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_mpx import CastPolicy, CastTable, dispatchable
+
+ROOT = Path(__file__).resolve().parents[1]
+f16, bf16, f32, f64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+
+
+@dispatchable
+def _probe(*args, **kwargs):
+    return args + tuple(kwargs.values())
+
+
+def _policy(category="promote"):
+    table = CastTable.default()
+    table.register(_probe, category)
+    return CastPolicy(table, bf16)
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [(torch.int64, bf16), (bf16, torch.int64), (torch.bool, f16), (f16, f32), (f64, bf16), (bf16, bf16)],
+    ids=str,
+)
+def test_two_tensor_promotion_agrees_with_the_general_path(first, second):
+    # Two tensors take the hook's short path, three the general one (_widest): the same dtypes come out, and an
+    # integer or bool tensor takes no part in the promotion and is passed as given.
+    a, b = torch.ones(3, dtype=first), torch.ones(3, dtype=second)
+    with _policy().scope():
+        pair = _probe(a, b)
+        triple = _probe(a, b, b)
+    assert [t.dtype for t in pair] == [t.dtype for t in triple[:2]]
+    floating = [d for d in (first, second) if d.is_floating_point]
+    widest = torch.promote_types(*floating) if len(floating) == 2 else None
+    for given, got in zip((a, b), pair):
+        if widest is None or given.dtype in (widest, torch.int64, torch.bool):
+            assert got is given
+        else:
+            assert got.dtype == widest
+
+
+def test_two_tensor_promotion_caches_a_parameter_cast_until_it_changes():
+    param = torch.nn.Parameter(torch.randn(3, dtype=bf16))
+    x = torch.randn(3)
+    policy = _policy()
+    with policy.scope():
+        first, second = _probe(param, x)[0], _probe(x, param)[1]
+        assert first.dtype == f32 and first is second  # one cast, from the cache
+        with torch.no_grad():
+            param.add_(1)
+        third = _probe(param, x)[0]
+    assert third is not first
+    torch.testing.assert_close(third, param.detach().to(f32), rtol=0, atol=0)
+    third.sum().backward()
+    assert param.grad is not None and param.grad.dtype == bf16
+
+
+def test_parameters_inside_a_list_and_a_keyword_are_cast_and_cached():
+    param = torch.nn.Parameter(torch.randn(3))
+    policy = _policy("half")
+    with policy.scope():
+        (listed,), keyword = _probe([param], w=param)
+    assert listed.dtype == bf16 and keyword is listed  # the same cached cast for both places
+    assert policy.cache_size == 1
+
+
+@pytest.mark.parametrize("model", ["tiny", "mid"])
+@pytest.mark.parametrize("half", [bf16, f16], ids=["bf16", "fp16"])
+def test_benchmark_twin_applies_the_tables_casts(model, half):
+    # The twin is the reference of cast_overhead.py's /twin ratio: it must do the policy's casts, no more, no fewer.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from cast_overhead import MODELS, TinyLM
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    torch.manual_seed(0)
+    net = TinyLM(**MODELS[model])
+    idx = torch.randint(0, 64, (2, 32))
+    targets = torch.roll(idx, -1, 1)
+    policy = CastPolicy(half_dtype=half)
+    with policy.scope():
+        loss = net(idx, targets)
+    policy.backward(loss)
+    grads = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad(set_to_none=True)
+    twin = net.twin(idx, targets, half)
+    twin.backward()
+    assert twin.item() == loss.item()
+    for p, g in zip(net.parameters(), grads):
+        assert torch.equal(p.grad, g)
