@@ -26,7 +26,9 @@ change of load hits both sides of a ratio alike. ``ratio > 1`` means slower than
 
 ``--count-syncs`` runs every variant once more under a dispatch mode that counts ``aten._local_scalar_dense`` (what
 ``.item()``, ``bool(t)`` and ``float(t)`` of a tensor run: a host sync on a GPU) per step, logging steps apart, and
-``Tensor.tolist`` calls per step (cProfile's count; ``tolist`` reads the tensor without a dispatched op on CPU).
+``Tensor.tolist`` calls and all Python and C function calls per step (cProfile's counts over steps 10 to the last
+but one; ``tolist`` reads a tensor without a dispatched op on CPU; the call count is a measure of host work that
+the machine's load does not change).
 On CPU AdamW reads its step counters with ``.item()`` (62 a step, every variant alike): the differences count.
 ``--profile VARIANT`` runs one fit of that variant under cProfile and prints the plugin's own functions
 (``lightning_mpx``) by cumulative time, then the top functions overall by own time.
@@ -267,18 +269,25 @@ def count_syncs(variant: str, args: argparse.Namespace, spec: ModelSpec, batches
     """Host reads of tensors per step (logging steps of the CSV logger apart from the others)."""
     counter = _SyncCounter()
     marks: list[int] = []
-    total = 120  # steps 49 and 99 (0-based) are Lightning's logging steps (log_every_n_steps=50)
+    total = args.sync_steps  # steps 49 and 99 (0-based) are Lightning's logging steps (log_every_n_steps=50)
     profiler = cProfile.Profile()
+    first = 11  # function calls are counted from the start of step 10 to the start of the last step
+
+    def hook() -> None:
+        marks.append(counter.count)
+        if len(marks) == first:
+            profiler.enable()
+        elif len(marks) == total:
+            profiler.disable()
+
     with counter:
-        profiler.enable()
-        run_variant(variant, args, spec, batches, total, log_dir, hook=lambda: marks.append(counter.count))
-        profiler.disable()
+        run_variant(variant, args, spec, batches, total, log_dir, hook=hook)
         marks.append(counter.count)
     stats = pstats.Stats(profiler)
     tolist = sum(stat[1] for (_, _, name), stat in stats.stats.items()  # type: ignore[attr-defined]
                  if name == "<method 'tolist' of 'torch._C.TensorBase' objects>")
     per_step = [b - a for a, b in zip(marks, marks[1:])]
-    logging_steps = {49, 99} if variant in TRAINER_VARIANTS and args.logger == "csv" else set()
+    logging_steps = {i for i in (49, 99) if i < total} if variant in TRAINER_VARIANTS and args.logger == "csv" else set()
     plain = [n for i, n in enumerate(per_step) if i >= 2 and i not in logging_steps]
     logged = [per_step[i] for i in sorted(logging_steps) if i >= 2]
     return {
@@ -286,10 +295,11 @@ def count_syncs(variant: str, args: argparse.Namespace, spec: ModelSpec, batches
         "per_step_nonlogging": statistics.median(plain) if plain else None,
         "max_nonlogging": max(plain) if plain else None,
         "per_logging_step": statistics.median(logged) if logged else None,
-        "tolist_per_step": tolist / total,
-        # Python and C function calls per step (cProfile's count, the fit's setup included): a noise-free proxy
-        # of the host work per step.
-        "calls_per_step": stats.total_calls / total,  # type: ignore[attr-defined]
+        # Over the steps from 10 to the last but one (the logging steps among them):
+        "tolist_per_step": tolist / (total - first),
+        # Python and C function calls per step (cProfile's count): a proxy of the host work per step that the
+        # machine's load does not change.
+        "calls_per_step": stats.total_calls / (total - first),  # type: ignore[attr-defined]
     }
 
 
@@ -325,13 +335,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="step time as wall time or as the process's CPU time (default: cpu on --device cpu, "
                              "where the load of other processes counts less; wall on cuda, where the host waits)")
     parser.add_argument("--count-syncs", action="store_true", help="count host reads of tensors per step")
+    parser.add_argument("--sync-steps", type=int, default=120,
+                        help="steps of each --count-syncs run (steps 49 and 99 are logging steps)")
     parser.add_argument("--profile", choices=VARIANTS, default=None, help="print a cProfile table of one run")
     parser.add_argument("--label", default="", help="a name for this version in the JSON (e.g. before/after)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "plugin_overhead.json")
     args = parser.parse_args(argv)
-    if args.steps < 2 or args.warmup < 0 or args.repeats < 1 or args.width < 1:
+    if args.steps < 2 or args.warmup < 0 or args.repeats < 1 or args.width < 1 or args.sync_steps < 13:
         parser.error(f"--steps={args.steps} must be at least 2, --warmup={args.warmup} at least 0, "
-                     f"--repeats={args.repeats} and --width={args.width} at least 1")
+                     f"--repeats={args.repeats} and --width={args.width} at least 1, "
+                     f"--sync-steps={args.sync_steps} at least 13")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA device and none is available; use --device cpu")
     args.clock = args.clock or ("wall" if args.device == "cuda" else "cpu")
@@ -413,6 +426,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for s in syncs:
             print(f"  {shown[s['variant']]:<14} {s['per_step_nonlogging']} ({s['max_nonlogging']}), "
                   f"{s['per_logging_step']}; {s['tolist_per_step']:.2f}; {s['calls_per_step']:.0f}")
+    own_calls = {}  # the plugin's own calls per step: plugin - core loop, less what Lightning adds to a plain loop
+    calls = {x["variant"]: x["calls_per_step"] for x in syncs}
+    for level in ("O1", "O2"):
+        if {f"plugin-{level}", f"core-{level}", "reference", "loop-autocast"} <= set(calls):
+            own_calls[f"plugin-{level}"] = (calls[f"plugin-{level}"] - calls[f"core-{level}"]
+                                            - (calls["reference"] - calls["loop-autocast"]))  # fmt: skip
+    for name, n in own_calls.items():
+        print(f"{name}: {n:.0f} function calls per step beyond Lightning's own ({ref} - loop-autocast) and the core "
+              "loop's")
     if profile_text:
         print(profile_text)
     result = {
@@ -437,6 +459,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": rows,
         "pairs": pairs,
         "syncs": syncs,
+        "plugin_own_calls_per_step": own_calls,
         "profiled": args.profile,
         "profile": profile_text,
     }
