@@ -246,7 +246,8 @@ class MixedPrecisionPlugin(Precision):
                 "scaling and step skipping cannot support; use a first-order optimizer or Trainer precision '32'."
             )
         trainer = model.trainer
-        # Asked once per step (the answer holds until the loop counts the step, after this returns).
+        # Asked once per step: the answer holds until the loop counts the step, after this returns, unless the step
+        # stops the training (asked again below, as Lightning logs a stopping step).
         logging = bool(trainer.loggers) and trainer._logger_connector.should_update_logs
         if logging:
             # A logging step: its unscale measures underflow and headroom (Amp.update() ends the request).
@@ -265,6 +266,8 @@ class MixedPrecisionPlugin(Precision):
             stepped = self.amp.step(optimizer, **kwargs)
         self._skipped[id(optimizer)] = not stepped
         self._update_pending = True
+        if not logging and trainer.should_stop and trainer.loggers:
+            logging = trainer._logger_connector.should_update_logs
         if logging and self._log_step is None:
             self._log_step = trainer.fit_loop.epoch_loop._batches_that_stepped
         if automatic:  # one optimizer per iteration: the iteration ends with its step

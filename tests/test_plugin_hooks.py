@@ -1,5 +1,6 @@
-"""The plugin asks which Lightning hooks a model overrides once per fit and class (a per-step cost otherwise): the
-answers must still follow the model, its instance attributes and a class changed between fits."""
+"""The plugin asks which Lightning hooks a model overrides once per fit and class, and whether a step logs once per
+step (per-step costs otherwise): the answers must still follow the model, its instance attributes, a class changed
+between fits, and a step that stops the training."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 import torch
 
 from lightning_mpx import MixedPrecisionPlugin
-from tests.lightning_helpers import Classifier, classification_data, loader, make_trainer
+from tests.lightning_helpers import Classifier, RecordingLogger, classification_data, loader, make_trainer
 
 
 class CountingBackward(Classifier):
@@ -67,3 +68,17 @@ def test_a_gradient_hook_added_to_the_class_between_fits_sees_unscaled_gradients
     make_trainer(plugin, max_steps=1).fit(model, data)
     # Unscaled gradients of a small classifier are far below the initial scale (2**16); scaled ones are not.
     assert len(seen) == 1 and 0 < seen[0] < 100.0
+
+
+def test_a_step_that_stops_the_training_logs_the_mpx_metrics():
+    class StopsAtTwo(Classifier):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if batch_idx == 2:
+                self.trainer.should_stop = True  # not a logging step by the cadence (every 50): logged as the last
+            return super().training_step(batch, batch_idx)
+
+    logger = RecordingLogger()
+    trainer = make_trainer(MixedPrecisionPlugin("O1"), max_epochs=1, logger=logger, log_every_n_steps=50)
+    trainer.fit(StopsAtTwo(), loader(classification_data(n=128)))
+    steps = [step for step, metrics in logger.logged if "mpx/loss_scale" in metrics]
+    assert steps == [2]
