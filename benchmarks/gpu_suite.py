@@ -11,7 +11,7 @@ device's time limit still leaves what it measured. Every subprocess runs under a
     python benchmarks/gpu_suite.py step --model resnet --out DIR   # (~4.5 min)
     python benchmarks/gpu_suite.py fidelity --out DIR   # benchmarks/convergence.py O0/O1/O2, seed 0 (~0.5 min)
     python benchmarks/gpu_suite.py all --check          # every part's code path on CPU, tiny sizes (the test suite)
-    python benchmarks/gpu_suite.py plugin --out DIR     # benchmarks/plugin_overhead.py --device cuda (~5 min; not in all)
+    python benchmarks/gpu_suite.py plugin --out DIR     # plugin_overhead.py --device cuda (~5 min; not in all)
 
 Parts:
 

@@ -21,15 +21,15 @@ included; the loops time one iteration the same way, fetching the batch included
 repeat runs every variant once, the order rotated from one repeat to the next, ``--repeats`` times. Reported per
 variant: each run's 20th percentile of step time (the steps the shared machine's bursts of load spared; the median
 too) and the ratio to the reference *within the same repeat* (median, min and max over the repeats), so that a
-change of load hits both sides of a ratio alike. ``ratio > 1`` means slower than the reference. On CPU the clock is the process's CPU time
-(``--clock``), on CUDA wall time with a device sync at each step boundary.
+change of load hits both sides of a ratio alike. ``ratio > 1`` means slower than the reference. On CPU the clock is
+the process's CPU time (``--clock``), on CUDA wall time with a device sync at each step boundary.
 
-``--count-syncs`` runs every variant once more under a dispatch mode that counts ``aten._local_scalar_dense`` (what
-``.item()``, ``bool(t)`` and ``float(t)`` of a tensor run: a host sync on a GPU) per step, logging steps apart, and
-``Tensor.tolist`` calls and all Python and C function calls per step (cProfile's counts over steps 10 to the last
-but one; ``tolist`` reads a tensor without a dispatched op on CPU; the call count is a measure of host work that
-the machine's load does not change).
-On CPU AdamW reads its step counters with ``.item()`` (62 a step, every variant alike): the differences count.
+``--count-syncs`` runs every variant twice more: once under a dispatch mode that counts
+``aten._local_scalar_dense`` (what ``.item()``, ``bool(t)`` and ``float(t)`` of a tensor run: a host sync on a GPU)
+per step, logging steps apart, and once counting ``Tensor.tolist`` calls and all Python and C function calls per
+step (cProfile's counts over steps 10 to the last but one; ``tolist`` reads a tensor without a dispatched op on CPU;
+the call count is a measure of host work that the machine's load does not change). On CPU AdamW reads its step
+counters with ``.item()`` (62 a step, every variant alike): the differences count.
 ``--profile VARIANT`` runs one fit of that variant under cProfile and prints the plugin's own functions
 (``lightning_mpx``) by cumulative time, then the top functions overall by own time.
 
@@ -117,7 +117,8 @@ def _quiet() -> Iterator[None]:
 
 
 def run_trainer(variant: str, spec: ModelSpec, batches: list[Any], total: int, device: str, logger: str,
-                log_dir: Path, clock: str = "wall", hook: Callable[[], None] | None = None) -> tuple[list[float], dict[str, Any]]:
+                log_dir: Path, clock: str = "wall",
+                hook: Callable[[], None] | None = None) -> tuple[list[float], dict[str, Any]]:
     """``total`` steps of ``Trainer.fit`` for one variant; returns the step times (``total - 1`` of them)."""
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger
@@ -291,7 +292,8 @@ def count_syncs(variant: str, args: argparse.Namespace, spec: ModelSpec, batches
     tolist = sum(stat[1] for (_, _, name), stat in stats.stats.items()  # type: ignore[attr-defined]
                  if name == "<method 'tolist' of 'torch._C.TensorBase' objects>")
     per_step = [b - a for a, b in zip(marks, marks[1:])]
-    logging_steps = {i for i in (49, 99) if i < total} if variant in TRAINER_VARIANTS and args.logger == "csv" else set()
+    logged_run = variant in TRAINER_VARIANTS and args.logger == "csv"
+    logging_steps = {i for i in (49, 99) if i < total} if logged_run else set()
     plain = [n for i, n in enumerate(per_step) if i >= 2 and i not in logging_steps]
     logged = [per_step[i] for i in sorted(logging_steps) if i >= 2]
     return {
