@@ -11,6 +11,7 @@ device's time limit still leaves what it measured. Every subprocess runs under a
     python benchmarks/gpu_suite.py step --model resnet --out DIR   # (~4.5 min)
     python benchmarks/gpu_suite.py fidelity --out DIR   # benchmarks/convergence.py O0/O1/O2, seed 0 (~0.5 min)
     python benchmarks/gpu_suite.py all --check          # every part's code path on CPU, tiny sizes (the test suite)
+    python benchmarks/gpu_suite.py plugin --out DIR     # plugin_overhead.py --device cuda (~5 min; not in all)
 
 Parts:
 
@@ -27,6 +28,9 @@ Parts:
   18 variants one child process each, the rows the targets need first; stops starting new ones when ``--budget``
   runs out.
 * ``fidelity``: ``benchmarks/convergence.py --accelerator gpu --seeds 0 --levels O0 O1 O2`` (200 steps).
+* ``plugin`` (run on its own, not part of ``all``): ``benchmarks/plugin_overhead.py --device cuda``, the plugin's
+  per-step host time against Lightning's "16-mixed" and the core loop, twice: the tiny ResNet-18 topology (every
+  step host-bound; with the host reads per step) and the real CIFAR ResNet-18 (width 64, batch 128, 32x32 images).
 
 ``--check`` runs the same code on CPU with tiny sizes and triton's interpreter (``TRITON_INTERPRET=1``): pytest
 only collects, step runs 1 step of a few small variants, fidelity is ``--quick``. It measures nothing; its files say
@@ -734,10 +738,40 @@ def part_fidelity(args: argparse.Namespace, env: dict[str, Any]) -> Part:
     return part
 
 
+# -- plugin ---------------------------------------------------------------------------------------------------------
+#: plugin_overhead.py runs: (name, arguments); on CUDA float16 against "16-mixed".
+PLUGIN_RUNS = (
+    ("tiny", ["--count-syncs"]),
+    ("resnet18", ["--width", "64", "--batch", "128", "--image", "32", "--repeats", "5"]),
+)
+
+
+def part_plugin(args: argparse.Namespace, env: dict[str, Any]) -> Part:
+    """benchmarks/plugin_overhead.py on CUDA (--check: its code path on CPU, a few steps of two variants)."""
+    part = Part("plugin", args.out, args.check, args.command, env)
+    runs = [("check", ["--steps", "3", "--warmup", "1", "--repeats", "1", "--variants", "plugin-O2", "core-O2"])] \
+        if args.check else PLUGIN_RUNS  # fmt: skip
+    for name, extra in runs:
+        if args.budget and part.elapsed > args.budget:
+            part.suite.setdefault("not_run", []).append(name)
+            continue
+        raw = args.out / "raw" / f"plugin_overhead_{name}.json"
+        argv = [sys.executable, str(HERE / "plugin_overhead.py"), "--out", str(raw), *extra]
+        argv += [] if args.check else ["--device", "cuda"]
+        part.run(argv, part.timeout(args, 300), args.out / "raw" / f"plugin_{name}.log")
+        if raw.exists():
+            part.result[name] = json.loads(raw.read_text())
+            part.save()
+    ok = all(c["status"] == "ok" for c in part.suite["commands"]) and not part.suite.get("not_run")
+    part.save("complete" if ok else "incomplete")
+    return part
+
+
 # -- main -----------------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=(*PARTS, "all"), help="which part to run ('all': one after the other)")
+    parser.add_argument("part", choices=(*PARTS, "plugin", "all"),
+                        help="which part to run ('all': one after the other, all but plugin)")
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for the results (required on GPU; --check uses a temporary folder)")
     parser.add_argument("--check", action="store_true", help="run the code paths on CPU, tiny sizes, no GPU")
@@ -749,7 +783,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=5, help="step: warm-up steps per variant")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds per subprocess (default: 360 pytest, 300 checks, 240 unscale run, 150 step "
-                             "variant, 420 fidelity)")  # fmt: skip
+                             "variant, 420 fidelity, 300 plugin run)")  # fmt: skip
     parser.add_argument("--budget", type=float, default=480.0,
                         help="seconds per part after which no new sub-run starts (default 480; 0: no limit)")
     return parser
@@ -794,6 +828,8 @@ def main(argv: list[str] | None = None) -> int:
                 parts.append(part_tests(args, env))
             elif name == "unscale":
                 parts.append(part_unscale(args, env))
+            elif name == "plugin":
+                parts.append(part_plugin(args, env))
             elif name == "step":
                 for model in ("gpt", "resnet") if args.model == "all" else (args.model,):
                     parts.append(part_step(args, env, model))

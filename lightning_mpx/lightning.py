@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Generator, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -128,6 +128,8 @@ class MixedPrecisionPlugin(Precision):
         self._skipped: dict[int, bool] = {}
         self._update_pending = False
         self._log_step: int | None = None  # the step to log the mpx metrics at, once the scale is updated
+        # is_overridden() answers per (LightningModule class, hook), asked anew in every fit (see _overridden).
+        self._overrides: dict[tuple[type, str], bool] = {}
 
     @property
     def opt_level(self) -> str:
@@ -173,6 +175,7 @@ class MixedPrecisionPlugin(Precision):
                 f"strategy={strategy} is not supported by MixedPrecisionPlugin; supported: single-device and DDP "
                 "strategies (e.g. strategy='ddp'). Sharded strategies bring their own precision plugin."
             )
+        self._overrides.clear()  # a new fit: classes may have changed since the last one
         if not self._masters_synced:
             # The model was moved to its device (and, under DDP, given rank zero's weights) after convert_module
             # made the masters: take them again from the weights that will actually be trained.
@@ -195,18 +198,16 @@ class MixedPrecisionPlugin(Precision):
         ]
         return model, optimizers, schedulers
 
-    @contextlib.contextmanager
-    def forward_context(self) -> Generator[None, None, None]:
+    def forward_context(self) -> ContextManager[Any]:  # type: ignore[override]
         """``Amp.forward_context``: the O1 cast policy; at O2, loss functions in FP32; nothing at O0 and O3."""
-        with self.amp.forward_context():
-            yield
+        return self.amp.forward_context()  # the engine's own context, not one wrapped in another per step
 
-    @contextlib.contextmanager
-    def train_step_context(self) -> Generator[None, None, None]:
-        # A new training step starts: the previous iteration is over, so its scale update is due now.
+    def train_step_context(self) -> ContextManager[Any]:  # type: ignore[override]
+        """The training step's context (:meth:`forward_context`); the previous iteration's scale update first."""
+        # A new training step starts (``with plugin.train_step_context():`` enters it at once): the previous
+        # iteration is over, so its scale update is due now.
         self._end_iteration()
-        with self.forward_context():
-            yield
+        return self.forward_context()
 
     # -- backward ------------------------------------------------------------------------------------------------
     def backward(  # type: ignore[override]
@@ -219,10 +220,10 @@ class MixedPrecisionPlugin(Precision):
         **kwargs: Any,
     ) -> None:
         """Backward on the loss times the scale of ``loss_id`` (``self.manual_backward(loss, loss_id=1)``)."""
-        with disable_casts():  # a manual backward runs inside the training step's cast scope
+        with _casts_off():  # a manual backward runs inside the training step's cast scope
             scaled = self.amp.scale_loss(tensor, loss_id)
             policy = self.amp.policy
-            if policy is not None and not is_overridden("backward", model) and not getattr(model, "_fabric", None):
+            if policy is not None and not self._overridden(model, "backward") and not getattr(model, "_fabric", None):
                 # LightningModule.backward's loss.backward(), in the policy's recompute scope without a hook call
                 policy.backward(scaled, *args, **kwargs)
                 return
@@ -244,14 +245,18 @@ class MixedPrecisionPlugin(Precision):
                 "optimizer=LBFGS re-evaluates the loss through its closure several times per step, which loss "
                 "scaling and step skipping cannot support; use a first-order optimizer or Trainer precision '32'."
             )
-        if model.trainer.loggers and model.trainer._logger_connector.should_update_logs:
+        trainer = model.trainer
+        # Asked once per step: the answer holds until the loop counts the step, after this returns, unless the step
+        # stops the training (asked again below, as Lightning logs a stopping step).
+        logging = bool(trainer.loggers) and trainer._logger_connector.should_update_logs
+        if logging:
             # A logging step: its unscale measures underflow and headroom (Amp.update() ends the request).
             self.amp.request_telemetry()
         closure_result = closure()
         automatic = model.automatic_optimization
         skip_backward = closure_result is None and automatic  # training_step returned None: nothing to step
-        with disable_casts():
-            if not skip_backward and not self.amp.is_unscaled(optimizer) and _hooks_read_gradients(model):
+        with _casts_off():
+            if not skip_backward and not self.amp.is_unscaled(optimizer) and self._hooks_read_gradients(model):
                 # Hooks must see true gradients. Without such hooks the unscale is left to the clip (one fused pass)
                 # or to the step. At O2 unscale_ also leaves the true values on the model's own gradients.
                 self.amp.unscale_(optimizer)
@@ -261,8 +266,9 @@ class MixedPrecisionPlugin(Precision):
             stepped = self.amp.step(optimizer, **kwargs)
         self._skipped[id(optimizer)] = not stepped
         self._update_pending = True
-        trainer = model.trainer
-        if self._log_step is None and trainer.loggers and trainer._logger_connector.should_update_logs:
+        if not logging and trainer.should_stop and trainer.loggers:
+            logging = trainer._logger_connector.should_update_logs
+        if logging and self._log_step is None:
             self._log_step = trainer.fit_loop.epoch_loop._batches_that_stepped
         if automatic:  # one optimizer per iteration: the iteration ends with its step
             self._end_iteration()
@@ -282,7 +288,7 @@ class MixedPrecisionPlugin(Precision):
         if clip_val <= 0:
             return
         optimizer = _unwrap(optimizer)
-        with disable_casts():
+        with _casts_off():
             if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
                 self.amp.clip_grad_value_(optimizer, float(clip_val))
             else:
@@ -321,6 +327,24 @@ class MixedPrecisionPlugin(Precision):
         self._remove_hooks()
 
     # -- internals -----------------------------------------------------------------------------------------------
+    def _overridden(self, model: Any, name: str) -> bool:
+        """``is_overridden(name, model)``, asked once per fit and class (it reads several attributes and compares
+        code objects: a cost on every step otherwise); a hook set on the instance itself is asked every time."""
+        if name in vars(model):
+            return is_overridden(name, model)
+        key = (type(model), name)
+        answer = self._overrides.get(key)
+        if answer is None:
+            answer = self._overrides[key] = is_overridden(name, model)
+        return answer
+
+    def _hooks_read_gradients(self, model: Any) -> bool:
+        """Whether the LightningModule or a callback implements ``on_before_optimizer_step``."""
+        if self._overridden(model, "on_before_optimizer_step"):
+            return True
+        base = _pl.Callback.on_before_optimizer_step
+        return any(type(cb).on_before_optimizer_step is not base for cb in model.trainer.callbacks)
+
     def _was_skipped(self, scheduler: Any) -> bool:
         return self._skipped.get(id(getattr(scheduler, "optimizer", None)), False)
 
@@ -358,7 +382,7 @@ class MixedPrecisionPlugin(Precision):
         self._boundary_depth += 1
         if self._boundary_depth > 1:
             return None  # called from inside the model: not a boundary
-        return self.amp.cast_inputs(args), self.amp.cast_inputs(kwargs)
+        return self.amp.cast_inputs(args), self.amp.cast_inputs(kwargs) if kwargs else kwargs
 
     def _cast_outputs_hook(self, module: nn.Module, args: Any, output: Any) -> Any:
         self._boundary_depth = max(0, self._boundary_depth - 1)
@@ -427,12 +451,11 @@ def _trainer_of(model: nn.Module) -> Any:
         return None
 
 
-def _hooks_read_gradients(model: Any) -> bool:
-    """Whether the LightningModule or a callback implements ``on_before_optimizer_step``."""
-    if is_overridden("on_before_optimizer_step", model):
-        return True
-    base = _pl.Callback.on_before_optimizer_step
-    return any(type(cb).on_before_optimizer_step is not base for cb in model.trainer.callbacks)
+def _casts_off() -> ContextManager[Any]:
+    """``disable_casts()`` when a torch-function mode (a cast policy's among them) is active on this thread, else a
+    context that does nothing: the plugin's backward and step usually run outside every policy's scope, where
+    ``disable_casts`` would only walk an empty mode stack."""
+    return disable_casts() if torch._C._len_torch_function_stack() else contextlib.nullcontext()
 
 
 def _all_reduce_max(flag: torch.Tensor) -> None:

@@ -163,3 +163,23 @@ def test_forensics_overhead_rows(tmp_path):
         (row, diagnose) for diagnose in ("off", "watched") for row in ("clean-step", "iteration", "overflow-step")
     ]
     assert all(r["us"] > 0 and r["modules"] == 5 and r["parameters"] == 4 for r in rows)
+
+
+def test_plugin_overhead_rows_ratios_syncs_and_profile(tmp_path, capsys):
+    import plugin_overhead
+
+    out = tmp_path / "po.json"
+    result = plugin_overhead.main(["--variants", "plugin-O2", "core-O2", "--steps", "3", "--warmup", "1",
+                                   "--repeats", "2", "--count-syncs", "--sync-steps", "52", "--profile", "plugin-O2",
+                                   "--out", str(out)])  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["bf16-mixed", "plugin-O2", "core-O2"]  # the reference first
+    assert all(r["step_ms_p20"] > 0 and len(r["ratios"]) == 2 for r in rows)
+    assert rows[0]["ratio_to_bf16-mixed"] == 1.0 and rows[1]["lightning_precision"] == "bf16-true"
+    assert set(result["pairs"]) == {"plugin-O2 / core-O2"}
+    syncs = {s["variant"]: s for s in result["syncs"]}
+    # The plugin reads its metrics on the logging step (49) only; the step's own reads are the same as the core's.
+    assert syncs["plugin-O2"]["per_logging_step"] > syncs["plugin-O2"]["per_step_nonlogging"]
+    assert syncs["plugin-O2"]["per_step_nonlogging"] == syncs["core-O2"]["per_step_nonlogging"]
+    assert syncs["plugin-O2"]["tolist_per_step"] > 0 and syncs["reference"]["tolist_per_step"] == 0
+    assert "lightning_mpx/lightning.py" in result["profile"] and "optimizer_step" in capsys.readouterr().out
