@@ -3,9 +3,15 @@
 Two models: ``tiny`` (2 layers, d=64) and ``mid`` (4 layers, d=256), forward + backward, one thread by default.
 
 Eager rows, interleaved so that they see the same machine state: FP32; ``torch.autocast("cpu", dtype)``; autocast
-plus a do-nothing ``TorchFunctionMode`` (``mode_floor``: what any mode costs before it does work, the floor of the
-policy's hook); the O1 policy; and the explicit-cast twin (the same model with the table's casts written out by
-hand, no mode at all).
+plus a do-nothing ``TorchFunctionMode`` (``mode_floor``: what any mode costs before it does work); the O1 policy; the
+explicit-cast twin (the same model with the table's casts written out by hand, no mode at all); and the twin run
+inside the do-nothing mode (``twin_floor``: O1's own casts plus any mode's dispatch, without the policy's hook).
+
+The three references answer different questions. ``/floor`` (O1 over ``mode_floor``) mixes two costs: the hook's,
+and the table's semantics, since the table runs softmax, GELU and layer norm in FP32 where CPU autocast runs them in
+the half dtype (the twin over autocast shows that part alone). ``/twin`` is what the casts cost written by hand
+without a mode. ``/twin_floor`` is the hook's own cost: the same casts and the same kind of dispatch, the policy's
+lookups and argument handling being the only difference.
 
 Compiled rows (inductor, unless ``--backend``): ``torch.autocast`` outside the compiled model; the O1 policy entered
 outside the compiled model (``O1_outside``: ``Amp.forward_context()`` around a model compiled by hand); the same with
@@ -26,7 +32,8 @@ dispatch and the casts themselves.
 
 The variants are timed side by side in rotated order (``4 * repeats`` rounds of a quarter of ``--steps``); each
 ratio is the median over rounds of the ratio within a round, with its interquartile range (``/floor``: O1 over
-``mode_floor``; ``/twin``: O1 over the explicit-cast twin).
+``mode_floor``; ``/twin``: O1 over the explicit-cast twin; ``/twin_floor``: O1 over the twin inside the do-nothing
+mode).
 
 Prints a table and writes JSON (default ``benchmarks/results/cast_overhead.json``).
 """
@@ -195,6 +202,7 @@ def _variants(model: TinyLM, data: tuple[torch.Tensor, torch.Tensor], dtype: tor
             "mode_floor": (_in(lambda: _autocast_and_mode(dtype), lambda: model(*data)), lambda: None),
             "O1": (_in(policy.scope, lambda: model(*data), policy.backward), clear),
             "twin": (_in(null, lambda: model.twin(*data, dtype)), lambda: None),
+            "twin_floor": (_in(_PassThrough, lambda: model.twin(*data, dtype)), lambda: None),
         }
     compiled = torch.compile(model, backend=compile_backend)
     handed_off = torch.compile(model, backend=compile_backend)
@@ -231,7 +239,7 @@ def _alternate(model: nn.Module, variants: dict[str, tuple[Step, Callable[[], No
     round, so that a slow spell of a shared machine hits every variant of the round alike.
 
     Returns the median microseconds per step of each variant, and its ratios to the references of the same round
-    (``autocast``; for O1 also ``mode_floor`` and ``twin`` when present): the median and the interquartile range.
+    (``autocast``; for O1 also ``mode_floor``, ``twin`` and ``twin_floor`` when present): the median and the interquartile range.
     """
     names = list(variants)
     per_round = max(steps // 4, 2)
@@ -251,7 +259,7 @@ def _alternate(model: nn.Module, variants: dict[str, tuple[Step, Callable[[], No
     ratios: dict[str, dict[str, Any]] = {}
     for v in names:
         ratios[v] = {}
-        for ref in ("autocast", "mode_floor", "twin"):
+        for ref in ("autocast", "mode_floor", "twin", "twin_floor"):
             if ref in variants and (ref == "autocast" or v == "O1"):
                 median, iqr = ratio(v, ref)
                 ratios[v][f"over_{ref}"], ratios[v][f"over_{ref}_iqr"] = median, iqr
@@ -372,7 +380,7 @@ def main() -> None:
     rows = [row for name in args.models for row in run_model(name, dtype, args)]
 
     header = (f"{'model':<5} {'mode':<20} {'variant':<11} {'us/step':>9} {'/autocast (IQR)':>24} "
-              f"{'/floor (IQR)':>24} {'/twin (IQR)':>24} {'breaks':>7} {'graphs':>7} {'recompiles':>11} "
+              f"{'/floor (IQR)':>24} {'/twin (IQR)':>24} {'/twin_floor (IQR)':>24} {'breaks':>7} {'graphs':>7} {'recompiles':>11} "
               f"{'hook calls':>11}")
     print(header)
     print("-" * len(header))
@@ -388,7 +396,7 @@ def main() -> None:
 
     for r in rows:
         print(f"{r['model']:<5} {r['mode']:<20} {r['variant']:<11} {r['us']:>9.0f} {ratio(r, 'autocast')} "
-              f"{ratio(r, 'mode_floor')} {ratio(r, 'twin')} {cell(r.get('graph_breaks'), 7)} "
+              f"{ratio(r, 'mode_floor')} {ratio(r, 'twin')} {ratio(r, 'twin_floor')} {cell(r.get('graph_breaks'), 7)} "
               f"{cell(r.get('graphs'), 7)} {cell(r.get('recompiles'), 11)} {cell(r.get('hook_calls'), 11)}")
     calls = per_call(dtype) if args.per_call else []
     if calls:

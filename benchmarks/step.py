@@ -211,8 +211,11 @@ def _loss(logits: Any, target: Any) -> Any:
 
 # -- the child: one variant, one model ----------------------------------------------------------------------------------
 def run_child(variant: str, kind: str, spec: ModelSpec, steps: int, warmup: int, device: str,
-              threads: int) -> dict[str, Any]:
-    """Train ``variant`` for ``warmup + steps`` steps in this process; returns its step times and peak memory."""
+              threads: int, compile_backend: str = "inductor") -> dict[str, Any]:
+    """Train ``variant`` for ``warmup + steps`` steps in this process; returns its step times and peak memory.
+
+    ``compile_backend``: the ``torch.compile`` backend of the ``-compiled`` variants (the tests use ``aot_eager``,
+    which traces the same graph without inductor's minute of CPU code generation)."""
     import torch
 
     torch.set_num_threads(threads)
@@ -227,7 +230,7 @@ def run_child(variant: str, kind: str, spec: ModelSpec, steps: int, warmup: int,
     net = build_model(kind, spec)
     extra: dict[str, Any] = {}
     if variant in LIGHTNING_VARIANTS:
-        times, extra = _lightning_steps(variant, net, batches, total, device, sync)
+        times, extra = _lightning_steps(variant, net, batches, total, device, sync, compile_backend)
     else:
         times, extra = _loop_steps(variant, net, batches, total, dev, sync)
     timed = times[warmup:]
@@ -257,7 +260,7 @@ def _iqr(values: list[float]) -> float:
 
 
 def _lightning_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], total: int, device: str,
-                     sync: Callable[[], None]) -> tuple[list[float], dict[str, Any]]:
+                     sync: Callable[[], None], compile_backend: str = "inductor") -> tuple[list[float], dict[str, Any]]:
     import lightning.pytorch as pl
     import torch
 
@@ -291,7 +294,7 @@ def _lightning_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], tot
     if variant.endswith("-compiled"):
         variant = variant.removesuffix("-compiled")
         # The Wrapper above holds the compiled module; its parameters are the network's own.
-        net = torch.compile(net)
+        net = torch.compile(net, backend=compile_backend)
     kwargs: dict[str, Any] = {}
     if variant == "fp32":
         kwargs["precision"] = "32-true"

@@ -409,6 +409,27 @@ def _run_backward(policy: CastPolicy, func: Callable[..., Any], args: tuple[Any,
     ):
         return func(*args, **kwargs)  # torch's own result or error
     _leave_compiled_backward(policy, root_tensors)
+    if func is torch.Tensor.backward and _make_grads is not None and _engine_run_backward is not None:
+        given_inputs = arguments.get("inputs")
+        inputs = tuple(given_inputs.values()) if isinstance(given_inputs, dict) else given_inputs
+        # As torch.autograd.backward reads it: one tensor, or a sequence of them (a list of parameters, often).
+        inputs = () if inputs is None else (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        if inputs or given_inputs is None:
+            # torch.autograd.backward's own steps, with the gradient made and checked before the mode is entered
+            # (inside it, those tensor calls would go through the hook). The engine's entry point does not consult
+            # torch-function modes, so it is given the tensors themselves (no gradient edges needed here).
+            create_graph = bool(arguments.get("create_graph", False))
+            retain_graph = arguments.get("retain_graph")
+            root = arguments["self"]
+            gradient = arguments.get("gradient")
+            if gradient is None and not root.is_nested and root.is_floating_point() and root.numel() == 1:
+                grads: tuple[Any, ...] = (torch.ones_like(root, memory_format=torch.preserve_format),)  # a loss
+            else:
+                grads = _make_grads((root,), (gradient,), is_grads_batched=False)
+            with _CastMode(policy, recompute_only=True):
+                _engine_run_backward((root,), grads, create_graph if retain_graph is None else retain_graph,
+                                     create_graph, inputs, allow_unreachable=True, accumulate_grad=True)
+            return None
     arguments[roots_name] = _as_edges(roots)
     if inputs is not None:
         arguments[inputs_name] = _as_edges(inputs)
@@ -416,18 +437,6 @@ def _run_backward(policy: CastPolicy, func: Callable[..., Any], args: tuple[Any,
         create_graph = bool(arguments.get("create_graph", False))
         retain_graph = arguments.get("retain_graph")
         edges = (arguments["self"],)
-        inputs = arguments.get("inputs")
-        if isinstance(inputs, dict):
-            inputs = tuple(inputs.values())
-        inputs = () if inputs is None else inputs if isinstance(inputs, tuple) else (inputs,)
-        if _make_grads is not None and _engine_run_backward is not None and (inputs or arguments.get("inputs") is None):
-            # torch.autograd.backward's own steps, with the gradient checked before the mode is entered (inside it,
-            # the checks' tensor calls would go through the hook).
-            grads = _make_grads(edges, (arguments.get("gradient"),), is_grads_batched=False)
-            with _CastMode(policy, recompute_only=True):
-                _engine_run_backward(edges, grads, create_graph if retain_graph is None else retain_graph,
-                                     create_graph, inputs, allow_unreachable=True, accumulate_grad=True)
-            return None
         gradient = arguments.get("gradient")
         if gradient is None and root_tensors[0].numel() == 1:
             # What the engine would make for a scalar, made here: inside the mode it would be a call into the hook.

@@ -55,7 +55,10 @@ def test_step_script_end_to_end_in_subprocesses(tmp_path):
 )
 def test_step_child_variants_run_in_process(variant):
     spec = step.ModelSpec(batch=2, image=8, width=4, blocks=(1, 1))
-    row = step.run_child(variant, "resnet", spec, steps=2, warmup=1, device="cpu", threads=1)
+    # aot_eager: the compiled variant's own code path (compiled network under the Trainer) without inductor's
+    # CPU code generation (the GPU suite runs it with inductor).
+    row = step.run_child(variant, "resnet", spec, steps=2, warmup=1, device="cpu", threads=1,
+                         compile_backend="aot_eager")
     assert row["variant"] == variant and row["steps_timed"] == 2 and row["samples_per_second"] > 0
     if variant == "lightning-16-mixed":
         assert row["effective_dtype"] == "bfloat16"  # Lightning's "16-mixed" runs as bfloat16 on CPU
@@ -183,3 +186,29 @@ def test_plugin_overhead_rows_ratios_syncs_and_profile(tmp_path, capsys):
     assert syncs["plugin-O2"]["per_step_nonlogging"] == syncs["core-O2"]["per_step_nonlogging"]
     assert syncs["plugin-O2"]["tolist_per_step"] > 0 and syncs["reference"]["tolist_per_step"] == 0
     assert "lightning_mpx/lightning.py" in result["profile"] and "optimizer_step" in capsys.readouterr().out
+
+
+def test_cast_overhead_rows_counts_and_references(tmp_path):
+    """cast_overhead.py (issue 12's figures) in a tiny configuration: every eager and compiled row, the ratios to
+    each reference, and dynamo's counts. The counts are facts, not timings: a compiled O1 step has no graph break and
+    no recompile, and the handed-off and inside variants make no call into the policy's hook."""
+    out = tmp_path / "cast_overhead.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cast_overhead.py"), "--models", "tiny", "--steps", "8",
+         "--repeats", "1", "--backend", "aot_eager", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "/twin_floor" in done.stdout
+    rows = json.loads(out.read_text())["rows"]
+    eager = {r["variant"]: r for r in rows if r["mode"] == "eager"}
+    compiled = {r["variant"]: r for r in rows if r["mode"] != "eager"}
+    assert list(eager) == ["fp32", "autocast", "mode_floor", "O1", "twin", "twin_floor"]
+    assert list(compiled) == ["autocast", "O1_outside", "O1_handoff", "O1_inside"]
+    for ref in ("autocast", "mode_floor", "twin", "twin_floor"):
+        assert eager["O1"][f"over_{ref}"] > 0 and len(eager["O1"][f"over_{ref}_iqr"]) == 2
+    assert eager["O1"]["hook_calls"] > 0
+    for name, row in compiled.items():
+        assert (row["graph_breaks"], row["graphs"], row["recompiles"]) == (0, 1, 0), (name, row)
+    assert compiled["O1_handoff"]["hook_calls"] == 0 and compiled["O1_inside"]["hook_calls"] == 0
+    assert compiled["O1_outside"]["hook_calls"] > 0  # the reference: without the hand-off the hook is called

@@ -417,3 +417,54 @@ def test_inplace_float_ops_on_half_run_as_written_unless_refused():
         with pytest.raises(NotImplementedError, match="Tensor.exp_ on a torch.float16 tensor"):
             x.clone().exp_()
         assert x.clone().float().exp_().dtype == torch.float32
+
+
+# -- CastPolicy.backward: the same gradients and errors as Tensor.backward ------------------------------------------
+def _backward_case(case, backward):
+    """Runs a user's backward call ``case`` through ``backward`` (``torch.Tensor.backward`` or a policy's) on a fresh
+    tiny model; returns the gradients (or the error) it leaves."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    out = lin(x)
+    try:
+        if case == "scalar loss":
+            backward(out.square().mean())
+        elif case == "non-scalar with gradient":
+            backward(out, torch.full_like(out, 0.5))
+        elif case == "non-scalar without gradient":
+            backward(out)
+        elif case == "gradient of the wrong shape":
+            backward(out.sum(), torch.ones(3))
+        elif case == "retain_graph, twice":
+            loss = out.square().mean()
+            backward(loss, retain_graph=True)
+            backward(loss)
+        elif case == "create_graph (gradient penalty)":
+            inp = x.clone().requires_grad_(True)
+            (g,) = torch.autograd.grad(lin(inp).square().sum(), inp, create_graph=True)
+            backward(g.square().sum() + lin(inp).mean(), create_graph=True)
+        elif case == "inputs=":
+            backward(out.square().mean(), inputs=[lin.weight])
+        elif case == "inputs=()":
+            backward(out.square().mean(), inputs=())
+    except RuntimeError as error:
+        return type(error), str(error).split("\n")[0]
+    return [None if p.grad is None else p.grad.clone() for p in lin.parameters()]
+
+
+@pytest.mark.parametrize("case", [
+    "scalar loss", "non-scalar with gradient", "non-scalar without gradient", "gradient of the wrong shape",
+    "retain_graph, twice", "create_graph (gradient penalty)", "inputs=", "inputs=()",
+])  # fmt: skip
+def test_policy_backward_leaves_what_tensor_backward_leaves(case):
+    """``CastPolicy.backward`` (what ``Amp.backward`` runs) takes a shorter path than ``Tensor.backward`` into the
+    autograd engine: every form of the call gives torch's own gradients, or torch's own error."""
+    want = _backward_case(case, torch.Tensor.backward)
+    got = _backward_case(case, CastPolicy(half_dtype=bf16).backward)
+    if isinstance(want, tuple):
+        assert got == want
+    else:
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert (g is None and w is None) or torch.equal(g, w)
