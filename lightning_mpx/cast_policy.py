@@ -46,7 +46,7 @@ from lightning_mpx.cast_table import CastTable
 
 # Actions, resolved once per function and memoised by each policy.
 # _PASS is 0 (falsy) and the casting actions come before _BANNED: the hook tests for them so.
-_PASS, _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _BANNED, _BACKWARD, _INPLACE_FLOAT = range(8)
+_PASS, _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _PROMOTE_NATIVE, _BANNED, _BACKWARD, _INPLACE_FLOAT = range(9)
 _CATEGORY_ACTION = MappingProxyType(
     {"half": _HALF, "float": _FLOAT, "promote": _PROMOTE, "sequence": _SEQUENCE, "banned": _BANNED}
 )  # read only when a policy resolves its table, never while a forward pass runs
@@ -204,6 +204,9 @@ class CastPolicy:
         refuse = self.refuse_inplace_float
         if table is not self.table or version != self.table._version or self._actions_of[2:] != (refuse,):
             actions = {entry.function: _CATEGORY_ACTION[entry.category] for entry in self.table}
+            for function in _NATIVE_PROMOTION:
+                if actions.get(function) == _PROMOTE:
+                    actions[function] = _PROMOTE_NATIVE
             actions.update(dict.fromkeys(_BACKWARD_ENTRIES, _BACKWARD))
             if refuse:
                 for entry in self.table.entries("float"):
@@ -368,6 +371,17 @@ def _promote_dtype(found: set[torch.dtype]) -> torch.dtype | None:
 
 
 _ALL_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Promote-category ops whose kernels already compute in the widest floating dtype of two tensor operands that are both
+# dimensioned (or both 0-dim: torch lets a 0-dim tensor adopt a dimensioned one's dtype, the table does not), each
+# operand converted exactly: the result, its dtype and every gradient (each backward formula's operations promote
+# the same way) are bit for bit those of casting the narrower operand first. The policy calls them as given then.
+# Ops whose backward multiplies two inputs together (div, atan2) are left out: a product of two half operands would
+# round in half there.
+_NATIVE_PROMOTION = frozenset(
+    getattr(owner, name)
+    for owner in (torch, torch.Tensor)
+    for name in ("add", "sub", "mul", "eq", "ne", "ge", "gt", "le", "lt")
+) | {torch.Tensor.__eq__, torch.Tensor.__rsub__}
 # The calls that start a backward pass, with the names of their (roots, inputs) arguments.
 _BACKWARD_ARGUMENTS: Mapping[Callable[..., Any], tuple[str, str]] = MappingProxyType(
     {
@@ -562,7 +576,7 @@ class _CastMode(TorchFunctionMode):
             return func(*args, **kwargs) if kwargs else func(*args)
         if action == _HALF and self.fp32:
             action = _FLOAT  # inside an FP32 module: the table's half ops run in FP32
-        if action < _BANNED:  # _HALF, _FLOAT, _PROMOTE, _SEQUENCE
+        if action < _BANNED:  # _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _PROMOTE_NATIVE
             if self.recompute_only and not torch.is_grad_enabled():
                 return func(*args, **kwargs) if kwargs else func(*args)
             if kwargs and kwargs.get("out") is not None:
@@ -581,6 +595,10 @@ class _CastMode(TorchFunctionMode):
                     if a_tensor and b_tensor:
                         a_dtype, b_dtype = a.dtype, b.dtype
                         if a_dtype is b_dtype or not (a_dtype.is_floating_point and b_dtype.is_floating_point):
+                            return func(a, b)
+                        if action == _PROMOTE_NATIVE and (a.ndim == 0) is (b.ndim == 0):
+                            # The op's own type promotion gives what the casts would (see _NATIVE_PROMOTION),
+                            # without a cast kernel, its copy and its backward node.
                             return func(a, b)
                         # Two floating dtypes (x + x.half()): what _widest and _cast_all find, without them.
                         widest = torch.promote_types(a_dtype, b_dtype)

@@ -468,3 +468,63 @@ def test_policy_backward_leaves_what_tensor_backward_leaves(case):
         assert len(got) == len(want)
         for g, w in zip(got, want):
             assert (g is None and w is None) or torch.equal(g, w)
+
+
+# -- promote ops that torch promotes itself: the same bits as casting first ----------------------------------------
+_NATIVE_OPS = {
+    "a + b": lambda a, b: a + b, "a - b": lambda a, b: a - b, "a * b": lambda a, b: a * b,
+    "torch.add": torch.add, "torch.sub": torch.sub, "torch.mul": torch.mul, "Tensor.mul": torch.Tensor.mul,
+    "2 - a (rsub)": lambda a, b: b.__rsub__(a), "a < b": lambda a, b: a < b, "a == b": lambda a, b: a == b,
+    "torch.ge": torch.ge, "Tensor.ne": torch.Tensor.ne,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("op", list(_NATIVE_OPS))
+@pytest.mark.parametrize("dtypes", [(bf16, f32), (f32, f16), (f16, bf16), (f16, f64)],
+                         ids=lambda d: "+".join(map(_dtype_id, d)))
+@pytest.mark.parametrize("shapes", [((3, 4), (3, 4)), ((3, 4), (4,)), ((), ()), ((3, 4), ()), ((), (4,))],
+                         ids=["same", "broadcast", "both-0-dim", "0-dim-b", "0-dim-a"])
+def test_promote_ops_torch_promotes_itself_give_the_bits_of_casting_first(op, dtypes, shapes):
+    """``x + proj(y)`` with an FP32 ``x`` and a half ``proj(y)``: the policy lets the op's own type promotion run
+    (no cast kernel) where that is exact. Output, dtype and both gradients must be bit for bit those of the table's
+    rule, every floating operand cast to the widest first; a 0-dim operand still counts (the table's rule, not
+    torch's)."""
+    fn = _NATIVE_OPS[op]
+    torch.manual_seed(0)
+    values = [torch.randn(shape).to(dtype) for shape, dtype in zip(shapes, dtypes)]
+    differentiable = op in ("a + b", "a - b", "a * b", "torch.add", "torch.sub", "torch.mul", "Tensor.mul", "2 - a (rsub)")
+
+    def run(cast_first):
+        leaves = [v.clone().requires_grad_(differentiable) for v in values]
+        if cast_first:
+            widest = torch.promote_types(*dtypes)
+            out = fn(*(t.to(widest) for t in leaves))
+        else:
+            with CastPolicy(half_dtype=bf16).scope():
+                out = fn(*leaves)
+        grads = []
+        if differentiable:
+            torch.manual_seed(1)
+            out.backward(torch.randn_like(out))
+            grads = [t.grad for t in leaves]
+        return out, grads
+
+    (want, want_grads), (got, got_grads) = run(True), run(False)
+    assert got.dtype == want.dtype
+    assert torch.equal(got, want)
+    for g, w in zip(got_grads, want_grads):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+
+
+def test_residual_add_of_a_half_branch_makes_no_cast_node():
+    """``x + proj(y)`` (FP32 residual stream, half branch): no cast kernel and no cast backward node, and the half
+    operand is saved as it is, not as an FP32 copy."""
+    x = torch.randn(2, 4, requires_grad=True)
+    h = torch.randn(2, 4, dtype=bf16, requires_grad=True)
+    with CastPolicy(half_dtype=bf16).scope():
+        out = x + h
+        prod = x * h
+    assert out.dtype == f32 and prod.dtype == f32
+    for result in (out, prod):
+        inputs = {type(node).__name__ for node, _ in result.grad_fn.next_functions}
+        assert inputs == {"AccumulateGrad"}, inputs
