@@ -212,3 +212,20 @@ def test_cast_overhead_rows_counts_and_references(tmp_path):
         assert (row["graph_breaks"], row["graphs"], row["recompiles"]) == (0, 1, 0), (name, row)
     assert compiled["O1_handoff"]["hook_calls"] == 0 and compiled["O1_inside"]["hook_calls"] == 0
     assert compiled["O1_outside"]["hook_calls"] > 0  # the reference: without the hand-off the hook is called
+
+
+def test_cast_instructions_rows_subtract_the_base_process_and_divide_by_steps():
+    """cast_instructions.py counts whole processes (import, warm-up, then the measured steps): a variant's figure
+    is its process's count less the base process's, per measured step, and each ratio is to the same model's
+    reference."""
+    import cast_instructions
+
+    counts = {("tiny", "base"): 1000, ("tiny", "mode_floor"): 1000 + 10 * 200, ("tiny", "O1"): 1000 + 10 * 210,
+              ("tiny", "twin_floor"): 1000 + 10 * 205}  # fmt: skip
+    rows = {r["variant"]: r for r in cast_instructions.rows_from_counts(counts, 10)}
+    assert rows["O1"]["instructions_per_step"] == 210
+    assert rows["O1"]["over_mode_floor"] == pytest.approx(1.05)
+    assert rows["O1"]["over_twin_floor"] == pytest.approx(210 / 205)
+    assert "over_autocast" not in rows["O1"] and "over_mode_floor" not in rows["mode_floor"]
+    with pytest.raises(SystemExit):
+        cast_instructions.main(["--steps", "0"])
