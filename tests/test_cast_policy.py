@@ -528,3 +528,39 @@ def test_residual_add_of_a_half_branch_makes_no_cast_node():
     for result in (out, prod):
         inputs = {type(node).__name__ for node, _ in result.grad_fn.next_functions}
         assert inputs == {"AccumulateGrad"}, inputs
+
+
+@pytest.mark.parametrize("how", ["policy.backward", "backward inside the scope", "recompute_scope"])
+def test_the_backward_pass_does_not_keep_the_forward_casts_alive(how):
+    """Forward passes before a backward pass share the half copies of the parameters (Apex's cache served one
+    ``scale_loss`` block); once the backward pass starts the cache lets them go, so the half bias (which autograd does
+    not save for the backward pass) is freed, and the gradients are those of a run without the cache."""
+    import weakref
+
+    torch.manual_seed(0)
+    lin, x = torch.nn.Linear(3, 4), torch.randn(2, 3)
+    policy = CastPolicy(half_dtype=bf16)
+    with _Calls(F.linear) as seen, policy.scope():
+        loss = lin(x).float().square().sum() + lin(x).float().sum()
+    (w1, b1), (w2, b2) = [(args[1], args[2]) for args in seen.args]
+    assert w1 is w2 and b1 is b2 and b1.dtype == bf16  # the second forward reused the first one's casts
+    bias_cast = weakref.ref(b1)
+    del seen, w1, w2, b1, b2
+    if how == "policy.backward":
+        policy.backward(loss)
+    elif how == "backward inside the scope":
+        with policy.scope():
+            loss.backward()
+    else:
+        with policy.recompute_scope():
+            loss.backward()
+    assert policy.cache_size == 0 and bias_cast() is None
+    # The same gradients as a backward pass that does not touch the cache (a plain loss.backward() outside scopes).
+    want = torch.nn.Linear(3, 4)
+    want.load_state_dict(lin.state_dict())
+    other = CastPolicy(half_dtype=bf16)
+    with other.scope():
+        other_loss = want(x).float().square().sum() + want(x).float().sum()
+    other_loss.backward()
+    assert other.cache_size == 2
+    assert torch.equal(lin.weight.grad, want.weight.grad) and torch.equal(lin.bias.grad, want.bias.grad)
