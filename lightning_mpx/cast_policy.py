@@ -433,11 +433,15 @@ def _run_backward(policy: CastPolicy, func: Callable[..., Any], args: tuple[Any,
         return func(*args, **kwargs)  # torch's own result or error
     _leave_compiled_backward(policy, root_tensors)
     if func is torch.Tensor.backward and _make_grads is not None and _engine_run_backward is not None:
-        given_inputs = arguments.get("inputs")
-        inputs = tuple(given_inputs.values()) if isinstance(given_inputs, dict) else given_inputs
+        given = arguments.get("inputs")
+        engine_inputs = tuple(given.values()) if isinstance(given, dict) else given
         # As torch.autograd.backward reads it: one tensor, or a sequence of them (a list of parameters, often).
-        inputs = () if inputs is None else (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-        if inputs or given_inputs is None:
+        engine_inputs = (
+            () if engine_inputs is None
+            else (engine_inputs,) if isinstance(engine_inputs, torch.Tensor)
+            else tuple(engine_inputs)
+        )
+        if engine_inputs or given is None:
             # torch.autograd.backward's own steps, with the gradient made and checked before the mode is entered
             # (inside it, those tensor calls would go through the hook). The engine's entry point does not consult
             # torch-function modes, so it is given the tensors themselves (no gradient edges needed here).
@@ -451,7 +455,7 @@ def _run_backward(policy: CastPolicy, func: Callable[..., Any], args: tuple[Any,
                 grads = _make_grads((root,), (gradient,), is_grads_batched=False)
             with _CastMode(policy, recompute_only=True):
                 _engine_run_backward((root,), grads, create_graph if retain_graph is None else retain_graph,
-                                     create_graph, inputs, allow_unreachable=True, accumulate_grad=True)
+                                     create_graph, engine_inputs, allow_unreachable=True, accumulate_grad=True)
             return None
     arguments[roots_name] = _as_edges(roots)
     if inputs is not None:
