@@ -239,7 +239,8 @@ def _alternate(model: nn.Module, variants: dict[str, tuple[Step, Callable[[], No
     round, so that a slow spell of a shared machine hits every variant of the round alike.
 
     Returns the median microseconds per step of each variant, and its ratios to the references of the same round
-    (``autocast``; for O1 also ``mode_floor``, ``twin`` and ``twin_floor`` when present): the median and the interquartile range.
+    (``autocast``; for O1 also ``mode_floor``, ``twin`` and ``twin_floor`` when present): the median and the
+    interquartile range.
     """
     names = list(variants)
     per_round = max(steps // 4, 2)
@@ -380,7 +381,8 @@ def main() -> None:
     rows = [row for name in args.models for row in run_model(name, dtype, args)]
 
     header = (f"{'model':<5} {'mode':<20} {'variant':<11} {'us/step':>9} {'/autocast (IQR)':>24} "
-              f"{'/floor (IQR)':>24} {'/twin (IQR)':>24} {'/twin_floor (IQR)':>24} {'breaks':>7} {'graphs':>7} {'recompiles':>11} "
+              f"{'/floor (IQR)':>24} {'/twin (IQR)':>24} {'/twin_floor (IQR)':>24} {'breaks':>7} {'graphs':>7} "
+              f"{'recompiles':>11} "
               f"{'hook calls':>11}")
     print(header)
     print("-" * len(header))

@@ -260,7 +260,8 @@ def _iqr(values: list[float]) -> float:
 
 
 def _lightning_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], total: int, device: str,
-                     sync: Callable[[], None], compile_backend: str = "inductor") -> tuple[list[float], dict[str, Any]]:
+                     sync: Callable[[], None], compile_backend: str = "inductor"
+                     ) -> tuple[list[float], dict[str, Any]]:
     import lightning.pytorch as pl
     import torch
 

@@ -20,7 +20,7 @@ forward pass up to the next backward pass started through the policy (:meth:`Cas
 ``Amp.backward`` runs, a backward call inside a scope, or :meth:`CastPolicy.recompute_scope`), as Apex's cache served
 the forward passes of one ``scale_loss`` block, and at the latest until :meth:`CastPolicy.clear_cache`, which the
 training loop calls at each iteration boundary. The backward pass keeps what it needs through autograd; the cache
-does not hold the half copies for it (held, they cost about 5% of a training step on CPU by keeping memory that the
+does not hold the half copies for it (held, they cost 6-14% of a mid-size training step on CPU by keeping memory that the
 backward pass would otherwise reuse). A parameter changed in place since (an optimizer step between two forward
 passes) or given new storage (``p.data = ...``) is cast again. Casts made
 without gradients (evaluation) live for one scope: a write through ``p.data`` changes the values without any trace on

@@ -229,3 +229,16 @@ def test_cast_instructions_rows_subtract_the_base_process_and_divide_by_steps():
     assert "over_autocast" not in rows["O1"] and "over_mode_floor" not in rows["mode_floor"]
     with pytest.raises(SystemExit):
         cast_instructions.main(["--steps", "0"])
+
+
+def test_policy_backward_rows(tmp_path):
+    import policy_backward
+
+    result = policy_backward.main(["--model", "tiny", "--rounds", "2", "--steps", "1", "--out",
+                                   str(tmp_path / "pb.json")])
+    entry, cache = result["rows"]
+    assert set(entry["us"]) == {"policy.backward", "loss.backward"} and entry["ratio"] > 0
+    assert set(cache["us"]) == {"held", "dropped"} and cache["model"] == "tiny" and len(cache["ratio_iqr"]) == 2
+    assert json.loads((tmp_path / "pb.json").read_text())["rows"] == json.loads(json.dumps(result["rows"]))
+    with pytest.raises(SystemExit):
+        policy_backward.main(["--rounds", "1"])

@@ -492,7 +492,8 @@ def test_promote_ops_torch_promotes_itself_give_the_bits_of_casting_first(op, dt
     fn = _NATIVE_OPS[op]
     torch.manual_seed(0)
     values = [torch.randn(shape).to(dtype) for shape, dtype in zip(shapes, dtypes)]
-    differentiable = op in ("a + b", "a - b", "a * b", "torch.add", "torch.sub", "torch.mul", "Tensor.mul", "2 - a (rsub)")
+    differentiable = op in ("a + b", "a - b", "a * b", "torch.add", "torch.sub", "torch.mul", "Tensor.mul",
+                            "2 - a (rsub)")
 
     def run(cast_first):
         leaves = [v.clone().requires_grad_(differentiable) for v in values]
