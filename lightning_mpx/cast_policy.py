@@ -25,7 +25,8 @@ backward pass would otherwise reuse). A parameter changed in place since (an opt
 passes) or given new storage (``p.data = ...``) is cast again. Casts made
 without gradients (evaluation) live for one scope: a write through ``p.data`` changes the values without any trace on
 the parameter, and evaluation-only runs never reach an iteration boundary. Casts are differentiable, so gradients
-reach the FP32 parameters in FP32.
+reach the FP32 parameters in FP32; the gradients of a cached cast's several uses (a weight used at every time step)
+are summed in half first, as with ``torch.autocast``'s cache (``cache_casts=False``: per-use casts, summed in FP32).
 
 Activation checkpointing (``torch.utils.checkpoint``, Hugging Face ``gradient_checkpointing_enable()``) re-runs part
 of the forward pass during the backward pass, where the forward's scope has ended. Torch restores ``torch.autocast``'s

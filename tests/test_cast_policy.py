@@ -331,6 +331,35 @@ def test_cache_can_be_turned_off():
     assert first is not second and policy.cache_size == 0
 
 
+@pytest.mark.parametrize("half_dtype", HALF_DTYPES, ids=_dtype_id)
+def test_a_reused_parameter_sums_its_gradients_as_autocast_does(half_dtype):
+    # A weight used twice in one forward pass (an RNN cell, tied or shared layers): the cached cast is one autograd
+    # node, so the two uses' gradients are summed in half before reaching the FP32 weight, exactly as torch.autocast's
+    # own cast cache does. cache_casts=False casts per use, and the sum happens in FP32.
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(16, 32))
+    x1, x2, g1, g2 = torch.randn(8, 32), torch.randn(8, 32) * 3, torch.randn(8, 16), torch.randn(8, 16)
+
+    def grad_of(ctx):
+        w.grad = None
+        with ctx:
+            a, b = F.linear(x1, w), F.linear(x2, w)
+        assert a.dtype == b.dtype == half_dtype
+        ((a.float() * g1).sum() + (b.float() * g2).sum()).backward()
+        return w.grad.clone()
+
+    autocast = grad_of(torch.autocast("cpu", dtype=half_dtype))
+    cached = grad_of(CastPolicy(half_dtype=half_dtype).scope())
+    per_use = grad_of(CastPolicy(half_dtype=half_dtype, cache_casts=False).scope())
+    assert torch.equal(cached, autocast)
+    # The explicit per-use casts: each use's gradient reaches the FP32 weight in FP32.
+    w.grad = None
+    a, b = F.linear(x1.to(half_dtype), w.to(half_dtype)), F.linear(x2.to(half_dtype), w.to(half_dtype))
+    ((a.float() * g1).sum() + (b.float() * g2).sum()).backward()
+    assert torch.equal(per_use, w.grad)
+    assert not torch.equal(per_use, cached)  # the two sums do round differently here
+
+
 # --- disable_casts and scope state -----------------------------------------------------------------------------
 def _mm_dtype():
     return torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype
