@@ -11,7 +11,8 @@ variant warmed up alike, then ``--steps`` forward + backward steps of the varian
 same with no measured step; a variant's instructions per step are ``(its total - base total) / steps``.
 ``PYTHONHASHSEED`` is fixed so that the processes run the same Python. Variants (as in ``cast_overhead.py``):
 ``autocast``; ``mode_floor`` (autocast and a do-nothing mode); ``O1``; ``twin`` (the O1 casts written out);
-``twin_floor`` (the twin inside the do-nothing mode).
+``twin_floor`` (the twin inside the do-nothing mode); ``O1_uncached`` (O1 with ``cache_casts=False``: what the
+parameter-cast cache's bookkeeping costs, each parameter being used once per step here).
 
     python benchmarks/cast_instructions.py [--models tiny mid] [--steps 20] [--jobs 2] [--out PATH]
 
@@ -41,7 +42,7 @@ from typing import Any, Callable
 
 from _machine import cpu_model, write_json  # benchmarks/ is on sys.path when a script runs
 
-VARIANTS = ("autocast", "mode_floor", "O1", "twin", "twin_floor")
+VARIANTS = ("autocast", "mode_floor", "O1", "O1_uncached", "twin", "twin_floor")
 REFERENCES = ("autocast", "mode_floor", "twin", "twin_floor")
 _COLLECTED = re.compile(r"Collected\s*:\s*(\d+)")
 
@@ -60,6 +61,7 @@ def _child(model_name: str, variant: str, steps: int, dtype_name: str) -> None:
     idx = torch.randint(0, 64, (2, 32))
     data = (idx, torch.roll(idx, -1, 1))
     policy = CastPolicy(half_dtype=dtype)
+    uncached = CastPolicy(half_dtype=dtype, cache_casts=False)
 
     def forward(ctx: Callable[[], Any], fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         with ctx():
@@ -70,6 +72,7 @@ def _child(model_name: str, variant: str, steps: int, dtype_name: str) -> None:
         "autocast": lambda: forward(lambda: torch.autocast("cpu", dtype=dtype), lambda: model(*data)).backward(),
         "mode_floor": lambda: forward(lambda: _autocast_and_mode(dtype), lambda: model(*data)).backward(),
         "O1": lambda: policy.backward(forward(policy.scope, lambda: model(*data))),
+        "O1_uncached": lambda: uncached.backward(forward(uncached.scope, lambda: model(*data))),
         "twin": lambda: forward(null, lambda: model.twin(*data, dtype)).backward(),
         "twin_floor": lambda: forward(_PassThrough, lambda: model.twin(*data, dtype)).backward(),
     }

@@ -22,7 +22,11 @@ graphs compiled (the backend's calls), the recompiles (compilations after the fi
 policy's hook in one steady-state step (counted with ``sys.setprofile``).
 
     python benchmarks/cast_overhead.py [--models tiny mid] [--steps 100] [--repeats 5] [--no-compile] [--per-call]
-                                       [--out PATH]
+                                       [--split] [--out PATH]
+
+``--split`` adds the eager variants with forward and backward timed apart (40 rotated rounds): what each variant
+adds to ``mode_floor``'s step and to autocast's, in microseconds, beside the tiny goal's budget (2% of
+``mode_floor``'s step); ``twin`` - ``autocast`` is the table's semantics alone.
 
 ``--per-call`` adds single calls on small tensors (views, a same-dtype and a mixed add, linear with a cast input and
 cached parameters, softmax of a half tensor, layer norm): no mode, a do-nothing mode alone, the call with its casts
@@ -315,6 +319,64 @@ def run_model(name: str, dtype: torch.dtype, args: argparse.Namespace) -> list[d
     return rows
 
 
+def split(name: str, dtype: torch.dtype, args: argparse.Namespace, rounds: int = 40) -> list[dict[str, Any]]:
+    """Forward and backward timed apart for the eager variants (``--split``), in rotated rounds.
+
+    One row per variant: the median forward and backward microseconds, and per round, the step's difference to
+    ``mode_floor`` and to ``autocast``. The tiny goal's budget (O1 within 1.02x of ``mode_floor``) is
+    ``budget_us`` = 2% of ``mode_floor``'s step; ``twin`` - ``autocast`` is what the table's semantics cost with no
+    mode at all (its FP32 softmax, GELU and layer norms, and their casts), which that budget must also hold.
+    """
+    torch.manual_seed(0)
+    model = TinyLM(**MODELS[name])
+    idx = torch.randint(0, 64, (args.batch, 32))
+    data = (idx, torch.roll(idx, -1, 1))
+    policy = CastPolicy(half_dtype=dtype)
+    null = contextlib.nullcontext
+    forwards: dict[str, tuple[Callable[[], ContextManager[Any]], Callable[[], torch.Tensor], Callable[..., Any]]] = {
+        "autocast": (lambda: torch.autocast("cpu", dtype=dtype), lambda: model(*data), torch.Tensor.backward),
+        "mode_floor": (lambda: _autocast_and_mode(dtype), lambda: model(*data), torch.Tensor.backward),
+        "O1": (policy.scope, lambda: model(*data), policy.backward),
+        "twin": (null, lambda: model.twin(*data, dtype), torch.Tensor.backward),
+        "twin_floor": (_PassThrough, lambda: model.twin(*data, dtype), torch.Tensor.backward),
+    }
+    per_round = 20 if name == "tiny" else 5
+    names = list(forwards)
+    samples: dict[str, list[tuple[float, float]]] = {v: [] for v in names}
+    for r in range(rounds + 2):  # the first two rounds warm up
+        for v in names[r % len(names):] + names[: r % len(names)]:
+            ctx, forward, backward = forwards[v]
+            fwd = bwd = 0.0
+            for _ in range(per_round):
+                start = time.perf_counter()
+                with ctx():
+                    loss = forward()
+                middle = time.perf_counter()
+                backward(loss)
+                fwd, bwd = fwd + middle - start, bwd + time.perf_counter() - middle
+                model.zero_grad(set_to_none=True)
+                policy.clear_cache()
+            if r >= 2:
+                samples[v].append((fwd / per_round * 1e6, bwd / per_round * 1e6))
+    rows = []
+    for v in names:
+        step = [f + b for f, b in samples[v]]
+        floor = [f + b for f, b in samples["mode_floor"]]
+        autocast = [f + b for f, b in samples["autocast"]]
+        rows.append({
+            "model": name, "variant": v,
+            "forward_us": statistics.median(f for f, _ in samples[v]),
+            "backward_us": statistics.median(b for _, b in samples[v]),
+            "step_over_floor_us": statistics.median(a - b for a, b in zip(step, floor)),
+            "step_over_autocast_us": statistics.median(a - b for a, b in zip(step, autocast)),
+            "forward_over_floor_us": statistics.median(a[0] - b[0] for a, b in zip(samples[v], samples["mode_floor"])),
+            "backward_over_floor_us": statistics.median(
+                a[1] - b[1] for a, b in zip(samples[v], samples["mode_floor"])),
+            "budget_us": 0.02 * statistics.median(floor),
+        })
+    return rows
+
+
 def per_call(dtype: torch.dtype, calls: int = 2000, rounds: int = 15) -> list[dict[str, Any]]:
     """Microseconds per single call (CPU time), see the module's docstring (``--per-call``)."""
     f = nn.functional
@@ -374,6 +436,7 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--no-compile", action="store_true", help="eager rows only")
     parser.add_argument("--per-call", action="store_true", help="also time single calls (see the docstring)")
+    parser.add_argument("--split", action="store_true", help="also time forward and backward apart (see split())")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cast_overhead.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -408,6 +471,14 @@ def main() -> None:
             low, high = c["hook_own_iqr"]
             print(f"{c['op']:<24} {c['action']:<8} {c['none_us']:>7.2f} {c['mode_us']:>7.2f} {c['twin_us']:>7.2f} "
                   f"{c['O1_us']:>7.2f} {c['mode_cost_us']:>10.2f} {c['hook_own_us']:>8.2f} ({low:.2f}-{high:.2f})")
+    halves = [row for name in args.models for row in split(name, dtype, args)] if args.split else []
+    if halves:
+        print(f"\n{'split':<5} {'variant':<11} {'fwd us':>8} {'bwd us':>8} {'fwd-floor':>10} {'bwd-floor':>10} "
+              f"{'step-floor':>11} {'step-autocast':>14} {'2% of floor':>12}")
+        for h in halves:
+            print(f"{h['model']:<5} {h['variant']:<11} {h['forward_us']:>8.0f} {h['backward_us']:>8.0f} "
+                  f"{h['forward_over_floor_us']:>10.0f} {h['backward_over_floor_us']:>10.0f} "
+                  f"{h['step_over_floor_us']:>11.0f} {h['step_over_autocast_us']:>14.0f} {h['budget_us']:>12.0f}")
     result = {
         "benchmark": "cast_overhead",
         "device": cpu_model(),
@@ -420,6 +491,7 @@ def main() -> None:
         "backend": args.backend,
         "rows": rows,
         "per_call": calls,
+        "split": halves,
     }
     write_json(args.out, result)
 

@@ -214,6 +214,24 @@ def test_cast_overhead_rows_counts_and_references(tmp_path):
     assert compiled["O1_outside"]["hook_calls"] > 0  # the reference: without the hand-off the hook is called
 
 
+def test_cast_overhead_split_times_forward_and_backward_apart():
+    """cast_overhead.py --split: each eager variant's forward and backward, its step's difference to the do-nothing
+    mode over autocast and to autocast (per round), and the tiny goal's 2% budget."""
+    import argparse
+
+    import cast_overhead
+    import torch
+
+    rows = {r["variant"]: r for r in cast_overhead.split("tiny", torch.bfloat16, argparse.Namespace(batch=1),
+                                                         rounds=3)}
+    assert list(rows) == ["autocast", "mode_floor", "O1", "twin", "twin_floor"]
+    assert rows["autocast"]["step_over_autocast_us"] == 0 and rows["mode_floor"]["step_over_floor_us"] == 0
+    for row in rows.values():
+        assert row["forward_us"] > 0 and row["backward_us"] > 0
+    floor_step = rows["mode_floor"]["forward_us"] + rows["mode_floor"]["backward_us"]
+    assert rows["O1"]["budget_us"] == pytest.approx(0.02 * floor_step, rel=0.5)  # medians of sums vs sums of medians
+
+
 def test_cast_instructions_rows_subtract_the_base_process_and_divide_by_steps():
     """cast_instructions.py counts whole processes (import, warm-up, then the measured steps): a variant's figure
     is its process's count less the base process's, per measured step, and each ratio is to the same model's
