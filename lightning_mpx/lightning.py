@@ -54,15 +54,17 @@ class MixedPrecisionPlugin(Precision):
         cast_table: Your own :class:`~lightning_mpx.cast_table.CastTable` for O1 (a copy of the default, extended).
         allow_banned: Run banned ops in FP32 instead of raising.
         unscale_backend: ``"auto"``, ``"foreach"`` or ``"reference"``.
-        init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_loss_scale, max_loss_scale,
-            on_floor, overflow_log_interval: Loss-scaler settings (see :class:`~lightning_mpx.amp.Amp`).
+        init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, consecutive_hysteresis,
+            min_loss_scale, max_loss_scale, on_floor, overflow_log_interval: Loss-scaler settings (see
+            :class:`~lightning_mpx.amp.Amp`); ``on_floor="promote"`` runs the modules that keep overflowing at the
+            floor in FP32 from then on.
         diagnose_overflows: Watch every training forward for non-finite module outputs, so that each overflow's
             record (``plugin.amp.last_overflow``) tells forward from backward and names the first module; without
             it only after an overflow at the floor (see :class:`~lightning_mpx.amp.Amp`).
-            on_floor, overflow_log_interval: Loss-scaler settings (see :class:`~lightning_mpx.amp.Amp`);
-            ``on_floor="promote"`` runs the modules that keep overflowing at the floor in FP32 from then on.
         fp32_modules: Module-name patterns (fnmatch on the LightningModule's ``named_modules()`` names, e.g.
             ``["lm_head", "*.norm"]``) of modules that run in FP32 at every opt level.
+        model_writes: ``"versions"`` or ``"values"``: how O2 takes writes made to the half model outside the step
+            into the FP32 masters (see :class:`~lightning_mpx.amp.Amp`).
         **overrides: Opt-level property overrides (``keep_batchnorm_fp32``, ``loss_scale``, ``master_weights``,
             ``cast_model_type``, ``patch_torch_functions``), validated as in
             :func:`~lightning_mpx.opt_levels.resolve_properties`.
@@ -86,12 +88,14 @@ class MixedPrecisionPlugin(Precision):
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
         hysteresis: int = 1,
+        consecutive_hysteresis: bool = False,
         min_loss_scale: float = 1.0,
         max_loss_scale: float = 2.0**24,
         on_floor: OnFloor = "raise",
         overflow_log_interval: float = 10.0,
         diagnose_overflows: bool = False,
         fp32_modules: Sequence[str] = (),
+        model_writes: str = "versions",
         **overrides: Any,
     ) -> None:
         self._settings: dict[str, Any] = dict(
@@ -105,12 +109,14 @@ class MixedPrecisionPlugin(Precision):
             backoff_factor=backoff_factor,
             growth_interval=growth_interval,
             hysteresis=hysteresis,
+            consecutive_hysteresis=consecutive_hysteresis,
             min_loss_scale=min_loss_scale,
             max_loss_scale=max_loss_scale,
             on_floor=on_floor,
             overflow_log_interval=overflow_log_interval,
             diagnose_overflows=diagnose_overflows,
             fp32_modules=fp32_modules,
+            model_writes=model_writes,
             **overrides,
         )
         self._opt_level = opt_level

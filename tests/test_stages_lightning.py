@@ -162,8 +162,25 @@ def test_a_discriminator_overflow_backs_off_only_its_own_scale(id_type, level):
     assert plugin.amp.skipped_steps == [1, 0]
 
 
+def test_every_amp_setting_is_a_named_typed_plugin_and_adapter_setting():
+    # A setting reachable only through **overrides is neither typed nor documented where Lightning and Accelerate
+    # users look (consecutive_hysteresis and model_writes were so until stop 20).
+    import dataclasses
+    import inspect
+
+    from lightning_mpx import Amp
+    from lightning_mpx.accelerate import MixedPrecisionKwargs
+
+    amp = {n for n, p in inspect.signature(Amp.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    plugin = inspect.signature(MixedPrecisionPlugin.__init__).parameters
+    assert amp <= set(plugin), sorted(amp - set(plugin))
+    assert all(plugin[name].annotation is not inspect.Parameter.empty for name in amp)
+    assert amp <= {f.name for f in dataclasses.fields(MixedPrecisionKwargs)}
+    plugin = MixedPrecisionPlugin("O2", model_writes="values")
+    assert plugin.amp.model_writes == "values"
+
+
 def test_consecutive_hysteresis_reaches_the_plugin_engine():
-    # MixedPrecisionPlugin forwards keywords it does not name to Amp, so no plugin change is needed.
     plugin = MixedPrecisionPlugin("O1", hysteresis=3, consecutive_hysteresis=True)
     assert all(scaler.consecutive_hysteresis for scaler in plugin.amp.scalers)
     with pytest.raises(TypeError, match="consecutive_hysteresis='no' must be True or False"):
