@@ -7,6 +7,11 @@
   (``held``, what the policy did before stop 19) against the same step with the cache emptied before the backward
   pass (``dropped``, what ``policy.backward`` now does), both with ``policy.clear_cache()`` after the step.
 
+- ``mode``: the backward pass alone of the same model's O1 forward, by ``policy.backward`` (its recompute mode on
+  the mode stack, which the autograd engine restores for every node: what recomputing checkpointed code with the
+  forward's casts costs when nothing is checkpointed) against a plain ``loss.backward()``, the cache emptied before
+  both.
+
 Variants alternate in rotated rounds; ratios are medians of within-round ratios with their interquartile range.
 
     python benchmarks/policy_backward.py [--model mid] [--rounds 16] [--steps 5] [--out PATH]
@@ -95,6 +100,45 @@ def cache(model_name: str, rounds: int, steps: int) -> dict[str, Any]:
             "ratio": ratio, "ratio_iqr": iqr, "reference": "dropped"}
 
 
+def mode(model_name: str, rounds: int, steps: int) -> dict[str, Any]:
+    """The backward pass alone of an O1 forward, run by ``policy.backward`` (its recompute mode on the
+    torch-function mode stack, which the autograd engine restores for every node it runs: the price of
+    recomputing checkpointed code with the forward's casts) against a plain ``loss.backward()`` with no mode on the
+    stack; the cache is emptied before both, so that only the mode differs."""
+    torch.manual_seed(0)
+    model = TinyLM(**MODELS[model_name])
+    idx = torch.randint(0, 64, (2, 32))
+    data = (idx, torch.roll(idx, -1, 1))
+    policy = CastPolicy(half_dtype=torch.bfloat16)
+
+    def plain(loss: torch.Tensor) -> None:
+        policy.clear_cache()
+        loss.backward()
+
+    def timed(backward: Callable[[torch.Tensor], None]) -> Callable[[], float]:
+        def run() -> float:
+            total = 0.0
+            for _ in range(steps):
+                with policy.scope():
+                    loss = model(*data)
+                start = time.perf_counter()
+                backward(loss)
+                total += time.perf_counter() - start
+                model.zero_grad(set_to_none=True)
+                policy.clear_cache()
+            return total / steps * 1e6
+
+        return run
+
+    variants = {"policy.backward": timed(policy.backward), "loss.backward": timed(plain)}
+    for run in variants.values():
+        run()  # warm-up
+    samples = _rounds(variants, rounds)
+    ratio, iqr = _ratio(samples, "policy.backward", "loss.backward")
+    return {"part": "mode", "model": model_name, "us": {k: statistics.median(v) for k, v in samples.items()},
+            "ratio": ratio, "ratio_iqr": iqr, "reference": "loss.backward"}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="mid")
@@ -105,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.rounds < 2 or args.steps < 1:
         parser.error(f"--rounds {args.rounds} --steps {args.steps}: need at least 2 rounds and 1 step")
     torch.set_num_threads(1)
-    rows = [entry(args.rounds), cache(args.model, args.rounds, args.steps)]
+    rows = [entry(args.rounds), cache(args.model, args.rounds, args.steps), mode(args.model, args.rounds, args.steps)]
     print(f"{'part':<6} {'variant':<16} {'us':>10} {'ratio to reference (IQR)':>30}")
     for row in rows:
         for name, us in row["us"].items():

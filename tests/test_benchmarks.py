@@ -254,7 +254,8 @@ def test_policy_backward_rows(tmp_path):
 
     result = policy_backward.main(["--model", "tiny", "--rounds", "2", "--steps", "1", "--out",
                                    str(tmp_path / "pb.json")])
-    entry, cache = result["rows"]
+    entry, cache, mode = result["rows"]
+    assert set(mode["us"]) == {"policy.backward", "loss.backward"} and mode["model"] == "tiny" and mode["ratio"] > 0
     assert set(entry["us"]) == {"policy.backward", "loss.backward"} and entry["ratio"] > 0
     assert set(cache["us"]) == {"held", "dropped"} and cache["model"] == "tiny" and len(cache["ratio_iqr"]) == 2
     assert json.loads((tmp_path / "pb.json").read_text())["rows"] == json.loads(json.dumps(result["rows"]))
