@@ -202,9 +202,11 @@ def _finalize_kernel(
     tl.store(norm_ptr, norm)
     if CLIP:
         # As torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6) is evaluated by torch as
-        # reciprocal(norm + 1e-6) * max_norm, each step rounded; clamp(max=1) keeps NaN.
+        # reciprocal(norm + 1e-6) * max_norm, each step rounded.
         coef = tl.div_rn(1.0, norm + 1e-6) * max_norm
         coef = tl.minimum(coef, 1.0, propagate_nan=tl.PropagateNan.ALL)
+        # A non-finite norm (an overflow step, skipped) leaves the gradients unclipped, as unscale.clip_coefficient.
+        coef = tl.where(norm < float("inf"), coef, 1.0)
         tl.store(coef_ptr, coef * tl.load(scale_ptr))
 
 

@@ -491,12 +491,15 @@ class Amp:
         """Clip ``optimizer``'s unscaled gradients to a global L2 norm; returns the norm before clipping.
 
         When the gradients are still scaled, unscaling, the overflow check, the norm and the clip are done together.
+        As ``torch.nn.utils.clip_grad_norm_`` (bit for bit), except that a non-finite norm (an overflow: the step will
+        be skipped) leaves the gradients as they are, where torch's clip would turn the finite values into zeros and
+        the infinite ones into NaN: the overflow record (:attr:`last_overflow`) then tells inf from NaN.
         """
         state = self._state(optimizer)
         if state.stage is not _Stage.UNSCALED:
             self._unscale(state, max_norm=float(max_norm))
         else:
-            state.grad_norm = torch.nn.utils.clip_grad_norm_(self._unscaled_params(optimizer), max_norm)
+            state.grad_norm = _clip_unscaled(self._unscaled_params(optimizer), float(max_norm))
         assert state.grad_norm is not None
         self._grad_norms[state.loss_id or 0] = state.grad_norm
         return state.grad_norm
@@ -1176,3 +1179,16 @@ def _cast_mapping(data: Mapping[Any, Any], dtype: torch.dtype, castable: tuple[t
         new = copy.copy(data)
         new.update(items)
         return new
+
+
+def _clip_unscaled(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_(params, max_norm)`` with its two halves (torch >= 2.6), the coefficient
+    left at 1 for a non-finite norm (see :meth:`Amp.clip_grad_norm_`); older torch: its clip as it is."""
+    get_norm = getattr(torch.nn.utils, "get_total_norm", None)
+    clip_with = getattr(torch.nn.utils, "clip_grads_with_norm_", None)
+    if get_norm is None or clip_with is None:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    total = get_norm([p.grad for p in params if p.grad is not None])
+    # A norm of 0 makes torch's coefficient max_norm / 1e-6, clamped to 1: the gradients are multiplied by one.
+    clip_with(params, max_norm, torch.where(torch.isfinite(total), total, 0.0))
+    return total

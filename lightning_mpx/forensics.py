@@ -46,7 +46,10 @@ class OverflowRecord:
         scales: The loss scale of each of those losses when the gradients were computed.
         parameters: Parameter name to the kind of non-finite values its gradient held (``"inf"``, ``"nan"`` or
             ``"inf+nan"``). When the backward was watched, as the backward produced them (before a clip, and under
-            DDP this process's own, before the averaging); otherwise as the step found them.
+            DDP this process's own, before the averaging); otherwise as the step found them: a norm clip
+            (:meth:`~lightning_mpx.Amp.clip_grad_norm_`) leaves an overflow step's gradients as they were, while a
+            value clip has already clamped their inf to the clip value (such parameters are then missing here; watch
+            with ``diagnose_overflows=True`` to see them).
         modules: The same, per module (the parameter name without its last component; ``""`` for parameters of
             the root module).
         origin: ``"forward"`` when the forward already produced non-finite values (the loss or a module's output),

@@ -294,9 +294,9 @@ def test_a_watched_model_can_be_pickled_and_deep_copied():
 @pytest.mark.parametrize("clip", ["norm", "value"])
 @pytest.mark.parametrize("case", CASES)
 def test_watched_record_sees_the_gradients_before_an_o1_clip(case, clip):
-    # At O1 the gradients are unscaled and clipped in place before the step reads them: a non-finite norm's
-    # coefficient turns inf into NaN (or everything into NaN), a value clip turns inf into the clip value. The
-    # gradient hooks of the watch keep what the backward produced.
+    # At O1 the gradients are unscaled and clipped in place before the step reads them: a value clip turns inf into
+    # the clip value (a norm clip leaves a non-finite norm's gradients alone, see below). The gradient hooks of the
+    # watch keep what the backward produced.
     amp, net, opt = _setup("O1", case, diagnose_overflows=True)
     x, y = make_batch(case)
     with amp.forward_context():
@@ -307,10 +307,59 @@ def test_watched_record_sees_the_gradients_before_an_o1_clip(case, clip):
         amp.clip_grad_norm_(opt, 1.0)
     else:
         amp.clip_grad_value_(opt, 1.0)
-    if case == "gradient":  # explode.weight's inf became NaN (norm) or 1.0 (value); elsewhere all was NaN already
-        assert reference_kinds((n, p.grad) for n, p in net.named_parameters()) != reference
+    after_clip = reference_kinds((n, p.grad) for n, p in net.named_parameters())
+    if clip == "norm":  # a non-finite norm: the gradients are left as the backward made them
+        assert after_clip == reference
+    elif case == "gradient":  # explode.weight's inf became 1.0; elsewhere all was NaN already
+        assert after_clip != reference
     amp.step(opt)
     record = amp.last_overflow
     assert record.parameters == reference and record.modules == _modules_of(reference)
     assert record.origin == ORIGIN[case] and record.culprits() == [CULPRIT[case]]
     assert record.backward_nonfinite is True
+
+
+@pytest.mark.parametrize("backend", ["auto", "foreach", "reference"])
+@pytest.mark.parametrize("when", ["fused", "after unscale_"])
+@pytest.mark.parametrize("case", CASES)
+def test_unwatched_record_after_a_norm_clip_reads_what_the_backward_made(case, when, backend):
+    # torch's clip_grad_norm_ multiplies by max_norm / inf = 0 on an overflow: finite gradients became zeros, infinite
+    # ones NaN, and the unwatched record (what the step finds) read "nan" where the backward had made inf. A
+    # non-finite norm now leaves the gradients alone (the step is skipped either way); finite norms clip as torch.
+    amp, net, opt = _setup("O1", case, unscale_backend=backend)
+    x, y = make_batch(case)
+    with amp.forward_context():
+        loss = F.cross_entropy(net(x), y)
+    amp.backward(loss)
+    reference = reference_kinds((n, p.grad) for n, p in net.named_parameters())
+    if when == "after unscale_":
+        amp.unscale_(opt)
+    norm = amp.clip_grad_norm_(opt, 1.0)
+    assert not torch.isfinite(norm)
+    assert amp.step(opt) is False
+    assert amp.last_overflow.origin == "unknown"  # not watched
+    assert amp.last_overflow.parameters == reference and amp.last_overflow.modules == _modules_of(reference)
+
+
+@pytest.mark.parametrize("backend", ["auto", "foreach", "reference"])
+@pytest.mark.parametrize("when", ["fused", "after unscale_"])
+def test_a_finite_norm_clips_as_torch_does(when, backend):
+    torch.manual_seed(0)
+    amp = Amp("O1", unscale_backend=backend, init_scale=2.0**10)
+    net = amp.prepare_model(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)))
+    opt = amp.prepare_optimizer(torch.optim.SGD(net.parameters(), lr=1e-3))
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    with amp.forward_context():
+        loss = F.cross_entropy(net(x), y)
+    amp.backward(loss)
+    if when == "after unscale_":
+        amp.unscale_(opt)
+    unscaled = [p.grad.clone() if when == "after unscale_" else p.grad * (1 / 2.0**10) for p in net.parameters()]
+    holders = [torch.nn.Parameter(torch.zeros_like(g)) for g in unscaled]
+    for holder, grad in zip(holders, unscaled):
+        holder.grad = grad
+    want_norm = torch.nn.utils.clip_grad_norm_(holders, 0.1)
+    norm = amp.clip_grad_norm_(opt, 0.1)
+    assert torch.equal(norm, want_norm)
+    for p, h in zip(net.parameters(), holders):
+        assert torch.equal(p.grad, h.grad)
