@@ -229,6 +229,19 @@ def test_lightning_o1_record_log_and_metrics(case, caplog):
     }
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_lightning_unwatched_record_under_gradient_clip_val_reads_the_backward_kinds(case):
+    # The common configuration: gradient_clip_val (by norm) and no diagnose_overflows. Before, the clip's
+    # coefficient 0 turned every overflowed gradient into NaN before the step built the record.
+    plugin = MixedPrecisionPlugin("O1")
+    model = ForensicsModule(case)
+    trainer = make_trainer(plugin, max_steps=1, gradient_clip_val=1.0)
+    trainer.fit(model, loader(ForensicsData(case), batch_size=4))
+    record, reference = model.records[0], model.grad_kinds[0]
+    assert record.origin == "unknown" and reference and record.parameters == reference
+    assert record.modules == _modules_of(reference)
+
+
 def test_lightning_without_diagnose_registers_no_hooks():
     plugin = MixedPrecisionPlugin("O1")
     seen: list[int] = []
