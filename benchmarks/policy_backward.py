@@ -91,13 +91,7 @@ def cache(model_name: str, rounds: int, steps: int) -> dict[str, Any]:
 
         return run
 
-    variants = {"held": timed(False), "dropped": timed(True)}
-    for run in variants.values():
-        run()  # warm-up
-    samples = _rounds(variants, rounds)
-    ratio, iqr = _ratio(samples, "held", "dropped")
-    return {"part": "cache", "model": model_name, "us": {k: statistics.median(v) for k, v in samples.items()},
-            "ratio": ratio, "ratio_iqr": iqr, "reference": "dropped"}
+    return _compare("cache", model_name, {"held": timed(False), "dropped": timed(True)}, rounds)
 
 
 def mode(model_name: str, rounds: int, steps: int) -> dict[str, Any]:
@@ -130,13 +124,19 @@ def mode(model_name: str, rounds: int, steps: int) -> dict[str, Any]:
 
         return run
 
-    variants = {"policy.backward": timed(policy.backward), "loss.backward": timed(plain)}
+    return _compare("mode", model_name, {"policy.backward": timed(policy.backward), "loss.backward": timed(plain)},
+                    rounds)
+
+
+def _compare(part: str, model_name: str, variants: dict[str, Callable[[], float]], rounds: int) -> dict[str, Any]:
+    """Warm each variant up, time them in rotated rounds; the first variant's ratio to the second (the reference)."""
     for run in variants.values():
         run()  # warm-up
     samples = _rounds(variants, rounds)
-    ratio, iqr = _ratio(samples, "policy.backward", "loss.backward")
-    return {"part": "mode", "model": model_name, "us": {k: statistics.median(v) for k, v in samples.items()},
-            "ratio": ratio, "ratio_iqr": iqr, "reference": "loss.backward"}
+    name, reference = list(variants)
+    ratio, iqr = _ratio(samples, name, reference)
+    return {"part": part, "model": model_name, "us": {k: statistics.median(v) for k, v in samples.items()},
+            "ratio": ratio, "ratio_iqr": iqr, "reference": reference}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -46,6 +46,15 @@ def _iteration(amp: Amp, net: nn.Module, opt: torch.optim.Optimizer, x: torch.Te
     return reference
 
 
+def _backward(amp: Amp, net: nn.Module, case: str) -> dict:
+    """A forward and backward of ``case``'s batch; returns the reference kinds of the (scaled) gradients."""
+    x, y = make_batch(case)
+    with amp.forward_context():
+        loss = F.cross_entropy(net(x), y)
+    amp.backward(loss)
+    return reference_kinds((n, p.grad) for n, p in net.named_parameters())
+
+
 def _hooks(net: nn.Module) -> int:
     return sum(len(m._forward_hooks) for m in net.modules())
 
@@ -311,11 +320,7 @@ def test_watched_record_sees_the_gradients_before_an_o1_clip(case, clip):
     # the clip value (a norm clip leaves a non-finite norm's gradients alone, see below). The gradient hooks of the
     # watch keep what the backward produced.
     amp, net, opt = _setup("O1", case, diagnose_overflows=True)
-    x, y = make_batch(case)
-    with amp.forward_context():
-        loss = F.cross_entropy(net(x), y)
-    amp.backward(loss)
-    reference = reference_kinds((n, p.grad) for n, p in net.named_parameters())
+    reference = _backward(amp, net, case)
     if clip == "norm":
         amp.clip_grad_norm_(opt, 1.0)
     else:
@@ -340,11 +345,7 @@ def test_unwatched_record_after_a_norm_clip_reads_what_the_backward_made(case, w
     # ones NaN, and the unwatched record (what the step finds) read "nan" where the backward had made inf. A
     # non-finite norm now leaves the gradients alone (the step is skipped either way); finite norms clip as torch.
     amp, net, opt = _setup("O1", case, unscale_backend=backend)
-    x, y = make_batch(case)
-    with amp.forward_context():
-        loss = F.cross_entropy(net(x), y)
-    amp.backward(loss)
-    reference = reference_kinds((n, p.grad) for n, p in net.named_parameters())
+    reference = _backward(amp, net, case)
     if when == "after unscale_":
         amp.unscale_(opt)
     norm = amp.clip_grad_norm_(opt, 1.0)
