@@ -205,7 +205,7 @@ def _finalize_kernel(
         # reciprocal(norm + 1e-6) * max_norm, each step rounded.
         coef = tl.div_rn(1.0, norm + 1e-6) * max_norm
         coef = tl.minimum(coef, 1.0, propagate_nan=tl.PropagateNan.ALL)
-        # A non-finite norm (an overflow step, skipped) leaves the gradients unclipped, as unscale.clip_coefficient.
+        # A non-finite norm (an overflow step, skipped) leaves the gradients unclipped, as unscale._clip_coefficient.
         coef = tl.where(norm < float("inf"), coef, 1.0)
         tl.store(coef_ptr, coef * tl.load(scale_ptr))
 

@@ -35,12 +35,6 @@ import torch
 Tensors = Sequence[torch.Tensor]
 
 _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
-
-
-def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_``'s coefficient for a global norm ``total``, or 1 when ``total`` is not
-    finite (an overflow step: the gradients keep their values for the overflow record; the step is skipped)."""
-    return torch.where(torch.isfinite(total), torch.clamp(max_norm / (total + _CLIP_EPS), max=1.0), 1.0)
 _IS_CUDA = operator.attrgetter("is_cuda")
 
 
@@ -150,8 +144,8 @@ def unscale_grads_(
             only read.
         compute_norm: Return the global L2 norm of the unscaled gradients (before any clipping).
         max_norm: Also clip the unscaled gradients to this global L2 norm, as ``torch.nn.utils.clip_grad_norm_``
-            does (bit for bit), except when the norm is not finite: the gradients are then left unscaled and
-            unclipped (the step is skipped anyway), where torch's clip would make zeros of the finite values and NaN
+            does (bit for bit), except when the norm is not finite: the gradients are then unscaled but not
+            clipped (the step is skipped anyway), where torch's clip would make zeros of the finite values and NaN
             of the infinite ones, hiding which kind of value overflowed from the overflow record; implies
             ``compute_norm``.
         backend: ``"auto"``, ``"foreach"``, ``"reference"`` or ``"triton"``.
@@ -357,10 +351,16 @@ def _foreach(
         return None
     total = _global_norm(norms, found_inf.device)
     if max_norm is not None:
-        coef = clip_coefficient(total, max_norm)
+        coef = _clip_coefficient(total, max_norm)
         for (device, _), group in _grouped(targets).items():
             torch._foreach_mul_(group, coef.to(device))
     return total
+
+
+def _clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``'s coefficient for a global norm ``total``, or 1 when ``total`` is not
+    finite (an overflow step: the gradients keep their values for the overflow record; the step is skipped)."""
+    return torch.where(torch.isfinite(total), torch.clamp(max_norm / (total + _CLIP_EPS), max=1.0), 1.0)
 
 
 def _reference(
@@ -398,7 +398,7 @@ def _reference(
         return None
     total = squares.sqrt()
     if max_norm is not None:
-        coef = clip_coefficient(total, max_norm)
+        coef = _clip_coefficient(total, max_norm)
         for target in targets:
             target.mul_(coef.to(target.device))
     return total
