@@ -23,7 +23,7 @@ Valgrind's CPU has no AVX-512, so torch runs its AVX2 kernels there (the JSON re
 CPU with native bfloat16 the half kernels' share is not the real one. Ratios between variants that run the same
 kernels in the same dtypes (O1 against ``twin_floor``: the hook's own cost) are unaffected; ratios across dtypes
 (O1 against ``mode_floor``, whose softmax, GELU and layer norm run in bfloat16) are not representative of native
-runs. Prints a table and writes JSON (default ``benchmarks/results/cast_instructions.json``).
+runs. Prints a table and writes JSON and markdown (default ``benchmarks/results/cast_instructions.json``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from _machine import cpu_model, write_json  # benchmarks/ is on sys.path when a script runs
+import _harness  # benchmarks/ is on sys.path when a script runs
 
 VARIANTS = ("autocast", "mode_floor", "O1", "O1_uncached", "twin", "twin_floor")
 REFERENCES = ("autocast", "mode_floor", "twin", "twin_floor")
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--steps", type=int, default=20, help="measured steps per variant (tiny; a quarter for mid)")
     parser.add_argument("--jobs", type=int, default=2, help="valgrind processes at once")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cast_instructions.json")
+    parser.add_argument("--out", type=Path, default=_harness.default_out("cast_instructions"))
     args = parser.parse_args(argv)
     if shutil.which("valgrind") is None:
         parser.error("valgrind is not on PATH (Debian: apt-get install valgrind)")
@@ -150,18 +150,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     capabilities = sorted({capability for _, capability in measured.values()})
     rows = [row for m in args.models for row in rows_from_counts({k: c for k, c in counts.items() if k[0] == m},
                                                                   steps[m])]
-    header = f"{'model':<5} {'variant':<11} {'instructions/step':>18} " + " ".join(f"{'/' + r:>12}" for r in REFERENCES)
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        ratios = " ".join(f"{r[f'over_{ref}']:>11.4f}x" if f"over_{ref}" in r else f"{'-':>12}" for ref in REFERENCES)
-        print(f"{r['model']:<5} {r['variant']:<11} {r['instructions_per_step']:>18,.0f} {ratios}")
-    print(f"torch's CPU capability under valgrind: {', '.join(capabilities)} (see the module's docstring)")
-    result = {"benchmark": "cast_instructions", "device": cpu_model(), "dtype": args.dtype, "steps": steps,
-              "counter": "valgrind --tool=callgrind (instructions executed)",
+    table = _harness.markdown_table(
+        ["model", "variant", "instructions/step", *(f"/{r}" for r in REFERENCES)],
+        [[r["model"], r["variant"], f"{r['instructions_per_step']:,.0f}",
+          *(f"{r[f'over_{ref}']:.4f}x" if f"over_{ref}" in r else None for ref in REFERENCES)] for r in rows],
+        align="ll" + "r" * (1 + len(REFERENCES)))  # fmt: skip
+    print(table)
+    note = f"torch's CPU capability under valgrind: {', '.join(capabilities)} (see the module's docstring)"
+    print(note)
+    result = {"benchmark": "cast_instructions", "command": _harness.command(argv), **_harness.machine(),
+              "dtype": args.dtype, "steps": steps, "counter": "valgrind --tool=callgrind (instructions executed)",
               "torch_cpu_capability_under_valgrind": capabilities, "rows": rows,
-              "totals": {f"{m}/{v}": c for (m, v), c in counts.items()}}
-    write_json(args.out, result)
+              "totals": {f"{m}/{v}": c for (m, v), c in counts.items()}}  # fmt: skip
+    _harness.save(args.out, result, {"instructions per measured step": f"{table}\n\n{note}."})
     return result
 
 

@@ -21,25 +21,20 @@ prepared forward). Each compiled row starts from ``torch._dynamo.reset()`` and r
 graphs compiled (the backend's calls), the recompiles (compilations after the first step) and the calls into the
 policy's hook in one steady-state step (counted with ``sys.setprofile``).
 
-    python benchmarks/cast_overhead.py [--models tiny mid] [--steps 100] [--repeats 5] [--no-compile] [--per-call]
-                                       [--split] [--out PATH]
+    python benchmarks/cast_overhead.py [--models tiny mid] [--steps 100] [--repeats 5] [--no-compile] [--split]
+                                       [--out PATH]
 
 ``--split`` adds the eager variants with forward and backward timed apart (40 rotated rounds): what each variant
 adds to ``mode_floor``'s step and to autocast's, in microseconds, beside the tiny goal's budget (2% of
 ``mode_floor``'s step); ``twin`` - ``autocast`` is the table's semantics alone.
-
-``--per-call`` adds single calls on small tensors (views, a same-dtype and a mixed add, linear with a cast input and
-cached parameters, softmax of a half tensor, layer norm): no mode, a do-nothing mode alone, the call with its casts
-written out (no mode), and O1, timed in rotated rounds with CPU time (``time.process_time``); ``hook_own_us`` is
-``O1 - twin - (mode - none)`` per round, the median over rounds: what the policy's hook adds beyond any mode's
-dispatch and the casts themselves.
 
 The variants are timed side by side in rotated order (``4 * repeats`` rounds of a quarter of ``--steps``); each
 ratio is the median over rounds of the ratio within a round, with its interquartile range (``/floor``: O1 over
 ``mode_floor``; ``/twin``: O1 over the explicit-cast twin; ``/twin_floor``: O1 over the twin inside the do-nothing
 mode).
 
-Prints a table and writes JSON (default ``benchmarks/results/cast_overhead.json``).
+Prints the tables and writes JSON and markdown (default ``benchmarks/results/cast_overhead.json`` and ``.md``). The
+single-call timings (``--per-call``, stop 20) are retired: their table is in ``docs/benchmarks_history.md``.
 """
 
 from __future__ import annotations
@@ -60,7 +55,7 @@ from torch.overrides import TorchFunctionMode
 import lightning_mpx.cast_policy
 from lightning_mpx import CastPolicy
 
-from _machine import cpu_model, write_json  # benchmarks/ is on sys.path when a script runs
+import _harness  # benchmarks/ is on sys.path when a script runs
 
 
 class Block(nn.Module):
@@ -246,28 +241,18 @@ def _alternate(model: nn.Module, variants: dict[str, tuple[Step, Callable[[], No
     (``autocast``; for O1 also ``mode_floor``, ``twin`` and ``twin_floor`` when present): the median and the
     interquartile range.
     """
-    names = list(variants)
     per_round = max(steps // 4, 2)
-    samples: dict[str, list[float]] = {v: [] for v in names}
-    for r in range(4 * repeats):
-        order = names[r % len(names):] + names[: r % len(names)]
-        for v in order:
-            step, after = variants[v]
-            samples[v].append(_time(model, step, per_round, after))
+    samples = _harness.interleave(
+        {v: (lambda step=step, after=after: _time(model, step, per_round, after)) for v, (step, after) in
+         variants.items()}, 4 * repeats)  # fmt: skip
     times = {v: statistics.median(s) for v, s in samples.items()}
-
-    def ratio(v: str, ref: str) -> tuple[float, list[float]]:
-        values = sorted(a / b for a, b in zip(samples[v], samples[ref]))
-        quartiles = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-        return statistics.median(values), [quartiles[0], quartiles[2]]
-
     ratios: dict[str, dict[str, Any]] = {}
-    for v in names:
+    for v in variants:
         ratios[v] = {}
         for ref in ("autocast", "mode_floor", "twin", "twin_floor"):
             if ref in variants and (ref == "autocast" or v == "O1"):
-                median, iqr = ratio(v, ref)
-                ratios[v][f"over_{ref}"], ratios[v][f"over_{ref}_iqr"] = median, iqr
+                ratio = _harness.paired(samples[v], samples[ref])
+                ratios[v][f"over_{ref}"], ratios[v][f"over_{ref}_iqr"] = ratio.median, ratio.iqr
     return times, ratios
 
 
@@ -341,11 +326,11 @@ def split(name: str, dtype: torch.dtype, args: argparse.Namespace, rounds: int =
         "twin_floor": (_PassThrough, lambda: model.twin(*data, dtype), torch.Tensor.backward),
     }
     per_round = 20 if name == "tiny" else 5
-    names = list(forwards)
-    samples: dict[str, list[tuple[float, float]]] = {v: [] for v in names}
-    for r in range(rounds + 2):  # the first two rounds warm up
-        for v in names[r % len(names):] + names[: r % len(names)]:
-            ctx, forward, backward = forwards[v]
+
+    def halves(v: str) -> Callable[[], tuple[float, float]]:
+        ctx, forward, backward = forwards[v]
+
+        def run() -> tuple[float, float]:
             fwd = bwd = 0.0
             for _ in range(per_round):
                 start = time.perf_counter()
@@ -356,76 +341,54 @@ def split(name: str, dtype: torch.dtype, args: argparse.Namespace, rounds: int =
                 fwd, bwd = fwd + middle - start, bwd + time.perf_counter() - middle
                 model.zero_grad(set_to_none=True)
                 policy.clear_cache()
-            if r >= 2:
-                samples[v].append((fwd / per_round * 1e6, bwd / per_round * 1e6))
+            return fwd / per_round * 1e6, bwd / per_round * 1e6
+
+        return run
+
+    samples = _harness.interleave({v: halves(v) for v in forwards}, rounds, warmup_rounds=2)
+    fwd = {v: [f for f, _ in s] for v, s in samples.items()}
+    bwd = {v: [b for _, b in s] for v, s in samples.items()}
+    step = {v: [f + b for f, b in s] for v, s in samples.items()}
     rows = []
-    for v in names:
-        step = [f + b for f, b in samples[v]]
-        floor = [f + b for f, b in samples["mode_floor"]]
-        autocast = [f + b for f, b in samples["autocast"]]
+    for v in forwards:
         rows.append({
             "model": name, "variant": v,
-            "forward_us": statistics.median(f for f, _ in samples[v]),
-            "backward_us": statistics.median(b for _, b in samples[v]),
-            "step_over_floor_us": statistics.median(a - b for a, b in zip(step, floor)),
-            "step_over_autocast_us": statistics.median(a - b for a, b in zip(step, autocast)),
-            "forward_over_floor_us": statistics.median(a[0] - b[0] for a, b in zip(samples[v], samples["mode_floor"])),
-            "backward_over_floor_us": statistics.median(
-                a[1] - b[1] for a, b in zip(samples[v], samples["mode_floor"])),
-            "budget_us": 0.02 * statistics.median(floor),
+            "forward_us": statistics.median(fwd[v]),
+            "backward_us": statistics.median(bwd[v]),
+            "step_over_floor_us": _harness.paired(step[v], step["mode_floor"], difference=True).median,
+            "step_over_autocast_us": _harness.paired(step[v], step["autocast"], difference=True).median,
+            "forward_over_floor_us": _harness.paired(fwd[v], fwd["mode_floor"], difference=True).median,
+            "backward_over_floor_us": _harness.paired(bwd[v], bwd["mode_floor"], difference=True).median,
+            "budget_us": 0.02 * statistics.median(step["mode_floor"]),
         })
     return rows
 
 
-def per_call(dtype: torch.dtype, calls: int = 2000, rounds: int = 15) -> list[dict[str, Any]]:
-    """Microseconds per single call (CPU time), see the module's docstring (``--per-call``)."""
-    f = nn.functional
-    f32 = torch.float32
-    x, y = torch.randn(4, 8), torch.randn(4, 8)
-    xh = x.to(dtype)
-    lin = nn.Linear(8, 8)
-    w, b = lin.weight, lin.bias
-    wh, bh = w.to(dtype), b.to(dtype)  # the twin's parameter casts, made once (O1 caches them)
-    ops: dict[str, tuple[str, Callable[[], Any], Callable[[], Any]]] = {  # name: (action, call, its twin)
-        "view": ("pass", lambda: x.view(8, 4), lambda: x.view(8, 4)),
-        "transpose": ("pass", lambda: x.transpose(0, 1), lambda: x.transpose(0, 1)),
-        "add (same dtype)": ("promote", lambda: x + y, lambda: x + y),
-        "add (fp32 + half)": ("promote", lambda: x + xh, lambda: x + xh.to(f32)),
-        "linear (fp32 input)": ("half", lambda: f.linear(x, w, b), lambda: f.linear(x.to(dtype), wh, bh)),
-        "Tensor.softmax (half)": ("float", lambda: xh.softmax(-1), lambda: xh.to(f32).softmax(-1)),
-        "F.softmax (half)": ("float", lambda: f.softmax(xh, -1), lambda: f.softmax(xh.to(f32), -1)),
-        "F.layer_norm (fp32)": ("float", lambda: f.layer_norm(x, (8,), b, b), lambda: f.layer_norm(x, (8,), b, b)),
-    }
-    policy = CastPolicy(half_dtype=dtype)
-    null = contextlib.nullcontext
-    variants: dict[str, tuple[Callable[[], ContextManager[Any]], int]] = {
-        "none": (null, 1), "mode": (_PassThrough, 1), "twin": (null, 2), "O1": (policy.scope, 1)}
+def tables(rows: list[dict[str, Any]], halves: list[dict[str, Any]], pad: bool = False) -> dict[str, str]:
+    """The step rows (each O1 ratio with its IQR, dynamo's counts for the compiled rows) and the split rows."""
 
-    def run(fn: Callable[[], Any]) -> float:
-        start = time.process_time()
-        for _ in range(calls):
-            fn()
-        return (time.process_time() - start) / calls * 1e6
+    def ratio(row: dict[str, Any], ref: str) -> str | None:
+        if f"over_{ref}" not in row:
+            return None
+        return _harness.Spread(row[f"over_{ref}"], *row[f"over_{ref}_iqr"]).text(suffix="x")
 
-    rows = []
-    names = list(variants)
-    for op, entry in ops.items():
-        samples: dict[str, list[float]] = {v: [] for v in names}
-        for r in range(rounds):
-            for v in names[r % len(names):] + names[: r % len(names)]:
-                ctx, which = variants[v]
-                with ctx():
-                    samples[v].append(run(entry[which]))
-                policy.clear_cache()
-        own = [o - t - m + n for o, t, m, n in zip(samples["O1"], samples["twin"], samples["mode"], samples["none"])]
-        rows.append({"op": op, "action": entry[0], **{f"{v}_us": statistics.median(s) for v, s in samples.items()},
-                     "mode_cost_us": statistics.median([m - n for m, n in zip(samples["mode"], samples["none"])]),
-                     "hook_own_us": statistics.median(own),
-                     "hook_own_iqr": [statistics.quantiles(own, n=4)[0], statistics.quantiles(own, n=4)[2]]})
-    return rows
+    out = {"steps: median us, ratios within a round (IQR)": _harness.markdown_table(
+        ["model", "mode", "variant", "us/step", "/autocast", "/floor", "/twin", "/twin_floor", "breaks", "graphs",
+         "recompiles", "hook calls"],
+        [[r["model"], r["mode"], r["variant"], f"{r['us']:.0f}", ratio(r, "autocast"), ratio(r, "mode_floor"),
+          ratio(r, "twin"), ratio(r, "twin_floor"), r.get("graph_breaks"), r.get("graphs"), r.get("recompiles"),
+          r.get("hook_calls")] for r in rows], align="lll" + "r" * 9, pad=pad)}  # fmt: skip
+    if halves:
+        out["forward and backward apart (medians, us; differences within a round)"] = _harness.markdown_table(
+            ["model", "variant", "forward", "backward", "fwd - floor", "bwd - floor", "step - floor",
+             "step - autocast", "2% of floor"],
+            [[h["model"], h["variant"], *(f"{h[k]:.0f}" for k in (
+                "forward_us", "backward_us", "forward_over_floor_us", "backward_over_floor_us", "step_over_floor_us",
+                "step_over_autocast_us", "budget_us"))] for h in halves], align="ll" + "r" * 7, pad=pad)
+    return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["tiny", "mid"])
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
@@ -435,65 +398,33 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--no-compile", action="store_true", help="eager rows only")
-    parser.add_argument("--per-call", action="store_true", help="also time single calls (see the docstring)")
     parser.add_argument("--split", action="store_true", help="also time forward and backward apart (see split())")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cast_overhead.json")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=_harness.default_out("cast_overhead"))
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.repeats < 1 or args.batch < 1:
+        parser.error(f"--steps={args.steps}, --repeats={args.repeats} and --batch={args.batch} must be at least 1")
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
+    machine = _harness.machine()  # before the runs: the load they start under
     rows = [row for name in args.models for row in run_model(name, dtype, args)]
-
-    header = (f"{'model':<5} {'mode':<20} {'variant':<11} {'us/step':>9} {'/autocast (IQR)':>24} "
-              f"{'/floor (IQR)':>24} {'/twin (IQR)':>24} {'/twin_floor (IQR)':>24} {'breaks':>7} {'graphs':>7} "
-              f"{'recompiles':>11} "
-              f"{'hook calls':>11}")
-    print(header)
-    print("-" * len(header))
-
-    def cell(value: Any, width: int) -> str:
-        return f"{'-' if value is None else value:>{width}}"
-
-    def ratio(row: dict[str, Any], ref: str) -> str:
-        if f"over_{ref}" not in row:
-            return f"{'-':>24}"
-        low, high = row[f"over_{ref}_iqr"]
-        return f"{row[f'over_{ref}']:>8.3f}x ({low:.3f}-{high:.3f})"
-
-    for r in rows:
-        print(f"{r['model']:<5} {r['mode']:<20} {r['variant']:<11} {r['us']:>9.0f} {ratio(r, 'autocast')} "
-              f"{ratio(r, 'mode_floor')} {ratio(r, 'twin')} {ratio(r, 'twin_floor')} {cell(r.get('graph_breaks'), 7)} "
-              f"{cell(r.get('graphs'), 7)} {cell(r.get('recompiles'), 11)} {cell(r.get('hook_calls'), 11)}")
-    calls = per_call(dtype) if args.per_call else []
-    if calls:
-        print(f"\n{'single call (us, CPU time)':<24} {'action':<8} {'none':>7} {'mode':>7} {'twin':>7} {'O1':>7} "
-              f"{'mode cost':>10} {'hook own (IQR)':>22}")
-        for c in calls:
-            low, high = c["hook_own_iqr"]
-            print(f"{c['op']:<24} {c['action']:<8} {c['none_us']:>7.2f} {c['mode_us']:>7.2f} {c['twin_us']:>7.2f} "
-                  f"{c['O1_us']:>7.2f} {c['mode_cost_us']:>10.2f} {c['hook_own_us']:>8.2f} ({low:.2f}-{high:.2f})")
     halves = [row for name in args.models for row in split(name, dtype, args)] if args.split else []
-    if halves:
-        print(f"\n{'split':<5} {'variant':<11} {'fwd us':>8} {'bwd us':>8} {'fwd-floor':>10} {'bwd-floor':>10} "
-              f"{'step-floor':>11} {'step-autocast':>14} {'2% of floor':>12}")
-        for h in halves:
-            print(f"{h['model']:<5} {h['variant']:<11} {h['forward_us']:>8.0f} {h['backward_us']:>8.0f} "
-                  f"{h['forward_over_floor_us']:>10.0f} {h['backward_over_floor_us']:>10.0f} "
-                  f"{h['step_over_floor_us']:>11.0f} {h['step_over_autocast_us']:>14.0f} {h['budget_us']:>12.0f}")
+    for title, table in tables(rows, halves, pad=True).items():
+        print(f"\n{title}:\n{table}")
     result = {
         "benchmark": "cast_overhead",
-        "device": cpu_model(),
-        "threads": args.threads,
-        "torch": torch.__version__,
+        "command": _harness.command(argv),
+        **machine,
+        "loadavg": [machine["loadavg"], _harness.load_average()],
         "dtype": args.dtype,
         "steps": args.steps,
         "repeats": args.repeats,
         "batch": args.batch,
         "backend": args.backend,
         "rows": rows,
-        "per_call": calls,
         "split": halves,
     }
-    write_json(args.out, result)
+    _harness.save(args.out, result, tables(rows, halves))
+    return result
 
 
 if __name__ == "__main__":

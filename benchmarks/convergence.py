@@ -19,8 +19,6 @@ import argparse
 import json
 import logging
 import math
-import os
-import platform
 import statistics
 import tempfile
 import time
@@ -30,7 +28,7 @@ from typing import Any
 
 import torch
 
-from _machine import cpu_model  # benchmarks/ is on sys.path when a script runs
+import _harness  # benchmarks/ is on sys.path when a script runs
 
 LEVELS = ("O0", "O1", "O2", "O3")
 DTYPES = ("float16", "bfloat16")
@@ -209,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--accelerator", choices=("auto", "cpu", "gpu"), default="cpu")
     parser.add_argument("--runs-dir", type=Path, default=None, help="Lightning run dirs (default: a temp folder)")
     parser.add_argument("--quick", action="store_true", help="smoke test: 4 steps, one seed, tiny model")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "convergence.json")
+    parser.add_argument("--out", type=Path, default=_harness.default_out("convergence"))
     parser.add_argument("--plot", default=str(Path(__file__).parents[1] / "docs" / "convergence.png"),
                         help="PNG of the validation curves; '' to skip")
     return parser
@@ -230,14 +228,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     names = variant_names(args.levels, args.dtypes)
     runs: list[dict[str, Any]] = []
     started = time.perf_counter()
-    loads = [os.getloadavg()]
+    loads = [_harness.load_average()]
     with tempfile.TemporaryDirectory(prefix="mpx-bench-conv-") as tmp:
         runs_dir = args.runs_dir or Path(tmp)
         for seed in args.seeds:  # seeds outermost: an early stop still leaves every variant with as many seeds
             for name in names:
                 run = run_variant(name, seed, args, runs_dir)
                 runs.append(run)
-                loads.append(os.getloadavg())
+                loads.append(_harness.load_average())
                 _write(args.out.with_suffix(".partial.json"), {"benchmark": "convergence", "partial": True,
                                                                "runs": runs})
                 print(
@@ -247,26 +245,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 )
     rows = summarise(runs, args.tolerance)
 
-    header = f"{'variant':<14} {'val loss mean':>13} {'std':>7} {'vs O0':>8} {'skipped':>12} {'final scale':>22}  verdict"
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        ratio = f"{(r['ratio_to_O0'] - 1) * 100:+.2f}%" if r["ratio_to_O0"] is not None else "-"
-        skipped = "/".join(str(s) for s in r["skipped_steps"])
-        scales = "/".join(f"{s:g}" for s in r["final_loss_scale"])
-        print(
-            f"{r['variant']:<14} {_fmt(r['val_loss_mean']):>13} {_fmt(r['val_loss_std']):>7} {ratio:>8} {skipped:>12} "
-            f"{scales:>22}  {r['verdict']}"
-        )
-    import lightning
-
+    table = _harness.markdown_table(
+        ["variant", "val loss mean", "std", "vs O0", "skipped", "final scale", "verdict"],
+        [[r["variant"], _fmt(r["val_loss_mean"]), _fmt(r["val_loss_std"]),
+          f"{(r['ratio_to_O0'] - 1) * 100:+.2f}%" if r["ratio_to_O0"] is not None else None,
+          "/".join(str(x) for x in r["skipped_steps"]), "/".join(f"{x:g}" for x in r["final_loss_scale"]),
+          r["verdict"]] for r in rows], align="lrrrrrl")  # fmt: skip
+    print(table)
     result = {
         "benchmark": "convergence",
-        "device": cpu_model() if args.accelerator != "gpu" else torch.cuda.get_device_name(),
-        "threads": args.threads,
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "python": platform.python_version(),
+        "command": _harness.command(argv),
+        **_harness.machine("cuda" if args.accelerator == "gpu" or (args.accelerator == "auto"
+                                                                   and torch.cuda.is_available()) else "cpu"),
         "loadavg": loads,
         "wall_seconds": time.perf_counter() - started,
         "config": {
@@ -277,9 +267,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "curves": {name: [list(p) for p in points] for name, points in mean_curves(runs).items()},
         "runs": runs,
     }
-    _write(args.out, result)
+    _harness.save(args.out, result, {"final validation loss against O0": table}, allow_nan=False, default=_strict)
     args.out.with_suffix(".partial.json").unlink(missing_ok=True)
-    print(f"wrote {args.out}")
     if args.plot:
         title = (
             f"CharTransformer dim {args.dim}, {args.layers} layers, {args.steps} steps, batch {args.batch}x{args.seq_len}"

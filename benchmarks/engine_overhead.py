@@ -1,43 +1,50 @@
-"""Host-side cost of the engine's per-step work (``Amp.step`` + ``Amp.update``), excluding forward and backward.
+"""Host time of the engine's own per-step work (``Amp.step`` + ``Amp.update``), and what its optional parts add.
 
-A model of ``--params`` small parameters (``Linear(8, 8)`` layers side by side, so the arithmetic is negligible and
-what is left is per-parameter Python and dispatch) is trained with plain SGD. For each opt level the script times
+CPU, one thread, plain SGD, models whose arithmetic is negligible, so that what is left is per-parameter Python and
+dispatch: the cost a GPU step hides only while the host stays ahead of the device. Four parts (``--parts``):
 
-* ``engine``: ``amp.step(optimizer); amp.update(); optimizer.zero_grad()`` per iteration (median of ``--repeats``
-  runs of ``--steps`` iterations), which includes SGD's own per-parameter work;
-* ``grad_pairs`` and ``finish_step``: the engine's two per-parameter bookkeeping passes alone (best of 5, timeit).
+* ``engine``: ``amp.step(optimizer); amp.update(); optimizer.zero_grad()`` per iteration at each ``--levels`` level
+  (bfloat16), on ``--params`` parameter tensors (``Linear(8, 8)`` layers side by side); the median and IQR over
+  ``--repeats`` runs of ``--steps`` iterations (SGD's own per-parameter work included).
+* ``telemetry``: underflow and headroom telemetry (float16, dynamic scale). Two identical engines side by side in
+  one process, ``on`` (telemetry requested every ``--telemetry-every`` iterations, as the Lightning plugin does on
+  logging steps) and ``off`` (never), stepping in turn, one iteration each, the order swapped every repeat, with
+  two such pairs built in opposite orders (an A/A run showed the engine built first a few percent slower). Read:
+  ``on``'s non-logging iterations against ``off``'s (equal within noise is the claim) and ``on``'s logging
+  iterations (the request, the measuring unscale and ``Amp.metrics()``): the price of a logging step.
+* ``forensics``: overflow forensics on a stack of ``--layers`` ``Linear(64, 64) + ReLU`` blocks, unwatched (the
+  default, ``diagnose_overflows=False``) and watched (``True``): ``clean-step`` (the engine's calls on an iteration
+  that does not overflow), ``iteration`` (forward + backward + the same) and ``overflow-step`` (``amp.step`` on
+  gradients holding an inf: builds ``amp.last_overflow``). Thread CPU time, median over the repeats.
+* ``writes``: O2's check for writes to the half model that every step runs first, alone, after a write pattern:
+  ``nothing`` (the common step, ``model_writes="versions"``), ``data_read`` (every ``p.data`` read, each then
+  compared once), ``data_clamp`` (WGAN's ``p.data.clamp_`` on every parameter), ``values_nothing`` /
+  ``values_clamp`` (``model_writes="values"``: every parameter compared at every check), and the patterns alone
+  (``pattern_read``, ``pattern_clamp``) so that the check's share can be read off. Rotated rounds of ``--steps``
+  calls, microseconds per check.
 
-It is the before/after measurement of the "per-step Python work" fix in ``docs/benchmarks.md``; run it once with
-``PYTHONPATH`` pointing at each version.
+For a before/after figure run it once with ``PYTHONPATH`` on each version (``--label`` names them in the JSON).
 
-Telemetry rows (float16, dynamic scale): two identical engines side by side in one process, ``on`` (underflow and
-headroom telemetry requested every ``--telemetry-every`` iterations, as the Lightning plugin does on logging steps)
-and ``off`` (never requested), stepping in turn, one iteration each (``--steps`` iterations per repeat, the order
-swapped every repeat, ``--repeats`` times), with two such pairs built in opposite orders to cancel a bias of
-construction order. Reported: the engine time of ``on``'s non-logging iterations against ``off``'s iterations (the
-acceptance: equal within noise), and ``on``'s logging iterations (the request, the measuring unscale, and building
-``Amp.metrics()``), whose extra cost over ``off`` is the price of a logging step.
-
-    python benchmarks/engine_overhead.py [--params 150] [--steps 200] [--repeats 5] [--telemetry-every 10] [--out PATH]
+    python benchmarks/engine_overhead.py [--parts engine telemetry forensics writes] [--levels O1 O2]
+        [--params 150] [--steps 200] [--repeats 5] [--telemetry-every 10] [--layers 16] [--label L] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
-import timeit
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-import lightning_mpx
 from lightning_mpx import Amp
 
-from _machine import cpu_model, write_json  # benchmarks/ is on sys.path when a script runs
+import _harness  # benchmarks/ is on sys.path when a script runs
+
+PARTS = ("engine", "telemetry", "forensics", "writes")
 
 
 class _SideBySide(nn.ModuleList):
@@ -47,68 +54,52 @@ class _SideBySide(nn.ModuleList):
         return sum(layer(x) for layer in self)  # type: ignore[return-value]
 
 
-def measure(level: str, params: int, steps: int, repeats: int) -> dict[str, Any]:
-    """Per-iteration engine time and the two bookkeeping passes for one opt level (bfloat16)."""
+def _engine(level: str, params: int, **settings: Any) -> tuple[Amp, nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = _SideBySide([nn.Linear(8, 8) for _ in range(max(1, params // 2))])
-    amp = Amp(level, half_dtype="bfloat16")
-    model = amp.prepare_model(model)
-    optimizer = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
+    amp = Amp(level, **settings)
+    model = amp.prepare_model(_SideBySide([nn.Linear(8, 8) for _ in range(max(1, params // 2))]))
+    return amp, model, amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
+
+
+def _iteration(amp: Amp, model: nn.Module, x: torch.Tensor) -> None:
+    """Forward and backward through the engine (untimed in every part but forensics' ``iteration``)."""
+    with amp.forward_context():
+        loss = amp.cast_outputs(model(amp.cast_inputs(x))).float().sum()
+    amp.backward(loss)
+
+
+def _step(amp: Amp, optimizer: torch.optim.Optimizer) -> None:
+    amp.step(optimizer)
+    amp.update()
+    optimizer.zero_grad(set_to_none=True)
+
+
+# -- engine -----------------------------------------------------------------------------------------------------------
+def measure(level: str, params: int, steps: int, repeats: int) -> dict[str, Any]:
+    """Per-iteration engine time at ``level`` (bfloat16): median and IQR over the repeats' means."""
+    amp, model, optimizer = _engine(level, params, half_dtype="bfloat16")
     x = torch.randn(4, 8)
-
-    def backward() -> None:
-        with amp.forward_context():
-            loss = amp.cast_outputs(model(amp.cast_inputs(x))).float().sum()
-        amp.backward(loss)
-
-    def engine() -> None:
-        amp.step(optimizer)
-        amp.update()
-        optimizer.zero_grad(set_to_none=True)
-
     for _ in range(20):
-        backward()
-        engine()
-    runs = []
-    for _ in range(repeats):
-        total = 0.0
-        for _ in range(steps):
-            backward()
-            start = time.perf_counter()
-            engine()
-            total += time.perf_counter() - start
-        runs.append(total / steps * 1e6)
-    backward()
-    state = amp._state(optimizer)
-    grad_pairs = min(timeit.repeat(lambda: amp._grad_pairs(optimizer), number=200, repeat=5)) / 200 * 1e6
-    finish = min(timeit.repeat(lambda: amp._finish_step(state), number=200, repeat=5)) / 200 * 1e6
+        _iteration(amp, model, x)
+        _step(amp, optimizer)
+    runs = [_harness.per_call_us(lambda: _step(amp, optimizer), steps, setup=lambda: _iteration(amp, model, x))
+            for _ in range(repeats)]  # fmt: skip
+    spread = _harness.spread(runs)
     return {
         "opt_level": level,
         "parameters": sum(1 for _ in model.parameters()),
-        "engine_us_per_step": statistics.median(runs),
+        "engine_us_per_step": spread.median,
+        "engine_us_iqr": spread.iqr,
         "engine_us_runs": runs,
-        "grad_pairs_us": grad_pairs,
-        "finish_step_us": finish,
     }
 
 
+# -- telemetry --------------------------------------------------------------------------------------------------------
 def measure_telemetry(level: str, params: int, steps: int, repeats: int, every: int) -> dict[str, Any]:
     """Engine time per iteration with telemetry requested every ``every`` iterations (non-logging and logging
-    iterations apart) and without it, the two engines stepping in turn (float16).
-
-    Two pairs of engines are built, one in each order ("on" first, then "off" first), and every repeat runs both:
-    on this machine the engine built first is a few percent slower at O2 whatever it does (an A/A run shows it), and
-    the two orders cancel that out.
-    """
-    engines: dict[tuple[int, str], tuple[Amp, nn.Module, torch.optim.Optimizer]] = {}
-    for pair, order in enumerate((("on", "off"), ("off", "on"))):
-        for name in order:
-            torch.manual_seed(0)
-            model = _SideBySide([nn.Linear(8, 8) for _ in range(max(1, params // 2))])
-            amp = Amp(level, half_dtype="float16", init_scale=2.0**10)
-            model = amp.prepare_model(model)
-            optimizer = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
-            engines[pair, name] = (amp, model, optimizer)
+    iterations apart) and without it, the two engines stepping in turn (float16); see the module's docstring."""
+    engines = {(pair, name): _engine(level, params, half_dtype="float16", init_scale=2.0**10)
+               for pair, order in enumerate((("on", "off"), ("off", "on"))) for name in order}  # fmt: skip
     x = torch.randn(4, 8)
     counters = dict.fromkeys(engines, 0)
     times: dict[str, list[float]] = {"on_nonlogging": [], "on_logging": [], "off": []}
@@ -116,17 +107,13 @@ def measure_telemetry(level: str, params: int, steps: int, repeats: int, every: 
 
     def iteration(key: tuple[int, str]) -> tuple[bool, float]:
         amp, model, optimizer = engines[key]
-        with amp.forward_context():
-            loss = amp.cast_outputs(model(amp.cast_inputs(x))).float().sum()
-        amp.backward(loss)
+        _iteration(amp, model, x)
         logging = key[1] == "on" and counters[key] % every == 0
         counters[key] += 1
         start = time.perf_counter()
         if logging:
             amp.request_telemetry()
-        amp.step(optimizer)
-        amp.update()
-        optimizer.zero_grad(set_to_none=True)
+        _step(amp, optimizer)
         if logging:
             amp.metrics()  # what a logging step builds (device tensors; the logger's read is not counted)
         return logging, (time.perf_counter() - start) * 1e6
@@ -165,64 +152,160 @@ def measure_telemetry(level: str, params: int, steps: int, repeats: int, every: 
     }
 
 
+# -- forensics --------------------------------------------------------------------------------------------------------
+def measure_forensics(level: str, layers: int, steps: int, repeats: int) -> list[dict[str, Any]]:
+    """``clean-step``, ``iteration`` and ``overflow-step`` rows, unwatched and watched (bfloat16, dynamic scale)."""
+    x = torch.randn(16, 64)
+    rows = []
+    for name, diagnose in (("off", False), ("watched", True)):
+        torch.manual_seed(0)
+        amp = Amp(level, half_dtype="bfloat16", loss_scale="dynamic", diagnose_overflows=diagnose)
+        model = amp.prepare_model(nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(64, 64), nn.ReLU()))))
+        optimizer = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=1e-4))
+        first = next(model.parameters())
+
+        def backward(inject: bool = False) -> None:
+            if inject:  # the scale halves on every overflow: keep it off its floor (which would arm the watch)
+                amp.scalers[0].scale_tensor.fill_(2.0**16)
+            with amp.forward_context():
+                loss = amp.cast_outputs(model(amp.cast_inputs(x))).float().square().mean()
+            amp.backward(loss)
+            if inject:
+                first.grad.view(-1)[0] = float("inf")
+
+        def engine() -> None:
+            _step(amp, optimizer)
+
+        def iteration() -> None:
+            backward()
+            engine()
+
+        def timed(fn: Callable[[], None], calls: int, setup: Callable[[], None] | None = None) -> float:
+            # Thread CPU time: on a shared machine the wait for a core would swamp differences of a few us.
+            _harness.per_call_us(fn, 10, setup=setup, clock="thread")  # warm-up
+            return statistics.median(_harness.per_call_us(fn, calls, setup=setup, clock="thread")
+                                     for _ in range(repeats))  # fmt: skip
+
+        rows.append({"row": "clean-step", "diagnose": name, "us": timed(engine, steps, backward)})
+        rows.append({"row": "iteration", "diagnose": name, "us": timed(iteration, steps)})
+        rows.append({"row": "overflow-step", "diagnose": name,
+                     "us": timed(engine, max(1, steps // 5), lambda: backward(inject=True))})  # fmt: skip
+    for row in rows:
+        row.update(opt_level=level, modules=len(list(model.modules())), parameters=len(list(model.parameters())))
+    return rows
+
+
+# -- writes -----------------------------------------------------------------------------------------------------------
+def _write_check(amp: Amp, optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
+    """The check ``amp.step`` runs first at O2 (``Mirror.take_writes``). It has no public entry point of its own, so
+    this reaches into the engine: the one line to change when the engine's parts move."""
+    (mirror,) = amp._mirrors(amp._state(optimizer))
+    mirror.take_writes()
+    return mirror.take_writes
+
+
+def _read(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.data.norm()  # a read of .data, as logging code does
+
+
+def _clamp(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.data.clamp_(-1.0, 1.0)
+
+
+def measure_writes(params: int, calls: int, repeats: int) -> list[dict[str, Any]]:
+    """Microseconds per write check after each write pattern, rotated rounds of ``calls`` calls."""
+    amp_v, versions_model, versions_opt = _engine("O2", params, model_writes="versions")
+    amp_c, values_model, values_opt = _engine("O2", params, model_writes="values")
+    versions, values = _write_check(amp_v, versions_opt), _write_check(amp_c, values_opt)
+    plain = nn.ModuleList(nn.Linear(8, 8) for _ in range(params // 2)).half()
+    cases: dict[str, Callable[[], Any]] = {
+        "nothing": versions,
+        "data_read": lambda: (_read(versions_model), versions()),
+        "data_clamp": lambda: (_clamp(versions_model), versions()),
+        "values_nothing": values,
+        "values_clamp": lambda: (_clamp(values_model), values()),
+        "pattern_read": lambda: _read(plain),
+        "pattern_clamp": lambda: _clamp(plain),
+    }
+
+    def timed(fn: Callable[[], Any]) -> Callable[[], float]:
+        def run() -> float:
+            fn()
+            return _harness.per_call_us(fn, calls)
+
+        return run
+
+    samples = _harness.interleave({name: timed(fn) for name, fn in cases.items()}, repeats)
+    return [{"case": name, "params": params, "us_median": statistics.median(s), "us_min": min(s), "us_max": max(s)}
+            for name, s in samples.items()]  # fmt: skip
+
+
+# -- main -------------------------------------------------------------------------------------------------------------
+def tables(result: dict[str, Any]) -> dict[str, str]:
+    """The result's parts as markdown tables."""
+    out = {}
+    if result["rows"]:
+        out["engine: step + update + zero_grad per iteration, bfloat16 (median of the repeats, IQR)"] = \
+            _harness.markdown_table(["level", "parameters", "engine us/step", "IQR"], [
+                [r["opt_level"], r["parameters"], f"{r['engine_us_per_step']:.0f}",
+                 f"{r['engine_us_iqr'][0]:.0f}-{r['engine_us_iqr'][1]:.0f}"] for r in result["rows"]])
+    if result["telemetry_rows"]:
+        out[f"telemetry every {result['telemetry_rows'][0]['telemetry_every']} iterations, float16, engines in "
+            "turn (medians, us)"] = _harness.markdown_table(
+            ["level", "parameters", "off", "on, non-logging", "diff %", "on, logging", "logging extra"], [
+                [r["opt_level"], r["parameters"], f"{r['off_us_median']:.0f}", f"{r['on_nonlogging_us_median']:.0f}",
+                 f"{r['nonlogging_vs_off_pct']:+.1f}", f"{r['on_logging_us_median']:.0f}",
+                 f"{r['logging_extra_us']:.0f}"] for r in result["telemetry_rows"]])
+    if result["forensics_rows"]:
+        out["forensics: thread CPU time, median of the repeats (us)"] = _harness.markdown_table(
+            ["level", "row", "diagnose", "us"],
+            [[r["opt_level"], r["row"], r["diagnose"], f"{r['us']:.1f}"] for r in result["forensics_rows"]],
+            align="lllr")
+    if result["write_check_rows"]:
+        out["O2 write check: us per check after each pattern (median, min, max of the rounds)"] = \
+            _harness.markdown_table(["case", "parameters", "median", "min", "max"], [
+                [r["case"], r["params"], f"{r['us_median']:.1f}", f"{r['us_min']:.1f}", f"{r['us_max']:.1f}"]
+                for r in result["write_check_rows"]])
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--params", type=int, default=150, help="number of parameter tensors (GPT-2 small: 148)")
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--levels", nargs="+", choices=("O1", "O2", "O3"), default=["O1", "O2"],
+                        help="engine, telemetry and forensics: the opt levels (writes: O2 only)")
+    parser.add_argument("--params", type=int, default=150, help="parameter tensors (GPT-2 small: 148)")
+    parser.add_argument("--steps", type=int, default=200, help="iterations (writes: calls) per repeat")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--levels", nargs="+", choices=("O1", "O2", "O3"), default=["O1", "O2"])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--telemetry-every", type=int, default=10, help="logging interval of the telemetry rows")
-    parser.add_argument("--no-telemetry", action="store_true", help="skip the telemetry rows")
+    parser.add_argument("--telemetry-every", type=int, default=10, help="logging interval of the telemetry part")
+    parser.add_argument("--layers", type=int, default=16, help="forensics: Linear(64, 64) + ReLU blocks")
     parser.add_argument("--label", default="", help="a name for this version in the JSON (e.g. before/after)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "engine_overhead.json")
+    parser.add_argument("--out", type=Path, default=_harness.default_out("engine_overhead"))
     args = parser.parse_args(argv)
-    if args.params < 2 or args.steps < 1 or args.repeats < 1 or args.telemetry_every < 1:
-        parser.error("--params must be at least 2, --steps, --repeats and --telemetry-every at least 1")
+    if args.params < 2 or min(args.steps, args.repeats, args.telemetry_every, args.layers) < 1:
+        parser.error(f"--params={args.params} must be at least 2; --steps={args.steps}, --repeats={args.repeats}, "
+                     f"--telemetry-every={args.telemetry_every} and --layers={args.layers} at least 1")
     torch.set_num_threads(args.threads)
-    load_before = os.getloadavg()
-    rows = [measure(level, args.params, args.steps, args.repeats) for level in args.levels]
-    header = f"{'level':<6} {'params':>7} {'engine us/step':>15} {'grad_pairs us':>14} {'finish_step us':>15}"
-    print(f"lightning_mpx from {Path(lightning_mpx.__file__).parent}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['opt_level']:<6} {r['parameters']:>7} {r['engine_us_per_step']:>15.0f} {r['grad_pairs_us']:>14.1f} "
-              f"{r['finish_step_us']:>15.1f}")
-    telemetry_rows = []
-    if not args.no_telemetry:
-        telemetry_rows = [
-            measure_telemetry(level, args.params, args.steps, args.repeats, args.telemetry_every)
-            for level in args.levels
-        ]
-        header = (
-            f"{'telemetry':<9} {'params':>7} {'off us':>8} {'on, non-logging us':>19} {'diff %':>7} "
-            f"{'on, logging us':>15} {'logging extra us':>17}"
-        )
-        print()
-        print(f"telemetry requested every {args.telemetry_every} iterations (float16), engines in turn; medians")
-        print(header)
-        print("-" * len(header))
-        for r in telemetry_rows:
-            print(
-                f"{r['opt_level']:<9} {r['parameters']:>7} {r['off_us_median']:>8.0f} "
-                f"{r['on_nonlogging_us_median']:>19.0f} {r['nonlogging_vs_off_pct']:>+7.1f} "
-                f"{r['on_logging_us_median']:>15.0f} {r['logging_extra_us']:>17.0f}"
-            )
-    result = {
-        "benchmark": "engine_overhead",
-        "label": args.label,
-        "package_path": str(Path(lightning_mpx.__file__).parent),
-        "device": cpu_model(),
-        "threads": args.threads,
-        "torch": torch.__version__,
-        "loadavg": [load_before, os.getloadavg()],
-        "steps": args.steps,
-        "repeats": args.repeats,
-        "rows": rows,
-        "telemetry_rows": telemetry_rows,
-    }
-    write_json(args.out, result)
+    result: dict[str, Any] = {"benchmark": "engine_overhead", "label": args.label,
+                              "command": _harness.command(argv), **_harness.machine()}  # fmt: skip
+    print(f"lightning_mpx from {result['package_path']}")
+    parts = set(args.parts)
+    result["rows"] = [measure(level, args.params, args.steps, args.repeats)
+                      for level in args.levels] if "engine" in parts else []  # fmt: skip
+    result["telemetry_rows"] = [measure_telemetry(level, args.params, args.steps, args.repeats, args.telemetry_every)
+                                for level in args.levels] if "telemetry" in parts else []  # fmt: skip
+    result["forensics_rows"] = [row for level in args.levels for row in
+                                measure_forensics(level, args.layers, args.steps, args.repeats)
+                                ] if "forensics" in parts else []  # fmt: skip
+    result["write_check_rows"] = measure_writes(args.params, args.steps, args.repeats) if "writes" in parts else []
+    result.update(steps=args.steps, repeats=args.repeats, loadavg=[result["loadavg"], _harness.load_average()])
+    out = tables(result)
+    for title, table in out.items():
+        print(f"\n{title}:\n{table}")
+    _harness.save(args.out, result, out)
     return result
 
 

@@ -1,18 +1,21 @@
 """Where a CUDA training step's time goes: host (Python, launches) against device, per variant (CUDA only).
 
-For the GPT-2-small model of ``benchmarks/step.py`` (``--size real``) it runs a plain loop per variant and reports,
-as medians over ``--steps`` steps after a warm-up:
+For a model of ``benchmarks/step.py`` at its real size (``--model gpt``: GPT-2 small at sequence 512; ``resnet``: a
+CIFAR ResNet-18) it runs a hand-written loop per variant (``step.loop_step``: ``torch.autocast`` with
+``GradScaler`` for float16, or ``Amp``) and reports, as medians over ``--steps`` steps after a warm-up:
 
 * ``host ms``: time for the host to enqueue the whole step (forward, backward, step, update, zero_grad), measured
   with ``time.perf_counter`` from a synchronized start to the end of the Python code, without a final sync;
 * ``step ms``: the same step with ``torch.cuda.synchronize()`` at the end (what the user waits for);
 * ``host share``: host ms / step ms. Near 1.0 means the step is host-bound (the GPU waits for Python).
 
-Then the top operators by self CPU time of one O1 step under ``torch.profiler`` (where the host time goes).
+Then the top operators by self CPU time of one step of ``--profile`` under ``torch.profiler``, and its Python
+functions by own time under cProfile over ``--steps`` steps (where the host time goes).
 
-    python benchmarks/gpu_host_profile.py [--steps 20] [--out benchmarks/results/gpu/host_profile.json]
+    python benchmarks/gpu_host_profile.py [--model gpt|resnet] [--steps 20] [--profile core-O1-fp16] [--out PATH]
+    python benchmarks/gpu_host_profile.py --check   # the code path on CPU, small model, bfloat16: measures nothing
 
-Without CUDA it prints why and exits: no number here is ever estimated.
+Without CUDA (and without ``--check``) it prints why and exits: no number here is ever estimated.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import contextlib
 import cProfile
 import io
 import pstats
-import json
 import statistics
 import sys
 import time
@@ -31,61 +33,35 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's lightning_mpx, without PYTHONPATH
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step import SPECS, _loss, build_model, make_batches  # noqa: E402
-
-from lightning_mpx import Amp  # noqa: E402
+import _harness  # noqa: E402
+from step import SPECS, build_model, loop_step, make_batches  # noqa: E402
 
 VARIANTS = ("autocast-fp16", "core-O1-fp16", "core-O2-fp16", "core-O1-bf16", "autocast-bf16")
+#: --check: bfloat16 only (float16 matmuls crawl on most CPUs).
+CHECK_VARIANTS = ("autocast-bf16", "core-O1-bf16")
 
 
-def make_step(variant: str, dev: torch.device, model: str = "gpt") -> Callable[[Any, Any], None]:
+def make_step(variant: str, device: torch.device, model: str, size: str) -> Callable[[Any, Any], None]:
+    """One training iteration of ``variant`` (``autocast-<dtype>`` or ``core-<level>-<dtype>``), AdamW lr 1e-4."""
     torch.manual_seed(0)
-    net = build_model(model, SPECS[(model, "real")]).to(dev)
     dtype = torch.float16 if variant.endswith("fp16") else torch.bfloat16
-    if variant.startswith("core-"):
-        level = variant.split("-")[1]
-        amp = Amp(level, half_dtype=dtype, on_floor="continue")
-        net = amp.prepare_model(net)
-        opt = amp.prepare_optimizer(torch.optim.AdamW(net.parameters(), lr=1e-4))
-
-        def core(x: Any, y: Any) -> None:
-            with amp.forward_context():
-                loss = _loss(amp.cast_outputs(net(amp.cast_inputs(x))), y)
-            amp.backward(loss)
-            amp.step(opt)
-            amp.update()
-            opt.zero_grad(set_to_none=True)
-
-        return core
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
-    scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
-
-    def plain(x: Any, y: Any) -> None:
-        with torch.autocast("cuda", dtype=dtype):
-            loss = _loss(net(x), y)
-        if scaler is None:
-            loss.backward()
-            opt.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        opt.zero_grad(set_to_none=True)
-
-    return plain
+    kind = variant.split("-")[1] if variant.startswith("core-") else "autocast"
+    one, _ = loop_step(kind, build_model(model, SPECS[(model, size)]), device, dtype, lr=1e-4)
+    return one
 
 
-def measure(step: Callable[[Any, Any], None], batches: list[Any], steps: int, warmup: int) -> dict[str, float]:
+def measure(step: Callable[[Any, Any], None], batches: list[Any], steps: int, warmup: int,
+            sync: Callable[[], None]) -> dict[str, float]:
     host, full = [], []
     for i in range(warmup + steps):
         x, y = batches[i % len(batches)]
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         step(x, y)
         enqueued = time.perf_counter()
-        torch.cuda.synchronize()
+        sync()
         end = time.perf_counter()
         if i >= warmup:
             host.append((enqueued - start) * 1e3)
@@ -93,56 +69,69 @@ def measure(step: Callable[[Any, Any], None], batches: list[Any], steps: int, wa
     return {"host_ms": statistics.median(host), "step_ms": statistics.median(full)}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--model", choices=("gpt", "resnet"), default="gpt")
-    parser.add_argument("--profile", choices=VARIANTS, default="core-O1-fp16",
+    parser.add_argument("--profile", choices=VARIANTS, default=None,
                         help="the variant whose one step is profiled (torch.profiler) and whose host code is "
-                        "profiled with cProfile over --steps steps")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gpu" / "host_profile.json")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_host_profile.py measures CUDA steps and no CUDA device is present: nothing measured.")
+                        "profiled with cProfile over --steps steps (default core-O1-fp16; --check: core-O1-bf16)")
+    parser.add_argument("--check", action="store_true", help="run the code path on CPU, small model: no measurement")
+    parser.add_argument("--out", type=Path, default=_harness.RESULTS / "gpu" / "host_profile.json")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error(f"--steps={args.steps} must be at least 1 and --warmup={args.warmup} at least 0")
+    if not args.check and not torch.cuda.is_available():
+        print("gpu_host_profile.py measures CUDA steps and no CUDA device is present: nothing measured "
+              "(--check runs the code path on CPU).")
         return 0
-    dev = torch.device("cuda")
-    batches = make_batches(args.model, SPECS[(args.model, "real")], 4, dev)
+    device_type, size = ("cpu", "small") if args.check else ("cuda", "real")
+    variants = CHECK_VARIANTS if args.check else VARIANTS
+    profiled = args.profile or variants[1]
+    dev = torch.device(device_type)
+    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+    batches = make_batches(args.model, SPECS[(args.model, size)], 4, dev)
+    machine = _harness.machine(device_type, device="cpu (gpu_host_profile --check: measures nothing)"
+                               if args.check else None)  # fmt: skip
+    print(f"device: {machine['device']}  torch {machine['torch']}")
     rows = []
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    print(f"{'variant':16} {'host ms':>8} {'step ms':>8} {'host share':>10}")
-    for variant in VARIANTS:
-        row = {"variant": variant, **measure(make_step(variant, dev, args.model), batches, args.steps, args.warmup)}
+    for variant in variants:
+        row = {"variant": variant, **measure(make_step(variant, dev, args.model, size), batches, args.steps,
+                                             args.warmup, sync)}  # fmt: skip
         row["host_share"] = row["host_ms"] / row["step_ms"]
         rows.append(row)
-        print(f"{variant:16} {row['host_ms']:8.2f} {row['step_ms']:8.2f} {row['host_share']:10.2f}")
-        torch.cuda.empty_cache()
-    step = make_step(args.profile, dev, args.model)
+        print(f"{variant:16} host {row['host_ms']:8.2f} ms  step {row['step_ms']:8.2f} ms  share {row['host_share']:.2f}")
+        if device_type == "cuda":
+            torch.cuda.empty_cache()
+    step = make_step(profiled, dev, args.model, size)
     for i in range(3):
         step(*batches[i % len(batches)])
-    torch.cuda.synchronize()
+    sync()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         step(*batches[0])
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-    print(f"torch.profiler, one {args.profile} step, by self CPU time:")
-    print(table)
+        sync()
+    op_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    print(f"torch.profiler, one {profiled} step, by self CPU time:")
+    print(op_table)
     profiler = cProfile.Profile()
     profiler.enable()
     for i in range(args.steps):
         step(*batches[i % len(batches)])
-    torch.cuda.synchronize()
+    sync()
     profiler.disable()
     buffer = io.StringIO()
     pstats.Stats(profiler, stream=buffer).sort_stats("tottime").print_stats(30)
     python_table = buffer.getvalue()
-    print(f"cProfile, {args.steps} {args.profile} steps, by own time:")
+    print(f"cProfile, {args.steps} {profiled} steps, by own time:")
     print(python_table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                    "command": " ".join(sys.argv), "model": args.model, "rows": rows, "profiled": args.profile,
-                                    "op_profile": table, "python_profile": python_table}, indent=1))
-    print(f"wrote {args.out}")
+    table = _harness.markdown_table(["variant", "host ms", "step ms", "host share"], [
+        [r["variant"], f"{r['host_ms']:.2f}", f"{r['step_ms']:.2f}", f"{r['host_share']:.2f}"] for r in rows])
+    print(table)
+    result = {"benchmark": "gpu_host_profile", "command": _harness.command(argv), **machine, "check": args.check,
+              "model": args.model, "size": size, "steps": args.steps, "warmup": args.warmup, "rows": rows,
+              "profiled": profiled, "op_profile": op_table, "python_profile": python_table}  # fmt: skip
+    _harness.save(args.out, result, {"host time against step time (medians)": table})
     return 0
 
 

@@ -31,6 +31,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from _harness import markdown_table  # benchmarks/ is on sys.path when a script runs
+
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- gpu-report:begin -->", "<!-- gpu-report:end -->"
@@ -439,18 +441,11 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
 
 def unscale_table(rows: list[dict[str, Any]], with_source: bool = True) -> str:
     """Per parameter set, dtype and variant: fused and torch times, speed-up, bandwidth and share of copy."""
-    sets = [r for r in rows if not r["set"].startswith("sweep")]
-    head = "| set | dtype | variant | tensors | fused ms | torch ms | speed-up | fused GB/s | % of copy |"
-    rule = "|---|---|---|---:|---:|---:|---:|---:|---:|"
-    if with_source:
-        head, rule = head + " source |", rule + "---|"
-    lines = [head, rule]
-    for r in sets:
-        line = (f"| {r['set']} | {r['dtype']} | {r['variant']} | {r['tensors']} | {r['fused_ms']:.3f} | "
-                f"{r['torch_ms']:.3f} | {r['speedup']:.2f}x | {_fmt(r.get('fused_GBps'), '.0f')} | "
-                f"{_fmt(r.get('pct_of_copy_bandwidth'), '.1f')} |")  # fmt: skip
-        lines.append(line + (f" {r.get('source', '')} |" if with_source else ""))
-    return "\n".join(lines)
+    columns = ["set", "dtype", "variant", "tensors", "fused ms", "torch ms", "speed-up", "fused GB/s", "% of copy"]
+    cells = [[r["set"], r["dtype"], r["variant"], r["tensors"], f"{r['fused_ms']:.3f}", f"{r['torch_ms']:.3f}",
+              f"{r['speedup']:.2f}x", _fmt(r.get("fused_GBps"), ".0f"), _fmt(r.get("pct_of_copy_bandwidth"), ".1f")]
+             + ([r.get("source", "")] if with_source else []) for r in rows if not r["set"].startswith("sweep")]
+    return markdown_table(columns + ["source"] * with_source, cells, align="lll" + "r" * 6 + "l" * with_source)
 
 
 def sweep_table(rows: list[dict[str, Any]]) -> str:
@@ -463,43 +458,39 @@ def sweep_table(rows: list[dict[str, Any]]) -> str:
         count, size = (int(x) for x in r["set"].split()[1].split("x"))
         grid.setdefault(count, {})[size] = r
     sizes = sorted({s for row in grid.values() for s in row})
-    lines = ["| tensors \\ elements each | " + " | ".join(f"{s:,}" for s in sizes) + " |",
-             "|---:|" + "---:|" * len(sizes)]  # fmt: skip
-    for count in sorted(grid):
-        cells = [grid[count].get(s) for s in sizes]
-        lines.append(f"| {count:,} | " + " | ".join(
-            f"{c['speedup']:.2f}x ({c['fused_ms']:.3f} / {c['torch_ms']:.3f} ms)" if c else "-" for c in cells) + " |")
-    return "\n".join(lines)
+    cells = [[f"{count:,}", *(f"{c['speedup']:.2f}x ({c['fused_ms']:.3f} / {c['torch_ms']:.3f} ms)" if c else None
+                              for c in (grid[count].get(s) for s in sizes))] for count in sorted(grid)]
+    return markdown_table(["tensors \\ elements each", *(f"{s:,}" for s in sizes)], cells, align="r" * (1 + len(sizes)))
 
 
 def step_table(source: Source, model: str) -> str:
     """One model's rows of one step run, with the ratios computed within that run."""
     rows = [r for r in source.data.get("rows", []) if r["model"] == model]
     refs = {name: _row(source, model, name) for name in ("lightning-16-mixed", "lightning-bf16-mixed", "fp32")}
-    lines = ["| variant | step ms (median) | samples/s | peak MiB | throughput vs 16-mixed | throughput vs "
-             "bf16-mixed | peak memory vs FP32 | skipped steps |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        def ratio(name: str, key: str) -> str:
-            ref = refs[name]
-            return f"{r[key] / ref[key]:.3f}x" if ref else "-"
 
-        lines.append(f"| {r['variant']} | {r['step_ms_median']:.2f} | {r['samples_per_second']:.1f} | "
-                     f"{r['peak_memory_bytes'] / 2**20:.0f} | {ratio('lightning-16-mixed', 'samples_per_second')} | "
-                     f"{ratio('lightning-bf16-mixed', 'samples_per_second')} | "
-                     f"{ratio('fp32', 'peak_memory_bytes')} | {r.get('skipped_steps', '-')} |")  # fmt: skip
-    return "\n".join(lines)
+    def ratio(r: dict[str, Any], name: str, key: str) -> str:
+        ref = refs[name]
+        return f"{r[key] / ref[key]:.3f}x" if ref else "-"
+
+    return markdown_table(
+        ["variant", "step ms (median)", "samples/s", "peak MiB", "throughput vs 16-mixed", "throughput vs bf16-mixed",
+         "peak memory vs FP32", "skipped steps"],
+        [[r["variant"], f"{r['step_ms_median']:.2f}", f"{r['samples_per_second']:.1f}",
+          f"{r['peak_memory_bytes'] / 2**20:.0f}", ratio(r, "lightning-16-mixed", "samples_per_second"),
+          ratio(r, "lightning-bf16-mixed", "samples_per_second"), ratio(r, "fp32", "peak_memory_bytes"),
+          r.get("skipped_steps", "-")] for r in rows])  # fmt: skip
 
 
 def fidelity_table(source: Source) -> str:
-    lines = ["| variant | final val loss | vs O0 | skipped steps | final scale | verdict |",
-             "|---|---:|---:|---:|---:|---|"]  # fmt: skip
+    cells = []
     for r in source.data.get("rows", []):
         ratio = r.get("ratio_to_O0")
-        lines.append(f"| {r['variant']} | {_fmt(r.get('val_loss_mean'), '.4f')} | "
-                     f"{'-' if ratio is None else f'{(ratio - 1) * 100:+.3f}%'} | "
-                     f"{'/'.join(map(str, r.get('skipped_steps', [])))} | "
-                     f"{'/'.join(f'{s:g}' for s in r.get('final_loss_scale', []))} | {r.get('verdict', '')} |")
-    return "\n".join(lines)
+        cells.append([r["variant"], _fmt(r.get("val_loss_mean"), ".4f"),
+                      "-" if ratio is None else f"{(ratio - 1) * 100:+.3f}%",
+                      "/".join(map(str, r.get("skipped_steps", []))),
+                      "/".join(f"{s:g}" for s in r.get("final_loss_scale", [])), r.get("verdict", "")])
+    return markdown_table(["variant", "final val loss", "vs O0", "skipped steps", "final scale", "verdict"], cells,
+                          align="lrrrrl")
 
 
 def tests_table(source: Source) -> str:
@@ -511,24 +502,20 @@ def tests_table(source: Source) -> str:
         lines.append("Failed: " + ", ".join(f"`{t}`" for t in pytest["failed_tests"]))
     checks = data.get("checks") or []
     if checks:
-        lines += ["", "| check | result | detail |", "|---|---|---|"]
-        lines += [f"| {c['name']} | {'pass' if c.get('passed') else 'FAIL'} | {c.get('detail', '')} |" for c in checks]
+        lines += ["", markdown_table(["check", "result", "detail"], [
+            [c["name"], "pass" if c.get("passed") else "FAIL", c.get("detail", "")] for c in checks], align="lll")]
     syncs = data.get("syncs") or {}
     if syncs:
-        lines += ["", "| loop | host syncs per normal step | where |", "|---|---:|---|"]
-        for name, entry in syncs.items():
-            per_step = entry.get("per_step")
-            where = "; ".join(entry.get("locations", [])) or entry.get("note", "")
-            lines.append(f"| {name} | {'-' if per_step is None else ', '.join(map(str, per_step))} | {where} |")
+        lines += ["", markdown_table(["loop", "host syncs per normal step", "where"], [
+            [name, None if e.get("per_step") is None else ", ".join(map(str, e["per_step"])),
+             "; ".join(e.get("locations", [])) or e.get("note", "")] for name, e in syncs.items()], align="lrl")]
     return "\n".join(lines)
 
 
 def verdict_table(verdicts: list[Verdict]) -> str:
-    lines = ["| target | scope | verdict | figure | source |", "|---|---|---|---|---|"]
-    for v in verdicts:
-        status = f"**{v.status}**" if v.status in (MET, NOT_MET) else v.status
-        lines.append(f"| {v.target} | {v.scope} | {status} | {v.figure} | {v.source or '-'} |")
-    return "\n".join(lines)
+    return markdown_table(["target", "scope", "verdict", "figure", "source"], [
+        [v.target, v.scope, f"**{v.status}**" if v.status in (MET, NOT_MET) else v.status, v.figure, v.source or "-"]
+        for v in verdicts], align="lllll")
 
 
 # -- the report -----------------------------------------------------------------------------------------------------
@@ -545,12 +532,10 @@ def render(sources: Sources, merged: Merged, verdicts: list[Verdict], folders: S
     out += ["", "### Targets", "", verdict_table(verdicts), ""]
     out += ["\"not measured\" means no file holds the rows the target needs. The host-sync count is stated, not "
             "judged: `Amp.step` reads the overflow flag once per step by design (as `GradScaler.step` does).", ""]
-    out += ["### Sources", "", "| file | holds | status | command |", "|---|---|---|---|"]
-    for s in sources.items:
-        recorded = "" if s.command else " (not recorded in the file: rebuilt from its settings)"
-        out.append(f"| {s.name} | {s.kind} | {s.status} | `{reconstructed_command(s)}`{recorded} |")
-    for sk in sources.skipped:
-        out.append(f"| {sk.path.name} | not read: {sk.reason} | - | - |")
+    out += ["### Sources", "", markdown_table(["file", "holds", "status", "command"], [
+        *([s.name, s.kind, s.status, f"`{reconstructed_command(s)}`"
+           + ("" if s.command else " (not recorded in the file: rebuilt from its settings)")] for s in sources.items),
+        *([sk.path.name, f"not read: {sk.reason}", "-", "-"] for sk in sources.skipped)], align="llll")]
     if merged.superseded:
         out += ["", "Superseded (the later file's rows are used): " + "; ".join(
             f"{old}: {n} rows by {new}" for old, news in merged.superseded.items() for new, n in news.items()) + "."]

@@ -43,7 +43,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import shlex
 import signal
 import subprocess
@@ -53,14 +52,14 @@ import time
 import traceback
 import warnings
 from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 if "--check" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (the kernels are decorated at import)
 
-from _machine import cpu_model, write_json  # noqa: E402  (benchmarks/ is on sys.path when a script runs)
+import _harness  # noqa: E402  (benchmarks/ is on sys.path when a script runs)
+from _harness import write_json  # noqa: E402
 
 import gpu_report  # noqa: E402
 
@@ -86,40 +85,12 @@ FUSED = "triton"
 
 
 # -- environment and files ------------------------------------------------------------------------------------------
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def environment(check: bool) -> dict[str, Any]:
-    """What the results depend on: device, library versions, commit."""
+    """What the results depend on: device, library versions, commit (the harness's record of the machine)."""
     import torch
 
     cuda = torch.cuda.is_available() and not check
-    commit = _git("rev-parse", "HEAD")
-    return {
-        "device": torch.cuda.get_device_name() if cuda else CHECK_DEVICE if check else cpu_model(),
-        "device_type": "cuda" if cuda else "cpu",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": _version("triton"),
-        "lightning": _version("lightning"),
-        "accelerate": _version("accelerate"),
-        "python": platform.python_version(),
-        "cpu": cpu_model(),
-        "git_commit": commit,
-        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")) if commit else None,
-    }
-
-
-def _git(*args: str) -> str | None:
-    try:
-        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
+    return _harness.machine("cuda" if cuda else "cpu", device=CHECK_DEVICE if check else None)
 
 
 def _now() -> str:
@@ -650,9 +621,8 @@ def _unscale_check_raw() -> dict[str, Any]:
             rows += [{"set": name, **r} for r in unscale.run_case([(3, 5), (7,), (130,)], dtype, device, case, bw)]
     rows += [{"set": "sweep 3x4", **r}
              for r in unscale.run_case([(4,)] * 3, torch.float32, device, case, bw, only="unscale+clip")]
-    return {"device": CHECK_DEVICE, "torch": torch.__version__, "triton": triton.__version__,
-            "cuda": torch.version.cuda, "python": platform.python_version(), "copy_bandwidth_GBps": bw,
-            "repeats": 1, "warmup": 0, "rows": rows}  # fmt: skip
+    return {"benchmark": "unscale", **_harness.machine(device=CHECK_DEVICE), "triton": triton.__version__,
+            "copy_bandwidth_GBps": bw, "repeats": 1, "warmup": 0, "rows": rows}  # fmt: skip
 
 
 # -- step -----------------------------------------------------------------------------------------------------------

@@ -45,12 +45,10 @@ import cProfile
 import gc
 import io
 import logging
-import os
 import pstats
 import statistics
 import sys
 import tempfile
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -60,11 +58,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the package comes from PYTHONPATH (before/after runs)
 
-import lightning_mpx  # noqa: E402
-from lightning_mpx import Amp  # noqa: E402
-
-from _machine import cpu_model, write_json  # noqa: E402
-from step import ModelSpec, _loss, build_model, make_batches  # noqa: E402
+import _harness  # noqa: E402
+import step  # noqa: E402
+from step import ModelSpec, build_model, make_batches  # noqa: E402
 
 VARIANTS = ("32-true", "reference", "plugin-O1", "plugin-O2", "core-O2", "core-O1", "loop-autocast")
 TRAINER_VARIANTS = ("32-true", "reference", "plugin-O1", "plugin-O2")
@@ -85,8 +81,8 @@ def half_dtype(device: str) -> torch.dtype:
 class _Timer:
     """Step boundaries: the clock at every batch start (after a device sync on CUDA)."""
 
-    def __init__(self, sync: Callable[[], None], clock: Callable[[], float]) -> None:
-        self.sync, self.clock = sync, clock
+    def __init__(self, sync: Callable[[], None], clock: str) -> None:
+        self.sync, self.clock = sync, _harness.CLOCKS[clock]
         self.starts: list[float] = []
 
     def mark(self) -> None:
@@ -95,9 +91,6 @@ class _Timer:
 
     def step_times(self) -> list[float]:
         return [b - a for a, b in zip(self.starts, self.starts[1:])]
-
-
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 @contextlib.contextmanager
@@ -127,20 +120,7 @@ def run_trainer(variant: str, spec: ModelSpec, batches: list[Any], total: int, d
 
     torch.manual_seed(0)
     net = build_model("resnet", spec)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    timer = _Timer(sync, CLOCKS[clock])
-
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = net
-
-        def training_step(self, batch: Any, batch_idx: int) -> Any:
-            x, y = batch
-            return _loss(self.net(x), y)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+    timer = _Timer(torch.cuda.synchronize if device == "cuda" else (lambda: None), clock)
 
     class Mark(pl.Callback):
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
@@ -151,30 +131,16 @@ def run_trainer(variant: str, spec: ModelSpec, batches: list[Any], total: int, d
         def on_train_end(self, trainer: Any, module: Any) -> None:
             timer.mark()  # the end of the last step
 
-    kwargs: dict[str, Any] = {}
     dtype = half_dtype(device)
     if variant == "32-true":
-        kwargs["precision"] = "32-true"
+        kwargs = step.precision(lightning="32-true")
     elif variant == "reference":
-        kwargs["precision"] = "16-mixed" if dtype == torch.float16 else "bf16-mixed"
+        kwargs = step.precision(lightning="16-mixed" if dtype == torch.float16 else "bf16-mixed")
     else:
-        level = variant.split("-")[1]
-        kwargs["plugins"] = [MixedPrecisionPlugin(level, half_dtype=dtype, on_floor="continue")]
+        kwargs = step.precision(variant.split("-")[1], dtype)
     with _quiet():
-        trainer = pl.Trainer(
-            accelerator="gpu" if device == "cuda" else "cpu",
-            devices=1,
-            max_steps=total,
-            logger=CSVLogger(str(log_dir), name=variant) if logger == "csv" else False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            callbacks=[Mark()],
-            **kwargs,
-        )
-        loader = torch.utils.data.DataLoader(_Cycle(batches), batch_size=None, shuffle=False)
-        trainer.fit(Module(), loader)
+        trainer = step.fit(net, batches, total, device, [Mark()],
+                           CSVLogger(str(log_dir), name=variant) if logger == "csv" else False, **kwargs)
     extra: dict[str, Any] = {"lightning_precision": str(trainer.precision)}
     plugin = trainer.precision_plugin
     if isinstance(plugin, MixedPrecisionPlugin):
@@ -182,67 +148,22 @@ def run_trainer(variant: str, spec: ModelSpec, batches: list[Any], total: int, d
     return timer.step_times(), extra
 
 
-class _Cycle:
-    """A few prepared batches, cycled (a ``batch_size=None`` loader: each item is a batch)."""
-
-    def __init__(self, batches: list[Any], length: int = 10**6) -> None:
-        self.batches, self.length = batches, length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> Any:
-        return self.batches[index % len(self.batches)]
-
-
 def run_loop(variant: str, spec: ModelSpec, batches: list[Any], total: int, device: str, clock: str = "wall",
              hook: Callable[[], None] | None = None) -> tuple[list[float], dict[str, Any]]:
     """``total`` iterations of a hand-written loop (``core-O1``/``core-O2`` with ``Amp``, or ``loop-autocast``)."""
     torch.manual_seed(0)
-    dev = torch.device(device)
-    net = build_model("resnet", spec).to(dev)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    timer = _Timer(sync, CLOCKS[clock])
-    dtype = half_dtype(device)
-    extra: dict[str, Any] = {}
-    if variant.startswith("core-"):
-        amp = Amp(variant.split("-")[1], half_dtype=dtype, on_floor="continue")
-        net = amp.prepare_model(net)
-        optimizer = amp.prepare_optimizer(torch.optim.AdamW(net.parameters(), lr=1e-3))
-
-        def one(x: Any, y: Any) -> None:
-            with amp.forward_context():
-                loss = _loss(amp.cast_outputs(net(amp.cast_inputs(x))), y)
-            amp.backward(loss)
-            amp.step(optimizer)
-            amp.update()
-            optimizer.zero_grad(set_to_none=True)
-    else:
-        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
-        scaler = torch.amp.GradScaler(dev.type) if dtype == torch.float16 else None
-
-        def one(x: Any, y: Any) -> None:
-            with torch.autocast(dev.type, dtype=dtype):
-                loss = _loss(net(x), y)
-            if scaler is None:
-                loss.backward()
-                optimizer.step()
-            else:
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-
-    loader = iter(_Cycle(batches, total))
+    net = build_model("resnet", spec)
+    timer = _Timer(torch.cuda.synchronize if device == "cuda" else (lambda: None), clock)
+    kind = variant.split("-")[1] if variant.startswith("core-") else "autocast"
+    one, amp = step.loop_step(kind, net, device, half_dtype(device))
+    loader = iter(step.ListDataset(batches, total))
     for _ in range(total):
         if hook is not None:
             hook()
         timer.mark()
         one(*next(loader))
     timer.mark()
-    if variant.startswith("core-"):
-        extra["skipped_steps"] = sum(amp.skipped_steps)
-    return timer.step_times(), extra
+    return timer.step_times(), {} if amp is None else {"skipped_steps": sum(amp.skipped_steps)}
 
 
 def run_variant(variant: str, args: argparse.Namespace, spec: ModelSpec, batches: list[Any], total: int,
@@ -337,7 +258,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--image", type=int, default=8)
     parser.add_argument("--logger", choices=("csv", "none"), default="csv")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--clock", choices=tuple(CLOCKS), default=None,
+    parser.add_argument("--clock", choices=("wall", "cpu"), default=None,
                         help="step time as wall time or as the process's CPU time (default: cpu on --device cpu, "
                              "where the load of other processes counts less; wall on cuda, where the host waits)")
     parser.add_argument("--count-syncs", action="store_true", help="count host reads of tensors per step")
@@ -345,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="steps of each --count-syncs run (steps 49 and 99 are logging steps)")
     parser.add_argument("--profile", choices=VARIANTS, default=None, help="print a cProfile table of one run")
     parser.add_argument("--label", default="", help="a name for this version in the JSON (e.g. before/after)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "plugin_overhead.json")
+    parser.add_argument("--out", type=Path, default=_harness.default_out("plugin_overhead"))
     args = parser.parse_args(argv)
     if args.steps < 2 or args.warmup < 0 or args.repeats < 1 or args.width < 1 or args.sync_steps < 13:
         parser.error(f"--steps={args.steps} must be at least 2, --warmup={args.warmup} at least 0, "
@@ -365,29 +286,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     batches = make_batches("resnet", spec, 8, torch.device(args.device))
     total = args.warmup + args.steps + 1  # the first step's start is the warm-up's end
     params = sum(1 for _ in build_model("resnet", spec).parameters())
-    load_before = os.getloadavg()
+    machine = _harness.machine(args.device)  # before the runs: the load they start under
     # Per run, two statistics of its timed steps (ms): the 20th percentile (the less disturbed steps; what the
     # ratios use, as the shared machine's load comes in bursts) and the median.
-    runs: dict[str, dict[str, list[float]]] = {v: {"p20": [], "median": []} for v in args.variants}
     extras: dict[str, dict[str, Any]] = {}
+
+    def timed(variant: str) -> Callable[[], dict[str, float]]:
+        def run() -> dict[str, float]:
+            gc.collect()  # the previous run's garbage is not this run's
+            times, extras[variant] = run_variant(variant, args, spec, batches, total, log_dir)
+            ms = [t * 1e3 for t in times[args.warmup:]]
+            return {"p20": statistics.quantiles(ms, n=5)[0], "median": statistics.median(ms)}
+
+        return run
+
+    def progress(index: int, samples: dict[str, list[dict[str, float]]]) -> None:
+        print(f"repeat {index + 1}/{args.repeats} (p20 ms): "
+              + ", ".join(f"{shown[v]} {samples[v][-1]['p20']:.2f}" for v in args.variants), flush=True)
+
     with tempfile.TemporaryDirectory(prefix="plugin-overhead-") as tmp:
         log_dir = Path(tmp)
         for variant in args.variants:  # a first fit imports and initialises what later ones reuse: not timed
             run_variant(variant, args, spec, batches, min(total, 10), log_dir)
-        for repeat in range(args.repeats):
-            shift = repeat % len(args.variants)
-            order = args.variants[shift:] + args.variants[:shift]
-            for variant in order:
-                gc.collect()  # the previous run's garbage is not this run's
-                times, extra = run_variant(variant, args, spec, batches, total, log_dir)
-                timed = [t * 1e3 for t in times[args.warmup:]]
-                runs[variant]["p20"].append(statistics.quantiles(timed, n=5)[0])
-                runs[variant]["median"].append(statistics.median(timed))
-                extras[variant] = extra
-            print(f"repeat {repeat + 1}/{args.repeats} (p20 ms): "
-                  + ", ".join(f"{shown[v]} {runs[v]['p20'][-1]:.2f}" for v in args.variants), flush=True)
+        samples = _harness.interleave({v: timed(v) for v in args.variants}, args.repeats, after_round=progress)
         syncs = [count_syncs(v, args, spec, batches, log_dir) for v in args.variants] if args.count_syncs else []
         profile_text = profile(args.profile, args, spec, batches, log_dir) if args.profile else ""
+    runs = {v: {stat: [s[stat] for s in samples[v]] for stat in ("p20", "median")} for v in args.variants}
 
     def ratio(a: str, b: str, stat: str = "p20") -> dict[str, Any]:
         values = [x / y for x, y in zip(runs[a][stat], runs[b][stat])]  # the same repeat's runs
@@ -414,48 +338,46 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  ("core-O1", "loop-autocast"), ("reference", "loop-autocast")):
         if a in runs and b in runs:
             pairs[f"{shown[a]} / {shown[b]}"] = ratio(a, b)
-    print(f"lightning_mpx from {Path(lightning_mpx.__file__).parent}; {args.device}, {params} parameter tensors, "
-          f"batch {args.batch}x3x{args.image}x{args.image}, logger {args.logger}, {args.clock} clock, "
-          f"{args.repeats} repeats of {args.steps} steps")
-    header = (f"{'variant':<14} {'p20 ms':>7} {'median ms':>9} {'ratio to ' + ref + ' (p20)':>25} {'min':>6} "
-              f"{'max':>6} {'(medians)':>9}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['variant']:<14} {r['step_ms_p20']:>7.3f} {r['step_ms_median']:>9.3f} {r[f'ratio_to_{ref}']:>25.3f} "
-              f"{r['ratio_min']:>6.3f} {r['ratio_max']:>6.3f} {r[f'ratio_to_{ref}_of_medians']:>9.3f}")
-    for name, p in pairs.items():
-        print(f"{name:<28} {p['median']:.3f} (min {p['min']:.3f}, max {p['max']:.3f})")
-    if syncs:
-        print("tensor reads on the host per step: aten._local_scalar_dense on non-logging steps (max), on a logging "
-              "step; Tensor.tolist calls; function calls (cProfile)")
-        for s in syncs:
-            print(f"  {shown[s['variant']]:<14} {s['per_step_nonlogging']} ({s['max_nonlogging']}), "
-                  f"{s['per_logging_step']}; {s['tolist_per_step']:.2f}; {s['calls_per_step']:.0f}")
     own_calls = {}  # the plugin's own calls per step: plugin - core loop, less what Lightning adds to a plain loop
     calls = {x["variant"]: x["calls_per_step"] for x in syncs}
     for level in ("O1", "O2"):
         if {f"plugin-{level}", f"core-{level}", "reference", "loop-autocast"} <= set(calls):
             own_calls[f"plugin-{level}"] = (calls[f"plugin-{level}"] - calls[f"core-{level}"]
                                             - (calls["reference"] - calls["loop-autocast"]))  # fmt: skip
-    for name, n in own_calls.items():
-        print(f"{name}: {n:.0f} function calls per step beyond Lightning's own ({ref} - loop-autocast) and the core "
-              "loop's")
+    tables = {
+        "step time, ratios within a repeat": _harness.markdown_table(
+            ["variant", "p20 ms", "median ms", f"ratio to {ref} (p20)", "min", "max", "(medians)"],
+            [[r["variant"], f"{r['step_ms_p20']:.3f}", f"{r['step_ms_median']:.3f}", f"{r[f'ratio_to_{ref}']:.3f}",
+              f"{r['ratio_min']:.3f}", f"{r['ratio_max']:.3f}", f"{r[f'ratio_to_{ref}_of_medians']:.3f}"]
+             for r in rows]),
+        "pairs of the same repeats (p20)": _harness.markdown_table(
+            ["pair", "median", "min", "max"],
+            [[name, f"{p['median']:.3f}", f"{p['min']:.3f}", f"{p['max']:.3f}"] for name, p in pairs.items()]),
+    }
+    if syncs:
+        tables["host reads and function calls per step"] = _harness.markdown_table(
+            ["variant", "_local_scalar_dense, non-logging (max)", "on a logging step", "tolist", "function calls"],
+            [[shown[x["variant"]], f"{x['per_step_nonlogging']} ({x['max_nonlogging']})", x["per_logging_step"],
+              f"{x['tolist_per_step']:.2f}", f"{x['calls_per_step']:.0f}"] for x in syncs])
+    if own_calls:
+        tables["the plugin's own function calls per step (beyond Lightning's and the core loop's)"] = \
+            _harness.markdown_table(["variant", "calls"], [[k, f"{n:.0f}"] for k, n in own_calls.items()])
+    print(f"lightning_mpx from {machine['package_path']}; {args.device}, {params} parameter tensors, "
+          f"batch {args.batch}x3x{args.image}x{args.image}, logger {args.logger}, {args.clock} clock, "
+          f"{args.repeats} repeats of {args.steps} steps")
+    for title, text in tables.items():
+        print(f"\n{title}:\n{text}")
     if profile_text:
         print(profile_text)
     result = {
         "benchmark": "plugin_overhead",
         "label": args.label,
-        "command": "python benchmarks/plugin_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "package_path": str(Path(lightning_mpx.__file__).parent),
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else cpu_model(),
-        "device_type": args.device,
+        "command": _harness.command(argv),
+        **machine,
         "half_dtype": str(half_dtype(args.device)).removeprefix("torch."),
         "reference": ref,
-        "threads": args.threads,
         "clock": args.clock,
-        "torch": torch.__version__,
-        "loadavg": [load_before, os.getloadavg()],
+        "loadavg": [machine["loadavg"], _harness.load_average()],
         "model": {"blocks": list(BLOCKS), "width": args.width, "batch": args.batch, "image": args.image,
                   "parameter_tensors": params},
         "logger": args.logger,
@@ -469,7 +391,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "profiled": args.profile,
         "profile": profile_text,
     }
-    write_json(args.out, result)
+    _harness.save(args.out, result, tables)
     return result
 
 

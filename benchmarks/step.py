@@ -32,9 +32,9 @@ speed on a GPU, and ``--cpu-fp16-steps`` runs them with fewer steps.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from _machine import cpu_model, write_json  # benchmarks/ is on sys.path when a script runs
+import _harness  # benchmarks/ is on sys.path when a script runs
 
 LIGHTNING_VARIANTS = (
     "fp32",
@@ -75,9 +75,8 @@ REFERENCES = ("lightning-16-mixed", "lightning-bf16-mixed")
 
 
 def is_fp16(variant: str) -> bool:
-    variant = variant.removesuffix("-compiled")
     """Whether the variant computes in float16 (``lightning-16-mixed`` only on a GPU: on CPU Lightning uses bf16)."""
-    return variant.endswith("fp16")
+    return variant.removesuffix("-compiled").endswith("fp16")
 
 
 @dataclass(frozen=True)
@@ -209,6 +208,132 @@ def _loss(logits: Any, target: Any) -> Any:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
 
 
+# -- pieces the other scripts reuse (plugin_overhead.py, gpu_host_profile.py) -----------------------------------------
+class ListDataset:
+    """Cycles through a few prepared batches (a ``batch_size=None`` loader: each item is a batch)."""
+
+    def __init__(self, batches: list[Any], length: int = 10**6) -> None:
+        self.batches, self.length = batches, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> Any:
+        return self.batches[index % len(self.batches)]
+
+
+def lightning_module(net: Any) -> Any:
+    """A LightningModule that trains ``net`` with AdamW (lr 1e-3) on ``(input, target)`` batches."""
+    import lightning.pytorch as pl
+    import torch
+
+    class Wrapper(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            return _loss(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    return Wrapper()
+
+
+def precision(level: str | None = None, half_dtype: Any = None, lightning: str | None = None) -> dict[str, Any]:
+    """The Trainer's precision arguments: Lightning's own ``precision`` string, or ``MixedPrecisionPlugin(level)``
+    (``on_floor="continue"``: a run must go on to be timed, O3 float16 overflows)."""
+    if level is None:
+        return {"precision": lightning}
+    from lightning_mpx import MixedPrecisionPlugin
+
+    return {"plugins": [MixedPrecisionPlugin(level, half_dtype=half_dtype, on_floor="continue")]}
+
+
+def fit(net: Any, batches: list[Any], total: int, device: str, callbacks: list[Any], logger: Any = False,
+        **precision_kwargs: Any) -> Any:
+    """``total`` steps of ``Trainer.fit`` of :func:`lightning_module` (net) over ``batches``, cycled; no progress
+    bar, checkpoint, model summary or sanity check. Returns the Trainer."""
+    import lightning.pytorch as pl
+    import torch
+
+    trainer = pl.Trainer(
+        accelerator="gpu" if device == "cuda" else "cpu",
+        devices=1,
+        max_steps=total,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        **precision_kwargs,
+    )
+    loader = torch.utils.data.DataLoader(ListDataset(batches), batch_size=None, shuffle=False)
+    trainer.fit(lightning_module(net), loader)
+    return trainer
+
+
+def loop_step(kind: str, net: Any, device: Any, half_dtype: Any = None, lr: float = 1e-3
+              ) -> tuple[Callable[[Any, Any], None], Any]:
+    """One iteration of a hand-written AdamW loop over ``net`` (moved to ``device``), and its ``Amp`` (or None).
+
+    ``kind``: ``"fp32"`` (plain), ``"autocast"`` (``torch.autocast`` in ``half_dtype``, with ``GradScaler`` for
+    float16; bfloat16 has FP32's range and torch's recipe scales nothing), or an opt level (``"O1"``, ``"O2"``, ...:
+    ``Amp`` with ``on_floor="continue"``: forward in ``forward_context``, ``backward``, ``step``, ``update``).
+    """
+    import torch
+
+    from lightning_mpx import Amp
+
+    dev = torch.device(device)
+    net = net.to(dev)
+    if kind.startswith("O"):
+        amp = Amp(kind, half_dtype=half_dtype, on_floor="continue")
+        net = amp.prepare_model(net)
+        optimizer = amp.prepare_optimizer(torch.optim.AdamW(net.parameters(), lr=lr))
+
+        def core(x: Any, y: Any) -> None:
+            with amp.forward_context():
+                loss = _loss(amp.cast_outputs(net(amp.cast_inputs(x))), y)
+            amp.backward(loss)
+            amp.step(optimizer)
+            amp.update()
+            optimizer.zero_grad(set_to_none=True)
+
+        return core, amp
+    if kind not in ("fp32", "autocast"):
+        raise ValueError(f"kind={kind!r} is not a loop; valid choices: 'fp32', 'autocast', or an opt level 'O0'-'O3'")
+    optimizer = torch.optim.AdamW(net.parameters(), lr=lr)
+    autocast = kind == "autocast"
+    context = (lambda: torch.autocast(dev.type, dtype=half_dtype)) if autocast else contextlib.nullcontext
+    scaler = torch.amp.GradScaler(dev.type) if autocast and half_dtype == torch.float16 else None
+
+    def plain(x: Any, y: Any) -> None:
+        with context():
+            loss = _loss(net(x), y)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    return plain, None
+
+
+def half_dtype_of(variant: str) -> Any:
+    """The half dtype a variant's name ends with (``-fp16``, ``-bf16``), or ``None``."""
+    import torch
+
+    name = variant.removesuffix("-compiled")
+    return torch.float16 if name.endswith("fp16") else torch.bfloat16 if name.endswith("bf16") else None
+
+
 # -- the child: one variant, one model ----------------------------------------------------------------------------------
 def run_child(variant: str, kind: str, spec: ModelSpec, steps: int, warmup: int, device: str,
               threads: int, compile_backend: str = "inductor") -> dict[str, Any]:
@@ -243,20 +368,13 @@ def run_child(variant: str, kind: str, spec: ModelSpec, steps: int, warmup: int,
         "model": kind,
         "steps_timed": len(timed),
         "step_ms_median": median * 1e3,
-        "step_ms_iqr": _iqr(timed) * 1e3,
+        "step_ms_iqr": _harness.iqr_width(timed) * 1e3,
         "step_ms_min": min(timed) * 1e3,  # the least disturbed step: a floor under a shared machine's load
         "samples_per_second": spec.batch / median,
         "peak_memory_bytes": int(peak),
         "peak_memory_kind": "cuda_max_memory_allocated" if cuda else "peak_rss",
         **extra,
     }
-
-
-def _iqr(values: list[float]) -> float:
-    if len(values) < 4:
-        return 0.0
-    q = statistics.quantiles(values, n=4)
-    return q[2] - q[0]
 
 
 def _lightning_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], total: int, device: str,
@@ -266,18 +384,6 @@ def _lightning_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], tot
     import torch
 
     from lightning_mpx import MixedPrecisionPlugin
-
-    class Wrapper(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = net
-
-        def training_step(self, batch: Any, batch_idx: int) -> Any:
-            x, y = batch
-            return _loss(self.net(x), y)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     class Timer(pl.Callback):
         def __init__(self) -> None:
@@ -294,33 +400,16 @@ def _lightning_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], tot
 
     if variant.endswith("-compiled"):
         variant = variant.removesuffix("-compiled")
-        # The Wrapper above holds the compiled module; its parameters are the network's own.
+        # The LightningModule holds the compiled module; its parameters are the network's own.
         net = torch.compile(net, backend=compile_backend)
-    kwargs: dict[str, Any] = {}
     if variant == "fp32":
-        kwargs["precision"] = "32-true"
+        kwargs = precision(lightning="32-true")
     elif variant.startswith("lightning-"):
-        kwargs["precision"] = variant.removeprefix("lightning-")
+        kwargs = precision(lightning=variant.removeprefix("lightning-"))
     else:
-        _, level, dtype = variant.split("-")
-        kwargs["plugins"] = [
-            MixedPrecisionPlugin(level, half_dtype="float16" if dtype == "fp16" else "bfloat16", on_floor="continue")
-        ]
+        kwargs = precision(variant.split("-")[1], half_dtype_of(variant))
     timer = Timer()
-    trainer = pl.Trainer(
-        accelerator="gpu" if device == "cuda" else "cpu",
-        devices=1,
-        max_steps=total,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=[timer],
-        **kwargs,
-    )
-    loader = torch.utils.data.DataLoader(_ListDataset(batches), batch_size=None, shuffle=False)
-    trainer.fit(Wrapper(), loader)
+    trainer = fit(net, batches, total, device, [timer], **kwargs)
     extra: dict[str, Any] = {"lightning_precision": str(trainer.precision)}
     plugin = trainer.precision_plugin
     if variant.startswith("lightning-"):
@@ -331,76 +420,23 @@ def _lightning_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], tot
     return timer.times, extra
 
 
-class _ListDataset:
-    """Cycles through a few prepared batches (``batch_size=None`` loader: each item is a batch)."""
-
-    def __init__(self, batches: list[tuple[Any, Any]], length: int = 10**6) -> None:
-        self.batches, self.length = batches, length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> tuple[Any, Any]:
-        return self.batches[index % len(self.batches)]
-
-
 def _loop_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], total: int, dev: Any,
                 sync: Callable[[], None]) -> tuple[list[float], dict[str, Any]]:
-    import contextlib
-
-    import torch
-
-    from lightning_mpx import Amp
-
-    net.to(dev)
-    times: list[float] = []
-    extra: dict[str, Any] = {}
-    if variant.startswith("core-"):
-        _, level, dtype = variant.split("-")
-        amp = Amp(level, half_dtype="float16" if dtype == "fp16" else "bfloat16", on_floor="continue")
-        net = amp.prepare_model(net)
-        optimizer = amp.prepare_optimizer(torch.optim.AdamW(net.parameters(), lr=1e-3))
-        for i in range(total):
-            x, y = batches[i % len(batches)]
-            sync()
-            start = time.perf_counter()
-            with amp.forward_context():
-                loss = _loss(amp.cast_outputs(net(amp.cast_inputs(x))), y)
-            amp.backward(loss)
-            amp.step(optimizer)
-            amp.update()
-            optimizer.zero_grad(set_to_none=True)
-            sync()
-            times.append(time.perf_counter() - start)
-        extra["skipped_steps"] = sum(amp.skipped_steps)
-        return times, extra
-    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
     if variant == "loop-fp32":
-        context: Callable[[], Any] = contextlib.nullcontext
-        scaler = None
-    else:
-        dtype = torch.float16 if variant.endswith("fp16") else torch.bfloat16
-        device_type = dev.type
-        context = lambda: torch.autocast(device_type, dtype=dtype)  # noqa: E731
-        # bfloat16 has float32's range: torch's recipe (and Lightning's bf16-mixed) uses no scaler for it.
-        scaler = torch.amp.GradScaler(device_type) if dtype == torch.float16 else None
+        one, amp = loop_step("fp32", net, dev)
+    elif variant.startswith("torch-autocast-"):
+        one, amp = loop_step("autocast", net, dev, half_dtype_of(variant))
+    else:  # core-O1-fp16, ...
+        one, amp = loop_step(variant.split("-")[1], net, dev, half_dtype_of(variant))
+    times: list[float] = []
     for i in range(total):
         x, y = batches[i % len(batches)]
         sync()
         start = time.perf_counter()
-        with context():
-            loss = _loss(net(x), y)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            loss.backward()
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        one(x, y)
         sync()
         times.append(time.perf_counter() - start)
-    return times, extra
+    return times, {} if amp is None else {"skipped_steps": sum(amp.skipped_steps)}
 
 
 # -- the parent ---------------------------------------------------------------------------------------------------------
@@ -487,28 +523,25 @@ def check_targets(rows: list[dict[str, Any]], device: str) -> list[dict[str, Any
     return checks
 
 
-def print_table(rows: list[dict[str, Any]], device: str) -> None:
-    header = (
-        f"{'model':<7} {'variant':<21} {'steps':>5} {'step ms':>9} {'samples/s':>10} {'peak MiB':>9} "
-        f"{'vs 16-mixed':>12} {'vs bf16-mixed':>14} {'paired t/bf16':>14} {'skipped':>8}"
-    )
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        a = r.get("throughput_vs_16_mixed")
-        b = r.get("throughput_vs_bf16_mixed")
-        c = r.get("step_time_vs_bf16_mixed_paired")
-        print(
-            f"{r['model']:<7} {r['variant']:<21} {r['steps_timed']:>5} {r['step_ms_median']:>9.2f} "
-            f"{r['samples_per_second']:>10.1f} {r['peak_memory_bytes'] / 2**20:>9.0f} "
-            f"{(f'{a:.2f}x' if a else '-'):>12} {(f'{b:.2f}x' if b else '-'):>14} "
-            f"{(f'{c:.2f}x' if c else '-'):>14} {r.get('skipped_steps', '-'):>8}"
-        )
-    print("(vs: throughput of the row / throughput of Lightning's AMP row, same run; paired t/bf16: median over the "
-          "repeats of the row's step time / lightning-bf16-mixed's step time in the same repeat)")
-    if device == "cpu":
-        print("note: on CPU Lightning runs precision='16-mixed' as bfloat16 autocast; the fp16 rows use float16, "
-              "which has no fast CPU kernels: they are correctness rows, not speed configurations.")
+def table(rows: list[dict[str, Any]], pad: bool = False) -> str:
+    """The rows as a markdown table: step time, throughput, memory, the ratios to Lightning's AMP rows."""
+
+    def x(value: float | None) -> str | None:
+        return None if value is None else f"{value:.2f}x"
+
+    columns = ["model", "variant", "steps", "step ms", "samples/s", "peak MiB", "vs 16-mixed", "vs bf16-mixed",
+               "paired t/bf16", "skipped"]
+    return _harness.markdown_table(columns, [
+        [r["model"], r["variant"], r["steps_timed"], f"{r['step_ms_median']:.2f}", f"{r['samples_per_second']:.1f}",
+         f"{r['peak_memory_bytes'] / 2**20:.0f}", x(r.get("throughput_vs_16_mixed")),
+         x(r.get("throughput_vs_bf16_mixed")), x(r.get("step_time_vs_bf16_mixed_paired")), r.get("skipped_steps")]
+        for r in rows], align="ll" + "r" * 8, pad=pad)  # fmt: skip
+
+
+NOTE = ("vs: throughput of the row / throughput of Lightning's AMP row, same run; paired t/bf16: median over the "
+        "repeats of the row's step time / lightning-bf16-mixed's step time in the same repeat.")
+CPU_NOTE = ("On CPU Lightning runs precision='16-mixed' as bfloat16 autocast; the fp16 rows use float16, which has no "
+            "fast CPU kernels: they are correctness rows, not speed configurations.")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -553,38 +586,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         if not torch.cuda.is_available():
             parser.error("--device cuda: no CUDA device is available")
     fp16_steps = args.cpu_fp16_steps if args.device == "cpu" and args.cpu_fp16_steps else args.steps
-    samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    loads = [os.getloadavg()]
+    loads = [_harness.load_average()]
     started = time.perf_counter()
-    for repeat in range(args.repeats):
-        for kind in kinds:
-            for variant in args.variants:
-                steps = fp16_steps if is_fp16(variant) else args.steps
-                sample = _spawn(variant, kind, args, steps)
-                samples.setdefault((kind, variant), []).append(sample)
-                loads.append(os.getloadavg())
-                print(f"  [{repeat + 1}/{args.repeats}] {kind:<6} {variant:<21} {sample['step_ms_median']:9.2f} ms",
-                      flush=True)
-    rows = [combine(group, SPECS[(kind, args.size)].batch) for (kind, _), group in samples.items()]
+
+    def sample(kind: str, variant: str) -> Callable[[], dict[str, Any]]:
+        def run() -> dict[str, Any]:
+            result = _spawn(variant, kind, args, fp16_steps if is_fp16(variant) else args.steps)
+            loads.append(_harness.load_average())
+            print(f"  {kind:<6} {variant:<21} {result['step_ms_median']:9.2f} ms", flush=True)
+            return result
+
+        return run
+
+    # The variant list in order, --repeats times (each child a fresh process).
+    samples = _harness.interleave({f"{kind}/{variant}": sample(kind, variant) for kind in kinds
+                                   for variant in args.variants}, args.repeats, rotate=False)  # fmt: skip
+    rows = [combine(group, SPECS[(key.split("/")[0], args.size)].batch) for key, group in samples.items()]
     add_ratios(rows)
     checks = check_targets(rows, args.device)
-    print_table(rows, args.device)
+    print(table(rows, pad=True))
+    print(NOTE + ("\n" + CPU_NOTE if args.device == "cpu" else ""))
     for check in checks:
         print(f"target [{check['model']}] {check['target']}: {check['value']:.3f} -> "
               f"{'MET' if check['met'] else 'NOT MET'}")
-
-    import lightning
-    import torch
-
     result = {
         "benchmark": "step",
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else cpu_model(),
-        "device_type": args.device,
+        "command": _harness.command(argv),
+        **_harness.machine(args.device),
         "threads": args.threads,
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "python": platform.python_version(),
         "size": args.size,
         "specs": {kind: vars(SPECS[(kind, args.size)]) for kind in kinds},
         "steps": args.steps,
@@ -596,8 +625,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         "rows": rows,
         "targets": checks,
     }
-    out = args.out or Path(__file__).parent / "results" / f"step_{args.device}.json"
-    write_json(out, result, default=str)
+    out = args.out or _harness.default_out(f"step_{args.device}")
+    _harness.save(out, result, {"": table(rows) + "\n\n" + NOTE}, default=str)
     return result
 
 

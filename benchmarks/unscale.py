@@ -28,9 +28,7 @@ Without CUDA (and without ``--check``) it prints why and exits: no number here i
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -43,7 +41,9 @@ if CHECK:
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's lightning_mpx, without PYTHONPATH
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness  # noqa: E402
 from lightning_mpx.unscale import UnscaleWorkspace, cast_copy_, foreach_check_and_unscale_, unscale_grads_  # noqa: E402
 
 Shapes = list[tuple[int, ...]]
@@ -243,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sets", default=",".join(SETS), help="comma-separated: " + ", ".join(SETS))
     parser.add_argument("--dtypes", default="float32,float16,bfloat16")
     parser.add_argument("--no-sweep", action="store_true", help="skip the many-small-tensors sweep")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "unscale.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: benchmarks/results/unscale.json (--check writes only where --out says)")
     parser.add_argument("--check", action="store_true", help="run a tiny case in triton's interpreter (no GPU)")
     args = parser.parse_args(argv)
 
@@ -278,17 +279,16 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append({"set": f"sweep {count}x{size}", **row})
                 torch.cuda.empty_cache()
     result = {
-        "device": torch.cuda.get_device_name(device),
-        "torch": torch.__version__,
+        "benchmark": "unscale",
+        "command": _harness.command(argv),
+        **_harness.machine("cuda"),
         "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
         "copy_bandwidth_GBps": bw,
         "repeats": args.repeats,
         "warmup": args.warmup,
         "rows": rows,
     }
-    report(result, args.out)
+    report(result, args.out or _harness.default_out("unscale"))
     return 0
 
 
@@ -311,29 +311,27 @@ def check(args: argparse.Namespace) -> int:
     torch.testing.assert_close(norm, twin_norm, rtol=1e-5, atol=0)
     for a, b in zip(grads, twin):
         torch.testing.assert_close(a, b, rtol=2e-3, atol=0)
-    result = {"device": "cpu (triton interpreter, --check: not a measurement)", "copy_bandwidth_GBps": None,
-              "rows": rows}
-    report(result, None)
+    result = {"benchmark": "unscale", "command": _harness.command(),
+              **_harness.machine(device="cpu (triton interpreter, --check: not a measurement)"),
+              "copy_bandwidth_GBps": None, "rows": rows}  # fmt: skip
+    report(result, args.out)
     print("check passed")
     return 0
 
 
 def report(result: dict, out: Path | None) -> None:
+    """Print the rows as a table; with ``out``, write the result there (JSON, and the table as markdown beside)."""
     bw = result["copy_bandwidth_GBps"]
     print(f"device: {result['device']}" + (f"; copy bandwidth {bw:.0f} GB/s" if bw else ""))
-    header = f"{'set':<20} {'dtype':<9} {'variant':<13} {'tensors':>7} {'fused ms':>9} {'torch ms':>9} " \
-             f"{'speedup':>7} {'GB/s':>7} {'% copy':>6}"
-    print(header)
-    print("-" * len(header))
-    for r in result["rows"]:
-        pct = f"{r['pct_of_copy_bandwidth']:6.0f}" if bw else f"{'-':>6}"
-        gbps = f"{r['fused_GBps']:7.0f}" if bw else f"{'-':>7}"
-        print(f"{r['set']:<20} {r['dtype']:<9} {r['variant']:<13} {r['tensors']:>7} {r['fused_ms']:9.3f} "
-              f"{r['torch_ms']:9.3f} {r['speedup']:7.2f} {gbps} {pct}")
+    table = _harness.markdown_table(
+        ["set", "dtype", "variant", "tensors", "fused ms", "torch ms", "speed-up", "GB/s", "% copy"],
+        [[r["set"], r["dtype"], r["variant"], r["tensors"], f"{r['fused_ms']:.3f}", f"{r['torch_ms']:.3f}",
+          f"{r['speedup']:.2f}x", f"{r['fused_GBps']:.0f}" if bw else None,
+          f"{r['pct_of_copy_bandwidth']:.0f}" if bw else None] for r in result["rows"]],
+        align="lll" + "r" * 6)  # fmt: skip
+    print(table)
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out}")
+        _harness.save(out, result, {f"fused against torch; copy bandwidth {bw or 0:.0f} GB/s": table})
 
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import _harness  # noqa: E402
 import convergence  # noqa: E402
 import engine_overhead  # noqa: E402
-import mirror_check  # noqa: E402
 import step  # noqa: E402
 
 STEP_FIELDS = {
@@ -137,7 +137,8 @@ def test_convergence_variant_names_and_bad_flags():
 
 def test_engine_overhead_rows(tmp_path):
     out = tmp_path / "eo.json"
-    result = engine_overhead.main(["--params", "6", "--steps", "3", "--repeats", "1", "--out", str(out)])
+    result = engine_overhead.main(["--parts", "engine", "telemetry", "--params", "6", "--steps", "3", "--repeats",
+                                   "1", "--out", str(out)])  # fmt: skip
     assert [r["opt_level"] for r in json.loads(out.read_text())["rows"]] == ["O1", "O2"]
     assert all(r["parameters"] == 6 and r["engine_us_per_step"] > 0 for r in result["rows"])
     telemetry = result["telemetry_rows"]
@@ -145,23 +146,28 @@ def test_engine_overhead_rows(tmp_path):
     # --telemetry-every 10 by default, two "on" engines: 2 warm-up requests each, then iteration 20 (of 20-22).
     assert all(r["logging_iterations"] == 2 and r["measurements"] == 6 for r in telemetry)
     assert all(r["off_us_median"] > 0 and r["on_nonlogging_us_median"] > 0 for r in telemetry)
+    assert result["forensics_rows"] == [] and result["write_check_rows"] == []  # parts not asked for: not run
+    assert "| O2 | 6 |" in out.with_suffix(".md").read_text()
 
 
-def test_mirror_check_rows(tmp_path):
+def test_engine_overhead_write_check_rows(tmp_path):
+    """The ``writes`` part (O2's check for writes to the half model; it was benchmarks/mirror_check.py)."""
     out = tmp_path / "mc.json"
-    result = mirror_check.main(["--params", "4", "--calls", "2", "--repeats", "1", "--out", str(out)])
-    cases = [r["case"] for r in json.loads(out.read_text())["rows"]]
+    result = engine_overhead.main(["--parts", "writes", "--params", "4", "--steps", "2", "--repeats", "1",
+                                   "--out", str(out)])  # fmt: skip
+    cases = [r["case"] for r in json.loads(out.read_text())["write_check_rows"]]
     assert cases == ["nothing", "data_read", "data_clamp", "values_nothing", "values_clamp", "pattern_read",
                      "pattern_clamp"]  # fmt: skip
-    assert all(r["params"] == 4 and r["us_median"] > 0 for r in result["rows"])
+    assert all(r["params"] == 4 and r["us_median"] > 0 for r in result["write_check_rows"])
 
 
-def test_forensics_overhead_rows(tmp_path):
-    import forensics_overhead
-
+def test_engine_overhead_forensics_rows(tmp_path):
+    """The ``forensics`` part (a clean step, an iteration and an overflow step, unwatched and watched; it was
+    benchmarks/forensics_overhead.py)."""
     out = tmp_path / "fo.json"
-    forensics_overhead.main(["--layers", "2", "--steps", "2", "--repeats", "1", "--out", str(out)])
-    rows = json.loads(out.read_text())["rows"]
+    engine_overhead.main(["--parts", "forensics", "--levels", "O2", "--layers", "2", "--steps", "2", "--repeats", "1",
+                          "--out", str(out)])  # fmt: skip
+    rows = json.loads(out.read_text())["forensics_rows"]
     assert [(r["row"], r["diagnose"]) for r in rows] == [
         (row, diagnose) for diagnose in ("off", "watched") for row in ("clean-step", "iteration", "overflow-step")
     ]
@@ -249,15 +255,75 @@ def test_cast_instructions_rows_subtract_the_base_process_and_divide_by_steps():
         cast_instructions.main(["--steps", "0"])
 
 
-def test_policy_backward_rows(tmp_path):
-    import policy_backward
+def test_gpu_host_profile_check_runs_its_code_path_on_cpu(tmp_path):
+    """gpu_host_profile.py --check: every variant's loop (step.loop_step) and both profilers on CPU; a CUDA run is
+    the only measurement, so the file says it measured nothing."""
+    import gpu_host_profile
 
-    result = policy_backward.main(["--model", "tiny", "--rounds", "2", "--steps", "1", "--out",
-                                   str(tmp_path / "pb.json")])
-    entry, cache, mode = result["rows"]
-    assert set(mode["us"]) == {"policy.backward", "loss.backward"} and mode["model"] == "tiny" and mode["ratio"] > 0
-    assert set(entry["us"]) == {"policy.backward", "loss.backward"} and entry["ratio"] > 0
-    assert set(cache["us"]) == {"held", "dropped"} and cache["model"] == "tiny" and len(cache["ratio_iqr"]) == 2
-    assert json.loads((tmp_path / "pb.json").read_text())["rows"] == json.loads(json.dumps(result["rows"]))
-    with pytest.raises(SystemExit):
-        policy_backward.main(["--rounds", "1"])
+    out = tmp_path / "hp.json"
+    assert gpu_host_profile.main(["--check", "--steps", "1", "--warmup", "0", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["check"] and "measures nothing" in result["device"]
+    assert [r["variant"] for r in result["rows"]] == list(gpu_host_profile.CHECK_VARIANTS)
+    assert all(r["host_ms"] > 0 and r["step_ms"] > 0 for r in result["rows"])
+    assert result["profiled"] == "core-O1-bf16" and "lightning_mpx" in result["python_profile"]
+
+
+def test_harness_interleave_rotates_and_pairs_within_rounds():
+    """Each round starts one variant later, so every variant runs first as often as the others; a paired ratio
+    divides samples of the same round."""
+    order: list[str] = []
+    samples = _harness.interleave({v: (lambda v=v: order.append(v) or len(order)) for v in "abc"}, 3,
+                                  warmup_rounds=1)  # fmt: skip
+    assert order == list("abc" "bca" "cab" "abc")  # the first round warms up and is dropped
+    assert samples == {"a": [6, 8, 10], "b": [4, 9, 11], "c": [5, 7, 12]}
+    assert _harness.interleave({"x": lambda: 1, "y": lambda: 2}, 2, rotate=False) == {"x": [1, 1], "y": [2, 2]}
+    ratio = _harness.paired([2.0, 4.0, 9.0, 8.0], [1.0, 2.0, 3.0, 4.0])
+    assert ratio.median == 2.0 and ratio.low <= 2.0 <= ratio.high and ratio.text(suffix="x").startswith("2.000x (")
+    assert _harness.paired([3.0], [1.0], difference=True) == _harness.Spread(2.0, 2.0, 2.0)
+    with pytest.raises(ValueError, match="one length"):
+        _harness.paired([1.0], [1.0, 2.0])
+
+
+def test_harness_tables_and_result_files(tmp_path):
+    table = _harness.markdown_table(["variant", "ms"], [["a", "1.50"], ["bb", None]])
+    assert table == "| variant | ms |\n|---|---:|\n| a | 1.50 |\n| bb | - |"
+    padded = _harness.markdown_table(["variant", "ms"], [["a", "1.50"]], pad=True).splitlines()
+    assert len({len(line) for line in padded}) == 1 and padded[1] == "| ------- | ---: |"
+    with pytest.raises(ValueError, match="2 columns"):
+        _harness.markdown_table(["a", "b"], [["only one"]])
+    machine = _harness.machine()
+    assert machine["device"] == _harness.cpu_model() and machine["torch"] and machine["lightning_mpx"]
+    _harness.save(tmp_path / "r.json", {"benchmark": "x", **machine}, {"title": table})
+    assert json.loads((tmp_path / "r.json").read_text())["benchmark"] == "x"
+    assert "## title" in (tmp_path / "r.md").read_text() and table in (tmp_path / "r.md").read_text()
+
+
+_HELP = """
+import contextlib, io, json, runpy, sys
+answers = {}
+for path in sys.argv[1:]:
+    sys.path.insert(0, path.rsplit("/", 1)[0])  # as `python benchmarks/<script>` puts its folder first
+    sys.argv = [path, "--help"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            runpy.run_path(path, run_name="__main__")
+            code = None
+        except SystemExit as stop:
+            code = stop.code
+    answers[path] = [code, out.getvalue()[:200]]
+print(json.dumps(answers))
+"""
+
+
+def test_every_script_answers_help():
+    """``python benchmarks/<script> --help`` works for every script (in one process: importing torch once)."""
+    scripts = sorted(str(p) for p in (ROOT / "benchmarks").glob("[!_]*.py"))
+    done = subprocess.run([sys.executable, "-c", _HELP, *scripts], capture_output=True, text=True, timeout=180,
+                          cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    answers = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(answers) == len(scripts) >= 9
+    for script, (code, text) in answers.items():
+        assert code in (0, None) and text.startswith("usage:"), (script, code, text)
