@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                                              args.warmup, sync)}  # fmt: skip
         row["host_share"] = row["host_ms"] / row["step_ms"]
         rows.append(row)
-        print(f"{variant:16} host {row['host_ms']:8.2f} ms  step {row['step_ms']:8.2f} ms  share {row['host_share']:.2f}")
+        print(f"{variant:16} host {row['host_ms']:8.2f} ms  step {row['step_ms']:8.2f} ms  "
+              f"share {row['host_share']:.2f}")
         if device_type == "cuda":
             torch.cuda.empty_cache()
     step = make_step(profiled, dev, args.model, size)
