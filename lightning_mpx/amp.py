@@ -961,6 +961,7 @@ class Amp:
         that finds them as the unscale left them compares one tuple."""
         if self._grad_marks(state) != state.unscaled_marks:
             self._leftovers(state)
+            state.unscaled_marks = self._grad_marks(state)  # taken: a later check looks for later writes only
 
     def _grad_marks(self, state: _OptimizerState) -> tuple[tuple[int, int] | None, ...]:
         """Identity and version of each half parameter's gradient (``None`` where it has none), in pair order."""
