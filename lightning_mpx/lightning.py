@@ -40,6 +40,7 @@ __all__ = ["MixedPrecisionPlugin"]
 
 #: Strategies whose model is one ordinary module per process, the kind this plugin converts and steps.
 _SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
+_DEFAULT_BACKWARD = _pl.LightningModule.backward
 #: The ``interval`` of a per-step scheduler config while its optimizer's step was skipped: no ``interval`` the loop
 #: updates, so the loop leaves it alone until the next batch.
 _HELD_INTERVAL = "step (held: the optimizer skipped its step)"
@@ -255,8 +256,15 @@ class MixedPrecisionPlugin(Precision):
         scaled loss goes to the LightningModule's ``backward`` hook, as with Lightning's own precision plugins."""
         with _casts_off():  # a manual backward runs inside the training step's cast scope
             scaled = self.amp.scale_loss(tensor, loss_id)
-            # Always through the hook, never around it: whether the module overrides it cannot be told from the
-            # outside (a profiler, a callback or mock.patch.object(..., wraps=...) wraps the default one).
+            policy = self.amp.policy
+            hook = getattr(model, "backward", None)
+            if policy is not None and getattr(hook, "__func__", None) is _DEFAULT_BACKWARD and not model._fabric:
+                # The hook is LightningModule.backward itself, neither overridden nor wrapped: its body,
+                # loss.backward(), in the policy's recompute scope without a call into the policy's hook. Anything
+                # else (an override, or a wrapper over the default such as mock.patch.object(..., wraps=...), which
+                # Lightning's is_overridden sees through) is called.
+                policy.backward(scaled, *args, **kwargs)
+                return
             with self.amp.backward_context():  # activation checkpointing recomputes with the forward's casts
                 model.backward(scaled, *args, **kwargs)
 

@@ -20,6 +20,7 @@ import inspect
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -302,15 +303,23 @@ def test_a_pickled_plugin_starts_afresh_and_keeps_a_subclass_attributes():
 
 def test_ddp_spawn_two_processes_train_as_one_process_on_the_global_batches(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), MPX_OUT=str(tmp_path), MPX_LEVELS="O1")
-    proc = subprocess.run(
+    # A session of its own: on a timeout the spawned processes go with the script (killed by its group id).
+    proc = subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / "ddp_spawn_script.py")],
         cwd=tmp_path,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=240,
+        start_new_session=True,
     )
-    assert proc.returncode == 0, f"exit code {proc.returncode}; stderr ends with:\n{proc.stderr[-3000:]}"
+    try:
+        _, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        pytest.fail(f"ddp_spawn_script.py timed out; stderr ends with:\n{stderr[-3000:]}")
+    assert proc.returncode == 0, f"exit code {proc.returncode}; stderr ends with:\n{stderr[-3000:]}"
     ranks = [json.loads((tmp_path / f"O1_rank{r}.json").read_text()) for r in (0, 1)]
     main = json.loads((tmp_path / "O1_main.json").read_text())
     for rank in ranks:
