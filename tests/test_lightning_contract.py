@@ -31,6 +31,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import nn
 
 from lightning_mpx import CastTable, MixedPrecisionPlugin
@@ -44,14 +45,18 @@ HALVES: dict[str, dict[str, Any]] = {
     "fp16": dict(half_dtype="float16"),
     "bf16": dict(half_dtype="bfloat16", loss_scale="dynamic"),
 }
-#: Lightning's own precision for the same half dtype.
-LIGHTNING_OWN = {"fp16": "16-mixed", "bf16": "bf16-mixed"}
 CASES = [pytest.param(level, half, id=f"{level}-{half}") for level in ("O1", "O2") for half in ("fp16", "bf16")]
 SCALE = 1024.0
 
 
 def _plugin(level: str, half: str, **kwargs: Any) -> MixedPrecisionPlugin:
     return MixedPrecisionPlugin(level, init_scale=SCALE, **{**HALVES[half], **kwargs})
+
+
+def _lightning_own(half: str) -> str | Precision:
+    """Lightning's own mixed precision for ``half``. On CPU, ``precision="16-mixed"`` falls back to "bf16-mixed"
+    (with a warning): the plugin built by hand runs float16 autocast with a GradScaler."""
+    return MixedPrecision("16-mixed", "cpu") if half == "fp16" else "bf16-mixed"
 
 
 def _lightning_trainer(precision: str, **kwargs: Any) -> pl.Trainer:
@@ -69,8 +74,8 @@ def _lightning_trainer(precision: str, **kwargs: Any) -> pl.Trainer:
     return pl.Trainer(precision=precision, **settings)
 
 
-def _trainer(run: str | MixedPrecisionPlugin, **kwargs: Any) -> pl.Trainer:
-    """A Trainer with the plugin, or with Lightning's own precision named by ``run``."""
+def _trainer(run: str | Precision, **kwargs: Any) -> pl.Trainer:
+    """A Trainer with a precision plugin (the plugin, or one of Lightning's), or Lightning's precision named ``run``."""
     return _lightning_trainer(run, **kwargs) if isinstance(run, str) else make_trainer(run, **kwargs)
 
 
@@ -103,14 +108,14 @@ def test_backward_override_gets_the_scaled_loss_every_step(level, half):
 
 @pytest.mark.parametrize("level,half", CASES)
 def test_a_wrapped_default_backward_is_called(level, half):
-    def calls(run: str | MixedPrecisionPlugin) -> int:
+    def calls(run: str | Precision) -> int:
         model = Classifier()
         # A wrapper over the default hook: Lightning's is_overridden() sees through it.
         with mock.patch.object(model, "backward", wraps=model.backward) as backward:
             _trainer(run, max_steps=2).fit(model, loader(classification_data(n=32)))
         return backward.call_count
 
-    assert calls(_plugin(level, half)) == calls(LIGHTNING_OWN[half]) == calls("32-true") == 2
+    assert calls(_plugin(level, half)) == calls(_lightning_own(half)) == calls("32-true") == 2
 
 
 def _hook_names() -> list[str]:
@@ -150,7 +155,7 @@ class _HookOrder(Classifier):
         return {"loss": loss}
 
 
-def _hook_order(run: str | MixedPrecisionPlugin, automatic: bool) -> list[str]:
+def _hook_order(run: str | Precision, automatic: bool) -> list[str]:
     calls: list[str] = []
     callback = pl.Callback()
     callback_hooks = [n for n, _ in inspect.getmembers(pl.Callback, inspect.isfunction) if n.startswith("on_")]
@@ -165,7 +170,7 @@ def _hook_order(run: str | MixedPrecisionPlugin, automatic: bool) -> list[str]:
 def test_hook_order_is_lightnings_own(level, half, automatic):
     plugin_order = _hook_order(_plugin(level, half), automatic)
     assert plugin_order.count("backward") == 2
-    assert plugin_order == _hook_order(LIGHTNING_OWN[half], automatic)
+    assert plugin_order == _hook_order(_lightning_own(half), automatic)
 
 
 # -- 2. learning-rate schedulers -------------------------------------------------------------------------------------
@@ -213,7 +218,7 @@ class _EpochScheduler:
         self.gamma, self.base = state["gamma"], list(state["base"])
 
 
-def _final_lr(run: str | MixedPrecisionPlugin, kind: str, steps: int, inject_inf_at: tuple[int, ...] = ()) -> tuple:
+def _final_lr(run: str | Precision, kind: str, steps: int, inject_inf_at: tuple[int, ...] = ()) -> tuple:
     model = _SchedulerHook(kind, inject_inf_at)
     trainer = _trainer(run, max_steps=steps)
     trainer.fit(model, loader(classification_data(n=64)))
@@ -350,12 +355,12 @@ class _ClipHook(Classifier):
 
 @pytest.mark.parametrize("level,half", CASES)
 def test_clipping_override_sees_unscaled_gradients_and_clips_the_models(level, half):
-    def run(which: str | MixedPrecisionPlugin) -> _ClipHook:
+    def run(which: str | Precision) -> _ClipHook:
         model = _ClipHook()
         _trainer(which, max_steps=1, gradient_clip_val=0.05).fit(model, loader(classification_data(n=16)))
         return model
 
-    plugin, own, fp32 = run(_plugin(level, half)), run(LIGHTNING_OWN[half]), run("32-true")
+    plugin, own, fp32 = run(_plugin(level, half)), run(_lightning_own(half)), run("32-true")
     assert fp32.before[0] > 0.05  # the clip is active
     assert plugin.before[0] == pytest.approx(own.before[0], rel=2e-2)  # not times the scale (1024)
     assert plugin.before[0] == pytest.approx(fp32.before[0], rel=2e-2)
@@ -496,7 +501,7 @@ class _ManualClip(Classifier):
 
 @pytest.mark.parametrize("level,half", CASES)
 def test_manual_optimization_clips_unscaled_gradients(level, half):
-    def run(which: str | MixedPrecisionPlugin) -> _ManualClip:
+    def run(which: str | Precision) -> _ManualClip:
         model = _ManualClip()
         _trainer(which, max_steps=3).fit(model, loader(classification_data(n=48)))
         return model
