@@ -244,18 +244,34 @@ def test_a_skipped_step_holds_the_schedule(level, half, kind):
     assert (lr, calls) == _final_lr("32-true", kind, steps=3) == (0.125, 3)
 
 
+class _SeesConfigs(pl.Callback):
+    """Records, at each batch start, whether the Trainer's scheduler config is the one Lightning built, as it was."""
+
+    def __init__(self) -> None:
+        self.original: Any = None
+        self.seen: list[bool] = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.original = trainer.lr_scheduler_configs[0]
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        config = trainer.lr_scheduler_configs[0]
+        self.seen.append(config is self.original and config.interval == "step")
+
+
 def test_the_schedule_is_held_for_one_batch_only_and_logged_at_every_step():
     plugin = _plugin("O1", "fp16")
     logger = RecordingLogger()
+    configs = _SeesConfigs()
     monitor = pl.callbacks.LearningRateMonitor(logging_interval="step")
     model = Classifier(inject_inf_at=(1,), lr=1.0, scheduler=True)
-    trainer = make_trainer(plugin, max_steps=4, logger=logger, log_every_n_steps=1, callbacks=[monitor])
+    trainer = make_trainer(plugin, max_steps=4, logger=logger, log_every_n_steps=1, callbacks=[configs, monitor])
     trainer.fit(model, loader(classification_data(n=64)))
     assert plugin.amp.skipped_steps == [1]
-    # LearningRateMonitor reads the configs at each batch start, the one after the skipped step included.
+    # Callbacks find Lightning's own config at every batch start, the one after the skipped step included.
+    assert configs.seen == [True] * 4
     assert [metrics["lr-SGD"] for _, metrics in logger.logged if "lr-SGD" in metrics] == [1.0, 0.5, 0.5, 0.25]
-    config = trainer.lr_scheduler_configs[0]
-    assert config.interval == "step" and isinstance(config.scheduler, torch.optim.lr_scheduler.StepLR)
+    assert trainer.lr_scheduler_configs[0] is configs.original
 
 
 # -- 3. pickling, ddp_spawn ------------------------------------------------------------------------------------------
