@@ -434,6 +434,27 @@ def test_gradients_unscaled_for_the_hooks_and_clipped_on_the_module(level, half,
     assert model.checks == 4  # after the clip and in the optimizer, at each of the two steps
 
 
+@pytest.mark.parametrize("owner", ["module", "callback"])
+@pytest.mark.parametrize("level,half", CASES)
+def test_a_wrapper_over_the_default_gradient_hook_sees_unscaled_gradients(level, half, owner):
+    # A profiler or a hook recorder that wraps on_before_optimizer_step on the instance and reads the gradients in its
+    # wrapper: Lightning's is_overridden() sees the default hook through it.
+    model, callback = Classifier(), pl.Callback()
+    seen: list[float] = []
+    target = model if owner == "module" else callback
+    hook = target.on_before_optimizer_step
+
+    @functools.wraps(hook)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        seen.append(_norm(p.grad for p in model.parameters()))
+        return hook(*args, **kwargs)
+
+    target.on_before_optimizer_step = wrapper
+    data = classification_data(n=16)
+    make_trainer(_plugin(level, half), max_steps=1, callbacks=[callback]).fit(model, loader(data))
+    assert seen == [pytest.approx(_norm(_true_gradients(data)), rel=2e-2)]
+
+
 class _Recorder(torch.optim.SGD):
     """SGD that records the gradients it steps with (at O2: the FP32 masters')."""
 
