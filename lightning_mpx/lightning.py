@@ -6,10 +6,15 @@ A :class:`lightning.pytorch.plugins.Precision` that hands every precision decisi
 * the O1 cast policy is active in training, validation, test and predict steps (at O2, the policy that runs loss
   functions in FP32); at O2/O3 the model is converted before the strategy wraps it, and its inputs and outputs are
   cast at the model's boundary (Apex's behaviour: the model sees half inputs, the loss sees FP32 outputs);
-* backward scales the loss (``self.manual_backward(loss, loss_id=1)`` picks a loss's own scaler);
-* the optimizer step unscales once, clips the unscaled gradients, skips on overflow (also the learning-rate
-  scheduler's step), and the scale is updated once per iteration;
-* ``mpx/*`` metrics reach the Trainer's loggers at its logging cadence, and the plugin's state goes into checkpoints.
+* backward scales the loss and hands it to the LightningModule's ``backward`` hook
+  (``self.manual_backward(loss, loss_id=1)`` picks a loss's own scaler);
+* the optimizer step unscales once (before the hooks that read gradients: ``on_before_optimizer_step``,
+  ``configure_gradient_clipping``), clips the unscaled gradients (at O2 the model's own gradients show the clipped
+  values too), skips on overflow, and the scale is updated once per iteration. On a skipped step the loop does not
+  call ``lr_scheduler_step`` for that optimizer's per-step schedulers, which the hook receives as the user's own
+  objects;
+* ``mpx/*`` metrics reach the Trainer's loggers at its logging cadence, and the plugin's state goes into checkpoints;
+* the plugin pickles as its settings (``strategy="ddp_spawn"``): each process starts a fresh engine.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ __all__ = ["MixedPrecisionPlugin"]
 
 #: Strategies whose model is one ordinary module per process, the kind this plugin converts and steps.
 _SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
+#: Lightning's own ``backward`` hook: the plugin runs its body directly (see :meth:`MixedPrecisionPlugin.backward`).
 _DEFAULT_BACKWARD = _pl.LightningModule.backward
 #: The ``interval`` of a per-step scheduler config while its optimizer's step was skipped: no ``interval`` the loop
 #: updates, so the loop leaves it alone until the next batch.
@@ -236,9 +242,9 @@ class MixedPrecisionPlugin(Precision):
         if self._held:
             trainer = _trainer_of(self._module) if self._module is not None else None
             if trainer is None or trainer.training:
-                # The first call into the plugin for a new training batch, before on_train_batch_start (where
-                # LearningRateMonitor reads the configs); validation batches in between keep the hold in place,
-                # for the loop's update of plateau schedulers after validation.
+                # The first call into the plugin for a new training batch, before the on_train_batch_start hooks
+                # (callbacks such as LearningRateMonitor read the configs there); validation batches in between keep
+                # the hold in place, for the loop's update of plateau schedulers after validation.
                 self._release_schedulers()
         return super().convert_input(data)
 
@@ -258,7 +264,8 @@ class MixedPrecisionPlugin(Precision):
             scaled = self.amp.scale_loss(tensor, loss_id)
             policy = self.amp.policy
             hook = getattr(model, "backward", None)
-            if policy is not None and getattr(hook, "__func__", None) is _DEFAULT_BACKWARD and not model._fabric:
+            default = getattr(hook, "__func__", None) is _DEFAULT_BACKWARD
+            if policy is not None and default and not getattr(model, "_fabric", None):
                 # The hook is LightningModule.backward itself, neither overridden nor wrapped: its body,
                 # loss.backward(), in the policy's recompute scope without a call into the policy's hook. Anything
                 # else (an override, or a wrapper over the default such as mock.patch.object(..., wraps=...), which
@@ -389,7 +396,7 @@ class MixedPrecisionPlugin(Precision):
     def _hooks_read_gradients(self, model: Any) -> bool:
         """Whether the LightningModule implements ``on_before_optimizer_step`` or ``configure_gradient_clipping``
         (which reads the gradients and may clip them itself), or a callback implements ``on_before_optimizer_step``."""
-        if self._overridden(model, "on_before_optimizer_step") or self._overridden(model, "configure_gradient_clipping"):
+        if any(self._overridden(model, name) for name in ("on_before_optimizer_step", "configure_gradient_clipping")):
             return True
         base = _pl.Callback.on_before_optimizer_step
         return any(

@@ -319,7 +319,8 @@ def test_a_pickled_plugin_starts_afresh_and_keeps_a_subclass_attributes():
     for clone in (copied, pickle.loads(pickle.dumps(plugin))):
         assert type(clone) is _Tagged and clone.tag == "mine"
         # The settings, not the run: the state of a run is in its checkpoints.
-        assert clone.amp.scalers[0].get_scale() == SCALE and clone.amp.master_weights == [] and clone.amp is not plugin.amp
+        assert clone.amp is not plugin.amp and clone.amp.master_weights == []
+        assert clone.amp.scalers[0].get_scale() == SCALE
 
 
 def test_ddp_spawn_two_processes_train_as_one_process_on_the_global_batches(tmp_path):
@@ -363,7 +364,9 @@ class _ClipHook(Classifier):
         self.before: list[float] = []
         self.after: list[float] = []
 
-    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None) -> None:
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None
+    ) -> None:
         self.before.append(_norm(p.grad for p in self.parameters()))
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
         self.after.append(_norm(p.grad for p in self.parameters()))
@@ -478,7 +481,9 @@ def _true_gradients(data: Any) -> list[torch.Tensor]:
 def test_clipping_override_of_its_own_acts_on_unscaled_gradients(level, half):
     # Lightning's test_lightning_module_configure_gradient_clipping: the override clamps the optimizer's gradients.
     class Clamps(Classifier):
-        def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any, gradient_clip_algorithm: Any) -> None:
+        def configure_gradient_clipping(
+            self, optimizer: Any, gradient_clip_val: Any, gradient_clip_algorithm: Any
+        ) -> None:
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     p.grad.clamp_(min=0, max=1e-2)
