@@ -499,6 +499,8 @@ class Amp:
         if state.stage is not _Stage.UNSCALED:
             self._unscale(state, max_norm=float(max_norm))
         else:
+            if self.master_weights:
+                self._follow_cleared_grads(state)  # the model's gradients, written since the unscale, are clipped
             state.grad_norm = _clip_unscaled(self._unscaled_params(optimizer), float(max_norm))
         assert state.grad_norm is not None
         self._grad_norms[state.loss_id or 0] = state.grad_norm
@@ -509,6 +511,8 @@ class Amp:
         state = self._state(optimizer)
         if state.stage is not _Stage.UNSCALED:
             self._unscale(state)
+        elif self.master_weights:
+            self._follow_cleared_grads(state)  # as in clip_grad_norm_
         params = self._unscaled_params(optimizer)
         if params:  # torch's clip refuses an empty list
             torch.nn.utils.clip_grad_value_(params, clip_value)
@@ -957,6 +961,7 @@ class Amp:
         that finds them as the unscale left them compares one tuple."""
         if self._grad_marks(state) != state.unscaled_marks:
             self._leftovers(state)
+            state.unscaled_marks = self._grad_marks(state)  # taken: a later check looks for later writes only
 
     def _grad_marks(self, state: _OptimizerState) -> tuple[tuple[int, int] | None, ...]:
         """Identity and version of each half parameter's gradient (``None`` where it has none), in pair order."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from types import MappingProxyType, ModuleType
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import torch
 from torch.overrides import handle_torch_function, has_torch_function
@@ -46,6 +46,14 @@ class CastEntry:
     @property
     def qualified_name(self) -> str:
         return f"{self.namespace}.{self.name}"
+
+
+class _OpName(NamedTuple):
+    """A ``torch.ops`` operator by name, as a pickled table holds it."""
+
+    namespace: str
+    name: str
+    overload: str | None
 
 
 class CastTable:
@@ -92,6 +100,34 @@ class CastTable:
         other = CastTable()
         other._entries = dict(self._entries)
         return other
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Rows by name where a namespace holds the function: not every torch function can be pickled itself
+        # (F.max_pool2d is a local function of boolean_dispatch, Tensor.pow is found as TensorBase.pow).
+        # (torch.ops operators cannot be pickled either: they are found again by name.)
+        rows = []
+        for entry in self._entries.values():
+            function: Any = entry.function
+            owner = _NAMESPACES.get(entry.namespace)
+            if owner is not None and getattr(owner, entry.name, None) is function:
+                function = None
+            elif isinstance(function, torch._ops.OpOverload):
+                function = _OpName(function.namespace, function._opname, function._overloadname)
+            elif isinstance(function, torch._ops.OpOverloadPacket):
+                function = _OpName(*function._qualified_op_name.split("::"), None)
+            rows.append((entry.namespace, entry.name, function, entry.category))
+        return {"rows": rows}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._entries = {}
+        self._version = 0
+        for namespace, name, function, category in state["rows"]:
+            if function is None:
+                function = getattr(_NAMESPACES[namespace], name)
+            elif isinstance(function, _OpName):
+                packet = getattr(getattr(torch.ops, function.namespace), function.name)
+                function = packet if function.overload is None else getattr(packet, function.overload)
+            self._add(CastEntry(namespace, name, function, category))
 
     # -- registration -------------------------------------------------------------------------------------------
     def register(self, function: Callable[..., Any], category: str) -> None:

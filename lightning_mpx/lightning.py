@@ -6,10 +6,15 @@ A :class:`lightning.pytorch.plugins.Precision` that hands every precision decisi
 * the O1 cast policy is active in training, validation, test and predict steps (at O2, the policy that runs loss
   functions in FP32); at O2/O3 the model is converted before the strategy wraps it, and its inputs and outputs are
   cast at the model's boundary (Apex's behaviour: the model sees half inputs, the loss sees FP32 outputs);
-* backward scales the loss (``self.manual_backward(loss, loss_id=1)`` picks a loss's own scaler);
-* the optimizer step unscales once, clips the unscaled gradients, skips on overflow (also the learning-rate
-  scheduler's step), and the scale is updated once per iteration;
-* ``mpx/*`` metrics reach the Trainer's loggers at its logging cadence, and the plugin's state goes into checkpoints.
+* backward scales the loss and hands it to the LightningModule's ``backward`` hook
+  (``self.manual_backward(loss, loss_id=1)`` picks a loss's own scaler);
+* the optimizer step unscales once (before the hooks that read gradients: ``on_before_optimizer_step``,
+  ``configure_gradient_clipping``), clips the unscaled gradients (at O2 the model's own gradients show the clipped
+  values too), skips on overflow, and the scale is updated once per iteration. On a skipped step the loop does not
+  call ``lr_scheduler_step`` for that optimizer's per-step schedulers, which the hook receives as the user's own
+  objects;
+* ``mpx/*`` metrics reach the Trainer's loggers at its logging cadence, and the plugin's state goes into checkpoints;
+* the plugin pickles as its settings (``strategy="ddp_spawn"``): each process starts a fresh engine.
 """
 
 from __future__ import annotations
@@ -40,6 +45,11 @@ __all__ = ["MixedPrecisionPlugin"]
 
 #: Strategies whose model is one ordinary module per process, the kind this plugin converts and steps.
 _SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
+#: Lightning's own ``backward`` hook: the plugin runs its body directly (see :meth:`MixedPrecisionPlugin.backward`).
+_DEFAULT_BACKWARD = _pl.LightningModule.backward
+#: The ``interval`` of a per-step scheduler config while its optimizer's step was skipped: no ``interval`` the loop
+#: updates, so the loop leaves it alone until the next batch.
+_HELD_INTERVAL = "step (held: the optimizer skipped its step)"
 
 
 class MixedPrecisionPlugin(Precision):
@@ -98,6 +108,7 @@ class MixedPrecisionPlugin(Precision):
         model_writes: str = "versions",
         **overrides: Any,
     ) -> None:
+        inherited = set(vars(self))  # a subclass's attributes set before this __init__ (kept by pickling)
         self._settings: dict[str, Any] = dict(
             half_dtype=half_dtype,
             num_losses=num_losses,
@@ -134,8 +145,25 @@ class MixedPrecisionPlugin(Precision):
         self._skipped: dict[int, bool] = {}
         self._update_pending = False
         self._log_step: int | None = None  # the step to log the mpx metrics at, once the scale is updated
+        # Per-step scheduler configs held out of the loop's scheduler update after a skipped step:
+        # (the strategy's config list, index, the config, its held copy in the list), until the next batch.
+        self._held: list[tuple[list[Any], int, Any, Any]] = []
         # is_overridden() answers per (LightningModule class, hook), asked anew in every fit (see _overridden).
         self._overrides: dict[tuple[type, str], bool] = {}
+        # Last: what this __init__ built, which pickling leaves out and rebuilds from the settings (__getstate__).
+        self._built_here = frozenset(vars(self)) - inherited | {"_built_here"}
+
+    # -- pickling ------------------------------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """The plugin's settings, not its run: ``strategy="ddp_spawn"`` pickles the Trainer into each new process,
+        where the plugin starts afresh (a new engine; the run's state, loss scales and FP32 masters, is restored from
+        checkpoints). A subclass's own attributes are kept."""
+        extra = {name: value for name, value in vars(self).items() if name not in self._built_here}
+        return {"opt_level": self._opt_level, "settings": dict(self._settings), "extra": extra}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        MixedPrecisionPlugin.__init__(self, state["opt_level"], **state["settings"])
+        self.__dict__.update(state["extra"])
 
     @property
     def opt_level(self) -> str:
@@ -170,8 +198,9 @@ class MixedPrecisionPlugin(Precision):
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
-        """Register the optimizers with the engine (O2: masters in place of the half parameters), make per-step
-        learning-rate schedulers skip with their optimizer, and set up cross-process overflow agreement."""
+        """Register the optimizers with the engine (O2: masters in place of the half parameters) and set up
+        cross-process overflow agreement. The learning-rate schedulers are left as they are: the hooks get the user's
+        own objects (a per-step schedule is held on a skipped step by not stepping it, see :meth:`optimizer_step`)."""
         trainer = _trainer_of(model)
         strategy = type(trainer.strategy).__name__ if trainer is not None else None
         if trainer is not None and not any(
@@ -194,15 +223,7 @@ class MixedPrecisionPlugin(Precision):
             self.amp.log_overflows = trainer.is_global_zero
             if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
                 self.amp.found_inf_reducer = _all_reduce_max
-        automatic = trainer is None or trainer.lightning_module.automatic_optimization
-        schedulers = [
-            # The wrapper stands in for the scheduler everywhere Lightning uses it (step, state_dict, optimizer).
-            dataclasses.replace(config, scheduler=_SkipAwareScheduler(config.scheduler, self._was_skipped))  # type: ignore[arg-type]
-            if automatic and isinstance(config, LRSchedulerConfig) and config.interval == "step"
-            else config
-            for config in lr_schedulers
-        ]
-        return model, optimizers, schedulers
+        return model, optimizers, lr_schedulers
 
     def forward_context(self) -> ContextManager[Any]:  # type: ignore[override]
         """``Amp.forward_context``: the O1 cast policy; at O2, loss functions in FP32; nothing at O0 and O3."""
@@ -213,7 +234,19 @@ class MixedPrecisionPlugin(Precision):
         # A new training step starts (``with plugin.train_step_context():`` enters it at once): the previous
         # iteration is over, so its scale update is due now.
         self._end_iteration()
+        self._release_schedulers()  # usually released at convert_input already (not called for a dataloader_iter)
         return self.forward_context()
+
+    def convert_input(self, data: Any) -> Any:
+        """The batch as it is; a new training batch also ends the previous step's hold on its schedulers."""
+        if self._held:
+            trainer = _trainer_of(self._module) if self._module is not None else None
+            if trainer is None or trainer.training:
+                # The first call into the plugin for a new training batch, before the on_train_batch_start hooks
+                # (callbacks such as LearningRateMonitor read the configs there); validation batches in between keep
+                # the hold in place, for the loop's update of plateau schedulers after validation.
+                self._release_schedulers()
+        return super().convert_input(data)
 
     # -- backward ------------------------------------------------------------------------------------------------
     def backward(  # type: ignore[override]
@@ -225,12 +258,18 @@ class MixedPrecisionPlugin(Precision):
         loss_id: int = 0,
         **kwargs: Any,
     ) -> None:
-        """Backward on the loss times the scale of ``loss_id`` (``self.manual_backward(loss, loss_id=1)``)."""
+        """Backward on the loss times the scale of ``loss_id`` (``self.manual_backward(loss, loss_id=1)``): the
+        scaled loss goes to the LightningModule's ``backward`` hook, as with Lightning's own precision plugins."""
         with _casts_off():  # a manual backward runs inside the training step's cast scope
             scaled = self.amp.scale_loss(tensor, loss_id)
             policy = self.amp.policy
-            if policy is not None and not self._overridden(model, "backward") and not getattr(model, "_fabric", None):
-                # LightningModule.backward's loss.backward(), in the policy's recompute scope without a hook call
+            hook = getattr(model, "backward", None)
+            default = getattr(hook, "__func__", None) is _DEFAULT_BACKWARD
+            if policy is not None and default and not getattr(model, "_fabric", None):
+                # The hook is LightningModule.backward itself, neither overridden nor wrapped: its body,
+                # loss.backward(), in the policy's recompute scope without a call into the policy's hook. Anything
+                # else (an override, or a wrapper over the default such as mock.patch.object(..., wraps=...), which
+                # Lightning's is_overridden sees through) is called.
                 policy.backward(scaled, *args, **kwargs)
                 return
             with self.amp.backward_context():  # activation checkpointing recomputes with the forward's casts
@@ -251,6 +290,7 @@ class MixedPrecisionPlugin(Precision):
                 "optimizer=LBFGS re-evaluates the loss through its closure several times per step, which loss "
                 "scaling and step skipping cannot support; use a first-order optimizer or Trainer precision '32'."
             )
+        self._release_schedulers()
         trainer = model.trainer
         # Asked once per step: the answer holds until the loop counts the step, after this returns, unless the step
         # stops the training (asked again below, as Lightning logs a stopping step).
@@ -263,14 +303,17 @@ class MixedPrecisionPlugin(Precision):
         skip_backward = closure_result is None and automatic  # training_step returned None: nothing to step
         with _casts_off():
             if not skip_backward and not self.amp.is_unscaled(optimizer) and self._hooks_read_gradients(model):
-                # Hooks must see true gradients. Without such hooks the unscale is left to the clip (one fused pass)
-                # or to the step. At O2 unscale_ also leaves the true values on the model's own gradients.
+                # Hooks must see true gradients (Lightning's MixedPrecision unscales here too). Without such hooks
+                # the unscale is left to the clip (one fused pass) or to the step. At O2 unscale_ also leaves the
+                # true values on the model's own gradients.
                 self.amp.unscale_(optimizer)
             self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then gradient clipping
             if skip_backward:
                 return closure_result
             stepped = self.amp.step(optimizer, **kwargs)
         self._skipped[id(optimizer)] = not stepped
+        if not stepped and automatic:
+            self._hold_schedulers(trainer, optimizer)
         self._update_pending = True
         if not logging and trainer.should_stop and trainer.loggers:
             logging = trainer._logger_connector.should_update_logs
@@ -289,7 +332,9 @@ class MixedPrecisionPlugin(Precision):
         """Clip the unscaled gradients; by norm, unscaling, the overflow check and the clip share one pass.
 
         Unlike Lightning's own AMP plugin this works with fused optimizers (``AdamW(fused=True)``): the plugin, not
-        the optimizer, unscales.
+        the optimizer, unscales. At O2 the FP32 masters' gradients are clipped (the step uses them) and the model's
+        own gradients then hold the same unscaled, clipped values (what code after the clip reads, as with
+        Lightning's own plugins).
         """
         if clip_val <= 0:
             return
@@ -299,6 +344,7 @@ class MixedPrecisionPlugin(Precision):
                 self.amp.clip_grad_value_(optimizer, float(clip_val))
             else:
                 self.amp.clip_grad_norm_(optimizer, float(clip_val))
+            self.amp.show_unscaled_on_model(optimizer)  # O2 only: the masters' clipped gradients, on the model
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Unscale ``optimizer``'s gradients now (once per step)."""
@@ -330,14 +376,17 @@ class MixedPrecisionPlugin(Precision):
 
     def teardown(self) -> None:
         self._end_iteration()
+        self._release_schedulers()
         self._remove_hooks()
 
     # -- internals -----------------------------------------------------------------------------------------------
     def _overridden(self, model: Any, name: str) -> bool:
         """``is_overridden(name, model)``, asked once per fit and class (it reads several attributes and compares
-        code objects: a cost on every step otherwise); a hook set on the instance itself is asked every time."""
+        code objects: a cost on every step otherwise). A hook set on the instance itself counts as overridden, even
+        when it wraps the default one (``is_overridden`` sees through a wrapper: a profiler's, a callback's or
+        ``mock.patch.object(..., wraps=...)``, whose caller may read the gradients)."""
         if name in vars(model):
-            return is_overridden(name, model)
+            return True
         key = (type(model), name)
         answer = self._overrides.get(key)
         if answer is None:
@@ -345,14 +394,39 @@ class MixedPrecisionPlugin(Precision):
         return answer
 
     def _hooks_read_gradients(self, model: Any) -> bool:
-        """Whether the LightningModule or a callback implements ``on_before_optimizer_step``."""
-        if self._overridden(model, "on_before_optimizer_step"):
+        """Whether the LightningModule implements ``on_before_optimizer_step`` or ``configure_gradient_clipping``
+        (which reads the gradients and may clip them itself), or a callback implements ``on_before_optimizer_step``."""
+        if any(self._overridden(model, name) for name in ("on_before_optimizer_step", "configure_gradient_clipping")):
             return True
         base = _pl.Callback.on_before_optimizer_step
-        return any(type(cb).on_before_optimizer_step is not base for cb in model.trainer.callbacks)
+        return any(
+            type(cb).on_before_optimizer_step is not base or "on_before_optimizer_step" in getattr(cb, "__dict__", ())
+            for cb in model.trainer.callbacks
+        )
 
-    def _was_skipped(self, scheduler: Any) -> bool:
-        return self._skipped.get(id(getattr(scheduler, "optimizer", None)), False)
+    def _hold_schedulers(self, trainer: Any, optimizer: Optimizer) -> None:
+        """Keep the per-step schedulers of ``optimizer``, which skipped its step, out of this batch's scheduler
+        update: the optimizer did not move, so neither does its schedule (as Accelerate's ``AcceleratedScheduler``;
+        Lightning's "16-mixed" steps them anyway). Nothing the user holds is wrapped: for the rest of the batch the
+        strategy's list holds a copy of each config with another ``interval``, so that the loop does not call
+        ``lr_scheduler_step`` for it, and the next training batch puts the config back."""
+        configs = trainer.strategy.lr_scheduler_configs
+        for index, config in enumerate(configs):
+            if not isinstance(config, LRSchedulerConfig) or config.interval != "step":
+                continue
+            owner = getattr(config.scheduler, "optimizer", None)
+            if owner is not None and _unwrap(owner) is not optimizer:
+                continue  # another optimizer's schedule (a scheduler without one follows the only optimizer)
+            held = dataclasses.replace(config, interval=_HELD_INTERVAL)
+            configs[index] = held
+            self._held.append((configs, index, config, held))
+
+    def _release_schedulers(self) -> None:
+        """Put the configs :meth:`_hold_schedulers` took out back into the strategy's list."""
+        for configs, index, config, held in self._held:
+            if index < len(configs) and configs[index] is held:  # not replaced since (a new fit builds a new list)
+                configs[index] = config
+        self._held.clear()
 
     def _end_iteration(self, log: bool = True) -> None:
         """Update the scales of the iteration that ended, then log its metrics if it was a logging step."""
@@ -415,31 +489,6 @@ class MixedPrecisionPlugin(Precision):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-
-
-class _SkipAwareScheduler:
-    """A per-step learning-rate scheduler that does not advance after its optimizer skipped a step.
-
-    Everything but ``step`` is the wrapped scheduler's own (``state_dict``, ``optimizer``, ``get_last_lr``...).
-    """
-
-    def __init__(self, scheduler: Any, was_skipped: Callable[[Any], bool]) -> None:
-        object.__setattr__(self, "_scheduler", scheduler)
-        object.__setattr__(self, "_was_skipped", was_skipped)
-
-    def step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._was_skipped(self._scheduler):
-            return None  # the optimizer did not move, so neither does its schedule
-        return self._scheduler.step(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._scheduler, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._scheduler, name, value)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self._scheduler!r})"
 
 
 def _unwrap(optimizer: Any) -> Optimizer:
