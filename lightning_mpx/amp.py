@@ -259,7 +259,7 @@ class Amp:
     @property
     def promoted_modules(self) -> dict[str, dict[str, Any]]:
         """The modules ``on_floor="promote"`` promoted to FP32, each with its evidence (``step``, ``origin``,
-        ``scale``, ``culprits``, ``parameters``)."""
+        ``region``, ``scale``, ``culprits``, ``parameters``)."""
         return dict(self.promotion.promoted)
 
     def prepare_model(self, module: nn.Module, *, train: bool = True) -> nn.Module:
