@@ -107,7 +107,8 @@ class BoundaryCast:
         dtype = self._probe.dtype(module) if self._depth.value == 1 else None
         if dtype is None:
             return None  # called from inside the model, or a copy that runs in FP32
-        return _cast_collection(args, dtype, INPUT_DTYPES), (_cast_collection(kwargs, dtype, INPUT_DTYPES) if kwargs else kwargs)
+        kwargs = _cast_collection(kwargs, dtype, INPUT_DTYPES) if kwargs else kwargs
+        return _cast_collection(args, dtype, INPUT_DTYPES), kwargs
 
     def post(self, module: nn.Module, args: Any, output: Any) -> Any:
         self._depth.value = max(0, self._depth.value - 1)

@@ -50,7 +50,8 @@ def _fp32_reference(copied: nn.Module, build: Any) -> nn.Module:
 
 def _carried(memo: dict[int, Any]) -> list[str]:
     """What a deep copy copied of the mixed-precision machinery (its memo holds every object it copied)."""
-    return sorted({type(v).__name__ for v in memo.values() if isinstance(v, (MixedPrecisionPlugin, Amp, MasterWeights))})
+    machinery = (MixedPrecisionPlugin, Amp, MasterWeights)
+    return sorted({type(v).__name__ for v in memo.values() if isinstance(v, machinery)})
 
 
 # -- Lightning ------------------------------------------------------------------------------------------------------

@@ -61,7 +61,9 @@ class Distillation(pl.LightningModule):
             self.outside = [teacher.to(HALF), ema.to(HALF)]
 
     def _others(self) -> tuple[nn.Module, nn.Module]:
-        return (self.teacher, self.ema) if "teacher" in self._modules else tuple(self.outside)  # type: ignore[return-value]
+        if "teacher" in self._modules:
+            return self.teacher, self.ema
+        return self.outside[0], self.outside[1]
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
