@@ -197,6 +197,7 @@ def _fit(where: str, plugin: MixedPrecisionPlugin, steps: int) -> ParentArithmet
         ("training_step", "outside the modules' forwards (in the training step or the loop), between blow's output "
                           "and norm's input"),
     ],
+    ids=["forward", "training_step"],
 )
 def test_trainer_o1_promote_recovers_by_promoting_the_producer(where: str, region: str, caplog: Any) -> None:
     steps = 30
