@@ -55,6 +55,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
+from lightning_mpx._boundary import INPUT_DTYPES, DtypeProbe
 from lightning_mpx._dtypes import parse_half_dtype
 from lightning_mpx._imports import require
 from lightning_mpx.amp import MODEL_WRITES, Amp, _cast_collection
@@ -607,16 +608,25 @@ class _AmpOptimizer(AcceleratedOptimizer):  # type: ignore[misc]
 class _AmpForward:
     """A prepared model's ``forward`` under the opt level: ``Amp.forward_context`` around it (O1's cast policy; at O2,
     loss functions in FP32), O2/O3's float inputs cast to half; half outputs cast to FP32 (as Accelerate's own
-    wrapper) so that the loss is computed in FP32."""
+    wrapper) so that the loss is computed in FP32.
+
+    A deep copy or pickle of the model (``AveragedModel``, an EMA model) gets a forward with an engine of its own
+    whose O2/O3 casts follow the copy's own dtype (:class:`~lightning_mpx._boundary.DtypeProbe`): a copy converted
+    with ``.float()`` runs as a plain FP32 model."""
 
     def __init__(self, forward: Callable[..., Any], amp: Amp) -> None:
         # __wrapped__ is the plain function, so that Accelerate's unwrap_model(keep_fp32_wrapper=False) can restore it.
-        self._init(forward, amp)
+        module = getattr(forward, "__self__", None)
+        probe = DtypeProbe(amp.half_dtype, module) if isinstance(module, nn.Module) else None
+        self._init(forward, amp, probe)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         amp = self._amp
         if amp.properties.casts_model:
-            args, kwargs = amp.cast_inputs(args), amp.cast_inputs(kwargs)
+            dtype = amp.half_dtype if self._probe is None else self._probe.dtype(self._forward.__self__)
+            if dtype is None:  # a copy converted to FP32: nothing to cast
+                return self._forward(*args, **kwargs)
+            args, kwargs = _cast_collection(args, dtype, INPUT_DTYPES), _cast_collection(kwargs, dtype, INPUT_DTYPES)
         with amp.forward_context():
             output = self._forward(*args, **kwargs)
         # Accelerate's convert_to_fp32 loses defaultdicts and skips dataclasses; this keeps every container's type.
@@ -639,6 +649,7 @@ class _AmpForward:
             "properties": self._amp.properties,
             "table": (data, extra) if policy is not None else None,
             "allow_banned": policy.allow_banned if policy is not None else False,
+            "probe": self._probe,  # pickled as the copy's: it follows the copy's own dtype
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -648,7 +659,8 @@ class _AmpForward:
             table = CastTable.from_data({ns: {c: tuple(names) for c, names in by.items()} for ns, by in data.items()})
             for function, category in extra:
                 table.register(function, category)
-        self._init(state["forward"], _engine_for_forward(state["properties"], table, state["allow_banned"]))
+        engine = _engine_for_forward(state["properties"], table, state["allow_banned"])
+        self._init(state["forward"], engine, state.get("probe"))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _AmpForward:
         # A deepcopy (AveragedModel, EMA callbacks) forwards through the copied model, with an engine of its own.
@@ -659,12 +671,13 @@ class _AmpForward:
             policy.allow_banned if policy is not None else False,
         )
         twin = _AmpForward.__new__(_AmpForward)
-        twin._init(copy.deepcopy(self._forward, memo), engine)
+        twin._init(copy.deepcopy(self._forward, memo), engine, copy.deepcopy(self._probe, memo))
         return twin
 
-    def _init(self, forward: Callable[..., Any], amp: Amp) -> None:
+    def _init(self, forward: Callable[..., Any], amp: Amp, probe: DtypeProbe | None) -> None:
         self._forward = forward
         self._amp = amp
+        self._probe = probe
         functools.update_wrapper(self, getattr(forward, "__func__", forward))
 
 

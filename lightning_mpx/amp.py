@@ -259,14 +259,16 @@ class Amp:
     @property
     def promoted_modules(self) -> dict[str, dict[str, Any]]:
         """The modules ``on_floor="promote"`` promoted to FP32, each with its evidence (``step``, ``origin``,
-        ``scale``, ``culprits``, ``parameters``)."""
+        ``region``, ``scale``, ``culprits``, ``parameters``)."""
         return dict(self.promotion.promoted)
 
     def prepare_model(self, module: nn.Module, *, train: bool = True) -> nn.Module:
         """Convert ``module`` for the opt level (in place) and return it.
 
-        O2/O3 cast it to half (batch norm FP32 when ``keep_batchnorm_fp32``), O2 also creates FP32 master weights;
-        O0 makes half parameters FP32; O1 leaves it as it is.
+        O2/O3 cast it to half (batch norm FP32 when ``keep_batchnorm_fp32``), O2 also gets FP32 master weights,
+        made by :meth:`prepare_optimizer` (or a later step) for the parameters an optimizer holds: a half submodule
+        that no optimizer trains (an EMA copy, a distillation teacher) gets none. O0 makes half parameters FP32; O1
+        leaves it as it is.
 
         Args:
             module: The model.
@@ -304,6 +306,7 @@ class Amp:
                     ((self._names.get(id(p), prefix + name), p) for name, p in module.named_parameters()),
                     copy_backend=self.unscale_backend,
                     exclude=self._covered,
+                    eager=False,  # made by prepare_optimizer: only for the parameters an optimizer holds, as Apex
                 )
             )
         return module
@@ -372,11 +375,22 @@ class Amp:
         return [master for _, master in self._param_pairs(state)]
 
     def master_of(self, param: torch.Tensor) -> torch.Tensor:
-        """The FP32 master of a model parameter at O2 (the parameter itself when it has none)."""
+        """The FP32 master of a model parameter at O2 (the parameter itself when it has none: an FP32 parameter, or
+        a half one that no prepared optimizer holds)."""
         for masters in self.master_weights:
             if masters.covers(param):
-                return masters.master_of(param)
+                master = masters.master_of(param)
+                if master is param and param.dtype in (torch.float16, torch.bfloat16):
+                    self._make_held_masters()  # added to an optimizer since its last step: its master is made now
+                    master = masters.master_of(param)
+                return master
         return param
+
+    def _make_held_masters(self) -> None:
+        """Make the masters of the half parameters the prepared optimizers hold (those added since their last step
+        have none yet)."""
+        for state in list(self._optimizers.values()):
+            self._param_pairs(state)
 
     def refresh_masters(self, params: Iterable[torch.Tensor] | None = None, *, force: bool = False) -> list[str]:
         """Take writes made to the half model into the FP32 masters now (done before every step anyway).
@@ -653,6 +667,8 @@ class Amp:
 
     def state_dict(self) -> dict[str, Any]:
         """Scalers, FP32 masters and counters: everything needed, with the optimizer's own state, to resume."""
+        if self.master_weights:
+            self._make_held_masters()  # parameters added to an optimizer since its last step are saved too
         return {
             "opt_level": self.properties.opt_level,
             "half_dtype": str(self.properties.half_dtype),

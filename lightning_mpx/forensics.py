@@ -6,10 +6,13 @@ builds nothing and reads nothing.
 
 Where the non-finite values came from (the forward or the backward, and the first module whose output held them) is
 known only when the forward was watched: :class:`ForwardWatch` puts forward hooks on the prepared models that flag
-non-finite outputs on the device, without a host sync (and gradient hooks that keep what each backward produced). :class:`~lightning_mpx.Amp` watches every step with
-``diagnose_overflows=True``; otherwise it watches only after an overflow with the loss scale at its floor, until a
-step that does not overflow, so that the overflows that matter (the ones the scale cannot absorb) get a diagnosis
-and a healthy run has no hook at all.
+non-finite inputs and outputs on the device, without a host sync (and gradient hooks that keep what each backward
+produced). When the first non-finite values are a module's *input* while the module output before it was finite, they
+were made by code between two module calls (``h = self.blow(h) * 1e5`` in a forward, attention scores, a residual
+sum): the record names that code (:class:`CodeRegion`) and blames the module whose output fed it.
+:class:`~lightning_mpx.Amp` watches every step with ``diagnose_overflows=True``; otherwise it watches only after an
+overflow with the loss scale at its floor, until a step that does not overflow, so that the overflows that matter (the
+ones the scale cannot absorb) get a diagnosis and a healthy run has no hook at all.
 """
 
 from __future__ import annotations
@@ -34,6 +37,48 @@ OVERFLOW_TAG = "mpx/overflow/"
 ROOT_TAG = "_root"
 #: The metric prefix of the first module whose forward output went non-finite (watched overflow steps only).
 FIRST_TAG = "mpx/overflow_first/"
+
+
+def _shown(module: str) -> str:
+    return module or "<root>"
+
+
+@dataclasses.dataclass(frozen=True)
+class CodeRegion:
+    """Code outside every module's own forward where the first non-finite values of a watched forward were made: the
+    values a module received (``before``) were non-finite, while the module output just before them (``after``'s) was
+    finite.
+
+    Attributes:
+        parent: The module whose forward runs that code (``""``: the root model's); ``None`` when it runs outside
+            every watched module (in the training step or the loop).
+        after: The module whose finite output came last before the code (``None``: the code starts at ``parent``'s
+            own input).
+        before: The module that received the non-finite values.
+        kind: What ``before`` received (``"inf"``, ``"nan"`` or ``"inf+nan"``).
+    """
+
+    parent: str | None
+    after: str | None
+    before: str
+    kind: Kind
+
+    @property
+    def culprit(self) -> str:
+        """The module to blame: the one whose output fed the code (in FP32 its output keeps the code in FP32 at
+        O1), else the module whose forward runs it."""
+        culprit = self.after if self.after is not None else self.parent
+        assert culprit is not None  # a region outside every module starts at a module's output
+        return culprit
+
+    def describe(self) -> str:
+        """``"in <parent>'s forward, between <after>'s output and <before>'s input"``."""
+        where = (
+            f"in {_shown(self.parent)}'s forward" if self.parent is not None
+            else "outside the modules' forwards (in the training step or the loop)"
+        )
+        start = f"{_shown(self.after)}'s output" if self.after is not None else "its input"
+        return f"{where}, between {start} and {_shown(self.before)}'s input"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +115,11 @@ class OverflowRecord:
             the half dtype's range, ``"nan"`` a NaN that came in (data) or was made there (``inf - inf``).
         backward_nonfinite: Whether this process's own backward produced non-finite gradients, before they were
             clipped or averaged across processes (``None`` when the backward was not watched).
+        region: When the forward's first non-finite values were made by code between two module calls rather than
+            inside a module (``first_module`` is then the module that received them): that code (``None``
+            otherwise, or when the forward was not watched). A NaN in the data the model received is not a region,
+            nor is code at the start of a model's own forward (it cannot be told from the data): the first module
+            to see it is ``first_module``.
     """
 
     step: int
@@ -84,10 +134,14 @@ class OverflowRecord:
     loss_nonfinite: bool | None = None
     nonfinite_outputs: dict[str, Kind] = dataclasses.field(default_factory=dict)
     backward_nonfinite: bool | None = None
+    region: CodeRegion | None = None
 
     def culprits(self) -> list[str]:
-        """The modules to blame: the first non-finite module of the forward when it is known, else every module
-        whose parameters got non-finite gradients."""
+        """The modules to blame: for a forward overflow made by code between module calls, the module whose output
+        fed that code (:attr:`CodeRegion.culprit`); else the first non-finite module of the forward when it is known;
+        else every module whose parameters got non-finite gradients."""
+        if self.origin == "forward" and self.region is not None:
+            return [self.region.culprit]
         if self.origin == "forward" and self.first_module is not None:
             return [self.first_module]
         return list(self.modules)
@@ -95,7 +149,13 @@ class OverflowRecord:
     def describe(self) -> str:
         """One line for the log: the culprit modules with their kind, the origin and the rank(s)."""
         culprits = self.culprits()
-        if self.origin == "forward" and self.first_module is not None:
+        if self.origin == "forward" and self.region is not None:
+            region = self.region
+            text = (
+                f"culprit {_shown(region.culprit)} (non-finite values ({region.kind}) first made by the code "
+                f"{region.describe()}); origin forward"
+            )
+        elif self.origin == "forward" and self.first_module is not None:
             kind = self.nonfinite_outputs.get(self.first_module)
             text = f"culprit {self.first_module or '<root>'} (first non-finite output, {kind}); origin forward"
         else:
@@ -157,19 +217,23 @@ def merge_records(records: Sequence[OverflowRecord]) -> OverflowRecord:
         modules=modules,
         origin=origin,
         first_module=lead.first_module if origin == "forward" else None,
+        region=lead.region if origin == "forward" else None,
         ranks=tuple(r.rank for r in blamed),
         loss_nonfinite=None if lead.loss_nonfinite is None else any(bool(r.loss_nonfinite) for r in records),
     )
 
 
 class ForwardWatch:
-    """Forward hooks on the prepared models that record, on the device, which modules produced non-finite outputs.
+    """Forward hooks on the prepared models that record, on the device, which modules received and produced
+    non-finite values.
 
-    Each watched call (a module's output, the loss, a gradient) writes the largest magnitude of what it produced
-    (``inf`` or ``NaN`` when non-finite; one reduction) into the next entry of a preallocated FP32 tensor, and the
-    host appends which module it was to a list: torch ops only, no host sync. On an overflow step the written
-    entries are read with the rest of the record, and the first non-finite entry names the first module. Forwards run
-    with gradients disabled (validation) are not watched: they cannot cause an overflow. Gradient hooks on the
+    Each watched call (a module's inputs and its output, the loss, a gradient) writes the largest magnitude of what it
+    saw (``inf`` or ``NaN`` when non-finite; one reduction) into the next entry of a preallocated FP32 tensor, and the
+    host appends which call it was to a list: torch ops only, no host sync. On an overflow step the written entries
+    are read with the rest of the record, and the first non-finite entry names the first module (a non-finite output)
+    or the code between two module calls (a non-finite input after a finite output, see :class:`CodeRegion`). A
+    module whose inputs are the very tensors the module before it returned, unwritten since, shares that entry. Forwards
+    run with gradients disabled (validation) are not watched: they cannot cause an overflow. Gradient hooks on the
     parameters record each backward's own gradients the same way: before a clip changes them (at O1 the unscaled
     gradients are clipped in place) and before DDP averages them across processes. The hooks are removable handles
     owned by the watch; :meth:`disarm` removes them.
@@ -178,10 +242,16 @@ class ForwardWatch:
     def __init__(self) -> None:
         self._models: list[tuple[weakref.ref[nn.Module], str]] = []
         self._handles: list[Any] = []
-        self._names: list[str] = []  # slot - _HEAD -> module name
+        self._names: list[str] = []  # (slot - _HEAD) // 2 -> module name (even: its output, odd: its inputs)
         self._params: list[str] = []  # -1 - slot -> parameter name
-        self._values: torch.Tensor | None = None  # one entry per watched call since the last step
-        self._calls: list[int] = []  # the slot of each of those calls
+        self._values: torch.Tensor | None = None  # the largest magnitudes the calls measured since the last step
+        self._count = 0  # entries of _values written since the last step
+        self._calls: list[int] = []  # the slot of each watched call since the last step
+        self._at: list[int] = []  # each call's entry in _values (-1: no floating tensor, nothing measured)
+        # The tensors the last output call measured (weakly, with their versions) and its entry: a module whose
+        # inputs are exactly those, unchanged since (the next layer of a Sequential), shares that entry, with nothing
+        # computed on the device.
+        self._last: tuple[list[tuple[weakref.ref[torch.Tensor], int]], int] | None = None
         self._stale = True  # a step has run since the calls were cleared: the next watched call clears them first
         self.active = False
         self.automatic = False  # armed by an overflow at the floor (disarmed by the next step that does not overflow)
@@ -215,7 +285,7 @@ class ForwardWatch:
         self._handles.clear()
         self._names.clear()
         self._params.clear()
-        self._calls.clear()
+        self._clear()
         self._values = None
         self.active = self.automatic = self.complete = False
 
@@ -223,7 +293,8 @@ class ForwardWatch:
         # A model pickled or deep-copied with the hooks on it (torch.save(model), an EMA copy) takes a disarmed
         # watch along: its hooks then do nothing, and the models it watched are not pickled with it.
         state = dict(self.__dict__)
-        state.update(_models=[], _handles=[], _names=[], _params=[], _values=None, _calls=[])
+        state.update(_models=[], _handles=[], _names=[], _params=[], _values=None, _count=0, _calls=[], _at=[])
+        state.update(_last=None)
         state.update(active=False, automatic=False, complete=False)
         return state
 
@@ -239,42 +310,67 @@ class ForwardWatch:
     def flags(self) -> torch.Tensor | None:
         """The device tensor of the watched calls' largest magnitudes since the last step (in call order), or
         ``None`` when nothing was watched."""
-        if not self.active or self._values is None or not self._calls:
+        if not self.active or self._values is None or not self._count:
             return None
-        return self._values[: len(self._calls)]
+        return self._values[: self._count]
 
     @property
     def parameter_names(self) -> frozenset[str]:
         """The parameters whose gradients the hooks watch."""
         return frozenset(self._params)
 
-    def decode(self, values: Sequence[float]) -> tuple[bool, dict[str, Kind], dict[str, Kind]]:
+    def decode(
+        self, values: Sequence[float]
+    ) -> tuple[bool, dict[str, Kind], dict[str, Kind], CodeRegion | None]:
         """From the values of :meth:`flags` read on the host: whether the loss was non-finite, the modules with
-        non-finite outputs and their kind in forward order (of their first non-finite output), and the parameters
-        whose gradients a backward produced non-finite, with their kind, in backward order."""
+        non-finite outputs and their kind in forward order (of their first non-finite output), the parameters whose
+        gradients a backward produced non-finite, with their kind, in backward order, and the code between module
+        calls that made the forward's first non-finite values (``None`` when a module made them, or they came in with
+        the data)."""
         loss = False
         outputs: dict[str, Kind] = {}
         grads: dict[str, Kind] = {}
-        for slot, value in zip(self._calls, values):
-            if math.isfinite(value):
-                continue
-            kind: Kind = "nan" if math.isnan(value) else "inf"
+        region: CodeRegion | None = None
+        forward_bad = False  # a non-finite input, output or loss seen so far
+        running: list[str] = []  # the modules whose forwards are running, outermost first
+        roots = {prefix.rstrip(".") for _, prefix in self._models}
+        previous: tuple[bool, str] | None = None  # (is input, module) of the forward call recorded just before
+        for slot, at in zip(self._calls, self._at):
+            value = values[at] if at >= 0 else 0.0
+            kind: Kind | None = None if math.isfinite(value) else "nan" if math.isnan(value) else "inf"
+            call: tuple[bool, str] | None = None
             if slot == 0:
-                loss = True
+                loss = loss or kind is not None
+                forward_bad = forward_bad or kind is not None
             elif slot < 0:
-                name = self._params[-1 - slot]
-                grads[name] = merge_kinds(grads.get(name), kind)
+                if kind is not None:
+                    name = self._params[-1 - slot]
+                    grads[name] = merge_kinds(grads.get(name), kind)
             else:
-                name = self._names[slot - _HEAD]
-                outputs[name] = merge_kinds(outputs.get(name), kind)
-        return loss, outputs, grads
+                index, is_input = divmod(slot - _HEAD, 2)
+                name = self._names[index]
+                call = (bool(is_input), name)
+                if is_input:
+                    if kind is not None and not forward_bad:
+                        region = _region(running, previous, name, kind, roots)
+                    running.append(name)
+                else:
+                    if name in running:  # a forward that raised left no output call: pop to this one
+                        del running[len(running) - 1 - running[::-1].index(name):]
+                    if kind is not None:
+                        outputs[name] = merge_kinds(outputs.get(name), kind)
+                forward_bad = forward_bad or kind is not None
+            previous = call
+        return loss, outputs, grads, region
 
     # -- internals ----------------------------------------------------------------------------------------------
     def _hook(self, module: nn.Module, prefix: str) -> None:
         for name, child in module.named_modules():
             self._names.append(prefix + name if name else prefix.rstrip("."))
-            hook = functools.partial(self._on_output, len(self._names) + _HEAD - 1)
-            self._handles.append(child.register_forward_hook(hook))
+            slot = _HEAD + 2 * (len(self._names) - 1)
+            inputs = functools.partial(self._on_input, slot + 1)
+            self._handles.append(child.register_forward_pre_hook(inputs, with_kwargs=True))
+            self._handles.append(child.register_forward_hook(functools.partial(self._on_output, slot)))
         for name, param in module.named_parameters():
             if param.requires_grad:
                 # A tensor hook sees this backward's own gradient: before it is accumulated, unscaled, clipped or
@@ -286,23 +382,40 @@ class ForwardWatch:
         if self.active and grad.is_floating_point() and not grad.is_sparse:
             self._record(slot, [grad])
 
-    def _on_output(self, slot: int, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled() or not self.active:
-            return  # evaluation (no gradient can come of it), or a disarmed copy's hooks
-        tensors = list(_floating_tensors(output))
-        if tensors:
-            self._record(slot, tensors)
+    def _on_input(self, slot: int, module: nn.Module, args: Any, kwargs: Any) -> None:
+        # Every call is recorded, with floating inputs or not: decode() follows the calls' nesting.
+        if torch.is_grad_enabled() and self.active:
+            self._record(slot, list(_floating_tensors((args, kwargs))), inputs=True)
 
-    def _record(self, slot: int, tensors: list[torch.Tensor]) -> None:
+    def _on_output(self, slot: int, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled() and self.active:  # not evaluation (no gradient can come of it), nor a disarmed copy
+            self._record(slot, list(_floating_tensors(output)), outputs=True)
+
+    def _clear(self) -> None:
+        self._calls.clear()
+        self._at.clear()
+        self._count = 0
+        self._last = None
+
+    def _record(self, slot: int, tensors: list[torch.Tensor], *, inputs: bool = False, outputs: bool = False) -> None:
+        if self._stale:
+            # Cleared here, at the first watched call after a step, rather than in the step, so that a second
+            # optimizer stepping on the same forward still reads them.
+            self._clear()
+            self._stale = False
+            self.complete = True
+        self._calls.append(slot)
+        last = self._last
+        if not tensors:
+            self._at.append(-1)
+            return
+        if inputs and last is not None and len(last[0]) == len(tensors):
+            if all(ref() is t and _version(t) == version for (ref, version), t in zip(last[0], tensors)):
+                self._at.append(last[1])  # the very tensors the last output call measured, not written since
+                return
         with disable_casts():  # our bookkeeping is not the model's compute
             device = tensors[0].device
-            if self._stale:
-                # Cleared here, at the first watched call after a step, rather than in the step, so that a second
-                # optimizer stepping on the same forward still reads them.
-                self._calls.clear()
-                self._stale = False
-                self.complete = True
-            index = len(self._calls)
+            index = self._count
             values = self._values
             if values is None or values.device != device or index >= len(values):
                 # First use, more calls than ever before, or the model moved to its device after it was prepared.
@@ -315,10 +428,39 @@ class ForwardWatch:
             else:
                 peak = torch.stack([torch.linalg.vector_norm(t, math.inf).float().to(device) for t in tensors]).amax()
             values[index].copy_(peak)
-            self._calls.append(slot)
+        self._count = index + 1
+        self._at.append(index)
+        if outputs:
+            self._last = ([(weakref.ref(t), _version(t)) for t in tensors], index)
 
 
 _HEAD = 1  # slots before the modules': the loss (parameters have negative slots)
+
+
+def _version(tensor: torch.Tensor) -> int:
+    """``tensor._version``; an inference tensor has none (and cannot be written outside inference mode)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return -1
+
+
+def _region(
+    running: list[str], previous: tuple[bool, str] | None, module: str, kind: Kind, roots: set[str]
+) -> CodeRegion | None:
+    """The code that made the non-finite values ``module`` received, from the forward call recorded just before
+    (``previous``: a finite output, or the enclosing module's finite input) and the forwards running; ``None`` when
+    no module ran before it in this forward: the data, or code at the start of a model's own forward, which cannot be
+    told from the data (Lightning runs the training step as the model's forward under DDP, not on one device)."""
+    parent = running[-1] if running else None
+    if previous is None:
+        return None
+    is_input, name = previous
+    if not is_input:
+        return CodeRegion(parent, name, module, kind)  # after a module's output, in the parent's code
+    if name == parent and parent not in roots:
+        return CodeRegion(parent, None, module, kind)  # at the start of a submodule's forward
+    return None
 
 
 def _kind(inf: bool, nan: bool) -> Kind:
@@ -419,8 +561,9 @@ class OverflowForensics:
         loss_bad: bool | None = None
         own_backward: bool | None = None
         outputs: dict[str, Kind] = {}
+        region: CodeRegion | None = None
         if flags is not None:
-            loss_bad, outputs, produced = self.watch.decode(values[offset + len(scales) :])
+            loss_bad, outputs, produced, region = self.watch.decode(values[offset + len(scales) :])
             order = {name: index for index, (name, _) in enumerate(grads)}  # this optimizer's, in its order
             produced = {name: kind for name, kind in produced.items() if name in order}
             complete = self.watch.complete
@@ -433,11 +576,14 @@ class OverflowForensics:
                 watched = self.watch.parameter_names
                 merged = {**produced, **{n: k for n, k in parameters.items() if n not in watched}}
                 parameters = dict(sorted(merged.items(), key=lambda item: order[item[0]]))
-            if loss_bad or outputs:
+            if loss_bad or outputs or (region is not None and complete):
                 origin = "forward"
                 first = next(iter(outputs)) if outputs and complete else None
+                region = region if complete else None
             elif complete:
                 origin = "backward"
+            if origin != "forward":
+                region = None
             if not complete:
                 loss_bad = loss_bad or None  # a False from a partial watch proves nothing
                 own_backward = own_backward or None
@@ -459,6 +605,7 @@ class OverflowForensics:
             loss_nonfinite=loss_bad,
             nonfinite_outputs=outputs,
             backward_nonfinite=own_backward,
+            region=region,
         )
 
     def gather(self, record: OverflowRecord) -> OverflowRecord:
@@ -475,8 +622,9 @@ class OverflowForensics:
         """Count the record's modules and, at the floor, watch the following forwards."""
         for module in record.modules:
             self._counts[module] = self._counts.get(module, 0) + 1
-        if record.origin == "forward" and record.first_module is not None:
-            self._first_counts[record.first_module] = self._first_counts.get(record.first_module, 0) + 1
+        if record.origin == "forward" and (record.region is not None or record.first_module is not None):
+            first = record.culprits()[0]  # the module that made the non-finite values, or fed the code that did
+            self._first_counts[first] = self._first_counts.get(first, 0) + 1
         if at_floor and not self.watch.active:
             self.watch.arm(automatic=True)
         self.watch.step_done()

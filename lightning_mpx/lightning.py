@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_mpx._boundary import BoundaryCast
 from lightning_mpx._imports import require
 from lightning_mpx.amp import Amp
 from lightning_mpx.cast_policy import disable_casts
@@ -140,7 +141,6 @@ class MixedPrecisionPlugin(Precision):
         self.precision = "32-true" if level == "O0" else f"{prefix}-mixed" if level == "O1" else f"{prefix}-true"  # type: ignore[assignment]
         self._module: nn.Module | None = None
         self._hooks: list[Any] = []
-        self._boundary_depth = 0  # how many hooked modules' forwards are running (boundary casts at depth 0)
         self._masters_synced = False
         self._skipped: dict[int, bool] = {}
         self._update_pending = False
@@ -445,30 +445,17 @@ class MixedPrecisionPlugin(Precision):
         # Apex casts a half model's inputs to half and its outputs to FP32. Here the casts sit on the
         # LightningModule and on its direct children that hold half parameters (``self.generator(z)`` in a GAN), as
         # removable forward hooks of this model only. Children without parameters (a loss module) are left alone so
-        # that losses see FP32. A child called from inside another hooked module's forward (``self.embed(tokens)``
-        # in the model's own forward) is inside the boundary: its inputs and outputs are left as they are, or a
-        # half embedding's output would reach the next half layer in FP32.
+        # that losses see FP32. A child called from inside another hooked module's forward is inside the boundary
+        # (BoundaryCast). The hooks hold no reference to the plugin: a deep copy of the model (an EMA model,
+        # AveragedModel) carries copies that follow the copy's own dtype, not the plugin and its engine.
         half = self.amp.half_dtype
-        self._boundary_depth = 0
         targets = [module] + [
             child for child in module.children() if any(p.dtype == half for p in child.parameters(recurse=True))
         ]
-        for target in targets:
-            self._hooks.append(target.register_forward_pre_hook(self._cast_inputs_hook, with_kwargs=True))
+        for target, boundary in zip(targets, BoundaryCast.for_model(targets, half)):
+            self._hooks.append(target.register_forward_pre_hook(boundary.pre, with_kwargs=True))
             # always_call: the depth is restored also when the forward raises.
-            self._hooks.append(target.register_forward_hook(self._cast_outputs_hook, always_call=True))
-
-    def _cast_inputs_hook(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
-        self._boundary_depth += 1
-        if self._boundary_depth > 1:
-            return None  # called from inside the model: not a boundary
-        return self.amp.cast_inputs(args), self.amp.cast_inputs(kwargs) if kwargs else kwargs
-
-    def _cast_outputs_hook(self, module: nn.Module, args: Any, output: Any) -> Any:
-        self._boundary_depth = max(0, self._boundary_depth - 1)
-        if self._boundary_depth > 0:
-            return None  # returning from a call inside the model
-        return self.amp.cast_outputs(output)
+            self._hooks.append(target.register_forward_hook(boundary.post, always_call=True))
 
     def _hand_off_compiled(self, module: nn.Module) -> None:
         # torch.compile'd submodules, and the steps that trainer.fit(torch.compile(model)) compiles, enter the cast

@@ -69,9 +69,10 @@ class MasterWeights:
     :class:`WatchedParameter`, which tells the masters when its ``.data`` is handed out, and that parameter is
     compared at the next :meth:`refresh` (see :class:`_DataWatch`).
 
-    Masters are made for the trainable half parameters when the masters are created, and for any other half
-    parameter of the model (a frozen backbone unfrozen later) the first time an optimizer steps it. Parameters are
-    held through weak references: a model the user lets go takes its masters with it.
+    Masters are made for the trainable half parameters when the masters are created (``eager``), and for any other
+    half parameter of the model (a frozen backbone unfrozen later) when :meth:`master_of` is asked to create it: the
+    first time an optimizer steps it. Parameters are held through weak references: a model the user lets go takes its
+    masters with it.
 
     Args:
         named_parameters: ``(name, parameter)`` pairs of the model; FP32 parameters (batch norm kept FP32) are their
@@ -80,6 +81,9 @@ class MasterWeights:
             triton is installed, else torch's foreach copy), ``"foreach"``, ``"reference"`` or ``"triton"``.
         exclude: Parameters another :class:`MasterWeights` already covers (a submodule shared by two models): they
             are left to it, so every tensor has one master.
+        eager: Make the masters of the trainable half parameters now. ``False``: only when :meth:`master_of` is
+            asked to create one, as :class:`~lightning_mpx.amp.Amp` does for the parameters an optimizer holds (an
+            EMA copy or a distillation teacher kept as a submodule, trainable but in no optimizer, gets none).
 
     Attributes:
         workspace: The copy kernel's table cache, kept across steps.
@@ -91,6 +95,7 @@ class MasterWeights:
         *,
         copy_backend: str = "auto",
         exclude: Callable[[torch.Tensor], bool] | None = None,
+        eager: bool = True,
     ) -> None:
         if copy_backend not in BACKENDS:
             raise ValueError(f"copy_backend={copy_backend!r} is not valid; valid choices: {', '.join(BACKENDS)}.")
@@ -98,12 +103,13 @@ class MasterWeights:
         self.workspace = UnscaleWorkspace()
         self._entries: dict[int, _Entry] = {}
         self._watch = _DataWatch()
+        self._eager = eager
         for name, param in named_parameters:
             if id(param) in self._entries or (exclude is not None and exclude(param)):
                 continue
             entry = _Entry(name, weakref.ref(param))
             self._entries[id(param)] = entry
-            if param.requires_grad:
+            if eager and param.requires_grad:
                 self._make_master(entry, param)
 
     # -- lookups ------------------------------------------------------------------------------------------------
@@ -243,7 +249,7 @@ class MasterWeights:
     def state_dict(self) -> dict[str, Any]:
         """The FP32 masters of the half parameters, by name, cloned (exact, not rounded through half); writes made to
         the model since the last step are taken first."""
-        for entry, param in list(self._live()):
+        for entry, param in list(self._live()) if self._eager else ():
             if entry.master is None and param.requires_grad and param.dtype in HALF_DTYPES:
                 # Trainable now (unfrozen since preparing) but not stepped yet: its master is made here, so the
                 # checkpoint matches a run that prepares the model with it trainable.

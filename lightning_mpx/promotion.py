@@ -30,6 +30,12 @@ What "runs in FP32" means per opt level:
   alone: when a module that already runs in FP32 is blamed again at the floor, its parent is promoted instead.
 * **O0**: everything is FP32; patterns are checked and reported, nothing changes.
 
+Non-finite values made by code between two module calls (``h = self.blow(h) * 1e5`` in a forward: attention scores, a
+residual sum; see :class:`~lightning_mpx.forensics.CodeRegion`) are blamed on the module whose output fed that code: at
+O1 its FP32 output keeps the code after it in FP32. At O2/O3 that output goes back to half before the code runs, so the
+module whose forward runs the code is promoted instead (never the root: code in the root's forward or in the training
+step cannot be promoted; the floor error then names it).
+
 Promotion refuses (and the floor error is raised as with ``on_floor="raise"``) when no module can be blamed: no
 parameter had non-finite gradients on this process, the last overflows came from different modules, the culprits are
 every module that has parameters (an overflow that the gradients cannot localise: a forward overflow without the
@@ -138,8 +144,9 @@ class Promotion:
     Attributes:
         patience: How many of the last overflows at the floor must share a culprit before it is promoted
             (:data:`FLOOR_OVERFLOWS_TO_PROMOTE`).
-        promoted: Module name to the evidence of its promotion (``step``, ``origin``, ``scale`` at the floor, the
-            ``culprits`` blamed, the non-finite ``parameters`` inside it), in the order the decisions were made.
+        promoted: Module name to the evidence of its promotion (``step``, ``origin``, the code ``region`` that made
+            the non-finite values when it was code between module calls, ``scale`` at the floor, the ``culprits``
+            blamed, the non-finite ``parameters`` inside it), in the order the decisions were made.
     """
 
     def __init__(self, amp: Amp, patterns: Sequence[str] = ()) -> None:
@@ -232,7 +239,10 @@ class Promotion:
         with it).
         """
         amp = self.amp
-        culprits = frozenset(record.culprits()) if record is not None else frozenset()
+        culprits, why = self._culprits(record)
+        if why is not None:
+            self._streak.clear()
+            return why
         if not culprits:
             self._streak.clear()
             return (
@@ -247,9 +257,39 @@ class Promotion:
                     len(self._streak), self.patience, ", ".join(sorted(culprits)),
                 )
             return None
-        why = self._why_not(frozenset.intersection(*self._streak), record)
+        why = self._why_not(self._common(), record)
         self._streak.clear()  # a decision was made (promoted, or the floor error is raised): the next starts afresh
         return why
+
+    def _common(self) -> frozenset[str]:
+        """The latest overflow's culprits that every earlier one in the streak blamed too: the same module, or one
+        inside or around it (an unwatched overflow blames the modules that hold the non-finite gradients, say
+        ``block.norm``; the watched one after it names the code in ``block``'s forward)."""
+        *earlier, latest = self._streak
+
+        def related(a: str, b: str) -> bool:
+            return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+        return frozenset(c for c in latest if all(any(related(c, m) for m in other) for other in earlier))
+
+    def _culprits(self, record: OverflowRecord | None) -> tuple[frozenset[str], str | None]:
+        """The modules to promote for ``record`` (see the module docstring for code between module calls), or why
+        none can be."""
+        if record is None:
+            return frozenset(), None
+        region = record.region if record.origin == "forward" else None
+        if region is None or region.after is None or not self.amp.properties.casts_model:
+            return frozenset(record.culprits()), None
+        if region.parent is None or any(prefix.rstrip(".") == region.parent for prefix, _ in self._roots):
+            return frozenset(), (
+                f"on_floor='promote' cannot run the code {region.describe()} in FP32 at opt_level="
+                f"{self.amp.opt_level!r}: that code made the non-finite values ({region.kind}), a promoted module's "
+                "output is cast back to half before it runs, and it runs "
+                + ("outside every module" if region.parent is None else "in the root model's forward")
+                + "; compute it in FP32 (cast its inputs with .float()), move it into a submodule's forward, or use "
+                "half_dtype='bfloat16'"
+            )
+        return frozenset({region.parent}), None  # its forward runs the code: in FP32 once it is promoted
 
     def _why_not(self, common: frozenset[str], record: OverflowRecord | None) -> str | None:
         """Promote the modules in ``common``, or say why they cannot be."""
@@ -313,14 +353,17 @@ class Promotion:
                 {} if record is None
                 else {p: kind for p, kind in record.parameters.items() if p.startswith(name + ".")}
             )
+            region = record.region if record is not None and record.origin == "forward" else None
             self.promoted[name] = {
                 "step": -1 if record is None else int(record.step),
                 "origin": "unknown" if record is None else str(record.origin),
+                "region": None if region is None else region.describe(),
                 "scale": None if record is None or not record.scales else float(min(record.scales)),
                 "culprits": blamed,
                 "parameters": params,
             }
             if amp.log_overflows:
+                made = "" if region is None else f", made by the code {region.describe()}"
                 shown = ", ".join(f"{p} ({kind})" for p, kind in list(params.items())[:5]) or "none recorded"
                 log.warning(
                     "on_floor='promote': running %s in FP32 from now on (step %s, opt_level %s): the loss scale is at "
@@ -328,7 +371,7 @@ class Promotion:
                     "%s)",
                     name, self.promoted[name]["step"], amp.opt_level, self.promoted[name]["scale"], self.patience,
                     "it" if blamed == [name] else ", ".join(blamed) + ", which already ran in FP32",
-                    self.promoted[name]["origin"], shown,
+                    self.promoted[name]["origin"] + made, shown,
                 )
         self._rehook()
 

@@ -598,8 +598,7 @@ def test_boundary_depth_is_restored_when_the_forward_raises():
     plugin.convert_module(model)
     with pytest.raises(IndexError):
         model(torch.tensor([[99]]))  # out of the embedding's range
-    assert plugin._boundary_depth == 0
-    assert model(torch.tensor([[1, 2]])).dtype == torch.float32
+    assert model(torch.tensor([[1, 2]])).dtype == torch.float32  # at depth 0 again: the output is cast
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])

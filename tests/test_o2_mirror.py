@@ -188,8 +188,8 @@ def test_tied_weights_keep_one_master():
     model = nn.Sequential(embed, head)
     amp = Amp("O2", loss_scale=128.0)
     amp.prepare_model(model)
-    assert len(amp.master_weights[0].half_pairs) == 1
     opt = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert len(amp.master_weights[0].half_pairs) == 1  # made with the optimizer, once for the tied weight
     amp.backward(model(torch.tensor([1, 2, 3])).float().sum())
     assert amp.step(opt)
     assert model[1].weight is model[0].weight

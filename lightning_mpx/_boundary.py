@@ -1,0 +1,118 @@
+"""Casts at a half model's boundary that a copy of the model can carry.
+
+Apex casts an O2/O3 model's floating inputs to half and its half outputs to FP32. The Lightning plugin does it with
+forward hooks (:class:`BoundaryCast`), the Accelerate adapter with an instance ``forward``; both travel with the model
+when it is deep-copied or pickled (an EMA model, ``AveragedModel``, ``copy.deepcopy(model).float()``,
+``torch.save(model)``). So they hold no engine, only the half dtype and weak references, and a copy's casts follow the
+copy's own parameters (:class:`DtypeProbe`): a half copy takes FP32 inputs as the model did, a copy converted with
+``.float()`` runs in FP32 on FP32 inputs.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_mpx._dtypes import HALF_DTYPES
+from lightning_mpx.amp import _cast_collection
+
+#: The input dtypes a boundary casts to half (as Apex's ``cast_model_inputs``: FP64 too).
+INPUT_DTYPES = (torch.float32, torch.float64)
+
+
+class DtypeProbe:
+    """The half dtype a model's boundary casts to.
+
+    For the model that was prepared it is the engine's (``dtype``), whatever its parameters hold (a module promoted
+    to FP32 does not change it). A deep copy or pickle of it belongs to a copy of the model, which no engine manages:
+    it follows one of the copy's own parameters, one that was half when the copy was made, and answers ``None`` (no
+    casts) once that parameter is no longer half (``.float()``, ``.to(torch.float32)``).
+
+    Args:
+        dtype: The half dtype.
+        module: The module whose parameters a copy takes its probe from (held weakly).
+    """
+
+    def __init__(self, dtype: torch.dtype, module: nn.Module) -> None:
+        self._dtype: torch.dtype | None = dtype
+        self._module: weakref.ref[nn.Module] | None = weakref.ref(module)
+        self._probe: weakref.ref[torch.Tensor] | None = None
+
+    def dtype(self, module: nn.Module) -> torch.dtype | None:
+        """The dtype to cast ``module``'s inputs to, or ``None`` for none (a copy that is not half any more)."""
+        if self._module is not None:
+            return self._dtype
+        probe = self._probe() if self._probe is not None else None
+        if probe is None:  # the parameter it followed was replaced: follow the copy's first floating one now
+            probe = next((p for p in module.parameters() if p.is_floating_point()), None)
+            if probe is None:
+                return None
+            self._probe = weakref.ref(probe)
+        return probe.dtype if probe.dtype in HALF_DTYPES else None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The copy keeps the parameter it follows (copied or pickled with the model's own, so it is the copy's).
+        if self._module is not None:
+            module = self._module()
+            probe = None if module is None else next((p for p in module.parameters() if p.dtype in HALF_DTYPES), None)
+        else:
+            probe = self._probe() if self._probe is not None else None
+        return {"probe": probe}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        probe = state["probe"]
+        self._dtype, self._module = None, None
+        self._probe = weakref.ref(probe) if probe is not None else None
+
+
+class _Depth:
+    """How many hooked modules' forwards of one model are running; shared by that model's :class:`BoundaryCast`
+    hooks (a copy's hooks share a fresh one)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def __getstate__(self) -> dict[str, int]:
+        return {"value": 0}
+
+
+class BoundaryCast:
+    """The boundary casts of one module as a forward pre-hook (:meth:`pre`: floating inputs to half) and a forward
+    hook (:meth:`post`: half outputs to FP32; register it with ``always_call=True``).
+
+    The hooks of one model share a depth counter: a hooked module called from inside another hooked module's forward
+    (``self.embed(tokens)`` in the model's own forward) is inside the boundary, and its inputs and outputs are left as
+    they are.
+
+    Args:
+        depth: The model's shared counter (:meth:`for_model` makes one).
+        probe: Which dtype to cast to (see :class:`DtypeProbe`).
+    """
+
+    def __init__(self, depth: _Depth, probe: DtypeProbe) -> None:
+        self._depth = depth
+        self._probe = probe
+
+    @classmethod
+    def for_model(cls, modules: list[nn.Module], dtype: torch.dtype) -> list[BoundaryCast]:
+        """One hook pair per module of one model, sharing a depth counter."""
+        depth = _Depth()
+        return [cls(depth, DtypeProbe(dtype, module)) for module in modules]
+
+    def pre(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        self._depth.value += 1
+        dtype = self._probe.dtype(module) if self._depth.value == 1 else None
+        if dtype is None:
+            return None  # called from inside the model, or a copy that runs in FP32
+        kwargs = _cast_collection(kwargs, dtype, INPUT_DTYPES) if kwargs else kwargs
+        return _cast_collection(args, dtype, INPUT_DTYPES), kwargs
+
+    def post(self, module: nn.Module, args: Any, output: Any) -> Any:
+        self._depth.value = max(0, self._depth.value - 1)
+        dtype = self._probe.dtype(module) if self._depth.value == 0 else None
+        if dtype is None:
+            return None  # returning from a call inside the model, or a copy that runs in FP32
+        return _cast_collection(output, torch.float32, (dtype,))
