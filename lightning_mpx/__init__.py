@@ -6,7 +6,7 @@ The core is framework-agnostic; the Lightning plugin and the Accelerate adapter 
 
 from lightning_mpx.amp import Amp
 from lightning_mpx.cast_lists import CATEGORIES, DEFAULT_TABLE
-from lightning_mpx.cast_policy import BannedOpError, CastPolicy, disable_casts
+from lightning_mpx.cast_policy import BannedOpError, CastPolicy, checkpoint_contexts, disable_casts
 from lightning_mpx.cast_table import CastEntry, CastTable, dispatchable
 from lightning_mpx.loss_scaler import LossScaleFloorError, LossScaler
 from lightning_mpx.master_weights import MasterWeights, convert_module
@@ -41,6 +41,7 @@ __all__ = [
     "OPT_LEVELS",
     "Properties",
     "__version__",
+    "checkpoint_contexts",
     "convert_module",
     "disable_casts",
     "dispatchable",

@@ -24,9 +24,10 @@ are no float atomics.
 
 Statistics (``STATS``, a compile-time flag: launches without it compile to the kernels they were before). On a
 logging step each program also measures its chunk's *scaled* values, before the multiply: how many are below the
-half dtype's smallest normal number (``tiny``, zero included) and the largest magnitude (inf for inf and NaN). They go
-to per-chunk slots of two buffers made on the first such call, and :func:`tensor_stats` adds them up per tensor with
-two torch ops (an ``index_add_`` and a ``scatter_reduce_``); the caller reduces those per module.
+half dtype's smallest normal number (``tiny``, zero included), how many are exactly zero, and the largest magnitude
+(inf for inf and NaN). They go to per-chunk slots of three buffers made on the first such call, and
+:func:`tensor_stats` adds them up per tensor with three torch ops (two ``index_add_`` and a ``scatter_reduce_``); the
+caller reduces those per module.
 
 Byte counts per element (``s``/``d``: source/destination element sizes):
 
@@ -78,24 +79,38 @@ def _round_to(x, DST: tl.constexpr):
 
 
 @triton.jit
+def _is_zero(v):
+    """``v == 0`` (either sign) read on the bits: triton's interpreter turns bfloat16 subnormals into zeros when it
+    converts them to FP32, the GPU does not; the bits give the same answer on both."""
+    if v.dtype == tl.float32:
+        return (v.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) == 0
+    else:
+        return (v.to(tl.uint16, bitcast=True) & 0x7FFF) == 0
+
+
+@triton.jit
 def _block(
-    src, dst, offs, n, scale, squares, bad, under, peak, tiny, DST, HAS_SCALE, STORE, CHECK, NORM, STATS,
+    src, dst, offs, n, scale, squares, bad, under, zero, peak, tiny, DST, HAS_SCALE, STORE, CHECK, NORM, STATS,
     MASKED: tl.constexpr,
 ):
     """One block of a chunk; unmasked blocks let the compiler use vector loads and stores."""
     if MASKED:
         mask = offs < n
-        x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+        loaded = tl.load(src + offs, mask=mask, other=0.0)
     else:
-        x = tl.load(src + offs).to(tl.float32)
+        loaded = tl.load(src + offs)
+    x = loaded.to(tl.float32)
     if STATS:
         # The scaled value, before the multiply; NaN counts as infinitely large (not as underflow).
         a = tl.abs(x)
         a = tl.where(a == a, a, float("inf"))
         small = a < tiny
+        nil = _is_zero(loaded)
         if MASKED:
             small = small & mask  # masked lanes hold 0: not elements
+            nil = nil & mask
         under += small.to(tl.int32)
+        zero += nil.to(tl.int32)
         peak = tl.maximum(peak, a)
     if HAS_SCALE:
         x = x * scale  # one FP32 multiply, then one rounding to DST: what torch's unscale does
@@ -112,7 +127,7 @@ def _block(
         bad = tl.maximum(bad, tl.where(tl.abs(v) <= _FP32_MAX, 0, 1))  # false for inf, -inf and NaN
     if NORM:
         squares += v * v  # masked lanes hold 0
-    return squares, bad, under, peak
+    return squares, bad, under, zero, peak
 
 
 @triton.jit
@@ -124,6 +139,7 @@ def _chunk_kernel(
     found_ptr,
     partials_ptr,
     under_ptr,
+    zero_ptr,
     peak_ptr,
     tiny,
     SRC: tl.constexpr,
@@ -155,20 +171,21 @@ def _chunk_kernel(
     squares = tl.zeros([BLOCK], dtype=tl.float32)
     bad = tl.zeros([BLOCK], dtype=tl.int32)
     under = tl.zeros([BLOCK], dtype=tl.int32)  # unused (and removed by the compiler) without STATS
+    zero = tl.zeros([BLOCK], dtype=tl.int32)
     peak = tl.zeros([BLOCK], dtype=tl.float32)
     # A constant trip count; only the last block of a tensor is masked, and the steps past the end of a short
     # chunk are fully masked and move no data.
     for start in range(0, CHUNK, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         if start + BLOCK <= n:
-            squares, bad, under, peak = _block(
-                src, dst, offs, n, scale, squares, bad, under, peak, tiny, DST, HAS_SCALE, STORE, CHECK, NORM, STATS,
-                False,
+            squares, bad, under, zero, peak = _block(
+                src, dst, offs, n, scale, squares, bad, under, zero, peak, tiny, DST, HAS_SCALE, STORE, CHECK, NORM,
+                STATS, False,
             )
         else:
-            squares, bad, under, peak = _block(
-                src, dst, offs, n, scale, squares, bad, under, peak, tiny, DST, HAS_SCALE, STORE, CHECK, NORM, STATS,
-                True,
+            squares, bad, under, zero, peak = _block(
+                src, dst, offs, n, scale, squares, bad, under, zero, peak, tiny, DST, HAS_SCALE, STORE, CHECK, NORM,
+                STATS, True,
             )
     if CHECK:
         tl.store(found_ptr, 1.0, mask=tl.max(bad, axis=0) > 0)
@@ -176,6 +193,7 @@ def _chunk_kernel(
         tl.store(partials_ptr + pid, tl.sum(squares, axis=0))
     if STATS:
         tl.store(under_ptr + pid, tl.sum(under, axis=0))
+        tl.store(zero_ptr + pid, tl.sum(zero, axis=0))
         tl.store(peak_ptr + pid, tl.max(peak, axis=0))
 
 
@@ -242,9 +260,10 @@ class _Plan:
     addresses: tuple[object, ...] = ()  # the source and destination addresses the groups' bases hold
     uploads: int = 0  # how many times base addresses were uploaded
     # Statistics (made on the first call that asks for them): per row, the index of its tensor in the call's list,
-    # and the per-chunk underflow counts (int32) and peaks (FP32).
+    # and the per-chunk underflow counts (int32), zero counts (int32) and peaks (FP32).
     owners: torch.Tensor | None = None
     under: torch.Tensor | None = None
+    zeros: torch.Tensor | None = None
     peak: torch.Tensor | None = None
 
 
@@ -431,6 +450,7 @@ def _launch_chunks(
             found if found is not None else coef,
             group.partials,
             plan.under[group.rows] if stats else coef,  # type: ignore[index]
+            plan.zeros[group.rows] if stats else coef,  # type: ignore[index]
             plan.peak[group.rows] if stats else coef,  # type: ignore[index]
             stats_tiny if stats else 0.0,
             SRC=_TL_DTYPES[group.src_dtype],
@@ -517,22 +537,26 @@ def _stats_buffers(plan: _Plan) -> None:
         owners[group.rows] = members[group.table[:, 0]]
     plan.owners = owners
     plan.under = torch.zeros(max(rows, 1), dtype=torch.int32, device=device)
+    plan.zeros = torch.zeros(max(rows, 1), dtype=torch.int32, device=device)
     plan.peak = torch.zeros(max(rows, 1), dtype=torch.float32, device=device)
 
 
-def tensor_stats(plan: _Plan, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per tensor of the call (``count`` of them, empty ones included): the underflow counts (int64) and the peaks
-    (FP32) that the last ``unscale(..., stats_tiny=...)`` over ``plan`` wrote per chunk, on ``device``."""
+def tensor_stats(plan: _Plan, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per tensor of the call (``count`` of them, empty ones included): the underflow counts (int64), the zero counts
+    (int64) and the peaks (FP32) that the last ``unscale(..., stats_tiny=...)`` over ``plan`` wrote per chunk, on
+    ``device``."""
     under = torch.zeros(count, dtype=torch.int64, device=device)
+    zeros = torch.zeros(count, dtype=torch.int64, device=device)
     peak = torch.zeros(count, dtype=torch.float32, device=device)
     if plan.owners is None or not plan.owners.numel():
-        return under, peak
-    assert plan.under is not None and plan.peak is not None
+        return under, zeros, peak
+    assert plan.under is not None and plan.zeros is not None and plan.peak is not None
     rows = plan.owners.numel()
     owners = plan.owners.to(device)
     under.index_add_(0, owners, plan.under[:rows].to(device, torch.int64))
+    zeros.index_add_(0, owners, plan.zeros[:rows].to(device, torch.int64))
     peak.scatter_reduce_(0, owners, plan.peak[:rows].to(device), "amax")
-    return under, peak
+    return under, zeros, peak
 
 
 def copy(plan: _Plan, workspace: UnscaleWorkspace) -> None:

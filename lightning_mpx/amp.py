@@ -634,9 +634,9 @@ class Amp:
         """Measure underflow and headroom of the scaled gradients in every optimizer's unscale until the next
         :meth:`update` (call it before the step of an iteration whose metrics will be logged).
 
-        The next :meth:`metrics` call then holds ``mpx/underflow/<group>`` and ``mpx/headroom/<group>`` (see
-        :mod:`lightning_mpx.telemetry`). The measurement runs in the unscale pass on the device, with no host sync;
-        without a request nothing is measured.
+        The next :meth:`metrics` call then holds ``mpx/underflow/<group>``, ``mpx/zeros/<group>`` and
+        ``mpx/headroom/<group>`` (see :mod:`lightning_mpx.telemetry`). The measurement runs in the unscale pass on the
+        device, with no host sync; without a request nothing is measured.
         """
         self.telemetry.requested = True
 
@@ -645,7 +645,8 @@ class Amp:
         ``mpx/grad_norm`` (unscaled, when computed), with a ``/loss{id}`` suffix when there are several losses;
         ``mpx/overflow/<module>``: the overflow steps since the last call in which the module had non-finite
         gradients (0 for a module that had some before; ``_root`` stands for the root module's own parameters).
-        after a :meth:`request_telemetry`, ``mpx/underflow/<group>`` and ``mpx/headroom/<group>`` too.
+        after a :meth:`request_telemetry`, ``mpx/underflow/<group>``, ``mpx/zeros/<group>`` and
+        ``mpx/headroom/<group>`` too.
 
         Values are device tensors or Python numbers: building them does not wait for the device.
         """

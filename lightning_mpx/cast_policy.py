@@ -33,7 +33,9 @@ of the forward pass during the backward pass, where the forward's scope has ende
 state for that recomputation, but not torch-function modes, so :meth:`CastPolicy.recompute_scope` is entered around
 the backward pass (``Amp.backward`` does it): inside it the policy casts only code that runs with gradients enabled,
 which during a backward pass is the recomputation (the engine runs backward functions with gradients disabled), and
-the recomputed forward gets the forward's dtypes.
+the recomputed forward gets the forward's dtypes. A bare ``loss.backward()`` outside both scopes has no policy to
+recompute with, unless the checkpoint call itself records it: :func:`checkpoint_contexts` is a ``context_fn`` for
+``checkpoint(..., use_reentrant=False)`` that does (the reentrant variant takes no ``context_fn``).
 """
 
 from __future__ import annotations
@@ -652,6 +654,82 @@ class _CastMode(TorchFunctionMode):
             raise BannedOpError(policy.table.banned_advice(func))
         args, kwargs = policy._cast_all(args, kwargs, torch.float32, _LOW)
         return func(*args, **kwargs) if kwargs else func(*args)
+
+
+def checkpoint_contexts() -> tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]:
+    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=...)``: the
+    recomputation runs with the cast policies that were active when the checkpointed forward ran.
+
+    Torch calls it when the forward reaches the checkpoint; it records the cast modes on this thread's mode stack
+    then (their policy and state: casts disabled, an FP32 module around the call) and returns a do-nothing forward
+    context and a recompute context that enters the same modes again, wherever the backward pass runs, as torch does
+    for ``torch.autocast``'s state. A plain ``loss.backward()`` then recomputes with the forward's casts, as
+    ``Amp.backward`` does for any checkpoint; with no policy active at the forward (an FP32 forward), both contexts
+    do nothing. Under ``Amp.backward`` the recorded state takes the place of its recompute scope for the
+    recomputation (a block run inside :func:`disable_casts` recomputes without casts).
+
+    Example:
+        >>> from torch.utils.checkpoint import checkpoint
+        >>> y = checkpoint(block, x, use_reentrant=False, context_fn=checkpoint_contexts)  # doctest: +SKIP
+        >>> model.gradient_checkpointing_enable(  # Hugging Face  # doctest: +SKIP
+        ...     gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_contexts})
+
+    Torch refuses a ``context_fn`` for ``use_reentrant=True`` (``ValueError``), and under ``torch.compile`` accepts
+    only torch-dispatch modes (the compiled graph recomputes with the forward's casts anyway): eager mode,
+    non-reentrant checkpoints.
+    """
+    states = [
+        (mode.policy, mode.recompute_only, mode.disabled, mode.fp32)
+        for mode in torch.overrides._get_current_function_mode_stack()
+        if isinstance(mode, _CastMode)
+    ]
+    if not states:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    return contextlib.nullcontext(), _Reentry(states)
+
+
+class _Reentry:
+    """Enters fresh cast modes with recorded states (bottom of the stack first) in place of the backward pass's
+    recompute modes (``CastPolicy.recompute_scope``, ``Amp.backward``), which would cast the recomputation whatever
+    the forward did: the recorded state decides. Re-enterable: a backward pass with ``retain_graph=True`` followed by
+    another recomputes a checkpoint once per pass."""
+
+    def __init__(self, states: list[tuple[CastPolicy, bool, int, int]]) -> None:
+        self.states = states
+        self._open: list[tuple[contextlib.ExitStack, list[Any]]] = []
+
+    def __enter__(self) -> None:
+        popped = []
+        stack_len, stack_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
+        while stack_len():
+            top = stack_at(stack_len() - 1)
+            if not (type(top) is _CastMode and top.recompute_only):
+                break
+            popped.append(torch._C._pop_torch_function_stack())
+        stack = contextlib.ExitStack()
+        try:
+            for policy, recompute_only, disabled, fp32 in self.states:
+                policy._refresh_actions()
+                mode = _CastMode(policy, recompute_only=recompute_only)
+                mode.disabled, mode.fp32 = disabled, fp32
+                stack.enter_context(mode)
+        except BaseException:
+            stack.close()
+            _push_back(popped)
+            raise
+        self._open.append((stack, popped))
+
+    def __exit__(self, *exc: Any) -> None:
+        stack, popped = self._open.pop()
+        try:
+            stack.__exit__(*exc)
+        finally:
+            _push_back(popped)
+
+
+def _push_back(popped: list[Any]) -> None:
+    for mode in reversed(popped):
+        torch._C._push_on_torch_function_stack(mode)
 
 
 def enter_fp32() -> list[_CastMode]:

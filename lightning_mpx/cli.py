@@ -19,7 +19,13 @@ def build_parser() -> argparse.ArgumentParser:
         "MixedPrecisionPlugin; TensorBoard logs go to the run folder.",
     )
     demo.add_argument("--opt-level", default="O1", choices=OPT_LEVELS, help="opt level (default: O1)")
-    demo.add_argument("--half-dtype", default="float16", choices=("float16", "bfloat16"), help="default: float16")
+    demo.add_argument(
+        "--half-dtype",
+        default="auto",
+        choices=("auto", "float16", "bfloat16"),
+        help="default: auto (float16 on a GPU; bfloat16 with a dynamic loss scale on a CPU, where float16 is often "
+        "emulated)",
+    )
     demo.add_argument("--steps", type=int, default=300, help="optimizer steps (default: 300)")
     demo.add_argument("--batch-size", type=int, default=16)
     demo.add_argument("--seq-len", type=int, default=64)
@@ -29,6 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument(
         "--growth-interval", type=int, default=50, help="clean steps before the loss scale doubles (default: 50)"
+    )
+    demo.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads (default on a CPU: 1; the model is small, so more threads add a fork-join to every op, "
+        "and stall it when other processes share the cores)",
     )
     demo.add_argument("--accelerator", default="auto", help="Lightning accelerator: auto, cpu, gpu (default: auto)")
     demo.add_argument("--run-dir", default=None, help="TensorBoard run folder (default: runs/demo-LEVEL-DTYPE-TIME)")
@@ -57,13 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
-        from lightning_mpx.demo import DemoConfig, format_summary, train
+        from lightning_mpx.demo import DemoConfig, device_type, format_summary, resolve_half_dtype, train
 
-        for name in ("steps", "batch_size", "seq_len", "dim", "layers", "growth_interval"):
-            if getattr(args, name) < 1:
+        if args.threads is None and device_type(args.accelerator) == "cpu":
+            args.threads = 1
+        for name in ("steps", "batch_size", "seq_len", "dim", "layers", "growth_interval", "threads"):
+            if getattr(args, name) is not None and getattr(args, name) < 1:
                 print(f"lightning-mpx demo: --{name.replace('_', '-')}={getattr(args, name)} must be >= 1", file=sys.stderr)
                 return 2
-        result = train(
+        config = resolve_half_dtype(
             DemoConfig(
                 opt_level=args.opt_level,
                 half_dtype=args.half_dtype,
@@ -78,8 +93,11 @@ def main(argv: list[str] | None = None) -> int:
                 accelerator=args.accelerator,
                 run_dir=args.run_dir,
                 progress_bar=not args.no_progress_bar,
+                threads=args.threads,
             )
         )
+        print(f"lightning-mpx demo: {config.opt_level} in {config.half_dtype}: {config.half_dtype_reason}", flush=True)
+        result = train(config)
         print(format_summary(result))
         if args.plot:
             from lightning_mpx.plot import plot_run

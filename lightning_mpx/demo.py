@@ -2,10 +2,16 @@
 
 The text is the Python standard library's own source, so nothing is downloaded. The pieces are reusable (the
 convergence benchmark trains the same model): :func:`load_corpus`, :class:`CharTransformer`, :func:`train`.
+
+The half dtype defaults to ``"auto"`` (:func:`choose_half_dtype`): float16 on a GPU, the classic loss-scaling case;
+bfloat16 with a dynamic loss scale on a CPU, where float16 matmuls are often emulated (many x86 CPUs have bfloat16
+instructions but none for float16 arithmetic, and there oneDNN's float16 matmul is tens of times slower).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -13,7 +19,7 @@ import sysconfig
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -146,12 +152,19 @@ class CharTransformer(LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+#: ``DemoConfig.half_dtype`` choices.
+HALF_DTYPES = ("auto", "float16", "bfloat16")
+
+
 @dataclass
 class DemoConfig:
-    """Settings of one demo run (the CLI's flags)."""
+    """Settings of one demo run (the CLI's flags).
+
+    ``half_dtype="auto"`` (the default) lets :func:`choose_half_dtype` pick float16 or bfloat16 for the device.
+    """
 
     opt_level: str = "O1"
-    half_dtype: str = "float16"
+    half_dtype: str = "auto"
     steps: int = 300
     batch_size: int = 16
     seq_len: int = 64
@@ -171,6 +184,10 @@ class DemoConfig:
     # run; production runs keep the default of 2000.
     growth_interval: int = 50
     plugin_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: Why this half dtype runs (set by :func:`resolve_half_dtype`; shown under the summary).
+    half_dtype_reason: str = ""
+    #: CPU threads for the run (``torch.set_num_threads``, restored afterwards); ``None`` leaves torch's setting.
+    threads: int | None = None
 
 
 @dataclass
@@ -180,7 +197,10 @@ class DemoResult:
     run_dir: str
     opt_level: str
     half_dtype: str
+    dtype_reason: str
+    loss_scale_mode: str
     device: str
+    threads: int
     steps: int
     train_loss: float
     val_loss: float
@@ -200,13 +220,91 @@ class _ValCurve(Callback):
             self.points.append((trainer.global_step, float(trainer.callback_metrics["val/loss"])))
 
 
+def device_type(accelerator: str) -> str:
+    """The device type Lightning's ``accelerator`` setting resolves to (for a single device)."""
+    if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available():
+        return "cuda"
+    mps = getattr(torch.backends, "mps", None)
+    if accelerator in ("auto", "gpu", "mps") and mps is not None and mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def choose_half_dtype(device_type: str) -> tuple[str, str]:
+    """The half dtype ``half_dtype="auto"`` runs on ``device_type``, and why (for the summary).
+
+    float16 on a GPU, where its kernels are native and it is the classic loss-scaling case. bfloat16 on a CPU: many
+    x86 CPUs have bfloat16 instructions (AVX512-BF16, AMX) but none for float16 arithmetic, and there oneDNN emulates
+    float16 matmuls tens of times slower (the demo took 8x longer in float16 on such a machine). A fixed rule rather
+    than a timing probe: the same machine always runs the same demo, and a probe read on a loaded machine misleads.
+    """
+    if device_type != "cpu":
+        return "float16", f"{device_type} runs float16 natively"
+    return "bfloat16", (
+        "on a CPU, where float16 matmuls are often emulated (tens of times slower than bfloat16 without "
+        "AVX512-FP16/AMX-FP16)"
+    )
+
+
+def resolve_half_dtype(config: DemoConfig) -> DemoConfig:
+    """``config`` with ``half_dtype="auto"`` replaced by :func:`choose_half_dtype`'s choice and ``half_dtype_reason``
+    saying why (a config with a named dtype comes back unchanged but for the reason).
+
+    When the choice is bfloat16 at an opt level whose float16 preset scales the loss dynamically (O1, O2), the run
+    keeps a dynamic loss scale (``loss_scale="dynamic"``; bfloat16's own default is a static 1.0), so that the
+    scale's staircase shows as it would in float16, unless ``plugin_kwargs`` names a loss scale.
+
+    Raises:
+        ValueError: for a ``half_dtype`` that is not one of :data:`HALF_DTYPES`.
+    """
+    from lightning_mpx.opt_levels import resolve_properties
+
+    if config.half_dtype not in HALF_DTYPES:
+        raise ValueError(f"half_dtype={config.half_dtype!r} is not valid; valid choices: {', '.join(HALF_DTYPES)}.")
+    if config.half_dtype != "auto":
+        return dataclasses.replace(config, half_dtype_reason=config.half_dtype_reason or "chosen by --half-dtype")
+    half_dtype, why = choose_half_dtype(device_type(config.accelerator))
+    plugin_kwargs = dict(config.plugin_kwargs)
+    reason = f"{half_dtype} (auto): {why}"
+    if (
+        half_dtype == "bfloat16"
+        and "loss_scale" not in plugin_kwargs
+        and resolve_properties(config.opt_level, half_dtype="float16").dynamic_loss_scale
+    ):
+        plugin_kwargs["loss_scale"] = "dynamic"
+        reason += '; with loss_scale="dynamic", as float16 would scale'
+    if half_dtype == "bfloat16":
+        reason += "; --half-dtype float16 runs float16 anyway"
+    return dataclasses.replace(config, half_dtype=half_dtype, plugin_kwargs=plugin_kwargs, half_dtype_reason=reason)
+
+
+@contextlib.contextmanager
+def _cpu_threads(threads: int | None) -> Iterator[None]:
+    """``torch.set_num_threads(threads)`` inside the block, torch's previous setting after it (``None``: as it is)."""
+    if threads is None:
+        yield
+        return
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads={threads!r} must be a positive integer or None.")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def train(config: DemoConfig) -> DemoResult:
     """Train :class:`CharTransformer` with ``MixedPrecisionPlugin(config.opt_level)``; logs to TensorBoard under
-    ``config.run_dir`` and returns the summary."""
+    ``config.run_dir`` and returns the summary. ``half_dtype="auto"`` is resolved first (:func:`resolve_half_dtype`).
+    """
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from lightning_mpx.lightning import MixedPrecisionPlugin
 
+    config = resolve_half_dtype(config)
+    half_dtype, reason = config.half_dtype, config.half_dtype_reason
+    plugin_kwargs = {"growth_interval": config.growth_interval, **config.plugin_kwargs}
     _pl.seed_everything(config.seed, verbose=False)
     text = torch.frombuffer(bytearray(load_corpus(config.corpus_bytes)), dtype=torch.uint8)
     split = int(len(text) * 0.9)
@@ -218,9 +316,8 @@ def train(config: DemoConfig) -> DemoResult:
     )
     val_loader = torch.utils.data.DataLoader(val_set, batch_size=config.batch_size)
 
-    run_dir = Path(config.run_dir or f"runs/demo-{config.opt_level}-{config.half_dtype}-{time.strftime('%Y%m%d-%H%M%S')}")
-    plugin_kwargs = {"growth_interval": config.growth_interval, **config.plugin_kwargs}
-    plugin = MixedPrecisionPlugin(config.opt_level, half_dtype=config.half_dtype, **plugin_kwargs)
+    run_dir = Path(config.run_dir or f"runs/demo-{config.opt_level}-{half_dtype}-{time.strftime('%Y%m%d-%H%M%S')}")
+    plugin = MixedPrecisionPlugin(config.opt_level, half_dtype=half_dtype, **plugin_kwargs)
     curve = _ValCurve()
     trainer = _pl.Trainer(
         accelerator=config.accelerator,
@@ -246,20 +343,25 @@ def train(config: DemoConfig) -> DemoResult:
         lr=config.lr,
         total_steps=config.steps,
     )
-    start = time.perf_counter()
-    trainer.fit(model, train_loader, val_loader)
-    seconds = time.perf_counter() - start
-    # Read before the closing validation: ``validate`` starts a new stage and clears the training metrics.
-    train_loss = float(trainer.callback_metrics.get("train/loss", float("nan")))
-    if not curve.points or curve.points[-1][0] != trainer.global_step:
-        trainer.validate(model, val_loader, verbose=False)
-        curve.points.append((trainer.global_step, float(trainer.callback_metrics["val/loss"])))
+    with _cpu_threads(config.threads):
+        start = time.perf_counter()
+        trainer.fit(model, train_loader, val_loader)
+        seconds = time.perf_counter() - start
+        # Read before the closing validation: ``validate`` starts a new stage and clears the training metrics.
+        train_loss = float(trainer.callback_metrics.get("train/loss", float("nan")))
+        if not curve.points or curve.points[-1][0] != trainer.global_step:
+            trainer.validate(model, val_loader, verbose=False)
+            curve.points.append((trainer.global_step, float(trainer.callback_metrics["val/loss"])))
     metrics = plugin.metrics()
+    properties = plugin.amp.properties
     return DemoResult(
         run_dir=str(run_dir),
         opt_level=config.opt_level,
-        half_dtype=config.half_dtype,
+        half_dtype=half_dtype,
+        dtype_reason=reason,
+        loss_scale_mode="dynamic" if properties.dynamic_loss_scale else f"static {float(properties.loss_scale):g}",  # type: ignore[arg-type]
         device=str(trainer.strategy.root_device),
+        threads=torch.get_num_threads() if config.threads is None else config.threads,
         steps=trainer.global_step,
         train_loss=train_loss,
         val_loss=curve.points[-1][1],
@@ -271,16 +373,23 @@ def train(config: DemoConfig) -> DemoResult:
     )
 
 
+def _scale_text(scale: float) -> str:
+    """``4194304 (2^22)`` for a power of two (what a dynamic scale always is), else ``%g``."""
+    if scale >= 1 and math.isfinite(scale) and math.log2(scale).is_integer():
+        return f"{int(scale)} (2^{int(math.log2(scale))})"
+    return f"{scale:g}"
+
+
 def format_summary(result: DemoResult) -> str:
-    """The closing table of ``lightning-mpx demo``."""
+    """The closing table of ``lightning-mpx demo``, and a line that says why this half dtype ran."""
     rows = [
-        ("opt level", f"{result.opt_level} ({result.half_dtype})"),
-        ("device", result.device),
+        ("opt level", f"{result.opt_level} ({result.half_dtype}, {result.loss_scale_mode} loss scale)"),
+        ("device", result.device + (f", {result.threads} thread(s)" if result.device == "cpu" else "")),
         ("steps", f"{result.steps}"),
         ("final train loss", f"{result.train_loss:.4f}"),
         ("final val loss", f"{result.val_loss:.4f}"),
         ("skipped steps", f"{result.skipped_steps}"),
-        ("final loss scale", f"{result.loss_scale:g}"),
+        ("final loss scale", _scale_text(result.loss_scale)),
         ("tokens / second", f"{result.tokens_per_second:,.0f}"),
         ("wall time", f"{result.seconds:.1f} s"),
         ("TensorBoard logs", result.run_dir),
@@ -288,7 +397,7 @@ def format_summary(result: DemoResult) -> str:
     width = max(len(k) for k, _ in rows)
     line = "+" + "-" * (width + 2) + "+" + "-" * (max(len(v) for _, v in rows) + 2) + "+"
     body = [f"| {k:<{width}} | {v:<{len(line) - width - 7}} |" for k, v in rows]
-    return "\n".join([line, *body, line])
+    return "\n".join([line, *body, line, f"half dtype: {result.dtype_reason}"])
 
 
 

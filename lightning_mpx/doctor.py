@@ -7,16 +7,20 @@ suggested fix:
 - **persistent overflow** (the scale is too high for what the model produces, or the model produces non-finite
   values at any scale): most steps overflow, the scale sits at its floor (or is static) and skipped steps grow; with
   ``mpx/overflow/<module>`` tags the modules whose gradients were non-finite, and since which step;
-- **scale too low**: gradients underflow (``mpx/underflow/<group>``) while every group's largest gradient sits far
-  below the half maximum (``mpx/headroom/<group>``) and the scale does not grow (a static scale, or a dynamic one
-  stuck at its ceiling);
+- **scale too low**: gradients underflow (``mpx/underflow/<group>``, and the zeros of ``mpx/zeros/<group>`` that
+  move with the scale) while every group's largest gradient sits far below the half maximum
+  (``mpx/headroom/<group>``) and the scale does not grow (a static scale, or a dynamic one stuck at its ceiling);
 - **heavy underflow in one module**: one group's gradients underflow while the scale cannot rise because another
   group already uses the range;
 - **promoted modules** (``mpx/promoted/<module>``), for information;
 - **healthy** when none of the problems shows.
 
-Runs written before the underflow and per-module tags existed are diagnosed from ``mpx/loss_scale``,
-``mpx/overflows`` and ``mpx/skipped_steps`` alone. The states are judged on the end of the run (the trailing
+Exact zeros are judged apart from the non-zero values below the half's smallest normal: a zero fraction that does
+not move when the scale changes is structural (rows of an embedding absent from the batch, switched-off units) and is
+not underflow; one that falls as the scale grows is made of values the half backward flushed to zero, and counts (see
+:func:`_zeros_verdict`). Runs written before ``mpx/zeros/<group>`` existed logged zeros inside
+``mpx/underflow/<group>``; they are judged as before. Runs written before the underflow and per-module tags existed
+are diagnosed from ``mpx/loss_scale``, ``mpx/overflows`` and ``mpx/skipped_steps`` alone. The states are judged on the end of the run (the trailing
 steps), so a scale that backed off at the start and settled is healthy. The thresholds are the constants below.
 """
 
@@ -37,6 +41,7 @@ from lightning_mpx.plot import (
     OVERFLOW_TAG,
     SCALE_TAG,
     UNDERFLOW_PREFIX,
+    ZEROS_PREFIX,
     read_scalars,
 )
 
@@ -52,9 +57,20 @@ PERSISTENT_MIN_STEPS = 10
 #: A module is named as a culprit of persistent overflow when its gradients were non-finite in at least this
 #: fraction of the overflow steps.
 MODULE_SHARE = 0.5
-#: Heavy underflow: at least this fraction of a group's gradient elements are zero or below the half dtype's
-#: smallest normal (``mpx/underflow/<group>``, mean over the end of the run).
+#: Heavy underflow: at least this fraction of a group's gradient elements are below the half dtype's smallest normal
+#: (``mpx/underflow/<group>``, plus the zeros that move with the scale; mean over the end of the run).
 UNDERFLOW_HEAVY = 0.5
+#: A group's zero fraction (``mpx/zeros/<group>``) "moves with the scale" when, over the last ``ZEROS_CHANGES`` changes
+#: of the scale between logged points, it fell (as the scale grew; rose as it fell) by more than this share of its
+#: level on average, and by more than ``ZEROS_MOVE_MIN``: batch-to-batch noise in the absent rows of an embedding
+#: moves it a few percent either way.
+ZEROS_MOVE = 0.1
+ZEROS_MOVE_MIN = 0.005
+ZEROS_CHANGES = 3
+#: With no change of the scale to judge zeros by, they count as underflow when at least this share of the group's
+#: non-zero elements sit below the smallest normal: gradients that reach that far down reach below the smallest
+#: subnormal too. bfloat16 runs, whose range ends near 1e-38, have none: their zeros are structural.
+SUBNORMAL_SHARE = 0.01
 #: "Far below the half maximum": a group's largest scaled gradient under this fraction of the half dtype's maximum
 #: (``mpx/headroom/<group>``, max over the end of the run). float16's normal range spans 30 binades; a gradient
 #: tensor commonly spreads over 15 to 20 binades below its largest element, so a largest element 12 binades below
@@ -379,31 +395,44 @@ def _underflow(mpx: dict[str, Series]) -> tuple[list[Finding], list[str]]:
     """The underflow findings, and the evidence lines a healthy finding shows."""
     # A group that runs in FP32 (promoted or pinned) keeps its small gradients: its underflow is not judged.
     fp32 = [module for module, points in _by_suffix(mpx, PROMOTED_PREFIX).items() if points[-1][1] >= 0.5]
-    underflow = {
-        group: points
-        for group, points in _by_suffix(mpx, UNDERFLOW_PREFIX).items()
-        if not any(group == module or group.startswith(module + ".") for module in fp32)
-    }
+
+    def judged(prefix: str) -> dict[str, Series]:
+        return {
+            group: points
+            for group, points in _by_suffix(mpx, prefix).items()
+            if not any(group == module or group.startswith(module + ".") for module in fp32)
+        }
+
+    underflow, zeros = judged(UNDERFLOW_PREFIX), judged(ZEROS_PREFIX)
     if not underflow:
         return [], []
     headroom = _by_suffix(mpx, HEADROOM_PREFIX)
-    fraction: dict[str, float] = {}
+    scale = next((mpx[tag] for tag in sorted(mpx) if tag == SCALE_TAG or tag.startswith(SCALE_TAG + "/loss")), None)
+    fraction: dict[str, float] = {}  # judged: non-zero values below tiny, plus the zeros that move with the scale
+    below: dict[str, float] = {}  # mpx/underflow/<group> alone
+    verdicts: dict[str, tuple[float, float, str]] = {}  # zeros: (mean, counted as underflow, why)
     room: dict[str, float] = {}
     window = (0, 0)
     overflow_points = 0
     for group, points in underflow.items():
         tail = _tail(points)
-        fraction[group] = sum(value for _, value in tail) / len(tail)
+        below[group] = fraction[group] = sum(value for _, value in tail) / len(tail)
         window = (tail[0][0], tail[-1][0])
+        if group in zeros:
+            verdicts[group] = _zeros_verdict(zeros[group], below[group], scale)
+            fraction[group] += verdicts[group][1]
         if group in headroom:
             # A headroom of 1 or more (inf) is an overflow step, which the overflow findings judge: left out here.
             values = [value for _, value in _tail(headroom[group])]
-            below = [value for value in values if value < 1.0]
-            overflow_points = max(overflow_points, len(values) - len(below))
-            room[group] = max(below, default=1.0)
+            finite = [value for value in values if value < 1.0]
+            overflow_points = max(overflow_points, len(values) - len(finite))
+            room[group] = max(finite, default=1.0)
     span = f"steps {window[0]}-{window[1]}"
     worst = max(fraction, key=lambda g: fraction[g])
     evidence = [f"underflow at most {fraction[worst]:.3f} (group {worst or '<root>'}, mean over {span})"]
+    most = max(verdicts, key=lambda g: verdicts[g][0], default=None)
+    if most is not None and verdicts[most][0] > 0:
+        evidence.append(f"exact zeros at most {verdicts[most][0]:.3f} (group {most or '<root>'}): {verdicts[most][2]}")
     run_room = max(room.values()) if room else None
     if run_room is not None:
         top = max(room, key=lambda g: room[g])
@@ -417,18 +446,26 @@ def _underflow(mpx: dict[str, Series]) -> tuple[list[Finding], list[str]]:
         return [], evidence
     lines = []
     for group in heavy:
-        line = (
-            f"mpx/underflow/{group}: {fraction[group]:.3f} of its gradient elements zero or below the half dtype's "
-            f"smallest normal (mean over {span})"
-        )
+        if group in verdicts:
+            line = (
+                f"mpx/underflow/{group}: {below[group]:.3f} of its gradient elements below the half dtype's smallest "
+                f"normal and not zero (mean over {span})"
+            )
+            if verdicts[group][1] > 0:
+                line += f"; mpx/zeros/{group}: {verdicts[group][1]:.3f} exact zeros counted too ({verdicts[group][2]})"
+        else:  # written before mpx/zeros/<group>: the zeros are inside mpx/underflow/<group>
+            line = (
+                f"mpx/underflow/{group}: {fraction[group]:.3f} of its gradient elements zero or below the half "
+                f"dtype's smallest normal (mean over {span})"
+            )
         if group in room:
             line += f"; its largest is {_fmt_ratio(room[group])} of the half maximum"
         lines.append(line)
     names = tuple(g or "<root>" for g in heavy)
-    scale = next((mpx[tag] for tag in sorted(mpx) if tag == SCALE_TAG or tag.startswith(SCALE_TAG + "/loss")), None)
     if run_room is None or run_room > HEADROOM_LOW or scale is None:
         # Another group uses the range (or the headroom is unknown): a larger scale would not help this one.
-        found = [_heavy_underflow(g, line, room, run_room, evidence[-1], window[0]) for g, line in zip(heavy, lines)]
+        room_line = evidence[-1]
+        found = [_heavy_underflow(g, line, room, run_room, room_line, window[0]) for g, line in zip(heavy, lines)]
         return found, []
     tail_scale = _tail(scale)
     first, final = tail_scale[0][1], tail_scale[-1][1]
@@ -451,6 +488,63 @@ def _underflow(mpx: dict[str, Series]) -> tuple[list[Finding], list[str]]:
     )
     summary = f"loss scale too low: heavy underflow in {', '.join(names)}, the scale {_fmt_scale(final)} not growing"
     return [Finding("scale_too_low", True, summary, tuple(lines), fix, names, window[0])], []
+
+
+def _zeros_verdict(zeros: Series, below: float, scale: Series | None) -> tuple[float, float, str]:
+    """A group's exact zeros judged against the loss scale: ``(mean zero fraction over the end of the run, the part
+    of it counted as underflow, why)``.
+
+    A zero is either structural (zero at any scale) or a value the half backward flushed to zero, which a larger scale
+    would have kept. So the zero fraction is compared across the last ``ZEROS_CHANGES`` changes of the scale between
+    logged points: unchanged, the zeros are structural (none counted); falling as the scale grows, they are flushed
+    values (all counted). A logged scale is the one after the logging step's update, while the gradients were
+    measured before it, so only points whose scale equals the previous point's (no change in between, none at the
+    point itself) are compared. With no change to judge by, the zeros count when the group's non-zero values reach
+    below the smallest normal (``SUBNORMAL_SHARE``). A group without a single non-zero gradient always counts.
+
+    Args:
+        zeros: ``mpx/zeros/<group>``.
+        below: The mean of ``mpx/underflow/<group>`` over the end of the run (non-zero values below tiny).
+        scale: The loss scale series (``None``: unknown).
+    """
+    tail = _tail(zeros)
+    mean = sum(value for _, value in tail) / len(tail)
+    if mean >= 1.0:
+        # Not one non-zero gradient: the scales tried were all too low to keep any (the headroom reads 0).
+        return mean, mean, "no gradient of the group is non-zero at any scale tried: counted as underflow"
+    known: list[tuple[float, float]] = []  # (scale the gradients were measured at, zero fraction)
+    if scale:
+        steps = [step for step, _ in scale]
+        values = [value for _, value in scale]
+
+        def scale_at(step: int) -> float:
+            return values[max(0, bisect.bisect_right(steps, step) - 1)]
+
+        for (previous, _), (step, value) in zip(zeros, zeros[1:]):
+            if scale_at(previous) == scale_at(step):
+                known.append((scale_at(step), value))
+    changes = [(a, b) for a, b in zip(known, known[1:]) if a[0] != b[0]][-ZEROS_CHANGES:]
+    if changes:
+        # Oriented so that zeros falling as the scale grows (or rising as it falls) move by a positive amount.
+        moved = sum((za - zb) if sb > sa else (zb - za) for (sa, za), (sb, zb) in changes) / len(changes)
+        level = sum(max(za, zb) for (_, za), (_, zb) in changes) / len(changes)
+        (first, _), (last, _) = changes[0][0], changes[-1][1]
+        what = f"the last {len(changes)} scale change(s), {_fmt_scale(first)} to {_fmt_scale(last)}"
+        if moved > max(ZEROS_MOVE * level, ZEROS_MOVE_MIN):
+            return mean, mean, (
+                f"they fall as the scale grows, by {moved:.3f} on average at {what}: values flushed to zero, counted "
+                "as underflow"
+            )
+        return mean, 0.0, f"unchanged at {what} ({moved:+.3f} on average): structural, not underflow"
+    if below >= SUBNORMAL_SHARE * (1.0 - mean):
+        return mean, mean, (
+            "no change of the scale to judge them by, and the group's other values reach below the smallest normal: "
+            "counted as underflow"
+        )
+    return mean, 0.0, (
+        "no change of the scale to judge them by, and the group's other values stay above the smallest normal: "
+        "structural, not underflow"
+    )
 
 
 def _heavy_underflow(

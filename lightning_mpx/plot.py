@@ -1,5 +1,5 @@
 """``lightning-mpx plot RUN_DIR``: the loss-scale curve with overflow events marked, beside the training loss; and,
-when the run logged them, the underflow and headroom per group and the overflows per module."""
+when the run logged them, the underflow, exact zeros and headroom per group and the overflows per module."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ SCALE_TAG = "mpx/loss_scale"
 OVERFLOW_TAG = "mpx/overflows"
 LOSS_TAGS = ("train/loss", "train_loss", "loss")
 UNDERFLOW_PREFIX = "mpx/underflow/"
+#: Exact zeros per group (lightning_mpx.telemetry); runs written before it counted them in mpx/underflow/*.
+ZEROS_PREFIX = "mpx/zeros/"
 HEADROOM_PREFIX = "mpx/headroom/"
 MODULE_OVERFLOW_PREFIX = "mpx/overflow/"
 #: Watched forward overflows by the first module whose output went non-finite (lightning_mpx.forensics).
@@ -46,8 +48,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write a PNG of the run's loss scale (log scale, overflows marked) and training loss; returns its path.
 
     With several loss scalers (``mpx/loss_scale/loss0``, ...) each gets its own curve. When the run logged them, two
-    more panels: the underflow fraction per group (``mpx/underflow/*``) with its headroom (``mpx/headroom/*``,
-    dashed, right axis), and the overflow steps per module (``mpx/overflow/*``, cumulative).
+    more panels: per group the fraction of gradient elements below the half's smallest normal and not zero
+    (``mpx/underflow/*``, solid), the fraction of exact zeros (``mpx/zeros/*``, dotted) and the headroom
+    (``mpx/headroom/*``, dashed, right axis); and the overflow steps per module (``mpx/overflow/*``, cumulative).
     """
     matplotlib = require("matplotlib", extra="demo", feature="lightning-mpx plot")
     matplotlib.use("Agg")
@@ -73,8 +76,9 @@ def plot_figure(series: dict[str, list[tuple[int, float]]], title: str = "") -> 
             "MixedPrecisionPlugin and a logger?"
         )
     underflow = _by_prefix(series, UNDERFLOW_PREFIX)
+    zeros = _by_prefix(series, ZEROS_PREFIX)
     module_overflows = _by_prefix(series, MODULE_OVERFLOW_PREFIX)
-    panels = 2 + bool(underflow) + bool(module_overflows)
+    panels = 2 + bool(underflow or zeros) + bool(module_overflows)
     rows = (panels + 1) // 2
     fig, grid = plt.subplots(rows, 2, figsize=(12, 4.2 * rows), squeeze=False)
     axes = list(grid.flat)
@@ -96,8 +100,8 @@ def plot_figure(series: dict[str, list[tuple[int, float]]], title: str = "") -> 
         ax_loss.set_title("Training loss (not logged)")
     ax_loss.set_xlabel("step")
     ax_loss.grid(True, alpha=0.3)
-    if underflow:
-        _underflow_panel(more.pop(0), underflow, _by_prefix(series, HEADROOM_PREFIX))
+    if underflow or zeros:
+        _underflow_panel(more.pop(0), underflow, zeros, _by_prefix(series, HEADROOM_PREFIX))
     if module_overflows:
         first_step = min(step for tag in scale_tags for step, _ in series[tag][:1])
         _module_overflow_panel(more.pop(0), module_overflows, first_step)
@@ -130,20 +134,35 @@ def _scale_panel(ax: Any, series: dict[str, list[tuple[int, float]]], scale_tags
 
 
 def _underflow_panel(
-    ax: Any, underflow: dict[str, list[tuple[int, float]]], headroom: dict[str, list[tuple[int, float]]]
+    ax: Any,
+    underflow: dict[str, list[tuple[int, float]]],
+    zeros: dict[str, list[tuple[int, float]]],
+    headroom: dict[str, list[tuple[int, float]]],
 ) -> None:
     twin = ax.twinx() if headroom else None
-    for index, (group, points) in enumerate(sorted(underflow.items())[:_MAX_CURVES]):
-        color = f"C{index % 10}"
-        steps, values = zip(*points)
-        ax.plot(steps, values, color=color, label=f"{group or '<root>'} underflow")
+    groups = sorted(set(underflow) | set(zeros))[:_MAX_CURVES]
+    for index, group in enumerate(groups):
+        color, name = f"C{index % 10}", group or "<root>"
+        if group in underflow:
+            steps, values = zip(*underflow[group])
+            ax.plot(steps, values, color=color, label=f"{name} underflow")
+        if group in zeros:
+            steps, values = zip(*zeros[group])
+            ax.plot(steps, values, color=color, linestyle=":", label=f"{name} zeros")
         if twin is not None and group in headroom:
             steps, values = zip(*[(s, v) for s, v in headroom[group] if v > 0] or [(0, float("nan"))])
-            twin.plot(steps, values, color=color, linestyle="--", alpha=0.7, label=f"{group or '<root>'} headroom")
+            twin.plot(steps, values, color=color, linestyle="--", alpha=0.7, label=f"{name} headroom")
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("step")
-    ax.set_ylabel("gradient elements zero or subnormal (fraction)")
-    ax.set_title("Underflow (solid) and headroom (dashed, right: max |grad| / half max)")
+    if zeros:
+        ax.set_ylabel("gradient elements (fraction)")
+        ax.set_title(
+            "Underflow (solid: non-zero, below the half's tiny), exact zeros (dotted),\n"
+            "headroom (dashed, right: max |grad| / half max)"
+        )
+    else:  # a run written before mpx/zeros/*: its underflow counted the zeros
+        ax.set_ylabel("gradient elements zero or subnormal (fraction)")
+        ax.set_title("Underflow (solid) and headroom (dashed, right: max |grad| / half max)")
     ax.grid(True, alpha=0.3)
     ax.legend(loc="center left", fontsize="x-small")
     if twin is not None:

@@ -3,9 +3,14 @@
 On request (a logging step), the unscale pass that runs anyway measures every scaled gradient (the value before the
 multiply by ``1 / scale``, whatever its storage dtype: FP32 at O1, half at O2) against the half dtype's limits:
 
-* ``mpx/underflow/<group>``: the fraction, in [0, 1], of the group's gradient elements whose magnitude is below
-  ``torch.finfo(half_dtype).tiny``, the smallest normal number: zeros, and values that the half backward holds as
-  subnormals (with fewer significant bits) or flushes to zero;
+* ``mpx/underflow/<group>``: the fraction, in [0, 1], of the group's gradient elements that are not zero but whose
+  magnitude is below ``torch.finfo(half_dtype).tiny``, the smallest normal number: values that the half backward
+  holds as subnormals (with fewer significant bits), the next to be flushed to zero;
+* ``mpx/zeros/<group>``: the fraction of the group's gradient elements that are exactly zero. Most zeros are
+  structural (rows of an embedding absent from the batch, units a ReLU switched off, masked positions: zero at any
+  scale), but a value the half backward flushed to zero is a zero too. One measurement cannot tell them apart; a run
+  can: structural zeros do not move when the scale changes, flushed ones fall as it grows (``lightning-mpx doctor``
+  reads them so);
 * ``mpx/headroom/<group>``: the largest gradient magnitude divided by ``torch.finfo(half_dtype).max``: 1 or more is an
   overflow, ``2**-k`` means the scale could grow ``k`` more times before this group overflows.
 
@@ -51,7 +56,8 @@ def module_groups(names: Sequence[str], all_names: Iterable[str] | None = None) 
 @dataclass
 class _Result:
     groups: list[str]
-    underflow: torch.Tensor  # int64 [groups]: elements below tiny
+    underflow: torch.Tensor  # int64 [groups]: elements below tiny (zeros included)
+    zeros: torch.Tensor  # int64 [groups]: elements exactly zero
     numel: list[int]  # elements per group
     peak: torch.Tensor  # FP32 [groups]: largest magnitude
 
@@ -96,7 +102,7 @@ class GradTelemetry:
             names: Parameter names by ``id(param)`` (every prepared model's).
             stats: What the unscale measured.
         """
-        assert stats.underflow is not None and stats.peak is not None
+        assert stats.underflow is not None and stats.zeros is not None and stats.peak is not None
         owner = {id(p.grad): p for p in params if p.grad is not None}
         tensor_names = []
         for index, grad in enumerate(sources):
@@ -111,21 +117,24 @@ class GradTelemetry:
         for group, grad in zip(groups, sources):
             numel[position[group]] += grad.numel()
         underflow = torch.zeros(len(order), dtype=torch.int64, device=device).index_add_(0, index, stats.underflow)
+        zeros = torch.zeros(len(order), dtype=torch.int64, device=device).index_add_(0, index, stats.zeros)
         peak = torch.zeros(len(order), dtype=torch.float32, device=device).scatter_reduce_(
             0, index, stats.peak, "amax"
         )
-        self._results[key] = _Result(order, underflow, numel, peak)
+        self._results[key] = _Result(order, underflow, zeros, numel, peak)
         self.measurements += 1
 
     def metrics(self) -> dict[str, torch.Tensor]:
-        """``mpx/underflow/<group>`` and ``mpx/headroom/<group>`` from the latest results of every optimizer (merged
-        by group), as 0-d device tensors; empty when nothing was measured since the last call, which clears them."""
+        """``mpx/underflow/<group>``, ``mpx/zeros/<group>`` and ``mpx/headroom/<group>`` from the latest results of
+        every optimizer (merged by group), as 0-d device tensors; empty when nothing was measured since the last call,
+        which clears them."""
         if not self._results:
             return {}
         results, self._results = list(self._results.values()), {}
         order = list(dict.fromkeys(group for result in results for group in result.groups))
         if len(results) == 1:
-            underflow, peak, numel = results[0].underflow, results[0].peak, results[0].numel
+            underflow, zeros = results[0].underflow, results[0].zeros
+            peak, numel = results[0].peak, results[0].numel
         else:
             position = {group: i for i, group in enumerate(order)}
             device = results[0].underflow.device
@@ -135,6 +144,9 @@ class GradTelemetry:
             underflow = torch.zeros(len(order), dtype=torch.int64, device=device).index_add_(
                 0, index, torch.cat([result.underflow.to(device) for result in results])
             )
+            zeros = torch.zeros(len(order), dtype=torch.int64, device=device).index_add_(
+                0, index, torch.cat([result.zeros.to(device) for result in results])
+            )
             peak = torch.zeros(len(order), dtype=torch.float32, device=device).scatter_reduce_(
                 0, index, torch.cat([result.peak.to(device) for result in results]), "amax"
             )
@@ -143,10 +155,12 @@ class GradTelemetry:
                 for group, count in zip(result.groups, result.numel):
                     numel[position[group]] += count
         totals = torch.tensor([max(n, 1) for n in numel], dtype=torch.float64).to(underflow.device, non_blocking=True)
-        fraction = (underflow.double() / totals).float()
+        # Both fractions from one [2, groups] division; the metrics are views of it (device tensors: no sync).
+        fractions = (torch.stack([underflow - zeros, zeros]).double() / totals).float()
         headroom = peak / self.max
         out: dict[str, torch.Tensor] = {}
-        for group, f, h in zip(order, fraction.unbind(0), headroom.unbind(0)):
+        for group, f, z, h in zip(order, fractions[0].unbind(0), fractions[1].unbind(0), headroom.unbind(0)):
             out[f"mpx/underflow/{group}"] = f
+            out[f"mpx/zeros/{group}"] = z
             out[f"mpx/headroom/{group}"] = h
         return out

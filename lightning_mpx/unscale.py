@@ -14,9 +14,10 @@ No backend waits for the device: the flag and the norm stay device tensors. The 
 chunk tables in an :class:`UnscaleWorkspace` that the caller owns and passes back on every step.
 
 On request (``stats=GradStats(tiny)``, a logging step) the same call also measures the *scaled* gradients, per tensor:
-how many elements are below the half dtype's smallest normal number (zero included) and the largest magnitude. The
-fused backend takes both in the pass that unscales (a compile-time flag: calls without ``stats`` run the kernels they
-ran before); the foreach and reference backends take them with a few extra reads before they unscale.
+how many elements are below the half dtype's smallest normal number (zero included), how many of them are exactly
+zero, and the largest magnitude. The fused backend takes them in the pass that unscales (a compile-time flag: calls
+without ``stats`` run the kernels they ran before); the foreach and reference backends take them with a few extra
+reads before they unscale.
 """
 
 from __future__ import annotations
@@ -109,11 +110,15 @@ class GradStats:
     Attributes:
         underflow: int64 ``[len(grads)]`` on the flag's device: per tensor, the elements with ``|x| < tiny`` (zeros
             included, NaN not), or ``None`` before the call.
+        zeros: int64 ``[len(grads)]``: per tensor, the elements that are exactly zero (``+0`` or ``-0``; a subset of
+            ``underflow``). Rows of an embedding absent from the batch, units a ReLU switched off and masked positions
+            have exact zero gradients whatever the scale; values that the half backward flushed to zero do too.
         peak: FP32 ``[len(grads)]``: per tensor, the largest ``|x|`` (``inf`` when it holds inf or NaN; 0 when empty).
     """
 
     tiny: float
     underflow: torch.Tensor | None = None
+    zeros: torch.Tensor | None = None
     peak: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
@@ -287,7 +292,7 @@ def _triton(
     norm: torch.Tensor | None = kernels.unscale(
         plan, inv_scale, found_inf, want_norm, max_norm, workspace, stats_tiny=float(stats.tiny)
     )
-    stats.underflow, stats.peak = kernels.tensor_stats(plan, len(grads), found_inf.device)
+    stats.underflow, stats.zeros, stats.peak = kernels.tensor_stats(plan, len(grads), found_inf.device)
     return norm
 
 
@@ -376,15 +381,17 @@ def _reference(
     targets = list(grads if out is None else out)
     squares = torch.zeros((), dtype=torch.float32, device=found_inf.device)
     if stats is not None:
-        under, peaks = [], []
+        under, zeros, peaks = [], [], []
         for grad in grads:  # before the unscale: the scaled values
             magnitude = grad.detach().float().abs()
             magnitude = torch.where(magnitude.isnan(), torch.inf, magnitude)  # NaN counts as infinitely large
             under.append((magnitude < stats.tiny).sum().to(found_inf.device))
+            zeros.append((magnitude == 0).sum().to(found_inf.device))
             peak = magnitude.max() if magnitude.numel() else magnitude.new_zeros(())
             peaks.append(peak.to(found_inf.device))
         empty = torch.zeros(0, device=found_inf.device)
         stats.underflow = (torch.stack(under) if under else empty).to(torch.int64)
+        stats.zeros = (torch.stack(zeros) if zeros else empty).to(torch.int64)
         stats.peak = (torch.stack(peaks) if peaks else empty).to(torch.float32)
     for index, target in enumerate(targets):
         if out is not None:
@@ -409,12 +416,14 @@ def _foreach_stats(grads: Tensors, stats: GradStats, device: torch.device) -> No
 
     For each batch: ``|x| / tiny`` rounded down is zero exactly for the elements below ``tiny`` (the division is by
     a power of two: exact), so an L0 norm (count of nonzero elements, NaN and inf included) counts the others; the
-    largest magnitude is an infinity norm (NaN propagates and is then read as inf). Empty tensors get 0 and 0.
+    L0 norm of the gradients themselves counts their non-zero elements; the largest magnitude is an infinity norm
+    (NaN propagates and is then read as inf). Empty tensors get 0, 0 and 0.
     """
     scale = 1.0 / stats.tiny
     numels = [t.numel() for t in grads]
     positions: list[int] = []
     kept: list[torch.Tensor] = []  # per batch: non-underflowing counts, FP32
+    nonzero: list[torch.Tensor] = []  # per batch: non-zero counts, FP32
     peaks: list[torch.Tensor] = []
     for (_, _), indices in _grouped_indices(grads).items():
         batch: list[int] = []
@@ -425,6 +434,7 @@ def _foreach_stats(grads: Tensors, stats: GradStats, device: torch.device) -> No
             if size >= _BF16_FALLBACK_ELEMENTS or position == len(indices) - 1:
                 tensors = [grads[i].detach() for i in batch]
                 peaks.append(torch.stack(torch._foreach_norm(tensors, float("inf"), dtype=torch.float32)).to(device))
+                nonzero.append(torch.stack(torch._foreach_norm(tensors, 0, dtype=torch.float32)).to(device))
                 magnitudes = torch._foreach_abs(tensors)
                 torch._foreach_mul_(magnitudes, scale)
                 torch._foreach_floor_(magnitudes)
@@ -433,14 +443,16 @@ def _foreach_stats(grads: Tensors, stats: GradStats, device: torch.device) -> No
                 positions += batch
                 batch, size = [], 0
     underflow = torch.zeros(len(grads), dtype=torch.int64, device=device)
+    zeros = torch.zeros(len(grads), dtype=torch.int64, device=device)
     peak = torch.zeros(len(grads), dtype=torch.float32, device=device)
     if positions:
         where = torch.tensor(positions, dtype=torch.int64).to(device, non_blocking=True)
         numel = torch.tensor([numels[i] for i in positions], dtype=torch.float64).to(device, non_blocking=True)
         underflow.index_copy_(0, where, (numel - torch.cat(kept).double()).round().to(torch.int64))
+        zeros.index_copy_(0, where, (numel - torch.cat(nonzero).double()).round().to(torch.int64))
         found = torch.cat(peaks)
         peak.index_copy_(0, where, torch.where(found.isnan(), torch.inf, found))
-    stats.underflow, stats.peak = underflow, peak
+    stats.underflow, stats.zeros, stats.peak = underflow, zeros, peak
 
 
 def _grouped_indices(tensors: Tensors) -> dict[tuple[torch.device, torch.dtype], list[int]]:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_mpx import Amp, CastPolicy
+from lightning_mpx import Amp, CastPolicy, checkpoint_contexts
 
 HALVES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 REENTRANT = {"reentrant": True, "non_reentrant": False}
@@ -163,6 +163,66 @@ def test_backward_functions_themselves_are_not_cast():
     assert received == [torch.float32]
 
 
+# --- a bare loss.backward(): the checkpoint call records the casts (context_fn) -------------------------------------
+class RecordedLM(TinyLM):
+    """TinyLM whose blocks are checkpointed with ``context_fn=checkpoint_contexts`` (non-reentrant)."""
+
+    def __init__(self) -> None:
+        super().__init__(reentrant=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False, context_fn=checkpoint_contexts)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("half", HALVES)
+def test_bare_backward_recomputes_with_the_casts_recorded_at_the_forward(half):
+    """A plain ``loss.backward()`` after an O1 forward (no ``amp.backward``, no recompute scope): the gradients are
+    those of the engine's backward, with and without checkpointing, bit for bit, and those of ``torch.autocast``
+    within its own rounding; twice over one graph (``retain_graph=True``) they add up exactly."""
+    amp = Amp("O1", half_dtype=half, loss_scale=1.0)
+    model = amp.prepare_model(RecordedLM())
+    with amp.forward_context():
+        loss = _loss(model, _tokens())
+    loss.backward(retain_graph=True)  # without context_fn: CheckpointError (the recomputed tensors are FP32)
+    bare = _grads(model)
+    _assert_same_grads(bare, _core_grads(None, half))
+    _assert_same_grads(bare, _core_grads(False, half))  # the engine's backward, checkpointed blocks
+    loss.backward()  # recomputes again, with the casts again
+    _assert_same_grads(_grads(model), {name: 2 * grad for name, grad in bare.items()})
+
+    reference = TinyLM(reentrant=False)  # the same weights (seeded)
+    with torch.autocast("cpu", dtype=HALVES[half]):
+        _loss(reference, _tokens()).backward()  # autocast's state is recorded by checkpoint itself
+    for name, grad in _grads(reference).items():
+        torch.testing.assert_close(bare[name], grad, rtol=0, atol=0.02 * float(grad.abs().max()), msg=name)
+
+
+def test_recorded_contexts_follow_the_forward():
+    """Recorded at the forward: an FP32 forward (no policy active) recomputes in FP32, and a block run inside
+    ``disable_casts()`` recomputes without casts, whatever is active during the backward."""
+    from lightning_mpx import disable_casts
+
+    fp32 = RecordedLM()
+    _loss(fp32, _tokens()).backward()
+    plain = TinyLM()
+    _loss(plain, _tokens()).backward()
+    _assert_same_grads(_grads(fp32), _grads(plain))
+
+    seen: list[torch.dtype] = []
+    block = Block()
+    block.fc1.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    policy = CastPolicy()
+    x = torch.randn(2, 4, 16, requires_grad=True)
+    with policy.scope(), disable_casts():
+        y = checkpoint(block, x, use_reentrant=False, context_fn=checkpoint_contexts).sum()
+    with policy.recompute_scope():  # would cast the recomputation without the recorded state
+        y.backward()
+    assert seen == [torch.float32, torch.float32]
+
+
 # --- the Lightning plugin ------------------------------------------------------------------------------------------
 pl = pytest.importorskip("lightning.pytorch")
 
@@ -251,3 +311,27 @@ def _gpt2_grads(checkpointing: bool, half: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("half", HALVES)
 def test_hugging_face_gradient_checkpointing(half):
     _assert_same_grads(_gpt2_grads(True, half), _gpt2_grads(False, half))
+
+
+@pytest.mark.filterwarnings("ignore:.*gradient_checkpointing_enable.*:FutureWarning")
+def test_hugging_face_bare_backward_with_recorded_contexts():
+    """``gradient_checkpointing_kwargs`` passes ``context_fn`` to torch's checkpoint: a bare ``loss.backward()`` of a
+    GPT-2 at O1 gives the gradients of the same model without checkpointing."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
+    model.train()
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_contexts}
+    )
+    amp = Amp("O1", half_dtype="bfloat16", loss_scale=1.0)
+    model = amp.prepare_model(model)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with amp.forward_context():
+        loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    _assert_same_grads(_grads(model), _gpt2_grads(False, "bfloat16"))

@@ -9,9 +9,10 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_mpx.cli import main
-from lightning_mpx.demo import DemoConfig, train
+from lightning_mpx.demo import DemoConfig, choose_half_dtype, resolve_half_dtype, train
 from lightning_mpx.plot import plot_run, read_scalars
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +49,8 @@ def test_plot_marks_overflows_from_a_run_that_had_them(tmp_path):
     # A scale far beyond float16's range overflows at once, then backs off step by step.
     result = train(
         DemoConfig(
-            steps=8, dim=16, layers=1, batch_size=4, seq_len=16, progress_bar=False, log_every_n_steps=1,
+            half_dtype="float16", steps=8, dim=16, layers=1, batch_size=4, seq_len=16, progress_bar=False,
+            log_every_n_steps=1,
             run_dir=str(tmp_path / "overflowing"), plugin_kwargs=dict(init_scale=2.0**24),
         )
     )  # fmt: skip
@@ -59,6 +61,37 @@ def test_plot_marks_overflows_from_a_run_that_had_them(tmp_path):
     assert overflow_steps and all(scales[s] < 2.0**24 for s in overflow_steps)  # halved where it overflowed
     out = plot_run(result.run_dir, tmp_path / "curves.png")
     assert out.stat().st_size > 10_000
+
+
+def test_demo_default_runs_bfloat16_with_a_dynamic_scale_on_cpu(tmp_path, capsys):
+    """The first README command on a CPU: bfloat16 (float16 matmuls are emulated on many CPUs, 8x slower in the demo)
+    with a dynamic loss scale, so the scale's staircase shows; the output says what ran and why; one CPU thread for the
+    run, and the process's setting back afterwards."""
+    threads = torch.get_num_threads()
+    run = tmp_path / "default"
+    assert main(["demo", *TINY, "--growth-interval", "2", "--run-dir", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "lightning-mpx demo: O1 in bfloat16: bfloat16 (auto): on a CPU, where float16 matmuls are often" in out
+    assert "| O1 (bfloat16, dynamic loss scale)" in out and "| cpu, 1 thread(s)" in out
+    assert "half dtype: bfloat16 (auto)" in out and 'loss_scale="dynamic"' in out and "--half-dtype float16" in out
+    scales = [value for _, value in read_scalars(run)["mpx/loss_scale"]]
+    assert scales[0] == 2.0**16 and scales[-1] == 2.0**19  # doubled every 2 steps: the staircase
+    assert torch.get_num_threads() == threads
+    # float16 stays one flag away.
+    assert main(["demo", *TINY, "--half-dtype", "float16", "--run-dir", str(tmp_path / "fp16")]) == 0
+    out = capsys.readouterr().out
+    assert "| O1 (float16, dynamic loss scale)" in out and "half dtype: chosen by --half-dtype" in out
+
+
+def test_auto_half_dtype_rules():
+    assert choose_half_dtype("cuda")[0] == "float16" and choose_half_dtype("cpu")[0] == "bfloat16"
+    # O3's float16 preset has a static scale of 1: bfloat16 keeps it; a loss scale the caller names is kept.
+    assert "loss_scale" not in resolve_half_dtype(DemoConfig(opt_level="O3", accelerator="cpu")).plugin_kwargs
+    config = resolve_half_dtype(DemoConfig(accelerator="cpu", plugin_kwargs={"loss_scale": 128.0}))
+    assert (config.half_dtype, config.plugin_kwargs["loss_scale"]) == ("bfloat16", 128.0)
+    assert resolve_half_dtype(DemoConfig(half_dtype="float16")).half_dtype == "float16"
+    with pytest.raises(ValueError, match="half_dtype='fp8' is not valid; valid choices: auto, float16, bfloat16"):
+        resolve_half_dtype(DemoConfig(half_dtype="fp8"))
 
 
 def test_plot_explains_a_folder_without_event_files(tmp_path, capsys):
@@ -74,6 +107,11 @@ def test_demo_rejects_bad_flags(capsys):
     assert "invalid choice: 'O4'" in capsys.readouterr().err
     assert main(["demo", "--steps", "0"]) == 2
     assert "--steps=0 must be >= 1" in capsys.readouterr().err
+    assert main(["demo", "--threads", "0"]) == 2
+    assert "--threads=0 must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["demo", "--half-dtype", "fp8"])
+    assert "invalid choice: 'fp8'" in capsys.readouterr().err
 
 
 def test_console_script_is_declared():

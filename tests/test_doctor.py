@@ -320,3 +320,171 @@ def test_several_runs_under_one_folder_are_pointed_out(runs, tmp_path, capsys):
     assert "note: RUN_DIR holds event files in 2 folders" in out
     _, out = run_doctor(root / "version_0", capsys)
     assert "folders" not in out
+
+
+# -- exact zeros apart from underflow (mpx/zeros/<group>) ------------------------------------------------------------
+def _zeros_run(scales: list[float], zeros: list[float], below: list[float], room: float) -> dict:
+    """New-style telemetry of one group "enc" logged every step, with the loss scale each step was measured at."""
+    steps = range(len(scales))
+    return {
+        "mpx/loss_scale": list(zip(steps, scales)),
+        "mpx/overflows": [(s, 0.0) for s in steps],
+        "mpx/underflow/enc": list(zip(steps, below)),
+        "mpx/zeros/enc": list(zip(steps, zeros)),
+        "mpx/headroom/enc": [(s, room) for s in steps],
+    }
+
+
+def test_zeros_that_fall_as_the_scale_grows_are_underflow():
+    # The scale doubles every 10 steps from 1 to its ceiling of 8 and stays there; the zeros fall at every doubling
+    # (values the half backward flushed) and 0.3 are left at the ceiling, beside 0.4 of subnormal values.
+    scales = [2.0 ** min(s // 10, 3) for s in range(STEPS)]
+    zeros = [{1.0: 0.8, 2.0: 0.6, 4.0: 0.4, 8.0: 0.3}[scale] for scale in scales]
+    diagnosis = doctor.diagnose_scalars(_zeros_run(scales, zeros, [0.4] * STEPS, 2.0**-20))
+    (finding,) = [f for f in diagnosis.findings if f.problem]
+    assert finding.kind == "scale_too_low" and finding.modules == ("enc",)
+    assert "mpx/zeros/enc: 0.300 exact zeros counted too (they fall as the scale grows" in finding.evidence[0]
+    # The same zeros unchanged by the doublings are structural: 0.4 below tiny is not heavy underflow.
+    diagnosis = doctor.diagnose_scalars(_zeros_run(scales, [0.3] * STEPS, [0.4] * STEPS, 2.0**-20))
+    assert diagnosis.exit_status == 0
+    assert any("(group enc): unchanged at the last 3 scale change(s)" in line for line in diagnosis.findings[0].evidence)
+
+
+def test_with_a_constant_scale_zeros_count_only_beside_subnormal_values():
+    # bfloat16 with its default static scale of 1: an embedding's absent rows, and nothing near the bottom of the
+    # range (the headroom of every bfloat16 gradient is tiny: 2^-130 here).
+    structural = doctor.diagnose_scalars(_zeros_run([1.0] * STEPS, [0.76] * STEPS, [0.0] * STEPS, 2.0**-130))
+    assert structural.exit_status == 0, structural.format()
+    # float16 at a static scale too low: the non-zero values are mostly subnormal, so the zeros are flushed ones too.
+    too_low = doctor.diagnose_scalars(_zeros_run([1.0] * STEPS, [0.4] * STEPS, [0.5] * STEPS, 2.0**-20))
+    (finding,) = too_low.findings
+    assert finding.kind == "scale_too_low" and "0.400 exact zeros counted too" in finding.evidence[0]
+
+
+def test_plot_draws_zeros_beside_underflow(tmp_path):
+    scales = [2.0 ** (s // 30) for s in range(STEPS)]
+    run = write_run(tmp_path / "zeros", _zeros_run(scales, [0.76] * STEPS, [0.01] * STEPS, 2.0**-6))
+    fig = plot_figure(read_scalars(run))
+    (panel,) = [ax for ax in fig.axes if ax.get_title().startswith("Underflow")]
+    lines = {line.get_label(): line for line in panel.get_lines()}
+    assert set(lines) == {"enc underflow", "enc zeros"}
+    assert lines["enc zeros"].get_linestyle() == ":" and lines["enc underflow"].get_linestyle() == "-"
+    assert list(lines["enc zeros"].get_ydata()) == pytest.approx([0.76] * STEPS)
+    assert "exact zeros (dotted)" in panel.get_title()
+
+
+# -- real Lightning runs --------------------------------------------------------------------------------------------
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning_mpx import MixedPrecisionPlugin  # noqa: E402
+
+
+class _Bag(pl.LightningModule):
+    """An embedding of 512 rows read by batches of 16 distinct tokens (97% of the rows absent), then a classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(512, 16)
+        self.head = torch.nn.Linear(16, 4)
+
+    def training_step(self, batch, batch_idx):
+        tokens, y = batch
+        return F.cross_entropy(self.head(self.embed(tokens).mean(1)).float(), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _Tiny(pl.LightningModule):
+    """A classifier whose loss is weighted by ``weight``: its gradients sit low in float16's range."""
+
+    def __init__(self, weight: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = weight
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh())
+        self.head = torch.nn.Linear(32, 4)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.head(self.body(x)).float(), y) * self.weight
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(module: pl.LightningModule, data: torch.utils.data.Dataset, run: Path, steps: int, **plugin: object) -> Path:
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, plugins=[MixedPrecisionPlugin("O1", **plugin)], max_steps=steps, max_epochs=-1,
+        logger=TensorBoardLogger(str(run.parent), name=run.name, version=""), log_every_n_steps=2,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+    return run
+
+
+def _random_data(n: int) -> torch.utils.data.Dataset:
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g))
+
+
+def _bag_data() -> torch.utils.data.Dataset:
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.stack([torch.randperm(16, generator=g)[:6] for _ in range(256)])  # tokens 0-15 only
+    return torch.utils.data.TensorDataset(tokens, tokens.sum(1) % 4)
+
+
+@pytest.mark.parametrize("scale", ["dynamic", "static"])
+def test_absent_embedding_rows_are_zeros_not_underflow(tmp_path, capsys, scale):
+    """bfloat16 at O1 with the embedding of a bag-of-words model: the rows absent from the batch have exactly zero
+    gradients. They are reported as zeros, and the doctor does not call them underflow, whether the scale grows
+    (dynamic, doubling every 4 steps) or stays at bfloat16's default static 1."""
+    settings = {"loss_scale": "dynamic", "growth_interval": 4} if scale == "dynamic" else {}
+    run = _fit(_Bag(), _bag_data(), tmp_path / "bag", 24, half_dtype="bfloat16", **settings)
+    series = read_scalars(run)
+    assert all(value > 0.95 for _, value in series["mpx/zeros/embed"])
+    assert all(value == 0.0 for _, value in series["mpx/underflow/embed"])
+    scales = [value for _, value in series["mpx/loss_scale"]]
+    assert (scales[-1] >= 2.0**20) if scale == "dynamic" else set(scales) == {1.0}
+    status, out = run_doctor(run, capsys)
+    assert status == 0, out
+    diagnosis = doctor.diagnose(run)
+    assert not any("embed" in finding.modules for finding in diagnosis.findings), out
+    assert "exact zeros at most 0.9" in out and "(group embed)" in out and "structural, not underflow" in out
+
+
+def test_tiny_gradients_are_reported_as_subnormal_and_flagged(tmp_path, capsys):
+    """float16 at a static scale of 1 with a loss weighted by 1e-4: the gradients are float16 subnormals."""
+    data = _random_data(64)
+    run = _fit(_Tiny(1e-4), data, tmp_path / "tiny", 6, half_dtype="float16", loss_scale=1.0)
+    series = read_scalars(run)
+    assert all(value > 0.8 for _, value in series["mpx/underflow/body"])  # not zero, below 2**-14
+    status, out = run_doctor(run, capsys)
+    assert status == 1, out
+    (finding,) = doctor.diagnose(run).findings
+    assert finding.kind == "scale_too_low" and set(finding.modules) == {"body", "head"}
+    assert "below the half dtype's smallest normal and not zero" in out
+
+
+def test_flushed_zeros_count_when_the_scale_cannot_grow_further(tmp_path, capsys):
+    """float16, a loss weighted by 1e-7 and a dynamic scale capped at 4: the head's gradients are all flushed to zero
+    at scales 1 and 2, about 60% still at 4, where the scale stops; the rest are subnormal. The zeros moved with the
+    scale: underflow, and the doctor says the scale is too low (the body's gradients are all zero: flushed too)."""
+    run = _fit(
+        _Tiny(1e-7), _random_data(160), tmp_path / "flushed", 20, half_dtype="float16", init_scale=1.0,
+        growth_interval=4, max_loss_scale=4.0,
+    )  # fmt: skip
+    series = read_scalars(run)
+    zeros, below = [v for _, v in series["mpx/zeros/head"]], [v for _, v in series["mpx/underflow/head"]]
+    assert zeros[0] == 1.0 and 0.3 < zeros[-1] < 0.9  # fell as the scale grew, and many are left
+    assert below[-1] < 0.5  # the subnormal values alone are no heavy underflow
+    status, out = run_doctor(run, capsys)
+    assert status == 1, out
+    (finding,) = doctor.diagnose(run).findings
+    assert finding.kind == "scale_too_low" and set(finding.modules) == {"head", "body"}
+    assert "mpx/zeros/head:" in out and "exact zeros counted too (they fall as the scale grows" in out
+    assert "no gradient of the group is non-zero at any scale tried" in out  # the body

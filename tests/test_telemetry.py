@@ -38,8 +38,9 @@ def _workspace() -> UnscaleWorkspace:
     return UnscaleWorkspace(chunk_size=16, block_size=4, num_warps=1)
 
 
-def _known(half: torch.dtype, src: torch.dtype) -> tuple[list[torch.Tensor], list[int], list[float]]:
-    """Gradients (in ``src``) with a known number of elements below ``finfo(half).tiny`` and a known peak.
+def _known(half: torch.dtype, src: torch.dtype) -> tuple[list[torch.Tensor], list[int], list[int], list[float]]:
+    """Gradients (in ``src``) with a known number of elements below ``finfo(half).tiny``, of exact zeros (some of them
+    ``-0.0``) and a known peak.
 
     Each tensor mixes exact zeros, values just below tiny (subnormal in the half dtype), tiny itself (a normal number:
     not underflow), ordinary values and one large value, in sizes that cross the 16-element chunks.
@@ -56,9 +57,9 @@ def _known(half: torch.dtype, src: torch.dtype) -> tuple[list[torch.Tensor], lis
         (16, 0, 0, 0, None),  # all zeros, exactly one chunk
     ]
     g = torch.Generator().manual_seed(0)
-    grads, counts, peaks = [], [], []
+    grads, counts, zero_counts, peaks = [], [], [], []
     for zeros, small, at_tiny, ordinary, big in layouts:
-        values = [0.0] * zeros + [below * (-1) ** i for i in range(small)] + [tiny] * at_tiny
+        values = [0.0 * (-1) ** i for i in range(zeros)] + [below * (-1) ** i for i in range(small)] + [tiny] * at_tiny
         values += (torch.rand(ordinary, generator=g) + 0.5).tolist()
         if big is not None:
             values.append(big)
@@ -66,8 +67,9 @@ def _known(half: torch.dtype, src: torch.dtype) -> tuple[list[torch.Tensor], lis
         tensor = torch.tensor(values, dtype=torch.float64)[order].to(src)
         grads.append(tensor)
         counts.append(zeros + small)
+        zero_counts.append(zeros)
         peaks.append(float(tensor.double().abs().max()) if tensor.numel() else 0.0)
-    return grads, counts, peaks
+    return grads, counts, zero_counts, peaks
 
 
 def _measure(backend, grads, half, *, out=None, max_norm=None):
@@ -85,8 +87,8 @@ def _measure(backend, grads, half, *, out=None, max_norm=None):
     grads[:] = [g.cpu() for g in on_device]
     if out is not None:
         out[:] = [o.cpu() for o in out_device]
-    assert stats.underflow is not None and stats.peak is not None
-    stats.underflow, stats.peak = stats.underflow.cpu(), stats.peak.cpu()
+    assert stats.underflow is not None and stats.zeros is not None and stats.peak is not None
+    stats.underflow, stats.zeros, stats.peak = stats.underflow.cpu(), stats.zeros.cpu(), stats.peak.cpu()
     return stats, found.cpu()
 
 
@@ -102,12 +104,13 @@ CASES = [  # (half dtype, source dtype, unscale into FP32 masters)
 @pytest.mark.parametrize("half, src, master", CASES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_backends_measure_the_known_answer(backend, half, src, master, max_norm):
-    grads, counts, peaks = _known(half, src)
+    grads, counts, zero_counts, peaks = _known(half, src)
     out = [torch.empty(g.shape) for g in grads] if master else None
     stats, found = _measure(backend, grads, half, out=out, max_norm=max_norm)
-    assert stats.underflow is not None and stats.peak is not None
-    assert stats.underflow.dtype == torch.int64 and stats.peak.dtype == torch.float32
+    assert stats.underflow is not None and stats.zeros is not None and stats.peak is not None
+    assert stats.underflow.dtype == stats.zeros.dtype == torch.int64 and stats.peak.dtype == torch.float32
     assert stats.underflow.tolist() == counts
+    assert stats.zeros.tolist() == zero_counts  # -0.0 included; subnormals, tiny and NaN not
     assert stats.peak.tolist() == pytest.approx(peaks, rel=1e-6)  # the peaks are exact in FP32
     assert float(found) == 0.0
 
@@ -132,6 +135,7 @@ def test_backends_agree_with_the_reference_and_leave_the_unscale_alone(backend, 
     out = [torch.empty(41) for _ in range(5)] if master else None
     got, found = _measure(backend, grads, half, out=out)
     assert torch.equal(got.underflow, ref.underflow)
+    assert torch.equal(got.zeros, ref.zeros) and got.zeros[2] >= 9  # row 2 starts with 9 zeros
     assert torch.equal(got.peak, ref.peak)
     assert got.peak[1] == math.inf and got.peak[3] == math.inf  # inf and NaN read as infinitely large
     assert float(found) == float(ref_found) == 1.0
@@ -203,17 +207,21 @@ def test_amp_measures_only_requested_iterations(level):
     assert not amp.telemetry.requested  # update() ended the request
     metrics = amp.metrics()
     assert {k for k in metrics if k.startswith("mpx/underflow")} == {"mpx/underflow/body", "mpx/underflow/head"}
+    assert {k for k in metrics if k.startswith("mpx/zeros")} == {"mpx/zeros/body", "mpx/zeros/head"}
     for group in ("body", "head"):
-        underflow, headroom = metrics[f"mpx/underflow/{group}"], metrics[f"mpx/headroom/{group}"]
-        assert isinstance(underflow, torch.Tensor) and underflow.dim() == 0  # device tensors: no sync to build
-        assert 0.0 <= float(underflow) <= 1.0 and 0.0 < float(headroom) < 1.0
+        underflow, zeros = metrics[f"mpx/underflow/{group}"], metrics[f"mpx/zeros/{group}"]
+        headroom = metrics[f"mpx/headroom/{group}"]
+        for value in (underflow, zeros, headroom):
+            assert isinstance(value, torch.Tensor) and value.dim() == 0  # device tensors: no sync to build
+        assert 0.0 <= float(underflow) + float(zeros) <= 1.0 and 0.0 < float(headroom) < 1.0
     _train(amp, model, [optimizer])
     assert amp.telemetry.measurements == 1
     assert not any(k.startswith("mpx/underflow") for k in amp.metrics())  # consumed by the previous call
 
 
 def test_amp_values_match_a_direct_count():
-    """The engine's per-group fraction and headroom are those of the scaled gradients counted by hand."""
+    """The engine's per-group fractions (non-zero below tiny; exact zeros) and headroom are those of the scaled
+    gradients counted by hand."""
     amp = Amp("O1", init_scale=2.0**4, growth_interval=10**6)
     model = amp.prepare_model(_TwoParts())
     optimizer = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.0))
@@ -225,15 +233,17 @@ def test_amp_values_match_a_direct_count():
     expected = {}
     for group, module in (("body", model.body), ("head", model.head)):
         scaled = torch.cat([p.grad.flatten() for p in module.parameters()])  # still scaled before the step
-        expected[group] = ((scaled.abs() < tiny).double().mean().item(), scaled.abs().max().item() / top)
+        below = ((scaled.abs() < tiny) & (scaled != 0)).double().mean().item()
+        expected[group] = (below, (scaled == 0).double().mean().item(), scaled.abs().max().item() / top)
     amp.request_telemetry()
     amp.step(optimizer)
     amp.update()
     metrics = amp.metrics()
-    for group, (fraction, headroom) in expected.items():
+    for group, (fraction, zeros, headroom) in expected.items():
         assert float(metrics[f"mpx/underflow/{group}"]) == pytest.approx(fraction, abs=1e-7)
+        assert float(metrics[f"mpx/zeros/{group}"]) == pytest.approx(zeros, abs=1e-7)
         assert float(metrics[f"mpx/headroom/{group}"]) == pytest.approx(headroom, rel=1e-6)
-    assert 0.0 < expected["body"][0] < 1.0  # the case is not trivial
+    assert 0.0 < expected["body"][0] < 1.0 and 0.0 < expected["body"][1] < 1.0  # the case is not trivial
 
 
 def test_amp_merges_optimizers_by_group():
@@ -252,12 +262,13 @@ def test_telemetry_merge_sums_counts_and_takes_the_largest_peak():
     a, b = torch.zeros(4, requires_grad=True), torch.zeros(6, requires_grad=True)
     a.grad, b.grad = torch.zeros(4), torch.zeros(6)
     names = {id(a): "enc.w", id(b): "enc.v", 0: "dec.w"}  # two top-level modules: no lone wrapper
-    for key, param, under, peak in ((1, a, 1, 2.0), (2, b, 3, 5.0)):
+    for key, param, under, zeros, peak in ((1, a, 1, 1, 2.0), (2, b, 3, 1, 5.0)):
         stats = telemetry.stats()
-        stats.underflow, stats.peak = torch.tensor([under]), torch.tensor([peak])
+        stats.underflow, stats.zeros, stats.peak = torch.tensor([under]), torch.tensor([zeros]), torch.tensor([peak])
         telemetry.record(key, [param.grad], [param], names, stats)
     metrics = telemetry.metrics()
-    assert float(metrics["mpx/underflow/enc"]) == pytest.approx(4 / 10)
+    assert float(metrics["mpx/underflow/enc"]) == pytest.approx(2 / 10)  # below tiny and not zero
+    assert float(metrics["mpx/zeros/enc"]) == pytest.approx(2 / 10)
     assert float(metrics["mpx/headroom/enc"]) == pytest.approx(5.0 / 65504.0)
 
 
@@ -325,12 +336,19 @@ def test_lightning_logs_underflow_falling_as_the_scale_grows():
     scales = [m["mpx/loss_scale"] for _, m in rows]
     assert scales == sorted(scales) and scales[-1] >= 2.0**15 * scales[0]  # the scale grew
     for group in ("model.0", "model.2"):
-        under = [m[f"mpx/underflow/{group}"] for _, m in rows]
+        # Below 2**-14: the non-zero values (subnormal in float16) and the zeros (most of them flushed at a low scale).
+        zeros = [m[f"mpx/zeros/{group}"] for _, m in rows]
+        under = [m[f"mpx/underflow/{group}"] + zero for (_, m), zero in zip(rows, zeros)]
         headroom = [m[f"mpx/headroom/{group}"] for _, m in rows]
         assert under[0] > 0.9  # at a scale of a few units almost every gradient is below 2**-14
         assert under[-1] < 0.05  # at 2**19 almost none
         assert all(later <= earlier + 0.02 for earlier, later in zip(under, under[1:]))
         assert headroom[-1] > 1000 * headroom[0] and headroom[-1] < 1.0
+        # Tanh leaves no structural zeros: every zero here is a value flushed by the float16 backward, and the zeros
+        # fall as the scale grows.
+        assert zeros[0] > 0.1 and zeros[-1] == 0.0
+        assert all(later <= earlier + 0.02 for earlier, later in zip(zeros, zeros[1:]))
+    assert rows[0][1]["mpx/zeros/model.0"] > 0.5
 
 
 def test_lightning_without_a_logger_measures_nothing():
