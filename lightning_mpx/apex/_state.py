@@ -38,11 +38,37 @@ class ScalerView:
         return self._amp.scalers[self._loss_id].get_scale()
 
     @property
+    def _loss_scale(self) -> float:
+        """Apex's attribute for the scale; old scripts and Apex's own tests set it to force a scale. Writing it sets
+        the core scaler's scale (its trackers kept)."""
+        return self.loss_scale()
+
+    @_loss_scale.setter
+    def _loss_scale(self, value: float) -> None:
+        scaler = self._amp.scalers[self._loss_id]
+        state = scaler.state_dict()
+        state["scale"] = float(value)
+        scaler.load_state_dict(state)
+
+    @property
     def dynamic(self) -> bool:
         return self._amp.scalers[self._loss_id].dynamic
 
     def __repr__(self) -> str:
         return f"ScalerView(loss_id={self._loss_id}, {self._amp.scalers[self._loss_id]!r})"
+
+
+@dataclass(frozen=True)
+class OptProperties:
+    """Apex's ``_amp_state.opt_properties`` as scripts read it: what ``initialize`` resolved (read-only)."""
+
+    enabled: bool
+    opt_level: str | None = None
+    cast_model_type: torch.dtype | None = None
+    patch_torch_functions: bool = False
+    keep_batchnorm_fp32: bool | None = None
+    master_weights: bool = False
+    loss_scale: float | str = 1.0
 
 
 @dataclass
@@ -51,6 +77,9 @@ class AmpState:
 
     Attributes:
         amp: The core engine, ``None`` before ``initialize`` (or after ``initialize(enabled=False)``).
+        enabled: ``enabled`` of the last ``initialize``/``init`` (``None`` before the first).
+        handle: Apex's ``_amp_state.handle``: the :class:`~lightning_mpx.apex.handle.AmpHandle` of the O1 cast scope
+            that ``initialize`` (with ``patch_torch_functions``) or ``init`` entered; ``None`` otherwise.
         loss_scalers: One :class:`ScalerView` per loss.
         verbosity: Apex's ``verbosity``: 0 silences the overflow messages.
         optimizers: The wrapped optimizers by ``id`` of the optimizer they wrap.
@@ -65,6 +94,8 @@ class AmpState:
     """
 
     amp: Amp | None = None
+    enabled: bool | None = None
+    handle: Any = None
     loss_scalers: list[ScalerView] = field(default_factory=list)
     verbosity: int = 1
     optimizers: dict[int, Any] = field(default_factory=dict)
@@ -80,10 +111,7 @@ class AmpState:
 
     def reset(self) -> None:
         """Undo what the last ``initialize`` set up (hooks, the O1 scope) and forget it; keeps the registrations."""
-        if self.cast_scope is not None:
-            self._check_can_exit_scope()
-            scope, self.cast_scope = self.cast_scope, None
-            scope.__exit__(None, None, None)
+        self.leave_cast_scope()
         for handle in self.hooks:
             handle.remove()
         if self.amp is not None:
@@ -92,6 +120,15 @@ class AmpState:
         registrations = self.registrations
         self.__init__()  # type: ignore[misc]
         self.registrations = registrations
+
+    def leave_cast_scope(self) -> None:
+        """Leave the O1 cast scope that ``initialize``/``init`` entered, if it is still entered (the engine, its
+        scalers and the wrapped optimizers stay: training goes on without O1's casts)."""
+        if self.cast_scope is None:
+            return
+        self._check_can_exit_scope()
+        scope, self.cast_scope = self.cast_scope, None
+        scope.__exit__(None, None, None)
 
     def _check_can_exit_scope(self) -> None:
         """The O1 scope is a mode on this thread's torch-function mode stack: only its thread can leave it, and only
@@ -108,6 +145,28 @@ class AmpState:
                 "the O1 cast scope entered by amp.initialize() is not the innermost torch-function mode on this thread "
                 "(a mode entered after initialize() is still active); leave that mode first."
             )
+
+    @property
+    def opt_properties(self) -> OptProperties:
+        """Apex's ``_amp_state.opt_properties`` (``loss_scale``, ``master_weights``, ...), read from the engine.
+
+        Raises:
+            AttributeError: before ``amp.initialize()``, as in Apex (where the attribute did not exist yet).
+        """
+        if self.enabled is None:
+            raise AttributeError("_amp_state.opt_properties: amp.initialize() has not been called.")
+        if self.amp is None:
+            return OptProperties(enabled=False)
+        props = self.amp.properties
+        return OptProperties(
+            enabled=True,
+            opt_level=props.opt_level,
+            cast_model_type=props.cast_model_type,
+            patch_torch_functions=props.patch_torch_functions,
+            keep_batchnorm_fp32=props.keep_batchnorm_fp32,
+            master_weights=props.master_weights,
+            loss_scale=props.loss_scale,
+        )
 
     def require(self) -> Amp:
         if self.amp is None:

@@ -48,6 +48,7 @@ __all__ = [
     "disable_casts",
     "float_function",
     "half_function",
+    "init",
     "initialize",
     "load_state_dict",
     "master_params",
@@ -168,6 +169,7 @@ def initialize(
     if isinstance(verbosity, bool) or not isinstance(verbosity, int):
         raise TypeError(f"verbosity={verbosity!r} must be an integer (0 silences amp's messages).")
     _amp_state.verbosity = verbosity
+    _amp_state.enabled = enabled
     if not enabled:
         return _shaped(models_list, models_single, optimizers, optimizers_list, optimizers_single)
     if any(isinstance(opt, AmpOptimizer) for opt in optimizers_list):
@@ -200,21 +202,7 @@ def initialize(
         if not (wants_masters and half_params):
             # Nothing to cast and no masters to keep: the preset's policy and loss scaling only.
             overrides.update(cast_model_type=None, master_weights=False, keep_batchnorm_fp32=None)
-    amp = Amp(
-        opt_level,
-        num_losses=num_losses,
-        min_loss_scale=float(torch.finfo(torch.float32).tiny) if min_loss_scale is None else min_loss_scale,
-        max_loss_scale=max_loss_scale,
-        on_floor="warn" if min_loss_scale is None else "raise",
-        **overrides,
-    )
-    amp.log_overflows = False  # Apex's own message is logged instead (rank zero only)
-    if amp.policy is not None and amp.properties.patch_torch_functions:
-        for function, category in (*_APEX_ROWS, *_amp_state.registrations):
-            amp.policy.table.register(function, category)  # into this Amp's own copy of the table
-        amp.policy.refuse_inplace_float = True  # Apex refused x.half().exp_() with NotImplementedError
-    _amp_state.amp = amp
-    _amp_state.loss_scalers = [ScalerView(amp, i) for i in range(num_losses)]
+    amp = _engine(opt_level, num_losses, min_loss_scale, max_loss_scale, **overrides)
     if keep_model and amp.properties.master_weights:
         # The core makes masters per prepared model and casts it; a holder of the half parameters alone is already
         # half, so preparing it only makes their masters.
@@ -230,11 +218,47 @@ def initialize(
         _amp_state.optimizers[id(optimizer)] = wrapper
         wrapped.append(wrapper)
     if amp.properties.patch_torch_functions:
-        scope = amp.forward_context()
-        scope.__enter__()
-        _amp_state.cast_scope = scope
-        _amp_state.cast_thread = threading.get_ident()
+        _amp_state.handle = _enter_casts(amp, verbose=verbosity == 2)
     return _shaped(models_list, models_single, optimizers, wrapped, optimizers_single)
+
+
+def _engine(
+    opt_level: str,
+    num_losses: int,
+    min_loss_scale: float | None,
+    max_loss_scale: float,
+    allow_banned: bool = False,
+    **overrides: Any,
+) -> Amp:
+    """The one :class:`Amp` behind ``_amp_state`` (Apex's settings and O1 rows), installed there."""
+    amp = Amp(
+        opt_level,
+        num_losses=num_losses,
+        min_loss_scale=float(torch.finfo(torch.float32).tiny) if min_loss_scale is None else min_loss_scale,
+        max_loss_scale=max_loss_scale,
+        on_floor="warn" if min_loss_scale is None else "raise",
+        allow_banned=allow_banned,
+        **overrides,
+    )
+    amp.log_overflows = False  # Apex's own message is logged instead (rank zero only)
+    if amp.policy is not None and amp.properties.patch_torch_functions:
+        for function, category in (*_APEX_ROWS, *_amp_state.registrations):
+            amp.policy.table.register(function, category)  # into this Amp's own copy of the table
+        amp.policy.refuse_inplace_float = True  # Apex refused x.half().exp_() with NotImplementedError
+    _amp_state.amp = amp
+    _amp_state.enabled = True
+    _amp_state.loss_scalers = [ScalerView(amp, i) for i in range(num_losses)]
+    return amp
+
+
+def _enter_casts(amp: Amp, *, verbose: bool) -> AmpHandle:
+    """Enter ``amp``'s O1 cast scope on this thread (until the next ``initialize``/``init`` or the handle's
+    ``_deactivate()``) and return the handle of it."""
+    scope = amp.forward_context()
+    scope.__enter__()
+    _amp_state.cast_scope = scope
+    _amp_state.cast_thread = threading.get_ident()
+    return AmpHandle(amp, scope, verbose=verbose)
 
 
 def _as_list(value: Any, kind: type, name: str) -> tuple[list[Any], bool]:
@@ -516,6 +540,177 @@ def load_state_dict(state: dict[str, Any]) -> None:
             "hysteresis_tracker": scaler.hysteresis,
             "overflows": current["overflows"],
         })
+
+
+# -- Apex's older entry point: init() and its handle ----------------------------------------------------------------
+def init(
+    enabled: bool = True,
+    loss_scale: float | str = "dynamic",
+    enable_caching: bool = True,
+    verbose: bool = False,
+    allow_banned: bool = False,
+) -> AmpHandle | NoOpHandle:
+    """Apex's older entry point: turn O1's casts on, on this thread, and return the handle of them.
+
+    Scripts written before ``amp.initialize`` (and Apex's own tests) call it; ``initialize`` at O1 does the same and
+    keeps the handle in ``_amp_state.handle``. Like ``initialize`` it resets ``_amp_state`` (leaving the previous
+    call's scope first) and builds the one :class:`~lightning_mpx.Amp` (O1, ``loss_scale``) that the handle's
+    ``wrap_optimizer``/``scale_loss`` and the module's ``scale_loss`` use.
+
+    Args:
+        enabled: ``False`` returns a :class:`NoOpHandle` and changes nothing.
+        loss_scale: ``"dynamic"`` or a positive static scale.
+        enable_caching: Cache the half casts of parameters until the end of each ``scale_loss`` block.
+        verbose: Accepted for compatibility (Apex printed every cast; the policy here does not trace calls).
+        allow_banned: Run banned functions (``binary_cross_entropy``) in FP32 instead of raising.
+    """
+    for name, value in (("enabled", enabled), ("enable_caching", enable_caching), ("verbose", verbose),
+                        ("allow_banned", allow_banned)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}={value!r} must be True or False.")
+    if not enabled:
+        return NoOpHandle()
+    _amp_state.reset()
+    amp = _engine("O1", 1, None, 2.0**24, allow_banned=allow_banned, loss_scale=_parse_loss_scale(loss_scale))
+    assert amp.policy is not None
+    amp.policy.cache_casts = enable_caching
+    _amp_state.handle = _enter_casts(amp, verbose=verbose)
+    return _amp_state.handle
+
+
+class AmpHandle:
+    """Apex's ``AmpHandle``: the O1 cast scope that :func:`init` (or ``initialize`` at O1) entered, over the engine
+    in ``_amp_state``. ``_deactivate()`` leaves the scope (Apex restored the functions it had patched)."""
+
+    def __init__(self, amp: Amp, scope: Any, *, verbose: bool = False) -> None:  # noqa: D107
+        self._amp = amp
+        self._scope = scope
+        self._verbose = verbose
+
+    def is_active(self) -> bool:
+        """Whether this handle's cast scope is still entered."""
+        return _amp_state.cast_scope is not None and _amp_state.cast_scope is self._scope
+
+    def _deactivate(self) -> None:
+        """Leave the cast scope, if it is still this handle's (a later ``init``/``initialize`` left it already).
+        The engine, its scalers and the wrapped optimizers stay usable, without O1's casts."""
+        if self.is_active():
+            _amp_state.leave_cast_scope()
+
+    def _disable_casts(self) -> contextlib.AbstractContextManager[None]:
+        return _disable_casts()
+
+    def _clear_cache(self) -> None:
+        if self._amp.policy is not None:
+            self._amp.policy.clear_cache()
+
+    @property
+    def has_cache(self) -> bool:
+        return self._amp.policy is not None and self._amp.policy.cache_casts
+
+    @property
+    def verbose(self) -> bool:
+        return self._verbose
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, num_loss: int = 1) -> LegacyOptimizer:
+        """Apex's first optimizer wrapper: register ``optimizer`` with the engine and return it wrapped, with
+        ``scale_loss(loss)`` (see :class:`LegacyOptimizer`)."""
+        amp = self._current()
+        if isinstance(num_loss, bool) or not isinstance(num_loss, int) or num_loss < 1:
+            raise ValueError(f"num_loss={num_loss!r} must be a positive integer.")
+        inner = optimizer.optimizer if isinstance(optimizer, AmpOptimizer) else optimizer
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise TypeError(f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer.")
+        amp.prepare_optimizer(inner)
+        wrapper = LegacyOptimizer(inner, _amp_state)
+        _amp_state.optimizers[id(inner)] = wrapper
+        return wrapper
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+        """The module's :func:`scale_loss` for an optimizer that :meth:`wrap_optimizer` or ``initialize`` returned.
+
+        Raises:
+            TypeError: for an optimizer that was not wrapped: Apex patched its ``step`` to skip an overflowed step;
+                nothing is patched here, so the wrapper's ``step`` is what skips.
+        """
+        self._current()
+        if not isinstance(optimizer, AmpOptimizer):
+            raise TypeError(
+                f"optimizer={type(optimizer).__name__}: handle.scale_loss() needs the optimizer returned by "
+                "handle.wrap_optimizer(optimizer) (or amp.initialize()), whose step() skips a step that overflowed; "
+                "lightning_mpx does not patch the optimizer's own step()."
+            )
+        with scale_loss(loss, optimizer) as scaled:
+            yield scaled
+
+    def _current(self) -> Amp:
+        if _amp_state.amp is not self._amp:
+            raise RuntimeError(
+                "this handle belongs to an earlier amp.init()/amp.initialize(), which a later call replaced; use the "
+                "handle the latest call returned (or _amp_state.handle)."
+            )
+        return self._amp
+
+    def __repr__(self) -> str:
+        return f"AmpHandle(active={self.is_active()}, {self._amp.properties.opt_level})"
+
+
+class LegacyOptimizer(AmpOptimizer):
+    """What :meth:`AmpHandle.wrap_optimizer` returns: an :class:`AmpOptimizer` with Apex's first API,
+    ``with optimizer.scale_loss(loss) as scaled: scaled.backward()``. Its losses share loss 0's scaler (Apex's
+    first wrapper kept one scaler per loss; ``initialize(num_losses=...)`` is the way to separate them)."""
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: torch.Tensor) -> Iterator[torch.Tensor]:
+        """:func:`scale_loss` for this optimizer."""
+        with scale_loss(loss, self) as scaled:
+            yield scaled
+
+
+class NoOpHandle:
+    """What ``init(enabled=False)`` returns: no casts, no scaling; the optimizers are stepped as they are."""
+
+    def is_active(self) -> bool:
+        return False
+
+    def _deactivate(self) -> None:
+        pass
+
+    def _disable_casts(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def _clear_cache(self) -> None:
+        pass
+
+    @property
+    def has_cache(self) -> bool:
+        return False
+
+    @property
+    def verbose(self) -> bool:
+        return False
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, num_loss: int = 1) -> _PlainOptimizer:
+        return _PlainOptimizer(optimizer)
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: torch.Tensor, optimizer: Any) -> Iterator[torch.Tensor]:
+        yield loss
+
+
+class _PlainOptimizer:
+    """``NoOpHandle.wrap_optimizer``: the optimizer itself, plus a ``scale_loss`` that yields the loss unscaled."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["optimizer"], name)
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: torch.Tensor) -> Iterator[torch.Tensor]:
+        yield loss
 
 
 # -- the cast table -------------------------------------------------------------------------------------------------
