@@ -386,6 +386,11 @@ def scale_loss(
         # A new iteration began for an optimizer that already stepped: close the last one.
         _update(state)
     state.touched.update(ids)
+    # The core scales every optimizer's unscaled gradients back up for this block's backward, named or not.
+    unscaled = [w.optimizer for w in state.optimizers.values() if amp.is_unscaled(w.optimizer)]
+    # What earlier blocks left non-finite stays so: only an overflow this block makes skips what it names (Apex
+    # checked only the block's own new gradients).
+    overflowed_before = [_overflowed(amp, optimizer) for optimizer in wrapped]
     if amp.properties.master_weights:
         _stash(state, amp)
     yield amp.scale_loss(loss, loss_id)
@@ -394,15 +399,25 @@ def scale_loss(
     if delay_unscale:
         return
     overflow = False
-    for optimizer in wrapped:
+    for optimizer, before in zip(wrapped, overflowed_before):
         amp.unscale_(optimizer)
-        found = amp.found_inf(optimizer, loss_id)
-        overflow = overflow or (found is not None and bool(found.item() > 0))
+        overflow = overflow or (not before and _overflowed(amp, optimizer))
     for key in list(state.stash):
         _restore_stash(state, amp, state.optimizers[key].optimizer)
+    for optimizer in unscaled:
+        if not amp.is_unscaled(optimizer):
+            # Not named here: Apex left its gradients unscaled, so unscale them again (exactly: the scales are
+            # powers of two; its overflow, if any, counts at its own step).
+            amp.unscale_(optimizer)
     if overflow:
         state.skip_next.update(ids)
         _log_overflow(amp, loss_id)
+
+
+def _overflowed(amp: Amp, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s gradients held non-finite values at their last check since its step (a host read)."""
+    found = amp.found_inf(optimizer)
+    return found is not None and bool(found.item() > 0)
 
 
 def _stash(state: AmpState, amp: Amp) -> None:
@@ -434,6 +449,11 @@ def _restore_stash(state: AmpState, amp: Amp, optimizer: torch.optim.Optimizer) 
         amp.unscale_(optimizer)
     for master, grad in kept:
         master.grad = grad if master.grad is None else master.grad.add_(grad)
+    # The model's gradients show the sums too (a half copy, as after any unscale; the step uses the masters'), made
+    # where the stash cleared them: the core then sees a later zero_grad() or `p.grad = None` as the user clearing
+    # them and drops the masters' copies. Without a half gradient, a master's would outlive the user's clearing (after
+    # a skipped step: its inf, added to the next iteration's gradients).
+    amp.show_unscaled_on_model(optimizer)
 
 
 def _resolve(optimizers: Any) -> list[torch.optim.Optimizer]:
