@@ -77,10 +77,12 @@ class AmpOptimizer(torch.optim.Optimizer):
         optimizer: The wrapped optimizer.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, state: AmpState) -> None:  # noqa: D107
+    def __init__(self, optimizer: torch.optim.Optimizer, state: AmpState, amp: Amp) -> None:  # noqa: D107
         # No super().__init__: every piece of optimizer state lives in the wrapped optimizer.
         object.__setattr__(self, "optimizer", optimizer)
         object.__setattr__(self, "_amp_state", state)
+        # The engine of the initialize() call that wrapped it: a later call leaves it working (as Apex did).
+        object.__setattr__(self, "_engine", amp)
 
     # Attributes the base class would otherwise read from self.
     @property
@@ -113,7 +115,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 "closure: Currently, Amp does not support closure use with optimizers (loss scaling cannot re-run "
                 "the closure inside the step); run the closure first, then call step() without it."
             )
-        _optimizer_step(self._amp_state, self.optimizer)
+        _optimizer_step(self._amp_state, self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -156,14 +158,18 @@ def initialize(
 
     Returns ``models`` (when ``optimizers`` is ``None``) or ``(models, optimizers)``, each in the shape given (one
     object, or a list). The optimizers come back wrapped (:class:`AmpOptimizer`): use the returned ones.
-    Calling it again undoes the previous call's hooks and cast scope first.
+    Calling it again leaves the earlier calls' models and optimizers working, as in Apex: a checkpoint restored
+    into new ones trains beside the run it came from. With the same settings the call adds its models and optimizers
+    to the same engine, whose loss scalers start afresh for all of them (Apex made new global scalers); with other
+    settings it makes a new engine, and the earlier optimizers keep theirs. Models and optimizers given again lose
+    what earlier calls did to them first.
     """
-    _amp_state.reset()
     models_list, models_single = _as_list(models, nn.Module, "models")
     if optimizers is None:
         optimizers_list, optimizers_single = [], True
     else:
         optimizers_list, optimizers_single = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+    _amp_state.begin_call(models_list, [o for o in optimizers_list if not isinstance(o, AmpOptimizer)])
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled={enabled!r} must be True or False.")
     if isinstance(verbosity, bool) or not isinstance(verbosity, int):
@@ -171,6 +177,7 @@ def initialize(
     _amp_state.verbosity = verbosity
     _amp_state.enabled = enabled
     if not enabled:
+        _amp_state.amp = None
         return _shaped(models_list, models_single, optimizers, optimizers_list, optimizers_single)
     if any(isinstance(opt, AmpOptimizer) for opt in optimizers_list):
         raise ValueError("optimizers: an optimizer returned by a previous amp.initialize() was passed; pass the "
@@ -214,8 +221,9 @@ def initialize(
     wrapped = []
     for optimizer in optimizers_list:
         amp.prepare_optimizer(optimizer)
-        wrapper = AmpOptimizer(optimizer, _amp_state)
+        wrapper = AmpOptimizer(optimizer, _amp_state, amp)
         _amp_state.optimizers[id(optimizer)] = wrapper
+        _amp_state.current.append(wrapper)
         wrapped.append(wrapper)
     if amp.properties.patch_torch_functions:
         _amp_state.handle = _enter_casts(amp, verbose=verbosity == 2)
@@ -230,7 +238,18 @@ def _engine(
     allow_banned: bool = False,
     **overrides: Any,
 ) -> Amp:
-    """The one :class:`Amp` behind ``_amp_state`` (Apex's settings and O1 rows), installed there."""
+    """The :class:`Amp` behind ``_amp_state`` (Apex's settings and O1 rows), installed there: the current one when
+    it was built with the same settings (its loss scalers start afresh, as Apex's new ones did), else a new one."""
+    key = (opt_level, num_losses, min_loss_scale, max_loss_scale, allow_banned, sorted(overrides.items(), key=str))
+    amp = _amp_state.amp
+    if amp is not None and _amp_state.engine_key == key:
+        for scaler in amp.scalers:
+            overflows = scaler.state_dict()["overflows"]
+            scaler.load_state_dict({"scale": scaler.init_scale, "growth_tracker": 0,
+                                    "hysteresis_tracker": scaler.hysteresis, "overflows": overflows})
+        _amp_state.enabled = True
+        _amp_state.loss_scalers = [ScalerView(amp, i) for i in range(num_losses)]
+        return amp
     amp = Amp(
         opt_level,
         num_losses=num_losses,
@@ -245,7 +264,7 @@ def _engine(
         for function, category in (*_APEX_ROWS, *_amp_state.registrations):
             amp.policy.table.register(function, category)  # into this Amp's own copy of the table
         amp.policy.refuse_inplace_float = True  # Apex refused x.half().exp_() with NotImplementedError
-    _amp_state.amp = amp
+    _amp_state.amp, _amp_state.engine_key = amp, key
     _amp_state.enabled = True
     _amp_state.loss_scalers = [ScalerView(amp, i) for i in range(num_losses)]
     return amp
@@ -304,11 +323,12 @@ def _add_model_hooks(
     """Apex patched ``model.forward``; here: removable hooks on this model instance only."""
     props = amp.properties
     casts = props.casts_model and cast_model
+    hooks = _amp_state.hooks.setdefault(model, [])
     if casts:
         def cast_inputs(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
             return amp.cast_inputs(args), amp.cast_inputs(kwargs)
 
-        _amp_state.hooks.append(model.register_forward_pre_hook(cast_inputs, with_kwargs=True))
+        hooks.append(model.register_forward_pre_hook(cast_inputs, with_kwargs=True))
     out_dtype = cast_model_outputs if cast_model_outputs is not None else (torch.float32 if casts else None)
     if out_dtype is not None:
         castable = tuple(d for d in (torch.float16, torch.bfloat16, torch.float32) if d != out_dtype)
@@ -316,15 +336,16 @@ def _add_model_hooks(
         def cast_outputs(module: nn.Module, args: Any, output: Any) -> Any:
             return _cast_collection(output, out_dtype, castable)
 
-        _amp_state.hooks.append(model.register_forward_hook(cast_outputs))
+        hooks.append(model.register_forward_hook(cast_outputs))
+    if props.master_weights or casts:  # O2 and O3: Apex's state dicts were FP32 whenever it cast the model
+        hooks.append(model.register_state_dict_post_hook(_fp32_state_dict_hook(amp, model)))
     if props.master_weights:
-        _amp_state.hooks.append(model.register_state_dict_post_hook(_fp32_state_dict_hook(amp, model)))
-        _amp_state.hooks.append(model.register_load_state_dict_pre_hook(_load_masters_hook(amp, model)))
+        hooks.append(model.register_load_state_dict_pre_hook(_load_masters_hook(amp, model)))
 
 
 def _fp32_state_dict_hook(amp: Amp, model: nn.Module) -> Callable[..., None]:
-    """O2: ``model.state_dict()`` holds FP32 tensors as in Apex; a parameter with a master gives the master's exact
-    value (Apex gave the half value cast up), so a checkpoint resumes bit-exactly."""
+    """O2/O3: ``model.state_dict()`` holds FP32 tensors as in Apex; a parameter with a master gives the master's
+    exact value (Apex gave the half value cast up), so a checkpoint resumes bit-exactly."""
 
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         amp.refresh_masters()  # writes made to the half model since the last step
@@ -376,38 +397,40 @@ def scale_loss(
     ``model`` and ``delay_overflow_check`` are accepted for compatibility and unused (as in Apex's last releases).
     """
     state = _amp_state
-    amp = state.amp
-    if amp is None:  # enabled=False, as Apex
+    if state.amp is None:  # enabled=False, as Apex
         yield loss
         return
     wrapped = _resolve(optimizers)
-    ids = [id(opt) for opt in wrapped]
+    amp = wrapped[0]._engine
+    ids = [id(w.optimizer) for w in wrapped]
     if any(i in state.stepped for i in ids):
         # A new iteration began for an optimizer that already stepped: close the last one.
         _update(state)
     state.touched.update(ids)
-    # The core scales every optimizer's unscaled gradients back up for this block's backward, named or not.
-    unscaled = [w.optimizer for w in state.optimizers.values() if amp.is_unscaled(w.optimizer)]
+    # The core scales every unscaled gradient of this engine's optimizers back up for this block's backward, named
+    # or not.
+    own = [w for w in state.optimizers.values() if w._engine is amp]
+    unscaled = [w.optimizer for w in own if amp.is_unscaled(w.optimizer)]
     # What earlier blocks left non-finite stays so: only an overflow this block makes skips what it names (Apex
     # checked only the block's own new gradients).
-    overflowed_before = [_overflowed(amp, optimizer) for optimizer in wrapped]
+    overflowed_before = [_overflowed(amp, w.optimizer) for w in wrapped]
     if amp.properties.master_weights:
-        _stash(state, amp)
+        _stash(state, amp, own)
     yield amp.scale_loss(loss, loss_id)
     if amp.policy is not None and amp.properties.patch_torch_functions:
         amp.policy.clear_cache()  # Apex cleared its cast cache at the end of every block
     if delay_unscale:
         return
     overflow = False
-    for optimizer, before in zip(wrapped, overflowed_before):
-        amp.unscale_(optimizer)
-        overflow = overflow or (not before and _overflowed(amp, optimizer))
+    for wrapper, before in zip(wrapped, overflowed_before):
+        amp.unscale_(wrapper.optimizer)
+        overflow = overflow or (not before and _overflowed(amp, wrapper.optimizer))
     for key in list(state.stash):
-        _restore_stash(state, amp, state.optimizers[key].optimizer)
+        _restore_stash(state, state.optimizers[key])
     for optimizer in unscaled:
         if not amp.is_unscaled(optimizer):
-            # Not named here: Apex left its gradients unscaled, so unscale them again (exactly: the scales are
-            # powers of two; its overflow, if any, counts at its own step).
+            # Not named here: Apex left its gradients unscaled, so unscale them again (exactly where the scales are
+            # powers of two, as Apex's are; an overflow there counts at its own step).
             amp.unscale_(optimizer)
     if overflow:
         state.skip_next.update(ids)
@@ -420,19 +443,19 @@ def _overflowed(amp: Amp, optimizer: torch.optim.Optimizer) -> bool:
     return found is not None and bool(found.item() > 0)
 
 
-def _stash(state: AmpState, amp: Amp) -> None:
+def _stash(state: AmpState, amp: Amp, wrappers: list[AmpOptimizer]) -> None:
     """O2: take the unscaled FP32 master gradients of earlier blocks out of the way of this block's backward.
 
     The core would scale them back up into the half gradients, where a true gradient above 65504 / scale overflows;
     Apex kept them in FP32 and added them after unscaling the next block, and so does this (it is the core's
     ``scale_loss`` that finds nothing left to rescale: both gradients are cleared here).
     """
-    for key, wrapper in state.optimizers.items():
+    for wrapper in wrappers:
         inner = wrapper.optimizer
         if not amp.is_unscaled(inner):
             continue
         params = [p for group in inner.param_groups for p in group["params"]]
-        kept = state.stash.setdefault(key, [])
+        kept = state.stash.setdefault(id(inner), [])
         for param, master in zip(params, amp.master_params(inner)):
             if master is not param and master.grad is not None:
                 kept.append((master, master.grad))
@@ -440,8 +463,10 @@ def _stash(state: AmpState, amp: Amp) -> None:
                 param.grad = None
 
 
-def _restore_stash(state: AmpState, amp: Amp, optimizer: torch.optim.Optimizer) -> None:
-    """Add the stashed FP32 gradients of ``optimizer`` to its unscaled master gradients (unscaling first)."""
+def _restore_stash(state: AmpState, wrapper: AmpOptimizer) -> None:
+    """Add the stashed FP32 gradients of ``wrapper``'s optimizer to its unscaled master gradients (unscaling
+    first)."""
+    amp, optimizer = wrapper._engine, wrapper.optimizer
     kept = state.stash.pop(id(optimizer), None)
     if kept is None:
         return
@@ -456,15 +481,33 @@ def _restore_stash(state: AmpState, amp: Amp, optimizer: torch.optim.Optimizer) 
     amp.show_unscaled_on_model(optimizer)
 
 
-def _resolve(optimizers: Any) -> list[torch.optim.Optimizer]:
+def _wrapper_of(item: Any) -> AmpOptimizer | None:
+    """The live wrapper of an optimizer, or of the optimizer a wrapper wraps; ``None`` when there is none (or the
+    wrapper was replaced by a later ``initialize`` of the same optimizer)."""
+    inner = item.optimizer if isinstance(item, AmpOptimizer) else item
+    wrapper = _amp_state.optimizers.get(id(inner))
+    if wrapper is None or wrapper.optimizer is not inner or (isinstance(item, AmpOptimizer) and wrapper is not item):
+        return None
+    return wrapper
+
+
+def _resolve(optimizers: Any) -> list[AmpOptimizer]:
     items = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
-    out: list[torch.optim.Optimizer] = []
+    out: list[AmpOptimizer] = []
     for item in items:
-        inner = item.optimizer if isinstance(item, AmpOptimizer) else item
-        if id(inner) not in _amp_state.optimizers:
-            raise ValueError(f"optimizers={item!r} was not passed to amp.initialize().")
-        if all(inner is not seen for seen in out):
-            out.append(inner)
+        wrapper = _wrapper_of(item)
+        if wrapper is None:
+            raise ValueError(
+                f"optimizers={item!r} was not passed to amp.initialize() (or a later amp.initialize() was given its "
+                "optimizer again: use the optimizer that call returned)."
+            )
+        if all(wrapper is not seen for seen in out):
+            out.append(wrapper)
+    if any(w._engine is not out[0]._engine for w in out):
+        raise ValueError(
+            "optimizers: the optimizers named in one scale_loss() block come from different amp.initialize() calls, "
+            "whose loss scalers differ; give each call's optimizers their own block."
+        )
     return out
 
 
@@ -480,25 +523,35 @@ def _log_overflow(amp: Amp, loss_id: int) -> None:
         log.info("Gradient overflow.  Skipping step, loss scaler %d keeps its static loss scale %s", loss_id, scale)
 
 
-def _optimizer_step(state: AmpState, optimizer: torch.optim.Optimizer) -> None:
-    amp = state.require()
-    key = id(optimizer)
+def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> None:
+    if _wrapper_of(wrapper) is None:
+        raise RuntimeError(
+            "step(): this optimizer was given to a later amp.initialize() (or _amp_state.reset() ran); step the "
+            "optimizer that call returned."
+        )
+    key = id(wrapper.optimizer)
     if key in state.skip_next:
         # A block that named it overflowed (in its gradients or another optimizer's): skip, as Apex. The overflow is
         # already charged to that block's loss, whose scale backs off in the update below.
         state.skip_next.discard(key)
         state.stash.pop(key, None)
     else:
-        _restore_stash(state, amp, optimizer)
-        amp.step(optimizer)
+        _restore_stash(state, wrapper)
+        wrapper._engine.step(wrapper.optimizer)
     state.stepped.add(key)
-    if state.touched <= state.stepped:
+    if {key for key in state.touched if key in state.optimizers} <= state.stepped:  # a dropped wrapper will not step
         _update(state)
 
 
 def _update(state: AmpState) -> None:
-    """Close the iteration: the scales of the losses that overflowed back off."""
-    state.require().update()
+    """Close the iteration: the scales of the losses that overflowed back off, in each engine involved."""
+    engines: list[Amp] = []
+    for key in state.touched:
+        wrapper = state.optimizers.get(key)
+        if wrapper is not None and all(wrapper._engine is not e for e in engines):
+            engines.append(wrapper._engine)
+    for engine in engines:
+        engine.update()
     state.touched.clear()
     state.stepped.clear()
     state.skip_next.clear()
@@ -509,13 +562,13 @@ def _update(state: AmpState) -> None:
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     """The tensors ``optimizer`` updates: the FP32 masters at O2 (their ``.grad`` holds the unscaled gradients after
     a ``scale_loss`` block), the parameters otherwise. For ``clip_grad_norm_(amp.master_params(opt), ...)``."""
-    amp = _amp_state.amp
     inner = optimizer.optimizer if isinstance(optimizer, AmpOptimizer) else optimizer
-    if amp is None:
+    wrapper = _wrapper_of(optimizer)
+    if wrapper is None:
         for group in inner.param_groups:
             yield from group["params"]
         return
-    yield from amp.master_params(inner)
+    yield from wrapper._engine.master_params(inner)
 
 
 def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -642,8 +695,9 @@ class AmpHandle:
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer.")
         amp.prepare_optimizer(inner)
-        wrapper = LegacyOptimizer(inner, _amp_state)
+        wrapper = LegacyOptimizer(inner, _amp_state, amp)
         _amp_state.optimizers[id(inner)] = wrapper
+        _amp_state.current.append(wrapper)
         return wrapper
 
     @contextlib.contextmanager
