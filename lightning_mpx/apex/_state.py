@@ -7,10 +7,11 @@ Apex kept its whole run in a module-level singleton, and old scripts read it (``
 * :func:`lightning_mpx.apex.amp.initialize` fills it with the :class:`~lightning_mpx.Amp` that does the work, the
   wrapped optimizers and the hooks it put on the models. A later ``initialize`` makes a new engine for what it is
   given and leaves the earlier calls' models and optimizers working with theirs, as Apex did (its patches were on the
-  objects): a run restored into new objects trains beside the one it was saved from. What it takes over from them:
-  the O1 cast scope (one per thread, the latest call's), ``loss_scalers``, ``state_dict()``/``load_state_dict()``,
-  and models or optimizers passed to it again (their earlier hooks and wrapper are dropped). An earlier call's wrapper
-  is held weakly here: it lives as long as the script keeps it.
+  objects): a run restored into new objects trains beside the one it was saved from. Their loss scalers start
+  afresh (Apex's were global, and each call made new ones). What the new call takes over: the O1 cast scope (one per
+  thread, the latest call's), ``loss_scalers``, ``state_dict()``/``load_state_dict()``, and models or optimizers
+  passed to it again (their earlier hooks and wrapper are dropped). An earlier call's wrapper is held weakly here: it
+  lives as long as the script keeps it.
 * :meth:`AmpState.reset` undoes every call (hooks, wrappers, the scope).
 * The cast registrations made with ``register_*_function`` and the ``*_function`` decorators are the exception: they
   are made at import time, before ``initialize``, so ``initialize`` applies them to its cast table and keeps them
@@ -102,7 +103,6 @@ class AmpState:
     """
 
     amp: Amp | None = None
-    engine_key: Any = None  # the settings `amp` was built with (a later initialize with the same ones reuses it)
     enabled: bool | None = None
     handle: Any = None
     loss_scalers: list[ScalerView] = field(default_factory=list)
@@ -134,7 +134,7 @@ class AmpState:
 
     def begin_call(self, models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
         """Make way for a new ``initialize`` of ``models`` and ``optimizers``: leave the O1 scope and undo what earlier
-        calls did to these objects; earlier calls' other objects go on (the engine is kept for the call to reuse)."""
+        calls did to these objects; earlier calls' other objects go on with their engines."""
         self.leave_cast_scope()
         for model in models:
             for handle in self.hooks.pop(model, []):
@@ -149,7 +149,7 @@ class AmpState:
             ids.intersection_update(live)
         for key in set(self.stash) - live:
             del self.stash[key]
-        self.enabled, self.handle, self.holder = None, None, None
+        self.amp, self.enabled, self.handle, self.holder = None, None, None, None
         self.loss_scalers, self.current = [], []
 
     def leave_cast_scope(self) -> None:

@@ -158,11 +158,10 @@ def initialize(
 
     Returns ``models`` (when ``optimizers`` is ``None``) or ``(models, optimizers)``, each in the shape given (one
     object, or a list). The optimizers come back wrapped (:class:`AmpOptimizer`): use the returned ones.
-    Calling it again leaves the earlier calls' models and optimizers working, as in Apex: a checkpoint restored
-    into new ones trains beside the run it came from. With the same settings the call adds its models and optimizers
-    to the same engine, whose loss scalers start afresh for all of them (Apex made new global scalers); with other
-    settings it makes a new engine, and the earlier optimizers keep theirs. Models and optimizers given again lose
-    what earlier calls did to them first.
+    Calling it again leaves the earlier calls' models and optimizers working with their own engine, as in Apex (a
+    checkpoint restored into new ones trains beside the run it came from); their loss scalers start afresh, as
+    Apex's global ones did. The new call takes over the O1 cast scope, ``loss_scalers`` and ``state_dict()``; models
+    and optimizers given to it again lose what earlier calls did to them first.
     """
     models_list, models_single = _as_list(models, nn.Module, "models")
     if optimizers is None:
@@ -220,6 +219,10 @@ def initialize(
         _add_model_hooks(amp, model, cast_model_outputs, cast_model=not keep_model)
     wrapped = []
     for optimizer in optimizers_list:
+        if amp.properties.casts_model and not amp.properties.master_weights and not keep_model:
+            # O3: state made before (a checkpoint loaded first) takes the parameters' half dtype, as Apex's
+            # load_state_dict(state_dict()) trick did; at O2 the core moves it to the FP32 masters.
+            optimizer.load_state_dict(optimizer.state_dict())
         amp.prepare_optimizer(optimizer)
         wrapper = AmpOptimizer(optimizer, _amp_state, amp)
         _amp_state.optimizers[id(optimizer)] = wrapper
@@ -236,20 +239,21 @@ def _engine(
     min_loss_scale: float | None,
     max_loss_scale: float,
     allow_banned: bool = False,
+    fresh_earlier: bool = True,
     **overrides: Any,
 ) -> Amp:
-    """The :class:`Amp` behind ``_amp_state`` (Apex's settings and O1 rows), installed there: the current one when
-    it was built with the same settings (its loss scalers start afresh, as Apex's new ones did), else a new one."""
-    key = (opt_level, num_losses, min_loss_scale, max_loss_scale, allow_banned, sorted(overrides.items(), key=str))
-    amp = _amp_state.amp
-    if amp is not None and _amp_state.engine_key == key:
-        for scaler in amp.scalers:
+    """A new :class:`Amp` (Apex's settings and O1 rows), installed in ``_amp_state``.
+
+    Apex's loss scalers were global: each ``initialize`` replaced them, for the earlier calls' optimizers too. Here
+    each call's engine owns its scalers, and those of the earlier calls' engines start afresh as Apex's new ones did
+    (a restored run and the run it came from then scale alike).
+    """
+    earlier = [w._engine for w in _amp_state.optimizers.values()] if fresh_earlier else []
+    for engine in {id(e): e for e in earlier}.values():
+        for scaler in engine.scalers:
             overflows = scaler.state_dict()["overflows"]
             scaler.load_state_dict({"scale": scaler.init_scale, "growth_tracker": 0,
                                     "hysteresis_tracker": scaler.hysteresis, "overflows": overflows})
-        _amp_state.enabled = True
-        _amp_state.loss_scalers = [ScalerView(amp, i) for i in range(num_losses)]
-        return amp
     amp = Amp(
         opt_level,
         num_losses=num_losses,
@@ -264,7 +268,7 @@ def _engine(
         for function, category in (*_APEX_ROWS, *_amp_state.registrations):
             amp.policy.table.register(function, category)  # into this Amp's own copy of the table
         amp.policy.refuse_inplace_float = True  # Apex refused x.half().exp_() with NotImplementedError
-    _amp_state.amp, _amp_state.engine_key = amp, key
+    _amp_state.amp = amp
     _amp_state.enabled = True
     _amp_state.loss_scalers = [ScalerView(amp, i) for i in range(num_losses)]
     return amp
@@ -626,9 +630,9 @@ def init(
     """Apex's older entry point: turn O1's casts on, on this thread, and return the handle of them.
 
     Scripts written before ``amp.initialize`` (and Apex's own tests) call it; ``initialize`` at O1 does the same and
-    keeps the handle in ``_amp_state.handle``. Like ``initialize`` it resets ``_amp_state`` (leaving the previous
-    call's scope first) and builds the one :class:`~lightning_mpx.Amp` (O1, ``loss_scale``) that the handle's
-    ``wrap_optimizer``/``scale_loss`` and the module's ``scale_loss`` use.
+    keeps the handle in ``_amp_state.handle``. Like ``initialize`` it leaves the previous call's scope and builds a
+    new :class:`~lightning_mpx.Amp` (O1, ``loss_scale``), the one the handle's ``wrap_optimizer``/``scale_loss`` and
+    the module's ``scale_loss`` use from then on.
 
     Args:
         enabled: ``False`` returns a :class:`NoOpHandle` and changes nothing.
@@ -643,8 +647,10 @@ def init(
             raise TypeError(f"{name}={value!r} must be True or False.")
     if not enabled:
         return NoOpHandle()
-    _amp_state.reset()
-    amp = _engine("O1", 1, None, 2.0**24, allow_banned=allow_banned, loss_scale=_parse_loss_scale(loss_scale))
+    _amp_state.begin_call([], [])
+    # Apex's init() patched the functions and left the loss scalers of initialize() alone.
+    amp = _engine("O1", 1, None, 2.0**24, allow_banned=allow_banned, fresh_earlier=False,
+                  loss_scale=_parse_loss_scale(loss_scale))
     assert amp.policy is not None
     amp.policy.cache_casts = enable_caching
     _amp_state.handle = _enter_casts(amp, verbose=verbose)
