@@ -288,11 +288,7 @@ class Amp:
             self._names.setdefault(id(param), prefix + name)
         self.forensics.watch.add_model(module, prefix)
         props = self.properties
-        # The FP32 values the cast to half rounds, until the masters have them (transiently one FP32 copy of the
-        # model, less than the masters' gradients and optimizer state take during training).
-        fp32_values: list[tuple[torch.Tensor, torch.Tensor]] = []
         if props.casts_model:
-            fp32_values = [(p, p.data) for p in module.parameters() if p.dtype == torch.float32]
             convert_module(module, props.half_dtype, keep_batchnorm_fp32=props.keep_batchnorm_fp32 is not False)
         elif props.cast_model_type == torch.float32:
             for param in module.parameters():
@@ -310,15 +306,6 @@ class Amp:
                     exclude=self._covered,
                 )
             )
-        with torch.no_grad():
-            # The masters, and modules pinned to FP32, start from the model's FP32 values, not from their half
-            # rounding (Apex rounded them): a model loaded from an FP32 checkpoint resumes bit-exactly.
-            for param, value in fp32_values:
-                if param.dtype == torch.float32:
-                    if param.data_ptr() != value.data_ptr():
-                        param.data = value  # pinned to FP32 by fp32_modules: its own value back
-                elif (master := self.master_of(param)) is not param:
-                    master.copy_(value)
         return module
 
     def _covered(self, param: torch.Tensor) -> bool:

@@ -215,7 +215,7 @@ def initialize(
         _amp_state.holder = amp.prepare_model(_HalfParameters(half_params))
     for model in models_list:
         if not keep_model:
-            amp.prepare_model(model)
+            _prepare_keeping_fp32_values(amp, model)
         _add_model_hooks(amp, model, cast_model_outputs, cast_model=not keep_model)
     wrapped = []
     for optimizer in optimizers_list:
@@ -231,6 +231,25 @@ def initialize(
     if amp.properties.patch_torch_functions:
         _amp_state.handle = _enter_casts(amp, verbose=verbosity == 2)
     return _shaped(models_list, models_single, optimizers, wrapped, optimizers_single)
+
+
+def _prepare_keeping_fp32_values(amp: Amp, model: nn.Module) -> None:
+    """``amp.prepare_model(model)``; at O2, in a single process, the masters then take the FP32 values the model held
+    (the core, as Apex, makes them from the half rounding): a checkpoint loaded before ``initialize`` resumes
+    bit-exactly, as one loaded after it does.
+
+    Under ``torch.distributed`` the masters stay the half rounding: a DDP wrapper made after ``initialize`` broadcasts
+    rank 0's half weights, and only masters that are their rounding on every rank agree after it.
+    """
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    keep = amp.properties.master_weights and not distributed
+    values = [(p, p.data) for p in model.parameters() if p.dtype == torch.float32] if keep else []
+    amp.prepare_model(model)
+    with torch.no_grad():
+        for param, value in values:
+            master = amp.master_of(param)
+            if master is not param and param.dtype != torch.float32:
+                master.copy_(value)
 
 
 def _engine(
