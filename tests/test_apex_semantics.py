@@ -497,3 +497,25 @@ def test_o3_state_dict_is_fp32_and_loads_back_into_an_o3_model():
     other = amp.initialize(_Net(), opt_level="O3")
     other.load_state_dict(state)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
+
+
+def test_o2_masters_take_the_fp32_values_in_one_process_and_the_half_rounding_under_torch_distributed(tmp_path):
+    """A checkpoint loaded before initialize gives exact masters; under a process group the masters stay the half
+    rounding, which DDP's broadcast of rank 0's half weights keeps equal on every rank."""
+    torch.manual_seed(0)
+    weight = nn.Linear(4, 4).weight.detach().clone()
+
+    def masters_after_initialize() -> torch.Tensor:
+        model = nn.Linear(4, 4)
+        with torch.no_grad():
+            model.weight.copy_(weight)
+        model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2")
+        return list(amp.master_params(opt))[0].detach().clone()
+
+    assert not torch.equal(weight.half().float(), weight)
+    assert torch.equal(masters_after_initialize(), weight)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert torch.equal(masters_after_initialize(), weight.half().float())
+    finally:
+        torch.distributed.destroy_process_group()
