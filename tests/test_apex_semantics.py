@@ -483,11 +483,11 @@ def test_a_second_initialize_keeps_the_first_models_hooks_and_drops_them_for_a_m
 def test_an_earlier_run_the_script_dropped_is_not_kept_alive():
     model = nn.Linear(4, 2)
     model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
-    alive = weakref.ref(model)
+    alive = [weakref.ref(model), weakref.ref(model.weight), weakref.ref(list(amp.master_params(opt))[0])]
     amp.initialize(nn.Linear(4, 2), torch.optim.SGD(nn.Linear(4, 2).parameters(), lr=0.1), opt_level="O2")
     del model, opt
     gc.collect()
-    assert alive() is None
+    assert [ref() for ref in alive] == [None, None, None]  # the module, its weight and the weight's FP32 master
 
 
 def test_o3_state_dict_is_fp32_and_loads_back_into_an_o3_model():

@@ -9,12 +9,15 @@
         scaled_loss.backward()
     optimizer.step()
 
-Everything maps onto one :class:`~lightning_mpx.Amp` (its loss scalers, its cast policy, its FP32 masters). What
-differs from Apex, and why:
+Each ``initialize`` (or the older ``init()``, which returns Apex's handle) maps onto one :class:`~lightning_mpx.Amp`
+(its loss scalers, its cast policy, its FP32 masters). What differs from Apex, and why:
 
 * Nothing is patched process-wide. ``initialize`` returns each optimizer wrapped in a thin object whose ``step()``
   goes through ``Amp.step()`` (at O2 the masters stand in for the half parameters only there) and which delegates
-  everything else; models get removable forward hooks (input/output casts at O2/O3) and, at O2, state-dict hooks.
+  everything else; models get removable forward hooks (input/output casts at O2/O3) and, at O2/O3, state-dict hooks.
+* A later ``initialize`` leaves the earlier calls' models and optimizers working with their own engine, as Apex's
+  per-object patches did, and their loss scalers start afresh as Apex's global ones did. One ``scale_loss`` block
+  cannot name optimizers of two calls (their scalers differ).
 * O1's cast policy is a scoped ``TorchFunctionMode`` that ``initialize`` enters **on the calling thread** and keeps
   entered until the next ``initialize``. Code on other threads runs uncast: ``torch.nn.DataParallel`` runs its
   replicas on worker threads, so under it nothing is cast (use ``DistributedDataParallel``, one process per device,
