@@ -177,6 +177,9 @@ def test_loss_scale_attribute_sets_the_scale_used():
     loss = model(_X)
     with amp.scale_loss(loss, opt, loss_id=1) as scaled:
         assert torch.equal(scaled, loss * 16.0)
+    for bad in (0.0, -4.0, float("inf"), "4"):
+        with pytest.raises(ValueError, match=r"_loss_scale=.* must be a positive finite number"):
+            _amp_state.loss_scalers[0]._loss_scale = bad
 
 
 # -- several models, losses and optimizers, an injected overflow -------------------------------------------------------
@@ -390,7 +393,7 @@ def test_o1_add_param_group_trains_the_new_group_like_fp32(zero_before_add, how)
     assert all(torch.equal(a, b) for a, b in zip(_params(m0, m1), _params(ref0, ref1)))
 
 
-# -- a second initialize: a run restored beside the one it came from ----------------------------------------------------
+# -- a second initialize: a run restored beside the one it came from ---------------------------------------------------
 class _Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -478,6 +481,30 @@ def test_a_second_initialize_keeps_the_first_models_hooks_and_drops_them_for_a_m
     with pytest.raises(ValueError, match="later amp.initialize"):
         with amp.scale_loss(model(torch.randn(3, 4)).sum(), opt):
             pass
+
+
+def test_an_earlier_run_keeps_scaling_after_a_disabled_initialize():
+    reference = _Pair(0.0, half=False)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.25)
+    model = _Pair(0.0)
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.25), opt_level="O2",
+                                cast_model_type=False, verbosity=0)
+    _set_scales(4.0)
+    other = _Pair(0.0, half=False)
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.25)
+    amp.initialize(other, other_opt, enabled=False)
+    for _ in range(2):
+        opt.zero_grad()
+        with amp.scale_loss(model(_X), opt) as scaled:  # the first run's scale, unscaled at its step
+            assert torch.equal(scaled, model(_X) * 4.0)
+            scaled.backward()
+        opt.step()
+        ref_opt.zero_grad()
+        reference(_X).backward()
+        ref_opt.step()
+        with amp.scale_loss(other(_X), other_opt) as scaled:  # the disabled call's: unscaled
+            assert torch.equal(scaled, other(_X))
+    assert all(torch.equal(a, b) for a, b in zip(_params(model), _params(reference)))
 
 
 def test_an_earlier_run_the_script_dropped_is_not_kept_alive():

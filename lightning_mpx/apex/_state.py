@@ -52,6 +52,8 @@ class ScalerView:
 
     @_loss_scale.setter
     def _loss_scale(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(f"_loss_scale={value!r} must be a positive finite number, e.g. 4.0.")
         scaler = self._amp.scalers[self._loss_id]
         state = scaler.state_dict()
         state["scale"] = float(value)
@@ -85,7 +87,7 @@ class AmpState:
     Attributes:
         amp: The core engine, ``None`` before ``initialize`` (or after ``initialize(enabled=False)``).
         enabled: ``enabled`` of the last ``initialize``/``init`` (``None`` before the first).
-        handle: Apex's ``_amp_state.handle``: the :class:`~lightning_mpx.apex.handle.AmpHandle` of the O1 cast scope
+        handle: Apex's ``_amp_state.handle``: the :class:`~lightning_mpx.apex.amp.AmpHandle` of the O1 cast scope
             that ``initialize`` (with ``patch_torch_functions``) or ``init`` entered; ``None`` otherwise.
         loss_scalers: One :class:`ScalerView` per loss.
         verbosity: Apex's ``verbosity``: 0 silences the overflow messages.
