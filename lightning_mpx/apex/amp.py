@@ -423,8 +423,9 @@ def scale_loss(
     ``model`` and ``delay_overflow_check`` are accepted for compatibility and unused (as in Apex's last releases).
     """
     state = _amp_state
-    if state.amp is None:  # enabled=False, as Apex
-        yield loss
+    items = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
+    if state.amp is None and all(_wrapper_of(item) is None for item in items):  # enabled=False, as Apex
+        yield loss  # (an earlier call's optimizers keep scaling: their step unscales)
         return
     wrapped = _resolve(optimizers)
     amp = wrapped[0]._engine
