@@ -962,14 +962,21 @@ class Amp:
     def show_unscaled_on_model(self, optimizer: torch.optim.Optimizer) -> None:
         """At O2, copy the unscaled FP32 master gradients into the half model's gradients (rounded), for code that
         reads the model's own gradients between the unscale and the step (Lightning's ``on_before_optimizer_step``
-        hooks, ``grad_norm(self)``). The masters' FP32 gradients stay what the step uses."""
+        hooks, ``grad_norm(self)``). The masters' FP32 gradients stay what the step uses.
+
+        A master gradient given after the unscale to a parameter without a half gradient (Apex's ``scale_loss``
+        adds the earlier blocks' gradients so) gets a half gradient too, so that a later ``p.grad = None`` or
+        ``zero_grad`` on the model is seen, and clears it, as for any other parameter."""
         state = self._state(optimizer)
         if not self.master_weights or state.stage is not _Stage.UNSCALED:
             return
         self._follow_cleared_grads(state)
         for param, master in self._param_pairs(state):
-            if master is not param and master.grad is not None and param.grad is not None:
-                param.grad.copy_(master.grad)
+            if master is not param and master.grad is not None:
+                if param.grad is None:
+                    param.grad = master.grad.to(param.dtype)
+                else:
+                    param.grad.copy_(master.grad)
         state.unscaled_marks = self._grad_marks(state)  # the copies are ours, not the user's writes
 
     def _follow_cleared_grads(self, state: _OptimizerState) -> None:

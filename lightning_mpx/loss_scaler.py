@@ -30,7 +30,8 @@ class LossScaler:
     Args:
         loss_scale: ``"dynamic"``, or a positive number for a static scale.
         init_scale: First scale of a dynamic scaler (``2**16``, as torch's GradScaler and Apex).
-        growth_factor: Factor applied after ``growth_interval`` steps in a row without overflow.
+        growth_factor: Factor applied after ``growth_interval`` steps in a row without overflow (``1.0``: the scale
+            only ever backs off, as Apex's kernel allows).
         backoff_factor: Factor applied on an overflow (see ``hysteresis``).
         growth_interval: Overflow-free steps before the scale grows.
         hysteresis: How many overflows it takes to back off, as in Megatron-LM's ``DynamicGradScaler`` and
@@ -75,8 +76,11 @@ class LossScaler:
         # `not x > 0` rather than `x <= 0` so that NaN is refused too.
         if not _is_number(max_loss_scale) or not max_loss_scale > 0:  # type: ignore[operator]
             raise ValueError(f"max_loss_scale={max_loss_scale!r} must be a positive number (math.inf for no ceiling).")
-        if not _is_number(growth_factor) or not growth_factor > 1.0 or not math.isfinite(growth_factor):
-            raise ValueError(f"growth_factor={growth_factor!r} must be a finite number greater than 1.0, e.g. 2.0.")
+        if not _is_number(growth_factor) or not growth_factor >= 1.0 or not math.isfinite(growth_factor):
+            raise ValueError(
+                f"growth_factor={growth_factor!r} must be a finite number of at least 1.0, e.g. 2.0 (1.0: the scale "
+                "never grows back after a backoff)."
+            )
         if not _is_number(backoff_factor) or not 0.0 < backoff_factor < 1.0:
             raise ValueError(f"backoff_factor={backoff_factor!r} must be between 0 and 1 (exclusive), e.g. 0.5.")
         for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):

@@ -448,15 +448,17 @@ def test_apex_checkpoint_resumes_through_the_core_and_the_reverse():
     assert all(torch.equal(a, b) for a, b in zip(expected, amp.master_params(opt)))
 
 
-def test_amp_state_loss_scalers_and_reinitialize_undoes_hooks():
+def test_amp_state_loss_scalers_and_reset_undoes_hooks():
     model = _mlp()
     model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2")
     assert amp._amp_state is _amp_state
     assert _amp_state.loss_scalers[0].loss_scale() == 65536.0
     model2 = amp.initialize(_mlp(), opt_level="O0")
     assert model2(torch.randn(1, 4)).dtype == torch.float32
+    assert model(torch.randn(1, 4)).dtype == torch.float32  # a later initialize leaves the first model's casts
+    _amp_state.reset()
     with pytest.raises(RuntimeError, match="same dtype"):
-        model(torch.randn(1, 4))  # the first model's O2 input cast is gone with the first initialize
+        model(torch.randn(1, 4))  # reset() undoes every call's hooks
 
 
 def test_reset_from_another_thread_or_under_another_mode_is_refused():

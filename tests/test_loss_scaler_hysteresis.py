@@ -1,5 +1,6 @@
-"""LossScaler's hysteresis against plain-Python twins of Megatron-LM's ``DynamicGradScaler`` and DeepSpeed's
-``DynamicLossScaler`` (with and without ``consecutive_hysteresis``), and a static scale restored from a checkpoint."""
+"""LossScaler's hysteresis against plain-Python twins of Megatron-LM's ``DynamicGradScaler``, DeepSpeed's
+``DynamicLossScaler`` (with and without ``consecutive_hysteresis``) and Apex's ``amp_C.update_scale_hysteresis``
+kernel (``growth_factor=1.0`` included), and a static scale restored from a checkpoint."""
 
 from __future__ import annotations
 
@@ -74,6 +75,39 @@ class DeepSpeedDynamicLossScaler:
         self.cur_iter += 1
 
 
+class ApexUpdateScaleHysteresis:
+    """Apex's ``csrc/update_scale_hysteresis.cu`` (``amp_C.update_scale_hysteresis``) in plain Python: FP32 scale,
+    products in double as in the kernel."""
+
+    def __init__(self, scale, growth_factor, backoff_factor, growth_interval, hysteresis):
+        self.scale = np.float32(scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.hysteresis = hysteresis
+        self.growth_tracker = 0
+        self.hysteresis_tracker = hysteresis
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.hysteresis_tracker -= 1
+            if self.hysteresis_tracker > 0:  # tolerated: only the growth tracker restarts
+                self.growth_tracker = 0
+                return
+            self.scale = np.float32(float(self.scale) * self.backoff_factor)
+            self.growth_tracker = 0
+        else:
+            successful = self.growth_tracker + 1
+            if successful == self.growth_interval:
+                grown = np.float32(float(self.scale) * self.growth_factor)
+                if np.isfinite(grown):
+                    self.scale = grown
+                self.growth_tracker = 0
+            else:
+                self.growth_tracker = successful
+            self.hysteresis_tracker = self.hysteresis  # every clean step restores it
+
+
 SETTINGS = dict(
     init=st.sampled_from([2.0**10, 2.0**16]),
     min_scale=st.sampled_from([1.0, 2.0**8, 2.0**12]),
@@ -122,6 +156,39 @@ def test_hysteresis_follows_deepspeed(init, min_scale, interval, hysteresis, ove
         state = ours.state_dict()
         assert state["scale"] == float(deepspeed.cur_scale), f"after update {step}"
         assert state["hysteresis_tracker"] == deepspeed.cur_hysteresis
+
+
+@FAST
+@given(
+    init=st.sampled_from([1.0, 2.0**10, 2.0**16]),
+    growth_factor=st.sampled_from([1.0, 2.0, 4.0]),
+    backoff_factor=st.sampled_from([0.5, 0.25]),
+    interval=st.integers(1, 5),
+    hysteresis=st.integers(1, 4),
+    overflows=st.lists(st.booleans(), max_size=60),
+)
+def test_consecutive_hysteresis_follows_apex_kernel(init, growth_factor, backoff_factor, interval, hysteresis,
+                                                    overflows):
+    # Apex's kernel has no floor or ceiling: 60 backoffs of 0.25 from 1.0 stay above FP32's smallest normal.
+    ours = LossScaler(init_scale=init, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                      growth_interval=interval, hysteresis=hysteresis, consecutive_hysteresis=True,
+                      min_loss_scale=float(torch.finfo(torch.float32).tiny), max_loss_scale=math.inf)
+    apex = ApexUpdateScaleHysteresis(init, growth_factor, backoff_factor, interval, hysteresis)
+    for step, overflow in enumerate(overflows):
+        ours.update(torch.tensor(float(overflow)))
+        apex.update(overflow)
+        state = ours.state_dict()
+        assert state["scale"] == float(apex.scale), f"after update {step}"
+        assert state["growth_tracker"] == apex.growth_tracker
+        assert state["hysteresis_tracker"] == max(apex.hysteresis_tracker, 1)  # <= 0 in the kernel: exhausted
+
+
+@pytest.mark.parametrize("hysteresis", [1, 3])
+def test_growth_factor_one_backs_off_and_never_grows(hysteresis):
+    scaler = LossScaler(init_scale=1024.0, growth_factor=1.0, growth_interval=2, hysteresis=hysteresis)
+    for overflow in [1] * hysteresis + [0] * 10:
+        scaler.update(torch.tensor(float(overflow)))
+    assert scaler.get_scale() == 512.0
 
 
 @pytest.mark.parametrize("consecutive", [False, True])

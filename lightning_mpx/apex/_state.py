@@ -4,9 +4,15 @@ Apex kept its whole run in a module-level singleton, and old scripts read it (``
 .loss_scale()`` to log the scale). To run those scripts unchanged, :mod:`lightning_mpx.apex` keeps one such object,
 :data:`_amp_state`, documented here and nowhere else:
 
-* :func:`lightning_mpx.apex.amp.initialize` resets it and fills it with the :class:`~lightning_mpx.Amp` that does the
-  work, the wrapped optimizers and the hooks it put on the models; a second ``initialize`` undoes the first one's hooks
-  and cast scope first.
+* :func:`lightning_mpx.apex.amp.initialize` fills it with the :class:`~lightning_mpx.Amp` that does the work, the
+  wrapped optimizers and the hooks it put on the models. A later ``initialize`` makes a new engine for what it is
+  given and leaves the earlier calls' models and optimizers working with theirs, as Apex did (its patches were on the
+  objects): a run restored into new objects trains beside the one it was saved from. Their loss scalers start
+  afresh (Apex's were global, and each call made new ones). What the new call takes over: the O1 cast scope (one per
+  thread, the latest call's), ``loss_scalers``, ``state_dict()``/``load_state_dict()``, and models or optimizers
+  passed to it again (their earlier hooks and wrapper are dropped). An earlier call's wrapper is held weakly here: it
+  lives as long as the script keeps it.
+* :meth:`AmpState.reset` undoes every call (hooks, wrappers, the scope).
 * The cast registrations made with ``register_*_function`` and the ``*_function`` decorators are the exception: they
   are made at import time, before ``initialize``, so ``initialize`` applies them to its cast table and keeps them
   (Apex's ``_USER_CAST_REGISTRY`` behaved the same).
@@ -17,6 +23,7 @@ Nothing else in the package holds state outside an object the user can see.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -38,11 +45,39 @@ class ScalerView:
         return self._amp.scalers[self._loss_id].get_scale()
 
     @property
+    def _loss_scale(self) -> float:
+        """Apex's attribute for the scale; old scripts and Apex's own tests set it to force a scale. Writing it sets
+        the core scaler's scale (its trackers kept)."""
+        return self.loss_scale()
+
+    @_loss_scale.setter
+    def _loss_scale(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(f"_loss_scale={value!r} must be a positive finite number, e.g. 4.0.")
+        scaler = self._amp.scalers[self._loss_id]
+        state = scaler.state_dict()
+        state["scale"] = float(value)
+        scaler.load_state_dict(state)
+
+    @property
     def dynamic(self) -> bool:
         return self._amp.scalers[self._loss_id].dynamic
 
     def __repr__(self) -> str:
         return f"ScalerView(loss_id={self._loss_id}, {self._amp.scalers[self._loss_id]!r})"
+
+
+@dataclass(frozen=True)
+class OptProperties:
+    """Apex's ``_amp_state.opt_properties`` as scripts read it: what ``initialize`` resolved (read-only)."""
+
+    enabled: bool
+    opt_level: str | None = None
+    cast_model_type: torch.dtype | None = None
+    patch_torch_functions: bool = False
+    keep_batchnorm_fp32: bool | None = None
+    master_weights: bool = False
+    loss_scale: float | str = 1.0
 
 
 @dataclass
@@ -51,10 +86,15 @@ class AmpState:
 
     Attributes:
         amp: The core engine, ``None`` before ``initialize`` (or after ``initialize(enabled=False)``).
+        enabled: ``enabled`` of the last ``initialize``/``init`` (``None`` before the first).
+        handle: Apex's ``_amp_state.handle``: the :class:`~lightning_mpx.apex.amp.AmpHandle` of the O1 cast scope
+            that ``initialize`` (with ``patch_torch_functions``) or ``init`` entered; ``None`` otherwise.
         loss_scalers: One :class:`ScalerView` per loss.
         verbosity: Apex's ``verbosity``: 0 silences the overflow messages.
-        optimizers: The wrapped optimizers by ``id`` of the optimizer they wrap.
-        hooks: Handles of the hooks put on the models (removed by the next ``initialize``).
+        optimizers: The live wrapped optimizers of every ``initialize`` call, by ``id`` of the optimizer they wrap
+            (weakly: a wrapper the script dropped is gone).
+        current: The latest call's wrappers (kept alive, so that its plain optimizers resolve too).
+        hooks: Handles of the hooks put on each model (weakly keyed by the model).
         cast_scope: The O1 cast-policy scope entered by ``initialize`` on its thread (exited by the next one).
         touched: Optimizers named in ``scale_loss`` blocks since the last ``Amp.update()`` (by ``id``).
         stepped: Of those, the ones that stepped (or skipped) since.
@@ -65,10 +105,13 @@ class AmpState:
     """
 
     amp: Amp | None = None
+    enabled: bool | None = None
+    handle: Any = None
     loss_scalers: list[ScalerView] = field(default_factory=list)
     verbosity: int = 1
-    optimizers: dict[int, Any] = field(default_factory=dict)
-    hooks: list[Any] = field(default_factory=list)
+    optimizers: weakref.WeakValueDictionary[int, Any] = field(default_factory=weakref.WeakValueDictionary)
+    current: list[Any] = field(default_factory=list)
+    hooks: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = field(default_factory=weakref.WeakKeyDictionary)
     cast_scope: Any = None
     cast_thread: int | None = None
     holder: Any = None  # cast_model_type=False at O2: the module that holds the half parameters given masters
@@ -79,19 +122,46 @@ class AmpState:
     registrations: list[tuple[Callable[..., Any], str]] = field(default_factory=list)
 
     def reset(self) -> None:
-        """Undo what the last ``initialize`` set up (hooks, the O1 scope) and forget it; keeps the registrations."""
-        if self.cast_scope is not None:
-            self._check_can_exit_scope()
-            scope, self.cast_scope = self.cast_scope, None
-            scope.__exit__(None, None, None)
-        for handle in self.hooks:
-            handle.remove()
-        if self.amp is not None:
-            for wrapper in self.optimizers.values():
-                self.amp.release_optimizer(wrapper.optimizer)
+        """Undo what every ``initialize`` set up (hooks, wrappers, the O1 scope) and forget it; keeps the
+        registrations."""
+        self.leave_cast_scope()
+        for handles in list(self.hooks.values()):
+            for handle in handles:
+                handle.remove()
+        for wrapper in list(self.optimizers.values()):
+            wrapper._engine.release_optimizer(wrapper.optimizer)
         registrations = self.registrations
         self.__init__()  # type: ignore[misc]
         self.registrations = registrations
+
+    def begin_call(self, models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
+        """Make way for a new ``initialize`` of ``models`` and ``optimizers``: leave the O1 scope and undo what earlier
+        calls did to these objects; earlier calls' other objects go on with their engines."""
+        self.leave_cast_scope()
+        for model in models:
+            for handle in self.hooks.pop(model, []):
+                handle.remove()
+        for optimizer in optimizers:
+            wrapper = self.optimizers.get(id(optimizer))
+            if wrapper is not None and wrapper.optimizer is optimizer:
+                wrapper._engine.release_optimizer(optimizer)
+                del self.optimizers[id(optimizer)]
+        live = set(self.optimizers.keys())
+        for ids in (self.touched, self.stepped, self.skip_next):
+            ids.intersection_update(live)
+        for key in set(self.stash) - live:
+            del self.stash[key]
+        self.amp, self.enabled, self.handle, self.holder = None, None, None, None
+        self.loss_scalers, self.current = [], []
+
+    def leave_cast_scope(self) -> None:
+        """Leave the O1 cast scope that ``initialize``/``init`` entered, if it is still entered (the engine, its
+        scalers and the wrapped optimizers stay: training goes on without O1's casts)."""
+        if self.cast_scope is None:
+            return
+        self._check_can_exit_scope()
+        scope, self.cast_scope = self.cast_scope, None
+        scope.__exit__(None, None, None)
 
     def _check_can_exit_scope(self) -> None:
         """The O1 scope is a mode on this thread's torch-function mode stack: only its thread can leave it, and only
@@ -108,6 +178,28 @@ class AmpState:
                 "the O1 cast scope entered by amp.initialize() is not the innermost torch-function mode on this thread "
                 "(a mode entered after initialize() is still active); leave that mode first."
             )
+
+    @property
+    def opt_properties(self) -> OptProperties:
+        """Apex's ``_amp_state.opt_properties`` (``loss_scale``, ``master_weights``, ...), read from the engine.
+
+        Raises:
+            AttributeError: before ``amp.initialize()``, as in Apex (where the attribute did not exist yet).
+        """
+        if self.enabled is None:
+            raise AttributeError("_amp_state.opt_properties: amp.initialize() has not been called.")
+        if self.amp is None:
+            return OptProperties(enabled=False)
+        props = self.amp.properties
+        return OptProperties(
+            enabled=True,
+            opt_level=props.opt_level,
+            cast_model_type=props.cast_model_type,
+            patch_torch_functions=props.patch_torch_functions,
+            keep_batchnorm_fp32=props.keep_batchnorm_fp32,
+            master_weights=props.master_weights,
+            loss_scale=props.loss_scale,
+        )
 
     def require(self) -> Amp:
         if self.amp is None:

@@ -9,12 +9,15 @@
         scaled_loss.backward()
     optimizer.step()
 
-Everything maps onto one :class:`~lightning_mpx.Amp` (its loss scalers, its cast policy, its FP32 masters). What
-differs from Apex, and why:
+Each ``initialize`` (or the older ``init()``, which returns Apex's handle) maps onto one :class:`~lightning_mpx.Amp`
+(its loss scalers, its cast policy, its FP32 masters). What differs from Apex, and why:
 
 * Nothing is patched process-wide. ``initialize`` returns each optimizer wrapped in a thin object whose ``step()``
   goes through ``Amp.step()`` (at O2 the masters stand in for the half parameters only there) and which delegates
-  everything else; models get removable forward hooks (input/output casts at O2/O3) and, at O2, state-dict hooks.
+  everything else; models get removable forward hooks (input/output casts at O2/O3) and, at O2/O3, state-dict hooks.
+* A later ``initialize`` leaves the earlier calls' models and optimizers working with their own engine, as Apex's
+  per-object patches did, and their loss scalers start afresh as Apex's global ones did. One ``scale_loss`` block
+  cannot name optimizers of two calls (their scalers differ).
 * O1's cast policy is a scoped ``TorchFunctionMode`` that ``initialize`` enters **on the calling thread** and keeps
   entered until the next ``initialize``. Code on other threads runs uncast: ``torch.nn.DataParallel`` runs its
   replicas on worker threads, so under it nothing is cast (use ``DistributedDataParallel``, one process per device,
@@ -48,6 +51,7 @@ __all__ = [
     "disable_casts",
     "float_function",
     "half_function",
+    "init",
     "initialize",
     "load_state_dict",
     "master_params",
@@ -76,10 +80,12 @@ class AmpOptimizer(torch.optim.Optimizer):
         optimizer: The wrapped optimizer.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, state: AmpState) -> None:  # noqa: D107
+    def __init__(self, optimizer: torch.optim.Optimizer, state: AmpState, amp: Amp) -> None:  # noqa: D107
         # No super().__init__: every piece of optimizer state lives in the wrapped optimizer.
         object.__setattr__(self, "optimizer", optimizer)
         object.__setattr__(self, "_amp_state", state)
+        # The engine of the initialize() call that wrapped it: a later call leaves it working (as Apex did).
+        object.__setattr__(self, "_engine", amp)
 
     # Attributes the base class would otherwise read from self.
     @property
@@ -112,7 +118,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 "closure: Currently, Amp does not support closure use with optimizers (loss scaling cannot re-run "
                 "the closure inside the step); run the closure first, then call step() without it."
             )
-        _optimizer_step(self._amp_state, self.optimizer)
+        _optimizer_step(self._amp_state, self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -155,20 +161,25 @@ def initialize(
 
     Returns ``models`` (when ``optimizers`` is ``None``) or ``(models, optimizers)``, each in the shape given (one
     object, or a list). The optimizers come back wrapped (:class:`AmpOptimizer`): use the returned ones.
-    Calling it again undoes the previous call's hooks and cast scope first.
+    Calling it again leaves the earlier calls' models and optimizers working with their own engine, as in Apex (a
+    checkpoint restored into new ones trains beside the run it came from); their loss scalers start afresh, as
+    Apex's global ones did. The new call takes over the O1 cast scope, ``loss_scalers`` and ``state_dict()``; models
+    and optimizers given to it again lose what earlier calls did to them first.
     """
-    _amp_state.reset()
     models_list, models_single = _as_list(models, nn.Module, "models")
     if optimizers is None:
         optimizers_list, optimizers_single = [], True
     else:
         optimizers_list, optimizers_single = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+    _amp_state.begin_call(models_list, [o for o in optimizers_list if not isinstance(o, AmpOptimizer)])
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled={enabled!r} must be True or False.")
     if isinstance(verbosity, bool) or not isinstance(verbosity, int):
         raise TypeError(f"verbosity={verbosity!r} must be an integer (0 silences amp's messages).")
     _amp_state.verbosity = verbosity
+    _amp_state.enabled = enabled
     if not enabled:
+        _amp_state.amp = None
         return _shaped(models_list, models_single, optimizers, optimizers_list, optimizers_single)
     if any(isinstance(opt, AmpOptimizer) for opt in optimizers_list):
         raise ValueError("optimizers: an optimizer returned by a previous amp.initialize() was passed; pass the "
@@ -200,12 +211,78 @@ def initialize(
         if not (wants_masters and half_params):
             # Nothing to cast and no masters to keep: the preset's policy and loss scaling only.
             overrides.update(cast_model_type=None, master_weights=False, keep_batchnorm_fp32=None)
+    amp = _engine(opt_level, num_losses, min_loss_scale, max_loss_scale, **overrides)
+    if keep_model and amp.properties.master_weights:
+        # The core makes masters per prepared model and casts it; a holder of the half parameters alone is already
+        # half, so preparing it only makes their masters.
+        _amp_state.holder = amp.prepare_model(_HalfParameters(half_params))
+    for model in models_list:
+        if not keep_model:
+            _prepare_keeping_fp32_values(amp, model)
+        _add_model_hooks(amp, model, cast_model_outputs, cast_model=not keep_model)
+    wrapped = []
+    for optimizer in optimizers_list:
+        if amp.properties.casts_model and not amp.properties.master_weights and not keep_model:
+            # O3: state made before (a checkpoint loaded first) takes the parameters' half dtype, as Apex's
+            # load_state_dict(state_dict()) trick did; at O2 the core moves it to the FP32 masters.
+            optimizer.load_state_dict(optimizer.state_dict())
+        amp.prepare_optimizer(optimizer)
+        wrapper = AmpOptimizer(optimizer, _amp_state, amp)
+        _amp_state.optimizers[id(optimizer)] = wrapper
+        _amp_state.current.append(wrapper)
+        wrapped.append(wrapper)
+    if amp.properties.patch_torch_functions:
+        _amp_state.handle = _enter_casts(amp, verbose=verbosity == 2)
+    return _shaped(models_list, models_single, optimizers, wrapped, optimizers_single)
+
+
+def _prepare_keeping_fp32_values(amp: Amp, model: nn.Module) -> None:
+    """``amp.prepare_model(model)``; at O2, in a single process, the masters then take the FP32 values the model held
+    (the core, as Apex, makes them from the half rounding): a checkpoint loaded before ``initialize`` resumes
+    bit-exactly, as one loaded after it does.
+
+    Under ``torch.distributed`` the masters stay the half rounding: a DDP wrapper made after ``initialize`` broadcasts
+    rank 0's half weights, and only masters that are their rounding on every rank agree after it.
+    """
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    keep = amp.properties.master_weights and not distributed
+    values = [(p, p.data) for p in model.parameters() if p.dtype == torch.float32] if keep else []
+    amp.prepare_model(model)
+    with torch.no_grad():
+        for param, value in values:
+            master = amp.master_of(param)
+            if master is not param and param.dtype != torch.float32:
+                master.copy_(value)
+
+
+def _engine(
+    opt_level: str,
+    num_losses: int,
+    min_loss_scale: float | None,
+    max_loss_scale: float,
+    allow_banned: bool = False,
+    fresh_earlier: bool = True,
+    **overrides: Any,
+) -> Amp:
+    """A new :class:`Amp` (Apex's settings and O1 rows), installed in ``_amp_state``.
+
+    Apex's loss scalers were global: each ``initialize`` replaced them, for the earlier calls' optimizers too. Here
+    each call's engine owns its scalers, and those of the earlier calls' engines start afresh as Apex's new ones did
+    (a restored run and the run it came from then scale alike).
+    """
+    earlier = [w._engine for w in _amp_state.optimizers.values()] if fresh_earlier else []
+    for engine in {id(e): e for e in earlier}.values():
+        for scaler in engine.scalers:
+            overflows = scaler.state_dict()["overflows"]
+            scaler.load_state_dict({"scale": scaler.init_scale, "growth_tracker": 0,
+                                    "hysteresis_tracker": scaler.hysteresis, "overflows": overflows})
     amp = Amp(
         opt_level,
         num_losses=num_losses,
         min_loss_scale=float(torch.finfo(torch.float32).tiny) if min_loss_scale is None else min_loss_scale,
         max_loss_scale=max_loss_scale,
         on_floor="warn" if min_loss_scale is None else "raise",
+        allow_banned=allow_banned,
         **overrides,
     )
     amp.log_overflows = False  # Apex's own message is logged instead (rank zero only)
@@ -214,27 +291,19 @@ def initialize(
             amp.policy.table.register(function, category)  # into this Amp's own copy of the table
         amp.policy.refuse_inplace_float = True  # Apex refused x.half().exp_() with NotImplementedError
     _amp_state.amp = amp
+    _amp_state.enabled = True
     _amp_state.loss_scalers = [ScalerView(amp, i) for i in range(num_losses)]
-    if keep_model and amp.properties.master_weights:
-        # The core makes masters per prepared model and casts it; a holder of the half parameters alone is already
-        # half, so preparing it only makes their masters.
-        _amp_state.holder = amp.prepare_model(_HalfParameters(half_params))
-    for model in models_list:
-        if not keep_model:
-            amp.prepare_model(model)
-        _add_model_hooks(amp, model, cast_model_outputs, cast_model=not keep_model)
-    wrapped = []
-    for optimizer in optimizers_list:
-        amp.prepare_optimizer(optimizer)
-        wrapper = AmpOptimizer(optimizer, _amp_state)
-        _amp_state.optimizers[id(optimizer)] = wrapper
-        wrapped.append(wrapper)
-    if amp.properties.patch_torch_functions:
-        scope = amp.forward_context()
-        scope.__enter__()
-        _amp_state.cast_scope = scope
-        _amp_state.cast_thread = threading.get_ident()
-    return _shaped(models_list, models_single, optimizers, wrapped, optimizers_single)
+    return amp
+
+
+def _enter_casts(amp: Amp, *, verbose: bool) -> AmpHandle:
+    """Enter ``amp``'s O1 cast scope on this thread (until the next ``initialize``/``init`` or the handle's
+    ``_deactivate()``) and return the handle of it."""
+    scope = amp.forward_context()
+    scope.__enter__()
+    _amp_state.cast_scope = scope
+    _amp_state.cast_thread = threading.get_ident()
+    return AmpHandle(amp, scope, verbose=verbose)
 
 
 def _as_list(value: Any, kind: type, name: str) -> tuple[list[Any], bool]:
@@ -280,11 +349,12 @@ def _add_model_hooks(
     """Apex patched ``model.forward``; here: removable hooks on this model instance only."""
     props = amp.properties
     casts = props.casts_model and cast_model
+    hooks = _amp_state.hooks.setdefault(model, [])
     if casts:
         def cast_inputs(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
             return amp.cast_inputs(args), amp.cast_inputs(kwargs)
 
-        _amp_state.hooks.append(model.register_forward_pre_hook(cast_inputs, with_kwargs=True))
+        hooks.append(model.register_forward_pre_hook(cast_inputs, with_kwargs=True))
     out_dtype = cast_model_outputs if cast_model_outputs is not None else (torch.float32 if casts else None)
     if out_dtype is not None:
         castable = tuple(d for d in (torch.float16, torch.bfloat16, torch.float32) if d != out_dtype)
@@ -292,15 +362,16 @@ def _add_model_hooks(
         def cast_outputs(module: nn.Module, args: Any, output: Any) -> Any:
             return _cast_collection(output, out_dtype, castable)
 
-        _amp_state.hooks.append(model.register_forward_hook(cast_outputs))
+        hooks.append(model.register_forward_hook(cast_outputs))
+    if props.master_weights or casts:  # O2 and O3: Apex's state dicts were FP32 whenever it cast the model
+        hooks.append(model.register_state_dict_post_hook(_fp32_state_dict_hook(amp, model)))
     if props.master_weights:
-        _amp_state.hooks.append(model.register_state_dict_post_hook(_fp32_state_dict_hook(amp, model)))
-        _amp_state.hooks.append(model.register_load_state_dict_pre_hook(_load_masters_hook(amp, model)))
+        hooks.append(model.register_load_state_dict_pre_hook(_load_masters_hook(amp, model)))
 
 
 def _fp32_state_dict_hook(amp: Amp, model: nn.Module) -> Callable[..., None]:
-    """O2: ``model.state_dict()`` holds FP32 tensors as in Apex; a parameter with a master gives the master's exact
-    value (Apex gave the half value cast up), so a checkpoint resumes bit-exactly."""
+    """O2/O3: ``model.state_dict()`` holds FP32 tensors as in Apex; a parameter with a master gives the master's
+    exact value (Apex gave the half value cast up), so a checkpoint resumes bit-exactly."""
 
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         amp.refresh_masters()  # writes made to the half model since the last step
@@ -352,48 +423,66 @@ def scale_loss(
     ``model`` and ``delay_overflow_check`` are accepted for compatibility and unused (as in Apex's last releases).
     """
     state = _amp_state
-    amp = state.amp
-    if amp is None:  # enabled=False, as Apex
-        yield loss
+    items = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
+    if state.amp is None and all(_wrapper_of(item) is None for item in items):  # enabled=False, as Apex
+        yield loss  # (an earlier call's optimizers keep scaling: their step unscales)
         return
     wrapped = _resolve(optimizers)
-    ids = [id(opt) for opt in wrapped]
+    amp = wrapped[0]._engine
+    ids = [id(w.optimizer) for w in wrapped]
     if any(i in state.stepped for i in ids):
         # A new iteration began for an optimizer that already stepped: close the last one.
         _update(state)
     state.touched.update(ids)
+    # The core scales every unscaled gradient of this engine's optimizers back up for this block's backward, named
+    # or not.
+    own = [w for w in state.optimizers.values() if w._engine is amp]
+    unscaled = [w.optimizer for w in own if amp.is_unscaled(w.optimizer)]
+    # What earlier blocks left non-finite stays so: only an overflow this block makes skips what it names (Apex
+    # checked only the block's own new gradients).
+    overflowed_before = [_overflowed(amp, w.optimizer) for w in wrapped]
     if amp.properties.master_weights:
-        _stash(state, amp)
+        _stash(state, amp, own)
     yield amp.scale_loss(loss, loss_id)
     if amp.policy is not None and amp.properties.patch_torch_functions:
         amp.policy.clear_cache()  # Apex cleared its cast cache at the end of every block
     if delay_unscale:
         return
     overflow = False
-    for optimizer in wrapped:
-        amp.unscale_(optimizer)
-        found = amp.found_inf(optimizer, loss_id)
-        overflow = overflow or (found is not None and bool(found.item() > 0))
+    for wrapper, before in zip(wrapped, overflowed_before):
+        amp.unscale_(wrapper.optimizer)
+        overflow = overflow or (not before and _overflowed(amp, wrapper.optimizer))
     for key in list(state.stash):
-        _restore_stash(state, amp, state.optimizers[key].optimizer)
+        _restore_stash(state, state.optimizers[key])
+    for optimizer in unscaled:
+        if not amp.is_unscaled(optimizer):
+            # Not named here: Apex left its gradients unscaled, so unscale them again (exactly where the scales are
+            # powers of two, as Apex's are; an overflow there counts at its own step).
+            amp.unscale_(optimizer)
     if overflow:
         state.skip_next.update(ids)
         _log_overflow(amp, loss_id)
 
 
-def _stash(state: AmpState, amp: Amp) -> None:
+def _overflowed(amp: Amp, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s gradients held non-finite values at their last check since its step (a host read)."""
+    found = amp.found_inf(optimizer)
+    return found is not None and bool(found.item() > 0)
+
+
+def _stash(state: AmpState, amp: Amp, wrappers: list[AmpOptimizer]) -> None:
     """O2: take the unscaled FP32 master gradients of earlier blocks out of the way of this block's backward.
 
     The core would scale them back up into the half gradients, where a true gradient above 65504 / scale overflows;
     Apex kept them in FP32 and added them after unscaling the next block, and so does this (it is the core's
     ``scale_loss`` that finds nothing left to rescale: both gradients are cleared here).
     """
-    for key, wrapper in state.optimizers.items():
+    for wrapper in wrappers:
         inner = wrapper.optimizer
         if not amp.is_unscaled(inner):
             continue
         params = [p for group in inner.param_groups for p in group["params"]]
-        kept = state.stash.setdefault(key, [])
+        kept = state.stash.setdefault(id(inner), [])
         for param, master in zip(params, amp.master_params(inner)):
             if master is not param and master.grad is not None:
                 kept.append((master, master.grad))
@@ -401,8 +490,10 @@ def _stash(state: AmpState, amp: Amp) -> None:
                 param.grad = None
 
 
-def _restore_stash(state: AmpState, amp: Amp, optimizer: torch.optim.Optimizer) -> None:
-    """Add the stashed FP32 gradients of ``optimizer`` to its unscaled master gradients (unscaling first)."""
+def _restore_stash(state: AmpState, wrapper: AmpOptimizer) -> None:
+    """Add the stashed FP32 gradients of ``wrapper``'s optimizer to its unscaled master gradients (unscaling
+    first)."""
+    amp, optimizer = wrapper._engine, wrapper.optimizer
     kept = state.stash.pop(id(optimizer), None)
     if kept is None:
         return
@@ -410,17 +501,40 @@ def _restore_stash(state: AmpState, amp: Amp, optimizer: torch.optim.Optimizer) 
         amp.unscale_(optimizer)
     for master, grad in kept:
         master.grad = grad if master.grad is None else master.grad.add_(grad)
+    # The model's gradients show the sums too (a half copy, as after any unscale; the step uses the masters'), made
+    # where the stash cleared them: the core then sees a later zero_grad() or `p.grad = None` as the user clearing
+    # them and drops the masters' copies. Without a half gradient, a master's would outlive the user's clearing (after
+    # a skipped step: its inf, added to the next iteration's gradients).
+    amp.show_unscaled_on_model(optimizer)
 
 
-def _resolve(optimizers: Any) -> list[torch.optim.Optimizer]:
+def _wrapper_of(item: Any) -> AmpOptimizer | None:
+    """The live wrapper of an optimizer, or of the optimizer a wrapper wraps; ``None`` when there is none (or the
+    wrapper was replaced by a later ``initialize`` of the same optimizer)."""
+    inner = item.optimizer if isinstance(item, AmpOptimizer) else item
+    wrapper = _amp_state.optimizers.get(id(inner))
+    if wrapper is None or wrapper.optimizer is not inner or (isinstance(item, AmpOptimizer) and wrapper is not item):
+        return None
+    return wrapper
+
+
+def _resolve(optimizers: Any) -> list[AmpOptimizer]:
     items = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
-    out: list[torch.optim.Optimizer] = []
+    out: list[AmpOptimizer] = []
     for item in items:
-        inner = item.optimizer if isinstance(item, AmpOptimizer) else item
-        if id(inner) not in _amp_state.optimizers:
-            raise ValueError(f"optimizers={item!r} was not passed to amp.initialize().")
-        if all(inner is not seen for seen in out):
-            out.append(inner)
+        wrapper = _wrapper_of(item)
+        if wrapper is None:
+            raise ValueError(
+                f"optimizers={item!r} was not passed to amp.initialize() (or a later amp.initialize() was given its "
+                "optimizer again: use the optimizer that call returned)."
+            )
+        if all(wrapper is not seen for seen in out):
+            out.append(wrapper)
+    if any(w._engine is not out[0]._engine for w in out):
+        raise ValueError(
+            "optimizers: the optimizers named in one scale_loss() block come from different amp.initialize() calls, "
+            "whose loss scalers differ; give each call's optimizers their own block."
+        )
     return out
 
 
@@ -436,25 +550,35 @@ def _log_overflow(amp: Amp, loss_id: int) -> None:
         log.info("Gradient overflow.  Skipping step, loss scaler %d keeps its static loss scale %s", loss_id, scale)
 
 
-def _optimizer_step(state: AmpState, optimizer: torch.optim.Optimizer) -> None:
-    amp = state.require()
-    key = id(optimizer)
+def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> None:
+    if _wrapper_of(wrapper) is None:
+        raise RuntimeError(
+            "step(): this optimizer was given to a later amp.initialize() (or _amp_state.reset() ran); step the "
+            "optimizer that call returned."
+        )
+    key = id(wrapper.optimizer)
     if key in state.skip_next:
         # A block that named it overflowed (in its gradients or another optimizer's): skip, as Apex. The overflow is
         # already charged to that block's loss, whose scale backs off in the update below.
         state.skip_next.discard(key)
         state.stash.pop(key, None)
     else:
-        _restore_stash(state, amp, optimizer)
-        amp.step(optimizer)
+        _restore_stash(state, wrapper)
+        wrapper._engine.step(wrapper.optimizer)
     state.stepped.add(key)
-    if state.touched <= state.stepped:
+    if {key for key in state.touched if key in state.optimizers} <= state.stepped:  # a dropped wrapper will not step
         _update(state)
 
 
 def _update(state: AmpState) -> None:
-    """Close the iteration: the scales of the losses that overflowed back off."""
-    state.require().update()
+    """Close the iteration: the scales of the losses that overflowed back off, in each engine involved."""
+    engines: list[Amp] = []
+    for key in state.touched:
+        wrapper = state.optimizers.get(key)
+        if wrapper is not None and all(wrapper._engine is not e for e in engines):
+            engines.append(wrapper._engine)
+    for engine in engines:
+        engine.update()
     state.touched.clear()
     state.stepped.clear()
     state.skip_next.clear()
@@ -465,13 +589,13 @@ def _update(state: AmpState) -> None:
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     """The tensors ``optimizer`` updates: the FP32 masters at O2 (their ``.grad`` holds the unscaled gradients after
     a ``scale_loss`` block), the parameters otherwise. For ``clip_grad_norm_(amp.master_params(opt), ...)``."""
-    amp = _amp_state.amp
     inner = optimizer.optimizer if isinstance(optimizer, AmpOptimizer) else optimizer
-    if amp is None:
+    wrapper = _wrapper_of(optimizer)
+    if wrapper is None:
         for group in inner.param_groups:
             yield from group["params"]
         return
-    yield from amp.master_params(inner)
+    yield from wrapper._engine.master_params(inner)
 
 
 def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -516,6 +640,180 @@ def load_state_dict(state: dict[str, Any]) -> None:
             "hysteresis_tracker": scaler.hysteresis,
             "overflows": current["overflows"],
         })
+
+
+# -- Apex's older entry point: init() and its handle ----------------------------------------------------------------
+def init(
+    enabled: bool = True,
+    loss_scale: float | str = "dynamic",
+    enable_caching: bool = True,
+    verbose: bool = False,
+    allow_banned: bool = False,
+) -> AmpHandle | NoOpHandle:
+    """Apex's older entry point: turn O1's casts on, on this thread, and return the handle of them.
+
+    Scripts written before ``amp.initialize`` (and Apex's own tests) call it; ``initialize`` at O1 does the same and
+    keeps the handle in ``_amp_state.handle``. Like ``initialize`` it leaves the previous call's scope and builds a
+    new :class:`~lightning_mpx.Amp` (O1, ``loss_scale``), the one the handle's ``wrap_optimizer``/``scale_loss`` and
+    the module's ``scale_loss`` use from then on.
+
+    Args:
+        enabled: ``False`` returns a :class:`NoOpHandle` and changes nothing.
+        loss_scale: ``"dynamic"`` or a positive static scale.
+        enable_caching: Cache the half casts of parameters until the end of each ``scale_loss`` block.
+        verbose: Accepted for compatibility (Apex printed every cast; the policy here does not trace calls).
+        allow_banned: Run banned functions (``binary_cross_entropy``) in FP32 instead of raising.
+    """
+    for name, value in (("enabled", enabled), ("enable_caching", enable_caching), ("verbose", verbose),
+                        ("allow_banned", allow_banned)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}={value!r} must be True or False.")
+    if not enabled:
+        return NoOpHandle()
+    _amp_state.begin_call([], [])
+    # Apex's init() patched the functions and left the loss scalers of initialize() alone.
+    amp = _engine("O1", 1, None, 2.0**24, allow_banned=allow_banned, fresh_earlier=False,
+                  loss_scale=_parse_loss_scale(loss_scale))
+    assert amp.policy is not None
+    amp.policy.cache_casts = enable_caching
+    _amp_state.handle = _enter_casts(amp, verbose=verbose)
+    return _amp_state.handle
+
+
+class AmpHandle:
+    """Apex's ``AmpHandle``: the O1 cast scope that :func:`init` (or ``initialize`` at O1) entered, over the engine
+    in ``_amp_state``. ``_deactivate()`` leaves the scope (Apex restored the functions it had patched)."""
+
+    def __init__(self, amp: Amp, scope: Any, *, verbose: bool = False) -> None:  # noqa: D107
+        self._amp = amp
+        self._scope = scope
+        self._verbose = verbose
+
+    def is_active(self) -> bool:
+        """Whether this handle's cast scope is still entered."""
+        return _amp_state.cast_scope is not None and _amp_state.cast_scope is self._scope
+
+    def _deactivate(self) -> None:
+        """Leave the cast scope, if it is still this handle's (a later ``init``/``initialize`` left it already).
+        The engine, its scalers and the wrapped optimizers stay usable, without O1's casts."""
+        if self.is_active():
+            _amp_state.leave_cast_scope()
+
+    def _disable_casts(self) -> contextlib.AbstractContextManager[None]:
+        return _disable_casts()
+
+    def _clear_cache(self) -> None:
+        if self._amp.policy is not None:
+            self._amp.policy.clear_cache()
+
+    @property
+    def has_cache(self) -> bool:
+        return self._amp.policy is not None and self._amp.policy.cache_casts
+
+    @property
+    def verbose(self) -> bool:
+        return self._verbose
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, num_loss: int = 1) -> LegacyOptimizer:
+        """Apex's first optimizer wrapper: register ``optimizer`` with the engine and return it wrapped, with
+        ``scale_loss(loss)`` (see :class:`LegacyOptimizer`)."""
+        amp = self._current()
+        if isinstance(num_loss, bool) or not isinstance(num_loss, int) or num_loss < 1:
+            raise ValueError(f"num_loss={num_loss!r} must be a positive integer.")
+        inner = optimizer.optimizer if isinstance(optimizer, AmpOptimizer) else optimizer
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise TypeError(f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer.")
+        amp.prepare_optimizer(inner)
+        wrapper = LegacyOptimizer(inner, _amp_state, amp)
+        _amp_state.optimizers[id(inner)] = wrapper
+        _amp_state.current.append(wrapper)
+        return wrapper
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+        """The module's :func:`scale_loss` for an optimizer that :meth:`wrap_optimizer` or ``initialize`` returned.
+
+        Raises:
+            TypeError: for an optimizer that was not wrapped: Apex patched its ``step`` to skip an overflowed step;
+                nothing is patched here, so the wrapper's ``step`` is what skips.
+        """
+        self._current()
+        if not isinstance(optimizer, AmpOptimizer):
+            raise TypeError(
+                f"optimizer={type(optimizer).__name__}: handle.scale_loss() needs the optimizer returned by "
+                "handle.wrap_optimizer(optimizer) (or amp.initialize()), whose step() skips a step that overflowed; "
+                "lightning_mpx does not patch the optimizer's own step()."
+            )
+        with scale_loss(loss, optimizer) as scaled:
+            yield scaled
+
+    def _current(self) -> Amp:
+        if _amp_state.amp is not self._amp:
+            raise RuntimeError(
+                "this handle belongs to an earlier amp.init()/amp.initialize(), which a later call replaced; use the "
+                "handle the latest call returned (or _amp_state.handle)."
+            )
+        return self._amp
+
+    def __repr__(self) -> str:
+        return f"AmpHandle(active={self.is_active()}, {self._amp.properties.opt_level})"
+
+
+class LegacyOptimizer(AmpOptimizer):
+    """What :meth:`AmpHandle.wrap_optimizer` returns: an :class:`AmpOptimizer` with Apex's first API,
+    ``with optimizer.scale_loss(loss) as scaled: scaled.backward()``. Its losses share loss 0's scaler (Apex's
+    first wrapper kept one scaler per loss; ``initialize(num_losses=...)`` is the way to separate them)."""
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: torch.Tensor) -> Iterator[torch.Tensor]:
+        """:func:`scale_loss` for this optimizer."""
+        with scale_loss(loss, self) as scaled:
+            yield scaled
+
+
+class NoOpHandle:
+    """What ``init(enabled=False)`` returns: no casts, no scaling; the optimizers are stepped as they are."""
+
+    def is_active(self) -> bool:
+        return False
+
+    def _deactivate(self) -> None:
+        pass
+
+    def _disable_casts(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def _clear_cache(self) -> None:
+        pass
+
+    @property
+    def has_cache(self) -> bool:
+        return False
+
+    @property
+    def verbose(self) -> bool:
+        return False
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, num_loss: int = 1) -> _PlainOptimizer:
+        return _PlainOptimizer(optimizer)
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: torch.Tensor, optimizer: Any) -> Iterator[torch.Tensor]:
+        yield loss
+
+
+class _PlainOptimizer:
+    """``NoOpHandle.wrap_optimizer``: the optimizer itself, plus a ``scale_loss`` that yields the loss unscaled."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["optimizer"], name)
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: torch.Tensor) -> Iterator[torch.Tensor]:
+        yield loss
 
 
 # -- the cast table -------------------------------------------------------------------------------------------------
