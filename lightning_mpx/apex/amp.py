@@ -216,9 +216,10 @@ def initialize(
         # The core makes masters per prepared model and casts it; a holder of the half parameters alone is already
         # half, so preparing it only makes their masters.
         _amp_state.holder = amp.prepare_model(_HalfParameters(half_params))
+    fp32_values: list[tuple[nn.Parameter, torch.Tensor]] = []
     for model in models_list:
         if not keep_model:
-            _prepare_keeping_fp32_values(amp, model)
+            fp32_values += _prepare_keeping_fp32_values(amp, model)
         _add_model_hooks(amp, model, cast_model_outputs, cast_model=not keep_model)
     wrapped = []
     for optimizer in optimizers_list:
@@ -231,15 +232,22 @@ def initialize(
         _amp_state.optimizers[id(optimizer)] = wrapper
         _amp_state.current.append(wrapper)
         wrapped.append(wrapper)
+    with torch.no_grad():
+        # The masters exist now (made by prepare_optimizer for the parameters an optimizer holds): they take the
+        # exact FP32 values the model held.
+        for param, value in fp32_values:
+            master = amp.master_of(param)
+            if master is not param and param.dtype != torch.float32:
+                master.copy_(value)
     if amp.properties.patch_torch_functions:
         _amp_state.handle = _enter_casts(amp, verbose=verbosity == 2)
     return _shaped(models_list, models_single, optimizers, wrapped, optimizers_single)
 
 
-def _prepare_keeping_fp32_values(amp: Amp, model: nn.Module) -> None:
-    """``amp.prepare_model(model)``; at O2, in a single process, the masters then take the FP32 values the model held
-    (the core, as Apex, makes them from the half rounding): a checkpoint loaded before ``initialize`` resumes
-    bit-exactly, as one loaded after it does.
+def _prepare_keeping_fp32_values(amp: Amp, model: nn.Module) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """``amp.prepare_model(model)``, returning, at O2 in a single process, the FP32 values the model held: the
+    masters take them once the optimizers are prepared (the core, as Apex, makes masters from the half rounding), so a
+    checkpoint loaded before ``initialize`` resumes bit-exactly, as one loaded after it does.
 
     Under ``torch.distributed`` the masters stay the half rounding: a DDP wrapper made after ``initialize`` broadcasts
     rank 0's half weights, and only masters that are their rounding on every rank agree after it.
@@ -248,11 +256,7 @@ def _prepare_keeping_fp32_values(amp: Amp, model: nn.Module) -> None:
     keep = amp.properties.master_weights and not distributed
     values = [(p, p.data) for p in model.parameters() if p.dtype == torch.float32] if keep else []
     amp.prepare_model(model)
-    with torch.no_grad():
-        for param, value in values:
-            master = amp.master_of(param)
-            if master is not param and param.dtype != torch.float32:
-                master.copy_(value)
+    return values
 
 
 def _engine(
