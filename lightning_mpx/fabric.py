@@ -214,8 +214,9 @@ class FabricMixedPrecisionPlugin(Precision):
         if self.amp.is_unscaled(optimizer):
             found = self.amp.found_inf(optimizer)
             if found is not None and bool(found):
-                return
-        yield from self.amp.master_params(optimizer)
+                # An iterator over a list, not a generator: torch's clip warns about an empty generator.
+                return iter(())
+        return iter(self.amp.master_params(optimizer))
 
     def step_was_skipped(self, optimizer: Optimizer) -> bool:
         """Whether ``optimizer``'s most recent step was skipped because its gradients overflowed: hold its
