@@ -1,7 +1,7 @@
 """Run by tests/test_fabric.py: ``Fabric(strategy="ddp", devices=2)`` with the plugin, two CPU processes (gloo).
 
 Fabric's launcher starts the second process by running this script again. For each opt level in ``$MPX_LEVELS``
-each rank trains 4 optimizer steps of 2 accumulated micro-batches (``fabric.no_backward_sync`` on the first),
+each rank (its own initial weights, before DDP makes them rank 0's) trains 4 optimizer steps of 2 accumulated micro-batches (``fabric.no_backward_sync`` on the first),
 clipping, with a per-step schedule held on skipped steps; an inf is written into rank 0's gradient only (after DDP's
 all-reduce) at step 2. Every rank writes what it ended with to ``$MPX_OUT/{level}_rank{r}.json``.
 """
@@ -28,7 +28,9 @@ def run(level: str, half_dtype: str, out: str) -> None:
     )
     fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp", plugins=[mpx])
     fabric.launch()  # the first level starts the second process; later ones find the process group running
-    fabric.seed_everything(0, verbose=False)
+    # Each rank initialises its own weights: DDP gives every rank rank 0's at setup, and O2's FP32 masters must
+    # follow (else each rank would step from its own masters and the ranks would drift apart).
+    torch.manual_seed(fabric.global_rank)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
