@@ -167,6 +167,21 @@ def test_o2_casts_at_the_model_boundary_and_keeps_fp32_modules_fp32():
         model(torch.randn(4, 8)).sum().backward()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: Fabric moves the model there after converting it")
+def test_o2_masters_follow_the_model_to_the_gpu():
+    mpx = FabricMixedPrecisionPlugin("O2", half_dtype="float16")
+    fabric = Fabric(accelerator="cuda", devices=1, plugins=[mpx])
+    model, opt = setup_net(fabric, torch.optim.AdamW, lr=1e-3)
+    x, y = (t.cuda() for t in batches(1)[0])
+    fabric.backward(F.cross_entropy(model(x), y))
+    fabric.clip_gradients(model, opt, max_norm=1.0)
+    opt.step()
+    assert not mpx.step_was_skipped(opt)
+    for param, master in zip(model.parameters(), mpx.amp.master_params(opt.optimizer)):
+        assert master.device == param.device and master.dtype == torch.float32
+        assert torch.equal(master.to(param.dtype), param)
+
+
 def test_fabric_autocast_is_the_o1_cast_policy():
     fabric = make_fabric(FabricMixedPrecisionPlugin("O1", half_dtype="bfloat16"))
     a, b = torch.randn(4, 4), torch.randn(4, 4)
@@ -174,6 +189,43 @@ def test_fabric_autocast_is_the_o1_cast_policy():
         assert torch.mm(a, b).dtype == torch.bfloat16
         assert torch.softmax(a.bfloat16(), -1).dtype == torch.float32
     assert torch.mm(a, b).dtype == torch.float32
+
+
+def test_a_compiled_model_trains_exactly_as_in_eager_mode():
+    # fabric.setup takes the compiled model apart and compiles it again around its wrapper; the cast policy is
+    # traced into the graph. "aot_eager" keeps torch's kernels: a difference would come from the casts.
+    def run(compiled: bool) -> list[float]:
+        torch._dynamo.reset()
+        net = Net()
+        fabric = make_fabric(FabricMixedPrecisionPlugin("O1", half_dtype="bfloat16"))
+        model, opt = fabric.setup(torch.compile(net, backend="aot_eager") if compiled else net,
+                                  torch.optim.SGD(net.parameters(), lr=0.1))  # fmt: skip
+        losses = []
+        for x, y in batches(3):
+            loss = F.cross_entropy(model(x), y)
+            fabric.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    assert run(compiled=True) == run(compiled=False)
+
+
+def test_a_fused_optimizer_is_clipped_and_stepped_as_the_unfused_one():
+    # Fabric's own "16-mixed" refuses to clip for an optimizer that unscales in its step; here the plugin unscales.
+    def run(fused: bool) -> list[torch.Tensor]:
+        fabric = make_fabric(FabricMixedPrecisionPlugin("O2", half_dtype="float16"))
+        model, opt = setup_net(fabric, torch.optim.AdamW, lr=1e-2, fused=fused)
+        for x, y in batches(3):
+            fabric.backward(F.cross_entropy(model(x), y))
+            fabric.clip_gradients(model, opt, max_norm=0.5)
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for fused, unfused in zip(run(True), run(False)):
+        torch.testing.assert_close(fused, unfused, rtol=0, atol=1e-3)
 
 
 # -- 2. an overflow step is skipped quietly, clipping included ----------------------------------------------------------
