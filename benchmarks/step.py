@@ -339,7 +339,7 @@ def half_dtype_of(variant: str) -> Any:
     return torch.float16 if name.endswith("fp16") else torch.bfloat16 if name.endswith("bf16") else None
 
 
-# -- the child: one variant, one model ----------------------------------------------------------------------------------
+# -- the child: one variant, one model ---------------------------------------------------------------------------------
 def run_child(variant: str, kind: str, spec: ModelSpec, steps: int, warmup: int, device: str,
               threads: int, compile_backend: str = "inductor") -> dict[str, Any]:
     """Train ``variant`` for ``warmup + steps`` steps in this process; returns its step times and peak memory.
@@ -478,7 +478,7 @@ def _loop_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], total: i
     return times, {} if amp is None else {"skipped_steps": sum(amp.skipped_steps)}
 
 
-# -- the parent ---------------------------------------------------------------------------------------------------------
+# -- the parent --------------------------------------------------------------------------------------------------------
 def _spawn(variant: str, kind: str, args: argparse.Namespace, steps: int) -> dict[str, Any]:
     cmd = [
         sys.executable, os.path.abspath(__file__), "--_child", variant, "--model", kind, "--size", args.size,

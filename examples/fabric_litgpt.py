@@ -89,7 +89,9 @@ def make_fabric(precision: str, half_dtype: str = "bfloat16", devices: int = 1, 
     if precision.startswith("O"):
         mpx = FabricMixedPrecisionPlugin(precision, half_dtype=half_dtype, **plugin_settings)
         return L.Fabric(accelerator="cpu", devices=devices, strategy=strategy, plugins=[mpx])
-    return L.Fabric(accelerator="cpu", devices=devices, strategy=strategy, precision=precision)  # type: ignore[arg-type]
+    return L.Fabric(
+        accelerator="cpu", devices=devices, strategy=strategy, precision=precision  # type: ignore[arg-type]
+    )
 
 
 def main(fabric: L.Fabric, train: TrainArgs, out_dir: Path | None = None, seed: int = 42) -> dict[str, Any]:
@@ -175,6 +177,7 @@ if __name__ == "__main__":
     fabric = make_fabric(args.precision, args.half_dtype, args.devices)
     fabric.launch()
     result = main(fabric, TrainArgs(max_iters=args.iters), args.out_dir)
-    fabric.print(f"loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}; checkpoint in {args.out_dir / 'final'}")
+    losses = result["losses"]
+    fabric.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; checkpoint in {args.out_dir / 'final'}")
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -92,7 +92,8 @@ class FabricMixedPrecisionPlugin(Precision):
         # whether the compute is mixed.
         prefix = "bf16" if self.amp.half_dtype == torch.bfloat16 else "16"
         level = self.amp.opt_level
-        self.precision = "32-true" if level == "O0" else f"{prefix}-mixed" if level == "O1" else f"{prefix}-true"  # type: ignore[assignment]
+        precision = "32-true" if level == "O0" else f"{prefix}-mixed" if level == "O1" else f"{prefix}-true"
+        self.precision = precision  # type: ignore[assignment]
         self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._unsynced: list[Any] = []  # masters made by convert_module, to take from the set-up model
         self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()

@@ -1,9 +1,10 @@
 """Run by tests/test_fabric.py: ``Fabric(strategy="ddp", devices=2)`` with the plugin, two CPU processes (gloo).
 
 Fabric's launcher starts the second process by running this script again. For each opt level in ``$MPX_LEVELS``
-each rank (its own initial weights, before DDP makes them rank 0's) trains 4 optimizer steps of 2 accumulated micro-batches (``fabric.no_backward_sync`` on the first),
-clipping, with a per-step schedule held on skipped steps; an inf is written into rank 0's gradient only (after DDP's
-all-reduce) at step 2. Every rank writes what it ended with to ``$MPX_OUT/{level}_rank{r}.json``.
+each rank (its own initial weights, before DDP makes them rank 0's) trains 4 optimizer steps of 2 accumulated
+micro-batches (``fabric.no_backward_sync`` on the first), clipping, with a per-step schedule held on skipped steps;
+an inf is written into rank 0's gradient only (after DDP's all-reduce) at step 2. Every rank writes what it ended
+with to ``$MPX_OUT/{level}_rank{r}.json``.
 """
 
 import json
