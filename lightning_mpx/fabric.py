@@ -53,6 +53,7 @@ from torch.optim import Optimizer
 
 from lightning_mpx._imports import require
 from lightning_mpx.amp import Amp
+from lightning_mpx.master_weights import MasterWeights
 
 require("lightning.fabric", extra="lightning", feature="lightning_mpx.FabricMixedPrecisionPlugin")
 
@@ -95,7 +96,7 @@ class FabricMixedPrecisionPlugin(Precision):
         precision = "32-true" if level == "O0" else f"{prefix}-mixed" if level == "O1" else f"{prefix}-true"
         self.precision = precision  # type: ignore[assignment]
         self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        self._unsynced: list[Any] = []  # masters made by convert_module, to take from the set-up model
+        self._unsynced: list[MasterWeights] = []  # masters made by convert_module, to take from the set-up model
         self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self._skipped: weakref.WeakKeyDictionary[Optimizer, bool] = weakref.WeakKeyDictionary()
         self._update_pending = False
