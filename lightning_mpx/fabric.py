@@ -273,6 +273,11 @@ class FabricMixedPrecisionPlugin(Precision):
             self._sync_masters()  # not _begin(): a scale update waits until every optimizer of the iteration stepped
         if optimizer in self._optimizers:
             return
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(
+                f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer: FabricMixedPrecisionPlugin "
+                "supports Fabric's single-device and DDP strategies (DeepSpeed steps its own engine)."
+            )
         if lazily and self.amp.num_losses > 1:
             raise RuntimeError(
                 f"num_losses={self.amp.num_losses}: the plugin must know every optimizer before the first "

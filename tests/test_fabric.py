@@ -503,6 +503,8 @@ def test_bad_settings_fail_when_the_plugin_is_built_and_it_pickles_as_its_settin
         FabricMixedPrecisionPlugin("O2", half_dtype="int8")
     with pytest.raises(ValueError, match="opt_level"):
         FabricMixedPrecisionPlugin("O4")
+    with pytest.raises(TypeError, match="DDP strategies"):  # DeepSpeed hands its engine to the optimizer step
+        FabricMixedPrecisionPlugin("O2").optimizer_step(nn.Linear(2, 2))
     mpx = FabricMixedPrecisionPlugin("O2", half_dtype="float16", init_scale=8.0, fp32_modules=["head"])
     train(make_fabric(mpx), 1)
     clone = pickle.loads(pickle.dumps(mpx))  # strategy="ddp_spawn" pickles Fabric into each process
