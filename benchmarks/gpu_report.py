@@ -466,19 +466,22 @@ def sweep_table(rows: list[dict[str, Any]]) -> str:
 def step_table(source: Source, model: str) -> str:
     """One model's rows of one step run, with the ratios computed within that run."""
     rows = [r for r in source.data.get("rows", []) if r["model"] == model]
-    refs = {name: _row(source, model, name) for name in ("lightning-16-mixed", "lightning-bf16-mixed", "fp32")}
+    names = ("lightning-16-mixed", "lightning-bf16-mixed", "fp32", "fabric-16-mixed")
+    refs = {name: _row(source, model, name) for name in names}
 
     def ratio(r: dict[str, Any], name: str, key: str) -> str:
         ref = refs[name]
         return f"{r[key] / ref[key]:.3f}x" if ref else "-"
 
+    fabric = refs["fabric-16-mixed"] is not None  # a Fabric row's own reference: Fabric's "16-mixed" loop
     return markdown_table(
         ["variant", "step ms (median)", "samples/s", "peak MiB", "throughput vs 16-mixed", "throughput vs bf16-mixed",
-         "peak memory vs FP32", "skipped steps"],
+         *(["throughput vs Fabric 16-mixed"] if fabric else []), "peak memory vs FP32", "skipped steps"],
         [[r["variant"], f"{r['step_ms_median']:.2f}", f"{r['samples_per_second']:.1f}",
           f"{r['peak_memory_bytes'] / 2**20:.0f}", ratio(r, "lightning-16-mixed", "samples_per_second"),
-          ratio(r, "lightning-bf16-mixed", "samples_per_second"), ratio(r, "fp32", "peak_memory_bytes"),
-          r.get("skipped_steps", "-")] for r in rows])  # fmt: skip
+          ratio(r, "lightning-bf16-mixed", "samples_per_second"),
+          *([ratio(r, "fabric-16-mixed", "samples_per_second")] if fabric else []),
+          ratio(r, "fp32", "peak_memory_bytes"), r.get("skipped_steps", "-")] for r in rows])  # fmt: skip
 
 
 def fidelity_table(source: Source) -> str:

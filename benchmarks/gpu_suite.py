@@ -7,7 +7,7 @@ device's time limit still leaves what it measured. Every subprocess runs under a
 
     python benchmarks/gpu_suite.py tests    --out DIR   # pytest -k "triton or cuda" + the CUDA checks below (~1 min)
     python benchmarks/gpu_suite.py unscale  --out DIR   # benchmarks/unscale.py, one run per parameter set (~1.5 min)
-    python benchmarks/gpu_suite.py step --model gpt    --out DIR   # benchmarks/step.py --device cuda (~5.5 min)
+    python benchmarks/gpu_suite.py step --model gpt    --out DIR   # benchmarks/step.py --device cuda (~6 min)
     python benchmarks/gpu_suite.py step --model resnet --out DIR   # (~4.5 min)
     python benchmarks/gpu_suite.py fidelity --out DIR   # benchmarks/convergence.py O0/O1/O2, seed 0 (~0.5 min)
     python benchmarks/gpu_suite.py all --check          # every part's code path on CPU, tiny sizes (the test suite)
@@ -25,8 +25,9 @@ Parts:
 * ``unscale``: ``benchmarks/unscale.py`` per parameter set (GPT-2 124M, GPT 1.3B, ResNet-50 with the small-tensor
   sweep, BERT-base; FP32/FP16/BF16), each run measuring the copy bandwidth it is compared with.
 * ``step``: ``benchmarks/step.py --device cuda`` at real sizes (GPT-2 small at sequence 512, a CIFAR ResNet-18), the
-  18 variants one child process each, the rows the targets need first; stops starting new ones when ``--budget``
-  runs out.
+  18 variants one child process each, the rows the targets need first (on the GPT model two more, last: a Lightning
+  Fabric loop with ``FabricMixedPrecisionPlugin("O2")`` and with Fabric's own "16-mixed"); stops starting new ones
+  when ``--budget`` runs out.
 * ``fidelity``: ``benchmarks/convergence.py --accelerator gpu --seeds 0 --levels O0 O1 O2`` (200 steps).
 * ``plugin`` (run on its own, not part of ``all``): ``benchmarks/plugin_overhead.py --device cuda``, the plugin's
   per-step host time against Lightning's "16-mixed" and the core loop, twice: the tiny ResNet-18 topology (every
@@ -73,8 +74,10 @@ STEP_ORDER = (
     "fp32", "lightning-16-mixed", "mpx-O2-fp16", "mpx-O1-fp16", "mpx-O1-fp16-compiled",
     "lightning-16-mixed-compiled", "lightning-bf16-mixed", "mpx-O2-bf16", "mpx-O1-bf16", "torch-autocast-fp16",
     "torch-autocast-bf16", "mpx-O3-fp16", "mpx-O3-bf16", "core-O1-fp16", "core-O1-bf16", "core-O2-fp16",
-    "core-O2-bf16", "loop-fp32",
+    "core-O2-bf16", "loop-fp32", "fabric-16-mixed", "fabric-mpx-O2-fp16",
 )  # fmt: skip
+#: Variants measured on the GPT model only: the Fabric plugin at O2 against Fabric's own "16-mixed".
+GPT_ONLY = ("fabric-16-mixed", "fabric-mpx-O2-fp16")
 #: --check: one child per model (each imports torch, the plugin row Lightning too), a plugin row and a hand-written
 #: loop; step.py's own tests run the other variants, the report's tests the ratios.
 STEP_CHECK = {"gpt": ("mpx-O2-fp16",), "resnet": ("loop-fp32",)}
@@ -626,6 +629,11 @@ def _unscale_check_raw() -> dict[str, Any]:
 
 
 # -- step -----------------------------------------------------------------------------------------------------------
+def step_variants(model: str, chosen: list[str] | None = None) -> list[str]:
+    """The step part's variants for ``model``, in :data:`STEP_ORDER` (``chosen``: a subset)."""
+    return [v for v in STEP_ORDER if v in (chosen or STEP_ORDER) and (model == "gpt" or v not in GPT_ONLY)]
+
+
 def part_step(args: argparse.Namespace, env: dict[str, Any], model: str) -> Part:
     """step.py's variants for one model, one child process each (step.py's own child), saved after each."""
     import step
@@ -633,7 +641,7 @@ def part_step(args: argparse.Namespace, env: dict[str, Any], model: str) -> Part
     part = Part(f"step_{model}", args.out, args.check, args.command, env)
     device, size = ("cpu", "small") if args.check else ("cuda", "real")
     steps, warmup = (1, 0) if args.check else (args.steps, args.warmup)
-    variants = list(STEP_CHECK[model]) if args.check else [v for v in STEP_ORDER if v in (args.variants or STEP_ORDER)]
+    variants = list(STEP_CHECK[model]) if args.check else step_variants(model, args.variants)
     spec = step.SPECS[(model, size)]
     samples: list[dict[str, Any]] = []
     durations: list[float] = []

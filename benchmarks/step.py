@@ -14,14 +14,17 @@ Variants (``--variants`` picks a subset):
   bfloat16 autocast: the JSON records the dtype it actually used);
 * ``mpx-O1-fp16-compiled``, ``lightning-16-mixed-compiled``: the same Trainer rows with the network passed through
   ``torch.compile`` (inductor): O1 compiled against Lightning's AMP compiled;
+* ``fabric-mpx-O2-fp16``, ``fabric-16-mixed``: a Lightning Fabric loop (``fabric.setup``, ``fabric.backward``,
+  ``optimizer.step``) with ``FabricMixedPrecisionPlugin("O2")`` and with Fabric's own ``precision="16-mixed"`` (on
+  CPU Fabric runs it as bfloat16 autocast, recorded as for Lightning's rows);
 * ``torch-autocast-{fp16,bf16}``: a hand-written loop with ``torch.autocast`` (+ ``torch.amp.GradScaler`` for fp16);
 * ``loop-fp32``, ``core-O1-{fp16,bf16}``, ``core-O2-{fp16,bf16}``: hand-written loops, plain and with ``Amp``.
 
 Step time is the median over ``--steps`` steps after ``--warmup`` (forward, backward, optimizer step; measured by a
-Lightning callback from ``on_train_batch_start`` to ``on_train_batch_end`` or around the loop body, with
+Lightning callback from ``on_train_batch_start`` to ``on_train_batch_end`` or around the (Fabric) loop body, with
 ``torch.cuda.synchronize()`` on GPU). Peak memory is ``torch.cuda.max_memory_allocated`` on GPU and the child's peak
 RSS on CPU (which includes the ~0.5 GB of the imported libraries). The ratios compare throughput with Lightning's
-"16-mixed" and "bf16-mixed" rows of the same run.
+"16-mixed" and "bf16-mixed" rows (and Fabric's "16-mixed" row) of the same run.
 
     python benchmarks/step.py [--device cpu|cuda] [--model gpt|resnet|all] [--steps 20] [--warmup 5] [--out PATH]
 
@@ -60,6 +63,8 @@ LIGHTNING_VARIANTS = (
     "mpx-O1-fp16-compiled",
     "lightning-16-mixed-compiled",
 )
+#: Lightning Fabric loops: the Fabric plugin at O2 against Fabric's own float16 AMP.
+FABRIC_VARIANTS = ("fabric-mpx-O2-fp16", "fabric-16-mixed")
 LOOP_VARIANTS = (
     "loop-fp32",
     "torch-autocast-fp16",
@@ -69,9 +74,9 @@ LOOP_VARIANTS = (
     "core-O2-fp16",
     "core-O2-bf16",
 )
-VARIANTS = LIGHTNING_VARIANTS + LOOP_VARIANTS
+VARIANTS = LIGHTNING_VARIANTS + FABRIC_VARIANTS + LOOP_VARIANTS
 MODELS = ("gpt", "resnet")
-REFERENCES = ("lightning-16-mixed", "lightning-bf16-mixed")
+REFERENCES = ("lightning-16-mixed", "lightning-bf16-mixed", "fabric-16-mixed")
 
 
 def is_fp16(variant: str) -> bool:
@@ -334,7 +339,7 @@ def half_dtype_of(variant: str) -> Any:
     return torch.float16 if name.endswith("fp16") else torch.bfloat16 if name.endswith("bf16") else None
 
 
-# -- the child: one variant, one model ----------------------------------------------------------------------------------
+# -- the child: one variant, one model ---------------------------------------------------------------------------------
 def run_child(variant: str, kind: str, spec: ModelSpec, steps: int, warmup: int, device: str,
               threads: int, compile_backend: str = "inductor") -> dict[str, Any]:
     """Train ``variant`` for ``warmup + steps`` steps in this process; returns its step times and peak memory.
@@ -356,6 +361,8 @@ def run_child(variant: str, kind: str, spec: ModelSpec, steps: int, warmup: int,
     extra: dict[str, Any] = {}
     if variant in LIGHTNING_VARIANTS:
         times, extra = _lightning_steps(variant, net, batches, total, device, sync, compile_backend)
+    elif variant in FABRIC_VARIANTS:
+        times, extra = _fabric_steps(variant, net, batches, total, device, sync)
     else:
         times, extra = _loop_steps(variant, net, batches, total, dev, sync)
     timed = times[warmup:]
@@ -420,6 +427,38 @@ def _lightning_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], tot
     return timer.times, extra
 
 
+def _fabric_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], total: int, device: str,
+                  sync: Callable[[], None]) -> tuple[list[float], dict[str, Any]]:
+    """A Lightning Fabric loop over ``net`` with AdamW: the Fabric plugin at O2, or Fabric's own "16-mixed"."""
+    import torch
+    from lightning.fabric import Fabric
+
+    from lightning_mpx import FabricMixedPrecisionPlugin
+
+    settings: dict[str, Any] = dict(accelerator="cuda" if device == "cuda" else "cpu", devices=1)
+    if variant == "fabric-16-mixed":
+        fabric = Fabric(precision="16-mixed", **settings)
+    else:  # fabric-mpx-O2-fp16 (on_floor="continue", as the Trainer rows)
+        mpx = FabricMixedPrecisionPlugin(variant.split("-")[2], half_dtype=half_dtype_of(variant), on_floor="continue")
+        fabric = Fabric(plugins=[mpx], **settings)
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+    times: list[float] = []
+    for i in range(total):
+        x, y = batches[i % len(batches)]
+        sync()
+        start = time.perf_counter()
+        fabric.backward(_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync()
+        times.append(time.perf_counter() - start)
+    plugin = fabric.strategy.precision
+    if isinstance(plugin, FabricMixedPrecisionPlugin):
+        return times, {"skipped_steps": sum(plugin.amp.skipped_steps)}
+    # What Fabric actually ran: it replaces "16-mixed" by "bf16-mixed" on CPU.
+    return times, {"effective_dtype": "bfloat16" if getattr(plugin, "precision", "") == "bf16-mixed" else "float16"}
+
+
 def _loop_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], total: int, dev: Any,
                 sync: Callable[[], None]) -> tuple[list[float], dict[str, Any]]:
     if variant == "loop-fp32":
@@ -439,7 +478,7 @@ def _loop_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], total: i
     return times, {} if amp is None else {"skipped_steps": sum(amp.skipped_steps)}
 
 
-# -- the parent ---------------------------------------------------------------------------------------------------------
+# -- the parent --------------------------------------------------------------------------------------------------------
 def _spawn(variant: str, kind: str, args: argparse.Namespace, steps: int) -> dict[str, Any]:
     cmd = [
         sys.executable, os.path.abspath(__file__), "--_child", variant, "--model", kind, "--size", args.size,

@@ -1,6 +1,6 @@
 """lightning_mpx: Apex-style mixed precision (opt levels, cast table, master weights, dynamic loss scaling).
 
-The core is framework-agnostic; the Lightning plugin and the Accelerate adapter are thin layers over
+The core is framework-agnostic; the Lightning Trainer and Fabric plugins and the Accelerate adapter are thin layers over
 :class:`~lightning_mpx.amp.Amp`.
 """
 
@@ -17,11 +17,15 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
-    # The Lightning plugin is imported on first use, so that ``import lightning_mpx`` needs torch alone.
+    # The Lightning plugins are imported on first use, so that ``import lightning_mpx`` needs torch alone.
     if name == "MixedPrecisionPlugin":
         from lightning_mpx.lightning import MixedPrecisionPlugin
 
         return MixedPrecisionPlugin
+    if name == "FabricMixedPrecisionPlugin":
+        from lightning_mpx.fabric import FabricMixedPrecisionPlugin
+
+        return FabricMixedPrecisionPlugin
     raise AttributeError(f"module 'lightning_mpx' has no attribute {name!r}")
 
 
@@ -34,6 +38,7 @@ __all__ = [
     "CastTable",
     "DEFAULT_TABLE",
     "DESCRIPTIONS",
+    "FabricMixedPrecisionPlugin",
     "LossScaleFloorError",
     "LossScaler",
     "MasterWeights",

@@ -51,6 +51,12 @@ _DEFAULT_BACKWARD = _pl.LightningModule.backward
 #: The ``interval`` of a per-step scheduler config while its optimizer's step was skipped: no ``interval`` the loop
 #: updates, so the loop leaves it alone until the next batch.
 _HELD_INTERVAL = "step (held: the optimizer skipped its step)"
+#: The error for this plugin handed to Lightning Fabric, whose precision API it does not implement.
+_NOT_FOR_FABRIC = (
+    "MixedPrecisionPlugin is the Lightning Trainer's precision plugin ({what}). With Lightning Fabric use "
+    "lightning_mpx.FabricMixedPrecisionPlugin, which takes the same arguments: "
+    "Fabric(plugins=[FabricMixedPrecisionPlugin('O2', ...)])."
+)
 
 
 class MixedPrecisionPlugin(Precision):
@@ -178,6 +184,8 @@ class MixedPrecisionPlugin(Precision):
         FP32 masters are made only when the Trainer is fitting: ``validate``, ``test`` and ``predict`` get the half
         model without them (as Lightning skips the DDP wrapper when not fitting). A later ``fit`` adds them."""
         trainer = _trainer_of(module)
+        if trainer is None and not isinstance(module, _pl.LightningModule):
+            raise TypeError(_NOT_FOR_FABRIC.format(what=f"module={type(module).__name__} is not a LightningModule"))
         fitting = trainer is None or trainer.state.fn == "fit"
         if module is not self._module:
             if self._module is not None:  # a different model: a fresh engine with the same settings
@@ -249,6 +257,11 @@ class MixedPrecisionPlugin(Precision):
         return super().convert_input(data)
 
     # -- backward ------------------------------------------------------------------------------------------------
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+        if module is None or getattr(module, "_fabric", None) is not None:  # fabric.backward(loss), not the Trainer
+            raise TypeError(_NOT_FOR_FABRIC.format(what="fabric.backward() is not the Trainer's backward"))
+        return super().pre_backward(tensor, module)
+
     def backward(  # type: ignore[override]
         self,
         tensor: torch.Tensor,

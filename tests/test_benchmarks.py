@@ -51,8 +51,9 @@ def test_step_script_end_to_end_in_subprocesses(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "variant", ["mpx-O3-bf16", "torch-autocast-bf16", "loop-fp32", "lightning-16-mixed", "mpx-O1-fp16-compiled"]
-)
+    "variant", ["mpx-O3-bf16", "torch-autocast-bf16", "loop-fp32", "lightning-16-mixed", "mpx-O1-fp16-compiled",
+                "fabric-mpx-O2-fp16", "fabric-16-mixed"]
+)  # fmt: skip
 def test_step_child_variants_run_in_process(variant):
     spec = step.ModelSpec(batch=2, image=8, width=4, blocks=(1, 1))
     # aot_eager: the compiled variant's own code path (compiled network under the Trainer) without inductor's
@@ -60,9 +61,9 @@ def test_step_child_variants_run_in_process(variant):
     row = step.run_child(variant, "resnet", spec, steps=2, warmup=1, device="cpu", threads=1,
                          compile_backend="aot_eager")
     assert row["variant"] == variant and row["steps_timed"] == 2 and row["samples_per_second"] > 0
-    if variant == "lightning-16-mixed":
-        assert row["effective_dtype"] == "bfloat16"  # Lightning's "16-mixed" runs as bfloat16 on CPU
-    if variant.startswith("mpx-"):
+    if variant.endswith("16-mixed"):
+        assert row["effective_dtype"] == "bfloat16"  # Lightning's and Fabric's "16-mixed" run as bfloat16 on CPU
+    if "mpx-" in variant:
         assert row["skipped_steps"] == 0
 
 

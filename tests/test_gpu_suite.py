@@ -206,6 +206,24 @@ def test_pytest_summary_parsing(text, counts):
     assert parsed["failed_tests"] == (["tests/x.py::t[a]"] if "FAILED" in text else [])
 
 
+def test_step_part_measures_the_fabric_rows_on_the_gpt_model_only():
+    import step
+
+    gpt, resnet = gpu_suite.step_variants("gpt"), gpu_suite.step_variants("resnet")
+    assert set(gpt) == set(step.VARIANTS) and gpt[-2:] == ["fabric-16-mixed", "fabric-mpx-O2-fp16"]
+    assert resnet == [v for v in gpt if not v.startswith("fabric-")]
+    assert gpu_suite.step_variants("gpt", ["fabric-mpx-O2-fp16", "fp32"]) == ["fp32", "fabric-mpx-O2-fp16"]
+    rows = [{"model": "gpt", "variant": v, "step_ms_median": ms, "samples_per_second": 8 / ms, "peak_memory_bytes": 1}
+            for v, ms in (("fabric-16-mixed", 2.0), ("fabric-mpx-O2-fp16", 1.0))]  # fmt: skip
+    step.add_ratios(rows)
+    assert rows[1]["throughput_vs_fabric_16_mixed"] == pytest.approx(2.0)
+    source = gpu_report.Source(Path("s.json"), "step", {"rows": rows}, 0.0, None)
+    header, _, _, fabric_o2 = gpu_report.step_table(source, "gpt").splitlines()
+    assert "throughput vs Fabric 16-mixed" in header and "| 2.000x |" in fabric_o2
+    without = gpu_report.Source(Path("s.json"), "step", {"rows": _step_rows("gpt", {"fp32": (1.0, 1)})}, 0.0, None)
+    assert "Fabric" not in gpu_report.step_table(without, "gpt")
+
+
 def test_suite_argument_errors(capsys, monkeypatch):
     for argv, message in (
         (["bench"], "invalid choice"),
