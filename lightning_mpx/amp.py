@@ -17,21 +17,19 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import copy
-import dataclasses
 import enum
 import logging
 import operator
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
 
+from lightning_mpx._collections import _cast_collection
 from lightning_mpx.cast_policy import CastPolicy
 from lightning_mpx.cast_table import CastTable
 from lightning_mpx.forensics import OverflowForensics, OverflowRecord
@@ -1154,60 +1152,8 @@ def _params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
         yield from group["params"]
 
 
-_VERSION = operator.attrgetter("_version")
-
-
 def _is_bool_tensor(value: object) -> bool:
     return isinstance(value, torch.Tensor) and value.dtype == torch.bool
-
-
-def _cast_collection(data: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
-    """``data`` with its tensors of a ``castable`` dtype cast to ``dtype``, through lists, tuples, namedtuples,
-    mappings and dataclasses, each rebuilt as its own type (a Hugging Face ``ModelOutput``, which is both an
-    ``OrderedDict`` and a dataclass, stays one; a ``defaultdict`` keeps its ``default_factory``)."""
-    if isinstance(data, torch.Tensor):
-        return data.to(dtype) if data.dtype in castable else data
-    if dataclasses.is_dataclass(data) and not isinstance(data, type):
-        return _cast_dataclass(data, dtype, castable)
-    if isinstance(data, Mapping):
-        return _cast_mapping(data, dtype, castable)
-    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-        return type(data)(*(_cast_collection(v, dtype, castable) for v in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(_cast_collection(v, dtype, castable) for v in data)
-    return data
-
-
-def _cast_dataclass(data: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
-    # replace() runs __init__ and __post_init__ again, which a ModelOutput needs to rebuild its mapping.
-    changes = {
-        f.name: _cast_collection(getattr(data, f.name), dtype, castable)
-        for f in dataclasses.fields(data)
-        if f.init and hasattr(data, f.name)
-    }
-    new = dataclasses.replace(data, **changes)
-    if isinstance(data, MutableMapping):  # keys set as items, outside the fields, come along too
-        for key, value in data.items():
-            if key not in new:
-                new[key] = _cast_collection(value, dtype, castable)
-    return new
-
-
-def _cast_mapping(data: Mapping[Any, Any], dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
-    items = {key: _cast_collection(value, dtype, castable) for key, value in data.items()}
-    if isinstance(data, collections.defaultdict):
-        return type(data)(data.default_factory, items)
-    try:
-        return type(data)(items)
-    except TypeError:  # a constructor that takes no mapping: fill a shallow copy instead
-        if not isinstance(data, MutableMapping):
-            raise TypeError(
-                f"cannot rebuild a {type(data).__name__} with cast tensors: its constructor takes no mapping and it "
-                "cannot be changed in place; return a dict, a dataclass or a MutableMapping from the model."
-            ) from None
-        new = copy.copy(data)
-        new.update(items)
-        return new
 
 
 def _clip_unscaled(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
