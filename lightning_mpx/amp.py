@@ -33,19 +33,18 @@ from lightning_mpx._collections import _cast_collection
 from lightning_mpx.cast_policy import CastPolicy
 from lightning_mpx.cast_table import CastTable
 from lightning_mpx.forensics import OverflowForensics, OverflowRecord
-from lightning_mpx.loss_scaler import LossScaler, OnFloor
+from lightning_mpx.loss_scaler import LossScaler
 from lightning_mpx.master_weights import MasterWeights, Mirror, convert_module
-from lightning_mpx.opt_levels import Properties, resolve_properties
+from lightning_mpx.opt_levels import Properties
 from lightning_mpx.promotion import Promotion
+# MODEL_WRITES is defined with the other settings; its old import path here keeps working.
+from lightning_mpx.settings import DEFAULTS, MODEL_WRITES, MixedPrecisionSettings, OnFloor  # noqa: F401
 from lightning_mpx.telemetry import GradTelemetry
-from lightning_mpx.unscale import BACKENDS, UnscaleWorkspace, unscale_grads_
+from lightning_mpx.unscale import UnscaleWorkspace, unscale_grads_
 
 log = logging.getLogger("lightning_mpx")
 
-#: How O2 finds writes made to the half model outside the step: ``"versions"`` (version counters, storage
-#: addresses and the parameters' handed-out ``.data``, free when nothing was written) or ``"values"`` (a comparison of every half parameter
-#: with its master's rounding before each step: one extra read of the weights and one host sync per step).
-MODEL_WRITES = ("versions", "values")
+_D, _S = DEFAULTS, DEFAULTS.scaler  # the defaults of the typed keywords, from the one place that defines them
 
 
 class _Stage(enum.Enum):
@@ -98,38 +97,18 @@ class Amp:
     """Mixed precision for one training run.
 
     Args:
-        opt_level: ``"O0"`` to ``"O3"`` (see :mod:`lightning_mpx.opt_levels`).
-        half_dtype: ``"float16"`` or ``"bfloat16"``.
-        num_losses: Number of losses with a loss scaler each (``loss_id`` 0 to ``num_losses - 1``), as Apex's
-            ``num_losses``: a GAN gives its generator and discriminator losses their own scale.
-        cast_table: The table of the O1 policy; a fresh copy of the default when ``None``. Only valid when the
-            policy is on.
-        allow_banned: Run banned ops (``binary_cross_entropy``) in FP32 instead of raising.
-        unscale_backend: ``"auto"``, ``"foreach"``, ``"reference"`` or ``"triton"`` (see :mod:`lightning_mpx.unscale`);
-            also used for the master-to-model copy at O2.
-        init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, consecutive_hysteresis,
-            min_loss_scale, max_loss_scale, on_floor: Loss-scaler settings (see
-            :class:`~lightning_mpx.loss_scaler.LossScaler`).
-        overflow_log_interval: Minimum seconds between two overflow log messages.
-        diagnose_overflows: Watch every forward with hooks that flag non-finite module outputs on the device, so
-            that each overflow's :attr:`last_overflow` says whether the forward or the backward produced the
-            non-finite values and which module did first. Without it the forward is watched only after an overflow
-            with the scale at its floor, until the next step that does not overflow (see
-            :mod:`lightning_mpx.forensics`).
-        model_writes: How O2 takes writes made to the half model outside the step into the FP32 masters:
-            ``"versions"`` (default: version counters and storage addresses, and the ``.data`` each half parameter
-            hands out, such as WGAN's ``p.data.clamp_()``: no cost when nothing was written; see
-            :class:`~lightning_mpx.master_weights.WatchedParameter`) or ``"values"`` (every half parameter is
-            compared with its master's rounding before each step: one read of the weights and one host sync per
-            step, and every write is seen).
-        fp32_modules: Module-name patterns (:mod:`fnmatch`, on the names of ``model.named_modules()``, e.g.
-            ``["lm_head", "*.norm"]``) of modules that run in FP32 at every opt level (see
-            :mod:`lightning_mpx.promotion`). A pattern that matches no module raises ``ValueError`` when an
-            optimizer is prepared.
-        **overrides: Opt-level property overrides: ``cast_model_type``, ``patch_torch_functions``,
-            ``keep_batchnorm_fp32``, ``master_weights``, ``loss_scale``.
+        opt_level, **settings: The opt level (``"O0"`` to ``"O3"``) and the keywords of
+            :meth:`MixedPrecisionSettings.from_kwargs <lightning_mpx.settings.MixedPrecisionSettings.from_kwargs>`:
+            ``half_dtype``, ``num_losses``, ``cast_table``, ``allow_banned``, ``unscale_backend``, the loss-scaler
+            settings (``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``hysteresis``,
+            ``consecutive_hysteresis``, ``min_loss_scale``, ``max_loss_scale``, ``on_floor``),
+            ``overflow_log_interval``, ``diagnose_overflows``, ``model_writes``, ``fp32_modules`` and the opt-level
+            overrides (``cast_model_type``, ``patch_torch_functions``, ``keep_batchnorm_fp32``, ``master_weights``,
+            ``loss_scale``). Each is documented and checked in :class:`~lightning_mpx.settings.MixedPrecisionSettings`
+            and :class:`~lightning_mpx.settings.ScalerSettings`; :meth:`from_settings` takes the settings whole.
 
     Attributes:
+        settings: The validated :class:`~lightning_mpx.settings.MixedPrecisionSettings` the engine was built from.
         found_inf_reducer: Optional callable that reduces an optimizer's overflow flag in place across processes
             (the adapters set it under a distributed strategy) so that every rank makes the same skip decision.
         log_overflows: Whether overflow messages are logged (adapters turn it off on ranks other than zero).
@@ -147,76 +126,67 @@ class Amp:
         self,
         opt_level: str = "O1",
         *,
-        half_dtype: str | torch.dtype = "float16",
-        num_losses: int = 1,
-        cast_table: CastTable | None = None,
-        allow_banned: bool = False,
-        unscale_backend: str = "auto",
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        hysteresis: int = 1,
-        consecutive_hysteresis: bool = False,
-        min_loss_scale: float = 1.0,
-        max_loss_scale: float = 2.0**24,
-        on_floor: OnFloor = "raise",
-        overflow_log_interval: float = 10.0,
-        model_writes: str = "versions",
-        diagnose_overflows: bool = False,
-        fp32_modules: Sequence[str] = (),
+        half_dtype: str | torch.dtype = _D.half_dtype,
+        num_losses: int = _D.num_losses,
+        cast_table: CastTable | None = _D.cast_table,
+        allow_banned: bool = _D.allow_banned,
+        unscale_backend: str = _D.unscale_backend,
+        init_scale: float = _S.init_scale,
+        growth_factor: float = _S.growth_factor,
+        backoff_factor: float = _S.backoff_factor,
+        growth_interval: int = _S.growth_interval,
+        hysteresis: int = _S.hysteresis,
+        consecutive_hysteresis: bool = _S.consecutive_hysteresis,
+        min_loss_scale: float = _S.min_loss_scale,
+        max_loss_scale: float = _S.max_loss_scale,
+        on_floor: OnFloor = _S.on_floor,
+        overflow_log_interval: float = _D.overflow_log_interval,
+        model_writes: str = _D.model_writes,
+        diagnose_overflows: bool = _D.diagnose_overflows,
+        fp32_modules: Sequence[str] = _D.fp32_modules,
         **overrides: Any,
     ) -> None:
-        if model_writes not in MODEL_WRITES:
-            raise ValueError(
-                f"model_writes={model_writes!r} is not valid; valid choices: {', '.join(map(repr, MODEL_WRITES))}."
-            )
-        self.model_writes = model_writes
-        self.properties: Properties = resolve_properties(opt_level, half_dtype=half_dtype, **overrides)
-        if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
-            raise ValueError(f"num_losses={num_losses!r} must be a positive integer.")
-        if unscale_backend not in BACKENDS:
-            raise ValueError(
-                f"unscale_backend={unscale_backend!r} is not valid; valid choices: {', '.join(BACKENDS)}."
-            )
-        if cast_table is not None and not self.properties.patch_torch_functions:
-            raise ValueError(
-                f"cast_table is only used by the cast-table policy, which is off at opt_level="
-                f"{self.properties.opt_level!r} (patch_torch_functions=False); use opt_level='O1'."
-            )
+        arguments = dict(locals())
+        del arguments["self"], arguments["overrides"]
+        self._configure(MixedPrecisionSettings.from_kwargs(**arguments, **overrides))
+
+    @classmethod
+    def from_settings(cls, settings: MixedPrecisionSettings) -> Amp:
+        """The engine of ``settings``: the same as ``Amp(settings.opt_level, **settings.to_kwargs())``."""
+        if not isinstance(settings, MixedPrecisionSettings):
+            raise TypeError(f"settings={type(settings).__name__} must be a lightning_mpx.MixedPrecisionSettings.")
+        amp = cls.__new__(cls)
+        amp._configure(settings)
+        return amp
+
+    def _configure(self, settings: MixedPrecisionSettings) -> None:
+        self.settings = settings
+        self.model_writes = settings.model_writes
+        self.properties: Properties = settings.properties
+        num_losses = settings.num_losses
         self.policy: CastPolicy | None = None
         if self.properties.patch_torch_functions:
-            self.policy = CastPolicy(cast_table, self.properties.half_dtype, allow_banned=allow_banned)
+            policy_dtype, allow_banned = self.properties.half_dtype, settings.allow_banned
+            self.policy = CastPolicy(settings.cast_table, policy_dtype, allow_banned=allow_banned)
         elif self.properties.casts_model and self.properties.master_weights:
             # O2: a loss computed inside the half model's own forward runs in FP32 (CastTable.default_o2()).
             self.policy = CastPolicy(CastTable.default_o2(), self.properties.half_dtype, allow_banned=True)
-        scaler_settings = dict(
-            init_scale=init_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-            consecutive_hysteresis=consecutive_hysteresis,
-            min_loss_scale=min_loss_scale,
-            max_loss_scale=max_loss_scale,
-            on_floor=on_floor,
-        )
         self.scalers: list[LossScaler] = [
-            LossScaler(self.properties.loss_scale, **scaler_settings) for _ in range(num_losses)  # type: ignore[arg-type]
+            LossScaler.from_settings(self.properties.loss_scale, settings.scaler) for _ in range(num_losses)
         ]
-        self.unscale_backend = unscale_backend
+        self.unscale_backend = settings.unscale_backend
         self.found_inf_reducer: Callable[[torch.Tensor], None] | None = None
         self.log_overflows = True
-        self.overflow_log_interval = overflow_log_interval
+        self.overflow_log_interval = settings.overflow_log_interval
         self.master_weights: list[MasterWeights] = []
         self._evaluation_only = False  # O2 models were prepared with train=False (and none for training)
         self.skipped_steps: list[int] = [0] * num_losses
         self.last_overflow_parameters: list[str] = []
         self.last_overflow: OverflowRecord | None = None
-        self.forensics = OverflowForensics(diagnose_overflows)  # validates the flag
+        self.forensics = OverflowForensics(settings.diagnose_overflows)
         self._steps = 0  # Amp.step() calls so far, all optimizers (OverflowRecord.step)
         #: The modules that run in FP32: pinned by ``fp32_modules`` or promoted by ``on_floor="promote"``.
-        self.promotion = Promotion(self, fp32_modules)
+        self.promotion = Promotion(self, settings.fp32_modules)
         self._names: dict[int, str] = {}
         self._optimizers: dict[int, _OptimizerState] = {}
         self._iteration_found: dict[int, torch.Tensor] = {}
