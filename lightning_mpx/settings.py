@@ -204,7 +204,8 @@ class MixedPrecisionSettings:
         overrides: The opt-level property overrides given (any of ``cast_model_type``, ``patch_torch_functions``,
             ``keep_batchnorm_fp32``, ``master_weights``, ``loss_scale``; see
             :func:`~lightning_mpx.opt_levels.resolve_properties`); an override not given keeps the preset's value.
-        scaler: The loss-scaler settings (:class:`ScalerSettings`), one scaler per loss.
+        scaler: The loss-scaler settings (:class:`ScalerSettings`, or a mapping of its fields), one scaler per
+            loss.
 
     Attributes:
         properties: The resolved :class:`~lightning_mpx.opt_levels.Properties` of the opt level with its overrides.
@@ -239,6 +240,8 @@ class MixedPrecisionSettings:
                 f"cast_table is only used by the cast-table policy, which is off at opt_level="
                 f"{props.opt_level!r} (patch_torch_functions=False); use opt_level='O1'."
             )
+        if isinstance(self.scaler, Mapping):  # from_kwargs: checked here, in Amp's order of checks
+            object.__setattr__(self, "scaler", ScalerSettings(**self.scaler))
         if not isinstance(self.scaler, ScalerSettings):
             raise TypeError(f"scaler={type(self.scaler).__name__} must be a lightning_mpx.ScalerSettings.")
         _check_loss_scale(props.loss_scale)
@@ -252,9 +255,9 @@ class MixedPrecisionSettings:
         the opt-level overrides (any other keyword goes to the overrides, where
         :func:`~lightning_mpx.opt_levels.resolve_properties` names it as unknown)."""
         own = {f.name for f in dataclasses.fields(cls) if f.init} - {"opt_level", "overrides", "scaler"}
-        scaler = ScalerSettings(**{k: kwargs.pop(k) for k in SCALER_FIELDS if k in kwargs})
+        scaler = {k: kwargs.pop(k) for k in SCALER_FIELDS if k in kwargs}
         mine = {k: kwargs.pop(k) for k in list(kwargs) if k in own}
-        return cls(opt_level, **mine, overrides=kwargs, scaler=scaler)
+        return cls(opt_level, **mine, overrides=kwargs, scaler=scaler)  # type: ignore[arg-type]
 
     def to_kwargs(self) -> dict[str, Any]:
         """The keywords of :class:`~lightning_mpx.amp.Amp` (all but ``opt_level``) that rebuild these settings:
