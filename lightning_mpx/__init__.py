@@ -11,6 +11,7 @@ from lightning_mpx.cast_table import CastEntry, CastTable, dispatchable
 from lightning_mpx.loss_scaler import LossScaleFloorError, LossScaler
 from lightning_mpx.master_weights import MasterWeights, convert_module
 from lightning_mpx.opt_levels import DESCRIPTIONS, OPT_LEVELS, Properties, resolve_properties
+from lightning_mpx.settings import MixedPrecisionSettings, ScalerSettings
 from lightning_mpx.unscale import unscale_grads_
 
 __version__ = "0.1.0"
@@ -43,8 +44,10 @@ __all__ = [
     "LossScaler",
     "MasterWeights",
     "MixedPrecisionPlugin",
+    "MixedPrecisionSettings",
     "OPT_LEVELS",
     "Properties",
+    "ScalerSettings",
     "__version__",
     "checkpoint_contexts",
     "convert_module",

@@ -51,7 +51,7 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
 if TYPE_CHECKING:
-    from lightning_mpx.unscale import UnscaleWorkspace
+    from lightning_mpx._workspace import UnscaleWorkspace
 
 Tensors = Sequence[torch.Tensor]
 

@@ -58,12 +58,23 @@ from torch import nn
 from lightning_mpx._boundary import INPUT_DTYPES, DtypeProbe
 from lightning_mpx._dtypes import parse_half_dtype
 from lightning_mpx._imports import require
-from lightning_mpx.amp import MODEL_WRITES, Amp, _cast_collection
+from lightning_mpx._collections import _cast_collection
+from lightning_mpx.amp import Amp
 from lightning_mpx.cast_table import _NAMESPACES as _TABLE_NAMESPACES
 from lightning_mpx.cast_table import CastTable
-from lightning_mpx.loss_scaler import LossScaler, OnFloor
-from lightning_mpx.opt_levels import OPT_LEVELS
+from lightning_mpx.opt_levels import OPT_LEVELS, _check_loss_scale
 from lightning_mpx.promotion import check_patterns
+from lightning_mpx.settings import (
+    DEFAULTS,
+    MODEL_WRITES,
+    SCALER_FIELDS,
+    MixedPrecisionSettings,
+    OnFloor,
+    ScalerSettings,
+    check_choice,
+    check_flag,
+    check_positive_int,
+)
 from lightning_mpx.unscale import BACKENDS
 
 # Import through require() so that a missing accelerate names the extra that installs it.
@@ -85,7 +96,7 @@ NATIVE_MIXED_PRECISION: tuple[str, ...] = ("no", "fp16", "bf16", "fp8")
 #: The file that ``save_state`` writes the :class:`~lightning_mpx.amp.Amp` state to.
 AMP_STATE_NAME = "lightning_mpx_amp.bin"
 
-_OPT_LEVEL_OVERRIDES = ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32", "master_weights", "loss_scale")
+_D, _S = DEFAULTS, DEFAULTS.scaler  # the defaults of the fields, from the one place that defines them
 _ADAPTER_FIELDS = ("log_metrics", "telemetry_every_n_steps")
 _SUPPORTED_DISTRIBUTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
@@ -99,26 +110,17 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
     they can be without the opt level, and again, against the opt level, when the :class:`Accelerator` is built.
 
     Args:
-        half_dtype: ``"float16"`` or ``"bfloat16"`` (or ``"fp16"``, ``"bf16"``, a torch dtype). With bfloat16 the
-            default loss scale is a static 1.0.
-        num_losses: Number of losses with a scaler each; pass ``loss_id`` to :meth:`Accelerator.backward`.
+        half_dtype, num_losses, cast_table, allow_banned, unscale_backend, overflow_log_interval, model_writes,
+            diagnose_overflows, fp32_modules: The engine's settings, documented and checked in
+            :class:`~lightning_mpx.settings.MixedPrecisionSettings` (pass ``loss_id`` to
+            :meth:`Accelerator.backward` with ``num_losses`` above 1; the overflow record of ``diagnose_overflows``
+            is ``accelerator.amp.last_overflow``).
         cast_model_type, patch_torch_functions, keep_batchnorm_fp32, master_weights, loss_scale: Opt-level property
             overrides (see :func:`~lightning_mpx.opt_levels.resolve_properties`); ``None`` keeps the preset's value.
         init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, consecutive_hysteresis,
             min_loss_scale, max_loss_scale, on_floor: Loss-scaler settings (see
-            :class:`~lightning_mpx.loss_scaler.LossScaler`).
-        cast_table: The O1 cast table (a copy of the default when ``None``).
-        allow_banned: Run banned ops in FP32 instead of raising.
-        unscale_backend: ``"auto"``, ``"foreach"`` or ``"reference"``.
-        overflow_log_interval: Minimum seconds between two overflow log messages.
-        model_writes: ``"versions"`` or ``"values"``: how O2 sees writes to the half model (see
-            :class:`~lightning_mpx.amp.Amp`).
-        fp32_modules: Module-name patterns (fnmatch on the model's ``named_modules()`` names, e.g.
-            ``["lm_head", "*.norm"]``) of modules that run in FP32 at every opt level.
+            :class:`~lightning_mpx.settings.ScalerSettings`).
         log_metrics: Add the ``mpx/...`` metrics to every :meth:`Accelerator.log` call.
-        diagnose_overflows: Watch every forward for non-finite module outputs, so that each overflow's record
-            (``accelerator.amp.last_overflow``) tells forward from backward and names the first module (see
-            :class:`~lightning_mpx.amp.Amp`).
         telemetry_every_n_steps: Measure underflow and headroom (``mpx/underflow/<module>``,
             ``mpx/headroom/<module>``, see :mod:`lightning_mpx.telemetry`) in the unscale of every n-th iteration
             (the first, then every n-th: log when ``step % n == 0``); ``None`` (default) measures only after
@@ -129,70 +131,56 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
         TypeError: for a flag that is not a bool.
     """
 
-    half_dtype: str | torch.dtype = "float16"
-    num_losses: int = 1
+    half_dtype: str | torch.dtype = _D.half_dtype
+    num_losses: int = _D.num_losses
     cast_model_type: str | torch.dtype | None = None
     patch_torch_functions: bool | None = None
     keep_batchnorm_fp32: bool | None = None
     master_weights: bool | None = None
     loss_scale: float | str | None = None
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    hysteresis: int = 1
-    consecutive_hysteresis: bool = False
-    min_loss_scale: float = 1.0
-    max_loss_scale: float = 2.0**24
-    on_floor: OnFloor = "raise"
-    cast_table: CastTable | None = None
-    allow_banned: bool = False
-    unscale_backend: str = "auto"
-    overflow_log_interval: float = 10.0
-    model_writes: str = "versions"
-    fp32_modules: Sequence[str] = ()
+    init_scale: float = _S.init_scale
+    growth_factor: float = _S.growth_factor
+    backoff_factor: float = _S.backoff_factor
+    growth_interval: int = _S.growth_interval
+    hysteresis: int = _S.hysteresis
+    consecutive_hysteresis: bool = _S.consecutive_hysteresis
+    min_loss_scale: float = _S.min_loss_scale
+    max_loss_scale: float = _S.max_loss_scale
+    on_floor: OnFloor = _S.on_floor
+    cast_table: CastTable | None = _D.cast_table
+    allow_banned: bool = _D.allow_banned
+    unscale_backend: str = _D.unscale_backend
+    overflow_log_interval: float = _D.overflow_log_interval
+    model_writes: str = _D.model_writes
+    fp32_modules: Sequence[str] = _D.fp32_modules
     log_metrics: bool = True
-    diagnose_overflows: bool = False
+    diagnose_overflows: bool = _D.diagnose_overflows
     telemetry_every_n_steps: int | None = None
 
     def __post_init__(self) -> None:
+        # The checks that need no opt level, with the messages of lightning_mpx.settings; settings() checks the rest.
         parse_half_dtype(self.half_dtype)
         self.fp32_modules = check_patterns(self.fp32_modules)
-        if isinstance(self.num_losses, bool) or not isinstance(self.num_losses, int) or self.num_losses < 1:
-            raise ValueError(f"num_losses={self.num_losses!r} must be a positive integer.")
+        check_positive_int("num_losses", self.num_losses)
         for name in ("patch_torch_functions", "keep_batchnorm_fp32", "master_weights"):
             if getattr(self, name) not in (None, True, False):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be True, False or None (the preset's value).")
         for name in ("allow_banned", "log_metrics", "diagnose_overflows"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name}={getattr(self, name)!r} must be True or False.")
+            check_flag(name, getattr(self, name))
         every = self.telemetry_every_n_steps
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"telemetry_every_n_steps={every!r} must be a positive integer or None.")
-        if self.unscale_backend not in BACKENDS:
-            raise ValueError(
-                f"unscale_backend={self.unscale_backend!r} is not valid; valid choices: {', '.join(BACKENDS)}."
-            )
-        if self.model_writes not in MODEL_WRITES:
-            raise ValueError(
-                f"model_writes={self.model_writes!r} is not valid; valid choices: "
-                f"{', '.join(map(repr, MODEL_WRITES))}."
-            )
+        check_choice("unscale_backend", self.unscale_backend, BACKENDS)
+        check_choice("model_writes", self.model_writes, MODEL_WRITES, quote=True)
         if self.cast_table is not None and not isinstance(self.cast_table, CastTable):
             raise TypeError(f"cast_table={type(self.cast_table).__name__} must be a lightning_mpx.CastTable or None.")
-        # The scaler validates its own settings (and the loss scale) with messages that name them.
-        LossScaler(
-            "dynamic" if self.loss_scale is None else self.loss_scale,  # type: ignore[arg-type]
-            init_scale=self.init_scale,
-            growth_factor=self.growth_factor,
-            backoff_factor=self.backoff_factor,
-            growth_interval=self.growth_interval,
-            hysteresis=self.hysteresis,
-            consecutive_hysteresis=self.consecutive_hysteresis,
-            min_loss_scale=self.min_loss_scale,
-            max_loss_scale=self.max_loss_scale,
-            on_floor=self.on_floor,
-        )
+        loss_scale = "dynamic" if self.loss_scale is None else self.loss_scale
+        _check_loss_scale(loss_scale)
+        ScalerSettings(**{name: getattr(self, name) for name in SCALER_FIELDS}).check_init_scale(loss_scale)
+
+    def settings(self, opt_level: str) -> MixedPrecisionSettings:
+        """The :class:`~lightning_mpx.settings.MixedPrecisionSettings` of ``opt_level`` with these fields."""
+        return MixedPrecisionSettings.from_kwargs(opt_level, **self.amp_kwargs())
 
     def amp_kwargs(self) -> dict[str, Any]:
         """The keyword arguments for :class:`~lightning_mpx.amp.Amp`: the fields changed from their defaults."""
@@ -252,7 +240,7 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
             )
         settings = ours[0] if ours else MixedPrecisionKwargs()
         # Built before Accelerate sets up processes and devices, so that a bad combination fails fast.
-        amp = Amp(opt_level, **settings.amp_kwargs())
+        amp = Amp.from_settings(settings.settings(opt_level))
         super().__init__(*args, mixed_precision="no", kwargs_handlers=theirs or None, **kwargs)
         if self.distributed_type not in _SUPPORTED_DISTRIBUTED:
             raise ValueError(
@@ -338,7 +326,7 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
             assert self.mpx_kwargs is not None
             old = self.amp
             old.diagnose_overflows = False  # its forward hooks leave the models
-            self.amp = Amp(old.opt_level, **self.mpx_kwargs.amp_kwargs())
+            self.amp = Amp.from_settings(self.mpx_kwargs.settings(old.opt_level))
             self.amp.found_inf_reducer, self.amp.log_overflows = old.found_inf_reducer, old.log_overflows
             self._stepped.clear()
             self._converted = weakref.WeakSet()

@@ -17,121 +17,64 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import copy
-import dataclasses
-import enum
-import logging
 import operator
-import time
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 import torch
 from torch import nn
 
+from lightning_mpx._collections import _cast_collection
+from lightning_mpx._leftovers import (
+    follow_cleared_grads,
+    grad_marks,
+    rescale_pending,
+    rescale_unscaled,
+    unscale_state,
+)
+from lightning_mpx._master_swap import (
+    drop_master_grads,
+    masters_in,
+    mirrors,
+    param_pairs,
+    swap_in,
+    swap_out,
+)
+from lightning_mpx._overflow import OverflowLog, floor_hint, named_grads
+from lightning_mpx._stages import _OptimizerState, _Stage
+from lightning_mpx._stages import optimizer_params as _params
 from lightning_mpx.cast_policy import CastPolicy
 from lightning_mpx.cast_table import CastTable
 from lightning_mpx.forensics import OverflowForensics, OverflowRecord
-from lightning_mpx.loss_scaler import LossScaler, OnFloor
+from lightning_mpx.loss_scaler import LossScaler
 from lightning_mpx.master_weights import MasterWeights, Mirror, convert_module
-from lightning_mpx.opt_levels import Properties, resolve_properties
+from lightning_mpx.opt_levels import Properties
 from lightning_mpx.promotion import Promotion
+# MODEL_WRITES is defined with the other settings; its old import path here keeps working.
+from lightning_mpx.settings import DEFAULTS, MODEL_WRITES, MixedPrecisionSettings, OnFloor  # noqa: F401
 from lightning_mpx.telemetry import GradTelemetry
-from lightning_mpx.unscale import BACKENDS, UnscaleWorkspace, unscale_grads_
-
-log = logging.getLogger("lightning_mpx")
-
-#: How O2 finds writes made to the half model outside the step: ``"versions"`` (version counters, storage
-#: addresses and the parameters' handed-out ``.data``, free when nothing was written) or ``"values"`` (a comparison of every half parameter
-#: with its master's rounding before each step: one extra read of the weights and one host sync per step).
-MODEL_WRITES = ("versions", "values")
 
 
-class _Stage(enum.Enum):
-    """Where an optimizer is in its iteration (one state machine per optimizer, as ``torch.amp.GradScaler``'s)."""
-
-    READY = "ready"  # its gradients, if any, carry the scale of `loss_id`
-    UNSCALED = "unscaled"  # unscale_() or clip_grad_*() ran: its gradients hold true values, step() is next
-    # update() closed an iteration in which it was unscaled but did not step (a skipped batch): the gradients it
-    # left behind, unless zeroed since, still hold true values
-    SKIPPED = "skipped"
-
-
-@dataclass
-class _OptimizerState:
-    optimizer_ref: weakref.ref[torch.optim.Optimizer]  # Amp keeps no optimizer alive that the user let go
-    stage: _Stage = _Stage.READY
-    loss_id: int | None = None  # the loss whose scale the optimizer's pending gradients carry
-    # The scale those gradients carry when update() has changed the scaler since (else None: the scaler's own).
-    grad_scale: torch.Tensor | None = None
-    # Overflow flag per loss whose gradients the optimizer holds: each check charges the non-finite values it finds
-    # to the loss whose backward ran since the previous check (the ones found before are already charged, and stay
-    # non-finite), so that one loss's overflow does not back off another's scale.
-    found_by_loss: dict[int, torch.Tensor] = field(default_factory=dict)
-    found_inf: torch.Tensor | None = None  # all of them together: the skip decision
-    grad_norm: torch.Tensor | None = None
-    workspace: UnscaleWorkspace = field(default_factory=UnscaleWorkspace)  # fused unscale's tables, kept across steps
-    # (model parameter, its FP32 master or itself) for the optimizer's parameters, the masters of each parameter
-    # group in order (what the groups hold during a step), and the parameter lists (identity, length) they were
-    # built from
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    group_masters: list[list[torch.Tensor]] = field(default_factory=list)
-    pairs_key: tuple[tuple[int, int], ...] | None = None
-    swapped: list[list[torch.Tensor]] | None = None  # the groups' own lists while the masters stand in for them
-    hooks: list[Any] = field(default_factory=list)  # handles of the hooks registered on the optimizer
-    mirrors: list[Mirror] | None = None  # O2: the step-time view of its half parameters' masters
-    # O2, from an unscale to the end of the iteration: the version of each half gradient the unscale read (by id).
-    # A half gradient that is gone or was written since (zero_grad either way) was cleared by the user, and the
-    # unscaled copy its master holds must not outlive it.
-    unscaled_marks: tuple[tuple[int, int] | None, ...] = ()
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        optimizer = self.optimizer_ref()
-        if optimizer is None:
-            raise RuntimeError("the optimizer was garbage-collected")
-        return optimizer
+_D, _S = DEFAULTS, DEFAULTS.scaler  # the defaults of the typed keywords, from the one place that defines them
 
 
 class Amp:
     """Mixed precision for one training run.
 
     Args:
-        opt_level: ``"O0"`` to ``"O3"`` (see :mod:`lightning_mpx.opt_levels`).
-        half_dtype: ``"float16"`` or ``"bfloat16"``.
-        num_losses: Number of losses with a loss scaler each (``loss_id`` 0 to ``num_losses - 1``), as Apex's
-            ``num_losses``: a GAN gives its generator and discriminator losses their own scale.
-        cast_table: The table of the O1 policy; a fresh copy of the default when ``None``. Only valid when the
-            policy is on.
-        allow_banned: Run banned ops (``binary_cross_entropy``) in FP32 instead of raising.
-        unscale_backend: ``"auto"``, ``"foreach"``, ``"reference"`` or ``"triton"`` (see :mod:`lightning_mpx.unscale`);
-            also used for the master-to-model copy at O2.
-        init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, consecutive_hysteresis,
-            min_loss_scale, max_loss_scale, on_floor: Loss-scaler settings (see
-            :class:`~lightning_mpx.loss_scaler.LossScaler`).
-        overflow_log_interval: Minimum seconds between two overflow log messages.
-        diagnose_overflows: Watch every forward with hooks that flag non-finite module outputs on the device, so
-            that each overflow's :attr:`last_overflow` says whether the forward or the backward produced the
-            non-finite values and which module did first. Without it the forward is watched only after an overflow
-            with the scale at its floor, until the next step that does not overflow (see
-            :mod:`lightning_mpx.forensics`).
-        model_writes: How O2 takes writes made to the half model outside the step into the FP32 masters:
-            ``"versions"`` (default: version counters and storage addresses, and the ``.data`` each half parameter
-            hands out, such as WGAN's ``p.data.clamp_()``: no cost when nothing was written; see
-            :class:`~lightning_mpx.master_weights.WatchedParameter`) or ``"values"`` (every half parameter is
-            compared with its master's rounding before each step: one read of the weights and one host sync per
-            step, and every write is seen).
-        fp32_modules: Module-name patterns (:mod:`fnmatch`, on the names of ``model.named_modules()``, e.g.
-            ``["lm_head", "*.norm"]``) of modules that run in FP32 at every opt level (see
-            :mod:`lightning_mpx.promotion`). A pattern that matches no module raises ``ValueError`` when an
-            optimizer is prepared.
-        **overrides: Opt-level property overrides: ``cast_model_type``, ``patch_torch_functions``,
-            ``keep_batchnorm_fp32``, ``master_weights``, ``loss_scale``.
+        opt_level, **settings: The opt level (``"O0"`` to ``"O3"``) and the keywords of
+            :meth:`MixedPrecisionSettings.from_kwargs <lightning_mpx.settings.MixedPrecisionSettings.from_kwargs>`:
+            ``half_dtype``, ``num_losses``, ``cast_table``, ``allow_banned``, ``unscale_backend``, the loss-scaler
+            settings (``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``hysteresis``,
+            ``consecutive_hysteresis``, ``min_loss_scale``, ``max_loss_scale``, ``on_floor``),
+            ``overflow_log_interval``, ``diagnose_overflows``, ``model_writes``, ``fp32_modules`` and the opt-level
+            overrides (``cast_model_type``, ``patch_torch_functions``, ``keep_batchnorm_fp32``, ``master_weights``,
+            ``loss_scale``). Each is documented and checked in :class:`~lightning_mpx.settings.MixedPrecisionSettings`
+            and :class:`~lightning_mpx.settings.ScalerSettings`; :meth:`from_settings` takes the settings whole.
 
     Attributes:
+        settings: The validated :class:`~lightning_mpx.settings.MixedPrecisionSettings` the engine was built from.
         found_inf_reducer: Optional callable that reduces an optimizer's overflow flag in place across processes
             (the adapters set it under a distributed strategy) so that every rank makes the same skip decision.
         log_overflows: Whether overflow messages are logged (adapters turn it off on ranks other than zero).
@@ -149,83 +92,71 @@ class Amp:
         self,
         opt_level: str = "O1",
         *,
-        half_dtype: str | torch.dtype = "float16",
-        num_losses: int = 1,
-        cast_table: CastTable | None = None,
-        allow_banned: bool = False,
-        unscale_backend: str = "auto",
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        hysteresis: int = 1,
-        consecutive_hysteresis: bool = False,
-        min_loss_scale: float = 1.0,
-        max_loss_scale: float = 2.0**24,
-        on_floor: OnFloor = "raise",
-        overflow_log_interval: float = 10.0,
-        model_writes: str = "versions",
-        diagnose_overflows: bool = False,
-        fp32_modules: Sequence[str] = (),
+        half_dtype: str | torch.dtype = _D.half_dtype,
+        num_losses: int = _D.num_losses,
+        cast_table: CastTable | None = _D.cast_table,
+        allow_banned: bool = _D.allow_banned,
+        unscale_backend: str = _D.unscale_backend,
+        init_scale: float = _S.init_scale,
+        growth_factor: float = _S.growth_factor,
+        backoff_factor: float = _S.backoff_factor,
+        growth_interval: int = _S.growth_interval,
+        hysteresis: int = _S.hysteresis,
+        consecutive_hysteresis: bool = _S.consecutive_hysteresis,
+        min_loss_scale: float = _S.min_loss_scale,
+        max_loss_scale: float = _S.max_loss_scale,
+        on_floor: OnFloor = _S.on_floor,
+        overflow_log_interval: float = _D.overflow_log_interval,
+        model_writes: str = _D.model_writes,
+        diagnose_overflows: bool = _D.diagnose_overflows,
+        fp32_modules: Sequence[str] = _D.fp32_modules,
         **overrides: Any,
     ) -> None:
-        if model_writes not in MODEL_WRITES:
-            raise ValueError(
-                f"model_writes={model_writes!r} is not valid; valid choices: {', '.join(map(repr, MODEL_WRITES))}."
-            )
-        self.model_writes = model_writes
-        self.properties: Properties = resolve_properties(opt_level, half_dtype=half_dtype, **overrides)
-        if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
-            raise ValueError(f"num_losses={num_losses!r} must be a positive integer.")
-        if unscale_backend not in BACKENDS:
-            raise ValueError(
-                f"unscale_backend={unscale_backend!r} is not valid; valid choices: {', '.join(BACKENDS)}."
-            )
-        if cast_table is not None and not self.properties.patch_torch_functions:
-            raise ValueError(
-                f"cast_table is only used by the cast-table policy, which is off at opt_level="
-                f"{self.properties.opt_level!r} (patch_torch_functions=False); use opt_level='O1'."
-            )
+        arguments = dict(locals())
+        del arguments["self"], arguments["overrides"]
+        self._configure(MixedPrecisionSettings.from_kwargs(**arguments, **overrides))
+
+    @classmethod
+    def from_settings(cls, settings: MixedPrecisionSettings) -> Amp:
+        """The engine of ``settings``: the same as ``Amp(settings.opt_level, **settings.to_kwargs())``."""
+        if not isinstance(settings, MixedPrecisionSettings):
+            raise TypeError(f"settings={type(settings).__name__} must be a lightning_mpx.MixedPrecisionSettings.")
+        amp = cls.__new__(cls)
+        amp._configure(settings)
+        return amp
+
+    def _configure(self, settings: MixedPrecisionSettings) -> None:
+        self.settings = settings
+        self.model_writes = settings.model_writes
+        self.properties: Properties = settings.properties
+        num_losses = settings.num_losses
         self.policy: CastPolicy | None = None
         if self.properties.patch_torch_functions:
-            self.policy = CastPolicy(cast_table, self.properties.half_dtype, allow_banned=allow_banned)
+            policy_dtype, allow_banned = self.properties.half_dtype, settings.allow_banned
+            self.policy = CastPolicy(settings.cast_table, policy_dtype, allow_banned=allow_banned)
         elif self.properties.casts_model and self.properties.master_weights:
             # O2: a loss computed inside the half model's own forward runs in FP32 (CastTable.default_o2()).
             self.policy = CastPolicy(CastTable.default_o2(), self.properties.half_dtype, allow_banned=True)
-        scaler_settings = dict(
-            init_scale=init_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-            consecutive_hysteresis=consecutive_hysteresis,
-            min_loss_scale=min_loss_scale,
-            max_loss_scale=max_loss_scale,
-            on_floor=on_floor,
-        )
         self.scalers: list[LossScaler] = [
-            LossScaler(self.properties.loss_scale, **scaler_settings) for _ in range(num_losses)  # type: ignore[arg-type]
+            LossScaler.from_settings(self.properties.loss_scale, settings.scaler) for _ in range(num_losses)
         ]
-        self.unscale_backend = unscale_backend
+        self.unscale_backend = settings.unscale_backend
         self.found_inf_reducer: Callable[[torch.Tensor], None] | None = None
-        self.log_overflows = True
-        self.overflow_log_interval = overflow_log_interval
+        self._overflow_log = OverflowLog(settings.overflow_log_interval)
         self.master_weights: list[MasterWeights] = []
         self._evaluation_only = False  # O2 models were prepared with train=False (and none for training)
         self.skipped_steps: list[int] = [0] * num_losses
         self.last_overflow_parameters: list[str] = []
         self.last_overflow: OverflowRecord | None = None
-        self.forensics = OverflowForensics(diagnose_overflows)  # validates the flag
+        self.forensics = OverflowForensics(settings.diagnose_overflows)
         self._steps = 0  # Amp.step() calls so far, all optimizers (OverflowRecord.step)
         #: The modules that run in FP32: pinned by ``fp32_modules`` or promoted by ``on_floor="promote"``.
-        self.promotion = Promotion(self, fp32_modules)
+        self.promotion = Promotion(self, settings.fp32_modules)
         self._names: dict[int, str] = {}
         self._optimizers: dict[int, _OptimizerState] = {}
         self._iteration_found: dict[int, torch.Tensor] = {}
         self._grad_norms: dict[int, torch.Tensor] = {}
         self._overflows_reported: list[torch.Tensor | None] = [None] * num_losses
-        self._last_overflow_log = -float("inf")
-        self._suppressed_overflow_logs = 0
         self.telemetry = GradTelemetry(self.properties.half_dtype)  # underflow/headroom, on request only
 
     # -- set-up -------------------------------------------------------------------------------------------------
@@ -250,6 +181,24 @@ class Amp:
     @diagnose_overflows.setter
     def diagnose_overflows(self, value: bool) -> None:
         self.forensics.diagnose = value
+
+    @property
+    def log_overflows(self) -> bool:
+        """Whether overflow messages are logged (adapters turn it off on ranks other than zero)."""
+        return self._overflow_log.enabled
+
+    @log_overflows.setter
+    def log_overflows(self, value: bool) -> None:
+        self._overflow_log.enabled = value
+
+    @property
+    def overflow_log_interval(self) -> float:
+        """Minimum seconds between two overflow log messages."""
+        return self._overflow_log.interval
+
+    @overflow_log_interval.setter
+    def overflow_log_interval(self, value: float) -> None:
+        self._overflow_log.interval = value
 
     @property
     def fp32_modules(self) -> list[str]:
@@ -340,7 +289,8 @@ class Amp:
             return optimizer  # registered before (a framework preparing it twice)
         state = _OptimizerState(weakref.ref(optimizer))
         if self.properties.master_weights:
-            self._param_pairs(state)  # refuses half parameters of unprepared models; makes missing masters
+            # Refuses half parameters of unprepared models; makes missing masters.
+            param_pairs(state, self.master_weights)
             for param, master in state.pairs:
                 if master is not param and param in optimizer.state:  # state made before preparing: now the master's
                     old = optimizer.state.pop(param)
@@ -372,7 +322,7 @@ class Amp:
         state = self._state(optimizer)
         if not self.properties.master_weights:
             return list(_params(optimizer))
-        return [master for _, master in self._param_pairs(state)]
+        return [master for _, master in param_pairs(state, self.master_weights)]
 
     def master_of(self, param: torch.Tensor) -> torch.Tensor:
         """The FP32 master of a model parameter at O2 (the parameter itself when it has none: an FP32 parameter, or
@@ -390,7 +340,7 @@ class Amp:
         """Make the masters of the half parameters the prepared optimizers hold (those added since their last step
         have none yet)."""
         for state in list(self._optimizers.values()):
-            self._param_pairs(state)
+            param_pairs(state, self.master_weights)
 
     def refresh_masters(self, params: Iterable[torch.Tensor] | None = None, *, force: bool = False) -> list[str]:
         """Take writes made to the half model into the FP32 masters now (done before every step anyway).
@@ -448,11 +398,13 @@ class Amp:
             self.forensics.watch.observe_loss(loss)
         for state in self._optimizers.values():
             if state.stage is not _Stage.READY:
-                self._rescale_unscaled(state, loss_id)
+                if state.stage is _Stage.UNSCALED:
+                    self._record_found(state.found_by_loss)  # an overflow seen by unscale_() counts toward update()
+                rescale_unscaled(state, loss_id, self.scalers[loss_id], self.master_weights, self.unscale_backend)
             elif state.loss_id is None:
                 state.loss_id = loss_id
             elif state.loss_id != loss_id or state.grad_scale is not None:
-                self._rescale_pending(state, loss_id)
+                rescale_pending(state, loss_id, self.scalers, self.unscale_backend)
         return scaled
 
     def backward(self, loss: torch.Tensor, loss_id: int = 0, **backward_kwargs: Any) -> None:
@@ -514,7 +466,8 @@ class Amp:
             self._unscale(state, max_norm=float(max_norm))
         else:
             if self.master_weights:
-                self._follow_cleared_grads(state)  # the model's gradients, written since the unscale, are clipped
+                # The model's gradients, written since the unscale, are clipped.
+                follow_cleared_grads(state, self.master_weights)
             state.grad_norm = _clip_unscaled(self._unscaled_params(optimizer), float(max_norm))
         assert state.grad_norm is not None
         self._grad_norms[state.loss_id or 0] = state.grad_norm
@@ -526,7 +479,7 @@ class Amp:
         if state.stage is not _Stage.UNSCALED:
             self._unscale(state)
         elif self.master_weights:
-            self._follow_cleared_grads(state)  # as in clip_grad_norm_
+            follow_cleared_grads(state, self.master_weights)  # as in clip_grad_norm_
         params = self._unscaled_params(optimizer)
         if params:  # torch's clip refuses an empty list
             torch.nn.utils.clip_grad_value_(params, clip_value)
@@ -554,7 +507,7 @@ class Amp:
         if state.stage is not _Stage.UNSCALED:
             self._unscale(state)
         elif self.master_weights:
-            self._follow_cleared_grads(state)
+            follow_cleared_grads(state, self.master_weights)
         loss_ids = sorted(state.found_by_loss)
         # One tensor for the reduction across processes and one host read; all ranks then agree loss by loss.
         flags = (
@@ -570,9 +523,9 @@ class Amp:
             names = self._record_overflow(optimizer, overflowed)
             for loss_id in overflowed:
                 self.skipped_steps[loss_id] += 1
-            self._log_overflow(names, overflowed)
+            self._overflow_log.log(names, overflowed, self.scalers, self.last_overflow)
             self._finish_step(state)
-            hint = self._floor_hint(optimizer)
+            hint = floor_hint(optimizer, self.master_of, self.properties.opt_level)
             if self.scalers[overflowed[0]].on_floor == "promote" and any(
                 self.scalers[i].at_floor() for i in overflowed
             ):
@@ -591,7 +544,7 @@ class Amp:
             mirrors = self._mirrors(state)
             for mirror in mirrors:
                 mirror.take_writes()  # writes to the model since the last step (loaded weights, SWA, EMA...)
-            with self._masters_in(state):
+            with masters_in(state, self.master_weights):
                 optimizer.step(**step_kwargs)
             for mirror in mirrors:
                 mirror.copy_to_model()
@@ -747,135 +700,15 @@ class Amp:
             "it needs dense gradients (for example nn.Embedding(..., sparse=False), the default)."
         )
 
-    def _grad_pairs(self, optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(scaled gradients, where their unscaled values go) for the optimizer's parameters.
-
-        At O2 the unscaled values go to the masters' ``.grad``; a master whose parameter has no gradient this step
-        gets none either, so the optimizer never steps it on an old one.
-        """
-        sources: list[torch.Tensor] = []
-        targets: list[torch.Tensor] = []
-        if not self.master_weights:  # every parameter holds its own gradient, unscaled in place
-            for param in _params(optimizer):
-                grad = param.grad
-                if grad is not None:
-                    if grad.is_sparse:
-                        self._refuse_sparse(param)
-                    sources.append(grad)
-            return sources, list(sources)
-        for param, master in self._param_pairs(self._state(optimizer)):
-            grad = param.grad
-            if grad is None:
-                if master is not param:
-                    master.grad = None
-                continue
-            if grad.is_sparse:
-                self._refuse_sparse(param)
-            sources.append(grad)
-            if master is param:
-                targets.append(grad)
-            else:
-                target = master.grad
-                if target is None or target.shape != master.shape:
-                    target = master.grad = torch.empty_like(master)
-                targets.append(target)
-        return sources, targets
-
-    def _param_pairs(self, state: _OptimizerState) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(model parameter, its FP32 master or itself)`` for each of the optimizer's parameters, cached per
-        optimizer, with each group's list of masters.
-
-        The cache is rebuilt when a parameter group is added or removed, or a group's parameter list is replaced or
-        changes length: what ``add_param_group`` and ordinary code do. A half parameter that has no master yet (a
-        frozen part of the model, unfrozen and added later) gets one here, as Apex did. Swapping one tensor for
-        another inside a group's list in place, at the same length, is not detected (nothing in torch or Lightning
-        does that).
-        """
-        optimizer = state.optimizer
-        if state.swapped is not None:
-            return state.pairs  # the groups hold the masters right now
-        key = tuple([(id(group["params"]), len(group["params"])) for group in optimizer.param_groups])
-        if key != state.pairs_key:
-            group_masters = []
-            stray = []
-            for group in optimizer.param_groups:
-                masters = []
-                for param in group["params"]:
-                    master = self._master_for(param)
-                    if master is None:
-                        stray.append(param)
-                        master = param
-                    masters.append(master)
-                group_masters.append(masters)
-            if stray:
-                raise ValueError(
-                    f"optimizer holds {len(stray)} half parameter(s) that belong to no model prepared for training "
-                    f"(first: shape {tuple(stray[0].shape)}, {stray[0].dtype}); call prepare_model() (with "
-                    "train=True) on every model whose parameters it trains."
-                )
-            state.group_masters = group_masters
-            state.pairs = [
-                (param, master)
-                for group, masters in zip(optimizer.param_groups, group_masters)
-                for param, master in zip(group["params"], masters)
-            ]
-            state.pairs_key = key
-            state.mirrors = None
-        return state.pairs
-
     def _mirrors(self, state: _OptimizerState) -> list[Mirror]:
-        """The optimizer's half parameters and their masters, one :class:`Mirror` per prepared model, kept until
-        the optimizer's parameter lists change."""
-        pairs = self._param_pairs(state)
-        if state.mirrors is None:
-            params = [param for param, master in pairs if master is not param]
-            compare = self.model_writes == "values"
-            state.mirrors = [
-                m for masters in self.master_weights if (m := masters.mirror(params, compare=compare)).params
-            ]
-        return state.mirrors
-
-    def _master_for(self, param: torch.Tensor) -> torch.Tensor | None:
-        """The master of a model parameter (made now if it has none yet); ``None`` for a half parameter that
-        belongs to no prepared model."""
-        for masters in self.master_weights:
-            if masters.covers(param):
-                return masters.master_of(param, create=True)
-        if param.dtype in (torch.float16, torch.bfloat16) and param.requires_grad:
-            return None
-        return param
-
-    @contextlib.contextmanager
-    def _masters_in(self, state: _OptimizerState) -> Iterator[None]:
-        """The masters stand in for the model's parameters in the optimizer's groups (for its step)."""
-        self._swap_in(state)
-        try:
-            yield
-        finally:
-            self._swap_out(state)
-
-    def _swap_in(self, state: _OptimizerState) -> None:
-        if state.swapped is not None:
-            return
-        self._param_pairs(state)
-        groups = state.optimizer.param_groups
-        state.swapped = [group["params"] for group in groups]
-        for group, masters in zip(groups, state.group_masters):
-            group["params"] = masters
-
-    def _swap_out(self, state: _OptimizerState) -> None:
-        if state.swapped is None:
-            return
-        # By position: load_state_dict replaces the group dicts themselves.
-        for group, params in zip(state.optimizer.param_groups, state.swapped):
-            group["params"] = params
-        state.swapped = None
+        """The optimizer's half parameters and their masters, one :class:`Mirror` per prepared model."""
+        return mirrors(state, self.master_weights, compare=self.model_writes == "values")
 
     def _masters_in_hook(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
-        self._swap_in(self._state(optimizer))
+        swap_in(self._state(optimizer), self.master_weights)
 
     def _masters_out_hook(self, optimizer: torch.optim.Optimizer, *args: Any) -> Any:
-        self._swap_out(self._state(optimizer))
+        swap_out(self._state(optimizer))
         return args[0] if args else None  # the state_dict post-hook returns the state dict
 
     def _refuse_direct_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -887,77 +720,22 @@ class Amp:
             )
 
     def _unscale(self, state: _OptimizerState, max_norm: float | None = None) -> None:
-        loss_id = state.loss_id or 0
-        scaler = self.scalers[loss_id]
-        skipped = state.stage is _Stage.SKIPPED
-        if skipped:
-            # Left unscaled by a batch that did not step, and no backward since: check them (and clip), but do not
-            # divide them again.
-            sources = [true for true, _ in self._leftovers(state)]
-            targets: list[torch.Tensor] | None = None
-        else:
-            sources, targets = self._grad_pairs(state.optimizer)
-        device = scaler.device or (sources[0].device if sources else torch.device("cpu"))
-        scaler.to(device)
-        if skipped:
-            factor = torch.ones((), dtype=torch.float32, device=device)
-        else:
-            grad_scale = state.grad_scale if state.grad_scale is not None else scaler.scale_tensor
-            factor = grad_scale.double().reciprocal().float()  # in FP64, as GradScaler
-        found = torch.zeros((), dtype=torch.float32, device=device)
-        # Telemetry measures scaled gradients: not the leftovers of a skipped batch, which hold true values.
-        stats = self.telemetry.stats() if self.telemetry.requested and not skipped else None
-        norm = unscale_grads_(
-            sources,
-            factor,
-            found,
-            out=targets,
-            max_norm=max_norm,
+        unscale_state(
+            state,
+            self.scalers[state.loss_id or 0],
+            self.master_weights,
             backend=self.unscale_backend,
-            workspace=state.workspace,
-            stats=stats,
+            refuse_sparse=self._refuse_sparse,
+            telemetry=self.telemetry,
+            names=self._names,
+            max_norm=max_norm,
         )
-        if stats is not None:
-            self.telemetry.record(id(state), sources, _params(state.optimizer), self._names, stats)
-        self._charge(state, loss_id, found)
-        state.grad_norm = norm
-        state.grad_scale = None
-        state.stage = _Stage.UNSCALED
-        if self.master_weights and not skipped:
-            state.unscaled_marks = self._grad_marks(state)
-
-    def _charge(self, state: _OptimizerState, loss_id: int, found: torch.Tensor) -> None:
-        """Charge the overflow that one check of ``state``'s gradients found to ``loss_id``, whose backward ran since
-        the previous check; non-finite values found before belong to the loss they were charged to then."""
-        if state.found_inf is None:
-            state.found_inf = found
-            state.found_by_loss = {loss_id: found}
-            return
-        new = found * (state.found_inf == 0)
-        seen = state.found_by_loss.get(loss_id)
-        state.found_by_loss[loss_id] = new if seen is None else torch.maximum(seen, new)
-        state.found_inf = torch.maximum(state.found_inf, found)
 
     def _record_found(self, found_by_loss: dict[int, torch.Tensor]) -> None:
         """Add overflow flags to the ones the next :meth:`update` applies, loss by loss."""
         for loss_id, found in found_by_loss.items():
             seen = self._iteration_found.get(loss_id)
             self._iteration_found[loss_id] = found if seen is None else torch.maximum(seen, found)
-
-    def _rescale_pending(self, state: _OptimizerState, new_loss_id: int) -> None:
-        """Bring gradients pending for another loss (or for this one at a scale since updated) to ``new_loss_id``'s
-        scale, checking them on the way: what they hold now is charged to the loss they came from."""
-        old_id = state.loss_id or 0
-        old_scale = state.grad_scale if state.grad_scale is not None else self.scalers[old_id].scale_tensor
-        grads = [g for p in _params(state.optimizer) if (g := p.grad) is not None]  # the model's, still scaled
-        if grads:
-            new = self.scalers[new_loss_id].to(grads[0].device)
-            ratio = (new.scale_tensor.double() / old_scale.to(grads[0].device).double()).float()
-            found = torch.zeros((), dtype=torch.float32, device=grads[0].device)
-            unscale_grads_(grads, ratio, found, backend=self.unscale_backend, workspace=state.workspace)
-            self._charge(state, old_id, found)
-        state.loss_id = new_loss_id
-        state.grad_scale = None
 
     def show_unscaled_on_model(self, optimizer: torch.optim.Optimizer) -> None:
         """At O2, copy the unscaled FP32 master gradients into the half model's gradients (rounded), for code that
@@ -970,136 +748,21 @@ class Amp:
         state = self._state(optimizer)
         if not self.master_weights or state.stage is not _Stage.UNSCALED:
             return
-        self._follow_cleared_grads(state)
-        for param, master in self._param_pairs(state):
+        follow_cleared_grads(state, self.master_weights)
+        for param, master in param_pairs(state, self.master_weights):
             if master is not param and master.grad is not None:
                 if param.grad is None:
                     param.grad = master.grad.to(param.dtype)
                 else:
                     param.grad.copy_(master.grad)
-        state.unscaled_marks = self._grad_marks(state)  # the copies are ours, not the user's writes
-
-    def _follow_cleared_grads(self, state: _OptimizerState) -> None:
-        """Between an unscale and the step, the user may clear the half gradients (``zero_grad`` either way, a
-        skipped batch): the FP32 master gradients the step would use follow them (see :meth:`_leftovers`). A step
-        that finds them as the unscale left them compares one tuple."""
-        if self._grad_marks(state) != state.unscaled_marks:
-            self._leftovers(state)
-            state.unscaled_marks = self._grad_marks(state)  # taken: a later check looks for later writes only
-
-    def _grad_marks(self, state: _OptimizerState) -> tuple[tuple[int, int] | None, ...]:
-        """Identity and version of each half parameter's gradient (``None`` where it has none), in pair order."""
-        return tuple(
-            None if (g := param.grad) is None else (id(g), g._version)
-            for param, master in self._param_pairs(state)
-            if master is not param
-        )
-
-    def _leftovers(self, state: _OptimizerState) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(gradient with true values, the model's gradient it belongs in) for the gradients an unscale left behind
-        that the user has not cleared since.
-
-        Without masters both are the parameter's own gradient (unscaled in place). At O2 the true values sit in the
-        master's gradient; the half gradient the unscale read tells whether the user cleared it since (gone, or
-        written: ``zero_grad`` either way), in which case the master's copy is dropped (``set_to_none=False``: its
-        zeros are taken instead).
-        """
-        if not self.master_weights:
-            return [(g, g) for p in _params(state.optimizer) if (g := p.grad) is not None]
-        out = []
-        marks = state.unscaled_marks
-        index = 0
-        for param, master in self._param_pairs(state):
-            grad = param.grad
-            if master is param:
-                if grad is not None:
-                    out.append((grad, grad))
-                continue
-            was = marks[index] if index < len(marks) else None
-            index += 1
-            true = master.grad
-            if true is None:
-                continue  # nothing was unscaled into it
-            if grad is None:
-                if was is not None:  # cleared by the user (set_to_none) since the unscale
-                    master.grad = None
-                    continue
-                grad = param.grad = torch.zeros_like(param)  # unscaled without a half gradient (Apex's stash)
-            elif (id(grad), grad._version) != was:  # written since the unscale (zero_grad): the user's values stand
-                true.copy_(grad)
-            out.append((true, grad))
-        return out
-
-    def _rescale_unscaled(self, state: _OptimizerState, new_loss_id: int) -> None:
-        """Scale gradients that unscale_() left with their true values (no step followed) back up to
-        ``new_loss_id``'s scale, where the coming backward adds its own; at O2 from the FP32 masters' gradients (the
-        ones a clip changed and a ``zero_grad`` cleared) into the half model's."""
-        if state.stage is _Stage.UNSCALED:
-            self._record_found(state.found_by_loss)  # an overflow seen by unscale_() counts toward update()
-        old_id = state.loss_id or 0
-        state.found_by_loss, state.found_inf, state.grad_norm = {}, None, None
-        leftovers = self._leftovers(state)
-        sources = [true for true, _ in leftovers]
-        targets = [model_grad for _, model_grad in leftovers]
-        if sources:
-            scaler = self.scalers[new_loss_id].to(sources[0].device)
-            found = torch.zeros((), dtype=torch.float32, device=sources[0].device)
-            unscale_grads_(
-                sources,
-                scaler.scale_tensor,
-                found,
-                out=targets if self.master_weights else None,
-                backend=self.unscale_backend,
-                workspace=state.workspace,
-            )
-            self._charge(state, old_id, found)
-        if self.master_weights:
-            for param, master in self._param_pairs(state):
-                if master is not param:
-                    master.grad = None  # carried into the half gradient
-        state.unscaled_marks = ()
-        state.stage = _Stage.READY
-        state.loss_id = new_loss_id
-        state.grad_scale = None
+        state.unscaled_marks = grad_marks(state, self.master_weights)  # the copies are ours, not the user's writes
 
     def _finish_step(self, state: _OptimizerState) -> None:
         if self.master_weights:
-            for param, master in self._param_pairs(state):
-                if master is not param:
-                    # The FP32 gradient was the step's: freeing it keeps it out of the next forward's and backward's
-                    # peak memory. The half gradient is the user's, cleared by their zero_grad as in any loop.
-                    master.grad = None
-        state.stage = _Stage.READY
-        state.loss_id = None
-        state.grad_scale = None
-        state.unscaled_marks = ()
-        state.found_by_loss = {}
-        state.found_inf = None
-        state.grad_norm = None
-
-    def _floor_hint(self, optimizer: torch.optim.Optimizer) -> str | None:
-        """The likely cause of a floor error that is not the loss: an Adam ``eps`` that the half optimizer state
-        cannot hold (O3, or any half model without FP32 masters: AdamW's default 1e-8 is 0 in float16)."""
-        if "adam" not in type(optimizer).__name__.lower():
-            return None
-        for group in optimizer.param_groups:
-            eps = group.get("eps")
-            stepped = [self.master_of(p) for p in group["params"]]  # at O2 the FP32 masters, not the half model
-            half = [p.dtype for p in stepped if p.dtype in (torch.float16, torch.bfloat16)]
-            if not half or not isinstance(eps, (int, float)) or isinstance(eps, bool):
-                continue
-            tiny = torch.finfo(half[0]).tiny  # the smallest normal number
-            if eps < tiny:
-                shown = "0" if torch.tensor(eps, dtype=half[0]).item() == 0 else "a subnormal"
-                return (
-                    f"The likely cause is {type(optimizer).__name__}'s eps={eps:g}, which is {shown} in {half[0]} "
-                    f"(smallest normal {tiny:g}): with half parameters and no FP32 master weights (opt_level="
-                    f"{self.properties.opt_level!r}) the optimizer state is half too, and the update divides by "
-                    f"sqrt(v) + eps, where both underflow to 0 for small gradients: the weights become inf/NaN. Use "
-                    f"opt_level='O2' (FP32 masters and optimizer state), half_dtype='bfloat16', or a larger eps such "
-                    f"as 1e-4"
-                )
-        return None
+            # The FP32 gradients were the step's: freeing them keeps them out of the next forward's and backward's
+            # peak memory. The half gradients are the user's, cleared by their zero_grad as in any loop.
+            drop_master_grads(state, self.master_weights)
+        state.reset()
 
     def _record_overflow(self, optimizer: torch.optim.Optimizer, overflowed: list[int]) -> list[str]:
         """Build :attr:`last_overflow` (gathered to rank 0 under a distributed strategy) and count it; at the floor,
@@ -1107,7 +770,7 @@ class Amp:
         dist = torch.distributed
         distributed = dist.is_available() and dist.is_initialized()
         local = self.forensics.build(
-            self._named_grads(optimizer),
+            named_grads(optimizer, self._names, self.master_of),
             step=self._steps - 1,
             loss_ids=overflowed,
             scales=[self.scalers[i].scale_tensor for i in overflowed],
@@ -1119,95 +782,9 @@ class Amp:
         self.forensics.overflowed(self.last_overflow, at_floor=any(self.scalers[i].at_floor() for i in overflowed))
         return self.last_overflow_parameters
 
-    def _named_grads(self, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
-        """(name, gradient) of the optimizer's parameters that have one (the master's where the model's is gone)."""
-        candidates = []
-        for index, param in enumerate(_params(optimizer)):
-            grad = param.grad if param.grad is not None else self.master_of(param).grad
-            if grad is not None:
-                candidates.append((self._names.get(id(param), f"param{index}"), grad))
-        return candidates
-
-    def _log_overflow(self, names: list[str], loss_ids: list[int]) -> None:
-        if not self.log_overflows:
-            return
-        now = time.monotonic()
-        if now - self._last_overflow_log < self.overflow_log_interval:
-            self._suppressed_overflow_logs += 1
-            return
-        suppressed = self._suppressed_overflow_logs
-        self._last_overflow_log, self._suppressed_overflow_logs = now, 0
-        scales = ", ".join(f"loss {i}: {self.scalers[i].get_scale():g}" for i in sorted(loss_ids))
-        shown = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
-        record = self.last_overflow
-        log.info(
-            "Gradient overflow: step skipped (scale before update %s); non-finite gradients in %s%s%s",
-            scales,
-            shown or "no parameter (flag set by another process)",
-            f"; {record.describe()}" if record is not None else "",
-            f"; {suppressed} earlier overflow message(s) suppressed" if suppressed else "",
-        )
-
-
-def _params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    for group in optimizer.param_groups:
-        yield from group["params"]
-
-
-_VERSION = operator.attrgetter("_version")
-
 
 def _is_bool_tensor(value: object) -> bool:
     return isinstance(value, torch.Tensor) and value.dtype == torch.bool
-
-
-def _cast_collection(data: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
-    """``data`` with its tensors of a ``castable`` dtype cast to ``dtype``, through lists, tuples, namedtuples,
-    mappings and dataclasses, each rebuilt as its own type (a Hugging Face ``ModelOutput``, which is both an
-    ``OrderedDict`` and a dataclass, stays one; a ``defaultdict`` keeps its ``default_factory``)."""
-    if isinstance(data, torch.Tensor):
-        return data.to(dtype) if data.dtype in castable else data
-    if dataclasses.is_dataclass(data) and not isinstance(data, type):
-        return _cast_dataclass(data, dtype, castable)
-    if isinstance(data, Mapping):
-        return _cast_mapping(data, dtype, castable)
-    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-        return type(data)(*(_cast_collection(v, dtype, castable) for v in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(_cast_collection(v, dtype, castable) for v in data)
-    return data
-
-
-def _cast_dataclass(data: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
-    # replace() runs __init__ and __post_init__ again, which a ModelOutput needs to rebuild its mapping.
-    changes = {
-        f.name: _cast_collection(getattr(data, f.name), dtype, castable)
-        for f in dataclasses.fields(data)
-        if f.init and hasattr(data, f.name)
-    }
-    new = dataclasses.replace(data, **changes)
-    if isinstance(data, MutableMapping):  # keys set as items, outside the fields, come along too
-        for key, value in data.items():
-            if key not in new:
-                new[key] = _cast_collection(value, dtype, castable)
-    return new
-
-
-def _cast_mapping(data: Mapping[Any, Any], dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
-    items = {key: _cast_collection(value, dtype, castable) for key, value in data.items()}
-    if isinstance(data, collections.defaultdict):
-        return type(data)(data.default_factory, items)
-    try:
-        return type(data)(items)
-    except TypeError:  # a constructor that takes no mapping: fill a shallow copy instead
-        if not isinstance(data, MutableMapping):
-            raise TypeError(
-                f"cannot rebuild a {type(data).__name__} with cast tensors: its constructor takes no mapping and it "
-                "cannot be changed in place; return a dict, a dataclass or a MutableMapping from the model."
-            ) from None
-        new = copy.copy(data)
-        new.update(items)
-        return new
 
 
 def _clip_unscaled(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:

@@ -32,7 +32,7 @@ from lightning_mpx._imports import require
 from lightning_mpx.amp import Amp
 from lightning_mpx.cast_policy import disable_casts
 from lightning_mpx.cast_table import CastTable
-from lightning_mpx.loss_scaler import OnFloor
+from lightning_mpx.settings import DEFAULTS, MixedPrecisionSettings, OnFloor
 
 _pl = require("lightning.pytorch", extra="lightning", feature="lightning_mpx.MixedPrecisionPlugin")
 
@@ -43,6 +43,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E40
 from lightning.pytorch.utilities.types import LRSchedulerConfig  # noqa: E402
 
 __all__ = ["MixedPrecisionPlugin"]
+
+_D, _S = DEFAULTS, DEFAULTS.scaler  # the defaults of the typed keywords, from the one place that defines them
 
 #: Strategies whose model is one ordinary module per process, the kind this plugin converts and steps.
 _SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
@@ -65,26 +67,18 @@ class MixedPrecisionPlugin(Precision):
     Args:
         opt_level: ``"O0"`` (FP32), ``"O1"`` (cast-table policy), ``"O2"`` (half model, FP32 master weights, batch
             norm FP32) or ``"O3"`` (pure half).
-        half_dtype: ``"float16"`` or ``"bfloat16"``.
-        num_losses: Number of losses with their own loss scaler; choose one in manual optimization with
-            ``self.manual_backward(loss, loss_id=i)``.
-        cast_table: Your own :class:`~lightning_mpx.cast_table.CastTable` for O1 (a copy of the default, extended).
-        allow_banned: Run banned ops in FP32 instead of raising.
-        unscale_backend: ``"auto"``, ``"foreach"`` or ``"reference"``.
-        init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, consecutive_hysteresis,
-            min_loss_scale, max_loss_scale, on_floor, overflow_log_interval: Loss-scaler settings (see
-            :class:`~lightning_mpx.amp.Amp`); ``on_floor="promote"`` runs the modules that keep overflowing at the
-            floor in FP32 from then on.
-        diagnose_overflows: Watch every training forward for non-finite module outputs, so that each overflow's
-            record (``plugin.amp.last_overflow``) tells forward from backward and names the first module; without
-            it only after an overflow at the floor (see :class:`~lightning_mpx.amp.Amp`).
-        fp32_modules: Module-name patterns (fnmatch on the LightningModule's ``named_modules()`` names, e.g.
-            ``["lm_head", "*.norm"]``) of modules that run in FP32 at every opt level.
-        model_writes: ``"versions"`` or ``"values"``: how O2 takes writes made to the half model outside the step
-            into the FP32 masters (see :class:`~lightning_mpx.amp.Amp`).
-        **overrides: Opt-level property overrides (``keep_batchnorm_fp32``, ``loss_scale``, ``master_weights``,
-            ``cast_model_type``, ``patch_torch_functions``), validated as in
-            :func:`~lightning_mpx.opt_levels.resolve_properties`.
+        half_dtype, num_losses, cast_table, allow_banned, unscale_backend, init_scale, growth_factor,
+            backoff_factor, growth_interval, hysteresis, consecutive_hysteresis, min_loss_scale, max_loss_scale,
+            on_floor, overflow_log_interval, diagnose_overflows, fp32_modules, model_writes, **overrides: The
+            engine's settings, each documented and checked in :class:`~lightning_mpx.settings.MixedPrecisionSettings`
+            (the scaler's in :class:`~lightning_mpx.settings.ScalerSettings`); :meth:`from_settings` takes them
+            whole. In manual optimization choose a loss with ``self.manual_backward(loss, loss_id=i)``;
+            ``fp32_modules`` patterns match the LightningModule's ``named_modules()`` names; the overflow record of
+            ``diagnose_overflows`` is ``plugin.amp.last_overflow``.
+
+    Attributes:
+        settings: The :class:`~lightning_mpx.settings.MixedPrecisionSettings` the plugin was built from.
+        amp: The :class:`~lightning_mpx.amp.Amp` engine that does the work.
 
     Example::
 
@@ -95,51 +89,32 @@ class MixedPrecisionPlugin(Precision):
         self,
         opt_level: str = "O1",
         *,
-        half_dtype: str | torch.dtype = "float16",
-        num_losses: int = 1,
-        cast_table: CastTable | None = None,
-        allow_banned: bool = False,
-        unscale_backend: str = "auto",
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        hysteresis: int = 1,
-        consecutive_hysteresis: bool = False,
-        min_loss_scale: float = 1.0,
-        max_loss_scale: float = 2.0**24,
-        on_floor: OnFloor = "raise",
-        overflow_log_interval: float = 10.0,
-        diagnose_overflows: bool = False,
-        fp32_modules: Sequence[str] = (),
-        model_writes: str = "versions",
+        half_dtype: str | torch.dtype = _D.half_dtype,
+        num_losses: int = _D.num_losses,
+        cast_table: CastTable | None = _D.cast_table,
+        allow_banned: bool = _D.allow_banned,
+        unscale_backend: str = _D.unscale_backend,
+        init_scale: float = _S.init_scale,
+        growth_factor: float = _S.growth_factor,
+        backoff_factor: float = _S.backoff_factor,
+        growth_interval: int = _S.growth_interval,
+        hysteresis: int = _S.hysteresis,
+        consecutive_hysteresis: bool = _S.consecutive_hysteresis,
+        min_loss_scale: float = _S.min_loss_scale,
+        max_loss_scale: float = _S.max_loss_scale,
+        on_floor: OnFloor = _S.on_floor,
+        overflow_log_interval: float = _D.overflow_log_interval,
+        diagnose_overflows: bool = _D.diagnose_overflows,
+        fp32_modules: Sequence[str] = _D.fp32_modules,
+        model_writes: str = _D.model_writes,
         **overrides: Any,
     ) -> None:
+        arguments = {k: v for k, v in locals().items() if k not in ("self", "overrides", "__class__")}
         inherited = set(vars(self))  # a subclass's attributes set before this __init__ (kept by pickling)
-        self._settings: dict[str, Any] = dict(
-            half_dtype=half_dtype,
-            num_losses=num_losses,
-            cast_table=cast_table,
-            allow_banned=allow_banned,
-            unscale_backend=unscale_backend,
-            init_scale=init_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-            consecutive_hysteresis=consecutive_hysteresis,
-            min_loss_scale=min_loss_scale,
-            max_loss_scale=max_loss_scale,
-            on_floor=on_floor,
-            overflow_log_interval=overflow_log_interval,
-            diagnose_overflows=diagnose_overflows,
-            fp32_modules=fp32_modules,
-            model_writes=model_writes,
-            **overrides,
-        )
-        self._opt_level = opt_level
         # Built now so that bad arguments fail at Trainer construction, not mid-setup.
-        self.amp = Amp(opt_level, **self._settings)
+        self.settings = MixedPrecisionSettings.from_kwargs(**arguments, **overrides)
+        self._opt_level = opt_level
+        self.amp = Amp.from_settings(self.settings)
         # ``trainer.precision`` in Lightning's own words (its model summary sizes the weights from it): what the
         # parameters are stored in, and whether the compute is mixed.
         prefix = "bf16" if self.amp.half_dtype == torch.bfloat16 else "16"
@@ -165,11 +140,18 @@ class MixedPrecisionPlugin(Precision):
         where the plugin starts afresh (a new engine; the run's state, loss scales and FP32 masters, is restored from
         checkpoints). A subclass's own attributes are kept."""
         extra = {name: value for name, value in vars(self).items() if name not in self._built_here}
-        return {"opt_level": self._opt_level, "settings": dict(self._settings), "extra": extra}
+        return {"opt_level": self._opt_level, "settings": self.settings.to_kwargs(), "extra": extra}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         MixedPrecisionPlugin.__init__(self, state["opt_level"], **state["settings"])
         self.__dict__.update(state["extra"])
+
+    @classmethod
+    def from_settings(cls, settings: MixedPrecisionSettings) -> MixedPrecisionPlugin:
+        """The plugin of ``settings``: ``MixedPrecisionPlugin(settings.opt_level, **settings.to_kwargs())``."""
+        if not isinstance(settings, MixedPrecisionSettings):
+            raise TypeError(f"settings={type(settings).__name__} must be a lightning_mpx.MixedPrecisionSettings.")
+        return cls(settings.opt_level, **settings.to_kwargs())
 
     @property
     def opt_level(self) -> str:
@@ -190,7 +172,7 @@ class MixedPrecisionPlugin(Precision):
         if module is not self._module:
             if self._module is not None:  # a different model: a fresh engine with the same settings
                 self.amp.diagnose_overflows = False  # its forward hooks leave the old model
-                self.amp = Amp(self._opt_level, **self._settings)
+                self.amp = Amp.from_settings(self.settings)
                 self._masters_synced = False
             self.amp.prepare_model(module, train=fitting)
             self._module = module

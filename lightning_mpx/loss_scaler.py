@@ -7,17 +7,17 @@ the device. With ``hysteresis=1`` and no bound reached, the scale follows ``torc
 
 from __future__ import annotations
 
-import math
 import warnings
-from typing import Any, Literal, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from lightning_mpx.opt_levels import LossScale, _check_loss_scale
+# ON_FLOOR_CHOICES and OnFloor are defined with the other settings; their old import path here keeps working.
+from lightning_mpx.settings import ON_FLOOR_CHOICES, SCALER_DEFAULTS, OnFloor, ScalerSettings  # noqa: F401
 
 _FP32_MAX = float(torch.finfo(torch.float32).max)
-OnFloor = Literal["raise", "warn", "continue", "promote"]
-ON_FLOOR_CHOICES: tuple[str, ...] = ("raise", "warn", "continue", "promote")
+_D = SCALER_DEFAULTS  # the defaults of the typed keywords, from the one place that defines them
 
 
 class LossScaleFloorError(FloatingPointError):
@@ -29,27 +29,12 @@ class LossScaler:
 
     Args:
         loss_scale: ``"dynamic"``, or a positive number for a static scale.
-        init_scale: First scale of a dynamic scaler (``2**16``, as torch's GradScaler and Apex).
-        growth_factor: Factor applied after ``growth_interval`` steps in a row without overflow (``1.0``: the scale
-            only ever backs off, as Apex's kernel allows).
-        backoff_factor: Factor applied on an overflow (see ``hysteresis``).
-        growth_interval: Overflow-free steps before the scale grows.
-        hysteresis: How many overflows it takes to back off, as in Megatron-LM's ``DynamicGradScaler`` and
-            DeepSpeed's ``DynamicLossScaler``: a tracker starts at ``hysteresis``; an overflow lowers it by one, or
-            backs off when it is already at 1, and it stays at 1 (every further overflow backs off) until a growth
-            restores it. A backoff does not restore it, so under persistent overflow the scale falls by one backoff
-            per step once ``hysteresis - 1`` overflows have been tolerated. ``1`` backs off on every overflow,
-            exactly like GradScaler.
-        consecutive_hysteresis: Also restore the tracker after every overflow-free step (DeepSpeed's
-            ``consecutive_hysteresis``), so that only ``hysteresis`` overflows *in a row* back off.
-        min_loss_scale: The floor of a dynamic scale.
-        max_loss_scale: The ceiling of a dynamic scale.
-        on_floor: What an overflow does when the scale cannot go lower (a dynamic scale at ``min_loss_scale``, or
-            any static scale): ``"raise"`` :class:`LossScaleFloorError` naming the parameters with non-finite
-            gradients, ``"warn"``, ``"continue"`` silently, or ``"promote"``: the modules the overflows keep coming
-            from run in FP32 from then on (done by :class:`~lightning_mpx.amp.Amp`, see
-            :mod:`lightning_mpx.promotion`; it raises as ``"raise"`` where no module can be blamed, and a scaler used
-            on its own raises too). The step is skipped in every case.
+        init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, consecutive_hysteresis,
+            min_loss_scale, max_loss_scale, on_floor: The scaler's settings, each documented and checked in
+            :class:`~lightning_mpx.settings.ScalerSettings` (:meth:`from_settings` takes one whole).
+
+    Attributes:
+        settings: The :class:`~lightning_mpx.settings.ScalerSettings` the scaler was built with.
 
     .. warning::
         :meth:`get_scale`, :meth:`state_dict` and :meth:`handle_overflow` read device values and so wait for the
@@ -60,56 +45,44 @@ class LossScaler:
         self,
         loss_scale: LossScale = "dynamic",
         *,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        hysteresis: int = 1,
-        consecutive_hysteresis: bool = False,
-        min_loss_scale: float = 1.0,
-        max_loss_scale: float = 2.0**24,
-        on_floor: OnFloor = "raise",
+        init_scale: float = _D.init_scale,
+        growth_factor: float = _D.growth_factor,
+        backoff_factor: float = _D.backoff_factor,
+        growth_interval: int = _D.growth_interval,
+        hysteresis: int = _D.hysteresis,
+        consecutive_hysteresis: bool = _D.consecutive_hysteresis,
+        min_loss_scale: float = _D.min_loss_scale,
+        max_loss_scale: float = _D.max_loss_scale,
+        on_floor: OnFloor = _D.on_floor,
     ) -> None:
         _check_loss_scale(loss_scale)
-        _positive("init_scale", init_scale)
-        _positive("min_loss_scale", min_loss_scale)
-        # `not x > 0` rather than `x <= 0` so that NaN is refused too.
-        if not _is_number(max_loss_scale) or not max_loss_scale > 0:  # type: ignore[operator]
-            raise ValueError(f"max_loss_scale={max_loss_scale!r} must be a positive number (math.inf for no ceiling).")
-        if not _is_number(growth_factor) or not growth_factor >= 1.0 or not math.isfinite(growth_factor):
-            raise ValueError(
-                f"growth_factor={growth_factor!r} must be a finite number of at least 1.0, e.g. 2.0 (1.0: the scale "
-                "never grows back after a backoff)."
-            )
-        if not _is_number(backoff_factor) or not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor={backoff_factor!r} must be between 0 and 1 (exclusive), e.g. 0.5.")
-        for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer.")
-        if not isinstance(consecutive_hysteresis, bool):
-            raise TypeError(f"consecutive_hysteresis={consecutive_hysteresis!r} must be True or False.")
-        if min_loss_scale > max_loss_scale:
-            raise ValueError(
-                f"min_loss_scale={min_loss_scale!r} is above max_loss_scale={max_loss_scale!r}; the floor must not "
-                "exceed the ceiling."
-            )
-        if loss_scale == "dynamic" and not min_loss_scale <= init_scale <= max_loss_scale:
-            raise ValueError(
-                f"init_scale={init_scale!r} lies outside [min_loss_scale={min_loss_scale!r}, "
-                f"max_loss_scale={max_loss_scale!r}]."
-            )
-        if on_floor not in ON_FLOOR_CHOICES:
-            raise ValueError(f"on_floor={on_floor!r} is not valid; valid choices: {', '.join(ON_FLOOR_CHOICES)}.")
+        arguments = dict(locals())
+        del arguments["self"], arguments["loss_scale"]
+        self._configure(loss_scale, ScalerSettings(**arguments))
+
+    @classmethod
+    def from_settings(cls, loss_scale: LossScale, settings: ScalerSettings) -> LossScaler:
+        """A scaler of ``loss_scale`` (``"dynamic"`` or a static number) with ``settings``."""
+        if not isinstance(settings, ScalerSettings):
+            raise TypeError(f"settings={type(settings).__name__} must be a lightning_mpx.ScalerSettings.")
+        _check_loss_scale(loss_scale)
+        scaler = cls.__new__(cls)
+        scaler._configure(loss_scale, settings)
+        return scaler
+
+    def _configure(self, loss_scale: LossScale, settings: ScalerSettings) -> None:
+        settings.check_init_scale(loss_scale)
+        self.settings = settings
         self.dynamic = loss_scale == "dynamic"
-        self.init_scale = float(init_scale if self.dynamic else loss_scale)  # type: ignore[arg-type]
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
-        self.growth_interval = growth_interval
-        self.hysteresis = hysteresis
-        self.consecutive_hysteresis = consecutive_hysteresis
-        self.min_loss_scale = float(min_loss_scale)
-        self.max_loss_scale = float(max_loss_scale)
-        self.on_floor: OnFloor = on_floor
+        self.init_scale = float(settings.init_scale if self.dynamic else loss_scale)  # type: ignore[arg-type]
+        self.growth_factor = float(settings.growth_factor)
+        self.backoff_factor = float(settings.backoff_factor)
+        self.growth_interval = settings.growth_interval
+        self.hysteresis = settings.hysteresis
+        self.consecutive_hysteresis = settings.consecutive_hysteresis
+        self.min_loss_scale = float(settings.min_loss_scale)
+        self.max_loss_scale = float(settings.max_loss_scale)
+        self.on_floor: OnFloor = settings.on_floor
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
         self._hysteresis_tracker: torch.Tensor | None = None
@@ -285,12 +258,3 @@ class LossScaler:
         kind = "dynamic" if self.dynamic else f"static {self.init_scale:g}"
         consecutive = ", consecutive_hysteresis=True" if self.consecutive_hysteresis else ""
         return f"LossScaler({kind}, growth_interval={self.growth_interval}, hysteresis={self.hysteresis}{consecutive})"
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _positive(name: str, value: object) -> None:
-    if not _is_number(value) or not math.isfinite(value) or value <= 0 or value > _FP32_MAX:  # type: ignore[arg-type, operator]
-        raise ValueError(f"{name}={value!r} must be a positive finite number that FP32 can hold.")

@@ -48,19 +48,38 @@ from __future__ import annotations
 import fnmatch
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 from torch import nn
 
+from lightning_mpx._collections import _cast_collection
 from lightning_mpx._dtypes import HALF_DTYPES
 from lightning_mpx.cast_policy import enter_fp32, exit_fp32
 from lightning_mpx.forensics import OverflowRecord
 
 if TYPE_CHECKING:
-    from lightning_mpx.amp import Amp
+    from lightning_mpx.master_weights import MasterWeights
+    from lightning_mpx.opt_levels import Properties
 
 log = logging.getLogger("lightning_mpx")
+
+
+class _Engine(Protocol):
+    """What :class:`Promotion` reads from the engine that owns it (:class:`~lightning_mpx.amp.Amp` is one): a
+    protocol, so that this module never imports the engine back."""
+
+    properties: Properties
+    log_overflows: bool
+    found_inf_reducer: Callable[[torch.Tensor], None] | None
+    master_weights: list[MasterWeights]
+    _optimizers: dict[int, Any]  # id(optimizer) -> its stage state (optimizer_ref, pairs_key, mirrors)
+
+    @property
+    def opt_level(self) -> str: ...
+
+    @property
+    def half_dtype(self) -> torch.dtype: ...
 
 #: How many overflows in a row at the loss-scale floor must share a culprit before ``on_floor="promote"`` promotes
 #: it (the default of :attr:`Promotion.patience`): one overflow at the floor can be a bad batch, two from the same
@@ -116,8 +135,6 @@ class _Fp32Boundary:
         self.out_dtype = out_dtype
 
     def pre(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        from lightning_mpx.amp import _cast_collection
-
         if self.policy:
             enter_fp32()
         return _cast_collection(args, torch.float32, HALF_DTYPES), _cast_collection(kwargs, torch.float32, HALF_DTYPES)
@@ -128,8 +145,6 @@ class _Fp32Boundary:
             exit_fp32()
         if self.out_dtype is None or output is None:
             return None
-        from lightning_mpx.amp import _cast_collection
-
         return _cast_collection(output, self.out_dtype, (torch.float32,))
 
 
@@ -149,7 +164,7 @@ class Promotion:
             blamed, the non-finite ``parameters`` inside it), in the order the decisions were made.
     """
 
-    def __init__(self, amp: Amp, patterns: Sequence[str] = ()) -> None:
+    def __init__(self, amp: _Engine, patterns: Sequence[str] = ()) -> None:
         self._amp = weakref.ref(amp)
         self.patterns = check_patterns(patterns)
         self.patience = FLOOR_OVERFLOWS_TO_PROMOTE
@@ -161,7 +176,7 @@ class Promotion:
         self._hooks: list[Any] = []
 
     @property
-    def amp(self) -> Amp:
+    def amp(self) -> _Engine:
         amp = self._amp()
         if amp is None:
             raise RuntimeError("the Amp that owns these FP32 modules was garbage-collected")

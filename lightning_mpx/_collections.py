@@ -1,0 +1,63 @@
+"""Casting the tensors inside a collection (lists, tuples, namedtuples, mappings, dataclasses), rebuilt as their types.
+
+Shared by :class:`~lightning_mpx.amp.Amp`, the adapters and :mod:`lightning_mpx.promotion`; it imports nothing of
+the package, so none of them has to import another to use it.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+from typing import Any, Mapping, MutableMapping
+
+import torch
+
+
+def _cast_collection(data: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
+    """``data`` with its tensors of a ``castable`` dtype cast to ``dtype``, through lists, tuples, namedtuples,
+    mappings and dataclasses, each rebuilt as its own type (a Hugging Face ``ModelOutput``, which is both an
+    ``OrderedDict`` and a dataclass, stays one; a ``defaultdict`` keeps its ``default_factory``)."""
+    if isinstance(data, torch.Tensor):
+        return data.to(dtype) if data.dtype in castable else data
+    if dataclasses.is_dataclass(data) and not isinstance(data, type):
+        return _cast_dataclass(data, dtype, castable)
+    if isinstance(data, Mapping):
+        return _cast_mapping(data, dtype, castable)
+    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
+        return type(data)(*(_cast_collection(v, dtype, castable) for v in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(_cast_collection(v, dtype, castable) for v in data)
+    return data
+
+
+def _cast_dataclass(data: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
+    # replace() runs __init__ and __post_init__ again, which a ModelOutput needs to rebuild its mapping.
+    changes = {
+        f.name: _cast_collection(getattr(data, f.name), dtype, castable)
+        for f in dataclasses.fields(data)
+        if f.init and hasattr(data, f.name)
+    }
+    new = dataclasses.replace(data, **changes)
+    if isinstance(data, MutableMapping):  # keys set as items, outside the fields, come along too
+        for key, value in data.items():
+            if key not in new:
+                new[key] = _cast_collection(value, dtype, castable)
+    return new
+
+
+def _cast_mapping(data: Mapping[Any, Any], dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
+    items = {key: _cast_collection(value, dtype, castable) for key, value in data.items()}
+    if isinstance(data, collections.defaultdict):
+        return type(data)(data.default_factory, items)
+    try:
+        return type(data)(items)
+    except TypeError:  # a constructor that takes no mapping: fill a shallow copy instead
+        if not isinstance(data, MutableMapping):
+            raise TypeError(
+                f"cannot rebuild a {type(data).__name__} with cast tensors: its constructor takes no mapping and it "
+                "cannot be changed in place; return a dict, a dataclass or a MutableMapping from the model."
+            ) from None
+        new = copy.copy(data)
+        new.update(items)
+        return new

@@ -1,0 +1,188 @@
+"""The unscale of an optimizer's gradients, the gradients it leaves behind, and re-scaling them so that one
+gradient buffer never mixes two scales.
+
+:func:`unscale_state` divides an optimizer's gradients by their scale (into the FP32 masters at O2) and records
+the overflow it finds. An unscale (or a clip) that no step followed leaves gradients with their true values (at O2
+in the FP32 masters); a later backward adds scaled values to them, so they are scaled back up first
+(:func:`rescale_unscaled`). Gradients of another loss, or of this loss at a scale
+:meth:`~lightning_mpx.amp.Amp.update` has changed since, are brought to the new scale (:func:`rescale_pending`).
+The user may clear half gradients between an unscale and the step (``zero_grad`` either way): the masters' copies
+follow (:func:`follow_cleared_grads`). Plain functions over an optimizer's
+:class:`~lightning_mpx._stages._OptimizerState`: no engine is held.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from lightning_mpx._master_swap import drop_master_grads, grad_pairs, param_pairs
+from lightning_mpx._stages import _OptimizerState, _Stage, optimizer_params
+from lightning_mpx.loss_scaler import LossScaler
+from lightning_mpx.master_weights import MasterWeights
+from lightning_mpx.telemetry import GradTelemetry
+from lightning_mpx.unscale import unscale_grads_
+
+Marks = tuple[tuple[int, int] | None, ...]
+
+
+def unscale_state(
+    state: _OptimizerState,
+    scaler: LossScaler,
+    master_weights: Sequence[MasterWeights],
+    *,
+    backend: str,
+    refuse_sparse: Callable[[torch.Tensor], None],
+    telemetry: GradTelemetry,
+    names: Mapping[int, str],
+    max_norm: float | None = None,
+) -> None:
+    """Unscale the optimizer's gradients with ``scaler`` (the scaler of its ``loss_id``), charge the overflow found
+    and move it to UNSCALED; ``max_norm`` clips them to that global norm on the way (the norm is kept in
+    ``state.grad_norm``). Telemetry measures the scaled gradients when it was requested."""
+    loss_id = state.loss_id or 0
+    skipped = state.stage is _Stage.SKIPPED
+    if skipped:
+        # Left unscaled by a batch that did not step, and no backward since: check them (and clip), but do not
+        # divide them again.
+        sources = [true for true, _ in leftovers(state, master_weights)]
+        targets: list[torch.Tensor] | None = None
+    else:
+        sources, targets = grad_pairs(state, master_weights, refuse_sparse)
+    device = scaler.device or (sources[0].device if sources else torch.device("cpu"))
+    scaler.to(device)
+    if skipped:
+        factor = torch.ones((), dtype=torch.float32, device=device)
+    else:
+        grad_scale = state.grad_scale if state.grad_scale is not None else scaler.scale_tensor
+        factor = grad_scale.double().reciprocal().float()  # in FP64, as GradScaler
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    # Telemetry measures scaled gradients: not the leftovers of a skipped batch, which hold true values.
+    stats = telemetry.stats() if telemetry.requested and not skipped else None
+    norm = unscale_grads_(
+        sources,
+        factor,
+        found,
+        out=targets,
+        max_norm=max_norm,
+        backend=backend,
+        workspace=state.workspace,
+        stats=stats,
+    )
+    if stats is not None:
+        telemetry.record(id(state), sources, optimizer_params(state.optimizer), names, stats)
+    state.charge(loss_id, found)
+    state.grad_norm = norm
+    state.grad_scale = None
+    state.stage = _Stage.UNSCALED
+    if master_weights and not skipped:
+        state.unscaled_marks = grad_marks(state, master_weights)
+
+
+def grad_marks(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> Marks:
+    """Identity and version of each half parameter's gradient (``None`` where it has none), in pair order."""
+    return tuple(
+        None if (g := param.grad) is None else (id(g), g._version)
+        for param, master in param_pairs(state, master_weights)
+        if master is not param
+    )
+
+
+def follow_cleared_grads(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> None:
+    """Between an unscale and the step, the user may clear the half gradients (``zero_grad`` either way, a skipped
+    batch): the FP32 master gradients the step would use follow them (see :func:`leftovers`). A step that finds
+    them as the unscale left them compares one tuple."""
+    if grad_marks(state, master_weights) != state.unscaled_marks:
+        leftovers(state, master_weights)
+        state.unscaled_marks = grad_marks(state, master_weights)  # taken: a later check looks for later writes only
+
+
+def leftovers(
+    state: _OptimizerState, master_weights: Sequence[MasterWeights]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(gradient with true values, the model's gradient it belongs in) for the gradients an unscale left behind
+    that the user has not cleared since.
+
+    Without masters both are the parameter's own gradient (unscaled in place). At O2 the true values sit in the
+    master's gradient; the half gradient the unscale read tells whether the user cleared it since (gone, or
+    written: ``zero_grad`` either way), in which case the master's copy is dropped (``set_to_none=False``: its
+    zeros are taken instead).
+    """
+    if not master_weights:
+        return [(g, g) for p in optimizer_params(state.optimizer) if (g := p.grad) is not None]
+    out = []
+    marks = state.unscaled_marks
+    index = 0
+    for param, master in param_pairs(state, master_weights):
+        grad = param.grad
+        if master is param:
+            if grad is not None:
+                out.append((grad, grad))
+            continue
+        was = marks[index] if index < len(marks) else None
+        index += 1
+        true = master.grad
+        if true is None:
+            continue  # nothing was unscaled into it
+        if grad is None:
+            if was is not None:  # cleared by the user (set_to_none) since the unscale
+                master.grad = None
+                continue
+            grad = param.grad = torch.zeros_like(param)  # unscaled without a half gradient (Apex's stash)
+        elif (id(grad), grad._version) != was:  # written since the unscale (zero_grad): the user's values stand
+            true.copy_(grad)
+        out.append((true, grad))
+    return out
+
+
+def rescale_unscaled(
+    state: _OptimizerState,
+    new_loss_id: int,
+    scaler: LossScaler,
+    master_weights: Sequence[MasterWeights],
+    backend: str,
+) -> None:
+    """Scale gradients that unscale_() left with their true values (no step followed) back up to ``scaler``'s
+    scale (the scaler of ``new_loss_id``), where the coming backward adds its own; at O2 from the FP32 masters'
+    gradients (the ones a clip changed and a ``zero_grad`` cleared) into the half model's. The caller has
+    recorded the overflow the unscale found."""
+    old_id = state.loss_id or 0
+    state.clear_checks()
+    pairs = leftovers(state, master_weights)
+    sources = [true for true, _ in pairs]
+    targets = [model_grad for _, model_grad in pairs]
+    if sources:
+        scaler.to(sources[0].device)
+        found = torch.zeros((), dtype=torch.float32, device=sources[0].device)
+        unscale_grads_(
+            sources,
+            scaler.scale_tensor,
+            found,
+            out=targets if master_weights else None,
+            backend=backend,
+            workspace=state.workspace,
+        )
+        state.charge(old_id, found)
+    if master_weights:
+        drop_master_grads(state, master_weights)  # carried into the half gradients
+    state.unscaled_marks = ()
+    state.stage = _Stage.READY
+    state.loss_id = new_loss_id
+    state.grad_scale = None
+
+
+def rescale_pending(state: _OptimizerState, new_loss_id: int, scalers: Sequence[LossScaler], backend: str) -> None:
+    """Bring gradients pending for another loss (or for this one at a scale since updated) to ``new_loss_id``'s
+    scale, checking them on the way: what they hold now is charged to the loss they came from."""
+    old_id = state.loss_id or 0
+    old_scale = state.grad_scale if state.grad_scale is not None else scalers[old_id].scale_tensor
+    grads = [g for p in optimizer_params(state.optimizer) if (g := p.grad) is not None]  # the model's, still scaled
+    if grads:
+        new = scalers[new_loss_id].to(grads[0].device)
+        ratio = (new.scale_tensor.double() / old_scale.to(grads[0].device).double()).float()
+        found = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+        unscale_grads_(grads, ratio, found, backend=backend, workspace=state.workspace)
+        state.charge(old_id, found)
+    state.loss_id = new_loss_id
+    state.grad_scale = None

@@ -1,0 +1,162 @@
+"""The FP32 masters of an optimizer's parameters and their swap into its groups for the step (O2).
+
+The masters themselves belong to :class:`~lightning_mpx.master_weights.MasterWeights` (one per prepared model); what
+is here pairs each parameter an optimizer holds with its master (cached on the optimizer's
+:class:`~lightning_mpx._stages._OptimizerState`), puts the masters in the groups for the length of a step or a
+state-dict call, and says where the unscaled gradients go. Plain functions over that state and the list of
+``MasterWeights``: no engine is held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from lightning_mpx._stages import _OptimizerState, optimizer_params
+from lightning_mpx.master_weights import MasterWeights, Mirror
+
+Pairs = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def master_for(master_weights: Sequence[MasterWeights], param: torch.Tensor) -> torch.Tensor | None:
+    """The master of a model parameter (made now if it has none yet); ``None`` for a half parameter that belongs
+    to no prepared model."""
+    for masters in master_weights:
+        if masters.covers(param):
+            return masters.master_of(param, create=True)
+    if param.dtype in (torch.float16, torch.bfloat16) and param.requires_grad:
+        return None
+    return param
+
+
+def param_pairs(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> Pairs:
+    """``(model parameter, its FP32 master or itself)`` for each of the optimizer's parameters, cached per
+    optimizer, with each group's list of masters.
+
+    The cache is rebuilt when a parameter group is added or removed, or a group's parameter list is replaced or
+    changes length: what ``add_param_group`` and ordinary code do. A half parameter that has no master yet (a
+    frozen part of the model, unfrozen and added later) gets one here, as Apex did. Swapping one tensor for
+    another inside a group's list in place, at the same length, is not detected (nothing in torch or Lightning
+    does that).
+    """
+    optimizer = state.optimizer
+    if state.swapped is not None:
+        return state.pairs  # the groups hold the masters right now
+    key = tuple([(id(group["params"]), len(group["params"])) for group in optimizer.param_groups])
+    if key != state.pairs_key:
+        group_masters = []
+        stray = []
+        for group in optimizer.param_groups:
+            masters = []
+            for param in group["params"]:
+                master = master_for(master_weights, param)
+                if master is None:
+                    stray.append(param)
+                    master = param
+                masters.append(master)
+            group_masters.append(masters)
+        if stray:
+            raise ValueError(
+                f"optimizer holds {len(stray)} half parameter(s) that belong to no model prepared for training "
+                f"(first: shape {tuple(stray[0].shape)}, {stray[0].dtype}); call prepare_model() (with "
+                "train=True) on every model whose parameters it trains."
+            )
+        state.group_masters = group_masters
+        state.pairs = [
+            (param, master)
+            for group, masters in zip(optimizer.param_groups, group_masters)
+            for param, master in zip(group["params"], masters)
+        ]
+        state.pairs_key = key
+        state.mirrors = None
+    return state.pairs
+
+
+def mirrors(state: _OptimizerState, master_weights: Sequence[MasterWeights], *, compare: bool) -> list[Mirror]:
+    """The optimizer's half parameters and their masters, one :class:`Mirror` per prepared model, kept until the
+    optimizer's parameter lists change (``compare``: ``model_writes="values"``)."""
+    pairs = param_pairs(state, master_weights)
+    if state.mirrors is None:
+        params = [param for param, master in pairs if master is not param]
+        state.mirrors = [m for masters in master_weights if (m := masters.mirror(params, compare=compare)).params]
+    return state.mirrors
+
+
+def swap_in(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> None:
+    """Put the masters in the optimizer's groups in place of the model's parameters (no-op when they are)."""
+    if state.swapped is not None:
+        return
+    param_pairs(state, master_weights)
+    groups = state.optimizer.param_groups
+    state.swapped = [group["params"] for group in groups]
+    for group, masters in zip(groups, state.group_masters):
+        group["params"] = masters
+
+
+def swap_out(state: _OptimizerState) -> None:
+    """Give the groups their own parameter lists back (no-op when they have them)."""
+    if state.swapped is None:
+        return
+    # By position: load_state_dict replaces the group dicts themselves.
+    for group, params in zip(state.optimizer.param_groups, state.swapped):
+        group["params"] = params
+    state.swapped = None
+
+
+@contextlib.contextmanager
+def masters_in(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> Iterator[None]:
+    """The masters stand in for the model's parameters in the optimizer's groups (for its step)."""
+    swap_in(state, master_weights)
+    try:
+        yield
+    finally:
+        swap_out(state)
+
+
+def drop_master_grads(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> None:
+    """Free the FP32 gradients of the optimizer's masters (the half model's own gradients stay)."""
+    for param, master in param_pairs(state, master_weights):
+        if master is not param:
+            master.grad = None
+
+
+def grad_pairs(
+    state: _OptimizerState,
+    master_weights: Sequence[MasterWeights],
+    refuse_sparse: Callable[[torch.Tensor], None],
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(scaled gradients, where their unscaled values go) for the optimizer's parameters.
+
+    At O2 the unscaled values go to the masters' ``.grad``; a master whose parameter has no gradient this step
+    gets none either, so the optimizer never steps it on an old one. ``refuse_sparse(param)`` raises for a
+    parameter with a sparse gradient.
+    """
+    sources: list[torch.Tensor] = []
+    targets: list[torch.Tensor] = []
+    if not master_weights:  # every parameter holds its own gradient, unscaled in place
+        for param in optimizer_params(state.optimizer):
+            grad = param.grad
+            if grad is not None:
+                if grad.is_sparse:
+                    refuse_sparse(param)
+                sources.append(grad)
+        return sources, list(sources)
+    for param, master in param_pairs(state, master_weights):
+        grad = param.grad
+        if grad is None:
+            if master is not param:
+                master.grad = None
+            continue
+        if grad.is_sparse:
+            refuse_sparse(param)
+        sources.append(grad)
+        if master is param:
+            targets.append(grad)
+        else:
+            target = master.grad
+            if target is None or target.shape != master.shape:
+                target = master.grad = torch.empty_like(master)
+            targets.append(target)
+    return sources, targets

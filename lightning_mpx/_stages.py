@@ -1,0 +1,98 @@
+"""The per-optimizer step machine: where each optimizer is in its iteration, and the overflow its checks found.
+
+One :class:`_OptimizerState` per prepared optimizer, as ``torch.amp.GradScaler`` keeps one stage per optimizer: its
+:class:`_Stage` moves READY -> UNSCALED on an unscale (or a clip), back to READY after the step, and
+:meth:`~lightning_mpx.amp.Amp.update` resets every optimizer for the next iteration (one left UNSCALED without a step
+becomes SKIPPED). It also caches the optimizer's (parameter, master) pairs for the master swap
+(:mod:`lightning_mpx._master_swap`).
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from lightning_mpx._workspace import UnscaleWorkspace
+from lightning_mpx.master_weights import Mirror
+
+
+class _Stage(enum.Enum):
+    """Where an optimizer is in its iteration (one state machine per optimizer, as ``torch.amp.GradScaler``'s)."""
+
+    READY = "ready"  # its gradients, if any, carry the scale of `loss_id`
+    UNSCALED = "unscaled"  # unscale_() or clip_grad_*() ran: its gradients hold true values, step() is next
+    # update() closed an iteration in which it was unscaled but did not step (a skipped batch): the gradients it
+    # left behind, unless zeroed since, still hold true values
+    SKIPPED = "skipped"
+
+
+@dataclass
+class _OptimizerState:
+    optimizer_ref: weakref.ref[torch.optim.Optimizer]  # Amp keeps no optimizer alive that the user let go
+    stage: _Stage = _Stage.READY
+    loss_id: int | None = None  # the loss whose scale the optimizer's pending gradients carry
+    # The scale those gradients carry when update() has changed the scaler since (else None: the scaler's own).
+    grad_scale: torch.Tensor | None = None
+    # Overflow flag per loss whose gradients the optimizer holds: each check charges the non-finite values it finds
+    # to the loss whose backward ran since the previous check (the ones found before are already charged, and stay
+    # non-finite), so that one loss's overflow does not back off another's scale.
+    found_by_loss: dict[int, torch.Tensor] = field(default_factory=dict)
+    found_inf: torch.Tensor | None = None  # all of them together: the skip decision
+    grad_norm: torch.Tensor | None = None
+    workspace: UnscaleWorkspace = field(default_factory=UnscaleWorkspace)  # fused unscale's tables, kept across steps
+    # (model parameter, its FP32 master or itself) for the optimizer's parameters, the masters of each parameter
+    # group in order (what the groups hold during a step), and the parameter lists (identity, length) they were
+    # built from
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    group_masters: list[list[torch.Tensor]] = field(default_factory=list)
+    pairs_key: tuple[tuple[int, int], ...] | None = None
+    swapped: list[list[torch.Tensor]] | None = None  # the groups' own lists while the masters stand in for them
+    hooks: list[Any] = field(default_factory=list)  # handles of the hooks registered on the optimizer
+    mirrors: list[Mirror] | None = None  # O2: the step-time view of its half parameters' masters
+    # O2, from an unscale to the end of the iteration: the version of each half gradient the unscale read (by id).
+    # A half gradient that is gone or was written since (zero_grad either way) was cleared by the user, and the
+    # unscaled copy its master holds must not outlive it.
+    unscaled_marks: tuple[tuple[int, int] | None, ...] = ()
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        optimizer = self.optimizer_ref()
+        if optimizer is None:
+            raise RuntimeError("the optimizer was garbage-collected")
+        return optimizer
+
+    def charge(self, loss_id: int, found: torch.Tensor) -> None:
+        """Charge the overflow that one check of the gradients found to ``loss_id``, whose backward ran since the
+        previous check; non-finite values found before belong to the loss they were charged to then."""
+        if self.found_inf is None:
+            self.found_inf = found
+            self.found_by_loss = {loss_id: found}
+            return
+        new = found * (self.found_inf == 0)
+        seen = self.found_by_loss.get(loss_id)
+        self.found_by_loss[loss_id] = new if seen is None else torch.maximum(seen, new)
+        self.found_inf = torch.maximum(self.found_inf, found)
+
+    def clear_checks(self) -> None:
+        """Forget the overflow flags and the norm of the checks since the last step."""
+        self.found_by_loss, self.found_inf, self.grad_norm = {}, None, None
+
+    def reset(self) -> None:
+        """Back to READY with no pending gradients: after a step, stepped or skipped."""
+        self.stage = _Stage.READY
+        self.loss_id = None
+        self.grad_scale = None
+        self.unscaled_marks = ()
+        self.found_by_loss = {}
+        self.found_inf = None
+        self.grad_norm = None
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """The parameters of every group of ``optimizer``, in order."""
+    for group in optimizer.param_groups:
+        yield from group["params"]

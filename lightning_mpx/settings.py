@@ -1,0 +1,276 @@
+"""The settings of a mixed-precision run, in one place: frozen dataclasses validated when they are built.
+
+:class:`ScalerSettings` holds the dynamic loss scaler's settings, :class:`MixedPrecisionSettings` the opt level, its
+overrides and everything else an :class:`~lightning_mpx.amp.Amp` is built from (the scaler settings included). Every
+front door takes these or forwards its keywords into them, so that each setting is documented, defaulted and
+checked here once::
+
+    settings = MixedPrecisionSettings.from_kwargs("O2", half_dtype="bfloat16", growth_interval=500)
+    amp = Amp.from_settings(settings)               # the same engine as Amp("O2", half_dtype=..., ...)
+    plugin = MixedPrecisionPlugin.from_settings(settings)
+
+Adding a setting: a field here (with its line in the class docstring and its check in ``__post_init__``), then its
+typed keyword in :class:`~lightning_mpx.amp.Amp`, :class:`~lightning_mpx.lightning.MixedPrecisionPlugin` and
+:class:`~lightning_mpx.accelerate.MixedPrecisionKwargs`, whose defaults are read from here (``tests/test_settings.py``
+fails until the three agree with the fields).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, Sequence
+
+import torch
+
+from lightning_mpx.cast_table import CastTable
+from lightning_mpx.opt_levels import Properties, _check_loss_scale, resolve_properties
+from lightning_mpx.promotion import check_patterns
+from lightning_mpx.unscale import BACKENDS
+
+__all__ = [
+    "MODEL_WRITES",
+    "ON_FLOOR_CHOICES",
+    "MixedPrecisionSettings",
+    "OnFloor",
+    "ScalerSettings",
+]
+
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+OnFloor = Literal["raise", "warn", "continue", "promote"]
+ON_FLOOR_CHOICES: tuple[str, ...] = ("raise", "warn", "continue", "promote")
+#: How O2 finds writes made to the half model outside the step: ``"versions"`` (version counters, storage
+#: addresses and the parameters' handed-out ``.data``, free when nothing was written) or ``"values"`` (a comparison of
+#: every half parameter with its master's rounding before each step: one extra read of the weights and one host sync
+#: per step).
+MODEL_WRITES = ("versions", "values")
+
+
+# -- the checks, each message naming the argument, the value and what is valid --------------------------------------
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _positive(name: str, value: object) -> None:
+    if not _is_number(value) or not math.isfinite(value) or value <= 0 or value > _FP32_MAX:  # type: ignore[arg-type, operator]
+        raise ValueError(f"{name}={value!r} must be a positive finite number that FP32 can hold.")
+
+
+def check_positive_int(name: str, value: object) -> None:
+    """Raise ``ValueError`` unless ``value`` is an ``int`` (not a bool) of at least 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer.")
+
+
+def check_flag(name: str, value: object) -> None:
+    """Raise ``TypeError`` unless ``value`` is ``True`` or ``False``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be True or False.")
+
+
+def check_choice(name: str, value: object, choices: Sequence[str], *, quote: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is one of ``choices`` (listed in the message, quoted if asked)."""
+    if value not in choices:
+        listed = ", ".join(map(repr, choices)) if quote else ", ".join(choices)
+        raise ValueError(f"{name}={value!r} is not valid; valid choices: {listed}.")
+
+
+@dataclass(frozen=True)
+class ScalerSettings:
+    """The settings of a dynamic loss scaler (see :class:`~lightning_mpx.loss_scaler.LossScaler`), validated.
+
+    Args:
+        init_scale: First scale of a dynamic scaler (``2**16``, as torch's GradScaler and Apex).
+        growth_factor: Factor applied after ``growth_interval`` steps in a row without overflow (``1.0``: the scale
+            only ever backs off, as Apex's kernel allows).
+        backoff_factor: Factor applied on an overflow (see ``hysteresis``).
+        growth_interval: Overflow-free steps before the scale grows.
+        hysteresis: How many overflows it takes to back off, as in Megatron-LM's ``DynamicGradScaler`` and
+            DeepSpeed's ``DynamicLossScaler``: a tracker starts at ``hysteresis``; an overflow lowers it by one, or
+            backs off when it is already at 1, and it stays at 1 (every further overflow backs off) until a growth
+            restores it. A backoff does not restore it, so under persistent overflow the scale falls by one backoff
+            per step once ``hysteresis - 1`` overflows have been tolerated. ``1`` backs off on every overflow,
+            exactly like GradScaler.
+        consecutive_hysteresis: Also restore the tracker after every overflow-free step (DeepSpeed's
+            ``consecutive_hysteresis``), so that only ``hysteresis`` overflows *in a row* back off.
+        min_loss_scale: The floor of a dynamic scale.
+        max_loss_scale: The ceiling of a dynamic scale (``math.inf`` for none).
+        on_floor: What an overflow does when the scale cannot go lower (a dynamic scale at ``min_loss_scale``, or
+            any static scale): ``"raise"`` :class:`~lightning_mpx.loss_scaler.LossScaleFloorError` naming the
+            parameters with non-finite gradients, ``"warn"``, ``"continue"`` silently, or ``"promote"``: the modules
+            the overflows keep coming from run in FP32 from then on (done by :class:`~lightning_mpx.amp.Amp`, see
+            :mod:`lightning_mpx.promotion`; it raises as ``"raise"`` where no module can be blamed, and a scaler used
+            on its own raises too). The step is skipped in every case.
+
+    Raises:
+        ValueError: for a value out of range, naming it; ``TypeError`` for a flag that is not a bool. Whether
+            ``init_scale`` lies within ``[min_loss_scale, max_loss_scale]`` depends on the loss scale (a static one
+            ignores it) and is checked by :meth:`check_init_scale` when the scaler is built.
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+    max_loss_scale: float = 2.0**24
+    on_floor: OnFloor = "raise"
+
+    def __post_init__(self) -> None:
+        _positive("init_scale", self.init_scale)
+        _positive("min_loss_scale", self.min_loss_scale)
+        # `not x > 0` rather than `x <= 0` so that NaN is refused too.
+        if not _is_number(self.max_loss_scale) or not self.max_loss_scale > 0:
+            raise ValueError(
+                f"max_loss_scale={self.max_loss_scale!r} must be a positive number (math.inf for no ceiling)."
+            )
+        growth = self.growth_factor
+        if not _is_number(growth) or not growth >= 1.0 or not math.isfinite(growth):
+            raise ValueError(
+                f"growth_factor={growth!r} must be a finite number of at least 1.0, e.g. 2.0 (1.0: the scale "
+                "never grows back after a backoff)."
+            )
+        if not _is_number(self.backoff_factor) or not 0.0 < self.backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor={self.backoff_factor!r} must be between 0 and 1 (exclusive), e.g. 0.5.")
+        check_positive_int("growth_interval", self.growth_interval)
+        check_positive_int("hysteresis", self.hysteresis)
+        check_flag("consecutive_hysteresis", self.consecutive_hysteresis)
+        if self.min_loss_scale > self.max_loss_scale:
+            raise ValueError(
+                f"min_loss_scale={self.min_loss_scale!r} is above max_loss_scale={self.max_loss_scale!r}; the floor "
+                "must not exceed the ceiling."
+            )
+        check_choice("on_floor", self.on_floor, ON_FLOOR_CHOICES)
+
+    def check_init_scale(self, loss_scale: object) -> None:
+        """Raise ``ValueError`` if a dynamic ``loss_scale`` would start outside ``[min_loss_scale,
+        max_loss_scale]`` (a static scale ignores ``init_scale``)."""
+        if loss_scale == "dynamic" and not self.min_loss_scale <= self.init_scale <= self.max_loss_scale:
+            raise ValueError(
+                f"init_scale={self.init_scale!r} lies outside [min_loss_scale={self.min_loss_scale!r}, "
+                f"max_loss_scale={self.max_loss_scale!r}]."
+            )
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """The settings as keyword arguments (every field)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+SCALER_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ScalerSettings))
+#: The opt-level property overrides (see :func:`~lightning_mpx.opt_levels.resolve_properties`).
+OPT_LEVEL_OVERRIDES: tuple[str, ...] = (
+    "cast_model_type",
+    "patch_torch_functions",
+    "keep_batchnorm_fp32",
+    "master_weights",
+    "loss_scale",
+)
+
+
+@dataclass(frozen=True)
+class MixedPrecisionSettings:
+    """Everything an :class:`~lightning_mpx.amp.Amp` is built from, validated (the opt level against its overrides
+    too). Build it with :meth:`from_kwargs` (the keywords of ``Amp``) or directly.
+
+    Args:
+        opt_level: ``"O0"`` to ``"O3"`` (see :mod:`lightning_mpx.opt_levels`).
+        half_dtype: ``"float16"`` or ``"bfloat16"`` (also ``"fp16"``, ``"bf16"`` or a torch dtype). With bfloat16 the
+            default loss scale is a static 1.0.
+        num_losses: Number of losses with a loss scaler each (``loss_id`` 0 to ``num_losses - 1``), as Apex's
+            ``num_losses``: a GAN gives its generator and discriminator losses their own scale.
+        cast_table: The table of the O1 policy; a fresh copy of the default when ``None``. Only valid when the
+            policy is on.
+        allow_banned: Run banned ops (``binary_cross_entropy``) in FP32 instead of raising.
+        unscale_backend: ``"auto"``, ``"foreach"``, ``"reference"`` or ``"triton"`` (see :mod:`lightning_mpx.unscale`);
+            also used for the master-to-model copy at O2.
+        overflow_log_interval: Minimum seconds between two overflow log messages.
+        model_writes: How O2 takes writes made to the half model outside the step into the FP32 masters:
+            ``"versions"`` (default: version counters and storage addresses, and the ``.data`` each half parameter
+            hands out, such as WGAN's ``p.data.clamp_()``: no cost when nothing was written; see
+            :class:`~lightning_mpx.master_weights.WatchedParameter`) or ``"values"`` (every half parameter is
+            compared with its master's rounding before each step: one read of the weights and one host sync per
+            step, and every write is seen).
+        diagnose_overflows: Watch every forward with hooks that flag non-finite module outputs on the device, so
+            that each overflow's record says whether the forward or the backward produced the non-finite values and
+            which module did first. Without it the forward is watched only after an overflow with the scale at its
+            floor, until the next step that does not overflow (see :mod:`lightning_mpx.forensics`).
+        fp32_modules: Module-name patterns (:mod:`fnmatch`, on the names of ``model.named_modules()``, e.g.
+            ``["lm_head", "*.norm"]``) of modules that run in FP32 at every opt level (see
+            :mod:`lightning_mpx.promotion`). A pattern that matches no module raises ``ValueError`` when an
+            optimizer is prepared.
+        overrides: The opt-level property overrides given (any of ``cast_model_type``, ``patch_torch_functions``,
+            ``keep_batchnorm_fp32``, ``master_weights``, ``loss_scale``; see
+            :func:`~lightning_mpx.opt_levels.resolve_properties`); an override not given keeps the preset's value.
+        scaler: The loss-scaler settings (:class:`ScalerSettings`, or a mapping of its fields), one scaler per
+            loss.
+
+    Attributes:
+        properties: The resolved :class:`~lightning_mpx.opt_levels.Properties` of the opt level with its overrides.
+    """
+
+    opt_level: str = "O1"
+    half_dtype: str | torch.dtype = "float16"
+    num_losses: int = 1
+    cast_table: CastTable | None = None
+    allow_banned: bool = False
+    unscale_backend: str = "auto"
+    overflow_log_interval: float = 10.0
+    model_writes: str = "versions"
+    diagnose_overflows: bool = False
+    fp32_modules: Sequence[str] = ()
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    scaler: ScalerSettings = field(default_factory=ScalerSettings)
+    properties: Properties = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # In the order Amp has always checked them, so that a run with two bad settings reports the same one.
+        check_choice("model_writes", self.model_writes, MODEL_WRITES, quote=True)
+        overrides = dict(self.overrides)  # a copy: the caller's dict does not change these settings
+        object.__setattr__(self, "overrides", overrides)
+        props = resolve_properties(self.opt_level, half_dtype=self.half_dtype, **overrides)
+        object.__setattr__(self, "properties", props)
+        if isinstance(self.num_losses, bool) or not isinstance(self.num_losses, int) or self.num_losses < 1:
+            raise ValueError(f"num_losses={self.num_losses!r} must be a positive integer.")
+        check_choice("unscale_backend", self.unscale_backend, BACKENDS)
+        if self.cast_table is not None and not props.patch_torch_functions:
+            raise ValueError(
+                f"cast_table is only used by the cast-table policy, which is off at opt_level="
+                f"{props.opt_level!r} (patch_torch_functions=False); use opt_level='O1'."
+            )
+        if isinstance(self.scaler, Mapping):  # from_kwargs: checked here, in Amp's order of checks
+            object.__setattr__(self, "scaler", ScalerSettings(**self.scaler))
+        if not isinstance(self.scaler, ScalerSettings):
+            raise TypeError(f"scaler={type(self.scaler).__name__} must be a lightning_mpx.ScalerSettings.")
+        _check_loss_scale(props.loss_scale)
+        self.scaler.check_init_scale(props.loss_scale)
+        check_flag("diagnose_overflows", self.diagnose_overflows)
+        object.__setattr__(self, "fp32_modules", check_patterns(self.fp32_modules))
+
+    @classmethod
+    def from_kwargs(cls, opt_level: str = "O1", **kwargs: Any) -> MixedPrecisionSettings:
+        """The settings from :class:`~lightning_mpx.amp.Amp`'s keywords: its own fields, the scaler's fields, and
+        the opt-level overrides (any other keyword goes to the overrides, where
+        :func:`~lightning_mpx.opt_levels.resolve_properties` names it as unknown)."""
+        own = {f.name for f in dataclasses.fields(cls) if f.init} - {"opt_level", "overrides", "scaler"}
+        scaler = {k: kwargs.pop(k) for k in SCALER_FIELDS if k in kwargs}
+        mine = {k: kwargs.pop(k) for k in list(kwargs) if k in own}
+        return cls(opt_level, **mine, overrides=kwargs, scaler=scaler)  # type: ignore[arg-type]
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """The keywords of :class:`~lightning_mpx.amp.Amp` (all but ``opt_level``) that rebuild these settings:
+        ``Amp(s.opt_level, **s.to_kwargs())`` is ``Amp.from_settings(s)``."""
+        out = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.init and f.name not in ("opt_level", "overrides", "scaler")
+        }
+        out["fp32_modules"] = tuple(self.fp32_modules)
+        return {**out, **self.scaler.to_kwargs(), **self.overrides}
+
+
+#: The defaults of every setting, read by the typed signatures of the front doors.
+DEFAULTS = MixedPrecisionSettings()
+SCALER_DEFAULTS = DEFAULTS.scaler

@@ -1,0 +1,86 @@
+"""The settings object: one place that defines, documents and checks every setting; each front door agrees with it."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_mpx import Amp, LossScaler, MixedPrecisionSettings, ScalerSettings
+from lightning_mpx.settings import DEFAULTS, OPT_LEVEL_OVERRIDES, SCALER_FIELDS
+
+ENGINE_FIELDS = [f.name for f in dataclasses.fields(MixedPrecisionSettings) if f.init]
+KEYWORDS = [n for n in ENGINE_FIELDS if n not in ("opt_level", "overrides", "scaler")] + list(SCALER_FIELDS)
+
+
+def _keyword_defaults(function) -> dict:
+    params = inspect.signature(function).parameters
+    return {n: p.default for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
+
+
+def _default(name: str):
+    return getattr(DEFAULTS.scaler if name in SCALER_FIELDS else DEFAULTS, name)
+
+
+def test_every_front_door_has_each_setting_typed_with_the_settings_default():
+    # Adding a field to the settings without its typed keyword (or with another default) fails here.
+    from lightning_mpx.accelerate import MixedPrecisionKwargs
+    from lightning_mpx.lightning import MixedPrecisionPlugin
+
+    kwargs_fields = {f.name: f.default for f in dataclasses.fields(MixedPrecisionKwargs)}
+    for front in (Amp.__init__, MixedPrecisionPlugin.__init__):
+        defaults = _keyword_defaults(front)
+        assert set(defaults) == set(KEYWORDS), (front, sorted(set(defaults) ^ set(KEYWORDS)))
+        assert all(defaults[name] == _default(name) for name in KEYWORDS), front
+        params = inspect.signature(front).parameters
+        assert all(params[name].annotation is not inspect.Parameter.empty for name in KEYWORDS), front
+    assert set(KEYWORDS) | set(OPT_LEVEL_OVERRIDES) <= set(kwargs_fields)
+    assert all(kwargs_fields[name] == _default(name) for name in KEYWORDS)
+    assert _keyword_defaults(LossScaler.__init__) == {name: getattr(DEFAULTS.scaler, name) for name in SCALER_FIELDS}
+
+
+def test_keywords_and_settings_build_the_same_engine():
+    from lightning_mpx.accelerate import MixedPrecisionKwargs
+    from lightning_mpx.lightning import MixedPrecisionPlugin
+
+    kw = dict(half_dtype="bfloat16", num_losses=2, growth_interval=7, hysteresis=2, model_writes="values",
+              fp32_modules=["0"], keep_batchnorm_fp32=False, loss_scale="dynamic")
+    settings = MixedPrecisionSettings.from_kwargs("O2", **kw)
+    by_keywords, by_settings = Amp("O2", **kw), Amp.from_settings(settings)
+    assert by_keywords.settings == settings == by_settings.settings
+    assert by_settings.properties == by_keywords.properties and by_settings.properties.keep_batchnorm_fp32 is False
+    assert [s.growth_interval for s in by_settings.scalers] == [7, 7] and by_settings.model_writes == "values"
+    assert Amp(settings.opt_level, **settings.to_kwargs()).settings == settings
+    assert MixedPrecisionPlugin.from_settings(settings).amp.settings == settings
+    assert MixedPrecisionKwargs(**{k: v for k, v in kw.items() if k != "fp32_modules"}, fp32_modules=["0"]).settings(
+        "O2") == settings
+    assert pickle.loads(pickle.dumps(settings)) == settings
+    # The engine runs from the settings object alone.
+    model = by_settings.prepare_model(nn.Sequential(nn.Linear(4, 4)))
+    opt = by_settings.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    by_settings.backward(by_settings.cast_outputs(model(by_settings.cast_inputs(torch.randn(2, 4)))).float().sum())
+    assert by_settings.step(opt)
+
+
+def test_settings_are_frozen_and_checked_when_built():
+    settings = MixedPrecisionSettings()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.num_losses = 2  # type: ignore[misc]
+    with pytest.raises(ValueError, match=r"growth_factor=0\.5 must be a finite number of at least 1\.0"):
+        ScalerSettings(growth_factor=0.5)
+    with pytest.raises(ValueError, match=r"on_floor='ignore' is not valid; valid choices: raise, warn"):
+        ScalerSettings(on_floor="ignore")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"opt_level='02' is not an opt level.*letter O"):
+        MixedPrecisionSettings("02")
+    with pytest.raises(TypeError, match=r"unknown opt-level override\(s\) 'keep_bn'"):
+        MixedPrecisionSettings.from_kwargs("O2", keep_bn=True)
+    with pytest.raises(ValueError, match=r"init_scale=0\.5 lies outside \[min_loss_scale=1\.0"):
+        MixedPrecisionSettings(scaler=ScalerSettings(init_scale=0.5))  # dynamic at O1 with float16
+    # A static scale ignores init_scale, as before: bfloat16's default is a static 1.0.
+    assert MixedPrecisionSettings(half_dtype="bfloat16", scaler=ScalerSettings(init_scale=0.5)).properties.loss_scale == 1.0
+    with pytest.raises(TypeError, match="settings=dict must be a lightning_mpx.MixedPrecisionSettings"):
+        Amp.from_settings({})  # type: ignore[arg-type]
