@@ -54,6 +54,7 @@ from torch.optim import Optimizer
 from lightning_mpx._imports import require
 from lightning_mpx.amp import Amp
 from lightning_mpx.master_weights import MasterWeights
+from lightning_mpx.settings import MixedPrecisionSettings
 
 require("lightning.fabric", extra="lightning", feature="lightning_mpx.FabricMixedPrecisionPlugin")
 
@@ -100,6 +101,13 @@ class FabricMixedPrecisionPlugin(Precision):
         self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self._skipped: weakref.WeakKeyDictionary[Optimizer, bool] = weakref.WeakKeyDictionary()
         self._update_pending = False
+
+    @classmethod
+    def from_settings(cls, settings: MixedPrecisionSettings) -> FabricMixedPrecisionPlugin:
+        """The plugin of ``settings`` (the same object the Trainer plugin and ``Amp`` take)."""
+        if not isinstance(settings, MixedPrecisionSettings):
+            raise TypeError(f"settings={type(settings).__name__} must be a lightning_mpx.MixedPrecisionSettings.")
+        return cls(settings.opt_level, **settings.to_kwargs())
 
     # -- pickling (strategy="ddp_spawn" pickles Fabric into each process) ------------------------------------------
     def __getstate__(self) -> dict[str, Any]:

@@ -56,6 +56,11 @@ def test_keywords_and_settings_build_the_same_engine():
     assert [s.growth_interval for s in by_settings.scalers] == [7, 7] and by_settings.model_writes == "values"
     assert Amp(settings.opt_level, **settings.to_kwargs()).settings == settings
     assert MixedPrecisionPlugin.from_settings(settings).amp.settings == settings
+    from lightning_mpx.fabric import FabricMixedPrecisionPlugin
+
+    fabric_plugin = FabricMixedPrecisionPlugin.from_settings(settings)
+    assert fabric_plugin.amp.settings == settings == FabricMixedPrecisionPlugin("O2", **kw).amp.settings
+    assert pickle.loads(pickle.dumps(fabric_plugin)).amp.settings == settings
     assert MixedPrecisionKwargs(**{k: v for k, v in kw.items() if k != "fp32_modules"}, fp32_modules=["0"]).settings(
         "O2") == settings
     assert pickle.loads(pickle.dumps(settings)) == settings
