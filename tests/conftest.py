@@ -22,3 +22,27 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("deterministic", derandomize=True, database=None)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches and counters emptied before and after the test: its graph-break and recompile counts are its own."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield counters
+    torch._dynamo.reset()
+    counters.clear()
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """Accelerate keeps process-wide singleton state; the test starts from none and leaves none."""
+    from tests.accelerate_helpers import accelerate_state_reset
+
+    with accelerate_state_reset():
+        yield
