@@ -40,7 +40,9 @@ def fresh_dynamo():
 
 @pytest.fixture
 def fresh_accelerate_state():
-    """Accelerate keeps process-wide singleton state; the test starts from none and leaves none."""
+    """Accelerate keeps process-wide singleton state; the test starts from none and leaves none (skipped without
+    Accelerate)."""
+    pytest.importorskip("accelerate")
     from tests.accelerate_helpers import accelerate_state_reset
 
     with accelerate_state_reset():
