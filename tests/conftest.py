@@ -1,4 +1,4 @@
-"""Shared test set-up.
+"""Shared test set-up (the fixtures ``fresh_dynamo`` and ``fresh_accelerate_state`` are at the end).
 
 The fused unscale kernels are Triton kernels. Without a GPU they are tested in triton's interpreter, which runs them
 on CPU tensors; triton reads ``TRITON_INTERPRET`` when a kernel is decorated, so it is set here, before any test
@@ -9,6 +9,7 @@ suite uses triton.
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -22,3 +23,27 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("deterministic", derandomize=True, database=None)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches and counters emptied before and after the test: the graph breaks and recompiles counted are
+    its own."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    counters.clear()
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """Accelerate keeps process-wide singleton state; the test starts from none and leaves none (skipped without
+    Accelerate)."""
+    pytest.importorskip("accelerate")
+    from tests.accelerate_helpers import accelerate_state_reset
+
+    with accelerate_state_reset():
+        yield

@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def make_trainer(plugin: Any, **kwargs: Any) -> pl.Trainer:
+def make_trainer(plugin: Any = None, **kwargs: Any) -> pl.Trainer:
+    """A quiet one-epoch CPU Trainer (no logger, checkpoints, progress bar or summary) with ``plugin``; keywords
+    override these settings. Without a plugin it runs Lightning's own precision (``precision=...``, default FP32)."""
     settings: dict[str, Any] = dict(
         accelerator="cpu",
         devices=1,
@@ -22,7 +24,9 @@ def make_trainer(plugin: Any, **kwargs: Any) -> pl.Trainer:
         max_epochs=1,
     )
     settings.update(kwargs)
-    return pl.Trainer(plugins=[plugin], **settings)
+    if plugin is not None:
+        settings["plugins"] = [plugin, *settings.get("plugins", [])]
+    return pl.Trainer(**settings)
 
 
 def classification_data(n: int = 64, features: int = 16, classes: int = 4, seed: int = 0) -> torch.utils.data.Dataset:
@@ -123,6 +127,33 @@ class Classifier(pl.LightningModule):
             return opt
         scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD that records, in :attr:`seen`, the gradients it is handed at each step (at O2: the FP32 masters')."""
+
+    def __init__(self, params: Any, **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
+        self.seen: list[list[torch.Tensor]] = []
+
+    def step(self, closure: Any = None) -> Any:
+        self.seen.append([p.grad.detach().clone() for g in self.param_groups for p in g["params"]])
+        return super().step(closure)
+
+
+class RecordingClassifier(Classifier):
+    """A :class:`Classifier` stepped by :class:`RecordingSGD` at learning rate 0: every step sees the same weights."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return RecordingSGD(self.parameters(), lr=0.0)
+
+
+def true_gradients(batch: Any) -> list[torch.Tensor]:
+    """The FP32 gradients of a fresh :class:`Classifier` (the weights every test model starts from) on ``batch``."""
+    reference = Classifier()
+    x, y = batch
+    F.cross_entropy(reference(x), y).backward()
+    return [p.grad for p in reference.parameters()]
 
 
 def snapshot(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -219,6 +219,7 @@ def run_lightning(spec: Spec, level: str, half_dtype: str, seed: int, *, model_l
     import lightning.pytorch as pl
 
     from lightning_mpx import MixedPrecisionPlugin
+    from tests.lightning_helpers import make_trainer
 
     trainee = _Trainee(spec, model_loss)
 
@@ -239,14 +240,10 @@ def run_lightning(spec: Spec, level: str, half_dtype: str, seed: int, *, model_l
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     if level == "32-true":
-        plugin, precision = None, {"precision": "32-true"}
+        plugin, trainer = None, make_trainer(precision="32-true")
     else:
         plugin = MixedPrecisionPlugin(level, half_dtype=half_dtype)
-        precision = {"plugins": [plugin]}
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, max_epochs=1, **precision,
-    )  # fmt: skip
+        trainer = make_trainer(plugin)
     module = Module()
     trainer.fit(module, train_loader(seed, spec.steps, spec.batch_size))
     assert len(trainee.train_losses) == spec.steps
@@ -257,13 +254,10 @@ def run_lightning(spec: Spec, level: str, half_dtype: str, seed: int, *, model_l
 def run_accelerate(spec: Spec, level: str, half_dtype: str, seed: int, *, model_loss: bool = False) -> Result:
     """Train through ``lightning_mpx.accelerate.Accelerator(mixed_precision=level)`` with a plain loop, then evaluate
     the prepared model (its forward still the opt level's) in eval mode."""
-    from accelerate.state import AcceleratorState, GradientState
-
     from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from tests.accelerate_helpers import accelerate_state_reset
 
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    try:
+    with accelerate_state_reset():
         accelerator = Accelerator(
             mixed_precision=level, cpu=True, kwargs_handlers=[MixedPrecisionKwargs(half_dtype=half_dtype)]
         )
@@ -285,9 +279,6 @@ def run_accelerate(spec: Spec, level: str, half_dtype: str, seed: int, *, model_
         for pixels, labels in held_out_loader():
             trainee.eval_batch(model, pixels, labels)
         return trainee.result(accelerator.unwrap_model(model), accelerator.amp)
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
 
 
 RUNNERS = {"lightning": run_lightning, "accelerate": run_accelerate}

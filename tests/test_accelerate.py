@@ -21,24 +21,16 @@ from torch import nn
 
 pytest.importorskip("accelerate")
 
-from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import GradScalerKwargs  # noqa: E402
 
 from lightning_mpx import Amp  # noqa: E402
 from lightning_mpx.accelerate import AMP_STATE_NAME, Accelerator, MixedPrecisionKwargs  # noqa: E402
+from tests.accelerate_helpers import prepared_gan, reset_accelerate_state  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # Accelerate's singleton state: none at each start
 
 ROOT = Path(__file__).resolve().parents[1]
 HALVES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    """Accelerate keeps process-wide singleton state; each test starts from none."""
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def _net(seed=0):
@@ -427,11 +419,7 @@ def test_accumulation_divides_the_loss_and_updates_the_scale_once_per_real_step(
 # -- several optimizers and losses -----------------------------------------------------------------------------------
 def test_gan_two_optimizers_two_losses_skip_and_update_independently(tmp_path):
     accelerator = _accelerator("O2", num_losses=2, growth_interval=1, init_scale=16.0)
-    torch.manual_seed(0)
-    gen, disc = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8)), nn.Sequential(nn.Linear(8, 1))
-    opt_g = torch.optim.Adam(gen.parameters(), lr=1e-3)
-    opt_d = torch.optim.Adam(disc.parameters(), lr=1e-3)
-    gen, disc, opt_g, opt_d = accelerator.prepare(gen, disc, opt_g, opt_d)
+    gen, disc, opt_g, opt_d = prepared_gan(accelerator)
     bce = F.binary_cross_entropy_with_logits
     skipped = []
     for it in range(4):
@@ -550,8 +538,7 @@ def _resume_run(tmp_path, steps, *, save_at=None, load=False, seed=0):
         sched.scheduler.last_epoch,
         accelerator.amp.state_dict(),
     )
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     return state
 
 
@@ -581,8 +568,7 @@ def test_load_state_into_an_evaluation_only_o2_model(tmp_path):
     trained = {k: v.clone() for k, v in model.state_dict().items()}
     scale = accelerator.amp.scalers[0].get_scale()
     assert scale == 2.0**19  # 2**16 grown on each of 3 steps
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
 
     evaluator = _accelerator("O2", growth_interval=1)
     fresh = evaluator.prepare_model(_net(seed=5), evaluation_mode=True)

@@ -182,18 +182,10 @@ def test_lightning_o2_boundary_keeps_the_output_type(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.usefixtures("fresh_accelerate_state")
 def test_accelerate_outputs_keep_their_type(kind):
-    pytest.importorskip("accelerate")
-    from accelerate.state import AcceleratorState, GradientState
-
     from lightning_mpx.accelerate import Accelerator
 
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    try:
-        accelerator = Accelerator(mixed_precision="O2")
-        model = accelerator.prepare(_Net(kind))
-        _check(model(torch.randn(2, 4)), kind)
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+    accelerator = Accelerator(mixed_precision="O2")
+    model = accelerator.prepare(_Net(kind))
+    _check(model(torch.randn(2, 4)), kind)

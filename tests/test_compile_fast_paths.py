@@ -7,19 +7,11 @@ import collections
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 from lightning_mpx import CastPolicy, CastTable, dispatchable
+from tests.compile_helpers import HALF
 
-HALF = torch.bfloat16
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _leaf(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:

@@ -2,73 +2,21 @@
 handed off (``CastPolicy.hand_off_compiled``), and matches eager within half precision; the plugins' paths are in
 ``tests/test_compile_handoff_plugins.py``.
 
-Calls into the hook are counted by observing the entries into the policy's ``__torch_function__`` (``sys.setprofile``
-on its code object), nothing in torch is patched. The compiled runs use the ``aot_eager`` backend.
+Calls into the hook are counted as tests/compile_helpers.py says; the compiled runs use the ``aot_eager`` backend.
 """
 
 from __future__ import annotations
 
-import sys
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch._dynamo.utils import counters
 
 from lightning_mpx import CastPolicy, disable_casts
-from lightning_mpx.cast_policy import _CastMode
+from tests.compile_helpers import HALF, HookCounter, LossNet, assert_one_graph, step_batch
 
-HALF = torch.bfloat16
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    counters.clear()
-
-
-class _HookCounter:
-    """Counts entries into the cast policy's ``__torch_function__`` on this thread while active."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self._code = _CastMode.__torch_function__.__code__
-
-    def _profile(self, frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code is self._code:
-            self.calls += 1
-
-    def __enter__(self) -> _HookCounter:
-        self.calls = 0
-        sys.setprofile(self._profile)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        sys.setprofile(None)
-
-
-class LossNet(nn.Module):
-    """A small pre-norm block ending in its loss (so that a compiled copy holds every op of the step)."""
-
-    def __init__(self, dim: int = 16, classes: int = 4) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.ln = nn.LayerNorm(dim)
-        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, classes)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = self.fc2(F.gelu(self.fc1(self.ln(x))).softmax(-1) @ torch.eye(2 * x.shape[-1]))
-        return F.cross_entropy(logits, y)
-
-
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _policy_steps(net: nn.Module, policy: CastPolicy, run: Callable[..., torch.Tensor], steps: int = 4
@@ -76,8 +24,8 @@ def _policy_steps(net: nn.Module, policy: CastPolicy, run: Callable[..., torch.T
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     losses, calls = [], []
     for step in range(steps):
-        batch = _batch(step)
-        with _HookCounter() as counter:
+        batch = step_batch(step)
+        with HookCounter() as counter:
             with policy.scope():
                 loss = run(*batch)
             policy.backward(loss)
@@ -99,7 +47,7 @@ def test_handed_off_compiled_module_makes_no_hook_call_and_matches_eager():
     losses, calls = _policy_steps(net, policy, compiled)
     assert min(eager_calls) > 0  # eager: one call per torch call of the step
     assert calls[1:] == [0, 0, 0], calls  # forward and backward, after the first (compiling) step
-    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
+    assert_one_graph()
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager), rtol=1e-2, atol=1e-2)
     for handle in handles:
         handle.remove()
@@ -119,7 +67,7 @@ def test_handed_off_module_keeps_eager_semantics_outside_scope_disabled_and_on_e
     net.fc1.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
     compiled = torch.compile(net, backend="aot_eager")
     policy.hand_off_compiled(compiled)
-    x, y = _batch(0)
+    x, y = step_batch(0)
     compiled(x, y)  # no scope: FP32 as in eager
     with policy.scope():
         compiled(x, y)
@@ -154,7 +102,7 @@ def test_eager_checkpoint_recomputes_with_casts_after_a_compiled_backward():
         if compiled:
             model.net = torch.compile(model.net, backend="aot_eager")
             policy.hand_off_compiled(model)
-        x, y = _batch(1)
+        x, y = step_batch(1)
         with policy.scope():
             loss = model(x, y)
         policy.backward(loss)
@@ -168,10 +116,10 @@ def test_eager_checkpoint_recomputes_with_casts_after_a_compiled_backward():
 
 def test_policy_backward_is_tensor_backward_in_the_recompute_scope():
     net, policy = LossNet(), CastPolicy(half_dtype=HALF)
-    x, y = _batch(2)
+    x, y = step_batch(2)
     with policy.scope():
         loss = net(x, y)
-    with _HookCounter() as counter:
+    with HookCounter() as counter:
         policy.backward(loss, retain_graph=True)
     assert counter.calls == 0
     first = [p.grad.clone() for p in net.parameters()]

@@ -2,8 +2,7 @@
 (a model compiled before or after ``prepare``), a steady-state O1 step of a compiled model makes no call into the
 cast hook, forward and backward, and matches eager within half precision.
 
-Calls into the hook are counted by observing the entries into the policy's ``__torch_function__`` (``sys.setprofile``
-on its code object), nothing in torch is patched. The compiled runs use the ``aot_eager`` backend.
+Calls into the hook are counted as tests/compile_helpers.py says; the compiled runs use the ``aot_eager`` backend.
 """
 
 from __future__ import annotations
@@ -14,16 +13,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from tests.test_compile_handoff import LossNet, _batch, _HookCounter
+from tests.compile_helpers import HookCounter, LossNet, assert_one_graph, o1_accelerator, step_batch
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    counters.clear()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _lightning_module(compiled_net: bool) -> Any:
@@ -55,7 +47,7 @@ def _fit(module: Any, fit_model: Any) -> tuple[list[float], list[int]]:
 
     class Count(pl.Callback):
         def __init__(self) -> None:
-            self.counter, self.calls, self.losses = _HookCounter(), [], []
+            self.counter, self.calls, self.losses = HookCounter(), [], []
 
         def on_train_batch_start(self, *args: Any) -> None:
             self.counter.__enter__()
@@ -65,7 +57,7 @@ def _fit(module: Any, fit_model: Any) -> tuple[list[float], list[int]]:
             self.calls.append(self.counter.calls)
             self.losses.append(float(outputs["loss"]))
 
-    data = torch.utils.data.TensorDataset(*map(torch.cat, zip(*(_batch(i) for i in range(5)))))
+    data = torch.utils.data.TensorDataset(*map(torch.cat, zip(*(step_batch(i) for i in range(5)))))
     count = Count()
     trainer = make_trainer(MixedPrecisionPlugin("O1", half_dtype="bfloat16"), callbacks=[count])
     trainer.fit(fit_model, torch.utils.data.DataLoader(data, batch_size=8))
@@ -86,7 +78,7 @@ def test_trainer_with_a_compiled_submodule_makes_no_hook_call_per_step(lightning
     losses, calls = _fit(module, module)
     assert min(eager_calls) > 0
     assert calls[1:] == [0] * 4, calls
-    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
+    assert_one_graph()
     assert "forward" not in module.net.__dict__ or not hasattr(module.net.__dict__["forward"], "policy")  # restored
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager), rtol=1e-2, atol=1e-2)
 
@@ -102,35 +94,18 @@ def test_trainer_fitting_a_compiled_lightning_module_makes_no_hook_call_per_step
 
 def _accelerate_run(compile_mode: str | None) -> tuple[list[float], list[int]]:
     pytest.importorskip("accelerate")
-    from accelerate.state import AcceleratorState, GradientState
-
-    from lightning_mpx.accelerate import Accelerator
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    try:
-        net = LossNet()
-        if compile_mode == "before_prepare":
-            net = torch.compile(net, backend="aot_eager")
-        accelerator = Accelerator(mixed_precision="O1", kwargs_handlers=[])
-        opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        model, opt = accelerator.prepare(net, opt)
-        if compile_mode == "after_prepare":
-            model = torch.compile(model, backend="aot_eager")
+    with o1_accelerator(LossNet(), compile_mode) as (accelerator, model, opt):
         losses, calls = [], []
         for step in range(5):
-            batch = _batch(step)
-            with _HookCounter() as counter:
+            batch = step_batch(step)
+            with HookCounter() as counter:
                 loss = model(*batch)
                 accelerator.backward(loss)
                 opt.step()
                 opt.zero_grad()
             calls.append(counter.calls)
             losses.append(loss.item())
-        return losses, calls
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+    return losses, calls
 
 
 @pytest.fixture(scope="module")
@@ -144,5 +119,5 @@ def test_accelerator_with_a_compiled_model_makes_no_hook_call_per_step(compile_m
     losses, calls = _accelerate_run(compile_mode)
     assert min(eager_calls) > 0
     assert calls[1:] == [0] * 4, calls
-    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
+    assert_one_graph()
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager), rtol=1e-2, atol=1e-2)

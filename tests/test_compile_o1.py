@@ -1,7 +1,6 @@
 """O1 under ``torch.compile``: the policy is traced into one graph, with the table's dtypes, and never recompiles.
 
-The compiled runs use the ``aot_eager`` backend (dynamo and AOT autograd, no code generation), which is what decides
-graph breaks, recompiles and the dtypes in the graph, and keeps the tests quick on CPU.
+The compiled runs use the ``aot_eager`` backend (tests/compile_helpers.py says why).
 """
 
 from __future__ import annotations
@@ -17,17 +16,9 @@ from torch._dynamo.utils import counters
 
 from lightning_mpx import CastPolicy, CastTable, dispatchable
 from lightning_mpx.cast_policy import disable_casts
+from tests.compile_helpers import HALF, HookCounter, assert_one_graph, o1_accelerator
 
-HALF = torch.bfloat16
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    counters.clear()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class Block(nn.Module):
@@ -35,6 +26,7 @@ class Block(nn.Module):
 
     def __init__(self, dim: int = 16, heads: int = 2, vocab: int = 32) -> None:
         super().__init__()
+        torch.manual_seed(0)
         self.heads = heads
         self.tok = nn.Embedding(vocab, dim)
         self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
@@ -73,61 +65,53 @@ def _train(model: nn.Module, run: Callable[..., torch.Tensor], policy: CastPolic
     return losses
 
 
-def _assert_no_breaks(backend: CompileCounterWithBackend, frames: int = 1) -> None:
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    assert backend.frame_count == frames, f"{backend.frame_count} compilations: a recompile"
-    assert counters["stats"]["unique_graphs"] == frames
+def _assert_no_breaks(backend: CompileCounterWithBackend) -> None:
+    assert_one_graph()
+    assert backend.frame_count == 1, f"{backend.frame_count} compilations: a recompile"
 
 
-@pytest.mark.parametrize("fullgraph", [False, True])
-def test_policy_entered_outside_compiled_model_has_no_graph_break_or_recompile(fullgraph):
-    torch.manual_seed(0)
-    model = Block()
-    policy = CastPolicy(half_dtype=HALF)
-    backend = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(model, backend=backend, fullgraph=fullgraph)
+def _scope_outside(model: Callable[..., torch.Tensor], policy: CastPolicy) -> Callable[..., torch.Tensor]:
+    """``model``'s call (compiled or not) inside the policy's scope, entered outside any compiled code."""
 
     def run(*data: torch.Tensor) -> torch.Tensor:
         with policy.scope():
-            return compiled(*data)
+            return model(*data)
 
-    _train(model, run, policy, steps=10)
-    _assert_no_breaks(backend)
+    return run
 
 
-def test_policy_entered_inside_compiled_region_has_no_graph_break_or_recompile():
-    torch.manual_seed(0)
-    model = Block()
-    policy = CastPolicy(half_dtype=HALF)
-    backend = CompileCounterWithBackend("aot_eager")
+def _scope_inside(model: nn.Module, policy: CastPolicy, backend: Any = "aot_eager") -> Callable[..., torch.Tensor]:
+    """``model``'s call with the policy's scope entered inside one compiled (fullgraph) function."""
 
     @torch.compile(backend=backend, fullgraph=True)
     def run(*data: torch.Tensor) -> torch.Tensor:
         with policy.scope():
             return model(*data)
 
-    _train(model, run, policy, steps=10)
+    return run
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_policy_entered_outside_compiled_model_has_no_graph_break_or_recompile(fullgraph):
+    model, policy, backend = Block(), CastPolicy(half_dtype=HALF), CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=backend, fullgraph=fullgraph)
+    _train(model, _scope_outside(compiled, policy), policy, steps=10)
+    _assert_no_breaks(backend)
+
+
+def test_policy_entered_inside_compiled_region_has_no_graph_break_or_recompile():
+    model, policy, backend = Block(), CastPolicy(half_dtype=HALF), CompileCounterWithBackend("aot_eager")
+    _train(model, _scope_inside(model, policy, backend), policy, steps=10)
     _assert_no_breaks(backend)
 
 
 def test_compiled_training_matches_eager():
-    torch.manual_seed(0)
-    eager_model = Block()
-    compiled_model = Block()
+    eager_model, compiled_model = Block(), Block()
     compiled_model.load_state_dict(eager_model.state_dict())
     policy_e, policy_c = CastPolicy(half_dtype=HALF), CastPolicy(half_dtype=HALF)
     compiled = torch.compile(compiled_model, backend="aot_eager")
-
-    def run_eager(*data):
-        with policy_e.scope():
-            return eager_model(*data)
-
-    def run_compiled(*data):
-        with policy_c.scope():
-            return compiled(*data)
-
-    eager = _train(eager_model, run_eager, policy_e, steps=4)
-    comp = _train(compiled_model, run_compiled, policy_c, steps=4)
+    eager = _train(eager_model, _scope_outside(eager_model, policy_e), policy_e, steps=4)
+    comp = _train(compiled_model, _scope_outside(compiled, policy_c), policy_c, steps=4)
     torch.testing.assert_close(torch.tensor(comp), torch.tensor(eager), rtol=2e-2, atol=2e-2)
 
 
@@ -172,7 +156,6 @@ def test_table_op_dtype_is_the_same_eager_and_compiled(call, args):
 
 
 def test_every_table_op_of_the_model_is_in_one_graph_with_the_tables_dtype():
-    torch.manual_seed(0)
     model = Block()
     policy = CastPolicy(half_dtype=HALF)
     graphs: list[torch.fx.GraphModule] = []
@@ -287,50 +270,35 @@ def _trainer_losses(compiled: bool) -> list[float]:
 def test_trainer_with_a_compiled_network_at_o1_matches_eager_without_graph_breaks():
     eager = _trainer_losses(compiled=False)
     compiled = _trainer_losses(compiled=True)
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] == 1  # one graph, no recompile over the steps
+    assert_one_graph()  # no recompile over the steps
     assert len(compiled) == len(eager) == 4  # 64 samples, batches of 16, one epoch
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=2e-2, atol=1e-2)
 
 
 def _accelerate_losses(compile_after_prepare: bool) -> tuple[list[float], list[int]]:
     pytest.importorskip("accelerate")
-    from accelerate.state import AcceleratorState, GradientState
-
-    from lightning_mpx.accelerate import Accelerator
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    try:
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 3))
-        accelerator = Accelerator(mixed_precision="O1")
-        opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        model, opt = accelerator.prepare(net, opt)
-        if compile_after_prepare:
-            model = torch.compile(model, backend="aot_eager")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 3))
+    with o1_accelerator(net, "after_prepare" if compile_after_prepare else None) as (accelerator, model, opt):
         losses, forward_hook_calls = [], []
         for step in range(6):
             g = torch.Generator().manual_seed(step)
             x, y = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
-            output, calls = _hook_calls(lambda: model(x))
-            forward_hook_calls.append(calls)
+            with HookCounter() as counter:
+                output = model(x)
+            forward_hook_calls.append(counter.calls)
             loss = F.cross_entropy(output, y)
             accelerator.backward(loss)
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-        return losses, forward_hook_calls
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+    return losses, forward_hook_calls
 
 
 def test_accelerator_with_a_compiled_model_at_o1_matches_eager_without_graph_breaks():
     eager, eager_calls = _accelerate_losses(compile_after_prepare=False)
     compiled, compiled_calls = _accelerate_losses(compile_after_prepare=True)
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] == 1
+    assert_one_graph()
     # The prepared forward enters the policy, so compiling the prepared model puts the policy inside the compiled
     # region: the steady-state forward makes no call into the hook (eager makes one per table op).
     assert eager_calls[-1] > 0 and compiled_calls[1:] == [0] * 5
@@ -369,40 +337,13 @@ def test_activation_checkpointing_under_compile_gives_eager_gradients():
         torch.testing.assert_close(grads[1][name], grad, rtol=2e-2, atol=1e-3, msg=name)
 
 
-def _hook_calls(fn: Callable[[], Any]) -> tuple[Any, int]:
-    """``fn()`` and the number of calls into the cast policy's hook that it made."""
-    import sys
-
-    from lightning_mpx.cast_policy import _CastMode
-
-    code, calls = _CastMode.__torch_function__.__code__, 0
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        nonlocal calls
-        if event == "call" and frame.f_code is code:
-            calls += 1
-
-    sys.setprofile(profile)
-    try:
-        result = fn()
-    finally:
-        sys.setprofile(None)
-    return result, calls
-
-
 def test_policy_entered_inside_compiled_region_makes_no_hook_calls_in_the_forward():
-    torch.manual_seed(0)
-    model = Block()
-    policy = CastPolicy(half_dtype=HALF)
-
-    @torch.compile(backend="aot_eager", fullgraph=True)
-    def run(*data: torch.Tensor) -> torch.Tensor:
-        with policy.scope():
-            return model(*data)
-
+    model, policy = Block(), CastPolicy(half_dtype=HALF)
+    run = _scope_inside(model, policy)
     _train(model, run, policy, steps=2)
-    loss, calls = _hook_calls(lambda: run(*_data(5)))
-    assert calls == 0
+    with HookCounter() as counter:
+        loss = run(*_data(5))
+    assert counter.calls == 0
     with policy.scope():
         eager = model(*_data(5))
     torch.testing.assert_close(loss, eager, rtol=1e-2, atol=1e-2)

@@ -3,27 +3,12 @@ rank 1 (tests/forensics_ddp_script.py runs the processes)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.launch import rank_results, run_script
 
 
 def test_ddp_rank_zero_names_rank_one(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MPX_OUT=str(tmp_path))
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "forensics_ddp_script.py")],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"exit code {proc.returncode}; stderr ends with:\n{proc.stderr[-3000:]}"
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    run_script("forensics_ddp_script.py", tmp_path, timeout=300)
+    results = rank_results(tmp_path)
     rank0 = results[0]
     assert rank0["skipped_steps"] == results[1]["skipped_steps"] == [2]
     nan_step, explosion = rank0["records"]

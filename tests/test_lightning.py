@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,13 +15,16 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from lightning_mpx import MixedPrecisionPlugin
+from tests.launch import rank_results, run_script
 from tests.lightning_helpers import (
     Classifier,
+    RecordingClassifier,
     assert_same,
     classification_data,
     loader,
     make_trainer,
     snapshot,
+    true_gradients,
 )
 
 HALVES = [("float16", torch.float16), ("bfloat16", torch.bfloat16)]
@@ -126,39 +127,15 @@ def test_o2_conv_net_keeps_batchnorm_fp32_and_trains_fp32_masters():
 
 
 # -- clipping, hooks, fused optimizers ------------------------------------------------------------------------------
-class _Recorder(torch.optim.SGD):
-    """SGD that records the gradients it is handed at each step."""
-
-    def __init__(self, params: Any, **kwargs: Any) -> None:
-        super().__init__(params, **kwargs)
-        self.seen: list[list[torch.Tensor]] = []
-
-    def step(self, closure: Any = None) -> Any:
-        self.seen.append([p.grad.detach().clone() for g in self.param_groups for p in g["params"]])
-        return super().step(closure)
-
-
-class _RecordingClassifier(Classifier):
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return _Recorder(self.parameters(), lr=0.0)  # lr 0: every step sees the same weights
-
-
-def _true_gradients(batch: Any) -> list[torch.Tensor]:
-    reference = Classifier()
-    x, y = batch
-    F.cross_entropy(reference(x), y).backward()
-    return [p.grad for p in reference.parameters()]
-
-
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_clip_by_norm_acts_on_unscaled_gradients(level):
     plugin = MixedPrecisionPlugin(level)
-    model = _RecordingClassifier()
+    model = RecordingClassifier()
     data = classification_data(n=16)
     trainer = make_trainer(plugin, max_steps=1, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
     trainer.fit(model, loader(data))
 
-    true = _true_gradients(data[:16])
+    true = true_gradients(data[:16])
     true_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in true]))
     seen = trainer.optimizers[0].seen[0]
     seen_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in seen]))
@@ -173,7 +150,7 @@ def test_clip_by_norm_acts_on_unscaled_gradients(level):
 
 def test_clip_by_value_acts_on_unscaled_gradients():
     plugin = MixedPrecisionPlugin("O1")
-    model = _RecordingClassifier()
+    model = RecordingClassifier()
     trainer = make_trainer(plugin, max_steps=1, gradient_clip_val=1e-3, gradient_clip_algorithm="value")
     trainer.fit(model, loader(classification_data(n=16)))
     seen = trainer.optimizers[0].seen[0]
@@ -194,7 +171,7 @@ def test_on_before_optimizer_step_sees_unscaled_gradients(level):
     data = classification_data(n=16)
     trainer = make_trainer(MixedPrecisionPlugin(level), max_steps=1)
     trainer.fit(model, loader(data))
-    for seen, true in zip(model.hook_grads[0], _true_gradients(data[:16])):
+    for seen, true in zip(model.hook_grads[0], true_gradients(data[:16])):
         torch.testing.assert_close(seen, true, rtol=2e-2, atol=2e-4)
 
 
@@ -262,12 +239,12 @@ def test_accumulation_steps_once_and_keeps_the_scale_within_a_window():
 
 def test_accumulated_gradient_equals_the_full_batch_gradient():
     plugin = MixedPrecisionPlugin("O1", half_dtype="bfloat16", loss_scale="dynamic", init_scale=2.0**10)
-    model = _RecordingClassifier()
+    model = RecordingClassifier()
     data = classification_data(n=32)
     trainer = make_trainer(plugin, max_steps=1, accumulate_grad_batches=4)
     trainer.fit(model, loader(data, batch_size=8))
     seen = trainer.optimizers[0].seen[0]
-    for s, t in zip(seen, _true_gradients(data[:32])):
+    for s, t in zip(seen, true_gradients(data[:32])):
         torch.testing.assert_close(s, t, rtol=3e-2, atol=1e-3)
 
 
@@ -451,17 +428,8 @@ def test_metrics_follow_the_trainers_logging_cadence(tmp_path):
 
 # -- distribution ---------------------------------------------------------------------------------------------------
 def test_ddp_two_processes_skip_together(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MPX_OUT=str(tmp_path))
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "ddp_script.py")],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"exit code {proc.returncode}; stderr ends with:\n{proc.stderr[-3000:]}"
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    run_script("ddp_script.py", tmp_path, timeout=300)
+    results = rank_results(tmp_path)
     assert results[0]["skipped_steps"] == results[1]["skipped_steps"] == [1]
     assert results[0]["scale"] == results[1]["scale"] == 512.0
     assert results[0]["params"] == results[1]["params"]

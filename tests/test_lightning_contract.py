@@ -18,26 +18,28 @@ import copy
 import functools
 import inspect
 import json
-import os
 import pickle
-import signal
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any, Callable
 from unittest import mock
 
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import nn
 
 from lightning_mpx import CastTable, MixedPrecisionPlugin
-from tests.lightning_helpers import Classifier, RecordingLogger, classification_data, loader, make_trainer
+from tests.launch import rank_results, run_script
+from tests.lightning_helpers import (
+    Classifier,
+    RecordingClassifier,
+    RecordingLogger,
+    classification_data,
+    loader,
+    make_trainer,
+    true_gradients,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
 
 #: Plugin settings per half dtype. bfloat16 gets a dynamic scale (its default is a static 1.0, under which a scaled
 #: gradient cannot be told from a true one).
@@ -59,24 +61,9 @@ def _lightning_own(half: str) -> str | Precision:
     return MixedPrecision("16-mixed", "cpu") if half == "fp16" else "bf16-mixed"
 
 
-def _lightning_trainer(precision: str, **kwargs: Any) -> pl.Trainer:
-    """A Trainer like make_trainer's, with one of Lightning's own precision plugins."""
-    settings: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        max_epochs=1,
-    )
-    settings.update(kwargs)
-    return pl.Trainer(precision=precision, **settings)
-
-
 def _trainer(run: str | Precision, **kwargs: Any) -> pl.Trainer:
     """A Trainer with a precision plugin (the plugin, or one of Lightning's), or Lightning's precision named ``run``."""
-    return _lightning_trainer(run, **kwargs) if isinstance(run, str) else make_trainer(run, **kwargs)
+    return make_trainer(precision=run, **kwargs) if isinstance(run, str) else make_trainer(run, **kwargs)
 
 
 def _norm(tensors: Any) -> float:
@@ -324,25 +311,8 @@ def test_a_pickled_plugin_starts_afresh_and_keeps_a_subclass_attributes():
 
 
 def test_ddp_spawn_two_processes_train_as_one_process_on_the_global_batches(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MPX_OUT=str(tmp_path), MPX_LEVELS="O1")
-    # A session of its own: on a timeout the spawned processes go with the script (killed by its group id).
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "ddp_spawn_script.py")],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        _, stderr = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, stderr = proc.communicate()
-        pytest.fail(f"ddp_spawn_script.py timed out; stderr ends with:\n{stderr[-3000:]}")
-    assert proc.returncode == 0, f"exit code {proc.returncode}; stderr ends with:\n{stderr[-3000:]}"
-    ranks = [json.loads((tmp_path / f"O1_rank{r}.json").read_text()) for r in (0, 1)]
+    run_script("ddp_spawn_script.py", tmp_path, timeout=240, MPX_LEVELS="O1")
+    ranks = rank_results(tmp_path, prefix="O1_")
     main = json.loads((tmp_path / "O1_main.json").read_text())
     for rank in ranks:
         assert rank["plugin"] == "MixedPrecisionPlugin" and rank["world_size"] == 2
@@ -455,32 +425,13 @@ def test_a_wrapper_over_the_default_gradient_hook_sees_unscaled_gradients(level,
     target.on_before_optimizer_step = wrapper
     data = classification_data(n=16)
     make_trainer(_plugin(level, half), max_steps=1, callbacks=[callback]).fit(model, loader(data))
-    assert seen == [pytest.approx(_norm(_true_gradients(data)), rel=2e-2)]
-
-
-class _Recorder(torch.optim.SGD):
-    """SGD that records the gradients it steps with (at O2: the FP32 masters')."""
-
-    def __init__(self, params: Any, **kwargs: Any) -> None:
-        super().__init__(params, **kwargs)
-        self.seen: list[list[torch.Tensor]] = []
-
-    def step(self, closure: Any = None) -> Any:
-        self.seen.append([p.grad.detach().float().clone() for g in self.param_groups for p in g["params"]])
-        return super().step(closure)
-
-
-def _true_gradients(data: Any) -> list[torch.Tensor]:
-    reference = Classifier()
-    x, y = data[:16]
-    F.cross_entropy(reference(x), y).backward()
-    return [p.grad for p in reference.parameters()]
+    assert seen == [pytest.approx(_norm(true_gradients(data[:16])), rel=2e-2)]
 
 
 @pytest.mark.parametrize("level,half", CASES)
 def test_clipping_override_of_its_own_acts_on_unscaled_gradients(level, half):
     # Lightning's test_lightning_module_configure_gradient_clipping: the override clamps the optimizer's gradients.
-    class Clamps(Classifier):
+    class Clamps(RecordingClassifier):
         def configure_gradient_clipping(
             self, optimizer: Any, gradient_clip_val: Any, gradient_clip_algorithm: Any
         ) -> None:
@@ -488,35 +439,29 @@ def test_clipping_override_of_its_own_acts_on_unscaled_gradients(level, half):
                 for p in group["params"]:
                     p.grad.clamp_(min=0, max=1e-2)
 
-        def configure_optimizers(self) -> Any:
-            return _Recorder(self.parameters(), lr=0.0)
-
     data = classification_data(n=16)
     trainer = make_trainer(_plugin(level, half), max_steps=1, gradient_clip_val=1e-4)
     trainer.fit(Clamps(), loader(data))
     # Scaled gradients would read 1e-2 wherever they are positive. (bfloat16's gradients are a coarser rounding.)
     atol = 2e-4 if half == "fp16" else 1e-3
-    for seen, true in zip(trainer.optimizers[0].seen[0], _true_gradients(data)):
-        torch.testing.assert_close(seen, true.clamp(0, 1e-2), rtol=2e-2, atol=atol)
+    for seen, true in zip(trainer.optimizers[0].seen[0], true_gradients(data[:16])):
+        torch.testing.assert_close(seen.float(), true.clamp(0, 1e-2), rtol=2e-2, atol=atol)
 
 
 @pytest.mark.parametrize("level,half", CASES)
 def test_the_trainers_clip_follows_a_hooks_write_to_the_models_gradients(level, half):
-    class Halves(Classifier):
+    class Halves(RecordingClassifier):
         def on_before_optimizer_step(self, optimizer: Any) -> None:
             self.net[0].weight.grad.mul_(0.5)  # the user's own edit of the true gradients, before Lightning's clip
-
-        def configure_optimizers(self) -> Any:
-            return _Recorder(self.parameters(), lr=0.0)
 
     data = classification_data(n=16)
     trainer = make_trainer(_plugin(level, half), max_steps=1, gradient_clip_val=1e-3, gradient_clip_algorithm="value")
     trainer.fit(Halves(), loader(data))
-    true = _true_gradients(data)
+    true = true_gradients(data[:16])
     true[0] = true[0] * 0.5
     atol = 1e-4 if half == "fp16" else 5e-4  # below the clip value, 1e-3 (bfloat16: a coarser rounding)
     for seen, expected in zip(trainer.optimizers[0].seen[0], true):
-        torch.testing.assert_close(seen, expected.clamp(-1e-3, 1e-3), rtol=2e-2, atol=atol)
+        torch.testing.assert_close(seen.float(), expected.clamp(-1e-3, 1e-3), rtol=2e-2, atol=atol)
 
 
 class _ManualClip(Classifier):

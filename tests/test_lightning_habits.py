@@ -26,7 +26,7 @@ pl = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint, StochasticWeightAveraging  # noqa: E402
 
 from lightning_mpx import MixedPrecisionPlugin  # noqa: E402
-from tests.lightning_helpers import classification_data, loader  # noqa: E402
+from tests.lightning_helpers import classification_data, loader, make_trainer  # noqa: E402
 
 
 class _Net(pl.LightningModule):
@@ -73,18 +73,18 @@ def _fit(plugin_or_precision: Any, habits: dict[str, Any], root: Any) -> tuple[_
     if habits["swa"]:
         callbacks.append(StochasticWeightAveraging(swa_lrs=0.02, swa_epoch_start=1, annealing_epochs=1))
     settings_: dict[str, Any] = dict(
-        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        max_epochs=2, accumulate_grad_batches=habits["accumulate"], default_root_dir=str(root),
+        max_epochs=2, accumulate_grad_batches=habits["accumulate"], enable_checkpointing=True,
+        default_root_dir=str(root),
     )
     if habits["clip"] is not None:
         settings_.update(gradient_clip_val=habits["clip"][1], gradient_clip_algorithm=habits["clip"][0])
     if isinstance(plugin_or_precision, str):
         settings_["precision"] = plugin_or_precision
-        make = lambda: pl.Trainer(**settings_, callbacks=[*callbacks, ModelCheckpoint(dirpath=str(root))])  # noqa: E731
-    else:
-        make = lambda: pl.Trainer(  # noqa: E731
-            **settings_, plugins=[plugin_or_precision()], callbacks=[*callbacks, ModelCheckpoint(dirpath=str(root))]
-        )
+
+    def make() -> pl.Trainer:  # a fresh plugin for each Trainer
+        plugin = None if isinstance(plugin_or_precision, str) else plugin_or_precision()
+        return make_trainer(plugin, **settings_, callbacks=[*callbacks, ModelCheckpoint(dirpath=str(root))])
+
     data = loader(classification_data(n=64, seed=1), batch_size=8)
     if habits["resume"]:
         first = make()

@@ -59,8 +59,7 @@ class _Critic(pl.LightningModule):
 
 def _fp32_critic_weights() -> dict[str, torch.Tensor]:
     model = _Critic()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, max_epochs=3)  # fmt: skip
+    trainer = make_trainer(precision="32-true", max_epochs=3)
     trainer.fit(model, loader(classification_data(n=64)))
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 

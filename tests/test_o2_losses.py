@@ -115,22 +115,14 @@ def test_lightning_o2_loss_inside_the_model_is_fp32():
     assert module.checked
 
 
+@pytest.mark.usefixtures("fresh_accelerate_state")
 def test_accelerate_o2_loss_inside_the_model_is_fp32():
-    pytest.importorskip("accelerate")
-    from accelerate.state import AcceleratorState, GradientState
-
     from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
 
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    try:
-        accelerator = Accelerator(mixed_precision="O2", kwargs_handlers=[MixedPrecisionKwargs(half_dtype="bfloat16")])
-        model = accelerator.prepare(_bert())
-        tokens, labels = _batch()
-        out = model(input_ids=tokens, labels=labels)
-        # The adapter hands the logits back in FP32; the loss must be the FP32 loss of the half logits.
-        assert out.loss.dtype == torch.float32
-        torch.testing.assert_close(out.loss, F.cross_entropy(out.logits, labels), rtol=1e-6, atol=0)
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+    accelerator = Accelerator(mixed_precision="O2", kwargs_handlers=[MixedPrecisionKwargs(half_dtype="bfloat16")])
+    model = accelerator.prepare(_bert())
+    tokens, labels = _batch()
+    out = model(input_ids=tokens, labels=labels)
+    # The adapter hands the logits back in FP32; the loss must be the FP32 loss of the half logits.
+    assert out.loss.dtype == torch.float32
+    torch.testing.assert_close(out.loss, F.cross_entropy(out.logits, labels), rtol=1e-6, atol=0)

@@ -22,13 +22,7 @@ def test_swa_average_is_what_the_model_holds_after_fit(precision):
     swa = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1, annealing_epochs=1)
     plugin = MixedPrecisionPlugin(precision, half_dtype="bfloat16") if precision != "32-true" else None
     model = Classifier(optimizer="sgd", lr=0.1)
-    settings: dict[str, Any] = dict(max_epochs=4, callbacks=[swa])
-    trainer = (
-        make_trainer(plugin, **settings)
-        if plugin is not None
-        else pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, **settings)
-    )  # fmt: skip
+    trainer = make_trainer(plugin, max_epochs=4, callbacks=[swa])  # no plugin: Lightning's FP32
     data = loader(classification_data(n=64))
     trainer.fit(model, data)
     average = dict(swa._average_model.named_parameters())

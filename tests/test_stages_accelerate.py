@@ -12,21 +12,12 @@ from torch import nn
 
 pytest.importorskip("accelerate")
 
-from accelerate.state import AcceleratorState, GradientState  # noqa: E402
-
 from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs  # noqa: E402
+from tests.accelerate_helpers import prepared_gan, reset_accelerate_state  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # Accelerate's singleton state: none at each start
 
 TOLERANCE = dict(rtol=1e-3, atol=5e-4)  # float16 against FP32 after a few steps
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    """Accelerate keeps process-wide singleton state; each test starts from none."""
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def _net() -> nn.Module:
@@ -55,14 +46,21 @@ def _trained(opt) -> list[torch.Tensor]:
 
 def _run(level: str, loop, **settings) -> list[torch.Tensor]:
     """Run ``loop(accelerator, model, opt)`` at ``level`` and return what the optimizer trains (FP32 masters at O2)."""
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     accelerator = _accelerator(level, **settings)
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
     model, opt = accelerator.prepare(model, opt)
     loop(accelerator, model, opt)
     return [p.detach().float().clone() for p in _trained(opt)]
+
+
+def _assert_trains_as_fp32(level: str, loop) -> None:
+    """What ``loop`` trains at ``level`` (initial scale 2**10) is what it trains with Accelerate in FP32."""
+    got = _run(level, loop, init_scale=2.0**10)
+    want = _run("no", loop)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOLERANCE)
 
 
 def _clip(accelerator, model, how: str) -> torch.Tensor | None:
@@ -92,10 +90,7 @@ def test_a_loop_that_clips_then_skips_a_bad_batch_matches_fp32(level, how):
             opt.step()
             opt.zero_grad()
 
-    got = _run(level, loop, init_scale=2.0**10)
-    want = _run("no", loop)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, **TOLERANCE)
+    _assert_trains_as_fp32(level, loop)
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
@@ -110,10 +105,7 @@ def test_a_backward_between_clip_and_step_matches_fp32(level):
             opt.step()
             opt.zero_grad()
 
-    got = _run(level, loop, init_scale=2.0**10)
-    want = _run("no", loop)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, **TOLERANCE)
+    _assert_trains_as_fp32(level, loop)
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
@@ -123,11 +115,7 @@ def test_a_discriminator_overflow_backs_off_only_its_own_scale(level, id_type):
     # the fix the zeroed tensors made loss 1 count in the discriminator's next step: both scales backed off. numpy
     # loss ids were refused.
     accelerator = _accelerator(level, num_losses=2, init_scale=256.0)
-    torch.manual_seed(0)
-    gen, disc = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8)), nn.Sequential(nn.Linear(8, 1))
-    opt_g = torch.optim.Adam(gen.parameters(), lr=1e-3)
-    opt_d = torch.optim.Adam(disc.parameters(), lr=1e-3)
-    gen, disc, opt_g, opt_d = accelerator.prepare(gen, disc, opt_g, opt_d)
+    gen, disc, opt_g, opt_d = prepared_gan(accelerator)
     bce = F.binary_cross_entropy_with_logits
     skipped = []
     for it in range(3):

@@ -19,21 +19,6 @@ from tests.lightning_helpers import Classifier, classification_data, loader, mak
 TOLERANCE = dict(rtol=1e-3, atol=5e-4)  # float16 against FP32 after a few SGD steps
 
 
-def _fp32_trainer(**kwargs: Any) -> pl.Trainer:
-    settings: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        max_epochs=1,
-        precision="32-true",
-    )
-    settings.update(kwargs)
-    return pl.Trainer(**settings)
-
-
 def _assert_trained_alike(model: pl.LightningModule, reference: pl.LightningModule) -> None:
     # At O2 the model holds the masters rounded to half: compare in FP32 within half tolerance.
     for (name, got), want in zip(model.named_parameters(), reference.parameters()):
@@ -63,7 +48,7 @@ def test_a_training_step_returning_none_with_clipping_does_not_leak(level):
     trainer = make_trainer(MixedPrecisionPlugin(level, init_scale=2.0**10), gradient_clip_val=10.0)
     trainer.fit(model, data)
     reference = SkipsBatches(skip_at=(1,), lr=0.05)
-    _fp32_trainer(gradient_clip_val=10.0).fit(reference, data)  # 10 is above the norm: FP32 does not clip
+    make_trainer(precision="32-true", gradient_clip_val=10.0).fit(reference, data)  # 10 is above the norm: no clip
     assert trainer.global_step == reference.trainer.global_step
     _assert_trained_alike(model, reference)
 
@@ -101,7 +86,7 @@ def test_a_manual_backward_between_clip_and_step_adds_at_the_right_scale(level, 
     model = ClipsBetweenBackwards(algorithm)
     make_trainer(MixedPrecisionPlugin(level, init_scale=2.0**10)).fit(model, data)
     reference = ClipsBetweenBackwards(algorithm)
-    _fp32_trainer().fit(reference, data)
+    make_trainer(precision="32-true").fit(reference, data)
     _assert_trained_alike(model, reference)
 
 

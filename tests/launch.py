@@ -1,0 +1,42 @@
+"""Running the tests' multi-process scripts (``tests/*_script.py``) from a test, with clean exits."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_script(name: str, out: Path, *, timeout: float, **env: str) -> None:
+    """Run ``tests/<name>`` in ``out`` with ``MPX_OUT=out`` and ``env`` set; fail with the end of its stderr when it
+    exits non-zero or runs past ``timeout`` seconds.
+
+    The script runs in a session of its own: on a timeout the processes it spawned are killed with it (by its group).
+    """
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / name)],
+        cwd=out,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), MPX_OUT=str(out), **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        raise AssertionError(f"{name} timed out after {timeout} s; stderr ends with:\n{stderr[-3000:]}") from None
+    assert proc.returncode == 0, f"{name}: exit code {proc.returncode}; stderr ends with:\n{stderr[-3000:]}"
+
+
+def rank_results(out: Path, prefix: str = "", world_size: int = 2) -> list[dict[str, Any]]:
+    """What each rank wrote to ``out/{prefix}rank{r}.json``, by rank."""
+    return [json.loads((out / f"{prefix}rank{r}.json").read_text()) for r in range(world_size)]
