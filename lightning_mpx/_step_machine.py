@@ -73,6 +73,22 @@ class StepMachine:
             )
         return state
 
+    def validate(self, optimizer: torch.optim.Optimizer, *, with_masters: bool) -> None:
+        """Refuse what cannot be registered: not an optimizer, a closure optimizer (LBFGS), or, ``with_masters``,
+        an optimizer before any model was prepared for training."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer.")
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError(
+                "optimizer=LBFGS re-evaluates the loss through a closure several times per step, which loss scaling "
+                "and step skipping cannot support; use opt_level='O0', or a first-order optimizer."
+            )
+        if with_masters and not self.masters.weights:
+            raise RuntimeError(
+                "prepare_model() must run before prepare_optimizer() with master weights (O2), with train=True: "
+                "a model prepared with train=False has no masters for an optimizer to train."
+            )
+
     def register(self, optimizer: torch.optim.Optimizer, *, with_masters: bool) -> None:
         """Track ``optimizer`` (once); ``with_masters``: its half parameters get their masters, optimizer state
         made before moves to them, and hooks put the masters in its groups for its state dicts."""

@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import contextlib
-import operator
 from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 import torch
@@ -26,8 +25,8 @@ from torch import nn
 
 from lightning_mpx._collections import _cast_collection
 from lightning_mpx._masters import Masters
-from lightning_mpx._overflow import OverflowLog, floor_hint, named_grads
-from lightning_mpx._stages import _OptimizerState, _Stage
+from lightning_mpx._overflow import Overflows, floor_hint
+from lightning_mpx._stages import _OptimizerState, _Stage, loss_index
 from lightning_mpx._step_machine import StepMachine
 from lightning_mpx.cast_policy import CastPolicy
 from lightning_mpx.cast_table import CastTable
@@ -45,10 +44,9 @@ _D, _S = DEFAULTS, DEFAULTS.scaler  # the defaults of the typed keywords, from t
 
 
 class Amp:
-    """Mixed precision for one training run: a facade over its parts, each the one owner of its state (the step
-    machine :class:`~lightning_mpx._step_machine.StepMachine`, the FP32 masters
-    :class:`~lightning_mpx._masters.Masters`, the loss scalers, the cast policy, :class:`Promotion`, the overflow
-    forensics and log, the telemetry).
+    """Mixed precision for one training run: a facade over parts that each own their state (the step machine
+    :class:`~lightning_mpx._step_machine.StepMachine`, the masters :class:`~lightning_mpx._masters.Masters`, the
+    overflows :class:`~lightning_mpx._overflow.Overflows`, the scalers, the cast policy, the promotion, the forensics).
 
     Args:
         opt_level, **settings: The opt level (``"O0"`` to ``"O3"``) and the keywords of
@@ -60,10 +58,6 @@ class Amp:
         settings: The validated :class:`~lightning_mpx.settings.MixedPrecisionSettings` the engine was built from.
         found_inf_reducer: Optional callable that reduces an optimizer's overflow flag in place across processes
             (the adapters set it under a distributed strategy) so that every rank makes the same skip decision.
-        last_overflow: The :class:`~lightning_mpx.forensics.OverflowRecord` of the most recent overflow step
-            (``None`` before the first), merged across ranks when ``found_inf_reducer`` is set.
-        last_overflow_parameters: The names of the parameters with non-finite gradients at that step (this
-            process's).
         telemetry: The :class:`~lightning_mpx.telemetry.GradTelemetry` behind :meth:`request_telemetry`.
     """
 
@@ -108,28 +102,17 @@ class Amp:
         self.settings = settings
         self.model_writes = settings.model_writes
         self.properties: Properties = settings.properties
-        num_losses = settings.num_losses
-        self.policy: CastPolicy | None = None
-        if self.properties.patch_torch_functions:
-            policy_dtype, allow_banned = self.properties.half_dtype, settings.allow_banned
-            self.policy = CastPolicy(settings.cast_table, policy_dtype, allow_banned=allow_banned)
-        elif self.properties.casts_model and self.properties.master_weights:
-            # O2: a loss computed inside the half model's own forward runs in FP32 (CastTable.default_o2()).
-            self.policy = CastPolicy(CastTable.default_o2(), self.properties.half_dtype, allow_banned=True)
+        self.policy: CastPolicy | None = _policy(settings)
         self.scalers: list[LossScaler] = [
-            LossScaler.from_settings(self.properties.loss_scale, settings.scaler) for _ in range(num_losses)
+            LossScaler.from_settings(self.properties.loss_scale, settings.scaler) for _ in range(settings.num_losses)
         ]
         self.found_inf_reducer: Callable[[torch.Tensor], None] | None = None
-        self._overflow_log = OverflowLog(settings.overflow_log_interval)
-        self.skipped_steps: list[int] = [0] * num_losses
-        self.last_overflow_parameters: list[str] = []
-        self.last_overflow: OverflowRecord | None = None
         self.forensics = OverflowForensics(settings.diagnose_overflows)
         self._steps = 0  # Amp.step() calls so far, all optimizers (OverflowRecord.step)
         #: The modules that run in FP32: pinned by ``fp32_modules`` or promoted by ``on_floor="promote"``.
         self.promotion = Promotion(self, settings.fp32_modules)
         self._names: dict[int, str] = {}
-        self._overflows_reported: list[torch.Tensor | None] = [None] * num_losses
+        self._overflows = Overflows(self.scalers, self.forensics, self.promotion, settings.overflow_log_interval)
         self.telemetry = GradTelemetry(self.properties.half_dtype)  # underflow/headroom, on request only
         self._masters = Masters(settings.unscale_backend)
         self._machine = StepMachine(
@@ -151,16 +134,28 @@ class Amp:
         return self._machine.backend
 
     @property
+    def skipped_steps(self) -> list[int]:
+        """Steps skipped on overflow so far, by loss."""
+        return self._overflows.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: list[int]) -> None:
+        self._overflows.skipped_steps = value
+
+    @property
+    def last_overflow(self) -> OverflowRecord | None:
+        """The :class:`~lightning_mpx.forensics.OverflowRecord` of the latest overflow step (``None`` before the
+        first), merged across ranks when ``found_inf_reducer`` is set."""
+        return self._overflows.last
+
+    @property
+    def last_overflow_parameters(self) -> list[str]:
+        """The names of the parameters with non-finite gradients at that step (this process's)."""
+        return self._overflows.last_parameters
+
+    @property
     def _optimizers(self) -> dict[int, _OptimizerState]:
         return self._machine.optimizers
-
-    @property
-    def _iteration_found(self) -> dict[int, torch.Tensor]:
-        return self._machine.iteration_found
-
-    @property
-    def _grad_norms(self) -> dict[int, torch.Tensor]:
-        return self._machine.grad_norms
 
     def _state(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
         return self._machine.state(optimizer)
@@ -193,20 +188,20 @@ class Amp:
     @property
     def log_overflows(self) -> bool:
         """Whether overflow messages are logged (adapters turn it off on ranks other than zero)."""
-        return self._overflow_log.enabled
+        return self._overflows.log.enabled
 
     @log_overflows.setter
     def log_overflows(self, value: bool) -> None:
-        self._overflow_log.enabled = value
+        self._overflows.log.enabled = value
 
     @property
     def overflow_log_interval(self) -> float:
         """Minimum seconds between two overflow log messages."""
-        return self._overflow_log.interval
+        return self._overflows.log.interval
 
     @overflow_log_interval.setter
     def overflow_log_interval(self, value: float) -> None:
-        self._overflow_log.interval = value
+        self._overflows.log.interval = value
 
     @property
     def fp32_modules(self) -> list[str]:
@@ -220,18 +215,11 @@ class Amp:
         return dict(self.promotion.promoted)
 
     def prepare_model(self, module: nn.Module, *, train: bool = True) -> nn.Module:
-        """Convert ``module`` for the opt level (in place) and return it.
-
-        O2/O3 cast it to half (batch norm FP32 when ``keep_batchnorm_fp32``); at O2 the FP32 masters of the
-        parameters an optimizer holds are made by :meth:`prepare_optimizer` (or a later step), so a half submodule
-        no optimizer trains (an EMA copy, a teacher) gets none. O0 makes half parameters FP32; O1 leaves it as is.
-
-        Args:
-            module: The model.
-            train: ``False`` for a model that is only evaluated: converted the same way, but with no FP32 masters,
-                and an optimizer over its half parameters is refused. Preparing it again with ``train=True`` adds
-                the masters (once).
-        """
+        """Convert ``module`` for the opt level (in place) and return it: half at O2/O3 (batch norm FP32 when
+        ``keep_batchnorm_fp32``), half parameters FP32 at O0, as it is at O1. At O2 the FP32 masters of the
+        parameters an optimizer holds are made by :meth:`prepare_optimizer` (a half submodule no optimizer trains
+        gets none). ``train=False``: a model only evaluated, with no masters (an optimizer over its half parameters
+        is refused); preparing it again with ``train=True`` adds them (once)."""
         if not isinstance(module, nn.Module):
             raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module.")
         if not isinstance(train, bool):
@@ -242,12 +230,7 @@ class Amp:
             self._names.setdefault(id(param), prefix + name)
         self.forensics.watch.add_model(module, prefix)
         props = self.properties
-        if props.casts_model:
-            convert_module(module, props.half_dtype, keep_batchnorm_fp32=props.keep_batchnorm_fp32 is not False)
-        elif props.cast_model_type == torch.float32:
-            for param in module.parameters():
-                if param.dtype in (torch.float16, torch.bfloat16):
-                    param.data = param.data.float()
+        _convert(module, props)
         self.promotion.add_model(module, prefix)  # fp32_modules: back to FP32 before any master is made
         if props.master_weights and not train:
             self._masters.evaluation_only = True
@@ -256,23 +239,9 @@ class Amp:
         return module
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Register ``optimizer`` (prepare its model first); for O2 its parameters become the FP32 masters.
-
-        Raises:
-            ValueError: for optimizers that need a closure (LBFGS), which loss scaling cannot support.
-        """
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer.")
-        if isinstance(optimizer, torch.optim.LBFGS):
-            raise ValueError(
-                "optimizer=LBFGS re-evaluates the loss through a closure several times per step, which loss scaling "
-                "and step skipping cannot support; use opt_level='O0', or a first-order optimizer."
-            )
-        if self.properties.master_weights and not self.master_weights:
-            raise RuntimeError(
-                "prepare_model() must run before prepare_optimizer() with master weights (O2), with train=True: "
-                "a model prepared with train=False has no masters for an optimizer to train."
-            )
+        """Register ``optimizer`` (prepare its model first); for O2 its parameters become the FP32 masters. A
+        closure optimizer (LBFGS), which loss scaling cannot support, is refused with a ValueError."""
+        self._machine.validate(optimizer, with_masters=self.properties.master_weights)
         self.promotion.check_patterns_matched()
         self._machine.register(optimizer, with_masters=self.properties.master_weights)
         return optimizer
@@ -291,21 +260,11 @@ class Amp:
         a half one that no prepared optimizer holds)."""
         return self._masters.master_of(param, self._optimizers.values())
 
-    def _make_held_masters(self) -> None:
-        self._masters.make_held(self._optimizers.values())
-
     def refresh_masters(self, params: Iterable[torch.Tensor] | None = None, *, force: bool = False) -> list[str]:
-        """Take writes made to the half model into the FP32 masters now (done before every step anyway).
-
-        Args:
-            params: The model parameters to check (default: every prepared model's).
-            force: Compare the values of every parameter checked, whatever its version counter: for writes the
-                cheap checks cannot see (through a tensor kept from ``p.data`` after the alias it came from is gone,
-                or through ``.data`` of a parameter of a user's own ``nn.Parameter`` subclass).
-
-        Returns:
-            The names of the parameters whose masters took a write.
-        """
+        """Take writes made to the half model into the FP32 masters now (done before every step anyway); returns
+        the names of the parameters whose masters took one. ``params``: the parameters to check (default: all);
+        ``force``: compare values whatever the version counters say (writes through a kept ``p.data`` tensor, or
+        through ``.data`` of a user's ``nn.Parameter`` subclass)."""
         return self._masters.refresh(params, force=force)
 
     # -- forward ------------------------------------------------------------------------------------------------
@@ -328,15 +287,10 @@ class Amp:
 
     # -- backward -----------------------------------------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor, loss_id: int = 0) -> torch.Tensor:
-        """``loss`` times the scale of ``loss_id`` (an ``int``, numpy integers included).
-
-        Before the backward that follows, every optimizer's gradients are made to carry this scale, so that one
-        gradient buffer never mixes two scales: gradients of another loss not stepped on yet (or of this loss at a
-        scale :meth:`update` has changed since) are rescaled; gradients that :meth:`unscale_` or ``clip_grad_*``
-        left unscaled without a :meth:`step` after them are scaled back up (an overflow found there still counts
-        toward the next :meth:`update`). Gradients left after a :meth:`step` are not rescaled: zero them before the
-        next backward (as with ``torch.amp.GradScaler``).
-        """
+        """``loss`` times the scale of ``loss_id`` (an ``int``, numpy integers included). Every optimizer's pending
+        gradients are brought to this scale first (another loss's, or left unscaled by :meth:`unscale_` or a clip
+        without a :meth:`step`), so one buffer never mixes two scales; gradients left after a :meth:`step` are not:
+        zero them before the next backward (as with ``torch.amp.GradScaler``)."""
         loss_id = self._loss_index(loss_id)
         scaled = self.scalers[loss_id].scale(loss)
         if self.forensics.watch.active:  # a device flag, no sync
@@ -400,16 +354,12 @@ class Amp:
         self._machine.show_unscaled_on_model(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer, **step_kwargs: Any) -> bool:
-        """Step ``optimizer`` unless its gradients overflowed; returns whether it stepped.
-
-        On overflow nothing is changed (parameters, optimizer state, and the schedule if the caller honours the
-        return value); the overflow counts against the losses whose gradients held the non-finite values.
-
-        .. warning:: Reads the overflow flags on the host (one sync per step, as ``torch.amp.GradScaler`` does).
+        """Step ``optimizer`` unless its gradients overflowed (then nothing changes, and the overflow counts
+        against the losses whose gradients held it); returns whether it stepped. Reads the overflow flags on the
+        host: one sync per step, as ``torch.amp.GradScaler``.
 
         Raises:
-            LossScaleFloorError: on overflow with the scale at its floor and ``on_floor="raise"``; the step is
-                skipped first.
+            LossScaleFloorError: on overflow at the floor with ``on_floor="raise"`` (the step is skipped first).
         """
         self._state(optimizer)
         self._steps += 1
@@ -420,7 +370,13 @@ class Amp:
             )
         state, overflowed = self._machine.check(optimizer, self.found_inf_reducer)
         if overflowed:
-            self._skip(optimizer, state, overflowed)
+            gather = self.found_inf_reducer is not None
+            self._overflows.record(
+                optimizer, overflowed, names=self._names, master_of=self.master_of, step=self._steps - 1, gather=gather
+            )
+            self._machine.finish(state)
+            hint = floor_hint(optimizer, self.master_of, self.properties.opt_level)
+            self._overflows.at_floor(optimizer, overflowed, hint)
             return False
         if self.forensics.watch.active:
             self.forensics.stepped()  # an automatic watch ends with the first step that does not overflow
@@ -428,12 +384,10 @@ class Amp:
         return True
 
     def update(self) -> None:
-        """Close the iteration: update the scale of every loss whose optimizers stepped, skipped or were unscaled
-        since the last call, reset every optimizer's stage (as ``torch.amp.GradScaler.update()`` does), and clear
-        the cast cache. Once per iteration, after the real step (not between accumulated batches). No host sync.
-        An optimizer unscaled without a step (a skipped batch) starts afresh: its overflow flag counts here, and the
-        gradients it holds are treated as the true values they are.
-        """
+        """Close the iteration (once, after the real step; no host sync): update the scale of every loss whose
+        optimizers stepped, skipped or were unscaled since the last call, reset every optimizer's stage (as
+        ``torch.amp.GradScaler.update()``; one unscaled without a step keeps its gradients as true values), and
+        clear the cast cache."""
         self._machine.update()
         if self.policy is not None:
             self.policy.clear_cache()
@@ -453,17 +407,7 @@ class Amp:
         ``_root``: the root module's own parameters); the telemetry after a :meth:`request_telemetry`.
         Device tensors or Python numbers: building them does not wait for the device.
         """
-        out: dict[str, torch.Tensor | float] = {}
-        for loss_id, scaler in enumerate(self.scalers):
-            suffix = f"/loss{loss_id}" if len(self.scalers) > 1 else ""
-            total = scaler.overflow_count
-            reported = self._overflows_reported[loss_id]
-            out["mpx/loss_scale" + suffix] = scaler.scale_tensor.clone()
-            out["mpx/overflows" + suffix] = (total - reported) if reported is not None else total.clone()
-            self._overflows_reported[loss_id] = total.clone()
-            out["mpx/skipped_steps" + suffix] = float(self.skipped_steps[loss_id])
-            if loss_id in self._grad_norms:
-                out["mpx/grad_norm" + suffix] = self._grad_norms.pop(loss_id)
+        out = self._overflows.metrics(self._machine.grad_norms)
         out.update(self.forensics.metrics())  # mpx/overflow/<module>, host counters
         out.update(self.promotion.metrics())
         out.update(self.telemetry.metrics())
@@ -505,52 +449,26 @@ class Amp:
 
     # -- internals ----------------------------------------------------------------------------------------------
     def _loss_index(self, loss_id: int) -> int:
-        """``loss_id`` as a Python int (numpy and other integer types accepted; bool refused), checked in range."""
-        try:
-            index = None if isinstance(loss_id, bool) or _is_bool_tensor(loss_id) else operator.index(loss_id)
-        except TypeError:
-            index = None
-        if index is None or not 0 <= index < len(self.scalers):
-            raise ValueError(
-                f"loss_id={loss_id!r} is out of range; valid choices: 0 to {len(self.scalers) - 1} "
-                f"(num_losses={len(self.scalers)})."
-            )
-        return index
-
-    def _skip(self, optimizer: torch.optim.Optimizer, state: _OptimizerState, overflowed: list[int]) -> None:
-        """An overflow step: record, count and log it, finish the skipped step, then the floor's policy."""
-        names = self._record_overflow(optimizer, overflowed)
-        for loss_id in overflowed:
-            self.skipped_steps[loss_id] += 1
-        self._overflow_log.log(names, overflowed, self.scalers, self.last_overflow)
-        self._machine.finish(state)
-        hint = floor_hint(optimizer, self.master_of, self.properties.opt_level)
-        if self.scalers[overflowed[0]].on_floor == "promote" and any(self.scalers[i].at_floor() for i in overflowed):
-            why_not = self.promotion.floor_overflow(self.last_overflow)
-            if why_not is None:
-                return  # promoted (or waiting for the next overflow's evidence): training goes on
-            hint = why_not + (f". {hint}" if hint else "")
-        for loss_id in overflowed:
-            self.scalers[loss_id].handle_overflow(names, hint=hint)
-
-    def _record_overflow(self, optimizer: torch.optim.Optimizer, overflowed: list[int]) -> list[str]:
-        """Build :attr:`last_overflow` (gathered to rank 0 under a distributed strategy) and count it; at the floor,
-        watch the next forwards. Overflow steps only; returns this process's non-finite parameter names."""
-        dist = torch.distributed
-        distributed = dist.is_available() and dist.is_initialized()
-        local = self.forensics.build(
-            named_grads(optimizer, self._names, self.master_of),
-            step=self._steps - 1,
-            loss_ids=overflowed,
-            scales=[self.scalers[i].scale_tensor for i in overflowed],
-            rank=dist.get_rank() if distributed else 0,
-        )
-        # All ranks are here together only when the flags were reduced across them.
-        self.last_overflow = self.forensics.gather(local) if self.found_inf_reducer is not None else local
-        self.last_overflow_parameters = list(local.parameters)
-        self.forensics.overflowed(self.last_overflow, at_floor=any(self.scalers[i].at_floor() for i in overflowed))
-        return self.last_overflow_parameters
+        return loss_index(loss_id, len(self.scalers))
 
 
-def _is_bool_tensor(value: object) -> bool:
-    return isinstance(value, torch.Tensor) and value.dtype == torch.bool
+def _policy(settings: MixedPrecisionSettings) -> CastPolicy | None:
+    """The cast policy of the opt level: the cast table at O1; at O2, one that runs a loss computed inside the half
+    model's own forward in FP32 (:meth:`CastTable.default_o2`); none otherwise."""
+    props = settings.properties
+    if props.patch_torch_functions:
+        return CastPolicy(settings.cast_table, props.half_dtype, allow_banned=settings.allow_banned)
+    if props.casts_model and props.master_weights:
+        return CastPolicy(CastTable.default_o2(), props.half_dtype, allow_banned=True)
+    return None
+
+
+def _convert(module: nn.Module, props: Properties) -> None:
+    """Cast ``module`` in place for the opt level: half at O2/O3 (batch norm FP32 when ``keep_batchnorm_fp32``),
+    half parameters to FP32 at O0."""
+    if props.casts_model:
+        convert_module(module, props.half_dtype, keep_batchnorm_fp32=props.keep_batchnorm_fp32 is not False)
+    elif props.cast_model_type == torch.float32:
+        for param in module.parameters():
+            if param.dtype in (torch.float16, torch.bfloat16):
+                param.data = param.data.float()
