@@ -32,7 +32,7 @@ from lightning_mpx.cast_policy import CastPolicy
 from lightning_mpx.cast_table import CastTable
 from lightning_mpx.forensics import OverflowForensics, OverflowRecord
 from lightning_mpx.loss_scaler import LossScaler
-from lightning_mpx.master_weights import MasterWeights, Mirror, convert_module
+from lightning_mpx.master_weights import MasterWeights, convert_module
 from lightning_mpx.opt_levels import Properties
 from lightning_mpx.promotion import Promotion
 # MODEL_WRITES is defined with the other settings; its old import path here keeps working.
@@ -49,10 +49,9 @@ class Amp:
     overflows :class:`~lightning_mpx._overflow.Overflows`, the scalers, the cast policy, the promotion, the forensics).
 
     Args:
-        opt_level, **settings: The opt level (``"O0"`` to ``"O3"``) and the keywords of
-            :meth:`MixedPrecisionSettings.from_kwargs <lightning_mpx.settings.MixedPrecisionSettings.from_kwargs>`,
-            each documented and checked in :class:`~lightning_mpx.settings.MixedPrecisionSettings` and
-            :class:`~lightning_mpx.settings.ScalerSettings`; :meth:`from_settings` takes the settings whole.
+        opt_level, **settings: The opt level (``"O0"`` to ``"O3"``) and the settings, each documented and checked in
+            :class:`~lightning_mpx.settings.MixedPrecisionSettings` and :class:`~lightning_mpx.settings.ScalerSettings`
+            (:meth:`from_settings` takes them whole).
 
     Attributes:
         settings: The validated :class:`~lightning_mpx.settings.MixedPrecisionSettings` the engine was built from.
@@ -109,8 +108,7 @@ class Amp:
         self.found_inf_reducer: Callable[[torch.Tensor], None] | None = None
         self.forensics = OverflowForensics(settings.diagnose_overflows)
         self._steps = 0  # Amp.step() calls so far, all optimizers (OverflowRecord.step)
-        #: The modules that run in FP32: pinned by ``fp32_modules`` or promoted by ``on_floor="promote"``.
-        self.promotion = Promotion(self, settings.fp32_modules)
+        self.promotion = Promotion(self, settings.fp32_modules)  # the modules that run in FP32
         self._names: dict[int, str] = {}
         self._overflows = Overflows(self.scalers, self.forensics, self.promotion, settings.overflow_log_interval)
         self.telemetry = GradTelemetry(self.properties.half_dtype)  # underflow/headroom, on request only
@@ -124,10 +122,6 @@ class Amp:
     def master_weights(self) -> list[MasterWeights]:
         """One :class:`~lightning_mpx.master_weights.MasterWeights` per model prepared for training (O2)."""
         return self._masters.weights
-
-    @master_weights.setter
-    def master_weights(self, value: list[MasterWeights]) -> None:
-        self._masters.weights = value
 
     @property
     def unscale_backend(self) -> str:
@@ -159,9 +153,6 @@ class Amp:
 
     def _state(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
         return self._machine.state(optimizer)
-
-    def _mirrors(self, state: _OptimizerState) -> list[Mirror]:
-        return self._machine.mirrors(state, compare=self.model_writes == "values")
 
     # -- set-up -------------------------------------------------------------------------------------------------
     @property
