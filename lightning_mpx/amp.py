@@ -127,6 +127,10 @@ class Amp:
     def unscale_backend(self) -> str:
         return self._machine.backend
 
+    @unscale_backend.setter
+    def unscale_backend(self, value: str) -> None:  # as the attribute it was: for later unscales and masters
+        self._machine.backend = self._masters.backend = value
+
     @property
     def skipped_steps(self) -> list[int]:
         """Steps skipped on overflow so far, by loss."""
@@ -326,12 +330,9 @@ class Amp:
         return self._state(optimizer).stage is _Stage.UNSCALED
 
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-        """Clip ``optimizer``'s unscaled gradients to a global L2 norm (unscaling them first when still scaled);
-        returns the norm before clipping.
-
-        As ``torch.nn.utils.clip_grad_norm_`` (bit for bit), except that a non-finite norm (an overflow: the step will
-        be skipped) leaves the gradients as they are, so that :attr:`last_overflow` tells inf from NaN.
-        """
+        """Clip ``optimizer``'s unscaled gradients (unscaling them first) to a global L2 norm; returns the norm
+        before clipping. As ``torch.nn.utils.clip_grad_norm_`` (bit for bit), except that a non-finite norm (an
+        overflow: the step is skipped) leaves the gradients as they are, so :attr:`last_overflow` tells inf from NaN."""
         return self._machine.clip_grad_norm_(optimizer, max_norm, with_masters=self.properties.master_weights)
 
     def clip_grad_value_(self, optimizer: torch.optim.Optimizer, clip_value: float) -> None:
