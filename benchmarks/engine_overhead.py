@@ -199,7 +199,7 @@ def measure_forensics(level: str, layers: int, steps: int, repeats: int) -> list
 def _write_check(amp: Amp, optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
     """The check ``amp.step`` runs first at O2 (``Mirror.take_writes``). It has no public entry point of its own, so
     this reaches into the engine: the one line to change when the engine's parts move."""
-    (mirror,) = amp._mirrors(amp._state(optimizer))
+    (mirror,) = amp._machine.mirrors(amp._state(optimizer), compare=amp.model_writes == "values")
     mirror.take_writes()
     return mirror.take_writes
 

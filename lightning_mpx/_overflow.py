@@ -1,4 +1,5 @@
-"""Overflow steps, told to the user: the throttled log message, the gradients to examine, and the floor hint.
+"""Overflow steps, told to the user: :class:`Overflows` records each (with the forensics), counts it, logs it
+(throttled) and hands it to the floor's policy; the gradients to examine and the floor hint are here too.
 
 The record of an overflow itself is built by :class:`~lightning_mpx.forensics.OverflowForensics`; what is here is
 what :meth:`~lightning_mpx.amp.Amp.step` hands it and how the result is logged.
@@ -8,13 +9,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
 
 from lightning_mpx._stages import optimizer_params
-from lightning_mpx.forensics import OverflowRecord
+from lightning_mpx.forensics import OverflowForensics, OverflowRecord
 from lightning_mpx.loss_scaler import LossScaler
+
+if TYPE_CHECKING:
+    from lightning_mpx.promotion import Promotion
 
 log = logging.getLogger("lightning_mpx")
 
@@ -96,3 +100,87 @@ def floor_hint(optimizer: torch.optim.Optimizer, master_of: MasterOf, opt_level:
                 f"as 1e-4"
             )
     return None
+
+
+class Overflows:
+    """The overflow steps of one engine: recorded, counted by loss, logged, and handed to the floor's policy.
+
+    Args:
+        scalers: The engine's loss scalers (read; their floor policy is applied here).
+        forensics: The engine's overflow forensics, which builds the records.
+        promotion: The engine's promotion (``on_floor="promote"``).
+        interval: Minimum seconds between two log messages (``overflow_log_interval``).
+
+    Attributes:
+        log: The throttled :class:`OverflowLog`.
+        skipped_steps: Steps skipped so far, by loss.
+        last: The record of the latest overflow step (``None`` before the first).
+        last_parameters: This process's parameters with non-finite gradients at that step.
+        reported: The overflow count of each loss at the last metrics call.
+    """
+
+    def __init__(
+        self, scalers: Sequence[LossScaler], forensics: OverflowForensics, promotion: Promotion, interval: float
+    ) -> None:
+        self.scalers, self.forensics, self.promotion = scalers, forensics, promotion
+        self.log = OverflowLog(interval)
+        self.skipped_steps: list[int] = [0] * len(scalers)
+        self.last: OverflowRecord | None = None
+        self.last_parameters: list[str] = []
+        self.reported: list[torch.Tensor | None] = [None] * len(scalers)
+
+    def record(
+        self,
+        optimizer: torch.optim.Optimizer,
+        overflowed: list[int],
+        *,
+        names: Mapping[int, str],
+        master_of: MasterOf,
+        step: int,
+        gather: bool,
+    ) -> list[str]:
+        """Build the record of an overflow step of ``optimizer`` (merged across ranks when ``gather``: all ranks
+        are here together only when the flags were reduced across them), count and log it; at the floor, watch
+        the next forwards. Returns this process's non-finite parameter names."""
+        dist = torch.distributed
+        distributed = dist.is_available() and dist.is_initialized()
+        local = self.forensics.build(
+            named_grads(optimizer, names, master_of),
+            step=step,
+            loss_ids=overflowed,
+            scales=[self.scalers[i].scale_tensor for i in overflowed],
+            rank=dist.get_rank() if distributed else 0,
+        )
+        self.last = self.forensics.gather(local) if gather else local
+        self.last_parameters = list(local.parameters)
+        self.forensics.overflowed(self.last, at_floor=any(self.scalers[i].at_floor() for i in overflowed))
+        for loss_id in overflowed:
+            self.skipped_steps[loss_id] += 1
+        self.log.log(self.last_parameters, overflowed, self.scalers, self.last)
+        return self.last_parameters
+
+    def at_floor(self, optimizer: torch.optim.Optimizer, overflowed: list[int], hint: str | None) -> None:
+        """Apply the floor policy of the losses that overflowed (promote, raise with ``hint``, or warn)."""
+        if self.scalers[overflowed[0]].on_floor == "promote" and any(self.scalers[i].at_floor() for i in overflowed):
+            why_not = self.promotion.floor_overflow(self.last)
+            if why_not is None:
+                return  # promoted (or waiting for the next overflow's evidence): training goes on
+            hint = why_not + (f". {hint}" if hint else "")
+        for loss_id in overflowed:
+            self.scalers[loss_id].handle_overflow(self.last_parameters, hint=hint)
+
+    def metrics(self, grad_norms: dict[int, torch.Tensor]) -> dict[str, torch.Tensor | float]:
+        """Each loss's ``mpx/loss_scale``, ``mpx/overflows`` (since the last call), ``mpx/skipped_steps`` and
+        ``mpx/grad_norm`` (taken from ``grad_norms``), suffixed ``/loss{id}`` when there are several losses."""
+        out: dict[str, torch.Tensor | float] = {}
+        for loss_id, scaler in enumerate(self.scalers):
+            suffix = f"/loss{loss_id}" if len(self.scalers) > 1 else ""
+            total = scaler.overflow_count
+            reported = self.reported[loss_id]
+            out["mpx/loss_scale" + suffix] = scaler.scale_tensor.clone()
+            out["mpx/overflows" + suffix] = (total - reported) if reported is not None else total.clone()
+            self.reported[loss_id] = total.clone()
+            out["mpx/skipped_steps" + suffix] = float(self.skipped_steps[loss_id])
+            if loss_id in grad_norms:
+                out["mpx/grad_norm" + suffix] = grad_norms.pop(loss_id)
+        return out

@@ -10,6 +10,7 @@ becomes SKIPPED). It also caches the optimizer's (parameter, master) pairs for t
 from __future__ import annotations
 
 import enum
+import operator
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -96,3 +97,17 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]
     """The parameters of every group of ``optimizer``, in order."""
     for group in optimizer.param_groups:
         yield from group["params"]
+
+
+def loss_index(loss_id: int, num_losses: int) -> int:
+    """``loss_id`` as a Python int (numpy and other integer types accepted; bool refused), checked in range."""
+    try:
+        is_bool = isinstance(loss_id, bool) or (isinstance(loss_id, torch.Tensor) and loss_id.dtype == torch.bool)
+        index = None if is_bool else operator.index(loss_id)
+    except TypeError:
+        index = None
+    if index is None or not 0 <= index < num_losses:
+        raise ValueError(
+            f"loss_id={loss_id!r} is out of range; valid choices: 0 to {num_losses - 1} (num_losses={num_losses})."
+        )
+    return index

@@ -336,7 +336,7 @@ def test_integer_like_loss_ids_are_accepted(loss_id):
     amp.backward(model(torch.ones(1, 3)).sum(), loss_id=loss_id)
     assert amp.step(opt)
     amp.update()
-    assert amp._iteration_found == {} and amp.skipped_steps == [0, 0]
+    assert amp._machine.iteration_found == {} and amp.skipped_steps == [0, 0]
 
 
 @pytest.mark.parametrize("loss_id", [True, np.bool_(True), 1.0, "1", torch.tensor(True), None, 2, -1], ids=repr)

@@ -1,0 +1,110 @@
+"""The FP32 master weights of one engine: one :class:`~lightning_mpx.master_weights.MasterWeights` per model prepared
+for training at O2, made, looked up, refreshed and checkpointed here.
+
+:class:`Masters` owns the list; the optimizers that hold the masters' parameters belong to the step machine
+(:mod:`lightning_mpx._step_machine`), which hands their states in where a master is made for a parameter an
+optimizer holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from lightning_mpx._master_swap import param_pairs
+from lightning_mpx._stages import _OptimizerState
+from lightning_mpx.master_weights import MasterWeights
+
+
+class Masters:
+    """The FP32 masters of the models prepared for training (empty below O2).
+
+    Args:
+        backend: The unscale backend, which also copies the masters to the model (``unscale_backend``).
+
+    Attributes:
+        weights: One :class:`~lightning_mpx.master_weights.MasterWeights` per model prepared for training.
+        evaluation_only: Whether an O2 model was prepared with ``train=False`` (then a checkpoint's masters are
+            not needed while no model is prepared for training).
+    """
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self.weights: list[MasterWeights] = []
+        self.evaluation_only = False
+
+    def prune(self) -> list[MasterWeights]:
+        """Forget the masters of models that were garbage-collected; returns the ones left."""
+        self.weights = [masters for masters in self.weights if masters.alive]
+        return self.weights
+
+    def covered(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` already belongs to the masters of a model prepared for training."""
+        return any(masters.covers(param) for masters in self.weights)
+
+    def add_model(self, module: nn.Module, names: Mapping[int, str], prefix: str) -> None:
+        """Masters for ``module``'s parameters, made lazily (by the optimizer that holds them, as Apex), unless
+        another prepared model already covers all of them (a shared submodule keeps its one master)."""
+        if all(map(self.covered, module.parameters())):
+            return
+        self.weights.append(
+            MasterWeights(
+                ((names.get(id(p), prefix + name), p) for name, p in module.named_parameters()),
+                copy_backend=self.backend,
+                exclude=self.covered,
+                eager=False,
+            )
+        )
+
+    def make_held(self, states: Iterable[_OptimizerState]) -> None:
+        """Make the masters of the half parameters the optimizers hold (those added since their last step have
+        none yet)."""
+        for state in list(states):
+            param_pairs(state, self.weights)
+
+    def master_of(self, param: torch.Tensor, states: Iterable[_OptimizerState]) -> torch.Tensor:
+        """The FP32 master of ``param`` (the parameter itself when it has none)."""
+        for masters in self.weights:
+            if masters.covers(param):
+                master = masters.master_of(param)
+                if master is param and param.dtype in (torch.float16, torch.bfloat16):
+                    self.make_held(states)  # added to an optimizer since its last step: its master is made now
+                    master = masters.master_of(param)
+                return master
+        return param
+
+    def refresh(self, params: Iterable[torch.Tensor] | None, *, force: bool) -> list[str]:
+        """Take writes to the half model into the masters; returns the names of the parameters that took one."""
+        params = None if params is None else list(params)
+        return [name for masters in self.weights for name in masters.refresh(params, force=force)]
+
+    def state_dict(self, states: Iterable[_OptimizerState]) -> list[dict[str, Any]]:
+        """The masters of every live model (parameters added to an optimizer since its last step included)."""
+        if self.weights:
+            self.make_held(states)
+        return [masters.state_dict() for masters in self.weights if masters.alive]
+
+    def accept(self, saved: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The masters of a checkpoint to load (none when every model was prepared for evaluation only), checked
+        in number against the prepared models."""
+        self.prune()
+        if self.evaluation_only and not self.weights:
+            saved = []
+        if len(saved) != len(self.weights):
+            raise ValueError(
+                f"the checkpoint has master weights for {len(saved)} model(s) but "
+                f"{len(self.weights)} model(s) were prepared with master weights."
+            )
+        return saved
+
+    def check_state_dict(self, saved: list[dict[str, Any]], *, fp32: Any) -> None:
+        """Check each model's saved masters (``fp32``: the promoted parameters, saved in FP32), changing nothing."""
+        for masters, masters_state in zip(self.weights, saved):
+            masters.check_state_dict(masters_state, fp32=fp32)
+
+    def load_state_dict(self, saved: list[dict[str, Any]]) -> None:
+        """Load what :meth:`check_state_dict` accepted (bit-exact)."""
+        for masters, masters_state in zip(self.weights, saved):
+            masters.load_state_dict(masters_state)
