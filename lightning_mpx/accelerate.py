@@ -121,8 +121,9 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
             min_loss_scale, max_loss_scale, on_floor: Loss-scaler settings (see
             :class:`~lightning_mpx.settings.ScalerSettings`).
         log_metrics: Add the ``mpx/...`` metrics to every :meth:`Accelerator.log` call.
-        telemetry_every_n_steps: Measure underflow and headroom (``mpx/underflow/<module>``,
-            ``mpx/headroom/<module>``, see :mod:`lightning_mpx.telemetry`) in the unscale of every n-th iteration
+        telemetry_every_n_steps: Measure underflow, zeros and headroom (``mpx/underflow/<module>``,
+            ``mpx/zeros/<module>``, ``mpx/headroom/<module>``, see :mod:`lightning_mpx.telemetry`) in the unscale of
+            every n-th iteration
             (the first, then every n-th: log when ``step % n == 0``); ``None`` (default) measures only after
             :meth:`Accelerator.request_mpx_telemetry`.
 
@@ -441,7 +442,8 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
     # -- metrics ----------------------------------------------------------------------------------------------------
     def request_mpx_telemetry(self) -> None:
         """Measure underflow and headroom in this iteration's unscale (call it before the optimizer step); the next
-        :meth:`log` or :meth:`mpx_metrics` holds ``mpx/underflow/<module>`` and ``mpx/headroom/<module>``."""
+        :meth:`log` or :meth:`mpx_metrics` holds ``mpx/underflow/<module>``, ``mpx/zeros/<module>`` and
+        ``mpx/headroom/<module>``."""
         if self.amp is None:
             raise ValueError(
                 f"request_mpx_telemetry() needs an opt level, but mixed_precision={self.mixed_precision!r}; use "
@@ -452,8 +454,9 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
     def mpx_metrics(self) -> dict[str, float]:
         """``mpx/loss_scale``, ``mpx/overflows`` (since the previous call), ``mpx/skipped_steps`` and
         ``mpx/grad_norm`` (when ``clip_grad_norm_`` computed it since the previous call) as Python floats, with a
-        ``/loss{id}`` suffix when there are several losses, and ``mpx/underflow/<module>``/``mpx/headroom/<module>``
-        after telemetry was measured. Reads the device (one sync); empty with a native value."""
+        ``/loss{id}`` suffix when there are several losses, and ``mpx/underflow/<module>``, ``mpx/zeros/<module>``
+        and ``mpx/headroom/<module>`` after telemetry was measured. Reads the device (one sync); empty with a native
+        value."""
         if self.amp is None:
             return {}
         return {name: float(value) for name, value in self.amp.metrics().items()}
