@@ -287,15 +287,19 @@ def test_accelerate_checkpointed_gradients_equal_plain_o1(reentrant):
 
 
 # --- Hugging Face --------------------------------------------------------------------------------------------------
-def _gpt2_grads(checkpointing: bool, half: str) -> dict[str, torch.Tensor]:
+def _tiny_gpt2() -> torch.nn.Module:
+    """A two-layer GPT-2 from a config (nothing downloaded), seeded, in training mode, without dropout."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.GPT2Config(
         n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
-    model = transformers.GPT2LMHeadModel(config)
-    model.train()
+    return transformers.GPT2LMHeadModel(config).train()
+
+
+def _gpt2_grads(checkpointing: bool, half: str) -> dict[str, torch.Tensor]:
+    model = _tiny_gpt2()
     if checkpointing:
         model.gradient_checkpointing_enable()
     amp = Amp("O1", half_dtype=half, loss_scale=1.0)
@@ -317,14 +321,7 @@ def test_hugging_face_gradient_checkpointing(half):
 def test_hugging_face_bare_backward_with_recorded_contexts():
     """``gradient_checkpointing_kwargs`` passes ``context_fn`` to torch's checkpoint: a bare ``loss.backward()`` of a
     GPT-2 at O1 gives the gradients of the same model without checkpointing."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
-    model = transformers.GPT2LMHeadModel(config)
-    model.train()
+    model = _tiny_gpt2()
     model.gradient_checkpointing_enable(
         gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_contexts}
     )
