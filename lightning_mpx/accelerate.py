@@ -49,6 +49,7 @@ import copy
 import dataclasses
 import functools
 import os
+import warnings
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -58,6 +59,7 @@ from torch import nn
 from lightning_mpx._boundary import INPUT_DTYPES, DtypeProbe
 from lightning_mpx._dtypes import parse_half_dtype
 from lightning_mpx._imports import require
+from lightning_mpx import _accelerate_fsdp
 from lightning_mpx._collections import _cast_collection
 from lightning_mpx.amp import Amp
 from lightning_mpx.cast_table import _NAMESPACES as _TABLE_NAMESPACES
@@ -98,7 +100,15 @@ AMP_STATE_NAME = "lightning_mpx_amp.bin"
 
 _D, _S = DEFAULTS, DEFAULTS.scaler  # the defaults of the fields, from the one place that defines them
 _ADAPTER_FIELDS = ("log_metrics", "telemetry_every_n_steps")
-_SUPPORTED_DISTRIBUTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+_SUPPORTED_DISTRIBUTED = (
+    DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.FSDP
+)
+_DEEPSPEED_HINT = (
+    "DeepSpeed brings its own mixed-precision engine (FP16 master weights in its ZeRO optimizer, its own dynamic "
+    "loss scaler), which an opt level would fight: configure it in DeepSpeed's config instead, e.g. "
+    '"fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1} '
+    '(or "bf16": {"enabled": true}), or pass Accelerate\'s mixed_precision="fp16"/"bf16" with the DeepSpeed plugin.'
+)
 
 
 @dataclasses.dataclass
@@ -242,20 +252,43 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
         settings = ours[0] if ours else MixedPrecisionKwargs()
         # Built before Accelerate sets up processes and devices, so that a bad combination fails fast.
         amp = Amp.from_settings(settings.settings(opt_level))
+        deepspeed = kwargs.get("deepspeed_plugin") or kwargs.get("deepspeed_plugins")
+        if deepspeed is not None or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+            raise ValueError(f"mixed_precision={opt_level!r} cannot run under DeepSpeed. {_DEEPSPEED_HINT}")
+        self._native_view = False  # True while Accelerate's own code prepares a model: see mixed_precision
         super().__init__(*args, mixed_precision="no", kwargs_handlers=theirs or None, **kwargs)
+        if self.distributed_type == DistributedType.DEEPSPEED:
+            raise ValueError(f"mixed_precision={opt_level!r} cannot run under DeepSpeed. {_DEEPSPEED_HINT}")
         if self.distributed_type not in _SUPPORTED_DISTRIBUTED:
             raise ValueError(
-                f"mixed_precision={opt_level!r} supports single-process and DDP training, not "
+                f"mixed_precision={opt_level!r} supports single-process, DDP and FSDP training, not "
                 f"distributed_type={self.distributed_type}; use Accelerate's native mixed precision there."
+            )
+        if self.distributed_type == DistributedType.FSDP:
+            plugin = self.state.fsdp_plugin
+            _accelerate_fsdp.refuse_settings(amp.settings, plugin)
+            # Accelerate's own mixed_precision is "no", so it leaves the plugin's policy to us.
+            plugin.mixed_precision_policy = _accelerate_fsdp.fsdp_policy(amp.settings, plugin.fsdp_version)
+        elif kwargs.get("fsdp_plugin") is not None:
+            warnings.warn(
+                f"fsdp_plugin was given, but Accelerate chose distributed_type={self.distributed_type} (it selects "
+                "FSDP only on GPU-like devices): the model is not sharded, and "
+                f"mixed_precision={opt_level!r} runs as without FSDP.",
+                UserWarning,
+                stacklevel=2,
             )
         self.amp, self.mpx_kwargs = amp, settings
         if self.num_processes > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            amp.found_inf_reducer = _all_reduce_max  # every rank takes the same skip decision
+            if self.distributed_type != DistributedType.FSDP:
+                # Under FSDP the engine's own collective (flags + global norm, one per step) makes the ranks agree.
+                amp.found_inf_reducer = _all_reduce_max  # every rank takes the same skip decision
             amp.log_overflows = self.is_main_process
         # Optimizers that stepped (or skipped) since the last Amp.update(): see the module docstring.
         self._stepped: set[int] = set()
         self._iterations = 0  # Amp.update() calls so far: telemetry_every_n_steps counts them
         self._converted: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        # FSDP2: optimizers prepared before Accelerate sharded their model, registered with the engine after.
+        self._deferred: list[_AmpOptimizer] | None = None
         self.register_save_state_pre_hook(self._save_amp_state)
         self.register_load_state_pre_hook(self._load_amp_state)
 
@@ -264,7 +297,11 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
     def mixed_precision(self) -> str:
         """The opt level, or Accelerate's own mode (``"no"``, ``"fp16"``, ...)."""
         amp = getattr(self, "amp", None)
-        return amp.opt_level if amp is not None else str(self.state.mixed_precision)
+        if amp is None or getattr(self, "_native_view", False):
+            # While Accelerate's FSDP code prepares a model it reads "no": it would otherwise upcast an O3 model to
+            # FP32 (the opt level decides the parameters' dtypes).
+            return str(self.state.mixed_precision)
+        return amp.opt_level
 
     @property
     def opt_level(self) -> str | None:
@@ -277,6 +314,8 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
         of ``args``, because O2's optimizer needs the FP32 masters that preparing its model creates."""
         if self.amp is None:
             return super().prepare(*args, device_placement=device_placement)
+        if self.is_fsdp2:
+            return self._prepare_fsdp2_models(args, device_placement)
         # Stable: models first, everything else in its order; the results go back to the caller's order.
         order = sorted(range(len(args)), key=lambda i: not isinstance(args[i], nn.Module))
         placements = device_placement  # of the wrong length: Accelerate raises its own error
@@ -293,7 +332,10 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
     def prepare_model(
         self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ) -> nn.Module:
-        """As ``accelerate.Accelerator.prepare_model``, with the opt level's conversion and forward applied first."""
+        """As ``accelerate.Accelerator.prepare_model``, with the opt level's conversion and forward applied first
+        (with FSDP1: the level's casts before Accelerate wraps the model, the engine on the wrapped model)."""
+        if self.amp is not None and self.distributed_type == DistributedType.FSDP:
+            return self._prepare_fsdp1_model(model, device_placement, evaluation_mode)
         if self.amp is None or getattr(model, "_is_accelerate_prepared", False) or model in self._converted:
             if self.amp is not None and model in self._converted and not evaluation_mode:
                 self.amp.prepare_model(model, train=True)  # prepared for evaluation before: masters now (once)
@@ -304,6 +346,16 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
             model.to(self.device)
         self.amp.prepare_model(model, train=not evaluation_mode)  # no FP32 masters for a model only evaluated
         self._converted.add(model)
+        self._install_forward(model)
+        prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        if self.amp.master_weights and prepared is not model:
+            # Wrapped (DDP broadcasts rank zero's weights to every process): the masters take the weights that
+            # will be trained, where they differ from them.
+            self.amp.refresh_masters(model.parameters(), force=True)
+        return prepared
+
+    def _install_forward(self, model: nn.Module) -> None:
+        assert self.amp is not None
         if self.amp.properties.patch_torch_functions or self.amp.properties.casts_model:
             # An instance attribute, as Accelerate's own autocast wrapper: the class and other instances are untouched,
             # and unwrap_model(model, keep_fp32_wrapper=False) removes it through _original_forward.
@@ -312,11 +364,66 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
             target = model._orig_mod if is_compiled_module(model) else model
             target._original_forward = target.forward  # type: ignore[assignment]
             target.forward = _AmpForward(target.forward, self.amp)
-        prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-        if self.amp.master_weights and prepared is not model:
-            # Wrapped (DDP broadcasts rank zero's weights to every process): the masters take the weights that
-            # will be trained, where they differ from them.
-            self.amp.refresh_masters(model.parameters(), force=True)
+
+    # -- FSDP ---------------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _as_native(self) -> Iterator[None]:
+        """Accelerate's own preparation code reads ``mixed_precision`` as ``"no"`` inside (its FSDP paths upcast
+        half parameters otherwise; the opt level has decided the dtypes already)."""
+        self._native_view = True
+        try:
+            yield
+        finally:
+            self._native_view = False
+
+    def _fsdp2_shard_kwargs(self) -> dict[str, Any]:
+        """``fully_shard``'s mesh, offload and reshard settings, as Accelerate's ``fsdp2_prepare_model`` takes them."""
+        plugin = self.state.fsdp_plugin
+        mesh = getattr(self, "torch_device_mesh", None)
+        return {
+            "mesh": mesh[tuple(self.parallelism_config.fsdp_dim_names)] if mesh is not None else None,
+            "reshard_after_forward": plugin.reshard_after_forward,
+            "offload_policy": plugin.cpu_offload,
+        }
+
+    def _prepare_fsdp2_models(self, args: tuple[Any, ...], device_placement: list[bool] | None) -> Any:
+        """FSDP2: the level's casts and FP32 islands first, then Accelerate (which prepares the optimizers, shards the
+        model, and swaps the optimizers' parameters for the shards), then the engine on the sharded model and the
+        optimizers as they are now."""
+        assert self.amp is not None
+        optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
+        for model in args:
+            if isinstance(model, nn.Module) and not getattr(model, "_is_accelerate_prepared", False):
+                mapping = _accelerate_fsdp.before_sharding(model, self.amp.settings, 2, self._fsdp2_shard_kwargs())
+                _accelerate_fsdp.swap_parameters(optimizers, mapping)
+        self._deferred = []
+        try:
+            with self._as_native():
+                prepared = super().prepare(*args, device_placement=device_placement)
+            deferred = self._deferred
+        finally:
+            self._deferred = None
+        for obj in prepared if isinstance(prepared, (tuple, list)) else (prepared,):  # a list from FSDP2
+            if isinstance(obj, nn.Module) and obj not in self._converted:
+                self.amp.prepare_model(obj)  # sharded: no conversion, no masters; the policies are checked
+                self._converted.add(obj)
+                self._install_forward(obj)
+        for wrapped in deferred:
+            self.amp.prepare_optimizer(wrapped.optimizer)  # after the swap: it holds the shards now
+        return prepared
+
+    def _prepare_fsdp1_model(self, model: nn.Module, device_placement: bool | None, evaluation_mode: bool) -> nn.Module:
+        """FSDP1: the level's casts before Accelerate wraps the model, the engine on the wrapped model."""
+        assert self.amp is not None
+        if self.is_fsdp2 or getattr(model, "_is_accelerate_prepared", False) or model in self._converted:
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        _accelerate_fsdp.before_sharding(model, self.amp.settings, 1, {})
+        self._install_forward(model)  # on the inner module: the wrapper's forward calls it
+        with self._as_native():
+            prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        self.amp.prepare_model(prepared, train=not evaluation_mode)
+        self._converted.add(model)
+        self._converted.add(prepared)
         return prepared
 
     def free_memory(self, *objects: Any) -> Any:
@@ -338,7 +445,8 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
         :class:`~lightning_mpx.amp.Amp` (at O2 on the FP32 masters). Prepare its model first."""
         if self.amp is None or getattr(optimizer, "_is_accelerate_prepared", False):
             return super().prepare_optimizer(optimizer, device_placement=device_placement)
-        self.amp.prepare_optimizer(optimizer)
+        if self._deferred is None:
+            self.amp.prepare_optimizer(optimizer)
         wrapped = _AmpOptimizer(
             optimizer,
             self.amp,
@@ -346,6 +454,8 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
             device_placement=self.device_placement if device_placement is None else device_placement,
         )
         self._optimizers.append(wrapped)
+        if self._deferred is not None:
+            self._deferred.append(wrapped)  # FSDP2: registered once Accelerate has swapped in the shards
         return wrapped
 
     # -- forward and backward ---------------------------------------------------------------------------------------
@@ -425,6 +535,13 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
                 norm = self.amp.clip_grad_norm_(owner.optimizer, max_norm)
                 owner.unscaled = True
                 return norm
+        if self.amp.sharded:
+            raise ValueError(
+                f"clip_grad_norm_ with norm_type={norm_type!r} on {len(targets)} parameter(s) of {len(owners)} "
+                "optimizer(s): under FSDP the global norm (one collective across ranks) is computed for exactly "
+                "one optimizer's parameters with norm_type=2. Pass model.parameters() (or that optimizer's "
+                "parameters) and norm_type=2."
+            )
         self._unscale(owners)
         return torch.nn.utils.clip_grad_norm_(targets, max_norm, norm_type=norm_type)
 
