@@ -426,6 +426,20 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
         self._converted.add(prepared)
         return prepared
 
+    def _check_sharded_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse an optimizer that does not hold the prepared (sharded) model's parameters: FSDP1 replaces them
+        with flat shards when it wraps the model, and an optimizer made before would train tensors nothing uses."""
+        known = {id(p) for model in self._models for p in model.parameters()}
+        params = list(_params(optimizer))
+        stale = sum(id(p) not in known for p in params)
+        if stale:
+            raise ValueError(
+                f"optimizer={type(optimizer).__name__} holds {stale} of {len(params)} parameter(s) that are not the "
+                "parameters of a model this Accelerator sharded with FSDP (FSDP1 replaces them with flat shards when "
+                "it wraps the model): prepare the model first, then make the optimizer from it: `model = "
+                "accelerator.prepare(model); optimizer = accelerator.prepare(AdamW(model.parameters()))`."
+            )
+
     def free_memory(self, *objects: Any) -> Any:
         """As ``accelerate.Accelerator.free_memory``; with an opt level, the engine's masters, optimizers and loss
         scales are released too: the next ``prepare`` starts a fresh engine with the same settings."""
@@ -446,6 +460,8 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
         if self.amp is None or getattr(optimizer, "_is_accelerate_prepared", False):
             return super().prepare_optimizer(optimizer, device_placement=device_placement)
         if self._deferred is None:
+            if self.distributed_type == DistributedType.FSDP:
+                self._check_sharded_optimizer(optimizer)
             self.amp.prepare_optimizer(optimizer)
         wrapped = _AmpOptimizer(
             optimizer,

@@ -179,6 +179,17 @@ def case(version: int, level: str, dtype: str, steps: int) -> dict:
     return result
 
 
+def stale_optimizer() -> dict:
+    """FSDP1: an optimizer made before Accelerate wrapped the model holds tensors that nothing trains."""
+    accelerator = fsdp_accelerator(1, "O2", "bfloat16")
+    model = build()
+    try:
+        accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
 def resume(version: int, level: str, dtype: str, steps: int, checkpoint: str) -> dict:
     half = steps // 2
     batches = data(steps)
@@ -227,9 +238,12 @@ def main() -> int:
     rank = int(os.environ["RANK"])
     jobs = [("case", c) for c in os.environ.get("MPX_CASES", "").split(",") if c]
     jobs += [("resume", c) for c in os.environ.get("MPX_RESUME", "").split(",") if c]
+    jobs += [("stale", "1:O2:bfloat16:0")] if os.environ.get("MPX_STALE") else []
     for kind, spec in jobs:
         version, level, dtype, steps = spec.split(":")
-        if kind == "case":
+        if kind == "stale":
+            result = stale_optimizer()
+        elif kind == "case":
             result = case(int(version), level, dtype, int(steps))
         else:
             checkpoint = os.path.join(out_dir, f"checkpoint_{spec.replace(':', '_')}")

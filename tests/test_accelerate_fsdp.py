@@ -47,7 +47,7 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("accelerate_fsdp")
     run_script(
         "accelerate_fsdp_script.py", out, timeout=240,
-        MPX_CASES=",".join(_spec(*case[:4]) for case in CASES), MPX_RESUME=_spec(*RESUME),
+        MPX_CASES=",".join(_spec(*case[:4]) for case in CASES), MPX_RESUME=_spec(*RESUME), MPX_STALE="1",
     )
 
     def read(kind, spec):
@@ -56,6 +56,7 @@ def results(tmp_path_factory):
 
     found = {case[:4]: read("case", _spec(*case[:4])) for case in CASES}
     found["resume"] = read("resume", _spec(*RESUME))
+    found["stale"] = read("stale", "1:O2:bfloat16:0")
     found["checkpoint"] = out / f"checkpoint_{_spec(*RESUME).replace(':', '_')}"
     return found
 
@@ -106,6 +107,11 @@ def test_clip_grad_norm_returns_the_global_norm(results, version, level, dtype, 
 def test_clip_grad_norm_refuses_what_has_no_global_norm(results):
     for rank in results[2, "O2", "bfloat16", 10]:
         assert "under FSDP the global norm" in rank["partial_clip_error"]
+
+
+def test_fsdp1_optimizer_made_before_the_wrap_is_refused(results):
+    for rank in results["stale"]:  # it would train tensors that FSDP1 replaced with its flat shards
+        assert "prepare the model first, then make the optimizer from it" in rank["error"]
 
 
 def test_save_state_load_state_resumes_bit_exactly(results):
