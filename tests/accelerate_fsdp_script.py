@@ -54,7 +54,7 @@ def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(BATCH, 16, generator=g), torch.randn(BATCH, 4, generator=g)) for _ in range(steps)]
 
 
-def fsdp_accelerator(version: int, level: str, dtype: str) -> Accelerator:
+def fsdp_accelerator(version: int, level: str, dtype: str, accumulation: int = 1) -> Accelerator:
     reset_accelerate_state()
     PartialState(cpu=True)  # the gloo process group (set up once; kept across cases)
     # The one step no user takes (see the module docstring): Accelerate selects FSDP for GPU-like devices only.
@@ -65,7 +65,7 @@ def fsdp_accelerator(version: int, level: str, dtype: str) -> Accelerator:
         fsdp_version=version, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Linear"]
     )
     accelerator = Accelerator(
-        mixed_precision=level, fsdp_plugin=plugin, cpu=True,
+        mixed_precision=level, fsdp_plugin=plugin, cpu=True, gradient_accumulation_steps=accumulation,
         kwargs_handlers=[MixedPrecisionKwargs(half_dtype=dtype, **SCALER)],
     )
     assert accelerator.distributed_type == DistributedType.FSDP and accelerator.num_processes == 2
@@ -179,6 +179,35 @@ def case(version: int, level: str, dtype: str, steps: int) -> dict:
     return result
 
 
+def accumulated(version: int, level: str, dtype: str, steps: int) -> dict:
+    """The same global batches, each rank's half in two micro-batches under ``accelerator.accumulate(model)``."""
+    accelerator = fsdp_accelerator(version, level, dtype, accumulation=2)
+    model, optimizer = prepared(accelerator, version)
+    rank, per_rank = accelerator.process_index, BATCH // accelerator.num_processes
+    out = {"losses": [], "norms": [], "skipped": [], "scales": []}
+    for step, (x, y) in enumerate(data(steps)):
+        x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+        total = torch.zeros(1)
+        for micro in range(2):
+            with accelerator.accumulate(model):
+                part = slice(micro * per_rank // 2, (micro + 1) * per_rank // 2)
+                loss = F.mse_loss(model(x[part]), y[part])
+                accelerator.backward(loss)
+                total += loss.detach().float() / 2
+                if accelerator.sync_gradients:
+                    if step == POISON_AT and rank == 0:
+                        poison(model, version)
+                    out["norms"].append(float(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)))
+                optimizer.step()
+                optimizer.zero_grad()
+        out["skipped"].append(bool(optimizer.step_was_skipped))
+        out["scales"].append(accelerator.amp.scalers[0].get_scale())
+        dist.all_reduce(total)
+        out["losses"].append(float(total) / accelerator.num_processes)
+    out["weights"] = weights(model, version)
+    return out
+
+
 def stale_optimizer() -> dict:
     """FSDP1: an optimizer made before Accelerate wrapped the model holds tensors that nothing trains."""
     accelerator = fsdp_accelerator(1, "O2", "bfloat16")
@@ -238,11 +267,14 @@ def main() -> int:
     rank = int(os.environ["RANK"])
     jobs = [("case", c) for c in os.environ.get("MPX_CASES", "").split(",") if c]
     jobs += [("resume", c) for c in os.environ.get("MPX_RESUME", "").split(",") if c]
+    jobs += [("accumulate", c) for c in os.environ.get("MPX_ACCUMULATE", "").split(",") if c]
     jobs += [("stale", "1:O2:bfloat16:0")] if os.environ.get("MPX_STALE") else []
     for kind, spec in jobs:
         version, level, dtype, steps = spec.split(":")
         if kind == "stale":
             result = stale_optimizer()
+        elif kind == "accumulate":
+            result = accumulated(int(version), level, dtype, int(steps))
         elif kind == "case":
             result = case(int(version), level, dtype, int(steps))
         else:

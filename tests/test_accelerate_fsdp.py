@@ -35,6 +35,7 @@ CASES = [
     (1, "O2", "float16", 6, 1e-3),
 ]
 RESUME = (2, "O2", "float16", 8)  # the poison at step 3 backs the scale off before the save (at step 4)
+ACCUMULATE = [(2, "O2", "float16", 6), (1, "O2", "float16", 6)]  # against the same cases without accumulation
 POISON_AT = 3
 
 
@@ -48,6 +49,7 @@ def results(tmp_path_factory):
     run_script(
         "accelerate_fsdp_script.py", out, timeout=240,
         MPX_CASES=",".join(_spec(*case[:4]) for case in CASES), MPX_RESUME=_spec(*RESUME), MPX_STALE="1",
+        MPX_ACCUMULATE=",".join(_spec(*case) for case in ACCUMULATE),
     )
 
     def read(kind, spec):
@@ -56,6 +58,8 @@ def results(tmp_path_factory):
 
     found = {case[:4]: read("case", _spec(*case[:4])) for case in CASES}
     found["resume"] = read("resume", _spec(*RESUME))
+    for case in ACCUMULATE:
+        found["accumulate", *case] = read("accumulate", _spec(*case))
     found["stale"] = read("stale", "1:O2:bfloat16:0")
     found["checkpoint"] = out / f"checkpoint_{_spec(*RESUME).replace(':', '_')}"
     return found
@@ -107,6 +111,18 @@ def test_clip_grad_norm_returns_the_global_norm(results, version, level, dtype, 
 def test_clip_grad_norm_refuses_what_has_no_global_norm(results):
     for rank in results[2, "O2", "bfloat16", 10]:
         assert "under FSDP the global norm" in rank["partial_clip_error"]
+
+
+@pytest.mark.parametrize("case", ACCUMULATE)
+def test_accumulation_matches_the_whole_batch(results, case):
+    plain = results[case]
+    for rank, whole in zip(results["accumulate", *case], plain):
+        # Two micro-batches per rank (FSDP2: no reduce-scatter until the last one), one real step, one update.
+        assert rank["skipped"] == whole["skipped"] and rank["scales"] == whole["scales"]
+        assert rank["losses"] == pytest.approx(whole["losses"], rel=1e-3)
+        assert rank["norms"][:POISON_AT] == pytest.approx(whole["norms"][:POISON_AT], rel=1e-3)
+        for mine, ref in zip(rank["weights"], whole["weights"]):
+            assert mine == pytest.approx(ref, rel=1e-2, abs=1e-3)
 
 
 def test_fsdp1_optimizer_made_before_the_wrap_is_refused(results):
