@@ -3,8 +3,8 @@ Accelerate's ``FullyShardedDataParallelPlugin`` and from the model before Accele
 
 Accelerate shards the model itself (FSDP2: ``fully_shard`` on the auto-wrapped blocks, then the root, all with the
 plugin's one ``mixed_precision_policy``; FSDP1: the ``FullyShardedDataParallel`` wrapper). The adapter gives the plugin
-the level's block policy (:func:`lightning_mpx.fsdp.mixed_precision_policy` / :func:`~lightning_mpx.fsdp.fsdp1_mixed_precision`),
-and before Accelerate shards (:func:`before_sharding`) it casts the model as the level needs (O3: half; O1/O2: trainable
+the level's block policy (:func:`lightning_mpx.fsdp.mixed_precision_policy`; FSDP1:
+:func:`~lightning_mpx.fsdp.fsdp1_mixed_precision`), and before Accelerate shards (:func:`before_sharding`) it casts the model as the level needs (O3: half; O1/O2: trainable
 half parameters to FP32, since FSDP's FP32 shards are the masters) and, with FSDP2, shards the FP32 islands (batch
 norm, ``fp32_modules``) as units of their own with the island policy; Accelerate's auto-wrap leaves modules that are
 already sharded alone. The root's casts (inputs to half at O3, outputs to FP32) are the adapter's forward wrapper's.
@@ -20,7 +20,7 @@ from torch import nn
 from lightning_mpx.master_weights import convert_module
 from lightning_mpx.settings import MixedPrecisionSettings
 
-__all__ = ["before_sharding", "fsdp_policy", "refuse_settings"]
+__all__ = ["before_sharding", "fsdp_policy", "refuse_settings", "swap_parameters"]
 
 
 def fsdp_policy(settings: MixedPrecisionSettings, fsdp_version: int) -> Any:

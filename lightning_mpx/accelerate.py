@@ -33,13 +33,27 @@ their native behaviour untouched. With an opt level, Accelerate itself runs with
   the other on their own losses. So each loss's scale is updated once per iteration, never once per optimizer
   call, and always before the next scaled backward. Inside ``accumulate()`` only the real (synchronising) step
   counts.
-* Under several processes the overflow flag is all-reduced (MAX) before each step, so all ranks skip together, and
-  only the main process logs overflow messages.
+* Under several processes (DDP) the overflow flag is all-reduced (MAX) before each step, so all ranks skip
+  together, and only the main process logs overflow messages.
 * ``log()`` adds ``mpx/loss_scale``, ``mpx/overflows`` (since the previous log), ``mpx/skipped_steps`` and
   ``mpx/grad_norm`` (when ``clip_grad_norm_`` computed it) to the values you log, read from the device only then;
   ``MixedPrecisionKwargs(log_metrics=False)`` turns this off and :meth:`Accelerator.mpx_metrics` returns them.
 * ``save_state``/``load_state`` write and read the loss scalers, the FP32 masters and the skip counters in
   ``lightning_mpx_amp.bin`` next to Accelerate's own files.
+
+**FSDP** (``fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2)``, or 1): Accelerate shards the model and
+the opt level is carried out partly by FSDP. The plugin's ``mixed_precision_policy`` is set to the level's
+(:func:`lightning_mpx.fsdp.mixed_precision_policy`, FSDP1: :func:`~lightning_mpx.fsdp.fsdp1_mixed_precision`:
+gathered in half, gradients reduced in FP32); before Accelerate shards, the model gets the level's casts (O3: half;
+O1/O2: trainable half parameters FP32, as Accelerate's own FSDP upcast) and, with FSDP2, its FP32 islands (batch norm
+where the level keeps it FP32, ``fp32_modules``) become FSDP units of their own. Then the
+:class:`~lightning_mpx.amp.Amp` prepares the *sharded* model (no conversion, no second copy: FSDP's sharded FP32
+parameters are the O2 masters) and the optimizer once Accelerate has swapped its parameters for the shards. The
+scaler works on each rank's shards with one all-reduce per step (overflow flags and the global squared norm), so
+``clip_grad_norm_(model.parameters(), ...)`` clips by the global norm and every rank skips an overflow step with
+the same scale; ``save_state`` uses FSDP's own checkpoints and writes the engine's state (identical on every rank)
+once. With FSDP1, make the optimizer from the prepared model (as Accelerate asks). Refused: ``on_floor="promote"``
+at O2/O3, a ``mixed_precision_policy`` of your own; DeepSpeed refuses every opt level (configure its own ``fp16``).
 """
 
 from __future__ import annotations
@@ -215,8 +229,9 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
 
     Raises:
         ValueError: for an unknown ``mixed_precision``, a :class:`MixedPrecisionKwargs` without an opt level, an
-            invalid opt-level combination, torch's ``GradScalerKwargs``/``AutocastKwargs`` with an opt level, or a
-            DeepSpeed, FSDP, Megatron-LM or XLA set-up with an opt level.
+            invalid opt-level combination, torch's ``GradScalerKwargs``/``AutocastKwargs`` with an opt level, a
+            DeepSpeed, Megatron-LM or XLA set-up with an opt level, or under FSDP ``on_floor="promote"`` at O2/O3
+            or an ``fsdp_plugin.mixed_precision_policy`` of your own.
     """
 
     def __init__(
@@ -535,11 +550,13 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
         With an opt level, ``parameters`` (the model's or the optimizer's) are mapped to the optimizers that train
         them, which are unscaled first; when they are exactly one optimizer's parameters and ``norm_type`` is 2,
         unscaling, the overflow check, the norm and the clip are one fused pass, and the norm is logged as
-        ``mpx/grad_norm``.
+        ``mpx/grad_norm``. Under FSDP the norm is the global one (over every rank's shards); only that fused case
+        is supported there.
 
         Raises:
             RuntimeError: inside ``accumulate()`` on a step that does not synchronise gradients.
-            ValueError: when a parameter with a gradient belongs to no optimizer prepared by this accelerator.
+            ValueError: when a parameter with a gradient belongs to no optimizer prepared by this accelerator, or
+                under FSDP for a part of an optimizer's parameters or a norm_type other than 2.
         """
         if self.amp is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)  # type: ignore[no-any-return]
