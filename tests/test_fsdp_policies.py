@@ -114,10 +114,11 @@ def test_shard_model_runs_each_level_like_fp32(level, half):
     settings = MixedPrecisionSettings.from_kwargs(level, half_dtype=half)
     reference = train(net(), None, data())
     model = shard_model(net(), settings, blocks=Block)
-    assert all(isinstance(m, FSDPModule) for m in (model, *model.blocks))
-    assert isinstance(model.bn, FSDPModule) == (level != "O3")  # an FP32 island but at O3
     seen, record = watch(model), {}
     losses = train(model, Amp.from_settings(settings), data(), record)
+
+    assert all(isinstance(m, FSDPModule) for m in (model, *model.blocks))
+    assert isinstance(model.bn, FSDPModule) == (level != "O3")  # an FP32 island but at O3
 
     for name in ("inp", "blocks.0.fc", "head"):
         assert seen[name][1:] == (half, half), f"{name} computes in {seen[name][1:]}, not {half}"
