@@ -10,6 +10,8 @@ gradient reduction, and the casts of each sharded module's inputs and outputs. W
   gathered half weights). ``gather="fp32"`` is Apex's exact O1 (an FP32 gather, the policy casts each weight when
   an op uses it), at a memory cost: the half copies the policy makes stay alive until the backward (measured: about
   45% of the model's FP32 bytes on every rank). FSDP casts no inputs or outputs at O1: the cast table decides per op.
+  Batch norm and ``fp32_modules`` are FP32 islands gathered in FP32 (batch norm gathered in half fails in torch's
+  ``batch_norm``, whose weights and running statistics must share a dtype); their outputs stay FP32.
 * **O2**: FSDP's sharded FP32 parameters are the master weights (no second copy); compute runs in half because
   FSDP gathers in half; gradients are reduced in FP32 (the reduce-scatter sums across ranks in FP32, so half
   gradients finite on each rank cannot overflow in the sum, and the unscale reads FP32); the root casts its inputs
@@ -143,8 +145,8 @@ def mixed_precision_policy(precision: object, *, role: Role = "block", gather: G
         precision: The opt level (see :func:`resolve_settings`).
         role: ``"root"``: the outermost module (casts its inputs to the compute dtype and, at O2/O3, its outputs to
             FP32, as ``Amp.cast_inputs``/``cast_outputs`` do without FSDP); ``"block"``: a module in between;
-            ``"fp32"``: an FP32 island (batch norm kept FP32, ``fp32_modules``): gathered and reduced in FP32, its
-            inputs cast to FP32 and, at O2/O3, its outputs back to the half dtype.
+            ``"fp32"``: an FP32 island (batch norm at O1 and where ``keep_batchnorm_fp32``, ``fp32_modules``):
+            gathered and reduced in FP32, its inputs cast to FP32 and, at O2/O3, its outputs back to the half dtype.
         gather: ``"half"`` (default) or ``"fp32"``: the all-gather dtype at O1 (``"fp32"`` is Apex's exact O1 and
             keeps half copies of the weights alive until the backward). Ignored at O0; only ``"half"`` at O2/O3.
 
@@ -187,10 +189,10 @@ def shard_model(
 ) -> nn.Module:
     """Shard ``module`` with FSDP2's ``fully_shard`` and the policies of an opt level, bottom-up, in place.
 
-    In order: the FP32 islands (batch-norm modules when the level keeps batch norm FP32, modules matching
-    ``fp32_modules``), then ``blocks`` (the inner ones first; blocks inside an island are part of the island's
-    unit), then the root. At O2 the model stays FP32 (FSDP's shards are the masters) and its floating buffers outside
-    the islands are cast to half, as without FSDP; at O3 the model is cast to half first
+    In order: the FP32 islands (batch-norm modules at O1 and where the level keeps batch norm FP32, modules matching
+    ``fp32_modules``; none at O0), then ``blocks`` (the inner ones first; blocks inside an island are part of the
+    island's unit), then the root. At O2 the model stays FP32 (FSDP's shards are the masters) and its floating
+    buffers outside the islands are cast to half, as without FSDP; at O3 the model is cast to half first
     (:func:`~lightning_mpx.master_weights.convert_module`), the islands kept FP32. In a Lightning
     ``configure_model`` with ``ModelParallelStrategy``::
 
@@ -324,8 +326,8 @@ def _inside(name: str, tops: Iterable[str]) -> bool:
 def _islands(
     module: nn.Module, settings: MixedPrecisionSettings, mode: _Mode, *, require_match: bool = False
 ) -> list[tuple[str, nn.Module]]:
-    """The FP32 islands of ``module``, outermost only, by clean name: batch norm when the level keeps it FP32,
-    modules matching ``fp32_modules`` (with :func:`lightning_mpx.promotion.matches`). None at O0."""
+    """The FP32 islands of ``module``, outermost only, by clean name: batch norm at O1 and where the level keeps it
+    FP32, modules matching ``fp32_modules`` (with :func:`lightning_mpx.promotion.matches`). None at O0."""
     if mode.name == "fp32":
         return []
     patterns = tuple(settings.fp32_modules)
@@ -357,8 +359,8 @@ def fsdp1_mixed_precision(precision: object, *, gather: Gather = "half") -> Mixe
     ``None`` where FSDP1 should not cast (O0, and O1 with ``gather="fp32"``).
 
     O1: gathered in half, reduced in FP32, no input casts (the cast table decides). O2: gathered in half, reduced in
-    FP32, buffers in half, the root's inputs cast to half; batch norm, when the level keeps it FP32, is left out
-    through ``_module_classes_to_ignore`` (FSDP1 then wraps each batch-norm module as a unit of its own without
+    FP32, buffers in half, the root's inputs cast to half. Batch norm, at O1 and where the level keeps it FP32, is
+    left out through ``_module_classes_to_ignore`` (FSDP1 then wraps each batch-norm module as a unit of its own without
     mixed precision, *only when an* ``auto_wrap_policy`` *is given*). O3: the model must be cast to half before
     wrapping (:func:`~lightning_mpx.master_weights.convert_module`); the policy only casts the root's inputs to half
     (``param_dtype`` is the parameters' own dtype, so nothing is re-gathered) and leaves batch norm out as at O2.
@@ -450,8 +452,9 @@ def check_sharded_model(module: nn.Module, settings: object) -> None:
 
     Refused: at O0 half parameters or a half gather; at O1 half parameters stored (any gather is fine); at O2 half
     parameters stored (FSDP's FP32 shards are the masters: do not cast before sharding) or a unit gathered in
-    anything but the half dtype (sharded without the level's policy), an FP32 island (batch norm kept FP32,
-    ``fp32_modules``) gathered in half; at O3 FP32 parameters stored outside the islands; at O2/O3
+    anything but the half dtype (sharded without the level's policy); at O3 FP32 parameters stored outside the
+    islands; at O1-O3 an FP32 island (batch norm at O1 and where ``keep_batchnorm_fp32``, ``fp32_modules``)
+    gathered in half (or, at O2/O3, by its parent's unit); at O2/O3
     ``on_floor="promote"`` (FSDP's policy cannot change after sharding). Warned about (``UserWarning``): gradients
     reduced in half at O1/O2 (no corruption: FSDP casts the reduced gradient back to the FP32 shard before the
     unscale, and the scaler skips a step whose sum overflowed; but the sum across ranks is rounded to half, and a

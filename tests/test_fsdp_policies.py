@@ -263,21 +263,32 @@ def test_check_refuses_an_unsharded_model():
 
 
 # -- FSDP1 ----------------------------------------------------------------------------------------------------------
-def test_fsdp1_mixed_precision_at_o2_keeps_batchnorm_fp32():
-    settings = MixedPrecisionSettings("O2", "bfloat16")
-    assert fsdp1_mixed_precision("O0") is None and fsdp1_mixed_precision("O1", gather="fp32") is None
-    wrap = ModuleWrapPolicy({Block})
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_fsdp1_mixed_precision_runs_each_level(level):
+    settings = MixedPrecisionSettings(level, "bfloat16")
+    model = net()
+    if level == "O3":  # FSDP1 has no policy that casts the model: it is cast before wrapping
+        convert_module(model, BF16, keep_batchnorm_fp32=False)
     model = FullyShardedDataParallel(
-        net(), device_id=torch.device("cpu"), mixed_precision=fsdp1_mixed_precision(settings), auto_wrap_policy=wrap
+        model,
+        device_id=torch.device("cpu"),
+        mixed_precision=fsdp1_mixed_precision(settings),
+        auto_wrap_policy=ModuleWrapPolicy({Block}),  # batch norm is wrapped on its own (_module_classes_to_ignore)
     )
     seen = watch(model.module)
-    train(model, Amp.from_settings(settings), data(1))
-    assert seen["head"][1:] == (BF16, BF16) and seen["bn"][1] == FP32
-    assert {p.dtype for p in model.parameters()} == {FP32}
+    losses = train(model, Amp.from_settings(settings), data(2))
+    assert losses == pytest.approx(train(net(), None, data(2)), rel=1e-2)
+    assert seen["head"][1:] == (BF16, BF16) and seen["inp"][1] == BF16
+    assert seen["bn"][1] == (BF16 if level == "O3" else FP32)
+    assert {p.dtype for p in model.parameters()} == {BF16 if level == "O3" else FP32}
     check_sharded_model(model, settings)
+
+
+def test_fsdp1_without_the_policy_is_refused_at_o2():
+    assert fsdp1_mixed_precision("O0") is None and fsdp1_mixed_precision("O1", gather="fp32") is None
     plain = FullyShardedDataParallel(net(), device_id=torch.device("cpu"))
     with pytest.raises(ValueError, match="without lightning_mpx's policy"):
-        check_sharded_model(plain, settings)
+        check_sharded_model(plain, MixedPrecisionSettings("O2", "bfloat16"))
 
 
 # -- two processes ----------------------------------------------------------------------------------------------------
