@@ -74,8 +74,8 @@ def test_one_rank_overflow_skips_on_every_rank(results, level, dtype, steps, rto
 def test_clip_norm_is_the_global_norm(results, level, dtype, steps, rtol):
     for rank in (r["sharded"] for r in results[level, dtype]):
         for step, (norm, reference) in enumerate(zip(rank["norms"], rank["ref_norms"])):
-            if step == POISON_AT:
-                assert math.isinf(norm) and math.isinf(reference)
+            if step == POISON_AT:  # rank 0's inf, in the global norm of both ranks (HSDP: rank 1's copy is finite)
+                assert math.isinf(norm)
             else:  # the FP64 norm of the gathered full gradients: not one rank's local norm
                 assert norm == pytest.approx(reference, rel=1e-5)
 
