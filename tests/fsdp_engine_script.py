@@ -37,21 +37,23 @@ def build() -> nn.Sequential:
     return model
 
 
-def shard(model: nn.Sequential, level: str, half: torch.dtype) -> None:
-    """What a user writes by hand: per level, the policies the contract describes."""
+def shard(model: nn.Sequential, level: str, half: torch.dtype, mesh=None) -> None:
+    """What a user writes by hand: per level, the policies the contract describes. ``mesh``: HSDP's 2-D mesh
+    (replicas x shards), where every parameter is replicated across the first dimension."""
+    where = {} if mesh is None else {"mesh": mesh}
     if level == "O3":  # half before sharding; the root's policy only casts its inputs to half, outputs to FP32
         model.to(half)
         for index in (0, 3, 6):
-            fully_shard(model[index])
-        fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=half, output_dtype=torch.float32))
+            fully_shard(model[index], **where)
+        fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=half, output_dtype=torch.float32), **where)
         return
     block = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
     root = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32, output_dtype=torch.float32)
     island = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=half)
-    fully_shard(model[1], mp_policy=island)  # batch norm: its running statistics are FP32
+    fully_shard(model[1], mp_policy=island, **where)  # batch norm: its running statistics are FP32
     for index in (0, 3, 6):
-        fully_shard(model[index], mp_policy=block)
-    fully_shard(model, mp_policy=root)
+        fully_shard(model[index], mp_policy=block, **where)
+    fully_shard(model, mp_policy=root, **where)
 
 
 def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -59,13 +61,18 @@ def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(BATCH, 16, generator=g), torch.randn(BATCH, 4, generator=g)) for _ in range(steps)]
 
 
-def train(level, half_dtype, steps, *, rank, world, sharded, reference_fp32=False):
+def train(level, half_dtype, steps, *, rank, world, sharded, reference_fp32=False, hsdp=False):
     half = getattr(torch, half_dtype)
     model = build()
     amp = Amp("O0" if reference_fp32 else level, half_dtype=half_dtype, init_scale=2.0**12, on_floor="continue",
               growth_interval=1000)
     if sharded:
-        shard(model, level, half)
+        mesh = None
+        if hsdp:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+        shard(model, level, half, mesh)
     amp.prepare_model(model)
     optimizer = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     out = {"losses": [], "norms": [], "ref_norms": [], "skipped": [], "scales": []}
@@ -144,12 +151,14 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     for case in os.environ["MPX_CASES"].split(","):
-        level, half_dtype, steps = case.split(":")
-        result = {"sharded": train(level, half_dtype, int(steps), rank=rank, world=world, sharded=True)}
+        level, half_dtype, steps, *mesh = case.split(":")
+        hsdp = mesh == ["hsdp"]
+        result = {"sharded": train(level, half_dtype, int(steps), rank=rank, world=world, sharded=True, hsdp=hsdp)}
         if rank == 0:
             result["single"] = train(level, half_dtype, int(steps), rank=0, world=1, sharded=False)
             result["fp32"] = train(level, half_dtype, int(steps), rank=0, world=1, sharded=False, reference_fp32=True)
-        with open(os.path.join(out_dir, f"{level}_{half_dtype}_rank{rank}.json"), "w") as f:
+        name = f"{level}_{half_dtype}{'_hsdp' if hsdp else ''}_rank{rank}.json"
+        with open(os.path.join(out_dir, name), "w") as f:
             json.dump(result, f)
         dist.barrier()
     dist.destroy_process_group()
