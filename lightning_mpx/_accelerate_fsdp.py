@@ -23,14 +23,15 @@ from lightning_mpx.settings import MixedPrecisionSettings
 __all__ = ["before_sharding", "fsdp_policy", "refuse_settings", "swap_parameters"]
 
 
-def fsdp_policy(settings: MixedPrecisionSettings, fsdp_version: int) -> Any:
+def fsdp_policy(settings: MixedPrecisionSettings, fsdp_version: int, gather: str = "half") -> Any:
     """The policy for the plugin's ``mixed_precision_policy``: FSDP2's block ``MixedPrecisionPolicy`` (Accelerate
-    gives the same one to every unit, the root included) or FSDP1's ``MixedPrecision`` (``None``: no casts)."""
+    gives the same one to every unit, the root included) or FSDP1's ``MixedPrecision`` (``None``: no casts).
+    ``gather``: O1's all-gather dtype (a ValueError names the choices, and refuses ``"fp32"`` at O2/O3)."""
     from lightning_mpx.fsdp import fsdp1_mixed_precision, mixed_precision_policy
 
     if fsdp_version == 2:
-        return mixed_precision_policy(settings, role="block")
-    return fsdp1_mixed_precision(settings)
+        return mixed_precision_policy(settings, role="block", gather=gather)  # type: ignore[arg-type]
+    return fsdp1_mixed_precision(settings, gather=gather)  # type: ignore[arg-type]
 
 
 def refuse_settings(settings: MixedPrecisionSettings, plugin: Any) -> None:
@@ -54,7 +55,12 @@ def refuse_settings(settings: MixedPrecisionSettings, plugin: Any) -> None:
 
 
 def before_sharding(
-    model: nn.Module, settings: MixedPrecisionSettings, fsdp_version: int, shard_kwargs: dict[str, Any]
+    model: nn.Module,
+    settings: MixedPrecisionSettings,
+    fsdp_version: int,
+    shard_kwargs: dict[str, Any],
+    *,
+    gather: str = "half",
 ) -> dict[int, torch.Tensor]:
     """Prepare ``model`` for Accelerate's sharding, in place; returns ``{id(old parameter): new parameter}`` for the
     parameters that FSDP2 islands replaced (an optimizer built on the model must hold the new ones).
@@ -63,7 +69,7 @@ def before_sharding(
     trainable half parameters to FP32 (Accelerate's own FSDP upcast, which the adapter turns off so that O3 stays
     half); O2, floating buffers outside the islands to half (an FP32 buffer would promote activations). With FSDP2 the
     FP32 islands are then sharded with the island policy (``shard_kwargs``: ``fully_shard``'s mesh, offload and
-    reshard settings from the plugin)."""
+    reshard settings from the plugin; ``gather``: O1's all-gather dtype, for the islands' policy)."""
     from lightning_mpx.fsdp import _buffers_to, _islands, _mode, mixed_precision_policy
     from lightning_mpx.promotion import _module_to_fp32
 
@@ -85,7 +91,7 @@ def before_sharding(
     from torch.distributed.fsdp import fully_shard
 
     before = dict(model.named_parameters())
-    policy = mixed_precision_policy(settings, role="fp32")
+    policy = mixed_precision_policy(settings, role="fp32", gather=gather)  # type: ignore[arg-type]
     for _, island in islands:
         fully_shard(island, mp_policy=policy, **shard_kwargs)
     after = dict(model.named_parameters())

@@ -113,7 +113,9 @@ NATIVE_MIXED_PRECISION: tuple[str, ...] = ("no", "fp16", "bf16", "fp8")
 AMP_STATE_NAME = "lightning_mpx_amp.bin"
 
 _D, _S = DEFAULTS, DEFAULTS.scaler  # the defaults of the fields, from the one place that defines them
-_ADAPTER_FIELDS = ("log_metrics", "telemetry_every_n_steps")
+_ADAPTER_FIELDS = ("log_metrics", "telemetry_every_n_steps", "fsdp_gather")
+#: ``MixedPrecisionKwargs(fsdp_gather=...)``: the dtype FSDP all-gathers O1's FP32 parameters in (see lightning_mpx.fsdp).
+FSDP_GATHER_CHOICES: tuple[str, ...] = ("half", "fp32")
 _SUPPORTED_DISTRIBUTED = (
     DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.FSDP
 )
@@ -150,6 +152,10 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
             every n-th iteration
             (the first, then every n-th: log when ``step % n == 0``); ``None`` (default) measures only after
             :meth:`Accelerator.request_mpx_telemetry`.
+        fsdp_gather: Under Accelerate's FSDP at O1, the dtype FSDP all-gathers the FP32 parameters in: ``"half"``
+            (default; the cast table on top) or ``"fp32"`` (Apex's exact O1, which keeps half copies of the weights
+            alive until the backward: about 45% of the model's FP32 bytes on every rank, measured). Only ``"half"``
+            at O2/O3; ignored without FSDP.
 
     Raises:
         ValueError: for a value that is invalid whatever the opt level (a dtype, a scaler setting, ...).
@@ -181,6 +187,7 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
     log_metrics: bool = True
     diagnose_overflows: bool = _D.diagnose_overflows
     telemetry_every_n_steps: int | None = None
+    fsdp_gather: str = "half"
 
     def __post_init__(self) -> None:
         # The checks that need no opt level, with the messages of lightning_mpx.settings; settings() checks the rest.
@@ -196,6 +203,7 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"telemetry_every_n_steps={every!r} must be a positive integer or None.")
         check_choice("unscale_backend", self.unscale_backend, BACKENDS)
+        check_choice("fsdp_gather", self.fsdp_gather, FSDP_GATHER_CHOICES, quote=True)
         check_choice("model_writes", self.model_writes, MODEL_WRITES, quote=True)
         if self.cast_table is not None and not isinstance(self.cast_table, CastTable):
             raise TypeError(f"cast_table={type(self.cast_table).__name__} must be a lightning_mpx.CastTable or None.")
@@ -283,7 +291,9 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
             plugin = self.state.fsdp_plugin
             _accelerate_fsdp.refuse_settings(amp.settings, plugin)
             # Accelerate's own mixed_precision is "no", so it leaves the plugin's policy to us.
-            plugin.mixed_precision_policy = _accelerate_fsdp.fsdp_policy(amp.settings, plugin.fsdp_version)
+            plugin.mixed_precision_policy = _accelerate_fsdp.fsdp_policy(
+                amp.settings, plugin.fsdp_version, settings.fsdp_gather
+            )
         elif kwargs.get("fsdp_plugin") is not None:
             warnings.warn(
                 f"fsdp_plugin was given, but Accelerate chose distributed_type={self.distributed_type} (it selects "
@@ -391,6 +401,10 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
         finally:
             self._native_view = False
 
+    @property
+    def _fsdp_gather(self) -> str:
+        return self.mpx_kwargs.fsdp_gather if self.mpx_kwargs is not None else "half"
+
     def _fsdp2_shard_kwargs(self) -> dict[str, Any]:
         """``fully_shard``'s mesh, offload and reshard settings, as Accelerate's ``fsdp2_prepare_model`` takes them."""
         plugin = self.state.fsdp_plugin
@@ -409,7 +423,9 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
         optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
         for model in args:
             if isinstance(model, nn.Module) and not getattr(model, "_is_accelerate_prepared", False):
-                mapping = _accelerate_fsdp.before_sharding(model, self.amp.settings, 2, self._fsdp2_shard_kwargs())
+                mapping = _accelerate_fsdp.before_sharding(
+                    model, self.amp.settings, 2, self._fsdp2_shard_kwargs(), gather=self._fsdp_gather
+                )
                 _accelerate_fsdp.swap_parameters(optimizers, mapping)
         self._deferred = []
         try:
@@ -432,7 +448,7 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
         assert self.amp is not None
         if self.is_fsdp2 or getattr(model, "_is_accelerate_prepared", False) or model in self._converted:
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-        _accelerate_fsdp.before_sharding(model, self.amp.settings, 1, {})
+        _accelerate_fsdp.before_sharding(model, self.amp.settings, 1, {}, gather=self._fsdp_gather)
         self._install_forward(model)  # on the inner module: the wrapper's forward calls it
         with self._as_native():
             prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)

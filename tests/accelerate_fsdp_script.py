@@ -9,7 +9,7 @@ CPU it tells Accelerate's shared state that the processes are ``MULTI_GPU`` on d
 ``_prepare_fsdp2``/``fsdp2_prepare_model`` (auto-wrap, ``fully_shard``, the optimizer's parameter swap), FSDP1's
 wrapper, ``save_state``/``load_state`` through distributed checkpoints.
 
-For each case in ``$MPX_CASES`` (``version:level:dtype:steps``) both ranks train the same model (seed 0) on their
+For each case in ``$MPX_CASES`` (``version:level:dtype:steps[:gather]``) both ranks train the same model (seed 0) on their
 halves of a global batch with ``accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)``; at step ``POISON_AT``
 rank 0 alone writes an inf into its own shard of one gradient. Rank 0 also trains the same model unsharded in one
 process on the whole batch with the core ``Amp`` (the reference). ``$MPX_RESUME`` (``version:level:dtype:steps``)
@@ -54,7 +54,7 @@ def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(BATCH, 16, generator=g), torch.randn(BATCH, 4, generator=g)) for _ in range(steps)]
 
 
-def fsdp_accelerator(version: int, level: str, dtype: str, accumulation: int = 1) -> Accelerator:
+def fsdp_accelerator(version: int, level: str, dtype: str, accumulation: int = 1, gather: str = "half") -> Accelerator:
     reset_accelerate_state()
     PartialState(cpu=True)  # the gloo process group (set up once; kept across cases)
     # The one step no user takes (see the module docstring): Accelerate selects FSDP for GPU-like devices only.
@@ -66,7 +66,7 @@ def fsdp_accelerator(version: int, level: str, dtype: str, accumulation: int = 1
     )
     accelerator = Accelerator(
         mixed_precision=level, fsdp_plugin=plugin, cpu=True, gradient_accumulation_steps=accumulation,
-        kwargs_handlers=[MixedPrecisionKwargs(half_dtype=dtype, **SCALER)],
+        kwargs_handlers=[MixedPrecisionKwargs(half_dtype=dtype, fsdp_gather=gather, **SCALER)],
     )
     assert accelerator.distributed_type == DistributedType.FSDP and accelerator.num_processes == 2
     return accelerator
@@ -152,8 +152,8 @@ def single(level: str, dtype: str, batches) -> dict:
     return out
 
 
-def case(version: int, level: str, dtype: str, steps: int) -> dict:
-    accelerator = fsdp_accelerator(version, level, dtype)
+def case(version: int, level: str, dtype: str, steps: int, gather: str = "half") -> dict:
+    accelerator = fsdp_accelerator(version, level, dtype, gather=gather)
     model, optimizer = prepared(accelerator, version)
     batches = data(steps)
     result = train(accelerator, model, optimizer, version, batches)
@@ -270,13 +270,13 @@ def main() -> int:
     jobs += [("accumulate", c) for c in os.environ.get("MPX_ACCUMULATE", "").split(",") if c]
     jobs += [("stale", "1:O2:bfloat16:0")] if os.environ.get("MPX_STALE") else []
     for kind, spec in jobs:
-        version, level, dtype, steps = spec.split(":")
+        version, level, dtype, steps, *gather = spec.split(":")
         if kind == "stale":
             result = stale_optimizer()
         elif kind == "accumulate":
             result = accumulated(int(version), level, dtype, int(steps))
         elif kind == "case":
-            result = case(int(version), level, dtype, int(steps))
+            result = case(int(version), level, dtype, int(steps), *gather)
         else:
             checkpoint = os.path.join(out_dir, f"checkpoint_{spec.replace(':', '_')}")
             result = resume(int(version), level, dtype, int(steps), checkpoint)

@@ -33,14 +33,19 @@ CASES = [
     (2, "O2", "float16", 6, 1e-3),
     (1, "O1", "bfloat16", 6, 4e-3), (1, "O2", "bfloat16", 6, 4e-3), (1, "O3", "bfloat16", 6, 4e-3),
     (1, "O2", "float16", 6, 1e-3),
+    (2, "O1", "bfloat16", 6, 1e-3, "fp32"),  # O1's Apex-exact FP32 all-gather: MixedPrecisionKwargs(fsdp_gather="fp32")
 ]
 RESUME = (2, "O2", "float16", 8)  # the poison at step 3 backs the scale off before the save (at step 4)
 ACCUMULATE = [(2, "O2", "float16", 6), (1, "O2", "float16", 6)]  # against the same cases without accumulation
 POISON_AT = 3
 
 
-def _spec(version, level, dtype, steps):
-    return f"{version}:{level}:{dtype}:{steps}"
+def _spec(version, level, dtype, steps, *gather):
+    return ":".join(map(str, (version, level, dtype, steps, *gather)))
+
+
+def _key(case):
+    return case[:4] + case[5:]  # without the tolerance
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +53,7 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("accelerate_fsdp")
     run_script(
         "accelerate_fsdp_script.py", out, timeout=240,
-        MPX_CASES=",".join(_spec(*case[:4]) for case in CASES), MPX_RESUME=_spec(*RESUME), MPX_STALE="1",
+        MPX_CASES=",".join(_spec(*_key(case)) for case in CASES), MPX_RESUME=_spec(*RESUME), MPX_STALE="1",
         MPX_ACCUMULATE=",".join(_spec(*case) for case in ACCUMULATE),
     )
 
@@ -56,7 +61,7 @@ def results(tmp_path_factory):
         name = f"{kind}_{spec.replace(':', '_')}"
         return [json.loads((out / f"{name}_rank{r}.json").read_text()) for r in (0, 1)]
 
-    found = {case[:4]: read("case", _spec(*case[:4])) for case in CASES}
+    found = {_key(case): read("case", _spec(*_key(case))) for case in CASES}
     found["resume"] = read("resume", _spec(*RESUME))
     for case in ACCUMULATE:
         found["accumulate", *case] = read("accumulate", _spec(*case))
@@ -65,9 +70,10 @@ def results(tmp_path_factory):
     return found
 
 
-@pytest.mark.parametrize("version, level, dtype, steps, rtol", CASES)
-def test_sharded_training_follows_one_process_run(results, version, level, dtype, steps, rtol):
-    rank0, rank1 = results[version, level, dtype, steps]
+@pytest.mark.parametrize("case", CASES, ids=lambda case: _spec(*_key(case)))
+def test_sharded_training_follows_one_process_run(results, case):
+    version, level, dtype, steps, rtol = case[:5]
+    rank0, rank1 = results[_key(case)]
     single = rank0["single"]
     assert len(rank0["losses"]) == steps
     for mine, ref in zip(rank0["losses"], single["losses"]):
@@ -84,9 +90,10 @@ def test_sharded_training_follows_one_process_run(results, version, level, dtype
         assert rank0["island_dtype"] == ("torch.bfloat16" if level == "O3" else "torch.float32")
 
 
-@pytest.mark.parametrize("version, level, dtype, steps, rtol", CASES)
-def test_one_rank_overflow_skips_on_every_rank_with_the_same_scale(results, version, level, dtype, steps, rtol):
-    rank0, rank1 = results[version, level, dtype, steps]
+@pytest.mark.parametrize("case", CASES, ids=lambda case: _spec(*_key(case)))
+def test_one_rank_overflow_skips_on_every_rank_with_the_same_scale(results, case):
+    version, level, dtype, steps = case[:4]
+    rank0, rank1 = results[_key(case)]
     expected = [step == POISON_AT for step in range(steps)]
     assert rank0["skipped"] == rank1["skipped"] == rank0["single"]["skipped"] == expected
     assert rank0["scales"] == rank1["scales"] == rank0["single"]["scales"]
@@ -98,9 +105,9 @@ def test_one_rank_overflow_skips_on_every_rank_with_the_same_scale(results, vers
         assert rank0["overflow_parameters"] == ["3.weight"]
 
 
-@pytest.mark.parametrize("version, level, dtype, steps, rtol", CASES)
-def test_clip_grad_norm_returns_the_global_norm(results, version, level, dtype, steps, rtol):
-    for rank in results[version, level, dtype, steps]:
+@pytest.mark.parametrize("case", CASES, ids=lambda case: _spec(*_key(case)))
+def test_clip_grad_norm_returns_the_global_norm(results, case):
+    for rank in results[_key(case)]:
         for step, (norm, reference) in enumerate(zip(rank["norms"], rank["ref_norms"])):
             if step == POISON_AT:
                 assert math.isinf(norm) and math.isinf(reference)
@@ -164,6 +171,22 @@ def test_the_plugin_gets_the_level_policy(fsdp_state, version):
     # Gathered in half, reduced in FP32 (FSDP's FP32 shards are the masters); Accelerate's own mode stays "no".
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
     assert accelerator.state.mixed_precision == "no" and accelerator.mixed_precision == "O2"
+
+
+def test_fsdp_gather_picks_o1_all_gather_dtype(fsdp_state):
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    Accelerator(mixed_precision="O1", fsdp_plugin=plugin, kwargs_handlers=[MixedPrecisionKwargs(fsdp_gather="fp32")])
+    assert plugin.mixed_precision_policy.param_dtype is None  # the FP32 parameters gathered as they are
+
+
+def test_fsdp_gather_is_checked(fsdp_state):
+    with pytest.raises(ValueError, match=r"fsdp_gather='bf16'.*valid choices"):
+        MixedPrecisionKwargs(fsdp_gather="bf16")
+    with pytest.raises(ValueError, match="gather='fp32' does not apply at opt_level='O2'"):
+        Accelerator(
+            mixed_precision="O2", fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2),
+            kwargs_handlers=[MixedPrecisionKwargs(fsdp_gather="fp32")],
+        )
 
 
 def test_on_floor_promote_is_refused_under_fsdp(fsdp_state):
