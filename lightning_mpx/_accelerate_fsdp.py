@@ -17,6 +17,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from lightning_mpx._sharding import is_sharded
 from lightning_mpx.master_weights import convert_module
 from lightning_mpx.settings import MixedPrecisionSettings
 
@@ -73,6 +74,8 @@ def before_sharding(
     from lightning_mpx.fsdp import _buffers_to, _islands, _mode, mixed_precision_policy
     from lightning_mpx.promotion import _module_to_fp32
 
+    if is_sharded(model):
+        return {}  # sharded by the user (e.g. lightning_mpx.fsdp.shard_model): Accelerate keeps it, the engine checks it
     props = settings.properties
     mode = _mode(props)
     islands = _islands(model, settings, mode, require_match=True)

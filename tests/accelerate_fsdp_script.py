@@ -54,16 +54,18 @@ def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(BATCH, 16, generator=g), torch.randn(BATCH, 4, generator=g)) for _ in range(steps)]
 
 
-def fsdp_accelerator(version: int, level: str, dtype: str, accumulation: int = 1, gather: str = "half") -> Accelerator:
+def fsdp_accelerator(
+    version: int, level: str, dtype: str, accumulation: int = 1, gather: str = "half", wrap: bool = True
+) -> Accelerator:
     reset_accelerate_state()
     PartialState(cpu=True)  # the gloo process group (set up once; kept across cases)
     # The one step no user takes (see the module docstring): Accelerate selects FSDP for GPU-like devices only.
     # "cpu", not "cpu:0": FSDP1 checks its device_id against the compute device "cpu".
     PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
     PartialState._shared_state["device"] = torch.device("cpu")
-    plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=version, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Linear"]
-    )
+    # Each Linear a unit of its own (wrap=False: Accelerate wraps nothing but the root, for a model already sharded)
+    wrapping = dict(auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Linear"]) if wrap else {}
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=version, **wrapping)
     accelerator = Accelerator(
         mixed_precision=level, fsdp_plugin=plugin, cpu=True, gradient_accumulation_steps=accumulation,
         kwargs_handlers=[MixedPrecisionKwargs(half_dtype=dtype, fsdp_gather=gather, **SCALER)],
@@ -208,6 +210,19 @@ def accumulated(version: int, level: str, dtype: str, steps: int) -> dict:
     return out
 
 
+def sharded_by_hand(steps: int) -> dict:
+    """FSDP2, O2: the user shards with lightning_mpx.fsdp.shard_model before prepare; Accelerate keeps the sharding."""
+    from lightning_mpx.fsdp import shard_model
+
+    accelerator = fsdp_accelerator(2, "O2", "bfloat16", wrap=False)
+    model = shard_model(build(), accelerator.amp, blocks=nn.Linear)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    result = train(accelerator, model, optimizer, 2, data(steps))
+    result["sharded"] = accelerator.amp.sharded
+    return result
+
+
 def stale_optimizer() -> dict:
     """FSDP1: an optimizer made before Accelerate wrapped the model holds tensors that nothing trains."""
     accelerator = fsdp_accelerator(1, "O2", "bfloat16")
@@ -269,10 +284,13 @@ def main() -> int:
     jobs += [("resume", c) for c in os.environ.get("MPX_RESUME", "").split(",") if c]
     jobs += [("accumulate", c) for c in os.environ.get("MPX_ACCUMULATE", "").split(",") if c]
     jobs += [("stale", "1:O2:bfloat16:0")] if os.environ.get("MPX_STALE") else []
+    jobs += [("by_hand", "2:O2:bfloat16:6")] if os.environ.get("MPX_BY_HAND") else []
     for kind, spec in jobs:
         version, level, dtype, steps, *gather = spec.split(":")
         if kind == "stale":
             result = stale_optimizer()
+        elif kind == "by_hand":
+            result = sharded_by_hand(int(steps))
         elif kind == "accumulate":
             result = accumulated(int(version), level, dtype, int(steps))
         elif kind == "case":

@@ -53,7 +53,7 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("accelerate_fsdp")
     run_script(
         "accelerate_fsdp_script.py", out, timeout=240,
-        MPX_CASES=",".join(_spec(*_key(case)) for case in CASES), MPX_RESUME=_spec(*RESUME), MPX_STALE="1",
+        MPX_CASES=",".join(_spec(*_key(case)) for case in CASES), MPX_RESUME=_spec(*RESUME), MPX_STALE="1", MPX_BY_HAND="1",
         MPX_ACCUMULATE=",".join(_spec(*case) for case in ACCUMULATE),
     )
 
@@ -66,6 +66,7 @@ def results(tmp_path_factory):
     for case in ACCUMULATE:
         found["accumulate", *case] = read("accumulate", _spec(*case))
     found["stale"] = read("stale", "1:O2:bfloat16:0")
+    found["by_hand"] = read("by_hand", "2:O2:bfloat16:6")
     found["checkpoint"] = out / f"checkpoint_{_spec(*RESUME).replace(':', '_')}"
     return found
 
@@ -130,6 +131,14 @@ def test_accumulation_matches_the_whole_batch(results, case):
         assert rank["norms"][:POISON_AT] == pytest.approx(whole["norms"][:POISON_AT], rel=1e-3)
         for mine, ref in zip(rank["weights"], whole["weights"]):
             assert mine == pytest.approx(ref, rel=1e-2, abs=1e-3)
+
+
+def test_a_model_sharded_by_hand_trains_as_one_sharded_by_accelerate(results):
+    plain = results[2, "O2", "bfloat16", 10]
+    for rank, ref in zip(results["by_hand"], plain):
+        # shard_model(model, accelerator.amp, blocks=nn.Linear): the same units and policies as the adapter's.
+        assert rank["sharded"] and rank["skipped"] == ref["skipped"][:6]
+        assert rank["losses"] == pytest.approx(ref["losses"][:6], rel=1e-6)
 
 
 def test_fsdp1_optimizer_made_before_the_wrap_is_refused(results):
