@@ -173,6 +173,8 @@ def case(version: int, level: str, dtype: str, steps: int, gather: str = "half")
         state=repr(sorted(amp.state_dict().items(), key=lambda kv: kv[0])),
         weights=weights(model, version),
         overflow_parameters=amp.last_overflow_parameters,
+        local_param_bytes=sum(local_tensor(p).numel() * p.element_size() for p in model.parameters()),
+        full_fp32_bytes=sum(p.numel() * 4 for p in build().parameters()),
     )
     if version == 2:
         result["island_dtype"] = str(model[1].weight.dtype)  # batch norm: an FP32 unit of its own at O1-O3

@@ -116,6 +116,14 @@ def test_clip_grad_norm_returns_the_global_norm(results, case):
                 assert norm == pytest.approx(reference, rel=1e-5)
 
 
+@pytest.mark.parametrize("version", [2, 1])
+def test_o2_stores_only_the_fp32_shards(results, version):
+    for rank in results[version, "O2", "bfloat16", 10 if version == 2 else 6]:
+        # Each rank holds its half of the FP32 parameters (uneven shards and FSDP1's padding round up) and no
+        # full-size masters (masters == 0 above).
+        assert rank["local_param_bytes"] <= rank["full_fp32_bytes"] / 2 + 256
+
+
 def test_clip_grad_norm_refuses_what_has_no_global_norm(results):
     for rank in results[2, "O2", "bfloat16", 10]:
         assert "under FSDP the global norm" in rank["partial_clip_error"]
