@@ -176,6 +176,13 @@ def case(version: int, level: str, dtype: str, steps: int, gather: str = "half")
         local_param_bytes=sum(local_tensor(p).numel() * p.element_size() for p in model.parameters()),
         full_fp32_bytes=sum(p.numel() * 4 for p in build().parameters()),
     )
+    # Clipping by value (Accelerate refuses it under FSDP; elementwise on each rank's shards it is exact).
+    x, y = batches[0]
+    accelerator.backward(F.mse_loss(model(x[:BATCH // 2]), y[:BATCH // 2]))
+    accelerator.clip_grad_value_(model.parameters(), 1e-4)
+    result["clipped_value_max"] = max(float(local_tensor(p.grad).abs().max()) for p in model.parameters())
+    optimizer.step()
+    optimizer.zero_grad()
     if version == 2:
         result["island_dtype"] = str(model[1].weight.dtype)  # batch norm: an FP32 unit of its own at O1-O3
     if accelerator.is_main_process:

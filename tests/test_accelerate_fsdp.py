@@ -124,6 +124,14 @@ def test_o2_stores_only_the_fp32_shards(results, version):
         assert rank["local_param_bytes"] <= rank["full_fp32_bytes"] / 2 + 256
 
 
+def test_clip_grad_value_clamps_the_unscaled_shards(results):
+    for case in CASES:
+        for rank in results[_key(case)]:
+            # Unscaled first (clamped while scaled by up to 2**12, the largest would be 1e-4 / 2**12), then clamped;
+            # at O3 the gradients are bfloat16 (the bound rounds up by less than 2**-7).
+            assert 1e-4 <= rank["clipped_value_max"] * (1 + 2**-7) and rank["clipped_value_max"] <= 1e-4 * (1 + 2**-7)
+
+
 def test_clip_grad_norm_refuses_what_has_no_global_norm(results):
     for rank in results[2, "O2", "bfloat16", 10]:
         assert "under FSDP the global norm" in rank["partial_clip_error"]
