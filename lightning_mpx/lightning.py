@@ -215,7 +215,7 @@ class MixedPrecisionPlugin(FSDPPrecision):
             self._masters_synced = False
         if sharded and isinstance(trainer.strategy, FSDPStrategy) and self.amp.properties.casts_model:
             if not self.amp.properties.master_weights:  # O3: FSDP shards the half model (FSDP2: shard_model does)
-                keep_bn = self.amp.properties.keep_batchnorm_fp32 is not False
+                keep_bn = bool(self.amp.properties.keep_batchnorm_fp32)
                 convert_module(module, self.amp.half_dtype, keep_batchnorm_fp32=keep_bn)
         self._remove_hooks()
         if self.amp.properties.casts_model:
