@@ -99,6 +99,8 @@ def classify(data: Any) -> tuple[str | None, str]:
         return "step", ""
     if data.get("benchmark") == "convergence":
         return "fidelity", ""
+    if data.get("benchmark") == "fsdp_step":
+        return "fsdp", ""
     if "copy_bandwidth_GBps" in data and isinstance(data.get("rows"), list):
         return "unscale", ""
     return None, "not a result the report reads"
@@ -221,6 +223,8 @@ def reconstructed_command(source: Source) -> str:
         if len(variants) < 16:
             command += " --variants " + " ".join(variants)
         return command
+    if source.kind == "fsdp":
+        return d.get("command") or "python benchmarks/fsdp_step.py --device cuda"
     if source.kind == "fidelity":
         c = d.get("config", {})
         return (f"python benchmarks/convergence.py --accelerator {c.get('accelerator')} --steps {c.get('steps')} "
@@ -243,6 +247,7 @@ class Merged:
     step_runs: list[Source]  # every step file, latest last
     fidelity: Source | None
     tests: Source | None
+    fsdp: Source | None = None
 
 
 def merge(sources: Sources) -> Merged:
@@ -261,8 +266,9 @@ def merge(sources: Sources) -> Merged:
     rows = sorted(latest.values(), key=_unscale_order)
     tests = sources.of("tests")
     fidelity = sources.of("fidelity")
+    fsdp = sources.of("fsdp")
     return Merged(rows, superseded, sources.of("step"), fidelity[-1] if fidelity else None,
-                  tests[-1] if tests else None)
+                  tests[-1] if tests else None, fsdp[-1] if fsdp else None)
 
 
 def _unscale_order(row: dict[str, Any]) -> tuple[Any, ...]:
@@ -427,9 +433,31 @@ def _sync_figure(entry: dict[str, Any]) -> str:
     return f"{max(per_step)} per step" if len(set(per_step)) == 1 else f"{min(per_step)}-{max(per_step)} per step"
 
 
+def fsdp_targets(source: Source | None) -> list[Verdict]:
+    """Issue 24's targets under FSDP (one GPU, one rank): the plugin's O2 fp16 throughput at least Lightning FSDP
+    "bf16-mixed"'s, and its peak memory at most that."""
+    scope = "GPT-2 small, FSDP2, one GPU"
+    labels = ("FSDP O2 fp16 throughput >= Lightning FSDP bf16-mixed", "FSDP O2 fp16 peak memory <= Lightning FSDP "
+              "bf16-mixed")  # fmt: skip
+    rows = {r["variant"]: r for r in (source.data.get("rows", []) if source is not None else [])}
+    mine, ref = rows.get("fsdp2-mpx-O2-fp16"), rows.get("fsdp2-lightning-bf16-mixed")
+    if source is None or mine is None or ref is None or source.check:
+        return [Verdict(label, scope, NOT_MEASURED, "-") for label in labels]
+    speed = ref["step_ms_median"] / mine["step_ms_median"]
+    memory = mine["peak_memory_bytes"] / ref["peak_memory_bytes"]
+    return [
+        Verdict(labels[0], scope, MET if speed >= 1.0 else NOT_MET,
+                f"{speed:.3f}x ({mine['step_ms_median']:.2f} / {ref['step_ms_median']:.2f} ms per step)", speed,
+                source.name),
+        Verdict(labels[1], scope, MET if memory <= 1.0 else NOT_MET,
+                f"{memory:.3f}x ({mine['peak_memory_bytes'] / 2**20:.0f} / {ref['peak_memory_bytes'] / 2**20:.0f} "
+                "MiB)", memory, source.name),
+    ]  # fmt: skip
+
+
 def all_targets(merged: Merged) -> list[Verdict]:
     return (unscale_targets(merged.unscale) + step_targets(merged.step_runs) + fidelity_targets(merged.fidelity)
-            + tests_targets(merged.tests))
+            + tests_targets(merged.tests) + fsdp_targets(merged.fsdp))
 
 
 # -- tables (also used by gpu_suite for each part's markdown) -----------------------------------------------------
@@ -515,6 +543,15 @@ def tests_table(source: Source) -> str:
     return "\n".join(lines)
 
 
+def fsdp_table(source: Source) -> str:
+    """The rows of ``benchmarks/fsdp_step.py``: time, throughput, peak memory and the ratios to Lightning's FSDP
+    "bf16-mixed"."""
+    return markdown_table(["variant", "ms/step", "tokens/s", "peak MiB", "x throughput", "x memory"], [
+        [r["variant"], _fmt(r["step_ms_median"], ".2f"), _fmt(r.get("tokens_per_second"), ".0f"),
+         _fmt(r["peak_memory_bytes"] / 2**20, ".0f"), _fmt(r.get("throughput_vs_reference"), ".3f"),
+         _fmt(r.get("memory_vs_reference"), ".3f")] for r in source.data.get("rows", [])])
+
+
 def verdict_table(verdicts: list[Verdict]) -> str:
     return markdown_table(["target", "scope", "verdict", "figure", "source"], [
         [v.target, v.scope, f"**{v.status}**" if v.status in (MET, NOT_MET) else v.status, v.figure, v.source or "-"]
@@ -569,6 +606,10 @@ def render(sources: Sources, merged: Merged, verdicts: list[Verdict], folders: S
                 f"`{reconstructed_command(merged.fidelity)}`", "", fidelity_table(merged.fidelity)]
     if merged.tests is not None:
         out += ["", f"### CUDA tests (`{merged.tests.name}`)", "", tests_table(merged.tests)]
+    if merged.fsdp is not None:
+        out += ["", f"### Sharded training, FSDP on one GPU (`{merged.fsdp.name}`)", "",
+                f"`{reconstructed_command(merged.fsdp)}`; peak memory = `torch.cuda.max_memory_allocated`.", "",
+                fsdp_table(merged.fsdp)]
     return "\n".join(out).rstrip() + "\n"
 
 

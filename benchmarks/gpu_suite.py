@@ -10,6 +10,7 @@ device's time limit still leaves what it measured. Every subprocess runs under a
     python benchmarks/gpu_suite.py step --model gpt    --out DIR   # benchmarks/step.py --device cuda (~6 min)
     python benchmarks/gpu_suite.py step --model resnet --out DIR   # (~4.5 min)
     python benchmarks/gpu_suite.py fidelity --out DIR   # benchmarks/convergence.py O0/O1/O2, seed 0 (~0.5 min)
+    python benchmarks/gpu_suite.py fsdp --out DIR       # benchmarks/fsdp_step.py --device cuda (~3 min)
     python benchmarks/gpu_suite.py all --check          # every part's code path on CPU, tiny sizes (the test suite)
     python benchmarks/gpu_suite.py plugin --out DIR     # plugin_overhead.py --device cuda (~5 min; not in all)
 
@@ -29,6 +30,9 @@ Parts:
   Fabric loop with ``FabricMixedPrecisionPlugin("O2")`` and with Fabric's own "16-mixed"); stops starting new ones
   when ``--budget`` runs out.
 * ``fidelity``: ``benchmarks/convergence.py --accelerator gpu --seeds 0 --levels O0 O1 O2`` (200 steps).
+* ``fsdp``: ``benchmarks/fsdp_step.py --device cuda``: GPT-2 small under FSDP on one GPU (one rank), the plugin at
+  O1/O2 (fp16, bf16) against Lightning's own FSDP mixed precision ("bf16-mixed" on FSDP2's ``ModelParallelStrategy``;
+  "bf16-mixed" and "16-mixed" on FSDP1's ``FSDPStrategy``): throughput and peak memory.
 * ``plugin`` (run on its own, not part of ``all``): ``benchmarks/plugin_overhead.py --device cuda``, the plugin's
   per-step host time against Lightning's "16-mixed" and the core loop, twice: the tiny ResNet-18 topology (every
   step host-bound; with the host reads per step) and the real CIFAR ResNet-18 (width 64, batch 128, 32x32 images).
@@ -66,7 +70,7 @@ import gpu_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
-PARTS = ("tests", "unscale", "step", "fidelity")
+PARTS = ("tests", "unscale", "step", "fidelity", "fsdp")
 CHECK_DEVICE = "cpu (gpu_suite --check: exercises the code, measures nothing)"
 
 #: step.py's variants, the ones the targets and the report's ratios need first (a part cut short keeps them).
@@ -214,6 +218,8 @@ class Part:
             body = gpu_report.fidelity_table(source)
         elif s["part"] == "tests" and self.result:
             body = gpu_report.tests_table(source)
+        elif s["part"] == "fsdp" and self.result.get("rows"):
+            body = gpu_report.fsdp_table(source)
         return "\n".join(lines) + ("\n\n" + body if body else "") + "\n"
 
 
@@ -716,6 +722,27 @@ def part_fidelity(args: argparse.Namespace, env: dict[str, Any]) -> Part:
     return part
 
 
+# -- fsdp -----------------------------------------------------------------------------------------------------------
+def part_fsdp(args: argparse.Namespace, env: dict[str, Any]) -> Part:
+    """benchmarks/fsdp_step.py on CUDA (--check: its code path on CPU, one step of two FSDP2 variants)."""
+    import fsdp_step
+
+    part = Part("fsdp", args.out, args.check, args.command, env)
+    raw = args.out / "raw" / ("fsdp_step_check.json" if args.check else "fsdp_step_cuda.json")
+    argv = [sys.executable, str(HERE / "fsdp_step.py"), "--out", str(raw)]
+    if args.check:
+        argv += ["--device", "cpu", "--steps", "1", "--warmup", "0", "--variants", *fsdp_step.CHECK_VARIANTS]
+    else:
+        argv += ["--device", "cuda", "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    part.run(argv, part.timeout(args, 540), args.out / "raw" / "fsdp.log")
+    if raw.exists():
+        part.result = json.loads(raw.read_text())
+        part.result["device"] = env["device"]
+    ok = raw.exists() and part.suite["commands"][-1]["status"] == "ok" and not part.result.get("failed")
+    part.save("complete" if ok else "incomplete")
+    return part
+
+
 # -- plugin ---------------------------------------------------------------------------------------------------------
 #: plugin_overhead.py runs: (name, arguments); on CUDA float16 against "16-mixed".
 PLUGIN_RUNS = (
@@ -808,6 +835,8 @@ def main(argv: list[str] | None = None) -> int:
                 parts.append(part_unscale(args, env))
             elif name == "plugin":
                 parts.append(part_plugin(args, env))
+            elif name == "fsdp":
+                parts.append(part_fsdp(args, env))
             elif name == "step":
                 for model in ("gpt", "resnet") if args.model == "all" else (args.model,):
                     parts.append(part_step(args, env, model))

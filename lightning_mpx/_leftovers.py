@@ -18,11 +18,12 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from lightning_mpx._master_swap import drop_master_grads, grad_pairs, param_pairs
+from lightning_mpx._sharding import Sharding, local_tensor
 from lightning_mpx._stages import _OptimizerState, _Stage, optimizer_params
 from lightning_mpx.loss_scaler import LossScaler
 from lightning_mpx.master_weights import MasterWeights
 from lightning_mpx.telemetry import GradTelemetry
-from lightning_mpx.unscale import unscale_grads_
+from lightning_mpx.unscale import GradStats, clip_coefficient, unscale_grads_
 
 Marks = tuple[tuple[int, int] | None, ...]
 
@@ -37,10 +38,14 @@ def unscale_state(
     telemetry: GradTelemetry,
     names: Mapping[int, str],
     max_norm: float | None = None,
+    sharding: Sharding | None = None,
 ) -> None:
     """Unscale the optimizer's gradients with ``scaler`` (the scaler of its ``loss_id``), charge the overflow found
     and move it to UNSCALED; ``max_norm`` clips them to that global norm on the way (the norm is kept in
-    ``state.grad_norm``). Telemetry measures the scaled gradients when it was requested."""
+    ``state.grad_norm``). Telemetry measures the scaled gradients when it was requested.
+
+    ``sharding``: the gradients are FSDP shards (see :mod:`lightning_mpx._sharding`); each rank works on its local
+    pieces, and a clip sums the flags and the squared norm across ranks in one all-reduce before it multiplies."""
     loss_id = state.loss_id or 0
     skipped = state.stage is _Stage.SKIPPED
     if skipped:
@@ -60,24 +65,121 @@ def unscale_state(
     found = torch.zeros((), dtype=torch.float32, device=device)
     # Telemetry measures scaled gradients: not the leftovers of a skipped batch, which hold true values.
     stats = telemetry.stats() if telemetry.requested and not skipped else None
-    norm = unscale_grads_(
-        sources,
-        factor,
-        found,
-        out=targets,
-        max_norm=max_norm,
-        backend=backend,
-        workspace=state.workspace,
-        stats=stats,
-    )
+    if sharding is None:
+        norm = unscale_grads_(
+            sources,
+            factor,
+            found,
+            out=targets,
+            max_norm=max_norm,
+            backend=backend,
+            workspace=state.workspace,
+            stats=stats,
+        )
+    else:  # no masters under FSDP: the gradients are unscaled in place, shard by shard
+        squares = _unscale_shards(state, sources, factor, found, sharding, max_norm is not None, backend, stats)
     if stats is not None:
         telemetry.record(id(state), sources, optimizer_params(state.optimizer), names, stats)
     state.charge(loss_id, found)
+    if sharding is not None:
+        norm = None if squares is None else reduce_checks(state, sharding, squares, sources, max_norm)
     state.grad_norm = norm
     state.grad_scale = None
     state.stage = _Stage.UNSCALED
     if master_weights and not skipped:
         state.unscaled_marks = grad_marks(state, master_weights)
+
+
+def _unscale_shards(
+    state: _OptimizerState,
+    grads: list[torch.Tensor],
+    factor: torch.Tensor,
+    found: torch.Tensor,
+    sharding: Sharding,
+    want_norm: bool,
+    backend: str,
+    stats: GradStats | None,
+) -> torch.Tensor | None:
+    """Unscale each rank's local shards of ``grads`` in place, flagging non-finite values in ``found``; with
+    ``want_norm`` returns this rank's part of the global squared norm (each gradient weighted by
+    :meth:`Sharding.weight`), measured in the same pass."""
+    local = [local_tensor(g) for g in grads]
+    if not want_norm:
+        unscale_grads_(local, factor, found, backend=backend, workspace=state.workspace, stats=stats)
+        return None
+    params = [p for p in optimizer_params(state.optimizer) if p.grad is not None]  # the order of `grads`
+    groups = sharding.groups(params)
+    if len(groups) == 1:  # the usual case: every gradient a shard, one pass
+        ((weight, _),) = groups.items()
+        norm = unscale_grads_(
+            local, factor, found, compute_norm=True, backend=backend, workspace=state.workspace, stats=stats
+        )
+        assert norm is not None
+        return norm.square() * weight
+    squares = torch.zeros((), dtype=torch.float32, device=found.device)
+    parts: list[tuple[list[int], GradStats]] = []
+    for weight, indices in groups.items():
+        part = None if stats is None else GradStats(stats.tiny)
+        norm = unscale_grads_(
+            [local[i] for i in indices], factor, found, compute_norm=True, backend=backend, stats=part
+        )
+        assert norm is not None
+        squares = squares + norm.square().to(found.device) * weight
+        if part is not None:
+            parts.append((indices, part))
+    if stats is not None:  # the groups' statistics, back in the order of `grads`
+        order = torch.tensor([i for indices, _ in parts for i in indices], dtype=torch.int64)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order))
+        where = inverse.to(found.device)
+        stats.underflow = torch.cat([p.underflow for _, p in parts])[where]  # type: ignore[misc]
+        stats.zeros = torch.cat([p.zeros for _, p in parts])[where]  # type: ignore[misc]
+        stats.peak = torch.cat([p.peak for _, p in parts])[where]  # type: ignore[misc]
+    return squares
+
+
+def reduce_checks(
+    state: _OptimizerState,
+    sharding: Sharding,
+    squares: torch.Tensor | None,
+    grads: list[torch.Tensor],
+    max_norm: float | None,
+) -> torch.Tensor | None:
+    """The step's one collective under FSDP: sum the optimizer's overflow flags (every loss's) and this rank's
+    squared norm ``squares`` across ranks, so that every rank holds the same flags; then, given ``max_norm``, clip
+    the local shards of ``grads`` by the global norm (left as they are when it is not finite, as
+    :func:`~lightning_mpx.unscale.unscale_grads_`). Returns the global norm when ``squares`` was given."""
+    loss_ids = sorted(state.found_by_loss)
+    reduced = sharding.reduce([state.found_by_loss[i] for i in loss_ids], squares)
+    flags = [torch.clamp(f, max=1.0) for f in reduced[: len(loss_ids)]]  # any rank's overflow, as a 0/1 flag
+    state.found_by_loss = dict(zip(loss_ids, flags))
+    if flags:
+        state.found_inf = torch.stack(flags).amax()
+    state.flags_reduced = True
+    if squares is None:
+        return None
+    norm = reduced[-1].clamp(min=0).sqrt()
+    if max_norm is not None:
+        coef = clip_coefficient(norm, max_norm)
+        local = [local_tensor(g) for g in grads]
+        by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for tensor in local:
+            by_key.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+        for (device, _), group in by_key.items():
+            torch._foreach_mul_(group, coef.to(device))
+    return norm
+
+
+def local_squares(sharding: Sharding, params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """This rank's part of the global squared norm of ``params``' gradients (already unscaled), by weight."""
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    for weight, indices in sharding.groups(params).items():
+        grads = [local_tensor(params[i].grad) for i in indices]  # type: ignore[arg-type]
+        grads = [g for g in grads if g.numel()]
+        if grads:
+            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+            squares = squares + torch.stack([n.to(device) for n in norms]).square().sum() * weight
+    return squares
 
 
 def grad_marks(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> Marks:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
 
+from lightning_mpx._sharding import local_tensor
 from lightning_mpx._stages import optimizer_params
 from lightning_mpx.forensics import OverflowForensics, OverflowRecord
 from lightning_mpx.loss_scaler import LossScaler
@@ -72,8 +73,8 @@ def named_grads(
     candidates = []
     for index, param in enumerate(optimizer_params(optimizer)):
         grad = param.grad if param.grad is not None else master_of(param).grad
-        if grad is not None:
-            candidates.append((names.get(id(param), f"param{index}"), grad))
+        if grad is not None:  # under FSDP, this rank's shard (the records of all ranks are merged)
+            candidates.append((names.get(id(param), f"param{index}"), local_tensor(grad)))
     return candidates
 
 

@@ -58,6 +58,8 @@ class _OptimizerState:
     # A half gradient that is gone or was written since (zero_grad either way) was cleared by the user, and the
     # unscaled copy its master holds must not outlive it.
     unscaled_marks: tuple[tuple[int, int] | None, ...] = ()
+    # Under FSDP: whether the flags in found_by_loss are already summed across ranks (by a clip's collective).
+    flags_reduced: bool = False
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -69,6 +71,7 @@ class _OptimizerState:
     def charge(self, loss_id: int, found: torch.Tensor) -> None:
         """Charge the overflow that one check of the gradients found to ``loss_id``, whose backward ran since the
         previous check; non-finite values found before belong to the loss they were charged to then."""
+        self.flags_reduced = False
         if self.found_inf is None:
             self.found_inf = found
             self.found_by_loss = {loss_id: found}
@@ -81,6 +84,7 @@ class _OptimizerState:
     def clear_checks(self) -> None:
         """Forget the overflow flags and the norm of the checks since the last step."""
         self.found_by_loss, self.found_inf, self.grad_norm = {}, None, None
+        self.flags_reduced = False
 
     def reset(self) -> None:
         """Back to READY with no pending gradients: after a step, stepped or skipped."""
@@ -91,6 +95,7 @@ class _OptimizerState:
         self.found_by_loss = {}
         self.found_inf = None
         self.grad_norm = None
+        self.flags_reduced = False
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:

@@ -18,12 +18,15 @@ import torch
 from lightning_mpx._leftovers import (
     follow_cleared_grads,
     grad_marks,
+    local_squares,
+    reduce_checks,
     rescale_pending,
     rescale_unscaled,
     unscale_state,
 )
 from lightning_mpx._master_swap import drop_master_grads, masters_in, mirrors, param_pairs, swap_in, swap_out
 from lightning_mpx._masters import Masters
+from lightning_mpx._sharding import Sharding, local_tensor
 from lightning_mpx._stages import _OptimizerState, _Stage, optimizer_params
 from lightning_mpx.loss_scaler import LossScaler
 from lightning_mpx.master_weights import Mirror
@@ -44,6 +47,8 @@ class StepMachine:
         optimizers: One :class:`~lightning_mpx._stages._OptimizerState` per prepared optimizer, by ``id``.
         iteration_found: The overflow flags, by loss, that the next :meth:`update` applies to the scalers.
         grad_norms: The latest clip norm of each loss, until the engine's metrics report it.
+        sharding: Set when the prepared model is FSDP-sharded: the gradients are each rank's shards, and one
+            collective per step makes the flags and the norm global (:mod:`lightning_mpx._sharding`).
     """
 
     def __init__(
@@ -63,6 +68,7 @@ class StepMachine:
         self.optimizers: dict[int, _OptimizerState] = {}
         self.iteration_found: dict[int, torch.Tensor] = {}
         self.grad_norms: dict[int, torch.Tensor] = {}
+        self.sharding: Sharding | None = None
 
     # -- registration -------------------------------------------------------------------------------------------
     def state(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
@@ -189,7 +195,13 @@ class StepMachine:
                 # The model's gradients, written since the unscale, are clipped.
                 follow_cleared_grads(state, self.masters.weights)
             params = self._unscaled_params(optimizer, with_masters)
-            state.grad_norm = _clip_unscaled(params, float(max_norm))
+            if self.sharding is not None:  # the global norm: this rank's squares, summed with the flags
+                device = state.found_inf.device if state.found_inf is not None else torch.device("cpu")
+                squares = local_squares(self.sharding, params, device)
+                grads = [p.grad for p in params if p.grad is not None]
+                state.grad_norm = reduce_checks(state, self.sharding, squares, grads, float(max_norm))
+            else:
+                state.grad_norm = _clip_unscaled(params, float(max_norm))
         assert state.grad_norm is not None
         self.grad_norms[state.loss_id or 0] = state.grad_norm
         return state.grad_norm
@@ -202,7 +214,10 @@ class StepMachine:
         elif self.masters.weights:
             follow_cleared_grads(state, self.masters.weights)  # as in clip_grad_norm_
         params = self._unscaled_params(optimizer, with_masters)
-        if params:  # torch's clip refuses an empty list
+        if self.sharding is not None:  # elementwise: each rank clamps its own shards
+            for param in params:
+                local_tensor(param.grad).clamp_(-clip_value, clip_value)  # type: ignore[arg-type]
+        elif params:  # torch's clip refuses an empty list
             torch.nn.utils.clip_grad_value_(params, clip_value)
 
     def show_unscaled_on_model(self, optimizer: torch.optim.Optimizer) -> None:
@@ -231,6 +246,10 @@ class StepMachine:
             self._unscale(state)
         elif self.masters.weights:
             follow_cleared_grads(state, self.masters.weights)
+        if self.sharding is not None:  # the step's collective, unless a clip made it already
+            if not state.flags_reduced:
+                reduce_checks(state, self.sharding, None, [], None)
+            reducer = None
         loss_ids = sorted(state.found_by_loss)
         # One tensor for the reduction across processes and one host read; all ranks then agree loss by loss.
         flags = (
@@ -315,6 +334,7 @@ class StepMachine:
             telemetry=self.telemetry,
             names=self.names,
             max_norm=max_norm,
+            sharding=self.sharding,
         )
 
 

@@ -26,6 +26,7 @@ from torch import nn
 from lightning_mpx._collections import _cast_collection
 from lightning_mpx._masters import Masters
 from lightning_mpx._overflow import Overflows, floor_hint
+from lightning_mpx._sharding import Sharding, is_sharded
 from lightning_mpx._stages import _OptimizerState, _Stage, loss_index
 from lightning_mpx._step_machine import StepMachine
 from lightning_mpx.cast_policy import CastPolicy
@@ -58,6 +59,7 @@ class Amp:
         found_inf_reducer: Optional callable that reduces an optimizer's overflow flag in place across processes
             (the adapters set it under a distributed strategy) so that every rank makes the same skip decision.
         telemetry: The :class:`~lightning_mpx.telemetry.GradTelemetry` behind :meth:`request_telemetry`.
+        sharded: Whether the prepared model is sharded by PyTorch FSDP (see :meth:`prepare_model`).
     """
 
     def __init__(
@@ -116,6 +118,13 @@ class Amp:
         self._machine = StepMachine(
             self.scalers, self._masters, backend=settings.unscale_backend, telemetry=self.telemetry, names=self._names
         )
+        self.sharded = False
+
+    @property
+    def _with_masters(self) -> bool:
+        """Whether optimizers step FP32 masters of this engine (O2 on an unsharded model; under FSDP, FSDP's own
+        sharded FP32 parameters are the masters)."""
+        return self.properties.master_weights and not self.sharded
 
     # -- the parts' state, under the names the adapters and tests use ------------------------------------------
     @property
@@ -214,11 +223,25 @@ class Amp:
         ``keep_batchnorm_fp32``), half parameters FP32 at O0, as it is at O1. At O2 the FP32 masters of the
         parameters an optimizer holds are made by :meth:`prepare_optimizer` (a half submodule no optimizer trains
         gets none). ``train=False``: a model only evaluated, with no masters (an optimizer over its half parameters
-        is refused); preparing it again with ``train=True`` adds them (once)."""
+        is refused); preparing it again with ``train=True`` adds them (once).
+
+        A model that PyTorch FSDP has already sharded (``fully_shard``, or the FSDP1 wrapper: prepare the wrapped
+        model) is not converted and gets no masters: FSDP's mixed-precision policy computes in half and, at O2, its
+        sharded FP32 parameters are the masters. Its policies are checked against the opt level
+        (:func:`lightning_mpx.fsdp.check_sharded_model`), and the scaler then works on each rank's shards with one
+        all-reduce per step (the overflow flags and the global gradient norm)."""
         if not isinstance(module, nn.Module):
             raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module.")
         if not isinstance(train, bool):
             raise TypeError(f"train={train!r} must be True or False.")
+        if is_sharded(module):
+            self._prepare_sharded(module)
+            return module
+        if self.sharded:
+            raise ValueError(
+                f"module={type(module).__name__} is not sharded, but this Amp prepared an FSDP-sharded model: one "
+                "engine trains either sharded models or unsharded ones; use one Amp per kind."
+            )
         live = self._masters.prune()
         prefix = f"model{len(live)}." if live else ""
         for name, param in module.named_parameters():
@@ -233,12 +256,31 @@ class Amp:
             self._masters.add_model(module, self._names, prefix)
         return module
 
+    def _prepare_sharded(self, module: nn.Module) -> None:
+        from lightning_mpx.fsdp import check_sharded_model
+
+        if self._masters.prune():
+            raise ValueError(
+                f"module={type(module).__name__} is sharded by FSDP, but this Amp already made FP32 masters for an "
+                "unsharded model: one engine trains either sharded models or unsharded ones; use one Amp per kind."
+            )
+        check_sharded_model(module, self.settings)
+        for name, param in module.named_parameters():
+            self._names.setdefault(id(param), name)
+        self.forensics.watch.add_model(module, "")
+        self.sharded = True  # before the promotion: it leaves an FSDP model's dtypes to FSDP's policies
+        self.promotion.add_model(module, "")
+        if self._machine.sharding is None:
+            self._machine.sharding = Sharding(module)
+        else:
+            self._machine.sharding.add_model(module)
+
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Register ``optimizer`` (prepare its model first); for O2 its parameters become the FP32 masters. A
         closure optimizer (LBFGS), which loss scaling cannot support, is refused with a ValueError."""
-        self._machine.validate(optimizer, with_masters=self.properties.master_weights)
+        self._machine.validate(optimizer, with_masters=self._with_masters)
         self.promotion.check_patterns_matched()
-        self._machine.register(optimizer, with_masters=self.properties.master_weights)
+        self._machine.register(optimizer, with_masters=self._with_masters)
         return optimizer
 
     def release_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -248,7 +290,7 @@ class Amp:
     def master_params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         """The tensors ``optimizer`` updates: the FP32 masters of its half parameters at O2, its parameters
         otherwise. Their ``.grad`` holds the unscaled gradients between an unscale and the step."""
-        return self._machine.master_params(optimizer, with_masters=self.properties.master_weights)
+        return self._machine.master_params(optimizer, with_masters=self._with_masters)
 
     def master_of(self, param: torch.Tensor) -> torch.Tensor:
         """The FP32 master of a model parameter at O2 (the parameter itself when it has none: an FP32 parameter, or
@@ -269,14 +311,16 @@ class Amp:
         return self.policy.scope() if self.policy is not None else contextlib.nullcontext()
 
     def cast_inputs(self, data: Any) -> Any:
-        """Floating-point tensors in ``data`` (nested in lists, tuples, dicts) cast to half when the model is."""
-        if not self.properties.casts_model:
+        """Floating-point tensors in ``data`` (nested in lists, tuples, dicts) cast to half when the model is (not
+        under FSDP, whose root policy casts)."""
+        if not self.properties.casts_model or self.sharded:
             return data
         return _cast_collection(data, self.properties.half_dtype, (torch.float32, torch.float64))
 
     def cast_outputs(self, data: Any) -> Any:
-        """Half tensors in ``data`` cast to FP32 when the model is half, so the loss is computed in FP32 (Apex)."""
-        if not self.properties.casts_model:
+        """Half tensors in ``data`` cast to FP32 when the model is half, so the loss is computed in FP32 (Apex); not
+        under FSDP, whose root policy casts."""
+        if not self.properties.casts_model or self.sharded:
             return data
         return _cast_collection(data, torch.float32, (self.properties.half_dtype,))
 
@@ -333,11 +377,11 @@ class Amp:
         """Clip ``optimizer``'s unscaled gradients (unscaling them first) to a global L2 norm; returns the norm
         before clipping. As ``torch.nn.utils.clip_grad_norm_`` (bit for bit), except that a non-finite norm (an
         overflow: the step is skipped) leaves the gradients as they are, so :attr:`last_overflow` tells inf from NaN."""
-        return self._machine.clip_grad_norm_(optimizer, max_norm, with_masters=self.properties.master_weights)
+        return self._machine.clip_grad_norm_(optimizer, max_norm, with_masters=self._with_masters)
 
     def clip_grad_value_(self, optimizer: torch.optim.Optimizer, clip_value: float) -> None:
         """Clamp ``optimizer``'s unscaled gradients to ``[-clip_value, clip_value]``."""
-        self._machine.clip_grad_value_(optimizer, clip_value, with_masters=self.properties.master_weights)
+        self._machine.clip_grad_value_(optimizer, clip_value, with_masters=self._with_masters)
 
     def show_unscaled_on_model(self, optimizer: torch.optim.Optimizer) -> None:
         """At O2, copy the unscaled FP32 master gradients into the half model's gradients (rounded), for code that
@@ -362,7 +406,7 @@ class Amp:
             )
         state, overflowed = self._machine.check(optimizer, self.found_inf_reducer)
         if overflowed:
-            gather = self.found_inf_reducer is not None
+            gather = self.found_inf_reducer is not None or self.sharded
             self._overflows.record(
                 optimizer, overflowed, names=self._names, master_of=self.master_of, step=self._steps - 1, gather=gather
             )

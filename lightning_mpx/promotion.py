@@ -73,6 +73,7 @@ class _Engine(Protocol):
     log_overflows: bool
     found_inf_reducer: Callable[[torch.Tensor], None] | None
     master_weights: list[MasterWeights]
+    sharded: bool  # the model is FSDP-sharded: its dtypes are FSDP's policies', not changed here
     _optimizers: dict[int, Any]  # id(optimizer) -> its stage state (optimizer_ref, pairs_key, mirrors)
 
     @property
@@ -220,7 +221,7 @@ class Promotion:
                 if not any(name.startswith(top + ".") for top in self._pinned):
                     self._pinned.append(name)
         self._pinned = [n for n in self._pinned if not any(n.startswith(t + ".") for t in self._pinned)]
-        if self.amp.properties.casts_model:
+        if self.amp.properties.casts_model and not self.amp.sharded:
             for name in self._pinned:
                 target = self._module(name)
                 if target is not None:

@@ -28,6 +28,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
+from lightning_mpx._sharding import local_tensor
 from lightning_mpx.unscale import GradStats
 
 __all__ = ["GradTelemetry", "module_groups"]
@@ -115,7 +116,7 @@ class GradTelemetry:
         index = torch.tensor([position[g] for g in groups], dtype=torch.int64).to(device, non_blocking=True)
         numel = [0] * len(order)
         for group, grad in zip(groups, sources):
-            numel[position[group]] += grad.numel()
+            numel[position[group]] += local_tensor(grad).numel()  # a rank's shard under FSDP
         underflow = torch.zeros(len(order), dtype=torch.int64, device=device).index_add_(0, index, stats.underflow)
         zeros = torch.zeros(len(order), dtype=torch.int64, device=device).index_add_(0, index, stats.zeros)
         peak = torch.zeros(len(order), dtype=torch.float32, device=device).scatter_reduce_(

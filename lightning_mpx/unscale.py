@@ -300,13 +300,13 @@ def _foreach(
         return None
     total = _global_norm(norms, found_inf.device)
     if max_norm is not None:
-        coef = _clip_coefficient(total, max_norm)
+        coef = clip_coefficient(total, max_norm)
         for (device, _), group in _grouped(targets).items():
             torch._foreach_mul_(group, coef.to(device))
     return total
 
 
-def _clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_``'s coefficient for a global norm ``total``, or 1 when ``total`` is not
     finite (an overflow step: the gradients keep their values for the overflow record; the step is skipped)."""
     return torch.where(torch.isfinite(total), torch.clamp(max_norm / (total + _CLIP_EPS), max=1.0), 1.0)
@@ -349,7 +349,7 @@ def _reference(
         return None
     total = squares.sqrt()
     if max_norm is not None:
-        coef = _clip_coefficient(total, max_norm)
+        coef = clip_coefficient(total, max_norm)
         for target in targets:
             target.mul_(coef.to(target.device))
     return total

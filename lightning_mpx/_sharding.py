@@ -1,0 +1,143 @@
+"""Gradients of a model that PyTorch FSDP shards: each rank's local shards, and the one collective of a step.
+
+Under FSDP every rank holds a shard of each gradient: an FSDP2 ``DTensor`` (its ``to_local()`` view), or with FSDP1
+a plain tensor that is already the rank's piece of a flat parameter. The engine unscales, checks and measures those
+local pieces with its usual kernels; what a rank finds is only its part of the answer, so one all-reduce per step
+(:meth:`Sharding.reduce`) sums the overflow flags and the squared norm across ranks. Then every rank makes the same
+skip decision, keeps the same scale and clips by the same global norm.
+
+A tensor held whole on several ranks (an FSDP2 ``Replicate`` placement such as HSDP's replica dimension, a parameter
+FSDP ignores) would be counted once per copy by that sum: its squared norm is weighted by one over its number of
+copies, so the sum counts it once (:meth:`Sharding.weight`).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["Sharding", "is_sharded", "local_tensor"]
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without distributed support
+        return None
+    return DTensor
+
+
+def _fsdp_types() -> tuple[type, ...]:
+    """FSDP2's ``FSDPModule`` and FSDP1's ``FullyShardedDataParallel``, as far as this torch has them."""
+    types: list[type] = []
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        types.append(FSDPModule)
+    except ImportError:
+        pass
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        types.append(FullyShardedDataParallel)
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether FSDP (FSDP2's ``fully_shard`` or FSDP1's ``FullyShardedDataParallel``) shards ``module`` or one of its
+    submodules."""
+    types = _fsdp_types()
+    return bool(types) and any(isinstance(m, types) for m in module.modules())
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank's local shard of a ``DTensor`` (a view: in-place work on it changes the ``DTensor``), any other
+    tensor as it is."""
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(tensor, dtensor):
+        return tensor.to_local()
+    return tensor
+
+
+class Sharding:
+    """How the gradients of a sharded model add up across ranks, and the step's collective.
+
+    Args:
+        module: The sharded model (after ``fully_shard`` or the FSDP1 wrapper).
+        group: The process group the gradients are sharded over (default: the default group).
+
+    Attributes:
+        world_size: The number of ranks in ``group``.
+        shards: The ids of the plain tensors that are FSDP1 shards (each rank holds a different piece).
+    """
+
+    def __init__(self, module: nn.Module, group: object | None = None) -> None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "a model sharded by FSDP needs an initialized default process group "
+                "(torch.distributed.init_process_group) before prepare_model()."
+            )
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.shards: set[int] = set(_fsdp1_shards(module))
+
+    def add_model(self, module: nn.Module) -> None:
+        """Take in the FSDP1 shards of another prepared model."""
+        self.shards.update(_fsdp1_shards(module))
+
+    def weight(self, param: torch.Tensor) -> float:
+        """One over the number of ranks that hold the same values of ``param``'s gradient (1 for a shard)."""
+        dtensor = _dtensor_type()
+        if dtensor is not None and isinstance(param, dtensor):
+            copies = 1
+            for dim, placement in enumerate(param.placements):
+                if placement.is_replicate():
+                    copies *= param.device_mesh.size(dim)
+            return 1.0 / copies
+        if id(param) in self.shards:
+            return 1.0
+        return 1.0 / self.world_size  # a whole tensor on every rank (a parameter FSDP ignores)
+
+    def groups(self, params: Sequence[torch.Tensor]) -> dict[float, list[int]]:
+        """Indices of ``params`` by weight (usually one weight: every gradient a shard)."""
+        out: dict[float, list[int]] = {}
+        for index, param in enumerate(params):
+            out.setdefault(self.weight(param), []).append(index)
+        return out
+
+    def reduce(self, flags: Iterable[torch.Tensor], squared_norm: torch.Tensor | None) -> list[torch.Tensor]:
+        """Sum ``flags`` (overflow flags, nonzero on overflow) and the weighted ``squared_norm`` across ranks in one
+        all-reduce; returns the summed flags, then the global squared norm when one was given."""
+        import torch.distributed as dist
+
+        parts = [f.reshape(1).float() for f in flags]
+        if squared_norm is not None:
+            parts.append(squared_norm.reshape(1).float())
+        if not parts:
+            return []
+        buffer = torch.cat(parts)
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group)
+        return list(buffer.unbind(0))
+
+
+def _fsdp1_shards(module: nn.Module) -> Iterable[int]:
+    """Ids of the parameters an FSDP1 wrapper in ``module`` shards (its flat parameters, or with
+    ``use_orig_params=True`` the original parameters that are views into them)."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return
+    for wrapper in module.modules():
+        if not isinstance(wrapper, FullyShardedDataParallel):
+            continue
+        flat = getattr(wrapper, "_flat_param", None)  # the wrapper's FlatParameter (None when it holds none)
+        if flat is not None:
+            yield id(flat)
+            for param in getattr(flat, "_params", None) or ():  # use_orig_params=True: the original parameters
+                yield id(param)
