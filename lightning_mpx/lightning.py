@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 
 from lightning_mpx._boundary import BoundaryCast
 from lightning_mpx._imports import require
+from lightning_mpx._sharding import is_sharded
 from lightning_mpx.amp import Amp
 from lightning_mpx.cast_policy import disable_casts
 from lightning_mpx.cast_table import CastTable
@@ -467,13 +468,6 @@ class MixedPrecisionPlugin(FSDPPrecision):
                 "(its \"fp16\" or \"bf16\" section, or Trainer(precision=\"16-mixed\") with strategy=\"deepspeed\")."
             )
         if isinstance(strategy, _SHARDED_STRATEGIES):
-            if self.settings.scaler.on_floor == "promote":
-                raise ValueError(
-                    f"on_floor='promote' is not supported under strategy={type(strategy).__name__}: FSDP's "
-                    "mixed-precision policy of a module is fixed when it is sharded, so a module cannot be promoted "
-                    "to FP32 mid-run. Use on_floor='raise', 'warn' or 'continue', and name the modules that need "
-                    "FP32 in fp32_modules=[...] (sharded as FP32 units)."
-                )
             return True
         if isinstance(strategy, _REPLICATED_STRATEGIES):
             return False
@@ -593,12 +587,6 @@ def _trainer_of(model: nn.Module) -> Any:
         return module.trainer if isinstance(module, _pl.LightningModule) else None
     except RuntimeError:  # not attached to a Trainer
         return None
-
-
-def is_sharded(module: nn.Module) -> bool:  # TEMPORARY: lightning_mpx._sharding.is_sharded once main has it
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in module.modules())
 
 
 def _casts_off() -> ContextManager[Any]:

@@ -67,6 +67,8 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 def gathered_norm(tensors: list[torch.Tensor]) -> float:
     """The 2-norm of every rank's local pieces, all-gathered and computed in FP64 (the reference for the clip)."""
     mine = torch.cat([local(t).detach().double().flatten() for t in tensors] or [torch.zeros(0, dtype=torch.float64)])
+    if not dist.is_initialized():  # the single-process reference run
+        return float(mine.norm())
     pieces: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(pieces, mine)
     return float(torch.cat(pieces).norm())
@@ -152,13 +154,51 @@ def make_plugin(level: str, dtype: str) -> MixedPrecisionPlugin:
 def make_strategy(name: str) -> pl.strategies.Strategy:
     if name == "fsdp2":
         return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    return CPUFSDPStrategy(auto_wrap_policy={nn.Linear})
+    # The distributed checkpoint (each rank saves its shards). FSDP1's "full" state dict, gathered on rank 0,
+    # crashes on CPU (a segmentation fault cloning the gathered parameters, torch 2.13).
+    return CPUFSDPStrategy(auto_wrap_policy={nn.Linear}, state_dict_type="sharded")
+
+
+def data(kind: str) -> torch.utils.data.Dataset:
+    return classification_data(n=BATCH * 2 * (5 if kind == "resume" else STEPS), seed=1)
+
+
+def global_batches(dataset: torch.utils.data.Dataset) -> torch.utils.data.Dataset:
+    """The samples in the order that makes batch k of ``2 * BATCH`` hold what the two ranks' batch k hold together.
+
+    Lightning gives each rank of a training run a shuffling ``DistributedSampler`` (seed ``PL_GLOBAL_SEED``, else
+    0): the same sampler, asked for each rank's order, gives them."""
+    seed = int(os.getenv("PL_GLOBAL_SEED", 0))
+    ranks = [
+        list(torch.utils.data.DistributedSampler(dataset, num_replicas=2, rank=r, shuffle=True, seed=seed))
+        for r in (0, 1)
+    ]
+    steps = len(ranks[0]) // BATCH
+    order = [i for k in range(steps) for r in (0, 1) for i in ranks[r][k * BATCH : (k + 1) * BATCH]]
+    return torch.utils.data.Subset(dataset, order)
+
+
+def reference(level: str, dtype: str, kind: str) -> dict[str, Any]:
+    """The same training in one process on one device, each batch the two ranks' batches together."""
+    plugin = make_plugin(level, dtype)
+    model = Net(inf_at=(INF_AT,))
+    settings: dict[str, Any] = dict(max_epochs=1, gradient_clip_val=CLIP)
+    if kind == "accum":
+        settings["accumulate_grad_batches"] = 2
+    trainer = make_trainer(plugin, **settings)
+    trainer.fit(model, loader(global_batches(data(kind)), 2 * BATCH))
+    return dict(
+        losses=model.losses,
+        grad_norms=model.grad_norms,
+        skipped=plugin.amp.skipped_steps,
+        scale=plugin.amp.scalers[0].get_scale(),
+        params=[p.detach().float().flatten().tolist() for p in model.parameters()],
+    )
 
 
 def fit(case: str, out: str) -> dict[str, Any]:
     strategy, level, dtype, kind = case.split(":")
     plugin = make_plugin(level, dtype)
-    data = classification_data(n=BATCH * 2 * (STEPS if kind != "resume" else 5), seed=1)
     settings: dict[str, Any] = dict(strategy=make_strategy(strategy), devices=2, max_epochs=1, gradient_clip_val=CLIP)
     if kind == "accum":
         settings["accumulate_grad_batches"] = 2
@@ -168,7 +208,7 @@ def fit(case: str, out: str) -> dict[str, Any]:
         model = Net(inf_at=(2,))
         checkpoint = ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, filename="{epoch}")
         trainer = make_trainer(plugin, **dict(settings, max_epochs=2), callbacks=[checkpoint], enable_checkpointing=True)
-        trainer.fit(model, loader(data, BATCH))
+        trainer.fit(model, loader(data(kind), BATCH))
         record["straight"] = full_params(trainer, model)
         record["straight_state"] = plugin.amp.state_dict()["scalers"]
         record["straight_skipped"] = plugin.amp.skipped_steps
@@ -176,12 +216,12 @@ def fit(case: str, out: str) -> dict[str, Any]:
         model = Net(inf_at=(2,))
         settings = dict(settings, strategy=make_strategy(strategy), max_epochs=2)
         trainer = make_trainer(plugin, **settings)
-        trainer.fit(model, loader(data, BATCH), ckpt_path=os.path.join(ckpt_dir, "epoch=0.ckpt"))
+        trainer.fit(model, loader(data(kind), BATCH), ckpt_path=os.path.join(ckpt_dir, "epoch=0.ckpt"))
         record["checkpoint"] = os.path.join(ckpt_dir, "epoch=0.ckpt")
     else:
         model = Net(inf_at=(INF_AT,))
         trainer = make_trainer(plugin, **settings)
-        trainer.fit(model, loader(data, BATCH))
+        trainer.fit(model, loader(data(kind), BATCH))
     scalers = plugin.amp.state_dict()["scalers"]
     record.update(
         world_size=trainer.world_size,
@@ -196,7 +236,7 @@ def fit(case: str, out: str) -> dict[str, Any]:
         logits_dtypes=sorted(model.logits_dtypes),
         params=full_params(trainer, model),
         local_param_bytes=sum(local(p).numel() * local(p).element_size() for p in model.parameters()),
-        full_param_bytes=sum(p.numel() * 4 for p in model.parameters()),
+        full_param_bytes=sum(p.numel() * 4 for p in Net().parameters()),
         local_param_dtypes=sorted({str(local(p).dtype) for p in model.parameters()}),
         masters=len(plugin.amp.master_weights),
         state_keys=sorted(plugin.amp.state_dict()),
