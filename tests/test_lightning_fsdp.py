@@ -64,8 +64,10 @@ def test_sharded_training_matches_one_process_on_the_global_batch(runs, case):
     assert [math.isinf(n) for n in engine] == [i == INF_AT for i in range(steps)]
     finite = [n for n in norms if math.isfinite(n)]
     assert [e for e in engine if math.isfinite(e)] == pytest.approx(finite, rel=1e-5)
-    assert stepped == pytest.approx([min(n, CLIP) for n in finite], rel=1e-4)
-    assert any(n > CLIP for n in finite) and any(n < CLIP for n in finite)  # both sides of the clip were exercised
+    # The clip scales the gradients in their own dtype: FP32 shards at O1/O2, half ones at O3.
+    assert stepped == pytest.approx([min(n, CLIP) for n in finite], rel=4e-3 if level == "O3" else 1e-5)
+    if kind == "train":  # (accumulated gradients, averaged over two batches, stay below the clip)
+        assert any(n > CLIP for n in finite) and any(n < CLIP for n in finite)  # both sides of the clip
     assert finite == pytest.approx([n for n in ref["grad_norms"] if math.isfinite(n)], rel=0.1)
 
 
