@@ -267,7 +267,7 @@ class MixedPrecisionPlugin(FSDPPrecision):
     @property
     def mixed_precision_config(self) -> Any:
         """The FSDP1 ``MixedPrecision`` of the opt level (:func:`lightning_mpx.fsdp.fsdp1_mixed_precision`), which
-        Lightning's ``FSDPStrategy`` wraps the model with. Where the level needs no policy (O0, O3) it is an empty
+        Lightning's ``FSDPStrategy`` wraps the model with. Where FSDP should not cast (O0) it is an empty
         ``MixedPrecision`` that FSDP treats as none (Lightning's throughput monitor reads its ``reduce_dtype``)."""
         from torch.distributed.fsdp import MixedPrecision
 
