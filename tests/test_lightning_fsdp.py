@@ -22,9 +22,11 @@ TRAIN = [f"{s}:{level}:bfloat16:train" for s in ("fsdp2", "fsdp1") for level in 
 RESUME = ["fsdp2:O2:float16:resume", "fsdp1:O2:float16:resume"]
 ACCUM = ["fsdp2:O2:bfloat16:accum"]
 CASES = TRAIN + ACCUM + RESUME
-# bfloat16 rounds to 2**-8 relative; the sharded run sums two half-batch gradients in FP32 where the reference
-# computes one whole-batch gradient in half, so the runs drift apart by a few roundings over 20 steps.
-LOSS_TOL = 2e-2
+# bfloat16 rounds to 2**-8 (3.9e-3) relative. The sharded run sums two half-batch gradients in FP32 where the
+# reference computes one whole-batch gradient in half: measured over 20 steps, the losses differ by at most 4.0e-3
+# relative (FSDP1 O3), the gradient norms by 1.1e-2 (O1), so the tolerances are two roundings and three times that.
+LOSS_TOL = 8e-3
+NORM_TOL = 3e-2
 
 
 @pytest.fixture(scope="module")
@@ -34,18 +36,26 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {case: rank_results(out, prefix=case.replace(":", "_") + "_") for case in CASES}
 
 
+@pytest.fixture(scope="module")
+def references() -> dict[tuple[str, ...], dict[str, Any]]:
+    """One-process runs by (level, dtype, kind), made once: FSDP2 and FSDP1 compare with the same run."""
+    return {}
+
+
 def _finite(values: list[Any]) -> list[float]:
     return [float(v) for v in values]
 
 
 @pytest.mark.parametrize("case", TRAIN + ACCUM)
-def test_sharded_training_matches_one_process_on_the_global_batch(runs, case):
+def test_sharded_training_matches_one_process_on_the_global_batch(runs, references, case):
     """Losses follow the one-process run within half rounding; the ranks skip the step whose gradient is inf on
     rank 0 only, together, and end with the same scale and the same weights; gradient_clip_val clips by the global
     norm (the engine's norm equals the norm of the gathered gradients, and the step sees that norm clipped)."""
     strategy, level, dtype, kind = case.split(":")
     ranks = runs[case]
-    ref = reference(level, dtype, kind)
+    if (level, dtype, kind) not in references:
+        references[level, dtype, kind] = reference(level, dtype, kind)
+    ref = references[level, dtype, kind]
     steps = STEPS // 2 if kind == "accum" else STEPS
     for r in ranks:
         assert r["world_size"] == 2 and r["global_step"] == steps
@@ -68,7 +78,7 @@ def test_sharded_training_matches_one_process_on_the_global_batch(runs, case):
     assert stepped == pytest.approx([min(n, CLIP) for n in finite], rel=4e-3 if level == "O3" else 1e-5)
     if kind == "train":  # (accumulated gradients, averaged over two batches, stay below the clip)
         assert any(n > CLIP for n in finite) and any(n < CLIP for n in finite)  # both sides of the clip
-    assert finite == pytest.approx([n for n in ref["grad_norms"] if math.isfinite(n)], rel=0.1)
+    assert finite == pytest.approx([n for n in ref["grad_norms"] if math.isfinite(n)], rel=NORM_TOL)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1"])
