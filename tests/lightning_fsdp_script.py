@@ -146,9 +146,7 @@ def full_params(trainer: pl.Trainer, model: Net) -> list[list[float]]:
 
 def make_plugin(level: str, dtype: str) -> MixedPrecisionPlugin:
     # bfloat16's scale is static (1): its floor, where an overflow raises by default; "continue" skips the step.
-    return MixedPrecisionPlugin(
-        level, half_dtype=dtype, init_scale=1024.0, growth_interval=4, on_floor="continue"
-    )
+    return MixedPrecisionPlugin(level, half_dtype=dtype, init_scale=1024.0, growth_interval=4, on_floor="continue")
 
 
 def make_strategy(name: str) -> pl.strategies.Strategy:
@@ -206,16 +204,16 @@ def fit(case: str, out: str) -> dict[str, Any]:
     if kind == "resume":
         ckpt_dir = os.path.join(out, case.replace(":", "_"))
         model = Net(inf_at=(2,))
+        settings["max_epochs"] = 2  # the checkpoint after the first epoch; resumed, the second epoch again
         checkpoint = ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, filename="{epoch}")
-        trainer = make_trainer(plugin, **dict(settings, max_epochs=2), callbacks=[checkpoint], enable_checkpointing=True)
+        trainer = make_trainer(plugin, **settings, callbacks=[checkpoint], enable_checkpointing=True)
         trainer.fit(model, loader(data(kind), BATCH))
         record["straight"] = full_params(trainer, model)
         record["straight_state"] = plugin.amp.state_dict()["scalers"]
         record["straight_skipped"] = plugin.amp.skipped_steps
         plugin = make_plugin(level, dtype)
         model = Net(inf_at=(2,))
-        settings = dict(settings, strategy=make_strategy(strategy), max_epochs=2)
-        trainer = make_trainer(plugin, **settings)
+        trainer = make_trainer(plugin, **dict(settings, strategy=make_strategy(strategy)))
         trainer.fit(model, loader(data(kind), BATCH), ckpt_path=os.path.join(ckpt_dir, "epoch=0.ckpt"))
         record["checkpoint"] = os.path.join(ckpt_dir, "epoch=0.ckpt")
     else:
