@@ -14,7 +14,11 @@ A :class:`lightning.pytorch.plugins.Precision` that hands every precision decisi
   call ``lr_scheduler_step`` for that optimizer's per-step schedulers, which the hook receives as the user's own
   objects;
 * ``mpx/*`` metrics reach the Trainer's loggers at its logging cadence, and the plugin's state goes into checkpoints;
-* the plugin pickles as its settings (``strategy="ddp_spawn"``): each process starts a fresh engine.
+* the plugin pickles as its settings (``strategy="ddp_spawn"``): each process starts a fresh engine;
+* under FSDP (``ModelParallelStrategy``, FSDP2: shard in ``configure_model`` with
+  :func:`lightning_mpx.fsdp.shard_model`; ``FSDPStrategy``, FSDP1: Lightning wraps the model with
+  :attr:`MixedPrecisionPlugin.mixed_precision_config`) FSDP's sharded FP32 parameters are the masters and its
+  mixed-precision policy computes in half; the engine steps each rank's shards with one all-reduce per step.
 """
 
 from __future__ import annotations
@@ -29,15 +33,24 @@ from torch.optim import Optimizer
 
 from lightning_mpx._boundary import BoundaryCast
 from lightning_mpx._imports import require
+from lightning_mpx._sharding import is_sharded
 from lightning_mpx.amp import Amp
 from lightning_mpx.cast_policy import disable_casts
 from lightning_mpx.cast_table import CastTable
+from lightning_mpx.master_weights import convert_module
 from lightning_mpx.settings import DEFAULTS, MixedPrecisionSettings, OnFloor
 
 _pl = require("lightning.pytorch", extra="lightning", feature="lightning_mpx.MixedPrecisionPlugin")
 
 from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
-from lightning.pytorch.plugins.precision import Precision  # noqa: E402
+from lightning.pytorch.plugins.precision import FSDPPrecision, Precision  # noqa: E402
+from lightning.pytorch.strategies import (  # noqa: E402
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+)
 from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
 from lightning.pytorch.utilities.types import LRSchedulerConfig  # noqa: E402
@@ -46,8 +59,10 @@ __all__ = ["MixedPrecisionPlugin"]
 
 _D, _S = DEFAULTS, DEFAULTS.scaler  # the defaults of the typed keywords, from the one place that defines them
 
-#: Strategies whose model is one ordinary module per process, the kind this plugin converts and steps.
-_SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
+#: Strategies whose model is one ordinary module per process: the plugin converts it and makes FP32 masters.
+_REPLICATED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy)
+#: Strategies that shard the model with FSDP: FSDP's own sharded parameters are the masters.
+_SHARDED_STRATEGIES = (FSDPStrategy, ModelParallelStrategy)
 #: Lightning's own ``backward`` hook: the plugin runs its body directly (see :meth:`MixedPrecisionPlugin.backward`).
 _DEFAULT_BACKWARD = _pl.LightningModule.backward
 #: The ``interval`` of a per-step scheduler config while its optimizer's step was skipped: no ``interval`` the loop
@@ -61,8 +76,12 @@ _NOT_FOR_FABRIC = (
 )
 
 
-class MixedPrecisionPlugin(Precision):
+class MixedPrecisionPlugin(FSDPPrecision):
     """Apex-style mixed precision for the Lightning Trainer.
+
+    It works with single-device, DDP and FSDP strategies. It is an ``FSDPPrecision`` only because Lightning's
+    ``FSDPStrategy`` accepts nothing else; every method of ``FSDPPrecision`` is replaced here, so none of its
+    behaviour (autocast, input casts, its ``ShardedGradScaler``) applies under any strategy.
 
     Args:
         opt_level: ``"O0"`` (FP32), ``"O1"`` (cast-table policy), ``"O2"`` (half model, FP32 master weights, batch
@@ -83,6 +102,14 @@ class MixedPrecisionPlugin(Precision):
     Example::
 
         trainer = Trainer(plugins=[MixedPrecisionPlugin("O2", keep_batchnorm_fp32=True)], gradient_clip_val=1.0)
+
+        # FSDP2: shard in configure_model with the level's per-module policies
+        class Model(LightningModule):
+            def configure_model(self):
+                shard_model(self, self.trainer.precision_plugin, mesh=self.device_mesh["data_parallel"])
+
+        Trainer(strategy=ModelParallelStrategy(), plugins=[MixedPrecisionPlugin("O2")])
+        Trainer(strategy="fsdp", plugins=[MixedPrecisionPlugin("O2")])  # FSDP1: Lightning wraps the model
     """
 
     def __init__(
@@ -121,6 +148,7 @@ class MixedPrecisionPlugin(Precision):
         level = self.amp.opt_level
         self.precision = "32-true" if level == "O0" else f"{prefix}-mixed" if level == "O1" else f"{prefix}-true"  # type: ignore[assignment]
         self._module: nn.Module | None = None
+        self._sharded: nn.Module | None = None  # under FSDP: the sharded model the engine was prepared with
         self._hooks: list[Any] = []
         self._masters_synced = False
         self._skipped: dict[int, bool] = {}
@@ -164,23 +192,36 @@ class MixedPrecisionPlugin(Precision):
         when asked, FP32 masters; input and output casts at the model's boundary).
 
         FP32 masters are made only when the Trainer is fitting: ``validate``, ``test`` and ``predict`` get the half
-        model without them (as Lightning skips the DDP wrapper when not fitting). A later ``fit`` adds them."""
+        model without them (as Lightning skips the DDP wrapper when not fitting). A later ``fit`` adds them.
+
+        Under FSDP nothing is converted here: the model is sharded with the level's policies (FSDP2: by the user
+        in ``configure_model``, before this call; FSDP1: by Lightning after it, with :attr:`mixed_precision_config`;
+        at O3 it is cast to half here first) and :meth:`connect` prepares the engine with the sharded model."""
         trainer = _trainer_of(module)
         if trainer is None and not isinstance(module, _pl.LightningModule):
             raise TypeError(_NOT_FOR_FABRIC.format(what=f"module={type(module).__name__} is not a LightningModule"))
         fitting = trainer is None or trainer.state.fn == "fit"
+        sharded = trainer is not None and self._check_strategy(trainer.strategy)
         if module is not self._module:
             if self._module is not None:  # a different model: a fresh engine with the same settings
                 self.amp.diagnose_overflows = False  # its forward hooks leave the old model
                 self.amp = Amp.from_settings(self.settings)
                 self._masters_synced = False
-            self.amp.prepare_model(module, train=fitting)
+                self._sharded = None
+            if not sharded:
+                self.amp.prepare_model(module, train=fitting)
             self._module = module
-        elif fitting and self.amp.properties.master_weights and not self.amp.master_weights:
+        elif not sharded and fitting and self.amp.properties.master_weights and not self.amp.master_weights:
             self.amp.prepare_model(module, train=True)  # evaluated before, fitted now: the masters are made here
             self._masters_synced = False
+        if sharded and isinstance(trainer.strategy, FSDPStrategy) and self.amp.properties.casts_model:
+            if not self.amp.properties.master_weights:  # O3: FSDP shards the half model (FSDP2: shard_model does)
+                keep_bn = bool(self.amp.properties.keep_batchnorm_fp32)
+                convert_module(module, self.amp.half_dtype, keep_batchnorm_fp32=keep_bn)
         self._remove_hooks()
         if self.amp.properties.casts_model:
+            # Under FSDP too: FSDP1 casts the root's inputs but not its outputs, and at O3 FSDP has no policy.
+            # Where FSDP's root policy already cast, these casts find the dtype they want and do nothing.
             self._add_boundary_casts(module)
         self._hand_off_compiled(module)
         return module
@@ -190,18 +231,25 @@ class MixedPrecisionPlugin(Precision):
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         """Register the optimizers with the engine (O2: masters in place of the half parameters) and set up
         cross-process overflow agreement. The learning-rate schedulers are left as they are: the hooks get the user's
-        own objects (a per-step schedule is held on a skipped step by not stepping it, see :meth:`optimizer_step`)."""
+        own objects (a per-step schedule is held on a skipped step by not stepping it, see :meth:`optimizer_step`).
+
+        Under FSDP the engine is prepared here with the sharded model (FSDP1: Lightning's wrapper), which holds
+        FSDP's sharded FP32 parameters (the masters at O2); every rank agrees on skipping through the engine's
+        one all-reduce per step."""
         trainer = _trainer_of(model)
-        strategy = type(trainer.strategy).__name__ if trainer is not None else None
-        if trainer is not None and not any(
-            cls.__name__ in _SUPPORTED_STRATEGIES for cls in type(trainer.strategy).__mro__
-        ):
-            raise ValueError(
-                f"strategy={strategy} is not supported by MixedPrecisionPlugin; supported: single-device and DDP "
-                "strategies (e.g. strategy='ddp'). Sharded strategies bring their own precision plugin."
-            )
+        sharded = trainer is not None and self._check_strategy(trainer.strategy)
         self._overrides.clear()  # a new fit: classes may have changed since the last one
-        if not self._masters_synced:
+        if sharded:
+            if model is not self._sharded:
+                if not is_sharded(model):
+                    raise ValueError(
+                        f"strategy={type(trainer.strategy).__name__}: the model has no FSDP module. Shard it in "
+                        "the LightningModule's configure_model: lightning_mpx.fsdp.shard_model(self, "
+                        "self.trainer.precision_plugin, mesh=self.device_mesh['data_parallel'])."
+                    )
+                self.amp.prepare_model(model, train=trainer.state.fn == "fit")
+                self._sharded = model
+        elif not self._masters_synced:
             # The model was moved to its device (and, under DDP, given rank zero's weights) after convert_module
             # made the masters: take them again from the weights that will actually be trained.
             for masters in self.amp.master_weights:
@@ -211,9 +259,32 @@ class MixedPrecisionPlugin(Precision):
             self.amp.prepare_optimizer(_unwrap(optimizer))
         if trainer is not None:
             self.amp.log_overflows = trainer.is_global_zero
-            if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+            if not sharded and trainer.world_size > 1 and distributed:
                 self.amp.found_inf_reducer = _all_reduce_max
         return model, optimizers, lr_schedulers
+
+    @property
+    def mixed_precision_config(self) -> Any:
+        """The FSDP1 ``MixedPrecision`` of the opt level (:func:`lightning_mpx.fsdp.fsdp1_mixed_precision`), which
+        Lightning's ``FSDPStrategy`` wraps the model with. Where FSDP should not cast (O0) it is an empty
+        ``MixedPrecision`` that FSDP treats as none (Lightning's throughput monitor reads its ``reduce_dtype``)."""
+        from torch.distributed.fsdp import MixedPrecision
+
+        from lightning_mpx.fsdp import fsdp1_mixed_precision
+
+        config = fsdp1_mixed_precision(self)
+        # `_module_classes_to_ignore=()`: no module given a policy of its own (FSDP's default singles out batch
+        # norm), exactly what `mixed_precision=None` does.
+        return config if config is not None else MixedPrecision(_module_classes_to_ignore=())
+
+    def tensor_init_context(self) -> ContextManager[Any]:
+        """Tensors are created as the user asks (the conversion happens in :meth:`convert_module`)."""
+        return contextlib.nullcontext()
+
+    def module_init_context(self) -> ContextManager[Any]:
+        """Modules are built in FP32 (the conversion happens in :meth:`convert_module`)."""
+        return contextlib.nullcontext()
 
     def forward_context(self) -> ContextManager[Any]:  # type: ignore[override]
         """``Amp.forward_context``: the O1 cast policy; at O2, loss functions in FP32; nothing at O0 and O3."""
@@ -236,13 +307,17 @@ class MixedPrecisionPlugin(Precision):
                 # (callbacks such as LearningRateMonitor read the configs there); validation batches in between keep
                 # the hold in place, for the loop's update of plateau schedulers after validation.
                 self._release_schedulers()
-        return super().convert_input(data)
+        return data  # the model's boundary (or FSDP's root policy) casts what the model takes
+
+    def convert_output(self, data: Any) -> Any:
+        """The step's output as it is (at O2/O3 the model's boundary cast its outputs to FP32)."""
+        return data
 
     # -- backward ------------------------------------------------------------------------------------------------
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
         if module is None or getattr(module, "_fabric", None) is not None:  # fabric.backward(loss), not the Trainer
             raise TypeError(_NOT_FOR_FABRIC.format(what="fabric.backward() is not the Trainer's backward"))
-        return super().pre_backward(tensor, module)
+        return Precision.pre_backward(self, tensor, module)  # the callbacks' hook; FSDPPrecision's scaler is not used
 
     def backward(  # type: ignore[override]
         self,
@@ -341,6 +416,15 @@ class MixedPrecisionPlugin(Precision):
                 self.amp.clip_grad_norm_(optimizer, float(clip_val))
             self.amp.show_unscaled_on_model(optimizer)  # O2 only: the masters' clipped gradients, on the model
 
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        """Clip the unscaled gradients to a total norm of ``clip_val`` (under FSDP: the global norm over all
+        ranks' shards)."""
+        self.clip_gradients(optimizer, clip_val, GradClipAlgorithmType.NORM)
+
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        """Clip the unscaled gradients to ``[-clip_val, clip_val]``."""
+        self.clip_gradients(optimizer, clip_val, GradClipAlgorithmType.VALUE)
+
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Unscale ``optimizer``'s gradients now (once per step)."""
         optimizer = _unwrap(optimizer)
@@ -375,6 +459,23 @@ class MixedPrecisionPlugin(Precision):
         self._remove_hooks()
 
     # -- internals -----------------------------------------------------------------------------------------------
+    def _check_strategy(self, strategy: Any) -> bool:
+        """Whether ``strategy`` shards the model with FSDP; a strategy the plugin cannot step is refused."""
+        if isinstance(strategy, DeepSpeedStrategy):  # a DDPStrategy subclass: asked first
+            raise ValueError(
+                f"strategy={type(strategy).__name__} is not supported by MixedPrecisionPlugin: DeepSpeed runs its "
+                "own fp16/bf16 engine and loss scaler. Configure mixed precision in DeepSpeed's config instead "
+                "(its \"fp16\" or \"bf16\" section, or Trainer(precision=\"16-mixed\") with strategy=\"deepspeed\")."
+            )
+        if isinstance(strategy, _SHARDED_STRATEGIES):
+            return True
+        if isinstance(strategy, _REPLICATED_STRATEGIES):
+            return False
+        raise ValueError(
+            f"strategy={type(strategy).__name__} is not supported by MixedPrecisionPlugin; supported: single-device, "
+            "DDP (strategy='ddp'), FSDP (strategy='fsdp') and ModelParallelStrategy (FSDP2)."
+        )
+
     def _overridden(self, model: Any, name: str) -> bool:
         """``is_overridden(name, model)``, asked once per fit and class (it reads several attributes and compares
         code objects: a cost on every step otherwise). A hook set on the instance itself counts as overridden, even
