@@ -102,7 +102,9 @@ def test_report_reads_the_check_output_and_fills_the_doc(check_dir, tmp_path):
     doc.write_text(f"# intro\n\n{gpu_report.BEGIN}\nstale-body\n{gpu_report.END}\n\n## after\n")
     result = gpu_report.main([str(check_dir), "--doc", str(doc), "--json", str(tmp_path / "report.json")])
     assert {v["target"] for v in result["verdicts"]} >= TARGETS
-    assert {s["kind"] for s in result["sources"]} == {"tests", "unscale", "step", "fidelity"}
+    assert {s["kind"] for s in result["sources"]} == {"tests", "unscale", "step", "fidelity", "fsdp"}
+    fsdp = [v for v in result["verdicts"] if v["target"].startswith("FSDP O2 fp16")]
+    assert len(fsdp) == 2 and all(v["status"] == gpu_report.NOT_MEASURED for v in fsdp)  # --check measures nothing
     assert all(s["recorded_command"] and s["check"] for s in result["sources"])
     text = doc.read_text()
     assert text.startswith("# intro") and text.endswith("## after\n") and "stale-body" not in text
@@ -129,6 +131,22 @@ def test_report_on_the_committed_h100_results_prefers_later_files():
     measured = [v for v in verdicts if v.target in TARGETS]
     assert len(measured) == 13 and all(v.status in (gpu_report.MET, gpu_report.NOT_MET) for v in measured)
     assert gpu_report.environment(sources)["device"] == "NVIDIA H100 80GB HBM3"
+
+
+def test_fsdp_targets_judge_o2_fp16_against_lightning_bf16_mixed():
+    def source(ms: float, peak: int) -> Any:
+        rows = [{"variant": "fsdp2-lightning-bf16-mixed", "step_ms_median": 100.0, "peak_memory_bytes": 1000},
+                {"variant": "fsdp2-mpx-O2-fp16", "step_ms_median": ms, "peak_memory_bytes": peak}]
+        return gpu_report.Source(Path("fsdp_step_cuda.json"), "fsdp", {"benchmark": "fsdp_step", "rows": rows}, 0.0,
+                                 None)  # made-up rows (test data for the verdicts, not a measurement)
+
+    speed, memory = gpu_report.fsdp_targets(source(80.0, 900))
+    assert (speed.status, memory.status) == (gpu_report.MET, gpu_report.MET)
+    assert speed.value == pytest.approx(1.25) and memory.value == pytest.approx(0.9)
+    speed, memory = gpu_report.fsdp_targets(source(125.0, 1100))
+    assert (speed.status, memory.status) == (gpu_report.NOT_MET, gpu_report.NOT_MET)
+    assert all(v.status == gpu_report.NOT_MEASURED for v in gpu_report.fsdp_targets(None))
+    assert gpu_report.classify({"benchmark": "fsdp_step", "rows": []}) == ("fsdp", "")
 
 
 def _raw_unscale(rows: list[tuple[str, str, float]]) -> dict[str, Any]:
