@@ -11,7 +11,8 @@ fresh subprocess:
 * ``fsdp2-mpx-O{1,2}-{fp16,bf16}``: the same strategy with ``MixedPrecisionPlugin``; ``configure_model`` shards with
   ``lightning_mpx.fsdp.shard_model`` (the level's per-module policies: half all-gather, FP32 reduction).
 * ``fsdp1-lightning-{bf16,16}-mixed``, ``fsdp1-mpx-O2-fp16``: Lightning's ``FSDPStrategy`` (FSDP1, one unit per
-  block) with its own ``FSDPPrecision`` (``ShardedGradScaler`` for "16-mixed") and with the plugin. CUDA only.
+  block) with its own ``FSDPPrecision`` (``ShardedGradScaler`` for "16-mixed") and with the plugin (on CPU, for
+  ``--check``, through a subclass that gives FSDP1 ``device_id=cpu``).
 
 Step time is the median over ``--steps`` steps after ``--warmup``, timed from ``on_train_batch_start`` to
 ``on_train_batch_end`` with ``torch.cuda.synchronize()``; peak memory is ``torch.cuda.max_memory_allocated`` (CPU:
@@ -47,8 +48,9 @@ FSDP2_VARIANTS = (
 FSDP1_VARIANTS = ("fsdp1-lightning-bf16-mixed", "fsdp1-lightning-16-mixed", "fsdp1-mpx-O2-fp16")
 VARIANTS = FSDP2_VARIANTS + FSDP1_VARIANTS
 REFERENCE = "fsdp2-lightning-bf16-mixed"
-#: The variants ``--check`` runs (CPU, one step): the reference and the plugin at O2.
-CHECK_VARIANTS = ("fsdp2-lightning-bf16-mixed", "fsdp2-mpx-O2-bf16")
+#: The variants ``--check`` runs (CPU, one step): the reference and the plugin at O2 on FSDP2, and the plugin on
+#: FSDP1 (through a CPU subclass of Lightning's ``FSDPStrategy``).
+CHECK_VARIANTS = ("fsdp2-lightning-bf16-mixed", "fsdp2-mpx-O2-bf16", "fsdp1-mpx-O2-fp16")
 
 
 def _module(net: Any, variant: str) -> Any:
@@ -93,7 +95,24 @@ def _strategy(variant: str, net: Any, device: str) -> Any:
         return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
     from lightning.pytorch.strategies import FSDPStrategy
 
-    return FSDPStrategy(auto_wrap_policy={type(net.blocks[0])})
+    if device == "cuda":
+        return FSDPStrategy(auto_wrap_policy={type(net.blocks[0])})
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    class CPUFSDPStrategy(FSDPStrategy):
+        """For ``--check`` only: Lightning passes ``device_id=None`` on CPU, where FSDP1 looks for a GPU; wrapped here
+        with Lightning's own arguments and ``device_id=cpu``, the rest is Lightning's."""
+
+        def _setup_model(self, model: Any) -> Any:
+            if not any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+                model = FullyShardedDataParallel(
+                    model, mixed_precision=self.mixed_precision_config, device_id=torch.device("cpu"), **self.kwargs
+                )
+                self.kwargs.pop("auto_wrap_policy", None)  # applied above
+            return super()._setup_model(model)
+
+    return CPUFSDPStrategy(auto_wrap_policy={type(net.blocks[0])})
 
 
 def run_child(variant: str, size: str, steps: int, warmup: int, device: str) -> dict[str, Any]:

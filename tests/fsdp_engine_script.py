@@ -122,6 +122,8 @@ def train(level, half_dtype, steps, *, rank, world, sharded, reference_fp32=Fals
         out["overflow_parameters"] = amp.last_overflow_parameters
         record = amp.last_overflow
         out["overflow_record_parameters"] = sorted(record.parameters) if record is not None else []
+        out["overflow_ranks"] = list(record.ranks) if record is not None else []
+        out["overflow_modules"] = sorted(record.modules) if record is not None else []
     return out
 
 

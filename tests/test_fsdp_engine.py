@@ -64,6 +64,7 @@ def test_one_rank_overflow_skips_on_every_rank(results, level, dtype, steps, rto
         assert rank["scales"] == single["scales"]  # the same scale, hysteresis and backoff as one process
         # The record names the parameter on every rank (merged across ranks); only rank 0's own shard held it.
         assert rank["overflow_record_parameters"] == ["3.weight"]
+        assert rank["overflow_ranks"] == [0] and rank["overflow_modules"] == ["3"]  # module and rank, as on DDP
     assert ranks[0]["overflow_parameters"] == ["3.weight"] and ranks[1]["overflow_parameters"] == []
     assert ranks[0]["state"] == ranks[1]["state"]  # the engine's checkpoint state is the same on every rank
     if dtype == "float16":
