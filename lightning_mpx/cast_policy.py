@@ -50,14 +50,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from lightning_mpx._dtypes import parse_half_dtype
-from lightning_mpx.cast_lists import (
-    AUTOCAST_ACTIONS,
-    AUTOCAST_COMPOSITES,
-    AUTOCAST_CUDA_BUILD_ONLY,
-    AUTOCAST_EQUIVALENT,
-    AUTOCAST_EQUIVALENT_CUDA,
-)
-from lightning_mpx.cast_table import _NAMESPACES, CastTable
+from lightning_mpx.cast_lists import AUTOCAST_ACTIONS
+from lightning_mpx.cast_table import CastTable
 
 # Actions, resolved once per function and memoised by each policy.
 # _PASS is 0 (falsy) and the casting actions come before _BANNED: the hook tests for them so.
@@ -75,63 +69,11 @@ _UNSET: Any = object()  # a parameter-cast cache not looked up yet (CastPolicy._
 _ENGINES = ("auto", "autocast", "mode")
 
 
-def _resolve(qualified: str) -> Callable[..., Any] | None:
-    namespace, _, name = qualified.rpartition(".")
-    owner = _NAMESPACES.get(namespace)
-    return None if owner is None else getattr(owner, name, None)
-
-
-def _autocast_categories(device_type: str) -> Mapping[Callable[..., Any], str]:
-    """torch.autocast's category of each function it casts on ``device_type``."""
-    found: dict[Callable[..., Any], str] = {}
-    rows: list[tuple[str, str | None]] = [(name, category) for category, names in AUTOCAST_ACTIONS[device_type].items() for name in names]
-    if device_type == "cuda":
-        rows += list(AUTOCAST_CUDA_BUILD_ONLY.items())
-    rows += list(AUTOCAST_COMPOSITES.get(device_type, {}).items())
-    for name, category in rows:
-        function = _resolve(name)
-        if function is None:
-            continue
-        if category is None:
-            found.pop(function, None)
-        else:
-            found[function] = category
-    return MappingProxyType(found)
-
-
-# Read-only, built once at import from the data of cast_lists.
-_AUTOCAST_CATEGORIES = MappingProxyType({device: _autocast_categories(device) for device in AUTOCAST_ACTIONS})
-_EQUIVALENT = MappingProxyType({
-    device: frozenset(f for f in map(_resolve, names) if f is not None)
-    for device, names in (("cpu", AUTOCAST_EQUIVALENT), ("cuda", {**AUTOCAST_EQUIVALENT, **AUTOCAST_EQUIVALENT_CUDA}))
-})
-
-
 def autocast_differences(table: CastTable, device_type: str, *, allow_banned: bool = False
                          ) -> dict[Callable[..., Any], tuple[str | None, str | None]]:
-    """The functions where ``table`` and ``torch.autocast`` on ``device_type`` do not give the same dtypes.
-
-    Returns ``{function: (the table's category or None, autocast's category or None)}``: the functions that the
-    ``"autocast"`` engine of a :class:`CastPolicy` leaves to its Python policy (and so the reason it pushes a
-    torch-function mode at all). ``None`` means "runs as given". Rows listed in
-    :data:`~lightning_mpx.cast_lists.AUTOCAST_EQUIVALENT` (and ``AUTOCAST_EQUIVALENT_CUDA`` on CUDA) count as
-    agreeing.
-    """
-    autocast = _AUTOCAST_CATEGORIES[device_type]
-    equivalent = _EQUIVALENT[device_type]
-    differences: dict[Callable[..., Any], tuple[str | None, str | None]] = {}
-    for entry in table:
-        mine, theirs = entry.category, autocast.get(entry.function)
-        if mine == "banned" and allow_banned:
-            mine = "float"
-        if mine == "sequence":
-            mine = "promote"
-        if mine != theirs and entry.function not in equivalent:
-            differences[entry.function] = (entry.category, theirs)
-    for function, theirs in autocast.items():
-        if function not in table and function not in equivalent:
-            differences[function] = (None, theirs)
-    return differences
+    """``table.autocast_differences(device_type, allow_banned=allow_banned)``: see
+    :meth:`CastTable.autocast_differences`."""
+    return table.autocast_differences(device_type, allow_banned=allow_banned)
 
 
 class BannedOpError(NotImplementedError):

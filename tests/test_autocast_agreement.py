@@ -37,8 +37,8 @@ import torch
 
 from lightning_mpx import CastTable
 from lightning_mpx.cast_lists import AUTOCAST_ACTIONS, AUTOCAST_CUDA_BUILD_ONLY, AUTOCAST_EXCEPTIONS
-from lightning_mpx.cast_policy import _AUTOCAST_CATEGORIES, autocast_differences
-from lightning_mpx.cast_table import _NAMESPACES
+from lightning_mpx.cast_policy import autocast_differences
+from lightning_mpx.cast_table import _AUTOCAST_CATEGORIES, _NAMESPACES
 from tests import test_cast_table as rows
 from tests.test_cast_coverage import TORCH_CATEGORIES, _entry_points
 

@@ -29,14 +29,7 @@ def _dtype_id(dtype):
 
 
 def _aligned_table(device: str = DEVICE) -> CastTable:
-    """The default table with every difference from torch.autocast on ``device`` settled autocast's way."""
-    table = CastTable.default()
-    for function, (_, theirs) in autocast_differences(table, device).items():
-        if theirs is None:
-            table.unregister(function)
-        else:
-            table.register(function, theirs)
-    return table
+    return CastTable.autocast_aligned(device)
 
 
 def _on_device(value):
@@ -221,6 +214,17 @@ def test_engine_and_device_arguments_are_checked():
         CastPolicy(engine="fast")
     with pytest.raises(ValueError, match="device_type='tpu'.*'cpu', 'cuda'"):
         CastPolicy(device_type="tpu")
+    with pytest.raises(ValueError, match="device_type='tpu'.*'cpu', 'cuda'"):
+        CastTable.autocast_aligned("tpu")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_aligned_table_differs_from_autocast_nowhere_and_leaves_the_default_alone(device):
+    default = CastTable.default()
+    aligned = CastTable.autocast_aligned(device, default)
+    assert aligned.autocast_differences(device) == {}
+    assert default.autocast_differences(device)  # the copy was changed, not the table given
+    assert aligned.category_of(F.linear) == default.category_of(F.linear) == "half"
 
 
 def test_the_o2_table_keeps_the_python_policy():
