@@ -833,7 +833,7 @@ def _autocast_turn_off() -> tuple[str, ...]:
     """Turn torch.autocast off on every device where it is on (this thread); returns those devices."""
     devices = tuple(d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d))
     if devices:
-        _set_autocast(devices, False)
+        (_set_autocast_between_graphs() if torch.compiler.is_compiling() else _set_autocast)(devices, False)
     return devices
 
 
@@ -842,9 +842,11 @@ def _set_autocast(devices: tuple[str, ...], enabled: bool) -> None:
         torch.set_autocast_enabled(device, enabled)
 
 
-# Dynamo refuses the global setter inside a graph: in compiled code (an FP32 module's hooks), the two calls run
-# eagerly between graphs instead (each graph is guarded on the autocast state it was traced with).
-_set_autocast = torch.compiler.disable(_set_autocast)  # type: ignore[assignment]
+def _set_autocast_between_graphs() -> Callable[[tuple[str, ...], bool], None]:
+    """``_set_autocast`` for compiled code: dynamo refuses the global setter inside a graph, so in compiled code (an
+    FP32 module's hooks) the call runs eagerly between graphs (each graph is guarded on the autocast state it was
+    traced with). Wrapped where it is used, under compilation: wrapping at import would import dynamo and triton."""
+    return torch.compiler.disable(_set_autocast)
 
 
 def _autocast_off_contexts() -> tuple[contextlib.AbstractContextManager[Any], ...]:
@@ -855,7 +857,7 @@ def _autocast_off_contexts() -> tuple[contextlib.AbstractContextManager[Any], ..
 
 def _autocast_turn_on(devices: tuple[str, ...]) -> None:
     if devices:
-        _set_autocast(devices, True)
+        (_set_autocast_between_graphs() if torch.compiler.is_compiling() else _set_autocast)(devices, True)
 
 
 def enter_fp32() -> Fp32State:

@@ -150,9 +150,12 @@ class _Net(torch.nn.Module):
         return h.dtype, g.dtype, self.b(g)
 
 
-def test_fp32_modules_run_in_fp32_under_autocast():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fp32_modules_run_in_fp32_under_autocast(compiled):
     amp = Amp("O1", half_dtype="bfloat16", fp32_modules=["head"])
     model = amp.prepare_model(_Net().to(DEVICE))
+    if compiled:  # the boundary turns autocast off and on between graphs (dynamo refuses the global setter)
+        model = torch.compile(model, backend="aot_eager")
     with amp.forward_context():
         h, g, out = model(torch.randn(3, 4, device=DEVICE))
     assert (h, g, out.dtype) == (torch.bfloat16, torch.float32, torch.bfloat16)
