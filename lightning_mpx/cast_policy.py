@@ -1,8 +1,17 @@
 """The cast policy: apply a :class:`~lightning_mpx.cast_table.CastTable` during a scope.
 
-Nothing in torch is patched. Inside ``with policy.scope():`` a :class:`torch.overrides.TorchFunctionMode` sees every
-call to a torch function, ``torch.nn.functional`` function or ``Tensor`` method made on this thread, looks the
-function up in the table and casts the floating-point tensor arguments:
+Nothing in torch is patched. Two engines (``CastPolicy(engine=...)``):
+
+* ``"autocast"`` (O1's, picked by ``"auto"`` for the default table and tables near it): ``policy.scope()`` enters
+  ``torch.autocast(device_type, half_dtype)`` (thread-local), whose C++ dispatch casts every op on which the table
+  and autocast agree; only the functions where they differ on that device (``table.autocast_differences(...)``) are
+  left to the Python policy below, run with autocast off. Without any, no torch-function mode is pushed at all:
+  a mode is handed every torch call of the scope (3-5 us of Python each) once it is pushed.
+* ``"mode"`` (the O2 table's, the Apex layer's): the Python policy handles every call.
+
+The Python policy is a :class:`torch.overrides.TorchFunctionMode`: it sees every call to a torch function,
+``torch.nn.functional`` function or ``Tensor`` method made on this thread, looks the function up in the table and
+casts the floating-point tensor arguments:
 
 * ``half``: FP32 inputs become the half dtype (FP64 is left alone, as ``torch.autocast`` does);
 * ``float``: half inputs become FP32;
@@ -154,7 +163,8 @@ class CastPolicy:
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[CastPolicy]:
-        """Apply the policy to torch calls on this thread until the block ends (also when it raises)."""
+        """Apply the policy to torch calls on this thread until the block ends (also when it raises): under the
+        ``"autocast"`` engine, ``torch.autocast`` and, only where the table differs from it, the Python mode."""
         self._refresh_actions()
         # Evaluation casts are redone in every scope: a write through ``p.data`` leaves no trace on ``p``.
         self._no_grad_cache.clear()
