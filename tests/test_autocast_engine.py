@@ -32,14 +32,6 @@ def _aligned_table(device: str = DEVICE) -> CastTable:
     return CastTable.autocast_aligned(device)
 
 
-def _on_device(value):
-    if isinstance(value, torch.Tensor):
-        return value.to(DEVICE)
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_on_device(v) for v in value)
-    return value
-
-
 def _onednn_lstm_runs(dtype: torch.dtype) -> bool:
     try:
         with torch.autocast("cpu", dtype=dtype):
@@ -49,28 +41,58 @@ def _onednn_lstm_runs(dtype: torch.dtype) -> bool:
     return True
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def _row_dtype(entry, half_dtype, device):
+    """(the dtype the row computed in under the autocast engine, the table's dtype); None: no floating output."""
+    policy = CastPolicy(half_dtype=half_dtype, device_type=device, engine="autocast", allow_banned=True)
+    x_dtype, y_dtype, expected = rows._inputs_and_expected(entry.category, half_dtype)
+    args, kwargs = rows._arguments(entry)(lambda t: t.to(x_dtype), lambda t: t.to(y_dtype))
+    args, kwargs = _on(args, device), {k: _on(v, device) for k, v in kwargs.items()}
+    if entry.category == "banned":
+        with pytest.raises(BannedOpError), CastPolicy(half_dtype=half_dtype, device_type=device).scope():
+            entry.function(*args, **kwargs)
+    with warnings.catch_warnings(), policy.scope():
+        warnings.simplefilter("ignore")
+        out = rows._first_tensor(entry.function(*args, **kwargs))
+    if out is not None and out.is_floating_point():
+        return out.dtype, expected
+    if out is not None and out.is_complex() and expected == torch.float32:
+        return out.dtype, torch.complex64
+    return None, expected
+
+
+def _on(value, device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_on(v, device) for v in value)
+    return value
+
+
 @pytest.mark.parametrize("half_dtype", HALF_DTYPES, ids=_dtype_id)
 @pytest.mark.parametrize("entry", [pytest.param(e, id=e.qualified_name) for e in rows.DEFAULT_ENTRIES])
 def test_every_default_row_computes_in_the_table_dtype(entry, half_dtype):
     reason = rows.CANNOT_RUN.get((entry.qualified_name, half_dtype))
     if reason:
         pytest.skip(reason)
-    if entry.qualified_name == "torch.lstm" and DEVICE == "cpu" and not _onednn_lstm_runs(half_dtype):
+    if entry.qualified_name == "torch.lstm" and not _onednn_lstm_runs(half_dtype):
         pytest.skip("torch.autocast's own CPU LSTM fails here: oneDNN has no LSTM primitive in this dtype on this CPU")
-    policy = CastPolicy(half_dtype=half_dtype, device_type=DEVICE, engine="autocast", allow_banned=True)
-    x_dtype, y_dtype, expected = rows._inputs_and_expected(entry.category, half_dtype)
-    args, kwargs = rows._arguments(entry)(lambda t: _on_device(t.to(x_dtype)), lambda t: _on_device(t.to(y_dtype)))
-    args, kwargs = _on_device(args), {k: _on_device(v) for k, v in kwargs.items()}
-    if entry.category == "banned":
-        with pytest.raises(BannedOpError), CastPolicy(half_dtype=half_dtype, device_type=DEVICE).scope():
-            entry.function(*args, **kwargs)
-    with policy.scope():
-        out = rows._first_tensor(entry.function(*args, **kwargs))
-    if out is not None and out.is_floating_point():
-        assert out.dtype == expected
-    elif out is not None and out.is_complex():
-        assert out.dtype == (torch.complex64 if expected == torch.float32 else out.dtype)
+    got, expected = _row_dtype(entry, half_dtype, "cpu")
+    assert got in (None, expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (gpu_suite.py tests runs it)")
+@pytest.mark.parametrize("half_dtype", HALF_DTYPES, ids=_dtype_id)
+def test_cuda_every_default_row_computes_in_the_table_dtype(half_dtype):
+    wrong = {}
+    for entry in rows.DEFAULT_ENTRIES:
+        try:
+            got, expected = _row_dtype(entry, half_dtype, "cuda")
+        except (RuntimeError, NotImplementedError) as error:  # a kernel CUDA lacks for the dtype the table gives
+            wrong[entry.qualified_name] = f"raised {error!s:.120}"
+            continue
+        if got not in (None, expected):
+            wrong[entry.qualified_name] = (got, expected)
+    assert not wrong, "\n".join(f"{k}: {v}" for k, v in wrong.items())
 
 
 def test_a_table_that_agrees_with_autocast_pushes_no_mode():
