@@ -1,4 +1,5 @@
-"""Where the default cast table and ``torch.autocast`` disagree, per device: pinned, checked against the installed torch.
+"""Where the default cast table and ``torch.autocast`` disagree, per device: pinned, checked against the installed
+torch.
 
 The ``"autocast"`` engine of :class:`~lightning_mpx.CastPolicy` (what O1 runs on) leaves every call to
 ``torch.autocast``'s C++ dispatch except the functions where the table's category differs from autocast's on the

@@ -258,3 +258,31 @@ def test_the_o2_table_keeps_the_python_policy():
     with warnings.catch_warnings(), policy.scope():
         assert not torch.is_autocast_enabled(DEVICE)
         assert (torch.randn(2, 2, device=DEVICE) @ torch.randn(2, 2, device=DEVICE)).dtype == torch.float32
+
+
+@pytest.mark.parametrize("how", ["reentrant", "non-reentrant", "context_fn"])
+def test_checkpoint_recomputes_the_python_policys_functions_with_autocast_off(how):
+    # F.linear left out of the table: autocast would cast it, the table runs it as given (FP32), in the forward and
+    # in the recomputation that policy.backward (Amp.backward) runs.
+    table = CastTable.default()
+    table.unregister(F.linear)
+    policy = CastPolicy(table, half_dtype=torch.bfloat16, device_type=DEVICE, engine="autocast")
+    x = torch.randn(3, 4, device=DEVICE)
+
+    def block(h, w):
+        return torch.tanh(F.linear(h, w))
+
+    grads = []
+    for checkpointed in (False, True):
+        w = torch.nn.Parameter(torch.linspace(-1, 1, 16, device=DEVICE).reshape(4, 4))
+        with policy.scope():
+            if not checkpointed:
+                out = block(x, w)
+            elif how == "context_fn":
+                out = checkpoint(block, x, w, use_reentrant=False, context_fn=checkpoint_contexts)
+            else:
+                out = checkpoint(block, x, w, use_reentrant=how == "reentrant")
+        assert out.dtype == torch.float32
+        policy.backward(out.sum())
+        grads.append(w.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
