@@ -262,6 +262,20 @@ class CastPolicy:
             torch.clear_autocast_cache()  # called inside a scope: torch.autocast's casts are dropped too
 
     @property
+    def engine_in_use(self) -> str:
+        """The engine the next scope runs: ``"autocast"`` (with the device, e.g. ``"autocast:cuda"``) or ``"mode"``."""
+        self._refresh_actions()
+        return "mode" if self._autocast_device is None else f"autocast:{self._autocast_device}"
+
+    @property
+    def python_functions(self) -> tuple[Callable[..., Any], ...]:
+        """The functions the Python policy handles in a scope (under the ``"autocast"`` engine: where the table
+        differs from autocast). Empty: the scope pushes no torch-function mode, and no torch call pays Python
+        dispatch; otherwise every torch call in the scope does (the mode is handed them all)."""
+        self._refresh_actions()
+        return tuple(f for f in self._actions if f not in _BACKWARD_ENTRIES)
+
+    @property
     def cache_size(self) -> int:
         """The number of parameter casts the Python policy holds (``torch.autocast``'s own are not counted)."""
         return len(self._grad_cache) + len(self._no_grad_cache)

@@ -108,6 +108,18 @@ def test_a_table_that_agrees_with_autocast_pushes_no_mode():
         assert len(torch.overrides._get_current_function_mode_stack()) == 1
 
 
+def test_the_policy_says_which_functions_pay_python_dispatch():
+    aligned = CastPolicy(_aligned_table(), half_dtype=torch.bfloat16, device_type=DEVICE)
+    assert aligned.engine_in_use == f"autocast:{DEVICE}" and aligned.python_functions == ()
+    aligned.table.register(torch.outer, "half")  # a user entry autocast does not have: the mode comes back
+    assert aligned.python_functions == (torch.outer,)
+    with aligned.scope():
+        assert len(torch.overrides._get_current_function_mode_stack()) == 1
+    default = CastPolicy(half_dtype=torch.bfloat16, device_type=DEVICE)
+    assert set(default.python_functions) == set(CastTable.default().autocast_differences(DEVICE))
+    assert CastPolicy(CastTable.default_o2(), device_type=DEVICE).engine_in_use == "mode"
+
+
 def test_user_entries_run_in_their_category():
     @dispatchable
     def scaled_product(a, b):
