@@ -21,16 +21,26 @@ one batch start to the next (process CPU time on CPU, wall time with a sync on C
 20th percentile of its steps; every variant runs once per repeat, the order rotated, ``--repeats`` times; a ratio is
 taken within each repeat and the median (min, max) over repeats reported. The goal of issue 25: each ratio <= 1.03.
 
+``--instructions N`` counts instead, for the core rows only (``loop-autocast`` and the ``core-O1`` rows): each runs
+in its own process under ``valgrind --tool=callgrind`` twice, with ``--warmup`` steps and then with ``N`` more, and
+the difference over ``N`` is its instructions per step (the whole step: forward, backward, optimizer, Amp's
+bookkeeping). Unlike time, the count does not move with the load of a shared machine.
+
     python benchmarks/o1_proxy.py [--device cpu|cuda] [--steps 60] [--warmup 15] [--repeats 6] [--out PATH]
+    python benchmarks/o1_proxy.py --instructions 20 [--warmup 5] [--jobs 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -132,7 +142,50 @@ def run_trainer(variant: str, spec: ModelSpec, batches: list[Any], total: int, d
     return timer.step_times()
 
 
+def _count(variant: str, steps: int, warmup: int, width: int, workdir: Path) -> int:
+    """Instructions of one child process (warm-up, then ``steps`` steps of ``variant``) under callgrind."""
+    out = workdir / f"{variant}-{steps}.callgrind"
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    done = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, __file__,
+                           "--_child", variant, str(steps), str(warmup), str(width)],
+                          capture_output=True, text=True, env=env, timeout=3600)  # fmt: skip
+    match = re.search(r"Collected\s*:\s*(\d+)", done.stderr)
+    if done.returncode != 0 or match is None:
+        raise RuntimeError(f"{variant}: valgrind exited {done.returncode}:\n{done.stderr[-2000:]}")
+    out.unlink(missing_ok=True)
+    return int(match.group(1))
+
+
+def instructions(args: argparse.Namespace) -> dict[str, Any]:
+    """Instructions per step of the core rows, each against the autocast loop."""
+    variants = [v for v in CORE if v in args.variants] or list(CORE)
+    if "loop-autocast" not in variants:
+        variants.insert(0, "loop-autocast")
+    jobs = [(v, n) for v in variants for n in (0, args.instructions)]
+    with tempfile.TemporaryDirectory(prefix="o1-proxy-cg-") as tmp, ThreadPoolExecutor(args.jobs) as pool:
+        counts = dict(zip(jobs, pool.map(lambda j: _count(j[0], j[1], args.warmup, args.width, Path(tmp)), jobs)))
+    per_step = {v: (counts[(v, args.instructions)] - counts[(v, 0)]) / args.instructions for v in variants}
+    base = per_step["loop-autocast"]
+    rows = [{"row": v, "instructions_per_step": per_step[v], "over_loop_autocast": per_step[v] / base}
+            for v in variants]
+    table = _harness.markdown_table(["row", "instructions/step", "/ loop-autocast"],
+                                    [[r["row"], f"{r['instructions_per_step']:,.0f}", f"{r['over_loop_autocast']:.4f}x"]
+                                     for r in rows])
+    print(f"instructions per step (callgrind, {args.instructions} steps after {args.warmup}):\n{table}")
+    return {"rows": rows, "table": table}
+
+
+def _child(variant: str, steps: int, warmup: int, width: int) -> None:
+    torch.set_num_threads(1)
+    spec = ModelSpec(batch=2, image=8, width=width, blocks=BLOCKS)
+    run_loop(variant, spec, make_batches("resnet", spec, 8, torch.device("cpu")), warmup + steps, "cpu", "cpu")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    raw = sys.argv[1:] if argv is None else argv
+    if raw[:1] == ["--_child"]:
+        _child(raw[1], int(raw[2]), int(raw[3]), int(raw[4]))
+        return {}
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
@@ -141,6 +194,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=6, help="runs of every variant, the order rotated")
     parser.add_argument("--width", type=int, default=2, help="channels of the first stage (ResNet-18: 64)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--instructions", type=int, default=0, metavar="N",
+                        help="count instructions per step of the core rows over N steps (callgrind) instead of timing")
+    parser.add_argument("--jobs", type=int, default=2, help="--instructions: valgrind processes at once")
     parser.add_argument("--label", default="")
     parser.add_argument("--out", type=Path, default=_harness.default_out("o1_proxy"))
     args = parser.parse_args(argv)
@@ -150,6 +206,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA device and none is available; use --device cpu")
     clock = "wall" if args.device == "cuda" else "cpu"
+    if args.instructions:
+        if args.device != "cpu":
+            parser.error("--instructions counts on CPU only (valgrind)")
+        counted = instructions(args)
+        result = {"benchmark": "o1_proxy_instructions", "label": args.label, "command": _harness.command(argv),
+                  **_harness.machine("cpu"), "width": args.width, "steps": args.instructions, "warmup": args.warmup,
+                  "rows": counted["rows"]}
+        _harness.save(args.out, result, {"instructions per step": counted["table"]})
+        return result
     variants = list(dict.fromkeys(
         [ref for row, ref in PAIRS if row in args.variants and ref not in args.variants] + args.variants))
     torch.set_num_threads(args.threads)

@@ -208,6 +208,7 @@ def test_o1_proxy_pairs_each_row_with_its_reference_in_the_same_repeat(tmp_path)
     for (row, reference), r in rows.items():
         assert r["ratios"] == [a / b for a, b in zip(samples[row], samples[reference])] and len(r["ratios"]) == 2
         assert r["meets_goal"] == (r["ratio"] <= o1_proxy.GOAL)
+    assert o1_proxy.main(["--_child", "core-O1-aligned", "1", "1", "2"]) == {}  # what --instructions runs per process
 
 
 def test_cast_overhead_rows_counts_and_references(tmp_path):
