@@ -12,7 +12,9 @@ same with no measured step; a variant's instructions per step are ``(its total -
 ``PYTHONHASHSEED`` is fixed so that the processes run the same Python. Variants (as in ``cast_overhead.py``):
 ``autocast``; ``mode_floor`` (autocast and a do-nothing mode); ``O1``; ``twin`` (the O1 casts written out);
 ``twin_floor`` (the twin inside the do-nothing mode); ``O1_uncached`` (O1 with ``cache_casts=False``: what the
-parameter-cast cache's bookkeeping costs, each parameter being used once per step here).
+parameter-cast cache's bookkeeping costs, each parameter being used once per step here); ``O1_aligned`` (O1 with
+``CastTable.autocast_aligned("cpu")``: torch.autocast alone, no mode; compare with ``autocast``, same dtypes);
+``O1_mode`` (O1 on the Python policy alone, ``engine="mode"``: the engine before issue 25).
 
     python benchmarks/cast_instructions.py [--models tiny mid] [--steps 20] [--jobs 2] [--out PATH]
 
@@ -42,7 +44,7 @@ from typing import Any, Callable
 
 import _harness  # benchmarks/ is on sys.path when a script runs
 
-VARIANTS = ("autocast", "mode_floor", "O1", "O1_uncached", "twin", "twin_floor")
+VARIANTS = ("autocast", "mode_floor", "O1", "O1_uncached", "twin", "twin_floor", "O1_aligned", "O1_mode")
 REFERENCES = ("autocast", "mode_floor", "twin", "twin_floor")
 _COLLECTED = re.compile(r"Collected\s*:\s*(\d+)")
 
@@ -52,7 +54,7 @@ def _child(model_name: str, variant: str, steps: int, dtype_name: str) -> None:
     import torch
 
     from cast_overhead import MODELS, TinyLM, _autocast_and_mode, _PassThrough
-    from lightning_mpx import CastPolicy
+    from lightning_mpx import CastPolicy, CastTable
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -62,6 +64,8 @@ def _child(model_name: str, variant: str, steps: int, dtype_name: str) -> None:
     data = (idx, torch.roll(idx, -1, 1))
     policy = CastPolicy(half_dtype=dtype)
     uncached = CastPolicy(half_dtype=dtype, cache_casts=False)
+    aligned = CastPolicy(CastTable.autocast_aligned("cpu"), half_dtype=dtype)
+    python_only = CastPolicy(half_dtype=dtype, engine="mode")
 
     def forward(ctx: Callable[[], Any], fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         with ctx():
@@ -73,6 +77,8 @@ def _child(model_name: str, variant: str, steps: int, dtype_name: str) -> None:
         "mode_floor": lambda: forward(lambda: _autocast_and_mode(dtype), lambda: model(*data)).backward(),
         "O1": lambda: policy.backward(forward(policy.scope, lambda: model(*data))),
         "O1_uncached": lambda: uncached.backward(forward(uncached.scope, lambda: model(*data))),
+        "O1_aligned": lambda: aligned.backward(forward(aligned.scope, lambda: model(*data))),
+        "O1_mode": lambda: python_only.backward(forward(python_only.scope, lambda: model(*data))),
         "twin": lambda: forward(null, lambda: model.twin(*data, dtype)).backward(),
         "twin_floor": lambda: forward(_PassThrough, lambda: model.twin(*data, dtype)).backward(),
     }
@@ -81,6 +87,7 @@ def _child(model_name: str, variant: str, steps: int, dtype_name: str) -> None:
         run()
         model.zero_grad(set_to_none=True)
         policy.clear_cache()
+        python_only.clear_cache()
 
     print(f"capability={torch.backends.cpu.get_cpu_capability()}", flush=True)
     for run in steps_of.values():

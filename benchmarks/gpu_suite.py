@@ -75,10 +75,13 @@ CHECK_DEVICE = "cpu (gpu_suite --check: exercises the code, measures nothing)"
 
 #: step.py's variants, the ones the targets and the report's ratios need first (a part cut short keeps them).
 STEP_ORDER = (
-    "fp32", "lightning-16-mixed", "mpx-O2-fp16", "mpx-O1-fp16", "mpx-O1-fp16-compiled",
-    "lightning-16-mixed-compiled", "lightning-bf16-mixed", "mpx-O2-bf16", "mpx-O1-bf16", "torch-autocast-fp16",
-    "torch-autocast-bf16", "mpx-O3-fp16", "mpx-O3-bf16", "core-O1-fp16", "core-O1-bf16", "core-O2-fp16",
-    "core-O2-bf16", "loop-fp32", "fabric-16-mixed", "fabric-mpx-O2-fp16",
+    # issue 25's O1 speed verdicts first: plugin O1/O2 against "16-mixed" and "bf16-mixed", the core O1 loop against
+    # torch.autocast's, each also with the autocast-aligned table
+    "lightning-16-mixed", "mpx-O1-fp16", "mpx-O2-fp16", "torch-autocast-fp16", "core-O1-fp16",
+    "mpx-O1-fp16-aligned", "core-O1-fp16-aligned", "lightning-bf16-mixed", "mpx-O1-bf16", "torch-autocast-bf16",
+    "core-O1-bf16", "mpx-O1-bf16-aligned", "core-O1-bf16-aligned",
+    "fp32", "mpx-O1-fp16-compiled", "lightning-16-mixed-compiled", "mpx-O2-bf16", "mpx-O3-fp16", "mpx-O3-bf16",
+    "core-O2-fp16", "core-O2-bf16", "loop-fp32", "fabric-16-mixed", "fabric-mpx-O2-fp16",
 )  # fmt: skip
 #: Variants measured on the GPT model only: the Fabric plugin at O2 against Fabric's own "16-mixed".
 GPT_ONLY = ("fabric-16-mixed", "fabric-mpx-O2-fp16")

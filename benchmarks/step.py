@@ -62,6 +62,9 @@ LIGHTNING_VARIANTS = (
     # torch.compile'd network (inductor) under the same Trainer: O1 compiled against Lightning's AMP compiled.
     "mpx-O1-fp16-compiled",
     "lightning-16-mixed-compiled",
+    # O1 with CastTable.autocast_aligned(device): no difference from torch.autocast, no Python mode (issue 25).
+    "mpx-O1-fp16-aligned",
+    "mpx-O1-bf16-aligned",
 )
 #: Lightning Fabric loops: the Fabric plugin at O2 against Fabric's own float16 AMP.
 FABRIC_VARIANTS = ("fabric-mpx-O2-fp16", "fabric-16-mixed")
@@ -73,6 +76,8 @@ LOOP_VARIANTS = (
     "core-O1-bf16",
     "core-O2-fp16",
     "core-O2-bf16",
+    "core-O1-fp16-aligned",
+    "core-O1-bf16-aligned",
 )
 VARIANTS = LIGHTNING_VARIANTS + FABRIC_VARIANTS + LOOP_VARIANTS
 MODELS = ("gpt", "resnet")
@@ -81,7 +86,7 @@ REFERENCES = ("lightning-16-mixed", "lightning-bf16-mixed", "fabric-16-mixed")
 
 def is_fp16(variant: str) -> bool:
     """Whether the variant computes in float16 (``lightning-16-mixed`` only on a GPU: on CPU Lightning uses bf16)."""
-    return variant.removesuffix("-compiled").endswith("fp16")
+    return variant.removesuffix("-compiled").removesuffix("-aligned").endswith("fp16")
 
 
 @dataclass(frozen=True)
@@ -247,14 +252,27 @@ def lightning_module(net: Any) -> Any:
     return Wrapper()
 
 
-def precision(level: str | None = None, half_dtype: Any = None, lightning: str | None = None) -> dict[str, Any]:
+def precision(level: str | None = None, half_dtype: Any = None, lightning: str | None = None,
+              cast_table: Any = None) -> dict[str, Any]:
     """The Trainer's precision arguments: Lightning's own ``precision`` string, or ``MixedPrecisionPlugin(level)``
     (``on_floor="continue"``: a run must go on to be timed, O3 float16 overflows)."""
     if level is None:
         return {"precision": lightning}
     from lightning_mpx import MixedPrecisionPlugin
 
-    return {"plugins": [MixedPrecisionPlugin(level, half_dtype=half_dtype, on_floor="continue")]}
+    return {"plugins": [MixedPrecisionPlugin(level, half_dtype=half_dtype, on_floor="continue",
+                                             cast_table=cast_table)]}
+
+
+def aligned_table(variant: str, device: Any) -> Any:
+    """``CastTable.autocast_aligned`` for the device of an ``-aligned`` variant, else ``None`` (the default)."""
+    if not variant.endswith("-aligned"):
+        return None
+    import torch
+
+    from lightning_mpx import CastTable
+
+    return CastTable.autocast_aligned(torch.device(device).type)
 
 
 def fit(net: Any, batches: list[Any], total: int, device: str, callbacks: list[Any], logger: Any = False,
@@ -281,7 +299,7 @@ def fit(net: Any, batches: list[Any], total: int, device: str, callbacks: list[A
     return trainer
 
 
-def loop_step(kind: str, net: Any, device: Any, half_dtype: Any = None, lr: float = 1e-3
+def loop_step(kind: str, net: Any, device: Any, half_dtype: Any = None, lr: float = 1e-3, cast_table: Any = None
               ) -> tuple[Callable[[Any, Any], None], Any]:
     """One iteration of a hand-written AdamW loop over ``net`` (moved to ``device``), and its ``Amp`` (or None).
 
@@ -296,7 +314,7 @@ def loop_step(kind: str, net: Any, device: Any, half_dtype: Any = None, lr: floa
     dev = torch.device(device)
     net = net.to(dev)
     if kind.startswith("O"):
-        amp = Amp(kind, half_dtype=half_dtype, on_floor="continue")
+        amp = Amp(kind, half_dtype=half_dtype, on_floor="continue", cast_table=cast_table)
         net = amp.prepare_model(net)
         optimizer = amp.prepare_optimizer(torch.optim.AdamW(net.parameters(), lr=lr))
 
@@ -335,7 +353,7 @@ def half_dtype_of(variant: str) -> Any:
     """The half dtype a variant's name ends with (``-fp16``, ``-bf16``), or ``None``."""
     import torch
 
-    name = variant.removesuffix("-compiled")
+    name = variant.removesuffix("-compiled").removesuffix("-aligned")
     return torch.float16 if name.endswith("fp16") else torch.bfloat16 if name.endswith("bf16") else None
 
 
@@ -414,7 +432,7 @@ def _lightning_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], tot
     elif variant.startswith("lightning-"):
         kwargs = precision(lightning=variant.removeprefix("lightning-"))
     else:
-        kwargs = precision(variant.split("-")[1], half_dtype_of(variant))
+        kwargs = precision(variant.split("-")[1], half_dtype_of(variant), cast_table=aligned_table(variant, device))
     timer = Timer()
     trainer = fit(net, batches, total, device, [timer], **kwargs)
     extra: dict[str, Any] = {"lightning_precision": str(trainer.precision)}
@@ -466,7 +484,8 @@ def _loop_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], total: i
     elif variant.startswith("torch-autocast-"):
         one, amp = loop_step("autocast", net, dev, half_dtype_of(variant))
     else:  # core-O1-fp16, ...
-        one, amp = loop_step(variant.split("-")[1], net, dev, half_dtype_of(variant))
+        one, amp = loop_step(variant.split("-")[1], net, dev, half_dtype_of(variant),
+                             cast_table=aligned_table(variant, dev))
     times: list[float] = []
     for i in range(total):
         x, y = batches[i % len(batches)]
@@ -529,6 +548,18 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
                 r["peak_memory_vs_fp32"] = r["peak_memory_bytes"] / fp32["peak_memory_bytes"]
 
 
+#: Issue 25's O1 speed goals on a GPU: (row, its reference), each at >= 0.97x the reference's throughput.
+O1_SPEED_PAIRS = (
+    ("core-O1-fp16", "torch-autocast-fp16"),
+    ("core-O1-bf16", "torch-autocast-bf16"),
+    ("mpx-O1-bf16", "lightning-bf16-mixed"),
+    ("core-O1-fp16-aligned", "torch-autocast-fp16"),
+    ("core-O1-bf16-aligned", "torch-autocast-bf16"),
+    ("mpx-O1-fp16-aligned", "lightning-16-mixed"),
+    ("mpx-O1-bf16-aligned", "lightning-bf16-mixed"),
+)
+
+
 def check_targets(rows: list[dict[str, Any]], device: str) -> list[dict[str, Any]]:
     """The issue's targets that this run can judge (GPU targets on CUDA, the CPU target on CPU)."""
 
@@ -555,6 +586,13 @@ def check_targets(rows: list[dict[str, Any]], device: str) -> list[dict[str, Any
                 value = o1["samples_per_second"] / ref["samples_per_second"]
                 checks.append({"model": kind, "target": "mpx-O1-fp16 throughput within 3% of lightning-16-mixed",
                                "value": value, "met": value >= 0.97})
+            # Issue 25: O1 at torch.autocast's speed, plugin and core loop, both dtypes (and with the aligned table).
+            for variant, reference in O1_SPEED_PAIRS:
+                a, b = row(kind, variant), row(kind, reference)
+                if a and b:
+                    value = a["samples_per_second"] / b["samples_per_second"]
+                    checks.append({"model": kind, "target": f"{variant} throughput >= 0.97x {reference}",
+                                   "value": value, "met": value >= 0.97})
             if o2 and fp32:
                 value = o2["peak_memory_bytes"] / fp32["peak_memory_bytes"]
                 checks.append({"model": kind, "target": "mpx-O2-fp16 peak memory below fp32",

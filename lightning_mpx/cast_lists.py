@@ -61,7 +61,6 @@ _FUNCTIONAL_FLOAT = (
     "log_softmax",
     "softmin",
     "softplus",
-    "gelu",
     "layer_norm",
     "group_norm",
     "local_response_norm",
@@ -379,6 +378,203 @@ AUTOCAST_EXCEPTIONS: Mapping[str, str] = MappingProxyType(
         ),
         "_addmm_activation": (
             "not listed: an internal fused matmul and activation that eager modules do not call; torch.addmm is half."
+        ),
+    }
+)
+
+
+# --- what torch.autocast itself does, per device: the O1 engine runs on it where the table agrees ---------------------
+#: torch.autocast's category for each public function that reaches an operator it casts, by device (derived from the
+#: registry and torch's test lists as tests/test_cast_coverage.py reads them; tests/test_autocast_agreement.py fails
+#: when the installed torch says otherwise). A function missing here runs as given under autocast. ``torch.lstm`` and
+#: the other RNNs are half on CUDA through ``aten::_cudnn_rnn``, whose autocast kernel exists in CUDA builds only.
+AUTOCAST_ACTIONS: Mapping[str, Mapping[str, tuple[str, ...]]] = MappingProxyType(
+    {
+        "cpu": MappingProxyType(
+            {
+                "half": (
+                    "torch.Tensor.addbmm", "torch.Tensor.addmm", "torch.Tensor.baddbmm", "torch.Tensor.bmm",
+                    "torch.Tensor.matmul", "torch.Tensor.mm", "torch.Tensor.prelu", "torch.addbmm", "torch.addmm",
+                    "torch.baddbmm", "torch.bmm", "torch.conv1d", "torch.conv2d", "torch.conv3d", "torch.conv_tbc",
+                    "torch.conv_transpose1d", "torch.conv_transpose2d", "torch.conv_transpose3d",
+                    "torch.convolution", "torch.linalg.vecdot", "torch.lstm", "torch.matmul", "torch.mm",
+                    "torch.nn.functional.conv1d", "torch.nn.functional.conv2d", "torch.nn.functional.conv3d",
+                    "torch.nn.functional.conv_tbc", "torch.nn.functional.conv_transpose1d",
+                    "torch.nn.functional.conv_transpose2d", "torch.nn.functional.conv_transpose3d",
+                    "torch.nn.functional.linear", "torch.nn.functional.multi_head_attention_forward",
+                    "torch.nn.functional.prelu", "torch.nn.functional.scaled_dot_product_attention", "torch.prelu",
+                ),
+                "float": (
+                    "torch.Tensor.cholesky", "torch.Tensor.cholesky_inverse", "torch.Tensor.cholesky_solve",
+                    "torch.Tensor.geqrf", "torch.Tensor.inverse", "torch.Tensor.lu", "torch.Tensor.lu_solve",
+                    "torch.Tensor.nanquantile", "torch.Tensor.orgqr", "torch.Tensor.ormqr", "torch.Tensor.pinverse",
+                    "torch.Tensor.prod", "torch.Tensor.qr", "torch.Tensor.quantile", "torch.Tensor.stft",
+                    "torch.Tensor.svd", "torch.Tensor.trace", "torch.Tensor.triangular_solve",
+                    "torch.binary_cross_entropy_with_logits", "torch.cdist", "torch.cholesky",
+                    "torch.cholesky_inverse", "torch.cholesky_solve", "torch.cosine_embedding_loss",
+                    "torch.ctc_loss", "torch.fake_quantize_per_tensor_affine", "torch.fft.fft", "torch.fft.fft2",
+                    "torch.fft.fftn", "torch.fft.hfft", "torch.fft.ifft", "torch.fft.ifft2", "torch.fft.ifftn",
+                    "torch.fft.ihfft", "torch.fft.irfft", "torch.fft.irfft2", "torch.fft.irfftn", "torch.fft.rfft",
+                    "torch.fft.rfft2", "torch.fft.rfftn", "torch.geqrf", "torch.grid_sampler",
+                    "torch.grid_sampler_2d", "torch.grid_sampler_3d", "torch.hinge_embedding_loss", "torch.inverse",
+                    "torch.kl_div", "torch.linalg.cholesky", "torch.linalg.cholesky_ex", "torch.linalg.cond",
+                    "torch.linalg.eig", "torch.linalg.eigh", "torch.linalg.eigvals", "torch.linalg.eigvalsh",
+                    "torch.linalg.householder_product", "torch.linalg.inv", "torch.linalg.inv_ex",
+                    "torch.linalg.lstsq", "torch.linalg.matrix_rank", "torch.linalg.qr", "torch.linalg.solve",
+                    "torch.linalg.svd", "torch.linalg.svdvals", "torch.linalg.tensorinv", "torch.linalg.tensorsolve",
+                    "torch.lu", "torch.lu_solve", "torch.margin_ranking_loss", "torch.max_pool3d",
+                    "torch.nanquantile", "torch.nn.functional.adaptive_avg_pool3d",
+                    "torch.nn.functional.adaptive_max_pool3d", "torch.nn.functional.avg_pool3d",
+                    "torch.nn.functional.binary_cross_entropy",
+                    "torch.nn.functional.binary_cross_entropy_with_logits",
+                    "torch.nn.functional.cosine_embedding_loss", "torch.nn.functional.cross_entropy",
+                    "torch.nn.functional.ctc_loss", "torch.nn.functional.fractional_max_pool2d",
+                    "torch.nn.functional.fractional_max_pool3d", "torch.nn.functional.grid_sample",
+                    "torch.nn.functional.hinge_embedding_loss", "torch.nn.functional.huber_loss",
+                    "torch.nn.functional.kl_div", "torch.nn.functional.l1_loss",
+                    "torch.nn.functional.margin_ranking_loss", "torch.nn.functional.max_pool3d",
+                    "torch.nn.functional.max_unpool2d", "torch.nn.functional.max_unpool3d",
+                    "torch.nn.functional.mse_loss", "torch.nn.functional.multi_margin_loss",
+                    "torch.nn.functional.multilabel_margin_loss", "torch.nn.functional.nll_loss",
+                    "torch.nn.functional.poisson_nll_loss", "torch.nn.functional.smooth_l1_loss",
+                    "torch.nn.functional.soft_margin_loss", "torch.nn.functional.triplet_margin_loss", "torch.orgqr",
+                    "torch.ormqr", "torch.pinverse", "torch.poisson_nll_loss", "torch.polar", "torch.prod",
+                    "torch.qr", "torch.quantile", "torch.stft", "torch.svd", "torch.trace", "torch.triangular_solve",
+                    "torch.triplet_margin_loss", "torch.view_as_complex",
+                ),
+                "promote": (
+                    "torch.Tensor.index_copy", "torch.cat", "torch.index_copy", "torch.stack",
+                ),
+                "banned": (
+
+                ),
+            }
+        ),
+        "cuda": MappingProxyType(
+            {
+                "half": (
+                    "torch.Tensor.addbmm", "torch.Tensor.addmm", "torch.Tensor.addmv", "torch.Tensor.addr",
+                    "torch.Tensor.baddbmm", "torch.Tensor.bmm", "torch.Tensor.matmul", "torch.Tensor.mm",
+                    "torch.Tensor.mv", "torch.Tensor.prelu", "torch.addbmm", "torch.addmm", "torch.addmv",
+                    "torch.addr", "torch.baddbmm", "torch.bmm", "torch.chain_matmul", "torch.conv1d", "torch.conv2d",
+                    "torch.conv3d", "torch.conv_tbc", "torch.conv_transpose1d", "torch.conv_transpose2d",
+                    "torch.conv_transpose3d", "torch.convolution", "torch.einsum", "torch.gru_cell",
+                    "torch.linalg.multi_dot", "torch.linalg.vecdot", "torch.lstm_cell", "torch.matmul", "torch.mm",
+                    "torch.mv", "torch.nn.functional.conv1d", "torch.nn.functional.conv2d",
+                    "torch.nn.functional.conv3d", "torch.nn.functional.conv_tbc",
+                    "torch.nn.functional.conv_transpose1d", "torch.nn.functional.conv_transpose2d",
+                    "torch.nn.functional.conv_transpose3d", "torch.nn.functional.linear",
+                    "torch.nn.functional.prelu", "torch.nn.functional.scaled_dot_product_attention", "torch.prelu",
+                    "torch.rnn_relu_cell", "torch.rnn_tanh_cell",
+                ),
+                "float": (
+                    "torch.Tensor.__pow__", "torch.Tensor.acos", "torch.Tensor.asin", "torch.Tensor.cosh",
+                    "torch.Tensor.cumprod", "torch.Tensor.cumsum", "torch.Tensor.dist", "torch.Tensor.erfinv",
+                    "torch.Tensor.exp", "torch.Tensor.expm1", "torch.Tensor.log", "torch.Tensor.log10",
+                    "torch.Tensor.log1p", "torch.Tensor.log2", "torch.Tensor.log_softmax", "torch.Tensor.logsumexp",
+                    "torch.Tensor.norm", "torch.Tensor.pow", "torch.Tensor.prod", "torch.Tensor.reciprocal",
+                    "torch.Tensor.renorm", "torch.Tensor.rsqrt", "torch.Tensor.sinh", "torch.Tensor.softmax",
+                    "torch.Tensor.sum", "torch.Tensor.tan", "torch.acos", "torch.asin",
+                    "torch.binary_cross_entropy_with_logits", "torch.cdist", "torch.cosh",
+                    "torch.cosine_embedding_loss", "torch.cosine_similarity", "torch.cumprod", "torch.cumsum",
+                    "torch.dist", "torch.erfinv", "torch.exp", "torch.expm1", "torch.frobenius_norm",
+                    "torch.group_norm", "torch.hinge_embedding_loss", "torch.kl_div", "torch.layer_norm",
+                    "torch.linalg.matrix_norm", "torch.linalg.vector_norm", "torch.log", "torch.log10",
+                    "torch.log1p", "torch.log2", "torch.log_softmax", "torch.logsumexp", "torch.margin_ranking_loss",
+                    "torch.nn.functional.binary_cross_entropy_with_logits",
+                    "torch.nn.functional.cosine_embedding_loss", "torch.nn.functional.cosine_similarity",
+                    "torch.nn.functional.group_norm", "torch.nn.functional.hinge_embedding_loss",
+                    "torch.nn.functional.huber_loss", "torch.nn.functional.interpolate",
+                    "torch.nn.functional.kl_div", "torch.nn.functional.l1_loss", "torch.nn.functional.layer_norm",
+                    "torch.nn.functional.log_softmax", "torch.nn.functional.margin_ranking_loss",
+                    "torch.nn.functional.mse_loss", "torch.nn.functional.multi_margin_loss",
+                    "torch.nn.functional.multilabel_margin_loss", "torch.nn.functional.nll_loss",
+                    "torch.nn.functional.pdist", "torch.nn.functional.poisson_nll_loss",
+                    "torch.nn.functional.rms_norm", "torch.nn.functional.smooth_l1_loss",
+                    "torch.nn.functional.soft_margin_loss", "torch.nn.functional.softmax",
+                    "torch.nn.functional.softplus", "torch.nn.functional.triplet_margin_loss", "torch.norm",
+                    "torch.nuclear_norm", "torch.pdist", "torch.poisson_nll_loss", "torch.pow", "torch.prod",
+                    "torch.reciprocal", "torch.renorm", "torch.rms_norm", "torch.rsqrt", "torch.sinh",
+                    "torch.softmax", "torch.sum", "torch.tan", "torch.triplet_margin_loss",
+                ),
+                "promote": (
+                    "torch.Tensor.addcdiv", "torch.Tensor.addcmul", "torch.Tensor.atan2", "torch.Tensor.cross",
+                    "torch.Tensor.dot", "torch.Tensor.index_put", "torch.Tensor.scatter_add", "torch.Tensor.vdot",
+                    "torch.addcdiv", "torch.addcmul", "torch.atan2", "torch.bilinear", "torch.cross", "torch.dot",
+                    "torch.grid_sampler", "torch.index_put", "torch.nn.functional.bilinear",
+                    "torch.nn.functional.grid_sample", "torch.scatter_add", "torch.tensordot", "torch.vdot",
+                ),
+                "banned": (
+                    "torch.nn.functional.binary_cross_entropy",
+                ),
+            }
+        ),
+
+    }
+)
+#: Corrections to the registry-derived data above, measured by running each function under torch.autocast("cpu")
+#: (tests/test_autocast_agreement.py): Python compositions that reach an operator autocast casts (``None``: a
+#: function named after a registered operator that the device's autocast does not reach).
+AUTOCAST_COMPOSITES: Mapping[str, Mapping[str, str | None]] = MappingProxyType(
+    {
+        "cpu": MappingProxyType(
+            {
+                **dict.fromkeys(
+                    ("torch.chain_matmul", "torch.einsum", "torch.tensordot", "torch.linalg.multi_dot",
+                     "torch.Tensor.__rmatmul__", "torch.rnn_tanh", "torch.rnn_relu", "torch.rnn_tanh_cell",
+                     "torch.rnn_relu_cell"),
+                    "half",
+                ),
+                "torch.convolution": None,  # CPU autocast registers aten::_convolution, not aten::convolution
+            }
+        ),
+    }
+)
+#: Functions that CUDA builds of torch cast (their kernels are not in a CPU build's registry, which the test reads).
+AUTOCAST_CUDA_BUILD_ONLY: Mapping[str, str] = MappingProxyType(
+    dict.fromkeys(("torch.lstm", "torch.gru", "torch.rnn_tanh", "torch.rnn_relu"), "half")
+)
+
+_NATIVE = (
+    "torch's own type promotion runs it in the widest floating dtype of its tensor operands, which is what the "
+    "table's promotion gives; they differ only when one operand is a 0-dim tensor and the other a dimensioned tensor "
+    "of another floating dtype, where torch keeps the dimensioned operand's dtype (as without autocast)."
+)
+#: Rows of the default table that give the dtype torch.autocast gives although autocast's lists say otherwise (or
+#: nothing): the O1 engine leaves them to torch on every device. Qualified name -> why.
+AUTOCAST_EQUIVALENT: Mapping[str, str] = MappingProxyType(
+    {
+        **dict.fromkeys(
+            tuple(f"{owner}.{name}" for owner in ("torch", "torch.Tensor") for name in (
+                "add", "sub", "mul", "div", "true_divide", "eq", "ne", "ge", "gt", "le", "lt", "where", "equal",
+                "atan2", "addcmul", "addcdiv"))
+            + ("torch.Tensor.__eq__", "torch.Tensor.__rsub__", "torch.Tensor.__rtruediv__")
+            + ("torch.cat", "torch.concat", "torch.concatenate", "torch.stack"),
+            _NATIVE,
+        ),
+        "torch.Tensor.__rmatmul__": "torch runs it as matmul, which autocast casts to half on both devices.",
+        "torch.nn.functional.multi_head_attention_forward": (
+            "its projections and batched matmuls are half under autocast (on CUDA its softmax in FP32, which is "
+            "safer than the table's whole-function half); its output is half as the table's."
+        ),
+    }
+)
+#: The same, on CUDA only: Python functions that run operators which CUDA autocast (not CPU autocast) lists.
+AUTOCAST_EQUIVALENT_CUDA: Mapping[str, str] = MappingProxyType(
+    {
+        "torch.Tensor.__rpow__": "torch runs it as pow, which CUDA autocast runs in FP32.",
+        "torch.nn.functional.softmin": "softmax of the negated input: CUDA autocast runs softmax in FP32.",
+        "torch.nn.functional.cross_entropy": "log_softmax and nll_loss, both FP32 under CUDA autocast.",
+        "torch.linalg.norm": "linalg.vector_norm or linalg.matrix_norm, both FP32 under CUDA autocast.",
+    }
+)
+
+#: Default-table rows changed on purpose to follow torch.autocast, and why (decided on range and rounding).
+AUTOCAST_DECISIONS: Mapping[str, str] = MappingProxyType(
+    {
+        "torch.nn.functional.gelu": (
+            "no longer FP32: neither CPU nor CUDA autocast lists it, its half kernels compute in FP32 internally "
+            "(opmath) and round once, and |gelu(x)| <= |x| cannot overflow; Apex's lists did not have it either."
         ),
     }
 )

@@ -1,8 +1,17 @@
 """The cast policy: apply a :class:`~lightning_mpx.cast_table.CastTable` during a scope.
 
-Nothing in torch is patched. Inside ``with policy.scope():`` a :class:`torch.overrides.TorchFunctionMode` sees every
-call to a torch function, ``torch.nn.functional`` function or ``Tensor`` method made on this thread, looks the
-function up in the table and casts the floating-point tensor arguments:
+Nothing in torch is patched. Two engines (``CastPolicy(engine=...)``):
+
+* ``"autocast"`` (O1's, picked by ``"auto"`` for the default table and tables near it): ``policy.scope()`` enters
+  ``torch.autocast(device_type, half_dtype)`` (thread-local), whose C++ dispatch casts every op on which the table
+  and autocast agree; only the functions where they differ on that device (``table.autocast_differences(...)``) are
+  left to the Python policy below, run with autocast off. Without any, no torch-function mode is pushed at all:
+  a mode is handed every torch call of the scope (3-5 us of Python each) once it is pushed.
+* ``"mode"`` (the O2 table's, the Apex layer's): the Python policy handles every call.
+
+The Python policy is a :class:`torch.overrides.TorchFunctionMode`: it sees every call to a torch function,
+``torch.nn.functional`` function or ``Tensor`` method made on this thread, looks the function up in the table and
+casts the floating-point tensor arguments:
 
 * ``half``: FP32 inputs become the half dtype (FP64 is left alone, as ``torch.autocast`` does);
 * ``float``: half inputs become FP32;
@@ -50,11 +59,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from lightning_mpx._dtypes import parse_half_dtype
+from lightning_mpx.cast_lists import AUTOCAST_ACTIONS
 from lightning_mpx.cast_table import CastTable
 
 # Actions, resolved once per function and memoised by each policy.
 # _PASS is 0 (falsy) and the casting actions come before _BANNED: the hook tests for them so.
-_PASS, _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _PROMOTE_NATIVE, _BANNED, _BACKWARD, _INPLACE_FLOAT = range(9)
+_PASS, _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _PROMOTE_NATIVE, _BANNED, _BACKWARD, _INPLACE_FLOAT, _PLAIN = range(10)
+# _PLAIN: run as given with torch.autocast off (a function that autocast casts and the table leaves alone).
 _CATEGORY_ACTION = MappingProxyType(
     {"half": _HALF, "float": _FLOAT, "promote": _PROMOTE, "sequence": _SEQUENCE, "banned": _BANNED}
 )  # read only when a policy resolves its table, never while a forward pass runs
@@ -62,6 +73,16 @@ _LOW = (torch.float16, torch.bfloat16)
 _FP32 = (torch.float32,)
 _CONTAINERS = (torch.Tensor, list, tuple)  # what _cast may change; anything else is passed as given
 _UNSET: Any = object()  # a parameter-cast cache not looked up yet (CastPolicy._cache_now)
+
+
+_ENGINES = ("auto", "autocast", "mode")
+
+
+def autocast_differences(table: CastTable, device_type: str, *, allow_banned: bool = False
+                         ) -> dict[Callable[..., Any], tuple[str | None, str | None]]:
+    """``table.autocast_differences(device_type, allow_banned=allow_banned)``: see
+    :meth:`CastTable.autocast_differences`."""
+    return table.autocast_differences(device_type, allow_banned=allow_banned)
 
 
 class BannedOpError(NotImplementedError):
@@ -78,7 +99,17 @@ class CastPolicy:
             so registering into it later takes effect at the next scope.
         half_dtype: ``torch.float16`` or ``torch.bfloat16`` (or their names).
         allow_banned: Run banned ops in FP32 instead of raising :class:`BannedOpError`.
-        cache_casts: Cache the half copies of parameters until :meth:`clear_cache`.
+        cache_casts: Cache the half copies of parameters until :meth:`clear_cache` (under the ``"autocast"``
+            engine: ``torch.autocast``'s ``cache_enabled``, a cache that lives for one scope).
+        device_type: The device whose ``torch.autocast`` the ``"autocast"`` engine enters (``"cuda"``, ``"cpu"``);
+            ``None``: ``"cuda"`` when CUDA is available, else ``"cpu"``. Tensors on another device are cast only by
+            the Python policy (the functions listed by :func:`autocast_differences`).
+        engine: ``"autocast"``: the scope enters ``torch.autocast(device_type, half_dtype)`` and a torch-function
+            mode only for the functions where the table differs from autocast on that device
+            (:func:`autocast_differences`), none at all when there are none; ``"mode"``: the Python policy casts
+            every call; ``"auto"``: ``"autocast"`` when no function differs on that device (a table from
+            :meth:`CastTable.autocast_aligned`: no torch-function mode at all), else ``"mode"`` (the default table,
+            whose differences would push the mode anyway, and the O2 table).
 
     Example:
         >>> policy = CastPolicy(half_dtype="bfloat16")
@@ -94,11 +125,23 @@ class CastPolicy:
         *,
         allow_banned: bool = False,
         cache_casts: bool = True,
+        device_type: str | None = None,
+        engine: str = "auto",
     ) -> None:
         self.table = table if table is not None else CastTable.default()
         self.half_dtype = parse_half_dtype(half_dtype)
         self.allow_banned = allow_banned
         self.cache_casts = cache_casts
+        if device_type is not None and device_type not in AUTOCAST_ACTIONS:
+            raise ValueError(f"device_type={device_type!r} is not supported; valid choices: None, "
+                             f"{', '.join(map(repr, AUTOCAST_ACTIONS))}.")
+        if engine not in _ENGINES:
+            raise ValueError(f"engine={engine!r} is not an engine; valid choices: {', '.join(map(repr, _ENGINES))}.")
+        self.device_type = device_type
+        self.engine = engine
+        #: The device whose torch.autocast the scope enters, or None (the Python policy alone); set by the last
+        #: resolution of the table (see _refresh_actions).
+        self._autocast_device: str | None = None
         #: Refuse in-place twins of ``float``-category ``Tensor`` methods on half tensors (``x.half().exp_()``) with
         #: ``NotImplementedError``, as Apex did: the result cannot be FP32 in a half tensor. Off by default (the
         #: op then runs in half as written); :mod:`lightning_mpx.apex` turns it on.
@@ -107,7 +150,7 @@ class CastPolicy:
         self._actions_stamp = 0  # bumped whenever _actions is rebuilt: compiled code guards on it
         # The table and table version that _actions was memoised from. The table itself, not its id(): an id can be
         # reused by a new table once the old one is freed.
-        self._actions_of: tuple[Any, ...] = (None, -1, False)
+        self._actions_of: tuple[Any, ...] = (None, -1, None)
         # Parameter casts made with gradients enabled, until clear_cache(), and without, until the next scope entry:
         # (id(tensor), dtype) -> _CacheEntry
         self._grad_cache: dict[tuple[int, torch.dtype], _CacheEntry] = {}
@@ -121,12 +164,22 @@ class CastPolicy:
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[CastPolicy]:
-        """Apply the policy to torch calls on this thread until the block ends (also when it raises)."""
+        """Apply the policy to torch calls on this thread until the block ends (also when it raises): under the
+        ``"autocast"`` engine, ``torch.autocast`` and, only where the table differs from it, the Python mode."""
         self._refresh_actions()
         # Evaluation casts are redone in every scope: a write through ``p.data`` leaves no trace on ``p``.
         self._no_grad_cache.clear()
-        with _CastMode(self):
-            yield self
+        device = self._autocast_device
+        if device is None:
+            with _CastMode(self):
+                yield self
+            return
+        with torch.autocast(device, dtype=self.half_dtype, cache_enabled=self.cache_casts):
+            if self._actions:
+                with _CastMode(self, autocast_device=device):
+                    yield self
+            else:  # nothing for Python to do: torch.autocast's C++ dispatch alone
+                yield self
 
     @contextlib.contextmanager
     def recompute_scope(self) -> Iterator[CastPolicy]:
@@ -140,7 +193,11 @@ class CastPolicy:
         """
         self._refresh_actions()
         self._grad_cache.clear()  # a backward pass starts: the forward passes' casts are not needed any more
-        with _CastMode(self, recompute_only=True):
+        if self._autocast_device is not None and not self._actions:
+            # torch.utils.checkpoint restores torch.autocast's state for the recomputation itself.
+            yield self
+            return
+        with _CastMode(self, recompute_only=True, autocast_device=self._autocast_device):
             yield self
 
     def backward(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
@@ -150,6 +207,10 @@ class CastPolicy:
         policy's mode first: this goes to the autograd engine directly (``Amp.backward`` uses it).
         """
         self._refresh_actions()
+        if self._autocast_device is not None and not self._actions:
+            # torch.utils.checkpoint restores torch.autocast's state for the recomputation itself.
+            tensor.backward(*args, **kwargs)
+            return
         _run_backward(self, torch.Tensor.backward, (tensor, *args), kwargs)
 
     def hand_off_compiled(self, root: Any, *, methods: Mapping[str, Callable[..., Any]] | None = None,
@@ -197,9 +258,27 @@ class CastPolicy:
         backward pass started through the policy drops the training casts already)."""
         self._grad_cache.clear()
         self._no_grad_cache.clear()
+        device = self._autocast_device
+        if device is not None and torch.is_autocast_enabled(device):
+            torch.clear_autocast_cache()  # called inside a scope: torch.autocast's casts are dropped too
+
+    @property
+    def engine_in_use(self) -> str:
+        """The engine the next scope runs: ``"autocast"`` (with the device, e.g. ``"autocast:cuda"``) or ``"mode"``."""
+        self._refresh_actions()
+        return "mode" if self._autocast_device is None else f"autocast:{self._autocast_device}"
+
+    @property
+    def python_functions(self) -> tuple[Callable[..., Any], ...]:
+        """The functions the Python policy handles in a scope (under the ``"autocast"`` engine: where the table
+        differs from autocast). Empty: the scope pushes no torch-function mode, and no torch call pays Python
+        dispatch; otherwise every torch call in the scope does (the mode is handed them all)."""
+        self._refresh_actions()
+        return tuple(f for f in self._actions if f not in _BACKWARD_ENTRIES)
 
     @property
     def cache_size(self) -> int:
+        """The number of parameter casts the Python policy holds (``torch.autocast``'s own are not counted)."""
         return len(self._grad_cache) + len(self._no_grad_cache)
 
     # -- internals ----------------------------------------------------------------------------------------------
@@ -212,8 +291,21 @@ class CastPolicy:
         """
         table, version = self._actions_of[:2]
         refuse = self.refuse_inplace_float
-        if table is not self.table or version != self.table._version or self._actions_of[2:] != (refuse,):
+        key = (refuse, self.engine, self.device_type, self.allow_banned)
+        if table is not self.table or version != self.table._version or self._actions_of[2:] != key:
             actions = {entry.function: _CATEGORY_ACTION[entry.category] for entry in self.table}
+            autocast_device = None
+            if self.engine != "mode":
+                device = self.device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+                differences = autocast_differences(self.table, device, allow_banned=self.allow_banned)
+                # "auto" takes autocast's dispatch only where it is the whole policy (no Python set): a mode pushed
+                # for a few functions sees every torch call anyway (the cost this engine exists to avoid), and the
+                # mode engine keeps the table's exact semantics (0-dim operands, the cast cache across scopes).
+                if self.engine == "autocast" or not differences:
+                    autocast_device = device
+                    # Only what differs is left to Python; a function that autocast casts and the table does not
+                    # list runs as given, with autocast off.
+                    actions = {f: actions.get(f, _PLAIN) for f in differences}
             for function in _NATIVE_PROMOTION:
                 if actions.get(function) == _PROMOTE:
                     actions[function] = _PROMOTE_NATIVE
@@ -223,8 +315,11 @@ class CastPolicy:
                     inplace = getattr(torch.Tensor, entry.name + "_", None) if entry.namespace == "torch.Tensor" else None
                     if inplace is not None and inplace not in actions:
                         actions[inplace] = _INPLACE_FLOAT
+            if autocast_device is not None and actions.keys() <= _BACKWARD_ENTRIES:
+                actions = {}  # no mode at all: torch's checkpoint restores autocast for recomputation itself
             self._actions = actions
-            self._actions_of = (self.table, self.table._version, refuse)
+            self._autocast_device = autocast_device
+            self._actions_of = (self.table, self.table._version, *key)
             self._actions_stamp += 1
 
     def _cast(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...], cache: Any = _UNSET) -> Any:
@@ -456,7 +551,7 @@ def _run_backward(policy: CastPolicy, func: Callable[..., Any], args: tuple[Any,
                 grads: tuple[Any, ...] = (torch.ones_like(root, memory_format=torch.preserve_format),)  # a loss
             else:
                 grads = _make_grads((root,), (gradient,), is_grads_batched=False)
-            with _CastMode(policy, recompute_only=True):
+            with _CastMode(policy, recompute_only=True, autocast_device=policy._autocast_device):
                 _engine_run_backward((root,), grads, create_graph if retain_graph is None else retain_graph,
                                      create_graph, engine_inputs, allow_unreachable=True, accumulate_grad=True)
             return None
@@ -471,13 +566,13 @@ def _run_backward(policy: CastPolicy, func: Callable[..., Any], args: tuple[Any,
         if gradient is None and root_tensors[0].numel() == 1:
             # What the engine would make for a scalar, made here: inside the mode it would be a call into the hook.
             gradient = torch.ones_like(root_tensors[0], memory_format=torch.preserve_format)
-        with _CastMode(policy, recompute_only=True):
+        with _CastMode(policy, recompute_only=True, autocast_device=policy._autocast_device):
             return torch.autograd.backward(
                 edges[0], None if gradient is None else (gradient,), retain_graph, create_graph,
                 inputs=arguments.get("inputs"),
             )
     assert bound is not None
-    with _CastMode(policy, recompute_only=True):
+    with _CastMode(policy, recompute_only=True, autocast_device=policy._autocast_device):
         return func(*bound.args, **bound.kwargs)
 
 
@@ -570,9 +665,11 @@ _action_of._dynamo_marked_constant = True  # type: ignore[attr-defined]
 class _CastMode(TorchFunctionMode):
     """The torch-function mode behind :meth:`CastPolicy.scope`; one per scope entry."""
 
-    def __init__(self, policy: CastPolicy, *, recompute_only: bool = False) -> None:
+    def __init__(self, policy: CastPolicy, *, recompute_only: bool = False, autocast_device: str | None = None) -> None:
         super().__init__()
         self.policy = policy
+        # The device whose torch.autocast runs beside this mode: the functions the mode handles run with it off.
+        self.autocast_device = autocast_device
         self.disabled = 0
         # Above 0 inside a module pinned or promoted to FP32 (lightning_mpx.promotion): half ops run in FP32.
         self.fp32 = 0
@@ -589,6 +686,24 @@ class _CastMode(TorchFunctionMode):
         policy = self.policy
         action = _action_of(policy, func, policy._actions_stamp)  # read live: a table changed inside a scope applies
         if not action or self.disabled:  # _PASS
+            return func(*args, **kwargs) if kwargs else func(*args)
+        device = self.autocast_device
+        if device is None or action == _BACKWARD or not torch.is_autocast_enabled(device):
+            return self._apply(func, action, args, kwargs)
+        # The table's own action, as the Python policy applies it, without autocast's casts on top.
+        if torch.compiler.is_compiling():  # dynamo traces autocast's context manager, not its global setter
+            with torch.autocast(device, enabled=False):
+                return self._apply(func, action, args, kwargs)
+        torch.set_autocast_enabled(device, False)
+        try:
+            return self._apply(func, action, args, kwargs)
+        finally:
+            torch.set_autocast_enabled(device, True)
+
+    def _apply(self, func: Callable[..., Any], action: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None
+               ) -> Any:
+        policy = self.policy
+        if action == _PLAIN:
             return func(*args, **kwargs) if kwargs else func(*args)
         if action == _HALF and self.fp32:
             action = _FLOAT  # inside an FP32 module: the table's half ops run in FP32
@@ -679,7 +794,7 @@ def checkpoint_contexts() -> tuple[contextlib.AbstractContextManager[Any], conte
     non-reentrant checkpoints.
     """
     states = [
-        (mode.policy, mode.recompute_only, mode.disabled, mode.fp32)
+        (mode.policy, mode.recompute_only, mode.disabled, mode.fp32, mode.autocast_device)
         for mode in torch.overrides._get_current_function_mode_stack()
         if isinstance(mode, _CastMode)
     ]
@@ -694,7 +809,7 @@ class _Reentry:
     the forward did: the recorded state decides. Re-enterable: a backward pass with ``retain_graph=True`` followed by
     another recomputes a checkpoint once per pass."""
 
-    def __init__(self, states: list[tuple[CastPolicy, bool, int, int]]) -> None:
+    def __init__(self, states: list[tuple[CastPolicy, bool, int, int, str | None]]) -> None:
         self.states = states
         self._open: list[tuple[contextlib.ExitStack, list[Any]]] = []
 
@@ -708,9 +823,9 @@ class _Reentry:
             popped.append(torch._C._pop_torch_function_stack())
         stack = contextlib.ExitStack()
         try:
-            for policy, recompute_only, disabled, fp32 in self.states:
+            for policy, recompute_only, disabled, fp32, autocast_device in self.states:
                 policy._refresh_actions()
-                mode = _CastMode(policy, recompute_only=recompute_only)
+                mode = _CastMode(policy, recompute_only=recompute_only, autocast_device=autocast_device)
                 mode.disabled, mode.fp32 = disabled, fp32
                 stack.enter_context(mode)
         except BaseException:
@@ -732,23 +847,67 @@ def _push_back(popped: list[Any]) -> None:
         torch._C._push_on_torch_function_stack(mode)
 
 
-def enter_fp32() -> list[_CastMode]:
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+class Fp32State(NamedTuple):
+    """What :func:`enter_fp32` changed, for :func:`exit_fp32`."""
+
+    modes: list[Any]  # the cast modes whose half ops now run in FP32
+    autocast_off: tuple[str, ...]  # the devices whose torch.autocast was turned off
+
+
+def _autocast_turn_off() -> tuple[str, ...]:
+    """Turn torch.autocast off on every device where it is on (this thread); returns those devices."""
+    devices = tuple(d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d))
+    if devices:
+        (_set_autocast_between_graphs() if torch.compiler.is_compiling() else _set_autocast)(devices, False)
+    return devices
+
+
+def _set_autocast(devices: tuple[str, ...], enabled: bool) -> None:
+    for device in devices:
+        torch.set_autocast_enabled(device, enabled)
+
+
+def _set_autocast_between_graphs() -> Callable[[tuple[str, ...], bool], None]:
+    """``_set_autocast`` for compiled code: dynamo refuses the global setter inside a graph, so in compiled code (an
+    FP32 module's hooks) the call runs eagerly between graphs (each graph is guarded on the autocast state it was
+    traced with). Wrapped where it is used, under compilation: wrapping at import would import dynamo and triton."""
+    return torch.compiler.disable(_set_autocast)
+
+
+def _autocast_off_contexts() -> tuple[contextlib.AbstractContextManager[Any], ...]:
+    """``torch.autocast(enabled=False)`` for CPU and, where torch has it, CUDA (a do-nothing context otherwise)."""
+    cuda = torch.autocast("cuda", enabled=False) if torch.cuda.is_available() else contextlib.nullcontext()
+    return torch.autocast("cpu", enabled=False), cuda
+
+
+def _autocast_turn_on(devices: tuple[str, ...]) -> None:
+    if devices:
+        (_set_autocast_between_graphs() if torch.compiler.is_compiling() else _set_autocast)(devices, True)
+
+
+def enter_fp32() -> Fp32State:
     """Make the table's half ops run in FP32 in every cast policy active on this thread, until :func:`exit_fp32` is
     given what this returned (nests). What a module pinned to FP32 at O1 runs under (see
-    :mod:`lightning_mpx.promotion`, which calls the two from forward hooks)."""
+    :mod:`lightning_mpx.promotion`, which calls the two from forward hooks and casts the module's inputs to FP32):
+    ``torch.autocast`` is turned off inside (the ``"autocast"`` engine's casts are autocast's)."""
     modes = [mode for mode in torch.overrides._get_current_function_mode_stack() if isinstance(mode, _CastMode)]
     for mode in modes:
         mode.fp32 += 1
-    return modes
+    return Fp32State(modes, _autocast_turn_off())
 
 
-def exit_fp32(modes: list[_CastMode] | None = None) -> None:
-    """Undo one :func:`enter_fp32` (``None``: in the cast policies active on this thread now, which are the same ones
-    unless a policy was entered and left open in between)."""
+def exit_fp32(state: Fp32State | list[Any] | None = None) -> None:
+    """Undo one :func:`enter_fp32`, given what it returned (``None`` or a list of modes: the cast modes active on
+    this thread now, or those, and autocast is left as it is)."""
+    modes, devices = (state.modes, state.autocast_off) if isinstance(state, Fp32State) else (state, ())
     if modes is None:
         modes = [mode for mode in torch.overrides._get_current_function_mode_stack() if isinstance(mode, _CastMode)]
     for mode in modes:
         mode.fp32 = max(0, mode.fp32 - 1)
+    _autocast_turn_on(devices)
 
 
 @contextlib.contextmanager
@@ -767,13 +926,24 @@ def disable_casts() -> Iterator[None]:
     """Run the enclosed code with every active cast policy on this thread turned off.
 
     Useful inside a model's forward for a block that must see its inputs exactly as given. The policies are found on
-    torch's own torch-function mode stack; their state is restored when the block ends, also when it raises.
+    torch's own torch-function mode stack, and ``torch.autocast`` (which the ``"autocast"`` engine enters) is turned
+    off on every device; their state is restored when the block ends, also when it raises.
     """
     modes = [mode for mode in torch.overrides._get_current_function_mode_stack() if isinstance(mode, _CastMode)]
     for mode in modes:
         mode.disabled += 1
     try:
-        yield
+        # The "autocast" engine's casts (and a torch.autocast of the user's around it) are off too.
+        if torch.compiler.is_compiling():  # dynamo traces autocast's context managers, not its global setter
+            cpu_off, cuda_off = _autocast_off_contexts()
+            with cpu_off, cuda_off:
+                yield
+        else:
+            devices = _autocast_turn_off()
+            try:
+                yield
+            finally:
+                _autocast_turn_on(devices)
     finally:
         for mode in modes:
             mode.disabled -= 1

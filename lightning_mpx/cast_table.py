@@ -19,7 +19,17 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple
 import torch
 from torch.overrides import handle_torch_function, has_torch_function
 
-from lightning_mpx.cast_lists import BANNED_ADVICE, CATEGORIES, DEFAULT_TABLE, O2_TABLE
+from lightning_mpx.cast_lists import (
+    AUTOCAST_ACTIONS,
+    AUTOCAST_COMPOSITES,
+    AUTOCAST_CUDA_BUILD_ONLY,
+    AUTOCAST_EQUIVALENT,
+    AUTOCAST_EQUIVALENT_CUDA,
+    BANNED_ADVICE,
+    CATEGORIES,
+    DEFAULT_TABLE,
+    O2_TABLE,
+)
 
 _NAMESPACES: Mapping[str, Any] = MappingProxyType(
     {
@@ -128,6 +138,54 @@ class CastTable:
                 packet = getattr(getattr(torch.ops, function.namespace), function.name)
                 function = packet if function.overload is None else getattr(packet, function.overload)
             self._add(CastEntry(namespace, name, function, category))
+
+    @classmethod
+    def autocast_aligned(cls, device_type: str, table: CastTable | None = None) -> CastTable:
+        """A copy of ``table`` (default: :meth:`default`) with every row where it differs from ``torch.autocast`` on
+        ``device_type`` settled autocast's way (:meth:`autocast_differences`).
+
+        A policy with this table runs on ``torch.autocast`` alone (no torch-function mode, no Python per call): the
+        fastest O1, at the price of autocast's choices for the functions listed by
+        ``CastTable.default().autocast_differences(device_type)`` (for example, on CUDA, ``std``/``var`` and FFTs in
+        the half dtype, and linear algebra raising on half inputs instead of running in FP32).
+        """
+        aligned = (table if table is not None else cls.default()).copy()
+        for function, (_, theirs) in aligned.autocast_differences(device_type).items():
+            if theirs is None:
+                aligned.unregister(function)
+            else:
+                aligned.register(function, theirs)
+        return aligned
+
+    def autocast_differences(self, device_type: str, *, allow_banned: bool = False
+                             ) -> dict[Callable[..., Any], tuple[str | None, str | None]]:
+        """The functions where this table and ``torch.autocast`` on ``device_type`` do not give the same dtypes.
+
+        Returns ``{function: (this table's category or None, autocast's category or None)}`` (``None``: runs as
+        given): what the ``"autocast"`` engine of a cast policy leaves to its Python policy, and why it pushes a
+        torch-function mode at all. Autocast's categories are the data of
+        :data:`~lightning_mpx.cast_lists.AUTOCAST_ACTIONS`; rows of
+        :data:`~lightning_mpx.cast_lists.AUTOCAST_EQUIVALENT` (and ``AUTOCAST_EQUIVALENT_CUDA`` on CUDA) count as
+        agreeing. ``allow_banned``: banned rows count as FP32 (what a policy with ``allow_banned=True`` runs).
+        """
+        if device_type not in _AUTOCAST_CATEGORIES:
+            raise ValueError(f"device_type={device_type!r} is not supported; valid choices: "
+                             f"{', '.join(map(repr, _AUTOCAST_CATEGORIES))}.")
+        autocast = _AUTOCAST_CATEGORIES[device_type]
+        equivalent = _EQUIVALENT[device_type]
+        differences: dict[Callable[..., Any], tuple[str | None, str | None]] = {}
+        for entry in self:
+            mine, theirs = entry.category, autocast.get(entry.function)
+            if mine == "banned" and allow_banned:
+                mine = "float"
+            if mine == "sequence":
+                mine = "promote"
+            if mine != theirs and entry.function not in equivalent:
+                differences[entry.function] = (entry.category, theirs)
+        for function, theirs in autocast.items():
+            if function not in self._entries and function not in equivalent:
+                differences[function] = (None, theirs)
+        return differences
 
     # -- registration -------------------------------------------------------------------------------------------
     def register(self, function: Callable[..., Any], category: str) -> None:
@@ -265,3 +323,38 @@ def _tensors_in(values: tuple[Any, ...]) -> Iterator[torch.Tensor]:
             yield value
         elif isinstance(value, (list, tuple)):
             yield from _tensors_in(tuple(value))
+
+
+# -- what torch.autocast does, per device (read-only, built at import from cast_lists' data) -----------------------
+def _resolve(qualified: str) -> Callable[..., Any] | None:
+    namespace, _, name = qualified.rpartition(".")
+    owner = _NAMESPACES.get(namespace)
+    return None if owner is None else getattr(owner, name, None)
+
+
+def _autocast_categories(device_type: str) -> Mapping[Callable[..., Any], str]:
+    """torch.autocast's category of each function it casts on ``device_type``."""
+    found: dict[Callable[..., Any], str] = {}
+    rows: list[tuple[str, str | None]] = [
+        (name, category) for category, names in AUTOCAST_ACTIONS[device_type].items() for name in names
+    ]
+    if device_type == "cuda":
+        rows += list(AUTOCAST_CUDA_BUILD_ONLY.items())
+    rows += list(AUTOCAST_COMPOSITES.get(device_type, {}).items())
+    for name, category in rows:
+        function = _resolve(name)
+        if function is None:
+            continue
+        if category is None:
+            found.pop(function, None)
+        else:
+            found[function] = category
+    return MappingProxyType(found)
+
+
+# Read-only, built once at import from the data of cast_lists.
+_AUTOCAST_CATEGORIES = MappingProxyType({device: _autocast_categories(device) for device in AUTOCAST_ACTIONS})
+_EQUIVALENT = MappingProxyType({
+    device: frozenset(f for f in map(_resolve, names) if f is not None)
+    for device, names in (("cpu", AUTOCAST_EQUIVALENT), ("cuda", {**AUTOCAST_EQUIVALENT, **AUTOCAST_EQUIVALENT_CUDA}))
+})

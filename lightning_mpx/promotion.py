@@ -134,16 +134,17 @@ class _Fp32Boundary:
     def __init__(self, policy: bool, out_dtype: torch.dtype | None) -> None:
         self.policy = policy
         self.out_dtype = out_dtype
+        self._entered: list[Any] = []  # enter_fp32's states, innermost last (a module may call itself)
 
     def pre(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         if self.policy:
-            enter_fp32()
+            self._entered.append(enter_fp32())
         return _cast_collection(args, torch.float32, HALF_DTYPES), _cast_collection(kwargs, torch.float32, HALF_DTYPES)
 
     def post(self, module: nn.Module, args: Any, output: Any) -> Any:
         # always_call: also when the forward raised (output is None then), so the policy's state is restored.
         if self.policy:
-            exit_fp32()
+            exit_fp32(self._entered.pop() if self._entered else None)
         if self.out_dtype is None or output is None:
             return None
         return _cast_collection(output, self.out_dtype, (torch.float32,))

@@ -352,6 +352,7 @@ def test_bad_input_messages():
 
 def test_update_clears_the_cast_cache_at_the_iteration_boundary():
     amp, model, opt = _setup("O1")
+    amp.policy.engine = "mode"  # the Python policy's cache (torch.autocast's lives for one forward scope)
     x, y = _batch()
     with amp.forward_context():
         loss = F.cross_entropy(model(x), y)

@@ -52,7 +52,7 @@ def test_step_script_end_to_end_in_subprocesses(tmp_path):
 
 @pytest.mark.parametrize(
     "variant", ["mpx-O3-bf16", "torch-autocast-bf16", "loop-fp32", "lightning-16-mixed", "mpx-O1-fp16-compiled",
-                "fabric-mpx-O2-fp16", "fabric-16-mixed"]
+                "fabric-mpx-O2-fp16", "fabric-16-mixed", "mpx-O1-bf16-aligned", "core-O1-bf16-aligned"]
 )  # fmt: skip
 def test_step_child_variants_run_in_process(variant):
     spec = step.ModelSpec(batch=2, image=8, width=4, blocks=(1, 1))
@@ -193,6 +193,22 @@ def test_plugin_overhead_rows_ratios_syncs_and_profile(tmp_path, capsys):
     assert syncs["plugin-O2"]["per_step_nonlogging"] == syncs["core-O2"]["per_step_nonlogging"]
     assert syncs["plugin-O2"]["tolist_per_step"] > 0 and syncs["reference"]["tolist_per_step"] == 0
     assert "lightning_mpx/lightning.py" in result["profile"] and "optimizer_step" in capsys.readouterr().out
+
+
+def test_o1_proxy_pairs_each_row_with_its_reference_in_the_same_repeat(tmp_path):
+    import o1_proxy
+
+    out = tmp_path / "o1.json"
+    result = o1_proxy.main(["--variants", "core-O1-aligned", "plugin-O2", "--steps", "5", "--warmup", "1",
+                            "--repeats", "2", "--out", str(out)])  # fmt: skip
+    assert json.loads(out.read_text())["rows"] == result["rows"]
+    rows = {(r["row"], r["reference"]): r for r in result["rows"]}
+    assert set(rows) == {("core-O1-aligned", "loop-autocast"), ("plugin-O2", "bf16-mixed")}  # references added
+    samples = result["samples_ms"]
+    for (row, reference), r in rows.items():
+        assert r["ratios"] == [a / b for a, b in zip(samples[row], samples[reference])] and len(r["ratios"]) == 2
+        assert r["meets_goal"] == (r["ratio"] <= o1_proxy.GOAL)
+    assert o1_proxy.main(["--_child", "core-O1-aligned", "1", "1", "2"]) == {}  # what --instructions runs per process
 
 
 def test_cast_overhead_rows_counts_and_references(tmp_path):

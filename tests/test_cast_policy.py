@@ -7,7 +7,14 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from lightning_mpx import BannedOpError, CastPolicy, CastTable, disable_casts, dispatchable
+from lightning_mpx import BannedOpError, CastPolicy as _CastPolicy, CastTable, disable_casts, dispatchable
+
+
+def CastPolicy(*args, **kwargs):  # noqa: N802
+    """The Python policy's engine: these tests watch what each function receives, and its cast cache
+    (tests/test_autocast_engine.py checks the \"autocast\" engine by the dtypes it computes in)."""
+    return _CastPolicy(*args, engine="mode", **kwargs)
+
 
 f16, bf16, f32, f64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 HALF_DTYPES = [f16, bf16]

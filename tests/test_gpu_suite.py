@@ -268,3 +268,19 @@ def test_docs_list_every_part_and_the_doc_has_the_markers():
                     "gpu_suite.py plugin --out", "gpu_suite.py all --check", "gpu_report.py"):  # fmt: skip
         assert command in section, command
     assert doc.count(gpu_report.BEGIN) == 1 and doc.count(gpu_report.END) == 1
+
+
+def test_report_judges_issue_25s_o1_speed_goals_on_each_model():
+    rows = _step_rows("gpt", {"torch-autocast-fp16": (100.0, 1), "core-O1-fp16": (96.0, 1),  # 0.96: not met
+                              "torch-autocast-bf16": (100.0, 1), "core-O1-bf16-aligned": (99.0, 1),
+                              "lightning-bf16-mixed": (50.0, 1), "mpx-O1-bf16": (49.0, 1)})  # fmt: skip
+    source = gpu_report.Source(Path("s.json"), "step", {"rows": rows}, 0.0, None)
+    verdicts = {(v.target, v.scope): v for v in gpu_report.step_targets([source])}
+    assert verdicts[("core O1 fp16 >= 0.97x torch.autocast + GradScaler loop", "gpt")].status == gpu_report.NOT_MET
+    assert verdicts[("core O1 aligned table bf16 >= 0.97x torch.autocast loop", "gpt")].status == gpu_report.MET
+    assert verdicts[("O1 bf16 within 3% of \"bf16-mixed\" throughput", "gpt")].value == pytest.approx(0.98)
+    assert verdicts[("core O1 bf16 >= 0.97x torch.autocast loop", "resnet")].status == gpu_report.NOT_MEASURED
+    # The suite measures these rows first, so that a GPU run cut short by its budget still has the verdicts.
+    first = gpu_suite.step_variants("resnet")[:13]
+    assert {"lightning-16-mixed", "mpx-O1-fp16", "mpx-O2-fp16", "torch-autocast-fp16", "core-O1-fp16",
+            "lightning-bf16-mixed", "mpx-O1-bf16", "torch-autocast-bf16", "core-O1-bf16"} <= set(first)

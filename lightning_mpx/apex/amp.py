@@ -294,6 +294,9 @@ def _engine(
         for function, category in (*_APEX_ROWS, *_amp_state.registrations):
             amp.policy.table.register(function, category)  # into this Amp's own copy of the table
         amp.policy.refuse_inplace_float = True  # Apex refused x.half().exp_() with NotImplementedError
+        # Apex's O1 is one scope for the whole run with Apex's cache (per grad mode, cleared per scale_loss block):
+        # the Python policy's engine, not torch.autocast's per-scope cache.
+        amp.policy.engine = "mode"
     _amp_state.amp = amp
     _amp_state.enabled = True
     _amp_state.loss_scalers = [ScalerView(amp, i) for i in range(num_losses)]

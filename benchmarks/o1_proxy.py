@@ -1,0 +1,286 @@
+"""The O1 engine against torch.autocast, per training step of a host-bound model: the CPU proxy of issue 25's GPU goals.
+
+The model is plugin_overhead.py's: CIFAR ResNet-18's topology (62 parameter tensors, 21 batch norms) at a tiny width
+(``--width 2``) on a 2x3x8x8 batch, so a step costs Python and dispatch, as the real ResNet-18 and GPT-2 steps do on
+an H100 (host share 0.99). Its ops (convolutions, batch norm, ReLU, residual adds, a mean, a linear head, cross
+entropy) get the same dtypes from O1's default table as from ``torch.autocast`` on either device, so each pair below
+compares engines doing the same arithmetic. Rows (``--variants`` picks a subset):
+
+* ``loop-autocast``: a hand-written AdamW loop in ``torch.autocast`` (``GradScaler`` for float16): the core rows'
+  reference;
+* ``core-O1``: the ``Amp`` loop at O1 with the default table (on CPU the table differs from CPU autocast's narrow
+  lists, see tests/test_autocast_agreement.py, so the scope pushes the Python mode for those functions);
+* ``core-O1-aligned``: the same with ``CastTable.autocast_aligned(device)`` (no difference, no mode: autocast alone);
+* ``core-O1-mode``: the same with ``engine="mode"`` (the Python policy casting every call: the engine before);
+* ``bf16-mixed`` (``16-mixed`` with ``--device cuda``): ``Trainer.fit`` with Lightning's own AMP: the plugin rows'
+  reference;
+* ``plugin-O1``, ``plugin-O1-aligned``, ``plugin-O2``: ``Trainer.fit`` with ``MixedPrecisionPlugin`` (same Trainer).
+
+Method (plugin_overhead.py's): one run is ``--warmup`` + ``--steps`` steps in a fresh model; a step is the clock from
+one batch start to the next (process CPU time on CPU, wall time with a sync on CUDA); each run is summarised by the
+20th percentile of its steps; every variant runs once per repeat, the order rotated, ``--repeats`` times; a ratio is
+taken within each repeat and the median (min, max) over repeats reported. The goal of issue 25: each ratio <= 1.03.
+
+``--instructions N`` counts instead, for the core rows only (``loop-autocast`` and the ``core-O1`` rows): each runs
+in its own process under ``valgrind --tool=callgrind`` twice, with ``--warmup`` steps and then with ``N`` more, and
+the difference over ``N`` is its instructions per step (the whole step: forward, backward, optimizer, Amp's
+bookkeeping). Unlike time, the count does not move with the load of a shared machine.
+
+    python benchmarks/o1_proxy.py [--device cpu|cuda] [--steps 60] [--warmup 15] [--repeats 6] [--out PATH]
+    python benchmarks/o1_proxy.py --instructions 20 [--warmup 5] [--jobs 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _harness  # noqa: E402
+import step  # noqa: E402
+from plugin_overhead import BLOCKS, _quiet, _Timer  # noqa: E402
+from step import ModelSpec, build_model, make_batches  # noqa: E402
+
+CORE = ("loop-autocast", "core-O1", "core-O1-aligned", "core-O1-mode")
+TRAINER = ("reference", "plugin-O1", "plugin-O1-aligned", "plugin-O2")
+VARIANTS = CORE + TRAINER
+#: (row, its reference): the ratios the goal is about.
+PAIRS = (
+    ("core-O1", "loop-autocast"),
+    ("core-O1-aligned", "loop-autocast"),
+    ("core-O1-mode", "loop-autocast"),
+    ("plugin-O1", "reference"),
+    ("plugin-O1-aligned", "reference"),
+    ("plugin-O2", "reference"),
+)
+GOAL = 1.03
+
+
+def half_dtype(device: str) -> torch.dtype:
+    return torch.float16 if device == "cuda" else torch.bfloat16
+
+
+def reference_name(device: str) -> str:
+    return "16-mixed" if device == "cuda" else "bf16-mixed"
+
+
+def _table(variant: str, device: str) -> Any:
+    from lightning_mpx import CastTable
+
+    return CastTable.autocast_aligned(device) if variant.endswith("-aligned") else None
+
+
+def run_loop(variant: str, spec: ModelSpec, batches: list[Any], total: int, device: str, clock: str) -> list[float]:
+    from lightning_mpx import Amp
+
+    torch.manual_seed(0)
+    net = build_model("resnet", spec).to(device)
+    timer = _Timer(torch.cuda.synchronize if device == "cuda" else (lambda: None), clock)
+    dtype = half_dtype(device)
+    if variant == "loop-autocast":
+        one, _ = step.loop_step("autocast", net, device, dtype)
+    else:
+        amp = Amp("O1", half_dtype=dtype, on_floor="continue", cast_table=_table(variant, device))
+        if variant == "core-O1-mode":
+            amp.policy.engine = "mode"
+        net = amp.prepare_model(net)
+        optimizer = amp.prepare_optimizer(torch.optim.AdamW(net.parameters(), lr=1e-3))
+
+        def one(x: Any, y: Any) -> None:
+            with amp.forward_context():
+                loss = step._loss(net(x), y)
+            amp.backward(loss)
+            amp.step(optimizer)
+            amp.update()
+            optimizer.zero_grad(set_to_none=True)
+
+    loader = iter(step.ListDataset(batches, total))
+    for _ in range(total):
+        timer.mark()
+        one(*next(loader))
+    timer.mark()
+    return timer.step_times()
+
+
+def run_trainer(variant: str, spec: ModelSpec, batches: list[Any], total: int, device: str, clock: str
+                ) -> list[float]:
+    import lightning.pytorch as pl
+
+    from lightning_mpx import MixedPrecisionPlugin
+
+    torch.manual_seed(0)
+    net = build_model("resnet", spec)
+    timer = _Timer(torch.cuda.synchronize if device == "cuda" else (lambda: None), clock)
+
+    class Mark(pl.Callback):
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            timer.mark()
+
+        def on_train_end(self, trainer: Any, module: Any) -> None:
+            timer.mark()
+
+    if variant == "reference":
+        kwargs: dict[str, Any] = {"precision": reference_name(device)}
+    else:
+        level = variant.split("-")[1]
+        kwargs = {"plugins": [MixedPrecisionPlugin(level, half_dtype=half_dtype(device), on_floor="continue",
+                                                   cast_table=_table(variant, device))]}
+    with _quiet():
+        step.fit(net, batches, total, device, [Mark()], False, **kwargs)
+    return timer.step_times()
+
+
+def _count(variant: str, steps: int, warmup: int, width: int, workdir: Path) -> int:
+    """Instructions of one child process (warm-up, then ``steps`` steps of ``variant``) under callgrind."""
+    out = workdir / f"{variant}-{steps}.callgrind"
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    done = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, __file__,
+                           "--_child", variant, str(steps), str(warmup), str(width)],
+                          capture_output=True, text=True, env=env, timeout=3600)  # fmt: skip
+    match = re.search(r"Collected\s*:\s*(\d+)", done.stderr)
+    if done.returncode != 0 or match is None:
+        raise RuntimeError(f"{variant}: valgrind exited {done.returncode}:\n{done.stderr[-2000:]}")
+    out.unlink(missing_ok=True)
+    return int(match.group(1))
+
+
+def instructions(args: argparse.Namespace) -> dict[str, Any]:
+    """Instructions per step of the core rows, each against the autocast loop."""
+    variants = [v for v in CORE if v in args.variants] or list(CORE)
+    if "loop-autocast" not in variants:
+        variants.insert(0, "loop-autocast")
+    jobs = [(v, n) for v in variants for n in (0, args.instructions)]
+    with tempfile.TemporaryDirectory(prefix="o1-proxy-cg-") as tmp, ThreadPoolExecutor(args.jobs) as pool:
+        counts = dict(zip(jobs, pool.map(lambda j: _count(j[0], j[1], args.warmup, args.width, Path(tmp)), jobs)))
+    per_step = {v: (counts[(v, args.instructions)] - counts[(v, 0)]) / args.instructions for v in variants}
+    base = per_step["loop-autocast"]
+    rows = [{"row": v, "instructions_per_step": per_step[v], "over_loop_autocast": per_step[v] / base}
+            for v in variants]
+    table = _harness.markdown_table(["row", "instructions/step", "/ loop-autocast"],
+                                    [[r["row"], f"{r['instructions_per_step']:,.0f}", f"{r['over_loop_autocast']:.4f}x"]
+                                     for r in rows])
+    print(f"instructions per step (callgrind, {args.instructions} steps after {args.warmup}):\n{table}")
+    return {"rows": rows, "table": table}
+
+
+def _child(variant: str, steps: int, warmup: int, width: int) -> None:
+    torch.set_num_threads(1)
+    spec = ModelSpec(batch=2, image=8, width=width, blocks=BLOCKS)
+    run_loop(variant, spec, make_batches("resnet", spec, 8, torch.device("cpu")), warmup + steps, "cpu", "cpu")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    raw = sys.argv[1:] if argv is None else argv
+    if raw[:1] == ["--_child"]:
+        _child(raw[1], int(raw[2]), int(raw[3]), int(raw[4]))
+        return {}
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--steps", type=int, default=60, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=15, help="untimed steps at the start of every run")
+    parser.add_argument("--repeats", type=int, default=6, help="runs of every variant, the order rotated")
+    parser.add_argument("--width", type=int, default=2, help="channels of the first stage (ResNet-18: 64)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--instructions", type=int, default=0, metavar="N",
+                        help="count instructions per step of the core rows over N steps (callgrind) instead of timing")
+    parser.add_argument("--jobs", type=int, default=2, help="--instructions: valgrind processes at once")
+    parser.add_argument("--label", default="")
+    parser.add_argument("--out", type=Path, default=_harness.default_out("o1_proxy"))
+    args = parser.parse_args(argv)
+    if args.steps < 5 or args.warmup < 0 or args.repeats < 1 or args.width < 1:
+        parser.error(f"--steps={args.steps} must be at least 5, --warmup={args.warmup} at least 0, "
+                     f"--repeats={args.repeats} and --width={args.width} at least 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA device and none is available; use --device cpu")
+    clock = "wall" if args.device == "cuda" else "cpu"
+    if args.instructions:
+        if args.device != "cpu":
+            parser.error("--instructions counts on CPU only (valgrind)")
+        counted = instructions(args)
+        result = {"benchmark": "o1_proxy_instructions", "label": args.label, "command": _harness.command(argv),
+                  **_harness.machine("cpu"), "width": args.width, "steps": args.instructions, "warmup": args.warmup,
+                  "rows": counted["rows"]}
+        _harness.save(args.out, result, {"instructions per step": counted["table"]})
+        return result
+    variants = list(dict.fromkeys(
+        [ref for row, ref in PAIRS if row in args.variants and ref not in args.variants] + args.variants))
+    torch.set_num_threads(args.threads)
+    spec = ModelSpec(batch=2, image=8, width=args.width, blocks=BLOCKS)
+    batches = make_batches("resnet", spec, 8, torch.device(args.device))
+    total = args.warmup + args.steps + 1
+    machine = _harness.machine(args.device)
+    ref = reference_name(args.device)
+    shown = {v: ref if v == "reference" else v for v in VARIANTS}
+
+    def run(variant: str, steps: int) -> list[float]:
+        runner = run_trainer if variant in TRAINER else run_loop
+        return runner(variant, spec, batches, steps, args.device, clock)
+
+    def timed(variant: str) -> Callable[[], float]:
+        def once() -> float:
+            gc.collect()
+            ms = [t * 1e3 for t in run(variant, total)[args.warmup:]]
+            return statistics.quantiles(ms, n=5)[0]
+
+        return once
+
+    def progress(index: int, samples: dict[str, list[float]]) -> None:
+        print(f"repeat {index + 1}/{args.repeats} (p20 ms): "
+              + ", ".join(f"{shown[v]} {samples[v][-1]:.3f}" for v in variants), flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="o1-proxy-"):
+        for variant in variants:  # imports and first-call set-up: not timed
+            run(variant, 6)
+        samples = _harness.interleave({v: timed(v) for v in variants}, args.repeats, after_round=progress)
+    rows = []
+    for row, base in PAIRS:
+        if row in samples and base in samples:
+            ratios = [a / b for a, b in zip(samples[row], samples[base])]
+            rows.append({"row": shown[row], "reference": shown[base], "ratio": statistics.median(ratios),
+                         "min": min(ratios), "max": max(ratios), "ratios": ratios,
+                         "row_ms": statistics.median(samples[row]), "reference_ms": statistics.median(samples[base]),
+                         "meets_goal": statistics.median(ratios) <= GOAL})
+    tables = {"ratios within a repeat (p20 of each run's steps)": _harness.markdown_table(
+        ["row", "reference", "row ms", "reference ms", "ratio", "min", "max", f"<= {GOAL}"],
+        [[r["row"], r["reference"], f"{r['row_ms']:.3f}", f"{r['reference_ms']:.3f}", f"{r['ratio']:.3f}",
+          f"{r['min']:.3f}", f"{r['max']:.3f}", "yes" if r["meets_goal"] else "no"] for r in rows])}
+    print(f"lightning_mpx from {machine['package_path']}; {args.device}, {clock} clock, {args.repeats} repeats of "
+          f"{args.steps} steps, load {machine['loadavg']}")
+    for title, text in tables.items():
+        print(f"\n{title}:\n{text}")
+    result = {
+        "benchmark": "o1_proxy",
+        "label": args.label,
+        "command": _harness.command(argv),
+        **machine,
+        "half_dtype": str(half_dtype(args.device)).removeprefix("torch."),
+        "reference": ref,
+        "clock": clock,
+        "loadavg": [machine["loadavg"], _harness.load_average()],
+        "model": {"blocks": list(BLOCKS), "width": args.width, "batch": 2, "image": 8},
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "samples_ms": {shown[v]: samples[v] for v in variants},
+        "rows": rows,
+        "goal": GOAL,
+    }
+    _harness.save(args.out, result, tables)
+    return result
+
+
+if __name__ == "__main__":
+    main()
