@@ -171,7 +171,9 @@ class CastPolicy:
         self._no_grad_cache.clear()
         device = self._autocast_device
         if device is None:
-            with _CastMode(self):
+            # An autocast around this scope (another policy's autocast engine, or the user's own torch.autocast)
+            # would cast the half arguments this policy made to its own dtype: the innermost policy decides.
+            with _outer_autocast_off(), _CastMode(self):
                 yield self
             return
         with torch.autocast(device, dtype=self.half_dtype, cache_enabled=self.cache_casts):
@@ -660,6 +662,16 @@ def _action_of(policy: CastPolicy, func: Callable[..., Any], stamp: int) -> int:
 
 # What torch.compiler.assume_constant_result(_action_of) sets, without importing dynamo (seconds) at import time.
 _action_of._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def _outer_autocast_off() -> Iterator[None]:
+    """``torch.autocast(device, enabled=False)`` for each device whose autocast is on (none: nothing entered)."""
+    with contextlib.ExitStack() as stack:
+        for device in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
 
 
 class _CastMode(TorchFunctionMode):
