@@ -284,7 +284,9 @@ def _foreach(
     if stats is not None:
         _foreach_stats(grads, stats, found_inf.device)  # before the unscale: the scaled values
     targets = list(grads if out is None else out)
-    if out is not None:
+    # `out` naming the gradients themselves (O1: no masters) is the in-place case: a copy of each into itself
+    # would change nothing (one C-level identity check instead of a grouping and a copy per gradient).
+    if out is not None and not all(map(operator.is_, grads, targets)):
         for src, dst in _grouped_pairs(grads, targets):
             torch._foreach_copy_(dst, src)
     norms: list[torch.Tensor] = []
