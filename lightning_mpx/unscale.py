@@ -38,6 +38,8 @@ Tensors = Sequence[torch.Tensor]
 
 _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 _IS_CUDA = operator.attrgetter("is_cuda")
+_DEVICE = operator.attrgetter("device")
+_DTYPE = operator.attrgetter("dtype")
 
 
 @dataclass
@@ -417,6 +419,11 @@ def _global_norm(norms: list[torch.Tensor], device: torch.device) -> torch.Tenso
 
 
 def _grouped(tensors: Tensors) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    # The usual case, every tensor on one device in one dtype, is one group, found with C-level maps rather than
+    # a Python call per tensor.
+    if tensors and len(set(map(_DTYPE, tensors))) == 1 and len(set(map(_DEVICE, tensors))) == 1:
+        first = tensors[0]
+        return {(first.device, first.dtype): list(tensors)}
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for tensor in tensors:
         groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
