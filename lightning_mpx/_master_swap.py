@@ -10,6 +10,7 @@ state-dict call, and says where the unscaled gradients go. Plain functions over 
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -18,6 +19,7 @@ from lightning_mpx._stages import _OptimizerState, optimizer_params
 from lightning_mpx.master_weights import MasterWeights, Mirror
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
+_IS_SPARSE = operator.attrgetter("is_sparse")
 
 
 def master_for(master_weights: Sequence[MasterWeights], param: torch.Tensor) -> torch.Tensor | None:
@@ -133,16 +135,16 @@ def grad_pairs(
     gets none either, so the optimizer never steps it on an old one. ``refuse_sparse(param)`` raises for a
     parameter with a sparse gradient.
     """
-    sources: list[torch.Tensor] = []
-    targets: list[torch.Tensor] = []
     if not master_weights:  # every parameter holds its own gradient, unscaled in place
-        for param in optimizer_params(state.optimizer):
-            grad = param.grad
-            if grad is not None:
-                if grad.is_sparse:
+        groups = state.optimizer.param_groups
+        sources = [grad for group in groups for param in group["params"] if (grad := param.grad) is not None]
+        if any(map(_IS_SPARSE, sources)):  # rare: the parameters are looked up only then
+            for param in optimizer_params(state.optimizer):
+                if param.grad is not None and param.grad.is_sparse:
                     refuse_sparse(param)
-                sources.append(grad)
         return sources, list(sources)
+    sources = []
+    targets: list[torch.Tensor] = []
     for param, master in param_pairs(state, master_weights):
         grad = param.grad
         if grad is None:
