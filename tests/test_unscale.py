@@ -106,3 +106,25 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match=r"max_norm=-1.0 must be a positive number"):
         unscale_grads_([torch.ones(1)], _inv(1.0), torch.zeros(()), max_norm=-1.0)
     assert set(BACKENDS) >= {"auto", "foreach", "reference"}
+
+
+@pytest.mark.parametrize("aliased", ["all", "some"])
+def test_out_naming_the_gradients_themselves_matches_reference(aliased):
+    """``out`` holding the gradients themselves (O1, no masters: all of them; O2 with FP32 parameters: some),
+    across two dtypes: the foreach backend gives the reference's values and flag bit for bit, and its norm."""
+    results = {}
+    for backend in ("foreach", "reference"):
+        grads = _grads(torch.float32) + _grads(torch.bfloat16, seed=1)
+        grads[2][1] = float("inf") if aliased == "some" else grads[2][1]
+        if aliased == "all":
+            out = list(grads)
+        else:  # the half gradients go to FP32 masters, the FP32 ones stay in place
+            out = [g if g.dtype == torch.float32 else torch.empty(g.shape) for g in grads]
+        found = torch.zeros(())
+        norm = unscale_grads_(grads, _inv(1024.0), found, out=out, compute_norm=True, backend=backend)
+        results[backend] = (out, found.item(), norm)
+    (a, fa, na), (b, fb, nb) = results["foreach"], results["reference"]
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert fa == fb == (1.0 if aliased == "some" else 0.0)
+    torch.testing.assert_close(na, nb, rtol=1e-6, atol=0, equal_nan=True)
