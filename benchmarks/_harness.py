@@ -258,6 +258,22 @@ def markdown_table(columns: Sequence[str], rows: Iterable[Sequence[Any]], *, ali
     return "\n".join([line(columns), "| " + " | ".join(rules) + " |", *(line(r) for r in body)])
 
 
+def run_child(cmd: Sequence[str], what: str, timeout: float) -> dict[str, Any]:
+    """Run a script's child process (``cmd``: the interpreter, the script, its arguments) with the repository on
+    ``PYTHONPATH`` and warnings off, and return the last JSON object it printed. Raises ``RuntimeError`` naming
+    ``what`` with the end of its stderr when it fails or prints none, ``subprocess.TimeoutExpired`` past ``timeout``."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    done = subprocess.run(list(cmd), capture_output=True, text=True, env=env, timeout=timeout)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"{what} failed (exit {done.returncode}):\n{tail}")
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
 def write_json(path: Path, result: Any, **dumps_kwargs: Any) -> None:
     """Write ``result`` as indented JSON to ``path`` (creating its folder) and say where it went."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -178,16 +178,7 @@ def run_child(variant: str, size: str, steps: int, warmup: int, device: str) -> 
 def _spawn(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--_child", variant, "--size", args.size, "--steps",
            str(args.steps), "--warmup", str(args.warmup), "--device", args.device]  # fmt: skip
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("PYTHONWARNINGS", "ignore")
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.child_timeout)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        tail = "\n".join(done.stderr.strip().splitlines()[-15:])
-        raise RuntimeError(f"variant {variant} failed (exit {done.returncode}):\n{tail}")
-    return json.loads(lines[-1])
+    return _harness.run_child(cmd, f"variant {variant}", args.child_timeout)
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:

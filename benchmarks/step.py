@@ -40,7 +40,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -503,16 +502,7 @@ def _spawn(variant: str, kind: str, args: argparse.Namespace, steps: int) -> dic
         sys.executable, os.path.abspath(__file__), "--_child", variant, "--model", kind, "--size", args.size,
         "--steps", str(steps), "--warmup", str(args.warmup), "--device", args.device, "--threads", str(args.threads),
     ]  # fmt: skip
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("PYTHONWARNINGS", "ignore")
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.child_timeout)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        tail = "\n".join(done.stderr.strip().splitlines()[-15:])
-        raise RuntimeError(f"variant {variant} on {kind} failed (exit {done.returncode}):\n{tail}")
-    return json.loads(lines[-1])
+    return _harness.run_child(cmd, f"variant {variant} on {kind}", args.child_timeout)
 
 
 def combine(samples: list[dict[str, Any]], batch: int) -> dict[str, Any]:

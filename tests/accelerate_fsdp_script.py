@@ -32,6 +32,7 @@ from lightning_mpx import Amp
 from lightning_mpx._sharding import local_tensor
 from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
 from tests.accelerate_helpers import reset_accelerate_state
+from tests.launch import launch_ranks
 
 POISON_AT = 3
 MAX_NORM = 0.5
@@ -267,26 +268,9 @@ def resume(version: int, level: str, dtype: str, steps: int, checkpoint: str) ->
     }
 
 
-def launch() -> int:
-    """Start this script as ranks 0 and 1 (the test runs it once); a rank that fails or hangs fails the launch."""
-    import socket
-    import subprocess
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen([sys.executable, __file__], env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(2)
-    ]
-    codes = [p.wait() for p in procs]  # the test's timeout kills the whole process group on a hang
-    return max(codes)
-
-
 def main() -> int:
     if "RANK" not in os.environ:
-        return launch()
+        return launch_ranks(__file__, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     out_dir = os.environ["MPX_OUT"]
     rank = int(os.environ["RANK"])
     jobs = [("case", c) for c in os.environ.get("MPX_CASES", "").split(",") if c]

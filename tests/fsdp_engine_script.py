@@ -19,6 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from lightning_mpx import Amp
 from lightning_mpx._sharding import local_tensor
+from tests.launch import launch_ranks
 
 POISON_AT = 3
 MAX_NORM = 0.5
@@ -127,28 +128,9 @@ def train(level, half_dtype, steps, *, rank, world, sharded, reference_fp32=Fals
     return out
 
 
-def launch() -> int:
-    """Start this script as ranks 0 and 1 (the test runs it once); a rank that fails or hangs fails the launch."""
-    import socket
-    import subprocess
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__],
-            env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
-        )
-        for r in range(2)
-    ]
-    codes = [p.wait() for p in procs]  # the test's timeout kills the whole process group on a hang
-    return max(codes)
-
-
 def main() -> int:
     if "RANK" not in os.environ:
-        return launch()
+        return launch_ranks(__file__)
     out_dir = os.environ["MPX_OUT"]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -9,7 +9,6 @@ sharded FP32 parameters are the master weights, the half compute copies are free
 import gc
 import json
 import os
-import socket
 import sys
 
 import torch
@@ -20,6 +19,7 @@ from torch import nn
 
 from lightning_mpx import Amp, MixedPrecisionSettings
 from lightning_mpx.fsdp import check_sharded_model, shard_model
+from tests.launch import free_port
 
 WIDTH, LAYERS, STEPS, WORLD = 256, 4, 5, 2
 
@@ -87,10 +87,7 @@ def worker(rank: int, port: int, out: str) -> None:
 
 
 def main() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, os.environ["MPX_OUT"]), nprocs=WORLD, join=True)
+    mp.spawn(worker, args=(free_port(), os.environ["MPX_OUT"]), nprocs=WORLD, join=True)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -40,3 +41,23 @@ def run_script(name: str, out: Path, *, timeout: float, **env: str) -> None:
 def rank_results(out: Path, prefix: str = "", world_size: int = 2) -> list[dict[str, Any]]:
     """What each rank wrote to ``out/{prefix}rank{r}.json``, by rank."""
     return [json.loads((out / f"{prefix}rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a process group's ``MASTER_PORT``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch_ranks(script: str, world_size: int = 2, **env: str) -> int:
+    """Run ``script`` once per rank with torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) plus ``env``; returns the worst exit code. A script the
+    test runs once calls this when ``RANK`` is not set; the test's timeout kills the whole process group on a hang."""
+    common = dict(os.environ, WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), **env)  # fmt: skip
+    procs = [
+        subprocess.Popen([sys.executable, script], env=dict(common, RANK=str(r), LOCAL_RANK=str(r)))
+        for r in range(world_size)
+    ]
+    return max(p.wait() for p in procs)
