@@ -13,6 +13,8 @@ not depend on the number of ranks, only the shards do). Rows:
 
 * ``O1 gather=half``: ``shard_model(model, Amp("O1"))`` and the cast policy (the default);
 * ``O1 gather=fp32``: the same with ``gather="fp32"`` (Apex-exact O1);
+* ``O2``: ``shard_model(model, Amp("O2"))``: FP32 shards gathered in half (the half compute copies are FSDP's
+  gathered parameters, freed after each block and regathered for the backward);
 * ``fsdp + autocast``: ``fully_shard`` per block and root, FP32 parameters, ``torch.autocast`` (Lightning's FSDP2
   "bf16-mixed").
 
@@ -69,9 +71,9 @@ def measure(width: int, layers: int, batch: int, half_dtype: str) -> list[dict[s
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(1))
     fp32_bytes = sum(p.numel() * 4 for p in _model(width, layers).parameters())
     rows = []
-    for gather in ("half", "fp32"):
+    for level, gather in (("O1", "half"), ("O1", "fp32"), ("O2", "half")):
         model = _model(width, layers)
-        amp = Amp("O1", half_dtype=half_dtype)
+        amp = Amp(level, half_dtype=half_dtype)
         shard_model(model, amp, blocks=list(model)[:-1], gather=gather)
         amp.prepare_model(model)
 
@@ -79,7 +81,8 @@ def measure(width: int, layers: int, batch: int, half_dtype: str) -> list[dict[s
             with amp.forward_context():
                 return model(inp)
 
-        rows.append({"variant": f"O1 gather={gather}", "saved_bytes": _saved_bytes(model, forward, x)})
+        name = f"O1 gather={gather}" if level == "O1" else "O2"
+        rows.append({"variant": name, "saved_bytes": _saved_bytes(model, forward, x)})
     model = _model(width, layers)
     for block in list(model)[:-1]:
         fully_shard(block)
