@@ -13,6 +13,7 @@ copies, so the sum counts it once (:meth:`Sharding.weight`).
 
 from __future__ import annotations
 
+import weakref
 from typing import Iterable, Sequence
 
 import torch
@@ -86,13 +87,26 @@ class Sharding:
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.shards: set[int] = set(_fsdp1_shards(module))
+        # Each parameter's weight, asked on every clipping step: placements and shards do not change after sharding.
+        # By id, with a weak reference that tells a reused id from the parameter itself (a tensor's == is elementwise,
+        # so tensors cannot be dictionary keys by value).
+        self._weights: dict[int, tuple[weakref.ref[torch.Tensor], float]] = {}
 
     def add_model(self, module: nn.Module) -> None:
         """Take in the FSDP1 shards of another prepared model."""
         self.shards.update(_fsdp1_shards(module))
+        self._weights.clear()
 
     def weight(self, param: torch.Tensor) -> float:
         """One over the number of ranks that hold the same values of ``param``'s gradient (1 for a shard)."""
+        known = self._weights.get(id(param))
+        if known is not None and known[0]() is param:
+            return known[1]
+        weight = self._weight(param)
+        self._weights[id(param)] = (weakref.ref(param), weight)
+        return weight
+
+    def _weight(self, param: torch.Tensor) -> float:
         dtensor = _dtensor_type()
         if dtensor is not None and isinstance(param, dtensor):
             copies = 1
