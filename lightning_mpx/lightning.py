@@ -106,7 +106,7 @@ class MixedPrecisionPlugin(FSDPPrecision):
         # FSDP2: shard in configure_model with the level's per-module policies
         class Model(LightningModule):
             def configure_model(self):
-                shard_model(self, self.trainer.precision_plugin, mesh=self.device_mesh["data_parallel"])
+                shard_model(self.model, self.trainer.precision_plugin, mesh=self.device_mesh["data_parallel"])
 
         Trainer(strategy=ModelParallelStrategy(), plugins=[MixedPrecisionPlugin("O2")])
         Trainer(strategy="fsdp", plugins=[MixedPrecisionPlugin("O2")])  # FSDP1: Lightning wraps the model
@@ -244,7 +244,7 @@ class MixedPrecisionPlugin(FSDPPrecision):
                 if not is_sharded(model):
                     raise ValueError(
                         f"strategy={type(trainer.strategy).__name__}: the model has no FSDP module. Shard it in "
-                        "the LightningModule's configure_model: lightning_mpx.fsdp.shard_model(self, "
+                        "the LightningModule's configure_model: lightning_mpx.fsdp.shard_model(self.model, "
                         "self.trainer.precision_plugin, mesh=self.device_mesh['data_parallel'])."
                     )
                 self.amp.prepare_model(model, train=trainer.state.fn == "fit")
