@@ -18,6 +18,8 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
+import weakref
 from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 import torch
@@ -29,6 +31,7 @@ from lightning_mpx._overflow import Overflows, floor_hint
 from lightning_mpx._sharding import Sharding, is_sharded
 from lightning_mpx._stages import _OptimizerState, _Stage, loss_index
 from lightning_mpx._step_machine import StepMachine
+from lightning_mpx.cast_lists import AUTOCAST_ACTIONS
 from lightning_mpx.cast_policy import CastPolicy
 from lightning_mpx.cast_table import CastTable
 from lightning_mpx.forensics import OverflowForensics, OverflowRecord
@@ -104,6 +107,15 @@ class Amp:
         self.model_writes = settings.model_writes
         self.properties: Properties = settings.properties
         self.policy: CastPolicy | None = _policy(settings)
+        # O1 with no table given: the table of the device of the first model prepared (CastTable.for_device), picked
+        # at the first forward (frameworks move the model to its device after converting it), as long as nobody
+        # changed the policy's own default table or engine before then.
+        self._device_table: tuple[CastTable, int] | None = (
+            (self.policy.table, self.policy.table._version) if self.policy is not None
+            and settings.cast_table is None and self.properties.patch_torch_functions else None
+        )
+        self._device_model: weakref.ref[nn.Module] | None = None
+        self._device_pending = self.policy is not None and self.properties.patch_torch_functions
         self.scalers: list[LossScaler] = [
             LossScaler.from_settings(self.properties.loss_scale, settings.scaler) for _ in range(settings.num_losses)
         ]
@@ -234,6 +246,8 @@ class Amp:
             raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module.")
         if not isinstance(train, bool):
             raise TypeError(f"train={train!r} must be True or False.")
+        if self._device_pending and self._device_model is None:
+            self._device_model = weakref.ref(module)  # its device is read at the first forward
         if is_sharded(module):
             self._prepare_sharded(module)
             return module
@@ -255,6 +269,22 @@ class Amp:
         if props.master_weights and train:
             self._masters.add_model(module, self._names, prefix)
         return module
+
+    def _adopt_device(self) -> None:
+        """At the first forward: point the O1 policy at the device of the first model prepared, its
+        ``torch.autocast`` device and, when no table was given, that device's table (:meth:`CastTable.for_device`:
+        on CUDA, autocast's dispatch alone). A table the user changed, or an engine set by hand, is left as it is."""
+        policy, module = self.policy, self._device_model() if self._device_model is not None else None
+        self._device_pending, self._device_model = False, None
+        device = _device_type(module) if module is not None else None
+        if policy is None or device not in AUTOCAST_ACTIONS:  # no tensors, or a device autocast is not run on
+            return
+        if policy.device_type is None:
+            policy.device_type = device
+        untouched, self._device_table = self._device_table, None
+        if (untouched is not None and (policy.table, policy.table._version) == untouched and policy.engine == "auto"
+                and policy.device_type == device):
+            policy.table = CastTable.for_device(device)
 
     def _prepare_sharded(self, module: nn.Module) -> None:
         from lightning_mpx.fsdp import check_sharded_model
@@ -308,6 +338,8 @@ class Amp:
     def forward_context(self) -> ContextManager[Any]:
         """The scope of a forward pass: the cast policy at O1; at O2, a policy that runs loss functions called inside
         the model in FP32; nothing otherwise."""
+        if self._device_pending and self._device_model is not None:
+            self._adopt_device()
         return self.policy.scope() if self.policy is not None else contextlib.nullcontext()
 
     def cast_inputs(self, data: Any) -> Any:
@@ -496,6 +528,14 @@ def _policy(settings: MixedPrecisionSettings) -> CastPolicy | None:
         return CastPolicy(settings.cast_table, props.half_dtype, allow_banned=settings.allow_banned)
     if props.casts_model and props.master_weights:
         return CastPolicy(CastTable.default_o2(), props.half_dtype, allow_banned=True)
+    return None
+
+
+def _device_type(module: nn.Module) -> str | None:
+    """The device type of ``module``'s first floating parameter or buffer (a DTensor's local device), or ``None``."""
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if tensor.is_floating_point():
+            return tensor.device.type
     return None
 
 

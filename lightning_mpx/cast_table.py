@@ -84,6 +84,24 @@ class CastTable:
         return cls.from_data(DEFAULT_TABLE)
 
     @classmethod
+    def for_device(cls, device_type: str) -> CastTable:
+        """O1's table for a model on ``device_type`` when the user gives none (``Amp`` picks it when the model is
+        prepared).
+
+        On ``"cuda"``: :meth:`default` with every row where it differs from CUDA's ``torch.autocast`` settled
+        autocast's way (:meth:`autocast_aligned`), so O1 runs on ``torch.autocast``'s C++ dispatch with no Python per
+        call. CUDA autocast already runs softmax, sums, norms, exp/log/pow and the losses in FP32; what it does
+        differently from :meth:`default` is listed by ``CastTable.default().autocast_differences("cuda")``: ``std``
+        and ``var`` in the half dtype, FFTs and the ops without half kernels (linear algebra, ``quantile``...) run as
+        given (FP32 inputs stay FP32; half inputs raise where torch has no half kernel), 3-d pooling in half.
+        Elsewhere (``"cpu"`` and any other device): :meth:`default`, whose FP32 rows CPU autocast's narrow lists do
+        not have (softmax, norms, exp/log, sums), applied by the Python policy.
+        """
+        if not isinstance(device_type, str):
+            raise TypeError(f"device_type={device_type!r} must be a device type name such as 'cuda' or 'cpu'.")
+        return cls.autocast_aligned("cuda") if device_type == "cuda" else cls.default()
+
+    @classmethod
     def default_o2(cls) -> CastTable:
         """A new table for the forward pass of a half model (O2): loss functions in FP32, nothing else
         (:data:`~lightning_mpx.cast_lists.O2_TABLE`)."""

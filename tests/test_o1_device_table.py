@@ -1,0 +1,234 @@
+"""O1's table follows the model's device when the user gives none (``CastTable.for_device``).
+
+On CUDA, O1's default is the default table with every difference from CUDA ``torch.autocast`` settled autocast's way,
+so the forward runs on autocast's C++ dispatch with no torch-function mode (issue 25: the mode's Python per call made
+O1 slower than Lightning's "16-mixed" on host-bound steps). Elsewhere the default table and its Python policy stay.
+A table the user gives or changes, and the Apex layer's policy, are left alone. The CUDA tests run in
+``gpu_suite.py tests``; on CPU the device is simulated at the one point where Amp reads it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lightning_mpx.amp as amp_module
+from lightning_mpx import Amp, CastTable, dispatchable
+
+CUDA = torch.cuda.is_available()
+
+
+def _categories(table: CastTable) -> dict:
+    return {entry.function: entry.category for entry in table}
+
+
+def test_the_cuda_table_is_autocast_and_nothing_else_changed():
+    default, cuda = CastTable.default(), CastTable.for_device("cuda")
+    assert cuda.autocast_differences("cuda") == {}
+    differences = default.autocast_differences("cuda")
+    mine, theirs = _categories(default), _categories(cuda)
+    for function, category in mine.items():
+        if function not in differences:
+            assert theirs[function] == category
+    for function, (_, autocast) in differences.items():
+        assert theirs.get(function) == autocast
+    assert differences, "the default table differs from CUDA autocast (tests/test_autocast_agreement.py pins how)"
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "mps", "xpu"])
+def test_other_devices_keep_the_default_table(device_type):
+    assert _categories(CastTable.for_device(device_type)) == _categories(CastTable.default())
+
+
+def test_for_device_names_the_argument():
+    with pytest.raises(TypeError, match="device_type=None"):
+        CastTable.for_device(None)
+
+
+def _mlp():
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4))
+
+
+def test_o1_on_a_cpu_model_keeps_the_python_policy():
+    amp = Amp("O1", half_dtype="bfloat16")
+    model = amp.prepare_model(_mlp())
+    assert amp.policy.engine_in_use == "mode"
+    with amp.forward_context():
+        out = model(torch.randn(2, 8))
+        assert out.dtype == torch.bfloat16
+        assert torch.softmax(out, -1).dtype == torch.float32  # the default table's FP32 row (CPU autocast: bf16)
+
+
+@pytest.fixture
+def on_cuda(monkeypatch):
+    """Amp sees every model as a CUDA model (a CPU machine cannot hold one): the tables and engines it picks."""
+    where = {"device": "cuda"}
+    monkeypatch.setattr(amp_module, "_device_type", lambda module: where["device"])
+    return where
+
+
+def _first_forward(amp):
+    with amp.forward_context():
+        pass
+
+
+def test_o1_on_a_cuda_model_runs_on_autocast_alone(on_cuda):
+    amp = Amp("O1", half_dtype="float16")
+    model = amp.prepare_model(_mlp())
+    _first_forward(amp)
+    assert amp.policy.device_type == "cuda"
+    assert amp.policy.engine_in_use == "autocast:cuda"
+    assert amp.policy.python_functions == ()
+    # A user row registered afterwards goes into the CUDA table and brings the Python policy back (its cost).
+    amp.policy.table.register(torch.outer, "float")
+    assert amp.policy.engine_in_use == "mode"
+
+
+def test_a_table_the_user_gave_or_changed_is_kept(on_cuda):
+    given = CastTable.default()
+    amp = Amp("O1", cast_table=given)
+    model = amp.prepare_model(_mlp())
+    _first_forward(amp)
+    assert amp.policy.table is given and amp.policy.engine_in_use == "mode"
+
+    changed = Amp("O1")
+    changed.policy.table.register(torch.outer, "half")
+    model = changed.prepare_model(_mlp())
+    _first_forward(changed)
+    assert changed.policy.table.entry(torch.outer).category == "half"
+    assert changed.policy.table.entry(torch.std).category == "float"  # still the default table's row
+    assert changed.policy.engine_in_use == "mode"
+
+    by_hand = Amp("O1")
+    by_hand.policy.engine = "mode"
+    model = by_hand.prepare_model(_mlp())
+    _first_forward(by_hand)
+    assert by_hand.policy.table.entry(torch.std).category == "float"
+
+
+def test_the_device_at_the_first_forward_decides(on_cuda):
+    """Lightning and Fabric convert the model before they move it to its device: the device it has when the first
+    forward runs is the one that counts; later models and moves change nothing."""
+    on_cuda["device"] = "cpu"
+    amp = Amp("O1")
+    model = amp.prepare_model(_mlp())
+    assert amp.policy.device_type is None  # not decided yet
+    on_cuda["device"] = "cuda"  # the framework moved it
+    _first_forward(amp)
+    assert amp.policy.device_type == "cuda" and amp.policy.engine_in_use == "autocast:cuda"
+    table = amp.policy.table
+    on_cuda["device"] = "cpu"
+    other = amp.prepare_model(_mlp())
+    _first_forward(amp)
+    assert amp.policy.table is table and amp.policy.device_type == "cuda"
+    del model, other
+
+
+def test_apex_layer_keeps_apex_table(on_cuda):
+    from lightning_mpx.apex import _amp_state
+    from lightning_mpx.apex import amp as apex_amp
+
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        apex_amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+        assert _amp_state.amp.policy.engine_in_use == "mode"
+        assert _amp_state.amp.policy.table.entry(torch.std).category == "float"
+    finally:
+        _amp_state.reset()
+        _amp_state.registrations.clear()
+
+
+def _train(model, steps, forward_context, scaler_step):
+    torch.manual_seed(1)
+    data = [(torch.randn(16, 8), torch.randint(0, 4, (16,))) for _ in range(steps)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for x, y in data:
+        with forward_context():
+            loss = F.cross_entropy(model(x.to(next(model.parameters()).device)),
+                                   y.to(next(model.parameters()).device))
+        scaler_step(loss, optimizer)
+        losses.append(loss.item())
+    return losses, model
+
+
+def test_o1_on_the_aligned_table_trains_as_an_autocast_loop():
+    """bf16 on CPU: O1 with CPU autocast's own choices is a torch.autocast loop, bit for bit (static scale 1)."""
+    torch.manual_seed(0)
+    reference = _mlp()
+    mine = _mlp()
+    mine.load_state_dict(reference.state_dict())
+
+    def plain_step(loss, optimizer):
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    expected, reference = _train(reference, 5, lambda: torch.autocast("cpu", dtype=torch.bfloat16), plain_step)
+    amp = Amp("O1", half_dtype="bfloat16", cast_table=CastTable.autocast_aligned("cpu"))
+    amp.prepare_model(mine)
+    prepared = []
+
+    def amp_step(loss, optimizer):
+        if not prepared:
+            prepared.append(amp.prepare_optimizer(optimizer))
+        amp.backward(loss)
+        amp.step(optimizer)
+        optimizer.zero_grad()
+
+    got, mine = _train(mine, 5, amp.forward_context, amp_step)
+    assert amp.policy.engine_in_use == "autocast:cpu"
+    assert got == expected
+    for a, b in zip(reference.parameters(), mine.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (gpu_suite.py tests runs it)")
+def test_o1_default_on_cuda_is_an_autocast_gradscaler_loop():
+    """fp16 on CUDA with no table given: no torch-function mode in the forward, autocast's dtypes, and the same
+    losses and weights as torch.autocast + GradScaler with the same scaler settings."""
+    torch.manual_seed(0)
+    reference, mine = _mlp().cuda(), _mlp().cuda()
+    mine.load_state_dict(reference.state_dict())
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**16, growth_interval=2000)
+
+    def scaler_step(loss, optimizer):
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+
+    expected, reference = _train(reference, 5, lambda: torch.autocast("cuda", dtype=torch.float16), scaler_step)
+    amp = Amp("O1", half_dtype="float16")
+    amp.prepare_model(mine)
+    assert amp.policy.engine_in_use == "autocast:cuda"
+    with amp.forward_context():
+        assert torch._C._len_torch_function_stack() == 0
+        x = torch.randn(4, 8, device="cuda")
+        assert mine[0](x).dtype == torch.float16
+        assert torch.softmax(mine[0](x), -1).dtype == torch.float32
+        assert mine[1](mine[0](x)).dtype == torch.float32
+
+    prepared = []
+
+    def amp_step(loss, optimizer):
+        if not prepared:
+            prepared.append(amp.prepare_optimizer(optimizer))
+        amp.backward(loss)
+        amp.step(optimizer)
+        optimizer.zero_grad()
+
+    got, mine = _train(mine, 5, amp.forward_context, amp_step)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    for a, b in zip(reference.parameters(), mine.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+    @dispatchable
+    def user_op(t):
+        return t * 2
+
+    amp.policy.table.register(user_op, "float")
+    with amp.forward_context():
+        assert user_op(torch.ones(2, device="cuda", dtype=torch.float16)).dtype == torch.float32
