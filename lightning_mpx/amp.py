@@ -338,8 +338,8 @@ class Amp:
     def forward_context(self) -> ContextManager[Any]:
         """The scope of a forward pass: the cast policy at O1; at O2, a policy that runs loss functions called inside
         the model in FP32; nothing otherwise."""
-        if self._device_pending and self._device_model is not None:
-            self._adopt_device()
+        if self._device_pending and self._device_model is not None and not torch.compiler.is_compiling():
+            self._adopt_device()  # (inside a compiled region it would be traced: the first eager forward does it)
         return self.policy.scope() if self.policy is not None else contextlib.nullcontext()
 
     def cast_inputs(self, data: Any) -> Any:

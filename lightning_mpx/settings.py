@@ -181,8 +181,9 @@ class MixedPrecisionSettings:
             default loss scale is a static 1.0.
         num_losses: Number of losses with a loss scaler each (``loss_id`` 0 to ``num_losses - 1``), as Apex's
             ``num_losses``: a GAN gives its generator and discriminator losses their own scale.
-        cast_table: The table of the O1 policy; a fresh copy of the default when ``None``. Only valid when the
-            policy is on.
+        cast_table: The table of the O1 policy. ``None``: the table of the device the model is on at the first
+            forward (:meth:`CastTable.for_device`: on CUDA, the default settled ``torch.autocast``'s way, which runs
+            with no Python per call; elsewhere :meth:`CastTable.default`). Only valid when the policy is on.
         allow_banned: Run banned ops (``binary_cross_entropy``) in FP32 instead of raising.
         unscale_backend: ``"auto"``, ``"foreach"``, ``"reference"`` or ``"triton"`` (see :mod:`lightning_mpx.unscale`);
             also used for the master-to-model copy at O2.
