@@ -8,9 +8,11 @@ compares engines doing the same arithmetic. Rows (``--variants`` picks a subset)
 
 * ``loop-autocast``: a hand-written AdamW loop in ``torch.autocast`` (``GradScaler`` for float16): the core rows'
   reference;
-* ``core-O1``: the ``Amp`` loop at O1 with the default table (on CPU the table differs from CPU autocast's narrow
-  lists, see tests/test_autocast_agreement.py, so the scope pushes the Python mode for those functions);
-* ``core-O1-aligned``: the same with ``CastTable.autocast_aligned(device)`` (no difference, no mode: autocast alone);
+* ``core-O1``: the ``Amp`` loop at O1 with no table given: ``CastTable.for_device(device)``, which on CUDA is autocast's
+  (no mode) and on CPU the default table (it differs from CPU autocast's narrow lists, see
+  tests/test_autocast_agreement.py, so the scope pushes the Python mode);
+* ``core-O1-aligned``: the same with ``CastTable.autocast_aligned(device)`` (no difference, no mode: autocast alone):
+  on CPU, the engine that O1 runs by default on CUDA, so the CPU row that stands for the GPU default;
 * ``core-O1-mode``: the same with ``engine="mode"`` (the Python policy casting every call: the engine before);
 * ``bf16-mixed`` (``16-mixed`` with ``--device cuda``): ``Trainer.fit`` with Lightning's own AMP: the plugin rows'
   reference;
@@ -21,13 +23,13 @@ one batch start to the next (process CPU time on CPU, wall time with a sync on C
 20th percentile of its steps; every variant runs once per repeat, the order rotated, ``--repeats`` times; a ratio is
 taken within each repeat and the median (min, max) over repeats reported. The goal of issue 25: each ratio <= 1.03.
 
-``--instructions N`` counts instead, for the core rows only (``loop-autocast`` and the ``core-O1`` rows): each runs
-in its own process under ``valgrind --tool=callgrind`` twice, with ``--warmup`` steps and then with ``N`` more, and
-the difference over ``N`` is its instructions per step (the whole step: forward, backward, optimizer, Amp's
-bookkeeping). Unlike time, the count does not move with the load of a shared machine.
+``--instructions N`` counts instead (the core rows by default; ``--variants`` adds the Trainer rows, each against
+``bf16-mixed``): each row runs in its own process under ``valgrind --tool=callgrind`` twice, with ``--warmup`` steps
+and then with ``N`` more, and the difference over ``N`` is its instructions per step (the whole step: forward,
+backward, optimizer, Amp's bookkeeping; for the Trainer rows, Lightning's loop too). Unlike time, the count does not move with the load of a shared machine.
 
     python benchmarks/o1_proxy.py [--device cpu|cuda] [--steps 60] [--warmup 15] [--repeats 6] [--out PATH]
-    python benchmarks/o1_proxy.py --instructions 20 [--warmup 5] [--jobs 2]
+    python benchmarks/o1_proxy.py --instructions 20 [--warmup 5] [--jobs 2] [--variants ...]
 """
 
 from __future__ import annotations
@@ -157,20 +159,25 @@ def _count(variant: str, steps: int, warmup: int, width: int, workdir: Path) -> 
 
 
 def instructions(args: argparse.Namespace) -> dict[str, Any]:
-    """Instructions per step of the core rows, each against the autocast loop."""
-    variants = [v for v in CORE if v in args.variants] or list(CORE)
-    if "loop-autocast" not in variants:
-        variants.insert(0, "loop-autocast")
+    """Instructions per step of the chosen rows, each against its reference (the core rows against the autocast
+    loop, the Trainer rows against Lightning's "bf16-mixed" on the same Trainer)."""
+    variants = [v for v in VARIANTS if v in args.variants] or list(CORE)
+    for reference in ("loop-autocast", "reference"):
+        if any(ref == reference and row in variants for row, ref in PAIRS) and reference not in variants:
+            variants.insert(0, reference)
     jobs = [(v, n) for v in variants for n in (0, args.instructions)]
     with tempfile.TemporaryDirectory(prefix="o1-proxy-cg-") as tmp, ThreadPoolExecutor(args.jobs) as pool:
         counts = dict(zip(jobs, pool.map(lambda j: _count(j[0], j[1], args.warmup, args.width, Path(tmp)), jobs)))
     per_step = {v: (counts[(v, args.instructions)] - counts[(v, 0)]) / args.instructions for v in variants}
-    base = per_step["loop-autocast"]
-    rows = [{"row": v, "instructions_per_step": per_step[v], "over_loop_autocast": per_step[v] / base}
-            for v in variants]
-    table = _harness.markdown_table(["row", "instructions/step", "/ loop-autocast"],
-                                    [[r["row"], f"{r['instructions_per_step']:,.0f}", f"{r['over_loop_autocast']:.4f}x"]
-                                     for r in rows])
+    base_of = {row: ref for row, ref in PAIRS}
+    rows = []
+    for v in variants:
+        base = base_of.get(v, v)
+        rows.append({"row": v, "reference": base, "instructions_per_step": per_step[v],
+                     "ratio": per_step[v] / per_step[base]})
+    table = _harness.markdown_table(["row", "instructions/step", "reference", "ratio"],
+                                    [[r["row"], f"{r['instructions_per_step']:,.0f}", r["reference"],
+                                      f"{r['ratio']:.4f}x"] for r in rows])
     print(f"instructions per step (callgrind, {args.instructions} steps after {args.warmup}):\n{table}")
     return {"rows": rows, "table": table}
 
@@ -178,7 +185,8 @@ def instructions(args: argparse.Namespace) -> dict[str, Any]:
 def _child(variant: str, steps: int, warmup: int, width: int) -> None:
     torch.set_num_threads(1)
     spec = ModelSpec(batch=2, image=8, width=width, blocks=BLOCKS)
-    run_loop(variant, spec, make_batches("resnet", spec, 8, torch.device("cpu")), warmup + steps, "cpu", "cpu")
+    runner = run_trainer if variant in TRAINER else run_loop
+    runner(variant, spec, make_batches("resnet", spec, 8, torch.device("cpu")), warmup + steps, "cpu", "cpu")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

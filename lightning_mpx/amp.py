@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from lightning_mpx._collections import _cast_collection
+from lightning_mpx._loss_regions import LossRegions
 from lightning_mpx._masters import Masters
 from lightning_mpx._overflow import Overflows, floor_hint
 from lightning_mpx._sharding import Sharding, is_sharded
@@ -116,6 +117,12 @@ class Amp:
         )
         self._device_model: weakref.ref[nn.Module] | None = None
         self._device_pending = self.policy is not None and self.properties.patch_torch_functions
+        # O2: the loss policy's mode is taken off inside the submodules whose code computes no loss (_loss_regions).
+        self._loss_regions = (
+            LossRegions(self.policy, (entry.name for entry in self.policy.table))
+            if self.policy is not None and not self.properties.patch_torch_functions else None
+        )
+        self._regions_hooks: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
         self.scalers: list[LossScaler] = [
             LossScaler.from_settings(self.properties.loss_scale, settings.scaler) for _ in range(settings.num_losses)
         ]
@@ -248,6 +255,8 @@ class Amp:
             raise TypeError(f"train={train!r} must be True or False.")
         if self._device_pending and self._device_model is None:
             self._device_model = weakref.ref(module)  # its device is read at the first forward
+        if self._loss_regions is not None and module not in self._regions_hooks:
+            self._regions_hooks[module] = self._loss_regions.install(module)
         if is_sharded(module):
             self._prepare_sharded(module)
             return module

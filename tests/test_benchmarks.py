@@ -209,6 +209,7 @@ def test_o1_proxy_pairs_each_row_with_its_reference_in_the_same_repeat(tmp_path)
         assert r["ratios"] == [a / b for a, b in zip(samples[row], samples[reference])] and len(r["ratios"]) == 2
         assert r["meets_goal"] == (r["ratio"] <= o1_proxy.GOAL)
     assert o1_proxy.main(["--_child", "core-O1-aligned", "1", "1", "2"]) == {}  # what --instructions runs per process
+    assert o1_proxy.main(["--_child", "plugin-O2", "1", "1", "2"]) == {}  # a Trainer row too
 
 
 def test_cast_overhead_rows_counts_and_references(tmp_path):
