@@ -431,6 +431,10 @@ def _grouped(tensors: Tensors) -> dict[tuple[torch.device, torch.dtype], list[to
 
 
 def _grouped_pairs(src: Tensors, dst: Tensors) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    # The usual case (O2: half gradients into FP32 masters on one device) is one group, found with C-level maps.
+    if (src and len(set(map(_DTYPE, src))) == 1 and len(set(map(_DTYPE, dst))) == 1
+            and len(set(map(_DEVICE, dst))) == 1):
+        return [(list(src), list(dst))]
     groups: dict[tuple[torch.device, torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for s, d in zip(src, dst):
         pair = groups.setdefault((d.device, s.dtype, d.dtype), ([], []))
