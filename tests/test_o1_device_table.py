@@ -140,34 +140,41 @@ def test_apex_layer_keeps_apex_table(on_cuda):
         _amp_state.registrations.clear()
 
 
-def _train(model, steps, forward_context, scaler_step):
+def _train(model, steps, forward_context, scaler_step, poison=None):
     torch.manual_seed(1)
     data = [(torch.randn(16, 8), torch.randint(0, 4, (16,))) for _ in range(steps)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
-    for x, y in data:
+    for index, (x, y) in enumerate(data):
         with forward_context():
             loss = F.cross_entropy(model(x.to(next(model.parameters()).device)),
                                    y.to(next(model.parameters()).device))
+        if index == poison:
+            loss = loss * 1e30  # the scaled gradients overflow: the step is skipped and the scale backed off
         scaler_step(loss, optimizer)
         losses.append(loss.item())
     return losses, model
 
 
-def test_o1_on_the_aligned_table_trains_as_an_autocast_loop():
-    """bf16 on CPU: O1 with CPU autocast's own choices is a torch.autocast loop, bit for bit (static scale 1)."""
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_o1_on_the_aligned_table_trains_as_an_autocast_loop(half):
+    """On CPU, O1 with CPU autocast's own choices is a torch.autocast loop (bfloat16: static scale 1; float16: with
+    torch's GradScaler at the same settings), bit for bit: what O1's default on CUDA is to a "16-mixed" loop."""
     torch.manual_seed(0)
     reference = _mlp()
     mine = _mlp()
     mine.load_state_dict(reference.state_dict())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2000, enabled=half == torch.float16)
 
     def plain_step(loss, optimizer):
-        loss.backward()
-        optimizer.step()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
         optimizer.zero_grad()
 
-    expected, reference = _train(reference, 5, lambda: torch.autocast("cpu", dtype=torch.bfloat16), plain_step)
-    amp = Amp("O1", half_dtype="bfloat16", cast_table=CastTable.autocast_aligned("cpu"))
+    poison = 2 if half == torch.float16 else None
+    expected, reference = _train(reference, 5, lambda: torch.autocast("cpu", dtype=half), plain_step, poison)
+    amp = Amp("O1", half_dtype=half, cast_table=CastTable.autocast_aligned("cpu"))
     amp.prepare_model(mine)
     prepared = []
 
@@ -176,11 +183,14 @@ def test_o1_on_the_aligned_table_trains_as_an_autocast_loop():
             prepared.append(amp.prepare_optimizer(optimizer))
         amp.backward(loss)
         amp.step(optimizer)
+        amp.update()
         optimizer.zero_grad()
 
-    got, mine = _train(mine, 5, amp.forward_context, amp_step)
+    got, mine = _train(mine, 5, amp.forward_context, amp_step, poison)
     assert amp.policy.engine_in_use == "autocast:cpu"
     assert got == expected
+    if poison is not None:
+        assert amp.scalers[0].get_scale() == scaler.get_scale() == 2.0**15
     for a, b in zip(reference.parameters(), mine.parameters()):
         assert torch.equal(a, b)
 
@@ -200,7 +210,7 @@ def test_o1_default_on_cuda_is_an_autocast_gradscaler_loop():
         scaler.update()
         optimizer.zero_grad()
 
-    expected, reference = _train(reference, 5, lambda: torch.autocast("cuda", dtype=torch.float16), scaler_step)
+    expected, reference = _train(reference, 5, lambda: torch.autocast("cuda", dtype=torch.float16), scaler_step, 2)
     amp = Amp("O1", half_dtype="float16")
     amp.prepare_model(mine)
     assert amp.policy.engine_in_use == "autocast:cuda"
@@ -218,10 +228,12 @@ def test_o1_default_on_cuda_is_an_autocast_gradscaler_loop():
             prepared.append(amp.prepare_optimizer(optimizer))
         amp.backward(loss)
         amp.step(optimizer)
+        amp.update()
         optimizer.zero_grad()
 
-    got, mine = _train(mine, 5, amp.forward_context, amp_step)
+    got, mine = _train(mine, 5, amp.forward_context, amp_step, 2)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert amp.scalers[0].get_scale() == scaler.get_scale() == 2.0**15
     for a, b in zip(reference.parameters(), mine.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
