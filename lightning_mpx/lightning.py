@@ -590,10 +590,15 @@ def _trainer_of(model: nn.Module) -> Any:
 
 
 def _casts_off() -> ContextManager[Any]:
-    """``disable_casts()`` when a torch-function mode (a cast policy's among them) is active on this thread, else a
-    context that does nothing: the plugin's backward and step usually run outside every policy's scope, where
-    ``disable_casts`` would only walk an empty mode stack."""
-    return disable_casts() if torch._C._len_torch_function_stack() else contextlib.nullcontext()
+    """``disable_casts()`` when a torch-function mode (a cast policy's among them) or ``torch.autocast`` (the
+    autocast engine's, O1's default on CUDA) is on on this thread, else a context that does nothing: the plugin's
+    backward and step usually run outside every policy's scope, where ``disable_casts`` would have nothing to do."""
+    if torch._C._len_torch_function_stack() or any(map(torch.is_autocast_enabled, _AUTOCAST_DEVICES)):
+        return disable_casts()
+    return contextlib.nullcontext()
+
+
+_AUTOCAST_DEVICES = ("cuda", "cpu")
 
 
 def _all_reduce_max(flag: torch.Tensor) -> None:

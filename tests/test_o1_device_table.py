@@ -244,3 +244,55 @@ def test_o1_default_on_cuda_is_an_autocast_gradscaler_loop():
     amp.policy.table.register(user_op, "float")
     with amp.forward_context():
         assert user_op(torch.ones(2, device="cuda", dtype=torch.float16)).dtype == torch.float32
+
+
+class _MatmulSGD(torch.optim.SGD):
+    """SGD that also runs a matmul in its step (as Shampoo or Muon do) and records its dtype."""
+
+    def __init__(self, params, seen):
+        super().__init__(params, lr=0.1)
+        self.seen = seen
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        weight = self.param_groups[0]["params"][0]
+        self.seen.append(torch.mm(weight, weight.t()).dtype)
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("automatic", [True, False], ids=["automatic", "manual"])
+def test_the_plugins_backward_and_step_run_outside_autocast(automatic):
+    """On autocast's dispatch (O1's default on CUDA; the aligned table here) the optimizer step runs with autocast
+    off, also a manual step taken inside the training step's scope, as it does with the Python policy."""
+    import lightning.pytorch as pl
+
+    from lightning_mpx import MixedPrecisionPlugin
+    from tests.lightning_helpers import classification_data, loader, make_trainer
+
+    seen: list[torch.dtype] = []
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _mlp()
+            self.net[-1] = torch.nn.Linear(8, 4)
+            self.automatic_optimization = automatic
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self.net(x[:, :8]), y)
+            if automatic:
+                return loss
+            optimizer = self.optimizers()
+            self.manual_backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            return None
+
+        def configure_optimizers(self):
+            return _MatmulSGD(self.parameters(), seen)
+
+    plugin = MixedPrecisionPlugin("O1", half_dtype="bfloat16", cast_table=CastTable.autocast_aligned("cpu"))
+    make_trainer(plugin, max_steps=2).fit(Module(), loader(classification_data()))
+    assert plugin.amp.policy.engine_in_use == "autocast:cpu"
+    assert seen == [torch.float32, torch.float32]
