@@ -140,6 +140,21 @@ def test_apex_layer_keeps_apex_table(on_cuda):
         _amp_state.registrations.clear()
 
 
+def _amp_step(amp):
+    """The Amp half of a loop step (the optimizer prepared at the first call)."""
+    prepared = []
+
+    def amp_step(loss, optimizer):
+        if not prepared:
+            prepared.append(amp.prepare_optimizer(optimizer))
+        amp.backward(loss)
+        amp.step(optimizer)
+        amp.update()
+        optimizer.zero_grad()
+
+    return amp_step
+
+
 def _train(model, steps, forward_context, scaler_step, poison=None):
     torch.manual_seed(1)
     data = [(torch.randn(16, 8), torch.randint(0, 4, (16,))) for _ in range(steps)]
@@ -176,16 +191,7 @@ def test_o1_on_the_aligned_table_trains_as_an_autocast_loop(half):
     expected, reference = _train(reference, 5, lambda: torch.autocast("cpu", dtype=half), plain_step, poison)
     amp = Amp("O1", half_dtype=half, cast_table=CastTable.autocast_aligned("cpu"))
     amp.prepare_model(mine)
-    prepared = []
-
-    def amp_step(loss, optimizer):
-        if not prepared:
-            prepared.append(amp.prepare_optimizer(optimizer))
-        amp.backward(loss)
-        amp.step(optimizer)
-        amp.update()
-        optimizer.zero_grad()
-
+    amp_step = _amp_step(amp)
     got, mine = _train(mine, 5, amp.forward_context, amp_step, poison)
     assert amp.policy.engine_in_use == "autocast:cpu"
     assert got == expected
@@ -221,16 +227,7 @@ def test_o1_default_on_cuda_is_an_autocast_gradscaler_loop():
         assert torch.softmax(mine[0](x), -1).dtype == torch.float32
         assert mine[1](mine[0](x)).dtype == torch.float32
 
-    prepared = []
-
-    def amp_step(loss, optimizer):
-        if not prepared:
-            prepared.append(amp.prepare_optimizer(optimizer))
-        amp.backward(loss)
-        amp.step(optimizer)
-        amp.update()
-        optimizer.zero_grad()
-
+    amp_step = _amp_step(amp)
     got, mine = _train(mine, 5, amp.forward_context, amp_step, 2)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     assert amp.scalers[0].get_scale() == scaler.get_scale() == 2.0**15

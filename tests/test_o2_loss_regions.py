@@ -23,17 +23,9 @@ from torch.utils.checkpoint import checkpoint
 from lightning_mpx import Amp
 from lightning_mpx._loss_regions import LossRegions
 from tests.compile_helpers import HookCounter
+from tests.test_o2_losses import _bert
 
 transformers = pytest.importorskip("transformers")
-
-
-def _bert() -> Any:
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=16, num_labels=3,
-    )  # fmt: skip
-    return transformers.BertForSequenceClassification(config)
 
 
 def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
