@@ -922,6 +922,16 @@ def exit_fp32(state: Fp32State | list[Any] | None = None) -> None:
     _autocast_turn_on(devices)
 
 
+def casts_off_if_on() -> contextlib.AbstractContextManager[Any]:
+    """:func:`disable_casts` when a torch-function mode (a cast policy's among them) or ``torch.autocast`` (the
+    autocast engine's) is on on this thread, else a context that does nothing. The adapters' backward and optimizer
+    step use it: usually called outside every policy's scope, where ``disable_casts`` would have nothing to do, but a
+    manual backward or step inside a training step's scope must not run an optimizer's matmuls in half."""
+    if torch._C._len_torch_function_stack() or any(map(torch.is_autocast_enabled, _AUTOCAST_DEVICES)):
+        return disable_casts()
+    return contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def fp32_scope() -> Iterator[None]:
     """Run the table's half ops of every active cast policy on this thread in FP32 inside the block (state restored

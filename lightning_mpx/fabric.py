@@ -62,7 +62,8 @@ from lightning.fabric.plugins import Precision  # noqa: E402
 from lightning.fabric.wrappers import _FabricOptimizer  # noqa: E402
 from lightning_utilities.core.apply_func import apply_to_collection  # noqa: E402
 
-from lightning_mpx.lightning import _all_reduce_max, _casts_off  # noqa: E402
+from lightning_mpx.cast_policy import casts_off_if_on as _casts_off  # noqa: E402
+from lightning_mpx.lightning import _all_reduce_max  # noqa: E402
 
 __all__ = ["FabricMixedPrecisionPlugin"]
 

@@ -35,7 +35,7 @@ from lightning_mpx._boundary import BoundaryCast
 from lightning_mpx._imports import require
 from lightning_mpx._sharding import is_sharded
 from lightning_mpx.amp import Amp
-from lightning_mpx.cast_policy import disable_casts
+from lightning_mpx.cast_policy import casts_off_if_on as _casts_off
 from lightning_mpx.cast_table import CastTable
 from lightning_mpx.master_weights import convert_module
 from lightning_mpx.settings import DEFAULTS, MixedPrecisionSettings, OnFloor
@@ -589,16 +589,6 @@ def _trainer_of(model: nn.Module) -> Any:
         return None
 
 
-def _casts_off() -> ContextManager[Any]:
-    """``disable_casts()`` when a torch-function mode (a cast policy's among them) or ``torch.autocast`` (the
-    autocast engine's, O1's default on CUDA) is on on this thread, else a context that does nothing: the plugin's
-    backward and step usually run outside every policy's scope, where ``disable_casts`` would have nothing to do."""
-    if torch._C._len_torch_function_stack() or any(map(torch.is_autocast_enabled, _AUTOCAST_DEVICES)):
-        return disable_casts()
-    return contextlib.nullcontext()
-
-
-_AUTOCAST_DEVICES = ("cuda", "cpu")
 
 
 def _all_reduce_max(flag: torch.Tensor) -> None:

@@ -293,3 +293,23 @@ def test_the_plugins_backward_and_step_run_outside_autocast(automatic):
     make_trainer(plugin, max_steps=2).fit(Module(), loader(classification_data()))
     assert plugin.amp.policy.engine_in_use == "autocast:cpu"
     assert seen == [torch.float32, torch.float32]
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_accelerates_backward_and_step_inside_autocast_run_outside_it():
+    """Accelerate users sometimes write the whole step inside ``with accelerator.autocast():``."""
+    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+
+    seen: list[torch.dtype] = []
+    accelerator = Accelerator(mixed_precision="O1", kwargs_handlers=[MixedPrecisionKwargs(
+        half_dtype="bfloat16", cast_table=CastTable.autocast_aligned("cpu"))])
+    model = _mlp()
+    model, optimizer = accelerator.prepare(model, _MatmulSGD(model.parameters(), seen))
+    for step in range(2):
+        with accelerator.autocast():
+            loss = F.cross_entropy(model(torch.randn(4, 8)), torch.tensor([0, 1, 2, 3]))
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    assert accelerator.amp.policy.engine_in_use == "autocast:cpu"
+    assert seen == [torch.float32, torch.float32]
