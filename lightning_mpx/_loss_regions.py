@@ -9,7 +9,7 @@ loss run (a forward pre-hook and an always-called forward hook on each of them; 
 hooked: Lightning runs ``training_step`` through it under DDP and FSDP).
 
 A module *computes a loss* when it is a ``torch.nn`` loss module, or when its ``forward`` (or a function or method it
-calls, three calls deep, nested functions included) names a function of the O2 table (``cross_entropy``...) or any
+calls, its own or a child module's, three calls deep, nested functions included) names a function of the O2 table (``cross_entropy``...) or any
 name containing ``loss`` or ``criterion`` (``self.loss_fct``, ``CrossEntropyLoss``, ``self.loss_function``); a forward
 whose code cannot be read counts as computing one. A loss computed where the code does not say so (a loss function
 reached through an object that names none of these) runs as the half model gives it, as it did at Apex's O2.
@@ -91,27 +91,32 @@ class LossRegions:
         code = getattr(forward, "__code__", None)
         if code is None:
             return not isinstance(forward, types.BuiltinFunctionType)  # unreadable Python: assume it may
-        return self._code_computes_loss(code, getattr(forward, "__globals__", {}), type(module), _DEPTH)
+        # Methods are looked up on the module's class and on its children's (``self.head.compute(...)`` runs a
+        # child's method inside this forward, outside the child's own hooks).
+        owners = tuple(dict.fromkeys((type(module), *(type(child) for child in module.children()))))
+        return self._code_computes_loss(code, getattr(forward, "__globals__", {}), owners, _DEPTH)
 
-    def _code_computes_loss(self, code: types.CodeType, globals_: dict[str, Any], owner: type, depth: int) -> bool:
-        verdict = self._verdicts.get((code, owner))
+    def _code_computes_loss(self, code: types.CodeType, globals_: dict[str, Any], owners: tuple[type, ...],
+                            depth: int) -> bool:
+        key = (code, owners)
+        verdict = self._verdicts.get(key)
         if verdict is not None:
             return verdict
-        self._verdicts[(code, owner)] = False  # recursion through itself: decided by the other names
+        self._verdicts[key] = False  # recursion through itself: decided by the other names
         names = set(_names(code))
         verdict = any(name in self.loss_names or any(w in name.lower() for w in LOSS_WORDS) for name in names)
         if not verdict and depth > 0:
             for name in names:
-                target = inspect.getattr_static(owner, name, None)
-                target = getattr(target, "__func__", target)  # staticmethod, classmethod
-                if not callable(target) or isinstance(target, type):
-                    target = globals_.get(name)
-                called = _python_code(target)
-                if called is not None and self._code_computes_loss(
-                        called, getattr(target, "__globals__", globals_), owner, depth - 1):
-                    verdict = True
+                for target in (*(inspect.getattr_static(owner, name, None) for owner in owners), globals_.get(name)):
+                    target = getattr(target, "__func__", target)  # staticmethod, classmethod
+                    called = None if isinstance(target, type) else _python_code(target)
+                    if called is not None and self._code_computes_loss(
+                            called, getattr(target, "__globals__", globals_), owners, depth - 1):
+                        verdict = True
+                        break
+                if verdict:
                     break
-        self._verdicts[(code, owner)] = verdict
+        self._verdicts[key] = verdict
         return verdict
 
     # -- the hooks --------------------------------------------------------------------------------------------

@@ -132,6 +132,30 @@ class CriterionModule(InlineLoss):
         return self.crit(self.block(x), target)
 
 
+class Scorer(nn.Module):
+    """A child whose loss is in a method other than ``forward``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+    def score(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.huber_loss(out, target)
+
+
+class ChildMethodLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block()
+        self.head = Scorer()
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.head.score(self.head(self.block(x)), target)
+
+
 class Outer(nn.Module):
     """The loss computed one level down, by a child: the child is not free, its block is."""
 
@@ -144,7 +168,9 @@ class Outer(nn.Module):
         return self.inner(self.pre(x), target)
 
 
-@pytest.mark.parametrize("kind", [InlineLoss, HelperMethodLoss, HelperFunctionLoss, AttributeLoss, CriterionModule])
+@pytest.mark.parametrize(
+    "kind", [InlineLoss, HelperMethodLoss, HelperFunctionLoss, AttributeLoss, CriterionModule, ChildMethodLoss]
+)
 def test_a_loss_in_a_submodule_is_fp32_wherever_its_code_puts_it(kind):
     amp = Amp("O2", half_dtype="bfloat16")
     torch.manual_seed(0)
