@@ -313,3 +313,48 @@ def test_accelerates_backward_and_step_inside_autocast_run_outside_it():
             optimizer.zero_grad()
     assert accelerator.amp.policy.engine_in_use == "autocast:cpu"
     assert seen == [torch.float32, torch.float32]
+
+
+def test_plugin_o1_on_autocast_is_lightnings_own_bf16_mixed_on_a_real_model():
+    """A Hugging Face GPT-2 (from a config) trained by the plugin on autocast's dispatch (what O1 runs on CUDA with no
+    table given; CPU autocast's table here) and by Lightning's own "bf16-mixed": the same losses and weights, bit for
+    bit, as "16-mixed" and the plugin at O1 would be on a GPU."""
+    transformers = pytest.importorskip("transformers")
+    import lightning.pytorch as pl
+
+    from lightning_mpx import MixedPrecisionPlugin
+    from tests.lightning_helpers import make_trainer
+
+    class LM(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+            self.model = transformers.GPT2LMHeadModel(config)
+            self.losses = []
+
+        def training_step(self, batch, batch_idx):
+            (tokens,) = batch
+            loss = self.model(input_ids=tokens, labels=tokens).loss
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    tokens = torch.randint(0, 64, (12, 16), generator=torch.Generator().manual_seed(1))
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=4)
+    runs = []
+    for precision in ("lightning", "plugin"):
+        module = LM()
+        if precision == "lightning":
+            make_trainer(precision="bf16-mixed", max_steps=3).fit(module, data)
+        else:
+            plugin = MixedPrecisionPlugin("O1", half_dtype="bfloat16", cast_table=CastTable.autocast_aligned("cpu"))
+            make_trainer(plugin, max_steps=3).fit(module, data)
+            assert plugin.amp.policy.engine_in_use == "autocast:cpu"
+        runs.append(module)
+    lightning_run, plugin_run = runs
+    assert plugin_run.losses == lightning_run.losses and len(plugin_run.losses) == 3
+    for a, b in zip(lightning_run.parameters(), plugin_run.parameters()):
+        assert torch.equal(a, b)
