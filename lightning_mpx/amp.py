@@ -33,7 +33,7 @@ from lightning_mpx._sharding import Sharding, is_sharded
 from lightning_mpx._stages import _OptimizerState, _Stage, loss_index
 from lightning_mpx._step_machine import StepMachine
 from lightning_mpx.cast_lists import AUTOCAST_ACTIONS
-from lightning_mpx.cast_policy import CastPolicy
+from lightning_mpx.cast_policy import CastPolicy, casts_off_if_on
 from lightning_mpx.cast_table import CastTable
 from lightning_mpx.forensics import OverflowForensics, OverflowRecord
 from lightning_mpx.loss_scaler import LossScaler
@@ -383,8 +383,9 @@ class Amp:
         scaled = self.scale_loss(loss, loss_id)
         if self.policy is None:
             scaled.backward(**backward_kwargs)
-        else:  # the backward_context() scope, entered without a call into the policy's hook
-            self.policy.backward(scaled, **backward_kwargs)
+            return
+        with casts_off_if_on():  # called inside forward_context(): the backward is not the forward's to cast
+            self.policy.backward(scaled, **backward_kwargs)  # backward_context(), without a call into the hook
 
     def backward_context(self) -> ContextManager[Any]:
         """The scope of a backward pass: activation checkpointing recomputes with the forward's casts inside it (the
@@ -457,7 +458,8 @@ class Amp:
             return False
         if self.forensics.watch.active:
             self.forensics.stepped()  # an automatic watch ends with the first step that does not overflow
-        self._machine.step(state, step_kwargs, compare=self.model_writes == "values")
+        with casts_off_if_on():  # called inside forward_context(): the optimizer runs in its own dtypes
+            self._machine.step(state, step_kwargs, compare=self.model_writes == "values")
         return True
 
     def update(self) -> None:

@@ -358,3 +358,20 @@ def test_plugin_o1_on_autocast_is_lightnings_own_bf16_mixed_on_a_real_model():
     assert plugin_run.losses == lightning_run.losses and len(plugin_run.losses) == 3
     for a, b in zip(lightning_run.parameters(), plugin_run.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("table", ["aligned", "default"])
+def test_core_backward_and_step_inside_the_forward_scope_run_outside_it(table):
+    """A core loop written with the whole step inside ``amp.forward_context()``: the optimizer's own matmul runs in
+    FP32 on either engine."""
+    seen: list[torch.dtype] = []
+    cast_table = CastTable.autocast_aligned("cpu") if table == "aligned" else None
+    amp = Amp("O1", half_dtype="bfloat16", cast_table=cast_table)
+    model = amp.prepare_model(_mlp())
+    optimizer = amp.prepare_optimizer(_MatmulSGD(model.parameters(), seen))
+    with amp.forward_context():
+        loss = F.cross_entropy(model(torch.randn(4, 8)), torch.tensor([0, 1, 2, 3]))
+        amp.backward(loss)
+        assert amp.step(optimizer)
+    amp.update()
+    assert seen == [torch.float32]
