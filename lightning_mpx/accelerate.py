@@ -76,7 +76,6 @@ from lightning_mpx._imports import require
 from lightning_mpx import _accelerate_fsdp
 from lightning_mpx._collections import _cast_collection
 from lightning_mpx.amp import Amp
-from lightning_mpx.cast_policy import casts_off_if_on
 from lightning_mpx.cast_table import _NAMESPACES as _TABLE_NAMESPACES
 from lightning_mpx.cast_table import CastTable
 from lightning_mpx.opt_levels import OPT_LEVELS, _check_loss_scale
@@ -543,8 +542,7 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
         every = self.mpx_kwargs.telemetry_every_n_steps if self.mpx_kwargs is not None else None
         if every is not None and self._iterations % every == 0:
             self.amp.request_telemetry()  # before this iteration's unscale; Amp.update() ends the request
-        with casts_off_if_on():  # a backward inside `with accelerator.autocast():`
-            self.amp.backward(loss / self.gradient_accumulation_steps, loss_id=loss_id, **kwargs)
+        self.amp.backward(loss / self.gradient_accumulation_steps, loss_id=loss_id, **kwargs)
 
     # -- gradients --------------------------------------------------------------------------------------------------
     def unscale_gradients(self, optimizer: Any = None) -> None:
@@ -753,8 +751,7 @@ class _AmpOptimizer(AcceleratedOptimizer):  # type: ignore[misc]
                 "optimizer.step() without it."
             )
         self._is_overflow = True  # stays true if Amp.step raises (LossScaleFloorError skips the step first)
-        with casts_off_if_on():  # a step inside `with accelerator.autocast():` runs in the optimizer's own dtypes
-            stepped = self.amp.step(self.optimizer)
+        stepped = self.amp.step(self.optimizer)  # (Amp turns the casts off inside accelerator.autocast())
         self._is_overflow = not stepped
         self.unscaled = False
         self.on_step(self)

@@ -201,8 +201,7 @@ class FabricMixedPrecisionPlugin(Precision):
         """Step ``optimizer`` unless its gradients overflowed (unscaling them first if nothing did yet)."""
         optimizer = _unwrap(optimizer)
         self._register(optimizer)
-        with _casts_off():
-            stepped = self.amp.step(optimizer, **kwargs)
+        stepped = self.amp.step(optimizer, **kwargs)  # (inside fabric.autocast(), Amp turns the casts off)
         self._skipped[optimizer] = not stepped
         self._update_pending = True
         return None
