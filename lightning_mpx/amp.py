@@ -293,7 +293,7 @@ class Amp:
         untouched, self._device_table = self._device_table, None
         if (untouched is not None and (policy.table, policy.table._version) == untouched and policy.engine == "auto"
                 and policy.device_type == device):
-            policy.table = CastTable.for_device(device)
+            policy.table = CastTable.for_device(device, policy.half_dtype, module)
 
     def _prepare_sharded(self, module: nn.Module) -> None:
         from lightning_mpx.fsdp import check_sharded_model

@@ -535,6 +535,13 @@ AUTOCAST_CUDA_BUILD_ONLY: Mapping[str, str] = MappingProxyType(
     dict.fromkeys(("torch.lstm", "torch.gru", "torch.rnn_tanh", "torch.rnn_relu"), "half")
 )
 
+#: Functions whose CUDA autocast kernel runs in float16 whatever autocast's dtype: torch's ``_cudnn_rnn`` autocast
+#: wrapper casts the input, the state and the flattened weights to float16 (``at::kHalf``), under
+#: ``torch.autocast("cuda", dtype=torch.bfloat16)`` too. Under bfloat16 these "half" rows therefore differ from autocast
+#: (a float16 RNN has bfloat16's precision loss and float16's range, with no loss scaling at bfloat16), except in a
+#: table that takes autocast's choices (:meth:`~lightning_mpx.CastTable.autocast_aligned`).
+AUTOCAST_CUDA_FLOAT16_ONLY: tuple[str, ...] = ("torch.lstm", "torch.gru", "torch.rnn_tanh", "torch.rnn_relu")
+
 _NATIVE = (
     "torch's own type promotion runs it in the widest floating dtype of its tensor operands, which is what the "
     "table's promotion gives; they differ only when one operand is a 0-dim tensor and the other a dimensioned tensor "

@@ -78,11 +78,12 @@ _UNSET: Any = object()  # a parameter-cast cache not looked up yet (CastPolicy._
 _ENGINES = ("auto", "autocast", "mode")
 
 
-def autocast_differences(table: CastTable, device_type: str, *, allow_banned: bool = False
+def autocast_differences(table: CastTable, device_type: str, *, allow_banned: bool = False,
+                         half_dtype: torch.dtype | str | None = None
                          ) -> dict[Callable[..., Any], tuple[str | None, str | None]]:
-    """``table.autocast_differences(device_type, allow_banned=allow_banned)``: see
+    """``table.autocast_differences(device_type, allow_banned=allow_banned, half_dtype=half_dtype)``: see
     :meth:`CastTable.autocast_differences`."""
-    return table.autocast_differences(device_type, allow_banned=allow_banned)
+    return table.autocast_differences(device_type, allow_banned=allow_banned, half_dtype=half_dtype)
 
 
 class BannedOpError(NotImplementedError):
@@ -293,13 +294,14 @@ class CastPolicy:
         """
         table, version = self._actions_of[:2]
         refuse = self.refuse_inplace_float
-        key = (refuse, self.engine, self.device_type, self.allow_banned)
+        key = (refuse, self.engine, self.device_type, self.allow_banned, self.half_dtype)
         if table is not self.table or version != self.table._version or self._actions_of[2:] != key:
             actions = {entry.function: _CATEGORY_ACTION[entry.category] for entry in self.table}
             autocast_device = None
             if self.engine != "mode":
                 device = self.device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-                differences = autocast_differences(self.table, device, allow_banned=self.allow_banned)
+                differences = autocast_differences(self.table, device, allow_banned=self.allow_banned,
+                                                   half_dtype=self.half_dtype)
                 # "auto" takes autocast's dispatch only where it is the whole policy (no Python set): a mode pushed
                 # for a few functions sees every torch call anyway (the cost this engine exists to avoid), and the
                 # mode engine keeps the table's exact semantics (0-dim operands, the cast cache across scopes).

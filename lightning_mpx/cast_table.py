@@ -14,15 +14,18 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from types import MappingProxyType, ModuleType
-from typing import Any, Callable, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import torch
 from torch.overrides import handle_torch_function, has_torch_function
 
+from lightning_mpx._dtypes import parse_half_dtype
 from lightning_mpx.cast_lists import (
     AUTOCAST_ACTIONS,
     AUTOCAST_COMPOSITES,
     AUTOCAST_CUDA_BUILD_ONLY,
+    AUTOCAST_CUDA_FLOAT16_ONLY,
+    AUTOCAST_ENTRY_POINTS,
     AUTOCAST_EQUIVALENT,
     AUTOCAST_EQUIVALENT_CUDA,
     BANNED_ADVICE,
@@ -77,6 +80,8 @@ class CastTable:
     def __init__(self) -> None:
         self._entries: dict[Callable[..., Any], CastEntry] = {}
         self._version = 0  # bumped on every change, so that policies re-read the table
+        # Set by autocast_aligned: the table takes autocast's choices, float16 cuDNN RNNs under bfloat16 included.
+        self._follows_autocast = False
 
     @classmethod
     def default(cls) -> CastTable:
@@ -84,7 +89,8 @@ class CastTable:
         return cls.from_data(DEFAULT_TABLE)
 
     @classmethod
-    def for_device(cls, device_type: str) -> CastTable:
+    def for_device(cls, device_type: str, half_dtype: torch.dtype | str | None = None,
+                   model: torch.nn.Module | None = None) -> CastTable:
         """O1's table for a model on ``device_type`` when the user gives none (``Amp`` picks it when the model is
         prepared).
 
@@ -96,10 +102,21 @@ class CastTable:
         given (FP32 inputs stay FP32; half inputs raise where torch has no half kernel), 3-d pooling in half.
         Elsewhere (``"cpu"`` and any other device): :meth:`default`, whose FP32 rows CPU autocast's narrow lists do
         not have (softmax, norms, exp/log, sums), applied by the Python policy.
+
+        CUDA autocast runs cuDNN RNNs in float16 even at bfloat16. When ``half_dtype`` is bfloat16 and ``model``
+        holds an ``nn.RNNBase`` module (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``), the table keeps its RNN rows in the
+        policy's dtype instead: they run in bfloat16 through the Python policy, which then sees every torch call of
+        the forward (the mode's cost); a bfloat16 model without RNN modules, or float16, keeps autocast's dispatch alone.
         """
         if not isinstance(device_type, str):
             raise TypeError(f"device_type={device_type!r} must be a device type name such as 'cuda' or 'cpu'.")
-        return cls.autocast_aligned("cuda") if device_type == "cuda" else cls.default()
+        if device_type != "cuda":
+            return cls.default()
+        table = cls.autocast_aligned("cuda")
+        if (half_dtype is not None and parse_half_dtype(half_dtype) is torch.bfloat16 and model is not None
+                and any(isinstance(m, torch.nn.RNNBase) for m in model.modules())):
+            table._follows_autocast = False
+        return table
 
     @classmethod
     def default_o2(cls) -> CastTable:
@@ -127,6 +144,7 @@ class CastTable:
         """An independent copy: registering into it leaves this table as it is."""
         other = CastTable()
         other._entries = dict(self._entries)
+        other._follows_autocast = self._follows_autocast
         return other
 
     def __getstate__(self) -> dict[str, Any]:
@@ -144,11 +162,12 @@ class CastTable:
             elif isinstance(function, torch._ops.OpOverloadPacket):
                 function = _OpName(*function._qualified_op_name.split("::"), None)
             rows.append((entry.namespace, entry.name, function, entry.category))
-        return {"rows": rows}
+        return {"rows": rows, "follows_autocast": self._follows_autocast}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._entries = {}
         self._version = 0
+        self._follows_autocast = state.get("follows_autocast", False)
         for namespace, name, function, category in state["rows"]:
             if function is None:
                 function = getattr(_NAMESPACES[namespace], name)
@@ -165,7 +184,10 @@ class CastTable:
         A policy with this table runs on ``torch.autocast`` alone (no torch-function mode, no Python per call): the
         fastest O1, at the price of autocast's choices for the functions listed by
         ``CastTable.default().autocast_differences(device_type)`` (for example, on CUDA, ``std``/``var`` and FFTs in
-        the half dtype, and linear algebra raising on half inputs instead of running in FP32).
+        the half dtype, and linear algebra raising on half inputs instead of running in FP32). On CUDA that includes
+        the cuDNN RNNs (``torch.lstm``, ``gru``, ``rnn_tanh``, ``rnn_relu``), which CUDA autocast runs in float16
+        even at bfloat16 (:data:`~lightning_mpx.cast_lists.AUTOCAST_CUDA_FLOAT16_ONLY`); a table that is not
+        aligned runs them in the policy's half dtype through the Python policy.
         """
         aligned = (table if table is not None else cls.default()).copy()
         for function, (_, theirs) in aligned.autocast_differences(device_type).items():
@@ -173,9 +195,11 @@ class CastTable:
                 aligned.unregister(function)
             else:
                 aligned.register(function, theirs)
+        aligned._follows_autocast = True
         return aligned
 
-    def autocast_differences(self, device_type: str, *, allow_banned: bool = False
+    def autocast_differences(self, device_type: str, *, allow_banned: bool = False,
+                             half_dtype: torch.dtype | str | None = None
                              ) -> dict[Callable[..., Any], tuple[str | None, str | None]]:
         """The functions where this table and ``torch.autocast`` on ``device_type`` do not give the same dtypes.
 
@@ -185,11 +209,17 @@ class CastTable:
         :data:`~lightning_mpx.cast_lists.AUTOCAST_ACTIONS`; rows of
         :data:`~lightning_mpx.cast_lists.AUTOCAST_EQUIVALENT` (and ``AUTOCAST_EQUIVALENT_CUDA`` on CUDA) count as
         agreeing. ``allow_banned``: banned rows count as FP32 (what a policy with ``allow_banned=True`` runs).
+        ``half_dtype``: the policy's half dtype; at bfloat16 on CUDA the cuDNN RNNs, which CUDA autocast runs in
+        float16 whatever its dtype, differ from a ``"half"`` row (autocast's category is then ``"float16"``), except
+        in a table from :meth:`autocast_aligned`, which takes autocast's choices.
         """
         if device_type not in _AUTOCAST_CATEGORIES:
             raise ValueError(f"device_type={device_type!r} is not supported; valid choices: "
                              f"{', '.join(map(repr, _AUTOCAST_CATEGORIES))}.")
         autocast = _AUTOCAST_CATEGORIES[device_type]
+        if (device_type == "cuda" and half_dtype is not None and not self._follows_autocast
+                and parse_half_dtype(half_dtype) is torch.bfloat16):
+            autocast = {**autocast, **{f: "float16" for f in _FLOAT16_ONLY if f in autocast}}
         equivalent = _EQUIVALENT[device_type]
         differences: dict[Callable[..., Any], tuple[str | None, str | None]] = {}
         for entry in self:
@@ -350,12 +380,46 @@ def _resolve(qualified: str) -> Callable[..., Any] | None:
     return None if owner is None else getattr(owner, name, None)
 
 
-def _autocast_categories(device_type: str) -> Mapping[Callable[..., Any], str]:
-    """torch.autocast's category of each function it casts on ``device_type``."""
+#: The dispatch key of each device's autocast kernels.
+_AUTOCAST_KEYS = MappingProxyType({"cpu": "AutocastCPU", "cuda": "AutocastCUDA"})
+_PREFIXED = (("torch.fft", "fft_"), ("torch.linalg", "linalg_"), ("torch.special", "special_"))
+
+
+def _base_names(qualified_ops: Iterable[str]) -> frozenset[str]:
+    """``{"rms_norm", ...}`` from ``["aten::rms_norm", "aten::add.Tensor", ...]`` (aten operators only)."""
+    return frozenset(name.partition("::")[2].split(".")[0] for name in qualified_ops if name.startswith("aten::"))
+
+
+def _operators_of(qualified: str) -> frozenset[str]:
+    """The aten operators through which the public function ``qualified`` reaches autocast (by name)."""
+    found = {op for op, names in AUTOCAST_ENTRY_POINTS.items() if qualified in names}
+    namespace, _, name = qualified.rpartition(".")
+    found.add(next((prefix + name for owner, prefix in _PREFIXED if owner == namespace), name))
+    return frozenset(found)
+
+
+def _autocast_categories(device_type: str, registered: frozenset[str] | None = None,
+                         operators: frozenset[str] | None = None) -> Mapping[Callable[..., Any], str]:
+    """torch.autocast's category of each function it casts on ``device_type``, on the installed torch.
+
+    The pinned data (:data:`~lightning_mpx.cast_lists.AUTOCAST_ACTIONS`) describes the torch it was derived from; a
+    row whose operators all exist in this torch but none has an autocast kernel for the device here (an older torch:
+    ``rms_norm`` entered CUDA autocast's FP32 list after torch 2.11) is dropped, so that the ``"autocast"`` engine
+    never trusts autocast to cast a function it leaves alone. ``registered``/``operators``: this torch's autocast
+    operators for the device and all its aten operators (by base name; read from the dispatcher when ``None``).
+    """
+    if registered is None:
+        registered = _base_names(torch._C._dispatch_get_registrations_for_dispatch_key(_AUTOCAST_KEYS[device_type]))
+    if operators is None:
+        operators = _base_names(torch._C._dispatch_get_all_op_names())
     found: dict[Callable[..., Any], str] = {}
-    rows: list[tuple[str, str | None]] = [
-        (name, category) for category, names in AUTOCAST_ACTIONS[device_type].items() for name in names
-    ]
+    for category, names in AUTOCAST_ACTIONS[device_type].items():
+        for name in names:
+            ops = _operators_of(name)
+            function = _resolve(name)
+            if function is not None and (ops & registered or not ops <= operators):
+                found[function] = category
+    rows: list[tuple[str, str | None]] = []
     if device_type == "cuda":
         rows += list(AUTOCAST_CUDA_BUILD_ONLY.items())
     rows += list(AUTOCAST_COMPOSITES.get(device_type, {}).items())
@@ -371,6 +435,7 @@ def _autocast_categories(device_type: str) -> Mapping[Callable[..., Any], str]:
 
 
 # Read-only, built once at import from the data of cast_lists.
+_FLOAT16_ONLY = frozenset(f for f in map(_resolve, AUTOCAST_CUDA_FLOAT16_ONLY) if f is not None)
 _AUTOCAST_CATEGORIES = MappingProxyType({device: _autocast_categories(device) for device in AUTOCAST_ACTIONS})
 _EQUIVALENT = MappingProxyType({
     device: frozenset(f for f in map(_resolve, names) if f is not None)

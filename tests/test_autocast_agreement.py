@@ -39,7 +39,7 @@ import torch
 from lightning_mpx import CastTable
 from lightning_mpx.cast_lists import AUTOCAST_ACTIONS, AUTOCAST_CUDA_BUILD_ONLY, AUTOCAST_EXCEPTIONS
 from lightning_mpx.cast_policy import autocast_differences
-from lightning_mpx.cast_table import _AUTOCAST_CATEGORIES, _NAMESPACES
+from lightning_mpx.cast_table import _AUTOCAST_CATEGORIES, _NAMESPACES, _autocast_categories, _base_names, _resolve
 from tests import test_cast_table as rows
 from tests.test_cast_coverage import TORCH_CATEGORIES, _entry_points
 
@@ -143,20 +143,60 @@ def test_the_disagreements_are_the_pinned_ones(device):
     found = {}
     for function, (mine, theirs) in autocast_differences(TABLE, device).items():
         found.setdefault((mine or "as given", theirs or "as given"), set()).add(_qualified(function))
-    assert found == {key: set(names) for key, names in DISAGREEMENTS[device].items()}
+    expected = {key: set(names) for key, names in DISAGREEMENTS[device].items()}
+    # Rows of the pinned data that this torch's autocast does not cast (an older torch): the table's category
+    # against "as given" (test_autocast_actions_are_torchs checks that they are the only change).
+    for name in _not_cast_here(device):
+        entry = TABLE.entry(_resolve(name))
+        if entry is not None:
+            expected.setdefault((entry.category, "as given"), set()).add(name)
+    assert found == expected
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_autocast_actions_are_torchs(device):
-    """The data the engine decides with is what the installed torch's autocast registers, by public function."""
+def _pinned(device):
+    return {name: category for category, names in AUTOCAST_ACTIONS[device].items() for name in names}
+
+
+def _derived(device):
+    """What the installed torch's autocast casts, by public function: its registry and its test lists."""
     derived = {}
     for op, categories in TORCH_CATEGORIES.items():
         if device in categories and op not in AUTOCAST_EXCEPTIONS:
             for name in _entry_points(op):
                 if not name.startswith("torch._"):  # private entry points (a CUDA build's torch._cudnn_rnn)
                     derived[name] = categories[device]
-    pinned = {name: category for category, names in AUTOCAST_ACTIONS[device].items() for name in names}
-    assert pinned == derived
+    return derived
+
+
+def _not_cast_here(device):
+    return set(_pinned(device)) - set(_derived(device))
+
+
+def test_a_row_this_torchs_autocast_does_not_register_is_not_trusted():
+    """The pinned data describes the torch it was derived from; on an older torch (torch 2.11's CUDA autocast has no
+    ``rms_norm`` kernel) the engine must not count on autocast to cast it: the default table's FP32 row then runs
+    through the Python policy, and the aligned table takes autocast's "as given"."""
+    registered = _base_names(torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA")) - {"rms_norm"}
+    older = _autocast_categories("cuda", registered)
+    rms_norms = {torch.rms_norm, torch.nn.functional.rms_norm}
+    assert rms_norms <= set(_AUTOCAST_CATEGORIES["cuda"]) and not rms_norms & set(older)
+    assert {f: c for f, c in _AUTOCAST_CATEGORIES["cuda"].items() if f not in rms_norms} == dict(older)
+    # With no kernel registered, every row reaching autocast through operators of this torch is dropped; a row
+    # reached through a name that is no operator (Tensor.matmul's ``__matmul__``) is kept, as are the CUDA-build RNNs.
+    none = _autocast_categories("cuda", frozenset())
+    assert torch.mm not in none and torch.softmax not in none and torch.Tensor.matmul in none
+    assert torch.lstm in none
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_autocast_actions_are_torchs(device):
+    """The data the engine decides with is what the installed torch's autocast registers, by public function."""
+    derived, pinned = _derived(device), _pinned(device)
+    dropped = _not_cast_here(device)
+    # Nothing that this torch casts is missing or different; what it does not cast (an older torch) the engine
+    # does not count on.
+    assert {name: category for name, category in pinned.items() if name not in dropped} == derived
+    assert not {_resolve(name) for name in dropped} & set(_AUTOCAST_CATEGORIES[device])
     # The CUDA-build-only rows are the cuDNN RNNs, which a CPU build's registry cannot show.
     assert set(AUTOCAST_CUDA_BUILD_ONLY) == {"torch.lstm", "torch.gru", "torch.rnn_tanh", "torch.rnn_relu"}
 

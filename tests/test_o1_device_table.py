@@ -85,6 +85,65 @@ def test_o1_on_a_cuda_model_runs_on_autocast_alone(on_cuda):
     assert amp.policy.engine_in_use == "mode"
 
 
+class _Tagger(torch.nn.Module):
+    def __init__(self, rnn):
+        super().__init__()
+        self.rnn, self.head = rnn, torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0])
+
+
+@pytest.mark.parametrize("rnn", [torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN])
+def test_bf16_rnn_models_keep_their_rnns_in_bf16_on_cuda(on_cuda, rnn):
+    """CUDA autocast runs cuDNN RNNs in float16 even at bfloat16 (torch's _cudnn_rnn wrapper casts to kHalf): a
+    bfloat16 model with RNN modules keeps them in bfloat16 through the Python policy; without one, or at float16,
+    O1 stays on autocast's dispatch alone."""
+    amp = Amp("O1", half_dtype="bfloat16")
+    model = amp.prepare_model(_Tagger(rnn(8, 8, batch_first=True)))  # (Amp holds the model weakly)
+    _first_forward(amp)
+    assert amp.policy.device_type == "cuda" and amp.policy.table.entry(torch.std) is None  # the CUDA table
+    assert amp.policy.engine_in_use == "mode"
+    rows = {getattr(torch, name) for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")}
+    assert rows <= set(amp.policy.table.autocast_differences("cuda", half_dtype="bfloat16"))
+    assert all(amp.policy.table.entry(f).category == "half" for f in rows)
+
+    for half, model in (("bfloat16", _mlp()), ("float16", _Tagger(rnn(8, 8, batch_first=True)))):
+        other = Amp("O1", half_dtype=half)
+        other.prepare_model(model)
+        _first_forward(other)
+        assert other.policy.engine_in_use == "autocast:cuda" and other.policy.python_functions == ()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (gpu_suite.py tests runs it)")
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_cuda_o1_runs_an_lstm_in_its_own_dtype(half):
+    """torch.autocast("cuda", bfloat16) runs nn.LSTM in float16; O1 at bfloat16 runs it in bfloat16."""
+    model = _Tagger(torch.nn.LSTM(8, 8, batch_first=True)).cuda()
+    x = torch.randn(2, 5, 8, device="cuda")
+    seen = []
+    model.rnn.register_forward_hook(lambda module, args, out: seen.append(out[0].dtype))
+    amp = Amp("O1", half_dtype=half)
+    amp.prepare_model(model)
+    with amp.forward_context():
+        model(x).float().sum().backward()
+    assert seen == [half]
+    assert model.rnn.weight_ih_l0.grad is not None and model.rnn.weight_ih_l0.grad.dtype == torch.float32
+
+
+def test_the_rnn_rows_differ_from_cuda_autocast_only_at_bf16():
+    default, aligned = CastTable.default(), CastTable.autocast_aligned("cuda")
+    rows = {getattr(torch, name) for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")}
+    at_bf16 = default.autocast_differences("cuda", half_dtype=torch.bfloat16)
+    assert {f: at_bf16[f] for f in rows} == dict.fromkeys(rows, ("half", "float16"))
+    assert not rows & set(default.autocast_differences("cuda", half_dtype=torch.float16))
+    # A table taking autocast's choices takes this one too, through copies and pickles.
+    import pickle
+
+    for table in (aligned, aligned.copy(), pickle.loads(pickle.dumps(aligned))):
+        assert table.autocast_differences("cuda", half_dtype="bfloat16") == {}
+
+
 def test_a_table_the_user_gave_or_changed_is_kept(on_cuda):
     given = CastTable.default()
     amp = Amp("O1", cast_table=given)
@@ -219,8 +278,8 @@ def test_o1_default_on_cuda_is_an_autocast_gradscaler_loop():
     expected, reference = _train(reference, 5, lambda: torch.autocast("cuda", dtype=torch.float16), scaler_step, 2)
     amp = Amp("O1", half_dtype="float16")
     amp.prepare_model(mine)
-    assert amp.policy.engine_in_use == "autocast:cuda"
-    with amp.forward_context():
+    with amp.forward_context():  # the first forward adopts the model's device (not prepare_model)
+        assert amp.policy.engine_in_use == "autocast:cuda"
         assert torch._C._len_torch_function_stack() == 0
         x = torch.randn(4, 8, device="cuda")
         assert mine[0](x).dtype == torch.float16
