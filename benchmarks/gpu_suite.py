@@ -25,9 +25,10 @@ Parts:
   reads the overflow flag once per step by design (as ``GradScaler.step`` does): the count is reported, not judged.
 * ``unscale``: ``benchmarks/unscale.py`` per parameter set (GPT-2 124M, GPT 1.3B, ResNet-50 with the small-tensor
   sweep, BERT-base; FP32/FP16/BF16), each run measuring the copy bandwidth it is compared with.
-* ``step``: ``benchmarks/step.py --device cuda`` at real sizes (GPT-2 small at sequence 512, a CIFAR ResNet-18), the
-  18 variants one child process each, the rows the targets need first (on the GPT model two more, last: a Lightning
-  Fabric loop with ``FabricMixedPrecisionPlugin("O2")`` and with Fabric's own "16-mixed"); stops starting new ones
+* ``step``: ``benchmarks/step.py --device cuda`` at real sizes (GPT-2 small at sequence 512, a CIFAR ResNet-18), one
+  child process per variant and round: ``--repeats`` rounds (default 2, 100 steps each after 10) over the rows the
+  targets need (:data:`GOAL_ROWS`), then every other variant once (on the GPT model two more, last: a Lightning
+  Fabric loop with ``FabricMixedPrecisionPlugin("O2")`` and with Fabric's own "16-mixed"); stops starting new runs
   when ``--budget`` runs out.
 * ``fidelity``: ``benchmarks/convergence.py --accelerator gpu --seeds 0 --levels O0 O1 O2`` (200 steps).
 * ``fsdp``: ``benchmarks/fsdp_step.py --device cuda``: GPT-2 small under FSDP on one GPU (one rank), the plugin at
@@ -85,6 +86,8 @@ STEP_ORDER = (
     "mpx-O1-fp16-aligned", "core-O1-fp16-aligned", "mpx-O1-bf16-aligned", "core-O1-bf16-aligned",
     "fabric-16-mixed", "fabric-mpx-O2-fp16",
 )  # fmt: skip
+#: The rows issue 25's verdicts compare (the first of STEP_ORDER): run for every round of ``--repeats``.
+GOAL_ROWS = STEP_ORDER[:9]
 #: Variants measured on the GPT model only: the Fabric plugin at O2 against Fabric's own "16-mixed".
 GPT_ONLY = ("fabric-16-mixed", "fabric-mpx-O2-fp16")
 #: --check: one child per model (each imports torch, the plugin row Lightning too), a plugin row and a hand-written
@@ -645,6 +648,16 @@ def step_variants(model: str, chosen: list[str] | None = None) -> list[str]:
     return [v for v in STEP_ORDER if v in (chosen or STEP_ORDER) and (model == "gpt" or v not in GPT_ONLY)]
 
 
+def step_schedule(variants: list[str], repeats: int) -> list[str]:
+    """The order of the step part's runs: ``repeats`` rounds over the goal rows among ``variants`` (every other
+    round reversed, so that a drift of the machine weighs on both ends alike), then the other variants once. A row
+    is the median of its rounds' medians: one 20-step run per variant moved by up to 10 % between processes on an
+    H200 (2026-11-26), more than the 3 % goals."""
+    goals = [v for v in variants if v in GOAL_ROWS] or list(variants)
+    rounds = [goals if r % 2 == 0 else goals[::-1] for r in range(repeats)]
+    return [v for order in rounds for v in order] + [v for v in variants if v not in goals]
+
+
 def part_step(args: argparse.Namespace, env: dict[str, Any], model: str) -> Part:
     """step.py's variants for one model, one child process each (step.py's own child), saved after each."""
     import step
@@ -654,15 +667,19 @@ def part_step(args: argparse.Namespace, env: dict[str, Any], model: str) -> Part
     steps, warmup = (1, 0) if args.check else (args.steps, args.warmup)
     variants = list(STEP_CHECK[model]) if args.check else step_variants(model, args.variants)
     spec = step.SPECS[(model, size)]
-    samples: list[dict[str, Any]] = []
+    samples: dict[str, list[dict[str, Any]]] = {}
     durations: list[float] = []
+    repeats = 1 if args.check else args.repeats
     part.result = {"benchmark": "step", "model": model, "device": env["device"], "device_type": device,
-                   "size": size, "specs": {model: vars(spec)}, "steps": steps, "warmup": warmup, "repeats": 1,
+                   "size": size, "specs": {model: vars(spec)}, "steps": steps, "warmup": warmup, "repeats": repeats,
                    "rows": [], "targets": [], "failed": {}, "not_run": []}  # fmt: skip
-    for variant in variants:
+    for variant in step_schedule(variants, repeats):
         remaining = args.budget - part.elapsed if args.budget else 1e9
         if durations and remaining < 1.2 * max(durations):
-            part.result["not_run"].append(variant)  # it would not finish inside the budget: keep what is done
+            if variant not in samples:
+                part.result["not_run"].append(variant)  # it would not finish inside the budget: keep what is done
+            continue
+        if variant in part.result["failed"]:
             continue
         child_timeout = part.timeout(args, 150)
         argv = ["--device", device, "--model", model, "--size", size, "--steps", str(steps), "--warmup", str(warmup),
@@ -674,7 +691,7 @@ def part_step(args: argparse.Namespace, env: dict[str, Any], model: str) -> Part
         print(f"[{part.name}] {variant} (timeout {child_timeout:.0f} s)", flush=True)
         start = time.perf_counter()
         try:
-            samples.append(step._spawn(variant, model, step_args, steps))
+            samples.setdefault(variant, []).append(step._spawn(variant, model, step_args, steps))
             record.update(status="ok", returncode=0)
         except subprocess.TimeoutExpired:
             record.update(status="timeout", returncode=None)
@@ -690,8 +707,9 @@ def part_step(args: argparse.Namespace, env: dict[str, Any], model: str) -> Part
         durations.append(record["seconds"])
         part.suite["commands"].append(record)
         print(f"[{part.name}] {variant}: {record['status']} in {record['seconds']:.0f} s"
-              + (f", {samples[-1]['step_ms_median']:.2f} ms/step" if record["status"] == "ok" else ""), flush=True)
-        rows = [step.combine([s], spec.batch) for s in samples]
+              + (f", {samples[variant][-1]['step_ms_median']:.2f} ms/step" if record["status"] == "ok" else ""),
+              flush=True)  # fmt: skip
+        rows = [step.combine(runs, spec.batch) for runs in samples.values()]
         step.add_ratios(rows)
         part.result["rows"], part.result["targets"] = rows, step.check_targets(rows, device)
         part.save()
@@ -789,8 +807,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="step: which model ('all' runs both; on a 10-minute device, one per command)")
     parser.add_argument("--variants", nargs="+", choices=STEP_ORDER, default=None, metavar="VARIANT",
                         help="step: a subset of step.py's variants")
-    parser.add_argument("--steps", type=int, default=20, help="step: timed steps per variant")
-    parser.add_argument("--warmup", type=int, default=5, help="step: warm-up steps per variant")
+    parser.add_argument("--steps", type=int, default=100, help="step: timed steps per variant and round")
+    parser.add_argument("--warmup", type=int, default=10, help="step: warm-up steps per variant and round")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="step: rounds over the variants (each a fresh process per variant); the budget stops "
+                             "starting new runs, so a part cut short keeps every variant's first round first")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds per subprocess (default: 360 pytest, 300 checks, 240 unscale run, 150 step "
                              "variant, 420 fidelity, 300 plugin run)")  # fmt: skip
@@ -809,6 +830,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_checks(opts.out, opts.check)
     parser = build_parser()
     args = parser.parse_args(raw_argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats={args.repeats} must be at least 1")
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"--steps={args.steps} must be at least 1 and --warmup={args.warmup} at least 0")
     if args.timeout is not None and args.timeout <= 0:

@@ -284,3 +284,13 @@ def test_report_judges_issue_25s_o1_speed_goals_on_each_model():
     first = gpu_suite.step_variants("resnet")[:13]
     assert {"lightning-16-mixed", "mpx-O1-fp16", "mpx-O2-fp16", "torch-autocast-fp16", "core-O1-fp16",
             "lightning-bf16-mixed", "mpx-O1-bf16", "torch-autocast-bf16", "core-O1-bf16"} <= set(first)
+
+
+def test_step_part_repeats_the_goal_rows_in_rounds_before_the_rest():
+    order = gpu_suite.step_variants("resnet")
+    schedule = gpu_suite.step_schedule(order, 3)
+    goals = [v for v in order if v in gpu_suite.GOAL_ROWS]
+    assert len(goals) == 9 and "core-O1-fp16" in goals and "lightning-16-mixed" in goals
+    assert schedule[: 3 * len(goals)] == goals + goals[::-1] + goals
+    assert schedule[3 * len(goals):] == [v for v in order if v not in goals]
+    assert gpu_suite.step_schedule(["fp32", "loop-fp32"], 2) == ["fp32", "loop-fp32", "loop-fp32", "fp32"]
