@@ -13,6 +13,10 @@ calls, its own or a child module's, three calls deep, nested functions included)
 name containing ``loss`` or ``criterion`` (``self.loss_fct``, ``CrossEntropyLoss``, ``self.loss_function``); a forward
 whose code cannot be read counts as computing one. A loss computed where the code does not say so (a loss function
 reached through an object that names none of these) runs as the half model gives it, as it did at Apex's O2.
+
+The names are the policy's table's, read live: a row registered later (``amp.policy.table.register(my_fn, "float")``
+with ``@dispatchable``), or a table put in its place, makes the regions :meth:`LossRegions.stale`, and ``Amp`` hooks
+its models again at the next forward.
 """
 
 from __future__ import annotations
@@ -34,15 +38,42 @@ class LossRegions:
     """The modules of one model that run with an O2 policy's mode off the stack, and the hooks that do it.
 
     Args:
-        policy: The O2 cast policy whose modes are taken off (``Amp.policy``); other modes stay.
-        loss_names: Function names that count as losses (the O2 table's).
+        policy: The O2 cast policy whose modes are taken off (``Amp.policy``); other modes stay. The names of its
+            table's functions count as losses (read when the regions are found, see :meth:`stale`).
+        loss_names: The names to use instead (an unpickled copy, whose hooks take off nothing).
     """
 
-    def __init__(self, policy: Any, loss_names: Iterable[str]) -> None:
+    def __init__(self, policy: Any, loss_names: Iterable[str] | None = None) -> None:
         self.policy = policy
-        self.loss_names = frozenset(loss_names)
+        self._fixed_names = None if loss_names is None else frozenset(loss_names)
         self._local = threading.local()  # per thread: the modes each hooked call took off, innermost last
         self._verdicts: dict[Any, bool] = {}  # code object or class -> computes a loss
+        self._read: tuple[Any, int] | None = None  # the (table, version) the names and verdicts were read from
+        self._names: frozenset[str] = frozenset()
+
+    @property
+    def loss_names(self) -> frozenset[str]:
+        """The function names that count as losses: the policy's table's, as it is now."""
+        return self._current_names()
+
+    def _current_names(self) -> frozenset[str]:
+        if self._fixed_names is not None:
+            return self._fixed_names
+        table = self.policy.table
+        if self._read != (table, table._version):
+            self._names = frozenset(entry.name for entry in table)
+            self._verdicts.clear()  # decided with other names
+            self._read = (table, table._version)
+        return self._names
+
+    def stale(self) -> bool:
+        """Whether the policy's table changed (a row registered, removed or replaced, or another table put in its
+        place) since the regions were last found: hooks installed before then may take the mode off around code
+        that calls a function the table now casts."""
+        if self._fixed_names is not None or self._read is None:
+            return False
+        table = self.policy.table
+        return self._read != (table, table._version)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> LossRegions:
         # A deep copy of the model (EMA, AveragedModel) shares the hooks: they take off this policy's modes only, so
@@ -60,6 +91,7 @@ class LossRegions:
     # -- finding the regions -----------------------------------------------------------------------------------
     def free_modules(self, root: nn.Module) -> list[nn.Module]:
         """The topmost submodules of ``root`` (not ``root`` itself) whose whole subtree computes no loss."""
+        self._current_names()  # (re)read the table's names first: the verdicts below are made with them
         free: dict[int, bool] = {}
 
         def visit(module: nn.Module) -> bool:
@@ -104,7 +136,8 @@ class LossRegions:
             return verdict
         self._verdicts[key] = False  # recursion through itself: decided by the other names
         names = set(_names(code))
-        verdict = any(name in self.loss_names or any(w in name.lower() for w in LOSS_WORDS) for name in names)
+        loss_names = self.loss_names
+        verdict = any(name in loss_names or any(w in name.lower() for w in LOSS_WORDS) for name in names)
         if not verdict and depth > 0:
             for name in names:
                 for target in (*(inspect.getattr_static(owner, name, None) for owner in owners), globals_.get(name)):

@@ -119,7 +119,7 @@ class Amp:
         self._device_pending = self.policy is not None and self.properties.patch_torch_functions
         # O2: the loss policy's mode is taken off inside the submodules whose code computes no loss (_loss_regions).
         self._loss_regions = (
-            LossRegions(self.policy, (entry.name for entry in self.policy.table))
+            LossRegions(self.policy)
             if self.policy is not None and not self.properties.patch_torch_functions else None
         )
         self._regions_hooks: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
@@ -295,6 +295,15 @@ class Amp:
                 and policy.device_type == device):
             policy.table = CastTable.for_device(device, policy.half_dtype, module)
 
+    def _hook_regions_again(self) -> None:
+        """O2's table changed since the models were hooked (a row registered, a table replaced): find the regions
+        of every prepared model again with the table's names as they are now."""
+        assert self._loss_regions is not None
+        for module, handles in list(self._regions_hooks.items()):
+            for handle in handles:
+                handle.remove()
+            self._regions_hooks[module] = self._loss_regions.install(module)
+
     def _prepare_sharded(self, module: nn.Module) -> None:
         from lightning_mpx.fsdp import check_sharded_model
 
@@ -349,6 +358,9 @@ class Amp:
         the model in FP32; nothing otherwise."""
         if self._device_pending and self._device_model is not None and not torch.compiler.is_compiling():
             self._adopt_device()  # (inside a compiled region it would be traced: the first eager forward does it)
+        regions = self._loss_regions
+        if regions is not None and regions.stale() and not torch.compiler.is_compiling():
+            self._hook_regions_again()
         return self.policy.scope() if self.policy is not None else contextlib.nullcontext()
 
     def cast_inputs(self, data: Any) -> Any:

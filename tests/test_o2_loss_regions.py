@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_mpx import Amp
+from lightning_mpx import Amp, dispatchable
 from lightning_mpx._loss_regions import LossRegions
 from tests.compile_helpers import HookCounter
 from tests.test_o2_losses import _bert
@@ -181,6 +181,68 @@ def test_a_loss_in_a_submodule_is_fp32_wherever_its_code_puts_it(kind):
     with amp.forward_context():
         loss = model(x, target)
     assert loss.dtype == torch.float32
+
+
+@dispatchable
+def _user_metric(t: torch.Tensor) -> torch.Tensor:
+    return t.square().sum()
+
+
+class _MetricBlock(nn.Module):
+    """A submodule that calls the user's own function, which the user registers as FP32 in O2's table."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.seen = nn.Linear(8, 8), []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fc(x)
+        self.seen.append(_user_metric(out).dtype)
+        return out
+
+
+class _WithMetric(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.metric = Block(), _MetricBlock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.metric(self.pre(x))
+
+
+@pytest.mark.parametrize("when", ["before prepare", "after prepare", "after a forward", "table replaced"])
+def test_a_row_the_user_registers_is_fp32_in_every_submodule(when):
+    """The regions follow O2's table: a function registered FP32 (before or after the model was prepared, or a new
+    table put in place) runs in FP32 inside a submodule that calls it, and the blocks that do not stay mode-free."""
+    amp = Amp("O2", half_dtype="bfloat16")
+    if when == "before prepare":
+        amp.policy.table.register(_user_metric, "float")
+    model = amp.prepare_model(_WithMetric())
+    x = torch.randn(2, 8).bfloat16()
+    if when == "after a forward":
+        with amp.forward_context():
+            model(x)
+        assert model.metric.seen == [torch.bfloat16]  # not registered yet: the half model's dtype
+    if when in ("after prepare", "after a forward"):
+        amp.policy.table.register(_user_metric, "float")
+    if when == "table replaced":
+        table = amp.policy.table.copy()
+        table.register(_user_metric, "float")
+        amp.policy.table = table
+    with amp.forward_context():
+        model(x)
+    assert model.metric.seen[-1] == torch.float32
+    free = amp._loss_regions.free_modules(model)
+    assert model.pre in free and model.metric not in free
+    with HookCounter() as counter, amp.forward_context():
+        model.pre(x)
+    assert counter.calls == 0  # the block that calls no registered function stays mode-free
+
+    amp.policy.table.unregister(_user_metric)
+    with amp.forward_context():
+        model(x)
+    assert model.metric.seen[-1] == torch.bfloat16
+    assert model.metric in amp._loss_regions.free_modules(model)
 
 
 def test_the_mode_is_back_after_a_block_raises():
