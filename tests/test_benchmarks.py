@@ -287,6 +287,28 @@ def test_gpu_host_profile_check_runs_its_code_path_on_cpu(tmp_path):
     assert result["profiled"] == "core-O1-bf16" and "lightning_mpx" in result["python_profile"]
 
 
+def test_gpu_host_profile_interleaved_is_a_step_result_the_report_judges(tmp_path):
+    """--interleave: the loops side by side in one process, written as a step result under step.py's row names, so
+    gpu_report.py takes the core loop's verdicts from it when it is the latest file holding both rows."""
+    import gpu_host_profile
+    import gpu_report
+
+    out = tmp_path / "step_interleaved_gpt.json"
+    argv = ["--check", "--interleave", "2", "--steps", "1", "--warmup", "0", "--out", str(out)]
+    assert gpu_host_profile.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "step" and result["repeats"] == 2
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert set(rows) == {"torch-autocast-bf16", "core-O1-bf16"}
+    assert all(len(r["step_ms_runs"]) == 2 and r["samples_per_second"] > 0 for r in rows.values())
+    verdicts = gpu_report.step_targets(gpu_report.load_sources([tmp_path]).items)
+    core = next(v for v in verdicts if v.target == "core O1 bf16 >= 0.97x torch.autocast loop" and v.scope == "gpt")
+    expected = rows["core-O1-bf16"]["samples_per_second"] / rows["torch-autocast-bf16"]["samples_per_second"]
+    assert core.source == out.name and core.value == pytest.approx(expected)
+    with pytest.raises(SystemExit):
+        gpu_host_profile.main(["--check", "--interleave", "-1"])
+
+
 def test_harness_interleave_rotates_and_pairs_within_rounds():
     """Each round starts one variant later, so every variant runs first as often as the others; a paired ratio
     divides samples of the same round."""
