@@ -110,10 +110,13 @@ class CastTable:
         """
         if not isinstance(device_type, str):
             raise TypeError(f"device_type={device_type!r} must be a device type name such as 'cuda' or 'cpu'.")
+        dtype = None if half_dtype is None else parse_half_dtype(half_dtype)
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model={type(model).__name__} is not a torch.nn.Module (or None).")
         if device_type != "cuda":
             return cls.default()
         table = cls.autocast_aligned("cuda")
-        if (half_dtype is not None and parse_half_dtype(half_dtype) is torch.bfloat16 and model is not None
+        if (dtype is torch.bfloat16 and model is not None
                 and any(isinstance(m, torch.nn.RNNBase) for m in model.modules())):
             table._follows_autocast = False
         return table

@@ -44,6 +44,10 @@ def test_other_devices_keep_the_default_table(device_type):
 def test_for_device_names_the_argument():
     with pytest.raises(TypeError, match="device_type=None"):
         CastTable.for_device(None)
+    with pytest.raises(ValueError, match="half_dtype='int8'.*valid choices"):
+        CastTable.for_device("cpu", half_dtype="int8")
+    with pytest.raises(TypeError, match="model=str is not a torch.nn.Module"):
+        CastTable.for_device("cuda", "bfloat16", model="lstm")
 
 
 def _mlp():
