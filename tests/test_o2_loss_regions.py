@@ -245,6 +245,38 @@ def test_a_row_the_user_registers_is_fp32_in_every_submodule(when):
     assert model.metric in amp._loss_regions.free_modules(model)
 
 
+def test_a_row_registered_mid_training_is_fp32_through_the_trainer():
+    """Through Lightning's Trainer: a function registered FP32 on the plugin's table after two batches runs in FP32 in
+    the submodule that calls it from the next batch on (the half model's dtype before), and training goes on."""
+    import lightning.pytorch as pl
+
+    from lightning_mpx.lightning import MixedPrecisionPlugin
+    from tests.lightning_helpers import make_trainer
+
+    plugin = MixedPrecisionPlugin("O2", half_dtype="bfloat16")
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _WithMetric()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (x,) = batch
+            return self.net(x).float().square().mean()
+
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 2:
+                plugin.amp.policy.table.register(_user_metric, "float")
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = Module()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(10, 8)), batch_size=2)
+    make_trainer(plugin).fit(module, data)
+    assert module.net.metric.seen == [torch.bfloat16] * 2 + [torch.float32] * 3
+
+
 def test_the_mode_is_back_after_a_block_raises():
     class Boom(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
