@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's lightning_mpx, without PYTHONPATH
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness  # noqa: E402
-from step import SPECS, build_model, loop_step, make_batches  # noqa: E402
+from step import SPECS, build_model, loop_step, make_batches, time_steps  # noqa: E402
 
 VARIANTS = ("autocast-fp16", "core-O1-fp16", "core-O2-fp16", "core-O1-bf16", "autocast-bf16")
 #: --check: bfloat16 only (float16 matmuls crawl on most CPUs).
@@ -92,17 +92,7 @@ def interleaved(variants: tuple[str, ...], dev: torch.device, model: str, size: 
     sync()
 
     def timed(one: Callable[[Any, Any], None]) -> Callable[[], float]:
-        def run() -> float:
-            times = []
-            for i in range(steps):
-                x, y = batches[i % len(batches)]
-                sync()
-                start = time.perf_counter()
-                one(x, y)
-                sync()
-                times.append((time.perf_counter() - start) * 1e3)
-            return statistics.median(times)
-        return run
+        return lambda: statistics.median(time_steps(one, batches, steps, sync)) * 1e3
 
     samples = _harness.interleave({v: timed(one) for v, one in loops.items()}, rounds)
     batch = SPECS[(model, size)].batch

@@ -485,6 +485,13 @@ def _loop_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], total: i
     else:  # core-O1-fp16, ...
         one, amp = loop_step(variant.split("-")[1], net, dev, half_dtype_of(variant),
                              cast_table=aligned_table(variant, dev))
+    times = time_steps(one, batches, total, sync)
+    return times, {} if amp is None else {"skipped_steps": sum(amp.skipped_steps)}
+
+
+def time_steps(one: Callable[[Any, Any], None], batches: list[tuple[Any, Any]], total: int,
+               sync: Callable[[], None]) -> list[float]:
+    """Seconds of each of ``total`` calls ``one(x, y)`` over ``batches`` in turn, each timed between two syncs."""
     times: list[float] = []
     for i in range(total):
         x, y = batches[i % len(batches)]
@@ -493,7 +500,7 @@ def _loop_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], total: i
         one(x, y)
         sync()
         times.append(time.perf_counter() - start)
-    return times, {} if amp is None else {"skipped_steps": sum(amp.skipped_steps)}
+    return times
 
 
 # -- the parent --------------------------------------------------------------------------------------------------------
