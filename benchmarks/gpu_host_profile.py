@@ -50,14 +50,21 @@ from step import SPECS, build_model, loop_step, make_batches, time_steps  # noqa
 VARIANTS = ("autocast-fp16", "core-O1-fp16", "core-O2-fp16", "core-O1-bf16", "autocast-bf16")
 #: --check: bfloat16 only (float16 matmuls crawl on most CPUs).
 CHECK_VARIANTS = ("autocast-bf16", "core-O1-bf16")
+#: Loops ``--variants`` may name besides VARIANTS: ``autocast-checked-bf16`` is the bfloat16 autocast loop with the
+#: skip guarantee written in torch (step.loop_step's ``"autocast-checked"``); ``-fused-`` loops use AdamW(fused=True).
+EXTRA_VARIANTS = ("autocast-checked-bf16", "autocast-fused-fp16", "autocast-fused-bf16", "core-O1-fused-fp16",
+                  "core-O1-fused-bf16", "core-O2-bf16")  # fmt: skip
 
 
 def make_step(variant: str, device: torch.device, model: str, size: str) -> Callable[[Any, Any], None]:
-    """One training iteration of ``variant`` (``autocast-<dtype>`` or ``core-<level>-<dtype>``), AdamW lr 1e-4."""
+    """One training iteration of ``variant`` (``autocast[-checked|-fused]-<dtype>`` or
+    ``core-<level>[-fused]-<dtype>``), AdamW lr 1e-4."""
     torch.manual_seed(0)
-    dtype = torch.float16 if variant.endswith("fp16") else torch.bfloat16
-    kind = variant.split("-")[1] if variant.startswith("core-") else "autocast"
-    one, _ = loop_step(kind, build_model(model, SPECS[(model, size)]), device, dtype, lr=1e-4)
+    parts = variant.split("-")
+    dtype = torch.float16 if parts[-1] == "fp16" else torch.bfloat16
+    fused = "fused" in parts
+    kind = parts[1] if parts[0] == "core" else "autocast-checked" if "checked" in parts else "autocast"
+    one, _ = loop_step(kind, build_model(model, SPECS[(model, size)]), device, dtype, lr=1e-4, fused=fused)
     return one
 
 
@@ -78,8 +85,9 @@ def measure(step: Callable[[Any, Any], None], batches: list[Any], steps: int, wa
     return {"host_ms": statistics.median(host), "step_ms": statistics.median(full)}
 
 
-#: step.py's names of this script's loops.
-STEP_NAMES = {"autocast-fp16": "torch-autocast-fp16", "autocast-bf16": "torch-autocast-bf16"}
+def step_name(variant: str) -> str:
+    """step.py's name of this script's loop (``torch-autocast-fp16`` for ``autocast-fp16``)."""
+    return f"torch-{variant}" if variant.startswith("autocast-") else variant
 
 
 def interleaved(variants: tuple[str, ...], dev: torch.device, model: str, size: str, batches: list[Any],
@@ -100,7 +108,7 @@ def interleaved(variants: tuple[str, ...], dev: torch.device, model: str, size: 
     rows = []
     for variant, runs in samples.items():
         median = statistics.median(runs)
-        rows.append({"model": model, "variant": STEP_NAMES.get(variant, variant), "step_ms_median": median,
+        rows.append({"model": model, "variant": step_name(variant), "step_ms_median": median,
                      "step_ms_runs": runs, "samples_per_second": batch / (median / 1e3), "peak_memory_bytes": peak,
                      "repeats": rounds})  # fmt: skip
     return rows
@@ -111,9 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--model", choices=("gpt", "resnet"), default="gpt")
-    parser.add_argument("--profile", choices=VARIANTS, default=None,
+    parser.add_argument("--profile", choices=VARIANTS + EXTRA_VARIANTS, default=None,
                         help="the variant whose one step is profiled (torch.profiler) and whose host code is "
                         "profiled with cProfile over --steps steps (default core-O1-fp16; --check: core-O1-bf16)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS + EXTRA_VARIANTS, default=None,
+                        help="the loops to measure (default: the five of VARIANTS; --check: CHECK_VARIANTS)")
     parser.add_argument("--check", action="store_true", help="run the code path on CPU, small model: no measurement")
     parser.add_argument("--out", type=Path, default=_harness.RESULTS / "gpu" / "host_profile.json")
     parser.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
@@ -129,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
               "(--check runs the code path on CPU).")
         return 0
     device_type, size = ("cpu", "small") if args.check else ("cuda", "real")
-    variants = CHECK_VARIANTS if args.check else VARIANTS
-    profiled = args.profile or variants[1]
+    variants = tuple(args.variants) if args.variants else CHECK_VARIANTS if args.check else VARIANTS
+    profiled = args.profile or variants[min(1, len(variants) - 1)]
     dev = torch.device(device_type)
     sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
     batches = make_batches(args.model, SPECS[(args.model, size)], 4, dev)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import resource
@@ -298,13 +299,17 @@ def fit(net: Any, batches: list[Any], total: int, device: str, callbacks: list[A
     return trainer
 
 
-def loop_step(kind: str, net: Any, device: Any, half_dtype: Any = None, lr: float = 1e-3, cast_table: Any = None
-              ) -> tuple[Callable[[Any, Any], None], Any]:
+def loop_step(kind: str, net: Any, device: Any, half_dtype: Any = None, lr: float = 1e-3, cast_table: Any = None,
+              fused: bool = False) -> tuple[Callable[[Any, Any], None], Any]:
     """One iteration of a hand-written AdamW loop over ``net`` (moved to ``device``), and its ``Amp`` (or None).
 
     ``kind``: ``"fp32"`` (plain), ``"autocast"`` (``torch.autocast`` in ``half_dtype``, with ``GradScaler`` for
-    float16; bfloat16 has FP32's range and torch's recipe scales nothing), or an opt level (``"O1"``, ``"O2"``, ...:
-    ``Amp`` with ``on_floor="continue"``: forward in ``forward_context``, ``backward``, ``step``, ``update``).
+    float16; bfloat16 has FP32's range and torch's recipe scales nothing), ``"autocast-checked"`` (the same, but at
+    bfloat16 the gradients are checked for non-finite values in torch's one kernel and the step is skipped when one
+    is found, read on the host: the skip guarantee that ``Amp`` gives, written with torch alone; float16 as
+    ``"autocast"``, whose ``GradScaler`` does that already), or an opt level (``"O1"``, ``"O2"``, ...: ``Amp`` with
+    ``on_floor="continue"``: forward in ``forward_context``, ``backward``, ``step``, ``update``). ``fused``: AdamW
+    with ``fused=True`` (``GradScaler`` then skips on the device, without reading the flag on the host).
     """
     import torch
 
@@ -312,10 +317,11 @@ def loop_step(kind: str, net: Any, device: Any, half_dtype: Any = None, lr: floa
 
     dev = torch.device(device)
     net = net.to(dev)
+    make_optimizer = functools.partial(torch.optim.AdamW, lr=lr, **({"fused": True} if fused else {}))
     if kind.startswith("O"):
         amp = Amp(kind, half_dtype=half_dtype, on_floor="continue", cast_table=cast_table)
         net = amp.prepare_model(net)
-        optimizer = amp.prepare_optimizer(torch.optim.AdamW(net.parameters(), lr=lr))
+        optimizer = amp.prepare_optimizer(make_optimizer(net.parameters()))
 
         def core(x: Any, y: Any) -> None:
             with amp.forward_context():
@@ -326,23 +332,33 @@ def loop_step(kind: str, net: Any, device: Any, half_dtype: Any = None, lr: floa
             optimizer.zero_grad(set_to_none=True)
 
         return core, amp
-    if kind not in ("fp32", "autocast"):
-        raise ValueError(f"kind={kind!r} is not a loop; valid choices: 'fp32', 'autocast', or an opt level 'O0'-'O3'")
-    optimizer = torch.optim.AdamW(net.parameters(), lr=lr)
-    autocast = kind == "autocast"
+    if kind not in ("fp32", "autocast", "autocast-checked"):
+        raise ValueError(f"kind={kind!r} is not a loop; valid choices: 'fp32', 'autocast', 'autocast-checked', or an "
+                         "opt level 'O0'-'O3'")  # fmt: skip
+    optimizer = make_optimizer(net.parameters())
+    autocast = kind != "fp32"
     context = (lambda: torch.autocast(dev.type, dtype=half_dtype)) if autocast else contextlib.nullcontext
     scaler = torch.amp.GradScaler(dev.type) if autocast and half_dtype == torch.float16 else None
+    checked = kind == "autocast-checked" and scaler is None
+    found, one = torch.zeros(1, device=dev), torch.ones(1, device=dev)
 
     def plain(x: Any, y: Any) -> None:
         with context():
             loss = _loss(net(x), y)
-        if scaler is None:
-            loss.backward()
-            optimizer.step()
-        else:
+        if scaler is not None:
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
+        elif checked:
+            loss.backward()
+            found.zero_()
+            grads = [p.grad for p in net.parameters() if p.grad is not None]
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+            if not found.item():
+                optimizer.step()
+        else:
+            loss.backward()
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     return plain, None
