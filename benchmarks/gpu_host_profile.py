@@ -37,6 +37,7 @@ import pstats
 import statistics
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
@@ -155,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['samples_per_second']:.1f}"] for r in rows])  # fmt: skip
         print(table)
         result = {"benchmark": "step", "method": "interleaved in one process (gpu_host_profile.py --interleave)",
+                  "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   "command": _harness.command(argv), **machine, "check": args.check, "device_type": device_type,
                   "size": size, "specs": {args.model: vars(SPECS[(args.model, size)])}, "steps": args.steps,
                   "warmup": args.warmup, "repeats": args.interleave, "rows": rows}  # fmt: skip
