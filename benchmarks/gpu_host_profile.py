@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's lightning_mpx, without PYTHONPATH
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness  # noqa: E402
-from step import SPECS, build_model, loop_step, make_batches, time_steps  # noqa: E402
+from step import SPECS, build_model, loop_of, make_batches, time_steps  # noqa: E402
 
 VARIANTS = ("autocast-fp16", "core-O1-fp16", "core-O2-fp16", "core-O1-bf16", "autocast-bf16")
 #: --check: bfloat16 only (float16 matmuls crawl on most CPUs).
@@ -59,13 +59,10 @@ EXTRA_VARIANTS = ("autocast-checked-bf16", "autocast-fused-fp16", "autocast-fuse
 
 def make_step(variant: str, device: torch.device, model: str, size: str) -> Callable[[Any, Any], None]:
     """One training iteration of ``variant`` (``autocast[-checked|-fused]-<dtype>`` or
-    ``core-<level>[-fused]-<dtype>``), AdamW lr 1e-4."""
+    ``core-<level>[-fused]-<dtype>``: step.py's loop of that name, ``torch-`` before the ``autocast`` ones), AdamW
+    lr 1e-4."""
     torch.manual_seed(0)
-    parts = variant.split("-")
-    dtype = torch.float16 if parts[-1] == "fp16" else torch.bfloat16
-    fused = "fused" in parts
-    kind = parts[1] if parts[0] == "core" else "autocast-checked" if "checked" in parts else "autocast"
-    one, _ = loop_step(kind, build_model(model, SPECS[(model, size)]), device, dtype, lr=1e-4, fused=fused)
+    one, _ = loop_of(step_name(variant), build_model(model, SPECS[(model, size)]), device, lr=1e-4)
     return one
 
 

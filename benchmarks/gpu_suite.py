@@ -25,11 +25,12 @@ Parts:
   reads the overflow flag once per step by design (as ``GradScaler.step`` does): the count is reported, not judged.
 * ``unscale``: ``benchmarks/unscale.py`` per parameter set (GPT-2 124M, GPT 1.3B, ResNet-50 with the small-tensor
   sweep, BERT-base; FP32/FP16/BF16), each run measuring the copy bandwidth it is compared with.
-* ``step``: ``benchmarks/step.py --device cuda`` at real sizes (GPT-2 small at sequence 512, a CIFAR ResNet-18), one
-  child process per variant and round: ``--repeats`` rounds (default 2, 100 steps each after 10) over the rows the
-  targets need (:data:`GOAL_ROWS`), then every other variant once (on the GPT model two more, last: a Lightning
-  Fabric loop with ``FabricMixedPrecisionPlugin("O2")`` and with Fabric's own "16-mixed"); stops starting new runs
-  when ``--budget`` runs out.
+* ``step``: ``benchmarks/step.py --device cuda`` at real sizes (GPT-2 small at sequence 512, a CIFAR ResNet-18):
+  first the rows the targets need (:data:`GOAL_ROWS`) together in one process (``step.py --one-process``),
+  ``--repeats`` rounds (default 6, 30 steps each after 10, every run building its model, Trainer or loop afresh,
+  the order rotated every round; the rows are the medians of the rounds), then every other variant once, one child
+  process each (on the GPT model two more, last: a Lightning Fabric loop with ``FabricMixedPrecisionPlugin("O2")``
+  and with Fabric's own "16-mixed"); stops starting new runs when ``--budget`` runs out.
 * ``fidelity``: ``benchmarks/convergence.py --accelerator gpu --seeds 0 --levels O0 O1 O2`` (200 steps).
 * ``fsdp``: ``benchmarks/fsdp_step.py --device cuda``: GPT-2 small under FSDP on one GPU (one rank), the plugin at
   O1/O2 (fp16, bf16) against Lightning's own FSDP mixed precision ("bf16-mixed" on FSDP2's ``ModelParallelStrategy``;
@@ -80,19 +81,24 @@ STEP_ORDER = (
     # torch.autocast's (on CUDA, O1 with no table given runs CastTable.for_device("cuda"): autocast alone)
     "lightning-16-mixed", "mpx-O1-fp16", "mpx-O2-fp16", "torch-autocast-fp16", "core-O1-fp16",
     "lightning-bf16-mixed", "mpx-O1-bf16", "torch-autocast-bf16", "core-O1-bf16",
+    # core O1 bf16 against the bf16 loop with the same skip guarantee (torch's check, the step skipped on a hit)
+    "torch-autocast-checked-bf16",
     "fp32", "mpx-O1-fp16-compiled", "lightning-16-mixed-compiled", "mpx-O2-bf16", "mpx-O3-fp16", "mpx-O3-bf16",
     "core-O2-fp16", "core-O2-bf16", "loop-fp32",
     # the explicit autocast-aligned table: on CUDA the same table as the default rows now, so late
     "mpx-O1-fp16-aligned", "core-O1-fp16-aligned", "mpx-O1-bf16-aligned", "core-O1-bf16-aligned",
+    # AdamW(fused=True): GradScaler skips an overflowed step on the device there, Amp reads the flag on the host
+    "torch-autocast-fused-fp16", "core-O1-fused-fp16", "torch-autocast-fused-bf16", "core-O1-fused-bf16",
     "fabric-16-mixed", "fabric-mpx-O2-fp16",
 )  # fmt: skip
 #: The rows issue 25's verdicts compare (the first of STEP_ORDER): run for every round of ``--repeats``.
-GOAL_ROWS = STEP_ORDER[:9]
+GOAL_ROWS = STEP_ORDER[:10]
 #: Variants measured on the GPT model only: the Fabric plugin at O2 against Fabric's own "16-mixed".
 GPT_ONLY = ("fabric-16-mixed", "fabric-mpx-O2-fp16")
-#: --check: one child per model (each imports torch, the plugin row Lightning too), a plugin row and a hand-written
-#: loop; step.py's own tests run the other variants, the report's tests the ratios.
-STEP_CHECK = {"gpt": ("mpx-O2-fp16",), "resnet": ("loop-fp32",)}
+#: --check: per model a plugin row or a loop measured in one process (the goal rows' path) and, on the ResNet, a loop
+#: that is not a goal row in a child process of its own (the other rows' path); step.py's own tests run the other
+#: variants, the report's tests the ratios.
+STEP_CHECK = {"gpt": ("mpx-O2-fp16",), "resnet": ("core-O1-bf16", "loop-fp32")}
 #: unscale.py runs: (sets, sweep?); the issue's sets first, the sweep with the small-tensor ResNet set.
 UNSCALE_RUNS = (("gpt2-124m", False), ("gpt-1.3b", False), ("resnet50", True), ("bert-base", False))
 #: The backend the checks hold to the reference; explicit, since "auto" takes foreach for CPU tensors (--check).
@@ -648,18 +654,19 @@ def step_variants(model: str, chosen: list[str] | None = None) -> list[str]:
     return [v for v in STEP_ORDER if v in (chosen or STEP_ORDER) and (model == "gpt" or v not in GPT_ONLY)]
 
 
-def step_schedule(variants: list[str], repeats: int) -> list[str]:
-    """The order of the step part's runs: ``repeats`` rounds over the goal rows among ``variants`` (every other
-    round reversed, so that a drift of the machine weighs on both ends alike), then the other variants once. A row
-    is the median of its rounds' medians: one 20-step run per variant moved by up to 10 % between processes on an
-    H200 (2026-11-26), more than the 3 % goals."""
+def step_schedule(variants: list[str], repeats: int) -> tuple[list[str], list[str]]:
+    """The step part's runs: the goal rows among ``variants`` (all of them if none is), measured together in one
+    process over ``repeats`` rounds (``step.py --one-process``: the order rotated every round, so that a drift of
+    the machine weighs on every row alike), then the other variants, one child process each, once. One 20-step run
+    per variant moved by up to 11 % between processes on an H200 (2026-11-26), more than the 3 % goals: the
+    verdicts' rows share a process."""
     goals = [v for v in variants if v in GOAL_ROWS] or list(variants)
-    rounds = [goals if r % 2 == 0 else goals[::-1] for r in range(repeats)]
-    return [v for order in rounds for v in order] + [v for v in variants if v not in goals]
+    return goals, [v for v in variants if v not in goals]
 
 
 def part_step(args: argparse.Namespace, env: dict[str, Any], model: str) -> Part:
-    """step.py's variants for one model, one child process each (step.py's own child), saved after each."""
+    """step.py's variants for one model: the goal rows in one process (rounds rotated), then the other variants one
+    child process each (step.py's own child); saved after each."""
     import step
 
     part = Part(f"step_{model}", args.out, args.check, args.command, env)
@@ -667,24 +674,46 @@ def part_step(args: argparse.Namespace, env: dict[str, Any], model: str) -> Part
     steps, warmup = (1, 0) if args.check else (args.steps, args.warmup)
     variants = list(STEP_CHECK[model]) if args.check else step_variants(model, args.variants)
     spec = step.SPECS[(model, size)]
-    samples: dict[str, list[dict[str, Any]]] = {}
-    durations: list[float] = []
     repeats = 1 if args.check else args.repeats
     part.result = {"benchmark": "step", "model": model, "device": env["device"], "device_type": device,
                    "size": size, "specs": {model: vars(spec)}, "steps": steps, "warmup": warmup, "repeats": repeats,
+                   "method": "the goal rows in one process, rounds rotated; the others a child process each",
                    "rows": [], "targets": [], "failed": {}, "not_run": []}  # fmt: skip
-    for variant in step_schedule(variants, repeats):
+    goals, others = step_schedule(variants, repeats)
+    rounds_file = args.out / "raw" / f"step_{model}_rounds.json"
+    argv = [sys.executable, str(HERE / "step.py"), "--one-process", "--device", device, "--model", model, "--size",
+            size, "--steps", str(steps), "--warmup", str(warmup), "--repeats", str(repeats), "--threads", "1",
+            "--out", str(rounds_file), "--variants", *goals]  # fmt: skip
+    record = part.run(argv, part.timeout(args, 420), args.out / "raw" / f"step_{model}_rounds.log")
+    rounds = json.loads(rounds_file.read_text()) if rounds_file.exists() else {}  # saved after every round
+    goal_rows = rounds.get("rows", [])
+    part.result["rounds_done"] = rounds.get("rounds_done", 0)
+    measured = {r["variant"] for r in goal_rows}
+    for variant in goals:
+        if variant not in measured:
+            if record["status"] == "failed":
+                part.result["failed"][variant] = f"step.py --one-process failed; see {record['log']}"
+            else:
+                part.result["not_run"].append(variant)
+    samples: dict[str, list[dict[str, Any]]] = {}
+    durations: list[float] = []
+
+    def publish() -> None:
+        rows = goal_rows + [step.combine(runs, spec.batch) for runs in samples.values()]
+        step.add_ratios(rows)
+        part.result["rows"], part.result["targets"] = rows, step.check_targets(rows, device)
+        part.save()
+
+    publish()
+    for variant in others:
         remaining = args.budget - part.elapsed if args.budget else 1e9
-        if durations and remaining < 1.2 * max(durations):
-            if variant not in samples:
-                part.result["not_run"].append(variant)  # it would not finish inside the budget: keep what is done
-            continue
-        if variant in part.result["failed"]:
+        if remaining < 1.2 * max(durations, default=0.0) or remaining < 30:
+            part.result["not_run"].append(variant)  # it would not finish inside the budget: keep what is done
             continue
         child_timeout = part.timeout(args, 150)
-        argv = ["--device", device, "--model", model, "--size", size, "--steps", str(steps), "--warmup", str(warmup),
-                "--child-timeout", str(child_timeout)]  # fmt: skip
-        step_args = step.build_parser().parse_args(argv)
+        step_args = step.build_parser().parse_args(
+            ["--device", device, "--model", model, "--size", size, "--steps", str(steps), "--warmup", str(warmup),
+             "--child-timeout", str(child_timeout)])  # fmt: skip
         child = [sys.executable, str(HERE / "step.py"), "--_child", variant, "--model", model, "--size", size,
                  "--steps", str(steps), "--warmup", str(warmup), "--device", device, "--threads", "1"]  # as step.py
         record = {"command": _shown(child), "log": None, "timeout_s": child_timeout}
@@ -709,10 +738,7 @@ def part_step(args: argparse.Namespace, env: dict[str, Any], model: str) -> Part
         print(f"[{part.name}] {variant}: {record['status']} in {record['seconds']:.0f} s"
               + (f", {samples[variant][-1]['step_ms_median']:.2f} ms/step" if record["status"] == "ok" else ""),
               flush=True)  # fmt: skip
-        rows = [step.combine(runs, spec.batch) for runs in samples.values()]
-        step.add_ratios(rows)
-        part.result["rows"], part.result["targets"] = rows, step.check_targets(rows, device)
-        part.save()
+        publish()
     ok = all(c["status"] == "ok" for c in part.suite["commands"]) and not part.result["not_run"]
     part.save("complete" if ok else "incomplete")
     return part
@@ -807,14 +833,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="step: which model ('all' runs both; on a 10-minute device, one per command)")
     parser.add_argument("--variants", nargs="+", choices=STEP_ORDER, default=None, metavar="VARIANT",
                         help="step: a subset of step.py's variants")
-    parser.add_argument("--steps", type=int, default=100, help="step: timed steps per variant and round")
+    parser.add_argument("--steps", type=int, default=30, help="step: timed steps per variant and round")
     parser.add_argument("--warmup", type=int, default=10, help="step: warm-up steps per variant and round")
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="step: rounds over the variants (each a fresh process per variant); the budget stops "
-                             "starting new runs, so a part cut short keeps every variant's first round first")
+    parser.add_argument("--repeats", type=int, default=6,
+                        help="step: rounds over the goal rows, in one process (each run builds its model afresh; "
+                             "the order rotated every round); saved after every round, so a part cut short keeps "
+                             "the rounds it finished")
     parser.add_argument("--timeout", type=float, default=None,
-                        help="seconds per subprocess (default: 360 pytest, 300 checks, 240 unscale run, 150 step "
-                             "variant, 420 fidelity, 300 plugin run)")  # fmt: skip
+                        help="seconds per subprocess (default: 360 pytest, 300 checks, 240 unscale run, 420 step "
+                             "goal rows, 150 other step variant, 420 fidelity, 300 plugin run)")  # fmt: skip
     parser.add_argument("--budget", type=float, default=480.0,
                         help="seconds per part after which no new sub-run starts (default 480; 0: no limit)")
     return parser

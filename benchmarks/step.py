@@ -78,6 +78,13 @@ LOOP_VARIANTS = (
     "core-O2-bf16",
     "core-O1-fp16-aligned",
     "core-O1-bf16-aligned",
+    # The bfloat16 autocast loop with the skip guarantee Amp gives, in torch alone (loop_step's "autocast-checked"),
+    # and AdamW(fused=True) loops, where GradScaler skips an overflowed step on the device without a host read.
+    "torch-autocast-checked-bf16",
+    "torch-autocast-fused-fp16",
+    "torch-autocast-fused-bf16",
+    "core-O1-fused-fp16",
+    "core-O1-fused-bf16",
 )
 VARIANTS = LIGHTNING_VARIANTS + FABRIC_VARIANTS + LOOP_VARIANTS
 MODELS = ("gpt", "resnet")
@@ -492,15 +499,25 @@ def _fabric_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], total:
     return times, {"effective_dtype": "bfloat16" if getattr(plugin, "precision", "") == "bf16-mixed" else "float16"}
 
 
+def loop_of(variant: str, net: Any, dev: Any, lr: float = 1e-3) -> tuple[Callable[[Any, Any], None], Any]:
+    """:func:`loop_step` for a loop variant's name: ``loop-fp32``, ``torch-autocast[-checked|-fused]-<dtype>``,
+    ``core-<level>[-fused]-<dtype>[-aligned]``."""
+    parts = variant.split("-")
+    if variant == "loop-fp32":
+        return loop_step("fp32", net, dev, lr=lr)
+    fused = "fused" in parts
+    if variant.startswith("torch-autocast-"):
+        kind = "autocast-checked" if "checked" in parts else "autocast"
+        return loop_step(kind, net, dev, half_dtype_of(variant), lr=lr, fused=fused)
+    if variant.startswith("core-"):
+        return loop_step(parts[1], net, dev, half_dtype_of(variant), lr=lr, cast_table=aligned_table(variant, dev),
+                         fused=fused)  # fmt: skip
+    raise ValueError(f"variant={variant!r} is not a loop; valid choices: {', '.join(LOOP_VARIANTS)}")
+
+
 def _loop_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], total: int, dev: Any,
                 sync: Callable[[], None]) -> tuple[list[float], dict[str, Any]]:
-    if variant == "loop-fp32":
-        one, amp = loop_step("fp32", net, dev)
-    elif variant.startswith("torch-autocast-"):
-        one, amp = loop_step("autocast", net, dev, half_dtype_of(variant))
-    else:  # core-O1-fp16, ...
-        one, amp = loop_step(variant.split("-")[1], net, dev, half_dtype_of(variant),
-                             cast_table=aligned_table(variant, dev))
+    one, amp = loop_of(variant, net, dev)
     times = time_steps(one, batches, total, sync)
     return times, {} if amp is None else {"skipped_steps": sum(amp.skipped_steps)}
 
@@ -517,6 +534,22 @@ def time_steps(one: Callable[[Any, Any], None], batches: list[tuple[Any, Any]], 
         sync()
         times.append(time.perf_counter() - start)
     return times
+
+
+def run_in_process(variant: str, kind: str, spec: ModelSpec, steps: int, warmup: int, device: str,
+                   threads: int) -> dict[str, Any]:
+    """:func:`run_child` in this process, then the run's objects collected (and CUDA's cached blocks released), so
+    that the next run's peak memory is its own."""
+    import gc
+
+    import torch
+
+    try:
+        return run_child(variant, kind, spec, steps, warmup, device, threads)
+    finally:
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
 
 
 # -- the parent --------------------------------------------------------------------------------------------------------
@@ -644,6 +677,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cpu-fp16-steps", type=int, default=None,
                         help="timed steps for float16 rows on CPU (default: --steps)")
     parser.add_argument("--repeats", type=int, default=1, help="run the variant list this many times")
+    parser.add_argument("--one-process", action="store_true",
+                        help="run every variant in this process, the order rotated each of --repeats rounds (each "
+                        "run builds its model, Trainer or loop afresh), instead of a child process per run: the "
+                        "rows then do not carry the differences between processes")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), metavar="VARIANT",
                         help=f"subset of: {', '.join(VARIANTS)}")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in every child")
@@ -681,41 +718,59 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
 
     def sample(kind: str, variant: str) -> Callable[[], dict[str, Any]]:
         def run() -> dict[str, Any]:
-            result = _spawn(variant, kind, args, fp16_steps if is_fp16(variant) else args.steps)
+            steps = fp16_steps if is_fp16(variant) else args.steps
+            if args.one_process:
+                result = run_in_process(variant, kind, SPECS[(kind, args.size)], steps, args.warmup, args.device,
+                                        args.threads)  # fmt: skip
+            else:
+                result = _spawn(variant, kind, args, steps)
             loads.append(_harness.load_average())
             print(f"  {kind:<6} {variant:<21} {result['step_ms_median']:9.2f} ms", flush=True)
             return result
 
         return run
 
-    # The variant list in order, --repeats times (each child a fresh process).
+    # The variant list, --repeats times: in order, each run a fresh child process; or, with --one-process, in this
+    # process with the order rotated every round.
+    out = args.out or _harness.default_out(f"step_{args.device}")
+
+    def result_of(samples: dict[str, list[dict[str, Any]]], rounds_done: int) -> dict[str, Any]:
+        rows = [combine(group, SPECS[(key.split("/")[0], args.size)].batch) for key, group in samples.items()
+                if group]  # fmt: skip
+        add_ratios(rows)
+        return {
+            "benchmark": "step",
+            "command": _harness.command(argv),
+            **_harness.machine(args.device),
+            "threads": args.threads,
+            "size": args.size,
+            "specs": {kind: vars(SPECS[(kind, args.size)]) for kind in kinds},
+            "steps": args.steps,
+            "fp16_steps": fp16_steps,
+            "warmup": args.warmup,
+            "repeats": args.repeats,
+            "rounds_done": rounds_done,
+            "method": "one process, rotated rounds" if args.one_process else "a child process per run",
+            "loadavg": loads,
+            "wall_seconds": time.perf_counter() - started,
+            "rows": rows,
+            "targets": check_targets(rows, args.device),
+        }
+
+    def after_round(index: int, samples: dict[str, list[dict[str, Any]]]) -> None:
+        if args.one_process and index + 1 < args.repeats:  # a run cut short keeps the rounds it finished
+            _harness.write_json(out, result_of(samples, index + 1), default=str)
+
     samples = _harness.interleave({f"{kind}/{variant}": sample(kind, variant) for kind in kinds
-                                   for variant in args.variants}, args.repeats, rotate=False)  # fmt: skip
-    rows = [combine(group, SPECS[(key.split("/")[0], args.size)].batch) for key, group in samples.items()]
-    add_ratios(rows)
-    checks = check_targets(rows, args.device)
+                                   for variant in args.variants}, args.repeats, rotate=args.one_process,
+                                  after_round=after_round)  # fmt: skip
+    result = result_of(samples, args.repeats)
+    rows = result["rows"]
     print(table(rows, pad=True))
     print(NOTE + ("\n" + CPU_NOTE if args.device == "cpu" else ""))
-    for check in checks:
+    for check in result["targets"]:
         print(f"target [{check['model']}] {check['target']}: {check['value']:.3f} -> "
               f"{'MET' if check['met'] else 'NOT MET'}")
-    result = {
-        "benchmark": "step",
-        "command": _harness.command(argv),
-        **_harness.machine(args.device),
-        "threads": args.threads,
-        "size": args.size,
-        "specs": {kind: vars(SPECS[(kind, args.size)]) for kind in kinds},
-        "steps": args.steps,
-        "fp16_steps": fp16_steps,
-        "warmup": args.warmup,
-        "repeats": args.repeats,
-        "loadavg": loads,
-        "wall_seconds": time.perf_counter() - started,
-        "rows": rows,
-        "targets": checks,
-    }
-    out = args.out or _harness.default_out(f"step_{args.device}")
     _harness.save(out, result, {"": table(rows) + "\n\n" + NOTE}, default=str)
     return result
 

@@ -367,3 +367,65 @@ def test_every_script_answers_help():
     assert len(answers) == len(scripts) >= 9
     for script, (code, text) in answers.items():
         assert code in (0, None) and text.startswith("usage:"), (script, code, text)
+
+
+def test_step_one_process_rotates_rounds_and_keeps_the_rounds_a_cut_run_finished(tmp_path, monkeypatch):
+    """step.py --one-process: every variant in one process, the order rotated each round, each row the median of its
+    rounds; the file is written after each round, so a run stopped in round 2 still holds round 1's rows."""
+    import step
+
+    out = tmp_path / "step.json"
+    variants = ["torch-autocast-bf16", "loop-fp32"]
+    argv = ["--device", "cpu", "--model", "resnet", "--steps", "1", "--warmup", "0", "--repeats", "2",
+            "--one-process", "--variants", *variants, "--out", str(out)]  # fmt: skip
+    order: list[str] = []
+    real = step.run_in_process
+
+    def recorded(variant, *args, **kwargs):
+        order.append(variant)
+        return real(variant, *args, **kwargs)
+
+    monkeypatch.setattr(step, "run_in_process", recorded)
+    result = step.main(argv)
+    assert order == variants + variants[::-1]  # rotated: the second round starts with the other variant
+    assert result["method"] == "one process, rotated rounds" and result["rounds_done"] == 2
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert set(rows) == set(variants) and all(len(r["step_ms_runs"]) == 2 for r in rows.values())
+
+    calls = iter(range(100))
+
+    def cut(variant, *args, **kwargs):
+        if next(calls) == 2:  # the first run of round 2
+            raise KeyboardInterrupt
+        return real(variant, *args, **kwargs)
+
+    out.unlink()
+    monkeypatch.setattr(step, "run_in_process", cut)
+    with pytest.raises(KeyboardInterrupt):
+        step.main(argv)
+    kept = json.loads(out.read_text())
+    assert kept["rounds_done"] == 1 and {r["variant"] for r in kept["rows"]} == set(variants)
+    assert all(r["step_ms_runs"] and len(r["step_ms_runs"]) == 1 for r in kept["rows"])
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_checked_reference_loop_skips_a_step_with_non_finite_gradients(fused):
+    """loop_step("autocast-checked"): the bf16 autocast loop with torch's own non-finite check, the reference that
+    core O1 bf16 is compared with on a GPU: it must skip exactly the steps whose gradients are not finite (its
+    optimizer's state included) and step the others, as Amp does."""
+    import step
+    import torch
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    one, amp = step.loop_step("autocast-checked", net, "cpu", torch.bfloat16, fused=fused)
+    assert amp is None
+    before = [p.detach().clone() for p in net.parameters()]
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    one(x.clone().fill_(float("inf")), y)  # non-finite gradients: skipped
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+    one(x, y)  # finite: a step
+    assert all(not torch.equal(a, b) for a, b in zip(before, net.parameters()))
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+    with pytest.raises(ValueError, match="kind='autocast-unchecked' is not a loop; valid choices"):
+        step.loop_step("autocast-unchecked", net, "cpu", torch.bfloat16)

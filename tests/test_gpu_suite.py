@@ -8,6 +8,7 @@ the committed H100 results, of which only the report's bookkeeping (which file, 
 from __future__ import annotations
 
 import json
+import statistics
 import os
 import subprocess
 import sys
@@ -286,11 +287,34 @@ def test_report_judges_issue_25s_o1_speed_goals_on_each_model():
             "lightning-bf16-mixed", "mpx-O1-bf16", "torch-autocast-bf16", "core-O1-bf16"} <= set(first)
 
 
-def test_step_part_repeats_the_goal_rows_in_rounds_before_the_rest():
+def test_report_judges_core_bf16_against_the_checked_loop_with_per_round_ratios(tmp_path):
+    """Core O1 bf16 is judged twice: against the bare bf16 autocast loop (the goal as written) and against the same
+    loop with torch's own skip check (the guarantee Amp gives); rows measured round by round in one process show the
+    median and range of the per-round ratios. A file that records when it ran is ordered by that, not its mtime."""
+    def rows(core_runs: list[float]) -> list[dict[str, Any]]:
+        runs = {"torch-autocast-bf16": [10.0, 10.0, 20.0], "torch-autocast-checked-bf16": [11.0, 11.0, 22.0],
+                "core-O1-bf16": core_runs}  # fmt: skip
+        return [{"model": "gpt", "variant": v, "step_ms_median": statistics.median(r), "step_ms_runs": r,
+                 "repeats": len(r), "samples_per_second": 8 / statistics.median(r) * 1e3, "peak_memory_bytes": 1}
+                for v, r in runs.items()]  # fmt: skip
+
+    newer = {"benchmark": "step", "created": "2026-01-02T00:00:00+00:00", "rows": rows([11.0, 11.0, 22.0])}
+    older = {"benchmark": "step", "created": "2026-01-01T00:00:00+00:00", "rows": rows([10.0, 10.0, 20.0])}
+    (tmp_path / "a_newer.json").write_text(json.dumps(newer))
+    (tmp_path / "b_older.json").write_text(json.dumps(older))  # the later name, and the later mtime
+    verdicts = {v.target: v for v in gpu_report.step_targets(gpu_report.load_sources([tmp_path]).items)
+                if v.scope == "gpt"}  # fmt: skip
+    bare = verdicts["core O1 bf16 >= 0.97x torch.autocast loop"]
+    checked = verdicts["core O1 bf16 >= 0.97x torch.autocast loop with the same skip check"]
+    assert bare.source == checked.source == "a_newer.json"
+    assert bare.status == gpu_report.NOT_MET and bare.value == pytest.approx(10 / 11)
+    assert checked.status == gpu_report.MET and checked.value == pytest.approx(1.0)
+    assert "per round 0.909x [0.909, 0.909]" in bare.figure and "per round 1.000x" in checked.figure
+
+
+def test_step_part_measures_the_goal_rows_together_before_the_rest():
     order = gpu_suite.step_variants("resnet")
-    schedule = gpu_suite.step_schedule(order, 3)
-    goals = [v for v in order if v in gpu_suite.GOAL_ROWS]
-    assert len(goals) == 9 and "core-O1-fp16" in goals and "lightning-16-mixed" in goals
-    assert schedule[: 3 * len(goals)] == goals + goals[::-1] + goals
-    assert schedule[3 * len(goals):] == [v for v in order if v not in goals]
-    assert gpu_suite.step_schedule(["fp32", "loop-fp32"], 2) == ["fp32", "loop-fp32", "loop-fp32", "fp32"]
+    goals, others = gpu_suite.step_schedule(order, 3)
+    assert goals == [v for v in order if v in gpu_suite.GOAL_ROWS] and others == [v for v in order if v not in goals]
+    assert len(goals) == 10 and {"core-O1-fp16", "lightning-16-mixed", "torch-autocast-checked-bf16"} <= set(goals)
+    assert gpu_suite.step_schedule(["fp32", "loop-fp32"], 2) == (["fp32", "loop-fp32"], [])
