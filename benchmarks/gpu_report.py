@@ -180,7 +180,8 @@ def load_sources(paths: Sequence[Path]) -> Sources:
         else:
             created = data.get("created")  # written by the scripts that record it (gpu_host_profile.py)
             when = datetime.fromisoformat(created).timestamp() if isinstance(created, str) else file_time(path)
-            source = Source(path, kind, data, when, None)
+            command = data.get("command")  # the scripts that record it (step.py, gpu_host_profile.py)
+            source = Source(path, kind, data, when, command if isinstance(command, str) else None)
         sources.items.append(source)
     sources.items.sort(key=lambda s: (s.time, s.path.stem))
     for index, source in enumerate(sources.items):
