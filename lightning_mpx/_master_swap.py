@@ -20,14 +20,17 @@ from lightning_mpx.master_weights import MasterWeights, Mirror
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
 _IS_SPARSE = operator.attrgetter("is_sparse")
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def master_for(master_weights: Sequence[MasterWeights], param: torch.Tensor) -> torch.Tensor | None:
-    """The master of a model parameter (made now if it has none yet); ``None`` for a half parameter that belongs
-    to no prepared model."""
+    """The master of a model parameter, made now if it has none yet and needs one: it requires a gradient or has
+    one. A frozen parameter an optimizer holds (a LoRA model's base, an optimizer over ``model.parameters()``) is its
+    own until then: it is never stepped, and an FP32 copy of a frozen base would cost twice its half memory again.
+    ``None`` for a trainable half parameter that belongs to no prepared model."""
     for masters in master_weights:
         if masters.covers(param):
-            return masters.master_of(param, create=True)
+            return masters.master_of(param, create=param.requires_grad or param.grad is not None)
     if param.dtype in (torch.float16, torch.bfloat16) and param.requires_grad:
         return None
     return param
@@ -38,10 +41,11 @@ def param_pairs(state: _OptimizerState, master_weights: Sequence[MasterWeights])
     optimizer, with each group's list of masters.
 
     The cache is rebuilt when a parameter group is added or removed, or a group's parameter list is replaced or
-    changes length: what ``add_param_group`` and ordinary code do. A half parameter that has no master yet (a
-    frozen part of the model, unfrozen and added later) gets one here, as Apex did. Swapping one tensor for
-    another inside a group's list in place, at the same length, is not detected (nothing in torch or Lightning
-    does that).
+    changes length: what ``add_param_group`` and ordinary code do, and by :func:`grad_pairs` when a half parameter
+    without a master has a gradient (unfrozen in place). A half parameter gets its master here once it requires a
+    gradient (a frozen part of the model, unfrozen and added later), as Apex made masters for the parameters that
+    require one. Swapping one tensor for another inside a group's list in place, at the same length, is not detected
+    (nothing in torch or Lightning does that).
     """
     optimizer = state.optimizer
     if state.swapped is not None:
@@ -143,9 +147,15 @@ def grad_pairs(
                 if param.grad is not None and param.grad.is_sparse:
                     refuse_sparse(param)
         return sources, list(sources)
+    pairs = param_pairs(state, master_weights)
+    if any(master is param and param.grad is not None and param.dtype in _HALF for param, master in pairs):
+        # A frozen half parameter, unfrozen in place since the pairs were made, has its first gradient: it gets its
+        # master now (a half parameter of no prepared model is refused there).
+        state.pairs_key = None
+        pairs = param_pairs(state, master_weights)
     sources = []
     targets: list[torch.Tensor] = []
-    for param, master in param_pairs(state, master_weights):
+    for param, master in pairs:
         grad = param.grad
         if grad is None:
             if master is not param:

@@ -324,8 +324,9 @@ class Amp:
             self._machine.sharding.add_model(module)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Register ``optimizer`` (prepare its model first); for O2 its parameters become the FP32 masters. A
-        closure optimizer (LBFGS), which loss scaling cannot support, is refused with a ValueError."""
+        """Register ``optimizer`` (prepare its model first); for O2 its parameters become the FP32 masters (those
+        that require a gradient; a frozen one, a LoRA model's base, gets its master at its first gradient if it is
+        unfrozen). A closure optimizer (LBFGS), which loss scaling cannot support, is refused with a ValueError."""
         self._machine.validate(optimizer, with_masters=self._with_masters)
         self.promotion.check_patterns_matched()
         self._machine.register(optimizer, with_masters=self._with_masters)

@@ -1,0 +1,206 @@
+"""O2 with frozen parameters: LoRA fine-tuning (Hugging Face peft) and a frozen backbone.
+
+The usual habit is an optimizer over every parameter (``AdamW(model.parameters())``, Lightning's
+``self.parameters()``), frozen ones included: torch's optimizers skip a parameter without a gradient. At O2 an FP32
+master is made for a half parameter the first time it has a gradient to step, so a frozen base model gets none: a LoRA
+fine-tune holds FP32 copies of its adapters only, not of the whole model (which would be twice the half model's
+memory again), and a parameter unfrozen later (``requires_grad_(True)``) gets its master at its first gradient, as
+Apex made masters for the parameters that require a gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+pytest.importorskip("sklearn")
+
+from lightning_mpx import Amp  # noqa: E402
+from tests import real_models as rm  # noqa: E402
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+STEPS, BATCH, LR = 40, 16, 1e-2
+
+
+def lora_gpt2(seed: int) -> nn.Module:
+    """real_models' GPT-2 (no activation checkpointing: its blocks' inputs would not require gradients with the
+    embeddings frozen) with LoRA adapters on the attention and MLP projections."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    base = GPT2LMHeadModel(GPT2Config(**rm.GPT2_CONFIG))
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], lora_dropout=0.0, fan_in_fan_out=True)
+    return get_peft_model(base, config)
+
+
+def fit_lora(plugin: Any, seed: int = 0) -> tuple[nn.Module, list[float], float, Any]:
+    """LoRA on the digits through a Lightning Trainer (``plugin``: the MixedPrecisionPlugin, or None for
+    Lightning's "32-true"), the optimizer over ``self.parameters()``; returns the model, the training losses, the
+    held-out loss and the Trainer."""
+    import lightning.pytorch as pl
+
+    from tests.lightning_helpers import make_trainer
+
+    losses: list[float] = []
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = lora_gpt2(seed)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = rm.gpt2_loss(rm.gpt2_forward(self.model, *batch), *batch)
+            losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=LR)  # frozen parameters included, as users write it
+
+    module = Module()
+    trainer = make_trainer(plugin) if plugin is not None else make_trainer(precision="32-true")
+    trainer.fit(module, rm.train_loader(seed, STEPS, BATCH))
+    return module.model, losses, held_out_loss(module.model), trainer
+
+
+@torch.no_grad()
+def held_out_loss(model: nn.Module) -> float:
+    model.eval()
+    total = count = 0.0
+    for pixels, labels in rm.held_out_loader():
+        total += rm.gpt2_loss(rm.gpt2_forward(model, pixels, labels), pixels, labels).item() * len(labels)
+        count += len(labels)
+    return total / count
+
+
+def test_lora_through_the_trainer_keeps_fp32_masters_of_the_adapters_only(tmp_path):
+    from lightning_mpx import MixedPrecisionPlugin
+
+    torch.set_num_threads(1)
+    _, reference_losses, reference, _ = fit_lora(None)
+    initial = {n: p.detach().clone() for n, p in lora_gpt2(0).named_parameters()}
+    plugin = MixedPrecisionPlugin("O2", half_dtype="bfloat16")
+    model, losses, held_out, trainer = fit_lora(plugin)
+    amp = plugin.amp
+
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable) and len(frozen) > len(trainable)
+    pairs = [(half, master) for masters in amp.master_weights for half, master in masters.half_pairs]
+    assert {id(half) for half, _ in pairs} == {id(p) for p in trainable.values()}
+    assert sum(master.numel() for _, master in pairs) == sum(p.numel() for p in trainable.values())
+    assert all(master.dtype == torch.float32 for _, master in pairs)
+    for name, param in frozen.items():  # the base model: half, untouched, no master
+        assert param.dtype == torch.bfloat16 and amp.master_of(param) is param, name
+        assert torch.equal(param, initial[name].to(torch.bfloat16)), name
+    for name, param in trainable.items():  # the adapters trained in FP32: the model holds their rounding
+        assert torch.equal(param, amp.master_of(param).to(torch.bfloat16)), name
+        assert not torch.equal(amp.master_of(param), initial[name]), name
+
+    # It learns as the FP32 LoRA run does, and the checkpoint holds the adapters' masters only.
+    untrained = held_out_loss(lora_gpt2(0))
+    assert reference < 0.96 * untrained and held_out < 0.96 * untrained  # adapters on a random base: a few %
+    assert abs(held_out / reference - 1) <= 0.01, (held_out, reference)
+    assert amp.skipped_steps[0] == 0 and len(losses) == len(reference_losses) == STEPS
+    trainer.save_checkpoint(tmp_path / "lora.ckpt")
+    saved = torch.load(tmp_path / "lora.ckpt", weights_only=False)
+    (masters,) = [state["master_weights"] for state in saved.values() if isinstance(state, dict)
+                  and "master_weights" in state]  # fmt: skip
+    assert len(masters) == 1 and set(masters[0]) == {amp._names[id(p)] for p in trainable.values()}
+
+
+def _two_layers() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _train(model: nn.Module, step: Any, steps: int) -> list[float]:
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g)
+        losses.append(step(model, x, y))
+    return losses
+
+
+def test_a_frozen_parameter_gets_its_master_at_its_first_gradient():
+    """Frozen at first (held by the optimizer, no master, never stepped), then unfrozen in place: its master is
+    made at its first gradient, the optimizer steps that FP32 master, and training follows an FP32 run of the same
+    schedule."""
+    amp = Amp("O2", half_dtype="bfloat16")
+    model = amp.prepare_model(_two_layers())
+    head = model[2]
+    head.requires_grad_(False)
+    opt = amp.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+    def amp_step(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+        with amp.forward_context():
+            loss = nn.functional.mse_loss(m(x.to(torch.bfloat16)).float(), y)
+        amp.backward(loss)
+        amp.step(opt)
+        amp.update()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    frozen_value = head.weight.detach().clone()
+    _train(model, amp_step, 3)
+    assert amp.master_of(head.weight) is head.weight and amp.master_of(head.bias) is head.bias
+    assert torch.equal(head.weight, frozen_value) and head.weight not in opt.state
+    assert len([1 for masters in amp.master_weights for _ in masters.half_pairs]) == 2  # the first layer's
+
+    head.requires_grad_(True)
+    losses = _train(model, amp_step, 6)
+    master = amp.master_of(head.weight)
+    assert master is not head.weight and master.dtype == torch.float32
+    assert opt.state[master]["exp_avg"].dtype == torch.float32  # the optimizer stepped the FP32 master
+    assert torch.equal(head.weight, master.to(torch.bfloat16)) and not torch.equal(head.weight, frozen_value)
+
+    # The same schedule in FP32.
+    reference = _two_layers()
+    reference[2].requires_grad_(False)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+
+    def fp32_step(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    _train(reference, fp32_step, 3)
+    reference[2].requires_grad_(True)
+    ref_losses = _train(reference, fp32_step, 6)
+    assert losses == pytest.approx(ref_losses, rel=0.05)
+    assert torch.allclose(master, reference[2].weight, atol=2e-2)
+
+
+def test_the_accelerator_makes_masters_for_the_adapters_only():
+    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from tests.accelerate_helpers import accelerate_state_reset
+
+    with accelerate_state_reset():
+        accelerator = Accelerator(mixed_precision="O2", cpu=True,
+                                  kwargs_handlers=[MixedPrecisionKwargs(half_dtype="bfloat16")])  # fmt: skip
+        model = lora_gpt2(0)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        model, opt = accelerator.prepare(model, opt)
+        pixels, labels = next(iter(rm.train_loader(0, 2, BATCH)))
+        for _ in range(2):
+            loss = rm.gpt2_loss(rm.gpt2_forward(model, pixels, labels), pixels, labels)
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+        inner = accelerator.unwrap_model(model)
+        trainable = [p for p in inner.parameters() if p.requires_grad]
+        pairs = [half for masters in accelerator.amp.master_weights for half, _ in masters.half_pairs]
+        assert {id(p) for p in pairs} == {id(p) for p in trainable}
+        assert all(accelerator.amp.master_of(p) is p for p in inner.parameters() if not p.requires_grad)
