@@ -41,17 +41,17 @@ def param_pairs(state: _OptimizerState, master_weights: Sequence[MasterWeights])
     optimizer, with each group's list of masters.
 
     The cache is rebuilt when a parameter group is added or removed, or a group's parameter list is replaced or
-    changes length: what ``add_param_group`` and ordinary code do, and by :func:`grad_pairs` when a half parameter
-    without a master has a gradient (unfrozen in place). A half parameter gets its master here once it requires a
-    gradient (a frozen part of the model, unfrozen and added later), as Apex made masters for the parameters that
-    require one. Swapping one tensor for another inside a group's list in place, at the same length, is not detected
+    changes length: what ``add_param_group`` and ordinary code do, and when a half parameter paired with itself
+    (frozen then) requires a gradient or has one (unfrozen in place). A half parameter gets its master here once it
+    requires a gradient, as Apex made masters for the parameters that require one; the optimizer's state loaded
+    after that goes to the master. Swapping one tensor for another inside a group's list in place, at the same length, is not detected
     (nothing in torch or Lightning does that).
     """
     optimizer = state.optimizer
     if state.swapped is not None:
         return state.pairs  # the groups hold the masters right now
     key = tuple([(id(group["params"]), len(group["params"])) for group in optimizer.param_groups])
-    if key != state.pairs_key:
+    if key != state.pairs_key or any(p.requires_grad or p.grad is not None for p in state.unmastered):
         group_masters = []
         stray = []
         for group in optimizer.param_groups:
@@ -76,6 +76,7 @@ def param_pairs(state: _OptimizerState, master_weights: Sequence[MasterWeights])
             for param, master in zip(group["params"], masters)
         ]
         state.pairs_key = key
+        state.unmastered = [param for param, master in state.pairs if master is param and param.dtype in _HALF]
         state.mirrors = None
     return state.pairs
 
@@ -148,11 +149,6 @@ def grad_pairs(
                     refuse_sparse(param)
         return sources, list(sources)
     pairs = param_pairs(state, master_weights)
-    if any(master is param and param.grad is not None and param.dtype in _HALF for param, master in pairs):
-        # A frozen half parameter, unfrozen in place since the pairs were made, has its first gradient: it gets its
-        # master now (a half parameter of no prepared model is refused there).
-        state.pairs_key = None
-        pairs = param_pairs(state, master_weights)
     sources = []
     targets: list[torch.Tensor] = []
     for param, master in pairs:

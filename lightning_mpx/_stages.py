@@ -51,6 +51,9 @@ class _OptimizerState:
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     group_masters: list[list[torch.Tensor]] = field(default_factory=list)
     pairs_key: tuple[tuple[int, int], ...] | None = None
+    # O2: the half parameters paired with themselves (frozen when the pairs were made): one that requires a gradient
+    # or has one since makes the pairs be made again, with its master.
+    unmastered: list[torch.Tensor] = field(default_factory=list)
     swapped: list[list[torch.Tensor]] | None = None  # the groups' own lists while the masters stand in for them
     hooks: list[Any] = field(default_factory=list)  # handles of the hooks registered on the optimizer
     mirrors: list[Mirror] | None = None  # O2: the step-time view of its half parameters' masters

@@ -10,6 +10,7 @@ Apex made masters for the parameters that require a gradient.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -204,3 +205,55 @@ def test_the_accelerator_makes_masters_for_the_adapters_only():
         pairs = [half for masters in accelerator.amp.master_weights for half, _ in masters.half_pairs]
         assert {id(p) for p in pairs} == {id(p) for p in trainable}
         assert all(accelerator.amp.master_of(p) is p for p in inner.parameters() if not p.requires_grad)
+
+
+@pytest.mark.parametrize("unfreeze_before_saving", [False, True])
+def test_a_checkpoint_with_a_frozen_parameter_resumes_exactly(unfreeze_before_saving):
+    """A checkpoint taken while a parameter is frozen holds no master for it; the resumed run (the same parameter
+    frozen, as the code that built it freezes it) continues bit for bit like the run that was not interrupted,
+    through the parameter's unfreezing, before or after the checkpoint."""
+
+    def build() -> tuple[Amp, nn.Module, torch.optim.Optimizer]:
+        amp = Amp("O2", half_dtype="bfloat16")
+        model = amp.prepare_model(_two_layers())
+        model[2].requires_grad_(False)
+        return amp, model, amp.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+    def stepper(amp: Amp, opt: torch.optim.Optimizer) -> Any:
+        def step(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+            with amp.forward_context():
+                loss = nn.functional.mse_loss(m(x.to(torch.bfloat16)).float(), y)
+            amp.backward(loss)
+            amp.step(opt)
+            amp.update()
+            opt.zero_grad(set_to_none=True)
+            return loss.item()
+
+        return step
+
+    amp, model, opt = build()
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g)) for _ in range(8)]
+    step = stepper(amp, opt)
+    for i, (x, y) in enumerate(batches[:4]):
+        if i == 2 and unfreeze_before_saving:
+            model[2].requires_grad_(True)
+        step(model, x, y)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "amp": amp.state_dict()})
+    (masters,) = saved["amp"]["master_weights"]
+    assert ("2.weight" in masters) is unfreeze_before_saving
+
+    amp2, model2, opt2 = build()
+    if unfreeze_before_saving:
+        model2[2].requires_grad_(True)
+    model2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    amp2.load_state_dict(saved["amp"])
+    step2 = stepper(amp2, opt2)
+    for i, (x, y) in enumerate(batches[4:]):
+        if i == 1 and not unfreeze_before_saving:
+            model[2].requires_grad_(True)
+            model2[2].requires_grad_(True)
+        assert step(model, x, y) == step2(model2, x, y)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q) and torch.equal(amp.master_of(p), amp2.master_of(q))
