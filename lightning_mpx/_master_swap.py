@@ -10,6 +10,7 @@ state-dict call, and says where the unscaled gradients go. Plain functions over 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import operator
 from typing import Callable, Iterator, Sequence
 
@@ -21,6 +22,14 @@ from lightning_mpx.master_weights import MasterWeights, Mirror
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
 _IS_SPARSE = operator.attrgetter("is_sparse")
 _HALF = (torch.float16, torch.bfloat16)
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_GRAD = operator.attrgetter("grad")
+
+
+def _any_needs_master(params: list[torch.Tensor]) -> bool:
+    """Whether a parameter paired with itself now requires a gradient or has one. C-level maps: it runs on every
+    pairing, and a LoRA model's frozen base is most of its parameters."""
+    return any(map(_REQUIRES_GRAD, params)) or any(map(operator.is_not, map(_GRAD, params), itertools.repeat(None)))
 
 
 def master_for(master_weights: Sequence[MasterWeights], param: torch.Tensor) -> torch.Tensor | None:
@@ -51,7 +60,7 @@ def param_pairs(state: _OptimizerState, master_weights: Sequence[MasterWeights])
     if state.swapped is not None:
         return state.pairs  # the groups hold the masters right now
     key = tuple([(id(group["params"]), len(group["params"])) for group in optimizer.param_groups])
-    if key != state.pairs_key or any(p.requires_grad or p.grad is not None for p in state.unmastered):
+    if key != state.pairs_key or _any_needs_master(state.unmastered):
         group_masters = []
         stray = []
         for group in optimizer.param_groups:
