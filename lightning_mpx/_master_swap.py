@@ -45,7 +45,7 @@ def master_for(master_weights: Sequence[MasterWeights], param: torch.Tensor) -> 
     return param
 
 
-def param_pairs(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> Pairs:
+def param_pairs(state: _OptimizerState, master_weights: Sequence[MasterWeights], *, recheck: bool = False) -> Pairs:
     """``(model parameter, its FP32 master or itself)`` for each of the optimizer's parameters, cached per
     optimizer, with each group's list of masters.
 
@@ -55,12 +55,16 @@ def param_pairs(state: _OptimizerState, master_weights: Sequence[MasterWeights])
     requires a gradient, as Apex made masters for the parameters that require one; the optimizer's state loaded
     after that goes to the master. Swapping one tensor for another inside a group's list in place, at the same length, is not detected
     (nothing in torch or Lightning does that).
+
+    ``recheck``: also look for a half parameter paired with itself that requires a gradient now (unfrozen in place):
+    done once per step, by the unscale (:func:`grad_pairs`), and where the masters are asked for or the optimizer's
+    state is saved or loaded; the other calls of a step take the pairs as they are.
     """
     optimizer = state.optimizer
     if state.swapped is not None:
         return state.pairs  # the groups hold the masters right now
     key = tuple([(id(group["params"]), len(group["params"])) for group in optimizer.param_groups])
-    if key != state.pairs_key or _any_needs_master(state.unmastered):
+    if key != state.pairs_key or (recheck and _any_needs_master(state.unmastered)):
         group_masters = []
         stray = []
         for group in optimizer.param_groups:
@@ -100,11 +104,12 @@ def mirrors(state: _OptimizerState, master_weights: Sequence[MasterWeights], *, 
     return state.mirrors
 
 
-def swap_in(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> None:
-    """Put the masters in the optimizer's groups in place of the model's parameters (no-op when they are)."""
+def swap_in(state: _OptimizerState, master_weights: Sequence[MasterWeights], *, recheck: bool = False) -> None:
+    """Put the masters in the optimizer's groups in place of the model's parameters (no-op when they are);
+    ``recheck`` as for :func:`param_pairs` (the optimizer's state dicts)."""
     if state.swapped is not None:
         return
-    param_pairs(state, master_weights)
+    param_pairs(state, master_weights, recheck=recheck)
     groups = state.optimizer.param_groups
     state.swapped = [group["params"] for group in groups]
     for group, masters in zip(groups, state.group_masters):
@@ -157,7 +162,7 @@ def grad_pairs(
                 if param.grad is not None and param.grad.is_sparse:
                     refuse_sparse(param)
         return sources, list(sources)
-    pairs = param_pairs(state, master_weights)
+    pairs = param_pairs(state, master_weights, recheck=True)  # once per step: a parameter unfrozen in place
     sources = []
     targets: list[torch.Tensor] = []
     for param, master in pairs:

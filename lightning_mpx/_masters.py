@@ -62,7 +62,7 @@ class Masters:
         """Make the masters of the half parameters the optimizers hold (those added since their last step have
         none yet)."""
         for state in list(states):
-            param_pairs(state, self.weights)
+            param_pairs(state, self.weights, recheck=True)
 
     def master_of(self, param: torch.Tensor, states: Iterable[_OptimizerState]) -> torch.Tensor:
         """The FP32 master of ``param`` (the parameter itself when it has none)."""

@@ -141,7 +141,7 @@ class StepMachine:
         return mirrors(state, self.masters.weights, compare=compare)
 
     def _masters_in_hook(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
-        swap_in(self.state(optimizer), self.masters.weights)
+        swap_in(self.state(optimizer), self.masters.weights, recheck=True)
 
     def _masters_out_hook(self, optimizer: torch.optim.Optimizer, *args: Any) -> Any:
         swap_out(self.state(optimizer))
