@@ -124,6 +124,27 @@ def _two_layers() -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
+def _frozen_head() -> tuple[Amp, nn.Sequential, torch.optim.Optimizer]:
+    """O2 over two layers, the second frozen, the optimizer over every parameter (the usual habit)."""
+    amp = Amp("O2", half_dtype="bfloat16")
+    model = amp.prepare_model(_two_layers())
+    model[2].requires_grad_(False)
+    return amp, model, amp.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+
+def _stepper(amp: Amp, opt: torch.optim.Optimizer) -> Any:
+    def step(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+        with amp.forward_context():
+            loss = nn.functional.mse_loss(m(x.to(torch.bfloat16)).float(), y)
+        amp.backward(loss)
+        amp.step(opt)
+        amp.update()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
 def _train(model: nn.Module, step: Any, steps: int) -> list[float]:
     g = torch.Generator().manual_seed(1)
     losses = []
@@ -137,21 +158,9 @@ def test_a_frozen_parameter_gets_its_master_at_its_first_gradient():
     """Frozen at first (held by the optimizer, no master, never stepped), then unfrozen in place: its master is
     made at its first gradient, the optimizer steps that FP32 master, and training follows an FP32 run of the same
     schedule."""
-    amp = Amp("O2", half_dtype="bfloat16")
-    model = amp.prepare_model(_two_layers())
+    amp, model, opt = _frozen_head()
     head = model[2]
-    head.requires_grad_(False)
-    opt = amp.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-
-    def amp_step(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-        with amp.forward_context():
-            loss = nn.functional.mse_loss(m(x.to(torch.bfloat16)).float(), y)
-        amp.backward(loss)
-        amp.step(opt)
-        amp.update()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-
+    amp_step = _stepper(amp, opt)
     frozen_value = head.weight.detach().clone()
     _train(model, amp_step, 3)
     assert amp.master_of(head.weight) is head.weight and amp.master_of(head.bias) is head.bias
@@ -213,28 +222,10 @@ def test_a_checkpoint_with_a_frozen_parameter_resumes_exactly(unfreeze_before_sa
     frozen, as the code that built it freezes it) continues bit for bit like the run that was not interrupted,
     through the parameter's unfreezing, before or after the checkpoint."""
 
-    def build() -> tuple[Amp, nn.Module, torch.optim.Optimizer]:
-        amp = Amp("O2", half_dtype="bfloat16")
-        model = amp.prepare_model(_two_layers())
-        model[2].requires_grad_(False)
-        return amp, model, amp.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-
-    def stepper(amp: Amp, opt: torch.optim.Optimizer) -> Any:
-        def step(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-            with amp.forward_context():
-                loss = nn.functional.mse_loss(m(x.to(torch.bfloat16)).float(), y)
-            amp.backward(loss)
-            amp.step(opt)
-            amp.update()
-            opt.zero_grad(set_to_none=True)
-            return loss.item()
-
-        return step
-
-    amp, model, opt = build()
+    amp, model, opt = _frozen_head()
     g = torch.Generator().manual_seed(2)
     batches = [(torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g)) for _ in range(8)]
-    step = stepper(amp, opt)
+    step = _stepper(amp, opt)
     for i, (x, y) in enumerate(batches[:4]):
         if i == 2 and unfreeze_before_saving:
             model[2].requires_grad_(True)
@@ -243,13 +234,13 @@ def test_a_checkpoint_with_a_frozen_parameter_resumes_exactly(unfreeze_before_sa
     (masters,) = saved["amp"]["master_weights"]
     assert ("2.weight" in masters) is unfreeze_before_saving
 
-    amp2, model2, opt2 = build()
+    amp2, model2, opt2 = _frozen_head()
     if unfreeze_before_saving:
         model2[2].requires_grad_(True)
     model2.load_state_dict(saved["model"])
     opt2.load_state_dict(saved["opt"])
     amp2.load_state_dict(saved["amp"])
-    step2 = stepper(amp2, opt2)
+    step2 = _stepper(amp2, opt2)
     for i, (x, y) in enumerate(batches[4:]):
         if i == 1 and not unfreeze_before_saving:
             model[2].requires_grad_(True)
