@@ -353,6 +353,35 @@ class Amp:
         through ``.data`` of a user's ``nn.Parameter`` subclass)."""
         return self._masters.refresh(params, force=force)
 
+    def fp32_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """``module.state_dict()`` in FP32, to export what training produced (the model is not changed): each half
+        parameter that has an FP32 master as that master (the exact weights the optimizer trains at O2, writes made
+        to the model since the last step taken first), every other half tensor upcast (a frozen parameter: its half
+        value, exactly), FP32 and integer tensors as they are. The keys are ``module.state_dict()``'s, so
+        ``model.save_pretrained(path, state_dict=amp.fp32_state_dict(model))`` (Hugging Face, peft) or
+        ``torch.save`` take it as they take the model's own; ``model.state_dict()`` itself holds the half values.
+
+        Raises:
+            TypeError: ``module`` is not an ``nn.Module``.
+            ValueError: for an FSDP-sharded model: its parameters are FP32 already; use the strategy's own state
+                dict (Lightning's, Accelerate's ``get_state_dict``), which gathers the shards.
+        """
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module.")
+        if self.sharded:
+            raise ValueError(
+                f"module={type(module).__name__}: this Amp trains an FSDP-sharded model, whose parameters are FP32 "
+                "already; export it with the strategy's own state dict (it gathers the shards), not fp32_state_dict()."
+            )
+        self._masters.prune()
+        self._masters.refresh(None, force=False)  # writes to the model since the last step, as a step takes them
+        masters = {id(param): master for weights in self._masters.weights for param, master in weights.half_pairs}
+        out: dict[str, torch.Tensor] = {}
+        for key, value in module.state_dict(keep_vars=True).items():
+            tensor = masters.get(id(value), value).detach()
+            out[key] = tensor.float() if tensor.is_floating_point() and tensor.dtype != torch.float32 else tensor
+        return out
+
     # -- forward ------------------------------------------------------------------------------------------------
     def forward_context(self) -> ContextManager[Any]:
         """The scope of a forward pass: the cast policy at O1; at O2, a policy that runs loss functions called inside

@@ -11,6 +11,8 @@ Apex made masters for the parameters that require a gradient.
 from __future__ import annotations
 
 import copy
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -248,3 +250,54 @@ def test_a_checkpoint_with_a_frozen_parameter_resumes_exactly(unfreeze_before_sa
         assert step(model, x, y) == step2(model2, x, y)
     for p, q in zip(model.parameters(), model2.parameters()):
         assert torch.equal(p, q) and torch.equal(amp.master_of(p), amp2.master_of(q))
+
+
+def test_fp32_state_dict_exports_the_masters_and_peft_saves_them():
+    """``amp.fp32_state_dict(model)``: the model's state dict with the FP32 masters for the trained half parameters
+    (exactly), frozen half ones upcast, the model itself unchanged; peft's ``save_pretrained(state_dict=...)`` then
+    writes FP32 adapters equal to the masters, where the model's own state dict would give their bfloat16 rounding."""
+    from safetensors.torch import load_file
+
+    amp = Amp("O2", half_dtype="bfloat16")
+    model = amp.prepare_model(lora_gpt2(0))
+    opt = amp.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=LR))
+    pixels, labels = next(iter(rm.train_loader(0, 1, BATCH)))
+    for _ in range(3):
+        with amp.forward_context():
+            loss = rm.gpt2_loss(rm.gpt2_forward(model, pixels, labels), pixels, labels)
+        amp.backward(loss)
+        amp.step(opt)
+        amp.update()
+        opt.zero_grad()
+    exported = amp.fp32_state_dict(model)
+    own = model.state_dict(keep_vars=True)
+    assert list(exported) == list(own)
+    for key, value in own.items():
+        master = amp.master_of(value)
+        assert exported[key].dtype == (torch.float32 if value.is_floating_point() else value.dtype), key
+        if master is not value:  # a trained adapter: its FP32 master, not the rounding the model holds
+            assert torch.equal(exported[key], master) and not torch.equal(exported[key], value.float()), key
+        else:
+            assert torch.equal(exported[key], value.float() if value.is_floating_point() else value), key
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # the model is not changed
+
+    model.save_pretrained(str(tmp_dir := Path(tempfile.mkdtemp())), state_dict=exported)
+    saved = load_file(str(tmp_dir / "adapter_model.safetensors"))
+    masters = [amp.master_of(p) for p in model.parameters() if p.requires_grad]
+    assert saved and len(saved) == len(masters)
+    assert all(v.dtype == torch.float32 and any(torch.equal(v, m) for m in masters) for v in saved.values())
+
+
+def test_fp32_state_dict_takes_writes_to_the_model_and_refuses_what_is_not_a_module():
+    amp, model, opt = _frozen_head()
+    _train(model, _stepper(amp, opt), 2)
+    with torch.no_grad():
+        model[0].weight.fill_(0.5)  # a write after the last step (loaded weights): the export has it
+    exported = amp.fp32_state_dict(model)
+    assert torch.equal(exported["0.weight"], torch.full_like(exported["0.weight"], 0.5))
+    assert torch.equal(exported["2.weight"], model[2].weight.float())  # frozen: its half value, upcast
+    with pytest.raises(TypeError, match="module=OrderedDict is not a torch.nn.Module"):
+        amp.fp32_state_dict(model.state_dict())
+    o1 = Amp("O1", half_dtype="bfloat16")
+    plain = o1.prepare_model(_two_layers())
+    assert all(torch.equal(a, b) for a, b in zip(o1.fp32_state_dict(plain).values(), plain.state_dict().values()))
