@@ -29,7 +29,8 @@ _GRAD = operator.attrgetter("grad")
 def _any_needs_master(params: list[torch.Tensor]) -> bool:
     """Whether a parameter paired with itself now requires a gradient or has one. C-level maps: it runs on every
     pairing, and a LoRA model's frozen base is most of its parameters."""
-    return any(map(_REQUIRES_GRAD, params)) or any(map(operator.is_not, map(_GRAD, params), itertools.repeat(None)))
+    has_grad = map(operator.is_not, map(_GRAD, params), itertools.repeat(None))
+    return any(map(_REQUIRES_GRAD, params)) or any(has_grad)
 
 
 def master_for(master_weights: Sequence[MasterWeights], param: torch.Tensor) -> torch.Tensor | None:
@@ -50,11 +51,11 @@ def param_pairs(state: _OptimizerState, master_weights: Sequence[MasterWeights],
     optimizer, with each group's list of masters.
 
     The cache is rebuilt when a parameter group is added or removed, or a group's parameter list is replaced or
-    changes length: what ``add_param_group`` and ordinary code do, and when a half parameter paired with itself
-    (frozen then) requires a gradient or has one (unfrozen in place). A half parameter gets its master here once it
-    requires a gradient, as Apex made masters for the parameters that require one; the optimizer's state loaded
-    after that goes to the master. Swapping one tensor for another inside a group's list in place, at the same length, is not detected
-    (nothing in torch or Lightning does that).
+    changes length: what ``add_param_group`` and ordinary code do, and (``recheck``) when a half parameter paired
+    with itself (frozen then) requires a gradient or has one (unfrozen in place). A half parameter gets its master
+    here once it requires a gradient, as Apex made masters for the parameters that require one; the optimizer's
+    state loaded after that goes to the master. Swapping one tensor for another inside a group's list in place, at
+    the same length, is not detected (nothing in torch or Lightning does that).
 
     ``recheck``: also look for a half parameter paired with itself that requires a gradient now (unfrozen in place):
     done once per step, by the unscale (:func:`grad_pairs`), and where the masters are asked for or the optimizer's

@@ -34,14 +34,18 @@ pytestmark = [
 STEPS, BATCH, LR = 40, 16, 1e-2
 
 
-def lora_gpt2(seed: int) -> nn.Module:
-    """real_models' GPT-2 (no activation checkpointing: its blocks' inputs would not require gradients with the
-    embeddings frozen) with LoRA adapters on the attention and MLP projections."""
+def lora_gpt2(seed: int, checkpointing: bool | None = None) -> nn.Module:
+    """real_models' GPT-2 with LoRA adapters on the attention and MLP projections; ``checkpointing``: activation
+    checkpointing on, reentrant (``True``) or not (``False``), with ``enable_input_require_grads()`` as PEFT's
+    recipe has it (with the embeddings frozen, the reentrant blocks' inputs would not require gradients)."""
     from peft import LoraConfig, get_peft_model
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
     base = GPT2LMHeadModel(GPT2Config(**rm.GPT2_CONFIG))
+    if checkpointing is not None:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
+        base.enable_input_require_grads()
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], lora_dropout=0.0, fan_in_fan_out=True)
     return get_peft_model(base, config)
 
@@ -301,3 +305,29 @@ def test_fp32_state_dict_takes_writes_to_the_model_and_refuses_what_is_not_a_mod
     o1 = Amp("O1", half_dtype="bfloat16")
     plain = o1.prepare_model(_two_layers())
     assert all(torch.equal(a, b) for a, b in zip(o1.fp32_state_dict(plain).values(), plain.state_dict().values()))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_lora_with_activation_checkpointing_trains_as_without(reentrant):
+    """PEFT's recipe with activation checkpointing (``enable_input_require_grads``) at O2: the recomputed blocks
+    give the adapters the gradients the plain forward gives, bit for bit."""
+    pixels, labels = next(iter(rm.train_loader(0, 1, BATCH)))
+    runs = []
+    for checkpointing in (None, reentrant):
+        amp = Amp("O2", half_dtype="bfloat16")
+        model = amp.prepare_model(lora_gpt2(0, checkpointing))
+        opt = amp.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=LR))
+        losses = []
+        for _ in range(3):
+            with amp.forward_context():
+                loss = rm.gpt2_loss(rm.gpt2_forward(model, pixels, labels), pixels, labels)
+            amp.backward(loss)
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            assert all(p.grad is not None for p in trainable)
+            amp.step(opt)
+            amp.update()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append((losses, [amp.master_of(p).clone() for p in model.parameters() if p.requires_grad]))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
