@@ -27,8 +27,8 @@ _GRAD = operator.attrgetter("grad")
 
 
 def _any_needs_master(params: list[torch.Tensor]) -> bool:
-    """Whether a parameter paired with itself now requires a gradient or has one. C-level maps: it runs on every
-    pairing, and a LoRA model's frozen base is most of its parameters."""
+    """Whether a parameter paired with itself now requires a gradient or has one. C-level maps: it runs once per
+    step, over what is most of a LoRA model's parameters (its frozen base)."""
     has_grad = map(operator.is_not, map(_GRAD, params), itertools.repeat(None))
     return any(map(_REQUIRES_GRAD, params)) or any(has_grad)
 

@@ -302,6 +302,9 @@ def test_fp32_state_dict_takes_writes_to_the_model_and_refuses_what_is_not_a_mod
     assert torch.equal(exported["2.weight"], model[2].weight.float())  # frozen: its half value, upcast
     with pytest.raises(TypeError, match="module=OrderedDict is not a torch.nn.Module"):
         amp.fp32_state_dict(model.state_dict())
+    amp.sharded = True  # as prepare_model sets it for an FSDP-sharded model (tests/test_*fsdp* run real ones)
+    with pytest.raises(ValueError, match="module=Sequential: this Amp trains an FSDP-sharded model"):
+        amp.fp32_state_dict(model)
     o1 = Amp("O1", half_dtype="bfloat16")
     plain = o1.prepare_model(_two_layers())
     assert all(torch.equal(a, b) for a, b in zip(o1.fp32_state_dict(plain).values(), plain.state_dict().values()))
