@@ -334,3 +334,44 @@ def test_lora_with_activation_checkpointing_trains_as_without(reentrant):
         runs.append((losses, [amp.master_of(p).clone() for p in model.parameters() if p.requires_grad]))
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
+def test_lora_through_the_trainer_resumes_from_a_checkpoint_exactly(tmp_path):
+    """Two epochs of LoRA at O2 through the Trainer equal one epoch, a checkpoint, and a second epoch resumed from it
+    by a new Trainer and plugin (``fit(ckpt_path=...)``): adapters' masters, the model and the optimizer state."""
+    import lightning.pytorch as pl
+
+    from lightning_mpx import MixedPrecisionPlugin
+    from tests.lightning_helpers import make_trainer
+
+    data = rm.train_loader(0, 6, BATCH)  # 6 steps per epoch
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = lora_gpt2(0)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return rm.gpt2_loss(rm.gpt2_forward(self.model, *batch), *batch)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=LR)
+
+    def fit(epochs: int, ckpt: Path | None = None) -> tuple[Module, MixedPrecisionPlugin, Any]:
+        plugin = MixedPrecisionPlugin("O2", half_dtype="bfloat16")
+        module, trainer = Module(), make_trainer(plugin, max_epochs=epochs)
+        trainer.fit(module, data, ckpt_path=ckpt)
+        return module, plugin, trainer
+
+    straight, straight_plugin, straight_trainer = fit(2)
+    first, _, first_trainer = fit(1)
+    first_trainer.save_checkpoint(tmp_path / "one_epoch.ckpt")
+    resumed, resumed_plugin, resumed_trainer = fit(2, tmp_path / "one_epoch.ckpt")
+    assert resumed_trainer.global_step == straight_trainer.global_step == 12
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+        assert torch.equal(straight_plugin.amp.master_of(a), resumed_plugin.amp.master_of(b))
+    states = [t.optimizers[0].state_dict()["state"] for t in (straight_trainer, resumed_trainer)]
+    assert states[0].keys() == states[1].keys() and len(states[0]) == sum(p.requires_grad for p in straight.parameters())
+    for key in states[0]:
+        assert all(torch.equal(states[0][key][k], states[1][key][k]) for k in states[0][key])
