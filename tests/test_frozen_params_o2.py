@@ -376,3 +376,41 @@ def test_lora_through_the_trainer_resumes_from_a_checkpoint_exactly(tmp_path):
     assert states[0].keys() == states[1].keys() and len(states[0]) == trainable
     for key in states[0]:
         assert all(torch.equal(states[0][key][k], states[1][key][k]) for k in states[0][key])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (gpu_suite.py tests runs it)")
+def test_cuda_frozen_parameters_with_the_fused_kernels():
+    """On CUDA the unscale into the masters and the master-to-model copy run the fused kernels: a frozen parameter
+    the optimizer holds gets no master and stays as it is, one unfrozen in place gets its master at its first
+    gradient, and a checkpoint resumes exactly, as on the CPU."""
+    device = torch.device("cuda")
+
+    def build() -> tuple[Amp, nn.Module, torch.optim.Optimizer]:
+        amp = Amp("O2", half_dtype="bfloat16")
+        model = amp.prepare_model(_two_layers().to(device))
+        model[2].requires_grad_(False)
+        return amp, model, amp.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(16, 6, generator=g).to(device), torch.randn(16, 3, generator=g).to(device))
+               for _ in range(8)]  # fmt: skip
+    amp, model, opt = build()
+    step = _stepper(amp, opt)
+    frozen = model[2].weight.detach().clone()
+    for x, y in batches[:3]:
+        step(model, x, y)
+    assert amp.master_of(model[2].weight) is model[2].weight and torch.equal(model[2].weight, frozen)
+    model[2].requires_grad_(True)
+    step(model, *batches[3])
+    assert amp.master_of(model[2].weight).dtype == torch.float32
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "amp": amp.state_dict()})
+    amp2, model2, opt2 = build()
+    model2[2].requires_grad_(True)
+    model2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    amp2.load_state_dict(saved["amp"])
+    step2 = _stepper(amp2, opt2)
+    for x, y in batches[4:]:
+        assert step(model, x, y) == step2(model2, x, y)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q) and torch.equal(amp.master_of(p), amp2.master_of(q))
