@@ -34,6 +34,15 @@ pytestmark = [
 STEPS, BATCH, LR = 40, 16, 1e-2
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread, as tests/test_real_models.py: the same reductions, so the same bits, on any machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def lora_gpt2(seed: int, checkpointing: bool | None = None) -> nn.Module:
     """real_models' GPT-2 with LoRA adapters on the attention and MLP projections; ``checkpointing``: activation
     checkpointing on, reentrant (``True``) or not (``False``), with ``enable_input_require_grads()`` as PEFT's
@@ -92,7 +101,6 @@ def held_out_loss(model: nn.Module) -> float:
 def test_lora_through_the_trainer_keeps_fp32_masters_of_the_adapters_only(tmp_path):
     from lightning_mpx import MixedPrecisionPlugin
 
-    torch.set_num_threads(1)
     _, reference_losses, reference, _ = fit_lora(None)
     initial = {n: p.detach().clone() for n, p in lora_gpt2(0).named_parameters()}
     plugin = MixedPrecisionPlugin("O2", half_dtype="bfloat16")
