@@ -422,3 +422,41 @@ def test_cuda_frozen_parameters_with_the_fused_kernels():
         assert step(model, x, y) == step2(model2, x, y)
     for p, q in zip(model.parameters(), model2.parameters()):
         assert torch.equal(p, q) and torch.equal(amp.master_of(p), amp2.master_of(q))
+
+
+def test_litgpt_lora_through_fabric_keeps_masters_of_the_adapters_only():
+    """litgpt's own LoRA (``litgpt.lora.GPT``, ``mark_only_lora_as_trainable``) through Lightning Fabric with the
+    Fabric plugin at O2: masters for the LoRA matrices only, and the losses of the FP32 run within bfloat16's
+    rounding."""
+    pytest.importorskip("litgpt")
+    from lightning.fabric import Fabric
+    from litgpt.lora import GPT, Config, mark_only_lora_as_trainable
+
+    from lightning_mpx import FabricMixedPrecisionPlugin
+
+    def run(plugin: Any) -> tuple[list[float], nn.Module]:
+        torch.manual_seed(0)
+        config = Config(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=100, padded_vocab_size=100,
+                        lora_r=4, lora_alpha=8, lora_query=True, lora_value=True, lora_mlp=True)  # fmt: skip
+        model = GPT(config)
+        mark_only_lora_as_trainable(model)
+        fabric = Fabric(accelerator="cpu", devices=1, **({"plugins": [plugin]} if plugin else {"precision": "32-true"}))
+        model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+        ids = torch.randint(0, 100, (4, 17), generator=torch.Generator().manual_seed(1))
+        losses = []
+        for _ in range(8):
+            logits = model(ids[:, :-1])
+            loss = nn.functional.cross_entropy(logits.float().reshape(-1, 100), ids[:, 1:].reshape(-1))
+            fabric.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, model
+
+    reference, _ = run(None)
+    mpx = FabricMixedPrecisionPlugin("O2", half_dtype="bfloat16")
+    losses, model = run(mpx)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    pairs = [half for masters in mpx.amp.master_weights for half, _ in masters.half_pairs]
+    assert {id(p) for p in pairs} == {id(p) for p in trainable} and len(trainable) < len(list(model.parameters()))
+    assert losses == pytest.approx(reference, rel=2e-3) and losses[-1] < 0.95 * losses[0]
