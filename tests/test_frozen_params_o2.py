@@ -126,6 +126,13 @@ def test_lora_through_the_trainer_keeps_fp32_masters_of_the_adapters_only(tmp_pa
     assert reference < 0.96 * untrained and held_out < 0.96 * untrained  # adapters on a random base: a few %
     assert abs(held_out / reference - 1) <= 0.01, (held_out, reference)
     assert amp.skipped_steps[0] == 0 and len(losses) == len(reference_losses) == STEPS
+    # The export through the plugin: the adapters as their FP32 masters, the frozen base as its half values upcast.
+    exported = plugin.amp.fp32_state_dict(model)
+    own = model.state_dict(keep_vars=True)
+    assert list(exported) == list(own) and all(t.dtype == torch.float32 for t in exported.values())
+    for key, value in own.items():
+        expected = amp.master_of(value) if value.requires_grad else value.float()
+        assert torch.equal(exported[key], expected), key
     trainer.save_checkpoint(tmp_path / "lora.ckpt")
     saved = torch.load(tmp_path / "lora.ckpt", weights_only=False)
     (masters,) = [state["master_weights"] for state in saved.values() if isinstance(state, dict)
@@ -207,7 +214,7 @@ def test_a_frozen_parameter_gets_its_master_at_its_first_gradient():
     assert torch.allclose(master, reference[2].weight, atol=2e-2)
 
 
-def test_the_accelerator_makes_masters_for_the_adapters_only():
+def test_the_accelerator_makes_masters_for_the_adapters_only_and_exports_them():
     from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
     from tests.accelerate_helpers import accelerate_state_reset
 
@@ -228,6 +235,10 @@ def test_the_accelerator_makes_masters_for_the_adapters_only():
         pairs = [half for masters in accelerator.amp.master_weights for half, _ in masters.half_pairs]
         assert {id(p) for p in pairs} == {id(p) for p in trainable}
         assert all(accelerator.amp.master_of(p) is p for p in inner.parameters() if not p.requires_grad)
+        exported = accelerator.amp.fp32_state_dict(inner)
+        for key, value in inner.state_dict(keep_vars=True).items():
+            expected = accelerator.amp.master_of(value) if value.requires_grad else value.float()
+            assert torch.equal(exported[key], expected), key
 
 
 @pytest.mark.parametrize("unfreeze_before_saving", [False, True])
