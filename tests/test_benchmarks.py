@@ -429,3 +429,17 @@ def test_checked_reference_loop_skips_a_step_with_non_finite_gradients(fused):
     assert all(torch.isfinite(p).all() for p in net.parameters())
     with pytest.raises(ValueError, match="kind='autocast-unchecked' is not a loop; valid choices"):
         step.loop_step("autocast-unchecked", net, "cpu", torch.bfloat16)
+
+
+def test_lora_masters_counts_the_adapters_only(tmp_path):
+    """benchmarks/lora_masters.py: at O2 a LoRA model's FP32 masters hold its adapters, not its frozen base."""
+    pytest.importorskip("peft")
+    import lora_masters
+
+    out = tmp_path / "lora.json"
+    result = lora_masters.main(["--hidden", "32", "--layers", "1", "--steps", "1", "--out", str(out)])
+    assert json.loads(out.read_text())["master_elements"] == result["master_elements"]
+    assert result["master_tensors"] == result["trainable_tensors"] > 0
+    assert result["master_elements"] == result["trainable_elements"] < result["model_elements"] // 10
+    with pytest.raises(SystemExit):
+        lora_masters.main(["--hidden", "30"])
