@@ -23,13 +23,13 @@ import copy
 
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_mpx import CastPolicy, CastTable
+from tests.stateful_helpers import stateful_settings
 
 
 class _Net(nn.Module):
@@ -214,10 +214,5 @@ class CacheAgainstNoCache(RuleBasedStateMachine):
             assert got.requires_grad == want.requires_grad
 
 
-CacheAgainstNoCache.TestCase.settings = settings(
-    max_examples=60,
-    stateful_step_count=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+CacheAgainstNoCache.TestCase.settings = stateful_settings(max_examples=60, steps=25)
 test_cache_against_no_cache = CacheAgainstNoCache.TestCase

@@ -16,12 +16,12 @@ from __future__ import annotations
 import copy
 
 import torch
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from torch import nn
 
 from lightning_mpx import Amp
+from tests.stateful_helpers import stateful_settings
 
 LAYERS = 3  # layers 0 and 1 are in the optimizer from the start, layer 2 joins with add_param_group
 
@@ -130,10 +130,5 @@ class FrozenParameters(RuleBasedStateMachine):
                     assert not has_master, index
 
 
-FrozenParameters.TestCase.settings = settings(
-    max_examples=80,
-    stateful_step_count=10,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+FrozenParameters.TestCase.settings = stateful_settings(max_examples=80, steps=10)
 test_frozen_parameters = FrozenParameters.TestCase

@@ -16,13 +16,13 @@ other on an FP32 tensor, which tells ``"half"`` from no row).
 from __future__ import annotations
 
 import torch
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from torch import nn
 
 from lightning_mpx import Amp, CastTable, dispatchable
 from tests.compile_helpers import HookCounter
+from tests.stateful_helpers import stateful_settings
 
 
 @dispatchable
@@ -139,10 +139,5 @@ class TableChanges(RuleBasedStateMachine):
             assert (self.amp.policy.engine_in_use == "autocast:cpu") == agrees
 
 
-TableChanges.TestCase.settings = settings(
-    max_examples=120,
-    stateful_step_count=12,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+TableChanges.TestCase.settings = stateful_settings(max_examples=120, steps=12)
 test_table_changes = TableChanges.TestCase
