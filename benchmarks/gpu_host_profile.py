@@ -15,6 +15,14 @@ functions by own time under cProfile over ``--steps`` steps (where the host time
     python benchmarks/gpu_host_profile.py [--model gpt|resnet] [--steps 20] [--profile core-O1-fp16] [--out PATH]
     python benchmarks/gpu_host_profile.py --check   # the code path on CPU, small model, bfloat16: measures nothing
     python benchmarks/gpu_host_profile.py --model gpt --interleave 6 --steps 20 --out DIR/step_interleaved_gpt.json
+    python benchmarks/gpu_host_profile.py --model resnet --census --steps 10 --variants autocast-fp16 core-O1-fp16
+
+``--census`` counts instead, per step of each loop under ``torch.profiler`` (``--steps`` steps after ``--warmup``):
+the operators called, the kernels launched, the device's kernel time, the profiled host time, and the operators
+whose counts differ from the torch loop of the same dtype (``autocast-checked-bf16`` for bfloat16 when it is
+measured, else ``autocast-<dtype>``); for the ``core-`` loops also lightning_mpx's own Python functions per step
+(cProfile). It says what a loop does that torch's does not, on the device itself; the counts do not move with the
+load of the machine.
 
 ``--interleave ROUNDS`` measures instead the loops against each other in one process, their steps interleaved: every
 loop is built once, warmed up, then each round runs ``--steps`` steps of each loop (the order rotated every round)
@@ -54,7 +62,7 @@ CHECK_VARIANTS = ("autocast-bf16", "core-O1-bf16")
 #: Loops ``--variants`` may name besides VARIANTS: ``autocast-checked-bf16`` is the bfloat16 autocast loop with the
 #: skip guarantee written in torch (step.loop_step's ``"autocast-checked"``); ``-fused-`` loops use AdamW(fused=True).
 EXTRA_VARIANTS = ("autocast-checked-bf16", "autocast-fused-fp16", "autocast-fused-bf16", "core-O1-fused-fp16",
-                  "core-O1-fused-bf16", "core-O2-bf16")  # fmt: skip
+                  "core-O1-fused-bf16", "core-O2-bf16", "core-O1-foreach-fp16", "core-O1-foreach-bf16")  # fmt: skip
 
 
 def make_step(variant: str, device: torch.device, model: str, size: str) -> Callable[[Any, Any], None]:
@@ -112,6 +120,97 @@ def interleaved(variants: tuple[str, ...], dev: torch.device, model: str, size: 
     return rows
 
 
+_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel")
+
+
+def reference_of(variant: str, variants: tuple[str, ...]) -> str | None:
+    """The torch loop a ``--census`` row is compared with: the same dtype, the checked loop first for bfloat16."""
+    dtype = variant.rsplit("-", 1)[-1]
+    for candidate in (f"autocast-checked-{dtype}", f"autocast-{dtype}"):
+        if candidate in variants and candidate != variant:
+            return candidate
+    return None
+
+
+def census(variants: tuple[str, ...], dev: torch.device, model: str, size: str, batches: list[Any], steps: int,
+           warmup: int, sync: Callable[[], None]) -> list[dict[str, Any]]:
+    """Per step of each loop: operators, kernel launches, device kernel time, profiled host time (see the module's
+    docstring), and lightning_mpx's Python functions for the ``core-`` loops."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    rows = []
+    for variant in variants:
+        one = make_step(variant, dev, model, size)
+        for i in range(warmup):
+            one(*batches[i % len(batches)])
+        sync()
+        with profile(activities=activities) as prof:
+            for i in range(steps):
+                one(*batches[i % len(batches)])
+            sync()
+        ops: Counter[str] = Counter()
+        launches = 0
+        device_us = host_us = 0.0
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                device_us += event.time_range.elapsed_us()
+                continue
+            host_us += event.self_cpu_time_total
+            if event.name.startswith("aten::"):
+                ops[event.name] += 1
+            elif event.name.startswith(_LAUNCHES):
+                launches += 1
+        python: list[list[Any]] = []
+        if variant.startswith("core-"):
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for i in range(steps):
+                one(*batches[i % len(batches)])
+            sync()
+            profiler.disable()
+            own = [(f"{path.rsplit('lightning_mpx/', 1)[1]}:{line}({name})", calls / steps, tottime / steps * 1e6)
+                   for (path, line, name), (_, calls, tottime, _, _) in pstats.Stats(profiler).stats.items()
+                   if "lightning_mpx/" in path]  # type: ignore[attr-defined]
+            python = [list(entry) for entry in sorted(own, key=lambda e: -e[2])[:15]]
+        rows.append({"variant": step_name(variant), "steps": steps, "ops_per_step": sum(ops.values()) / steps,
+                     "launches_per_step": launches / steps, "device_kernel_ms": device_us / steps / 1e3,
+                     "profiled_host_ms": host_us / steps / 1e3, "op_counts": {k: v / steps for k, v in ops.items()},
+                     "python": python})  # fmt: skip
+        del one
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    by_name = {r["variant"]: r for r in rows}
+    for variant, row in zip(variants, rows):
+        ref = reference_of(variant, variants)
+        row["reference"] = None if ref is None else step_name(ref)
+        if ref is not None:
+            theirs = by_name[step_name(ref)]["op_counts"]
+            mine = row["op_counts"]
+            row["op_differences"] = {name: [theirs.get(name, 0.0), mine.get(name, 0.0)]
+                                     for name in sorted(set(theirs) | set(mine))
+                                     if theirs.get(name, 0.0) != mine.get(name, 0.0)}  # fmt: skip
+    return rows
+
+
+def _census_tables(rows: list[dict[str, Any]]) -> dict[str, str]:
+    tables = {"per step (torch.profiler)": _harness.markdown_table(
+        ["loop", "aten ops", "kernel launches", "device kernel ms", "profiled host ms", "reference"],
+        [[r["variant"], f"{r['ops_per_step']:.1f}", f"{r['launches_per_step']:.1f}", f"{r['device_kernel_ms']:.3f}",
+          f"{r['profiled_host_ms']:.2f}", r["reference"] or "-"] for r in rows])}  # fmt: skip
+    for r in rows:
+        if r.get("op_differences"):
+            tables[f"{r['variant']}: operators per step that differ from {r['reference']}"] = _harness.markdown_table(
+                ["operator", r["reference"], r["variant"]],
+                [[name, f"{a:.2f}", f"{b:.2f}"] for name, (a, b) in r["op_differences"].items()])
+        if r["python"]:
+            tables[f"{r['variant']}: lightning_mpx Python per step (cProfile)"] = _harness.markdown_table(
+                ["function", "calls", "own us"], [[n, f"{c:.1f}", f"{t:.1f}"] for n, c, t in r["python"]])
+    return tables
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
@@ -127,7 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
                         help="measure the loops against each other in one process, interleaved over ROUNDS rounds "
                         "of --steps steps each, and write a step result (no profiles)")
+    parser.add_argument("--census", action="store_true",
+                        help="count operators, kernel launches and device time per step of each loop (no timing)")
     args = parser.parse_args(argv)
+    if args.census and args.interleave:
+        parser.error("--census and --interleave are two different runs; give one")
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"--steps={args.steps} must be at least 1 and --warmup={args.warmup} at least 0")
     if args.interleave < 0:
@@ -145,6 +248,16 @@ def main(argv: list[str] | None = None) -> int:
     machine = _harness.machine(device_type, device="cpu (gpu_host_profile --check: measures nothing)"
                                if args.check else None)  # fmt: skip
     print(f"device: {machine['device']}  torch {machine['torch']}")
+    if args.census:
+        rows = census(variants, dev, args.model, size, batches, args.steps, args.warmup, sync)
+        tables = _census_tables(rows)
+        for title, text in tables.items():
+            print(f"\n{title}:\n{text}")
+        result = {"benchmark": "gpu_step_census", "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  "command": _harness.command(argv), **machine, "check": args.check, "model": args.model,
+                  "size": size, "steps": args.steps, "warmup": args.warmup, "rows": rows}  # fmt: skip
+        _harness.save(args.out, result, tables)
+        return 0
     if args.interleave:
         rows = interleaved(variants, dev, args.model, size, batches, args.interleave, args.steps, args.warmup, sync)
         table = _harness.markdown_table(

@@ -8,6 +8,9 @@ compares engines doing the same arithmetic. Rows (``--variants`` picks a subset)
 
 * ``loop-autocast``: a hand-written AdamW loop in ``torch.autocast`` (``GradScaler`` for float16): the core rows'
   reference;
+* ``loop-autocast-checked``: the same loop at bfloat16 with the skip guarantee ``Amp`` gives at every dtype, written
+  with torch alone (the gradients checked for inf/NaN in torch's one kernel, read on the host, the step skipped on a
+  hit: step.py's ``autocast-checked``); ``core-O1-aligned`` is judged against it too (float16: ``loop-autocast``);
 * ``core-O1``: the ``Amp`` loop at O1 with no table given: ``CastTable.for_device(device)``, which on CUDA is autocast's
   (no mode) and on CPU the default table (it differs from CPU autocast's narrow lists, see
   tests/test_autocast_agreement.py, so the scope pushes the Python mode);
@@ -55,13 +58,14 @@ import step  # noqa: E402
 from plugin_overhead import BLOCKS, _quiet, _Timer  # noqa: E402
 from step import ModelSpec, build_model, make_batches  # noqa: E402
 
-CORE = ("loop-autocast", "core-O1", "core-O1-aligned", "core-O1-mode")
+CORE = ("loop-autocast", "loop-autocast-checked", "core-O1", "core-O1-aligned", "core-O1-mode")
 TRAINER = ("reference", "plugin-O1", "plugin-O1-aligned", "plugin-O2")
 VARIANTS = CORE + TRAINER
 #: (row, its reference): the ratios the goal is about.
 PAIRS = (
     ("core-O1", "loop-autocast"),
     ("core-O1-aligned", "loop-autocast"),
+    ("core-O1-aligned", "loop-autocast-checked"),
     ("core-O1-mode", "loop-autocast"),
     ("plugin-O1", "reference"),
     ("plugin-O1-aligned", "reference"),
@@ -91,8 +95,8 @@ def run_loop(variant: str, spec: ModelSpec, batches: list[Any], total: int, devi
     net = build_model("resnet", spec).to(device)
     timer = _Timer(torch.cuda.synchronize if device == "cuda" else (lambda: None), clock)
     dtype = half_dtype(device)
-    if variant == "loop-autocast":
-        one, _ = step.loop_step("autocast", net, device, dtype)
+    if variant.startswith("loop-"):
+        one, _ = step.loop_step(variant.removeprefix("loop-"), net, device, dtype)
     else:
         amp = Amp("O1", half_dtype=dtype, on_floor="continue", cast_table=_table(variant, device))
         if variant == "core-O1-mode":
@@ -162,19 +166,18 @@ def instructions(args: argparse.Namespace) -> dict[str, Any]:
     """Instructions per step of the chosen rows, each against its reference (the core rows against the autocast
     loop, the Trainer rows against Lightning's "bf16-mixed" on the same Trainer)."""
     variants = [v for v in VARIANTS if v in args.variants] or list(CORE)
-    for reference in ("loop-autocast", "reference"):
+    for reference in ("loop-autocast", "loop-autocast-checked", "reference"):
         if any(ref == reference and row in variants for row, ref in PAIRS) and reference not in variants:
             variants.insert(0, reference)
     jobs = [(v, n) for v in variants for n in (0, args.instructions)]
     with tempfile.TemporaryDirectory(prefix="o1-proxy-cg-") as tmp, ThreadPoolExecutor(args.jobs) as pool:
         counts = dict(zip(jobs, pool.map(lambda j: _count(j[0], j[1], args.warmup, args.width, Path(tmp)), jobs)))
     per_step = {v: (counts[(v, args.instructions)] - counts[(v, 0)]) / args.instructions for v in variants}
-    base_of = {row: ref for row, ref in PAIRS}
-    rows = []
-    for v in variants:
-        base = base_of.get(v, v)
-        rows.append({"row": v, "reference": base, "instructions_per_step": per_step[v],
-                     "ratio": per_step[v] / per_step[base]})
+    rows = [{"row": v, "reference": v, "instructions_per_step": per_step[v], "ratio": 1.0}
+            for v in variants if not any(row == v for row, _ in PAIRS)]
+    rows += [{"row": row, "reference": ref, "instructions_per_step": per_step[row],
+              "ratio": per_step[row] / per_step[ref]}
+             for row, ref in PAIRS if row in per_step and ref in per_step]
     table = _harness.markdown_table(["row", "instructions/step", "reference", "ratio"],
                                     [[r["row"], f"{r['instructions_per_step']:,.0f}", r["reference"],
                                       f"{r['ratio']:.4f}x"] for r in rows])

@@ -85,6 +85,10 @@ LOOP_VARIANTS = (
     "torch-autocast-fused-bf16",
     "core-O1-fused-fp16",
     "core-O1-fused-bf16",
+    # Amp with unscale_backend="foreach" (torch's multi-tensor kernel, as GradScaler) instead of the default, which
+    # is the fused Triton kernels on CUDA: the unscale backend's share of a step on the GPU.
+    "core-O1-foreach-fp16",
+    "core-O1-foreach-bf16",
 )
 VARIANTS = LIGHTNING_VARIANTS + FABRIC_VARIANTS + LOOP_VARIANTS
 MODELS = ("gpt", "resnet")
@@ -307,7 +311,7 @@ def fit(net: Any, batches: list[Any], total: int, device: str, callbacks: list[A
 
 
 def loop_step(kind: str, net: Any, device: Any, half_dtype: Any = None, lr: float = 1e-3, cast_table: Any = None,
-              fused: bool = False) -> tuple[Callable[[Any, Any], None], Any]:
+              fused: bool = False, unscale_backend: str = "auto") -> tuple[Callable[[Any, Any], None], Any]:
     """One iteration of a hand-written AdamW loop over ``net`` (moved to ``device``), and its ``Amp`` (or None).
 
     ``kind``: ``"fp32"`` (plain), ``"autocast"`` (``torch.autocast`` in ``half_dtype``, with ``GradScaler`` for
@@ -317,6 +321,7 @@ def loop_step(kind: str, net: Any, device: Any, half_dtype: Any = None, lr: floa
     ``"autocast"``, whose ``GradScaler`` does that already), or an opt level (``"O1"``, ``"O2"``, ...: ``Amp`` with
     ``on_floor="continue"``: forward in ``forward_context``, ``backward``, ``step``, ``update``). ``fused``: AdamW
     with ``fused=True`` (``GradScaler`` then skips on the device, without reading the flag on the host).
+    ``unscale_backend``: ``Amp``'s (the opt-level loops).
     """
     import torch
 
@@ -326,7 +331,8 @@ def loop_step(kind: str, net: Any, device: Any, half_dtype: Any = None, lr: floa
     net = net.to(dev)
     make_optimizer = functools.partial(torch.optim.AdamW, lr=lr, **({"fused": True} if fused else {}))
     if kind.startswith("O"):
-        amp = Amp(kind, half_dtype=half_dtype, on_floor="continue", cast_table=cast_table)
+        amp = Amp(kind, half_dtype=half_dtype, on_floor="continue", cast_table=cast_table,
+                  unscale_backend=unscale_backend)
         net = amp.prepare_model(net)
         optimizer = amp.prepare_optimizer(make_optimizer(net.parameters()))
 
@@ -501,7 +507,7 @@ def _fabric_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], total:
 
 def loop_of(variant: str, net: Any, dev: Any, lr: float = 1e-3) -> tuple[Callable[[Any, Any], None], Any]:
     """:func:`loop_step` for a loop variant's name: ``loop-fp32``, ``torch-autocast[-checked|-fused]-<dtype>``,
-    ``core-<level>[-fused]-<dtype>[-aligned]``."""
+    ``core-<level>[-fused|-foreach]-<dtype>[-aligned]`` (``-foreach``: ``unscale_backend="foreach"``)."""
     parts = variant.split("-")
     if variant == "loop-fp32":
         return loop_step("fp32", net, dev, lr=lr)
@@ -511,7 +517,7 @@ def loop_of(variant: str, net: Any, dev: Any, lr: float = 1e-3) -> tuple[Callabl
         return loop_step(kind, net, dev, half_dtype_of(variant), lr=lr, fused=fused)
     if variant.startswith("core-"):
         return loop_step(parts[1], net, dev, half_dtype_of(variant), lr=lr, cast_table=aligned_table(variant, dev),
-                         fused=fused)  # fmt: skip
+                         fused=fused, unscale_backend="foreach" if "foreach" in parts else "auto")  # fmt: skip
     raise ValueError(f"variant={variant!r} is not a loop; valid choices: {', '.join(LOOP_VARIANTS)}")
 
 
