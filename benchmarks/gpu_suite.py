@@ -26,9 +26,10 @@ Parts:
 * ``unscale``: ``benchmarks/unscale.py`` per parameter set (GPT-2 124M, GPT 1.3B, ResNet-50 with the small-tensor
   sweep, BERT-base; FP32/FP16/BF16), each run measuring the copy bandwidth it is compared with.
 * ``step``: ``benchmarks/step.py --device cuda`` at real sizes (GPT-2 small at sequence 512, a CIFAR ResNet-18):
-  first the rows the targets need (:data:`GOAL_ROWS`) together in one process (``step.py --one-process``),
-  ``--repeats`` rounds (default 6, 30 steps each after 10, every run building its model, Trainer or loop afresh,
-  the order rotated every round; the rows are the medians of the rounds), then every other variant once, one child
+  first the rows the targets need (:data:`GOAL_ROWS`) together in one process (``step.py --one-process
+  --persistent``: each row's model, Trainer or loop built once and warmed up for 10 steps, then ``--repeats`` rounds,
+  default 6, of 30 more steps each, a Trainer continuing with ``fit`` and a raised ``max_steps``, the order rotated
+  every round; the rows are the medians of the rounds; ``--fresh`` builds every round afresh), then every other variant once, one child
   process each (on the GPT model two more, last: a Lightning Fabric loop with ``FabricMixedPrecisionPlugin("O2")``
   and with Fabric's own "16-mixed"); stops starting new runs when ``--budget`` runs out.
 * ``fidelity``: ``benchmarks/convergence.py --accelerator gpu --seeds 0 --levels O0 O1 O2`` (200 steps).
@@ -677,13 +678,14 @@ def part_step(args: argparse.Namespace, env: dict[str, Any], model: str) -> Part
     repeats = 1 if args.check else args.repeats
     part.result = {"benchmark": "step", "model": model, "device": env["device"], "device_type": device,
                    "size": size, "specs": {model: vars(spec)}, "steps": steps, "warmup": warmup, "repeats": repeats,
-                   "method": "the goal rows in one process, rounds rotated; the others a child process each",
+                   "method": ("the goal rows in one process, " + ("each run built afresh" if args.fresh else
+                              "each built once and trained on") + ", rounds rotated; the others a child process each"),
                    "rows": [], "targets": [], "failed": {}, "not_run": []}  # fmt: skip
     goals, others = step_schedule(variants, repeats)
     rounds_file = args.out / "raw" / f"step_{model}_rounds.json"
-    argv = [sys.executable, str(HERE / "step.py"), "--one-process", "--device", device, "--model", model, "--size",
-            size, "--steps", str(steps), "--warmup", str(warmup), "--repeats", str(repeats), "--threads", "1",
-            "--out", str(rounds_file), "--variants", *goals]  # fmt: skip
+    argv = [sys.executable, str(HERE / "step.py"), "--one-process", *([] if args.fresh else ["--persistent"]),
+            "--device", device, "--model", model, "--size", size, "--steps", str(steps), "--warmup", str(warmup),
+            "--repeats", str(repeats), "--threads", "1", "--out", str(rounds_file), "--variants", *goals]  # fmt: skip
     record = part.run(argv, part.timeout(args, 420), args.out / "raw" / f"step_{model}_rounds.log")
     rounds = json.loads(rounds_file.read_text()) if rounds_file.exists() else {}  # saved after every round
     goal_rows = rounds.get("rows", [])
@@ -836,9 +838,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=30, help="step: timed steps per variant and round")
     parser.add_argument("--warmup", type=int, default=10, help="step: warm-up steps per variant and round")
     parser.add_argument("--repeats", type=int, default=6,
-                        help="step: rounds over the goal rows, in one process (each run builds its model afresh; "
-                             "the order rotated every round); saved after every round, so a part cut short keeps "
-                             "the rounds it finished")
+                        help="step: rounds over the goal rows, in one process (the order rotated every round); saved "
+                             "after every round, so a part cut short keeps the rounds it finished")
+    parser.add_argument("--fresh", action="store_true",
+                        help="step: build the goal rows' model, Trainer or loop afresh for every round (step.py "
+                             "--one-process) instead of once, trained on round after round (--persistent, the "
+                             "default); fresh runs give each row its own peak memory")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds per subprocess (default: 360 pytest, 300 checks, 240 unscale run, 420 step "
                              "goal rows, 150 other step variant, 420 fidelity, 300 plugin run)")  # fmt: skip

@@ -290,6 +290,14 @@ def fit(net: Any, batches: list[Any], total: int, device: str, callbacks: list[A
         **precision_kwargs: Any) -> Any:
     """``total`` steps of ``Trainer.fit`` of :func:`lightning_module` (net) over ``batches``, cycled; no progress
     bar, checkpoint, model summary or sanity check. Returns the Trainer."""
+    trainer, module, loader = fit_parts(net, batches, total, device, callbacks, logger, **precision_kwargs)
+    trainer.fit(module, loader)
+    return trainer
+
+
+def fit_parts(net: Any, batches: list[Any], total: int, device: str, callbacks: list[Any], logger: Any = False,
+              **precision_kwargs: Any) -> tuple[Any, Any, Any]:
+    """The Trainer (``max_steps=total``), LightningModule and loader that :func:`fit` runs."""
     import lightning.pytorch as pl
     import torch
 
@@ -306,8 +314,14 @@ def fit(net: Any, batches: list[Any], total: int, device: str, callbacks: list[A
         **precision_kwargs,
     )
     loader = torch.utils.data.DataLoader(ListDataset(batches), batch_size=None, shuffle=False)
-    trainer.fit(lightning_module(net), loader)
-    return trainer
+    return trainer, lightning_module(net), loader
+
+
+def fit_more(trainer: Any, module: Any, loader: Any, steps: int) -> None:
+    """Continue a finished fit of ``module`` for ``steps`` more steps: ``Trainer.fit`` again with ``max_steps``
+    raised, as a user continues a run (the model, optimizer, precision plugin and step count carry on)."""
+    trainer.fit_loop.epoch_loop.max_steps += steps
+    trainer.fit(module, loader)
 
 
 def loop_step(kind: str, net: Any, device: Any, half_dtype: Any = None, lr: float = 1e-3, cast_table: Any = None,
@@ -433,10 +447,19 @@ def run_child(variant: str, kind: str, spec: ModelSpec, steps: int, warmup: int,
 def _lightning_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], total: int, device: str,
                      sync: Callable[[], None], compile_backend: str = "inductor"
                      ) -> tuple[list[float], dict[str, Any]]:
-    import lightning.pytorch as pl
     import torch
 
-    from lightning_mpx import MixedPrecisionPlugin
+    if variant.endswith("-compiled"):
+        # The LightningModule holds the compiled module; its parameters are the network's own.
+        net = torch.compile(net, backend=compile_backend)
+    timer = _step_timer(sync)
+    trainer = fit(net, batches, total, device, [timer], **_trainer_precision(variant, device))
+    return timer.times, _trainer_extra(variant, trainer)
+
+
+def _step_timer(sync: Callable[[], None]) -> Any:
+    """A Lightning callback that times each training batch (``times``, seconds) between two syncs."""
+    import lightning.pytorch as pl
 
     class Timer(pl.Callback):
         def __init__(self) -> None:
@@ -451,18 +474,23 @@ def _lightning_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], tot
             sync()
             self.times.append(time.perf_counter() - self._start)
 
-    if variant.endswith("-compiled"):
-        variant = variant.removesuffix("-compiled")
-        # The LightningModule holds the compiled module; its parameters are the network's own.
-        net = torch.compile(net, backend=compile_backend)
+    return Timer()
+
+
+def _trainer_precision(variant: str, device: str) -> dict[str, Any]:
+    """The Trainer's precision arguments of a Lightning variant (``-compiled`` ignored)."""
+    variant = variant.removesuffix("-compiled")
     if variant == "fp32":
-        kwargs = precision(lightning="32-true")
-    elif variant.startswith("lightning-"):
-        kwargs = precision(lightning=variant.removeprefix("lightning-"))
-    else:
-        kwargs = precision(variant.split("-")[1], half_dtype_of(variant), cast_table=aligned_table(variant, device))
-    timer = Timer()
-    trainer = fit(net, batches, total, device, [timer], **kwargs)
+        return precision(lightning="32-true")
+    if variant.startswith("lightning-"):
+        return precision(lightning=variant.removeprefix("lightning-"))
+    return precision(variant.split("-")[1], half_dtype_of(variant), cast_table=aligned_table(variant, device))
+
+
+def _trainer_extra(variant: str, trainer: Any) -> dict[str, Any]:
+    """What a Lightning run records besides its times: the precision it ran, and the plugin's skipped steps."""
+    from lightning_mpx import MixedPrecisionPlugin
+
     extra: dict[str, Any] = {"lightning_precision": str(trainer.precision)}
     plugin = trainer.precision_plugin
     if variant.startswith("lightning-"):
@@ -470,7 +498,7 @@ def _lightning_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], tot
         extra["effective_dtype"] = "bfloat16" if getattr(plugin, "precision", "") == "bf16-mixed" else "float16"
     if isinstance(plugin, MixedPrecisionPlugin):
         extra["skipped_steps"] = sum(plugin.amp.skipped_steps)
-    return timer.times, extra
+    return extra
 
 
 def _fabric_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], total: int, device: str,
@@ -556,6 +584,63 @@ def run_in_process(variant: str, kind: str, spec: ModelSpec, steps: int, warmup:
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
+
+
+class Persistent:
+    """One variant built once (model, Trainer or loop), warmed up, and trained on for more steps at each
+    :meth:`advance` (``--persistent``): a Lightning variant continues with :func:`fit_more`, a loop calls its step
+    again. Its rounds then differ only by what happens while they run, not by how a run was built."""
+
+    def __init__(self, variant: str, kind: str, spec: ModelSpec, warmup: int, device: str) -> None:
+        import torch
+
+        if variant in FABRIC_VARIANTS or variant.endswith("-compiled"):
+            raise ValueError(f"variant={variant!r} cannot run --persistent (Fabric and compiled rows run afresh); "
+                             "valid choices: the Trainer rows and the loops")  # fmt: skip
+        torch.manual_seed(0)
+        self.variant, self.kind, self.batch = variant, kind, spec.batch
+        self.cuda = device == "cuda"
+        self.sync: Callable[[], None] = torch.cuda.synchronize if self.cuda else (lambda: None)
+        batches = make_batches(kind, spec, 8, torch.device(device))
+        net = build_model(kind, spec)
+        self.amp: Any = None
+        self.trainer: Any = None
+        if variant in LIGHTNING_VARIANTS:
+            self.timer = _step_timer(self.sync)
+            self.trainer, self.module, self.loader = fit_parts(
+                net, batches, max(warmup, 1), device, [self.timer], **_trainer_precision(variant, device))
+            self.trainer.fit(self.module, self.loader)
+        else:
+            self.one, self.amp = loop_of(variant, net, torch.device(device))
+            self.batches = batches
+            time_steps(self.one, batches, warmup, self.sync)
+
+    def advance(self, steps: int) -> dict[str, Any]:
+        """``steps`` more steps; a record of them as :func:`run_child` returns (the peak memory is the process's,
+        shared by every persistent variant)."""
+        import torch
+
+        if self.trainer is not None:
+            self.timer.times.clear()
+            fit_more(self.trainer, self.module, self.loader, steps)
+            times = list(self.timer.times)
+            extra = _trainer_extra(self.variant, self.trainer)
+        else:
+            times = time_steps(self.one, self.batches, steps, self.sync)
+            extra = {} if self.amp is None else {"skipped_steps": sum(self.amp.skipped_steps)}
+        median = statistics.median(times)
+        return {
+            "variant": self.variant,
+            "model": self.kind,
+            "steps_timed": len(times),
+            "step_ms_median": median * 1e3,
+            "step_ms_iqr": _harness.iqr_width(times) * 1e3,
+            "step_ms_min": min(times) * 1e3,
+            "samples_per_second": self.batch / median,
+            "peak_memory_bytes": int(torch.cuda.max_memory_allocated() if self.cuda else 0),
+            "peak_memory_kind": "process (persistent variants share it)",
+            **extra,
+        }
 
 
 # -- the parent --------------------------------------------------------------------------------------------------------
@@ -645,7 +730,8 @@ def check_targets(rows: list[dict[str, Any]], device: str) -> list[dict[str, Any
                     value = a["samples_per_second"] / b["samples_per_second"]
                     checks.append({"model": kind, "target": f"{variant} throughput >= 0.97x {reference}",
                                    "value": value, "met": value >= 0.97})
-            if o2 and fp32:
+            shared = any(str(r.get("peak_memory_kind", "")).startswith("process") for r in (o2, fp32) if r)
+            if o2 and fp32 and not shared:  # --persistent: the process's peak, not the variant's
                 value = o2["peak_memory_bytes"] / fp32["peak_memory_bytes"]
                 checks.append({"model": kind, "target": "mpx-O2-fp16 peak memory below fp32",
                                "value": value, "met": value < 1.0})
@@ -687,6 +773,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run every variant in this process, the order rotated each of --repeats rounds (each "
                         "run builds its model, Trainer or loop afresh), instead of a child process per run: the "
                         "rows then do not carry the differences between processes")
+    parser.add_argument("--persistent", action="store_true",
+                        help="with --one-process: build every variant once (model, Trainer or loop), warm it up, "
+                        "then train each on for --steps more steps per round, the order rotated (a Trainer continues "
+                        "with fit() and a raised max_steps); peak memory is then not per variant")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), metavar="VARIANT",
                         help=f"subset of: {', '.join(VARIANTS)}")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in every child")
@@ -701,6 +791,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.repeats < 1:
         parser.error("--steps and --repeats must be at least 1, --warmup at least 0")
+    if args.persistent and not args.one_process:
+        parser.error("--persistent needs --one-process (the variants live in this process)")
     if args.device is None:
         import torch
 
@@ -722,10 +814,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     loads = [_harness.load_average()]
     started = time.perf_counter()
 
+    persistent: dict[str, Persistent] = {}
+    if args.persistent:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        for kind in kinds:
+            for variant in args.variants:
+                persistent[f"{kind}/{variant}"] = Persistent(variant, kind, SPECS[(kind, args.size)], args.warmup,
+                                                             args.device)  # fmt: skip
+
     def sample(kind: str, variant: str) -> Callable[[], dict[str, Any]]:
         def run() -> dict[str, Any]:
             steps = fp16_steps if is_fp16(variant) else args.steps
-            if args.one_process:
+            if persistent:
+                result = persistent[f"{kind}/{variant}"].advance(steps)
+            elif args.one_process:
                 result = run_in_process(variant, kind, SPECS[(kind, args.size)], steps, args.warmup, args.device,
                                         args.threads)  # fmt: skip
             else:
@@ -756,7 +860,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             "warmup": args.warmup,
             "repeats": args.repeats,
             "rounds_done": rounds_done,
-            "method": "one process, rotated rounds" if args.one_process else "a child process per run",
+            "method": ("one process, each variant built once and trained on, rotated rounds" if args.persistent
+                       else "one process, rotated rounds" if args.one_process else "a child process per run"),
             "loadavg": loads,
             "wall_seconds": time.perf_counter() - started,
             "rows": rows,
