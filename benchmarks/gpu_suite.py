@@ -90,6 +90,8 @@ STEP_ORDER = (
     "mpx-O1-fp16-aligned", "core-O1-fp16-aligned", "mpx-O1-bf16-aligned", "core-O1-bf16-aligned",
     # AdamW(fused=True): GradScaler skips an overflowed step on the device there, Amp reads the flag on the host
     "torch-autocast-fused-fp16", "core-O1-fused-fp16", "torch-autocast-fused-bf16", "core-O1-fused-bf16",
+    # unscale_backend="foreach": the unscale backend's share of the step
+    "core-O1-foreach-fp16", "core-O1-foreach-bf16",
     "fabric-16-mixed", "fabric-mpx-O2-fp16",
 )  # fmt: skip
 #: The rows issue 25's verdicts compare (the first of STEP_ORDER): run for every round of ``--repeats``.

@@ -637,7 +637,8 @@ class Persistent:
             "step_ms_iqr": _harness.iqr_width(times) * 1e3,
             "step_ms_min": min(times) * 1e3,
             "samples_per_second": self.batch / median,
-            "peak_memory_bytes": int(torch.cuda.max_memory_allocated() if self.cuda else 0),
+            "peak_memory_bytes": int(torch.cuda.max_memory_allocated() if self.cuda
+                                     else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
             "peak_memory_kind": "process (persistent variants share it)",
             **extra,
         }
@@ -664,6 +665,11 @@ def combine(samples: list[dict[str, Any]], batch: int) -> dict[str, Any]:
     return row
 
 
+def _own_peak(row: dict[str, Any]) -> bool:
+    """Whether a row's peak memory is its own (not ``--persistent``'s process-wide peak, shared by every row)."""
+    return not str(row.get("peak_memory_kind", "")).startswith("process")
+
+
 def add_ratios(rows: list[dict[str, Any]]) -> None:
     """Throughput and peak-memory ratios against Lightning's AMP rows of the same model (when measured)."""
     for kind in {r["model"] for r in rows}:
@@ -681,7 +687,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
                 if paired:
                     r[f"step_time_vs_{key}_paired"] = statistics.median(paired)
                     r[f"step_time_vs_{key}_paired_range"] = [min(paired), max(paired)]
-            if fp32 is not None:
+            if fp32 is not None and _own_peak(r) and _own_peak(fp32):
                 r["peak_memory_vs_fp32"] = r["peak_memory_bytes"] / fp32["peak_memory_bytes"]
 
 
@@ -730,8 +736,7 @@ def check_targets(rows: list[dict[str, Any]], device: str) -> list[dict[str, Any
                     value = a["samples_per_second"] / b["samples_per_second"]
                     checks.append({"model": kind, "target": f"{variant} throughput >= 0.97x {reference}",
                                    "value": value, "met": value >= 0.97})
-            shared = any(str(r.get("peak_memory_kind", "")).startswith("process") for r in (o2, fp32) if r)
-            if o2 and fp32 and not shared:  # --persistent: the process's peak, not the variant's
+            if o2 and fp32 and _own_peak(o2) and _own_peak(fp32):  # --persistent: the process's peak, not a row's
                 value = o2["peak_memory_bytes"] / fp32["peak_memory_bytes"]
                 checks.append({"model": kind, "target": "mpx-O2-fp16 peak memory below fp32",
                                "value": value, "met": value < 1.0})

@@ -119,9 +119,9 @@ def unscale_grads_(
     implementation = _BACKENDS.get(backend)
     if implementation is None:
         raise ValueError(f"backend={backend!r} is not an unscale backend; valid choices: {', '.join(BACKENDS)}.")
-    if backend == "auto":
-        implementation = _BACKENDS[resolve_backend(grads if out is None else [*grads, *out])]
     want_norm = compute_norm or max_norm is not None
+    if backend == "auto":
+        implementation = _BACKENDS[auto_backend(grads, out, norm=want_norm, stats=stats is not None)]
     if stats is not None:
         if not isinstance(stats, GradStats):
             raise TypeError(f"stats={type(stats).__name__} must be a lightning_mpx.unscale.GradStats or None.")
@@ -130,11 +130,25 @@ def unscale_grads_(
 
 
 def resolve_backend(tensors: Tensors) -> str:
-    """The backend that ``"auto"`` picks for these tensors: ``"triton"`` when they are all CUDA tensors and triton
-    is installed, else ``"foreach"``."""
+    """The backend that ``"auto"`` picks for these tensors (a copy, or an unscale that the fused kernels serve, see
+    :func:`auto_backend`): ``"triton"`` when they are all CUDA tensors and triton is installed, else ``"foreach"``."""
     if tensors and all(map(_IS_CUDA, tensors)) and _triton_available() and not _interpreter_requested():
         return "triton"
     return "foreach"
+
+
+def auto_backend(grads: Tensors, out: Tensors | None = None, *, norm: bool = False, stats: bool = False) -> str:
+    """The backend that ``backend="auto"`` runs for an :func:`unscale_grads_` call: :func:`resolve_backend`'s,
+    except for a plain unscale in place (no ``out``, norm, clip or statistics) of gradients none of which is
+    bfloat16, which is ``"foreach"``: torch's own multi-tensor kernel (``GradScaler``'s) moves the same 8 bytes per
+    FP32 element in one launch, and with less host work per call than the fused kernels, which upload the new
+    gradient buffers' addresses whenever the allocator moved them (every step after ``zero_grad(set_to_none=True)``)
+    and gain nothing from fusion here. The fused kernels keep norms, clipping, statistics, FP32 masters and bfloat16
+    gradients (whose torch kernel on CUDA is missing; the foreach twin then takes two more passes)."""
+    in_place = out is None or all(map(operator.is_, grads, out))
+    if in_place and not norm and not stats and torch.bfloat16 not in set(map(_DTYPE, grads)):
+        return "foreach"
+    return resolve_backend(grads if out is None else [*grads, *out])
 
 
 def cast_copy_(

@@ -203,7 +203,9 @@ def test_o1_proxy_pairs_each_row_with_its_reference_in_the_same_repeat(tmp_path)
                             "--repeats", "2", "--out", str(out)])  # fmt: skip
     assert json.loads(out.read_text())["rows"] == result["rows"]
     rows = {(r["row"], r["reference"]): r for r in result["rows"]}
-    assert set(rows) == {("core-O1-aligned", "loop-autocast"), ("plugin-O2", "bf16-mixed")}  # references added
+    # references added; the aligned core loop against both torch loops (bare, and with Amp's skip check)
+    assert set(rows) == {("core-O1-aligned", "loop-autocast"), ("core-O1-aligned", "loop-autocast-checked"),
+                         ("plugin-O2", "bf16-mixed")}
     samples = result["samples_ms"]
     for (row, reference), r in rows.items():
         assert r["ratios"] == [a / b for a, b in zip(samples[row], samples[reference])] and len(r["ratios"]) == 2
@@ -443,3 +445,63 @@ def test_lora_masters_counts_the_adapters_only(tmp_path):
     assert result["master_elements"] == result["trainable_elements"] < result["model_elements"] // 10
     with pytest.raises(SystemExit):
         lora_masters.main(["--hidden", "30"])
+
+
+def test_step_persistent_builds_each_variant_once_and_trains_it_on(tmp_path, monkeypatch):
+    """step.py --one-process --persistent: each variant (a Trainer row and a loop) built once, then trained on round
+    after round; a Trainer row's rounds continue its fit (the global step counts on), a loop's its step; no peak
+    memory is judged from the shared process."""
+    import step
+
+    built: list[str] = []
+    real = step.Persistent.__init__
+
+    def counted(self, variant, *args, **kwargs):
+        built.append(variant)
+        real(self, variant, *args, **kwargs)
+
+    monkeypatch.setattr(step.Persistent, "__init__", counted)
+    advanced: list[tuple[str, int]] = []
+    real_advance = step.Persistent.advance
+
+    def advance(self, steps):
+        record = real_advance(self, steps)
+        advanced.append((self.variant, self.trainer.global_step if self.trainer is not None else -1))
+        return record
+
+    monkeypatch.setattr(step.Persistent, "advance", advance)
+    out = tmp_path / "step.json"
+    variants = ["mpx-O2-bf16", "core-O1-bf16", "fp32"]
+    result = step.main(["--device", "cpu", "--model", "resnet", "--steps", "2", "--warmup", "1", "--repeats", "2",
+                        "--one-process", "--persistent", "--variants", *variants, "--out", str(out)])  # fmt: skip
+    assert sorted(built) == sorted(variants)  # once each, for both rounds
+    assert result["method"].startswith("one process, each variant built once") and result["rounds_done"] == 2
+    steps_of = [gs for v, gs in advanced if v == "mpx-O2-bf16"]
+    assert steps_of == [3, 5]  # 1 warm-up step, then 2 more per round: one fit continued
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert all(len(r["step_ms_runs"]) == 2 and r["steps_timed"] == 2 for r in rows.values())
+    assert rows["mpx-O2-bf16"]["peak_memory_kind"].startswith("process")
+    assert not any("peak memory" in t["target"] for t in result["targets"])  # the process's peak is not a row's
+    with pytest.raises(SystemExit):
+        step.main(["--device", "cpu", "--persistent", "--variants", "fp32"])  # --persistent needs --one-process
+
+
+def test_gpu_host_profile_census_lists_what_a_loop_does_beyond_torchs(tmp_path):
+    """--census: per step of each loop, the operators and their difference from the torch loop of the same dtype
+    (the checked loop for bfloat16), and Amp's own Python for the core loops."""
+    import gpu_host_profile
+
+    out = tmp_path / "census.json"
+    argv = ["--check", "--census", "--steps", "2", "--warmup", "1", "--model", "resnet", "--variants",
+            "autocast-bf16", "autocast-checked-bf16", "core-O1-bf16", "--out", str(out)]  # fmt: skip
+    assert gpu_host_profile.main(argv) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["core-O1-bf16"]["reference"] == "torch-autocast-checked-bf16"
+    checked = rows["torch-autocast-checked-bf16"]
+    # The checked loop's one non-finite check is what it does beyond the bare loop, counted per step.
+    assert checked["op_differences"]["aten::_amp_foreach_non_finite_check_and_unscale_"] == [0.0, 1.0]
+    assert rows["core-O1-bf16"]["ops_per_step"] > 0 and rows["core-O1-bf16"]["python"]
+    assert any("amp.py" in name for name, _, _ in rows["core-O1-bf16"]["python"])
+    assert rows["torch-autocast-bf16"]["python"] == []  # torch's loops run none of ours
+    with pytest.raises(SystemExit):
+        gpu_host_profile.main(["--check", "--census", "--interleave", "2"])

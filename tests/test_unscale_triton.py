@@ -491,3 +491,33 @@ def test_triton_kernels_compile_for_the_gpu_with_vector_loads():
         pytest.skip("triton's ptxas is not available: cannot compile for the GPU here")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "compiled" in result.stdout
+
+
+def test_auto_leaves_a_plain_in_place_unscale_to_torchs_kernel(monkeypatch):
+    """``"auto"`` on CUDA tensors (pretended here: the choice is made from the call, not by running anything): the
+    fused kernels for norms, clipping, statistics, masters and bfloat16; torch's own kernel for a plain in-place
+    unscale of FP32/FP16 gradients (O1's step without a clip), which it serves in one launch with less host work."""
+    import lightning_mpx.unscale as unscale
+
+    monkeypatch.setattr(unscale, "_IS_CUDA", lambda t: True)
+    monkeypatch.setattr(unscale, "_interpreter_requested", lambda: False)
+    fp32, fp16, bf16 = torch.ones(3), torch.ones(3, dtype=torch.float16), torch.ones(3, dtype=torch.bfloat16)
+    masters = [torch.zeros(3), torch.zeros(3)]
+    assert unscale.auto_backend([fp32, fp16]) == "foreach"
+    assert unscale.auto_backend([fp32, fp16], [fp32, fp16]) == "foreach"  # out naming the gradients: in place
+    assert unscale.auto_backend([fp32, fp16], norm=True) == "triton"
+    assert unscale.auto_backend([fp32, fp16], stats=True) == "triton"
+    assert unscale.auto_backend([fp16, fp16], masters) == "triton"
+    assert unscale.auto_backend([fp32, bf16]) == "triton"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="no CUDA device, or kernels interpreted")
+def test_cuda_auto_runs_torchs_kernel_for_a_plain_in_place_unscale_and_the_fused_one_otherwise():
+    grads = [torch.full((5,), 8.0, device="cuda"), torch.full((3,), 8.0, device="cuda", dtype=torch.float16)]
+    ws, found = UnscaleWorkspace(), torch.zeros((), device="cuda")
+    unscale_grads_(grads, torch.tensor(0.5, device="cuda"), found, workspace=ws)
+    assert ws.builds == 0 and all(torch.equal(g, torch.full_like(g, 4.0)) for g in grads)
+    norm = unscale_grads_(grads, torch.tensor(0.5, device="cuda"), found, max_norm=100.0, workspace=ws)
+    assert ws.builds == 1 and all(torch.equal(g, torch.full_like(g, 2.0)) for g in grads)
+    torch.testing.assert_close(norm, torch.tensor(2.0 * 8**0.5, device="cuda"))
+    assert found.item() == 0.0
