@@ -23,7 +23,6 @@ reads before they unscale.
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import operator
 import os
 import sys
@@ -146,9 +145,10 @@ def auto_backend(grads: Tensors, out: Tensors | None = None, *, norm: bool = Fal
     and gain nothing from fusion here. The fused kernels keep norms, clipping, statistics, FP32 masters and bfloat16
     gradients (whose torch kernel on CUDA is missing; the foreach twin then takes two more passes)."""
     in_place = out is None or all(map(operator.is_, grads, out))
-    if in_place and not norm and not stats and torch.bfloat16 not in set(map(_DTYPE, grads)):
+    backend = resolve_backend(grads if out is None or in_place else [*grads, *out])
+    if backend == "triton" and in_place and not norm and not stats and torch.bfloat16 not in set(map(_DTYPE, grads)):
         return "foreach"
-    return resolve_backend(grads if out is None else [*grads, *out])
+    return backend
 
 
 def cast_copy_(
@@ -434,21 +434,28 @@ def _global_norm(norms: list[torch.Tensor], device: torch.device) -> torch.Tenso
 
 
 def _grouped(tensors: Tensors) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
-    """The tensors by device and dtype, in order within each group and groups in order of first appearance."""
-    keys = list(zip(map(_DEVICE, tensors), map(_DTYPE, tensors)))
-    return {key: list(itertools.compress(tensors, map(key.__eq__, keys))) for key in dict.fromkeys(keys)}
+    # The usual case, every tensor on one device in one dtype, is one group, found with C-level maps rather than
+    # a Python call per tensor.
+    if tensors and len(set(map(_DTYPE, tensors))) == 1 and len(set(map(_DEVICE, tensors))) == 1:
+        first = tensors[0]
+        return {(first.device, first.dtype): list(tensors)}
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    return groups
 
 
 def _grouped_pairs(src: Tensors, dst: Tensors) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    """The pairs by destination device and both dtypes, in order within each group (O2: half gradients into FP32
-    masters, with FP32 batch norms beside them: two groups)."""
-    keys = list(zip(map(_DEVICE, dst), map(_DTYPE, src), map(_DTYPE, dst)))
-    distinct = dict.fromkeys(keys)
-    if len(distinct) == 1:
+    # The usual case (O2: half gradients into FP32 masters on one device) is one group, found with C-level maps.
+    if (src and len(set(map(_DTYPE, src))) == 1 and len(set(map(_DTYPE, dst))) == 1
+            and len(set(map(_DEVICE, dst))) == 1):
         return [(list(src), list(dst))]
-    # Each group picked out by C-level maps over the lists: a Python call per tensor would cost each step more.
-    return [(list(itertools.compress(src, map(key.__eq__, keys))), list(itertools.compress(dst, map(key.__eq__, keys))))
-            for key in distinct]
+    groups: dict[tuple[torch.device, torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for s, d in zip(src, dst):
+        pair = groups.setdefault((d.device, s.dtype, d.dtype), ([], []))
+        pair[0].append(s)
+        pair[1].append(d)
+    return list(groups.values())
 
 
 _Backend = Callable[..., "torch.Tensor | None"]
