@@ -59,9 +59,10 @@ def unscale_state(
     scaler.to(device)
     if skipped:
         factor = torch.ones((), dtype=torch.float32, device=device)
+    elif state.grad_scale is not None:  # gradients pending across an update keep the scale they were computed with
+        factor = state.grad_scale.double().reciprocal().float()  # in FP64, as GradScaler
     else:
-        grad_scale = state.grad_scale if state.grad_scale is not None else scaler.scale_tensor
-        factor = grad_scale.double().reciprocal().float()  # in FP64, as GradScaler
+        factor = scaler.unscale_factor()
     found = torch.zeros((), dtype=torch.float32, device=device)
     # Telemetry measures scaled gradients: not the leftovers of a skipped batch, which hold true values.
     stats = telemetry.stats() if telemetry.requested and not skipped else None

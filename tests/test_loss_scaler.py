@@ -362,6 +362,30 @@ def test_inv_scale_is_the_fp64_reciprocal(scale):
     assert torch.equal(inv, expected)
 
 
+@pytest.mark.parametrize("loss_scale", [1.0, 3.0, "dynamic"])
+def test_unscale_factor_is_inv_scale_and_follows_a_loaded_scale(loss_scale):
+    """What Amp unscales by: the FP64 reciprocal, as inv_scale(); a static 1.0 makes no kernels for it (one tensor,
+    kept), and a checkpoint that loads another scale into the scaler changes it at once."""
+    scaler = LossScaler(loss_scale=loss_scale)
+    first, again = scaler.unscale_factor(), scaler.unscale_factor()
+    assert torch.equal(first, scaler.inv_scale()) and first.dtype == torch.float32 and first.shape == ()
+    assert (first is again) == (loss_scale == 1.0)
+    state = scaler.state_dict()
+    state["scale"] = 4.0 if loss_scale != 4.0 else 2.0
+    scaler.load_state_dict(state)
+    assert torch.equal(scaler.unscale_factor(), torch.tensor(0.25))
+    state["scale"] = 1.0
+    scaler.load_state_dict(state)
+    assert torch.equal(scaler.unscale_factor(), torch.tensor(1.0)) and scaler.scale(torch.ones(())).item() == 1.0
+
+
+def test_overflow_count_counts_updates_that_found_an_overflow():
+    scaler = LossScaler(init_scale=8.0)
+    for found in (0.0, 1.0, 0.0, 1.0, 1.0):
+        scaler.update(torch.tensor(found))
+    assert scaler.overflow_count.dtype == torch.int64 and scaler.overflow_count.item() == 3
+
+
 # -- the floor policy ----------------------------------------------------------------------------------------------
 NAMES = ["encoder.weight", "head.bias"]
 
