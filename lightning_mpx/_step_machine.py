@@ -251,6 +251,11 @@ class StepMachine:
                 reduce_checks(state, self.sharding, None, [], None)
             reducer = None
         loss_ids = sorted(state.found_by_loss)
+        if len(loss_ids) == 1 and reducer is None:  # the usual case: one loss, one process's flag, read as it is
+            (loss_id,) = loss_ids
+            found = state.found_by_loss[loss_id]
+            self.record_found({loss_id: found})
+            return state, [loss_id] if found.item() > 0 else []
         # One tensor for the reduction across processes and one host read; all ranks then agree loss by loss.
         flags = (
             state.found_by_loss[loss_ids[0]].reshape(1)  # one loss, the usual case: a view, no kernel
