@@ -191,7 +191,10 @@ def test_plugin_overhead_rows_ratios_syncs_and_profile(tmp_path, capsys):
     # The plugin reads its metrics on the logging step (49) only; the step's own reads are the same as the core's.
     assert syncs["plugin-O2"]["per_logging_step"] > syncs["plugin-O2"]["per_step_nonlogging"]
     assert syncs["plugin-O2"]["per_step_nonlogging"] == syncs["core-O2"]["per_step_nonlogging"]
-    assert syncs["plugin-O2"]["tolist_per_step"] > 0 and syncs["reference"]["tolist_per_step"] == 0
+    # One host read of the overflow flag per step beyond Lightning's own (AdamW's step counters on CPU), as
+    # GradScaler's: one loss in one process reads it with .item(), counted by the dispatch mode (tolist: none).
+    assert syncs["plugin-O2"]["per_step_nonlogging"] == syncs["reference"]["per_step_nonlogging"] + 1
+    assert syncs["plugin-O2"]["tolist_per_step"] == syncs["reference"]["tolist_per_step"] == 0
     assert "lightning_mpx/lightning.py" in result["profile"] and "optimizer_step" in capsys.readouterr().out
 
 
