@@ -42,6 +42,16 @@ CLOCKS: dict[str, Callable[[], float]] = {
 }
 
 
+#: The ``peak_memory_kind`` of rows measured in one process that several variants share (``step.py --persistent``):
+#: the process's peak, not the row's own, so no memory ratio or target is taken from it.
+SHARED_PEAK = "process (persistent variants share it)"
+
+
+def own_peak(row: Mapping[str, Any]) -> bool:
+    """Whether a row's peak memory is its own (not a process's shared by several variants, :data:`SHARED_PEAK`)."""
+    return row.get("peak_memory_kind") != SHARED_PEAK
+
+
 # -- timing -----------------------------------------------------------------------------------------------------------
 def rotation(names: Sequence[str], round_: int) -> list[str]:
     """``names`` rotated left by ``round_`` places: round r starts with the r-th variant."""

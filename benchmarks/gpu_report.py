@@ -34,7 +34,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from _harness import markdown_table  # benchmarks/ is on sys.path when a script runs
+from _harness import markdown_table, own_peak  # benchmarks/ is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -388,7 +388,7 @@ def step_targets(runs: list[Source]) -> list[Verdict]:
             pair = None
             for source in reversed(runs):
                 row, ref = _row(source, model, variant), _row(source, model, reference)
-                if key == "peak_memory_bytes" and not (_own_peak(row) and _own_peak(ref)):
+                if key == "peak_memory_bytes" and not (row and ref and own_peak(row) and own_peak(ref)):
                     continue  # a persistent run's peak is its process's, shared by every variant
                 if row and ref:
                     pair = (source, row, ref)
@@ -410,11 +410,6 @@ def step_targets(runs: list[Source]) -> list[Verdict]:
                     figure += f"; per round {rounds}"
             verdicts.append(Verdict(label, model, MET if met else NOT_MET, figure, value, source.name))
     return verdicts
-
-
-def _own_peak(row: dict[str, Any] | None) -> bool:
-    """Whether a row's peak memory is its own (not ``step.py --persistent``'s process-wide peak)."""
-    return row is not None and not str(row.get("peak_memory_kind", "")).startswith("process")
 
 
 def _paired_rounds(row: dict[str, Any], ref: dict[str, Any]) -> str:

@@ -425,7 +425,15 @@ def run_child(variant: str, kind: str, spec: ModelSpec, steps: int, warmup: int,
         times, extra = _fabric_steps(variant, net, batches, total, device, sync)
     else:
         times, extra = _loop_steps(variant, net, batches, total, dev, sync)
-    timed = times[warmup:]
+    return _record(variant, kind, spec.batch, times[warmup:], cuda,
+                   "cuda_max_memory_allocated" if cuda else "peak_rss", extra)
+
+
+def _record(variant: str, kind: str, batch: int, timed: list[float], cuda: bool, peak_kind: str,
+            extra: dict[str, Any]) -> dict[str, Any]:
+    """A run's row: its timed steps (seconds) summarised, and the peak memory so far (CUDA's allocated, or RSS)."""
+    import torch
+
     median = statistics.median(timed)
     peak = (
         torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -437,9 +445,9 @@ def run_child(variant: str, kind: str, spec: ModelSpec, steps: int, warmup: int,
         "step_ms_median": median * 1e3,
         "step_ms_iqr": _harness.iqr_width(timed) * 1e3,
         "step_ms_min": min(timed) * 1e3,  # the least disturbed step: a floor under a shared machine's load
-        "samples_per_second": spec.batch / median,
+        "samples_per_second": batch / median,
         "peak_memory_bytes": int(peak),
-        "peak_memory_kind": "cuda_max_memory_allocated" if cuda else "peak_rss",
+        "peak_memory_kind": peak_kind,
         **extra,
     }
 
@@ -618,8 +626,6 @@ class Persistent:
     def advance(self, steps: int) -> dict[str, Any]:
         """``steps`` more steps; a record of them as :func:`run_child` returns (the peak memory is the process's,
         shared by every persistent variant)."""
-        import torch
-
         if self.trainer is not None:
             self.timer.times.clear()
             fit_more(self.trainer, self.module, self.loader, steps)
@@ -628,20 +634,7 @@ class Persistent:
         else:
             times = time_steps(self.one, self.batches, steps, self.sync)
             extra = {} if self.amp is None else {"skipped_steps": sum(self.amp.skipped_steps)}
-        median = statistics.median(times)
-        return {
-            "variant": self.variant,
-            "model": self.kind,
-            "steps_timed": len(times),
-            "step_ms_median": median * 1e3,
-            "step_ms_iqr": _harness.iqr_width(times) * 1e3,
-            "step_ms_min": min(times) * 1e3,
-            "samples_per_second": self.batch / median,
-            "peak_memory_bytes": int(torch.cuda.max_memory_allocated() if self.cuda
-                                     else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
-            "peak_memory_kind": "process (persistent variants share it)",
-            **extra,
-        }
+        return _record(self.variant, self.kind, self.batch, times, self.cuda, _harness.SHARED_PEAK, extra)
 
 
 # -- the parent --------------------------------------------------------------------------------------------------------
@@ -665,11 +658,6 @@ def combine(samples: list[dict[str, Any]], batch: int) -> dict[str, Any]:
     return row
 
 
-def _own_peak(row: dict[str, Any]) -> bool:
-    """Whether a row's peak memory is its own (not ``--persistent``'s process-wide peak, shared by every row)."""
-    return not str(row.get("peak_memory_kind", "")).startswith("process")
-
-
 def add_ratios(rows: list[dict[str, Any]]) -> None:
     """Throughput and peak-memory ratios against Lightning's AMP rows of the same model (when measured)."""
     for kind in {r["model"] for r in rows}:
@@ -687,7 +675,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
                 if paired:
                     r[f"step_time_vs_{key}_paired"] = statistics.median(paired)
                     r[f"step_time_vs_{key}_paired_range"] = [min(paired), max(paired)]
-            if fp32 is not None and _own_peak(r) and _own_peak(fp32):
+            if fp32 is not None and _harness.own_peak(r) and _harness.own_peak(fp32):
                 r["peak_memory_vs_fp32"] = r["peak_memory_bytes"] / fp32["peak_memory_bytes"]
 
 
@@ -736,7 +724,8 @@ def check_targets(rows: list[dict[str, Any]], device: str) -> list[dict[str, Any
                     value = a["samples_per_second"] / b["samples_per_second"]
                     checks.append({"model": kind, "target": f"{variant} throughput >= 0.97x {reference}",
                                    "value": value, "met": value >= 0.97})
-            if o2 and fp32 and _own_peak(o2) and _own_peak(fp32):  # --persistent: the process's peak, not a row's
+            # --persistent: the process's peak, not a row's
+            if o2 and fp32 and _harness.own_peak(o2) and _harness.own_peak(fp32):
                 value = o2["peak_memory_bytes"] / fp32["peak_memory_bytes"]
                 checks.append({"model": kind, "target": "mpx-O2-fp16 peak memory below fp32",
                                "value": value, "met": value < 1.0})

@@ -483,7 +483,8 @@ def test_step_persistent_builds_each_variant_once_and_trains_it_on(tmp_path, mon
     assert steps_of == [3, 5]  # 1 warm-up step, then 2 more per round: one fit continued
     rows = {r["variant"]: r for r in result["rows"]}
     assert all(len(r["step_ms_runs"]) == 2 and r["steps_timed"] == 2 for r in rows.values())
-    assert rows["mpx-O2-bf16"]["peak_memory_kind"].startswith("process")
+    assert rows["mpx-O2-bf16"]["peak_memory_kind"].startswith("process") and rows["fp32"]["peak_memory_bytes"] > 0
+    assert "peak_memory_vs_fp32" not in rows["mpx-O2-bf16"]  # no memory ratio from the process's shared peak
     assert not any("peak memory" in t["target"] for t in result["targets"])  # the process's peak is not a row's
     with pytest.raises(SystemExit):
         step.main(["--device", "cpu", "--persistent", "--variants", "fp32"])  # --persistent needs --one-process
