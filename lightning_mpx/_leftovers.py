@@ -185,11 +185,9 @@ def local_squares(sharding: Sharding, params: list[torch.Tensor], device: torch.
 
 def grad_marks(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> Marks:
     """Identity and version of each half parameter's gradient (``None`` where it has none), in pair order."""
-    return tuple(
-        None if (g := param.grad) is None else (id(g), g._version)
-        for param, master in param_pairs(state, master_weights)
-        if master is not param
-    )
+    param_pairs(state, master_weights)
+    params = state.pair_params
+    return tuple(None if (g := params[i].grad) is None else (id(g), g._version) for i in state.mastered)
 
 
 def follow_cleared_grads(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> None:

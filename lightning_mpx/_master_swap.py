@@ -91,6 +91,9 @@ def param_pairs(state: _OptimizerState, master_weights: Sequence[MasterWeights],
         ]
         state.pairs_key = key
         state.unmastered = [param for param, master in state.pairs if master is param and param.dtype in _HALF]
+        state.pair_params = [param for param, _ in state.pairs]
+        state.pair_masters = [master for _, master in state.pairs]
+        state.mastered = [i for i, (param, master) in enumerate(state.pairs) if master is not param]
         state.mirrors = None
     return state.pairs
 
@@ -139,9 +142,10 @@ def masters_in(state: _OptimizerState, master_weights: Sequence[MasterWeights]) 
 
 def drop_master_grads(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> None:
     """Free the FP32 gradients of the optimizer's masters (the half model's own gradients stay)."""
-    for param, master in param_pairs(state, master_weights):
-        if master is not param:
-            master.grad = None
+    param_pairs(state, master_weights)
+    masters = state.pair_masters
+    for index in state.mastered:
+        masters[index].grad = None
 
 
 def grad_pairs(
@@ -164,6 +168,19 @@ def grad_pairs(
                     refuse_sparse(param)
         return sources, list(sources)
     pairs = param_pairs(state, master_weights, recheck=True)  # once per step: a parameter unfrozen in place
+    # The usual step, every parameter with a dense gradient, read with C-level maps; a parameter's own gradient is
+    # its master's (the master is the parameter), and a master of its own gets an FP32 buffer when it has none.
+    grads = list(map(_GRAD, state.pair_params))
+    if not any(map(operator.is_, grads, itertools.repeat(None))) and not any(map(_IS_SPARSE, grads)):
+        masters = state.pair_masters
+        targets = grads.copy()
+        for index in state.mastered:
+            master = masters[index]
+            target = master.grad
+            if target is None or target.shape != master.shape:
+                target = master.grad = torch.empty_like(master)
+            targets[index] = target
+        return grads, targets
     sources = []
     targets: list[torch.Tensor] = []
     for param, master in pairs:

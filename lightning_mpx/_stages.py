@@ -54,6 +54,11 @@ class _OptimizerState:
     # O2: the half parameters paired with themselves (frozen when the pairs were made): one that requires a gradient
     # or has one since makes the pairs be made again, with its master.
     unmastered: list[torch.Tensor] = field(default_factory=list)
+    # The pairs as two lists (parameters, masters), and the positions of the parameters with a master of their own:
+    # what a step reads with C-level maps instead of a Python loop over every pair.
+    pair_params: list[torch.Tensor] = field(default_factory=list)
+    pair_masters: list[torch.Tensor] = field(default_factory=list)
+    mastered: list[int] = field(default_factory=list)
     swapped: list[list[torch.Tensor]] | None = None  # the groups' own lists while the masters stand in for them
     hooks: list[Any] = field(default_factory=list)  # handles of the hooks registered on the optimizer
     mirrors: list[Mirror] | None = None  # O2: the step-time view of its half parameters' masters

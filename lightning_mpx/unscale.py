@@ -23,6 +23,7 @@ reads before they unscale.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import operator
 import os
 import sys
@@ -301,11 +302,14 @@ def _foreach(
     if stats is not None:
         _foreach_stats(grads, stats, found_inf.device)  # before the unscale: the scaled values
     targets = list(grads if out is None else out)
-    # `out` naming the gradients themselves (O1: no masters) is the in-place case: a copy of each into itself
-    # would change nothing (one C-level identity check instead of a grouping and a copy per gradient).
-    if out is not None and not all(map(operator.is_, grads, targets)):
-        for src, dst in _grouped_pairs(grads, targets):
-            torch._foreach_copy_(dst, src)
+    # A pair whose target is the gradient itself (O1: no masters; at O2 an FP32 parameter, batch norm's, that is its
+    # own master) is unscaled in place: a copy into itself would change nothing. C-level maps pick the others.
+    if out is not None:
+        moved = list(map(operator.is_not, grads, targets))
+        if any(moved):
+            sources = list(itertools.compress(grads, moved))
+            for src, dst in _grouped_pairs(sources, list(itertools.compress(targets, moved))):
+                torch._foreach_copy_(dst, src)
     norms: list[torch.Tensor] = []
     for (device, _), group in _grouped(targets).items():
         flag = found_inf if device == found_inf.device else torch.zeros_like(found_inf, device=device)

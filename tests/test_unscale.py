@@ -134,18 +134,20 @@ def test_out_naming_the_gradients_themselves_matches_reference(aliased):
 
 @settings(max_examples=40, deadline=None)
 @given(dtypes=st.lists(st.sampled_from(DTYPES), min_size=1, max_size=9),
-       masters=st.lists(st.sampled_from(DTYPES), min_size=9, max_size=9), max_norm=st.sampled_from([None, 0.5]))
-def test_mixed_dtypes_each_go_to_their_own_destination(dtypes, masters, max_norm):
+       masters=st.lists(st.sampled_from(DTYPES), min_size=9, max_size=9), max_norm=st.sampled_from([None, 0.5]),
+       own=st.lists(st.booleans(), min_size=9, max_size=9))
+def test_mixed_dtypes_each_go_to_their_own_destination(dtypes, masters, max_norm, own):
     """O2 with FP32 batch norms beside half layers: gradients of several dtypes, interleaved, unscaled into
     destinations of several dtypes and copied back; every tensor lands in its own destination, as the per-tensor
-    reference puts it (distinct sizes: a pairing out of order would fail or misplace values)."""
+    reference puts it (distinct sizes: a pairing out of order would fail or misplace values). Some destinations
+    are the gradients themselves (``own``: a parameter that is its own master), unscaled in place among the others."""
     from lightning_mpx.unscale import cast_copy_
 
     results = {}
     for backend in ("foreach", "reference"):
         g = torch.Generator().manual_seed(len(dtypes))
         grads = [(torch.randn(i + 2, generator=g) * 64).to(dtype) for i, dtype in enumerate(dtypes)]
-        out = [torch.zeros(i + 2, dtype=masters[i]) for i in range(len(dtypes))]
+        out = [grads[i] if own[i] else torch.zeros(i + 2, dtype=masters[i]) for i in range(len(dtypes))]
         found = torch.zeros(())
         norm = unscale_grads_(grads, _inv(64.0), found, out=out, max_norm=max_norm, backend=backend)
         copies = [torch.zeros(i + 2, dtype=dtype) for i, dtype in enumerate(dtypes)]
