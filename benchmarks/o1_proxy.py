@@ -31,7 +31,12 @@ taken within each repeat and the median (min, max) over repeats reported. The go
 and then with ``N`` more, and the difference over ``N`` is its instructions per step (the whole step: forward,
 backward, optimizer, Amp's bookkeeping; for the Trainer rows, Lightning's loop too). Unlike time, the count does not move with the load of a shared machine.
 
-    python benchmarks/o1_proxy.py [--device cpu|cuda] [--steps 60] [--warmup 15] [--repeats 6] [--out PATH]
+``--phases`` also splits the Trainer rows' steps at Lightning's ``on_before_backward`` and ``on_after_backward``
+hooks: ``forward`` (the training step, its ``zero_grad`` included), ``backward``, and ``step`` (the optimizer step,
+the scale update and the loop's own work until the next batch), each run's 20th percentile per phase and its
+difference to ``bf16-mixed`` within the repeat: where a row's extra time is spent.
+
+    python benchmarks/o1_proxy.py [--device cpu|cuda] [--steps 60] [--warmup 15] [--repeats 6] [--phases] [--out PATH]
     python benchmarks/o1_proxy.py --instructions 20 [--warmup 5] [--jobs 2] [--variants ...]
 """
 
@@ -120,15 +125,24 @@ def run_loop(variant: str, spec: ModelSpec, batches: list[Any], total: int, devi
     return timer.step_times()
 
 
-def run_trainer(variant: str, spec: ModelSpec, batches: list[Any], total: int, device: str, clock: str
-                ) -> list[float]:
+PHASES = ("forward", "backward", "step")
+
+
+def run_trainer(variant: str, spec: ModelSpec, batches: list[Any], total: int, device: str, clock: str,
+                phases: dict[str, list[float]] | None = None) -> list[float]:
+    """``total`` steps of ``Trainer.fit``; returns the step times. ``phases``: also filled with each step's
+    ``forward`` (batch start to Lightning's ``on_before_backward``: the training step, its zero_grad included),
+    ``backward`` (to ``on_after_backward``) and ``step`` (from there to the next batch start: the optimizer step,
+    the scale update and the loop's own work), in seconds."""
     import lightning.pytorch as pl
 
     from lightning_mpx import MixedPrecisionPlugin
 
     torch.manual_seed(0)
     net = build_model("resnet", spec)
-    timer = _Timer(torch.cuda.synchronize if device == "cuda" else (lambda: None), clock)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    timer = _Timer(sync, clock)
+    inner = {"before": _Timer(sync, clock), "after": _Timer(sync, clock)}
 
     class Mark(pl.Callback):
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
@@ -137,6 +151,13 @@ def run_trainer(variant: str, spec: ModelSpec, batches: list[Any], total: int, d
         def on_train_end(self, trainer: Any, module: Any) -> None:
             timer.mark()
 
+    class PhaseMark(Mark):
+        def on_before_backward(self, trainer: Any, module: Any, loss: Any) -> None:
+            inner["before"].mark()
+
+        def on_after_backward(self, trainer: Any, module: Any) -> None:
+            inner["after"].mark()
+
     if variant == "reference":
         kwargs: dict[str, Any] = {"precision": reference_name(device)}
     else:
@@ -144,7 +165,12 @@ def run_trainer(variant: str, spec: ModelSpec, batches: list[Any], total: int, d
         kwargs = {"plugins": [MixedPrecisionPlugin(level, half_dtype=half_dtype(device), on_floor="continue",
                                                    cast_table=_table(variant, device))]}
     with _quiet():
-        step.fit(net, batches, total, device, [Mark()], False, **kwargs)
+        step.fit(net, batches, total, device, [Mark() if phases is None else PhaseMark()], False, **kwargs)
+    if phases is not None:
+        starts, before, after = timer.starts, inner["before"].starts, inner["after"].starts
+        phases["forward"] = [b - a for a, b in zip(starts, before)]
+        phases["backward"] = [b - a for a, b in zip(before, after)]
+        phases["step"] = [b - a for a, b in zip(after, starts[1:])]
     return timer.step_times()
 
 
@@ -208,6 +234,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--instructions", type=int, default=0, metavar="N",
                         help="count instructions per step of the core rows over N steps (callgrind) instead of timing")
     parser.add_argument("--jobs", type=int, default=2, help="--instructions: valgrind processes at once")
+    parser.add_argument("--phases", action="store_true",
+                        help="also time the Trainer rows' forward, backward and step phases (Lightning's hooks)")
     parser.add_argument("--label", default="")
     parser.add_argument("--out", type=Path, default=_harness.default_out("o1_proxy"))
     args = parser.parse_args(argv)
@@ -236,14 +264,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ref = reference_name(args.device)
     shown = {v: ref if v == "reference" else v for v in VARIANTS}
 
-    def run(variant: str, steps: int) -> list[float]:
-        runner = run_trainer if variant in TRAINER else run_loop
-        return runner(variant, spec, batches, steps, args.device, clock)
+    # Per Trainer row and phase, each run's 20th percentile (ms), with --phases.
+    phase_samples: dict[str, dict[str, list[float]]] = {v: {p: [] for p in PHASES} for v in variants if v in TRAINER}
+
+    def run(variant: str, steps: int, phases: dict[str, list[float]] | None = None) -> list[float]:
+        if variant in TRAINER:
+            return run_trainer(variant, spec, batches, steps, args.device, clock, phases)
+        return run_loop(variant, spec, batches, steps, args.device, clock)
 
     def timed(variant: str) -> Callable[[], float]:
         def once() -> float:
             gc.collect()
-            ms = [t * 1e3 for t in run(variant, total)[args.warmup:]]
+            phases: dict[str, list[float]] | None = {} if args.phases and variant in TRAINER else None
+            ms = [t * 1e3 for t in run(variant, total, phases)[args.warmup:]]
+            for name, times in (phases or {}).items():
+                phase_samples[variant][name].append(statistics.quantiles([t * 1e3 for t in times[args.warmup:]], n=5)[0])
             return statistics.quantiles(ms, n=5)[0]
 
         return once
@@ -268,6 +303,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ["row", "reference", "row ms", "reference ms", "ratio", "min", "max", f"<= {GOAL}"],
         [[r["row"], r["reference"], f"{r['row_ms']:.3f}", f"{r['reference_ms']:.3f}", f"{r['ratio']:.3f}",
           f"{r['min']:.3f}", f"{r['max']:.3f}", "yes" if r["meets_goal"] else "no"] for r in rows])}
+    phase_rows = []
+    if args.phases:
+        base = phase_samples.get("reference")
+        for variant, by_phase in phase_samples.items():
+            row = {"row": shown[variant], **{p: statistics.median(by_phase[p]) for p in PHASES}}
+            if base is not None:  # the difference to the reference within each repeat, then its median
+                row.update({f"{p}_minus_reference": statistics.median(
+                    [a - b for a, b in zip(by_phase[p], base[p])]) for p in PHASES})
+            phase_rows.append(row)
+        tables[f"phases of the Trainer rows (p20 ms of each run, median over repeats; minus {ref} within a repeat)"] = (
+            _harness.markdown_table(
+                ["row", *PHASES, *(f"{p} - {ref}" for p in PHASES)],
+                [[r["row"], *(f"{r[p]:.3f}" for p in PHASES),
+                  *(f"{r[p + '_minus_reference']:+.3f}" if p + "_minus_reference" in r else "-" for p in PHASES)]
+                 for r in phase_rows]))
     print(f"lightning_mpx from {machine['package_path']}; {args.device}, {clock} clock, {args.repeats} repeats of "
           f"{args.steps} steps, load {machine['loadavg']}")
     for title, text in tables.items():
@@ -287,6 +337,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "repeats": args.repeats,
         "samples_ms": {shown[v]: samples[v] for v in variants},
         "rows": rows,
+        "phases": phase_rows,
         "goal": GOAL,
     }
     _harness.save(args.out, result, tables)

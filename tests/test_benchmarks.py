@@ -217,6 +217,25 @@ def test_o1_proxy_pairs_each_row_with_its_reference_in_the_same_repeat(tmp_path)
     assert o1_proxy.main(["--_child", "plugin-O2", "1", "1", "2"]) == {}  # a Trainer row too
 
 
+def test_o1_proxy_phases_split_each_trainer_step_into_its_parts(tmp_path):
+    """``--phases``: per Trainer row, the forward, backward and step phases of the same runs, with their difference
+    to the reference taken within each repeat; the loops have none."""
+    import o1_proxy
+
+    result = o1_proxy.main(["--variants", "core-O1-aligned", "plugin-O2", "--steps", "6", "--warmup", "1",
+                            "--repeats", "2", "--phases", "--out", str(tmp_path / "o1.json")])  # fmt: skip
+    phases = {r["row"]: r for r in result["phases"]}
+    assert set(phases) == {"bf16-mixed", "plugin-O2"}
+    for row in phases.values():
+        assert all(row[p] > 0 for p in o1_proxy.PHASES)
+    assert all(phases["bf16-mixed"][f"{p}_minus_reference"] == 0 for p in o1_proxy.PHASES)
+    step = {r["row"]: r for r in result["rows"]}[("plugin-O2")]
+    # The phases tile the step: their p20s add up to about the step's p20 (each a percentile of its own)
+    total = sum(phases["plugin-O2"][p] for p in o1_proxy.PHASES)
+    assert 0.5 * step["row_ms"] < total < 2.0 * step["row_ms"]
+    assert "phases of the Trainer rows" in (tmp_path / "o1.md").read_text()
+
+
 def test_cast_overhead_rows_counts_and_references(tmp_path):
     """cast_overhead.py (issue 12's figures) in a tiny configuration: every eager and compiled row, the ratios to
     each reference, and dynamo's counts. The counts are facts, not timings: a compiled O1 step has no graph break and
