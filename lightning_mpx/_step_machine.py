@@ -46,6 +46,8 @@ class StepMachine:
     Attributes:
         optimizers: One :class:`~lightning_mpx._stages._OptimizerState` per prepared optimizer, by ``id``.
         iteration_found: The overflow flags, by loss, that the next :meth:`update` applies to the scalers.
+        iteration_read: By loss, what the host read of every flag in ``iteration_found`` said (``True``: an
+            overflow), or ``None`` when one of them was not read (counted on the device then).
         grad_norms: The latest clip norm of each loss, until the engine's metrics report it.
         sharding: Set when the prepared model is FSDP-sharded: the gradients are each rank's shards, and one
             collective per step makes the flags and the norm global (:mod:`lightning_mpx._sharding`).
@@ -67,6 +69,7 @@ class StepMachine:
         self.names = names
         self.optimizers: dict[int, _OptimizerState] = {}
         self.iteration_found: dict[int, torch.Tensor] = {}
+        self.iteration_read: dict[int, bool | None] = {}
         self.grad_norms: dict[int, torch.Tensor] = {}
         self.sharding: Sharding | None = None
 
@@ -254,8 +257,9 @@ class StepMachine:
         if len(loss_ids) == 1 and reducer is None:  # the usual case: one loss, one process's flag, read as it is
             (loss_id,) = loss_ids
             found = state.found_by_loss[loss_id]
-            self.record_found({loss_id: found})
-            return state, [loss_id] if found.item() > 0 else []
+            overflowed = found.item() > 0
+            self.record_found({loss_id: found}, read={loss_id: overflowed})
+            return state, [loss_id] if overflowed else []
         # One tensor for the reduction across processes and one host read; all ranks then agree loss by loss.
         flags = (
             state.found_by_loss[loss_ids[0]].reshape(1)  # one loss, the usual case: a view, no kernel
@@ -264,8 +268,9 @@ class StepMachine:
         )
         if reducer is not None:
             reducer(flags)
-        self.record_found(dict(zip(loss_ids, flags.unbind(0))))
-        return state, [i for i, flag in zip(loss_ids, flags.tolist()) if flag > 0]
+        read = {i: flag > 0 for i, flag in zip(loss_ids, flags.tolist())}
+        self.record_found(dict(zip(loss_ids, flags.unbind(0))), read=read)
+        return state, [i for i in loss_ids if read[i]]
 
     def step(self, state: _OptimizerState, step_kwargs: dict[str, Any], *, compare: bool) -> None:
         """Step the optimizer of ``state`` (on its masters, with the model's writes taken and the result copied
@@ -308,14 +313,23 @@ class StepMachine:
                 # Gradients pending across the update keep the scale they were computed with.
                 state.grad_scale = self.scalers[state.loss_id].scale_tensor.clone()
         for loss_id, found in self.iteration_found.items():
-            self.scalers[loss_id].update(found)
+            self.scalers[loss_id].update(found, overflowed=self.iteration_read.get(loss_id))
         self.iteration_found.clear()
+        self.iteration_read.clear()
 
-    def record_found(self, found_by_loss: dict[int, torch.Tensor]) -> None:
-        """Add overflow flags to the ones the next :meth:`update` applies, loss by loss."""
+    def record_found(self, found_by_loss: dict[int, torch.Tensor], read: dict[int, bool] | None = None) -> None:
+        """Add overflow flags to the ones the next :meth:`update` applies, loss by loss; ``read``: what the host read
+        of each of them said (the step reads them), so that the update need not look again."""
         for loss_id, found in found_by_loss.items():
             seen = self.iteration_found.get(loss_id)
             self.iteration_found[loss_id] = found if seen is None else torch.maximum(seen, found)
+            known = None if read is None else read.get(loss_id)
+            if seen is None:
+                self.iteration_read[loss_id] = known
+            elif known is None or self.iteration_read.get(loss_id) is None:
+                self.iteration_read[loss_id] = None  # one flag of the iteration was not read: the device counts
+            else:
+                self.iteration_read[loss_id] = bool(self.iteration_read[loss_id]) or known
 
     # -- internals ----------------------------------------------------------------------------------------------
     def _unscaled_params(self, optimizer: torch.optim.Optimizer, with_masters: bool) -> list[torch.Tensor]:

@@ -159,13 +159,29 @@ class LossScaler:
             one = self._one = torch.ones((), dtype=torch.float32, device=scale.device)
         return one
 
-    def update(self, found_inf: torch.Tensor) -> None:
-        """Advance the state after one iteration; ``found_inf > 0`` marks an overflow. No host sync."""
+    def update(self, found_inf: torch.Tensor, *, overflowed: bool | None = None) -> None:
+        """Advance the state after one iteration; ``found_inf > 0`` marks an overflow. No host sync.
+
+        Args:
+            found_inf: The iteration's overflow flag (any device, any floating dtype, one element).
+            overflowed: What a host read of ``found_inf`` said, when the caller has read it (``Amp.step`` does, to
+                decide the skip): the overflow is then counted without operators on the device, and a static
+                scale's update makes none. ``None``: counted from ``found_inf`` on its device.
+        """
         scale = self.scale_tensor
-        found = found_inf.to(device=scale.device, dtype=torch.float32).reshape(())
-        self._overflows.add_(found > 0)  # type: ignore[union-attr]  (a bool added to the int64 count: 0 or 1)
-        if not self.dynamic:
-            return
+        if overflowed is not None:
+            if overflowed:
+                self._overflows.add_(1)  # type: ignore[union-attr]
+            if not self.dynamic:
+                return
+            found = found_inf
+            if found.device != scale.device or found.dtype != torch.float32 or found.dim():
+                found = found.to(device=scale.device, dtype=torch.float32).reshape(())
+        else:
+            found = found_inf.to(device=scale.device, dtype=torch.float32).reshape(())
+            self._overflows.add_(found > 0)  # type: ignore[union-attr]  (a bool added to the int64 count: 0 or 1)
+            if not self.dynamic:
+                return
         if self.hysteresis == 1:
             # torch's own kernel: exactly GradScaler's trajectory; the bounds are applied after it.
             assert self._growth_tracker is not None

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from torch import nn
@@ -393,6 +393,38 @@ def test_consecutive_hysteresis_reaches_the_scalers_and_is_validated():
     assert all(s.consecutive_hysteresis and s.hysteresis == 2 for s in amp.scalers)
     with pytest.raises(TypeError, match=r"consecutive_hysteresis='yes' must be True or False"):
         Amp("O1", consecutive_hysteresis="yes")
+
+
+# -- the flags the step reads on the host update the scalers as the device count would -------------------------------
+@settings(max_examples=60, deadline=None)
+@given(
+    iterations=st.lists(
+        st.lists(st.tuples(st.integers(0, 1), st.booleans(), st.booleans()), max_size=4), max_size=12
+    ),
+    dynamic=st.booleans(),
+)
+def test_flags_read_on_the_host_update_the_scalers_as_the_device_count(iterations, dynamic):
+    """Several flags per loss in one iteration (two optimizers, a clip then a step, an unscale without a step),
+    some read on the host and some not: the scalers told what the reads said end where the ones that count every
+    flag on the device end (scale, trackers, overflow count)."""
+    from lightning_mpx._step_machine import StepMachine
+    from lightning_mpx.loss_scaler import LossScaler
+    from lightning_mpx.telemetry import GradTelemetry
+
+    def machine():
+        scalers = [LossScaler("dynamic" if dynamic else 4.0, init_scale=2.0**4, growth_interval=2) for _ in range(2)]
+        return StepMachine(scalers, None, backend="foreach", telemetry=GradTelemetry(torch.float16), names={})
+
+    told, counted = machine(), machine()
+    for records in iterations:
+        for loss_id, overflow, read in records:
+            flag = torch.tensor(1.0 if overflow else 0.0)
+            told.record_found({loss_id: flag}, read={loss_id: overflow} if read else None)
+            counted.record_found({loss_id: flag})
+        told.update()
+        counted.update()
+        for a, b in zip(told.scalers, counted.scalers):
+            assert a.state_dict() == b.state_dict()
 
 
 # -- model-based: random sequences of what users do, against an FP32 reference -----------------------------------------

@@ -98,15 +98,19 @@ def _update(scaler: LossScaler, found_inf: float) -> None:
 
 # -- the state machine ---------------------------------------------------------------------------------------------
 @FAST
-@given(config=dynamic_settings(), found_infs=st.lists(FOUND, max_size=80))
-def test_dynamic_scaler_follows_the_state_machine(config, found_infs):
+@given(config=dynamic_settings(), found_infs=st.lists(FOUND, max_size=80), data=st.data())
+def test_dynamic_scaler_follows_the_state_machine(config, found_infs, data):
     scaler = LossScaler(**config)
+    told = LossScaler(**config)  # also given the host's read of each flag (Amp.step reads it), when drawn
     model = ScalerModel.from_settings(**config)
     assert scaler.state_dict() == model.state_dict()
     for step, found_inf in enumerate(found_infs):
         _update(scaler, found_inf)
+        read = data.draw(st.sampled_from([None, found_inf > 0]))
+        told.update(torch.tensor(found_inf), overflowed=read)
         model.update(found_inf)
         assert scaler.state_dict() == model.state_dict(), f"after update {step} (found_inf={found_inf})"
+        assert told.state_dict() == model.state_dict(), f"after update {step} (found_inf={found_inf}, read={read})"
         assert scaler.get_scale() == float(model.scale)
         assert int(scaler.overflow_count) == model.overflows
         assert model.min_loss_scale <= scaler.get_scale() <= model.max_loss_scale
@@ -153,11 +157,11 @@ def test_growth_never_reaches_inf_without_a_ceiling(hysteresis):
 
 
 @FAST
-@given(found_infs=st.lists(FOUND, max_size=30))
-def test_static_scale_never_changes(found_infs):
+@given(found_infs=st.lists(FOUND, max_size=30), read=st.booleans())
+def test_static_scale_never_changes(found_infs, read):
     scaler = LossScaler(128.0, growth_interval=1)
     for found_inf in found_infs:
-        _update(scaler, found_inf)
+        scaler.update(torch.tensor(found_inf), overflowed=(found_inf > 0) if read else None)
     assert scaler.state_dict() == {
         "scale": 128.0,
         "growth_tracker": 0,
@@ -377,6 +381,25 @@ def test_unscale_factor_is_inv_scale_and_follows_a_loaded_scale(loss_scale):
     state["scale"] = 1.0
     scaler.load_state_dict(state)
     assert torch.equal(scaler.unscale_factor(), torch.tensor(1.0)) and scaler.scale(torch.ones(())).item() == 1.0
+
+
+@pytest.mark.parametrize("loss_scale", [1.0, "dynamic"])
+def test_an_update_told_the_host_read_makes_fewer_operators(loss_scale):
+    """``Amp.step`` reads the flag to decide the skip: told what it said, a static scale's update runs no operator
+    on the device (none for a clean step; the count's add for an overflow), a dynamic one only its update kernel
+    and the clamp to its bounds."""
+    scaler = LossScaler(loss_scale).to("cpu")
+    found, overflow = torch.zeros(()), torch.ones(())
+    with _RecordOps() as counted:
+        scaler.update(found)
+    with _RecordOps() as told:
+        scaler.update(found, overflowed=False)
+    with _RecordOps() as told_overflow:
+        scaler.update(overflow, overflowed=True)
+    kernel = [] if loss_scale == 1.0 else ["aten._amp_update_scale_.default", "aten.clamp_.default"]
+    assert counted.ops == ["aten.view.default", "aten.gt.Scalar", "aten.add_.Tensor", *kernel]  # the count's three
+    assert told.ops == kernel and told_overflow.ops == ["aten.add_.Tensor", *kernel]
+    assert int(scaler.overflow_count) == 1
 
 
 def test_overflow_count_counts_updates_that_found_an_overflow():
