@@ -39,10 +39,15 @@ def unscale_state(
     names: Mapping[int, str],
     max_norm: float | None = None,
     sharding: Sharding | None = None,
+    marks: bool = True,
 ) -> None:
     """Unscale the optimizer's gradients with ``scaler`` (the scaler of its ``loss_id``), charge the overflow found
     and move it to UNSCALED; ``max_norm`` clips them to that global norm on the way (the norm is kept in
     ``state.grad_norm``). Telemetry measures the scaled gradients when it was requested.
+
+    ``marks``: at O2, note which half gradients were read (:func:`grad_marks`), for the user code that may run
+    before the step (:func:`follow_cleared_grads`); a step that unscales for itself notes them only if it does not
+    finish (``StepMachine.keep_marks``).
 
     ``sharding``: the gradients are FSDP shards (see :mod:`lightning_mpx._sharding`); each rank works on its local
     pieces, and a clip sums the flags and the squared norm across ranks in one all-reduce before it multiplies."""
@@ -87,7 +92,7 @@ def unscale_state(
     state.grad_norm = norm
     state.grad_scale = None
     state.stage = _Stage.UNSCALED
-    if master_weights and not skipped:
+    if master_weights and not skipped and marks:
         state.unscaled_marks = grad_marks(state, master_weights)
 
 

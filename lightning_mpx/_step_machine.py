@@ -243,12 +243,31 @@ class StepMachine:
         self, optimizer: torch.optim.Optimizer, reducer: Any
     ) -> tuple[_OptimizerState, list[int]]:
         """Unscale ``optimizer``'s gradients unless done, reduce its flags with ``reducer`` (when set), count them
-        toward the next update and read them on the host; returns its state and the losses that overflowed."""
+        toward the next update and read them on the host; returns its state and the losses that overflowed.
+
+        An unscale made here is followed by the step at once, with no user code in between, so the half gradients
+        it read are noted (for a later unscale, clip or backward to see what the user cleared since) only if the step
+        does not finish: :meth:`keep_marks`, called here and by ``Amp.step`` when an error leaves the step."""
         state = self.state(optimizer)
         if state.stage is not _Stage.UNSCALED:
-            self._unscale(state)
+            self._unscale(state, marks=False)
         elif self.masters.weights:
             follow_cleared_grads(state, self.masters.weights)
+        try:
+            return state, self._read_flags(state, reducer)
+        except BaseException:
+            self.keep_marks(state)
+            raise
+
+    def keep_marks(self, state: _OptimizerState) -> None:
+        """Note the half gradients an unscale read, when :meth:`check` unscaled without noting them and its step did
+        not finish (an error): the calls after it then treat the gradients as any unscale leaves them."""
+        if self.masters.weights and state.stage is _Stage.UNSCALED and not state.unscaled_marks:
+            state.unscaled_marks = grad_marks(state, self.masters.weights)
+
+    def _read_flags(self, state: _OptimizerState, reducer: Any) -> list[int]:
+        """Reduce the state's flags with ``reducer`` (when set), count them toward the next update and read them on
+        the host; returns the losses that overflowed."""
         if self.sharding is not None:  # the step's collective, unless a clip made it already
             if not state.flags_reduced:
                 reduce_checks(state, self.sharding, None, [], None)
@@ -259,7 +278,7 @@ class StepMachine:
             found = state.found_by_loss[loss_id]
             overflowed = found.item() > 0
             self.record_found({loss_id: found}, read={loss_id: overflowed})
-            return state, [loss_id] if overflowed else []
+            return [loss_id] if overflowed else []
         # One tensor for the reduction across processes and one host read; all ranks then agree loss by loss.
         flags = (
             state.found_by_loss[loss_ids[0]].reshape(1)  # one loss, the usual case: a view, no kernel
@@ -270,7 +289,7 @@ class StepMachine:
             reducer(flags)
         read = {i: flag > 0 for i, flag in zip(loss_ids, flags.tolist())}
         self.record_found(dict(zip(loss_ids, flags.unbind(0))), read=read)
-        return state, [i for i in loss_ids if read[i]]
+        return [i for i in loss_ids if read[i]]
 
     def step(self, state: _OptimizerState, step_kwargs: dict[str, Any], *, compare: bool) -> None:
         """Step the optimizer of ``state`` (on its masters, with the model's writes taken and the result copied
@@ -343,7 +362,7 @@ class StepMachine:
             "it needs dense gradients (for example nn.Embedding(..., sparse=False), the default)."
         )
 
-    def _unscale(self, state: _OptimizerState, max_norm: float | None = None) -> None:
+    def _unscale(self, state: _OptimizerState, max_norm: float | None = None, *, marks: bool = True) -> None:
         unscale_state(
             state,
             self.scalers[state.loss_id or 0],
@@ -354,6 +373,7 @@ class StepMachine:
             names=self.names,
             max_norm=max_norm,
             sharding=self.sharding,
+            marks=marks,
         )
 
 

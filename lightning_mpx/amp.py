@@ -489,19 +489,24 @@ class Amp:
                 "then call step() without it."
             )
         state, overflowed = self._machine.check(optimizer, self.found_inf_reducer)
-        if overflowed:
-            gather = self.found_inf_reducer is not None or self.sharded
-            self._overflows.record(
-                optimizer, overflowed, names=self._names, master_of=self.master_of, step=self._steps - 1, gather=gather
-            )
-            self._machine.finish(state)
-            hint = floor_hint(optimizer, self.master_of, self.properties.opt_level)
-            self._overflows.at_floor(optimizer, overflowed, hint)
-            return False
-        if self.forensics.watch.active:
-            self.forensics.stepped()  # an automatic watch ends with the first step that does not overflow
-        with casts_off_if_on():  # called inside forward_context(): the optimizer runs in its own dtypes
-            self._machine.step(state, step_kwargs, compare=self.model_writes == "values")
+        try:
+            if overflowed:
+                gather = self.found_inf_reducer is not None or self.sharded
+                self._overflows.record(
+                    optimizer, overflowed, names=self._names, master_of=self.master_of, step=self._steps - 1,
+                    gather=gather,
+                )
+                self._machine.finish(state)
+                hint = floor_hint(optimizer, self.master_of, self.properties.opt_level)
+                self._overflows.at_floor(optimizer, overflowed, hint)
+                return False
+            if self.forensics.watch.active:
+                self.forensics.stepped()  # an automatic watch ends with the first step that does not overflow
+            with casts_off_if_on():  # called inside forward_context(): the optimizer runs in its own dtypes
+                self._machine.step(state, step_kwargs, compare=self.model_writes == "values")
+        except BaseException:
+            self._machine.keep_marks(state)  # the step did not finish (an optimizer's error, an interrupt)
+            raise
         return True
 
     def update(self) -> None:

@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
@@ -533,7 +534,8 @@ def _run_backward(policy: CastPolicy, func: Callable[..., Any], args: tuple[Any,
         or any(not t.requires_grad for t in input_tensors)
     ):
         return func(*args, **kwargs)  # torch's own result or error
-    _leave_compiled_backward(policy, root_tensors)
+    if _compiled_graphs_made():
+        _leave_compiled_backward(policy, root_tensors)
     if func is torch.Tensor.backward and _make_grads is not None and _engine_run_backward is not None:
         given = arguments.get("inputs")
         engine_inputs = tuple(given.values()) if isinstance(given, dict) else given
@@ -588,6 +590,22 @@ _engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", Non
 # a compiled model's output is a few nodes away; an eager model is not searched further than this).
 _SEARCH_DEPTH, _SEARCH_NODES = 6, 12
 _COMPILED_BACKWARD = "CompiledFunctionBackward"  # the node of an AOT-autograd (torch.compile) graph's backward
+
+
+def _compiled_graphs_made() -> bool:
+    """Whether ``torch.compile`` has made an autograd graph in this process (dynamo's own count of AOT-autograd
+    compilations), without which no backward pass holds a compiled graph's node and :func:`_leave_compiled_backward`
+    has nothing to find: an eager model's backward then skips that search (a dozen nodes' Python wrappers per step).
+    A graph made by functorch's ``aot_function`` alone, outside dynamo, is not counted: its backward runs with the
+    recompute mode on, which its runtime's calls, made without gradients, pass through unchanged."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return False  # dynamo never loaded: nothing was compiled
+    counters = getattr(utils, "counters", None)
+    if counters is None:
+        return True  # a torch without the count: search, as before
+    aot = counters.get("aot_autograd")
+    return bool(aot) and aot.get("total", 0) > 0
 
 
 def _leave_compiled_backward(policy: CastPolicy, roots: list[torch.Tensor]) -> None:

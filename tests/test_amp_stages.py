@@ -395,6 +395,29 @@ def test_consecutive_hysteresis_reaches_the_scalers_and_is_validated():
         Amp("O1", consecutive_hysteresis="yes")
 
 
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+def test_a_step_that_raises_leaves_the_gradients_as_an_unscale_does(half):
+    # The step unscales for itself and notes the half gradients it read only if it does not finish: an optimizer
+    # that raises inside it (a step pre-hook here), then another backward and a step, must add the first batch's
+    # gradients (unscaled into the masters, scaled back up) to the second's, as after unscale_().
+    amp, model, opt, ref, ref_opt = _pair("O2", half=half)
+    _backward(amp, model, seed=1)
+    _ref_backward(ref, seed=1)
+
+    def refuse(*args):
+        raise RuntimeError("refused by a hook")
+
+    handle = opt.register_step_pre_hook(refuse)
+    with pytest.raises(RuntimeError, match="refused by a hook"):
+        amp.step(opt)
+    handle.remove()
+    _backward(amp, model, seed=2)
+    _ref_backward(ref, seed=2)
+    assert amp.step(opt)
+    ref_opt.step()
+    _assert_close_to_reference(amp, opt, ref_opt)
+
+
 # -- the flags the step reads on the host update the scalers as the device count would -------------------------------
 @settings(max_examples=60, deadline=None)
 @given(

@@ -131,3 +131,25 @@ def test_policy_backward_is_tensor_backward_in_the_recompute_scope():
         with policy.scope():
             out = net.fc1(x)
         policy.backward(out)
+
+
+def test_the_search_for_compiled_graphs_runs_once_something_was_compiled(monkeypatch):
+    # An eager model's backward does not look for compiled graphs' nodes until torch.compile has made one in the
+    # process (dynamo's count, emptied by the fresh_dynamo fixture); then it does, and the compiled backward makes no
+    # call into the hook (the tests above).
+    from lightning_mpx import cast_policy
+
+    searched: list[int] = []
+    search = cast_policy._leave_compiled_backward
+    monkeypatch.setattr(cast_policy, "_leave_compiled_backward", lambda p, roots: searched.append(1) or search(p, roots))
+    net, policy = LossNet(), CastPolicy(half_dtype=HALF, engine="mode")
+    x, y = step_batch(3)
+    with policy.scope():
+        loss = net(x, y)
+    policy.backward(loss)
+    assert searched == []
+    torch.compile(nn.Linear(2, 2), backend="aot_eager")(torch.randn(1, 2, requires_grad=True)).sum().backward()
+    with policy.scope():
+        loss = net(x, y)
+    policy.backward(loss)
+    assert searched == [1]
