@@ -418,6 +418,65 @@ def test_a_step_that_raises_leaves_the_gradients_as_an_unscale_does(half):
     _assert_close_to_reference(amp, opt, ref_opt)
 
 
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
+def test_o2_with_fp32_batch_norm_steps_skips_and_recovers_as_fp32(device):
+    """O2 with batch norm kept FP32 (its parameters their own masters, beside half layers with masters of their own),
+    on the CPU (foreach) and on CUDA (the fused kernels; gpu_suite.py's tests part runs it): steps as the FP32 twin,
+    an overflow skips without changing anything, and a step an optimizer hook refuses leaves the gradients so that
+    the next batch adds to them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3)).to(device)
+    ref = copy.deepcopy(model)
+    amp = Amp("O2", half_dtype="float16")
+    model = amp.prepare_model(model)
+    assert model[1].weight.dtype == torch.float32 and model[0].weight.dtype == torch.float16
+    with torch.no_grad():  # the twin starts from the half-rounded weights
+        for p, q in zip(ref.parameters(), model.parameters()):
+            p.copy_(q.float())
+    opt = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.5)
+
+    def backward(seed: int) -> None:
+        x, y = (t.to(device) for t in _batch(seed))
+        with amp.forward_context():
+            out = amp.cast_outputs(model(amp.cast_inputs(x)))
+        amp.backward(F.mse_loss(out, y))
+        F.mse_loss(ref(x), y).backward()
+
+    def close() -> None:
+        for got, want in zip(amp.master_params(opt), ref.parameters()):
+            torch.testing.assert_close(got.float(), want, **TOLERANCE[torch.float16])
+
+    for seed in range(3):
+        backward(seed)
+        assert amp.step(opt)
+        ref_opt.step()
+        amp.update()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+        close()
+    backward(3)
+    model[0].weight.grad[0, 0] = float("inf")
+    before = [t.detach().clone() for t in [*amp.master_params(opt), *model.parameters()]]
+    assert not amp.step(opt)
+    assert all(torch.equal(a, b) for a, b in zip([*amp.master_params(opt), *model.parameters()], before))
+    amp.update()
+    opt.zero_grad(set_to_none=True)
+    ref_opt.zero_grad(set_to_none=True)
+    backward(4)
+    handle = opt.register_step_pre_hook(lambda *args: (_ for _ in ()).throw(RuntimeError("refused")))
+    with pytest.raises(RuntimeError, match="refused"):
+        amp.step(opt)
+    handle.remove()
+    backward(5)
+    assert amp.step(opt)
+    ref_opt.step()
+    close()
+
+
 # -- the flags the step reads on the host update the scalers as the device count would -------------------------------
 @settings(max_examples=60, deadline=None)
 @given(
