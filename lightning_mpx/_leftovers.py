@@ -23,7 +23,7 @@ from lightning_mpx._stages import _OptimizerState, _Stage, optimizer_params
 from lightning_mpx.loss_scaler import LossScaler
 from lightning_mpx.master_weights import MasterWeights
 from lightning_mpx.telemetry import GradTelemetry
-from lightning_mpx.unscale import GradStats, clip_coefficient, unscale_grads_
+from lightning_mpx.unscale import GradStats, clip_coefficient, resolve_backend, unscale_grads_
 
 Marks = tuple[tuple[int, int] | None, ...]
 
@@ -58,8 +58,13 @@ def unscale_state(
         # divide them again.
         sources = [true for true, _ in leftovers(state, master_weights)]
         targets: list[torch.Tensor] | None = None
+        copy = False
     else:
-        sources, targets = grad_pairs(state, master_weights, refuse_sparse)
+        # At O2 torch's kernels (no fused ones) unscale the masters' new gradients in place, made with the half
+        # gradients' values; the fused kernels read the half gradients and write the masters' in one pass. (The
+        # masters as last paired decide the route: a stale list only picks the other route, with the same values.)
+        copy = bool(master_weights) and _unfused(backend, state.pair_masters)
+        sources, targets = grad_pairs(state, master_weights, refuse_sparse, copy=copy)
     device = scaler.device or (sources[0].device if sources else torch.device("cpu"))
     scaler.to(device)
     if skipped:
@@ -73,10 +78,10 @@ def unscale_state(
     stats = telemetry.stats() if telemetry.requested and not skipped else None
     if sharding is None:
         norm = unscale_grads_(
-            sources,
+            targets if copy else sources,  # type: ignore[arg-type]
             factor,
             found,
-            out=targets,
+            out=None if copy else targets,
             max_norm=max_norm,
             backend=backend,
             workspace=state.workspace,
@@ -94,6 +99,13 @@ def unscale_state(
     state.stage = _Stage.UNSCALED
     if master_weights and not skipped and marks:
         state.unscaled_marks = grad_marks(state, master_weights)
+
+
+def _unfused(backend: str, tensors: list[torch.Tensor]) -> bool:
+    """Whether an unscale into these masters' gradients runs on torch's kernels rather than the fused ones."""
+    if backend == "auto":
+        backend = resolve_backend(tensors)
+    return backend != "triton"
 
 
 def _unscale_shards(

@@ -9,10 +9,9 @@ state-dict call, and says where the unscaled gradients go. Plain functions over 
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import operator
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -130,19 +129,10 @@ def swap_out(state: _OptimizerState) -> None:
     state.swapped = None
 
 
-@contextlib.contextmanager
-def masters_in(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> Iterator[None]:
-    """The masters stand in for the model's parameters in the optimizer's groups (for its step)."""
-    swap_in(state, master_weights)
-    try:
-        yield
-    finally:
-        swap_out(state)
-
-
 def drop_master_grads(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> None:
-    """Free the FP32 gradients of the optimizer's masters (the half model's own gradients stay)."""
-    param_pairs(state, master_weights)
+    """Free the FP32 gradients of the optimizer's masters (the half model's own gradients stay): those of the pairs
+    as last made, by the unscale that gave them their gradients or a step's swap since (``master_weights`` is
+    not read again)."""
     masters = state.pair_masters
     for index in state.mastered:
         masters[index].grad = None
@@ -152,12 +142,18 @@ def grad_pairs(
     state: _OptimizerState,
     master_weights: Sequence[MasterWeights],
     refuse_sparse: Callable[[torch.Tensor], None],
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(scaled gradients, where their unscaled values go) for the optimizer's parameters.
+    *,
+    copy: bool = False,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """(scaled gradients, where their unscaled values go) for the optimizer's parameters; ``None`` for the second
+    when every gradient is unscaled in place (no masters).
 
     At O2 the unscaled values go to the masters' ``.grad``; a master whose parameter has no gradient this step
-    gets none either, so the optimizer never steps it on an old one. ``refuse_sparse(param)`` raises for a
-    parameter with a sparse gradient.
+    gets none either, so the optimizer never steps it on an old one. A master's new FP32 gradient is empty, for a
+    kernel that reads the half gradient and writes it (the fused one), or with ``copy`` already holds the half
+    gradient's values, for an unscale in place (torch's kernels: one C call per tensor makes and fills it, where an
+    empty buffer and a copy into it take two). ``refuse_sparse(param)`` raises for a parameter with a sparse
+    gradient.
     """
     if not master_weights:  # every parameter holds its own gradient, unscaled in place
         groups = state.optimizer.param_groups
@@ -166,20 +162,17 @@ def grad_pairs(
             for param in optimizer_params(state.optimizer):
                 if param.grad is not None and param.grad.is_sparse:
                     refuse_sparse(param)
-        return sources, list(sources)
+        return sources, None
     pairs = param_pairs(state, master_weights, recheck=True)  # once per step: a parameter unfrozen in place
     # The usual step, every parameter with a dense gradient, read with C-level maps; a parameter's own gradient is
-    # its master's (the master is the parameter), and a master of its own gets an FP32 buffer when it has none.
+    # its master's (the master is the parameter), and a master of its own gets a new FP32 gradient.
     grads = list(map(_GRAD, state.pair_params))
     if not any(map(operator.is_, grads, itertools.repeat(None))) and not any(map(_IS_SPARSE, grads)):
         masters = state.pair_masters
         targets = grads.copy()
         for index in state.mastered:
             master = masters[index]
-            target = master.grad
-            if target is None or target.shape != master.shape:
-                target = master.grad = torch.empty_like(master)
-            targets[index] = target
+            targets[index] = master.grad = _master_grad(master, grads[index], copy)
         return grads, targets
     sources = []
     targets: list[torch.Tensor] = []
@@ -195,8 +188,17 @@ def grad_pairs(
         if master is param:
             targets.append(grad)
         else:
-            target = master.grad
-            if target is None or target.shape != master.shape:
-                target = master.grad = torch.empty_like(master)
+            target = master.grad = _master_grad(master, grad, copy)
             targets.append(target)
     return sources, targets
+
+
+def _master_grad(master: torch.Tensor, grad: torch.Tensor, copy: bool) -> torch.Tensor:
+    """A new FP32 gradient for ``master``: ``grad``'s values (``copy``) or empty. The previous step's is freed
+    when the step ends (:func:`drop_master_grads`), so a new one costs no more memory than reusing it would, and it
+    cannot carry an old value into a step."""
+    if copy:
+        # .float(), not .to(dtype, copy=True): the same kernel for a half gradient, with half the call's cost; a
+        # copy even when the dtypes agree (an FP32 parameter with a master of its own).
+        return grad.float() if grad.dtype in _HALF else grad.to(master.dtype, copy=True)
+    return torch.empty_like(master)

@@ -24,7 +24,7 @@ from lightning_mpx._leftovers import (
     rescale_unscaled,
     unscale_state,
 )
-from lightning_mpx._master_swap import drop_master_grads, masters_in, mirrors, param_pairs, swap_in, swap_out
+from lightning_mpx._master_swap import drop_master_grads, mirrors, param_pairs, swap_in, swap_out
 from lightning_mpx._masters import Masters
 from lightning_mpx._sharding import Sharding, local_tensor
 from lightning_mpx._stages import _OptimizerState, _Stage, optimizer_params
@@ -301,8 +301,11 @@ class StepMachine:
             mirrors = self.mirrors(state, compare=compare)
             for mirror in mirrors:
                 mirror.take_writes()  # writes to the model since the last step (loaded weights, SWA, EMA...)
-            with masters_in(state, self.masters.weights):
+            swap_in(state, self.masters.weights)  # the masters stand in for the parameters for the step
+            try:
                 optimizer.step(**step_kwargs)
+            finally:
+                swap_out(state)
             for mirror in mirrors:
                 mirror.copy_to_model()
         self.finish(state)

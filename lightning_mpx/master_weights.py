@@ -8,6 +8,7 @@ FP32), and :meth:`MasterWeights.copy_to_model` writes the result back to the mod
 
 from __future__ import annotations
 
+import itertools
 import operator
 import weakref
 from typing import Any, Callable, Iterable, Iterator
@@ -323,6 +324,9 @@ class Mirror:
         self._watch = watch if watch is not None else _DataWatch()
         self._keys = {id(param) for param in self.params}
         self._marks: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        # Whether torch's copy takes every pair in one call (CPU tensors, the foreach backend): asked again when
+        # a parameter was written or replaced since the last step (it may have moved to another device).
+        self._one_call: bool | None = None
 
     def _current(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return tuple(map(_VERSION, self.params)), tuple(map(torch.Tensor.data_ptr, self.params))
@@ -337,19 +341,33 @@ class Mirror:
                 return []
             taken = _take_writes([(e, p) for e, p in self._pairs if id(p) in handed_out or not e.unchanged(p)])
         self._marks = self._current()
+        self._one_call = None
         return taken
 
     def copy_to_model(self) -> None:
         """Write the masters into the half parameters (after a real step) and remember their new versions."""
         if not self.params:
             return
-        cast_copy_(self.params, self.masters, backend=self.copy_backend, workspace=self.workspace)
+        if self._one_call is None:
+            self._one_call = self.copy_backend in ("auto", "foreach") and all(
+                map(_IS_CPU, itertools.chain(self.params, self.masters))
+            )
+        if self._one_call:  # cast_copy_'s CPU case, without its per-step look at every tensor's device and dtype
+            grad_mode = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)
+            try:
+                torch._foreach_copy_(self.params, self.masters)
+            finally:
+                torch._C._set_grad_enabled(grad_mode)
+        else:
+            cast_copy_(self.params, self.masters, backend=self.copy_backend, workspace=self.workspace)
         self._marks = versions, addresses = self._current()
         for entry, version, address in zip(self._entries, versions, addresses):
             entry.version, entry.address = version, address
 
 
 _VERSION = operator.attrgetter("_version")
+_IS_CPU = operator.attrgetter("is_cpu")
 
 
 def _take_writes(pairs: list[tuple[_Entry, torch.Tensor]]) -> list[str]:

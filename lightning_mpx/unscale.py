@@ -39,6 +39,7 @@ Tensors = Sequence[torch.Tensor]
 
 _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 _IS_CUDA = operator.attrgetter("is_cuda")
+_IS_CPU = operator.attrgetter("is_cpu")
 _DEVICE = operator.attrgetter("device")
 _DTYPE = operator.attrgetter("dtype")
 
@@ -169,7 +170,9 @@ def cast_copy_(
         raise ValueError(f"backend={backend!r} is not a copy backend; valid choices: {', '.join(BACKENDS)}.")
     if backend == "auto":
         backend = resolve_backend([*dst, *src])
-    with torch.no_grad():
+    grad_mode = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)  # torch.no_grad()'s effect without its Python context manager: once per step
+    try:
         if backend == "reference":
             for d, s in zip(dst, src):
                 d.copy_(s)
@@ -183,6 +186,8 @@ def cast_copy_(
             # Several devices or layouts the kernels do not take: the foreach twin below does the copy.
         for s_group, d_group in _grouped_pairs(src, dst):
             torch._foreach_copy_(d_group, s_group)
+    finally:
+        torch._C._set_grad_enabled(grad_mode)
 
 
 def _triton_available() -> bool:
@@ -439,8 +444,12 @@ def _global_norm(norms: list[torch.Tensor], device: torch.device) -> torch.Tenso
 
 def _grouped(tensors: Tensors) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
     # The usual case, every tensor on one device in one dtype, is one group, found with C-level maps rather than
-    # a Python call per tensor.
-    if tensors and len(set(map(_DTYPE, tensors))) == 1 and len(set(map(_DEVICE, tensors))) == 1:
+    # a Python call per tensor. torch's CPU kernels (a loop over the tensors) take any mix of dtypes: on the CPU
+    # only the device makes groups.
+    if tensors and (
+        all(map(_IS_CPU, tensors))
+        or (len(set(map(_DTYPE, tensors))) == 1 and len(set(map(_DEVICE, tensors))) == 1)
+    ):
         first = tensors[0]
         return {(first.device, first.dtype): list(tensors)}
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -450,9 +459,12 @@ def _grouped(tensors: Tensors) -> dict[tuple[torch.device, torch.dtype], list[to
 
 
 def _grouped_pairs(src: Tensors, dst: Tensors) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    # The usual case (O2: half gradients into FP32 masters on one device) is one group, found with C-level maps.
-    if (src and len(set(map(_DTYPE, src))) == 1 and len(set(map(_DTYPE, dst))) == 1
-            and len(set(map(_DEVICE, dst))) == 1):
+    # The usual case (O2: half gradients into FP32 masters on one device) is one group, found with C-level maps;
+    # on the CPU, where torch's copy is a loop over the pairs that takes any mix of dtypes, every time.
+    if src and (
+        (all(map(_IS_CPU, dst)) and all(map(_IS_CPU, src)))
+        or (len(set(map(_DTYPE, src))) == 1 and len(set(map(_DTYPE, dst))) == 1 and len(set(map(_DEVICE, dst))) == 1)
+    ):
         return [(list(src), list(dst))]
     groups: dict[tuple[torch.device, torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for s, d in zip(src, dst):
