@@ -341,3 +341,27 @@ def test_checkpoint_after_unfreezing_before_any_step_resumes_with_the_part_train
     fresh.load_state_dict(saved["amp"])
     assert torch.equal(fresh.master_of(resumed[0].weight), amp.master_of(model[0].weight))
     assert _step(fresh, resumed, fresh_opt)
+
+
+@HALF
+@pytest.mark.parametrize("overflow", [False, True])
+def test_no_fp32_gradient_is_held_between_steps(half, overflow):
+    """O2's FP32 master gradients live from the unscale to the end of the step: none is held through the next
+    forward (the memory an O2 user expects: half gradients only, as the half model's), whether the step ran or was
+    skipped on an overflow; the half gradients stay the user's until their zero_grad."""
+    amp = Amp("O2", half_dtype=half, loss_scale="dynamic", init_scale=2.0**4, on_floor="continue")
+    model = amp.prepare_model(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)))
+    opt = amp.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    masters = [amp.master_of(p) for p in model.parameters() if p.dtype != torch.float32]
+    assert masters and all(m.dtype == torch.float32 for m in masters)
+    for step in range(3):
+        x, y = _batch(step)
+        with amp.forward_context():
+            loss = F.cross_entropy(amp.cast_outputs(model(amp.cast_inputs(x))), y)
+        amp.backward(loss * (float("inf") if overflow and step == 1 else 1.0))
+        assert amp.step(opt) is not (overflow and step == 1)
+        amp.update()
+        held = [i for i, m in enumerate(masters) if m.grad is not None]
+        assert held == [], f"step {step}: FP32 gradients still held by masters {held}"
+        assert all(p.grad is not None for p in model.parameters())  # the user's, until their zero_grad
+        opt.zero_grad()
