@@ -61,9 +61,10 @@ def unscale_state(
         copy = False
     else:
         # At O2 torch's kernels (no fused ones) unscale the masters' new gradients in place, made with the half
-        # gradients' values; the fused kernels read the half gradients and write the masters' in one pass. (The
-        # masters as last paired decide the route: a stale list only picks the other route, with the same values.)
-        copy = bool(master_weights) and _unfused(backend, state.pair_masters)
+        # gradients' values; the fused kernels read the half gradients and write the masters' in one pass. The
+        # first master as last paired picks the route: either route gives the same values on any backend (a
+        # wrong guess only costs a copy), so the device of every tensor is left to the unscale's own choice.
+        copy = bool(master_weights) and _unfused(backend, state.pair_masters[:1])
         sources, targets = grad_pairs(state, master_weights, refuse_sparse, copy=copy)
     device = scaler.device or (sources[0].device if sources else torch.device("cpu"))
     scaler.to(device)
