@@ -29,7 +29,9 @@ taken within each repeat and the median (min, max) over repeats reported. The go
 ``--instructions N`` counts instead (the core rows by default; ``--variants`` adds the Trainer rows, each against
 ``bf16-mixed``): each row runs in its own process under ``valgrind --tool=callgrind`` twice, with ``--warmup`` steps
 and then with ``N`` more, and the difference over ``N`` is its instructions per step (the whole step: forward,
-backward, optimizer, Amp's bookkeeping; for the Trainer rows, Lightning's loop too). Unlike time, the count does not move with the load of a shared machine.
+backward, optimizer, Amp's bookkeeping; for the Trainer rows, Lightning's loop too). Unlike time, the count does not
+move with the load of a shared machine, but a row's count still moves between processes of the same code (by 1-2 % per
+step over 20 steps, within 0.6 % over 60 in stop 33's three runs): count 60 steps for a verdict near the goal.
 
 ``--phases`` also splits the Trainer rows' steps at Lightning's ``on_before_backward`` and ``on_after_backward``
 hooks: ``forward`` (the training step, its ``zero_grad`` included), ``backward``, and ``step`` (the optimizer step,
@@ -37,7 +39,7 @@ the scale update and the loop's own work until the next batch), each run's 20th 
 difference to ``bf16-mixed`` within the repeat: where a row's extra time is spent.
 
     python benchmarks/o1_proxy.py [--device cpu|cuda] [--steps 60] [--warmup 15] [--repeats 6] [--phases] [--out PATH]
-    python benchmarks/o1_proxy.py --instructions 20 [--warmup 5] [--jobs 2] [--variants ...]
+    python benchmarks/o1_proxy.py --instructions 60 [--warmup 5] [--jobs 2] [--variants ...]
 """
 
 from __future__ import annotations
