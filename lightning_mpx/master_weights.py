@@ -325,7 +325,8 @@ class Mirror:
         self._keys = {id(param) for param in self.params}
         self._marks: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         # Whether torch's copy takes every pair in one call (CPU tensors, the foreach backend): asked again when
-        # a parameter was written or replaced since the last step (it may have moved to another device).
+        # a parameter was written or replaced since the last step (it may have moved to another device). A stale
+        # answer would cost speed only: torch's copy takes any pair on any device.
         self._one_call: bool | None = None
 
     def _current(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
