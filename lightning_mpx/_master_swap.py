@@ -82,6 +82,16 @@ def param_pairs(state: _OptimizerState, master_weights: Sequence[MasterWeights],
                 f"(first: shape {tuple(stray[0].shape)}, {stray[0].dtype}); call prepare_model() (with "
                 "train=True) on every model whose parameters it trains."
             )
+        # Optimizer state kept by a parameter that has a master now (made before the optimizer was prepared, or
+        # loaded before its master was made) is the master's: FP32, as the master steps.
+        moved = optimizer.state
+        for group, masters in zip(optimizer.param_groups, group_masters):
+            for param, master in zip(group["params"], masters):
+                if master is not param and param in moved and master not in moved:
+                    moved[master] = {
+                        k: v.float() if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v
+                        for k, v in moved.pop(param).items()
+                    }
         state.group_masters = group_masters
         state.pairs = [
             (param, master)

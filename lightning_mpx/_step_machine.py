@@ -25,6 +25,7 @@ from lightning_mpx._leftovers import (
     unscale_state,
 )
 from lightning_mpx._master_swap import drop_master_grads, mirrors, param_pairs, swap_in, swap_out
+from lightning_mpx._dtypes import HALF_DTYPES
 from lightning_mpx._masters import Masters
 from lightning_mpx._sharding import Sharding, local_tensor
 from lightning_mpx._stages import _OptimizerState, _Stage, optimizer_params
@@ -106,20 +107,14 @@ class StepMachine:
             return  # registered before (a framework preparing it twice)
         state = _OptimizerState(weakref.ref(optimizer))
         if with_masters:
-            # Refuses half parameters of unprepared models; makes missing masters.
+            # Refuses half parameters of unprepared models; makes missing masters; state made before preparing
+            # moves to them.
             param_pairs(state, self.masters.weights)
-            for param, master in state.pairs:
-                if master is not param and param in optimizer.state:  # state made before preparing: now the master's
-                    old = optimizer.state.pop(param)
-                    optimizer.state[master] = {
-                        k: v.float() if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v
-                        for k, v in old.items()
-                    }
             state.hooks = [
                 optimizer.register_step_pre_hook(self._refuse_direct_step),
                 optimizer.register_state_dict_pre_hook(self._masters_in_hook),
                 optimizer.register_state_dict_post_hook(self._masters_out_hook),
-                optimizer.register_load_state_dict_pre_hook(self._masters_in_hook),
+                optimizer.register_load_state_dict_pre_hook(self._masters_in_to_load_hook),
                 optimizer.register_load_state_dict_post_hook(self._masters_out_hook),
             ]
         self.optimizers[key] = state
@@ -145,6 +140,28 @@ class StepMachine:
 
     def _masters_in_hook(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         swap_in(self.state(optimizer), self.masters.weights, recheck=True)
+
+    def _masters_in_to_load_hook(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        """Before the optimizer loads a state dict: a half parameter without a master (frozen when the masters were
+        made, and frozen again in this run) whose state the checkpoint holds trained in the run that saved it, so
+        it gets its master now, and the state loads into the master in FP32 (into the half parameter it would be
+        rounded to half). ``Amp.load_state_dict`` then gives the master its saved value."""
+        state = self.state(optimizer)
+        saved = state_dict.get("state", {})
+        saved_groups = state_dict.get("param_groups", [])
+        if saved and len(saved_groups) == len(optimizer.param_groups):
+            made = False
+            for group, saved_group in zip(optimizer.param_groups, saved_groups):
+                for param, index in zip(group["params"], saved_group.get("params", ())):
+                    if index in saved and param.dtype in HALF_DTYPES:
+                        for masters in self.masters.weights:
+                            if masters.covers(param) and masters.master_of(param) is param:
+                                masters.master_of(param, create=True)
+                                made = True
+            if made:
+                state.pairs_key = None  # pair them with their new masters
+                state.mirrors = None
+        swap_in(state, self.masters.weights, recheck=True)
 
     def _masters_out_hook(self, optimizer: torch.optim.Optimizer, *args: Any) -> Any:
         swap_out(self.state(optimizer))

@@ -27,6 +27,7 @@ from torch import nn
 
 from lightning_mpx._collections import _cast_collection
 from lightning_mpx._loss_regions import LossRegions
+from lightning_mpx._master_swap import param_pairs
 from lightning_mpx._masters import Masters
 from lightning_mpx._overflow import Overflows, floor_hint
 from lightning_mpx._sharding import Sharding, is_sharded
@@ -570,7 +571,13 @@ class Amp:
         self._masters.load_state_dict(saved_masters)
         self.promotion.load_weights(promotion)
         for optimizer_state in self._optimizers.values():
-            optimizer_state.mirrors = None  # loading may have made masters for parameters that had none
+            # Loading may have made masters for parameters that had none (frozen since the masters were made): the
+            # pairs are made again now, and state the optimizer loaded before for such a parameter moves to its
+            # master.
+            optimizer_state.mirrors = None
+            if self._with_masters and self._masters.weights:
+                optimizer_state.pairs_key = None
+                param_pairs(optimizer_state, self._masters.weights)
         self.skipped_steps = list(state.get("skipped_steps", self.skipped_steps))
 
     # -- internals ----------------------------------------------------------------------------------------------

@@ -365,3 +365,57 @@ def test_no_fp32_gradient_is_held_between_steps(half, overflow):
         assert held == [], f"step {step}: FP32 gradients still held by masters {held}"
         assert all(p.grad is not None for p in model.parameters())  # the user's, until their zero_grad
         opt.zero_grad()
+
+
+def _frozen_first_run(frozen_first: bool) -> tuple[Amp, nn.Sequential, torch.optim.Optimizer]:
+    """O2 fine-tuning code: the model, its first layer frozen or not, then AdamW over every parameter."""
+    amp = Amp("O2", half_dtype="bfloat16")
+    model = amp.prepare_model(_net(seed=0))
+    model[0].requires_grad_(not frozen_first)
+    return amp, model, amp.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+
+def _train(amp: Amp, model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    x, y = _batch(seed)
+    with amp.forward_context():
+        loss = F.cross_entropy(amp.cast_outputs(model(amp.cast_inputs(x))), y)
+    amp.backward(loss)
+    amp.step(opt)
+    amp.update()
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("order", ["amp-first", "optimizer-first"])
+def test_resuming_with_a_trained_layer_frozen_again_goes_on_as_the_straight_run(order):
+    """A layer trains, is frozen, the run is checkpointed and resumed by code that builds the model with that layer
+    frozen (it has no master then), and the layer is unfrozen later: the resumed run goes on bit for bit as the run
+    that was never interrupted. Its Adam moments must load into an FP32 master (into the half parameter they would
+    be rounded to bfloat16 and then lost when the layer gets its master). "amp-first" is Lightning's order (the
+    precision plugin's state before the optimizers'); found by hypothesis (tests/test_frozen_params_stateful.py)."""
+    straight = _frozen_first_run(frozen_first=False)
+    _train(*straight, seed=0)
+    _train(*straight, seed=1)
+    straight[1][0].requires_grad_(False)
+    amp, model, opt = straight
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "amp": amp.state_dict()})
+    resumed = _frozen_first_run(frozen_first=True)
+    resumed[1].load_state_dict(saved["model"])
+    if order == "amp-first":
+        resumed[0].load_state_dict(saved["amp"])
+        resumed[2].load_state_dict(saved["opt"])
+    else:
+        resumed[2].load_state_dict(saved["opt"])
+        resumed[0].load_state_dict(saved["amp"])
+    for run in (straight, resumed):
+        assert not [n for n, p in run[1].named_parameters() if p in run[2].state], "state kept by a half parameter"
+    for seed in (2, 3):
+        _train(*straight, seed=seed)
+        _train(*resumed, seed=seed)
+    for run in (straight, resumed):
+        run[1][0].requires_grad_(True)  # unfrozen: its moments are the ones it trained with
+    for seed in (4, 5):
+        _train(*straight, seed=seed)
+        _train(*resumed, seed=seed)
+    for (name, a), b in zip(straight[1].named_parameters(), resumed[1].parameters()):
+        assert torch.equal(a, b), name
+        assert torch.equal(straight[0].master_of(a), resumed[0].master_of(b)), name
