@@ -284,7 +284,7 @@ def rescale_unscaled(
         )
         state.charge(old_id, found)
     if master_weights:
-        drop_master_grads(state, master_weights)  # carried into the half gradients
+        drop_master_grads(state)  # carried into the half gradients
     state.unscaled_marks = ()
     state.stage = _Stage.READY
     state.loss_id = new_loss_id

@@ -139,10 +139,9 @@ def swap_out(state: _OptimizerState) -> None:
     state.swapped = None
 
 
-def drop_master_grads(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> None:
+def drop_master_grads(state: _OptimizerState) -> None:
     """Free the FP32 gradients of the optimizer's masters (the half model's own gradients stay): those of the pairs
-    as last made, by the unscale that gave them their gradients or a step's swap since (``master_weights`` is
-    not read again)."""
+    as last made, by the unscale that gave them their gradients or a step's swap since."""
     masters = state.pair_masters
     for index in state.mastered:
         masters[index].grad = None

@@ -332,7 +332,7 @@ class StepMachine:
         if self.masters.weights:
             # The FP32 gradients were the step's: freeing them keeps them out of the next forward's and backward's
             # peak memory. The half gradients are the user's, cleared by their zero_grad as in any loop.
-            drop_master_grads(state, self.masters.weights)
+            drop_master_grads(state)
         state.reset()
 
     def update(self) -> None:
