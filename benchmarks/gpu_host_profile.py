@@ -62,7 +62,8 @@ CHECK_VARIANTS = ("autocast-bf16", "core-O1-bf16")
 #: Loops ``--variants`` may name besides VARIANTS: ``autocast-checked-bf16`` is the bfloat16 autocast loop with the
 #: skip guarantee written in torch (step.loop_step's ``"autocast-checked"``); ``-fused-`` loops use AdamW(fused=True).
 EXTRA_VARIANTS = ("autocast-checked-bf16", "autocast-fused-fp16", "autocast-fused-bf16", "core-O1-fused-fp16",
-                  "core-O1-fused-bf16", "core-O2-bf16", "core-O1-foreach-fp16", "core-O1-foreach-bf16")  # fmt: skip
+                  "core-O1-fused-bf16", "core-O2-bf16", "core-O1-foreach-fp16", "core-O1-foreach-bf16",
+                  "core-O2-foreach-fp16")  # fmt: skip
 
 
 def make_step(variant: str, device: torch.device, model: str, size: str) -> Callable[[Any, Any], None]:

@@ -89,6 +89,8 @@ LOOP_VARIANTS = (
     # is the fused Triton kernels on CUDA: the unscale backend's share of a step on the GPU.
     "core-O1-foreach-fp16",
     "core-O1-foreach-bf16",
+    # O2 on torch's kernels on CUDA too (the masters' gradients made by copies, the copy back by torch's copy)
+    "core-O2-foreach-fp16",
 )
 VARIANTS = LIGHTNING_VARIANTS + FABRIC_VARIANTS + LOOP_VARIANTS
 MODELS = ("gpt", "resnet")

@@ -64,7 +64,8 @@ def unscale_state(
         # gradients' values; the fused kernels read the half gradients and write the masters' in one pass. The
         # first master as last paired picks the route: either route gives the same values on any backend (a
         # wrong guess only costs a copy), so the device of every tensor is left to the unscale's own choice.
-        copy = bool(master_weights) and _unfused(backend, state.pair_masters[:1])
+        plain = max_norm is None and not telemetry.requested
+        copy = bool(master_weights) and _unfused(backend, state.pair_masters[:1], plain)
         sources, targets = grad_pairs(state, master_weights, refuse_sparse, copy=copy)
     device = scaler.device or (sources[0].device if sources else torch.device("cpu"))
     scaler.to(device)
@@ -102,10 +103,11 @@ def unscale_state(
         state.unscaled_marks = grad_marks(state, master_weights)
 
 
-def _unfused(backend: str, tensors: list[torch.Tensor]) -> bool:
-    """Whether an unscale into these masters' gradients runs on torch's kernels rather than the fused ones."""
+def _unfused(backend: str, tensors: list[torch.Tensor], plain: bool) -> bool:
+    """Whether an unscale into these masters' gradients runs on torch's kernels rather than the fused ones: a plain
+    one (no clip, no statistics) does on ``"auto"`` (see :func:`~lightning_mpx.unscale.auto_backend`)."""
     if backend == "auto":
-        backend = resolve_backend(tensors)
+        return plain or resolve_backend(tensors) != "triton"
     return backend != "triton"
 
 

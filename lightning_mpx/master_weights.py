@@ -8,7 +8,6 @@ FP32), and :meth:`MasterWeights.copy_to_model` writes the result back to the mod
 
 from __future__ import annotations
 
-import itertools
 import operator
 import weakref
 from typing import Any, Callable, Iterable, Iterator
@@ -18,7 +17,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_mpx._dtypes import HALF_DTYPES
-from lightning_mpx.unscale import BACKENDS, UnscaleWorkspace, cast_copy_
+from lightning_mpx.unscale import BACKENDS, UnscaleWorkspace, _one_copy_group, cast_copy_
 
 
 def has_floating_parameters(module: nn.Module) -> bool:
@@ -78,8 +77,9 @@ class MasterWeights:
     Args:
         named_parameters: ``(name, parameter)`` pairs of the model; FP32 parameters (batch norm kept FP32) are their
             own masters, half parameters get an FP32 copy.
-        copy_backend: How :meth:`copy_to_model` copies: ``"auto"`` (the fused Triton kernel for CUDA parameters when
-            triton is installed, else torch's foreach copy), ``"foreach"``, ``"reference"`` or ``"triton"``.
+        copy_backend: How :meth:`copy_to_model` copies: ``"auto"`` (torch's multi-tensor copy, as ``"foreach"``:
+            one launch per device and dtype pair, less host work than the fused kernel), ``"foreach"``,
+            ``"reference"`` or ``"triton"`` (the fused Triton kernel for CUDA parameters).
         exclude: Parameters another :class:`MasterWeights` already covers (a submodule shared by two models): they
             are left to it, so every tensor has one master.
         eager: Make the masters of the trainable half parameters now. ``False``: only when :meth:`master_of` is
@@ -228,8 +228,8 @@ class MasterWeights:
 
     def copy_to_model(self, params: Iterable[torch.Tensor] | None = None) -> None:
         """Write the masters into the half model parameters (after a real optimizer step): all of them, or those of
-        ``params``. One pass that reads 4 bytes and writes 2 per element; on CUDA with triton, one launch per dtype
-        pair."""
+        ``params``. One pass that reads 4 bytes and writes 2 per element, one launch per device and dtype pair
+        (torch's multi-tensor copy; the fused kernel with ``copy_backend="triton"``)."""
         if params is None:
             pairs = [(p, e) for e, p in self._live() if e.master is not None]
         else:
@@ -304,7 +304,8 @@ class Mirror:
     :meth:`take_writes` and :meth:`copy_to_model` are what a step adds at O2: a comparison of the parameters'
     version counters and addresses as two tuples (C-level maps, about 0.1 us per parameter) and one look at the
     masters' :class:`_DataWatch` (whether anyone took a parameter's ``.data``), which find nothing in the common
-    case, and the fused copy of the masters into the model.
+    case, and the copy of the masters into the model (torch's multi-tensor copy, or the fused kernel with
+    ``backend="triton"``).
     """
 
     def __init__(
@@ -324,9 +325,10 @@ class Mirror:
         self._watch = watch if watch is not None else _DataWatch()
         self._keys = {id(param) for param in self.params}
         self._marks: tuple[tuple[int, ...], tuple[int, ...]] | None = None
-        # Whether torch's copy takes every pair in one call (CPU tensors, the foreach backend): asked again when
-        # a parameter was written or replaced since the last step (it may have moved to another device). A stale
-        # answer would cost speed only: torch's copy takes any pair on any device.
+        # Whether torch's copy takes every pair in one call (the auto or foreach backend; CPU tensors, or one device
+        # and one dtype on each side): asked again when a parameter was written or replaced since the last step (it
+        # may have moved to another device). A stale answer would cost speed only: torch's copy takes any pair on
+        # any device.
         self._one_call: bool | None = None
 
     def _current(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -350,10 +352,8 @@ class Mirror:
         if not self.params:
             return
         if self._one_call is None:
-            self._one_call = self.copy_backend in ("auto", "foreach") and all(
-                map(_IS_CPU, itertools.chain(self.params, self.masters))
-            )
-        if self._one_call:  # cast_copy_'s CPU case, without its per-step look at every tensor's device and dtype
+            self._one_call = self.copy_backend in ("auto", "foreach") and _one_copy_group(self.masters, self.params)
+        if self._one_call:  # cast_copy_'s usual case, without its per-step look at every tensor's device and dtype
             grad_mode = torch.is_grad_enabled()
             torch._C._set_grad_enabled(False)
             try:
@@ -368,7 +368,6 @@ class Mirror:
 
 
 _VERSION = operator.attrgetter("_version")
-_IS_CPU = operator.attrgetter("is_cpu")
 
 
 def _take_writes(pairs: list[tuple[_Entry, torch.Tensor]]) -> list[str]:

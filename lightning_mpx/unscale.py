@@ -8,7 +8,10 @@ also clip by the global L2 norm of the unscaled gradients. Backends:
 * ``"triton"``: fused multi-tensor kernels written in Triton (:mod:`lightning_mpx._triton_unscale`): each pass reads
   and writes every element once, the norm needs no extra pass, and clipping by norm costs one read-only pass plus one
   multiply pass. CUDA tensors (CPU tensors only under ``TRITON_INTERPRET=1``, as the tests run it);
-* ``"auto"``: ``"triton"`` for CUDA tensors when triton is installed, ``"foreach"`` otherwise.
+* ``"auto"``: on CUDA tensors with triton installed, ``"triton"`` where fusion saves passes (a norm, clipping,
+  statistics, bfloat16 gradients unscaled in place) and ``"foreach"`` for a plain unscale, in place or into FP32
+  master gradients, and for :func:`cast_copy_` (torch's kernels serve those in one launch each with less host work
+  than the fused kernels' table upkeep, see :func:`auto_backend`); ``"foreach"`` on any other tensors.
 
 No backend waits for the device: the flag and the norm stay device tensors. The fused backend keeps its pointer and
 chunk tables in an :class:`UnscaleWorkspace` that the caller owns and passes back on every step.
@@ -140,17 +143,25 @@ def resolve_backend(tensors: Tensors) -> str:
 
 def auto_backend(grads: Tensors, out: Tensors | None = None, *, norm: bool = False, stats: bool = False) -> str:
     """The backend that ``backend="auto"`` runs for an :func:`unscale_grads_` call: :func:`resolve_backend`'s,
-    except for a plain unscale in place (no ``out``, norm, clip or statistics) of gradients none of which is
-    bfloat16, which is ``"foreach"``: torch's own multi-tensor kernel (``GradScaler``'s) moves the same 8 bytes per
-    FP32 element in one launch, and with less host work per call than the fused kernels, which upload the new
-    gradient buffers' addresses whenever the allocator moved them (every step after ``zero_grad(set_to_none=True)``)
-    and gain nothing from fusion here. The fused kernels keep norms, clipping, statistics, FP32 masters and bfloat16
-    gradients (whose torch kernel on CUDA is missing; the foreach twin then takes two more passes)."""
+    except for a plain unscale (no norm, clip or statistics), which is ``"foreach"``: in place (O1's step without a
+    clip) unless a gradient is bfloat16, and into FP32 master gradients (``out``: O2's step without a clip).
+
+    A step that does not clip is host-bound on a GPU unless the model is large, and there torch's kernels cost
+    less: ``GradScaler``'s multi-tensor kernel unscales in one launch, and at O2 each master's gradient is a cast of
+    its half gradient, where the fused kernels pay per call for their table key, the check of every tensor's address
+    and the upload of the new gradient buffers' addresses (about 0.35 ms a step of a CIFAR ResNet-18 at O2 on an
+    H100, the fused route 1.13x slower per step there, ``benchmarks/results/gpu/2026-11-26d-h100``). What fusion
+    saves there is memory traffic: at O2 the cast and the in-place unscale move 14 bytes per element against the
+    fused pass's 6. The fused kernels keep norms, clipping, statistics and bfloat16 gradients unscaled in place
+    (whose torch kernel on CUDA is missing; the foreach twin then takes two more passes); ``backend="triton"``
+    gives them every call."""
     in_place = out is None or all(map(operator.is_, grads, out))
     backend = resolve_backend(grads if out is None or in_place else [*grads, *out])
-    if backend == "triton" and in_place and not norm and not stats and torch.bfloat16 not in set(map(_DTYPE, grads)):
-        return "foreach"
-    return backend
+    if backend != "triton" or norm or stats:
+        return backend
+    if in_place and torch.bfloat16 in set(map(_DTYPE, grads)):
+        return backend
+    return "foreach"
 
 
 def cast_copy_(
@@ -161,15 +172,14 @@ def cast_copy_(
     Args:
         dst: Destination tensors (FP32, FP16 or BF16).
         src: Source tensors of the same shapes.
-        backend: ``"auto"``, ``"foreach"``, ``"reference"`` or ``"triton"``, as for :func:`unscale_grads_`.
+        backend: ``"auto"`` (``"foreach"``: torch's multi-tensor copy, one launch per device and dtype pair on
+            CUDA, with less host work than the fused kernel), ``"foreach"``, ``"reference"`` or ``"triton"``.
         workspace: Table cache of the ``"triton"`` backend.
     """
     if len(dst) != len(src):
         raise ValueError(f"dst has {len(dst)} tensors but src has {len(src)}; they must match one to one.")
     if backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r} is not a copy backend; valid choices: {', '.join(BACKENDS)}.")
-    if backend == "auto":
-        backend = resolve_backend([*dst, *src])
     grad_mode = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)  # torch.no_grad()'s effect without its Python context manager: once per step
     try:
@@ -458,13 +468,18 @@ def _grouped(tensors: Tensors) -> dict[tuple[torch.device, torch.dtype], list[to
     return groups
 
 
-def _grouped_pairs(src: Tensors, dst: Tensors) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    # The usual case (O2: half gradients into FP32 masters on one device) is one group, found with C-level maps;
-    # on the CPU, where torch's copy is a loop over the pairs that takes any mix of dtypes, every time.
-    if src and (
+def _one_copy_group(src: Tensors, dst: Tensors) -> bool:
+    """Whether torch's multi-tensor copy takes every pair in one group: the usual case (O2: half gradients into FP32
+    masters, or the masters into the model, on one device), found with C-level maps; on the CPU, where torch's copy
+    is a loop over the pairs that takes any mix of dtypes, always."""
+    return bool(src) and (
         (all(map(_IS_CPU, dst)) and all(map(_IS_CPU, src)))
         or (len(set(map(_DTYPE, src))) == 1 and len(set(map(_DTYPE, dst))) == 1 and len(set(map(_DEVICE, dst))) == 1)
-    ):
+    )
+
+
+def _grouped_pairs(src: Tensors, dst: Tensors) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    if _one_copy_group(src, dst):
         return [(list(src), list(dst))]
     groups: dict[tuple[torch.device, torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for s, d in zip(src, dst):

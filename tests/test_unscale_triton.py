@@ -493,10 +493,11 @@ def test_triton_kernels_compile_for_the_gpu_with_vector_loads():
     assert "compiled" in result.stdout
 
 
-def test_auto_leaves_a_plain_in_place_unscale_to_torchs_kernel(monkeypatch):
+def test_auto_leaves_a_plain_unscale_to_torchs_kernels(monkeypatch):
     """``"auto"`` on CUDA tensors (pretended here: the choice is made from the call, not by running anything): the
-    fused kernels for norms, clipping, statistics, masters and bfloat16; torch's own kernel for a plain in-place
-    unscale of FP32/FP16 gradients (O1's step without a clip), which it serves in one launch with less host work."""
+    fused kernels for norms, clipping, statistics and bfloat16 gradients unscaled in place; torch's own kernels for
+    a plain unscale of FP32/FP16 gradients in place (O1's step without a clip) and for a plain unscale of half
+    gradients into FP32 masters (O2's), which they serve with less host work."""
     import lightning_mpx.unscale as unscale
 
     monkeypatch.setattr(unscale, "_IS_CUDA", lambda t: True)
@@ -507,17 +508,57 @@ def test_auto_leaves_a_plain_in_place_unscale_to_torchs_kernel(monkeypatch):
     assert unscale.auto_backend([fp32, fp16], [fp32, fp16]) == "foreach"  # out naming the gradients: in place
     assert unscale.auto_backend([fp32, fp16], norm=True) == "triton"
     assert unscale.auto_backend([fp32, fp16], stats=True) == "triton"
-    assert unscale.auto_backend([fp16, fp16], masters) == "triton"
+    assert unscale.auto_backend([fp16, fp16], masters) == "foreach"
+    assert unscale.auto_backend([bf16, bf16], masters) == "foreach"
+    assert unscale.auto_backend([fp16, fp16], masters, norm=True) == "triton"
+    assert unscale.auto_backend([fp16, bf16], masters, stats=True) == "triton"
     assert unscale.auto_backend([fp32, bf16]) == "triton"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="no CUDA device, or kernels interpreted")
-def test_cuda_auto_runs_torchs_kernel_for_a_plain_in_place_unscale_and_the_fused_one_otherwise():
+def test_cuda_auto_runs_torchs_kernels_for_a_plain_unscale_and_copy_and_the_fused_one_otherwise():
     grads = [torch.full((5,), 8.0, device="cuda"), torch.full((3,), 8.0, device="cuda", dtype=torch.float16)]
     ws, found = UnscaleWorkspace(), torch.zeros((), device="cuda")
+    half = [torch.full((4,), 8.0, device="cuda", dtype=dtype) for dtype in (torch.float16, torch.bfloat16)]
+    masters = [torch.zeros(4, device="cuda") for _ in half]
+    unscale_grads_(half, torch.tensor(0.5, device="cuda"), found, out=masters, workspace=ws)  # O2's, no clip
+    cast_copy_(half, [torch.full((4,), 3.0, device="cuda") for _ in half], workspace=ws)  # the masters into the model
+    assert ws.builds == 0 and all(torch.equal(m, torch.full_like(m, 4.0)) for m in masters)
+    assert all(torch.equal(h, torch.full_like(h, 3.0)) for h in half)
     unscale_grads_(grads, torch.tensor(0.5, device="cuda"), found, workspace=ws)
     assert ws.builds == 0 and all(torch.equal(g, torch.full_like(g, 4.0)) for g in grads)
     norm = unscale_grads_(grads, torch.tensor(0.5, device="cuda"), found, max_norm=100.0, workspace=ws)
     assert ws.builds == 1 and all(torch.equal(g, torch.full_like(g, 2.0)) for g in grads)
     torch.testing.assert_close(norm, torch.tensor(2.0 * 8**0.5, device="cuda"))
     assert found.item() == 0.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="no CUDA device, or kernels interpreted")
+def test_cuda_o2_on_auto_steps_on_torchs_kernels_until_it_clips():
+    """O2's step without a clip unscales into the masters and copies them back with torch's kernels (no fused table
+    is built); a clip takes the fused kernels."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)).cuda()
+    amp = Amp("O2", loss_scale="dynamic", init_scale=256.0)
+    model = amp.prepare_model(model)
+    optimizer = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    state = amp._state(optimizer)
+    x, y = torch.randn(8, 6, device="cuda"), torch.randn(8, 2, device="cuda")
+
+    def one(clip: bool) -> None:
+        with amp.forward_context():
+            loss = torch.nn.functional.mse_loss(amp.cast_outputs(model(amp.cast_inputs(x))).float(), y)
+        amp.backward(loss)
+        if clip:
+            amp.clip_grad_norm_(optimizer, 0.05)
+        assert amp.step(optimizer)
+        amp.update()
+        optimizer.zero_grad()
+
+    before = [p.detach().clone() for p in model.parameters()]
+    one(False)
+    one(False)
+    assert state.workspace.builds == 0
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    one(True)
+    assert state.workspace.builds == 1
