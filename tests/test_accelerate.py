@@ -552,6 +552,44 @@ def test_save_state_load_state_resumes_exactly(tmp_path):
     assert straight[4]["scalers"][0]["overflows"] == 1
 
 
+def _frozen_again_run(tmp_path, steps, *, save_at=None, load=False):
+    """O2 with the first layer frozen at step 2 and unfrozen at step 6 (AdamW over every parameter, as users write
+    it); a resumed run builds its model with that layer frozen, as the code that saved at a frozen step would."""
+    accelerator = _accelerator("O2")
+    model = _net(123 if load else 0)
+    if load:
+        model[0].requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    model, opt, sched = accelerator.prepare(model, opt, sched)
+    if load:
+        accelerator.load_state(str(tmp_path))
+    for step in range(save_at if load else 0, steps):
+        if step in (2, 6):
+            model[0].requires_grad_(step == 6)
+        x, y = _batch(step)
+        _step(accelerator, model, opt, sched, x, y)
+        if save_at is not None and not load and step + 1 == save_at:
+            accelerator.save_state(str(tmp_path))
+    state = (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        [p.detach().clone() for p in _masters(opt)],
+        opt.optimizer.state_dict()["state"],
+    )
+    reset_accelerate_state()
+    return state
+
+
+def test_load_state_with_a_trained_layer_frozen_again_goes_on_as_the_straight_run(tmp_path):
+    """The first layer trains, is frozen, the state is saved while it is frozen, and a new run loads it into a model
+    built with that layer frozen, then unfreezes it: parameters, masters and Adam moments equal the uninterrupted
+    run's, bit for bit (the layer's moments load into an FP32 master, not into its half parameter)."""
+    straight = _frozen_again_run(tmp_path / "unused", 9)
+    _frozen_again_run(tmp_path, 4, save_at=4)
+    resumed = _frozen_again_run(tmp_path, 9, save_at=4, load=True)
+    _assert_same_tensors(resumed, straight)
+
+
 def test_load_state_without_amp_state_says_why(tmp_path):
     accelerator, *_ = _setup("O2")
     accelerator.save_state(str(tmp_path))

@@ -107,3 +107,55 @@ def test_manual_optimization_passes_the_lightning_optimizer_itself(level):
     model = _Manual()
     make_trainer(plugin, max_epochs=1).fit(model, loader(classification_data(n=64)))
     assert model.skipped == [False, False, True, False]
+
+
+class _FreezeSchedule(pl.Callback):
+    """Freezes the first layer at one global step and unfreezes it at a later one (progressive freezing, then a
+    final fine-tune of everything), as a user's callback does at the start of a training batch."""
+
+    def __init__(self, freeze_at: int, unfreeze_at: int) -> None:
+        self.freeze_at, self.unfreeze_at = freeze_at, unfreeze_at
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, index: int) -> None:
+        if trainer.global_step == self.freeze_at:
+            module.net[0].requires_grad_(False)
+        elif trainer.global_step == self.unfreeze_at:
+            module.net[0].requires_grad_(True)
+
+
+class _Frozen(Classifier):
+    """The classifier built as resuming code builds it when it knows the first layer was frozen at the checkpoint."""
+
+    def __init__(self, frozen: bool) -> None:
+        super().__init__(optimizer="adamw", lr=0.01)
+        self.net[0].requires_grad_(not frozen)
+
+
+def test_a_fit_resumed_with_a_trained_layer_frozen_goes_on_as_the_straight_fit(tmp_path):
+    """O2 bfloat16 through the Trainer: the first layer trains for two epochs, is frozen, the run is checkpointed
+    while it is frozen, and a new Trainer resumes it (``fit(ckpt_path=...)``) with a model built with that layer
+    frozen; the layer is unfrozen later. Every parameter, master and Adam moment equals the fit that was never
+    interrupted, bit for bit: the frozen layer's moments came back in FP32 and stayed its own."""
+    data = loader(classification_data(n=32), batch_size=16)  # 2 steps per epoch
+
+    def fit(epochs: int, frozen: bool, ckpt: Any = None) -> tuple[_Frozen, MixedPrecisionPlugin, pl.Trainer]:
+        plugin = MixedPrecisionPlugin("O2", half_dtype="bfloat16")
+        module = _Frozen(frozen)
+        trainer = make_trainer(plugin, max_epochs=epochs, callbacks=[_FreezeSchedule(freeze_at=4, unfreeze_at=10)])
+        trainer.fit(module, data, ckpt_path=ckpt)
+        return module, plugin, trainer
+
+    straight, straight_plugin, straight_trainer = fit(7, frozen=False)
+    _, _, first_trainer = fit(3, frozen=False)  # the layer trains at steps 0-3, frozen at 4 and 5
+    first_trainer.save_checkpoint(tmp_path / "frozen.ckpt")
+    resumed, resumed_plugin, resumed_trainer = fit(7, frozen=True, ckpt=tmp_path / "frozen.ckpt")
+    assert resumed_trainer.global_step == straight_trainer.global_step == 14
+    assert all(p.dtype == torch.bfloat16 for p in resumed.net.parameters())
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+        assert torch.equal(straight_plugin.amp.master_of(a), resumed_plugin.amp.master_of(b)), name
+    states = [t.optimizers[0].state_dict()["state"] for t in (straight_trainer, resumed_trainer)]
+    assert states[0].keys() == states[1].keys()
+    for key in states[0]:
+        for k in states[0][key]:
+            assert torch.equal(states[0][key][k], states[1][key][k]), (key, k)
