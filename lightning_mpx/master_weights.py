@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_mpx._dtypes import HALF_DTYPES
-from lightning_mpx.unscale import BACKENDS, UnscaleWorkspace, _one_copy_group, cast_copy_
+from lightning_mpx.unscale import BACKENDS, UnscaleWorkspace, _foreach_copy_, _one_copy_group, cast_copy_
 
 
 def has_floating_parameters(module: nn.Module) -> bool:
@@ -354,12 +354,7 @@ class Mirror:
         if self._one_call is None:
             self._one_call = self.copy_backend in ("auto", "foreach") and _one_copy_group(self.masters, self.params)
         if self._one_call:  # cast_copy_'s usual case, without its per-step look at every tensor's device and dtype
-            grad_mode = torch.is_grad_enabled()
-            torch._C._set_grad_enabled(False)
-            try:
-                torch._foreach_copy_(self.params, self.masters)
-            finally:
-                torch._C._set_grad_enabled(grad_mode)
+            _foreach_copy_(self.params, self.masters)
         else:
             cast_copy_(self.params, self.masters, backend=self.copy_backend, workspace=self.workspace)
         self._marks = versions, addresses = self._current()

@@ -180,24 +180,20 @@ def cast_copy_(
         raise ValueError(f"dst has {len(dst)} tensors but src has {len(src)}; they must match one to one.")
     if backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r} is not a copy backend; valid choices: {', '.join(BACKENDS)}.")
-    grad_mode = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(False)  # torch.no_grad()'s effect without its Python context manager: once per step
-    try:
-        if backend == "reference":
+    if backend == "reference":
+        with torch.no_grad():
             for d, s in zip(dst, src):
                 d.copy_(s)
+        return
+    if backend == "triton":
+        workspace = UnscaleWorkspace() if workspace is None else workspace
+        kernels, plan = _triton_plan(src, dst, workspace, "cast_copy_")
+        if plan.supported:
+            kernels.copy(plan, workspace)  # a kernel launch: no autograd
             return
-        if backend == "triton":
-            workspace = UnscaleWorkspace() if workspace is None else workspace
-            kernels, plan = _triton_plan(src, dst, workspace, "cast_copy_")
-            if plan.supported:
-                kernels.copy(plan, workspace)
-                return
-            # Several devices or layouts the kernels do not take: the foreach twin below does the copy.
-        for s_group, d_group in _grouped_pairs(src, dst):
-            torch._foreach_copy_(d_group, s_group)
-    finally:
-        torch._C._set_grad_enabled(grad_mode)
+        # Several devices or layouts the kernels do not take: the foreach twin below does the copy.
+    for s_group, d_group in _grouped_pairs(src, dst):
+        _foreach_copy_(d_group, s_group)
 
 
 def _triton_available() -> bool:
@@ -466,6 +462,17 @@ def _grouped(tensors: Tensors) -> dict[tuple[torch.device, torch.dtype], list[to
     for tensor in tensors:
         groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
     return groups
+
+
+def _foreach_copy_(dst: Tensors, src: Tensors) -> None:
+    """``torch._foreach_copy_(dst, src)`` with gradients off (parameters are written): ``torch.no_grad()``'s effect
+    without its Python context manager, which a step would pay on every copy."""
+    grad_mode = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
+        torch._foreach_copy_(dst, src)
+    finally:
+        torch._C._set_grad_enabled(grad_mode)
 
 
 def _one_copy_group(src: Tensors, dst: Tensors) -> bool:
