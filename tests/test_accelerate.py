@@ -521,23 +521,32 @@ def test_log_metrics_can_be_turned_off():
 
 
 # -- checkpoints -----------------------------------------------------------------------------------------------------
-def _resume_run(tmp_path, steps, *, save_at=None, load=False, seed=0):
-    accelerator, model, opt, sched = _setup("O2", seed=seed, growth_interval=2)
+def _run_with_state(tmp_path, accelerator, model, opt, steps, one_step, *, save_at=None, load=False):
+    """Steps ``[0, steps)`` of ``one_step(step)``, saving the state after step ``save_at - 1``; or, with ``load``,
+    the state loaded first and steps ``[save_at, steps)``. Returns the model's state, the masters and the
+    optimizer's state."""
     if load:
         accelerator.load_state(str(tmp_path))
-    start = save_at if load else 0
-    for step in range(start, steps):
-        x, y = _batch(step)
-        _step(accelerator, model, opt, sched, x, y, clip=1.0, inject=_inf_into_first_grad if step == 1 else None)
+    for step in range(save_at if load else 0, steps):
+        one_step(step)
         if save_at is not None and not load and step + 1 == save_at:
             accelerator.save_state(str(tmp_path))
-    state = (
+    return (
         {k: v.clone() for k, v in model.state_dict().items()},
         [p.detach().clone() for p in _masters(opt)],
         opt.optimizer.state_dict()["state"],
-        sched.scheduler.last_epoch,
-        accelerator.amp.state_dict(),
     )
+
+
+def _resume_run(tmp_path, steps, *, save_at=None, load=False, seed=0):
+    accelerator, model, opt, sched = _setup("O2", seed=seed, growth_interval=2)
+
+    def one_step(step):
+        x, y = _batch(step)
+        _step(accelerator, model, opt, sched, x, y, clip=1.0, inject=_inf_into_first_grad if step == 1 else None)
+
+    state = _run_with_state(tmp_path, accelerator, model, opt, steps, one_step, save_at=save_at, load=load)
+    state = (*state, sched.scheduler.last_epoch, accelerator.amp.state_dict())
     reset_accelerate_state()
     return state
 
@@ -562,20 +571,14 @@ def _frozen_again_run(tmp_path, steps, *, save_at=None, load=False):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
     model, opt, sched = accelerator.prepare(model, opt, sched)
-    if load:
-        accelerator.load_state(str(tmp_path))
-    for step in range(save_at if load else 0, steps):
+
+    def one_step(step):
         if step in (2, 6):
             model[0].requires_grad_(step == 6)
         x, y = _batch(step)
         _step(accelerator, model, opt, sched, x, y)
-        if save_at is not None and not load and step + 1 == save_at:
-            accelerator.save_state(str(tmp_path))
-    state = (
-        {k: v.clone() for k, v in model.state_dict().items()},
-        [p.detach().clone() for p in _masters(opt)],
-        opt.optimizer.state_dict()["state"],
-    )
+
+    state = _run_with_state(tmp_path, accelerator, model, opt, steps, one_step, save_at=save_at, load=load)
     reset_accelerate_state()
     return state
 
