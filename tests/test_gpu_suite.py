@@ -312,6 +312,28 @@ def test_report_judges_core_bf16_against_the_checked_loop_with_per_round_ratios(
     assert "per round 0.909x [0.909, 0.909]" in bare.figure and "per round 1.000x" in checked.figure
 
 
+def test_report_judges_rows_measured_round_by_round_on_their_paired_ratios(tmp_path):
+    """A round that ran slow for one row only (the host's drift: round 2 below) moves the ratio of the two rows'
+    medians (0.5x here) but not the median of the per-round ratios (0.98x), which the verdict follows; rows without
+    rounds (separate processes) are judged on the medians."""
+    runs = {"lightning-16-mixed": [10.0, 10.0, 20.0], "mpx-O1-fp16": [10.2, 20.0, 20.4]}
+    rows = [{"model": "gpt", "variant": v, "step_ms_median": statistics.median(r), "step_ms_runs": r,
+             "repeats": len(r), "samples_per_second": 8 / statistics.median(r) * 1e3, "peak_memory_bytes": 1}
+            for v, r in runs.items()]  # fmt: skip
+    (tmp_path / "rounds.json").write_text(json.dumps({"benchmark": "step", "rows": rows}))
+    label = "O1 within 3% of \"16-mixed\" throughput"
+    verdict = next(v for v in gpu_report.step_targets(gpu_report.load_sources([tmp_path]).items)
+                   if v.scope == "gpt" and v.target == label)  # fmt: skip
+    assert verdict.status == gpu_report.MET and verdict.value == pytest.approx(10 / 10.2)
+    assert "ratio of the medians 0.500x" in verdict.figure
+    for row in rows:
+        del row["step_ms_runs"]
+    (tmp_path / "rounds.json").write_text(json.dumps({"benchmark": "step", "rows": rows}))
+    verdict = next(v for v in gpu_report.step_targets(gpu_report.load_sources([tmp_path]).items)
+                   if v.scope == "gpt" and v.target == label)  # fmt: skip
+    assert verdict.status == gpu_report.NOT_MET and verdict.value == pytest.approx(0.5)
+
+
 def test_step_part_measures_the_goal_rows_together_before_the_rest():
     order = gpu_suite.step_variants("resnet")
     goals, others = gpu_suite.step_schedule(order, 3)
