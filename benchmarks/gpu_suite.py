@@ -84,6 +84,8 @@ STEP_ORDER = (
     "lightning-bf16-mixed", "mpx-O1-bf16", "torch-autocast-bf16", "core-O1-bf16",
     # core O1 bf16 against the bf16 loop with the same skip guarantee (torch's check, the step skipped on a hit)
     "torch-autocast-checked-bf16",
+    # gradient_clip_val=1.0, the habit of most fine-tuning recipes: the plugin's clip (its fused pass on CUDA)
+    "lightning-16-mixed-clip", "mpx-O2-fp16-clip", "mpx-O1-fp16-clip",
     "fp32", "mpx-O1-fp16-compiled", "lightning-16-mixed-compiled", "mpx-O2-bf16", "mpx-O3-fp16", "mpx-O3-bf16",
     "core-O2-fp16", "core-O2-bf16", "loop-fp32",
     # the explicit autocast-aligned table: on CUDA the same table as the default rows now, so late

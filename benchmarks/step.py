@@ -14,6 +14,9 @@ Variants (``--variants`` picks a subset):
   bfloat16 autocast: the JSON records the dtype it actually used);
 * ``mpx-O1-fp16-compiled``, ``lightning-16-mixed-compiled``: the same Trainer rows with the network passed through
   ``torch.compile`` (inductor): O1 compiled against Lightning's AMP compiled;
+* ``lightning-16-mixed-clip``, ``mpx-O1-fp16-clip``, ``mpx-O2-fp16-clip``: the same Trainer rows with
+  ``gradient_clip_val=1.0`` (the habit of most fine-tuning recipes): the plugin's clip runs the fused kernels on CUDA,
+  its plain step torch's; compared with Lightning's "16-mixed" with the same clip;
 * ``fabric-mpx-O2-fp16``, ``fabric-16-mixed``: a Lightning Fabric loop (``fabric.setup``, ``fabric.backward``,
   ``optimizer.step``) with ``FabricMixedPrecisionPlugin("O2")`` and with Fabric's own ``precision="16-mixed"`` (on
   CPU Fabric runs it as bfloat16 autocast, recorded as for Lightning's rows);
@@ -65,6 +68,11 @@ LIGHTNING_VARIANTS = (
     # O1 with CastTable.autocast_aligned(device): no difference from torch.autocast, no Python mode (issue 25).
     "mpx-O1-fp16-aligned",
     "mpx-O1-bf16-aligned",
+    # gradient_clip_val=1.0: the clip (unscale, norm and clip in the plugin's fused pass on CUDA) against Lightning's
+    # "16-mixed" clip (GradScaler.unscale_ and torch's clip_grad_norm_)
+    "lightning-16-mixed-clip",
+    "mpx-O1-fp16-clip",
+    "mpx-O2-fp16-clip",
 )
 #: Lightning Fabric loops: the Fabric plugin at O2 against Fabric's own float16 AMP.
 FABRIC_VARIANTS = ("fabric-mpx-O2-fp16", "fabric-16-mixed")
@@ -94,12 +102,21 @@ LOOP_VARIANTS = (
 )
 VARIANTS = LIGHTNING_VARIANTS + FABRIC_VARIANTS + LOOP_VARIANTS
 MODELS = ("gpt", "resnet")
-REFERENCES = ("lightning-16-mixed", "lightning-bf16-mixed", "fabric-16-mixed")
+REFERENCES = ("lightning-16-mixed", "lightning-bf16-mixed", "fabric-16-mixed", "lightning-16-mixed-clip")
+#: Name endings that change how a row runs, not what it computes in.
+SUFFIXES = ("-compiled", "-aligned", "-clip")
+
+
+def base_variant(variant: str) -> str:
+    """The variant without its :data:`SUFFIXES` (``mpx-O2-fp16-clip`` -> ``mpx-O2-fp16``)."""
+    for suffix in SUFFIXES:
+        variant = variant.removesuffix(suffix)
+    return variant
 
 
 def is_fp16(variant: str) -> bool:
     """Whether the variant computes in float16 (``lightning-16-mixed`` only on a GPU: on CPU Lightning uses bf16)."""
-    return variant.removesuffix("-compiled").removesuffix("-aligned").endswith("fp16")
+    return base_variant(variant).endswith("fp16")
 
 
 @dataclass(frozen=True)
@@ -397,7 +414,7 @@ def half_dtype_of(variant: str) -> Any:
     """The half dtype a variant's name ends with (``-fp16``, ``-bf16``), or ``None``."""
     import torch
 
-    name = variant.removesuffix("-compiled").removesuffix("-aligned")
+    name = base_variant(variant)
     return torch.float16 if name.endswith("fp16") else torch.bfloat16 if name.endswith("bf16") else None
 
 
@@ -488,7 +505,10 @@ def _step_timer(sync: Callable[[], None]) -> Any:
 
 
 def _trainer_precision(variant: str, device: str) -> dict[str, Any]:
-    """The Trainer's precision arguments of a Lightning variant (``-compiled`` ignored)."""
+    """The Trainer's precision arguments of a Lightning variant (``-compiled`` ignored), and ``gradient_clip_val=1.0``
+    for a ``-clip`` one."""
+    if variant.endswith("-clip"):
+        return {**_trainer_precision(variant.removesuffix("-clip"), device), "gradient_clip_val": 1.0}
     variant = variant.removesuffix("-compiled")
     if variant == "fp32":
         return precision(lightning="32-true")
@@ -740,13 +760,15 @@ def table(rows: list[dict[str, Any]], pad: bool = False) -> str:
     def x(value: float | None) -> str | None:
         return None if value is None else f"{value:.2f}x"
 
+    clip = any("throughput_vs_16_mixed_clip" in r for r in rows)  # the -clip rows' own reference was measured
     columns = ["model", "variant", "steps", "step ms", "samples/s", "peak MiB", "vs 16-mixed", "vs bf16-mixed",
-               "paired t/bf16", "skipped"]
+               *(["vs 16-mixed-clip"] if clip else []), "paired t/bf16", "skipped"]
     return _harness.markdown_table(columns, [
         [r["model"], r["variant"], r["steps_timed"], f"{r['step_ms_median']:.2f}", f"{r['samples_per_second']:.1f}",
          f"{r['peak_memory_bytes'] / 2**20:.0f}", x(r.get("throughput_vs_16_mixed")),
-         x(r.get("throughput_vs_bf16_mixed")), x(r.get("step_time_vs_bf16_mixed_paired")), r.get("skipped_steps")]
-        for r in rows], align="ll" + "r" * 8, pad=pad)  # fmt: skip
+         x(r.get("throughput_vs_bf16_mixed")), *([x(r.get("throughput_vs_16_mixed_clip"))] if clip else []),
+         x(r.get("step_time_vs_bf16_mixed_paired")), r.get("skipped_steps")]
+        for r in rows], align="ll" + "r" * (len(columns) - 2), pad=pad)  # fmt: skip
 
 
 NOTE = ("vs: throughput of the row / throughput of Lightning's AMP row, same run; paired t/bf16: median over the "

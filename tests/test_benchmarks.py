@@ -528,3 +528,30 @@ def test_gpu_host_profile_census_lists_what_a_loop_does_beyond_torchs(tmp_path):
     assert rows["torch-autocast-bf16"]["python"] == []  # torch's loops run none of ours
     with pytest.raises(SystemExit):
         gpu_host_profile.main(["--check", "--census", "--interleave", "2"])
+
+
+def test_clip_rows_clip_and_are_compared_with_16_mixed_clipping_the_same(tmp_path, monkeypatch):
+    """The ``-clip`` rows run their Trainer with ``gradient_clip_val=1.0`` (the plugin's row computes the norm in its
+    unscale) and carry their ratio to Lightning's "16-mixed" with the same clip, a column of their own."""
+    import step
+    import torch
+
+    built = {}
+    real = step.Persistent.__init__
+
+    def keep(self, variant, *args, **kwargs):
+        real(self, variant, *args, **kwargs)
+        built[variant] = self
+
+    monkeypatch.setattr(step.Persistent, "__init__", keep)
+    variants = ["lightning-16-mixed-clip", "mpx-O2-fp16-clip"]
+    result = step.main(["--device", "cpu", "--model", "resnet", "--steps", "2", "--warmup", "1", "--repeats", "2",
+                        "--one-process", "--persistent", "--variants", *variants, "--out", str(tmp_path / "s.json")])  # fmt: skip
+    assert all(built[v].trainer.gradient_clip_val == 1.0 for v in variants)
+    amp = built["mpx-O2-fp16-clip"].trainer.precision_plugin.amp
+    assert amp.half_dtype == torch.float16 and "mpx/grad_norm" in amp.metrics()
+    rows = {r["variant"]: r for r in result["rows"]}
+    mine, ref = rows["mpx-O2-fp16-clip"], rows["lightning-16-mixed-clip"]
+    assert mine["throughput_vs_16_mixed_clip"] == pytest.approx(mine["samples_per_second"] / ref["samples_per_second"])
+    assert "vs 16-mixed-clip" in step.table(result["rows"])
+    assert step.base_variant("mpx-O2-fp16-clip") == "mpx-O2-fp16" and step.is_fp16("mpx-O1-fp16-clip")
