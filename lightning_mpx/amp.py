@@ -411,9 +411,12 @@ class Amp:
     # -- backward -----------------------------------------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor, loss_id: int = 0) -> torch.Tensor:
         """``loss`` times the scale of ``loss_id`` (an ``int``, numpy integers included). Every optimizer's pending
-        gradients are brought to this scale first (another loss's, or left unscaled by :meth:`unscale_` or a clip
-        without a :meth:`step`), so one buffer never mixes two scales; gradients left after a :meth:`step` are not:
-        zero them before the next backward (as with ``torch.amp.GradScaler``)."""
+        gradients are brought to this scale first (another loss's, from before an :meth:`update` that changed their
+        scale, or left unscaled by :meth:`unscale_` or a clip without a :meth:`step`), so one buffer never mixes two
+        scales; gradients left after a :meth:`step` are not: zero them before the next backward (as with
+        ``torch.amp.GradScaler``). Bringing them over checks them: a non-finite value found then is charged to the
+        loss it came from, and the optimizer's next :meth:`step` is skipped even if the gradients are zeroed before it
+        (as after :meth:`unscale_`: a check made decides the step)."""
         loss_id = self._loss_index(loss_id)
         scaled = self.scalers[loss_id].scale(loss)
         if self.forensics.watch.active:  # a device flag, no sync

@@ -517,6 +517,13 @@ class AmpAgainstFP32(RuleBasedStateMachine):
     half-precision tolerance, or, on a skipped step, are bit-identical to before.
 
     What the design refuses (``unscale_`` twice in one iteration) must raise ``RuntimeError`` and change nothing.
+    A check of an optimizer's gradients decides its next step whatever comes between: the one ``unscale_`` (or a clip)
+    makes, and the one a backward makes of gradients still pending from another loss, from before an ``update()``
+    or left unscaled (they are brought to the new scale, and what they hold is charged to the loss they came from):
+    zeroing the gradients after it does not undo a non-finite value it found. The model keeps Amp's record of these
+    checks as a user could follow it: which losses were checked since the step (``checked``), whether one found a
+    non-finite value (``charged``), which loss each optimizer's pending gradients carry (``loss_of``), and whether an
+    ``update()`` since changed their scale (``rescaled``).
     Out of scope, as with ``torch.amp.GradScaler``: a backward or a second step after a step without zeroing that
     optimizer's gradients first (the backward rule zeroes them, as a training loop does).
     """
@@ -561,10 +568,25 @@ class AmpAgainstFP32(RuleBasedStateMachine):
         self.ref_opts = {name: self._optimizer(name, self.ref_models[name]) for name in self.NAMES}
         self.stage = dict.fromkeys(self.NAMES, "ready")  # what Amp's stage must be
         self.poisoned = dict.fromkeys(self.NAMES, False)  # non-finite gradients since the last zero_grad
-        self.flagged = dict.fromkeys(self.NAMES, False)  # what the last unscale found (while "unscaled")
+        self._forget_checks()
         self.poisoned_by_inf = dict.fromkeys(self.NAMES, False)  # clip_grad_value_ would clamp them to finite
         self.stepped = dict.fromkeys(self.NAMES, False)  # stepped since the last zero_grad
         self.has_grad = dict.fromkeys(self.NAMES, False)
+
+    def _forget_checks(self):
+        """A fresh Amp: no optimizer has pending gradients or checks."""
+        self.loss_of = dict.fromkeys(self.NAMES)  # the loss whose scale the pending gradients carry (None: none yet)
+        self.rescaled = dict.fromkeys(self.NAMES, False)  # an update() since gave them a scale to leave
+        self.checked = {name: set() for name in self.NAMES}  # the losses checked since the last step
+        self.charged = dict.fromkeys(self.NAMES, False)  # one of those checks found a non-finite gradient
+        self.iteration = set()  # the losses whose checks the next update() counts
+
+    def _check(self, name, loss_id, clear=False):
+        """One check of ``name``'s gradients, charged to ``loss_id``: it finds what they hold now."""
+        if clear:
+            self.checked[name], self.charged[name] = set(), False
+        self.checked[name].add(loss_id)
+        self.charged[name] = self.charged[name] or (self.has_grad[name] and self.poisoned[name])
 
     def _optimizer(self, name: str, model: nn.Module) -> torch.optim.Optimizer:
         if name == "first":
@@ -583,6 +605,19 @@ class AmpAgainstFP32(RuleBasedStateMachine):
         for name in self.NAMES:
             if self.stepped[name]:  # what a loop does after a step, before the next backward
                 self.zero_grad(name, set_to_none)
+        for name in self.NAMES:  # before the backward, every optimizer's pending gradients take this loss's scale
+            old = self.loss_of[name]
+            if self.stage[name] != "ready":  # left unscaled: scaled back up and checked
+                if self.stage[name] == "unscaled":
+                    self.iteration |= self.checked[name]
+                if self.has_grad[name]:
+                    self._check(name, 0 if old is None else old, clear=True)
+                else:
+                    self.checked[name], self.charged[name] = set(), False
+                self.stage[name] = "ready"
+            elif old is not None and (old != loss_id or self.rescaled[name]) and self.has_grad[name]:
+                self._check(name, old)  # another loss's, or from before an update(): rescaled and checked
+            self.loss_of[name], self.rescaled[name] = loss_id, False
         g = torch.Generator().manual_seed(seed)
         x, t0, t1 = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g), torch.randn(5, 2, generator=g)
         amp, first, second = self.amp, self.models["first"], self.models["second"]
@@ -620,7 +655,8 @@ class AmpAgainstFP32(RuleBasedStateMachine):
     def _unscaled(self, name):
         """The optimizer's next step decides on the overflow check made now (as GradScaler's)."""
         if self.stage[name] != "unscaled":
-            self.flagged[name] = self.poisoned[name]
+            self._check(name, 0 if self.loss_of[name] is None else self.loss_of[name])
+            self.rescaled[name] = False
         self.stage[name] = "unscaled"
 
     @rule(name=st.sampled_from(NAMES), max_norm=st.sampled_from([0.05, 0.5, 50.0]))
@@ -658,8 +694,14 @@ class AmpAgainstFP32(RuleBasedStateMachine):
         opt = self.opts[name]
         before = [t.detach().clone() for t in [*_trained(opt, self.amp), *self.models[name].parameters()]]
         stepped = self.amp.step(opt)
-        # Unscaled already: the check made then decides (zeroing the gradients since does not undo it).
-        overflow = self.flagged[name] if self.stage[name] == "unscaled" else self.poisoned[name]
+        # The checks made since the last step decide, the step's own among them unless unscale_() made it already
+        # (zeroing the gradients since does not undo a check).
+        if self.stage[name] != "unscaled":
+            self._check(name, 0 if self.loss_of[name] is None else self.loss_of[name])
+        overflow = self.charged[name]
+        self.iteration |= self.checked[name]
+        self.checked[name], self.charged[name] = set(), False
+        self.loss_of[name], self.rescaled[name] = None, False
         assert stepped is not overflow, f"step() returned {stepped}; expected an overflow: {overflow}"
         if stepped:
             self.ref_opts[name].step()
@@ -674,7 +716,15 @@ class AmpAgainstFP32(RuleBasedStateMachine):
     @rule()
     def update(self):
         self.amp.update()
-        self.stage = {name: "skipped" if stage == "unscaled" else stage for name, stage in self.stage.items()}
+        for name in self.NAMES:
+            if self.stage[name] == "unscaled":  # its checks count now and are forgotten; its gradients stay unscaled
+                self.iteration |= self.checked[name]
+                self.checked[name], self.charged[name] = set(), False
+                self.stage[name] = "skipped"
+        for name in self.NAMES:
+            if self.stage[name] == "ready" and self.loss_of[name] in self.iteration:
+                self.rescaled[name] = True  # pending gradients keep the scale they were computed with
+        self.iteration = set()
 
     @rule(name=st.sampled_from(NAMES), set_to_none=st.booleans())
     def zero_grad(self, name, set_to_none):
@@ -742,6 +792,7 @@ class AmpAgainstFP32(RuleBasedStateMachine):
             opt.load_state_dict(saved["opts"][name])
         self.amp.load_state_dict(saved["amp"])
         self.stage = dict.fromkeys(self.NAMES, "ready")
+        self._forget_checks()
         for name in self.NAMES:
             for got, want in zip(_trained(self.opts[name], self.amp), _trained(self.ref_opts[name])):
                 torch.testing.assert_close(got.float(), want, **self._tolerance())
