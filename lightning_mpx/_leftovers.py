@@ -60,10 +60,11 @@ def unscale_state(
         targets: list[torch.Tensor] | None = None
         copy = False
     else:
-        # At O2 torch's kernels (no fused ones) unscale the masters' new gradients in place, made with the half
-        # gradients' values; the fused kernels read the half gradients and write the masters' in one pass. The
-        # first master as last paired picks the route: either route gives the same values on any backend (a
-        # wrong guess only costs a copy), so the device of every tensor is left to the unscale's own choice.
+        # At O2 torch's kernels unscale the masters' new gradients in place, made with the half gradients' values;
+        # the fused kernels read the half gradients and write the masters' in one pass. On "auto" a plain unscale
+        # (no clip, no statistics) takes torch's kernels on any device (auto_backend says why); otherwise the first
+        # master as last paired picks the route: either route gives the same values on any backend (a wrong guess
+        # only costs a copy), so the device of every tensor is left to the unscale's own choice.
         plain = max_norm is None and not telemetry.requested
         copy = bool(master_weights) and _unfused(backend, state.pair_masters[:1], plain)
         sources, targets = grad_pairs(state, master_weights, refuse_sparse, copy=copy)
