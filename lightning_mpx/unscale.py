@@ -134,8 +134,9 @@ def unscale_grads_(
 
 
 def resolve_backend(tensors: Tensors) -> str:
-    """The backend that ``"auto"`` picks for these tensors (a copy, or an unscale that the fused kernels serve, see
-    :func:`auto_backend`): ``"triton"`` when they are all CUDA tensors and triton is installed, else ``"foreach"``."""
+    """Whether the fused kernels can serve these tensors at all: ``"triton"`` when they are all CUDA tensors and
+    triton is installed (outside its interpreter), else ``"foreach"``. ``"auto"`` takes it for an unscale with a
+    norm, a clip or statistics (:func:`auto_backend`); a plain unscale and :func:`cast_copy_` take torch's kernels."""
     if tensors and all(map(_IS_CUDA, tensors)) and _triton_available() and not _interpreter_requested():
         return "triton"
     return "foreach"
