@@ -4,6 +4,7 @@ The core is framework-agnostic; the Lightning Trainer and Fabric plugins and the
 :class:`~lightning_mpx.amp.Amp`.
 """
 
+from lightning_mpx._device_skip import StepOutcome
 from lightning_mpx.amp import Amp
 from lightning_mpx.cast_lists import CATEGORIES, DEFAULT_TABLE
 from lightning_mpx.cast_policy import BannedOpError, CastPolicy, checkpoint_contexts, disable_casts
@@ -48,6 +49,7 @@ __all__ = [
     "OPT_LEVELS",
     "Properties",
     "ScalerSettings",
+    "StepOutcome",
     "__version__",
     "checkpoint_contexts",
     "convert_module",

@@ -44,9 +44,15 @@ class OverflowLog:
         self._suppressed = 0
 
     def log(
-        self, names: list[str], loss_ids: list[int], scalers: Sequence[LossScaler], record: OverflowRecord | None
+        self,
+        names: list[str],
+        loss_ids: list[int],
+        scalers: Sequence[LossScaler],
+        record: OverflowRecord | None,
+        scales: Mapping[int, float] | None = None,
     ) -> None:
-        """Log one overflow step: the scales of ``loss_ids``, the parameters ``names`` and the ``record``."""
+        """Log one overflow step: the scales of ``loss_ids`` (``scales``: as they were at the step, when read after
+        an update), the parameters ``names`` and the ``record``."""
         if not self.enabled:
             return
         now = time.monotonic()
@@ -55,11 +61,13 @@ class OverflowLog:
             return
         suppressed = self._suppressed
         self._last, self._suppressed = now, 0
-        scales = ", ".join(f"loss {i}: {scalers[i].get_scale():g}" for i in sorted(loss_ids))
+        shown_scales = ", ".join(
+            f"loss {i}: {scales[i] if scales is not None else scalers[i].get_scale():g}" for i in sorted(loss_ids)
+        )
         shown = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
         log.info(
             "Gradient overflow: step skipped (scale before update %s); non-finite gradients in %s%s%s",
-            scales,
+            shown_scales,
             shown or "no parameter (flag set by another process)",
             f"; {record.describe()}" if record is not None else "",
             f"; {suppressed} earlier overflow message(s) suppressed" if suppressed else "",
@@ -139,36 +147,59 @@ class Overflows:
         master_of: MasterOf,
         step: int,
         gather: bool,
+        scales: Mapping[int, float] | None = None,
     ) -> list[str]:
         """Build the record of an overflow step of ``optimizer`` (merged across ranks when ``gather``: all ranks
         are here together only when the flags were reduced across them), count and log it; at the floor, watch
-        the next forwards. Returns this process's non-finite parameter names."""
+        the next forwards. ``scales``: each overflowed loss's scale at the step, when the step is read after an
+        update may have changed it (a step skipped on the device). Returns this process's non-finite parameter
+        names."""
         dist = torch.distributed
         distributed = dist.is_available() and dist.is_initialized()
         local = self.forensics.build(
             named_grads(optimizer, names, master_of),
             step=step,
             loss_ids=overflowed,
-            scales=[self.scalers[i].scale_tensor for i in overflowed],
+            scales=[
+                self.scalers[i].scale_tensor if scales is None else torch.tensor(scales[i], dtype=torch.float32)
+                for i in overflowed
+            ],
             rank=dist.get_rank() if distributed else 0,
         )
         self.last = self.forensics.gather(local) if gather else local
         self.last_parameters = list(local.parameters)
-        self.forensics.overflowed(self.last, at_floor=any(self.scalers[i].at_floor() for i in overflowed))
+        floor = any(self._at_floor(i, scales) for i in overflowed)
+        self.forensics.overflowed(self.last, at_floor=floor)
         for loss_id in overflowed:
             self.skipped_steps[loss_id] += 1
-        self.log.log(self.last_parameters, overflowed, self.scalers, self.last)
+        self.log.log(self.last_parameters, overflowed, self.scalers, self.last, scales)
         return self.last_parameters
 
-    def at_floor(self, optimizer: torch.optim.Optimizer, overflowed: list[int], hint: str | None) -> None:
-        """Apply the floor policy of the losses that overflowed (promote, raise with ``hint``, or warn)."""
-        if self.scalers[overflowed[0]].on_floor == "promote" and any(self.scalers[i].at_floor() for i in overflowed):
+    def at_floor(
+        self,
+        optimizer: torch.optim.Optimizer,
+        overflowed: list[int],
+        hint: str | None,
+        scales: Mapping[int, float] | None = None,
+    ) -> None:
+        """Apply the floor policy of the losses that overflowed (promote, raise with ``hint``, or warn);
+        ``scales`` as in :meth:`record`."""
+        if self.scalers[overflowed[0]].on_floor == "promote" and any(self._at_floor(i, scales) for i in overflowed):
             why_not = self.promotion.floor_overflow(self.last)
             if why_not is None:
                 return  # promoted (or waiting for the next overflow's evidence): training goes on
             hint = why_not + (f". {hint}" if hint else "")
         for loss_id in overflowed:
-            self.scalers[loss_id].handle_overflow(self.last_parameters, hint=hint)
+            self.scalers[loss_id].handle_overflow(
+                self.last_parameters, hint=hint, scale=None if scales is None else scales[loss_id]
+            )
+
+    def _at_floor(self, loss_id: int, scales: Mapping[int, float] | None) -> bool:
+        """Whether ``loss_id``'s scale was at its floor at the step (``scales``) or is now (read on the device)."""
+        scaler = self.scalers[loss_id]
+        if scales is None:
+            return scaler.at_floor()
+        return not scaler.dynamic or scales[loss_id] <= scaler.min_loss_scale
 
     def metrics(self, grad_norms: dict[int, torch.Tensor]) -> dict[str, torch.Tensor | float]:
         """Each loss's ``mpx/loss_scale``, ``mpx/overflows`` (since the last call), ``mpx/skipped_steps`` and

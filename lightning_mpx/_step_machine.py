@@ -276,6 +276,32 @@ class StepMachine:
             self.keep_marks(state)
             raise
 
+    def check_on_device(
+        self, optimizer: torch.optim.Optimizer, reducer: Any
+    ) -> tuple[_OptimizerState, list[int], torch.Tensor]:
+        """:meth:`check` without the host read: unscale unless done, reduce the flags with ``reducer`` (when set)
+        and count them toward the next update on the device. Returns the state, the losses whose gradients the
+        optimizer holds and their flags (one FP32 tensor, 1.0 on overflow), for a step that skips on the device."""
+        state = self.state(optimizer)
+        if state.stage is not _Stage.UNSCALED:
+            self._unscale(state, marks=False)
+        elif self.masters.weights:
+            follow_cleared_grads(state, self.masters.weights)
+        try:
+            loss_ids = sorted(state.found_by_loss)
+            flags = (
+                state.found_by_loss[loss_ids[0]].reshape(1)
+                if len(loss_ids) == 1
+                else torch.stack([state.found_by_loss[i].reshape(()) for i in loss_ids])
+            )
+            if reducer is not None:
+                reducer(flags)
+            self.record_found(dict(zip(loss_ids, flags.unbind(0))))  # unread: the update counts on the device
+            return state, loss_ids, flags
+        except BaseException:
+            self.keep_marks(state)
+            raise
+
     def keep_marks(self, state: _OptimizerState) -> None:
         """Note the half gradients an unscale read, when :meth:`check` unscaled without noting them and its step did
         not finish (an error): the calls after it then treat the gradients as any unscale leaves them."""
@@ -308,23 +334,32 @@ class StepMachine:
         self.record_found(dict(zip(loss_ids, flags.unbind(0))), read=read)
         return [i for i in loss_ids if read[i]]
 
-    def step(self, state: _OptimizerState, step_kwargs: dict[str, Any], *, compare: bool) -> None:
+    def step(
+        self,
+        state: _OptimizerState,
+        step_kwargs: dict[str, Any],
+        *,
+        compare: bool,
+        found_inf: torch.Tensor | None = None,
+    ) -> None:
         """Step the optimizer of ``state`` (on its masters, with the model's writes taken and the result copied
-        back, at O2), then finish its step."""
+        back, at O2), then finish its step. ``found_inf``: the overflow flag (1.0 on overflow) handed to an
+        optimizer that skips on the device (``_step_supports_amp_scaling``, as ``GradScaler`` hands it), with the
+        gradients already unscaled."""
         optimizer = state.optimizer
         if not self.masters.weights:
-            optimizer.step(**step_kwargs)
+            _step(optimizer, step_kwargs, found_inf)
         else:
             mirrors = self.mirrors(state, compare=compare)
             for mirror in mirrors:
                 mirror.take_writes()  # writes to the model since the last step (loaded weights, SWA, EMA...)
             swap_in(state, self.masters.weights)  # the masters stand in for the parameters for the step
             try:
-                optimizer.step(**step_kwargs)
+                _step(optimizer, step_kwargs, found_inf)
             finally:
                 swap_out(state)
             for mirror in mirrors:
-                mirror.copy_to_model()
+                mirror.copy_to_model()  # after a skip on the device: the masters' unchanged values
         self.finish(state)
 
     def finish(self, state: _OptimizerState) -> None:
@@ -395,6 +430,21 @@ class StepMachine:
             sharding=self.sharding,
             marks=marks,
         )
+
+
+def _step(optimizer: torch.optim.Optimizer, step_kwargs: dict[str, Any], found_inf: torch.Tensor | None) -> None:
+    """``optimizer.step(**step_kwargs)``; with ``found_inf``, the flag and no scale set on the optimizer for the call,
+    the attributes torch's fused optimizers read (``GradScaler.step`` sets and deletes them the same way)."""
+    if found_inf is None:
+        optimizer.step(**step_kwargs)
+        return
+    optimizer.grad_scale = None  # type: ignore[attr-defined]  (the gradients are unscaled already)
+    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+    try:
+        optimizer.step(**step_kwargs)
+    finally:
+        del optimizer.grad_scale  # type: ignore[attr-defined]
+        del optimizer.found_inf  # type: ignore[attr-defined]
 
 
 def _clip_unscaled(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:

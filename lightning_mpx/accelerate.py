@@ -137,7 +137,7 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
 
     Args:
         half_dtype, num_losses, cast_table, allow_banned, unscale_backend, overflow_log_interval, model_writes,
-            diagnose_overflows, fp32_modules: The engine's settings, documented and checked in
+            diagnose_overflows, fp32_modules, skip_on_device: The engine's settings, documented and checked in
             :class:`~lightning_mpx.settings.MixedPrecisionSettings` (pass ``loss_id`` to
             :meth:`Accelerator.backward` with ``num_losses`` above 1; the overflow record of ``diagnose_overflows``
             is ``accelerator.amp.last_overflow``).
@@ -184,6 +184,7 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
     overflow_log_interval: float = _D.overflow_log_interval
     model_writes: str = _D.model_writes
     fp32_modules: Sequence[str] = _D.fp32_modules
+    skip_on_device: bool = _D.skip_on_device
     log_metrics: bool = True
     diagnose_overflows: bool = _D.diagnose_overflows
     telemetry_every_n_steps: int | None = None
@@ -197,7 +198,7 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
         for name in ("patch_torch_functions", "keep_batchnorm_fp32", "master_weights"):
             if getattr(self, name) not in (None, True, False):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be True, False or None (the preset's value).")
-        for name in ("allow_banned", "log_metrics", "diagnose_overflows"):
+        for name in ("allow_banned", "log_metrics", "diagnose_overflows", "skip_on_device"):
             check_flag(name, getattr(self, name))
         every = self.telemetry_every_n_steps
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from lightning_mpx._collections import _cast_collection
+from lightning_mpx._device_skip import PendingStep, PendingSteps, StepOutcome, device_skip_refusal
 from lightning_mpx._loss_regions import LossRegions
 from lightning_mpx._master_swap import param_pairs
 from lightning_mpx._masters import Masters
@@ -89,6 +90,7 @@ class Amp:
         model_writes: str = _D.model_writes,
         diagnose_overflows: bool = _D.diagnose_overflows,
         fp32_modules: Sequence[str] = _D.fp32_modules,
+        skip_on_device: bool = _D.skip_on_device,
         **overrides: Any,
     ) -> None:
         arguments = dict(locals())
@@ -139,6 +141,7 @@ class Amp:
             self.scalers, self._masters, backend=settings.unscale_backend, telemetry=self.telemetry, names=self._names
         )
         self.sharded = False
+        self._pending = PendingSteps(self._settle)  # skip_on_device: steps whose outcome is not read yet
 
     @property
     def _with_masters(self) -> bool:
@@ -329,12 +332,21 @@ class Amp:
         that require a gradient; a frozen one, a LoRA model's base, gets its master at its first gradient if it is
         unfrozen). A closure optimizer (LBFGS), which loss scaling cannot support, is refused with a ValueError."""
         self._machine.validate(optimizer, with_masters=self._with_masters)
+        if self.settings.skip_on_device:
+            refusal = "the model is FSDP-sharded" if self.sharded else device_skip_refusal(optimizer)
+            if refusal is not None:
+                raise ValueError(
+                    f"skip_on_device=True needs a step that can be skipped on the device, but {refusal}: use "
+                    "torch.optim.Adam or AdamW with fused=True on an unsharded model, or skip_on_device=False."
+                )
         self.promotion.check_patterns_matched()
         self._machine.register(optimizer, with_masters=self._with_masters)
         return optimizer
 
     def release_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Forget ``optimizer`` and remove the hooks put on it (its masters stay with their model)."""
+        """Forget ``optimizer`` and remove the hooks put on it (its masters stay with their model); its steps
+        pending on the device (``skip_on_device``) are read first."""
+        self.read_step_outcomes()
         self._machine.release(optimizer)
 
     def master_params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -418,6 +430,8 @@ class Amp:
         loss it came from, and the optimizer's next :meth:`step` is skipped even if the gradients are zeroed before it
         (as after :meth:`unscale_`: a check made decides the step)."""
         loss_id = self._loss_index(loss_id)
+        if self._pending:
+            self.read_step_outcomes()  # the last steps skipped on the device, read before new gradients come
         scaled = self.scalers[loss_id].scale(loss)
         if self.forensics.watch.active:  # a device flag, no sync
             self.forensics.watch.observe_loss(loss)
@@ -477,21 +491,33 @@ class Amp:
         ``grad_norm(self)``); the masters' FP32 gradients stay what the step uses."""
         self._machine.show_unscaled_on_model(optimizer)
 
-    def step(self, optimizer: torch.optim.Optimizer, **step_kwargs: Any) -> bool:
+    def step(self, optimizer: torch.optim.Optimizer, **step_kwargs: Any) -> bool | StepOutcome:
         """Step ``optimizer`` unless its gradients overflowed (then nothing changes, and the overflow counts
         against the losses whose gradients held it); returns whether it stepped. Reads the overflow flags on the
-        host: one sync per step, as ``torch.amp.GradScaler``.
+        host: one sync per step, as ``torch.amp.GradScaler`` with an optimizer that is not fused.
+
+        With ``skip_on_device=True`` the flag goes to the fused optimizer's own step, which skips on the device,
+        and the host does not wait: the return value is then a :class:`~lightning_mpx.StepOutcome`, which reads
+        as the same ``bool`` when used as one. The overflow is counted, logged and acted on (``on_floor``) when
+        it is read: then, or at the latest at the next :meth:`scale_loss` (backward) or :meth:`step`, at
+        :meth:`read_step_outcomes`, :meth:`state_dict` or :meth:`release_optimizer`. Its record names the
+        parameters whose gradients are still there when it is read (not after ``zero_grad()``).
 
         Raises:
-            LossScaleFloorError: on overflow at the floor with ``on_floor="raise"`` (the step is skipped first).
+            LossScaleFloorError: on overflow at the floor with ``on_floor="raise"`` (the step is skipped first;
+                with ``skip_on_device``, raised where the overflow is read).
         """
         self._state(optimizer)
-        self._steps += 1
         if "closure" in step_kwargs and step_kwargs["closure"] is not None:
             raise ValueError(
                 "closure: loss scaling cannot re-run a closure inside the optimizer step; run the closure first, "
                 "then call step() without it."
             )
+        if self._pending:
+            self.read_step_outcomes()
+        self._steps += 1
+        if self.settings.skip_on_device:
+            return self._step_on_device(optimizer, step_kwargs)
         state, overflowed = self._machine.check(optimizer, self.found_inf_reducer)
         try:
             if overflowed:
@@ -512,6 +538,48 @@ class Amp:
             self._machine.keep_marks(state)  # the step did not finish (an optimizer's error, an interrupt)
             raise
         return True
+
+    def _step_on_device(self, optimizer: torch.optim.Optimizer, step_kwargs: dict[str, Any]) -> StepOutcome:
+        """The step of ``skip_on_device``: the flags to the optimizer's step, their host copy queued behind it."""
+        state, loss_ids, flags = self._machine.check_on_device(optimizer, self.found_inf_reducer)
+        found = flags.reshape(()) if len(loss_ids) == 1 else flags.amax()
+        outcome = StepOutcome(self.read_step_outcomes)
+        pending = PendingStep.behind(
+            optimizer, loss_ids, flags, [self.scalers[i].scale_tensor for i in loss_ids], step=self._steps - 1,
+            gather=self.found_inf_reducer is not None, outcome=outcome,
+        )
+        try:
+            with casts_off_if_on():  # called inside forward_context(): the optimizer runs in its own dtypes
+                self._machine.step(state, step_kwargs, compare=self.model_writes == "values", found_inf=found)
+        except BaseException:
+            self._machine.keep_marks(state)  # the step did not finish (an optimizer's error, an interrupt)
+            raise
+        self._pending.add(pending)
+        return outcome
+
+    def read_step_outcomes(self) -> None:
+        """Read the steps skipped on the device (``skip_on_device``) that were not read yet, oldest first: count,
+        record and log each overflow, and apply ``on_floor`` (which may raise :class:`LossScaleFloorError`). Waits
+        for the device only up to the last of those steps. Nothing to do otherwise."""
+        self._pending.read()
+
+    def _settle(self, pending: PendingStep, overflowed: list[int], scales: dict[int, float]) -> None:
+        """What :meth:`step` does on the host after its read, for a step skipped on the device and read now."""
+        if not overflowed:
+            if self.forensics.watch.active:
+                self.forensics.stepped()
+            return
+        optimizer = pending.optimizer()
+        if optimizer is None:  # dropped since: counted, not examined
+            for loss_id in overflowed:
+                self.skipped_steps[loss_id] += 1
+            return
+        self._overflows.record(
+            optimizer, overflowed, names=self._names, master_of=self.master_of, step=pending.step,
+            gather=pending.gather, scales=scales,
+        )
+        hint = floor_hint(optimizer, self.master_of, self.properties.opt_level)
+        self._overflows.at_floor(optimizer, overflowed, hint, scales)
 
     def update(self) -> None:
         """Close the iteration (once, after the real step; no host sync): update the scale of every loss whose
@@ -535,7 +603,9 @@ class Amp:
         ``mpx/grad_norm`` (unscaled, when computed), with a ``/loss{id}`` suffix when there are several losses;
         ``mpx/overflow/<module>`` (overflow steps since the last call with non-finite gradients in the module;
         ``_root``: the root module's own parameters); the telemetry after a :meth:`request_telemetry`.
-        Device tensors or Python numbers: building them does not wait for the device.
+        Device tensors or Python numbers: building them does not wait for the device. With ``skip_on_device``,
+        ``mpx/skipped_steps`` and the module counts cover the steps read so far (:meth:`read_step_outcomes` first
+        to include the last ones); ``mpx/overflows`` is counted on the device and is always current.
         """
         out = self._overflows.metrics(self._machine.grad_norms)
         out.update(self.forensics.metrics())  # mpx/overflow/<module>, host counters
@@ -544,7 +614,9 @@ class Amp:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """Scalers, FP32 masters and counters: everything needed, with the optimizer's own state, to resume."""
+        """Scalers, FP32 masters and counters: everything needed, with the optimizer's own state, to resume (steps
+        skipped on the device are read first)."""
+        self.read_step_outcomes()
         return {
             "opt_level": self.properties.opt_level,
             "half_dtype": str(self.properties.half_dtype),
@@ -558,6 +630,7 @@ class Amp:
         """Restore :meth:`state_dict` output (after :meth:`prepare_model`); masters come back bit-exact. A refused
         checkpoint changes nothing. When every model was prepared with ``train=False`` the checkpoint's masters are
         left out (the half weights come from the model's state dict)."""
+        self.read_step_outcomes()  # steps made before the load are this run's: counted before it replaces them
         self._masters.prune()
         if len(state["scalers"]) != len(self.scalers):
             raise ValueError(

@@ -88,7 +88,8 @@ class MixedPrecisionPlugin(FSDPPrecision):
             norm FP32) or ``"O3"`` (pure half).
         half_dtype, num_losses, cast_table, allow_banned, unscale_backend, init_scale, growth_factor,
             backoff_factor, growth_interval, hysteresis, consecutive_hysteresis, min_loss_scale, max_loss_scale,
-            on_floor, overflow_log_interval, diagnose_overflows, fp32_modules, model_writes, **overrides: The
+            on_floor, overflow_log_interval, diagnose_overflows, fp32_modules, skip_on_device, model_writes,
+            **overrides: The
             engine's settings, each documented and checked in :class:`~lightning_mpx.settings.MixedPrecisionSettings`
             (the scaler's in :class:`~lightning_mpx.settings.ScalerSettings`); :meth:`from_settings` takes them
             whole. In manual optimization choose a loss with ``self.manual_backward(loss, loss_id=i)``;
@@ -133,6 +134,7 @@ class MixedPrecisionPlugin(FSDPPrecision):
         overflow_log_interval: float = _D.overflow_log_interval,
         diagnose_overflows: bool = _D.diagnose_overflows,
         fp32_modules: Sequence[str] = _D.fp32_modules,
+        skip_on_device: bool = _D.skip_on_device,
         model_writes: str = _D.model_writes,
         **overrides: Any,
     ) -> None:

@@ -214,23 +214,31 @@ class LossScaler:
         """Whether an overflow now could not lower the scale (waits for the device)."""
         return not self.dynamic or self.get_scale() <= self.min_loss_scale
 
-    def handle_overflow(self, bad_parameters: Sequence[str], hint: str | None = None) -> None:
+    def handle_overflow(
+        self, bad_parameters: Sequence[str], hint: str | None = None, *, scale: float | None = None
+    ) -> None:
         """Apply ``on_floor`` if the scale is at its floor; call it on overflow steps only (it waits for the device).
 
         Args:
             bad_parameters: Names of the parameters with non-finite gradients.
             hint: The likely cause, when the caller knows better than "check the loss and inputs" (it replaces that
                 advice in the message).
+            scale: The scale the overflowed gradients were computed with, when an update may have changed it
+                since (a step skipped on the device and read later); ``None``: the current scale.
 
         Raises:
             LossScaleFloorError: when ``on_floor="raise"`` and the scale cannot go lower.
         """
-        if self.on_floor == "continue" or not self.at_floor():
+        if scale is None:
+            at_floor = self.at_floor()
+        else:
+            at_floor = not self.dynamic or scale <= self.min_loss_scale
+        if self.on_floor == "continue" or not at_floor:
             return
         shown = ", ".join(bad_parameters[:10]) + (f" and {len(bad_parameters) - 10} more" if len(bad_parameters) > 10 else "")
         kind = "dynamic loss scale is at its floor" if self.dynamic else "static loss scale cannot be lowered"
         message = (
-            f"Gradients overflowed and the {kind} (scale={self.get_scale():g}, min_loss_scale={self.min_loss_scale:g}):"
+            f"Gradients overflowed and the {kind} (scale={self.get_scale() if scale is None else scale:g}, min_loss_scale={self.min_loss_scale:g}):"
             f" non-finite gradients in {shown or 'unknown parameters'}. The step was skipped and parameters are "
             "unchanged. "
             + (hint or "Check the loss and inputs for inf/NaN, lower the learning rate, or use bfloat16")

@@ -202,6 +202,13 @@ class MixedPrecisionSettings:
             ``["lm_head", "*.norm"]``) of modules that run in FP32 at every opt level (see
             :mod:`lightning_mpx.promotion`). A pattern that matches no module raises ``ValueError`` when an
             optimizer is prepared.
+        skip_on_device: Skip an overflowed step on the device, with no host read of the overflow flag in
+            :meth:`Amp.step <lightning_mpx.amp.Amp.step>` (the flag goes to the optimizer's own step, as
+            ``torch.amp.GradScaler`` does for fused optimizers): for ``torch.optim.Adam`` and ``AdamW`` with
+            ``fused=True`` only. The step's outcome (the count, the log, the record, ``on_floor``) is then read
+            later: when its result is used as a bool, at the next backward or step, or at a checkpoint. Not with
+            ``on_floor="promote"`` (a promotion changes the model before the next forward) or an FSDP-sharded
+            model. See ``docs/loss_scaling.md``.
         overrides: The opt-level property overrides given (any of ``cast_model_type``, ``patch_torch_functions``,
             ``keep_batchnorm_fp32``, ``master_weights``, ``loss_scale``; see
             :func:`~lightning_mpx.opt_levels.resolve_properties`); an override not given keeps the preset's value.
@@ -222,6 +229,7 @@ class MixedPrecisionSettings:
     model_writes: str = "versions"
     diagnose_overflows: bool = False
     fp32_modules: Sequence[str] = ()
+    skip_on_device: bool = False
     overrides: Mapping[str, Any] = field(default_factory=dict)
     scaler: ScalerSettings = field(default_factory=ScalerSettings)
     properties: Properties = field(init=False, repr=False, compare=False)
@@ -248,6 +256,13 @@ class MixedPrecisionSettings:
         _check_loss_scale(props.loss_scale)
         self.scaler.check_init_scale(props.loss_scale)
         check_flag("diagnose_overflows", self.diagnose_overflows)
+        check_flag("skip_on_device", self.skip_on_device)
+        if self.skip_on_device and self.scaler.on_floor == "promote":
+            raise ValueError(
+                "skip_on_device=True cannot be combined with on_floor='promote': a promotion changes the model before "
+                "the next forward, and a step skipped on the device is read later (at the next backward); use "
+                "on_floor='raise', 'warn' or 'continue', or skip_on_device=False."
+            )
         object.__setattr__(self, "fp32_modules", check_patterns(self.fp32_modules))
 
     @classmethod
