@@ -752,14 +752,24 @@ class _AmpOptimizer(AcceleratedOptimizer):  # type: ignore[misc]
                 "optimizer.step() without it."
             )
         self._is_overflow = True  # stays true if Amp.step raises (LossScaleFloorError skips the step first)
-        stepped = self.amp.step(self.optimizer)  # (Amp turns the casts off inside accelerator.autocast())
-        self._is_overflow = not stepped
+        # A bool, or with skip_on_device a StepOutcome, read when step_was_skipped asks (a prepared scheduler does)
+        self._stepped = self.amp.step(self.optimizer)  # (Amp turns the casts off inside accelerator.autocast())
         self.unscaled = False
         self.on_step(self)
+
+    @property
+    def _is_overflow(self) -> bool:  # what Accelerate's step_was_skipped returns
+        return not self.__dict__.get("_stepped", True)
+
+    @_is_overflow.setter
+    def _is_overflow(self, value: bool) -> None:
+        self.__dict__["_stepped"] = not value
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state.pop("on_step", None)  # a bound method of the Accelerator: not part of the optimizer
+        if "_stepped" in state:
+            state["_stepped"] = bool(state["_stepped"])  # a StepOutcome read now: the engine is not pickled
         return state  # type: ignore[no-any-return]
 
 

@@ -51,6 +51,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_mpx._device_skip import StepOutcome
 from lightning_mpx._imports import require
 from lightning_mpx.amp import Amp
 from lightning_mpx.master_weights import MasterWeights
@@ -100,7 +101,7 @@ class FabricMixedPrecisionPlugin(Precision):
         self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._unsynced: list[MasterWeights] = []  # masters made by convert_module, to take from the set-up model
         self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
-        self._skipped: weakref.WeakKeyDictionary[Optimizer, bool] = weakref.WeakKeyDictionary()
+        self._stepped: weakref.WeakKeyDictionary[Optimizer, bool | StepOutcome] = weakref.WeakKeyDictionary()
         self._update_pending = False
 
     @classmethod
@@ -201,8 +202,8 @@ class FabricMixedPrecisionPlugin(Precision):
         """Step ``optimizer`` unless its gradients overflowed (unscaling them first if nothing did yet)."""
         optimizer = _unwrap(optimizer)
         self._register(optimizer)
-        stepped = self.amp.step(optimizer, **kwargs)  # (inside fabric.autocast(), Amp turns the casts off)
-        self._skipped[optimizer] = not stepped
+        # A bool, or with skip_on_device a StepOutcome, read when step_was_skipped() asks
+        self._stepped[optimizer] = self.amp.step(optimizer, **kwargs)  # (inside fabric.autocast(), Amp turns the casts off)
         self._update_pending = True
         return None
 
@@ -230,8 +231,9 @@ class FabricMixedPrecisionPlugin(Precision):
 
     def step_was_skipped(self, optimizer: Optimizer) -> bool:
         """Whether ``optimizer``'s most recent step was skipped because its gradients overflowed: hold its
-        learning-rate schedule then (``if not mpx.step_was_skipped(optimizer): scheduler.step()``)."""
-        return self._skipped.get(_unwrap(optimizer), False)
+        learning-rate schedule then (``if not mpx.step_was_skipped(optimizer): scheduler.step()``). With
+        ``skip_on_device``, asking reads the step's outcome (waiting for the device up to that step)."""
+        return not self._stepped.get(_unwrap(optimizer), True)
 
     # -- metrics, checkpoints, teardown ------------------------------------------------------------------------
     def request_telemetry(self) -> None:

@@ -32,6 +32,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_mpx._boundary import BoundaryCast
+from lightning_mpx._device_skip import StepOutcome
 from lightning_mpx._imports import require
 from lightning_mpx._sharding import is_sharded
 from lightning_mpx.amp import Amp
@@ -153,7 +154,8 @@ class MixedPrecisionPlugin(FSDPPrecision):
         self._sharded: nn.Module | None = None  # under FSDP: the sharded model the engine was prepared with
         self._hooks: list[Any] = []
         self._masters_synced = False
-        self._skipped: dict[int, bool] = {}
+        # Each optimizer's last step: a bool, or with skip_on_device a StepOutcome read when needed
+        self._stepped: dict[int, bool | StepOutcome] = {}
         self._update_pending = False
         self._log_step: int | None = None  # the step to log the mpx metrics at, once the scale is updated
         # Per-step scheduler configs held out of the loop's scheduler update after a skipped step:
@@ -301,7 +303,10 @@ class MixedPrecisionPlugin(FSDPPrecision):
         return self.forward_context()
 
     def convert_input(self, data: Any) -> Any:
-        """The batch as it is; a new training batch also ends the previous step's hold on its schedulers."""
+        """The batch as it is; a new training batch also ends the previous step's hold on its schedulers, and reads
+        the steps skipped on the device (``skip_on_device``) while their gradients are still there (Lightning
+        zeroes them after the next training step)."""
+        self.amp.read_step_outcomes()
         if self._held:
             trainer = _trainer_of(self._module) if self._module is not None else None
             if trainer is None or trainer.training:
@@ -383,9 +388,12 @@ class MixedPrecisionPlugin(FSDPPrecision):
             if skip_backward:
                 return closure_result
             stepped = self.amp.step(optimizer, **kwargs)
-        self._skipped[id(optimizer)] = not stepped
-        if not stepped and automatic:
-            self._hold_schedulers(trainer, optimizer)
+        self._stepped[id(optimizer)] = stepped
+        # A step skipped on the device is read here only when a per-step schedule must be held on a skip (its update
+        # comes before the next batch); otherwise at the next batch, backward or logging step.
+        if automatic and (not isinstance(stepped, StepOutcome) or self._step_configs(trainer, optimizer)):
+            if not stepped:
+                self._hold_schedulers(trainer, optimizer)
         self._update_pending = True
         if not logging and trainer.should_stop and trainer.loggers:
             logging = trainer._logger_connector.should_update_logs
@@ -438,13 +446,15 @@ class MixedPrecisionPlugin(FSDPPrecision):
         yield from self.amp.master_params(_unwrap(optimizer))
 
     def step_was_skipped(self, optimizer: Optimizer) -> bool:
-        """Whether ``optimizer``'s most recent step was skipped because its gradients overflowed."""
-        return self._skipped.get(id(_unwrap(optimizer)), False)
+        """Whether ``optimizer``'s most recent step was skipped because its gradients overflowed (with
+        ``skip_on_device``, asking reads it)."""
+        return not self._stepped.get(id(_unwrap(optimizer)), True)
 
     # -- metrics, checkpoints, teardown --------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         """The current ``mpx/*`` metrics as Python numbers (this reads device values: it syncs)."""
         self._end_iteration(log=False)
+        self.amp.read_step_outcomes()
         return {k: float(v) for k, v in self.amp.metrics().items()}
 
     def state_dict(self) -> dict[str, Any]:
@@ -457,6 +467,7 @@ class MixedPrecisionPlugin(FSDPPrecision):
 
     def teardown(self) -> None:
         self._end_iteration()
+        self.amp.read_step_outcomes()  # the last step skipped on the device is counted (and its floor applied)
         self._release_schedulers()
         self._remove_hooks()
 
@@ -509,15 +520,24 @@ class MixedPrecisionPlugin(FSDPPrecision):
         strategy's list holds a copy of each config with another ``interval``, so that the loop does not call
         ``lr_scheduler_step`` for it, and the next training batch puts the config back."""
         configs = trainer.strategy.lr_scheduler_configs
-        for index, config in enumerate(configs):
+        for index in self._step_configs(trainer, optimizer):
+            config = configs[index]
+            held = dataclasses.replace(config, interval=_HELD_INTERVAL)
+            configs[index] = held
+            self._held.append((configs, index, config, held))
+
+    @staticmethod
+    def _step_configs(trainer: Any, optimizer: Optimizer) -> list[int]:
+        """The positions of ``optimizer``'s per-step scheduler configs in the strategy's list."""
+        found = []
+        for index, config in enumerate(trainer.strategy.lr_scheduler_configs):
             if not isinstance(config, LRSchedulerConfig) or config.interval != "step":
                 continue
             owner = getattr(config.scheduler, "optimizer", None)
             if owner is not None and _unwrap(owner) is not optimizer:
                 continue  # another optimizer's schedule (a scheduler without one follows the only optimizer)
-            held = dataclasses.replace(config, interval=_HELD_INTERVAL)
-            configs[index] = held
-            self._held.append((configs, index, config, held))
+            found.append(index)
+        return found
 
     def _release_schedulers(self) -> None:
         """Put the configs :meth:`_hold_schedulers` took out back into the strategy's list."""
@@ -535,7 +555,8 @@ class MixedPrecisionPlugin(FSDPPrecision):
             step, self._log_step = self._log_step, None
             trainer = self._module.trainer if isinstance(self._module, _pl.LightningModule) else None
             if trainer is not None:
-                values = {k: float(v) for k, v in self.amp.metrics().items()}  # a logging step: syncing is fine
+                self.amp.read_step_outcomes()  # a logging step: syncing is fine
+                values = {k: float(v) for k, v in self.amp.metrics().items()}
                 for logger in trainer.loggers:
                     logger.log_metrics(values, step=step)
 
