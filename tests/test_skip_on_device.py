@@ -1,0 +1,355 @@
+"""``skip_on_device=True``: a fused Adam/AdamW skips an overflowed step on the device, and ``Amp.step`` does not read
+the flag on the host. Compared with the same runs on the host path (the default, which reads the flag before the
+step): the same weights, optimizer state, scales and counts; the read moved, nothing else."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_mpx import Amp, LossScaleFloorError, MixedPrecisionPlugin, MixedPrecisionSettings, StepOutcome
+from tests.lightning_helpers import Classifier, classification_data, loader, make_trainer
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _engine(skip: bool, level: str = "O1", dtype: str = "bfloat16", **kwargs) -> tuple[Amp, nn.Module, torch.optim.Optimizer]:
+    amp = Amp(level, half_dtype=dtype, skip_on_device=skip, **kwargs)
+    model = amp.prepare_model(_net())
+    opt = amp.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
+    return amp, model, opt
+
+
+def _batch(index: int, bad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(index)
+    x, y = torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+    if bad:
+        x[0, 0] = float("nan")
+    return x, y
+
+
+def _backward(amp: Amp, model: nn.Module, index: int, bad: bool = False) -> None:
+    x, y = _batch(index, bad)
+    with amp.forward_context():
+        out = amp.cast_outputs(model(amp.cast_inputs(x)))
+    amp.backward(F.cross_entropy(out.float(), y))
+
+
+def _state(amp: Amp, model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    tensors = [p.detach().clone() for p in model.parameters()]
+    tensors += [m.detach().clone() for m in amp.master_params(opt)]
+    for state in opt.state.values():
+        tensors += [v.detach().clone() for v in state.values() if torch.is_tensor(v)]
+    return tensors
+
+
+# -- the same training as the host path ------------------------------------------------------------------------------
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_run_with_overflows_matches_the_host_path_bit_for_bit(level, dtype):
+    bad_steps = {1, 4, 5}
+    runs = []
+    for skip in (False, True):
+        amp, model, opt = _engine(skip, level, dtype, on_floor="continue", init_scale=2.0**10)
+        outcomes, scales = [], []
+        for index in range(8):
+            _backward(amp, model, index, bad=index in bad_steps)
+            outcomes.append(amp.step(opt))
+            amp.update()
+            opt.zero_grad()
+            scales.append(amp.scalers[0].get_scale())
+        amp.read_step_outcomes()
+        runs.append(([bool(o) for o in outcomes], scales, amp.skipped_steps, _state(amp, model, opt), outcomes))
+    (host_steps, host_scales, host_skipped, host_state, host_out), (dev_steps, dev_scales, dev_skipped, dev_state, dev_out) = runs
+    assert all(type(o) is bool for o in host_out) and all(isinstance(o, StepOutcome) for o in dev_out)
+    assert dev_steps == host_steps == [i not in bad_steps for i in range(8)]
+    assert dev_scales == host_scales and dev_skipped == host_skipped == [3]
+    assert len(dev_state) == len(host_state)
+    for a, b in zip(host_state, dev_state):
+        assert torch.equal(a, b)
+
+
+class _HostReads(TorchFunctionMode):
+    """Counts the calls that read a tensor on the host (``item``, ``tolist``, ``__bool__``...)."""
+
+    NAMES = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.NAMES:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_step_reads_nothing_on_the_host_and_the_read_comes_at_the_next_backward(level):
+    for skip, expected in ((False, 1), (True, 0)):
+        amp, model, opt = _engine(skip, level)
+        _backward(amp, model, 0)
+        amp.step(opt)
+        amp.update()
+        opt.zero_grad()
+        _backward(amp, model, 1)
+        with _HostReads() as mode:
+            outcome = amp.step(opt)
+            amp.update()
+        assert len(mode.reads) == expected, (skip, mode.reads)
+        assert outcome  # read here (the host path's bool, or the outcome read now)
+    # Unread, the outcome is read by the next backward: the overflow counts then.
+    amp, model, opt = _engine(True, level, on_floor="continue")
+    _backward(amp, model, 0, bad=True)
+    outcome = amp.step(opt)
+    amp.update()
+    assert not outcome.known and amp.skipped_steps == [0]
+    opt.zero_grad()
+    _backward(amp, model, 1)
+    assert outcome.known and outcome == False and amp.skipped_steps == [1]  # noqa: E712
+
+
+def test_outcome_reads_as_a_bool_and_reads_every_earlier_step_in_order():
+    amp, model, opt = _engine(True, on_floor="continue")
+    outcomes = []
+    for index, bad in enumerate([False, True, False]):
+        _backward(amp, model, index, bad)
+        outcomes.append(amp.step(opt))
+        amp.update()
+        if index < 2:
+            assert not outcomes[-1].known
+        opt.zero_grad()
+    # The next backward read the first two; the last one is read when asked.
+    assert [o.known for o in outcomes] == [True, True, False]
+    assert repr(outcomes[2]) == "StepOutcome(not read yet)"
+    assert outcomes[2] == True and outcomes[1] == False and outcomes[0] != False  # noqa: E712
+    assert [bool(o) for o in outcomes] == [True, False, True] and amp.skipped_steps == [1]
+    with pytest.raises(TypeError):
+        hash(outcomes[0])
+
+
+def test_overflow_record_names_the_parameters_while_their_gradients_are_there(caplog):
+    amp, model, opt = _engine(True, on_floor="continue")
+    _backward(amp, model, 0)
+    model[0].weight.grad[0, 0] = float("inf")
+    with caplog.at_level(logging.INFO, logger="lightning_mpx"):
+        outcome = amp.step(opt)
+        assert not outcome  # read before zero_grad: the gradients say where
+    assert amp.last_overflow_parameters == ["0.weight"]
+    assert "non-finite gradients in 0.weight" in caplog.text
+    # Read after zero_grad(set_to_none=True): counted, but no gradient is left to name.
+    amp.update()
+    opt.zero_grad()
+    _backward(amp, model, 1)
+    model[2].bias.grad[0] = float("nan")
+    outcome = amp.step(opt)
+    amp.update()
+    opt.zero_grad()
+    amp.read_step_outcomes()
+    assert outcome == False and amp.skipped_steps == [2] and amp.last_overflow_parameters == []  # noqa: E712
+
+
+def test_the_floor_raises_where_the_overflow_is_read_with_the_weights_unchanged():
+    amp, model, opt = _engine(True)  # bfloat16: a static scale, always at its floor; on_floor="raise"
+    _backward(amp, model, 0)
+    amp.step(opt)
+    amp.update()
+    opt.zero_grad()
+    _backward(amp, model, 1, bad=True)
+    before = _state(amp, model, opt)
+    outcome = amp.step(opt)  # no error here: nothing was read
+    after = _state(amp, model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    with pytest.raises(LossScaleFloorError, match=r"static loss scale cannot be lowered \(scale=1,.*0\.weight"):
+        bool(outcome)
+    assert outcome.known and not outcome.stepped  # read once: asking again does not raise again
+    amp.update()
+    opt.zero_grad()
+    _backward(amp, model, 2)
+    assert amp.step(opt)
+
+
+def test_the_floor_is_judged_on_the_scale_the_overflowed_gradients_had():
+    # Read after the update that backed the scale off to its floor: the overflow happened above the floor.
+    amp, model, opt = _engine(True, dtype="float16", init_scale=256.0, min_loss_scale=128.0)
+    _backward(amp, model, 0, bad=True)
+    outcome = amp.step(opt)
+    amp.update()
+    assert amp.scalers[0].get_scale() == 128.0
+    assert not outcome  # not a floor error: the scale was 256 when the gradients overflowed
+    assert amp.last_overflow.scales == (256.0,)
+    opt.zero_grad()
+    _backward(amp, model, 1, bad=True)
+    outcome = amp.step(opt)
+    amp.update()
+    with pytest.raises(LossScaleFloorError, match=r"dynamic loss scale is at its floor \(scale=128"):
+        bool(outcome)
+
+
+def test_checkpoints_read_the_pending_steps_first():
+    amp, model, opt = _engine(True, on_floor="continue")
+    _backward(amp, model, 0, bad=True)
+    amp.step(opt)
+    amp.update()
+    assert amp.state_dict()["skipped_steps"] == [1]
+
+
+# -- what it refuses --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "make, why",
+    [
+        (lambda p: torch.optim.AdamW(p, lr=1e-3), r"optimizer=AdamW is not fused"),
+        (lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9, fused=True), r"optimizer=SGD is not one of torch.optim.Adam"),
+        (lambda p: torch.optim.Adam([{"params": p[:2], "fused": True}, {"params": p[2:]}], lr=1e-3, fused=False),
+         r"optimizer=Adam is not fused \(param group\(s\) \[1\] without fused=True\)"),
+    ],
+)
+def test_an_optimizer_that_cannot_skip_on_the_device_is_refused_when_prepared(make, why):
+    amp = Amp("O1", half_dtype="bfloat16", skip_on_device=True)
+    model = amp.prepare_model(_net())
+    with pytest.raises(ValueError, match=rf"skip_on_device=True needs a step that can be skipped on the device, but {why}"):
+        amp.prepare_optimizer(make(list(model.parameters())))
+
+
+def test_settings_refuse_promotion_and_a_flag_that_is_not_a_bool():
+    with pytest.raises(ValueError, match=r"skip_on_device=True cannot be combined with on_floor='promote'"):
+        MixedPrecisionSettings.from_kwargs("O1", skip_on_device=True, on_floor="promote")
+    with pytest.raises(TypeError, match=r"skip_on_device"):
+        Amp("O1", skip_on_device=1)
+
+
+# -- sequences of user actions, against the host path ----------------------------------------------------------------
+ACTIONS = st.lists(
+    st.tuples(
+        st.booleans(),  # this backward's gradients overflow
+        st.sampled_from(["now", "later"]),  # read the outcome right away, or leave it to the engine
+        st.booleans(),  # clip before the step
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(actions=ACTIONS, level=st.sampled_from(["O1", "O2"]))
+def test_any_sequence_trains_as_the_host_path(actions, level):
+    runs = []
+    for skip in (False, True):
+        amp, model, opt = _engine(skip, level, dtype="float16", on_floor="continue", init_scale=2.0**6, growth_interval=2)
+        seen = []
+        for index, (bad, when, clip) in enumerate(actions):
+            _backward(amp, model, index, bad)
+            if clip:
+                amp.clip_grad_norm_(opt, 1.0)
+            outcome = amp.step(opt)
+            if when == "now":
+                seen.append(bool(outcome))
+            amp.update()
+            opt.zero_grad()
+        amp.read_step_outcomes()
+        runs.append((seen, amp.skipped_steps, amp.scalers[0].get_scale(), _state(amp, model, opt)))
+    assert runs[0][:3] == runs[1][:3]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][3], runs[1][3]))
+
+
+# -- through the frameworks -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("scheduler", [False, True])
+def test_trainer_fit_matches_the_host_path_with_a_held_schedule(scheduler):
+    results = []
+    for skip in (False, True):
+        model = Classifier(inject_inf_at=(2, 3), optimizer="adamw_fused", lr=0.01, scheduler=scheduler)
+        plugin = MixedPrecisionPlugin("O1", half_dtype="bfloat16", on_floor="continue", skip_on_device=skip)
+        trainer = make_trainer(plugin, max_steps=6, max_epochs=2)
+        trainer.fit(model, loader(classification_data()))
+        opt = trainer.optimizers[0]
+        lr = opt.param_groups[0]["lr"]
+        results.append((plugin.amp.skipped_steps, lr, [p.detach().clone() for p in model.parameters()]))
+    assert results[0][0] == results[1][0] == [2]
+    assert results[0][1] == results[1][1] == (0.01 * 0.5**4 if scheduler else 0.01)  # held on both skips
+    assert all(torch.equal(a, b) for a, b in zip(results[0][2], results[1][2]))
+
+
+def test_trainer_logs_the_skipped_steps_read_by_the_logging_step(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    model = Classifier(inject_inf_at=(1,), optimizer="adamw_fused", lr=0.01)
+    plugin = MixedPrecisionPlugin("O1", half_dtype="bfloat16", on_floor="continue", skip_on_device=True)
+    trainer = make_trainer(plugin, max_steps=3, logger=CSVLogger(tmp_path), log_every_n_steps=1)
+    trainer.fit(model, loader(classification_data()))
+    import csv
+
+    rows = [r for r in csv.DictReader(open(trainer.logger.experiment.metrics_file_path)) if r.get("mpx/skipped_steps")]
+    assert [float(r["mpx/skipped_steps"]) for r in rows] == [0.0, 1.0, 1.0]
+
+
+def test_trainer_refuses_an_optimizer_that_is_not_fused():
+    model = Classifier(optimizer="adamw")
+    plugin = MixedPrecisionPlugin("O1", half_dtype="bfloat16", skip_on_device=True)
+    with pytest.raises(ValueError, match=r"skip_on_device=True needs .* optimizer=AdamW is not fused"):
+        make_trainer(plugin, max_steps=1).fit(model, loader(classification_data()))
+
+
+def test_accelerate_scheduler_is_held_on_a_skip_read_through_step_was_skipped(fresh_accelerate_state):
+    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+
+    history = []
+    for skip in (False, True):
+        from tests.accelerate_helpers import reset_accelerate_state
+
+        reset_accelerate_state()
+        accelerator = Accelerator(
+            mixed_precision="O2", kwargs_handlers=[MixedPrecisionKwargs(half_dtype="bfloat16", skip_on_device=skip,
+                                                                        on_floor="continue")]
+        )
+        model = _net()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        model, opt, sched = accelerator.prepare(model, opt, sched)
+        seen = []
+        for index in range(4):
+            x, y = _batch(index, bad=index == 2)
+            accelerator.backward(F.cross_entropy(model(x), y))
+            opt.step()
+            sched.step()
+            seen.append((opt.step_was_skipped, sched.scheduler.last_epoch))
+            opt.zero_grad()
+        clone = pickle.loads(pickle.dumps(opt.optimizer))  # the wrapped optimizer pickles as before
+        assert type(clone) is torch.optim.AdamW
+        state = pickle.loads(pickle.dumps({k: v for k, v in opt.__getstate__().items() if k == "_stepped"}))
+        history.append((seen, accelerator.amp.skipped_steps, [p.detach().clone() for p in model.parameters()], state))
+    assert history[0][0] == history[1][0] == [(False, 1), (False, 2), (True, 2), (False, 3)]
+    assert history[0][1] == history[1][1] == [1]
+    assert all(torch.equal(a, b) for a, b in zip(history[0][2], history[1][2]))
+    assert history[1][3] == {"_stepped": True}
+
+
+def test_fabric_step_was_skipped_reads_the_outcome():
+    from lightning.fabric import Fabric
+
+    from lightning_mpx import FabricMixedPrecisionPlugin
+
+    mpx = FabricMixedPrecisionPlugin("O1", half_dtype="bfloat16", skip_on_device=True, on_floor="continue")
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[mpx])
+    model = _net()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
+    skipped = []
+    for index in range(3):
+        x, y = _batch(index, bad=index == 1)
+        fabric.backward(F.cross_entropy(model(x), y))
+        fabric.clip_gradients(model, opt, max_norm=1.0)
+        opt.step()
+        skipped.append(mpx.step_was_skipped(opt))
+        opt.zero_grad()
+    assert skipped == [False, True, False] and mpx.amp.skipped_steps == [1]
