@@ -10,7 +10,7 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -242,7 +242,7 @@ ACTIONS = st.lists(
 )
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(actions=ACTIONS, level=st.sampled_from(["O1", "O2"]))
 def test_any_sequence_trains_as_the_host_path(actions, level):
     runs = []
