@@ -353,3 +353,34 @@ def test_fabric_step_was_skipped_reads_the_outcome():
         skipped.append(mpx.step_was_skipped(opt))
         opt.zero_grad()
     assert skipped == [False, True, False] and mpx.amp.skipped_steps == [1]
+
+
+# -- CUDA (the GPU suite's tests part) --------------------------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_cuda_step_skips_on_the_device_without_a_sync_and_trains_as_the_host_path(level, dtype):
+    bad_steps = {2, 4}
+    runs = []
+    for skip in (False, True):
+        amp = Amp(level, half_dtype=dtype, skip_on_device=skip, on_floor="continue", init_scale=2.0**10)
+        model = amp.prepare_model(_net().cuda())
+        opt = amp.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
+        outcomes = []
+        for index in range(6):
+            x, y = (t.cuda() for t in _batch(index, bad=index in bad_steps))
+            with amp.forward_context():
+                out = amp.cast_outputs(model(amp.cast_inputs(x)))
+            amp.backward(F.cross_entropy(out.float(), y))
+            if skip and index >= 2:  # the optimizer's state exists: the step and the update never wait
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                outcomes.append(amp.step(opt))
+                amp.update()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            opt.zero_grad()
+        amp.read_step_outcomes()
+        runs.append(([bool(o) for o in outcomes], amp.skipped_steps, amp.scalers[0].get_scale(), _state(amp, model, opt)))
+    assert runs[0][:3] == runs[1][:3] and runs[0][0] == [i not in bad_steps for i in range(6)]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][3], runs[1][3]))
