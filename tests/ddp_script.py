@@ -22,8 +22,10 @@ class RankZeroOverflow(Classifier):
 
 
 def main() -> None:
-    plugin = MixedPrecisionPlugin("O2", init_scale=1024.0, growth_interval=1000)
-    model = RankZeroOverflow(optimizer="sgd", lr=0.05)
+    # MPX_SKIP_ON_DEVICE=1: the flag reduced on the device and handed to a fused AdamW, read at the next batch
+    on_device = os.environ.get("MPX_SKIP_ON_DEVICE") == "1"
+    plugin = MixedPrecisionPlugin("O2", init_scale=1024.0, growth_interval=1000, skip_on_device=on_device)
+    model = RankZeroOverflow(optimizer="adamw_fused" if on_device else "sgd", lr=0.01 if on_device else 0.05)
     trainer = make_trainer(plugin, strategy="ddp", devices=2, max_epochs=1)
     trainer.fit(model, loader(classification_data(n=80), batch_size=8))  # 5 steps per rank
     result: dict[str, Any] = {
@@ -31,6 +33,8 @@ def main() -> None:
         "scale": plugin.amp.scalers[0].get_scale(),
         "params": [p.detach().float().flatten().tolist() for p in model.parameters()],
         "steps_taken": trainer.global_step,
+        "overflow_parameters": plugin.amp.last_overflow_parameters,
+        "overflow_ranks": list(plugin.amp.last_overflow.ranks) if plugin.amp.last_overflow is not None else None,
     }
     out = os.environ["MPX_OUT"]
     with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:

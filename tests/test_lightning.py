@@ -427,13 +427,17 @@ def test_metrics_follow_the_trainers_logging_cadence(tmp_path):
 
 
 # -- distribution ---------------------------------------------------------------------------------------------------
-def test_ddp_two_processes_skip_together(tmp_path):
-    run_script("ddp_script.py", tmp_path, timeout=300)
+@pytest.mark.parametrize("on_device", [False, True], ids=["host-read", "skip_on_device"])
+def test_ddp_two_processes_skip_together(tmp_path, on_device):
+    run_script("ddp_script.py", tmp_path, timeout=300, MPX_SKIP_ON_DEVICE="1" if on_device else "0")
     results = rank_results(tmp_path)
     assert results[0]["skipped_steps"] == results[1]["skipped_steps"] == [1]
     assert results[0]["scale"] == results[1]["scale"] == 512.0
     assert results[0]["params"] == results[1]["params"]
     assert results[0]["steps_taken"] == results[1]["steps_taken"] == 5
+    # The overflow record, merged across the ranks (read at the next batch with skip_on_device): rank 0's inf.
+    assert results[0]["overflow_parameters"] == ["net.0.weight"] and results[1]["overflow_parameters"] == []
+    assert results[0]["overflow_ranks"] == results[1]["overflow_ranks"] == [0]
 
 
 # -- bad input ------------------------------------------------------------------------------------------------------
