@@ -29,9 +29,15 @@ Parts:
   first the rows the targets need (:data:`GOAL_ROWS`) together in one process (``step.py --one-process
   --persistent``: each row's model, Trainer or loop built once and warmed up for 10 steps, then ``--repeats`` rounds,
   default 6, of 30 more steps each, a Trainer continuing with ``fit`` and a raised ``max_steps``, the order rotated
-  every round; the rows are the medians of the rounds; ``--fresh`` builds every round afresh), then every other variant once, one child
-  process each (on the GPT model two more, last: a Lightning Fabric loop with ``FabricMixedPrecisionPlugin("O2")``
-  and with Fabric's own "16-mixed"); stops starting new runs when ``--budget`` runs out.
+  every round; the rows are the medians of the rounds; ``--fresh`` builds every round afresh), then every other
+  variant once, one child process each (on the GPT model two more, last: a Lightning Fabric loop with
+  ``FabricMixedPrecisionPlugin("O2")`` and with Fabric's own "16-mixed"); stops starting new runs when ``--budget``
+  runs out. The first after the goal rows are the ``-clip`` rows (``gradient_clip_val=1.0``), then the fused AdamW
+  rows (:data:`DEVICE_SKIP_ROWS`: Lightning's "16-mixed" and "bf16-mixed" with ``AdamW(fused=True)`` against the
+  plugin at O1/O2 with ``skip_on_device=True``, torch's fused autocast loops against
+  ``core-O1-devskip-{fp16,bf16}``). A ``--variants`` list without a goal row is measured round by round in one
+  process, as the goal rows are: ``step --variants`` with the rows of :data:`DEVICE_SKIP_ROWS` gives their targets
+  per-round ratios.
 * ``fidelity``: ``benchmarks/convergence.py --accelerator gpu --seeds 0 --levels O0 O1 O2`` (200 steps).
 * ``fsdp``: ``benchmarks/fsdp_step.py --device cuda``: GPT-2 small under FSDP on one GPU (one rank), the plugin at
   O1/O2 (fp16, bf16) against Lightning's own FSDP mixed precision ("bf16-mixed" on FSDP2's ``ModelParallelStrategy``;
@@ -76,6 +82,15 @@ HERE = Path(__file__).resolve().parent
 PARTS = ("tests", "unscale", "step", "fidelity", "fsdp")
 CHECK_DEVICE = "cpu (gpu_suite --check: exercises the code, measures nothing)"
 
+#: The rows of the fused AdamW targets: Lightning's "16-mixed" and "bf16-mixed" and torch's autocast loops with
+#: ``AdamW(fused=True)`` (``GradScaler`` skips on the device at fp16), the plugin and the core O1 loop with
+#: ``skip_on_device=True`` on the same fused AdamW. Given alone to ``--variants``, they are measured together round by
+#: round in one process, as the goal rows are.
+DEVICE_SKIP_ROWS = (
+    "lightning-16-mixed-fused", "mpx-O2-fp16-fused", "mpx-O1-fp16-fused", "lightning-bf16-mixed-fused",
+    "mpx-O1-bf16-fused", "torch-autocast-fused-fp16", "core-O1-devskip-fp16", "torch-autocast-fused-bf16",
+    "core-O1-devskip-bf16",
+)  # fmt: skip
 #: step.py's variants, the ones the targets and the report's ratios need first (a part cut short keeps them).
 STEP_ORDER = (
     # issue 25's O1 speed verdicts first: plugin O1/O2 against "16-mixed" and "bf16-mixed", the core O1 loop against
@@ -86,12 +101,15 @@ STEP_ORDER = (
     "torch-autocast-checked-bf16",
     # gradient_clip_val=1.0, the habit of most fine-tuning recipes: the plugin's clip (its fused pass on CUDA)
     "lightning-16-mixed-clip", "mpx-O2-fp16-clip", "mpx-O1-fp16-clip",
+    # AdamW(fused=True): the plugin and the core loop with skip_on_device=True (no host read of the overflow flag)
+    # against GradScaler with the same optimizer ("16-mixed") and bare bf16 autocast ("bf16-mixed": no check at all)
+    *DEVICE_SKIP_ROWS,
     "fp32", "mpx-O1-fp16-compiled", "lightning-16-mixed-compiled", "mpx-O2-bf16", "mpx-O3-fp16", "mpx-O3-bf16",
     "core-O2-fp16", "core-O2-bf16", "loop-fp32",
     # the explicit autocast-aligned table: on CUDA the same table as the default rows now, so late
     "mpx-O1-fp16-aligned", "core-O1-fp16-aligned", "mpx-O1-bf16-aligned", "core-O1-bf16-aligned",
-    # AdamW(fused=True): GradScaler skips an overflowed step on the device there, Amp reads the flag on the host
-    "torch-autocast-fused-fp16", "core-O1-fused-fp16", "torch-autocast-fused-bf16", "core-O1-fused-bf16",
+    # AdamW(fused=True) with Amp reading the flag on the host (their references, torch's fused loops, are above)
+    "core-O1-fused-fp16", "core-O1-fused-bf16",
     # unscale_backend="foreach": the unscale backend's share of the step
     "core-O1-foreach-fp16", "core-O1-foreach-bf16",
     # O2 on torch's kernels chosen by hand (the default since stop 34 for a step without a clip)

@@ -17,17 +17,25 @@ Variants (``--variants`` picks a subset):
 * ``lightning-16-mixed-clip``, ``mpx-O1-fp16-clip``, ``mpx-O2-fp16-clip``: the same Trainer rows with
   ``gradient_clip_val=1.0`` (the habit of most fine-tuning recipes): the plugin's clip runs the fused kernels on CUDA,
   its plain step torch's; compared with Lightning's "16-mixed" with the same clip;
+* ``lightning-16-mixed-fused``, ``lightning-bf16-mixed-fused``, ``mpx-O1-fp16-fused``, ``mpx-O1-bf16-fused``,
+  ``mpx-O2-fp16-fused``: the same Trainer rows with ``AdamW(fused=True)``, the plugin's with ``skip_on_device=True``
+  (the overflow flag handed to the fused step, not read on the host, as ``GradScaler`` does for a fused optimizer);
+  each compared with Lightning's own AMP of the same dtype with the same fused AdamW;
 * ``fabric-mpx-O2-fp16``, ``fabric-16-mixed``: a Lightning Fabric loop (``fabric.setup``, ``fabric.backward``,
   ``optimizer.step``) with ``FabricMixedPrecisionPlugin("O2")`` and with Fabric's own ``precision="16-mixed"`` (on
   CPU Fabric runs it as bfloat16 autocast, recorded as for Lightning's rows);
 * ``torch-autocast-{fp16,bf16}``: a hand-written loop with ``torch.autocast`` (+ ``torch.amp.GradScaler`` for fp16);
-* ``loop-fp32``, ``core-O1-{fp16,bf16}``, ``core-O2-{fp16,bf16}``: hand-written loops, plain and with ``Amp``.
+* ``loop-fp32``, ``core-O1-{fp16,bf16}``, ``core-O2-{fp16,bf16}``: hand-written loops, plain and with ``Amp``;
+* ``torch-autocast-fused-{fp16,bf16}``, ``core-O1-fused-{fp16,bf16}``, ``core-O1-devskip-{fp16,bf16}``: the loops
+  with ``AdamW(fused=True)``: torch's (``GradScaler`` skips on the device at fp16), ``Amp`` reading the overflow flag
+  on the host, and ``Amp`` with ``skip_on_device=True`` (the flag handed to the fused step, no host read).
 
 Step time is the median over ``--steps`` steps after ``--warmup`` (forward, backward, optimizer step; measured by a
 Lightning callback from ``on_train_batch_start`` to ``on_train_batch_end`` or around the (Fabric) loop body, with
 ``torch.cuda.synchronize()`` on GPU). Peak memory is ``torch.cuda.max_memory_allocated`` on GPU and the child's peak
 RSS on CPU (which includes the ~0.5 GB of the imported libraries). The ratios compare throughput with Lightning's
-"16-mixed" and "bf16-mixed" rows (and Fabric's "16-mixed" row) of the same run.
+"16-mixed" and "bf16-mixed" rows (and Fabric's "16-mixed" row, and the ``-clip`` and ``-fused`` rows' own
+references: Lightning's rows with the same clip or the same fused AdamW) of the same run.
 
     python benchmarks/step.py [--device cpu|cuda] [--model gpt|resnet|all] [--steps 20] [--warmup 5] [--out PATH]
 
@@ -73,6 +81,13 @@ LIGHTNING_VARIANTS = (
     "lightning-16-mixed-clip",
     "mpx-O1-fp16-clip",
     "mpx-O2-fp16-clip",
+    # AdamW(fused=True): Lightning's own AMP (GradScaler skips an overflowed step on the device at "16-mixed",
+    # "bf16-mixed" checks nothing) against the plugin with skip_on_device=True (the flag handed to the fused step)
+    "lightning-16-mixed-fused",
+    "lightning-bf16-mixed-fused",
+    "mpx-O1-fp16-fused",
+    "mpx-O1-bf16-fused",
+    "mpx-O2-fp16-fused",
 )
 #: Lightning Fabric loops: the Fabric plugin at O2 against Fabric's own float16 AMP.
 FABRIC_VARIANTS = ("fabric-mpx-O2-fp16", "fabric-16-mixed")
@@ -93,6 +108,9 @@ LOOP_VARIANTS = (
     "torch-autocast-fused-bf16",
     "core-O1-fused-fp16",
     "core-O1-fused-bf16",
+    # Amp with skip_on_device=True on the fused AdamW: the step skipped on the device, no host read of the flag
+    "core-O1-devskip-fp16",
+    "core-O1-devskip-bf16",
     # Amp with unscale_backend="foreach" (torch's multi-tensor kernel, as GradScaler) instead of the default, which
     # is the fused Triton kernels on CUDA: the unscale backend's share of a step on the GPU.
     "core-O1-foreach-fp16",
@@ -102,9 +120,10 @@ LOOP_VARIANTS = (
 )
 VARIANTS = LIGHTNING_VARIANTS + FABRIC_VARIANTS + LOOP_VARIANTS
 MODELS = ("gpt", "resnet")
-REFERENCES = ("lightning-16-mixed", "lightning-bf16-mixed", "fabric-16-mixed", "lightning-16-mixed-clip")
+REFERENCES = ("lightning-16-mixed", "lightning-bf16-mixed", "fabric-16-mixed", "lightning-16-mixed-clip",
+              "lightning-16-mixed-fused", "lightning-bf16-mixed-fused")
 #: Name endings that change how a row runs, not what it computes in.
-SUFFIXES = ("-compiled", "-aligned", "-clip")
+SUFFIXES = ("-compiled", "-aligned", "-clip", "-fused")
 
 
 def base_variant(variant: str) -> str:
@@ -262,8 +281,9 @@ class ListDataset:
         return self.batches[index % len(self.batches)]
 
 
-def lightning_module(net: Any) -> Any:
-    """A LightningModule that trains ``net`` with AdamW (lr 1e-3) on ``(input, target)`` batches."""
+def lightning_module(net: Any, fused: bool = False) -> Any:
+    """A LightningModule that trains ``net`` with AdamW (lr 1e-3; ``fused=True`` when ``fused``) on
+    ``(input, target)`` batches."""
     import lightning.pytorch as pl
     import torch
 
@@ -277,21 +297,22 @@ def lightning_module(net: Any) -> Any:
             return _loss(self.net(x), y)
 
         def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, **({"fused": True} if fused else {}))
 
     return Wrapper()
 
 
 def precision(level: str | None = None, half_dtype: Any = None, lightning: str | None = None,
-              cast_table: Any = None) -> dict[str, Any]:
+              cast_table: Any = None, skip_on_device: bool = False) -> dict[str, Any]:
     """The Trainer's precision arguments: Lightning's own ``precision`` string, or ``MixedPrecisionPlugin(level)``
-    (``on_floor="continue"``: a run must go on to be timed, O3 float16 overflows)."""
+    (``on_floor="continue"``: a run must go on to be timed, O3 float16 overflows; ``skip_on_device``: the plugin's,
+    which needs a fused Adam or AdamW)."""
     if level is None:
         return {"precision": lightning}
     from lightning_mpx import MixedPrecisionPlugin
 
     return {"plugins": [MixedPrecisionPlugin(level, half_dtype=half_dtype, on_floor="continue",
-                                             cast_table=cast_table)]}
+                                             cast_table=cast_table, skip_on_device=skip_on_device)]}
 
 
 def aligned_table(variant: str, device: Any) -> Any:
@@ -306,16 +327,16 @@ def aligned_table(variant: str, device: Any) -> Any:
 
 
 def fit(net: Any, batches: list[Any], total: int, device: str, callbacks: list[Any], logger: Any = False,
-        **precision_kwargs: Any) -> Any:
-    """``total`` steps of ``Trainer.fit`` of :func:`lightning_module` (net) over ``batches``, cycled; no progress
-    bar, checkpoint, model summary or sanity check. Returns the Trainer."""
-    trainer, module, loader = fit_parts(net, batches, total, device, callbacks, logger, **precision_kwargs)
+        fused: bool = False, **precision_kwargs: Any) -> Any:
+    """``total`` steps of ``Trainer.fit`` of :func:`lightning_module` (net, fused) over ``batches``, cycled; no
+    progress bar, checkpoint, model summary or sanity check. Returns the Trainer."""
+    trainer, module, loader = fit_parts(net, batches, total, device, callbacks, logger, fused, **precision_kwargs)
     trainer.fit(module, loader)
     return trainer
 
 
 def fit_parts(net: Any, batches: list[Any], total: int, device: str, callbacks: list[Any], logger: Any = False,
-              **precision_kwargs: Any) -> tuple[Any, Any, Any]:
+              fused: bool = False, **precision_kwargs: Any) -> tuple[Any, Any, Any]:
     """The Trainer (``max_steps=total``), LightningModule and loader that :func:`fit` runs."""
     import lightning.pytorch as pl
     import torch
@@ -333,7 +354,7 @@ def fit_parts(net: Any, batches: list[Any], total: int, device: str, callbacks: 
         **precision_kwargs,
     )
     loader = torch.utils.data.DataLoader(ListDataset(batches), batch_size=None, shuffle=False)
-    return trainer, lightning_module(net), loader
+    return trainer, lightning_module(net, fused), loader
 
 
 def fit_more(trainer: Any, module: Any, loader: Any, steps: int) -> None:
@@ -344,7 +365,8 @@ def fit_more(trainer: Any, module: Any, loader: Any, steps: int) -> None:
 
 
 def loop_step(kind: str, net: Any, device: Any, half_dtype: Any = None, lr: float = 1e-3, cast_table: Any = None,
-              fused: bool = False, unscale_backend: str = "auto") -> tuple[Callable[[Any, Any], None], Any]:
+              fused: bool = False, unscale_backend: str = "auto", skip_on_device: bool = False
+              ) -> tuple[Callable[[Any, Any], None], Any]:
     """One iteration of a hand-written AdamW loop over ``net`` (moved to ``device``), and its ``Amp`` (or None).
 
     ``kind``: ``"fp32"`` (plain), ``"autocast"`` (``torch.autocast`` in ``half_dtype``, with ``GradScaler`` for
@@ -354,7 +376,8 @@ def loop_step(kind: str, net: Any, device: Any, half_dtype: Any = None, lr: floa
     ``"autocast"``, whose ``GradScaler`` does that already), or an opt level (``"O1"``, ``"O2"``, ...: ``Amp`` with
     ``on_floor="continue"``: forward in ``forward_context``, ``backward``, ``step``, ``update``). ``fused``: AdamW
     with ``fused=True`` (``GradScaler`` then skips on the device, without reading the flag on the host).
-    ``unscale_backend``: ``Amp``'s (the opt-level loops).
+    ``unscale_backend``, ``skip_on_device``: ``Amp``'s (the opt-level loops; ``skip_on_device=True`` hands the flag
+    to the fused AdamW's step, as ``GradScaler`` does, and needs ``fused=True``: ``Amp`` refuses an unfused one).
     """
     import torch
 
@@ -365,7 +388,7 @@ def loop_step(kind: str, net: Any, device: Any, half_dtype: Any = None, lr: floa
     make_optimizer = functools.partial(torch.optim.AdamW, lr=lr, **({"fused": True} if fused else {}))
     if kind.startswith("O"):
         amp = Amp(kind, half_dtype=half_dtype, on_floor="continue", cast_table=cast_table,
-                  unscale_backend=unscale_backend)
+                  unscale_backend=unscale_backend, skip_on_device=skip_on_device)
         net = amp.prepare_model(net)
         optimizer = amp.prepare_optimizer(make_optimizer(net.parameters()))
 
@@ -505,10 +528,16 @@ def _step_timer(sync: Callable[[], None]) -> Any:
 
 
 def _trainer_precision(variant: str, device: str) -> dict[str, Any]:
-    """The Trainer's precision arguments of a Lightning variant (``-compiled`` ignored), and ``gradient_clip_val=1.0``
-    for a ``-clip`` one."""
+    """The Trainer's precision arguments of a Lightning variant (``-compiled`` ignored), ``gradient_clip_val=1.0``
+    for a ``-clip`` one, and for a ``-fused`` one ``fused=True`` (:func:`fit`'s AdamW with ``fused=True``) with
+    Lightning's own precision string, or the plugin with ``skip_on_device=True``."""
     if variant.endswith("-clip"):
         return {**_trainer_precision(variant.removesuffix("-clip"), device), "gradient_clip_val": 1.0}
+    if variant.endswith("-fused"):
+        variant = variant.removesuffix("-fused")
+        if variant.startswith("lightning-"):
+            return {**precision(lightning=variant.removeprefix("lightning-")), "fused": True}
+        return {**precision(variant.split("-")[1], half_dtype_of(variant), skip_on_device=True), "fused": True}
     variant = variant.removesuffix("-compiled")
     if variant == "fp32":
         return precision(lightning="32-true")
@@ -565,17 +594,20 @@ def _fabric_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], total:
 
 def loop_of(variant: str, net: Any, dev: Any, lr: float = 1e-3) -> tuple[Callable[[Any, Any], None], Any]:
     """:func:`loop_step` for a loop variant's name: ``loop-fp32``, ``torch-autocast[-checked|-fused]-<dtype>``,
-    ``core-<level>[-fused|-foreach]-<dtype>[-aligned]`` (``-foreach``: ``unscale_backend="foreach"``)."""
+    ``core-<level>[-fused|-foreach|-devskip]-<dtype>[-aligned]`` (``-foreach``: ``unscale_backend="foreach"``;
+    ``-devskip``: ``fused=True`` with ``skip_on_device=True``)."""
     parts = variant.split("-")
     if variant == "loop-fp32":
         return loop_step("fp32", net, dev, lr=lr)
-    fused = "fused" in parts
+    devskip = "devskip" in parts
+    fused = "fused" in parts or devskip
     if variant.startswith("torch-autocast-"):
         kind = "autocast-checked" if "checked" in parts else "autocast"
         return loop_step(kind, net, dev, half_dtype_of(variant), lr=lr, fused=fused)
     if variant.startswith("core-"):
         return loop_step(parts[1], net, dev, half_dtype_of(variant), lr=lr, cast_table=aligned_table(variant, dev),
-                         fused=fused, unscale_backend="foreach" if "foreach" in parts else "auto")  # fmt: skip
+                         fused=fused, unscale_backend="foreach" if "foreach" in parts else "auto",
+                         skip_on_device=devskip)  # fmt: skip
     raise ValueError(f"variant={variant!r} is not a loop; valid choices: {', '.join(LOOP_VARIANTS)}")
 
 
@@ -583,7 +615,16 @@ def _loop_steps(variant: str, net: Any, batches: list[tuple[Any, Any]], total: i
                 sync: Callable[[], None]) -> tuple[list[float], dict[str, Any]]:
     one, amp = loop_of(variant, net, dev)
     times = time_steps(one, batches, total, sync)
-    return times, {} if amp is None else {"skipped_steps": sum(amp.skipped_steps)}
+    return times, _loop_extra(amp)
+
+
+def _loop_extra(amp: Any) -> dict[str, Any]:
+    """What a loop run records besides its times: ``Amp``'s skipped steps (None: nothing), the steps it skipped on
+    the device (``skip_on_device``) read first, after the timed steps."""
+    if amp is None:
+        return {}
+    amp.read_step_outcomes()
+    return {"skipped_steps": sum(amp.skipped_steps)}
 
 
 def time_steps(one: Callable[[Any, Any], None], batches: list[tuple[Any, Any]], total: int,
@@ -655,7 +696,7 @@ class Persistent:
             extra = _trainer_extra(self.variant, self.trainer)
         else:
             times = time_steps(self.one, self.batches, steps, self.sync)
-            extra = {} if self.amp is None else {"skipped_steps": sum(self.amp.skipped_steps)}
+            extra = _loop_extra(self.amp)
         return _record(self.variant, self.kind, self.batch, times, self.cuda, _harness.SHARED_PEAK, extra)
 
 
@@ -711,6 +752,15 @@ O1_SPEED_PAIRS = (
     ("mpx-O1-fp16-aligned", "lightning-16-mixed"),
     ("mpx-O1-bf16-aligned", "lightning-bf16-mixed"),
 )
+#: The fused AdamW goals on a GPU, where Lightning's "16-mixed" skips on the device and "bf16-mixed" checks nothing:
+#: (row with ``skip_on_device=True``, its reference with the same fused AdamW, the least throughput ratio).
+DEVICE_SKIP_PAIRS = (
+    ("mpx-O1-fp16-fused", "lightning-16-mixed-fused", 0.97),
+    ("mpx-O2-fp16-fused", "lightning-16-mixed-fused", 1.05),
+    ("mpx-O1-bf16-fused", "lightning-bf16-mixed-fused", 0.97),
+    ("core-O1-devskip-fp16", "torch-autocast-fused-fp16", 0.97),
+    ("core-O1-devskip-bf16", "torch-autocast-fused-bf16", 0.97),
+)
 
 
 def check_targets(rows: list[dict[str, Any]], device: str) -> list[dict[str, Any]]:
@@ -746,6 +796,13 @@ def check_targets(rows: list[dict[str, Any]], device: str) -> list[dict[str, Any
                     value = a["samples_per_second"] / b["samples_per_second"]
                     checks.append({"model": kind, "target": f"{variant} throughput >= 0.97x {reference}",
                                    "value": value, "met": value >= 0.97})
+            # The fused AdamW rows: the plugin and the core loop skipping on the device, as torch's GradScaler does.
+            for variant, reference, bar in DEVICE_SKIP_PAIRS:
+                a, b = row(kind, variant), row(kind, reference)
+                if a and b:
+                    value = a["samples_per_second"] / b["samples_per_second"]
+                    checks.append({"model": kind, "target": f"{variant} throughput >= {bar:.2f}x {reference}",
+                                   "value": value, "met": value >= bar})
             # --persistent: the process's peak, not a row's
             if o2 and fp32 and _harness.own_peak(o2) and _harness.own_peak(fp32):
                 value = o2["peak_memory_bytes"] / fp32["peak_memory_bytes"]
@@ -760,13 +817,17 @@ def table(rows: list[dict[str, Any]], pad: bool = False) -> str:
     def x(value: float | None) -> str | None:
         return None if value is None else f"{value:.2f}x"
 
-    clip = any("throughput_vs_16_mixed_clip" in r for r in rows)  # the -clip rows' own reference was measured
+    # The -clip and -fused rows' own references, each a column when it was measured.
+    own = [(key, name) for key, name in (("throughput_vs_16_mixed_clip", "vs 16-mixed-clip"),
+                                         ("throughput_vs_16_mixed_fused", "vs 16-mixed-fused"),
+                                         ("throughput_vs_bf16_mixed_fused", "vs bf16-mixed-fused"))
+           if any(key in r for r in rows)]  # fmt: skip
     columns = ["model", "variant", "steps", "step ms", "samples/s", "peak MiB", "vs 16-mixed", "vs bf16-mixed",
-               *(["vs 16-mixed-clip"] if clip else []), "paired t/bf16", "skipped"]
+               *(name for _, name in own), "paired t/bf16", "skipped"]
     return _harness.markdown_table(columns, [
         [r["model"], r["variant"], r["steps_timed"], f"{r['step_ms_median']:.2f}", f"{r['samples_per_second']:.1f}",
          f"{r['peak_memory_bytes'] / 2**20:.0f}", x(r.get("throughput_vs_16_mixed")),
-         x(r.get("throughput_vs_bf16_mixed")), *([x(r.get("throughput_vs_16_mixed_clip"))] if clip else []),
+         x(r.get("throughput_vs_bf16_mixed")), *(x(r.get(key)) for key, _ in own),
          x(r.get("step_time_vs_bf16_mixed_paired")), r.get("skipped_steps")]
         for r in rows], align="ll" + "r" * (len(columns) - 2), pad=pad)  # fmt: skip
 

@@ -52,7 +52,8 @@ def test_step_script_end_to_end_in_subprocesses(tmp_path):
 
 @pytest.mark.parametrize(
     "variant", ["mpx-O3-bf16", "torch-autocast-bf16", "loop-fp32", "lightning-16-mixed", "mpx-O1-fp16-compiled",
-                "fabric-mpx-O2-fp16", "fabric-16-mixed", "mpx-O1-bf16-aligned", "core-O1-bf16-aligned"]
+                "fabric-mpx-O2-fp16", "fabric-16-mixed", "mpx-O1-bf16-aligned", "core-O1-bf16-aligned",
+                "core-O1-devskip-bf16"]
 )  # fmt: skip
 def test_step_child_variants_run_in_process(variant):
     spec = step.ModelSpec(batch=2, image=8, width=4, blocks=(1, 1))
@@ -63,7 +64,7 @@ def test_step_child_variants_run_in_process(variant):
     assert row["variant"] == variant and row["steps_timed"] == 2 and row["samples_per_second"] > 0
     if variant.endswith("16-mixed"):
         assert row["effective_dtype"] == "bfloat16"  # Lightning's and Fabric's "16-mixed" run as bfloat16 on CPU
-    if "mpx-" in variant:
+    if "mpx-" in variant or variant.startswith("core-"):
         assert row["skipped_steps"] == 0
 
 
@@ -555,3 +556,93 @@ def test_clip_rows_clip_and_are_compared_with_16_mixed_clipping_the_same(tmp_pat
     assert mine["throughput_vs_16_mixed_clip"] == pytest.approx(mine["samples_per_second"] / ref["samples_per_second"])
     assert "vs 16-mixed-clip" in step.table(result["rows"])
     assert step.base_variant("mpx-O2-fp16-clip") == "mpx-O2-fp16" and step.is_fp16("mpx-O1-fp16-clip")
+
+
+def test_fused_rows_step_a_fused_adamw_and_the_plugins_skip_on_the_device(tmp_path, monkeypatch):
+    """The ``-fused`` rows train with ``AdamW(fused=True)``: Lightning's with its own precision string, the plugin's
+    with ``skip_on_device=True`` (the overflow flag handed to the fused step); each carries its ratio to Lightning's
+    AMP of its dtype with the same fused AdamW, a column of its own."""
+    import step
+    import torch
+
+    from lightning_mpx import MixedPrecisionPlugin
+
+    built = {}
+    real = step.Persistent.__init__
+
+    def keep(self, variant, *args, **kwargs):
+        real(self, variant, *args, **kwargs)
+        built[variant] = self
+
+    monkeypatch.setattr(step.Persistent, "__init__", keep)
+    variants = ["lightning-16-mixed-fused", "lightning-bf16-mixed-fused", "mpx-O1-fp16-fused", "mpx-O1-bf16-fused",
+                "mpx-O2-fp16-fused"]  # fmt: skip
+    result = step.main(["--device", "cpu", "--model", "resnet", "--steps", "2", "--warmup", "1", "--repeats", "2",
+                        "--one-process", "--persistent", "--variants", *variants,
+                        "--out", str(tmp_path / "s.json")])  # fmt: skip
+    rows = {r["variant"]: r for r in result["rows"]}
+    for variant in variants:
+        trainer = built[variant].trainer
+        (optimizer,) = trainer.optimizers
+        assert type(optimizer) is torch.optim.AdamW and all(g["fused"] for g in optimizer.param_groups), variant
+        plugin = trainer.precision_plugin
+        if variant.startswith("lightning-"):
+            own = variant.removeprefix("lightning-").removesuffix("-fused")
+            assert not isinstance(plugin, MixedPrecisionPlugin)
+            assert step._trainer_precision(variant, "cpu") == {"precision": own, "fused": True}
+        else:
+            assert isinstance(plugin, MixedPrecisionPlugin) and plugin.amp.settings.skip_on_device, variant
+            assert plugin.amp.opt_level == variant.split("-")[1]
+            assert plugin.amp.half_dtype == step.half_dtype_of(variant)
+            assert rows[variant]["skipped_steps"] == 0
+    for variant, reference, key in (("mpx-O1-fp16-fused", "lightning-16-mixed-fused", "16_mixed_fused"),
+                                    ("mpx-O2-fp16-fused", "lightning-16-mixed-fused", "16_mixed_fused"),
+                                    ("mpx-O1-bf16-fused", "lightning-bf16-mixed-fused", "bf16_mixed_fused")):
+        expected = rows[variant]["samples_per_second"] / rows[reference]["samples_per_second"]
+        assert rows[variant][f"throughput_vs_{key}"] == pytest.approx(expected)
+    header = step.table(result["rows"]).splitlines()[0]
+    assert "vs 16-mixed-fused" in header and "vs bf16-mixed-fused" in header and "clip" not in header
+    assert step.base_variant("mpx-O2-fp16-fused") == "mpx-O2-fp16" and step.is_fp16("mpx-O1-fp16-fused")
+    assert not step.is_fp16("mpx-O1-bf16-fused") and step.half_dtype_of("mpx-O1-bf16-fused") == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_devskip_loops_skip_on_the_device_with_a_fused_adamw(dtype, monkeypatch):
+    """``core-O1-devskip-<dtype>``: ``Amp`` at O1 with ``skip_on_device=True`` on ``AdamW(fused=True)``. Its step
+    hands the overflow flag to the optimizer's and returns a :class:`StepOutcome` unread; a step with non-finite
+    gradients leaves the parameters as they were and is counted once read, finite ones step."""
+    import step
+    import torch
+
+    from lightning_mpx import Amp, StepOutcome
+
+    optimizers, outcomes = [], []
+    real_prepare, real_step = Amp.prepare_optimizer, Amp.step
+
+    def prepare(self, optimizer):
+        optimizers.append(optimizer)
+        return real_prepare(self, optimizer)
+
+    def stepped(self, optimizer, **kwargs):
+        outcomes.append(real_step(self, optimizer, **kwargs))
+        return outcomes[-1]
+
+    monkeypatch.setattr(Amp, "prepare_optimizer", prepare)
+    monkeypatch.setattr(Amp, "step", stepped)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    one, amp = step.loop_of(f"core-O1-devskip-{dtype}", net, torch.device("cpu"))
+    assert amp.settings.skip_on_device and amp.opt_level == "O1"
+    assert amp.half_dtype == (torch.float16 if dtype == "fp16" else torch.bfloat16)
+    (optimizer,) = optimizers
+    assert type(optimizer) is torch.optim.AdamW and all(g["fused"] for g in optimizer.param_groups)
+    before = [p.detach().clone() for p in net.parameters()]
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    one(x.clone().fill_(float("inf")), y)  # non-finite gradients: skipped on the device
+    assert isinstance(outcomes[-1], StepOutcome) and not outcomes[-1].known  # not read in the step
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+    for _ in range(3):
+        one(x, y)
+    assert all(not torch.equal(a, b) for a, b in zip(before, net.parameters()))
+    assert step._loop_extra(amp) == {"skipped_steps": 1}  # read after the timed steps
+    assert [o.stepped for o in outcomes] == [False, True, True, True]

@@ -340,3 +340,57 @@ def test_step_part_measures_the_goal_rows_together_before_the_rest():
     assert goals == [v for v in order if v in gpu_suite.GOAL_ROWS] and others == [v for v in order if v not in goals]
     assert len(goals) == 10 and {"core-O1-fp16", "lightning-16-mixed", "torch-autocast-checked-bf16"} <= set(goals)
     assert gpu_suite.step_schedule(["fp32", "loop-fp32"], 2) == (["fp32", "loop-fp32"], [])
+
+
+def test_report_judges_the_fused_adamw_rows_on_their_per_round_ratios():
+    """The fused AdamW targets: the plugin with ``skip_on_device=True`` against Lightning's AMP of its dtype with the
+    same ``AdamW(fused=True)``, the core O1 loop against torch's fused autocast loop; rows measured round by round are
+    judged on the per-round ratios. The suite measures these rows right after the goal and ``-clip`` rows; given
+    alone, they run round by round in one process."""
+    import step
+
+    runs = {
+        "lightning-16-mixed-fused": [10.0, 10.0, 20.0],
+        "mpx-O1-fp16-fused": [10.2, 20.0, 20.4],  # per round 0.98 (a slow round 2 for this row only), medians 0.5
+        "mpx-O2-fp16-fused": [10.0, 10.0, 20.0],  # 1.00, below 1.05
+        "lightning-bf16-mixed-fused": [30.0, 30.0, 30.0],
+        "mpx-O1-bf16-fused": [27.0, 27.0, 27.0],
+        "torch-autocast-fused-fp16": [10.0, 10.0, 10.0],
+        "core-O1-devskip-fp16": [10.5, 10.5, 10.5],  # 0.952
+        "torch-autocast-fused-bf16": [20.0, 20.0, 20.0],
+        "core-O1-devskip-bf16": [20.2, 20.2, 20.2],  # 0.990
+    }  # made-up rows (test data for the verdicts, not a measurement); each reference its own figures
+    rows = [{"model": "gpt", "variant": v, "step_ms_median": statistics.median(r), "step_ms_runs": r,
+             "repeats": len(r), "samples_per_second": 8 / statistics.median(r) * 1e3, "peak_memory_bytes": 1}
+            for v, r in runs.items()]  # fmt: skip
+    source = gpu_report.Source(Path("s.json"), "step", {"rows": rows}, 0.0, None)
+    verdicts = {(v.target, v.scope): v for v in gpu_report.step_targets([source])}
+    o1_fp16 = "plugin O1 fp16, fused AdamW + skip_on_device >= 0.97x \"16-mixed\" with fused AdamW"
+    expected = {
+        "plugin O1 bf16, fused AdamW + skip_on_device >= 0.97x \"bf16-mixed\" with fused AdamW": (True, 30 / 27),
+        o1_fp16: (True, 10 / 10.2),
+        "plugin O2 fp16, fused AdamW + skip_on_device >= 1.05x \"16-mixed\" with fused AdamW": (False, 1.0),
+        "core O1 bf16 skip_on_device >= 0.97x bare bf16 autocast loop, both fused AdamW": (True, 20 / 20.2),
+        "core O1 fp16 skip_on_device >= 0.97x torch.autocast + GradScaler loop, both fused AdamW": (False, 10 / 10.5),
+    }
+    for label, (met, value) in expected.items():
+        verdict = verdicts[(label, "gpt")]
+        status = gpu_report.MET if met else gpu_report.NOT_MET
+        assert (verdict.status, verdict.value) == (status, pytest.approx(value)), label
+        assert verdict.figure.startswith("per round") and verdicts[(label, "resnet")].status == gpu_report.NOT_MEASURED
+    assert "ratio of the medians 0.500x" in verdicts[(o1_fp16, "gpt")].figure  # not what is judged
+    # The report's table: a column per fused reference, with the ratios of the medians
+    header, _, *lines = gpu_report.step_table(source, "gpt").splitlines()
+    assert "throughput vs 16-mixed-fused" in header and "throughput vs bf16-mixed-fused" in header
+    assert "16-mixed-clip" not in header and "| 1.111x |" in lines[list(runs).index("mpx-O1-bf16-fused")]
+    # step.py's own GPU verdicts on the same rows (ratios of the medians)
+    checks = {c["target"]: c["met"] for c in step.check_targets(rows, "cuda")}
+    assert checks["mpx-O2-fp16-fused throughput >= 1.05x lightning-16-mixed-fused"] is False
+    assert checks["core-O1-devskip-bf16 throughput >= 0.97x torch-autocast-fused-bf16"] is True
+    # The suite: right after the goal and -clip rows, so a run with a budget reaches them; alone, one round-by-round
+    # process holds every row of these targets.
+    order = gpu_suite.step_variants("resnet")
+    clip = order.index("mpx-O1-fp16-clip")
+    assert order[clip + 1:clip + 1 + len(gpu_suite.DEVICE_SKIP_ROWS)] == list(gpu_suite.DEVICE_SKIP_ROWS)
+    assert set(gpu_suite.DEVICE_SKIP_ROWS) == set(runs) == {v for pair in step.DEVICE_SKIP_PAIRS for v in pair[:2]}
+    assert gpu_suite.step_schedule(list(gpu_suite.DEVICE_SKIP_ROWS), 6) == (list(gpu_suite.DEVICE_SKIP_ROWS), [])
