@@ -47,6 +47,7 @@ class PendingStep:
         values: Their flags (1.0: overflow) and then their scales at the step, FP32, on the host once ``ready``.
         ready: The CUDA event after the copy of ``values`` to the host (``None``: ``values`` is read as it is).
         step: The engine's step index (``OverflowRecord.step``).
+        iteration: The engine's iteration (its ``update()`` calls so far) when it stepped.
         gather: Whether every rank reads it at the same call (the flags were reduced across ranks), so that the
             overflow records are merged.
         outcome: The :class:`StepOutcome` handed to the caller.
@@ -57,6 +58,7 @@ class PendingStep:
     values: torch.Tensor
     ready: torch.cuda.Event | None
     step: int
+    iteration: int
     gather: bool
     outcome: StepOutcome
 
@@ -69,6 +71,7 @@ class PendingStep:
         scales: list[torch.Tensor],
         *,
         step: int,
+        iteration: int,
         gather: bool,
         outcome: StepOutcome,
     ) -> PendingStep:
@@ -82,7 +85,7 @@ class PendingStep:
             ready = torch.cuda.Event()
             ready.record()
             values = host
-        return cls(weakref.ref(optimizer), loss_ids, values, ready, step, gather, outcome)
+        return cls(weakref.ref(optimizer), loss_ids, values, ready, step, iteration, gather, outcome)
 
     def read(self) -> tuple[list[int], dict[int, float]]:
         """The losses that overflowed and every loss's scale at the step (waits for the copy, not for later work)."""
@@ -153,10 +156,12 @@ class PendingSteps:
     def add(self, step: PendingStep) -> None:
         self._steps.append(step)
 
-    def read(self) -> None:
-        """Read every pending step, oldest first. An error from one (``on_floor="raise"``) leaves the later ones
-        pending for the next read."""
-        while self._steps:
+    def read(self, before: int | None = None) -> None:
+        """Read every pending step, oldest first; ``before``: only those of iterations before it (the steps of the
+        iteration under way are left to a later read, so that a second optimizer's backward does not wait for the
+        first one's step). An error from one (``on_floor="raise"``) leaves the later ones pending for the next
+        read."""
+        while self._steps and (before is None or self._steps[0].iteration < before):
             step = self._steps.pop(0)
             overflowed, scales = step.read()
             step.outcome._stepped = not overflowed

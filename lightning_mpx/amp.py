@@ -142,6 +142,7 @@ class Amp:
         )
         self.sharded = False
         self._pending = PendingSteps(self._settle)  # skip_on_device: steps whose outcome is not read yet
+        self._iteration = 0  # update() calls so far: a pending step of an earlier iteration is read at a backward
 
     @property
     def _with_masters(self) -> bool:
@@ -430,8 +431,8 @@ class Amp:
         loss it came from, and the optimizer's next :meth:`step` is skipped even if the gradients are zeroed before it
         (as after :meth:`unscale_`: a check made decides the step)."""
         loss_id = self._loss_index(loss_id)
-        if self._pending:
-            self.read_step_outcomes()  # the last steps skipped on the device, read before new gradients come
+        if self._pending:  # the steps skipped on the device in earlier iterations, read before new gradients come
+            self._pending.read(before=self._iteration)
         scaled = self.scalers[loss_id].scale(loss)
         if self.forensics.watch.active:  # a device flag, no sync
             self.forensics.watch.observe_loss(loss)
@@ -499,9 +500,9 @@ class Amp:
         With ``skip_on_device=True`` the flag goes to the fused optimizer's own step, which skips on the device,
         and the host does not wait: the return value is then a :class:`~lightning_mpx.StepOutcome`, which reads
         as the same ``bool`` when used as one. The overflow is counted, logged and acted on (``on_floor``) when
-        it is read: then, or at the latest at the next :meth:`scale_loss` (backward) or :meth:`step`, at
-        :meth:`read_step_outcomes`, :meth:`state_dict` or :meth:`release_optimizer`. Its record names the
-        parameters whose gradients are still there when it is read (not after ``zero_grad()``).
+        it is read: then, or at the latest at the first :meth:`scale_loss` (backward) or :meth:`step` after the
+        next :meth:`update`, at :meth:`read_step_outcomes`, :meth:`state_dict` or :meth:`release_optimizer`. Its
+        record names the parameters whose gradients are still there when it is read (not after ``zero_grad()``).
 
         Raises:
             LossScaleFloorError: on overflow at the floor with ``on_floor="raise"`` (the step is skipped first;
@@ -514,7 +515,7 @@ class Amp:
                 "then call step() without it."
             )
         if self._pending:
-            self.read_step_outcomes()
+            self._pending.read(before=self._iteration)
         self._steps += 1
         if self.settings.skip_on_device:
             return self._step_on_device(optimizer, step_kwargs)
@@ -546,7 +547,7 @@ class Amp:
         outcome = StepOutcome(self.read_step_outcomes)
         pending = PendingStep.behind(
             optimizer, loss_ids, flags, [self.scalers[i].scale_tensor for i in loss_ids], step=self._steps - 1,
-            gather=self.found_inf_reducer is not None, outcome=outcome,
+            iteration=self._iteration, gather=self.found_inf_reducer is not None, outcome=outcome,
         )
         try:
             with casts_off_if_on():  # called inside forward_context(): the optimizer runs in its own dtypes
@@ -587,6 +588,7 @@ class Amp:
         ``torch.amp.GradScaler.update()``; one unscaled without a step keeps its gradients as true values), and
         clear the cast cache."""
         self._machine.update()
+        self._iteration += 1
         if self.policy is not None:
             self.policy.clear_cache()
         self.telemetry.requested = False  # a request covers one iteration

@@ -198,6 +198,51 @@ def test_the_floor_is_judged_on_the_scale_the_overflowed_gradients_had():
         bool(outcome)
 
 
+def test_two_optimizers_and_losses_train_as_the_host_path_and_the_second_backward_does_not_wait():
+    # A GAN's iteration: D's loss and step, then G's; G's backward leaves D's outcome unread (it belongs to the
+    # iteration under way), the next iteration's first backward reads both.
+    runs = []
+    for skip in (False, True):
+        amp = Amp("O1", half_dtype="float16", num_losses=2, skip_on_device=skip, on_floor="continue",
+                  init_scale=2.0**8)
+        torch.manual_seed(0)
+        gen = amp.prepare_model(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8)))
+        disc = amp.prepare_model(nn.Sequential(nn.Linear(8, 1)))
+        opt_g = amp.prepare_optimizer(torch.optim.Adam(gen.parameters(), lr=1e-3, fused=True))
+        opt_d = amp.prepare_optimizer(torch.optim.AdamW(disc.parameters(), lr=1e-3, fused=True))
+        seen = []
+        for index in range(5):
+            noise = torch.randn(6, 4, generator=torch.Generator().manual_seed(index))
+            with amp.forward_context():
+                fake = gen(noise)
+                d_loss = disc(fake.detach()).float().mean()
+            if index == 1:
+                d_loss = d_loss * float("inf")
+            amp.backward(d_loss, loss_id=0)
+            d_out = amp.step(opt_d)
+            with amp.forward_context():
+                g_loss = -disc(fake).float().mean()
+            if index == 3:
+                g_loss = g_loss * float("nan")
+            opt_g.zero_grad()
+            with _HostReads() as mode:
+                amp.backward(g_loss, loss_id=1)
+            if skip:
+                assert mode.reads == [] and not d_out.known
+            g_out = amp.step(opt_g)
+            amp.update()
+            opt_d.zero_grad()
+            opt_g.zero_grad()
+            seen.append((d_out, g_out))
+        amp.read_step_outcomes()
+        tensors = [p.detach().clone() for p in [*gen.parameters(), *disc.parameters()]]
+        runs.append(([(bool(d), bool(g)) for d, g in seen], amp.skipped_steps, [s.get_scale() for s in amp.scalers],
+                     tensors))
+    assert runs[0][:3] == runs[1][:3]
+    assert runs[0][0] == [(i != 1, i != 3) for i in range(5)] and runs[0][1] == [1, 1]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][3], runs[1][3]))
+
+
 def test_checkpoints_read_the_pending_steps_first():
     amp, model, opt = _engine(True, on_floor="continue")
     _backward(amp, model, 0, bad=True)
