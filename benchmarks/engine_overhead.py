@@ -22,10 +22,15 @@ dispatch: the cost a GPU step hides only while the host stays ahead of the devic
   ``values_clamp`` (``model_writes="values"``: every parameter compared at every check), and the patterns alone
   (``pattern_read``, ``pattern_clamp``) so that the check's share can be read off. Rotated rounds of ``--steps``
   calls, microseconds per check.
+* ``skip``: ``skip_on_device`` with ``AdamW(fused=True)`` (bfloat16): the default's host read of the overflow flag
+  against the flag handed to the fused step, with the deferred outcome read right after the step so that all of its
+  host work is counted; two engines in turn, one iteration each, the order swapped every repeat. On a CPU nothing
+  runs ahead of the host, so this is the host work only: what a GPU gains (no wait for the backward per step) is not
+  in it.
 
 For a before/after figure run it once with ``PYTHONPATH`` on each version (``--label`` names them in the JSON).
 
-    python benchmarks/engine_overhead.py [--parts engine telemetry forensics writes] [--levels O1 O2]
+    python benchmarks/engine_overhead.py [--parts engine telemetry forensics writes skip] [--levels O1 O2]
         [--params 150] [--steps 200] [--repeats 5] [--telemetry-every 10] [--layers 16] [--label L] [--out PATH]
 """
 
@@ -44,7 +49,7 @@ from lightning_mpx import Amp
 
 import _harness  # benchmarks/ is on sys.path when a script runs
 
-PARTS = ("engine", "telemetry", "forensics", "writes")
+PARTS = ("engine", "telemetry", "forensics", "writes", "skip")
 
 
 class _SideBySide(nn.ModuleList):
@@ -54,10 +59,13 @@ class _SideBySide(nn.ModuleList):
         return sum(layer(x) for layer in self)  # type: ignore[return-value]
 
 
-def _engine(level: str, params: int, **settings: Any) -> tuple[Amp, nn.Module, torch.optim.Optimizer]:
+def _engine(level: str, params: int, *, fused_adamw: bool = False,
+            **settings: Any) -> tuple[Amp, nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     amp = Amp(level, **settings)
     model = amp.prepare_model(_SideBySide([nn.Linear(8, 8) for _ in range(max(1, params // 2))]))
+    if fused_adamw:
+        return amp, model, amp.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True))
     return amp, model, amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
 
 
@@ -149,6 +157,68 @@ def measure_telemetry(level: str, params: int, steps: int, repeats: int, every: 
         "logging_extra_us": logging_us - off,
         "logging_iterations": len(times["on_logging"]),
         "measurements": sum(engines[pair, "on"][0].telemetry.measurements for pair in (0, 1)),
+    }
+
+
+# -- skip -------------------------------------------------------------------------------------------------------------
+def measure_skip(level: str, params: int, steps: int, repeats: int) -> dict[str, Any]:
+    """Engine time per iteration with ``AdamW(fused=True)`` (bfloat16): the host read of the overflow flag before
+    the step (the default) against ``skip_on_device=True`` (the flag handed to the fused step, the outcome read right
+    after it, so that the deferred read's host work is counted), the two engines stepping in turn."""
+    engines = {name: _engine(level, params, fused_adamw=True, half_dtype="bfloat16", skip_on_device=name == "device")
+               for name in ("host", "device")}  # fmt: skip
+    x = torch.randn(4, 8)
+
+    def iteration(name: str) -> float:
+        amp, model, optimizer = engines[name]
+        _iteration(amp, model, x)
+        start = time.perf_counter()
+        _step(amp, optimizer)
+        amp.read_step_outcomes()  # nothing for the host read; the deferred read for skip_on_device
+        return (time.perf_counter() - start) * 1e6
+
+    for name in engines:
+        for _ in range(20):
+            iteration(name)
+    means: dict[str, list[float]] = {"host": [], "device": []}
+    for repeat in range(repeats):
+        names = ("host", "device") if repeat % 2 == 0 else ("device", "host")
+        times: dict[str, list[float]] = {"host": [], "device": []}
+        for _ in range(steps):
+            for name in names:  # one iteration each, in turn
+                times[name].append(iteration(name))
+        for name, values in times.items():
+            means[name].append(statistics.mean(values))
+    ratios = [d / h for d, h in zip(means["device"], means["host"])]
+    # torch's own share: its fused AdamW's step with and without a found_inf (on a skip-capable step torch corrects
+    # the step counters with one _foreach_sub_, a loop over the tensors on a CPU, one kernel on CUDA)
+    params = [p.detach().clone().requires_grad_() for p in engines["host"][1].parameters()]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    plain = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    flag = torch.zeros(())
+
+    def torch_step(with_flag: bool) -> None:
+        if with_flag:
+            plain.found_inf, plain.grad_scale = flag, None  # type: ignore[attr-defined]
+        plain.step()
+        if with_flag:
+            del plain.found_inf, plain.grad_scale  # type: ignore[attr-defined]
+
+    torch_us = {with_flag: statistics.median(_harness.per_call_us(lambda: torch_step(with_flag), steps)
+                                             for _ in range(repeats)) for with_flag in (False, True)}  # fmt: skip
+    return {
+        "opt_level": level,
+        "parameters": sum(1 for _ in engines["host"][1].parameters()),
+        "host_read_us": statistics.median(means["host"]),
+        "skip_on_device_us": statistics.median(means["device"]),
+        "device_vs_host": statistics.median(ratios),
+        "device_vs_host_range": [min(ratios), max(ratios)],
+        "settings_skip_on_device": {name: engine[0].settings.skip_on_device for name, engine in engines.items()},
+        "torch_fused_step_us": torch_us[False],
+        "torch_fused_step_with_found_inf_us": torch_us[True],
+        "host_read_repeat_means_us": means["host"],
+        "skip_on_device_repeat_means_us": means["device"],
     }
 
 
@@ -258,6 +328,15 @@ def tables(result: dict[str, Any]) -> dict[str, str]:
                 [r["opt_level"], r["parameters"], f"{r['off_us_median']:.0f}", f"{r['on_nonlogging_us_median']:.0f}",
                  f"{r['nonlogging_vs_off_pct']:+.1f}", f"{r['on_logging_us_median']:.0f}",
                  f"{r['logging_extra_us']:.0f}"] for r in result["telemetry_rows"]])
+    if result.get("skip_rows"):
+        out["skip: step + update + zero_grad (+ the outcome's read) per iteration, AdamW(fused=True), bfloat16, "
+            "engines in turn (median of the repeats' means, us)"] = _harness.markdown_table(
+            ["level", "parameters", "host read", "skip_on_device", "ratio per repeat [min, max]",
+             "torch's fused step", "with found_inf"], [
+                [r["opt_level"], r["parameters"], f"{r['host_read_us']:.0f}", f"{r['skip_on_device_us']:.0f}",
+                 f"{r['device_vs_host']:.3f} [{r['device_vs_host_range'][0]:.3f}, {r['device_vs_host_range'][1]:.3f}]",
+                 f"{r['torch_fused_step_us']:.0f}", f"{r['torch_fused_step_with_found_inf_us']:.0f}"]
+                for r in result["skip_rows"]])
     if result["forensics_rows"]:
         out["forensics: thread CPU time, median of the repeats (us)"] = _harness.markdown_table(
             ["level", "row", "diagnose", "us"],
@@ -301,6 +380,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                 measure_forensics(level, args.layers, args.steps, args.repeats)
                                 ] if "forensics" in parts else []  # fmt: skip
     result["write_check_rows"] = measure_writes(args.params, args.steps, args.repeats) if "writes" in parts else []
+    result["skip_rows"] = [measure_skip(level, args.params, args.steps, args.repeats)
+                           for level in args.levels] if "skip" in parts else []  # fmt: skip
     result.update(steps=args.steps, repeats=args.repeats, loadavg=[result["loadavg"], _harness.load_average()])
     out = tables(result)
     for title, table in out.items():

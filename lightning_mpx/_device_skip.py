@@ -77,7 +77,10 @@ class PendingStep:
     ) -> PendingStep:
         """The pending step of ``flags`` (one per loss) and the loss ``scales`` now, copied to the host behind the
         work queued so far (one kernel and one copy on CUDA; no wait)."""
-        values = torch.cat([flags.reshape(-1).float(), *(s.reshape(1) for s in scales)])
+        if flags.dim() == 0:  # one loss: its flag and its scale, one kernel
+            values = torch.stack([flags, scales[0]])
+        else:
+            values = torch.cat([flags.reshape(-1), torch.stack(scales)])
         ready = None
         if values.device.type == "cuda":
             host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)

@@ -281,7 +281,8 @@ class StepMachine:
     ) -> tuple[_OptimizerState, list[int], torch.Tensor]:
         """:meth:`check` without the host read: unscale unless done, reduce the flags with ``reducer`` (when set)
         and count them toward the next update on the device. Returns the state, the losses whose gradients the
-        optimizer holds and their flags (one FP32 tensor, 1.0 on overflow), for a step that skips on the device."""
+        optimizer holds and their flags (FP32, 1.0 on overflow: one per loss, or the one loss's own 0-d flag), for
+        a step that skips on the device."""
         state = self.state(optimizer)
         if state.stage is not _Stage.UNSCALED:
             self._unscale(state, marks=False)
@@ -289,14 +290,14 @@ class StepMachine:
             follow_cleared_grads(state, self.masters.weights)
         try:
             loss_ids = sorted(state.found_by_loss)
-            flags = (
-                state.found_by_loss[loss_ids[0]].reshape(1)
-                if len(loss_ids) == 1
-                else torch.stack([state.found_by_loss[i].reshape(()) for i in loss_ids])
-            )
+            if len(loss_ids) == 1 and reducer is None:  # the usual case: the one flag as it is, no kernel
+                flags = state.found_by_loss[loss_ids[0]]
+                self.record_found({loss_ids[0]: flags})  # unread: the update counts on the device
+                return state, loss_ids, flags
+            flags = torch.stack([state.found_by_loss[i].reshape(()) for i in loss_ids])
             if reducer is not None:
                 reducer(flags)
-            self.record_found(dict(zip(loss_ids, flags.unbind(0))))  # unread: the update counts on the device
+            self.record_found(dict(zip(loss_ids, flags.unbind(0))))
             return state, loss_ids, flags
         except BaseException:
             self.keep_marks(state)

@@ -543,7 +543,7 @@ class Amp:
     def _step_on_device(self, optimizer: torch.optim.Optimizer, step_kwargs: dict[str, Any]) -> StepOutcome:
         """The step of ``skip_on_device``: the flags to the optimizer's step, their host copy queued behind it."""
         state, loss_ids, flags = self._machine.check_on_device(optimizer, self.found_inf_reducer)
-        found = flags.reshape(()) if len(loss_ids) == 1 else flags.amax()
+        found = flags if flags.dim() == 0 else flags.amax() if len(loss_ids) > 1 else flags.reshape(())
         outcome = StepOutcome(self.read_step_outcomes)
         pending = PendingStep.behind(
             optimizer, loss_ids, flags, [self.scalers[i].scale_tensor for i in loss_ids], step=self._steps - 1,

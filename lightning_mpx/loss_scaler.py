@@ -178,7 +178,9 @@ class LossScaler:
             if found.device != scale.device or found.dtype != torch.float32 or found.dim():
                 found = found.to(device=scale.device, dtype=torch.float32).reshape(())
         else:
-            found = found_inf.to(device=scale.device, dtype=torch.float32).reshape(())
+            found = found_inf
+            if found.device != scale.device or found.dtype != torch.float32 or found.dim():
+                found = found.to(device=scale.device, dtype=torch.float32).reshape(())
             self._overflows.add_(found > 0)  # type: ignore[union-attr]  (a bool added to the int64 count: 0 or 1)
             if not self.dynamic:
                 return

@@ -6,6 +6,7 @@ These tests prove that the scripts work; they never assert on timings.
 from __future__ import annotations
 
 import json
+import statistics
 import math
 import subprocess
 import sys
@@ -174,6 +175,23 @@ def test_engine_overhead_forensics_rows(tmp_path):
         (row, diagnose) for diagnose in ("off", "watched") for row in ("clean-step", "iteration", "overflow-step")
     ]
     assert all(r["us"] > 0 and r["modules"] == 5 and r["parameters"] == 4 for r in rows)
+
+
+def test_engine_overhead_skip_rows_pair_the_host_read_with_skip_on_device(tmp_path):
+    """The ``skip`` part: two engines with AdamW(fused=True), the default and ``skip_on_device=True``, stepped in
+    turn; torch's fused step with and without a found_inf beside them."""
+    out = tmp_path / "skip.json"
+    result = engine_overhead.main(["--parts", "skip", "--params", "4", "--steps", "2", "--repeats", "2",
+                                   "--out", str(out)])  # fmt: skip
+    rows = json.loads(out.read_text())["skip_rows"]
+    assert [r["opt_level"] for r in rows] == ["O1", "O2"] and result["rows"] == []
+    for row in rows:
+        assert row["parameters"] == 4 and len(row["host_read_repeat_means_us"]) == 2
+        assert row["settings_skip_on_device"] == {"host": False, "device": True}
+        assert row["device_vs_host"] == pytest.approx(statistics.median(
+            d / h for d, h in zip(row["skip_on_device_repeat_means_us"], row["host_read_repeat_means_us"])))
+        assert row["torch_fused_step_us"] > 0 and row["torch_fused_step_with_found_inf_us"] > 0
+    assert "skip_on_device" in out.with_suffix(".md").read_text()
 
 
 def test_plugin_overhead_rows_ratios_syncs_and_profile(tmp_path, capsys):
