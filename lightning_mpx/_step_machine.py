@@ -265,11 +265,7 @@ class StepMachine:
         An unscale made here is followed by the step at once, with no user code in between, so the half gradients
         it read are noted (for a later unscale, clip or backward to see what the user cleared since) only if the step
         does not finish: :meth:`keep_marks`, called here and by ``Amp.step`` when an error leaves the step."""
-        state = self.state(optimizer)
-        if state.stage is not _Stage.UNSCALED:
-            self._unscale(state, marks=False)
-        elif self.masters.weights:
-            follow_cleared_grads(state, self.masters.weights)
+        state = self._unscaled_for_step(optimizer)
         try:
             return state, self._read_flags(state, reducer)
         except BaseException:
@@ -283,11 +279,7 @@ class StepMachine:
         and count them toward the next update on the device. Returns the state, the losses whose gradients the
         optimizer holds and their flags (FP32, 1.0 on overflow: one per loss, or the one loss's own 0-d flag), for
         a step that skips on the device."""
-        state = self.state(optimizer)
-        if state.stage is not _Stage.UNSCALED:
-            self._unscale(state, marks=False)
-        elif self.masters.weights:
-            follow_cleared_grads(state, self.masters.weights)
+        state = self._unscaled_for_step(optimizer)
         try:
             loss_ids = sorted(state.found_by_loss)
             if len(loss_ids) == 1 and reducer is None:  # the usual case: the one flag as it is, no kernel
@@ -302,6 +294,16 @@ class StepMachine:
         except BaseException:
             self.keep_marks(state)
             raise
+
+    def _unscaled_for_step(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
+        """``optimizer``'s state with its gradients unscaled for the step that follows at once (unscaled now without
+        noting the half gradients read, see :meth:`check`; or, unscaled before, with the user's clears since taken)."""
+        state = self.state(optimizer)
+        if state.stage is not _Stage.UNSCALED:
+            self._unscale(state, marks=False)
+        elif self.masters.weights:
+            follow_cleared_grads(state, self.masters.weights)
+        return state
 
     def keep_marks(self, state: _OptimizerState) -> None:
         """Note the half gradients an unscale read, when :meth:`check` unscaled without noting them and its step did

@@ -549,11 +549,9 @@ def test_gpu_host_profile_census_lists_what_a_loop_does_beyond_torchs(tmp_path):
         gpu_host_profile.main(["--check", "--census", "--interleave", "2"])
 
 
-def test_clip_rows_clip_and_are_compared_with_16_mixed_clipping_the_same(tmp_path, monkeypatch):
-    """The ``-clip`` rows run their Trainer with ``gradient_clip_val=1.0`` (the plugin's row computes the norm in its
-    unscale) and carry their ratio to Lightning's "16-mixed" with the same clip, a column of their own."""
+def _keep_built_rows(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """step.py's persistent rows by variant, as each is built (to look at its Trainer and plugin)."""
     import step
-    import torch
 
     built = {}
     real = step.Persistent.__init__
@@ -563,6 +561,16 @@ def test_clip_rows_clip_and_are_compared_with_16_mixed_clipping_the_same(tmp_pat
         built[variant] = self
 
     monkeypatch.setattr(step.Persistent, "__init__", keep)
+    return built
+
+
+def test_clip_rows_clip_and_are_compared_with_16_mixed_clipping_the_same(tmp_path, monkeypatch):
+    """The ``-clip`` rows run their Trainer with ``gradient_clip_val=1.0`` (the plugin's row computes the norm in its
+    unscale) and carry their ratio to Lightning's "16-mixed" with the same clip, a column of their own."""
+    import step
+    import torch
+
+    built = _keep_built_rows(monkeypatch)
     variants = ["lightning-16-mixed-clip", "mpx-O2-fp16-clip"]
     result = step.main(["--device", "cpu", "--model", "resnet", "--steps", "2", "--warmup", "1", "--repeats", "2",
                         "--one-process", "--persistent", "--variants", *variants, "--out", str(tmp_path / "s.json")])  # fmt: skip
@@ -585,14 +593,7 @@ def test_fused_rows_step_a_fused_adamw_and_the_plugins_skip_on_the_device(tmp_pa
 
     from lightning_mpx import MixedPrecisionPlugin
 
-    built = {}
-    real = step.Persistent.__init__
-
-    def keep(self, variant, *args, **kwargs):
-        real(self, variant, *args, **kwargs)
-        built[variant] = self
-
-    monkeypatch.setattr(step.Persistent, "__init__", keep)
+    built = _keep_built_rows(monkeypatch)
     variants = ["lightning-16-mixed-fused", "lightning-bf16-mixed-fused", "mpx-O1-fp16-fused", "mpx-O1-bf16-fused",
                 "mpx-O2-fp16-fused"]  # fmt: skip
     result = step.main(["--device", "cpu", "--model", "resnet", "--steps", "2", "--warmup", "1", "--repeats", "2",
