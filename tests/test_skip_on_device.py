@@ -47,10 +47,16 @@ def _backward(amp: Amp, model: nn.Module, index: int, bad: bool = False) -> None
 
 
 def _state(amp: Amp, model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The weights, the masters and the optimizer's state. A parameter without state counts as holding the state
+    AdamW's first step makes (step 0, zero moments): a fused AdamW that skips its first step on the device makes it,
+    as under ``GradScaler``, where the host path never calls the step."""
     tensors = [p.detach().clone() for p in model.parameters()]
     tensors += [m.detach().clone() for m in amp.master_params(opt)]
-    for state in opt.state.values():
-        tensors += [v.detach().clone() for v in state.values() if torch.is_tensor(v)]
+    for param in amp.master_params(opt):
+        state = opt.state.get(param) or {
+            "step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)
+        }
+        tensors += [state[k].detach().clone() for k in ("step", "exp_avg", "exp_avg_sq")]
     return tensors
 
 
@@ -279,34 +285,41 @@ def test_settings_refuse_promotion_and_a_flag_that_is_not_a_bool():
 ACTIONS = st.lists(
     st.tuples(
         st.booleans(),  # this backward's gradients overflow
+        st.sampled_from(["step", "clip", "unscale", "no-step", "checkpoint"]),  # what the user does then
         st.sampled_from(["now", "later"]),  # read the outcome right away, or leave it to the engine
-        st.booleans(),  # clip before the step
     ),
     min_size=1,
-    max_size=6,
+    max_size=7,
 )
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(actions=ACTIONS, level=st.sampled_from(["O1", "O2"]))
 def test_any_sequence_trains_as_the_host_path(actions, level):
+    """Sequences of backwards with and without overflows, clips, unscales, batches given up without a step and
+    checkpoints, the outcome read at once or left to the engine: the same as the host path, step for step."""
     runs = []
     for skip in (False, True):
         amp, model, opt = _engine(skip, level, dtype="float16", on_floor="continue", init_scale=2.0**6, growth_interval=2)
         seen = []
-        for index, (bad, when, clip) in enumerate(actions):
+        for index, (bad, action, when) in enumerate(actions):
             _backward(amp, model, index, bad)
-            if clip:
+            if action == "clip":
                 amp.clip_grad_norm_(opt, 1.0)
-            outcome = amp.step(opt)
-            if when == "now":
-                seen.append(bool(outcome))
+            elif action == "unscale":
+                amp.unscale_(opt)
+            if action != "no-step":
+                outcome = amp.step(opt)
+                if when == "now":
+                    seen.append(bool(outcome))
             amp.update()
+            if action == "checkpoint":
+                seen.append(amp.state_dict()["skipped_steps"])
             opt.zero_grad()
         amp.read_step_outcomes()
         runs.append((seen, amp.skipped_steps, amp.scalers[0].get_scale(), _state(amp, model, opt)))
     assert runs[0][:3] == runs[1][:3]
-    assert all(torch.equal(a, b) for a, b in zip(runs[0][3], runs[1][3]))
+    assert len(runs[0][3]) == len(runs[1][3]) and all(torch.equal(a, b) for a, b in zip(runs[0][3], runs[1][3]))
 
 
 # -- through the frameworks -----------------------------------------------------------------------------------------
