@@ -503,6 +503,8 @@ class Amp:
         it is read: then, or at the latest at the first :meth:`scale_loss` (backward) or :meth:`step` after the
         next :meth:`update`, at :meth:`read_step_outcomes`, :meth:`state_dict` or :meth:`release_optimizer`. Its
         record names the parameters whose gradients are still there when it is read (not after ``zero_grad()``).
+        While the forensics' forward watch runs (``diagnose_overflows``, or after an overflow at the floor until a
+        step that does not overflow) it is read at the step, as its record is of the forward before it.
 
         Raises:
             LossScaleFloorError: on overflow at the floor with ``on_floor="raise"`` (the step is skipped first;
@@ -556,6 +558,9 @@ class Amp:
             self._machine.keep_marks(state)  # the step did not finish (an optimizer's error, an interrupt)
             raise
         self._pending.add(pending)
+        if self.forensics.watch.active:
+            # The forward watch's record is of this step's forward, which the next forward replaces: read it now.
+            self._pending.read()
         return outcome
 
     def read_step_outcomes(self) -> None:

@@ -128,7 +128,8 @@ def test_step_reads_nothing_on_the_host_and_the_read_comes_at_the_next_backward(
 
 
 def test_outcome_reads_as_a_bool_and_reads_every_earlier_step_in_order():
-    amp, model, opt = _engine(True, on_floor="continue")
+    # float16 above its floor: an overflow arms no forward watch (which would read the next steps at once)
+    amp, model, opt = _engine(True, dtype="float16", init_scale=2.0**10)
     outcomes = []
     for index, bad in enumerate([False, True, False]):
         _backward(amp, model, index, bad)
@@ -147,7 +148,7 @@ def test_outcome_reads_as_a_bool_and_reads_every_earlier_step_in_order():
 
 
 def test_overflow_record_names_the_parameters_while_their_gradients_are_there(caplog):
-    amp, model, opt = _engine(True, on_floor="continue")
+    amp, model, opt = _engine(True, dtype="float16", init_scale=2.0**10)  # above the floor: no watch armed
     _backward(amp, model, 0)
     model[0].weight.grad[0, 0] = float("inf")
     with caplog.at_level(logging.INFO, logger="lightning_mpx"):
@@ -247,6 +248,33 @@ def test_two_optimizers_and_losses_train_as_the_host_path_and_the_second_backwar
     assert runs[0][:3] == runs[1][:3]
     assert runs[0][0] == [(i != 1, i != 3) for i in range(5)] and runs[0][1] == [1, 1]
     assert all(torch.equal(a, b) for a, b in zip(runs[0][3], runs[1][3]))
+
+
+@pytest.mark.parametrize("diagnose", [True, False], ids=["diagnose_overflows", "automatic-watch"])
+def test_while_the_forward_watch_runs_the_outcome_is_read_at_the_step_and_records_as_the_host_path(diagnose):
+    # The watch's record is of the forward before the step: read later, the next forward would have replaced it. A
+    # floor overflow arms the automatic watch (bfloat16: always at the floor); the next overflow is recorded by it.
+    records = []
+    for skip in (False, True):
+        amp, model, opt = _engine(skip, on_floor="continue", diagnose_overflows=diagnose)
+        described = []
+        for index, bad in enumerate([False, True, True, True, False]):
+            _backward(amp, model, index, bad)
+            watched = amp.forensics.watch.active
+            outcome = amp.step(opt)
+            if index == 1:
+                bool(outcome)  # the first overflow read by the user before zero_grad: its record names them
+            elif skip:
+                assert outcome.known == watched and (watched or not diagnose)  # read at the step while watched
+            amp.update()
+            opt.zero_grad()
+            described.append(None if amp.last_overflow is None else amp.last_overflow.describe())
+        amp.read_step_outcomes()
+        records.append((described, amp.skipped_steps, amp.metrics().get("mpx/overflow_first/0"),
+                        amp.forensics.watch.active))
+    assert records[0] == records[1]
+    assert "origin forward" in records[1][0][-1] and records[1][1] == [3]
+    assert records[1][3] == diagnose  # the automatic watch ended with the clean step
 
 
 def test_checkpoints_read_the_pending_steps_first():
