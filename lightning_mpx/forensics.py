@@ -413,7 +413,10 @@ class ForwardWatch:
             if all(ref() is t and _version(t) == version for (ref, version), t in zip(last[0], tensors)):
                 self._at.append(last[1])  # the very tensors the last output call measured, not written since
                 return
-        with disable_casts():  # our bookkeeping is not the model's compute
+        # Our bookkeeping is not the model's compute: no casts, and no autograd graph (under activation checkpointing
+        # a tensor saved for the backward by it would make the recomputation's saved tensors differ from the
+        # forward's, and torch.utils.checkpoint refuses the backward).
+        with disable_casts(), torch.no_grad():
             device = tensors[0].device
             index = self._count
             values = self._values

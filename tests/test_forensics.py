@@ -378,3 +378,49 @@ def test_a_finite_norm_clips_as_torch_does(when, backend):
     assert torch.equal(norm, want_norm)
     for p, h in zip(net.parameters(), holders):
         assert torch.equal(p.grad, h.grad)
+
+
+@pytest.mark.parametrize("diagnose", [True, False], ids=["diagnose_overflows", "automatic-watch"])
+def test_the_forward_watch_leaves_activation_checkpointing_working(diagnose, fresh_accelerate_state):
+    """transformers' GPT-2 with gradient checkpointing (torch.utils.checkpoint, non-reentrant) through the
+    Accelerator, with the forward watch on from the start (``diagnose_overflows``, against the same run unwatched) or
+    armed by an overflow at the floor (bfloat16's static scale, ``on_floor="continue"``): every backward after it
+    recomputes under the watch's hooks. The run trains on, the overflow is recorded, and watching changes no weight.
+    (The hooks' bookkeeping once built autograd graph inside the checkpointed region: the recomputation then saved
+    other tensors than the forward, and torch.utils.checkpoint refused the backward.)"""
+    pytest.importorskip("transformers")
+    from tests.accelerate_helpers import reset_accelerate_state
+    from tests.real_models import build_gpt2, digits, gpt2_forward, gpt2_loss
+
+    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+
+    pixels, labels, _, _ = digits()
+    runs = []
+    for watched in ((False, True) if diagnose else (False,)):
+        reset_accelerate_state()
+        accelerator = Accelerator(mixed_precision="O1", kwargs_handlers=[MixedPrecisionKwargs(
+            half_dtype="bfloat16", on_floor="continue", diagnose_overflows=watched)])  # fmt: skip
+        torch.manual_seed(0)
+        net = build_gpt2()
+        model, opt = accelerator.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+        armed, moved = [], []
+        for index in range(4):
+            rows = slice(8 * index, 8 * index + 8)
+            armed.append(accelerator.amp.forensics.watch.active)
+            before = [p.detach().clone() for p in model.parameters()]
+            loss = gpt2_loss(gpt2_forward(model, pixels[rows], labels[rows]), pixels[rows], labels[rows])
+            accelerator.backward(loss * float("inf") if index == 1 else loss)
+            opt.step()
+            opt.zero_grad()
+            moved.append(any(not torch.equal(a, b) for a, b in zip(before, model.parameters())))
+        amp = accelerator.amp
+        runs.append(([p.detach().clone() for p in model.parameters()], amp.skipped_steps, amp.last_overflow, armed))
+        assert moved == [True, False, True, True] and amp.skipped_steps == [1]
+    if diagnose:
+        (plain, *_), (weights, _, record, armed) = runs
+        assert armed == [True] * 4 and "origin forward (the loss was non-finite)" in record.describe()
+        assert all(torch.equal(a, b) for a, b in zip(plain, weights))  # watching changes nothing
+    else:
+        ((_, _, record, armed),) = runs
+        assert armed == [False, False, True, False]  # armed by the overflow, ended by the next clean step
+        assert record is not None and record.step == 1
