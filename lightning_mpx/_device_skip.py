@@ -169,7 +169,3 @@ class PendingSteps:
             overflowed, scales = step.read()
             step.outcome._stepped = not overflowed
             self._settle(step, overflowed, scales)
-
-    def clear(self) -> None:
-        """Forget the pending steps unread (a checkpoint load replaces what they would have counted)."""
-        self._steps.clear()

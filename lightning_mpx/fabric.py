@@ -202,8 +202,9 @@ class FabricMixedPrecisionPlugin(Precision):
         """Step ``optimizer`` unless its gradients overflowed (unscaling them first if nothing did yet)."""
         optimizer = _unwrap(optimizer)
         self._register(optimizer)
-        # A bool, or with skip_on_device a StepOutcome, read when step_was_skipped() asks
-        self._stepped[optimizer] = self.amp.step(optimizer, **kwargs)  # (inside fabric.autocast(), Amp turns the casts off)
+        # A bool, or with skip_on_device a StepOutcome, read when step_was_skipped() asks (inside fabric.autocast(),
+        # Amp turns the casts off)
+        self._stepped[optimizer] = self.amp.step(optimizer, **kwargs)
         self._update_pending = True
         return None
 
@@ -245,8 +246,10 @@ class FabricMixedPrecisionPlugin(Precision):
     def metrics(self) -> dict[str, float]:
         """The ``mpx/*`` metrics as Python numbers, for ``fabric.log_dict``: ``mpx/loss_scale``, ``mpx/overflows``
         (since the previous call), ``mpx/skipped_steps``... (see :meth:`lightning_mpx.amp.Amp.metrics`). Reads the
-        device (it syncs): call it on the steps you log."""
+        device (it syncs): call it on the steps you log. Steps skipped on the device (``skip_on_device``) are read
+        first, so that ``mpx/skipped_steps`` counts them."""
         self._begin()
+        self.amp.read_step_outcomes()
         return {name: float(value) for name, value in self.amp.metrics().items()}
 
     def state_dict(self) -> dict[str, Any]:
@@ -262,6 +265,7 @@ class FabricMixedPrecisionPlugin(Precision):
 
     def teardown(self) -> None:
         self._begin()
+        self.amp.read_step_outcomes()  # the last step skipped on the device is counted (and its floor applied)
 
     # -- internals ---------------------------------------------------------------------------------------------
     def _begin(self) -> None:

@@ -431,14 +431,62 @@ def test_fabric_step_was_skipped_reads_the_outcome():
     model = _net()
     model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
     skipped = []
-    for index in range(3):
-        x, y = _batch(index, bad=index == 1)
+    for index in range(4):
+        x, y = _batch(index, bad=index in (1, 3))
         fabric.backward(F.cross_entropy(model(x), y))
         fabric.clip_gradients(model, opt, max_norm=1.0)
         opt.step()
-        skipped.append(mpx.step_was_skipped(opt))
+        if index < 3:
+            skipped.append(mpx.step_was_skipped(opt))
         opt.zero_grad()
     assert skipped == [False, True, False] and mpx.amp.skipped_steps == [1]
+    # The last step's overflow, not asked about: the metrics for fabric.log_dict read it first.
+    assert mpx.metrics()["mpx/skipped_steps"] == 2.0
+    # Pickled for a spawned process (strategy="ddp_spawn"), the plugin takes its settings, not the outcomes.
+    assert pickle.loads(pickle.dumps(mpx)).amp.settings.skip_on_device
+
+
+def test_trainer_plugin_holding_an_outcome_pickles_its_settings_only():
+    model = Classifier(inject_inf_at=(2,), optimizer="adamw_fused", lr=0.01)
+    plugin = MixedPrecisionPlugin("O2", half_dtype="bfloat16", on_floor="continue", skip_on_device=True)
+    make_trainer(plugin, max_steps=3).fit(model, loader(classification_data()))
+    assert any(isinstance(o, StepOutcome) for o in plugin._stepped.values())
+    clone = pickle.loads(pickle.dumps(plugin))  # what strategy="ddp_spawn" does to the plugin
+    assert clone.settings == plugin.settings and clone.settings.skip_on_device and clone._stepped == {}
+
+
+def test_hugging_face_gpt2_through_the_accelerator_trains_as_the_host_path(fresh_accelerate_state):
+    # A real third-party model (transformers' GPT-2 built from a config, activation checkpointing on) at O1 and O2:
+    # the same weights, masters and skipped step with the flag handed to the fused AdamW as with the host read.
+    from tests.accelerate_helpers import reset_accelerate_state
+    from tests.real_models import build_gpt2, digits, gpt2_forward, gpt2_loss
+
+    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+
+    pixels, labels, _, _ = digits()
+    for level in ("O1", "O2"):
+        runs = []
+        for skip in (False, True):
+            reset_accelerate_state()
+            accelerator = Accelerator(mixed_precision=level, kwargs_handlers=[MixedPrecisionKwargs(
+                half_dtype="bfloat16", skip_on_device=skip, on_floor="continue")])  # fmt: skip
+            torch.manual_seed(0)
+            model = build_gpt2()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+            model, opt = accelerator.prepare(model, opt)
+            skipped = []
+            for index in range(4):
+                rows = slice(8 * index, 8 * index + 8)
+                loss = gpt2_loss(gpt2_forward(model, pixels[rows], labels[rows]), pixels[rows], labels[rows])
+                accelerator.backward(loss * float("inf") if index == 1 else loss)
+                opt.step()
+                skipped.append(opt.step_was_skipped)
+                opt.zero_grad()
+            tensors = [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
+            tensors += [m.detach().clone() for m in accelerator.amp.master_params(opt.optimizer)]
+            runs.append((skipped, accelerator.amp.skipped_steps, tensors))
+        assert runs[0][:2] == runs[1][:2] == ([False, True, False, False], [1]), level
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][2], runs[1][2])), level
 
 
 # -- CUDA (the GPU suite's tests part) --------------------------------------------------------------------------------
