@@ -334,15 +334,19 @@ class Amp:
         unfrozen). A closure optimizer (LBFGS), which loss scaling cannot support, is refused with a ValueError."""
         self._machine.validate(optimizer, with_masters=self._with_masters)
         if self.settings.skip_on_device:
-            refusal = "the model is FSDP-sharded" if self.sharded else device_skip_refusal(optimizer)
-            if refusal is not None:
-                raise ValueError(
-                    f"skip_on_device=True needs a step that can be skipped on the device, but {refusal}: use "
-                    "torch.optim.Adam or AdamW with fused=True on an unsharded model, or skip_on_device=False."
-                )
+            self._refuse_device_skip(optimizer)
         self.promotion.check_patterns_matched()
         self._machine.register(optimizer, with_masters=self._with_masters)
         return optimizer
+
+    def _refuse_device_skip(self, optimizer: torch.optim.Optimizer) -> None:
+        """Raise a ValueError when ``optimizer`` cannot skip its step on the device (``skip_on_device``)."""
+        refusal = "the model is FSDP-sharded" if self.sharded else device_skip_refusal(optimizer)
+        if refusal is not None:
+            raise ValueError(
+                f"skip_on_device=True needs a step that can be skipped on the device, but {refusal}: use "
+                "torch.optim.Adam or AdamW with fused=True on an unsharded model, or skip_on_device=False."
+            )
 
     def release_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Forget ``optimizer`` and remove the hooks put on it (its masters stay with their model); its steps
@@ -544,6 +548,10 @@ class Amp:
 
     def _step_on_device(self, optimizer: torch.optim.Optimizer, step_kwargs: dict[str, Any]) -> StepOutcome:
         """The step of ``skip_on_device``: the flags to the optimizer's step, their host copy queued behind it."""
+        groups = len(optimizer.param_groups)
+        if self._machine.state(optimizer).fused_groups != groups:  # prepared, or a group added since (add_param_group)
+            self._refuse_device_skip(optimizer)  # before anything moves: a group that cannot skip would step anyway
+            self._machine.state(optimizer).fused_groups = groups
         state, loss_ids, flags = self._machine.check_on_device(optimizer, self.found_inf_reducer)
         found = flags if flags.dim() == 0 else flags.amax() if len(loss_ids) > 1 else flags.reshape(())
         outcome = StepOutcome(self.read_step_outcomes)

@@ -302,6 +302,30 @@ def test_an_optimizer_that_cannot_skip_on_the_device_is_refused_when_prepared(ma
         amp.prepare_optimizer(make(list(model.parameters())))
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_param_group_added_later_is_checked_before_anything_steps(level):
+    """A group added with ``add_param_group`` after the optimizer was prepared: one that inherits ``fused=True``
+    trains as a fused group; one with ``fused=False`` is refused at the next step, before any group moves (torch's
+    unfused step would otherwise raise halfway, after the fused groups had stepped)."""
+    amp = Amp(level, half_dtype="bfloat16", skip_on_device=True)
+    model = amp.prepare_model(_net())
+    first, last = list(model[0].parameters()), list(model[2].parameters())
+    opt = amp.prepare_optimizer(torch.optim.AdamW(first, lr=1e-2, fused=True))
+    opt.add_param_group({"params": [last[0]]})  # inherits fused=True
+    _backward(amp, model, 0)
+    before = [p.detach().clone() for p in model.parameters()]
+    assert amp.step(opt)
+    amp.update()
+    assert not torch.equal(model[2].weight, before[2])  # the added group trained
+    opt.zero_grad()
+    opt.add_param_group({"params": [last[1]], "fused": False})
+    _backward(amp, model, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"skip_on_device=True needs .* \(param group\(s\) \[2\] without fused=True"):
+        amp.step(opt)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
 def test_settings_refuse_promotion_and_a_flag_that_is_not_a_bool():
     with pytest.raises(ValueError, match=r"skip_on_device=True cannot be combined with on_floor='promote'"):
         MixedPrecisionSettings.from_kwargs("O1", skip_on_device=True, on_floor="promote")
