@@ -50,9 +50,12 @@ class OverflowLog:
         scalers: Sequence[LossScaler],
         record: OverflowRecord | None,
         scales: Mapping[int, float] | None = None,
+        *,
+        gathered: bool = False,
     ) -> None:
-        """Log one overflow step: the scales of ``loss_ids`` (``scales``: as they were at the step, when read after
-        an update), the parameters ``names`` and the ``record``."""
+        """Log one overflow step: the scales of ``loss_ids`` (``scales``: as they were at the step, when the step is
+        read after it was taken, skipped on the device), the parameters ``names`` and the ``record``; ``gathered``:
+        the flag was reduced across processes."""
         if not self.enabled:
             return
         now = time.monotonic()
@@ -68,10 +71,22 @@ class OverflowLog:
         log.info(
             "Gradient overflow: step skipped (scale before update %s); non-finite gradients in %s%s%s",
             shown_scales,
-            shown or "no parameter (flag set by another process)",
+            shown or _nameless(late=scales is not None, gathered=gathered),
             f"; {record.describe()}" if record is not None else "",
             f"; {suppressed} earlier overflow message(s) suppressed" if suppressed else "",
         )
+
+
+def _nameless(*, late: bool, gathered: bool) -> str:
+    """Why an overflow's log names no parameter: its flag came from another process, or (a step skipped on the
+    device, read later) the gradients were cleared or overwritten before the read."""
+    if not late:
+        return "no parameter (flag set by another process)"
+    cleared = (
+        "the gradients were cleared before this step's outcome was read (skip_on_device reads it later; use the "
+        "StepOutcome before zero_grad(), or diagnose_overflows=True, to name them)"
+    )
+    return f"no parameter ({'flag set by another process, or ' if gathered else ''}{cleared})"
 
 
 def named_grads(
@@ -172,7 +187,7 @@ class Overflows:
         self.forensics.overflowed(self.last, at_floor=floor)
         for loss_id in overflowed:
             self.skipped_steps[loss_id] += 1
-        self.log.log(self.last_parameters, overflowed, self.scalers, self.last, scales)
+        self.log.log(self.last_parameters, overflowed, self.scalers, self.last, scales, gathered=gather)
         return self.last_parameters
 
     def at_floor(

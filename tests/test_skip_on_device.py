@@ -148,7 +148,8 @@ def test_outcome_reads_as_a_bool_and_reads_every_earlier_step_in_order():
 
 
 def test_overflow_record_names_the_parameters_while_their_gradients_are_there(caplog):
-    amp, model, opt = _engine(True, dtype="float16", init_scale=2.0**10)  # above the floor: no watch armed
+    # float16 above the floor: no watch armed; every overflow logged
+    amp, model, opt = _engine(True, dtype="float16", init_scale=2.0**10, overflow_log_interval=0.0)
     _backward(amp, model, 0)
     model[0].weight.grad[0, 0] = float("inf")
     with caplog.at_level(logging.INFO, logger="lightning_mpx"):
@@ -164,8 +165,13 @@ def test_overflow_record_names_the_parameters_while_their_gradients_are_there(ca
     outcome = amp.step(opt)
     amp.update()
     opt.zero_grad()
-    amp.read_step_outcomes()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lightning_mpx"):
+        amp.read_step_outcomes()
     assert outcome == False and amp.skipped_steps == [2] and amp.last_overflow_parameters == []  # noqa: E712
+    # The log says why no parameter is named (not "another process": this engine has no other).
+    assert "no parameter (the gradients were cleared before this step's outcome was read" in caplog.text
+    assert "another process" not in caplog.text
 
 
 def test_the_floor_raises_where_the_overflow_is_read_with_the_weights_unchanged():
