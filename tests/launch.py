@@ -23,7 +23,9 @@ def run_script(name: str, out: Path, *, timeout: float, **env: str) -> None:
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / name)],
         cwd=out,
-        env=dict(os.environ, PYTHONPATH=str(ROOT), MPX_OUT=str(out), **env),
+        # PYTHONFAULTHANDLER: a rank that dies natively (a signal, heap corruption) prints every thread's Python stack
+        # to the stderr quoted on failure, so that a one-off crash says where it happened.
+        env=dict(os.environ, PYTHONPATH=str(ROOT), MPX_OUT=str(out), PYTHONFAULTHANDLER="1", **env),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -34,8 +36,8 @@ def run_script(name: str, out: Path, *, timeout: float, **env: str) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         _, stderr = proc.communicate()
-        raise AssertionError(f"{name} timed out after {timeout} s; stderr ends with:\n{stderr[-3000:]}") from None
-    assert proc.returncode == 0, f"{name}: exit code {proc.returncode}; stderr ends with:\n{stderr[-3000:]}"
+        raise AssertionError(f"{name} timed out after {timeout} s; stderr ends with:\n{stderr[-8000:]}") from None
+    assert proc.returncode == 0, f"{name}: exit code {proc.returncode}; stderr ends with:\n{stderr[-8000:]}"
 
 
 def rank_results(out: Path, prefix: str = "", world_size: int = 2) -> list[dict[str, Any]]:
