@@ -150,6 +150,7 @@ class CastPolicy:
         self.refuse_inplace_float = False
         self._actions: dict[Callable[..., Any], int] = {}
         self._actions_stamp = 0  # bumped whenever _actions is rebuilt: compiled code guards on it
+        self._action_lookup = _action_lookup(self._actions)
         # The table and table version that _actions was memoised from. The table itself, not its id(): an id can be
         # reused by a new table once the old one is freed.
         self._actions_of: tuple[Any, ...] = (None, -1, None)
@@ -323,6 +324,7 @@ class CastPolicy:
             if autocast_device is not None and actions.keys() <= _BACKWARD_ENTRIES:
                 actions = {}  # no mode at all: torch's checkpoint restores autocast for recomputation itself
             self._actions = actions
+            self._action_lookup = _action_lookup(actions)
             self._autocast_device = autocast_device
             self._actions_of = (self.table, self.table._version, *key)
             self._actions_stamp += 1
@@ -333,14 +335,24 @@ class CastPolicy:
         ``cache``: the parameter-cast cache to use (``None``: no caching; ``_UNSET``: :meth:`_cache_now`'s, looked
         up only when a parameter is cast).
         """
+        cast = self._cast_changed(value, dtype, castable, cache)
+        return value if cast is None else cast
+
+    def _cast_changed(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...],
+                      cache: Any = _UNSET) -> Any:
+        """:meth:`_cast` of ``value`` when that changes something, else ``None``.
+
+        Callers test the result against ``None``, not against ``value``: dynamo cannot trace ``is`` between two lists
+        or tuples (torch 2.11: neither; 2.13: tuples), and the casts run inside compiled code.
+        """
         if isinstance(value, torch.Tensor):
             current = value.dtype
             if current is dtype or current not in castable:
-                return value
+                return None
             return self._cast_tensor(value, dtype, cache)
         if type(value) is list or (isinstance(value, tuple) and not isinstance(value, torch.Size)):
             return self._cast_sequence(value, dtype, castable, cache)
-        return value
+        return None
 
     def _cast_tensor(self, value: torch.Tensor, dtype: torch.dtype, cache: Any = _UNSET) -> torch.Tensor:
         # ``to(dtype=...)``: the keyword form skips the argument parser's failed try of ``to(device, ...)``, about
@@ -354,16 +366,17 @@ class CastPolicy:
 
     def _cast_sequence(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...],
                        cache: Any = _UNSET) -> Any:
+        """The list or tuple ``value`` with its items cast (:meth:`_cast`), or ``None`` when no item changes."""
         items = None  # a copy, made at the first item that changes
         for index, item in enumerate(value):
             if isinstance(item, _CONTAINERS):
-                cast = self._cast(item, dtype, castable, cache)
-                if cast is not item:
+                cast = self._cast_changed(item, dtype, castable, cache)
+                if cast is not None:
                     if items is None:
                         items = list(value)
                     items[index] = cast
         if items is None:
-            return value  # nothing to cast: keep the caller's container, whatever its type
+            return None  # nothing to cast: the caller keeps its container, whatever its type
         if isinstance(value, list):
             return items
         return type(value)(*items) if hasattr(value, "_fields") else tuple(items)  # namedtuple
@@ -400,13 +413,13 @@ class CastPolicy:
                         new_args[index] = item.to(dtype=dtype)
             elif type(item) is tuple or type(item) is list:  # not torch.Size or a namedtuple: _cast sees to those
                 cast = self._cast_sequence(item, dtype, castable, cache)
-                if cast is not item:
+                if cast is not None:
                     if new_args is None:
                         new_args = list(args)
                     new_args[index] = cast
             elif isinstance(item, (list, tuple)):
-                cast = self._cast(item, dtype, castable, cache)
-                if cast is not item:
+                cast = self._cast_changed(item, dtype, castable, cache)
+                if cast is not None:
                     if new_args is None:
                         new_args = list(args)
                     new_args[index] = cast
@@ -422,8 +435,8 @@ class CastPolicy:
                         continue
                     cast = self._cast_tensor(item, dtype, cache)
                 elif isinstance(item, (list, tuple)):
-                    cast = self._cast(item, dtype, castable, cache)
-                    if cast is item:
+                    cast = self._cast_changed(item, dtype, castable, cache)
+                    if cast is None:
                         continue
                 else:
                     continue
@@ -670,18 +683,23 @@ def _as_edges(value: Any) -> Any:
     return value
 
 
-def _action_of(policy: CastPolicy, func: Callable[..., Any], stamp: int) -> int:
-    """``func``'s action in ``policy``'s resolved table (``stamp`` is ``policy._actions_stamp``).
+def _action_lookup(actions: dict[Callable[..., Any], int]) -> Callable[[Callable[..., Any], int], int]:
+    """The lookup of a function's action in one resolved table: ``lookup(func, stamp)`` (``stamp`` is the policy's
+    ``_actions_stamp``, which changes whenever the table is resolved again).
 
-    Under ``torch.compile`` dynamo runs this while tracing and keeps the result as a constant, guarding on ``stamp``
-    (an int, rebuilt tables get a new one) instead of on every key of the table: read as a dict in the traced code,
-    the table's ~330 function keys would each become a guard, checked at every call of the compiled code.
+    Under ``torch.compile`` dynamo runs it while tracing and keeps the result as a constant
+    (``assume_constant_result``), guarding on ``stamp`` (an int) instead of on every key of the table: read as a dict
+    in the traced code, the table's ~330 function keys would each become a guard, checked at every call of the
+    compiled code. Its arguments are a torch function and an int, constants for every dynamo since torch 2.4 (the
+    policy itself as an argument is one only for newer ones: torch 2.11's dynamo raised on it).
     """
-    return policy._actions.get(func, _PASS)
 
+    def lookup(func: Callable[..., Any], stamp: int) -> int:
+        return actions.get(func, _PASS)
 
-# What torch.compiler.assume_constant_result(_action_of) sets, without importing dynamo (seconds) at import time.
-_action_of._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    # What torch.compiler.assume_constant_result(lookup) sets, without importing dynamo (seconds) at import time.
+    lookup._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return lookup
 
 
 @contextlib.contextmanager
@@ -716,7 +734,8 @@ class _CastMode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         policy = self.policy
-        action = _action_of(policy, func, policy._actions_stamp)  # read live: a table changed inside a scope applies
+        # Read live: a table changed inside a scope applies.
+        action = policy._action_lookup(func, policy._actions_stamp)
         if not action or self.disabled:  # _PASS
             return func(*args, **kwargs) if kwargs else func(*args)
         device = self.autocast_device
