@@ -117,7 +117,13 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]
 def loss_index(loss_id: int, num_losses: int) -> int:
     """``loss_id`` as a Python int (numpy and other integer types accepted; bool refused), checked in range."""
     try:
-        is_bool = isinstance(loss_id, bool) or (isinstance(loss_id, torch.Tensor) and loss_id.dtype == torch.bool)
+        # numpy's bool is refused like Python's: numpy before 2.3 still lets operator.index read it as 0 or 1.
+        kind = type(loss_id)
+        is_bool = (
+            isinstance(loss_id, bool)
+            or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"))
+            or (isinstance(loss_id, torch.Tensor) and loss_id.dtype == torch.bool)
+        )
         index = None if is_bool else operator.index(loss_id)
     except TypeError:
         index = None

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_mpx import CastPolicy, CastTable
-from lightning_mpx.cast_lists import AUTOCAST_ENTRY_POINTS, AUTOCAST_EXCEPTIONS
+from lightning_mpx.cast_lists import AUTOCAST_CUDA_BUILD_ONLY, AUTOCAST_ENTRY_POINTS, AUTOCAST_EXCEPTIONS
 from lightning_mpx.cast_table import _NAMESPACES
 
 TABLE = CastTable.default()
@@ -79,7 +79,11 @@ NOT_FP32_OUTSIDE_TEST_LISTS = {
     "_thnn_fused_lstm_cell": "half",
     "_thnn_fused_gru_cell": "half",
     "index_copy": "promote",
+    # CUDA builds only: the cuDNN RNN kernel behind torch.lstm/gru/rnn_tanh/rnn_relu, cast to float16
+    "_cudnn_rnn": "half",
 }
+# Operators registered in CUDA builds only, by the public functions that reach them (a CPU build, CI's, lacks them).
+CUDA_BUILD_ENTRY_POINTS = {"_cudnn_rnn": tuple(AUTOCAST_CUDA_BUILD_ONLY)}
 
 
 def _torch_categories() -> dict[str, dict[str, str]]:
@@ -116,8 +120,8 @@ def _resolve(qualified: str) -> Callable[..., Any]:
 
 def _entry_points(op: str) -> dict[str, Callable[..., Any]]:
     """The public functions through which ``op`` reaches a cast policy."""
-    if op in AUTOCAST_ENTRY_POINTS:
-        return {name: _resolve(name) for name in AUTOCAST_ENTRY_POINTS[op]}
+    if op in AUTOCAST_ENTRY_POINTS or op in CUDA_BUILD_ENTRY_POINTS:
+        return {name: _resolve(name) for name in AUTOCAST_ENTRY_POINTS.get(op) or CUDA_BUILD_ENTRY_POINTS[op]}
     for prefix, namespace in (("fft_", "torch.fft"), ("linalg_", "torch.linalg"), ("special_", "torch.special")):
         if op.startswith(prefix):
             function = getattr(_NAMESPACES[namespace], op.removeprefix(prefix), None)
