@@ -4,6 +4,7 @@ The core is framework-agnostic; the Lightning Trainer and Fabric plugins and the
 :class:`~lightning_mpx.amp.Amp`.
 """
 
+from lightning_mpx._compat import warn_if_old_torch
 from lightning_mpx._device_skip import StepOutcome
 from lightning_mpx.amp import Amp
 from lightning_mpx.cast_lists import CATEGORIES, DEFAULT_TABLE
@@ -16,6 +17,8 @@ from lightning_mpx.settings import MixedPrecisionSettings, ScalerSettings
 from lightning_mpx.unscale import unscale_grads_
 
 __version__ = "0.1.0"
+
+warn_if_old_torch()  # once, at import: torch older than the tested releases
 
 
 def __getattr__(name: str) -> object:

@@ -41,3 +41,20 @@ def test_ci_runs_the_readme_test_command():
     assert len(block) == 2, "the README starts with exactly two commands"
     assert "pytest" in block[1]
     assert block[1] in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_torch_floor_is_the_one_pip_is_asked_for_and_older_releases_warn():
+    from lightning_mpx._compat import MIN_TORCH, old_torch_warning
+
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    floor = ".".join(map(str, MIN_TORCH))
+    assert f'dependencies = ["torch>={floor}"]' in pyproject
+    for version in (f"{floor}.0", f"{floor}.0a0+git1234", "2.13.0+cpu", "3.0.0"):
+        assert old_torch_warning(version) is None, version
+    older = f"{MIN_TORCH[0]}.{MIN_TORCH[1] - 1}.0+cu128"
+    message = old_torch_warning(older)
+    assert message is not None and f"torch>={floor}" in message and older in message and "torch.compile" in message
+    assert old_torch_warning("2.4.1") is not None
+    # The installed torch (CI's) is at or above the floor: importing the package warns about nothing.
+    code = "import warnings; warnings.simplefilter('error'); import lightning_mpx"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
