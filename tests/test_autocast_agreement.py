@@ -41,7 +41,7 @@ from lightning_mpx.cast_lists import AUTOCAST_ACTIONS, AUTOCAST_CUDA_BUILD_ONLY,
 from lightning_mpx.cast_policy import autocast_differences
 from lightning_mpx.cast_table import _AUTOCAST_CATEGORIES, _NAMESPACES, _autocast_categories, _base_names, _resolve
 from tests import test_cast_table as rows
-from tests.test_cast_coverage import TORCH_CATEGORIES, _entry_points
+from tests.test_cast_coverage import CUDA_BUILD_ENTRY_POINTS, TORCH_CATEGORIES, _entry_points
 
 TABLE = CastTable.default()
 
@@ -163,7 +163,9 @@ def _derived(device):
     """What the installed torch's autocast casts, by public function: its registry and its test lists."""
     derived = {}
     for op, categories in TORCH_CATEGORIES.items():
-        if device in categories and op not in AUTOCAST_EXCEPTIONS:
+        # The CUDA-build-only operators (a CUDA build's aten::_cudnn_rnn) are AUTOCAST_CUDA_BUILD_ONLY's, not the pinned
+        # data's: a CPU build, CI's, cannot derive them.
+        if device in categories and op not in AUTOCAST_EXCEPTIONS and op not in CUDA_BUILD_ENTRY_POINTS:
             for name in _entry_points(op):
                 if not name.startswith("torch._"):  # private entry points (a CUDA build's torch._cudnn_rnn)
                     derived[name] = categories[device]
@@ -203,8 +205,11 @@ def test_autocast_actions_are_torchs(device):
     # does not count on.
     assert {name: category for name, category in pinned.items() if name not in dropped} == derived
     assert not {_resolve(name) for name in dropped} & set(_AUTOCAST_CATEGORIES[device])
-    # The CUDA-build-only rows are the cuDNN RNNs, which a CPU build's registry cannot show.
+    # The CUDA-build-only rows are the cuDNN RNNs, which a CPU build's registry cannot show; a CUDA build's can.
     assert set(AUTOCAST_CUDA_BUILD_ONLY) == {"torch.lstm", "torch.gru", "torch.rnn_tanh", "torch.rnn_relu"}
+    for op, names in CUDA_BUILD_ENTRY_POINTS.items():
+        if device in TORCH_CATEGORIES.get(op, {}):
+            assert {name: TORCH_CATEGORIES[op][device] for name in names} == dict(AUTOCAST_CUDA_BUILD_ONLY)
 
 
 # Rows that CPU autocast casts only in part, so no one category predicts their output (they are in the pinned
