@@ -548,10 +548,10 @@ class Amp:
 
     def _step_on_device(self, optimizer: torch.optim.Optimizer, step_kwargs: dict[str, Any]) -> StepOutcome:
         """The step of ``skip_on_device``: the flags to the optimizer's step, their host copy queued behind it."""
-        groups = len(optimizer.param_groups)
-        if self._machine.state(optimizer).fused_groups != groups:  # prepared, or a group added since (add_param_group)
+        groups, registered = len(optimizer.param_groups), self._machine.state(optimizer)
+        if registered.fused_groups != groups:  # prepared, or a group added since (add_param_group)
             self._refuse_device_skip(optimizer)  # before anything moves: a group that cannot skip would step anyway
-            self._machine.state(optimizer).fused_groups = groups
+            registered.fused_groups = groups
         state, loss_ids, flags = self._machine.check_on_device(optimizer, self.found_inf_reducer)
         found = flags if flags.dim() == 0 else flags.amax() if len(loss_ids) > 1 else flags.reshape(())
         outcome = StepOutcome(self.read_step_outcomes)

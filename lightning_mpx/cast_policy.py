@@ -72,7 +72,7 @@ _CATEGORY_ACTION = MappingProxyType(
 )  # read only when a policy resolves its table, never while a forward pass runs
 _LOW = (torch.float16, torch.bfloat16)
 _FP32 = (torch.float32,)
-_CONTAINERS = (torch.Tensor, list, tuple)  # what _cast may change; anything else is passed as given
+_CONTAINERS = (torch.Tensor, list, tuple)  # what _cast_changed may change; anything else is passed as given
 _UNSET: Any = object()  # a parameter-cast cache not looked up yet (CastPolicy._cache_now)
 
 
@@ -329,21 +329,15 @@ class CastPolicy:
             self._actions_of = (self.table, self.table._version, *key)
             self._actions_stamp += 1
 
-    def _cast(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...], cache: Any = _UNSET) -> Any:
-        """``value`` with its floating tensors of a ``castable`` dtype cast to ``dtype`` (in lists and tuples too).
-
-        ``cache``: the parameter-cast cache to use (``None``: no caching; ``_UNSET``: :meth:`_cache_now`'s, looked
-        up only when a parameter is cast).
-        """
-        cast = self._cast_changed(value, dtype, castable, cache)
-        return value if cast is None else cast
-
     def _cast_changed(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...],
                       cache: Any = _UNSET) -> Any:
-        """:meth:`_cast` of ``value`` when that changes something, else ``None``.
+        """``value`` with its floating tensors of a ``castable`` dtype cast to ``dtype`` (in lists and tuples too),
+        or ``None`` when nothing changes.
 
-        Callers test the result against ``None``, not against ``value``: dynamo cannot trace ``is`` between two lists
-        or tuples (torch 2.11: neither; 2.13: tuples), and the casts run inside compiled code.
+        ``cache``: the parameter-cast cache to use (``None``: no caching; ``_UNSET``: :meth:`_cache_now`'s, looked
+        up only when a parameter is cast). Callers test the result against ``None``, not against ``value``: dynamo
+        cannot trace ``is`` between two lists or tuples (torch 2.11: neither; 2.13: tuples), and the casts run inside
+        compiled code.
         """
         if isinstance(value, torch.Tensor):
             current = value.dtype
@@ -366,7 +360,7 @@ class CastPolicy:
 
     def _cast_sequence(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...],
                        cache: Any = _UNSET) -> Any:
-        """The list or tuple ``value`` with its items cast (:meth:`_cast`), or ``None`` when no item changes."""
+        """The list or tuple ``value`` with its items cast (:meth:`_cast_changed`), or ``None`` when no item changes."""
         items = None  # a copy, made at the first item that changes
         for index, item in enumerate(value):
             if isinstance(item, _CONTAINERS):
@@ -391,7 +385,7 @@ class CastPolicy:
 
     def _cast_all(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None, dtype: torch.dtype,
                   castable: tuple[torch.dtype, ...]) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
-        """The call's arguments with :meth:`_cast` applied; the same objects where nothing changes.
+        """The call's arguments with :meth:`_cast_changed` applied; the same objects where nothing changes.
 
         The hook's hot path: the tensor arguments are handled inline (no call per tensor), and the parameter-cast
         cache is looked up once, at the first parameter to cast.
@@ -411,7 +405,7 @@ class CastPolicy:
                         new_args[index] = item.to(dtype=dtype) if cache is None else _cached_cast(cache, item, dtype)
                     else:
                         new_args[index] = item.to(dtype=dtype)
-            elif type(item) is tuple or type(item) is list:  # not torch.Size or a namedtuple: _cast sees to those
+            elif type(item) is tuple or type(item) is list:  # not torch.Size or a namedtuple: _cast_changed sees to those
                 cast = self._cast_sequence(item, dtype, castable, cache)
                 if cast is not None:
                     if new_args is None:
@@ -690,8 +684,8 @@ def _action_lookup(actions: dict[Callable[..., Any], int]) -> Callable[[Callable
     Under ``torch.compile`` dynamo runs it while tracing and keeps the result as a constant
     (``assume_constant_result``), guarding on ``stamp`` (an int) instead of on every key of the table: read as a dict
     in the traced code, the table's ~330 function keys would each become a guard, checked at every call of the
-    compiled code. Its arguments are a torch function and an int, constants for every dynamo since torch 2.4 (the
-    policy itself as an argument is one only for newer ones: torch 2.11's dynamo raised on it).
+    compiled code. Its arguments are a torch function and an int, constants for dynamo on torch 2.11 as on 2.13 (the
+    policy itself as an argument is one only on 2.13: torch 2.11's dynamo raised on it).
     """
 
     def lookup(func: Callable[..., Any], stamp: int) -> int:
