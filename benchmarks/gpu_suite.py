@@ -5,7 +5,7 @@ A GPU is lent to some sessions only, for minutes, 10 at most per command. Each p
 results) and ``suite_<part>.md`` (its table) into ``--out DIR``, after every sub-run, so a part cut off by the
 device's time limit still leaves what it measured. Every subprocess runs under a timeout.
 
-    python benchmarks/gpu_suite.py tests    --out DIR   # pytest -k "triton or cuda" + the CUDA checks below (~1 min)
+    python benchmarks/gpu_suite.py tests    --out DIR   # pytest -k "triton or cuda or compile_o1", CUDA checks (1.5 min)
     python benchmarks/gpu_suite.py unscale  --out DIR   # benchmarks/unscale.py, one run per parameter set (~1.5 min)
     python benchmarks/gpu_suite.py step --model gpt    --out DIR   # benchmarks/step.py --device cuda (~6 min)
     python benchmarks/gpu_suite.py step --model resnet --out DIR   # (~4.5 min)
@@ -16,13 +16,14 @@ device's time limit still leaves what it measured. Every subprocess runs under a
 
 Parts:
 
-* ``tests``: ``pytest -k "triton or cuda" tests``, then this file's own CUDA checks in a child process: the fused
-  kernels against the reference backend on CUDA tensors (unscale in place and into FP32 masters, with norm and
-  clipping, the overflow flag, the master-to-model copy), the loss scaler's backoff and growth on the device,
-  ``MasterWeights`` and ``Amp`` O2 steps with the fused backend against the foreach one, a Lightning
-  ``MixedPrecisionPlugin`` fit, and the host syncs of a normal (non-overflow) step counted with
-  ``torch.cuda.set_sync_debug_mode("warn")`` for ``Amp`` O1/O2 and for torch's ``GradScaler`` loop. ``Amp.step``
-  reads the overflow flag once per step by design (as ``GradScaler.step`` does): the count is reported, not judged.
+* ``tests``: ``pytest -k "triton or cuda or compile_o1" tests`` (compiled O1 too: CI runs only torch 2.13, the GPU
+  machine an older torch), then this file's own CUDA checks in a child process: the fused kernels against the
+  reference backend on CUDA tensors (unscale in place and into FP32 masters, with norm and clipping, the overflow
+  flag, the master-to-model copy), the loss scaler's backoff and growth on the device, ``MasterWeights`` and ``Amp``
+  O2 steps with the fused backend against the foreach one, a Lightning ``MixedPrecisionPlugin`` fit, and the host
+  syncs of a normal (non-overflow) step counted with ``torch.cuda.set_sync_debug_mode("warn")`` for ``Amp`` O1/O2 and
+  for torch's ``GradScaler`` loop. ``Amp.step`` reads the overflow flag once per step by design (as
+  ``GradScaler.step`` does): the count is reported, not judged.
 * ``unscale``: ``benchmarks/unscale.py`` per parameter set (GPT-2 124M, GPT 1.3B, ResNet-50 with the small-tensor
   sweep, BERT-base; FP32/FP16/BF16), each run measuring the copy bandwidth it is compared with.
 * ``step``: ``benchmarks/step.py --device cuda`` at real sizes (GPT-2 small at sequence 512, a CIFAR ResNet-18):
@@ -265,7 +266,7 @@ class Part:
 # -- tests ----------------------------------------------------------------------------------------------------------
 def part_tests(args: argparse.Namespace, env: dict[str, Any]) -> Part:
     part = Part("tests", args.out, args.check, args.command, env)
-    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton or cuda", "tests"]
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", gpu_report.TESTS_SELECTION, "tests"]
     if args.check:
         argv.insert(-1, "--collect-only")  # on CPU the CUDA tests skip: collecting proves the selection resolves
     record = part.run(argv, part.timeout(args, 360), args.out / "raw" / "tests_pytest.txt")

@@ -1,5 +1,5 @@
-"""O2 under the Lightning callbacks that write the model or change the optimizer: StochasticWeightAveraging and
-BackboneFinetuning, through a real Trainer."""
+"""O2 under the Lightning callbacks that write the model or change the optimizer: StochasticWeightAveraging,
+EMAWeightAveraging, BackboneFinetuning, through a real Trainer."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import BackboneFinetuning, StochasticWeightAveraging
+from lightning.pytorch.callbacks import (
+    BackboneFinetuning,
+    EMAWeightAveraging,
+    ModelCheckpoint,
+    StochasticWeightAveraging,
+)
 from torch import nn
 
 from lightning_mpx import MixedPrecisionPlugin
@@ -159,3 +164,68 @@ def test_a_fit_resumed_with_a_trained_layer_frozen_goes_on_as_the_straight_fit(t
     for key in states[0]:
         for k in states[0][key]:
             assert torch.equal(states[0][key][k], states[1][key][k]), (key, k)
+
+
+class _Trajectory(pl.Callback):
+    """Keeps, after every training batch, the loss and the weights the optimizer trains (FP32 masters at O2)."""
+
+    def __init__(self, plugin: MixedPrecisionPlugin | None) -> None:
+        self.plugin, self.seen = plugin, []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *args: Any) -> None:
+        amp = self.plugin.amp if self.plugin is not None else None
+        weights = [amp.master_of(p) if amp is not None else p for p in module.parameters()]
+        self.seen.append((outputs["loss"].detach().clone(), [w.detach().clone() for w in weights]))
+
+
+def _ema_fit(precision: str, ema: bool, checkpoints: Any = None, ckpt: Any = None) -> Any:
+    """Four epochs of 3 steps, each followed by one validation batch (where the EMA callback swaps the weights);
+    with ``checkpoints`` (a folder), Lightning's ``ModelCheckpoint`` saves one after every epoch."""
+    plugin = MixedPrecisionPlugin(precision, half_dtype="bfloat16") if precision != "32-true" else None
+    model = Classifier(optimizer="adamw", lr=0.01)
+    trajectory = _Trajectory(plugin)
+    averaging = EMAWeightAveraging(decay=0.8)
+    callbacks: list[pl.Callback] = [averaging, trajectory] if ema else [trajectory]
+    if checkpoints is not None:
+        callbacks.append(ModelCheckpoint(dirpath=checkpoints, filename="{epoch}", save_top_k=-1, every_n_epochs=1))
+    data = loader(classification_data(n=48))
+    trainer = make_trainer(plugin, max_epochs=4, callbacks=callbacks, num_sanity_val_steps=0, limit_val_batches=1,
+                           enable_checkpointing=checkpoints is not None)  # fmt: skip
+    trainer.fit(model, data, data, ckpt_path=ckpt)
+    return model, plugin, trainer, trajectory, averaging
+
+
+@pytest.mark.parametrize("precision", ["O2", "O1"])
+def test_ema_averaging_with_validation_leaves_the_training_untouched(precision):
+    """Lightning's ``EMAWeightAveraging`` writes its average into the model for every validation and puts the
+    trained weights back afterwards, through ``p.data``. Training must go on from the trained FP32 masters, bit for
+    bit as without the callback; after ``fit`` the model holds the average, as the callback promises."""
+    model, plugin, _, with_ema, averaging = _ema_fit(precision, ema=True)
+    _, _, _, without, _ = _ema_fit(precision, ema=False)
+    assert len(with_ema.seen) == len(without.seen) == 12
+    for step, ((loss_a, weights_a), (loss_b, weights_b)) in enumerate(zip(with_ema.seen, without.seen)):
+        assert torch.equal(loss_a, loss_b), step
+        for a, b in zip(weights_a, weights_b):
+            assert a.dtype == torch.float32 and torch.equal(a, b), step
+    average = dict(averaging._average_model.module.named_parameters())
+    for name, param in model.named_parameters():
+        assert torch.equal(param, average[name].to(param.dtype)), name
+        plugin.amp.refresh_masters()  # what an export or a next step takes first
+        assert torch.equal(plugin.amp.master_of(param).to(param.dtype), param), name
+
+
+@pytest.mark.parametrize("precision", ["O2", "32-true"])
+def test_ema_averaging_resumed_from_a_checkpoint_goes_on_as_the_straight_fit(precision, tmp_path):
+    """A checkpoint ``ModelCheckpoint`` saved mid-run holds the average as its ``state_dict`` (the callback moves the
+    trained weights to ``current_model_state``) and, at O2, the plugin's FP32 masters; resumed in a new Trainer,
+    losses, trained weights and the average equal the fit that was never interrupted, as with Lightning's FP32."""
+    _, _, _, straight, straight_avg = _ema_fit(precision, ema=True, checkpoints=tmp_path)
+    resumed_from = tmp_path / "epoch=1.ckpt"  # after 6 steps and the second validation
+    _, _, _, resumed, resumed_avg = _ema_fit(precision, ema=True, ckpt=resumed_from)
+    assert len(resumed.seen) == 6
+    for step, ((loss_a, weights_a), (loss_b, weights_b)) in enumerate(zip(straight.seen[6:], resumed.seen)):
+        assert torch.equal(loss_a, loss_b), step
+        for a, b in zip(weights_a, weights_b):
+            assert a.dtype == torch.float32 and torch.equal(a, b), step
+    for a, b in zip(straight_avg._average_model.parameters(), resumed_avg._average_model.parameters()):
+        assert torch.equal(a, b)

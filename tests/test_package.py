@@ -58,3 +58,29 @@ def test_the_torch_floor_is_the_one_pip_is_asked_for_and_older_releases_warn():
     # The installed torch (CI's) is at or above the floor: importing the package warns about nothing.
     code = "import warnings; warnings.simplefilter('error'); import lightning_mpx"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_every_package_a_test_skips_without_is_installed_by_the_dev_extra():
+    """CI installs ``.[dev]``: a test that skips when a package is missing must find it there, or CI never runs it
+    (the LoRA tests of tests/test_frozen_params_o2.py skipped in every CI run until peft joined the extra)."""
+    import tomllib
+
+    dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    wanted = {re.match(r"[A-Za-z0-9_.-]+", spec).group(0).lower().replace("_", "-") for spec in dev}
+    # The import name where it differs from the distribution's; torch's own modules need nothing.
+    distribution = {"sklearn": "scikit-learn", "lightning.pytorch": "lightning", "transformers.modeling_outputs":
+                    "transformers", "torch.distributed.fsdp": None}  # fmt: skip
+    skipped_on: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        text = path.read_text()
+        names = re.findall(r"importorskip\(\s*[\"']([\w.]+)[\"']", text)
+        names += re.findall(r"find_spec\(\s*[\"']([\w.]+)[\"']\s*\)\s*is\s*(?:not\s*)?None", text)
+        for name in names:
+            skipped_on.setdefault(name, set()).add(path.name)
+    assert "peft" in skipped_on and "sklearn" in skipped_on  # the scan sees the tests it guards
+    missing = {}
+    for name, files in skipped_on.items():
+        dist = distribution.get(name, name.split(".")[0])
+        if dist is not None and dist.lower() not in wanted:
+            missing[name] = sorted(files)
+    assert not missing, f"tests skip without these packages, which the dev extra does not install: {missing}"
