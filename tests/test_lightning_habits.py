@@ -157,3 +157,80 @@ def test_habits_at_o1_and_o2_train_as_fp32(habits, tmp_path_factory):
             halves = [p for group in optimizer.param_groups for p in group["params"]]
             for master, half in zip(masters, halves):
                 assert torch.equal(half.detach(), master.detach().to(half.dtype))
+
+
+class _Tuned(pl.LightningModule):
+    """What ``Tuner`` needs: an ``lr`` attribute, a ``batch_size`` the loaders read, its own loaders; an inf written
+    into a gradient at global step 1 (of the tuner's run and of the fit alike), so the loss scale backs off once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+        self.lr, self.batch_size = 0.01, 8
+        self.losses: list[torch.Tensor] = []
+        self.skipped_at_end: list[list[int]] = []  # the plugin's skipped-step count when each run ended
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.net(x), y))
+
+    def on_after_backward(self) -> None:
+        if self.trainer.global_step == 1:
+            self.net[0].weight.grad.view(-1)[0] = float("inf")
+
+    def on_train_end(self) -> None:
+        self.skipped_at_end.append(list(self.trainer.precision_plugin.amp.skipped_steps))
+
+    def train_dataloader(self) -> Any:
+        return loader(classification_data(n=128, seed=2), batch_size=self.batch_size)
+
+    def val_dataloader(self) -> Any:
+        return loader(classification_data(n=16, seed=3), batch_size=8)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+@pytest.mark.parametrize("tune", ["lr_find", "scale_batch_size"])
+def test_the_tuner_leaves_the_fit_that_follows_as_without_it(tune, tmp_path):
+    """``Tuner.lr_find`` and ``Tuner.scale_batch_size`` train for a while (here through an overflow: a skipped step,
+    the scale halved), then restore the run from a checkpoint of their own. The fit after them must be the fit
+    without them, bit for bit: O2's FP32 masters, the loss scale and the skipped-step count come back too."""
+    from lightning.pytorch.tuner import Tuner
+
+    def fit(tuned: bool) -> tuple[_Tuned, MixedPrecisionPlugin, list[Any]]:
+        plugin = MixedPrecisionPlugin("O2", half_dtype="float16")
+        model = _Tuned()
+        trainer = make_trainer(plugin, max_epochs=1, limit_val_batches=1, default_root_dir=str(tmp_path))
+        seen: list[Any] = []
+        if tuned:
+            if tune == "lr_find":
+                Tuner(trainer).lr_find(model, num_training=12, early_stop_threshold=None, update_attr=False)
+            else:
+                Tuner(trainer).scale_batch_size(model, init_val=8, max_trials=2, steps_per_trial=3)
+                assert model.batch_size > 8  # it did scale (and ran steps at those sizes)
+                model.batch_size = 8
+            assert model.skipped_at_end[0] == [1]  # the tuner's first run overflowed and skipped a step
+            seen = [list(plugin.amp.skipped_steps), plugin.amp.state_dict()["scalers"]]
+            model.losses.clear()
+        trainer.fit(model)
+        return model, plugin, seen
+
+    plain, plain_plugin, _ = fit(tuned=False)
+    tuned, tuned_plugin, after_tuner = fit(tuned=True)
+    assert after_tuner == [[0], [{"scale": 65536.0, "growth_tracker": 0, "hysteresis_tracker": 1, "overflows": 0,
+                                   "dynamic": True}]]  # fmt: skip
+    assert len(plain.losses) == len(tuned.losses) == 16
+    assert all(torch.equal(a, b) for a, b in zip(plain.losses, tuned.losses))
+    for (name, a), b in zip(plain.named_parameters(), tuned.parameters()):
+        assert torch.equal(a, b), name
+        assert torch.equal(plain_plugin.amp.master_of(a), tuned_plugin.amp.master_of(b)), name
+    assert plain_plugin.amp.state_dict()["scalers"] == tuned_plugin.amp.state_dict()["scalers"]
+    assert plain_plugin.amp.skipped_steps == tuned_plugin.amp.skipped_steps == [1]
