@@ -546,3 +546,64 @@ def test_o2_masters_take_the_fp32_values_in_one_process_and_the_half_rounding_un
         assert torch.equal(masters_after_initialize(), weight.half().float())
     finally:
         torch.distributed.destroy_process_group()
+
+
+def _ema_run(with_ema: bool, tmp_path) -> tuple[list[torch.Tensor], dict[str, torch.Tensor] | None]:
+    """timm's Apex recipe: ``amp.initialize`` at O2, then an EMA copy made with ``copy.deepcopy`` and updated after
+    each step, its ``state_dict()`` saved, and at the end that checkpoint loaded back into a new copy (a resume)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    ema = copy.deepcopy(model) if with_ema else None
+    saved = None
+    g = torch.Generator().manual_seed(1)
+    for step in range(6):
+        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
+        with amp.scale_loss(F.mse_loss(model(x), y), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if ema is not None:
+            with torch.no_grad():
+                for e, p in zip(ema.parameters(), model.parameters()):
+                    e.mul_(0.5).add_(p, alpha=0.5)
+            if step == 3:
+                torch.save(ema.state_dict(), tmp_path / "ema.pt")
+                saved = {k: v.float() for k, v in ema.state_dict().items()}
+                expected = {k: v.detach().float() for k, v in ema.named_parameters()}
+                assert saved.keys() == expected.keys()
+                for key in saved:  # the copy's own values, not the model's masters
+                    assert torch.equal(saved[key], expected[key]), key
+                restored = copy.deepcopy(model)  # a resume loads the EMA checkpoint into a fresh copy
+                restored.load_state_dict(torch.load(tmp_path / "ema.pt"))
+    return [p.detach().clone() for p in amp.master_params(optimizer)], saved
+
+
+def test_an_ema_copy_made_after_initialize_saves_its_own_weights_and_loading_it_leaves_the_masters(tmp_path):
+    """A ``copy.deepcopy`` of an O2 model carries its state-dict hooks; they act on the copy: its ``state_dict()``
+    holds its own values, and loading a state dict into it leaves the model's FP32 masters alone. Training is bit
+    for bit the run without the EMA copy."""
+    masters_with, saved = _ema_run(True, tmp_path)
+    _amp_state.reset()
+    masters_without, _ = _ema_run(False, tmp_path)
+    assert saved is not None
+    for a, b in zip(masters_with, masters_without):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+
+
+def test_a_model_after_initialize_pickles_and_runs_where_apex_could_not(tmp_path):
+    """Apex patched ``model.forward`` with a closure, so ``torch.save(model)`` failed after ``initialize``; the
+    hooks here pickle. The loaded model casts its inputs to half and its outputs to FP32 as before, and its
+    ``state_dict()`` is FP32 (its own values: it has no masters)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    x = torch.randn(3, 8)
+    assert loaded(x).dtype == torch.float32 and torch.equal(loaded(x), model(x))
+    state = loaded.state_dict()
+    assert all(v.dtype == torch.float32 for v in state.values())
+    assert torch.equal(state["0.weight"], loaded[0].weight.float())

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import weakref
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
@@ -353,61 +354,96 @@ def _parse_loss_scale(value: Any) -> Any:
 def _add_model_hooks(
     amp: Amp, model: nn.Module, cast_model_outputs: torch.dtype | None, *, cast_model: bool = True
 ) -> None:
-    """Apex patched ``model.forward``; here: removable hooks on this model instance only."""
+    """Apex patched ``model.forward``; here: removable hooks on this model instance only. Each hook acts on the
+    module it is called for, so a copy of the model (``copy.deepcopy`` for EMA, ``torch.save(model)``) carries hooks
+    that act on the copy: its ``state_dict()`` gives its own values and loading into it leaves this model's masters
+    alone. Apex's patched forward could not be pickled; these hooks can."""
     props = amp.properties
     casts = props.casts_model and cast_model
     hooks = _amp_state.hooks.setdefault(model, [])
     if casts:
-        def cast_inputs(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-            return amp.cast_inputs(args), amp.cast_inputs(kwargs)
-
-        hooks.append(model.register_forward_pre_hook(cast_inputs, with_kwargs=True))
+        hooks.append(model.register_forward_pre_hook(_CastInputs(props.half_dtype), with_kwargs=True))
     out_dtype = cast_model_outputs if cast_model_outputs is not None else (torch.float32 if casts else None)
     if out_dtype is not None:
-        castable = tuple(d for d in (torch.float16, torch.bfloat16, torch.float32) if d != out_dtype)
-
-        def cast_outputs(module: nn.Module, args: Any, output: Any) -> Any:
-            return _cast_collection(output, out_dtype, castable)
-
-        hooks.append(model.register_forward_hook(cast_outputs))
+        hooks.append(model.register_forward_hook(_CastOutputs(out_dtype)))
     if props.master_weights or casts:  # O2 and O3: Apex's state dicts were FP32 whenever it cast the model
-        hooks.append(model.register_state_dict_post_hook(_fp32_state_dict_hook(amp, model)))
+        hooks.append(model.register_state_dict_post_hook(_Fp32StateDict(amp)))
     if props.master_weights:
-        hooks.append(model.register_load_state_dict_pre_hook(_load_masters_hook(amp, model)))
+        hooks.append(model.register_load_state_dict_pre_hook(_LoadIntoMasters(amp)))
 
 
-def _fp32_state_dict_hook(amp: Amp, model: nn.Module) -> Callable[..., None]:
+class _CastInputs:
+    """Forward pre-hook: the model's floating-point inputs (FP32, FP64) cast to its half dtype."""
+
+    def __init__(self, half: torch.dtype) -> None:
+        self.half = half
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        castable = (torch.float32, torch.float64)
+        return _cast_collection(args, self.half, castable), _cast_collection(kwargs, self.half, castable)
+
+
+class _CastOutputs:
+    """Forward hook: the model's floating-point outputs cast to ``dtype`` (FP32 by default, as in Apex)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.castable = tuple(d for d in (torch.float16, torch.bfloat16, torch.float32) if d != dtype)
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        return _cast_collection(output, self.dtype, self.castable)
+
+
+class _EngineHook:
+    """A hook that needs the engine: held weakly, and dropped by a copy or a pickle of the model (whose parameters
+    have no masters in it)."""
+
+    def __init__(self, amp: Amp) -> None:
+        self._amp: Callable[[], Amp | None] | None = weakref.ref(amp)
+
+    def engine(self) -> Amp | None:
+        return self._amp() if self._amp is not None else None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._amp = None
+
+
+class _Fp32StateDict(_EngineHook):
     """O2/O3: ``model.state_dict()`` holds FP32 tensors as in Apex; a parameter with a master gives the master's
     exact value (Apex gave the half value cast up), so a checkpoint resumes bit-exactly."""
 
-    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        amp.refresh_masters()  # writes made to the half model since the last step
-        params = {prefix + name: p for name, p in model.named_parameters()}
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        amp = self.engine()
+        if amp is not None:
+            amp.refresh_masters()  # writes made to the half model since the last step
+        params = {prefix + name: p for name, p in module.named_parameters()}
         for key, value in list(state_dict.items()):
             if not torch.is_tensor(value) or value.dtype not in (torch.float16, torch.bfloat16):
                 continue
             param = params.get(key)
-            master = amp.master_of(param) if param is not None else None
+            master = amp.master_of(param) if amp is not None and param is not None else None
             state_dict[key] = master.detach().clone() if master is not None and master is not param else value.float()
 
-    return hook
 
-
-def _load_masters_hook(amp: Amp, model: nn.Module) -> Callable[..., None]:
+class _LoadIntoMasters(_EngineHook):
     """O2: FP32 values loaded into the half model go to its masters exactly; the model takes them rounded, and the
     masters keep the exact values because the two agree as half values."""
 
-    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        amp = self.engine()
+        if amp is None:
+            return
         with torch.no_grad():
-            for name, param in model.named_parameters():
+            for name, param in module.named_parameters():
                 value = state_dict.get(prefix + name)
                 master = amp.master_of(param)
                 if master is param or not torch.is_tensor(value) or value.dtype != torch.float32:
                     continue
                 if value.shape == master.shape:
                     master.copy_(value)
-
-    return hook
 
 
 # -- the loss -------------------------------------------------------------------------------------------------------
