@@ -44,9 +44,12 @@ class Masters:
         """Whether ``param`` already belongs to the masters of a model prepared for training."""
         return any(masters.covers(param) for masters in self.weights)
 
-    def add_model(self, module: nn.Module, names: Mapping[int, str], prefix: str) -> None:
+    def add_model(
+        self, module: nn.Module, names: Mapping[int, str], prefix: str, initial: Mapping[int, torch.Tensor] | None
+    ) -> None:
         """Masters for ``module``'s parameters, made lazily (by the optimizer that holds them, as Apex), unless
-        another prepared model already covers all of them (a shared submodule keeps its one master)."""
+        another prepared model already covers all of them (a shared submodule keeps its one master); ``initial``:
+        the FP32 values the model held before its cast, which those masters start from."""
         if all(map(self.covered, module.parameters())):
             return
         self.weights.append(
@@ -55,8 +58,22 @@ class Masters:
                 copy_backend=self.backend,
                 exclude=self.covered,
                 eager=False,
+                initial=initial,
             )
         )
+
+    def drop_initial(self) -> None:
+        """Let go of the FP32 values kept for masters not made by the first step (see :meth:`add_model`)."""
+        for masters in self.weights:
+            masters.drop_initial()
+
+    def take_loaded(self, param: torch.Tensor, value: torch.Tensor, states: Iterable[_OptimizerState]) -> None:
+        """FP32 ``value`` loaded into half ``param``: its master (made now if an optimizer holds it) takes it."""
+        for masters in self.weights:
+            if masters.covers(param):
+                self.master_of(param, states)
+                masters.take_loaded(param, value)
+                return
 
     def make_held(self, states: Iterable[_OptimizerState]) -> None:
         """Make the masters of the half parameters the optimizers hold (those added since their last step have

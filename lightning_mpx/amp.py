@@ -27,6 +27,7 @@ from torch import nn
 
 from lightning_mpx._collections import _cast_collection
 from lightning_mpx._device_skip import PendingStep, PendingSteps, StepOutcome, device_skip_refusal
+from lightning_mpx._dtypes import HALF_DTYPES
 from lightning_mpx._loss_regions import LossRegions
 from lightning_mpx._master_swap import param_pairs
 from lightning_mpx._masters import Masters
@@ -39,7 +40,7 @@ from lightning_mpx.cast_policy import CastPolicy, casts_off_if_on
 from lightning_mpx.cast_table import CastTable
 from lightning_mpx.forensics import OverflowForensics, OverflowRecord
 from lightning_mpx.loss_scaler import LossScaler
-from lightning_mpx.master_weights import MasterWeights, convert_module
+from lightning_mpx.master_weights import MasterWeights, _multi_process, convert_module
 from lightning_mpx.opt_levels import Properties
 from lightning_mpx.promotion import Promotion
 # MODEL_WRITES is defined with the other settings; its old import path here keeps working.
@@ -126,6 +127,9 @@ class Amp:
             if self.policy is not None and not self.properties.patch_torch_functions else None
         )
         self._regions_hooks: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+        # O2: each prepared model's load_state_dict pre-hooks (FP32 values loaded go to the masters exactly).
+        self._load_hooks: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+        self._initial_kept = True  # FP32 values from before the cast may still be held for masters not made yet
         self.scalers: list[LossScaler] = [
             LossScaler.from_settings(self.properties.loss_scale, settings.scaler) for _ in range(settings.num_losses)
         ]
@@ -276,12 +280,26 @@ class Amp:
             self._names.setdefault(id(param), prefix + name)
         self.forensics.watch.add_model(module, prefix)
         props = self.properties
+        # The FP32 values of the trainable parameters, held through the cast for their masters (O2, one process) and
+        # for fp32_modules; not those of frozen ones (a LoRA base), whose FP32 copy would raise the cast's peak memory.
+        masters_from_fp32 = props.master_weights and train and not _multi_process()
+        hold = props.casts_model and (masters_from_fp32 or bool(self.promotion.patterns))
+        before_cast = {id(p): p.data for p in module.parameters() if p.dtype == torch.float32 and p.requires_grad}
+        before_cast = before_cast if hold else {}
         _convert(module, props)
         self.promotion.add_model(module, prefix)  # fp32_modules: back to FP32 before any master is made
+        initial = _keep_fp32_values(module, before_cast)
         if props.master_weights and not train:
             self._masters.evaluation_only = True
         if props.master_weights and train:
-            self._masters.add_model(module, self._names, prefix)
+            self._masters.add_model(module, self._names, prefix, initial if masters_from_fp32 else None)
+            if module not in self._load_hooks:
+                hook = _LoadIntoMasters(self)
+                self._load_hooks[module] = [
+                    sub.register_load_state_dict_pre_hook(hook)
+                    for sub in module.modules()
+                    if any(True for _ in sub.parameters(recurse=False))
+                ]
         return module
 
     def _adopt_device(self) -> None:
@@ -522,6 +540,11 @@ class Amp:
             )
         if self._pending:
             self._pending.read(before=self._iteration)
+        if self._initial_kept:  # the first step: every optimizer's masters are made now, other kept values let go
+            self._initial_kept = False
+            if self._masters.weights:
+                self._masters.make_held(self._optimizers.values())
+                self._masters.drop_initial()
         self._steps += 1
         if self.settings.skip_on_device:
             return self._step_on_device(optimizer, step_kwargs)
@@ -693,6 +716,47 @@ def _device_type(module: nn.Module) -> str | None:
         if tensor.is_floating_point():
             return tensor.device.type
     return None
+
+
+def _keep_fp32_values(module: nn.Module, before_cast: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """After the cast to half: parameters FP32 again (``fp32_modules``) take back the exact values they held
+    before it, not their rounding; returns the FP32 values of the half parameters, for their masters."""
+    initial = {}
+    with torch.no_grad():
+        for param in module.parameters():
+            value = before_cast.get(id(param))
+            if value is None or value.shape != param.shape:
+                continue
+            if param.dtype == torch.float32 and param.data_ptr() != value.data_ptr():
+                param.data = value  # pinned FP32 by fp32_modules after the cast: its own values, exactly
+            elif param.dtype in HALF_DTYPES:
+                initial[id(param)] = value
+    return initial
+
+
+class _LoadIntoMasters:
+    """``load_state_dict`` pre-hook on each submodule of a model prepared at O2: an FP32 value loaded into a half
+    parameter goes to its master (or to the value its master will be made from) exactly; the model takes its
+    rounding. It acts on the module it is called for (a ``copy.deepcopy`` of the model, an EMA copy, has no masters)
+    and holds the engine weakly; a copied or pickled hook holds none."""
+
+    def __init__(self, amp: Amp) -> None:
+        self._amp: Callable[[], Amp | None] | None = weakref.ref(amp)
+
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        amp = self._amp() if self._amp is not None else None
+        if amp is None:
+            return
+        for name, param in module.named_parameters(recurse=False):
+            value = state_dict.get(prefix + name)
+            if param.dtype in HALF_DTYPES and torch.is_tensor(value) and value.dtype == torch.float32:
+                amp._masters.take_loaded(param, value, amp._optimizers.values())
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._amp = None
 
 
 def _convert(module: nn.Module, props: Properties) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -85,6 +85,9 @@ class MasterWeights:
         eager: Make the masters of the trainable half parameters now. ``False``: only when :meth:`master_of` is
             asked to create one, as :class:`~lightning_mpx.amp.Amp` does for the parameters an optimizer holds (an
             EMA copy or a distillation teacher kept as a submodule, trainable but in no optimizer, gets none).
+        initial: FP32 values the half parameters held before their cast (by ``id`` of the parameter): a master made
+            while its parameter still holds their rounding starts from them exactly (elements written since keep
+            the model's value). Dropped by :meth:`drop_initial` once the masters that need them are made.
 
     Attributes:
         workspace: The copy kernel's table cache, kept across steps.
@@ -97,6 +100,7 @@ class MasterWeights:
         copy_backend: str = "auto",
         exclude: Callable[[torch.Tensor], bool] | None = None,
         eager: bool = True,
+        initial: Mapping[int, torch.Tensor] | None = None,
     ) -> None:
         if copy_backend not in BACKENDS:
             raise ValueError(f"copy_backend={copy_backend!r} is not valid; valid choices: {', '.join(BACKENDS)}.")
@@ -110,6 +114,8 @@ class MasterWeights:
                 continue
             entry = _Entry(name, weakref.ref(param))
             self._entries[id(param)] = entry
+            if initial is not None and id(param) in initial:
+                entry.initial = initial[id(param)]
             if eager and param.requires_grad:
                 self._make_master(entry, param)
 
@@ -173,10 +179,36 @@ class MasterWeights:
 
     # -- coherence ----------------------------------------------------------------------------------------------
     def _make_master(self, entry: _Entry, param: torch.Tensor) -> None:
+        initial, entry.initial = entry.initial, None
         if param.dtype in HALF_DTYPES:
-            entry.master = param.detach().float().requires_grad_(True)
+            with torch.no_grad():
+                value = param.detach().float()
+                if initial is not None and initial.shape == param.shape:
+                    # The FP32 value the model held before its cast, where the model still holds its rounding
+                    # (elements written since, a load of other weights, keep the model's value, as refresh does).
+                    initial = initial.to(param.device)
+                    value = torch.where(param != initial.to(param.dtype), value, initial)
+            entry.master = value.requires_grad_(True)
             _watch_data(param, self._watch)
         entry.mark(param)
+
+    def drop_initial(self) -> None:
+        """Let go of the FP32 values kept from before the cast for masters not made yet (a trainable parameter no
+        optimizer holds, a teacher's): a master made later starts from the half value, as in Apex."""
+        for entry in self._entries.values():
+            entry.initial = None
+
+    def take_loaded(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """FP32 ``value`` is being loaded into half ``param`` (``load_state_dict``): its master, or the initial value
+        its master will be made from, takes it exactly; the model takes its rounding, which the master agrees with,
+        so the next :meth:`refresh` keeps the exact value."""
+        entry = self._entry(param)
+        if entry is None or value.shape != param.shape:
+            return
+        target = entry.master if entry.master is not None else entry.initial
+        if target is not None:
+            with torch.no_grad():
+                target.copy_(value)
 
     def refresh(self, params: Iterable[torch.Tensor] | None = None, *, force: bool = False) -> list[str]:
         """Take writes made to the model's half parameters since the masters last matched them; returns the names
@@ -214,8 +246,13 @@ class MasterWeights:
         """Re-take the masters from the model parameters, on the model's current device.
 
         For frameworks that move the model to its device, or broadcast rank zero's weights to every process, after
-        the masters were made. Identity is kept (an optimizer's state for them stays valid).
+        the masters were made. Identity is kept (an optimizer's state for them stays valid). In a single process a
+        master keeps its exact FP32 value where the model holds its rounding (the model was only moved); across
+        processes (a process group initialized) every master is the model's value, so that all ranks hold rank zero's.
         """
+        if not _multi_process():
+            self.refresh(force=True)  # moves each master to its parameter's device, takes what differs
+            return
         with torch.no_grad():
             for entry, param in self._live():
                 master = entry.master
@@ -365,6 +402,12 @@ class Mirror:
 _VERSION = operator.attrgetter("_version")
 
 
+def _multi_process() -> bool:
+    """Whether a ``torch.distributed`` process group is initialized (its frameworks broadcast rank zero's half
+    weights: masters must then be their rounding on every rank, not each rank's own FP32 values)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def _take_writes(pairs: list[tuple[_Entry, torch.Tensor]]) -> list[str]:
     """Take the writes of ``pairs``' parameters into their masters where the two differ as half values (the other
     elements keep their FP32 master value), with one host read for all; returns the names of those that changed."""
@@ -507,12 +550,13 @@ class _Entry:
     """One model parameter: its name, a weak reference, its master (``None`` until made; FP32 parameters have
     none) and the version and address it had when the master last matched it."""
 
-    __slots__ = ("name", "param", "master", "version", "address")
+    __slots__ = ("name", "param", "master", "initial", "version", "address")
 
     def __init__(self, name: str, param: weakref.ref[torch.Tensor]) -> None:
         self.name = name
         self.param = param
         self.master: torch.Tensor | None = None
+        self.initial: torch.Tensor | None = None  # the FP32 value before the cast to half, until the master is made
         self.version = -1
         self.address = -1
 

@@ -310,6 +310,8 @@ def test_clipping_equals_torch_clip_on_the_unscaled_gradients(level, half, how):
         fabric.clip_gradients(model, opt, clip_val=1e-3)
     params = mpx.amp.master_params(opt.optimizer)
     assert all(torch.equal(p.grad, r.grad) for p, r in zip(params, reference))
+    if level == "O2":  # the FP32 masters the step starts from (the model's FP32 weights, not their rounding)
+        masters_before = [m.detach().clone() for m in params]
     opt.step()  # plain SGD: it stepped with the clipped gradients
     for p, before, ref in zip(mpx.amp.master_params(opt.optimizer), masters_before, reference):
         assert torch.equal(p.detach(), before - 0.5 * ref.grad)

@@ -45,7 +45,8 @@ def test_masters_are_exact_fp32_copies_and_earlier_optimizer_state_moves_to_them
     (masters,) = amp.master_weights
     pairs = dict((id(p), m) for p, m in masters.half_pairs)
     assert len(pairs) == 2  # linear weight and bias; batch norm is its own master
-    assert torch.equal(pairs[id(model[0].weight)], weight.half().float())
+    assert torch.equal(pairs[id(model[0].weight)], weight)  # the FP32 weight itself, not its half rounding
+    assert not torch.equal(weight.half().float(), weight)
     held = opt.param_groups[0]["params"]
     # The optimizer keeps the model's own parameters; its state for the half weight is now its master's, in FP32.
     assert held[0] is model[0].weight and held[2] is model[1].weight

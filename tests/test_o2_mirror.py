@@ -77,8 +77,11 @@ def test_writes_under_no_grad_and_data_replacement_are_taken_elementwise():
     bias.data = torch.full_like(bias, 0.5)  # a new storage
     _step(amp, model, opt)
     master = amp.master_of(weight)
-    assert torch.equal(master[0], weight[0].float())
-    assert torch.equal(master[1:], master_before[1:])  # untouched elements keep their exact FP32 values
+    clamped = weight[0] != master_before[0].to(weight.dtype)
+    assert clamped.any() and not clamped.all()
+    # The clamped elements take the model's value; the row's others, and the other rows, keep their exact FP32 ones.
+    assert torch.equal(master[0], torch.where(clamped, weight[0].float(), master_before[0]))
+    assert torch.equal(master[1:], master_before[1:])
     assert torch.equal(amp.master_of(bias), torch.full((8,), 0.5))
     assert torch.equal(weight[0], master[0].half())
 

@@ -217,10 +217,12 @@ def initialize(
         # The core makes masters per prepared model and casts it; a holder of the half parameters alone is already
         # half, so preparing it only makes their masters.
         _amp_state.holder = amp.prepare_model(_HalfParameters(half_params))
-    fp32_values: list[tuple[nn.Parameter, torch.Tensor]] = []
     for model in models_list:
         if not keep_model:
-            fp32_values += _prepare_keeping_fp32_values(amp, model)
+            # At O2 in one process the masters start from the exact FP32 values the model held (a checkpoint loaded
+            # before initialize resumes bit-exactly, as one loaded after it does); under torch.distributed from the
+            # half rounding, which DDP's broadcast of rank 0's half weights keeps equal on every rank.
+            amp.prepare_model(model)
         _add_model_hooks(amp, model, cast_model_outputs, cast_model=not keep_model)
     wrapped = []
     for optimizer in optimizers_list:
@@ -233,31 +235,9 @@ def initialize(
         _amp_state.optimizers[id(optimizer)] = wrapper
         _amp_state.current.append(wrapper)
         wrapped.append(wrapper)
-    with torch.no_grad():
-        # The masters exist now (made by prepare_optimizer for the parameters an optimizer holds): they take the
-        # exact FP32 values the model held.
-        for param, value in fp32_values:
-            master = amp.master_of(param)
-            if master is not param and param.dtype != torch.float32:
-                master.copy_(value)
     if amp.properties.patch_torch_functions:
         _amp_state.handle = _enter_casts(amp, verbose=verbosity == 2)
     return _shaped(models_list, models_single, optimizers, wrapped, optimizers_single)
-
-
-def _prepare_keeping_fp32_values(amp: Amp, model: nn.Module) -> list[tuple[nn.Parameter, torch.Tensor]]:
-    """``amp.prepare_model(model)``, returning, at O2 in a single process, the FP32 values the model held: the
-    masters take them once the optimizers are prepared (the core, as Apex, makes masters from the half rounding), so a
-    checkpoint loaded before ``initialize`` resumes bit-exactly, as one loaded after it does.
-
-    Under ``torch.distributed`` the masters stay the half rounding: a DDP wrapper made after ``initialize`` broadcasts
-    rank 0's half weights, and only masters that are their rounding on every rank agree after it.
-    """
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    keep = amp.properties.master_weights and not distributed
-    values = [(p, p.data) for p in model.parameters() if p.dtype == torch.float32] if keep else []
-    amp.prepare_model(model)
-    return values
 
 
 def _engine(
@@ -356,8 +336,9 @@ def _add_model_hooks(
 ) -> None:
     """Apex patched ``model.forward``; here: removable hooks on this model instance only. Each hook acts on the
     module it is called for, so a copy of the model (``copy.deepcopy`` for EMA, ``torch.save(model)``) carries hooks
-    that act on the copy: its ``state_dict()`` gives its own values and loading into it leaves this model's masters
-    alone. Apex's patched forward could not be pickled; these hooks can."""
+    that act on the copy: its ``state_dict()`` gives its own values (loading into it leaves this model's masters
+    alone: the core's load hook acts on the module it is called for too). Apex's patched forward could not be
+    pickled; these hooks can."""
     props = amp.properties
     casts = props.casts_model and cast_model
     hooks = _amp_state.hooks.setdefault(model, [])
@@ -368,8 +349,6 @@ def _add_model_hooks(
         hooks.append(model.register_forward_hook(_CastOutputs(out_dtype)))
     if props.master_weights or casts:  # O2 and O3: Apex's state dicts were FP32 whenever it cast the model
         hooks.append(model.register_state_dict_post_hook(_Fp32StateDict(amp)))
-    if props.master_weights:
-        hooks.append(model.register_load_state_dict_pre_hook(_LoadIntoMasters(amp)))
 
 
 class _CastInputs:
@@ -426,24 +405,6 @@ class _Fp32StateDict(_EngineHook):
             param = params.get(key)
             master = amp.master_of(param) if amp is not None and param is not None else None
             state_dict[key] = master.detach().clone() if master is not None and master is not param else value.float()
-
-
-class _LoadIntoMasters(_EngineHook):
-    """O2: FP32 values loaded into the half model go to its masters exactly; the model takes them rounded, and the
-    masters keep the exact values because the two agree as half values."""
-
-    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        amp = self.engine()
-        if amp is None:
-            return
-        with torch.no_grad():
-            for name, param in module.named_parameters():
-                value = state_dict.get(prefix + name)
-                master = amp.master_of(param)
-                if master is param or not torch.is_tensor(value) or value.dtype != torch.float32:
-                    continue
-                if value.shape == master.shape:
-                    master.copy_(value)
 
 
 # -- the loss -------------------------------------------------------------------------------------------------------

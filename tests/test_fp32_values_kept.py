@@ -1,0 +1,206 @@
+"""O2 keeps the FP32 weights it is given: the masters start from the values the model held before its cast to half
+(a pretrained model loaded in FP32), FP32 values loaded after preparing (``load_state_dict``, Fabric's
+``load_raw``) go to the masters exactly, and ``fp32_modules`` keep their own FP32 values, not their half rounding.
+Checked through the core, the Lightning plugin, Fabric and the Accelerate adapter against the FP32 weights
+themselves; under a process group the masters are the half rounding, which DDP's broadcast keeps equal on every
+rank."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_mpx import Amp
+
+HALF = "bfloat16"
+
+
+def _net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _fp32_weights(seed: int) -> dict[str, torch.Tensor]:
+    """FP32 weights that bfloat16 cannot hold exactly (what a pretrained checkpoint in FP32 holds)."""
+    weights = {k: v.detach().clone() for k, v in _net(seed).state_dict().items()}
+    assert all(not torch.equal(v.to(torch.bfloat16).float(), v) for v in weights.values())
+    return weights
+
+
+def _assert_masters_are(amp: Amp, model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    for name, param in model.named_parameters():
+        master = amp.master_of(param)
+        assert param.dtype == torch.bfloat16 and master.dtype == torch.float32, name
+        assert torch.equal(master, weights[name]), name  # exactly, not the rounding
+        assert torch.equal(param, weights[name].to(param.dtype)), name  # the model holds the rounding
+    assert amp.fp32_state_dict(model).keys() == weights.keys()
+    for key, value in amp.fp32_state_dict(model).items():
+        assert torch.equal(value, weights[key]), key
+
+
+def _prepared(model: nn.Module, **settings: Any) -> tuple[Amp, torch.optim.Optimizer]:
+    amp = Amp("O2", half_dtype=HALF, **settings)
+    amp.prepare_model(model)
+    return amp, amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1)) or None
+
+
+@pytest.mark.parametrize("when", ["before prepare_model", "before prepare_optimizer", "after both", "after a step"])
+def test_the_masters_hold_the_fp32_weights_given_before_or_after_preparing(when):
+    model = _net()
+    weights = _fp32_weights(seed=1)
+    if when == "before prepare_model":
+        model.load_state_dict(weights)
+    amp = Amp("O2", half_dtype=HALF)
+    amp.prepare_model(model)
+    if when == "before prepare_optimizer":
+        model.load_state_dict(weights)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.prepare_optimizer(optimizer)
+    if when == "after a step":
+        x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+        with amp.forward_context():
+            loss = F.cross_entropy(model(amp.cast_inputs(x)).float(), y)
+        amp.scale_loss(loss).backward()
+        assert amp.step(optimizer)
+        optimizer.zero_grad()
+    if when in ("after both", "after a step"):
+        model.load_state_dict(weights)  # e.g. pretrained weights loaded into the prepared model
+    _assert_masters_are(amp, model, weights)
+    amp.refresh_masters()  # what the next step does first: the model's rounding agrees, the masters stay exact
+    _assert_masters_are(amp, model, weights)
+
+
+def test_a_submodule_loaded_on_its_own_and_half_values_keep_the_masters_exact():
+    model = _net()
+    weights = _fp32_weights(seed=1)
+    amp, _ = _prepared(model)
+    model[2].load_state_dict({"weight": weights["2.weight"], "bias": weights["2.bias"]})  # a new head
+    for name in ("2.weight", "2.bias"):
+        assert torch.equal(amp.master_of(dict(model.named_parameters())[name]), weights[name])
+    model.load_state_dict(weights)
+    model.load_state_dict(model.state_dict())  # the model's own half values (a checkpoint resume): nothing moves
+    _assert_masters_are(amp, model, weights)
+
+
+def test_fp32_modules_keep_their_own_fp32_values():
+    model = _net()
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    amp, _ = _prepared(model, fp32_modules=["2"])
+    assert model[2].weight.dtype == torch.float32
+    assert torch.equal(model[2].weight, weights["2.weight"]) and torch.equal(model[2].bias, weights["2.bias"])
+    assert torch.equal(amp.master_of(model[0].weight), weights["0.weight"])
+
+
+def test_a_copy_of_the_model_loads_without_touching_the_masters():
+    model = _net()
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    amp, _ = _prepared(model)
+    ema = copy.deepcopy(model)  # an EMA copy: its load hooks hold no engine
+    ema.load_state_dict(_fp32_weights(seed=2))
+    _assert_masters_are(amp, model, weights)
+
+
+def test_taking_the_masters_again_from_the_set_up_model_keeps_them_exact_in_one_process():
+    """What the Lightning plugin and Fabric do once the strategy has moved (and, under DDP, broadcast) the model:
+    in one process the model only moved, so a master keeps its FP32 value where the model holds its rounding."""
+    model = _net()
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    amp, _ = _prepared(model)
+    _assert_masters_are(amp, model, weights)
+    with torch.no_grad():
+        model[0].bias[0] = 1.5  # a value the model was given since
+    for masters in amp.master_weights:
+        masters.sync_from_model()
+    weights["0.bias"][0] = 1.5
+    _assert_masters_are(amp, model, weights)
+
+
+def test_under_a_process_group_the_masters_are_the_half_rounding(tmp_path):
+    """Each rank's FP32 values may differ, and DDP broadcasts rank 0's half weights: masters taken from the
+    model's rounding are equal on every rank."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = _net()
+        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        amp, _ = _prepared(model)
+        for name, param in model.named_parameters():
+            assert torch.equal(amp.master_of(param), weights[name].to(torch.bfloat16).float()), name
+        model.load_state_dict(weights)  # the same FP32 values loaded on every rank: the masters take them exactly
+        for masters in amp.master_weights:
+            masters.sync_from_model()  # after the strategy's broadcast: every master is the model's value
+        for name, param in model.named_parameters():
+            assert torch.equal(amp.master_of(param), weights[name].to(torch.bfloat16).float()), name
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+# -- the frameworks -------------------------------------------------------------------------------------------------
+def test_lightning_o2_masters_start_from_the_modules_fp32_weights():
+    pl = pytest.importorskip("lightning.pytorch")
+    from lightning_mpx import MixedPrecisionPlugin
+    from tests.lightning_helpers import classification_data, loader, make_trainer
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _net()
+            self.seen: dict[str, torch.Tensor] = {}
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if not self.seen:
+                amp = self.trainer.precision_plugin.amp
+                self.seen = {name: amp.master_of(p).detach().clone() for name, p in self.named_parameters()}
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = Net()
+    weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    make_trainer(MixedPrecisionPlugin("O2", half_dtype=HALF), max_steps=1).fit(module, loader(classification_data()))
+    assert module.seen.keys() == weights.keys()
+    for name, master in module.seen.items():
+        assert torch.equal(master, weights[name]), name
+
+
+@pytest.mark.parametrize("load_raw", [True, False])
+def test_fabric_masters_hold_the_weights_given_before_setup_or_by_load_raw_after(load_raw, tmp_path):
+    """litgpt's full fine-tuning sets the model up, then loads the pretrained weights with ``fabric.load_raw``."""
+    lightning = pytest.importorskip("lightning")
+    from lightning_mpx import FabricMixedPrecisionPlugin
+
+    plugin = FabricMixedPrecisionPlugin("O2", half_dtype=HALF)
+    fabric = lightning.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    weights = _fp32_weights(seed=1)
+    torch.save(weights, tmp_path / "pretrained.pt")
+    model = _net()
+    if not load_raw:
+        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    if load_raw:
+        fabric.load_raw(tmp_path / "pretrained.pt", model)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    fabric.backward(F.cross_entropy(model(x), y))
+    optimizer.step()  # at learning rate 0: the masters it stepped are the ones training starts from
+    _assert_masters_are(plugin.amp, model.module, weights)
+
+
+def test_accelerate_masters_hold_the_weights_given_before_and_after_prepare():
+    pytest.importorskip("accelerate")
+    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+
+    accelerator = Accelerator(mixed_precision="O2", kwargs_handlers=[MixedPrecisionKwargs(half_dtype=HALF)])
+    model = _net()
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    unwrapped = accelerator.unwrap_model(model)
+    _assert_masters_are(accelerator.amp, unwrapped, initial)
+    weights = _fp32_weights(seed=1)
+    unwrapped.load_state_dict(weights)
+    _assert_masters_are(accelerator.amp, unwrapped, weights)
