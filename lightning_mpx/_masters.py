@@ -62,6 +62,24 @@ class Masters:
             )
         )
 
+    def initial_state(self) -> list[dict[str, torch.Tensor]]:
+        """Per live model, the FP32 values kept for masters not made yet (see :meth:`add_model`)."""
+        return [masters.initial_state() for masters in self.weights if masters.alive]
+
+    def check_initial_state(self, saved: list[dict[str, torch.Tensor]]) -> None:
+        """Raise, changing nothing, if :meth:`load_initial_state` cannot take ``saved``."""
+        if len(saved) != len(self.weights):
+            raise ValueError(
+                f"the checkpoint keeps FP32 values for {len(saved)} model(s) but {len(self.weights)} model(s) were "
+                "prepared with master weights."
+            )
+        for masters, state in zip(self.weights, saved):
+            masters.check_initial_state(state)
+
+    def load_initial_state(self, saved: list[dict[str, torch.Tensor]]) -> None:
+        for masters, state in zip(self.weights, saved):
+            masters.load_initial_state(state)
+
     def drop_initial(self) -> None:
         """Let go of the FP32 values kept for masters not made by the first step (see :meth:`add_model`)."""
         for masters in self.weights:

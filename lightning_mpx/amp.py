@@ -660,6 +660,8 @@ class Amp:
             "half_dtype": str(self.properties.half_dtype),
             "scalers": [scaler.state_dict() for scaler in self.scalers],
             "master_weights": self._masters.state_dict(self._optimizers.values()),
+            # Before the first step: the FP32 values kept for masters not made yet (None once let go).
+            "fp32_values": self._masters.initial_state() if self._initial_kept else None,
             "skipped_steps": list(self.skipped_steps),
             "promotion": self.promotion.state_dict(),
         }
@@ -679,10 +681,20 @@ class Amp:
         promotion = state.get("promotion")
         self.promotion.check_state_dict(promotion)
         self._masters.check_state_dict(saved_masters, fp32=self.promotion.param_names(promotion))
+        # A checkpoint of a run that had stepped (or of an older release) keeps none: masters made later come from
+        # the half values, as in that run.
+        kept = state.get("fp32_values") if self._masters.weights else None
+        if kept is not None:
+            self._masters.check_initial_state(kept)
         for scaler, scaler_state in zip(self.scalers, state["scalers"]):
             scaler.load_state_dict(scaler_state)
         self.promotion.load_state_dict(promotion)  # the run that saved it promoted these modules: so does this one
         self._masters.load_state_dict(saved_masters)
+        if kept is None:
+            self._initial_kept = False
+            self._masters.drop_initial()
+        else:
+            self._masters.load_initial_state(kept)
         self.promotion.load_weights(promotion)
         for optimizer_state in self._optimizers.values():
             # Loading may have made masters for parameters that had none (frozen since the masters were made): the

@@ -192,6 +192,27 @@ class MasterWeights:
             _watch_data(param, self._watch)
         entry.mark(param)
 
+    def initial_state(self) -> dict[str, torch.Tensor]:
+        """The FP32 values kept from before the cast for masters not made yet, by name, cloned (a checkpoint taken
+        before the first step carries them, so that a resumed run makes those masters as the run it came from)."""
+        return {e.name: e.initial.detach().clone() for e, _ in self._live() if e.initial is not None}
+
+    def check_initial_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Raise, changing nothing, if :meth:`load_initial_state` cannot take ``state``."""
+        live = {entry.name: param for entry, param in self._live()}
+        for name, tensor in state.items():
+            if name not in live or tuple(tensor.shape) != tuple(live[name].shape):
+                raise ValueError(
+                    f"kept FP32 value {name!r} of the checkpoint matches no parameter of this model (or not its "
+                    "shape); nothing was loaded."
+                )
+
+    def load_initial_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Keep exactly the FP32 values of ``state`` for the masters not made yet (others are let go)."""
+        for entry, param in self._live():
+            value = state.get(entry.name)
+            entry.initial = None if value is None or entry.master is not None else value.detach().clone().float()
+
     def drop_initial(self) -> None:
         """Let go of the FP32 values kept from before the cast for masters not made yet (a trainable parameter no
         optimizer holds, a teacher's): a master made later starts from the half value, as in Apex."""

@@ -204,3 +204,43 @@ def test_accelerate_masters_hold_the_weights_given_before_and_after_prepare():
     weights = _fp32_weights(seed=1)
     unwrapped.load_state_dict(weights)
     _assert_masters_are(accelerator.amp, unwrapped, weights)
+
+
+@pytest.mark.parametrize("stepped", [True, False])
+@pytest.mark.parametrize("resumed_seed", [0, 5])
+def test_a_resumed_run_makes_the_masters_it_had_not_made_yet_as_the_run_it_came_from(stepped, resumed_seed):
+    """The FP32 values are kept until the first step. A layer joins the optimizer after a checkpoint: in the run
+    that was never interrupted its master comes from the kept FP32 value (no step yet) or from the half value (after
+    a step). A run resumed from that checkpoint, its model built as the first one was or initialised differently,
+    must do the same: the checkpoint carries the kept values, or says they were let go."""
+
+    def build(seed: int) -> tuple[Amp, nn.Module, torch.optim.Optimizer]:
+        model = _net(seed)
+        amp = Amp("O2", half_dtype=HALF)
+        amp.prepare_model(model)
+        return amp, model, amp.prepare_optimizer(torch.optim.AdamW(model[0].parameters(), lr=1e-2))
+
+    def step(amp: Amp, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        x, y = torch.randn(8, 16, generator=torch.Generator().manual_seed(3)), torch.tensor([0, 1, 2, 3] * 2)
+        with amp.forward_context():
+            loss = F.cross_entropy(model(amp.cast_inputs(x)).float(), y)
+        amp.scale_loss(loss).backward()
+        amp.step(optimizer)
+        amp.update()
+        model.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    straight = build(seed=0)
+    if stepped:
+        step(*straight)
+    saved = copy.deepcopy({"model": straight[1].state_dict(), "optimizer": straight[2].state_dict(),
+                           "amp": straight[0].state_dict()})  # fmt: skip
+    resumed = build(seed=resumed_seed)
+    resumed[1].load_state_dict(saved["model"])
+    resumed[2].load_state_dict(saved["optimizer"])
+    resumed[0].load_state_dict(saved["amp"])
+    for amp, model, optimizer in (straight, resumed):
+        optimizer.add_param_group({"params": list(model[2].parameters())})  # the head joins now
+    assert torch.equal(step(*straight), step(*resumed))
+    for a, b in zip(straight[1].parameters(), resumed[1].parameters()):
+        assert torch.equal(a, b) and torch.equal(straight[0].master_of(a), resumed[0].master_of(b))
