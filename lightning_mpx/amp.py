@@ -42,7 +42,7 @@ from lightning_mpx.forensics import OverflowForensics, OverflowRecord
 from lightning_mpx.loss_scaler import LossScaler
 from lightning_mpx.master_weights import MasterWeights, _multi_process, convert_module
 from lightning_mpx.opt_levels import Properties
-from lightning_mpx.promotion import Promotion
+from lightning_mpx.promotion import Promotion, matches
 # MODEL_WRITES is defined with the other settings; its old import path here keeps working.
 from lightning_mpx.settings import DEFAULTS, MODEL_WRITES, MixedPrecisionSettings, OnFloor  # noqa: F401
 from lightning_mpx.telemetry import GradTelemetry
@@ -280,12 +280,15 @@ class Amp:
             self._names.setdefault(id(param), prefix + name)
         self.forensics.watch.add_model(module, prefix)
         props = self.properties
-        # The FP32 values of the trainable parameters, held through the cast for their masters (O2, one process) and
-        # for fp32_modules; not those of frozen ones (a LoRA base), whose FP32 copy would raise the cast's peak memory.
+        # FP32 values held through the cast: the trainable parameters' for their masters (O2, one process) and the
+        # fp32_modules' own; not those of the other frozen ones (a LoRA base), which would raise the cast's peak memory.
         masters_from_fp32 = props.master_weights and train and not _multi_process()
-        hold = props.casts_model and (masters_from_fp32 or bool(self.promotion.patterns))
-        before_cast = {id(p): p.data for p in module.parameters() if p.dtype == torch.float32 and p.requires_grad}
-        before_cast = before_cast if hold else {}
+        before_cast = {}
+        if props.casts_model:
+            pinned = _pinned_params(module, prefix, self.promotion.patterns)
+            for param in module.parameters():
+                if param.dtype == torch.float32 and (id(param) in pinned or masters_from_fp32 and param.requires_grad):
+                    before_cast[id(param)] = param.data
         _convert(module, props)
         self.promotion.add_model(module, prefix)  # fp32_modules: back to FP32 before any master is made
         initial = _keep_fp32_values(module, before_cast)
@@ -730,6 +733,18 @@ def _device_type(module: nn.Module) -> str | None:
     return None
 
 
+def _pinned_params(module: nn.Module, prefix: str, patterns: Sequence[str]) -> set[int]:
+    """``id`` of the parameters of ``module``'s submodules that ``fp32_modules`` patterns name (kept FP32)."""
+    if not patterns:
+        return set()
+    return {
+        id(param)
+        for name, sub in module.named_modules()
+        if name and any(matches(prefix + name, pattern) for pattern in patterns)
+        for param in sub.parameters()
+    }
+
+
 def _keep_fp32_values(module: nn.Module, before_cast: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     """After the cast to half: parameters FP32 again (``fp32_modules``) take back the exact values they held
     before it, not their rounding; returns the FP32 values of the half parameters, for their masters."""
@@ -741,7 +756,7 @@ def _keep_fp32_values(module: nn.Module, before_cast: dict[int, torch.Tensor]) -
                 continue
             if param.dtype == torch.float32 and param.data_ptr() != value.data_ptr():
                 param.data = value  # pinned FP32 by fp32_modules after the cast: its own values, exactly
-            elif param.dtype in HALF_DTYPES:
+            elif param.dtype in HALF_DTYPES and param.requires_grad:
                 initial[id(param)] = value
     return initial
 

@@ -87,13 +87,18 @@ def test_a_submodule_loaded_on_its_own_and_half_values_keep_the_masters_exact():
     _assert_masters_are(amp, model, weights)
 
 
-def test_fp32_modules_keep_their_own_fp32_values():
+@pytest.mark.parametrize("level,frozen", [("O2", False), ("O2", True), ("O3", False)])
+def test_fp32_modules_keep_their_own_fp32_values(level, frozen):
     model = _net()
+    model[2].requires_grad_(not frozen)  # a frozen head kept FP32 in a fine-tune, too
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    amp, _ = _prepared(model, fp32_modules=["2"])
-    assert model[2].weight.dtype == torch.float32
+    amp = Amp(level, half_dtype=HALF, fp32_modules=["2"])
+    amp.prepare_model(model)
+    assert model[2].weight.dtype == torch.float32 and model[0].weight.dtype == torch.bfloat16
     assert torch.equal(model[2].weight, weights["2.weight"]) and torch.equal(model[2].bias, weights["2.bias"])
-    assert torch.equal(amp.master_of(model[0].weight), weights["0.weight"])
+    if level == "O2":
+        amp.prepare_optimizer(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1))
+        assert torch.equal(amp.master_of(model[0].weight), weights["0.weight"])
 
 
 def test_a_copy_of_the_model_loads_without_touching_the_masters():
