@@ -182,12 +182,13 @@ class MasterWeights:
         initial, entry.initial = entry.initial, None
         if param.dtype in HALF_DTYPES:
             with torch.no_grad():
-                value = param.detach().float()
-                if initial is not None and initial.shape == param.shape:
-                    # The FP32 value the model held before its cast, where the model still holds its rounding
-                    # (elements written since, a load of other weights, keep the model's value, as refresh does).
-                    initial = initial.to(param.device)
-                    value = torch.where(param != initial.to(param.dtype), value, initial)
+                if initial is not None and initial.shape == param.shape and initial.dtype == torch.float32:
+                    # The FP32 value the model held before its cast becomes the master (its own storage, when the
+                    # model was not moved since: no second FP32 copy), where the model still holds its rounding;
+                    # elements written since (a load of other weights) take the model's value, as refresh does.
+                    value = _take_differing(param, initial.to(param.device))
+                else:
+                    value = param.detach().float()
             entry.master = value.requires_grad_(True)
             _watch_data(param, self._watch)
         entry.mark(param)
@@ -421,6 +422,21 @@ class Mirror:
 
 
 _VERSION = operator.attrgetter("_version")
+
+
+_CHUNK = 1 << 22  # elements compared at a time: bounds the temporaries of a large embedding's comparison
+
+
+def _take_differing(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    """``master`` (FP32) with the elements where ``param`` (half) is not its rounding set to ``param``'s value, in
+    place; compared a slice at a time, so the temporaries stay small next to a large parameter."""
+    if not (param.is_contiguous() and master.is_contiguous()):
+        return torch.where(param != master.to(param.dtype), param, master, out=master)
+    flat_param, flat_master = param.view(-1), master.view(-1)
+    for start in range(0, flat_param.numel(), _CHUNK):
+        p, m = flat_param[start : start + _CHUNK], flat_master[start : start + _CHUNK]
+        torch.where(p != m.to(p.dtype), p, m, out=m)
+    return master
 
 
 def _multi_process() -> bool:

@@ -488,6 +488,22 @@ def test_lora_masters_counts_the_adapters_only(tmp_path):
         lora_masters.main(["--hidden", "30"])
 
 
+def test_prepare_memory_reports_peaks_and_the_masters_gap(tmp_path):
+    """benchmarks/prepare_memory.py: peak host memory after each prepare call, in a child process per tree, and the
+    masters' distance from the FP32 weights (none in this checkout)."""
+    pytest.importorskip("transformers")
+    import prepare_memory
+
+    out = tmp_path / "prepare.json"
+    result = prepare_memory.main(["--layers", "1", "--hidden", "64", "--out", str(out)])
+    (row,) = result["rows"]
+    assert json.loads(out.read_text())["rows"] == result["rows"]
+    assert row["exact_tensors"] == row["tensors"] > 0 and row["max_abs_gap"] == 0.0
+    assert 0 < row["built_mib"] <= row["prepare_model_mib"] <= row["prepare_optimizer_mib"]
+    with pytest.raises(SystemExit):
+        prepare_memory.main(["--hidden", "100"])
+
+
 def test_step_persistent_builds_each_variant_once_and_trains_it_on(tmp_path, monkeypatch):
     """step.py --one-process --persistent: each variant (a Trainer row and a loop) built once, then trained on round
     after round; a Trainer row's rounds continue its fit (the global step counts on), a loop's its step; no peak
