@@ -296,6 +296,8 @@ class Amp:
             self._masters.evaluation_only = True
         if props.master_weights and train:
             self._masters.add_model(module, self._names, prefix, initial if masters_from_fp32 else None)
+            if masters_from_fp32 and initial:
+                self._initial_kept = True  # a model prepared after a step: its leftovers go at the next step
             if module not in self._load_hooks:
                 hook = _LoadIntoMasters(self)
                 self._load_hooks[module] = [

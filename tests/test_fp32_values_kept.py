@@ -249,3 +249,35 @@ def test_a_resumed_run_makes_the_masters_it_had_not_made_yet_as_the_run_it_came_
     assert torch.equal(step(*straight), step(*resumed))
     for a, b in zip(straight[1].parameters(), resumed[1].parameters()):
         assert torch.equal(a, b) and torch.equal(straight[0].master_of(a), resumed[0].master_of(b))
+
+
+def test_a_model_prepared_after_the_first_step_gets_exact_masters_and_its_leftovers_are_let_go_at_the_next():
+    """A second model joins an engine that has stepped (a GAN's discriminator set up late): its masters start from
+    its FP32 weights too; the values of its parameters no optimizer holds are kept, and checkpointed, until the
+    engine's next step."""
+    amp = Amp("O2", half_dtype=HALF)
+    first = _net(0)
+    amp.prepare_model(first)
+    first_optimizer = amp.prepare_optimizer(torch.optim.SGD(first.parameters(), lr=0.1))
+    x = torch.randn(4, 16)
+
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        with amp.forward_context():
+            loss = model(amp.cast_inputs(x)).float().square().mean()
+        amp.scale_loss(loss).backward()
+        amp.step(optimizer)
+        amp.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    step(first, first_optimizer)
+    assert amp.state_dict()["fp32_values"] is None
+    late = _net(1)
+    weights = {k: v.detach().clone() for k, v in late.state_dict().items()}
+    amp.prepare_model(late)
+    late_optimizer = amp.prepare_optimizer(torch.optim.SGD(late[0].parameters(), lr=0.1))  # its head: in none
+    assert torch.equal(amp.master_of(late[0].weight), weights["0.weight"])
+    kept = amp.state_dict()["fp32_values"]
+    assert [sorted(k) for k in kept] == [[], ["model1.2.bias", "model1.2.weight"]]  # the second model's names
+    assert torch.equal(kept[1]["model1.2.weight"], weights["2.weight"])
+    step(late, late_optimizer)
+    assert amp.state_dict()["fp32_values"] is None
