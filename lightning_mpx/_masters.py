@@ -89,7 +89,8 @@ class Masters:
         """FP32 ``value`` loaded into half ``param``: its master (made now if an optimizer holds it) takes it."""
         for masters in self.weights:
             if masters.covers(param):
-                self.master_of(param, states)
+                if param.requires_grad:  # a frozen one gets no master: no need to look through the optimizers
+                    self.master_of(param, states)
                 masters.take_loaded(param, value)
                 return
 
