@@ -763,29 +763,37 @@ def _keep_fp32_values(module: nn.Module, before_cast: dict[int, torch.Tensor]) -
     return initial
 
 
-class _LoadIntoMasters:
-    """``load_state_dict`` pre-hook on each submodule of a model prepared at O2: an FP32 value loaded into a half
-    parameter goes to its master (or to the value its master will be made from) exactly; the model takes its
-    rounding. It acts on the module it is called for (a ``copy.deepcopy`` of the model, an EMA copy, has no masters)
-    and holds the engine weakly; a copied or pickled hook holds none."""
+class _EngineHook:
+    """A model hook that needs its engine: held weakly, and dropped by a copy or a pickle of the model (whose
+    parameters have no masters in it). Used by :class:`_LoadIntoMasters` and by ``lightning_mpx.apex``'s hooks."""
 
     def __init__(self, amp: Amp) -> None:
         self._amp: Callable[[], Amp | None] | None = weakref.ref(amp)
 
-    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        amp = self._amp() if self._amp is not None else None
-        if amp is None:
-            return
-        for name, param in module.named_parameters(recurse=False):
-            value = state_dict.get(prefix + name)
-            if param.dtype in HALF_DTYPES and torch.is_tensor(value) and value.dtype == torch.float32:
-                amp._masters.take_loaded(param, value, amp._optimizers.values())
+    def engine(self) -> Amp | None:
+        return self._amp() if self._amp is not None else None
 
     def __getstate__(self) -> dict[str, Any]:
         return {}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._amp = None
+
+
+class _LoadIntoMasters(_EngineHook):
+    """``load_state_dict`` pre-hook on each submodule of a model prepared at O2: an FP32 value loaded into a half
+    parameter goes to its master (or to the value its master will be made from) exactly; the model takes its
+    rounding. It acts on the module it is called for (a ``copy.deepcopy`` of the model, an EMA copy, has no masters)
+    and holds the engine weakly; a copied or pickled hook holds none."""
+
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        amp = self.engine()
+        if amp is None:
+            return
+        for name, param in module.named_parameters(recurse=False):
+            value = state_dict.get(prefix + name)
+            if param.dtype in HALF_DTYPES and torch.is_tensor(value) and value.dtype == torch.float32:
+                amp._masters.take_loaded(param, value, amp._optimizers.values())
 
 
 def _convert(module: nn.Module, props: Properties) -> None:

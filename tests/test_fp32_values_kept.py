@@ -101,12 +101,21 @@ def test_fp32_modules_keep_their_own_fp32_values(level, frozen):
         assert torch.equal(amp.master_of(model[0].weight), weights["0.weight"])
 
 
-def test_a_copy_of_the_model_loads_without_touching_the_masters():
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_the_model_loads_without_touching_the_masters(how, tmp_path):
+    """An EMA copy (``copy.deepcopy``) or a pickled model (``torch.save(model)``, ``ddp_spawn``) carries the load
+    hooks without the engine: loading weights into it leaves the original's masters alone."""
     model = _net()
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     amp, _ = _prepared(model)
-    ema = copy.deepcopy(model)  # an EMA copy: its load hooks hold no engine
-    ema.load_state_dict(_fp32_weights(seed=2))
+    if how == "deepcopy":
+        copied = copy.deepcopy(model)
+    else:
+        torch.save(model, tmp_path / "model.pt")
+        copied = torch.load(tmp_path / "model.pt", weights_only=False)
+    other = _fp32_weights(seed=2)
+    copied.load_state_dict(other)
+    assert torch.equal(copied[0].weight, other["0.weight"].to(torch.bfloat16))
     _assert_masters_are(amp, model, weights)
 
 
@@ -281,3 +290,32 @@ def test_a_model_prepared_after_the_first_step_gets_exact_masters_and_its_leftov
     assert torch.equal(kept[1]["model1.2.weight"], weights["2.weight"])
     step(late, late_optimizer)
     assert amp.state_dict()["fp32_values"] is None
+
+
+def test_a_hugging_face_gpt2_through_the_accelerator_keeps_its_fp32_weights_as_masters():
+    """A transformers GPT-2 (built from a config, FP32) prepared by the Accelerate adapter at O2: every master is
+    its FP32 weight (the tied embedding and head included), and FP32 weights loaded after ``prepare`` replace them
+    exactly; a training step then starts from them."""
+    pytest.importorskip("accelerate")
+    transformers = pytest.importorskip("transformers")
+    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+
+    def gpt2(seed: int) -> Any:
+        torch.manual_seed(seed)
+        config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32)
+        return transformers.GPT2LMHeadModel(config)
+
+    accelerator = Accelerator(mixed_precision="O2", kwargs_handlers=[MixedPrecisionKwargs(half_dtype=HALF)])
+    model = gpt2(0)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.0))
+    unwrapped = accelerator.unwrap_model(model)
+    for name, param in unwrapped.named_parameters():
+        assert param.dtype == torch.bfloat16 and torch.equal(accelerator.amp.master_of(param), initial[name]), name
+    pretrained = gpt2(1).state_dict()
+    unwrapped.load_state_dict(pretrained)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    accelerator.backward(model(input_ids=ids, labels=ids).loss)
+    optimizer.step()  # learning rate 0: the masters it stepped are the ones it starts from
+    for name, param in unwrapped.named_parameters():
+        assert torch.equal(accelerator.amp.master_of(param), pretrained[name]), name

@@ -35,13 +35,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import weakref
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 from torch import nn
 
-from lightning_mpx.amp import Amp, _cast_collection
+from lightning_mpx.amp import Amp, _cast_collection, _EngineHook
 from lightning_mpx.apex._state import AmpState, ScalerView, _amp_state, is_rank_zero
 from lightning_mpx.apex.fp16_utils import _HalfParameters
 from lightning_mpx.cast_policy import disable_casts as _disable_casts
@@ -371,23 +370,6 @@ class _CastOutputs:
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
         return _cast_collection(output, self.dtype, self.castable)
-
-
-class _EngineHook:
-    """A hook that needs the engine: held weakly, and dropped by a copy or a pickle of the model (whose parameters
-    have no masters in it)."""
-
-    def __init__(self, amp: Amp) -> None:
-        self._amp: Callable[[], Amp | None] | None = weakref.ref(amp)
-
-    def engine(self) -> Amp | None:
-        return self._amp() if self._amp is not None else None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self._amp = None
 
 
 class _Fp32StateDict(_EngineHook):
