@@ -23,6 +23,12 @@ pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # Accelerate's s
 # As upstream's, the one-cycle tests step the scheduler before any optimizer step, which torch warns about.
 NO_STEP_WARNING = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    """The same weights and inputs in every run (upstream leaves the first unseeded)."""
+    torch.manual_seed(0)
+
+
 LEVELS_AND_HALVES = [(level, half) for level in ("O1", "O2") for half in ("float16", "bfloat16")]
 
 

@@ -75,7 +75,7 @@ def get_training_setup(accelerator, sched=False):
     set_seed(42)
     model = RegressionModel()
     ddp_model = deepcopy(model)
-    dset = RegressionDataset(length=80)
+    dset = RegressionDataset(length=80, seed=42)  # upstream draws other data in each run
     dataloader = DataLoader(dset, batch_size=16)
     model.to(accelerator.device)
     if sched:
