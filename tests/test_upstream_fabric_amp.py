@@ -235,7 +235,7 @@ def test_amp_precision_parameter_validation(plugin_cls):
             cls(bad)
     with pytest.raises(ValueError, match="the letter O, not the digit zero: did you mean 'O1'"):
         cls("01")
-    with pytest.raises(ValueError, match=r"half_dtype='float32' is not a half-precision dtype; valid choices: .*'bf16'"):
+    with pytest.raises(ValueError, match=r"half_dtype='float32' is not a half-precision dtype; valid choices: .*"):
         cls("O1", half_dtype="float32")
 
 
@@ -329,7 +329,7 @@ def test_amp_ddp_spawn_pickle(level, half):
     """Upstream ``test_amp_integration.py::test_amp`` runs under ``strategy="ddp_spawn"``, which pickles Fabric and its
     precision plugin into each new process. Here the plugin goes through the same pickling and the unpickled one
     trains as ``test_amp`` does, in this process (two spawned processes cost tens of seconds on two cores; the
-    plugin's two-process DDP run is ``tests/test_fabric.py::test_ddp_two_processes_skip_together_and_stay_identical``)."""
+    plugin's two-process DDP run: ``tests/test_fabric.py::test_ddp_two_processes_skip_together_and_stay_identical``)."""
     plugin = pickle.loads(pickle.dumps(_plugin(level, half, init_scale=SCALE)))
     assert (plugin.opt_level, plugin.amp.half_dtype) == (level, _dtype(half))
     _check_amp(_test_amp(_fabric(plugin)), level, half)

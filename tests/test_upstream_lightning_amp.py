@@ -51,15 +51,17 @@ def test_optimizer_amp_scaling_support_in_step_method(level, half):
         own.clip_gradients(fused, clip_val=1.0)
 
     weights = {}
-    for optimizer in ("adamw", "adamw_fused"):
+    for optimizer, clip in (("adamw", 0.05), ("adamw_fused", 0.05), ("adamw_fused", None)):
         plugin = _plugin(level, half)
         model = Classifier(optimizer=optimizer, lr=0.01)
-        trainer = make_trainer(plugin, limit_train_batches=3, gradient_clip_val=0.05)
+        trainer = make_trainer(plugin, limit_train_batches=3, gradient_clip_val=clip)
         trainer.fit(model, loader(classification_data()))
         assert trainer.global_step == 3 and plugin.metrics()["mpx/skipped_steps"] == 0
-        weights[optimizer] = _fp32_weights(plugin, model)
-    for name, value in weights["adamw"].items():
-        torch.testing.assert_close(weights["adamw_fused"][name], value)
+        weights[optimizer, clip] = _fp32_weights(plugin, model)
+    for name, value in weights["adamw", 0.05].items():
+        torch.testing.assert_close(weights["adamw_fused", 0.05][name], value)
+    # and the clip did something: without it the fused run ends elsewhere
+    assert any(not torch.allclose(weights["adamw_fused", None][k], v) for k, v in weights["adamw_fused", 0.05].items())
 
 
 class _Tiny(pl.LightningModule):
