@@ -318,6 +318,32 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
         self.register_save_state_pre_hook(self._save_amp_state)
         self.register_load_state_pre_hook(self._load_amp_state)
 
+    # -- pickling ---------------------------------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """Accelerate's state (its prepared objects, dataloaders, hooks) and the opt level's settings; not the engine's
+        run, which pickling cannot carry (its masters are tied to the model's half parameters by reference, its hooks
+        to the models and optimizers): the unpickled Accelerator starts a fresh engine with the same settings, as
+        after :meth:`free_memory`. Its unpickled optimizers refuse to step (see ``_AmpOptimizer.step``); prepare new
+        ones, or carry a run with ``save_state``/``load_state``."""
+        state = dict(self.__dict__)
+        amp = state.get("amp")
+        if amp is not None:
+            state["amp"] = None
+            state["_mpx_engine"] = (amp.opt_level, amp.found_inf_reducer, amp.log_overflows)
+            state["_converted"] = None  # weak references (to the models the old engine converted)
+            state["_stepped"] = set()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        engine = state.pop("_mpx_engine", None)
+        self.__dict__.update(state)
+        if engine is not None:
+            opt_level, reducer, log_overflows = engine
+            assert self.mpx_kwargs is not None
+            self.amp = Amp.from_settings(self.mpx_kwargs.settings(opt_level))
+            self.amp.found_inf_reducer, self.amp.log_overflows = reducer, log_overflows
+            self._converted = weakref.WeakSet()
+
     # -- what the user sees ---------------------------------------------------------------------------------------
     @property
     def mixed_precision(self) -> str:
@@ -472,6 +498,30 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
                 "accelerator.prepare(model); optimizer = accelerator.prepare(AdamW(model.parameters()))`."
             )
 
+    def _check_masters_exist(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse, naming the calls, an optimizer at O2 before any model was prepared for training: it steps the FP32
+        masters that preparing a model (for training) makes."""
+        assert self.amp is not None
+        if not self.amp.properties.master_weights or self.amp.sharded or self.amp.master_weights:
+            return
+        level = self.amp.opt_level
+        name = type(optimizer).__name__
+        if not len(self._converted):
+            raise RuntimeError(
+                f"optimizer={name} was prepared before its model, and no model has been prepared by this Accelerator: "
+                f"at mixed_precision={level!r} the optimizer steps the FP32 master weights that preparing the model "
+                "makes. Prepare the model first or in the same call: `model, optimizer = accelerator.prepare(model, "
+                "optimizer)` (any order), or `model = accelerator.prepare(model)` before "
+                "`optimizer = accelerator.prepare(optimizer)`."
+            )
+        raise RuntimeError(
+            f"optimizer={name} was prepared, but every model this Accelerator prepared was prepared for evaluation "
+            f"(`prepare_model(model, evaluation_mode=True)`), which makes no FP32 master weights; at "
+            f"mixed_precision={level!r} the optimizer steps them. Prepare its model for training first: "
+            "`model = accelerator.prepare(model)` (or `accelerator.prepare_model(model)`), then "
+            "`optimizer = accelerator.prepare(optimizer)`."
+        )
+
     def free_memory(self, *objects: Any) -> Any:
         """As ``accelerate.Accelerator.free_memory``; with an opt level, the engine's masters, optimizers and loss
         scales are released too: the next ``prepare`` starts a fresh engine with the same settings."""
@@ -494,6 +544,7 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
         if self._deferred is None:
             if self.distributed_type == DistributedType.FSDP:
                 self._check_sharded_optimizer(optimizer)
+            self._check_masters_exist(optimizer)
             self.amp.prepare_optimizer(optimizer)
         wrapped = _AmpOptimizer(
             optimizer,
@@ -724,6 +775,15 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
         self.amp.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 
 
+_UNPICKLED_STEP = (
+    "this prepared optimizer was unpickled (or deep-copied): the loss scale and FP32 master weights it stepped with "
+    "belong to the Accelerator that prepared it, and are not pickled with it. Prepare an optimizer again and load this "
+    "one's state: `optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters()))` (after "
+    "`accelerator.prepare(model)`), then `optimizer.load_state_dict(unpickled.state_dict())`; to carry a whole run "
+    "(loss scales, masters), use accelerator.save_state(dir) and accelerator.load_state(dir)."
+)
+
+
 class _AmpOptimizer(AcceleratedOptimizer):  # type: ignore[misc]
     """Accelerate's optimizer wrapper whose real step goes through :meth:`Amp.step`.
 
@@ -746,6 +806,8 @@ class _AmpOptimizer(AcceleratedOptimizer):  # type: ignore[misc]
     def step(self, closure: Callable[[], Any] | None = None) -> None:
         if not self.gradient_state.sync_gradients:
             return  # accumulating: Accelerate steps only on the synchronising micro-batch
+        if self.amp is None:
+            raise RuntimeError(_UNPICKLED_STEP)
         if closure is not None:
             raise ValueError(
                 "closure: loss scaling cannot re-run a closure inside the optimizer step; call the closure, then "
@@ -766,11 +828,34 @@ class _AmpOptimizer(AcceleratedOptimizer):  # type: ignore[misc]
         self.__dict__["_stepped"] = not value
 
     def __getstate__(self) -> dict[str, Any]:
+        """The optimizer (its parameter groups and state) and the last step's outcome, not the engine's run.
+
+        The engine (loss scales, O2's masters and their link to the model's half parameters, hooks on the optimizer)
+        belongs to the Accelerator that prepared the optimizer; a copy of it would step a model it does not train.
+        The unpickled optimizer's ``state_dict()`` loads into an optimizer prepared again (see ``step``)."""
         state = super().__getstate__()
         state.pop("on_step", None)  # a bound method of the Accelerator: not part of the optimizer
+        amp = state.pop("amp", None)
+        if amp is not None and amp.properties.master_weights:
+            state["optimizer"] = _with_masters_in_groups(self.optimizer, amp)
         if "_stepped" in state:
             state["_stepped"] = bool(state["_stepped"])  # a StepOutcome read now: the engine is not pickled
         return state  # type: ignore[no-any-return]
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.amp = None  # type: ignore[assignment]  # no engine: step() says what to do
+        self.on_step = None  # type: ignore[assignment]
+
+
+def _with_masters_in_groups(optimizer: torch.optim.Optimizer, amp: Amp) -> torch.optim.Optimizer:
+    """A copy of ``optimizer`` holding what it steps at O2: the FP32 masters in its groups, its state (keyed by the
+    masters) shared. Between steps the engine keeps the model's half parameters in the groups and swaps the masters in
+    only for a step or a state-dict call, with hooks that a pickle does not carry."""
+    groups = [{**group, "params": [amp.master_of(p) for p in group["params"]]} for group in optimizer.param_groups]
+    twin = optimizer.__class__.__new__(optimizer.__class__)
+    twin.__setstate__({"defaults": optimizer.defaults, "state": optimizer.state, "param_groups": groups})
+    return twin
 
 
 class _AmpForward:

@@ -281,6 +281,20 @@ def test_o2_model_prepared_in_evaluation_mode_has_no_masters():
     assert not opt.step_was_skipped and not torch.equal(before, model[0].weight)
 
 
+def test_o2_optimizer_prepared_before_any_model_is_refused_naming_the_calls():
+    """An optimizer prepared alone at O2 (no model yet) is refused with what happened and the calls that work; after
+    a model prepared only for evaluation, the message says that instead. Then the named calls prepare it."""
+    accelerator = _accelerator("O2", half_dtype="bfloat16")
+    model = _net()
+    with pytest.raises(RuntimeError, match=r"no model has been prepared.*accelerator\.prepare\(model, optimizer\)"):
+        accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    model = accelerator.prepare_model(model, evaluation_mode=True)
+    with pytest.raises(RuntimeError, match=r"prepared for evaluation.*evaluation_mode=True.*accelerator\.prepare"):
+        accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert {p.dtype for p in _masters(opt)} == {torch.float32}
+
+
 def test_zero_grad_without_step_clears_the_half_model_gradients():
     accelerator, model, opt, _ = _setup("O2")
     x, y = _batch()

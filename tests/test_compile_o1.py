@@ -284,6 +284,7 @@ def _accelerate_losses(compile_after_prepare: bool) -> tuple[list[float], list[i
         for step in range(6):
             g = torch.Generator().manual_seed(step)
             x, y = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+            x, y = x.to(accelerator.device), y.to(accelerator.device)  # where the Accelerator put the model (a GPU)
             with HookCounter() as counter:
                 output = model(x)
             forward_hook_calls.append(counter.calls)
