@@ -37,14 +37,6 @@ def _seeded():
 
 HALVES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 LEVELS_AND_HALVES = [(level, half) for level in ("O1", "O2") for half in HALVES]
-ITEM_11 = pytest.mark.xfail(
-    strict=True, reason="issue 39 item 11: a prepared optimizer and the Accelerator cannot be pickled at O1/O2"
-)
-ITEM_14 = pytest.mark.xfail(
-    strict=True,
-    reason="issue 39 item 14: at O2 an optimizer prepared without its model is refused with a message about "
-    "'a model prepared with train=False' when no model was prepared",
-)
 
 
 def _accelerator(level: str, half: str, **kwargs) -> Accelerator:
@@ -236,10 +228,7 @@ def test_prepare_model_twice_does_not_double_wrap(level, half):
     assert plain.forward.__func__ is torch.nn.Linear.forward  # not the opt level's forward of a first wrapping
 
 
-@pytest.mark.parametrize(
-    "level, half",
-    [pytest.param(level, half, marks=ITEM_14 if level == "O2" else ()) for level, half in LEVELS_AND_HALVES],
-)
+@pytest.mark.parametrize("level, half", LEVELS_AND_HALVES)
 def test_accelerator_cpu_flag_prepare(level, half):
     """tests/test_accelerator.py::AcceleratorTester::test_accelerator_cpu_flag_prepare (upstream runs it on a GPU
     machine only; ``cpu=True`` is the machine's device here). An optimizer prepared alone: O1 takes it; O2, whose
@@ -463,7 +452,6 @@ def test_can_unwrap_distributed_compiled_model_remove_torch_compile(level, half)
 
 
 # -- pickling ------------------------------------------------------------------------------------------------------
-@ITEM_11
 @pytest.mark.parametrize("dispatch_batches", [True, False])
 @pytest.mark.parametrize("level, half", LEVELS_AND_HALVES)
 def test_can_pickle_dataloader(level, half, dispatch_batches):

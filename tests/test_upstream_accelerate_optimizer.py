@@ -24,9 +24,6 @@ def _accelerator(level: str, half: str, **settings) -> Accelerator:
     return Accelerator(mixed_precision=level, kwargs_handlers=[MixedPrecisionKwargs(half_dtype=half, **settings)])
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 39 item 11: a prepared optimizer and the Accelerator cannot be pickled at O1/O2"
-)
 @pytest.mark.parametrize("level, half", LEVELS_AND_HALVES)
 def test_accelerated_optimizer_pickling(level, half):
     """tests/test_optimizer.py::CPUOptimizerTester::test_accelerated_optimizer_pickling. Upstream prepares the
