@@ -356,6 +356,7 @@ def split(name: str, dtype: torch.dtype, args: argparse.Namespace, rounds: int =
             "model": name, "variant": v,
             "forward_us": statistics.median(fwd[v]),
             "backward_us": statistics.median(bwd[v]),
+            "step_us": statistics.median(step[v]),
             "step_over_floor_us": _harness.paired(step[v], step["mode_floor"], difference=True).median,
             "step_over_autocast_us": _harness.paired(step[v], step["autocast"], difference=True).median,
             "forward_over_floor_us": _harness.paired(fwd[v], fwd["mode_floor"], difference=True).median,

@@ -295,8 +295,10 @@ def test_cast_overhead_split_times_forward_and_backward_apart():
     assert rows["autocast"]["step_over_autocast_us"] == 0 and rows["mode_floor"]["step_over_floor_us"] == 0
     for row in rows.values():
         assert row["forward_us"] > 0 and row["backward_us"] > 0
-    floor_step = rows["mode_floor"]["forward_us"] + rows["mode_floor"]["backward_us"]
-    assert rows["O1"]["budget_us"] == pytest.approx(0.02 * floor_step, rel=0.5)  # medians of sums vs sums of medians
+    # The budget is 2% of the floor's median step (a median of per-round sums, not the sum of the two medians,
+    # which differ by the rounds' noise: compared with that, this test failed once on a loaded machine).
+    assert rows["O1"]["budget_us"] == pytest.approx(0.02 * rows["mode_floor"]["step_us"])
+    assert all(row["step_us"] > 0 for row in rows.values())
 
 
 def test_cast_instructions_rows_subtract_the_base_process_and_divide_by_steps():
