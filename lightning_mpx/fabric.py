@@ -54,7 +54,7 @@ from torch.optim import Optimizer
 from lightning_mpx._device_skip import StepOutcome
 from lightning_mpx._imports import require
 from lightning_mpx.amp import Amp
-from lightning_mpx.master_weights import MasterWeights
+from lightning_mpx.master_weights import MasterWeights, convert_module, has_floating_parameters
 from lightning_mpx.settings import MixedPrecisionSettings
 
 require("lightning.fabric", extra="lightning", feature="lightning_mpx.FabricMixedPrecisionPlugin")
@@ -142,6 +142,17 @@ class FabricMixedPrecisionPlugin(Precision):
             raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module.")
         if module in self._modules:
             return module
+        props = self.amp.properties
+        if props.casts_model and not has_floating_parameters(module):
+            # A parameter-free wrapper (nn.Identity, a model of buffers): nothing to train in half and no masters,
+            # which the engine refuses; its floating buffers take the half dtype, as Fabric's own "*-true" precisions
+            # cast a whole module, and its inputs and outputs are cast as any set-up model's.
+            convert_module(
+                module, props.half_dtype, keep_batchnorm_fp32=props.keep_batchnorm_fp32 is not False,
+                require_parameters=False,
+            )
+            self._modules.add(module)
+            return module
         before = {id(masters) for masters in self.amp.master_weights}
         self.amp.prepare_model(module)
         # The model is moved to its device (and, under DDP, given rank zero's weights) after this: its masters are
@@ -219,16 +230,18 @@ class FabricMixedPrecisionPlugin(Precision):
 
     def main_params(self, optimizer: Optimizer) -> Iterator[torch.Tensor]:  # type: ignore[override]
         """The tensors the optimizer updates (the FP32 masters at O2), whose gradients ``fabric.clip_gradients``
-        clips; none on an overflow step once unscaled (the step is skipped: nothing to clip, and torch's clip would
-        raise on the non-finite norm). Reading the overflow flag waits for the device, as the clip's norm does."""
+        clips. On an overflow step once unscaled the step is skipped and there is nothing to clip (torch's clip by
+        norm would raise on the non-finite norm): one empty tensor with an empty gradient stands in for them, which
+        clips to a norm of ``0.0`` by norm and to nothing by value (torch's ``clip_grad_value_`` refuses an empty
+        list). Reading the overflow flag waits for the device, as the clip's norm does."""
         optimizer = _unwrap(optimizer)
         self._register(optimizer)
+        params = self.amp.master_params(optimizer)
         if self.amp.is_unscaled(optimizer):
             found = self.amp.found_inf(optimizer)
             if found is not None and bool(found):
-                # An iterator over a list, not a generator: torch's clip warns about an empty generator.
-                return iter(())
-        return iter(self.amp.master_params(optimizer))
+                return iter([_nothing_to_clip(found.device)])  # a list: torch's clip warns about a generator
+        return iter(params)
 
     def step_was_skipped(self, optimizer: Optimizer) -> bool:
         """Whether ``optimizer``'s most recent step was skipped because its gradients overflowed: hold its
@@ -312,6 +325,13 @@ class FabricMixedPrecisionPlugin(Precision):
 def _unwrap(optimizer: Any) -> Any:
     """The torch optimizer inside what ``fabric.setup`` returned (Fabric's wrapper subclasses its class)."""
     return optimizer.optimizer if isinstance(optimizer, _FabricOptimizer) else optimizer
+
+
+def _nothing_to_clip(device: torch.device) -> torch.Tensor:
+    """A tensor with no elements and an FP32 gradient of none: what an overflow step hands Fabric's clip."""
+    tensor = torch.empty(0, device=device)
+    tensor.grad = torch.empty(0, device=device)
+    return tensor
 
 
 def _has_half_state(optimizer: Optimizer) -> bool:
