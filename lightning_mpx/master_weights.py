@@ -220,15 +220,19 @@ class MasterWeights:
             entry.initial = None if value is None or entry.master is not None else value.detach().clone().float()
 
     def fp32_values(self) -> dict[int, torch.Tensor]:
-        """By ``id`` of the parameter, the FP32 value of each half parameter that has a master or a kept value: its
-        master, or the master it will be made from its kept value (elements written to the model since taking the
-        model's value, as :meth:`_make_master` does). Nothing is changed."""
+        """By ``id`` of the parameter, the FP32 value of each half parameter that has a master, or is trainable
+        and has a kept value: its master, or the master it will be made from that value (elements written to the
+        model since taking the model's value, as :meth:`_make_master` does). A frozen parameter has none: it is not
+        trained. Nothing is changed."""
         out = {}
         with torch.no_grad():
             for entry, param in self._live():
                 if entry.master is not None:
                     out[id(param)] = entry.master
-                elif entry.initial is not None and param.dtype in HALF_DTYPES and entry.initial.shape == param.shape:
+                elif (
+                    entry.initial is not None and param.requires_grad and param.dtype in HALF_DTYPES
+                    and entry.initial.shape == param.shape
+                ):
                     kept = entry.initial.to(param.device)
                     out[id(param)] = torch.where(param != kept.to(param.dtype), param.float(), kept)
         return out
