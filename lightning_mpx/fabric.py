@@ -25,16 +25,21 @@ What it does, in Fabric's terms:
   in FP32); at O2/O3 its floating inputs are cast to half and its half outputs to FP32, and at O1 its half outputs are
   cast to FP32 too (as Fabric's own ``"16-mixed"`` does), so that a loss computed after the forward runs in FP32.
   ``fabric.autocast()`` is the forward context.
-* The plugin meets an optimizer at its first unscale or step and registers it with the engine then (O2: the FP32
-  masters stand in for its half parameters during its steps). Two cases need it earlier, and are refused with an
-  error that says so otherwise: several losses (``num_losses > 1``: the scale each optimizer's gradients carry
-  depends on it), and loading a checkpoint into an O2 optimizer (its FP32 state belongs to the masters); call
-  :meth:`FabricMixedPrecisionPlugin.setup_optimizers` after ``fabric.setup`` and before the first backward or
-  ``fabric.load``.
+* Fabric hands its optimizers to the strategy, not to the precision plugin: the plugin meets an optimizer at its
+  first unscale or step and registers it with the engine then (O2: the FP32 masters stand in for its half parameters
+  during its steps). The masters do not wait for it: the engine keeps the FP32 values a model holds at set-up (or
+  loads after it) until each parameter's master is made, whichever optimizer steps first. Two cases need the
+  optimizers registered earlier, and are refused with an error that says so otherwise: several losses
+  (``num_losses > 1``: the scale each optimizer's gradients carry depends on it), and loading a checkpoint into an
+  O2 optimizer (its FP32 state belongs to the masters); call :meth:`FabricMixedPrecisionPlugin.setup_optimizers`
+  after ``fabric.setup`` and before the first backward or ``fabric.load``.
+* Not aligned with Fabric's own precisions, on purpose (docs/fabric.md): at O1 floating inputs stay FP32 (the cast
+  table casts op by op); at O2/O3 the default dtype stays FP32 in ``fabric.init_module()`` and the forward (the
+  masters start from the FP32 values built there; losses are computed in FP32).
 * ``fabric.clip_gradients`` unscales (one pass: unscale and overflow check), then Fabric clips
-  :meth:`~FabricMixedPrecisionPlugin.main_params` with torch's ``clip_grad_norm_``. On an overflow step
-  ``main_params`` is empty: nothing is clipped, the returned norm is ``0.0``, and the step is skipped, where
-  torch's clip with ``error_if_nonfinite=True`` would raise.
+  :meth:`~FabricMixedPrecisionPlugin.main_params` with torch's ``clip_grad_norm_`` or ``clip_grad_value_``. On an
+  overflow step ``main_params`` is one empty tensor: nothing is clipped, the returned norm is ``0.0``, and the step
+  is skipped, where torch's clip by norm with ``error_if_nonfinite=True`` would raise.
 * The scale is updated once per iteration: at the first forward, backward, :meth:`metrics` or checkpoint after the
   optimizer steps, so several optimizers stepping one after the other count as one iteration. Under DDP the
   overflow flag is reduced across processes before each step, so all ranks skip together.
@@ -201,11 +206,13 @@ class FabricMixedPrecisionPlugin(Precision):
 
     # -- optimizer ---------------------------------------------------------------------------------------------
     def setup_optimizers(self, *optimizers: Optimizer) -> None:
-        """Register optimizers with the engine now rather than at their first unscale or step.
+        """Register optimizers with the engine now rather than at their first unscale or step (Fabric does not
+        hand them to the precision plugin). Calling it again for an optimizer does nothing.
 
         Needed with several losses (``num_losses > 1``), before the first ``fabric.backward``, and at O2 before
         ``fabric.load`` restores an optimizer's state (which then goes to the FP32 masters, not the half
-        parameters). Takes what ``fabric.setup`` returned or the optimizers themselves."""
+        parameters). Not needed for the masters themselves: they start from the model's FP32 weights whichever
+        optimizer steps first. Takes what ``fabric.setup`` returned or the optimizers themselves."""
         for optimizer in optimizers:
             self._register(_unwrap(optimizer), lazily=False)
 

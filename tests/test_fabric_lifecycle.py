@@ -133,6 +133,7 @@ def _staged(mpx: FabricMixedPrecisionPlugin, fabric: Fabric, seed: int, *, regis
     model, opt_body, opt_head = fabric.setup(model, opt_body, opt_head)
     if register:
         mpx.setup_optimizers(opt_body, opt_head)
+        mpx.setup_optimizers(opt_head)  # again: nothing changes (idempotent)
     return model, opt_body, opt_head
 
 
