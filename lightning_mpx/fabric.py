@@ -243,12 +243,11 @@ class FabricMixedPrecisionPlugin(Precision):
         list). Reading the overflow flag waits for the device, as the clip's norm does."""
         optimizer = _unwrap(optimizer)
         self._register(optimizer)
-        params = self.amp.master_params(optimizer)
         if self.amp.is_unscaled(optimizer):
             found = self.amp.found_inf(optimizer)
             if found is not None and bool(found):
                 return iter([_nothing_to_clip(found.device)])  # a list: torch's clip warns about a generator
-        return iter(params)
+        return iter(self.amp.master_params(optimizer))
 
     def step_was_skipped(self, optimizer: Optimizer) -> bool:
         """Whether ``optimizer``'s most recent step was skipped because its gradients overflowed: hold its
@@ -335,7 +334,8 @@ def _unwrap(optimizer: Any) -> Any:
 
 
 def _nothing_to_clip(device: torch.device) -> torch.Tensor:
-    """A tensor with no elements and an FP32 gradient of none: what an overflow step hands Fabric's clip."""
+    """An FP32 tensor without elements, with a gradient without elements: what an overflow step hands Fabric's
+    clip (torch's clips refuse or warn about an empty list; this one clips to a norm of 0 and changes nothing)."""
     tensor = torch.empty(0, device=device)
     tensor.grad = torch.empty(0, device=device)
     return tensor
