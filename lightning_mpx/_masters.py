@@ -81,7 +81,7 @@ class Masters:
             masters.load_initial_state(state)
 
     def drop_initial(self) -> None:
-        """Let go of the FP32 values kept for masters not made by the first step (see :meth:`add_model`)."""
+        """Let go of the FP32 values kept for masters not made yet (a checkpoint that keeps none was loaded)."""
         for masters in self.weights:
             masters.drop_initial()
 
@@ -134,6 +134,30 @@ class Masters:
                 f"{len(self.weights)} model(s) were prepared with master weights."
             )
         return saved
+
+    def complete(
+        self, saved: list[dict[str, Any]], kept: list[dict[str, torch.Tensor]] | None, *, fp32: Any
+    ) -> list[dict[str, Any]]:
+        """``saved`` (a checkpoint's masters, one dict per model) with a value for each master this run has made
+        that the checkpoint lacks: it was saved before that master was made (its optimizer had not stepped, or was not
+        known yet). The value is the one the saving run would have made the master from: the FP32 value the
+        checkpoint kept for it (``kept``, its ``fp32_values``), else the model's value (its half value, which
+        loading the model's checkpoint gives it). ``fp32``: names held elsewhere (promoted to FP32), left out."""
+        fp32 = set(fp32 or ())
+        out = []
+        for index, (masters, state) in enumerate(zip(self.weights, saved)):
+            values = kept[index] if kept is not None and index < len(kept) else {}
+            extra = {}
+            for param, _ in masters.half_pairs:
+                name = masters.name_of(param)
+                if name is None or name in state or name in fp32:
+                    continue
+                value = values.get(name)
+                if not torch.is_tensor(value) or tuple(value.shape) != tuple(param.shape):
+                    value = param.detach().float()
+                extra[name] = value
+            out.append({**state, **extra} if extra else state)
+        return out
 
     def check_state_dict(self, saved: list[dict[str, Any]], *, fp32: Any) -> None:
         """Check each model's saved masters (``fp32``: the promoted parameters, saved in FP32), changing nothing."""

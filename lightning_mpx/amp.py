@@ -129,7 +129,6 @@ class Amp:
         self._regions_hooks: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
         # O2: each prepared model's load_state_dict pre-hooks (FP32 values loaded go to the masters exactly).
         self._load_hooks: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
-        self._initial_kept = True  # FP32 values from before the cast may still be held for masters not made yet
         self.scalers: list[LossScaler] = [
             LossScaler.from_settings(self.properties.loss_scale, settings.scaler) for _ in range(settings.num_losses)
         ]
@@ -295,9 +294,8 @@ class Amp:
         if props.master_weights and not train:
             self._masters.evaluation_only = True
         if props.master_weights and train:
+            # The FP32 values are kept until each one's master is made, whenever (and by whichever optimizer) that is.
             self._masters.add_model(module, self._names, prefix, initial if masters_from_fp32 else None)
-            if masters_from_fp32 and initial:
-                self._initial_kept = True  # a model prepared after a step: its leftovers go at the next step
             if module not in self._load_hooks:
                 hook = _LoadIntoMasters(self)
                 self._load_hooks[module] = [
@@ -416,7 +414,8 @@ class Amp:
             )
         self._masters.prune()
         self._masters.refresh(None, force=False)  # writes to the model since the last step, as a step takes them
-        masters = {id(param): master for weights in self._masters.weights for param, master in weights.half_pairs}
+        # A master not made yet (its optimizer has not stepped) is the FP32 value kept for it, as it will be made.
+        masters = {key: value for weights in self._masters.weights for key, value in weights.fp32_values().items()}
         out: dict[str, torch.Tensor] = {}
         for key, value in module.state_dict(keep_vars=True).items():
             tensor = masters.get(id(value), value).detach()
@@ -545,11 +544,6 @@ class Amp:
             )
         if self._pending:
             self._pending.read(before=self._iteration)
-        if self._initial_kept:  # the first step: every optimizer's masters are made now, other kept values let go
-            self._initial_kept = False
-            if self._masters.weights:
-                self._masters.make_held(self._optimizers.values())
-                self._masters.drop_initial()
         self._steps += 1
         if self.settings.skip_on_device:
             return self._step_on_device(optimizer, step_kwargs)
@@ -660,13 +654,15 @@ class Amp:
         """Scalers, FP32 masters and counters: everything needed, with the optimizer's own state, to resume (steps
         skipped on the device are read first)."""
         self.read_step_outcomes()
+        masters = self._masters.state_dict(self._optimizers.values())  # makes the masters the optimizers hold
+        kept = self._masters.initial_state()
         return {
             "opt_level": self.properties.opt_level,
             "half_dtype": str(self.properties.half_dtype),
             "scalers": [scaler.state_dict() for scaler in self.scalers],
-            "master_weights": self._masters.state_dict(self._optimizers.values()),
-            # Before the first step: the FP32 values kept for masters not made yet (None once let go).
-            "fp32_values": self._masters.initial_state() if self._initial_kept else None,
+            "master_weights": masters,
+            # The FP32 values kept for masters not made yet (None when none is kept).
+            "fp32_values": kept if any(kept) else None,
             "skipped_steps": list(self.skipped_steps),
             "promotion": self.promotion.state_dict(),
         }
@@ -685,9 +681,14 @@ class Amp:
         saved_masters = self._masters.accept(state["master_weights"])
         promotion = state.get("promotion")
         self.promotion.check_state_dict(promotion)
+        # Masters this run made that the saving run had not made yet (their optimizer had not stepped) take the value
+        # that run would have made them from.
+        saved_masters = self._masters.complete(
+            saved_masters, state.get("fp32_values"), fp32=self.promotion.param_names(promotion)
+        )
         self._masters.check_state_dict(saved_masters, fp32=self.promotion.param_names(promotion))
-        # A checkpoint of a run that had stepped (or of an older release) keeps none: masters made later come from
-        # the half values, as in that run.
+        # A checkpoint that keeps none (every master made, several processes, or an older release): masters made
+        # later come from the half values, as in that run.
         kept = state.get("fp32_values") if self._masters.weights else None
         if kept is not None:
             self._masters.check_initial_state(kept)
@@ -696,7 +697,6 @@ class Amp:
         self.promotion.load_state_dict(promotion)  # the run that saved it promoted these modules: so does this one
         self._masters.load_state_dict(saved_masters)
         if kept is None:
-            self._initial_kept = False
             self._masters.drop_initial()
         else:
             self._masters.load_initial_state(kept)

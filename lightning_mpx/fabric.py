@@ -25,16 +25,21 @@ What it does, in Fabric's terms:
   in FP32); at O2/O3 its floating inputs are cast to half and its half outputs to FP32, and at O1 its half outputs are
   cast to FP32 too (as Fabric's own ``"16-mixed"`` does), so that a loss computed after the forward runs in FP32.
   ``fabric.autocast()`` is the forward context.
-* The plugin meets an optimizer at its first unscale or step and registers it with the engine then (O2: the FP32
-  masters stand in for its half parameters during its steps). Two cases need it earlier, and are refused with an
-  error that says so otherwise: several losses (``num_losses > 1``: the scale each optimizer's gradients carry
-  depends on it), and loading a checkpoint into an O2 optimizer (its FP32 state belongs to the masters); call
-  :meth:`FabricMixedPrecisionPlugin.setup_optimizers` after ``fabric.setup`` and before the first backward or
-  ``fabric.load``.
+* Fabric hands its optimizers to the strategy, not to the precision plugin: the plugin meets an optimizer at its
+  first unscale or step and registers it with the engine then (O2: the FP32 masters stand in for its half parameters
+  during its steps). The masters do not wait for it: the engine keeps the FP32 values a model holds at set-up (or
+  loads after it) until each parameter's master is made, whichever optimizer steps first. Two cases need the
+  optimizers registered earlier, and are refused with an error that says so otherwise: several losses
+  (``num_losses > 1``: the scale each optimizer's gradients carry depends on it), and loading a checkpoint into an
+  O2 optimizer (its FP32 state belongs to the masters); call :meth:`FabricMixedPrecisionPlugin.setup_optimizers`
+  after ``fabric.setup`` and before the first backward or ``fabric.load``.
+* Not aligned with Fabric's own precisions, on purpose (docs/fabric.md): at O1 floating inputs stay FP32 (the cast
+  table casts op by op); at O2/O3 the default dtype stays FP32 in ``fabric.init_module()`` and the forward (the
+  masters start from the FP32 values built there; losses are computed in FP32).
 * ``fabric.clip_gradients`` unscales (one pass: unscale and overflow check), then Fabric clips
-  :meth:`~FabricMixedPrecisionPlugin.main_params` with torch's ``clip_grad_norm_``. On an overflow step
-  ``main_params`` is empty: nothing is clipped, the returned norm is ``0.0``, and the step is skipped, where
-  torch's clip with ``error_if_nonfinite=True`` would raise.
+  :meth:`~FabricMixedPrecisionPlugin.main_params` with torch's ``clip_grad_norm_`` or ``clip_grad_value_``. On an
+  overflow step ``main_params`` is one empty tensor: nothing is clipped, the returned norm is ``0.0``, and the step
+  is skipped, where torch's clip by norm with ``error_if_nonfinite=True`` would raise.
 * The scale is updated once per iteration: at the first forward, backward, :meth:`metrics` or checkpoint after the
   optimizer steps, so several optimizers stepping one after the other count as one iteration. Under DDP the
   overflow flag is reduced across processes before each step, so all ranks skip together.
@@ -54,7 +59,7 @@ from torch.optim import Optimizer
 from lightning_mpx._device_skip import StepOutcome
 from lightning_mpx._imports import require
 from lightning_mpx.amp import Amp
-from lightning_mpx.master_weights import MasterWeights
+from lightning_mpx.master_weights import MasterWeights, convert_module, has_floating_parameters
 from lightning_mpx.settings import MixedPrecisionSettings
 
 require("lightning.fabric", extra="lightning", feature="lightning_mpx.FabricMixedPrecisionPlugin")
@@ -142,6 +147,17 @@ class FabricMixedPrecisionPlugin(Precision):
             raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module.")
         if module in self._modules:
             return module
+        props = self.amp.properties
+        if props.casts_model and not has_floating_parameters(module):
+            # A parameter-free wrapper (nn.Identity, a model of buffers): nothing to train in half and no masters,
+            # which the engine refuses; its floating buffers take the half dtype, as Fabric's own "*-true" precisions
+            # cast a whole module, and its inputs and outputs are cast as any set-up model's.
+            convert_module(
+                module, props.half_dtype, keep_batchnorm_fp32=props.keep_batchnorm_fp32 is not False,
+                require_parameters=False,
+            )
+            self._modules.add(module)
+            return module
         before = {id(masters) for masters in self.amp.master_weights}
         self.amp.prepare_model(module)
         # The model is moved to its device (and, under DDP, given rank zero's weights) after this: its masters are
@@ -190,11 +206,13 @@ class FabricMixedPrecisionPlugin(Precision):
 
     # -- optimizer ---------------------------------------------------------------------------------------------
     def setup_optimizers(self, *optimizers: Optimizer) -> None:
-        """Register optimizers with the engine now rather than at their first unscale or step.
+        """Register optimizers with the engine now rather than at their first unscale or step (Fabric does not
+        hand them to the precision plugin). Calling it again for an optimizer does nothing.
 
         Needed with several losses (``num_losses > 1``), before the first ``fabric.backward``, and at O2 before
         ``fabric.load`` restores an optimizer's state (which then goes to the FP32 masters, not the half
-        parameters). Takes what ``fabric.setup`` returned or the optimizers themselves."""
+        parameters). Not needed for the masters themselves: they start from the model's FP32 weights whichever
+        optimizer steps first. Takes what ``fabric.setup`` returned or the optimizers themselves."""
         for optimizer in optimizers:
             self._register(_unwrap(optimizer), lazily=False)
 
@@ -219,15 +237,16 @@ class FabricMixedPrecisionPlugin(Precision):
 
     def main_params(self, optimizer: Optimizer) -> Iterator[torch.Tensor]:  # type: ignore[override]
         """The tensors the optimizer updates (the FP32 masters at O2), whose gradients ``fabric.clip_gradients``
-        clips; none on an overflow step once unscaled (the step is skipped: nothing to clip, and torch's clip would
-        raise on the non-finite norm). Reading the overflow flag waits for the device, as the clip's norm does."""
+        clips. On an overflow step once unscaled the step is skipped and there is nothing to clip (torch's clip by
+        norm would raise on the non-finite norm): one empty tensor with an empty gradient stands in for them, which
+        clips to a norm of ``0.0`` by norm and to nothing by value (torch's ``clip_grad_value_`` refuses an empty
+        list). Reading the overflow flag waits for the device, as the clip's norm does."""
         optimizer = _unwrap(optimizer)
         self._register(optimizer)
         if self.amp.is_unscaled(optimizer):
             found = self.amp.found_inf(optimizer)
             if found is not None and bool(found):
-                # An iterator over a list, not a generator: torch's clip warns about an empty generator.
-                return iter(())
+                return iter([_nothing_to_clip(found.device)])  # a list: torch's clip warns about a generator
         return iter(self.amp.master_params(optimizer))
 
     def step_was_skipped(self, optimizer: Optimizer) -> bool:
@@ -312,6 +331,14 @@ class FabricMixedPrecisionPlugin(Precision):
 def _unwrap(optimizer: Any) -> Any:
     """The torch optimizer inside what ``fabric.setup`` returned (Fabric's wrapper subclasses its class)."""
     return optimizer.optimizer if isinstance(optimizer, _FabricOptimizer) else optimizer
+
+
+def _nothing_to_clip(device: torch.device) -> torch.Tensor:
+    """An FP32 tensor without elements, with a gradient without elements: what an overflow step hands Fabric's
+    clip (torch's clips refuse or warn about an empty list; this one clips to a norm of 0 and changes nothing)."""
+    tensor = torch.empty(0, device=device)
+    tensor.grad = torch.empty(0, device=device)
+    return tensor
 
 
 def _has_half_state(optimizer: Optimizer) -> bool:

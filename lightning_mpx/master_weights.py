@@ -24,17 +24,22 @@ def has_floating_parameters(module: nn.Module) -> bool:
     return any(p.is_floating_point() for p in module.parameters())
 
 
-def convert_module(module: nn.Module, dtype: torch.dtype, *, keep_batchnorm_fp32: bool = True) -> nn.Module:
+def convert_module(
+    module: nn.Module, dtype: torch.dtype, *, keep_batchnorm_fp32: bool = True, require_parameters: bool = True
+) -> nn.Module:
     """Cast ``module``'s floating-point parameters and buffers to ``dtype`` in place and return it.
 
     Parameters keep their identity (``param.data`` is replaced), so references held elsewhere, an optimizer's
     included, stay valid. Batch-norm modules (every subclass of ``_BatchNorm``, ``SyncBatchNorm`` included) are left
     in FP32 when ``keep_batchnorm_fp32``: their statistics need the range, and torch runs them on half inputs.
+    ``require_parameters=False``: a module without floating-point parameters (a parameter-free wrapper) is accepted,
+    its floating buffers cast.
 
     Raises:
-        ValueError: when the module has no floating-point parameters (there would be nothing to train in half).
+        ValueError: when the module has no floating-point parameters (there would be nothing to train in half) and
+            ``require_parameters``.
     """
-    if not has_floating_parameters(module):
+    if require_parameters and not has_floating_parameters(module):
         raise ValueError(
             f"module={type(module).__name__} has no floating-point parameters, so casting it to {dtype} would do "
             "nothing; use opt_level='O0' or 'O1' for it, or check that the module was built before conversion."
@@ -214,6 +219,24 @@ class MasterWeights:
             value = state.get(entry.name)
             entry.initial = None if value is None or entry.master is not None else value.detach().clone().float()
 
+    def fp32_values(self) -> dict[int, torch.Tensor]:
+        """By ``id`` of the parameter, the FP32 value of each half parameter that has a master, or is trainable
+        and has a kept value: its master, or the master it will be made from that value (elements written to the
+        model since taking the model's value, as :meth:`_make_master` does). A frozen parameter has none: it is not
+        trained. Nothing is changed."""
+        out = {}
+        with torch.no_grad():
+            for entry, param in self._live():
+                if entry.master is not None:
+                    out[id(param)] = entry.master
+                elif (
+                    entry.initial is not None and param.requires_grad and param.dtype in HALF_DTYPES
+                    and entry.initial.shape == param.shape
+                ):
+                    kept = entry.initial.to(param.device)
+                    out[id(param)] = torch.where(param != kept.to(param.dtype), param.float(), kept)
+        return out
+
     def drop_initial(self) -> None:
         """Let go of the FP32 values kept from before the cast for masters not made yet (a trainable parameter no
         optimizer holds, a teacher's): a master made later starts from the half value, as in Apex."""
@@ -231,6 +254,11 @@ class MasterWeights:
         if target is not None:
             with torch.no_grad():
                 target.copy_(value)
+        elif param.requires_grad and param.dtype in HALF_DTYPES:
+            # No master yet and no value kept (several processes, where values from before the cast are not kept):
+            # the loaded value is kept for the master made later, as the same file is loaded on every rank. A frozen
+            # parameter (a LoRA base) gets none, as it gets no master.
+            entry.initial = value.detach().to(torch.float32, copy=True)
 
     def refresh(self, params: Iterable[torch.Tensor] | None = None, *, force: bool = False) -> list[str]:
         """Take writes made to the model's half parameters since the masters last matched them; returns the names

@@ -223,10 +223,10 @@ def test_accelerate_masters_hold_the_weights_given_before_and_after_prepare():
 @pytest.mark.parametrize("stepped", [True, False])
 @pytest.mark.parametrize("resumed_seed", [0, 5])
 def test_a_resumed_run_makes_the_masters_it_had_not_made_yet_as_the_run_it_came_from(stepped, resumed_seed):
-    """The FP32 values are kept until the first step. A layer joins the optimizer after a checkpoint: in the run
-    that was never interrupted its master comes from the kept FP32 value (no step yet) or from the half value (after
-    a step). A run resumed from that checkpoint, its model built as the first one was or initialised differently,
-    must do the same: the checkpoint carries the kept values, or says they were let go."""
+    """The FP32 values are kept until their masters are made, whatever steps come first. A layer joins the optimizer
+    after a checkpoint: in the run that was never interrupted its master comes from the kept FP32 value. A run
+    resumed from that checkpoint, its model built as the first one was or initialised differently, must do the
+    same: the checkpoint carries the kept values."""
 
     def build(seed: int) -> tuple[Amp, nn.Module, torch.optim.Optimizer]:
         model = _net(seed)
@@ -260,10 +260,10 @@ def test_a_resumed_run_makes_the_masters_it_had_not_made_yet_as_the_run_it_came_
         assert torch.equal(a, b) and torch.equal(straight[0].master_of(a), resumed[0].master_of(b))
 
 
-def test_a_model_prepared_after_the_first_step_gets_exact_masters_and_its_leftovers_are_let_go_at_the_next():
+def test_a_model_prepared_after_the_first_step_gets_exact_masters_and_its_values_are_kept_until_they_are_made():
     """A second model joins an engine that has stepped (a GAN's discriminator set up late): its masters start from
-    its FP32 weights too; the values of its parameters no optimizer holds are kept, and checkpointed, until the
-    engine's next step."""
+    its FP32 weights too; the values of its parameters no optimizer holds are kept, and checkpointed, whatever steps
+    come, until an optimizer takes them: their masters are then those FP32 weights."""
     amp = Amp("O2", half_dtype=HALF)
     first = _net(0)
     amp.prepare_model(first)
@@ -289,7 +289,13 @@ def test_a_model_prepared_after_the_first_step_gets_exact_masters_and_its_leftov
     assert [sorted(k) for k in kept] == [[], ["model1.2.bias", "model1.2.weight"]]  # the second model's names
     assert torch.equal(kept[1]["model1.2.weight"], weights["2.weight"])
     step(late, late_optimizer)
-    assert amp.state_dict()["fp32_values"] is None
+    step(first, first_optimizer)
+    assert sorted(amp.state_dict()["fp32_values"][1]) == ["model1.2.bias", "model1.2.weight"]  # still kept
+    late_optimizer.add_param_group({"params": list(late[2].parameters()), "lr": 0.0})  # stepped, not moved
+    step(late, late_optimizer)
+    for name in ("weight", "bias"):
+        assert torch.equal(amp.master_of(getattr(late[2], name)), weights[f"2.{name}"]), name
+    assert amp.state_dict()["fp32_values"] is None  # every master made: nothing kept
 
 
 def test_a_hugging_face_gpt2_through_the_accelerator_keeps_its_fp32_weights_as_masters():
