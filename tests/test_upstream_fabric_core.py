@@ -31,16 +31,6 @@ CASES = [pytest.param(level, half, id=f"{level}-{half}") for level in LEVELS for
 SCALE = 1024.0  # float16's first scale: 2**16 overflows the tiny models' float16 gradients at once
 
 
-def _xfail_at_o2(item: int, why: str) -> list[Any]:
-    """The cases of a test that fails at O2 because of an open item of issue 39."""
-    mark = pytest.mark.xfail(strict=True, reason=f"issue 39 item {item}: {why}")
-    return [
-        pytest.param(level, half, id=f"{level}-{half}", marks=[mark] if level == "O2" else [])
-        for level in LEVELS
-        for half in HALVES
-    ]
-
-
 def _dtype(half: str) -> torch.dtype:
     return getattr(torch, half)
 
@@ -152,9 +142,7 @@ def test_setup_module_move_to_device(level, half, setup_method, move_to_device):
 
 
 @pytest.mark.parametrize("setup_method", ["setup", "setup_module"])
-@pytest.mark.parametrize(
-    ("level", "half"), _xfail_at_o2(10, "Fabric O2: a model with no floating-point parameters raises ValueError")
-)
+@pytest.mark.parametrize(("level", "half"), CASES)
 def test_setup_module_move_to_device_no_parameters(level, half, setup_method):
     """Upstream ``test_fabric.py::test_setup_module_move_to_device``'s "edge case: model has no parameters":
     ``fabric.setup(nn.Sequential())`` is accepted, on the target device."""
@@ -199,11 +187,7 @@ def test_setup_module_and_optimizers(level, half):
     assert model.weight.dtype == (_dtype(half) if level == "O2" else torch.float32)
 
 
-@pytest.mark.parametrize(
-    ("level", "half"),
-    _xfail_at_o2(2, "Fabric O2, several optimizers: the masters of every optimizer but the first come from the half "
-                 "rounding of the FP32 weights"),
-)  # fmt: skip
+@pytest.mark.parametrize(("level", "half"), CASES)
 def test_setup_module_and_optimizers_step(level, half):
     """Upstream ``test_fabric.py::test_setup_module_and_optimizers``'s "multiple optimizers", stepped: a body and a
     head optimizer set up together each step from the FP32 weights given to the model (at O2, their masters), as the
@@ -442,20 +426,7 @@ def test_grad_clipping(level, half, clip_val, max_norm):
         torch.testing.assert_close(master.grad, ref.grad, rtol=2e-2, atol=1e-3)
 
 
-@pytest.mark.parametrize(
-    "how",
-    [
-        "max_norm",
-        pytest.param(
-            "clip_val",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="issue 39 item 9: fabric.clip_gradients(..., clip_val=...) on an overflow step raises torch's "
-                "'Expected !nested_tensorlist[0].empty()'",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("how", ["max_norm", "clip_val"])
 @pytest.mark.parametrize(("level", "half"), CASES)
 def test_grad_clipping_overflow(level, half, how):
     """Upstream ``test_fabric.py::test_grad_clipping`` on an overflow step (not in upstream's test): Fabric clips by
@@ -561,18 +532,10 @@ def test_save_filter(level, half, tmp_path):
     assert set(saved["mpx"]) == {"opt_level", "scalers"} and saved["anything"] == anything and saved["foo"] == 1
 
 
-ITEM_4 = pytest.mark.xfail(
-    strict=True,
-    reason="issue 39 item 4: a Fabric O2 checkpoint saved before the optimizer's first step, without "
-    "mpx.setup_optimizers, cannot be loaded the documented way (KeyError: master-weight state does not match)",
-)
-
-
 @pytest.mark.parametrize(
     ("level", "half", "registered"),
     [
-        pytest.param(level, half, registered, id=f"{level}-{half}-{'registered' if registered else 'as-upstream'}",
-                     marks=[ITEM_4] if level == "O2" and not registered else [])
+        pytest.param(level, half, registered, id=f"{level}-{half}-{'registered' if registered else 'as-upstream'}")
         for level in LEVELS for half in HALVES for registered in (False, True)
     ],
 )  # fmt: skip
