@@ -58,6 +58,14 @@ def _plain(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
 
 
+def _last(amp: Any) -> dict[str, Any] | None:
+    """The latest overflow's record (merged across the ranks), as JSON."""
+    record = amp.last_overflow
+    if record is None:
+        return None
+    return {"step": record.step, "ranks": list(record.ranks), "parameters": sorted(record.parameters)}
+
+
 def _fabric_run(fabric: Any, skip: bool, habit: str) -> dict[str, Any]:
     from lightning_mpx import FabricMixedPrecisionPlugin
 
@@ -80,9 +88,11 @@ def _fabric_run(fabric: Any, skip: bool, habit: str) -> dict[str, Any]:
                 seen.append(_plain(mpx.metrics()))
         optimizer.zero_grad()
     end = _plain(mpx.metrics())  # every rank: what each has counted when the loop ends
+    mpx.amp.settle_step_outcomes()  # every rank together: the last step's record, merged across the ranks
     return {
         "seen": seen,
         "end": end,
+        "last": _last(mpx.amp),
         "params": [p.detach().float().flatten().tolist() for p in model.parameters()],
         "buffers": [b.detach().float().flatten().tolist() for b in model.buffers()],
     }
@@ -115,11 +125,16 @@ def _amp_run(skip: bool, habit: str) -> dict[str, Any]:
             elif habit == "sum":
                 seen.append(sum(outcomes))  # steps taken so far
             elif habit == "metrics":
+                amp.read_step_outcomes()  # the core engine's metrics() does not read (no wait): read first
                 seen.append(_plain(amp.metrics()))
         optimizer.zero_grad()
+    amp.read_step_outcomes()
+    end = _plain(amp.metrics())
+    amp.settle_step_outcomes()  # every rank together
     return {
         "seen": seen,
-        "end": _plain(amp.metrics()),
+        "end": end,
+        "last": _last(amp),
         "params": [p.detach().float().flatten().tolist() for p in model.parameters()],
         "buffers": [b.detach().float().flatten().tolist() for b in model.buffers()],
     }
@@ -192,6 +207,7 @@ def trainer_main(out: str) -> None:
         results[f"trainer/{skip}"] = {
             "seen": reads.seen,
             "end": plugin.metrics(),
+            "last": _last(plugin.amp),  # the Trainer tore the plugin down on every rank: the last step is settled
             "params": [p.detach().float().flatten().tolist() for p in module.parameters()],
             "buffers": [b.detach().float().flatten().tolist() for b in module.buffers()],
         }
