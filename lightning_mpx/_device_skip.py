@@ -21,9 +21,12 @@ import math
 import operator
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from lightning_mpx.forensics import OverflowRecord
 
 #: The optimizers whose ``fused=True`` step skips on the device exactly (nothing changes, their step count
 #: included; their state is made on the first call, zeros, as the first real step would make it).
@@ -70,7 +73,7 @@ class PendingStep:
     outcome: StepOutcome
     overflowed: list[int] | None = None
     scales: dict[int, float] | None = None
-    examined: Any = None
+    examined: OverflowRecord | None = None
 
     @classmethod
     def behind(

@@ -171,7 +171,7 @@ class Overflows:
 
     def examine(
         self,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
         overflowed: list[int],
         *,
         names: Mapping[int, str],
@@ -182,11 +182,12 @@ class Overflows:
         """What this process alone does for an overflow step, whenever it learns of it (never a collective: rank 0
         may do it alone, to log): build its record from the gradients there now, count the skipped step and the
         record's modules. ``scales``: each overflowed loss's scale at the step, when the step is read after an update
-        may have changed it (a step skipped on the device). Returns the record, for :meth:`settle`."""
+        may have changed it (a step skipped on the device); ``optimizer=None``: dropped since, a record without
+        parameters. Returns the record, for :meth:`settle`."""
         dist = torch.distributed
         distributed = dist.is_available() and dist.is_initialized()
         local = self.forensics.build(
-            named_grads(optimizer, names, master_of),
+            named_grads(optimizer, names, master_of) if optimizer is not None else [],
             step=step,
             loss_ids=overflowed,
             scales=[

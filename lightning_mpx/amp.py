@@ -628,32 +628,28 @@ class Amp:
     def _examine(self, pending: PendingStep) -> None:
         """What :meth:`step` does on the host after its read on this process alone, for a step skipped on the
         device and read now: an overflow is counted and this process's record built (its gradients may still be
-        there)."""
-        if not pending.overflowed:
-            return
-        optimizer = pending.optimizer()
-        if optimizer is None:  # dropped since: counted, not examined
-            for loss_id in pending.overflowed:
-                self.skipped_steps[loss_id] += 1
-            return
-        pending.examined = self._overflows.examine(
-            optimizer, pending.overflowed, names=self._names, master_of=self.master_of, step=pending.step,
-            scales=pending.scales,
-        )
+        there; none when the optimizer was dropped since)."""
+        if pending.overflowed:
+            pending.examined = self._overflows.examine(
+                pending.optimizer(), pending.overflowed, names=self._names, master_of=self.master_of,
+                step=pending.step, scales=pending.scales,
+            )
 
     def _settle(self, pending: PendingStep) -> None:
         """The rest of what :meth:`step` does on the host, for a step skipped on the device, read and examined:
-        the record merged across ranks (``pending.gather``: every rank is here), logged, ``on_floor``."""
+        the record merged across ranks (``pending.gather``: every rank is here, and each takes part, whenever it
+        read the step), logged, ``on_floor``."""
         overflowed, scales = pending.overflowed, pending.scales
         assert overflowed is not None and scales is not None  # read before it is settled
         if not overflowed:
             if self.forensics.watch.active:
                 self.forensics.stepped()
             return
-        optimizer = pending.optimizer()
-        if optimizer is None or pending.examined is None:  # dropped before its read: counted, not examined
-            return
+        assert pending.examined is not None  # examined at its read
         self._overflows.settle(pending.examined, overflowed, gather=pending.gather, scales=scales)
+        optimizer = pending.optimizer()
+        if optimizer is None:  # dropped since: recorded, no floor to apply to it
+            return
         hint = floor_hint(optimizer, self.master_of, self.properties.opt_level)
         self._overflows.at_floor(optimizer, overflowed, hint, scales)
 

@@ -191,10 +191,6 @@ def _outcomes(skip: bool) -> list[Any]:
     return outcomes
 
 
-def _first(o: list[Any]) -> Any:
-    return o[0]
-
-
 HABITS: dict[str, Callable[[list[Any]], Any]] = {
     "sum": lambda o: sum(o),
     "sum_generator": lambda o: sum(x for x in o),
