@@ -143,7 +143,8 @@ class StepOutcome:
     record merged across ranks, its log message and ``on_floor``) is settled at the engine's next backward or step,
     where every rank is; in one process it is settled at the read (an ``on_floor="raise"`` error is raised there).
 
-    What a ``bool`` does that this cannot: ``outcome is True``, ``isinstance(outcome, bool)``, ``json.dumps`` and
+    What a ``bool`` does that this cannot: ``outcome is True``, ``isinstance(outcome, bool)``, ``json.dumps``, the
+    ``statistics`` module, indexing a tensor with it (a ``bool`` index adds a dimension; this picks a row) and
     ``torch.tensor(list_of_outcomes)`` (torch looks at the items' types); ``bool(outcome)`` first for those.
     """
 
