@@ -164,15 +164,30 @@ class Overflows:
         gather: bool,
         scales: Mapping[int, float] | None = None,
     ) -> list[str]:
-        """Build the record of an overflow step of ``optimizer`` (merged across ranks when ``gather``: all ranks
-        are here together only when the flags were reduced across them), count and log it; at the floor, watch
-        the next forwards. ``scales``: each overflowed loss's scale at the step, when the step is read after an
-        update may have changed it (a step skipped on the device). Returns this process's non-finite parameter
-        names."""
+        """:meth:`examine` then :meth:`settle` an overflow step of ``optimizer`` at once (the step read on the
+        host). Returns this process's non-finite parameter names."""
+        local = self.examine(optimizer, overflowed, names=names, master_of=master_of, step=step, scales=scales)
+        return self.settle(local, overflowed, gather=gather, scales=scales)
+
+    def examine(
+        self,
+        optimizer: torch.optim.Optimizer | None,
+        overflowed: list[int],
+        *,
+        names: Mapping[int, str],
+        master_of: MasterOf,
+        step: int,
+        scales: Mapping[int, float] | None = None,
+    ) -> OverflowRecord:
+        """What this process alone does for an overflow step, whenever it learns of it (never a collective: rank 0
+        may do it alone, to log): build its record from the gradients there now, count the skipped step and the
+        record's modules. ``scales``: each overflowed loss's scale at the step, when the step is read after an update
+        may have changed it (a step skipped on the device); ``optimizer=None``: dropped since, a record without
+        parameters. Returns the record, for :meth:`settle`."""
         dist = torch.distributed
         distributed = dist.is_available() and dist.is_initialized()
         local = self.forensics.build(
-            named_grads(optimizer, names, master_of),
+            named_grads(optimizer, names, master_of) if optimizer is not None else [],
             step=step,
             loss_ids=overflowed,
             scales=[
@@ -181,12 +196,27 @@ class Overflows:
             ],
             rank=dist.get_rank() if distributed else 0,
         )
+        for loss_id in overflowed:
+            self.skipped_steps[loss_id] += 1
+        self.forensics.count(local.modules)
+        return local
+
+    def settle(
+        self,
+        local: OverflowRecord,
+        overflowed: list[int],
+        *,
+        gather: bool,
+        scales: Mapping[int, float] | None = None,
+    ) -> list[str]:
+        """The rest of an overflow step, from this process's ``local`` record (:meth:`examine`): merged across
+        ranks when ``gather`` (a collective: every rank calls this together, on the same step, which holds when
+        the flags were reduced across them), counted where other ranks add modules, logged; at the floor, watch
+        the next forwards. Returns this process's non-finite parameter names."""
         self.last = self.forensics.gather(local) if gather else local
         self.last_parameters = list(local.parameters)
         floor = any(self._at_floor(i, scales) for i in overflowed)
-        self.forensics.overflowed(self.last, at_floor=floor)
-        for loss_id in overflowed:
-            self.skipped_steps[loss_id] += 1
+        self.forensics.overflowed(self.last, at_floor=floor, counted=local.modules)
         self.log.log(self.last_parameters, overflowed, self.scalers, self.last, scales, gathered=gather)
         return self.last_parameters
 

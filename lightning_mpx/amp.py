@@ -144,7 +144,9 @@ class Amp:
             self.scalers, self._masters, backend=settings.unscale_backend, telemetry=self.telemetry, names=self._names
         )
         self.sharded = False
-        self._pending = PendingSteps(self._settle)  # skip_on_device: steps whose outcome is not read yet
+        # skip_on_device: the steps not settled yet (read on one process at a use of their outcome, settled where
+        # every rank is: the next backward or step)
+        self._pending = PendingSteps(self._examine, self._settle)
         self._iteration = 0  # update() calls so far: a pending step of an earlier iteration is read at a backward
 
     @property
@@ -457,8 +459,8 @@ class Amp:
         loss it came from, and the optimizer's next :meth:`step` is skipped even if the gradients are zeroed before it
         (as after :meth:`unscale_`: a check made decides the step)."""
         loss_id = self._loss_index(loss_id)
-        if self._pending:  # the steps skipped on the device in earlier iterations, read before new gradients come
-            self._pending.read(before=self._iteration)
+        if self._pending:  # the steps skipped on the device in earlier iterations, settled before new gradients come
+            self._pending.settle(before=self._iteration)  # every rank is here: their records are merged now
         scaled = self.scalers[loss_id].scale(loss)
         if self.forensics.watch.active:  # a device flag, no sync
             self.forensics.watch.observe_loss(loss)
@@ -524,17 +526,21 @@ class Amp:
         host: one sync per step, as ``torch.amp.GradScaler`` with an optimizer that is not fused.
 
         With ``skip_on_device=True`` the flag goes to the fused optimizer's own step, which skips on the device,
-        and the host does not wait: the return value is then a :class:`~lightning_mpx.StepOutcome`, which reads
-        as the same ``bool`` when used as one. The overflow is counted, logged and acted on (``on_floor``) when
-        it is read: then, or at the latest at the first :meth:`scale_loss` (backward) or :meth:`step` after the
-        next :meth:`update`, at :meth:`read_step_outcomes`, :meth:`state_dict` or :meth:`release_optimizer`. Its
-        record names the parameters whose gradients are still there when it is read (not after ``zero_grad()``).
-        While the forensics' forward watch runs (``diagnose_overflows``, or after an overflow at the floor until a
-        step that does not overflow) it is read at the step, as its record is of the forward before it.
+        and the host does not wait: the return value is then a :class:`~lightning_mpx.StepOutcome`, which behaves
+        as the same ``bool``. The overflow is counted, logged and acted on (``on_floor``) when it is read: then, or
+        at the latest at the first :meth:`scale_loss` (backward) or :meth:`step` after the next :meth:`update`, at
+        :meth:`read_step_outcomes`, :meth:`state_dict` or :meth:`release_optimizer`. Its record names the parameters
+        whose gradients are still there when it is read (not after ``zero_grad()``). A read is never a collective:
+        under a process group (``found_inf_reducer``) it counts the overflow, and the record is merged across ranks,
+        logged and ``on_floor`` applied at that next backward or step (or :meth:`settle_step_outcomes`), where every
+        rank is. While the forensics' forward watch runs (``diagnose_overflows``, or after an overflow at the floor
+        until a step that does not overflow) it is read and settled at the step, as its record is of the forward
+        before it.
 
         Raises:
             LossScaleFloorError: on overflow at the floor with ``on_floor="raise"`` (the step is skipped first;
-                with ``skip_on_device``, raised where the overflow is read).
+                with ``skip_on_device``, raised where the overflow is read, or under a process group where it is
+                settled).
         """
         self._state(optimizer)
         if "closure" in step_kwargs and step_kwargs["closure"] is not None:
@@ -543,7 +549,7 @@ class Amp:
                 "then call step() without it."
             )
         if self._pending:
-            self._pending.read(before=self._iteration)
+            self._pending.settle(before=self._iteration)  # every rank is here: their records are merged now
         self._steps += 1
         if self.settings.skip_on_device:
             return self._step_on_device(optimizer, step_kwargs)
@@ -589,31 +595,55 @@ class Amp:
             raise
         self._pending.add(pending)
         if self.forensics.watch.active:
-            # The forward watch's record is of this step's forward, which the next forward replaces: read it now.
-            self._pending.read()
+            # The forward watch's record is of this step's forward, which the next forward replaces: settle it now
+            # (every rank is in this step).
+            self._pending.settle()
         return outcome
 
     def read_step_outcomes(self) -> None:
-        """Read the steps skipped on the device (``skip_on_device``) that were not read yet, oldest first: count,
-        record and log each overflow, and apply ``on_floor`` (which may raise :class:`LossScaleFloorError`). Waits
-        for the device only up to the last of those steps. Nothing to do otherwise."""
+        """Read the steps skipped on the device (``skip_on_device``) that were not read yet, oldest first, on this
+        process only (never a collective: rank 0 alone may call it, to log): their outcomes become known and each
+        overflow is counted (``skipped_steps``, the module counts of this process's record). Waits for the device
+        only up to the last of those steps. Nothing to do otherwise.
+
+        In one process each overflow is also recorded, logged and ``on_floor`` applied here (which may raise
+        :class:`LossScaleFloorError`). Under a process group (``found_inf_reducer`` set) that part merges the ranks'
+        records, a collective: it is done at the next :meth:`scale_loss` (backward) or :meth:`step` after an
+        :meth:`update`, where every rank is, or at :meth:`settle_step_outcomes`."""
         self._pending.read()
 
-    def _settle(self, pending: PendingStep, overflowed: list[int], scales: dict[int, float]) -> None:
-        """What :meth:`step` does on the host after its read, for a step skipped on the device and read now."""
+    def settle_step_outcomes(self) -> None:
+        """Read and settle every step skipped on the device (``skip_on_device``) that is still pending: count,
+        record (merged across ranks under a process group) and log each overflow, and apply ``on_floor`` (which may
+        raise :class:`LossScaleFloorError`). Under a process group it is a collective: call it on every rank
+        together (the plugins do at teardown; the next backward or step does it anyway). Nothing to do otherwise."""
+        self._pending.settle()
+
+    def _examine(self, pending: PendingStep) -> None:
+        """What :meth:`step` does on the host after its read on this process alone, for a step skipped on the
+        device and read now: an overflow is counted and this process's record built (its gradients may still be
+        there; none when the optimizer was dropped since)."""
+        if pending.overflowed:
+            pending.examined = self._overflows.examine(
+                pending.optimizer(), pending.overflowed, names=self._names, master_of=self.master_of,
+                step=pending.step, scales=pending.scales,
+            )
+
+    def _settle(self, pending: PendingStep) -> None:
+        """The rest of what :meth:`step` does on the host, for a step skipped on the device, read and examined:
+        the record merged across ranks (``pending.gather``: every rank is here, and each takes part, whenever it
+        read the step), logged, ``on_floor``."""
+        overflowed, scales = pending.overflowed, pending.scales
+        assert overflowed is not None and scales is not None  # read before it is settled
         if not overflowed:
             if self.forensics.watch.active:
                 self.forensics.stepped()
             return
+        assert pending.examined is not None  # examined at its read
+        self._overflows.settle(pending.examined, overflowed, gather=pending.gather, scales=scales)
         optimizer = pending.optimizer()
-        if optimizer is None:  # dropped since: counted, not examined
-            for loss_id in overflowed:
-                self.skipped_steps[loss_id] += 1
+        if optimizer is None:  # dropped since: recorded, no floor to apply to it
             return
-        self._overflows.record(
-            optimizer, overflowed, names=self._names, master_of=self.master_of, step=pending.step,
-            gather=pending.gather, scales=scales,
-        )
         hint = floor_hint(optimizer, self.master_of, self.properties.opt_level)
         self._overflows.at_floor(optimizer, overflowed, hint, scales)
 

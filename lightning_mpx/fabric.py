@@ -284,7 +284,9 @@ class FabricMixedPrecisionPlugin(Precision):
 
     def teardown(self) -> None:
         self._begin()
-        self.amp.read_step_outcomes()  # the last step skipped on the device is counted (and its floor applied)
+        # Every rank tears down: the last steps skipped on the device are settled (their records merged across
+        # ranks, logged, their floor applied).
+        self.amp.settle_step_outcomes()
 
     # -- internals ---------------------------------------------------------------------------------------------
     def _begin(self) -> None:

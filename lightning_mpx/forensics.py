@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import math
 import weakref
-from typing import Any, Iterable, Literal, Mapping, Sequence
+from typing import Any, Collection, Iterable, Literal, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -621,10 +621,15 @@ class OverflowForensics:
         dist.all_gather_object(records, record)
         return merge_records(records)
 
-    def overflowed(self, record: OverflowRecord, *, at_floor: bool) -> None:
-        """Count the record's modules and, at the floor, watch the following forwards."""
-        for module in record.modules:
+    def count(self, modules: Iterable[str]) -> None:
+        """Count one overflow step for each of ``modules`` (``mpx/overflow/<module>``)."""
+        for module in modules:
             self._counts[module] = self._counts.get(module, 0) + 1
+
+    def overflowed(self, record: OverflowRecord, *, at_floor: bool, counted: Collection[str] = ()) -> None:
+        """Count the record's modules (those not in ``counted``: this process counted them when it built its own
+        record, :meth:`count`) and, at the floor, watch the following forwards."""
+        self.count(module for module in record.modules if module not in counted)
         if record.origin == "forward" and (record.region is not None or record.first_module is not None):
             first = record.culprits()[0]  # the module that made the non-finite values, or fed the code that did
             self._first_counts[first] = self._first_counts.get(first, 0) + 1

@@ -467,7 +467,9 @@ class MixedPrecisionPlugin(FSDPPrecision):
 
     def teardown(self) -> None:
         self._end_iteration()
-        self.amp.read_step_outcomes()  # the last step skipped on the device is counted (and its floor applied)
+        # Every rank tears down: the last steps skipped on the device are settled (their records merged across
+        # ranks, logged, their floor applied).
+        self.amp.settle_step_outcomes()
         self._release_schedulers()
         self._remove_hooks()
 
