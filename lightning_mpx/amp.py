@@ -129,6 +129,8 @@ class Amp:
         self._regions_hooks: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
         # O2: each prepared model's load_state_dict pre-hooks (FP32 values loaded go to the masters exactly).
         self._load_hooks: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+        # O2/O3: each prepared model's hooks on the submodules tied to an fp32_modules module (_run_tied_in_fp32).
+        self._tied_hooks: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
         self._initial_kept = True  # FP32 values from before the cast may still be held for masters not made yet
         self.scalers: list[LossScaler] = [
             LossScaler.from_settings(self.properties.loss_scale, settings.scaler) for _ in range(settings.num_losses)
@@ -284,13 +286,16 @@ class Amp:
         # fp32_modules' own; not those of the other frozen ones (a LoRA base), which would raise the cast's peak memory.
         masters_from_fp32 = props.master_weights and train and not _multi_process()
         before_cast = {}
+        tied: list[nn.Module] = []
         if props.casts_model:
-            pinned = _pinned_params(module, prefix, self.promotion.patterns)
+            pinned, tied = _pinned_params(module, prefix, self.promotion.patterns)
             for param in module.parameters():
                 if param.dtype == torch.float32 and (id(param) in pinned or masters_from_fp32 and param.requires_grad):
                     before_cast[id(param)] = param.data
         _convert(module, props)
         self.promotion.add_model(module, prefix)  # fp32_modules: back to FP32 before any master is made
+        if tied:
+            self._run_tied_in_fp32(module, tied)
         initial = _keep_fp32_values(module, before_cast)
         if props.master_weights and not train:
             self._masters.evaluation_only = True
@@ -306,6 +311,27 @@ class Amp:
                     if any(True for _ in sub.parameters(recurse=False))
                 ]
         return module
+
+    def _run_tied_in_fp32(self, module: nn.Module, tied: list[nn.Module]) -> None:
+        """O2/O3: the submodules of ``module`` that share a parameter with an ``fp32_modules`` module (a tied input
+        embedding of ``lm_head``) run in FP32 as well, with that one FP32 parameter: their floating inputs are cast to
+        FP32 and their FP32 outputs to the half dtype, so the half layers after them get half inputs."""
+        from lightning_mpx.promotion import _Fp32Boundary, _module_to_fp32
+
+        for sub in tied:
+            _module_to_fp32(sub)
+        if module in self._tied_hooks:  # prepared again (evaluated, then trained): hooked once
+            return
+        boundary = _Fp32Boundary(policy=False, out_dtype=self.properties.half_dtype)
+        # The same order as the pinned modules' hooks: inputs after any other pre-hook, outputs before any other hook.
+        self._tied_hooks[module] = [
+            handle
+            for sub in tied
+            for handle in (
+                sub.register_forward_pre_hook(boundary.pre, with_kwargs=True),
+                sub.register_forward_hook(boundary.post, prepend=True, always_call=True),
+            )
+        ]
 
     def _adopt_device(self) -> None:
         """At the first forward: point the O1 policy at the device of the first model prepared, its
@@ -735,16 +761,50 @@ def _device_type(module: nn.Module) -> str | None:
     return None
 
 
-def _pinned_params(module: nn.Module, prefix: str, patterns: Sequence[str]) -> set[int]:
-    """``id`` of the parameters of ``module``'s submodules that ``fp32_modules`` patterns name (kept FP32)."""
+def _pinned_params(module: nn.Module, prefix: str, patterns: Sequence[str]) -> tuple[set[int], list[nn.Module]]:
+    """``id`` of the parameters kept FP32 at O2/O3, and the submodules tied to the pinned ones.
+
+    The pinned parameters are those of the submodules that ``fp32_modules`` patterns name, and of every submodule
+    that shares a parameter with one of those (a tied input embedding of a pinned ``lm_head``): a shared parameter is
+    one tensor, so it cannot be FP32 in one module and half in the other. Such a tied submodule runs in FP32 too
+    (see :meth:`Amp._run_tied_in_fp32`), found again for the parameters it adds, until none is left.
+
+    Raises:
+        ValueError: when the module that shares a pinned parameter is the root model or holds a pinned module (it
+            cannot run in FP32 without running the pinned module's surroundings in FP32), naming the tie.
+    """
     if not patterns:
-        return set()
-    return {
-        id(param)
-        for name, sub in module.named_modules()
-        if name and any(matches(prefix + name, pattern) for pattern in patterns)
-        for param in sub.parameters()
-    }
+        return set(), []
+    modules = list(module.named_modules())
+    tops = [name for name, _ in modules if name and any(matches(prefix + name, pattern) for pattern in patterns)]
+    params = {id(p): f"{name}.{pname}" for name, sub in modules if name in tops for pname, p in sub.named_parameters()}
+    tied: list[nn.Module] = []
+    changed = True
+    while changed:
+        changed = False
+        for name, sub in modules:
+            if any(name == top or name.startswith(top + ".") for top in tops):
+                continue
+            shared = [(pname, p) for pname, p in sub.named_parameters(recurse=False) if id(p) in params]
+            if not shared:
+                continue
+            pname, param = shared[0]
+            owner = "the root model" if not name else f"{prefix + name!r}"
+            holds = [top for top in tops if not name or top.startswith(name + ".")]
+            if holds:
+                raise ValueError(
+                    f"fp32_modules pins {prefix + holds[0]!r}, whose parameter {prefix + params[id(param)]!r} is also "
+                    f"{owner}'s own parameter {prefix + (name + '.' if name else '') + pname!r} (tied weights); "
+                    f"{owner} holds the pinned module and cannot run in FP32 around it. Pin a module that holds "
+                    "both users of the parameter, untie the weights, or use opt_level='O1', whose FP32 modules keep "
+                    "every parameter FP32."
+                )
+            tops.append(name)
+            tied.append(sub)
+            for sub_pname, p in sub.named_parameters():
+                params.setdefault(id(p), f"{name}.{sub_pname}")
+            changed = True
+    return set(params), tied
 
 
 def _keep_fp32_values(module: nn.Module, before_cast: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
