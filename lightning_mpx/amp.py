@@ -700,7 +700,14 @@ class Amp:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (after :meth:`prepare_model`); masters come back bit-exact. A refused
         checkpoint changes nothing. When every model was prepared with ``train=False`` the checkpoint's masters are
-        left out (the half weights come from the model's state dict)."""
+        left out (the half weights come from the model's state dict).
+
+        A checkpoint of another opt level resumes (load the model's state dict first, as the frameworks do): into
+        FP32 masters (O0/O1/O3 to O2) the masters are the model's weights as loaded (an FP32 checkpoint's exactly);
+        out of them (O2 to O0/O1/O3) the checkpoint's masters become the model's parameters (exact where the model is
+        FP32, their rounding at O3). A loss scale carries over when both levels scale dynamically; otherwise this
+        level's own scaling starts from its settings.
+        """
         self.read_step_outcomes()  # steps made before the load are this run's: counted before it replaces them
         self._masters.prune()
         if len(state["scalers"]) != len(self.scalers):
@@ -708,6 +715,10 @@ class Amp:
                 f"the checkpoint has {len(state['scalers'])} loss scaler(s) but this Amp has num_losses="
                 f"{len(self.scalers)}."
             )
+        saved_level = state.get("opt_level", self.opt_level)
+        if saved_level != self.opt_level:
+            self._load_across_levels(state, saved_level)
+            return
         saved_masters = self._masters.accept(state["master_weights"])
         promotion = state.get("promotion")
         self.promotion.check_state_dict(promotion)
@@ -736,6 +747,62 @@ class Amp:
                 optimizer_state.pairs_key = None
                 param_pairs(optimizer_state, self._masters.weights)
         self.skipped_steps = list(state.get("skipped_steps", self.skipped_steps))
+
+    def _load_across_levels(self, state: dict[str, Any], saved_level: str) -> None:
+        """:meth:`load_state_dict` for a checkpoint saved at ``saved_level``, another opt level (checked first,
+        changing nothing when refused)."""
+        levels = f"the checkpoint was saved at opt_level={saved_level!r} and this run is at {self.opt_level!r}"
+        saved_masters = [dict(masters) for masters in state["master_weights"]]
+        kept = state.get("fp32_values") or []
+        into_model: dict[str, torch.Tensor] = {}
+        if self._masters.weights:
+            if saved_masters:
+                raise ValueError(f"{levels}, and both keep FP32 masters: resume at {saved_level!r}.")
+            # Into masters: they come from the model's weights, which the model's state dict loaded (FP32 values
+            # exactly, through the load hooks or the values kept from before the cast): nothing here replaces them.
+        elif saved_masters or kept:
+            # Out of masters: the exact FP32 weights are the checkpoint's masters (and the FP32 values it kept for
+            # masters not made yet), which become the model's parameters.
+            params = self._prepared_parameters()
+            for values in [*saved_masters, *kept]:
+                into_model.update(values)
+            unexpected = sorted(name for name in into_model if name not in params)
+            if unexpected:
+                raise KeyError(
+                    f"{levels}: its FP32 master weights {unexpected[:10]} match no parameter of the prepared "
+                    f"model(s) ({len(params)} parameters); resume the same model, or at {saved_level!r}."
+                )
+            for name, value in into_model.items():
+                if tuple(value.shape) != tuple(params[name].shape):
+                    raise ValueError(
+                        f"{levels}: master weight {name!r} has shape {tuple(value.shape)} in the checkpoint but the "
+                        f"parameter has shape {tuple(params[name].shape)}; nothing was loaded."
+                    )
+        promotion = state.get("promotion")
+        self.promotion.check_state_dict(promotion)
+        for scaler, scaler_state in zip(self.scalers, state["scalers"]):
+            if scaler.dynamic and scaler_state.get("dynamic", True):  # a dynamic scale is state; a static one a setting
+                scaler.load_state_dict(scaler_state)
+        self.promotion.load_state_dict(promotion)
+        if into_model:
+            with torch.no_grad():
+                params = self._prepared_parameters()
+                for name, value in into_model.items():
+                    params[name].copy_(value)
+        self.promotion.load_weights(promotion)
+        for optimizer_state in self._optimizers.values():
+            optimizer_state.mirrors = None
+        self.skipped_steps = list(state.get("skipped_steps", self.skipped_steps))
+
+    def _prepared_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters of the live prepared models by the names the engine's checkpoints use."""
+        out: dict[str, nn.Parameter] = {}
+        for prefix, ref in self.promotion._roots:
+            model = ref()
+            if model is not None:
+                for name, param in model.named_parameters():
+                    out.setdefault(self._names.get(id(param), prefix + name), param)
+        return out
 
     # -- internals ----------------------------------------------------------------------------------------------
     def _loss_index(self, loss_id: int) -> int:
