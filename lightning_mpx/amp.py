@@ -133,7 +133,8 @@ class Amp:
         self._tied_hooks: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
         self._initial_kept = True  # FP32 values from before the cast may still be held for masters not made yet
         self.scalers: list[LossScaler] = [
-            LossScaler.from_settings(self.properties.loss_scale, settings.scaler) for _ in range(settings.num_losses)
+            LossScaler.from_settings(self.properties.loss_scale, settings.scaler, half_dtype=self.properties.half_dtype)
+            for _ in range(settings.num_losses)
         ]
         self.found_inf_reducer: Callable[[torch.Tensor], None] | None = None
         self.forensics = OverflowForensics(settings.diagnose_overflows)

@@ -163,6 +163,9 @@ class MixedPrecisionPlugin(FSDPPrecision):
         self._held: list[tuple[list[Any], int, Any, Any]] = []
         # is_overridden() answers per (LightningModule class, hook), asked anew in every fit (see _overridden).
         self._overrides: dict[tuple[type, str], bool] = {}
+        # While Lightning's learning-rate range test runs (Tuner.lr_find): each scaler's on_floor, put back when the
+        # tuner restores its checkpoint (see _enter_range_test).
+        self._range_test_floors: list[OnFloor] | None = None
         # Last: what this __init__ built, which pickling leaves out and rebuilds from the settings (__getstate__).
         self._built_here = frozenset(vars(self)) - inherited | {"_built_here"}
 
@@ -369,6 +372,7 @@ class MixedPrecisionPlugin(FSDPPrecision):
             )
         self._release_schedulers()
         trainer = model.trainer
+        self._enter_range_test(trainer)
         # Asked once per step: the answer holds until the loop counts the step, after this returns, unless the step
         # stops the training (asked again below, as Lightning logs a stopping step).
         logging = bool(trainer.loggers) and trainer._logger_connector.should_update_logs
@@ -463,10 +467,12 @@ class MixedPrecisionPlugin(FSDPPrecision):
         return self.amp.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._leave_range_test()  # the tuner restores its checkpoint when its range test ends
         self.amp.load_state_dict(state_dict)
 
     def teardown(self) -> None:
         self._end_iteration()
+        self._leave_range_test()
         self.amp.read_step_outcomes()  # the last step skipped on the device is counted (and its floor applied)
         self._release_schedulers()
         self._remove_hooks()
@@ -488,6 +494,30 @@ class MixedPrecisionPlugin(FSDPPrecision):
             f"strategy={type(strategy).__name__} is not supported by MixedPrecisionPlugin; supported: single-device, "
             "DDP (strategy='ddp'), FSDP (strategy='fsdp') and ModelParallelStrategy (FSDP2)."
         )
+
+    def _enter_range_test(self, trainer: Any) -> None:
+        """During ``Tuner.lr_find``'s range test, overflows at the loss-scale floor skip the step and nothing more.
+
+        The range test raises the learning rate until the loss diverges, on purpose, and then restores the run from
+        the checkpoint it saved first. An overflow there is the divergence it looks for, not a run to stop: with
+        bfloat16's static scale every overflow is at the floor, and ``on_floor="raise"`` would end the tuner (and
+        ``"promote"`` would change the model for the fit after it). The scalers' own ``on_floor`` comes back when the
+        tuner restores its checkpoint (:meth:`load_state_dict`), after the steps still pending are read."""
+        if self._range_test_floors is not None or not any(map(_is_range_test_callback, trainer.callbacks)):
+            return
+        self._range_test_floors = [scaler.on_floor for scaler in self.amp.scalers]
+        for scaler in self.amp.scalers:
+            scaler.on_floor = "continue"
+
+    def _leave_range_test(self) -> None:
+        if self._range_test_floors is None:
+            return
+        try:
+            self.amp.read_step_outcomes()  # the range test's last steps (skip_on_device) are read under its policy
+        finally:
+            for scaler, on_floor in zip(self.amp.scalers, self._range_test_floors):
+                scaler.on_floor = on_floor
+            self._range_test_floors = None
 
     def _overridden(self, model: Any, name: str) -> bool:
         """``is_overridden(name, model)``, asked once per fit and class (it reads several attributes and compares
@@ -601,6 +631,16 @@ def _unwrap(optimizer: Any) -> Optimizer:
     """The torch optimizer inside a ``LightningOptimizer`` (which Lightning builds as a subclass of the optimizer's
     own class, so an ``isinstance(..., Optimizer)`` test cannot tell them apart)."""
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _is_range_test_callback(callback: Any) -> bool:
+    """Whether ``callback`` is the one Lightning's learning-rate finder runs its range test with (it replaces the
+    Trainer's callbacks with it while the test runs)."""
+    try:
+        from lightning.pytorch.tuner.lr_finder import _LRCallback
+    except ImportError:  # a Lightning release that names it otherwise: the range test is not recognised
+        return False
+    return isinstance(callback, _LRCallback)
 
 
 def _trainer_of(model: nn.Module) -> Any:
