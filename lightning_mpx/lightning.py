@@ -413,31 +413,42 @@ class MixedPrecisionPlugin(FSDPPrecision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        """Clip the unscaled gradients; by norm, unscaling, the overflow check and the clip share one pass.
+        """Clip the unscaled gradients through :meth:`clip_grad_by_value` or :meth:`clip_grad_by_norm`, as
+        Lightning's ``Precision.clip_gradients`` does (a subclass overrides those); nothing when ``clip_val <= 0``.
 
         Unlike Lightning's own AMP plugin this works with fused optimizers (``AdamW(fused=True)``): the plugin, not
         the optimizer, unscales. At O2 the FP32 masters' gradients are clipped (the step uses them) and the model's
         own gradients then hold the same unscaled, clipped values (what code after the clip reads, as with
-        Lightning's own plugins).
+        Lightning's own plugins). A subclass's own ``clip_grad_by_*`` gets the gradients unscaled (in the training
+        loop they are unscaled before the hooks) and clips :meth:`main_params`'s.
         """
         if clip_val <= 0:
             return
-        optimizer = _unwrap(optimizer)
-        with _casts_off():
-            if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
-                self.amp.clip_grad_value_(optimizer, float(clip_val))
-            else:
-                self.amp.clip_grad_norm_(optimizer, float(clip_val))
-            self.amp.show_unscaled_on_model(optimizer)  # O2 only: the masters' clipped gradients, on the model
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            self.clip_grad_by_value(optimizer, clip_val)
+        elif gradient_clip_algorithm == GradClipAlgorithmType.NORM:
+            self.clip_grad_by_norm(optimizer, clip_val)
+        else:
+            return
+        torch_optimizer = _unwrap(optimizer)
+        if self._clip_overridden() and id(torch_optimizer) in self.amp._optimizers:
+            with _casts_off():  # O2: the masters' gradients, clipped by the override, on the model too
+                self.amp.show_unscaled_on_model(torch_optimizer)
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """Clip the unscaled gradients to a total norm of ``clip_val`` (under FSDP: the global norm over all
-        ranks' shards)."""
-        self.clip_gradients(optimizer, clip_val, GradClipAlgorithmType.NORM)
+        ranks' shards); unscaling, the overflow check and the clip share one pass."""
+        optimizer = _unwrap(optimizer)
+        with _casts_off():
+            self.amp.clip_grad_norm_(optimizer, float(clip_val))
+            self.amp.show_unscaled_on_model(optimizer)  # O2 only: the masters' clipped gradients, on the model
 
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """Clip the unscaled gradients to ``[-clip_val, clip_val]``."""
-        self.clip_gradients(optimizer, clip_val, GradClipAlgorithmType.VALUE)
+        optimizer = _unwrap(optimizer)
+        with _casts_off():
+            self.amp.clip_grad_value_(optimizer, float(clip_val))
+            self.amp.show_unscaled_on_model(optimizer)  # O2 only: the masters' clipped gradients, on the model
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Unscale ``optimizer``'s gradients now (once per step)."""
@@ -532,10 +543,21 @@ class MixedPrecisionPlugin(FSDPPrecision):
             answer = self._overrides[key] = is_overridden(name, model)
         return answer
 
+    def _clip_overridden(self) -> bool:
+        """Whether ``clip_grad_by_norm`` or ``clip_grad_by_value`` is not this plugin's own (a subclass's, or one
+        set on the instance), which clips without the fused unscale of this plugin's own."""
+        return any(
+            name in vars(self) or getattr(type(self), name) is not getattr(MixedPrecisionPlugin, name)
+            for name in ("clip_grad_by_norm", "clip_grad_by_value")
+        )
+
     def _hooks_read_gradients(self, model: Any) -> bool:
         """Whether the LightningModule implements ``on_before_optimizer_step`` or ``configure_gradient_clipping``
-        (which reads the gradients and may clip them itself), or a callback implements ``on_before_optimizer_step``."""
+        (which reads the gradients and may clip them itself), a callback implements ``on_before_optimizer_step``, or
+        the plugin's ``clip_grad_by_*`` is overridden."""
         if any(self._overridden(model, name) for name in ("on_before_optimizer_step", "configure_gradient_clipping")):
+            return True
+        if self._clip_overridden():  # a subclass's own clip_grad_by_* clips what main_params() holds: true values
             return True
         base = _pl.Callback.on_before_optimizer_step
         return any(
