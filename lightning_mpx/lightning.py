@@ -56,6 +56,11 @@ from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
 from lightning.pytorch.utilities.types import LRSchedulerConfig  # noqa: E402
 
+try:  # the callback of Lightning's learning-rate range test (Tuner.lr_find), private to Lightning
+    from lightning.pytorch.tuner.lr_finder import _LRCallback
+except ImportError:  # a release that names it otherwise: the range test is not recognised
+    _LRCallback = None  # type: ignore[assignment,misc]
+
 __all__ = ["MixedPrecisionPlugin"]
 
 _D, _S = DEFAULTS, DEFAULTS.scaler  # the defaults of the typed keywords, from the one place that defines them
@@ -658,11 +663,7 @@ def _unwrap(optimizer: Any) -> Optimizer:
 def _is_range_test_callback(callback: Any) -> bool:
     """Whether ``callback`` is the one Lightning's learning-rate finder runs its range test with (it replaces the
     Trainer's callbacks with it while the test runs)."""
-    try:
-        from lightning.pytorch.tuner.lr_finder import _LRCallback
-    except ImportError:  # a Lightning release that names it otherwise: the range test is not recognised
-        return False
-    return isinstance(callback, _LRCallback)
+    return _LRCallback is not None and isinstance(callback, _LRCallback)
 
 
 def _trainer_of(model: nn.Module) -> Any:

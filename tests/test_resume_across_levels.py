@@ -148,3 +148,42 @@ def test_two_levels_that_both_keep_masters_are_refused_naming_both() -> None:
     target.prepare_optimizer(torch.optim.SGD(other.parameters(), lr=0.1))
     with pytest.raises(ValueError, match=r"opt_level='O2' and this run is at 'O3', and both keep FP32 masters"):
         target.load_state_dict(source.state_dict())
+
+
+def test_the_core_engine_resumes_an_o1_state_at_o2_and_back() -> None:
+    """A plain loop: the model's state dict first, then ``amp.load_state_dict``. O1 to O2: the masters are the O1
+    model's FP32 weights exactly; O2 to O1: the FP32 model takes the O2 masters exactly."""
+
+    def run(level: str, model: torch.nn.Module, state: dict[str, Any] | None = None) -> tuple[Amp, Any]:
+        amp = Amp(level, half_dtype="float16", init_scale=256.0)
+        model = amp.prepare_model(model)
+        optimizer = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        if state is not None:
+            model.load_state_dict(state["model"])
+            amp.load_state_dict(state["amp"])
+        return amp, optimizer
+
+    def step(amp: Amp, model: torch.nn.Module, optimizer: Any) -> None:
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+        with amp.forward_context():
+            loss = amp.cast_outputs(model(amp.cast_inputs(x))).float().square().mean()
+        amp.backward(loss)
+        assert amp.step(optimizer)
+        amp.update()
+
+    torch.manual_seed(0)
+    o1_model = torch.nn.Linear(8, 8)
+    o1, o1_opt = run("O1", o1_model)
+    step(o1, o1_model, o1_opt)
+    saved = {"model": {k: v.clone() for k, v in o1_model.state_dict().items()}, "amp": o1.state_dict()}
+    o2_model = torch.nn.Linear(8, 8)
+    o2, o2_opt = run("O2", o2_model, saved)
+    for name, param in o2_model.named_parameters():
+        assert torch.equal(o2.master_of(param), saved["model"][name]), name
+    assert o2.scalers[0].get_scale() == 256.0
+    step(o2, o2_model, o2_opt)
+    back = {"model": o2_model.state_dict(), "amp": o2.state_dict()}  # half values in the model's state dict
+    o1_again = torch.nn.Linear(8, 8)
+    run("O1", o1_again, back)
+    for name, param in o1_again.named_parameters():
+        assert param.dtype == torch.float32 and torch.equal(param, back["amp"]["master_weights"][0][name]), name
