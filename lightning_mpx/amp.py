@@ -129,8 +129,11 @@ class Amp:
         self._regions_hooks: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
         # O2: each prepared model's load_state_dict pre-hooks (FP32 values loaded go to the masters exactly).
         self._load_hooks: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+        # O2/O3: each prepared model's hooks on the submodules tied to an fp32_modules module (_run_tied_in_fp32).
+        self._tied_hooks: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
         self.scalers: list[LossScaler] = [
-            LossScaler.from_settings(self.properties.loss_scale, settings.scaler) for _ in range(settings.num_losses)
+            LossScaler.from_settings(self.properties.loss_scale, settings.scaler, half_dtype=self.properties.half_dtype)
+            for _ in range(settings.num_losses)
         ]
         self.found_inf_reducer: Callable[[torch.Tensor], None] | None = None
         self.forensics = OverflowForensics(settings.diagnose_overflows)
@@ -285,13 +288,16 @@ class Amp:
         # fp32_modules' own; not those of the other frozen ones (a LoRA base), which would raise the cast's peak memory.
         masters_from_fp32 = props.master_weights and train and not _multi_process()
         before_cast = {}
+        tied: list[nn.Module] = []
         if props.casts_model:
-            pinned = _pinned_params(module, prefix, self.promotion.patterns)
+            pinned, tied = _pinned_params(module, prefix, self.promotion.patterns)
             for param in module.parameters():
                 if param.dtype == torch.float32 and (id(param) in pinned or masters_from_fp32 and param.requires_grad):
                     before_cast[id(param)] = param.data
         _convert(module, props)
         self.promotion.add_model(module, prefix)  # fp32_modules: back to FP32 before any master is made
+        if tied:
+            self._run_tied_in_fp32(module, tied)
         initial = _keep_fp32_values(module, before_cast)
         if props.master_weights and not train:
             self._masters.evaluation_only = True
@@ -306,6 +312,27 @@ class Amp:
                     if any(True for _ in sub.parameters(recurse=False))
                 ]
         return module
+
+    def _run_tied_in_fp32(self, module: nn.Module, tied: list[nn.Module]) -> None:
+        """O2/O3: the submodules of ``module`` that share a parameter with an ``fp32_modules`` module (a tied input
+        embedding of ``lm_head``) run in FP32 as well, with that one FP32 parameter: their floating inputs are cast to
+        FP32 and their FP32 outputs to the half dtype, so the half layers after them get half inputs."""
+        from lightning_mpx.promotion import _Fp32Boundary, _module_to_fp32
+
+        for sub in tied:
+            _module_to_fp32(sub)
+        if module in self._tied_hooks:  # prepared again (evaluated, then trained): hooked once
+            return
+        boundary = _Fp32Boundary(policy=False, out_dtype=self.properties.half_dtype)
+        # The same order as the pinned modules' hooks: inputs after any other pre-hook, outputs before any other hook.
+        self._tied_hooks[module] = [
+            handle
+            for sub in tied
+            for handle in (
+                sub.register_forward_pre_hook(boundary.pre, with_kwargs=True),
+                sub.register_forward_hook(boundary.post, prepend=True, always_call=True),
+            )
+        ]
 
     def _adopt_device(self) -> None:
         """At the first forward: point the O1 policy at the device of the first model prepared, its
@@ -700,7 +727,14 @@ class Amp:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (after :meth:`prepare_model`); masters come back bit-exact. A refused
         checkpoint changes nothing. When every model was prepared with ``train=False`` the checkpoint's masters are
-        left out (the half weights come from the model's state dict)."""
+        left out (the half weights come from the model's state dict).
+
+        A checkpoint of another opt level resumes (load the model's state dict first, as the frameworks do): into
+        FP32 masters (O0/O1/O3 to O2) the masters are the model's weights as loaded (an FP32 checkpoint's exactly);
+        out of them (O2 to O0/O1/O3) the checkpoint's masters become the model's parameters (exact where the model is
+        FP32, their rounding at O3). A loss scale carries over when both levels scale dynamically; otherwise this
+        level's own scaling starts from its settings.
+        """
         self.read_step_outcomes()  # steps made before the load are this run's: counted before it replaces them
         self._masters.prune()
         if len(state["scalers"]) != len(self.scalers):
@@ -708,6 +742,10 @@ class Amp:
                 f"the checkpoint has {len(state['scalers'])} loss scaler(s) but this Amp has num_losses="
                 f"{len(self.scalers)}."
             )
+        saved_level = state.get("opt_level", self.opt_level)
+        if saved_level != self.opt_level:
+            self._load_across_levels(state, saved_level)
+            return
         saved_masters = self._masters.accept(state["master_weights"])
         promotion = state.get("promotion")
         self.promotion.check_state_dict(promotion)
@@ -741,6 +779,62 @@ class Amp:
                 param_pairs(optimizer_state, self._masters.weights)
         self.skipped_steps = list(state.get("skipped_steps", self.skipped_steps))
 
+    def _load_across_levels(self, state: dict[str, Any], saved_level: str) -> None:
+        """:meth:`load_state_dict` for a checkpoint saved at ``saved_level``, another opt level (checked first,
+        changing nothing when refused)."""
+        levels = f"the checkpoint was saved at opt_level={saved_level!r} and this run is at {self.opt_level!r}"
+        saved_masters = [dict(masters) for masters in state["master_weights"]]
+        kept = state.get("fp32_values") or []
+        into_model: dict[str, torch.Tensor] = {}
+        if self._masters.weights:
+            if saved_masters:
+                raise ValueError(f"{levels}, and both keep FP32 masters: resume at {saved_level!r}.")
+            # Into masters: they come from the model's weights, which the model's state dict loaded (FP32 values
+            # exactly, through the load hooks or the values kept from before the cast): nothing here replaces them.
+        elif saved_masters or kept:
+            # Out of masters: the exact FP32 weights are the checkpoint's masters (and the FP32 values it kept for
+            # masters not made yet), which become the model's parameters.
+            params = self._prepared_parameters()
+            for values in [*saved_masters, *kept]:
+                into_model.update(values)
+            unexpected = sorted(name for name in into_model if name not in params)
+            if unexpected:
+                raise KeyError(
+                    f"{levels}: its FP32 master weights {unexpected[:10]} match no parameter of the prepared "
+                    f"model(s) ({len(params)} parameters); resume the same model, or at {saved_level!r}."
+                )
+            for name, value in into_model.items():
+                if tuple(value.shape) != tuple(params[name].shape):
+                    raise ValueError(
+                        f"{levels}: master weight {name!r} has shape {tuple(value.shape)} in the checkpoint but the "
+                        f"parameter has shape {tuple(params[name].shape)}; nothing was loaded."
+                    )
+        promotion = state.get("promotion")
+        self.promotion.check_state_dict(promotion)
+        for scaler, scaler_state in zip(self.scalers, state["scalers"]):
+            if scaler.dynamic and scaler_state.get("dynamic", True):  # a dynamic scale is state; a static one a setting
+                scaler.load_state_dict(scaler_state)
+        self.promotion.load_state_dict(promotion)
+        if into_model:
+            with torch.no_grad():
+                params = self._prepared_parameters()
+                for name, value in into_model.items():
+                    params[name].copy_(value)
+        self.promotion.load_weights(promotion)
+        for optimizer_state in self._optimizers.values():
+            optimizer_state.mirrors = None
+        self.skipped_steps = list(state.get("skipped_steps", self.skipped_steps))
+
+    def _prepared_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters of the live prepared models by the names the engine's checkpoints use."""
+        out: dict[str, nn.Parameter] = {}
+        for prefix, ref in self.promotion._roots:
+            model = ref()
+            if model is not None:
+                for name, param in model.named_parameters():
+                    out.setdefault(self._names.get(id(param), prefix + name), param)
+        return out
+
     # -- internals ----------------------------------------------------------------------------------------------
     def _loss_index(self, loss_id: int) -> int:
         return loss_index(loss_id, len(self.scalers))
@@ -765,16 +859,50 @@ def _device_type(module: nn.Module) -> str | None:
     return None
 
 
-def _pinned_params(module: nn.Module, prefix: str, patterns: Sequence[str]) -> set[int]:
-    """``id`` of the parameters of ``module``'s submodules that ``fp32_modules`` patterns name (kept FP32)."""
+def _pinned_params(module: nn.Module, prefix: str, patterns: Sequence[str]) -> tuple[set[int], list[nn.Module]]:
+    """``id`` of the parameters kept FP32 at O2/O3, and the submodules tied to the pinned ones.
+
+    The pinned parameters are those of the submodules that ``fp32_modules`` patterns name, and of every submodule
+    that shares a parameter with one of those (a tied input embedding of a pinned ``lm_head``): a shared parameter is
+    one tensor, so it cannot be FP32 in one module and half in the other. Such a tied submodule runs in FP32 too
+    (see :meth:`Amp._run_tied_in_fp32`), found again for the parameters it adds, until none is left.
+
+    Raises:
+        ValueError: when the module that shares a pinned parameter is the root model or holds a pinned module (it
+            cannot run in FP32 without running the pinned module's surroundings in FP32), naming the tie.
+    """
     if not patterns:
-        return set()
-    return {
-        id(param)
-        for name, sub in module.named_modules()
-        if name and any(matches(prefix + name, pattern) for pattern in patterns)
-        for param in sub.parameters()
-    }
+        return set(), []
+    modules = list(module.named_modules())
+    tops = [name for name, _ in modules if name and any(matches(prefix + name, pattern) for pattern in patterns)]
+    params = {id(p): f"{name}.{pname}" for name, sub in modules if name in tops for pname, p in sub.named_parameters()}
+    tied: list[nn.Module] = []
+    changed = True
+    while changed:
+        changed = False
+        for name, sub in modules:
+            if any(name == top or name.startswith(top + ".") for top in tops):
+                continue
+            shared = [(pname, p) for pname, p in sub.named_parameters(recurse=False) if id(p) in params]
+            if not shared:
+                continue
+            pname, param = shared[0]
+            owner = "the root model" if not name else f"{prefix + name!r}"
+            holds = [top for top in tops if not name or top.startswith(name + ".")]
+            if holds:
+                raise ValueError(
+                    f"fp32_modules pins {prefix + holds[0]!r}, whose parameter {prefix + params[id(param)]!r} is also "
+                    f"{owner}'s own parameter {prefix + (name + '.' if name else '') + pname!r} (tied weights); "
+                    f"{owner} holds the pinned module and cannot run in FP32 around it. Pin a module that holds "
+                    "both users of the parameter, untie the weights, or use opt_level='O1', whose FP32 modules keep "
+                    "every parameter FP32."
+                )
+            tops.append(name)
+            tied.append(sub)
+            for sub_pname, p in sub.named_parameters():
+                params.setdefault(id(p), f"{name}.{sub_pname}")
+            changed = True
+    return set(params), tied
 
 
 def _keep_fp32_values(module: nn.Module, before_cast: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:

@@ -56,6 +56,11 @@ from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
 from lightning.pytorch.utilities.types import LRSchedulerConfig  # noqa: E402
 
+try:  # the callback of Lightning's learning-rate range test (Tuner.lr_find), private to Lightning
+    from lightning.pytorch.tuner.lr_finder import _LRCallback
+except ImportError:  # a release that names it otherwise: the range test is not recognised
+    _LRCallback = None  # type: ignore[assignment,misc]
+
 __all__ = ["MixedPrecisionPlugin"]
 
 _D, _S = DEFAULTS, DEFAULTS.scaler  # the defaults of the typed keywords, from the one place that defines them
@@ -163,6 +168,9 @@ class MixedPrecisionPlugin(FSDPPrecision):
         self._held: list[tuple[list[Any], int, Any, Any]] = []
         # is_overridden() answers per (LightningModule class, hook), asked anew in every fit (see _overridden).
         self._overrides: dict[tuple[type, str], bool] = {}
+        # While Lightning's learning-rate range test runs (Tuner.lr_find): each scaler's on_floor, put back when the
+        # tuner restores its checkpoint (see _enter_range_test).
+        self._range_test_floors: list[OnFloor] | None = None
         # Last: what this __init__ built, which pickling leaves out and rebuilds from the settings (__getstate__).
         self._built_here = frozenset(vars(self)) - inherited | {"_built_here"}
 
@@ -369,6 +377,7 @@ class MixedPrecisionPlugin(FSDPPrecision):
             )
         self._release_schedulers()
         trainer = model.trainer
+        self._enter_range_test(trainer)
         # Asked once per step: the answer holds until the loop counts the step, after this returns, unless the step
         # stops the training (asked again below, as Lightning logs a stopping step).
         logging = bool(trainer.loggers) and trainer._logger_connector.should_update_logs
@@ -409,31 +418,42 @@ class MixedPrecisionPlugin(FSDPPrecision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        """Clip the unscaled gradients; by norm, unscaling, the overflow check and the clip share one pass.
+        """Clip the unscaled gradients through :meth:`clip_grad_by_value` or :meth:`clip_grad_by_norm`, as
+        Lightning's ``Precision.clip_gradients`` does (a subclass overrides those); nothing when ``clip_val <= 0``.
 
         Unlike Lightning's own AMP plugin this works with fused optimizers (``AdamW(fused=True)``): the plugin, not
         the optimizer, unscales. At O2 the FP32 masters' gradients are clipped (the step uses them) and the model's
         own gradients then hold the same unscaled, clipped values (what code after the clip reads, as with
-        Lightning's own plugins).
+        Lightning's own plugins). A subclass's own ``clip_grad_by_*`` gets the gradients unscaled (in the training
+        loop they are unscaled before the hooks) and clips :meth:`main_params`'s.
         """
         if clip_val <= 0:
             return
-        optimizer = _unwrap(optimizer)
-        with _casts_off():
-            if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
-                self.amp.clip_grad_value_(optimizer, float(clip_val))
-            else:
-                self.amp.clip_grad_norm_(optimizer, float(clip_val))
-            self.amp.show_unscaled_on_model(optimizer)  # O2 only: the masters' clipped gradients, on the model
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            self.clip_grad_by_value(optimizer, clip_val)
+        elif gradient_clip_algorithm == GradClipAlgorithmType.NORM:
+            self.clip_grad_by_norm(optimizer, clip_val)
+        else:
+            return
+        torch_optimizer = _unwrap(optimizer)
+        if self._clip_overridden() and id(torch_optimizer) in self.amp._optimizers:
+            with _casts_off():  # O2: the masters' gradients, clipped by the override, on the model too
+                self.amp.show_unscaled_on_model(torch_optimizer)
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """Clip the unscaled gradients to a total norm of ``clip_val`` (under FSDP: the global norm over all
-        ranks' shards)."""
-        self.clip_gradients(optimizer, clip_val, GradClipAlgorithmType.NORM)
+        ranks' shards); unscaling, the overflow check and the clip share one pass."""
+        optimizer = _unwrap(optimizer)
+        with _casts_off():
+            self.amp.clip_grad_norm_(optimizer, float(clip_val))
+            self.amp.show_unscaled_on_model(optimizer)  # O2 only: the masters' clipped gradients, on the model
 
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """Clip the unscaled gradients to ``[-clip_val, clip_val]``."""
-        self.clip_gradients(optimizer, clip_val, GradClipAlgorithmType.VALUE)
+        optimizer = _unwrap(optimizer)
+        with _casts_off():
+            self.amp.clip_grad_value_(optimizer, float(clip_val))
+            self.amp.show_unscaled_on_model(optimizer)  # O2 only: the masters' clipped gradients, on the model
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Unscale ``optimizer``'s gradients now (once per step)."""
@@ -463,10 +483,12 @@ class MixedPrecisionPlugin(FSDPPrecision):
         return self.amp.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._leave_range_test()  # the tuner restores its checkpoint when its range test ends
         self.amp.load_state_dict(state_dict)
 
     def teardown(self) -> None:
         self._end_iteration()
+        self._leave_range_test()
         # Every rank tears down: the last steps skipped on the device are settled (their records merged across
         # ranks, logged, their floor applied).
         self.amp.settle_step_outcomes()
@@ -491,6 +513,32 @@ class MixedPrecisionPlugin(FSDPPrecision):
             "DDP (strategy='ddp'), FSDP (strategy='fsdp') and ModelParallelStrategy (FSDP2)."
         )
 
+    def _enter_range_test(self, trainer: Any) -> None:
+        """During ``Tuner.lr_find``'s range test, overflows at the loss-scale floor skip the step and nothing more.
+
+        The range test raises the learning rate until the loss diverges, on purpose, and then restores the run from
+        the checkpoint it saved first. An overflow there is the divergence it looks for, not a run to stop: with
+        bfloat16's static scale every overflow is at the floor, and ``on_floor="raise"`` would end the tuner (and
+        ``"promote"`` would change the model for the fit after it). The scalers' own ``on_floor`` comes back when the
+        tuner restores its checkpoint (:meth:`load_state_dict`), after the steps still pending are read."""
+        if self._range_test_floors is not None or not any(map(_is_range_test_callback, trainer.callbacks)):
+            return
+        self._range_test_floors = [scaler.on_floor for scaler in self.amp.scalers]
+        for scaler in self.amp.scalers:
+            scaler.on_floor = "continue"
+
+    def _leave_range_test(self) -> None:
+        if self._range_test_floors is None:
+            return
+        try:
+            # The range test's last steps (skip_on_device) are settled under its policy: every rank is here (the
+            # tuner's restore, or teardown), so their records can be merged.
+            self.amp.settle_step_outcomes()
+        finally:
+            for scaler, on_floor in zip(self.amp.scalers, self._range_test_floors):
+                scaler.on_floor = on_floor
+            self._range_test_floors = None
+
     def _overridden(self, model: Any, name: str) -> bool:
         """``is_overridden(name, model)``, asked once per fit and class (it reads several attributes and compares
         code objects: a cost on every step otherwise). A hook set on the instance itself counts as overridden, even
@@ -504,10 +552,21 @@ class MixedPrecisionPlugin(FSDPPrecision):
             answer = self._overrides[key] = is_overridden(name, model)
         return answer
 
+    def _clip_overridden(self) -> bool:
+        """Whether ``clip_grad_by_norm`` or ``clip_grad_by_value`` is not this plugin's own (a subclass's, or one
+        set on the instance), which clips without the fused unscale of this plugin's own."""
+        return any(
+            name in vars(self) or getattr(type(self), name) is not getattr(MixedPrecisionPlugin, name)
+            for name in ("clip_grad_by_norm", "clip_grad_by_value")
+        )
+
     def _hooks_read_gradients(self, model: Any) -> bool:
         """Whether the LightningModule implements ``on_before_optimizer_step`` or ``configure_gradient_clipping``
-        (which reads the gradients and may clip them itself), or a callback implements ``on_before_optimizer_step``."""
+        (which reads the gradients and may clip them itself), a callback implements ``on_before_optimizer_step``, or
+        the plugin's ``clip_grad_by_*`` is overridden."""
         if any(self._overridden(model, name) for name in ("on_before_optimizer_step", "configure_gradient_clipping")):
+            return True
+        if self._clip_overridden():  # a subclass's own clip_grad_by_* clips what main_params() holds: true values
             return True
         base = _pl.Callback.on_before_optimizer_step
         return any(
@@ -603,6 +662,12 @@ def _unwrap(optimizer: Any) -> Optimizer:
     """The torch optimizer inside a ``LightningOptimizer`` (which Lightning builds as a subclass of the optimizer's
     own class, so an ``isinstance(..., Optimizer)`` test cannot tell them apart)."""
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _is_range_test_callback(callback: Any) -> bool:
+    """Whether ``callback`` is the one Lightning's learning-rate finder runs its range test with (it replaces the
+    Trainer's callbacks with it while the test runs)."""
+    return _LRCallback is not None and isinstance(callback, _LRCallback)
 
 
 def _trainer_of(model: nn.Module) -> Any:

@@ -17,6 +17,16 @@ from lightning_mpx.opt_levels import LossScale, _check_loss_scale
 from lightning_mpx.settings import ON_FLOOR_CHOICES, SCALER_DEFAULTS, OnFloor, ScalerSettings  # noqa: F401
 
 _FP32_MAX = float(torch.finfo(torch.float32).max)
+#: The floor error's advice by the half dtype of the gradients (``None``: a scaler that was not told it). bfloat16
+#: is advised to float16 runs only: a bfloat16 gradient overflows where an FP32 one would.
+_FLOOR_ADVICE: dict[torch.dtype | None, str] = {
+    torch.float16: "Check the loss and inputs for inf/NaN, lower the learning rate, or use bfloat16 (FP32's range)",
+    torch.bfloat16: (
+        "Check the loss and inputs for inf/NaN, or lower the learning rate (bfloat16 has FP32's range: these values "
+        "are not finite in FP32 either)"
+    ),
+    None: "Check the loss and inputs for inf/NaN, or lower the learning rate",
+}
 _D = SCALER_DEFAULTS  # the defaults of the typed keywords, from the one place that defines them
 
 
@@ -32,9 +42,12 @@ class LossScaler:
         init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, consecutive_hysteresis,
             min_loss_scale, max_loss_scale, on_floor: The scaler's settings, each documented and checked in
             :class:`~lightning_mpx.settings.ScalerSettings` (:meth:`from_settings` takes one whole).
+        half_dtype: The dtype whose gradients it scales, which the floor error's advice names (``None``: not
+            known).
 
     Attributes:
         settings: The :class:`~lightning_mpx.settings.ScalerSettings` the scaler was built with.
+        half_dtype: The ``half_dtype`` it was given.
 
     .. warning::
         :meth:`get_scale`, :meth:`state_dict` and :meth:`handle_overflow` read device values and so wait for the
@@ -54,25 +67,35 @@ class LossScaler:
         min_loss_scale: float = _D.min_loss_scale,
         max_loss_scale: float = _D.max_loss_scale,
         on_floor: OnFloor = _D.on_floor,
+        half_dtype: torch.dtype | None = None,
     ) -> None:
         _check_loss_scale(loss_scale)
         arguments = dict(locals())
-        del arguments["self"], arguments["loss_scale"]
-        self._configure(loss_scale, ScalerSettings(**arguments))
+        del arguments["self"], arguments["loss_scale"], arguments["half_dtype"]
+        self._configure(loss_scale, ScalerSettings(**arguments), half_dtype)
 
     @classmethod
-    def from_settings(cls, loss_scale: LossScale, settings: ScalerSettings) -> LossScaler:
-        """A scaler of ``loss_scale`` (``"dynamic"`` or a static number) with ``settings``."""
+    def from_settings(
+        cls, loss_scale: LossScale, settings: ScalerSettings, *, half_dtype: torch.dtype | None = None
+    ) -> LossScaler:
+        """A scaler of ``loss_scale`` (``"dynamic"`` or a static number) with ``settings``; ``half_dtype``: the
+        dtype whose gradients it scales, which the floor error's advice names (``None``: not known)."""
         if not isinstance(settings, ScalerSettings):
             raise TypeError(f"settings={type(settings).__name__} must be a lightning_mpx.ScalerSettings.")
         _check_loss_scale(loss_scale)
         scaler = cls.__new__(cls)
-        scaler._configure(loss_scale, settings)
+        scaler._configure(loss_scale, settings, half_dtype)
         return scaler
 
-    def _configure(self, loss_scale: LossScale, settings: ScalerSettings) -> None:
+    def _configure(self, loss_scale: LossScale, settings: ScalerSettings, half_dtype: torch.dtype | None) -> None:
         settings.check_init_scale(loss_scale)
+        if half_dtype not in (None, torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"half_dtype={half_dtype!r} is not a half-precision dtype; valid choices: None, torch.float16, "
+                "torch.bfloat16."
+            )
         self.settings = settings
+        self.half_dtype = half_dtype
         self.dynamic = loss_scale == "dynamic"
         self.init_scale = float(settings.init_scale if self.dynamic else loss_scale)  # type: ignore[arg-type]
         self.growth_factor = float(settings.growth_factor)
@@ -243,7 +266,7 @@ class LossScaler:
             f"Gradients overflowed and the {kind} (scale={self.get_scale() if scale is None else scale:g}, min_loss_scale={self.min_loss_scale:g}):"
             f" non-finite gradients in {shown or 'unknown parameters'}. The step was skipped and parameters are "
             "unchanged. "
-            + (hint or "Check the loss and inputs for inf/NaN, lower the learning rate, or use bfloat16")
+            + (hint or _FLOOR_ADVICE[self.half_dtype])
             + "; pass on_floor='warn' or 'continue' to keep training."
         )
         if self.on_floor in ("raise", "promote"):  # "promote" gets here only when no module could be blamed

@@ -303,8 +303,9 @@ class Promotion:
                 f"{self.amp.opt_level!r}: that code made the non-finite values ({region.kind}), a promoted module's "
                 "output is cast back to half before it runs, and it runs "
                 + ("outside every module" if region.parent is None else "in the root model's forward")
-                + "; compute it in FP32 (cast its inputs with .float()), move it into a submodule's forward, or use "
-                "half_dtype='bfloat16'"
+                + "; compute it in FP32 (cast its inputs with .float())"
+                + (", move it into a submodule's forward, or use half_dtype='bfloat16'"
+                   if self.amp.half_dtype == torch.float16 else " or move it into a submodule's forward")
             )
         return frozenset({region.parent}), None  # its forward runs the code: in FP32 once it is promoted
 
@@ -352,7 +353,8 @@ class Promotion:
             if not relative:
                 return [], (
                     f"on_floor='promote' would have to run the whole model in FP32 to cure overflows in {name!r}; use "
-                    "opt_level='O0' or half_dtype='bfloat16'"
+                    + ("opt_level='O0' or half_dtype='bfloat16'" if self.amp.half_dtype == torch.float16
+                       else "opt_level='O0'")
                 )
             if prefix + relative not in targets:
                 targets.append(prefix + relative)
