@@ -145,7 +145,9 @@ class StepOutcome:
 
     What a ``bool`` does that this cannot: ``outcome is True``, ``isinstance(outcome, bool)``, ``json.dumps``, the
     ``statistics`` module, indexing a tensor with it (a ``bool`` index adds a dimension; this picks a row) and
-    ``torch.tensor(list_of_outcomes)`` (torch looks at the items' types); ``bool(outcome)`` first for those.
+    ``torch.tensor(list_of_outcomes)`` (torch looks at the items' types), and ``torch.load(weights_only=True)`` of a
+    saved outcome (it is saved as a call to ``bool``, which that loader does not allow unless
+    ``torch.serialization.add_safe_globals([bool])``); ``bool(outcome)`` first for those.
     """
 
     __slots__ = ("_read", "_stepped", "__weakref__")
@@ -169,6 +171,12 @@ class StepOutcome:
 
     def __bool__(self) -> bool:
         return self.stepped
+
+    def __reduce__(self) -> tuple[type[bool], tuple[bool]]:
+        """Pickled and copied (``pickle``, ``torch.save``, ``copy.copy``, ``copy.deepcopy``) as the ``bool`` it reads
+        as: the outcome is read first, and the copy holds no link to the engine (whose masters a deep copy would
+        copy too)."""
+        return bool, (self.stepped,)
 
     # A bool is an int: the numeric protocols read the outcome and answer as the bool would.
     __int__ = _unary(int)

@@ -10,7 +10,10 @@
 from __future__ import annotations
 
 import collections
+import copy
+import io
 import math
+import pickle
 from pathlib import Path
 from typing import Any, Callable
 
@@ -251,7 +254,21 @@ HABITS: dict[str, Callable[[list[Any]], Any]] = {
     "tensor_mul": lambda o: torch.ones(2) * o[1],
     "numpy_sum": lambda o: numpy.array(o).sum(),
     "numpy_mean": lambda o: numpy.mean(o),
+    # A history of outcomes kept in a checkpoint or a logger's state, or copied with it.
+    "pickle": lambda o: pickle.loads(pickle.dumps(o)),
+    "torch_save": lambda o: _torch_round_trip({"history": o})["history"],
+    "copy": lambda o: [copy.copy(x) for x in o],
+    "deepcopy": lambda o: copy.deepcopy(o),
+    "deepcopy_in_a_dict": lambda o: copy.deepcopy({"stepped": o[0]}),
 }
+
+
+def _torch_round_trip(obj: Any) -> Any:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    # weights_only=False: torch's weights-only loader allows no call to builtins.bool (StepOutcome's docstring)
+    return torch.load(buffer, weights_only=False)
 
 
 def _same(host: Any, device: Any) -> None:
@@ -289,3 +306,14 @@ def test_an_unread_outcome_is_read_by_a_number_habit_and_hashes_as_its_bool_for_
     assert not outcome.known
     assert int(outcome) == 0 and outcome.known and amp.skipped_steps == [1]
     assert hash(outcome) == hash(False) and {outcome: "skipped"}[False] == "skipped"
+
+
+def test_a_copied_outcome_is_its_bool_and_leaves_the_engine_alone():
+    """A deep copy of an outcome (in a history a callback keeps) reads it and copies nothing of the engine behind
+    it: before, it followed the outcome's link into the engine and copied its masters."""
+    amp, model, optimizer = _engine(True, loss_scale="dynamic")
+    outcome = _train_step(amp, model, optimizer, 0, bad=True)
+    assert not outcome.known
+    copied = copy.deepcopy([outcome])
+    assert copied == [False] and type(copied[0]) is bool and outcome.known and amp.skipped_steps == [1]
+    assert pickle.loads(pickle.dumps(outcome)) is False
