@@ -296,7 +296,9 @@ def _plan(
         "blocks": tuple(sorted(names[id(unit)] for unit in units)),
         "gather": gather if mode.name == "cast_table" else None,
         "mesh": _mesh_value(mesh),
-        "reshard_after_forward": reshard_after_forward,
+        # As written: True == 1 in Python, but fully_shard reads True (reshard fully) and 1 (reshard to a
+        # world of one) differently.
+        "reshard_after_forward": repr(reshard_after_forward),
     }
 
 
