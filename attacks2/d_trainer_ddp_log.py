@@ -29,8 +29,9 @@ class M(L.LightningModule):
         self.manual_backward(loss)
         if OVER.get(i) == self.global_rank:
             self.net[0].weight.grad[0, 0] = float("inf")
-        outcome = opt.step()
+        opt.step()  # Lightning returns the closure's result here, not whether it stepped (as its own precisions)
         if self.trainer.is_global_zero:
+            outcome = not self.trainer.precision_plugin.step_was_skipped(opt.optimizer)
             self.log("stepped", float(outcome), rank_zero_only=True)
             self.seen.append(float(outcome))
         return loss
