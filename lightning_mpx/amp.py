@@ -28,6 +28,7 @@ from torch import nn
 from lightning_mpx._collections import _cast_collection
 from lightning_mpx._device_skip import PendingStep, PendingSteps, StepOutcome, device_skip_refusal
 from lightning_mpx._dtypes import HALF_DTYPES
+from lightning_mpx._level_resume import ExactWeights
 from lightning_mpx._loss_regions import LossRegions
 from lightning_mpx._master_swap import param_pairs
 from lightning_mpx._masters import Masters
@@ -139,6 +140,7 @@ class Amp:
         self.forensics = OverflowForensics(settings.diagnose_overflows)
         self._steps = 0  # Amp.step() calls so far, all optimizers (OverflowRecord.step)
         self.promotion = Promotion(self, settings.fp32_modules)  # the modules that run in FP32
+        self._exact_weights = ExactWeights()  # O2 masters resumed at O0/O1: kept through a later model load
         self._names: dict[int, str] = {}
         self._overflows = Overflows(self.scalers, self.forensics, self.promotion, settings.overflow_log_interval)
         self.telemetry = GradTelemetry(self.properties.half_dtype)  # underflow/headroom, on request only
@@ -820,6 +822,10 @@ class Amp:
                 params = self._prepared_parameters()
                 for name, value in into_model.items():
                     params[name].copy_(value)
+            # The model's own state dict (the masters' rounding) may be loaded after this (Accelerate's load_state,
+            # fabric.load of {"mpx": ..., "model": ...}): it must not put the rounding back.
+            roots = [model for _, ref in self.promotion._roots if (model := ref()) is not None]
+            self._exact_weights.guard(roots, [params[name] for name in into_model])
         self.promotion.load_weights(promotion)
         for optimizer_state in self._optimizers.values():
             optimizer_state.mirrors = None

@@ -187,3 +187,131 @@ def test_the_core_engine_resumes_an_o1_state_at_o2_and_back() -> None:
     run("O1", o1_again, back)
     for name, param in o1_again.named_parameters():
         assert param.dtype == torch.float32 and torch.equal(param, back["amp"]["master_weights"][0][name]), name
+
+
+# -- the other front doors, where the model's state dict may be loaded after the engine's ---------------------------
+def _train(backward: Any, model: torch.nn.Module, optimizer: Any, steps: int = 2) -> None:
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+        backward(torch.nn.functional.cross_entropy(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _net(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+@pytest.mark.parametrize("mpx_first", [False, True], ids=["model-first", "mpx-first"])
+@pytest.mark.parametrize(("saved", "resumed"), [("O2", "O1"), ("O1", "O2")])
+def test_fabric_load_resumes_across_levels_in_either_order_of_the_state(saved, resumed, mpx_first, tmp_path) -> None:
+    """``fabric.load`` follows the order of the user's state dict: with ``{"mpx": mpx, "model": model, ...}`` the
+    engine's state is loaded before the model's, whose weights are the O2 masters' rounding. The O1 model still
+    resumes from the masters exactly (and O2's masters from the O1 weights)."""
+    from lightning.fabric import Fabric
+
+    from lightning_mpx import FabricMixedPrecisionPlugin
+
+    def setup(level: str, seed: int) -> tuple[Any, Any, Any, Any]:
+        mpx = FabricMixedPrecisionPlugin(level, half_dtype="bfloat16")
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[mpx])
+        net = _net(seed)
+        model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+        mpx.setup_optimizers(optimizer)
+        return fabric, mpx, model, optimizer
+
+    def state(mpx: Any, model: Any, optimizer: Any) -> dict[str, Any]:
+        if mpx_first:
+            return {"mpx": mpx, "model": model, "optimizer": optimizer}
+        return {"model": model, "optimizer": optimizer, "mpx": mpx}
+
+    def fp32(mpx: Any, model: Any, optimizer: Any) -> list[torch.Tensor]:
+        if mpx.amp.properties.master_weights:
+            return [m.detach().clone() for m in mpx.amp.master_params(optimizer.optimizer)]
+        return [p.detach().clone() for p in model.parameters()]
+
+    fabric, mpx, model, optimizer = setup(saved, 0)
+    _train(fabric.backward, model, optimizer)
+    fabric.save(tmp_path / "run.ckpt", state(mpx, model, optimizer))
+    expected = fp32(mpx, model, optimizer)
+    fabric, mpx, model, optimizer = setup(resumed, 1)
+    fabric.load(tmp_path / "run.ckpt", state(mpx, model, optimizer))
+    got = fp32(mpx, model, optimizer)
+    assert all(t.dtype == torch.float32 for t in got)
+    for index, (value, reference) in enumerate(zip(got, expected)):
+        assert torch.equal(value, reference), f"parameter {index}: not the saved FP32 weights exactly"
+    _train(fabric.backward, model, optimizer, steps=1)
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [("O2", "O1"), ("O1", "O2")])
+def test_accelerate_load_state_resumes_across_levels(saved, resumed, tmp_path, fresh_accelerate_state) -> None:
+    """``accelerator.load_state`` loads the engine's state (a load-state pre-hook) before the models, whose saved
+    weights at O2 are the masters' rounding: an O2 checkpoint resumed at O1 still starts from the masters exactly."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+
+    def setup(level: str, seed: int) -> tuple[Any, Any, Any]:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        accelerator = Accelerator(mixed_precision=level, cpu=True,
+                                  kwargs_handlers=[MixedPrecisionKwargs(half_dtype="bfloat16")])  # fmt: skip
+        model = _net(seed)
+        return (accelerator, *accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2)))
+
+    def fp32(accelerator: Any, model: Any, optimizer: Any) -> list[torch.Tensor]:
+        if accelerator.amp.properties.master_weights:
+            return [m.detach().clone() for m in accelerator.amp.master_params(optimizer.optimizer)]
+        return [p.detach().clone() for p in model.parameters()]
+
+    accelerator, model, optimizer = setup(saved, 0)
+    _train(accelerator.backward, model, optimizer)
+    accelerator.save_state(str(tmp_path / "checkpoint"))
+    expected = fp32(accelerator, model, optimizer)
+    accelerator, model, optimizer = setup(resumed, 1)
+    accelerator.load_state(str(tmp_path / "checkpoint"))
+    got = fp32(accelerator, model, optimizer)
+    for index, (value, reference) in enumerate(zip(got, expected)):
+        assert value.dtype == torch.float32 and torch.equal(value, reference), f"parameter {index}"
+    _train(accelerator.backward, model, optimizer, steps=1)
+
+
+def test_the_core_engine_keeps_the_exact_weights_when_the_model_loads_after_it_and_not_other_weights() -> None:
+    """O2 to O1 with ``amp.load_state_dict`` first and the model's state dict (the masters' rounding) after it: the
+    model keeps the masters exactly, tied weights included; a later load of other weights goes through."""
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 8)
+            self.head = torch.nn.Linear(8, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.emb(x))
+
+    torch.manual_seed(0)
+    o2 = Amp("O2", half_dtype="bfloat16")
+    model = o2.prepare_model(Tied())
+    optimizer = o2.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+    x = torch.randint(0, 10, (4, 3), generator=torch.Generator().manual_seed(0))
+    with o2.forward_context():
+        loss = o2.cast_outputs(model(x)).float().square().mean()
+    o2.backward(loss)
+    assert o2.step(optimizer)
+    o2.update()
+    saved = {"model": model.state_dict(), "amp": o2.state_dict()}
+    masters = saved["amp"]["master_weights"][0]
+    o1 = Amp("O1", half_dtype="bfloat16")
+    resumed = o1.prepare_model(Tied())
+    o1.load_state_dict(saved["amp"])  # the engine first: Accelerate's order, fabric.load of {"mpx": ..., "model": ...}
+    resumed.load_state_dict(saved["model"])  # "head.weight" and "emb.weight": both names load the tied parameter
+    assert resumed.emb.weight.dtype == torch.float32
+    assert torch.equal(resumed.emb.weight, masters["emb.weight"])
+    assert not torch.equal(resumed.emb.weight, saved["model"]["emb.weight"].float())  # the rounding differs
+    other = {name: torch.randn_like(value) for name, value in saved["model"].items()}
+    other["head.weight"] = other["emb.weight"]
+    resumed.load_state_dict(other)  # the user's own later load is not second-guessed
+    assert torch.equal(resumed.emb.weight, other["emb.weight"].float())
