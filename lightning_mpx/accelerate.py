@@ -767,7 +767,10 @@ class Accelerator(_BaseAccelerator):  # type: ignore[misc]
             raise FileNotFoundError(
                 f"{path} does not exist: the checkpoint in {input_dir} was not saved by lightning_mpx's Accelerator "
                 f"with an opt level, so the loss scale and FP32 masters of mixed_precision={self.amp.opt_level!r} "
-                "cannot be restored."
+                "cannot be restored. To start this run from the weights of a checkpoint of plain Accelerate, load "
+                "them into the model before accelerator.prepare(...) (model.load_state_dict(...), or accelerate's "
+                "load_checkpoint_in_model), or after it (FP32 values go to the O2 masters exactly); the optimizer "
+                "and the loss scale then start afresh."
             )
         self._close_iteration()
         for opt in self._amp_optimizers():

@@ -611,8 +611,9 @@ def test_load_state_without_amp_state_says_why(tmp_path):
     accelerator, *_ = _setup("O2")
     accelerator.save_state(str(tmp_path))
     (tmp_path / AMP_STATE_NAME).unlink()
-    with pytest.raises(FileNotFoundError, match="not saved by lightning_mpx's Accelerator"):
+    with pytest.raises(FileNotFoundError, match="not saved by lightning_mpx's Accelerator") as error:
         accelerator.load_state(str(tmp_path))
+    assert "load them into the model before accelerator.prepare" in str(error.value)  # and says what to do
 
 
 def test_load_state_into_an_evaluation_only_o2_model(tmp_path):
