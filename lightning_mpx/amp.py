@@ -153,6 +153,19 @@ class Amp:
         self._iteration = 0  # update() calls so far: a pending step of an earlier iteration is read at a backward
 
     @property
+    def register_call(self) -> str:
+        """What the error for an optimizer this engine does not know tells the user to do (default: ``"call
+        prepare_optimizer() on it first"``). A front door whose users never call :meth:`prepare_optimizer` names its
+        own call here (the Fabric plugin: ``plugin.setup_optimizers(optimizer)``)."""
+        return self._machine.register_call
+
+    @register_call.setter
+    def register_call(self, value: str) -> None:
+        if not isinstance(value, str) or not value:
+            raise TypeError(f"register_call={value!r} must be a non-empty str (the words that end the error).")
+        self._machine.register_call = value
+
+    @property
     def _with_masters(self) -> bool:
         """Whether optimizers step FP32 masters of this engine (O2 on an unsharded model; under FSDP, FSDP's own
         sharded FP32 parameters are the masters)."""
