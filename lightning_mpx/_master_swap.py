@@ -34,12 +34,15 @@ def _any_needs_master(params: list[torch.Tensor]) -> bool:
 
 def master_for(master_weights: Sequence[MasterWeights], param: torch.Tensor) -> torch.Tensor | None:
     """The master of a model parameter, made now if it has none yet and needs one: it requires a gradient or has
-    one. A frozen parameter an optimizer holds (a LoRA model's base, an optimizer over ``model.parameters()``) is its
-    own until then: it is never stepped, and an FP32 copy of a frozen base would cost twice its half memory again.
-    ``None`` for a trainable half parameter that belongs to no prepared model."""
+    one, or its FP32 value is kept (trainable when it was prepared, frozen since: the value becomes its master at no
+    cost, as it would have at a registration before the freeze, so every front door ends with the same masters). A
+    parameter frozen before it was prepared that an optimizer holds (a LoRA model's base, an optimizer over
+    ``model.parameters()``) is its own until then: it is never stepped, and an FP32 copy of a frozen base would cost
+    twice its half memory again. ``None`` for a trainable half parameter that belongs to no prepared model."""
     for masters in master_weights:
         if masters.covers(param):
-            return masters.master_of(param, create=param.requires_grad or param.grad is not None)
+            needed = param.requires_grad or param.grad is not None or masters.keeps_value(param)
+            return masters.master_of(param, create=needed)
     if param.dtype in (torch.float16, torch.bfloat16) and param.requires_grad:
         return None
     return param

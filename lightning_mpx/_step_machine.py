@@ -73,13 +73,16 @@ class StepMachine:
         self.iteration_read: dict[int, bool | None] = {}
         self.grad_norms: dict[int, torch.Tensor] = {}
         self.sharding: Sharding | None = None
+        # What the error for an optimizer not registered tells the user to do: the front door's own call where it
+        # registers optimizers itself (Amp.register_call).
+        self.register_call = "call prepare_optimizer() on it first"
 
     # -- registration -------------------------------------------------------------------------------------------
     def state(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
         state = self.optimizers.get(id(optimizer))
         if state is None:
             raise RuntimeError(
-                f"optimizer={type(optimizer).__name__} was not registered; call prepare_optimizer() on it first."
+                f"optimizer={type(optimizer).__name__} was not registered; {self.register_call}."
             )
         return state
 

@@ -155,6 +155,19 @@ class Amp:
         self._iteration = 0  # update() calls so far: a pending step of an earlier iteration is read at a backward
 
     @property
+    def register_call(self) -> str:
+        """What the error for an optimizer this engine does not know tells the user to do (default: ``"call
+        prepare_optimizer() on it first"``). A front door whose users never call :meth:`prepare_optimizer` names its
+        own call here (the Fabric plugin: ``plugin.setup_optimizers(optimizer)``)."""
+        return self._machine.register_call
+
+    @register_call.setter
+    def register_call(self, value: str) -> None:
+        if not isinstance(value, str) or not value:
+            raise TypeError(f"register_call={value!r} must be a non-empty str (the words that end the error).")
+        self._machine.register_call = value
+
+    @property
     def _with_masters(self) -> bool:
         """Whether optimizers step FP32 masters of this engine (O2 on an unsharded model; under FSDP, FSDP's own
         sharded FP32 parameters are the masters)."""
@@ -382,8 +395,9 @@ class Amp:
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Register ``optimizer`` (prepare its model first); for O2 its parameters become the FP32 masters (those
-        that require a gradient; a frozen one, a LoRA model's base, gets its master at its first gradient if it is
-        unfrozen). A closure optimizer (LBFGS), which loss scaling cannot support, is refused with a ValueError."""
+        that require a gradient, and those frozen since :meth:`prepare_model`, from their kept FP32 values; one
+        frozen before it, a LoRA model's base, gets its master at its first gradient if it is unfrozen). A closure
+        optimizer (LBFGS), which loss scaling cannot support, is refused with a ValueError."""
         self._machine.validate(optimizer, with_masters=self._with_masters)
         if self.settings.skip_on_device:
             self._refuse_device_skip(optimizer)
@@ -426,8 +440,9 @@ class Amp:
     def fp32_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """``module.state_dict()`` in FP32, to export what training produced (the model is not changed): each half
         parameter that has an FP32 master as that master (the exact weights the optimizer trains at O2, writes made
-        to the model since the last step taken first), every other half tensor upcast (a frozen parameter: its half
-        value, exactly), FP32 and integer tensors as they are. The keys are ``module.state_dict()``'s, so
+        to the model since the last step taken first), or the FP32 value kept for the master it will get (before its
+        optimizer's first step; a parameter frozen since it was prepared), every other half tensor upcast (a
+        parameter frozen before it was prepared: its half value, exactly), FP32 and integer tensors as they are. The keys are ``module.state_dict()``'s, so
         ``model.save_pretrained(path, state_dict=amp.fp32_state_dict(model))`` (Hugging Face, peft) or
         ``torch.save`` take it as they take the model's own; ``model.state_dict()`` itself holds the half values.
 

@@ -97,6 +97,12 @@ class FabricMixedPrecisionPlugin(Precision):
         self._opt_level = opt_level
         self._settings = dict(settings)
         self.amp = Amp(opt_level, **settings)  # bad arguments fail at Fabric construction, not mid-setup
+        # A Fabric user never calls prepare_optimizer(): the engine's errors name the plugin's call instead.
+        self.amp.register_call = (
+            "the Fabric plugin registers an optimizer at its first step or unscale: call "
+            "plugin.setup_optimizers(optimizer) after fabric.setup() to register it now (the plugin's own "
+            "master_params(optimizer) registers it too)"
+        )
         # Fabric's own words for it (ThroughputMonitor and others read it): what the weights are stored in, and
         # whether the compute is mixed.
         prefix = "bf16" if self.amp.half_dtype == torch.bfloat16 else "16"
@@ -248,6 +254,23 @@ class FabricMixedPrecisionPlugin(Precision):
             if found is not None and bool(found):
                 return iter([_nothing_to_clip(found.device)])  # a list: torch's clip warns about a generator
         return iter(self.amp.master_params(optimizer))
+
+    def master_params(self, optimizer: Optimizer) -> list[torch.Tensor]:
+        """The tensors ``optimizer`` updates: the FP32 masters of its half parameters at O2 (a layer frozen since
+        ``fabric.setup`` included: its master holds its FP32 weights), its parameters otherwise. Registers the
+        optimizer if the plugin has not met it yet. Takes what ``fabric.setup`` returned or the optimizer itself."""
+        optimizer = _unwrap(optimizer)
+        self._register(optimizer)
+        return self.amp.master_params(optimizer)
+
+    def fp32_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """``module.state_dict()`` in FP32, the model unchanged: each half parameter with an FP32 master (or an FP32
+        value kept for the master it will get) as that exact value, other half tensors upcast (see
+        :meth:`lightning_mpx.amp.Amp.fp32_state_dict`). Takes what ``fabric.setup`` returned or the model itself;
+        the keys are the model's own (``fabric.setup``'s wrapper adds no prefix)."""
+        if self._unsynced:
+            self._sync_masters()
+        return self.amp.fp32_state_dict(module)
 
     def step_was_skipped(self, optimizer: Optimizer) -> bool:
         """Whether ``optimizer``'s most recent step was skipped because its gradients overflowed: hold its

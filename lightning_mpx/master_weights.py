@@ -178,6 +178,12 @@ class MasterWeights:
         _unwatch_data(param)
         return master
 
+    def keeps_value(self, param: torch.Tensor) -> bool:
+        """Whether an FP32 value is kept for ``param``'s master, not made yet (``initial``): then making the master
+        costs no memory (the value becomes it), and a parameter frozen since preparing gets it from that value."""
+        entry = self._entry(param)
+        return entry is not None and entry.master is None and entry.initial is not None
+
     def name_of(self, param: torch.Tensor) -> str | None:
         entry = self._entry(param)
         return entry.name if entry is not None else None
@@ -220,19 +226,17 @@ class MasterWeights:
             entry.initial = None if value is None or entry.master is not None else value.detach().clone().float()
 
     def fp32_values(self) -> dict[int, torch.Tensor]:
-        """By ``id`` of the parameter, the FP32 value of each half parameter that has a master, or is trainable
-        and has a kept value: its master, or the master it will be made from that value (elements written to the
-        model since taking the model's value, as :meth:`_make_master` does). A frozen parameter has none: it is not
-        trained. Nothing is changed."""
+        """By ``id`` of the parameter, the FP32 value of each half parameter that has a master or a kept value: its
+        master, or the master it will be made from that value (elements written to the model since taking the
+        model's value, as :meth:`_make_master` does). A parameter frozen since it was prepared keeps its value too
+        (it was trainable then: the value is its FP32 weight, which its export must give); one frozen before has
+        none. Nothing is changed."""
         out = {}
         with torch.no_grad():
             for entry, param in self._live():
                 if entry.master is not None:
                     out[id(param)] = entry.master
-                elif (
-                    entry.initial is not None and param.requires_grad and param.dtype in HALF_DTYPES
-                    and entry.initial.shape == param.shape
-                ):
+                elif entry.initial is not None and param.dtype in HALF_DTYPES and entry.initial.shape == param.shape:
                     kept = entry.initial.to(param.device)
                     out[id(param)] = torch.where(param != kept.to(param.dtype), param.float(), kept)
         return out

@@ -146,10 +146,13 @@ def _two_layers() -> nn.Sequential:
 
 
 def _frozen_head() -> tuple[Amp, nn.Sequential, torch.optim.Optimizer]:
-    """O2 over two layers, the second frozen, the optimizer over every parameter (the usual habit)."""
+    """O2 over two layers, the second frozen before preparing (as a LoRA base is: no FP32 value kept for it), the
+    optimizer over every parameter (the usual habit). One frozen after preparing keeps its FP32 value, which becomes
+    its master: tests/test_frozen_after_setup.py."""
     amp = Amp("O2", half_dtype="bfloat16")
-    model = amp.prepare_model(_two_layers())
+    model = _two_layers()
     model[2].requires_grad_(False)
+    amp.prepare_model(model)
     return amp, model, amp.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
 
 
@@ -406,8 +409,9 @@ def test_cuda_frozen_parameters_with_the_fused_kernels():
 
     def build() -> tuple[Amp, nn.Module, torch.optim.Optimizer]:
         amp = Amp("O2", half_dtype="bfloat16")
-        model = amp.prepare_model(_two_layers().to(device))
-        model[2].requires_grad_(False)
+        model = _two_layers().to(device)
+        model[2].requires_grad_(False)  # before preparing, as a LoRA base (no FP32 value kept for it)
+        amp.prepare_model(model)
         return amp, model, amp.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
 
     g = torch.Generator().manual_seed(3)

@@ -7,8 +7,10 @@ layers frozen or unfrozen as they were, then the state dicts loaded).
 
 The reference is the run that was never interrupted: a run resumed from any checkpoint, at any point, must then
 go on bit for bit like it (losses, half parameters and FP32 masters). The optimizer steps FP32 masters only (a half
-parameter it holds that requires a gradient has one), and the memory promise: a half parameter that never required
-a gradient while an optimizer held it has no master.
+parameter it holds that requires a gradient has one), and the memory promise: a half parameter frozen before the
+model was prepared (no FP32 value kept for it) that never required a gradient while an optimizer held it has no
+master. Layers frozen after preparing keep their FP32 values, which become their masters when an optimizer holds
+them (at no cost: the value is the master), so the initial freeze is drawn before or after ``prepare_model``.
 """
 
 from __future__ import annotations
@@ -38,11 +40,15 @@ def _layer(model: nn.Sequential, index: int) -> nn.Linear:
 class _Run:
     """One training run: the model, its optimizer and Amp, built as the user's code builds them."""
 
-    def __init__(self, frozen: tuple[bool, ...], added: bool) -> None:
+    def __init__(self, frozen: tuple[bool, ...], added: bool, before_prepare: bool) -> None:
         self.amp = Amp("O2", half_dtype="bfloat16")
-        self.model = self.amp.prepare_model(_model())
+        self.model = _model()
+        if not before_prepare:
+            self.amp.prepare_model(self.model)
         for index, is_frozen in enumerate(frozen):
             _layer(self.model, index).requires_grad_(not is_frozen)
+        if before_prepare:
+            self.amp.prepare_model(self.model)
         params = [p for index in (0, 1) for p in _layer(self.model, index).parameters()]
         self.opt = self.amp.prepare_optimizer(torch.optim.AdamW(params, lr=1e-2))
         if added:
@@ -63,13 +69,16 @@ class _Run:
 
 
 class FrozenParameters(RuleBasedStateMachine):
-    @initialize(frozen=st.tuples(st.booleans(), st.booleans(), st.booleans()))
-    def start(self, frozen: tuple[bool, bool, bool]) -> None:
+    @initialize(frozen=st.tuples(st.booleans(), st.booleans(), st.booleans()), before_prepare=st.booleans())
+    def start(self, frozen: tuple[bool, bool, bool], before_prepare: bool) -> None:
         self.frozen = list(frozen)
         self.added = False
-        self.straight = _Run(frozen, added=False)
-        self.resumed = _Run(frozen, added=False)
+        self.before_prepare = before_prepare
+        self.straight = _Run(frozen, added=False, before_prepare=before_prepare)
+        self.resumed = _Run(frozen, added=False, before_prepare=before_prepare)
         self.ever_trainable_held = {i for i in (0, 1) if not frozen[i]}
+        # Layers whose FP32 value is kept from preparing (trainable then): held by an optimizer, they have masters.
+        self.kept = {i for i in range(LAYERS) if not (before_prepare and frozen[i])}
 
     @rule(index=st.integers(0, LAYERS - 1), frozen=st.booleans())
     def set_frozen(self, index: int, frozen: bool) -> None:
@@ -100,7 +109,7 @@ class FrozenParameters(RuleBasedStateMachine):
         run = self.resumed
         saved = copy.deepcopy({"model": run.model.state_dict(), "opt": run.opt.state_dict(),
                                "amp": run.amp.state_dict()})  # fmt: skip
-        fresh = _Run(tuple(self.frozen), self.added)
+        fresh = _Run(tuple(self.frozen), self.added, self.before_prepare)
         fresh.model.load_state_dict(saved["model"])
         fresh.opt.load_state_dict(saved["opt"])
         fresh.amp.load_state_dict(saved["amp"])
@@ -126,8 +135,11 @@ class FrozenParameters(RuleBasedStateMachine):
         for index in range(LAYERS):
             for param in _layer(self.straight.model, index).parameters():
                 has_master = self.straight.amp.master_of(param) is not param
-                if index not in self.ever_trainable_held:
+                if index not in self.ever_trainable_held and index not in self.kept:
                     assert not has_master, index
+                held = index < 2 or self.added
+                if held and index in self.kept:
+                    assert has_master, f"{index}: frozen after preparing and held, its kept FP32 value is no master"
 
 
 FrozenParameters.TestCase.settings = stateful_settings(max_examples=80, steps=10)
