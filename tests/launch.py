@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -50,6 +51,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def one_process_group() -> Any:
+    """A gloo process group of one process (FSDP's single-process tests), destroyed when the block ends."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", world_size=1, rank=0, init_method=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def launch_ranks(script: str, world_size: int = 2, **env: str) -> int:

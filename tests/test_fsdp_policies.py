@@ -7,11 +7,9 @@ one two-process launch (tests/fsdp_policies_script.py) that measures what each r
 from __future__ import annotations
 
 import contextlib
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, MixedPrecisionPolicy, fully_shard
@@ -25,7 +23,7 @@ from lightning_mpx.fsdp import (
     shard_model,
 )
 from lightning_mpx.master_weights import convert_module
-from tests.launch import rank_results, run_script
+from tests.launch import one_process_group, rank_results, run_script
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -33,12 +31,8 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 @pytest.fixture(scope="module", autouse=True)
 def process_group():
     """A gloo group of one process for the module's tests, destroyed after them."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", world_size=1, rank=0, init_method=f"tcp://127.0.0.1:{port}")
-    yield
-    dist.destroy_process_group()
+    with one_process_group():
+        yield
 
 
 class Block(nn.Module):

@@ -8,19 +8,17 @@ conflict with the first call, each refused by name.
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from lightning_mpx import MixedPrecisionSettings
 from lightning_mpx.fsdp import mixed_precision_policy, shard_model
 from tests.fsdp_reconfigure_script import STEPS, Block, Model
-from tests.launch import rank_results, run_script
+from tests.launch import one_process_group, rank_results, run_script
 
 CASES = ["O2:fit_test", "O2:validate_fit"]
 
@@ -62,12 +60,9 @@ def test_validate_first_trains_as_fit_alone(runs):
 # -- in one process: what counts as the same arguments -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def process_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", world_size=1, rank=0, init_method=f"tcp://127.0.0.1:{port}")
-    yield
-    dist.destroy_process_group()
+    """A gloo group of one process for the module's tests, destroyed after them."""
+    with one_process_group():
+        yield
 
 
 def _units(model: nn.Module) -> list[str]:
