@@ -292,19 +292,24 @@ def test_invalid_registration(level, half, use_safetensors):
     assert "Item at index 3" not in message
 
 
-def test_with_scheduler(level, half, use_safetensors, tmp_path):
-    """tests/test_state_checkpointing.py::CheckpointTest::test_with_scheduler."""
-    tmpdir = str(tmp_path)
-    set_seed(42)
+def _prepared_with_scheduler(level, half, project_dir):
+    """Upstream's set-up of the scheduler tests: ``DummyModel``, Adam, ``StepLR`` and the dummy dataloaders, prepared
+    by an accelerator that names its checkpoints automatically under ``project_dir``."""
     model = DummyModel()
     optimizer = torch.optim.Adam(params=model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.99)
     train_dataloader, valid_dataloader = dummy_dataloaders()
     project_config = ProjectConfiguration(automatic_checkpoint_naming=True)
-    # Train baseline
-    accelerator = _accelerator(level, half, project_dir=tmpdir, project_config=project_config)
-    model, optimizer, train_dataloader, valid_dataloader, scheduler = accelerator.prepare(
-        model, optimizer, train_dataloader, valid_dataloader, scheduler
+    accelerator = _accelerator(level, half, project_dir=project_dir, project_config=project_config)
+    return accelerator, *accelerator.prepare(model, optimizer, train_dataloader, valid_dataloader, scheduler)
+
+
+def test_with_scheduler(level, half, use_safetensors, tmp_path):
+    """tests/test_state_checkpointing.py::CheckpointTest::test_with_scheduler."""
+    tmpdir = str(tmp_path)
+    set_seed(42)
+    accelerator, model, optimizer, train_dataloader, valid_dataloader, scheduler = _prepared_with_scheduler(
+        level, half, tmpdir
     )
     # Save initial
     accelerator.save_state(safe_serialization=use_safetensors)
@@ -323,15 +328,8 @@ def test_automatic_loading(level, half, use_safetensors, tmp_path):
     load brought them back, on the model as upstream and on the FP32 values."""
     tmpdir = str(tmp_path)
     set_seed(42)
-    model = DummyModel()
-    optimizer = torch.optim.Adam(params=model.parameters(), lr=1e-3)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.99)
-    train_dataloader, valid_dataloader = dummy_dataloaders()
-    project_config = ProjectConfiguration(automatic_checkpoint_naming=True)
-    # Train baseline
-    accelerator = _accelerator(level, half, project_dir=tmpdir, project_config=project_config)
-    model, optimizer, train_dataloader, valid_dataloader, scheduler = accelerator.prepare(
-        model, optimizer, train_dataloader, valid_dataloader, scheduler
+    accelerator, model, optimizer, train_dataloader, valid_dataloader, scheduler = _prepared_with_scheduler(
+        level, half, tmpdir
     )
     # Save initial
     accelerator.save_state(safe_serialization=use_safetensors)
@@ -376,15 +374,8 @@ def test_map_location(level, half, use_safetensors, tmp_path):
     ``__main__`` part on a GPU machine; here it runs in the test's process, on the CPU, which is then the device:
     ``map_location="cpu"`` and ``"on_device"`` load, an invalid one is refused."""
     savedir = str(tmp_path)
-    model = DummyModel()
-    optimizer = torch.optim.Adam(params=model.parameters(), lr=1e-3)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.99)
-    train_dataloader, valid_dataloader = dummy_dataloaders()
-    project_config = ProjectConfiguration(automatic_checkpoint_naming=True)
-    # Train baseline
-    accelerator = _accelerator(level, half, project_dir=savedir, project_config=project_config)
-    model, optimizer, train_dataloader, valid_dataloader, scheduler = accelerator.prepare(
-        model, optimizer, train_dataloader, valid_dataloader, scheduler
+    accelerator, model, optimizer, train_dataloader, valid_dataloader, scheduler = _prepared_with_scheduler(
+        level, half, savedir
     )
     model, optimizer = accelerator.prepare(model, optimizer)
     train(3, model, train_dataloader, optimizer, accelerator, scheduler)
