@@ -52,7 +52,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 from torch.overrides import TorchFunctionMode
 
-import lightning_mpx.cast_policy
+import lightning_mpx.casting.policy
 from lightning_mpx import CastPolicy
 
 import _harness  # benchmarks/ is on sys.path when a script runs
@@ -171,7 +171,7 @@ def _in(ctx: Callable[[], ContextManager[Any]], fn: Step,
 
 def _hook_calls(model: nn.Module, step: Step, after: Callable[[], None]) -> int:
     """Calls into the policy's ``__torch_function__`` during one step (forward and backward)."""
-    code = lightning_mpx.cast_policy._CastMode.__torch_function__.__code__
+    code = lightning_mpx.casting.policy._CastMode.__torch_function__.__code__
     calls = 0
 
     def profile(frame: Any, event: str, arg: Any) -> None:

@@ -4,7 +4,7 @@ FSDP frees each block's gathered weights after its forward and gathers them agai
 its memory saving comes from. A cast made *from* a gathered FP32 weight (O1's cast policy on an FP32 gather, or
 ``torch.autocast``, the recipe of Lightning's FSDP "bf16-mixed") is a new tensor that autograd saves for the
 backward, outside FSDP's reach: it stays alive from the forward to the backward, a half copy of every weight a
-matmul used. Gathering in half (``lightning_mpx.fsdp.shard_model``'s default at O1) makes the half weight the
+matmul used. Gathering in half (``lightning_mpx.integrations.fsdp.shard_model``'s default at O1) makes the half weight the
 gathered one, which FSDP frees and regathers like any other.
 
 The measure is exact, not timed: the bytes of the distinct storages that autograd holds for the backward, read at
@@ -65,7 +65,7 @@ def measure(width: int, layers: int, batch: int, half_dtype: str) -> list[dict[s
     from torch.distributed.fsdp import fully_shard
 
     from lightning_mpx import Amp
-    from lightning_mpx.fsdp import shard_model
+    from lightning_mpx.integrations.fsdp import shard_model
 
     half = getattr(torch, half_dtype)
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(1))

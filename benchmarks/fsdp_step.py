@@ -9,7 +9,7 @@ fresh subprocess:
 * ``fsdp2-lightning-bf16-mixed``: Lightning's ``ModelParallelStrategy`` (FSDP2, ``fully_shard`` per block and on the
   root, FP32 parameters) with ``precision="bf16-mixed"`` (autocast on top). Lightning refuses "16-mixed" there.
 * ``fsdp2-mpx-O{1,2}-{fp16,bf16}``: the same strategy with ``MixedPrecisionPlugin``; ``configure_model`` shards with
-  ``lightning_mpx.fsdp.shard_model`` (the level's per-module policies: half all-gather, FP32 reduction).
+  ``lightning_mpx.integrations.fsdp.shard_model`` (the level's per-module policies: half all-gather, FP32 reduction).
 * ``fsdp1-lightning-{bf16,16}-mixed``, ``fsdp1-mpx-O2-fp16``: Lightning's ``FSDPStrategy`` (FSDP1, one unit per
   block) with its own ``FSDPPrecision`` (``ShardedGradScaler`` for "16-mixed") and with the plugin (on CPU, for
   ``--check``, through a subclass that gives FSDP1 ``device_id=cpu``).
@@ -70,7 +70,7 @@ def _module(net: Any, variant: str) -> Any:
 
             mesh = self.device_mesh["data_parallel"]
             if "-mpx-" in variant:
-                from lightning_mpx.fsdp import shard_model
+                from lightning_mpx.integrations.fsdp import shard_model
 
                 shard_model(self.net, self.trainer.precision_plugin, mesh=mesh, blocks=list(self.net.blocks))
             else:  # Lightning's documented recipe: fully_shard per block, then the root; autocast does the rest

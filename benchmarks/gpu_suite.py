@@ -341,7 +341,7 @@ def _dt(dtype: Any) -> str:
 
 
 def _workspace(check: bool) -> Any:
-    from lightning_mpx.unscale import UnscaleWorkspace
+    from lightning_mpx.scaling.unscale import UnscaleWorkspace
 
     # Small chunks in the interpreter: the same code paths (several chunks per tensor) at a size it runs quickly.
     return UnscaleWorkspace(chunk_size=64, block_size=16, num_warps=1) if check else UnscaleWorkspace()
@@ -356,7 +356,7 @@ def _unscale_parity(device: Any, dtype: Any, check: bool) -> str:
     the overflow flag."""
     import torch
 
-    from lightning_mpx.unscale import unscale_grads_
+    from lightning_mpx.scaling.unscale import unscale_grads_
 
     ws = _workspace(check)
     grads = [torch.randn(s, device=device).mul_(512.0).to(dtype) for s in _shapes(check)]
@@ -398,7 +398,7 @@ def _copy_parity(device: Any, check: bool) -> str:
     from torch import nn
 
     from lightning_mpx import MasterWeights, convert_module
-    from lightning_mpx.unscale import cast_copy_
+    from lightning_mpx.scaling.unscale import cast_copy_
 
     src = [torch.randn(s, device=device) for s in _shapes(check)]
     for dtype in (torch.float16, torch.bfloat16):

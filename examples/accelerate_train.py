@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mpx import DESCRIPTIONS
-from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 
 
 def make_dataset(n: int = 2048) -> TensorDataset:

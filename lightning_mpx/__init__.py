@@ -1,20 +1,20 @@
 """lightning_mpx: Apex-style mixed precision (opt levels, cast table, master weights, dynamic loss scaling).
 
 The core is framework-agnostic; the Lightning Trainer and Fabric plugins and the Accelerate adapter are thin layers over
-:class:`~lightning_mpx.amp.Amp`.
+:class:`~lightning_mpx.engine.amp.Amp`.
 """
 
-from lightning_mpx._compat import warn_if_old_torch
-from lightning_mpx._device_skip import StepOutcome
-from lightning_mpx.amp import Amp
-from lightning_mpx.cast_lists import CATEGORIES, DEFAULT_TABLE
-from lightning_mpx.cast_policy import BannedOpError, CastPolicy, checkpoint_contexts, disable_casts
-from lightning_mpx.cast_table import CastEntry, CastTable, dispatchable
-from lightning_mpx.loss_scaler import LossScaleFloorError, LossScaler
-from lightning_mpx.master_weights import MasterWeights, convert_module
+from lightning_mpx.common.compat import warn_if_old_torch
+from lightning_mpx.engine.outcome import StepOutcome
+from lightning_mpx.engine.amp import Amp
+from lightning_mpx.casting.lists import CATEGORIES, DEFAULT_TABLE
+from lightning_mpx.casting.policy import BannedOpError, CastPolicy, checkpoint_contexts, disable_casts
+from lightning_mpx.casting.table import CastEntry, CastTable, dispatchable
+from lightning_mpx.scaling.scaler import LossScaleFloorError, LossScaler
+from lightning_mpx.masters.weights import MasterWeights, convert_module
 from lightning_mpx.opt_levels import DESCRIPTIONS, OPT_LEVELS, Properties, resolve_properties
 from lightning_mpx.settings import MixedPrecisionSettings, ScalerSettings
-from lightning_mpx.unscale import unscale_grads_
+from lightning_mpx.scaling.unscale import unscale_grads_
 
 __version__ = "0.1.0"
 
@@ -24,11 +24,11 @@ warn_if_old_torch()  # once, at import: torch older than the tested releases
 def __getattr__(name: str) -> object:
     # The Lightning plugins are imported on first use, so that ``import lightning_mpx`` needs torch alone.
     if name == "MixedPrecisionPlugin":
-        from lightning_mpx.lightning import MixedPrecisionPlugin
+        from lightning_mpx.integrations.lightning import MixedPrecisionPlugin
 
         return MixedPrecisionPlugin
     if name == "FabricMixedPrecisionPlugin":
-        from lightning_mpx.fabric import FabricMixedPrecisionPlugin
+        from lightning_mpx.integrations.fabric import FabricMixedPrecisionPlugin
 
         return FabricMixedPrecisionPlugin
     raise AttributeError(f"module 'lightning_mpx' has no attribute {name!r}")

@@ -100,14 +100,14 @@ def main(argv: list[str] | None = None) -> int:
         result = train(config)
         print(format_summary(result))
         if args.plot:
-            from lightning_mpx.plot import plot_run
+            from lightning_mpx.health.plot import plot_run
 
             print(f"plot: {plot_run(result.run_dir)}")
         print(f"see the curves with: tensorboard --logdir {result.run_dir}   or: lightning-mpx plot {result.run_dir}")
         return 0
     if args.command == "doctor":
         return _doctor(args.run_dir, args.json)
-    from lightning_mpx.plot import plot_run
+    from lightning_mpx.health.plot import plot_run
 
     try:
         path = plot_run(args.run_dir, args.out)
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _doctor(run_dir: str, as_json: bool) -> int:
-    from lightning_mpx.doctor import EXIT_NO_TAGS, NoMixedPrecisionTagsError, diagnose, to_json
+    from lightning_mpx.health.doctor import EXIT_NO_TAGS, NoMixedPrecisionTagsError, diagnose, to_json
 
     try:
         diagnosis = diagnose(run_dir)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_mpx._imports import require
+from lightning_mpx.common.imports import require
 
 _pl = require("lightning.pytorch", extra="lightning", feature="the lightning-mpx demo")
 
@@ -300,7 +300,7 @@ def train(config: DemoConfig) -> DemoResult:
     """
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from lightning_mpx.lightning import MixedPrecisionPlugin
+    from lightning_mpx.integrations.lightning import MixedPrecisionPlugin
 
     config = resolve_half_dtype(config)
     half_dtype, reason = config.half_dtype, config.half_dtype_reason

@@ -13,7 +13,7 @@ from typing import Any, Literal, Mapping, Union
 
 import torch
 
-from lightning_mpx._dtypes import dtype_name, parse_half_dtype
+from lightning_mpx.common.dtypes import dtype_name, parse_half_dtype
 
 LossScale = Union[float, Literal["dynamic"]]
 

@@ -1,7 +1,7 @@
 """The settings of a mixed-precision run, in one place: frozen dataclasses validated when they are built.
 
 :class:`ScalerSettings` holds the dynamic loss scaler's settings, :class:`MixedPrecisionSettings` the opt level, its
-overrides and everything else an :class:`~lightning_mpx.amp.Amp` is built from (the scaler settings included). Every
+overrides and everything else an :class:`~lightning_mpx.engine.amp.Amp` is built from (the scaler settings included). Every
 front door takes these or forwards its keywords into them, so that each setting is documented, defaulted and
 checked here once::
 
@@ -10,8 +10,8 @@ checked here once::
     plugin = MixedPrecisionPlugin.from_settings(settings)
 
 Adding a setting: a field here (with its line in the class docstring and its check in ``__post_init__``), then its
-typed keyword in :class:`~lightning_mpx.amp.Amp`, :class:`~lightning_mpx.lightning.MixedPrecisionPlugin` and
-:class:`~lightning_mpx.accelerate.MixedPrecisionKwargs`, whose defaults are read from here (``tests/test_settings.py``
+typed keyword in :class:`~lightning_mpx.engine.amp.Amp`, :class:`~lightning_mpx.integrations.lightning.MixedPrecisionPlugin` and
+:class:`~lightning_mpx.integrations.accelerate.MixedPrecisionKwargs`, whose defaults are read from here (``tests/test_settings.py``
 fails until the three agree with the fields).
 """
 
@@ -24,10 +24,10 @@ from typing import Any, Literal, Mapping, Sequence
 
 import torch
 
-from lightning_mpx.cast_table import CastTable
+from lightning_mpx.casting.table import CastTable
 from lightning_mpx.opt_levels import Properties, _check_loss_scale, resolve_properties
-from lightning_mpx.promotion import check_patterns
-from lightning_mpx.unscale import BACKENDS
+from lightning_mpx.health.promotion import check_patterns
+from lightning_mpx.scaling.unscale import BACKENDS
 
 __all__ = [
     "MODEL_WRITES",
@@ -78,7 +78,7 @@ def check_choice(name: str, value: object, choices: Sequence[str], *, quote: boo
 
 @dataclass(frozen=True)
 class ScalerSettings:
-    """The settings of a dynamic loss scaler (see :class:`~lightning_mpx.loss_scaler.LossScaler`), validated.
+    """The settings of a dynamic loss scaler (see :class:`~lightning_mpx.scaling.scaler.LossScaler`), validated.
 
     Args:
         init_scale: First scale of a dynamic scaler (``2**16``, as torch's GradScaler and Apex).
@@ -97,10 +97,10 @@ class ScalerSettings:
         min_loss_scale: The floor of a dynamic scale.
         max_loss_scale: The ceiling of a dynamic scale (``math.inf`` for none).
         on_floor: What an overflow does when the scale cannot go lower (a dynamic scale at ``min_loss_scale``, or
-            any static scale): ``"raise"`` :class:`~lightning_mpx.loss_scaler.LossScaleFloorError` naming the
+            any static scale): ``"raise"`` :class:`~lightning_mpx.scaling.scaler.LossScaleFloorError` naming the
             parameters with non-finite gradients, ``"warn"``, ``"continue"`` silently, or ``"promote"``: the modules
-            the overflows keep coming from run in FP32 from then on (done by :class:`~lightning_mpx.amp.Amp`, see
-            :mod:`lightning_mpx.promotion`; it raises as ``"raise"`` where no module can be blamed, and a scaler used
+            the overflows keep coming from run in FP32 from then on (done by :class:`~lightning_mpx.engine.amp.Amp`, see
+            :mod:`lightning_mpx.health.promotion`; it raises as ``"raise"`` where no module can be blamed, and a scaler used
             on its own raises too). The step is skipped in every case.
 
     Raises:
@@ -172,7 +172,7 @@ OPT_LEVEL_OVERRIDES: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class MixedPrecisionSettings:
-    """Everything an :class:`~lightning_mpx.amp.Amp` is built from, validated (the opt level against its overrides
+    """Everything an :class:`~lightning_mpx.engine.amp.Amp` is built from, validated (the opt level against its overrides
     too). Build it with :meth:`from_kwargs` (the keywords of ``Amp``) or directly.
 
     Args:
@@ -185,25 +185,25 @@ class MixedPrecisionSettings:
             forward (:meth:`CastTable.for_device`: on CUDA, the default settled ``torch.autocast``'s way, which runs
             with no Python per call; elsewhere :meth:`CastTable.default`). Only valid when the policy is on.
         allow_banned: Run banned ops (``binary_cross_entropy``) in FP32 instead of raising.
-        unscale_backend: ``"auto"``, ``"foreach"``, ``"reference"`` or ``"triton"`` (see :mod:`lightning_mpx.unscale`);
+        unscale_backend: ``"auto"``, ``"foreach"``, ``"reference"`` or ``"triton"`` (see :mod:`lightning_mpx.scaling.unscale`);
             also used for the master-to-model copy at O2.
         overflow_log_interval: Minimum seconds between two overflow log messages.
         model_writes: How O2 takes writes made to the half model outside the step into the FP32 masters:
             ``"versions"`` (default: version counters and storage addresses, and the ``.data`` each half parameter
             hands out, such as WGAN's ``p.data.clamp_()``: no cost when nothing was written; see
-            :class:`~lightning_mpx.master_weights.WatchedParameter`) or ``"values"`` (every half parameter is
+            :class:`~lightning_mpx.masters.weights.WatchedParameter`) or ``"values"`` (every half parameter is
             compared with its master's rounding before each step: one read of the weights and one host sync per
             step, and every write is seen).
         diagnose_overflows: Watch every forward with hooks that flag non-finite module outputs on the device, so
             that each overflow's record says whether the forward or the backward produced the non-finite values and
             which module did first. Without it the forward is watched only after an overflow with the scale at its
-            floor, until the next step that does not overflow (see :mod:`lightning_mpx.forensics`).
+            floor, until the next step that does not overflow (see :mod:`lightning_mpx.health.forensics`).
         fp32_modules: Module-name patterns (:mod:`fnmatch`, on the names of ``model.named_modules()``, e.g.
             ``["lm_head", "*.norm"]``) of modules that run in FP32 at every opt level (see
-            :mod:`lightning_mpx.promotion`). A pattern that matches no module raises ``ValueError`` when an
+            :mod:`lightning_mpx.health.promotion`). A pattern that matches no module raises ``ValueError`` when an
             optimizer is prepared.
         skip_on_device: Skip an overflowed step on the device, with no host read of the overflow flag in
-            :meth:`Amp.step <lightning_mpx.amp.Amp.step>` (the flag goes to the optimizer's own step, as
+            :meth:`Amp.step <lightning_mpx.engine.amp.Amp.step>` (the flag goes to the optimizer's own step, as
             ``torch.amp.GradScaler`` does for fused optimizers): for ``torch.optim.Adam`` and ``AdamW`` with
             ``fused=True`` only. The step's outcome (the count, the log, the record, ``on_floor``) is then read
             later: when its result is used as a bool, at the next backward or step, or at a checkpoint. Not with
@@ -267,7 +267,7 @@ class MixedPrecisionSettings:
 
     @classmethod
     def from_kwargs(cls, opt_level: str = "O1", **kwargs: Any) -> MixedPrecisionSettings:
-        """The settings from :class:`~lightning_mpx.amp.Amp`'s keywords: its own fields, the scaler's fields, and
+        """The settings from :class:`~lightning_mpx.engine.amp.Amp`'s keywords: its own fields, the scaler's fields, and
         the opt-level overrides (any other keyword goes to the overrides, where
         :func:`~lightning_mpx.opt_levels.resolve_properties` names it as unknown)."""
         own = {f.name for f in dataclasses.fields(cls) if f.init} - {"opt_level", "overrides", "scaler"}
@@ -276,7 +276,7 @@ class MixedPrecisionSettings:
         return cls(opt_level, **mine, overrides=kwargs, scaler=scaler)  # type: ignore[arg-type]
 
     def to_kwargs(self) -> dict[str, Any]:
-        """The keywords of :class:`~lightning_mpx.amp.Amp` (all but ``opt_level``) that rebuild these settings:
+        """The keywords of :class:`~lightning_mpx.engine.amp.Amp` (all but ``opt_level``) that rebuild these settings:
         ``Amp(s.opt_level, **s.to_kwargs())`` is ``Amp.from_settings(s)``."""
         out = {
             f.name: getattr(self, f.name)

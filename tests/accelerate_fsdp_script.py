@@ -1,4 +1,4 @@
-"""Run by tests/test_accelerate_fsdp.py: ``lightning_mpx.accelerate.Accelerator`` with Accelerate's own FSDP (FSDP2,
+"""Run by tests/test_accelerate_fsdp.py: ``lightning_mpx.integrations.accelerate.Accelerator`` with Accelerate's own FSDP (FSDP2,
 then FSDP1), two CPU processes (gloo), written as an Accelerate user writes it.
 
 Accelerate selects FSDP only for GPU-like devices (``accelerate/state.py``: the FSDP branch is reached from
@@ -29,8 +29,8 @@ from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from torch import nn
 
 from lightning_mpx import Amp
-from lightning_mpx._sharding import local_tensor
-from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+from lightning_mpx.engine.sharding import local_tensor
+from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 from tests.accelerate_helpers import reset_accelerate_state
 from tests.launch import launch_ranks
 
@@ -221,8 +221,8 @@ def accumulated(version: int, level: str, dtype: str, steps: int) -> dict:
 
 
 def sharded_by_hand(steps: int) -> dict:
-    """FSDP2, O2: the user shards with lightning_mpx.fsdp.shard_model before prepare; Accelerate keeps the sharding."""
-    from lightning_mpx.fsdp import shard_model
+    """FSDP2, O2: the user shards with lightning_mpx.integrations.fsdp.shard_model before prepare; Accelerate keeps the sharding."""
+    from lightning_mpx.integrations.fsdp import shard_model
 
     accelerator = fsdp_accelerator(2, "O2", "bfloat16", wrap=False)
     model = shard_model(build(), accelerator.amp, blocks=nn.Linear)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_mpx.accelerate import Accelerator
+from lightning_mpx.integrations.accelerate import Accelerator
 
 
 def main(out_dir: Path) -> None:

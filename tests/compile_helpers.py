@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
 
-from lightning_mpx.cast_policy import _CastMode
+from lightning_mpx.casting.policy import _CastMode
 
 HALF = torch.bfloat16
 
@@ -75,7 +75,7 @@ def o1_accelerator(net: nn.Module, compile_mode: str | None = None) -> Iterator[
     """``(accelerator, model, optimizer)``: ``net`` and an SGD optimizer (lr 0.1) prepared by the adapter at O1, in a
     fresh Accelerate state; ``compile_mode`` "before_prepare" or "after_prepare" compiles the model (``aot_eager``)
     then, None leaves it eager."""
-    from lightning_mpx.accelerate import Accelerator
+    from lightning_mpx.integrations.accelerate import Accelerator
     from tests.accelerate_helpers import accelerate_state_reset
 
     if compile_mode not in (None, "before_prepare", "after_prepare"):

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from lightning_mpx import Amp
-from lightning_mpx._sharding import local_tensor
+from lightning_mpx.engine.sharding import local_tensor
 from tests.launch import launch_ranks
 
 POISON_AT = 3

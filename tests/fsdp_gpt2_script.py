@@ -1,6 +1,6 @@
 """Run by tests/test_fsdp_real_models.py: a Hugging Face GPT-2 built from a config (nothing downloaded) trained by a
 Lightning ``Trainer`` with ``MixedPrecisionPlugin`` under ``ModelParallelStrategy`` (FSDP2, two CPU processes, gloo;
-``configure_model`` shards it with ``lightning_mpx.fsdp.shard_model``, one unit per ``GPT2Block``), or, with
+``configure_model`` shards it with ``lightning_mpx.integrations.fsdp.shard_model``, one unit per ``GPT2Block``), or, with
 ``MPX_SINGLE=1``, the same model and plugin in one process on the whole batch (the reference).
 
 Every step's batch is one global batch of token sequences (no distributed sampler: every rank gets it whole); under
@@ -17,7 +17,7 @@ import transformers
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_mpx import MixedPrecisionPlugin
-from lightning_mpx.fsdp import shard_model
+from lightning_mpx.integrations.fsdp import shard_model
 
 STEPS = 6
 BATCH = 8  # global

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_mpx import Amp, MixedPrecisionSettings
-from lightning_mpx.fsdp import check_sharded_model, shard_model
+from lightning_mpx.integrations.fsdp import check_sharded_model, shard_model
 from tests.launch import free_port
 
 WIDTH, LAYERS, STEPS, WORLD = 256, 4, 5, 2

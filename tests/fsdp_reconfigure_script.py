@@ -1,5 +1,5 @@
 """Run by tests/test_fsdp_reconfigure.py: the README's FSDP2 pattern (``configure_model`` calling
-``lightning_mpx.fsdp.shard_model``) through a real Trainer with ``ModelParallelStrategy`` on two CPU processes (gloo),
+``lightning_mpx.integrations.fsdp.shard_model``) through a real Trainer with ``ModelParallelStrategy`` on two CPU processes (gloo),
 across stages of one Trainer: Lightning calls ``configure_model`` at every stage (``fit``, ``validate``, ``test``), so
 the second stage calls ``shard_model`` on a model the first one sharded.
 
@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_mpx import MixedPrecisionPlugin
-from lightning_mpx.fsdp import shard_model
+from lightning_mpx.integrations.fsdp import shard_model
 from tests.lightning_helpers import classification_data, loader, make_trainer
 
 BATCH = 8

@@ -1,5 +1,5 @@
 """Run by tests/test_lightning_fsdp.py: ``MixedPrecisionPlugin`` under Lightning's FSDP strategies, two CPU processes
-(gloo): ``ModelParallelStrategy`` (FSDP2, sharded in ``configure_model`` with ``lightning_mpx.fsdp.shard_model``)
+(gloo): ``ModelParallelStrategy`` (FSDP2, sharded in ``configure_model`` with ``lightning_mpx.integrations.fsdp.shard_model``)
 and ``FSDPStrategy`` (FSDP1, wrapped by Lightning with the plugin's ``mixed_precision_config``; on CPU through a
 subclass that passes ``device_id=cpu``).
 
@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_mpx import MixedPrecisionPlugin
-from lightning_mpx.fsdp import shard_model
+from lightning_mpx.integrations.fsdp import shard_model
 from tests.lightning_helpers import classification_data, loader, make_trainer
 
 BATCH = 8  # per rank: the global batch is 16

@@ -24,7 +24,7 @@ pytest.importorskip("accelerate")
 from accelerate.utils import GradScalerKwargs  # noqa: E402
 
 from lightning_mpx import Amp  # noqa: E402
-from lightning_mpx.accelerate import AMP_STATE_NAME, Accelerator, MixedPrecisionKwargs  # noqa: E402
+from lightning_mpx.integrations.accelerate import AMP_STATE_NAME, Accelerator, MixedPrecisionKwargs  # noqa: E402
 from tests.accelerate_helpers import prepared_gan, reset_accelerate_state  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # Accelerate's singleton state: none at each start
@@ -184,9 +184,9 @@ def test_opt_level_from_the_environment(monkeypatch):
 
 def test_missing_accelerate_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "accelerate", None)
-    monkeypatch.delitem(sys.modules, "lightning_mpx.accelerate")
+    monkeypatch.delitem(sys.modules, "lightning_mpx.integrations.accelerate")
     with pytest.raises(ImportError, match=r"pip install 'lightning-mpx\[accelerate\]'"):
-        importlib.import_module("lightning_mpx.accelerate")
+        importlib.import_module("lightning_mpx.integrations.accelerate")
 
 
 # -- each opt level, float16 and bfloat16 ----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""``lightning_mpx.accelerate.Accelerator`` with an opt level under Accelerate's FSDP (``fsdp_version=2`` and 1).
+"""``lightning_mpx.integrations.accelerate.Accelerator`` with an opt level under Accelerate's FSDP (``fsdp_version=2`` and 1).
 
 The two-process runs (``tests/accelerate_fsdp_script.py``, one launch) go through Accelerate's own FSDP code on CPU
 with gloo; Accelerate selects FSDP only on GPU-like devices, so the script tells Accelerate's shared state that the
@@ -23,7 +23,7 @@ from accelerate.state import PartialState  # noqa: E402
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: E402
 
-from lightning_mpx.accelerate import AMP_STATE_NAME, Accelerator, MixedPrecisionKwargs  # noqa: E402
+from lightning_mpx.integrations.accelerate import AMP_STATE_NAME, Accelerator, MixedPrecisionKwargs  # noqa: E402
 from tests.launch import run_script  # noqa: E402
 
 # fsdp version, level, half dtype, steps, relative tolerance against the one-process run (about the half dtype's

@@ -22,7 +22,7 @@ pytest.importorskip("accelerate")
 from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard, skip_first_batches  # noqa: E402
 from accelerate.utils import DataLoaderConfiguration  # noqa: E402
 
-from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs  # noqa: E402
+from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # Accelerate's singleton state: none at each start
 

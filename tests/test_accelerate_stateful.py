@@ -1,4 +1,4 @@
-"""Random sequences of what Accelerate users do, through ``lightning_mpx.accelerate.Accelerator`` at O1 and O2, against
+"""Random sequences of what Accelerate users do, through ``lightning_mpx.integrations.accelerate.Accelerator`` at O1 and O2, against
 the same loop in plain FP32 PyTorch.
 
 Rules: a training step (optionally accumulated over two backward passes, clipped by norm or value through the
@@ -25,7 +25,7 @@ pytest.importorskip("accelerate")
 
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
-from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs  # noqa: E402
+from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs  # noqa: E402
 
 # Per step, against FP32 from the same starting point: the half forward and backward's rounding.
 TOLERANCE = {torch.float16: dict(rtol=2e-3, atol=1e-3), torch.bfloat16: dict(rtol=2e-2, atol=8e-3)}

@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from torch import nn
 
 from lightning_mpx import Amp
-from lightning_mpx.loss_scaler import LossScaleFloorError
+from lightning_mpx.scaling.scaler import LossScaleFloorError
 
 # Parameters after a few steps against FP32: the half forward/backward's rounding (the largest differences seen in
 # these tiny models were 5e-5 in float16 and 9e-4 in bfloat16), tight enough that a missed or wrongly scaled step of
@@ -490,9 +490,9 @@ def test_flags_read_on_the_host_update_the_scalers_as_the_device_count(iteration
     """Several flags per loss in one iteration (two optimizers, a clip then a step, an unscale without a step),
     some read on the host and some not: the scalers told what the reads said end where the ones that count every
     flag on the device end (scale, trackers, overflow count)."""
-    from lightning_mpx._step_machine import StepMachine
-    from lightning_mpx.loss_scaler import LossScaler
-    from lightning_mpx.telemetry import GradTelemetry
+    from lightning_mpx.engine.step_machine import StepMachine
+    from lightning_mpx.scaling.scaler import LossScaler
+    from lightning_mpx.health.telemetry import GradTelemetry
 
     def machine():
         scalers = [LossScaler("dynamic" if dynamic else 4.0, init_scale=2.0**4, growth_interval=2) for _ in range(2)]

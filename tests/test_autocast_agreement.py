@@ -37,9 +37,9 @@ import pytest
 import torch
 
 from lightning_mpx import CastTable
-from lightning_mpx.cast_lists import AUTOCAST_ACTIONS, AUTOCAST_CUDA_BUILD_ONLY, AUTOCAST_EXCEPTIONS
-from lightning_mpx.cast_policy import autocast_differences
-from lightning_mpx.cast_table import _AUTOCAST_CATEGORIES, _NAMESPACES, _autocast_categories, _base_names, _resolve
+from lightning_mpx.casting.lists import AUTOCAST_ACTIONS, AUTOCAST_CUDA_BUILD_ONLY, AUTOCAST_EXCEPTIONS
+from lightning_mpx.casting.policy import autocast_differences
+from lightning_mpx.casting.table import _AUTOCAST_CATEGORIES, _NAMESPACES, _autocast_categories, _base_names, _resolve
 from tests import test_cast_table as rows
 from tests.test_cast_coverage import CUDA_BUILD_ENTRY_POINTS, TORCH_CATEGORIES, _entry_points
 

@@ -214,7 +214,7 @@ def test_plugin_overhead_rows_ratios_syncs_and_profile(tmp_path, capsys):
     # GradScaler's: one loss in one process reads it with .item(), counted by the dispatch mode (tolist: none).
     assert syncs["plugin-O2"]["per_step_nonlogging"] == syncs["reference"]["per_step_nonlogging"] + 1
     assert syncs["plugin-O2"]["tolist_per_step"] == syncs["reference"]["tolist_per_step"] == 0
-    assert "lightning_mpx/lightning.py" in result["profile"] and "optimizer_step" in capsys.readouterr().out
+    assert "lightning_mpx/integrations/lightning.py" in result["profile"] and "optimizer_step" in capsys.readouterr().out
 
 
 def test_o1_proxy_pairs_each_row_with_its_reference_in_the_same_repeat(tmp_path):

@@ -184,7 +184,7 @@ def test_lightning_o2_boundary_keeps_the_output_type(kind):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_accelerate_outputs_keep_their_type(kind):
-    from lightning_mpx.accelerate import Accelerator
+    from lightning_mpx.integrations.accelerate import Accelerator
 
     accelerator = Accelerator(mixed_precision="O2")
     model = accelerator.prepare(_Net(kind))

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from lightning_mpx import CastPolicy, CastTable
-from lightning_mpx.cast_lists import AUTOCAST_CUDA_BUILD_ONLY, AUTOCAST_ENTRY_POINTS, AUTOCAST_EXCEPTIONS
-from lightning_mpx.cast_table import _NAMESPACES
+from lightning_mpx.casting.lists import AUTOCAST_CUDA_BUILD_ONLY, AUTOCAST_ENTRY_POINTS, AUTOCAST_EXCEPTIONS
+from lightning_mpx.casting.table import _NAMESPACES
 
 TABLE = CastTable.default()
 DEVICES = {"AutocastCPU": "cpu", "AutocastCUDA": "cuda"}

@@ -17,8 +17,8 @@ def CastPolicy(*args, **kwargs):  # noqa: N802
     (tests/test_autocast_engine.py checks the \"autocast\" engine by the dtypes it computes in)."""
     return _CastPolicy(*args, engine="mode", **kwargs)
 
-from lightning_mpx.cast_lists import CATEGORIES
-from lightning_mpx.cast_policy import _NATIVE_PROMOTION
+from lightning_mpx.casting.lists import CATEGORIES
+from lightning_mpx.casting.policy import _NATIVE_PROMOTION
 
 HALF_DTYPES = [torch.float16, torch.bfloat16]
 

@@ -268,7 +268,7 @@ def _accelerate_grads(reentrant: bool | None, half: str) -> dict[str, torch.Tens
     pytest.importorskip("accelerate")
     from accelerate.state import AcceleratorState, GradientState
 
-    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()

@@ -13,7 +13,7 @@ import torch
 
 from lightning_mpx.cli import main
 from lightning_mpx.demo import DemoConfig, choose_half_dtype, resolve_half_dtype, train
-from lightning_mpx.plot import plot_run, read_scalars
+from lightning_mpx.health.plot import plot_run, read_scalars
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--steps", "6", "--dim", "16", "--layers", "1", "--batch-size", "4", "--seq-len", "16", "--no-progress-bar"]
@@ -121,7 +121,7 @@ def test_console_script_is_declared():
 
 @pytest.mark.parametrize(
     "module,extra",
-    [("lightning_mpx.lightning", "lightning"), ("lightning_mpx.demo", "lightning")],
+    [("lightning_mpx.integrations.lightning", "lightning"), ("lightning_mpx.demo", "lightning")],
 )
 def test_adapter_without_its_framework_names_the_extra(module, extra):
     code = (

@@ -42,7 +42,7 @@ def _fit(module: Any, fit_model: Any) -> tuple[list[float], list[int]]:
     pytest.importorskip("lightning")
     import lightning.pytorch as pl
 
-    from lightning_mpx.lightning import MixedPrecisionPlugin
+    from lightning_mpx.integrations.lightning import MixedPrecisionPlugin
     from tests.lightning_helpers import make_trainer
 
     class Count(pl.Callback):

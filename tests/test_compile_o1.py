@@ -15,7 +15,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 from lightning_mpx import CastPolicy, CastTable, dispatchable
-from lightning_mpx.cast_policy import disable_casts
+from lightning_mpx.casting.policy import disable_casts
 from tests.compile_helpers import HALF, HookCounter, assert_one_graph, o1_accelerator
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -255,7 +255,7 @@ def test_exception_inside_compiled_scope_leaves_no_mode_behind():
 
 def _trainer_losses(compiled: bool) -> list[float]:
     pytest.importorskip("lightning")
-    from lightning_mpx.lightning import MixedPrecisionPlugin
+    from lightning_mpx.integrations.lightning import MixedPrecisionPlugin
     from tests.lightning_helpers import Classifier, classification_data, loader, make_trainer
 
     model = Classifier()

@@ -11,10 +11,10 @@ import matplotlib
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from lightning_mpx import doctor
+from lightning_mpx.health import doctor
 from lightning_mpx.cli import main
 from lightning_mpx.demo import DemoConfig, train
-from lightning_mpx.plot import plot_figure, plot_run, read_scalars
+from lightning_mpx.health.plot import plot_figure, plot_run, read_scalars
 
 matplotlib.use("Agg")
 STEPS = 120

@@ -25,7 +25,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from lightning_mpx import FabricMixedPrecisionPlugin, MixedPrecisionPlugin, doctor
-from lightning_mpx.plot import plot_run, read_scalars
+from lightning_mpx.health.plot import plot_run, read_scalars
 from tests.lightning_helpers import Classifier
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_mpx import Amp, MixedPrecisionPlugin
-from lightning_mpx.forensics import OverflowRecord, merge_kinds, merge_records, module_of, overflow_tag
+from lightning_mpx.health.forensics import OverflowRecord, merge_kinds, merge_records, module_of, overflow_tag
 from tests.forensics_models import (
     CASES,
     CULPRIT,
@@ -269,7 +269,7 @@ def test_lightning_without_diagnose_registers_no_hooks():
 
 # -- Accelerate -----------------------------------------------------------------------------------------------------
 def test_accelerator_reports_the_record_and_the_counts():
-    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 
     accelerator = Accelerator(mixed_precision="O1", kwargs_handlers=[MixedPrecisionKwargs(diagnose_overflows=True)])
     net = make_net("gradient")
@@ -287,7 +287,7 @@ def test_accelerator_reports_the_record_and_the_counts():
 
 
 def test_gradient_kinds_in_chunks_match_the_whole_tensor():
-    from lightning_mpx.forensics import _inf_nan
+    from lightning_mpx.health.forensics import _inf_nan
 
     for positions in [(), (3,), (95,), (3, 95), (57,)]:
         grad = torch.randn(100)
@@ -392,7 +392,7 @@ def test_the_forward_watch_leaves_activation_checkpointing_working(diagnose, fre
     from tests.accelerate_helpers import reset_accelerate_state
     from tests.real_models import build_gpt2, digits, gpt2_forward, gpt2_loss
 
-    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 
     pixels, labels, _, _ = digits()
     runs = []

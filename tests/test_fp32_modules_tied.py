@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_mpx import Amp
-from lightning_mpx.promotion import _Fp32Boundary
+from lightning_mpx.health.promotion import _Fp32Boundary
 
 transformers = pytest.importorskip("transformers")
 
@@ -97,7 +97,7 @@ def test_amp_runs_a_tied_gpt2_head_in_fp32(level: str) -> None:
 
 def test_accelerator_o2_runs_a_tied_gpt2_head_in_fp32() -> None:
     pytest.importorskip("accelerate")
-    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 
     handler = MixedPrecisionKwargs(half_dtype="bfloat16", fp32_modules=["lm_head"])
     accelerator = Accelerator(mixed_precision="O2", cpu=True, kwargs_handlers=[handler])

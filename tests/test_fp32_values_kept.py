@@ -207,7 +207,7 @@ def test_fabric_masters_hold_the_weights_given_before_setup_or_by_load_raw_after
 
 def test_accelerate_masters_hold_the_weights_given_before_and_after_prepare():
     pytest.importorskip("accelerate")
-    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 
     accelerator = Accelerator(mixed_precision="O2", kwargs_handlers=[MixedPrecisionKwargs(half_dtype=HALF)])
     model = _net()
@@ -304,7 +304,7 @@ def test_a_hugging_face_gpt2_through_the_accelerator_keeps_its_fp32_weights_as_m
     exactly; a training step then starts from them."""
     pytest.importorskip("accelerate")
     transformers = pytest.importorskip("transformers")
-    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 
     def gpt2(seed: int) -> Any:
         torch.manual_seed(seed)

@@ -118,7 +118,7 @@ def test_the_core_engine_names_prepare_optimizer_when_an_optimizer_was_not_regis
 # -- Accelerate --------------------------------------------------------------------------------------------------------
 def test_accelerate_a_layer_frozen_after_prepare_exports_its_exact_fp32_weights():
     pytest.importorskip("accelerate")
-    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
     from tests.accelerate_helpers import accelerate_state_reset
 
     with accelerate_state_reset():

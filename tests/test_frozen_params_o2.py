@@ -218,7 +218,7 @@ def test_a_frozen_parameter_gets_its_master_at_its_first_gradient():
 
 
 def test_the_accelerator_makes_masters_for_the_adapters_only_and_exports_them():
-    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
     from tests.accelerate_helpers import accelerate_state_reset
 
     with accelerate_state_reset():

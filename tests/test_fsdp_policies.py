@@ -1,4 +1,4 @@
-"""lightning_mpx.fsdp: the FSDP policies of each opt level, shard_model and check_sharded_model.
+"""lightning_mpx.integrations.fsdp: the FSDP policies of each opt level, shard_model and check_sharded_model.
 
 In one process (a gloo group of world size 1, where ``fully_shard`` and FSDP1 run as they do on more ranks), plus
 one two-process launch (tests/fsdp_policies_script.py) that measures what each rank holds at O2.
@@ -16,13 +16,13 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, MixedPr
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from lightning_mpx import Amp, MixedPrecisionSettings
-from lightning_mpx.fsdp import (
+from lightning_mpx.integrations.fsdp import (
     check_sharded_model,
     fsdp1_mixed_precision,
     mixed_precision_policy,
     shard_model,
 )
-from lightning_mpx.master_weights import convert_module
+from lightning_mpx.masters.weights import convert_module
 from tests.launch import one_process_group, rank_results, run_script
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from lightning_mpx import MixedPrecisionSettings
-from lightning_mpx.fsdp import mixed_precision_policy, shard_model
+from lightning_mpx.integrations.fsdp import mixed_precision_policy, shard_model
 from tests.fsdp_reconfigure_script import STEPS, Block, Model
 from tests.launch import one_process_group, rank_results, run_script
 

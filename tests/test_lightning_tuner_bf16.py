@@ -21,7 +21,7 @@ pl = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.tuner import Tuner  # noqa: E402
 
 from lightning_mpx import Amp, MixedPrecisionPlugin  # noqa: E402
-from lightning_mpx.loss_scaler import LossScaleFloorError, LossScaler  # noqa: E402
+from lightning_mpx.scaling.scaler import LossScaleFloorError, LossScaler  # noqa: E402
 from tests.lightning_helpers import classification_data, loader, make_trainer  # noqa: E402
 
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_mpx.loss_scaler import LossScaleFloorError, LossScaler
+from lightning_mpx.scaling.scaler import LossScaleFloorError, LossScaler
 
 FAST = settings(max_examples=60, deadline=None)
 

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_mpx.loss_scaler import LossScaler
+from lightning_mpx.scaling.scaler import LossScaler
 
 FAST = settings(max_examples=80, deadline=None)
 

@@ -22,7 +22,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
 from lightning_mpx import Amp, MixedPrecisionPlugin
-from lightning_mpx.master_weights import MasterWeights
+from lightning_mpx.masters.weights import MasterWeights
 from tests.lightning_helpers import loader, make_trainer
 
 LEVELS = ["O2", "O3"]
@@ -154,7 +154,7 @@ def test_lightning_copy_converted_back_to_half_casts_again() -> None:
 
 # -- Accelerate -----------------------------------------------------------------------------------------------------
 def _accelerate_run(level: str, copy_at: int | None) -> tuple[nn.Module, dict[str, Any]]:
-    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 
     accelerator = Accelerator(
         mixed_precision=level, cpu=True, kwargs_handlers=[MixedPrecisionKwargs(half_dtype="bfloat16")]
@@ -196,7 +196,7 @@ def test_accelerate_fp32_copy_runs_in_fp32_and_the_original_keeps_training(level
 
 def test_accelerate_fp32_copy_of_a_gpt2() -> None:
     transformers = pytest.importorskip("transformers")
-    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 
     config = transformers.GPT2Config(
         vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2, n_inner=32, resid_pdrop=0.0, embd_pdrop=0.0,

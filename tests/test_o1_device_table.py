@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import lightning_mpx.amp as amp_module
+import lightning_mpx.engine.amp as amp_module
 from lightning_mpx import Amp, CastTable, dispatchable
 
 CUDA = torch.cuda.is_available()
@@ -361,7 +361,7 @@ def test_the_plugins_backward_and_step_run_outside_autocast(automatic):
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_accelerates_backward_and_step_inside_autocast_run_outside_it():
     """Accelerate users sometimes write the whole step inside ``with accelerator.autocast():``."""
-    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 
     seen: list[torch.dtype] = []
     accelerator = Accelerator(mixed_precision="O1", kwargs_handlers=[MixedPrecisionKwargs(

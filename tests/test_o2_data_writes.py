@@ -81,7 +81,7 @@ def test_lightning_wgan_clipping_in_a_callback_matches_fp32(half):
 
 def test_accelerate_loop_with_wgan_clipping_matches_fp32():
     pytest.importorskip("accelerate")
-    from lightning_mpx.accelerate import Accelerator
+    from lightning_mpx.integrations.accelerate import Accelerator
 
     data = loader(classification_data(n=64))
     reference = _net()

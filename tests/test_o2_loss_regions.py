@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_mpx import Amp, dispatchable
-from lightning_mpx._loss_regions import LossRegions
+from lightning_mpx.casting.loss_regions import LossRegions
 from tests.compile_helpers import HookCounter
 from tests.test_o2_losses import _bert
 
@@ -250,7 +250,7 @@ def test_a_row_registered_mid_training_is_fp32_through_the_trainer():
     the submodule that calls it from the next batch on (the half model's dtype before), and training goes on."""
     import lightning.pytorch as pl
 
-    from lightning_mpx.lightning import MixedPrecisionPlugin
+    from lightning_mpx.integrations.lightning import MixedPrecisionPlugin
     from tests.lightning_helpers import make_trainer
 
     plugin = MixedPrecisionPlugin("O2", half_dtype="bfloat16")

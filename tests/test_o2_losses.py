@@ -117,7 +117,7 @@ def test_lightning_o2_loss_inside_the_model_is_fp32():
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_accelerate_o2_loss_inside_the_model_is_fp32():
-    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 
     accelerator = Accelerator(mixed_precision="O2", kwargs_handlers=[MixedPrecisionKwargs(half_dtype="bfloat16")])
     model = accelerator.prepare(_bert())

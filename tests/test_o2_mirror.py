@@ -236,7 +236,7 @@ accelerate = pytest.importorskip("accelerate")
 
 
 def _accelerator(level: str = "O2", **kwargs):
-    from lightning_mpx.accelerate import Accelerator
+    from lightning_mpx.integrations.accelerate import Accelerator
 
     return Accelerator(mixed_precision=level, cpu=True, **kwargs)
 

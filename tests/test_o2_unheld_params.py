@@ -121,7 +121,7 @@ def test_lightning_teacher_and_ema_children_get_no_masters_and_training_matches(
 
 
 def _accelerate_run(children: bool) -> tuple[nn.Module, Any]:
-    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 
     accelerator = Accelerator(
         mixed_precision="O2", cpu=True, kwargs_handlers=[MixedPrecisionKwargs(half_dtype="bfloat16")]

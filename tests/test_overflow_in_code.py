@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_mpx import Amp, LossScaleFloorError, MixedPrecisionPlugin
-from lightning_mpx.forensics import CodeRegion
-from lightning_mpx.promotion import FLOOR_OVERFLOWS_TO_PROMOTE
+from lightning_mpx.health.forensics import CodeRegion
+from lightning_mpx.health.promotion import FLOOR_OVERFLOWS_TO_PROMOTE
 from tests.lightning_helpers import make_trainer
 
 FLOOR = dict(init_scale=2.0**13, min_loss_scale=2.0**10)  # three backoffs to the floor

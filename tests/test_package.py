@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import lightning_mpx
-from lightning_mpx._imports import require
+from lightning_mpx.common.imports import require
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,7 +44,7 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_the_torch_floor_is_the_one_pip_is_asked_for_and_older_releases_warn():
-    from lightning_mpx._compat import MIN_TORCH, old_torch_warning
+    from lightning_mpx.common.compat import MIN_TORCH, old_torch_warning
 
     pyproject = (ROOT / "pyproject.toml").read_text()
     floor = ".".join(map(str, MIN_TORCH))

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_mpx import Amp, LossScaleFloorError, MixedPrecisionPlugin
-from lightning_mpx.forensics import OverflowRecord
-from lightning_mpx.promotion import FLOOR_OVERFLOWS_TO_PROMOTE
+from lightning_mpx.health.forensics import OverflowRecord
+from lightning_mpx.health.promotion import FLOOR_OVERFLOWS_TO_PROMOTE
 from tests.lightning_helpers import make_trainer
 
 INPUT_SCALE = 1e4
@@ -327,7 +327,7 @@ def test_promote_cures_a_forward_overflow(level: str, promoted: list[str]) -> No
 
 def test_accelerator_promotes_and_resumes(tmp_path: Any) -> None:
     """The same through the Accelerate adapter: promoted while training, and again by ``load_state``."""
-    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 
     x, y = raw_feature_data()
 

@@ -251,7 +251,7 @@ def test_accelerate_load_state_resumes_across_levels(saved, resumed, tmp_path, f
     weights at O2 are the masters' rounding: an O2 checkpoint resumed at O1 still starts from the masters exactly."""
     from accelerate.state import AcceleratorState, GradientState
 
-    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 
     def setup(level: str, seed: int) -> tuple[Any, Any, Any]:
         AcceleratorState._reset_state(True)

@@ -28,8 +28,8 @@ def _default(name: str):
 
 def test_every_front_door_has_each_setting_typed_with_the_settings_default():
     # Adding a field to the settings without its typed keyword (or with another default) fails here.
-    from lightning_mpx.accelerate import MixedPrecisionKwargs
-    from lightning_mpx.lightning import MixedPrecisionPlugin
+    from lightning_mpx.integrations.accelerate import MixedPrecisionKwargs
+    from lightning_mpx.integrations.lightning import MixedPrecisionPlugin
 
     kwargs_fields = {f.name: f.default for f in dataclasses.fields(MixedPrecisionKwargs)}
     for front in (Amp.__init__, MixedPrecisionPlugin.__init__):
@@ -47,8 +47,8 @@ def test_every_front_door_has_each_setting_typed_with_the_settings_default():
 
 
 def test_keywords_and_settings_build_the_same_engine():
-    from lightning_mpx.accelerate import MixedPrecisionKwargs
-    from lightning_mpx.lightning import MixedPrecisionPlugin
+    from lightning_mpx.integrations.accelerate import MixedPrecisionKwargs
+    from lightning_mpx.integrations.lightning import MixedPrecisionPlugin
 
     kw = dict(half_dtype="bfloat16", num_losses=2, growth_interval=7, hysteresis=2, model_writes="values",
               fp32_modules=["0"], keep_batchnorm_fp32=False, loss_scale="dynamic")
@@ -59,7 +59,7 @@ def test_keywords_and_settings_build_the_same_engine():
     assert [s.growth_interval for s in by_settings.scalers] == [7, 7] and by_settings.model_writes == "values"
     assert Amp(settings.opt_level, **settings.to_kwargs()).settings == settings
     assert MixedPrecisionPlugin.from_settings(settings).amp.settings == settings
-    from lightning_mpx.fabric import FabricMixedPrecisionPlugin
+    from lightning_mpx.integrations.fabric import FabricMixedPrecisionPlugin
 
     fabric_plugin = FabricMixedPrecisionPlugin.from_settings(settings)
     assert fabric_plugin.amp.settings == settings == FabricMixedPrecisionPlugin("O2", **kw).amp.settings

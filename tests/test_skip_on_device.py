@@ -417,7 +417,7 @@ def test_trainer_refuses_an_optimizer_that_is_not_fused():
 
 
 def test_accelerate_scheduler_is_held_on_a_skip_read_through_step_was_skipped(fresh_accelerate_state):
-    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 
     history = []
     for skip in (False, True):
@@ -490,7 +490,7 @@ def test_hugging_face_gpt2_through_the_accelerator_trains_as_the_host_path(fresh
     from tests.accelerate_helpers import reset_accelerate_state
     from tests.real_models import build_gpt2, digits, gpt2_forward, gpt2_loss
 
-    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 
     pixels, labels, _, _ = digits()
     for level in ("O1", "O2"):

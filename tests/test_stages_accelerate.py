@@ -1,4 +1,4 @@
-"""The per-optimizer stages through a real ``lightning_mpx.accelerate.Accelerator`` on CPU, against the same loop
+"""The per-optimizer stages through a real ``lightning_mpx.integrations.accelerate.Accelerator`` on CPU, against the same loop
 with Accelerate in FP32 (``mixed_precision="no"``): a loop that clips and then skips a bad batch, a backward between
 a clip and the step, a GAN whose overflow is charged to its own loss, numpy loss ids and consecutive hysteresis."""
 
@@ -12,7 +12,7 @@ from torch import nn
 
 pytest.importorskip("accelerate")
 
-from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs  # noqa: E402
+from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs  # noqa: E402
 from tests.accelerate_helpers import prepared_gan, reset_accelerate_state  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # Accelerate's singleton state: none at each start

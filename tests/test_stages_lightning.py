@@ -154,7 +154,7 @@ def test_every_amp_setting_is_a_named_typed_plugin_and_adapter_setting():
     import inspect
 
     from lightning_mpx import Amp
-    from lightning_mpx.accelerate import MixedPrecisionKwargs
+    from lightning_mpx.integrations.accelerate import MixedPrecisionKwargs
 
     amp = {n for n, p in inspect.signature(Amp.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY}
     plugin = inspect.signature(MixedPrecisionPlugin.__init__).parameters

@@ -17,14 +17,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_mpx import Amp
-from lightning_mpx.telemetry import GradTelemetry, module_groups
-from lightning_mpx.unscale import GradStats, UnscaleWorkspace, unscale_grads_
+from lightning_mpx.health.telemetry import GradTelemetry, module_groups
+from lightning_mpx.scaling.unscale import GradStats, UnscaleWorkspace, unscale_grads_
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # numpy under the interpreter
 
 _TRITON_DEVICE = None  # where the "triton" backend runs here: CPU tensors in the interpreter, else CUDA ones
 if importlib.util.find_spec("triton") is not None:
-    from lightning_mpx import _triton_unscale as kernels
+    from lightning_mpx.scaling import triton_unscale as kernels
 
     _TRITON_DEVICE = "cpu" if kernels.interpreting() else "cuda" if torch.cuda.is_available() else None
 BACKENDS = [
@@ -370,7 +370,7 @@ def accelerate_state():
 
 
 def _accelerate_run(steps: int, request_at: tuple[int, ...] = (), **settings: Any) -> list[dict[str, float]]:
-    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 
     accelerator = Accelerator(mixed_precision="O1", kwargs_handlers=[MixedPrecisionKwargs(**settings)])
     logged: list[dict[str, float]] = []
@@ -407,14 +407,14 @@ def test_accelerate_explicit_request(accelerate_state):
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5])
 def test_accelerate_refuses_a_bad_telemetry_interval(bad):
     pytest.importorskip("accelerate")
-    from lightning_mpx.accelerate import MixedPrecisionKwargs
+    from lightning_mpx.integrations.accelerate import MixedPrecisionKwargs
 
     with pytest.raises(ValueError, match="telemetry_every_n_steps"):
         MixedPrecisionKwargs(telemetry_every_n_steps=bad)
 
 
 def test_accelerate_native_mode_refuses_a_request(accelerate_state):
-    from lightning_mpx.accelerate import Accelerator
+    from lightning_mpx.integrations.accelerate import Accelerator
 
     with pytest.raises(ValueError, match="request_mpx_telemetry"):
         Accelerator(mixed_precision="no").request_mpx_telemetry()

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
 
-from lightning_mpx.unscale import BACKENDS, unscale_grads_
+from lightning_mpx.scaling.unscale import BACKENDS, unscale_grads_
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = [(0,), (1,), (7,), (33, 5), (1024,), (3, 4, 5)]
@@ -141,7 +141,7 @@ def test_mixed_dtypes_each_go_to_their_own_destination(dtypes, masters, max_norm
     destinations of several dtypes and copied back; every tensor lands in its own destination, as the per-tensor
     reference puts it (distinct sizes: a pairing out of order would fail or misplace values). Some destinations
     are the gradients themselves (``own``: a parameter that is its own master), unscaled in place among the others."""
-    from lightning_mpx.unscale import cast_copy_
+    from lightning_mpx.scaling.unscale import cast_copy_
 
     results = {}
     for backend in ("foreach", "reference"):

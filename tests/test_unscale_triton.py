@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from lightning_mpx import Amp, MasterWeights
-from lightning_mpx.unscale import UnscaleWorkspace, cast_copy_, resolve_backend, unscale_grads_
+from lightning_mpx.scaling.unscale import UnscaleWorkspace, cast_copy_, resolve_backend, unscale_grads_
 
 triton = pytest.importorskip("triton")
-from lightning_mpx import _triton_unscale as kernels  # noqa: E402  (needs triton)
+from lightning_mpx.scaling import triton_unscale as kernels  # noqa: E402  (needs triton)
 
 # numpy, under triton's interpreter, warns on inf * 0 and on casts that overflow: the tests make both on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
@@ -455,7 +455,7 @@ import re, sys
 import triton, triton.language as tl
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
-from lightning_mpx import _triton_unscale as K
+from lightning_mpx.scaling import triton_unscale as K
 
 def compile(fn, signature, constexprs, cc):
     source = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
@@ -498,7 +498,7 @@ def test_auto_leaves_a_plain_unscale_to_torchs_kernels(monkeypatch):
     fused kernels for norms, clipping, statistics and bfloat16 gradients unscaled in place; torch's own kernels for
     a plain unscale of FP32/FP16 gradients in place (O1's step without a clip) and for a plain unscale of half
     gradients into FP32 masters (O2's), which they serve with less host work."""
-    import lightning_mpx.unscale as unscale
+    import lightning_mpx.scaling.unscale as unscale
 
     monkeypatch.setattr(unscale, "_IS_CUDA", lambda t: True)
     monkeypatch.setattr(unscale, "_interpreter_requested", lambda: False)

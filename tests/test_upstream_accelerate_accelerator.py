@@ -25,7 +25,7 @@ from accelerate.state import GradientState  # noqa: E402
 from accelerate.utils import DataLoaderConfiguration  # noqa: E402
 from accelerate.utils.modeling import load_checkpoint_in_model  # noqa: E402
 
-from lightning_mpx.accelerate import AMP_STATE_NAME, Accelerator, MixedPrecisionKwargs  # noqa: E402
+from lightning_mpx.integrations.accelerate import AMP_STATE_NAME, Accelerator, MixedPrecisionKwargs  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # Accelerate's singleton state: none at each start
 

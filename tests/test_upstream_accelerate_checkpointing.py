@@ -22,7 +22,7 @@ pytest.importorskip("accelerate")
 
 from accelerate.utils import ProjectConfiguration, set_seed  # noqa: E402
 
-from lightning_mpx.accelerate import AMP_STATE_NAME, Accelerator, MixedPrecisionKwargs  # noqa: E402
+from lightning_mpx.integrations.accelerate import AMP_STATE_NAME, Accelerator, MixedPrecisionKwargs  # noqa: E402
 
 pytestmark = [
     pytest.mark.usefixtures("fresh_accelerate_state"),  # Accelerate's singleton state: none at each start

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("accelerate")
 
 from lightning_mpx import LossScaleFloorError  # noqa: E402
-from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs  # noqa: E402
+from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs  # noqa: E402
 from tests.accelerate_helpers import reset_accelerate_state  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # Accelerate's singleton state: none at each start

@@ -17,7 +17,7 @@ pytest.importorskip("accelerate")
 from accelerate.state import GradientState  # noqa: E402
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin  # noqa: E402
 
-from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs  # noqa: E402
+from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # Accelerate's singleton state: none at each start
 # As upstream's, the one-cycle tests step the scheduler before any optimizer step, which torch warns about.

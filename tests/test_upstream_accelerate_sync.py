@@ -25,7 +25,7 @@ from accelerate.state import GradientState  # noqa: E402
 from accelerate.test_utils import RegressionDataset, RegressionModel  # noqa: E402
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed  # noqa: E402
 
-from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs  # noqa: E402
+from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs  # noqa: E402
 
 pytestmark = [
     pytest.mark.usefixtures("fresh_accelerate_state"),  # Accelerate's singleton state: none at each start

@@ -23,7 +23,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
 from torch import nn
 
-from lightning_mpx.fabric import FabricMixedPrecisionPlugin
+from lightning_mpx.integrations.fabric import FabricMixedPrecisionPlugin
 
 HALVES = ("float16", "bfloat16")
 LEVELS = ("O1", "O2")

@@ -15,7 +15,7 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
-from lightning_mpx.fabric import FabricMixedPrecisionPlugin
+from lightning_mpx.integrations.fabric import FabricMixedPrecisionPlugin
 
 HALVES = ("float16", "bfloat16")
 CASES = [pytest.param(level, half, id=f"{level}-{half}") for level in ("O1", "O2") for half in HALVES]

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from lightning_mpx.amp import Amp
+from lightning_mpx.engine.amp import Amp
 
 
 class ScalerView:

@@ -40,11 +40,11 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import torch
 from torch import nn
 
-from lightning_mpx.amp import Amp, _cast_collection, _EngineHook
+from lightning_mpx.engine.amp import Amp, _cast_collection, _EngineHook
 from lightning_mpx.apex._state import AmpState, ScalerView, _amp_state, is_rank_zero
 from lightning_mpx.apex.fp16_utils import _HalfParameters
-from lightning_mpx.cast_policy import disable_casts as _disable_casts
-from lightning_mpx.cast_table import _takes_part_in_dispatch, dispatchable
+from lightning_mpx.casting.policy import disable_casts as _disable_casts
+from lightning_mpx.casting.table import _takes_part_in_dispatch, dispatchable
 from lightning_mpx.opt_levels import resolve_properties
 
 __all__ = [

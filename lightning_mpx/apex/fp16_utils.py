@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from lightning_mpx.amp import Amp
+from lightning_mpx.engine.amp import Amp
 from lightning_mpx.apex._state import is_rank_zero
 
 __all__ = [

@@ -1,8 +1,8 @@
 """Overflow steps, told to the user: :class:`Overflows` records each (with the forensics), counts it, logs it
 (throttled) and hands it to the floor's policy; the gradients to examine and the floor hint are here too.
 
-The record of an overflow itself is built by :class:`~lightning_mpx.forensics.OverflowForensics`; what is here is
-what :meth:`~lightning_mpx.amp.Amp.step` hands it and how the result is logged.
+The record of an overflow itself is built by :class:`~lightning_mpx.health.forensics.OverflowForensics`; what is here is
+what :meth:`~lightning_mpx.engine.amp.Amp.step` hands it and how the result is logged.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
 
-from lightning_mpx._sharding import local_tensor
-from lightning_mpx._stages import optimizer_params
-from lightning_mpx.forensics import OverflowForensics, OverflowRecord
-from lightning_mpx.loss_scaler import LossScaler
+from lightning_mpx.engine.sharding import local_tensor
+from lightning_mpx.engine.stages import optimizer_params
+from lightning_mpx.health.forensics import OverflowForensics, OverflowRecord
+from lightning_mpx.scaling.scaler import LossScaler
 
 if TYPE_CHECKING:
-    from lightning_mpx.promotion import Promotion
+    from lightning_mpx.health.promotion import Promotion
 
 log = logging.getLogger("lightning_mpx")
 

@@ -2,7 +2,7 @@
 being read on the host first, and what the step did is read later.
 
 ``torch.amp.GradScaler`` hands the flag to optimizers that can skip on the device (``_step_supports_amp_scaling``:
-torch's fused implementations) and never reads it on the host. :meth:`Amp.step <lightning_mpx.amp.Amp.step>` does the
+torch's fused implementations) and never reads it on the host. :meth:`Amp.step <lightning_mpx.engine.amp.Amp.step>` does the
 same for :data:`DEVICE_SKIP_OPTIMIZERS` with ``fused=True`` and returns a :class:`StepOutcome`; the flags, with the
 scales they were computed with, are copied to the host behind the step (a non-blocking copy and an event on CUDA),
 and read when the outcome is used as a bool or, at the latest, at the engine's next backward or step
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 if TYPE_CHECKING:
-    from lightning_mpx.forensics import OverflowRecord
+    from lightning_mpx.health.forensics import OverflowRecord
 
 #: The optimizers whose ``fused=True`` step skips on the device exactly (nothing changes, their step count
 #: included; their state is made on the first call, zeros, as the first real step would make it).

@@ -1,7 +1,7 @@
 """The exact FP32 weights an O2 checkpoint's masters give a model resumed at O0/O1, whatever the load order.
 
 Resuming an O2 checkpoint at a level without masters writes the checkpoint's FP32 masters into the model's
-parameters (:meth:`~lightning_mpx.amp.Amp.load_state_dict`). The same checkpoint also holds the model's own state
+parameters (:meth:`~lightning_mpx.engine.amp.Amp.load_state_dict`). The same checkpoint also holds the model's own state
 dict, whose weights are the masters' half rounding. Which of the two is loaded last depends on the front door:
 Accelerate's ``load_state`` loads the engine's state (a load-state pre-hook) before the models, and
 ``fabric.load`` follows the order of the user's state dict (``{"mpx": mpx, "model": model}`` loads the engine

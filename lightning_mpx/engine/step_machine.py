@@ -1,9 +1,9 @@
 """The per-optimizer step machine of one engine: the prepared optimizers and where each is in its iteration, the
 overflow flags the next update applies, and the gradient norms not yet reported.
 
-In the spirit of ``torch.amp.GradScaler``: each optimizer's :class:`~lightning_mpx._stages._Stage` moves READY ->
+In the spirit of ``torch.amp.GradScaler``: each optimizer's :class:`~lightning_mpx.engine.stages._Stage` moves READY ->
 UNSCALED on an unscale (or a clip) and back after its step, and :meth:`StepMachine.update` resets them all. The
-losses' scalers are the engine's; the masters are :class:`~lightning_mpx._masters.Masters`'. What happens on an
+losses' scalers are the engine's; the masters are :class:`~lightning_mpx.masters.store.Masters`'. What happens on an
 overflow (the record, the log, the floor) is the engine's: :meth:`StepMachine.check` only says which losses
 overflowed.
 """
@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from lightning_mpx._leftovers import (
+from lightning_mpx.engine.leftovers import (
     follow_cleared_grads,
     grad_marks,
     local_squares,
@@ -24,14 +24,14 @@ from lightning_mpx._leftovers import (
     rescale_unscaled,
     unscale_state,
 )
-from lightning_mpx._master_swap import drop_master_grads, mirrors, param_pairs, swap_in, swap_out
-from lightning_mpx._dtypes import HALF_DTYPES
-from lightning_mpx._masters import Masters
-from lightning_mpx._sharding import Sharding, local_tensor
-from lightning_mpx._stages import _OptimizerState, _Stage, optimizer_params
-from lightning_mpx.loss_scaler import LossScaler
-from lightning_mpx.master_weights import Mirror
-from lightning_mpx.telemetry import GradTelemetry
+from lightning_mpx.masters.swap import drop_master_grads, mirrors, param_pairs, swap_in, swap_out
+from lightning_mpx.common.dtypes import HALF_DTYPES
+from lightning_mpx.masters.store import Masters
+from lightning_mpx.engine.sharding import Sharding, local_tensor
+from lightning_mpx.engine.stages import _OptimizerState, _Stage, optimizer_params
+from lightning_mpx.scaling.scaler import LossScaler
+from lightning_mpx.masters.weights import Mirror
+from lightning_mpx.health.telemetry import GradTelemetry
 
 
 class StepMachine:
@@ -45,13 +45,13 @@ class StepMachine:
         names: Parameter names by ``id``, for errors and telemetry.
 
     Attributes:
-        optimizers: One :class:`~lightning_mpx._stages._OptimizerState` per prepared optimizer, by ``id``.
+        optimizers: One :class:`~lightning_mpx.engine.stages._OptimizerState` per prepared optimizer, by ``id``.
         iteration_found: The overflow flags, by loss, that the next :meth:`update` applies to the scalers.
         iteration_read: By loss, what the host read of every flag in ``iteration_found`` said (``True``: an
             overflow), or ``None`` when one of them was not read (counted on the device then).
         grad_norms: The latest clip norm of each loss, until the engine's metrics report it.
         sharding: Set when the prepared model is FSDP-sharded: the gradients are each rank's shards, and one
-            collective per step makes the flags and the norm global (:mod:`lightning_mpx._sharding`).
+            collective per step makes the flags and the norm global (:mod:`lightning_mpx.engine.sharding`).
     """
 
     def __init__(
@@ -181,7 +181,7 @@ class StepMachine:
     # -- backward -----------------------------------------------------------------------------------------------
     def before_backward(self, loss_id: int) -> None:
         """Make every optimizer's gradients carry ``loss_id``'s scale before its backward (see
-        :meth:`Amp.scale_loss <lightning_mpx.amp.Amp.scale_loss>`)."""
+        :meth:`Amp.scale_loss <lightning_mpx.engine.amp.Amp.scale_loss>`)."""
         for state in self.optimizers.values():
             if state.stage is not _Stage.READY:
                 if state.stage is _Stage.UNSCALED:
@@ -194,7 +194,7 @@ class StepMachine:
 
     # -- unscale and clip ---------------------------------------------------------------------------------------
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """:meth:`Amp.unscale_ <lightning_mpx.amp.Amp.unscale_>`."""
+        """:meth:`Amp.unscale_ <lightning_mpx.engine.amp.Amp.unscale_>`."""
         state = self.state(optimizer)
         if state.stage is _Stage.UNSCALED:
             raise RuntimeError(
@@ -209,7 +209,7 @@ class StepMachine:
             self.show_unscaled_on_model(optimizer)
 
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, *, with_masters: bool) -> torch.Tensor:
-        """:meth:`Amp.clip_grad_norm_ <lightning_mpx.amp.Amp.clip_grad_norm_>`."""
+        """:meth:`Amp.clip_grad_norm_ <lightning_mpx.engine.amp.Amp.clip_grad_norm_>`."""
         state = self.state(optimizer)
         if state.stage is not _Stage.UNSCALED:
             self._unscale(state, max_norm=float(max_norm))
@@ -230,7 +230,7 @@ class StepMachine:
         return state.grad_norm
 
     def clip_grad_value_(self, optimizer: torch.optim.Optimizer, clip_value: float, *, with_masters: bool) -> None:
-        """:meth:`Amp.clip_grad_value_ <lightning_mpx.amp.Amp.clip_grad_value_>`."""
+        """:meth:`Amp.clip_grad_value_ <lightning_mpx.engine.amp.Amp.clip_grad_value_>`."""
         state = self.state(optimizer)
         if state.stage is not _Stage.UNSCALED:
             self._unscale(state)
@@ -244,7 +244,7 @@ class StepMachine:
             torch.nn.utils.clip_grad_value_(params, clip_value)
 
     def show_unscaled_on_model(self, optimizer: torch.optim.Optimizer) -> None:
-        """:meth:`Amp.show_unscaled_on_model <lightning_mpx.amp.Amp.show_unscaled_on_model>`."""
+        """:meth:`Amp.show_unscaled_on_model <lightning_mpx.engine.amp.Amp.show_unscaled_on_model>`."""
         state = self.state(optimizer)
         master_weights = self.masters.weights
         if not master_weights or state.stage is not _Stage.UNSCALED:
@@ -455,7 +455,7 @@ def _step(optimizer: torch.optim.Optimizer, step_kwargs: dict[str, Any], found_i
 
 def _clip_unscaled(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_(params, max_norm)`` with its two halves (torch >= 2.6), the coefficient
-    left at 1 for a non-finite norm (see :meth:`Amp.clip_grad_norm_ <lightning_mpx.amp.Amp.clip_grad_norm_>`);
+    left at 1 for a non-finite norm (see :meth:`Amp.clip_grad_norm_ <lightning_mpx.engine.amp.Amp.clip_grad_norm_>`);
     older torch: its clip as it is."""
     get_norm = getattr(torch.nn.utils, "get_total_norm", None)
     clip_with = getattr(torch.nn.utils, "clip_grads_with_norm_", None)

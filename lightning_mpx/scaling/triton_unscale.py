@@ -1,11 +1,11 @@
-"""Fused multi-tensor kernels in Triton: the ``"triton"`` backend of :func:`lightning_mpx.unscale.unscale_grads_`.
+"""Fused multi-tensor kernels in Triton: the ``"triton"`` backend of :func:`lightning_mpx.scaling.unscale.unscale_grads_`.
 
-This module imports triton; :mod:`lightning_mpx.unscale` imports it only when the backend is used, so that
+This module imports triton; :mod:`lightning_mpx.scaling.unscale` imports it only when the backend is used, so that
 ``import lightning_mpx`` needs torch alone.
 
 Design. Every tensor of a call is cut into chunks of ``workspace.chunk_size`` elements, and a table with one row per
 chunk, ``(tensor index, first element, length)`` as int64, is built on the host, copied to the device once and kept
-in the caller's :class:`~lightning_mpx.unscale.UnscaleWorkspace` for the next steps: it depends only on the tensors'
+in the caller's :class:`~lightning_mpx.scaling.unscale.UnscaleWorkspace` for the next steps: it depends only on the tensors'
 sizes, dtypes and layouts. The tensors' base addresses live in two small int64 arrays beside it (one entry per
 tensor), uploaded again only when an address changes: ``zero_grad(set_to_none=True)``, torch's default, gives the
 gradients new buffers whenever the caching allocator hands out other blocks, and rebuilding the table for that cost
@@ -51,7 +51,7 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
 if TYPE_CHECKING:
-    from lightning_mpx._workspace import UnscaleWorkspace
+    from lightning_mpx.scaling.workspace import UnscaleWorkspace
 
 Tensors = Sequence[torch.Tensor]
 

@@ -1,10 +1,10 @@
-"""The FSDP part of the Accelerate adapter (:mod:`lightning_mpx.accelerate`): what the opt level needs from
+"""The FSDP part of the Accelerate adapter (:mod:`lightning_mpx.integrations.accelerate`): what the opt level needs from
 Accelerate's ``FullyShardedDataParallelPlugin`` and from the model before Accelerate shards it.
 
 Accelerate shards the model itself (FSDP2: ``fully_shard`` on the auto-wrapped blocks, then the root, all with the
 plugin's one ``mixed_precision_policy``; FSDP1: the ``FullyShardedDataParallel`` wrapper). The adapter gives the plugin
-the level's block policy (:func:`lightning_mpx.fsdp.mixed_precision_policy`; FSDP1:
-:func:`~lightning_mpx.fsdp.fsdp1_mixed_precision`), and before Accelerate shards (:func:`before_sharding`) it casts the model as the level needs (O3: half; O1/O2: trainable
+the level's block policy (:func:`lightning_mpx.integrations.fsdp.mixed_precision_policy`; FSDP1:
+:func:`~lightning_mpx.integrations.fsdp.fsdp1_mixed_precision`), and before Accelerate shards (:func:`before_sharding`) it casts the model as the level needs (O3: half; O1/O2: trainable
 half parameters to FP32, since FSDP's FP32 shards are the masters) and, with FSDP2, shards the FP32 islands (batch
 norm, ``fp32_modules``) as units of their own with the island policy; Accelerate's auto-wrap leaves modules that are
 already sharded alone. The root's casts (inputs to half at O3, outputs to FP32) are the adapter's forward wrapper's.
@@ -17,8 +17,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from lightning_mpx._sharding import is_sharded
-from lightning_mpx.master_weights import convert_module
+from lightning_mpx.engine.sharding import is_sharded
+from lightning_mpx.masters.weights import convert_module
 from lightning_mpx.settings import MixedPrecisionSettings
 
 __all__ = ["before_sharding", "fsdp_policy", "refuse_settings", "swap_parameters"]
@@ -28,7 +28,7 @@ def fsdp_policy(settings: MixedPrecisionSettings, fsdp_version: int, gather: str
     """The policy for the plugin's ``mixed_precision_policy``: FSDP2's block ``MixedPrecisionPolicy`` (Accelerate
     gives the same one to every unit, the root included) or FSDP1's ``MixedPrecision`` (``None``: no casts).
     ``gather``: O1's all-gather dtype (a ValueError names the choices, and refuses ``"fp32"`` at O2/O3)."""
-    from lightning_mpx.fsdp import fsdp1_mixed_precision, mixed_precision_policy
+    from lightning_mpx.integrations.fsdp import fsdp1_mixed_precision, mixed_precision_policy
 
     if fsdp_version == 2:
         return mixed_precision_policy(settings, role="block", gather=gather)  # type: ignore[arg-type]
@@ -49,7 +49,7 @@ def refuse_settings(settings: MixedPrecisionSettings, plugin: Any) -> None:
     if getattr(plugin, "mixed_precision_policy", None) is not None:
         raise ValueError(
             f"fsdp_plugin.mixed_precision_policy={plugin.mixed_precision_policy!r} was set, but "
-            f"mixed_precision={level!r} gives FSDP the opt level's own policy (lightning_mpx.fsdp."
+            f"mixed_precision={level!r} gives FSDP the opt level's own policy (lightning_mpx.integrations.fsdp."
             f"{'mixed_precision_policy' if plugin.fsdp_version == 2 else 'fsdp1_mixed_precision'}); leave "
             "mixed_precision_policy unset (None), or use Accelerate's mixed_precision='bf16'/'fp16' with your policy."
         )
@@ -71,11 +71,11 @@ def before_sharding(
     half); O2, floating buffers outside the islands to half (an FP32 buffer would promote activations). With FSDP2 the
     FP32 islands are then sharded with the island policy (``shard_kwargs``: ``fully_shard``'s mesh, offload and
     reshard settings from the plugin; ``gather``: O1's all-gather dtype, for the islands' policy)."""
-    from lightning_mpx.fsdp import _buffers_to, _islands, _mode, mixed_precision_policy
-    from lightning_mpx.promotion import _module_to_fp32
+    from lightning_mpx.integrations.fsdp import _buffers_to, _islands, _mode, mixed_precision_policy
+    from lightning_mpx.health.promotion import _module_to_fp32
 
     if is_sharded(model):
-        return {}  # sharded by the user (e.g. lightning_mpx.fsdp.shard_model): Accelerate keeps it, the engine checks it
+        return {}  # sharded by the user (e.g. lightning_mpx.integrations.fsdp.shard_model): Accelerate keeps it, the engine checks it
     props = settings.properties
     mode = _mode(props)
     islands = _islands(model, settings, mode, require_match=True)

@@ -170,7 +170,7 @@ class LossRegions:
     def _off(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():  # traced: the mode's casts are in the graph, not paid per call
             return
-        from lightning_mpx.cast_policy import _CastMode
+        from lightning_mpx.casting.policy import _CastMode
 
         popped = []
         length, at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at

@@ -1,8 +1,8 @@
-"""The FP32 master weights of one engine: one :class:`~lightning_mpx.master_weights.MasterWeights` per model prepared
+"""The FP32 master weights of one engine: one :class:`~lightning_mpx.masters.weights.MasterWeights` per model prepared
 for training at O2, made, looked up, refreshed and checkpointed here.
 
 :class:`Masters` owns the list; the optimizers that hold the masters' parameters belong to the step machine
-(:mod:`lightning_mpx._step_machine`), which hands their states in where a master is made for a parameter an
+(:mod:`lightning_mpx.engine.step_machine`), which hands their states in where a master is made for a parameter an
 optimizer holds.
 """
 
@@ -13,9 +13,9 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from lightning_mpx._master_swap import param_pairs
-from lightning_mpx._stages import _OptimizerState
-from lightning_mpx.master_weights import MasterWeights
+from lightning_mpx.masters.swap import param_pairs
+from lightning_mpx.engine.stages import _OptimizerState
+from lightning_mpx.masters.weights import MasterWeights
 
 
 class Masters:
@@ -25,7 +25,7 @@ class Masters:
         backend: The unscale backend, which also copies the masters to the model (``unscale_backend``).
 
     Attributes:
-        weights: One :class:`~lightning_mpx.master_weights.MasterWeights` per model prepared for training.
+        weights: One :class:`~lightning_mpx.masters.weights.MasterWeights` per model prepared for training.
         evaluation_only: Whether an O2 model was prepared with ``train=False`` (then a checkpoint's masters are
             not needed while no model is prepared for training).
     """

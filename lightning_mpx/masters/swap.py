@@ -1,8 +1,8 @@
 """The FP32 masters of an optimizer's parameters and their swap into its groups for the step (O2).
 
-The masters themselves belong to :class:`~lightning_mpx.master_weights.MasterWeights` (one per prepared model); what
+The masters themselves belong to :class:`~lightning_mpx.masters.weights.MasterWeights` (one per prepared model); what
 is here pairs each parameter an optimizer holds with its master (cached on the optimizer's
-:class:`~lightning_mpx._stages._OptimizerState`), puts the masters in the groups for the length of a step or a
+:class:`~lightning_mpx.engine.stages._OptimizerState`), puts the masters in the groups for the length of a step or a
 state-dict call, and says where the unscaled gradients go. Plain functions over that state and the list of
 ``MasterWeights``: no engine is held.
 """
@@ -15,8 +15,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from lightning_mpx._stages import _OptimizerState, optimizer_params
-from lightning_mpx.master_weights import MasterWeights, Mirror
+from lightning_mpx.engine.stages import _OptimizerState, optimizer_params
+from lightning_mpx.masters.weights import MasterWeights, Mirror
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
 _IS_SPARSE = operator.attrgetter("is_sparse")

@@ -1,5 +1,5 @@
-"""The fused unscale backend's state kept across steps, in a module of its own so that :mod:`lightning_mpx.unscale`
-and the Triton kernels (:mod:`lightning_mpx._triton_unscale`) both import it and neither imports the other back."""
+"""The fused unscale backend's state kept across steps, in a module of its own so that :mod:`lightning_mpx.scaling.unscale`
+and the Triton kernels (:mod:`lightning_mpx.scaling.triton_unscale`) both import it and neither imports the other back."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ class UnscaleWorkspace:
     blocks. The checks that decide whether the kernels can take the tensors at all are made when a table is built
     and kept with it (a "not supported" verdict too), so a call that finds its table does no per-tensor Python work
     beyond building the key and comparing the addresses. The last ``max_plans`` tables are kept (a call with
-    gradients only and one with FP32 master gradients each need their own). :class:`~lightning_mpx.amp.Amp` keeps
-    one per optimizer, and each :class:`~lightning_mpx.master_weights.MasterWeights` one for its copy to the model.
+    gradients only and one with FP32 master gradients each need their own). :class:`~lightning_mpx.engine.amp.Amp` keeps
+    one per optimizer, and each :class:`~lightning_mpx.masters.weights.MasterWeights` one for its copy to the model.
     Other backends ignore it.
 
     Args:

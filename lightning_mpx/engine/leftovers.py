@@ -5,10 +5,10 @@ gradient buffer never mixes two scales.
 the overflow it finds. An unscale (or a clip) that no step followed leaves gradients with their true values (at O2
 in the FP32 masters); a later backward adds scaled values to them, so they are scaled back up first
 (:func:`rescale_unscaled`). Gradients of another loss, or of this loss at a scale
-:meth:`~lightning_mpx.amp.Amp.update` has changed since, are brought to the new scale (:func:`rescale_pending`).
+:meth:`~lightning_mpx.engine.amp.Amp.update` has changed since, are brought to the new scale (:func:`rescale_pending`).
 The user may clear half gradients between an unscale and the step (``zero_grad`` either way): the masters' copies
 follow (:func:`follow_cleared_grads`). Plain functions over an optimizer's
-:class:`~lightning_mpx._stages._OptimizerState`: no engine is held.
+:class:`~lightning_mpx.engine.stages._OptimizerState`: no engine is held.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from lightning_mpx._master_swap import drop_master_grads, grad_pairs, param_pairs
-from lightning_mpx._sharding import Sharding, local_tensor
-from lightning_mpx._stages import _OptimizerState, _Stage, optimizer_params
-from lightning_mpx.loss_scaler import LossScaler
-from lightning_mpx.master_weights import MasterWeights
-from lightning_mpx.telemetry import GradTelemetry
-from lightning_mpx.unscale import GradStats, clip_coefficient, resolve_backend, unscale_grads_
+from lightning_mpx.masters.swap import drop_master_grads, grad_pairs, param_pairs
+from lightning_mpx.engine.sharding import Sharding, local_tensor
+from lightning_mpx.engine.stages import _OptimizerState, _Stage, optimizer_params
+from lightning_mpx.scaling.scaler import LossScaler
+from lightning_mpx.masters.weights import MasterWeights
+from lightning_mpx.health.telemetry import GradTelemetry
+from lightning_mpx.scaling.unscale import GradStats, clip_coefficient, resolve_backend, unscale_grads_
 
 Marks = tuple[tuple[int, int] | None, ...]
 
@@ -49,7 +49,7 @@ def unscale_state(
     before the step (:func:`follow_cleared_grads`); a step that unscales for itself notes them only if it does not
     finish (``StepMachine.keep_marks``).
 
-    ``sharding``: the gradients are FSDP shards (see :mod:`lightning_mpx._sharding`); each rank works on its local
+    ``sharding``: the gradients are FSDP shards (see :mod:`lightning_mpx.engine.sharding`); each rank works on its local
     pieces, and a clip sums the flags and the squared norm across ranks in one all-reduce before it multiplies."""
     loss_id = state.loss_id or 0
     skipped = state.stage is _Stage.SKIPPED
@@ -106,7 +106,7 @@ def unscale_state(
 
 def _unfused(backend: str, tensors: list[torch.Tensor], plain: bool) -> bool:
     """Whether an unscale into these masters' gradients runs on torch's kernels rather than the fused ones: a plain
-    one (no clip, no statistics) does on ``"auto"`` (see :func:`~lightning_mpx.unscale.auto_backend`)."""
+    one (no clip, no statistics) does on ``"auto"`` (see :func:`~lightning_mpx.scaling.unscale.auto_backend`)."""
     if backend == "auto":
         return plain or resolve_backend(tensors) != "triton"
     return backend != "triton"
@@ -170,7 +170,7 @@ def reduce_checks(
     """The step's one collective under FSDP: sum the optimizer's overflow flags (every loss's) and this rank's
     squared norm ``squares`` across ranks, so that every rank holds the same flags; then, given ``max_norm``, clip
     the local shards of ``grads`` by the global norm (left as they are when it is not finite, as
-    :func:`~lightning_mpx.unscale.unscale_grads_`). Returns the global norm when ``squares`` was given."""
+    :func:`~lightning_mpx.scaling.unscale.unscale_grads_`). Returns the global norm when ``squares`` was given."""
     loss_ids = sorted(state.found_by_loss)
     reduced = sharding.reduce([state.found_by_loss[i] for i in loss_ids], squares)
     flags = [torch.clamp(f, max=1.0) for f in reduced[: len(loss_ids)]]  # any rank's overflow, as a 0/1 flag

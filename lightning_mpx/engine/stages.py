@@ -2,9 +2,9 @@
 
 One :class:`_OptimizerState` per prepared optimizer, as ``torch.amp.GradScaler`` keeps one stage per optimizer: its
 :class:`_Stage` moves READY -> UNSCALED on an unscale (or a clip), back to READY after the step, and
-:meth:`~lightning_mpx.amp.Amp.update` resets every optimizer for the next iteration (one left UNSCALED without a step
+:meth:`~lightning_mpx.engine.amp.Amp.update` resets every optimizer for the next iteration (one left UNSCALED without a step
 becomes SKIPPED). It also caches the optimizer's (parameter, master) pairs for the master swap
-(:mod:`lightning_mpx._master_swap`).
+(:mod:`lightning_mpx.masters.swap`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any, Iterator
 
 import torch
 
-from lightning_mpx._workspace import UnscaleWorkspace
-from lightning_mpx.master_weights import Mirror
+from lightning_mpx.scaling.workspace import UnscaleWorkspace
+from lightning_mpx.masters.weights import Mirror
 
 
 class _Stage(enum.Enum):

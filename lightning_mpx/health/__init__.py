@@ -1,0 +1,1 @@
+"""Precision health: overflow forensics, telemetry, scale promotion, the doctor and its plots."""

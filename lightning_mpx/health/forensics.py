@@ -1,0 +1,656 @@
+"""Overflow forensics: what one overflow step found, as data.
+
+:class:`OverflowRecord` is what :attr:`lightning_mpx.Amp.last_overflow` holds after a step that overflowed. It is
+built on overflow steps only, where the overflow flag is read on the host anyway; a step that does not overflow
+builds nothing and reads nothing.
+
+Where the non-finite values came from (the forward or the backward, and the first module whose output held them) is
+known only when the forward was watched: :class:`ForwardWatch` puts forward hooks on the prepared models that flag
+non-finite inputs and outputs on the device, without a host sync (and gradient hooks that keep what each backward
+produced). When the first non-finite values are a module's *input* while the module output before it was finite, they
+were made by code between two module calls (``h = self.blow(h) * 1e5`` in a forward, attention scores, a residual
+sum): the record names that code (:class:`CodeRegion`) and blames the module whose output fed it.
+:class:`~lightning_mpx.Amp` watches every step with ``diagnose_overflows=True``; otherwise it watches only after an
+overflow with the loss scale at its floor, until a step that does not overflow, so that the overflows that matter (the
+ones the scale cannot absorb) get a diagnosis and a healthy run has no hook at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import weakref
+from typing import Any, Collection, Iterable, Literal, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from lightning_mpx.casting.policy import disable_casts
+
+Kind = Literal["inf", "nan", "inf+nan"]
+Origin = Literal["forward", "backward", "unknown"]
+
+#: The tag prefix of the per-module overflow counts that :meth:`lightning_mpx.Amp.metrics` reports.
+OVERFLOW_TAG = "mpx/overflow/"
+#: The name the root module's own parameters go by in a tag (the module name itself is ``""``).
+ROOT_TAG = "_root"
+#: The metric prefix of the first module whose forward output went non-finite (watched overflow steps only).
+FIRST_TAG = "mpx/overflow_first/"
+
+
+def _shown(module: str) -> str:
+    return module or "<root>"
+
+
+@dataclasses.dataclass(frozen=True)
+class CodeRegion:
+    """Code outside every module's own forward where the first non-finite values of a watched forward were made: the
+    values a module received (``before``) were non-finite, while the module output just before them (``after``'s) was
+    finite.
+
+    Attributes:
+        parent: The module whose forward runs that code (``""``: the root model's); ``None`` when it runs outside
+            every watched module (in the training step or the loop).
+        after: The module whose finite output came last before the code (``None``: the code starts at ``parent``'s
+            own input).
+        before: The module that received the non-finite values.
+        kind: What ``before`` received (``"inf"``, ``"nan"`` or ``"inf+nan"``).
+    """
+
+    parent: str | None
+    after: str | None
+    before: str
+    kind: Kind
+
+    @property
+    def culprit(self) -> str:
+        """The module to blame: the one whose output fed the code (in FP32 its output keeps the code in FP32 at
+        O1), else the module whose forward runs it."""
+        culprit = self.after if self.after is not None else self.parent
+        assert culprit is not None  # a region outside every module starts at a module's output
+        return culprit
+
+    def describe(self) -> str:
+        """``"in <parent>'s forward, between <after>'s output and <before>'s input"``."""
+        where = (
+            f"in {_shown(self.parent)}'s forward" if self.parent is not None
+            else "outside the modules' forwards (in the training step or the loop)"
+        )
+        start = f"{_shown(self.after)}'s output" if self.after is not None else "its input"
+        return f"{where}, between {start} and {_shown(self.before)}'s input"
+
+
+@dataclasses.dataclass(frozen=True)
+class OverflowRecord:
+    """One overflow step, as found on the host.
+
+    Attributes:
+        step: The number of :meth:`~lightning_mpx.Amp.step` calls made before this one (all optimizers).
+        loss_ids: The losses the overflow was charged to.
+        scales: The loss scale of each of those losses when the gradients were computed.
+        parameters: Parameter name to the kind of non-finite values its gradient held (``"inf"``, ``"nan"`` or
+            ``"inf+nan"``). When the backward was watched, as the backward produced them (before a clip, and under
+            DDP this process's own, before the averaging); otherwise as the step found them: a norm clip
+            (:meth:`~lightning_mpx.Amp.clip_grad_norm_`) leaves an overflow step's gradients as they were, while a
+            value clip has already clamped their inf to the clip value (such parameters are then missing here; watch
+            with ``diagnose_overflows=True`` to see them).
+        modules: The same, per module (the parameter name without its last component; ``""`` for parameters of
+            the root module).
+        origin: ``"forward"`` when the forward already produced non-finite values (the loss or a module's output),
+            ``"backward"`` when the forward was finite and the gradients were not, ``"unknown"`` when the forward
+            was not watched on this step.
+        first_module: The first module, in forward order, whose output held non-finite values (``None`` unless
+            ``origin == "forward"`` and the forward was watched).
+        rank: The process that found it (0 without a distributed strategy). Merged under DDP: the first of
+            :attr:`ranks`.
+        ranks: The processes that found non-finite values. Merged under DDP: those whose own forward produced them
+            when any did, else those whose own backward did (known when watched), else those whose gradients held
+            them (DDP averages gradients across processes before the step, so that is every process). Without a
+            distributed strategy: ``(rank,)``, or empty when nothing was found (the flag came from elsewhere).
+        loss_nonfinite: Whether a loss passed to :meth:`~lightning_mpx.Amp.scale_loss` was non-finite (``None``
+            when the forward was not watched).
+        nonfinite_outputs: Every module whose output held non-finite values, in forward order, with the kind of
+            those values (empty when the forward was not watched): ``"inf"`` in the first one is an activation past
+            the half dtype's range, ``"nan"`` a NaN that came in (data) or was made there (``inf - inf``).
+        backward_nonfinite: Whether this process's own backward produced non-finite gradients, before they were
+            clipped or averaged across processes (``None`` when the backward was not watched).
+        region: When the forward's first non-finite values were made by code between two module calls rather than
+            inside a module (``first_module`` is then the module that received them): that code (``None``
+            otherwise, or when the forward was not watched). A NaN in the data the model received is not a region,
+            nor is code at the start of a model's own forward (it cannot be told from the data): the first module
+            to see it is ``first_module``.
+    """
+
+    step: int
+    loss_ids: tuple[int, ...]
+    scales: tuple[float, ...]
+    parameters: dict[str, Kind]
+    modules: dict[str, Kind]
+    origin: Origin = "unknown"
+    first_module: str | None = None
+    rank: int = 0
+    ranks: tuple[int, ...] = ()
+    loss_nonfinite: bool | None = None
+    nonfinite_outputs: dict[str, Kind] = dataclasses.field(default_factory=dict)
+    backward_nonfinite: bool | None = None
+    region: CodeRegion | None = None
+
+    def culprits(self) -> list[str]:
+        """The modules to blame: for a forward overflow made by code between module calls, the module whose output
+        fed that code (:attr:`CodeRegion.culprit`); else the first non-finite module of the forward when it is known;
+        else every module whose parameters got non-finite gradients."""
+        if self.origin == "forward" and self.region is not None:
+            return [self.region.culprit]
+        if self.origin == "forward" and self.first_module is not None:
+            return [self.first_module]
+        return list(self.modules)
+
+    def describe(self) -> str:
+        """One line for the log: the culprit modules with their kind, the origin and the rank(s)."""
+        culprits = self.culprits()
+        if self.origin == "forward" and self.region is not None:
+            region = self.region
+            text = (
+                f"culprit {_shown(region.culprit)} (non-finite values ({region.kind}) first made by the code "
+                f"{region.describe()}); origin forward"
+            )
+        elif self.origin == "forward" and self.first_module is not None:
+            kind = self.nonfinite_outputs.get(self.first_module)
+            text = f"culprit {self.first_module or '<root>'} (first non-finite output, {kind}); origin forward"
+        else:
+            shown = ", ".join(f"{name or '<root>'} ({self.modules[name]})" for name in culprits[:5])
+            more = f" (+{len(culprits) - 5} more)" if len(culprits) > 5 else ""
+            text = f"culprit {shown or 'unknown'}{more}; origin {self.origin}"
+            if self.origin == "forward" and self.loss_nonfinite:
+                text += " (the loss was non-finite)"
+        ranks = self.ranks or (self.rank,)
+        return text + f"; rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def module_of(parameter: str) -> str:
+    """The module a parameter name belongs to: the name without its last component (``""`` for the root's own)."""
+    return parameter.rpartition(".")[0]
+
+
+def overflow_tag(module: str) -> str:
+    """The metric tag of a module's overflow count: ``mpx/overflow/<module>`` (``mpx/overflow/_root`` for ``""``)."""
+    return OVERFLOW_TAG + (module or ROOT_TAG)
+
+
+def merge_kinds(a: Kind | None, b: Kind | None) -> Kind:
+    """The kind of a tensor or module holding both ``a`` and ``b``."""
+    found = {part for kind in (a, b) if kind for part in kind.split("+")}
+    return "inf+nan" if found == {"inf", "nan"} else ("nan" if "nan" in found else "inf")
+
+
+def merge_records(records: Sequence[OverflowRecord]) -> OverflowRecord:
+    """One record from every process's record of the same overflow step (rank 0's view under DDP).
+
+    The parameters and modules are the union; the origin, the first module and :attr:`OverflowRecord.rank` come
+    from the first process whose forward produced non-finite values, else from the first whose own backward did,
+    else from the first whose gradients held them.
+    """
+    if not records:
+        raise ValueError("records=[] holds no record to merge.")
+    forward = [r for r in records if r.origin == "forward"]
+    backward = [r for r in records if r.backward_nonfinite]
+    found = [r for r in records if r.parameters]
+    blamed = sorted(forward or backward or found, key=lambda r: r.rank)
+    lead = blamed[0] if blamed else min(records, key=lambda r: r.rank)
+    parameters: dict[str, Kind] = {}
+    modules: dict[str, Kind] = {}
+    for record in sorted(records, key=lambda r: r.rank):
+        for name, kind in record.parameters.items():
+            parameters[name] = merge_kinds(parameters.get(name), kind)
+        for name, kind in record.modules.items():
+            modules[name] = merge_kinds(modules.get(name), kind)
+    if forward:
+        origin: Origin = "forward"
+    elif all(r.origin == "backward" for r in records):
+        origin = "backward"
+    else:
+        origin = "unknown"
+    return dataclasses.replace(
+        lead,
+        parameters=parameters,
+        modules=modules,
+        origin=origin,
+        first_module=lead.first_module if origin == "forward" else None,
+        region=lead.region if origin == "forward" else None,
+        ranks=tuple(r.rank for r in blamed),
+        loss_nonfinite=None if lead.loss_nonfinite is None else any(bool(r.loss_nonfinite) for r in records),
+    )
+
+
+class ForwardWatch:
+    """Forward hooks on the prepared models that record, on the device, which modules received and produced
+    non-finite values.
+
+    Each watched call (a module's inputs and its output, the loss, a gradient) writes the largest magnitude of what it
+    saw (``inf`` or ``NaN`` when non-finite; one reduction) into the next entry of a preallocated FP32 tensor, and the
+    host appends which call it was to a list: torch ops only, no host sync. On an overflow step the written entries
+    are read with the rest of the record, and the first non-finite entry names the first module (a non-finite output)
+    or the code between two module calls (a non-finite input after a finite output, see :class:`CodeRegion`). A
+    module whose inputs are the very tensors the module before it returned, unwritten since, shares that entry. Forwards
+    run with gradients disabled (validation) are not watched: they cannot cause an overflow. Gradient hooks on the
+    parameters record each backward's own gradients the same way: before a clip changes them (at O1 the unscaled
+    gradients are clipped in place) and before DDP averages them across processes. The hooks are removable handles
+    owned by the watch; :meth:`disarm` removes them.
+    """
+
+    def __init__(self) -> None:
+        self._models: list[tuple[weakref.ref[nn.Module], str]] = []
+        self._handles: list[Any] = []
+        self._names: list[str] = []  # (slot - _HEAD) // 2 -> module name (even: its output, odd: its inputs)
+        self._params: list[str] = []  # -1 - slot -> parameter name
+        self._values: torch.Tensor | None = None  # the largest magnitudes the calls measured since the last step
+        self._count = 0  # entries of _values written since the last step
+        self._calls: list[int] = []  # the slot of each watched call since the last step
+        self._at: list[int] = []  # each call's entry in _values (-1: no floating tensor, nothing measured)
+        # The tensors the last output call measured (weakly, with their versions) and its entry: a module whose
+        # inputs are exactly those, unchanged since (the next layer of a Sequential), shares that entry, with nothing
+        # computed on the device.
+        self._last: tuple[list[tuple[weakref.ref[torch.Tensor], int]], int] | None = None
+        self._stale = True  # a step has run since the calls were cleared: the next watched call clears them first
+        self.active = False
+        self.automatic = False  # armed by an overflow at the floor (disarmed by the next step that does not overflow)
+        self.complete = False  # the forwards since the last step were all watched
+
+    def add_model(self, module: nn.Module, prefix: str) -> None:
+        """Watch ``module`` too (now if the watch is active, else from the next :meth:`arm`); names get ``prefix``."""
+        if any(ref() is module for ref, _ in self._models):
+            return
+        self._models.append((weakref.ref(module), prefix))
+        if self.active:
+            self._hook(module, prefix)
+            self.complete = False
+
+    def arm(self, *, automatic: bool = False) -> None:
+        """Register the hooks (nothing when they are registered already). The forwards after the next step are the
+        first fully watched ones."""
+        if self.active:
+            return
+        self._models = [(ref, prefix) for ref, prefix in self._models if ref() is not None]
+        for ref, prefix in self._models:
+            module = ref()
+            if module is not None:
+                self._hook(module, prefix)
+        self.active, self.automatic, self.complete = True, automatic, False
+
+    def disarm(self) -> None:
+        """Remove every hook and drop what was recorded."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._names.clear()
+        self._params.clear()
+        self._clear()
+        self._values = None
+        self.active = self.automatic = self.complete = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A model pickled or deep-copied with the hooks on it (torch.save(model), an EMA copy) takes a disarmed
+        # watch along: its hooks then do nothing, and the models it watched are not pickled with it.
+        state = dict(self.__dict__)
+        state.update(_models=[], _handles=[], _names=[], _params=[], _values=None, _count=0, _calls=[], _at=[])
+        state.update(_last=None)
+        state.update(active=False, automatic=False, complete=False)
+        return state
+
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        """Record the loss (slot 0), on the device."""
+        if torch.is_tensor(loss) and loss.is_floating_point():
+            self._record(0, [loss])
+
+    def step_done(self) -> None:
+        """A step has read the records: the next watched call starts afresh."""
+        self._stale = True
+
+    def flags(self) -> torch.Tensor | None:
+        """The device tensor of the watched calls' largest magnitudes since the last step (in call order), or
+        ``None`` when nothing was watched."""
+        if not self.active or self._values is None or not self._count:
+            return None
+        return self._values[: self._count]
+
+    @property
+    def parameter_names(self) -> frozenset[str]:
+        """The parameters whose gradients the hooks watch."""
+        return frozenset(self._params)
+
+    def decode(
+        self, values: Sequence[float]
+    ) -> tuple[bool, dict[str, Kind], dict[str, Kind], CodeRegion | None]:
+        """From the values of :meth:`flags` read on the host: whether the loss was non-finite, the modules with
+        non-finite outputs and their kind in forward order (of their first non-finite output), the parameters whose
+        gradients a backward produced non-finite, with their kind, in backward order, and the code between module
+        calls that made the forward's first non-finite values (``None`` when a module made them, or they came in with
+        the data)."""
+        loss = False
+        outputs: dict[str, Kind] = {}
+        grads: dict[str, Kind] = {}
+        region: CodeRegion | None = None
+        forward_bad = False  # a non-finite input, output or loss seen so far
+        running: list[str] = []  # the modules whose forwards are running, outermost first
+        roots = {prefix.rstrip(".") for _, prefix in self._models}
+        previous: tuple[bool, str] | None = None  # (is input, module) of the forward call recorded just before
+        for slot, at in zip(self._calls, self._at):
+            value = values[at] if at >= 0 else 0.0
+            kind: Kind | None = None if math.isfinite(value) else "nan" if math.isnan(value) else "inf"
+            call: tuple[bool, str] | None = None
+            if slot == 0:
+                loss = loss or kind is not None
+                forward_bad = forward_bad or kind is not None
+            elif slot < 0:
+                if kind is not None:
+                    name = self._params[-1 - slot]
+                    grads[name] = merge_kinds(grads.get(name), kind)
+            else:
+                index, is_input = divmod(slot - _HEAD, 2)
+                name = self._names[index]
+                call = (bool(is_input), name)
+                if is_input:
+                    if kind is not None and not forward_bad:
+                        region = _region(running, previous, name, kind, roots)
+                    running.append(name)
+                else:
+                    if name in running:  # a forward that raised left no output call: pop to this one
+                        del running[len(running) - 1 - running[::-1].index(name):]
+                    if kind is not None:
+                        outputs[name] = merge_kinds(outputs.get(name), kind)
+                forward_bad = forward_bad or kind is not None
+            previous = call
+        return loss, outputs, grads, region
+
+    # -- internals ----------------------------------------------------------------------------------------------
+    def _hook(self, module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_modules():
+            self._names.append(prefix + name if name else prefix.rstrip("."))
+            slot = _HEAD + 2 * (len(self._names) - 1)
+            inputs = functools.partial(self._on_input, slot + 1)
+            self._handles.append(child.register_forward_pre_hook(inputs, with_kwargs=True))
+            self._handles.append(child.register_forward_hook(functools.partial(self._on_output, slot)))
+        for name, param in module.named_parameters():
+            if param.requires_grad:
+                # A tensor hook sees this backward's own gradient: before it is accumulated, unscaled, clipped or
+                # averaged across processes by DDP's reducer.
+                self._params.append(prefix + name)
+                self._handles.append(param.register_hook(functools.partial(self._on_grad, -len(self._params))))
+
+    def _on_grad(self, slot: int, grad: torch.Tensor) -> None:
+        if self.active and grad.is_floating_point() and not grad.is_sparse:
+            self._record(slot, [grad])
+
+    def _on_input(self, slot: int, module: nn.Module, args: Any, kwargs: Any) -> None:
+        # Every call is recorded, with floating inputs or not: decode() follows the calls' nesting.
+        if torch.is_grad_enabled() and self.active:
+            self._record(slot, list(_floating_tensors((args, kwargs))), inputs=True)
+
+    def _on_output(self, slot: int, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled() and self.active:  # not evaluation (no gradient can come of it), nor a disarmed copy
+            self._record(slot, list(_floating_tensors(output)), outputs=True)
+
+    def _clear(self) -> None:
+        self._calls.clear()
+        self._at.clear()
+        self._count = 0
+        self._last = None
+
+    def _record(self, slot: int, tensors: list[torch.Tensor], *, inputs: bool = False, outputs: bool = False) -> None:
+        if self._stale:
+            # Cleared here, at the first watched call after a step, rather than in the step, so that a second
+            # optimizer stepping on the same forward still reads them.
+            self._clear()
+            self._stale = False
+            self.complete = True
+        self._calls.append(slot)
+        last = self._last
+        if not tensors:
+            self._at.append(-1)
+            return
+        if inputs and last is not None and len(last[0]) == len(tensors):
+            if all(ref() is t and _version(t) == version for (ref, version), t in zip(last[0], tensors)):
+                self._at.append(last[1])  # the very tensors the last output call measured, not written since
+                return
+        # Our bookkeeping is not the model's compute: no casts, and no autograd graph (under activation checkpointing
+        # a tensor saved for the backward by it would make the recomputation's saved tensors differ from the
+        # forward's, and torch.utils.checkpoint refuses the backward).
+        with disable_casts(), torch.no_grad():
+            device = tensors[0].device
+            index = self._count
+            values = self._values
+            if values is None or values.device != device or index >= len(values):
+                # First use, more calls than ever before, or the model moved to its device after it was prepared.
+                grown = torch.empty(max(64, 2 * index), dtype=torch.float32, device=device)
+                if values is not None and index:
+                    grown[:index].copy_(values[:index])
+                values = self._values = grown
+            if len(tensors) == 1:
+                peak = torch.linalg.vector_norm(tensors[0], math.inf)  # inf or NaN when they are there
+            else:
+                peak = torch.stack([torch.linalg.vector_norm(t, math.inf).float().to(device) for t in tensors]).amax()
+            values[index].copy_(peak)
+        self._count = index + 1
+        self._at.append(index)
+        if outputs:
+            self._last = ([(weakref.ref(t), _version(t)) for t in tensors], index)
+
+
+_HEAD = 1  # slots before the modules': the loss (parameters have negative slots)
+
+
+def _version(tensor: torch.Tensor) -> int:
+    """``tensor._version``; an inference tensor has none (and cannot be written outside inference mode)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return -1
+
+
+def _region(
+    running: list[str], previous: tuple[bool, str] | None, module: str, kind: Kind, roots: set[str]
+) -> CodeRegion | None:
+    """The code that made the non-finite values ``module`` received, from the forward call recorded just before
+    (``previous``: a finite output, or the enclosing module's finite input) and the forwards running; ``None`` when
+    no module ran before it in this forward: the data, or code at the start of a model's own forward, which cannot be
+    told from the data (Lightning runs the training step as the model's forward under DDP, not on one device)."""
+    parent = running[-1] if running else None
+    if previous is None:
+        return None
+    is_input, name = previous
+    if not is_input:
+        return CodeRegion(parent, name, module, kind)  # after a module's output, in the parent's code
+    if name == parent and parent not in roots:
+        return CodeRegion(parent, None, module, kind)  # at the start of a submodule's forward
+    return None
+
+
+def _kind(inf: bool, nan: bool) -> Kind:
+    return "inf+nan" if inf and nan else ("inf" if inf else "nan")
+
+
+def _inf_nan(tensor: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
+    """``[any inf, any NaN]`` of ``tensor`` as a device tensor, in chunks so that the temporary masks stay small
+    next to a large gradient."""
+    flat = tensor.reshape(-1)
+    found = [torch.stack([torch.isinf(part).any(), torch.isnan(part).any()]) for part in flat.split(chunk)]
+    return found[0] if len(found) == 1 else torch.stack(found).any(0)
+
+
+def _floating_tensors(data: Any) -> Iterable[torch.Tensor]:
+    """The floating-point tensors in a module's output (through tuples, lists, mappings and dataclasses)."""
+    if isinstance(data, torch.Tensor):
+        if data.is_floating_point() and data.numel():
+            yield data
+    elif isinstance(data, Mapping):
+        for value in data.values():
+            yield from _floating_tensors(value)
+    elif isinstance(data, (list, tuple)):
+        for value in data:
+            yield from _floating_tensors(value)
+    elif dataclasses.is_dataclass(data) and not isinstance(data, type):
+        for f in dataclasses.fields(data):
+            yield from _floating_tensors(getattr(data, f.name, None))
+
+
+class OverflowForensics:
+    """The forensics of one :class:`~lightning_mpx.Amp`: builds the record of an overflow step, keeps the
+    per-module counts for the metrics and owns the forward watch.
+
+    Args:
+        diagnose: Watch every forward (``diagnose_overflows=True``); otherwise only after an overflow at the floor.
+    """
+
+    def __init__(self, diagnose: bool = False) -> None:
+        self.watch = ForwardWatch()
+        self._counts: dict[str, int] = {}  # overflow steps per module since the last metrics() call
+        self._first_counts: dict[str, int] = {}  # watched forward overflows per first non-finite module
+        self.diagnose = diagnose
+
+    @property
+    def diagnose(self) -> bool:
+        """Whether every forward is watched (setting it registers or removes the hooks)."""
+        return self._diagnose
+
+    @diagnose.setter
+    def diagnose(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"diagnose_overflows={value!r} must be True or False.")
+        self._diagnose = value
+        if value:
+            self.watch.arm()
+            self.watch.automatic = False
+        else:
+            self.watch.disarm()
+
+    def build(
+        self,
+        grads: Sequence[tuple[str, torch.Tensor]],
+        *,
+        step: int,
+        loss_ids: Sequence[int],
+        scales: Sequence[torch.Tensor],
+        rank: int = 0,
+    ) -> OverflowRecord:
+        """The record of an overflow step: one batched device computation and one host read.
+
+        Args:
+            grads: (parameter name, gradient) for the optimizer's parameters that have one.
+            step: The number of steps before this one.
+            loss_ids: The losses the overflow was charged to.
+            scales: Their scales, as device tensors.
+            rank: This process's rank.
+        """
+        parts: list[torch.Tensor] = []
+        device = grads[0][1].device if grads else (scales[0].device if scales else torch.device("cpu"))
+        with disable_casts():
+            if grads:
+                parts.append(torch.cat([_inf_nan(g).to(device) for _, g in grads]).double())
+            parts.extend(s.reshape(1).to(device=device, dtype=torch.float64) for s in scales)
+            flags = self.watch.flags()
+            if flags is not None:
+                parts.append(flags.to(device=device, dtype=torch.float64))
+            values = torch.cat(parts).tolist() if parts else []  # the one host read
+        parameters: dict[str, Kind] = {}
+        for index, (name, _) in enumerate(grads):
+            inf, nan = values[2 * index] > 0, values[2 * index + 1] > 0
+            if inf or nan:
+                parameters[name] = _kind(inf, nan)
+        offset = 2 * len(grads)
+        scale_values = tuple(values[offset : offset + len(scales)])
+        origin: Origin = "unknown"
+        first: str | None = None
+        loss_bad: bool | None = None
+        own_backward: bool | None = None
+        outputs: dict[str, Kind] = {}
+        region: CodeRegion | None = None
+        if flags is not None:
+            loss_bad, outputs, produced, region = self.watch.decode(values[offset + len(scales) :])
+            order = {name: index for index, (name, _) in enumerate(grads)}  # this optimizer's, in its order
+            produced = {name: kind for name, kind in produced.items() if name in order}
+            complete = self.watch.complete
+            if produced or complete:
+                own_backward = bool(produced)
+            if produced and complete:
+                # What the backward produced stands for the watched parameters (a clip at O1 has changed what the
+                # step found: NaN for inf, or the clip value); the others keep what the step found (also values
+                # that only overflowed when accumulated).
+                watched = self.watch.parameter_names
+                merged = {**produced, **{n: k for n, k in parameters.items() if n not in watched}}
+                parameters = dict(sorted(merged.items(), key=lambda item: order[item[0]]))
+            if loss_bad or outputs or (region is not None and complete):
+                origin = "forward"
+                first = next(iter(outputs)) if outputs and complete else None
+                region = region if complete else None
+            elif complete:
+                origin = "backward"
+            if origin != "forward":
+                region = None
+            if not complete:
+                loss_bad = loss_bad or None  # a False from a partial watch proves nothing
+                own_backward = own_backward or None
+        modules: dict[str, Kind] = {}
+        for name, kind in parameters.items():
+            module = module_of(name)
+            modules[module] = merge_kinds(modules.get(module), kind)
+        found = bool(parameters) or origin == "forward"
+        return OverflowRecord(
+            step=step,
+            loss_ids=tuple(loss_ids),
+            scales=scale_values,
+            parameters=parameters,
+            modules=modules,
+            origin=origin,
+            first_module=first,
+            rank=rank,
+            ranks=(rank,) if found else (),
+            loss_nonfinite=loss_bad,
+            nonfinite_outputs=outputs,
+            backward_nonfinite=own_backward,
+            region=region,
+        )
+
+    def gather(self, record: OverflowRecord) -> OverflowRecord:
+        """Under an initialised process group of several processes, every rank's record merged (all ranks call
+        this together, on the same overflow step); ``record`` itself otherwise."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return record
+        records: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(records, record)
+        return merge_records(records)
+
+    def count(self, modules: Iterable[str]) -> None:
+        """Count one overflow step for each of ``modules`` (``mpx/overflow/<module>``)."""
+        for module in modules:
+            self._counts[module] = self._counts.get(module, 0) + 1
+
+    def overflowed(self, record: OverflowRecord, *, at_floor: bool, counted: Collection[str] = ()) -> None:
+        """Count the record's modules (those not in ``counted``: this process counted them when it built its own
+        record, :meth:`count`) and, at the floor, watch the following forwards."""
+        self.count(module for module in record.modules if module not in counted)
+        if record.origin == "forward" and (record.region is not None or record.first_module is not None):
+            first = record.culprits()[0]  # the module that made the non-finite values, or fed the code that did
+            self._first_counts[first] = self._first_counts.get(first, 0) + 1
+        if at_floor and not self.watch.active:
+            self.watch.arm(automatic=True)
+        self.watch.step_done()
+
+    def stepped(self) -> None:
+        """A step that did not overflow (call only while the watch is active): an automatic watch ends."""
+        if self.watch.automatic:
+            self.watch.disarm()
+        else:
+            self.watch.step_done()
+
+    def metrics(self) -> dict[str, float]:
+        """``mpx/overflow/<module>``: overflow steps since the last call in which the module had non-finite
+        gradients; ``mpx/overflow_first/<module>``: watched overflow steps since the last call whose forward went
+        non-finite first in that module (a forward overflow poisons every gradient: this names the culprit). A
+        module seen before and clean since reports 0."""
+        out = {overflow_tag(module): float(count) for module, count in self._counts.items()}
+        out.update({FIRST_TAG + (module or ROOT_TAG): float(n) for module, n in self._first_counts.items()})
+        self._counts = dict.fromkeys(self._counts, 0)
+        self._first_counts = dict.fromkeys(self._first_counts, 0)
+        return out

@@ -1,0 +1,547 @@
+"""Modules that run in FP32 inside a mixed-precision model: pinned up front, or promoted at the loss-scale floor.
+
+Two ways in, one mechanism:
+
+* ``Amp(..., fp32_modules=["lm_head", "*.norm"])`` pins modules to FP32 when the model is prepared, at every opt
+  level. A pattern is an :mod:`fnmatch` pattern matched against the names that ``model.named_modules()`` gives
+  (``"blocks.0.norm"``); it also matches a module whose name ends with ``"." + a match``, so ``"lm_head"`` finds
+  ``"model.lm_head"`` inside a LightningModule that wraps the network. The root module itself is never matched
+  (the whole model in FP32 is ``opt_level="O0"``).
+* ``Amp(..., on_floor="promote")``: when the loss scale is at ``min_loss_scale`` and the overflows keep coming from
+  the same modules (the modules :meth:`OverflowRecord.culprits` names in each of the last
+  :data:`FLOOR_OVERFLOWS_TO_PROMOTE` overflows at the floor), those modules run in FP32 from then on. The decision is
+  logged with its evidence (a warning on the ``lightning_mpx`` logger, rank zero), shown as ``mpx/promoted/<module>``
+  metrics, and saved in :meth:`Amp.state_dict <lightning_mpx.engine.amp.Amp.state_dict>`, so a resumed run keeps it. The
+  overflows counted need not fall on consecutive steps (a clean step between them does not reset the count): at the
+  floor any overflow is serious, and ``on_floor="raise"`` would have ended the run at the first.
+
+What "runs in FP32" means per opt level:
+
+* **O1**: the model is FP32 already; forward hooks on the module cast its half floating-point inputs to FP32 and,
+  while its forward runs, make the cast policy run the table's half ops (matmuls, convolutions...) in FP32. Its
+  outputs are left FP32 (the policy casts them where the next half op needs it).
+* **O2/O3**: the module's parameters (and floating buffers) are FP32. Pinned modules are converted back right after
+  the model is cast to half, so they never get an FP32 master. A promoted module is converted in place: each
+  parameter keeps its identity (optimizer ``param_groups`` stay valid), takes its FP32 master's exact value, and the
+  master is dropped (the parameter is its own master from then on, as an FP32 parameter is); the optimizer's state
+  moves from the master to the parameter, so its FP32 moments are kept (at O3, where the state is half, it is made
+  FP32). Forward hooks cast the module's floating inputs to FP32 and its FP32 outputs back to the half dtype, so the
+  next half module works. A module whose *output* exceeds the half range is therefore not cured by promoting it
+  alone: when a module that already runs in FP32 is blamed again at the floor, its parent is promoted instead.
+* **O0**: everything is FP32; patterns are checked and reported, nothing changes.
+
+Non-finite values made by code between two module calls (``h = self.blow(h) * 1e5`` in a forward: attention scores, a
+residual sum; see :class:`~lightning_mpx.health.forensics.CodeRegion`) are blamed on the module whose output fed that code: at
+O1 its FP32 output keeps the code after it in FP32. At O2/O3 that output goes back to half before the code runs, so the
+module whose forward runs the code is promoted instead (never the root: code in the root's forward or in the training
+step cannot be promoted; the floor error then names it).
+
+Promotion refuses (and the floor error is raised as with ``on_floor="raise"``) when no module can be blamed: no
+parameter had non-finite gradients on this process, the last overflows came from different modules, the culprits are
+every module that has parameters (an overflow that the gradients cannot localise: a forward overflow without the
+forward watched, or a NaN in the data), promoting would take the whole model to FP32, or at O2/O3 under a
+distributed strategy (DDP's gradient buckets are fixed when it wraps the model: pass ``fp32_modules`` instead).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from lightning_mpx.common.containers import _cast_collection
+from lightning_mpx.common.dtypes import HALF_DTYPES
+from lightning_mpx.casting.policy import enter_fp32, exit_fp32
+from lightning_mpx.health.forensics import OverflowRecord
+
+if TYPE_CHECKING:
+    from lightning_mpx.masters.weights import MasterWeights
+    from lightning_mpx.opt_levels import Properties
+
+log = logging.getLogger("lightning_mpx")
+
+
+class _Engine(Protocol):
+    """What :class:`Promotion` reads from the engine that owns it (:class:`~lightning_mpx.engine.amp.Amp` is one): a
+    protocol, so that this module never imports the engine back."""
+
+    properties: Properties
+    log_overflows: bool
+    found_inf_reducer: Callable[[torch.Tensor], None] | None
+    master_weights: list[MasterWeights]
+    sharded: bool  # the model is FSDP-sharded: its dtypes are FSDP's policies', not changed here
+    _optimizers: dict[int, Any]  # id(optimizer) -> its stage state (optimizer_ref, pairs_key, mirrors)
+
+    @property
+    def opt_level(self) -> str: ...
+
+    @property
+    def half_dtype(self) -> torch.dtype: ...
+
+#: How many overflows in a row at the loss-scale floor must share a culprit before ``on_floor="promote"`` promotes
+#: it (the default of :attr:`Promotion.patience`): one overflow at the floor can be a bad batch, two from the same
+#: module are a pattern.
+FLOOR_OVERFLOWS_TO_PROMOTE = 2
+
+
+def check_patterns(fp32_modules: object) -> tuple[str, ...]:
+    """``fp32_modules`` as a tuple of patterns.
+
+    Raises:
+        TypeError: for a single string (a list is expected) or a pattern that is not a string.
+        ValueError: for an empty pattern.
+    """
+    if isinstance(fp32_modules, str):
+        raise TypeError(
+            f"fp32_modules={fp32_modules!r} must be a list of module-name patterns, not a string; did you mean "
+            f"fp32_modules=[{fp32_modules!r}]?"
+        )
+    try:
+        patterns = tuple(fp32_modules)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(
+            f"fp32_modules={fp32_modules!r} must be a list of module-name patterns (fnmatch, e.g. ['lm_head', "
+            "'*.norm'])."
+        ) from None
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise TypeError(
+                f"fp32_modules holds {pattern!r} ({type(pattern).__name__}); each entry must be a module-name pattern "
+                "(a string such as 'lm_head' or '*.norm')."
+            )
+        if not pattern:
+            raise ValueError(
+                "fp32_modules holds an empty pattern; the root module cannot be pinned (use opt_level='O0' for a "
+                "model entirely in FP32), name a submodule such as 'lm_head' or '*.norm'."
+            )
+    return patterns
+
+
+def matches(name: str, pattern: str) -> bool:
+    """Whether module ``name`` matches ``pattern``: the whole name, or a tail of it after a dot."""
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
+
+
+class _Fp32Boundary:
+    """The forward hooks of one FP32 module: its inputs to FP32 (and O1's half ops in FP32) on the way in, its FP32
+    outputs back to the half dtype on the way out (O2/O3). Holds no engine, so a deep copy of the model (EMA,
+    ``AveragedModel``) copies the hooks along with it."""
+
+    def __init__(self, policy: bool, out_dtype: torch.dtype | None) -> None:
+        self.policy = policy
+        self.out_dtype = out_dtype
+        self._entered: list[Any] = []  # enter_fp32's states, innermost last (a module may call itself)
+
+    def pre(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        if self.policy:
+            self._entered.append(enter_fp32())
+        return _cast_collection(args, torch.float32, HALF_DTYPES), _cast_collection(kwargs, torch.float32, HALF_DTYPES)
+
+    def post(self, module: nn.Module, args: Any, output: Any) -> Any:
+        # always_call: also when the forward raised (output is None then), so the policy's state is restored.
+        if self.policy:
+            exit_fp32(self._entered.pop() if self._entered else None)
+        if self.out_dtype is None or output is None:
+            return None
+        return _cast_collection(output, self.out_dtype, (torch.float32,))
+
+
+class Promotion:
+    """The FP32 modules of one :class:`~lightning_mpx.engine.amp.Amp`: pinned by ``fp32_modules``, or promoted by
+    ``on_floor="promote"``. Built by ``Amp``; reach it as ``amp.promotion``.
+
+    Args:
+        amp: The engine (held weakly).
+        patterns: ``fp32_modules`` (see :func:`check_patterns`).
+
+    Attributes:
+        patience: How many of the last overflows at the floor must share a culprit before it is promoted
+            (:data:`FLOOR_OVERFLOWS_TO_PROMOTE`).
+        promoted: Module name to the evidence of its promotion (``step``, ``origin``, the code ``region`` that made
+            the non-finite values when it was code between module calls, ``scale`` at the floor, the ``culprits``
+            blamed, the non-finite ``parameters`` inside it), in the order the decisions were made.
+    """
+
+    def __init__(self, amp: _Engine, patterns: Sequence[str] = ()) -> None:
+        self._amp = weakref.ref(amp)
+        self.patterns = check_patterns(patterns)
+        self.patience = FLOOR_OVERFLOWS_TO_PROMOTE
+        self.promoted: dict[str, dict[str, Any]] = {}
+        self._pinned: list[str] = []
+        self._roots: list[tuple[str, weakref.ref[nn.Module]]] = []  # (name prefix, prepared model)
+        self._matched: set[str] = set()
+        self._streak: list[frozenset[str]] = []
+        self._hooks: list[Any] = []
+
+    @property
+    def amp(self) -> _Engine:
+        amp = self._amp()
+        if amp is None:
+            raise RuntimeError("the Amp that owns these FP32 modules was garbage-collected")
+        return amp
+
+    # -- what runs in FP32 --------------------------------------------------------------------------------------
+    @property
+    def fp32_modules(self) -> list[str]:
+        """Names of the modules that run in FP32: pinned ones, then promoted ones (submodules of those included
+        implicitly)."""
+        return self._pinned + [name for name in self.promoted if name not in self._pinned]
+
+    def runs_fp32(self, name: str) -> bool:
+        """Whether module ``name`` runs in FP32 (itself or an enclosing module pinned or promoted; O0: always)."""
+        if self.amp.opt_level == "O0":
+            return True
+        return any(name == top or name.startswith(top + ".") for top in self.fp32_modules)
+
+    def metrics(self) -> dict[str, float]:
+        """``mpx/promoted/<module>``: 1.0 for each module pinned or promoted to FP32."""
+        return {f"mpx/promoted/{name}": 1.0 for name in self.fp32_modules}
+
+    # -- set-up (fp32_modules) ----------------------------------------------------------------------------------
+    def add_model(self, module: nn.Module, prefix: str) -> None:
+        """Pin the submodules of a model being prepared that the patterns match (after its cast to half)."""
+        known = [p for p, ref in self._roots if ref() is module]
+        if known:
+            prefix = known[0]  # prepared again (evaluated, then trained): its names keep their first prefix
+        else:
+            self._roots = [(p, ref) for p, ref in self._roots if ref() is not None]
+            self._roots.append((prefix, weakref.ref(module)))
+        if not self.patterns:
+            return
+        for relative, _ in module.named_modules():
+            if not relative:
+                continue  # the root: the whole model in FP32 is O0
+            name = prefix + relative
+            hits = [pattern for pattern in self.patterns if matches(name, pattern)]
+            if hits and name not in self._pinned:
+                self._matched.update(hits)
+                if not any(name.startswith(top + ".") for top in self._pinned):
+                    self._pinned.append(name)
+        self._pinned = [n for n in self._pinned if not any(n.startswith(t + ".") for t in self._pinned)]
+        if self.amp.properties.casts_model and not self.amp.sharded:
+            for name in self._pinned:
+                target = self._module(name)
+                if target is not None:
+                    _module_to_fp32(target)
+        self._rehook()
+
+    def check_patterns_matched(self) -> None:
+        """Raise if a pattern matched no module of the models prepared so far.
+
+        Raises:
+            ValueError: naming the pattern and some of the module names it could have matched.
+        """
+        unmatched = [pattern for pattern in self.patterns if pattern not in self._matched]
+        if not unmatched:
+            return
+        names = [prefix + name for prefix, ref in self._roots if (root := ref()) is not None
+                 for name, _ in root.named_modules() if name]
+        shown = ", ".join(map(repr, names[:12])) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
+        raise ValueError(
+            f"fp32_modules pattern(s) {', '.join(map(repr, unmatched))} match no module of the prepared model(s); "
+            f"module names are {shown or 'none (no submodules)'}. Patterns are fnmatch patterns on these names "
+            "(e.g. 'lm_head', '*.norm', 'blocks.*.attn')."
+        )
+
+    # -- on_floor="promote" -------------------------------------------------------------------------------------
+    def floor_overflow(self, record: OverflowRecord | None) -> str | None:
+        """Decide what an overflow at the loss-scale floor does under ``on_floor="promote"``.
+
+        Returns ``None`` when it is handled (the culprits were promoted, or the evidence is not complete yet: the
+        step is skipped and training goes on), else why no module can be blamed (the caller raises the floor error
+        with it).
+        """
+        amp = self.amp
+        culprits, why = self._culprits(record)
+        if why is not None:
+            self._streak.clear()
+            return why
+        if not culprits:
+            self._streak.clear()
+            return (
+                "on_floor='promote' could not blame a module: no parameter had non-finite gradients on this process "
+                "(the overflow flag came from another process, or the non-finite values were cleared)"
+            )
+        self._streak = (self._streak + [culprits])[-self.patience:]
+        if len(self._streak) < self.patience:
+            if amp.log_overflows:
+                log.info(
+                    "Overflow at the loss-scale floor (%d of %d before on_floor='promote' acts) in %s",
+                    len(self._streak), self.patience, ", ".join(sorted(culprits)),
+                )
+            return None
+        why = self._why_not(self._common(), record)
+        self._streak.clear()  # a decision was made (promoted, or the floor error is raised): the next starts afresh
+        return why
+
+    def _common(self) -> frozenset[str]:
+        """The latest overflow's culprits that every earlier one in the streak blamed too: the same module, or one
+        inside or around it (an unwatched overflow blames the modules that hold the non-finite gradients, say
+        ``block.norm``; the watched one after it names the code in ``block``'s forward)."""
+        *earlier, latest = self._streak
+
+        def related(a: str, b: str) -> bool:
+            return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+        return frozenset(c for c in latest if all(any(related(c, m) for m in other) for other in earlier))
+
+    def _culprits(self, record: OverflowRecord | None) -> tuple[frozenset[str], str | None]:
+        """The modules to promote for ``record`` (see the module docstring for code between module calls), or why
+        none can be."""
+        if record is None:
+            return frozenset(), None
+        region = record.region if record.origin == "forward" else None
+        if region is None or region.after is None or not self.amp.properties.casts_model:
+            return frozenset(record.culprits()), None
+        if region.parent is None or any(prefix.rstrip(".") == region.parent for prefix, _ in self._roots):
+            return frozenset(), (
+                f"on_floor='promote' cannot run the code {region.describe()} in FP32 at opt_level="
+                f"{self.amp.opt_level!r}: that code made the non-finite values ({region.kind}), a promoted module's "
+                "output is cast back to half before it runs, and it runs "
+                + ("outside every module" if region.parent is None else "in the root model's forward")
+                + "; compute it in FP32 (cast its inputs with .float())"
+                + (", move it into a submodule's forward, or use half_dtype='bfloat16'"
+                   if self.amp.half_dtype == torch.float16 else " or move it into a submodule's forward")
+            )
+        return frozenset({region.parent}), None  # its forward runs the code: in FP32 once it is promoted
+
+    def _why_not(self, common: frozenset[str], record: OverflowRecord | None) -> str | None:
+        """Promote the modules in ``common``, or say why they cannot be."""
+        amp = self.amp
+        if not common:
+            seen = " / ".join(", ".join(sorted(c)) for c in self._streak)
+            return (
+                f"on_floor='promote' could not blame a module: the last {self.patience} overflows at the floor came "
+                f"from different modules ({seen})"
+            )
+        if record is not None and record.origin != "forward":
+            owners = self._parameter_owners()
+            if owners and common >= owners:
+                return (
+                    f"on_floor='promote' could not blame a module: every module with parameters ({len(owners)}) had "
+                    f"non-finite gradients (origin {record.origin!r}), which points at the forward pass or the data "
+                    "rather than one layer's backward"
+                )
+        if amp.properties.casts_model and amp.found_inf_reducer is not None:
+            return (
+                f"on_floor='promote' cannot convert {', '.join(sorted(common))} to FP32 in place at "
+                f"opt_level={amp.opt_level!r} under a distributed strategy (DDP's gradient buckets are fixed when it "
+                f"wraps the model); pass fp32_modules={sorted(common)!r} when you build the plugin or adapter"
+            )
+        targets, why = self._targets(common)
+        if why is not None:
+            return why
+        self._promote(targets, record, common)
+        return None
+
+    def _targets(self, culprits: Iterable[str]) -> tuple[list[str], str | None]:
+        """The modules to promote for ``culprits``: each one, or for one that runs in FP32 already its nearest
+        ancestor that does not; never a whole model."""
+        targets: list[str] = []
+        for name in sorted(culprits):
+            found = self._root_of(name)
+            if found is None:
+                return [], f"on_floor='promote' could not find module {name!r} in the prepared model(s)"
+            prefix, _ = found
+            relative = name[len(prefix):]
+            while self.runs_fp32(prefix + relative) and relative:
+                relative = relative.rpartition(".")[0]
+            if not relative:
+                return [], (
+                    f"on_floor='promote' would have to run the whole model in FP32 to cure overflows in {name!r}; use "
+                    + ("opt_level='O0' or half_dtype='bfloat16'" if self.amp.half_dtype == torch.float16
+                       else "opt_level='O0'")
+                )
+            if prefix + relative not in targets:
+                targets.append(prefix + relative)
+        return [t for t in targets if not any(t.startswith(o + ".") for o in targets)], None
+
+    def _promote(self, targets: list[str], record: OverflowRecord | None, culprits: Iterable[str]) -> None:
+        amp = self.amp
+        for name in targets:
+            blamed = sorted(c for c in culprits if c == name or c.startswith(name + "."))
+            module = self._module(name)
+            assert module is not None
+            if amp.properties.casts_model:
+                self._module_to_fp32_in_place(module)
+            params = (
+                {} if record is None
+                else {p: kind for p, kind in record.parameters.items() if p.startswith(name + ".")}
+            )
+            region = record.region if record is not None and record.origin == "forward" else None
+            self.promoted[name] = {
+                "step": -1 if record is None else int(record.step),
+                "origin": "unknown" if record is None else str(record.origin),
+                "region": None if region is None else region.describe(),
+                "scale": None if record is None or not record.scales else float(min(record.scales)),
+                "culprits": blamed,
+                "parameters": params,
+            }
+            if amp.log_overflows:
+                made = "" if region is None else f", made by the code {region.describe()}"
+                shown = ", ".join(f"{p} ({kind})" for p, kind in list(params.items())[:5]) or "none recorded"
+                log.warning(
+                    "on_floor='promote': running %s in FP32 from now on (step %s, opt_level %s): the loss scale is at "
+                    "its floor (%s) and the last %d overflows there came from %s (origin %s; non-finite gradients: "
+                    "%s)",
+                    name, self.promoted[name]["step"], amp.opt_level, self.promoted[name]["scale"], self.patience,
+                    "it" if blamed == [name] else ", ".join(blamed) + ", which already ran in FP32",
+                    self.promoted[name]["origin"] + made, shown,
+                )
+        self._rehook()
+
+    def _module_to_fp32_in_place(self, module: nn.Module) -> None:
+        """O2/O3: the module's half parameters become FP32 with their masters' exact values (same objects); the
+        masters are dropped and the optimizers' state moves to the parameters."""
+        amp = self.amp
+        optimizers = [state.optimizer for state in amp._optimizers.values() if state.optimizer_ref() is not None]
+        with torch.no_grad():
+            for param in module.parameters():
+                if param.dtype not in HALF_DTYPES:
+                    continue
+                master = None
+                for masters in amp.master_weights:
+                    if masters.covers(param):
+                        master = masters.release(param)
+                param.data = master.data if master is not None else param.data.float()
+                param.grad = None  # the overflowed half gradient; the next backward makes an FP32 one
+                for optimizer in optimizers:
+                    if master is not None and master in optimizer.state:
+                        optimizer.state[param] = optimizer.state.pop(master)  # FP32 moments, kept
+                    elif param in optimizer.state:  # O3: the state was half like the parameter
+                        optimizer.state[param] = {
+                            k: v.float() if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v
+                            for k, v in optimizer.state[param].items()
+                        }
+            _module_to_fp32(module)  # buffers
+        for state in amp._optimizers.values():
+            state.pairs_key = None  # rebuild the (parameter, master) pairs and the mirrors at the next use
+            state.mirrors = None
+
+    # -- checkpoints --------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The promotions and the exact FP32 weights of the promoted modules' parameters."""
+        weights = {}
+        for name in self.promoted:
+            module = self._module(name)
+            if module is not None:
+                for param_name, param in module.named_parameters(prefix=name):
+                    weights[param_name] = param.detach().clone()
+        return {"promoted": {k: dict(v) for k, v in self.promoted.items()}, "weights": weights}
+
+    def param_names(self, state: dict[str, Any] | None) -> list[str]:
+        """The parameter names whose weights a :meth:`state_dict` holds."""
+        return list((state or {}).get("weights", {}))
+
+    def check_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Raise, changing nothing, if a promoted module of ``state`` is not in the prepared model(s)."""
+        for name in (state or {}).get("promoted", {}):
+            if self._module(name) is None:
+                raise KeyError(
+                    f"the checkpoint promoted module {name!r} to FP32, but the prepared model(s) have no module of "
+                    "that name; resume with the same model."
+                )
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Promote the modules ``state`` promoted (those not promoted yet; they were promoted in the run that
+        saved it)."""
+        new = [n for n in (state or {}).get("promoted", {}) if not self.runs_fp32(n)]
+        if not state:
+            return
+        amp = self.amp
+        for name in new:
+            module = self._module(name)
+            assert module is not None
+            if amp.properties.casts_model:
+                self._module_to_fp32_in_place(module)
+        for name, evidence in state["promoted"].items():
+            self.promoted.setdefault(name, dict(evidence))
+        self._rehook()
+
+    def load_weights(self, state: dict[str, Any] | None) -> None:
+        """Copy a :meth:`state_dict`'s exact FP32 weights into the promoted parameters (after the masters loaded)."""
+        weights = (state or {}).get("weights", {})
+        if not weights:
+            return
+        with torch.no_grad():
+            for name in self.promoted:
+                module = self._module(name)
+                if module is None:
+                    continue
+                for param_name, param in module.named_parameters(prefix=name):
+                    if param_name in weights:
+                        param.copy_(weights[param_name])
+
+    def remove_hooks(self) -> None:
+        """Remove the forward hooks of the FP32 modules (at O2/O3 such a module then gets half inputs it cannot
+        take: for a model you are done with)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    # -- internals ----------------------------------------------------------------------------------------------
+    def _rehook(self) -> None:
+        """Hooks on the outermost FP32 modules only (an inner one's half output cast would feed FP32 layers)."""
+        self.remove_hooks()
+        amp = self.amp
+        if amp.opt_level == "O0":
+            return
+        boundary = _Fp32Boundary(
+            policy=amp.properties.patch_torch_functions,
+            out_dtype=amp.half_dtype if amp.properties.casts_model else None,
+        )
+        tops = self.fp32_modules
+        for name in tops:
+            if any(name.startswith(other + ".") for other in tops):
+                continue
+            module = self._module(name)
+            if module is None:
+                continue
+            # Inputs: after any other pre-hook (an adapter's boundary cast to half). Outputs: before any other
+            # forward hook (an adapter's boundary cast to FP32 must see the half output last).
+            self._hooks.append(module.register_forward_pre_hook(boundary.pre, with_kwargs=True))
+            self._hooks.append(module.register_forward_hook(boundary.post, prepend=True, always_call=True))
+
+    def _root_of(self, name: str) -> tuple[str, nn.Module] | None:
+        for prefix, ref in reversed(self._roots):  # longest prefixes ("model1.") were added last
+            root = ref()
+            if root is not None and name.startswith(prefix):
+                return prefix, root
+        return None
+
+    def _module(self, name: str) -> nn.Module | None:
+        found = self._root_of(name)
+        if found is None:
+            return None
+        prefix, root = found
+        try:
+            return root.get_submodule(name[len(prefix):])
+        except AttributeError:
+            return None
+
+    def _parameter_owners(self) -> frozenset[str]:
+        """Names of the modules that hold parameters of their own, in every prepared model."""
+        owners = set()
+        for prefix, ref in self._roots:
+            root = ref()
+            if root is not None:
+                for name, module in root.named_modules():
+                    if any(True for _ in module.parameters(recurse=False)):
+                        owners.add(prefix + name)
+        return frozenset(owners)
+
+
+def _module_to_fp32(module: nn.Module) -> None:
+    """Cast a module's half parameters and floating buffers to FP32 in place (parameters keep their identity)."""
+    for submodule in module.modules():
+        for param in submodule._parameters.values():
+            if param is not None and param.dtype in HALF_DTYPES:
+                param.data = param.data.float()
+                param.grad = None
+        for key, buffer in submodule._buffers.items():
+            if buffer is not None and buffer.dtype in HALF_DTYPES:
+                submodule._buffers[key] = buffer.float()

@@ -1,0 +1,167 @@
+"""Underflow and headroom telemetry: how much of the half dtype's range the scaled gradients use, per module.
+
+On request (a logging step), the unscale pass that runs anyway measures every scaled gradient (the value before the
+multiply by ``1 / scale``, whatever its storage dtype: FP32 at O1, half at O2) against the half dtype's limits:
+
+* ``mpx/underflow/<group>``: the fraction, in [0, 1], of the group's gradient elements that are not zero but whose
+  magnitude is below ``torch.finfo(half_dtype).tiny``, the smallest normal number: values that the half backward
+  holds as subnormals (with fewer significant bits), the next to be flushed to zero;
+* ``mpx/zeros/<group>``: the fraction of the group's gradient elements that are exactly zero. Most zeros are
+  structural (rows of an embedding absent from the batch, units a ReLU switched off, masked positions: zero at any
+  scale), but a value the half backward flushed to zero is a zero too. One measurement cannot tell them apart; a run
+  can: structural zeros do not move when the scale changes, flushed ones fall as it grows (``lightning-mpx doctor``
+  reads them so);
+* ``mpx/headroom/<group>``: the largest gradient magnitude divided by ``torch.finfo(half_dtype).max``: 1 or more is an
+  overflow, ``2**-k`` means the scale could grow ``k`` more times before this group overflows.
+
+``<group>`` is the top-level module of the parameter (see :func:`module_groups`). The values are device tensors:
+building them never waits for the device. Without a request nothing is measured and nothing is launched.
+
+:class:`GradTelemetry` holds the request and the latest results; :class:`~lightning_mpx.engine.amp.Amp` owns one
+(``Amp.request_telemetry()``, ``Amp.metrics()``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+import torch
+
+from lightning_mpx.engine.sharding import local_tensor
+from lightning_mpx.scaling.unscale import GradStats
+
+__all__ = ["GradTelemetry", "module_groups"]
+
+
+def module_groups(names: Sequence[str], all_names: Iterable[str] | None = None) -> list[str]:
+    """The group of each parameter name: its top-level module.
+
+    The group is the first component of the name (``"encoder"`` for ``"encoder.layers.0.weight"``), or the first two
+    when every parameter of the model sits under one lone wrapper (``"model.encoder"`` for a LightningModule whose
+    ``self.model`` holds everything): one group for the whole model would say nothing. A parameter of the root module
+    itself (``"scale"``) is its own group.
+
+    Args:
+        names: The parameter names to group.
+        all_names: Every parameter name of the model(s), to decide whether there is a lone wrapper (default:
+            ``names``).
+    """
+    every = list(names if all_names is None else all_names)
+    heads = {name.split(".", 1)[0] for name in every}
+    wrapped = len(heads) == 1 and all("." in name for name in every)
+    depth = 2 if wrapped else 1
+    return [".".join(name.split(".")[:depth]) for name in names]
+
+
+@dataclass
+class _Result:
+    groups: list[str]
+    underflow: torch.Tensor  # int64 [groups]: elements below tiny (zeros included)
+    zeros: torch.Tensor  # int64 [groups]: elements exactly zero
+    numel: list[int]  # elements per group
+    peak: torch.Tensor  # FP32 [groups]: largest magnitude
+
+
+class GradTelemetry:
+    """The request flag and the latest per-group results of underflow and headroom telemetry.
+
+    Args:
+        half_dtype: The half dtype whose limits the scaled gradients are measured against.
+
+    Attributes:
+        requested: Whether the unscales until the next ``Amp.update()`` measure the gradients.
+        measurements: How many unscales have measured gradients (one per optimizer and logging step).
+    """
+
+    def __init__(self, half_dtype: torch.dtype) -> None:
+        info = torch.finfo(half_dtype)
+        self.tiny = float(info.tiny)
+        self.max = float(info.max)
+        self.requested = False
+        self.measurements = 0
+        self._results: dict[int, _Result] = {}
+
+    def stats(self) -> GradStats:
+        """An empty :class:`~lightning_mpx.scaling.unscale.GradStats` for one unscale call."""
+        return GradStats(self.tiny)
+
+    def record(
+        self,
+        key: int,
+        sources: Sequence[torch.Tensor],
+        params: Iterable[torch.Tensor],
+        names: Mapping[int, str],
+        stats: GradStats,
+    ) -> None:
+        """Reduce one unscale's per-tensor statistics to its groups and keep them (the latest per ``key``).
+
+        Args:
+            key: The optimizer's key; a later record for the same key replaces this one.
+            sources: The scaled gradients the unscale read, in the order of ``stats``.
+            params: The optimizer's parameters (their ``.grad`` are the ``sources``).
+            names: Parameter names by ``id(param)`` (every prepared model's).
+            stats: What the unscale measured.
+        """
+        assert stats.underflow is not None and stats.zeros is not None and stats.peak is not None
+        owner = {id(p.grad): p for p in params if p.grad is not None}
+        tensor_names = []
+        for index, grad in enumerate(sources):
+            param = owner.get(id(grad))
+            tensor_names.append(names.get(id(param), f"param{index}") if param is not None else f"param{index}")
+        groups = module_groups(tensor_names, names.values() if names else None)
+        order = list(dict.fromkeys(groups))
+        position = {group: i for i, group in enumerate(order)}
+        device = stats.underflow.device
+        index = torch.tensor([position[g] for g in groups], dtype=torch.int64).to(device, non_blocking=True)
+        numel = [0] * len(order)
+        for group, grad in zip(groups, sources):
+            numel[position[group]] += local_tensor(grad).numel()  # a rank's shard under FSDP
+        underflow = torch.zeros(len(order), dtype=torch.int64, device=device).index_add_(0, index, stats.underflow)
+        zeros = torch.zeros(len(order), dtype=torch.int64, device=device).index_add_(0, index, stats.zeros)
+        peak = torch.zeros(len(order), dtype=torch.float32, device=device).scatter_reduce_(
+            0, index, stats.peak, "amax"
+        )
+        self._results[key] = _Result(order, underflow, zeros, numel, peak)
+        self.measurements += 1
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """``mpx/underflow/<group>``, ``mpx/zeros/<group>`` and ``mpx/headroom/<group>`` from the latest results of
+        every optimizer (merged by group), as 0-d device tensors; empty when nothing was measured since the last call,
+        which clears them."""
+        if not self._results:
+            return {}
+        results, self._results = list(self._results.values()), {}
+        order = list(dict.fromkeys(group for result in results for group in result.groups))
+        if len(results) == 1:
+            underflow, zeros = results[0].underflow, results[0].zeros
+            peak, numel = results[0].peak, results[0].numel
+        else:
+            position = {group: i for i, group in enumerate(order)}
+            device = results[0].underflow.device
+            index = torch.tensor(
+                [position[g] for result in results for g in result.groups], dtype=torch.int64
+            ).to(device, non_blocking=True)
+            underflow = torch.zeros(len(order), dtype=torch.int64, device=device).index_add_(
+                0, index, torch.cat([result.underflow.to(device) for result in results])
+            )
+            zeros = torch.zeros(len(order), dtype=torch.int64, device=device).index_add_(
+                0, index, torch.cat([result.zeros.to(device) for result in results])
+            )
+            peak = torch.zeros(len(order), dtype=torch.float32, device=device).scatter_reduce_(
+                0, index, torch.cat([result.peak.to(device) for result in results]), "amax"
+            )
+            numel = [0] * len(order)
+            for result in results:
+                for group, count in zip(result.groups, result.numel):
+                    numel[position[group]] += count
+        totals = torch.tensor([max(n, 1) for n in numel], dtype=torch.float64).to(underflow.device, non_blocking=True)
+        # Both fractions from one [2, groups] division; the metrics are views of it (device tensors: no sync).
+        fractions = (torch.stack([underflow - zeros, zeros]).double() / totals).float()
+        headroom = peak / self.max
+        out: dict[str, torch.Tensor] = {}
+        for group, f, z, h in zip(order, fractions[0].unbind(0), fractions[1].unbind(0), headroom.unbind(0)):
+            out[f"mpx/underflow/{group}"] = f
+            out[f"mpx/zeros/{group}"] = z
+            out[f"mpx/headroom/{group}"] = h
+        return out

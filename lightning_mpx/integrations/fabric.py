@@ -1,0 +1,377 @@
+"""The Lightning Fabric plugin: ``Fabric(plugins=[FabricMixedPrecisionPlugin("O2")])``.
+
+A :class:`lightning.fabric.plugins.Precision` over the same engine as the Trainer plugin
+(:class:`~lightning_mpx.engine.amp.Amp`), with the same settings. A Fabric loop stays as it is::
+
+    mpx = FabricMixedPrecisionPlugin("O2", half_dtype="bfloat16")
+    fabric = Fabric(accelerator="cuda", devices=2, strategy="ddp", plugins=[mpx], loggers=TensorBoardLogger("logs"))
+    fabric.launch()
+    model, optimizer = fabric.setup(model, optimizer)
+    for step, (x, y) in enumerate(loader):
+        loss = F.cross_entropy(model(x), y)               # inputs cast to half, outputs back to FP32 (O2/O3)
+        fabric.backward(loss)                             # scaled; fabric.backward(loss, loss_id=1) for a second loss
+        fabric.clip_gradients(model, optimizer, max_norm=1.0)   # on the unscaled gradients
+        optimizer.step()                                  # skipped on overflow
+        if not mpx.step_was_skipped(optimizer):
+            scheduler.step()                              # hold the schedule on a skipped step
+        optimizer.zero_grad()
+        if step % 50 == 0:
+            fabric.log_dict({"loss": loss.item(), **mpx.metrics()}, step=step)
+
+What it does, in Fabric's terms:
+
+* ``fabric.setup``/``setup_module`` convert each model for the opt level (O2/O3: half, batch norm FP32, O2's FP32
+  masters). A set-up model's forward runs inside the engine's forward context (O1: the cast policy; O2: loss functions
+  in FP32); at O2/O3 its floating inputs are cast to half and its half outputs to FP32, and at O1 its half outputs are
+  cast to FP32 too (as Fabric's own ``"16-mixed"`` does), so that a loss computed after the forward runs in FP32.
+  ``fabric.autocast()`` is the forward context.
+* Fabric hands its optimizers to the strategy, not to the precision plugin: the plugin meets an optimizer at its
+  first unscale or step and registers it with the engine then (O2: the FP32 masters stand in for its half parameters
+  during its steps). The masters do not wait for it: the engine keeps the FP32 values a model holds at set-up (or
+  loads after it) until each parameter's master is made, whichever optimizer steps first. Two cases need the
+  optimizers registered earlier, and are refused with an error that says so otherwise: several losses
+  (``num_losses > 1``: the scale each optimizer's gradients carry depends on it), and loading a checkpoint into an
+  O2 optimizer (its FP32 state belongs to the masters); call :meth:`FabricMixedPrecisionPlugin.setup_optimizers`
+  after ``fabric.setup`` and before the first backward or ``fabric.load``.
+* Not aligned with Fabric's own precisions, on purpose (docs/fabric.md): at O1 floating inputs stay FP32 (the cast
+  table casts op by op); at O2/O3 the default dtype stays FP32 in ``fabric.init_module()`` and the forward (the
+  masters start from the FP32 values built there; losses are computed in FP32).
+* ``fabric.clip_gradients`` unscales (one pass: unscale and overflow check), then Fabric clips
+  :meth:`~FabricMixedPrecisionPlugin.main_params` with torch's ``clip_grad_norm_`` or ``clip_grad_value_``. On an
+  overflow step ``main_params`` is one empty tensor: nothing is clipped, the returned norm is ``0.0``, and the step
+  is skipped, where torch's clip by norm with ``error_if_nonfinite=True`` would raise.
+* The scale is updated once per iteration: at the first forward, backward, :meth:`metrics` or checkpoint after the
+  optimizer steps, so several optimizers stepping one after the other count as one iteration. Under DDP the
+  overflow flag is reduced across processes before each step, so all ranks skip together.
+* ``mpx/*`` metrics (the Trainer plugin's names) come from :meth:`metrics`, read from the device only when called;
+  the plugin's state (loss scalers, FP32 masters, counters) goes into ``fabric.save`` as one more entry of the state.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, ContextManager, Iterator
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_mpx.engine.outcome import StepOutcome
+from lightning_mpx.common.imports import require
+from lightning_mpx.engine.amp import Amp
+from lightning_mpx.masters.weights import MasterWeights, convert_module, has_floating_parameters
+from lightning_mpx.settings import MixedPrecisionSettings
+
+require("lightning.fabric", extra="lightning", feature="lightning_mpx.FabricMixedPrecisionPlugin")
+
+from lightning.fabric.plugins import Precision  # noqa: E402
+from lightning.fabric.wrappers import _FabricOptimizer  # noqa: E402
+from lightning_utilities.core.apply_func import apply_to_collection  # noqa: E402
+
+from lightning_mpx.casting.policy import casts_off_if_on as _casts_off  # noqa: E402
+from lightning_mpx.integrations.lightning import _all_reduce_max  # noqa: E402
+
+__all__ = ["FabricMixedPrecisionPlugin"]
+
+
+class FabricMixedPrecisionPlugin(Precision):
+    """Apex-style mixed precision for Lightning Fabric.
+
+    Args:
+        opt_level: ``"O0"`` (FP32), ``"O1"`` (cast-table policy), ``"O2"`` (half model, FP32 master weights, batch
+            norm FP32) or ``"O3"`` (pure half).
+        **settings: The keyword settings of :class:`~lightning_mpx.MixedPrecisionPlugin` and
+            :class:`~lightning_mpx.engine.amp.Amp` (``half_dtype``, ``num_losses``, ``cast_table``, the loss-scaler
+            settings, ``fp32_modules``, ``diagnose_overflows``, ``model_writes``, opt-level overrides such as
+            ``keep_batchnorm_fp32``...), checked by the engine here.
+
+    Attributes:
+        amp: The :class:`~lightning_mpx.engine.amp.Amp` engine (scalers, masters, overflow records).
+
+    Example::
+
+        fabric = Fabric(plugins=[FabricMixedPrecisionPlugin("O2", half_dtype="bfloat16")])
+    """
+
+    def __init__(self, opt_level: str = "O1", **settings: Any) -> None:
+        self._opt_level = opt_level
+        self._settings = dict(settings)
+        self.amp = Amp(opt_level, **settings)  # bad arguments fail at Fabric construction, not mid-setup
+        # A Fabric user never calls prepare_optimizer(): the engine's errors name the plugin's call instead.
+        self.amp.register_call = (
+            "the Fabric plugin registers an optimizer at its first step or unscale: call "
+            "plugin.setup_optimizers(optimizer) after fabric.setup() to register it now (the plugin's own "
+            "master_params(optimizer) registers it too)"
+        )
+        # Fabric's own words for it (ThroughputMonitor and others read it): what the weights are stored in, and
+        # whether the compute is mixed.
+        prefix = "bf16" if self.amp.half_dtype == torch.bfloat16 else "16"
+        level = self.amp.opt_level
+        precision = "32-true" if level == "O0" else f"{prefix}-mixed" if level == "O1" else f"{prefix}-true"
+        self.precision = precision  # type: ignore[assignment]
+        self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._unsynced: list[MasterWeights] = []  # masters made by convert_module, to take from the set-up model
+        self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
+        self._stepped: weakref.WeakKeyDictionary[Optimizer, bool | StepOutcome] = weakref.WeakKeyDictionary()
+        self._update_pending = False
+
+    @classmethod
+    def from_settings(cls, settings: MixedPrecisionSettings) -> FabricMixedPrecisionPlugin:
+        """The plugin of ``settings`` (the same object the Trainer plugin and ``Amp`` take)."""
+        if not isinstance(settings, MixedPrecisionSettings):
+            raise TypeError(f"settings={type(settings).__name__} must be a lightning_mpx.MixedPrecisionSettings.")
+        return cls(settings.opt_level, **settings.to_kwargs())
+
+    # -- pickling (strategy="ddp_spawn" pickles Fabric into each process) ------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """The settings, not the run: each process starts a fresh engine (a run's state is in its checkpoints)."""
+        return {"opt_level": self._opt_level, "settings": dict(self._settings)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        FabricMixedPrecisionPlugin.__init__(self, state["opt_level"], **state["settings"])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._opt_level!r})"
+
+    def __str__(self) -> str:
+        # A Trainer refuses this plugin ("Found invalid type for plugin {plugin}", before any call into it): its
+        # message then says which plugin a Trainer takes.
+        return f"{self!r} [for Lightning Fabric; a Trainer takes lightning_mpx.MixedPrecisionPlugin]"
+
+    @property
+    def opt_level(self) -> str:
+        """The opt level, ``"O0"`` to ``"O3"``."""
+        return self.amp.opt_level
+
+    # -- model -------------------------------------------------------------------------------------------------
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Convert ``module`` for the opt level (``fabric.setup`` calls it before moving and wrapping the model).
+
+        Several models (a GAN's, each set up on its own) share the engine: one set of loss scalers, masters per
+        model."""
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module.")
+        if module in self._modules:
+            return module
+        props = self.amp.properties
+        if props.casts_model and not has_floating_parameters(module):
+            # A parameter-free wrapper (nn.Identity, a model of buffers): nothing to train in half and no masters,
+            # which the engine refuses; its floating buffers take the half dtype, as Fabric's own "*-true" precisions
+            # cast a whole module, and its inputs and outputs are cast as any set-up model's.
+            convert_module(
+                module, props.half_dtype, keep_batchnorm_fp32=props.keep_batchnorm_fp32 is not False,
+                require_parameters=False,
+            )
+            self._modules.add(module)
+            return module
+        before = {id(masters) for masters in self.amp.master_weights}
+        self.amp.prepare_model(module)
+        # The model is moved to its device (and, under DDP, given rank zero's weights) after this: its masters are
+        # taken again from the set-up model at the next call into the plugin.
+        self._unsynced += [masters for masters in self.amp.master_weights if id(masters) not in before]
+        self._modules.add(module)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.amp.log_overflows = torch.distributed.get_rank() == 0
+            if torch.distributed.get_world_size() > 1:
+                self.amp.found_inf_reducer = _all_reduce_max  # every rank makes the same skip decision
+        return module
+
+    def forward_context(self) -> ContextManager[Any]:
+        """The engine's forward context (``fabric.autocast()`` and every set-up model's forward): the O1 cast
+        policy; at O2, loss functions in FP32; nothing at O0 and O3."""
+        self._begin()
+        return self.amp.forward_context()
+
+    def convert_input(self, data: Any) -> Any:
+        """A set-up model's inputs: floating tensors cast to half at O2/O3."""
+        self._begin()
+        return self.amp.cast_inputs(data)
+
+    def convert_output(self, data: Any) -> Any:
+        """A set-up model's outputs: half tensors cast to FP32, so that the loss computed from them runs in FP32."""
+        if self.amp.properties.casts_model:
+            return self.amp.cast_outputs(data)
+        if self.amp.opt_level == "O0":
+            return data
+        half = self.amp.half_dtype
+        return apply_to_collection(data, torch.Tensor, lambda t: t.float() if t.dtype == half else t)
+
+    # -- backward ----------------------------------------------------------------------------------------------
+    def backward(
+        self, tensor: torch.Tensor, model: nn.Module | None, *args: Any, loss_id: int = 0, **kwargs: Any
+    ) -> None:
+        """Backward on the loss times the scale of ``loss_id`` (``fabric.backward(loss, loss_id=1)``)."""
+        self._begin()
+        with _casts_off():  # fabric.backward called inside fabric.autocast()
+            if args:
+                scaled = self.amp.scale_loss(tensor, loss_id)
+                with self.amp.backward_context():  # activation checkpointing recomputes with the forward's casts
+                    scaled.backward(*args, **kwargs)
+            else:
+                self.amp.backward(tensor, loss_id, **kwargs)
+
+    # -- optimizer ---------------------------------------------------------------------------------------------
+    def setup_optimizers(self, *optimizers: Optimizer) -> None:
+        """Register optimizers with the engine now rather than at their first unscale or step (Fabric does not
+        hand them to the precision plugin). Calling it again for an optimizer does nothing.
+
+        Needed with several losses (``num_losses > 1``), before the first ``fabric.backward``, and at O2 before
+        ``fabric.load`` restores an optimizer's state (which then goes to the FP32 masters, not the half
+        parameters). Not needed for the masters themselves: they start from the model's FP32 weights whichever
+        optimizer steps first. Takes what ``fabric.setup`` returned or the optimizers themselves."""
+        for optimizer in optimizers:
+            self._register(_unwrap(optimizer), lazily=False)
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Step ``optimizer`` unless its gradients overflowed (unscaling them first if nothing did yet)."""
+        optimizer = _unwrap(optimizer)
+        self._register(optimizer)
+        # A bool, or with skip_on_device a StepOutcome, read when step_was_skipped() asks (inside fabric.autocast(),
+        # Amp turns the casts off)
+        self._stepped[optimizer] = self.amp.step(optimizer, **kwargs)
+        self._update_pending = True
+        return None
+
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        """Unscale ``optimizer``'s gradients (once per step; ``fabric.clip_gradients`` calls it). At O2 the true
+        values go to the FP32 masters' gradients, and a half copy to the model's."""
+        optimizer = _unwrap(optimizer)
+        self._register(optimizer)
+        if not self.amp.is_unscaled(optimizer):
+            with _casts_off():
+                self.amp.unscale_(optimizer)
+
+    def main_params(self, optimizer: Optimizer) -> Iterator[torch.Tensor]:  # type: ignore[override]
+        """The tensors the optimizer updates (the FP32 masters at O2), whose gradients ``fabric.clip_gradients``
+        clips. On an overflow step once unscaled the step is skipped and there is nothing to clip (torch's clip by
+        norm would raise on the non-finite norm): one empty tensor with an empty gradient stands in for them, which
+        clips to a norm of ``0.0`` by norm and to nothing by value (torch's ``clip_grad_value_`` refuses an empty
+        list). Reading the overflow flag waits for the device, as the clip's norm does."""
+        optimizer = _unwrap(optimizer)
+        self._register(optimizer)
+        if self.amp.is_unscaled(optimizer):
+            found = self.amp.found_inf(optimizer)
+            if found is not None and bool(found):
+                return iter([_nothing_to_clip(found.device)])  # a list: torch's clip warns about a generator
+        return iter(self.amp.master_params(optimizer))
+
+    def master_params(self, optimizer: Optimizer) -> list[torch.Tensor]:
+        """The tensors ``optimizer`` updates: the FP32 masters of its half parameters at O2 (a layer frozen since
+        ``fabric.setup`` included: its master holds its FP32 weights), its parameters otherwise. Registers the
+        optimizer if the plugin has not met it yet. Takes what ``fabric.setup`` returned or the optimizer itself."""
+        optimizer = _unwrap(optimizer)
+        self._register(optimizer)
+        return self.amp.master_params(optimizer)
+
+    def fp32_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """``module.state_dict()`` in FP32, the model unchanged: each half parameter with an FP32 master (or an FP32
+        value kept for the master it will get) as that exact value, other half tensors upcast (see
+        :meth:`lightning_mpx.engine.amp.Amp.fp32_state_dict`). Takes what ``fabric.setup`` returned or the model itself;
+        the keys are the model's own (``fabric.setup``'s wrapper adds no prefix)."""
+        if self._unsynced:
+            self._sync_masters()
+        return self.amp.fp32_state_dict(module)
+
+    def step_was_skipped(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer``'s most recent step was skipped because its gradients overflowed: hold its
+        learning-rate schedule then (``if not mpx.step_was_skipped(optimizer): scheduler.step()``). With
+        ``skip_on_device``, asking reads the step's outcome (waiting for the device up to that step)."""
+        return not self._stepped.get(_unwrap(optimizer), True)
+
+    # -- metrics, checkpoints, teardown ------------------------------------------------------------------------
+    def request_telemetry(self) -> None:
+        """Measure underflow and headroom in this iteration's unscale (``mpx/underflow/<group>``,
+        ``mpx/headroom/<group>`` in the next :meth:`metrics`); call it before the backward of a step you log."""
+        self._begin()
+        self.amp.request_telemetry()
+
+    def metrics(self) -> dict[str, float]:
+        """The ``mpx/*`` metrics as Python numbers, for ``fabric.log_dict``: ``mpx/loss_scale``, ``mpx/overflows``
+        (since the previous call), ``mpx/skipped_steps``... (see :meth:`lightning_mpx.engine.amp.Amp.metrics`). Reads the
+        device (it syncs): call it on the steps you log. Steps skipped on the device (``skip_on_device``) are read
+        first, so that ``mpx/skipped_steps`` counts them."""
+        self._begin()
+        self.amp.read_step_outcomes()
+        return {name: float(value) for name, value in self.amp.metrics().items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Loss scalers, FP32 master weights and counters: put the plugin into the state you save
+        (``fabric.save(path, {"model": model, "optimizer": optimizer, "mpx": mpx})``)."""
+        self._begin()  # a pending scale update belongs to the iteration that is being saved
+        return self.amp.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (``fabric.load`` does, for the plugin's entry of the state)."""
+        self._begin()
+        self.amp.load_state_dict(state_dict)
+
+    def teardown(self) -> None:
+        self._begin()
+        # Every rank tears down: the last steps skipped on the device are settled (their records merged across
+        # ranks, logged, their floor applied).
+        self.amp.settle_step_outcomes()
+
+    # -- internals ---------------------------------------------------------------------------------------------
+    def _begin(self) -> None:
+        """At every call that starts work (a forward, a backward, metrics, checkpoints): take new models' masters
+        from the set-up model, and update the scales after the optimizer steps of the iteration that ended."""
+        if self._unsynced:
+            self._sync_masters()
+        if self._update_pending:
+            self._update_pending = False
+            self.amp.update()
+
+    def _sync_masters(self) -> None:
+        for masters in self._unsynced:
+            masters.sync_from_model()
+        self._unsynced.clear()
+
+    def _register(self, optimizer: Optimizer, lazily: bool = True) -> None:
+        if self._unsynced:
+            self._sync_masters()  # not _begin(): a scale update waits until every optimizer of the iteration stepped
+        if optimizer in self._optimizers:
+            return
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(
+                f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer: FabricMixedPrecisionPlugin "
+                "supports Fabric's single-device and DDP strategies (DeepSpeed steps its own engine)."
+            )
+        if lazily and self.amp.num_losses > 1:
+            raise RuntimeError(
+                f"num_losses={self.amp.num_losses}: the plugin must know every optimizer before the first "
+                f"fabric.backward(), to tell which loss's scale its gradients carry; call "
+                f"plugin.setup_optimizers({type(optimizer).__name__.lower()}, ...) after fabric.setup()."
+            )
+        if self.amp.properties.master_weights and _has_half_state(optimizer):
+            raise RuntimeError(
+                f"optimizer={type(optimizer).__name__} has state for the model's half parameters that the plugin did "
+                "not make: it was loaded (fabric.load) before the plugin knew the optimizer, which rounds the FP32 "
+                "state of the O2 masters to half. Call plugin.setup_optimizers(optimizer) after fabric.setup() and "
+                "before fabric.load()."
+            )
+        self.amp.prepare_optimizer(optimizer)
+        self._optimizers.add(optimizer)
+
+
+def _unwrap(optimizer: Any) -> Any:
+    """The torch optimizer inside what ``fabric.setup`` returned (Fabric's wrapper subclasses its class)."""
+    return optimizer.optimizer if isinstance(optimizer, _FabricOptimizer) else optimizer
+
+
+def _nothing_to_clip(device: torch.device) -> torch.Tensor:
+    """An FP32 tensor without elements, with a gradient without elements: what an overflow step hands Fabric's
+    clip (torch's clips refuse or warn about an empty list; this one clips to a norm of 0 and changes nothing)."""
+    tensor = torch.empty(0, device=device)
+    tensor.grad = torch.empty(0, device=device)
+    return tensor
+
+
+def _has_half_state(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` holds floating-point state (beyond ``step``) for a half parameter."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.dtype in (torch.float16, torch.bfloat16) and param in optimizer.state:
+                state = optimizer.state[param]
+                if any(torch.is_tensor(v) and v.is_floating_point() and k != "step" for k, v in state.items()):
+                    return True
+    return False

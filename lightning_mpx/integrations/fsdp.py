@@ -1,0 +1,697 @@
+"""FSDP's mixed-precision policies for an opt level, and a helper for users who shard their model by hand.
+
+With FSDP the opt level is carried out partly by FSDP itself: its sharded parameters are what the optimizer steps,
+and its mixed-precision policy decides the dtype of the all-gathered parameters (the compute dtype), of the
+gradient reduction, and the casts of each sharded module's inputs and outputs. What each level does:
+
+* **O0**: FSDP without a mixed-precision policy: everything FP32.
+* **O1**: the model stays FP32 (sharded FP32 parameters); by default FSDP gathers it in half
+  (``param_dtype=half``, ``reduce_dtype=float32``) and the cast-table policy runs on top (its FP32 ops upcast the
+  gathered half weights). ``gather="fp32"`` is Apex's exact O1 (an FP32 gather, the policy casts each weight when
+  an op uses it), at a memory cost: the half copies the policy makes stay alive until the backward (measured: about
+  45% of the model's FP32 bytes on every rank). FSDP casts no inputs or outputs at O1: the cast table decides per op.
+  Batch norm and ``fp32_modules`` are FP32 islands gathered in FP32 (batch norm gathered in half fails in torch's
+  ``batch_norm``, whose weights and running statistics must share a dtype); their outputs stay FP32.
+* **O2**: FSDP's sharded FP32 parameters are the master weights (no second copy); compute runs in half because
+  FSDP gathers in half; gradients are reduced in FP32 (the reduce-scatter sums across ranks in FP32, so half
+  gradients finite on each rank cannot overflow in the sum, and the unscale reads FP32); the root casts its inputs
+  to half and its outputs to FP32. Batch norm (when ``keep_batchnorm_fp32``) and ``fp32_modules`` are FP32 islands:
+  FSDP units of their own gathered in FP32, their inputs cast to FP32 and their outputs back to half (without that
+  cast the next half ``Linear`` fails with "mat1 and mat2 must have the same dtype").
+* **O3**: the model is cast to half before sharding (batch norm kept FP32 when the properties say so, as an
+  island); no policy but the root's casts (inputs to half, outputs to FP32); gradients and optimizer in half.
+
+:func:`shard_model` applies ``fully_shard`` bottom-up with these policies; :func:`mixed_precision_policy` gives one
+policy for users who call ``fully_shard`` themselves; :func:`fsdp1_mixed_precision` is the ``MixedPrecision`` of
+FSDP1 (``FullyShardedDataParallel``); :func:`check_sharded_model` refuses a sharded model that does not fit the
+level (called by :meth:`Amp.prepare_model <lightning_mpx.engine.amp.Amp.prepare_model>` on a sharded model).
+
+``precision`` is everywhere an opt-level string (``"O2"``: the default settings, float16), a
+:class:`~lightning_mpx.settings.MixedPrecisionSettings`, or an object with a ``settings`` attribute holding one
+(:class:`~lightning_mpx.engine.amp.Amp`, :class:`~lightning_mpx.integrations.lightning.MixedPrecisionPlugin`,
+:class:`~lightning_mpx.integrations.fabric.FabricMixedPrecisionPlugin`): pass the plugin itself to get its half dtype.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Iterable, Literal, NamedTuple
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, MixedPrecision, MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_mpx.common.dtypes import HALF_DTYPES, dtype_name
+from lightning_mpx.engine.sharding import is_sharded
+from lightning_mpx.masters.weights import convert_module
+from lightning_mpx.opt_levels import Properties
+from lightning_mpx.health.promotion import _module_to_fp32, matches
+from lightning_mpx.settings import MixedPrecisionSettings, check_choice
+
+__all__ = [
+    "GATHER_CHOICES",
+    "ROLE_CHOICES",
+    "check_sharded_model",
+    "fsdp1_mixed_precision",
+    "mixed_precision_policy",
+    "resolve_settings",
+    "shard_model",
+]
+
+Gather = Literal["half", "fp32"]
+Role = Literal["root", "block", "fp32"]
+#: ``gather``: the dtype FSDP all-gathers the FP32 parameters in at O1 (``"fp32"``: Apex's exact O1).
+GATHER_CHOICES: tuple[str, ...] = ("half", "fp32")
+#: ``role``: the outermost FSDP unit, a unit in between (a transformer block), or an FP32 island.
+ROLE_CHOICES: tuple[str, ...] = ("root", "block", "fp32")
+
+_F32 = torch.float32
+# The names FSDP1 (and activation checkpointing) insert between a module and its children.
+_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+# -- the settings ------------------------------------------------------------------------------------------------
+def resolve_settings(precision: object, *, argument: str = "precision") -> MixedPrecisionSettings:
+    """The :class:`~lightning_mpx.settings.MixedPrecisionSettings` that ``precision`` stands for.
+
+    Args:
+        precision: An opt-level string (the default settings of that level), a ``MixedPrecisionSettings``, or an
+            object with a ``settings`` attribute holding one (``Amp``, the Lightning and Fabric plugins).
+        argument: The argument's name in error messages.
+
+    Raises:
+        TypeError: for anything else; ValueError: for a string that is not an opt level.
+    """
+    if isinstance(precision, MixedPrecisionSettings):
+        return precision
+    if isinstance(precision, str):
+        return MixedPrecisionSettings(opt_level=precision)
+    settings = getattr(precision, "settings", None)
+    if isinstance(settings, MixedPrecisionSettings):
+        return settings
+    raise TypeError(
+        f"{argument}={precision!r} is not valid; valid choices: an opt level ('O0', 'O1', 'O2', 'O3'), a "
+        "lightning_mpx.MixedPrecisionSettings, or an object with one as its `settings` (Amp, MixedPrecisionPlugin, "
+        "FabricMixedPrecisionPlugin)."
+    )
+
+
+class _Mode(NamedTuple):
+    """What the level does to the model under FSDP, read from the properties (so overrides count)."""
+
+    name: Literal["fp32", "cast_table", "masters", "half"]
+    half: torch.dtype
+    batchnorm_islands: bool
+
+
+def _mode(props: Properties) -> _Mode:
+    if props.casts_model:
+        name = "masters" if props.master_weights else "half"  # O2, O3
+    elif props.patch_torch_functions:
+        name = "cast_table"  # O1
+    else:
+        name = "fp32"  # O0
+    # O1 keeps batch norm FP32 too: its parameters are the model's FP32 ones, and gathered in half they would break
+    # torch's batch_norm, which needs weights and running statistics of one dtype ("expected scalar type BFloat16
+    # but found Float").
+    islands = bool(props.keep_batchnorm_fp32) if props.casts_model else name == "cast_table"
+    return _Mode(name, props.half_dtype, islands)  # type: ignore[arg-type]
+
+
+def _check_gather(props: Properties, gather: object) -> None:
+    check_choice("gather", gather, GATHER_CHOICES, quote=True)
+    if gather == "fp32" and props.casts_model:
+        raise ValueError(
+            f"gather='fp32' does not apply at opt_level={props.opt_level!r}: it is O1's opt-in to Apex's exact FP32 "
+            f"all-gather; at {props.opt_level} the model computes in {dtype_name(props.half_dtype)}, which FSDP's "
+            "half all-gather provides. Use gather='half' (the default)."
+        )
+
+
+# -- FSDP2 -------------------------------------------------------------------------------------------------------
+def mixed_precision_policy(precision: object, *, role: Role = "block", gather: Gather = "half") -> MixedPrecisionPolicy:
+    """The FSDP2 ``MixedPrecisionPolicy`` of one sharded module for an opt level (see the module docstring).
+
+    Shard bottom-up: the FP32 islands with ``role="fp32"``, then the blocks with ``role="block"``, then the whole
+    model with ``role="root"`` (or let :func:`shard_model` do it)::
+
+        for layer in model.layers:
+            fully_shard(layer, mp_policy=mixed_precision_policy(plugin))
+        fully_shard(model, mp_policy=mixed_precision_policy(plugin, role="root"))
+
+    Args:
+        precision: The opt level (see :func:`resolve_settings`).
+        role: ``"root"``: the outermost module (casts its inputs to the compute dtype and, at O2/O3, its outputs to
+            FP32, as ``Amp.cast_inputs``/``cast_outputs`` do without FSDP); ``"block"``: a module in between;
+            ``"fp32"``: an FP32 island (batch norm at O1 and where ``keep_batchnorm_fp32``, ``fp32_modules``):
+            gathered and reduced in FP32, its inputs cast to FP32 and, at O2/O3, its outputs back to the half dtype.
+        gather: ``"half"`` (default) or ``"fp32"``: the all-gather dtype at O1 (``"fp32"`` is Apex's exact O1 and
+            keeps half copies of the weights alive until the backward). Ignored at O0; only ``"half"`` at O2/O3.
+
+    Raises:
+        ValueError: for a ``role`` or ``gather`` that is not valid (naming the choices).
+    """
+    props = resolve_settings(precision).properties
+    check_choice("role", role, ROLE_CHOICES, quote=True)
+    _check_gather(props, gather)
+    mode = _mode(props)
+    half = mode.half
+    if mode.name == "fp32":
+        return MixedPrecisionPolicy()
+    if mode.name == "cast_table":
+        if role == "fp32":  # promotion's O1 boundary: FP32 inputs, outputs left FP32
+            return MixedPrecisionPolicy(param_dtype=_F32, reduce_dtype=_F32, cast_forward_inputs=True)
+        # No input casts: the cast table decides per op (an FP32 op keeps its FP32 inputs unrounded).
+        if gather == "fp32":
+            return MixedPrecisionPolicy(cast_forward_inputs=False)
+        return MixedPrecisionPolicy(param_dtype=half, reduce_dtype=_F32, cast_forward_inputs=False)
+    if role == "fp32":  # O2/O3 island: the next half module needs half inputs
+        return MixedPrecisionPolicy(param_dtype=_F32, reduce_dtype=_F32, output_dtype=half, cast_forward_inputs=True)
+    if mode.name == "masters":  # O2
+        output = _F32 if role == "root" else None
+        return MixedPrecisionPolicy(param_dtype=half, reduce_dtype=_F32, output_dtype=output, cast_forward_inputs=True)
+    # O3: the parameters are half already (param_dtype=half gathers them as they are); only the root casts.
+    if role == "root":
+        return MixedPrecisionPolicy(param_dtype=half, output_dtype=_F32, cast_forward_inputs=True)
+    return MixedPrecisionPolicy()
+
+
+def shard_model(
+    module: nn.Module,
+    precision: object,
+    *,
+    mesh: Any = None,
+    blocks: Iterable[nn.Module] | type[nn.Module] | tuple[type[nn.Module], ...] | None = None,
+    reshard_after_forward: bool | int = True,
+    gather: Gather = "half",
+) -> nn.Module:
+    """Shard ``module`` with FSDP2's ``fully_shard`` and the policies of an opt level, bottom-up, in place.
+
+    In order: the FP32 islands (batch-norm modules at O1 and where the level keeps batch norm FP32, modules matching
+    ``fp32_modules``; none at O0), then ``blocks`` (the inner ones first; blocks inside an island are part of the
+    island's unit), then the root. At O2 the model stays FP32 (FSDP's shards are the masters) and its floating
+    buffers outside the islands are cast to half, as without FSDP; at O3 the model is cast to half first
+    (:func:`~lightning_mpx.masters.weights.convert_module`), the islands kept FP32. In a Lightning
+    ``configure_model`` with ``ModelParallelStrategy``::
+
+        def configure_model(self):
+            shard_model(self.model, self.trainer.precision_plugin, mesh=self.device_mesh["data_parallel"],
+                        blocks=TransformerBlock)
+
+    Args:
+        module: The unsharded model.
+        precision: The opt level (see :func:`resolve_settings`); pass the plugin to share its half dtype.
+        mesh: The device mesh (``None``: FSDP's default, the whole world).
+        blocks: The modules to shard as units of their own: submodules of ``module``, or a module class (a tuple
+            of classes) whose instances are. ``None``: only the islands and the root.
+        reshard_after_forward: Passed to ``fully_shard`` (the root too).
+        gather: O1's all-gather dtype (see :func:`mixed_precision_policy`).
+
+    Called again on a model it sharded (Lightning calls ``configure_model`` at every stage: ``fit`` then ``test``,
+    ``validate`` then ``fit``), ``shard_model`` returns the model as it is when the arguments agree with the first
+    call's (the same level's policies, half dtype, FP32 islands, blocks, ``gather``, mesh and
+    ``reshard_after_forward``); FSDP cannot change a sharded model, so arguments that differ raise ``ValueError``
+    naming each one.
+
+    Returns:
+        ``module``, sharded.
+
+    Raises:
+        ValueError: for a module sharded by something else than ``shard_model`` (``fully_shard`` by hand, FSDP1), a
+            module ``shard_model`` sharded with other arguments, a ``gather`` not valid at the level, blocks that are
+            not submodules, or an ``fp32_modules`` pattern that matches no module. TypeError: for arguments of the
+            wrong type.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module={type(module).__name__} must be a torch.nn.Module.")
+    settings = resolve_settings(precision)
+    props = settings.properties
+    _check_gather(props, gather)
+    if not isinstance(reshard_after_forward, (bool, int)):
+        raise TypeError(
+            f"reshard_after_forward={reshard_after_forward!r} must be True, False or an int (see fully_shard)."
+        )
+    done = _done_plan(module)
+    mode = _mode(props)
+    islands = _islands(module, settings, mode, require_match=True)
+    island_set = {id(m) for _, m in islands}
+    units = _resolve_blocks(module, blocks)
+    inside = {id(m) for _, island in islands for m in island.modules()}
+    units = [unit for unit in units if id(unit) not in inside]  # blocks inside an island are part of its unit
+    plan = _plan(module, props, mode, islands, units, mesh, reshard_after_forward, gather)
+    if done is not None:
+        _check_same_plan(module, done, plan)
+        return module  # sharded by an earlier call with these arguments (a Lightning hook called at every stage)
+    if mode.name == "half":
+        convert_module(module, mode.half, keep_batchnorm_fp32=mode.batchnorm_islands)
+        for _, island in islands:
+            _module_to_fp32(island)  # fp32_modules (batch norm was kept FP32 above)
+    elif mode.name == "masters":
+        _buffers_to(module, mode.half, skip=island_set)
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    for _, island in islands:
+        fully_shard(island, mp_policy=mixed_precision_policy(settings, role="fp32", gather=gather), **kwargs)
+    block_policy = mixed_precision_policy(settings, role="block", gather=gather)
+    for unit in units:
+        fully_shard(unit, mp_policy=block_policy, **kwargs)
+    fully_shard(module, mp_policy=mixed_precision_policy(settings, role="root", gather=gather), **kwargs)
+    # The model carries what was done to it, so that a second call can tell "the same again" from a conflict.
+    setattr(module, _PLAN_ATTRIBUTE, plan)
+    return module
+
+
+# The attribute of a model shard_model sharded that holds its _plan (the model owns the record of its sharding).
+_PLAN_ATTRIBUTE = "_lightning_mpx_shard_plan"
+_MODE_WORDS = {
+    "fp32": "FP32, no mixed-precision policy",
+    "cast_table": "FP32 shards gathered for the cast table",
+    "masters": "FP32 shards as the master weights",
+    "half": "the model cast to half",
+}
+
+
+def _plan(
+    module: nn.Module,
+    props: Properties,
+    mode: _Mode,
+    islands: list[tuple[str, nn.Module]],
+    units: list[nn.Module],
+    mesh: Any,
+    reshard_after_forward: bool | int,
+    gather: str,
+) -> dict[str, object]:
+    """What :func:`shard_model` does to ``module`` with these arguments, as plain comparable values by argument.
+
+    Only what changes the sharding counts: two plugins of one level and half dtype that differ in their loss scaling
+    shard a model alike. The mesh is described by its value (device type, ranks, dimension names): a strategy builds
+    a new ``DeviceMesh`` object at every stage.
+    """
+    names = {id(m): _clean(n) for n, m in module.named_modules()}
+    return {
+        "opt_level": f"{props.opt_level} ({_MODE_WORDS[mode.name]})",
+        "half_dtype": None if mode.name == "fp32" else dtype_name(mode.half),
+        "FP32 islands (batch norm, fp32_modules)": tuple(sorted(name for name, _ in islands)),
+        "blocks": tuple(sorted(names[id(unit)] for unit in units)),
+        "gather": gather if mode.name == "cast_table" else None,
+        "mesh": _mesh_value(mesh),
+        # As written: True == 1 in Python, but fully_shard reads True (reshard fully) and 1 (reshard to a
+        # world of one) differently.
+        "reshard_after_forward": repr(reshard_after_forward),
+    }
+
+
+def _mesh_value(mesh: Any) -> object:
+    if mesh is None:
+        return None
+    ranks = getattr(mesh, "mesh", None)
+    return (
+        getattr(mesh, "device_type", None),
+        ranks.tolist() if isinstance(ranks, torch.Tensor) else ranks,
+        getattr(mesh, "mesh_dim_names", None),
+    )
+
+
+def _shown(value: object) -> str:
+    if value is None:
+        return "none"
+    return value if isinstance(value, str) else repr(value)
+
+
+def _done_plan(module: nn.Module) -> dict[str, object] | None:
+    """The plan :func:`shard_model` sharded ``module`` with; ``None`` for an unsharded module; raises for a module
+    sharded by other means (``fully_shard`` by hand, FSDP1), whose policies shard_model cannot know."""
+    if not is_sharded(module):
+        return None
+    done = getattr(module, _PLAN_ATTRIBUTE, None)
+    if not isinstance(done, dict):
+        raise ValueError(
+            f"module={type(module).__name__} is already sharded (it holds an FSDP module), and not by a shard_model "
+            "call on it: shard_model shards an unsharded model with the level's policies, which FSDP cannot change "
+            "afterwards. Pass the model before calling fully_shard, or shard it yourself with "
+            "mixed_precision_policy(...) and check it with check_sharded_model(model, precision)."
+        )
+    return done
+
+
+def _check_same_plan(module: nn.Module, done: dict[str, object], plan: dict[str, object]) -> None:
+    """Return when ``plan`` (this call's) is ``done`` (the call that sharded ``module``); raise naming what differs."""
+    differ = [
+        f"{key}: {_shown(done.get(key))} then, {_shown(value)} now"
+        for key, value in plan.items()
+        if done.get(key) != value
+    ]
+    if differ:
+        raise ValueError(
+            f"module={type(module).__name__} was sharded by an earlier shard_model call with other arguments, and "
+            f"FSDP cannot change a sharded model ({'; '.join(differ)}). Call shard_model with the same arguments at "
+            "every stage (Lightning calls configure_model at each of fit, validate, test, predict), or build a new "
+            "model to shard it differently."
+        )
+
+
+def _resolve_blocks(module: nn.Module, blocks: object) -> list[nn.Module]:
+    """``blocks`` as submodules of ``module`` (not the root), deepest first (so ``fully_shard`` goes bottom-up)."""
+    if blocks is None:
+        return []
+    depth = {id(m): name.count(".") + 1 for name, m in module.named_modules() if name}
+    if isinstance(blocks, type) or (isinstance(blocks, tuple) and blocks and all(isinstance(b, type) for b in blocks)):
+        classes = blocks if isinstance(blocks, tuple) else (blocks,)
+        bad = [c for c in classes if not issubclass(c, nn.Module)]
+        if bad:
+            raise TypeError(f"blocks={blocks!r} holds {bad[0]!r}, which is not a torch.nn.Module class.")
+        found = [m for name, m in module.named_modules() if name and isinstance(m, classes)]
+        if not found:
+            present = sorted({type(m).__name__ for name, m in module.named_modules() if name})
+            raise ValueError(
+                f"blocks={blocks!r} matches no submodule of module={type(module).__name__}; its submodules are of "
+                f"the classes {', '.join(present) or 'none'}."
+            )
+    else:
+        if isinstance(blocks, nn.Module) or isinstance(blocks, (str, bytes)):
+            raise TypeError(
+                f"blocks={type(blocks).__name__} must be an iterable of submodules (e.g. model.layers as a list) or a "
+                "module class or a tuple of module classes."
+            )
+        try:
+            found = list(blocks)  # type: ignore[call-overload]
+        except TypeError:
+            raise TypeError(
+                f"blocks={blocks!r} must be an iterable of submodules, a module class or a tuple of module classes."
+            ) from None
+        for block in found:
+            if not isinstance(block, nn.Module):
+                raise TypeError(f"blocks holds {block!r} ({type(block).__name__}); each entry must be a submodule.")
+            if block is module:
+                raise ValueError(
+                    "blocks holds the model itself; the root is always sharded last (with role='root'): list its "
+                    "submodules only."
+                )
+            if id(block) not in depth:
+                raise ValueError(
+                    f"blocks holds a {type(block).__name__} that is not a submodule of module="
+                    f"{type(module).__name__}; valid choices: modules from module.modules()."
+                )
+    unique = list({id(m): m for m in found}.values())
+    return sorted(unique, key=lambda m: -depth[id(m)])
+
+
+def _buffers_to(module: nn.Module, dtype: torch.dtype, *, skip: set[int]) -> None:
+    """Cast the floating buffers of ``module`` outside the modules (and their submodules) in ``skip`` to ``dtype``:
+    at O2 the model computes in half, and an FP32 buffer (a position table) would promote activations to FP32."""
+    skipped = {id(inner) for outer in module.modules() if id(outer) in skip for inner in outer.modules()}
+    for submodule in module.modules():
+        if id(submodule) in skipped:
+            continue
+        for name, buffer in submodule._buffers.items():
+            if buffer is not None and buffer.is_floating_point() and buffer.dtype != dtype:
+                submodule._buffers[name] = buffer.to(dtype)
+
+
+# -- FP32 islands and names ----------------------------------------------------------------------------------------
+def _clean(name: str) -> str:
+    """A module or parameter name without the wrapper segments FSDP1 and activation checkpointing insert."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
+
+
+def _inside(name: str, tops: Iterable[str]) -> bool:
+    return any(name == top or name.startswith(top + ".") for top in tops)
+
+
+def _islands(
+    module: nn.Module, settings: MixedPrecisionSettings, mode: _Mode, *, require_match: bool = False
+) -> list[tuple[str, nn.Module]]:
+    """The FP32 islands of ``module``, outermost only, by clean name: batch norm at O1 and where the level keeps it
+    FP32, modules matching ``fp32_modules`` (with :func:`lightning_mpx.health.promotion.matches`). None at O0."""
+    if mode.name == "fp32":
+        return []
+    patterns = tuple(settings.fp32_modules)
+    found: dict[str, nn.Module] = {}
+    matched: set[str] = set()
+    for raw, sub in module.named_modules():
+        name = _clean(raw)
+        if not name or isinstance(sub, FullyShardedDataParallel):
+            continue  # the root, or an FSDP1 wrapper (the module it wraps has the same clean name)
+        hits = [p for p in patterns if matches(name, p)]
+        matched.update(hits)
+        if (hits or (mode.batchnorm_islands and isinstance(sub, _BatchNorm))) and name not in found:
+            found[name] = sub
+    unmatched = [p for p in patterns if p not in matched]
+    if require_match and unmatched:
+        names = [n for n, _ in module.named_modules() if n]
+        shown = ", ".join(map(repr, names[:12])) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
+        raise ValueError(
+            f"fp32_modules pattern(s) {', '.join(map(repr, unmatched))} match no module of module="
+            f"{type(module).__name__}; its module names are {shown or 'none (no submodules)'}."
+        )
+    tops = [n for n in found if not any(n.startswith(other + ".") for other in found if other != n)]
+    return [(n, found[n]) for n in tops]
+
+
+# -- FSDP1 -------------------------------------------------------------------------------------------------------
+def fsdp1_mixed_precision(precision: object, *, gather: Gather = "half") -> MixedPrecision | None:
+    """FSDP1's ``MixedPrecision`` for an opt level (``FullyShardedDataParallel(..., mixed_precision=...)``), or
+    ``None`` where FSDP1 should not cast (O0, and O1 with ``gather="fp32"``).
+
+    O1: gathered in half, reduced in FP32, no input casts (the cast table decides). O2: gathered in half, reduced in
+    FP32, buffers in half, the root's inputs cast to half. Batch norm, at O1 and where the level keeps it FP32, is
+    left out through ``_module_classes_to_ignore`` (FSDP1 then wraps each batch-norm module as a unit of its own without
+    mixed precision, *only when an* ``auto_wrap_policy`` *is given*). O3: the model must be cast to half before
+    wrapping (:func:`~lightning_mpx.masters.weights.convert_module`); the policy only casts the root's inputs to half
+    (``param_dtype`` is the parameters' own dtype, so nothing is re-gathered) and leaves batch norm out as at O2.
+    FSDP1 has no output cast and no name-based units: ``fp32_modules`` need units of their own through the
+    ``auto_wrap_policy`` (:func:`check_sharded_model` refuses them gathered in half).
+
+    Raises:
+        ValueError: for a ``gather`` that is not valid at the level.
+    """
+    props = resolve_settings(precision).properties
+    _check_gather(props, gather)
+    mode = _mode(props)
+    half = mode.half
+    if mode.name == "fp32" or (mode.name == "cast_table" and gather == "fp32"):
+        return None
+    ignore: tuple[type[nn.Module], ...] = (_BatchNorm,) if mode.batchnorm_islands else ()
+    if mode.name == "cast_table":
+        return MixedPrecision(
+            param_dtype=half,
+            reduce_dtype=_F32,
+            cast_forward_inputs=False,
+            cast_root_forward_inputs=False,
+            _module_classes_to_ignore=ignore,
+        )
+    if mode.name == "masters":
+        return MixedPrecision(
+            param_dtype=half,
+            reduce_dtype=_F32,
+            buffer_dtype=half,
+            cast_root_forward_inputs=True,
+            _module_classes_to_ignore=ignore,
+        )
+    return MixedPrecision(param_dtype=half, cast_root_forward_inputs=True, _module_classes_to_ignore=ignore)
+
+
+# -- the check -----------------------------------------------------------------------------------------------------
+class _Unit(NamedTuple):
+    name: str  # clean name
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    known: bool  # whether the policy could be read
+
+
+def _units(module: nn.Module) -> list[_Unit]:
+    units: list[_Unit] = []
+    for raw, sub in module.named_modules():
+        if isinstance(sub, FSDPModule):
+            policy = _fsdp2_policy(sub)
+            if policy is None:
+                units.append(_Unit(_clean(raw), None, None, False))
+            else:
+                units.append(_Unit(_clean(raw), policy.param_dtype, policy.reduce_dtype, True))
+        elif isinstance(sub, FullyShardedDataParallel):
+            mp = getattr(sub, "mixed_precision", None)
+            known = mp is None or isinstance(mp, MixedPrecision)
+            units.append(_Unit(
+                _clean(raw), getattr(mp, "param_dtype", None), getattr(mp, "reduce_dtype", None), known
+            ))
+    return units
+
+
+def _fsdp2_policy(module: FSDPModule) -> MixedPrecisionPolicy | None:
+    """The policy ``fully_shard`` was given for ``module``, or ``None`` when it cannot be read.
+
+    FSDP2 has no public getter for it (torch 2.13): it lives on the private ``FSDPState._mp_policy``. Reading it is
+    the only way to tell a model sharded with the level's policies from one sharded without any; if a future torch
+    moves it, the policy checks are skipped with a warning rather than failing every sharded run.
+    """
+    try:
+        policy = module._get_fsdp_state()._mp_policy
+    except AttributeError:
+        return None
+    return policy if isinstance(policy, MixedPrecisionPolicy) else None
+
+
+def _owner(names: list[str], param: str) -> str | None:
+    """The innermost of ``names`` (FSDP units) that holds parameter ``param`` (FSDP gives a parameter to the
+    innermost unit that contains it, as units are made bottom-up)."""
+    best: str | None = None
+    for unit in names:
+        if (unit == "" or param.startswith(unit + ".")) and (best is None or len(unit) > len(best)):
+            best = unit
+    return best
+
+
+def check_sharded_model(module: nn.Module, settings: object) -> None:
+    """Raise ``ValueError`` when a model sharded with FSDP2 (``fully_shard``) or FSDP1 (``FullyShardedDataParallel``)
+    does not fit the opt level: what was found, what the level needs, and the helper to call.
+
+    Refused: at O0 half parameters or a half gather; at O1 half parameters stored (any gather is fine); at O2 half
+    parameters stored (FSDP's FP32 shards are the masters: do not cast before sharding) or a unit gathered in
+    anything but the half dtype (sharded without the level's policy); at O3 FP32 parameters stored outside the
+    islands; at O1-O3 an FP32 island (batch norm at O1 and where ``keep_batchnorm_fp32``, ``fp32_modules``)
+    gathered in half (or, at O2/O3, by its parent's unit); at O2/O3
+    ``on_floor="promote"`` (FSDP's policy cannot change after sharding). Warned about (``UserWarning``): gradients
+    reduced in half at O1/O2 (no corruption: FSDP casts the reduced gradient back to the FP32 shard before the
+    unscale, and the scaler skips a step whose sum overflowed; but the sum across ranks is rounded to half, and a
+    float16 sum of N ranks has N times less headroom, which costs loss scale; some choose it to halve the
+    reduce-scatter's bytes).
+
+    Args:
+        module: The sharded model (FSDP1: the wrapped model).
+        settings: The opt level (anything :func:`resolve_settings` takes).
+    """
+    settings = resolve_settings(settings, argument="settings")
+    props = settings.properties
+    mode = _mode(props)
+    level, half = props.opt_level, mode.half
+    if not is_sharded(module):
+        raise ValueError(
+            f"module={type(module).__name__} is not sharded (no FSDPModule or FullyShardedDataParallel in it); "
+            "check_sharded_model checks a model after fully_shard / FullyShardedDataParallel."
+        )
+    helper = (
+        f"shard the unsharded model with lightning_mpx.integrations.fsdp.shard_model(model, precision) or pass "
+        f"mp_policy=lightning_mpx.integrations.fsdp.mixed_precision_policy(precision, role=...) to each fully_shard "
+        f"(FSDP1: mixed_precision=lightning_mpx.integrations.fsdp.fsdp1_mixed_precision(precision))"
+    )
+    if mode.name in ("masters", "half") and settings.scaler.on_floor == "promote":
+        raise ValueError(
+            f"on_floor='promote' cannot work on a sharded model at opt_level={level!r}: promoting a module to FP32 "
+            "changes its parameters' dtype and compute dtype, which FSDP fixes when it shards the model. Use "
+            "on_floor='raise' (or 'warn'/'continue'), and name the modules to keep in FP32 up front with "
+            "fp32_modules=[...] (shard_model makes them FP32 units)."
+        )
+    islands = [name for name, _ in _islands(module, settings, mode)]
+    units = _units(module)
+    unit_names = [u.name for u in units]
+    by_name = {u.name: u for u in units}
+
+    # What is stored: FSDP's sharded parameters (FSDP2 DTensors, FSDP1 flat parameters) outside the forward.
+    stored_half, stored_fp32, island_half = [], [], []
+    for raw, param in module.named_parameters():
+        if not param.is_floating_point():
+            continue
+        name = _clean(raw)
+        if _inside(name.rpartition(".")[0], islands):
+            if param.dtype != _F32:
+                island_half.append(name)
+        elif param.dtype in HALF_DTYPES:
+            stored_half.append(name)
+        else:
+            stored_fp32.append(name)
+    if stored_half and mode.name != "half":
+        need = {
+            "fp32": "everything in FP32 at O0",
+            "cast_table": "the model in FP32 at O1 (FSDP gathers it in half; the cast table casts)",
+            "masters": "FSDP's sharded FP32 parameters as the master weights at O2 (compute in half comes from "
+            "the policy's param_dtype): do not cast the model to half before sharding",
+        }[mode.name]
+        raise ValueError(
+            f"the sharded model stores half parameters ({_listed(stored_half)}) but opt_level={level!r} needs "
+            f"{need}; {helper}."
+        )
+    if stored_fp32 and mode.name == "half":
+        raise ValueError(
+            f"the sharded model stores FP32 parameters ({_listed(stored_fp32)}) but opt_level={level!r} needs the "
+            f"model cast to {dtype_name(half)} before sharding (batch norm and fp32_modules kept FP32 as units of "
+            f"their own); {helper}."
+        )
+    if island_half:
+        raise ValueError(
+            f"the sharded model stores {_listed(island_half)} in half but at opt_level={level!r} batch norm and "
+            f"fp32_modules are FP32 (FSDP units of their own, gathered in FP32); {helper}."
+        )
+
+    if not all(u.known for u in units):
+        warnings.warn(
+            "lightning_mpx could not read the mixed-precision policy of the FSDP modules (a torch version that "
+            f"moved it); whether they fit opt_level={level!r} was not checked.",
+            UserWarning,
+            stacklevel=2,
+        )
+        return
+    # Which unit gathers each parameter, and in which dtype.
+    owners: dict[str, set[str]] = {}
+    for raw, param in module.named_parameters():
+        if param.is_floating_point():
+            owner = _owner(unit_names, _clean(raw))
+            if owner is not None:
+                owners.setdefault(owner, set()).add(_clean(raw))
+    gathers_half = {u.name for u in units if u.param_dtype in HALF_DTYPES}
+    if mode.name == "fp32" and gathers_half & set(owners):
+        raise ValueError(
+            f"FSDP gathers {_listed(sorted(gathers_half & set(owners)))} in half but opt_level='O0' runs everything "
+            f"in FP32; shard without a mixed-precision policy, or {helper}."
+        )
+    if mode.name == "masters":
+        plain = [u.name for u in units if u.name in owners and not _inside(u.name, islands)
+                 and u.param_dtype not in HALF_DTYPES]
+        if plain:
+            found = ", ".join(
+                f"{u or '<root>'} (param_dtype={by_name[u].param_dtype})" for u in plain[:4]
+            ) + (f" and {len(plain) - 4} more" if len(plain) > 4 else "")
+            raise ValueError(
+                f"at opt_level='O2' FSDP must gather the model in {dtype_name(half)} (its FP32 shards are the "
+                f"masters, the compute is half), but these FSDP units gather in FP32 or their own dtype: {found}. "
+                f"The model was sharded without lightning_mpx's policy: {helper}."
+            )
+    if mode.name != "fp32":
+        # An island's parameters must not be gathered in half; at O2/O3 they need a unit inside the island (FSDP
+        # needs one dtype per unit, and the island's output goes back to half).
+        bad = set()
+        for owner, params in owners.items():
+            for param in params:
+                for island in islands:
+                    if _inside(param.rpartition(".")[0], [island]) and (
+                        by_name[owner].param_dtype in HALF_DTYPES
+                        or (mode.name in ("masters", "half") and not _inside(owner, [island]))
+                    ):
+                        bad.add(island)
+        if bad:
+            raise ValueError(
+                f"{_listed(sorted(bad))} must run in FP32 at opt_level={level!r} (batch norm, fp32_modules) but FSDP "
+                f"gathers it in {dtype_name(half)} or with its parent's unit: an FP32 island needs an "
+                f"FSDP unit of its own, mp_policy=mixed_precision_policy(precision, role='fp32'), sharded before "
+                f"its parent; {helper}."
+            )
+    if mode.name in ("cast_table", "masters"):
+        half_reduce = [
+            u.name or "<root>" for u in units
+            if u.name in owners and not _inside(u.name, islands)
+            and (u.reduce_dtype if u.reduce_dtype is not None else u.param_dtype) in HALF_DTYPES
+        ]
+        if half_reduce:
+            warnings.warn(
+                f"FSDP reduces the gradients of {_listed(half_reduce)} in half at opt_level={level!r}: the sum "
+                "across ranks is rounded to half (and a float16 sum can overflow where each rank's gradient is "
+                "finite, which backs the loss scale off). lightning_mpx's policies reduce in FP32 "
+                "(reduce_dtype=torch.float32); see lightning_mpx.integrations.fsdp.mixed_precision_policy.",
+                UserWarning,
+                stacklevel=2,
+            )
+
+
+def _listed(names: list[str], limit: int = 4) -> str:
+    shown = ", ".join(repr(n or "<root>") for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

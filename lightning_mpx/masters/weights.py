@@ -1,0 +1,636 @@
+"""Half models and FP32 master weights (O2, O3).
+
+:func:`convert_module` casts a module's floating-point parameters and buffers to half in place, keeping batch norm
+in FP32 when asked. :class:`MasterWeights` holds FP32 copies of the half parameters, kept coherent with the model;
+:class:`~lightning_mpx.engine.amp.Amp` hands them to the optimizer for its step (so the update and the optimizer state are
+FP32), and :meth:`MasterWeights.copy_to_model` writes the result back to the model after each real step.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_mpx.common.dtypes import HALF_DTYPES
+from lightning_mpx.scaling.unscale import BACKENDS, UnscaleWorkspace, _foreach_copy_, _one_copy_group, cast_copy_
+
+
+def has_floating_parameters(module: nn.Module) -> bool:
+    return any(p.is_floating_point() for p in module.parameters())
+
+
+def convert_module(
+    module: nn.Module, dtype: torch.dtype, *, keep_batchnorm_fp32: bool = True, require_parameters: bool = True
+) -> nn.Module:
+    """Cast ``module``'s floating-point parameters and buffers to ``dtype`` in place and return it.
+
+    Parameters keep their identity (``param.data`` is replaced), so references held elsewhere, an optimizer's
+    included, stay valid. Batch-norm modules (every subclass of ``_BatchNorm``, ``SyncBatchNorm`` included) are left
+    in FP32 when ``keep_batchnorm_fp32``: their statistics need the range, and torch runs them on half inputs.
+    ``require_parameters=False``: a module without floating-point parameters (a parameter-free wrapper) is accepted,
+    its floating buffers cast.
+
+    Raises:
+        ValueError: when the module has no floating-point parameters (there would be nothing to train in half) and
+            ``require_parameters``.
+    """
+    if require_parameters and not has_floating_parameters(module):
+        raise ValueError(
+            f"module={type(module).__name__} has no floating-point parameters, so casting it to {dtype} would do "
+            "nothing; use opt_level='O0' or 'O1' for it, or check that the module was built before conversion."
+        )
+    for submodule in module.modules():
+        if keep_batchnorm_fp32 and isinstance(submodule, _BatchNorm):
+            continue
+        for param in submodule._parameters.values():
+            if param is not None and param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+                if param.grad is not None:
+                    param.grad = None
+        for name, buffer in submodule._buffers.items():
+            if buffer is not None and buffer.is_floating_point() and buffer.dtype != dtype:
+                submodule._buffers[name] = buffer.to(dtype)
+    return module
+
+
+class MasterWeights:
+    """FP32 master copies of a model's half parameters, kept coherent with the model.
+
+    The optimizer keeps holding the model's own parameters (so ``optimizer.param_groups``, ``add_param_group``,
+    ``toggle_optimizer`` and callbacks that map optimizer parameters to module names see the model);
+    :class:`~lightning_mpx.engine.amp.Amp` puts the masters in their place only for the duration of a step, a
+    ``state_dict`` and a ``load_state_dict`` of the optimizer. The model is the user's: a write to a half parameter
+    made outside the step (``model.load_state_dict`` after preparing, ``StochasticWeightAveraging``, EMA, ``copy_``
+    under ``no_grad``, ``p.data = ...``) is seen through the parameter's version counter and storage address and
+    taken into its master before the master is next used (:meth:`refresh`): the elements the write changed take the
+    model's value, the others keep their FP32 master value, so a model loaded with the half rounding of its own
+    masters (a checkpoint resume) keeps the exact masters. Writes made in place through ``p.data`` (``p.data.copy_``,
+    ``p.data.clamp_``) bypass the version counter: a half parameter with a master is made a
+    :class:`WatchedParameter`, which tells the masters when its ``.data`` is handed out, and that parameter is
+    compared at the next :meth:`refresh` (see :class:`_DataWatch`).
+
+    Masters are made for the trainable half parameters when the masters are created (``eager``), and for any other
+    half parameter of the model (a frozen backbone unfrozen later) when :meth:`master_of` is asked to create it: the
+    first time an optimizer steps it. Parameters are held through weak references: a model the user lets go takes its
+    masters with it.
+
+    Args:
+        named_parameters: ``(name, parameter)`` pairs of the model; FP32 parameters (batch norm kept FP32) are their
+            own masters, half parameters get an FP32 copy.
+        copy_backend: How :meth:`copy_to_model` copies: ``"auto"`` (torch's multi-tensor copy, as ``"foreach"``:
+            one launch per device and dtype pair, less host work than the fused kernel), ``"foreach"``,
+            ``"reference"`` or ``"triton"`` (the fused Triton kernel for CUDA parameters).
+        exclude: Parameters another :class:`MasterWeights` already covers (a submodule shared by two models): they
+            are left to it, so every tensor has one master.
+        eager: Make the masters of the trainable half parameters now. ``False``: only when :meth:`master_of` is
+            asked to create one, as :class:`~lightning_mpx.engine.amp.Amp` does for the parameters an optimizer holds (an
+            EMA copy or a distillation teacher kept as a submodule, trainable but in no optimizer, gets none).
+        initial: FP32 values the half parameters held before their cast (by ``id`` of the parameter): a master made
+            while its parameter still holds their rounding starts from them exactly (elements written since keep
+            the model's value). Dropped by :meth:`drop_initial` once the masters that need them are made.
+
+    Attributes:
+        workspace: The copy kernel's table cache, kept across steps.
+    """
+
+    def __init__(
+        self,
+        named_parameters: Iterable[tuple[str, nn.Parameter]],
+        *,
+        copy_backend: str = "auto",
+        exclude: Callable[[torch.Tensor], bool] | None = None,
+        eager: bool = True,
+        initial: Mapping[int, torch.Tensor] | None = None,
+    ) -> None:
+        if copy_backend not in BACKENDS:
+            raise ValueError(f"copy_backend={copy_backend!r} is not valid; valid choices: {', '.join(BACKENDS)}.")
+        self.copy_backend = copy_backend
+        self.workspace = UnscaleWorkspace()
+        self._entries: dict[int, _Entry] = {}
+        self._watch = _DataWatch()
+        self._eager = eager
+        for name, param in named_parameters:
+            if id(param) in self._entries or (exclude is not None and exclude(param)):
+                continue
+            entry = _Entry(name, weakref.ref(param))
+            self._entries[id(param)] = entry
+            if initial is not None and id(param) in initial:
+                entry.initial = initial[id(param)]
+            if eager and param.requires_grad:
+                self._make_master(entry, param)
+
+    # -- lookups ------------------------------------------------------------------------------------------------
+    def _live(self) -> Iterator[tuple[_Entry, torch.Tensor]]:
+        dead = []
+        for key, entry in self._entries.items():
+            param = entry.param()
+            if param is None:
+                dead.append(key)
+            else:
+                yield entry, param
+        for key in dead:
+            del self._entries[key]
+
+    def _entry(self, param: torch.Tensor) -> _Entry | None:
+        entry = self._entries.get(id(param))
+        return entry if entry is not None and entry.param() is param else None
+
+    @property
+    def alive(self) -> bool:
+        """Whether any parameter these masters were made for still exists."""
+        return any(True for _ in self._live())
+
+    @property
+    def names(self) -> list[str]:
+        return [entry.name for entry, _ in self._live()]
+
+    @property
+    def half_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(model parameter, FP32 master)`` for every half parameter that has a master."""
+        return [(param, entry.master) for entry, param in self._live() if entry.master is not None]
+
+    def covers(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is one of the model parameters these masters were made for."""
+        return self._entry(param) is not None
+
+    def master_of(self, param: torch.Tensor, *, create: bool = False) -> torch.Tensor:
+        """The FP32 master of ``param`` (``param`` itself when it is FP32 or not covered); with ``create``, a half
+        parameter without one (frozen when the masters were made) gets it now."""
+        entry = self._entry(param)
+        if entry is None:
+            return param
+        if entry.master is None and create and param.dtype in HALF_DTYPES:
+            self._make_master(entry, param)
+        return entry.master if entry.master is not None else param
+
+    def release(self, param: torch.Tensor) -> torch.Tensor | None:
+        """Forget the master of ``param``, which has become FP32 in place (a module promoted to FP32): from now on it
+        is its own master, as an FP32 parameter is. Returns the master it had (``None`` if none)."""
+        entry = self._entry(param)
+        if entry is None:
+            return None
+        master, entry.master = entry.master, None
+        _unwatch_data(param)
+        return master
+
+    def keeps_value(self, param: torch.Tensor) -> bool:
+        """Whether an FP32 value is kept for ``param``'s master, not made yet (``initial``): then making the master
+        costs no memory (the value becomes it), and a parameter frozen since preparing gets it from that value."""
+        entry = self._entry(param)
+        return entry is not None and entry.master is None and entry.initial is not None
+
+    def name_of(self, param: torch.Tensor) -> str | None:
+        entry = self._entry(param)
+        return entry.name if entry is not None else None
+
+    # -- coherence ----------------------------------------------------------------------------------------------
+    def _make_master(self, entry: _Entry, param: torch.Tensor) -> None:
+        initial, entry.initial = entry.initial, None
+        if param.dtype in HALF_DTYPES:
+            with torch.no_grad():
+                if initial is not None and initial.shape == param.shape and initial.dtype == torch.float32:
+                    # The FP32 value the model held before its cast becomes the master (its own storage, when the
+                    # model was not moved since: no second FP32 copy), where the model still holds its rounding;
+                    # elements written since (a load of other weights) take the model's value, as refresh does.
+                    value = _take_differing(param, initial.to(param.device))
+                else:
+                    value = param.detach().float()
+            entry.master = value.requires_grad_(True)
+            _watch_data(param, self._watch)
+        entry.mark(param)
+
+    def initial_state(self) -> dict[str, torch.Tensor]:
+        """The FP32 values kept from before the cast for masters not made yet, by name, cloned (a checkpoint taken
+        before the first step carries them, so that a resumed run makes those masters as the run it came from)."""
+        return {e.name: e.initial.detach().clone() for e, _ in self._live() if e.initial is not None}
+
+    def check_initial_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Raise, changing nothing, if :meth:`load_initial_state` cannot take ``state``."""
+        live = {entry.name: param for entry, param in self._live()}
+        for name, tensor in state.items():
+            if name not in live or tuple(tensor.shape) != tuple(live[name].shape):
+                raise ValueError(
+                    f"kept FP32 value {name!r} of the checkpoint matches no parameter of this model (or not its "
+                    "shape); nothing was loaded."
+                )
+
+    def load_initial_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Keep exactly the FP32 values of ``state`` for the masters not made yet (others are let go)."""
+        for entry, param in self._live():
+            value = state.get(entry.name)
+            entry.initial = None if value is None or entry.master is not None else value.detach().clone().float()
+
+    def fp32_values(self) -> dict[int, torch.Tensor]:
+        """By ``id`` of the parameter, the FP32 value of each half parameter that has a master or a kept value: its
+        master, or the master it will be made from that value (elements written to the model since taking the
+        model's value, as :meth:`_make_master` does). A parameter frozen since it was prepared keeps its value too
+        (it was trainable then: the value is its FP32 weight, which its export must give); one frozen before has
+        none. Nothing is changed."""
+        out = {}
+        with torch.no_grad():
+            for entry, param in self._live():
+                if entry.master is not None:
+                    out[id(param)] = entry.master
+                elif entry.initial is not None and param.dtype in HALF_DTYPES and entry.initial.shape == param.shape:
+                    kept = entry.initial.to(param.device)
+                    out[id(param)] = torch.where(param != kept.to(param.dtype), param.float(), kept)
+        return out
+
+    def drop_initial(self) -> None:
+        """Let go of the FP32 values kept from before the cast for masters not made yet (a trainable parameter no
+        optimizer holds, a teacher's): a master made later starts from the half value, as in Apex."""
+        for entry in self._entries.values():
+            entry.initial = None
+
+    def take_loaded(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """FP32 ``value`` is being loaded into half ``param`` (``load_state_dict``): its master, or the initial value
+        its master will be made from, takes it exactly; the model takes its rounding, which the master agrees with,
+        so the next :meth:`refresh` keeps the exact value."""
+        entry = self._entry(param)
+        if entry is None or value.shape != param.shape:
+            return
+        target = entry.master if entry.master is not None else entry.initial
+        if target is not None:
+            with torch.no_grad():
+                target.copy_(value)
+        elif param.requires_grad and param.dtype in HALF_DTYPES:
+            # No master yet and no value kept (several processes, where values from before the cast are not kept):
+            # the loaded value is kept for the master made later, as the same file is loaded on every rank. A frozen
+            # parameter (a LoRA base) gets none, as it gets no master.
+            entry.initial = value.detach().to(torch.float32, copy=True)
+
+    def refresh(self, params: Iterable[torch.Tensor] | None = None, *, force: bool = False) -> list[str]:
+        """Take writes made to the model's half parameters since the masters last matched them; returns the names
+        of the parameters taken.
+
+        A parameter counts as written when its version counter or storage address moved (``force``: always). Its
+        master then takes the model's value where the two differ as half values, and keeps its FP32 value where
+        they agree: the comparison runs only for written parameters, so a step that finds nothing written costs
+        two attribute reads per parameter.
+
+        Args:
+            params: The model parameters to check (default: all).
+            force: Check every parameter's values, whatever its version (after writes through ``p.data``).
+        """
+        written = []
+        entries = list(
+            self._live()
+            if params is None
+            else ((e, p) for p in params if (e := self._entry(p)) is not None)
+        )
+        handed_out = self._watch.due({id(p) for _, p in entries})
+        for entry, param in entries:
+            if entry.master is None:
+                continue
+            if force or id(param) in handed_out or not entry.unchanged(param):
+                written.append((entry, param))
+        return _take_writes(written)
+
+    def mirror(self, params: Iterable[torch.Tensor], *, compare: bool = False) -> Mirror:
+        """The step-time view of ``params``' masters (those that have one): see :class:`Mirror`."""
+        pairs = [(e, p) for p in params if (e := self._entry(p)) is not None and e.master is not None]
+        return Mirror(pairs, self.copy_backend, compare, self._watch)
+
+    def sync_from_model(self) -> None:
+        """Re-take the masters from the model parameters, on the model's current device.
+
+        For frameworks that move the model to its device, or broadcast rank zero's weights to every process, after
+        the masters were made. Identity is kept (an optimizer's state for them stays valid). In a single process a
+        master keeps its exact FP32 value where the model holds its rounding (the model was only moved); across
+        processes (a process group initialized) every master is the model's value, so that all ranks hold rank zero's.
+        """
+        if not _multi_process():
+            self.refresh(force=True)  # moves each master to its parameter's device, takes what differs
+            return
+        with torch.no_grad():
+            for entry, param in self._live():
+                master = entry.master
+                if master is None:
+                    continue
+                if master.device != param.device:
+                    master.data = master.data.to(param.device)
+                master.copy_(param)
+                entry.mark(param)
+
+    def copy_to_model(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Write the masters into the half model parameters (after a real optimizer step): all of them, or those of
+        ``params``. One pass that reads 4 bytes and writes 2 per element, one launch per device and dtype pair
+        (torch's multi-tensor copy; the fused kernel with ``copy_backend="triton"``)."""
+        if params is None:
+            pairs = [(p, e) for e, p in self._live() if e.master is not None]
+        else:
+            pairs = [(p, e) for p in params if (e := self._entry(p)) is not None and e.master is not None]
+        if not pairs:
+            return
+        models = [p for p, _ in pairs]
+        cast_copy_(models, [e.master for _, e in pairs], backend=self.copy_backend, workspace=self.workspace)
+        for param, entry in pairs:
+            entry.mark(param)
+
+    def clear_model_grads(self) -> None:
+        """Drop the half model gradients once they have been unscaled into the masters."""
+        for param, _ in self.half_pairs:
+            param.grad = None
+
+    # -- checkpoints --------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The FP32 masters of the half parameters, by name, cloned (exact, not rounded through half); writes made to
+        the model since the last step are taken first."""
+        for entry, param in list(self._live()) if self._eager else ():
+            if entry.master is None and param.requires_grad and param.dtype in HALF_DTYPES:
+                # Trainable now (unfrozen since preparing) but not stepped yet: its master is made here, so the
+                # checkpoint matches a run that prepares the model with it trainable.
+                self._make_master(entry, param)
+        self.refresh()
+        return {entry.name: entry.master.detach().clone() for entry, _ in self._live() if entry.master is not None}
+
+    def check_state_dict(self, state: dict[str, torch.Tensor], fp32: Iterable[str] = ()) -> None:
+        """Raise, changing nothing, if ``state`` cannot be loaded: other names, or a tensor of another shape.
+        ``fp32``: names of parameters the checkpoint holds elsewhere, as FP32 weights (modules promoted to FP32)."""
+        live = {entry.name: (entry, param) for entry, param in self._live()}
+        expected = {name for name, (entry, param) in live.items() if entry.master is not None} - set(fp32)
+        unexpected = [name for name in state if name not in live]
+        missing = sorted(expected - set(state))
+        if missing or unexpected:
+            raise KeyError(
+                f"master-weight state does not match the model: missing {missing}, unexpected {sorted(unexpected)}."
+            )
+        for name, tensor in state.items():
+            param = live[name][1]
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"master weight {name!r} has shape {tuple(tensor.shape)} in the checkpoint but the parameter has "
+                    f"shape {tuple(param.shape)}; nothing was loaded."
+                )
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore masters bit-exactly and refresh the half model parameters from them.
+
+        Raises:
+            KeyError: when names are missing or unexpected; ValueError: when a shape differs (also one that would
+                broadcast). Nothing is loaded in either case.
+        """
+        self.check_state_dict(state)
+        with torch.no_grad():
+            for entry, param in list(self._live()):
+                if entry.name not in state:
+                    continue
+                if entry.master is None:
+                    self._make_master(entry, param)
+                if entry.master is None:  # an FP32 parameter now (its module was promoted): the value is its own
+                    param.copy_(state[entry.name])
+                    continue
+                entry.master.copy_(state[entry.name])
+        self.copy_to_model()
+
+
+class Mirror:
+    """The half parameters one optimizer steps and their masters, held for its steps.
+
+    :meth:`take_writes` and :meth:`copy_to_model` are what a step adds at O2: a comparison of the parameters'
+    version counters and addresses as two tuples (C-level maps, about 0.1 us per parameter) and one look at the
+    masters' :class:`_DataWatch` (whether anyone took a parameter's ``.data``), which find nothing in the common
+    case, and the copy of the masters into the model (torch's multi-tensor copy, or the fused kernel with
+    ``backend="triton"``).
+    """
+
+    def __init__(
+        self,
+        pairs: list[tuple[_Entry, torch.Tensor]],
+        copy_backend: str,
+        compare: bool = False,
+        watch: _DataWatch | None = None,
+    ) -> None:
+        self.compare = compare  # compare values every step, not only version counters and handed-out .data
+        self._pairs = pairs
+        self._entries = [entry for entry, _ in pairs]
+        self.params = [param for _, param in pairs]
+        self.masters = [entry.master for entry, _ in pairs]
+        self.copy_backend = copy_backend
+        self.workspace = UnscaleWorkspace()
+        self._watch = watch if watch is not None else _DataWatch()
+        self._keys = {id(param) for param in self.params}
+        self._marks: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        # Whether torch's copy takes every pair in one call (the auto or foreach backend; CPU tensors, or one device
+        # and one dtype on each side): asked again when a parameter was written or replaced since the last step (it
+        # may have moved to another device). A stale answer would cost speed only: torch's copy takes any pair on
+        # any device.
+        self._one_call: bool | None = None
+
+    def _current(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return tuple(map(_VERSION, self.params)), tuple(map(torch.Tensor.data_ptr, self.params))
+
+    def take_writes(self) -> list[str]:
+        """Take writes made to the parameters since the masters last matched them (see :meth:`MasterWeights.refresh`)."""
+        if self.compare:
+            taken = _take_writes(self._pairs)
+        else:
+            handed_out = self._watch.due(self._keys) if self._watch.active() else ()
+            if not handed_out and self._current() == self._marks:
+                return []
+            taken = _take_writes([(e, p) for e, p in self._pairs if id(p) in handed_out or not e.unchanged(p)])
+        self._marks = self._current()
+        self._one_call = None
+        return taken
+
+    def copy_to_model(self) -> None:
+        """Write the masters into the half parameters (after a real step) and remember their new versions."""
+        if not self.params:
+            return
+        if self._one_call is None:
+            self._one_call = self.copy_backend in ("auto", "foreach") and _one_copy_group(self.masters, self.params)
+        if self._one_call:  # cast_copy_'s usual case, without its per-step look at every tensor's device and dtype
+            _foreach_copy_(self.params, self.masters)
+        else:
+            cast_copy_(self.params, self.masters, backend=self.copy_backend, workspace=self.workspace)
+        self._marks = versions, addresses = self._current()
+        for entry, version, address in zip(self._entries, versions, addresses):
+            entry.version, entry.address = version, address
+
+
+_VERSION = operator.attrgetter("_version")
+
+
+_CHUNK = 1 << 22  # elements compared at a time: bounds the temporaries of a large embedding's comparison
+
+
+def _take_differing(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    """``master`` (FP32) with the elements where ``param`` (half) is not its rounding set to ``param``'s value, in
+    place; compared a slice at a time, so the temporaries stay small next to a large parameter."""
+    if not (param.is_contiguous() and master.is_contiguous()):
+        return torch.where(param != master.to(param.dtype), param, master, out=master)
+    flat_param, flat_master = param.view(-1), master.view(-1)
+    for start in range(0, flat_param.numel(), _CHUNK):
+        p, m = flat_param[start : start + _CHUNK], flat_master[start : start + _CHUNK]
+        torch.where(p != m.to(p.dtype), p, m, out=m)
+    return master
+
+
+def _multi_process() -> bool:
+    """Whether a ``torch.distributed`` process group is initialized (its frameworks broadcast rank zero's half
+    weights: masters must then be their rounding on every rank, not each rank's own FP32 values)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _take_writes(pairs: list[tuple[_Entry, torch.Tensor]]) -> list[str]:
+    """Take the writes of ``pairs``' parameters into their masters where the two differ as half values (the other
+    elements keep their FP32 master value), with one host read for all; returns the names of those that changed."""
+    taken: list[str] = []
+    compared = []
+    with torch.no_grad():
+        for entry, param in pairs:
+            master = entry.master
+            assert master is not None
+            entry.mark(param)
+            if master.device != param.device:
+                master.data = master.data.to(param.device)
+            if master.shape != param.shape:
+                master.data = param.detach().float()
+                taken.append(entry.name)
+                continue
+            compared.append((entry, param, param != master.to(param.dtype)))  # NaN != NaN: a NaN written is taken
+        if not compared:
+            return taken
+        device = compared[0][2].device
+        hits = torch.stack([mask.any().to(device) for _, _, mask in compared]).tolist()
+        for (entry, param, mask), hit in zip(compared, hits):
+            if hit:  # the same half values written again (a checkpoint's rounding) keep the FP32 masters
+                master = entry.master
+                assert master is not None
+                master.copy_(torch.where(mask, param.float(), master))
+                taken.append(entry.name)
+    return taken
+
+
+class _DataWatch:
+    """Which half parameters had their ``.data`` taken since the masters last looked (see :class:`WatchedParameter`).
+
+    ``p.data`` is an alias of ``p`` with a version counter of its own, so writes through it (``p.data.copy_``,
+    ``p.data.clamp_``) leave no trace on ``p``. The watch keeps, per parameter, a weak reference to each alias
+    handed out and its version: an alias written while alive moves its own version; an alias that dies (the usual
+    ``p.data.clamp_()`` temporary) marks its parameter for one value comparison, as nothing can tell any more
+    whether it was written.
+    """
+
+    __slots__ = ("dirty", "aliases")
+
+    def __init__(self) -> None:
+        self.dirty: set[int] = set()  # ids of parameters to compare once
+        self.aliases: dict[int, list[tuple[weakref.ref[torch.Tensor], int]]] = {}  # live aliases and their versions
+
+    def active(self) -> bool:
+        return bool(self.dirty or self.aliases)
+
+    def handed_out(self, param: torch.Tensor, alias: torch.Tensor) -> None:
+        key, dirty = id(param), self.dirty
+        live = [(ref, version) for ref, version in self.aliases.get(key, ()) if ref() is not None]
+        live.append((weakref.ref(alias, lambda _: dirty.add(key)), alias._version))
+        self.aliases[key] = live
+
+    def assigned(self, param: torch.Tensor) -> None:
+        self.dirty.add(id(param))
+
+    def due(self, keys: set[int]) -> set[int]:
+        """The parameters among ``keys`` whose ``.data`` may have been written since the last call (then forgotten,
+        but for their live aliases' current versions)."""
+        due = self.dirty & keys
+        self.dirty -= due
+        for key in [key for key in self.aliases if key in keys]:
+            live = []
+            for ref, version in self.aliases[key]:
+                alias = ref()
+                if alias is None:
+                    continue
+                if alias._version != version:
+                    due.add(key)
+                live.append((ref, alias._version))
+            if live:
+                self.aliases[key] = live
+            else:
+                del self.aliases[key]
+        return due
+
+
+_TENSOR_DATA = torch._C.TensorBase.data  # the C-level ``.data`` descriptor that WatchedParameter wraps
+
+
+class WatchedParameter(nn.Parameter):
+    """An ``nn.Parameter`` whose ``.data`` tells its FP32 masters when it is handed out or replaced.
+
+    The half parameters of a model with masters (O2, O3) get this class in place (``param.__class__``) for as long
+    as they have masters; it behaves as ``nn.Parameter`` in every other way (``isinstance`` checks,
+    ``torch.compile``, DDP, ``state_dict``). Pickling and ``copy.deepcopy`` give a plain ``nn.Parameter``.
+    """
+
+    @property  # type: ignore[override]
+    def data(self) -> torch.Tensor:
+        alias = _TENSOR_DATA.__get__(self)
+        watch = self.__dict__.get("_mpx_data_watch")
+        if watch is not None:
+            watch.handed_out(self, alias)
+        return alias
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        _TENSOR_DATA.__set__(self, value)
+        watch = self.__dict__.get("_mpx_data_watch")
+        if watch is not None:
+            watch.assigned(self)
+
+    def __repr__(self) -> str:
+        return repr(nn.Parameter(_TENSOR_DATA.__get__(self), self.requires_grad))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
+        if id(self) in memo:
+            return memo[id(self)]
+        data = _TENSOR_DATA.__get__(self).clone(memory_format=torch.preserve_format)
+        result = nn.Parameter(data, self.requires_grad)
+        memo[id(self)] = result
+        return result
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        plain = nn.Parameter(_TENSOR_DATA.__get__(self), self.requires_grad)
+        plain.__dict__.update((k, v) for k, v in self.__dict__.items() if k != "_mpx_data_watch")
+        return plain.__reduce_ex__(protocol)
+
+
+def _watch_data(param: torch.Tensor, watch: _DataWatch) -> None:
+    """Make ``param`` tell ``watch`` about its ``.data`` (a plain ``nn.Parameter`` only: a subclass of the user's
+    is left as it is, and writes through its ``.data`` need ``refresh_masters(force=True)`` or
+    ``model_writes="values"``)."""
+    if type(param) is nn.Parameter:
+        param.__class__ = WatchedParameter
+    if type(param) is WatchedParameter:
+        param.__dict__["_mpx_data_watch"] = watch
+
+
+def _unwatch_data(param: torch.Tensor) -> None:
+    if type(param) is WatchedParameter:
+        param.__dict__.pop("_mpx_data_watch", None)
+        param.__class__ = nn.Parameter
+
+
+class _Entry:
+    """One model parameter: its name, a weak reference, its master (``None`` until made; FP32 parameters have
+    none) and the version and address it had when the master last matched it."""
+
+    __slots__ = ("name", "param", "master", "initial", "version", "address")
+
+    def __init__(self, name: str, param: weakref.ref[torch.Tensor]) -> None:
+        self.name = name
+        self.param = param
+        self.master: torch.Tensor | None = None
+        self.initial: torch.Tensor | None = None  # the FP32 value before the cast to half, until the master is made
+        self.version = -1
+        self.address = -1
+
+    def mark(self, param: torch.Tensor) -> None:
+        self.version, self.address = param._version, param.data_ptr()
+
+    def unchanged(self, param: torch.Tensor) -> bool:
+        return param._version == self.version and param.data_ptr() == self.address
