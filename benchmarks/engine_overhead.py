@@ -28,17 +28,30 @@ dispatch: the cost a GPU step hides only while the host stays ahead of the devic
   runs ahead of the host, so this is the host work only: what a GPU gains (no wait for the backward per step) is not
   in it.
 
+``--instructions N`` counts instead of timing: per ``--levels`` level, a child process under
+``valgrind --tool=callgrind`` runs five warm-up iterations and then ``N`` more (forward, backward,
+``amp.step``, ``amp.update``, ``zero_grad``; bfloat16, SGD, ``--params`` tensors), once with ``N`` and once with none,
+and the difference over ``N`` is the instructions of one iteration. The count does not move with the load of a shared
+machine, so two trees compare on one figure each: the host cost of a step.
+
 For a before/after figure run it once with ``PYTHONPATH`` on each version (``--label`` names them in the JSON).
 
     python benchmarks/engine_overhead.py [--parts engine telemetry forensics writes skip] [--levels O1 O2]
         [--params 150] [--steps 200] [--repeats 5] [--telemetry-every 10] [--layers 16] [--label L] [--out PATH]
+    python benchmarks/engine_overhead.py --instructions 40 [--levels O1 O2] [--params 150] [--label L]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -350,7 +363,44 @@ def tables(result: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+# -- instructions -----------------------------------------------------------------------------------------------------
+def _child(level: str, params: int, steps: int) -> None:
+    """The counted process: five warm-up iterations, then ``steps`` more (run under callgrind by the parent)."""
+    torch.set_num_threads(1)
+    amp, model, optimizer = _engine(level, params, half_dtype="bfloat16")
+    x = torch.randn(4, 8)
+    for _ in range(5 + steps):
+        _iteration(amp, model, x)
+        _step(amp, optimizer)
+
+
+def _count(level: str, params: int, steps: int, workdir: Path) -> int:
+    out = workdir / f"{level}-{steps}.callgrind"
+    done = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, __file__,
+                           "--_child", level, str(params), str(steps)],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "0"}, timeout=3600)
+    match = re.search(r"Collected\s*:\s*(\d+)", done.stderr)
+    if done.returncode != 0 or match is None:
+        raise RuntimeError(f"{level}: valgrind exited {done.returncode}:\n{done.stderr[-2000:]}")
+    out.unlink(missing_ok=True)
+    return int(match.group(1))
+
+
+def measure_instructions(levels: list[str], params: int, steps: int, jobs: int = 2) -> list[dict[str, Any]]:
+    """Instructions of one training iteration per level (callgrind; see the module's docstring)."""
+    work = [(level, n) for level in levels for n in (0, steps)]
+    with tempfile.TemporaryDirectory(prefix="engine-cg-") as tmp, ThreadPoolExecutor(jobs) as pool:
+        counts = dict(zip(work, pool.map(lambda w: _count(w[0], params, w[1], Path(tmp)), work)))
+    return [{"opt_level": level, "parameters": params, "steps": steps,
+             "instructions_per_iteration": (counts[(level, steps)] - counts[(level, 0)]) / steps}
+            for level in levels]
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--_child"]:
+        _child(argv[1], int(argv[2]), int(argv[3]))
+        return {}
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--levels", nargs="+", choices=("O1", "O2", "O3"), default=["O1", "O2"],
@@ -363,6 +413,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--layers", type=int, default=16, help="forensics: Linear(64, 64) + ReLU blocks")
     parser.add_argument("--label", default="", help="a name for this version in the JSON (e.g. before/after)")
     parser.add_argument("--out", type=Path, default=_harness.default_out("engine_overhead"))
+    parser.add_argument("--instructions", type=int, default=0, metavar="N",
+                        help="count instructions per iteration over N iterations (callgrind) instead of timing")
     args = parser.parse_args(argv)
     if args.params < 2 or min(args.steps, args.repeats, args.telemetry_every, args.layers) < 1:
         parser.error(f"--params={args.params} must be at least 2; --steps={args.steps}, --repeats={args.repeats}, "
@@ -371,6 +423,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"benchmark": "engine_overhead", "label": args.label,
                               "command": _harness.command(argv), **_harness.machine()}  # fmt: skip
     print(f"lightning_mpx from {result['package_path']}")
+    if args.instructions:
+        result["instruction_rows"] = measure_instructions(args.levels, args.params, args.instructions)
+        table = _harness.markdown_table(
+            ["level", "parameters", "instructions per iteration"],
+            [[r["opt_level"], r["parameters"], f"{r['instructions_per_iteration']:,.0f}"]
+             for r in result["instruction_rows"]])
+        print(f"\ninstructions per iteration (callgrind, {args.instructions} iterations after 5):\n{table}")
+        _harness.save(args.out, result, {"instructions per iteration": table})
+        return result
     parts = set(args.parts)
     result["rows"] = [measure(level, args.params, args.steps, args.repeats)
                       for level in args.levels] if "engine" in parts else []  # fmt: skip
