@@ -1,6 +1,8 @@
 """Kept import path: the code lives in :mod:`lightning_mpx.health.forensics`."""
 
 from lightning_mpx.health.forensics import (  # noqa: F401
+    Kind,
+    Origin,
     OVERFLOW_TAG,
     ROOT_TAG,
     FIRST_TAG,
@@ -14,4 +16,4 @@ from lightning_mpx.health.forensics import (  # noqa: F401
     OverflowForensics,
 )
 
-__all__ = ['OVERFLOW_TAG', 'ROOT_TAG', 'FIRST_TAG', 'CodeRegion', 'OverflowRecord', 'module_of', 'overflow_tag', 'merge_kinds', 'merge_records', 'ForwardWatch', 'OverflowForensics']
+__all__ = ['Kind', 'Origin', 'OVERFLOW_TAG', 'ROOT_TAG', 'FIRST_TAG', 'CodeRegion', 'OverflowRecord', 'module_of', 'overflow_tag', 'merge_kinds', 'merge_records', 'ForwardWatch', 'OverflowForensics']

@@ -1,6 +1,7 @@
 """Kept import path: the code lives in :mod:`lightning_mpx.scaling.unscale`."""
 
 from lightning_mpx.scaling.unscale import (  # noqa: F401
+    Tensors,
     GradStats,
     unscale_grads_,
     resolve_backend,
@@ -8,6 +9,7 @@ from lightning_mpx.scaling.unscale import (  # noqa: F401
     cast_copy_,
     foreach_check_and_unscale_,
     clip_coefficient,
+    BACKENDS,
 )
 
-__all__ = ['GradStats', 'unscale_grads_', 'resolve_backend', 'auto_backend', 'cast_copy_', 'foreach_check_and_unscale_', 'clip_coefficient']
+__all__ = ['Tensors', 'GradStats', 'unscale_grads_', 'resolve_backend', 'auto_backend', 'cast_copy_', 'foreach_check_and_unscale_', 'clip_coefficient', 'BACKENDS']

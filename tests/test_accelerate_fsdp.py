@@ -64,7 +64,7 @@ def results(tmp_path_factory):
     found = {_key(case): read("case", _spec(*_key(case))) for case in CASES}
     found["resume"] = read("resume", _spec(*RESUME))
     for case in ACCUMULATE:
-        found["accumulate", *case] = read("accumulate", _spec(*case))
+        found[("accumulate", *case)] = read("accumulate", _spec(*case))
     found["stale"] = read("stale", "1:O2:bfloat16:0")
     found["by_hand"] = read("by_hand", "2:O2:bfloat16:6")
     found["checkpoint"] = out / f"checkpoint_{_spec(*RESUME).replace(':', '_')}"
@@ -140,7 +140,7 @@ def test_clip_grad_norm_refuses_what_has_no_global_norm(results):
 @pytest.mark.parametrize("case", ACCUMULATE)
 def test_accumulation_matches_the_whole_batch(results, case):
     plain = results[case]
-    for rank, whole in zip(results["accumulate", *case], plain):
+    for rank, whole in zip(results[("accumulate", *case)], plain):
         # Two micro-batches per rank (FSDP2: no reduce-scatter until the last one), one real step, one update.
         assert rank["skipped"] == whole["skipped"] and rank["scales"] == whole["scales"]
         assert rank["losses"] == pytest.approx(whole["losses"], rel=1e-3)
