@@ -40,8 +40,9 @@ are summed in half first, as with ``torch.autocast``'s cache (``cache_casts=Fals
 Activation checkpointing recomputes part of the forward pass during the backward pass, outside the forward's scope: a
 backward pass started through the policy recomputes with the forward's casts (see
 :mod:`lightning_mpx.casting.checkpointing`, which also has :func:`checkpoint_contexts` for a bare
-``loss.backward()``). The torch-function mode itself is :mod:`lightning_mpx.casting.mode`'s; FP32 scopes and
-:func:`disable_casts` are :mod:`lightning_mpx.casting.scopes`'; compiled code is :mod:`lightning_mpx.casting.compiled`'s.
+``loss.backward()``). The torch-function mode itself is in :mod:`lightning_mpx.casting.mode`, FP32 scopes and
+:func:`disable_casts` in :mod:`lightning_mpx.casting.scopes`, the hand-off to compiled code in
+:mod:`lightning_mpx.casting.compiled`; this module re-exports their public names.
 """
 
 from __future__ import annotations
@@ -471,7 +472,6 @@ class _CacheEntry(NamedTuple):
     cast: torch.Tensor
     tensor: torch.Tensor  # keeps the tensor alive, so that its id() is not reused while the entry exists
     storage: Any  # the storage cast from, kept alive so that a new storage cannot take its address
-
 
 
 def _action_lookup(actions: dict[Callable[..., Any], int]) -> Callable[[Callable[..., Any], int], int]:
