@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
 
-from lightning_mpx.casting.policy import _CastMode
+from lightning_mpx.casting.mode import _CastMode
 
 HALF = torch.bfloat16
 

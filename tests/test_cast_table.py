@@ -18,7 +18,7 @@ def CastPolicy(*args, **kwargs):  # noqa: N802
     return _CastPolicy(*args, engine="mode", **kwargs)
 
 from lightning_mpx.casting.lists import CATEGORIES
-from lightning_mpx.casting.policy import _NATIVE_PROMOTION
+from lightning_mpx.casting.mode import _NATIVE_PROMOTION
 
 HALF_DTYPES = [torch.float16, torch.bfloat16]
 

@@ -137,7 +137,7 @@ def test_the_search_for_compiled_graphs_runs_once_something_was_compiled(monkeyp
     # An eager model's backward does not look for compiled graphs' nodes until torch.compile has made one in the
     # process (dynamo's count, emptied by the fresh_dynamo fixture); then it does, and the compiled backward makes no
     # call into the hook (the tests above).
-    from lightning_mpx.casting import policy as cast_policy
+    from lightning_mpx.casting import checkpointing as cast_policy
 
     searched: list[int] = []
     search = cast_policy._leave_compiled_backward

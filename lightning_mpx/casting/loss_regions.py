@@ -29,6 +29,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from lightning_mpx.casting.mode import _CastMode
+
 #: Words that mark a name as a loss in a module's code (lower-cased substring match).
 LOSS_WORDS = ("loss", "criterion")
 _DEPTH = 3  # calls followed from a forward
@@ -170,8 +172,6 @@ class LossRegions:
     def _off(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():  # traced: the mode's casts are in the graph, not paid per call
             return
-        from lightning_mpx.casting.policy import _CastMode
-
         popped = []
         length, at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
         while length():

@@ -37,41 +37,62 @@ the parameter, and evaluation-only runs never reach an iteration boundary. Casts
 reach the FP32 parameters in FP32; the gradients of a cached cast's several uses (a weight used at every time step)
 are summed in half first, as with ``torch.autocast``'s cache (``cache_casts=False``: per-use casts, summed in FP32).
 
-Activation checkpointing (``torch.utils.checkpoint``, Hugging Face ``gradient_checkpointing_enable()``) re-runs part
-of the forward pass during the backward pass, where the forward's scope has ended. Torch restores ``torch.autocast``'s
-state for that recomputation, but not torch-function modes, so :meth:`CastPolicy.recompute_scope` is entered around
-the backward pass (``Amp.backward`` does it): inside it the policy casts only code that runs with gradients enabled,
-which during a backward pass is the recomputation (the engine runs backward functions with gradients disabled), and
-the recomputed forward gets the forward's dtypes. A bare ``loss.backward()`` outside both scopes has no policy to
-recompute with, unless the checkpoint call itself records it: :func:`checkpoint_contexts` is a ``context_fn`` for
-``checkpoint(..., use_reentrant=False)`` that does (the reentrant variant takes no ``context_fn``).
+Activation checkpointing recomputes part of the forward pass during the backward pass, outside the forward's scope: a
+backward pass started through the policy recomputes with the forward's casts (see
+:mod:`lightning_mpx.casting.checkpointing`, which also has :func:`checkpoint_contexts` for a bare
+``loss.backward()``). The torch-function mode itself is in :mod:`lightning_mpx.casting.mode`, FP32 scopes and
+:func:`disable_casts` in :mod:`lightning_mpx.casting.scopes`, the hand-off to compiled code in
+:mod:`lightning_mpx.casting.compiled`; this module re-exports their public names.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
-import sys
-from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from lightning_mpx.common.dtypes import parse_half_dtype
+from lightning_mpx.casting.checkpointing import _BACKWARD_ENTRIES, _run_backward, checkpoint_contexts
+from lightning_mpx.casting.compiled import HandOffHandle, hand_off_compiled
 from lightning_mpx.casting.lists import AUTOCAST_ACTIONS
+from lightning_mpx.casting.mode import (
+    _BACKWARD,
+    _CATEGORY_ACTION,
+    _INPLACE_FLOAT,
+    _NATIVE_PROMOTION,
+    _PASS,
+    _PLAIN,
+    _PROMOTE,
+    _PROMOTE_NATIVE,
+    BannedOpError,
+    _CastMode,
+)
+from lightning_mpx.casting.scopes import (
+    Fp32State,
+    _outer_autocast_off,
+    casts_off_if_on,
+    disable_casts,
+    enter_fp32,
+    exit_fp32,
+    fp32_scope,
+)
 from lightning_mpx.casting.table import CastTable
 
-# Actions, resolved once per function and memoised by each policy.
-# _PASS is 0 (falsy) and the casting actions come before _BANNED: the hook tests for them so.
-_PASS, _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _PROMOTE_NATIVE, _BANNED, _BACKWARD, _INPLACE_FLOAT, _PLAIN = range(10)
-# _PLAIN: run as given with torch.autocast off (a function that autocast casts and the table leaves alone).
-_CATEGORY_ACTION = MappingProxyType(
-    {"half": _HALF, "float": _FLOAT, "promote": _PROMOTE, "sequence": _SEQUENCE, "banned": _BANNED}
-)  # read only when a policy resolves its table, never while a forward pass runs
-_LOW = (torch.float16, torch.bfloat16)
-_FP32 = (torch.float32,)
+__all__ = [
+    "BannedOpError",
+    "CastPolicy",
+    "Fp32State",
+    "HandOffHandle",
+    "autocast_differences",
+    "casts_off_if_on",
+    "checkpoint_contexts",
+    "disable_casts",
+    "enter_fp32",
+    "exit_fp32",
+    "fp32_scope",
+]
+
 _CONTAINERS = (torch.Tensor, list, tuple)  # what _cast_changed may change; anything else is passed as given
 _UNSET: Any = object()  # a parameter-cast cache not looked up yet (CastPolicy._cache_now)
 
@@ -85,12 +106,6 @@ def autocast_differences(table: CastTable, device_type: str, *, allow_banned: bo
     """``table.autocast_differences(device_type, allow_banned=allow_banned, half_dtype=half_dtype)``: see
     :meth:`CastTable.autocast_differences`."""
     return table.autocast_differences(device_type, allow_banned=allow_banned, half_dtype=half_dtype)
-
-
-class BannedOpError(NotImplementedError):
-    """A banned op (such as ``binary_cross_entropy``) was called inside a cast-policy scope.
-
-    A ``NotImplementedError``, as Apex raised for banned ops (and so also a ``RuntimeError``)."""
 
 
 class CastPolicy:
@@ -240,23 +255,7 @@ class CastPolicy:
         Returns:
             Handles whose ``remove()`` restores the modules and methods.
         """
-        handles = []
-        if isinstance(root, torch.nn.Module):
-            from torch._dynamo.eval_frame import OptimizedModule
-
-            for module in root.modules():
-                if isinstance(module, OptimizedModule):
-                    handle = _hand_off_module(self, module)
-                    if handle is not None:
-                        handles.append(handle)
-        if methods:
-            if compile_fn is None:
-                raise TypeError("compile_fn=None: methods need the function that compiled them")
-            for name, original in methods.items():
-                handle = _hand_off_method(self, root, name, original, compile_fn)
-                if handle is not None:
-                    handles.append(handle)
-        return handles
+        return hand_off_compiled(self, root, methods=methods, compile_fn=compile_fn)
 
     def clear_cache(self) -> None:
         """Drop the cached casts of parameters: call it at each iteration boundary, after the optimizer step (a
@@ -287,6 +286,12 @@ class CastPolicy:
         return len(self._grad_cache) + len(self._no_grad_cache)
 
     # -- internals ----------------------------------------------------------------------------------------------
+    def _run_backward(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A backward call (``Tensor.backward``, ``torch.autograd.backward``/``grad``) that this policy's mode was
+        handed inside a scope, run with a recompute mode in place (see
+        :func:`~lightning_mpx.casting.checkpointing._run_backward`)."""
+        return _run_backward(self, func, args, kwargs)
+
     def _refresh_actions(self) -> None:
         """Resolve the table into ``{function: action}`` when the table (or its version) changed since last time.
 
@@ -469,214 +474,6 @@ class _CacheEntry(NamedTuple):
     storage: Any  # the storage cast from, kept alive so that a new storage cannot take its address
 
 
-def _widest(values: Any, found: set[torch.dtype]) -> None:
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            if value.is_floating_point():
-                found.add(value.dtype)
-        elif isinstance(value, (list, tuple)):
-            _widest(value, found)
-
-
-def _promote_dtype(found: set[torch.dtype]) -> torch.dtype | None:
-    if len(found) < 2:
-        return None
-    widest = found.pop()
-    for dtype in found:
-        widest = torch.promote_types(widest, dtype)
-    return widest
-
-
-_ALL_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# Promote-category ops whose kernels already compute in the widest floating dtype of two tensor operands that are both
-# dimensioned (or both 0-dim: torch lets a 0-dim tensor adopt a dimensioned one's dtype, the table does not), each
-# operand converted exactly: the result, its dtype and every gradient (each backward formula's operations promote
-# the same way) are bit for bit those of casting the narrower operand first. The policy calls them as given then.
-# Ops whose backward multiplies two inputs together (div, atan2) are left out: a product of two half operands would
-# round in half there.
-_NATIVE_PROMOTION = frozenset(
-    getattr(owner, name)
-    for owner in (torch, torch.Tensor)
-    for name in ("add", "sub", "mul", "eq", "ne", "ge", "gt", "le", "lt")
-) | {torch.Tensor.__eq__, torch.Tensor.__rsub__}
-# The calls that start a backward pass, with the names of their (roots, inputs) arguments.
-_BACKWARD_ARGUMENTS: Mapping[Callable[..., Any], tuple[str, str]] = MappingProxyType(
-    {
-        torch.Tensor.backward: ("self", "inputs"),
-        torch.autograd.backward: ("tensors", "inputs"),
-        torch.autograd.grad: ("outputs", "inputs"),
-    }
-)
-_BACKWARD_ENTRIES = frozenset(_BACKWARD_ARGUMENTS)
-_TENSOR_BACKWARD_KEYWORDS = frozenset({"gradient", "retain_graph", "create_graph", "inputs"})
-_BACKWARD_SIGNATURES: Mapping[Callable[..., Any], inspect.Signature] = MappingProxyType(
-    {func: inspect.signature(func) for func in _BACKWARD_ARGUMENTS}
-)
-
-
-def _run_backward(policy: CastPolicy, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run a backward pass (``func`` is ``Tensor.backward``, ``torch.autograd.backward`` or ``torch.autograd.grad``)
-    with a recompute mode of ``policy`` on the mode stack, so that activation checkpointing recomputes with the
-    forward's casts.
-
-    Torch sets a mode aside while the mode handles a call, and any call of these functions with a mode active is
-    handed to the mode: the mode stack that the autograd engine captures for the backward pass would never hold a
-    cast mode. Torch decides whether to hand a call to the modes by looking at the call's tensor arguments only, so
-    the same call made with the tensors' gradient edges (``torch.autograd.graph.get_gradient_edge``, public API that
-    computes the same gradients) reaches the engine directly, with the recompute mode in place.
-    """
-    roots_name, inputs_name = _BACKWARD_ARGUMENTS[func]
-    if func is not torch.autograd.grad:  # not a gradient penalty's grad() inside a forward pass
-        policy._grad_cache.clear()  # the forward passes' casts: autograd keeps what the backward pass needs
-    if func is torch.Tensor.backward and len(args) == 1 and _TENSOR_BACKWARD_KEYWORDS.issuperset(kwargs):
-        bound, arguments = None, {"self": args[0], **kwargs}  # the common call, without inspect's binding
-    else:
-        bound = _BACKWARD_SIGNATURES[func].bind(*args, **kwargs)
-        arguments = bound.arguments
-    roots, inputs = arguments.get(roots_name), arguments.get(inputs_name)
-    root_tensors, input_tensors = list(_tensors(roots)), list(_tensors(inputs))
-    if (
-        not root_tensors
-        or any(t.grad_fn is None for t in root_tensors)  # a leaf (or no graph): no recomputation behind it
-        or any(not t.requires_grad for t in input_tensors)
-    ):
-        return func(*args, **kwargs)  # torch's own result or error
-    if _compiled_graphs_made():
-        _leave_compiled_backward(policy, root_tensors)
-    if func is torch.Tensor.backward and _make_grads is not None and _engine_run_backward is not None:
-        given = arguments.get("inputs")
-        engine_inputs = tuple(given.values()) if isinstance(given, dict) else given
-        # As torch.autograd.backward reads it: one tensor, or a sequence of them (a list of parameters, often).
-        engine_inputs = (
-            () if engine_inputs is None
-            else (engine_inputs,) if isinstance(engine_inputs, torch.Tensor)
-            else tuple(engine_inputs)
-        )
-        if engine_inputs or given is None:
-            # torch.autograd.backward's own steps, with the gradient made and checked before the mode is entered
-            # (inside it, those tensor calls would go through the hook). The engine's entry point does not consult
-            # torch-function modes, so it is given the tensors themselves (no gradient edges needed here).
-            create_graph = bool(arguments.get("create_graph", False))
-            retain_graph = arguments.get("retain_graph")
-            root = arguments["self"]
-            gradient = arguments.get("gradient")
-            if gradient is None and not root.is_nested and root.is_floating_point() and root.numel() == 1:
-                grads: tuple[Any, ...] = (torch.ones_like(root, memory_format=torch.preserve_format),)  # a loss
-            else:
-                grads = _make_grads((root,), (gradient,), is_grads_batched=False)
-            with _CastMode(policy, recompute_only=True, autocast_device=policy._autocast_device):
-                _engine_run_backward((root,), grads, create_graph if retain_graph is None else retain_graph,
-                                     create_graph, engine_inputs, allow_unreachable=True, accumulate_grad=True)
-            return None
-    arguments[roots_name] = _as_edges(roots)
-    if inputs is not None:
-        arguments[inputs_name] = _as_edges(inputs)
-    if func is torch.Tensor.backward:
-        create_graph = bool(arguments.get("create_graph", False))
-        retain_graph = arguments.get("retain_graph")
-        edges = (arguments["self"],)
-        gradient = arguments.get("gradient")
-        if gradient is None and root_tensors[0].numel() == 1:
-            # What the engine would make for a scalar, made here: inside the mode it would be a call into the hook.
-            gradient = torch.ones_like(root_tensors[0], memory_format=torch.preserve_format)
-        with _CastMode(policy, recompute_only=True, autocast_device=policy._autocast_device):
-            return torch.autograd.backward(
-                edges[0], None if gradient is None else (gradient,), retain_graph, create_graph,
-                inputs=arguments.get("inputs"),
-            )
-    assert bound is not None
-    with _CastMode(policy, recompute_only=True, autocast_device=policy._autocast_device):
-        return func(*bound.args, **bound.kwargs)
-
-
-# torch.autograd.backward's two steps (private; the public call is used where a torch release lacks them).
-_make_grads = getattr(torch.autograd, "_make_grads", None)
-_engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
-
-# How far from the roots of a backward pass to look for compiled graphs' backward nodes (a loss computed eagerly from
-# a compiled model's output is a few nodes away; an eager model is not searched further than this).
-_SEARCH_DEPTH, _SEARCH_NODES = 6, 12
-_COMPILED_BACKWARD = "CompiledFunctionBackward"  # the node of an AOT-autograd (torch.compile) graph's backward
-
-
-def _compiled_graphs_made() -> bool:
-    """Whether ``torch.compile`` has made an autograd graph in this process (dynamo's own count of AOT-autograd
-    compilations), without which no backward pass holds a compiled graph's node and :func:`_leave_compiled_backward`
-    has nothing to find: an eager model's backward then skips that search (a dozen nodes' Python wrappers per step).
-    A graph made by functorch's ``aot_function`` alone, outside dynamo, is not counted: its backward runs with the
-    recompute mode on, which its runtime's calls, made without gradients, pass through unchanged."""
-    utils = sys.modules.get("torch._dynamo.utils")
-    if utils is None:
-        return False  # dynamo never loaded: nothing was compiled
-    counters = getattr(utils, "counters", None)
-    if counters is None:
-        return True  # a torch without the count: search, as before
-    aot = counters.get("aot_autograd")
-    return bool(aot) and aot.get("total", 0) > 0
-
-
-def _leave_compiled_backward(policy: CastPolicy, roots: list[torch.Tensor]) -> None:
-    """Take ``policy``'s recompute modes off the mode stack while the backward of a compiled graph runs.
-
-    A compiled graph's backward is one node whose recomputation, if any, is inside the graph, with the forward's
-    casts traced into it; the mode would only be handed the node's own runtime calls. The autograd engine restores
-    the mode stack it captured for every node it runs, so a pre-hook that pops the modes affects that node alone
-    (also when it raises). Only nodes near the roots are looked at (at most ``_SEARCH_NODES``).
-    """
-    hook = None
-    frontier = [t.grad_fn for t in roots]
-    budget = _SEARCH_NODES
-    for _ in range(_SEARCH_DEPTH):
-        following = []
-        for node in frontier:
-            if node is None:
-                continue
-            name = type(node).__name__
-            if name == "AccumulateGrad":  # a leaf: nothing behind it
-                continue
-            if name == _COMPILED_BACKWARD:
-                if hook is None:
-                    hook = functools.partial(_pop_recompute_modes, policy)
-                node.register_prehook(hook)
-                continue  # behind it: the compiled graph's inputs (parameters, mostly), not searched
-            budget -= 1
-            if budget <= 0:
-                return
-            following.extend([edge[0] for edge in node.next_functions])
-        if not following:
-            return
-        frontier = following
-
-
-def _pop_recompute_modes(policy: CastPolicy, grad_outputs: Any) -> None:
-    stack_len, stack_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
-    while stack_len():
-        top = stack_at(stack_len() - 1)
-        if not (type(top) is _CastMode and top.policy is policy and top.recompute_only):
-            return
-        torch._C._pop_torch_function_stack()
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        yield from (v for v in value.values() if isinstance(v, torch.Tensor))
-    elif isinstance(value, (list, tuple)):
-        yield from (v for v in value if isinstance(v, torch.Tensor))
-
-
-def _as_edges(value: Any) -> Any:
-    edge = torch.autograd.graph.get_gradient_edge
-    if isinstance(value, torch.Tensor):
-        return edge(value)
-    if isinstance(value, dict):
-        return {k: edge(v) if isinstance(v, torch.Tensor) else v for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return tuple(edge(v) if isinstance(v, torch.Tensor) else v for v in value)
-    return value
-
-
 def _action_lookup(actions: dict[Callable[..., Any], int]) -> Callable[[Callable[..., Any], int], int]:
     """The lookup of a function's action in one resolved table: ``lookup(func, stamp)`` (``stamp`` is the policy's
     ``_actions_stamp``, which changes whenever the table is resolved again).
@@ -694,413 +491,3 @@ def _action_lookup(actions: dict[Callable[..., Any], int]) -> Callable[[Callable
     # What torch.compiler.assume_constant_result(lookup) sets, without importing dynamo (seconds) at import time.
     lookup._dynamo_marked_constant = True  # type: ignore[attr-defined]
     return lookup
-
-
-@contextlib.contextmanager
-def _outer_autocast_off() -> Iterator[None]:
-    """``torch.autocast(device, enabled=False)`` for each device whose autocast is on (none: nothing entered)."""
-    with contextlib.ExitStack() as stack:
-        for device in ("cpu", "cuda"):
-            if torch.is_autocast_enabled(device):
-                stack.enter_context(torch.autocast(device, enabled=False))
-        yield
-
-
-class _CastMode(TorchFunctionMode):
-    """The torch-function mode behind :meth:`CastPolicy.scope`; one per scope entry."""
-
-    def __init__(self, policy: CastPolicy, *, recompute_only: bool = False, autocast_device: str | None = None) -> None:
-        super().__init__()
-        self.policy = policy
-        # The device whose torch.autocast runs beside this mode: the functions the mode handles run with it off.
-        self.autocast_device = autocast_device
-        self.disabled = 0
-        # Above 0 inside a module pinned or promoted to FP32 (lightning_mpx.health.promotion): half ops run in FP32.
-        self.fp32 = 0
-        # A backward pass's mode (CastPolicy.recompute_scope): casts only what runs with gradients enabled.
-        self.recompute_only = recompute_only
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        policy = self.policy
-        # Read live: a table changed inside a scope applies.
-        action = policy._action_lookup(func, policy._actions_stamp)
-        if not action or self.disabled:  # _PASS
-            return func(*args, **kwargs) if kwargs else func(*args)
-        device = self.autocast_device
-        if device is None or action == _BACKWARD or not torch.is_autocast_enabled(device):
-            return self._apply(func, action, args, kwargs)
-        # The table's own action, as the Python policy applies it, without autocast's casts on top.
-        if torch.compiler.is_compiling():  # dynamo traces autocast's context manager, not its global setter
-            with torch.autocast(device, enabled=False):
-                return self._apply(func, action, args, kwargs)
-        torch.set_autocast_enabled(device, False)
-        try:
-            return self._apply(func, action, args, kwargs)
-        finally:
-            torch.set_autocast_enabled(device, True)
-
-    def _apply(self, func: Callable[..., Any], action: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None
-               ) -> Any:
-        policy = self.policy
-        if action == _PLAIN:
-            return func(*args, **kwargs) if kwargs else func(*args)
-        if action == _HALF and self.fp32:
-            action = _FLOAT  # inside an FP32 module: the table's half ops run in FP32
-        if action < _BANNED:  # _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _PROMOTE_NATIVE
-            if self.recompute_only and not torch.is_grad_enabled():
-                return func(*args, **kwargs) if kwargs else func(*args)
-            if kwargs and kwargs.get("out") is not None:
-                # Casting the out= tensor would write the result into a copy that the caller never sees.
-                return func(*args, **kwargs)
-            if action == _HALF:
-                args, kwargs = policy._cast_all(args, kwargs, policy.half_dtype, _FP32)
-            elif action == _FLOAT:
-                args, kwargs = policy._cast_all(args, kwargs, torch.float32, _LOW)
-            else:
-                if not kwargs and len(args) == 2:
-                    # The common binary call (x + y, x * 2.0): no promotion when both tensors have one dtype or only
-                    # one argument holds tensors (what _widest would find).
-                    a, b = args
-                    a_tensor, b_tensor = isinstance(a, torch.Tensor), isinstance(b, torch.Tensor)
-                    if a_tensor and b_tensor:
-                        a_dtype, b_dtype = a.dtype, b.dtype
-                        if a_dtype is b_dtype or not (a_dtype.is_floating_point and b_dtype.is_floating_point):
-                            return func(a, b)
-                        if action == _PROMOTE_NATIVE and (a.ndim == 0) is (b.ndim == 0):
-                            # The op's own type promotion gives what the casts would (see _NATIVE_PROMOTION),
-                            # without a cast kernel, its copy and its backward node.
-                            return func(a, b)
-                        # Two floating dtypes (x + x.half()): what _widest and _cast_all find, without them.
-                        widest = torch.promote_types(a_dtype, b_dtype)
-                        if a_dtype is not widest and a_dtype in _ALL_FLOATS:
-                            a = policy._cast_tensor(a, widest)
-                        if b_dtype is not widest and b_dtype in _ALL_FLOATS:
-                            b = policy._cast_tensor(b, widest)
-                        return func(a, b)
-                    elif (a_tensor and not isinstance(b, (list, tuple))) or (
-                        b_tensor and not isinstance(a, (list, tuple))
-                    ):
-                        return func(a, b)
-                found: set[torch.dtype] = set()
-                _widest(args, found)
-                if kwargs:
-                    _widest(tuple(kwargs.values()), found)
-                widest = _promote_dtype(found)
-                if widest is not None:
-                    args, kwargs = policy._cast_all(args, kwargs, widest, _ALL_FLOATS)
-            return func(*args, **kwargs) if kwargs else func(*args)
-        if action == _BACKWARD:
-            return _run_backward(policy, func, args, kwargs or {})
-        if action == _INPLACE_FLOAT:
-            target = args[0] if args else None
-            if isinstance(target, torch.Tensor) and target.dtype in _LOW:
-                name = getattr(func, "__name__", repr(func))
-                raise NotImplementedError(
-                    f"Tensor.{name} on a {target.dtype} tensor: {name[:-1]} belongs to the FP32 list, and an in-place "
-                    f"op cannot write an FP32 result into a half tensor; use the out-of-place {name[:-1]}(), or make "
-                    "the tensor FP32 first (as Apex refused it)."
-                )
-            return func(*args, **kwargs) if kwargs else func(*args)
-        # _BANNED
-        if self.recompute_only and not torch.is_grad_enabled():
-            return func(*args, **kwargs) if kwargs else func(*args)
-        if not policy.allow_banned:
-            raise BannedOpError(policy.table.banned_advice(func))
-        args, kwargs = policy._cast_all(args, kwargs, torch.float32, _LOW)
-        return func(*args, **kwargs) if kwargs else func(*args)
-
-
-def checkpoint_contexts() -> tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]:
-    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=...)``: the
-    recomputation runs with the cast policies that were active when the checkpointed forward ran.
-
-    Torch calls it when the forward reaches the checkpoint; it records the cast modes on this thread's mode stack
-    then (their policy and state: casts disabled, an FP32 module around the call) and returns a do-nothing forward
-    context and a recompute context that enters the same modes again, wherever the backward pass runs, as torch does
-    for ``torch.autocast``'s state. A plain ``loss.backward()`` then recomputes with the forward's casts, as
-    ``Amp.backward`` does for any checkpoint; with no policy active at the forward (an FP32 forward), both contexts
-    do nothing. Under ``Amp.backward`` the recorded state takes the place of its recompute scope for the
-    recomputation (a block run inside :func:`disable_casts` recomputes without casts).
-
-    Example:
-        >>> from torch.utils.checkpoint import checkpoint
-        >>> y = checkpoint(block, x, use_reentrant=False, context_fn=checkpoint_contexts)  # doctest: +SKIP
-        >>> model.gradient_checkpointing_enable(  # Hugging Face  # doctest: +SKIP
-        ...     gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_contexts})
-
-    Torch refuses a ``context_fn`` for ``use_reentrant=True`` (``ValueError``), and under ``torch.compile`` accepts
-    only torch-dispatch modes (the compiled graph recomputes with the forward's casts anyway): eager mode,
-    non-reentrant checkpoints.
-    """
-    states = [
-        (mode.policy, mode.recompute_only, mode.disabled, mode.fp32, mode.autocast_device)
-        for mode in torch.overrides._get_current_function_mode_stack()
-        if isinstance(mode, _CastMode)
-    ]
-    if not states:
-        return contextlib.nullcontext(), contextlib.nullcontext()
-    return contextlib.nullcontext(), _Reentry(states)
-
-
-class _Reentry:
-    """Enters fresh cast modes with recorded states (bottom of the stack first) in place of the backward pass's
-    recompute modes (``CastPolicy.recompute_scope``, ``Amp.backward``), which would cast the recomputation whatever
-    the forward did: the recorded state decides. Re-enterable: a backward pass with ``retain_graph=True`` followed by
-    another recomputes a checkpoint once per pass."""
-
-    def __init__(self, states: list[tuple[CastPolicy, bool, int, int, str | None]]) -> None:
-        self.states = states
-        self._open: list[tuple[contextlib.ExitStack, list[Any]]] = []
-
-    def __enter__(self) -> None:
-        popped = []
-        stack_len, stack_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
-        while stack_len():
-            top = stack_at(stack_len() - 1)
-            if not (type(top) is _CastMode and top.recompute_only):
-                break
-            popped.append(torch._C._pop_torch_function_stack())
-        stack = contextlib.ExitStack()
-        try:
-            for policy, recompute_only, disabled, fp32, autocast_device in self.states:
-                policy._refresh_actions()
-                mode = _CastMode(policy, recompute_only=recompute_only, autocast_device=autocast_device)
-                mode.disabled, mode.fp32 = disabled, fp32
-                stack.enter_context(mode)
-        except BaseException:
-            stack.close()
-            _push_back(popped)
-            raise
-        self._open.append((stack, popped))
-
-    def __exit__(self, *exc: Any) -> None:
-        stack, popped = self._open.pop()
-        try:
-            stack.__exit__(*exc)
-        finally:
-            _push_back(popped)
-
-
-def _push_back(popped: list[Any]) -> None:
-    for mode in reversed(popped):
-        torch._C._push_on_torch_function_stack(mode)
-
-
-_AUTOCAST_DEVICES = ("cpu", "cuda")
-
-
-class Fp32State(NamedTuple):
-    """What :func:`enter_fp32` changed, for :func:`exit_fp32`."""
-
-    modes: list[Any]  # the cast modes whose half ops now run in FP32
-    autocast_off: tuple[str, ...]  # the devices whose torch.autocast was turned off
-
-
-def _autocast_turn_off() -> tuple[str, ...]:
-    """Turn torch.autocast off on every device where it is on (this thread); returns those devices."""
-    devices = tuple(d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d))
-    if devices:
-        (_set_autocast_between_graphs() if torch.compiler.is_compiling() else _set_autocast)(devices, False)
-    return devices
-
-
-def _set_autocast(devices: tuple[str, ...], enabled: bool) -> None:
-    for device in devices:
-        torch.set_autocast_enabled(device, enabled)
-
-
-def _set_autocast_between_graphs() -> Callable[[tuple[str, ...], bool], None]:
-    """``_set_autocast`` for compiled code: dynamo refuses the global setter inside a graph, so in compiled code (an
-    FP32 module's hooks) the call runs eagerly between graphs (each graph is guarded on the autocast state it was
-    traced with). Wrapped where it is used, under compilation: wrapping at import would import dynamo and triton."""
-    return torch.compiler.disable(_set_autocast)
-
-
-def _autocast_off_contexts() -> tuple[contextlib.AbstractContextManager[Any], ...]:
-    """``torch.autocast(enabled=False)`` for CPU and, where torch has it, CUDA (a do-nothing context otherwise)."""
-    cuda = torch.autocast("cuda", enabled=False) if torch.cuda.is_available() else contextlib.nullcontext()
-    return torch.autocast("cpu", enabled=False), cuda
-
-
-def _autocast_turn_on(devices: tuple[str, ...]) -> None:
-    if devices:
-        (_set_autocast_between_graphs() if torch.compiler.is_compiling() else _set_autocast)(devices, True)
-
-
-def enter_fp32() -> Fp32State:
-    """Make the table's half ops run in FP32 in every cast policy active on this thread, until :func:`exit_fp32` is
-    given what this returned (nests). What a module pinned to FP32 at O1 runs under (see
-    :mod:`lightning_mpx.health.promotion`, which calls the two from forward hooks and casts the module's inputs to FP32):
-    ``torch.autocast`` is turned off inside (the ``"autocast"`` engine's casts are autocast's)."""
-    modes = [mode for mode in torch.overrides._get_current_function_mode_stack() if isinstance(mode, _CastMode)]
-    for mode in modes:
-        mode.fp32 += 1
-    return Fp32State(modes, _autocast_turn_off())
-
-
-def exit_fp32(state: Fp32State | list[Any] | None = None) -> None:
-    """Undo one :func:`enter_fp32`, given what it returned (``None`` or a list of modes: the cast modes active on
-    this thread now, or those, and autocast is left as it is)."""
-    modes, devices = (state.modes, state.autocast_off) if isinstance(state, Fp32State) else (state, ())
-    if modes is None:
-        modes = [mode for mode in torch.overrides._get_current_function_mode_stack() if isinstance(mode, _CastMode)]
-    for mode in modes:
-        mode.fp32 = max(0, mode.fp32 - 1)
-    _autocast_turn_on(devices)
-
-
-def casts_off_if_on() -> contextlib.AbstractContextManager[Any]:
-    """:func:`disable_casts` when a torch-function mode (a cast policy's among them) or ``torch.autocast`` (the
-    autocast engine's) is on on this thread, else a context that does nothing. The adapters' backward and optimizer
-    step use it: usually called outside every policy's scope, where ``disable_casts`` would have nothing to do, but a
-    manual backward or step inside a training step's scope must not run an optimizer's matmuls in half."""
-    if torch._C._len_torch_function_stack() or any(map(torch.is_autocast_enabled, _AUTOCAST_DEVICES)):
-        return disable_casts()
-    return contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def fp32_scope() -> Iterator[None]:
-    """Run the table's half ops of every active cast policy on this thread in FP32 inside the block (state restored
-    when it ends or raises; scopes nest)."""
-    modes = enter_fp32()
-    try:
-        yield
-    finally:
-        exit_fp32(modes)
-
-
-@contextlib.contextmanager
-def disable_casts() -> Iterator[None]:
-    """Run the enclosed code with every active cast policy on this thread turned off.
-
-    Useful inside a model's forward for a block that must see its inputs exactly as given. The policies are found on
-    torch's own torch-function mode stack, and ``torch.autocast`` (which the ``"autocast"`` engine enters) is turned
-    off on every device; their state is restored when the block ends, also when it raises.
-    """
-    modes = [mode for mode in torch.overrides._get_current_function_mode_stack() if isinstance(mode, _CastMode)]
-    for mode in modes:
-        mode.disabled += 1
-    try:
-        # The "autocast" engine's casts (and a torch.autocast of the user's around it) are off too.
-        if torch.compiler.is_compiling():  # dynamo traces autocast's context managers, not its global setter
-            cpu_off, cuda_off = _autocast_off_contexts()
-            with cpu_off, cuda_off:
-                yield
-        else:
-            devices = _autocast_turn_off()
-            try:
-                yield
-            finally:
-                _autocast_turn_on(devices)
-    finally:
-        for mode in modes:
-            mode.disabled -= 1
-
-
-# -- compiled code called from inside a scope ---------------------------------------------------------------------
-#
-# Dynamo traces an active mode's __torch_function__ into the graph, so the compiled code already holds the casts; but a
-# mode left on the stack while the compiled code runs is still handed every torch call of its runtime (AOT autograd's
-# wrappers, inductor's extern kernels), which it lets through one by one. A hand-off takes the policy's mode off the
-# stack around the compiled call, and the compiled code enters the policy's scope itself (traced, so no mode is on the
-# stack at run time): the same casts, no call into the hook.
-
-
-class _ScopeInside:
-    """``fn`` inside the policy's scope when a :class:`_HandOff` took the policy's mode off the stack to call the
-    compiled code that runs this (read while tracing: dynamo guards on the flag)."""
-
-    def __init__(self, policy: CastPolicy, fn: Callable[..., Any]) -> None:
-        self.policy = policy
-        self.fn = fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.policy._handed_off:
-            with self.policy.scope():
-                return self.fn(*args, **kwargs)
-        return self.fn(*args, **kwargs)
-
-
-class _HandOff:
-    """Calls compiled code (which runs a :class:`_ScopeInside`) with the policy's active forward modes taken off the
-    mode stack, and puts them back afterwards, also when it raises."""
-
-    def __init__(self, policy: CastPolicy, compiled: Callable[..., Any]) -> None:
-        self.policy = policy
-        self.compiled = compiled
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        policy = self.policy
-        if torch.compiler.is_compiling():  # called from other compiled code: traced as it is
-            return self.compiled(*args, **kwargs)
-        popped = []
-        stack_len, stack_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
-        while stack_len():
-            top = stack_at(stack_len() - 1)
-            if not (type(top) is _CastMode and top.policy is policy and not top.recompute_only and not top.disabled):
-                break
-            popped.append(torch._C._pop_torch_function_stack())
-        if not popped:
-            return self.compiled(*args, **kwargs)
-        previous, policy._handed_off = policy._handed_off, True
-        try:
-            return self.compiled(*args, **kwargs)
-        finally:
-            policy._handed_off = previous
-            for mode in reversed(popped):
-                torch._C._push_on_torch_function_stack(mode)
-
-
-class HandOffHandle:
-    """Undoes a hand-off installed by :meth:`CastPolicy.hand_off_compiled`: ``handle.remove()``."""
-
-    def __init__(self, restore: list[tuple[Any, str, Any]]) -> None:
-        self._restore = restore  # (object, attribute, previous instance value or _MISSING)
-
-    def remove(self) -> None:
-        """Restore the attributes that the hand-off replaced (idempotent)."""
-        for owner, name, previous in reversed(self._restore):
-            if previous is _MISSING:
-                owner.__dict__.pop(name, None)
-            else:
-                owner.__dict__[name] = previous
-        self._restore = []
-
-
-_MISSING = object()
-
-
-def _hand_off_module(policy: CastPolicy, module: torch.nn.Module) -> HandOffHandle | None:
-    """Hand-off for a ``torch.compile``'d module (an ``OptimizedModule``): its original module's ``forward`` enters the
-    scope (inside the compiled region), and its compiled ``forward`` is called through a :class:`_HandOff`."""
-    inner = module._orig_mod
-    outer = module.__dict__.get("forward")
-    if outer is None or isinstance(outer, _HandOff):
-        return None
-    restore = [(module, "forward", outer)]
-    current = inner.__dict__.get("forward", _MISSING)
-    if not (isinstance(current, _ScopeInside) and current.policy is policy):  # not twice for one module
-        restore.append((inner, "forward", current))
-        inner.__dict__["forward"] = _ScopeInside(policy, inner.forward)
-    module.__dict__["forward"] = _HandOff(policy, outer)
-    return HandOffHandle(restore)
-
-
-def _hand_off_method(policy: CastPolicy, owner: Any, name: str, original: Callable[..., Any],
-                     compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]]) -> HandOffHandle | None:
-    """Hand-off for a compiled method ``owner.name`` (an instance attribute) whose uncompiled version is ``original``
-    and that ``compile_fn`` compiled (Lightning's ``trainer.fit(torch.compile(model))`` compiles the steps so)."""
-    current = owner.__dict__.get(name)
-    if current is None or isinstance(current, _HandOff):
-        return None
-    handoff = _HandOff(policy, compile_fn(_ScopeInside(policy, original)))
-    functools.update_wrapper(handoff, original)  # __wrapped__: what was compiled (Lightning's is_overridden reads it)
-    owner.__dict__[name] = handoff
-    return HandOffHandle([(owner, name, current)])

@@ -1,0 +1,252 @@
+"""Apex's entry points: ``initialize`` (and the older ``init()``, which returns Apex's handle) make the
+:class:`~lightning_mpx.Amp` of the call, install it in ``_amp_state``, prepare the models and optimizers, and at O1
+enter the cast scope on the calling thread."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from lightning_mpx.apex._state import ScalerView, _amp_state
+from lightning_mpx.apex.fp16_utils import _HalfParameters
+from lightning_mpx.apex.handle import AmpHandle, NoOpHandle
+from lightning_mpx.apex.loss_scaling import AmpOptimizer
+from lightning_mpx.apex.model_hooks import _add_model_hooks
+from lightning_mpx.engine.amp import Amp
+from lightning_mpx.opt_levels import resolve_properties
+
+#: Rows of Apex's O1 lists that the core's default table does not have, added to the table of the ``Amp`` that
+#: ``initialize`` makes (not to the default): Apex's ``tensor_overrides.FP32_FUNCS`` lists ``Tensor.cpu``, so a
+#: half tensor comes back to the host as FP32.
+_APEX_ROWS: tuple[tuple[Callable[..., Any], str], ...] = ((torch.Tensor.cpu, "float"),)
+
+
+def initialize(
+    models: nn.Module | Sequence[nn.Module],
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    enabled: bool = True,
+    opt_level: str = "O1",
+    cast_model_type: torch.dtype | None = None,
+    patch_torch_functions: bool | None = None,
+    keep_batchnorm_fp32: bool | str | None = None,
+    master_weights: bool | None = None,
+    loss_scale: float | str | None = None,
+    cast_model_outputs: torch.dtype | None = None,
+    num_losses: int = 1,
+    verbosity: int = 1,
+    min_loss_scale: float | None = None,
+    max_loss_scale: float = 2.0**24,
+) -> Any:
+    """Apex's ``amp.initialize``: prepare ``models`` and ``optimizers`` for ``opt_level``.
+
+    Returns ``models`` (when ``optimizers`` is ``None``) or ``(models, optimizers)``, each in the shape given (one
+    object, or a list). The optimizers come back wrapped (:class:`AmpOptimizer`): use the returned ones.
+    Calling it again leaves the earlier calls' models and optimizers working with their own engine, as in Apex (a
+    checkpoint restored into new ones trains beside the run it came from); their loss scalers start afresh, as
+    Apex's global ones did. The new call takes over the O1 cast scope, ``loss_scalers`` and ``state_dict()``; models
+    and optimizers given to it again lose what earlier calls did to them first.
+    """
+    models_list, models_single = _as_list(models, nn.Module, "models")
+    if optimizers is None:
+        optimizers_list, optimizers_single = [], True
+    else:
+        optimizers_list, optimizers_single = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+    _amp_state.begin_call(models_list, [o for o in optimizers_list if not isinstance(o, AmpOptimizer)])
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled={enabled!r} must be True or False.")
+    if isinstance(verbosity, bool) or not isinstance(verbosity, int):
+        raise TypeError(f"verbosity={verbosity!r} must be an integer (0 silences amp's messages).")
+    _amp_state.verbosity = verbosity
+    _amp_state.enabled = enabled
+    if not enabled:
+        _amp_state.amp = None
+        return _shaped(models_list, models_single, optimizers, optimizers_list, optimizers_single)
+    if any(isinstance(opt, AmpOptimizer) for opt in optimizers_list):
+        raise ValueError("optimizers: an optimizer returned by a previous amp.initialize() was passed; pass the "
+                         "original optimizer (its .optimizer attribute).")
+    if cast_model_outputs is not None and cast_model_outputs not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(
+            f"cast_model_outputs={cast_model_outputs!r} is not valid; valid choices: None, torch.float32, "
+            "torch.float16, torch.bfloat16."
+        )
+    # cast_model_type=False: the models stay as given; at O2 the parameters the user made half get FP32 masters.
+    keep_model = cast_model_type is False
+    if keep_model:
+        cast_model_type = None
+    overrides: dict[str, Any] = {}
+    for name, value in (
+        ("cast_model_type", cast_model_type),
+        ("patch_torch_functions", patch_torch_functions),
+        ("keep_batchnorm_fp32", _parse_keep_batchnorm(keep_batchnorm_fp32)),
+        ("master_weights", master_weights),
+        ("loss_scale", _parse_loss_scale(loss_scale)),
+    ):
+        if value is not None:
+            overrides[name] = value
+    half_params = [
+        p for m in models_list for p in m.parameters() if p.dtype in (torch.float16, torch.bfloat16)
+    ] if keep_model else []
+    if keep_model:
+        wants_masters = resolve_properties(opt_level, **overrides).master_weights
+        if not (wants_masters and half_params):
+            # Nothing to cast and no masters to keep: the preset's policy and loss scaling only.
+            overrides.update(cast_model_type=None, master_weights=False, keep_batchnorm_fp32=None)
+    amp = _engine(opt_level, num_losses, min_loss_scale, max_loss_scale, **overrides)
+    if keep_model and amp.properties.master_weights:
+        # The core makes masters per prepared model and casts it; a holder of the half parameters alone is already
+        # half, so preparing it only makes their masters.
+        _amp_state.holder = amp.prepare_model(_HalfParameters(half_params))
+    for model in models_list:
+        if not keep_model:
+            # At O2 in one process the masters start from the exact FP32 values the model held (a checkpoint loaded
+            # before initialize resumes bit-exactly, as one loaded after it does); under torch.distributed from the
+            # half rounding, which DDP's broadcast of rank 0's half weights keeps equal on every rank.
+            amp.prepare_model(model)
+        _add_model_hooks(amp, model, cast_model_outputs, cast_model=not keep_model)
+    wrapped = []
+    for optimizer in optimizers_list:
+        if amp.properties.casts_model and not amp.properties.master_weights and not keep_model:
+            # O3: state made before (a checkpoint loaded first) takes the parameters' half dtype, as Apex's
+            # load_state_dict(state_dict()) trick did; at O2 the core moves it to the FP32 masters.
+            optimizer.load_state_dict(optimizer.state_dict())
+        amp.prepare_optimizer(optimizer)
+        wrapper = AmpOptimizer(optimizer, _amp_state, amp)
+        _amp_state.optimizers[id(optimizer)] = wrapper
+        _amp_state.current.append(wrapper)
+        wrapped.append(wrapper)
+    if amp.properties.patch_torch_functions:
+        _amp_state.handle = _enter_casts(amp, verbose=verbosity == 2)
+    return _shaped(models_list, models_single, optimizers, wrapped, optimizers_single)
+
+
+def _engine(
+    opt_level: str,
+    num_losses: int,
+    min_loss_scale: float | None,
+    max_loss_scale: float,
+    allow_banned: bool = False,
+    fresh_earlier: bool = True,
+    **overrides: Any,
+) -> Amp:
+    """A new :class:`Amp` (Apex's settings and O1 rows), installed in ``_amp_state``.
+
+    Apex's loss scalers were global: each ``initialize`` replaced them, for the earlier calls' optimizers too. Here
+    each call's engine owns its scalers, and those of the earlier calls' engines start afresh as Apex's new ones did
+    (a restored run and the run it came from then scale alike).
+    """
+    earlier = [w._engine for w in _amp_state.optimizers.values()] if fresh_earlier else []
+    for engine in {id(e): e for e in earlier}.values():
+        for scaler in engine.scalers:
+            overflows = scaler.state_dict()["overflows"]
+            scaler.load_state_dict({"scale": scaler.init_scale, "growth_tracker": 0,
+                                    "hysteresis_tracker": scaler.hysteresis, "overflows": overflows})
+    amp = Amp(
+        opt_level,
+        num_losses=num_losses,
+        min_loss_scale=float(torch.finfo(torch.float32).tiny) if min_loss_scale is None else min_loss_scale,
+        max_loss_scale=max_loss_scale,
+        on_floor="warn" if min_loss_scale is None else "raise",
+        allow_banned=allow_banned,
+        **overrides,
+    )
+    amp.log_overflows = False  # Apex's own message is logged instead (rank zero only)
+    if amp.policy is not None and amp.properties.patch_torch_functions:
+        for function, category in (*_APEX_ROWS, *_amp_state.registrations):
+            amp.policy.table.register(function, category)  # into this Amp's own copy of the table
+        amp.policy.refuse_inplace_float = True  # Apex refused x.half().exp_() with NotImplementedError
+        # Apex's O1 is one scope for the whole run with Apex's cache (per grad mode, cleared per scale_loss block):
+        # the Python policy's engine, not torch.autocast's per-scope cache.
+        amp.policy.engine = "mode"
+    _amp_state.amp = amp
+    _amp_state.enabled = True
+    _amp_state.loss_scalers = [ScalerView(amp, i) for i in range(num_losses)]
+    return amp
+
+
+def _enter_casts(amp: Amp, *, verbose: bool) -> AmpHandle:
+    """Enter ``amp``'s O1 cast scope on this thread (until the next ``initialize``/``init`` or the handle's
+    ``_deactivate()``) and return the handle of it."""
+    scope = amp.forward_context()
+    scope.__enter__()
+    _amp_state.cast_scope = scope
+    _amp_state.cast_thread = threading.get_ident()
+    return AmpHandle(amp, scope, verbose=verbose)
+
+
+def _as_list(value: Any, kind: type, name: str) -> tuple[list[Any], bool]:
+    if isinstance(value, kind):
+        return [value], True
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, kind) for v in value):
+        return list(value), False
+    raise TypeError(f"{name}={value!r} must be a {kind.__name__} or a non-empty list of them.")
+
+
+def _shaped(models: list[Any], models_single: bool, optimizers: Any, opts: list[Any], opts_single: bool) -> Any:
+    out_models = models[0] if models_single else models
+    if optimizers is None:
+        return out_models
+    return out_models, (opts[0] if opts_single else opts)
+
+
+def _parse_keep_batchnorm(value: Any) -> bool | None:
+    # Apex's command lines pass strings ("True"/"False").
+    if isinstance(value, str):
+        if value in ("True", "False"):
+            return value == "True"
+        raise ValueError(
+            f"keep_batchnorm_fp32={value!r} is not valid; valid choices: None, True, False, 'True', 'False'."
+        )
+    return value
+
+
+def _parse_loss_scale(value: Any) -> Any:
+    if isinstance(value, str) and value != "dynamic":
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(
+                f"loss_scale={value!r} is not valid; valid choices: 'dynamic' or a positive number."
+            ) from None
+    return value
+
+
+# -- Apex's older entry point ---------------------------------------------------------------------------------------
+def init(
+    enabled: bool = True,
+    loss_scale: float | str = "dynamic",
+    enable_caching: bool = True,
+    verbose: bool = False,
+    allow_banned: bool = False,
+) -> AmpHandle | NoOpHandle:
+    """Apex's older entry point: turn O1's casts on, on this thread, and return the handle of them.
+
+    Scripts written before ``amp.initialize`` (and Apex's own tests) call it; ``initialize`` at O1 does the same and
+    keeps the handle in ``_amp_state.handle``. Like ``initialize`` it leaves the previous call's scope and builds a
+    new :class:`~lightning_mpx.Amp` (O1, ``loss_scale``), the one the handle's ``wrap_optimizer``/``scale_loss`` and
+    the module's ``scale_loss`` use from then on.
+
+    Args:
+        enabled: ``False`` returns a :class:`NoOpHandle` and changes nothing.
+        loss_scale: ``"dynamic"`` or a positive static scale.
+        enable_caching: Cache the half casts of parameters until the end of each ``scale_loss`` block.
+        verbose: Accepted for compatibility (Apex printed every cast; the policy here does not trace calls).
+        allow_banned: Run banned functions (``binary_cross_entropy``) in FP32 instead of raising.
+    """
+    for name, value in (("enabled", enabled), ("enable_caching", enable_caching), ("verbose", verbose),
+                        ("allow_banned", allow_banned)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}={value!r} must be True or False.")
+    if not enabled:
+        return NoOpHandle()
+    _amp_state.begin_call([], [])
+    # Apex's init() patched the functions and left the loss scalers of initialize() alone.
+    amp = _engine("O1", 1, None, 2.0**24, allow_banned=allow_banned, fresh_earlier=False,
+                  loss_scale=_parse_loss_scale(loss_scale))
+    assert amp.policy is not None
+    amp.policy.cache_casts = enable_caching
+    _amp_state.handle = _enter_casts(amp, verbose=verbose)
+    return _amp_state.handle
+

@@ -1,0 +1,269 @@
+"""One iteration of Apex's loss scaling: the optimizer wrapper ``initialize`` returns and the ``scale_loss`` block.
+
+A block scales the loss, and at its end unscales the gradients of the optimizers it names (Apex's stash of earlier
+blocks' FP32 master gradients at O2 included); an overflow marks their next ``step()`` to be skipped; once every
+optimizer touched in the iteration has stepped, each engine involved updates its scales (:func:`_update`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from lightning_mpx.apex._state import AmpState, _amp_state, is_rank_zero
+from lightning_mpx.engine.amp import Amp
+
+log = logging.getLogger("lightning_mpx.apex")
+
+
+class AmpOptimizer(torch.optim.Optimizer):
+    """The optimizer ``initialize`` returns: ``step()`` runs through :meth:`Amp.step`; everything else is the wrapped
+    optimizer's. A subclass of ``Optimizer`` (without its ``__init__``) so that learning-rate schedulers accept it.
+
+    Attributes:
+        optimizer: The wrapped optimizer.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, state: AmpState, amp: Amp) -> None:  # noqa: D107
+        # No super().__init__: every piece of optimizer state lives in the wrapped optimizer.
+        object.__setattr__(self, "optimizer", optimizer)
+        object.__setattr__(self, "_amp_state", state)
+        # The engine of the initialize() call that wrapped it: a later call leaves it working (as Apex did).
+        object.__setattr__(self, "_engine", amp)
+
+    # Attributes the base class would otherwise read from self.
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "optimizer"), name)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+        """Step through ``Amp.step()`` unless a ``scale_loss`` block that named this optimizer overflowed."""
+        if closure is not None:
+            raise NotImplementedError(
+                "closure: Currently, Amp does not support closure use with optimizers (loss scaling cannot re-run "
+                "the closure inside the step); run the closure first, then call step() without it."
+            )
+        _optimizer_step(self._amp_state, self)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the wrapped optimizer; at O2 its half parameters get FP32 masters at the next step."""
+        self.optimizer.add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return f"AmpOptimizer({self.optimizer!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("AmpOptimizer cannot be pickled; save optimizer.state_dict() instead.")
+
+# -- the loss -------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def scale_loss(
+    loss: torch.Tensor,
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    loss_id: int = 0,
+    model: nn.Module | None = None,
+    delay_unscale: bool = False,
+    delay_overflow_check: bool = False,
+) -> Iterator[torch.Tensor]:
+    """Yield ``loss`` times the scale of ``loss_id``; at the end of the block, unscale the gradients of
+    ``optimizers`` (into the FP32 masters at O2) unless ``delay_unscale``.
+
+    Several blocks before one ``step()`` accumulate: a later block's backward adds to the unscaled gradients of the
+    earlier ones (they are scaled back up first). An overflow in the block skips the next ``step()`` of every
+    optimizer it names and backs off this loss's scale.
+
+    ``model`` and ``delay_overflow_check`` are accepted for compatibility and unused (as in Apex's last releases).
+    """
+    state = _amp_state
+    items = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
+    if state.amp is None and all(_wrapper_of(item) is None for item in items):  # enabled=False, as Apex
+        yield loss  # (an earlier call's optimizers keep scaling: their step unscales)
+        return
+    wrapped = _resolve(optimizers)
+    amp = wrapped[0]._engine
+    ids = [id(w.optimizer) for w in wrapped]
+    if any(i in state.stepped for i in ids):
+        # A new iteration began for an optimizer that already stepped: close the last one.
+        _update(state)
+    state.touched.update(ids)
+    # The core scales every unscaled gradient of this engine's optimizers back up for this block's backward, named
+    # or not.
+    own = [w for w in state.optimizers.values() if w._engine is amp]
+    unscaled = [w.optimizer for w in own if amp.is_unscaled(w.optimizer)]
+    # What earlier blocks left non-finite stays so: only an overflow this block makes skips what it names (Apex
+    # checked only the block's own new gradients).
+    overflowed_before = [_overflowed(amp, w.optimizer) for w in wrapped]
+    if amp.properties.master_weights:
+        _stash(state, amp, own)
+    yield amp.scale_loss(loss, loss_id)
+    if amp.policy is not None and amp.properties.patch_torch_functions:
+        amp.policy.clear_cache()  # Apex cleared its cast cache at the end of every block
+    if delay_unscale:
+        return
+    overflow = False
+    for wrapper, before in zip(wrapped, overflowed_before):
+        amp.unscale_(wrapper.optimizer)
+        overflow = overflow or (not before and _overflowed(amp, wrapper.optimizer))
+    for key in list(state.stash):
+        _restore_stash(state, state.optimizers[key])
+    for optimizer in unscaled:
+        if not amp.is_unscaled(optimizer):
+            # Not named here: Apex left its gradients unscaled, so unscale them again (exactly where the scales are
+            # powers of two, as Apex's are; an overflow there counts at its own step).
+            amp.unscale_(optimizer)
+    if overflow:
+        state.skip_next.update(ids)
+        _log_overflow(amp, loss_id)
+
+
+def _overflowed(amp: Amp, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s gradients held non-finite values at their last check since its step (a host read)."""
+    found = amp.found_inf(optimizer)
+    return found is not None and bool(found.item() > 0)
+
+
+def _stash(state: AmpState, amp: Amp, wrappers: list[AmpOptimizer]) -> None:
+    """O2: take the unscaled FP32 master gradients of earlier blocks out of the way of this block's backward.
+
+    The core would scale them back up into the half gradients, where a true gradient above 65504 / scale overflows;
+    Apex kept them in FP32 and added them after unscaling the next block, and so does this (it is the core's
+    ``scale_loss`` that finds nothing left to rescale: both gradients are cleared here).
+    """
+    for wrapper in wrappers:
+        inner = wrapper.optimizer
+        if not amp.is_unscaled(inner):
+            continue
+        params = [p for group in inner.param_groups for p in group["params"]]
+        kept = state.stash.setdefault(id(inner), [])
+        for param, master in zip(params, amp.master_params(inner)):
+            if master is not param and master.grad is not None:
+                kept.append((master, master.grad))
+                master.grad = None
+                param.grad = None
+
+
+def _restore_stash(state: AmpState, wrapper: AmpOptimizer) -> None:
+    """Add the stashed FP32 gradients of ``wrapper``'s optimizer to its unscaled master gradients (unscaling
+    first)."""
+    amp, optimizer = wrapper._engine, wrapper.optimizer
+    kept = state.stash.pop(id(optimizer), None)
+    if kept is None:
+        return
+    if not amp.is_unscaled(optimizer):
+        amp.unscale_(optimizer)
+    for master, grad in kept:
+        master.grad = grad if master.grad is None else master.grad.add_(grad)
+    # The model's gradients show the sums too (a half copy, as after any unscale; the step uses the masters'), made
+    # where the stash cleared them: the core then sees a later zero_grad() or `p.grad = None` as the user clearing
+    # them and drops the masters' copies. Without a half gradient, a master's would outlive the user's clearing (after
+    # a skipped step: its inf, added to the next iteration's gradients).
+    amp.show_unscaled_on_model(optimizer)
+
+
+def _wrapper_of(item: Any) -> AmpOptimizer | None:
+    """The live wrapper of an optimizer, or of the optimizer a wrapper wraps; ``None`` when there is none (or the
+    wrapper was replaced by a later ``initialize`` of the same optimizer)."""
+    inner = item.optimizer if isinstance(item, AmpOptimizer) else item
+    wrapper = _amp_state.optimizers.get(id(inner))
+    if wrapper is None or wrapper.optimizer is not inner or (isinstance(item, AmpOptimizer) and wrapper is not item):
+        return None
+    return wrapper
+
+
+def _resolve(optimizers: Any) -> list[AmpOptimizer]:
+    items = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
+    out: list[AmpOptimizer] = []
+    for item in items:
+        wrapper = _wrapper_of(item)
+        if wrapper is None:
+            raise ValueError(
+                f"optimizers={item!r} was not passed to amp.initialize() (or a later amp.initialize() was given its "
+                "optimizer again: use the optimizer that call returned)."
+            )
+        if all(wrapper is not seen for seen in out):
+            out.append(wrapper)
+    if any(w._engine is not out[0]._engine for w in out):
+        raise ValueError(
+            "optimizers: the optimizers named in one scale_loss() block come from different amp.initialize() calls, "
+            "whose loss scalers differ; give each call's optimizers their own block."
+        )
+    return out
+
+
+def _log_overflow(amp: Amp, loss_id: int) -> None:
+    if _amp_state.verbosity <= 0 or not is_rank_zero():
+        return
+    scaler = amp.scalers[loss_id]
+    scale = scaler.get_scale()
+    if scaler.dynamic:
+        new = max(scale * scaler.backoff_factor, scaler.min_loss_scale)
+        log.info("Gradient overflow.  Skipping step, loss scaler %d reducing loss scale to %s", loss_id, new)
+    else:
+        log.info("Gradient overflow.  Skipping step, loss scaler %d keeps its static loss scale %s", loss_id, scale)
+
+
+def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> None:
+    if _wrapper_of(wrapper) is None:
+        raise RuntimeError(
+            "step(): this optimizer was given to a later amp.initialize() (or _amp_state.reset() ran); step the "
+            "optimizer that call returned."
+        )
+    key = id(wrapper.optimizer)
+    if key in state.skip_next:
+        # A block that named it overflowed (in its gradients or another optimizer's): skip, as Apex. The overflow is
+        # already charged to that block's loss, whose scale backs off in the update below.
+        state.skip_next.discard(key)
+        state.stash.pop(key, None)
+    else:
+        _restore_stash(state, wrapper)
+        wrapper._engine.step(wrapper.optimizer)
+    state.stepped.add(key)
+    if {key for key in state.touched if key in state.optimizers} <= state.stepped:  # a dropped wrapper will not step
+        _update(state)
+
+
+def _update(state: AmpState) -> None:
+    """Close the iteration: the scales of the losses that overflowed back off, in each engine involved."""
+    engines: list[Amp] = []
+    for key in state.touched:
+        wrapper = state.optimizers.get(key)
+        if wrapper is not None and all(wrapper._engine is not e for e in engines):
+            engines.append(wrapper._engine)
+    for engine in engines:
+        engine.update()
+    state.touched.clear()
+    state.stepped.clear()
+    state.skip_next.clear()
+    state.stash.clear()

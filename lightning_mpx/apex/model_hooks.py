@@ -1,0 +1,71 @@
+"""The hooks ``initialize`` puts on each model, in place of Apex's patched ``model.forward``: input and output casts
+(O2/O3) and FP32 state dicts (O2/O3), each removable and acting on the module it is called for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_mpx.apex._state import _amp_state
+from lightning_mpx.engine.amp import Amp, _cast_collection, _EngineHook
+
+
+def _add_model_hooks(
+    amp: Amp, model: nn.Module, cast_model_outputs: torch.dtype | None, *, cast_model: bool = True
+) -> None:
+    """Apex patched ``model.forward``; here: removable hooks on this model instance only. Each hook acts on the
+    module it is called for, so a copy of the model (``copy.deepcopy`` for EMA, ``torch.save(model)``) carries hooks
+    that act on the copy: its ``state_dict()`` gives its own values (loading into it leaves this model's masters
+    alone: the core's load hook acts on the module it is called for too). Apex's patched forward could not be
+    pickled; these hooks can."""
+    props = amp.properties
+    casts = props.casts_model and cast_model
+    hooks = _amp_state.hooks.setdefault(model, [])
+    if casts:
+        hooks.append(model.register_forward_pre_hook(_CastInputs(props.half_dtype), with_kwargs=True))
+    out_dtype = cast_model_outputs if cast_model_outputs is not None else (torch.float32 if casts else None)
+    if out_dtype is not None:
+        hooks.append(model.register_forward_hook(_CastOutputs(out_dtype)))
+    if props.master_weights or casts:  # O2 and O3: Apex's state dicts were FP32 whenever it cast the model
+        hooks.append(model.register_state_dict_post_hook(_Fp32StateDict(amp)))
+
+
+class _CastInputs:
+    """Forward pre-hook: the model's floating-point inputs (FP32, FP64) cast to its half dtype."""
+
+    def __init__(self, half: torch.dtype) -> None:
+        self.half = half
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        castable = (torch.float32, torch.float64)
+        return _cast_collection(args, self.half, castable), _cast_collection(kwargs, self.half, castable)
+
+
+class _CastOutputs:
+    """Forward hook: the model's floating-point outputs cast to ``dtype`` (FP32 by default, as in Apex)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.castable = tuple(d for d in (torch.float16, torch.bfloat16, torch.float32) if d != dtype)
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        return _cast_collection(output, self.dtype, self.castable)
+
+
+class _Fp32StateDict(_EngineHook):
+    """O2/O3: ``model.state_dict()`` holds FP32 tensors as in Apex; a parameter with a master gives the master's
+    exact value (Apex gave the half value cast up), so a checkpoint resumes bit-exactly."""
+
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        amp = self.engine()
+        if amp is not None:
+            amp.refresh_masters()  # writes made to the half model since the last step
+        params = {prefix + name: p for name, p in module.named_parameters()}
+        for key, value in list(state_dict.items()):
+            if not torch.is_tensor(value) or value.dtype not in (torch.float16, torch.bfloat16):
+                continue
+            param = params.get(key)
+            master = amp.master_of(param) if amp is not None and param is not None else None
+            state_dict[key] = master.detach().clone() if master is not None and master is not param else value.float()

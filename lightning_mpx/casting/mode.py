@@ -1,0 +1,201 @@
+"""The torch-function mode that applies a cast policy's resolved table to each torch call of a scope.
+
+:class:`~lightning_mpx.casting.policy.CastPolicy` resolves its table into ``{function: action}`` (the actions below);
+:class:`_CastMode`, pushed on torch's mode stack by the policy's scopes, looks every call up there and casts the
+call's floating-point tensor arguments through the policy (whose parameter-cast cache serves the casts). The mode
+reads the policy through :class:`_Policy`, so that this module never imports the policy back.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from types import MappingProxyType
+from typing import Any, Callable, Protocol
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from lightning_mpx.casting.table import CastTable
+
+# Actions, resolved once per function and memoised by each policy.
+# _PASS is 0 (falsy) and the casting actions come before _BANNED: the hook tests for them so.
+_PASS, _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _PROMOTE_NATIVE, _BANNED, _BACKWARD, _INPLACE_FLOAT, _PLAIN = range(10)
+# _PLAIN: run as given with torch.autocast off (a function that autocast casts and the table leaves alone).
+_CATEGORY_ACTION = MappingProxyType(
+    {"half": _HALF, "float": _FLOAT, "promote": _PROMOTE, "sequence": _SEQUENCE, "banned": _BANNED}
+)  # read only when a policy resolves its table, never while a forward pass runs
+_LOW = (torch.float16, torch.bfloat16)
+_FP32 = (torch.float32,)
+
+
+class BannedOpError(NotImplementedError):
+    """A banned op (such as ``binary_cross_entropy``) was called inside a cast-policy scope.
+
+    A ``NotImplementedError``, as Apex raised for banned ops (and so also a ``RuntimeError``)."""
+
+
+class _Policy(Protocol):
+    """What the cast modes (and the backward passes, checkpoints and compiled hand-offs that enter them) read from
+    the :class:`~lightning_mpx.casting.policy.CastPolicy` they apply."""
+
+    table: CastTable
+    half_dtype: torch.dtype
+    allow_banned: bool
+    _actions_stamp: int
+    _autocast_device: str | None
+    _grad_cache: dict[Any, Any]
+    _handed_off: bool
+    _action_lookup: Callable[[Callable[..., Any], int], int]
+
+    def scope(self) -> AbstractContextManager[Any]: ...
+
+    def _refresh_actions(self) -> None: ...
+
+    def _cast_tensor(self, value: torch.Tensor, dtype: torch.dtype, cache: Any = ...) -> torch.Tensor: ...
+
+    def _cast_all(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None, dtype: torch.dtype,
+                  castable: tuple[torch.dtype, ...]) -> tuple[tuple[Any, ...], dict[str, Any] | None]: ...
+
+    def _run_backward(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
+
+
+def _widest(values: Any, found: set[torch.dtype]) -> None:
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point():
+                found.add(value.dtype)
+        elif isinstance(value, (list, tuple)):
+            _widest(value, found)
+
+
+def _promote_dtype(found: set[torch.dtype]) -> torch.dtype | None:
+    if len(found) < 2:
+        return None
+    widest = found.pop()
+    for dtype in found:
+        widest = torch.promote_types(widest, dtype)
+    return widest
+
+
+_ALL_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Promote-category ops whose kernels already compute in the widest floating dtype of two tensor operands that are both
+# dimensioned (or both 0-dim: torch lets a 0-dim tensor adopt a dimensioned one's dtype, the table does not), each
+# operand converted exactly: the result, its dtype and every gradient (each backward formula's operations promote
+# the same way) are bit for bit those of casting the narrower operand first. The policy calls them as given then.
+# Ops whose backward multiplies two inputs together (div, atan2) are left out: a product of two half operands would
+# round in half there.
+_NATIVE_PROMOTION = frozenset(
+    getattr(owner, name)
+    for owner in (torch, torch.Tensor)
+    for name in ("add", "sub", "mul", "eq", "ne", "ge", "gt", "le", "lt")
+) | {torch.Tensor.__eq__, torch.Tensor.__rsub__}
+
+
+class _CastMode(TorchFunctionMode):
+    """The torch-function mode behind :meth:`~lightning_mpx.casting.policy.CastPolicy.scope`; one per scope entry."""
+
+    def __init__(self, policy: _Policy, *, recompute_only: bool = False, autocast_device: str | None = None) -> None:
+        super().__init__()
+        self.policy = policy
+        # The device whose torch.autocast runs beside this mode: the functions the mode handles run with it off.
+        self.autocast_device = autocast_device
+        self.disabled = 0
+        # Above 0 inside a module pinned or promoted to FP32 (lightning_mpx.health.promotion): half ops run in FP32.
+        self.fp32 = 0
+        # A backward pass's mode (CastPolicy.recompute_scope): casts only what runs with gradients enabled.
+        self.recompute_only = recompute_only
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        policy = self.policy
+        # Read live: a table changed inside a scope applies.
+        action = policy._action_lookup(func, policy._actions_stamp)
+        if not action or self.disabled:  # _PASS
+            return func(*args, **kwargs) if kwargs else func(*args)
+        device = self.autocast_device
+        if device is None or action == _BACKWARD or not torch.is_autocast_enabled(device):
+            return self._apply(func, action, args, kwargs)
+        # The table's own action, as the Python policy applies it, without autocast's casts on top.
+        if torch.compiler.is_compiling():  # dynamo traces autocast's context manager, not its global setter
+            with torch.autocast(device, enabled=False):
+                return self._apply(func, action, args, kwargs)
+        torch.set_autocast_enabled(device, False)
+        try:
+            return self._apply(func, action, args, kwargs)
+        finally:
+            torch.set_autocast_enabled(device, True)
+
+    def _apply(self, func: Callable[..., Any], action: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None
+               ) -> Any:
+        policy = self.policy
+        if action == _PLAIN:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        if action == _HALF and self.fp32:
+            action = _FLOAT  # inside an FP32 module: the table's half ops run in FP32
+        if action < _BANNED:  # _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _PROMOTE_NATIVE
+            if self.recompute_only and not torch.is_grad_enabled():
+                return func(*args, **kwargs) if kwargs else func(*args)
+            if kwargs and kwargs.get("out") is not None:
+                # Casting the out= tensor would write the result into a copy that the caller never sees.
+                return func(*args, **kwargs)
+            if action == _HALF:
+                args, kwargs = policy._cast_all(args, kwargs, policy.half_dtype, _FP32)
+            elif action == _FLOAT:
+                args, kwargs = policy._cast_all(args, kwargs, torch.float32, _LOW)
+            else:
+                if not kwargs and len(args) == 2:
+                    # The common binary call (x + y, x * 2.0): no promotion when both tensors have one dtype or only
+                    # one argument holds tensors (what _widest would find).
+                    a, b = args
+                    a_tensor, b_tensor = isinstance(a, torch.Tensor), isinstance(b, torch.Tensor)
+                    if a_tensor and b_tensor:
+                        a_dtype, b_dtype = a.dtype, b.dtype
+                        if a_dtype is b_dtype or not (a_dtype.is_floating_point and b_dtype.is_floating_point):
+                            return func(a, b)
+                        if action == _PROMOTE_NATIVE and (a.ndim == 0) is (b.ndim == 0):
+                            # The op's own type promotion gives what the casts would (see _NATIVE_PROMOTION),
+                            # without a cast kernel, its copy and its backward node.
+                            return func(a, b)
+                        # Two floating dtypes (x + x.half()): what _widest and _cast_all find, without them.
+                        widest = torch.promote_types(a_dtype, b_dtype)
+                        if a_dtype is not widest and a_dtype in _ALL_FLOATS:
+                            a = policy._cast_tensor(a, widest)
+                        if b_dtype is not widest and b_dtype in _ALL_FLOATS:
+                            b = policy._cast_tensor(b, widest)
+                        return func(a, b)
+                    elif (a_tensor and not isinstance(b, (list, tuple))) or (
+                        b_tensor and not isinstance(a, (list, tuple))
+                    ):
+                        return func(a, b)
+                found: set[torch.dtype] = set()
+                _widest(args, found)
+                if kwargs:
+                    _widest(tuple(kwargs.values()), found)
+                widest = _promote_dtype(found)
+                if widest is not None:
+                    args, kwargs = policy._cast_all(args, kwargs, widest, _ALL_FLOATS)
+            return func(*args, **kwargs) if kwargs else func(*args)
+        if action == _BACKWARD:
+            return policy._run_backward(func, args, kwargs or {})
+        if action == _INPLACE_FLOAT:
+            target = args[0] if args else None
+            if isinstance(target, torch.Tensor) and target.dtype in _LOW:
+                name = getattr(func, "__name__", repr(func))
+                raise NotImplementedError(
+                    f"Tensor.{name} on a {target.dtype} tensor: {name[:-1]} belongs to the FP32 list, and an in-place "
+                    f"op cannot write an FP32 result into a half tensor; use the out-of-place {name[:-1]}(), or make "
+                    "the tensor FP32 first (as Apex refused it)."
+                )
+            return func(*args, **kwargs) if kwargs else func(*args)
+        # _BANNED
+        if self.recompute_only and not torch.is_grad_enabled():
+            return func(*args, **kwargs) if kwargs else func(*args)
+        if not policy.allow_banned:
+            raise BannedOpError(policy.table.banned_advice(func))
+        args, kwargs = policy._cast_all(args, kwargs, torch.float32, _LOW)
+        return func(*args, **kwargs) if kwargs else func(*args)

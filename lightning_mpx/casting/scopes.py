@@ -1,0 +1,137 @@
+"""Scopes inside a cast policy's scope: code run in FP32 (:func:`fp32_scope`, the modules pinned to FP32 at O1) or
+without casts (:func:`disable_casts`), and the switches of ``torch.autocast`` they use.
+
+Each finds the active policies on torch's own torch-function mode stack (this thread), changes their modes' state and
+restores it when the block ends, also when it raises; ``torch.autocast`` (the ``"autocast"`` engine's casts) is turned
+off inside and back on after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, NamedTuple
+
+import torch
+
+from lightning_mpx.casting.mode import _CastMode
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+class Fp32State(NamedTuple):
+    """What :func:`enter_fp32` changed, for :func:`exit_fp32`."""
+
+    modes: list[Any]  # the cast modes whose half ops now run in FP32
+    autocast_off: tuple[str, ...]  # the devices whose torch.autocast was turned off
+
+
+def _autocast_turn_off() -> tuple[str, ...]:
+    """Turn torch.autocast off on every device where it is on (this thread); returns those devices."""
+    devices = tuple(d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d))
+    if devices:
+        (_set_autocast_between_graphs() if torch.compiler.is_compiling() else _set_autocast)(devices, False)
+    return devices
+
+
+def _set_autocast(devices: tuple[str, ...], enabled: bool) -> None:
+    for device in devices:
+        torch.set_autocast_enabled(device, enabled)
+
+
+def _set_autocast_between_graphs() -> Callable[[tuple[str, ...], bool], None]:
+    """``_set_autocast`` for compiled code: dynamo refuses the global setter inside a graph, so in compiled code (an
+    FP32 module's hooks) the call runs eagerly between graphs (each graph is guarded on the autocast state it was
+    traced with). Wrapped where it is used, under compilation: wrapping at import would import dynamo and triton."""
+    return torch.compiler.disable(_set_autocast)
+
+
+def _autocast_off_contexts() -> tuple[contextlib.AbstractContextManager[Any], ...]:
+    """``torch.autocast(enabled=False)`` for CPU and, where torch has it, CUDA (a do-nothing context otherwise)."""
+    cuda = torch.autocast("cuda", enabled=False) if torch.cuda.is_available() else contextlib.nullcontext()
+    return torch.autocast("cpu", enabled=False), cuda
+
+
+def _autocast_turn_on(devices: tuple[str, ...]) -> None:
+    if devices:
+        (_set_autocast_between_graphs() if torch.compiler.is_compiling() else _set_autocast)(devices, True)
+
+
+@contextlib.contextmanager
+def _outer_autocast_off() -> Iterator[None]:
+    """``torch.autocast(device, enabled=False)`` for each device whose autocast is on (none: nothing entered)."""
+    with contextlib.ExitStack() as stack:
+        for device in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
+def enter_fp32() -> Fp32State:
+    """Make the table's half ops run in FP32 in every cast policy active on this thread, until :func:`exit_fp32` is
+    given what this returned (nests). What a module pinned to FP32 at O1 runs under (see
+    :mod:`lightning_mpx.health.promotion`, which calls the two from forward hooks and casts the module's inputs to FP32):
+    ``torch.autocast`` is turned off inside (the ``"autocast"`` engine's casts are autocast's)."""
+    modes = [mode for mode in torch.overrides._get_current_function_mode_stack() if isinstance(mode, _CastMode)]
+    for mode in modes:
+        mode.fp32 += 1
+    return Fp32State(modes, _autocast_turn_off())
+
+
+def exit_fp32(state: Fp32State | list[Any] | None = None) -> None:
+    """Undo one :func:`enter_fp32`, given what it returned (``None`` or a list of modes: the cast modes active on
+    this thread now, or those, and autocast is left as it is)."""
+    modes, devices = (state.modes, state.autocast_off) if isinstance(state, Fp32State) else (state, ())
+    if modes is None:
+        modes = [mode for mode in torch.overrides._get_current_function_mode_stack() if isinstance(mode, _CastMode)]
+    for mode in modes:
+        mode.fp32 = max(0, mode.fp32 - 1)
+    _autocast_turn_on(devices)
+
+
+def casts_off_if_on() -> contextlib.AbstractContextManager[Any]:
+    """:func:`disable_casts` when a torch-function mode (a cast policy's among them) or ``torch.autocast`` (the
+    autocast engine's) is on on this thread, else a context that does nothing. The adapters' backward and optimizer
+    step use it: usually called outside every policy's scope, where ``disable_casts`` would have nothing to do, but a
+    manual backward or step inside a training step's scope must not run an optimizer's matmuls in half."""
+    if torch._C._len_torch_function_stack() or any(map(torch.is_autocast_enabled, _AUTOCAST_DEVICES)):
+        return disable_casts()
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def fp32_scope() -> Iterator[None]:
+    """Run the table's half ops of every active cast policy on this thread in FP32 inside the block (state restored
+    when it ends or raises; scopes nest)."""
+    modes = enter_fp32()
+    try:
+        yield
+    finally:
+        exit_fp32(modes)
+
+
+@contextlib.contextmanager
+def disable_casts() -> Iterator[None]:
+    """Run the enclosed code with every active cast policy on this thread turned off.
+
+    Useful inside a model's forward for a block that must see its inputs exactly as given. The policies are found on
+    torch's own torch-function mode stack, and ``torch.autocast`` (which the ``"autocast"`` engine enters) is turned
+    off on every device; their state is restored when the block ends, also when it raises.
+    """
+    modes = [mode for mode in torch.overrides._get_current_function_mode_stack() if isinstance(mode, _CastMode)]
+    for mode in modes:
+        mode.disabled += 1
+    try:
+        # The "autocast" engine's casts (and a torch.autocast of the user's around it) are off too.
+        if torch.compiler.is_compiling():  # dynamo traces autocast's context managers, not its global setter
+            cpu_off, cuda_off = _autocast_off_contexts()
+            with cpu_off, cuda_off:
+                yield
+        else:
+            devices = _autocast_turn_off()
+            try:
+                yield
+            finally:
+                _autocast_turn_on(devices)
+    finally:
+        for mode in modes:
+            mode.disabled -= 1
