@@ -315,7 +315,7 @@ def test_the_old_import_paths_re_export_the_same_objects(shim):
     exported = set(module.__all__)
     for name in sorted(exported):
         target = importlib.import_module(sources[name])
-        assert getattr(module, name) is getattr(target, name), f"{module.__name__}.{name} is not {target.__name__}.{name}"
+        assert getattr(module, name) is getattr(target, name), f"{shim}.{name} is not {target.__name__}.{name}"
     wanted = set().union(*(public_names(module_files(ROOT, PACKAGE)[target]) for target in targets))
     missing = sorted(wanted - exported)
     assert not missing, f"{PACKAGE}.{shim} does not re-export these public names of {targets}: {missing}"
