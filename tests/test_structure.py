@@ -299,10 +299,9 @@ def test_the_old_import_paths_re_export_the_same_objects(shim):
     """``lightning_mpx.<shim>`` imports, and each name it exports is the very object of the module it points at,
     which it covers whole (a user's ``from lightning_mpx.cast_table import X`` keeps working)."""
     path = ROOT / PACKAGE / f"{shim}.py"
-    try:
-        tree = ast.parse(path.read_text(), filename=str(path))
-    except SyntaxError as error:
-        pytest.fail(f"{PACKAGE}.{shim} does not even parse: {error}")
+    tree = _parse(path)
+    if tree is None:
+        pytest.fail(f"{PACKAGE}.{shim} does not even parse (python -c 'import {PACKAGE}.{shim}' shows where)")
     sources = {
         alias.asname or alias.name: node.module
         for node in tree.body
