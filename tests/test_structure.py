@@ -172,8 +172,8 @@ def circles(graph: dict[str, set[str]]) -> list[str]:
             path.append(node)
             node = parents[node]
         path.append(start)
-        extra = len(group) - (len(path) - 1)  # modules of the group off this shortest circle
-        found.append(" -> ".join(reversed(path)) + (f"  (+{extra} more modules in this tangle)" if extra else ""))
+        others = sorted(group - set(path))  # modules of the same tangle off this shortest circle
+        found.append(" -> ".join(reversed(path)) + (f"  (the same tangle holds {', '.join(others)})" if others else ""))
     return sorted(found)
 
 
