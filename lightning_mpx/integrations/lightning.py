@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, ContextManager, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
+from typing_extensions import Unpack
 
 from lightning_mpx.casting.boundary import BoundaryCast
 from lightning_mpx.engine.outcome import StepOutcome
@@ -37,9 +38,8 @@ from lightning_mpx.common.imports import require
 from lightning_mpx.engine.sharding import is_sharded
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.casting.policy import casts_off_if_on as _casts_off
-from lightning_mpx.casting.table import CastTable
 from lightning_mpx.masters.weights import convert_module
-from lightning_mpx.settings import DEFAULTS, MixedPrecisionSettings, OnFloor
+from lightning_mpx.settings import MixedPrecisionSettings, OnFloor, SettingsKeywords, keyword_signature
 
 _pl = require("lightning.pytorch", extra="lightning", feature="lightning_mpx.MixedPrecisionPlugin")
 
@@ -62,8 +62,6 @@ except ImportError:  # a release that names it otherwise: the range test is not 
     _LRCallback = None  # type: ignore[assignment,misc]
 
 __all__ = ["MixedPrecisionPlugin"]
-
-_D, _S = DEFAULTS, DEFAULTS.scaler  # the defaults of the typed keywords, from the one place that defines them
 
 #: Strategies whose model is one ordinary module per process: the plugin converts it and makes FP32 masters.
 _REPLICATED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy)
@@ -92,13 +90,12 @@ class MixedPrecisionPlugin(FSDPPrecision):
     Args:
         opt_level: ``"O0"`` (FP32), ``"O1"`` (cast-table policy), ``"O2"`` (half model, FP32 master weights, batch
             norm FP32) or ``"O3"`` (pure half).
-        half_dtype, num_losses, cast_table, allow_banned, unscale_backend, init_scale, growth_factor,
-            backoff_factor, growth_interval, hysteresis, consecutive_hysteresis, min_loss_scale, max_loss_scale,
-            on_floor, overflow_log_interval, diagnose_overflows, fp32_modules, skip_on_device, model_writes,
-            **overrides: The
-            engine's settings, each documented and checked in :class:`~lightning_mpx.settings.MixedPrecisionSettings`
-            (the scaler's in :class:`~lightning_mpx.settings.ScalerSettings`); :meth:`from_settings` takes them
-            whole. In manual optimization choose a loss with ``self.manual_backward(loss, loss_id=i)``;
+        **settings: The engine's settings (``half_dtype``, ``num_losses``, the loss scaler's, ``fp32_modules``,
+            opt-level overrides such as ``keep_batchnorm_fp32``...; typed in
+            :class:`~lightning_mpx.settings.SettingsKeywords`, ``help()`` lists each with its default), each
+            documented and checked in :class:`~lightning_mpx.settings.MixedPrecisionSettings` (the scaler's in
+            :class:`~lightning_mpx.settings.ScalerSettings`); :meth:`from_settings` takes them whole.
+            In manual optimization choose a loss with ``self.manual_backward(loss, loss_id=i)``;
             ``fp32_modules`` patterns match the LightningModule's ``named_modules()`` names; the overflow record of
             ``diagnose_overflows`` is ``plugin.amp.last_overflow``.
 
@@ -119,35 +116,11 @@ class MixedPrecisionPlugin(FSDPPrecision):
         Trainer(strategy="fsdp", plugins=[MixedPrecisionPlugin("O2")])  # FSDP1: Lightning wraps the model
     """
 
-    def __init__(
-        self,
-        opt_level: str = "O1",
-        *,
-        half_dtype: str | torch.dtype = _D.half_dtype,
-        num_losses: int = _D.num_losses,
-        cast_table: CastTable | None = _D.cast_table,
-        allow_banned: bool = _D.allow_banned,
-        unscale_backend: str = _D.unscale_backend,
-        init_scale: float = _S.init_scale,
-        growth_factor: float = _S.growth_factor,
-        backoff_factor: float = _S.backoff_factor,
-        growth_interval: int = _S.growth_interval,
-        hysteresis: int = _S.hysteresis,
-        consecutive_hysteresis: bool = _S.consecutive_hysteresis,
-        min_loss_scale: float = _S.min_loss_scale,
-        max_loss_scale: float = _S.max_loss_scale,
-        on_floor: OnFloor = _S.on_floor,
-        overflow_log_interval: float = _D.overflow_log_interval,
-        diagnose_overflows: bool = _D.diagnose_overflows,
-        fp32_modules: Sequence[str] = _D.fp32_modules,
-        skip_on_device: bool = _D.skip_on_device,
-        model_writes: str = _D.model_writes,
-        **overrides: Any,
-    ) -> None:
-        arguments = {k: v for k, v in locals().items() if k not in ("self", "overrides", "__class__")}
+    @keyword_signature()
+    def __init__(self, opt_level: str = "O1", **settings: Unpack[SettingsKeywords]) -> None:
         inherited = set(vars(self))  # a subclass's attributes set before this __init__ (kept by pickling)
         # Built now so that bad arguments fail at Trainer construction, not mid-setup.
-        self.settings = MixedPrecisionSettings.from_kwargs(**arguments, **overrides)
+        self.settings = MixedPrecisionSettings.from_kwargs(opt_level, **settings)
         self._opt_level = opt_level
         self.amp = Amp.from_settings(self.settings)
         # ``trainer.precision`` in Lightning's own words (its model summary sizes the weights from it): what the
