@@ -84,6 +84,7 @@ from accelerate.utils import (  # type: ignore[import-untyped]  # noqa: E402
 
 from lightning_mpx.integrations import accelerate_fsdp as _accelerate_fsdp  # noqa: E402
 from lightning_mpx.integrations.accelerate_fsdp import ShardedPreparation  # noqa: E402
+from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
 from lightning_mpx.integrations.accelerate_forward import AmpForward  # noqa: E402
 from lightning_mpx.integrations.accelerate_kwargs import FSDP_GATHER_CHOICES, MixedPrecisionKwargs  # noqa: E402, F401
 from lightning_mpx.integrations.accelerate_optimizer import (  # noqa: E402
@@ -198,7 +199,7 @@ class Accelerator(ShardedPreparation, _BaseAccelerator):  # type: ignore[misc]
         if self.num_processes > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             if self.distributed_type != DistributedType.FSDP:
                 # Under FSDP the engine's own collective (flags + global norm, one per step) makes the ranks agree.
-                amp.found_inf_reducer = _all_reduce_max  # every rank takes the same skip decision
+                amp.found_inf_reducer = all_reduce_max  # every rank takes the same skip decision
             amp.log_overflows = self.is_main_process
         # Optimizers that stepped (or skipped) since the last Amp.update(): see the module docstring.
         self._stepped: set[int] = set()
@@ -527,10 +528,6 @@ class Accelerator(ShardedPreparation, _BaseAccelerator):  # type: ignore[misc]
         for opt in self._amp_optimizers():
             opt.unscaled = False
         self.amp.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-
-
-def _all_reduce_max(flag: torch.Tensor) -> None:
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
 
 
 def _opt_level_of(mixed_precision: object) -> str | None:

@@ -70,7 +70,7 @@ from lightning.fabric.wrappers import _FabricOptimizer  # noqa: E402
 from lightning_utilities.core.apply_func import apply_to_collection  # noqa: E402
 
 from lightning_mpx.casting.policy import casts_off_if_on as _casts_off  # noqa: E402
-from lightning_mpx.integrations.lightning import _all_reduce_max  # noqa: E402
+from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
 
 __all__ = ["FabricMixedPrecisionPlugin"]
 
@@ -177,7 +177,7 @@ class FabricMixedPrecisionPlugin(Precision):
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             self.amp.log_overflows = torch.distributed.get_rank() == 0
             if torch.distributed.get_world_size() > 1:
-                self.amp.found_inf_reducer = _all_reduce_max  # every rank makes the same skip decision
+                self.amp.found_inf_reducer = all_reduce_max  # every rank makes the same skip decision
         return module
 
     def forward_context(self) -> ContextManager[Any]:
