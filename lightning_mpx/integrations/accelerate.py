@@ -79,13 +79,18 @@ from accelerate.utils import (  # type: ignore[import-untyped]  # noqa: E402
     DistributedType,
     GradScalerKwargs,
     KwargsHandler,
-    is_compiled_module,
 )
 
 from lightning_mpx.integrations import accelerate_fsdp as _accelerate_fsdp  # noqa: E402
+from lightning_mpx.integrations.accelerate_checkpoint import (  # noqa: E402
+    AMP_STATE_NAME,
+    amp_state_path,
+    read_amp_state,
+    write_amp_state,
+)
 from lightning_mpx.integrations.accelerate_fsdp import ShardedPreparation  # noqa: E402
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
-from lightning_mpx.integrations.accelerate_forward import AmpForward  # noqa: E402
+from lightning_mpx.integrations.accelerate_forward import AmpForward, install_forward  # noqa: E402
 from lightning_mpx.integrations.accelerate_kwargs import FSDP_GATHER_CHOICES, MixedPrecisionKwargs  # noqa: E402, F401
 from lightning_mpx.integrations.accelerate_optimizer import (  # noqa: E402
     AmpOptimizer,
@@ -99,8 +104,6 @@ __all__ = ["AMP_STATE_NAME", "NATIVE_MIXED_PRECISION", "Accelerator", "MixedPrec
 
 #: Accelerate's own ``mixed_precision`` values, passed through unchanged.
 NATIVE_MIXED_PRECISION: tuple[str, ...] = ("no", "fp16", "bf16", "fp8")
-#: The file that ``save_state`` writes the :class:`~lightning_mpx.engine.amp.Amp` state to.
-AMP_STATE_NAME = "lightning_mpx_amp.bin"
 
 _SUPPORTED_DISTRIBUTED = (
     DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.FSDP
@@ -290,24 +293,13 @@ class Accelerator(ShardedPreparation, _BaseAccelerator):  # type: ignore[misc]
             model.to(self.device)
         self.amp.prepare_model(model, train=not evaluation_mode)  # no FP32 masters for a model only evaluated
         self._converted.add(model)
-        self._install_forward(model)
+        install_forward(self.amp, model)
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         if self.amp.master_weights and prepared is not model:
             # Wrapped (DDP broadcasts rank zero's weights to every process): the masters take the weights that
             # will be trained, where they differ from them.
             self.amp.refresh_masters(model.parameters(), force=True)
         return prepared
-
-    def _install_forward(self, model: nn.Module) -> None:
-        assert self.amp is not None
-        if self.amp.properties.patch_torch_functions or self.amp.properties.casts_model:
-            # An instance attribute, as Accelerate's own autocast wrapper: the class and other instances are untouched,
-            # and unwrap_model(model, keep_fp32_wrapper=False) removes it through _original_forward.
-            # A torch.compile'd model gets it on its original module, inside the compiled region: the policy is
-            # traced into the graph and no mode is left on the stack while the compiled code runs.
-            target = model._orig_mod if is_compiled_module(model) else model
-            target._original_forward = target.forward  # type: ignore[assignment]
-            target.forward = AmpForward(target.forward, self.amp)
 
     def free_memory(self, *objects: Any) -> Any:
         """As ``accelerate.Accelerator.free_memory``; with an opt level, the engine's masters, optimizers and loss
@@ -394,7 +386,7 @@ class Accelerator(ShardedPreparation, _BaseAccelerator):  # type: ignore[misc]
             return
         self._check_sync("unscale_gradients")
         if optimizer is None:
-            owners = [opt for opt in self._amp_optimizers() if any(p.grad is not None for p in params_of(opt.optimizer))]
+            owners = [o for o in self._amp_optimizers() if any(p.grad is not None for p in params_of(o.optimizer))]
         else:
             optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
             owners = [owner_of(self._amp_optimizers(), opt) for opt in optimizers]
@@ -510,24 +502,15 @@ class Accelerator(ShardedPreparation, _BaseAccelerator):  # type: ignore[misc]
         self._close_iteration()  # the checkpoint holds the scale the next backward would use
         state = self.amp.state_dict()  # every rank reads its device state (all ranks agree: the flags are reduced)
         if self.is_main_process or (self.project_configuration.save_on_each_node and self.is_local_main_process):
-            torch.save(state, os.path.join(output_dir, AMP_STATE_NAME))
+            write_amp_state(state, output_dir)
 
     def _load_amp_state(self, models: list[nn.Module], input_dir: str) -> None:
         assert self.amp is not None
-        path = os.path.join(input_dir, AMP_STATE_NAME)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(
-                f"{path} does not exist: the checkpoint in {input_dir} was not saved by lightning_mpx's Accelerator "
-                f"with an opt level, so the loss scale and FP32 masters of mixed_precision={self.amp.opt_level!r} "
-                "cannot be restored. To start this run from the weights of a checkpoint of plain Accelerate, load "
-                "them into the model before accelerator.prepare(...) (model.load_state_dict(...), or accelerate's "
-                "load_checkpoint_in_model), or after it (FP32 values go to the O2 masters exactly); the optimizer "
-                "and the loss scale then start afresh."
-            )
+        path = amp_state_path(input_dir, self.amp.opt_level)
         self._close_iteration()
         for opt in self._amp_optimizers():
             opt.unscaled = False
-        self.amp.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        self.amp.load_state_dict(read_amp_state(path))
 
 
 def _opt_level_of(mixed_precision: object) -> str | None:

@@ -1,4 +1,5 @@
-"""A prepared model's ``forward`` under the opt level (the Accelerate adapter's, :mod:`lightning_mpx.integrations.accelerate`).
+"""A prepared model's ``forward`` under the opt level, for the Accelerate adapter
+(:mod:`lightning_mpx.integrations.accelerate`).
 
 :class:`AmpForward` replaces ``forward`` on the prepared instance only (as Accelerate's own autocast wrapper), and
 keeps what a copy of the model needs to run the same casts with an engine of its own (a deep copy, a pickle).
@@ -18,8 +19,12 @@ from lightning_mpx.casting.table import _NAMESPACES as _TABLE_NAMESPACES
 from lightning_mpx.casting.table import CastTable
 from lightning_mpx.common.containers import _cast_collection
 from lightning_mpx.engine.amp import Amp
+from lightning_mpx.common.imports import require
 
-__all__ = ["AmpForward"]
+require("accelerate", feature="lightning_mpx.integrations.accelerate")
+from accelerate.utils import is_compiled_module  # type: ignore[import-untyped]  # noqa: E402
+
+__all__ = ["AmpForward", "install_forward"]
 
 
 class AmpForward:
@@ -111,3 +116,15 @@ def _engine_for_forward(properties: Any, table: CastTable | None, allow_banned: 
         master_weights=properties.master_weights,
         loss_scale=properties.loss_scale,
     )
+
+
+def install_forward(amp: Amp, model: nn.Module) -> None:
+    """Replace ``model``'s forward with an :class:`AmpForward` of ``amp``, where the opt level casts anything."""
+    if amp.properties.patch_torch_functions or amp.properties.casts_model:
+        # An instance attribute, as Accelerate's own autocast wrapper: the class and other instances are untouched,
+        # and unwrap_model(model, keep_fp32_wrapper=False) removes it through _original_forward.
+        # A torch.compile'd model gets it on its original module, inside the compiled region: the policy is
+        # traced into the graph and no mode is left on the stack while the compiled code runs.
+        target = model._orig_mod if is_compiled_module(model) else model
+        target._original_forward = target.forward  # type: ignore[assignment]
+        target.forward = AmpForward(target.forward, amp)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from lightning_mpx.engine.sharding import is_sharded
+from lightning_mpx.integrations.accelerate_forward import install_forward
 from lightning_mpx.integrations.accelerate_optimizer import AmpOptimizer, params_of
 from lightning_mpx.masters.weights import convert_module
 from lightning_mpx.settings import MixedPrecisionSettings
@@ -177,7 +178,7 @@ class ShardedPreparation:
             if isinstance(obj, nn.Module) and obj not in self._converted:
                 self.amp.prepare_model(obj)  # sharded: no conversion, no masters; the policies are checked
                 self._converted.add(obj)
-                self._install_forward(obj)
+                install_forward(self.amp, obj)
         for wrapped in deferred:
             self.amp.prepare_optimizer(wrapped.optimizer)  # after the swap: it holds the shards now
         return prepared
@@ -188,7 +189,7 @@ class ShardedPreparation:
         if self.is_fsdp2 or getattr(model, "_is_accelerate_prepared", False) or model in self._converted:
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         before_sharding(model, self.amp.settings, 1, {}, gather=self._fsdp_gather)
-        self._install_forward(model)  # on the inner module: the wrapper's forward calls it
+        install_forward(self.amp, model)  # on the inner module: the wrapper's forward calls it
         with self._as_native():
             prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         self.amp.prepare_model(prepared, train=not evaluation_mode)

@@ -50,7 +50,12 @@ from lightning_mpx.integrations.lightning_gradient_readers import GradientReader
 from lightning_mpx.integrations.lightning_model_hooks import ModelHooks  # noqa: E402
 from lightning_mpx.integrations.lightning_range_test import RangeTest  # noqa: E402
 from lightning_mpx.integrations.lightning_schedulers import HeldSchedulers, step_configs  # noqa: E402
-from lightning_mpx.integrations.lightning_strategies import shards_model, trainer_of, unwrap_optimizer  # noqa: E402
+from lightning_mpx.integrations.lightning_strategies import (  # noqa: E402
+    fsdp1_config,
+    shards_model,
+    trainer_of,
+    unwrap_optimizer,
+)
 
 __all__ = ["MixedPrecisionPlugin"]
 
@@ -227,17 +232,10 @@ class MixedPrecisionPlugin(FSDPPrecision):
 
     @property
     def mixed_precision_config(self) -> Any:
-        """The FSDP1 ``MixedPrecision`` of the opt level (:func:`lightning_mpx.integrations.fsdp.fsdp1_mixed_precision`), which
-        Lightning's ``FSDPStrategy`` wraps the model with. Where FSDP should not cast (O0) it is an empty
+        """The FSDP1 ``MixedPrecision`` of the opt level (:func:`~lightning_mpx.integrations.fsdp.fsdp1_mixed_precision`),
+        which Lightning's ``FSDPStrategy`` wraps the model with. Where FSDP should not cast (O0) it is an empty
         ``MixedPrecision`` that FSDP treats as none (Lightning's throughput monitor reads its ``reduce_dtype``)."""
-        from torch.distributed.fsdp import MixedPrecision
-
-        from lightning_mpx.integrations.fsdp import fsdp1_mixed_precision
-
-        config = fsdp1_mixed_precision(self)
-        # `_module_classes_to_ignore=()`: no module given a policy of its own (FSDP's default singles out batch
-        # norm), exactly what `mixed_precision=None` does.
-        return config if config is not None else MixedPrecision(_module_classes_to_ignore=())
+        return fsdp1_config(self.settings)
 
     def tensor_init_context(self) -> ContextManager[Any]:
         """Tensors are created as the user asks (the conversion happens in :meth:`convert_module`)."""
@@ -337,7 +335,8 @@ class MixedPrecisionPlugin(FSDPPrecision):
         automatic = model.automatic_optimization
         skip_backward = closure_result is None and automatic  # training_step returned None: nothing to step
         with _casts_off():
-            if not skip_backward and not self.amp.is_unscaled(optimizer) and self._gradient_readers.read_gradients(model, plugin_clips=self._clip_overridden()):
+            unscaled = skip_backward or self.amp.is_unscaled(optimizer)  # (nothing to unscale, or done already)
+            if not unscaled and self._gradient_readers.read_gradients(model, plugin_clips=self._clip_overridden):
                 # Hooks must see true gradients (Lightning's MixedPrecision unscales here too). Without such hooks
                 # the unscale is left to the clip (one fused pass) or to the step. At O2 unscale_ also leaves the
                 # true values on the model's own gradients.

@@ -8,7 +8,7 @@ on every step otherwise.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from lightning_mpx.common.imports import require
 
@@ -45,12 +45,12 @@ class GradientReaders:
             answer = self._overrides[key] = is_overridden(name, model)
         return answer
 
-    def read_gradients(self, model: Any, *, plugin_clips: bool) -> bool:
+    def read_gradients(self, model: Any, *, plugin_clips: Callable[[], bool]) -> bool:
         """Whether the LightningModule implements ``on_before_optimizer_step`` or ``configure_gradient_clipping``
         (which reads the gradients and may clip them itself), the plugin's ``clip_grad_by_*`` is overridden
-        (``plugin_clips``: a subclass's own clips what ``main_params()`` holds, true values), or a callback implements
+        (``plugin_clips()``: a subclass's own clips what ``main_params()`` holds, true values), or a callback implements
         ``on_before_optimizer_step``."""
-        if any(self.overridden(model, name) for name in _MODULE_HOOKS) or plugin_clips:
+        if any(self.overridden(model, name) for name in _MODULE_HOOKS) or plugin_clips():
             return True
         base = _pl.Callback.on_before_optimizer_step
         return any(

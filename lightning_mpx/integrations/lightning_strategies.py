@@ -1,6 +1,6 @@
 """What the Trainer plugin (:mod:`lightning_mpx.integrations.lightning`) needs to know of Lightning's strategies and
-wrappers: whether a strategy shards the model with FSDP (and which it refuses), the Trainer of a wrapped model, and
-the optimizer inside a ``LightningOptimizer``."""
+wrappers: whether a strategy shards the model with FSDP (and which it refuses), FSDP1's mixed-precision config, the
+Trainer of a wrapped model, and the optimizer inside a ``LightningOptimizer``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_mpx.common.imports import require
+from lightning_mpx.settings import MixedPrecisionSettings
 
 _pl = require("lightning.pytorch", extra="lightning", feature="lightning_mpx.MixedPrecisionPlugin")
 
@@ -22,7 +23,7 @@ from lightning.pytorch.strategies import (  # noqa: E402
     SingleDeviceStrategy,
 )
 
-__all__ = ["shards_model", "trainer_of", "unwrap_optimizer"]
+__all__ = ["fsdp1_config", "shards_model", "trainer_of", "unwrap_optimizer"]
 
 #: Strategies whose model is one ordinary module per process: the plugin converts it and makes FP32 masters.
 _REPLICATED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy)
@@ -46,6 +47,21 @@ def shards_model(strategy: Any) -> bool:
         f"strategy={type(strategy).__name__} is not supported by MixedPrecisionPlugin; supported: single-device, "
         "DDP (strategy='ddp'), FSDP (strategy='fsdp') and ModelParallelStrategy (FSDP2)."
     )
+
+
+def fsdp1_config(settings: MixedPrecisionSettings) -> Any:
+    """The FSDP1 ``MixedPrecision`` of ``settings`` for Lightning's ``FSDPStrategy``. Where FSDP should not cast (O0)
+    it is an empty ``MixedPrecision`` that FSDP treats as none (Lightning's throughput monitor reads its
+    ``reduce_dtype``)."""
+    # Imported here: FSDP is only needed (and only importable in torch builds with torch.distributed) under FSDP.
+    from torch.distributed.fsdp import MixedPrecision
+
+    from lightning_mpx.integrations.fsdp import fsdp1_mixed_precision
+
+    config = fsdp1_mixed_precision(settings)
+    # `_module_classes_to_ignore=()`: no module given a policy of its own (FSDP's default singles out batch
+    # norm), exactly what `mixed_precision=None` does.
+    return config if config is not None else MixedPrecision(_module_classes_to_ignore=())
 
 
 def unwrap_optimizer(optimizer: Any) -> Optimizer:
