@@ -57,7 +57,7 @@ def refuse_settings(settings: MixedPrecisionSettings, plugin: Any) -> None:
     if getattr(plugin, "mixed_precision_policy", None) is not None:
         raise ValueError(
             f"fsdp_plugin.mixed_precision_policy={plugin.mixed_precision_policy!r} was set, but "
-            f"mixed_precision={level!r} gives FSDP the opt level's own policy (lightning_mpx.integrations.fsdp."
+            f"mixed_precision={level!r} gives FSDP the opt level's own policy (lightning_mpx.fsdp."
             f"{'mixed_precision_policy' if plugin.fsdp_version == 2 else 'fsdp1_mixed_precision'}); leave "
             "mixed_precision_policy unset (None), or use Accelerate's mixed_precision='bf16'/'fp16' with your policy."
         )

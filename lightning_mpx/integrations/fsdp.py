@@ -484,9 +484,9 @@ def check_sharded_model(module: nn.Module, settings: object) -> None:
             "check_sharded_model checks a model after fully_shard / FullyShardedDataParallel."
         )
     helper = (
-        f"shard the unsharded model with lightning_mpx.integrations.fsdp.shard_model(model, precision) or pass "
-        f"mp_policy=lightning_mpx.integrations.fsdp.mixed_precision_policy(precision, role=...) to each fully_shard "
-        f"(FSDP1: mixed_precision=lightning_mpx.integrations.fsdp.fsdp1_mixed_precision(precision))"
+        f"shard the unsharded model with lightning_mpx.fsdp.shard_model(model, precision) or pass "
+        f"mp_policy=lightning_mpx.fsdp.mixed_precision_policy(precision, role=...) to each fully_shard "
+        f"(FSDP1: mixed_precision=lightning_mpx.fsdp.fsdp1_mixed_precision(precision))"
     )
     if mode.name in ("masters", "half") and settings.scaler.on_floor == "promote":
         raise ValueError(
@@ -599,7 +599,7 @@ def check_sharded_model(module: nn.Module, settings: object) -> None:
                 f"FSDP reduces the gradients of {_listed(half_reduce)} in half at opt_level={level!r}: the sum "
                 "across ranks is rounded to half (and a float16 sum can overflow where each rank's gradient is "
                 "finite, which backs the loss scale off). lightning_mpx's policies reduce in FP32 "
-                "(reduce_dtype=torch.float32); see lightning_mpx.integrations.fsdp.mixed_precision_policy.",
+                "(reduce_dtype=torch.float32); see lightning_mpx.fsdp.mixed_precision_policy.",
                 UserWarning,
                 stacklevel=2,
             )

@@ -79,8 +79,9 @@ def _shown(value: object) -> str:
 
 
 def done_plan(module: nn.Module) -> dict[str, object] | None:
-    """The plan :func:`~lightning_mpx.integrations.fsdp.shard_model` sharded ``module`` with; ``None`` for an unsharded module; raises for a module
-    sharded by other means (``fully_shard`` by hand, FSDP1), whose policies shard_model cannot know."""
+    """The plan :func:`~lightning_mpx.integrations.fsdp.shard_model` sharded ``module`` with; ``None`` for an
+    unsharded module; raises for a module sharded by other means (``fully_shard`` by hand, FSDP1), whose policies
+    shard_model cannot know."""
     if not is_sharded(module):
         return None
     done = getattr(module, _PLAN_ATTRIBUTE, None)

@@ -210,7 +210,7 @@ class MixedPrecisionPlugin(FSDPPrecision):
                 if not is_sharded(model):
                     raise ValueError(
                         f"strategy={type(trainer.strategy).__name__}: the model has no FSDP module. Shard it in "
-                        "the LightningModule's configure_model: lightning_mpx.integrations.fsdp.shard_model(self.model, "
+                        "the LightningModule's configure_model: lightning_mpx.fsdp.shard_model(self.model, "
                         "self.trainer.precision_plugin, mesh=self.device_mesh['data_parallel'])."
                     )
                 self.amp.prepare_model(model, train=trainer.state.fn == "fit")
@@ -232,7 +232,7 @@ class MixedPrecisionPlugin(FSDPPrecision):
 
     @property
     def mixed_precision_config(self) -> Any:
-        """The FSDP1 ``MixedPrecision`` of the opt level (:func:`~lightning_mpx.integrations.fsdp.fsdp1_mixed_precision`),
+        """The FSDP1 ``MixedPrecision`` of the opt level (:func:`~lightning_mpx.fsdp.fsdp1_mixed_precision`),
         which Lightning's ``FSDPStrategy`` wraps the model with. Where FSDP should not cast (O0) it is an empty
         ``MixedPrecision`` that FSDP treats as none (Lightning's throughput monitor reads its ``reduce_dtype``)."""
         return fsdp1_config(self.settings)
