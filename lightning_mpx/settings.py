@@ -9,18 +9,24 @@ checked here once::
     amp = Amp.from_settings(settings)               # the same engine as Amp("O2", half_dtype=..., ...)
     plugin = MixedPrecisionPlugin.from_settings(settings)
 
-Adding a setting: a field here (with its line in the class docstring and its check in ``__post_init__``), then its
-typed keyword in :class:`~lightning_mpx.engine.amp.Amp`, :class:`~lightning_mpx.integrations.lightning.MixedPrecisionPlugin` and
-:class:`~lightning_mpx.integrations.accelerate.MixedPrecisionKwargs`, whose defaults are read from here (``tests/test_settings.py``
-fails until the three agree with the fields).
+The front doors do not repeat the keyword lists. Each takes ``**settings`` typed with :class:`SettingsKeywords`
+(:class:`ScalerKeywords` for :class:`~lightning_mpx.scaling.scaler.LossScaler`), which type checkers and IDEs read, and
+:func:`keyword_signature` gives it the signature that ``help()`` and ``inspect`` show: one typed keyword per field,
+with the field's default. :class:`~lightning_mpx.integrations.accelerate.MixedPrecisionKwargs` is a dataclass whose
+fields are made from :func:`setting_fields`.
+
+Adding a setting: a field here (with its line in the class docstring and its check in ``__post_init__``) and its
+line in :class:`SettingsKeywords` (or :class:`ScalerKeywords`); every front door takes it from then on
+(``tests/test_settings.py`` fails until the typed keywords agree with the fields).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Callable, Iterable, Literal, Mapping, Sequence, TypedDict, TypeVar
 
 import torch
 
@@ -34,7 +40,12 @@ __all__ = [
     "ON_FLOOR_CHOICES",
     "MixedPrecisionSettings",
     "OnFloor",
+    "OptLevelOverrides",
+    "ScalerKeywords",
     "ScalerSettings",
+    "SettingsKeywords",
+    "keyword_signature",
+    "setting_fields",
 ]
 
 _FP32_MAX = float(torch.finfo(torch.float32).max)
@@ -74,6 +85,16 @@ def check_choice(name: str, value: object, choices: Sequence[str], *, quote: boo
     if value not in choices:
         listed = ", ".join(map(repr, choices)) if quote else ", ".join(choices)
         raise ValueError(f"{name}={value!r} is not valid; valid choices: {listed}.")
+
+
+def check_keywords(where: str, given: Iterable[str], valid: Sequence[str]) -> None:
+    """Raise ``TypeError`` naming the first of ``given`` that is not in ``valid``, and the valid keywords, as Python
+    does for a keyword a function does not take (``where``: the callable's name, e.g. ``"LossScaler()"``)."""
+    for name in given:
+        if name not in valid:
+            raise TypeError(
+                f"{where} got an unexpected keyword argument {name!r}; valid choices: {', '.join(valid)}."
+            )
 
 
 @dataclass(frozen=True)
@@ -159,15 +180,35 @@ class ScalerSettings:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
+class ScalerKeywords(TypedDict, total=False):
+    """The fields of :class:`ScalerSettings` as keywords, for ``**settings: Unpack[ScalerKeywords]`` (type checkers
+    and IDEs read the names and types here; the defaults and docs are the fields')."""
+
+    init_scale: float
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    hysteresis: int
+    consecutive_hysteresis: bool
+    min_loss_scale: float
+    max_loss_scale: float
+    on_floor: OnFloor
+
+
+class OptLevelOverrides(TypedDict, total=False):
+    """The opt-level property overrides (see :func:`~lightning_mpx.opt_levels.resolve_properties`); an override
+    not given keeps the preset's value."""
+
+    cast_model_type: str | torch.dtype | None
+    patch_torch_functions: bool
+    keep_batchnorm_fp32: bool | None
+    master_weights: bool
+    loss_scale: float | str
+
+
 SCALER_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ScalerSettings))
 #: The opt-level property overrides (see :func:`~lightning_mpx.opt_levels.resolve_properties`).
-OPT_LEVEL_OVERRIDES: tuple[str, ...] = (
-    "cast_model_type",
-    "patch_torch_functions",
-    "keep_batchnorm_fp32",
-    "master_weights",
-    "loss_scale",
-)
+OPT_LEVEL_OVERRIDES: tuple[str, ...] = tuple(OptLevelOverrides.__annotations__)
 
 
 @dataclass(frozen=True)
@@ -287,6 +328,67 @@ class MixedPrecisionSettings:
         return {**out, **self.scaler.to_kwargs(), **self.overrides}
 
 
-#: The defaults of every setting, read by the typed signatures of the front doors.
+class SettingsKeywords(ScalerKeywords, OptLevelOverrides, total=False):
+    """Every setting as a keyword (:class:`MixedPrecisionSettings`'s own fields, the scaler's, the opt-level
+    overrides), for the front doors' ``**settings: Unpack[SettingsKeywords]``: type checkers and IDEs read the names
+    and types here; the defaults and docs are the fields' (``tests/test_settings.py`` holds the two equal)."""
+
+    half_dtype: str | torch.dtype
+    num_losses: int
+    cast_table: CastTable | None
+    allow_banned: bool
+    unscale_backend: str
+    overflow_log_interval: float
+    model_writes: str
+    diagnose_overflows: bool
+    fp32_modules: Sequence[str]
+    skip_on_device: bool
+
+
+#: The defaults of every setting.
 DEFAULTS = MixedPrecisionSettings()
 SCALER_DEFAULTS = DEFAULTS.scaler
+#: The keywords of :class:`MixedPrecisionSettings`'s own fields (not ``opt_level``, ``overrides``, ``scaler``).
+ENGINE_FIELDS: tuple[str, ...] = tuple(
+    f.name
+    for f in dataclasses.fields(MixedPrecisionSettings)
+    if f.init and f.name not in ("opt_level", "overrides", "scaler")
+)
+
+
+def setting_fields(*, engine: bool = True, overrides: bool = False) -> list[tuple[str, Any, Any]]:
+    """``(name, type, default)`` of each setting keyword, read from the fields: :class:`MixedPrecisionSettings`'s
+    own (``engine``), :class:`ScalerSettings`'s, then (``overrides``) each opt-level override, typed ``... | None``
+    with the default ``None`` (the preset's value). The types are the fields' annotations, as text."""
+    own = {f.name: f for f in dataclasses.fields(MixedPrecisionSettings)}
+    out = [(name, own[name].type, getattr(DEFAULTS, name)) for name in ENGINE_FIELDS] if engine else []
+    out += [(f.name, f.type, getattr(SCALER_DEFAULTS, f.name)) for f in dataclasses.fields(ScalerSettings)]
+    if overrides:
+        for name, kind in OptLevelOverrides.__annotations__.items():
+            text = getattr(kind, "__forward_arg__", kind)
+            out.append((name, text if "None" in str(text) else f"{text} | None", None))
+    return out
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def keyword_signature(*, engine: bool = True, overrides: bool = True) -> Callable[[_F], _F]:
+    """Decorator for a front door written ``def __init__(self, opt_level="O1", **settings: Unpack[SettingsKeywords])``:
+    the signature ``help()``, ``inspect`` and the docs show is its own parameters, then one typed keyword per setting
+    with its default (from :func:`setting_fields`; ``engine=False``: the scaler's only), then ``**overrides`` for the
+    opt-level overrides (``overrides=False``: none). The function itself is unchanged."""
+
+    def decorate(function: _F) -> _F:
+        own = inspect.signature(function)
+        kept = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        added = [
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=kind)
+            for name, kind, default in setting_fields(engine=engine)
+        ]
+        if overrides:
+            added.append(inspect.Parameter("overrides", inspect.Parameter.VAR_KEYWORD, annotation="Any"))
+        function.__signature__ = own.replace(parameters=kept + added)  # type: ignore[attr-defined]
+        return function
+
+    return decorate

@@ -11,7 +11,13 @@ import torch
 from torch import nn
 
 from lightning_mpx import Amp, LossScaler, MixedPrecisionSettings, ScalerSettings
-from lightning_mpx.settings import DEFAULTS, OPT_LEVEL_OVERRIDES, SCALER_FIELDS
+from lightning_mpx.settings import (
+    DEFAULTS,
+    OPT_LEVEL_OVERRIDES,
+    SCALER_FIELDS,
+    ScalerKeywords,
+    SettingsKeywords,
+)
 
 ENGINE_FIELDS = [f.name for f in dataclasses.fields(MixedPrecisionSettings) if f.init]
 KEYWORDS = [n for n in ENGINE_FIELDS if n not in ("opt_level", "overrides", "scaler")] + list(SCALER_FIELDS)
@@ -31,8 +37,10 @@ def test_every_front_door_has_each_setting_typed_with_the_settings_default():
     from lightning_mpx.integrations.accelerate import MixedPrecisionKwargs
     from lightning_mpx.integrations.lightning import MixedPrecisionPlugin
 
+    from lightning_mpx.integrations.fabric import FabricMixedPrecisionPlugin
+
     kwargs_fields = {f.name: f.default for f in dataclasses.fields(MixedPrecisionKwargs)}
-    for front in (Amp.__init__, MixedPrecisionPlugin.__init__):
+    for front in (Amp.__init__, MixedPrecisionPlugin.__init__, FabricMixedPrecisionPlugin.__init__):
         defaults = _keyword_defaults(front)
         assert set(defaults) == set(KEYWORDS), (front, sorted(set(defaults) ^ set(KEYWORDS)))
         assert all(defaults[name] == _default(name) for name in KEYWORDS), front
@@ -44,6 +52,40 @@ def test_every_front_door_has_each_setting_typed_with_the_settings_default():
     scaler_keywords = _keyword_defaults(LossScaler.__init__)
     assert scaler_keywords.pop("half_dtype") is None
     assert scaler_keywords == {name: getattr(DEFAULTS.scaler, name) for name in SCALER_FIELDS}
+
+
+def _typed(annotations: dict) -> dict:
+    return {name: getattr(kind, "__forward_arg__", kind) for name, kind in annotations.items()}
+
+
+def test_the_typed_keywords_are_the_settings_fields():
+    # What type checkers and IDEs read (the TypedDicts of **settings) is what the settings hold: the same names and
+    # the same types, so that a field added without its typed keyword (or with another type) fails here.
+    from lightning_mpx.integrations.accelerate_kwargs import MixedPrecisionKwargs, MixedPrecisionKwargsKeywords
+
+    scaler = {f.name: f.type for f in dataclasses.fields(ScalerSettings)}
+    assert _typed(ScalerKeywords.__annotations__) == scaler
+    engine = {f.name: f.type for f in dataclasses.fields(MixedPrecisionSettings) if f.name in KEYWORDS}
+    overrides = set(OPT_LEVEL_OVERRIDES)
+    typed = _typed(SettingsKeywords.__annotations__)
+    assert {k: v for k, v in typed.items() if k not in overrides} == {**engine, **scaler}
+    assert set(typed) - set(KEYWORDS) == overrides
+    fields = {f.name: f.type for f in dataclasses.fields(MixedPrecisionKwargs)}
+    assert set(_typed(MixedPrecisionKwargsKeywords.__annotations__)) == set(fields)
+    # LossScaler shows the scaler's keywords, typed as the fields.
+    params = inspect.signature(LossScaler).parameters
+    assert {name: params[name].annotation for name in SCALER_FIELDS} == scaler
+
+
+def test_a_misspelt_keyword_is_named():
+    with pytest.raises(TypeError, match=r"unknown opt-level override\(s\) 'grow_interval'; valid choices: cast_model"):
+        Amp("O1", grow_interval=5)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"LossScaler\(\) got an unexpected keyword argument 'grow_interval'; valid"):
+        LossScaler(grow_interval=5)  # type: ignore[call-arg]
+    from lightning_mpx.integrations.accelerate import MixedPrecisionKwargs
+
+    with pytest.raises(TypeError, match="unexpected keyword argument 'grow_interval'"):
+        MixedPrecisionKwargs(grow_interval=5)  # type: ignore[call-arg]
 
 
 def test_keywords_and_settings_build_the_same_engine():

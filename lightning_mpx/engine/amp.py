@@ -46,6 +46,8 @@ from lightning_mpx.opt_levels import Properties
 from lightning_mpx.health.promotion import Promotion, matches
 # MODEL_WRITES is defined with the other settings; its old import path here keeps working.
 from lightning_mpx.settings import DEFAULTS, MODEL_WRITES, MixedPrecisionSettings, OnFloor  # noqa: F401
+from lightning_mpx.settings import SettingsKeywords, keyword_signature
+from typing_extensions import Unpack
 from lightning_mpx.health.telemetry import GradTelemetry
 
 
@@ -60,7 +62,9 @@ class Amp:
     Args:
         opt_level, **settings: The opt level (``"O0"`` to ``"O3"``) and the settings, each documented and checked in
             :class:`~lightning_mpx.settings.MixedPrecisionSettings` and :class:`~lightning_mpx.settings.ScalerSettings`
-            (:meth:`from_settings` takes them whole).
+            (:meth:`from_settings` takes them whole); their keywords and types are
+            :class:`~lightning_mpx.settings.SettingsKeywords` (``help(Amp)`` lists each with its default), and an
+            unknown keyword raises ``TypeError`` naming it.
 
     Attributes:
         settings: The validated :class:`~lightning_mpx.settings.MixedPrecisionSettings` the engine was built from.
@@ -70,34 +74,9 @@ class Amp:
         sharded: Whether the prepared model is sharded by PyTorch FSDP (see :meth:`prepare_model`).
     """
 
-    def __init__(
-        self,
-        opt_level: str = "O1",
-        *,
-        half_dtype: str | torch.dtype = _D.half_dtype,
-        num_losses: int = _D.num_losses,
-        cast_table: CastTable | None = _D.cast_table,
-        allow_banned: bool = _D.allow_banned,
-        unscale_backend: str = _D.unscale_backend,
-        init_scale: float = _S.init_scale,
-        growth_factor: float = _S.growth_factor,
-        backoff_factor: float = _S.backoff_factor,
-        growth_interval: int = _S.growth_interval,
-        hysteresis: int = _S.hysteresis,
-        consecutive_hysteresis: bool = _S.consecutive_hysteresis,
-        min_loss_scale: float = _S.min_loss_scale,
-        max_loss_scale: float = _S.max_loss_scale,
-        on_floor: OnFloor = _S.on_floor,
-        overflow_log_interval: float = _D.overflow_log_interval,
-        model_writes: str = _D.model_writes,
-        diagnose_overflows: bool = _D.diagnose_overflows,
-        fp32_modules: Sequence[str] = _D.fp32_modules,
-        skip_on_device: bool = _D.skip_on_device,
-        **overrides: Any,
-    ) -> None:
-        arguments = dict(locals())
-        del arguments["self"], arguments["overrides"]
-        self._configure(MixedPrecisionSettings.from_kwargs(**arguments, **overrides))
+    @keyword_signature()
+    def __init__(self, opt_level: str = "O1", **settings: Unpack[SettingsKeywords]) -> None:
+        self._configure(MixedPrecisionSettings.from_kwargs(opt_level, **settings))
 
     @classmethod
     def from_settings(cls, settings: MixedPrecisionSettings) -> Amp:

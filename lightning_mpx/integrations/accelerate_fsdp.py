@@ -8,20 +8,28 @@ the level's block policy (:func:`lightning_mpx.integrations.fsdp.mixed_precision
 half parameters to FP32, since FSDP's FP32 shards are the masters) and, with FSDP2, shards the FP32 islands (batch
 norm, ``fp32_modules``) as units of their own with the island policy; Accelerate's auto-wrap leaves modules that are
 already sharded alone. The root's casts (inputs to half at O3, outputs to FP32) are the adapter's forward wrapper's.
+:class:`ShardedPreparation` is the part of the adapter's ``Accelerator`` that prepares models and optimizers under
+FSDP: the level's casts before Accelerate shards, the engine on the sharded model after.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import contextlib
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from lightning_mpx.engine.sharding import is_sharded
+from lightning_mpx.integrations.accelerate_forward import install_forward
+from lightning_mpx.integrations.accelerate_optimizer import AmpOptimizer, params_of
 from lightning_mpx.masters.weights import convert_module
 from lightning_mpx.settings import MixedPrecisionSettings
 
-__all__ = ["before_sharding", "fsdp_policy", "refuse_settings", "swap_parameters"]
+if TYPE_CHECKING:
+    from lightning_mpx.engine.amp import Amp
+
+__all__ = ["ShardedPreparation", "before_sharding", "fsdp_policy", "refuse_settings", "swap_parameters"]
 
 
 def fsdp_policy(settings: MixedPrecisionSettings, fsdp_version: int, gather: str = "half") -> Any:
@@ -49,7 +57,7 @@ def refuse_settings(settings: MixedPrecisionSettings, plugin: Any) -> None:
     if getattr(plugin, "mixed_precision_policy", None) is not None:
         raise ValueError(
             f"fsdp_plugin.mixed_precision_policy={plugin.mixed_precision_policy!r} was set, but "
-            f"mixed_precision={level!r} gives FSDP the opt level's own policy (lightning_mpx.integrations.fsdp."
+            f"mixed_precision={level!r} gives FSDP the opt level's own policy (lightning_mpx.fsdp."
             f"{'mixed_precision_policy' if plugin.fsdp_version == 2 else 'fsdp1_mixed_precision'}); leave "
             "mixed_precision_policy unset (None), or use Accelerate's mixed_precision='bf16'/'fp16' with your policy."
         )
@@ -108,3 +116,97 @@ def swap_parameters(optimizers: Iterable[torch.optim.Optimizer], mapping: dict[i
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             group["params"] = [mapping.get(id(p), p) for p in group["params"]]
+
+
+class ShardedPreparation:
+    """The preparation of models and optimizers under Accelerate's FSDP, for the adapter's ``Accelerator`` (a base
+    class ahead of ``accelerate.Accelerator``, whose ``prepare``/``prepare_model`` its ``super()`` calls reach).
+
+    FSDP2: the level's casts and FP32 islands before Accelerate shards, then the engine on the sharded model and the
+    optimizers once Accelerate has swapped their parameters for the shards. FSDP1: the level's casts before
+    Accelerate wraps the model, the engine on the wrapped model.
+    """
+
+    amp: Amp | None
+    _native_view: bool
+    _deferred: list[AmpOptimizer] | None
+
+    @contextlib.contextmanager
+    def _as_native(self) -> Iterator[None]:
+        """Accelerate's own preparation code reads ``mixed_precision`` as ``"no"`` inside (its FSDP paths upcast
+        half parameters otherwise; the opt level has decided the dtypes already)."""
+        self._native_view = True
+        try:
+            yield
+        finally:
+            self._native_view = False
+
+    @property
+    def _fsdp_gather(self) -> str:
+        return self.mpx_kwargs.fsdp_gather if self.mpx_kwargs is not None else "half"
+
+    def _fsdp2_shard_kwargs(self) -> dict[str, Any]:
+        """``fully_shard``'s mesh, offload and reshard settings, as Accelerate's ``fsdp2_prepare_model`` takes them."""
+        plugin = self.state.fsdp_plugin
+        mesh = getattr(self, "torch_device_mesh", None)
+        return {
+            "mesh": mesh[tuple(self.parallelism_config.fsdp_dim_names)] if mesh is not None else None,
+            "reshard_after_forward": plugin.reshard_after_forward,
+            "offload_policy": plugin.cpu_offload,
+        }
+
+    def _prepare_fsdp2_models(self, args: tuple[Any, ...], device_placement: list[bool] | None) -> Any:
+        """FSDP2: the level's casts and FP32 islands first, then Accelerate (which prepares the optimizers, shards the
+        model, and swaps the optimizers' parameters for the shards), then the engine on the sharded model and the
+        optimizers as they are now."""
+        assert self.amp is not None
+        optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
+        for model in args:
+            if isinstance(model, nn.Module) and not getattr(model, "_is_accelerate_prepared", False):
+                mapping = before_sharding(
+                    model, self.amp.settings, 2, self._fsdp2_shard_kwargs(), gather=self._fsdp_gather
+                )
+                swap_parameters(optimizers, mapping)
+        self._deferred = []
+        try:
+            with self._as_native():
+                prepared = super().prepare(*args, device_placement=device_placement)
+            deferred = self._deferred
+        finally:
+            self._deferred = None
+        for obj in prepared if isinstance(prepared, (tuple, list)) else (prepared,):  # a list from FSDP2
+            if isinstance(obj, nn.Module) and obj not in self._converted:
+                self.amp.prepare_model(obj)  # sharded: no conversion, no masters; the policies are checked
+                self._converted.add(obj)
+                install_forward(self.amp, obj)
+        for wrapped in deferred:
+            self.amp.prepare_optimizer(wrapped.optimizer)  # after the swap: it holds the shards now
+        return prepared
+
+    def _prepare_fsdp1_model(self, model: nn.Module, device_placement: bool | None, evaluation_mode: bool) -> nn.Module:
+        """FSDP1: the level's casts before Accelerate wraps the model, the engine on the wrapped model."""
+        assert self.amp is not None
+        if self.is_fsdp2 or getattr(model, "_is_accelerate_prepared", False) or model in self._converted:
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        before_sharding(model, self.amp.settings, 1, {}, gather=self._fsdp_gather)
+        install_forward(self.amp, model)  # on the inner module: the wrapper's forward calls it
+        with self._as_native():
+            prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        self.amp.prepare_model(prepared, train=not evaluation_mode)
+        self._converted.add(model)
+        self._converted.add(prepared)
+        return prepared
+
+    def _check_sharded_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse an optimizer that does not hold the prepared (sharded) model's parameters: FSDP1 replaces them
+        with flat shards when it wraps the model, and an optimizer made before would train tensors nothing uses."""
+        known = {id(p) for model in self._models for p in model.parameters()}
+        params = list(params_of(optimizer))
+        stale = sum(id(p) not in known for p in params)
+        if stale:
+            raise ValueError(
+                f"optimizer={type(optimizer).__name__} holds {stale} of {len(params)} parameter(s) that are not the "
+                "parameters of a model this Accelerator sharded with FSDP (FSDP1 replaces them with flat shards when "
+                "it wraps the model): prepare the model first, then make the optimizer from it: `model = "
+                "accelerator.prepare(model); optimizer = accelerator.prepare(AdamW(model.parameters()))`."
+            )

@@ -55,12 +55,13 @@ from typing import Any, ContextManager, Iterator
 import torch
 from torch import nn
 from torch.optim import Optimizer
+from typing_extensions import Unpack
 
 from lightning_mpx.engine.outcome import StepOutcome
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.masters.weights import MasterWeights, convert_module, has_floating_parameters
-from lightning_mpx.settings import MixedPrecisionSettings
+from lightning_mpx.settings import MixedPrecisionSettings, SettingsKeywords, keyword_signature
 
 require("lightning.fabric", extra="lightning", feature="lightning_mpx.FabricMixedPrecisionPlugin")
 
@@ -69,7 +70,7 @@ from lightning.fabric.wrappers import _FabricOptimizer  # noqa: E402
 from lightning_utilities.core.apply_func import apply_to_collection  # noqa: E402
 
 from lightning_mpx.casting.policy import casts_off_if_on as _casts_off  # noqa: E402
-from lightning_mpx.integrations.lightning import _all_reduce_max  # noqa: E402
+from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
 
 __all__ = ["FabricMixedPrecisionPlugin"]
 
@@ -83,7 +84,9 @@ class FabricMixedPrecisionPlugin(Precision):
         **settings: The keyword settings of :class:`~lightning_mpx.MixedPrecisionPlugin` and
             :class:`~lightning_mpx.engine.amp.Amp` (``half_dtype``, ``num_losses``, ``cast_table``, the loss-scaler
             settings, ``fp32_modules``, ``diagnose_overflows``, ``model_writes``, opt-level overrides such as
-            ``keep_batchnorm_fp32``...), checked by the engine here.
+            ``keep_batchnorm_fp32``...; typed in :class:`~lightning_mpx.settings.SettingsKeywords`, ``help()`` lists
+            each with its default), documented in :class:`~lightning_mpx.settings.MixedPrecisionSettings` and
+            checked by the engine here.
 
     Attributes:
         amp: The :class:`~lightning_mpx.engine.amp.Amp` engine (scalers, masters, overflow records).
@@ -93,7 +96,8 @@ class FabricMixedPrecisionPlugin(Precision):
         fabric = Fabric(plugins=[FabricMixedPrecisionPlugin("O2", half_dtype="bfloat16")])
     """
 
-    def __init__(self, opt_level: str = "O1", **settings: Any) -> None:
+    @keyword_signature()
+    def __init__(self, opt_level: str = "O1", **settings: Unpack[SettingsKeywords]) -> None:
         self._opt_level = opt_level
         self._settings = dict(settings)
         self.amp = Amp(opt_level, **settings)  # bad arguments fail at Fabric construction, not mid-setup
@@ -173,7 +177,7 @@ class FabricMixedPrecisionPlugin(Precision):
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             self.amp.log_overflows = torch.distributed.get_rank() == 0
             if torch.distributed.get_world_size() > 1:
-                self.amp.found_inf_reducer = _all_reduce_max  # every rank makes the same skip decision
+                self.amp.found_inf_reducer = all_reduce_max  # every rank makes the same skip decision
         return module
 
     def forward_context(self) -> ContextManager[Any]:

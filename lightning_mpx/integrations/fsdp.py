@@ -45,6 +45,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_mpx.common.dtypes import HALF_DTYPES, dtype_name
 from lightning_mpx.engine.sharding import is_sharded
+from lightning_mpx.integrations.fsdp_plan import check_same_plan, done_plan, record_plan, shard_plan
 from lightning_mpx.masters.weights import convert_module
 from lightning_mpx.opt_levels import Properties
 from lightning_mpx.health.promotion import _module_to_fp32, matches
@@ -233,16 +234,17 @@ def shard_model(
         raise TypeError(
             f"reshard_after_forward={reshard_after_forward!r} must be True, False or an int (see fully_shard)."
         )
-    done = _done_plan(module)
+    done = done_plan(module)
     mode = _mode(props)
     islands = _islands(module, settings, mode, require_match=True)
     island_set = {id(m) for _, m in islands}
     units = _resolve_blocks(module, blocks)
     inside = {id(m) for _, island in islands for m in island.modules()}
     units = [unit for unit in units if id(unit) not in inside]  # blocks inside an island are part of its unit
-    plan = _plan(module, props, mode, islands, units, mesh, reshard_after_forward, gather)
+    names = {id(m): _clean(n) for n, m in module.named_modules()}
+    plan = shard_plan(props, mode.name, mode.half, names, islands, units, mesh, reshard_after_forward, gather)
     if done is not None:
-        _check_same_plan(module, done, plan)
+        check_same_plan(module, done, plan)
         return module  # sharded by an earlier call with these arguments (a Lightning hook called at every stage)
     if mode.name == "half":
         convert_module(module, mode.half, keep_batchnorm_fp32=mode.batchnorm_islands)
@@ -258,97 +260,8 @@ def shard_model(
         fully_shard(unit, mp_policy=block_policy, **kwargs)
     fully_shard(module, mp_policy=mixed_precision_policy(settings, role="root", gather=gather), **kwargs)
     # The model carries what was done to it, so that a second call can tell "the same again" from a conflict.
-    setattr(module, _PLAN_ATTRIBUTE, plan)
+    record_plan(module, plan)
     return module
-
-
-# The attribute of a model shard_model sharded that holds its _plan (the model owns the record of its sharding).
-_PLAN_ATTRIBUTE = "_lightning_mpx_shard_plan"
-_MODE_WORDS = {
-    "fp32": "FP32, no mixed-precision policy",
-    "cast_table": "FP32 shards gathered for the cast table",
-    "masters": "FP32 shards as the master weights",
-    "half": "the model cast to half",
-}
-
-
-def _plan(
-    module: nn.Module,
-    props: Properties,
-    mode: _Mode,
-    islands: list[tuple[str, nn.Module]],
-    units: list[nn.Module],
-    mesh: Any,
-    reshard_after_forward: bool | int,
-    gather: str,
-) -> dict[str, object]:
-    """What :func:`shard_model` does to ``module`` with these arguments, as plain comparable values by argument.
-
-    Only what changes the sharding counts: two plugins of one level and half dtype that differ in their loss scaling
-    shard a model alike. The mesh is described by its value (device type, ranks, dimension names): a strategy builds
-    a new ``DeviceMesh`` object at every stage.
-    """
-    names = {id(m): _clean(n) for n, m in module.named_modules()}
-    return {
-        "opt_level": f"{props.opt_level} ({_MODE_WORDS[mode.name]})",
-        "half_dtype": None if mode.name == "fp32" else dtype_name(mode.half),
-        "FP32 islands (batch norm, fp32_modules)": tuple(sorted(name for name, _ in islands)),
-        "blocks": tuple(sorted(names[id(unit)] for unit in units)),
-        "gather": gather if mode.name == "cast_table" else None,
-        "mesh": _mesh_value(mesh),
-        # As written: True == 1 in Python, but fully_shard reads True (reshard fully) and 1 (reshard to a
-        # world of one) differently.
-        "reshard_after_forward": repr(reshard_after_forward),
-    }
-
-
-def _mesh_value(mesh: Any) -> object:
-    if mesh is None:
-        return None
-    ranks = getattr(mesh, "mesh", None)
-    return (
-        getattr(mesh, "device_type", None),
-        ranks.tolist() if isinstance(ranks, torch.Tensor) else ranks,
-        getattr(mesh, "mesh_dim_names", None),
-    )
-
-
-def _shown(value: object) -> str:
-    if value is None:
-        return "none"
-    return value if isinstance(value, str) else repr(value)
-
-
-def _done_plan(module: nn.Module) -> dict[str, object] | None:
-    """The plan :func:`shard_model` sharded ``module`` with; ``None`` for an unsharded module; raises for a module
-    sharded by other means (``fully_shard`` by hand, FSDP1), whose policies shard_model cannot know."""
-    if not is_sharded(module):
-        return None
-    done = getattr(module, _PLAN_ATTRIBUTE, None)
-    if not isinstance(done, dict):
-        raise ValueError(
-            f"module={type(module).__name__} is already sharded (it holds an FSDP module), and not by a shard_model "
-            "call on it: shard_model shards an unsharded model with the level's policies, which FSDP cannot change "
-            "afterwards. Pass the model before calling fully_shard, or shard it yourself with "
-            "mixed_precision_policy(...) and check it with check_sharded_model(model, precision)."
-        )
-    return done
-
-
-def _check_same_plan(module: nn.Module, done: dict[str, object], plan: dict[str, object]) -> None:
-    """Return when ``plan`` (this call's) is ``done`` (the call that sharded ``module``); raise naming what differs."""
-    differ = [
-        f"{key}: {_shown(done.get(key))} then, {_shown(value)} now"
-        for key, value in plan.items()
-        if done.get(key) != value
-    ]
-    if differ:
-        raise ValueError(
-            f"module={type(module).__name__} was sharded by an earlier shard_model call with other arguments, and "
-            f"FSDP cannot change a sharded model ({'; '.join(differ)}). Call shard_model with the same arguments at "
-            "every stage (Lightning calls configure_model at each of fit, validate, test, predict), or build a new "
-            "model to shard it differently."
-        )
 
 
 def _resolve_blocks(module: nn.Module, blocks: object) -> list[nn.Module]:
@@ -571,9 +484,9 @@ def check_sharded_model(module: nn.Module, settings: object) -> None:
             "check_sharded_model checks a model after fully_shard / FullyShardedDataParallel."
         )
     helper = (
-        f"shard the unsharded model with lightning_mpx.integrations.fsdp.shard_model(model, precision) or pass "
-        f"mp_policy=lightning_mpx.integrations.fsdp.mixed_precision_policy(precision, role=...) to each fully_shard "
-        f"(FSDP1: mixed_precision=lightning_mpx.integrations.fsdp.fsdp1_mixed_precision(precision))"
+        f"shard the unsharded model with lightning_mpx.fsdp.shard_model(model, precision) or pass "
+        f"mp_policy=lightning_mpx.fsdp.mixed_precision_policy(precision, role=...) to each fully_shard "
+        f"(FSDP1: mixed_precision=lightning_mpx.fsdp.fsdp1_mixed_precision(precision))"
     )
     if mode.name in ("masters", "half") and settings.scaler.on_floor == "promote":
         raise ValueError(
@@ -686,7 +599,7 @@ def check_sharded_model(module: nn.Module, settings: object) -> None:
                 f"FSDP reduces the gradients of {_listed(half_reduce)} in half at opt_level={level!r}: the sum "
                 "across ranks is rounded to half (and a float16 sum can overflow where each rank's gradient is "
                 "finite, which backs the loss scale off). lightning_mpx's policies reduce in FP32 "
-                "(reduce_dtype=torch.float32); see lightning_mpx.integrations.fsdp.mixed_precision_policy.",
+                "(reduce_dtype=torch.float32); see lightning_mpx.fsdp.mixed_precision_policy.",
                 UserWarning,
                 stacklevel=2,
             )

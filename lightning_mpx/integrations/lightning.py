@@ -24,56 +24,43 @@ A :class:`lightning.pytorch.plugins.Precision` that hands every precision decisi
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from typing import Any, Callable, ContextManager, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
+from typing_extensions import Unpack
 
-from lightning_mpx.casting.boundary import BoundaryCast
-from lightning_mpx.engine.outcome import StepOutcome
-from lightning_mpx.common.imports import require
-from lightning_mpx.engine.sharding import is_sharded
-from lightning_mpx.engine.amp import Amp
 from lightning_mpx.casting.policy import casts_off_if_on as _casts_off
-from lightning_mpx.casting.table import CastTable
+from lightning_mpx.common.imports import require
+from lightning_mpx.engine.amp import Amp
+from lightning_mpx.engine.outcome import StepOutcome
+from lightning_mpx.engine.sharding import is_sharded
 from lightning_mpx.masters.weights import convert_module
-from lightning_mpx.settings import DEFAULTS, MixedPrecisionSettings, OnFloor
+from lightning_mpx.settings import MixedPrecisionSettings, SettingsKeywords, keyword_signature
 
 _pl = require("lightning.pytorch", extra="lightning", feature="lightning_mpx.MixedPrecisionPlugin")
 
-from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
 from lightning.pytorch.plugins.precision import FSDPPrecision, Precision  # noqa: E402
-from lightning.pytorch.strategies import (  # noqa: E402
-    DDPStrategy,
-    DeepSpeedStrategy,
-    FSDPStrategy,
-    ModelParallelStrategy,
-    SingleDeviceStrategy,
-)
+from lightning.pytorch.strategies import FSDPStrategy  # noqa: E402
 from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
-from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
-from lightning.pytorch.utilities.types import LRSchedulerConfig  # noqa: E402
 
-try:  # the callback of Lightning's learning-rate range test (Tuner.lr_find), private to Lightning
-    from lightning.pytorch.tuner.lr_finder import _LRCallback
-except ImportError:  # a release that names it otherwise: the range test is not recognised
-    _LRCallback = None  # type: ignore[assignment,misc]
+from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
+from lightning_mpx.integrations.lightning_gradient_readers import GradientReaders  # noqa: E402
+from lightning_mpx.integrations.lightning_model_hooks import ModelHooks  # noqa: E402
+from lightning_mpx.integrations.lightning_range_test import RangeTest  # noqa: E402
+from lightning_mpx.integrations.lightning_schedulers import HeldSchedulers, step_configs  # noqa: E402
+from lightning_mpx.integrations.lightning_strategies import (  # noqa: E402
+    fsdp1_config,
+    shards_model,
+    trainer_of,
+    unwrap_optimizer,
+)
 
 __all__ = ["MixedPrecisionPlugin"]
 
-_D, _S = DEFAULTS, DEFAULTS.scaler  # the defaults of the typed keywords, from the one place that defines them
-
-#: Strategies whose model is one ordinary module per process: the plugin converts it and makes FP32 masters.
-_REPLICATED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy)
-#: Strategies that shard the model with FSDP: FSDP's own sharded parameters are the masters.
-_SHARDED_STRATEGIES = (FSDPStrategy, ModelParallelStrategy)
 #: Lightning's own ``backward`` hook: the plugin runs its body directly (see :meth:`MixedPrecisionPlugin.backward`).
 _DEFAULT_BACKWARD = _pl.LightningModule.backward
-#: The ``interval`` of a per-step scheduler config while its optimizer's step was skipped: no ``interval`` the loop
-#: updates, so the loop leaves it alone until the next batch.
-_HELD_INTERVAL = "step (held: the optimizer skipped its step)"
 #: The error for this plugin handed to Lightning Fabric, whose precision API it does not implement.
 _NOT_FOR_FABRIC = (
     "MixedPrecisionPlugin is the Lightning Trainer's precision plugin ({what}). With Lightning Fabric use "
@@ -92,13 +79,12 @@ class MixedPrecisionPlugin(FSDPPrecision):
     Args:
         opt_level: ``"O0"`` (FP32), ``"O1"`` (cast-table policy), ``"O2"`` (half model, FP32 master weights, batch
             norm FP32) or ``"O3"`` (pure half).
-        half_dtype, num_losses, cast_table, allow_banned, unscale_backend, init_scale, growth_factor,
-            backoff_factor, growth_interval, hysteresis, consecutive_hysteresis, min_loss_scale, max_loss_scale,
-            on_floor, overflow_log_interval, diagnose_overflows, fp32_modules, skip_on_device, model_writes,
-            **overrides: The
-            engine's settings, each documented and checked in :class:`~lightning_mpx.settings.MixedPrecisionSettings`
-            (the scaler's in :class:`~lightning_mpx.settings.ScalerSettings`); :meth:`from_settings` takes them
-            whole. In manual optimization choose a loss with ``self.manual_backward(loss, loss_id=i)``;
+        **settings: The engine's settings (``half_dtype``, ``num_losses``, the loss scaler's, ``fp32_modules``,
+            opt-level overrides such as ``keep_batchnorm_fp32``...; typed in
+            :class:`~lightning_mpx.settings.SettingsKeywords`, ``help()`` lists each with its default), each
+            documented and checked in :class:`~lightning_mpx.settings.MixedPrecisionSettings` (the scaler's in
+            :class:`~lightning_mpx.settings.ScalerSettings`); :meth:`from_settings` takes them whole.
+            In manual optimization choose a loss with ``self.manual_backward(loss, loss_id=i)``;
             ``fp32_modules`` patterns match the LightningModule's ``named_modules()`` names; the overflow record of
             ``diagnose_overflows`` is ``plugin.amp.last_overflow``.
 
@@ -119,35 +105,11 @@ class MixedPrecisionPlugin(FSDPPrecision):
         Trainer(strategy="fsdp", plugins=[MixedPrecisionPlugin("O2")])  # FSDP1: Lightning wraps the model
     """
 
-    def __init__(
-        self,
-        opt_level: str = "O1",
-        *,
-        half_dtype: str | torch.dtype = _D.half_dtype,
-        num_losses: int = _D.num_losses,
-        cast_table: CastTable | None = _D.cast_table,
-        allow_banned: bool = _D.allow_banned,
-        unscale_backend: str = _D.unscale_backend,
-        init_scale: float = _S.init_scale,
-        growth_factor: float = _S.growth_factor,
-        backoff_factor: float = _S.backoff_factor,
-        growth_interval: int = _S.growth_interval,
-        hysteresis: int = _S.hysteresis,
-        consecutive_hysteresis: bool = _S.consecutive_hysteresis,
-        min_loss_scale: float = _S.min_loss_scale,
-        max_loss_scale: float = _S.max_loss_scale,
-        on_floor: OnFloor = _S.on_floor,
-        overflow_log_interval: float = _D.overflow_log_interval,
-        diagnose_overflows: bool = _D.diagnose_overflows,
-        fp32_modules: Sequence[str] = _D.fp32_modules,
-        skip_on_device: bool = _D.skip_on_device,
-        model_writes: str = _D.model_writes,
-        **overrides: Any,
-    ) -> None:
-        arguments = {k: v for k, v in locals().items() if k not in ("self", "overrides", "__class__")}
+    @keyword_signature()
+    def __init__(self, opt_level: str = "O1", **settings: Unpack[SettingsKeywords]) -> None:
         inherited = set(vars(self))  # a subclass's attributes set before this __init__ (kept by pickling)
         # Built now so that bad arguments fail at Trainer construction, not mid-setup.
-        self.settings = MixedPrecisionSettings.from_kwargs(**arguments, **overrides)
+        self.settings = MixedPrecisionSettings.from_kwargs(opt_level, **settings)
         self._opt_level = opt_level
         self.amp = Amp.from_settings(self.settings)
         # ``trainer.precision`` in Lightning's own words (its model summary sizes the weights from it): what the
@@ -157,20 +119,16 @@ class MixedPrecisionPlugin(FSDPPrecision):
         self.precision = "32-true" if level == "O0" else f"{prefix}-mixed" if level == "O1" else f"{prefix}-true"  # type: ignore[assignment]
         self._module: nn.Module | None = None
         self._sharded: nn.Module | None = None  # under FSDP: the sharded model the engine was prepared with
-        self._hooks: list[Any] = []
+        self._model_hooks = ModelHooks()  # boundary casts and the compiled hand-off, on the LightningModule
         self._masters_synced = False
         # Each optimizer's last step: a bool, or with skip_on_device a StepOutcome read when needed
         self._stepped: dict[int, bool | StepOutcome] = {}
         self._update_pending = False
         self._log_step: int | None = None  # the step to log the mpx metrics at, once the scale is updated
-        # Per-step scheduler configs held out of the loop's scheduler update after a skipped step:
-        # (the strategy's config list, index, the config, its held copy in the list), until the next batch.
-        self._held: list[tuple[list[Any], int, Any, Any]] = []
-        # is_overridden() answers per (LightningModule class, hook), asked anew in every fit (see _overridden).
-        self._overrides: dict[tuple[type, str], bool] = {}
-        # While Lightning's learning-rate range test runs (Tuner.lr_find): each scaler's on_floor, put back when the
-        # tuner restores its checkpoint (see _enter_range_test).
-        self._range_test_floors: list[OnFloor] | None = None
+        # Per-step scheduler configs held out of the loop's scheduler update after a skipped step, until the next batch.
+        self._held = HeldSchedulers()
+        self._gradient_readers = GradientReaders()  # which hooks read the gradients, asked once per fit and class
+        self._range_test = RangeTest()  # Lightning's learning-rate range test (Tuner.lr_find)
         # Last: what this __init__ built, which pickling leaves out and rebuilds from the settings (__getstate__).
         self._built_here = frozenset(vars(self)) - inherited | {"_built_here"}
 
@@ -209,11 +167,11 @@ class MixedPrecisionPlugin(FSDPPrecision):
         Under FSDP nothing is converted here: the model is sharded with the level's policies (FSDP2: by the user
         in ``configure_model``, before this call; FSDP1: by Lightning after it, with :attr:`mixed_precision_config`;
         at O3 it is cast to half here first) and :meth:`connect` prepares the engine with the sharded model."""
-        trainer = _trainer_of(module)
+        trainer = trainer_of(module)
         if trainer is None and not isinstance(module, _pl.LightningModule):
             raise TypeError(_NOT_FOR_FABRIC.format(what=f"module={type(module).__name__} is not a LightningModule"))
         fitting = trainer is None or trainer.state.fn == "fit"
-        sharded = trainer is not None and self._check_strategy(trainer.strategy)
+        sharded = trainer is not None and shards_model(trainer.strategy)
         if module is not self._module:
             if self._module is not None:  # a different model: a fresh engine with the same settings
                 self.amp.diagnose_overflows = False  # its forward hooks leave the old model
@@ -230,12 +188,8 @@ class MixedPrecisionPlugin(FSDPPrecision):
             if not self.amp.properties.master_weights:  # O3: FSDP shards the half model (FSDP2: shard_model does)
                 keep_bn = bool(self.amp.properties.keep_batchnorm_fp32)
                 convert_module(module, self.amp.half_dtype, keep_batchnorm_fp32=keep_bn)
-        self._remove_hooks()
-        if self.amp.properties.casts_model:
-            # Under FSDP too: FSDP1 casts the root's inputs but not its outputs, and at O3 FSDP has no policy.
-            # Where FSDP's root policy already cast, these casts find the dtype they want and do nothing.
-            self._add_boundary_casts(module)
-        self._hand_off_compiled(module)
+        self._model_hooks.remove()
+        self._model_hooks.install(module, self.amp)  # O2/O3: the boundary casts; the compiled hand-off
         return module
 
     def connect(
@@ -248,15 +202,15 @@ class MixedPrecisionPlugin(FSDPPrecision):
         Under FSDP the engine is prepared here with the sharded model (FSDP1: Lightning's wrapper), which holds
         FSDP's sharded FP32 parameters (the masters at O2); every rank agrees on skipping through the engine's
         one all-reduce per step."""
-        trainer = _trainer_of(model)
-        sharded = trainer is not None and self._check_strategy(trainer.strategy)
-        self._overrides.clear()  # a new fit: classes may have changed since the last one
+        trainer = trainer_of(model)
+        sharded = trainer is not None and shards_model(trainer.strategy)
+        self._gradient_readers.clear()  # a new fit: classes may have changed since the last one
         if sharded:
             if model is not self._sharded:
                 if not is_sharded(model):
                     raise ValueError(
                         f"strategy={type(trainer.strategy).__name__}: the model has no FSDP module. Shard it in "
-                        "the LightningModule's configure_model: lightning_mpx.integrations.fsdp.shard_model(self.model, "
+                        "the LightningModule's configure_model: lightning_mpx.fsdp.shard_model(self.model, "
                         "self.trainer.precision_plugin, mesh=self.device_mesh['data_parallel'])."
                     )
                 self.amp.prepare_model(model, train=trainer.state.fn == "fit")
@@ -268,27 +222,20 @@ class MixedPrecisionPlugin(FSDPPrecision):
                 masters.sync_from_model()
             self._masters_synced = True
         for optimizer in optimizers:
-            self.amp.prepare_optimizer(_unwrap(optimizer))
+            self.amp.prepare_optimizer(unwrap_optimizer(optimizer))
         if trainer is not None:
             self.amp.log_overflows = trainer.is_global_zero
             distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
             if not sharded and trainer.world_size > 1 and distributed:
-                self.amp.found_inf_reducer = _all_reduce_max
+                self.amp.found_inf_reducer = all_reduce_max
         return model, optimizers, lr_schedulers
 
     @property
     def mixed_precision_config(self) -> Any:
-        """The FSDP1 ``MixedPrecision`` of the opt level (:func:`lightning_mpx.integrations.fsdp.fsdp1_mixed_precision`), which
-        Lightning's ``FSDPStrategy`` wraps the model with. Where FSDP should not cast (O0) it is an empty
+        """The FSDP1 ``MixedPrecision`` of the opt level (:func:`~lightning_mpx.fsdp.fsdp1_mixed_precision`),
+        which Lightning's ``FSDPStrategy`` wraps the model with. Where FSDP should not cast (O0) it is an empty
         ``MixedPrecision`` that FSDP treats as none (Lightning's throughput monitor reads its ``reduce_dtype``)."""
-        from torch.distributed.fsdp import MixedPrecision
-
-        from lightning_mpx.integrations.fsdp import fsdp1_mixed_precision
-
-        config = fsdp1_mixed_precision(self)
-        # `_module_classes_to_ignore=()`: no module given a policy of its own (FSDP's default singles out batch
-        # norm), exactly what `mixed_precision=None` does.
-        return config if config is not None else MixedPrecision(_module_classes_to_ignore=())
+        return fsdp1_config(self.settings)
 
     def tensor_init_context(self) -> ContextManager[Any]:
         """Tensors are created as the user asks (the conversion happens in :meth:`convert_module`)."""
@@ -307,7 +254,7 @@ class MixedPrecisionPlugin(FSDPPrecision):
         # A new training step starts (``with plugin.train_step_context():`` enters it at once): the previous
         # iteration is over, so its scale update is due now.
         self._end_iteration()
-        self._release_schedulers()  # usually released at convert_input already (not called for a dataloader_iter)
+        self._held.release()  # usually released at convert_input already (not called for a dataloader_iter)
         return self.forward_context()
 
     def convert_input(self, data: Any) -> Any:
@@ -316,12 +263,12 @@ class MixedPrecisionPlugin(FSDPPrecision):
         zeroes them after the next training step)."""
         self.amp.read_step_outcomes()
         if self._held:
-            trainer = _trainer_of(self._module) if self._module is not None else None
+            trainer = trainer_of(self._module) if self._module is not None else None
             if trainer is None or trainer.training:
                 # The first call into the plugin for a new training batch, before the on_train_batch_start hooks
                 # (callbacks such as LearningRateMonitor read the configs there); validation batches in between keep
                 # the hold in place, for the loop's update of plateau schedulers after validation.
-                self._release_schedulers()
+                self._held.release()
         return data  # the model's boundary (or FSDP's root policy) casts what the model takes
 
     def convert_output(self, data: Any) -> Any:
@@ -369,15 +316,15 @@ class MixedPrecisionPlugin(FSDPPrecision):
         **kwargs: Any,
     ) -> Any:
         """Run the closure, unscale once, call the hooks and clip, then step unless the gradients overflowed."""
-        optimizer = _unwrap(optimizer)
+        optimizer = unwrap_optimizer(optimizer)
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError(
                 "optimizer=LBFGS re-evaluates the loss through its closure several times per step, which loss "
                 "scaling and step skipping cannot support; use a first-order optimizer or Trainer precision '32'."
             )
-        self._release_schedulers()
+        self._held.release()
         trainer = model.trainer
-        self._enter_range_test(trainer)
+        self._range_test.enter(self.amp, trainer)
         # Asked once per step: the answer holds until the loop counts the step, after this returns, unless the step
         # stops the training (asked again below, as Lightning logs a stopping step).
         logging = bool(trainer.loggers) and trainer._logger_connector.should_update_logs
@@ -388,7 +335,8 @@ class MixedPrecisionPlugin(FSDPPrecision):
         automatic = model.automatic_optimization
         skip_backward = closure_result is None and automatic  # training_step returned None: nothing to step
         with _casts_off():
-            if not skip_backward and not self.amp.is_unscaled(optimizer) and self._hooks_read_gradients(model):
+            unscaled = skip_backward or self.amp.is_unscaled(optimizer)  # (nothing to unscale, or done already)
+            if not unscaled and self._gradient_readers.read_gradients(model, plugin_clips=self._clip_overridden):
                 # Hooks must see true gradients (Lightning's MixedPrecision unscales here too). Without such hooks
                 # the unscale is left to the clip (one fused pass) or to the step. At O2 unscale_ also leaves the
                 # true values on the model's own gradients.
@@ -400,9 +348,9 @@ class MixedPrecisionPlugin(FSDPPrecision):
         self._stepped[id(optimizer)] = stepped
         # A step skipped on the device is read here only when a per-step schedule must be held on a skip (its update
         # comes before the next batch); otherwise at the next batch, backward or logging step.
-        if automatic and (not isinstance(stepped, StepOutcome) or self._step_configs(trainer, optimizer)):
+        if automatic and (not isinstance(stepped, StepOutcome) or step_configs(trainer, optimizer)):
             if not stepped:
-                self._hold_schedulers(trainer, optimizer)
+                self._held.hold(trainer, optimizer)
         self._update_pending = True
         if not logging and trainer.should_stop and trainer.loggers:
             logging = trainer._logger_connector.should_update_logs
@@ -435,7 +383,7 @@ class MixedPrecisionPlugin(FSDPPrecision):
             self.clip_grad_by_norm(optimizer, clip_val)
         else:
             return
-        torch_optimizer = _unwrap(optimizer)
+        torch_optimizer = unwrap_optimizer(optimizer)
         if self._clip_overridden() and id(torch_optimizer) in self.amp._optimizers:
             with _casts_off():  # O2: the masters' gradients, clipped by the override, on the model too
                 self.amp.show_unscaled_on_model(torch_optimizer)
@@ -443,32 +391,32 @@ class MixedPrecisionPlugin(FSDPPrecision):
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """Clip the unscaled gradients to a total norm of ``clip_val`` (under FSDP: the global norm over all
         ranks' shards); unscaling, the overflow check and the clip share one pass."""
-        optimizer = _unwrap(optimizer)
+        optimizer = unwrap_optimizer(optimizer)
         with _casts_off():
             self.amp.clip_grad_norm_(optimizer, float(clip_val))
             self.amp.show_unscaled_on_model(optimizer)  # O2 only: the masters' clipped gradients, on the model
 
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """Clip the unscaled gradients to ``[-clip_val, clip_val]``."""
-        optimizer = _unwrap(optimizer)
+        optimizer = unwrap_optimizer(optimizer)
         with _casts_off():
             self.amp.clip_grad_value_(optimizer, float(clip_val))
             self.amp.show_unscaled_on_model(optimizer)  # O2 only: the masters' clipped gradients, on the model
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Unscale ``optimizer``'s gradients now (once per step)."""
-        optimizer = _unwrap(optimizer)
+        optimizer = unwrap_optimizer(optimizer)
         if not self.amp.is_unscaled(optimizer):
             self.amp.unscale_(optimizer)
 
     def main_params(self, optimizer: Optimizer) -> Iterator[torch.Tensor]:  # type: ignore[override]
         """The parameters the optimizer updates (the FP32 masters at O2)."""
-        yield from self.amp.master_params(_unwrap(optimizer))
+        yield from self.amp.master_params(unwrap_optimizer(optimizer))
 
     def step_was_skipped(self, optimizer: Optimizer) -> bool:
         """Whether ``optimizer``'s most recent step was skipped because its gradients overflowed (with
         ``skip_on_device``, asking reads it)."""
-        return not self._stepped.get(id(_unwrap(optimizer)), True)
+        return not self._stepped.get(id(unwrap_optimizer(optimizer)), True)
 
     # -- metrics, checkpoints, teardown --------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
@@ -483,75 +431,19 @@ class MixedPrecisionPlugin(FSDPPrecision):
         return self.amp.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._leave_range_test()  # the tuner restores its checkpoint when its range test ends
+        self._range_test.leave(self.amp)  # the tuner restores its checkpoint when its range test ends
         self.amp.load_state_dict(state_dict)
 
     def teardown(self) -> None:
         self._end_iteration()
-        self._leave_range_test()
+        self._range_test.leave(self.amp)
         # Every rank tears down: the last steps skipped on the device are settled (their records merged across
         # ranks, logged, their floor applied).
         self.amp.settle_step_outcomes()
-        self._release_schedulers()
-        self._remove_hooks()
+        self._held.release()
+        self._model_hooks.remove()
 
     # -- internals -----------------------------------------------------------------------------------------------
-    def _check_strategy(self, strategy: Any) -> bool:
-        """Whether ``strategy`` shards the model with FSDP; a strategy the plugin cannot step is refused."""
-        if isinstance(strategy, DeepSpeedStrategy):  # a DDPStrategy subclass: asked first
-            raise ValueError(
-                f"strategy={type(strategy).__name__} is not supported by MixedPrecisionPlugin: DeepSpeed runs its "
-                "own fp16/bf16 engine and loss scaler. Configure mixed precision in DeepSpeed's config instead "
-                "(its \"fp16\" or \"bf16\" section, or Trainer(precision=\"16-mixed\") with strategy=\"deepspeed\")."
-            )
-        if isinstance(strategy, _SHARDED_STRATEGIES):
-            return True
-        if isinstance(strategy, _REPLICATED_STRATEGIES):
-            return False
-        raise ValueError(
-            f"strategy={type(strategy).__name__} is not supported by MixedPrecisionPlugin; supported: single-device, "
-            "DDP (strategy='ddp'), FSDP (strategy='fsdp') and ModelParallelStrategy (FSDP2)."
-        )
-
-    def _enter_range_test(self, trainer: Any) -> None:
-        """During ``Tuner.lr_find``'s range test, overflows at the loss-scale floor skip the step and nothing more.
-
-        The range test raises the learning rate until the loss diverges, on purpose, and then restores the run from
-        the checkpoint it saved first. An overflow there is the divergence it looks for, not a run to stop: with
-        bfloat16's static scale every overflow is at the floor, and ``on_floor="raise"`` would end the tuner (and
-        ``"promote"`` would change the model for the fit after it). The scalers' own ``on_floor`` comes back when the
-        tuner restores its checkpoint (:meth:`load_state_dict`), after the steps still pending are read."""
-        if self._range_test_floors is not None or not any(map(_is_range_test_callback, trainer.callbacks)):
-            return
-        self._range_test_floors = [scaler.on_floor for scaler in self.amp.scalers]
-        for scaler in self.amp.scalers:
-            scaler.on_floor = "continue"
-
-    def _leave_range_test(self) -> None:
-        if self._range_test_floors is None:
-            return
-        try:
-            # The range test's last steps (skip_on_device) are settled under its policy: every rank is here (the
-            # tuner's restore, or teardown), so their records can be merged.
-            self.amp.settle_step_outcomes()
-        finally:
-            for scaler, on_floor in zip(self.amp.scalers, self._range_test_floors):
-                scaler.on_floor = on_floor
-            self._range_test_floors = None
-
-    def _overridden(self, model: Any, name: str) -> bool:
-        """``is_overridden(name, model)``, asked once per fit and class (it reads several attributes and compares
-        code objects: a cost on every step otherwise). A hook set on the instance itself counts as overridden, even
-        when it wraps the default one (``is_overridden`` sees through a wrapper: a profiler's, a callback's or
-        ``mock.patch.object(..., wraps=...)``, whose caller may read the gradients)."""
-        if name in vars(model):
-            return True
-        key = (type(model), name)
-        answer = self._overrides.get(key)
-        if answer is None:
-            answer = self._overrides[key] = is_overridden(name, model)
-        return answer
-
     def _clip_overridden(self) -> bool:
         """Whether ``clip_grad_by_norm`` or ``clip_grad_by_value`` is not this plugin's own (a subclass's, or one
         set on the instance), which clips without the fused unscale of this plugin's own."""
@@ -559,53 +451,6 @@ class MixedPrecisionPlugin(FSDPPrecision):
             name in vars(self) or getattr(type(self), name) is not getattr(MixedPrecisionPlugin, name)
             for name in ("clip_grad_by_norm", "clip_grad_by_value")
         )
-
-    def _hooks_read_gradients(self, model: Any) -> bool:
-        """Whether the LightningModule implements ``on_before_optimizer_step`` or ``configure_gradient_clipping``
-        (which reads the gradients and may clip them itself), a callback implements ``on_before_optimizer_step``, or
-        the plugin's ``clip_grad_by_*`` is overridden."""
-        if any(self._overridden(model, name) for name in ("on_before_optimizer_step", "configure_gradient_clipping")):
-            return True
-        if self._clip_overridden():  # a subclass's own clip_grad_by_* clips what main_params() holds: true values
-            return True
-        base = _pl.Callback.on_before_optimizer_step
-        return any(
-            type(cb).on_before_optimizer_step is not base or "on_before_optimizer_step" in getattr(cb, "__dict__", ())
-            for cb in model.trainer.callbacks
-        )
-
-    def _hold_schedulers(self, trainer: Any, optimizer: Optimizer) -> None:
-        """Keep the per-step schedulers of ``optimizer``, which skipped its step, out of this batch's scheduler
-        update: the optimizer did not move, so neither does its schedule (as Accelerate's ``AcceleratedScheduler``;
-        Lightning's "16-mixed" steps them anyway). Nothing the user holds is wrapped: for the rest of the batch the
-        strategy's list holds a copy of each config with another ``interval``, so that the loop does not call
-        ``lr_scheduler_step`` for it, and the next training batch puts the config back."""
-        configs = trainer.strategy.lr_scheduler_configs
-        for index in self._step_configs(trainer, optimizer):
-            config = configs[index]
-            held = dataclasses.replace(config, interval=_HELD_INTERVAL)
-            configs[index] = held
-            self._held.append((configs, index, config, held))
-
-    @staticmethod
-    def _step_configs(trainer: Any, optimizer: Optimizer) -> list[int]:
-        """The positions of ``optimizer``'s per-step scheduler configs in the strategy's list."""
-        found = []
-        for index, config in enumerate(trainer.strategy.lr_scheduler_configs):
-            if not isinstance(config, LRSchedulerConfig) or config.interval != "step":
-                continue
-            owner = getattr(config.scheduler, "optimizer", None)
-            if owner is not None and _unwrap(owner) is not optimizer:
-                continue  # another optimizer's schedule (a scheduler without one follows the only optimizer)
-            found.append(index)
-        return found
-
-    def _release_schedulers(self) -> None:
-        """Put the configs :meth:`_hold_schedulers` took out back into the strategy's list."""
-        for configs, index, config, held in self._held:
-            if index < len(configs) and configs[index] is held:  # not replaced since (a new fit builds a new list)
-                configs[index] = config
-        self._held.clear()
 
     def _end_iteration(self, log: bool = True) -> None:
         """Update the scales of the iteration that ended, then log its metrics if it was a logging step."""
@@ -620,66 +465,3 @@ class MixedPrecisionPlugin(FSDPPrecision):
                 values = {k: float(v) for k, v in self.amp.metrics().items()}
                 for logger in trainer.loggers:
                     logger.log_metrics(values, step=step)
-
-    def _add_boundary_casts(self, module: nn.Module) -> None:
-        # Apex casts a half model's inputs to half and its outputs to FP32. Here the casts sit on the
-        # LightningModule and on its direct children that hold half parameters (``self.generator(z)`` in a GAN), as
-        # removable forward hooks of this model only. Children without parameters (a loss module) are left alone so
-        # that losses see FP32. A child called from inside another hooked module's forward is inside the boundary
-        # (BoundaryCast). The hooks hold no reference to the plugin: a deep copy of the model (an EMA model,
-        # AveragedModel) carries copies that follow the copy's own dtype, not the plugin and its engine.
-        half = self.amp.half_dtype
-        targets = [module] + [
-            child for child in module.children() if any(p.dtype == half for p in child.parameters(recurse=True))
-        ]
-        for target, boundary in zip(targets, BoundaryCast.for_model(targets, half)):
-            self._hooks.append(target.register_forward_pre_hook(boundary.pre, with_kwargs=True))
-            # always_call: the depth is restored also when the forward raises.
-            self._hooks.append(target.register_forward_hook(boundary.post, always_call=True))
-
-    def _hand_off_compiled(self, module: nn.Module) -> None:
-        # torch.compile'd submodules, and the steps that trainer.fit(torch.compile(model)) compiles, enter the cast
-        # policy inside their compiled region (CastPolicy.hand_off_compiled): no call into its hook while they run.
-        policy = self.amp.policy
-        if policy is None:
-            return
-        ctx = getattr(module, "_compiler_ctx", None)
-        methods = {}
-        if isinstance(ctx, dict) and ctx.get("compiler") == "dynamo" and ctx.get("dynamo_ctx") is not None:
-            for name in ("training_step", "validation_step", "test_step", "predict_step"):
-                if ctx.get(f"original_{name}") is not None:
-                    methods[name] = ctx[f"original_{name}"]
-        compile_fn = ctx["dynamo_ctx"] if methods else None
-        self._hooks.extend(policy.hand_off_compiled(module, methods=methods, compile_fn=compile_fn))
-
-    def _remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
-
-
-def _unwrap(optimizer: Any) -> Optimizer:
-    """The torch optimizer inside a ``LightningOptimizer`` (which Lightning builds as a subclass of the optimizer's
-    own class, so an ``isinstance(..., Optimizer)`` test cannot tell them apart)."""
-    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-
-def _is_range_test_callback(callback: Any) -> bool:
-    """Whether ``callback`` is the one Lightning's learning-rate finder runs its range test with (it replaces the
-    Trainer's callbacks with it while the test runs)."""
-    return _LRCallback is not None and isinstance(callback, _LRCallback)
-
-
-def _trainer_of(model: nn.Module) -> Any:
-    module = getattr(model, "module", model)  # DDP
-    module = getattr(module, "_forward_module", module)  # Lightning's wrapper inside DDP
-    try:
-        return module.trainer if isinstance(module, _pl.LightningModule) else None
-    except RuntimeError:  # not attached to a Trainer
-        return None
-
-
-
-
-def _all_reduce_max(flag: torch.Tensor) -> None:
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)

@@ -11,10 +11,12 @@ import warnings
 from typing import Any, Sequence
 
 import torch
+from typing_extensions import Unpack
 
 from lightning_mpx.opt_levels import LossScale, _check_loss_scale
 # ON_FLOOR_CHOICES and OnFloor are defined with the other settings; their old import path here keeps working.
 from lightning_mpx.settings import ON_FLOOR_CHOICES, SCALER_DEFAULTS, OnFloor, ScalerSettings  # noqa: F401
+from lightning_mpx.settings import SCALER_FIELDS, ScalerKeywords, check_keywords, keyword_signature
 
 _FP32_MAX = float(torch.finfo(torch.float32).max)
 #: The floor error's advice by the half dtype of the gradients (``None``: a scaler that was not told it). bfloat16
@@ -39,9 +41,10 @@ class LossScaler:
 
     Args:
         loss_scale: ``"dynamic"``, or a positive number for a static scale.
-        init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, consecutive_hysteresis,
-            min_loss_scale, max_loss_scale, on_floor: The scaler's settings, each documented and checked in
-            :class:`~lightning_mpx.settings.ScalerSettings` (:meth:`from_settings` takes one whole).
+        **settings: The scaler's settings (``init_scale``, ``growth_factor``, ``backoff_factor``,
+            ``growth_interval``, ``hysteresis``, ``consecutive_hysteresis``, ``min_loss_scale``, ``max_loss_scale``,
+            ``on_floor``; typed in :class:`~lightning_mpx.settings.ScalerKeywords`), each documented, defaulted and
+            checked in :class:`~lightning_mpx.settings.ScalerSettings` (:meth:`from_settings` takes one whole).
         half_dtype: The dtype whose gradients it scales, which the floor error's advice names (``None``: not
             known).
 
@@ -54,25 +57,17 @@ class LossScaler:
         device; :meth:`scale`, :meth:`update` and :meth:`inv_scale` do not.
     """
 
+    @keyword_signature(engine=False, overrides=False)
     def __init__(
         self,
         loss_scale: LossScale = "dynamic",
         *,
-        init_scale: float = _D.init_scale,
-        growth_factor: float = _D.growth_factor,
-        backoff_factor: float = _D.backoff_factor,
-        growth_interval: int = _D.growth_interval,
-        hysteresis: int = _D.hysteresis,
-        consecutive_hysteresis: bool = _D.consecutive_hysteresis,
-        min_loss_scale: float = _D.min_loss_scale,
-        max_loss_scale: float = _D.max_loss_scale,
-        on_floor: OnFloor = _D.on_floor,
         half_dtype: torch.dtype | None = None,
+        **settings: Unpack[ScalerKeywords],
     ) -> None:
         _check_loss_scale(loss_scale)
-        arguments = dict(locals())
-        del arguments["self"], arguments["loss_scale"], arguments["half_dtype"]
-        self._configure(loss_scale, ScalerSettings(**arguments), half_dtype)
+        check_keywords("LossScaler()", settings, SCALER_FIELDS + ("half_dtype",))
+        self._configure(loss_scale, ScalerSettings(**settings), half_dtype)
 
     @classmethod
     def from_settings(

@@ -1,0 +1,41 @@
+"""The engine's file in Accelerate's checkpoints: ``save_state``/``load_state`` write and read the loss scalers, the
+FP32 masters and the skip counters of the adapter's :class:`~lightning_mpx.engine.amp.Amp` in :data:`AMP_STATE_NAME`,
+next to Accelerate's own files."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+__all__ = ["AMP_STATE_NAME", "amp_state_path", "read_amp_state", "write_amp_state"]
+
+#: The file that ``save_state`` writes the :class:`~lightning_mpx.engine.amp.Amp` state to.
+AMP_STATE_NAME = "lightning_mpx_amp.bin"
+
+
+def write_amp_state(state: dict[str, Any], output_dir: str) -> None:
+    """Write the engine's ``state`` into the checkpoint in ``output_dir``."""
+    torch.save(state, os.path.join(output_dir, AMP_STATE_NAME))
+
+
+def amp_state_path(input_dir: str, opt_level: str) -> str:
+    """The engine's file in the checkpoint in ``input_dir``; ``FileNotFoundError`` (which says how to start from a
+    checkpoint of plain Accelerate) when it has none."""
+    path = os.path.join(input_dir, AMP_STATE_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{path} does not exist: the checkpoint in {input_dir} was not saved by lightning_mpx's Accelerator "
+            f"with an opt level, so the loss scale and FP32 masters of mixed_precision={opt_level!r} "
+            "cannot be restored. To start this run from the weights of a checkpoint of plain Accelerate, load "
+            "them into the model before accelerator.prepare(...) (model.load_state_dict(...), or accelerate's "
+            "load_checkpoint_in_model), or after it (FP32 values go to the O2 masters exactly); the optimizer "
+            "and the loss scale then start afresh."
+        )
+    return path
+
+
+def read_amp_state(path: str) -> dict[str, Any]:
+    """The engine's state from its file ``path`` (:func:`amp_state_path`), on the CPU."""
+    return torch.load(path, map_location="cpu", weights_only=True)  # type: ignore[no-any-return]

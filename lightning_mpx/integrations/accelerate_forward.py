@@ -1,0 +1,130 @@
+"""A prepared model's ``forward`` under the opt level, for the Accelerate adapter
+(:mod:`lightning_mpx.integrations.accelerate`).
+
+:class:`AmpForward` replaces ``forward`` on the prepared instance only (as Accelerate's own autocast wrapper), and
+keeps what a copy of the model needs to run the same casts with an engine of its own (a deep copy, a pickle).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from lightning_mpx.casting.boundary import INPUT_DTYPES, DtypeProbe
+from lightning_mpx.casting.table import _NAMESPACES as _TABLE_NAMESPACES
+from lightning_mpx.casting.table import CastTable
+from lightning_mpx.common.containers import _cast_collection
+from lightning_mpx.engine.amp import Amp
+from lightning_mpx.common.imports import require
+
+require("accelerate", feature="lightning_mpx.integrations.accelerate")
+from accelerate.utils import is_compiled_module  # type: ignore[import-untyped]  # noqa: E402
+
+__all__ = ["AmpForward", "install_forward"]
+
+
+class AmpForward:
+    """A prepared model's ``forward`` under the opt level: ``Amp.forward_context`` around it (O1's cast policy; at O2,
+    loss functions in FP32), O2/O3's float inputs cast to half; half outputs cast to FP32 (as Accelerate's own
+    wrapper) so that the loss is computed in FP32.
+
+    A deep copy or pickle of the model (``AveragedModel``, an EMA model) gets a forward with an engine of its own
+    whose O2/O3 casts follow the copy's own dtype (:class:`~lightning_mpx.casting.boundary.DtypeProbe`): a copy converted
+    with ``.float()`` runs as a plain FP32 model."""
+
+    def __init__(self, forward: Callable[..., Any], amp: Amp) -> None:
+        # __wrapped__ is the plain function, so that Accelerate's unwrap_model(keep_fp32_wrapper=False) can restore it.
+        module = getattr(forward, "__self__", None)
+        probe = DtypeProbe(amp.half_dtype, module) if isinstance(module, nn.Module) else None
+        self._init(forward, amp, probe)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        amp = self._amp
+        if amp.properties.casts_model:
+            dtype = amp.half_dtype if self._probe is None else self._probe.dtype(self._forward.__self__)
+            if dtype is None:  # a copy converted to FP32: nothing to cast
+                return self._forward(*args, **kwargs)
+            args, kwargs = _cast_collection(args, dtype, INPUT_DTYPES), _cast_collection(kwargs, dtype, INPUT_DTYPES)
+        with amp.forward_context():
+            output = self._forward(*args, **kwargs)
+        # Accelerate's convert_to_fp32 loses defaultdicts and skips dataclasses; this keeps every container's type.
+        return _cast_collection(output, torch.float32, (torch.float16, torch.bfloat16))
+
+    def __getstate__(self) -> dict[str, Any]:
+        # What the forward needs, not the engine (its masters, optimizers and scales stay with the original): a
+        # pickled model gets an engine of its own with the same casts. The table travels as names, resolved
+        # again on load (torch's functions pickle by name only where torch allows it).
+        policy = self._amp.policy
+        data: dict[str, dict[str, list[str]]] = {}
+        extra: list[tuple[Any, str]] = []
+        for entry in policy.table if policy is not None else ():
+            if entry.namespace in _TABLE_NAMESPACES:
+                data.setdefault(entry.namespace, {}).setdefault(entry.category, []).append(entry.name)
+            else:
+                extra.append((entry.function, entry.category))  # a user's @dispatchable: pickled by reference
+        return {
+            "forward": self._forward,
+            "properties": self._amp.properties,
+            "table": (data, extra) if policy is not None else None,
+            "allow_banned": policy.allow_banned if policy is not None else False,
+            "probe": self._probe,  # pickled as the copy's: it follows the copy's own dtype
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        table = None
+        if state["table"] is not None:
+            data, extra = state["table"]
+            table = CastTable.from_data({ns: {c: tuple(names) for c, names in by.items()} for ns, by in data.items()})
+            for function, category in extra:
+                table.register(function, category)
+        engine = _engine_for_forward(state["properties"], table, state["allow_banned"])
+        self._init(state["forward"], engine, state.get("probe"))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> AmpForward:
+        # A deepcopy (AveragedModel, EMA callbacks) forwards through the copied model, with an engine of its own.
+        policy = self._amp.policy
+        engine = _engine_for_forward(
+            self._amp.properties,
+            policy.table.copy() if policy is not None else None,
+            policy.allow_banned if policy is not None else False,
+        )
+        twin = AmpForward.__new__(AmpForward)
+        twin._init(copy.deepcopy(self._forward, memo), engine, copy.deepcopy(self._probe, memo))
+        return twin
+
+    def _init(self, forward: Callable[..., Any], amp: Amp, probe: DtypeProbe | None) -> None:
+        self._forward = forward
+        self._amp = amp
+        self._probe = probe
+        functools.update_wrapper(self, getattr(forward, "__func__", forward))
+
+
+def _engine_for_forward(properties: Any, table: CastTable | None, allow_banned: bool) -> Amp:
+    """An :class:`Amp` with ``properties`` and ``table``, for a copied model's forward (no models, no optimizers)."""
+    return Amp(
+        properties.opt_level,
+        half_dtype=properties.half_dtype,
+        cast_table=table if properties.patch_torch_functions else None,  # O2's loss-only table is made by Amp
+        allow_banned=allow_banned,
+        cast_model_type=properties.cast_model_type,
+        patch_torch_functions=properties.patch_torch_functions,
+        keep_batchnorm_fp32=properties.keep_batchnorm_fp32,
+        master_weights=properties.master_weights,
+        loss_scale=properties.loss_scale,
+    )
+
+
+def install_forward(amp: Amp, model: nn.Module) -> None:
+    """Replace ``model``'s forward with an :class:`AmpForward` of ``amp``, where the opt level casts anything."""
+    if amp.properties.patch_torch_functions or amp.properties.casts_model:
+        # An instance attribute, as Accelerate's own autocast wrapper: the class and other instances are untouched,
+        # and unwrap_model(model, keep_fp32_wrapper=False) removes it through _original_forward.
+        # A torch.compile'd model gets it on its original module, inside the compiled region: the policy is
+        # traced into the graph and no mode is left on the stack while the compiled code runs.
+        target = model._orig_mod if is_compiled_module(model) else model
+        target._original_forward = target.forward  # type: ignore[assignment]
+        target.forward = AmpForward(target.forward, amp)

@@ -1,0 +1,80 @@
+"""What the Trainer plugin (:mod:`lightning_mpx.integrations.lightning`) needs to know of Lightning's strategies and
+wrappers: whether a strategy shards the model with FSDP (and which it refuses), FSDP1's mixed-precision config, the
+Trainer of a wrapped model, and the optimizer inside a ``LightningOptimizer``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_mpx.common.imports import require
+from lightning_mpx.settings import MixedPrecisionSettings
+
+_pl = require("lightning.pytorch", extra="lightning", feature="lightning_mpx.MixedPrecisionPlugin")
+
+from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
+from lightning.pytorch.strategies import (  # noqa: E402
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+)
+
+__all__ = ["fsdp1_config", "shards_model", "trainer_of", "unwrap_optimizer"]
+
+#: Strategies whose model is one ordinary module per process: the plugin converts it and makes FP32 masters.
+_REPLICATED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy)
+#: Strategies that shard the model with FSDP: FSDP's own sharded parameters are the masters.
+_SHARDED_STRATEGIES = (FSDPStrategy, ModelParallelStrategy)
+
+
+def shards_model(strategy: Any) -> bool:
+    """Whether ``strategy`` shards the model with FSDP; a strategy the plugin cannot step is refused."""
+    if isinstance(strategy, DeepSpeedStrategy):  # a DDPStrategy subclass: asked first
+        raise ValueError(
+            f"strategy={type(strategy).__name__} is not supported by MixedPrecisionPlugin: DeepSpeed runs its "
+            "own fp16/bf16 engine and loss scaler. Configure mixed precision in DeepSpeed's config instead "
+            "(its \"fp16\" or \"bf16\" section, or Trainer(precision=\"16-mixed\") with strategy=\"deepspeed\")."
+        )
+    if isinstance(strategy, _SHARDED_STRATEGIES):
+        return True
+    if isinstance(strategy, _REPLICATED_STRATEGIES):
+        return False
+    raise ValueError(
+        f"strategy={type(strategy).__name__} is not supported by MixedPrecisionPlugin; supported: single-device, "
+        "DDP (strategy='ddp'), FSDP (strategy='fsdp') and ModelParallelStrategy (FSDP2)."
+    )
+
+
+def fsdp1_config(settings: MixedPrecisionSettings) -> Any:
+    """The FSDP1 ``MixedPrecision`` of ``settings`` for Lightning's ``FSDPStrategy``. Where FSDP should not cast (O0)
+    it is an empty ``MixedPrecision`` that FSDP treats as none (Lightning's throughput monitor reads its
+    ``reduce_dtype``)."""
+    # Imported here: FSDP is only needed (and only importable in torch builds with torch.distributed) under FSDP.
+    from torch.distributed.fsdp import MixedPrecision
+
+    from lightning_mpx.integrations.fsdp import fsdp1_mixed_precision
+
+    config = fsdp1_mixed_precision(settings)
+    # `_module_classes_to_ignore=()`: no module given a policy of its own (FSDP's default singles out batch
+    # norm), exactly what `mixed_precision=None` does.
+    return config if config is not None else MixedPrecision(_module_classes_to_ignore=())
+
+
+def unwrap_optimizer(optimizer: Any) -> Optimizer:
+    """The torch optimizer inside a ``LightningOptimizer`` (which Lightning builds as a subclass of the optimizer's
+    own class, so an ``isinstance(..., Optimizer)`` test cannot tell them apart)."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def trainer_of(model: nn.Module) -> Any:
+    """The Trainer of the LightningModule ``model`` is or wraps (DDP's and Lightning's wrappers), or ``None``."""
+    module = getattr(model, "module", model)  # DDP
+    module = getattr(module, "_forward_module", module)  # Lightning's wrapper inside DDP
+    try:
+        return module.trainer if isinstance(module, _pl.LightningModule) else None
+    except RuntimeError:  # not attached to a Trainer
+        return None
