@@ -216,7 +216,7 @@ def diagnose_scalars(series: dict[str, Series], run_dir: str = "") -> Diagnosis:
         shown = ", ".join(sorted(series)[:8]) or "none"
         raise NoMixedPrecisionTagsError(
             f"RUN_DIR={run_dir!r} holds no mpx/* scalars (scalars found: {shown}); was it logged by a run with "
-            "MixedPrecisionPlugin or lightning_mpx.integrations.accelerate.Accelerator and a logger?"
+            "MixedPrecisionPlugin or lightning_mpx.accelerate.Accelerator and a logger?"
         )
     steps = [step for points in mpx.values() for step, _ in points]
     loss = next((series[tag] for tag in LOSS_TAGS if tag in series), None)

@@ -72,7 +72,7 @@ from lightning_mpx.engine.amp import Amp
 from lightning_mpx.opt_levels import OPT_LEVELS
 
 # Import through require() so that a missing accelerate names the extra that installs it.
-require("accelerate", feature="lightning_mpx.integrations.accelerate")
+require("accelerate", feature="lightning_mpx.accelerate")
 from accelerate import Accelerator as _BaseAccelerator  # type: ignore[import-untyped]  # noqa: E402
 from accelerate.utils import (  # type: ignore[import-untyped]  # noqa: E402
     AutocastKwargs,

@@ -21,7 +21,7 @@ from lightning_mpx.common.containers import _cast_collection
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.common.imports import require
 
-require("accelerate", feature="lightning_mpx.integrations.accelerate")
+require("accelerate", feature="lightning_mpx.accelerate")
 from accelerate.utils import is_compiled_module  # type: ignore[import-untyped]  # noqa: E402
 
 __all__ = ["AmpForward", "install_forward"]

@@ -30,7 +30,7 @@ from lightning_mpx.settings import (
     setting_fields,
 )
 
-require("accelerate", feature="lightning_mpx.integrations.accelerate")
+require("accelerate", feature="lightning_mpx.accelerate")
 from accelerate.utils import KwargsHandler  # type: ignore[import-untyped]  # noqa: E402
 
 __all__ = ["FSDP_GATHER_CHOICES", "MixedPrecisionKwargs", "MixedPrecisionKwargsKeywords"]

@@ -11,7 +11,7 @@ import torch
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
 
-require("accelerate", feature="lightning_mpx.integrations.accelerate")
+require("accelerate", feature="lightning_mpx.accelerate")
 from accelerate.optimizer import AcceleratedOptimizer  # type: ignore[import-untyped]  # noqa: E402
 
 __all__ = ["AmpOptimizer", "check_masters_exist", "gradient_targets", "owner_of", "params_of"]

@@ -128,7 +128,7 @@ def unscale_grads_(
         implementation = _BACKENDS[auto_backend(grads, out, norm=want_norm, stats=stats is not None)]
     if stats is not None:
         if not isinstance(stats, GradStats):
-            raise TypeError(f"stats={type(stats).__name__} must be a lightning_mpx.scaling.unscale.GradStats or None.")
+            raise TypeError(f"stats={type(stats).__name__} must be a lightning_mpx.unscale.GradStats or None.")
         return implementation(grads, inv_scale, found_inf, out, want_norm, max_norm, workspace, stats)
     return implementation(grads, inv_scale, found_inf, out, want_norm, max_norm, workspace)
 
