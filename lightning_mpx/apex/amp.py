@@ -40,7 +40,8 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import torch
 from torch import nn
 
-from lightning_mpx.engine.amp import Amp, _cast_collection, _EngineHook
+from lightning_mpx.engine.amp import Amp, _cast_collection
+from lightning_mpx.engine.preparation import _EngineHook
 from lightning_mpx.apex._state import AmpState, ScalerView, _amp_state, is_rank_zero
 from lightning_mpx.apex.fp16_utils import _HalfParameters
 from lightning_mpx.casting.policy import disable_casts as _disable_casts
