@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 import torch
@@ -47,6 +48,16 @@ from lightning_mpx.settings import DEFAULTS, MODEL_WRITES, MixedPrecisionSetting
 
 
 _D, _S = DEFAULTS, DEFAULTS.scaler  # the defaults of the typed keywords, from the one place that defines them
+
+
+def _part(path: str, *, doc: str, settable: bool = False) -> Any:
+    """A property of :class:`Amp` that is the attribute at ``path`` of one of its parts (``"_overflows.last"``): the
+    parts own their state, and the engine shows it under the names the adapters and tests use (``settable``: a
+    write goes to the part). Read with a C-level getter: no Python frame."""
+    owner, name = path.rsplit(".", 1)
+    owner_of = operator.attrgetter(owner)
+    fset = (lambda amp, value: setattr(owner_of(amp), name, value)) if settable else None
+    return property(operator.attrgetter(path), fset, doc=doc)
 
 
 class Amp:
@@ -161,25 +172,34 @@ class Amp:
         self._machine.register_call = value
 
     @property
-    def sharded(self) -> bool:
-        """Whether the prepared model is sharded by PyTorch FSDP (see :meth:`prepare_model`)."""
-        return self._models.sharded
-
-    @sharded.setter
-    def sharded(self, value: bool) -> None:
-        self._models.sharded = value
-
-    @property
     def _with_masters(self) -> bool:
         """Whether optimizers step FP32 masters of this engine (O2 on an unsharded model; under FSDP, FSDP's own
         sharded FP32 parameters are the masters)."""
         return self.properties.master_weights and not self.sharded
 
     # -- the parts' state, under the names the adapters and tests use ------------------------------------------
-    @property
-    def master_weights(self) -> list[MasterWeights]:
-        """One :class:`~lightning_mpx.masters.weights.MasterWeights` per model prepared for training (O2)."""
-        return self._masters.weights
+    sharded: bool = _part("_models.sharded", settable=True, doc="""Whether the prepared model is sharded by PyTorch
+        FSDP (see :meth:`prepare_model`).""")
+    master_weights: list[MasterWeights] = _part("_masters.weights", doc="""One
+        :class:`~lightning_mpx.masters.weights.MasterWeights` per model prepared for training (O2).""")
+    skipped_steps: list[int] = _part("_overflows.skipped_steps", settable=True, doc="""Steps skipped on overflow so
+        far, by loss.""")
+    last_overflow: OverflowRecord | None = _part("_overflows.last", doc="""The
+        :class:`~lightning_mpx.health.forensics.OverflowRecord` of the latest overflow step (``None`` before the
+        first), merged across ranks when ``found_inf_reducer`` is set.""")
+    last_overflow_parameters: list[str] = _part("_overflows.last_parameters", doc="""The names of the parameters with
+        non-finite gradients at that step (this process's).""")
+    diagnose_overflows: bool = _part("forensics.diagnose", settable=True, doc="""Whether every forward is watched for
+        non-finite outputs; setting it registers or removes the hooks.""")
+    log_overflows: bool = _part("_overflows.log.enabled", settable=True, doc="""Whether overflow messages are logged
+        (adapters turn it off on ranks other than zero).""")
+    overflow_log_interval: float = _part("_overflows.log.interval", settable=True, doc="""Minimum seconds between two
+        overflow log messages.""")
+    fp32_modules: list[str] = _part("promotion.fp32_modules", doc="""Names of the modules that run in FP32: pinned by
+        ``fp32_modules``, then promoted at the floor.""")
+    opt_level: str = _part("properties.opt_level", doc="The opt level (``\"O0\"`` to ``\"O3\"``).")
+    half_dtype: torch.dtype = _part("properties.half_dtype", doc="The half dtype (``torch.float16`` or ``torch.bfloat16``).")
+    _optimizers: dict[int, _OptimizerState] = _part("_machine.optimizers", doc="The prepared optimizers' states, by id.")
 
     @property
     def unscale_backend(self) -> str:
@@ -189,77 +209,12 @@ class Amp:
     def unscale_backend(self, value: str) -> None:  # as the attribute it was: for later unscales and masters
         self._machine.backend = self._masters.backend = value
 
-    @property
-    def skipped_steps(self) -> list[int]:
-        """Steps skipped on overflow so far, by loss."""
-        return self._overflows.skipped_steps
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: list[int]) -> None:
-        self._overflows.skipped_steps = value
-
-    @property
-    def last_overflow(self) -> OverflowRecord | None:
-        """The :class:`~lightning_mpx.health.forensics.OverflowRecord` of the latest overflow step (``None`` before the
-        first), merged across ranks when ``found_inf_reducer`` is set."""
-        return self._overflows.last
-
-    @property
-    def last_overflow_parameters(self) -> list[str]:
-        """The names of the parameters with non-finite gradients at that step (this process's)."""
-        return self._overflows.last_parameters
-
-    @property
-    def _optimizers(self) -> dict[int, _OptimizerState]:
-        return self._machine.optimizers
-
     def _state(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
         return self._machine.state(optimizer)
-
-    # -- set-up -------------------------------------------------------------------------------------------------
-    @property
-    def opt_level(self) -> str:
-        return self.properties.opt_level
-
-    @property
-    def half_dtype(self) -> torch.dtype:
-        return self.properties.half_dtype
 
     @property
     def num_losses(self) -> int:
         return len(self.scalers)
-
-    @property
-    def diagnose_overflows(self) -> bool:
-        """Whether every forward is watched for non-finite outputs; setting it registers or removes the hooks."""
-        return self.forensics.diagnose
-
-    @diagnose_overflows.setter
-    def diagnose_overflows(self, value: bool) -> None:
-        self.forensics.diagnose = value
-
-    @property
-    def log_overflows(self) -> bool:
-        """Whether overflow messages are logged (adapters turn it off on ranks other than zero)."""
-        return self._overflows.log.enabled
-
-    @log_overflows.setter
-    def log_overflows(self, value: bool) -> None:
-        self._overflows.log.enabled = value
-
-    @property
-    def overflow_log_interval(self) -> float:
-        """Minimum seconds between two overflow log messages."""
-        return self._overflows.log.interval
-
-    @overflow_log_interval.setter
-    def overflow_log_interval(self, value: float) -> None:
-        self._overflows.log.interval = value
-
-    @property
-    def fp32_modules(self) -> list[str]:
-        """Names of the modules that run in FP32: pinned by ``fp32_modules``, then promoted at the floor."""
-        return self.promotion.fp32_modules
 
     @property
     def promoted_modules(self) -> dict[str, dict[str, Any]]:
