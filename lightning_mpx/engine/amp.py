@@ -25,6 +25,7 @@ from typing import Any, Callable, ContextManager, Iterable, Sequence
 import torch
 from torch import nn
 
+from lightning_mpx.casting.loss_regions import LossRegions
 from lightning_mpx.casting.policy import CastPolicy, casts_off_if_on
 from lightning_mpx.casting.table import CastTable
 from lightning_mpx.common.containers import _cast_collection
@@ -145,7 +146,6 @@ class Amp:
         self._models = PreparedModels(
             settings, self.policy, self.promotion, self.forensics, self._masters, self._machine
         )
-        self._loss_regions = self._models.loss_regions
         self._stepper = OptimizerStep(
             self._machine, self._overflows, self.forensics, master_of=master_of,
             skip_on_device=settings.skip_on_device,
@@ -159,25 +159,16 @@ class Amp:
         self._iteration = 0  # update() calls so far: a pending step of an earlier iteration is read at a backward
 
     @property
-    def register_call(self) -> str:
-        """What the error for an optimizer this engine does not know tells the user to do (default: ``"call
-        prepare_optimizer() on it first"``). A front door whose users never call :meth:`prepare_optimizer` names its
-        own call here (the Fabric plugin: ``plugin.setup_optimizers(optimizer)``)."""
-        return self._machine.register_call
-
-    @register_call.setter
-    def register_call(self, value: str) -> None:
-        if not isinstance(value, str) or not value:
-            raise TypeError(f"register_call={value!r} must be a non-empty str (the words that end the error).")
-        self._machine.register_call = value
-
-    @property
     def _with_masters(self) -> bool:
         """Whether optimizers step FP32 masters of this engine (O2 on an unsharded model; under FSDP, FSDP's own
         sharded FP32 parameters are the masters)."""
         return self.properties.master_weights and not self.sharded
 
     # -- the parts' state, under the names the adapters and tests use ------------------------------------------
+    register_call: str = _part("_machine.register_call", settable=True, doc="""What the error for an optimizer this
+        engine does not know tells the user to do (default: ``"call prepare_optimizer() on it first"``). A front door
+        whose users never call :meth:`prepare_optimizer` names its own call here (the Fabric plugin:
+        ``plugin.setup_optimizers(optimizer)``).""")
     sharded: bool = _part("_models.sharded", settable=True, doc="""Whether the prepared model is sharded by PyTorch
         FSDP (see :meth:`prepare_model`).""")
     master_weights: list[MasterWeights] = _part("_masters.weights", doc="""One
@@ -198,8 +189,9 @@ class Amp:
     fp32_modules: list[str] = _part("promotion.fp32_modules", doc="""Names of the modules that run in FP32: pinned by
         ``fp32_modules``, then promoted at the floor.""")
     opt_level: str = _part("properties.opt_level", doc="The opt level (``\"O0\"`` to ``\"O3\"``).")
-    half_dtype: torch.dtype = _part("properties.half_dtype", doc="The half dtype (``torch.float16`` or ``torch.bfloat16``).")
-    _optimizers: dict[int, _OptimizerState] = _part("_machine.optimizers", doc="The prepared optimizers' states, by id.")
+    half_dtype: torch.dtype = _part("properties.half_dtype", doc="``torch.float16`` or ``torch.bfloat16``.")
+    _optimizers: dict[int, _OptimizerState] = _part("_machine.optimizers", doc="The optimizers' states, by id.")
+    _loss_regions: LossRegions | None = _part("_models.loss_regions", doc="O2: the regions that compute no loss.")
 
     @property
     def unscale_backend(self) -> str:
@@ -365,10 +357,7 @@ class Amp:
         """The overflow flag (a device tensor, nonzero on overflow) that the checks of ``optimizer``'s gradients since
         its last step found: all losses together, or those charged to ``loss_id``; ``None`` when nothing was checked.
         Reading it on the host waits for the device."""
-        state = self._state(optimizer)
-        if loss_id is None:
-            return state.found_inf
-        return state.found_by_loss.get(self._loss_index(loss_id))
+        return self._machine.found_inf(optimizer, None if loss_id is None else self._loss_index(loss_id))
 
     def is_unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer``'s gradients have been unscaled since its last :meth:`step` or :meth:`update`."""

@@ -40,11 +40,12 @@ def unscale(
     true_grads: list[torch.Tensor] | None = None,
 ) -> None:
     """Unscale the gradients of ``optimizer`` (the optimizer of ``state``) with ``scaler`` (the scaler of its
-    ``loss_id``), charge the overflow found and move it to UNSCALED; ``max_norm`` clips them to that global norm on the way (the norm is kept in
-    ``state.grad_norm``). Telemetry measures the scaled gradients when it was requested.
+    ``loss_id``), charge the overflow found and move it to UNSCALED; ``max_norm`` clips them to that global norm on
+    the way (the norm is kept in ``state.grad_norm``). Telemetry measures the scaled gradients when it was requested.
 
     ``true_grads``: for an optimizer left SKIPPED (unscaled by a batch that did not step, no backward since), the
-    gradients that hold true values (those of :func:`lightning_mpx.engine.rescale.leftovers`): checked, not divided again.
+    gradients that hold true values (those of :func:`lightning_mpx.engine.rescale.leftovers`): checked, not divided
+    again.
     At O2 the caller notes which half gradients were read (:func:`lightning_mpx.engine.rescale.grad_marks`) when
     user code may run before the step.
 

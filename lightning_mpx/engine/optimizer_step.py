@@ -95,7 +95,8 @@ class OptimizerStep:
         overflowed = self.machine.check(state, optimizer, reducer)
         try:
             if overflowed:
-                self._skip(optimizer, state, overflowed, gather=reducer is not None or self.machine.sharding is not None)
+                gather = reducer is not None or self.machine.sharding is not None
+                self._skip(optimizer, state, overflowed, gather=gather)
                 return False
             if self.forensics.watch.active:
                 self.forensics.stepped()  # an automatic watch ends with the first step that does not overflow
@@ -107,7 +108,9 @@ class OptimizerStep:
         state.reset()
         return True
 
-    def _skip(self, optimizer: torch.optim.Optimizer, state: _OptimizerState, overflowed: list[int], *, gather: bool) -> None:
+    def _skip(
+        self, optimizer: torch.optim.Optimizer, state: _OptimizerState, overflowed: list[int], *, gather: bool
+    ) -> None:
         """An overflow step: recorded (merged across ranks when ``gather``), finished without a step, then the
         floor's policy (which may raise)."""
         self.overflows.record(

@@ -73,6 +73,16 @@ class StepMachine:
         # registers optimizers itself (Amp.register_call).
         self.register_call = "call prepare_optimizer() on it first"
 
+    @property
+    def register_call(self) -> str:
+        return self._register_call
+
+    @register_call.setter
+    def register_call(self, value: str) -> None:
+        if not isinstance(value, str) or not value:
+            raise TypeError(f"register_call={value!r} must be a non-empty str (the words that end the error).")
+        self._register_call = value
+
     # -- registration -------------------------------------------------------------------------------------------
     def state(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
         state = self.optimizers.get(id(optimizer))
@@ -130,6 +140,11 @@ class StepMachine:
     def mirrors(self, state: _OptimizerState, *, compare: bool) -> list[Mirror]:
         """The optimizer's half parameters and their masters, one :class:`Mirror` per prepared model."""
         return mirrors(state, self.masters.weights, compare=compare)
+
+    def found_inf(self, optimizer: torch.optim.Optimizer, loss_id: int | None) -> torch.Tensor | None:
+        """The overflow flag of ``optimizer``'s checks since its last step: all losses together, or ``loss_id``'s."""
+        state = self.state(optimizer)
+        return state.found_inf if loss_id is None else state.found_by_loss.get(loss_id)
 
     # -- backward -----------------------------------------------------------------------------------------------
     def before_backward(self, loss_id: int) -> None:
@@ -232,7 +247,8 @@ class StepMachine:
         self, state: _OptimizerState, optimizer: torch.optim.Optimizer, reducer: Any
     ) -> tuple[list[int], torch.Tensor]:
         """:meth:`check` without the host read: unscale unless done, reduce the flags with ``reducer`` (when set)
-        and count them toward the next update on the device. Returns the losses whose gradients the optimizer holds and their flags (FP32, 1.0 on overflow: one per loss, or the one loss's own 0-d flag), for
+        and count them toward the next update on the device. Returns the losses whose gradients the optimizer holds
+        and their flags (FP32, 1.0 on overflow: one per loss, or the one loss's own 0-d flag), for
         a step that skips on the device."""
         self._unscaled_for_step(state, optimizer)
         try:
