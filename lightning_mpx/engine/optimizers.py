@@ -272,7 +272,7 @@ class StepMachine:
         if state.stage is not _Stage.UNSCALED:
             self._unscale(state, marks=False, optimizer=optimizer)
         elif self.masters.weights:
-            follow_cleared_grads(state, self.masters.weights)
+            follow_cleared_grads(state, self.masters.weights, optimizer)
 
     def keep_marks(self, state: _OptimizerState) -> None:
         """Note the half gradients an unscale read, when :meth:`check` unscaled without noting them and its step did
@@ -367,9 +367,10 @@ class StepMachine:
         if it does not finish (:meth:`keep_marks`)."""
         weights = self.masters.weights
         skipped = state.stage is _Stage.SKIPPED
+        optimizer = state.optimizer if optimizer is None else optimizer
         unscale(
             state,
-            state.optimizer if optimizer is None else optimizer,
+            optimizer,
             self.scalers[state.loss_id or 0],
             weights,
             backend=self.backend,
@@ -378,10 +379,10 @@ class StepMachine:
             names=self.names,
             max_norm=max_norm,
             sharding=self.sharding,
-            true_grads=[true for true, _ in leftovers(state, weights)] if skipped else None,
+            true_grads=[true for true, _ in leftovers(state, weights, optimizer)] if skipped else None,
         )
         if weights and not skipped and marks:
-            state.unscaled_marks = grad_marks(state, weights)
+            state.unscaled_marks = grad_marks(state, weights, optimizer)
 
 
 def _clip_unscaled(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:

@@ -27,24 +27,30 @@ from lightning_mpx.scaling.unscale import unscale_grads_
 Marks = tuple[tuple[int, int] | None, ...]
 
 
-def grad_marks(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> Marks:
-    """Identity and version of each half parameter's gradient (``None`` where it has none), in pair order."""
-    param_pairs(state, master_weights)
+def grad_marks(
+    state: _OptimizerState, master_weights: Sequence[MasterWeights], optimizer: torch.optim.Optimizer | None = None
+) -> Marks:
+    """Identity and version of each half parameter's gradient (``None`` where it has none), in pair order;
+    ``optimizer``: the state's, when the caller holds it (a step does)."""
+    param_pairs(state, master_weights, optimizer=optimizer)
     params = state.pair_params
     return tuple(None if (g := params[i].grad) is None else (id(g), g._version) for i in state.mastered)
 
 
-def follow_cleared_grads(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> None:
+def follow_cleared_grads(
+    state: _OptimizerState, master_weights: Sequence[MasterWeights], optimizer: torch.optim.Optimizer | None = None
+) -> None:
     """Between an unscale and the step, the user may clear the half gradients (``zero_grad`` either way, a skipped
     batch): the FP32 master gradients the step would use follow them (see :func:`leftovers`). A step that finds
-    them as the unscale left them compares one tuple."""
-    if grad_marks(state, master_weights) != state.unscaled_marks:
-        leftovers(state, master_weights)
-        state.unscaled_marks = grad_marks(state, master_weights)  # taken: a later check looks for later writes only
+    them as the unscale left them compares one tuple. ``optimizer`` as for :func:`grad_marks`."""
+    if grad_marks(state, master_weights, optimizer) != state.unscaled_marks:
+        leftovers(state, master_weights, optimizer)
+        # taken: a later check looks for later writes only
+        state.unscaled_marks = grad_marks(state, master_weights, optimizer)
 
 
 def leftovers(
-    state: _OptimizerState, master_weights: Sequence[MasterWeights]
+    state: _OptimizerState, master_weights: Sequence[MasterWeights], optimizer: torch.optim.Optimizer | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(gradient with true values, the model's gradient it belongs in) for the gradients an unscale left behind
     that the user has not cleared since.
@@ -52,14 +58,15 @@ def leftovers(
     Without masters both are the parameter's own gradient (unscaled in place). At O2 the true values sit in the
     master's gradient; the half gradient the unscale read tells whether the user cleared it since (gone, or
     written: ``zero_grad`` either way), in which case the master's copy is dropped (``set_to_none=False``: its
-    zeros are taken instead).
+    zeros are taken instead). ``optimizer`` as for :func:`grad_marks`.
     """
     if not master_weights:
-        return [(g, g) for p in optimizer_params(state.optimizer) if (g := p.grad) is not None]
+        optimizer = state.optimizer if optimizer is None else optimizer
+        return [(g, g) for p in optimizer_params(optimizer) if (g := p.grad) is not None]
     out = []
     marks = state.unscaled_marks
     index = 0
-    for param, master in param_pairs(state, master_weights):
+    for param, master in param_pairs(state, master_weights, optimizer=optimizer):
         grad = param.grad
         if master is param:
             if grad is not None:
