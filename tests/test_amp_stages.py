@@ -490,7 +490,7 @@ def test_flags_read_on_the_host_update_the_scalers_as_the_device_count(iteration
     """Several flags per loss in one iteration (two optimizers, a clip then a step, an unscale without a step),
     some read on the host and some not: the scalers told what the reads said end where the ones that count every
     flag on the device end (scale, trackers, overflow count)."""
-    from lightning_mpx.engine.step_machine import StepMachine
+    from lightning_mpx.engine.optimizers import StepMachine
     from lightning_mpx.scaling.scaler import LossScaler
     from lightning_mpx.health.telemetry import GradTelemetry
 

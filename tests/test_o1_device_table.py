@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import lightning_mpx.engine.amp as amp_module
+import lightning_mpx.engine.preparation as amp_module
 from lightning_mpx import Amp, CastTable, dispatchable
 
 CUDA = torch.cuda.is_available()

@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from lightning_mpx.apex._state import _amp_state
-from lightning_mpx.engine.amp import Amp, _cast_collection, _EngineHook
+from lightning_mpx.common.containers import _cast_collection
+from lightning_mpx.engine.amp import Amp
+from lightning_mpx.engine.preparation import _EngineHook
 
 
 def _add_model_hooks(

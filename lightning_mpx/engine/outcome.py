@@ -252,26 +252,30 @@ class PendingSteps:
             counted, this process's overflow record built while the gradients are still there).
         settle: Called with each step once read, in order: the rest (may raise ``on_floor``'s error; may be a
             collective when ``step.gather``).
+
+    Attributes:
+        steps: The pending steps, oldest first: a caller tells from it, without a call, whether any is left to
+            settle (changed only here).
     """
 
     def __init__(self, examine: Callable[[PendingStep], None], settle: Callable[[PendingStep], None]) -> None:
         self._examine = examine
         self._settle = settle
-        self._steps: list[PendingStep] = []
+        self.steps: list[PendingStep] = []
 
     def __len__(self) -> int:
-        return len(self._steps)
+        return len(self.steps)
 
     def add(self, step: PendingStep) -> None:
-        self._steps.append(step)
+        self.steps.append(step)
 
     def read(self) -> None:
         """Read every pending step on this process, oldest first (never a collective: rank 0 alone may call it).
         Steps that need no other process (one process: the flags were not reduced) are settled now, in order; an
         error from one (``on_floor="raise"``) leaves the later ones for the next read."""
         self._read(None)
-        while self._steps and not self._steps[0].gather:
-            self._settle(self._steps.pop(0))
+        while self.steps and not self.steps[0].gather:
+            self._settle(self.steps.pop(0))
 
     def settle(self, before: int | None = None) -> None:
         """Read and settle every pending step, oldest first, on every rank together (under a process group: a
@@ -279,11 +283,11 @@ class PendingSteps:
         to a later call, so that a second optimizer's backward does not wait for the first one's step). An error
         from one (``on_floor="raise"``) leaves the later ones pending."""
         self._read(before)
-        while self._steps and (before is None or self._steps[0].iteration < before):
-            self._settle(self._steps.pop(0))
+        while self.steps and (before is None or self.steps[0].iteration < before):
+            self._settle(self.steps.pop(0))
 
     def _read(self, before: int | None) -> None:
-        for step in self._steps:
+        for step in self.steps:
             if before is not None and step.iteration >= before:
                 break
             if step.overflowed is None:

@@ -2,7 +2,7 @@
 (throttled) and hands it to the floor's policy; the gradients to examine and the floor hint are here too.
 
 The record of an overflow itself is built by :class:`~lightning_mpx.health.forensics.OverflowForensics`; what is here is
-what :meth:`~lightning_mpx.engine.amp.Amp.step` hands it and how the result is logged.
+what the step (:class:`~lightning_mpx.engine.optimizer_step.OptimizerStep`) hands it and how the result is logged.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
 
+from lightning_mpx.engine.optimizer_state import optimizer_params
 from lightning_mpx.engine.sharding import local_tensor
-from lightning_mpx.engine.stages import optimizer_params
 from lightning_mpx.health.forensics import OverflowForensics, OverflowRecord
 from lightning_mpx.scaling.scaler import LossScaler
 
@@ -134,6 +134,9 @@ class Overflows:
         forensics: The engine's overflow forensics, which builds the records.
         promotion: The engine's promotion (``on_floor="promote"``).
         interval: Minimum seconds between two log messages (``overflow_log_interval``).
+        master_of: The FP32 master of a model parameter (the parameter itself when it has none), for the floor's
+            hint.
+        opt_level: The engine's opt level, for the floor's hint.
 
     Attributes:
         log: The throttled :class:`OverflowLog`.
@@ -144,9 +147,17 @@ class Overflows:
     """
 
     def __init__(
-        self, scalers: Sequence[LossScaler], forensics: OverflowForensics, promotion: Promotion, interval: float
+        self,
+        scalers: Sequence[LossScaler],
+        forensics: OverflowForensics,
+        promotion: Promotion,
+        interval: float,
+        *,
+        master_of: MasterOf,
+        opt_level: str,
     ) -> None:
         self.scalers, self.forensics, self.promotion = scalers, forensics, promotion
+        self.master_of, self.opt_level = master_of, opt_level
         self.log = OverflowLog(interval)
         self.skipped_steps: list[int] = [0] * len(scalers)
         self.last: OverflowRecord | None = None
@@ -224,11 +235,11 @@ class Overflows:
         self,
         optimizer: torch.optim.Optimizer,
         overflowed: list[int],
-        hint: str | None,
         scales: Mapping[int, float] | None = None,
     ) -> None:
-        """Apply the floor policy of the losses that overflowed (promote, raise with ``hint``, or warn);
-        ``scales`` as in :meth:`record`."""
+        """Apply the floor policy of the losses that overflowed (promote, raise with :func:`floor_hint`'s hint, or
+        warn); ``scales`` as in :meth:`record`."""
+        hint = floor_hint(optimizer, self.master_of, self.opt_level)
         if self.scalers[overflowed[0]].on_floor == "promote" and any(self._at_floor(i, scales) for i in overflowed):
             why_not = self.promotion.floor_overflow(self.last)
             if why_not is None:

@@ -2,7 +2,7 @@
 for training at O2, made, looked up, refreshed and checkpointed here.
 
 :class:`Masters` owns the list; the optimizers that hold the masters' parameters belong to the step machine
-(:mod:`lightning_mpx.engine.step_machine`), which hands their states in where a master is made for a parameter an
+(:mod:`lightning_mpx.engine.optimizers`), which hands their states in where a master is made for a parameter an
 optimizer holds.
 """
 
@@ -13,8 +13,8 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from lightning_mpx.masters.swap import param_pairs
-from lightning_mpx.engine.stages import _OptimizerState
+from lightning_mpx.masters.pairs import param_pairs
+from lightning_mpx.engine.optimizer_state import _OptimizerState
 from lightning_mpx.masters.weights import MasterWeights
 
 
@@ -115,6 +115,20 @@ class Masters:
         """Take writes to the half model into the masters; returns the names of the parameters that took one."""
         params = None if params is None else list(params)
         return [name for masters in self.weights for name in masters.refresh(params, force=force)]
+
+    def fp32_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """``module.state_dict()`` in FP32 (see :meth:`Amp.fp32_state_dict
+        <lightning_mpx.engine.amp.Amp.fp32_state_dict>`): masters for the half parameters that have one (or the FP32
+        value kept for the master they will get), writes to the model since the last step taken first."""
+        self.prune()
+        self.refresh(None, force=False)  # writes to the model since the last step, as a step takes them
+        # A master not made yet (its optimizer has not stepped) is the FP32 value kept for it, as it will be made.
+        masters = {key: value for weights in self.weights for key, value in weights.fp32_values().items()}
+        out: dict[str, torch.Tensor] = {}
+        for key, value in module.state_dict(keep_vars=True).items():
+            tensor = masters.get(id(value), value).detach()
+            out[key] = tensor.float() if tensor.is_floating_point() and tensor.dtype != torch.float32 else tensor
+        return out
 
     def state_dict(self, states: Iterable[_OptimizerState]) -> list[dict[str, Any]]:
         """The masters of every live model (parameters added to an optimizer since its last step included)."""

@@ -1,128 +1,65 @@
-"""The FP32 masters of an optimizer's parameters and their swap into its groups for the step (O2).
+"""The step on the FP32 masters (O2): the masters put in the optimizer's groups for the step (or a state-dict call),
+the model's writes taken before it, the result copied back after it, the masters' gradients freed.
 
-The masters themselves belong to :class:`~lightning_mpx.masters.weights.MasterWeights` (one per prepared model); what
-is here pairs each parameter an optimizer holds with its master (cached on the optimizer's
-:class:`~lightning_mpx.engine.stages._OptimizerState`), puts the masters in the groups for the length of a step or a
-state-dict call, and says where the unscaled gradients go. Plain functions over that state and the list of
+The pairs themselves (which master each parameter has) are :mod:`lightning_mpx.masters.pairs`'; the step's view of
+them, one :class:`~lightning_mpx.masters.weights.Mirror` per prepared model, is cached on the optimizer's
+:class:`~lightning_mpx.engine.optimizer_state._OptimizerState`. Plain functions over that state and the list of
 ``MasterWeights``: no engine is held.
 """
 
 from __future__ import annotations
 
-import itertools
-import operator
 from typing import Callable, Sequence
 
 import torch
 
-from lightning_mpx.engine.stages import _OptimizerState, optimizer_params
-from lightning_mpx.masters.weights import MasterWeights, Mirror
-
-Pairs = list[tuple[torch.Tensor, torch.Tensor]]
-_IS_SPARSE = operator.attrgetter("is_sparse")
-_HALF = (torch.float16, torch.bfloat16)
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
-_GRAD = operator.attrgetter("grad")
-
-
-def _any_needs_master(params: list[torch.Tensor]) -> bool:
-    """Whether a parameter paired with itself now requires a gradient or has one. C-level maps: it runs once per
-    step, over what is most of a LoRA model's parameters (its frozen base)."""
-    has_grad = map(operator.is_not, map(_GRAD, params), itertools.repeat(None))
-    return any(map(_REQUIRES_GRAD, params)) or any(has_grad)
-
-
-def master_for(master_weights: Sequence[MasterWeights], param: torch.Tensor) -> torch.Tensor | None:
-    """The master of a model parameter, made now if it has none yet and needs one: it requires a gradient or has
-    one, or its FP32 value is kept (trainable when it was prepared, frozen since: the value becomes its master at no
-    cost, as it would have at a registration before the freeze, so every front door ends with the same masters). A
-    parameter frozen before it was prepared that an optimizer holds (a LoRA model's base, an optimizer over
-    ``model.parameters()``) is its own until then: it is never stepped, and an FP32 copy of a frozen base would cost
-    twice its half memory again. ``None`` for a trainable half parameter that belongs to no prepared model."""
-    for masters in master_weights:
-        if masters.covers(param):
-            needed = param.requires_grad or param.grad is not None or masters.keeps_value(param)
-            return masters.master_of(param, create=needed)
-    if param.dtype in (torch.float16, torch.bfloat16) and param.requires_grad:
-        return None
-    return param
-
-
-def param_pairs(state: _OptimizerState, master_weights: Sequence[MasterWeights], *, recheck: bool = False) -> Pairs:
-    """``(model parameter, its FP32 master or itself)`` for each of the optimizer's parameters, cached per
-    optimizer, with each group's list of masters.
-
-    The cache is rebuilt when a parameter group is added or removed, or a group's parameter list is replaced or
-    changes length: what ``add_param_group`` and ordinary code do, and (``recheck``) when a half parameter paired
-    with itself (frozen then) requires a gradient or has one (unfrozen in place). A half parameter gets its master
-    here once it requires a gradient, as Apex made masters for the parameters that require one; the optimizer's
-    state loaded after that goes to the master. Swapping one tensor for another inside a group's list in place, at
-    the same length, is not detected (nothing in torch or Lightning does that).
-
-    ``recheck``: also look for a half parameter paired with itself that requires a gradient now (unfrozen in place):
-    done once per step, by the unscale (:func:`grad_pairs`), and where the masters are asked for or the optimizer's
-    state is saved or loaded; the other calls of a step take the pairs as they are.
-    """
-    optimizer = state.optimizer
-    if state.swapped is not None:
-        return state.pairs  # the groups hold the masters right now
-    key = tuple([(id(group["params"]), len(group["params"])) for group in optimizer.param_groups])
-    if key != state.pairs_key or (recheck and _any_needs_master(state.unmastered)):
-        group_masters = []
-        stray = []
-        for group in optimizer.param_groups:
-            masters = []
-            for param in group["params"]:
-                master = master_for(master_weights, param)
-                if master is None:
-                    stray.append(param)
-                    master = param
-                masters.append(master)
-            group_masters.append(masters)
-        if stray:
-            raise ValueError(
-                f"optimizer holds {len(stray)} half parameter(s) that belong to no model prepared for training "
-                f"(first: shape {tuple(stray[0].shape)}, {stray[0].dtype}); call prepare_model() (with "
-                "train=True) on every model whose parameters it trains."
-            )
-        # Optimizer state kept by a parameter that has a master now (made before the optimizer was prepared, or
-        # loaded before its master was made) is the master's: FP32, as the master steps.
-        moved = optimizer.state
-        for group, masters in zip(optimizer.param_groups, group_masters):
-            for param, master in zip(group["params"], masters):
-                if master is not param and param in moved and master not in moved:
-                    moved[master] = {
-                        k: v.float() if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v
-                        for k, v in moved.pop(param).items()
-                    }
-        state.group_masters = group_masters
-        state.pairs = [
-            (param, master)
-            for group, masters in zip(optimizer.param_groups, group_masters)
-            for param, master in zip(group["params"], masters)
-        ]
-        state.pairs_key = key
-        state.unmastered = [param for param, master in state.pairs if master is param and param.dtype in _HALF]
-        state.pair_params = [param for param, _ in state.pairs]
-        state.pair_masters = [master for _, master in state.pairs]
-        state.mastered = [i for i, (param, master) in enumerate(state.pairs) if master is not param]
-        state.mirrors = None
-    return state.pairs
+from lightning_mpx.engine.optimizer_state import _OptimizerState
+from lightning_mpx.masters.pairs import param_pairs
+from lightning_mpx.masters.weights import MasterWeights, Mirror, step_mirrored
 
 
 def mirrors(state: _OptimizerState, master_weights: Sequence[MasterWeights], *, compare: bool) -> list[Mirror]:
     """The optimizer's half parameters and their masters, one :class:`Mirror` per prepared model, kept until the
     optimizer's parameter lists change (``compare``: ``model_writes="values"``)."""
-    pairs = param_pairs(state, master_weights)
-    if state.mirrors is None:
-        params = [param for param, master in pairs if master is not param]
-        state.mirrors = [m for masters in master_weights if (m := masters.mirror(params, compare=compare)).params]
+    param_pairs(state, master_weights)
+    return state.mirrors if state.mirrors is not None else _make_mirrors(state, master_weights, compare)
+
+
+def _make_mirrors(state: _OptimizerState, master_weights: Sequence[MasterWeights], compare: bool) -> list[Mirror]:
+    params = [param for param, master in state.pairs if master is not param]
+    state.mirrors = [m for masters in master_weights if (m := masters.mirror(params, compare=compare)).params]
     return state.mirrors
+
+
+def step_on_masters(
+    state: _OptimizerState,
+    optimizer: torch.optim.Optimizer,
+    master_weights: Sequence[MasterWeights],
+    step: Callable[[], object],
+    *,
+    compare: bool,
+) -> None:
+    """Run ``step`` (the optimizer's own step) on the masters: writes made to the model since the last step (loaded
+    weights, SWA, EMA...) taken into them, the masters in the groups for the call, the result copied to the model
+    (after a skip on the device: the masters' unchanged values), and their FP32 gradients freed.
+
+    The pairs are taken as the unscale of this step made or checked them (no user code runs between the two), so
+    nothing here looks for a changed parameter list again."""
+    views = state.mirrors if state.mirrors is not None else _make_mirrors(state, master_weights, compare)
+    groups = optimizer.param_groups
+    state.swapped = [group["params"] for group in groups]
+    for group, masters in zip(groups, state.group_masters):
+        group["params"] = masters
+    try:
+        step_mirrored(views, step)
+    finally:
+        swap_out(state, optimizer)
+    drop_master_grads(state)
 
 
 def swap_in(state: _OptimizerState, master_weights: Sequence[MasterWeights], *, recheck: bool = False) -> None:
     """Put the masters in the optimizer's groups in place of the model's parameters (no-op when they are);
-    ``recheck`` as for :func:`param_pairs` (the optimizer's state dicts)."""
+    ``recheck`` as for :func:`~lightning_mpx.masters.pairs.param_pairs` (the optimizer's state dicts)."""
     if state.swapped is not None:
         return
     param_pairs(state, master_weights, recheck=recheck)
@@ -132,85 +69,21 @@ def swap_in(state: _OptimizerState, master_weights: Sequence[MasterWeights], *, 
         group["params"] = masters
 
 
-def swap_out(state: _OptimizerState) -> None:
+def swap_out(state: _OptimizerState, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Give the groups their own parameter lists back (no-op when they have them)."""
     if state.swapped is None:
         return
     # By position: load_state_dict replaces the group dicts themselves.
-    for group, params in zip(state.optimizer.param_groups, state.swapped):
+    groups = (state.optimizer if optimizer is None else optimizer).param_groups
+    for group, params in zip(groups, state.swapped):
         group["params"] = params
     state.swapped = None
 
 
 def drop_master_grads(state: _OptimizerState) -> None:
     """Free the FP32 gradients of the optimizer's masters (the half model's own gradients stay): those of the pairs
-    as last made, by the unscale that gave them their gradients or a step's swap since."""
+    as last made, by the unscale that gave them their gradients or a step's swap since. The FP32 gradients were the
+    step's: freeing them keeps them out of the next forward's and backward's peak memory."""
     masters = state.pair_masters
     for index in state.mastered:
         masters[index].grad = None
-
-
-def grad_pairs(
-    state: _OptimizerState,
-    master_weights: Sequence[MasterWeights],
-    refuse_sparse: Callable[[torch.Tensor], None],
-    *,
-    copy: bool = False,
-) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-    """(scaled gradients, where their unscaled values go) for the optimizer's parameters; ``None`` for the second
-    when every gradient is unscaled in place (no masters).
-
-    At O2 the unscaled values go to the masters' ``.grad``; a master whose parameter has no gradient this step
-    gets none either, so the optimizer never steps it on an old one. A master's new FP32 gradient is empty, for a
-    kernel that reads the half gradient and writes it (the fused one), or with ``copy`` already holds the half
-    gradient's values, for an unscale in place (torch's kernels: one C call per tensor makes and fills it, where an
-    empty buffer and a copy into it take two). ``refuse_sparse(param)`` raises for a parameter with a sparse
-    gradient.
-    """
-    if not master_weights:  # every parameter holds its own gradient, unscaled in place
-        groups = state.optimizer.param_groups
-        sources = [grad for group in groups for param in group["params"] if (grad := param.grad) is not None]
-        if any(map(_IS_SPARSE, sources)):  # rare: the parameters are looked up only then
-            for param in optimizer_params(state.optimizer):
-                if param.grad is not None and param.grad.is_sparse:
-                    refuse_sparse(param)
-        return sources, None
-    pairs = param_pairs(state, master_weights, recheck=True)  # once per step: a parameter unfrozen in place
-    # The usual step, every parameter with a dense gradient, read with C-level maps; a parameter's own gradient is
-    # its master's (the master is the parameter), and a master of its own gets a new FP32 gradient.
-    grads = list(map(_GRAD, state.pair_params))
-    if not any(map(operator.is_, grads, itertools.repeat(None))) and not any(map(_IS_SPARSE, grads)):
-        masters = state.pair_masters
-        targets = grads.copy()
-        for index in state.mastered:
-            master = masters[index]
-            targets[index] = master.grad = _master_grad(master, grads[index], copy)
-        return grads, targets
-    sources = []
-    targets: list[torch.Tensor] = []
-    for param, master in pairs:
-        grad = param.grad
-        if grad is None:
-            if master is not param:
-                master.grad = None
-            continue
-        if grad.is_sparse:
-            refuse_sparse(param)
-        sources.append(grad)
-        if master is param:
-            targets.append(grad)
-        else:
-            target = master.grad = _master_grad(master, grad, copy)
-            targets.append(target)
-    return sources, targets
-
-
-def _master_grad(master: torch.Tensor, grad: torch.Tensor, copy: bool) -> torch.Tensor:
-    """A new FP32 gradient for ``master``: ``grad``'s values (``copy``) or empty. The previous step's is freed
-    when the step ends (:func:`drop_master_grads`), so a new one costs no more memory than reusing it would, and it
-    cannot carry an old value into a step."""
-    if copy:
-        # .float(), not .to(dtype, copy=True): the same kernel for a half gradient, with half the call's cost; a
-        # copy even when the dtypes agree (an FP32 parameter with a master of its own).
-        return grad.float() if grad.dtype in _HALF else grad.to(master.dtype, copy=True)
-    return torch.empty_like(master)

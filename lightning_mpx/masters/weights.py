@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_mpx.common.dtypes import HALF_DTYPES
-from lightning_mpx.scaling.unscale import BACKENDS, UnscaleWorkspace, _foreach_copy_, _one_copy_group, cast_copy_
+from lightning_mpx.scaling.unscale import BACKENDS, UnscaleWorkspace, _one_copy_group, cast_copy_
 
 
 def has_floating_parameters(module: nn.Module) -> bool:
@@ -445,12 +445,30 @@ class Mirror:
         if self._one_call is None:
             self._one_call = self.copy_backend in ("auto", "foreach") and _one_copy_group(self.masters, self.params)
         if self._one_call:  # cast_copy_'s usual case, without its per-step look at every tensor's device and dtype
-            _foreach_copy_(self.params, self.masters)
+            # torch's multi-tensor copy with gradients off (parameters are written), as scaling.unscale's
+            # _foreach_copy_: written out here so that a step enters the kernels' module once, for its unscale
+            grad_mode = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)
+            try:
+                torch._foreach_copy_(self.params, self.masters)
+            finally:
+                torch._C._set_grad_enabled(grad_mode)
         else:
             cast_copy_(self.params, self.masters, backend=self.copy_backend, workspace=self.workspace)
         self._marks = versions, addresses = self._current()
         for entry, version, address in zip(self._entries, versions, addresses):
             entry.version, entry.address = version, address
+
+
+def step_mirrored(mirrors: list[Mirror], step: Callable[[], object]) -> None:
+    """One optimizer step seen through ``mirrors``: each one's writes taken (:meth:`Mirror.take_writes`), ``step``
+    called (the masters stand in for the parameters), and the masters copied into the model
+    (:meth:`Mirror.copy_to_model`); nothing is copied when ``step`` raises."""
+    for mirror in mirrors:
+        mirror.take_writes()
+    step()
+    for mirror in mirrors:
+        mirror.copy_to_model()
 
 
 _VERSION = operator.attrgetter("_version")

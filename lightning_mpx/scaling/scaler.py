@@ -29,7 +29,6 @@ _FLOOR_ADVICE: dict[torch.dtype | None, str] = {
     ),
     None: "Check the loss and inputs for inf/NaN, or lower the learning rate",
 }
-_D = SCALER_DEFAULTS  # the defaults of the typed keywords, from the one place that defines them
 
 
 class LossScaleFloorError(FloatingPointError):
@@ -165,10 +164,13 @@ class LossScaler:
         """``1 / scale`` as a 0-d FP32 tensor, with the reciprocal taken in FP64 as GradScaler does."""
         return self.scale_tensor.double().reciprocal().float()
 
-    def unscale_factor(self) -> torch.Tensor:
+    def unscale_factor(self, device: torch.device | str | None = None) -> torch.Tensor:
         """What the gradients of this scale are multiplied by to unscale them: :meth:`inv_scale`, except that a static
         scale of 1.0 (bfloat16's default) gives the same 0-d FP32 one at every call, made once per device, instead
-        of three kernels a step. Read it, do not write to it."""
+        of three kernels a step. Read it, do not write to it. ``device``: where the state is made if it has none yet
+        (default: the CPU); a state made before stays where it is."""
+        if self._scale is None:
+            self.to("cpu" if device is None else device)
         if not self._unit:
             return self.inv_scale()
         scale = self.scale_tensor

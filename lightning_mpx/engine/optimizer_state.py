@@ -1,10 +1,12 @@
-"""The per-optimizer step machine: where each optimizer is in its iteration, and the overflow its checks found.
+"""The state of one prepared optimizer: where it is in its iteration, and the overflow its checks found.
 
 One :class:`_OptimizerState` per prepared optimizer, as ``torch.amp.GradScaler`` keeps one stage per optimizer: its
 :class:`_Stage` moves READY -> UNSCALED on an unscale (or a clip), back to READY after the step, and
 :meth:`~lightning_mpx.engine.amp.Amp.update` resets every optimizer for the next iteration (one left UNSCALED without a step
 becomes SKIPPED). It also caches the optimizer's (parameter, master) pairs for the master swap
-(:mod:`lightning_mpx.masters.swap`).
+(:mod:`lightning_mpx.masters.pairs`). Plain data: the stages that use it (:mod:`~lightning_mpx.engine.grad_checks`,
+:mod:`~lightning_mpx.engine.rescale`, :mod:`~lightning_mpx.masters.swap`) read and write its fields, so that a step
+never calls back into this module but to :meth:`_OptimizerState.reset` at its end.
 """
 
 from __future__ import annotations
@@ -77,19 +79,6 @@ class _OptimizerState:
         if optimizer is None:
             raise RuntimeError("the optimizer was garbage-collected")
         return optimizer
-
-    def charge(self, loss_id: int, found: torch.Tensor) -> None:
-        """Charge the overflow that one check of the gradients found to ``loss_id``, whose backward ran since the
-        previous check; non-finite values found before belong to the loss they were charged to then."""
-        self.flags_reduced = False
-        if self.found_inf is None:
-            self.found_inf = found
-            self.found_by_loss = {loss_id: found}
-            return
-        new = found * (self.found_inf == 0)
-        seen = self.found_by_loss.get(loss_id)
-        self.found_by_loss[loss_id] = new if seen is None else torch.maximum(seen, new)
-        self.found_inf = torch.maximum(self.found_inf, found)
 
     def clear_checks(self) -> None:
         """Forget the overflow flags and the norm of the checks since the last step."""

@@ -1,11 +1,12 @@
-"""The per-optimizer step machine of one engine: the prepared optimizers and where each is in its iteration, the
-overflow flags the next update applies, and the gradient norms not yet reported.
+"""The optimizers one engine prepared and where each is in its iteration: registered, rescaled before a backward,
+unscaled and clipped, checked for the step, and reset by the update, with the overflow flags the update applies.
 
-In the spirit of ``torch.amp.GradScaler``: each optimizer's :class:`~lightning_mpx.engine.stages._Stage` moves READY ->
-UNSCALED on an unscale (or a clip) and back after its step, and :meth:`StepMachine.update` resets them all. The
-losses' scalers are the engine's; the masters are :class:`~lightning_mpx.masters.store.Masters`'. What happens on an
-overflow (the record, the log, the floor) is the engine's: :meth:`StepMachine.check` only says which losses
-overflowed.
+In the spirit of ``torch.amp.GradScaler``: each optimizer's :class:`~lightning_mpx.engine.optimizer_state._Stage`
+moves READY -> UNSCALED on an unscale (or a clip) and back after its step, and :meth:`StepMachine.update` resets them
+all. The losses' scalers are the engine's; the masters are :class:`~lightning_mpx.masters.store.Masters`'. The step
+itself is :class:`~lightning_mpx.engine.optimizer_step.OptimizerStep`'s, which asks :meth:`StepMachine.check` for the
+losses that overflowed; what happens on an overflow (the record, the log, the floor) is
+:class:`~lightning_mpx.engine.overflow.Overflows`'.
 """
 
 from __future__ import annotations
@@ -15,23 +16,17 @@ from typing import Any, Sequence
 
 import torch
 
-from lightning_mpx.engine.leftovers import (
-    follow_cleared_grads,
-    grad_marks,
-    local_squares,
-    reduce_checks,
-    rescale_pending,
-    rescale_unscaled,
-    unscale_state,
-)
-from lightning_mpx.masters.swap import drop_master_grads, mirrors, param_pairs, swap_in, swap_out
-from lightning_mpx.common.dtypes import HALF_DTYPES
-from lightning_mpx.masters.store import Masters
+from lightning_mpx.engine.grad_checks import local_squares, reduce_checks, unscale
+from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
+from lightning_mpx.engine.rescale import follow_cleared_grads, grad_marks, leftovers, rescale_pending, rescale_unscaled
 from lightning_mpx.engine.sharding import Sharding, local_tensor
-from lightning_mpx.engine.stages import _OptimizerState, _Stage, optimizer_params
-from lightning_mpx.scaling.scaler import LossScaler
-from lightning_mpx.masters.weights import Mirror
 from lightning_mpx.health.telemetry import GradTelemetry
+from lightning_mpx.masters.optimizer_hooks import MasterHooks
+from lightning_mpx.masters.pairs import param_pairs
+from lightning_mpx.masters.store import Masters
+from lightning_mpx.masters.swap import mirrors
+from lightning_mpx.masters.weights import Mirror
+from lightning_mpx.scaling.scaler import LossScaler
 
 
 class StepMachine:
@@ -45,7 +40,8 @@ class StepMachine:
         names: Parameter names by ``id``, for errors and telemetry.
 
     Attributes:
-        optimizers: One :class:`~lightning_mpx.engine.stages._OptimizerState` per prepared optimizer, by ``id``.
+        optimizers: One :class:`~lightning_mpx.engine.optimizer_state._OptimizerState` per prepared optimizer, by
+            ``id``.
         iteration_found: The overflow flags, by loss, that the next :meth:`update` applies to the scalers.
         iteration_read: By loss, what the host read of every flag in ``iteration_found`` said (``True``: an
             overflow), or ``None`` when one of them was not read (counted on the device then).
@@ -76,6 +72,16 @@ class StepMachine:
         # What the error for an optimizer not registered tells the user to do: the front door's own call where it
         # registers optimizers itself (Amp.register_call).
         self.register_call = "call prepare_optimizer() on it first"
+
+    @property
+    def register_call(self) -> str:
+        return self._register_call
+
+    @register_call.setter
+    def register_call(self, value: str) -> None:
+        if not isinstance(value, str) or not value:
+            raise TypeError(f"register_call={value!r} must be a non-empty str (the words that end the error).")
+        self._register_call = value
 
     # -- registration -------------------------------------------------------------------------------------------
     def state(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
@@ -113,13 +119,7 @@ class StepMachine:
             # Refuses half parameters of unprepared models; makes missing masters; state made before preparing
             # moves to them.
             param_pairs(state, self.masters.weights)
-            state.hooks = [
-                optimizer.register_step_pre_hook(self._refuse_direct_step),
-                optimizer.register_state_dict_pre_hook(self._masters_in_hook),
-                optimizer.register_state_dict_post_hook(self._masters_out_hook),
-                optimizer.register_load_state_dict_pre_hook(self._masters_in_to_load_hook),
-                optimizer.register_load_state_dict_post_hook(self._masters_out_hook),
-            ]
+            state.hooks = MasterHooks(state, self.masters).register(optimizer)
         self.optimizers[key] = state
         weakref.finalize(optimizer, self.optimizers.pop, key, None)
 
@@ -141,42 +141,10 @@ class StepMachine:
         """The optimizer's half parameters and their masters, one :class:`Mirror` per prepared model."""
         return mirrors(state, self.masters.weights, compare=compare)
 
-    def _masters_in_hook(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
-        swap_in(self.state(optimizer), self.masters.weights, recheck=True)
-
-    def _masters_in_to_load_hook(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-        """Before the optimizer loads a state dict: a half parameter without a master (frozen when the masters were
-        made, and frozen again in this run) whose state the checkpoint holds trained in the run that saved it, so
-        it gets its master now, and the state loads into the master in FP32 (into the half parameter it would be
-        rounded to half). ``Amp.load_state_dict`` then gives the master its saved value."""
+    def found_inf(self, optimizer: torch.optim.Optimizer, loss_id: int | None) -> torch.Tensor | None:
+        """The overflow flag of ``optimizer``'s checks since its last step: all losses together, or ``loss_id``'s."""
         state = self.state(optimizer)
-        saved = state_dict.get("state", {})
-        saved_groups = state_dict.get("param_groups", [])
-        if saved and len(saved_groups) == len(optimizer.param_groups):
-            made = False
-            for group, saved_group in zip(optimizer.param_groups, saved_groups):
-                for param, index in zip(group["params"], saved_group.get("params", ())):
-                    if index in saved and param.dtype in HALF_DTYPES:
-                        for masters in self.masters.weights:
-                            if masters.covers(param) and masters.master_of(param) is param:
-                                masters.master_of(param, create=True)
-                                made = True
-            if made:
-                state.pairs_key = None  # pair them with their new masters
-                state.mirrors = None
-        swap_in(state, self.masters.weights, recheck=True)
-
-    def _masters_out_hook(self, optimizer: torch.optim.Optimizer, *args: Any) -> Any:
-        swap_out(self.state(optimizer))
-        return args[0] if args else None  # the state_dict post-hook returns the state dict
-
-    def _refuse_direct_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.state(optimizer).swapped is None:
-            raise RuntimeError(
-                "optimizer.step() was called on an optimizer prepared by lightning_mpx with FP32 master weights, "
-                "outside Amp.step(): its groups hold the half model parameters and their gradients are still "
-                "scaled. Call amp.step(optimizer) instead (the Lightning plugin and the Accelerate adapter do)."
-            )
+        return state.found_inf if loss_id is None else state.found_by_loss.get(loss_id)
 
     # -- backward -----------------------------------------------------------------------------------------------
     def before_backward(self, loss_id: int) -> None:
@@ -259,54 +227,52 @@ class StepMachine:
         state.unscaled_marks = grad_marks(state, master_weights)  # the copies are ours, not the user's writes
 
     # -- step and update ----------------------------------------------------------------------------------------
-    def check(
-        self, optimizer: torch.optim.Optimizer, reducer: Any
-    ) -> tuple[_OptimizerState, list[int]]:
-        """Unscale ``optimizer``'s gradients unless done, reduce its flags with ``reducer`` (when set), count them
-        toward the next update and read them on the host; returns its state and the losses that overflowed.
+    def check(self, state: _OptimizerState, optimizer: torch.optim.Optimizer, reducer: Any) -> list[int]:
+        """Unscale the gradients of ``optimizer`` (the optimizer of ``state``) unless done (the local ones, or each
+        rank's shards), reduce its flags once across ranks (``reducer`` when set; under FSDP one collective with the
+        squared norm), count them toward the next update and read them on the host; returns the losses that
+        overflowed.
 
         An unscale made here is followed by the step at once, with no user code in between, so the half gradients
         it read are noted (for a later unscale, clip or backward to see what the user cleared since) only if the step
         does not finish: :meth:`keep_marks`, called here and by ``Amp.step`` when an error leaves the step."""
-        state = self._unscaled_for_step(optimizer)
+        self._unscaled_for_step(state, optimizer)
         try:
-            return state, self._read_flags(state, reducer)
+            return self._read_flags(state, reducer)
         except BaseException:
             self.keep_marks(state)
             raise
 
     def check_on_device(
-        self, optimizer: torch.optim.Optimizer, reducer: Any
-    ) -> tuple[_OptimizerState, list[int], torch.Tensor]:
+        self, state: _OptimizerState, optimizer: torch.optim.Optimizer, reducer: Any
+    ) -> tuple[list[int], torch.Tensor]:
         """:meth:`check` without the host read: unscale unless done, reduce the flags with ``reducer`` (when set)
-        and count them toward the next update on the device. Returns the state, the losses whose gradients the
-        optimizer holds and their flags (FP32, 1.0 on overflow: one per loss, or the one loss's own 0-d flag), for
+        and count them toward the next update on the device. Returns the losses whose gradients the optimizer holds
+        and their flags (FP32, 1.0 on overflow: one per loss, or the one loss's own 0-d flag), for
         a step that skips on the device."""
-        state = self._unscaled_for_step(optimizer)
+        self._unscaled_for_step(state, optimizer)
         try:
             loss_ids = sorted(state.found_by_loss)
             if len(loss_ids) == 1 and reducer is None:  # the usual case: the one flag as it is, no kernel
                 flags = state.found_by_loss[loss_ids[0]]
                 self.record_found({loss_ids[0]: flags})  # unread: the update counts on the device
-                return state, loss_ids, flags
+                return loss_ids, flags
             flags = torch.stack([state.found_by_loss[i].reshape(()) for i in loss_ids])
             if reducer is not None:
                 reducer(flags)
             self.record_found(dict(zip(loss_ids, flags.unbind(0))))
-            return state, loss_ids, flags
+            return loss_ids, flags
         except BaseException:
             self.keep_marks(state)
             raise
 
-    def _unscaled_for_step(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
-        """``optimizer``'s state with its gradients unscaled for the step that follows at once (unscaled now without
-        noting the half gradients read, see :meth:`check`; or, unscaled before, with the user's clears since taken)."""
-        state = self.state(optimizer)
+    def _unscaled_for_step(self, state: _OptimizerState, optimizer: torch.optim.Optimizer) -> None:
+        """The gradients unscaled for the step that follows at once (unscaled now without noting the half gradients
+        read, see :meth:`check`; or, unscaled before, with the user's clears since taken)."""
         if state.stage is not _Stage.UNSCALED:
-            self._unscale(state, marks=False)
+            self._unscale(state, marks=False, optimizer=optimizer)
         elif self.masters.weights:
-            follow_cleared_grads(state, self.masters.weights)
-        return state
+            follow_cleared_grads(state, self.masters.weights, optimizer)
 
     def keep_marks(self, state: _OptimizerState) -> None:
         """Note the half gradients an unscale read, when :meth:`check` unscaled without noting them and its step did
@@ -339,42 +305,6 @@ class StepMachine:
         read = {i: flag > 0 for i, flag in zip(loss_ids, flags.tolist())}
         self.record_found(dict(zip(loss_ids, flags.unbind(0))), read=read)
         return [i for i in loss_ids if read[i]]
-
-    def step(
-        self,
-        state: _OptimizerState,
-        step_kwargs: dict[str, Any],
-        *,
-        compare: bool,
-        found_inf: torch.Tensor | None = None,
-    ) -> None:
-        """Step the optimizer of ``state`` (on its masters, with the model's writes taken and the result copied
-        back, at O2), then finish its step. ``found_inf``: the overflow flag (1.0 on overflow) handed to an
-        optimizer that skips on the device (``_step_supports_amp_scaling``, as ``GradScaler`` hands it), with the
-        gradients already unscaled."""
-        optimizer = state.optimizer
-        if not self.masters.weights:
-            _step(optimizer, step_kwargs, found_inf)
-        else:
-            mirrors = self.mirrors(state, compare=compare)
-            for mirror in mirrors:
-                mirror.take_writes()  # writes to the model since the last step (loaded weights, SWA, EMA...)
-            swap_in(state, self.masters.weights)  # the masters stand in for the parameters for the step
-            try:
-                _step(optimizer, step_kwargs, found_inf)
-            finally:
-                swap_out(state)
-            for mirror in mirrors:
-                mirror.copy_to_model()  # after a skip on the device: the masters' unchanged values
-        self.finish(state)
-
-    def finish(self, state: _OptimizerState) -> None:
-        """End a step, stepped or skipped."""
-        if self.masters.weights:
-            # The FP32 gradients were the step's: freeing them keeps them out of the next forward's and backward's
-            # peak memory. The half gradients are the user's, cleared by their zero_grad as in any loop.
-            drop_master_grads(state)
-        state.reset()
 
     def update(self) -> None:
         """Close the iteration: reset every optimizer's stage and update the scalers with the flags counted."""
@@ -423,34 +353,36 @@ class StepMachine:
             "it needs dense gradients (for example nn.Embedding(..., sparse=False), the default)."
         )
 
-    def _unscale(self, state: _OptimizerState, max_norm: float | None = None, *, marks: bool = True) -> None:
-        unscale_state(
+    def _unscale(
+        self,
+        state: _OptimizerState,
+        max_norm: float | None = None,
+        *,
+        marks: bool = True,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
+        """Unscale the optimizer's gradients (:func:`~lightning_mpx.engine.grad_checks.unscale`); ``marks``: at O2,
+        note which half gradients were read, for the user code that may run before the step
+        (:func:`~lightning_mpx.engine.rescale.follow_cleared_grads`); a step that unscales for itself notes them only
+        if it does not finish (:meth:`keep_marks`)."""
+        weights = self.masters.weights
+        skipped = state.stage is _Stage.SKIPPED
+        optimizer = state.optimizer if optimizer is None else optimizer
+        unscale(
             state,
+            optimizer,
             self.scalers[state.loss_id or 0],
-            self.masters.weights,
+            weights,
             backend=self.backend,
             refuse_sparse=self.refuse_sparse,
             telemetry=self.telemetry,
             names=self.names,
             max_norm=max_norm,
             sharding=self.sharding,
-            marks=marks,
+            true_grads=[true for true, _ in leftovers(state, weights, optimizer)] if skipped else None,
         )
-
-
-def _step(optimizer: torch.optim.Optimizer, step_kwargs: dict[str, Any], found_inf: torch.Tensor | None) -> None:
-    """``optimizer.step(**step_kwargs)``; with ``found_inf``, the flag and no scale set on the optimizer for the call,
-    the attributes torch's fused optimizers read (``GradScaler.step`` sets and deletes them the same way)."""
-    if found_inf is None:
-        optimizer.step(**step_kwargs)
-        return
-    optimizer.grad_scale = None  # type: ignore[attr-defined]  (the gradients are unscaled already)
-    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-    try:
-        optimizer.step(**step_kwargs)
-    finally:
-        del optimizer.grad_scale  # type: ignore[attr-defined]
-        del optimizer.found_inf  # type: ignore[attr-defined]
+        if weights and not skipped and marks:
+            state.unscaled_marks = grad_marks(state, weights, optimizer)
 
 
 def _clip_unscaled(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:

@@ -1,0 +1,181 @@
+"""The engine's checkpoint: its state dict (scalers, FP32 masters, counters, promotions), saved, and loaded at the
+same opt level (masters bit-exact) or at another one (into or out of FP32 masters).
+
+:class:`EngineState` is what :meth:`Amp.state_dict <lightning_mpx.engine.amp.Amp.state_dict>` and
+:meth:`Amp.load_state_dict <lightning_mpx.engine.amp.Amp.load_state_dict>` do, once the steps pending on the device
+are read.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from lightning_mpx.engine.optimizers import StepMachine
+from lightning_mpx.engine.overflow import Overflows
+from lightning_mpx.health.promotion import Promotion
+from lightning_mpx.masters.level_resume import ExactWeights
+from lightning_mpx.masters.pairs import param_pairs
+from lightning_mpx.masters.store import Masters
+from lightning_mpx.opt_levels import Properties
+from lightning_mpx.scaling.scaler import LossScaler
+
+
+class EngineState:
+    """The state dict of one engine.
+
+    Args:
+        properties: The opt level's properties.
+        scalers: The engine's loss scalers.
+        masters: The engine's FP32 masters.
+        promotion: The engine's FP32 modules.
+        overflows: The engine's overflow steps (``skipped_steps``).
+        machine: The engine's optimizers (their pairs are made again after a load).
+
+    Attributes:
+        exact_weights: O2 masters resumed at O0/O1: kept through a later load of the model's state dict.
+    """
+
+    def __init__(
+        self,
+        properties: Properties,
+        scalers: Sequence[LossScaler],
+        masters: Masters,
+        promotion: Promotion,
+        overflows: Overflows,
+        machine: StepMachine,
+    ) -> None:
+        self.properties = properties
+        self.scalers = scalers
+        self.masters = masters
+        self.promotion = promotion
+        self.overflows = overflows
+        self.machine = machine
+        self.exact_weights = ExactWeights()
+
+    @property
+    def opt_level(self) -> str:
+        return self.properties.opt_level
+
+    def state_dict(self) -> dict[str, Any]:
+        """:meth:`Amp.state_dict <lightning_mpx.engine.amp.Amp.state_dict>`."""
+        masters = self.masters.state_dict(self.machine.optimizers.values())  # makes the masters the optimizers hold
+        kept = self.masters.initial_state()
+        return {
+            "opt_level": self.properties.opt_level,
+            "half_dtype": str(self.properties.half_dtype),
+            "scalers": [scaler.state_dict() for scaler in self.scalers],
+            "master_weights": masters,
+            # The FP32 values kept for masters not made yet (None when none is kept).
+            "fp32_values": kept if any(kept) else None,
+            "skipped_steps": list(self.overflows.skipped_steps),
+            "promotion": self.promotion.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], *, with_masters: bool) -> None:
+        """:meth:`Amp.load_state_dict <lightning_mpx.engine.amp.Amp.load_state_dict>`; ``with_masters``: the
+        optimizers step FP32 masters of this engine."""
+        self.masters.prune()
+        if len(state["scalers"]) != len(self.scalers):
+            raise ValueError(
+                f"the checkpoint has {len(state['scalers'])} loss scaler(s) but this Amp has num_losses="
+                f"{len(self.scalers)}."
+            )
+        saved_level = state.get("opt_level", self.opt_level)
+        if saved_level != self.opt_level:
+            self._load_across_levels(state, saved_level)
+            return
+        saved_masters = self.masters.accept(state["master_weights"])
+        promotion = state.get("promotion")
+        self.promotion.check_state_dict(promotion)
+        # Masters this run made that the saving run had not made yet (their optimizer had not stepped) take the value
+        # that run would have made them from.
+        saved_masters = self.masters.complete(
+            saved_masters, state.get("fp32_values"), fp32=self.promotion.param_names(promotion)
+        )
+        self.masters.check_state_dict(saved_masters, fp32=self.promotion.param_names(promotion))
+        # A checkpoint that keeps none (every master made, several processes, or an older release): masters made
+        # later come from the half values, as in that run.
+        kept = state.get("fp32_values") if self.masters.weights else None
+        if kept is not None:
+            self.masters.check_initial_state(kept)
+        for scaler, scaler_state in zip(self.scalers, state["scalers"]):
+            scaler.load_state_dict(scaler_state)
+        self.promotion.load_state_dict(promotion)  # the run that saved it promoted these modules: so does this one
+        self.masters.load_state_dict(saved_masters)
+        if kept is None:
+            self.masters.drop_initial()
+        else:
+            self.masters.load_initial_state(kept)
+        self.promotion.load_weights(promotion)
+        for optimizer_state in self.machine.optimizers.values():
+            # Loading may have made masters for parameters that had none (frozen since the masters were made): the
+            # pairs are made again now, and state the optimizer loaded before for such a parameter moves to its
+            # master.
+            optimizer_state.mirrors = None
+            if with_masters and self.masters.weights:
+                optimizer_state.pairs_key = None
+                param_pairs(optimizer_state, self.masters.weights)
+        self.overflows.skipped_steps = list(state.get("skipped_steps", self.overflows.skipped_steps))
+
+    def _load_across_levels(self, state: dict[str, Any], saved_level: str) -> None:
+        """:meth:`load_state_dict` for a checkpoint saved at ``saved_level``, another opt level (checked first,
+        changing nothing when refused)."""
+        levels = f"the checkpoint was saved at opt_level={saved_level!r} and this run is at {self.opt_level!r}"
+        saved_masters = [dict(masters) for masters in state["master_weights"]]
+        kept = state.get("fp32_values") or []
+        into_model: dict[str, torch.Tensor] = {}
+        if self.masters.weights:
+            if saved_masters:
+                raise ValueError(f"{levels}, and both keep FP32 masters: resume at {saved_level!r}.")
+            # Into masters: they come from the model's weights, which the model's state dict loaded (FP32 values
+            # exactly, through the load hooks or the values kept from before the cast): nothing here replaces them.
+        elif saved_masters or kept:
+            # Out of masters: the exact FP32 weights are the checkpoint's masters (and the FP32 values it kept for
+            # masters not made yet), which become the model's parameters.
+            params = self._prepared_parameters()
+            for values in [*saved_masters, *kept]:
+                into_model.update(values)
+            unexpected = sorted(name for name in into_model if name not in params)
+            if unexpected:
+                raise KeyError(
+                    f"{levels}: its FP32 master weights {unexpected[:10]} match no parameter of the prepared "
+                    f"model(s) ({len(params)} parameters); resume the same model, or at {saved_level!r}."
+                )
+            for name, value in into_model.items():
+                if tuple(value.shape) != tuple(params[name].shape):
+                    raise ValueError(
+                        f"{levels}: master weight {name!r} has shape {tuple(value.shape)} in the checkpoint but the "
+                        f"parameter has shape {tuple(params[name].shape)}; nothing was loaded."
+                    )
+        promotion = state.get("promotion")
+        self.promotion.check_state_dict(promotion)
+        for scaler, scaler_state in zip(self.scalers, state["scalers"]):
+            if scaler.dynamic and scaler_state.get("dynamic", True):  # a dynamic scale is state; a static one a setting
+                scaler.load_state_dict(scaler_state)
+        self.promotion.load_state_dict(promotion)
+        if into_model:
+            with torch.no_grad():
+                params = self._prepared_parameters()
+                for name, value in into_model.items():
+                    params[name].copy_(value)
+            # The model's own state dict (the masters' rounding) may be loaded after this (Accelerate's load_state,
+            # fabric.load of {"mpx": ..., "model": ...}): it must not put the rounding back.
+            roots = [model for _, ref in self.promotion._roots if (model := ref()) is not None]
+            self.exact_weights.guard(roots, [params[name] for name in into_model])
+        self.promotion.load_weights(promotion)
+        for optimizer_state in self.machine.optimizers.values():
+            optimizer_state.mirrors = None
+        self.overflows.skipped_steps = list(state.get("skipped_steps", self.overflows.skipped_steps))
+
+    def _prepared_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters of the live prepared models by the names the engine's checkpoints use."""
+        out: dict[str, nn.Parameter] = {}
+        for prefix, ref in self.promotion._roots:
+            model = ref()
+            if model is not None:
+                for name, param in model.named_parameters():
+                    out.setdefault(self.machine.names.get(id(param), prefix + name), param)
+        return out

@@ -1,0 +1,227 @@
+"""The optimizer step of one engine, as one pipeline: check the gradients, step or skip, finish.
+
+:meth:`OptimizerStep.step` reads as the step is: the optimizer's gradients unscaled and checked (the local ones, or
+each rank's shards under FSDP) with the flags reduced once across ranks and read on the host
+(:meth:`~lightning_mpx.engine.optimizers.StepMachine.check`); on overflow the step is skipped, recorded and the floor's
+policy applied (:class:`~lightning_mpx.engine.overflow.Overflows`); otherwise the optimizer steps, on the FP32 masters
+at O2 with the result copied back to the model (:func:`~lightning_mpx.masters.swap.step_on_masters`); then the
+optimizer is ready for its next iteration. The scale is updated once per iteration by ``Amp.update``.
+
+Each stage is a call into the module named for it, and none calls back here: a step enters each of the package's
+modules at most once (``benchmarks/step_walk.py``).
+
+With ``skip_on_device`` the flags go to the optimizer's own step instead of being read first, and the host reads what
+the step did later (:mod:`lightning_mpx.engine.outcome`): :meth:`OptimizerStep.examine` and :meth:`OptimizerStep.settle`
+are the rest of such a step, done when it is read and where every rank is.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+from lightning_mpx.casting.policy import casts_off_if_on
+from lightning_mpx.engine.optimizer_state import _OptimizerState
+from lightning_mpx.engine.optimizers import StepMachine
+from lightning_mpx.engine.outcome import PendingStep, PendingSteps, StepOutcome, device_skip_refusal
+from lightning_mpx.engine.overflow import MasterOf, Overflows
+from lightning_mpx.health.forensics import OverflowForensics
+from lightning_mpx.masters.swap import drop_master_grads, step_on_masters
+
+Reducer = Callable[[torch.Tensor], None]
+
+
+class OptimizerStep:
+    """The step of the optimizers one engine prepared, and its steps skipped on the device not settled yet.
+
+    Args:
+        machine: The engine's optimizers and their stages.
+        overflows: The engine's overflow steps (recorded, logged, the floor's policy).
+        forensics: The engine's overflow forensics (its forward watch ends with a step that does not overflow).
+        master_of: The FP32 master of a model parameter, for the overflow records.
+        skip_on_device: Whether steps skip on the device (``skip_on_device``).
+
+    Attributes:
+        steps: ``step()`` calls so far, all optimizers (``OverflowRecord.step``).
+        pending: The steps skipped on the device that are not settled yet.
+    """
+
+    def __init__(
+        self,
+        machine: StepMachine,
+        overflows: Overflows,
+        forensics: OverflowForensics,
+        *,
+        master_of: MasterOf,
+        skip_on_device: bool,
+    ) -> None:
+        self.machine = machine
+        self.overflows = overflows
+        self.forensics = forensics
+        self.master_of = master_of
+        self.skip_on_device = skip_on_device
+        self.steps = 0
+        self.pending = PendingSteps(self.examine, self.settle)
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        step_kwargs: dict[str, Any],
+        *,
+        reducer: Reducer | None,
+        iteration: int,
+        compare: bool,
+    ) -> bool | StepOutcome:
+        """:meth:`Amp.step <lightning_mpx.engine.amp.Amp.step>`: ``reducer`` reduces the flags across processes
+        (``found_inf_reducer``), ``iteration`` is the engine's (its ``update()`` calls so far), ``compare``: compare
+        the model's values with the masters' every step (``model_writes="values"``)."""
+        state = self.machine.optimizers.get(id(optimizer))
+        if state is None:
+            self.machine.state(optimizer)  # raises: the optimizer was not registered
+        assert state is not None
+        if step_kwargs.get("closure") is not None:
+            raise ValueError(
+                "closure: loss scaling cannot re-run a closure inside the optimizer step; run the closure first, "
+                "then call step() without it."
+            )
+        if self.pending.steps:
+            self.pending.settle(before=iteration)  # every rank is here: their records are merged now
+        self.steps += 1
+        if self.skip_on_device:
+            return self._step_on_device(optimizer, state, step_kwargs, reducer, iteration, compare)
+        # Unscale and check the gradients (or shards), the flags reduced once across ranks, read, counted.
+        overflowed = self.machine.check(state, optimizer, reducer)
+        try:
+            if overflowed:
+                gather = reducer is not None or self.machine.sharding is not None
+                self._skip(optimizer, state, overflowed, gather=gather)
+                return False
+            if self.forensics.watch.active:
+                self.forensics.stepped()  # an automatic watch ends with the first step that does not overflow
+            with casts_off_if_on():  # called inside forward_context(): the optimizer runs in its own dtypes
+                self._take_step(optimizer, state, step_kwargs, compare)
+        except BaseException:
+            self.machine.keep_marks(state)  # the step did not finish (an optimizer's error, an interrupt)
+            raise
+        state.reset()
+        return True
+
+    def _skip(
+        self, optimizer: torch.optim.Optimizer, state: _OptimizerState, overflowed: list[int], *, gather: bool
+    ) -> None:
+        """An overflow step: recorded (merged across ranks when ``gather``), finished without a step, then the
+        floor's policy (which may raise)."""
+        self.overflows.record(
+            optimizer, overflowed, names=self.machine.names, master_of=self.master_of, step=self.steps - 1,
+            gather=gather,
+        )
+        self._finish(state)
+        self.overflows.at_floor(optimizer, overflowed)
+
+    def _take_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        state: _OptimizerState,
+        step_kwargs: dict[str, Any],
+        compare: bool,
+        found_inf: torch.Tensor | None = None,
+    ) -> None:
+        """``optimizer.step(**step_kwargs)``, on the FP32 masters at O2 (the model's writes taken before, the result
+        copied back after). ``found_inf``: the overflow flag (1.0 on overflow) handed to an optimizer that skips on
+        the device (``_step_supports_amp_scaling``), with no scale set, the gradients being unscaled already: the
+        attributes torch's fused optimizers read, set and deleted as ``GradScaler.step`` does."""
+        if found_inf is not None:
+            optimizer.grad_scale = None  # type: ignore[attr-defined]
+            optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+        try:
+            master_weights = self.machine.masters.weights
+            if master_weights:
+                step = functools.partial(optimizer.step, **step_kwargs)
+                step_on_masters(state, optimizer, master_weights, step, compare=compare)
+            else:
+                optimizer.step(**step_kwargs)
+        finally:
+            if found_inf is not None:
+                del optimizer.grad_scale  # type: ignore[attr-defined]
+                del optimizer.found_inf  # type: ignore[attr-defined]
+
+    def _finish(self, state: _OptimizerState) -> None:
+        """End a step that did not run (skipped on the host): the masters' FP32 gradients freed, READY again."""
+        if self.machine.masters.weights:
+            drop_master_grads(state)  # the half gradients are the user's, cleared by their zero_grad as in any loop
+        state.reset()
+
+    # -- skip_on_device -----------------------------------------------------------------------------------------
+    def refuse_device_skip(self, optimizer: torch.optim.Optimizer) -> None:
+        """Raise a ValueError when ``optimizer`` cannot skip its step on the device (``skip_on_device``)."""
+        sharded = self.machine.sharding is not None
+        refusal = "the model is FSDP-sharded" if sharded else device_skip_refusal(optimizer)
+        if refusal is not None:
+            raise ValueError(
+                f"skip_on_device=True needs a step that can be skipped on the device, but {refusal}: use "
+                "torch.optim.Adam or AdamW with fused=True on an unsharded model, or skip_on_device=False."
+            )
+
+    def _step_on_device(
+        self,
+        optimizer: torch.optim.Optimizer,
+        state: _OptimizerState,
+        step_kwargs: dict[str, Any],
+        reducer: Reducer | None,
+        iteration: int,
+        compare: bool,
+    ) -> StepOutcome:
+        """The step of ``skip_on_device``: the flags to the optimizer's step, their host copy queued behind it."""
+        groups = len(optimizer.param_groups)
+        if state.fused_groups != groups:  # prepared, or a group added since (add_param_group)
+            self.refuse_device_skip(optimizer)  # before anything moves: a group that cannot skip would step anyway
+            state.fused_groups = groups
+        loss_ids, flags = self.machine.check_on_device(state, optimizer, reducer)
+        found = flags if flags.dim() == 0 else flags.amax() if len(loss_ids) > 1 else flags.reshape(())
+        outcome = StepOutcome(self.pending.read)
+        pending = PendingStep.behind(
+            optimizer, loss_ids, flags, [self.machine.scalers[i].scale_tensor for i in loss_ids],
+            step=self.steps - 1, iteration=iteration, gather=reducer is not None, outcome=outcome,
+        )
+        try:
+            with casts_off_if_on():  # called inside forward_context(): the optimizer runs in its own dtypes
+                self._take_step(optimizer, state, step_kwargs, compare, found_inf=found)
+        except BaseException:
+            self.machine.keep_marks(state)  # the step did not finish (an optimizer's error, an interrupt)
+            raise
+        state.reset()
+        self.pending.add(pending)
+        if self.forensics.watch.active:
+            # The forward watch's record is of this step's forward, which the next forward replaces: settle it now
+            # (every rank is in this step).
+            self.pending.settle()
+        return outcome
+
+    def examine(self, pending: PendingStep) -> None:
+        """What :meth:`step` does on the host after its read on this process alone, for a step skipped on the
+        device and read now: an overflow is counted and this process's record built (its gradients may still be
+        there; none when the optimizer was dropped since)."""
+        if pending.overflowed:
+            pending.examined = self.overflows.examine(
+                pending.optimizer(), pending.overflowed, names=self.machine.names, master_of=self.master_of,
+                step=pending.step, scales=pending.scales,
+            )
+
+    def settle(self, pending: PendingStep) -> None:
+        """The rest of what :meth:`step` does on the host, for a step skipped on the device, read and examined:
+        the record merged across ranks (``pending.gather``: every rank is here, and each takes part, whenever it
+        read the step), logged, ``on_floor``."""
+        overflowed, scales = pending.overflowed, pending.scales
+        assert overflowed is not None and scales is not None  # read before it is settled
+        if not overflowed:
+            if self.forensics.watch.active:
+                self.forensics.stepped()
+            return
+        assert pending.examined is not None  # examined at its read
+        self.overflows.settle(pending.examined, overflowed, gather=pending.gather, scales=scales)
+        optimizer = pending.optimizer()
+        if optimizer is None:  # dropped since: recorded, no floor to apply to it
+            return
+        self.overflows.at_floor(optimizer, overflowed, scales)

@@ -1,0 +1,321 @@
+"""The models one engine prepared: converted for the opt level (in place), named, watched by the forensics, their
+FP32 modules promoted, their load and boundary hooks put on; and the device of the first one, adopted by the O1 cast
+policy at its first forward.
+
+:class:`PreparedModels` is what :meth:`Amp.prepare_model <lightning_mpx.engine.amp.Amp.prepare_model>` and
+:meth:`Amp.forward_context <lightning_mpx.engine.amp.Amp.forward_context>` do; the masters the models get are
+:class:`~lightning_mpx.masters.store.Masters`'.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from lightning_mpx.casting.lists import AUTOCAST_ACTIONS
+from lightning_mpx.casting.loss_regions import LossRegions
+from lightning_mpx.casting.policy import CastPolicy
+from lightning_mpx.casting.table import CastTable
+from lightning_mpx.common.dtypes import HALF_DTYPES
+from lightning_mpx.engine.optimizers import StepMachine
+from lightning_mpx.engine.sharding import Sharding, is_sharded
+from lightning_mpx.health.forensics import OverflowForensics
+from lightning_mpx.health.promotion import Promotion, _Fp32Boundary, _module_to_fp32, matches
+from lightning_mpx.masters.store import Masters
+from lightning_mpx.masters.weights import _multi_process, convert_module
+from lightning_mpx.opt_levels import Properties
+from lightning_mpx.settings import MixedPrecisionSettings
+
+
+class PreparedModels:
+    """The models an engine prepared, and what preparing them put on them.
+
+    Args:
+        settings: The engine's settings.
+        policy: The engine's cast policy (``None`` at O0 and O3).
+        promotion: The engine's FP32 modules.
+        forensics: The engine's overflow forensics (its forward watch).
+        masters: The engine's FP32 masters.
+        machine: The engine's optimizers (their states, for a loaded FP32 value; the sharding of a sharded model).
+
+    Attributes:
+        sharded: Whether the prepared model is sharded by PyTorch FSDP.
+        loss_regions: O2: the submodules whose code computes no loss, where the loss policy's mode is taken off.
+    """
+
+    def __init__(
+        self,
+        settings: MixedPrecisionSettings,
+        policy: CastPolicy | None,
+        promotion: Promotion,
+        forensics: OverflowForensics,
+        masters: Masters,
+        machine: StepMachine,
+    ) -> None:
+        self.settings = settings
+        self.properties: Properties = settings.properties
+        self.policy = policy
+        self.promotion = promotion
+        self.forensics = forensics
+        self.masters = masters
+        self.machine = machine
+        self.names = machine.names
+        self.sharded = False
+        # O1 with no table given: the table of the device of the first model prepared (CastTable.for_device), picked
+        # at the first forward (frameworks move the model to its device after converting it), as long as nobody
+        # changed the policy's own default table or engine before then.
+        self._device_table: tuple[CastTable, int] | None = (
+            (policy.table, policy.table._version) if policy is not None
+            and settings.cast_table is None and self.properties.patch_torch_functions else None
+        )
+        self._device_model: weakref.ref[nn.Module] | None = None
+        self._device_pending = policy is not None and self.properties.patch_torch_functions
+        # O2: the loss policy's mode is taken off inside the submodules whose code computes no loss.
+        self.loss_regions = (
+            LossRegions(policy) if policy is not None and not self.properties.patch_torch_functions else None
+        )
+        self._regions_hooks: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+        # O2: each prepared model's load_state_dict pre-hooks (FP32 values loaded go to the masters exactly).
+        self._load_hooks: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+        # O2/O3: each prepared model's hooks on the submodules tied to an fp32_modules module (_run_tied_in_fp32).
+        self._tied_hooks: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+
+    def prepare(self, module: nn.Module, *, train: bool) -> nn.Module:
+        """:meth:`Amp.prepare_model <lightning_mpx.engine.amp.Amp.prepare_model>` (arguments checked)."""
+        if self._device_pending and self._device_model is None:
+            self._device_model = weakref.ref(module)  # its device is read at the first forward
+        if self.loss_regions is not None and module not in self._regions_hooks:
+            self._regions_hooks[module] = self.loss_regions.install(module)
+        if is_sharded(module):
+            self._prepare_sharded(module)
+            return module
+        if self.sharded:
+            raise ValueError(
+                f"module={type(module).__name__} is not sharded, but this Amp prepared an FSDP-sharded model: one "
+                "engine trains either sharded models or unsharded ones; use one Amp per kind."
+            )
+        live = self.masters.prune()
+        prefix = f"model{len(live)}." if live else ""
+        for name, param in module.named_parameters():
+            self.names.setdefault(id(param), prefix + name)
+        self.forensics.watch.add_model(module, prefix)
+        props = self.properties
+        # FP32 values held through the cast: the trainable parameters' for their masters (O2, one process) and the
+        # fp32_modules' own; not those of the other frozen ones (a LoRA base), which would raise the cast's peak memory.
+        masters_from_fp32 = props.master_weights and train and not _multi_process()
+        before_cast = {}
+        tied: list[nn.Module] = []
+        if props.casts_model:
+            pinned, tied = _pinned_params(module, prefix, self.promotion.patterns)
+            for param in module.parameters():
+                if param.dtype == torch.float32 and (id(param) in pinned or masters_from_fp32 and param.requires_grad):
+                    before_cast[id(param)] = param.data
+        _convert(module, props)
+        self.promotion.add_model(module, prefix)  # fp32_modules: back to FP32 before any master is made
+        if tied:
+            self._run_tied_in_fp32(module, tied)
+        initial = _keep_fp32_values(module, before_cast)
+        if props.master_weights and not train:
+            self.masters.evaluation_only = True
+        if props.master_weights and train:
+            # The FP32 values are kept until each one's master is made, whenever (and by whichever optimizer) that is.
+            self.masters.add_model(module, self.names, prefix, initial if masters_from_fp32 else None)
+            if module not in self._load_hooks:
+                hook = _LoadIntoMasters(self)
+                self._load_hooks[module] = [
+                    sub.register_load_state_dict_pre_hook(hook)
+                    for sub in module.modules()
+                    if any(True for _ in sub.parameters(recurse=False))
+                ]
+        return module
+
+    def _run_tied_in_fp32(self, module: nn.Module, tied: list[nn.Module]) -> None:
+        """O2/O3: the submodules of ``module`` that share a parameter with an ``fp32_modules`` module (a tied input
+        embedding of ``lm_head``) run in FP32 as well, with that one FP32 parameter: their floating inputs are cast to
+        FP32 and their FP32 outputs to the half dtype, so the half layers after them get half inputs."""
+        for sub in tied:
+            _module_to_fp32(sub)
+        if module in self._tied_hooks:  # prepared again (evaluated, then trained): hooked once
+            return
+        boundary = _Fp32Boundary(policy=False, out_dtype=self.properties.half_dtype)
+        # The same order as the pinned modules' hooks: inputs after any other pre-hook, outputs before any other hook.
+        self._tied_hooks[module] = [
+            handle
+            for sub in tied
+            for handle in (
+                sub.register_forward_pre_hook(boundary.pre, with_kwargs=True),
+                sub.register_forward_hook(boundary.post, prepend=True, always_call=True),
+            )
+        ]
+
+    def before_forward(self) -> None:
+        """At a forward (outside a compiled region, where it would be traced: the first eager forward does it): the
+        device adopted at the first one, and O2's loss regions found again when the table changed."""
+        if self._device_pending and self._device_model is not None and not torch.compiler.is_compiling():
+            self._adopt_device()
+        regions = self.loss_regions
+        if regions is not None and regions.stale() and not torch.compiler.is_compiling():
+            self._hook_regions_again()
+
+    def _adopt_device(self) -> None:
+        """At the first forward: point the O1 policy at the device of the first model prepared, its
+        ``torch.autocast`` device and, when no table was given, that device's table (:meth:`CastTable.for_device`:
+        on CUDA, autocast's dispatch alone). A table the user changed, or an engine set by hand, is left as it is."""
+        policy, module = self.policy, self._device_model() if self._device_model is not None else None
+        self._device_pending, self._device_model = False, None
+        device = _device_type(module) if module is not None else None
+        if policy is None or device not in AUTOCAST_ACTIONS:  # no tensors, or a device autocast is not run on
+            return
+        if policy.device_type is None:
+            policy.device_type = device
+        untouched, self._device_table = self._device_table, None
+        if (untouched is not None and (policy.table, policy.table._version) == untouched and policy.engine == "auto"
+                and policy.device_type == device):
+            policy.table = CastTable.for_device(device, policy.half_dtype, module)
+
+    def _hook_regions_again(self) -> None:
+        """O2's table changed since the models were hooked (a row registered, a table replaced): find the regions
+        of every prepared model again with the table's names as they are now."""
+        assert self.loss_regions is not None
+        for module, handles in list(self._regions_hooks.items()):
+            for handle in handles:
+                handle.remove()
+            self._regions_hooks[module] = self.loss_regions.install(module)
+
+    def _prepare_sharded(self, module: nn.Module) -> None:
+        from lightning_mpx.integrations.fsdp import check_sharded_model
+
+        if self.masters.prune():
+            raise ValueError(
+                f"module={type(module).__name__} is sharded by FSDP, but this Amp already made FP32 masters for an "
+                "unsharded model: one engine trains either sharded models or unsharded ones; use one Amp per kind."
+            )
+        check_sharded_model(module, self.settings)
+        for name, param in module.named_parameters():
+            self.names.setdefault(id(param), name)
+        self.forensics.watch.add_model(module, "")
+        self.sharded = True  # before the promotion: it leaves an FSDP model's dtypes to FSDP's policies
+        self.promotion.add_model(module, "")
+        if self.machine.sharding is None:
+            self.machine.sharding = Sharding(module)
+        else:
+            self.machine.sharding.add_model(module)
+
+
+def _device_type(module: nn.Module) -> str | None:
+    """The device type of ``module``'s first floating parameter or buffer (a DTensor's local device), or ``None``."""
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if tensor.is_floating_point():
+            return tensor.device.type
+    return None
+
+
+def _pinned_params(module: nn.Module, prefix: str, patterns: Sequence[str]) -> tuple[set[int], list[nn.Module]]:
+    """``id`` of the parameters kept FP32 at O2/O3, and the submodules tied to the pinned ones.
+
+    The pinned parameters are those of the submodules that ``fp32_modules`` patterns name, and of every submodule
+    that shares a parameter with one of those (a tied input embedding of a pinned ``lm_head``): a shared parameter is
+    one tensor, so it cannot be FP32 in one module and half in the other. Such a tied submodule runs in FP32 too
+    (see :meth:`PreparedModels._run_tied_in_fp32`), found again for the parameters it adds, until none is left.
+
+    Raises:
+        ValueError: when the module that shares a pinned parameter is the root model or holds a pinned module (it
+            cannot run in FP32 without running the pinned module's surroundings in FP32), naming the tie.
+    """
+    if not patterns:
+        return set(), []
+    modules = list(module.named_modules())
+    tops = [name for name, _ in modules if name and any(matches(prefix + name, pattern) for pattern in patterns)]
+    params = {id(p): f"{name}.{pname}" for name, sub in modules if name in tops for pname, p in sub.named_parameters()}
+    tied: list[nn.Module] = []
+    changed = True
+    while changed:
+        changed = False
+        for name, sub in modules:
+            if any(name == top or name.startswith(top + ".") for top in tops):
+                continue
+            shared = [(pname, p) for pname, p in sub.named_parameters(recurse=False) if id(p) in params]
+            if not shared:
+                continue
+            pname, param = shared[0]
+            owner = "the root model" if not name else f"{prefix + name!r}"
+            holds = [top for top in tops if not name or top.startswith(name + ".")]
+            if holds:
+                raise ValueError(
+                    f"fp32_modules pins {prefix + holds[0]!r}, whose parameter {prefix + params[id(param)]!r} is also "
+                    f"{owner}'s own parameter {prefix + (name + '.' if name else '') + pname!r} (tied weights); "
+                    f"{owner} holds the pinned module and cannot run in FP32 around it. Pin a module that holds "
+                    "both users of the parameter, untie the weights, or use opt_level='O1', whose FP32 modules keep "
+                    "every parameter FP32."
+                )
+            tops.append(name)
+            tied.append(sub)
+            for sub_pname, p in sub.named_parameters():
+                params.setdefault(id(p), f"{name}.{sub_pname}")
+            changed = True
+    return set(params), tied
+
+
+def _keep_fp32_values(module: nn.Module, before_cast: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """After the cast to half: parameters FP32 again (``fp32_modules``) take back the exact values they held
+    before it, not their rounding; returns the FP32 values of the half parameters, for their masters."""
+    initial = {}
+    with torch.no_grad():
+        for param in module.parameters():
+            value = before_cast.get(id(param))
+            if value is None or value.shape != param.shape:
+                continue
+            if param.dtype == torch.float32 and param.data_ptr() != value.data_ptr():
+                param.data = value  # pinned FP32 by fp32_modules after the cast: its own values, exactly
+            elif param.dtype in HALF_DTYPES and param.requires_grad:
+                initial[id(param)] = value
+    return initial
+
+
+class _EngineHook:
+    """A model hook that needs its engine (or a part of it, ``amp``): held weakly, and dropped by a copy or a pickle
+    of the model (whose parameters have no masters in it). Used by :class:`_LoadIntoMasters` and by
+    ``lightning_mpx.apex``'s hooks."""
+
+    def __init__(self, amp: Any) -> None:
+        self._amp: Callable[[], Any] | None = weakref.ref(amp)
+
+    def engine(self) -> Any:
+        return self._amp() if self._amp is not None else None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._amp = None
+
+
+class _LoadIntoMasters(_EngineHook):
+    """``load_state_dict`` pre-hook on each submodule of a model prepared at O2: an FP32 value loaded into a half
+    parameter goes to its master (or to the value its master will be made from) exactly; the model takes its
+    rounding. It acts on the module it is called for (a ``copy.deepcopy`` of the model, an EMA copy, has no masters)
+    and holds the engine's :class:`PreparedModels` weakly; a copied or pickled hook holds none."""
+
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        models: PreparedModels | None = self.engine()
+        if models is None:
+            return
+        for name, param in module.named_parameters(recurse=False):
+            value = state_dict.get(prefix + name)
+            if param.dtype in HALF_DTYPES and torch.is_tensor(value) and value.dtype == torch.float32:
+                models.masters.take_loaded(param, value, models.machine.optimizers.values())
+
+
+def _convert(module: nn.Module, props: Properties) -> None:
+    """Cast ``module`` in place for the opt level: half at O2/O3 (batch norm FP32 when ``keep_batchnorm_fp32``),
+    half parameters to FP32 at O0."""
+    if props.casts_model:
+        convert_module(module, props.half_dtype, keep_batchnorm_fp32=props.keep_batchnorm_fp32 is not False)
+    elif props.cast_model_type == torch.float32:
+        for param in module.parameters():
+            if param.dtype in (torch.float16, torch.bfloat16):
+                param.data = param.data.float()

@@ -1,0 +1,78 @@
+"""The hooks an optimizer with FP32 masters carries (O2): the masters in its groups for its state dicts (saved and
+loaded in FP32), and a refusal of a direct ``optimizer.step()``, whose groups would hold the half parameters with
+their scaled gradients.
+
+Its groups hold the model's own parameters between steps (see :class:`~lightning_mpx.masters.weights.MasterWeights`);
+the swap itself is :mod:`lightning_mpx.masters.swap`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from lightning_mpx.common.dtypes import HALF_DTYPES
+from lightning_mpx.engine.optimizer_state import _OptimizerState
+from lightning_mpx.masters.store import Masters
+from lightning_mpx.masters.swap import swap_in, swap_out
+
+
+class MasterHooks:
+    """The hooks of one optimizer prepared with masters.
+
+    Args:
+        state: The optimizer's state (its pairs and whether the masters are swapped in).
+        masters: The engine's FP32 masters.
+    """
+
+    def __init__(self, state: _OptimizerState, masters: Masters) -> None:
+        self.state = state
+        self.masters = masters
+
+    def register(self, optimizer: torch.optim.Optimizer) -> list[RemovableHandle]:
+        """Put the hooks on ``optimizer``; returns their handles."""
+        return [
+            optimizer.register_step_pre_hook(self.refuse_direct_step),
+            optimizer.register_state_dict_pre_hook(self.masters_in),
+            optimizer.register_state_dict_post_hook(self.masters_out),
+            optimizer.register_load_state_dict_pre_hook(self.masters_in_to_load),
+            optimizer.register_load_state_dict_post_hook(self.masters_out),
+        ]
+
+    def masters_in(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
+        swap_in(self.state, self.masters.weights, recheck=True)
+
+    def masters_in_to_load(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        """Before the optimizer loads a state dict: a half parameter without a master (frozen when the masters were
+        made, and frozen again in this run) whose state the checkpoint holds trained in the run that saved it, so
+        it gets its master now, and the state loads into the master in FP32 (into the half parameter it would be
+        rounded to half). ``Amp.load_state_dict`` then gives the master its saved value."""
+        saved = state_dict.get("state", {})
+        saved_groups = state_dict.get("param_groups", [])
+        if saved and len(saved_groups) == len(optimizer.param_groups):
+            made = False
+            for group, saved_group in zip(optimizer.param_groups, saved_groups):
+                for param, index in zip(group["params"], saved_group.get("params", ())):
+                    if index in saved and param.dtype in HALF_DTYPES:
+                        for masters in self.masters.weights:
+                            if masters.covers(param) and masters.master_of(param) is param:
+                                masters.master_of(param, create=True)
+                                made = True
+            if made:
+                self.state.pairs_key = None  # pair them with their new masters
+                self.state.mirrors = None
+        swap_in(self.state, self.masters.weights, recheck=True)
+
+    def masters_out(self, optimizer: torch.optim.Optimizer, *args: Any) -> Any:
+        swap_out(self.state)
+        return args[0] if args else None  # the state_dict post-hook returns the state dict
+
+    def refuse_direct_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.state.swapped is None:
+            raise RuntimeError(
+                "optimizer.step() was called on an optimizer prepared by lightning_mpx with FP32 master weights, "
+                "outside Amp.step(): its groups hold the half model parameters and their gradients are still "
+                "scaled. Call amp.step(optimizer) instead (the Lightning plugin and the Accelerate adapter do)."
+            )
