@@ -19,6 +19,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from lightning_mpx.common.dtypes import HALF_DTYPES
 from lightning_mpx.scaling.unscale import BACKENDS, UnscaleWorkspace, _one_copy_group, cast_copy_
 
+__all__ = ["MasterWeights", "Mirror", "WatchedParameter", "convert_module", "has_floating_parameters"]
+
 
 def has_floating_parameters(module: nn.Module) -> bool:
     return any(p.is_floating_point() for p in module.parameters())
