@@ -52,8 +52,8 @@ _COLLECTED = re.compile(r"Collected\s*:\s*(\d+)")
 def _child(model_name: str, variant: str, steps: int, dtype_name: str) -> None:
     """Runs in the measured process: warm every variant up, then ``steps`` steps of ``variant`` (none: the base)."""
     import torch
-
     from cast_overhead import MODELS, TinyLM, _autocast_and_mode, _PassThrough
+
     from lightning_mpx import CastPolicy, CastTable
 
     torch.set_num_threads(1)

@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
+import _harness  # benchmarks/ is on sys.path when a script runs
 import torch
 from torch import nn
 from torch._dynamo.utils import counters
@@ -54,8 +55,6 @@ from torch.overrides import TorchFunctionMode
 
 import lightning_mpx.casting.policy
 from lightning_mpx import CastPolicy
-
-import _harness  # benchmarks/ is on sys.path when a script runs
 
 
 class Block(nn.Module):

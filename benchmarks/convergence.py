@@ -26,9 +26,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-
 import _harness  # benchmarks/ is on sys.path when a script runs
+import torch
 
 LEVELS = ("O0", "O1", "O2", "O3")
 DTYPES = ("float16", "bfloat16")

@@ -55,12 +55,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
+import _harness  # benchmarks/ is on sys.path when a script runs
 import torch
 from torch import nn
 
 from lightning_mpx import Amp
-
-import _harness  # benchmarks/ is on sys.path when a script runs
 
 PARTS = ("engine", "telemetry", "forensics", "writes", "skip")
 

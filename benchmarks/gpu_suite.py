@@ -74,9 +74,8 @@ if "--check" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (the kernels are decorated at import)
 
 import _harness  # noqa: E402  (benchmarks/ is on sys.path when a script runs)
-from _harness import write_json  # noqa: E402
-
 import gpu_report  # noqa: E402
+from _harness import write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
@@ -658,7 +657,6 @@ def _unscale_check_raw() -> dict[str, Any]:
 
     import torch
     import triton
-
     import unscale
 
     device = torch.device("cpu")

@@ -24,13 +24,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import _harness  # benchmarks/ is on sys.path when a script runs
 import torch
 from torch import nn
 
 import lightning_mpx
 from lightning_mpx import Amp
-
-import _harness  # benchmarks/ is on sys.path when a script runs
 
 PACKAGE_DIR = str(Path(lightning_mpx.__file__).resolve().parent)
 

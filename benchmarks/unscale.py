@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's lightning_mpx, without PYTHONPATH
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness  # noqa: E402
+
 from lightning_mpx.scaling.unscale import UnscaleWorkspace, cast_copy_, foreach_check_and_unscale_, unscale_grads_  # noqa: E402
 
 Shapes = list[tuple[int, ...]]

@@ -4,17 +4,17 @@ The core is framework-agnostic; the Lightning Trainer and Fabric plugins and the
 :class:`~lightning_mpx.engine.amp.Amp`.
 """
 
-from lightning_mpx.common.compat import warn_if_old_torch
-from lightning_mpx.engine.outcome import StepOutcome
-from lightning_mpx.engine.amp import Amp
 from lightning_mpx.casting.lists import CATEGORIES, DEFAULT_TABLE
 from lightning_mpx.casting.policy import BannedOpError, CastPolicy, checkpoint_contexts, disable_casts
 from lightning_mpx.casting.table import CastEntry, CastTable, dispatchable
-from lightning_mpx.scaling.scaler import LossScaleFloorError, LossScaler
+from lightning_mpx.common.compat import warn_if_old_torch
+from lightning_mpx.engine.amp import Amp
+from lightning_mpx.engine.outcome import StepOutcome
 from lightning_mpx.masters.weights import MasterWeights, convert_module
 from lightning_mpx.opt_levels import DESCRIPTIONS, OPT_LEVELS, Properties, resolve_properties
-from lightning_mpx.settings import MixedPrecisionSettings, ScalerSettings
+from lightning_mpx.scaling.scaler import LossScaleFloorError, LossScaler
 from lightning_mpx.scaling.unscale import unscale_grads_
+from lightning_mpx.settings import MixedPrecisionSettings, ScalerSettings
 
 __version__ = "0.1.0"
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
-import sys
 import sysconfig
 import time
 from dataclasses import dataclass, field

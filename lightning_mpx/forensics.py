@@ -1,19 +1,19 @@
 """Kept import path: the code lives in :mod:`lightning_mpx.health.forensics`."""
 
 from lightning_mpx.health.forensics import (  # noqa: F401
-    Kind,
-    Origin,
+    FIRST_TAG,
     OVERFLOW_TAG,
     ROOT_TAG,
-    FIRST_TAG,
     CodeRegion,
+    ForwardWatch,
+    Kind,
+    Origin,
+    OverflowForensics,
     OverflowRecord,
-    module_of,
-    overflow_tag,
     merge_kinds,
     merge_records,
-    ForwardWatch,
-    OverflowForensics,
+    module_of,
+    overflow_tag,
 )
 
 __all__ = ['Kind', 'Origin', 'OVERFLOW_TAG', 'ROOT_TAG', 'FIRST_TAG', 'CodeRegion', 'OverflowRecord', 'module_of', 'overflow_tag', 'merge_kinds', 'merge_records', 'ForwardWatch', 'OverflowForensics']

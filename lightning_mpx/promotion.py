@@ -2,9 +2,9 @@
 
 from lightning_mpx.health.promotion import (  # noqa: F401
     FLOOR_OVERFLOWS_TO_PROMOTE,
+    Promotion,
     check_patterns,
     matches,
-    Promotion,
 )
 
 __all__ = ['FLOOR_OVERFLOWS_TO_PROMOTE', 'check_patterns', 'matches', 'Promotion']

@@ -31,8 +31,8 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Sequence, TypedDic
 import torch
 
 from lightning_mpx.casting.table import CastTable
-from lightning_mpx.opt_levels import Properties, _check_loss_scale, resolve_properties
 from lightning_mpx.health.promotion import check_patterns
+from lightning_mpx.opt_levels import Properties, _check_loss_scale, resolve_properties
 from lightning_mpx.scaling.unscale import BACKENDS
 
 __all__ = [

@@ -1,15 +1,15 @@
 """Kept import path: the code lives in :mod:`lightning_mpx.scaling.unscale`."""
 
 from lightning_mpx.scaling.unscale import (  # noqa: F401
-    Tensors,
+    BACKENDS,
     GradStats,
-    unscale_grads_,
-    resolve_backend,
+    Tensors,
     auto_backend,
     cast_copy_,
-    foreach_check_and_unscale_,
     clip_coefficient,
-    BACKENDS,
+    foreach_check_and_unscale_,
+    resolve_backend,
+    unscale_grads_,
 )
 
 __all__ = ['Tensors', 'GradStats', 'unscale_grads_', 'resolve_backend', 'auto_backend', 'cast_copy_', 'foreach_check_and_unscale_', 'clip_coefficient', 'BACKENDS']

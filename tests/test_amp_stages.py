@@ -491,8 +491,8 @@ def test_flags_read_on_the_host_update_the_scalers_as_the_device_count(iteration
     some read on the host and some not: the scalers told what the reads said end where the ones that count every
     flag on the device end (scale, trackers, overflow count)."""
     from lightning_mpx.engine.optimizers import StepMachine
-    from lightning_mpx.scaling.scaler import LossScaler
     from lightning_mpx.health.telemetry import GradTelemetry
+    from lightning_mpx.scaling.scaler import LossScaler
 
     def machine():
         scalers = [LossScaler("dynamic" if dynamic else 4.0, init_scale=2.0**4, growth_interval=2) for _ in range(2)]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lightning_mpx import Amp, BannedOpError, CastPolicy, CastTable, checkpoint_contexts, disable_casts, dispatchable
-from lightning_mpx.casting.policy import autocast_differences, fp32_scope
+from lightning_mpx.casting.policy import fp32_scope
 from tests import test_cast_table as rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -6,8 +6,8 @@ These tests prove that the scripts work; they never assert on timings.
 from __future__ import annotations
 
 import json
-import statistics
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from lightning_mpx import BannedOpError, CastPolicy as _CastPolicy, CastTable, disable_casts, dispatchable
+from lightning_mpx import BannedOpError, CastTable, disable_casts, dispatchable
+from lightning_mpx import CastPolicy as _CastPolicy
 
 
 def CastPolicy(*args, **kwargs):  # noqa: N802

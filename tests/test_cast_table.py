@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from lightning_mpx import BannedOpError, CastPolicy as _CastPolicy, CastTable, dispatchable
+from lightning_mpx import BannedOpError, CastTable, dispatchable
+from lightning_mpx import CastPolicy as _CastPolicy
 
 
 def CastPolicy(*args, **kwargs):  # noqa: N802

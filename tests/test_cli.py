@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 
 from lightning_mpx.cli import main

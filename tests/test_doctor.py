@@ -11,9 +11,9 @@ import matplotlib
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from lightning_mpx.health import doctor
 from lightning_mpx.cli import main
 from lightning_mpx.demo import DemoConfig, train
+from lightning_mpx.health import doctor
 from lightning_mpx.health.plot import plot_figure, plot_run, read_scalars
 
 matplotlib.use("Agg")
@@ -374,11 +374,11 @@ def test_plot_draws_zeros_beside_underflow(tmp_path):
 
 
 # -- real Lightning runs --------------------------------------------------------------------------------------------
+import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 
-import lightning.pytorch as pl  # noqa: E402
 from lightning_mpx import MixedPrecisionPlugin  # noqa: E402
 
 

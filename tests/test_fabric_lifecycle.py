@@ -6,7 +6,6 @@ run that was never interrupted, Fabric's own precisions."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 

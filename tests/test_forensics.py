@@ -20,8 +20,8 @@ from tests.forensics_models import (
     ORIGIN,
     ForensicsData,
     ForensicsModule,
-    make_batch,
     kind_of,
+    make_batch,
     make_net,
     reference_kinds,
 )
@@ -389,10 +389,9 @@ def test_the_forward_watch_leaves_activation_checkpointing_working(diagnose, fre
     (The hooks' bookkeeping once built autograd graph inside the checkpointed region: the recomputation then saved
     other tensors than the forward, and torch.utils.checkpoint refused the backward.)"""
     pytest.importorskip("transformers")
+    from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
     from tests.accelerate_helpers import reset_accelerate_state
     from tests.real_models import build_gpt2, digits, gpt2_forward, gpt2_loss
-
-    from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 
     pixels, labels, _, _ = digits()
     runs = []

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_mpx import Amp, MixedPrecisionPlugin
-from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 from lightning_mpx.casting.policy import CastPolicy, fp32_scope
+from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 from tests.lightning_helpers import make_trainer
 
 PATTERNS = ["head", "*.norm"]

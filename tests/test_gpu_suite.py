@@ -8,8 +8,8 @@ the committed H100 results, of which only the report's bookkeeping (which file, 
 from __future__ import annotations
 
 import json
-import statistics
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path

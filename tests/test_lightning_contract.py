@@ -40,7 +40,6 @@ from tests.lightning_helpers import (
     true_gradients,
 )
 
-
 #: Plugin settings per half dtype. bfloat16 gets a dynamic scale (its default is a static 1.0, under which a scaled
 #: gradient cannot be told from a true one).
 HALVES: dict[str, dict[str, Any]] = {

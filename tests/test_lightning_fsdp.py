@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
 from lightning_mpx import MixedPrecisionPlugin
 from tests.launch import rank_results, run_script
-from tests.lightning_fsdp_script import CLIP, INF_AT, STEPS, Net, reference
+from tests.lightning_fsdp_script import CLIP, INF_AT, STEPS, reference
 from tests.lightning_helpers import Classifier, classification_data, loader, make_trainer
 
 TRAIN = [f"{s}:{level}:bfloat16:train" for s in ("fsdp2", "fsdp1") for level in ("O1", "O2", "O3")]

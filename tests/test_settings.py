@@ -35,9 +35,8 @@ def _default(name: str):
 def test_every_front_door_has_each_setting_typed_with_the_settings_default():
     # Adding a field to the settings without its typed keyword (or with another default) fails here.
     from lightning_mpx.integrations.accelerate import MixedPrecisionKwargs
-    from lightning_mpx.integrations.lightning import MixedPrecisionPlugin
-
     from lightning_mpx.integrations.fabric import FabricMixedPrecisionPlugin
+    from lightning_mpx.integrations.lightning import MixedPrecisionPlugin
 
     kwargs_fields = {f.name: f.default for f in dataclasses.fields(MixedPrecisionKwargs)}
     for front in (Amp.__init__, MixedPrecisionPlugin.__init__, FabricMixedPrecisionPlugin.__init__):

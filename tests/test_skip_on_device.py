@@ -487,10 +487,9 @@ def test_trainer_plugin_holding_an_outcome_pickles_its_settings_only():
 def test_hugging_face_gpt2_through_the_accelerator_trains_as_the_host_path(fresh_accelerate_state):
     # A real third-party model (transformers' GPT-2 built from a config, activation checkpointing on) at O1 and O2:
     # the same weights, masters and skipped step with the flag handed to the fused AdamW as with the host read.
+    from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
     from tests.accelerate_helpers import reset_accelerate_state
     from tests.real_models import build_gpt2, digits, gpt2_forward, gpt2_loss
-
-    from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 
     pixels, labels, _, _ = digits()
     for level in ("O1", "O2"):

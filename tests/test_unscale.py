@@ -1,9 +1,9 @@
 """The unscale entry point: the foreach backend against the per-tensor reference and against torch."""
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 
 from lightning_mpx.scaling.unscale import BACKENDS, unscale_grads_
 

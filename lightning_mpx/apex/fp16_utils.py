@@ -24,8 +24,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from lightning_mpx.engine.amp import Amp
 from lightning_mpx.apex._state import is_rank_zero
+from lightning_mpx.engine.amp import Amp
 
 __all__ = [
     "BN_convert_float",

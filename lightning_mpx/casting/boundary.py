@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_mpx.common.dtypes import HALF_DTYPES
 from lightning_mpx.common.containers import _cast_collection
+from lightning_mpx.common.dtypes import HALF_DTYPES
 
 #: The input dtypes a boundary casts to half (as Apex's ``cast_model_inputs``: FP64 too).
 INPUT_DTYPES = (torch.float32, torch.float64)

@@ -52,7 +52,6 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import torch
 
-from lightning_mpx.common.dtypes import parse_half_dtype
 from lightning_mpx.casting.checkpointing import _BACKWARD_ENTRIES, _run_backward, checkpoint_contexts
 from lightning_mpx.casting.compiled import HandOffHandle, hand_off_compiled
 from lightning_mpx.casting.lists import AUTOCAST_ACTIONS
@@ -78,6 +77,7 @@ from lightning_mpx.casting.scopes import (
     fp32_scope,
 )
 from lightning_mpx.casting.table import CastTable
+from lightning_mpx.common.dtypes import parse_half_dtype
 
 __all__ = [
     "BannedOpError",

@@ -19,7 +19,6 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 import torch
 from torch.overrides import handle_torch_function, has_torch_function
 
-from lightning_mpx.common.dtypes import parse_half_dtype
 from lightning_mpx.casting.lists import (
     AUTOCAST_ACTIONS,
     AUTOCAST_COMPOSITES,
@@ -33,6 +32,7 @@ from lightning_mpx.casting.lists import (
     DEFAULT_TABLE,
     O2_TABLE,
 )
+from lightning_mpx.common.dtypes import parse_half_dtype
 
 _NAMESPACES: Mapping[str, Any] = MappingProxyType(
     {

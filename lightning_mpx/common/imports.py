@@ -18,7 +18,7 @@ def require(module: str, *, extra: str | None = None, feature: str | None = None
     except ImportError as error:
         top = module.split(".")[0]
         extra = extra or EXTRAS.get(top, "all")
-        what = feature or f"this part of lightning_mpx"
+        what = feature or "this part of lightning_mpx"
         raise ImportError(
             f"{what} needs the '{top}' package, which is not installed. Install it with: "
             f"pip install 'lightning-mpx[{extra}]'"

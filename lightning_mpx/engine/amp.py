@@ -20,10 +20,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-from typing import Any, Callable, ContextManager, Iterable, Sequence
+from typing import Any, Callable, ContextManager, Iterable
 
 import torch
 from torch import nn
+from typing_extensions import Unpack
 
 from lightning_mpx.casting.loss_regions import LossRegions
 from lightning_mpx.casting.policy import CastPolicy, casts_off_if_on
@@ -35,6 +36,7 @@ from lightning_mpx.engine.optimizer_step import OptimizerStep
 from lightning_mpx.engine.optimizers import StepMachine
 from lightning_mpx.engine.outcome import StepOutcome
 from lightning_mpx.engine.overflow import Overflows
+
 # _EngineHook's old import path here keeps working (lightning_mpx.apex's hooks).
 from lightning_mpx.engine.preparation import PreparedModels, _EngineHook  # noqa: F401
 from lightning_mpx.health.forensics import OverflowForensics, OverflowRecord
@@ -44,12 +46,16 @@ from lightning_mpx.masters.store import Masters
 from lightning_mpx.masters.weights import MasterWeights
 from lightning_mpx.opt_levels import Properties
 from lightning_mpx.scaling.scaler import LossScaler
+
 # MODEL_WRITES is defined with the other settings; its old import path here keeps working.
-from lightning_mpx.settings import DEFAULTS, MODEL_WRITES, MixedPrecisionSettings, OnFloor  # noqa: F401
-from lightning_mpx.settings import SettingsKeywords, keyword_signature
-from typing_extensions import Unpack
-
-
+from lightning_mpx.settings import (  # noqa: F401
+    DEFAULTS,
+    MODEL_WRITES,
+    MixedPrecisionSettings,
+    OnFloor,
+    SettingsKeywords,
+    keyword_signature,
+)
 
 
 def _part(path: str, *, doc: str, settable: bool = False) -> Any:

@@ -19,8 +19,8 @@ from typing import Any, Iterator
 
 import torch
 
-from lightning_mpx.scaling.workspace import UnscaleWorkspace
 from lightning_mpx.masters.weights import Mirror
+from lightning_mpx.scaling.workspace import UnscaleWorkspace
 
 
 class _Stage(enum.Enum):

@@ -53,9 +53,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 import torch
 from torch import nn
 
+from lightning_mpx.casting.policy import enter_fp32, exit_fp32
 from lightning_mpx.common.containers import _cast_collection
 from lightning_mpx.common.dtypes import HALF_DTYPES
-from lightning_mpx.casting.policy import enter_fp32, exit_fp32
 from lightning_mpx.health.forensics import OverflowRecord
 
 if TYPE_CHECKING:

@@ -88,9 +88,8 @@ from lightning_mpx.integrations.accelerate_checkpoint import (  # noqa: E402
     read_amp_state,
     write_amp_state,
 )
-from lightning_mpx.integrations.accelerate_fsdp import ShardedPreparation  # noqa: E402
-from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
 from lightning_mpx.integrations.accelerate_forward import AmpForward, install_forward  # noqa: E402
+from lightning_mpx.integrations.accelerate_fsdp import ShardedPreparation  # noqa: E402
 from lightning_mpx.integrations.accelerate_kwargs import FSDP_GATHER_CHOICES, MixedPrecisionKwargs  # noqa: E402, F401
 from lightning_mpx.integrations.accelerate_optimizer import (  # noqa: E402
     AmpOptimizer,
@@ -99,6 +98,7 @@ from lightning_mpx.integrations.accelerate_optimizer import (  # noqa: E402
     owner_of,
     params_of,
 )
+from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
 
 __all__ = ["AMP_STATE_NAME", "NATIVE_MIXED_PRECISION", "Accelerator", "MixedPrecisionKwargs"]
 

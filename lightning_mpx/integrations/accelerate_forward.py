@@ -18,8 +18,8 @@ from lightning_mpx.casting.boundary import INPUT_DTYPES, DtypeProbe
 from lightning_mpx.casting.table import _NAMESPACES as _TABLE_NAMESPACES
 from lightning_mpx.casting.table import CastTable
 from lightning_mpx.common.containers import _cast_collection
-from lightning_mpx.engine.amp import Amp
 from lightning_mpx.common.imports import require
+from lightning_mpx.engine.amp import Amp
 
 require("accelerate", feature="lightning_mpx.accelerate")
 from accelerate.utils import is_compiled_module  # type: ignore[import-untyped]  # noqa: E402

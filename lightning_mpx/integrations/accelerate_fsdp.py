@@ -79,8 +79,8 @@ def before_sharding(
     half); O2, floating buffers outside the islands to half (an FP32 buffer would promote activations). With FSDP2 the
     FP32 islands are then sharded with the island policy (``shard_kwargs``: ``fully_shard``'s mesh, offload and
     reshard settings from the plugin; ``gather``: O1's all-gather dtype, for the islands' policy)."""
-    from lightning_mpx.integrations.fsdp import _buffers_to, _islands, _mode, mixed_precision_policy
     from lightning_mpx.health.promotion import _module_to_fp32
+    from lightning_mpx.integrations.fsdp import _buffers_to, _islands, _mode, mixed_precision_policy
 
     if is_sharded(model):
         return {}  # sharded by the user (e.g. lightning_mpx.integrations.fsdp.shard_model): Accelerate keeps it, the engine checks it

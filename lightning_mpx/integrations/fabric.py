@@ -57,9 +57,9 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import Unpack
 
-from lightning_mpx.engine.outcome import StepOutcome
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
+from lightning_mpx.engine.outcome import StepOutcome
 from lightning_mpx.masters.weights import MasterWeights, convert_module, has_floating_parameters
 from lightning_mpx.settings import MixedPrecisionSettings, SettingsKeywords, keyword_signature
 

@@ -39,16 +39,21 @@ from typing import Any, Iterable, Literal, NamedTuple
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, MixedPrecision, MixedPrecisionPolicy
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import (
+    FSDPModule,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    fully_shard,
+)
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_mpx.common.dtypes import HALF_DTYPES, dtype_name
 from lightning_mpx.engine.sharding import is_sharded
+from lightning_mpx.health.promotion import _module_to_fp32, matches
 from lightning_mpx.integrations.fsdp_plan import check_same_plan, done_plan, record_plan, shard_plan
 from lightning_mpx.masters.weights import convert_module
 from lightning_mpx.opt_levels import Properties
-from lightning_mpx.health.promotion import _module_to_fp32, matches
 from lightning_mpx.settings import MixedPrecisionSettings, check_choice
 
 __all__ = [
@@ -484,9 +489,9 @@ def check_sharded_model(module: nn.Module, settings: object) -> None:
             "check_sharded_model checks a model after fully_shard / FullyShardedDataParallel."
         )
     helper = (
-        f"shard the unsharded model with lightning_mpx.fsdp.shard_model(model, precision) or pass "
-        f"mp_policy=lightning_mpx.fsdp.mixed_precision_policy(precision, role=...) to each fully_shard "
-        f"(FSDP1: mixed_precision=lightning_mpx.fsdp.fsdp1_mixed_precision(precision))"
+        "shard the unsharded model with lightning_mpx.fsdp.shard_model(model, precision) or pass "
+        "mp_policy=lightning_mpx.fsdp.mixed_precision_policy(precision, role=...) to each fully_shard "
+        "(FSDP1: mixed_precision=lightning_mpx.fsdp.fsdp1_mixed_precision(precision))"
     )
     if mode.name in ("masters", "half") and settings.scaler.on_floor == "promote":
         raise ValueError(

@@ -13,8 +13,8 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from lightning_mpx.masters.pairs import param_pairs
 from lightning_mpx.engine.optimizer_state import _OptimizerState
+from lightning_mpx.masters.pairs import param_pairs
 from lightning_mpx.masters.weights import MasterWeights
 
 

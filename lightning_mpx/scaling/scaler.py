@@ -14,9 +14,18 @@ import torch
 from typing_extensions import Unpack
 
 from lightning_mpx.opt_levels import LossScale, _check_loss_scale
+
 # ON_FLOOR_CHOICES and OnFloor are defined with the other settings; their old import path here keeps working.
-from lightning_mpx.settings import ON_FLOOR_CHOICES, SCALER_DEFAULTS, OnFloor, ScalerSettings  # noqa: F401
-from lightning_mpx.settings import SCALER_FIELDS, ScalerKeywords, check_keywords, keyword_signature
+from lightning_mpx.settings import (  # noqa: F401
+    ON_FLOOR_CHOICES,
+    SCALER_DEFAULTS,
+    SCALER_FIELDS,
+    OnFloor,
+    ScalerKeywords,
+    ScalerSettings,
+    check_keywords,
+    keyword_signature,
+)
 
 _FP32_MAX = float(torch.finfo(torch.float32).max)
 #: The floor error's advice by the half dtype of the gradients (``None``: a scaler that was not told it). bfloat16

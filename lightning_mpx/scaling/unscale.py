@@ -36,7 +36,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from lightning_mpx.scaling.workspace import UnscaleWorkspace  # its public import path stays lightning_mpx.scaling.unscale
+from lightning_mpx.scaling.workspace import (
+    UnscaleWorkspace,  # its public import path stays lightning_mpx.scaling.unscale
+)
 
 Tensors = Sequence[torch.Tensor]
 
