@@ -28,6 +28,9 @@ What is counted, per rank and per step (from one ``on_train_batch_start`` to the
   methods, counted once at the outermost (``all_gather_object`` calling ``all_gather`` is one call), by kind and by
   who called them: ``engine`` when the calling frame is lightning_mpx's code, else ``others`` (FSDP, Lightning).
 
+The Python calls are also split into phases at Lightning's ``on_before_backward`` and ``on_after_backward`` hooks
+(``forward``, ``backward``, ``step``: the optimizer step and the loop until the next batch).
+
 Python calls move with the code, not with the machine: the same code gives the same counts on any machine and on
 every run (``PYTHONHASHSEED=0`` in the ranks; ``--repeats 2`` runs everything twice and says whether the counts
 agree). A row is the median over the counted steps of each rank; the ratio is its calls (the mean of the two ranks'
@@ -90,6 +93,10 @@ FUNCTIONAL_COLLECTIVES = (
     "all_gather_into_tensor_coalesced", "reduce_scatter_tensor", "reduce_scatter_tensor_autograd",
     "reduce_scatter_tensor_coalesced", "all_to_all_single", "all_to_all_single_autograd", "broadcast",
 )  # fmt: skip
+#: A step's parts, split at Lightning's ``on_before_backward`` and ``on_after_backward``: the training step (the
+#: forward, FSDP's all-gathers, the loss), the backward (FSDP's re-gathers and reduce-scatters), and the rest (the
+#: unscale and check, the optimizer step, the loop until the next batch).
+PHASES = ("forward", "backward", "step")
 #: Files whose frames are the collective API itself: the caller of a collective is the first frame outside them.
 _API_FILES = ("distributed_c10d.py", "c10d_logger.py", "_functional_collectives.py")
 
@@ -129,6 +136,7 @@ class StepCounter:
         self.equal: FrameType | None = None
         self.collectives: collections.Counter[str] = collections.Counter()
         self.callers: collections.Counter[tuple[str, CodeType | None]] = collections.Counter()
+        self.marks: dict[str, int] = {}
 
     def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
         if self.equal is not None:  # inside an __eq__: nothing counted until it returns
@@ -170,11 +178,19 @@ class StepCounter:
         self.collectives[f"{who}:{kind}"] += 1
         self.callers[(kind, caller.f_code if caller is not None else None)] += 1
 
+    def mark(self, name: str) -> None:
+        """Note the Python calls so far in this step (``before`` and ``after`` the backward: the phases)."""
+        self.marks[name] = self.calls
+
     def cut(self) -> dict[str, Any]:
         """The counts since the last cut (one step), and zero them."""
         step = {"calls": self.calls, "c_calls": self.c_calls, "equals": self.equals,
                 "collectives": dict(sorted(self.collectives.items()))}  # fmt: skip
+        before, after = self.marks.get("before"), self.marks.get("after")
+        if before is not None and after is not None:
+            step["phases"] = {"forward": before, "backward": after - before, "step": self.calls - after}
         self.calls = self.c_calls = self.equals = 0
+        self.marks = {}
         self.collectives = collections.Counter()
         return step
 
@@ -207,11 +223,11 @@ def _model_spec(args: argparse.Namespace) -> Any:
 def run_rank(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     """Train ``variant`` on this rank for ``warmup + steps + 1`` steps, counting the ``steps`` after the warm-up."""
     import lightning.pytorch as pl
+    import step
     import torch
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     import lightning_mpx
-    import step
     from lightning_mpx import MixedPrecisionPlugin
 
     torch.set_num_threads(1)
@@ -225,10 +241,18 @@ def run_rank(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     class Count(pl.Callback):
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
             sys.setprofile(None)
-            if first < batch_idx <= last:
-                steps.append(counter.cut())
-            if first <= batch_idx < last:
+            if first <= batch_idx <= last:
+                step = counter.cut()  # at the first counted step: zeroes what the warm-up's hooks marked
+                if batch_idx > first:
+                    steps.append(step)
+            if first <= batch_idx < last and not args._plain:  # (--instructions: callgrind counts, no profiler)
                 sys.setprofile(counter)
+
+        def on_before_backward(self, trainer: Any, module: Any, loss: Any) -> None:
+            counter.mark("before")
+
+        def on_after_backward(self, trainer: Any, module: Any) -> None:
+            counter.mark("after")
 
     class Sharded(pl.LightningModule):
         def __init__(self) -> None:
@@ -281,7 +305,8 @@ def run_rank(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         "steps": steps,
         "functions": {function_name(code): n for code, n in counter.functions.items()},
         "builtins": dict(counter.builtins),
-        "callers": {f"{kind} <- {function_name(code) if code else '?'}": n for (kind, code), n in counter.callers.items()},
+        "callers": {f"{kind} <- {function_name(code) if code else '?'}": n
+                    for (kind, code), n in counter.callers.items()},  # fmt: skip
     }
 
 
@@ -306,9 +331,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_command(variants: list[str], args: argparse.Namespace, steps: int, out: Path) -> list[str]:
+def _rank_command(variants: list[str], args: argparse.Namespace, steps: int, out: Path, plain: bool) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), "--_rank", ",".join(variants), "--rank-out", str(out), "--steps",
-            str(steps), "--warmup", str(args.warmup), "--layers", str(args.layers), "--dim", str(args.dim)]  # fmt: skip
+            str(steps), "--warmup", str(args.warmup), "--layers", str(args.layers), "--dim", str(args.dim),
+            *(["--_plain"] if plain else [])]  # fmt: skip
 
 
 def launch(variants: list[str], args: argparse.Namespace, out: Path, steps: int | None = None,
@@ -320,7 +346,7 @@ def launch(variants: list[str], args: argparse.Namespace, out: Path, steps: int 
                MASTER_PORT=str(_free_port()), PYTHONHASHSEED="0", PYTHONWARNINGS="ignore")  # fmt: skip
     root = str(_harness.ROOT)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = _rank_command(variants, args, args.steps if steps is None else steps, out)
+    cmd = _rank_command(variants, args, args.steps if steps is None else steps, out, plain=valgrind is not None)
     procs = []
     for rank in range(WORLD_SIZE):
         prefix = [part.format(rank=rank) for part in valgrind or []]
@@ -376,18 +402,19 @@ def instructions(variant: str, args: argparse.Namespace) -> list[float]:
 # -- summaries --------------------------------------------------------------------------------------------------------
 def summarise(variant: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """One row: per rank the median calls and built-in calls per step, and the collectives per step (the same every
-    step, else their median and a ``steady: False``)."""
+    step, else their median and ``collectives_steady: False``); medians are the lower middle value (a step's count)."""
     row: dict[str, Any] = {"variant": variant, "parameter_tensors": ranks[0]["parameter_tensors"],
                            "steps_counted": len(ranks[0]["steps"])}  # fmt: skip
-    row["calls_per_rank"] = [statistics.median(s["calls"] for s in r["steps"]) for r in ranks]
-    row["c_calls_per_rank"] = [statistics.median(s["c_calls"] for s in r["steps"]) for r in ranks]
-    row["equals_per_rank"] = [statistics.median(s["equals"] for s in r["steps"]) for r in ranks]
+    row["calls_per_rank"] = [statistics.median_low(s["calls"] for s in r["steps"]) for r in ranks]
+    row["c_calls_per_rank"] = [statistics.median_low(s["c_calls"] for s in r["steps"]) for r in ranks]
+    row["phases"] = {p: statistics.median_low(s["phases"][p] for s in ranks[0]["steps"]) for p in PHASES}
+    row["equals_per_rank"] = [statistics.median_low(s["equals"] for s in r["steps"]) for r in ranks]
     row["calls"] = statistics.fmean(row["calls_per_rank"])
     row["c_calls"] = statistics.fmean(row["c_calls_per_rank"])
     per_rank = []
     for r in ranks:
         kinds = sorted({k for s in r["steps"] for k in s["collectives"]})
-        per_rank.append({k: statistics.median(s["collectives"].get(k, 0) for s in r["steps"]) for k in kinds})
+        per_rank.append({k: statistics.median_low(s["collectives"].get(k, 0) for s in r["steps"]) for k in kinds})
     row["collectives_per_rank"] = per_rank
     row["collectives"] = per_rank[0]
     row["engine_collectives"] = {k.split(":", 1)[1]: n for k, n in per_rank[0].items() if k.startswith("engine:")}
@@ -440,6 +467,12 @@ def breakdown(ranks: list[dict[str, Any]], reference: list[dict[str, Any]], key:
     return [[name, mine.get(name, 0.0), ref.get(name, 0.0), d] for name, d in ranked]
 
 
+def _counted(ranks: list[dict[str, Any]]) -> list[list[tuple[Any, ...]]]:
+    """What must agree between two launches of the same code: each rank's calls, built-in calls and collectives of
+    every counted step (not ``equals``, which moves with the hashes of ids)."""
+    return [[(s["calls"], s["c_calls"], s["collectives"]) for s in r["steps"]] for r in ranks]
+
+
 def _kinds(counts: dict[str, float]) -> str:
     return ", ".join(f"{k} {n:g}" for k, n in sorted(counts.items())) or "none"
 
@@ -454,6 +487,13 @@ def table(rows: list[dict[str, Any]]) -> str:
         for r in rows
     ]  # fmt: skip
     return _harness.markdown_table(columns, body)
+
+
+def phase_table(rows: list[dict[str, Any]]) -> str:
+    ref = next((r for r in rows if r["variant"] == REFERENCE), None)
+    body = [(r["variant"], *(f"{r['phases'][p]:,}" for p in PHASES),
+             *("-" if ref is None else f"{r['phases'][p] - ref['phases'][p]:+,}" for p in PHASES)) for r in rows]
+    return _harness.markdown_table(("variant", *PHASES, *(f"{p} - {REFERENCE}" for p in PHASES)), body)
 
 
 def breakdown_table(entries: list[list[Any]]) -> str:
@@ -482,6 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/fsdp_proxy.json")
     parser.add_argument("--_rank", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rank-out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--_plain", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 
@@ -506,8 +547,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         print(f"run {index + 1}/{args.repeats}, calls per step (rank 0, 1): " + ", ".join(
             f"{v} {summarise(v, runs[-1][v])['calls_per_rank']}" for v in variants), flush=True)
     records = runs[0]
-    agree = {v: all([r["steps"] for r in run[v]] == [r["steps"] for r in records[v]] for run in runs)
-             for v in variants}  # fmt: skip
+    agree = {v: all(_counted(run[v]) == _counted(records[v]) for run in runs) for v in variants}
     rows = [summarise(v, records[v]) for v in variants]
     for row in rows:
         row["repeats_agree"] = agree[row["variant"]] if args.repeats > 1 else None
@@ -520,7 +560,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         for row in rows:
             row["instructions_vs_reference"] = row["instructions"] / ref["instructions"]
     goals = verdicts(rows)
-    tables = {"calls per step (median over the counted steps)": table(rows)}
+    tables = {"calls per step (median over the counted steps)": table(rows),
+              "Python calls per step by phase (rank 0; split at on_before_backward and on_after_backward)":
+              phase_table(rows)}  # fmt: skip
     if args.instructions:
         tables[f"instructions per step (callgrind, {args.instructions} steps after {args.warmup})"] = (
             _harness.markdown_table(("variant", "instructions/step (rank 0, 1)", "x instructions"), [
