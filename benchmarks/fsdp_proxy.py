@@ -93,6 +93,14 @@ FUNCTIONAL_COLLECTIVES = (
     "all_gather_into_tensor_coalesced", "reduce_scatter_tensor", "reduce_scatter_tensor_autograd",
     "reduce_scatter_tensor_coalesced", "all_to_all_single", "all_to_all_single_autograd", "broadcast",
 )  # fmt: skip
+#: A ``ProcessGroup``'s own collective methods (its ``size()`` or ``rank()`` are not collectives).
+PROCESS_GROUP_COLLECTIVES = frozenset((
+    "allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced", "allgather_into_tensor_coalesced",
+    "_allgather_base", "reduce_scatter", "reduce_scatter_tensor_coalesced", "_reduce_scatter_base", "reduce",
+    "broadcast", "barrier", "monitored_barrier", "gather", "scatter", "alltoall", "alltoall_base", "send", "recv",
+    "recv_anysource", "all_gather_single", "all_gather_single_coalesced", "reduce_scatter_single",
+    "reduce_scatter_single_coalesced", "all_to_all_single",
+))  # fmt: skip
 #: A step's parts, split at Lightning's ``on_before_backward`` and ``on_after_backward``: the training step (the
 #: forward, FSDP's all-gathers, the loss), the backward (FSDP's re-gathers and reduce-scatters), and the rest (the
 #: unscale and check, the optimizer step, the loop until the next batch).
@@ -160,7 +168,7 @@ class StepCounter:
             self.c_calls += 1
             owner = getattr(arg, "__self__", None)
             self.builtins[_builtin_name(arg, owner)] += 1
-            if isinstance(owner, self.process_group):  # a ProcessGroup's own method, called from Python
+            if isinstance(owner, self.process_group) and arg.__name__ in PROCESS_GROUP_COLLECTIVES:
                 self._collective(f"ProcessGroup.{arg.__name__}", frame)
 
     def _collective(self, kind: str, caller: FrameType | None) -> None:
