@@ -270,7 +270,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.out.with_suffix(".partial.json").unlink(missing_ok=True)
     if args.plot:
         title = (
-            f"CharTransformer dim {args.dim}, {args.layers} layers, {args.steps} steps, batch {args.batch}x{args.seq_len}"
+            f"CharTransformer dim {args.dim}, {args.layers} layers, {args.steps} steps, "
+            f"batch {args.batch}x{args.seq_len}"
             f"; mean of {len(args.seeds)} seed(s)"
         )
         plot(mean_curves(runs), Path(args.plot), title)

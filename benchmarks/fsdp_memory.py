@@ -4,8 +4,8 @@ FSDP frees each block's gathered weights after its forward and gathers them agai
 its memory saving comes from. A cast made *from* a gathered FP32 weight (O1's cast policy on an FP32 gather, or
 ``torch.autocast``, the recipe of Lightning's FSDP "bf16-mixed") is a new tensor that autograd saves for the
 backward, outside FSDP's reach: it stays alive from the forward to the backward, a half copy of every weight a
-matmul used. Gathering in half (``lightning_mpx.integrations.fsdp.shard_model``'s default at O1) makes the half weight the
-gathered one, which FSDP frees and regathers like any other.
+matmul used. Gathering in half (``lightning_mpx.integrations.fsdp.shard_model``'s default at O1) makes the half weight
+the gathered one, which FSDP frees and regathers like any other.
 
 The measure is exact, not timed: the bytes of the distinct storages that autograd holds for the backward, read at
 the end of the forward (after FSDP has freed what it frees), on one rank (world size 1, gloo; the per-rank bytes do

@@ -243,7 +243,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     add_ratios(rows)
     result = {"benchmark": "fsdp_step", **_harness.machine(args.device), "command": _harness.command(),
               "size": args.size, "spec": vars(step.SPECS[("gpt", args.size)]), "steps": args.steps,
-              "warmup": args.warmup, "rows": rows, "failed": failed, "targets": check_targets(rows, args.device)}  # fmt: skip
+              "warmup": args.warmup, "rows": rows, "failed": failed,
+              "targets": check_targets(rows, args.device)}  # fmt: skip
     print(table(rows, pad=True))
     for name, error in failed.items():
         print(f"{name} failed:\n{error}")

@@ -5,8 +5,8 @@ A GPU is lent to some sessions only, for minutes, 10 at most per command. Each p
 results) and ``suite_<part>.md`` (its table) into ``--out DIR``, after every sub-run, so a part cut off by the
 device's time limit still leaves what it measured. Every subprocess runs under a timeout.
 
-    python benchmarks/gpu_suite.py tests    --out DIR   # pytest -k "triton or cuda or compile_o1", CUDA checks (1.5 min)
-    python benchmarks/gpu_suite.py unscale  --out DIR   # benchmarks/unscale.py, one run per parameter set (~1.5 min)
+    python benchmarks/gpu_suite.py tests    --out DIR  # pytest -k "triton or cuda or compile_o1", CUDA checks (1.5 min)
+    python benchmarks/gpu_suite.py unscale  --out DIR  # benchmarks/unscale.py, one run per parameter set (~1.5 min)
     python benchmarks/gpu_suite.py step --model gpt    --out DIR   # benchmarks/step.py --device cuda (~6 min)
     python benchmarks/gpu_suite.py step --model resnet --out DIR   # (~4.5 min)
     python benchmarks/gpu_suite.py fidelity --out DIR   # benchmarks/convergence.py O0/O1/O2, seed 0 (~0.5 min)

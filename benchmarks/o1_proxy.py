@@ -280,7 +280,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             phases: dict[str, list[float]] | None = {} if args.phases and variant in TRAINER else None
             ms = [t * 1e3 for t in run(variant, total, phases)[args.warmup:]]
             for name, times in (phases or {}).items():
-                phase_samples[variant][name].append(statistics.quantiles([t * 1e3 for t in times[args.warmup:]], n=5)[0])
+                phase_samples[variant][name].append(
+                    statistics.quantiles([t * 1e3 for t in times[args.warmup:]], n=5)[0]
+                )
             return statistics.quantiles(ms, n=5)[0]
 
         return once

@@ -39,7 +39,7 @@ CHECK = "--check" in sys.argv
 if CHECK:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
 
-import torch
+import torch  # noqa: E402 (after TRITON_INTERPRET is set above, as the imports below are)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's lightning_mpx, without PYTHONPATH
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -76,7 +76,10 @@ def main(argv: list[str] | None = None) -> int:
             args.threads = 1
         for name in ("steps", "batch_size", "seq_len", "dim", "layers", "growth_interval", "threads"):
             if getattr(args, name) is not None and getattr(args, name) < 1:
-                print(f"lightning-mpx demo: --{name.replace('_', '-')}={getattr(args, name)} must be >= 1", file=sys.stderr)
+                print(
+                    f"lightning-mpx demo: --{name.replace('_', '-')}={getattr(args, name)} must be >= 1",
+                    file=sys.stderr,
+                )
                 return 2
         config = resolve_half_dtype(
             DemoConfig(

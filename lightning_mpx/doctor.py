@@ -25,4 +25,9 @@ from lightning_mpx.health.doctor import (  # noqa: F401
     to_json,
 )
 
-__all__ = ['SKIPPED_TAG', 'PROMOTED_PREFIX', 'OVERFLOW_MOST_STEPS', 'PERSISTENT_MIN_STEPS', 'MODULE_SHARE', 'UNDERFLOW_HEAVY', 'ZEROS_MOVE', 'ZEROS_MOVE_MIN', 'ZEROS_CHANGES', 'SUBNORMAL_SHARE', 'HEADROOM_LOW', 'CONSTANT_SCALE_SUSPECT', 'HEADROOM_TARGET', 'TAIL_FRACTION', 'TAIL_MIN_POINTS', 'Series', 'NoMixedPrecisionTagsError', 'Finding', 'Diagnosis', 'diagnose', 'diagnose_scalars', 'to_json']
+__all__ = [
+    'SKIPPED_TAG', 'PROMOTED_PREFIX', 'OVERFLOW_MOST_STEPS', 'PERSISTENT_MIN_STEPS', 'MODULE_SHARE', 'UNDERFLOW_HEAVY',
+    'ZEROS_MOVE', 'ZEROS_MOVE_MIN', 'ZEROS_CHANGES', 'SUBNORMAL_SHARE', 'HEADROOM_LOW', 'CONSTANT_SCALE_SUSPECT',
+    'HEADROOM_TARGET', 'TAIL_FRACTION', 'TAIL_MIN_POINTS', 'Series', 'NoMixedPrecisionTagsError', 'Finding',
+    'Diagnosis', 'diagnose', 'diagnose_scalars', 'to_json',
+]

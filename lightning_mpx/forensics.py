@@ -16,4 +16,7 @@ from lightning_mpx.health.forensics import (  # noqa: F401
     overflow_tag,
 )
 
-__all__ = ['Kind', 'Origin', 'OVERFLOW_TAG', 'ROOT_TAG', 'FIRST_TAG', 'CodeRegion', 'OverflowRecord', 'module_of', 'overflow_tag', 'merge_kinds', 'merge_records', 'ForwardWatch', 'OverflowForensics']
+__all__ = [
+    'Kind', 'Origin', 'OVERFLOW_TAG', 'ROOT_TAG', 'FIRST_TAG', 'CodeRegion', 'OverflowRecord', 'module_of',
+    'overflow_tag', 'merge_kinds', 'merge_records', 'ForwardWatch', 'OverflowForensics',
+]

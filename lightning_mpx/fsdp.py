@@ -10,4 +10,7 @@ from lightning_mpx.integrations.fsdp import (  # noqa: F401
     shard_model,
 )
 
-__all__ = ['GATHER_CHOICES', 'ROLE_CHOICES', 'check_sharded_model', 'fsdp1_mixed_precision', 'mixed_precision_policy', 'resolve_settings', 'shard_model']
+__all__ = [
+    'GATHER_CHOICES', 'ROLE_CHOICES', 'check_sharded_model', 'fsdp1_mixed_precision', 'mixed_precision_policy',
+    'resolve_settings', 'shard_model',
+]

@@ -14,4 +14,7 @@ from lightning_mpx.health.plot import (  # noqa: F401
     read_scalars,
 )
 
-__all__ = ['SCALE_TAG', 'OVERFLOW_TAG', 'LOSS_TAGS', 'UNDERFLOW_PREFIX', 'ZEROS_PREFIX', 'HEADROOM_PREFIX', 'MODULE_OVERFLOW_PREFIX', 'FIRST_OVERFLOW_PREFIX', 'read_scalars', 'plot_run', 'plot_figure']
+__all__ = [
+    'SCALE_TAG', 'OVERFLOW_TAG', 'LOSS_TAGS', 'UNDERFLOW_PREFIX', 'ZEROS_PREFIX', 'HEADROOM_PREFIX',
+    'MODULE_OVERFLOW_PREFIX', 'FIRST_OVERFLOW_PREFIX', 'read_scalars', 'plot_run', 'plot_figure',
+]

@@ -1,8 +1,8 @@
 """The settings of a mixed-precision run, in one place: frozen dataclasses validated when they are built.
 
 :class:`ScalerSettings` holds the dynamic loss scaler's settings, :class:`MixedPrecisionSettings` the opt level, its
-overrides and everything else an :class:`~lightning_mpx.engine.amp.Amp` is built from (the scaler settings included). Every
-front door takes these or forwards its keywords into them, so that each setting is documented, defaulted and
+overrides and everything else an :class:`~lightning_mpx.engine.amp.Amp` is built from (the scaler settings included).
+Every front door takes these or forwards its keywords into them, so that each setting is documented, defaulted and
 checked here once::
 
     settings = MixedPrecisionSettings.from_kwargs("O2", half_dtype="bfloat16", growth_interval=500)
@@ -121,8 +121,8 @@ class ScalerSettings:
             any static scale): ``"raise"`` :class:`~lightning_mpx.scaling.scaler.LossScaleFloorError` naming the
             parameters with non-finite gradients, ``"warn"``, ``"continue"`` silently, or ``"promote"``: the modules
             the overflows keep coming from run in FP32 from then on (done by :class:`~lightning_mpx.engine.amp.Amp`, see
-            :mod:`lightning_mpx.health.promotion`; it raises as ``"raise"`` where no module can be blamed, and a scaler used
-            on its own raises too). The step is skipped in every case.
+            :mod:`lightning_mpx.health.promotion`; it raises as ``"raise"`` where no module can be blamed, and a scaler
+            used on its own raises too). The step is skipped in every case.
 
     Raises:
         ValueError: for a value out of range, naming it; ``TypeError`` for a flag that is not a bool. Whether
@@ -213,8 +213,8 @@ OPT_LEVEL_OVERRIDES: tuple[str, ...] = tuple(OptLevelOverrides.__annotations__)
 
 @dataclass(frozen=True)
 class MixedPrecisionSettings:
-    """Everything an :class:`~lightning_mpx.engine.amp.Amp` is built from, validated (the opt level against its overrides
-    too). Build it with :meth:`from_kwargs` (the keywords of ``Amp``) or directly.
+    """Everything an :class:`~lightning_mpx.engine.amp.Amp` is built from, validated (the opt level against its
+    overrides too). Build it with :meth:`from_kwargs` (the keywords of ``Amp``) or directly.
 
     Args:
         opt_level: ``"O0"`` to ``"O3"`` (see :mod:`lightning_mpx.opt_levels`).
@@ -226,8 +226,8 @@ class MixedPrecisionSettings:
             forward (:meth:`CastTable.for_device`: on CUDA, the default settled ``torch.autocast``'s way, which runs
             with no Python per call; elsewhere :meth:`CastTable.default`). Only valid when the policy is on.
         allow_banned: Run banned ops (``binary_cross_entropy``) in FP32 instead of raising.
-        unscale_backend: ``"auto"``, ``"foreach"``, ``"reference"`` or ``"triton"`` (see :mod:`lightning_mpx.scaling.unscale`);
-            also used for the master-to-model copy at O2.
+        unscale_backend: ``"auto"``, ``"foreach"``, ``"reference"`` or ``"triton"`` (see
+            :mod:`lightning_mpx.scaling.unscale`); also used for the master-to-model copy at O2.
         overflow_log_interval: Minimum seconds between two overflow log messages.
         model_writes: How O2 takes writes made to the half model outside the step into the FP32 masters:
             ``"versions"`` (default: version counters and storage addresses, and the ``.data`` each half parameter

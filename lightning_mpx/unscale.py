@@ -12,4 +12,7 @@ from lightning_mpx.scaling.unscale import (  # noqa: F401
     unscale_grads_,
 )
 
-__all__ = ['Tensors', 'GradStats', 'unscale_grads_', 'resolve_backend', 'auto_backend', 'cast_copy_', 'foreach_check_and_unscale_', 'clip_coefficient', 'BACKENDS']
+__all__ = [
+    'Tensors', 'GradStats', 'unscale_grads_', 'resolve_backend', 'auto_backend', 'cast_copy_',
+    'foreach_check_and_unscale_', 'clip_coefficient', 'BACKENDS',
+]

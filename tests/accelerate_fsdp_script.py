@@ -1,5 +1,5 @@
-"""Run by tests/test_accelerate_fsdp.py: ``lightning_mpx.integrations.accelerate.Accelerator`` with Accelerate's own FSDP (FSDP2,
-then FSDP1), two CPU processes (gloo), written as an Accelerate user writes it.
+"""Run by tests/test_accelerate_fsdp.py: ``lightning_mpx.integrations.accelerate.Accelerator`` with Accelerate's own
+FSDP (FSDP2, then FSDP1), two CPU processes (gloo), written as an Accelerate user writes it.
 
 Accelerate selects FSDP only for GPU-like devices (``accelerate/state.py``: the FSDP branch is reached from
 ``MULTI_GPU``/``MULTI_NPU``/...; ``cpu=True`` gives ``MULTI_CPU``, i.e. DDP, and there is no environment variable that
@@ -9,8 +9,8 @@ CPU it tells Accelerate's shared state that the processes are ``MULTI_GPU`` on d
 ``_prepare_fsdp2``/``fsdp2_prepare_model`` (auto-wrap, ``fully_shard``, the optimizer's parameter swap), FSDP1's
 wrapper, ``save_state``/``load_state`` through distributed checkpoints.
 
-For each case in ``$MPX_CASES`` (``version:level:dtype:steps[:gather]``) both ranks train the same model (seed 0) on their
-halves of a global batch with ``accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)``; at step ``POISON_AT``
+For each case in ``$MPX_CASES`` (``version:level:dtype:steps[:gather]``) both ranks train the same model (seed 0) on
+their halves of a global batch with ``accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)``; at step ``POISON_AT``
 rank 0 alone writes an inf into its own shard of one gradient. Rank 0 also trains the same model unsharded in one
 process on the whole batch with the core ``Amp`` (the reference). ``$MPX_RESUME`` (``version:level:dtype:steps``)
 saves the state half-way, trains on, then loads the state into a fresh accelerator and trains the same steps again.
@@ -221,7 +221,8 @@ def accumulated(version: int, level: str, dtype: str, steps: int) -> dict:
 
 
 def sharded_by_hand(steps: int) -> dict:
-    """FSDP2, O2: the user shards with lightning_mpx.integrations.fsdp.shard_model before prepare; Accelerate keeps the sharding."""
+    """FSDP2, O2: the user shards with lightning_mpx.integrations.fsdp.shard_model before prepare; Accelerate keeps the
+    sharding."""
     from lightning_mpx.integrations.fsdp import shard_model
 
     accelerator = fsdp_accelerator(2, "O2", "bfloat16", wrap=False)

@@ -1,7 +1,7 @@
 """Run by tests/test_fsdp_real_models.py: a Hugging Face GPT-2 built from a config (nothing downloaded) trained by a
 Lightning ``Trainer`` with ``MixedPrecisionPlugin`` under ``ModelParallelStrategy`` (FSDP2, two CPU processes, gloo;
-``configure_model`` shards it with ``lightning_mpx.integrations.fsdp.shard_model``, one unit per ``GPT2Block``), or, with
-``MPX_SINGLE=1``, the same model and plugin in one process on the whole batch (the reference).
+``configure_model`` shards it with ``lightning_mpx.integrations.fsdp.shard_model``, one unit per ``GPT2Block``), or,
+with ``MPX_SINGLE=1``, the same model and plugin in one process on the whole batch (the reference).
 
 Every step's batch is one global batch of token sequences (no distributed sampler: every rank gets it whole); under
 FSDP each rank trains on its half. Each process writes ``$MPX_OUT/{single|rank<r>}_{level}.json``: the global loss
@@ -80,8 +80,8 @@ def main() -> None:
         strategy = "auto" if single else ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
         trainer = pl.Trainer(
             accelerator="cpu", devices=1 if single else 2, strategy=strategy, plugins=[plugin], max_steps=STEPS,
-            gradient_clip_val=1.0, use_distributed_sampler=False, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, num_sanity_val_steps=0,
+            gradient_clip_val=1.0, use_distributed_sampler=False, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         )  # fmt: skip
         model = LitGPT2(sharded=not single)
         trainer.fit(model, torch.utils.data.DataLoader(Tokens(), batch_size=None, shuffle=False))

@@ -1,7 +1,7 @@
 """Run by tests/test_fsdp_reconfigure.py: the README's FSDP2 pattern (``configure_model`` calling
-``lightning_mpx.integrations.fsdp.shard_model``) through a real Trainer with ``ModelParallelStrategy`` on two CPU processes (gloo),
-across stages of one Trainer: Lightning calls ``configure_model`` at every stage (``fit``, ``validate``, ``test``), so
-the second stage calls ``shard_model`` on a model the first one sharded.
+``lightning_mpx.integrations.fsdp.shard_model``) through a real Trainer with ``ModelParallelStrategy`` on two CPU
+processes (gloo), across stages of one Trainer: Lightning calls ``configure_model`` at every stage (``fit``,
+``validate``, ``test``), so the second stage calls ``shard_model`` on a model the first one sharded.
 
 ``$MPX_CASES`` lists the runs, comma-separated, each ``<level>:<order>`` with order ``fit_test`` (``trainer.fit``
 then ``trainer.test``) or ``validate_fit`` (``trainer.validate`` then ``trainer.fit``). Every rank writes

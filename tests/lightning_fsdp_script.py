@@ -1,7 +1,7 @@
 """Run by tests/test_lightning_fsdp.py: ``MixedPrecisionPlugin`` under Lightning's FSDP strategies, two CPU processes
-(gloo): ``ModelParallelStrategy`` (FSDP2, sharded in ``configure_model`` with ``lightning_mpx.integrations.fsdp.shard_model``)
-and ``FSDPStrategy`` (FSDP1, wrapped by Lightning with the plugin's ``mixed_precision_config``; on CPU through a
-subclass that passes ``device_id=cpu``).
+(gloo): ``ModelParallelStrategy`` (FSDP2, sharded in ``configure_model`` with
+``lightning_mpx.integrations.fsdp.shard_model``) and ``FSDPStrategy`` (FSDP1, wrapped by Lightning with the plugin's
+``mixed_precision_config``; on CPU through a subclass that passes ``device_id=cpu``).
 
 ``$MPX_CASES`` lists the fits, comma-separated, each ``<strategy>:<level>:<dtype>:<kind>`` with strategy ``fsdp2`` or
 ``fsdp1`` and kind ``train`` (20 steps, ``gradient_clip_val``, an inf on rank 0 only at step ``INF_AT``), ``accum``

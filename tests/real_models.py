@@ -252,8 +252,8 @@ def run_lightning(spec: Spec, level: str, half_dtype: str, seed: int, *, model_l
 
 
 def run_accelerate(spec: Spec, level: str, half_dtype: str, seed: int, *, model_loss: bool = False) -> Result:
-    """Train through ``lightning_mpx.integrations.accelerate.Accelerator(mixed_precision=level)`` with a plain loop, then evaluate
-    the prepared model (its forward still the opt level's) in eval mode."""
+    """Train through ``lightning_mpx.integrations.accelerate.Accelerator(mixed_precision=level)`` with a plain loop,
+    then evaluate the prepared model (its forward still the opt level's) in eval mode."""
     from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
     from tests.accelerate_helpers import accelerate_state_reset
 

@@ -157,7 +157,9 @@ def test_mixed_precision_kwargs_defaults_mirror_amp():
     for name, default in amp_defaults.items():
         assert getattr(handler, name) == default, name
     assert handler.amp_kwargs() == {}
-    changed = MixedPrecisionKwargs(half_dtype="bfloat16", growth_interval=7, keep_batchnorm_fp32=False, log_metrics=False)
+    changed = MixedPrecisionKwargs(
+        half_dtype="bfloat16", growth_interval=7, keep_batchnorm_fp32=False, log_metrics=False
+    )
     assert changed.amp_kwargs() == {"half_dtype": "bfloat16", "growth_interval": 7, "keep_batchnorm_fp32": False}
 
 
@@ -404,7 +406,9 @@ def test_injected_overflow_leaves_parameters_optimizer_and_scheduler_unchanged(a
 
 def test_accumulation_divides_the_loss_and_updates_the_scale_once_per_real_step():
     accelerator = Accelerator(
-        mixed_precision="O2", gradient_accumulation_steps=2, kwargs_handlers=[MixedPrecisionKwargs(growth_interval=1, init_scale=16.0)]
+        mixed_precision="O2",
+        gradient_accumulation_steps=2,
+        kwargs_handlers=[MixedPrecisionKwargs(growth_interval=1, init_scale=16.0)],
     )
     model = _net()
     model.eval()  # batch statistics would make two half batches differ from one full batch
@@ -499,7 +503,10 @@ def test_log_sends_the_metrics_to_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     accelerator = Accelerator(
-        mixed_precision="O2", log_with="tensorboard", project_dir=str(tmp_path), kwargs_handlers=[MixedPrecisionKwargs()]
+        mixed_precision="O2",
+        log_with="tensorboard",
+        project_dir=str(tmp_path),
+        kwargs_handlers=[MixedPrecisionKwargs()],
     )
     accelerator.init_trackers("run")
     model = _net()
@@ -529,7 +536,9 @@ def test_log_sends_the_metrics_to_tensorboard(tmp_path):
 def test_log_metrics_can_be_turned_off():
     accelerator = _accelerator("O2", log_metrics=False)
     logged = []
-    accelerator.trackers = [type("T", (), {"name": "fake", "log": lambda self, values, step, **kw: logged.append(values)})()]
+    accelerator.trackers = [
+        type("T", (), {"name": "fake", "log": lambda self, values, step, **kw: logged.append(values)})()
+    ]
     accelerator.log({"loss": 1.0})
     assert logged == [{"loss": 1.0}]
 

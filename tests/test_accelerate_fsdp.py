@@ -1,4 +1,5 @@
-"""``lightning_mpx.integrations.accelerate.Accelerator`` with an opt level under Accelerate's FSDP (``fsdp_version=2`` and 1).
+"""``lightning_mpx.integrations.accelerate.Accelerator`` with an opt level under Accelerate's FSDP (``fsdp_version=2``
+and 1).
 
 The two-process runs (``tests/accelerate_fsdp_script.py``, one launch) go through Accelerate's own FSDP code on CPU
 with gloo; Accelerate selects FSDP only on GPU-like devices, so the script tells Accelerate's shared state that the
@@ -53,7 +54,8 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("accelerate_fsdp")
     run_script(
         "accelerate_fsdp_script.py", out, timeout=240,
-        MPX_CASES=",".join(_spec(*_key(case)) for case in CASES), MPX_RESUME=_spec(*RESUME), MPX_STALE="1", MPX_BY_HAND="1",
+        MPX_CASES=",".join(_spec(*_key(case)) for case in CASES), MPX_RESUME=_spec(*RESUME), MPX_STALE="1",
+        MPX_BY_HAND="1",
         MPX_ACCUMULATE=",".join(_spec(*case) for case in ACCUMULATE),
     )
 

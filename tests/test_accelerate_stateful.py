@@ -1,12 +1,13 @@
-"""Random sequences of what Accelerate users do, through ``lightning_mpx.integrations.accelerate.Accelerator`` at O1 and O2, against
-the same loop in plain FP32 PyTorch.
+"""Random sequences of what Accelerate users do, through ``lightning_mpx.integrations.accelerate.Accelerator`` at O1 and
+O2, against the same loop in plain FP32 PyTorch.
 
 Rules: a training step (optionally accumulated over two backward passes, clipped by norm or value through the
-accelerator, with a bad batch whose loss is infinite, zeroing with or without ``set_to_none``), loading pretrained weights into the prepared model, a write through ``p.data`` (a weight clamp),
-an evaluation forward pass, and ``save_state`` followed later by ``load_state``. After every step what the optimizer
-trains (the FP32 masters at O2) matches the FP32 loop within half-precision rounding, and the reference then takes
-those values, so that each step is compared from the same point; a bad batch leaves everything as it was, bit for
-bit; a resume restores the trained values, the model's half weights and the loss scale exactly.
+accelerator, with a bad batch whose loss is infinite, zeroing with or without ``set_to_none``), loading pretrained
+weights into the prepared model, a write through ``p.data`` (a weight clamp), an evaluation forward pass, and
+``save_state`` followed later by ``load_state``. After every step what the optimizer trains (the FP32 masters at O2)
+matches the FP32 loop within half-precision rounding, and the reference then takes those values, so that each step is
+compared from the same point; a bad batch leaves everything as it was, bit for bit; a resume restores the trained
+values, the model's half weights and the loss scale exactly.
 """
 
 from __future__ import annotations

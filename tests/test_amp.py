@@ -156,7 +156,9 @@ def test_static_scale_overflow_raises_at_floor_after_skipping():
     _inject_inf(model, "3.bias")
     with pytest.raises(LossScaleFloorError, match=r"3\.bias"):
         amp.step(opt)
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items() if "running" not in k and "num_b" not in k)
+    assert all(
+        torch.equal(v, before[k]) for k, v in model.state_dict().items() if "running" not in k and "num_b" not in k
+    )
 
 
 def test_clip_grad_norm_sees_unscaled_gradients():
@@ -189,7 +191,6 @@ def test_accumulation_unscales_once_and_keeps_the_scale():
     amp, model, opt = _setup("O0", loss_scale="dynamic", growth_interval=1)
     scale = amp.scalers[0].get_scale()
     ref = copy.deepcopy(model)
-    total = None
     for i in range(4):
         x, y = _batch(i)
         with amp.forward_context():
@@ -239,7 +240,9 @@ def test_two_losses_two_optimizers_skip_independently_and_update_once_per_iterat
 
 def test_two_losses_into_one_optimizer_are_rescaled_not_mixed():
     amp = Amp("O1", num_losses=2, init_scale=2.0**10)
-    amp.scalers[1].to("cpu").load_state_dict({"scale": 2.0**4, "growth_tracker": 0, "hysteresis_tracker": 1, "overflows": 0})
+    amp.scalers[1].to("cpu").load_state_dict(
+        {"scale": 2.0**4, "growth_tracker": 0, "hysteresis_tracker": 1, "overflows": 0}
+    )
     model = amp.prepare_model(nn.Linear(3, 1, bias=False))
     opt = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=1.0))
     x = torch.ones(2, 3)
@@ -293,7 +296,9 @@ def _task(seed=1):
 
 def _loop(level, half):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+    model = nn.Sequential(
+        nn.Linear(16, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4)
+    )
     x, y = _task()
     if level is None:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -331,7 +336,9 @@ def test_training_loop_reaches_fp32_loss_within_2_percent(level, half, fp32_loss
 def test_bad_input_messages():
     with pytest.raises(ValueError, match=r"num_losses=0 must be a positive integer"):
         Amp("O1", num_losses=0)
-    with pytest.raises(ValueError, match=r"unscale_backend='cuda' is not valid; valid choices: auto, foreach, reference"):
+    with pytest.raises(
+        ValueError, match=r"unscale_backend='cuda' is not valid; valid choices: auto, foreach, reference"
+    ):
         Amp("O1", unscale_backend="cuda")
     from lightning_mpx import CastTable
 

@@ -214,7 +214,10 @@ def test_plugin_overhead_rows_ratios_syncs_and_profile(tmp_path, capsys):
     # GradScaler's: one loss in one process reads it with .item(), counted by the dispatch mode (tolist: none).
     assert syncs["plugin-O2"]["per_step_nonlogging"] == syncs["reference"]["per_step_nonlogging"] + 1
     assert syncs["plugin-O2"]["tolist_per_step"] == syncs["reference"]["tolist_per_step"] == 0
-    assert "lightning_mpx/integrations/lightning.py" in result["profile"] and "optimizer_step" in capsys.readouterr().out
+    assert (
+        "lightning_mpx/integrations/lightning.py" in result["profile"]
+        and "optimizer_step" in capsys.readouterr().out
+    )
 
 
 def test_o1_proxy_pairs_each_row_with_its_reference_in_the_same_repeat(tmp_path):
@@ -591,7 +594,8 @@ def test_clip_rows_clip_and_are_compared_with_16_mixed_clipping_the_same(tmp_pat
     built = _keep_built_rows(monkeypatch)
     variants = ["lightning-16-mixed-clip", "mpx-O2-fp16-clip"]
     result = step.main(["--device", "cpu", "--model", "resnet", "--steps", "2", "--warmup", "1", "--repeats", "2",
-                        "--one-process", "--persistent", "--variants", *variants, "--out", str(tmp_path / "s.json")])  # fmt: skip
+                        "--one-process", "--persistent", "--variants", *variants,
+                        "--out", str(tmp_path / "s.json")])  # fmt: skip
     assert all(built[v].trainer.gradient_clip_val == 1.0 for v in variants)
     amp = built["mpx-O2-fp16-clip"].trainer.precision_plugin.amp
     assert amp.half_dtype == torch.float16 and "mpx/grad_norm" in amp.metrics()

@@ -11,6 +11,8 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_mpx import BannedOpError, CastTable, dispatchable
 from lightning_mpx import CastPolicy as _CastPolicy
+from lightning_mpx.casting.lists import CATEGORIES
+from lightning_mpx.casting.mode import _NATIVE_PROMOTION
 
 
 def CastPolicy(*args, **kwargs):  # noqa: N802
@@ -18,8 +20,6 @@ def CastPolicy(*args, **kwargs):  # noqa: N802
     (tests/test_autocast_engine.py checks the \"autocast\" engine by the dtypes it computes in)."""
     return _CastPolicy(*args, engine="mode", **kwargs)
 
-from lightning_mpx.casting.lists import CATEGORIES
-from lightning_mpx.casting.mode import _NATIVE_PROMOTION
 
 HALF_DTYPES = [torch.float16, torch.bfloat16]
 

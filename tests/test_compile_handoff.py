@@ -141,7 +141,9 @@ def test_the_search_for_compiled_graphs_runs_once_something_was_compiled(monkeyp
 
     searched: list[int] = []
     search = cast_policy._leave_compiled_backward
-    monkeypatch.setattr(cast_policy, "_leave_compiled_backward", lambda p, roots: searched.append(1) or search(p, roots))
+    monkeypatch.setattr(
+        cast_policy, "_leave_compiled_backward", lambda p, roots: searched.append(1) or search(p, roots)
+    )
     net, policy = LossNet(), CastPolicy(half_dtype=HALF, engine="mode")
     x, y = step_batch(3)
     with policy.scope():

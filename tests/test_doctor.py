@@ -347,7 +347,9 @@ def test_zeros_that_fall_as_the_scale_grows_are_underflow():
     # The same zeros unchanged by the doublings are structural: 0.4 below tiny is not heavy underflow.
     diagnosis = doctor.diagnose_scalars(_zeros_run(scales, [0.3] * STEPS, [0.4] * STEPS, 2.0**-20))
     assert diagnosis.exit_status == 0
-    assert any("(group enc): unchanged at the last 3 scale change(s)" in line for line in diagnosis.findings[0].evidence)
+    assert any(
+        "(group enc): unchanged at the last 3 scale change(s)" in line for line in diagnosis.findings[0].evidence
+    )
 
 
 def test_with_a_constant_scale_zeros_count_only_beside_subnormal_values():

@@ -124,7 +124,7 @@ def test_a_head_set_up_mid_run_starts_from_its_fp32_weights():
     _assert_masters_are(mpx, head.module, weights)
 
 
-# -- item 4: a checkpoint taken before an optimizer's first step --------------------------------------------------------
+# -- item 4: a checkpoint taken before an optimizer's first step -------------------------------------------------------
 def _staged(mpx: FabricMixedPrecisionPlugin, fabric: Fabric, seed: int, *, register: bool) -> tuple[Any, ...]:
     model = _net(seed)
     opt_body = torch.optim.AdamW(model[0].parameters(), lr=1e-2)
@@ -328,7 +328,7 @@ def test_o2_keeps_the_default_dtype_fp32_where_fabrics_half_precision_sets_it_to
     assert torch.get_default_dtype() == torch.float32
 
 
-# -- item 3: FP32 weights loaded after fabric.setup under DDP (two gloo processes) --------------------------------------
+# -- item 3: FP32 weights loaded after fabric.setup under DDP (two gloo processes) -------------------------------------
 def test_ddp_load_raw_after_setup_and_a_step_0_checkpoint(tmp_path: Path):
     """Two processes, ``strategy="ddp"``, no ``setup_optimizers``: pretrained FP32 weights loaded with
     ``fabric.load_raw`` after ``fabric.setup`` are the masters on both ranks (two optimizers, the second stepping

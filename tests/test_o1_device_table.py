@@ -79,7 +79,7 @@ def _first_forward(amp):
 
 def test_o1_on_a_cuda_model_runs_on_autocast_alone(on_cuda):
     amp = Amp("O1", half_dtype="float16")
-    model = amp.prepare_model(_mlp())
+    _model = amp.prepare_model(_mlp())  # kept alive: Amp holds the model weakly until its first forward
     _first_forward(amp)
     assert amp.policy.device_type == "cuda"
     assert amp.policy.engine_in_use == "autocast:cuda"
@@ -151,13 +151,13 @@ def test_the_rnn_rows_differ_from_cuda_autocast_only_at_bf16():
 def test_a_table_the_user_gave_or_changed_is_kept(on_cuda):
     given = CastTable.default()
     amp = Amp("O1", cast_table=given)
-    model = amp.prepare_model(_mlp())
+    _model = amp.prepare_model(_mlp())  # kept alive: Amp holds the model weakly until its first forward
     _first_forward(amp)
     assert amp.policy.table is given and amp.policy.engine_in_use == "mode"
 
     changed = Amp("O1")
     changed.policy.table.register(torch.outer, "half")
-    model = changed.prepare_model(_mlp())
+    _model = changed.prepare_model(_mlp())
     _first_forward(changed)
     assert changed.policy.table.entry(torch.outer).category == "half"
     assert changed.policy.table.entry(torch.std).category == "float"  # still the default table's row
@@ -165,7 +165,7 @@ def test_a_table_the_user_gave_or_changed_is_kept(on_cuda):
 
     by_hand = Amp("O1")
     by_hand.policy.engine = "mode"
-    model = by_hand.prepare_model(_mlp())
+    _model = by_hand.prepare_model(_mlp())
     _first_forward(by_hand)
     assert by_hand.policy.table.entry(torch.std).category == "float"
 

@@ -231,7 +231,7 @@ def test_optimizer_step_called_directly_is_refused_and_its_state_dict_is_fp32():
     ) and [id(p) for g in opt.param_groups for p in g["params"]] == [id(p) for p in model.parameters()]
 
 
-# -- through the Accelerate adapter -------------------------------------------------------------------------------------
+# -- through the Accelerate adapter ------------------------------------------------------------------------------------
 accelerate = pytest.importorskip("accelerate")
 
 

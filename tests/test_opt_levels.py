@@ -18,7 +18,9 @@ PRESETS = [
 ]
 
 
-@pytest.mark.parametrize("level,half,cast,patch,keep_bn,masters,scale", PRESETS, ids=[f"{p[0]}-{p[1]}" for p in PRESETS])
+@pytest.mark.parametrize(
+    "level,half,cast,patch,keep_bn,masters,scale", PRESETS, ids=[f"{p[0]}-{p[1]}" for p in PRESETS]
+)
 def test_presets_have_apex_semantics(level, half, cast, patch, keep_bn, masters, scale):
     props = resolve_properties(level, half_dtype=half)
     assert props.opt_level == level

@@ -29,7 +29,9 @@ def test_public_api_is_exported_and_typed():
 
 
 def test_missing_framework_error_names_the_extra():
-    with pytest.raises(ImportError, match=r"needs the 'surely_not_installed_pkg' package.*pip install 'lightning-mpx\[all\]'"):
+    with pytest.raises(
+        ImportError, match=r"needs the 'surely_not_installed_pkg' package.*pip install 'lightning-mpx\[all\]'"
+    ):
         require("surely_not_installed_pkg")
     with pytest.raises(ImportError, match=r"pip install 'lightning-mpx\[lightning\]'"):
         require("lightning.surely_missing_submodule")

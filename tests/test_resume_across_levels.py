@@ -48,7 +48,9 @@ def save(level: str, half: str, path: Any, optimizer: str = "sgd", steps: int = 
 def resume(level: str, half: str, path: Any, optimizer: str = "sgd", steps: int = 4) -> tuple[AtStart, Classifier]:
     model = Classifier(optimizer=optimizer, lr=1e-2)
     at_start = AtStart()
-    trainer = make_trainer(MixedPrecisionPlugin(level, half_dtype=half), max_steps=steps, max_epochs=10, callbacks=[at_start])
+    trainer = make_trainer(
+        MixedPrecisionPlugin(level, half_dtype=half), max_steps=steps, max_epochs=10, callbacks=[at_start]
+    )
     trainer.fit(model, loader(classification_data()), ckpt_path=path)
     assert trainer.global_step == steps
     return at_start, model

@@ -130,6 +130,9 @@ def test_settings_are_frozen_and_checked_when_built():
     with pytest.raises(ValueError, match=r"init_scale=0\.5 lies outside \[min_loss_scale=1\.0"):
         MixedPrecisionSettings(scaler=ScalerSettings(init_scale=0.5))  # dynamic at O1 with float16
     # A static scale ignores init_scale, as before: bfloat16's default is a static 1.0.
-    assert MixedPrecisionSettings(half_dtype="bfloat16", scaler=ScalerSettings(init_scale=0.5)).properties.loss_scale == 1.0
+    assert (
+        MixedPrecisionSettings(half_dtype="bfloat16", scaler=ScalerSettings(init_scale=0.5)).properties.loss_scale
+        == 1.0
+    )
     with pytest.raises(TypeError, match="settings=dict must be a lightning_mpx.MixedPrecisionSettings"):
         Amp.from_settings({})  # type: ignore[arg-type]

@@ -24,7 +24,9 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
-def _engine(skip: bool, level: str = "O1", dtype: str = "bfloat16", **kwargs) -> tuple[Amp, nn.Module, torch.optim.Optimizer]:
+def _engine(
+    skip: bool, level: str = "O1", dtype: str = "bfloat16", **kwargs
+) -> tuple[Amp, nn.Module, torch.optim.Optimizer]:
     amp = Amp(level, half_dtype=dtype, skip_on_device=skip, **kwargs)
     model = amp.prepare_model(_net())
     opt = amp.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
@@ -77,7 +79,10 @@ def test_a_run_with_overflows_matches_the_host_path_bit_for_bit(level, dtype):
             scales.append(amp.scalers[0].get_scale())
         amp.read_step_outcomes()
         runs.append(([bool(o) for o in outcomes], scales, amp.skipped_steps, _state(amp, model, opt), outcomes))
-    (host_steps, host_scales, host_skipped, host_state, host_out), (dev_steps, dev_scales, dev_skipped, dev_state, dev_out) = runs
+    (
+        (host_steps, host_scales, host_skipped, host_state, host_out),
+        (dev_steps, dev_scales, dev_skipped, dev_state, dev_out),
+    ) = runs
     assert all(type(o) is bool for o in host_out) and all(isinstance(o, StepOutcome) for o in dev_out)
     assert dev_steps == host_steps == [i not in bad_steps for i in range(8)]
     assert dev_scales == host_scales and dev_skipped == host_skipped == [3]
@@ -295,7 +300,10 @@ def test_checkpoints_read_the_pending_steps_first():
     "make, why",
     [
         (lambda p: torch.optim.AdamW(p, lr=1e-3), r"optimizer=AdamW is not fused"),
-        (lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9, fused=True), r"optimizer=SGD is not one of torch.optim.Adam"),
+        (
+            lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9, fused=True),
+            r"optimizer=SGD is not one of torch.optim.Adam",
+        ),
         (lambda p: torch.optim.Adam([{"params": p[:2], "fused": True}, {"params": p[2:]}], lr=1e-3, fused=False),
          r"optimizer=Adam is not fused \(param group\(s\) \[1\] without fused=True\)"),
     ],
@@ -303,7 +311,9 @@ def test_checkpoints_read_the_pending_steps_first():
 def test_an_optimizer_that_cannot_skip_on_the_device_is_refused_when_prepared(make, why):
     amp = Amp("O1", half_dtype="bfloat16", skip_on_device=True)
     model = amp.prepare_model(_net())
-    with pytest.raises(ValueError, match=rf"skip_on_device=True needs a step that can be skipped on the device, but {why}"):
+    with pytest.raises(
+        ValueError, match=rf"skip_on_device=True needs a step that can be skipped on the device, but {why}"
+    ):
         amp.prepare_optimizer(make(list(model.parameters())))
 
 
@@ -357,7 +367,9 @@ def test_any_sequence_trains_as_the_host_path(actions, level):
     checkpoints, the outcome read at once or left to the engine: the same as the host path, step for step."""
     runs = []
     for skip in (False, True):
-        amp, model, opt = _engine(skip, level, dtype="float16", on_floor="continue", init_scale=2.0**6, growth_interval=2)
+        amp, model, opt = _engine(
+            skip, level, dtype="float16", on_floor="continue", init_scale=2.0**6, growth_interval=2
+        )
         seen = []
         for index, (bad, action, when) in enumerate(actions):
             _backward(amp, model, index, bad)
@@ -543,7 +555,9 @@ def test_cuda_step_skips_on_the_device_without_a_sync_and_trains_as_the_host_pat
                 torch.cuda.set_sync_debug_mode("default")
             opt.zero_grad()
         amp.read_step_outcomes()
-        runs.append(([bool(o) for o in outcomes], amp.skipped_steps, amp.scalers[0].get_scale(), _state(amp, model, opt)))
+        runs.append(
+            ([bool(o) for o in outcomes], amp.skipped_steps, amp.scalers[0].get_scale(), _state(amp, model, opt))
+        )
     assert runs[0][:3] == runs[1][:3] and runs[0][0] == [i not in bad_steps for i in range(6)]
     assert all(torch.equal(a, b) for a, b in zip(runs[0][3], runs[1][3]))
 

@@ -1,6 +1,7 @@
-"""The per-optimizer stages through a real ``lightning_mpx.integrations.accelerate.Accelerator`` on CPU, against the same loop
-with Accelerate in FP32 (``mixed_precision="no"``): a loop that clips and then skips a bad batch, a backward between
-a clip and the step, a GAN whose overflow is charged to its own loss, numpy loss ids and consecutive hysteresis."""
+"""The per-optimizer stages through a real ``lightning_mpx.integrations.accelerate.Accelerator`` on CPU, against the
+same loop with Accelerate in FP32 (``mixed_precision="no"``): a loop that clips and then skips a bad batch, a backward
+between a clip and the step, a GAN whose overflow is charged to its own loss, numpy loss ids and consecutive
+hysteresis."""
 
 from __future__ import annotations
 

@@ -101,7 +101,9 @@ def test_empty_list_gives_zero_norm():
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match=r"backend='cuda' is not an unscale backend; valid choices: auto, foreach, reference"):
+    with pytest.raises(
+        ValueError, match=r"backend='cuda' is not an unscale backend; valid choices: auto, foreach, reference"
+    ):
         unscale_grads_([torch.ones(1)], _inv(1.0), torch.zeros(()), backend="cuda")
     with pytest.raises(ValueError, match=r"out has 2 tensors but grads has 1"):
         unscale_grads_([torch.ones(1)], _inv(1.0), torch.zeros(()), out=[torch.ones(1)] * 2)

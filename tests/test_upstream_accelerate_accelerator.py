@@ -172,7 +172,9 @@ def test_free_memory_dereferences_prepared_components(level, half):
     gc.collect()
     assert old_engine() is None
     assert accelerator.amp.opt_level == level and accelerator.amp.half_dtype is HALVES[half]
-    assert accelerator.mpx_metrics() == {"mpx/loss_scale": initial_scale, "mpx/overflows": 0.0, "mpx/skipped_steps": 0.0}
+    assert accelerator.mpx_metrics() == {
+        "mpx/loss_scale": initial_scale, "mpx/overflows": 0.0, "mpx/skipped_steps": 0.0
+    }
     model, optimizer = accelerator.prepare(*create_components()[:2])
     assert accelerator._models == [model] and accelerator._optimizers == [optimizer]
     accelerator.backward(model(torch.randn(3, 2)).mean() * 1e-3)

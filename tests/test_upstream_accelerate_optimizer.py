@@ -56,7 +56,10 @@ def _values(accelerator, model):
     """``(parameters, FP32 values)``: the model's parameters and the FP32 values they train from (O2's masters, the
     parameters themselves at O1)."""
     fp32 = accelerator.amp.fp32_state_dict(model)
-    return [p.detach().clone() for p in model.parameters()], [fp32[name].clone() for name, _ in model.named_parameters()]
+    return (
+        [p.detach().clone() for p in model.parameters()],
+        [fp32[name].clone() for name, _ in model.named_parameters()],
+    )
 
 
 def _same(a, b):

@@ -9,10 +9,11 @@ loss run (a forward pre-hook and an always-called forward hook on each of them; 
 hooked: Lightning runs ``training_step`` through it under DDP and FSDP).
 
 A module *computes a loss* when it is a ``torch.nn`` loss module, or when its ``forward`` (or a function or method it
-calls, its own or a child module's, three calls deep, nested functions included) names a function of the O2 table (``cross_entropy``...) or any
-name containing ``loss`` or ``criterion`` (``self.loss_fct``, ``CrossEntropyLoss``, ``self.loss_function``); a forward
-whose code cannot be read counts as computing one. A loss computed where the code does not say so (a loss function
-reached through an object that names none of these) runs as the half model gives it, as it did at Apex's O2.
+calls, its own or a child module's, three calls deep, nested functions included) names a function of the O2 table
+(``cross_entropy``...) or any name containing ``loss`` or ``criterion`` (``self.loss_fct``, ``CrossEntropyLoss``,
+``self.loss_function``); a forward whose code cannot be read counts as computing one. A loss computed where the code
+does not say so (a loss function reached through an object that names none of these) runs as the half model gives it, as
+it did at Apex's O2.
 
 The names are the policy's table's, read live: a row registered later (``amp.policy.table.register(my_fn, "float")``
 with ``@dispatchable``), or a table put in its place, makes the regions :meth:`LossRegions.stale`, and ``Amp`` hooks

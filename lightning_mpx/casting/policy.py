@@ -29,8 +29,8 @@ forward pass up to the next backward pass started through the policy (:meth:`Cas
 ``Amp.backward`` runs, a backward call inside a scope, or :meth:`CastPolicy.recompute_scope`), as Apex's cache served
 the forward passes of one ``scale_loss`` block, and at the latest until :meth:`CastPolicy.clear_cache`, which the
 training loop calls at each iteration boundary. The backward pass keeps what it needs through autograd; the cache
-does not hold the half copies for it (held, they cost 6-14% of a mid-size training step on CPU by keeping memory that the
-backward pass would otherwise reuse). A parameter changed in place since (an optimizer step between two forward
+does not hold the half copies for it (held, they cost 6-14% of a mid-size training step on CPU by keeping memory that
+the backward pass would otherwise reuse). A parameter changed in place since (an optimizer step between two forward
 passes) or given new storage (``p.data = ...``) is cast again. Casts made
 without gradients (evaluation) live for one scope: a write through ``p.data`` changes the values without any trace on
 the parameter, and evaluation-only runs never reach an iteration boundary. Casts are differentiable, so gradients
@@ -207,9 +207,10 @@ class CastPolicy:
 
         Enter it around ``loss.backward()`` (``Amp.backward`` does): activation checkpointing
         (``torch.utils.checkpoint`` with ``use_reentrant=True`` or ``False``) then recomputes with the forward's
-        casts, as it does for ``torch.autocast``. Only calls made with gradients enabled are cast: during a backward pass that is the
-        recomputation, while the engine's own backward functions (and Python ``autograd.Function.backward``) run
-        with gradients disabled and are left alone, unless the backward builds a graph (``create_graph=True``).
+        casts, as it does for ``torch.autocast``. Only calls made with gradients enabled are cast: during a backward
+        pass that is the recomputation, while the engine's own backward functions (and Python
+        ``autograd.Function.backward``) run with gradients disabled and are left alone, unless the backward builds a
+        graph (``create_graph=True``).
         """
         self._refresh_actions()
         self._grad_cache.clear()  # a backward pass starts: the forward passes' casts are not needed any more
@@ -323,7 +324,9 @@ class CastPolicy:
             actions.update(dict.fromkeys(_BACKWARD_ENTRIES, _BACKWARD))
             if refuse:
                 for entry in self.table.entries("float"):
-                    inplace = getattr(torch.Tensor, entry.name + "_", None) if entry.namespace == "torch.Tensor" else None
+                    inplace = (
+                        getattr(torch.Tensor, entry.name + "_", None) if entry.namespace == "torch.Tensor" else None
+                    )
                     if inplace is not None and inplace not in actions:
                         actions[inplace] = _INPLACE_FLOAT
             if autocast_device is not None and actions.keys() <= _BACKWARD_ENTRIES:
@@ -410,7 +413,8 @@ class CastPolicy:
                         new_args[index] = item.to(dtype=dtype) if cache is None else _cached_cast(cache, item, dtype)
                     else:
                         new_args[index] = item.to(dtype=dtype)
-            elif type(item) is tuple or type(item) is list:  # not torch.Size or a namedtuple: _cast_changed sees to those
+            elif type(item) is tuple or type(item) is list:
+                # not torch.Size or a namedtuple: _cast_changed sees to those
                 cast = self._cast_sequence(item, dtype, castable, cache)
                 if cast is not None:
                     if new_args is None:

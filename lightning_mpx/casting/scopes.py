@@ -69,8 +69,8 @@ def _outer_autocast_off() -> Iterator[None]:
 def enter_fp32() -> Fp32State:
     """Make the table's half ops run in FP32 in every cast policy active on this thread, until :func:`exit_fp32` is
     given what this returned (nests). What a module pinned to FP32 at O1 runs under (see
-    :mod:`lightning_mpx.health.promotion`, which calls the two from forward hooks and casts the module's inputs to FP32):
-    ``torch.autocast`` is turned off inside (the ``"autocast"`` engine's casts are autocast's)."""
+    :mod:`lightning_mpx.health.promotion`, which calls the two from forward hooks and casts the module's inputs to
+    FP32): ``torch.autocast`` is turned off inside (the ``"autocast"`` engine's casts are autocast's)."""
     modes = [mode for mode in torch.overrides._get_current_function_mode_stack() if isinstance(mode, _CastMode)]
     for mode in modes:
         mode.fp32 += 1

@@ -106,7 +106,8 @@ class CastTable:
         CUDA autocast runs cuDNN RNNs in float16 even at bfloat16. When ``half_dtype`` is bfloat16 and ``model``
         holds an ``nn.RNNBase`` module (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``), the table keeps its RNN rows in the
         policy's dtype instead: they run in bfloat16 through the Python policy, which then sees every torch call of
-        the forward (the mode's cost); a bfloat16 model without RNN modules, or float16, keeps autocast's dispatch alone.
+        the forward (the mode's cost); a bfloat16 model without RNN modules, or float16, keeps autocast's dispatch
+        alone.
         """
         if not isinstance(device_type, str):
             raise TypeError(f"device_type={device_type!r} must be a device type name such as 'cuda' or 'cpu'.")

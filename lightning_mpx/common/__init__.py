@@ -1,1 +1,2 @@
-"""Helpers every part of the package uses: dtypes, casting inside collections, optional imports, torch version checks."""
+"""Helpers every part of the package uses: dtypes, casting inside collections, optional imports, torch version
+checks."""

@@ -4,7 +4,8 @@
 --no-deps``, a pinned image). Importing ``lightning_mpx`` there warns, once, naming what is known to fail: on torch
 2.10 the suite passes except ``torch.compile`` at O1 (graph breaks, and errors where the cast policy's scope is entered
 inside compiled code); releases before that also fail FSDP2 training through Lightning (2.8) and ``import
-lightning_mpx.integrations.fsdp`` (2.4-2.5). ``.ci/other_torch VERSION`` runs the suite under another release (docs/testing.md).
+lightning_mpx.integrations.fsdp`` (2.4-2.5). ``.ci/other_torch VERSION`` runs the suite under another release
+(docs/testing.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Casting the tensors inside a collection (lists, tuples, namedtuples, mappings, dataclasses), rebuilt as their types.
 
-Shared by :class:`~lightning_mpx.engine.amp.Amp`, the adapters and :mod:`lightning_mpx.health.promotion`; it imports nothing of
-the package, so none of them has to import another to use it.
+Shared by :class:`~lightning_mpx.engine.amp.Amp`, the adapters and :mod:`lightning_mpx.health.promotion`; it imports
+nothing of the package, so none of them has to import another to use it.
 """
 
 from __future__ import annotations

@@ -7,7 +7,13 @@ from types import MappingProxyType, ModuleType
 
 #: The extra that installs each optional framework.
 EXTRAS = MappingProxyType(
-    {"lightning": "lightning", "accelerate": "accelerate", "triton": "triton", "tensorboard": "demo", "matplotlib": "demo"}
+    {
+        "lightning": "lightning",
+        "accelerate": "accelerate",
+        "triton": "triton",
+        "tensorboard": "demo",
+        "matplotlib": "demo",
+    }
 )
 
 

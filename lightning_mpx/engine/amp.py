@@ -208,8 +208,8 @@ class Amp:
         A model that PyTorch FSDP has already sharded (``fully_shard``, or the FSDP1 wrapper: prepare the wrapped
         model) is not converted and gets no masters: FSDP's mixed-precision policy computes in half and, at O2, its
         sharded FP32 parameters are the masters. Its policies are checked against the opt level
-        (:func:`lightning_mpx.integrations.fsdp.check_sharded_model`), and the scaler then works on each rank's shards with one
-        all-reduce per step (the overflow flags and the global gradient norm)."""
+        (:func:`lightning_mpx.integrations.fsdp.check_sharded_model`), and the scaler then works on each rank's shards
+        with one all-reduce per step (the overflow flags and the global gradient norm)."""
         if not isinstance(module, nn.Module):
             raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module.")
         if not isinstance(train, bool):
@@ -256,9 +256,10 @@ class Amp:
         parameter that has an FP32 master as that master (the exact weights the optimizer trains at O2, writes made
         to the model since the last step taken first), or the FP32 value kept for the master it will get (before its
         optimizer's first step; a parameter frozen since it was prepared), every other half tensor upcast (a
-        parameter frozen before it was prepared: its half value, exactly), FP32 and integer tensors as they are. The keys are ``module.state_dict()``'s, so
-        ``model.save_pretrained(path, state_dict=amp.fp32_state_dict(model))`` (Hugging Face, peft) or
-        ``torch.save`` take it as they take the model's own; ``model.state_dict()`` itself holds the half values.
+        parameter frozen before it was prepared: its half value, exactly), FP32 and integer tensors as they are. The
+        keys are ``module.state_dict()``'s, so ``model.save_pretrained(path, state_dict=amp.fp32_state_dict(model))``
+        (Hugging Face, peft) or ``torch.save`` take it as they take the model's own; ``model.state_dict()`` itself holds
+        the half values.
 
         Raises:
             TypeError: ``module`` is not an ``nn.Module``.
@@ -305,7 +306,8 @@ class Amp:
         loss it came from, and the optimizer's next :meth:`step` is skipped even if the gradients are zeroed before it
         (as after :meth:`unscale_`: a check made decides the step)."""
         loss_id = self._loss_index(loss_id)
-        if self._pending.steps:  # the steps skipped on the device in earlier iterations, settled before new gradients come
+        # the steps skipped on the device in earlier iterations, settled before new gradients come
+        if self._pending.steps:
             self._pending.settle(before=self._iteration)  # every rank is here: their records are merged now
         scaled = self.scalers[loss_id].scale(loss)
         if self.forensics.watch.active:  # a device flag, no sync

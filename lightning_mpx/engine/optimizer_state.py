@@ -2,8 +2,8 @@
 
 One :class:`_OptimizerState` per prepared optimizer, as ``torch.amp.GradScaler`` keeps one stage per optimizer: its
 :class:`_Stage` moves READY -> UNSCALED on an unscale (or a clip), back to READY after the step, and
-:meth:`~lightning_mpx.engine.amp.Amp.update` resets every optimizer for the next iteration (one left UNSCALED without a step
-becomes SKIPPED). It also caches the optimizer's (parameter, master) pairs for the master swap
+:meth:`~lightning_mpx.engine.amp.Amp.update` resets every optimizer for the next iteration (one left UNSCALED without a
+step becomes SKIPPED). It also caches the optimizer's (parameter, master) pairs for the master swap
 (:mod:`lightning_mpx.masters.pairs`). Plain data: the stages that use it (:mod:`~lightning_mpx.engine.grad_checks`,
 :mod:`~lightning_mpx.engine.rescale`, :mod:`~lightning_mpx.masters.swap`) read and write its fields, so that a step
 never calls back into this module but to :meth:`_OptimizerState.reset` at its end.

@@ -2,8 +2,8 @@
 being read on the host first, and what the step did is read later.
 
 ``torch.amp.GradScaler`` hands the flag to optimizers that can skip on the device (``_step_supports_amp_scaling``:
-torch's fused implementations) and never reads it on the host. :meth:`Amp.step <lightning_mpx.engine.amp.Amp.step>` does the
-same for :data:`DEVICE_SKIP_OPTIMIZERS` with ``fused=True`` and returns a :class:`StepOutcome`; the flags, with the
+torch's fused implementations) and never reads it on the host. :meth:`Amp.step <lightning_mpx.engine.amp.Amp.step>` does
+the same for :data:`DEVICE_SKIP_OPTIMIZERS` with ``fused=True`` and returns a :class:`StepOutcome`; the flags, with the
 scales they were computed with, are copied to the host behind the step (a non-blocking copy and an event on CUDA),
 and read when the outcome is used as a bool or, at the latest, at the engine's next backward or step
 (:class:`PendingSteps`). By then the device has usually passed that point: the read does not wait. A read is local

@@ -20,8 +20,9 @@ not move when the scale changes is structural (rows of an embedding absent from 
 not underflow; one that falls as the scale grows is made of values the half backward flushed to zero, and counts (see
 :func:`_zeros_verdict`). Runs written before ``mpx/zeros/<group>`` existed logged zeros inside
 ``mpx/underflow/<group>``; they are judged as before. Runs written before the underflow and per-module tags existed
-are diagnosed from ``mpx/loss_scale``, ``mpx/overflows`` and ``mpx/skipped_steps`` alone. The states are judged on the end of the run (the trailing
-steps), so a scale that backed off at the start and settled is healthy. The thresholds are the constants below.
+are diagnosed from ``mpx/loss_scale``, ``mpx/overflows`` and ``mpx/skipped_steps`` alone. The states are judged on the
+end of the run (the trailing steps), so a scale that backed off at the start and settled is healthy. The thresholds are
+the constants below.
 """
 
 from __future__ import annotations

@@ -31,10 +31,10 @@ What "runs in FP32" means per opt level:
 * **O0**: everything is FP32; patterns are checked and reported, nothing changes.
 
 Non-finite values made by code between two module calls (``h = self.blow(h) * 1e5`` in a forward: attention scores, a
-residual sum; see :class:`~lightning_mpx.health.forensics.CodeRegion`) are blamed on the module whose output fed that code: at
-O1 its FP32 output keeps the code after it in FP32. At O2/O3 that output goes back to half before the code runs, so the
-module whose forward runs the code is promoted instead (never the root: code in the root's forward or in the training
-step cannot be promoted; the floor error then names it).
+residual sum; see :class:`~lightning_mpx.health.forensics.CodeRegion`) are blamed on the module whose output fed that
+code: at O1 its FP32 output keeps the code after it in FP32. At O2/O3 that output goes back to half before the code
+runs, so the module whose forward runs the code is promoted instead (never the root: code in the root's forward or in
+the training step cannot be promoted; the floor error then names it).
 
 Promotion refuses (and the floor error is raised as with ``on_floor="raise"``) when no module can be blamed: no
 parameter had non-finite gradients on this process, the last overflows came from different modules, the culprits are

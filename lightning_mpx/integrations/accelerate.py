@@ -43,17 +43,18 @@ their native behaviour untouched. With an opt level, Accelerate itself runs with
 
 **FSDP** (``fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2)``, or 1): Accelerate shards the model and
 the opt level is carried out partly by FSDP. The plugin's ``mixed_precision_policy`` is set to the level's
-(:func:`lightning_mpx.integrations.fsdp.mixed_precision_policy`, FSDP1: :func:`~lightning_mpx.integrations.fsdp.fsdp1_mixed_precision`:
-gathered in half, gradients reduced in FP32); before Accelerate shards, the model gets the level's casts (O3: half;
-O1/O2: trainable half parameters FP32, as Accelerate's own FSDP upcast) and, with FSDP2, its FP32 islands (batch norm
-where the level keeps it FP32, ``fp32_modules``) become FSDP units of their own. Then the
-:class:`~lightning_mpx.engine.amp.Amp` prepares the *sharded* model (no conversion, no second copy: FSDP's sharded FP32
-parameters are the O2 masters) and the optimizer once Accelerate has swapped its parameters for the shards. The
-scaler works on each rank's shards with one all-reduce per step (overflow flags and the global squared norm), so
-``clip_grad_norm_(model.parameters(), ...)`` clips by the global norm and every rank skips an overflow step with
-the same scale; ``save_state`` uses FSDP's own checkpoints and writes the engine's state (identical on every rank)
-once. With FSDP1, make the optimizer from the prepared model (as Accelerate asks). Refused: ``on_floor="promote"``
-at O2/O3, a ``mixed_precision_policy`` of your own; DeepSpeed refuses every opt level (configure its own ``fp16``).
+(:func:`lightning_mpx.integrations.fsdp.mixed_precision_policy`, FSDP1:
+:func:`~lightning_mpx.integrations.fsdp.fsdp1_mixed_precision`: gathered in half, gradients reduced in FP32); before
+Accelerate shards, the model gets the level's casts (O3: half; O1/O2: trainable half parameters FP32, as Accelerate's
+own FSDP upcast) and, with FSDP2, its FP32 islands (batch norm where the level keeps it FP32, ``fp32_modules``) become
+FSDP units of their own. Then the :class:`~lightning_mpx.engine.amp.Amp` prepares the *sharded* model (no conversion, no
+second copy: FSDP's sharded FP32 parameters are the O2 masters) and the optimizer once Accelerate has swapped its
+parameters for the shards. The scaler works on each rank's shards with one all-reduce per step (overflow flags and the
+global squared norm), so ``clip_grad_norm_(model.parameters(), ...)`` clips by the global norm and every rank skips an
+overflow step with the same scale; ``save_state`` uses FSDP's own checkpoints and writes the engine's state (identical
+on every rank) once. With FSDP1, make the optimizer from the prepared model (as Accelerate asks). Refused:
+``on_floor="promote"`` at O2/O3, a ``mixed_precision_policy`` of your own; DeepSpeed refuses every opt level (configure
+its own ``fp16``).
 """
 
 from __future__ import annotations
@@ -463,7 +464,12 @@ class Accelerator(ShardedPreparation, _BaseAccelerator):  # type: ignore[misc]
         """As ``accelerate.Accelerator.log``; with an opt level the :meth:`mpx_metrics` are added to ``values``
         (your own values win on a name clash) unless ``MixedPrecisionKwargs(log_metrics=False)``. The device is read
         only here, and only on the main process, which is the only one that logs."""
-        if self.amp is not None and self.mpx_kwargs is not None and self.mpx_kwargs.log_metrics and self.is_main_process:
+        if (
+            self.amp is not None
+            and self.mpx_kwargs is not None
+            and self.mpx_kwargs.log_metrics
+            and self.is_main_process
+        ):
             values = {**self.mpx_metrics(), **values}
         super().log(values, step=step, log_kwargs=log_kwargs)
 

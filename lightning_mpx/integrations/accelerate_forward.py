@@ -33,8 +33,8 @@ class AmpForward:
     wrapper) so that the loss is computed in FP32.
 
     A deep copy or pickle of the model (``AveragedModel``, an EMA model) gets a forward with an engine of its own
-    whose O2/O3 casts follow the copy's own dtype (:class:`~lightning_mpx.casting.boundary.DtypeProbe`): a copy converted
-    with ``.float()`` runs as a plain FP32 model."""
+    whose O2/O3 casts follow the copy's own dtype (:class:`~lightning_mpx.casting.boundary.DtypeProbe`): a copy
+    converted with ``.float()`` runs as a plain FP32 model."""
 
     def __init__(self, forward: Callable[..., Any], amp: Amp) -> None:
         # __wrapped__ is the plain function, so that Accelerate's unwrap_model(keep_fp32_wrapper=False) can restore it.

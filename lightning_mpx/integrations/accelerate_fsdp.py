@@ -4,12 +4,13 @@ Accelerate's ``FullyShardedDataParallelPlugin`` and from the model before Accele
 Accelerate shards the model itself (FSDP2: ``fully_shard`` on the auto-wrapped blocks, then the root, all with the
 plugin's one ``mixed_precision_policy``; FSDP1: the ``FullyShardedDataParallel`` wrapper). The adapter gives the plugin
 the level's block policy (:func:`lightning_mpx.integrations.fsdp.mixed_precision_policy`; FSDP1:
-:func:`~lightning_mpx.integrations.fsdp.fsdp1_mixed_precision`), and before Accelerate shards (:func:`before_sharding`) it casts the model as the level needs (O3: half; O1/O2: trainable
-half parameters to FP32, since FSDP's FP32 shards are the masters) and, with FSDP2, shards the FP32 islands (batch
-norm, ``fp32_modules``) as units of their own with the island policy; Accelerate's auto-wrap leaves modules that are
-already sharded alone. The root's casts (inputs to half at O3, outputs to FP32) are the adapter's forward wrapper's.
-:class:`ShardedPreparation` is the part of the adapter's ``Accelerator`` that prepares models and optimizers under
-FSDP: the level's casts before Accelerate shards, the engine on the sharded model after.
+:func:`~lightning_mpx.integrations.fsdp.fsdp1_mixed_precision`), and before Accelerate shards (:func:`before_sharding`)
+it casts the model as the level needs (O3: half; O1/O2: trainable half parameters to FP32, since FSDP's FP32 shards are
+the masters) and, with FSDP2, shards the FP32 islands (batch norm, ``fp32_modules``) as units of their own with the
+island policy; Accelerate's auto-wrap leaves modules that are already sharded alone. The root's casts (inputs to half at
+O3, outputs to FP32) are the adapter's forward wrapper's. :class:`ShardedPreparation` is the part of the adapter's
+``Accelerator`` that prepares models and optimizers under FSDP: the level's casts before Accelerate shards, the engine
+on the sharded model after.
 """
 
 from __future__ import annotations
@@ -83,7 +84,9 @@ def before_sharding(
     from lightning_mpx.integrations.fsdp import _buffers_to, _islands, _mode, mixed_precision_policy
 
     if is_sharded(model):
-        return {}  # sharded by the user (e.g. lightning_mpx.integrations.fsdp.shard_model): Accelerate keeps it, the engine checks it
+        # sharded by the user (e.g. lightning_mpx.integrations.fsdp.shard_model): Accelerate keeps it, the engine
+        # checks it
+        return {}
     props = settings.properties
     mode = _mode(props)
     islands = _islands(model, settings, mode, require_match=True)

@@ -291,8 +291,8 @@ class FabricMixedPrecisionPlugin(Precision):
 
     def metrics(self) -> dict[str, float]:
         """The ``mpx/*`` metrics as Python numbers, for ``fabric.log_dict``: ``mpx/loss_scale``, ``mpx/overflows``
-        (since the previous call), ``mpx/skipped_steps``... (see :meth:`lightning_mpx.engine.amp.Amp.metrics`). Reads the
-        device (it syncs): call it on the steps you log. Steps skipped on the device (``skip_on_device``) are read
+        (since the previous call), ``mpx/skipped_steps``... (see :meth:`lightning_mpx.engine.amp.Amp.metrics`). Reads
+        the device (it syncs): call it on the steps you log. Steps skipped on the device (``skip_on_device``) are read
         first, so that ``mpx/skipped_steps`` counts them."""
         self._begin()
         self.amp.read_step_outcomes()

@@ -137,7 +137,8 @@ def grad_pairs(
     empty buffer and a copy into it take two). ``refuse_sparse(param)`` raises for a parameter with a sparse
     gradient.
     """
-    pairs = param_pairs(state, master_weights, recheck=True, optimizer=optimizer)  # once per step: a parameter unfrozen in place
+    # once per step: a parameter unfrozen in place
+    pairs = param_pairs(state, master_weights, recheck=True, optimizer=optimizer)
     # The usual step, every parameter with a dense gradient, read with C-level maps; a parameter's own gradient is
     # its master's (the master is the parameter), and a master of its own gets a new FP32 gradient.
     grads = list(map(_GRAD, state.pair_params))

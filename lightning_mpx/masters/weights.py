@@ -2,8 +2,8 @@
 
 :func:`convert_module` casts a module's floating-point parameters and buffers to half in place, keeping batch norm
 in FP32 when asked. :class:`MasterWeights` holds FP32 copies of the half parameters, kept coherent with the model;
-:class:`~lightning_mpx.engine.amp.Amp` hands them to the optimizer for its step (so the update and the optimizer state are
-FP32), and :meth:`MasterWeights.copy_to_model` writes the result back to the model after each real step.
+:class:`~lightning_mpx.engine.amp.Amp` hands them to the optimizer for its step (so the update and the optimizer state
+are FP32), and :meth:`MasterWeights.copy_to_model` writes the result back to the model after each real step.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ class MasterWeights:
         exclude: Parameters another :class:`MasterWeights` already covers (a submodule shared by two models): they
             are left to it, so every tensor has one master.
         eager: Make the masters of the trainable half parameters now. ``False``: only when :meth:`master_of` is
-            asked to create one, as :class:`~lightning_mpx.engine.amp.Amp` does for the parameters an optimizer holds (an
-            EMA copy or a distillation teacher kept as a submodule, trainable but in no optimizer, gets none).
+            asked to create one, as :class:`~lightning_mpx.engine.amp.Amp` does for the parameters an optimizer holds
+            (an EMA copy or a distillation teacher kept as a submodule, trainable but in no optimizer, gets none).
         initial: FP32 values the half parameters held before their cast (by ``id`` of the parameter): a master made
             while its parameter still holds their rounding starts from them exactly (elements written since keep
             the model's value). Dropped by :meth:`drop_initial` once the masters that need them are made.
@@ -428,7 +428,8 @@ class Mirror:
         return tuple(map(_VERSION, self.params)), tuple(map(torch.Tensor.data_ptr, self.params))
 
     def take_writes(self) -> list[str]:
-        """Take writes made to the parameters since the masters last matched them (see :meth:`MasterWeights.refresh`)."""
+        """Take writes made to the parameters since the masters last matched them (see
+        :meth:`MasterWeights.refresh`)."""
         if self.compare:
             taken = _take_writes(self._pairs)
         else:

@@ -266,10 +266,13 @@ class LossScaler:
             at_floor = not self.dynamic or scale <= self.min_loss_scale
         if self.on_floor == "continue" or not at_floor:
             return
-        shown = ", ".join(bad_parameters[:10]) + (f" and {len(bad_parameters) - 10} more" if len(bad_parameters) > 10 else "")
+        shown = ", ".join(bad_parameters[:10]) + (
+            f" and {len(bad_parameters) - 10} more" if len(bad_parameters) > 10 else ""
+        )
         kind = "dynamic loss scale is at its floor" if self.dynamic else "static loss scale cannot be lowered"
         message = (
-            f"Gradients overflowed and the {kind} (scale={self.get_scale() if scale is None else scale:g}, min_loss_scale={self.min_loss_scale:g}):"
+            f"Gradients overflowed and the {kind} (scale={self.get_scale() if scale is None else scale:g}, "
+            f"min_loss_scale={self.min_loss_scale:g}):"
             f" non-finite gradients in {shown or 'unknown parameters'}. The step was skipped and parameters are "
             "unchanged. "
             + (hint or _FLOOR_ADVICE[self.half_dtype])

@@ -1,20 +1,21 @@
-"""Fused multi-tensor kernels in Triton: the ``"triton"`` backend of :func:`lightning_mpx.scaling.unscale.unscale_grads_`.
+"""Fused multi-tensor kernels in Triton: the ``"triton"`` backend of
+:func:`lightning_mpx.scaling.unscale.unscale_grads_`.
 
 This module imports triton; :mod:`lightning_mpx.scaling.unscale` imports it only when the backend is used, so that
 ``import lightning_mpx`` needs torch alone.
 
 Design. Every tensor of a call is cut into chunks of ``workspace.chunk_size`` elements, and a table with one row per
 chunk, ``(tensor index, first element, length)`` as int64, is built on the host, copied to the device once and kept
-in the caller's :class:`~lightning_mpx.scaling.unscale.UnscaleWorkspace` for the next steps: it depends only on the tensors'
-sizes, dtypes and layouts. The tensors' base addresses live in two small int64 arrays beside it (one entry per
+in the caller's :class:`~lightning_mpx.scaling.unscale.UnscaleWorkspace` for the next steps: it depends only on the
+tensors' sizes, dtypes and layouts. The tensors' base addresses live in two small int64 arrays beside it (one entry per
 tensor), uploaded again only when an address changes: ``zero_grad(set_to_none=True)``, torch's default, gives the
 gradients new buffers whenever the caching allocator hands out other blocks, and rebuilding the table for that cost
 tens of milliseconds of host time per step on an H100 run (``benchmarks/gpu_host_profile.py``). One program
 handles one chunk: it loads its row and its tensor's two base addresses, casts them to typed pointers
-(``int64 -> tl.pointer_type``), offsets them to the chunk and walks it ``block_size`` elements at a time. Tensors of one (source dtype, destination dtype) pair share a launch, so the
-number of launches depends on the number of dtype pairs (one or two in practice), never on the number of tensors.
-Folding each chunk's start into its addresses keeps every in-kernel offset below ``chunk_size``: no 32-bit overflow,
-whatever the tensor size.
+(``int64 -> tl.pointer_type``), offsets them to the chunk and walks it ``block_size`` elements at a time. Tensors of one
+(source dtype, destination dtype) pair share a launch, so the number of launches depends on the number of dtype pairs
+(one or two in practice), never on the number of tensors. Folding each chunk's start into its addresses keeps every
+in-kernel offset below ``chunk_size``: no 32-bit overflow, whatever the tensor size.
 
 The scale is a device tensor read by the kernel (a new scale never recompiles anything and never needs the host).
 The non-finite flag is set by a masked store of 1.0 (every writer writes the same value, so the result does not

@@ -5,9 +5,9 @@ also clip by the global L2 norm of the unscaled gradients. Backends:
 
 * ``"foreach"``: torch's multi-tensor kernels (``_amp_foreach_non_finite_check_and_unscale_``, ``_foreach_norm``);
 * ``"reference"``: a plain per-tensor loop, the readable twin that tests hold the others to;
-* ``"triton"``: fused multi-tensor kernels written in Triton (:mod:`lightning_mpx.scaling.triton_unscale`): each pass reads
-  and writes every element once, the norm needs no extra pass, and clipping by norm costs one read-only pass plus one
-  multiply pass. CUDA tensors (CPU tensors only under ``TRITON_INTERPRET=1``, as the tests run it);
+* ``"triton"``: fused multi-tensor kernels written in Triton (:mod:`lightning_mpx.scaling.triton_unscale`): each pass
+  reads and writes every element once, the norm needs no extra pass, and clipping by norm costs one read-only pass plus
+  one multiply pass. CUDA tensors (CPU tensors only under ``TRITON_INTERPRET=1``, as the tests run it);
 * ``"auto"``: on CUDA tensors with triton installed, ``"triton"`` where fusion saves passes (a norm, clipping,
   statistics, bfloat16 gradients unscaled in place) and ``"foreach"`` for a plain unscale, in place or into FP32
   master gradients, and for :func:`cast_copy_` (torch's kernels serve those in one launch each with less host work

@@ -1,5 +1,6 @@
-"""The fused unscale backend's state kept across steps, in a module of its own so that :mod:`lightning_mpx.scaling.unscale`
-and the Triton kernels (:mod:`lightning_mpx.scaling.triton_unscale`) both import it and neither imports the other back."""
+"""The fused unscale backend's state kept across steps, in a module of its own so that
+:mod:`lightning_mpx.scaling.unscale` and the Triton kernels (:mod:`lightning_mpx.scaling.triton_unscale`) both import it
+and neither imports the other back."""
 
 from __future__ import annotations
 
