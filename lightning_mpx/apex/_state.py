@@ -98,7 +98,8 @@ class AmpState:
         cast_scope: The O1 cast-policy scope entered by ``initialize`` on its thread (exited by the next one).
         touched: Optimizers named in ``scale_loss`` blocks since the last ``Amp.update()`` (by ``id``).
         stepped: Of those, the ones that stepped (or skipped) since.
-        skip_next: Optimizers whose next ``step()`` is skipped because a block that named them overflowed.
+        skip_next: Optimizers whose next ``step()`` is skipped because a block that named them overflowed, and
+            the ``loss_id`` of that block.
         stash: O2: unscaled FP32 master gradients of earlier blocks, per optimizer, added after the next unscale.
         registrations: ``(function, category)`` from ``register_*_function`` and the decorators (kept across
             ``initialize``).
@@ -117,7 +118,7 @@ class AmpState:
     holder: Any = None  # cast_model_type=False at O2: the module that holds the half parameters given masters
     touched: set[int] = field(default_factory=set)
     stepped: set[int] = field(default_factory=set)
-    skip_next: set[int] = field(default_factory=set)
+    skip_next: dict[int, int] = field(default_factory=dict)
     stash: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     registrations: list[tuple[Callable[..., Any], str]] = field(default_factory=list)
 
@@ -147,8 +148,10 @@ class AmpState:
                 wrapper._engine.release_optimizer(optimizer)
                 del self.optimizers[id(optimizer)]
         live = set(self.optimizers.keys())
-        for ids in (self.touched, self.stepped, self.skip_next):
+        for ids in (self.touched, self.stepped):
             ids.intersection_update(live)
+        for key in set(self.skip_next) - live:
+            del self.skip_next[key]
         for key in set(self.stash) - live:
             del self.stash[key]
         self.amp, self.enabled, self.handle, self.holder = None, None, None, None

@@ -144,7 +144,7 @@ def scale_loss(
             # powers of two, as Apex's are; an overflow there counts at its own step).
             amp.unscale_(optimizer)
     if overflow:
-        state.skip_next.update(ids)
+        state.skip_next.update(dict.fromkeys(ids, loss_id))
         _log_overflow(amp, loss_id)
 
 
@@ -242,13 +242,18 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> None:
         )
     key = id(wrapper.optimizer)
     if key in state.skip_next:
-        # A block that named it overflowed (in its gradients or another optimizer's): skip, as Apex. The overflow is
-        # already charged to that block's loss, whose scale backs off in the update below.
-        state.skip_next.discard(key)
+        # A block that named it overflowed (in its gradients or another optimizer's): the block charged the overflow
+        # to it, so the engine's step skips it, as Apex did, and counts, records and acts on it (on_floor) as any
+        # skipped step; that block's loss scale backs off in the update below. Earlier blocks' stashed gradients go.
+        loss_id = state.skip_next.pop(key)
         state.stash.pop(key, None)
+        # Charged here, at the step: a later block's backward and unscale start its checks afresh.
+        if not wrapper._engine.is_unscaled(wrapper.optimizer):
+            wrapper._engine.unscale_(wrapper.optimizer)
+        wrapper._engine.share_overflow([wrapper.optimizer], loss_id)
     else:
         _restore_stash(state, wrapper)
-        wrapper._engine.step(wrapper.optimizer)
+    wrapper._engine.step(wrapper.optimizer)
     state.stepped.add(key)
     if {key for key in state.touched if key in state.optimizers} <= state.stepped:  # a dropped wrapper will not step
         _update(state)

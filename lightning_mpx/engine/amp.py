@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-from typing import Any, Callable, ContextManager, Iterable
+from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -252,19 +252,15 @@ class Amp:
         return self._masters.refresh(params, force=force)
 
     def fp32_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """``module.state_dict()`` in FP32, to export what training produced (the model is not changed): each half
-        parameter that has an FP32 master as that master (the exact weights the optimizer trains at O2, writes made
-        to the model since the last step taken first), or the FP32 value kept for the master it will get (before its
-        optimizer's first step; a parameter frozen since it was prepared), every other half tensor upcast (a
-        parameter frozen before it was prepared: its half value, exactly), FP32 and integer tensors as they are. The
-        keys are ``module.state_dict()``'s, so ``model.save_pretrained(path, state_dict=amp.fp32_state_dict(model))``
-        (Hugging Face, peft) or ``torch.save`` take it as they take the model's own; ``model.state_dict()`` itself holds
-        the half values.
+        """``module.state_dict()`` in FP32, to export what training produced (the model is not changed): half
+        parameters as their FP32 masters (writes made to the model since the last step taken first) or the FP32 value
+        kept for a master not made yet, other half tensors upcast (exactly), FP32 and integer tensors as they are;
+        keyed as ``module.state_dict()``, so ``model.save_pretrained(path, state_dict=amp.fp32_state_dict(model))``
+        (Hugging Face, peft) or ``torch.save`` take it as the model's own.
 
         Raises:
             TypeError: ``module`` is not an ``nn.Module``.
-            ValueError: for an FSDP-sharded model: its parameters are FP32 already; use the strategy's own state
-                dict (Lightning's, Accelerate's ``get_state_dict``), which gathers the shards.
+            ValueError: for an FSDP-sharded model, whose parameters are FP32 already (use the strategy's state dict).
         """
         if not isinstance(module, nn.Module):
             raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module.")
@@ -344,6 +340,11 @@ class Amp:
         its last step found: all losses together, or those charged to ``loss_id``; ``None`` when nothing was checked.
         Reading it on the host waits for the device."""
         return self._machine.found_inf(optimizer, None if loss_id is None else self._loss_index(loss_id))
+
+    def share_overflow(self, optimizers: Sequence[torch.optim.Optimizer], loss_id: int = 0) -> None:
+        """Charge an overflow of ``loss_id`` to ``optimizers``: their next :meth:`step` is skipped and counted as any
+        overflow (Apex's ``scale_loss`` skips every optimizer an overflowing block names)."""
+        self._machine.share_overflow(optimizers, self._loss_index(loss_id))
 
     def is_unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer``'s gradients have been unscaled since its last :meth:`step` or :meth:`update`."""

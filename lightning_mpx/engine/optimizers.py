@@ -146,6 +146,16 @@ class StepMachine:
         state = self.state(optimizer)
         return state.found_inf if loss_id is None else state.found_by_loss.get(loss_id)
 
+    def share_overflow(self, optimizers: Sequence[torch.optim.Optimizer], loss_id: int) -> None:
+        """:meth:`Amp.share_overflow <lightning_mpx.engine.amp.Amp.share_overflow>`."""
+        for optimizer in optimizers:
+            state = self.state(optimizer)
+            seen = state.found_by_loss.get(loss_id)
+            like = seen if seen is not None else state.found_inf
+            device = None if like is None else like.device
+            state.found_by_loss[loss_id] = torch.ones((), dtype=torch.float32, device=device)
+            state.found_inf = torch.stack([f.reshape(()) for f in state.found_by_loss.values()]).amax()
+
     # -- backward -----------------------------------------------------------------------------------------------
     def before_backward(self, loss_id: int) -> None:
         """Make every optimizer's gradients carry ``loss_id``'s scale before its backward (see
