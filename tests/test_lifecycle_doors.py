@@ -480,3 +480,104 @@ def _assert_close(got: Any, want: Any, what: str) -> None:
         assert got == pytest.approx(want, abs=ATOL), what
     else:
         assert got == want, what
+
+
+# ------------------------------------------------------------------------------- one owner of the iteration's steps
+def _skipped_step_through(door: str) -> list[tuple[str, Any]]:
+    """One float16 iteration through ``door`` whose body gradient overflows: the skipped body step, then the head's
+    real step; what the door and the engine (``amp.iteration``) say at each point, as ``(what, value)`` pairs."""
+    settings = {"half_dtype": "float16", "init_scale": INIT_SCALE}
+    seen: list[tuple[str, Any]] = []
+
+    def look(amp: Amp, body: Any, head: Any, door_skipped: Callable[[Any], bool], when: str) -> None:
+        for name, opt, torch_opt in (("body", body, unwrapped(body)), ("head", head, unwrapped(head))):
+            seen.append((f"{when} {name} door/engine skipped", (door_skipped(opt), amp.iteration.skipped(torch_opt))))
+        seen.append((f"{when} update pending", amp.iteration.update_pending))
+        seen.append((f"{when} scale", float(amp.scalers[0].get_scale())))
+
+    def unwrapped(opt: Any) -> torch.optim.Optimizer:
+        return getattr(opt, "optimizer", opt)
+
+    def overflow(net: Net) -> None:
+        next(net.body.parameters()).grad[0, 0] = float("inf")
+
+    if door == "fabric":
+        pytest.importorskip("lightning")
+        from lightning.fabric import Fabric
+
+        from lightning_mpx import FabricMixedPrecisionPlugin
+
+        mpx = FabricMixedPrecisionPlugin("O1", **settings)
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[mpx])
+        model, body, head = fabric.setup(net := Net(0), *optimizers(net))
+        x, y = batch(0)
+        fabric.backward(F.cross_entropy(model(x), y))
+        overflow(net)
+        body.step()
+        head.step()
+        look(mpx.amp, body, head, mpx.step_was_skipped, "stepped")
+        mpx.metrics()  # Fabric's iteration ends at the next call that starts work
+        look(mpx.amp, body, head, mpx.step_was_skipped, "ended")
+    elif door == "accelerate":
+        pytest.importorskip("accelerate")
+        from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+        from tests.accelerate_helpers import accelerate_state_reset
+
+        with accelerate_state_reset():
+            accelerator = Accelerator(mixed_precision="O1", kwargs_handlers=[MixedPrecisionKwargs(**settings)])
+            net = Net(0)
+            net, body, head = accelerator.prepare(net, *optimizers(net))
+            x, y = batch(0)
+            accelerator.backward(F.cross_entropy(net(x), y))
+            overflow(net)
+            body.step()  # the head has not stepped: the iteration goes on
+            look(accelerator.amp, body, head, lambda opt: opt.step_was_skipped, "stepped")
+            head.step()  # every prepared optimizer stepped: the iteration ends
+            look(accelerator.amp, body, head, lambda opt: opt.step_was_skipped, "ended")
+    else:
+        pytest.importorskip("lightning")
+        import lightning.pytorch as pl
+
+        from lightning_mpx import MixedPrecisionPlugin
+        from tests.lightning_helpers import make_trainer
+
+        class Scenario(pl.LightningModule):
+            def __init__(self) -> None:
+                super().__init__()
+                self.net = Net(0)
+                self.automatic_optimization = False
+
+            def training_step(self, data: Any, batch_idx: int) -> None:
+                plugin, (body, head) = self.trainer.precision_plugin, self.optimizers()
+                if batch_idx == 1:  # the Trainer's iteration ended at this training step's start
+                    look(plugin.amp, body, head, plugin.step_was_skipped, "ended")
+                    return
+                x, y = batch(0)
+                self.manual_backward(F.cross_entropy(self.net(x), y))
+                overflow(self.net)
+                body.step()
+                head.step()
+                look(plugin.amp, body, head, plugin.step_was_skipped, "stepped")
+                body.zero_grad()
+                head.zero_grad()
+
+            def configure_optimizers(self) -> Any:
+                return list(optimizers(self.net))
+
+        data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(2)), batch_size=1)
+        make_trainer(MixedPrecisionPlugin("O1", **settings)).fit(Scenario(), data)
+    return seen
+
+
+@pytest.mark.parametrize("door", ["lightning", "fabric", "accelerate"])
+def test_every_door_reads_the_iterations_steps_from_the_engine(door):
+    """The engine (``Amp.iteration``) is the one owner of what happened in the iteration: after a skipped step the
+    door's "was it skipped" answer is the engine's (before and after the scale update: the most recent step's), the
+    update the steps made due is pending in the engine until the door's own trigger ends the iteration, and then
+    the scale has backed off once."""
+    seen = dict(_skipped_step_through(door))
+    for when in ("stepped", "ended"):
+        assert seen[f"{when} body door/engine skipped"] == (True, True), when
+        assert seen[f"{when} head door/engine skipped"] == (False, False), when
+    assert seen["stepped update pending"] is True and seen["stepped scale"] == INIT_SCALE
+    assert seen["ended update pending"] is False and seen["ended scale"] == INIT_SCALE / 2

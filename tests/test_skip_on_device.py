@@ -491,9 +491,9 @@ def test_trainer_plugin_holding_an_outcome_pickles_its_settings_only():
     model = Classifier(inject_inf_at=(2,), optimizer="adamw_fused", lr=0.01)
     plugin = MixedPrecisionPlugin("O2", half_dtype="bfloat16", on_floor="continue", skip_on_device=True)
     make_trainer(plugin, max_steps=3).fit(model, loader(classification_data()))
-    assert any(isinstance(o, StepOutcome) for o in plugin._stepped.values())
+    assert any(isinstance(o, StepOutcome) for o in plugin.amp.iteration._last.values())  # the engine holds them
     clone = pickle.loads(pickle.dumps(plugin))  # what strategy="ddp_spawn" does to the plugin
-    assert clone.settings == plugin.settings and clone.settings.skip_on_device and clone._stepped == {}
+    assert clone.settings == plugin.settings and clone.settings.skip_on_device and not clone.amp.iteration._last
 
 
 def test_hugging_face_gpt2_through_the_accelerator_trains_as_the_host_path(fresh_accelerate_state):

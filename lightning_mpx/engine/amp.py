@@ -31,6 +31,7 @@ from lightning_mpx.casting.policy import CastPolicy, casts_off_if_on
 from lightning_mpx.casting.table import CastTable
 from lightning_mpx.common.containers import _cast_collection
 from lightning_mpx.engine.checkpoint import EngineState
+from lightning_mpx.engine.iteration import Iteration
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, loss_index
 from lightning_mpx.engine.optimizer_step import OptimizerStep
 from lightning_mpx.engine.optimizers import StepMachine
@@ -58,14 +59,18 @@ from lightning_mpx.settings import (  # noqa: F401
 )
 
 
-def _part(path: str, *, doc: str, settable: bool = False) -> Any:
+def _part(path: str, *, doc: str, settable: bool = False, also: tuple[str, ...] = ()) -> Any:
     """A property of :class:`Amp` that is the attribute at ``path`` of one of its parts (``"_overflows.last"``): the
     parts own their state, and the engine shows it under the names the adapters and tests use (``settable``: a
-    write goes to the part). Read with a C-level getter: no Python frame."""
-    owner, name = path.rsplit(".", 1)
-    owner_of = operator.attrgetter(owner)
-    fset = (lambda amp, value: setattr(owner_of(amp), name, value)) if settable else None
-    return property(operator.attrgetter(path), fset, doc=doc)
+    write goes to the part, and to the parts' attributes at the paths in ``also``, which hold the same value). Read
+    with a C-level getter: no Python frame."""
+    targets = [(operator.attrgetter(owner), name) for owner, name in (p.rsplit(".", 1) for p in (path, *also))]
+
+    def fset(amp: Amp, value: Any) -> None:
+        for owner_of, name in targets:
+            setattr(owner_of(amp), name, value)
+
+    return property(operator.attrgetter(path), fset if settable else None, doc=doc)
 
 
 class Amp:
@@ -88,7 +93,8 @@ class Amp:
         found_inf_reducer: Optional callable that reduces an optimizer's overflow flag in place across processes
             (the adapters set it under a distributed strategy) so that every rank makes the same skip decision.
         telemetry: The :class:`~lightning_mpx.health.telemetry.GradTelemetry` behind :meth:`request_telemetry`.
-        sharded: Whether the prepared model is sharded by PyTorch FSDP (see :meth:`prepare_model`).
+        iteration: The :class:`~lightning_mpx.engine.iteration.Iteration` in progress: each optimizer's last
+            :meth:`step` outcome (``iteration.skipped(optimizer)``), whether :meth:`update` is due.
     """
 
     @keyword_signature()
@@ -140,7 +146,7 @@ class Amp:
         self._checkpoint = EngineState(
             self.properties, self.scalers, self._masters, self.promotion, self._overflows, self._machine
         )
-        self._iteration = 0  # update() calls so far: a pending step of an earlier iteration is read at a backward
+        self.iteration = Iteration()  # the steps since the last update(), and their outcomes: the doors read them
 
     @property
     def _with_masters(self) -> bool:
@@ -177,20 +183,13 @@ class Amp:
     _optimizers: dict[int, _OptimizerState] = _part("_machine.optimizers", doc="The optimizers' states, by id.")
     _loss_regions: LossRegions | None = _part("_models.loss_regions", doc="O2: the regions that compute no loss.")
 
-    @property
-    def unscale_backend(self) -> str:
-        return self._machine.backend
-
-    @unscale_backend.setter
-    def unscale_backend(self, value: str) -> None:  # as the attribute it was: for later unscales and masters
-        self._machine.backend = self._masters.backend = value
+    unscale_backend: str = _part("_machine.backend", settable=True, also=("_masters.backend",), doc="""The unscale
+        backend of the later unscales and masters.""")
 
     def _state(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
         return self._machine.state(optimizer)
 
-    @property
-    def num_losses(self) -> int:
-        return len(self.scalers)
+    num_losses = property(lambda amp: len(amp.scalers), doc="The number of losses, one loss scaler each.")
 
     @property
     def promoted_modules(self) -> dict[str, dict[str, Any]]:
@@ -304,7 +303,7 @@ class Amp:
         loss_id = self._loss_index(loss_id)
         # the steps skipped on the device in earlier iterations, settled before new gradients come
         if self._pending.steps:
-            self._pending.settle(before=self._iteration)  # every rank is here: their records are merged now
+            self._pending.settle(before=self.iteration.index)  # every rank is here: their records are merged now
         scaled = self.scalers[loss_id].scale(loss)
         if self.forensics.watch.active:  # a device flag, no sync
             self.forensics.watch.observe_loss(loss)
@@ -367,31 +366,31 @@ class Amp:
         self._machine.show_unscaled_on_model(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer, **step_kwargs: Any) -> bool | StepOutcome:
-        """Step ``optimizer`` unless its gradients overflowed (then nothing changes, and the overflow counts
-        against the losses whose gradients held it); returns whether it stepped. Reads the overflow flags on the
-        host: one sync per step, as ``torch.amp.GradScaler`` with an optimizer that is not fused.
+        """Step ``optimizer`` unless its gradients overflowed (then nothing changes, and the overflow counts against the
+        losses whose gradients held it); returns whether it stepped. Reads the overflow flags on the host: one sync per
+        step, as ``torch.amp.GradScaler`` with an optimizer that is not fused.
 
-        With ``skip_on_device=True`` the flag goes to the fused optimizer's own step, which skips on the device,
-        and the host does not wait: the return value is then a :class:`~lightning_mpx.StepOutcome`, which behaves
-        as the same ``bool``. The overflow is counted, logged and acted on (``on_floor``) when it is read: then, or
-        at the latest at the first :meth:`scale_loss` (backward) or :meth:`step` after the next :meth:`update`, at
+        With ``skip_on_device=True`` the flag goes to the fused optimizer's own step, which skips on the device, and the
+        host does not wait: the return value is then a :class:`~lightning_mpx.StepOutcome`, which behaves as the same
+        ``bool``. The overflow is counted, logged and acted on (``on_floor``) when it is read: then, or at the latest at
+        the first :meth:`scale_loss` (backward) or :meth:`step` after the next :meth:`update`, at
         :meth:`read_step_outcomes`, :meth:`state_dict` or :meth:`release_optimizer`. Its record names the parameters
-        whose gradients are still there when it is read (not after ``zero_grad()``). A read is never a collective:
-        under a process group (``found_inf_reducer``) it counts the overflow, and the record is merged across ranks,
-        logged and ``on_floor`` applied at that next backward or step (or :meth:`settle_step_outcomes`), where every
-        rank is. While the forensics' forward watch runs (``diagnose_overflows``, or after an overflow at the floor
-        until a step that does not overflow) it is read and settled at the step, as its record is of the forward
-        before it.
+        whose gradients are still there when it is read (not after ``zero_grad()``). A read is never a collective: under
+        a process group (``found_inf_reducer``) it counts the overflow, and the record is merged across ranks, logged
+        and ``on_floor`` applied at that next backward or step (or :meth:`settle_step_outcomes`), where every rank is.
+        While the forensics' forward watch runs (``diagnose_overflows``, or after an overflow at the floor until a step
+        that does not overflow) it is read and settled at the step, as its record is of the forward before it.
 
         Raises:
-            LossScaleFloorError: on overflow at the floor with ``on_floor="raise"`` (the step is skipped first;
-                with ``skip_on_device``, raised where the overflow is read, or under a process group where it is
-                settled).
+            LossScaleFloorError: on overflow at the floor with ``on_floor="raise"`` (the step is skipped first; with
+                ``skip_on_device``, raised where the overflow is read, or under a process group where it is settled).
         """
-        return self._stepper.step(
-            optimizer, step_kwargs, reducer=self.found_inf_reducer, iteration=self._iteration,
+        outcome = self._stepper.step(
+            optimizer, step_kwargs, reducer=self.found_inf_reducer, iteration=self.iteration.index,
             compare=self.model_writes == "values",
         )
+        self.iteration.record(optimizer, outcome)  # not read: a StepOutcome is read when a door asks
+        return outcome
 
     def read_step_outcomes(self) -> None:
         """Read the steps skipped on the device (``skip_on_device``) that were not read yet, oldest first, on this
@@ -418,10 +417,17 @@ class Amp:
         ``torch.amp.GradScaler.update()``; one unscaled without a step keeps its gradients as true values), and
         clear the cast cache."""
         self._machine.update()
-        self._iteration += 1
+        self.iteration.close()
         if self.policy is not None:
             self.policy.clear_cache()
         self.telemetry.requested = False  # a request covers one iteration
+
+    def end_iteration(self) -> bool:
+        """:meth:`update` if a :meth:`step` ran since the last one (a front door's iteration ends); whether it did."""
+        due = self.iteration.update_pending
+        if due:
+            self.update()
+        return due
 
     # -- metrics and checkpoints --------------------------------------------------------------------------------
     def request_telemetry(self) -> None:
@@ -434,11 +440,10 @@ class Amp:
         """``mpx/loss_scale``, ``mpx/overflows`` (since the last call), ``mpx/skipped_steps`` (total) and
         ``mpx/grad_norm`` (unscaled, when computed), with a ``/loss{id}`` suffix when there are several losses;
         ``mpx/overflow/<module>`` (overflow steps since the last call with non-finite gradients in the module;
-        ``_root``: the root module's own parameters); the telemetry after a :meth:`request_telemetry`.
-        Device tensors or Python numbers: building them does not wait for the device. With ``skip_on_device``,
-        ``mpx/skipped_steps`` and the module counts cover the steps read so far (:meth:`read_step_outcomes` first
-        to include the last ones); ``mpx/overflows`` is counted on the device and is always current.
-        """
+        ``_root``: the root module's own parameters); the telemetry after a :meth:`request_telemetry`. Device tensors or
+        Python numbers: building them does not wait for the device. With ``skip_on_device``, ``mpx/skipped_steps`` and
+        the module counts cover the steps read so far (:meth:`read_step_outcomes` first to include the last ones);
+        ``mpx/overflows`` is counted on the device and is always current."""
         out = self._overflows.metrics(self._machine.grad_norms)
         out.update(self.forensics.metrics())  # mpx/overflow/<module>, host counters
         out.update(self.promotion.metrics())
@@ -456,12 +461,11 @@ class Amp:
         checkpoint changes nothing. When every model was prepared with ``train=False`` the checkpoint's masters are
         left out (the half weights come from the model's state dict).
 
-        A checkpoint of another opt level resumes (load the model's state dict first, as the frameworks do): into
-        FP32 masters (O0/O1/O3 to O2) the masters are the model's weights as loaded (an FP32 checkpoint's exactly);
-        out of them (O2 to O0/O1/O3) the checkpoint's masters become the model's parameters (exact where the model is
-        FP32, their rounding at O3). A loss scale carries over when both levels scale dynamically; otherwise this
-        level's own scaling starts from its settings.
-        """
+        A checkpoint of another opt level resumes (load the model's state dict first, as the frameworks do): into FP32
+        masters (O0/O1/O3 to O2) the masters are the model's weights as loaded (an FP32 checkpoint's exactly); out of
+        them (O2 to O0/O1/O3) the checkpoint's masters become the model's parameters (exact where the model is FP32,
+        their rounding at O3). A loss scale carries over when both levels scale dynamically; otherwise this level's own
+        scaling starts from its settings."""
         self.read_step_outcomes()  # steps made before the load are this run's: counted before it replaces them
         self._checkpoint.load_state_dict(state, with_masters=self._with_masters)
 

@@ -205,8 +205,6 @@ class Accelerator(ShardedPreparation, _BaseAccelerator):  # type: ignore[misc]
                 # Under FSDP the engine's own collective (flags + global norm, one per step) makes the ranks agree.
                 amp.found_inf_reducer = all_reduce_max  # every rank takes the same skip decision
             amp.log_overflows = self.is_main_process
-        # Optimizers that stepped (or skipped) since the last Amp.update(): see the module docstring.
-        self._stepped: set[int] = set()
         self._iterations = 0  # Amp.update() calls so far: telemetry_every_n_steps counts them
         self._converted: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         # FSDP2: optimizers prepared before Accelerate sharded their model, registered with the engine after.
@@ -227,7 +225,6 @@ class Accelerator(ShardedPreparation, _BaseAccelerator):  # type: ignore[misc]
             state["amp"] = None
             state["_mpx_engine"] = (amp.opt_level, amp.found_inf_reducer, amp.log_overflows)
             state["_converted"] = None  # weak references (to the models the old engine converted)
-            state["_stepped"] = set()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -312,7 +309,6 @@ class Accelerator(ShardedPreparation, _BaseAccelerator):  # type: ignore[misc]
             old.diagnose_overflows = False  # its forward hooks leave the models
             self.amp = Amp.from_settings(self.mpx_kwargs.settings(old.opt_level))
             self.amp.found_inf_reducer, self.amp.log_overflows = old.found_inf_reducer, old.log_overflows
-            self._stepped.clear()
             self._converted = weakref.WeakSet()
         return released
 
@@ -478,14 +474,12 @@ class Accelerator(ShardedPreparation, _BaseAccelerator):  # type: ignore[misc]
         return [opt for opt in self._optimizers if isinstance(opt, AmpOptimizer)]
 
     def _optimizer_stepped(self, optimizer: AmpOptimizer) -> None:
-        self._stepped.add(id(optimizer))
-        if all(id(opt) in self._stepped for opt in self._amp_optimizers()):
+        # The engine recorded the step: the iteration ends once every optimizer prepared here stepped (or skipped).
+        if self.amp is not None and all(self.amp.iteration.stepped(opt.optimizer) for opt in self._amp_optimizers()):
             self._close_iteration()
 
     def _close_iteration(self) -> None:
-        if self.amp is not None and self._stepped:
-            self.amp.update()
-            self._stepped.clear()
+        if self.amp is not None and self.amp.end_iteration():
             self._iterations += 1
 
     def _check_sync(self, what: str) -> None:

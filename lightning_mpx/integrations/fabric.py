@@ -59,7 +59,6 @@ from typing_extensions import Unpack
 
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
-from lightning_mpx.engine.outcome import StepOutcome
 from lightning_mpx.masters.weights import MasterWeights, convert_module, has_floating_parameters
 from lightning_mpx.settings import MixedPrecisionSettings, SettingsKeywords, keyword_signature
 
@@ -116,8 +115,6 @@ class FabricMixedPrecisionPlugin(Precision):
         self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._unsynced: list[MasterWeights] = []  # masters made by convert_module, to take from the set-up model
         self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
-        self._stepped: weakref.WeakKeyDictionary[Optimizer, bool | StepOutcome] = weakref.WeakKeyDictionary()
-        self._update_pending = False
 
     @classmethod
     def from_settings(cls, settings: MixedPrecisionSettings) -> FabricMixedPrecisionPlugin:
@@ -230,10 +227,9 @@ class FabricMixedPrecisionPlugin(Precision):
         """Step ``optimizer`` unless its gradients overflowed (unscaling them first if nothing did yet)."""
         optimizer = _unwrap(optimizer)
         self._register(optimizer)
-        # A bool, or with skip_on_device a StepOutcome, read when step_was_skipped() asks (inside fabric.autocast(),
-        # Amp turns the casts off)
-        self._stepped[optimizer] = self.amp.step(optimizer, **kwargs)
-        self._update_pending = True
+        # The engine records the outcome (a StepOutcome with skip_on_device, read when step_was_skipped() asks) and
+        # the scale update it makes due; inside fabric.autocast(), Amp turns the casts off.
+        self.amp.step(optimizer, **kwargs)
         return None
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
@@ -280,7 +276,7 @@ class FabricMixedPrecisionPlugin(Precision):
         """Whether ``optimizer``'s most recent step was skipped because its gradients overflowed: hold its
         learning-rate schedule then (``if not mpx.step_was_skipped(optimizer): scheduler.step()``). With
         ``skip_on_device``, asking reads the step's outcome (waiting for the device up to that step)."""
-        return not self._stepped.get(_unwrap(optimizer), True)
+        return self.amp.iteration.skipped(_unwrap(optimizer))
 
     # -- metrics, checkpoints, teardown ------------------------------------------------------------------------
     def request_telemetry(self) -> None:
@@ -321,9 +317,7 @@ class FabricMixedPrecisionPlugin(Precision):
         from the set-up model, and update the scales after the optimizer steps of the iteration that ended."""
         if self._unsynced:
             self._sync_masters()
-        if self._update_pending:
-            self._update_pending = False
-            self.amp.update()
+        self.amp.end_iteration()
 
     def _sync_masters(self) -> None:
         for masters in self._unsynced:

@@ -121,9 +121,6 @@ class MixedPrecisionPlugin(FSDPPrecision):
         self._sharded: nn.Module | None = None  # under FSDP: the sharded model the engine was prepared with
         self._model_hooks = ModelHooks()  # boundary casts and the compiled hand-off, on the LightningModule
         self._masters_synced = False
-        # Each optimizer's last step: a bool, or with skip_on_device a StepOutcome read when needed
-        self._stepped: dict[int, bool | StepOutcome] = {}
-        self._update_pending = False
         self._log_step: int | None = None  # the step to log the mpx metrics at, once the scale is updated
         # Per-step scheduler configs held out of the loop's scheduler update after a skipped step, until the next batch.
         self._held = HeldSchedulers()
@@ -344,14 +341,12 @@ class MixedPrecisionPlugin(FSDPPrecision):
             self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then gradient clipping
             if skip_backward:
                 return closure_result
-            stepped = self.amp.step(optimizer, **kwargs)
-        self._stepped[id(optimizer)] = stepped
+            stepped = self.amp.step(optimizer, **kwargs)  # the engine records it (step_was_skipped reads it there)
         # A step skipped on the device is read here only when a per-step schedule must be held on a skip (its update
         # comes before the next batch); otherwise at the next batch, backward or logging step.
         if automatic and (not isinstance(stepped, StepOutcome) or step_configs(trainer, optimizer)):
             if not stepped:
                 self._held.hold(trainer, optimizer)
-        self._update_pending = True
         if not logging and trainer.should_stop and trainer.loggers:
             logging = trainer._logger_connector.should_update_logs
         if logging and self._log_step is None:
@@ -416,7 +411,7 @@ class MixedPrecisionPlugin(FSDPPrecision):
     def step_was_skipped(self, optimizer: Optimizer) -> bool:
         """Whether ``optimizer``'s most recent step was skipped because its gradients overflowed (with
         ``skip_on_device``, asking reads it)."""
-        return not self._stepped.get(id(unwrap_optimizer(optimizer)), True)
+        return self.amp.iteration.skipped(unwrap_optimizer(optimizer))
 
     # -- metrics, checkpoints, teardown --------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
@@ -454,9 +449,7 @@ class MixedPrecisionPlugin(FSDPPrecision):
 
     def _end_iteration(self, log: bool = True) -> None:
         """Update the scales of the iteration that ended, then log its metrics if it was a logging step."""
-        if self._update_pending:
-            self.amp.update()
-            self._update_pending = False
+        self.amp.end_iteration()
         if log and self._log_step is not None:
             step, self._log_step = self._log_step, None
             trainer = self._module.trainer if isinstance(self._module, _pl.LightningModule) else None
