@@ -15,7 +15,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
-from lightning_mpx.engine.sharding import Sharding, local_tensor
+from lightning_mpx.engine.sharding import Sharding, local_tensors
 from lightning_mpx.health.telemetry import GradTelemetry
 from lightning_mpx.masters.pairs import grad_pairs
 from lightning_mpx.masters.weights import MasterWeights
@@ -155,7 +155,7 @@ def _unscale_shards(
     """Unscale each rank's local shards of ``grads`` in place, flagging non-finite values in ``found``; with
     ``want_norm`` returns this rank's part of the global squared norm (each gradient weighted by
     :meth:`Sharding.weight`), measured in the same pass."""
-    local = [local_tensor(g) for g in grads]
+    local = local_tensors(grads)
     if not want_norm:
         unscale_grads_(local, factor, found, backend=backend, workspace=state.workspace, stats=stats)
         return None
@@ -213,7 +213,7 @@ def reduce_checks(
     norm = reduced[-1].clamp(min=0).sqrt()
     if max_norm is not None:
         coef = clip_coefficient(norm, max_norm)
-        local = [local_tensor(g) for g in grads]
+        local = local_tensors(grads)
         by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for tensor in local:
             by_key.setdefault((tensor.device, tensor.dtype), []).append(tensor)
@@ -226,7 +226,7 @@ def local_squares(sharding: Sharding, params: list[torch.Tensor], device: torch.
     """This rank's part of the global squared norm of ``params``' gradients (already unscaled), by weight."""
     squares = torch.zeros((), dtype=torch.float32, device=device)
     for weight, indices in sharding.groups(params).items():
-        grads = [local_tensor(params[i].grad) for i in indices]  # type: ignore[arg-type]
+        grads = local_tensors([params[i].grad for i in indices])  # type: ignore[misc]
         grads = [g for g in grads if g.numel()]
         if grads:
             norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)

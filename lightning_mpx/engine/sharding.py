@@ -56,12 +56,21 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The rank's local shard of a ``DTensor`` (a view: in-place work on it changes the ``DTensor``), any other
-    tensor as it is."""
+    """The rank's local shard of a ``DTensor`` (in-place work on it changes the ``DTensor``), any other tensor as it
+    is."""
+    return local_tensors([tensor])[0]
+
+
+def local_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`local_tensor` of each of ``tensors``, the type looked up once. A shard is the ``DTensor``'s own local
+    tensor, which ``to_local()`` returns through an autograd ``Function`` (a dozen Python calls per gradient, every
+    step): gradients need no graph."""
+    if all(type(tensor) is torch.Tensor for tensor in tensors):  # not sharded: nothing to import or unwrap
+        return tensors
     dtensor = _dtensor_type()
-    if dtensor is not None and isinstance(tensor, dtensor):
-        return tensor.to_local()
-    return tensor
+    if dtensor is None:
+        return tensors
+    return [tensor._local_tensor if isinstance(tensor, dtensor) else tensor for tensor in tensors]
 
 
 class Sharding:
