@@ -230,6 +230,7 @@ def _model_spec(args: argparse.Namespace) -> Any:
 
 def run_rank(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     """Train ``variant`` on this rank for ``warmup + steps + 1`` steps, counting the ``steps`` after the warm-up."""
+    import fsdp_step
     import lightning.pytorch as pl
     import step
     import torch
@@ -262,31 +263,6 @@ def run_rank(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         def on_after_backward(self, trainer: Any, module: Any) -> None:
             counter.mark("after")
 
-    class Sharded(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = net
-
-        def configure_model(self) -> None:
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = self.device_mesh["data_parallel"]
-            if variant.startswith("mpx-"):
-                from lightning_mpx.integrations.fsdp import shard_model
-
-                shard_model(self.net, self.trainer.precision_plugin, mesh=mesh, blocks=list(self.net.blocks))
-            else:  # Lightning's documented recipe: fully_shard per block, then the root; autocast does the rest
-                for block in self.net.blocks:
-                    fully_shard(block, mesh=mesh)
-                fully_shard(self.net, mesh=mesh)
-
-        def training_step(self, batch: Any, batch_idx: int) -> Any:
-            x, y = batch
-            return step._loss(self.net(x), y)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
     if variant.startswith("mpx-"):
         _, level, half = variant.split("-")
         dtype = "bfloat16" if half == "bf16" else "float16"
@@ -302,7 +278,8 @@ def run_rank(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     )  # fmt: skip
     batches = step.make_batches("gpt", spec, 4, torch.device("cpu"))
     loader = torch.utils.data.DataLoader(step.ListDataset(batches, total), batch_size=None, shuffle=False)
-    trainer.fit(Sharded(), loader)
+    # fsdp_step.py's module: the same sharding (shard_model for the plugin, Lightning's recipe for the reference)
+    trainer.fit(fsdp_step._module(net, "fsdp2-" + variant), loader)
     sys.setprofile(None)
     return {
         "variant": variant,
