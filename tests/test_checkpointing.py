@@ -167,6 +167,82 @@ def test_backward_functions_themselves_are_not_cast():
     assert received == [torch.float32]
 
 
+# --- a backward pass enters a recompute mode only when there is something to recompute ------------------------------
+def _modes_during_backward(model: nn.Module) -> list[int]:
+    """Register a hook on the head's weight that records how many torch-function modes are on the stack when the
+    backward pass reaches it (a mode there is handed every torch call of the backward pass: FSDP's gathers too)."""
+    seen: list[int] = []
+    model.head.weight.register_hook(lambda g: seen.append(len(torch.overrides._get_current_function_mode_stack())))
+    return seen
+
+
+@pytest.mark.parametrize("reentrant", [None, *REENTRANT.values()], ids=["plain", *REENTRANT.keys()])
+def test_a_backward_enters_a_recompute_mode_only_after_a_checkpointed_forward(reentrant):
+    amp = Amp("O1", half_dtype="bfloat16", loss_scale=1.0)
+    model = amp.prepare_model(TinyLM(reentrant))
+    optimizer = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    seen = _modes_during_backward(model)
+    with amp.forward_context():
+        loss = _loss(model, _tokens())
+    amp.backward(loss)
+    assert seen == [0 if reentrant is None else 1]
+    amp.step(optimizer)
+    amp.update()
+    optimizer.zero_grad()
+    # The iteration ended: what the checkpointed forward left is forgotten, and a plain forward's backward runs
+    # without a mode.
+    model.reentrant = None
+    seen.clear()
+    with amp.forward_context():
+        loss = _loss(model, _tokens(1))
+    amp.backward(loss)
+    assert seen == [0]
+
+
+@pytest.mark.parametrize("reentrant", REENTRANT.values(), ids=REENTRANT.keys())
+def test_two_losses_of_one_checkpointed_forward_both_recompute_with_casts(reentrant):
+    """Two backward passes over one checkpointed graph (``retain_graph=True``): the second one recomputes with the
+    forward's casts too (the first one does not use up what the forward recorded)."""
+
+    def grads(reentrant_or_none: bool | None) -> dict[str, torch.Tensor]:
+        amp = Amp("O1", half_dtype="bfloat16", loss_scale=1.0)
+        model = amp.prepare_model(TinyLM(reentrant_or_none))
+        with amp.forward_context():
+            logits = model(_tokens()[:, :-1])
+            first = logits.float().pow(2).mean()
+            second = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), _tokens()[:, 1:].reshape(-1))
+        amp.backward(first, retain_graph=True)
+        amp.backward(second)
+        return _grads(model)
+
+    _assert_same_grads(grads(reentrant), grads(None))
+
+
+@pytest.mark.parametrize("reentrant", REENTRANT.values(), ids=REENTRANT.keys())
+def test_apex_two_scale_loss_blocks_over_one_checkpointed_forward(reentrant):
+    """Apex clears its cast cache at the end of every ``scale_loss`` block; the second block's backward still
+    recomputes the checkpointed forward with its casts: the gradients are those of the model without checkpoints."""
+    from lightning_mpx.apex import _amp_state, amp
+
+    def grads(reentrant_or_none: bool | None) -> dict[str, torch.Tensor]:
+        model = TinyLM(reentrant_or_none)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = amp.initialize(model, optimizer, opt_level="O1", loss_scale=1.0, verbosity=0)
+        try:
+            logits = model(_tokens()[:, :-1])
+            first = logits.float().pow(2).mean()
+            second = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), _tokens()[:, 1:].reshape(-1))
+            with amp.scale_loss(first, optimizer) as scaled:
+                scaled.backward(retain_graph=True)
+            with amp.scale_loss(second, optimizer) as scaled:
+                scaled.backward()
+            return _grads(model)
+        finally:
+            _amp_state.reset()
+
+    _assert_same_grads(grads(reentrant), grads(None))
+
+
 # --- a bare loss.backward(): the checkpoint call records the casts (context_fn) -------------------------------------
 class RecordedLM(TinyLM):
     """TinyLM whose blocks are checkpointed with ``context_fn=checkpoint_contexts`` (non-reentrant)."""

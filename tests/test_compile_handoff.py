@@ -134,9 +134,12 @@ def test_policy_backward_is_tensor_backward_in_the_recompute_scope():
 
 
 def test_the_search_for_compiled_graphs_runs_once_something_was_compiled(monkeypatch):
-    # An eager model's backward does not look for compiled graphs' nodes until torch.compile has made one in the
-    # process (dynamo's count, emptied by the fresh_dynamo fixture); then it does, and the compiled backward makes no
-    # call into the hook (the tests above).
+    # An eager model's backward that recomputes a checkpoint (so enters a recompute mode) does not look for compiled
+    # graphs' nodes until torch.compile has made one in the process (dynamo's count, emptied by the fresh_dynamo
+    # fixture); then it does, and the compiled backward makes no call into the hook (the tests above). A backward
+    # with nothing to recompute enters no mode, and has nothing to look for.
+    from torch.utils.checkpoint import checkpoint
+
     from lightning_mpx.casting import checkpointing as cast_policy
 
     searched: list[int] = []
@@ -147,10 +150,16 @@ def test_the_search_for_compiled_graphs_runs_once_something_was_compiled(monkeyp
     net, policy = LossNet(), CastPolicy(half_dtype=HALF, engine="mode")
     x, y = step_batch(3)
     with policy.scope():
-        loss = net(x, y)
+        loss = checkpoint(net, x, y, use_reentrant=False)
     policy.backward(loss)
+    policy.clear_cache()
     assert searched == []
     torch.compile(nn.Linear(2, 2), backend="aot_eager")(torch.randn(1, 2, requires_grad=True)).sum().backward()
+    with policy.scope():
+        loss = checkpoint(net, x, y, use_reentrant=False)
+    policy.backward(loss)
+    policy.clear_cache()
+    assert searched == [1]
     with policy.scope():
         loss = net(x, y)
     policy.backward(loss)

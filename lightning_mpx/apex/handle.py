@@ -38,7 +38,7 @@ class AmpHandle:
 
     def _clear_cache(self) -> None:
         if self._amp.policy is not None:
-            self._amp.policy.clear_cache()
+            self._amp.policy._clear_casts()  # not the checkpoint marks: another block may recompute
 
     @property
     def has_cache(self) -> bool:

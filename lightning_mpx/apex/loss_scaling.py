@@ -129,7 +129,7 @@ def scale_loss(
         _stash(state, amp, own)
     yield amp.scale_loss(loss, loss_id)
     if amp.policy is not None and amp.properties.patch_torch_functions:
-        amp.policy.clear_cache()  # Apex cleared its cast cache at the end of every block
+        amp.policy._clear_casts()  # Apex cleared its cast cache at the end of every block (Amp.update the rest)
     if delay_unscale:
         return
     overflow = False

@@ -66,6 +66,10 @@ def _run_backward(policy: _Policy, func: Callable[..., Any], args: tuple[Any, ..
         or any(not t.requires_grad for t in input_tensors)
     ):
         return func(*args, **kwargs)  # torch's own result or error
+    if not policy._recomputes and not arguments.get("create_graph"):
+        # No cast of a scope's forward is recomputed and no graph is built: the mode, set aside while it handles
+        # this call, is not needed (it would be handed every torch call of the backward pass).
+        return func(*args, **kwargs)
     if _compiled_graphs_made():
         _leave_compiled_backward(policy, root_tensors)
     if func is torch.Tensor.backward and _make_grads is not None and _engine_run_backward is not None:
@@ -112,6 +116,13 @@ def _run_backward(policy: _Policy, func: Callable[..., Any], args: tuple[Any, ..
     assert bound is not None
     with _CastMode(policy, recompute_only=True, autocast_device=policy._autocast_device):
         return func(*bound.args, **bound.kwargs)
+
+
+def builds_graph(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """Whether ``Tensor.backward(*args, **kwargs)`` (``gradient, retain_graph, create_graph, inputs``) builds a
+    graph of the backward pass (``create_graph=True``): its Python backward functions then run with gradients
+    enabled, where a recompute mode casts them."""
+    return bool(kwargs.get("create_graph") or (len(args) > 2 and args[2]))
 
 
 # torch.autograd.backward's two steps (private; the public call is used where a torch release lacks them).

@@ -45,6 +45,7 @@ class _Policy(Protocol):
     _autocast_device: str | None
     _grad_cache: dict[Any, Any]
     _handed_off: bool
+    _recomputes: bool
     _action_lookup: Callable[[Callable[..., Any], int], int]
 
     def scope(self) -> AbstractContextManager[Any]: ...
@@ -91,6 +92,27 @@ _NATIVE_PROMOTION = frozenset(
 ) | {torch.Tensor.__eq__, torch.Tensor.__rsub__}
 
 
+_top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def _may_be_recomputed() -> bool:
+    """Whether forward code running now runs again during a backward pass: inside an activation checkpoint
+    (``torch.utils.checkpoint``). A non-reentrant checkpoint runs its forward with saved-tensor hooks on the stack, a
+    reentrant one under ``no_grad``; both are counted, and so are other saved-tensor hooks (``save_on_cpu``) and a
+    ``no_grad`` block inside a forward pass (a frozen teacher's forward): a backward pass then enters a recompute mode
+    that it did not need, which costs time, never a cast. Inference mode is not counted (nothing is recomputed).
+
+    Dynamo cannot trace the saved-tensor hooks' getter: under ``torch.compile`` it runs this while tracing and keeps
+    the result as a constant (a compiled graph's checkpoints recompute inside the graph, with its casts).
+    """
+    if torch.is_grad_enabled():
+        return _top_saved_tensors_hooks(False) is not None
+    return not torch.is_inference_mode_enabled()
+
+
+_may_be_recomputed._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 class _CastMode(TorchFunctionMode):
     """The torch-function mode behind :meth:`~lightning_mpx.casting.policy.CastPolicy.scope`; one per scope entry."""
 
@@ -133,6 +155,9 @@ class _CastMode(TorchFunctionMode):
     def _apply(self, func: Callable[..., Any], action: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None
                ) -> Any:
         policy = self.policy
+        if not self.recompute_only and not policy._recomputes and action != _BACKWARD and _may_be_recomputed():
+            # An activation checkpoint's forward: the backward pass recomputes this call, in a recompute mode.
+            policy._recomputes = True
         if action == _PLAIN:
             return func(*args, **kwargs) if kwargs else func(*args)
         if action == _HALF and self.fp32:

@@ -52,7 +52,7 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import torch
 
-from lightning_mpx.casting.checkpointing import _BACKWARD_ENTRIES, _run_backward, checkpoint_contexts
+from lightning_mpx.casting.checkpointing import _BACKWARD_ENTRIES, _run_backward, builds_graph, checkpoint_contexts
 from lightning_mpx.casting.compiled import HandOffHandle, hand_off_compiled
 from lightning_mpx.casting.lists import AUTOCAST_ACTIONS
 from lightning_mpx.casting.mode import (
@@ -176,6 +176,10 @@ class CastPolicy:
         # True while a _HandOff runs compiled code with this policy's mode taken off the stack: the compiled code
         # (a _ScopeInside) then enters the scope itself, inside the compiled region. Read while tracing (guarded).
         self._handed_off = False
+        # Whether a forward pass in a scope ran a cast that a backward pass recomputes (an activation checkpoint's):
+        # only then does a backward pass enter a recompute mode, which is handed every torch call it makes (FSDP's
+        # gathers and reductions among them). Set by the forward's mode, dropped by clear_cache().
+        self._recomputes = False
         # Resolved now rather than at the first scope: a scope entered inside a compiled region would otherwise
         # resolve while tracing and recompile at the second call.
         self._refresh_actions()
@@ -202,7 +206,7 @@ class CastPolicy:
                 yield self
 
     @contextlib.contextmanager
-    def recompute_scope(self) -> Iterator[CastPolicy]:
+    def recompute_scope(self, *, create_graph: bool = False) -> Iterator[CastPolicy]:
         """Apply the policy to forward code that autograd re-runs during a backward pass entered in this block.
 
         Enter it around ``loss.backward()`` (``Amp.backward`` does): activation checkpointing
@@ -210,11 +214,16 @@ class CastPolicy:
         casts, as it does for ``torch.autocast``. Only calls made with gradients enabled are cast: during a backward
         pass that is the recomputation, while the engine's own backward functions (and Python
         ``autograd.Function.backward``) run with gradients disabled and are left alone, unless the backward builds a
-        graph (``create_graph=True``).
+        graph (``create_graph=True``: say so, and Python backward functions are cast too).
+
+        The block enters a mode only when there is something to recompute: a cast that a scope's forward ran inside
+        an activation checkpoint since the last :meth:`clear_cache`. Otherwise the backward pass runs as it would
+        outside, and FSDP's gathers and reductions in it make no call into the policy's hook.
         """
         self._refresh_actions()
         self._grad_cache.clear()  # a backward pass starts: the forward passes' casts are not needed any more
-        if self._autocast_device is not None and not self._actions:
+        if (not self._recomputes and not create_graph) or (self._autocast_device is not None and not self._actions):
+            # No cast of a scope's forward is recomputed (no activation checkpoint ran one since clear_cache()), or
             # torch.utils.checkpoint restores torch.autocast's state for the recomputation itself.
             yield self
             return
@@ -228,6 +237,11 @@ class CastPolicy:
         policy's mode first: this goes to the autograd engine directly (``Amp.backward`` uses it).
         """
         self._refresh_actions()
+        if not self._recomputes and not builds_graph(args, kwargs):
+            # No cast of a scope's forward is recomputed, and no graph is built: nothing for a mode to do.
+            self._grad_cache.clear()
+            tensor.backward(*args, **kwargs)
+            return
         if self._autocast_device is not None and not self._actions:
             # torch.utils.checkpoint restores torch.autocast's state for the recomputation itself.
             tensor.backward(*args, **kwargs)
@@ -260,7 +274,13 @@ class CastPolicy:
 
     def clear_cache(self) -> None:
         """Drop the cached casts of parameters: call it at each iteration boundary, after the optimizer step (a
-        backward pass started through the policy drops the training casts already)."""
+        backward pass started through the policy drops the training casts already). It also forgets that a forward
+        pass ran casts inside an activation checkpoint: the graphs of the iteration are gone."""
+        self._recomputes = False
+        self._clear_casts()
+
+    def _clear_casts(self) -> None:
+        """Drop the cached casts of parameters (and ``torch.autocast``'s, inside a scope)."""
         self._grad_cache.clear()
         self._no_grad_cache.clear()
         device = self._autocast_device

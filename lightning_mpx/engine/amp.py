@@ -319,10 +319,13 @@ class Amp:
         with casts_off_if_on():  # called inside forward_context(): the backward is not the forward's to cast
             self.policy.backward(scaled, **backward_kwargs)  # backward_context(), without a call into the hook
 
-    def backward_context(self) -> ContextManager[Any]:
+    def backward_context(self, *, create_graph: bool = False) -> ContextManager[Any]:
         """The scope of a backward pass: activation checkpointing recomputes with the forward's casts inside it (the
-        cast policy's :meth:`~lightning_mpx.casting.policy.CastPolicy.recompute_scope`); nothing without a policy."""
-        return self.policy.recompute_scope() if self.policy is not None else contextlib.nullcontext()
+        cast policy's :meth:`~lightning_mpx.casting.policy.CastPolicy.recompute_scope`; ``create_graph``: the
+        backward pass builds a graph); nothing without a policy."""
+        if self.policy is None:
+            return contextlib.nullcontext()
+        return self.policy.recompute_scope(create_graph=create_graph)
 
     # -- optimizer step -----------------------------------------------------------------------------------------
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:

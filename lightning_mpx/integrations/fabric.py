@@ -68,6 +68,7 @@ from lightning.fabric.plugins import Precision  # noqa: E402
 from lightning.fabric.wrappers import _FabricOptimizer  # noqa: E402
 from lightning_utilities.core.apply_func import apply_to_collection  # noqa: E402
 
+from lightning_mpx.casting.checkpointing import builds_graph  # noqa: E402
 from lightning_mpx.casting.policy import casts_off_if_on as _casts_off  # noqa: E402
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
 
@@ -206,7 +207,8 @@ class FabricMixedPrecisionPlugin(Precision):
         with _casts_off():  # fabric.backward called inside fabric.autocast()
             if args:
                 scaled = self.amp.scale_loss(tensor, loss_id)
-                with self.amp.backward_context():  # activation checkpointing recomputes with the forward's casts
+                # Activation checkpointing recomputes with the forward's casts.
+                with self.amp.backward_context(create_graph=builds_graph(args, kwargs)):
                     scaled.backward(*args, **kwargs)
             else:
                 self.amp.backward(tensor, loss_id, **kwargs)

@@ -31,6 +31,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import Unpack
 
+from lightning_mpx.casting.checkpointing import builds_graph
 from lightning_mpx.casting.policy import casts_off_if_on as _casts_off
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
@@ -301,7 +302,8 @@ class MixedPrecisionPlugin(FSDPPrecision):
                 # Lightning's is_overridden sees through) is called.
                 policy.backward(scaled, *args, **kwargs)
                 return
-            with self.amp.backward_context():  # activation checkpointing recomputes with the forward's casts
+            # Activation checkpointing recomputes with the forward's casts.
+            with self.amp.backward_context(create_graph=builds_graph(args, kwargs)):
                 model.backward(scaled, *args, **kwargs)
 
     # -- optimizer step ------------------------------------------------------------------------------------------
