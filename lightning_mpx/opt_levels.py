@@ -111,6 +111,12 @@ class Properties:
         return self.cast_model_type == self.half_dtype
 
     @property
+    def has_cast_policy(self) -> bool:
+        """Whether the forward pass runs under a cast policy: the cast table (``patch_torch_functions``), or at O2
+        (a half model with FP32 masters) the policy that runs loss functions in FP32."""
+        return self.patch_torch_functions or (self.casts_model and self.master_weights)
+
+    @property
     def dynamic_loss_scale(self) -> bool:
         return self.loss_scale == "dynamic"
 

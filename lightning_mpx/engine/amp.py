@@ -320,12 +320,10 @@ class Amp:
             self.policy.backward(scaled, **backward_kwargs)  # backward_context(), without a call into the hook
 
     def backward_context(self, *, create_graph: bool = False) -> ContextManager[Any]:
-        """The scope of a backward pass: activation checkpointing recomputes with the forward's casts inside it (the
-        cast policy's :meth:`~lightning_mpx.casting.policy.CastPolicy.recompute_scope`; ``create_graph``: the
-        backward pass builds a graph); nothing without a policy."""
-        if self.policy is None:
-            return contextlib.nullcontext()
-        return self.policy.recompute_scope(create_graph=create_graph)
+        """The scope of a backward pass (``create_graph``: it builds a graph): activation checkpointing recomputes
+        with the forward's casts inside it (:meth:`~lightning_mpx.casting.policy.CastPolicy.recompute_scope`)."""
+        policy = self.policy
+        return policy.recompute_scope(create_graph=create_graph) if policy is not None else contextlib.nullcontext()
 
     # -- optimizer step -----------------------------------------------------------------------------------------
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -481,8 +479,8 @@ def _policy(settings: MixedPrecisionSettings) -> CastPolicy | None:
     """The cast policy of the opt level: the cast table at O1; at O2, one that runs a loss computed inside the half
     model's own forward in FP32 (:meth:`CastTable.default_o2`); none otherwise."""
     props = settings.properties
+    if not props.has_cast_policy:
+        return None
     if props.patch_torch_functions:
         return CastPolicy(settings.cast_table, props.half_dtype, allow_banned=settings.allow_banned)
-    if props.casts_model and props.master_weights:
-        return CastPolicy(CastTable.default_o2(), props.half_dtype, allow_banned=True)
-    return None
+    return CastPolicy(CastTable.default_o2(), props.half_dtype, allow_banned=True)

@@ -34,6 +34,7 @@ level (called by :meth:`Amp.prepare_model <lightning_mpx.engine.amp.Amp.prepare_
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Iterable, Literal, NamedTuple
 
@@ -48,6 +49,7 @@ from torch.distributed.fsdp import (
 )
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_mpx.casting.aside import around_hooks
 from lightning_mpx.common.dtypes import HALF_DTYPES, dtype_name
 from lightning_mpx.engine.sharding import is_sharded
 from lightning_mpx.health.promotion import _module_to_fp32, matches
@@ -258,12 +260,17 @@ def shard_model(
     elif mode.name == "masters":
         _buffers_to(module, mode.half, skip=island_set)
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
-    for _, island in islands:
-        fully_shard(island, mp_policy=mixed_precision_policy(settings, role="fp32", gather=gather), **kwargs)
     block_policy = mixed_precision_policy(settings, role="block", gather=gather)
-    for unit in units:
-        fully_shard(unit, mp_policy=block_policy, **kwargs)
-    fully_shard(module, mp_policy=mixed_precision_policy(settings, role="root", gather=gather), **kwargs)
+    shards = [(island, mixed_precision_policy(settings, role="fp32", gather=gather)) for _, island in islands]
+    shards += [(unit, block_policy) for unit in units]
+    shards.append((module, mixed_precision_policy(settings, role="root", gather=gather)))
+    for unit, policy in shards:
+        if props.has_cast_policy:
+            # FSDP's forward hooks (the gathers and frees, hundreds of torch calls per unit) run without the cast
+            # mode, which would be handed each of them.
+            around_hooks(unit, functools.partial(fully_shard, unit, mp_policy=policy, **kwargs))
+        else:
+            fully_shard(unit, mp_policy=policy, **kwargs)
     # The model carries what was done to it, so that a second call can tell "the same again" from a conflict.
     record_plan(module, plan)
     return module
