@@ -314,8 +314,8 @@ class MixedPrecisionSettings:
             raise ValueError(
                 "skip_on_device=True cannot be combined with on_floor='promote': a promotion changes the model before "
                 "the next forward, and a step skipped on the device is read later (at the next backward); use "
-                "on_floor='raise', 'warn' or 'continue', or skip_on_device=None (the default, which reads such steps on "
-                "the host) or False."
+                "on_floor='raise', 'warn' or 'continue', or skip_on_device=None (the default, which reads such steps "
+                "on the host) or False."
             )
         object.__setattr__(self, "fp32_modules", check_patterns(self.fp32_modules))
 

@@ -372,9 +372,9 @@ class Amp:
         host: one sync per step, as ``torch.amp.GradScaler`` with an optimizer that is not fused.
 
         A fused Adam/AdamW (``skip_on_device``, by default) gets the flag in its own step, which skips on the device,
-        and the host does not wait: the return value is then a :class:`~lightning_mpx.StepOutcome`, which behaves as
-        the same ``bool``. The overflow is counted, logged and acted on (``on_floor``) when it is read: then, or at the latest at
-        the first :meth:`scale_loss` (backward) or :meth:`step` after the next :meth:`update`, at
+        and the host does not wait: the return value is then a :class:`~lightning_mpx.StepOutcome`, which behaves as the
+        same ``bool``. The overflow is counted, logged and acted on (``on_floor``) when it is read: then, or at the
+        latest at the first :meth:`scale_loss` (backward) or :meth:`step` after the next :meth:`update`, at
         :meth:`read_step_outcomes`, :meth:`state_dict` or :meth:`release_optimizer`. Its record names the parameters
         whose gradients are still there when it is read (not after ``zero_grad()``). A read is never a collective: under
         a process group (``found_inf_reducer``) it counts the overflow, and the record is merged across ranks, logged
