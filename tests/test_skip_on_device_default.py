@@ -382,3 +382,41 @@ def test_accelerator_with_accumulation_and_a_schedule_reads_step_was_skipped_as_
     assert skipped == h_skipped == [(False, 1), (False, 2), (True, 2), (False, 3)]
     assert count == h_count == [1] and scale == h_scale == 2.0**9
     assert_same(weights, h_weights)
+
+
+def test_fabric_loop_asking_step_was_skipped_before_zero_grad_records_as_the_host_path():
+    """A Fabric loop with one fused AdamW that asks ``step_was_skipped`` after each step (to hold its schedule): the
+    same answers, counts, scale, metrics and overflow record (the parameters named) as the host path. A loop that does
+    not ask before ``zero_grad()`` gets the same count, step and scale, and a record that names no parameter (the
+    gradients were gone when it was read: ``docs/loss_scaling.md``)."""
+    from lightning.fabric import Fabric
+
+    from lightning_mpx import FabricMixedPrecisionPlugin
+
+    def run(skip: bool | str, ask: bool) -> tuple[Any, ...]:
+        mpx = FabricMixedPrecisionPlugin("O1", half_dtype="float16", init_scale=2.0**10, **_given(skip))
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[mpx])
+        model, opt = fabric.setup(model := _net(), torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
+        answers = []
+        for index in range(4):
+            g = torch.Generator().manual_seed(index)
+            x, y = torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+            loss = F.cross_entropy(model(x), y)
+            fabric.backward(loss * float("inf") if index == 1 else loss)
+            opt.step()
+            if ask:
+                answers.append(mpx.step_was_skipped(opt))
+            opt.zero_grad()
+        metrics = mpx.metrics()
+        amp = mpx.amp
+        weights = [p.detach().clone() for p in model.parameters()]
+        return (answers, amp.skipped_steps, amp.last_overflow.step, amp.scalers[0].get_scale(),
+                metrics["mpx/skipped_steps"], amp.last_overflow_parameters, weights)
+
+    auto, host = run("unset", ask=True), run(False, ask=True)
+    assert auto[0] == [False, True, False, False] and auto[1] == [1] and auto[3] == 2.0**9
+    assert auto[:6] == host[:6] and auto[5] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert_same(auto[6], host[6])
+    unasked = run("unset", ask=False)
+    assert unasked[1:5] == host[1:5] and unasked[5] == []
+    assert_same(unasked[6], host[6])

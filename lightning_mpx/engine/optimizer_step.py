@@ -44,8 +44,8 @@ class OptimizerStep:
         forensics: The engine's overflow forensics (its forward watch ends with a step that does not overflow).
         master_of: The FP32 master of a model parameter, for the overflow records.
         skip_on_device: Where steps skip (``skip_on_device``): ``None`` on the device for each optimizer that can
-            (:meth:`refusal`), on the host for the rest; ``True`` on the device (an optimizer that
-            cannot is refused); ``False`` on the host.
+            (:meth:`refusal`), on the host for the rest; ``True`` on the device (an optimizer that cannot is
+            refused); ``False`` on the host.
 
     Attributes:
         steps: ``step()`` calls so far, all optimizers (``OverflowRecord.step``).
