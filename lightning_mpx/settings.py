@@ -56,6 +56,8 @@ ON_FLOOR_CHOICES: tuple[str, ...] = ("raise", "warn", "continue", "promote")
 #: every half parameter with its master's rounding before each step: one extra read of the weights and one host sync
 #: per step).
 MODEL_WRITES = ("versions", "values")
+#: What ``skip_on_device=None`` does (the messages that refuse another value say it).
+SKIP_ON_DEVICE_AUTO = "None: on the device for the optimizers that can skip their step there, on the host for the rest"
 
 
 # -- the checks, each message naming the argument, the value and what is valid --------------------------------------
@@ -78,6 +80,12 @@ def check_flag(name: str, value: object) -> None:
     """Raise ``TypeError`` unless ``value`` is ``True`` or ``False``."""
     if not isinstance(value, bool):
         raise TypeError(f"{name}={value!r} must be True or False.")
+
+
+def check_optional_flag(name: str, value: object, none_means: str) -> None:
+    """Raise ``TypeError`` unless ``value`` is ``True``, ``False`` or ``None`` (``none_means``: what ``None`` does)."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be True, False or None ({none_means}).")
 
 
 def check_choice(name: str, value: object, choices: Sequence[str], *, quote: bool = False) -> None:
@@ -243,13 +251,17 @@ class MixedPrecisionSettings:
             ``["lm_head", "*.norm"]``) of modules that run in FP32 at every opt level (see
             :mod:`lightning_mpx.health.promotion`). A pattern that matches no module raises ``ValueError`` when an
             optimizer is prepared.
-        skip_on_device: Skip an overflowed step on the device, with no host read of the overflow flag in
-            :meth:`Amp.step <lightning_mpx.engine.amp.Amp.step>` (the flag goes to the optimizer's own step, as
-            ``torch.amp.GradScaler`` does for fused optimizers): for ``torch.optim.Adam`` and ``AdamW`` with
-            ``fused=True`` only. The step's outcome (the count, the log, the record, ``on_floor``) is then read
-            later: when its result is used as a bool, at the next backward or step, or at a checkpoint. Not with
-            ``on_floor="promote"`` (a promotion changes the model before the next forward) or an FSDP-sharded
-            model. See ``docs/loss_scaling.md``.
+        skip_on_device: Where an overflowed step is skipped. ``None`` (default, "auto"): on the device for each
+            optimizer that can skip its own step there (``torch.optim.Adam`` and ``AdamW`` with ``fused=True`` in
+            every parameter group, on a model that is not FSDP-sharded, with ``on_floor`` other than
+            ``"promote"``): the overflow flag goes to the optimizer's step, as ``torch.amp.GradScaler`` does for
+            fused optimizers, and :meth:`Amp.step <lightning_mpx.engine.amp.Amp.step>` does not wait for the
+            device; every other optimizer reads the flag on the host (one device-to-host sync per step), silently.
+            ``True``: the device for every optimizer, and a ``ValueError`` for one that cannot. ``False``: the host
+            for every optimizer (the opt-out). Decided per optimizer at its first step (again when its parameter
+            groups change). On the device the step's outcome (the count, the log, the record, ``on_floor``) is read
+            later: when its result is used as a bool, at the next backward or step, or at a checkpoint. See
+            ``docs/loss_scaling.md``.
         overrides: The opt-level property overrides given (any of ``cast_model_type``, ``patch_torch_functions``,
             ``keep_batchnorm_fp32``, ``master_weights``, ``loss_scale``; see
             :func:`~lightning_mpx.opt_levels.resolve_properties`); an override not given keeps the preset's value.
@@ -270,7 +282,7 @@ class MixedPrecisionSettings:
     model_writes: str = "versions"
     diagnose_overflows: bool = False
     fp32_modules: Sequence[str] = ()
-    skip_on_device: bool = False
+    skip_on_device: bool | None = None
     overrides: Mapping[str, Any] = field(default_factory=dict)
     scaler: ScalerSettings = field(default_factory=ScalerSettings)
     properties: Properties = field(init=False, repr=False, compare=False)
@@ -297,12 +309,13 @@ class MixedPrecisionSettings:
         _check_loss_scale(props.loss_scale)
         self.scaler.check_init_scale(props.loss_scale)
         check_flag("diagnose_overflows", self.diagnose_overflows)
-        check_flag("skip_on_device", self.skip_on_device)
-        if self.skip_on_device and self.scaler.on_floor == "promote":
+        check_optional_flag("skip_on_device", self.skip_on_device, SKIP_ON_DEVICE_AUTO)
+        if self.skip_on_device is True and self.scaler.on_floor == "promote":
             raise ValueError(
                 "skip_on_device=True cannot be combined with on_floor='promote': a promotion changes the model before "
                 "the next forward, and a step skipped on the device is read later (at the next backward); use "
-                "on_floor='raise', 'warn' or 'continue', or skip_on_device=False."
+                "on_floor='raise', 'warn' or 'continue', or skip_on_device=None (the default, which reads such steps "
+                "on the host) or False."
             )
         object.__setattr__(self, "fp32_modules", check_patterns(self.fp32_modules))
 
@@ -342,7 +355,7 @@ class SettingsKeywords(ScalerKeywords, OptLevelOverrides, total=False):
     model_writes: str
     diagnose_overflows: bool
     fp32_modules: Sequence[str]
-    skip_on_device: bool
+    skip_on_device: bool | None
 
 
 #: The defaults of every setting.

@@ -96,6 +96,7 @@ class FP16_Optimizer:
             min_loss_scale=float(args.get("min_scale", 1.0)),
             max_loss_scale=float(torch.finfo(torch.float32).max),
             on_floor="warn",
+            skip_on_device=False,  # Apex's FP16_Optimizer sets self.overflow at its step: read on the host there
         )
         self.amp.log_overflows = False
         self.optimizer = init_optimizer

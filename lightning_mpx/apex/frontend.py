@@ -150,6 +150,9 @@ def _engine(
         max_loss_scale=max_loss_scale,
         on_floor="warn" if min_loss_scale is None else "raise",
         allow_banned=allow_banned,
+        # Apex says "Gradient overflow. Skipping step" at the step and its users read the scale right after: the
+        # overflow flag is read on the host there, whatever the optimizer.
+        skip_on_device=False,
         **overrides,
     )
     amp.log_overflows = False  # Apex's own message is logged instead (rank zero only)

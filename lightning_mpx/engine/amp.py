@@ -368,13 +368,14 @@ class Amp:
 
     def step(self, optimizer: torch.optim.Optimizer, **step_kwargs: Any) -> bool | StepOutcome:
         """Step ``optimizer`` unless its gradients overflowed (then nothing changes, and the overflow counts against the
-        losses whose gradients held it); returns whether it stepped. Reads the overflow flags on the host: one sync per
-        step, as ``torch.amp.GradScaler`` with an optimizer that is not fused.
+        losses whose gradients held it); returns whether it stepped. An optimizer that cannot skip its own step on the
+        device (any but a fused Adam/AdamW), or any with ``skip_on_device=False``, has the overflow flags read on the
+        host: one sync per step, as ``torch.amp.GradScaler`` with an optimizer that is not fused.
 
-        With ``skip_on_device=True`` the flag goes to the fused optimizer's own step, which skips on the device, and the
-        host does not wait: the return value is then a :class:`~lightning_mpx.StepOutcome`, which behaves as the same
-        ``bool``. The overflow is counted, logged and acted on (``on_floor``) when it is read: then, or at the latest at
-        the first :meth:`scale_loss` (backward) or :meth:`step` after the next :meth:`update`, at
+        A fused Adam/AdamW (``skip_on_device``, by default) gets the flag in its own step, which skips on the device,
+        and the host does not wait: the return value is then a :class:`~lightning_mpx.StepOutcome`, which behaves as the
+        same ``bool``. The overflow is counted, logged and acted on (``on_floor``) when it is read: then, or at the
+        latest at the first :meth:`scale_loss` (backward) or :meth:`step` after the next :meth:`update`, at
         :meth:`read_step_outcomes`, :meth:`state_dict` or :meth:`release_optimizer`. Its record names the parameters
         whose gradients are still there when it is read (not after ``zero_grad()``). A read is never a collective: under
         a process group (``found_inf_reducer``) it counts the overflow, and the record is merged across ranks, logged

@@ -70,8 +70,10 @@ class _OptimizerState:
     unscaled_marks: tuple[tuple[int, int] | None, ...] = ()
     # Under FSDP: whether the flags in found_by_loss are already summed across ranks (by a clip's collective).
     flags_reduced: bool = False
-    # skip_on_device: how many parameter groups were found fused (a group added later is checked at the next step).
-    fused_groups: int = 0
+    # skip_on_device: whether this optimizer's steps skip on the device, decided for the number of parameter groups it
+    # had then (``decided_groups``; 0: not decided yet): a group added later is decided again at the next step.
+    on_device: bool = False
+    decided_groups: int = 0
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

@@ -10,9 +10,11 @@ optimizer is ready for its next iteration. The scale is updated once per iterati
 Each stage is a call into the module named for it, and none calls back here: a step enters each of the package's
 modules at most once (``benchmarks/step_walk.py``).
 
-With ``skip_on_device`` the flags go to the optimizer's own step instead of being read first, and the host reads what
-the step did later (:mod:`lightning_mpx.engine.outcome`): :meth:`OptimizerStep.examine` and :meth:`OptimizerStep.settle`
-are the rest of such a step, done when it is read and where every rank is.
+An optimizer that can skip its own step on the device (a fused Adam/AdamW; ``skip_on_device``, by default) gets the
+flags in its step instead of their being read first, and the host reads what the step did later
+(:mod:`lightning_mpx.engine.outcome`): :meth:`OptimizerStep.examine` and :meth:`OptimizerStep.settle` are the rest of
+such a step, done when it is read and where every rank is. Which path an optimizer takes is decided at its first step
+(again when its parameter groups change), never per step.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ class OptimizerStep:
         overflows: The engine's overflow steps (recorded, logged, the floor's policy).
         forensics: The engine's overflow forensics (its forward watch ends with a step that does not overflow).
         master_of: The FP32 master of a model parameter, for the overflow records.
-        skip_on_device: Whether steps skip on the device (``skip_on_device``).
+        skip_on_device: Where steps skip (``skip_on_device``): ``None`` on the device for each optimizer that can
+            (:meth:`refusal`), on the host for the rest; ``True`` on the device (an optimizer that cannot is
+            refused); ``False`` on the host.
 
     Attributes:
         steps: ``step()`` calls so far, all optimizers (``OverflowRecord.step``).
@@ -55,7 +59,7 @@ class OptimizerStep:
         forensics: OverflowForensics,
         *,
         master_of: MasterOf,
-        skip_on_device: bool,
+        skip_on_device: bool | None,
     ) -> None:
         self.machine = machine
         self.overflows = overflows
@@ -86,10 +90,14 @@ class OptimizerStep:
                 "closure: loss scaling cannot re-run a closure inside the optimizer step; run the closure first, "
                 "then call step() without it."
             )
+        on_device = self._on_device(optimizer, state)
         if self.pending.steps:
-            self.pending.settle(before=iteration)  # every rank is here: their records are merged now
+            # Every rank is here: their records are merged now. A step on the device leaves those of the iteration
+            # under way pending (it does not wait for another optimizer's step); a host read waits for the device up
+            # to here anyway, and settles them all first, so that the records come in the host path's order.
+            self.pending.settle(before=iteration if on_device else None)
         self.steps += 1
-        if self.skip_on_device:
+        if on_device:
             return self._step_on_device(optimizer, state, step_kwargs, reducer, iteration, compare)
         # Unscale and check the gradients (or shards), the flags reduced once across ranks, read, counted.
         overflowed = self.machine.check(state, optimizer, reducer)
@@ -154,15 +162,38 @@ class OptimizerStep:
         state.reset()
 
     # -- skip_on_device -----------------------------------------------------------------------------------------
+    def refusal(self, optimizer: torch.optim.Optimizer) -> str | None:
+        """Why ``optimizer``'s step cannot skip on the device in this engine (``None`` when it can)."""
+        if self.machine.sharding is not None:
+            return "the model is FSDP-sharded"
+        if any(scaler.on_floor == "promote" for scaler in self.machine.scalers):
+            return "on_floor='promote' changes the model before the next forward"
+        return device_skip_refusal(optimizer)
+
     def refuse_device_skip(self, optimizer: torch.optim.Optimizer) -> None:
-        """Raise a ValueError when ``optimizer`` cannot skip its step on the device (``skip_on_device``)."""
-        sharded = self.machine.sharding is not None
-        refusal = "the model is FSDP-sharded" if sharded else device_skip_refusal(optimizer)
+        """Raise a ValueError when ``optimizer`` cannot skip its step on the device (``skip_on_device=True``)."""
+        refusal = self.refusal(optimizer)
         if refusal is not None:
             raise ValueError(
                 f"skip_on_device=True needs a step that can be skipped on the device, but {refusal}: use "
-                "torch.optim.Adam or AdamW with fused=True on an unsharded model, or skip_on_device=False."
+                "torch.optim.Adam or AdamW with fused=True on an unsharded model, or skip_on_device=None (the "
+                "default: on the device where it can be) or False (on the host)."
             )
+
+    def _on_device(self, optimizer: torch.optim.Optimizer, state: _OptimizerState) -> bool:
+        """Whether ``optimizer``'s steps skip on the device: decided at its first step and again when its number of
+        parameter groups changes (``add_param_group``), before anything moves."""
+        groups = len(optimizer.param_groups)
+        if state.decided_groups != groups:
+            if self.skip_on_device is None:
+                state.on_device = self.refusal(optimizer) is None  # auto: the rest read on the host
+            elif self.skip_on_device:
+                self.refuse_device_skip(optimizer)  # a group that cannot skip would step anyway
+                state.on_device = True
+            else:
+                state.on_device = False
+            state.decided_groups = groups
+        return state.on_device
 
     def _step_on_device(
         self,
@@ -173,11 +204,7 @@ class OptimizerStep:
         iteration: int,
         compare: bool,
     ) -> StepOutcome:
-        """The step of ``skip_on_device``: the flags to the optimizer's step, their host copy queued behind it."""
-        groups = len(optimizer.param_groups)
-        if state.fused_groups != groups:  # prepared, or a group added since (add_param_group)
-            self.refuse_device_skip(optimizer)  # before anything moves: a group that cannot skip would step anyway
-            state.fused_groups = groups
+        """The step skipped on the device: the flags to the optimizer's step, their host copy queued behind it."""
         loss_ids, flags = self.machine.check_on_device(state, optimizer, reducer)
         found = flags if flags.dim() == 0 else flags.amax() if len(loss_ids) > 1 else flags.reshape(())
         outcome = StepOutcome(self.pending.read)

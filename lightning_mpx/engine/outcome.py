@@ -1,14 +1,14 @@
-"""Steps skipped on the device (``skip_on_device=True``): the overflow flag goes to the optimizer's own step instead of
-being read on the host first, and what the step did is read later.
+"""Steps skipped on the device (``skip_on_device``, on by default where the optimizer can): the overflow flag goes to
+the optimizer's own step instead of being read on the host first, and what the step did is read later.
 
 ``torch.amp.GradScaler`` hands the flag to optimizers that can skip on the device (``_step_supports_amp_scaling``:
 torch's fused implementations) and never reads it on the host. :meth:`Amp.step <lightning_mpx.engine.amp.Amp.step>` does
-the same for :data:`DEVICE_SKIP_OPTIMIZERS` with ``fused=True`` and returns a :class:`StepOutcome`; the flags, with the
-scales they were computed with, are copied to the host behind the step (a non-blocking copy and an event on CUDA),
-and read when the outcome is used as a bool or, at the latest, at the engine's next backward or step
-(:class:`PendingSteps`). By then the device has usually passed that point: the read does not wait. A read is local
-(rank 0 alone may make one, to log); what needs every rank (the overflow records merged across them) is done at the
-engine's next backward or step, where every rank is.
+the same for :data:`DEVICE_SKIP_OPTIMIZERS` with ``fused=True`` (by default; every other optimizer reads the flag on the
+host, one sync per step) and returns a :class:`StepOutcome`; the flags, with the scales they were computed with, are
+copied to the host behind the step (a non-blocking copy and an event on CUDA), and read when the outcome is used as a
+bool or, at the latest, at the engine's next backward or step (:class:`PendingSteps`). By then the device has usually
+passed that point: the read does not wait. A read is local (rank 0 alone may make one, to log); what needs every rank
+(the overflow records merged across them) is done at the engine's next backward or step, where every rank is.
 
 Only Adam and AdamW: torch's fused SGD with momentum leaves its momentum buffers uninitialized (``torch.empty_like``)
 when its first step is skipped on the device, so a skipped first step would put garbage into every later one

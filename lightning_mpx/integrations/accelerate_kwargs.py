@@ -21,11 +21,13 @@ from lightning_mpx.scaling.unscale import BACKENDS
 from lightning_mpx.settings import (
     MODEL_WRITES,
     SCALER_FIELDS,
+    SKIP_ON_DEVICE_AUTO,
     MixedPrecisionSettings,
     ScalerSettings,
     SettingsKeywords,
     check_choice,
     check_flag,
+    check_optional_flag,
     check_positive_int,
     setting_fields,
 )
@@ -95,7 +97,7 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
 
     Raises:
         ValueError: for a value that is invalid whatever the opt level (a dtype, a scaler setting, ...).
-        TypeError: for a flag that is not a bool.
+        TypeError: for a flag that is not a bool (``skip_on_device``: not a bool or ``None``).
     """
 
     log_metrics: bool = True
@@ -116,8 +118,9 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
         for name in ("patch_torch_functions", "keep_batchnorm_fp32", "master_weights"):
             if getattr(self, name) not in (None, True, False):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be True, False or None (the preset's value).")
-        for name in ("allow_banned", "log_metrics", "diagnose_overflows", "skip_on_device"):
+        for name in ("allow_banned", "log_metrics", "diagnose_overflows"):
             check_flag(name, getattr(self, name))
+        check_optional_flag("skip_on_device", self.skip_on_device, SKIP_ON_DEVICE_AUTO)
         every = self.telemetry_every_n_steps
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"telemetry_every_n_steps={every!r} must be a positive integer or None.")
