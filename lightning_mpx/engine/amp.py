@@ -368,9 +368,8 @@ class Amp:
 
     def step(self, optimizer: torch.optim.Optimizer, **step_kwargs: Any) -> bool | StepOutcome:
         """Step ``optimizer`` unless its gradients overflowed (then nothing changes, and the overflow counts against the
-        losses whose gradients held it); returns whether it stepped. An optimizer that cannot skip its own step on the
-        device (any but a fused Adam/AdamW), or any with ``skip_on_device=False``, has the overflow flags read on the
-        host: one sync per step, as ``torch.amp.GradScaler`` with an optimizer that is not fused.
+        losses whose gradients held it); returns whether it stepped. Any optimizer but a fused Adam/AdamW, or any with
+        ``skip_on_device=False``, has the overflow flags read on the host: one sync per step, as ``GradScaler``.
 
         A fused Adam/AdamW (``skip_on_device``, by default) gets the flag in its own step, which skips on the device,
         and the host does not wait: the return value is then a :class:`~lightning_mpx.StepOutcome`, which behaves as the
