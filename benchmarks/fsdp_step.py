@@ -391,10 +391,20 @@ class AccelerateRow:
         return accelerator
 
     def advance(self, steps: int) -> dict[str, Any]:
-        import torch
+        from accelerate.state import AcceleratorState, GradientState
 
         base = self.memory.allocated()
         self.memory.reset_peak()
+        times, extra = self._train(steps)  # its accelerator, model and optimizer end with its frame
+        peak = _delta(self.memory.peak(), base)
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        self.memory.release()
+        return {"times": times, "peak": peak, "idle": 0, "precision": self.variant.split("-", 1)[1], **extra}
+
+    def _train(self, steps: int) -> tuple[list[float], dict[str, Any]]:
+        import torch
+
         accelerator = self._accelerator()
         net = step.build_model("gpt", self.spec)
         net.load_state_dict(self.state)
@@ -409,15 +419,8 @@ class AccelerateRow:
         times = step.time_steps(one, self.batches, steps + 1, self.memory.sync)[1:]
         amp = getattr(accelerator, "amp", None)
         extra = {"skipped_steps": sum(amp.skipped_steps)} if amp is not None else {}
-        peak = _delta(self.memory.peak(), base)
         accelerator.free_memory()
-        del model, optimizer, net, accelerator, one
-        from accelerate.state import AcceleratorState, GradientState
-
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-        self.memory.release()
-        return {"times": times, "peak": peak, "idle": 0, "precision": self.variant.split("-", 1)[1], **extra}
+        return times, extra
 
     def close(self) -> None:
         self.memory.release()
@@ -588,7 +591,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.device = args.device or ("cpu" if args.check else "cuda")
-    args.rounds = args.rounds or (MIN_ROUNDS if args.check else 5)
+    if args.rounds is None:
+        args.rounds = MIN_ROUNDS if args.check else 5
     if args.rounds < 1 or (args.steps is not None and args.steps < 1) or args.budget < 0:
         parser.error(f"--rounds={args.rounds} and --steps={args.steps} must be at least 1, --budget={args.budget} "
                      "at least 0")  # fmt: skip
