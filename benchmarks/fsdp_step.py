@@ -293,8 +293,6 @@ class LightningRow:
     """A Lightning row built once: model, Trainer (warmed up by a first fit) and loader; :meth:`advance` continues
     it with :func:`step.fit_more` and releases the finished fit's optimizer state and gradients after."""
 
-    rebuilt = False
-
     def __init__(self, variant: str, spec: step.ModelSpec, batches: list[Any], warmup: int, device: str,
                  memory: Memory) -> None:
         import lightning.pytorch as pl
@@ -353,8 +351,6 @@ class AccelerateRow:
     the same initial weights (``state``, on the CPU), prepares them under ``FullyShardedDataParallelPlugin(
     fsdp_version=2)``, runs ``warmup`` untimed steps, times ``steps + 1`` (the first dropped) and frees it all."""
 
-    rebuilt = True
-
     def __init__(self, variant: str, spec: step.ModelSpec, batches: list[Any], warmup: int, device: str,
                  memory: Memory, state: dict[str, Any]) -> None:
         self.variant, self.spec, self.batches, self.warmup = variant, spec, batches, warmup
@@ -406,7 +402,8 @@ class AccelerateRow:
         import torch
 
         accelerator = self._accelerator()
-        net = step.build_model("gpt", self.spec)
+        with torch.device(self.device):
+            net = step.build_model("gpt", self.spec)
         net.load_state_dict(self.state)
         model, optimizer = accelerator.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
 
