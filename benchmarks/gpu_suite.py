@@ -10,7 +10,7 @@ device's time limit still leaves what it measured. Every subprocess runs under a
     python benchmarks/gpu_suite.py step --model gpt    --out DIR   # benchmarks/step.py --device cuda (~6 min)
     python benchmarks/gpu_suite.py step --model resnet --out DIR   # (~4.5 min)
     python benchmarks/gpu_suite.py fidelity --out DIR   # benchmarks/convergence.py O0/O1/O2, seed 0 (~0.5 min)
-    python benchmarks/gpu_suite.py fsdp --out DIR       # benchmarks/fsdp_step.py --device cuda (~3 min)
+    python benchmarks/gpu_suite.py fsdp --out DIR       # benchmarks/fsdp_step.py --device cuda, 4 groups (~6 min)
     python benchmarks/gpu_suite.py all --check          # every part's code path on CPU, tiny sizes (the test suite)
     python benchmarks/gpu_suite.py plugin --out DIR     # plugin_overhead.py --device cuda (~5 min; not in all)
 
@@ -40,9 +40,12 @@ Parts:
   process, as the goal rows are: ``step --variants`` with the rows of :data:`DEVICE_SKIP_ROWS` gives their targets
   per-round ratios.
 * ``fidelity``: ``benchmarks/convergence.py --accelerator gpu --seeds 0 --levels O0 O1 O2`` (200 steps).
-* ``fsdp``: ``benchmarks/fsdp_step.py --device cuda``: GPT-2 small under FSDP on one GPU (one rank), the plugin at
-  O1/O2 (fp16, bf16) against Lightning's own FSDP mixed precision ("bf16-mixed" on FSDP2's ``ModelParallelStrategy``;
-  "bf16-mixed" and "16-mixed" on FSDP1's ``FSDPStrategy``): throughput and peak memory.
+* ``fsdp``: ``benchmarks/fsdp_step.py --device cuda`` (``--budget`` 330 s): on one GPU (one rank), four comparisons,
+  the rows of each in one process, round by round, the order rotated, with per-round paired ratios: the plugin at
+  O1/O2 (fp16, bf16) against Lightning's FSDP2 "bf16-mixed" (``ModelParallelStrategy``) on GPT-2 small and on a 1.3B
+  GPT (sequence 1024), against FSDP1 "bf16-mixed" (``FSDPStrategy``; "16-mixed" for information), and the Accelerate
+  adapter at O2 against Accelerate's "bf16" under ``FullyShardedDataParallelPlugin(fsdp_version=2)``: throughput and
+  each row's own peak memory (``--fsdp-groups`` picks some).
 * ``plugin`` (run on its own, not part of ``all``): ``benchmarks/plugin_overhead.py --device cuda``, the plugin's
   per-step host time against Lightning's "16-mixed" and the core loop, twice: the tiny ResNet-18 topology (every
   step host-bound; with the host reads per step) and the real CIFAR ResNet-18 (width 64, batch 128, 32x32 images).
@@ -74,6 +77,7 @@ if "--check" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (the kernels are decorated at import)
 
 import _harness  # noqa: E402  (benchmarks/ is on sys.path when a script runs)
+import fsdp_step  # noqa: E402
 import gpu_report  # noqa: E402
 from _harness import write_json  # noqa: E402
 
@@ -126,6 +130,8 @@ GPT_ONLY = ("fabric-16-mixed", "fabric-mpx-O2-fp16")
 STEP_CHECK = {"gpt": ("mpx-O2-fp16",), "resnet": ("core-O1-bf16", "loop-fp32")}
 #: unscale.py runs: (sets, sweep?); the issue's sets first, the sweep with the small-tensor ResNet set.
 UNSCALE_RUNS = (("gpt2-124m", False), ("gpt-1.3b", False), ("resnet50", True), ("bert-base", False))
+#: fsdp_step.py's --budget on a GPU (seconds for its groups together; about 6 minutes with the process's start).
+FSDP_BUDGET = 330.0
 #: The backend the checks hold to the reference; explicit, since "auto" takes foreach for CPU tensors (--check).
 FUSED = "triton"
 
@@ -798,18 +804,18 @@ def part_fidelity(args: argparse.Namespace, env: dict[str, Any]) -> Part:
 
 # -- fsdp -----------------------------------------------------------------------------------------------------------
 def part_fsdp(args: argparse.Namespace, env: dict[str, Any]) -> Part:
-    """benchmarks/fsdp_step.py on CUDA (--check: its code path on CPU, one step of two FSDP2 variants)."""
-    import fsdp_step
-
+    """benchmarks/fsdp_step.py on CUDA, every group (``--fsdp-groups``: some) in one process, its own ``--budget``
+    a minute under the part's; ``--check``: its code path on CPU (two rows of each group, tiny models, 3 rounds)."""
     part = Part("fsdp", args.out, args.check, args.command, env)
     raw = args.out / "raw" / ("fsdp_step_check.json" if args.check else "fsdp_step_cuda.json")
-    argv = [sys.executable, str(HERE / "fsdp_step.py"), "--out", str(raw)]
+    argv = [sys.executable, str(HERE / "fsdp_step.py"), "--out", str(raw), "--groups", *args.fsdp_groups]
     if args.check:
-        argv += ["--device", "cpu", "--steps", "1", "--warmup", "0", "--variants", *fsdp_step.CHECK_VARIANTS]
-    else:
-        argv += ["--device", "cuda", "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    part.run(argv, part.timeout(args, 540), args.out / "raw" / "fsdp.log")
-    if raw.exists():
+        argv += ["--check", "--budget", "0"]
+    else:  # the groups share out what is left once the process has started (imports, the process group)
+        budget = max(min(FSDP_BUDGET, args.budget - 60), 120) if args.budget else FSDP_BUDGET
+        argv += ["--device", "cuda", "--budget", f"{budget:.0f}"]
+    part.run(argv, part.timeout(args, FSDP_BUDGET + 150), args.out / "raw" / "fsdp.log")
+    if raw.exists():  # rewritten after every round: a part cut short keeps the rounds it finished
         part.result = json.loads(raw.read_text())
         part.result["device"] = env["device"]
     ok = raw.exists() and part.suite["commands"][-1]["status"] == "ok" and not part.result.get("failed")
@@ -867,6 +873,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="step: build the goal rows' model, Trainer or loop afresh for every round (step.py "
                              "--one-process) instead of once, trained on round after round (--persistent, the "
                              "default); fresh runs give each row its own peak memory")
+    parser.add_argument("--fsdp-groups", nargs="+", choices=tuple(fsdp_step.GROUPS), default=list(fsdp_step.GROUPS),
+                        metavar="GROUP", help="fsdp: which of fsdp_step.py's comparisons (default: all, "
+                        f"{', '.join(fsdp_step.GROUPS)}; ~6 min together on an H100)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds per subprocess (default: 360 pytest, 300 checks, 240 unscale run, 420 step "
                              "goal rows, 150 other step variant, 420 fidelity, 300 plugin run)")  # fmt: skip

@@ -20,11 +20,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import fsdp_step  # noqa: E402
 import gpu_report  # noqa: E402
 import gpu_suite  # noqa: E402
 
 H100 = ROOT / "benchmarks" / "results" / "gpu" / "2026-11-23-h100"
-PART_FILES = ("tests", "unscale", "step_gpt", "step_resnet", "fidelity")
+PART_FILES = ("tests", "unscale", "step_gpt", "step_resnet", "fidelity", "fsdp")
 UNSCALE_FIELDS = {"set", "dtype", "variant", "tensors", "fused_ms", "torch_ms", "speedup", "fused_GBps",
                   "pct_of_copy_bandwidth", "copy_bandwidth_GBps"}  # fmt: skip
 STEP_FIELDS = {"model", "variant", "step_ms_median", "samples_per_second", "peak_memory_bytes"}
@@ -104,8 +105,9 @@ def test_report_reads_the_check_output_and_fills_the_doc(check_dir, tmp_path):
     result = gpu_report.main([str(check_dir), "--doc", str(doc), "--json", str(tmp_path / "report.json")])
     assert {v["target"] for v in result["verdicts"]} >= TARGETS
     assert {s["kind"] for s in result["sources"]} == {"tests", "unscale", "step", "fidelity", "fsdp"}
-    fsdp = [v for v in result["verdicts"] if v["target"].startswith("FSDP O2 fp16")]
-    assert len(fsdp) == 2 and all(v["status"] == gpu_report.NOT_MEASURED for v in fsdp)  # --check measures nothing
+    labels = {goal.label for goal in fsdp_step.GOALS}
+    fsdp = [v for v in result["verdicts"] if v["target"] in labels]
+    assert len(fsdp) == len(fsdp_step.GOALS) and all(v["status"] == gpu_report.NOT_MEASURED for v in fsdp)
     assert all(s["recorded_command"] and s["check"] for s in result["sources"])
     text = doc.read_text()
     assert text.startswith("# intro") and text.endswith("## after\n") and "stale-body" not in text
@@ -134,20 +136,93 @@ def test_report_on_the_committed_h100_results_prefers_later_files():
     assert gpu_report.environment(sources)["device"] == "NVIDIA H100 80GB HBM3"
 
 
-def test_fsdp_targets_judge_o2_fp16_against_lightning_bf16_mixed():
-    def source(ms: float, peak: int) -> Any:
-        rows = [{"variant": "fsdp2-lightning-bf16-mixed", "step_ms_median": 100.0, "peak_memory_bytes": 1000},
-                {"variant": "fsdp2-mpx-O2-fp16", "step_ms_median": ms, "peak_memory_bytes": peak}]
-        return gpu_report.Source(Path("fsdp_step_cuda.json"), "fsdp", {"benchmark": "fsdp_step", "rows": rows}, 0.0,
-                                 None)  # made-up rows (test data for the verdicts, not a measurement)
+def test_all_check_fsdp_part_has_every_group_with_paired_ratios_per_round(check_dir):
+    result = _suite(check_dir, "fsdp")["result"]
+    assert result["check"] is True and not result["failed"]
+    assert list(result["groups"]) == list(fsdp_step.GROUPS)
+    for name, group in fsdp_step.GROUPS.items():
+        info = result["groups"][name]
+        assert info["rounds_done"] == fsdp_step.MIN_ROUNDS and info["reference"] == group.reference
+        rows = [r for r in result["rows"] if r["group"] == name]
+        assert [r["variant"] for r in rows] == list(group.check_variants)
+        for row in rows:
+            assert len(row["step_ms_rounds"]) == fsdp_step.MIN_ROUNDS and row["steps_per_round"] == 2
+            ratios = row["throughput_vs_reference_rounds"]
+            ref = rows[0]["step_ms_rounds"]
+            assert ratios == pytest.approx([b / a for a, b in zip(row["step_ms_rounds"], ref)])
+            assert row["throughput_vs_reference"] == pytest.approx(statistics.median(ratios))
+            assert row["peak_memory_bytes"] is None  # no memory is measured on CPU
+    plugin_rows = [r for r in result["rows"] if "-mpx-" in r["variant"]]
+    assert plugin_rows and all(r["skipped_steps"] == 0 for r in plugin_rows)
+    assert "| gpt1b | fsdp2-mpx-O2-bf16 | 3 |" in (check_dir / "suite_fsdp.md").read_text()
 
-    speed, memory = gpu_report.fsdp_targets(source(80.0, 900))
-    assert (speed.status, memory.status) == (gpu_report.MET, gpu_report.MET)
-    assert speed.value == pytest.approx(1.25) and memory.value == pytest.approx(0.9)
-    speed, memory = gpu_report.fsdp_targets(source(125.0, 1100))
-    assert (speed.status, memory.status) == (gpu_report.NOT_MET, gpu_report.NOT_MET)
-    assert all(v.status == gpu_report.NOT_MEASURED for v in gpu_report.fsdp_targets(None))
-    assert gpu_report.classify({"benchmark": "fsdp_step", "rows": []}) == ("fsdp", "")
+
+def _fsdp_run(path: Path, check_dir: Path, factor: float) -> None:
+    """The --check run's rows as if measured (``check`` off), the plugin rows' times divided by ``factor``; made-up
+    figures for the verdicts, not a measurement."""
+    data = json.loads((check_dir / "raw" / "fsdp_step_check.json").read_text())
+    data["check"] = False
+    for row in data["rows"]:
+        ref = next(r for r in data["rows"] if r["group"] == row["group"] and r["variant"] == r["reference"])
+        row["step_ms_rounds"] = [10.0 / (factor if row is not ref else 1.0)] * 3
+        row["throughput_vs_reference_rounds"] = [r / m for m, r in zip(row["step_ms_rounds"], ref["step_ms_rounds"])]
+    path.write_text(json.dumps(data))
+
+
+def test_report_judges_the_fsdp_goals_on_per_round_ratios_and_asks_two_runs_to_agree(check_dir, tmp_path):
+    def verdicts(*factors: float) -> dict[tuple[str, str], Any]:
+        folder = tmp_path / "-".join(map(str, factors))
+        folder.mkdir()
+        for i, factor in enumerate(factors):
+            _fsdp_run(folder / f"fsdp_{i}.json", check_dir, factor)
+        merged = gpu_report.merge(gpu_report.load_sources([folder]))
+        return {(v.target, v.scope.split(":")[0]): v for v in gpu_report.fsdp_targets(merged.fsdp_runs)}
+
+    o2 = fsdp_step.Goal("gpt2", "fsdp2-mpx-O2-bf16", "throughput", 1.05).label
+    once = verdicts(1.1)
+    assert once[(o2, "gpt2")].status == gpu_report.ONE_RUN
+    assert "per round 1.100x [1.100, 1.100] over 3 rounds" in once[(o2, "gpt2")].figure
+    for group in ("gpt1b", "fsdp1", "accelerate"):
+        judged = [v for (t, g), v in once.items() if g == group and v.status != gpu_report.NOT_MEASURED]
+        assert [v.target.split()[0] for v in judged] == [fsdp_step.GROUPS[group].check_variants[1]]
+    memory = fsdp_step.Goal("gpt2", "fsdp2-mpx-O2-bf16", "memory", 0.8).label
+    assert once[(memory, "gpt2")].status == gpu_report.NOT_MEASURED  # no memory measured on CPU
+    fp16 = fsdp_step.Goal("gpt2", "fsdp2-mpx-O2-fp16", "throughput", 1.05).label
+    assert once[(fp16, "gpt2")].status == gpu_report.NOT_MEASURED  # not a --check row
+    assert verdicts(1.1, 1.2)[(o2, "gpt2")].status == gpu_report.MET
+    assert verdicts(1.0)[(o2, "gpt2")].status == gpu_report.NOT_MET
+    assert verdicts(1.1, 1.0)[(o2, "gpt2")].status == gpu_report.DISAGREE
+    latest = verdicts(1.0, 1.0, 1.1, 1.2)[(o2, "gpt2")]  # the latest two runs
+    assert latest.status == gpu_report.MET and latest.source == "fsdp_2.json, fsdp_3.json"
+
+
+def test_fsdp_step_pairs_each_round_with_the_reference_and_takes_each_rows_own_peak():
+    group = fsdp_step.GROUPS["gpt2"]
+
+    def rounds(ms: list[float], peak: int | None) -> list[dict[str, Any]]:
+        return [{"times": [m / 1e3, m / 1e3], "peak": peak, "idle": 5, "precision": "p"} for m in ms]
+
+    rows = fsdp_step.summarise(group, group.spec, {group.reference: rounds([10.0, 20.0, 10.0], 1000),
+                                                   "fsdp2-mpx-O2-fp16": rounds([8.0, 20.0, 12.5], 700)})
+    mine = rows[1]
+    assert mine["throughput_vs_reference_rounds"] == pytest.approx([1.25, 1.0, 0.8])
+    assert mine["throughput_vs_reference"] == pytest.approx(1.0)
+    assert mine["throughput_vs_reference_range"] == pytest.approx([0.8, 1.25])
+    assert mine["memory_vs_reference"] == pytest.approx(0.7) and mine["step_ms_median"] == pytest.approx(12.5)
+    checked = {t["target"]: t["met"] for t in fsdp_step.check_targets(rows)}
+    assert checked == {"fsdp2-mpx-O2-fp16 throughput >= 1.05x fsdp2-lightning-bf16-mixed": False,
+                       "fsdp2-mpx-O2-fp16 memory <= 0.80x fsdp2-lightning-bf16-mixed": True}  # fmt: skip
+    assert len(fsdp_step.GOALS) == 16 and {g.group for g in fsdp_step.GOALS} == set(fsdp_step.GROUPS)
+    big = fsdp_step.GPT_1B
+    assert 1.25e9 < 12 * big.dim**2 * big.layers + big.vocab * big.dim < 1.35e9 and big.seq >= 1024
+
+
+def test_fsdp_step_argument_errors(capsys):
+    for argv, message in ((["--check", "--variants", "fsdp2-mpx-O4-fp16"], "is not a row; valid choices"),
+                          (["--check", "--rounds", "0"], "must be at least 1")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            fsdp_step.main(argv)
+        assert message in capsys.readouterr().err, argv
 
 
 def _raw_unscale(rows: list[tuple[str, str, float]]) -> dict[str, Any]:
@@ -266,7 +341,8 @@ def test_docs_list_every_part_and_the_doc_has_the_markers():
     section = doc[doc.index("## How to reproduce"):]
     for command in ("gpu_suite.py tests --out", "gpu_suite.py unscale --out", "gpu_suite.py step --model gpt --out",
                     "gpu_suite.py step --model resnet --out", "gpu_suite.py fidelity --out",
-                    "gpu_suite.py plugin --out", "gpu_suite.py all --check", "gpu_report.py"):  # fmt: skip
+                    "gpu_suite.py plugin --out", "gpu_suite.py all --check", "gpu_report.py",
+                    "gpu_suite.py fsdp --out"):  # fmt: skip
         assert command in section, command
     assert doc.count(gpu_report.BEGIN) == 1 and doc.count(gpu_report.END) == 1
 
