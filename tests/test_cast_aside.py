@@ -108,3 +108,88 @@ def test_without_a_scope_nothing_changes():
     out = module(torch.randn(2, 4))
     assert out.dtype == torch.float32
     assert [name for name, _ in module.seen] == ["framework pre", "forward", "framework post"]
+
+
+# --- FSDP2, sharded elsewhere (Accelerate): the hooks moved between the set-aside hooks -----------------------------
+@pytest.fixture
+def one_rank():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already set up in this process")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.head(x)
+
+
+def _sharded() -> Net:
+    from torch.distributed.fsdp import fully_shard
+
+    net = Net()
+    for block in net.blocks:
+        fully_shard(block)
+    fully_shard(net)
+    return net
+
+
+def test_fsdp_gathers_run_without_the_cast_mode_and_the_results_stay(one_rank, monkeypatch):
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from lightning_mpx.casting.aside import around_fsdp_hooks
+
+    seen: list[int] = []
+    for name in ("pre_forward", "post_forward"):
+        original = getattr(FSDPParamGroup, name)
+
+        def spy(self, *args, _original=original, **kwargs):
+            seen.append(_cast_modes())
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(FSDPParamGroup, name, spy)
+    x = torch.randn(3, 8)
+    outputs, grads = [], []
+    for moved in (False, True):
+        net = _sharded()
+        if moved:
+            assert [around_fsdp_hooks(m) for m in net.modules()] == [True, False, True, True, False]
+        policy = CastPolicy(half_dtype=torch.bfloat16)
+        seen.clear()
+        with policy.scope():
+            out = net(x)
+        assert out.dtype == torch.bfloat16 and len(seen) == 6
+        assert set(seen) == ({0} if moved else {1})
+        out.float().sum().backward()
+        outputs.append(out)
+        grads.append([p.grad.full_tensor() for p in net.parameters()])
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_fsdp_hooks_with_hooks_registered_around_them_are_left_where_they_are(one_rank):
+    from lightning_mpx.casting.aside import around_fsdp_hooks
+
+    net = _sharded()
+    calls: list[str] = []
+    net.head.register_forward_pre_hook(lambda *_: calls.append("first"), prepend=True)  # before FSDP's now
+    net.blocks[0].register_forward_hook(lambda *_: calls.append("last"))  # after FSDP's now
+    assert not around_fsdp_hooks(net.head) and not around_fsdp_hooks(net.blocks[0])
+    assert around_fsdp_hooks(net.blocks[1])
+    with CastPolicy(half_dtype=torch.bfloat16).scope():
+        net(torch.randn(3, 8))
+    assert calls == ["last", "first"]

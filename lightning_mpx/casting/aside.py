@@ -58,3 +58,38 @@ def around_hooks(module: nn.Module, register: Callable[[], None]) -> None:
     register()
     module.register_forward_pre_hook(aside.set_aside, prepend=True)
     module.register_forward_hook(aside.restore, always_call=True)
+
+
+def around_fsdp_hooks(module: nn.Module) -> bool:
+    """:func:`around_hooks` for a module that ``fully_shard`` sharded already (Accelerate shards the model itself):
+    FSDP2's forward hooks are registered again between the set-aside hooks, in the same places. Done only where
+    that changes no order: FSDP's pre-hook is the module's first forward pre-hook and its forward hook the last
+    forward hook, one module per FSDP state (not a grouped ``fully_shard([a, b])``); otherwise nothing changes, and
+    the hooks' torch calls go through the cast modes as before. Returns whether the hooks were moved.
+    """
+    get_state = getattr(module, "_get_fsdp_state", None)
+    state = get_state() if callable(get_state) else None
+    pre = getattr(state, "_pre_forward_hook_handle", None)
+    post = getattr(state, "_post_forward_hook_handle", None)
+    if pre is None or post is None or len(getattr(state, "_modules", ())) != 1:
+        return False
+    pre_hooks, post_hooks = module._forward_pre_hooks, module._forward_hooks
+    if not pre_hooks or not post_hooks or next(iter(pre_hooks)) != pre.id or next(reversed(post_hooks)) != post.id:
+        return False
+    pre_hook, post_hook = pre_hooks[pre.id], post_hooks[post.id]
+    with_kwargs = pre.id in module._forward_pre_hooks_with_kwargs
+    always = post.id in module._forward_hooks_always_called
+    post_with_kwargs = post.id in module._forward_hooks_with_kwargs
+    pre.remove()
+    post.remove()
+
+    def register() -> None:
+        state._pre_forward_hook_handle = module.register_forward_pre_hook(
+            pre_hook, prepend=True, with_kwargs=with_kwargs
+        )
+        state._post_forward_hook_handle = module.register_forward_hook(
+            post_hook, with_kwargs=post_with_kwargs, always_call=always
+        )
+
+    around_hooks(module, register)
+    return True

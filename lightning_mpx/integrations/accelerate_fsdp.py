@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import torch
 from torch import nn
 
+from lightning_mpx.casting.aside import around_fsdp_hooks
 from lightning_mpx.engine.sharding import is_sharded
 from lightning_mpx.integrations.accelerate_forward import install_forward
 from lightning_mpx.integrations.accelerate_optimizer import AmpOptimizer, params_of
@@ -179,6 +180,9 @@ class ShardedPreparation:
             self._deferred = None
         for obj in prepared if isinstance(prepared, (tuple, list)) else (prepared,):  # a list from FSDP2
             if isinstance(obj, nn.Module) and obj not in self._converted:
+                if self.amp.properties.has_cast_policy:
+                    for unit in obj.modules():  # FSDP's gathers and frees run without the forward's cast mode
+                        around_fsdp_hooks(unit)
                 self.amp.prepare_model(obj)  # sharded: no conversion, no masters; the policies are checked
                 self._converted.add(obj)
                 install_forward(self.amp, obj)
