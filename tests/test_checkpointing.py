@@ -199,6 +199,25 @@ def test_a_backward_enters_a_recompute_mode_only_after_a_checkpointed_forward(re
     assert seen == [0]
 
 
+def test_a_checkpoint_whose_only_cast_is_a_promotion_recomputes_it():
+    """A checkpointed block with no half or FP32 op, only a promotion that casts (atan2 of an FP32 and a bfloat16
+    tensor, which autocast's kernels would not widen alike): the backward pass still recomputes it with the cast
+    (non-reentrant checkpoints compare the recomputed tensors' dtypes with the forward's)."""
+    policy = CastPolicy(half_dtype=torch.bfloat16)
+    a = torch.randn(4, requires_grad=True)
+    b = torch.randn(4, dtype=torch.bfloat16, requires_grad=True)
+    with policy.scope():
+        out = checkpoint(torch.atan2, a, b, use_reentrant=False)
+    assert out.dtype == torch.float32
+    policy.backward(out.sum())  # no CheckpointError
+    with policy.scope():
+        plain = torch.atan2(a, b)
+    grads = (a.grad.clone(), b.grad.clone())
+    a.grad = b.grad = None
+    policy.backward(plain.sum())
+    torch.testing.assert_close(grads, (a.grad, b.grad), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("reentrant", REENTRANT.values(), ids=REENTRANT.keys())
 def test_two_losses_of_one_checkpointed_forward_both_recompute_with_casts(reentrant):
     """Two backward passes over one checkpointed graph (``retain_graph=True``): the second one recomputes with the

@@ -155,10 +155,8 @@ class _CastMode(TorchFunctionMode):
     def _apply(self, func: Callable[..., Any], action: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None
                ) -> Any:
         policy = self.policy
-        if not self.recompute_only and not policy._recomputes and action != _BACKWARD and _may_be_recomputed():
-            # An activation checkpoint's forward: the backward pass recomputes this call, in a recompute mode.
-            policy._recomputes = True
         if action == _PLAIN:
+            self._note_recompute()
             return func(*args, **kwargs) if kwargs else func(*args)
         if action == _HALF and self.fp32:
             action = _FLOAT  # inside an FP32 module: the table's half ops run in FP32
@@ -168,10 +166,13 @@ class _CastMode(TorchFunctionMode):
             if kwargs and kwargs.get("out") is not None:
                 # Casting the out= tensor would write the result into a copy that the caller never sees.
                 return func(*args, **kwargs)
-            if action == _HALF:
-                args, kwargs = policy._cast_all(args, kwargs, policy.half_dtype, _FP32)
-            elif action == _FLOAT:
-                args, kwargs = policy._cast_all(args, kwargs, torch.float32, _LOW)
+            if action == _HALF or action == _FLOAT:
+                if not (self.recompute_only or policy._recomputes) and _may_be_recomputed():
+                    policy._recomputes = True  # a checkpoint's forward: its backward recomputes this cast
+                if action == _HALF:
+                    args, kwargs = policy._cast_all(args, kwargs, policy.half_dtype, _FP32)
+                else:
+                    args, kwargs = policy._cast_all(args, kwargs, torch.float32, _LOW)
             else:
                 if not kwargs and len(args) == 2:
                     # The common binary call (x + y, x * 2.0): no promotion when both tensors have one dtype or only
@@ -187,6 +188,7 @@ class _CastMode(TorchFunctionMode):
                             # without a cast kernel, its copy and its backward node.
                             return func(a, b)
                         # Two floating dtypes (x + x.half()): what _widest and _cast_all find, without them.
+                        self._note_recompute()
                         widest = torch.promote_types(a_dtype, b_dtype)
                         if a_dtype is not widest and a_dtype in _ALL_FLOATS:
                             a = policy._cast_tensor(a, widest)
@@ -203,6 +205,7 @@ class _CastMode(TorchFunctionMode):
                     _widest(tuple(kwargs.values()), found)
                 widest = _promote_dtype(found)
                 if widest is not None:
+                    self._note_recompute()
                     args, kwargs = policy._cast_all(args, kwargs, widest, _ALL_FLOATS)
             return func(*args, **kwargs) if kwargs else func(*args)
         if action == _BACKWARD:
@@ -222,5 +225,13 @@ class _CastMode(TorchFunctionMode):
             return func(*args, **kwargs) if kwargs else func(*args)
         if not policy.allow_banned:
             raise BannedOpError(policy.table.banned_advice(func))
+        self._note_recompute()
         args, kwargs = policy._cast_all(args, kwargs, torch.float32, _LOW)
         return func(*args, **kwargs) if kwargs else func(*args)
+
+    def _note_recompute(self) -> None:
+        """Note on the policy that a backward pass recomputes the cast about to be made (an activation
+        checkpoint's forward: :func:`_may_be_recomputed`), so that it enters a recompute mode. Only casts are noted:
+        a call that casts nothing in the forward casts nothing when recomputed either."""
+        if not (self.recompute_only or self.policy._recomputes) and _may_be_recomputed():
+            self.policy._recomputes = True
