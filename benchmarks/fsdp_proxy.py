@@ -13,7 +13,11 @@ plugin). Every variant runs in a fresh pair of processes; ``--variants`` picks a
 
 * ``lightning-bf16-mixed``: Lightning's own FSDP2 mixed precision (autocast over FP32 parameters): the reference;
 * ``mpx-O1-bf16``, ``mpx-O2-bf16``: the plugin (bfloat16; ``--fp16`` adds ``mpx-O1-fp16`` and ``mpx-O2-fp16``:
-  float16 matmuls are slow on most CPUs, and the counts say nothing a GPU would not).
+  float16 matmuls are slow on most CPUs, and the counts say nothing a GPU would not);
+* ``accelerate-bf16`` (the reference of the next row) and ``accelerate-mpx-O2-bf16``: the same model and batches in
+  a hand-written Accelerate loop under ``FullyShardedDataParallelPlugin(fsdp_version=2)`` (the blocks auto-wrapped),
+  Accelerate's own "bf16" and ``lightning_mpx.accelerate.Accelerator(mixed_precision="O2")``; split into phases around
+  ``accelerator.backward``.
 
 What is counted, per rank and per step (from one ``on_train_batch_start`` to the next, after ``--warmup`` steps), by a
 ``sys.setprofile`` function set on the main thread (where the CPU backward runs too):
@@ -34,10 +38,11 @@ The Python calls are also split into phases at Lightning's ``on_before_backward`
 Python calls move with the code, not with the machine: the same code gives the same counts on any machine and on
 every run (``PYTHONHASHSEED=0`` in the ranks; ``--repeats 2`` runs everything twice and says whether the counts
 agree). A row is the median over the counted steps of each rank; the ratio is its calls (the mean of the two ranks'
-medians) over the reference's. The goals of issue 41: ``mpx-O2-bf16``'s calls per step <= 1.03 x the reference's,
-and exactly one all-reduce per step of the engine's own (the overflow flags and the squared norm in one buffer):
-printed as verdicts, not asserted. The per-function breakdown (``--top``) lists the functions whose calls per step
-differ most from the reference's: where the extra host work is.
+medians) over its reference's. The goals of issue 41: ``mpx-O2-bf16``'s calls per step <= 1.03 x the reference's
+(``accelerate-mpx-O2-bf16``'s <= 1.03 x ``accelerate-bf16``'s), and exactly one all-reduce per step of the
+engine's own (the overflow flags and the squared norm in one buffer): printed as verdicts, not asserted. The
+per-function breakdown (``--top``) lists the functions whose calls per step differ most from the reference's: where
+the extra host work is.
 
 ``--instructions N`` also counts instructions (valgrind's callgrind, each rank its own valgrind process), as
 ``benchmarks/o1_proxy.py`` does: a run of ``--warmup`` steps and one of ``N`` more, the difference over ``N``. It takes
@@ -72,10 +77,15 @@ import _harness  # noqa: E402
 REFERENCE = "lightning-bf16-mixed"
 BF16_VARIANTS = (REFERENCE, "mpx-O1-bf16", "mpx-O2-bf16")
 FP16_VARIANTS = ("mpx-O1-fp16", "mpx-O2-fp16")
-VARIANTS = BF16_VARIANTS + FP16_VARIANTS
+#: Accelerate's FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``, the blocks auto-wrapped): its own "bf16"
+#: (the reference of these rows) and ``lightning_mpx.accelerate.Accelerator`` at O2 in bfloat16, a hand-written loop.
+ACCELERATE_REFERENCE = "accelerate-bf16"
+ACCELERATE_VARIANTS = (ACCELERATE_REFERENCE, "accelerate-mpx-O2-bf16")
+VARIANTS = BF16_VARIANTS + FP16_VARIANTS + ACCELERATE_VARIANTS
 CHECK_VARIANTS = (REFERENCE, "mpx-O2-bf16")
 #: The row the goals are about, and the goals: its calls per step over the reference's, and its engine all-reduces.
 GOAL_ROW = "mpx-O2-bf16"
+GOAL_ROWS = (GOAL_ROW, "accelerate-mpx-O2-bf16")
 GOAL = 1.03
 GOAL_ENGINE_ALL_REDUCES = 1
 WORLD_SIZE = 2
@@ -228,8 +238,86 @@ def _model_spec(args: argparse.Namespace) -> Any:
     return step.ModelSpec(batch=2, vocab=64, seq=8, dim=args.dim, layers=args.layers, heads=2)
 
 
+def reference_of(variant: str) -> str:
+    """The row a variant's counts are compared with: Accelerate's own for the Accelerate rows, else Lightning's."""
+    return ACCELERATE_REFERENCE if variant.startswith("accelerate-") else REFERENCE
+
+
+def run_accelerate_rank(variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`run_rank` for an Accelerate row: a loop (``accelerator.backward``, ``optimizer.step``, ``zero_grad``)
+    under Accelerate's FSDP2, counted from one step's start to the next's, split before and after the backward.
+
+    Accelerate selects FSDP only for GPU-like devices: once its process group is up on CPU, its shared state is told
+    the processes are ``MULTI_GPU`` on device ``cpu`` (``tests/accelerate_fsdp_script.py``'s one step no user takes);
+    everything after is Accelerate's own FSDP2 code (auto-wrap, ``fully_shard``, the optimizer's parameter swap)."""
+    import step
+    import torch
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    import lightning_mpx
+
+    torch.set_num_threads(1)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState(cpu=True)
+    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+    PartialState._shared_state["device"] = torch.device("cpu")
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["Block"])  # fmt: skip
+    if variant == ACCELERATE_REFERENCE:
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(mixed_precision="bf16", fsdp_plugin=plugin, cpu=True)
+    else:
+        from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+
+        accelerator = Accelerator(mixed_precision=variant.split("-")[2], fsdp_plugin=plugin, cpu=True,
+                                  kwargs_handlers=[MixedPrecisionKwargs(half_dtype="bfloat16", on_floor="continue")])
+    if accelerator.distributed_type != DistributedType.FSDP:
+        raise RuntimeError(f"Accelerate chose {accelerator.distributed_type}, not FSDP")
+    torch.manual_seed(0)
+    spec = _model_spec(args)
+    net = step.build_model("gpt", spec)
+    model, optimizer = accelerator.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+    batches = step.make_batches("gpt", spec, 4, torch.device("cpu"))
+    counter = StepCounter(str(Path(lightning_mpx.__file__).resolve().parent) + os.sep)
+    steps: list[dict[str, Any]] = []
+    first, last = args.warmup, args.warmup + args.steps
+    for index in range(last + 1):
+        sys.setprofile(None)
+        if first <= index <= last:
+            record = counter.cut()  # at the first counted step: zeroes nothing counted yet
+            if index > first:
+                steps.append(record)
+        if first <= index < last and not args._plain:
+            sys.setprofile(counter)
+        x, y = batches[index % len(batches)]
+        loss = step._loss(model(x), y)
+        counter.mark("before")
+        accelerator.backward(loss)
+        counter.mark("after")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    sys.setprofile(None)
+    return {
+        "variant": variant,
+        "rank": accelerator.process_index,
+        "world_size": accelerator.num_processes,
+        "global_step": last + 1,
+        "parameter_tensors": len(list(model.parameters())),
+        "steps": steps,
+        "functions": {function_name(code): n for code, n in counter.functions.items()},
+        "builtins": dict(counter.builtins),
+        "callers": {f"{kind} <- {function_name(code) if code else '?'}": n
+                    for (kind, code), n in counter.callers.items()},  # fmt: skip
+    }
+
+
 def run_rank(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     """Train ``variant`` on this rank for ``warmup + steps + 1`` steps, counting the ``steps`` after the warm-up."""
+    if variant.startswith("accelerate-"):
+        return run_accelerate_rank(variant, args)
     import fsdp_step
     import lightning.pytorch as pl
     import step
@@ -415,23 +503,27 @@ def summarise(variant: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Calls and built-in calls of each row over the reference's (when it ran)."""
-    ref = next((r for r in rows if r["variant"] == REFERENCE), None)
+    """Calls and built-in calls of each row over its reference's (when it ran)."""
     for row in rows:
+        ref = next((r for r in rows if r["variant"] == reference_of(row["variant"])), None)
+        row["reference"] = reference_of(row["variant"])
         row["calls_vs_reference"] = None if ref is None else row["calls"] / ref["calls"]
         row["c_calls_vs_reference"] = None if ref is None else row["c_calls"] / ref["c_calls"]
 
 
 def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 41's goals for :data:`GOAL_ROW` (when it ran): calls <= 1.03 x the reference's, one engine all-reduce."""
-    row = next((r for r in rows if r["variant"] == GOAL_ROW), None)
-    if row is None:
-        return []
-    out = [{"goal": f"{GOAL_ROW} engine all-reduces per step == {GOAL_ENGINE_ALL_REDUCES}",
-            "value": row["engine_all_reduces"], "met": row["engine_all_reduces"] == GOAL_ENGINE_ALL_REDUCES}]
-    if row.get("calls_vs_reference") is not None:
-        out.insert(0, {"goal": f"{GOAL_ROW} Python calls per step <= {GOAL} x {REFERENCE}",
-                       "value": row["calls_vs_reference"], "met": row["calls_vs_reference"] <= GOAL})
+    """Issue 41's goals for each of :data:`GOAL_ROWS` that ran: calls <= 1.03 x its reference's, one engine
+    all-reduce per step."""
+    out = []
+    for name in GOAL_ROWS:
+        row = next((r for r in rows if r["variant"] == name), None)
+        if row is None:
+            continue
+        if row.get("calls_vs_reference") is not None:
+            out.append({"goal": f"{name} Python calls per step <= {GOAL} x {reference_of(name)}",
+                        "value": row["calls_vs_reference"], "met": row["calls_vs_reference"] <= GOAL})
+        out.append({"goal": f"{name} engine all-reduces per step == {GOAL_ENGINE_ALL_REDUCES}",
+                    "value": row["engine_all_reduces"], "met": row["engine_all_reduces"] == GOAL_ENGINE_ALL_REDUCES})
     return out  # fmt: skip
 
 
@@ -475,21 +567,24 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def phase_table(rows: list[dict[str, Any]]) -> str:
-    ref = next((r for r in rows if r["variant"] == REFERENCE), None)
-    body = [(r["variant"], *(f"{r['phases'][p]:,}" for p in PHASES),
-             *("-" if ref is None else f"{r['phases'][p] - ref['phases'][p]:+,}" for p in PHASES)) for r in rows]
-    return _harness.markdown_table(("variant", *PHASES, *(f"{p} - {REFERENCE}" for p in PHASES)), body)
+    body = []
+    for r in rows:
+        ref = next((x for x in rows if x["variant"] == reference_of(r["variant"])), None)
+        body.append((r["variant"], *(f"{r['phases'][p]:,}" for p in PHASES),
+                     *("-" if ref is None else f"{r['phases'][p] - ref['phases'][p]:+,}" for p in PHASES)))
+    return _harness.markdown_table(("variant", *PHASES, *(f"{p} - its reference" for p in PHASES)), body)
 
 
-def breakdown_table(entries: list[list[Any]]) -> str:
-    return _harness.markdown_table(("function", "row/step", f"{REFERENCE}/step", "extra/step"),
+def breakdown_table(entries: list[list[Any]], reference: str = REFERENCE) -> str:
+    return _harness.markdown_table(("function", "row/step", f"{reference}/step", "extra/step"),
                                    [(n, f"{a:,.1f}", f"{b:,.1f}", f"{d:+,.1f}") for n, a, b, d in entries])
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=None, metavar="VARIANT",
-                        help=f"default: {', '.join(BF16_VARIANTS)} (--fp16 adds {', '.join(FP16_VARIANTS)})")
+                        help=f"default: {', '.join(BF16_VARIANTS + ACCELERATE_VARIANTS)} (--fp16 adds "
+                             f"{', '.join(FP16_VARIANTS)})")
     parser.add_argument("--fp16", action="store_true", help="also the float16 rows")
     parser.add_argument("--steps", type=int, default=20, help="counted steps per rank")
     parser.add_argument("--warmup", type=int, default=5, help="uncounted steps first (FSDP's lazy set-up among them)")
@@ -523,9 +618,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         parser.error(f"--steps={args.steps}, --warmup={args.warmup} and --repeats={args.repeats} must be at least 1 "
                      "(the first step sets FSDP up)")
     variants = args.variants or list(CHECK_VARIANTS if args.check else BF16_VARIANTS + (FP16_VARIANTS if args.fp16
-                                                                                         else ()))
-    if REFERENCE not in variants:
-        variants.insert(0, REFERENCE)
+                                                                                         else ()) + ACCELERATE_VARIANTS)
+    for reference in dict.fromkeys(reference_of(v) for v in list(variants)):
+        if reference not in variants:
+            variants.insert(0, reference)
     runs = []
     for index in range(args.repeats):
         runs.append(count(variants, args))
@@ -541,8 +637,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         for row in rows:
             row["instructions_per_rank"] = instructions(row["variant"], args)
             row["instructions"] = statistics.fmean(row["instructions_per_rank"])
-        ref = next(r for r in rows if r["variant"] == REFERENCE)
         for row in rows:
+            ref = next(r for r in rows if r["variant"] == reference_of(row["variant"]))
             row["instructions_vs_reference"] = row["instructions"] / ref["instructions"]
     goals = verdicts(rows)
     tables = {"calls per step (median over the counted steps)": table(rows),
@@ -555,14 +651,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                  f"{r['instructions_vs_reference']:.3f}") for r in rows]))  # fmt: skip
     breakdowns: dict[str, dict[str, list[list[Any]]]] = {}
     for variant in variants:
-        if variant == REFERENCE or args.top < 1:
+        reference = reference_of(variant)
+        if variant == reference or args.top < 1:
             continue
-        breakdowns[variant] = {key: breakdown(records[variant], records[REFERENCE], key, args.top)
+        breakdowns[variant] = {key: breakdown(records[variant], records[reference], key, args.top)
                                for key in ("functions", "builtins")}  # fmt: skip
         tables[f"{variant}: the {args.top} Python functions with the most extra calls per step"] = breakdown_table(
-            breakdowns[variant]["functions"])
+            breakdowns[variant]["functions"], reference)
         tables[f"{variant}: the {args.top} built-ins with the most extra calls per step"] = breakdown_table(
-            breakdowns[variant]["builtins"])
+            breakdowns[variant]["builtins"], reference)
     for title, text in tables.items():
         print(f"\n{title}:\n{text}")
     print()
