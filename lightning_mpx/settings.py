@@ -253,7 +253,7 @@ class MixedPrecisionSettings:
             optimizer is prepared.
         skip_on_device: Where an overflowed step is skipped. ``None`` (default, "auto"): on the device for each
             optimizer that can skip its own step there (``torch.optim.Adam`` and ``AdamW`` with ``fused=True`` in
-            every parameter group, on a model that is not FSDP-sharded, with ``on_floor`` other than
+            every parameter group, on a model that is not sharded by FSDP1, with ``on_floor`` other than
             ``"promote"``): the overflow flag goes to the optimizer's step, as ``torch.amp.GradScaler`` does for
             fused optimizers, and :meth:`Amp.step <lightning_mpx.engine.amp.Amp.step>` does not wait for the
             device; every other optimizer reads the flag on the host (one device-to-host sync per step), silently.

@@ -62,11 +62,12 @@ def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(BATCH, 16, generator=g), torch.randn(BATCH, 4, generator=g)) for _ in range(steps)]
 
 
-def train(level, half_dtype, steps, *, rank, world, sharded, reference_fp32=False, hsdp=False):
+def train(level, half_dtype, steps, *, rank, world, sharded, reference_fp32=False, hsdp=False, fused=False,
+          skip_on_device=None):
     half = getattr(torch, half_dtype)
     model = build()
     amp = Amp("O0" if reference_fp32 else level, half_dtype=half_dtype, init_scale=2.0**12, on_floor="continue",
-              growth_interval=1000)
+              growth_interval=1000, skip_on_device=skip_on_device)
     if sharded:
         mesh = None
         if hsdp:
@@ -75,7 +76,10 @@ def train(level, half_dtype, steps, *, rank, world, sharded, reference_fp32=Fals
             mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
         shard(model, level, half, mesh)
     amp.prepare_model(model)
-    optimizer = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    if fused:  # skips on the device by default (the flags reduced across ranks, not read on the host)
+        optimizer = amp.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01, fused=True))
+    else:
+        optimizer = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     out = {"losses": [], "norms": [], "ref_norms": [], "skipped": [], "scales": []}
     per_rank = BATCH // world
     for step, (x, y) in enumerate(data(steps)):
@@ -96,12 +100,13 @@ def train(level, half_dtype, steps, *, rank, world, sharded, reference_fp32=Fals
             scale = float(amp.scalers[0].scale_tensor)
             full = [p.grad.full_tensor().double() for p in model.parameters() if p.grad is not None]
             out["ref_norms"].append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in full]))) / scale)
-        norm = amp.clip_grad_norm_(optimizer, MAX_NORM)
-        out["norms"].append(float(norm))
+        norm = amp.clip_grad_norm_(optimizer, MAX_NORM) if not (fused and step % 2) else None  # every other step
+        out["norms"].append(None if norm is None else float(norm))
         stepped = amp.step(optimizer)
+        out["on_device"] = type(stepped).__name__ == "StepOutcome"
+        out["skipped"].append(not stepped)  # read before zero_grad: the record names the parameter
         amp.update()
         optimizer.zero_grad()
-        out["skipped"].append(not stepped)
         out["scales"].append(float(amp.scalers[0].scale_tensor))
         if step == 1:
             metrics = amp.metrics()
@@ -137,6 +142,16 @@ def main() -> int:
     for case in os.environ["MPX_CASES"].split(","):
         level, half_dtype, steps, *mesh = case.split(":")
         hsdp = mesh == ["hsdp"]
+        if mesh == ["fused"]:
+            # AdamW(fused=True): the default skips on the device; against the host read (skip_on_device=False).
+            result = {"sharded": train(level, half_dtype, int(steps), rank=rank, world=world, sharded=True,
+                                       fused=True),
+                      "host": train(level, half_dtype, int(steps), rank=rank, world=world, sharded=True, fused=True,
+                                    skip_on_device=False)}  # fmt: skip
+            with open(os.path.join(out_dir, f"{level}_{half_dtype}_fused_rank{rank}.json"), "w") as f:
+                json.dump(result, f)
+            dist.barrier()
+            continue
         result = {"sharded": train(level, half_dtype, int(steps), rank=rank, world=world, sharded=True, hsdp=hsdp)}
         if rank == 0:
             result["single"] = train(level, half_dtype, int(steps), rank=0, world=1, sharded=False)

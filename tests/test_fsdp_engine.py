@@ -24,16 +24,19 @@ CASES = [("O1", "bfloat16", 10, 4e-3), ("O2", "bfloat16", 20, 4e-3), ("O3", "bfl
 POISON_AT = 3
 # HSDP: a 2-D mesh of 2 replicas x 1 shard, every gradient replicated on both ranks (counted once in the norm).
 HSDP = ("O2", "bfloat16_hsdp", 6, 4e-3)
+# AdamW(fused=True) on the shards: skipped on the device by default, against skip_on_device=False (the host read).
+FUSED = [("O1", "bfloat16"), ("O2", "float16")]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp_engine")
     cases = ",".join(f"{level}:{dtype}:{steps}" for level, dtype, steps, _ in CASES) + ",O2:bfloat16:6:hsdp"
+    cases += "".join(f",{level}:{dtype}:6:fused" for level, dtype in FUSED)
     run_script("fsdp_engine_script.py", out, timeout=240, MPX_CASES=cases)
     return {
         (level, dtype): [json.loads((out / f"{level}_{dtype}_rank{r}.json").read_text()) for r in (0, 1)]
-        for level, dtype, _, _ in [*CASES, HSDP]
+        for level, dtype, _, _ in [*CASES, HSDP, *((lv, f"{dt}_fused", 6, 0) for lv, dt in FUSED)]
     }
 
 
@@ -93,3 +96,20 @@ def test_o2_memory_is_the_fp32_shards(results):
         sharded = rank["sharded"]
         # Each rank holds its half of the FP32 parameters (uneven shards round up), and no full-size masters.
         assert sharded["local_param_bytes"] <= sharded["full_fp32_bytes"] / 2 + 256
+
+
+@pytest.mark.parametrize("level, dtype", FUSED)
+def test_fused_adamw_on_shards_skips_on_the_device_as_the_host_read_does(results, level, dtype):
+    """FSDP2 with a fused AdamW: the step takes the device path by default (the flags reduced across ranks in the
+    step's one collective, handed to the optimizer's step, not read on the host), and training is what the host read
+    gives, bit for bit: the same skipped step (rank 0's own shard overflowed) on both ranks, the same scales, losses,
+    norms and weights, and the record names the parameter on every rank."""
+    expected = [step == POISON_AT for step in range(6)]
+    for rank in results[level, f"{dtype}_fused"]:
+        device, host = rank["sharded"], rank["host"]
+        assert device["on_device"] is True and host["on_device"] is False
+        assert device["skipped"] == host["skipped"] == expected
+        for key in ("scales", "losses", "norms", "weights", "state"):
+            assert device[key] == host[key], key
+        assert device["overflow_record_parameters"] == host["overflow_record_parameters"] == ["3.weight"]
+        assert device["overflow_ranks"] == [0]

@@ -164,8 +164,9 @@ class OptimizerStep:
     # -- skip_on_device -----------------------------------------------------------------------------------------
     def refusal(self, optimizer: torch.optim.Optimizer) -> str | None:
         """Why ``optimizer``'s step cannot skip on the device in this engine (``None`` when it can)."""
-        if self.machine.sharding is not None:
-            return "the model is FSDP-sharded"
+        sharding = self.machine.sharding
+        if sharding is not None and sharding.shards:
+            return "the model is sharded by FSDP1 (FSDP2's fully_shard can skip on the device)"
         if any(scaler.on_floor == "promote" for scaler in self.machine.scalers):
             return "on_floor='promote' changes the model before the next forward"
         return device_skip_refusal(optimizer)
@@ -176,7 +177,7 @@ class OptimizerStep:
         if refusal is not None:
             raise ValueError(
                 f"skip_on_device=True needs a step that can be skipped on the device, but {refusal}: use "
-                "torch.optim.Adam or AdamW with fused=True on an unsharded model, or skip_on_device=None (the "
+                "torch.optim.Adam or AdamW with fused=True (not under FSDP1), or skip_on_device=None (the "
                 "default: on the device where it can be) or False (on the host)."
             )
 
@@ -210,7 +211,8 @@ class OptimizerStep:
         outcome = StepOutcome(self.pending.read)
         pending = PendingStep.behind(
             optimizer, loss_ids, flags, [self.machine.scalers[i].scale_tensor for i in loss_ids],
-            step=self.steps - 1, iteration=iteration, gather=reducer is not None, outcome=outcome,
+            step=self.steps - 1, iteration=iteration, gather=reducer is not None or self.machine.sharding is not None,
+            outcome=outcome,
         )
         try:
             with casts_off_if_on():  # called inside forward_context(): the optimizer runs in its own dtypes

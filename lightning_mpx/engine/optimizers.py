@@ -262,6 +262,10 @@ class StepMachine:
         a step that skips on the device."""
         self._unscaled_for_step(state, optimizer)
         try:
+            if self.sharding is not None:  # the step's collective (unless a clip made it): every rank's flags agree
+                if not state.flags_reduced:
+                    reduce_checks(state, self.sharding, None, [], None)
+                reducer = None
             loss_ids = sorted(state.found_by_loss)
             if len(loss_ids) == 1 and reducer is None:  # the usual case: the one flag as it is, no kernel
                 flags = state.found_by_loss[loss_ids[0]]
