@@ -215,9 +215,9 @@ def _delta(after: int | None, before: int | None) -> int | None:
 
 
 # -- Lightning rows (FSDP2 and FSDP1): built once, continued every round ---------------------------------------
-def _module(net: Any, variant: str) -> Any:
-    """A LightningModule over ``net`` (AdamW, lr 1e-3); FSDP2 variants shard it in ``configure_model``, once: a later
-    fit finds it sharded and leaves it."""
+def _module(net: Any, variant: str, fused: bool = False) -> Any:
+    """A LightningModule over ``net`` (AdamW, lr 1e-3; ``fused``: ``fused=True``); FSDP2 variants shard it in
+    ``configure_model``, once: a later fit finds it sharded and leaves it."""
     import lightning.pytorch as pl
     import torch
 
@@ -246,7 +246,7 @@ def _module(net: Any, variant: str) -> Any:
             return step._loss(self.net(x), y)
 
         def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=fused or None)
 
     return Sharded()
 
@@ -294,7 +294,7 @@ class LightningRow:
     it with :func:`step.fit_more` and releases the finished fit's optimizer state and gradients after."""
 
     def __init__(self, variant: str, spec: step.ModelSpec, batches: list[Any], warmup: int, device: str,
-                 memory: Memory) -> None:
+                 memory: Memory, fused: bool = False) -> None:
         import lightning.pytorch as pl
         import torch
 
@@ -309,7 +309,7 @@ class LightningRow:
             max_steps=max(warmup, 1), logger=False, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False, num_sanity_val_steps=0, callbacks=[self.timer], **_precision(variant),
         )  # fmt: skip
-        self.module = _module(self.net, variant)
+        self.module = _module(self.net, variant, fused)
         self.loader = torch.utils.data.DataLoader(step.ListDataset(batches), batch_size=None, shuffle=False)
         self.trainer.fit(self.module, self.loader)
         self._rest()
@@ -352,8 +352,8 @@ class AccelerateRow:
     fsdp_version=2)``, runs ``warmup`` untimed steps, times ``steps + 1`` (the first dropped) and frees it all."""
 
     def __init__(self, variant: str, spec: step.ModelSpec, batches: list[Any], warmup: int, device: str,
-                 memory: Memory, state: dict[str, Any]) -> None:
-        self.variant, self.spec, self.batches, self.warmup = variant, spec, batches, warmup
+                 memory: Memory, state: dict[str, Any], fused: bool = False) -> None:
+        self.variant, self.spec, self.batches, self.warmup, self.fused = variant, spec, batches, warmup, fused
         self.device, self.memory, self.state = device, memory, state
         self.idle = 0  # nothing stays between rounds
 
@@ -405,7 +405,8 @@ class AccelerateRow:
         with torch.device(self.device):
             net = step.build_model("gpt", self.spec)
         net.load_state_dict(self.state)
-        model, optimizer = accelerator.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+        model, optimizer = accelerator.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-3,
+                                                                      fused=self.fused or None))
 
         def one(x: Any, y: Any) -> None:
             accelerator.backward(step._loss(model(x), y))
@@ -425,11 +426,11 @@ class AccelerateRow:
 
 # -- rounds, rows and ratios ------------------------------------------------------------------------------------
 def build_row(group: Group, variant: str, spec: step.ModelSpec, batches: list[Any], warmup: int, device: str,
-              memory: Memory, state: dict[str, Any] | None) -> Any:
+              memory: Memory, state: dict[str, Any] | None, fused: bool = False) -> Any:
     if group.name == "accelerate":
         assert state is not None
-        return AccelerateRow(variant, spec, batches, warmup, device, memory, state)
-    return LightningRow(variant, spec, batches, warmup, device, memory)
+        return AccelerateRow(variant, spec, batches, warmup, device, memory, state, fused)
+    return LightningRow(variant, spec, batches, warmup, device, memory, fused)
 
 
 def summarise(group: Group, spec: step.ModelSpec, rounds: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -506,7 +507,7 @@ def run_group(group: Group, args: argparse.Namespace, memory: Memory, deadline: 
     for variant in variants:
         t0 = time.perf_counter()
         try:
-            live[variant] = build_row(group, variant, spec, batches, warmup, args.device, memory, state)
+            live[variant] = build_row(group, variant, spec, batches, warmup, args.device, memory, state, args.fused)
         except Exception as error:  # noqa: BLE001 (a row that cannot run, e.g. out of memory, must not end the rest)
             info["failed"][variant] = f"build: {type(error).__name__}: {error}"[:2000]
             memory.release()
@@ -580,6 +581,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget", type=float, default=330.0,
                         help="seconds for every group together, shared by weight; 0: no limit (default 330)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (CPU)")
+    parser.add_argument("--fused", action="store_true",
+                        help="AdamW(fused=True) in every row, the references too (the plugin's and the adapter's "
+                             "FSDP2 rows then skip on the device: no host read of the overflow flag per step)")
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/fsdp_step_<device>.json")
     return parser
 
@@ -609,6 +613,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {
         "benchmark": "fsdp_step", **_harness.machine(args.device), "command": _harness.command(argv),
         "check": args.check, "method": "rows of a group in one process, rounds rotated, paired per-round ratios",
+        "optimizer": "AdamW(fused=True)" if args.fused else "AdamW",
         "rounds": args.rounds, "budget_s": args.budget, "groups": {}, "rows": [], "targets": [], "failed": {},
     }  # fmt: skip
 

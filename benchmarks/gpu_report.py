@@ -526,22 +526,28 @@ def fsdp_targets(runs: Sequence[Source]) -> list[Verdict]:
     one run" (a second must agree). ``--check`` files and files of the method before (one process per row) are not
     read for them."""
     judged = [s for s in runs if not s.check and any("group" in r for r in s.data.get("rows", []))]
+    # Runs with AdamW(fused=True) in every row (fsdp_step.py --fused) are judged apart: never paired with the others.
+    by_optimizer: dict[str, list[Source]] = {}
+    for source in judged:
+        by_optimizer.setdefault(source.data.get("optimizer", "AdamW"), []).append(source)
     verdicts = []
-    for goal in fsdp_step.GOALS:
-        scope = f"{goal.group}: {fsdp_step.GROUPS[goal.group].title}"
-        found = []
-        for source in judged:
-            figure = _fsdp_figure(source, goal)
-            if figure is not None:
-                found.append((source, *figure))
-        found = found[-2:]
-        if not found:
-            verdicts.append(Verdict(goal.label, scope, NOT_MEASURED, "-"))
-            continue
-        meets = [value >= goal.bar if goal.measure == "throughput" else value <= goal.bar for _, value, _ in found]
-        status = (NOT_MET if not any(meets) else ONE_RUN if len(found) == 1 else MET if all(meets) else DISAGREE)
-        figure = "; ".join(f"{s.name}: {text}" for s, _, text in found)
-        verdicts.append(Verdict(goal.label, scope, status, figure, found[-1][1], ", ".join(s.name for s, *_ in found)))
+    for optimizer in by_optimizer or {"AdamW": []}:
+        for goal in fsdp_step.GOALS:
+            scope = f"{goal.group}: {fsdp_step.GROUPS[goal.group].title}"
+            label = goal.label if optimizer == "AdamW" else f"{goal.label}, both {optimizer}"
+            found = []
+            for source in by_optimizer.get(optimizer, []):
+                figure = _fsdp_figure(source, goal)
+                if figure is not None:
+                    found.append((source, *figure))
+            found = found[-2:]
+            if not found:
+                verdicts.append(Verdict(label, scope, NOT_MEASURED, "-"))
+                continue
+            meets = [value >= goal.bar if goal.measure == "throughput" else value <= goal.bar for _, value, _ in found]
+            status = (NOT_MET if not any(meets) else ONE_RUN if len(found) == 1 else MET if all(meets) else DISAGREE)
+            figure = "; ".join(f"{s.name}: {text}" for s, _, text in found)
+            verdicts.append(Verdict(label, scope, status, figure, found[-1][1], ", ".join(s.name for s, *_ in found)))
     return verdicts
 
 

@@ -809,6 +809,7 @@ def part_fsdp(args: argparse.Namespace, env: dict[str, Any]) -> Part:
     part = Part("fsdp", args.out, args.check, args.command, env)
     raw = args.out / "raw" / ("fsdp_step_check.json" if args.check else "fsdp_step_cuda.json")
     argv = [sys.executable, str(HERE / "fsdp_step.py"), "--out", str(raw), "--groups", *args.fsdp_groups]
+    argv += ["--fused"] if args.fsdp_fused else []
     if args.check:
         argv += ["--check", "--budget", "0"]
     else:  # the groups share out what is left once the process has started (imports, the process group)
@@ -876,6 +877,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fsdp-groups", nargs="+", choices=tuple(fsdp_step.GROUPS), default=list(fsdp_step.GROUPS),
                         metavar="GROUP", help="fsdp: which of fsdp_step.py's comparisons (default: all, "
                         f"{', '.join(fsdp_step.GROUPS)}; ~6 min together on an H100)")
+    parser.add_argument("--fsdp-fused", action="store_true",
+                        help="fsdp: AdamW(fused=True) in every row (the plugin's FSDP2 rows skip on the device)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds per subprocess (default: 360 pytest, 300 checks, 240 unscale run, 420 step "
                              "goal rows, 150 other step variant, 420 fidelity, 300 plugin run)")  # fmt: skip

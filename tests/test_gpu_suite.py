@@ -196,6 +196,22 @@ def test_report_judges_the_fsdp_goals_on_per_round_ratios_and_asks_two_runs_to_a
     assert latest.status == gpu_report.MET and latest.source == "fsdp_2.json, fsdp_3.json"
 
 
+def test_report_never_pairs_a_fused_adamw_fsdp_run_with_a_plain_one(check_dir, tmp_path):
+    """``fsdp_step.py --fused`` (AdamW(fused=True) in every row) is judged apart: a plain run and a fused run that
+    each meet a goal are two runs of one each, not two agreeing runs."""
+    _fsdp_run(tmp_path / "fsdp_0.json", check_dir, 1.1)
+    _fsdp_run(tmp_path / "fsdp_1.json", check_dir, 1.2)
+    fused = json.loads((tmp_path / "fsdp_1.json").read_text())
+    fused["optimizer"] = "AdamW(fused=True)"
+    (tmp_path / "fsdp_1.json").write_text(json.dumps(fused))
+    merged = gpu_report.merge(gpu_report.load_sources([tmp_path]))
+    judged = {v.target: v for v in gpu_report.fsdp_targets(merged.fsdp_runs) if v.scope.startswith("gpt2:")}
+    o2 = fsdp_step.Goal("gpt2", "fsdp2-mpx-O2-bf16", "throughput", 1.05).label
+    assert judged[o2].status == gpu_report.ONE_RUN and judged[o2].source == "fsdp_0.json"
+    assert judged[f"{o2}, both AdamW(fused=True)"].status == gpu_report.ONE_RUN
+    assert judged[f"{o2}, both AdamW(fused=True)"].source == "fsdp_1.json"
+
+
 def test_fsdp_step_pairs_each_round_with_the_reference_and_takes_each_rows_own_peak():
     group = fsdp_step.GROUPS["gpt2"]
 
