@@ -85,6 +85,7 @@ class Net(pl.LightningModule):
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
         self.inf_at, self.lr = set(inf_at), lr
+        self.fused = False  # AdamW(fused=True) instead of SGD (the "fused" kinds)
         self.losses: list[float] = []
         self.grad_norms: list[float] = []  # the gathered FP64 norm of the unscaled gradients, before the clip
         self.stepped_norms: list[float] = []  # the same, of the gradients the optimizer steps with
@@ -131,6 +132,8 @@ class Net(pl.LightningModule):
         self._hook.remove()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.fused:
+            return torch.optim.AdamW(self.parameters(), lr=0.01, fused=True)
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
@@ -144,9 +147,10 @@ def full_params(trainer: pl.Trainer, model: Net) -> list[list[float]]:
         return [p.detach().float().flatten().tolist() for p in model.parameters()]
 
 
-def make_plugin(level: str, dtype: str) -> MixedPrecisionPlugin:
+def make_plugin(level: str, dtype: str, skip_on_device: bool | None = None) -> MixedPrecisionPlugin:
     # bfloat16's scale is static (1): its floor, where an overflow raises by default; "continue" skips the step.
-    return MixedPrecisionPlugin(level, half_dtype=dtype, init_scale=1024.0, growth_interval=4, on_floor="continue")
+    return MixedPrecisionPlugin(level, half_dtype=dtype, init_scale=1024.0, growth_interval=4, on_floor="continue",
+                                skip_on_device=skip_on_device)
 
 
 def make_strategy(name: str) -> pl.strategies.Strategy:
@@ -196,7 +200,8 @@ def reference(level: str, dtype: str, kind: str) -> dict[str, Any]:
 
 def fit(case: str, out: str) -> dict[str, Any]:
     strategy, level, dtype, kind = case.split(":")
-    plugin = make_plugin(level, dtype)
+    # "fused": AdamW(fused=True), which skips on the device by default; "fusedhost": the same, read on the host.
+    plugin = make_plugin(level, dtype, skip_on_device=False if kind == "fusedhost" else None)
     settings: dict[str, Any] = dict(strategy=make_strategy(strategy), devices=2, max_epochs=1, gradient_clip_val=CLIP)
     if kind == "accum":
         settings["accumulate_grad_batches"] = 2
@@ -218,8 +223,10 @@ def fit(case: str, out: str) -> dict[str, Any]:
         record["checkpoint"] = os.path.join(ckpt_dir, "epoch=0.ckpt")
     else:
         model = Net(inf_at=(INF_AT,))
+        model.fused = kind.startswith("fused")
         trainer = make_trainer(plugin, **settings)
         trainer.fit(model, loader(data(kind), BATCH))
+        record["on_device"] = sorted(bool(s.on_device) for s in plugin.amp._machine.optimizers.values())
     scalers = plugin.amp.state_dict()["scalers"]
     record.update(
         world_size=trainer.world_size,

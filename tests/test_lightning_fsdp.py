@@ -22,7 +22,9 @@ TRAIN = [f"{s}:{level}:bfloat16:train" for s in ("fsdp2", "fsdp1") for level in 
 RESUME = ["fsdp2:O2:float16:resume", "fsdp1:O2:float16:resume"]
 ACCUM = ["fsdp2:O2:bfloat16:accum"]
 FP16 = ["fsdp2:O1:float16:train", "fsdp1:O2:float16:train"]  # float16 through the dynamic scale (kept few: slow on CPU)
-CASES = TRAIN + FP16 + ACCUM + RESUME
+# AdamW(fused=True) under FSDP2: the default skips on the device; "fusedhost" reads the flag on the host.
+FUSED = ["fsdp2:O2:bfloat16:fused", "fsdp2:O2:bfloat16:fusedhost"]
+CASES = TRAIN + FP16 + ACCUM + RESUME + FUSED
 # bfloat16 rounds to 2**-8 (3.9e-3) relative. The sharded run sums two half-batch gradients in FP32 where the
 # reference computes one whole-batch gradient in half: measured over 20 steps, the losses differ by at most 4.0e-3
 # relative (FSDP1 O3), the gradient norms by 1.1e-2 (O1), so the tolerances are two roundings and three times that.
@@ -165,3 +167,16 @@ def test_deepspeed_is_refused_with_a_pointer_to_its_own_config():
     with pytest.raises(ValueError, match=r"DeepSpeed runs its own fp16/bf16 engine.*DeepSpeed's config"):
         plugin.convert_module(model)
     assert next(model.parameters()).dtype == torch.float32  # refused before converting anything
+
+
+def test_fused_adamw_under_fsdp2_skips_on_the_device_as_the_host_read_does(runs):
+    """A Trainer under ModelParallelStrategy with AdamW(fused=True) and nothing set: the step takes the device path
+    (no host read of the flag in the step), and the fit is the host read's, bit for bit: the step with rank 0's inf
+    skipped on both ranks, the same scale, losses, clipped norms and weights."""
+    device, host = runs[FUSED[0]], runs[FUSED[1]]
+    for d, h in zip(device, host):
+        assert d["on_device"] == [True] and h["on_device"] == [False]
+        assert d["skipped"] == h["skipped"] and sum(d["skipped"]) == 1
+        for key in ("params", "losses", "scale", "scalers", "grad_norms", "engine_norms"):
+            assert d[key] == h[key], key
+    assert device[0]["params"] == device[1]["params"]
