@@ -359,7 +359,9 @@ def fit_parts(net: Any, batches: list[Any], total: int, device: str, callbacks: 
 
 def fit_more(trainer: Any, module: Any, loader: Any, steps: int) -> None:
     """Continue a finished fit of ``module`` for ``steps`` more steps: ``Trainer.fit`` again with ``max_steps``
-    raised, as a user continues a run (the model, optimizer, precision plugin and step count carry on)."""
+    raised, as a user continues a run. The model, precision plugin and step count carry on; the optimizer does not:
+    Lightning calls ``configure_optimizers`` at every fit, so each round starts a new AdamW (its moments from zero,
+    made at its first step, which is timed) that the plugin prepares again, every row alike."""
     trainer.fit_loop.epoch_loop.max_steps += steps
     trainer.fit(module, loader)
 
