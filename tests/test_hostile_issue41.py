@@ -146,7 +146,7 @@ def _fabric_gan(reentrant: bool | None) -> list[torch.Tensor]:
     generator, discriminator = _Generator(reentrant), nn.Linear(8, 1)
     generator, opt_g = fabric.setup(generator, torch.optim.SGD(generator.parameters(), lr=0.1))
     discriminator, opt_d = fabric.setup(discriminator, torch.optim.SGD(discriminator.parameters(), lr=0.1))
-    z = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    z = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).requires_grad_()  # reentrant needs one
     for _ in range(2):
         fake = generator(z)
         opt_d.zero_grad()
