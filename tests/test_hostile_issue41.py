@@ -168,3 +168,64 @@ def _fabric_gan(reentrant: bool | None) -> list[torch.Tensor]:
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 def test_fabric_gan_loop_with_a_checkpointed_generator_matches_plain_o1(reentrant):
     _assert_same(_fabric_gan(reentrant), _fabric_gan(None))
+
+
+# --- 2. cast modes set aside around FSDP2's hooks (shard_model) ---------------------------------------------------
+@pytest.fixture
+def one_rank():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already set up in this process")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class _Reused(nn.Module):
+    """A sharded block called twice per forward around a batch-norm island (FP32 at O1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.bn, self.l2 = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.l1(torch.relu(self.bn(self.l1(x)))))
+
+
+def _cast_modes() -> int:
+    from lightning_mpx.casting.mode import _CastMode
+
+    return sum(type(m) is _CastMode for m in torch.overrides._get_current_function_mode_stack())
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
+def test_shard_model_o1_matches_unsharded_with_a_reused_block_an_island_and_a_raising_forward(one_rank, compiled):
+    from lightning_mpx.integrations.fsdp import shard_model
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+    results = []
+    for sharded in (False, True):
+        amp = Amp("O1", half_dtype="bfloat16")
+        net = _Reused()
+        if sharded:
+            shard_model(net, amp, blocks=[net.l1])
+        run = torch.compile(net, backend="aot_eager") if compiled and sharded else net
+        with amp.forward_context():
+            if sharded:
+                with pytest.raises(RuntimeError):
+                    run(torch.randn(4, 7))  # a shape error inside the forward, between FSDP's hooks
+                assert _cast_modes() == 1
+            outputs = [run(x), run(x)]  # called twice per step
+            assert _cast_modes() == 1
+        assert _cast_modes() == 0
+        outputs[0].float().sum().backward()
+        grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in net.parameters()]
+        results.append((outputs, grads))
+    (want_out, want_grads), (got_out, got_grads) = results
+    for got, want in zip(got_out + got_grads, want_out + want_grads):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
