@@ -160,13 +160,11 @@ def _fabric_gan(reentrant: bool | None) -> list[torch.Tensor]:
     return [p.detach().clone() for p in generator.parameters()]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "defect: Amp.update() (Fabric ends the iteration at D's forward) calls CastPolicy.clear_cache(), which forgets "
-    "that G's still-live graph holds a checkpointed cast: G's backward runs without a recompute mode "
-    "(non-reentrant: CheckpointError; reentrant: FP32 recomputation, other weights)"
-))
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 def test_fabric_gan_loop_with_a_checkpointed_generator_matches_plain_o1(reentrant):
+    """Fabric ends the iteration at D's forward (Amp.update -> CastPolicy.clear_cache) while G's checkpointed graph
+    is still to be differentiated: what G's forward noted is kept across that one boundary, so G's backward still
+    recomputes with the casts (before the fix: CheckpointError, or an FP32 recomputation and other weights)."""
     _assert_same(_fabric_gan(reentrant), _fabric_gan(None))
 
 

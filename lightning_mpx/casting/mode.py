@@ -46,6 +46,7 @@ class _Policy(Protocol):
     _grad_cache: dict[Any, Any]
     _handed_off: bool
     _recomputes: bool
+    _recomputes_seen: bool
     _action_lookup: Callable[[Callable[..., Any], int], int]
 
     def scope(self) -> AbstractContextManager[Any]: ...
@@ -167,8 +168,8 @@ class _CastMode(TorchFunctionMode):
                 # Casting the out= tensor would write the result into a copy that the caller never sees.
                 return func(*args, **kwargs)
             if action == _HALF or action == _FLOAT:
-                if not (self.recompute_only or policy._recomputes) and _may_be_recomputed():
-                    policy._recomputes = True  # a checkpoint's forward: its backward recomputes this cast
+                if not (self.recompute_only or policy._recomputes_seen) and _may_be_recomputed():
+                    policy._recomputes = policy._recomputes_seen = True  # a checkpoint's: recomputed in a backward
                 if action == _HALF:
                     args, kwargs = policy._cast_all(args, kwargs, policy.half_dtype, _FP32)
                 else:
@@ -233,5 +234,5 @@ class _CastMode(TorchFunctionMode):
         """Note on the policy that a backward pass recomputes the cast about to be made (an activation
         checkpoint's forward: :func:`_may_be_recomputed`), so that it enters a recompute mode. Only casts are noted:
         a call that casts nothing in the forward casts nothing when recomputed either."""
-        if not (self.recompute_only or self.policy._recomputes) and _may_be_recomputed():
-            self.policy._recomputes = True
+        if not (self.recompute_only or self.policy._recomputes_seen) and _may_be_recomputed():
+            self.policy._recomputes = self.policy._recomputes_seen = True

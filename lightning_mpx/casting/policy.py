@@ -178,8 +178,11 @@ class CastPolicy:
         self._handed_off = False
         # Whether a forward pass in a scope ran a cast that a backward pass recomputes (an activation checkpoint's):
         # only then does a backward pass enter a recompute mode, which is handed every torch call it makes (FSDP's
-        # gathers and reductions among them). Set by the forward's mode, dropped by clear_cache().
+        # gathers and reductions among them). Set by the forward's mode (with _recomputes_seen, this iteration's
+        # note); clear_cache() keeps it for one more iteration, for a graph that outlives an update (a GAN's
+        # generator, differentiated after the discriminator's step), and drops it the iteration after.
         self._recomputes = False
+        self._recomputes_seen = False
         # Resolved now rather than at the first scope: a scope entered inside a compiled region would otherwise
         # resolve while tracing and recompile at the second call.
         self._refresh_actions()
@@ -274,9 +277,10 @@ class CastPolicy:
 
     def clear_cache(self) -> None:
         """Drop the cached casts of parameters: call it at each iteration boundary, after the optimizer step (a
-        backward pass started through the policy drops the training casts already). It also forgets that a forward
-        pass ran casts inside an activation checkpoint: the graphs of the iteration are gone."""
-        self._recomputes = False
+        backward pass started through the policy drops the training casts already). That a forward pass ran casts
+        inside an activation checkpoint is kept until the call after next: a graph may outlive one boundary (a GAN's
+        generator, differentiated after the discriminator's step)."""
+        self._recomputes, self._recomputes_seen = self._recomputes_seen, False
         self._clear_casts()
 
     def _clear_casts(self) -> None:
