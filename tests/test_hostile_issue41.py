@@ -1,7 +1,8 @@
 """Attacks from a user's side on issue 41's features: backward passes that enter a recompute mode only after a
 checkpointed forward, cast modes set aside around FSDP2's hooks, and fused Adam/AdamW skipping on the device.
 
-Defects are ``xfail(strict=True)``; the other tests are attacks that held."""
+The defects found (the Fabric GAN loop, nested reentrant checkpoints) are fixed; the other tests are attacks that
+held."""
 
 from __future__ import annotations
 
@@ -114,12 +115,10 @@ def test_checkpoint_variants_are_detected_and_match_plain_o1(run, prepare, retai
     _assert_same(_o1_grads(run, prepare, retain_graph=retain_graph), _o1_grads(retain_graph=retain_graph))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "defect: nested reentrant checkpoints: recomputing the outer one runs the inner one's forward under no_grad, "
-    "which the recompute mode leaves uncast (it casts only grad-enabled code): FP32 values where the forward had "
-    "bf16 ones, silently different gradients (also before issue 41's change)"
-))
 def test_nested_reentrant_checkpoints_match_plain_o1():
+    """Recomputing the outer reentrant checkpoint runs the inner one's forward under no_grad, inside the outer's
+    backward node: the recompute mode casts it there (before the fix: FP32 where the forward had bf16, silently
+    different gradients; the mode took any gradients-off call for a backward function)."""
     _assert_same(_o1_grads(_nested(True)), _o1_grads())
 
 

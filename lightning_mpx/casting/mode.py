@@ -114,6 +114,14 @@ def _may_be_recomputed() -> bool:
 _may_be_recomputed._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
+def _in_reentrant_recompute() -> bool:
+    """Whether the autograd engine runs a reentrant checkpoint's backward node now: its recomputation. A reentrant
+    checkpoint nested in it runs its forward under ``no_grad`` there, recomputed code all the same, which a recompute
+    mode casts (anywhere else gradients off means a backward function, left alone)."""
+    node = torch._C._current_autograd_node()
+    return node is not None and type(node).__name__ == "CheckpointFunctionBackward"
+
+
 class _CastMode(TorchFunctionMode):
     """The torch-function mode behind :meth:`~lightning_mpx.casting.policy.CastPolicy.scope`; one per scope entry."""
 
@@ -162,7 +170,7 @@ class _CastMode(TorchFunctionMode):
         if action == _HALF and self.fp32:
             action = _FLOAT  # inside an FP32 module: the table's half ops run in FP32
         if action < _BANNED:  # _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _PROMOTE_NATIVE
-            if self.recompute_only and not torch.is_grad_enabled():
+            if self.recompute_only and not torch.is_grad_enabled() and not _in_reentrant_recompute():
                 return func(*args, **kwargs) if kwargs else func(*args)
             if kwargs and kwargs.get("out") is not None:
                 # Casting the out= tensor would write the result into a copy that the caller never sees.
@@ -222,7 +230,7 @@ class _CastMode(TorchFunctionMode):
                 )
             return func(*args, **kwargs) if kwargs else func(*args)
         # _BANNED
-        if self.recompute_only and not torch.is_grad_enabled():
+        if self.recompute_only and not torch.is_grad_enabled() and not _in_reentrant_recompute():
             return func(*args, **kwargs) if kwargs else func(*args)
         if not policy.allow_banned:
             raise BannedOpError(policy.table.banned_advice(func))
