@@ -217,6 +217,19 @@ def test_check_refuses_a_model_sharded_without_the_policy_at_o2():
     check_sharded_model(fully_shard(net()), "O1")  # O1 with an FP32 gather: Apex's exact O1, fine
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_check_refuses_a_gather_in_the_other_half_dtype(level):
+    """shard_model(net, "O1") gathers in float16 (the level's default); an engine in bfloat16 would meet float16
+    weights in its bfloat16 matmuls (O1), or run float16 compute with bfloat16's static scale (O2): refused, naming
+    the unit, both dtypes and what to pass instead."""
+    model = shard_model(net(), level)  # float16, the default half dtype
+    with pytest.raises(ValueError, match=(
+        rf"another half dtype than opt_level='{level}' with half_dtype=bfloat16: .*param_dtype=torch.float16.*"
+        r"pass the plugin or the Amp")):
+        check_sharded_model(model, MixedPrecisionSettings(level, "bfloat16"))
+    check_sharded_model(model, MixedPrecisionSettings(level, "float16"))
+
+
 def test_check_refuses_batchnorm_gathered_in_half():
     model = net()
     fully_shard(model, mp_policy=mixed_precision_policy("O2", role="root"))

@@ -569,6 +569,17 @@ def check_sharded_model(module: nn.Module, settings: object) -> None:
             f"FSDP gathers {_listed(sorted(gathers_half & set(owners)))} in half but opt_level='O0' runs everything "
             f"in FP32; shard without a mixed-precision policy, or {helper}."
         )
+    other_half = [u for u in units if u.name in owners and u.param_dtype in HALF_DTYPES and u.param_dtype != half]
+    if mode.name != "fp32" and other_half:
+        found = ", ".join(f"{u.name or '<root>'} (param_dtype={u.param_dtype})" for u in other_half[:4]) + (
+            f" and {len(other_half) - 4} more" if len(other_half) > 4 else "")
+        raise ValueError(
+            f"FSDP gathers these units in another half dtype than opt_level={level!r} with half_dtype="
+            f"{dtype_name(half)}: {found}; the level's casts and loss scale are for {dtype_name(half)} (a matmul "
+            f"would meet two dtypes, or float16 would run with bfloat16's static scale). Shard with the same "
+            f"precision as the engine (pass the plugin or the Amp, not an opt-level string, as shard_model's "
+            f"precision), or {helper}."
+        )
     if mode.name == "masters":
         plain = [u.name for u in units if u.name in owners and not _inside(u.name, islands)
                  and u.param_dtype not in HALF_DTYPES]
