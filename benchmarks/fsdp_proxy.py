@@ -300,18 +300,8 @@ def run_accelerate_rank(variant: str, args: argparse.Namespace) -> dict[str, Any
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     sys.setprofile(None)
-    return {
-        "variant": variant,
-        "rank": accelerator.process_index,
-        "world_size": accelerator.num_processes,
-        "global_step": last + 1,
-        "parameter_tensors": len(list(model.parameters())),
-        "steps": steps,
-        "functions": {function_name(code): n for code, n in counter.functions.items()},
-        "builtins": dict(counter.builtins),
-        "callers": {f"{kind} <- {function_name(code) if code else '?'}": n
-                    for (kind, code), n in counter.callers.items()},  # fmt: skip
-    }
+    return rank_record(variant, accelerator.process_index, accelerator.num_processes, last + 1,
+                       len(list(model.parameters())), steps, counter)
 
 
 def run_rank(variant: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -369,12 +359,19 @@ def run_rank(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     # fsdp_step.py's module: the same sharding (shard_model for the plugin, Lightning's recipe for the reference)
     trainer.fit(fsdp_step._module(net, "fsdp2-" + variant), loader)
     sys.setprofile(None)
+    return rank_record(variant, trainer.global_rank, trainer.world_size, trainer.global_step,
+                       len(list(net.parameters())), steps, counter)
+
+
+def rank_record(variant: str, rank: int, world_size: int, global_step: int, parameter_tensors: int,
+                steps: list[dict[str, Any]], counter: StepCounter) -> dict[str, Any]:
+    """What a rank writes for one variant: its counted steps and the counter's per-function totals."""
     return {
         "variant": variant,
-        "rank": trainer.global_rank,
-        "world_size": trainer.world_size,
-        "global_step": trainer.global_step,
-        "parameter_tensors": len(list(net.parameters())),
+        "rank": rank,
+        "world_size": world_size,
+        "global_step": global_step,
+        "parameter_tensors": parameter_tensors,
         "steps": steps,
         "functions": {function_name(code): n for code, n in counter.functions.items()},
         "builtins": dict(counter.builtins),

@@ -1,4 +1,4 @@
-"""Shared test set-up (the fixtures ``fresh_dynamo`` and ``fresh_accelerate_state`` are at the end).
+"""Shared test set-up (the fixtures ``fresh_dynamo``, ``fresh_accelerate_state`` and ``one_rank`` are at the end).
 
 The fused unscale kernels are Triton kernels. Without a GPU they are tested in triton's interpreter, which runs them
 on CPU tensors; triton reads ``TRITON_INTERPRET`` when a kernel is decorated, so it is set here, before any test
@@ -46,4 +46,18 @@ def fresh_accelerate_state():
     from tests.accelerate_helpers import accelerate_state_reset
 
     with accelerate_state_reset():
+        yield
+
+
+@pytest.fixture
+def one_rank():
+    """A gloo process group of one process for the test (FSDP2 in one process: ``fully_shard`` needs a group),
+    destroyed after it (``tests.launch.one_process_group``); skipped when the process already has one."""
+    import torch.distributed as dist
+
+    from tests.launch import one_process_group
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already set up in this process")
+    with one_process_group():
         yield

@@ -111,19 +111,6 @@ def test_without_a_scope_nothing_changes():
 
 
 # --- FSDP2, sharded elsewhere (Accelerate): the hooks moved between the set-aside hooks -----------------------------
-@pytest.fixture
-def one_rank():
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already set up in this process")
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -168,19 +168,6 @@ def test_fabric_gan_loop_with_a_checkpointed_generator_matches_plain_o1(reentran
 
 
 # --- 2. cast modes set aside around FSDP2's hooks (shard_model) ---------------------------------------------------
-@pytest.fixture
-def one_rank():
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already set up in this process")
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 class _Reused(nn.Module):
     """A sharded block called twice per forward around a batch-norm island (FP32 at O1)."""
 
