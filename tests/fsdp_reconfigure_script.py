@@ -108,6 +108,11 @@ def run(case: str) -> dict[str, Any]:
         conflict = ""
     except ValueError as error:
         conflict = str(error)
+    # The last stage's evaluation forward left the root gathered (FSDP's default for the root): read the shards.
+    for unit in model.model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+    param_dtypes = sorted({str(p.to_local().dtype) for p in model.model.parameters()})
     return dict(
         configure_calls=model.configure_calls,
         conflict=conflict,
@@ -116,7 +121,7 @@ def run(case: str) -> dict[str, Any]:
         train_losses=model.train_losses,
         val_losses=model.val_losses,
         test_losses=model.test_losses,
-        param_dtypes=sorted({str(p.to_local().dtype) for p in model.model.parameters()}),
+        param_dtypes=param_dtypes,
     )
 
 

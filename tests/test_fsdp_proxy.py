@@ -49,11 +49,13 @@ def test_the_engine_makes_one_all_reduce_per_step_and_the_reference_none(result)
 
 def test_fsdp_and_lightning_collectives_are_counted_as_others(result):
     """FSDP2's all-gathers and reduce-scatters (one reduce-scatter per unit: 6 blocks and the root) and Lightning's
-    per-step broadcast are found, called from FSDP and Lightning, in both rows."""
+    per-step broadcast are found, called from FSDP and Lightning, in both rows; ``shard_model`` makes FSDP do exactly
+    what the reference's ``fully_shard`` defaults do (the root stays gathered from its forward to its backward: 7
+    all-gathers in the forward, the 6 blocks again in the backward; one more with the root resharded)."""
     for variant in (REFERENCE, O2):
         others = _row(result, variant)["other_collectives"]
         assert others["reduce_scatter_single"] == 7
-        assert others["all_gather_single"] >= 13  # 7 units in the forward, 6 blocks again in the backward
+        assert others["all_gather_single"] == 13
         assert others["broadcast"] == 1  # Lightning's SIGTERM check
     callers = _row(result, REFERENCE)["collective_callers"]
     assert all(("/fsdp/" in k) or k.startswith("broadcast <- lightning/") for k in callers), callers
@@ -81,7 +83,7 @@ def test_the_backward_pass_does_no_more_host_work_than_the_reference(result):
     re-gathers and reduce-scatters reach torch as under Lightning's own "bf16-mixed" (before issue 41's change the
     mode was handed each of their calls: +5,141 calls a step on this model)."""
     o2, ref = _row(result, O2), _row(result, REFERENCE)
-    assert abs(o2["phases"]["backward"] - ref["phases"]["backward"]) < 100, (o2["phases"], ref["phases"])
+    assert o2["phases"]["backward"] - ref["phases"]["backward"] < 100, (o2["phases"], ref["phases"])
 
 
 ACCELERATE, ACCELERATE_O2 = "accelerate-bf16", "accelerate-mpx-O2-bf16"
@@ -107,7 +109,7 @@ def test_the_accelerate_adapter_under_fsdp2_against_accelerates_own_bf16(acceler
     assert o2["reference"] == ref["reference"] == ACCELERATE
     assert o2["engine_collectives"] == {"all_reduce": 1} and ref["engine_collectives"] == {}
     assert o2["other_collectives"] == ref["other_collectives"]  # FSDP's own, alike
-    assert abs(o2["phases"]["backward"] - ref["phases"]["backward"]) < 100, (o2["phases"], ref["phases"])
+    assert o2["phases"]["backward"] - ref["phases"]["backward"] < 100, (o2["phases"], ref["phases"])
     assert o2["phases"]["forward"] - ref["phases"]["forward"] < 1000, (o2["phases"], ref["phases"])
     goal = next(g for g in accelerate_result["goals"] if g["goal"].startswith(ACCELERATE_O2 + " Python calls"))
     assert goal["value"] == pytest.approx(o2["calls"] / ref["calls"])

@@ -98,9 +98,9 @@ def test_the_same_arguments_again_return_the_model_unchanged(process_group, leve
          "then, O1 (FP32 shards gathered for the cast table) now"),
         (dict(precision=MixedPrecisionSettings("O2", "float16")), "half_dtype: bfloat16 then, float16 now"),
         (dict(blocks=None), "blocks: ('blocks.0', 'blocks.1') then, () now"),
-        (dict(reshard_after_forward=False), "reshard_after_forward: True then, False now"),
+        (dict(reshard_after_forward=False), "reshard_after_forward: None then, False now"),
         # True == 1 in Python; fully_shard reads 1 as "reshard to a world of one", not as True
-        (dict(reshard_after_forward=1), "reshard_after_forward: True then, 1 now"),
+        (dict(reshard_after_forward=1), "reshard_after_forward: None then, 1 now"),
         (dict(precision=MixedPrecisionSettings.from_kwargs("O2", half_dtype="bfloat16", fp32_modules=["out"])),
          "FP32 islands (batch norm, fp32_modules): () then, ('out',) now"),
     ],

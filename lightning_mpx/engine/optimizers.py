@@ -93,8 +93,8 @@ class StepMachine:
         return state
 
     def validate(self, optimizer: torch.optim.Optimizer, *, with_masters: bool) -> None:
-        """Refuse what cannot be registered: not an optimizer, a closure optimizer (LBFGS), or, ``with_masters``,
-        an optimizer before any model was prepared for training."""
+        """Refuse what cannot be registered: not an optimizer, a closure optimizer (LBFGS), ``with_masters`` an
+        optimizer before any model was prepared for training, and under FSDP one holding gathered parameters."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer.")
         if isinstance(optimizer, torch.optim.LBFGS):
@@ -107,6 +107,8 @@ class StepMachine:
                 "prepare_model() must run before prepare_optimizer() with master weights (O2), with train=True: "
                 "a model prepared with train=False has no masters for an optimizer to train."
             )
+        if self.sharding is not None:
+            self.sharding.refuse_gathered(optimizer_params(optimizer))
 
     def register(self, optimizer: torch.optim.Optimizer, *, with_masters: bool) -> None:
         """Track ``optimizer`` (once); ``with_masters``: its half parameters get their masters, optimizer state

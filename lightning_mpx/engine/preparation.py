@@ -194,7 +194,7 @@ class PreparedModels:
                 f"module={type(module).__name__} is sharded by FSDP, but this Amp already made FP32 masters for an "
                 "unsharded model: one engine trains either sharded models or unsharded ones; use one Amp per kind."
             )
-        check_sharded_model(module, self.settings)
+        check_sharded_model(module, self.settings)  # puts units an evaluation left gathered back to their shards
         for name, param in module.named_parameters():
             self.names.setdefault(id(param), name)
         self.forensics.watch.add_model(module, "")

@@ -19,7 +19,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["Sharding", "is_sharded", "local_tensor"]
+__all__ = ["Sharding", "gathered_params", "is_sharded", "local_tensor", "reshard_gathered"]
 
 
 def _dtensor_type() -> type | None:
@@ -53,6 +53,46 @@ def is_sharded(module: nn.Module) -> bool:
     submodules."""
     types = _fsdp_types()
     return bool(types) and any(isinstance(m, types) for m in module.modules())
+
+
+def _fsdp2_units(module: nn.Module) -> list[nn.Module]:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return []
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def reshard_gathered(module: nn.Module) -> None:
+    """Put FSDP2 units that a forward left gathered back to their shards (``FSDPModule.reshard()``, a no-op for a
+    sharded unit).
+
+    The root of ``fully_shard``'s default (``reshard_after_forward=None``) keeps its parameters gathered after its
+    forward, for the backward that usually follows; after a forward with no backward (an evaluation) the model's
+    ``parameters()`` are then the gathered copies until the next backward. What reads the stored parameters (the
+    opt-level checks, the parameter names) reads them sharded.
+    """
+    for unit in _fsdp2_units(module):
+        unit.reshard()  # type: ignore[operator]
+
+
+def gathered_params(module: nn.Module) -> dict[int, str]:
+    """The gathered (unsharded) parameters FSDP2 made for ``module``'s units, by ``id``, with the name of the sharded
+    parameter each stands for: tensors an optimizer must not hold (FSDP moves the gradients to the shards, so a
+    gathered parameter never gets one, and what a step wrote to it is overwritten by the next gather).
+
+    This reads FSDP2's private ``FSDPParam._unsharded_param`` (and finds nothing where a torch lacks it).
+    """
+    names = {}
+    for unit in _fsdp2_units(module):
+        state = unit._get_fsdp_state()  # type: ignore[operator]
+        for group in getattr(state, "_fsdp_param_groups", ()):
+            for fsdp_param in getattr(group, "fsdp_params", ()):
+                gathered = getattr(fsdp_param, "_unsharded_param", None)
+                if gathered is not None:
+                    info = getattr(fsdp_param, "_module_info", None)
+                    names[id(gathered)] = getattr(fsdp_param, "_param_fqn", None) or getattr(info, "param_name", "?")
+    return names
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -96,6 +136,7 @@ class Sharding:
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.shards: set[int] = set(_fsdp1_shards(module))
+        self._models = [weakref.ref(module)]
         # Each parameter's weight, asked on every clipping step: placements and shards do not change after sharding.
         # By id, with a weak reference that tells a reused id from the parameter itself (a tensor's == is elementwise,
         # so tensors cannot be dictionary keys by value).
@@ -104,7 +145,26 @@ class Sharding:
     def add_model(self, module: nn.Module) -> None:
         """Take in the FSDP1 shards of another prepared model."""
         self.shards.update(_fsdp1_shards(module))
+        self._models.append(weakref.ref(module))
         self._weights.clear()
+
+    def refuse_gathered(self, params: Iterable[torch.Tensor]) -> None:
+        """Raise ``ValueError`` when ``params`` (an optimizer's) hold gathered copies of FSDP2 parameters of the
+        prepared models instead of their shards, naming them and the fix (see :func:`gathered_params`)."""
+        gathered: dict[int, str] = {}
+        for ref in self._models:
+            module = ref()
+            if module is not None:
+                gathered.update(gathered_params(module))
+        held = [gathered[id(p)] for p in params if id(p) in gathered]
+        if held:
+            raise ValueError(
+                f"the optimizer holds {len(held)} gathered (unsharded) FSDP parameter(s) instead of their shards: "
+                f"{', '.join(held[:5])}{', ...' if len(held) > 5 else ''}. It was built while a forward with no "
+                "backward (an evaluation) had left FSDP's root unit gathered, so model.parameters() returned the "
+                "gathered copies; they never get a gradient and would not train. Call model.reshard() before "
+                "building the optimizer (or build it before evaluating)."
+            )
 
     def weight(self, param: torch.Tensor) -> float:
         """One over the number of ranks that hold the same values of ``param``'s gradient (1 for a shard)."""

@@ -51,7 +51,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_mpx.casting.aside import around_hooks
 from lightning_mpx.common.dtypes import HALF_DTYPES, dtype_name
-from lightning_mpx.engine.sharding import is_sharded
+from lightning_mpx.engine.sharding import is_sharded, reshard_gathered
 from lightning_mpx.health.promotion import _module_to_fp32, matches
 from lightning_mpx.integrations.fsdp_plan import check_same_plan, done_plan, record_plan, shard_plan
 from lightning_mpx.masters.weights import convert_module
@@ -192,7 +192,7 @@ def shard_model(
     *,
     mesh: Any = None,
     blocks: Iterable[nn.Module] | type[nn.Module] | tuple[type[nn.Module], ...] | None = None,
-    reshard_after_forward: bool | int = True,
+    reshard_after_forward: bool | int | None = None,
     gather: Gather = "half",
 ) -> nn.Module:
     """Shard ``module`` with FSDP2's ``fully_shard`` and the policies of an opt level, bottom-up, in place.
@@ -214,7 +214,12 @@ def shard_model(
         mesh: The device mesh (``None``: FSDP's default, the whole world).
         blocks: The modules to shard as units of their own: submodules of ``module``, or a module class (a tuple
             of classes) whose instances are. ``None``: only the islands and the root.
-        reshard_after_forward: Passed to ``fully_shard`` (the root too).
+        reshard_after_forward: Passed to ``fully_shard`` for every unit. ``None`` (the default, FSDP's own):
+            units reshard after their forward and the root keeps its parameters gathered for the backward that
+            follows (one all-gather per step less than ``True``). A forward with no backward (an evaluation) then
+            leaves the root gathered, and ``model.parameters()`` returns the gathered copies until the next backward:
+            build optimizers before evaluating, or call ``model.reshard()`` first (``Amp.prepare_optimizer`` refuses
+            an optimizer that holds gathered parameters).
         gather: O1's all-gather dtype (see :func:`mixed_precision_policy`).
 
     Called again on a model it sharded (Lightning calls ``configure_model`` at every stage: ``fit`` then ``test``,
@@ -237,9 +242,9 @@ def shard_model(
     settings = resolve_settings(precision)
     props = settings.properties
     _check_gather(props, gather)
-    if not isinstance(reshard_after_forward, (bool, int)):
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
         raise TypeError(
-            f"reshard_after_forward={reshard_after_forward!r} must be True, False or an int (see fully_shard)."
+            f"reshard_after_forward={reshard_after_forward!r} must be None, True, False or an int (see fully_shard)."
         )
     done = done_plan(module)
     mode = _mode(props)
@@ -490,6 +495,7 @@ def check_sharded_model(module: nn.Module, settings: object) -> None:
     props = settings.properties
     mode = _mode(props)
     level, half = props.opt_level, mode.half
+    reshard_gathered(module)  # an evaluation forward leaves FSDP's root gathered: check what is stored
     if not is_sharded(module):
         raise ValueError(
             f"module={type(module).__name__} is not sharded (no FSDPModule or FullyShardedDataParallel in it); "

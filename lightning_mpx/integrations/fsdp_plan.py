@@ -37,7 +37,7 @@ def shard_plan(
     islands: list[tuple[str, nn.Module]],
     units: list[nn.Module],
     mesh: Any,
-    reshard_after_forward: bool | int,
+    reshard_after_forward: bool | int | None,
     gather: str,
 ) -> dict[str, object]:
     """What :func:`~lightning_mpx.integrations.fsdp.shard_model` does to a model with these arguments, as plain
