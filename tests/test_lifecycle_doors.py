@@ -411,17 +411,6 @@ def test_every_door_drives_the_core_lifecycle(door, case, runs):
     _assert_close(got.final, want.final, "final weights")
 
 
-def apex_record_replaced(raises: type[BaseException]) -> pytest.MarkDecorator:
-    """A known defect of the Apex door (strict: the test fails once it is fixed, so that the mark goes)."""
-    return pytest.mark.xfail(
-        strict=True,
-        raises=raises,
-        reason="defect: an overflowing scale_loss block skips every optimizer it names (Amp.share_overflow); the "
-        "skip of a named optimizer whose own gradients are finite records an overflow that names no parameter, and "
-        "that record replaces the block's (last_overflow names nothing instead of the parameter that overflowed)",
-    )
-
-
 @pytest.mark.parametrize("case", DYNAMIC, ids=_ids)
 @pytest.mark.parametrize("door", DOORS)
 def test_every_door_counts_its_skipped_steps_in_the_core(door, case, runs):
@@ -433,9 +422,7 @@ def test_every_door_counts_its_skipped_steps_in_the_core(door, case, runs):
 
 
 @pytest.mark.parametrize("case", DYNAMIC, ids=_ids)
-@pytest.mark.parametrize(
-    "door", [pytest.param(d, marks=apex_record_replaced(AssertionError)) if d == "apex" else d for d in DOORS]
-)
+@pytest.mark.parametrize("door", DOORS)
 def test_every_door_records_the_parameter_that_overflowed(door, case, runs):
     """The last overflow's record names the parameter whose gradient held the inf (for the Apex layer too, whose
     block also skips the optimizer of the finite gradients: the core's run with the one inf is the reference)."""

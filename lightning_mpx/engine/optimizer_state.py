@@ -70,6 +70,9 @@ class _OptimizerState:
     unscaled_marks: tuple[tuple[int, int] | None, ...] = ()
     # Under FSDP: whether the flags in found_by_loss are already summed across ranks (by a clip's collective).
     flags_reduced: bool = False
+    # Whether Amp.share_overflow charged an overflow to this optimizer since its last step (its own gradients may be
+    # finite: the log then says so instead of naming nothing).
+    shared_overflow: bool = False
     # skip_on_device: whether this optimizer's steps skip on the device, decided for the number of parameter groups it
     # had then (``decided_groups``; 0: not decided yet): a group added later is decided again at the next step.
     on_device: bool = False
@@ -97,6 +100,7 @@ class _OptimizerState:
         self.found_inf = None
         self.grad_norm = None
         self.flags_reduced = False
+        self.shared_overflow = False
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:

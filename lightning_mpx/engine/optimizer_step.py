@@ -104,7 +104,7 @@ class OptimizerStep:
         try:
             if overflowed:
                 gather = reducer is not None or self.machine.sharding is not None
-                self._skip(optimizer, state, overflowed, gather=gather)
+                self._skip(optimizer, state, overflowed, gather=gather, iteration=iteration)
                 return False
             if self.forensics.watch.active:
                 self.forensics.stepped()  # an automatic watch ends with the first step that does not overflow
@@ -117,13 +117,19 @@ class OptimizerStep:
         return True
 
     def _skip(
-        self, optimizer: torch.optim.Optimizer, state: _OptimizerState, overflowed: list[int], *, gather: bool
+        self,
+        optimizer: torch.optim.Optimizer,
+        state: _OptimizerState,
+        overflowed: list[int],
+        *,
+        gather: bool,
+        iteration: int,
     ) -> None:
         """An overflow step: recorded (merged across ranks when ``gather``), finished without a step, then the
         floor's policy (which may raise)."""
         self.overflows.record(
             optimizer, overflowed, names=self.machine.names, master_of=self.master_of, step=self.steps - 1,
-            gather=gather,
+            gather=gather, iteration=iteration, shared=state.shared_overflow,
         )
         self._finish(state)
         self.overflows.at_floor(optimizer, overflowed)
@@ -214,6 +220,7 @@ class OptimizerStep:
             step=self.steps - 1, iteration=iteration, gather=reducer is not None or self.machine.sharding is not None,
             outcome=outcome,
         )
+        pending.shared = state.shared_overflow
         try:
             with casts_off_if_on():  # called inside forward_context(): the optimizer runs in its own dtypes
                 self._take_step(optimizer, state, step_kwargs, compare, found_inf=found)
@@ -249,7 +256,10 @@ class OptimizerStep:
                 self.forensics.stepped()
             return
         assert pending.examined is not None  # examined at its read
-        self.overflows.settle(pending.examined, overflowed, gather=pending.gather, scales=scales)
+        self.overflows.settle(
+            pending.examined, overflowed, gather=pending.gather, iteration=pending.iteration, scales=scales,
+            shared=pending.shared,
+        )
         optimizer = pending.optimizer()
         if optimizer is None:  # dropped since: recorded, no floor to apply to it
             return

@@ -156,6 +156,7 @@ class StepMachine:
             like = seen if seen is not None else state.found_inf
             device = None if like is None else like.device
             state.found_by_loss[loss_id] = torch.ones((), dtype=torch.float32, device=device)
+            state.shared_overflow = True
             state.found_inf = torch.stack([f.reshape(()) for f in state.found_by_loss.values()]).amax()
 
     # -- backward -----------------------------------------------------------------------------------------------

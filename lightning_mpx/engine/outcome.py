@@ -61,6 +61,8 @@ class PendingStep:
         overflowed: Once read: the losses that overflowed (``None`` before the read).
         scales: Once read: every loss's scale at the step.
         examined: Once read: what the engine made of it on this process alone (its overflow record), for the settle.
+        shared: Whether :meth:`Amp.share_overflow <lightning_mpx.engine.amp.Amp.share_overflow>` charged an overflow
+            to it (its own gradients may be finite).
     """
 
     optimizer: weakref.ref[torch.optim.Optimizer]
@@ -74,6 +76,7 @@ class PendingStep:
     overflowed: list[int] | None = None
     scales: dict[int, float] | None = None
     examined: OverflowRecord | None = None
+    shared: bool = False  # the overflow was charged to it by Amp.share_overflow
 
     @classmethod
     def behind(

@@ -52,10 +52,11 @@ class OverflowLog:
         scales: Mapping[int, float] | None = None,
         *,
         gathered: bool = False,
+        shared: bool = False,
     ) -> None:
         """Log one overflow step: the scales of ``loss_ids`` (``scales``: as they were at the step, when the step is
         read after it was taken, skipped on the device), the parameters ``names`` and the ``record``; ``gathered``:
-        the flag was reduced across processes."""
+        the flag was reduced across processes; ``shared``: charged by ``Amp.share_overflow``."""
         if not self.enabled:
             return
         now = time.monotonic()
@@ -71,15 +72,23 @@ class OverflowLog:
         log.info(
             "Gradient overflow: step skipped (scale before update %s); non-finite gradients in %s%s%s",
             shown_scales,
-            shown or _nameless(late=scales is not None, gathered=gathered),
+            shown or _nameless(late=scales is not None, gathered=gathered, shared=shared),
             f"; {record.describe()}" if record is not None else "",
             f"; {suppressed} earlier overflow message(s) suppressed" if suppressed else "",
         )
 
 
-def _nameless(*, late: bool, gathered: bool) -> str:
-    """Why an overflow's log names no parameter: its flag came from another process, or (a step skipped on the
-    device, read later) the gradients were cleared or overwritten before the read."""
+def _nameless(*, late: bool, gathered: bool, shared: bool = False) -> str:
+    """Why an overflow's log names no parameter: its flag came from another process or another optimizer
+    (``shared``), or (a step skipped on the device, read later) the gradients were cleared or overwritten before the
+    read."""
+    if shared and not late:
+        return "no parameter of this optimizer (skipped with the optimizers of an overflowing loss: share_overflow)"
+    if shared:
+        return (
+            "no parameter of this optimizer (skipped with the optimizers of an overflowing loss: share_overflow; or "
+            "its gradients were cleared before this step's outcome was read)"
+        )
     if not late:
         return "no parameter (flag set by another process)"
     cleared = (
@@ -163,6 +172,7 @@ class Overflows:
         self.last: OverflowRecord | None = None
         self.last_parameters: list[str] = []
         self.reported: list[torch.Tensor | None] = [None] * len(scalers)
+        self._last_iteration: int | None = None  # the engine's iteration of ``last``
 
     def record(
         self,
@@ -173,12 +183,14 @@ class Overflows:
         master_of: MasterOf,
         step: int,
         gather: bool,
+        iteration: int,
+        shared: bool = False,
         scales: Mapping[int, float] | None = None,
     ) -> list[str]:
         """:meth:`examine` then :meth:`settle` an overflow step of ``optimizer`` at once (the step read on the
         host). Returns this process's non-finite parameter names."""
         local = self.examine(optimizer, overflowed, names=names, master_of=master_of, step=step, scales=scales)
-        return self.settle(local, overflowed, gather=gather, scales=scales)
+        return self.settle(local, overflowed, gather=gather, iteration=iteration, shared=shared, scales=scales)
 
     def examine(
         self,
@@ -218,18 +230,32 @@ class Overflows:
         overflowed: list[int],
         *,
         gather: bool,
+        iteration: int,
+        shared: bool = False,
         scales: Mapping[int, float] | None = None,
     ) -> list[str]:
         """The rest of an overflow step, from this process's ``local`` record (:meth:`examine`): merged across
         ranks when ``gather`` (a collective: every rank calls this together, on the same step, which holds when
         the flags were reduced across them), counted where other ranks add modules, logged; at the floor, watch
-        the next forwards. Returns this process's non-finite parameter names."""
-        self.last = self.forensics.gather(local) if gather else local
-        self.last_parameters = list(local.parameters)
+        the next forwards. Returns this process's non-finite parameter names.
+
+        A record that names no parameter on any rank does not replace one of the same ``iteration`` (the engine's
+        ``update()`` count) that names some: an optimizer skipped with the others of an overflowing loss
+        (:meth:`Amp.share_overflow <lightning_mpx.engine.amp.Amp.share_overflow>`, Apex's ``scale_loss`` over several
+        optimizers) holds finite gradients, and the overflow is where the other one's record says. ``shared``: the
+        optimizer's overflow was charged to it so (the log of a record naming nothing then says so)."""
+        merged = self.forensics.gather(local) if gather else local
+        named_before = self._last_iteration == iteration and bool(self.last and self.last.parameters)
+        kept = named_before and not merged.parameters
+        if not kept:  # a shared skip was recorded and logged with the parameters of the optimizer that overflowed
+            self.last, self._last_iteration = merged, iteration
+            self.last_parameters = list(local.parameters)
         floor = any(self._at_floor(i, scales) for i in overflowed)
-        self.forensics.overflowed(self.last, at_floor=floor, counted=local.modules)
-        self.log.log(self.last_parameters, overflowed, self.scalers, self.last, scales, gathered=gather)
-        return self.last_parameters
+        self.forensics.overflowed(merged, at_floor=floor, counted=local.modules)
+        if not kept:
+            log = self.log.log
+            log(self.last_parameters, overflowed, self.scalers, self.last, scales, gathered=gather, shared=shared)
+        return list(local.parameters)
 
     def at_floor(
         self,
