@@ -61,6 +61,9 @@ class _OptimizerState:
     pair_params: list[torch.Tensor] = field(default_factory=list)
     pair_masters: list[torch.Tensor] = field(default_factory=list)
     mastered: list[int] = field(default_factory=list)
+    # Where the masters' new FP32 gradients lie in the one buffer a step makes for them (masters.pairs.GradLayout);
+    # None: not worked out since the pairs were made; False: the masters cannot share one (devices, dtypes, layouts).
+    grad_layout: Any = None
     swapped: list[list[torch.Tensor]] | None = None  # the groups' own lists while the masters stand in for them
     hooks: list[Any] = field(default_factory=list)  # handles of the hooks registered on the optimizer
     mirrors: list[Mirror] | None = None  # O2: the step-time view of its half parameters' masters

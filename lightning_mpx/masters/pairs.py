@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -24,6 +25,7 @@ _IS_SPARSE = operator.attrgetter("is_sparse")
 _HALF = (torch.float16, torch.bfloat16)
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _GRAD = operator.attrgetter("grad")
+_ALIGN = 64  # elements of 4 bytes: 256 bytes
 
 
 def _any_needs_master(params: list[torch.Tensor]) -> bool:
@@ -114,6 +116,7 @@ def param_pairs(
         state.pair_params = [param for param, _ in state.pairs]
         state.pair_masters = [master for _, master in state.pairs]
         state.mastered = [i for i, (param, master) in enumerate(state.pairs) if master is not param]
+        state.grad_layout = None
         state.mirrors = None
     return state.pairs
 
@@ -145,7 +148,17 @@ def grad_pairs(
     if not any(map(operator.is_, grads, itertools.repeat(None))) and not any(map(_IS_SPARSE, grads)):
         masters = state.pair_masters
         targets = grads.copy()
-        for index in state.mastered:
+        mastered = state.mastered
+        if state.grad_layout is None:
+            state.grad_layout = GradLayout.of([masters[i] for i in mastered]) or False
+        if state.grad_layout:
+            new = state.grad_layout.new()
+            if copy:
+                torch._foreach_copy_(new, [grads[i] for i in mastered])
+            for index, grad in zip(mastered, new):
+                targets[index] = masters[index].grad = grad
+            return grads, targets
+        for index in mastered:
             master = masters[index]
             targets[index] = master.grad = _master_grad(master, grads[index], copy)
         return grads, targets
@@ -166,6 +179,46 @@ def grad_pairs(
             target = master.grad = _master_grad(master, grad, copy)
             targets.append(target)
     return sources, targets
+
+
+@dataclass(frozen=True)
+class GradLayout:
+    """The masters' new FP32 gradients of a step as views of one buffer: one allocation, and (for an unscale in
+    place) one multi-tensor copy of the half gradients into them, where a gradient per master took an allocation and
+    a copy kernel each (a launch per parameter on a GPU). Each view starts 256 bytes into the buffer or a multiple of
+    it, as the caching allocator aligns a buffer of its own, so that vectorized kernels read it as fast.
+
+    The buffer is freed with the last of its views: when the step ends (:func:`~lightning_mpx.masters.swap.
+    drop_master_grads`), as the gradients of their own were.
+    """
+
+    dtype: torch.dtype
+    device: torch.device
+    total: int
+    shapes: tuple[torch.Size, ...]
+    strides: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]
+
+    @classmethod
+    def of(cls, masters: list[torch.Tensor]) -> GradLayout | None:
+        """The layout for ``masters``, or ``None`` when they cannot share a buffer (fewer than two, several
+        devices or dtypes, a master that is not contiguous: its gradient keeps its layout)."""
+        if len(masters) < 2:
+            return None
+        first = masters[0]
+        if any(m.dtype != first.dtype or m.device != first.device or not m.is_contiguous() for m in masters):
+            return None
+        offsets, total = [], 0
+        for master in masters:
+            offsets.append(total)
+            total += -(-master.numel() // _ALIGN) * _ALIGN
+        return cls(first.dtype, first.device, total, tuple(m.shape for m in masters),
+                   tuple(m.stride() for m in masters), tuple(offsets))  # fmt: skip
+
+    def new(self) -> list[torch.Tensor]:
+        """New (uninitialized) gradients, one per master, views of one new buffer."""
+        flat = torch.empty(self.total, dtype=self.dtype, device=self.device)
+        return list(map(flat.as_strided, self.shapes, self.strides, self.offsets))
 
 
 def _master_grad(master: torch.Tensor, grad: torch.Tensor, copy: bool) -> torch.Tensor:
