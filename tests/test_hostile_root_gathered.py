@@ -10,6 +10,8 @@ forward with no backward) attacked the way users train, each run against the sam
   its optimizers over gathered copies or saves them.
 * The engine in one process (a gloo group of one): an evaluation inside gradient accumulation, an evaluation forward
   with gradients enabled and no backward, two optimizers, an optimizer rebuilt after an evaluation.
+* A parameter group added after an evaluation (a fine-tuning callback unfreezing the root's modules) is refused at
+  the next step, before anything moves.
 * ``reshard_after_forward=False`` leaves every unit gathered after an evaluation, and ``model.reshard()`` is not
   recursive: the refusal names the call that puts them all back, and following it trains.
 * Fabric with ``ModelParallelStrategy`` at O1 (the plugin prepares the model before the strategy shards it): an
@@ -18,6 +20,7 @@ forward with no backward) attacked the way users train, each run against the sam
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -204,6 +207,9 @@ def test_fabric_refuses_an_optimizer_built_after_an_evaluation():
 
     if dist.is_initialized():
         pytest.skip("a process group is already set up in this process")
+    # Fabric's launch sets the process group's environment (MASTER_PORT, WORLD_SIZE, ...), which the later tests'
+    # multi-process scripts would inherit: put it back as it was after the test.
+    environ = dict(os.environ)
     plugin = FabricMixedPrecisionPlugin("O1", half_dtype="bfloat16")
 
     def parallelize(model: nn.Module, mesh: Any) -> nn.Module:
@@ -223,3 +229,29 @@ def test_fabric_refuses_an_optimizer_built_after_an_evaluation():
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_param_group_added_after_an_evaluation_is_refused_at_the_step(one_rank, level):
+    """A fine-tuning habit (Lightning's ``BaseFinetuning.unfreeze_and_add_param_group`` at an epoch's start, after
+    the previous epoch's validation left the root gathered): ``add_param_group`` with the root's gathered copies. FSDP
+    never gives them a gradient, so the step would silently not train them; the next step refuses it instead, naming
+    them, before anything moves."""
+    amp = Amp(level, half_dtype="bfloat16")
+    torch.manual_seed(0)
+    net = shard_model(Model(), amp, blocks=Block)
+    amp.prepare_model(net)
+    optimizer = torch.optim.SGD(net.blocks.parameters(), lr=0.1)
+    amp.prepare_optimizer(optimizer)
+    _evaluate(amp, net)
+    optimizer.add_param_group({"params": list(net.inp.parameters())})
+    x, y = _batches(1)[0]
+    with amp.forward_context():
+        loss = F.cross_entropy(net(x).float(), y)
+    amp.backward(loss)
+    before = [p.full_tensor().clone() for p in net.blocks.parameters()]
+    with pytest.raises(ValueError, match=r"gathered \(unsharded\) FSDP parameter\(s\).*inp\.weight"):
+        amp.step(optimizer)
+    assert all(torch.equal(b, p.full_tensor()) for b, p in zip(before, net.blocks.parameters()))

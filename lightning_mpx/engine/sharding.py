@@ -106,8 +106,8 @@ def refuse_gathered(modules: Iterable[nn.Module], params: Iterable[torch.Tensor]
         # FSDPModule.reshard() is not recursive: with reshard_after_forward=False the blocks stay gathered too.
         raise ValueError(
             f"the optimizer holds {len(held)} gathered (unsharded) FSDP parameter(s) instead of their shards: "
-            f"{', '.join(held[:5])}{', ...' if len(held) > 5 else ''}. It was built while a forward with no "
-            "backward (an evaluation) had left FSDP units gathered (the root, by FSDP's default), so "
+            f"{', '.join(held[:5])}{', ...' if len(held) > 5 else ''}. It was built (or a group added) while a "
+            "forward with no backward (an evaluation) had left FSDP units gathered (the root, by FSDP's default), so "
             "model.parameters() returned the gathered copies; they never get a gradient and would not train. Call "
             "model.reshard() before building the optimizer (it reshards the root only: with "
             "reshard_after_forward=False call lightning_mpx.fsdp.reshard_gathered(model), which reshards every "
