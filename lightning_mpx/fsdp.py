@@ -6,11 +6,12 @@ from lightning_mpx.integrations.fsdp import (  # noqa: F401
     check_sharded_model,
     fsdp1_mixed_precision,
     mixed_precision_policy,
+    reshard_gathered,
     resolve_settings,
     shard_model,
 )
 
 __all__ = [
     'GATHER_CHOICES', 'ROLE_CHOICES', 'check_sharded_model', 'fsdp1_mixed_precision', 'mixed_precision_policy',
-    'resolve_settings', 'shard_model',
+    'reshard_gathered', 'resolve_settings', 'shard_model',
 ]

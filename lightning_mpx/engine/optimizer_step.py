@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from lightning_mpx.casting.policy import casts_off_if_on
-from lightning_mpx.engine.optimizer_state import _OptimizerState
+from lightning_mpx.engine.optimizer_state import _OptimizerState, optimizer_params
 from lightning_mpx.engine.optimizers import StepMachine
 from lightning_mpx.engine.outcome import PendingStep, PendingSteps, StepOutcome, device_skip_refusal
 from lightning_mpx.engine.overflow import MasterOf, Overflows
@@ -192,6 +192,9 @@ class OptimizerStep:
         parameter groups changes (``add_param_group``), before anything moves."""
         groups = len(optimizer.param_groups)
         if state.decided_groups != groups:
+            if self.machine.sharding is not None:
+                # A group added after an evaluation may hold the root's gathered copies, which would never train.
+                self.machine.sharding.refuse_gathered(optimizer_params(optimizer))
             if self.skip_on_device is None:
                 state.on_device = self.refusal(optimizer) is None  # auto: the rest read on the host
             elif self.skip_on_device:

@@ -19,7 +19,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["Sharding", "gathered_params", "is_sharded", "local_tensor", "reshard_gathered"]
+__all__ = ["Sharding", "gathered_params", "is_sharded", "local_tensor", "refuse_gathered", "reshard_gathered"]
 
 
 def _dtensor_type() -> type | None:
@@ -95,6 +95,26 @@ def gathered_params(module: nn.Module) -> dict[int, str]:
     return names
 
 
+def refuse_gathered(modules: Iterable[nn.Module], params: Iterable[torch.Tensor]) -> None:
+    """Raise ``ValueError`` when ``params`` (an optimizer's) hold gathered copies of FSDP2 parameters of ``modules``
+    instead of their shards, naming them and the fix (see :func:`gathered_params`)."""
+    gathered: dict[int, str] = {}
+    for module in modules:
+        gathered.update(gathered_params(module))
+    held = [gathered[id(p)] for p in params if id(p) in gathered]
+    if held:
+        # FSDPModule.reshard() is not recursive: with reshard_after_forward=False the blocks stay gathered too.
+        raise ValueError(
+            f"the optimizer holds {len(held)} gathered (unsharded) FSDP parameter(s) instead of their shards: "
+            f"{', '.join(held[:5])}{', ...' if len(held) > 5 else ''}. It was built (or a group added) while a "
+            "forward with no backward (an evaluation) had left FSDP units gathered (the root, by FSDP's default), so "
+            "model.parameters() returned the gathered copies; they never get a gradient and would not train. Call "
+            "model.reshard() before building the optimizer (it reshards the root only: with "
+            "reshard_after_forward=False call lightning_mpx.fsdp.reshard_gathered(model), which reshards every "
+            "unit), or build it before evaluating."
+        )
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The rank's local shard of a ``DTensor`` (in-place work on it changes the ``DTensor``), any other tensor as it
     is."""
@@ -149,22 +169,8 @@ class Sharding:
         self._weights.clear()
 
     def refuse_gathered(self, params: Iterable[torch.Tensor]) -> None:
-        """Raise ``ValueError`` when ``params`` (an optimizer's) hold gathered copies of FSDP2 parameters of the
-        prepared models instead of their shards, naming them and the fix (see :func:`gathered_params`)."""
-        gathered: dict[int, str] = {}
-        for ref in self._models:
-            module = ref()
-            if module is not None:
-                gathered.update(gathered_params(module))
-        held = [gathered[id(p)] for p in params if id(p) in gathered]
-        if held:
-            raise ValueError(
-                f"the optimizer holds {len(held)} gathered (unsharded) FSDP parameter(s) instead of their shards: "
-                f"{', '.join(held[:5])}{', ...' if len(held) > 5 else ''}. It was built while a forward with no "
-                "backward (an evaluation) had left FSDP's root unit gathered, so model.parameters() returned the "
-                "gathered copies; they never get a gradient and would not train. Call model.reshard() before "
-                "building the optimizer (or build it before evaluating)."
-            )
+        """:func:`refuse_gathered` over the prepared models."""
+        refuse_gathered([m for m in (ref() for ref in self._models) if m is not None], params)
 
     def weight(self, param: torch.Tensor) -> float:
         """One over the number of ranks that hold the same values of ``param``'s gradient (1 for a shard)."""

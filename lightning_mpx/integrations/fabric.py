@@ -59,6 +59,8 @@ from typing_extensions import Unpack
 
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
+from lightning_mpx.engine.optimizer_state import optimizer_params
+from lightning_mpx.engine.sharding import refuse_gathered
 from lightning_mpx.masters.weights import MasterWeights, convert_module, has_floating_parameters
 from lightning_mpx.settings import MixedPrecisionSettings, SettingsKeywords, keyword_signature
 
@@ -144,6 +146,12 @@ class FabricMixedPrecisionPlugin(Precision):
     def opt_level(self) -> str:
         """The opt level, ``"O0"`` to ``"O3"``."""
         return self.amp.opt_level
+
+    @property
+    def settings(self) -> MixedPrecisionSettings:
+        """The engine's :class:`~lightning_mpx.settings.MixedPrecisionSettings` (what ``shard_model`` reads from the
+        plugin passed as its ``precision``)."""
+        return self.amp.settings
 
     # -- model -------------------------------------------------------------------------------------------------
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -349,6 +357,9 @@ class FabricMixedPrecisionPlugin(Precision):
                 "state of the O2 masters to half. Call plugin.setup_optimizers(optimizer) after fabric.setup() and "
                 "before fabric.load()."
             )
+        # The plugin prepared its models before a strategy sharded them (the engine never saw them sharded): an
+        # optimizer built after an evaluation, over the root's gathered copies, is refused here.
+        refuse_gathered(list(self._modules), optimizer_params(optimizer))
         self.amp.prepare_optimizer(optimizer)
         self._optimizers.add(optimizer)
 

@@ -64,6 +64,7 @@ __all__ = [
     "check_sharded_model",
     "fsdp1_mixed_precision",
     "mixed_precision_policy",
+    "reshard_gathered",
     "resolve_settings",
     "shard_model",
 ]
