@@ -65,6 +65,8 @@ class PreparedModels:
         self.machine = machine
         self.names = machine.names
         self.sharded = False
+        # The parameters named for each model prepared unsharded: FSDP replaces them if it shards the model after.
+        self._unsharded: weakref.WeakKeyDictionary[nn.Module, list[int]] = weakref.WeakKeyDictionary()
         # O1 with no table given: the table of the device of the first model prepared (CastTable.for_device), picked
         # at the first forward (frameworks move the model to its device after converting it), as long as nobody
         # changed the policy's own default table or engine before then.
@@ -102,6 +104,7 @@ class PreparedModels:
         prefix = f"model{len(live)}." if live else ""
         for name, param in module.named_parameters():
             self.names.setdefault(id(param), prefix + name)
+        self._unsharded[module] = [id(param) for param in module.parameters()]
         self.forensics.watch.add_model(module, prefix)
         props = self.properties
         # FP32 values held through the cast: the trainable parameters' for their masters (O2, one process) and the
@@ -195,6 +198,10 @@ class PreparedModels:
                 "unsharded model: one engine trains either sharded models or unsharded ones; use one Amp per kind."
             )
         check_sharded_model(module, self.settings)  # puts units an evaluation left gathered back to their shards
+        # Prepared unsharded before FSDP sharded it (Fabric's ModelParallelStrategy shards after the precision plugin
+        # converts; O0, O1 and O3, whose casts FSDP's policies repeat): its old parameters' ids may be reused.
+        for key in self._unsharded.pop(module, ()):
+            self.names.pop(key, None)
         for name, param in module.named_parameters():
             self.names.setdefault(id(param), name)
         self.forensics.watch.add_model(module, "")

@@ -57,10 +57,11 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import Unpack
 
+from lightning_mpx.common.dtypes import dtype_name
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.optimizer_state import optimizer_params
-from lightning_mpx.engine.sharding import refuse_gathered
+from lightning_mpx.engine.sharding import is_sharded, refuse_gathered
 from lightning_mpx.masters.weights import MasterWeights, convert_module, has_floating_parameters
 from lightning_mpx.settings import MixedPrecisionSettings, SettingsKeywords, keyword_signature
 
@@ -117,6 +118,7 @@ class FabricMixedPrecisionPlugin(Precision):
         self.precision = precision  # type: ignore[assignment]
         self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._unsynced: list[MasterWeights] = []  # masters made by convert_module, to take from the set-up model
+        self._unchecked: list[weakref.ref[nn.Module]] = []  # prepared by convert_module; sharded by the strategy?
         self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
 
     @classmethod
@@ -179,6 +181,7 @@ class FabricMixedPrecisionPlugin(Precision):
         # The model is moved to its device (and, under DDP, given rank zero's weights) after this: its masters are
         # taken again from the set-up model at the next call into the plugin.
         self._unsynced += [masters for masters in self.amp.master_weights if id(masters) not in before]
+        self._unchecked.append(weakref.ref(module))
         self._modules.add(module)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             self.amp.log_overflows = torch.distributed.get_rank() == 0
@@ -261,6 +264,10 @@ class FabricMixedPrecisionPlugin(Precision):
         self._register(optimizer)
         if self.amp.is_unscaled(optimizer):
             found = self.amp.found_inf(optimizer)
+            if found is not None and self.amp.sharded:
+                # Found on this rank's shards: every rank must hand its clip the same (a DTensor norm is a collective).
+                found = found.clone()
+                all_reduce_max(found)
             if found is not None and bool(found):
                 return iter([_nothing_to_clip(found.device)])  # a list: torch's clip warns about a generator
         return iter(self.amp.master_params(optimizer))
@@ -278,8 +285,7 @@ class FabricMixedPrecisionPlugin(Precision):
         value kept for the master it will get) as that exact value, other half tensors upcast (see
         :meth:`lightning_mpx.engine.amp.Amp.fp32_state_dict`). Takes what ``fabric.setup`` returned or the model itself;
         the keys are the model's own (``fabric.setup``'s wrapper adds no prefix)."""
-        if self._unsynced:
-            self._sync_masters()
+        self._after_setup()
         return self.amp.fp32_state_dict(module)
 
     def step_was_skipped(self, optimizer: Optimizer) -> bool:
@@ -325,18 +331,51 @@ class FabricMixedPrecisionPlugin(Precision):
     def _begin(self) -> None:
         """At every call that starts work (a forward, a backward, metrics, checkpoints): take new models' masters
         from the set-up model, and update the scales after the optimizer steps of the iteration that ended."""
-        if self._unsynced:
-            self._sync_masters()
+        self._after_setup()
         self.amp.end_iteration()
 
-    def _sync_masters(self) -> None:
-        for masters in self._unsynced:
-            masters.sync_from_model()
-        self._unsynced.clear()
+    def _after_setup(self) -> None:
+        """At the first call after ``fabric.setup``: hand the engine the models the strategy sharded, and take new
+        models' masters from the set-up model."""
+        if self._unchecked:
+            self._adopt_sharded()
+        if self._unsynced:
+            for masters in self._unsynced:
+                masters.sync_from_model()
+            self._unsynced.clear()
+
+    def _adopt_sharded(self) -> None:
+        """Fabric's ``ModelParallelStrategy`` shards a model (``fully_shard`` in its ``parallelize_fn``) after
+        :meth:`convert_module` prepared it: prepared again as a sharded model (O0, O1, O3), so that the engine works
+        on each rank's shards and its policies are checked; refused at O2, whose masters FSDP's FP32 shards are."""
+        modules = [m for m in (ref() for ref in self._unchecked) if m is not None]
+        sharded = [m for m in modules if is_sharded(m)]
+        if not sharded:
+            self._unchecked.clear()
+            return
+        level, half = self.amp.opt_level, dtype_name(self.amp.half_dtype)
+        if self.amp.properties.master_weights:
+            raise RuntimeError(
+                f"FabricMixedPrecisionPlugin({level!r}) cannot train a model sharded by FSDP (Fabric's "
+                f"ModelParallelStrategy, fully_shard in parallelize_fn): fabric.setup converts the model to {half} "
+                f"before the strategy shards it, so FSDP shards the {half} weights and its FP32 shards, which are "
+                f"{level}'s master weights under FSDP, never exist. Use opt_level='O1' (or 'O3') with this strategy, "
+                "Lightning's Trainer with lightning_mpx.MixedPrecisionPlugin and ModelParallelStrategy (shard_model "
+                "in configure_model), or the core lightning_mpx.Amp with lightning_mpx.fsdp.shard_model."
+            )
+        prepared = [m for m in self._modules if has_floating_parameters(m)]
+        unsharded = [m for m in prepared if not is_sharded(m)]
+        if unsharded:
+            raise ValueError(
+                f"model {type(unsharded[0]).__name__} is not sharded by FSDP, but {type(sharded[0]).__name__} is: "
+                "one plugin trains either sharded models or unsharded ones; shard every model the plugin sets up."
+            )
+        self._unchecked.clear()  # refused above at every call, not only the first
+        for module in sharded:
+            self.amp.prepare_model(module)  # the engine then reduces the flags itself, once per step
 
     def _register(self, optimizer: Optimizer, lazily: bool = True) -> None:
-        if self._unsynced:
-            self._sync_masters()  # not _begin(): a scale update waits until every optimizer of the iteration stepped
+        self._after_setup()  # not _begin(): a scale update waits until every optimizer of the iteration stepped
         if optimizer in self._optimizers:
             return
         if not isinstance(optimizer, Optimizer):
