@@ -42,7 +42,9 @@ What it does, in Fabric's terms:
   is skipped, where torch's clip by norm with ``error_if_nonfinite=True`` would raise.
 * The scale is updated once per iteration: at the first forward, backward, :meth:`metrics` or checkpoint after the
   optimizer steps, so several optimizers stepping one after the other count as one iteration. Under DDP the
-  overflow flag is reduced across processes before each step, so all ranks skip together.
+  overflow flag is reduced across processes before each step, so all ranks skip together. Under
+  ``ModelParallelStrategy`` (FSDP2) the model the strategy sharded after ``convert_module`` is handed to the engine as
+  a sharded model at the plugin's first call after ``fabric.setup`` (O0, O1, O3; O2 is refused: docs/fabric.md).
 * ``mpx/*`` metrics (the Trainer plugin's names) come from :meth:`metrics`, read from the device only when called;
   the plugin's state (loss scalers, FP32 masters, counters) goes into ``fabric.save`` as one more entry of the state.
 """
