@@ -71,3 +71,23 @@ def test_a_later_iterations_overflow_replaces_the_record():
             amp.step(opt)
         amp.update()
         assert amp.last_overflow_parameters == [bad]
+
+
+def test_a_shared_overflow_of_another_loss_is_an_overflow_of_its_own():
+    """The kept record is only over a nameless one of the same losses: an overflow charged to an optimizer from
+    another loss (``share_overflow(..., loss_id=1)``) in the same iteration is the latest overflow, and says why it
+    names nothing."""
+    torch.manual_seed(0)
+    amp = Amp("O1", half_dtype="float16", init_scale=2.0**8, num_losses=2, skip_on_device=False)
+    model = amp.prepare_model(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
+    first = amp.prepare_optimizer(torch.optim.SGD(model[0].parameters(), lr=0.1))
+    second = amp.prepare_optimizer(torch.optim.SGD(model[2].parameters(), lr=0.1))
+    with amp.forward_context():
+        loss = model(torch.randn(3, 4)).float().sum()
+    amp.backward(loss, loss_id=0)
+    model[0].weight.grad[0, 0] = float("inf")
+    assert not amp.step(first)
+    assert amp.last_overflow_parameters == ["0.weight"]
+    amp.share_overflow([second], loss_id=1)
+    assert not amp.step(second)
+    assert list(amp.last_overflow.loss_ids) == [1] and amp.last_overflow_parameters == []

@@ -240,13 +240,15 @@ class Overflows:
         the next forwards. Returns this process's non-finite parameter names.
 
         A record that names no parameter on any rank does not replace one of the same ``iteration`` (the engine's
-        ``update()`` count) that names some: an optimizer skipped with the others of an overflowing loss
+        ``update()`` count) and losses that names some: an optimizer skipped with the others of an overflowing loss
         (:meth:`Amp.share_overflow <lightning_mpx.engine.amp.Amp.share_overflow>`, Apex's ``scale_loss`` over several
         optimizers) holds finite gradients, and the overflow is where the other one's record says. ``shared``: the
         optimizer's overflow was charged to it so (the log of a record naming nothing then says so)."""
         merged = self.forensics.gather(local) if gather else local
-        named_before = self._last_iteration == iteration and bool(self.last and self.last.parameters)
-        kept = named_before and not merged.parameters
+        last = self.last
+        named_before = self._last_iteration == iteration and last is not None and bool(last.parameters)
+        # ... and the same losses' overflow: a nameless record of another loss is an overflow of its own
+        kept = named_before and not merged.parameters and set(overflowed) <= set(last.loss_ids)  # type: ignore[union-attr]
         if not kept:  # a shared skip was recorded and logged with the parameters of the optimizer that overflowed
             self.last, self._last_iteration = merged, iteration
             self.last_parameters = list(local.parameters)
