@@ -22,37 +22,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_mpx import MixedPrecisionPlugin
 from lightning_mpx.integrations.fsdp import shard_model
+from tests.fsdp_reconfigure_script import Block, Model  # the same model as the reconfigure runs
 from tests.launch import end_ranks
 from tests.lightning_helpers import classification_data, loader, make_trainer
 
 BATCH = 8  # per rank
 ORDERS = ("val_each_epoch", "fit_fit", "predict_fit", "validate_fit", "fit_test", "resume")
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(32, 32)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(self.linear(x))
-
-
-class Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(16, 32)
-        self.blocks = nn.Sequential(Block(), Block())
-        self.out = nn.Linear(32, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.blocks(F.relu(self.inp(x))))
 
 
 class Lit(pl.LightningModule):

@@ -18,47 +18,32 @@ from torch import nn
 
 from lightning_mpx import Amp
 from lightning_mpx.integrations.fsdp import check_sharded_model, shard_model
+from tests.fsdp_reconfigure_script import Block, Model
 
 pytest.importorskip("torch.distributed.fsdp")
 
 
-class _Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.linear(x))
-
-
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(8, 8)
-        self.blocks = nn.Sequential(_Block(), _Block())
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.inp(x)))
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return Model()
 
 
 def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(n)]
+    return [(torch.randn(4, 16, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(n)]
 
 
 def _evaluate(amp: Amp, net: nn.Module) -> None:
     with torch.no_grad(), amp.forward_context():
-        net(torch.randn(4, 8))
+        net(torch.randn(4, 16))
 
 
 def _train(level: str, *, evaluate_first: bool, reshard: object = None, fix: bool = False) -> list[torch.Tensor]:
-    """Losses of three steps, then the root's head weight (full), of a model sharded by ``shard_model``."""
+    """Losses of three steps, then the root's output weight (full), of a model sharded by ``shard_model``."""
     amp = Amp(level, half_dtype="bfloat16")
-    net = _Net()
+    net = _net()
     kwargs = {} if reshard is None else {"reshard_after_forward": reshard}
-    shard_model(net, amp, blocks=_Block, **kwargs)
+    shard_model(net, amp, blocks=Block, **kwargs)
     if evaluate_first:
         _evaluate(amp, net)
         if fix:
@@ -77,7 +62,7 @@ def _train(level: str, *, evaluate_first: bool, reshard: object = None, fix: boo
         optimizer.zero_grad()
         amp.update()
         losses.append(loss.detach())
-    return [*losses, net.head.weight.full_tensor().detach().clone()]
+    return [*losses, net.out.weight.full_tensor().detach().clone()]
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
@@ -92,14 +77,14 @@ def test_the_root_kept_gathered_trains_as_the_root_resharded(one_rank, level):
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_an_optimizer_built_after_an_evaluation_is_refused_naming_the_gathered_parameters(one_rank, level):
-    message = r"gathered \(unsharded\) FSDP parameter\(s\).*head\.weight.*model\.reshard\(\)"
+    message = r"gathered \(unsharded\) FSDP parameter\(s\).*out\.weight.*model\.reshard\(\)"
     with pytest.raises(ValueError, match=message):
         _train(level, evaluate_first=True)
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_resharding_after_the_evaluation_trains_as_without_it(one_rank, level):
-    """The fix the refusal names: ``reshard()`` before building the optimizer, and the root trains (its head weight
+    """The fix the refusal names: ``reshard()`` before building the optimizer, and the root trains (its output weight
     moves exactly as in a run with no evaluation)."""
     fixed = _train(level, evaluate_first=True, fix=True)
     plain = _train(level, evaluate_first=False)
@@ -111,10 +96,10 @@ def test_the_checks_after_an_evaluation_read_the_stored_shards(one_rank):
     """At O2 the gathered root is bfloat16: read as stored, O2 would refuse it as half parameters stored. The check
     (and ``prepare_model``, which runs it) puts the root back to its FP32 shards first."""
     amp = Amp("O2", half_dtype="bfloat16")
-    net = _Net()
-    shard_model(net, amp, blocks=_Block)
+    net = _net()
+    shard_model(net, amp, blocks=Block)
     _evaluate(amp, net)
-    assert net.head.weight.dtype == torch.bfloat16  # FSDP's default: the root stays gathered after its forward
+    assert net.out.weight.dtype == torch.bfloat16  # FSDP's default: the root stays gathered after its forward
     check_sharded_model(net, amp.settings)
     assert {type(p).__name__ for p in net.parameters()} == {"DTensor"}
     assert {p.dtype for p in net.parameters()} == {torch.float32}
