@@ -104,3 +104,15 @@ def test_the_checks_after_an_evaluation_read_the_stored_shards(one_rank):
     assert {type(p).__name__ for p in net.parameters()} == {"DTensor"}
     assert {p.dtype for p in net.parameters()} == {torch.float32}
     amp.prepare_model(net)  # no refusal either
+
+
+def test_the_refusal_comes_at_prepare_optimizer_before_any_step(one_rank):
+    """The error comes where the optimizer is handed over, not later at its first step."""
+    amp = Amp("O2", half_dtype="bfloat16")
+    net = _net()
+    shard_model(net, amp, blocks=Block)
+    _evaluate(amp, net)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
+    amp.prepare_model(net)
+    with pytest.raises(ValueError, match=r"out\.weight"):
+        amp.prepare_optimizer(optimizer)
