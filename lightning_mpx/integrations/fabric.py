@@ -179,7 +179,17 @@ class FabricMixedPrecisionPlugin(Precision):
             self._modules.add(module)
             return module
         before = {id(masters) for masters in self.amp.master_weights}
-        self.amp.prepare_model(module)
+        if self.amp.sharded and not is_sharded(module):
+            # A model set up after the engine took a sharded one (a GAN's second model, a head set up mid-run): not
+            # sharded yet, as every model Fabric converts (the strategy shards it after this). Converted as the first
+            # one was; _adopt_sharded hands it over sharded, or refuses it if the strategy left it whole.
+            self.amp.sharded = False
+            try:
+                self.amp.prepare_model(module)
+            finally:
+                self.amp.sharded = True
+        else:
+            self.amp.prepare_model(module)
         # The model is moved to its device (and, under DDP, given rank zero's weights) after this: its masters are
         # taken again from the set-up model at the next call into the plugin.
         self._unsynced += [masters for masters in self.amp.master_weights if id(masters) not in before]
@@ -352,7 +362,7 @@ class FabricMixedPrecisionPlugin(Precision):
         on each rank's shards and its policies are checked; refused at O2, whose masters FSDP's FP32 shards are."""
         modules = [m for m in (ref() for ref in self._unchecked) if m is not None]
         sharded = [m for m in modules if is_sharded(m)]
-        if not sharded:
+        if not sharded and not self.amp.sharded:
             self._unchecked.clear()
             return
         level, half = self.amp.opt_level, dtype_name(self.amp.half_dtype)
@@ -368,9 +378,16 @@ class FabricMixedPrecisionPlugin(Precision):
         prepared = [m for m in self._modules if has_floating_parameters(m)]
         unsharded = [m for m in prepared if not is_sharded(m)]
         if unsharded:
+            # Whichever was set up first: under ModelParallelStrategy a model parallelize_fn leaves whole is not
+            # data parallel (its gradients are not reduced), and the engine counts its gradients as the same on every
+            # rank. Refused at every call, not only the first.
+            whole = ", ".join(sorted({type(m).__name__ for m in unsharded}))
+            shards = ", ".join(sorted({type(m).__name__ for m in prepared if is_sharded(m)}))
             raise ValueError(
-                f"model {type(unsharded[0]).__name__} is not sharded by FSDP, but {type(sharded[0]).__name__} is: "
-                "one plugin trains either sharded models or unsharded ones; shard every model the plugin sets up."
+                f"FabricMixedPrecisionPlugin({level!r}) was given models sharded by FSDP ({shards}) and models not "
+                f"sharded ({whole}): one plugin trains either sharded models or unsharded ones. Under "
+                "ModelParallelStrategy, shard every model you fabric.setup in parallelize_fn (fully_shard, or "
+                "lightning_mpx.fsdp.shard_model(model, plugin, mesh=mesh['data_parallel'])), a frozen one too."
             )
         self._unchecked.clear()  # refused above at every call, not only the first
         for module in sharded:
