@@ -6,8 +6,9 @@
 * ``plugin:<level>``: the user's loop (below) with the plugin; ``core:<level>``: the same loop with the core ``Amp``
   and ``shard_model``; ``fabric:<precision>``: Fabric's own precision (``bf16-mixed``, ``32-true``) with
   ``fully_shard`` on the same units, the overflowing optimizer's step left out by hand (its clip would raise).
-* ``resume:<k>``: the plugin's O1 loop for ``k`` steps, ``fabric.save`` (a distributed checkpoint), then a fresh
-  Fabric, plugin, model and optimizers that ``fabric.load`` it and run the remaining steps.
+* ``resume``: the plugin's O1 loop with ``fabric.save`` (a distributed checkpoint) before the first step and after
+  ``RESUME_AT`` steps, then for each checkpoint a fresh Fabric, plugin, model and optimizers that ``fabric.load`` it
+  and run the remaining steps.
 * ``refused:O2``: what the first call after ``fabric.setup`` says at O2.
 * ``mix:<order>``: a model ``parallelize_fn`` shards and one it leaves whole, set up ``together``, the whole one
   ``whole_first`` (and used) or the sharded one first (``sharded_first``); ``late:sharded``: a second sharded model
@@ -49,7 +50,8 @@ CLIP_NORM = 0.05  # below every step's norm: every clip by norm scales
 CLIP_VALUE = 0.01
 HEAD_INF, BODY_INF = 3, 5  # an inf in rank 1's shard only
 ACCUMULATE_FROM = 4
-EVAL_AT = (2, 6)
+EVAL_AT = (0, 2, 6)  # 0: before the plugin's first step
+RESUME_AT = 4  # after the head's overflow: the checkpoint holds a backed-off scale and a skip
 # Per step: "norm" (clip_gradients(max_norm=)), "value" (clip_val=) or None.
 CLIPS = (None, "norm", "value", "norm", "norm", "value", None, "norm")
 SETTINGS: dict[str, Any] = {"half_dtype": "bfloat16", "loss_scale": "dynamic", "init_scale": 2.0**12,
@@ -76,7 +78,7 @@ def split(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
 
 def optimizers(model: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
     body, head = split(model)
-    return torch.optim.SGD(body, lr=0.05, momentum=0.9), torch.optim.AdamW(head, lr=1e-2)
+    return torch.optim.SGD(body, lr=0.05, momentum=0.9), torch.optim.AdamW(head, lr=1e-2, fused=True)
 
 
 def batches() -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -255,6 +257,8 @@ def run_plugin(level: str, out: dict[str, Any]) -> None:
     loop = set_up(plugin)
     train(loop, loop.fabric.global_rank, out)
     out["sharded"] = plugin.amp.sharded
+    if loop.fabric.is_global_zero:
+        out["logged"] = [sorted(row) for row in loop.fabric.logger.experiment.metrics]  # what log_dict got
 
 
 def run_fabric(precision: str, out: dict[str, Any]) -> None:
@@ -271,29 +275,34 @@ def run_core(level: str, out: dict[str, Any]) -> None:
     train(CoreLoop(amp, model, opts), dist.get_rank(), out)
 
 
-def run_resume(k: int, out: dict[str, Any]) -> None:
-    """``straight``: the plugin's loop, with ``fabric.save`` after ``k`` steps; ``resumed``: a fresh Fabric, plugin,
-    model and optimizers that ``fabric.load`` that checkpoint and run the remaining steps."""
-    path = os.path.join(os.environ["MPX_OUT"], f"resume{k}")
-    straight: dict[str, Any] = out.setdefault("straight", {"losses": [], "norms": [], "skipped": [], "scales": []})
-    resumed: dict[str, Any] = out.setdefault("resumed", {"losses": [], "norms": [], "skipped": [], "scales": []})
+def run_resume(out: dict[str, Any]) -> None:
+    """``straight``: the plugin's loop with a ``fabric.save`` before the first step and one after ``RESUME_AT``
+    steps; ``resumed<k>``: a fresh Fabric, plugin, model and optimizers that ``fabric.load`` the checkpoint of step
+    ``k`` and run the remaining steps."""
+    straight: dict[str, Any] = {"losses": [], "norms": [], "skipped": [], "scales": []}
     plugin = FabricMixedPrecisionPlugin("O1", **SETTINGS)
     loop = set_up(plugin)
-    train(loop, loop.fabric.global_rank, straight, stop=k)
-    loop.fabric.save(path, {"model": loop.model, "body": loop.opts[0], "head": loop.opts[1], "mpx": plugin, "step": k})
-    train(loop, loop.fabric.global_rank, straight, start=k)
-    plugin = FabricMixedPrecisionPlugin("O1", **SETTINGS)
-    loop = set_up(plugin)
-    state = {"model": loop.model, "body": loop.opts[0], "head": loop.opts[1], "mpx": plugin, "step": 0}
-    loop.fabric.load(path, state)
-    # ModelParallelStrategy's distributed checkpoint puts the plugin's saved state dict in its place (it does not
-    # call load_state_dict on it, as Fabric's other strategies do): docs/fabric.md's line restores it.
-    out["fabric_restored_the_plugin"] = state["mpx"] is plugin
-    if state["mpx"] is not plugin:
-        plugin.load_state_dict(state["mpx"])
-        state["mpx"] = plugin
-    out["step"] = state["step"]
-    train(loop, loop.fabric.global_rank, resumed, start=k)
+    for start, stop in ((0, 0), (0, RESUME_AT), (RESUME_AT, STEPS)):
+        train(loop, loop.fabric.global_rank, straight, start=start, stop=stop)
+        if stop < STEPS:
+            state = {"model": loop.model, "body": loop.opts[0], "head": loop.opts[1], "mpx": plugin, "step": stop}
+            loop.fabric.save(os.path.join(os.environ["MPX_OUT"], f"step{stop}"), state)
+    out["straight"] = straight
+    for k in (0, RESUME_AT):
+        resumed: dict[str, Any] = {"losses": [], "norms": [], "skipped": [], "scales": []}
+        plugin = FabricMixedPrecisionPlugin("O1", **SETTINGS)
+        loop = set_up(plugin)
+        state = {"model": loop.model, "body": loop.opts[0], "head": loop.opts[1], "mpx": plugin, "step": -1}
+        loop.fabric.load(os.path.join(os.environ["MPX_OUT"], f"step{k}"), state)
+        # ModelParallelStrategy's distributed checkpoint puts the plugin's saved state dict in its place (it does not
+        # call load_state_dict on it, as Fabric's other strategies do): docs/fabric.md's lines restore it.
+        resumed["fabric_restored_the_plugin"] = state["mpx"] is plugin
+        if state["mpx"] is not plugin:
+            plugin.load_state_dict(state["mpx"])
+            state["mpx"] = plugin
+        resumed["step"] = state["step"]
+        train(loop, loop.fabric.global_rank, resumed, start=k)
+        out[f"resumed{k}"] = resumed
 
 
 def run_refused(level: str, out: dict[str, Any]) -> None:
@@ -347,8 +356,11 @@ def run_late(out: dict[str, Any]) -> None:
     opt.step()
     second = fabric.setup_module(build())
     opt2 = fabric.setup_optimizers(torch.optim.SGD(second.parameters(), lr=0.05))
+    before = full_weights(second)
     _use(fabric, second)
     opt2.step()
+    out["second_changed"] = full_weights(second) != before
+    out["second_weights"] = full_weights(second)
     out["sharded"] = plugin.amp.sharded
 
 
@@ -367,7 +379,7 @@ def main() -> None:
             elif kind == "core":
                 run_core(arg, out)
             elif kind == "resume":
-                run_resume(int(arg), out)
+                run_resume(out)
             elif kind == "refused":
                 run_refused(arg, out)
             elif kind == "mix":
