@@ -359,7 +359,8 @@ class FabricMixedPrecisionPlugin(Precision):
     def _adopt_sharded(self) -> None:
         """Fabric's ``ModelParallelStrategy`` shards a model (``fully_shard`` in its ``parallelize_fn``) after
         :meth:`convert_module` prepared it: prepared again as a sharded model (O0, O1, O3), so that the engine works
-        on each rank's shards and its policies are checked; refused at O2, whose masters FSDP's FP32 shards are."""
+        on each rank's shards and its policies are checked; refused at O2, whose masters FSDP's FP32 shards are, and
+        next to a model the strategy left whole (whichever was set up first)."""
         modules = [m for m in (ref() for ref in self._unchecked) if m is not None]
         sharded = [m for m in modules if is_sharded(m)]
         if not sharded and not self.amp.sharded:
