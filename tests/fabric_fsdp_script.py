@@ -7,7 +7,9 @@ units; it skips step ``INF_AT`` by hand, where its clip would raise) and ``refus
 the first forward). The loop: steps 0-1 plain (telemetry requested at step 1), from step 2 ``clip_gradients`` by norm,
 at ``INF_AT`` an inf in rank 0's own shard of one gradient, from ``ACCUMULATE_FROM`` two micro-batches under
 ``no_backward_sync``. Fabric's launcher starts the second process by running this script again; later runs find
-the process group running. Every rank writes ``$MPX_OUT/rank<r>.json``, an entry per case (``error`` when it raised).
+the process group running. ``hostile/<case>`` runs a case of tests/hostile_fabric_fsdp_script.py (the loop a Fabric
+user writes) in the same launch. Every rank writes ``$MPX_OUT/rank<r>.json``, an entry per case (``error`` when it
+raised).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ STEPS = 7
 CLIP = 0.05  # below every step's norm: every clip scales
 INF_AT = 4
 ACCUMULATE_FROM = 5
+#: The prefix of a case of the user's loop (``hostile/<case>``: tests/hostile_fabric_fsdp_script.py).
+USER_LOOP = "hostile/"
 SETTINGS: dict[str, Any] = {"half_dtype": "bfloat16", "loss_scale": "dynamic", "init_scale": 2.0**12,
                             "growth_interval": 1000, "on_floor": "continue"}  # fmt: skip
 
@@ -226,8 +230,13 @@ def run_refused(level: str, out: dict[str, Any]) -> None:
 def main() -> None:
     out_dir = os.environ["MPX_OUT"]
     results: dict[str, Any] = {}
-    rank = 0
     for case in os.environ["MPX_CASES"].split(","):
+        if case.startswith(USER_LOOP):
+            # The user's loop (tests/hostile_fabric_fsdp_script.py), in this launch rather than one of its own.
+            from tests.hostile_fabric_fsdp_script import run_case
+
+            results[case] = run_case(case[len(USER_LOOP):])
+            continue
         kind, _, level = case.partition(":")
         out: dict[str, Any] = {"losses": [], "norms": [], "ref_norms": [], "skipped": [], "scales": []}
         try:
@@ -241,9 +250,9 @@ def main() -> None:
                 run_refused(level, out)
         except Exception:  # noqa: BLE001 - reported by the test, which names the case
             out["error"] = traceback.format_exc()[-3000:]
-        rank = dist.get_rank()
         results[case] = out
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+    # Fabric's launch in the first case started the process group, and no case ends it.
+    with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(results, f)
     end_ranks()
 

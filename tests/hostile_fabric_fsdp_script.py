@@ -1,7 +1,6 @@
-"""Run by tests/test_hostile_fabric_fsdp.py: ``FabricMixedPrecisionPlugin`` under Fabric's ``ModelParallelStrategy``
-(FSDP2), used as a Fabric user would, two CPU processes (gloo), bfloat16 with a dynamic scale.
-
-``$MPX_CASES`` lists the runs, comma-separated:
+"""Cases of tests/test_fabric_fsdp.py, run by ``tests/fabric_fsdp_script.py`` in its launch (``hostile/<case>`` in
+its ``$MPX_CASES``; :func:`run_case`): ``FabricMixedPrecisionPlugin`` under Fabric's ``ModelParallelStrategy`` (FSDP2),
+used as a Fabric user would, two CPU processes (gloo), bfloat16 with a dynamic scale. The cases:
 
 * ``plugin:<level>``: the user's loop (below) with the plugin; ``core:<level>``: the same loop with the core ``Amp``
   and ``shard_model``; ``fabric:<precision>``: Fabric's own precision (``bf16-mixed``, ``32-true``) with
@@ -18,13 +17,11 @@ The loop: a body (``SGD`` with momentum) and a head (``AdamW``) optimizer, built
 after ``fabric.setup_module``; clipping by norm and by value (``fabric.clip_gradients``); an inf in rank 1's shard
 only (the head's at ``HEAD_INF``, the body's at ``BODY_INF``); two micro-batches under ``no_backward_sync`` from
 ``ACCUMULATE_FROM``; an evaluation forward (``model.eval()``, ``no_grad``) before ``EVAL_AT`` steps; the plugin's
-reads (``step_was_skipped``, ``metrics``, ``fabric.log_dict``) on rank 0 only. Every rank writes
-``$MPX_OUT/rank<r>.json``, an entry per case (``error`` when it raised).
+reads (``step_was_skipped``, ``metrics``, ``fabric.log_dict``) on rank 0 only.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import traceback
 from datetime import timedelta
@@ -42,7 +39,6 @@ from torch.distributed.fsdp import fully_shard
 from lightning_mpx import Amp, FabricMixedPrecisionPlugin
 from lightning_mpx.engine.sharding import local_tensor
 from lightning_mpx.integrations.fsdp import shard_model
-from tests.launch import end_ranks
 
 BATCH = 16  # global
 STEPS = 8
@@ -364,36 +360,25 @@ def run_late(out: dict[str, Any]) -> None:
     out["sharded"] = plugin.amp.sharded
 
 
-def main() -> None:
-    out_dir = os.environ["MPX_OUT"]
-    results: dict[str, Any] = {}
-    rank = 0
-    for case in os.environ["MPX_CASES"].split(","):
-        kind, _, arg = case.partition(":")
-        out: dict[str, Any] = {"losses": [], "norms": [], "skipped": [], "scales": []}
-        try:
-            if kind == "plugin":
-                run_plugin(arg, out)
-            elif kind == "fabric":
-                run_fabric(arg, out)
-            elif kind == "core":
-                run_core(arg, out)
-            elif kind == "resume":
-                run_resume(out)
-            elif kind == "refused":
-                run_refused(arg, out)
-            elif kind == "mix":
-                run_mix(arg, out)
-            else:
-                run_late(out)
-        except Exception:  # noqa: BLE001 - reported by the test, which names the case
-            out["error"] = traceback.format_exc()[-3000:]
-        rank = dist.get_rank()
-        results[case] = out
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    end_ranks()
-
-
-if __name__ == "__main__":
-    main()
+def run_case(case: str) -> dict[str, Any]:
+    """One case of ``$MPX_CASES`` (``kind:arg``, above) on this rank: its results, or ``error`` when it raised."""
+    kind, _, arg = case.partition(":")
+    out: dict[str, Any] = {"losses": [], "norms": [], "skipped": [], "scales": []}
+    try:
+        if kind == "plugin":
+            run_plugin(arg, out)
+        elif kind == "fabric":
+            run_fabric(arg, out)
+        elif kind == "core":
+            run_core(arg, out)
+        elif kind == "resume":
+            run_resume(out)
+        elif kind == "refused":
+            run_refused(arg, out)
+        elif kind == "mix":
+            run_mix(arg, out)
+        else:
+            run_late(out)
+    except Exception:  # noqa: BLE001 - reported by the test, which names the case
+        out["error"] = traceback.format_exc()[-3000:]
+    return out
