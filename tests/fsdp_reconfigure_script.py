@@ -4,8 +4,9 @@ processes (gloo), across stages of one Trainer: Lightning calls ``configure_mode
 ``validate``, ``test``), so the second stage calls ``shard_model`` on a model the first one sharded.
 
 ``$MPX_CASES`` lists the runs, comma-separated, each ``<level>:<order>`` with order ``fit_test`` (``trainer.fit``
-then ``trainer.test``) or ``validate_fit`` (``trainer.validate`` then ``trainer.fit``). Every rank writes
-``$MPX_OUT/<level>_<order>_rank<r>.json``.
+then ``trainer.test``) or ``validate_fit`` (``trainer.validate`` then ``trainer.fit``); ``gathered/<level>:<order>``
+runs a case of tests/hostile_root_gathered_script.py in the same launch. Every rank writes
+``$MPX_OUT/<file_prefix(case)>rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from tests.lightning_helpers import classification_data, loader, make_trainer
 
 BATCH = 8
 STEPS = 2
+#: The prefix of a case of the root-kept-gathered runs (``gathered/<level>:<order>``:
+#: tests/hostile_root_gathered_script.py).
+GATHERED = "gathered/"
 
 
 class Block(nn.Module):
@@ -125,11 +129,22 @@ def run(case: str) -> dict[str, Any]:
     )
 
 
+def file_prefix(case: str) -> str:
+    """Where each rank writes a case: ``$MPX_OUT/<file_prefix(case)>rank<r>.json``."""
+    return case.replace(":", "_").replace("/", "_") + "_"
+
+
 def main() -> None:
     out = os.environ["MPX_OUT"]
     for case in os.environ["MPX_CASES"].split(","):
-        record = run(case)
-        with open(os.path.join(out, f"{case.replace(':', '_')}_rank{dist.get_rank()}.json"), "w") as f:
+        if case.startswith(GATHERED):
+            # The root-kept-gathered runs (tests/hostile_root_gathered_script.py), in this launch rather than their own.
+            from tests.hostile_root_gathered_script import run_case
+
+            record = run_case(case[len(GATHERED):])
+        else:
+            record = run(case)
+        with open(os.path.join(out, f"{file_prefix(case)}rank{dist.get_rank()}.json"), "w") as f:
             json.dump(record, f)
     # A gloo group left alive can abort the interpreter at exit (pytorch/pytorch#190489): end it here.
     if dist.is_initialized():

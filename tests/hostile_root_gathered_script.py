@@ -1,17 +1,15 @@
-"""Run by tests/test_hostile_root_gathered.py: the Trainer with ``ModelParallelStrategy`` and ``configure_model``
+"""Cases of tests/test_fsdp_reconfigure.py, run in ``tests/fsdp_reconfigure_script.py``'s launch (``gathered/<case>``
+in its ``$MPX_CASES``; :func:`run_case`): the Trainer with ``ModelParallelStrategy`` and ``configure_model``
 calling ``shard_model`` with FSDP's default for the root (``reshard_after_forward=None``: the root stays gathered
 after a forward with no backward), on two CPU processes (gloo), each run against the same run with
 ``reshard_after_forward=True`` (every unit resharded after its forward: nothing left gathered by an evaluation).
 
-``$MPX_CASES`` lists the runs, comma-separated, each ``<level>:<order>``; order is one of ``ORDERS``. Every run is
-made twice (``none``: the default; ``true``: the reference) and every rank writes
-``$MPX_OUT/<level>_<order>_rank<r>.json`` holding both. Lightning's launcher starts the second process by running
-this script again; later fits find the process group running.
+A case is ``<level>:<order>``; order is one of ``ORDERS``. Every run is made twice (``none``: the default; ``true``:
+the reference).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from typing import Any
@@ -28,7 +26,6 @@ from torch.distributed.tensor import DTensor
 from lightning_mpx import MixedPrecisionPlugin
 from lightning_mpx.integrations.fsdp import shard_model
 from tests.fsdp_reconfigure_script import Block, Model  # the same model as the reconfigure runs
-from tests.launch import end_ranks
 from tests.lightning_helpers import classification_data, loader, make_trainer
 
 BATCH = 8  # per rank
@@ -157,15 +154,7 @@ def run(level: str, order: str, reshard: bool | None) -> dict[str, Any]:
     return record
 
 
-def main() -> None:
-    out = os.environ["MPX_OUT"]
-    for case in os.environ["MPX_CASES"].split(","):
-        level, order = case.split(":")
-        record = {"none": run(level, order, None), "true": run(level, order, True)}
-        with open(os.path.join(out, f"{level}_{order}_rank{dist.get_rank()}.json"), "w") as f:
-            json.dump(record, f)
-    end_ranks()
-
-
-if __name__ == "__main__":
-    main()
+def run_case(case: str) -> dict[str, Any]:
+    """One ``<level>:<order>`` case on this rank: the run with the default (``none``) and the reference (``true``)."""
+    level, order = case.split(":")
+    return {"none": run(level, order, None), "true": run(level, order, True)}

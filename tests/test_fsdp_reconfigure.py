@@ -2,8 +2,9 @@
 README's FSDP2 pattern (``configure_model`` calling ``shard_model``) runs it once per ``fit``/``validate``/``test``.
 
 Through a real Trainer with ``ModelParallelStrategy`` on two CPU processes (gloo, ``tests/fsdp_reconfigure_script.py``):
-``fit`` then ``test`` and ``validate`` then ``fit``; and in one process (a gloo group of one) the arguments that
-conflict with the first call, each refused by name.
+``fit`` then ``test`` and ``validate`` then ``fit``; in the same launch, the Trainer runs of
+tests/test_hostile_root_gathered.py's subject (FSDP's default for the root, kept gathered after an evaluation); and in
+one process (a gloo group of one) the arguments that conflict with the first call, each refused by name.
 """
 
 from __future__ import annotations
@@ -17,17 +18,22 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from lightning_mpx import MixedPrecisionSettings
 from lightning_mpx.integrations.fsdp import mixed_precision_policy, shard_model
-from tests.fsdp_reconfigure_script import STEPS, Block, Model
+from tests.fsdp_reconfigure_script import GATHERED, STEPS, Block, Model, file_prefix
 from tests.launch import one_process_group, rank_results, run_script
 
 CASES = ["O2:fit_test", "O2:validate_fit"]
+#: The root-kept-gathered runs (tests/hostile_root_gathered_script.py), in the same launch.
+GATHERED_CASES = ["O2:val_each_epoch", "O2:fit_fit", "O2:predict_fit", "O2:resume", "O1:fit_fit", "O1:resume"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One two-process launch for the reconfigure and the root-kept-gathered runs (a launch costs seconds of
+    start-up on two cores)."""
     out = tmp_path_factory.mktemp("fsdp_reconfigure")
-    run_script("fsdp_reconfigure_script.py", out, timeout=240, MPX_CASES=",".join(CASES))
-    return {case: rank_results(out, prefix=case.replace(":", "_") + "_") for case in CASES}
+    cases = [*CASES, *(GATHERED + case for case in GATHERED_CASES)]
+    run_script("fsdp_reconfigure_script.py", out, timeout=420, MPX_CASES=",".join(cases))
+    return {case: rank_results(out, prefix=file_prefix(case)) for case in cases}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -55,6 +61,34 @@ def test_validate_first_trains_as_fit_alone(runs):
     losses, bit for bit, as ``fit`` first (the same computation repeated from the same seed)."""
     for first, second in zip(runs["O2:fit_test"], runs["O2:validate_fit"]):
         assert second["train_losses"] == first["train_losses"]
+
+
+# -- FSDP's default for the root (kept gathered after a forward with no backward), through the Trainer -----------
+@pytest.mark.parametrize("case", GATHERED_CASES)
+def test_trainer_stages_after_an_evaluation_train_as_the_root_resharded(runs, case):
+    """No stage raises (no false "gathered" refusal), the losses and the final FP32 weights are those of
+    ``reshard_after_forward=True`` bit for bit, and what the model stores is FP32 shards (O1/O2) once resharded."""
+    for r in runs[GATHERED + case]:
+        default, resharded = r["none"], r["true"]
+        assert "error" not in default, default.get("error")
+        assert "error" not in resharded, resharded.get("error")
+        assert default["train_losses"] == resharded["train_losses"]
+        assert default["weights"] == resharded["weights"]
+        assert "DTensor:torch.float32" in default["stored_dtypes"]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_checkpoint_saved_after_validation_holds_fp32_shards_and_resumes_bit_for_bit(runs, level):
+    """``ModelCheckpoint`` saves after each validation, when the root is gathered: the saved model state is FP32
+    shards (``DTensor``), and a new Trainer resumed from the first epoch's checkpoint ends with the losses and weights
+    of the uninterrupted run."""
+    for r in runs[f"{GATHERED}{level}:resume"]:
+        default = r["none"]
+        assert default["saved"], "no checkpoint was saved"
+        for saved in default["saved"]:
+            assert {tuple(v) for v in saved["state"].values()} == {("DTensor", "torch.float32")}
+        assert default["resumed_losses"] == default["train_losses"][-len(default["resumed_losses"]):]
+        assert default["resumed_weights"] == default["weights"]
 
 
 # -- in one process: what counts as the same arguments -------------------------------------------------------------

@@ -3,11 +3,12 @@ forward with no backward) attacked the way users train, each run against the sam
 ``reshard_after_forward=True`` (nothing left gathered by an evaluation), bit for bit.
 
 * Through a real Trainer with ``ModelParallelStrategy`` on two CPU processes (gloo,
-  ``tests/hostile_root_gathered_script.py``): validation every epoch with the sanity check, a second Trainer fitting
-  the same model, predict then fit, and a checkpoint saved right after a validation (the root gathered) resumed with
-  ``ckpt_path=``. Lightning moves the model to its device at every stage (``FSDPModule._apply`` reshards every unit
-  first), and its checkpoint reads ``model.state_dict()`` (FSDP's state-dict hook reshards too), so no stage builds
-  its optimizers over gathered copies or saves them.
+  ``tests/hostile_root_gathered_script.py``, run in tests/test_fsdp_reconfigure.py's launch and tested there):
+  validation every epoch with the sanity check, a second Trainer fitting the same model, predict then fit, and a
+  checkpoint saved right after a validation (the root gathered) resumed with ``ckpt_path=``. Lightning moves the
+  model to its device at every stage (``FSDPModule._apply`` reshards every unit first), and its checkpoint reads
+  ``model.state_dict()`` (FSDP's state-dict hook reshards too), so no stage builds its optimizers over gathered copies
+  or saves them.
 * The engine in one process (a gloo group of one): an evaluation inside gradient accumulation, an evaluation forward
   with gradients enabled and no backward, two optimizers, an optimizer rebuilt after an evaluation.
 * A parameter group added after an evaluation (a fine-tuning callback unfreezing the root's modules) is refused at
@@ -31,45 +32,8 @@ from torch import nn
 from lightning_mpx import Amp
 from lightning_mpx.integrations.fsdp import shard_model
 from tests.hostile_root_gathered_script import Block, Model
-from tests.launch import rank_results, run_script
 
 pytest.importorskip("torch.distributed.fsdp")
-
-CASES = ["O2:val_each_epoch", "O2:fit_fit", "O2:predict_fit", "O2:resume", "O1:fit_fit", "O1:resume"]
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("hostile_root_gathered")
-    run_script("hostile_root_gathered_script.py", out, timeout=300, MPX_CASES=",".join(CASES))
-    return {case: rank_results(out, prefix=case.replace(":", "_") + "_") for case in CASES}
-
-
-@pytest.mark.parametrize("case", CASES)
-def test_trainer_stages_after_an_evaluation_train_as_the_root_resharded(runs, case):
-    """No stage raises (no false "gathered" refusal), the losses and the final FP32 weights are those of
-    ``reshard_after_forward=True`` bit for bit, and what the model stores is FP32 shards (O1/O2) once resharded."""
-    for r in runs[case]:
-        default, resharded = r["none"], r["true"]
-        assert "error" not in default, default.get("error")
-        assert "error" not in resharded, resharded.get("error")
-        assert default["train_losses"] == resharded["train_losses"]
-        assert default["weights"] == resharded["weights"]
-        assert "DTensor:torch.float32" in default["stored_dtypes"]
-
-
-@pytest.mark.parametrize("level", ["O1", "O2"])
-def test_a_checkpoint_saved_after_validation_holds_fp32_shards_and_resumes_bit_for_bit(runs, level):
-    """``ModelCheckpoint`` saves after each validation, when the root is gathered: the saved model state is FP32
-    shards (``DTensor``), and a new Trainer resumed from the first epoch's checkpoint ends with the losses and weights
-    of the uninterrupted run."""
-    for r in runs[f"{level}:resume"]:
-        default = r["none"]
-        assert default["saved"], "no checkpoint was saved"
-        for saved in default["saved"]:
-            assert {tuple(v) for v in saved["state"].values()} == {("DTensor", "torch.float32")}
-        assert default["resumed_losses"] == default["train_losses"][-len(default["resumed_losses"]):]
-        assert default["resumed_weights"] == default["weights"]
 
 
 # -- the engine in one process -----------------------------------------------------------------------------------
