@@ -1,6 +1,7 @@
-"""Run by tests/test_hostile_issue41_fsdp.py: hostile attacks on FSDP2's device skip (a fused AdamW on a model
-sharded with ``fully_shard``, ``skip_on_device=None``), two gloo processes, each case against the same run with
-``skip_on_device=False`` (the host read).
+"""Run by tests/test_hostile_issue41_fsdp.py (its cases in the Trainer script's launch,
+tests/hostile_lightning_fsdp_script.py, through :func:`run_case`), or alone: hostile attacks on FSDP2's device skip
+(a fused AdamW on a model sharded with ``fully_shard``, ``skip_on_device=None``), two gloo processes, each case
+against the same run with ``skip_on_device=False`` (the host read).
 
 ``$MPX_CASES`` lists the cases (names in :data:`CASES`); every rank writes ``$MPX_OUT/{case}_rank{r}.json`` with the
 device run and the host run of the case. The model, its sharding and the data are tests/fsdp_engine_script.py's.
@@ -129,6 +130,14 @@ def train(case: str, *, rank: int, world: int, skip_on_device: bool | None) -> d
     return out
 
 
+def run_case(case: str, rank: int, world: int) -> dict[str, Any]:
+    """One case on this rank, in a running process group: the device run and the host run."""
+    return {
+        "device": train(case, rank=rank, world=world, skip_on_device=None),
+        "host": train(case, rank=rank, world=world, skip_on_device=False),
+    }
+
+
 def main() -> int:
     if "RANK" not in os.environ:
         return launch_ranks(__file__)
@@ -136,12 +145,8 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     for case in os.environ["MPX_CASES"].split(","):
-        result = {
-            "device": train(case, rank=rank, world=world, skip_on_device=None),
-            "host": train(case, rank=rank, world=world, skip_on_device=False),
-        }
         with open(os.path.join(out_dir, f"{case}_rank{rank}.json"), "w") as f:
-            json.dump(result, f)
+            json.dump(run_case(case, rank, world), f)
         dist.barrier()
     end_ranks()
     return 0

@@ -2,7 +2,9 @@
 CPU processes (gloo), against ``skip_on_device=False``. ``$MPX_CASES``: ``sched`` (ModelParallelStrategy, a StepLR
 stepped every optimizer step, ``accumulate_grad_batches=2``, logging every step, an inf on rank 0 only),
 ``fsdp1`` (FSDPStrategy, nothing set: the host path) and ``fsdp1_true`` (``skip_on_device=True``: refused). Every
-rank writes ``$MPX_OUT/{case}_rank{r}.json``; Lightning's launcher starts the second process.
+rank writes ``$MPX_OUT/{case}_rank{r}.json``; Lightning's launcher starts the second process. ``core/<case>`` runs a
+case of tests/hostile_fsdp_script.py (the core engine) in the process group the Trainer cases before it started,
+written to ``$MPX_OUT/core_<case>_rank{r}.json``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import torch.distributed as dist
 from lightning_mpx import MixedPrecisionPlugin
 from tests.lightning_fsdp_script import BATCH, Net, data, full_params, make_strategy
 from tests.lightning_helpers import loader, make_trainer
+
+#: The prefix of a case of the core engine's script (``core/<case>``: tests/hostile_fsdp_script.py).
+CORE = "core/"
 
 
 class Logged(Net):
@@ -72,11 +77,20 @@ def fit(case: str, skip_on_device: bool | None) -> dict[str, Any]:
 def main() -> None:
     out = os.environ["MPX_OUT"]
     for case in os.environ["MPX_CASES"].split(","):
-        if case == "fsdp1_true":
+        if case.startswith(CORE):
+            # The core engine's cases (tests/hostile_fsdp_script.py) in the group the Trainer cases started: in this
+            # launch rather than one of their own.
+            from tests.hostile_fsdp_script import run_case
+
+            if not dist.is_initialized():
+                raise RuntimeError(f"case {case!r} needs a Trainer case before it (they start the process group)")
+            record = run_case(case[len(CORE):], dist.get_rank(), dist.get_world_size())
+            dist.barrier()
+        elif case == "fsdp1_true":
             record = {"device": fit(case, True)}
         else:
             record = {"device": fit(case, None), "host": fit(case, False)}
-        with open(os.path.join(out, f"{case}_rank{dist.get_rank()}.json"), "w") as f:
+        with open(os.path.join(out, f"{case.replace('/', '_')}_rank{dist.get_rank()}.json"), "w") as f:
             json.dump(record, f, default=str)
     # As tests/lightning_fsdp_script.py: a gloo group left alive can abort the interpreter at exit.
     if dist.is_initialized():

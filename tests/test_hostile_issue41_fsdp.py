@@ -21,24 +21,30 @@ pytest.importorskip("torch.distributed.fsdp")
 SAME = ["step0", "step1", "accum", "clip", "unscale_clip", "two_opt"]
 CORE = [*SAME, "checkpoint", "rank0_reads", "floor", "floor_reads", "floor_last"]
 POISON = {"step0": 0, "step1": 1, "accum": 2, "clip": 1, "unscale_clip": 1, "two_opt": 1}
+TRAINER = ["sched", "fsdp1", "fsdp1_true"]
 STEPS = 5
 # What the two runs of a case must agree on, bit for bit.
 KEYS = ("scales", "skipped", "last", "scalers", "weights", "adam_steps", "stepped", "errors")
 
 
 @pytest.fixture(scope="module")
-def core(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+def launch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """One two-process launch (Lightning's launcher) for the Trainer cases and then the core engine's (``core/``, in
+    the process group the Trainer started): a launch costs seconds of start-up on two cores."""
     out = tmp_path_factory.mktemp("hostile_fsdp")
-    run_script("hostile_fsdp_script.py", out, timeout=300, MPX_CASES=",".join(CORE))
-    return {case: rank_results(out, prefix=f"{case}_") for case in CORE}
+    cases = [*TRAINER, *(f"core/{case}" for case in CORE)]
+    run_script("hostile_lightning_fsdp_script.py", out, timeout=480, MPX_CASES=",".join(cases))
+    return {case: rank_results(out, prefix=f"{case.replace('/', '_')}_") for case in cases}
 
 
 @pytest.fixture(scope="module")
-def trainer(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    out = tmp_path_factory.mktemp("hostile_lightning_fsdp")
-    cases = ["sched", "fsdp1", "fsdp1_true"]
-    run_script("hostile_lightning_fsdp_script.py", out, timeout=300, MPX_CASES=",".join(cases))
-    return {case: rank_results(out, prefix=f"{case}_") for case in cases}
+def core(launch: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    return {case: launch[f"core/{case}"] for case in CORE}
+
+
+@pytest.fixture(scope="module")
+def trainer(launch: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    return {case: launch[case] for case in TRAINER}
 
 
 @pytest.mark.parametrize("case", SAME)
