@@ -25,6 +25,7 @@ _IS_SPARSE = operator.attrgetter("is_sparse")
 _HALF = (torch.float16, torch.bfloat16)
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _GRAD = operator.attrgetter("grad")
+_SHAPE = operator.attrgetter("shape")
 _ALIGN = 64  # elements of 4 bytes: 256 bytes
 
 
@@ -149,12 +150,16 @@ def grad_pairs(
         masters = state.pair_masters
         targets = grads.copy()
         mastered = state.mastered
-        if state.grad_layout is None:
-            state.grad_layout = GradLayout.of([masters[i] for i in mastered]) or False
-        if state.grad_layout:
-            new = state.grad_layout.new()
+        halves = [grads[i] for i in mastered]
+        layout = state.grad_layout
+        if layout is None or (layout and not layout.fits(halves)):
+            # Made again when the masters changed shape since (a write through `.data` taken by refresh_masters):
+            # the copy into the views would broadcast, not raise, so the shapes are compared every step.
+            layout = state.grad_layout = GradLayout.of([masters[i] for i in mastered]) or False
+        if layout and layout.fits(halves):
+            new = layout.new()
             if copy:
-                torch._foreach_copy_(new, [grads[i] for i in mastered])
+                torch._foreach_copy_(new, halves)
             for index, grad in zip(mastered, new):
                 targets[index] = masters[index].grad = grad
             return grads, targets
@@ -214,6 +219,10 @@ class GradLayout:
             total += -(-master.numel() // _ALIGN) * _ALIGN
         return cls(first.dtype, first.device, total, tuple(m.shape for m in masters),
                    tuple(m.stride() for m in masters), tuple(offsets))  # fmt: skip
+
+    def fits(self, grads: list[torch.Tensor]) -> bool:
+        """Whether ``grads`` (the half gradients of the masters, in order) have the shapes of the views."""
+        return tuple(map(_SHAPE, grads)) == self.shapes
 
     def new(self) -> list[torch.Tensor]:
         """New (uninitialized) gradients, one per master, views of one new buffer."""
