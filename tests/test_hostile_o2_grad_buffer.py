@@ -1,0 +1,321 @@
+"""O2's master-gradient buffer (``lightning_mpx.masters.pairs.GradLayout``) under a demanding user's training loops.
+
+Every run is compared bit for bit with the same run whose masters get gradients of their own (``GradLayout.of``
+patched to ``None`` inside the test), and each test checks that the buffer was in use, so that it can fail; a few
+are also held to an FP32 run. The loops change what is mastered mid-training, convert the model after it was
+prepared, clip, accumulate, overflow, checkpoint and resume, and go through every front door.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import weakref
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_mpx import Amp
+from lightning_mpx.masters.pairs import GradLayout
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+
+# -- helpers --------------------------------------------------------------------------------------------------------
+class _Buffers:
+    """Counts the buffers the steps make (``GradLayout.new``), for the duration of a test."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.made = 0
+        self._monkeypatch = monkeypatch
+        new = GradLayout.new
+
+        def counting(layout: GradLayout) -> list[torch.Tensor]:
+            self.made += 1
+            return new(layout)
+
+        monkeypatch.setattr(GradLayout, "new", counting)
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """Masters get gradients of their own: the reference every run is held to."""
+        with self._monkeypatch.context() as patch:
+            patch.setattr(GradLayout, "of", classmethod(lambda cls, masters: None))
+            yield
+
+
+@pytest.fixture
+def buffers(monkeypatch: pytest.MonkeyPatch) -> _Buffers:
+    return _Buffers(monkeypatch)
+
+
+def _assert_same(got: Any, want: Any, path: str = "result") -> None:
+    """Bit for bit, NaN where NaN, through nested dicts, lists and tuples."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape, path
+        assert torch.equal(got.nan_to_num(), want.nan_to_num()) and torch.equal(got.isnan(), want.isnan()), path
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), path
+        for key in want:
+            _assert_same(got[key], want[key], f"{path}[{key!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), path
+        for index, (a, b) in enumerate(zip(got, want)):
+            _assert_same(a, b, f"{path}[{index}]")
+    else:
+        assert got == want, path
+
+
+def _agree(buffers: _Buffers, run: Callable[[], Any]) -> Any:
+    """``run()`` with the buffer and without: the same bits, and the buffer was used."""
+    made = buffers.made
+    got = run()
+    assert buffers.made > made, "the buffer was never used: this run tests nothing"
+    with buffers.disabled():
+        want = run()
+    _assert_same(got, want)
+    return got
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _result(amp: Amp, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
+    return (
+        [p.detach().clone() for p in model.parameters()],
+        [m.detach().clone() for m in amp.master_params(optimizer)],
+        copy.deepcopy(optimizer.state_dict()),
+        amp.state_dict(),
+    )
+
+
+_X = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)).bfloat16()
+
+
+def _loss(amp: Amp, model: nn.Module, x: torch.Tensor = _X) -> torch.Tensor:
+    with amp.forward_context():
+        return model(x).float().square().mean()
+
+
+Hook = Callable[[int, Amp, nn.Module, torch.optim.Optimizer], None]
+
+
+def _train(
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+    *,
+    before: Hook | None = None,
+    after_backward: Hook | None = None,
+    make_model: Callable[[], nn.Module] = _mlp,
+    x: torch.Tensor = _X,
+    steps: int = 5,
+    **settings: Any,
+) -> Callable[[], tuple[Any, ...]]:
+    """A run of ``steps`` O2 steps in bfloat16 (dynamic loss scale): ``before(step, ...)`` before each forward,
+    ``after_backward(step, ...)`` between the backward and the step."""
+
+    def run() -> tuple[Any, ...]:
+        amp = Amp("O2", half_dtype="bfloat16", loss_scale="dynamic", **settings)
+        model = amp.prepare_model(make_model())
+        optimizer = amp.prepare_optimizer(make_optimizer(model))
+        for step in range(steps):
+            if before is not None:
+                before(step, amp, model, optimizer)
+            amp.backward(_loss(amp, model, x))
+            if after_backward is not None:
+                after_backward(step, amp, model, optimizer)
+            amp.step(optimizer)
+            amp.update()
+            optimizer.zero_grad()
+        return _result(amp, model, optimizer)
+
+    return run
+
+
+def _adam(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
+
+
+def _momentum(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+# -- the masters' gradients of a changed shape (the fix) ----------------------------------------------------------------
+def _new_bias_shape(shape: tuple[int, ...], refresh: bool) -> Hook:
+    def hook(step: int, amp: Amp, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if step == 2:  # the last layer's bias replaced through .data by one that broadcasts the same way
+            model[4].bias.data = torch.full(shape, 0.25, dtype=torch.bfloat16)
+            if refresh:
+                amp.refresh_masters()
+
+    return hook
+
+
+@pytest.mark.parametrize("shape", [(1,), (1, 3)])
+def test_a_master_reshaped_by_refresh_masters_gets_a_buffer_of_its_new_shape(buffers, shape):
+    """A parameter given a new shape through ``.data`` and taken into its master by ``refresh_masters()``: the
+    buffer laid out for the old shapes is made again. Before, the half gradient was broadcast into the old view (or
+    the copy raised) and the master's ``.grad`` assignment raised, where gradients of their own trained on."""
+    sgd = _train(lambda m: torch.optim.SGD(m.parameters(), lr=0.1), before=_new_bias_shape(shape, refresh=True))
+    made = buffers.made
+    weights, masters, _, _ = _agree(buffers, sgd)
+    assert buffers.made - made == 5  # every step, the ones after the new shape included
+    assert weights[-1].shape == masters[-1].shape == shape
+
+
+def test_a_reshaped_parameter_its_master_never_took_fails_as_without_the_buffer(buffers):
+    """Without ``refresh_masters()`` the master keeps the old shape: the half gradient must not be broadcast into the
+    old view (which the optimizer then failed on with an unrelated shape error) but refused when it is assigned,
+    naming both sizes, as with gradients of their own."""
+    run = _train(lambda m: torch.optim.SGD(m.parameters(), lr=0.1), before=_new_bias_shape((1,), refresh=False))
+    message = r"assign a gradient of size '\[1\]' to a tensor of size '\[3\]'"
+    with pytest.raises(RuntimeError, match=message):
+        run()
+    with buffers.disabled(), pytest.raises(RuntimeError, match=message):
+        run()
+
+
+# -- the set of mastered parameters changes mid-training -----------------------------------------------------------
+def _unfreeze_first_at_2(step: int, amp: Amp, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    if step == 0:
+        model[0].requires_grad_(False)
+    if step == 2:
+        model[0].requires_grad_(True)  # in place: its master is made at its first gradient
+
+
+def _freeze_middle_for_a_while(step: int, amp: Amp, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model[2].requires_grad_(step not in (1, 2))
+
+
+def _add_group_at_2(step: int, amp: Amp, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    if step == 2:
+        optimizer.add_param_group({"params": list(model[0].parameters()), "lr": 0.05})
+
+
+def _replace_lists(step: int, amp: Amp, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    if step == 1:  # the first layer dropped, then back in another order
+        optimizer.param_groups[0]["params"] = [*model[2].parameters(), *model[4].parameters()]
+    if step == 3:
+        optimizer.param_groups[0]["params"] = list(model.parameters())[::-1]
+
+
+class _Branches(nn.Module):
+    """A branch used on some steps only: its parameters then have no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.main, self.side = nn.Linear(6, 3), nn.Linear(6, 3)
+        self.use_side = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.main(x) + self.side(x) if self.use_side else self.main(x)
+
+
+def _side_on_odd_steps(step: int, amp: Amp, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model.use_side = step % 2 == 1
+
+
+_HEAD_ONLY: Callable[[nn.Module], torch.optim.Optimizer] = lambda m: torch.optim.Adam(  # noqa: E731
+    [*m[2].parameters(), *m[4].parameters()], lr=1e-2
+)
+
+
+@pytest.mark.parametrize(
+    "make_optimizer, before, make_model",
+    [
+        (_adam, _unfreeze_first_at_2, _mlp),
+        (_momentum, _freeze_middle_for_a_while, _mlp),
+        (_HEAD_ONLY, _add_group_at_2, _mlp),
+        (_momentum, _replace_lists, _mlp),
+        (_adam, _side_on_odd_steps, _Branches),
+    ],
+    ids=["unfreeze-in-place", "freeze-then-unfreeze", "add_param_group", "replace-params-lists", "unused-branch"],
+)
+def test_the_mastered_set_changing_mid_training_agrees_with_gradients_of_their_own(
+    buffers, make_optimizer, before, make_model
+):
+    _agree(buffers, _train(make_optimizer, before=before, make_model=make_model, steps=5))
+
+
+# -- layouts, devices and dtypes, sizes ---------------------------------------------------------------------------------
+def _convnet() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 3), nn.Flatten(), nn.Linear(8, 3)
+    )
+
+
+_IMAGES = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(2)).bfloat16()
+
+
+def _channels_last_at_2(part: str) -> Hook:
+    def hook(step: int, amp: Amp, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if step == 2:
+            (model if part == "all" else model[3]).to(memory_format=torch.channels_last)
+
+    return hook
+
+
+class _Odd(nn.Module):
+    """0-element, 1-element and 0-d parameters next to a linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(6, 3)
+        self.empty = nn.Parameter(torch.zeros(0, 3))
+        self.one = nn.Parameter(torch.ones(1))
+        self.scalar = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.one * self.scalar + self.empty.sum()
+
+
+def _fused_adam(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+
+
+@pytest.mark.parametrize(
+    "make_optimizer, make_model, x, before",
+    [
+        (_adam, _convnet, _IMAGES, _channels_last_at_2("all")),
+        (_momentum, _convnet, _IMAGES, _channels_last_at_2("one")),
+        (_fused_adam, _Odd, _X, None),
+        (_momentum, _Odd, _X, None),
+    ],
+    ids=["channels_last-after-prepare", "one-conv-channels_last-after-prepare", "odd-sizes-fused-adam", "odd-sizes"],
+)
+def test_layouts_and_sizes_agree_with_gradients_of_their_own(buffers, make_optimizer, make_model, x, before):
+    """A conv net with an FP32 BatchNorm (its own master) converted to channels-last after it was prepared (its
+    masters stay contiguous, its gradients do not), and 0-element, 1-element and 0-d parameters."""
+    _agree(buffers, _train(make_optimizer, make_model=make_model, x=x, before=before, steps=4))
+
+
+def test_a_single_mastered_parameter_or_a_mixed_layout_keeps_gradients_of_its_own(buffers):
+    """One mastered parameter, or one channels-last convolution among contiguous masters: no buffer (nothing to
+    share, layouts that differ), gradients of their own of the master's layout."""
+
+    def lone() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 3, bias=False))
+
+    def mixed() -> nn.Module:
+        model = _convnet()
+        model[0].to(memory_format=torch.channels_last)
+        return model
+
+    for make_model, x in ((lone, _X), (mixed, _IMAGES)):
+        made = buffers.made
+        got = _train(_fused_adam, make_model=make_model, x=x, steps=3)()
+        assert buffers.made == made
+        with buffers.disabled():
+            _assert_same(got, _train(_fused_adam, make_model=make_model, x=x, steps=3)())
