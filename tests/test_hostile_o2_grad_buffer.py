@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import importlib.util
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -102,8 +103,8 @@ _X = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)).bfloat16()
 
 
 def _loss(amp: Amp, model: nn.Module, x: torch.Tensor = _X) -> torch.Tensor:
-    with amp.forward_context():
-        return model(x).float().square().mean()
+    with amp.forward_context():  # bfloat16 inputs, FP32 ones for the FP32 reference (O0)
+        return model(x.to(next(model.parameters()).dtype)).float().square().mean()
 
 
 Hook = Callable[[int, Amp, nn.Module, torch.optim.Optimizer], None]
@@ -117,13 +118,14 @@ def _train(
     make_model: Callable[[], nn.Module] = _mlp,
     x: torch.Tensor = _X,
     steps: int = 5,
+    level: str = "O2",
     **settings: Any,
 ) -> Callable[[], tuple[Any, ...]]:
-    """A run of ``steps`` O2 steps in bfloat16 (dynamic loss scale): ``before(step, ...)`` before each forward,
-    ``after_backward(step, ...)`` between the backward and the step."""
+    """A run of ``steps`` steps at ``level`` in bfloat16 (dynamic loss scale): ``before(step, ...)`` before each
+    forward, ``after_backward(step, ...)`` between the backward and the step."""
 
     def run() -> tuple[Any, ...]:
-        amp = Amp("O2", half_dtype="bfloat16", loss_scale="dynamic", **settings)
+        amp = Amp(level, half_dtype="bfloat16", loss_scale="dynamic", **settings)
         model = amp.prepare_model(make_model())
         optimizer = amp.prepare_optimizer(make_optimizer(model))
         for step in range(steps):
@@ -319,3 +321,258 @@ def test_a_single_mastered_parameter_or_a_mixed_layout_keeps_gradients_of_its_ow
         assert buffers.made == made
         with buffers.disabled():
             _assert_same(got, _train(_fused_adam, make_model=make_model, x=x, steps=3)())
+
+
+# -- user code around the step ----------------------------------------------------------------------------------------
+def _clip_masters_with_torch(step: int, amp: Amp, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 0.01)  # unscales first (a master's .grad read)
+
+
+def _amp_clips(step: int, amp: Amp, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    amp.clip_grad_norm_(optimizer, 0.05) if step % 2 else amp.clip_grad_value_(optimizer, 1e-3)
+
+
+def _unscale_show_and_zero(step: int, amp: Amp, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    amp.unscale_(optimizer)
+    amp.show_unscaled_on_model(optimizer)
+    if step == 2:
+        optimizer.zero_grad(set_to_none=False)  # the unscaled copies must not outlive the gradients they came from
+
+
+def _unscale_then_accumulate(step: int, amp: Amp, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    amp.unscale_(optimizer)  # read, then another backward: the masters' gradients carried back to the model's
+    amp.backward(_loss(amp, model, _X[:2]))
+
+
+def _overflow_at_1(step: int, amp: Amp, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    if step == 1:
+        model[2].weight.grad[0, 0] = float("inf")
+    if step == 3:
+        model[4].bias.grad[0] = float("nan")
+
+
+@pytest.mark.parametrize(
+    "make_optimizer, after_backward",
+    [
+        (_adam, _clip_masters_with_torch),
+        (_momentum, _amp_clips),
+        (_adam, _unscale_show_and_zero),
+        (_momentum, _unscale_then_accumulate),
+        (_adam, _overflow_at_1),
+        (_fused_adam, _overflow_at_1),
+    ],
+    ids=["torch-clip-on-masters", "amp-clips", "show_unscaled-zero_grad", "unscale-then-backward", "overflow", "overflow-fused"],
+)
+def test_user_code_between_backward_and_step_agrees_with_gradients_of_their_own(
+    buffers, make_optimizer, after_backward
+):
+    _agree(buffers, _train(make_optimizer, after_backward=after_backward, steps=5))
+
+
+def test_accumulation_two_optimizers_and_a_resumed_checkpoint_agree_with_gradients_of_their_own(buffers):
+    """Three backwards per step, ``zero_grad(set_to_none=False)``, two optimizers over disjoint parts (one of them
+    overflowing once), and the amp, optimizer and model state saved, trained past, loaded back and trained on."""
+
+    def run() -> tuple[Any, ...]:
+        amp = Amp("O2", half_dtype="bfloat16", loss_scale="dynamic")
+        model = amp.prepare_model(_mlp())
+        body = amp.prepare_optimizer(torch.optim.AdamW([*model[0].parameters(), *model[2].parameters()], lr=1e-2))
+        head = amp.prepare_optimizer(torch.optim.SGD(model[4].parameters(), lr=0.1, momentum=0.9))
+        saved = None
+        for step in range(6):
+            for part in range(3):
+                amp.backward(_loss(amp, model, _X[part : part + 2]))
+            if step == 1:
+                model[4].weight.grad[0, 0] = float("inf")
+            amp.step(body)
+            amp.step(head)
+            amp.update()
+            body.zero_grad(set_to_none=False)
+            head.zero_grad(set_to_none=False)
+            if step == 2:
+                saved = copy.deepcopy((amp.state_dict(), body.state_dict(), head.state_dict(), model.state_dict()))
+            if step == 4:
+                assert saved is not None
+                amp.load_state_dict(saved[0])
+                body.load_state_dict(saved[1])
+                head.load_state_dict(saved[2])
+                model.load_state_dict(saved[3])
+        return _result(amp, model, body), _result(amp, model, head)
+
+    _agree(buffers, run)
+
+
+def test_a_kept_master_gradient_keeps_its_values_and_the_buffer_is_freed_with_its_last_view():
+    """A user who keeps ``master.grad`` past the step keeps its values (the next step writes a new buffer, never
+    the old one); once nothing holds a view, the buffer is freed: after a step, a skipped step, and an unscale
+    carried back into the model's gradients by another backward."""
+    amp = Amp("O2", half_dtype="bfloat16", loss_scale="dynamic")
+    model = amp.prepare_model(_mlp())
+    optimizer = amp.prepare_optimizer(_adam(model))
+    kept: list[torch.Tensor] = []
+    for step in range(4):
+        amp.backward(_loss(amp, model))
+        if step == 1:
+            model[0].weight.grad[0, 0] = float("inf")  # skipped
+        amp.unscale_(optimizer)
+        grads = [m.grad for m in amp.master_params(optimizer)]
+        assert grads[0]._base is not None and all(g._base is grads[0]._base for g in grads)  # views of one buffer
+        buffer = weakref.ref(grads[0]._base)
+        if step == 0:
+            kept = grads
+            values = [g.clone() for g in grads]
+        if step == 3:
+            amp.backward(_loss(amp, model))  # the unscaled gradients go back into the model's, the masters' freed
+        del grads
+        amp.step(optimizer)
+        amp.update()
+        optimizer.zero_grad()
+        assert all(m.grad is None for m in amp.master_params(optimizer))
+        gc.collect()
+        assert (buffer() is not None) == (step == 0), step  # the kept one lives on, no other
+    assert all(torch.equal(g, v) for g, v in zip(kept, values))
+
+
+def _interpreting() -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    from lightning_mpx.scaling import triton_unscale
+
+    return triton_unscale.interpreting()
+
+
+@pytest.mark.skipif(not _interpreting(), reason="the fused kernels on CPU tensors need triton's interpreter")
+def test_the_fused_unscale_writes_every_view_of_the_uninitialized_buffer(buffers):
+    """``unscale_backend="triton"``: the fused kernels read the half gradients and write the masters' views of a
+    buffer that is not zeroed (a clipped step, then an overflowing one): the same bits as gradients of their own,
+    and the values of torch's kernels (to the order of the norm's sum)."""
+
+    def clip_then_overflow(step: int, amp: Amp, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if step == 1:
+            model[2].weight.grad[0, 0] = float("inf")
+        amp.clip_grad_norm_(optimizer, 0.05)
+
+    got = _agree(buffers, _train(_adam, after_backward=clip_then_overflow, steps=2, unscale_backend="triton"))
+    want = _train(_adam, after_backward=clip_then_overflow, steps=2, unscale_backend="foreach")()
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+
+
+def test_a_mastered_set_changing_mid_training_tracks_an_fp32_run():
+    """The buffer's steps against FP32 (O0) steps of the same loop: a layer frozen and unfrozen in place, a group
+    added, clips. The weights agree to bfloat16's precision."""
+
+    def before(step: int, amp: Amp, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        _freeze_middle_for_a_while(step, amp, model, optimizer)
+        if step == 3:
+            optimizer.add_param_group({"params": list(model[0].parameters()), "lr": 0.05})
+
+    def clip(step: int, amp: Amp, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        amp.clip_grad_norm_(optimizer, 0.5)
+
+    def head(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.Adam([*model[2].parameters(), *model[4].parameters()], lr=1e-2)
+
+    got = _train(head, before=before, after_backward=clip, steps=6)()
+    want = _train(head, before=before, after_backward=clip, steps=6, level="O0")()
+    assert len(got[1]) == len(want[1]) == 6
+    for master, fp32 in zip(got[1], want[1]):  # in the optimizer's order
+        torch.testing.assert_close(master, fp32, rtol=0.05, atol=2e-3)
+    for weight, fp32 in zip(got[0], want[0]):  # in the model's order: the model holds the masters' rounding
+        torch.testing.assert_close(weight, fp32.bfloat16(), rtol=0.05, atol=4e-3)
+
+
+# -- front doors --------------------------------------------------------------------------------------------------------
+def test_the_apex_layer_clipping_its_master_params_agrees_with_gradients_of_their_own(buffers):
+    from lightning_mpx.apex import amp as apex_amp
+
+    def run() -> tuple[Any, ...]:
+        model = _mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model, optimizer = apex_amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+        dtype = next(model.parameters()).dtype
+        for _ in range(4):
+            loss = model(_X.to(dtype)).float().square().mean()
+            with apex_amp.scale_loss(loss, optimizer) as scaled:
+                scaled.backward()
+            torch.nn.utils.clip_grad_norm_(apex_amp.master_params(optimizer), 0.05)
+            optimizer.step()
+            optimizer.zero_grad()
+        return (
+            [p.detach().clone() for p in model.parameters()],
+            [p.detach().clone() for p in apex_amp.master_params(optimizer)],
+            copy.deepcopy(optimizer.state_dict()),
+        )
+
+    _agree(buffers, run)
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_the_accelerate_adapter_with_batchnorm_and_clipping_agrees_with_gradients_of_their_own(buffers):
+    from lightning_mpx.accelerate import Accelerator
+    from tests.accelerate_helpers import accelerate_state_reset
+
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 8, generator=generator), torch.randint(0, 3, (16,), generator=generator)
+
+    def run() -> tuple[Any, ...]:
+        accelerate_state_reset()
+        accelerator = Accelerator(mixed_precision="O2")
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        for _ in range(4):
+            accelerator.backward(F.cross_entropy(model(x), y))
+            accelerator.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+        return [p.detach().clone() for p in model.parameters()], copy.deepcopy(optimizer.state_dict())
+
+    _agree(buffers, run)
+
+
+def test_fabric_and_the_trainer_agree_with_gradients_of_their_own(buffers):
+    """Fabric with ``clip_gradients``; the Trainer with ``gradient_clip_val`` and ``accumulate_grad_batches``."""
+    pytest.importorskip("lightning")
+    import lightning.pytorch as pl
+    from lightning.fabric import Fabric
+
+    from lightning_mpx import FabricMixedPrecisionPlugin, MixedPrecisionPlugin
+    from tests.lightning_helpers import classification_data, loader, make_trainer
+
+    data = classification_data(n=32)
+
+    def fabric_run() -> tuple[Any, ...]:
+        plugin = FabricMixedPrecisionPlugin("O2", half_dtype="bfloat16")
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+        x, y = data.tensors
+        for step in range(4):
+            fabric.backward(F.cross_entropy(model(x[step * 8 : step * 8 + 8]), y[step * 8 : step * 8 + 8]))
+            fabric.clip_gradients(model, optimizer, max_norm=0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+        return [p.detach().clone() for p in model.parameters()], copy.deepcopy(optimizer.state_dict())
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def trainer_run() -> tuple[Any, ...]:
+        module = Module()
+        plugin = MixedPrecisionPlugin("O2", half_dtype="bfloat16")
+        trainer = make_trainer(plugin, gradient_clip_val=0.5, accumulate_grad_batches=2)
+        trainer.fit(module, loader(data, batch_size=8))
+        return [p.detach().clone() for p in module.parameters()], copy.deepcopy(trainer.optimizers[0].state_dict())
+
+    _agree(buffers, fabric_run)
+    _agree(buffers, trainer_run)
