@@ -29,7 +29,7 @@ pytestmark = [
 ]
 
 
-# -- helpers --------------------------------------------------------------------------------------------------------
+# -- helpers -----------------------------------------------------------------------------------------------------------
 class _Buffers:
     """Counts the buffers the steps make (``GradLayout.new``), for the duration of a test."""
 
@@ -150,7 +150,7 @@ def _momentum(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
-# -- the masters' gradients of a changed shape (the fix) ----------------------------------------------------------------
+# -- the masters' gradients of a changed shape (the fix) ---------------------------------------------------------------
 def _new_bias_shape(shape: tuple[int, ...], refresh: bool) -> Hook:
     def hook(step: int, amp: Amp, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         if step == 2:  # the last layer's bias replaced through .data by one that broadcasts the same way
@@ -185,7 +185,7 @@ def test_a_reshaped_parameter_its_master_never_took_fails_as_without_the_buffer(
         run()
 
 
-# -- the set of mastered parameters changes mid-training -----------------------------------------------------------
+# -- the set of mastered parameters changes mid-training ---------------------------------------------------------------
 def _unfreeze_first_at_2(step: int, amp: Amp, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     if step == 0:
         model[0].requires_grad_(False)
@@ -248,7 +248,7 @@ def test_the_mastered_set_changing_mid_training_agrees_with_gradients_of_their_o
     _agree(buffers, _train(make_optimizer, before=before, make_model=make_model, steps=5))
 
 
-# -- layouts, devices and dtypes, sizes ---------------------------------------------------------------------------------
+# -- layouts, devices and dtypes, sizes --------------------------------------------------------------------------------
 def _convnet() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
@@ -323,7 +323,7 @@ def test_a_single_mastered_parameter_or_a_mixed_layout_keeps_gradients_of_its_ow
             _assert_same(got, _train(_fused_adam, make_model=make_model, x=x, steps=3)())
 
 
-# -- user code around the step ----------------------------------------------------------------------------------------
+# -- user code around the step -----------------------------------------------------------------------------------------
 def _clip_masters_with_torch(step: int, amp: Amp, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 0.01)  # unscales first (a master's .grad read)
 
@@ -361,7 +361,7 @@ def _overflow_at_1(step: int, amp: Amp, model: nn.Module, optimizer: torch.optim
         (_adam, _overflow_at_1),
         (_fused_adam, _overflow_at_1),
     ],
-    ids=["torch-clip-on-masters", "amp-clips", "show_unscaled-zero_grad", "unscale-then-backward", "overflow", "overflow-fused"],
+    ids=["torch-clip-masters", "amp-clips", "show_unscaled-zero", "unscale-backward", "overflow", "overflow-fused"],
 )
 def test_user_code_between_backward_and_step_agrees_with_gradients_of_their_own(
     buffers, make_optimizer, after_backward
@@ -481,7 +481,7 @@ def test_a_mastered_set_changing_mid_training_tracks_an_fp32_run():
         torch.testing.assert_close(weight, fp32.bfloat16(), rtol=0.05, atol=4e-3)
 
 
-# -- front doors --------------------------------------------------------------------------------------------------------
+# -- front doors -------------------------------------------------------------------------------------------------------
 def test_the_apex_layer_clipping_its_master_params_agrees_with_gradients_of_their_own(buffers):
     from lightning_mpx.apex import amp as apex_amp
 
