@@ -576,3 +576,38 @@ def test_fabric_and_the_trainer_agree_with_gradients_of_their_own(buffers):
 
     _agree(buffers, fabric_run)
     _agree(buffers, trainer_run)
+
+
+# -- LoRA ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("held", ["adapters", "all"])
+def test_peft_lora_with_a_frozen_base_agrees_with_gradients_of_their_own(buffers, held):
+    """A peft LoRA GPT-2 (built from a config) whose optimizer holds its adapters, or every parameter as users write
+    it (``AdamW(model.parameters())``): the frozen base has no gradients and no masters. The adapters' gradients
+    share the buffer either way; before, one parameter without a gradient (the whole frozen base) sent every step to
+    gradients of their own."""
+    pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+    config = GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2, n_inner=32, use_cache=False)
+
+    def run() -> tuple[Any, ...]:
+        torch.manual_seed(0)
+        lora = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"], lora_dropout=0.0, fan_in_fan_out=True)
+        amp = Amp("O2", half_dtype="bfloat16")
+        model = amp.prepare_model(peft.get_peft_model(GPT2LMHeadModel(config), lora))
+        params = model.parameters() if held == "all" else [p for p in model.parameters() if p.requires_grad]
+        optimizer = amp.prepare_optimizer(torch.optim.AdamW(params, lr=1e-2))
+        for _ in range(3):
+            with amp.forward_context():
+                loss = model(input_ids=ids, labels=ids).loss
+            amp.backward(loss)
+            amp.step(optimizer)
+            amp.update()
+            optimizer.zero_grad()
+        return _result(amp, model, optimizer)
+
+    made = buffers.made
+    _agree(buffers, run)
+    assert buffers.made - made == 3  # every step

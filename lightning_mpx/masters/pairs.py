@@ -143,14 +143,20 @@ def grad_pairs(
     """
     # once per step: a parameter unfrozen in place
     pairs = param_pairs(state, master_weights, recheck=True, optimizer=optimizer)
-    # The usual step, every parameter with a dense gradient, read with C-level maps; a parameter's own gradient is
-    # its master's (the master is the parameter), and a master of its own gets a new FP32 gradient.
+    # The usual step, every master's parameter with a dense gradient, read with C-level maps; a parameter's own
+    # gradient is its master's (the master is the parameter), and a master of its own gets a new FP32 gradient. A
+    # parameter that is its own master and has no gradient (a frozen base the optimizer holds, as a LoRA fine-tune's
+    # AdamW(model.parameters()) does) is left out, as torch's optimizers skip it.
     grads = list(map(_GRAD, state.pair_params))
-    if not any(map(operator.is_, grads, itertools.repeat(None))) and not any(map(_IS_SPARSE, grads)):
+    mastered = state.mastered
+    halves = [grads[i] for i in mastered]
+    present: list[torch.Tensor] | None = grads
+    if any(map(operator.is_, grads, itertools.repeat(None))):
+        every_master_has_one = not any(map(operator.is_, halves, itertools.repeat(None)))
+        present = [grad for grad in grads if grad is not None] if every_master_has_one else None
+    if present is not None and not any(map(_IS_SPARSE, present)):
         masters = state.pair_masters
         targets = grads.copy()
-        mastered = state.mastered
-        halves = [grads[i] for i in mastered]
         layout = state.grad_layout
         if layout is None or (layout and not layout.fits(halves)):
             # Made again when the masters changed shape since (a write through `.data` taken by refresh_masters):
@@ -162,11 +168,11 @@ def grad_pairs(
                 torch._foreach_copy_(new, halves)
             for index, grad in zip(mastered, new):
                 targets[index] = masters[index].grad = grad
-            return grads, targets
-        for index in mastered:
-            master = masters[index]
-            targets[index] = master.grad = _master_grad(master, grads[index], copy)
-        return grads, targets
+        else:
+            for index in mastered:
+                master = masters[index]
+                targets[index] = master.grad = _master_grad(master, grads[index], copy)
+        return present, targets if present is grads else [target for target in targets if target is not None]
     sources = []
     targets: list[torch.Tensor] = []
     for param, master in pairs:
