@@ -25,6 +25,7 @@ _IS_SPARSE = operator.attrgetter("is_sparse")
 _HALF = (torch.float16, torch.bfloat16)
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _GRAD = operator.attrgetter("grad")
+_SHAPE = operator.attrgetter("shape")
 _ALIGN = 64  # elements of 4 bytes: 256 bytes
 
 
@@ -142,26 +143,36 @@ def grad_pairs(
     """
     # once per step: a parameter unfrozen in place
     pairs = param_pairs(state, master_weights, recheck=True, optimizer=optimizer)
-    # The usual step, every parameter with a dense gradient, read with C-level maps; a parameter's own gradient is
-    # its master's (the master is the parameter), and a master of its own gets a new FP32 gradient.
+    # The usual step, every master's parameter with a dense gradient, read with C-level maps; a parameter's own
+    # gradient is its master's (the master is the parameter), and a master of its own gets a new FP32 gradient. A
+    # parameter that is its own master and has no gradient (a frozen base the optimizer holds, as a LoRA fine-tune's
+    # AdamW(model.parameters()) does) is left out, as torch's optimizers skip it.
     grads = list(map(_GRAD, state.pair_params))
-    if not any(map(operator.is_, grads, itertools.repeat(None))) and not any(map(_IS_SPARSE, grads)):
+    mastered = state.mastered
+    halves = [grads[i] for i in mastered]
+    present: list[torch.Tensor] | None = grads
+    if any(map(operator.is_, grads, itertools.repeat(None))):
+        every_master_has_one = not any(map(operator.is_, halves, itertools.repeat(None)))
+        present = [grad for grad in grads if grad is not None] if every_master_has_one else None
+    if present is not None and not any(map(_IS_SPARSE, present)):
         masters = state.pair_masters
         targets = grads.copy()
-        mastered = state.mastered
-        if state.grad_layout is None:
-            state.grad_layout = GradLayout.of([masters[i] for i in mastered]) or False
-        if state.grad_layout:
-            new = state.grad_layout.new()
+        layout = state.grad_layout
+        if layout is None or (layout and not layout.fits(halves)):
+            # Made again when the masters changed shape since (a write through `.data` taken by refresh_masters):
+            # the copy into the views would broadcast, not raise, so the shapes are compared every step.
+            layout = state.grad_layout = GradLayout.of([masters[i] for i in mastered]) or False
+        if layout and layout.fits(halves):
+            new = layout.new()
             if copy:
-                torch._foreach_copy_(new, [grads[i] for i in mastered])
+                torch._foreach_copy_(new, halves)
             for index, grad in zip(mastered, new):
                 targets[index] = masters[index].grad = grad
-            return grads, targets
-        for index in mastered:
-            master = masters[index]
-            targets[index] = master.grad = _master_grad(master, grads[index], copy)
-        return grads, targets
+        else:
+            for index in mastered:
+                master = masters[index]
+                targets[index] = master.grad = _master_grad(master, grads[index], copy)
+        return present, targets if present is grads else [target for target in targets if target is not None]
     sources = []
     targets: list[torch.Tensor] = []
     for param, master in pairs:
@@ -214,6 +225,10 @@ class GradLayout:
             total += -(-master.numel() // _ALIGN) * _ALIGN
         return cls(first.dtype, first.device, total, tuple(m.shape for m in masters),
                    tuple(m.stride() for m in masters), tuple(offsets))  # fmt: skip
+
+    def fits(self, grads: list[torch.Tensor]) -> bool:
+        """Whether ``grads`` (the half gradients of the masters, in order) have the shapes of the views."""
+        return tuple(map(_SHAPE, grads)) == self.shapes
 
     def new(self) -> list[torch.Tensor]:
         """New (uninitialized) gradients, one per master, views of one new buffer."""
