@@ -356,10 +356,16 @@ def _loop(variant: str, habit: str, net: nn.Module, batches: list[Any], steps: i
                 scaled.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-    for i in range(steps):
+    try:
+        for i in range(steps):
+            window.mark()
+            one(*batches[i % len(batches)])
         window.mark()
-        one(*batches[i % len(batches)])
-    window.mark()
+    finally:
+        if variant.startswith("apex-"):  # the O1 scope and hooks go before the census's own modes are left
+            from lightning_mpx.apex._state import _amp_state
+
+            _amp_state.reset()
 
 
 @contextlib.contextmanager
