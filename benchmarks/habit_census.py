@@ -461,8 +461,9 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
         name = f"{r['front']} {r['variant']} {r['habit']} ({r['model']})"
         if r.get("extra_syncs", 0) > 0:
             out.append(f"{name}: {r['extra_syncs']:g} extra host sync(s) per step")
-        if r.get("habit_ops_per_param", r.get("extra_ops_per_param", 0)) > 0.5:
-            out.append(f"{name}: {r['extra_ops_per_param']:.1f} extra ops per step per parameter tensor")
+        grows = r.get("habit_ops_per_param", r.get("extra_ops_per_param", 0))
+        if grows > 0.5:
+            out.append(f"{name}: {grows:.1f} extra ops per step per parameter tensor")
     return out
 
 
