@@ -689,3 +689,17 @@ def test_devskip_loops_skip_on_the_device_with_a_fused_adamw(dtype, monkeypatch)
     assert all(not torch.equal(a, b) for a, b in zip(before, net.parameters()))
     assert step._loop_extra(amp) == {"skipped_steps": 1}  # read after the timed steps
     assert [o.stepped for o in outcomes] == [False, True, True, True]
+
+
+def test_habit_census_writes_rows_findings_and_tables(tmp_path):
+    import habit_census
+
+    out = tmp_path / "census.json"
+    result = habit_census.main(["--fronts", "loop", "--models", "resnet", "--warmup", "1", "--steps", "1",
+                                "--depths", "1", "2", "--no-calls", "--out", str(out)])  # fmt: skip
+    saved = json.loads(out.read_text())
+    assert [r["variant"] for r in saved["rows"]] == ["autocast", "core-O1", "core-O2"] == \
+        [r["variant"] for r in result["rows"]]  # fmt: skip
+    assert all({"syncs", "reads", "ops", "ops_per_param"} <= set(r) for r in saved["rows"])
+    assert saved["rows"][2]["extra_syncs"] == 0 and isinstance(saved["findings"], list)
+    assert "| loop | resnet | plain | core-O2 |" in out.with_suffix(".md").read_text()

@@ -1,7 +1,8 @@
 """Casting the tensors inside a collection (lists, tuples, namedtuples, mappings, dataclasses), rebuilt as their types.
 
 Shared by :class:`~lightning_mpx.engine.amp.Amp`, the adapters and :mod:`lightning_mpx.health.promotion`; it imports
-nothing of the package, so none of them has to import another to use it.
+nothing of the package, so none of them has to import another to use it. :func:`read_floats` reads a metrics dict
+on the host in one transfer per device.
 """
 
 from __future__ import annotations
@@ -61,3 +62,19 @@ def _cast_mapping(data: Mapping[Any, Any], dtype: torch.dtype, castable: tuple[t
         new = copy.copy(data)
         new.update(items)
         return new
+
+
+def read_floats(values: Mapping[str, Any]) -> dict[str, float]:
+    """``values`` (tensors of one element or Python numbers) as Python floats, the tensors of each device read in one
+    host transfer (``float()`` of each would wait for the device once per tensor: a metrics dict read on a logging
+    step). Each value is exactly what ``float(value)`` gives."""
+    out = {name: value for name, value in values.items() if not isinstance(value, torch.Tensor)}
+    by_device: dict[torch.device, list[str]] = {}
+    for name, value in values.items():
+        if isinstance(value, torch.Tensor):
+            by_device.setdefault(value.device, []).append(name)
+    for names in by_device.values():
+        # float64 holds every float32 and every integer up to 2**53 exactly: float() of each gives the same number
+        read = torch.stack([values[n].detach().reshape(()).to(torch.float64) for n in names]).tolist()
+        out.update(zip(names, read))
+    return {name: float(out[name]) for name in values}

@@ -68,6 +68,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
+from lightning_mpx.common.containers import read_floats
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.opt_levels import OPT_LEVELS
@@ -454,7 +455,7 @@ class Accelerator(ShardedPreparation, _BaseAccelerator):  # type: ignore[misc]
         value."""
         if self.amp is None:
             return {}
-        return {name: float(value) for name, value in self.amp.metrics().items()}
+        return read_floats(self.amp.metrics())  # one host read, not one per metric
 
     def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
         """As ``accelerate.Accelerator.log``; with an opt level the :meth:`mpx_metrics` are added to ``values``

@@ -59,6 +59,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import Unpack
 
+from lightning_mpx.common.containers import read_floats
 from lightning_mpx.common.dtypes import dtype_name
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
@@ -320,7 +321,7 @@ class FabricMixedPrecisionPlugin(Precision):
         first, so that ``mpx/skipped_steps`` counts them."""
         self._begin()
         self.amp.read_step_outcomes()
-        return {name: float(value) for name, value in self.amp.metrics().items()}
+        return read_floats(self.amp.metrics())  # one host read, not one per metric
 
     def state_dict(self) -> dict[str, Any]:
         """Loss scalers, FP32 master weights and counters: put the plugin into the state you save

@@ -33,6 +33,7 @@ from typing_extensions import Unpack
 
 from lightning_mpx.casting.checkpointing import builds_graph
 from lightning_mpx.casting.policy import casts_off_if_on as _casts_off
+from lightning_mpx.common.containers import read_floats
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.outcome import StepOutcome
@@ -420,7 +421,7 @@ class MixedPrecisionPlugin(FSDPPrecision):
         """The current ``mpx/*`` metrics as Python numbers (this reads device values: it syncs)."""
         self._end_iteration(log=False)
         self.amp.read_step_outcomes()
-        return {k: float(v) for k, v in self.amp.metrics().items()}
+        return read_floats(self.amp.metrics())  # one host read, not one per metric
 
     def state_dict(self) -> dict[str, Any]:
         """Loss scalers, FP32 master weights and counters, saved in Lightning checkpoints."""
@@ -457,6 +458,6 @@ class MixedPrecisionPlugin(FSDPPrecision):
             trainer = self._module.trainer if isinstance(self._module, _pl.LightningModule) else None
             if trainer is not None:
                 self.amp.read_step_outcomes()  # a logging step: syncing is fine
-                values = {k: float(v) for k, v in self.amp.metrics().items()}
+                values = read_floats(self.amp.metrics())  # one host read, not one per metric
                 for logger in trainer.loggers:
                     logger.log_metrics(values, step=step)

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import torch
 from typing_extensions import Unpack
 
+from lightning_mpx.common.containers import read_floats
 from lightning_mpx.opt_levels import LossScale, _check_loss_scale
 
 # ON_FLOOR_CHOICES and OnFloor are defined with the other settings; their old import path here keeps working.
@@ -290,11 +291,13 @@ class LossScaler:
                 "scale": self.init_scale, "growth_tracker": 0, "hysteresis_tracker": self.hysteresis,
                 "overflows": 0, "dynamic": self.dynamic,
             }
+        read = read_floats({"scale": self._scale, "growth_tracker": self._growth_tracker,  # one host read, not four
+                            "hysteresis_tracker": self._hysteresis_tracker, "overflows": self._overflows})
         return {
-            "scale": float(self._scale.item()),
-            "growth_tracker": int(self._growth_tracker.item()),  # type: ignore[union-attr]
-            "hysteresis_tracker": int(self._hysteresis_tracker.item()),  # type: ignore[union-attr]
-            "overflows": int(self._overflows.item()),  # type: ignore[union-attr]
+            "scale": read["scale"],
+            "growth_tracker": int(read["growth_tracker"]),
+            "hysteresis_tracker": int(read["hysteresis_tracker"]),
+            "overflows": int(read["overflows"]),
             "dynamic": self.dynamic,
         }
 
