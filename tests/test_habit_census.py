@@ -41,6 +41,16 @@ def test_trainer_o2_with_a_frozen_base_in_the_optimizer_stays_on_the_buffer_path
     assert rows["O2"]["extra_ops_per_param"] <= 0, rows["O2"]
 
 
+@pytest.mark.parametrize("habit", ["clip-norm", "clip-value"])
+def test_trainer_o2_clipping_does_no_per_parameter_work(habit):
+    """``gradient_clip_val`` at O2: the unscaled FP32 gradients the plugin puts back on the half model for
+    Lightning's hooks and clip go in one multi-tensor copy (they were copied one parameter at a time: one kernel per
+    parameter tensor, a step of every fine-tuning recipe that clips)."""
+    rows = _rows("trainer", habit, "gpt", ("bf16-mixed", "O2"))
+    assert rows["O2"]["extra_syncs"] == 0
+    assert rows["O2"]["extra_ops_per_param"] <= 0, rows["O2"]
+
+
 def test_trainer_logging_step_reads_the_plugin_metrics_in_one_transfer():
     """With a logger writing every step, the plugin's ``mpx/*`` metrics cost one host read per logging step (they
     were read one ``float()`` at a time: eleven syncs a step on this ResNet, seventeen on the GPT)."""

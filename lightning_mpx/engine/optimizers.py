@@ -231,12 +231,18 @@ class StepMachine:
         if not master_weights or state.stage is not _Stage.UNSCALED:
             return
         follow_cleared_grads(state, master_weights)
+        targets, sources = [], []
         for param, master in param_pairs(state, master_weights):
             if master is not param and master.grad is not None:
                 if param.grad is None:
                     param.grad = master.grad.to(param.dtype)
                 else:
-                    param.grad.copy_(master.grad)
+                    targets.append(param.grad)
+                    sources.append(master.grad)
+        if targets:
+            # One multi-tensor copy (rounding to the half dtype as copy_ does), not a kernel per parameter: the Trainer
+            # calls this at every step it clips or has an on_before_optimizer_step hook.
+            torch._foreach_copy_(targets, sources)
         state.unscaled_marks = grad_marks(state, master_weights)  # the copies are ours, not the user's writes
 
     # -- step and update ----------------------------------------------------------------------------------------
