@@ -1,16 +1,18 @@
 """Run by tests/test_fabric_fsdp1.py: ``FabricMixedPrecisionPlugin`` under Fabric's ``FSDPStrategy`` (FSDP1, Fabric
-wraps the model with the plugin's ``mixed_precision_config`` and ``auto_wrap_policy={Block}``, as litgpt does), two
-CPU processes (gloo), bfloat16 with a dynamic scale.
+wraps the model with the plugin's ``mixed_precision_config`` and ``auto_wrap_policy={Block}``, as litgpt does), two CPU
+processes (gloo), bfloat16 with a dynamic scale.
 
-``$MPX_CASES`` lists the runs, comma-separated: ``plugin:<level>`` (the plugin), ``core:<level>`` (the core ``Amp`` on
-the same FSDP1-wrapped model, the same loop), ``fabric:<precision>`` (Fabric's own ``"bf16-mixed"`` or ``"32-true"``
-under the same strategy; it skips step ``INF_AT`` by hand, where its clip's norm is not finite), ``refused:<level>``
-(the plugin's error at the first call after ``fabric.setup``) and ``resume:<full|sharded>`` (the plugin's O1 loop with
-``fabric.save`` after ``RESUME_AT`` steps in that ``state_dict_type``, then a fresh Fabric, plugin, model and optimizer
-that ``fabric.load`` it and run the remaining steps). The loop: steps 0-1 plain, from step 2 ``clip_gradients`` by
-norm, at ``INF_AT`` an inf in rank 0's own shard of one gradient, from ``ACCUMULATE_FROM`` two micro-batches under
-``no_backward_sync``. Fabric's launcher starts the second process by running this script again; later runs find the
-process group running. Every rank writes ``$MPX_OUT/rank<r>.json``, an entry per case (``error`` when it raised).
+``$MPX_CASES`` lists the runs, comma-separated: ``plugin:<level>`` (the plugin; ``plugin:<level>:root_only`` without
+``auto_wrap_policy``: the root is the only FSDP unit), ``core:<level>`` (the core ``Amp`` on the same FSDP1-wrapped
+model, the same loop), ``fabric:<precision>`` (Fabric's own ``"bf16-mixed"`` or ``"32-true"`` under the same strategy;
+it skips step ``INF_AT`` by hand, where its clip's norm is not finite), ``refused:<level>`` (the plugin's error at the
+first call after ``fabric.setup``) and ``resume:<full|sharded>`` (the plugin's O1 loop with ``fabric.save`` after
+``RESUME_AT`` steps in that ``state_dict_type``, then a fresh Fabric, plugin, model and optimizer that ``fabric.load``
+it and run the remaining steps). The loop: steps 0-1 plain (telemetry requested at step 1), from step 2
+``clip_gradients`` by norm, at ``INF_AT`` an inf in rank 0's own shard of one gradient, from ``ACCUMULATE_FROM`` two
+micro-batches under ``no_backward_sync``. Fabric's launcher starts the second process by running this script again;
+later runs find the process group running. Every rank writes ``$MPX_OUT/rank<r>.json``, an entry per case (``error``
+when it raised).
 """
 
 from __future__ import annotations
@@ -125,10 +127,17 @@ def full_norm(model: nn.Module, scale: float) -> float:
     return float(gathered([p.grad for p in model.parameters() if p.grad is not None]).norm()) / scale
 
 
+def full_weights(model: nn.Module) -> list[float]:
+    """Every parameter, gathered whole in the model's order (whatever the units), in FP64."""
+    root = next(m for m in model.modules() if isinstance(m, FullyShardedDataParallel))
+    with FullyShardedDataParallel.summon_full_params(root, writeback=False):
+        return torch.cat([p.detach().double().flatten() for p in root.parameters()]).tolist()
+
+
 def inf_grad(model: nn.Module) -> torch.Tensor:
-    """Rank 0's own shard of the first block's weight gradient."""
+    """Rank 0's own shard of the first layer's weight gradient (a parameter of the root unit)."""
     return next(p.grad for n, p in model.named_parameters()
-                if n.replace("_fsdp_wrapped_module.", "").endswith("2.linear.weight") and p.grad.numel())
+                if n.replace("_fsdp_wrapped_module.", "").endswith("0.weight") and p.grad.numel())
 
 
 def train(loop: Any, model: nn.Module, rank: int, out: dict[str, Any], steps: range = range(STEPS)) -> None:
@@ -138,6 +147,8 @@ def train(loop: Any, model: nn.Module, rank: int, out: dict[str, Any], steps: ra
     for step in steps:
         micro = data[step]
         n = 2 if step >= ACCUMULATE_FROM else 1
+        if step == 1 and amp is not None:
+            loop.telemetry()
         total = 0.0
         for i in range(n):
             x, y = (t[rank * per:(rank + 1) * per] for t in micro[i])
@@ -162,11 +173,19 @@ def train(loop: Any, model: nn.Module, rank: int, out: dict[str, Any], steps: ra
         dist.all_reduce(reduced)
         out["losses"].append(float(reduced) / 2)
         if amp is not None:
-            out["scales"].append(float(loop.metrics()["mpx/loss_scale"]))
+            metrics = loop.metrics()
+            out["scales"].append(float(metrics["mpx/loss_scale"]))
+            if step == 1:
+                out["telemetry"] = {k: float(v) for k, v in metrics.items()
+                                    if k.startswith(("mpx/underflow", "mpx/headroom"))}  # fmt: skip
+            if step == INF_AT:
+                record = amp.last_overflow
+                out["overflow_parameters"] = sorted(record.parameters) if record is not None else None
+                out["overflow_ranks"] = list(record.ranks) if record is not None else None
         loop.after_step(step)
     if amp is not None:
         out["skipped_steps"] = float(loop.metrics()["mpx/skipped_steps"])
-    out["weights"] = gathered(list(model.parameters())).tolist()
+    out["weights"] = full_weights(model)
     out["sharded"] = amp.sharded if amp is not None else None
 
 
@@ -181,6 +200,9 @@ class FabricLoop:
 
     def forward(self, model: Any, x: torch.Tensor) -> torch.Tensor:
         return model(x)
+
+    def telemetry(self) -> None:
+        self.plugin.request_telemetry()
 
     def backward(self, loss: torch.Tensor) -> None:
         self.fabric.backward(loss)
@@ -216,6 +238,9 @@ class CoreLoop:
         with self.amp.forward_context():
             return self.amp.cast_outputs(model(self.amp.cast_inputs(x)))
 
+    def telemetry(self) -> None:
+        self.amp.request_telemetry()
+
     def backward(self, loss: torch.Tensor) -> None:
         self.amp.backward(loss)
 
@@ -241,17 +266,19 @@ class CoreLoop:
 
 
 def make_fabric(plugin: FabricMixedPrecisionPlugin | None, precision: str = "bf16-mixed",
-                state_dict_type: str = "sharded") -> Fabric:  # fmt: skip
-    strategy = CPUFSDPStrategy(auto_wrap_policy={Block}, state_dict_type=state_dict_type)
+                state_dict_type: str = "sharded", wrap: bool = True) -> Fabric:  # fmt: skip
+    policy = {"auto_wrap_policy": {Block}} if wrap else {}  # without: one unit, the root, holds every parameter
+    strategy = CPUFSDPStrategy(state_dict_type=state_dict_type, **policy)
     kwargs: dict[str, Any] = {"plugins": [plugin]} if plugin is not None else {"precision": precision}
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, **kwargs)
     fabric.launch()  # the first run starts the second process; later ones find the process group running
     return fabric
 
 
-def run_fabric(level: str | None, precision: str, out: dict[str, Any]) -> None:
-    plugin = FabricMixedPrecisionPlugin(level, **SETTINGS) if level is not None else None
-    fabric = make_fabric(plugin, precision)
+def run_fabric(level: str, precision: str, out: dict[str, Any]) -> None:
+    level, _, variant = (level or "").partition(":")
+    plugin = FabricMixedPrecisionPlugin(level, **SETTINGS) if level else None
+    fabric = make_fabric(plugin, precision, wrap=variant != "root_only")
     model = fabric.setup_module(build())
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     out["wrapped"] = type(model._forward_module).__name__
@@ -325,7 +352,7 @@ def main() -> None:
             if kind == "plugin":
                 run_fabric(level, "", out)
             elif kind == "fabric":
-                run_fabric(None, level, out)
+                run_fabric("", level, out)
             elif kind == "core":
                 run_core(level, out)
             elif kind == "resume":

@@ -32,8 +32,8 @@ from lightning_mpx.integrations.fsdp import fsdp1_mixed_precision  # noqa: E402
 from tests.fabric_fsdp1_script import CPUFSDPStrategy  # noqa: E402
 
 INF_AT, STEPS, RESUME_AT = 4, 7, 5
-CASES = ("plugin:O1", "core:O1", "fabric:bf16-mixed", "plugin:O0", "fabric:32-true", "plugin:O3", "core:O3",
-         "refused:O2", "resume:full", "resume:sharded")  # fmt: skip
+CASES = ("plugin:O1", "core:O1", "plugin:O1:root_only", "fabric:bf16-mixed", "plugin:O0", "fabric:32-true",
+         "plugin:O3", "core:O3", "refused:O2", "resume:full", "resume:sharded")  # fmt: skip
 SKIPPED = [i == INF_AT for i in range(STEPS)]
 SCALES = [4096.0] * INF_AT + [2048.0] * (STEPS - INF_AT)
 
@@ -97,6 +97,10 @@ def _runs(ranks, *cases):
     return [tuple(result[case] for case in cases) for result in ranks]
 
 
+def _clean(name):
+    return name.replace("_fsdp_wrapped_module.", "")
+
+
 def _close(a, b, rel, tiny=0.0):
     return all((x is None and y is None) or math.isclose(x, y, rel_tol=rel, abs_tol=tiny)
                for x, y in zip(a, b, strict=True))  # fmt: skip
@@ -131,6 +135,31 @@ def test_the_plugin_trains_as_the_core_engine_on_the_same_fsdp1_model(ranks, lev
         assert _close(plugin["losses"], core["losses"], losses)
         assert _close(plugin["weights"], core["weights"], rel, tiny)
     assert ranks[0][f"plugin:{level}"]["weights"] == ranks[1][f"plugin:{level}"]["weights"]
+
+
+def test_without_auto_wrap_the_root_unit_is_handed_to_the_engine(ranks):
+    """Without ``auto_wrap_policy`` the FSDP1 wrapper Fabric puts around the model is its only unit (nothing in the
+    model the plugin converted is an FSDP module): the plugin finds the wrapper, its engine trains it as sharded, as
+    the core engine trains the model wrapped in units (the same skips and scales, losses and weights to FP32
+    rounding)."""
+    for plugin, core in _runs(ranks, "plugin:O1:root_only", "core:O1"):
+        assert plugin["sharded"] is True
+        assert plugin["skipped"] == SKIPPED and plugin["scales"] == SCALES
+        assert _close(plugin["losses"], core["losses"], 1e-5)
+        assert _close(plugin["weights"], core["weights"], 1e-5, 1e-6)
+        assert plugin["overflow_parameters"] == ["0.weight"]  # the model's own name, without FSDP1's segments
+
+
+@pytest.mark.parametrize("level", ["O1", "O3"])
+def test_overflow_record_and_telemetry_are_the_core_engines(ranks, level):
+    """The overflow in rank 0's shard of a root-unit parameter is named by the parameter's name and rank; telemetry
+    requested before a step's backward is measured on each rank's shards, as the core engine measures it."""
+    for plugin, core in _runs(ranks, f"plugin:{level}", f"core:{level}"):
+        # The plugin's names are the model's own; the core engine given the wrapper keeps FSDP1's segment in them.
+        assert plugin["overflow_parameters"] == [_clean(name) for name in core["overflow_parameters"]] == ["0.weight"]
+        assert plugin["overflow_ranks"] == core["overflow_ranks"] == [0]
+        assert plugin["telemetry"] and list(plugin["telemetry"]) == [_clean(name) for name in core["telemetry"]]
+        assert _close(list(plugin["telemetry"].values()), list(core["telemetry"].values()), 1e-6)
 
 
 @pytest.mark.parametrize("level", ["O1", "O3"])
