@@ -3,7 +3,8 @@ wraps the model with the plugin's ``mixed_precision_config`` and ``auto_wrap_pol
 processes (gloo), bfloat16 with a dynamic scale.
 
 ``$MPX_CASES`` lists the runs, comma-separated: ``plugin:<level>`` (the plugin; ``plugin:<level>:root_only`` without
-``auto_wrap_policy``: the root is the only FSDP unit), ``core:<level>`` (the core ``Amp`` on the same FSDP1-wrapped
+``auto_wrap_policy``: the root is the only FSDP unit; ``plugin:<level>:empty_init``: built in
+``fabric.init_module(empty_init=True)``, as litgpt does), ``core:<level>`` (the core ``Amp`` on the same FSDP1-wrapped
 model, the same loop), ``fabric:<precision>`` (Fabric's own ``"bf16-mixed"`` or ``"32-true"`` under the same strategy;
 it skips step ``INF_AT`` by hand, where its clip's norm is not finite), ``refused:<level>`` (the plugin's error at the
 first call after ``fabric.setup``) and ``resume:<full|sharded>`` (the plugin's O1 loop with ``fabric.save`` after
@@ -279,7 +280,13 @@ def run_fabric(level: str, precision: str, out: dict[str, Any]) -> None:
     level, _, variant = (level or "").partition(":")
     plugin = FabricMixedPrecisionPlugin(level, **SETTINGS) if level else None
     fabric = make_fabric(plugin, precision, wrap=variant != "root_only")
-    model = fabric.setup_module(build())
+    if variant == "empty_init":  # litgpt's way: built on the meta device, FSDP1 materializes it when it wraps
+        with fabric.init_module(empty_init=True):
+            inner = build()
+        out["built_on"] = str(next(inner.parameters()).device)
+    else:
+        inner = build()
+    model = fabric.setup_module(inner)
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     out["wrapped"] = type(model._forward_module).__name__
     train(FabricLoop(fabric, model, optimizer, plugin), model, fabric.global_rank, out)

@@ -32,8 +32,8 @@ from lightning_mpx.integrations.fsdp import fsdp1_mixed_precision  # noqa: E402
 from tests.fabric_fsdp1_script import CPUFSDPStrategy  # noqa: E402
 
 INF_AT, STEPS, RESUME_AT = 4, 7, 5
-CASES = ("plugin:O1", "core:O1", "plugin:O1:root_only", "fabric:bf16-mixed", "plugin:O0", "fabric:32-true",
-         "plugin:O3", "core:O3", "refused:O2", "resume:full", "resume:sharded")  # fmt: skip
+CASES = ("plugin:O1", "core:O1", "plugin:O1:root_only", "plugin:O1:empty_init", "fabric:bf16-mixed", "plugin:O0",
+         "fabric:32-true", "plugin:O3", "core:O3", "refused:O2", "resume:full", "resume:sharded")  # fmt: skip
 SKIPPED = [i == INF_AT for i in range(STEPS)]
 SCALES = [4096.0] * INF_AT + [2048.0] * (STEPS - INF_AT)
 
@@ -148,6 +148,18 @@ def test_without_auto_wrap_the_root_unit_is_handed_to_the_engine(ranks):
         assert _close(plugin["losses"], core["losses"], 1e-5)
         assert _close(plugin["weights"], core["weights"], 1e-5, 1e-6)
         assert plugin["overflow_parameters"] == ["0.weight"]  # the model's own name, without FSDP1's segments
+
+
+def test_a_model_built_on_the_meta_device_trains(ranks):
+    """litgpt builds its model in ``fabric.init_module(empty_init=True)`` (the meta device; FSDP1 materializes it when
+    Fabric wraps it, after the plugin converted it): the engine takes the wrapper as sharded, and the run skips the
+    overflow step on both ranks and backs off its scale as the model built on the CPU does (other initial weights)."""
+    for (run,) in _runs(ranks, "plugin:O1:empty_init"):
+        assert run["built_on"] == "meta"
+        assert run["sharded"] is True
+        assert run["skipped"] == SKIPPED and run["scales"] == SCALES
+        assert all(math.isfinite(loss) for loss in run["losses"])
+    assert ranks[0]["plugin:O1:empty_init"]["weights"] == ranks[1]["plugin:O1:empty_init"]["weights"]
 
 
 @pytest.mark.parametrize("level", ["O1", "O3"])

@@ -423,7 +423,7 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
         """``module``, or the FSDP1 wrapper Fabric's ``FSDPStrategy`` put around it (found once, then kept)."""
         wrapper = self._wrappers.get(module)
         if wrapper is None:
-            wrapper = None
+            wrapper = _fsdp1_wrapper(module)
             if wrapper is None:
                 return module
             self._wrappers[module] = wrapper
