@@ -1,7 +1,7 @@
 """The Lightning Fabric plugin: ``Fabric(plugins=[FabricMixedPrecisionPlugin("O2")])``.
 
-A :class:`lightning.fabric.plugins.Precision` over the same engine as the Trainer plugin
-(:class:`~lightning_mpx.engine.amp.Amp`), with the same settings. A Fabric loop stays as it is::
+A :class:`lightning.fabric.plugins.Precision` (an ``FSDPPrecision``, which Fabric's ``FSDPStrategy`` requires) over the
+same engine as the Trainer plugin (:class:`~lightning_mpx.engine.amp.Amp`), with the same settings. A Fabric loop stays as it is::
 
     mpx = FabricMixedPrecisionPlugin("O2", half_dtype="bfloat16")
     fabric = Fabric(accelerator="cuda", devices=2, strategy="ddp", plugins=[mpx], loggers=TensorBoardLogger("logs"))
@@ -44,7 +44,9 @@ What it does, in Fabric's terms:
   optimizer steps, so several optimizers stepping one after the other count as one iteration. Under DDP the
   overflow flag is reduced across processes before each step, so all ranks skip together. Under
   ``ModelParallelStrategy`` (FSDP2) the model the strategy sharded after ``convert_module`` is handed to the engine as
-  a sharded model at the plugin's first call after ``fabric.setup`` (O0, O1, O3; O2 is refused: docs/fabric.md).
+  a sharded model at the plugin's first call after ``fabric.setup`` (O0, O1, O3; O2 is refused: docs/fabric.md);
+  under ``FSDPStrategy`` (FSDP1, wrapped with :attr:`~FabricMixedPrecisionPlugin.mixed_precision_config`) the
+  wrapper is, and ``fabric.clip_gradients`` by norm is FSDP1's own clip of the whole model (O2 refused too).
 * ``mpx/*`` metrics (the Trainer plugin's names) come from :meth:`metrics`, read from the device only when called;
   the plugin's state (loss scalers, FP32 masters, counters) goes into ``fabric.save`` as one more entry of the state.
 """
