@@ -1,7 +1,8 @@
 """The Lightning Fabric plugin: ``Fabric(plugins=[FabricMixedPrecisionPlugin("O2")])``.
 
 A :class:`lightning.fabric.plugins.Precision` (an ``FSDPPrecision``, which Fabric's ``FSDPStrategy`` requires) over the
-same engine as the Trainer plugin (:class:`~lightning_mpx.engine.amp.Amp`), with the same settings. A Fabric loop stays as it is::
+same engine as the Trainer plugin (:class:`~lightning_mpx.engine.amp.Amp`), with the same settings. A Fabric loop stays
+as it is::
 
     mpx = FabricMixedPrecisionPlugin("O2", half_dtype="bfloat16")
     fabric = Fabric(accelerator="cuda", devices=2, strategy="ddp", plugins=[mpx], loggers=TensorBoardLogger("logs"))
