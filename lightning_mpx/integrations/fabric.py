@@ -132,7 +132,8 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
         self._unsynced: list[MasterWeights] = []  # masters made by convert_module, to take from the set-up model
         self._unchecked: list[weakref.ref[nn.Module]] = []  # prepared by convert_module; sharded by the strategy?
         self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
-        self._wrappers: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()  # FSDP1's
+        # Each converted model's FSDP1 wrapper (FSDPStrategy), found at the first call after fabric.setup.
+        self._wrappers: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = weakref.WeakKeyDictionary()
         self.scaler = None  # FSDPPrecision's attribute: the engine scales, never a ShardedGradScaler
 
     @classmethod
@@ -424,12 +425,12 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
 
     def _sharded_form(self, module: nn.Module) -> nn.Module:
         """``module``, or the FSDP1 wrapper Fabric's ``FSDPStrategy`` put around it (found once, then kept)."""
-        wrapper = self._wrappers.get(module)
+        known = self._wrappers.get(module)
+        wrapper = known() if known is not None else _fsdp1_wrapper(module)
         if wrapper is None:
-            wrapper = _fsdp1_wrapper(module)
-            if wrapper is None:
-                return module
-            self._wrappers[module] = wrapper
+            return module
+        # A weak reference: the wrapper holds the module, which would then never leave the dictionary.
+        self._wrappers[module] = weakref.ref(wrapper)
         return wrapper
 
     def _register(self, optimizer: Optimizer, lazily: bool = True) -> None:
