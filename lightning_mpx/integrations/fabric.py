@@ -1,7 +1,8 @@
 """The Lightning Fabric plugin: ``Fabric(plugins=[FabricMixedPrecisionPlugin("O2")])``.
 
-A :class:`lightning.fabric.plugins.Precision` over the same engine as the Trainer plugin
-(:class:`~lightning_mpx.engine.amp.Amp`), with the same settings. A Fabric loop stays as it is::
+A :class:`lightning.fabric.plugins.Precision` (an ``FSDPPrecision``, which Fabric's ``FSDPStrategy`` requires) over the
+same engine as the Trainer plugin (:class:`~lightning_mpx.engine.amp.Amp`), with the same settings. A Fabric loop stays
+as it is::
 
     mpx = FabricMixedPrecisionPlugin("O2", half_dtype="bfloat16")
     fabric = Fabric(accelerator="cuda", devices=2, strategy="ddp", plugins=[mpx], loggers=TensorBoardLogger("logs"))
@@ -44,13 +45,17 @@ What it does, in Fabric's terms:
   optimizer steps, so several optimizers stepping one after the other count as one iteration. Under DDP the
   overflow flag is reduced across processes before each step, so all ranks skip together. Under
   ``ModelParallelStrategy`` (FSDP2) the model the strategy sharded after ``convert_module`` is handed to the engine as
-  a sharded model at the plugin's first call after ``fabric.setup`` (O0, O1, O3; O2 is refused: docs/fabric.md).
+  a sharded model at the plugin's first call after ``fabric.setup`` (O0, O1, O3; O2 is refused: docs/fabric.md);
+  under ``FSDPStrategy`` (FSDP1, wrapped with :attr:`~FabricMixedPrecisionPlugin.mixed_precision_config`) the
+  wrapper is, and ``fabric.clip_gradients`` by norm is FSDP1's own clip of the whole model (O2 refused too).
 * ``mpx/*`` metrics (the Trainer plugin's names) come from :meth:`metrics`, read from the device only when called;
   the plugin's state (loss scalers, FP32 masters, counters) goes into ``fabric.save`` as one more entry of the state.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import weakref
 from typing import Any, ContextManager, Iterator
 
@@ -70,7 +75,7 @@ from lightning_mpx.settings import MixedPrecisionSettings, SettingsKeywords, key
 
 require("lightning.fabric", extra="lightning", feature="lightning_mpx.FabricMixedPrecisionPlugin")
 
-from lightning.fabric.plugins import Precision  # noqa: E402
+from lightning.fabric.plugins.precision.fsdp import FSDPPrecision  # noqa: E402
 from lightning.fabric.wrappers import _FabricOptimizer  # noqa: E402
 from lightning_utilities.core.apply_func import apply_to_collection  # noqa: E402
 
@@ -81,8 +86,13 @@ from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
 __all__ = ["FabricMixedPrecisionPlugin"]
 
 
-class FabricMixedPrecisionPlugin(Precision):
+class FabricMixedPrecisionPlugin(FSDPPrecision):
     """Apex-style mixed precision for Lightning Fabric.
+
+    It works with single-device, DDP, ``FSDPStrategy`` (FSDP1) and ``ModelParallelStrategy`` (FSDP2). It is an
+    ``FSDPPrecision`` only because Fabric's ``FSDPStrategy`` accepts nothing else; every method of ``FSDPPrecision`` is
+    replaced here, so none of its behaviour (autocast, input casts, its ``ShardedGradScaler``) applies under any
+    strategy.
 
     Args:
         opt_level: ``"O0"`` (FP32), ``"O1"`` (cast-table policy), ``"O2"`` (half model, FP32 master weights, batch
@@ -123,6 +133,9 @@ class FabricMixedPrecisionPlugin(Precision):
         self._unsynced: list[MasterWeights] = []  # masters made by convert_module, to take from the set-up model
         self._unchecked: list[weakref.ref[nn.Module]] = []  # prepared by convert_module; sharded by the strategy?
         self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
+        # Each converted model's FSDP1 wrapper (FSDPStrategy), found at the first call after fabric.setup.
+        self._wrappers: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = weakref.WeakKeyDictionary()
+        self.scaler = None  # FSDPPrecision's attribute: the engine scales, never a ShardedGradScaler
 
     @classmethod
     def from_settings(cls, settings: MixedPrecisionSettings) -> FabricMixedPrecisionPlugin:
@@ -157,6 +170,27 @@ class FabricMixedPrecisionPlugin(Precision):
         """The engine's :class:`~lightning_mpx.settings.MixedPrecisionSettings` (what ``shard_model`` reads from the
         plugin passed as its ``precision``)."""
         return self.amp.settings
+
+    @property
+    def mixed_precision_config(self) -> Any:
+        """The FSDP1 ``MixedPrecision`` of the opt level (:func:`~lightning_mpx.fsdp.fsdp1_mixed_precision`: at O1
+        gathered in half, reduced in FP32), which Fabric's ``FSDPStrategy`` wraps the model with, as the Trainer
+        plugin's. Where FSDP should not cast (O0) it is an empty ``MixedPrecision`` that FSDP treats as none."""
+        from torch.distributed.fsdp import MixedPrecision
+
+        from lightning_mpx.integrations.fsdp import fsdp1_mixed_precision
+
+        config = fsdp1_mixed_precision(self.amp.settings)
+        # `_module_classes_to_ignore=()`: no module given a policy of its own, exactly what `mixed_precision=None` does.
+        return config if config is not None else MixedPrecision(_module_classes_to_ignore=())
+
+    def tensor_init_context(self) -> ContextManager[Any]:
+        """Tensors are created as the user asks (``FSDPPrecision``'s default dtype is not set)."""
+        return contextlib.nullcontext()
+
+    def module_init_context(self) -> ContextManager[Any]:
+        """Modules are built in FP32 (the conversion happens in :meth:`convert_module`)."""
+        return contextlib.nullcontext()
 
     # -- model -------------------------------------------------------------------------------------------------
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -358,31 +392,26 @@ class FabricMixedPrecisionPlugin(Precision):
             self._unsynced.clear()
 
     def _adopt_sharded(self) -> None:
-        """Fabric's ``ModelParallelStrategy`` shards a model (``fully_shard`` in its ``parallelize_fn``) after
-        :meth:`convert_module` prepared it: prepared again as a sharded model (O0, O1, O3), so that the engine works
-        on each rank's shards and its policies are checked; refused at O2, whose masters FSDP's FP32 shards are, and
-        next to a model the strategy left whole (whichever was set up first)."""
-        modules = [m for m in (ref() for ref in self._unchecked) if m is not None]
+        """Fabric's strategies shard a model after :meth:`convert_module` prepared it: ``ModelParallelStrategy``
+        (``fully_shard`` in its ``parallelize_fn``) in place, ``FSDPStrategy`` (FSDP1) by wrapping it. Prepared again
+        as a sharded model (O0, O1, O3; FSDP1: its wrapper), so that the engine works on each rank's shards and its
+        policies are checked; refused at O2, whose masters FSDP's FP32 shards are, and next to a model the strategy
+        left whole (whichever was set up first)."""
+        modules = [self._sharded_form(m) for m in (ref() for ref in self._unchecked) if m is not None]
         sharded = [m for m in modules if is_sharded(m)]
         if not sharded and not self.amp.sharded:
             self._unchecked.clear()
             return
-        level, half = self.amp.opt_level, dtype_name(self.amp.half_dtype)
         if self.amp.properties.master_weights:
-            raise RuntimeError(
-                f"FabricMixedPrecisionPlugin({level!r}) cannot train a model sharded by FSDP (Fabric's "
-                f"ModelParallelStrategy, fully_shard in parallelize_fn): fabric.setup converts the model to {half} "
-                f"before the strategy shards it, so FSDP shards the {half} weights and its FP32 shards, which are "
-                f"{level}'s master weights under FSDP, never exist. Use opt_level='O1' (or 'O3') with this strategy, "
-                "Lightning's Trainer with lightning_mpx.MixedPrecisionPlugin and ModelParallelStrategy (shard_model "
-                "in configure_model), or the core lightning_mpx.Amp with lightning_mpx.fsdp.shard_model."
-            )
-        prepared = [m for m in self._modules if has_floating_parameters(m)]
+            raise RuntimeError(_o2_refusal(self.amp.opt_level, dtype_name(self.amp.half_dtype), fsdp1=any(
+                _is_fsdp1(m) for m in sharded)))
+        prepared = [self._sharded_form(m) for m in self._modules if has_floating_parameters(m)]
         unsharded = [m for m in prepared if not is_sharded(m)]
         if unsharded:
             # Whichever was set up first: under ModelParallelStrategy a model parallelize_fn leaves whole is not
             # data parallel (its gradients are not reduced), and the engine counts its gradients as the same on every
             # rank. Refused at every call, not only the first.
+            level = self.amp.opt_level
             whole = ", ".join(sorted({type(m).__name__ for m in unsharded}))
             shards = ", ".join(sorted({type(m).__name__ for m in prepared if is_sharded(m)}))
             raise ValueError(
@@ -394,6 +423,16 @@ class FabricMixedPrecisionPlugin(Precision):
         self._unchecked.clear()  # refused above at every call, not only the first
         for module in sharded:
             self.amp.prepare_model(module)  # the engine then reduces the flags itself, once per step
+
+    def _sharded_form(self, module: nn.Module) -> nn.Module:
+        """``module``, or the FSDP1 wrapper Fabric's ``FSDPStrategy`` put around it (found once, then kept)."""
+        known = self._wrappers.get(module)
+        wrapper = known() if known is not None else _fsdp1_wrapper(module)
+        if wrapper is None:
+            return module
+        # A weak reference: the wrapper holds the module, which would then never leave the dictionary.
+        self._wrappers[module] = weakref.ref(wrapper)
+        return wrapper
 
     def _register(self, optimizer: Optimizer, lazily: bool = True) -> None:
         self._after_setup()  # not _begin(): a scale update waits until every optimizer of the iteration stepped
@@ -422,6 +461,57 @@ class FabricMixedPrecisionPlugin(Precision):
         refuse_gathered(list(self._modules), optimizer_params(optimizer))
         self.amp.prepare_optimizer(optimizer)
         self._optimizers.add(optimizer)
+
+
+def _o2_refusal(level: str, half: str, *, fsdp1: bool) -> str:
+    """Why O2 cannot train a model Fabric's strategy shards after ``convert_module`` cast it, and what to use."""
+    if fsdp1:
+        return (
+            f"FabricMixedPrecisionPlugin({level!r}) cannot train a model sharded by FSDP1 (Fabric's FSDPStrategy): "
+            f"fabric.setup converts the model to {half} before the strategy wraps it, so FSDP flattens and shards the "
+            f"{half} weights and its FP32 flat parameters, which are {level}'s master weights under FSDP, never exist "
+            f"(the FP32 values would be lost to their {half} rounding). Use opt_level='O1' (or 'O3') with this "
+            "strategy, or Lightning's Trainer with lightning_mpx.MixedPrecisionPlugin('O2') and strategy='fsdp' "
+            "(it wraps the FP32 model)."
+        )
+    return (
+        f"FabricMixedPrecisionPlugin({level!r}) cannot train a model sharded by FSDP (Fabric's "
+        f"ModelParallelStrategy, fully_shard in parallelize_fn): fabric.setup converts the model to {half} "
+        f"before the strategy shards it, so FSDP shards the {half} weights and its FP32 shards, which are "
+        f"{level}'s master weights under FSDP, never exist. Use opt_level='O1' (or 'O3') with this strategy, "
+        "Lightning's Trainer with lightning_mpx.MixedPrecisionPlugin and ModelParallelStrategy (shard_model "
+        "in configure_model), or the core lightning_mpx.Amp with lightning_mpx.fsdp.shard_model."
+    )
+
+
+def _is_fsdp1(module: nn.Module) -> bool:
+    """Whether ``module`` holds an FSDP1 wrapper (``FullyShardedDataParallel``)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
+
+
+def _fsdp1_wrapper(module: nn.Module) -> nn.Module | None:
+    """The FSDP1 wrapper whose wrapped module is ``module``, or ``None``.
+
+    Fabric's ``FSDPStrategy`` wraps the model after :meth:`FabricMixedPrecisionPlugin.convert_module` and hands the
+    plugin nothing after that; FSDP1 marks the parameters it flattened, and only then is the wrapper looked for among
+    what refers to ``module`` (its ``_modules`` dictionary, up to the wrapper): once per model, at the first call
+    after ``fabric.setup``."""
+    if not any(getattr(p, "_fsdp_flattened", False) for p in module.parameters()):
+        return None
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    frontier: list[Any] = [module]
+    for _ in range(3):  # module <- wrapper._modules <- (wrapper.__dict__ <-) wrapper
+        found = gc.get_referrers(*frontier)
+        for ref in found:
+            if isinstance(ref, FullyShardedDataParallel) and ref._fsdp_wrapped_module is module:
+                return ref
+        frontier = [ref for ref in found if isinstance(ref, dict)]
+        if not frontier:
+            break
+    return None
 
 
 def _unwrap(optimizer: Any) -> Any:
