@@ -8,7 +8,8 @@ As a script each rank fits, in turn, every case of :data:`CASES` and writes what
 - ``o1_sgd``: ``MixedPrecisionPlugin("O1")`` (bfloat16, dynamic scale), an inf in the discriminator's gradient on
   rank 0 only, then in the generator's on rank 1 only (after DDP's all-reduce: the ranks agree only through the
   plugin);
-- ``o2_fused``: the same at O2 with ``AdamW(fused=True)`` (skipped on the device, ``skip_on_device=None``);
+- ``o2_fused``: the same at O2 with ``AdamW(fused=True)`` (skipped on the device, ``skip_on_device=None``), and
+  ``o2_host``, its reference: the flags read on the host (``skip_on_device=False``);
 - ``read_in_step``: ``o1_sgd`` with ``plugin.metrics()`` read on rank 0 only inside the training step, between the
   discriminator's step and the generator's backward (``if self.trainer.is_global_zero``), growth every iteration.
 """
@@ -26,7 +27,7 @@ from torch import nn
 
 #: batch index -> (the optimizer whose gradient gets an inf, the ranks it happens on) in the DDP cases
 DDP_OVERFLOWS: dict[int, tuple[str, tuple[int, ...]]] = {1: ("d", (0,)), 3: ("g", (1,))}
-CASES = ("reference", "o1_sgd", "o2_fused", "read_in_step")
+CASES = ("reference", "o1_sgd", "o2_fused", "o2_host", "read_in_step")
 
 
 class ManualGAN(pl.LightningModule):
@@ -70,7 +71,10 @@ class ManualGAN(pl.LightningModule):
 
     def _overflows(self, which: str, batch_idx: int) -> bool:
         what = self.overflows.get(batch_idx)
-        return what is not None and what[0] == which and (what[1] is None or self.global_rank in what[1])
+        if what is None or what[0] != which:
+            return False
+        # the reference leaves the step out on every rank, as the plugin's ranks agree to
+        return self.reference or what[1] is None or self.global_rank in what[1]
 
     def _after_backward(self, which: str, batch_idx: int, critic: int) -> bool:
         """Write the overflow of this step (not in the reference); whether the step is to be left out by hand."""
@@ -176,8 +180,8 @@ def _run_case(case: str) -> dict[str, Any]:
         model_kwargs["reference"] = True
     elif case == "o1_sgd":
         plugin = MixedPrecisionPlugin("O1", **settings)
-    elif case == "o2_fused":
-        plugin = MixedPrecisionPlugin("O2", **settings)
+    elif case in ("o2_fused", "o2_host"):
+        plugin = MixedPrecisionPlugin("O2", skip_on_device=None if case == "o2_fused" else False, **settings)
         model_kwargs["optimizer"] = "adamw_fused"
     else:  # read_in_step: growth at every iteration, so that an extra update on rank 0 changes its scale
         plugin = MixedPrecisionPlugin("O1", **dict(settings, growth_interval=1))
