@@ -7,11 +7,10 @@ As a script each rank fits, in turn, every case of :data:`CASES` and writes what
 - ``reference``: Lightning's ``"32-true"``, the overflowed steps left out by hand;
 - ``o1_sgd``: ``MixedPrecisionPlugin("O1")`` (bfloat16, dynamic scale), an inf in the discriminator's gradient on
   rank 0 only, then in the generator's on rank 1 only (after DDP's all-reduce: the ranks agree only through the
-  plugin);
+  plugin), and ``plugin.metrics()`` read on rank 0 only inside the training step, between the discriminator's step
+  and the generator's backward (``if trainer.is_global_zero``, the way people log);
 - ``o2_fused``: the same at O2 with ``AdamW(fused=True)`` (skipped on the device, ``skip_on_device=None``), and
   ``o2_host``, its reference: the flags read on the host (``skip_on_device=False``);
-- ``read_in_step``: ``o1_sgd`` with ``plugin.metrics()`` read on rank 0 only inside the training step, between the
-  discriminator's step and the generator's backward (``if self.trainer.is_global_zero``), growth every iteration.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from torch import nn
 
 #: batch index -> (the optimizer whose gradient gets an inf, the ranks it happens on) in the DDP cases
 DDP_OVERFLOWS: dict[int, tuple[str, tuple[int, ...]]] = {1: ("d", (0,)), 3: ("g", (1,))}
-CASES = ("reference", "o1_sgd", "o2_fused", "o2_host", "read_in_step")
+CASES = ("reference", "o1_sgd", "o2_fused", "o2_host")
 
 
 class ManualGAN(pl.LightningModule):
@@ -44,6 +43,8 @@ class ManualGAN(pl.LightningModule):
         clip_val: Clip each optimizer's gradients by norm with ``self.clip_gradients`` before its step.
         schedulers: A per-step ``StepLR`` for each optimizer, stepped by hand after its optimizer's step.
         mid_step: Called with the Trainer between the discriminator's step and the generator's backward.
+        ask_skipped: Ask the plugin after each step whether it was skipped (``step_was_skipped``: a read, which with
+            ``skip_on_device`` waits for the device).
     """
 
     def __init__(
@@ -57,6 +58,7 @@ class ManualGAN(pl.LightningModule):
         clip_val: float | None = None,
         schedulers: bool = False,
         mid_step: Callable[[pl.Trainer], Any] | None = None,
+        ask_skipped: bool = True,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -65,9 +67,10 @@ class ManualGAN(pl.LightningModule):
         self.discriminator = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
         self.optimizer, self.overflows, self.reference = optimizer, overflows or {}, reference
         self.n_critic, self.accumulate, self.closure, self.clip_val = n_critic, accumulate, closure, clip_val
-        self.schedulers, self.mid_step = schedulers, mid_step
+        self.schedulers, self.mid_step, self.ask_skipped = schedulers, mid_step, ask_skipped
         self.skipped: list[tuple[str, int]] = []  # (optimizer, batch) of each step the plugin said it skipped
         self.lrs: list[float] = []  # the discriminator's learning rate after each batch
+        self.batch_dtypes: set[str] = set()  # what the training step received
 
     def _overflows(self, which: str, batch_idx: int) -> bool:
         what = self.overflows.get(batch_idx)
@@ -93,12 +96,13 @@ class ManualGAN(pl.LightningModule):
             opt.step(closure=closure)
         elif not skip:
             opt.step()
-        if hasattr(plugin, "step_was_skipped") and plugin.step_was_skipped(opt):
+        if self.ask_skipped and hasattr(plugin, "step_was_skipped") and plugin.step_was_skipped(opt):
             self.skipped.append((which, batch_idx))
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         opt_g, opt_d = self.optimizers()
         real = batch[0]
+        self.batch_dtypes.add(str(real.dtype))
         n = real.shape[0]
         z = torch.randn(n, 4, generator=torch.Generator().manual_seed(batch_idx))
         stepping = (batch_idx + 1) % self.accumulate == 0
@@ -180,12 +184,10 @@ def _run_case(case: str) -> dict[str, Any]:
         model_kwargs["reference"] = True
     elif case == "o1_sgd":
         plugin = MixedPrecisionPlugin("O1", **settings)
-    elif case in ("o2_fused", "o2_host"):
+        model_kwargs["mid_step"] = _read_on_rank_zero
+    else:
         plugin = MixedPrecisionPlugin("O2", skip_on_device=None if case == "o2_fused" else False, **settings)
         model_kwargs["optimizer"] = "adamw_fused"
-    else:  # read_in_step: growth at every iteration, so that an extra update on rank 0 changes its scale
-        plugin = MixedPrecisionPlugin("O1", **dict(settings, growth_interval=1))
-        model_kwargs["mid_step"] = _read_on_rank_zero
     model = ManualGAN(**model_kwargs)
     trainer = make_trainer(
         plugin, precision=None if plugin is not None else "32-true", strategy="ddp_find_unused_parameters_true",
@@ -197,6 +199,7 @@ def _run_case(case: str) -> dict[str, Any]:
         "skipped": model.skipped,
         "scales": [s.get_scale() for s in plugin.amp.scalers] if plugin is not None else None,
         "skipped_steps": plugin.amp.skipped_steps if plugin is not None else None,
+        "batch_dtypes": sorted(model.batch_dtypes),
     }
 
 
