@@ -33,7 +33,7 @@ class ManualGAN(pl.LightningModule):
     """A small GAN stepped by hand: per batch ``n_critic`` discriminator steps, then one generator step.
 
     Args:
-        optimizer: ``"sgd"`` (momentum), ``"adam"`` or ``"adamw_fused"``.
+        optimizer: ``"sgd"`` (momentum), ``"adam"``, ``"adamw"`` or ``"adamw_fused"``.
         overflows: batch index -> (``"d"`` or ``"g"``, the ranks, ``None``: every rank): an inf is written into that
             optimizer's gradient after its backward (in the first critic step only).
         reference: Leave the overflowed steps out by hand instead (a run without the plugin).
@@ -154,7 +154,7 @@ class ManualGAN(pl.LightningModule):
                 return torch.optim.SGD(params, lr=0.1, momentum=0.9)
             if self.optimizer == "adam":
                 return torch.optim.Adam(params, lr=1e-2)
-            return torch.optim.AdamW(params, lr=1e-2, fused=True)
+            return torch.optim.AdamW(params, lr=1e-2, fused=self.optimizer == "adamw_fused")
 
         opt_g, opt_d = make(self.generator.parameters()), make(self.discriminator.parameters())
         if not self.schedulers:
