@@ -118,10 +118,6 @@ def test_hand_stepped_schedulers_follow_the_user():
 
 
 # -- reads inside the step -------------------------------------------------------------------------------------------
-def _metrics(trainer: Any) -> None:
-    trainer.precision_plugin.metrics()
-
-
 @pytest.mark.parametrize("read", ["metrics", "save_checkpoint"])
 def test_a_read_inside_the_step_does_not_end_the_iteration(tmp_path, read):
     # plugin.metrics() or trainer.save_checkpoint() between the discriminator's step and the generator's backward used
