@@ -49,6 +49,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
 from lightning_mpx.integrations.lightning_gradient_readers import GradientReaders  # noqa: E402
+from lightning_mpx.integrations.lightning_manual import ManualStep  # noqa: E402
 from lightning_mpx.integrations.lightning_model_hooks import ModelHooks  # noqa: E402
 from lightning_mpx.integrations.lightning_range_test import RangeTest  # noqa: E402
 from lightning_mpx.integrations.lightning_schedulers import HeldSchedulers, step_configs  # noqa: E402
@@ -128,6 +129,7 @@ class MixedPrecisionPlugin(FSDPPrecision):
         self._held = HeldSchedulers()
         self._gradient_readers = GradientReaders()  # which hooks read the gradients, asked once per fit and class
         self._range_test = RangeTest()  # Lightning's learning-rate range test (Tuner.lr_find)
+        self._manual_step = ManualStep()  # whether a manual-optimization training step runs (its reads end nothing)
         # Last: what this __init__ built, which pickling leaves out and rebuilds from the settings (__getstate__).
         self._built_here = frozenset(vars(self)) - inherited | {"_built_here"}
 
@@ -254,7 +256,7 @@ class MixedPrecisionPlugin(FSDPPrecision):
         # iteration is over, so its scale update is due now.
         self._end_iteration()
         self._held.release()  # usually released at convert_input already (not called for a dataloader_iter)
-        return self.forward_context()
+        return self._manual_step.scope(self._module, self.forward_context())
 
     def convert_input(self, data: Any) -> Any:
         """The batch as it is; a new training batch also ends the previous step's hold on its schedulers, and reads
@@ -418,14 +420,18 @@ class MixedPrecisionPlugin(FSDPPrecision):
 
     # -- metrics, checkpoints, teardown --------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
-        """The current ``mpx/*`` metrics as Python numbers (this reads device values: it syncs)."""
-        self._end_iteration(log=False)
+        """The current ``mpx/*`` metrics as Python numbers (this reads device values: it syncs). Inside a manual
+        training step the iteration is not over: the scale shown is the one before its update."""
+        if not self._manual_step.running:
+            self._end_iteration(log=False)
         self.amp.read_step_outcomes()
         return read_floats(self.amp.metrics())  # one host read, not one per metric
 
     def state_dict(self) -> dict[str, Any]:
-        """Loss scalers, FP32 master weights and counters, saved in Lightning checkpoints."""
-        self._end_iteration()  # a pending scale update belongs to the iteration that was just checkpointed
+        """Loss scalers, FP32 master weights and counters, saved in Lightning checkpoints (inside a manual training
+        step, ``trainer.save_checkpoint``: the scale before that iteration's update, which the step's end makes)."""
+        if not self._manual_step.running:
+            self._end_iteration()  # a pending scale update belongs to the iteration that was just checkpointed
         return self.amp.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -46,7 +46,9 @@ class ModelHooks:
         targets = [module] + [
             child for child in module.children() if any(p.dtype == half for p in child.parameters(recurse=True))
         ]
-        for target, boundary in zip(targets, BoundaryCast.for_model(targets, half)):
+        boundaries = BoundaryCast.for_model(targets, half)
+        boundaries[0] = _PastRedirection(boundaries[0])  # the LightningModule's: see _PastRedirection
+        for target, boundary in zip(targets, boundaries):
             self._handles.append(target.register_forward_pre_hook(boundary.pre, with_kwargs=True))
             # always_call: the depth is restored also when the forward raises.
             self._handles.append(target.register_forward_hook(boundary.post, always_call=True))
@@ -65,3 +67,32 @@ class ModelHooks:
                     methods[name] = ctx[f"original_{name}"]
         compile_fn = ctx["dynamo_ctx"] if methods else None
         self._handles.extend(policy.hand_off_compiled(module, methods=methods, compile_fn=compile_fn))
+
+
+class _PastRedirection:
+    """The LightningModule's boundary casts, left out of Lightning's forward redirection.
+
+    Under a wrapper (DDP, FSDP1) the Trainer calls ``training_step`` through the wrapper's ``forward``, which calls the
+    LightningModule with its ``forward`` swapped for the step (``_ForwardRedirection``): the module's hooks then fire
+    around the whole step. The step is not the model's forward: casting there would cast the batch (float targets
+    too) to half and leave every call in the step (``self.generator(torch.randn(...))``, ``self(x)``) inside the
+    boundary, uncast, so the step would fail or differ from the same step without the wrapper. Such a call passes
+    through without a cast or a depth count, as on a single device where the step is called directly.
+    """
+
+    def __init__(self, boundary: BoundaryCast) -> None:
+        self._boundary = boundary
+        self._passed: list[bool] = []  # per call in progress: whether it was a redirection (post cannot tell)
+
+    def pre(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        # The redirection sets the step as the instance's forward until the call reaches it (Lightning's
+        # strategy.py, _ForwardRedirection.__call__.<locals>.wrapped_forward).
+        forward = vars(module).get("forward")
+        redirected = forward is not None and getattr(forward, "__qualname__", "").startswith("_ForwardRedirection.")
+        self._passed.append(redirected)
+        return None if redirected else self._boundary.pre(module, args, kwargs)
+
+    def post(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self._passed and self._passed.pop():
+            return None
+        return self._boundary.post(module, args, output)
