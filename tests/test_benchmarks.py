@@ -207,13 +207,16 @@ def test_plugin_overhead_rows_ratios_syncs_and_profile(tmp_path, capsys):
     assert rows[0]["ratio_to_bf16-mixed"] == 1.0 and rows[1]["lightning_precision"] == "bf16-true"
     assert set(result["pairs"]) == {"plugin-O2 / core-O2"}
     syncs = {s["variant"]: s for s in result["syncs"]}
-    # The plugin reads its metrics on the logging step (49) only; the step's own reads are the same as the core's.
-    assert syncs["plugin-O2"]["per_logging_step"] > syncs["plugin-O2"]["per_step_nonlogging"]
+    # The plugin reads its metrics on the logging step (49) only, in one transfer (a tolist, no .item() per metric);
+    # the step's own reads are the same as the core's.
+    assert syncs["plugin-O2"]["per_logging_step"] == syncs["plugin-O2"]["per_step_nonlogging"]
     assert syncs["plugin-O2"]["per_step_nonlogging"] == syncs["core-O2"]["per_step_nonlogging"]
     # One host read of the overflow flag per step beyond Lightning's own (AdamW's step counters on CPU), as
-    # GradScaler's: one loss in one process reads it with .item(), counted by the dispatch mode (tolist: none).
+    # GradScaler's: one loss in one process reads it with .item(), counted by the dispatch mode.
     assert syncs["plugin-O2"]["per_step_nonlogging"] == syncs["reference"]["per_step_nonlogging"] + 1
-    assert syncs["plugin-O2"]["tolist_per_step"] == syncs["reference"]["tolist_per_step"] == 0
+    # tolist: the metrics' one read on the one logging step of the counted steps (10 to 51), none in the reference.
+    assert syncs["reference"]["tolist_per_step"] == 0
+    assert round(syncs["plugin-O2"]["tolist_per_step"] * (52 - 11), 6) == 1
     assert (
         "lightning_mpx/integrations/lightning.py" in result["profile"]
         and "optimizer_step" in capsys.readouterr().out
