@@ -22,7 +22,7 @@ from lightning_mpx.casting.policy import CastPolicy
 from lightning_mpx.casting.table import CastTable
 from lightning_mpx.common.dtypes import HALF_DTYPES
 from lightning_mpx.engine.optimizers import StepMachine
-from lightning_mpx.engine.sharding import Sharding, is_sharded
+from lightning_mpx.engine.sharding import Sharding, is_sharded, parameter_names
 from lightning_mpx.health.forensics import OverflowForensics
 from lightning_mpx.health.promotion import Promotion, _Fp32Boundary, _module_to_fp32, matches
 from lightning_mpx.masters.store import Masters
@@ -202,7 +202,7 @@ class PreparedModels:
         # converts; O0, O1 and O3, whose casts FSDP's policies repeat): its old parameters' ids may be reused.
         for key in self._unsharded.pop(module, ()):
             self.names.pop(key, None)
-        for name, param in module.named_parameters():
+        for name, param in parameter_names(module):  # FSDP1's wrapper segments left out of the names
             self.names.setdefault(id(param), name)
         self.forensics.watch.add_model(module, "")
         self.sharded = True  # before the promotion: it leaves an FSDP model's dtypes to FSDP's policies

@@ -19,7 +19,13 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["Sharding", "gathered_params", "is_sharded", "local_tensor", "refuse_gathered", "reshard_gathered"]
+__all__ = [
+    "Sharding", "gathered_params", "is_sharded", "local_tensor", "parameter_names", "refuse_gathered",
+    "reshard_gathered",
+]  # fmt: skip
+
+#: The module names FSDP1 and activation checkpointing insert between a module and its children.
+_WRAPPER_SEGMENTS = frozenset(("_fsdp_wrapped_module", "_checkpoint_wrapped_module"))
 
 
 def _dtensor_type() -> type | None:
@@ -230,3 +236,23 @@ def _fsdp1_shards(module: nn.Module) -> Iterable[int]:
             yield id(flat)
             for param in getattr(flat, "_params", None) or ():  # use_orig_params=True: the original parameters
                 yield id(param)
+
+
+def parameter_names(module: nn.Module) -> Iterable[tuple[str, nn.Parameter]]:
+    """``module.named_parameters()`` by the names of the model the user wrote: without the segments FSDP1 and
+    activation checkpointing insert (``_fsdp_wrapped_module.0.weight`` is ``0.weight``), and an FSDP1 flat parameter
+    (``use_orig_params=False``) named by the parameters it holds (``[flat: 0.weight, 0.bias, 2.weight, +1 more]``),
+    so that overflow records and telemetry name what the user can find in the model."""
+
+    def clean(name: str) -> str:
+        return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
+
+    for name, param in module.named_parameters():
+        path = clean(name)
+        fqns = getattr(param, "_fqns", None)  # FSDP1's FlatParameter: the names of what it flattened, under its unit
+        if fqns and name.rsplit(".", 1)[-1] == "_flat_param":
+            owner = path.rsplit(".", 1)[0] if "." in path else ""
+            held = [clean(f) for f in fqns]
+            shown = ", ".join(held[:3]) + (f", +{len(held) - 3} more" if len(held) > 3 else "")
+            path = (f"{owner}." if owner else "") + f"[flat: {shown}]"
+        yield path, param
