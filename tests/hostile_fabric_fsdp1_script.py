@@ -8,7 +8,7 @@ norms and the losses to ``$MPX_OUT/rank<r>.json`` (``error`` when it raised). Ki
 ``gan`` (a generator and a discriminator, each set up on its own, the generator run once before the discriminator is
 set up); ``checkpointed`` (``activation_checkpointing_policy={Block}``); ``flat`` (``use_orig_params=False``: the
 optimizer built over the wrapper's flat parameters after ``setup_module``); ``user_wrapped`` (wrapped with FSDP1 by
-the user before ``fabric.setup``); ``two_optimizers`` (one model, two optimizers, both clipped); ``clip_value``
+the user before ``fabric.setup``); ``two_optimizers`` (one model, two optimizers, both clipped; ``unregistered``: not handed to ``plugin.setup_optimizers``); ``clip_value``
 (``clip_val``: what the strategy answers); ``reused`` (the plugin object of a finished run given to a second Fabric).
 """
 
@@ -79,6 +79,7 @@ def loop(fabric: Fabric, model: Any, optimizers: list[Any], out: dict[str, Any],
 def run_plain(precision: str, out: dict[str, Any], **strategy: Any) -> FabricMixedPrecisionPlugin | None:
     fabric, plugin = make(precision, **strategy)
     model = fabric.setup_module(build())
+    out["checkpoint_wrappers"] = sum("CheckpointWrapper" in type(m).__name__ for m in model.modules())
     loop(fabric, model, [fabric.setup_optimizers(sgd(model.parameters()))], out)
     return plugin
 
@@ -109,7 +110,7 @@ def run_gan(precision: str, out: dict[str, Any]) -> None:
         opt_g.step()
         opt_g.zero_grad()
         opt_d.zero_grad()
-        out["losses"].append(float(d_loss) + float(g_loss))
+        out["losses"].append(float(d_loss.detach()) + float(g_loss.detach()))
     out["weights"] = full_weights(gen) + full_weights(disc)
 
 
@@ -128,13 +129,18 @@ def run_user_wrapped(precision: str, out: dict[str, Any]) -> None:
     loop(fabric, model, [fabric.setup_optimizers(sgd(model.parameters()))], out)
 
 
-def run_two_optimizers(precision: str, out: dict[str, Any]) -> None:
-    fabric, _ = make(precision)
+def run_two_optimizers(precision: str, out: dict[str, Any], register: bool = True) -> None:
+    fabric, plugin = make(precision)
     model = fabric.setup_module(build())
     params = list(model.parameters())
     first = fabric.setup_optimizers(sgd(params[:2]))  # the first layer
     rest = fabric.setup_optimizers(sgd(params[2:]))
-    loop(fabric, model, [first, rest], out)
+    if plugin is not None and register:
+        plugin.setup_optimizers(first, rest)
+    try:
+        loop(fabric, model, [first, rest], out)
+    except RuntimeError as error:
+        out["refusal"] = str(error)
 
 
 def run_clip_value(precision: str, out: dict[str, Any]) -> None:
@@ -159,7 +165,7 @@ def run_reused(precision: str, out: dict[str, Any]) -> None:
 
 RUNS = {"plain": run_plain, "gan": run_gan, "checkpointed": lambda p, o: run_plain(
     p, o, activation_checkpointing_policy={Block}), "flat": run_flat, "user_wrapped": run_user_wrapped,
-    "two_optimizers": run_two_optimizers, "clip_value": run_clip_value, "reused": run_reused}  # fmt: skip
+    "two_optimizers": run_two_optimizers, "unregistered": lambda p, o: run_two_optimizers(p, o, register=False), "clip_value": run_clip_value, "reused": run_reused}  # fmt: skip
 
 
 def main() -> None:
