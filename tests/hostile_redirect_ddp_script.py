@@ -40,6 +40,7 @@ class Regressor(pl.LightningModule):
             self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 1)
         else:
             self.net = nn.Sequential(nn.Embedding(32, 8), nn.Flatten(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.initial = [p.detach().flatten().tolist() for p in self.parameters()]
         self.seen: set[str] = set()  # "<step>:<name>:<dtype>"
         self.val_losses: list[float] = []
 
@@ -108,6 +109,7 @@ def fit(case: str, devices: int = 1, **trainer: Any) -> tuple[Regressor, Any]:
 def result(model: Regressor) -> dict[str, Any]:
     return {
         "params": [p.detach().float().flatten().tolist() for p in model.parameters()],
+        "initial": model.initial,
         "val_losses": model.val_losses,
         "seen": sorted(model.seen),
     }
