@@ -3,13 +3,14 @@ the ``CPUFSDPStrategy`` of tests/fabric_fsdp1_script.py), attacked the way peopl
 (gloo, one launch), bfloat16 with a dynamic scale.
 
 Each case (``$MPX_CASES``, comma-separated ``<kind>:<precision>``; the precision is an opt level for the plugin or
-Fabric's own ``bf16-mixed``) trains :data:`STEPS` steps with the clip by norm and writes the gathered weights, the clip's
-norms and the losses to ``$MPX_OUT/rank<r>.json`` (``error`` when it raised). Kinds: ``plain`` (``fabric.setup``);
-``gan`` (a generator and a discriminator, each set up on its own, the generator run once before the discriminator is
-set up); ``checkpointed`` (``activation_checkpointing_policy={Block}``); ``flat`` (``use_orig_params=False``: the
-optimizer built over the wrapper's flat parameters after ``setup_module``); ``user_wrapped`` (wrapped with FSDP1 by
-the user before ``fabric.setup``); ``two_optimizers`` (one model, two optimizers, both clipped; ``unregistered``: not handed to ``plugin.setup_optimizers``); ``clip_value``
-(``clip_val``: what the strategy answers); ``reused`` (the plugin object of a finished run given to a second Fabric).
+Fabric's own ``bf16-mixed``) trains :data:`STEPS` steps with the clip by norm and writes the gathered weights, the
+clip's norms and the losses to ``$MPX_OUT/rank<r>.json`` (``error`` when it raised). Kinds: ``plain``
+(``fabric.setup``); ``gan`` (a generator and a discriminator, each set up on its own, the generator run once before
+the discriminator is set up); ``checkpointed`` (``activation_checkpointing_policy={Block}``); ``flat``
+(``use_orig_params=False``: the optimizer built over the wrapper's flat parameters after ``setup_module``);
+``user_wrapped`` (wrapped with FSDP1 by the user before ``fabric.setup``); ``two_optimizers`` (one model, two
+optimizers, both clipped); ``unregistered`` (the same, the optimizers not handed to ``plugin.setup_optimizers``);
+``clip_value`` (``clip_val``); ``reused`` (the plugin object of a finished run given to a second Fabric).
 """
 
 from __future__ import annotations
@@ -163,9 +164,17 @@ def run_reused(precision: str, out: dict[str, Any]) -> None:
         loop(fabric, model, [fabric.setup_optimizers(sgd(model.parameters()))], out)
 
 
-RUNS = {"plain": run_plain, "gan": run_gan, "checkpointed": lambda p, o: run_plain(
-    p, o, activation_checkpointing_policy={Block}), "flat": run_flat, "user_wrapped": run_user_wrapped,
-    "two_optimizers": run_two_optimizers, "unregistered": lambda p, o: run_two_optimizers(p, o, register=False), "clip_value": run_clip_value, "reused": run_reused}  # fmt: skip
+RUNS = {
+    "plain": run_plain,
+    "gan": run_gan,
+    "checkpointed": lambda p, o: run_plain(p, o, activation_checkpointing_policy={Block}),
+    "flat": run_flat,
+    "user_wrapped": run_user_wrapped,
+    "two_optimizers": run_two_optimizers,
+    "unregistered": lambda p, o: run_two_optimizers(p, o, register=False),
+    "clip_value": run_clip_value,
+    "reused": run_reused,
+}
 
 
 def main() -> None:

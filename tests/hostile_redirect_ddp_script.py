@@ -51,8 +51,8 @@ class Regressor(pl.LightningModule):
 
     def _loss(self, batch: dict[str, torch.Tensor], step: str) -> torch.Tensor:
         x, y = batch["x"], batch["y"]
-        pred = self.forward(x) if self.model_kind == "flat_forward" else self.net(x) if self.model_kind == "tokens_net" \
-            else self(x)
+        kind = self.model_kind
+        pred = self.forward(x) if kind == "flat_forward" else self.net(x) if kind == "tokens_net" else self(x)
         self.seen.update({f"{step}:x:{x.dtype}", f"{step}:y:{y.dtype}", f"{step}:pred:{pred.dtype}"})
         return F.mse_loss(pred.float(), y)
 
