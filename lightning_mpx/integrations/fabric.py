@@ -297,9 +297,15 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
         values go to the FP32 masters' gradients, and a half copy to the model's."""
         optimizer = _unwrap(optimizer)
         self._register(optimizer)
-        if not self.amp.is_unscaled(optimizer):
-            with _casts_off():
-                self.amp.unscale_(optimizer)
+        # FSDP1 wrappers: found when the plugin took the models, or the models themselves when the user wrapped them
+        # before fabric.setup (none under the other strategies: nothing per step)
+        wrappers = [w for w in (ref() for ref in list(self._wrappers.values())) if w is not None]
+        wrappers += [m for m in list(self._modules) if type(m).__name__ == "FullyShardedDataParallel" and _is_fsdp1(m)]
+        together = _clipped_together(optimizer, wrappers, list(self._optimizers)) if wrappers else [optimizer]
+        for each in together:
+            if not self.amp.is_unscaled(each):
+                with _casts_off():
+                    self.amp.unscale_(each)
 
     def main_params(self, optimizer: Optimizer) -> Iterator[torch.Tensor]:  # type: ignore[override]
         """The tensors the optimizer updates (the FP32 masters at O2), whose gradients ``fabric.clip_gradients``
@@ -482,6 +488,34 @@ def _o2_refusal(level: str, half: str, *, fsdp1: bool) -> str:
         "Lightning's Trainer with lightning_mpx.MixedPrecisionPlugin and ModelParallelStrategy (shard_model "
         "in configure_model), or the core lightning_mpx.Amp with lightning_mpx.fsdp.shard_model."
     )
+
+
+def _clipped_together(optimizer: Optimizer, models: list[nn.Module], known: list[Optimizer]) -> list[Optimizer]:
+    """``optimizer``, and every optimizer in ``known`` over the same FSDP1 wrapper (``models``): Fabric's clip
+    by norm unscales ``optimizer`` only, then clips the whole model (``FullyShardedDataParallel.clip_grad_norm_``),
+    whose norm would count the other optimizers' gradients still scaled."""
+    mine = {id(p) for p in optimizer_params(optimizer)}
+    roots = [m for m in models if any(id(p) in mine for p in m.parameters())]
+    if not roots:
+        return [optimizer]
+    together, covered = [optimizer], set(mine)
+    root_params = {id(p): p for root in roots for p in root.parameters()}
+    for other in known:
+        params = {id(p) for p in optimizer_params(other)}
+        if other is not optimizer and params & root_params.keys():
+            together.append(other)
+            covered |= params
+    # requires_grad, not grad: the same answer on every rank (a rank's shard of a parameter may be empty)
+    uncovered = [p for key, p in root_params.items() if key not in covered and p.requires_grad]
+    if uncovered:
+        raise RuntimeError(
+            f"fabric.clip_gradients(model, optimizer={type(optimizer).__name__}) under FSDPStrategy clips the "
+            f"whole FSDP1 model, but {len(uncovered)} of its trainable parameters belong to no optimizer the plugin "
+            "knows: their gradients are still scaled and would count in the norm. Call "
+            "plugin.setup_optimizers(optimizer, other_optimizer, ...) with every optimizer over the model after "
+            "fabric.setup()."
+        )
+    return together
 
 
 def _is_fsdp1(module: nn.Module) -> bool:
