@@ -39,6 +39,8 @@ from lightning_mpx.integrations.fsdp import fsdp1_mixed_precision
 from lightning_mpx.masters.weights import convert_module
 from tests.launch import end_ranks
 
+#: The prefix of a case of the user's set-ups (``hostile/<kind>:<precision>``: tests/hostile_fabric_fsdp1_script.py).
+USER_SETUPS = "hostile/"
 BATCH = 16  # global
 STEPS = 7
 CLIP = 0.05  # below every step's norm: every clip scales
@@ -353,8 +355,20 @@ def main() -> None:
     out_dir = os.environ["MPX_OUT"]
     results: dict[str, Any] = {}
     for case in os.environ["MPX_CASES"].split(","):
+        if case.startswith(USER_SETUPS):
+            # The user's set-ups (tests/hostile_fabric_fsdp1_script.py), in this launch rather than one of their own.
+            from tests.hostile_fabric_fsdp1_script import RUNS
+
+            kind, _, precision = case[len(USER_SETUPS):].partition(":")
+            out: dict[str, Any] = {"losses": [], "norms": []}
+            try:
+                RUNS[kind](precision, out)
+            except Exception:  # noqa: BLE001 - reported by the test, which names the case
+                out["error"] = traceback.format_exc()[-3000:]
+            results[case] = out
+            continue
         kind, _, level = case.partition(":")
-        out: dict[str, Any] = {"losses": [], "norms": [], "ref_norms": [], "skipped": [], "scales": []}
+        out = {"losses": [], "norms": [], "ref_norms": [], "skipped": [], "scales": []}
         try:
             if kind == "plugin":
                 run_fabric(level, "", out)

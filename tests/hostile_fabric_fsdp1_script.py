@@ -1,6 +1,7 @@
-"""Run by tests/test_hostile_redirect_fsdp1.py: ``FabricMixedPrecisionPlugin`` under Fabric's ``FSDPStrategy`` (FSDP1,
-the ``CPUFSDPStrategy`` of tests/fabric_fsdp1_script.py), attacked the way people set Fabric up, two CPU processes
-(gloo, one launch), bfloat16 with a dynamic scale.
+"""Cases of tests/test_fabric_fsdp1.py, run in ``tests/fabric_fsdp1_script.py``'s launch
+(``hostile/<kind>:<precision>``; :data:`RUNS`): ``FabricMixedPrecisionPlugin`` under Fabric's ``FSDPStrategy``
+(FSDP1, the ``CPUFSDPStrategy`` of tests/fabric_fsdp1_script.py), attacked the way people set Fabric up, two CPU
+processes (gloo, one launch), bfloat16 with a dynamic scale.
 
 Each case (``$MPX_CASES``, comma-separated ``<kind>:<precision>``; the precision is an opt level for the plugin or
 Fabric's own ``bf16-mixed``) trains :data:`STEPS` steps with the clip by norm and writes the gathered weights, the

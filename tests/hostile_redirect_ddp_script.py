@@ -1,4 +1,4 @@
-"""LightningModules of the shapes people write, shared by tests/test_hostile_redirect_fsdp1.py and, run as a script, its
+"""LightningModules of the shapes people write, shared by tests/test_hostile_ddp_redirect.py and, run as a script, its
 two-process DDP cases (gloo, one launch): the Trainer reaches ``training_step`` and ``validation_step`` through DDP's
 ``forward`` (Lightning's forward redirection), where the plugin's casts at the LightningModule's boundary must let
 the step pass as on one device.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ from torch.distributed.fsdp import MixedPrecision  # noqa: E402
 
 from lightning_mpx import FabricMixedPrecisionPlugin  # noqa: E402
 from lightning_mpx.integrations.fsdp import fsdp1_mixed_precision  # noqa: E402
-from tests.fabric_fsdp1_script import CPUFSDPStrategy  # noqa: E402
+from tests.fabric_fsdp1_script import USER_SETUPS, CPUFSDPStrategy  # noqa: E402
 
 INF_AT, STEPS, RESUME_AT = 4, 7, 5
 CASES = ("plugin:O1", "core:O1", "plugin:O1:root_only", "plugin:O1:empty_init", "fabric:bf16-mixed", "plugin:O0",
@@ -85,7 +86,8 @@ def test_other_strategies_see_what_they_saw_before(level):
 def ranks(tmp_path_factory):
     """One two-process launch for every case of this file (one costs seconds of start-up on two cores)."""
     out = tmp_path_factory.mktemp("fabric_fsdp1")
-    run_script("fabric_fsdp1_script.py", out, timeout=300, MPX_CASES=",".join(CASES))
+    cases = (*CASES, *(USER_SETUPS + case for case in FSDP_CASES))
+    run_script("fabric_fsdp1_script.py", out, timeout=420, MPX_CASES=",".join(cases))
     return rank_results(out)
 
 
@@ -243,3 +245,72 @@ def test_resume_is_bit_equal(ranks, kind):
         assert resumed["scales"] == straight["scales"][RESUME_AT:]
         assert resumed["skipped_steps"] == straight["skipped_steps"] == 1.0
         assert resumed["weights"] == straight["weights"]
+
+
+# -- the user's set-ups (tests/hostile_fabric_fsdp1_script.py) ------------------------------------------------------
+FSDP_CASES = ["plain:O1", "plain:bf16-mixed", "gan:O1", "gan:bf16-mixed", "checkpointed:O1", "flat:O1",
+              "user_wrapped:O1", "two_optimizers:O1", "unregistered:O1", "clip_value:O1", "clip_value:bf16-mixed",
+              "reused:O1"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fsdp1(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0's results of the user's set-ups (run in this file's launch), by their names in ``FSDP_CASES``."""
+    ranks = [{case: result[USER_SETUPS + case] for case in FSDP_CASES} for result in ranks]
+    for case in FSDP_CASES:
+        assert "error" not in ranks[0][case], f"{case}: {ranks[0][case]['error']}"
+    for case in FSDP_CASES:  # the gathered weights, and the ranks' answers, agree
+        assert ranks[0][case].get("weights") == ranks[1][case].get("weights"), case
+        assert ranks[0][case].get("refusal") == ranks[1][case].get("refusal"), case
+    return ranks[0]
+
+
+def _near(a: list[float], b: list[float], tol: float) -> bool:
+    return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < tol
+
+
+def test_fsdp1_plain_o1_is_close_to_fabrics_bf16_mixed(fsdp1):
+    plugin, own = fsdp1["plain:O1"], fsdp1["plain:bf16-mixed"]
+    assert _near(plugin["norms"], own["norms"], 1e-3) and _near(plugin["weights"], own["weights"], 2e-3)
+    assert min(plugin["norms"]) > 0.05  # every step clips
+
+
+@pytest.mark.parametrize("kind", ["checkpointed", "flat", "user_wrapped", "reused"])
+def test_fsdp1_setups_train_as_the_plain_setup(fsdp1, kind):
+    # activation checkpointing (recomputed under the cast policy), use_orig_params=False (the optimizer over the flat
+    # parameters), a model the user wrapped in FSDP1 before fabric.setup, and the plugin of a finished run given to a
+    # second Fabric: the plain run's numbers
+    run, plain = fsdp1[f"{kind}:O1"], fsdp1["plain:O1"]
+    # (flat parameters: a reduction order of their own, an FP32 ulp or two)
+    assert _near(run["norms"], plain["norms"], 1e-6) and _near(run["losses"], plain["losses"], 1e-6)
+    assert _near(run["weights"], plain["weights"], 1e-6)
+    if kind == "checkpointed":
+        assert run["checkpoint_wrappers"] == 2 and plain["checkpoint_wrappers"] == 0  # it is checkpointed
+
+
+def test_fsdp1_gan_set_up_model_by_model_matches_fabrics_bf16_mixed(fsdp1):
+    # the generator set up, run once, then the discriminator set up: both sharded, both trained
+    plugin, own = fsdp1["gan:O1"], fsdp1["gan:bf16-mixed"]
+    assert _near(plugin["norms"], own["norms"], 2e-3)
+    assert _near(plugin["weights"], own["weights"], 2e-3)
+
+
+def test_fsdp1_two_optimizers_over_one_model_clip_the_unscaled_norm(fsdp1):
+    # Fabric unscales the optimizer it is given, then clips the whole FSDP1 model: the other optimizer's gradients
+    # must be unscaled too (they counted scaled: a norm of ~2000, every step clipped to almost nothing)
+    two, plain, own = fsdp1["two_optimizers:O1"], fsdp1["plain:O1"], fsdp1["plain:bf16-mixed"]
+    assert _near(two["norms"][0::2], own["norms"], 1e-3)
+    assert _near(two["norms"][1::2], [0.05] * 4, 1e-3)  # the second clip sees the first's result
+    assert _near(two["weights"], plain["weights"], 1e-4)
+
+
+def test_fsdp1_two_optimizers_the_plugin_does_not_know_are_refused(fsdp1):
+    refusal = fsdp1["unregistered:O1"]["refusal"]
+    assert "plugin.setup_optimizers(" in refusal and "clips the whole FSDP1 model" in refusal
+
+
+def test_fsdp1_clip_by_value_is_close_to_fabrics_bf16_mixed(fsdp1):
+    plugin, own = fsdp1["clip_value:O1"], fsdp1["clip_value:bf16-mixed"]
+    assert "refusal" not in plugin and "refusal" not in own
+    assert _near(plugin["losses"], own["losses"], 2e-3) and _near(plugin["weights"], own["weights"], 2e-3)
+    assert not _near(plugin["weights"], fsdp1["plain:O1"]["weights"], 1e-3)  # the clip by value changed the run
