@@ -190,7 +190,8 @@ class MixedPrecisionPlugin(FSDPPrecision):
                 keep_bn = bool(self.amp.properties.keep_batchnorm_fp32)
                 convert_module(module, self.amp.half_dtype, keep_batchnorm_fp32=keep_bn)
         self._model_hooks.remove()
-        self._model_hooks.install(module, self.amp)  # O2/O3: the boundary casts; the compiled hand-off
+        fsdp1 = sharded and isinstance(trainer.strategy, FSDPStrategy)
+        self._model_hooks.install(module, self.amp, fsdp1=fsdp1)  # O2/O3: the boundary casts; the compiled hand-off
         return module
 
     def connect(

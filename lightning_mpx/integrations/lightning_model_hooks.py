@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_mpx.casting.boundary import BoundaryCast
 from lightning_mpx.engine.amp import Amp
@@ -22,12 +23,13 @@ class ModelHooks:
     def __init__(self) -> None:
         self._handles: list[Any] = []
 
-    def install(self, module: nn.Module, amp: Amp) -> None:
-        """Put ``amp``'s hooks on ``module`` (after :meth:`remove` of the previous ones)."""
+    def install(self, module: nn.Module, amp: Amp, *, fsdp1: bool = False) -> None:
+        """Put ``amp``'s hooks on ``module`` (after :meth:`remove` of the previous ones). ``fsdp1``: Lightning's
+        ``FSDPStrategy`` wraps the model, whose FP32 parameters FSDP1 gathers in half for the forward (O2)."""
         if amp.properties.casts_model:
-            # Under FSDP too: FSDP1 casts the root's inputs but not its outputs, and at O3 FSDP has no policy.
-            # Where FSDP's root policy already cast, these casts find the dtype they want and do nothing.
-            self._add_boundary_casts(module, amp)
+            # Under FSDP too: at O2/O3 FSDP1 does not cast the root's inputs for the Trainer (fsdp1_config: they are the
+            # whole batch there, targets too) nor any output, and at O3 FSDP has no policy.
+            self._add_boundary_casts(module, amp, fsdp1)
         self._hand_off_compiled(module, amp)
 
     def remove(self) -> None:
@@ -35,7 +37,7 @@ class ModelHooks:
             handle.remove()
         self._handles.clear()
 
-    def _add_boundary_casts(self, module: nn.Module, amp: Amp) -> None:
+    def _add_boundary_casts(self, module: nn.Module, amp: Amp, fsdp1: bool) -> None:
         # Apex casts a half model's inputs to half and its outputs to FP32. Here the casts sit on the
         # LightningModule and on its direct children that hold half parameters (``self.generator(z)`` in a GAN), as
         # removable forward hooks of this model only. Children without parameters (a loss module) are left alone so
@@ -43,9 +45,15 @@ class ModelHooks:
         # (BoundaryCast). The hooks hold no reference to the plugin: a deep copy of the model (an EMA model,
         # AveragedModel) carries copies that follow the copy's own dtype, not the plugin and its engine.
         half = amp.half_dtype
-        targets = [module] + [
-            child for child in module.children() if any(p.dtype == half for p in child.parameters(recurse=True))
-        ]
+
+        def computes_in_half(child: nn.Module) -> bool:
+            params = list(child.parameters(recurse=True))
+            if any(p.dtype == half for p in params):
+                return True
+            # O2 under FSDP1: FP32 parameters that FSDP gathers in half for the forward (batch norm kept FP32 apart)
+            return fsdp1 and not isinstance(child, _BatchNorm) and any(p.is_floating_point() for p in params)
+
+        targets = [module] + [child for child in module.children() if computes_in_half(child)]
         boundaries = BoundaryCast.for_model(targets, half)
         boundaries[0] = _PastRedirection(boundaries[0])  # the LightningModule's: see _PastRedirection
         for target, boundary in zip(targets, boundaries):

@@ -4,6 +4,7 @@ Trainer of a wrapped model, and the optimizer inside a ``LightningOptimizer``.""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from torch import nn
@@ -59,9 +60,13 @@ def fsdp1_config(settings: MixedPrecisionSettings) -> Any:
     from lightning_mpx.integrations.fsdp import fsdp1_mixed_precision
 
     config = fsdp1_mixed_precision(settings)
-    # `_module_classes_to_ignore=()`: no module given a policy of its own (FSDP's default singles out batch
-    # norm), exactly what `mixed_precision=None` does.
-    return config if config is not None else MixedPrecision(_module_classes_to_ignore=())
+    if config is None:
+        # `_module_classes_to_ignore=()`: no module given a policy of its own (FSDP's default singles out batch
+        # norm), exactly what `mixed_precision=None` does.
+        return MixedPrecision(_module_classes_to_ignore=())
+    # The root's inputs are not cast: Lightning reaches training_step through the root's forward, so they are the
+    # whole batch (targets too). The plugin's boundary casts cast the model's own inputs (O2/O3), as on one device.
+    return dataclasses.replace(config, cast_root_forward_inputs=False)
 
 
 def unwrap_optimizer(optimizer: Any) -> Optimizer:
