@@ -8,6 +8,7 @@ tests/lightning_fsdp_script.py."""
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 
 import pytest
@@ -68,6 +69,18 @@ def _weights(model: Regression) -> torch.Tensor:
         return torch.cat([p.detach().float().flatten() for p in model.net.parameters()])
 
 
+@pytest.fixture
+def own_environment():
+    """Lightning's strategy writes the cluster's variables (``MASTER_ADDR``, ``LOCAL_RANK``, ...) into ``os.environ``:
+    left there, a later test in this worker would take itself for a launched rank (Accelerate's state, a script
+    launched with this environment whose Lightning launcher then starts no second process). Restored after."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.mark.usefixtures("own_environment")
 @pytest.mark.parametrize("level", ["O2", "O3"])
 def test_the_step_sees_what_it_sees_on_one_device_and_trains_as_there(level):
     with one_process_group():
