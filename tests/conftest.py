@@ -1,4 +1,5 @@
-"""Shared test set-up (the fixtures ``fresh_dynamo``, ``fresh_accelerate_state`` and ``one_rank`` are at the end).
+"""Shared test set-up (the fixtures ``fresh_dynamo``, ``fresh_accelerate_state`` and ``one_rank`` are at the end;
+``_launch_environment``, for every test, keeps the variables of a launched rank out of the next tests).
 
 The fused unscale kernels are Triton kernels. Without a GPU they are tested in triton's interpreter, which runs them
 on CPU tensors; triton reads ``TRITON_INTERPRET`` when a kernel is decorated, so it is set here, before any test
@@ -61,3 +62,23 @@ def one_rank():
         pytest.skip("a process group is already set up in this process")
     with one_process_group():
         yield
+
+
+#: What a launched rank finds in its environment. Lightning's strategies and Accelerate write them into
+#: ``os.environ`` when a test runs them in the test's own process: left there, a later test in the same worker takes
+#: itself for a launched rank (Accelerate's state initializes ``torch.distributed``; a script launched with this
+#: environment has Lightning start no second process, and its one rank waits for the other until the test's timeout).
+_LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
+                     "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _launch_environment():
+    """Put the launch variables back as they were before the test (a test that sets them for itself may)."""
+    saved = {name: os.environ.get(name) for name in _LAUNCH_VARIABLES}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

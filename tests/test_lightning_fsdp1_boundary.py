@@ -3,12 +3,12 @@ the FSDP1 root's ``forward``, so FSDP's root input cast would cast the whole bat
 the model's own outputs stayed half at O2 (its FP32 parameters are gathered in half, so no boundary was put on it):
 the loss ran in half. The step now sees what it sees on one device: the batch as it is, the model's output in FP32,
 an FP32 loss; and it trains as on one device. One process (a gloo group of one), the CPU ``FSDPStrategy`` of
-tests/lightning_fsdp_script.py."""
+tests/lightning_fsdp_script.py. (Lightning writes the launch variables into ``os.environ`` here: tests/conftest.py's
+``_launch_environment`` puts them back after the test.)"""
 
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 
 import pytest
@@ -69,18 +69,6 @@ def _weights(model: Regression) -> torch.Tensor:
         return torch.cat([p.detach().float().flatten() for p in model.net.parameters()])
 
 
-@pytest.fixture
-def own_environment():
-    """Lightning's strategy writes the cluster's variables (``MASTER_ADDR``, ``LOCAL_RANK``, ...) into ``os.environ``:
-    left there, a later test in this worker would take itself for a launched rank (Accelerate's state, a script
-    launched with this environment whose Lightning launcher then starts no second process). Restored after."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
-@pytest.mark.usefixtures("own_environment")
 @pytest.mark.parametrize("level", ["O2", "O3"])
 def test_the_step_sees_what_it_sees_on_one_device_and_trains_as_there(level):
     with one_process_group():
