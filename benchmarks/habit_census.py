@@ -47,10 +47,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -63,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the package comes fr
 
 import _harness  # noqa: E402
 from _step_variants import ModelSpec, _loss, build_model, make_batches  # noqa: E402
+from plugin_overhead import _quiet  # noqa: E402  (Lightning's info lines and warnings are not the output)
 
 TRAINER_HABITS = ("plain", "clip-norm", "clip-value", "accumulate", "scheduler", "log", "lr-monitor", "checkpoint",
                   "param-groups", "frozen", "tied", "grad-norm")  # fmt: skip
@@ -181,22 +180,6 @@ class Window:
             sys.setprofile(None)
         if self.batches <= self.end:
             raise RuntimeError(f"the run stopped at batch {self.batches}, before the window's end at {self.end}")
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Lightning's info lines and warnings are not the census's output."""
-    loggers = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric", "lightning")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            yield
-        finally:
-            for lg, level in zip(loggers, levels):
-                lg.setLevel(level)
 
 
 # -- the front doors --------------------------------------------------------------------------------------------------

@@ -3,9 +3,9 @@
 (FSDP1, the ``CPUFSDPStrategy`` of tests/fabric_fsdp1_script.py), attacked the way people set Fabric up, two CPU
 processes (gloo, one launch), bfloat16 with a dynamic scale.
 
-Each case (``$MPX_CASES``, comma-separated ``<kind>:<precision>``; the precision is an opt level for the plugin or
-Fabric's own ``bf16-mixed``) trains :data:`STEPS` steps with the clip by norm and writes the gathered weights, the
-clip's norms and the losses to ``$MPX_OUT/rank<r>.json`` (``error`` when it raised). Kinds: ``plain``
+Each case (``<kind>:<precision>``; the precision is an opt level for the plugin or Fabric's own ``bf16-mixed``)
+trains :data:`STEPS` steps with the clip by norm and records the gathered weights, the clip's norms and the losses
+(``error`` when it raised). Kinds: ``plain``
 (``fabric.setup``); ``gan`` (a generator and a discriminator, each set up on its own, the generator run once before
 the discriminator is set up); ``checkpointed`` (``activation_checkpointing_policy={Block}``); ``flat``
 (``use_orig_params=False``: the optimizer built over the wrapper's flat parameters after ``setup_module``);
@@ -16,9 +16,6 @@ optimizers, both clipped); ``unregistered`` (the same, the optimizers not handed
 
 from __future__ import annotations
 
-import json
-import os
-import traceback
 from typing import Any
 
 import torch
@@ -31,7 +28,6 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from lightning_mpx import FabricMixedPrecisionPlugin
 from tests.fabric_fsdp1_script import BATCH, Block, CPUFSDPStrategy, build, full_weights
-from tests.launch import end_ranks
 
 STEPS = 4
 CLIP = 0.05
@@ -176,22 +172,3 @@ RUNS = {
     "clip_value": run_clip_value,
     "reused": run_reused,
 }
-
-
-def main() -> None:
-    results: dict[str, Any] = {}
-    for case in os.environ["MPX_CASES"].split(","):
-        kind, _, precision = case.partition(":")
-        out: dict[str, Any] = {"losses": [], "norms": []}
-        try:
-            RUNS[kind](precision, out)
-        except Exception:  # noqa: BLE001 - reported by the test, which names the case
-            out["error"] = traceback.format_exc()[-3000:]
-        results[case] = out
-    with open(os.path.join(os.environ["MPX_OUT"], f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump(results, f)
-    end_ranks()
-
-
-if __name__ == "__main__":
-    main()
