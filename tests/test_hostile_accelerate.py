@@ -64,8 +64,7 @@ def _weights(accelerator, model, opt):
 
 
 # -- free_memory(), then the same model prepared again ------------------------------------------------------------------
-@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
-@pytest.mark.parametrize("again", ["raw", "prepared"])
+@pytest.mark.parametrize("level,again", [("O1", "raw"), ("O2", "raw"), ("O2", "prepared"), ("O3", "prepared")])
 def test_model_prepared_again_after_free_memory_goes_on_as_the_straight_run(level, again):
     """A retried training function (``find_executable_batch_size``) calls ``free_memory()`` and prepares the model it
     still holds with a new optimizer. At O2 this was refused with "prepared before its model" (the fresh engine did
@@ -97,3 +96,90 @@ def test_model_prepared_again_after_free_memory_goes_on_as_the_straight_run(leve
     assert _same(_weights(accelerator, model, opt), expected)
     # The model now runs with the new engine's forward: the old engine is no longer referenced by it.
     assert accelerator.unwrap_model(model).forward._amp is accelerator.amp
+
+
+def test_unpickled_accelerator_prepares_the_unpickled_model_again():
+    """The pickling contract (docs/accelerate.md): an unpickled Accelerator starts a fresh engine and "trains what it
+    prepares next". At O2 the unpickled prepared model was refused (its forward belonged to a copy's engine); now it
+    trains, from its own (half) weights, as a model prepared afresh from them does."""
+    import pickle
+
+    accelerator = _accelerator("O2", "bfloat16")
+    model = _net()
+    model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    accelerator2, model2 = pickle.loads(pickle.dumps((accelerator, model)))
+    model2, opt2 = accelerator2.prepare(model2, torch.optim.SGD(model2.parameters(), lr=0.5))
+    x, y = _batch(0)
+    accelerator2.backward(F.cross_entropy(model2(x), y))
+    opt2.step()
+    assert not opt2.step_was_skipped
+    reference = _net()  # the same half weights, upcast: what the unpickled model holds
+    with torch.no_grad():
+        for p, q in zip(reference.parameters(), model.parameters()):
+            p.copy_(q.float())
+    reset_accelerate_state()
+    fresh = _accelerator("O2", "bfloat16")
+    reference, ref_opt = fresh.prepare(reference, torch.optim.SGD(reference.parameters(), lr=0.5))
+    fresh.backward(F.cross_entropy(reference(x), y))
+    ref_opt.step()
+    assert _same(_weights(accelerator2, model2, opt2), _weights(fresh, reference, ref_opt))
+
+
+# -- accumulation, overflow, schedulers, checkpoints -------------------------------------------------------------------
+def _run(level, *, steps, fused=False, save_at=None, load=None, accumulation=2, inf_at=(3,), out=None):
+    """A ``no_trainer``-style loop: ``accumulate``, ``backward``, clip under ``sync_gradients``, step, scheduler,
+    ``zero_grad``; prepare given in a scrambled order. ``save_at``: ``save_state`` to ``out`` before that micro-batch;
+    ``load``: ``load_state`` from it after ``prepare`` and start there."""
+    accelerator = _accelerator(level, gradient_accumulation_steps=accumulation)
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    sched, opt, model = accelerator.prepare(sched, opt, model)
+    start = 0
+    if load is not None:
+        accelerator.load_state(str(load))
+        start = save_at
+    skipped = []
+    for step in range(start, steps):
+        if step == save_at and load is None:
+            accelerator.save_state(str(out))
+        x, y = _batch(step, inf=step in inf_at)
+        with accelerator.accumulate(model):
+            accelerator.backward(F.cross_entropy(model(x), y))
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        if accelerator.sync_gradients:
+            skipped.append(opt.step_was_skipped)
+    scale = accelerator.amp.scalers[0].get_scale() if accelerator.amp is not None else None
+    return {"weights": _weights(accelerator, model, opt) if accelerator.amp is not None else
+            [p.detach().clone() for p in model.parameters()], "skipped": skipped,
+            "lr": sched.get_last_lr(), "scale": scale, "optimizer": opt.state_dict()}
+
+
+@pytest.mark.parametrize("level,fused,save_at", [("O1", False, 6), ("O2", False, 0), ("O2", True, 6)])
+def test_save_state_into_a_fresh_accelerator_resumes_bit_for_bit(tmp_path, level, fused, save_at):
+    """``save_state`` before the first step or at the end of an accumulation window (after a skipped one), then
+    ``load_state`` into a new Accelerator (Accelerate's singleton state emptied, as in a new process): the same bits
+    as the uninterrupted run: weights, loss scale, optimizer state and the scheduler."""
+    straight = _run(level, steps=10, fused=fused, save_at=save_at, out=tmp_path)
+    resumed = _run(level, steps=10, fused=fused, save_at=save_at, load=tmp_path)
+    assert _same(resumed["weights"], straight["weights"])
+    assert resumed["scale"] == straight["scale"] and resumed["lr"] == straight["lr"]
+    assert resumed["skipped"] == straight["skipped"][save_at // 2:]
+    for key, value in straight["optimizer"]["state"].items():
+        assert _same(list(value.values()), list(resumed["optimizer"]["state"][key].values()))
+
+
+@pytest.mark.parametrize("level,inf_at", [("O1", 2), ("O2", 3)])
+def test_an_inf_in_either_micro_batch_skips_that_window_and_holds_the_scheduler(level, inf_at):
+    """An inf in the batch of the first (no ``sync``) or last micro-batch of an accumulation window: that window's step
+    is skipped, and only it, the scale backs off once, and the prepared scheduler does not advance. Reference:
+    Accelerate's ``"no"`` on the same script steps the scheduler on every window (5 here), so one fewer here."""
+    run = _run(level, steps=10, inf_at=(inf_at,))
+    assert run["skipped"] == [False, True, False, False, False]
+    assert run["scale"] == 2.0**7
+    native = _run("no", steps=10, inf_at=())
+    assert native["lr"] == pytest.approx([1e-2 / 6]) and run["lr"] == pytest.approx([1e-2 / 5])
