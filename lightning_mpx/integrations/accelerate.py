@@ -304,7 +304,8 @@ class Accelerator(ShardedPreparation, _BaseAccelerator):  # type: ignore[misc]
 
     def free_memory(self, *objects: Any) -> Any:
         """As ``accelerate.Accelerator.free_memory``; with an opt level, the engine's masters, optimizers and loss
-        scales are released too: the next ``prepare`` starts a fresh engine with the same settings."""
+        scales are released too: the next ``prepare`` starts a fresh engine with the same settings (a model prepared
+        again is taken over by it, at O2 with its FP32 masters: see ``accelerate_forward.take_over``)."""
         released = super().free_memory(*objects)
         if self.amp is not None:
             assert self.mpx_kwargs is not None
