@@ -3,7 +3,9 @@
 Habits of Accelerate scripts under DDP at O2 (float16), in one launch:
 
 * ``accumulate`` (``gradient_accumulation_steps=2``, DDP's ``no_sync`` on the first micro-batch) with an inf in rank 1's
-  input on a micro-batch that does not synchronise: every rank must skip that window's step, and only it;
+  input on a micro-batch that does not synchronise, and later an inf put into rank 0's gradient after DDP's all-reduce
+  on a synchronising one (only the all-reduced overflow flag can make rank 1 skip): every rank must skip those
+  windows' steps, and only them;
 * ``save_state`` called on rank 0 only (``if accelerator.is_main_process:``), mid-run, at a window's end; then
   ``free_memory``, a fresh model, optimizer and scheduler, ``load_state`` on every rank and the rest of the run: the
   same bits as the run without the interruption.
@@ -26,6 +28,7 @@ from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwa
 STEPS = 8  # micro-batches: four windows of two
 SAVE_AT = 4  # saved before micro-batch 4 (after the second window)
 INF_AT = 2  # rank 1's input holds an inf in micro-batch 2 (the first of the second window: no_sync)
+GRAD_INF_AT = 7  # rank 0's gradient gets an inf after the all-reduce of micro-batch 7 (the last window's sync)
 
 
 def _fresh(accelerator: Accelerator) -> tuple[nn.Module, object, object]:
@@ -51,6 +54,9 @@ def _train(accelerator: Accelerator, model, opt, sched, steps: range, record: di
         x, y = _batch(step, rank)
         with accelerator.accumulate(model):
             accelerator.backward(F.cross_entropy(model(x), y))
+            if step == GRAD_INF_AT and rank == 0:
+                with torch.no_grad():
+                    accelerator.unwrap_model(model)[0].weight.grad[0, 0] = float("inf")
             if accelerator.sync_gradients:
                 accelerator.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
