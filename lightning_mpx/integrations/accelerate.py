@@ -90,7 +90,7 @@ from lightning_mpx.integrations.accelerate_checkpoint import (  # noqa: E402
     read_amp_state,
     write_amp_state,
 )
-from lightning_mpx.integrations.accelerate_forward import AmpForward, install_forward  # noqa: E402
+from lightning_mpx.integrations.accelerate_forward import AmpForward, install_forward, take_over  # noqa: E402
 from lightning_mpx.integrations.accelerate_fsdp import ShardedPreparation  # noqa: E402
 from lightning_mpx.integrations.accelerate_kwargs import FSDP_GATHER_CHOICES, MixedPrecisionKwargs  # noqa: E402, F401
 from lightning_mpx.integrations.accelerate_optimizer import (  # noqa: E402
@@ -282,6 +282,8 @@ class Accelerator(ShardedPreparation, _BaseAccelerator):  # type: ignore[misc]
         (with FSDP1: the level's casts before Accelerate wraps the model, the engine on the wrapped model)."""
         if self.amp is not None and self.distributed_type == DistributedType.FSDP:
             return self._prepare_fsdp1_model(model, device_placement, evaluation_mode)
+        if self.amp is not None and (adopted := take_over(self.amp, model, train=not evaluation_mode)) is not None:
+            self._converted.add(adopted)  # prepared by an engine before free_memory() or a pickle: now by this one
         if self.amp is None or getattr(model, "_is_accelerate_prepared", False) or model in self._converted:
             if self.amp is not None and model in self._converted and not evaluation_mode:
                 self.amp.prepare_model(model, train=True)  # prepared for evaluation before: masters now (once)
@@ -302,7 +304,8 @@ class Accelerator(ShardedPreparation, _BaseAccelerator):  # type: ignore[misc]
 
     def free_memory(self, *objects: Any) -> Any:
         """As ``accelerate.Accelerator.free_memory``; with an opt level, the engine's masters, optimizers and loss
-        scales are released too: the next ``prepare`` starts a fresh engine with the same settings."""
+        scales are released too: the next ``prepare`` starts a fresh engine with the same settings (a model prepared
+        again is taken over by it, at O2 with its FP32 masters: see ``accelerate_forward.take_over``)."""
         released = super().free_memory(*objects)
         if self.amp is not None:
             assert self.mpx_kwargs is not None

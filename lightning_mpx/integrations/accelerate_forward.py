@@ -22,9 +22,9 @@ from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
 
 require("accelerate", feature="lightning_mpx.accelerate")
-from accelerate.utils import is_compiled_module  # type: ignore[import-untyped]  # noqa: E402
+from accelerate.utils import extract_model_from_parallel, is_compiled_module  # type: ignore[import-untyped]  # noqa: E402
 
-__all__ = ["AmpForward", "install_forward"]
+__all__ = ["AmpForward", "install_forward", "take_over"]
 
 
 class AmpForward:
@@ -128,3 +128,31 @@ def install_forward(amp: Amp, model: nn.Module) -> None:
         target = model._orig_mod if is_compiled_module(model) else model
         target._original_forward = target.forward  # type: ignore[assignment]
         target.forward = AmpForward(target.forward, amp)
+
+
+def take_over(amp: Amp, model: nn.Module, *, train: bool) -> nn.Module | None:
+    """Hand ``model`` to ``amp`` when another engine prepared it, and return the module that ``amp`` prepared
+    (``None``: nothing to hand over).
+
+    A model keeps its converted parameters and the forward of the engine that prepared it after
+    ``Accelerator.free_memory()`` (or a pickle) gives the Accelerator a fresh engine; preparing it again is the habit
+    of a training function that is retried (``find_executable_batch_size``). The new engine prepares it, its forward
+    is replaced, and at O2 the new masters start from the old engine's FP32 masters, exactly (a copy's engine, of a
+    pickle or a deep copy, has none: they start from the half weights)."""
+    inner = extract_model_from_parallel(model, keep_fp32_wrapper=True, keep_torch_compile=True)
+    target = inner._orig_mod if is_compiled_module(inner) else inner
+    forward = target.__dict__.get("forward")
+    if not isinstance(forward, AmpForward) or forward._amp is amp:
+        return None
+    old, weights = forward._amp, None
+    if amp.properties.master_weights and train:
+        # Only masters the old engine made (a copy's forward-only engine has none: its half values are the weights).
+        params = inner.named_parameters()
+        held = {name for name, param in params if param.requires_grad and old.master_of(param) is not param}
+        weights = {k: v for k, v in old.fp32_state_dict(inner).items() if k in held} if held else None
+    target.forward = target.__dict__.pop("_original_forward", forward._forward)
+    amp.prepare_model(inner, train=train)
+    install_forward(amp, inner)
+    if weights:
+        inner.load_state_dict(weights, strict=False)  # FP32 values go to the new masters exactly
+    return inner
