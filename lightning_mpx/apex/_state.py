@@ -101,6 +101,10 @@ class AmpState:
         skip_next: Optimizers whose next ``step()`` is skipped because a block that named them overflowed, and
             the ``loss_id`` of that block.
         stash: O2: unscaled FP32 master gradients of earlier blocks, per optimizer, added after the next unscale.
+        after_step: Optimizers that stepped (or skipped) and that no ``scale_loss`` block named since: what their
+            parameters' gradients hold is left from that step (the script zeroes it before their next block).
+        idle: Optimizers with no ``scale_loss`` block of their engine since ``initialize`` or their last step: a
+            gradient they hold came from a backward outside any block, unscaled.
         registrations: ``(function, category)`` from ``register_*_function`` and the decorators (kept across
             ``initialize``).
     """
@@ -120,6 +124,8 @@ class AmpState:
     stepped: set[int] = field(default_factory=set)
     skip_next: dict[int, int] = field(default_factory=dict)
     stash: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    after_step: set[int] = field(default_factory=set)
+    idle: set[int] = field(default_factory=set)
     registrations: list[tuple[Callable[..., Any], str]] = field(default_factory=list)
 
     def reset(self) -> None:
@@ -148,7 +154,7 @@ class AmpState:
                 wrapper._engine.release_optimizer(optimizer)
                 del self.optimizers[id(optimizer)]
         live = set(self.optimizers.keys())
-        for ids in (self.touched, self.stepped):
+        for ids in (self.touched, self.stepped, self.after_step, self.idle):
             ids.intersection_update(live)
         for key in set(self.skip_next) - live:
             del self.skip_next[key]

@@ -77,6 +77,10 @@ def initialize(
     if keep_model:
         cast_model_type = None
     overrides: dict[str, Any] = {}
+    if cast_model_type is torch.bfloat16:
+        # Apex cast the model to whatever dtype it was given: bfloat16 becomes the half dtype of the whole call
+        # (its loss scale then defaults to a static 1.0, bfloat16 having FP32's range).
+        overrides["half_dtype"] = torch.bfloat16
     for name, value in (
         ("cast_model_type", cast_model_type),
         ("patch_torch_functions", patch_torch_functions),
@@ -116,6 +120,7 @@ def initialize(
         wrapper = AmpOptimizer(optimizer, _amp_state, amp)
         _amp_state.optimizers[id(optimizer)] = wrapper
         _amp_state.current.append(wrapper)
+        _amp_state.idle.add(id(optimizer))
         wrapped.append(wrapper)
     if amp.properties.patch_torch_functions:
         _amp_state.handle = _enter_casts(amp, verbose=verbosity == 2)
