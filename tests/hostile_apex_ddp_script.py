@@ -18,7 +18,9 @@ if "RANK" not in os.environ:  # the launcher: two ranks with torchrun's environm
     from tests.launch import free_port
 
     env = dict(os.environ, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    procs = [subprocess.Popen([sys.executable, __file__], env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in (0, 1)]
+    procs = [
+        subprocess.Popen([sys.executable, __file__], env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in (0, 1)
+    ]
     raise SystemExit(max(p.wait() for p in procs))
 
 import torch  # noqa: E402

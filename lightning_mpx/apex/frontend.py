@@ -42,8 +42,10 @@ def initialize(
 ) -> Any:
     """Apex's ``amp.initialize``: prepare ``models`` and ``optimizers`` for ``opt_level``.
 
-    Returns ``models`` (when ``optimizers`` is ``None``) or ``(models, optimizers)``, each in the shape given (one
-    object, or a list). The optimizers come back wrapped (:class:`AmpOptimizer`): use the returned ones.
+    ``cast_model_type=torch.bfloat16`` (O2/O3) makes bfloat16 the half dtype (loss scale: a static 1.0 unless
+    ``loss_scale="dynamic"``). Returns ``models`` (when ``optimizers`` is ``None``) or ``(models, optimizers)``, each
+    in the shape given (one object, or a list). The optimizers come back wrapped (:class:`AmpOptimizer`): use the
+    returned ones.
     Calling it again leaves the earlier calls' models and optimizers working with their own engine, as in Apex (a
     checkpoint restored into new ones trains beside the run it came from); their loss scalers start afresh, as
     Apex's global ones did. The new call takes over the O1 cast scope, ``loss_scalers`` and ``state_dict()``; models
