@@ -300,6 +300,34 @@ def test_a_step_after_a_backward_outside_scale_loss_is_refused(opt_level):
     torch.testing.assert_close(model.weight.float(), reference.weight, atol=2e-3, rtol=0)
 
 
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_initialize_twice_on_the_same_objects_keeps_training_where_it_was(opt_level):
+    """Finding (fixed): a second ``amp.initialize`` of the same model and optimizer at O2 made new masters from the
+    half weights and left Adam's moments and step count keyed by the old masters: the new ones started from zero
+    (bias correction restarted). Reference: the uninterrupted run, bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 4, generator=g) * 0.1, torch.randn(8, 2, generator=g)) for _ in range(6)]
+
+    def run(again_at: int | None) -> list[torch.Tensor]:
+        _amp_state.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        plain = torch.optim.Adam(model.parameters(), lr=1e-2)
+        model, optimizer = amp.initialize(model, plain, opt_level=opt_level, verbosity=0)
+        for i, (x, y) in enumerate(data):
+            if i == again_at:
+                model, optimizer = amp.initialize(model, plain, opt_level=opt_level, verbosity=0)
+            optimizer.zero_grad()
+            with amp.scale_loss(F.mse_loss(model(x).float(), y), optimizer) as scaled:
+                scaled.backward()
+            optimizer.step()
+        assert all(int(state["step"]) == len(data) for state in plain.state.values())
+        return [*model.state_dict().values(), *amp.master_params(optimizer)]
+
+    for a, b in zip(run(None), run(3)):
+        assert torch.equal(a, b)
+
+
 def test_an_optimizer_built_after_initialize_gets_a_short_clear_error():
     """Finding (fixed): the error printed the optimizer's whole repr (every hyperparameter) and no remedy."""
     model = amp.initialize(nn.Linear(4, 2), opt_level="O2", verbosity=0)

@@ -56,6 +56,7 @@ def initialize(
         optimizers_list, optimizers_single = [], True
     else:
         optimizers_list, optimizers_single = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+    carried = _carry_over(models_list, optimizers_list) if enabled is True else []
     _amp_state.begin_call(models_list, [o for o in optimizers_list if not isinstance(o, AmpOptimizer)])
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled={enabled!r} must be True or False.")
@@ -124,9 +125,28 @@ def initialize(
         _amp_state.current.append(wrapper)
         _amp_state.idle.add(id(optimizer))
         wrapped.append(wrapper)
+    for target, saved in carried:
+        target.load_state_dict(saved)  # through the new engine's hooks: its masters and their optimizer state
     if amp.properties.patch_torch_functions:
         _amp_state.handle = _enter_casts(amp, verbose=verbosity == 2)
     return _shaped(models_list, models_single, optimizers, wrapped, optimizers_single)
+
+
+def _carry_over(models: list[nn.Module], optimizers: list[Any]) -> list[tuple[Any, dict[str, Any]]]:
+    """The state of the models and optimizers an earlier ``initialize`` prepared, taken through its hooks before
+    this call drops them: the exact FP32 masters (``model.state_dict()``) and the optimizer state keyed by them
+    (``optimizer.state_dict()``). Loaded after this call's preparation, so that a second ``initialize`` of the same
+    objects (Apex refused it) trains on where it was, instead of rounding the masters to half and leaving the
+    momentum (Adam's moments and step count) keyed by masters that are gone."""
+    out: list[tuple[Any, dict[str, Any]]] = []
+    for model in models:
+        if model in _amp_state.hooks:
+            out.append((model, model.state_dict()))
+    for optimizer in optimizers:
+        wrapper = _amp_state.optimizers.get(id(optimizer))
+        if not isinstance(optimizer, AmpOptimizer) and wrapper is not None and wrapper.optimizer is optimizer:
+            out.append((optimizer, optimizer.state_dict()))
+    return out
 
 
 def _engine(
