@@ -328,6 +328,42 @@ def test_initialize_twice_on_the_same_objects_keeps_training_where_it_was(opt_le
         assert torch.equal(a, b)
 
 
+def test_add_param_group_of_a_new_half_head_at_o2_gets_masters_and_follows_fp32():
+    """Finding (fixed): a head made half after ``initialize`` and added with ``optimizer.add_param_group`` (Apex's
+    patched ``add_param_group`` gave it FP32 masters) failed at the next step with a ValueError telling to call
+    ``prepare_model()``, which an Apex script never calls. Reference: FP32, the head's initial weights rounded alike."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 4, generator=g) * 0.1, torch.randn(8, 2, generator=g)) for _ in range(5)]
+    torch.manual_seed(0)
+    body, head = nn.Linear(4, 8), nn.Linear(8, 2)
+    ref_body, ref_head = copy.deepcopy(body), copy.deepcopy(head)
+    optimizer = torch.optim.SGD(body.parameters(), lr=10.0, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref_body.parameters(), lr=10.0, momentum=0.9)
+    body, optimizer = amp.initialize(body, optimizer, opt_level="O2", verbosity=0)
+    head.half()
+    with torch.no_grad():
+        for p, ref in zip(head.parameters(), ref_head.parameters()):
+            ref.copy_(p)
+    for i, (x, y) in enumerate(data):
+        if i == 2:
+            optimizer.add_param_group({"params": list(head.parameters()), "lr": 5.0})
+            ref_opt.add_param_group({"params": list(ref_head.parameters()), "lr": 5.0})
+        out, ref_out = (head(body(x).half()).float(), ref_head(ref_body(x))) if i >= 2 else (body(x)[:, :2],
+                                                                                              ref_body(x)[:, :2])
+        optimizer.zero_grad()
+        with amp.scale_loss(F.mse_loss(out, y) * 0.01, optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+        ref_opt.zero_grad()
+        (F.mse_loss(ref_out, y) * 0.01).backward()
+        ref_opt.step()
+    masters = list(amp.master_params(optimizer))
+    assert [m.dtype for m in masters] == [torch.float32] * 4
+    assert head.weight.dtype == torch.float16
+    for master, ref in zip(masters, [*ref_body.parameters(), *ref_head.parameters()]):
+        torch.testing.assert_close(master, ref, atol=1e-3, rtol=1e-3)
+
+
 def test_an_optimizer_built_after_initialize_gets_a_short_clear_error():
     """Finding (fixed): the error printed the optimizer's whole repr (every hyperparameter) and no remedy."""
     model = amp.initialize(nn.Linear(4, 2), opt_level="O2", verbosity=0)

@@ -95,6 +95,7 @@ class AmpState:
             (weakly: a wrapper the script dropped is gone).
         current: The latest call's wrappers (kept alive, so that its plain optimizers resolve too).
         hooks: Handles of the hooks put on each model (weakly keyed by the model).
+        models: The engine that prepared each model (weakly keyed by the model), for ``add_param_group``.
         cast_scope: The O1 cast-policy scope entered by ``initialize`` on its thread (exited by the next one).
         touched: Optimizers named in ``scale_loss`` blocks since the last ``Amp.update()`` (by ``id``).
         stepped: Of those, the ones that stepped (or skipped) since.
@@ -117,6 +118,7 @@ class AmpState:
     optimizers: weakref.WeakValueDictionary[int, Any] = field(default_factory=weakref.WeakValueDictionary)
     current: list[Any] = field(default_factory=list)
     hooks: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = field(default_factory=weakref.WeakKeyDictionary)
+    models: weakref.WeakKeyDictionary[torch.nn.Module, Amp] = field(default_factory=weakref.WeakKeyDictionary)
     cast_scope: Any = None
     cast_thread: int | None = None
     holder: Any = None  # cast_model_type=False at O2: the module that holds the half parameters given masters

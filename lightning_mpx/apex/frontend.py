@@ -106,12 +106,14 @@ def initialize(
         # The core makes masters per prepared model and casts it; a holder of the half parameters alone is already
         # half, so preparing it only makes their masters.
         _amp_state.holder = amp.prepare_model(_HalfParameters(half_params))
+        _amp_state.models[_amp_state.holder] = amp
     for model in models_list:
         if not keep_model:
             # At O2 in one process the masters start from the exact FP32 values the model held (a checkpoint loaded
             # before initialize resumes bit-exactly, as one loaded after it does); under torch.distributed from the
             # half rounding, which DDP's broadcast of rank 0's half weights keeps equal on every rank.
             amp.prepare_model(model)
+        _amp_state.models[model] = amp
         _add_model_hooks(amp, model, cast_model_outputs, cast_model=not keep_model)
     wrapped = []
     for optimizer in optimizers_list:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_mpx.apex._state import AmpState, _amp_state, is_rank_zero
+from lightning_mpx.apex.fp16_utils import _HalfParameters
 from lightning_mpx.engine.amp import Amp
 
 log = logging.getLogger("lightning_mpx.apex")
@@ -78,7 +79,19 @@ class AmpOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group to the wrapped optimizer; at O2 its half parameters get FP32 masters at the next step."""
+        """Add a group to the wrapped optimizer; at O2 its half parameters get FP32 masters at the next step, those of
+        a model ``initialize`` did not prepare (a new head made half) too, as Apex's patched ``add_param_group``
+        did."""
+        engine = self._engine
+        if engine.properties.master_weights:
+            params = param_group.get("params", [])
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            prepared = {id(p) for model, e in self._amp_state.models.items() if e is engine for p in model.parameters()}
+            stray = [p for p in params if p.dtype in (torch.float16, torch.bfloat16) and id(p) not in prepared]
+            if stray:
+                holder = engine.prepare_model(_HalfParameters(stray))  # already half: only their masters are made
+                self._amp_state.models[holder] = engine
+                object.__setattr__(self, "_holders", [*self.__dict__.get("_holders", []), holder])
         self.optimizer.add_param_group(param_group)
 
     def __repr__(self) -> str:
