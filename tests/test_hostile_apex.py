@@ -345,7 +345,7 @@ def test_add_param_group_of_a_new_half_head_at_o2_gets_masters_and_follows_fp32(
             ref.copy_(p)
     for i, (x, y) in enumerate(data):
         if i == 2:
-            optimizer.add_param_group({"params": list(head.parameters()), "lr": 5.0})
+            optimizer.add_param_group({"params": head.parameters(), "lr": 5.0})  # a generator, as people write
             ref_opt.add_param_group({"params": list(ref_head.parameters()), "lr": 5.0})
         out, ref_out = (head(body(x).half()).float(), ref_head(ref_body(x))) if i >= 2 else (body(x)[:, :2],
                                                                                               ref_body(x)[:, :2])

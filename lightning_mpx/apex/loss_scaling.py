@@ -83,9 +83,10 @@ class AmpOptimizer(torch.optim.Optimizer):
         a model ``initialize`` did not prepare (a new head made half) too, as Apex's patched ``add_param_group``
         did."""
         engine = self._engine
-        if engine.properties.master_weights:
-            params = param_group.get("params", [])
-            params = [params] if isinstance(params, torch.Tensor) else list(params)
+        if engine.properties.master_weights and "params" in param_group:
+            params = param_group["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)  # a generator, read once
+            param_group = {**param_group, "params": params}
             prepared = {id(p) for model, e in self._amp_state.models.items() if e is engine for p in model.parameters()}
             stray = [p for p in params if p.dtype in (torch.float16, torch.bfloat16) and id(p) not in prepared]
             if stray:
