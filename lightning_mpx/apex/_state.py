@@ -95,12 +95,17 @@ class AmpState:
             (weakly: a wrapper the script dropped is gone).
         current: The latest call's wrappers (kept alive, so that its plain optimizers resolve too).
         hooks: Handles of the hooks put on each model (weakly keyed by the model).
+        models: The engine that prepared each model (weakly keyed by the model), for ``add_param_group``.
         cast_scope: The O1 cast-policy scope entered by ``initialize`` on its thread (exited by the next one).
         touched: Optimizers named in ``scale_loss`` blocks since the last ``Amp.update()`` (by ``id``).
         stepped: Of those, the ones that stepped (or skipped) since.
         skip_next: Optimizers whose next ``step()`` is skipped because a block that named them overflowed, and
             the ``loss_id`` of that block.
         stash: O2: unscaled FP32 master gradients of earlier blocks, per optimizer, added after the next unscale.
+        after_step: Optimizers that stepped (or skipped) and that no ``scale_loss`` block named since: what their
+            parameters' gradients hold is left from that step (the script zeroes it before their next block).
+        idle: Optimizers with no ``scale_loss`` block of their engine since ``initialize`` or their last step: a
+            gradient they hold came from a backward outside any block, unscaled.
         registrations: ``(function, category)`` from ``register_*_function`` and the decorators (kept across
             ``initialize``).
     """
@@ -113,6 +118,7 @@ class AmpState:
     optimizers: weakref.WeakValueDictionary[int, Any] = field(default_factory=weakref.WeakValueDictionary)
     current: list[Any] = field(default_factory=list)
     hooks: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = field(default_factory=weakref.WeakKeyDictionary)
+    models: weakref.WeakKeyDictionary[torch.nn.Module, Amp] = field(default_factory=weakref.WeakKeyDictionary)
     cast_scope: Any = None
     cast_thread: int | None = None
     holder: Any = None  # cast_model_type=False at O2: the module that holds the half parameters given masters
@@ -120,6 +126,8 @@ class AmpState:
     stepped: set[int] = field(default_factory=set)
     skip_next: dict[int, int] = field(default_factory=dict)
     stash: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    after_step: set[int] = field(default_factory=set)
+    idle: set[int] = field(default_factory=set)
     registrations: list[tuple[Callable[..., Any], str]] = field(default_factory=list)
 
     def reset(self) -> None:
@@ -148,7 +156,7 @@ class AmpState:
                 wrapper._engine.release_optimizer(optimizer)
                 del self.optimizers[id(optimizer)]
         live = set(self.optimizers.keys())
-        for ids in (self.touched, self.stepped):
+        for ids in (self.touched, self.stepped, self.after_step, self.idle):
             ids.intersection_update(live)
         for key in set(self.skip_next) - live:
             del self.skip_next[key]

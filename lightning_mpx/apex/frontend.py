@@ -42,8 +42,10 @@ def initialize(
 ) -> Any:
     """Apex's ``amp.initialize``: prepare ``models`` and ``optimizers`` for ``opt_level``.
 
-    Returns ``models`` (when ``optimizers`` is ``None``) or ``(models, optimizers)``, each in the shape given (one
-    object, or a list). The optimizers come back wrapped (:class:`AmpOptimizer`): use the returned ones.
+    ``cast_model_type=torch.bfloat16`` (O2/O3) makes bfloat16 the half dtype (loss scale: a static 1.0 unless
+    ``loss_scale="dynamic"``). Returns ``models`` (when ``optimizers`` is ``None``) or ``(models, optimizers)``, each
+    in the shape given (one object, or a list). The optimizers come back wrapped (:class:`AmpOptimizer`): use the
+    returned ones.
     Calling it again leaves the earlier calls' models and optimizers working with their own engine, as in Apex (a
     checkpoint restored into new ones trains beside the run it came from); their loss scalers start afresh, as
     Apex's global ones did. The new call takes over the O1 cast scope, ``loss_scalers`` and ``state_dict()``; models
@@ -54,6 +56,7 @@ def initialize(
         optimizers_list, optimizers_single = [], True
     else:
         optimizers_list, optimizers_single = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+    carried = _carry_over(models_list, optimizers_list) if enabled is True else []
     _amp_state.begin_call(models_list, [o for o in optimizers_list if not isinstance(o, AmpOptimizer)])
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled={enabled!r} must be True or False.")
@@ -77,6 +80,10 @@ def initialize(
     if keep_model:
         cast_model_type = None
     overrides: dict[str, Any] = {}
+    if cast_model_type is torch.bfloat16:
+        # Apex cast the model to whatever dtype it was given: bfloat16 becomes the half dtype of the whole call
+        # (its loss scale then defaults to a static 1.0, bfloat16 having FP32's range).
+        overrides["half_dtype"] = torch.bfloat16
     for name, value in (
         ("cast_model_type", cast_model_type),
         ("patch_torch_functions", patch_torch_functions),
@@ -99,12 +106,14 @@ def initialize(
         # The core makes masters per prepared model and casts it; a holder of the half parameters alone is already
         # half, so preparing it only makes their masters.
         _amp_state.holder = amp.prepare_model(_HalfParameters(half_params))
+        _amp_state.models[_amp_state.holder] = amp
     for model in models_list:
         if not keep_model:
             # At O2 in one process the masters start from the exact FP32 values the model held (a checkpoint loaded
             # before initialize resumes bit-exactly, as one loaded after it does); under torch.distributed from the
             # half rounding, which DDP's broadcast of rank 0's half weights keeps equal on every rank.
             amp.prepare_model(model)
+        _amp_state.models[model] = amp
         _add_model_hooks(amp, model, cast_model_outputs, cast_model=not keep_model)
     wrapped = []
     for optimizer in optimizers_list:
@@ -116,10 +125,30 @@ def initialize(
         wrapper = AmpOptimizer(optimizer, _amp_state, amp)
         _amp_state.optimizers[id(optimizer)] = wrapper
         _amp_state.current.append(wrapper)
+        _amp_state.idle.add(id(optimizer))
         wrapped.append(wrapper)
+    for target, saved in carried:
+        target.load_state_dict(saved)  # through the new engine's hooks: its masters and their optimizer state
     if amp.properties.patch_torch_functions:
         _amp_state.handle = _enter_casts(amp, verbose=verbosity == 2)
     return _shaped(models_list, models_single, optimizers, wrapped, optimizers_single)
+
+
+def _carry_over(models: list[nn.Module], optimizers: list[Any]) -> list[tuple[Any, dict[str, Any]]]:
+    """The state of the models and optimizers an earlier ``initialize`` prepared, taken through its hooks before
+    this call drops them: the exact FP32 masters (``model.state_dict()``) and the optimizer state keyed by them
+    (``optimizer.state_dict()``). Loaded after this call's preparation, so that a second ``initialize`` of the same
+    objects (Apex refused it) trains on where it was, instead of rounding the masters to half and leaving the
+    momentum (Adam's moments and step count) keyed by masters that are gone."""
+    out: list[tuple[Any, dict[str, Any]]] = []
+    for model in models:
+        if model in _amp_state.hooks:
+            out.append((model, model.state_dict()))
+    for optimizer in optimizers:
+        wrapper = _amp_state.optimizers.get(id(optimizer))
+        if not isinstance(optimizer, AmpOptimizer) and wrapper is not None and wrapper.optimizer is optimizer:
+            out.append((optimizer, optimizer.state_dict()))
+    return out
 
 
 def _engine(

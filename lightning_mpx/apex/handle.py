@@ -61,6 +61,7 @@ class AmpHandle:
         wrapper = LegacyOptimizer(inner, _amp_state, amp)
         _amp_state.optimizers[id(inner)] = wrapper
         _amp_state.current.append(wrapper)
+        _amp_state.idle.add(id(inner))
         return wrapper
 
     @contextlib.contextmanager

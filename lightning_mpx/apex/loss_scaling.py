@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_mpx.apex._state import AmpState, _amp_state, is_rank_zero
+from lightning_mpx.apex.fp16_utils import _HalfParameters
 from lightning_mpx.engine.amp import Amp
 
 log = logging.getLogger("lightning_mpx.apex")
@@ -78,7 +79,20 @@ class AmpOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group to the wrapped optimizer; at O2 its half parameters get FP32 masters at the next step."""
+        """Add a group to the wrapped optimizer; at O2 its half parameters get FP32 masters at the next step, those of
+        a model ``initialize`` did not prepare (a new head made half) too, as Apex's patched ``add_param_group``
+        did."""
+        engine = self._engine
+        if engine.properties.master_weights and "params" in param_group:
+            params = param_group["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)  # a generator, read once
+            param_group = {**param_group, "params": params}
+            prepared = {id(p) for model, e in self._amp_state.models.items() if e is engine for p in model.parameters()}
+            stray = [p for p in params if p.dtype in (torch.float16, torch.bfloat16) and id(p) not in prepared]
+            if stray:
+                holder = engine.prepare_model(_HalfParameters(stray))  # already half: only their masters are made
+                self._amp_state.models[holder] = engine
+                object.__setattr__(self, "_holders", [*self.__dict__.get("_holders", []), holder])
         self.optimizer.add_param_group(param_group)
 
     def __repr__(self) -> str:
@@ -127,7 +141,16 @@ def scale_loss(
     overflowed_before = [_overflowed(amp, w.optimizer) for w in wrapped]
     if amp.properties.master_weights:
         _stash(state, amp, own)
-    yield amp.scale_loss(loss, loss_id)
+    # The core brings every optimizer's pending gradients to this loss's scale, checking them. What an optimizer
+    # that stepped and is not named here holds is left from its step (DCGAN's netG before netG.zero_grad(), after a
+    # skipped step: inf): Apex never looked at it, so the core does not see it either (else its next step would be
+    # skipped for it, and this loss's scale backed off).
+    left = [w.optimizer for w in own if id(w.optimizer) in state.after_step and id(w.optimizer) not in ids]
+    with _hidden_grads(left, named=[w.optimizer for w in wrapped]):
+        scaled = amp.scale_loss(loss, loss_id)
+    state.after_step.difference_update(ids)
+    state.idle.difference_update(id(w.optimizer) for w in own)
+    yield scaled
     if amp.policy is not None and amp.properties.patch_torch_functions:
         amp.policy._clear_casts()  # Apex cleared its cast cache at the end of every block (Amp.update the rest)
     if delay_unscale:
@@ -146,6 +169,22 @@ def scale_loss(
     if overflow:
         state.skip_next.update(dict.fromkeys(ids, loss_id))
         _log_overflow(amp, loss_id)
+
+
+@contextlib.contextmanager
+def _hidden_grads(optimizers: list[torch.optim.Optimizer], named: list[torch.optim.Optimizer]) -> Iterator[None]:
+    """Take the gradients of ``optimizers``' parameters (but those of ``named``) away for the block, then put the
+    same tensors back."""
+    keep = {id(p) for opt in named for group in opt.param_groups for p in group["params"]}
+    hidden = [(p, p.grad) for opt in optimizers for group in opt.param_groups for p in group["params"]
+              if p.grad is not None and id(p) not in keep]
+    for param, _ in hidden:
+        param.grad = None
+    try:
+        yield
+    finally:
+        for param, grad in hidden:
+            param.grad = grad
 
 
 def _overflowed(amp: Amp, optimizer: torch.optim.Optimizer) -> bool:
@@ -209,8 +248,10 @@ def _resolve(optimizers: Any) -> list[AmpOptimizer]:
         wrapper = _wrapper_of(item)
         if wrapper is None:
             raise ValueError(
-                f"optimizers={item!r} was not passed to amp.initialize() (or a later amp.initialize() was given its "
-                "optimizer again: use the optimizer that call returned)."
+                f"optimizers={type(item).__name__} (id {id(item):#x}) was not passed to amp.initialize() (or a later "
+                "amp.initialize() was given its optimizer again: use the optimizer that call returned). Build the "
+                "optimizer before amp.initialize(), pass it there and use the one returned: "
+                "`model, optimizer = amp.initialize(model, optimizer, opt_level=...)`."
             )
         if all(wrapper is not seen for seen in out):
             out.append(wrapper)
@@ -241,6 +282,8 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> None:
             "optimizer that call returned."
         )
     key = id(wrapper.optimizer)
+    if key in state.idle:
+        _refuse_unscaled_step(wrapper)
     if key in state.skip_next:
         # A block that named it overflowed (in its gradients or another optimizer's): the block charged the overflow
         # to it, so the engine's step skips it, as Apex did, and counts, records and acts on it (on_floor) as any
@@ -255,8 +298,26 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> None:
         _restore_stash(state, wrapper)
     wrapper._engine.step(wrapper.optimizer)
     state.stepped.add(key)
+    state.after_step.add(key)
+    state.idle.add(key)
     if {key for key in state.touched if key in state.optimizers} <= state.stepped:  # a dropped wrapper will not step
         _update(state)
+
+
+def _refuse_unscaled_step(wrapper: AmpOptimizer) -> None:
+    """A step after a backward outside any ``scale_loss`` block: the step would divide the gradients by the loss
+    scale (Apex's O1 stepped them as they were, its O2 not at all): refused while the scale is not 1."""
+    amp, optimizer = wrapper._engine, wrapper.optimizer
+    if not any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+        return
+    scale = amp.scalers[0].get_scale()
+    if scale != 1.0:
+        raise RuntimeError(
+            "step(): no amp.scale_loss() block ran since this optimizer's last step (or amp.initialize()), yet its "
+            f"parameters have gradients: a backward outside the block is not scaled, and the step would divide it by "
+            f"the loss scale ({scale:g}). Backward inside `with amp.scale_loss(loss, optimizer) as scaled_loss: "
+            "scaled_loss.backward()`."
+        )
 
 
 def _update(state: AmpState) -> None:

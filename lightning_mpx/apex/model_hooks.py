@@ -41,8 +41,27 @@ class _CastInputs:
         self.half = half
 
     def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        self._check_still_half(module)
         castable = (torch.float32, torch.float64)
         return _cast_collection(args, self.half, castable), _cast_collection(kwargs, self.half, castable)
+
+
+    def _check_still_half(self, module: nn.Module) -> None:
+        """A model converted after ``initialize`` (``model.float()``, ``.to(torch.float32)``, ``.half()`` under
+        bfloat16) would meet its half inputs in the first matmul, with torch's dtype-mismatch error: say why."""
+        found = None
+        for param in module.parameters():
+            if param.dtype == self.half:
+                return
+            if found is None and param.is_floating_point():
+                found = param.dtype
+        if found is not None:
+            raise RuntimeError(
+                f"model: amp.initialize() cast its parameters to {self.half} and casts its inputs to it, but none is "
+                f"{self.half} now (found {found}): the model was converted after amp.initialize() (model.float(), "
+                "model.half(), model.to(dtype)). Convert it before amp.initialize(), or pass it to amp.initialize() "
+                "again."
+            )
 
 
 class _CastOutputs:
