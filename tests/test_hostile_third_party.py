@@ -41,8 +41,8 @@ def _config(kind: str = "base", **extra: Any) -> Any:
     module = importlib.import_module("litgpt" if kind == "base" else f"litgpt.{kind}")
     return module.Config(
         name="tiny-llama", block_size=64, vocab_size=96, padded_vocab_size=96, n_layer=2, n_head=4, n_query_groups=2,
-        n_embd=64, rotary_percentage=1.0, parallel_residual=False, bias=False, norm_class_name="RMSNorm",
-        mlp_class_name="LLaMAMLP", intermediate_size=128, **extra,
+        n_embd=32, rotary_percentage=1.0, parallel_residual=False, bias=False, norm_class_name="RMSNorm",
+        mlp_class_name="LLaMAMLP", intermediate_size=64, **extra,
     )  # fmt: skip
 
 
@@ -64,7 +64,7 @@ def _fabric(precision: str) -> tuple[Any, FabricMixedPrecisionPlugin | None]:
 
 
 def _batches(n: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 96, (n, 4, 33), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, 96, (n, 2, 25), generator=torch.Generator().manual_seed(seed))
 
 
 def _micro_step(fabric: Any, model: nn.Module, optimizer: Any, batch: torch.Tensor, accumulating: bool) -> float:
@@ -127,7 +127,7 @@ def test_litgpt_llama_loop_matches_fabrics_own_precision(level, reference):
         assert all(p.dtype == torch.bfloat16 for p in model.parameters())
 
 
-@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
 def test_a_generation_mid_finetuning_leaves_the_training_as_it_was(level):
     """litgpt's ``generate_example`` between steps (inference mode, a KV cache, eval then train) changes nothing in
     the LoRA run: the same losses and weights, bit for bit, as the run without it; the generated tokens are the
@@ -421,3 +421,26 @@ def test_gpt2_generate_through_fabric_at_o2_is_bf16_trues():
     ours, theirs = run("O2"), run("bf16-true")
     assert torch.equal(ours.sequences, theirs.sequences)
     torch.testing.assert_close(torch.stack(ours.scores), torch.stack(theirs.scores), rtol=0, atol=0.02)
+
+
+# -- 6. Lightning's throughput monitors (litgpt's pretrain.py logs their MFU) ------------------------------------------
+@pytest.mark.xfail(
+    strict=True,
+    reason="open finding: Lightning reads an FSDPPrecision's compute dtype from mixed_precision_config.reduce_dtype "
+    "(FP32 at O1/O2, None at O3), so both plugins report FP32 and the MFU on CUDA is taken against the FP32 peak; "
+    "the field is FSDP1's gradient reduction dtype and cannot change (see the report of issue 41, h47)",
+)
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_the_throughput_monitors_compute_dtype_is_the_half_dtype_as_for_fabrics_own_precisions(level):
+    """``ThroughputMonitor(fabric)`` (litgpt's ``pretrain.py``) and the Trainer's ``ThroughputMonitor`` callback take
+    the peak FLOPs of the precision plugin's compute dtype: ``bfloat16`` for Fabric's ``"bf16-mixed"`` and
+    ``"bf16-true"``, and so for the opt levels that compute in it."""
+    from lightning.fabric.plugins import HalfPrecision
+    from lightning.fabric.plugins import MixedPrecision as FabricMixed
+    from lightning.fabric.utilities.throughput import _plugin_to_compute_dtype
+    from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype as trainer_compute_dtype
+
+    assert _plugin_to_compute_dtype(FabricMixed("bf16-mixed", "cpu")) == torch.bfloat16
+    assert _plugin_to_compute_dtype(HalfPrecision("bf16-true")) == torch.bfloat16
+    assert _plugin_to_compute_dtype(FabricMixedPrecisionPlugin(level, half_dtype=HALF)) == torch.bfloat16
+    assert trainer_compute_dtype(MixedPrecisionPlugin(level, half_dtype=HALF)) == torch.bfloat16
