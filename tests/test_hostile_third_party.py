@@ -228,7 +228,7 @@ def test_litgpts_resume_into_an_o2_optimizer_the_plugin_does_not_know_is_refused
         _micro_step(fabric2, model2, optimizer2, _batches(1)[0], accumulating=False)
 
 
-# -- 3. generation: litgpt's generate/base.py ---------------------------------------------------------------------------
+# -- 3. generation: litgpt's generate/base.py --------------------------------------------------------------------------
 def _generate_main(precision: str, checkpoint: Path, prompt: torch.Tensor) -> dict[str, Any]:
     """``litgpt/generate/base.py``'s ``main``: built with ``empty_init=True``, the rope cache shortened and the KV
     cache made in ``fabric.init_tensor()``, eval, ``setup_module``, ``load_raw`` of the FP32 weights, greedy
@@ -285,7 +285,7 @@ def test_litgpt_generate_main_agrees_with_fabrics_own_precision_and_fp32(level, 
     assert model.transformer.h[0].attn.kv_cache.k.dtype == torch.bfloat16
 
 
-# -- 4. LoRA merged after O2 training -------------------------------------------------------------------------------------
+# -- 4. LoRA merged after O2 training ----------------------------------------------------------------------------------
 def test_merge_lora_weights_after_o2_training_is_bf16_trues_merge():
     """``merge_lora_weights`` on the half model: each merged weight is the merge a bfloat16 copy of the trained
     weights gets (``bf16-true``'s), the FP32 merge of the exported FP32 weights to one bfloat16 rounding of the
@@ -337,7 +337,8 @@ def _hf_model(kind: str) -> nn.Module:
                                           max_position_embeddings=64)  # fmt: skip
         return transformers.LlamaForCausalLM(config)
     config = transformers.T5Config(num_layers=2, num_decoder_layers=2, num_heads=2, d_model=32, d_kv=16, d_ff=64,
-                                   vocab_size=64, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+                                   vocab_size=64, dropout_rate=0.0, decoder_start_token_id=0,
+                                   pad_token_id=0)  # fmt: skip
     return transformers.T5ForConditionalGeneration(config)
 
 
