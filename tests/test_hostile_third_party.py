@@ -8,7 +8,8 @@ accumulation under ``no_backward_sync``, ``clip_gradients``, a ``fabric.save``/`
 with the KV cache mid-run and after a ``load_raw`` of FP32 weights, ``merge_lora_weights`` after O2 training, and the
 adapter. Hugging Face: GPT-2 (tied embeddings), LLaMA and T5 in a LightningModule with gradient checkpointing and
 ``model.generate()`` in ``validation_step``; GPT-2's ``generate`` through Fabric (``mark_forward_method``).
-bfloat16 throughout (float16 matrix products are slow on CPU); the models are a few thousand parameters.
+bfloat16 throughout but for one float16 generation (float16 matrix products are slow on CPU); the models are a few
+thousand parameters. One expected failure (strict): the compute dtype Lightning's throughput monitors read.
 """
 
 from __future__ import annotations
@@ -55,10 +56,10 @@ def _gpt(kind: str = "base") -> type[nn.Module]:
 LORA = {"lora_r": 4, "lora_alpha": 8, "lora_query": True, "lora_value": True, "lora_mlp": True}
 
 
-def _fabric(precision: str) -> tuple[Any, FabricMixedPrecisionPlugin | None]:
+def _fabric(precision: str, half: str = HALF) -> tuple[Any, FabricMixedPrecisionPlugin | None]:
     """``Fabric`` with the plugin at ``precision`` ("O1".."O3") or with Fabric's own ``precision``."""
     if precision.startswith("O"):
-        mpx = FabricMixedPrecisionPlugin(precision, half_dtype=HALF)
+        mpx = FabricMixedPrecisionPlugin(precision, half_dtype=half)
         return L.Fabric(accelerator="cpu", devices=1, plugins=[mpx]), mpx
     return L.Fabric(accelerator="cpu", devices=1, precision=precision), None
 
@@ -229,11 +230,11 @@ def test_litgpts_resume_into_an_o2_optimizer_the_plugin_does_not_know_is_refused
 
 
 # -- 3. generation: litgpt's generate/base.py --------------------------------------------------------------------------
-def _generate_main(precision: str, checkpoint: Path, prompt: torch.Tensor) -> dict[str, Any]:
+def _generate_main(precision: str, checkpoint: Path, prompt: torch.Tensor, half: str = HALF) -> dict[str, Any]:
     """``litgpt/generate/base.py``'s ``main``: built with ``empty_init=True``, the rope cache shortened and the KV
     cache made in ``fabric.init_tensor()``, eval, ``setup_module``, ``load_raw`` of the FP32 weights, greedy
     generation twice (the cache reset in between, as the script does)."""
-    fabric, _ = _fabric(precision)
+    fabric, _ = _fabric(precision, half)
     with fabric.init_module(empty_init=True):
         model = _gpt()(_config())
     with fabric.init_tensor():
@@ -283,6 +284,19 @@ def test_litgpt_generate_main_agrees_with_fabrics_own_precision_and_fp32(level, 
     half = torch.float32 if level == "O1" else torch.bfloat16
     assert model.cos.dtype == theirs["model"].cos.dtype == half and model.cos.shape[0] == 30
     assert model.transformer.h[0].attn.kv_cache.k.dtype == torch.bfloat16
+
+
+def test_litgpt_generate_main_in_float16_at_o2_is_16_trues(fp32_checkpoint):
+    """The same in float16 (where on CPU Fabric's ``"16-mixed"`` is bfloat16, so only ``"16-true"`` compares): O2's
+    greedy tokens and logits are ``16-true``'s, and its logits within float16's tolerance of FP32's."""
+    prompt = torch.randint(0, 96, (8,), generator=torch.Generator().manual_seed(2))
+    ours = _generate_main("O2", fp32_checkpoint, prompt, half="float16")
+    theirs = _generate_main("16-true", fp32_checkpoint, prompt)
+    fp32 = _generate_main("32-true", fp32_checkpoint, prompt)
+    assert ours["tokens"] == theirs["tokens"] and ours["again"] == ours["first"]
+    torch.testing.assert_close(ours["logits"], theirs["logits"], rtol=0, atol=0)
+    torch.testing.assert_close(ours["logits"], fp32["logits"], rtol=0, atol=0.01 * fp32["logits"].abs().max().item())
+    assert ours["model"].transformer.h[0].attn.kv_cache.k.dtype == torch.float16
 
 
 # -- 4. LoRA merged after O2 training ----------------------------------------------------------------------------------
