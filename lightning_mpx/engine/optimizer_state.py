@@ -80,6 +80,9 @@ class _OptimizerState:
     # had then (``decided_groups``; 0: not decided yet): a group added later is decided again at the next step.
     on_device: bool = False
     decided_groups: int = 0
+    # Whether it stepped since the last backward (of any loss) or update(): a second step, unscale or clip then would
+    # work on gradients a step already used (as torch.amp.GradScaler, refused).
+    stepped: bool = False
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -96,6 +99,7 @@ class _OptimizerState:
     def reset(self) -> None:
         """Back to READY with no pending gradients: after a step, stepped or skipped."""
         self.stage = _Stage.READY
+        self.stepped = True
         self.loss_id = None
         self.grad_scale = None
         self.unscaled_marks = ()
@@ -110,6 +114,38 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]
     """The parameters of every group of ``optimizer``, in order."""
     for group in optimizer.param_groups:
         yield from group["params"]
+
+
+def refuse_after_step(state: _OptimizerState, call: str) -> None:
+    """Raise a ``RuntimeError`` naming ``call`` when the optimizer of ``state`` stepped since the last backward or
+    update: its gradients were used by that step (unscaled, or copied to its masters at O2)."""
+    if state.stepped:
+        raise RuntimeError(
+            f"{call} was called after step() on this optimizer with no backward() or update() since: the gradients "
+            f"were used by that step. Call {call} before step(), or run a new backward() (or update()) first."
+        )
+
+
+def backward_loss(loss: torch.Tensor, backward_kwargs: dict[str, Any]) -> torch.Tensor:
+    """``loss``, refused with an error that says what is wrong with it (instead of autograd's) unless a backward can
+    start from it: a floating-point tensor that requires grad, with one element (or a ``gradient`` given)."""
+    if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
+        kind = loss.dtype if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise TypeError(
+            f"loss={kind} must be a floating-point torch.Tensor (such as loss_fn(output, target)), not a Python "
+            "number or an integer tensor."
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "loss does not require grad, so backward() has nothing to differentiate: it was computed under "
+            "torch.no_grad() or inference_mode(), detached, or from a model whose parameters are all frozen."
+        )
+    if loss.numel() != 1 and backward_kwargs.get("gradient") is None:
+        raise ValueError(
+            f"loss has shape {tuple(loss.shape)}; backward() needs one element: reduce it (loss.mean() or "
+            "loss.sum()), or pass gradient=."
+        )
+    return loss
 
 
 def loss_index(loss_id: int, num_losses: int) -> int:
