@@ -80,8 +80,8 @@ class _OptimizerState:
     # had then (``decided_groups``; 0: not decided yet): a group added later is decided again at the next step.
     on_device: bool = False
     decided_groups: int = 0
-    # Whether it stepped since the last backward (of any loss) or update(): a second step, unscale or clip then would
-    # work on gradients a step already used (as torch.amp.GradScaler, refused).
+    # Whether it stepped since the last backward (of any loss) or update(): a second step then would apply gradients
+    # a step already used (torch.amp.GradScaler refuses it too).
     stepped: bool = False
 
     @property

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from lightning_mpx.engine.grad_checks import local_squares, reduce_checks, unscale
-from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params, refuse_after_step
+from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
 from lightning_mpx.engine.rescale import follow_cleared_grads, grad_marks, leftovers, rescale_pending, rescale_unscaled
 from lightning_mpx.engine.sharding import Sharding, local_tensor
 from lightning_mpx.health.telemetry import GradTelemetry
@@ -185,7 +185,6 @@ class StepMachine:
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """:meth:`Amp.unscale_ <lightning_mpx.engine.amp.Amp.unscale_>`."""
         state = self.state(optimizer)
-        refuse_after_step(state, "unscale_()")
         if state.stage is _Stage.UNSCALED:
             raise RuntimeError(
                 "unscale_() has already been called on this optimizer since its last step() or update() (directly or "
@@ -202,7 +201,6 @@ class StepMachine:
         """:meth:`Amp.clip_grad_norm_ <lightning_mpx.engine.amp.Amp.clip_grad_norm_>`."""
         state = self.state(optimizer)
         max_norm = _clip_limit("max_norm", max_norm)
-        refuse_after_step(state, "clip_grad_norm_()")
         if state.stage is not _Stage.UNSCALED:
             self._unscale(state, max_norm=float(max_norm))
         else:
@@ -225,7 +223,6 @@ class StepMachine:
         """:meth:`Amp.clip_grad_value_ <lightning_mpx.engine.amp.Amp.clip_grad_value_>`."""
         state = self.state(optimizer)
         clip_value = _clip_limit("clip_value", clip_value)
-        refuse_after_step(state, "clip_grad_value_()")
         if state.stage is not _Stage.UNSCALED:
             self._unscale(state)
         elif self.masters.weights:
