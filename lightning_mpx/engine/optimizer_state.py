@@ -80,9 +80,6 @@ class _OptimizerState:
     # had then (``decided_groups``; 0: not decided yet): a group added later is decided again at the next step.
     on_device: bool = False
     decided_groups: int = 0
-    # Whether it stepped since the last backward (of any loss) or update(): a second step then would apply gradients
-    # a step already used (torch.amp.GradScaler refuses it too).
-    stepped: bool = False
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -99,7 +96,6 @@ class _OptimizerState:
     def reset(self) -> None:
         """Back to READY with no pending gradients: after a step, stepped or skipped."""
         self.stage = _Stage.READY
-        self.stepped = True
         self.loss_id = None
         self.grad_scale = None
         self.unscaled_marks = ()
@@ -114,16 +110,6 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]
     """The parameters of every group of ``optimizer``, in order."""
     for group in optimizer.param_groups:
         yield from group["params"]
-
-
-def refuse_after_step(state: _OptimizerState, call: str) -> None:
-    """Raise a ``RuntimeError`` naming ``call`` when the optimizer of ``state`` stepped since the last backward or
-    update: its gradients were used by that step (unscaled, or copied to its masters at O2)."""
-    if state.stepped:
-        raise RuntimeError(
-            f"{call} was called after step() on this optimizer with no backward() or update() since: the gradients "
-            f"were used by that step. Call {call} before step(), or run a new backward() (or update()) first."
-        )
 
 
 def backward_loss(loss: torch.Tensor, backward_kwargs: dict[str, Any]) -> torch.Tensor:

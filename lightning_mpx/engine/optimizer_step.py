@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from lightning_mpx.casting.policy import casts_off_if_on
-from lightning_mpx.engine.optimizer_state import _OptimizerState, optimizer_params, refuse_after_step
+from lightning_mpx.engine.optimizer_state import _OptimizerState, optimizer_params
 from lightning_mpx.engine.optimizers import StepMachine
 from lightning_mpx.engine.outcome import PendingStep, PendingSteps, StepOutcome, device_skip_refusal
 from lightning_mpx.engine.overflow import MasterOf, Overflows
@@ -85,7 +85,6 @@ class OptimizerStep:
         if state is None:
             self.machine.state(optimizer)  # raises: the optimizer was not registered
         assert state is not None
-        refuse_after_step(state, "step()")
         if step_kwargs.get("closure") is not None:
             raise ValueError(
                 "closure: loss scaling cannot re-run a closure inside the optimizer step; run the closure first, "

@@ -171,7 +171,6 @@ class StepMachine:
         """Make every optimizer's gradients carry ``loss_id``'s scale before its backward (see
         :meth:`Amp.scale_loss <lightning_mpx.engine.amp.Amp.scale_loss>`)."""
         for state in self.optimizers.values():
-            state.stepped = False  # new gradients: a step may use them
             if state.stage is not _Stage.READY:
                 if state.stage is _Stage.UNSCALED:
                     self.record_found(state.found_by_loss)  # an overflow seen by unscale_() counts toward update()
@@ -342,7 +341,6 @@ class StepMachine:
     def update(self) -> None:
         """Close the iteration: reset every optimizer's stage and update the scalers with the flags counted."""
         for state in self.optimizers.values():
-            state.stepped = False
             if state.stage is _Stage.UNSCALED:
                 self.record_found(state.found_by_loss)
                 state.stage = _Stage.SKIPPED
