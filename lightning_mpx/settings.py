@@ -290,6 +290,11 @@ class MixedPrecisionSettings:
     def __post_init__(self) -> None:
         # In the order Amp has always checked them, so that a run with two bad settings reports the same one.
         check_choice("model_writes", self.model_writes, MODEL_WRITES, quote=True)
+        if not isinstance(self.overrides, Mapping):
+            raise TypeError(
+                f"overrides={type(self.overrides).__name__} must be a mapping of opt-level overrides; valid keys: "
+                f"{', '.join(OPT_LEVEL_OVERRIDES)}."
+            )
         overrides = dict(self.overrides)  # a copy: the caller's dict does not change these settings
         object.__setattr__(self, "overrides", overrides)
         props = resolve_properties(self.opt_level, half_dtype=self.half_dtype, **overrides)
@@ -318,6 +323,13 @@ class MixedPrecisionSettings:
                 "on the host) or False."
             )
         object.__setattr__(self, "fp32_modules", check_patterns(self.fp32_modules))
+        check_flag("allow_banned", self.allow_banned)
+        interval = self.overflow_log_interval
+        if not _is_number(interval) or not interval >= 0:  # type: ignore[operator]
+            raise ValueError(
+                f"overflow_log_interval={interval!r} must be a number of seconds of at least 0 (0: log every overflow; "
+                "math.inf: only the first)."
+            )
 
     @classmethod
     def from_kwargs(cls, opt_level: str = "O1", **kwargs: Any) -> MixedPrecisionSettings:

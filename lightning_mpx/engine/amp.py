@@ -32,7 +32,7 @@ from lightning_mpx.casting.table import CastTable
 from lightning_mpx.common.containers import _cast_collection
 from lightning_mpx.engine.checkpoint import EngineState
 from lightning_mpx.engine.iteration import Iteration
-from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, loss_index
+from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, backward_loss, loss_index
 from lightning_mpx.engine.optimizer_step import OptimizerStep
 from lightning_mpx.engine.optimizers import StepMachine
 from lightning_mpx.engine.outcome import StepOutcome
@@ -312,7 +312,7 @@ class Amp:
 
     def backward(self, loss: torch.Tensor, loss_id: int = 0, **backward_kwargs: Any) -> None:
         """``scale_loss(loss, loss_id).backward(**backward_kwargs)`` inside :meth:`backward_context`."""
-        scaled = self.scale_loss(loss, loss_id)
+        scaled = self.scale_loss(backward_loss(loss, backward_kwargs), loss_id)
         if self.policy is None:
             scaled.backward(**backward_kwargs)
             return

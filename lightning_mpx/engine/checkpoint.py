@@ -8,7 +8,7 @@ are read.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -77,6 +77,7 @@ class EngineState:
     def load_state_dict(self, state: dict[str, Any], *, with_masters: bool) -> None:
         """:meth:`Amp.load_state_dict <lightning_mpx.engine.amp.Amp.load_state_dict>`; ``with_masters``: the
         optimizers step FP32 masters of this engine."""
+        _check_engine_state(state)
         self.masters.prune()
         if len(state["scalers"]) != len(self.scalers):
             raise ValueError(
@@ -179,3 +180,17 @@ class EngineState:
                 for name, param in model.named_parameters():
                     out.setdefault(self.machine.names.get(id(param), prefix + name), param)
         return out
+
+
+def _check_engine_state(state: object) -> None:
+    """Refuse what :meth:`Amp.state_dict <lightning_mpx.engine.amp.Amp.state_dict>` did not make (a model's or an
+    optimizer's state dict handed to the engine by mistake) before anything is loaded."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state={type(state).__name__} must be the dict that Amp.state_dict() returned.")
+    missing = [key for key in ("scalers", "master_weights") if key not in state]
+    if missing:
+        shown = ", ".join(repr(key) for key in list(state)[:3]) + (", ..." if len(state) > 3 else "")
+        raise ValueError(
+            f"state (keys {shown or 'none'}) is not an Amp.state_dict(): it lacks {missing}. A model's state dict "
+            "goes to model.load_state_dict(), an optimizer's to optimizer.load_state_dict()."
+        )

@@ -112,6 +112,28 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]
         yield from group["params"]
 
 
+def backward_loss(loss: torch.Tensor, backward_kwargs: dict[str, Any]) -> torch.Tensor:
+    """``loss``, refused with an error that says what is wrong with it (instead of autograd's) unless a backward can
+    start from it: a floating-point tensor that requires grad, with one element (or a ``gradient`` given)."""
+    if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
+        kind = loss.dtype if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise TypeError(
+            f"loss={kind} must be a floating-point torch.Tensor (such as loss_fn(output, target)), not a Python "
+            "number or an integer tensor."
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "loss does not require grad, so backward() has nothing to differentiate: it was computed under "
+            "torch.no_grad() or inference_mode(), detached, or from a model whose parameters are all frozen."
+        )
+    if loss.numel() != 1 and backward_kwargs.get("gradient") is None:
+        raise ValueError(
+            f"loss has shape {tuple(loss.shape)}; backward() needs one element: reduce it (loss.mean() or "
+            "loss.sum()), or pass gradient=."
+        )
+    return loss
+
+
 def loss_index(loss_id: int, num_losses: int) -> int:
     """``loss_id`` as a Python int (numpy and other integer types accepted; bool refused), checked in range."""
     try:

@@ -127,6 +127,8 @@ class StepMachine:
 
     def release(self, optimizer: torch.optim.Optimizer) -> None:
         """Forget ``optimizer`` and remove the hooks put on it."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer.")
         state = self.optimizers.pop(id(optimizer), None)
         if state is not None:
             for handle in state.hooks:
@@ -150,6 +152,11 @@ class StepMachine:
 
     def share_overflow(self, optimizers: Sequence[torch.optim.Optimizer], loss_id: int) -> None:
         """:meth:`Amp.share_overflow <lightning_mpx.engine.amp.Amp.share_overflow>`."""
+        if isinstance(optimizers, torch.optim.Optimizer) or not isinstance(optimizers, (list, tuple)):
+            raise TypeError(
+                f"optimizers={type(optimizers).__name__} must be a list or tuple of prepared optimizers; for one, "
+                "pass [optimizer]."
+            )
         for optimizer in optimizers:
             state = self.state(optimizer)
             seen = state.found_by_loss.get(loss_id)
@@ -192,6 +199,7 @@ class StepMachine:
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, *, with_masters: bool) -> torch.Tensor:
         """:meth:`Amp.clip_grad_norm_ <lightning_mpx.engine.amp.Amp.clip_grad_norm_>`."""
         state = self.state(optimizer)
+        max_norm = _clip_limit("max_norm", max_norm)
         if state.stage is not _Stage.UNSCALED:
             self._unscale(state, max_norm=float(max_norm))
         else:
@@ -213,6 +221,7 @@ class StepMachine:
     def clip_grad_value_(self, optimizer: torch.optim.Optimizer, clip_value: float, *, with_masters: bool) -> None:
         """:meth:`Amp.clip_grad_value_ <lightning_mpx.engine.amp.Amp.clip_grad_value_>`."""
         state = self.state(optimizer)
+        clip_value = _clip_limit("clip_value", clip_value)
         if state.stage is not _Stage.UNSCALED:
             self._unscale(state)
         elif self.masters.weights:
@@ -420,3 +429,18 @@ def _clip_unscaled(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     # A norm of 0 makes torch's coefficient max_norm / 1e-6, clamped to 1: the gradients are multiplied by one.
     clip_with(params, max_norm, torch.where(torch.isfinite(total), total, 0.0))
     return total
+
+
+def _clip_limit(name: str, value: object) -> float:
+    """``value`` as a float, refused unless a positive number (``math.inf``: no clipping): a NaN limit makes every
+    gradient NaN, a negative one flips or pins them, and the step that follows would apply them."""
+    try:
+        limit = None if isinstance(value, (bool, str)) else float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, RuntimeError):
+        limit = None
+    if limit is None or not limit > 0:
+        raise ValueError(
+            f"{name}={value!r} must be a positive number (math.inf: measure without clipping); a zero, negative or "
+            "NaN limit would zero, flip or poison the gradients the step applies."
+        )
+    return limit

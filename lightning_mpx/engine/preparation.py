@@ -85,6 +85,8 @@ class PreparedModels:
         self._load_hooks: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
         # O2/O3: each prepared model's hooks on the submodules tied to an fp32_modules module (_run_tied_in_fp32).
         self._tied_hooks: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+        # O2/O3: one parameter of each prepared model that prepare_model() made half (see _check_dtypes).
+        self._half_marks: weakref.WeakKeyDictionary[nn.Module, torch.Tensor | None] = weakref.WeakKeyDictionary()
 
     def prepare(self, module: nn.Module, *, train: bool) -> nn.Module:
         """:meth:`Amp.prepare_model <lightning_mpx.engine.amp.Amp.prepare_model>` (arguments checked)."""
@@ -100,13 +102,15 @@ class PreparedModels:
                 f"module={type(module).__name__} is not sharded, but this Amp prepared an FSDP-sharded model: one "
                 "engine trains either sharded models or unsharded ones; use one Amp per kind."
             )
+        props = self.properties
+        if props.master_weights and train:
+            _refuse_meta(module)
         live = self.masters.prune()
         prefix = f"model{len(live)}." if live else ""
         for name, param in module.named_parameters():
             self.names.setdefault(id(param), prefix + name)
         self._unsharded[module] = [id(param) for param in module.parameters()]
         self.forensics.watch.add_model(module, prefix)
-        props = self.properties
         # FP32 values held through the cast: the trainable parameters' for their masters (O2, one process) and the
         # fp32_modules' own; not those of the other frozen ones (a LoRA base), which would raise the cast's peak memory.
         masters_from_fp32 = props.master_weights and train and not _multi_process()
@@ -122,6 +126,8 @@ class PreparedModels:
         if tied:
             self._run_tied_in_fp32(module, tied)
         initial = _keep_fp32_values(module, before_cast)
+        if props.casts_model:  # one half parameter, looked at each forward: the dtype prepare_model() gave the model
+            self._half_marks[module] = next((p for p in module.parameters() if p.dtype == props.half_dtype), None)
         if props.master_weights and not train:
             self.masters.evaluation_only = True
         if props.master_weights and train:
@@ -163,6 +169,26 @@ class PreparedModels:
         regions = self.loss_regions
         if regions is not None and regions.stale() and not torch.compiler.is_compiling():
             self._hook_regions_again()
+        half = self.properties.half_dtype
+        for module, param in self._half_marks.items():
+            if param is not None and param.dtype != half:
+                self._check_dtypes(module, param)
+
+    def _check_dtypes(self, module: nn.Module, param: torch.Tensor) -> None:
+        """Raise when ``module`` is no longer in the dtype :meth:`prepare` gave it (``model.half()``, ``.float()`` or
+        ``.to(dtype)`` after it: its inputs are still cast to the half dtype and its masters were made for it); a
+        parameter promoted to FP32 (``on_floor="promote"``) while others stay half is not that: another is looked at."""
+        half = self.properties.half_dtype
+        other = next((p for p in module.parameters() if p.dtype == half), None)
+        if param.dtype == torch.float32 and other is not None:
+            self._half_marks[module] = other
+            return
+        raise RuntimeError(
+            f"module={type(module).__name__} was converted to {param.dtype} after prepare_model(), which made it "
+            f"{half} (opt_level={self.properties.opt_level!r}): its inputs are cast to {half} and its FP32 masters "
+            "follow that dtype. Call model.half()/.float()/.to(dtype) before prepare_model(), not after; for another "
+            "precision, build an Amp with that half_dtype or opt_level."
+        )
 
     def _adopt_device(self) -> None:
         """At the first forward: point the O1 policy at the device of the first model prepared, its
@@ -326,3 +352,15 @@ def _convert(module: nn.Module, props: Properties) -> None:
         for param in module.parameters():
             if param.dtype in (torch.float16, torch.bfloat16):
                 param.data = param.data.float()
+
+
+def _refuse_meta(module: nn.Module) -> None:
+    """O2: the FP32 masters are made from the parameters' values, which a model on the ``meta`` device does not have
+    (``to_empty()`` after would also replace the parameters the masters were made for)."""
+    name = next((name for name, param in module.named_parameters() if param.is_meta), None)
+    if name is not None:
+        raise ValueError(
+            f"module={type(module).__name__} has parameters on the meta device (first: {name!r}), which have no values "
+            "for the FP32 masters of opt_level='O2'; materialize it first (module.to_empty(device=...) and initialize "
+            "or load its weights), then call prepare_model()."
+        )

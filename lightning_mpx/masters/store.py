@@ -102,6 +102,11 @@ class Masters:
 
     def master_of(self, param: torch.Tensor, states: Iterable[_OptimizerState]) -> torch.Tensor:
         """The FP32 master of ``param`` (the parameter itself when it has none)."""
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(
+                f"param={type(param).__name__} must be a model parameter (a torch.Tensor, such as one of "
+                "model.parameters())."
+            )
         for masters in self.weights:
             if masters.covers(param):
                 master = masters.master_of(param)
@@ -113,7 +118,16 @@ class Masters:
 
     def refresh(self, params: Iterable[torch.Tensor] | None, *, force: bool) -> list[str]:
         """Take writes to the half model into the masters; returns the names of the parameters that took one."""
-        params = None if params is None else list(params)
+        if params is not None:
+            if isinstance(params, (nn.Module, torch.Tensor)) or not isinstance(params, Iterable):
+                raise TypeError(
+                    f"params={type(params).__name__} must be an iterable of parameters (model.parameters(), or "
+                    "[param]) or None (all)."
+                )
+            params = list(params)
+            strays = [type(p).__name__ for p in params if not isinstance(p, torch.Tensor)]
+            if strays:
+                raise TypeError(f"params holds {strays[0]}; each entry must be a parameter (a torch.Tensor).")
         return [name for masters in self.weights for name in masters.refresh(params, force=force)]
 
     def fp32_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ the device. With ``hysteresis=1`` and no bound reached, the scale follows ``torc
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from typing_extensions import Unpack
@@ -164,6 +164,12 @@ class LossScaler:
     # -- the per-step work --------------------------------------------------------------------------------------
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the current scale (a no-op for a static scale of 1.0)."""
+        if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
+            kind = loss.dtype if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise TypeError(
+                f"loss={kind} must be a floating-point torch.Tensor (the loss the backward starts from, such as "
+                "loss_fn(output, target)), not a Python number or an integer tensor."
+            )
         if self._scale is None or self._scale.device != loss.device:
             self.to(loss.device)
         if self._unit:
@@ -198,6 +204,11 @@ class LossScaler:
                 decide the skip): the overflow is then counted without operators on the device, and a static
                 scale's update makes none. ``None``: counted from ``found_inf`` on its device.
         """
+        if not isinstance(found_inf, torch.Tensor):
+            raise TypeError(
+                f"found_inf={found_inf!r} must be a torch.Tensor (the overflow flag: nonzero on overflow), such as "
+                "Amp.found_inf(optimizer)."
+            )
         scale = self.scale_tensor
         if overflowed is not None:
             if overflowed:
@@ -302,6 +313,9 @@ class LossScaler:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (a refused one changes nothing)."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state={type(state).__name__} must be a dict saved by LossScaler.state_dict().")
         missing = {"scale", "growth_tracker", "hysteresis_tracker", "overflows"} - set(state)
         if missing:
             raise KeyError(f"loss-scaler state is missing {sorted(missing)}; was it saved by LossScaler.state_dict()?")
@@ -310,6 +324,17 @@ class LossScaler:
             raise ValueError(
                 f"the checkpoint holds {saved} loss scale but this scaler is "
                 f"{'dynamic' if self.dynamic else 'static'}; resume with the same loss_scale setting."
+            )
+        scale = state["scale"]
+        try:
+            value = None if isinstance(scale, bool) else float(scale)
+        except (TypeError, ValueError, RuntimeError):
+            value = None
+        if value is None or not 0 < value <= _FP32_MAX:
+            # a NaN, zero or negative scale would turn every loss and step after the load into NaN or nothing
+            raise ValueError(
+                f"the checkpoint's loss scale {scale!r} is not a positive finite number; valid: a scale saved by "
+                "LossScaler.state_dict()."
             )
         if self._scale is None:
             self._pending_state = dict(state)
