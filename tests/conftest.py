@@ -1,5 +1,6 @@
-"""Shared test set-up (the fixtures ``fresh_dynamo``, ``fresh_accelerate_state`` and ``one_rank`` are at the end;
-``_launch_environment``, for every test, keeps the variables of a launched rank out of the next tests).
+"""Shared test set-up (torch's threads shared out among pytest-xdist's workers; the fixtures ``fresh_dynamo``,
+``fresh_accelerate_state`` and ``one_rank`` are at the end; ``_launch_environment``, for every test, keeps the
+variables of a launched rank out of the next tests).
 
 The fused unscale kernels are Triton kernels. Without a GPU they are tested in triton's interpreter, which runs them
 on CPU tensors; triton reads ``TRITON_INTERPRET`` when a kernel is decorated, so it is set here, before any test
@@ -15,6 +16,26 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _threads_per_worker() -> None:
+    """Under pytest-xdist (the README's command: one worker per core), each worker and the processes its tests
+    start get an equal share of the cores for torch's intra-op threads (``OMP_NUM_THREADS`` and
+    ``torch.set_num_threads``), unless ``OMP_NUM_THREADS`` is set already. torch's default is a thread per core in
+    every process: two workers on two cores, and the ranks their multi-process tests launch, then ran several spinning
+    OpenMP threads per core, and small operations waited on threads that were not running (the suite took 594 s on
+    two cores instead of 388 s, tests of small models up to 60 times their time alone). Not a setting of the
+    library: a single-process run (``python -m pytest -q``) keeps torch's default."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not workers or "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // max(1, int(workers)))
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # the ranks and scripts the tests launch inherit it
+    torch.set_num_threads(threads)
+
+
+_threads_per_worker()
 
 
 # Hypothesis draws the same examples on every run (a randomized run that fails once in a while is a flaky test, and

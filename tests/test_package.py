@@ -86,3 +86,22 @@ def test_every_package_a_test_skips_without_is_installed_by_the_dev_extra():
         if dist is not None and dist.lower() not in wanted:
             missing[name] = sorted(files)
     assert not missing, f"tests skip without these packages, which the dev extra does not install: {missing}"
+
+
+def test_xdist_workers_share_the_cores_out():
+    """Under the README's command (pytest-xdist, a worker per core) each worker, and what its tests launch, runs
+    torch on its share of the cores (tests/conftest.py): a thread per core in every worker made small tests wait on
+    OpenMP threads that were not running."""
+    import os
+
+    import torch
+
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers is None:
+        pytest.skip("runs under pytest-xdist only (a single-process run keeps torch's default threads)")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    expected = os.environ["OMP_NUM_THREADS"]  # set by tests/conftest.py unless the caller set it
+    assert torch.get_num_threads() == int(expected)
+    if expected == str(max(1, cores // int(workers))):
+        return
+    pytest.skip(f"OMP_NUM_THREADS={expected} was set by the caller")
