@@ -219,11 +219,13 @@ def test_o0_is_fabrics_own_32_true_bit_for_bit(ranks):
 
 def test_o2_is_refused_with_what_to_use(ranks):
     """O2 cannot keep its FP32 values: the plugin casts the model to half when ``fabric.setup`` converts it, before
-    the strategy wraps it, so FSDP1's FP32 flat parameters (O2's masters under FSDP) never exist. The first call after
-    the set-up says so on both ranks, naming the level, the strategy, why, and what to use."""
+    the strategy wraps it, so FSDP1's FP32 flat parameters (O2's masters under FSDP) never exist. ``fabric.setup``
+    says so on both ranks (the strategy reads the plugin's FSDP1 config to wrap the model), naming the level, the
+    strategy, why, and what to use."""
     for (result,) in _runs(ranks, "refused:O2"):
         message = result.get("refusal", "")
         assert message.startswith("RuntimeError"), message
+        assert result["refused_at"] == "fabric.setup_module", result["refused_at"]
         for words in ("FabricMixedPrecisionPlugin('O2')", "FSDPStrategy", "FP32 flat parameters", "bfloat16 rounding",
                       "'O1'", "lightning_mpx.MixedPrecisionPlugin('O2')", "strategy='fsdp'"):  # fmt: skip
             assert words in message, (words, message)

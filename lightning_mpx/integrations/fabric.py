@@ -47,7 +47,8 @@ What it does, in Fabric's terms:
   ``ModelParallelStrategy`` (FSDP2) the model the strategy sharded after ``convert_module`` is handed to the engine as
   a sharded model at the plugin's first call after ``fabric.setup`` (O0, O1, O3; O2 is refused: docs/fabric.md);
   under ``FSDPStrategy`` (FSDP1, wrapped with :attr:`~FabricMixedPrecisionPlugin.mixed_precision_config`) the
-  wrapper is, and ``fabric.clip_gradients`` by norm is FSDP1's own clip of the whole model (O2 refused too).
+  wrapper is, and ``fabric.clip_gradients`` by norm is FSDP1's own clip of the whole model (O2 refused at
+  ``fabric.setup``).
 * ``mpx/*`` metrics (the Trainer plugin's names) come from :meth:`metrics`, read from the device only when called;
   the plugin's state (loss scalers, FP32 masters, counters) goes into ``fabric.save`` as one more entry of the state.
 """
@@ -56,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import weakref
 from typing import Any, ContextManager, Iterator
 
@@ -175,7 +177,10 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
     def mixed_precision_config(self) -> Any:
         """The FSDP1 ``MixedPrecision`` of the opt level (:func:`~lightning_mpx.fsdp.fsdp1_mixed_precision`: at O1
         gathered in half, reduced in FP32), which Fabric's ``FSDPStrategy`` wraps the model with, as the Trainer
-        plugin's. Where FSDP should not cast (O0) it is an empty ``MixedPrecision`` that FSDP treats as none."""
+        plugin's. Where FSDP should not cast (O0) it is an empty ``MixedPrecision`` that FSDP treats as none. At O2
+        the strategy's read (``fabric.setup``, ``fabric.init_module``) is refused: O2 cannot train under FSDP1."""
+        if self.amp.properties.master_weights and _read_by_fsdp1_strategy():
+            raise RuntimeError(_o2_refusal(self.amp.opt_level, dtype_name(self.amp.half_dtype), fsdp1=True))
         from torch.distributed.fsdp import MixedPrecision
 
         from lightning_mpx.integrations.fsdp import fsdp1_mixed_precision
@@ -467,6 +472,15 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
         refuse_gathered(list(self._modules), optimizer_params(optimizer))
         self.amp.prepare_optimizer(optimizer)
         self._optimizers.add(optimizer)
+
+
+def _read_by_fsdp1_strategy() -> bool:
+    """Whether the caller of :attr:`FabricMixedPrecisionPlugin.mixed_precision_config` is Fabric's ``FSDPStrategy``
+    (its own ``mixed_precision_config``, read to wrap a model) rather than another reader of the config (Lightning's
+    throughput monitor reads it under every strategy)."""
+    from lightning.fabric.strategies import FSDPStrategy
+
+    return isinstance(sys._getframe(2).f_locals.get("self"), FSDPStrategy)  # 0: here, 1: the property, 2: its reader
 
 
 def _o2_refusal(level: str, half: str, *, fsdp1: bool) -> str:
