@@ -209,7 +209,7 @@ def run_core(level: str, out: dict[str, Any]) -> None:
 
 
 def run_refused(level: str, out: dict[str, Any]) -> None:
-    """The plugin at a level it refuses under the strategy: what the first forward says."""
+    """The plugin at a level it refuses under the strategy: what it says, and at which call (``refused_at``)."""
     plugin = FabricMixedPrecisionPlugin(level, **SETTINGS)
 
     def parallelize(model: nn.Sequential, mesh: Any) -> nn.Module:
@@ -218,11 +218,14 @@ def run_refused(level: str, out: dict[str, Any]) -> None:
     strategy = ModelParallelStrategy(parallelize, data_parallel_size=2, tensor_parallel_size=1)
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin])
     fabric.launch()
-    model = fabric.setup_module(build())
-    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05))
+    out["refused_at"] = "fabric.setup_module"
     try:
+        model = fabric.setup_module(build())
+        out["refused_at"] = "the first call after fabric.setup"
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05))
         fabric.backward(model(torch.randn(4, 16)).float().sum())
         optimizer.step()
+        out["refused_at"] = None
     except Exception as error:  # noqa: BLE001 - the message is the result
         out["refusal"] = f"{type(error).__name__}: {error}"
 

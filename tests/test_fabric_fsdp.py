@@ -137,10 +137,12 @@ def test_overflow_record_and_telemetry_are_the_core_engines(ranks, level):
 
 def test_o2_is_refused_with_what_to_use(ranks):
     """O2 cannot work: the plugin casts the model to half when ``fabric.setup`` converts it, before the strategy
-    shards it. The first call after the set-up says so, naming the level, the strategy and the alternatives."""
+    shards it. ``fabric.setup`` says so (the plugin converts the model there, called by the Fabric whose strategy
+    will shard it), naming the level, the strategy and the alternatives."""
     for (result,) in _runs(ranks, "refused:O2"):
         message = result.get("refusal", "")
         assert message.startswith("RuntimeError"), message
+        assert result["refused_at"] == "fabric.setup_module", result["refused_at"]
         for words in ("FabricMixedPrecisionPlugin('O2')", "ModelParallelStrategy", "FP32 shards", "fully_shard", "'O1'",
                       "lightning_mpx.MixedPrecisionPlugin", "lightning_mpx.Amp", "shard_model"):  # fmt: skip
             assert words in message, (words, message)

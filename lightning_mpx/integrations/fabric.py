@@ -45,7 +45,8 @@ What it does, in Fabric's terms:
   optimizer steps, so several optimizers stepping one after the other count as one iteration. Under DDP the
   overflow flag is reduced across processes before each step, so all ranks skip together. Under
   ``ModelParallelStrategy`` (FSDP2) the model the strategy sharded after ``convert_module`` is handed to the engine as
-  a sharded model at the plugin's first call after ``fabric.setup`` (O0, O1, O3; O2 is refused: docs/fabric.md);
+  a sharded model at the plugin's first call after ``fabric.setup`` (O0, O1, O3; O2 is refused at ``fabric.setup``:
+  docs/fabric.md);
   under ``FSDPStrategy`` (FSDP1, wrapped with :attr:`~FabricMixedPrecisionPlugin.mixed_precision_config`) the
   wrapper is, and ``fabric.clip_gradients`` by norm is FSDP1's own clip of the whole model (O2 refused at
   ``fabric.setup``).
@@ -179,8 +180,7 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
         gathered in half, reduced in FP32), which Fabric's ``FSDPStrategy`` wraps the model with, as the Trainer
         plugin's. Where FSDP should not cast (O0) it is an empty ``MixedPrecision`` that FSDP treats as none. At O2
         the strategy's read (``fabric.setup``, ``fabric.init_module``) is refused: O2 cannot train under FSDP1."""
-        if self.amp.properties.master_weights and _read_by_fsdp1_strategy():
-            raise RuntimeError(_o2_refusal(self.amp.opt_level, dtype_name(self.amp.half_dtype), fsdp1=True))
+        _refuse_o2_sharding(self.amp, sys._getframe(1).f_locals.get("self"))  # the reader: FSDPStrategy, or another
         from torch.distributed.fsdp import MixedPrecision
 
         from lightning_mpx.integrations.fsdp import fsdp1_mixed_precision
@@ -207,6 +207,7 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
             raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module.")
         if module in self._modules:
             return module
+        _refuse_o2_sharding(self.amp, sys._getframe(1).f_locals.get("self"))  # the caller: fabric.setup, or not Fabric
         props = self.amp.properties
         if props.casts_model and not has_floating_parameters(module):
             # A parameter-free wrapper (nn.Identity, a model of buffers): nothing to train in half and no masters,
@@ -474,13 +475,21 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
         self._optimizers.add(optimizer)
 
 
-def _read_by_fsdp1_strategy() -> bool:
-    """Whether the caller of :attr:`FabricMixedPrecisionPlugin.mixed_precision_config` is Fabric's ``FSDPStrategy``
-    (its own ``mixed_precision_config``, read to wrap a model) rather than another reader of the config (Lightning's
-    throughput monitor reads it under every strategy)."""
-    from lightning.fabric.strategies import FSDPStrategy
+def _refuse_o2_sharding(amp: Amp, caller: Any) -> None:
+    """At O2, refuse a model that Fabric's ``ModelParallelStrategy`` or ``FSDPStrategy`` will shard, as soon as the
+    plugin can tell: ``caller`` is the object whose method called into the plugin (``fabric.setup`` converting the
+    model: the ``Fabric``; ``FSDPStrategy`` reading the FSDP1 config to wrap it, at ``fabric.setup`` or
+    ``fabric.init_module``: the strategy). Another caller (Lightning's throughput monitor reads the config under every
+    strategy) is let through; the plugin's first call after ``fabric.setup`` refuses such a model anyway."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import FSDPStrategy, ModelParallelStrategy
 
-    return isinstance(sys._getframe(2).f_locals.get("self"), FSDPStrategy)  # 0: here, 1: the property, 2: its reader
+    if not amp.properties.master_weights:
+        return
+    strategy = caller.strategy if isinstance(caller, Fabric) else caller
+    if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
+        fsdp1 = isinstance(strategy, FSDPStrategy)
+        raise RuntimeError(_o2_refusal(amp.opt_level, dtype_name(amp.half_dtype), fsdp1=fsdp1))
 
 
 def _o2_refusal(level: str, half: str, *, fsdp1: bool) -> str:
