@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import operator
 from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 import torch
 from torch import nn
 from typing_extensions import Unpack
 
-from lightning_mpx.casting.loss_regions import LossRegions
 from lightning_mpx.casting.policy import CastPolicy, casts_off_if_on
 from lightning_mpx.casting.table import CastTable
 from lightning_mpx.common.containers import _cast_collection
+from lightning_mpx.engine.amp_parts import AmpParts
 from lightning_mpx.engine.checkpoint import EngineState
 from lightning_mpx.engine.iteration import Iteration
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, backward_loss, loss_index
@@ -40,11 +39,10 @@ from lightning_mpx.engine.overflow import Overflows
 
 # _EngineHook's old import path here keeps working (lightning_mpx.apex's hooks).
 from lightning_mpx.engine.preparation import PreparedModels, _EngineHook  # noqa: F401
-from lightning_mpx.health.forensics import OverflowForensics, OverflowRecord
+from lightning_mpx.health.forensics import OverflowForensics
 from lightning_mpx.health.promotion import Promotion
 from lightning_mpx.health.telemetry import GradTelemetry
 from lightning_mpx.masters.store import Masters
-from lightning_mpx.masters.weights import MasterWeights
 from lightning_mpx.opt_levels import Properties
 from lightning_mpx.scaling.scaler import LossScaler
 
@@ -59,21 +57,7 @@ from lightning_mpx.settings import (  # noqa: F401
 )
 
 
-def _part(path: str, *, doc: str, settable: bool = False, also: tuple[str, ...] = ()) -> Any:
-    """A property of :class:`Amp` that is the attribute at ``path`` of one of its parts (``"_overflows.last"``): the
-    parts own their state, and the engine shows it under the names the adapters and tests use (``settable``: a
-    write goes to the part, and to the parts' attributes at the paths in ``also``, which hold the same value). Read
-    with a C-level getter: no Python frame."""
-    targets = [(operator.attrgetter(owner), name) for owner, name in (p.rsplit(".", 1) for p in (path, *also))]
-
-    def fset(amp: Amp, value: Any) -> None:
-        for owner_of, name in targets:
-            setattr(owner_of(amp), name, value)
-
-    return property(operator.attrgetter(path), fset if settable else None, doc=doc)
-
-
-class Amp:
+class Amp(AmpParts):
     """Mixed precision for one training run: a facade over parts that each own their state (the optimizers'
     :class:`~lightning_mpx.engine.optimizers.StepMachine`, the step :class:`~lightning_mpx.engine.optimizer_step.
     OptimizerStep`, the models :class:`~lightning_mpx.engine.preparation.PreparedModels`, the checkpoint
@@ -154,42 +138,8 @@ class Amp:
         sharded FP32 parameters are the masters)."""
         return self.properties.master_weights and not self.sharded
 
-    # -- the parts' state, under the names the adapters and tests use ------------------------------------------
-    register_call: str = _part("_machine.register_call", settable=True, doc="""What the error for an optimizer this
-        engine does not know tells the user to do (default: ``"call prepare_optimizer() on it first"``). A front door
-        whose users never call :meth:`prepare_optimizer` names its own call here (the Fabric plugin:
-        ``plugin.setup_optimizers(optimizer)``).""")
-    sharded: bool = _part("_models.sharded", settable=True, doc="""Whether the prepared model is sharded by PyTorch
-        FSDP (see :meth:`prepare_model`).""")
-    master_weights: list[MasterWeights] = _part("_masters.weights", doc="""One
-        :class:`~lightning_mpx.masters.weights.MasterWeights` per model prepared for training (O2).""")
-    skipped_steps: list[int] = _part("_overflows.skipped_steps", settable=True, doc="""Steps skipped on overflow so
-        far, by loss.""")
-    last_overflow: OverflowRecord | None = _part("_overflows.last", doc="""The
-        :class:`~lightning_mpx.health.forensics.OverflowRecord` of the latest overflow step (``None`` before the
-        first), merged across ranks when ``found_inf_reducer`` is set.""")
-    last_overflow_parameters: list[str] = _part("_overflows.last_parameters", doc="""The names of the parameters with
-        non-finite gradients at that step (this process's).""")
-    diagnose_overflows: bool = _part("forensics.diagnose", settable=True, doc="""Whether every forward is watched for
-        non-finite outputs; setting it registers or removes the hooks.""")
-    log_overflows: bool = _part("_overflows.log.enabled", settable=True, doc="""Whether overflow messages are logged
-        (adapters turn it off on ranks other than zero).""")
-    overflow_log_interval: float = _part("_overflows.log.interval", settable=True, doc="""Minimum seconds between two
-        overflow log messages.""")
-    fp32_modules: list[str] = _part("promotion.fp32_modules", doc="""Names of the modules that run in FP32: pinned by
-        ``fp32_modules``, then promoted at the floor.""")
-    opt_level: str = _part("properties.opt_level", doc="The opt level (``\"O0\"`` to ``\"O3\"``).")
-    half_dtype: torch.dtype = _part("properties.half_dtype", doc="``torch.float16`` or ``torch.bfloat16``.")
-    _optimizers: dict[int, _OptimizerState] = _part("_machine.optimizers", doc="The optimizers' states, by id.")
-    _loss_regions: LossRegions | None = _part("_models.loss_regions", doc="O2: the regions that compute no loss.")
-
-    unscale_backend: str = _part("_machine.backend", settable=True, also=("_masters.backend",), doc="""The unscale
-        backend of the later unscales and masters.""")
-
     def _state(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
         return self._machine.state(optimizer)
-
-    num_losses = property(lambda amp: len(amp.scalers), doc="The number of losses, one loss scaler each.")
 
     @property
     def promoted_modules(self) -> dict[str, dict[str, Any]]:
