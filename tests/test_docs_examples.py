@@ -164,8 +164,8 @@ def test_lightning_quick_example_trains_and_logs_the_mpx_metrics(doc, tmp_path):
     pytest.importorskip("lightning")
     pytest.importorskip("tensorboard")  # the Trainer's default logger
     code = block(doc, "trainer.fit(model, train_loader, val_loader)")
-    code = substitute(code, "max_steps=10_000", f"max_steps=3, log_every_n_steps=1, default_root_dir={str(tmp_path)!r}, "
-                      "enable_progress_bar=False, enable_model_summary=False")  # fmt: skip
+    trainer_args = f"max_steps=3, log_every_n_steps=1, default_root_dir={str(tmp_path)!r}, enable_progress_bar=False"
+    code = substitute(code, "max_steps=10_000", trainer_args)
     code = substitute(code, 'MixedPrecisionPlugin("O1")', 'MixedPrecisionPlugin("O1", half_dtype="bfloat16")')
     ns = run(code, doc, model=lightning_module(), train_loader=loader(), val_loader=loader(2))
     assert ns["trainer"].global_step == 3
@@ -177,8 +177,8 @@ def test_lightning_quick_example_trains_and_logs_the_mpx_metrics(doc, tmp_path):
 def test_readme_accelerate_loop_runs():
     pytest.importorskip("accelerate")
     model = classifier()
-    ns = run(block("README.md", "from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs"),
-             "README.md", model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loader=loader())  # fmt: skip
+    code = block("README.md", "from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs")
+    ns = run(code, "README.md", model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loader=loader())
     assert ns["optimizer"].step_was_skipped is False
     assert next(ns["model"].parameters()).dtype == torch.bfloat16
 
@@ -245,8 +245,9 @@ def test_fabric_doc_loop_logs_the_mpx_metrics(tmp_path, monkeypatch):
 @pytest.mark.parametrize("doc", ["README.md", "docs/apex.md"])
 def test_apex_block_runs_and_saves_apex_state(doc):
     model = classifier()
-    ns = run(block(doc, "amp.initialize(model, optimizer"), doc, model=model, loss_fn=F.cross_entropy,
-             optimizer=torch.optim.SGD(model.parameters(), lr=0.1), x=torch.randn(4, 8), y=torch.randint(0, 4, (4,)))  # fmt: skip
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ns = run(block(doc, "amp.initialize(model, optimizer"), doc, model=model, optimizer=optimizer,
+             loss_fn=F.cross_entropy, x=torch.randn(4, 8), y=torch.randint(0, 4, (4,)))  # fmt: skip
     state = ns["amp"].state_dict()
     assert set(state["loss_scaler0"]) == {"loss_scale", "unskipped"}  # apex.md: Apex's format
     ns["amp"]._amp_state.reset()
@@ -404,8 +405,8 @@ def test_documented_scaler_defaults_are_the_real_ones():
     defaults = {k: v.default for k, v in inspect.signature(Amp).parameters.items()}
     for kw, value in re.findall(r"(\w+)=([^,]+)", call):
         assert defaults[kw] == eval(value, {}), kw  # noqa: S307 - numbers and strings from the docs
-    listed = re.search(r"`MixedPrecisionKwargs` takes `Amp`'s settings(.*?)\nAn unknown", (ROOT / "docs/accelerate.md").read_text(),
-                       re.S).group(1)  # fmt: skip
+    accelerate_md = (ROOT / "docs/accelerate.md").read_text()
+    listed = re.search(r"`MixedPrecisionKwargs` takes `Amp`'s settings(.*?)\nAn unknown", accelerate_md, re.S).group(1)
     from lightning_mpx.accelerate import MixedPrecisionKwargs
 
     fields = {f.name for f in dataclasses.fields(MixedPrecisionKwargs)}
