@@ -6,7 +6,7 @@ Swap the import and pick an opt level; the rest of an Accelerate script stays as
 
     accelerator = Accelerator(mixed_precision="O2", kwargs_handlers=[MixedPrecisionKwargs(half_dtype="bfloat16")])
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    for x, y in loader:
+    for step, (x, y) in enumerate(loader):
         with accelerator.accumulate(model):
             loss = F.cross_entropy(model(x), y)
             accelerator.backward(loss)                     # scaled, divided by the accumulation steps
