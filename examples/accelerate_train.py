@@ -3,7 +3,7 @@
 The only lightning_mpx-specific lines are the import and the ``Accelerator(...)`` call: the loop is a plain Accelerate
 loop (prepare, accumulate, backward, clip_grad_norm_, step, log, save_state). Run it on one process or several:
 
-    python examples/accelerate_train.py                                   # O2, float16
+    python examples/accelerate_train.py                                   # O2; float16 on a GPU, bfloat16 on a CPU
     python examples/accelerate_train.py --opt-level O1 --half-dtype bfloat16
     accelerate launch --multi_gpu --num_processes 2 examples/accelerate_train.py --cpu   # two CPU processes
 
@@ -42,10 +42,16 @@ def make_model() -> nn.Module:
     )
 
 
+def pick_half_dtype(choice: str) -> str:
+    """``--half-dtype auto``: float16 on a GPU, bfloat16 on a CPU (many CPUs emulate float16 matmuls)."""
+    return choice if choice != "auto" else ("float16" if torch.cuda.is_available() else "bfloat16")
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--opt-level", default="O2", choices=["O0", "O1", "O2", "O3"])
-    parser.add_argument("--half-dtype", default="float16", choices=["float16", "bfloat16"])
+    parser.add_argument("--half-dtype", default="auto", choices=("auto", "float16", "bfloat16"),
+                        help="auto: float16 on a GPU, bfloat16 on a CPU (where float16 matmuls are often emulated)")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64, help="per process and micro-batch")
     parser.add_argument("--accumulation", type=int, default=2, help="gradient accumulation steps")
@@ -53,7 +59,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--project-dir", default="runs/accelerate_train", help="TensorBoard logs and the checkpoint")
     parser.add_argument("--cpu", action="store_true", help="train on CPU even when a GPU is present")
-    return parser.parse_args()
+    args = parser.parse_args()
+    args.half_dtype = pick_half_dtype(args.half_dtype)
+    return args
 
 
 def main() -> None:

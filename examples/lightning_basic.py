@@ -1,6 +1,6 @@
 """O1 with Lightning: the cast table sends matmuls to half and keeps softmax, reductions and the loss in FP32.
 
-    python examples/lightning_basic.py                      # O1, float16
+    python examples/lightning_basic.py                      # O1; float16 on a GPU, bfloat16 on a CPU
     python examples/lightning_basic.py --half-dtype bfloat16
 """
 
@@ -32,11 +32,19 @@ class Classifier(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
+
+def pick_half_dtype(choice: str) -> str:
+    """``--half-dtype auto``: float16 on a GPU, bfloat16 on a CPU (many CPUs emulate float16 matmuls)."""
+    return choice if choice != "auto" else ("float16" if torch.cuda.is_available() else "bfloat16")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--half-dtype", default="float16", choices=("float16", "bfloat16"))
+    parser.add_argument("--half-dtype", default="auto", choices=("auto", "float16", "bfloat16"),
+                        help="auto: float16 on a GPU, bfloat16 on a CPU (where float16 matmuls are often emulated)")
     parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
+    args.half_dtype = pick_half_dtype(args.half_dtype)
 
     pl.seed_everything(0)
     x = torch.randn(2048, 32)

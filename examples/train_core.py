@@ -3,7 +3,7 @@
 Trains the same small classifier in FP32 and with an opt level, on CPU (or CUDA when present), and prints the final
 losses side by side with the loss-scale metrics:
 
-    python examples/train_core.py                 # O1, float16
+    python examples/train_core.py                 # O1; float16 on a GPU, bfloat16 on a CPU
     python examples/train_core.py --opt-level O2 --half-dtype bfloat16 --steps 300
 """
 
@@ -71,12 +71,20 @@ def train(opt_level: str | None, half_dtype: str, steps: int, device: torch.devi
         return F.cross_entropy(logits.float(), y).item(), amp
 
 
+
+def pick_half_dtype(choice: str) -> str:
+    """``--half-dtype auto``: float16 on a GPU, bfloat16 on a CPU (many CPUs emulate float16 matmuls)."""
+    return choice if choice != "auto" else ("float16" if torch.cuda.is_available() else "bfloat16")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--opt-level", default="O1", choices=["O0", "O1", "O2", "O3"])
-    parser.add_argument("--half-dtype", default="float16", choices=["float16", "bfloat16"])
+    parser.add_argument("--half-dtype", default="auto", choices=("auto", "float16", "bfloat16"),
+                        help="auto: float16 on a GPU, bfloat16 on a CPU (where float16 matmuls are often emulated)")
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
+    args.half_dtype = pick_half_dtype(args.half_dtype)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     print(f"{args.opt_level}: {DESCRIPTIONS[args.opt_level]}")
