@@ -1,0 +1,165 @@
+"""What users read in TensorBoard, checked step by step against a reference: real Trainer runs with a
+TensorBoardLogger and overflows injected at known steps, read back from the event files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import nn
+
+from lightning_mpx import MixedPrecisionPlugin
+from lightning_mpx.health.plot import read_scalars
+from tests.lightning_helpers import Classifier, classification_data, loader, make_trainer
+
+INIT, GROWTH = 2.0**10, 3
+
+
+def reference(overflow_steps: set[int], steps: int) -> tuple[list[float], list[int]]:
+    """torch's GradScaler with the same settings on a gradient that is inf at ``overflow_steps``: the scale after
+    each step's update, and the steps it skipped."""
+    param = nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT, growth_interval=GROWTH)
+    scales, skipped = [], []
+    for step in range(steps):
+        scaler.scale(param.sum()).backward()
+        if step in overflow_steps:
+            param.grad[0] = float("inf")
+        before = param.detach().clone()
+        scaler.step(optimizer)
+        if torch.equal(param.detach(), before):  # the step was skipped
+            skipped.append(step)
+        optimizer.zero_grad()
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales, skipped
+
+
+class StepLogging(Classifier):
+    """Logs the optimizer step each batch belongs to, to line the mpx curves up against."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("opt_step", float(self.trainer.global_step))
+        return loss
+
+
+class PeekingCallback(pl.Callback):
+    """Reads the metrics every batch, as docs/lightning.md allows a callback to."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        trainer.precision_plugin.metrics()
+
+
+def fp16_plugin() -> MixedPrecisionPlugin:
+    return MixedPrecisionPlugin("O1", half_dtype="float16", init_scale=INIT, growth_interval=GROWTH)
+
+
+def curves(run: Path) -> dict[str, dict[int, float]]:
+    return {tag: dict(points) for tag, points in read_scalars(run).items()}
+
+
+@pytest.mark.parametrize(
+    "accumulate,every,optimizer,peek",
+    [(1, 1, "sgd", False), (4, 5, "adamw_fused", False), (1, 5, "sgd", True)],
+    ids=["every-step", "accumulate4-every5-skip_on_device", "callback-reads-metrics"],
+)
+def test_scale_curve_and_counts_match_grad_scaler_step_by_step(tmp_path, accumulate, every, optimizer, peek):
+    steps, overflow_steps = 12, {2, 3, 7}
+    plugin = fp16_plugin()
+    logger = TensorBoardLogger(str(tmp_path), name="run", version=0)
+    trainer = make_trainer(
+        plugin, max_steps=steps, logger=logger, log_every_n_steps=every, accumulate_grad_batches=accumulate,
+        callbacks=[PeekingCallback()] if peek else [],
+    )
+    trainer.fit(StepLogging(inject_inf_at=tuple(overflow_steps), optimizer=optimizer),
+                loader(classification_data(n=16 * steps * accumulate)))
+    scales, skipped = reference(overflow_steps, steps)
+    logged = curves(tmp_path / "run" / "version_0")
+    at = sorted(logged["mpx/loss_scale"])
+    assert at == [s for s in range(steps) if (s + 1) % every == 0]
+    # Each point is the scale after the update of the optimizer step the user's own metrics name at that x.
+    assert at == sorted(logged["opt_step"]) and all(logged["opt_step"][x] == x for x in at)
+    assert [logged["mpx/loss_scale"][x] for x in at] == [scales[x] for x in at]
+    assert [logged["mpx/skipped_steps"][x] for x in at] == [float(len([s for s in skipped if s <= x])) for x in at]
+    # Every overflow is counted once, in the interval that holds it (a callback's reads take none of them).
+    bounds = [-1, *at]
+    expected = [float(len([s for s in skipped if lo < s <= hi])) for lo, hi in zip(bounds, bounds[1:])]
+    assert [logged["mpx/overflows"][x] for x in at] == expected
+    assert sum(logged["mpx/overflow/net.0"].values()) == len(skipped) == len(overflow_steps)
+
+
+def test_a_resumed_run_continues_the_curve_without_an_overflow_spike(tmp_path):
+    data = loader(classification_data(n=16 * 6))
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ck"), save_last=True, every_n_train_steps=6)
+    first = make_trainer(
+        fp16_plugin(), max_epochs=1, logger=TensorBoardLogger(str(tmp_path), name="run", version=0),
+        log_every_n_steps=1, enable_checkpointing=True, callbacks=[checkpoint],
+    )
+    first.fit(Classifier(inject_inf_at=(2, 3)), data)
+    second = make_trainer(
+        fp16_plugin(), max_epochs=2, logger=TensorBoardLogger(str(tmp_path), name="run", version=0),
+        log_every_n_steps=1,
+    )
+    second.fit(Classifier(inject_inf_at=(7,)), data, ckpt_path=str(tmp_path / "ck" / "last.ckpt"))
+
+    scales, skipped = reference({2, 3, 7}, 12)
+    logged = curves(tmp_path / "run" / "version_0")
+    assert sorted(logged["mpx/loss_scale"]) == list(range(12))  # the step axis goes on where it stopped
+    assert [logged["mpx/loss_scale"][s] for s in range(12)] == scales
+    assert [logged["mpx/overflows"][s] for s in range(12)] == [float(s in skipped) for s in range(12)]
+    assert [logged["mpx/skipped_steps"][s] for s in range(12)] == [
+        float(len([k for k in skipped if k <= s])) for s in range(12)
+    ]
+    assert sum(logged["mpx/overflow/net.0"].values()) == 3.0
+
+
+class _GAN(pl.LightningModule):
+    """Two optimizers, two losses (manual optimization); infs injected into chosen batches of each."""
+
+    def __init__(self, d_inf: tuple[int, ...], g_inf: tuple[int, ...]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.g, self.d = nn.Linear(16, 16), nn.Linear(16, 1)
+        self.d_inf, self.g_inf = d_inf, g_inf
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, _ = batch
+        opt_g, opt_d = self.optimizers()
+        opt_d.zero_grad()
+        self.manual_backward(self.d(x).mean() - self.d(self.g(x).detach()).mean(), loss_id=0)
+        if batch_idx in self.d_inf:
+            self.d.weight.grad[0, 0] = float("inf")
+        opt_d.step()
+        opt_g.zero_grad()
+        self.manual_backward(-self.d(self.g(x)).mean(), loss_id=1)
+        if batch_idx in self.g_inf:
+            self.g.weight.grad[0, 0] = float("inf")
+        opt_g.step()
+
+    def configure_optimizers(self) -> Any:
+        return [torch.optim.SGD(self.g.parameters(), lr=0.01), torch.optim.SGD(self.d.parameters(), lr=0.01)]
+
+
+def test_two_losses_each_get_their_own_curve_at_the_batch_that_overflowed(tmp_path):
+    batches, d_inf, g_inf = 8, {1, 4}, {2}
+    plugin = MixedPrecisionPlugin("O1", half_dtype="float16", num_losses=2, init_scale=INIT, growth_interval=GROWTH)
+    trainer = make_trainer(plugin, max_steps=2 * batches, logger=TensorBoardLogger(str(tmp_path), name="run", version=0),
+                           log_every_n_steps=1)
+    trainer.fit(_GAN(tuple(d_inf), tuple(g_inf)), loader(classification_data(n=16 * batches)))
+    logged = curves(tmp_path / "run" / "version_0")
+    for loss_id, injected in ((0, d_inf), (1, g_inf)):
+        scales, skipped = reference(injected, batches)
+        assert [logged[f"mpx/loss_scale/loss{loss_id}"][b] for b in range(batches)] == scales
+        assert [logged[f"mpx/overflows/loss{loss_id}"][b] for b in range(batches)] == [
+            float(b in skipped) for b in range(batches)
+        ]
+    assert sorted(s for s, v in logged["mpx/overflow/d"].items() if v) == sorted(d_inf)
+    assert sorted(s for s, v in logged["mpx/overflow/g"].items() if v) == sorted(g_inf)
