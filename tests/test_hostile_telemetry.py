@@ -151,8 +151,8 @@ class _GAN(pl.LightningModule):
 def test_two_losses_each_get_their_own_curve_at_the_batch_that_overflowed(tmp_path):
     batches, d_inf, g_inf = 8, {1, 4}, {2}
     plugin = MixedPrecisionPlugin("O1", half_dtype="float16", num_losses=2, init_scale=INIT, growth_interval=GROWTH)
-    trainer = make_trainer(plugin, max_steps=2 * batches, logger=TensorBoardLogger(str(tmp_path), name="run", version=0),
-                           log_every_n_steps=1)
+    logger = TensorBoardLogger(str(tmp_path), name="run", version=0)
+    trainer = make_trainer(plugin, max_steps=2 * batches, logger=logger, log_every_n_steps=1)
     trainer.fit(_GAN(tuple(d_inf), tuple(g_inf)), loader(classification_data(n=16 * batches)))
     logged = curves(tmp_path / "run" / "version_0")
     for loss_id, injected in ((0, d_inf), (1, g_inf)):
@@ -163,3 +163,34 @@ def test_two_losses_each_get_their_own_curve_at_the_batch_that_overflowed(tmp_pa
         ]
     assert sorted(s for s, v in logged["mpx/overflow/d"].items() if v) == sorted(d_inf)
     assert sorted(s for s, v in logged["mpx/overflow/g"].items() if v) == sorted(g_inf)
+
+
+# -- the other doors: a resumed run's first log counts its own overflows ----------------------------------------------
+def _fabric_run(state: dict[str, Any] | None, inject: set[int], steps: int) -> tuple[list[float], dict[str, Any]]:
+    from lightning.fabric import Fabric
+
+    from lightning_mpx import FabricMixedPrecisionPlugin
+
+    mpx = FabricMixedPrecisionPlugin("O1", half_dtype="float16", init_scale=INIT, growth_interval=GROWTH)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[mpx])
+    torch.manual_seed(0)
+    model = fabric.setup_module(nn.Linear(16, 4))
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.01))
+    if state is not None:
+        mpx.load_state_dict(state)
+    overflows = []
+    for step in range(steps):
+        fabric.backward(model(torch.randn(8, 16)).square().mean())
+        if step in inject:
+            model.weight.grad[0, 0] = float("inf")
+        optimizer.step()
+        optimizer.zero_grad()
+        overflows.append(mpx.metrics()["mpx/overflows"])  # fabric.log_dict(mpx.metrics(), step=step), every step
+    return overflows, mpx.state_dict()
+
+
+def test_fabric_resumed_run_logs_no_overflow_spike():
+    first, state = _fabric_run(None, {1, 2}, 4)
+    second, _ = _fabric_run(state, {2}, 4)
+    assert first == [0.0, 1.0, 1.0, 0.0]
+    assert second == [0.0, 0.0, 1.0, 0.0]  # not the 2 overflows of the first run at its first step

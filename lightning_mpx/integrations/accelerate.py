@@ -87,7 +87,7 @@ from lightning_mpx.integrations import accelerate_fsdp as _accelerate_fsdp  # no
 from lightning_mpx.integrations.accelerate_checkpoint import (  # noqa: E402
     AMP_STATE_NAME,
     amp_state_path,
-    read_amp_state,
+    load_amp_state,
     write_amp_state,
 )
 from lightning_mpx.integrations.accelerate_forward import AmpForward, install_forward, take_over  # noqa: E402
@@ -514,7 +514,7 @@ class Accelerator(ShardedPreparation, _BaseAccelerator):  # type: ignore[misc]
         self._close_iteration()
         for opt in self._amp_optimizers():
             opt.unscaled = False
-        self.amp.load_state_dict(read_amp_state(path))
+        load_amp_state(self.amp, path)
 
 
 def _opt_level_of(mixed_precision: object) -> str | None:

@@ -82,6 +82,7 @@ from lightning_utilities.core.apply_func import apply_to_collection  # noqa: E40
 from lightning_mpx.casting.checkpointing import builds_graph  # noqa: E402
 from lightning_mpx.casting.policy import casts_off_if_on as _casts_off  # noqa: E402
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
+from lightning_mpx.integrations.metric_counts import rebase_counts  # noqa: E402
 
 __all__ = ["FabricMixedPrecisionPlugin"]
 
@@ -373,6 +374,7 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
         """Restore :meth:`state_dict` (``fabric.load`` does, for the plugin's entry of the state)."""
         self._begin()
         self.amp.load_state_dict(state_dict)
+        rebase_counts(self.amp)  # the next metrics() counts this run's overflows, not the checkpoint's total
 
     def teardown(self) -> None:
         self._begin()

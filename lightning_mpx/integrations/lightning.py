@@ -49,7 +49,6 @@ from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
 from lightning_mpx.integrations.lightning_gradient_readers import GradientReaders  # noqa: E402
 from lightning_mpx.integrations.lightning_manual import ManualStep  # noqa: E402
-from lightning_mpx.integrations.lightning_metrics import LoggedMetrics  # noqa: E402
 from lightning_mpx.integrations.lightning_model_hooks import ModelHooks  # noqa: E402
 from lightning_mpx.integrations.lightning_range_test import RangeTest  # noqa: E402
 from lightning_mpx.integrations.lightning_schedulers import HeldSchedulers, step_configs  # noqa: E402
@@ -59,6 +58,7 @@ from lightning_mpx.integrations.lightning_strategies import (  # noqa: E402
     trainer_of,
     unwrap_optimizer,
 )
+from lightning_mpx.integrations.metric_counts import LoggedMetrics  # noqa: E402
 
 __all__ = ["MixedPrecisionPlugin"]
 
