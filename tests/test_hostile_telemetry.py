@@ -194,3 +194,44 @@ def test_fabric_resumed_run_logs_no_overflow_spike():
     second, _ = _fabric_run(state, {2}, 4)
     assert first == [0.0, 1.0, 1.0, 0.0]
     assert second == [0.0, 0.0, 1.0, 0.0]  # not the 2 overflows of the first run at its first step
+
+
+def _accelerate_run(project: Path, resume: Path | None, inject: set[int], first_step: int) -> None:
+    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+
+    accelerator = Accelerator(
+        mixed_precision="O1", log_with="tensorboard", project_dir=str(project),
+        kwargs_handlers=[MixedPrecisionKwargs(half_dtype="float16", init_scale=INIT, growth_interval=GROWTH)],
+    )
+    accelerator.init_trackers("run")
+    torch.manual_seed(0)
+    model = nn.Linear(16, 4)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    if resume is not None:
+        accelerator.load_state(str(resume))
+    for step in range(first_step, first_step + 4):
+        accelerator.backward(model(torch.randn(8, 16)).square().mean())
+        if step in inject:
+            model.weight.grad[0, 0] = float("inf")
+        optimizer.step()
+        optimizer.zero_grad()
+        accelerator.log({"step": float(step)}, step=step)
+    if resume is None:
+        accelerator.save_state(str(project / "ckpt"))
+    accelerator.end_training()
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_accelerate_resumed_run_logs_no_overflow_spike(tmp_path):
+    from tests.accelerate_helpers import reset_accelerate_state
+
+    _accelerate_run(tmp_path, None, {1, 2}, 0)
+    reset_accelerate_state()  # a second run in this process, as in a new one
+    _accelerate_run(tmp_path, tmp_path / "ckpt", {6}, 4)
+    scales, skipped = reference({1, 2, 6}, 8)
+    logged = curves(tmp_path / "run")
+    assert [logged["mpx/overflows"][s] for s in range(8)] == [float(s in skipped) for s in range(8)]
+    assert [logged["mpx/loss_scale"][s] for s in range(8)] == scales
+    assert [logged["mpx/skipped_steps"][s] for s in range(8)] == [
+        float(len([k for k in skipped if k <= s])) for s in range(8)
+    ]
