@@ -235,3 +235,18 @@ def test_accelerate_resumed_run_logs_no_overflow_spike(tmp_path):
     assert [logged["mpx/skipped_steps"][s] for s in range(8)] == [
         float(len([k for k in skipped if k <= s])) for s in range(8)
     ]
+
+
+# -- DDP: an overflow on rank 1 only, logged by rank 0 only -----------------------------------------------------------
+def test_ddp_rank_zero_curve_shows_an_overflow_of_rank_one(tmp_path):
+    from tests.launch import run_script
+
+    run_script("hostile_telemetry_ddp_script.py", tmp_path, timeout=120)
+    scales, skipped = reference({2, 3}, 8)
+    logged = curves(tmp_path / "run" / "version_0")
+    assert sorted(logged["mpx/loss_scale"]) == list(range(8))
+    assert [logged["mpx/loss_scale"][s] for s in range(8)] == scales
+    assert [logged["mpx/overflows"][s] for s in range(8)] == [float(s in skipped) for s in range(8)]
+    assert logged["mpx/skipped_steps"][7] == len(skipped) == 2
+    # The module that overflowed on rank 1 is named on rank 0's curve too (the records are merged across ranks).
+    assert sum(logged.get("mpx/overflow/net.0", {}).values()) == 2.0
