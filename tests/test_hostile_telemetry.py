@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
 from lightning_mpx import MixedPrecisionPlugin
-from lightning_mpx.health.plot import read_scalars
+from lightning_mpx.health.plot import plot_figure, read_scalars
 from tests.lightning_helpers import Classifier, classification_data, loader, make_trainer
 
 INIT, GROWTH = 2.0**10, 3
@@ -65,6 +65,23 @@ def curves(run: Path) -> dict[str, dict[int, float]]:
     return {tag: dict(points) for tag, points in read_scalars(run).items()}
 
 
+def plotted(run: Path) -> tuple[list[tuple[float, float]], dict[str, float]]:
+    """What ``lightning-mpx plot`` draws for ``run``: the overflow markers on the scale panel ``(step, scale)``, and
+    each module's overflow total at the end of its cumulative curve."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    fig = plot_figure(read_scalars(run))
+    try:
+        by_title = {ax.get_title(): ax for ax in fig.axes}
+        markers = [tuple(xy) for c in by_title["Loss scale"].collections for xy in c.get_offsets().tolist()]
+        modules = {line.get_label().split(" (")[0]: float(line.get_ydata()[-1])
+                   for line in by_title.get("Overflows by module", fig.axes[0]).get_lines() if "(" in line.get_label()}
+    finally:
+        plt.close(fig)
+    return markers, modules
+
+
 @pytest.mark.parametrize(
     "accumulate,every,optimizer,peek",
     [(1, 1, "sgd", False), (4, 5, "adamw_fused", False), (1, 5, "sgd", True)],
@@ -93,6 +110,10 @@ def test_scale_curve_and_counts_match_grad_scaler_step_by_step(tmp_path, accumul
     expected = [float(len([s for s in skipped if lo < s <= hi])) for lo, hi in zip(bounds, bounds[1:])]
     assert [logged["mpx/overflows"][x] for x in at] == expected
     assert sum(logged["mpx/overflow/net.0"].values()) == len(skipped) == len(overflow_steps)
+    # lightning-mpx plot marks the overflows at the logged steps that hold them, on the scale after their update.
+    markers, modules = plotted(tmp_path / "run" / "version_0")
+    assert markers == [(x, scales[x]) for x, n in zip(at, expected) if n]
+    assert modules == {"net.0": 3.0}
 
 
 def test_a_resumed_run_continues_the_curve_without_an_overflow_spike(tmp_path):
@@ -118,6 +139,8 @@ def test_a_resumed_run_continues_the_curve_without_an_overflow_spike(tmp_path):
         float(len([k for k in skipped if k <= s])) for s in range(12)
     ]
     assert sum(logged["mpx/overflow/net.0"].values()) == 3.0
+    markers, modules = plotted(tmp_path / "run" / "version_0")
+    assert markers == [(s, scales[s]) for s in skipped] and modules == {"net.0": 3.0}
 
 
 class _GAN(pl.LightningModule):
