@@ -122,31 +122,39 @@ def test_scale_curve_and_counts_match_grad_scaler_step_by_step(tmp_path, accumul
     assert modules == {"net.0": 3.0}
 
 
-def test_a_resumed_run_continues_the_curve_without_an_overflow_spike(tmp_path):
+@pytest.mark.parametrize(
+    "every,first_inf,second_inf",
+    [(1, (2, 3), (7,)), (5, (2, 5), (7,))],
+    ids=["every-step", "every5-overflow-not-logged-before-the-checkpoint"],
+)
+def test_a_resumed_run_continues_the_curve_without_an_overflow_spike(tmp_path, every, first_inf, second_inf):
     data = loader(classification_data(n=16 * 6))
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ck"), save_last=True, every_n_train_steps=6)
     first = make_trainer(
         fp16_plugin(), max_epochs=1, logger=TensorBoardLogger(str(tmp_path), name="run", version=0),
-        log_every_n_steps=1, enable_checkpointing=True, callbacks=[checkpoint],
+        log_every_n_steps=every, enable_checkpointing=True, callbacks=[checkpoint],
     )
-    first.fit(Classifier(inject_inf_at=(2, 3)), data)
+    first.fit(Classifier(inject_inf_at=first_inf), data)
     second = make_trainer(
         fp16_plugin(), max_epochs=2, logger=TensorBoardLogger(str(tmp_path), name="run", version=0),
-        log_every_n_steps=1,
+        log_every_n_steps=every,
     )
-    second.fit(Classifier(inject_inf_at=(7,)), data, ckpt_path=str(tmp_path / "ck" / "last.ckpt"))
+    second.fit(Classifier(inject_inf_at=second_inf), data, ckpt_path=str(tmp_path / "ck" / "last.ckpt"))
 
-    scales, skipped = reference({2, 3, 7}, 12)
+    scales, skipped = reference({*first_inf, *second_inf}, 12)
     logged = curves(tmp_path / "run" / "version_0")
-    assert sorted(logged["mpx/loss_scale"]) == list(range(12))  # the step axis goes on where it stopped
-    assert [logged["mpx/loss_scale"][s] for s in range(12)] == scales
-    assert [logged["mpx/overflows"][s] for s in range(12)] == [float(s in skipped) for s in range(12)]
-    assert [logged["mpx/skipped_steps"][s] for s in range(12)] == [
-        float(len([k for k in skipped if k <= s])) for s in range(12)
-    ]
+    at = sorted(logged["mpx/loss_scale"])
+    assert at == [s for s in range(12) if (s + 1) % every == 0]  # the step axis goes on where it stopped
+    assert [logged["mpx/loss_scale"][s] for s in at] == [scales[s] for s in at]
+    # Each overflow once, in its interval: none twice (the saving run's total again), none lost (one the saving run
+    # had not logged yet when it saved).
+    bounds = [-1, *at]
+    expected = [float(len([s for s in skipped if lo < s <= hi])) for lo, hi in zip(bounds, bounds[1:])]
+    assert [logged["mpx/overflows"][s] for s in at] == expected
+    assert [logged["mpx/skipped_steps"][s] for s in at] == [float(len([k for k in skipped if k <= s])) for s in at]
     assert sum(logged["mpx/overflow/net.0"].values()) == 3.0
     markers, modules = plotted(tmp_path / "run" / "version_0")
-    assert markers == [(s, scales[s]) for s in skipped] and modules == {"net.0": 3.0}
+    assert markers == [(s, scales[s]) for s, n in zip(at, expected) if n] and modules == {"net.0": 3.0}
 
 
 class _GAN(pl.LightningModule):

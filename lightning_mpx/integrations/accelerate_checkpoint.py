@@ -9,9 +9,7 @@ from typing import Any
 
 import torch
 
-from lightning_mpx.integrations.metric_counts import rebase_counts
-
-__all__ = ["AMP_STATE_NAME", "amp_state_path", "load_amp_state", "read_amp_state", "write_amp_state"]
+__all__ = ["AMP_STATE_NAME", "amp_state_path", "read_amp_state", "write_amp_state"]
 
 #: The file that ``save_state`` writes the :class:`~lightning_mpx.engine.amp.Amp` state to.
 AMP_STATE_NAME = "lightning_mpx_amp.bin"
@@ -41,10 +39,3 @@ def amp_state_path(input_dir: str, opt_level: str) -> str:
 def read_amp_state(path: str) -> dict[str, Any]:
     """The engine's state from its file ``path`` (:func:`amp_state_path`), on the CPU."""
     return torch.load(path, map_location="cpu", weights_only=True)  # type: ignore[no-any-return]
-
-
-def load_amp_state(amp: Any, path: str) -> None:
-    """Load the engine's state from ``path`` into ``amp``; the overflow counts that ``Accelerator.log`` adds start
-    afresh from the checkpoint's totals (the first log after a resume counts this run's overflows)."""
-    amp.load_state_dict(read_amp_state(path))
-    rebase_counts(amp)

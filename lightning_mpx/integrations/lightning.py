@@ -434,12 +434,11 @@ class MixedPrecisionPlugin(FSDPPrecision):
         step, ``trainer.save_checkpoint``: the scale before that iteration's update, which the step's end makes)."""
         if not self._manual_step.running:
             self._end_iteration()  # a pending scale update belongs to the iteration that was just checkpointed
-        return self.amp.state_dict()
+        return self._metrics.state_dict(self.amp)  # with the overflow counts not logged yet
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._range_test.leave(self.amp)  # the tuner restores its checkpoint when its range test ends
-        self.amp.load_state_dict(state_dict)
-        self._metrics.rebase(self.amp)  # the first log after a resume counts this run's overflows, not the total
+        self._metrics.load_state_dict(self.amp, state_dict)  # the next log: this run's overflows, not the total
 
     def teardown(self) -> None:
         self._end_iteration()
