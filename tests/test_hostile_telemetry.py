@@ -287,3 +287,20 @@ def test_ddp_rank_zero_curve_shows_an_overflow_of_rank_one(tmp_path):
     assert logged["mpx/skipped_steps"][7] == len(skipped) == 2
     # The module that overflowed on rank 1 is named on rank 0's curve too (the records are merged across ranks).
     assert sum(logged.get("mpx/overflow/net.0", {}).values()) == 2.0
+
+
+# -- lightning-mpx doctor on Trainer runs ------------------------------------------------------------------------------
+@pytest.mark.parametrize("every,since", [(1, 7), (5, 5)], ids=["every-step", "every5-skip_on_device"])
+def test_doctor_names_the_module_and_the_interval_where_the_scale_collapsed(tmp_path, every, since):
+    from lightning_mpx.health import doctor
+
+    plugin = MixedPrecisionPlugin("O1", half_dtype="float16", init_scale=INIT, growth_interval=GROWTH,
+                                  on_floor="continue")
+    trainer = make_trainer(plugin, max_steps=30, logger=TensorBoardLogger(str(tmp_path), name="run", version=0),
+                           log_every_n_steps=every)
+    optimizer = "sgd" if every == 1 else "adamw_fused"
+    trainer.fit(Classifier(inject_inf_at=tuple(range(7, 30)), optimizer=optimizer),
+                loader(classification_data(n=16 * 30)))
+    (finding,) = doctor.diagnose(tmp_path / "run" / "version_0").findings
+    # Since the first step of the logging interval that holds step 7, the first overflow.
+    assert finding.kind == "persistent_overflow" and finding.modules == ("net.0",) and finding.since_step == since
