@@ -53,8 +53,11 @@ class StepLogging(Classifier):
 class PeekingCallback(pl.Callback):
     """Reads the metrics every batch, as docs/lightning.md allows a callback to."""
 
+    def __init__(self) -> None:
+        self.overflows: list[float] = []
+
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        trainer.precision_plugin.metrics()
+        self.overflows.append(trainer.precision_plugin.metrics()["mpx/overflows"])
 
 
 def fp16_plugin() -> MixedPrecisionPlugin:
@@ -120,6 +123,14 @@ def test_scale_curve_and_counts_match_grad_scaler_step_by_step(tmp_path, accumul
     markers, modules = plotted(tmp_path / "run" / "version_0")
     assert markers == [(x, scales[x]) for x, n in zip(at, expected) if n]
     assert modules == {"net.0": 3.0}
+
+
+def test_without_a_logger_each_metrics_read_counts_since_the_previous_read():
+    # No logger: nothing logs, so the callback's own reads are its log (the counts are not carried to a log).
+    callback = PeekingCallback()
+    trainer = make_trainer(fp16_plugin(), max_steps=8, logger=False, callbacks=[callback])
+    trainer.fit(Classifier(inject_inf_at=(2, 3, 6)), loader(classification_data(n=16 * 8)))
+    assert callback.overflows == [0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0]
 
 
 @pytest.mark.parametrize(

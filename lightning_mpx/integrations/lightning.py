@@ -427,7 +427,8 @@ class MixedPrecisionPlugin(FSDPPrecision):
         if not self._manual_step.running:
             self._end_iteration(log=False)
         self.amp.read_step_outcomes()
-        return self._metrics.read(self.amp, log=False)  # one host read; the next log still counts what it counted
+        logged = bool(getattr(trainer_of(self._module), "loggers", None))  # no logger: each read is the log
+        return self._metrics.read(self.amp, log=not logged)  # one host read; a log still counts what it counted
 
     def state_dict(self) -> dict[str, Any]:
         """Loss scalers, FP32 master weights and counters, saved in Lightning checkpoints (inside a manual training
