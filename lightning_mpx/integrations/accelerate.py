@@ -68,7 +68,6 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from lightning_mpx.common.containers import read_floats
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.opt_levels import OPT_LEVELS
@@ -101,6 +100,7 @@ from lightning_mpx.integrations.accelerate_optimizer import (  # noqa: E402
     params_of,
 )
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
+from lightning_mpx.integrations.metric_counts import LoggedMetrics  # noqa: E402
 
 __all__ = ["AMP_STATE_NAME", "NATIVE_MIXED_PRECISION", "Accelerator", "MixedPrecisionKwargs"]
 
@@ -148,6 +148,7 @@ class Accelerator(ShardedPreparation, _BaseAccelerator):  # type: ignore[misc]
         **kwargs: Any,
     ) -> None:
         self.amp: Amp | None = None
+        self._metric_counts = LoggedMetrics()  # overflow counts a checkpoint's read took, for the next log
         self.mpx_kwargs: MixedPrecisionKwargs | None = None
         handlers = list(kwargs_handlers or [])
         ours = [h for h in handlers if isinstance(h, MixedPrecisionKwargs)]
@@ -458,7 +459,7 @@ class Accelerator(ShardedPreparation, _BaseAccelerator):  # type: ignore[misc]
         value."""
         if self.amp is None:
             return {}
-        return read_floats(self.amp.metrics())  # one host read, not one per metric
+        return self._metric_counts.read(self.amp, log=True)  # one host read, not one per metric
 
     def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
         """As ``accelerate.Accelerator.log``; with an opt level the :meth:`mpx_metrics` are added to ``values``
@@ -504,7 +505,7 @@ class Accelerator(ShardedPreparation, _BaseAccelerator):  # type: ignore[misc]
     def _save_amp_state(self, models: list[nn.Module], weights: list[dict[str, Any]], output_dir: str) -> None:
         assert self.amp is not None
         self._close_iteration()  # the checkpoint holds the scale the next backward would use
-        state = self.amp.state_dict()  # every rank reads its device state (all ranks agree: the flags are reduced)
+        state = self._metric_counts.state_dict(self.amp)  # every rank reads its device state (the flags are reduced)
         if self.is_main_process or (self.project_configuration.save_on_each_node and self.is_local_main_process):
             write_amp_state(state, output_dir)
 
@@ -514,7 +515,7 @@ class Accelerator(ShardedPreparation, _BaseAccelerator):  # type: ignore[misc]
         self._close_iteration()
         for opt in self._amp_optimizers():
             opt.unscaled = False
-        self.amp.load_state_dict(read_amp_state(path))
+        self._metric_counts.load_state_dict(self.amp, read_amp_state(path))  # the next log: not the saved totals
 
 
 def _opt_level_of(mixed_precision: object) -> str | None:

@@ -67,7 +67,6 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import Unpack
 
-from lightning_mpx.common.containers import read_floats
 from lightning_mpx.common.dtypes import dtype_name
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
@@ -85,6 +84,7 @@ from lightning_utilities.core.apply_func import apply_to_collection  # noqa: E40
 from lightning_mpx.casting.checkpointing import builds_graph  # noqa: E402
 from lightning_mpx.casting.policy import casts_off_if_on as _casts_off  # noqa: E402
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
+from lightning_mpx.integrations.metric_counts import LoggedMetrics  # noqa: E402
 
 __all__ = ["FabricMixedPrecisionPlugin"]
 
@@ -135,6 +135,7 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
         self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._unsynced: list[MasterWeights] = []  # masters made by convert_module, to take from the set-up model
         self._unchecked: list[weakref.ref[nn.Module]] = []  # prepared by convert_module; sharded by the strategy?
+        self._metrics = LoggedMetrics()  # the overflow counts a checkpoint's read took, for the next metrics()
         self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         # Each converted model's FSDP1 wrapper (FSDPStrategy), found at the first call after fabric.setup.
         self._wrappers: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = weakref.WeakKeyDictionary()
@@ -367,18 +368,18 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
         first, so that ``mpx/skipped_steps`` counts them."""
         self._begin()
         self.amp.read_step_outcomes()
-        return read_floats(self.amp.metrics())  # one host read, not one per metric
+        return self._metrics.read(self.amp, log=True)  # one host read; it counts what a checkpoint's read took
 
     def state_dict(self) -> dict[str, Any]:
         """Loss scalers, FP32 master weights and counters: put the plugin into the state you save
         (``fabric.save(path, {"model": model, "optimizer": optimizer, "mpx": mpx})``)."""
         self._begin()  # a pending scale update belongs to the iteration that is being saved
-        return self.amp.state_dict()
+        return self._metrics.state_dict(self.amp)  # with the overflow counts not read by metrics() yet
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (``fabric.load`` does, for the plugin's entry of the state)."""
         self._begin()
-        self.amp.load_state_dict(state_dict)
+        self._metrics.load_state_dict(self.amp, state_dict)  # the next metrics(): not the checkpoint's totals
 
     def teardown(self) -> None:
         self._begin()
