@@ -24,7 +24,7 @@ A :class:`lightning.pytorch.plugins.Precision` that hands every precision decisi
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
@@ -44,9 +44,9 @@ _pl = require("lightning.pytorch", extra="lightning", feature="lightning_mpx.Mix
 
 from lightning.pytorch.plugins.precision import FSDPPrecision, Precision  # noqa: E402
 from lightning.pytorch.strategies import FSDPStrategy  # noqa: E402
-from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
+from lightning_mpx.integrations.lightning_clipping import GradientClipping  # noqa: E402
 from lightning_mpx.integrations.lightning_gradient_readers import GradientReaders  # noqa: E402
 from lightning_mpx.integrations.lightning_manual import ManualStep  # noqa: E402
 from lightning_mpx.integrations.lightning_model_hooks import ModelHooks  # noqa: E402
@@ -72,7 +72,7 @@ _NOT_FOR_FABRIC = (
 )
 
 
-class MixedPrecisionPlugin(FSDPPrecision):
+class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
     """Apex-style mixed precision for the Lightning Trainer.
 
     It works with single-device, DDP and FSDP strategies. It is an ``FSDPPrecision`` only because Lightning's
@@ -362,59 +362,6 @@ class MixedPrecisionPlugin(FSDPPrecision):
             self._end_iteration()
         return closure_result
 
-    def clip_gradients(
-        self,
-        optimizer: Optimizer,
-        clip_val: int | float = 0.0,
-        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
-    ) -> None:
-        """Clip the unscaled gradients through :meth:`clip_grad_by_value` or :meth:`clip_grad_by_norm`, as
-        Lightning's ``Precision.clip_gradients`` does (a subclass overrides those); nothing when ``clip_val <= 0``.
-
-        Unlike Lightning's own AMP plugin this works with fused optimizers (``AdamW(fused=True)``): the plugin, not
-        the optimizer, unscales. At O2 the FP32 masters' gradients are clipped (the step uses them) and the model's
-        own gradients then hold the same unscaled, clipped values (what code after the clip reads, as with
-        Lightning's own plugins). A subclass's own ``clip_grad_by_*`` gets the gradients unscaled (in the training
-        loop they are unscaled before the hooks) and clips :meth:`main_params`'s.
-        """
-        if clip_val <= 0:
-            return
-        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
-            self.clip_grad_by_value(optimizer, clip_val)
-        elif gradient_clip_algorithm == GradClipAlgorithmType.NORM:
-            self.clip_grad_by_norm(optimizer, clip_val)
-        else:
-            return
-        torch_optimizer = unwrap_optimizer(optimizer)
-        if self._clip_overridden() and id(torch_optimizer) in self.amp._optimizers:
-            with _casts_off():  # O2: the masters' gradients, clipped by the override, on the model too
-                self.amp.show_unscaled_on_model(torch_optimizer)
-
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        """Clip the unscaled gradients to a total norm of ``clip_val`` (under FSDP: the global norm over all
-        ranks' shards); unscaling, the overflow check and the clip share one pass."""
-        optimizer = unwrap_optimizer(optimizer)
-        with _casts_off():
-            self.amp.clip_grad_norm_(optimizer, float(clip_val))
-            self.amp.show_unscaled_on_model(optimizer)  # O2 only: the masters' clipped gradients, on the model
-
-    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        """Clip the unscaled gradients to ``[-clip_val, clip_val]``."""
-        optimizer = unwrap_optimizer(optimizer)
-        with _casts_off():
-            self.amp.clip_grad_value_(optimizer, float(clip_val))
-            self.amp.show_unscaled_on_model(optimizer)  # O2 only: the masters' clipped gradients, on the model
-
-    def unscale_gradients(self, optimizer: Optimizer) -> None:
-        """Unscale ``optimizer``'s gradients now (once per step)."""
-        optimizer = unwrap_optimizer(optimizer)
-        if not self.amp.is_unscaled(optimizer):
-            self.amp.unscale_(optimizer)
-
-    def main_params(self, optimizer: Optimizer) -> Iterator[torch.Tensor]:  # type: ignore[override]
-        """The parameters the optimizer updates (the FP32 masters at O2)."""
-        yield from self.amp.master_params(unwrap_optimizer(optimizer))
-
     def step_was_skipped(self, optimizer: Optimizer) -> bool:
         """Whether ``optimizer``'s most recent step was skipped because its gradients overflowed (with
         ``skip_on_device``, asking reads it)."""
@@ -451,14 +398,6 @@ class MixedPrecisionPlugin(FSDPPrecision):
         self._model_hooks.remove()
 
     # -- internals -----------------------------------------------------------------------------------------------
-    def _clip_overridden(self) -> bool:
-        """Whether ``clip_grad_by_norm`` or ``clip_grad_by_value`` is not this plugin's own (a subclass's, or one
-        set on the instance), which clips without the fused unscale of this plugin's own."""
-        return any(
-            name in vars(self) or getattr(type(self), name) is not getattr(MixedPrecisionPlugin, name)
-            for name in ("clip_grad_by_norm", "clip_grad_by_value")
-        )
-
     def _end_iteration(self, log: bool = True) -> None:
         """Update the scales of the iteration that ended, then log its metrics if it was a logging step."""
         self.amp.end_iteration()
