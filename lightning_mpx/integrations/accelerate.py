@@ -63,7 +63,7 @@ import contextlib
 import os
 import warnings
 import weakref
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -89,15 +89,13 @@ from lightning_mpx.integrations.accelerate_checkpoint import (  # noqa: E402
     read_amp_state,
     write_amp_state,
 )
+from lightning_mpx.integrations.accelerate_clipping import GradientClipping  # noqa: E402
 from lightning_mpx.integrations.accelerate_forward import AmpForward, install_forward, take_over  # noqa: E402
 from lightning_mpx.integrations.accelerate_fsdp import ShardedPreparation  # noqa: E402
 from lightning_mpx.integrations.accelerate_kwargs import FSDP_GATHER_CHOICES, MixedPrecisionKwargs  # noqa: E402, F401
 from lightning_mpx.integrations.accelerate_optimizer import (  # noqa: E402
     AmpOptimizer,
     check_masters_exist,
-    gradient_targets,
-    owner_of,
-    params_of,
 )
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
 from lightning_mpx.integrations.metric_counts import LoggedMetrics  # noqa: E402
@@ -118,7 +116,7 @@ _DEEPSPEED_HINT = (
 )
 
 
-class Accelerator(ShardedPreparation, _BaseAccelerator):  # type: ignore[misc]
+class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # type: ignore[misc]
     """``accelerate.Accelerator`` that also accepts the opt levels ``"O0"`` to ``"O3"`` as ``mixed_precision``.
 
     Args:
@@ -377,68 +375,6 @@ class Accelerator(ShardedPreparation, _BaseAccelerator):  # type: ignore[misc]
             self.amp.request_telemetry()  # before this iteration's unscale; Amp.update() ends the request
         self.amp.backward(loss / self.gradient_accumulation_steps, loss_id=loss_id, **kwargs)
 
-    # -- gradients --------------------------------------------------------------------------------------------------
-    def unscale_gradients(self, optimizer: Any = None) -> None:
-        """Unscale the gradients of ``optimizer`` (one, a list, or ``None``: every prepared optimizer that holds
-        gradients). At O2 the unscaled gradients are the FP32 masters' ``.grad``. Does nothing to an optimizer
-        already unscaled since its last step. Call it right before the step: a later backward would add scaled
-        gradients to unscaled ones."""
-        if self.amp is None:
-            super().unscale_gradients(optimizer)
-            return
-        self._check_sync("unscale_gradients")
-        if optimizer is None:
-            owners = [o for o in self._amp_optimizers() if any(p.grad is not None for p in params_of(o.optimizer))]
-        else:
-            optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
-            owners = [owner_of(self._amp_optimizers(), opt) for opt in optimizers]
-        self._unscale(owners)
-
-    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
-        """Clip the unscaled gradients of ``parameters`` to a global norm; returns the norm before clipping.
-
-        With an opt level, ``parameters`` (the model's or the optimizer's) are mapped to the optimizers that train
-        them, which are unscaled first; when they are exactly one optimizer's parameters and ``norm_type`` is 2,
-        unscaling, the overflow check, the norm and the clip are one fused pass, and the norm is logged as
-        ``mpx/grad_norm``. Under FSDP the norm is the global one (over every rank's shards); only that fused case
-        is supported there.
-
-        Raises:
-            RuntimeError: inside ``accumulate()`` on a step that does not synchronise gradients.
-            ValueError: when a parameter with a gradient belongs to no optimizer prepared by this accelerator, or
-                under FSDP for a part of an optimizer's parameters or a norm_type other than 2.
-        """
-        if self.amp is None:
-            return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)  # type: ignore[no-any-return]
-        self._check_sync("clip_grad_norm_")
-        owners, targets = gradient_targets(self.amp, self._amp_optimizers(), parameters)
-        if float(norm_type) == 2.0 and len(owners) == 1:
-            owner = owners[0]
-            if {id(p) for p in targets} == {id(p) for p in self.amp.master_params(owner.optimizer)}:
-                norm = self.amp.clip_grad_norm_(owner.optimizer, max_norm)
-                owner.unscaled = True
-                return norm
-        if self.amp.sharded:
-            raise ValueError(
-                f"clip_grad_norm_ with norm_type={norm_type!r} on {len(targets)} parameter(s) of {len(owners)} "
-                "optimizer(s): under FSDP the global norm (one collective across ranks) is computed for exactly "
-                "one optimizer's parameters with norm_type=2. Pass model.parameters() (or that optimizer's "
-                "parameters) and norm_type=2."
-            )
-        self._unscale(owners)
-        return torch.nn.utils.clip_grad_norm_(targets, max_norm, norm_type=norm_type)
-
-    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
-        """Clamp the unscaled gradients of ``parameters`` to ``[-clip_value, clip_value]`` (see
-        :meth:`clip_grad_norm_` for how parameters are mapped)."""
-        if self.amp is None:
-            super().clip_grad_value_(parameters, clip_value)
-            return
-        self._check_sync("clip_grad_value_")
-        owners, targets = gradient_targets(self.amp, self._amp_optimizers(), parameters)
-        self._unscale(owners)
-        torch.nn.utils.clip_grad_value_(targets, clip_value)
-
     # -- metrics ----------------------------------------------------------------------------------------------------
     def request_mpx_telemetry(self) -> None:
         """Measure underflow and headroom in this iteration's unscale (call it before the optimizer step); the next
@@ -486,21 +422,6 @@ class Accelerator(ShardedPreparation, _BaseAccelerator):  # type: ignore[misc]
     def _close_iteration(self) -> None:
         if self.amp is not None and self.amp.end_iteration():
             self._iterations += 1
-
-    def _check_sync(self, what: str) -> None:
-        if not self.sync_gradients:
-            raise RuntimeError(
-                f"{what}() was called while accelerator.sync_gradients is False (inside accumulate(), before the "
-                "last micro-batch): the gradients are still accumulating, scaled. Call it under "
-                "`if accelerator.sync_gradients:`."
-            )
-
-    def _unscale(self, owners: Iterable[AmpOptimizer]) -> None:
-        assert self.amp is not None
-        for owner in owners:
-            if not self.amp.is_unscaled(owner.optimizer):  # the engine's stage: a skipped batch's clip is forgotten
-                self.amp.unscale_(owner.optimizer)
-                owner.unscaled = True
 
     def _save_amp_state(self, models: list[nn.Module], weights: list[dict[str, Any]], output_dir: str) -> None:
         assert self.amp is not None
