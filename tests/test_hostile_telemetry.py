@@ -315,3 +315,37 @@ def test_doctor_names_the_module_and_the_interval_where_the_scale_collapsed(tmp_
     (finding,) = doctor.diagnose(tmp_path / "run" / "version_0").findings
     # Since the first step of the logging interval that holds step 7, the first overflow.
     assert finding.kind == "persistent_overflow" and finding.modules == ("net.0",) and finding.since_step == since
+
+
+def test_core_amp_counts_overflows_from_a_loaded_checkpoint_not_its_total_again():
+    """The core loop: ``Amp.metrics()`` after ``Amp.load_state_dict`` counts this run's overflows; the checkpoint's
+    total (the saving run's, reported there) is not reported again, while the scale and skipped steps carry over."""
+    from lightning_mpx import Amp
+
+    def run(amp: Amp, model: nn.Module, optimizer: torch.optim.Optimizer, infs: list[bool]) -> None:
+        for inf in infs:
+            x = torch.randn(4, 8)
+            with amp.forward_context():
+                loss = model(x).float().pow(2).mean() * (float("inf") if inf else 1.0)
+            amp.backward(loss)
+            amp.step(optimizer)
+            amp.update()
+            optimizer.zero_grad()
+
+    def engine() -> tuple[Amp, nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        amp = Amp("O1", half_dtype="bfloat16", loss_scale="dynamic", skip_on_device=False)
+        model = amp.prepare_model(nn.Linear(8, 2))
+        return amp, model, amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    amp, model, optimizer = engine()
+    run(amp, model, optimizer, [True, False, True])
+    assert float(amp.metrics()["mpx/overflows"]) == 2
+    saved = amp.state_dict()
+    resumed, model2, optimizer2 = engine()
+    resumed.load_state_dict(saved)
+    first = resumed.metrics()
+    assert float(first["mpx/overflows"]) == 0  # was 2: the saving run's total, reported twice
+    assert first["mpx/skipped_steps"] == 2 and float(first["mpx/loss_scale"]) == float(amp.metrics()["mpx/loss_scale"])
+    run(resumed, model2, optimizer2, [True, False])
+    assert float(resumed.metrics()["mpx/overflows"]) == 1

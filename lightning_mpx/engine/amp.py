@@ -388,8 +388,9 @@ class Amp(AmpParts):
         self.telemetry.requested = True
 
     def metrics(self) -> dict[str, torch.Tensor | float]:
-        """``mpx/loss_scale``, ``mpx/overflows`` (since the last call), ``mpx/skipped_steps`` (total) and
-        ``mpx/grad_norm`` (unscaled, when computed), with a ``/loss{id}`` suffix when there are several losses;
+        """``mpx/loss_scale``, ``mpx/overflows`` (since the last call or :meth:`load_state_dict`),
+        ``mpx/skipped_steps`` (total) and ``mpx/grad_norm`` (unscaled, when computed), with a ``/loss{id}`` suffix
+        when there are several losses;
         ``mpx/overflow/<module>`` (overflow steps since the last call with non-finite gradients in the module;
         ``_root``: the root module's own parameters); the telemetry after a :meth:`request_telemetry`. Device tensors or
         Python numbers: building them does not wait for the device. With ``skip_on_device``, ``mpx/skipped_steps`` and
@@ -419,6 +420,7 @@ class Amp(AmpParts):
         scaling starts from its settings."""
         self.read_step_outcomes()  # steps made before the load are this run's: counted before it replaces them
         self._checkpoint.load_state_dict(state, with_masters=self._with_masters)
+        self._overflows.report_from_now()  # mpx/overflows counts this run's, not the checkpoint's total again
 
     # -- internals ----------------------------------------------------------------------------------------------
     def _loss_index(self, loss_id: int) -> int:

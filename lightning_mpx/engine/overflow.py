@@ -285,6 +285,11 @@ class Overflows:
             return scaler.at_floor()
         return not scaler.dynamic or scales[loss_id] <= scaler.min_loss_scale
 
+    def report_from_now(self) -> None:
+        """The next :meth:`metrics` counts ``mpx/overflows`` from now: after a checkpoint is loaded, whose totals
+        are the saving run's (reported by it, or carried by a front door that logs them)."""
+        self.reported = [scaler.overflow_count.clone() for scaler in self.scalers]
+
     def metrics(self, grad_norms: dict[int, torch.Tensor]) -> dict[str, torch.Tensor | float]:
         """Each loss's ``mpx/loss_scale``, ``mpx/overflows`` (since the last call), ``mpx/skipped_steps`` and
         ``mpx/grad_norm`` (taken from ``grad_norms``), suffixed ``/loss{id}`` when there are several losses."""
