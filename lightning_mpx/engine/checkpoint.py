@@ -102,8 +102,14 @@ class EngineState:
         kept = state.get("fp32_values") if self.masters.weights else None
         if kept is not None:
             self.masters.check_initial_state(kept)
+        saved_half = state.get("half_dtype", str(self.properties.half_dtype))
         for scaler, scaler_state in zip(self.scalers, state["scalers"]):
-            scaler.load_state_dict(scaler_state)
+            if saved_half == str(self.properties.half_dtype):
+                scaler.load_state_dict(scaler_state)
+            elif scaler.dynamic and scaler_state.get("dynamic", True):
+                # Another half dtype (float16 to bfloat16 or back): its default scaling differs, so, as across opt
+                # levels, a dynamic scale carries over into a dynamic one and this run's settings rule otherwise.
+                scaler.load_state_dict(scaler_state)
         self.promotion.load_state_dict(promotion)  # the run that saved it promoted these modules: so does this one
         self.masters.load_state_dict(saved_masters)
         if kept is None:
