@@ -18,6 +18,7 @@ from lightning_mpx.engine.overflow import Overflows
 from lightning_mpx.health.promotion import Promotion
 from lightning_mpx.masters.level_resume import ExactWeights
 from lightning_mpx.masters.pairs import param_pairs
+from lightning_mpx.masters.renames import prefix_change, renamed
 from lightning_mpx.masters.store import Masters
 from lightning_mpx.opt_levels import Properties
 from lightning_mpx.scaling.scaler import LossScaler
@@ -90,16 +91,19 @@ class EngineState:
             return
         saved_masters = self.masters.accept(state["master_weights"])
         promotion = state.get("promotion")
+        kept = state.get("fp32_values")
+        if not self.promotion.param_names(promotion):
+            saved_masters, kept = self._renamed(saved_masters, kept)
         self.promotion.check_state_dict(promotion)
         # Masters this run made that the saving run had not made yet (their optimizer had not stepped) take the value
         # that run would have made them from.
         saved_masters = self.masters.complete(
-            saved_masters, state.get("fp32_values"), fp32=self.promotion.param_names(promotion)
+            saved_masters, kept, fp32=self.promotion.param_names(promotion)
         )
         self.masters.check_state_dict(saved_masters, fp32=self.promotion.param_names(promotion))
         # A checkpoint that keeps none (every master made, several processes, or an older release): masters made
         # later come from the half values, as in that run.
-        kept = state.get("fp32_values") if self.masters.weights else None
+        kept = kept if self.masters.weights else None
         if kept is not None:
             self.masters.check_initial_state(kept)
         saved_half = state.get("half_dtype", str(self.properties.half_dtype))
@@ -126,6 +130,22 @@ class EngineState:
                 optimizer_state.pairs_key = None
                 param_pairs(optimizer_state, self.masters.weights)
         self.overflows.skipped_steps = list(state.get("skipped_steps", self.overflows.skipped_steps))
+
+    def _renamed(
+        self, saved: list[dict[str, Any]], kept: list[dict[str, torch.Tensor]] | None
+    ) -> tuple[list[dict[str, Any]], list[dict[str, torch.Tensor]] | None]:
+        """The checkpoint's masters (and kept FP32 values) by this run's names, where they are the model's names with
+        one prefix added or removed (saved through another front door, or inside a wrapper); unchanged otherwise."""
+        out, out_kept = [], None if kept is None else list(kept)
+        for index, (masters, values) in enumerate(zip(self.masters.weights, saved)):
+            names = [*values, *(kept[index] if kept is not None and index < len(kept) else {})]
+            change = prefix_change(names, masters.names)
+            if change is not None:
+                values = renamed(values, change)
+                if out_kept is not None and index < len(out_kept):
+                    out_kept[index] = renamed(out_kept[index], change)
+            out.append(values)
+        return out, out_kept
 
     def _load_across_levels(self, state: dict[str, Any], saved_level: str) -> None:
         """:meth:`load_state_dict` for a checkpoint saved at ``saved_level``, another opt level (checked first,
