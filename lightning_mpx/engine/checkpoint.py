@@ -78,6 +78,7 @@ class EngineState:
     def load_state_dict(self, state: dict[str, Any], *, with_masters: bool) -> None:
         """:meth:`Amp.load_state_dict <lightning_mpx.engine.amp.Amp.load_state_dict>`; ``with_masters``: the
         optimizers step FP32 masters of this engine."""
+        state = _engine_entry(state)
         _check_engine_state(state)
         self.masters.prune()
         if len(state["scalers"]) != len(self.scalers):
@@ -208,12 +209,26 @@ class EngineState:
         return out
 
 
+def _engine_entry(state: Any) -> Any:
+    """The core's state inside what ``lightning_mpx.apex.amp.state_dict()`` returns (a team moving from the Apex
+    API to a front door loads its ``amp.state_dict()`` as it is); any other ``state`` as it is."""
+    if isinstance(state, Mapping) and "scalers" not in state and isinstance(state.get("lightning_mpx"), Mapping):
+        return state["lightning_mpx"]
+    return state
+
+
 def _check_engine_state(state: object) -> None:
     """Refuse what :meth:`Amp.state_dict <lightning_mpx.engine.amp.Amp.state_dict>` did not make (a model's or an
     optimizer's state dict handed to the engine by mistake) before anything is loaded."""
     if not isinstance(state, Mapping):
         raise TypeError(f"state={type(state).__name__} must be the dict that Amp.state_dict() returned.")
     missing = [key for key in ("scalers", "master_weights") if key not in state]
+    if missing and state and all(str(key).startswith("loss_scaler") for key in state):
+        raise ValueError(
+            f"state (keys {sorted(state)}) is an Apex amp.state_dict() with loss scales only: it has no FP32 master "
+            "weights. Load it with lightning_mpx.apex.amp.load_state_dict(state) after amp.initialize(...), or "
+            "resume from the model's FP32 weights (model.load_state_dict(...)) with a fresh loss scale."
+        )
     if missing:
         shown = ", ".join(repr(key) for key in list(state)[:3]) + (", ..." if len(state) > 3 else "")
         raise ValueError(
