@@ -15,6 +15,7 @@ Each rank writes what it saw to ``$MPX_OUT/rank{r}.json``.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from typing import Any
@@ -75,17 +76,11 @@ def weights(amp: Amp, inner: nn.Module) -> list[list[float]]:
 
 
 def checkpoint(amp: Amp, model: nn.Module, optimizer: Any) -> dict[str, Any]:
-    state = {"amp": amp.state_dict(), "model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    return {k: v for k, v in torch.load(_roundtrip(state), weights_only=True).items()}
-
-
-def _roundtrip(state: dict[str, Any]) -> Any:
-    import io
-
+    """What a user saves (DDP's state dict, with ``module.``), through ``torch.save`` and ``weights_only`` loading."""
     buffer = io.BytesIO()
-    torch.save(state, buffer)
+    torch.save({"amp": amp.state_dict(), "model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
     buffer.seek(0)
-    return buffer
+    return torch.load(buffer, weights_only=True)
 
 
 def resume(level: str, saved: dict[str, Any], ddp: bool) -> tuple[Amp, nn.Module, nn.Module, Any, dict[str, Any]]:
@@ -93,11 +88,12 @@ def resume(level: str, saved: dict[str, Any], ddp: bool) -> tuple[Amp, nn.Module
     inner.load_state_dict({k.removeprefix("module."): v for k, v in saved["model"].items()})
     optimizer.load_state_dict(saved["optimizer"])
     amp.load_state_dict(saved["amp"])
+    masters = saved["amp"]["master_weights"]
+    model_state = {k.removeprefix("module."): v for k, v in saved["model"].items()}
     seen = {
+        # O2: the masters are the checkpoint's; O1 (no masters): the FP32 weights are the model's state dict's
         "masters_exact": all(
-            torch.equal(amp.master_of(p), saved["amp"]["master_weights"][0][name]) for name, p in inner.named_parameters()
-        ) if saved["amp"]["master_weights"] else all(
-            torch.equal(p, saved["model"][name if name in saved["model"] else "module." + name])
+            torch.equal(amp.master_of(p), masters[0][name] if masters else model_state[name])
             for name, p in inner.named_parameters()
         ),
         "scale": amp.scalers[0].get_scale(),

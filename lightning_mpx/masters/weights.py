@@ -361,7 +361,6 @@ class MasterWeights:
         if missing or unexpected:
             raise KeyError(
                 f"master-weight state does not match the model: missing {missing}, unexpected {sorted(unexpected)}."
-                + _prefix_hint(list(state), list(live))
             )
         for name, tensor in state.items():
             param = live[name][1]
@@ -656,20 +655,3 @@ class _Entry:
 
     def unchanged(self, param: torch.Tensor) -> bool:
         return param._version == self.version and param.data_ptr() == self.address
-
-
-def _prefix_hint(saved: list[str], live: list[str]) -> str:
-    """A hint when the checkpoint's names are the model's with a prefix added or removed (a model saved inside a
-    wrapper, ``module.`` of DDP or ``_orig_mod.`` of ``torch.compile``, and prepared without it, or the reverse)."""
-    for outer, inner, has, lacks in ((saved, live, "checkpoint's", "model's"), (live, saved, "model's", "checkpoint's")):
-        if not outer or not inner:
-            return ""
-        known = set(inner)
-        for name in inner:
-            prefix = outer[0][: -len(name)] if outer[0].endswith("." + name) else ""
-            if prefix and all(n.startswith(prefix) and n[len(prefix):] in known for n in outer):
-                return (
-                    f" The {has} names are the {lacks} with the prefix {prefix!r}: prepare the same module as the "
-                    "run that saved it (the one inside the wrapper, or the wrapper), or rename the keys."
-                )
-    return ""
