@@ -18,6 +18,7 @@ from lightning_mpx.engine.overflow import Overflows
 from lightning_mpx.health.promotion import Promotion
 from lightning_mpx.masters.level_resume import ExactWeights
 from lightning_mpx.masters.pairs import param_pairs
+from lightning_mpx.masters.renames import prefix_change, renamed
 from lightning_mpx.masters.store import Masters
 from lightning_mpx.opt_levels import Properties
 from lightning_mpx.scaling.scaler import LossScaler
@@ -77,6 +78,7 @@ class EngineState:
     def load_state_dict(self, state: dict[str, Any], *, with_masters: bool) -> None:
         """:meth:`Amp.load_state_dict <lightning_mpx.engine.amp.Amp.load_state_dict>`; ``with_masters``: the
         optimizers step FP32 masters of this engine."""
+        state = _engine_entry(state)
         _check_engine_state(state)
         self.masters.prune()
         if len(state["scalers"]) != len(self.scalers):
@@ -90,20 +92,29 @@ class EngineState:
             return
         saved_masters = self.masters.accept(state["master_weights"])
         promotion = state.get("promotion")
+        kept = state.get("fp32_values")
+        if not self.promotion.param_names(promotion):
+            saved_masters, kept = self._renamed(saved_masters, kept)
         self.promotion.check_state_dict(promotion)
         # Masters this run made that the saving run had not made yet (their optimizer had not stepped) take the value
         # that run would have made them from.
         saved_masters = self.masters.complete(
-            saved_masters, state.get("fp32_values"), fp32=self.promotion.param_names(promotion)
+            saved_masters, kept, fp32=self.promotion.param_names(promotion)
         )
         self.masters.check_state_dict(saved_masters, fp32=self.promotion.param_names(promotion))
         # A checkpoint that keeps none (every master made, several processes, or an older release): masters made
         # later come from the half values, as in that run.
-        kept = state.get("fp32_values") if self.masters.weights else None
+        kept = kept if self.masters.weights else None
         if kept is not None:
             self.masters.check_initial_state(kept)
+        saved_half = state.get("half_dtype", str(self.properties.half_dtype))
         for scaler, scaler_state in zip(self.scalers, state["scalers"]):
-            scaler.load_state_dict(scaler_state)
+            if saved_half == str(self.properties.half_dtype):
+                scaler.load_state_dict(scaler_state)
+            elif scaler.dynamic and scaler_state.get("dynamic", True):
+                # Another half dtype (float16 to bfloat16 or back): its default scaling differs, so, as across opt
+                # levels, a dynamic scale carries over into a dynamic one and this run's settings rule otherwise.
+                scaler.load_state_dict(scaler_state)
         self.promotion.load_state_dict(promotion)  # the run that saved it promoted these modules: so does this one
         self.masters.load_state_dict(saved_masters)
         if kept is None:
@@ -120,6 +131,22 @@ class EngineState:
                 optimizer_state.pairs_key = None
                 param_pairs(optimizer_state, self.masters.weights)
         self.overflows.skipped_steps = list(state.get("skipped_steps", self.overflows.skipped_steps))
+
+    def _renamed(
+        self, saved: list[dict[str, Any]], kept: list[dict[str, torch.Tensor]] | None
+    ) -> tuple[list[dict[str, Any]], list[dict[str, torch.Tensor]] | None]:
+        """The checkpoint's masters (and kept FP32 values) by this run's names, where they are the model's names with
+        one prefix added or removed (saved through another front door, or inside a wrapper); unchanged otherwise."""
+        out, out_kept = [], None if kept is None else list(kept)
+        for index, (masters, values) in enumerate(zip(self.masters.weights, saved)):
+            names = [*values, *(kept[index] if kept is not None and index < len(kept) else {})]
+            change = prefix_change(names, masters.names)
+            if change is not None:
+                values = renamed(values, change)
+                if out_kept is not None and index < len(out_kept):
+                    out_kept[index] = renamed(out_kept[index], change)
+            out.append(values)
+        return out, out_kept
 
     def _load_across_levels(self, state: dict[str, Any], saved_level: str) -> None:
         """:meth:`load_state_dict` for a checkpoint saved at ``saved_level``, another opt level (checked first,
@@ -182,12 +209,26 @@ class EngineState:
         return out
 
 
+def _engine_entry(state: Any) -> Any:
+    """The core's state inside what ``lightning_mpx.apex.amp.state_dict()`` returns (a team moving from the Apex
+    API to a front door loads its ``amp.state_dict()`` as it is); any other ``state`` as it is."""
+    if isinstance(state, Mapping) and "scalers" not in state and isinstance(state.get("lightning_mpx"), Mapping):
+        return state["lightning_mpx"]
+    return state
+
+
 def _check_engine_state(state: object) -> None:
     """Refuse what :meth:`Amp.state_dict <lightning_mpx.engine.amp.Amp.state_dict>` did not make (a model's or an
     optimizer's state dict handed to the engine by mistake) before anything is loaded."""
     if not isinstance(state, Mapping):
         raise TypeError(f"state={type(state).__name__} must be the dict that Amp.state_dict() returned.")
     missing = [key for key in ("scalers", "master_weights") if key not in state]
+    if missing and state and all(str(key).startswith("loss_scaler") for key in state):
+        raise ValueError(
+            f"state (keys {sorted(state)}) is an Apex amp.state_dict() with loss scales only: it has no FP32 master "
+            "weights. Load it with lightning_mpx.apex.amp.load_state_dict(state) after amp.initialize(...), or "
+            "resume from the model's FP32 weights (model.load_state_dict(...)) with a fresh loss scale."
+        )
     if missing:
         shown = ", ".join(repr(key) for key in list(state)[:3]) + (", ..." if len(state) > 3 else "")
         raise ValueError(
