@@ -24,8 +24,8 @@ def _threads_per_worker() -> None:
     ``torch.set_num_threads``), unless ``OMP_NUM_THREADS`` is set already. torch's default is a thread per core in
     every process: two workers on two cores, and the ranks their multi-process tests launch, then ran several spinning
     OpenMP threads per core, and small operations waited on threads that were not running (a small model's test file
-    took 61 s in the suite and 6.5 s alone; the suite, 560-594 s on two cores, took 493 s with the share). Not a setting of the
-    library: a single-process run (``python -m pytest -q``) keeps torch's default."""
+    took 61 s in the suite and 6.5 s alone; the suite, 560-594 s on two cores, took 493 s with the share). Not a
+    setting of the library: a single-process run (``python -m pytest -q``) keeps torch's default."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if not workers or "OMP_NUM_THREADS" in os.environ:
         return
