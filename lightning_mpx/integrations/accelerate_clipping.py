@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -25,11 +25,10 @@ class GradientClipping:
     """Accelerate's gradient calls for an accelerator whose ``amp`` is a :class:`~lightning_mpx.Amp` (or ``None``:
     Accelerate's own)."""
 
+    # What the Accelerator this is a base of provides (declared here for readers and type checkers).
     amp: Any
     sync_gradients: bool
-
-    def _amp_optimizers(self) -> list[AmpOptimizer]:
-        raise NotImplementedError  # the Accelerator's
+    _amp_optimizers: Callable[[], list[AmpOptimizer]]  # its prepared optimizers' wrappers
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
         """Unscale the gradients of ``optimizer`` (one, a list, or ``None``: every prepared optimizer that holds
