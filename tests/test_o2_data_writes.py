@@ -189,3 +189,36 @@ def test_prepared_parameters_copy_pickle_and_compile_as_plain_parameters():
     with torch.no_grad():
         assert torch.equal(compiled(amp.cast_inputs(x)), expected)
     assert sum(counters["graph_break"].values()) == 0
+
+
+@pytest.mark.parametrize("how", ["in_place", "p_data", "load_state_dict"])
+def test_master_of_shows_a_write_made_since_the_last_step(how):
+    # A user who writes the model between steps (weight clipping, an EMA swap, a reload) and reads the master, for
+    # an export or a check, gets the value the next step will start from, not the one from before the write.
+    amp = Amp("O2", half_dtype="bfloat16")
+    model = amp.prepare_model(_net())
+    optimizer = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(8, 16)
+    with amp.forward_context():
+        loss = amp.cast_outputs(model(amp.cast_inputs(x))).float().pow(2).mean()
+    amp.backward(loss)
+    amp.step(optimizer)
+    amp.update()
+    weight = model[0].weight
+    before = amp.master_of(weight).clone()
+    new = torch.full_like(weight, 0.25)
+    if how == "in_place":
+        with torch.no_grad():
+            weight.copy_(new)
+    elif how == "p_data":
+        weight.data.copy_(new)
+    else:
+        model.load_state_dict({**model.state_dict(), "0.weight": new})
+    master = amp.master_of(weight)
+    assert master.dtype == torch.float32
+    # The master takes the written value wherever the old master does not round to it (where it does, the write
+    # changed nothing the half model can tell, and the master keeps its FP32 digits, as a step would).
+    assert torch.equal(master.to(weight.dtype), new)
+    assert (master != before).float().mean() > 0.9
+    assert amp.master_of(model[2].weight).dtype == torch.float32  # an unwritten one is still its own master
+    assert torch.equal(amp.fp32_state_dict(model)["0.weight"], master)

@@ -190,7 +190,8 @@ class Amp(AmpParts):
 
     def master_of(self, param: torch.Tensor) -> torch.Tensor:
         """The FP32 master of a model parameter at O2 (the parameter itself when it has none: an FP32 parameter, or
-        a half one that no prepared optimizer holds)."""
+        a half one that no prepared optimizer holds). A write made to the model parameter since the last step is
+        taken into the master first, as the next step would take it."""
         return self._masters.master_of(param, self._optimizers.values())
 
     def refresh_masters(self, params: Iterable[torch.Tensor] | None = None, *, force: bool = False) -> list[str]:

@@ -101,7 +101,8 @@ class Masters:
             param_pairs(state, self.weights, recheck=True)
 
     def master_of(self, param: torch.Tensor, states: Iterable[_OptimizerState]) -> torch.Tensor:
-        """The FP32 master of ``param`` (the parameter itself when it has none)."""
+        """The FP32 master of ``param`` (the parameter itself when it has none), with a write made to ``param`` since
+        the last step taken into it first."""
         if not isinstance(param, torch.Tensor):
             raise TypeError(
                 f"param={type(param).__name__} must be a model parameter (a torch.Tensor, such as one of "
@@ -113,6 +114,8 @@ class Masters:
                 if master is param and param.dtype in (torch.float16, torch.bfloat16):
                     self.make_held(states)  # added to an optimizer since its last step: its master is made now
                     master = masters.master_of(param)
+                if master is not param:
+                    masters.refresh([param])  # a write to the model since the last step: as the step will take it
                 return master
         return param
 
