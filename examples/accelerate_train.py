@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mpx import DESCRIPTIONS
 from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 
 
@@ -76,7 +75,7 @@ def main() -> None:
         kwargs_handlers=[MixedPrecisionKwargs(half_dtype=args.half_dtype)],
     )
     accelerator.init_trackers("accelerate_train", config=vars(args) | {"project_dir": project_dir})
-    accelerator.print(f"{args.opt_level} ({args.half_dtype}): {DESCRIPTIONS[args.opt_level]}")
+    accelerator.print(f"{args.opt_level}: {accelerator.amp.properties.description}")  # the run's own settings
 
     torch.manual_seed(0)  # the same initial weights on every process
     dataset = make_dataset()

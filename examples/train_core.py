@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_mpx import DESCRIPTIONS, Amp
+from lightning_mpx import Amp, resolve_properties
 
 
 def make_data(device: torch.device, n: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +87,7 @@ def main() -> None:
     args.half_dtype = pick_half_dtype(args.half_dtype)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-    print(f"{args.opt_level}: {DESCRIPTIONS[args.opt_level]}")
+    print(f"{args.opt_level}: {resolve_properties(args.opt_level, half_dtype=args.half_dtype).description}")
     fp32, _ = train(None, args.half_dtype, args.steps, device)
     mixed, amp = train(args.opt_level, args.half_dtype, args.steps, device)
     assert amp is not None

@@ -96,13 +96,29 @@ class Properties:
 
     @property
     def description(self) -> str:
-        """The one-line description of the preset this started from, with the loss scaling actually in use (a
-        bfloat16 preset or an override can change it)."""
+        """One line on what these properties do: the preset's description with the loss scaling actually in use (a
+        bfloat16 preset or an override can change it), the half dtype (except at O0, which casts nothing) and the
+        overrides of the preset, named as keywords.
+
+        Example:
+            >>> resolve_properties("O2", half_dtype="bfloat16", keep_batchnorm_fp32=False).description.split("; ")[-1]
+            'static loss scale 1.0. Half dtype: bfloat16. Overrides: keep_batchnorm_fp32=False.'
+        """
         text = DESCRIPTIONS[self.opt_level]
         actual = "dynamic loss scaling" if self.dynamic_loss_scale else f"static loss scale {float(self.loss_scale)}"  # type: ignore[arg-type]
         for clause in ("dynamic loss scaling", "static loss scale 1.0"):
             if clause in text and clause != actual:
                 text = text.replace(clause, actual)
+        if self.opt_level != "O0":
+            text += f" Half dtype: {dtype_name(self.half_dtype)}."
+        preset = _preset(self.opt_level, self.half_dtype)
+        changed = [
+            f"{name}={_fmt(getattr(self, name))}"
+            for name in _OVERRIDABLE
+            if name != "loss_scale" and getattr(self, name) != getattr(preset, name)
+        ]
+        if changed:
+            text += f" Overrides: {', '.join(changed)}."
         return text
 
     @property

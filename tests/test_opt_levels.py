@@ -35,7 +35,8 @@ def test_presets_have_apex_semantics(level, half, cast, patch, keep_bn, masters,
 def test_each_preset_has_a_one_line_description():
     for level in OPT_LEVELS:
         text = resolve_properties(level).description
-        assert text == DESCRIPTIONS[level] and text and "\n" not in text
+        assert text.startswith(DESCRIPTIONS[level]) and text and "\n" not in text
+        assert ("Half dtype: float16." in text) is (level != "O0") and "Overrides" not in text
 
 
 def test_properties_are_frozen():
@@ -133,3 +134,13 @@ def test_description_states_the_loss_scaling_in_use():
     assert "static loss scale 1.0" in bf16 and "dynamic" not in bf16
     assert "static loss scale 128.0" in resolve_properties("O2", loss_scale=128.0).description
     assert "dynamic loss scaling" in resolve_properties("O3", loss_scale="dynamic").description
+
+
+def test_description_names_the_half_dtype_and_the_overrides():
+    # What a run prints as its settings (examples/train_core.py, accelerate_train.py) is what the run does.
+    text = resolve_properties("O2", half_dtype="bfloat16", keep_batchnorm_fp32=False, loss_scale="dynamic").description
+    assert "dynamic loss scaling" in text and "Half dtype: bfloat16." in text
+    assert text.endswith("Overrides: keep_batchnorm_fp32=False.")
+    o1 = resolve_properties("O1", half_dtype="bf16", patch_torch_functions=False).description
+    assert "Half dtype: bfloat16." in o1 and "Overrides: patch_torch_functions=False." in o1
+    assert "Half dtype" not in resolve_properties("O0", half_dtype="bfloat16").description
