@@ -242,3 +242,50 @@ def test_an_overflow_not_logged_before_free_memory_is_in_the_next_log() -> None:
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     _train(accelerator, model, optimizer, range(1, 2))
     assert accelerator.mpx_metrics()["mpx/overflows"] == 1.0
+
+
+# -- the Apex layer: a plain backward between a block and another optimizer's step ---------------------------------
+def _small(out: torch.Tensor) -> torch.Tensor:
+    return out.float().mean() * 0.01  # no overflow at Apex's initial scale
+
+
+def test_a_plain_backward_after_another_optimizers_block_is_refused_at_that_step() -> None:
+    """Finding (fixed): two optimizers (``num_losses=2``); a block for the first, then ``loss2.backward()`` outside any
+    block and the second's ``step()``: any block of the engine counted as one for every optimizer, so the step divided
+    the unscaled gradients by 65536 (a silent 1/65536 learning rate; Apex's O2 left the weights as they were). Now
+    refused as a step after no block at all; the block's way follows FP32 as before."""
+    from lightning_mpx.apex import _amp_state, amp
+
+    def setup() -> tuple[nn.Module, nn.Module, Any, Any, nn.Module]:
+        _amp_state.reset()
+        torch.manual_seed(0)
+        body, head = nn.Linear(4, 2), nn.Linear(4, 2)
+        reference = copy.deepcopy(head)
+        opts = [torch.optim.SGD(body.parameters(), lr=0.1), torch.optim.SGD(head.parameters(), lr=0.1)]
+        [body, head], [o1, o2] = amp.initialize([body, head], opts, opt_level="O2", num_losses=2, verbosity=0)
+        return body, head, o1, o2, reference
+
+    x = torch.randn(4, 4)
+    try:
+        body, head, o1, o2, _ = setup()
+        with amp.scale_loss(_small(body(x)), o1, loss_id=0) as scaled:
+            scaled.backward()
+        o1.step()
+        _small(head(x)).backward()
+        with pytest.raises(RuntimeError, match=r"gradients appeared after the last block ended"):
+            o2.step()
+
+        body, head, o1, o2, reference = setup()
+        with amp.scale_loss(_small(body(x)), o1, loss_id=0) as scaled:
+            scaled.backward()
+        o1.step()
+        before = head.weight.float()
+        with amp.scale_loss(_small(head(x)), o2, loss_id=1) as scaled:
+            scaled.backward()
+        o2.step()
+        _small(reference(x)).backward()
+        torch.optim.SGD(reference.parameters(), lr=0.1).step()
+        assert not torch.equal(head.weight.float(), before)  # stepped, not skipped
+        torch.testing.assert_close(head.weight.float(), reference.weight, atol=2e-3, rtol=0)
+    finally:
+        _amp_state.reset()
