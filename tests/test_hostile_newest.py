@@ -164,8 +164,6 @@ def test_a_second_accelerator_cannot_take_a_model_the_first_still_trains() -> No
     model = _net()
     model, optimizer = first.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5))
     _train(first, model, optimizer, range(1))
-    reference = copy.deepcopy(model)
-    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
     before = [p.detach().clone() for p in model.parameters()]
 
     from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
@@ -177,7 +175,6 @@ def test_a_second_accelerator_cannot_take_a_model_the_first_still_trains() -> No
     assert first.unwrap_model(model).forward._amp is first.amp
     _train(first, model, optimizer, range(1, 2))
     assert not optimizer.step_was_skipped
-    del reference, ref_optimizer
 
     first.free_memory()  # released: now the second one may take it over
     model, optimizer = second.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5))
