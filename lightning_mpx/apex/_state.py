@@ -106,6 +106,8 @@ class AmpState:
             parameters' gradients hold is left from that step (the script zeroes it before their next block).
         idle: Optimizers with no ``scale_loss`` block of their engine since ``initialize`` or their last step: a
             gradient they hold came from a backward outside any block, unscaled.
+        gradless: Per optimizer, the parameters without a gradient when the last ``scale_loss`` block ended: a
+            gradient they hold at its ``step()`` came from a backward outside any block, unscaled.
         registrations: ``(function, category)`` from ``register_*_function`` and the decorators (kept across
             ``initialize``).
     """
@@ -128,6 +130,7 @@ class AmpState:
     stash: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     after_step: set[int] = field(default_factory=set)
     idle: set[int] = field(default_factory=set)
+    gradless: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     registrations: list[tuple[Callable[..., Any], str]] = field(default_factory=list)
 
     def reset(self) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 from lightning_mpx.apex._state import AmpState, _amp_state, is_rank_zero
 from lightning_mpx.apex.fp16_utils import _HalfParameters
 from lightning_mpx.engine.amp import Amp
+from lightning_mpx.engine.optimizer_state import optimizer_params
 
 log = logging.getLogger("lightning_mpx.apex")
 
@@ -150,10 +151,12 @@ def scale_loss(
         scaled = amp.scale_loss(loss, loss_id)
     state.after_step.difference_update(ids)
     state.idle.difference_update(id(w.optimizer) for w in own)
+    state.gradless.clear()
     yield scaled
     if amp.policy is not None and amp.properties.patch_torch_functions:
         amp.policy._clear_casts()  # Apex cleared its cast cache at the end of every block (Amp.update the rest)
     if delay_unscale:
+        _record_gradless(state, own)
         return
     overflow = False
     for wrapper, before in zip(wrapped, overflowed_before):
@@ -169,6 +172,15 @@ def scale_loss(
     if overflow:
         state.skip_next.update(dict.fromkeys(ids, loss_id))
         _log_overflow(amp, loss_id)
+    _record_gradless(state, own)
+
+
+def _record_gradless(state: AmpState, own: list[AmpOptimizer]) -> None:
+    """At a block's end (after its unscale, which may give the model half copies of the gradients): the parameters
+    of ``own`` without a gradient, which a backward outside any block would give one before the step."""
+    state.gradless.update(
+        (id(w.optimizer), [p for p in optimizer_params(w.optimizer) if p.grad is None]) for w in own
+    )
 
 
 @contextlib.contextmanager
@@ -282,7 +294,7 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> None:
             "optimizer that call returned."
         )
     key = id(wrapper.optimizer)
-    if key in state.idle:
+    if key in state.idle or any(p.grad is not None for p in state.gradless.pop(key, ())):
         _refuse_unscaled_step(wrapper)
     if key in state.skip_next:
         # A block that named it overflowed (in its gradients or another optimizer's): the block charged the overflow
@@ -313,8 +325,9 @@ def _refuse_unscaled_step(wrapper: AmpOptimizer) -> None:
     scale = amp.scalers[0].get_scale()
     if scale != 1.0:
         raise RuntimeError(
-            "step(): no amp.scale_loss() block ran since this optimizer's last step (or amp.initialize()), yet its "
-            f"parameters have gradients: a backward outside the block is not scaled, and the step would divide it by "
+            "step(): no amp.scale_loss() block ran since this optimizer's last step (or amp.initialize()), or its "
+            "parameters' gradients appeared after the last block ended: a backward outside a block is not scaled, "
+            f"and the step would divide it by "
             f"the loss scale ({scale:g}). Backward inside `with amp.scale_loss(loss, optimizer) as scaled_loss: "
             "scaled_loss.backward()`."
         )

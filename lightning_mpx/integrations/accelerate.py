@@ -90,12 +90,18 @@ from lightning_mpx.integrations.accelerate_checkpoint import (  # noqa: E402
     write_amp_state,
 )
 from lightning_mpx.integrations.accelerate_clipping import GradientClipping  # noqa: E402
-from lightning_mpx.integrations.accelerate_forward import AmpForward, install_forward, take_over  # noqa: E402
+from lightning_mpx.integrations.accelerate_forward import (  # noqa: E402
+    AmpForward,
+    install_forward,
+    release_optimizers,
+    take_over,
+)
 from lightning_mpx.integrations.accelerate_fsdp import ShardedPreparation  # noqa: E402
 from lightning_mpx.integrations.accelerate_kwargs import FSDP_GATHER_CHOICES, MixedPrecisionKwargs  # noqa: E402, F401
 from lightning_mpx.integrations.accelerate_optimizer import (  # noqa: E402
     AmpOptimizer,
     check_masters_exist,
+    released_by_engine,
 )
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
 from lightning_mpx.integrations.metric_counts import LoggedMetrics  # noqa: E402
@@ -310,6 +316,7 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
             assert self.mpx_kwargs is not None
             old = self.amp
             old.diagnose_overflows = False  # its forward hooks leave the models
+            release_optimizers(old)  # an optimizer prepared again steps in the new engine, with its state
             self.amp = Amp.from_settings(self.mpx_kwargs.settings(old.opt_level))
             self.amp.found_inf_reducer, self.amp.log_overflows = old.found_inf_reducer, old.log_overflows
             self._converted = weakref.WeakSet()
@@ -318,6 +325,14 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
         """As ``accelerate.Accelerator.prepare_optimizer``; with an opt level the optimizer steps through the
         :class:`~lightning_mpx.engine.amp.Amp` (at O2 on the FP32 masters). Prepare its model first."""
+        if self.amp is not None and released_by_engine(optimizer, self.amp):
+            # Prepared before free_memory() (a retried training function that kept it): its engine released it, and
+            # this one steps it now (on the masters that took over its model's).
+            check_masters_exist(self.amp, optimizer.optimizer, len(self._converted))
+            self.amp.prepare_optimizer(optimizer.optimizer)
+            optimizer.amp, optimizer.on_step = self.amp, self._optimizer_stepped
+            self._optimizers.append(optimizer)
+            return optimizer
         if self.amp is None or getattr(optimizer, "_is_accelerate_prepared", False):
             return super().prepare_optimizer(optimizer, device_placement=device_placement)
         if self._deferred is None:

@@ -20,11 +20,12 @@ from lightning_mpx.casting.table import CastTable
 from lightning_mpx.common.containers import _cast_collection
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
+from lightning_mpx.engine.optimizer_state import optimizer_params
 
 require("accelerate", feature="lightning_mpx.accelerate")
 from accelerate.utils import extract_model_from_parallel, is_compiled_module  # type: ignore[import-untyped]  # noqa: E402
 
-__all__ = ["AmpForward", "install_forward", "take_over"]
+__all__ = ["AmpForward", "install_forward", "release_optimizers", "take_over"]
 
 
 class AmpForward:
@@ -145,6 +146,7 @@ def take_over(amp: Amp, model: nn.Module, *, train: bool) -> nn.Module | None:
     if not isinstance(forward, AmpForward) or forward._amp is amp:
         return None
     old, weights = forward._amp, None
+    _refuse_if_still_trained(old, inner)
     if amp.properties.master_weights and train:
         # Only masters the old engine made (a copy's forward-only engine has none: its half values are the weights).
         params = inner.named_parameters()
@@ -156,3 +158,37 @@ def take_over(amp: Amp, model: nn.Module, *, train: bool) -> nn.Module | None:
     if weights:
         inner.load_state_dict(weights, strict=False)  # FP32 values go to the new masters exactly
     return inner
+
+
+def release_optimizers(amp: Amp) -> None:
+    """Forget every optimizer ``amp`` steps (``Accelerator.free_memory()`` replaces the engine), each one's state
+    moved from its FP32 masters back to the model's parameters: an optimizer prepared again (a retried training
+    function that kept it) goes on with its state (Adam's moments, step count) in the next engine, whose masters
+    start from these, and the old engine's hooks no longer refuse its steps."""
+    for optimizer_state in list(amp._optimizers.values()):
+        optimizer = optimizer_state.optimizer_ref()
+        if optimizer is None:
+            continue
+        pairs = list(zip(optimizer_params(optimizer), amp.master_params(optimizer)))
+        amp.release_optimizer(optimizer)
+        for param, master in pairs:
+            if master is not param and master in optimizer.state:
+                optimizer.state[param] = optimizer.state.pop(master)
+
+
+def _refuse_if_still_trained(old: Amp, model: nn.Module) -> None:
+    """Refuse to take ``model`` from ``old`` while an optimizer of ``old`` still trains it (another Accelerator's,
+    not released by its ``free_memory()``): both engines would write their own weights into the model."""
+    params = {id(param) for param in model.parameters()}
+    names = []
+    for optimizer_state in old._optimizers.values():
+        optimizer = optimizer_state.optimizer_ref()
+        if optimizer is not None and any(id(param) in params for param in optimizer_params(optimizer)):
+            names.append(type(optimizer).__name__)
+    if names:
+        raise RuntimeError(
+            f"model={type(model).__name__} was prepared by another Accelerator (or Amp) whose optimizer(s) "
+            f"{names} still train it: both engines would write their own weights into it (at O2 each from its own FP32 "
+            "masters). Call free_memory() on the Accelerator that prepared it first (it releases its optimizers), "
+            "or go on training it with that Accelerator."
+        )

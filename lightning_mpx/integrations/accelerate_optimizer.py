@@ -14,7 +14,7 @@ from lightning_mpx.engine.amp import Amp
 require("accelerate", feature="lightning_mpx.accelerate")
 from accelerate.optimizer import AcceleratedOptimizer  # type: ignore[import-untyped]  # noqa: E402
 
-__all__ = ["AmpOptimizer", "check_masters_exist", "gradient_targets", "owner_of", "params_of"]
+__all__ = ["AmpOptimizer", "check_masters_exist", "gradient_targets", "owner_of", "params_of", "released_by_engine"]
 
 
 _UNPICKLED_STEP = (
@@ -165,3 +165,11 @@ def check_masters_exist(amp: Amp, optimizer: torch.optim.Optimizer, models_prepa
         "`model = accelerator.prepare(model)` (or `accelerator.prepare_model(model)`), then "
         "`optimizer = accelerator.prepare(optimizer)`."
     )
+
+
+def released_by_engine(optimizer: Any, amp: Amp) -> bool:
+    """``optimizer`` is an :class:`AmpOptimizer` of another engine that no longer steps it (released by
+    ``Accelerator.free_memory()``): ``amp`` can take it over."""
+    if not isinstance(optimizer, AmpOptimizer) or optimizer.amp is None or optimizer.amp is amp:
+        return False
+    return id(optimizer.optimizer) not in optimizer.amp._optimizers
