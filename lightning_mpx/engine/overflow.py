@@ -341,7 +341,10 @@ class Overflows:
             norm = grad_norms.get(loss_id)
             if norm is not None and reader.norms.get(loss_id) is not norm:
                 out["mpx/grad_norm" + suffix] = reader.norms[loss_id] = norm
-        for name, count in self.forensics.totals().items():
+        totals = self.forensics.totals()
+        for name in [*totals, *(n for n in counts if n not in totals and n not in out)]:
+            # (a name only the position holds: a module counted by a checkpoint of a release that kept no totals)
+            count = totals.get(name, 0)
             out[name] = float(count - counts.get(name, 0))
             counts[name] = count
         return out
