@@ -356,7 +356,7 @@ class Overflows:
         read = read_floats(flat)
         out: dict[str, dict[str, int]] = {name: {} for name in self.readers}
         for key, value in read.items():
-            name, count = key.split("\0", 1)
+            name, count = key.rsplit("\0", 1)  # (no metric name holds a NUL; a reader's name might)
             out[name][count] = int(value)
         return out
 
