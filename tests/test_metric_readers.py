@@ -7,6 +7,7 @@ not logged yet (``unlogged_counts``), and the recipe of docs/lightning.md that p
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,18 @@ def test_core_reader_name_is_checked():
         amp.metrics(3)  # type: ignore[arg-type]
 
 
+def test_core_checkpoint_with_bad_reader_positions_is_refused_before_anything_is_loaded():
+    amp, model, optimizer = _engine()
+    _steps(amp, model, optimizer, [True])
+    state = amp.state_dict()
+    fresh, _, _ = _engine()
+    before = fresh.state_dict()
+    with pytest.raises(TypeError, match="metric_readers"):
+        fresh.load_state_dict({**state, "metric_readers": {"log": {"mpx/overflows": "one"}}})
+    after = fresh.state_dict()
+    assert after["scalers"] == before["scalers"] and after["skipped_steps"] == before["skipped_steps"] == [0]
+
+
 # -- the Trainer ---------------------------------------------------------------------------------------------------
 pl = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
@@ -183,17 +196,13 @@ def test_trainer_checkpoint_of_the_release_before_gives_the_right_first_log(tmp_
     assert first_log["mpx/overflow/net.0"] == 1.0 and first_log["mpx/skipped_steps"] == 2
 
 
-class MpxMetricsToCallbacks(pl.Callback):
-    """docs/lightning.md's recipe, as it is there: the ``mpx/*`` metrics into ``trainer.callback_metrics``."""
-
-    def __init__(self, names: tuple[str, ...] | None = None) -> None:
-        self.names = names
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        metrics = trainer.precision_plugin.amp.metrics("monitor")  # device tensors: no sync
-        for name, value in metrics.items():
-            if self.names is None or name in self.names:
-                pl_module.log(name, value, on_step=True, on_epoch=False, logger=False)
+def docs_recipe() -> type:
+    """The ``MpxMetricsToCallbacks`` callback of docs/lightning.md, run from the docs' own code block."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "lightning.md").read_text()
+    (code,) = [b for b in re.findall(r"^```python\n(.*?)^```", text, re.S | re.M) if "class MpxMetricsToCallbacks" in b]
+    namespace: dict[str, Any] = {"MixedPrecisionPlugin": MixedPrecisionPlugin}
+    exec(compile(code, "docs/lightning.md", "exec"), namespace)  # builds the block's Trainer too (CPU, not fitted)
+    return namespace["MpxMetricsToCallbacks"]
 
 
 def test_recipe_lets_model_checkpoint_monitor_the_loss_scale(tmp_path):
@@ -204,7 +213,7 @@ def test_recipe_lets_model_checkpoint_monitor_the_loss_scale(tmp_path):
     best = ModelCheckpoint(dirpath=str(tmp_path), monitor="mpx/loss_scale", mode="max", save_top_k=1,
                            every_n_train_steps=1, filename="{step}")
     trainer = make_trainer(fp16_plugin(), max_steps=steps, logger=logger, log_every_n_steps=1,
-                           enable_checkpointing=True, callbacks=[MpxMetricsToCallbacks(), best])
+                           enable_checkpointing=True, callbacks=[docs_recipe()(), best])
     trainer.fit(Classifier(inject_inf_at=tuple(injected)), loader(classification_data(n=16 * steps)))
     scales, skipped = reference(injected, steps)
     assert float(best.best_model_score) == max(scales)
@@ -299,3 +308,4 @@ def test_accelerate_mpx_metrics_between_logs_and_resume_take_nothing_from_the_lo
     # The log at step 2 holds step 1's overflow; the first after the resume (step 5) step 4's: not lost, not twice.
     assert logged["mpx/overflows"] == {2: 1.0, 5: 1.0, 8: 1.0}
     assert logged["mpx/skipped_steps"][8] == 3
+

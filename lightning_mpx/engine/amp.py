@@ -35,7 +35,7 @@ from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, backwa
 from lightning_mpx.engine.optimizer_step import OptimizerStep
 from lightning_mpx.engine.optimizers import StepMachine
 from lightning_mpx.engine.outcome import StepOutcome
-from lightning_mpx.engine.overflow import DEFAULT_READER, Overflows
+from lightning_mpx.engine.overflow import DEFAULT_READER, Overflows, check_readers_state
 
 # _EngineHook's old import path here keeps working (lightning_mpx.apex's hooks).
 from lightning_mpx.engine.preparation import PreparedModels, _EngineHook  # noqa: F401
@@ -429,6 +429,7 @@ class Amp(AmpParts):
         their rounding at O3). A loss scale carries over when both levels scale dynamically; otherwise this level's own
         scaling starts from its settings."""
         self.read_step_outcomes()  # steps made before the load are this run's: counted before it replaces them
+        check_readers_state(_engine_entry(state))  # a bad one is refused before anything is loaded
         self._checkpoint.load_state_dict(state, with_masters=self._with_masters)
         state = _engine_entry(state)
         self.forensics.load_state_dict(state.get("overflow_counts"))  # None (older release): from zero

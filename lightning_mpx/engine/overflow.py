@@ -40,6 +40,23 @@ def overflows_name(loss_id: int, num_losses: int) -> str:
     return "mpx/overflows" + (f"/loss{loss_id}" if num_losses > 1 else "")
 
 
+def check_readers_state(state: Any) -> None:
+    """Refuse an engine checkpoint ``state`` whose ``metric_readers`` :meth:`Overflows.readers_state` did not make
+    (before anything is loaded); none (a checkpoint of a release that saved none) is fine."""
+    saved = state.get("metric_readers") if isinstance(state, Mapping) else None
+    if saved is None:
+        return
+    if not (
+        isinstance(saved, Mapping)
+        and all(isinstance(position, Mapping) for position in saved.values())
+        and all(isinstance(v, (int, float)) for position in saved.values() for v in position.values())
+    ):
+        raise TypeError(
+            f"the checkpoint's metric_readers={saved!r:.200} must map each reader's name to its counts' totals "
+            "(numbers), as Amp.state_dict() saves them."
+        )
+
+
 class MetricsReader:
     """One reader's position in an engine's metrics: each count's total at its previous read (the growth since is
     what its next read reports), the gradient norms it reported (a norm is reported once per reader) and the
@@ -364,13 +381,7 @@ class Overflows:
         """After a checkpoint's totals are loaded: each reader it saved (:meth:`readers_state`) counts on from its
         position there, so its first read reports what its saving run had not read yet; the others, and readers made
         later, count from the loaded totals (never reported twice). ``measurements``: the telemetry's count now."""
-        if saved is not None and not (
-            isinstance(saved, Mapping) and all(isinstance(v, Mapping) for v in saved.values())
-        ):
-            raise TypeError(
-                f"the checkpoint's metric_readers={type(saved).__name__} must map each reader's name to its counts "
-                "(as Amp.state_dict() saves them)."
-            )
+        check_readers_state({"metric_readers": saved})
         totals: dict[str, torch.Tensor | int] = {
             overflows_name(i, len(self.scalers)): s.overflow_count.clone() for i, s in enumerate(self.scalers)
         }
