@@ -200,7 +200,7 @@ def docs_recipe() -> type:
     """The ``MpxMetricsToCallbacks`` callback of docs/lightning.md, run from the docs' own code block."""
     text = (Path(__file__).resolve().parents[1] / "docs" / "lightning.md").read_text()
     (code,) = [b for b in re.findall(r"^```python\n(.*?)^```", text, re.S | re.M) if "class MpxMetricsToCallbacks" in b]
-    namespace: dict[str, Any] = {"MixedPrecisionPlugin": MixedPrecisionPlugin}
+    namespace: dict[str, Any] = {}
     exec(compile(code, "docs/lightning.md", "exec"), namespace)  # builds the block's Trainer too (CPU, not fitted)
     return namespace["MpxMetricsToCallbacks"]
 
@@ -219,6 +219,7 @@ def test_recipe_lets_model_checkpoint_monitor_the_loss_scale(tmp_path):
     assert float(best.best_model_score) == max(scales)
     assert Path(best.best_model_path).name == f"step={scales.index(max(scales)) + 1}.ckpt"  # the first to reach it
     assert float(trainer.callback_metrics["mpx/loss_scale"]) == scales[-1]
+    assert float(trainer.callback_metrics["mpx/overflows"]) == float(steps - 1 in skipped)  # the last step's
     # Not logged twice: the loggers get the plugin's own log, once per step, whose counts the recipe took none of.
     assert [step for step, values in logger.logged if "mpx/loss_scale" in values] == list(range(steps))
     assert [v for _, v in sorted(logged_overflows(logger).items())] == [float(s in skipped) for s in range(steps)]
