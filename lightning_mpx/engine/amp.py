@@ -29,13 +29,13 @@ from lightning_mpx.casting.policy import CastPolicy, casts_off_if_on
 from lightning_mpx.casting.table import CastTable
 from lightning_mpx.common.containers import _cast_collection
 from lightning_mpx.engine.amp_parts import AmpParts
-from lightning_mpx.engine.checkpoint import EngineState
+from lightning_mpx.engine.checkpoint import EngineState, _engine_entry
 from lightning_mpx.engine.iteration import Iteration
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, backward_loss, loss_index
 from lightning_mpx.engine.optimizer_step import OptimizerStep
 from lightning_mpx.engine.optimizers import StepMachine
 from lightning_mpx.engine.outcome import StepOutcome
-from lightning_mpx.engine.overflow import Overflows
+from lightning_mpx.engine.overflow import DEFAULT_READER, Overflows, check_readers_state
 
 # _EngineHook's old import path here keeps working (lightning_mpx.apex's hooks).
 from lightning_mpx.engine.preparation import PreparedModels, _EngineHook  # noqa: F401
@@ -388,26 +388,36 @@ class Amp(AmpParts):
         ``mpx/headroom/<group>`` (see :mod:`lightning_mpx.health.telemetry`)."""
         self.telemetry.requested = True
 
-    def metrics(self) -> dict[str, torch.Tensor | float]:
-        """``mpx/loss_scale``, ``mpx/overflows`` (since the last call or :meth:`load_state_dict`),
-        ``mpx/skipped_steps`` (total) and ``mpx/grad_norm`` (unscaled, when computed), with a ``/loss{id}`` suffix
-        when there are several losses;
-        ``mpx/overflow/<module>`` (overflow steps since the last call with non-finite gradients in the module;
-        ``_root``: the root module's own parameters); the telemetry after a :meth:`request_telemetry`. Device tensors or
-        Python numbers: building them does not wait for the device. With ``skip_on_device``, ``mpx/skipped_steps`` and
-        the module counts cover the steps read so far (:meth:`read_step_outcomes` first to include the last ones);
-        ``mpx/overflows`` is counted on the device and is always current."""
-        out = self._overflows.metrics(self._machine.grad_norms)
-        out.update(self.forensics.metrics())  # mpx/overflow/<module>, host counters
+    def metrics(self, reader: str = DEFAULT_READER) -> dict[str, torch.Tensor | float]:
+        """``mpx/loss_scale``, ``mpx/overflows`` (since ``reader``'s previous call), ``mpx/skipped_steps`` (total) and
+        ``mpx/grad_norm`` (unscaled, when computed since), with a ``/loss{id}`` suffix when there are several losses;
+        ``mpx/overflow/<module>`` (overflow steps since with non-finite gradients in the module; ``_root``: the root
+        module's own parameters); the telemetry measured since a :meth:`request_telemetry`. Device tensors or Python
+        numbers: building them does not wait for the device. With ``skip_on_device``, ``mpx/skipped_steps`` and the
+        module counts cover the steps read so far (:meth:`read_step_outcomes` first to include the last ones);
+        ``mpx/overflows`` is counted on the device and is always current.
+
+        The engine keeps the totals; each ``reader`` (a name: the front doors' loggers read as ``"log"``) keeps only
+        its position, so reads never take counts from each other. The positions are in :meth:`state_dict`: after
+        :meth:`load_state_dict` a reader's first call reports what its saving run had not read yet (a reader the
+        checkpoint does not hold counts from the loaded totals), never the saving run's totals again."""
+        if not isinstance(reader, str) or not reader:
+            raise TypeError(f"reader={reader!r} must be a non-empty str (default {DEFAULT_READER!r}).")
+        position = self._overflows.reader(reader)
+        out = self._overflows.metrics(position, self._machine.grad_norms)  # and mpx/overflow/<module>
         out.update(self.promotion.metrics())
-        out.update(self.telemetry.metrics())
+        out.update(self.telemetry.metrics(since=position.measurements))
+        position.measurements = self.telemetry.measurements
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """Scalers, FP32 masters and counters: everything needed, with the optimizer's own state, to resume (steps
-        skipped on the device are read first)."""
+        """Scalers, FP32 masters and counters (the overflow totals, and each metrics reader's position): everything
+        needed, with the optimizer's own state, to resume (steps skipped on the device are read first)."""
         self.read_step_outcomes()
-        return self._checkpoint.state_dict()
+        state = self._checkpoint.state_dict()
+        state["overflow_counts"] = self.forensics.state_dict()
+        state["metric_readers"] = self._overflows.readers_state()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (after :meth:`prepare_model`); masters come back bit-exact. A refused
@@ -420,8 +430,11 @@ class Amp(AmpParts):
         their rounding at O3). A loss scale carries over when both levels scale dynamically; otherwise this level's own
         scaling starts from its settings."""
         self.read_step_outcomes()  # steps made before the load are this run's: counted before it replaces them
+        check_readers_state(_engine_entry(state))  # a bad one is refused before anything is loaded
         self._checkpoint.load_state_dict(state, with_masters=self._with_masters)
-        self._overflows.report_from_now()  # mpx/overflows counts this run's, not the checkpoint's total again
+        state = _engine_entry(state)
+        self.forensics.load_state_dict(state.get("overflow_counts"))  # None (older release): from zero
+        self._overflows.load_readers(state.get("metric_readers"), self.telemetry.measurements)
 
     # -- internals ----------------------------------------------------------------------------------------------
     def _loss_index(self, loss_id: int) -> int:

@@ -1,6 +1,10 @@
 """Overflow steps, told to the user: :class:`Overflows` records each (with the forensics), counts it, logs it
 (throttled) and hands it to the floor's policy; the gradients to examine and the floor hint are here too.
 
+The counts are totals, owned here (the scalers' per loss, the forensics' per module) and saved with the engine; each
+reader of the metrics (:class:`MetricsReader`: a user's ``Amp.metrics()``, a front door's logger) owns only its
+position, the totals at its previous read, and reports their growth since, so no read takes counts from another.
+
 The record of an overflow itself is built by :class:`~lightning_mpx.health.forensics.OverflowForensics`; what is here is
 what the step (:class:`~lightning_mpx.engine.optimizer_step.OptimizerStep`) hands it and how the result is logged.
 """
@@ -9,10 +13,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
+from lightning_mpx.common.containers import read_floats
 from lightning_mpx.engine.optimizer_state import optimizer_params
 from lightning_mpx.engine.sharding import local_tensor
 from lightning_mpx.health.forensics import OverflowForensics, OverflowRecord
@@ -24,6 +29,48 @@ if TYPE_CHECKING:
 log = logging.getLogger("lightning_mpx")
 
 MasterOf = Callable[[torch.Tensor], torch.Tensor]
+
+#: The reader of ``Amp.metrics()`` when the call names none (a core loop, a callback, ``mpx.metrics()`` in Fabric).
+DEFAULT_READER = "default"
+
+
+def overflows_name(loss_id: int, num_losses: int) -> str:
+    """The metric name of ``loss_id``'s overflow count: ``mpx/overflows``, suffixed ``/loss{id}`` when there are
+    several losses."""
+    return "mpx/overflows" + (f"/loss{loss_id}" if num_losses > 1 else "")
+
+
+def check_readers_state(state: Any) -> None:
+    """Refuse an engine checkpoint ``state`` whose ``metric_readers`` :meth:`Overflows.readers_state` did not make
+    (before anything is loaded); none (a checkpoint of a release that saved none) is fine."""
+    saved = state.get("metric_readers") if isinstance(state, Mapping) else None
+    if saved is None:
+        return
+    if not (
+        isinstance(saved, Mapping)
+        and all(isinstance(position, Mapping) for position in saved.values())
+        and all(isinstance(v, (int, float)) for position in saved.values() for v in position.values())
+    ):
+        raise TypeError(
+            f"the checkpoint's metric_readers={saved!r:.200} must map each reader's name to its counts' totals "
+            "(numbers), as Amp.state_dict() saves them."
+        )
+
+
+class MetricsReader:
+    """One reader's position in an engine's metrics: each count's total at its previous read (the growth since is
+    what its next read reports), the gradient norms it reported (a norm is reported once per reader) and the
+    telemetry measurements it has seen.
+
+    Args:
+        counts: The totals to count from (absent names: 0).
+        measurements: The telemetry measurements made before (``GradTelemetry.measurements``).
+    """
+
+    def __init__(self, counts: Mapping[str, torch.Tensor | int] | None = None, measurements: int = 0) -> None:
+        self.counts: dict[str, torch.Tensor | int] = dict(counts or {})
+        self.norms: dict[int, torch.Tensor] = {}  # the norm tensor each loss had at the previous read (by identity)
+        self.measurements = measurements
 
 
 class OverflowLog:
@@ -152,7 +199,7 @@ class Overflows:
         skipped_steps: Steps skipped so far, by loss.
         last: The record of the latest overflow step (``None`` before the first).
         last_parameters: This process's parameters with non-finite gradients at that step.
-        reported: The overflow count of each loss at the last metrics call.
+        readers: The metrics' readers by name (:data:`DEFAULT_READER` always), each with its position.
     """
 
     def __init__(
@@ -171,7 +218,8 @@ class Overflows:
         self.skipped_steps: list[int] = [0] * len(scalers)
         self.last: OverflowRecord | None = None
         self.last_parameters: list[str] = []
-        self.reported: list[torch.Tensor | None] = [None] * len(scalers)
+        self.readers: dict[str, MetricsReader] = {DEFAULT_READER: MetricsReader()}
+        self._start = MetricsReader()  # where a reader made later starts: zero, or the totals of the last load
         self._last_iteration: int | None = None  # the engine's iteration of ``last``
 
     def record(
@@ -285,23 +333,62 @@ class Overflows:
             return scaler.at_floor()
         return not scaler.dynamic or scales[loss_id] <= scaler.min_loss_scale
 
-    def report_from_now(self) -> None:
-        """The next :meth:`metrics` counts ``mpx/overflows`` from now: after a checkpoint is loaded, whose totals
-        are the saving run's (reported by it, or carried by a front door that logs them)."""
-        self.reported = [scaler.overflow_count.clone() for scaler in self.scalers]
+    def reader(self, name: str) -> MetricsReader:
+        """The reader ``name`` (made at its first use: its first read counts from the start of the run, or from the
+        totals of the checkpoint loaded last)."""
+        reader = self.readers.get(name)
+        if reader is None:
+            reader = self.readers[name] = MetricsReader(self._start.counts, self._start.measurements)
+        return reader
 
-    def metrics(self, grad_norms: dict[int, torch.Tensor]) -> dict[str, torch.Tensor | float]:
-        """Each loss's ``mpx/loss_scale``, ``mpx/overflows`` (since the last call), ``mpx/skipped_steps`` and
-        ``mpx/grad_norm`` (taken from ``grad_norms``), suffixed ``/loss{id}`` when there are several losses."""
+    def metrics(self, reader: MetricsReader, grad_norms: Mapping[int, torch.Tensor]) -> dict[str, torch.Tensor | float]:
+        """Each loss's ``mpx/loss_scale``, ``mpx/overflows`` (since ``reader``'s previous read), ``mpx/skipped_steps``
+        and ``mpx/grad_norm`` (from ``grad_norms``, when ``reader`` has not reported it yet), suffixed ``/loss{id}``
+        when there are several losses, then the forensics' module counts (since ``reader``'s previous read); moves
+        ``reader`` to now. Device tensors or Python numbers: no device read."""
         out: dict[str, torch.Tensor | float] = {}
+        counts = reader.counts
         for loss_id, scaler in enumerate(self.scalers):
             suffix = f"/loss{loss_id}" if len(self.scalers) > 1 else ""
-            total = scaler.overflow_count
-            reported = self.reported[loss_id]
+            name, total = overflows_name(loss_id, len(self.scalers)), scaler.overflow_count
             out["mpx/loss_scale" + suffix] = scaler.scale_tensor.clone()
-            out["mpx/overflows" + suffix] = (total - reported) if reported is not None else total.clone()
-            self.reported[loss_id] = total.clone()
+            out[name] = total - counts.get(name, 0)
+            counts[name] = total.clone()  # the scaler counts in place
             out["mpx/skipped_steps" + suffix] = float(self.skipped_steps[loss_id])
-            if loss_id in grad_norms:
-                out["mpx/grad_norm" + suffix] = grad_norms.pop(loss_id)
+            norm = grad_norms.get(loss_id)
+            if norm is not None and reader.norms.get(loss_id) is not norm:
+                out["mpx/grad_norm" + suffix] = reader.norms[loss_id] = norm
+        totals = self.forensics.totals()
+        for name in [*totals, *(n for n in counts if n not in totals and n not in out)]:
+            # (a name only the position holds: a module counted by a checkpoint of a release that kept no totals)
+            count = totals.get(name, 0)
+            out[name] = float(count - counts.get(name, 0))
+            counts[name] = count
         return out
+
+    def readers_state(self) -> dict[str, dict[str, int]]:
+        """Each reader's position (its counts' totals at its previous read) as Python numbers, for the engine's
+        checkpoint: one host read for all of them."""
+        flat = {f"{name}\0{count}": value for name, r in self.readers.items() for count, value in r.counts.items()}
+        read = read_floats(flat)
+        out: dict[str, dict[str, int]] = {name: {} for name in self.readers}
+        for key, value in read.items():
+            name, count = key.rsplit("\0", 1)  # (no metric name holds a NUL; a reader's name might)
+            out[name][count] = int(value)
+        return out
+
+    def load_readers(self, saved: Mapping[str, Any] | None, measurements: int) -> None:
+        """After a checkpoint's totals are loaded: each reader it saved (:meth:`readers_state`) counts on from its
+        position there, so its first read reports what its saving run had not read yet; the others, and readers made
+        later, count from the loaded totals (never reported twice). ``measurements``: the telemetry's count now."""
+        check_readers_state({"metric_readers": saved})
+        totals: dict[str, torch.Tensor | int] = {
+            overflows_name(i, len(self.scalers)): s.overflow_count.clone() for i, s in enumerate(self.scalers)
+        }
+        totals.update(self.forensics.totals())
+        self._start = MetricsReader(totals, measurements)
+        saved = saved or {}
+        self.readers = {
+            name: MetricsReader({c: int(v) for c, v in saved[name].items()} if name in saved else totals, measurements)
+            for name in dict.fromkeys([*self.readers, *saved])
+        }

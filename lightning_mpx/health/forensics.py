@@ -504,7 +504,9 @@ class OverflowForensics:
 
     def __init__(self, diagnose: bool = False) -> None:
         self.watch = ForwardWatch()
-        self._counts: dict[str, int] = {}  # overflow steps per module since the last metrics() call
+        # Totals since the run started (a checkpoint's carried on): each reader of the metrics reports their growth
+        # since its own previous read, so no read takes counts from another.
+        self._counts: dict[str, int] = {}  # overflow steps per module
         self._first_counts: dict[str, int] = {}  # watched forward overflows per first non-finite module
         self.diagnose = diagnose
 
@@ -644,13 +646,23 @@ class OverflowForensics:
         else:
             self.watch.step_done()
 
-    def metrics(self) -> dict[str, float]:
-        """``mpx/overflow/<module>``: overflow steps since the last call in which the module had non-finite
-        gradients; ``mpx/overflow_first/<module>``: watched overflow steps since the last call whose forward went
-        non-finite first in that module (a forward overflow poisons every gradient: this names the culprit). A
-        module seen before and clean since reports 0."""
-        out = {overflow_tag(module): float(count) for module, count in self._counts.items()}
-        out.update({FIRST_TAG + (module or ROOT_TAG): float(n) for module, n in self._first_counts.items()})
-        self._counts = dict.fromkeys(self._counts, 0)
-        self._first_counts = dict.fromkeys(self._first_counts, 0)
+    def totals(self) -> dict[str, int]:
+        """``mpx/overflow/<module>``: overflow steps so far in which the module had non-finite gradients;
+        ``mpx/overflow_first/<module>``: watched overflow steps so far whose forward went non-finite first in that
+        module (a forward overflow poisons every gradient: this names the culprit). Totals: a reader of the metrics
+        reports their growth since its previous read
+        (:meth:`Amp.metrics <lightning_mpx.engine.amp.Amp.metrics>`)."""
+        out = {overflow_tag(module): count for module, count in self._counts.items()}
+        out.update({FIRST_TAG + (module or ROOT_TAG): n for module, n in self._first_counts.items()})
         return out
+
+    def state_dict(self) -> dict[str, dict[str, int]]:
+        """The totals, for the engine's checkpoint (host numbers: no device read)."""
+        return {"modules": dict(self._counts), "first": dict(self._first_counts)}
+
+    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        """Restore :meth:`state_dict`'s totals; ``None`` (a checkpoint of a release that kept none) starts them at
+        zero."""
+        state = state or {}
+        self._counts = {str(m): int(n) for m, n in dict(state.get("modules") or {}).items()}
+        self._first_counts = {str(m): int(n) for m, n in dict(state.get("first") or {}).items()}

@@ -61,6 +61,7 @@ class _Result:
     zeros: torch.Tensor  # int64 [groups]: elements exactly zero
     numel: list[int]  # elements per group
     peak: torch.Tensor  # FP32 [groups]: largest magnitude
+    measurement: int  # its number in the count of measurements (a reader reports those after its previous read)
 
 
 class GradTelemetry:
@@ -122,16 +123,16 @@ class GradTelemetry:
         peak = torch.zeros(len(order), dtype=torch.float32, device=device).scatter_reduce_(
             0, index, stats.peak, "amax"
         )
-        self._results[key] = _Result(order, underflow, zeros, numel, peak)
         self.measurements += 1
+        self._results[key] = _Result(order, underflow, zeros, numel, peak, self.measurements)
 
-    def metrics(self) -> dict[str, torch.Tensor]:
+    def metrics(self, since: int = 0) -> dict[str, torch.Tensor]:
         """``mpx/underflow/<group>``, ``mpx/zeros/<group>`` and ``mpx/headroom/<group>`` from the latest results of
-        every optimizer (merged by group), as 0-d device tensors; empty when nothing was measured since the last call,
-        which clears them."""
-        if not self._results:
+        every optimizer measured after the first ``since`` :attr:`measurements` (merged by group), as 0-d device
+        tensors; empty when there are none. Nothing is cleared: each reader passes the count of its previous read."""
+        results = [result for result in self._results.values() if result.measurement > since]
+        if not results:
             return {}
-        results, self._results = list(self._results.values()), {}
         order = list(dict.fromkeys(group for result in results for group in result.groups))
         if len(results) == 1:
             underflow, zeros = results[0].underflow, results[0].zeros

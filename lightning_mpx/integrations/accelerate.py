@@ -37,7 +37,8 @@ their native behaviour untouched. With an opt level, Accelerate itself runs with
   together, and only the main process logs overflow messages.
 * ``log()`` adds ``mpx/loss_scale``, ``mpx/overflows`` (since the previous log), ``mpx/skipped_steps`` and
   ``mpx/grad_norm`` (when ``clip_grad_norm_`` computed it) to the values you log, read from the device only then;
-  ``MixedPrecisionKwargs(log_metrics=False)`` turns this off and :meth:`Accelerator.mpx_metrics` returns them.
+  ``MixedPrecisionKwargs(log_metrics=False)`` turns this off. :meth:`Accelerator.mpx_metrics` returns them counted
+  since its own previous call: it and the logs never take counts from each other.
 * ``save_state``/``load_state`` write and read the loss scalers, the FP32 masters and the skip counters in
   ``lightning_mpx_amp.bin`` next to Accelerate's own files.
 
@@ -68,8 +69,10 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from lightning_mpx.common.containers import read_floats
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
+from lightning_mpx.engine.overflow import DEFAULT_READER
 from lightning_mpx.opt_levels import OPT_LEVELS
 
 # Import through require() so that a missing accelerate names the extra that installs it.
@@ -104,7 +107,7 @@ from lightning_mpx.integrations.accelerate_optimizer import (  # noqa: E402
     released_by_engine,
 )
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
-from lightning_mpx.integrations.metric_counts import LoggedMetrics  # noqa: E402
+from lightning_mpx.integrations.metric_counts import LOG_READER, upgrade_unlogged  # noqa: E402
 
 __all__ = ["AMP_STATE_NAME", "NATIVE_MIXED_PRECISION", "Accelerator", "MixedPrecisionKwargs"]
 
@@ -152,7 +155,6 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
         **kwargs: Any,
     ) -> None:
         self.amp: Amp | None = None
-        self._metric_counts = LoggedMetrics()  # overflow counts a checkpoint's read took, for the next log
         self.mpx_kwargs: MixedPrecisionKwargs | None = None
         handlers = list(kwargs_handlers or [])
         ours = [h for h in handlers if isinstance(h, MixedPrecisionKwargs)]
@@ -407,14 +409,14 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
         ``mpx/grad_norm`` (when ``clip_grad_norm_`` computed it since the previous call) as Python floats, with a
         ``/loss{id}`` suffix when there are several losses, and ``mpx/underflow/<module>``, ``mpx/zeros/<module>``
         and ``mpx/headroom/<module>`` after telemetry was measured. Reads the device (one sync); empty with a native
-        value."""
-        if self.amp is None:
-            return {}
-        return self._metric_counts.read(self.amp, log=True)  # one host read, not one per metric
+        value. :meth:`log` reads on its own (since the previous log): a call takes nothing from the next log, and
+        after ``load_state`` each counts on from where the saving run's left off."""
+        return self._read_mpx_metrics(DEFAULT_READER)
 
     def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
-        """As ``accelerate.Accelerator.log``; with an opt level the :meth:`mpx_metrics` are added to ``values``
-        (your own values win on a name clash) unless ``MixedPrecisionKwargs(log_metrics=False)``. The device is read
+        """As ``accelerate.Accelerator.log``; with an opt level the metrics of :meth:`mpx_metrics`, counted since the
+        previous log (whatever :meth:`mpx_metrics` calls were made between), are added to ``values`` (your own values
+        win on a name clash) unless ``MixedPrecisionKwargs(log_metrics=False)``. The device is read
         only here, and only on the main process, which is the only one that logs."""
         if (
             self.amp is not None
@@ -422,10 +424,14 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
             and self.mpx_kwargs.log_metrics
             and self.is_main_process
         ):
-            values = {**self.mpx_metrics(), **values}
+            values = {**self._read_mpx_metrics(LOG_READER), **values}
         super().log(values, step=step, log_kwargs=log_kwargs)
 
     # -- internals ----------------------------------------------------------------------------------------------------
+    def _read_mpx_metrics(self, reader: str) -> dict[str, float]:
+        """The engine's metrics since ``reader``'s previous read, as Python numbers (one host read)."""
+        return {} if self.amp is None else read_floats(self.amp.metrics(reader))
+
     def _amp_optimizers(self) -> list[AmpOptimizer]:
         return [opt for opt in self._optimizers if isinstance(opt, AmpOptimizer)]
 
@@ -441,7 +447,7 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
     def _save_amp_state(self, models: list[nn.Module], weights: list[dict[str, Any]], output_dir: str) -> None:
         assert self.amp is not None
         self._close_iteration()  # the checkpoint holds the scale the next backward would use
-        state = self._metric_counts.state_dict(self.amp)  # every rank reads its device state (the flags are reduced)
+        state = self.amp.state_dict()  # every rank reads its device state (the flags are reduced); the log's position
         if self.is_main_process or (self.project_configuration.save_on_each_node and self.is_local_main_process):
             write_amp_state(state, output_dir)
 
@@ -451,7 +457,8 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
         self._close_iteration()
         for opt in self._amp_optimizers():
             opt.unscaled = False
-        self._metric_counts.load_state_dict(self.amp, read_amp_state(path))  # the next log: not the saved totals
+        # The next log counts from the saving run's last one (a checkpoint of the release before: its counts not logged)
+        self.amp.load_state_dict(upgrade_unlogged(read_amp_state(path), LOG_READER))
 
 
 def _opt_level_of(mixed_precision: object) -> str | None:

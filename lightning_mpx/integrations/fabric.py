@@ -67,10 +67,12 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import Unpack
 
+from lightning_mpx.common.containers import read_floats
 from lightning_mpx.common.dtypes import dtype_name
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.optimizer_state import optimizer_params
+from lightning_mpx.engine.overflow import DEFAULT_READER
 from lightning_mpx.engine.sharding import is_sharded, refuse_gathered
 from lightning_mpx.masters.weights import MasterWeights, convert_module, has_floating_parameters
 from lightning_mpx.settings import MixedPrecisionSettings, SettingsKeywords, keyword_signature
@@ -84,7 +86,7 @@ from lightning_utilities.core.apply_func import apply_to_collection  # noqa: E40
 from lightning_mpx.casting.checkpointing import builds_graph  # noqa: E402
 from lightning_mpx.casting.policy import casts_off_if_on as _casts_off  # noqa: E402
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
-from lightning_mpx.integrations.metric_counts import LoggedMetrics  # noqa: E402
+from lightning_mpx.integrations.metric_counts import upgrade_unlogged  # noqa: E402
 
 __all__ = ["FabricMixedPrecisionPlugin"]
 
@@ -135,7 +137,6 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
         self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._unsynced: list[MasterWeights] = []  # masters made by convert_module, to take from the set-up model
         self._unchecked: list[weakref.ref[nn.Module]] = []  # prepared by convert_module; sharded by the strategy?
-        self._metrics = LoggedMetrics()  # the overflow counts a checkpoint's read took, for the next metrics()
         self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         # Each converted model's FSDP1 wrapper (FSDPStrategy), found at the first call after fabric.setup.
         self._wrappers: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = weakref.WeakKeyDictionary()
@@ -363,23 +364,23 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
 
     def metrics(self) -> dict[str, float]:
         """The ``mpx/*`` metrics as Python numbers, for ``fabric.log_dict``: ``mpx/loss_scale``, ``mpx/overflows``
-        (since the previous call), ``mpx/skipped_steps``... (see :meth:`lightning_mpx.engine.amp.Amp.metrics`). Reads
-        the device (it syncs): call it on the steps you log. Steps skipped on the device (``skip_on_device``) are read
-        first, so that ``mpx/skipped_steps`` counts them."""
+        (since the previous call; after ``fabric.load``, since the saving run's previous call), ``mpx/skipped_steps``...
+        (see :meth:`lightning_mpx.engine.amp.Amp.metrics`). Reads the device (it syncs): call it on the steps you log.
+        Steps skipped on the device (``skip_on_device``) are read first, so that ``mpx/skipped_steps`` counts them."""
         self._begin()
         self.amp.read_step_outcomes()
-        return self._metrics.read(self.amp, log=True)  # one host read; it counts what a checkpoint's read took
+        return read_floats(self.amp.metrics())  # one host read, not one per metric
 
     def state_dict(self) -> dict[str, Any]:
         """Loss scalers, FP32 master weights and counters: put the plugin into the state you save
         (``fabric.save(path, {"model": model, "optimizer": optimizer, "mpx": mpx})``)."""
         self._begin()  # a pending scale update belongs to the iteration that is being saved
-        return self._metrics.state_dict(self.amp)  # with the overflow counts not read by metrics() yet
+        return self.amp.state_dict()  # with metrics()'s position: a resumed run's first call counts from there
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (``fabric.load`` does, for the plugin's entry of the state)."""
         self._begin()
-        self._metrics.load_state_dict(self.amp, state_dict)  # the next metrics(): not the checkpoint's totals
+        self.amp.load_state_dict(upgrade_unlogged(state_dict, DEFAULT_READER))  # (a checkpoint of the release before)
 
     def teardown(self) -> None:
         self._begin()

@@ -33,6 +33,7 @@ from typing_extensions import Unpack
 
 from lightning_mpx.casting.checkpointing import builds_graph
 from lightning_mpx.casting.policy import casts_off_if_on as _casts_off
+from lightning_mpx.common.containers import read_floats
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.outcome import StepOutcome
@@ -58,7 +59,7 @@ from lightning_mpx.integrations.lightning_strategies import (  # noqa: E402
     trainer_of,
     unwrap_optimizer,
 )
-from lightning_mpx.integrations.metric_counts import LoggedMetrics  # noqa: E402
+from lightning_mpx.integrations.metric_counts import LOG_READER, upgrade_unlogged  # noqa: E402
 
 __all__ = ["MixedPrecisionPlugin"]
 
@@ -130,7 +131,6 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         self._gradient_readers = GradientReaders()  # which hooks read the gradients, asked once per fit and class
         self._range_test = RangeTest()  # Lightning's learning-rate range test (Tuner.lr_find)
         self._manual_step = ManualStep()  # whether a manual-optimization training step runs (its reads end nothing)
-        self._metrics = LoggedMetrics()  # counts since the previous log, whoever else reads the metrics between logs
         # Last: what this __init__ built, which pickling leaves out and rebuilds from the settings (__getstate__).
         self._built_here = frozenset(vars(self)) - inherited | {"_built_here"}
 
@@ -369,24 +369,24 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
 
     # -- metrics, checkpoints, teardown --------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
-        """The current ``mpx/*`` metrics as Python numbers (this reads device values: it syncs). Inside a manual
+        """The current ``mpx/*`` metrics as Python numbers (this reads device values: it syncs), counts since the
+        previous call (the plugin's logs read on their own: a call takes nothing from the next log). Inside a manual
         training step the iteration is not over: the scale shown is the one before its update."""
         if not self._manual_step.running:
             self._end_iteration(log=False)
         self.amp.read_step_outcomes()
-        logged = bool(getattr(trainer_of(self._module), "loggers", None))  # no logger: each read is the log
-        return self._metrics.read(self.amp, log=not logged)  # one host read; a log still counts what it counted
+        return read_floats(self.amp.metrics())  # one host read, not one per metric
 
     def state_dict(self) -> dict[str, Any]:
         """Loss scalers, FP32 master weights and counters, saved in Lightning checkpoints (inside a manual training
         step, ``trainer.save_checkpoint``: the scale before that iteration's update, which the step's end makes)."""
         if not self._manual_step.running:
             self._end_iteration()  # a pending scale update belongs to the iteration that was just checkpointed
-        return self._metrics.state_dict(self.amp)  # with the overflow counts not logged yet
+        return self.amp.state_dict()  # with the log's position: a resumed run's first log counts from there
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._range_test.leave(self.amp)  # the tuner restores its checkpoint when its range test ends
-        self._metrics.load_state_dict(self.amp, state_dict)  # the next log: this run's overflows, not the total
+        self.amp.load_state_dict(upgrade_unlogged(state_dict, LOG_READER))  # (a checkpoint of the release before)
 
     def teardown(self) -> None:
         self._end_iteration()
@@ -406,6 +406,6 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
             trainer = self._module.trainer if isinstance(self._module, _pl.LightningModule) else None
             if trainer is not None:
                 self.amp.read_step_outcomes()  # a logging step: syncing is fine
-                values = self._metrics.read(self.amp, log=True)  # one host read, not one per metric
+                values = read_floats(self.amp.metrics(LOG_READER))  # one host read, not one per metric
                 for logger in trainer.loggers:
                     logger.log_metrics(values, step=step)

@@ -1,57 +1,39 @@
-"""The counts among the ``mpx/*`` metrics (``mpx/overflows``, ``mpx/overflow/<module>``...), as the doors log them.
+"""The front doors' reader of the ``mpx/*`` metrics, and their checkpoints of the release that carried counts.
 
-The engine's counts are "since its last read". A door logs them as "since the previous log", so a read between two
-logs (``trainer.precision_plugin.metrics()`` in a callback, which the docs allow, or the read a checkpoint makes) must
-not take them from the next log: :class:`LoggedMetrics` carries what such a read took into it. A checkpoint holds the
-counts not logged yet, so a resumed run's first log reports those and its own, never the saving run's whole total.
+The engine owns the overflow totals and each reader's position (:meth:`Amp.metrics
+<lightning_mpx.engine.amp.Amp.metrics>`): a door that logs reads as :data:`LOG_READER`, so that a user's read between
+two logs (``trainer.precision_plugin.metrics()`` in a callback) and the log never take counts from each other, and
+the engine's checkpoint holds the log's position.
+
+The release before kept a second copy, the counts read between logs and not logged yet (``unlogged_counts`` in a
+door's checkpoint): :func:`upgrade_unlogged` turns such a checkpoint into a position, so its resumed run's first log
+still reports exactly those counts and its own.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
-from lightning_mpx.common.containers import read_floats
+from lightning_mpx.engine.overflow import overflows_name
 
-__all__ = ["LoggedMetrics"]
+__all__ = ["LOG_READER", "upgrade_unlogged"]
 
-#: Metric names that count events since the previous read (the engine's ``mpx/overflows``, the forensics' counts).
-_COUNT_PREFIXES = ("mpx/overflows", "mpx/overflow/", "mpx/overflow_first/")
-#: The key of the counts not logged yet in a door's checkpoint of the engine (the engine ignores it).
+#: The reader a front door logs the metrics as (``Amp.metrics(LOG_READER)``).
+LOG_READER = "log"
+#: The key of the counts not logged yet in a door's checkpoint of the release before (written no more).
 UNLOGGED_KEY = "unlogged_counts"
 
 
-def _is_count(name: str) -> bool:
-    return name.startswith(_COUNT_PREFIXES)
-
-
-class LoggedMetrics:
-    """Reads an engine's metrics so that each log holds every event since the previous log, and saves and restores
-    the counts not logged yet with the engine's state."""
-
-    def __init__(self) -> None:
-        self._pending: dict[str, float] = {}  # what reads since the previous log took from the engine
-
-    def read(self, amp: Any, log: bool) -> dict[str, float]:
-        """``amp.metrics()`` as Python numbers (one host read), its counts since the previous log and, for a metric
-        it no longer holds (a gradient norm an earlier read took), the earlier read's value; ``log``: this read is a
-        log (the next one counts from here)."""
-        fresh = read_floats(amp.metrics())
-        values = {**self._pending, **fresh}
-        for name, count in self._pending.items():
-            if _is_count(name) and name in fresh:
-                values[name] = fresh[name] + count
-        self._pending = {} if log else values
-        return values
-
-    def state_dict(self, amp: Any) -> dict[str, Any]:
-        """``amp.state_dict()`` with the counts not logged yet (their read is carried to the next log)."""
-        state = amp.state_dict()  # first: it reads the steps skipped on the device, whose counts the read takes
-        self.read(amp, log=False)
-        return {**state, UNLOGGED_KEY: {name: v for name, v in self._pending.items() if _is_count(name)}}
-
-    def load_state_dict(self, amp: Any, state: dict[str, Any]) -> None:
-        """Load ``state`` (:meth:`state_dict`'s, or ``Amp.state_dict()``'s) into ``amp``; the next log counts from
-        the checkpoint: the counts it had not logged, then this run's (not the saving run's totals)."""
-        amp.load_state_dict(state)
-        amp.metrics()  # dropped, nothing read from the device: the engine's counts start from the loaded totals
-        self._pending = dict(state.get(UNLOGGED_KEY) or {})
+def upgrade_unlogged(state: dict[str, Any], reader: str) -> dict[str, Any]:
+    """``state``, a door's checkpoint of the engine; one of the release that saved ``unlogged_counts`` (and no reader
+    positions) gets ``reader``'s position instead: each loss's total there less its counts not logged yet, and the
+    module totals (that release kept none) from zero less theirs. Any other ``state`` as it is."""
+    unlogged = state.get(UNLOGGED_KEY)
+    if not isinstance(unlogged, Mapping) or "metric_readers" in state or not isinstance(state.get("scalers"), list):
+        return state
+    scalers = state["scalers"]
+    position = {overflows_name(i, len(scalers)): int(s.get("overflows", 0)) for i, s in enumerate(scalers)}
+    for name, count in unlogged.items():
+        position[name] = position.get(name, 0) - int(count)
+    upgraded = {key: value for key, value in state.items() if key != UNLOGGED_KEY}
+    return {**upgraded, "overflow_counts": {"modules": {}, "first": {}}, "metric_readers": {reader: position}}
