@@ -7,8 +7,8 @@ Habits of Accelerate scripts under DDP at O2 (float16), in one launch:
   on a synchronising one (only the all-reduced overflow flag can make rank 1 skip): every rank must skip those
   windows' steps, and only them;
 * ``save_state`` called on rank 0 only (``if accelerator.is_main_process:``), mid-run, at a window's end; then
-  ``free_memory``, a fresh model, optimizer and scheduler, ``load_state`` on every rank and the rest of the run: the
-  same bits as the run without the interruption.
+  ``free_memory``, a fresh Accelerator, model, optimizer and scheduler, ``load_state`` on every rank and the rest of
+  the run: the same bits as the run without the interruption.
 
 Each rank writes OUT_DIR/rank{r}.json (skips, learning rates, scales) and OUT_DIR/rank{r}.pt (final weights).
 """
@@ -68,13 +68,19 @@ def _train(accelerator: Accelerator, model, opt, sched, steps: range, record: di
             record["scale"].append(accelerator.amp.scalers[0].get_scale())
 
 
-def main(out_dir: Path) -> None:
-    accelerator = Accelerator(
+def _accelerator() -> Accelerator:
+    return Accelerator(
         mixed_precision="O2",
         cpu=True,
         gradient_accumulation_steps=2,
         kwargs_handlers=[MixedPrecisionKwargs(half_dtype="float16", init_scale=2.0**10)],
     )
+
+
+def main(out_dir: Path) -> None:
+    # Each run has an Accelerator of its own: free_memory() keeps the loss scale (as Accelerate keeps its GradScaler),
+    # and each run here starts from init_scale.
+    accelerator = _accelerator()
     rank = accelerator.process_index
     straight = {"skipped": [], "lr": [], "scale": []}
     model, opt, sched = _fresh(accelerator)
@@ -82,6 +88,7 @@ def main(out_dir: Path) -> None:
     straight_weights = [p.detach().clone() for p in accelerator.amp.master_params(opt.optimizer)]
     accelerator.free_memory()
 
+    accelerator = _accelerator()
     resumed = {"skipped": [], "lr": [], "scale": []}
     model, opt, sched = _fresh(accelerator)
     _train(accelerator, model, opt, sched, range(SAVE_AT), resumed)
@@ -92,6 +99,7 @@ def main(out_dir: Path) -> None:
     _train(accelerator, model, opt, sched, range(SAVE_AT, STEPS), resumed)
     accelerator.free_memory()
 
+    accelerator = _accelerator()
     reloaded = {"skipped": [], "lr": [], "scale": []}
     model, opt, sched = _fresh(accelerator)
     accelerator.load_state(str(checkpoint))

@@ -436,6 +436,18 @@ class Amp(AmpParts):
         self.forensics.load_state_dict(state.get("overflow_counts"))  # None (older release): from zero
         self._overflows.load_readers(state.get("metric_readers"), self.telemetry.measurements)
 
+    def continue_from(self, other: Amp) -> None:
+        """Go on from ``other``, an engine with the same settings that this one replaces before it prepares a model
+        (``Accelerator.free_memory()``): its loss scales, overflow totals, skipped steps and metrics readers'
+        positions, so that the scale curve and the logged counts go on as ``torch.amp.GradScaler`` does across
+        Accelerate's own ``free_memory()``. Masters and optimizers are not taken (see ``accelerate_forward``)."""
+        other.read_step_outcomes()
+        for mine, theirs in zip(self.scalers, other.scalers, strict=True):
+            mine.load_state_dict(theirs.state_dict())
+        self._overflows.skipped_steps[:] = other._overflows.skipped_steps
+        self.forensics.load_state_dict(other.forensics.state_dict())
+        self._overflows.load_readers(other._overflows.readers_state(), self.telemetry.measurements)
+
     # -- internals ----------------------------------------------------------------------------------------------
     def _loss_index(self, loss_id: int) -> int:
         return loss_index(loss_id, len(self.scalers))

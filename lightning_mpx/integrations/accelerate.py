@@ -310,9 +310,10 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
         return prepared
 
     def free_memory(self, *objects: Any) -> Any:
-        """As ``accelerate.Accelerator.free_memory``; with an opt level, the engine's masters, optimizers and loss
-        scales are released too: the next ``prepare`` starts a fresh engine with the same settings (a model prepared
-        again is taken over by it, at O2 with its FP32 masters: see ``accelerate_forward.take_over``)."""
+        """As ``accelerate.Accelerator.free_memory``; with an opt level, the engine's masters and optimizers are
+        released too: the next ``prepare`` starts a fresh engine with the same settings (a model prepared again is
+        taken over by it, at O2 with its FP32 masters: see ``accelerate_forward.take_over``). The loss scale, the
+        overflow counts and skipped steps go on (as Accelerate's own ``GradScaler`` is kept across it)."""
         released = super().free_memory(*objects)
         if self.amp is not None:
             assert self.mpx_kwargs is not None
@@ -321,6 +322,7 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
             release_optimizers(old)  # an optimizer prepared again steps in the new engine, with its state
             self.amp = Amp.from_settings(self.mpx_kwargs.settings(old.opt_level))
             self.amp.found_inf_reducer, self.amp.log_overflows = old.found_inf_reducer, old.log_overflows
+            self.amp.continue_from(old)  # the scale and the counts go on, as Accelerate's GradScaler does
             self._converted = weakref.WeakSet()
         return released
 
