@@ -1,7 +1,7 @@
 """Run by tests/test_step_outcome_reads.py: ``skip_on_device=True`` under DDP, two CPU processes (gloo), with the
 pending step outcomes read on rank 0 only, the way people log.
 
-``$MPX_FRONT`` picks the front door:
+``$MPX_FRONT`` picks the front doors (``fabric,trainer``: both, in that order, in the same two processes):
 
 - ``fabric``: ``Fabric(strategy="ddp", devices=2)`` with ``FabricMixedPrecisionPlugin("O1", half_dtype="bfloat16",
   loss_scale="dynamic", skip_on_device=...)`` and a fused AdamW; then, in the same processes, the core ``Amp`` over a
@@ -217,8 +217,8 @@ def trainer_main(out: str) -> None:
 
 def main() -> None:
     out = os.environ["MPX_OUT"]
-    front = os.environ["MPX_FRONT"]
-    {"fabric": fabric_main, "trainer": trainer_main}[front](out)
+    for front in os.environ["MPX_FRONT"].split(","):  # one launch for both: Fabric's starts the processes
+        {"fabric": fabric_main, "trainer": trainer_main}[front](out)
     # Fabric and Lightning leave the gloo group to the interpreter's exit, which can abort it
     # (pytorch/pytorch#190489): end it.
     if dist.is_initialized():
