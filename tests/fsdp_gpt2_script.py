@@ -19,6 +19,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_mpx import MixedPrecisionPlugin
 from lightning_mpx.integrations.fsdp import shard_model
+from tests.launch import end_group
 
 STEPS = 6
 BATCH = 8  # global
@@ -97,8 +98,7 @@ def main() -> None:
         name, record = fit(level, single)
         with open(os.path.join(out, f"{name}_{level}.json"), "w") as f:
             json.dump(record, f)
-    if dist.is_initialized():  # a gloo group left alive can abort the interpreter at exit (pytorch/pytorch#190489)
-        dist.destroy_process_group()
+    end_group()
 
 
 if __name__ == "__main__":
