@@ -1,15 +1,15 @@
 """Run by tests/test_lightning.py: two CPU processes under Lightning's DDP strategy, an overflow on rank 0 only.
 
-Each rank writes what it ended with to ``$MPX_OUT/rank{r}.json``; the test checks that both skipped the same step.
+``$MPX_SKIP_ON_DEVICE`` lists the runs, one after the other in the same two processes (``0``: the overflow flag read
+on the host; ``1``: ``skip_on_device=True``). Each rank writes what it ended with to
+``$MPX_OUT/skip{0|1}_rank{r}.json``; the test checks that both skipped the same step.
 """
 
-import json
 import os
 from typing import Any
 
-import torch
-
 from lightning_mpx import MixedPrecisionPlugin
+from tests.launch import end_group, write_rank_results
 from tests.lightning_helpers import Classifier, classification_data, loader, make_trainer
 
 
@@ -21,9 +21,8 @@ class RankZeroOverflow(Classifier):
             self.net[0].weight.grad[0, 0] = float("inf")
 
 
-def main() -> None:
-    # MPX_SKIP_ON_DEVICE=1: the flag reduced on the device and handed to a fused AdamW, read at the next batch
-    on_device = os.environ.get("MPX_SKIP_ON_DEVICE") == "1"
+def run(on_device: bool) -> None:
+    # on_device: the flag reduced on the device and handed to a fused AdamW, read at the next batch
     plugin = MixedPrecisionPlugin("O2", init_scale=1024.0, growth_interval=1000, skip_on_device=on_device)
     model = RankZeroOverflow(optimizer="adamw_fused" if on_device else "sgd", lr=0.01 if on_device else 0.05)
     trainer = make_trainer(plugin, strategy="ddp", devices=2, max_epochs=1)
@@ -36,14 +35,13 @@ def main() -> None:
         "overflow_parameters": plugin.amp.last_overflow_parameters,
         "overflow_ranks": list(plugin.amp.last_overflow.ranks) if plugin.amp.last_overflow is not None else None,
     }
-    out = os.environ["MPX_OUT"]
-    with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
-        json.dump(result, f)
-    # Lightning destroys the process group at exit only for NCCL. A gloo group left alive can abort the interpreter
-    # at exit ("terminate called without an active exception", pytorch/pytorch#190489), so end it here, as torch's
-    # docs ask every training script to do.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    write_rank_results(result, f"skip{int(on_device)}_", trainer.global_rank)
+
+
+def main() -> None:
+    for mode in os.environ["MPX_SKIP_ON_DEVICE"].split(","):  # the first run's Trainer starts the second process
+        run(mode == "1")
+    end_group()  # Lightning destroys the process group at exit only for NCCL, as torch's docs ask a script to do
 
 
 if __name__ == "__main__":

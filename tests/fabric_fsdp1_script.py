@@ -18,9 +18,7 @@ when it raised).
 
 from __future__ import annotations
 
-import json
 import os
-import traceback
 from typing import Any
 from unittest import mock
 
@@ -37,7 +35,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from lightning_mpx import Amp, FabricMixedPrecisionPlugin
 from lightning_mpx.integrations.fsdp import fsdp1_mixed_precision
 from lightning_mpx.masters.weights import convert_module
-from tests.launch import end_ranks
+from tests.launch import case_error, end_ranks, write_rank_results
 
 #: The prefix of a case of the user's set-ups (``hostile/<kind>:<precision>``: tests/hostile_fabric_fsdp1_script.py).
 USER_SETUPS = "hostile/"
@@ -355,7 +353,6 @@ def run_resume(state_dict_type: str, out: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    out_dir = os.environ["MPX_OUT"]
     results: dict[str, Any] = {}
     for case in os.environ["MPX_CASES"].split(","):
         if case.startswith(USER_SETUPS):
@@ -363,16 +360,12 @@ def main() -> None:
             from tests.hostile_fabric_fsdp1_script import RUNS
 
             kind, _, precision = case[len(USER_SETUPS):].partition(":")
-            out: dict[str, Any] = {"losses": [], "norms": []}
-            try:
+            with case_error({"losses": [], "norms": []}) as out:
                 RUNS[kind](precision, out)
-            except Exception:  # noqa: BLE001 - reported by the test, which names the case
-                out["error"] = traceback.format_exc()[-3000:]
             results[case] = out
             continue
         kind, _, level = case.partition(":")
-        out = {"losses": [], "norms": [], "ref_norms": [], "skipped": [], "scales": []}
-        try:
+        with case_error({"losses": [], "norms": [], "ref_norms": [], "skipped": [], "scales": []}) as out:
             if kind == "plugin":
                 run_fabric(level, "", out)
             elif kind == "fabric":
@@ -383,12 +376,9 @@ def main() -> None:
                 run_resume(level, out)
             else:
                 run_refused(level, out)
-        except Exception:  # noqa: BLE001 - reported by the test, which names the case
-            out["error"] = traceback.format_exc()[-3000:]
         results[case] = out
     # Fabric's launch in the first case started the process group, and no case ends it.
-    with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump(results, f)
+    write_rank_results(results)
     end_ranks()
 
 

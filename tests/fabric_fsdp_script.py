@@ -14,9 +14,7 @@ raised).
 
 from __future__ import annotations
 
-import json
 import os
-import traceback
 from typing import Any
 
 import torch
@@ -30,7 +28,7 @@ from torch.distributed.fsdp import fully_shard
 from lightning_mpx import Amp, FabricMixedPrecisionPlugin
 from lightning_mpx.engine.sharding import local_tensor
 from lightning_mpx.integrations.fsdp import shard_model
-from tests.launch import end_ranks
+from tests.launch import case_error, end_ranks, write_rank_results
 
 BATCH = 16  # global
 STEPS = 7
@@ -231,7 +229,6 @@ def run_refused(level: str, out: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    out_dir = os.environ["MPX_OUT"]
     results: dict[str, Any] = {}
     for case in os.environ["MPX_CASES"].split(","):
         if case.startswith(USER_LOOP):
@@ -241,8 +238,7 @@ def main() -> None:
             results[case] = run_case(case[len(USER_LOOP):])
             continue
         kind, _, level = case.partition(":")
-        out: dict[str, Any] = {"losses": [], "norms": [], "ref_norms": [], "skipped": [], "scales": []}
-        try:
+        with case_error({"losses": [], "norms": [], "ref_norms": [], "skipped": [], "scales": []}) as out:
             if kind == "plugin":
                 run_fabric(level, out)
             elif kind == "fabric":
@@ -251,12 +247,9 @@ def main() -> None:
                 run_core(level, out)
             else:
                 run_refused(level, out)
-        except Exception:  # noqa: BLE001 - reported by the test, which names the case
-            out["error"] = traceback.format_exc()[-3000:]
         results[case] = out
     # Fabric's launch in the first case started the process group, and no case ends it.
-    with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump(results, f)
+    write_rank_results(results)
     end_ranks()
 
 

@@ -4,15 +4,12 @@ overflow records and its overflow log lines to ``$MPX_OUT/rank{r}.json``.
 """
 
 import dataclasses
-import json
 import logging
-import os
 from typing import Any
-
-import torch
 
 from lightning_mpx import MixedPrecisionPlugin
 from tests.forensics_models import ForensicsData, ForensicsModule
+from tests.launch import end_group, write_rank_results
 from tests.lightning_helpers import loader, make_trainer
 
 
@@ -42,12 +39,8 @@ def main() -> None:
         "records": [dict(dataclasses.asdict(r), culprits=r.culprits()) for _, r in sorted(records.items())],
         "messages": handler.messages,
     }
-    with open(os.path.join(os.environ["MPX_OUT"], f"rank{trainer.global_rank}.json"), "w") as f:
-        json.dump(result, f)
-    # Lightning destroys the process group at exit only for NCCL. A gloo group left alive can abort the interpreter
-    # at exit ("terminate called without an active exception", pytorch/pytorch#190489), so end it here.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    write_rank_results(result, rank=trainer.global_rank)
+    end_group()  # Lightning destroys the process group at exit only for NCCL
 
 
 if __name__ == "__main__":

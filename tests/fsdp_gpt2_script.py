@@ -1,7 +1,8 @@
 """Run by tests/test_fsdp_real_models.py: a Hugging Face GPT-2 built from a config (nothing downloaded) trained by a
 Lightning ``Trainer`` with ``MixedPrecisionPlugin`` under ``ModelParallelStrategy`` (FSDP2, two CPU processes, gloo;
 ``configure_model`` shards it with ``lightning_mpx.integrations.fsdp.shard_model``, one unit per ``GPT2Block``), or,
-with ``MPX_SINGLE=1``, the same model and plugin in one process on the whole batch (the reference).
+with ``MPX_SINGLE=1``, the same model and plugin in one process on the whole batch (the reference; the test calls
+:func:`fit` for it in its own process, which saves a process start).
 
 Every step's batch is one global batch of token sequences (no distributed sampler: every rank gets it whole); under
 FSDP each rank trains on its half. Each process writes ``$MPX_OUT/{single|rank<r>}_{level}.json``: the global loss
@@ -18,6 +19,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_mpx import MixedPrecisionPlugin
 from lightning_mpx.integrations.fsdp import shard_model
+from tests.launch import end_group
 
 STEPS = 6
 BATCH = 8  # global
@@ -73,25 +75,30 @@ class LitGPT2(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
+def fit(level: str, single: bool) -> tuple[str, dict]:
+    """Train at ``level`` (one process on the whole batch, or this rank's half under FSDP); the record's name
+    (``single`` or ``rank<r>``) and the record."""
+    plugin = MixedPrecisionPlugin(level, half_dtype="bfloat16", on_floor="continue")
+    strategy = "auto" if single else ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1 if single else 2, strategy=strategy, plugins=[plugin], max_steps=STEPS,
+        gradient_clip_val=1.0, use_distributed_sampler=False, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    model = LitGPT2(sharded=not single)
+    trainer.fit(model, torch.utils.data.DataLoader(Tokens(), batch_size=None, shuffle=False))
+    name = "single" if single else f"rank{trainer.global_rank}"
+    return name, {"losses": model.losses, "norms": model.norms, "skipped": sum(plugin.amp.skipped_steps),
+                  "sharded": plugin.amp.sharded, "masters": len(plugin.amp.master_weights)}  # fmt: skip
+
+
 def main() -> None:
     out, single = os.environ["MPX_OUT"], os.environ.get("MPX_SINGLE") == "1"
     for level in os.environ["MPX_LEVELS"].split(","):
-        plugin = MixedPrecisionPlugin(level, half_dtype="bfloat16", on_floor="continue")
-        strategy = "auto" if single else ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-        trainer = pl.Trainer(
-            accelerator="cpu", devices=1 if single else 2, strategy=strategy, plugins=[plugin], max_steps=STEPS,
-            gradient_clip_val=1.0, use_distributed_sampler=False, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        )  # fmt: skip
-        model = LitGPT2(sharded=not single)
-        trainer.fit(model, torch.utils.data.DataLoader(Tokens(), batch_size=None, shuffle=False))
-        name = "single" if single else f"rank{trainer.global_rank}"
-        record = {"losses": model.losses, "norms": model.norms, "skipped": sum(plugin.amp.skipped_steps),
-                  "sharded": plugin.amp.sharded, "masters": len(plugin.amp.master_weights)}  # fmt: skip
+        name, record = fit(level, single)
         with open(os.path.join(out, f"{name}_{level}.json"), "w") as f:
             json.dump(record, f)
-    if dist.is_initialized():  # a gloo group left alive can abort the interpreter at exit (pytorch/pytorch#190489)
-        dist.destroy_process_group()
+    end_group()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ import signal
 import socket
 import subprocess
 import sys
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,36 @@ def run_script(name: str, out: Path, *, timeout: float, **env: str) -> None:
 def rank_results(out: Path, prefix: str = "", world_size: int = 2) -> list[dict[str, Any]]:
     """What each rank wrote to ``out/{prefix}rank{r}.json``, by rank."""
     return [json.loads((out / f"{prefix}rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def write_rank_results(results: Any, prefix: str = "", rank: int | None = None) -> None:
+    """In a script's rank: write ``results`` to ``$MPX_OUT/{prefix}rank{r}.json``, what :func:`rank_results` reads
+    (``rank``: the process group's when not given)."""
+    if rank is None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+    (Path(os.environ["MPX_OUT"]) / f"{prefix}rank{rank}.json").write_text(json.dumps(results))
+
+
+@contextlib.contextmanager
+def case_error(out: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """In a script's rank: a case that raises leaves its traceback in ``out["error"]`` (the test names the case and
+    shows it) instead of ending the launch with the cases after it."""
+    try:
+        yield out
+    except Exception:  # noqa: BLE001 - reported by the test
+        out["error"] = traceback.format_exc()[-3000:]
+
+
+def end_group() -> None:
+    """In a script's rank: destroy the process group if one is up. Fabric and Lightning leave a gloo group to the
+    interpreter's exit, which can abort it ("terminate called without an active exception", pytorch/pytorch#190489).
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def free_port() -> int:

@@ -1,7 +1,7 @@
 """Run by tests/test_step_outcome_reads.py: ``skip_on_device=True`` under DDP, two CPU processes (gloo), with the
 pending step outcomes read on rank 0 only, the way people log.
 
-``$MPX_FRONT`` picks the front door:
+``$MPX_FRONT`` picks the front doors (``fabric,trainer``: both, in that order, in the same two processes):
 
 - ``fabric``: ``Fabric(strategy="ddp", devices=2)`` with ``FabricMixedPrecisionPlugin("O1", half_dtype="bfloat16",
   loss_scale="dynamic", skip_on_device=...)`` and a fused AdamW; then, in the same processes, the core ``Amp`` over a
@@ -19,7 +19,6 @@ collective on rank 0 alone hangs, and the test's timeout turns that into a failu
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any
@@ -28,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from tests.launch import end_group, write_rank_results
 
 STEPS = 6
 #: step -> the ranks whose gradient gets an inf (after DDP's all-reduce: the ranks agree only through the engine)
@@ -140,7 +141,7 @@ def _amp_run(skip: bool, habit: str) -> dict[str, Any]:
     }
 
 
-def fabric_main(out: str) -> None:
+def fabric_main() -> None:
     from lightning.fabric import Fabric
 
     from lightning_mpx import FabricMixedPrecisionPlugin
@@ -157,11 +158,10 @@ def fabric_main(out: str) -> None:
         for skip in (False, True):
             _say("amp", habit, skip)
             results[f"amp/{habit}/{skip}"] = _amp_run(skip, habit)
-    with open(os.path.join(out, f"fabric_rank{dist.get_rank()}.json"), "w") as f:
-        json.dump(results, f)
+    write_rank_results(results, "fabric_")
 
 
-def trainer_main(out: str) -> None:
+def trainer_main() -> None:
     import lightning.pytorch as pl
 
     from lightning_mpx import MixedPrecisionPlugin
@@ -211,18 +211,13 @@ def trainer_main(out: str) -> None:
             "params": [p.detach().float().flatten().tolist() for p in module.parameters()],
             "buffers": [b.detach().float().flatten().tolist() for b in module.buffers()],
         }
-    with open(os.path.join(out, f"trainer_rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+    write_rank_results(results, "trainer_", rank)
 
 
 def main() -> None:
-    out = os.environ["MPX_OUT"]
-    front = os.environ["MPX_FRONT"]
-    {"fabric": fabric_main, "trainer": trainer_main}[front](out)
-    # Fabric and Lightning leave the gloo group to the interpreter's exit, which can abort it
-    # (pytorch/pytorch#190489): end it.
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    for front in os.environ["MPX_FRONT"].split(","):  # one launch for both: Fabric's starts the processes
+        {"fabric": fabric_main, "trainer": trainer_main}[front]()
+    end_group()
 
 
 if __name__ == "__main__":

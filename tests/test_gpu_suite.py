@@ -69,6 +69,8 @@ def test_all_check_writes_every_part_with_environment_and_commands(check_dir):
         assert suite["commands"] and all(c["status"] == "ok" and c["command"] for c in suite["commands"])
         markdown = (check_dir / f"suite_{name}.md").read_text()
         assert "measure nothing" in markdown and "| command | status | seconds |" in markdown
+    # unscale.py --check's own parity check (the fused pass against foreach, in triton's interpreter) passed
+    assert "check passed" in (check_dir / "raw" / "unscale_check.log").read_text()
 
 
 def test_all_check_rows_have_the_fields_the_report_reads(check_dir):

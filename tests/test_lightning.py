@@ -427,10 +427,17 @@ def test_metrics_follow_the_trainers_logging_cadence(tmp_path):
 
 
 # -- distribution ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    """Both runs of tests/ddp_script.py in one two-process launch (a launch costs seconds of start-up)."""
+    out = tmp_path_factory.mktemp("ddp")
+    run_script("ddp_script.py", out, timeout=420, MPX_SKIP_ON_DEVICE="0,1")
+    return out
+
+
 @pytest.mark.parametrize("on_device", [False, True], ids=["host-read", "skip_on_device"])
-def test_ddp_two_processes_skip_together(tmp_path, on_device):
-    run_script("ddp_script.py", tmp_path, timeout=300, MPX_SKIP_ON_DEVICE="1" if on_device else "0")
-    results = rank_results(tmp_path)
+def test_ddp_two_processes_skip_together(ddp_runs, on_device):
+    results = rank_results(ddp_runs, f"skip{int(on_device)}_")
     assert results[0]["skipped_steps"] == results[1]["skipped_steps"] == [1]
     assert results[0]["scale"] == results[1]["scale"] == 512.0
     assert results[0]["params"] == results[1]["params"]

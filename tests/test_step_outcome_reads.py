@@ -59,10 +59,17 @@ def _same_run(host: dict[str, Any], device: dict[str, Any], *, per_step_modules:
     _close(device["buffers"], host["buffers"])
 
 
-def test_fabric_and_core_engine_read_on_rank_zero_only_under_ddp_as_the_host_path(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One two-process launch for both front doors (a launch costs seconds of start-up on two cores)."""
+    out = tmp_path_factory.mktemp("skip_on_device_ddp")
+    run_script("skip_on_device_ddp_script.py", out, timeout=420, MPX_FRONT="fabric,trainer")
+    return out
+
+
+def test_fabric_and_core_engine_read_on_rank_zero_only_under_ddp_as_the_host_path(launched: Path) -> None:
     # A read that made a collective on rank 0 alone hung here (all_gather_object of the overflow records).
-    run_script("skip_on_device_ddp_script.py", tmp_path, timeout=300, MPX_FRONT="fabric")
-    ranks = rank_results(tmp_path, "fabric_")
+    ranks = rank_results(launched, "fabric_")
     for rank, results in enumerate(ranks):
         for run in ("fabric/step_was_skipped", "fabric/metrics", "amp/bool", "amp/sum", "amp/metrics"):
             host, device = results[f"{run}/False"], results[f"{run}/True"]
@@ -81,9 +88,8 @@ def test_fabric_and_core_engine_read_on_rank_zero_only_under_ddp_as_the_host_pat
         _close(results["fabric/metrics/True"]["params"], ranks[0]["fabric/metrics/True"]["params"])
 
 
-def test_trainer_callback_reading_on_rank_zero_only_under_ddp_matches_the_host_path(tmp_path: Path) -> None:
-    run_script("skip_on_device_ddp_script.py", tmp_path, timeout=300, MPX_FRONT="trainer")
-    for results in rank_results(tmp_path, "trainer_"):
+def test_trainer_callback_reading_on_rank_zero_only_under_ddp_matches_the_host_path(launched: Path) -> None:
+    for results in rank_results(launched, "trainer_"):
         host, device = results["trainer/False"], results["trainer/True"]
         # Every rank reads its step at the next batch, before Lightning zeroes the gradients: the rank-1-only
         # overflow is named too, counted in the next step's metrics on rank 0 (its record is merged there).
