@@ -400,7 +400,7 @@ class Amp(AmpParts):
         The engine keeps the totals; each ``reader`` (a name: the front doors' loggers read as ``"log"``) keeps only
         its position, so reads never take counts from each other. The positions are in :meth:`state_dict`: after
         :meth:`load_state_dict` a reader's first call reports what its saving run had not read yet (a reader the
-        checkpoint does not hold counts from the loaded totals), never the saving run's totals again."""
+        checkpoint does not hold never read: it counts from the start), never what it read there again."""
         if not isinstance(reader, str) or not reader:
             raise TypeError(f"reader={reader!r} must be a non-empty str (default {DEFAULT_READER!r}).")
         position = self._overflows.reader(reader)

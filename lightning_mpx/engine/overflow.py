@@ -42,19 +42,35 @@ def overflows_name(loss_id: int, num_losses: int) -> str:
 
 def check_readers_state(state: Any) -> None:
     """Refuse an engine checkpoint ``state`` whose ``metric_readers`` :meth:`Overflows.readers_state` did not make
-    (before anything is loaded); none (a checkpoint of a release that saved none) is fine."""
+    (before anything is loaded): each reader a non-empty ``str`` (as :meth:`Amp.metrics
+    <lightning_mpx.engine.amp.Amp.metrics>` takes), each count a ``str`` with a whole number in int64's range. None
+    (a checkpoint of a release that saved none) is fine."""
     saved = state.get("metric_readers") if isinstance(state, Mapping) else None
     if saved is None:
         return
-    if not (
-        isinstance(saved, Mapping)
-        and all(isinstance(position, Mapping) for position in saved.values())
-        and all(isinstance(v, (int, float)) for position in saved.values() for v in position.values())
-    ):
+    bad = None if isinstance(saved, Mapping) else saved
+    for reader, position in saved.items() if bad is None else ():
+        if not isinstance(reader, str) or not reader or not isinstance(position, Mapping):
+            bad = {reader: position}
+            break
+        wrong = [(c, v) for c, v in position.items() if not isinstance(c, str) or not _whole_count(v)]
+        if wrong:
+            bad = {reader: dict(wrong)}
+            break
+    if bad is not None:
         raise TypeError(
-            f"the checkpoint's metric_readers={saved!r:.200} must map each reader's name to its counts' totals "
-            "(numbers), as Amp.state_dict() saves them."
+            f"the checkpoint's metric_readers entry {bad!r:.200} must map each reader's name (a non-empty str) to its "
+            "counts' totals (str: a whole number in int64's range), as Amp.state_dict() saves them."
         )
+
+
+def _whole_count(value: Any) -> bool:
+    """Whether ``value`` can be a count's total: a whole number in int64's range (a float of one too; below 0: a
+    module's position upgraded from a release that kept no module totals, :func:`upgrade_unlogged
+    <lightning_mpx.integrations.metric_counts.upgrade_unlogged>`)."""
+    if isinstance(value, float):
+        return value.is_integer() and -(2.0**63) <= value < 2.0**63
+    return isinstance(value, int) and -(2**63) <= value < 2**63
 
 
 class MetricsReader:
@@ -380,15 +396,22 @@ class Overflows:
     def load_readers(self, saved: Mapping[str, Any] | None, measurements: int) -> None:
         """After a checkpoint's totals are loaded: each reader it saved (:meth:`readers_state`) counts on from its
         position there, so its first read reports what its saving run had not read yet; the others, and readers made
-        later, count from the loaded totals (never reported twice). ``measurements``: the telemetry's count now."""
+        later, count from the start of the run (a checkpoint of this release: they never read) or from the loaded
+        totals (an older release's, whose readers read them). ``measurements``: the telemetry's count now."""
         check_readers_state({"metric_readers": saved})
         totals: dict[str, torch.Tensor | int] = {
             overflows_name(i, len(self.scalers)): s.overflow_count.clone() for i, s in enumerate(self.scalers)
         }
         totals.update(self.forensics.totals())
-        self._start = MetricsReader(totals, measurements)
+        # A checkpoint of this release holds every reader its run had (the default one always): one it does not hold
+        # never read, and counts from the start as it would have in one uninterrupted run (a run without a logger
+        # resumed into one with a logger: its first log holds the overflows that ``mpx/skipped_steps`` counts). One
+        # of an older release (or upgraded from it, with the door's reader only) counted for readers it did not save.
+        self._start = MetricsReader({} if saved is not None and DEFAULT_READER in saved else totals, measurements)
         saved = saved or {}
         self.readers = {
-            name: MetricsReader({c: int(v) for c, v in saved[name].items()} if name in saved else totals, measurements)
+            name: MetricsReader(
+                {c: int(v) for c, v in saved[name].items()} if name in saved else self._start.counts, measurements
+            )
             for name in dict.fromkeys([*self.readers, *saved])
         }
