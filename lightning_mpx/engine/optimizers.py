@@ -18,7 +18,16 @@ import torch
 
 from lightning_mpx.engine.grad_checks import local_squares, reduce_checks, unscale
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
-from lightning_mpx.engine.rescale import follow_cleared_grads, grad_marks, leftovers, rescale_pending, rescale_unscaled
+from lightning_mpx.engine.rescale import (
+    follow_cleared_grads,
+    grad_marks,
+    hold_scale,
+    leftovers,
+    rescale_pending,
+    rescale_stepped,
+    rescale_unscaled,
+    resume_stepped,
+)
 from lightning_mpx.engine.sharding import Sharding, local_tensor
 from lightning_mpx.health.telemetry import GradTelemetry
 from lightning_mpx.masters.optimizer_hooks import MasterHooks
@@ -171,7 +180,9 @@ class StepMachine:
         """Make every optimizer's gradients carry ``loss_id``'s scale before its backward (see
         :meth:`Amp.scale_loss <lightning_mpx.engine.amp.Amp.scale_loss>`)."""
         for state in self.optimizers.values():
-            if state.stage is not _Stage.READY:
+            if state.stage is _Stage.STEPPED:  # what a step left, unless cleared since (the usual loop: nothing)
+                rescale_stepped(state, loss_id, self.scalers, self.masters.weights, self.backend)
+            elif state.stage is not _Stage.READY:
                 if state.stage is _Stage.UNSCALED:
                     self.record_found(state.found_by_loss)  # an overflow seen by unscale_() counts toward update()
                 rescale_unscaled(state, loss_id, self.scalers[loss_id], self.masters.weights, self.backend)
@@ -252,6 +263,7 @@ class StepMachine:
             # One multi-tensor copy (rounding to the half dtype as copy_ does), not a kernel per parameter: the Trainer
             # calls this at every step it clips or has an on_before_optimizer_step hook.
             torch._foreach_copy_(targets, sources)
+        state.shown = True  # the half gradients hold true values now, and after the step
         state.unscaled_marks = grad_marks(state, master_weights)  # the copies are ours, not the user's writes
 
     # -- step and update ----------------------------------------------------------------------------------------
@@ -345,6 +357,8 @@ class StepMachine:
                 self.record_found(state.found_by_loss)
                 state.stage = _Stage.SKIPPED
                 state.found_by_loss, state.found_inf, state.grad_norm = {}, None, None
+            if state.stage is not _Stage.READY and self.masters.weights:  # a step may use the half gradients still
+                hold_scale(state, self.scalers[state.loss_id or 0])
         for state in self.optimizers.values():
             if (
                 state.stage is _Stage.READY
@@ -398,8 +412,10 @@ class StepMachine:
         (:func:`~lightning_mpx.engine.rescale.follow_cleared_grads`); a step that unscales for itself notes them only
         if it does not finish (:meth:`keep_marks`)."""
         weights = self.masters.weights
-        skipped = state.stage is _Stage.SKIPPED
         optimizer = state.optimizer if optimizer is None else optimizer
+        if state.stage is _Stage.STEPPED:  # no backward since a step: what it left, taken again
+            resume_stepped(state, self.scalers, weights, optimizer, self.backend)
+        skipped = state.stage is _Stage.SKIPPED
         unscale(
             state,
             optimizer,

@@ -6,13 +6,23 @@ An unscale (or a clip) that no step followed leaves gradients with their true va
 (:func:`rescale_unscaled`). Gradients of another loss, or of this loss at a changed scale, are brought to the new
 scale (:func:`rescale_pending`), so that one gradient buffer never mixes two scales. The user may clear half
 gradients between an unscale and the step (``zero_grad`` either way): the masters' copies follow
-(:func:`follow_cleared_grads`, by the marks :func:`grad_marks` notes). Plain functions over an optimizer's
-:class:`~lightning_mpx.engine.optimizer_state._OptimizerState`: no engine is held.
+(:func:`follow_cleared_grads`, by the marks :func:`grad_marks` notes).
+
+A step leaves its gradients too (:func:`after_step`): with true values where it unscaled them in place, in the half
+model at O2 at their scale. FP32 adds the next backward to them unless the loop zeroes them, and a second step
+without a backward applies them again; so the next backward scales those the user did not clear up first
+(:func:`rescale_stepped`), and an unscale or step before it takes them as they are (:func:`resume_stepped`). The
+usual loop clears them (``zero_grad``): what it pays is a look at the gradients with C-level maps, no Python per
+parameter. Plain functions over an optimizer's :class:`~lightning_mpx.engine.optimizer_state._OptimizerState`: no
+engine is held.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+import itertools
+import operator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -25,6 +35,11 @@ from lightning_mpx.scaling.scaler import LossScaler
 from lightning_mpx.scaling.unscale import unscale_grads_
 
 Marks = tuple[tuple[int, int] | None, ...]
+
+_GRAD = operator.attrgetter("grad")
+_VERSION = operator.attrgetter("_version")
+_PARAMS = operator.itemgetter("params")
+_SOME = functools.partial(operator.is_not, None)
 
 
 def grad_marks(
@@ -119,6 +134,7 @@ def rescale_unscaled(
     if master_weights:
         drop_master_grads(state)  # carried into the half gradients
     state.unscaled_marks = ()
+    state.shown = False
     state.stage = _Stage.READY
     state.loss_id = new_loss_id
     state.grad_scale = None
@@ -138,3 +154,118 @@ def rescale_pending(state: _OptimizerState, new_loss_id: int, scalers: Sequence[
         charge(state, old_id, found)
     state.loss_id = new_loss_id
     state.grad_scale = None
+
+
+# -- gradients left by a step ---------------------------------------------------------------------------------------
+def present_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The gradients ``optimizer``'s parameters hold, by C-level maps (no Python per parameter)."""
+    params = itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups))
+    return list(filter(_SOME, map(_GRAD, params)))
+
+
+def _keys(grads: list[torch.Tensor]) -> Iterator[tuple[int, int]]:
+    return zip(map(id, grads), map(_VERSION, grads))
+
+
+def after_step(state: _OptimizerState, optimizer: torch.optim.Optimizer, *, masters: bool) -> None:
+    """End a step of ``optimizer`` (taken or skipped): READY, or STEPPED when its parameters keep gradients, with the
+    loss and the scale they carry (``masters``: at O2 the half ones keep theirs unless the unscale showed the true
+    values on the model) and the marks that tell a later ``zero_grad`` (either way) apart."""
+    loss_id, grad_scale, shown = state.loss_id, state.grad_scale, state.shown
+    state.reset()
+    grads = present_grads(optimizer)
+    if grads:
+        state.stage = _Stage.STEPPED
+        state.loss_id, state.grad_scale = loss_id, grad_scale
+        state.stepped_true = not masters or shown
+        state.stepped_marks = frozenset(_keys(grads))
+
+
+def stepped_leftovers(
+    state: _OptimizerState, master_weights: Sequence[MasterWeights], optimizer: torch.optim.Optimizer
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(with true values, at the scale of ``loss_id``): the model's gradients a step left (STEPPED) that the user
+    has not cleared since (gone, or written: ``zero_grad`` either way). The loop that clears them pays C-level maps."""
+    marks = state.stepped_marks
+    grads = present_grads(optimizer)
+    if not grads or marks is None or marks.isdisjoint(_keys(grads)):
+        return [], []
+    left = {key[0] for key in _keys(grads) if key in marks}
+    if not master_weights or state.stepped_true:
+        return [g for g in grads if id(g) in left], []
+    true: list[torch.Tensor] = []
+    scaled: list[torch.Tensor] = []
+    for param, master in param_pairs(state, master_weights, optimizer=optimizer):
+        grad = param.grad
+        if grad is not None and id(grad) in left:
+            (true if master is param else scaled).append(grad)  # unscaled in place, or the half model's
+    return true, scaled
+
+
+def _multiply(state: _OptimizerState, grads: list[torch.Tensor], factor: torch.Tensor, backend: str) -> None:
+    """``grads`` times ``factor`` in place; not checked: the step that used them counted their overflow, and one
+    still there is found by the next step's check."""
+    if grads:
+        found = torch.zeros((), dtype=torch.float32, device=factor.device)
+        unscale_grads_(grads, factor, found, backend=backend, workspace=state.workspace)
+
+
+def _carried_scale(state: _OptimizerState, scalers: Sequence[LossScaler]) -> torch.Tensor:
+    """The scale the half gradients a step left carry (that of ``loss_id``, as it was at the step)."""
+    return state.grad_scale if state.grad_scale is not None else scalers[state.loss_id or 0].scale_tensor
+
+
+def rescale_stepped(
+    state: _OptimizerState,
+    new_loss_id: int,
+    scalers: Sequence[LossScaler],
+    master_weights: Sequence[MasterWeights],
+    backend: str,
+) -> None:
+    """Before a backward of ``new_loss_id``: bring the gradients a step left (and the user kept) to its scale, as
+    FP32 adds the backward to them; READY after."""
+    true, scaled = stepped_leftovers(state, master_weights, state.optimizer)
+    if true or scaled:
+        device = (true or scaled)[0].device
+        new = scalers[new_loss_id].to(device).scale_tensor
+        _multiply(state, true, new, backend)
+        if scaled:
+            ratio = (new.double() / _carried_scale(state, scalers).to(device).double()).float()
+            _multiply(state, scaled, ratio, backend)
+    state.reset()
+    state.loss_id = new_loss_id
+
+
+def resume_stepped(
+    state: _OptimizerState,
+    scalers: Sequence[LossScaler],
+    master_weights: Sequence[MasterWeights],
+    optimizer: torch.optim.Optimizer,
+    backend: str,
+) -> None:
+    """Before an unscale with no backward since a step (a second step, a clip): the gradients the step left are
+    taken again, as FP32's second step applies them again. Without masters (or with true values shown on the model)
+    every gradient there holds true values: SKIPPED (checked, not divided again); at O2 those unscaled in place are
+    brought to the half ones' scale: READY at that scale."""
+    if not master_weights or state.stepped_true:
+        keep = bool(present_grads(optimizer))  # written since or not: FP32 applies what is there
+        loss_id = state.loss_id
+        state.reset()
+        if keep:
+            state.stage, state.loss_id = _Stage.SKIPPED, loss_id
+        return
+    true, scaled = stepped_leftovers(state, master_weights, optimizer)
+    if true:
+        _multiply(state, true, _carried_scale(state, scalers).to(true[0].device), backend)
+    loss_id, grad_scale = state.loss_id, state.grad_scale
+    state.reset()
+    state.loss_id, state.grad_scale = loss_id, grad_scale
+
+
+def hold_scale(state: _OptimizerState, scaler: LossScaler) -> None:
+    """At an update, O2: the half gradients a step (STEPPED) or an unscale (SKIPPED) left scaled keep the scale they
+    carry while ``scaler`` (dynamic) moves on; one small copy, only when such gradients are there."""
+    if state.grad_scale is not None or not scaler.dynamic or state.stepped_true or state.shown:
+        return
+    if state.stage is _Stage.SKIPPED or present_grads(state.optimizer):
+        state.grad_scale = scaler.scale_tensor.clone()
