@@ -82,6 +82,9 @@ class _OptimizerState:
     # there before the step), not the scale of loss_id.
     shown: bool = False
     stepped_true: bool = False
+    # O2: the clips of the masters' gradients since the unscale (or the show), which the half gradients lack:
+    # ("norm", norm, max_norm) or ("value", None, clip_value), applied to what a step leaves of them if it is used.
+    clips: tuple[tuple[str, Any, float], ...] = ()
     # Under FSDP: whether the flags in found_by_loss are already summed across ranks (by a clip's collective).
     flags_reduced: bool = False
     # Whether Amp.share_overflow charged an overflow to this optimizer since its last step (its own gradients may be
@@ -112,6 +115,7 @@ class _OptimizerState:
         self.unscaled_marks = ()
         self.stepped_marks = None
         self.shown = self.stepped_true = False
+        self.clips = ()
         self.found_by_loss = {}
         self.found_inf = None
         self.grad_norm = None

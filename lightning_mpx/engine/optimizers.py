@@ -226,6 +226,8 @@ class StepMachine:
             else:
                 state.grad_norm = _clip_unscaled(params, float(max_norm))
         assert state.grad_norm is not None
+        if self.masters.weights:  # the half gradients lack it (see rescale.after_step)
+            state.clips += (("norm", state.grad_norm, max_norm),)
         self.grad_norms[state.loss_id or 0] = state.grad_norm
         return state.grad_norm
 
@@ -243,6 +245,8 @@ class StepMachine:
                 local_tensor(param.grad).clamp_(-clip_value, clip_value)  # type: ignore[arg-type]
         elif params:  # torch's clip refuses an empty list
             torch.nn.utils.clip_grad_value_(params, clip_value)
+        if self.masters.weights:
+            state.clips += (("value", None, clip_value),)
 
     def show_unscaled_on_model(self, optimizer: torch.optim.Optimizer) -> None:
         """:meth:`Amp.show_unscaled_on_model <lightning_mpx.engine.amp.Amp.show_unscaled_on_model>`."""
@@ -263,7 +267,7 @@ class StepMachine:
             # One multi-tensor copy (rounding to the half dtype as copy_ does), not a kernel per parameter: the Trainer
             # calls this at every step it clips or has an on_before_optimizer_step hook.
             torch._foreach_copy_(targets, sources)
-        state.shown = True  # the half gradients hold true values now, and after the step
+        state.shown, state.clips = True, ()  # the half gradients hold the true values now, clipped so far
         state.unscaled_marks = grad_marks(state, master_weights)  # the copies are ours, not the user's writes
 
     # -- step and update ----------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from lightning_mpx.masters.pairs import param_pairs
 from lightning_mpx.masters.swap import drop_master_grads
 from lightning_mpx.masters.weights import MasterWeights
 from lightning_mpx.scaling.scaler import LossScaler
-from lightning_mpx.scaling.unscale import unscale_grads_
+from lightning_mpx.scaling.unscale import clip_coefficient, unscale_grads_
 
 Marks = tuple[tuple[int, int] | None, ...]
 
@@ -134,7 +134,7 @@ def rescale_unscaled(
     if master_weights:
         drop_master_grads(state)  # carried into the half gradients
     state.unscaled_marks = ()
-    state.shown = False
+    state.shown, state.clips = False, ()
     state.stage = _Stage.READY
     state.loss_id = new_loss_id
     state.grad_scale = None
@@ -171,12 +171,12 @@ def after_step(state: _OptimizerState, optimizer: torch.optim.Optimizer, *, mast
     """End a step of ``optimizer`` (taken or skipped): READY, or STEPPED when its parameters keep gradients, with the
     loss and the scale they carry (``masters``: at O2 the half ones keep theirs unless the unscale showed the true
     values on the model) and the marks that tell a later ``zero_grad`` (either way) apart."""
-    loss_id, grad_scale, shown = state.loss_id, state.grad_scale, state.shown
+    loss_id, grad_scale, shown, clips = state.loss_id, state.grad_scale, state.shown, state.clips
     state.reset()
     grads = present_grads(optimizer)
     if grads:
         state.stage = _Stage.STEPPED
-        state.loss_id, state.grad_scale = loss_id, grad_scale
+        state.loss_id, state.grad_scale, state.clips = loss_id, grad_scale, clips
         state.stepped_true = not masters or shown
         state.stepped_marks = frozenset(_keys(grads))
 
@@ -184,22 +184,24 @@ def after_step(state: _OptimizerState, optimizer: torch.optim.Optimizer, *, mast
 def stepped_leftovers(
     state: _OptimizerState, master_weights: Sequence[MasterWeights], optimizer: torch.optim.Optimizer
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(with true values, at the scale of ``loss_id``): the model's gradients a step left (STEPPED) that the user
-    has not cleared since (gone, or written: ``zero_grad`` either way). The loop that clears them pays C-level maps."""
+    """(unscaled in place, the half model's): the model's gradients a step left (STEPPED) that the user has not
+    cleared since (gone, or written: ``zero_grad`` either way). Without masters all are unscaled in place; at O2 the
+    half ones hold the scale of ``loss_id`` (true values when ``stepped_true``), without the clips since the
+    unscale. The loop that clears them pays C-level maps only."""
     marks = state.stepped_marks
     grads = present_grads(optimizer)
     if not grads or marks is None or marks.isdisjoint(_keys(grads)):
         return [], []
     left = {key[0] for key in _keys(grads) if key in marks}
-    if not master_weights or state.stepped_true:
+    if not master_weights:
         return [g for g in grads if id(g) in left], []
-    true: list[torch.Tensor] = []
-    scaled: list[torch.Tensor] = []
+    inplace: list[torch.Tensor] = []
+    half: list[torch.Tensor] = []
     for param, master in param_pairs(state, master_weights, optimizer=optimizer):
         grad = param.grad
         if grad is not None and id(grad) in left:
-            (true if master is param else scaled).append(grad)  # unscaled in place, or the half model's
-    return true, scaled
+            (inplace if master is param else half).append(grad)
+    return inplace, half
 
 
 def _multiply(state: _OptimizerState, grads: list[torch.Tensor], factor: torch.Tensor, backend: str) -> None:
@@ -207,12 +209,25 @@ def _multiply(state: _OptimizerState, grads: list[torch.Tensor], factor: torch.T
     still there is found by the next step's check."""
     if grads:
         found = torch.zeros((), dtype=torch.float32, device=factor.device)
-        unscale_grads_(grads, factor, found, backend=backend, workspace=state.workspace)
+        unscale_grads_(grads, factor.to(grads[0].device), found, backend=backend, workspace=state.workspace)
 
 
 def _carried_scale(state: _OptimizerState, scalers: Sequence[LossScaler]) -> torch.Tensor:
     """The scale the half gradients a step left carry (that of ``loss_id``, as it was at the step)."""
     return state.grad_scale if state.grad_scale is not None else scalers[state.loss_id or 0].scale_tensor
+
+
+def _apply_clips(state: _OptimizerState, half: list[torch.Tensor], scale: torch.Tensor) -> None:
+    """O2: the clips the masters' gradients had before the step, applied to the half ones it left (at ``scale``)."""
+    if not half:
+        return
+    for kind, norm, limit in state.clips:
+        if kind == "norm":
+            torch._foreach_mul_(half, clip_coefficient(norm, limit).to(half[0].device))
+        else:
+            bound = torch.as_tensor(limit, dtype=torch.float32) * scale.cpu()
+            for grad in half:
+                grad.clamp_(-bound.to(grad.device), bound.to(grad.device))
 
 
 def rescale_stepped(
@@ -224,14 +239,15 @@ def rescale_stepped(
 ) -> None:
     """Before a backward of ``new_loss_id``: bring the gradients a step left (and the user kept) to its scale, as
     FP32 adds the backward to them; READY after."""
-    true, scaled = stepped_leftovers(state, master_weights, state.optimizer)
-    if true or scaled:
-        device = (true or scaled)[0].device
+    inplace, half = stepped_leftovers(state, master_weights, state.optimizer)
+    if inplace or half:
+        device = (inplace or half)[0].device
         new = scalers[new_loss_id].to(device).scale_tensor
-        _multiply(state, true, new, backend)
-        if scaled:
-            ratio = (new.double() / _carried_scale(state, scalers).to(device).double()).float()
-            _multiply(state, scaled, ratio, backend)
+        _multiply(state, inplace, new, backend)
+        if half:
+            carried = torch.ones((), device=device) if state.stepped_true else _carried_scale(state, scalers)
+            _apply_clips(state, half, carried)
+            _multiply(state, half, (new.double() / carried.to(device).double()).float(), backend)
     state.reset()
     state.loss_id = new_loss_id
 
@@ -244,19 +260,23 @@ def resume_stepped(
     backend: str,
 ) -> None:
     """Before an unscale with no backward since a step (a second step, a clip): the gradients the step left are
-    taken again, as FP32's second step applies them again. Without masters (or with true values shown on the model)
-    every gradient there holds true values: SKIPPED (checked, not divided again); at O2 those unscaled in place are
-    brought to the half ones' scale: READY at that scale."""
-    if not master_weights or state.stepped_true:
+    taken again, as FP32's second step applies them again. Without masters every gradient there holds true values:
+    SKIPPED (checked, not divided again); at O2 all are brought to the scale the half ones carry: READY at it."""
+    if not master_weights:
         keep = bool(present_grads(optimizer))  # written since or not: FP32 applies what is there
         loss_id = state.loss_id
         state.reset()
         if keep:
             state.stage, state.loss_id = _Stage.SKIPPED, loss_id
         return
-    true, scaled = stepped_leftovers(state, master_weights, optimizer)
-    if true:
-        _multiply(state, true, _carried_scale(state, scalers).to(true[0].device), backend)
+    inplace, half = stepped_leftovers(state, master_weights, optimizer)
+    if inplace or half:
+        carried = _carried_scale(state, scalers)
+        _multiply(state, inplace, carried, backend)
+        if half:
+            _apply_clips(state, half, torch.ones(()) if state.stepped_true else carried)
+            if state.stepped_true:
+                _multiply(state, half, carried, backend)
     loss_id, grad_scale = state.loss_id, state.grad_scale
     state.reset()
     state.loss_id, state.grad_scale = loss_id, grad_scale
