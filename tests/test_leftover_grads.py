@@ -85,13 +85,27 @@ class Loop:
         for opt in self.opts:
             opt.zero_grad(set_to_none=set_to_none)
 
-    def clip(self, max_norm: float = 0.3) -> None:
+    def clip(self, max_norm: float = 1.0) -> None:
         for opt in self.opts:
             if self.amp is not None:
                 self.amp.clip_grad_norm_(opt, max_norm)
             else:
                 params = [p for g in opt.param_groups for p in g["params"]]
                 torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def clip_value(self, clip_value: float = 0.25) -> None:
+        for opt in self.opts:
+            if self.amp is not None:
+                self.amp.clip_grad_value_(opt, clip_value)
+            else:
+                params = [p for g in opt.param_groups for p in g["params"]]
+                torch.nn.utils.clip_grad_value_(params, clip_value)
+
+    def unscale(self) -> None:
+        # FP32 has nothing to unscale; at O2 the engine shows the true values on the half model.
+        for opt in self.opts:
+            if self.amp is not None:
+                self.amp.unscale_(opt)
 
     def has_grads(self) -> bool:
         return any(p.grad is not None for p in self.net.parameters())
@@ -120,6 +134,10 @@ def run(loop: Loop, actions: list[str]) -> Loop:
             loop.zero(False)
         elif action == "clip":
             loop.clip()
+        elif action == "clipv":
+            loop.clip_value()
+        elif action == "unscale":
+            loop.unscale()
         else:
             raise AssertionError(action)
     return loop
@@ -138,8 +156,11 @@ PATTERNS = {
     "step_then_backward_before_update": ["bw", "step", "bw", "step", "update", "bw", "step", "update"],
     "zero_grad_set_to_none_false": ["bw", "step", "update", "zero0"] * 2 + ["bw", "step", "update"],
     "zero0_then_step_without_backward": ["bw", "step", "update", "zero0", "step", "update", "bw", "step", "update"],
-    "clip_without_zero_grad": ["bw", "clip", "step", "update"] * 3,
+    "clip_without_zero_grad": ["bw", "clip", "step", "update"] * 4,
     "clip_after_a_step": ["bw", "step", "update", "clip", "step", "update", "bw", "step", "update"],
+    "clip_value_without_zero_grad": ["bw", "clipv", "step", "update"] * 4,
+    "unscale_then_clip_without_zero_grad": ["bw", "unscale", "clip", "clipv", "step", "update"] * 2
+    + ["bw", "step", "step", "update"],
 }
 
 
@@ -287,7 +308,7 @@ def _fabric_run(precision: Any, actions: list[str]) -> list[torch.Tensor]:
         elif action == "zero0":
             opt.zero_grad(set_to_none=False)
         elif action == "clip":
-            fabric.clip_gradients(model, opt, max_norm=0.3)
+            fabric.clip_gradients(model, opt, max_norm=1.0)
     if plugin is not None and plugin.amp.properties.master_weights:
         return [p.detach().clone() for p in plugin.amp.master_params(opt.optimizer)]
     return [p.detach().float().clone() for p in net.parameters()]
@@ -330,7 +351,7 @@ def test_accelerate_loop_without_zero_grad_trains_as_fp32(level, pattern):
         elif action == "step":
             opt.step()
         elif action == "clip":
-            accelerator.clip_grad_norm_(model.parameters(), 0.3)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
     amp = opt.amp
     got = (
         [p.detach().clone() for p in amp.master_params(opt.optimizer)]
