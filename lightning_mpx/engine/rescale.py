@@ -178,7 +178,7 @@ def after_step(state: _OptimizerState, optimizer: torch.optim.Optimizer, *, mast
         state.stage = _Stage.STEPPED
         state.loss_id, state.grad_scale, state.clips = loss_id, grad_scale, clips
         state.stepped_true = not masters or shown
-        state.stepped_marks = frozenset(_keys(grads))
+        state.stepped_marks = frozenset(zip(map(id, grads), map(_VERSION, grads)))
 
 
 def stepped_leftovers(
@@ -238,10 +238,13 @@ def rescale_stepped(
     backend: str,
 ) -> None:
     """Before a backward of ``new_loss_id``: bring the gradients a step left (and the user kept) to its scale, as
-    FP32 adds the backward to them; READY after."""
-    inplace, half = stepped_leftovers(state, master_weights, state.optimizer)
-    if inplace or half:
-        device = (inplace or half)[0].device
+    FP32 adds the backward to them; READY after. The usual loop (cleared) pays C-level maps, no Python per parameter."""
+    optimizer = state.optimizer_ref()
+    marks = state.stepped_marks
+    grads = [] if optimizer is None or marks is None else present_grads(optimizer)
+    if grads and not marks.isdisjoint(zip(map(id, grads), map(_VERSION, grads))):  # type: ignore[union-attr]
+        inplace, half = stepped_leftovers(state, master_weights, optimizer)  # type: ignore[arg-type]
+        device = (inplace or half or grads)[0].device
         new = scalers[new_loss_id].to(device).scale_tensor
         _multiply(state, inplace, new, backend)
         if half:
