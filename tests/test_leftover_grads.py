@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_mpx import Amp, MixedPrecisionPlugin
 from tests.lightning_helpers import make_trainer
@@ -229,16 +230,41 @@ def test_an_overflow_left_in_the_gradients_skips_the_steps_that_would_apply_it(l
     assert loop.amp.skipped_steps == [3]
 
 
-def test_a_zeroed_loop_pays_no_rescale():
-    # The usual loop (zero_grad each iteration, either way) finds nothing left: no gradient is multiplied.
+class _Ops(TorchDispatchMode):
+    """The aten ops run inside the block, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_zeroed_loop_pays_no_rescale_and_a_kept_gradient_is_rescaled(level):
+    # The usual loop (zero_grad each iteration, either way) finds nothing left: no gradient is written (a multiply
+    # would bump its version counter), none made. One the user kept is scaled up for the next backward.
     for set_to_none in (True, False):
-        loop = Loop("O1")
+        loop = Loop(level)
         run(loop, ["bw", "step", "update"])
         loop.zero(set_to_none)
-        before = [p.grad.clone() if p.grad is not None else None for p in loop.net.parameters()]
+        before = [p.grad for p in loop.net.parameters()]
+        with _Ops() as ops:
+            loop.amp.scale_loss(torch.ones((), requires_grad=True))
+        assert [p.grad for p in loop.net.parameters()] == before  # the same tensors (or None)
+        assert not [op for op in ops.names if "foreach" in op or "clone" in op], ops.names
+    loop = Loop(level, growth_interval=1)  # the update doubles the scale
+    run(loop, ["bw", "step", "update"])
+    kept = loop.net[3].bias.grad
+    before = kept.float().clone()
+    with _Ops() as ops:
         loop.amp.scale_loss(torch.ones((), requires_grad=True))
-        after = [p.grad for p in loop.net.parameters()]
-        assert all((b is None and a is None) or torch.equal(a, b) for a, b in zip(after, before))
+    assert [op for op in ops.names if "foreach" in op]  # what the cleared loop above would show
+    # O1: true values, scaled up to the new scale; O2: the half model's, from the old scale to the new one.
+    factor = loop.amp.scalers[0].get_scale() if level == "O1" else 2.0
+    torch.testing.assert_close(kept.float(), before * factor)
 
 
 # -- the Trainer ------------------------------------------------------------------------------------------------------
