@@ -160,7 +160,8 @@ def rescale_pending(state: _OptimizerState, new_loss_id: int, scalers: Sequence[
 def present_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The gradients ``optimizer``'s parameters hold, by C-level maps (no Python per parameter)."""
     params = itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups))
-    return list(filter(_SOME, map(_GRAD, params)))
+    with torch._C.DisableTorchFunction():  # a torch-function mode (the Apex layer's O1) would run per parameter
+        return list(filter(_SOME, map(_GRAD, params)))
 
 
 def _keys(grads: list[torch.Tensor]) -> Iterator[tuple[int, int]]:
@@ -178,7 +179,8 @@ def after_step(state: _OptimizerState, optimizer: torch.optim.Optimizer, *, mast
         state.stage = _Stage.STEPPED
         state.loss_id, state.grad_scale, state.clips = loss_id, grad_scale, clips
         state.stepped_true = not masters or shown
-        state.stepped_marks = frozenset(zip(map(id, grads), map(_VERSION, grads)))
+        with torch._C.DisableTorchFunction():  # as in present_grads
+            state.stepped_marks = frozenset(zip(map(id, grads), map(_VERSION, grads)))
 
 
 def stepped_leftovers(
@@ -242,7 +244,10 @@ def rescale_stepped(
     optimizer = state.optimizer_ref()
     marks = state.stepped_marks
     grads = [] if optimizer is None or marks is None else present_grads(optimizer)
-    if grads and not marks.isdisjoint(zip(map(id, grads), map(_VERSION, grads))):  # type: ignore[union-attr]
+    if grads:
+        with torch._C.DisableTorchFunction():  # as in present_grads
+            cleared = marks.isdisjoint(zip(map(id, grads), map(_VERSION, grads)))  # type: ignore[union-attr]
+    if grads and not cleared:
         inplace, half = stepped_leftovers(state, master_weights, optimizer)  # type: ignore[arg-type]
         device = (inplace or half or grads)[0].device
         new = scalers[new_loss_id].to(device).scale_tensor
