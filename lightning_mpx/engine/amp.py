@@ -247,10 +247,10 @@ class Amp(AmpParts):
         """``loss`` times the scale of ``loss_id`` (an ``int``, numpy integers included). Every optimizer's pending
         gradients are brought to this scale first (another loss's, from before an :meth:`update` that changed their
         scale, or left unscaled by :meth:`unscale_` or a clip without a :meth:`step`), so one buffer never mixes two
-        scales; gradients left after a :meth:`step` are not: zero them before the next backward (as with
-        ``torch.amp.GradScaler``). Bringing them over checks them: a non-finite value found then is charged to the
-        loss it came from, and the optimizer's next :meth:`step` is skipped even if the gradients are zeroed before it
-        (as after :meth:`unscale_`: a check made decides the step)."""
+        scales; so are those a :meth:`step` left and the user kept (not zeroed since): they add up as in FP32.
+        Bringing them over checks them (but for what a step left, whose check that step made): a non-finite value
+        found then is charged to the loss it came from, and the optimizer's next :meth:`step` is skipped even if the
+        gradients are zeroed before it (as after :meth:`unscale_`: a check made decides the step)."""
         loss_id = self._loss_index(loss_id)
         # the steps skipped on the device in earlier iterations, settled before new gradients come
         if self._pending.steps:

@@ -103,7 +103,8 @@ def unscale(
     if sharding is not None:
         norm = None if squares is None else reduce_checks(state, sharding, squares, sources, max_norm)
     state.grad_norm = norm
-    state.grad_scale = None
+    if not master_weights:  # at O2 the half gradients keep the scale they carry, for what a step leaves
+        state.grad_scale = None
     state.stage = _Stage.UNSCALED
 
 

@@ -31,6 +31,11 @@ class _Stage(enum.Enum):
     # update() closed an iteration in which it was unscaled but did not step (a skipped batch): the gradients it
     # left behind, unless zeroed since, still hold true values
     SKIPPED = "skipped"
+    # A step (taken or skipped) used its gradients and they are still there unless cleared since (stepped_marks tells):
+    # true values where unscaled in place (O1; parameters without a master), the scale of `loss_id` in the half
+    # model's at O2 (`grad_scale` once update() changed the scaler). The next backward, unscale or step settles it
+    # (lightning_mpx.engine.rescale), as FP32 would treat gradients left after its step.
+    STEPPED = "stepped"
 
 
 @dataclass
@@ -71,6 +76,15 @@ class _OptimizerState:
     # A half gradient that is gone or was written since (zero_grad either way) was cleared by the user, and the
     # unscaled copy its master holds must not outlive it.
     unscaled_marks: tuple[tuple[int, int] | None, ...] = ()
+    # STEPPED: (id, version) of each gradient the step left; one gone or written since (zero_grad) was cleared.
+    stepped_marks: frozenset[tuple[int, int]] | None = None
+    # O2: whether the step left true values in the half gradients too (shown: show_unscaled_on_model copied them
+    # there before the step), not the scale of loss_id.
+    shown: bool = False
+    stepped_true: bool = False
+    # O2: the clips of the masters' gradients since the unscale (or the show), which the half gradients lack:
+    # ("norm", norm, max_norm) or ("value", None, clip_value), applied to what a step leaves of them if it is used.
+    clips: tuple[tuple[str, Any, float], ...] = ()
     # Under FSDP: whether the flags in found_by_loss are already summed across ranks (by a clip's collective).
     flags_reduced: bool = False
     # Whether Amp.share_overflow charged an overflow to this optimizer since its last step (its own gradients may be
@@ -99,6 +113,9 @@ class _OptimizerState:
         self.loss_id = None
         self.grad_scale = None
         self.unscaled_marks = ()
+        self.stepped_marks = None
+        self.shown = self.stepped_true = False
+        self.clips = ()
         self.found_by_loss = {}
         self.found_inf = None
         self.grad_norm = None

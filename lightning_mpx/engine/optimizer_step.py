@@ -29,6 +29,7 @@ from lightning_mpx.engine.optimizer_state import _OptimizerState, optimizer_para
 from lightning_mpx.engine.optimizers import StepMachine
 from lightning_mpx.engine.outcome import PendingStep, PendingSteps, StepOutcome, device_skip_refusal
 from lightning_mpx.engine.overflow import MasterOf, Overflows
+from lightning_mpx.engine.rescale import after_step
 from lightning_mpx.health.forensics import OverflowForensics
 from lightning_mpx.masters.swap import drop_master_grads, step_on_masters
 
@@ -113,7 +114,7 @@ class OptimizerStep:
         except BaseException:
             self.machine.keep_marks(state)  # the step did not finish (an optimizer's error, an interrupt)
             raise
-        state.reset()
+        after_step(state, optimizer, masters=bool(self.machine.masters.weights))  # its gradients, left for FP32's loop
         return True
 
     def _skip(
@@ -131,7 +132,7 @@ class OptimizerStep:
             optimizer, overflowed, names=self.machine.names, master_of=self.master_of, step=self.steps - 1,
             gather=gather, iteration=iteration, shared=state.shared_overflow,
         )
-        self._finish(state)
+        self._finish(optimizer, state)
         self.overflows.at_floor(optimizer, overflowed)
 
     def _take_step(
@@ -161,11 +162,12 @@ class OptimizerStep:
                 del optimizer.grad_scale  # type: ignore[attr-defined]
                 del optimizer.found_inf  # type: ignore[attr-defined]
 
-    def _finish(self, state: _OptimizerState) -> None:
-        """End a step that did not run (skipped on the host): the masters' FP32 gradients freed, READY again."""
+    def _finish(self, optimizer: torch.optim.Optimizer, state: _OptimizerState) -> None:
+        """End a step that did not run (skipped on the host): the masters' FP32 gradients freed, the model's left as
+        after any step (:func:`~lightning_mpx.engine.rescale.after_step`)."""
         if self.machine.masters.weights:
             drop_master_grads(state)  # the half gradients are the user's, cleared by their zero_grad as in any loop
-        state.reset()
+        after_step(state, optimizer, masters=bool(self.machine.masters.weights))
 
     # -- skip_on_device -----------------------------------------------------------------------------------------
     def refusal(self, optimizer: torch.optim.Optimizer) -> str | None:
@@ -230,7 +232,7 @@ class OptimizerStep:
         except BaseException:
             self.machine.keep_marks(state)  # the step did not finish (an optimizer's error, an interrupt)
             raise
-        state.reset()
+        after_step(state, optimizer, masters=bool(self.machine.masters.weights))
         self.pending.add(pending)
         if self.forensics.watch.active:
             # The forward watch's record is of this step's forward, which the next forward replaces: settle it now

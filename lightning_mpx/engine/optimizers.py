@@ -18,7 +18,16 @@ import torch
 
 from lightning_mpx.engine.grad_checks import local_squares, reduce_checks, unscale
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
-from lightning_mpx.engine.rescale import follow_cleared_grads, grad_marks, leftovers, rescale_pending, rescale_unscaled
+from lightning_mpx.engine.rescale import (
+    follow_cleared_grads,
+    grad_marks,
+    hold_scale,
+    leftovers,
+    rescale_pending,
+    rescale_stepped,
+    rescale_unscaled,
+    resume_stepped,
+)
 from lightning_mpx.engine.sharding import Sharding, local_tensor
 from lightning_mpx.health.telemetry import GradTelemetry
 from lightning_mpx.masters.optimizer_hooks import MasterHooks
@@ -171,7 +180,9 @@ class StepMachine:
         """Make every optimizer's gradients carry ``loss_id``'s scale before its backward (see
         :meth:`Amp.scale_loss <lightning_mpx.engine.amp.Amp.scale_loss>`)."""
         for state in self.optimizers.values():
-            if state.stage is not _Stage.READY:
+            if state.stage is _Stage.STEPPED:  # what a step left, unless cleared since (the usual loop: nothing)
+                rescale_stepped(state, loss_id, self.scalers, self.masters.weights, self.backend)
+            elif state.stage is not _Stage.READY:
                 if state.stage is _Stage.UNSCALED:
                     self.record_found(state.found_by_loss)  # an overflow seen by unscale_() counts toward update()
                 rescale_unscaled(state, loss_id, self.scalers[loss_id], self.masters.weights, self.backend)
@@ -215,6 +226,8 @@ class StepMachine:
             else:
                 state.grad_norm = _clip_unscaled(params, float(max_norm))
         assert state.grad_norm is not None
+        if self.masters.weights:  # the half gradients lack it (see rescale.after_step)
+            state.clips += (("norm", state.grad_norm, max_norm),)
         self.grad_norms[state.loss_id or 0] = state.grad_norm
         return state.grad_norm
 
@@ -232,6 +245,8 @@ class StepMachine:
                 local_tensor(param.grad).clamp_(-clip_value, clip_value)  # type: ignore[arg-type]
         elif params:  # torch's clip refuses an empty list
             torch.nn.utils.clip_grad_value_(params, clip_value)
+        if self.masters.weights:
+            state.clips += (("value", None, clip_value),)
 
     def show_unscaled_on_model(self, optimizer: torch.optim.Optimizer) -> None:
         """:meth:`Amp.show_unscaled_on_model <lightning_mpx.engine.amp.Amp.show_unscaled_on_model>`."""
@@ -252,6 +267,7 @@ class StepMachine:
             # One multi-tensor copy (rounding to the half dtype as copy_ does), not a kernel per parameter: the Trainer
             # calls this at every step it clips or has an on_before_optimizer_step hook.
             torch._foreach_copy_(targets, sources)
+        state.shown, state.clips = True, ()  # the half gradients hold the true values now, clipped so far
         state.unscaled_marks = grad_marks(state, master_weights)  # the copies are ours, not the user's writes
 
     # -- step and update ----------------------------------------------------------------------------------------
@@ -345,6 +361,8 @@ class StepMachine:
                 self.record_found(state.found_by_loss)
                 state.stage = _Stage.SKIPPED
                 state.found_by_loss, state.found_inf, state.grad_norm = {}, None, None
+            if state.stage is not _Stage.READY and self.masters.weights:  # a step may use the half gradients still
+                hold_scale(state, self.scalers[state.loss_id or 0])
         for state in self.optimizers.values():
             if (
                 state.stage is _Stage.READY
@@ -398,8 +416,10 @@ class StepMachine:
         (:func:`~lightning_mpx.engine.rescale.follow_cleared_grads`); a step that unscales for itself notes them only
         if it does not finish (:meth:`keep_marks`)."""
         weights = self.masters.weights
-        skipped = state.stage is _Stage.SKIPPED
         optimizer = state.optimizer if optimizer is None else optimizer
+        if state.stage is _Stage.STEPPED:  # no backward since a step: what it left, taken again
+            resume_stepped(state, self.scalers, weights, optimizer, self.backend)
+        skipped = state.stage is _Stage.SKIPPED
         unscale(
             state,
             optimizer,

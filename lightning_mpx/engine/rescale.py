@@ -6,13 +6,23 @@ An unscale (or a clip) that no step followed leaves gradients with their true va
 (:func:`rescale_unscaled`). Gradients of another loss, or of this loss at a changed scale, are brought to the new
 scale (:func:`rescale_pending`), so that one gradient buffer never mixes two scales. The user may clear half
 gradients between an unscale and the step (``zero_grad`` either way): the masters' copies follow
-(:func:`follow_cleared_grads`, by the marks :func:`grad_marks` notes). Plain functions over an optimizer's
-:class:`~lightning_mpx.engine.optimizer_state._OptimizerState`: no engine is held.
+(:func:`follow_cleared_grads`, by the marks :func:`grad_marks` notes).
+
+A step leaves its gradients too (:func:`after_step`): with true values where it unscaled them in place, in the half
+model at O2 at their scale. FP32 adds the next backward to them unless the loop zeroes them, and a second step
+without a backward applies them again; so the next backward scales those the user did not clear up first
+(:func:`rescale_stepped`), and an unscale or step before it takes them as they are (:func:`resume_stepped`). The
+usual loop clears them (``zero_grad``): what it pays is a look at the gradients with C-level maps, no Python per
+parameter. Plain functions over an optimizer's :class:`~lightning_mpx.engine.optimizer_state._OptimizerState`: no
+engine is held.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+import itertools
+import operator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -22,9 +32,14 @@ from lightning_mpx.masters.pairs import param_pairs
 from lightning_mpx.masters.swap import drop_master_grads
 from lightning_mpx.masters.weights import MasterWeights
 from lightning_mpx.scaling.scaler import LossScaler
-from lightning_mpx.scaling.unscale import unscale_grads_
+from lightning_mpx.scaling.unscale import clip_coefficient, unscale_grads_
 
 Marks = tuple[tuple[int, int] | None, ...]
+
+_GRAD = operator.attrgetter("grad")
+_VERSION = operator.attrgetter("_version")
+_PARAMS = operator.itemgetter("params")
+_SOME = functools.partial(operator.is_not, None)
 
 
 def grad_marks(
@@ -119,6 +134,7 @@ def rescale_unscaled(
     if master_weights:
         drop_master_grads(state)  # carried into the half gradients
     state.unscaled_marks = ()
+    state.shown, state.clips = False, ()
     state.stage = _Stage.READY
     state.loss_id = new_loss_id
     state.grad_scale = None
@@ -138,3 +154,146 @@ def rescale_pending(state: _OptimizerState, new_loss_id: int, scalers: Sequence[
         charge(state, old_id, found)
     state.loss_id = new_loss_id
     state.grad_scale = None
+
+
+# -- gradients left by a step ---------------------------------------------------------------------------------------
+def present_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The gradients ``optimizer``'s parameters hold, by C-level maps (no Python per parameter)."""
+    params = itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups))
+    with torch._C.DisableTorchFunction():  # a torch-function mode (the Apex layer's O1) would run per parameter
+        return list(filter(_SOME, map(_GRAD, params)))
+
+
+def _keys(grads: list[torch.Tensor]) -> Iterator[tuple[int, int]]:
+    return zip(map(id, grads), map(_VERSION, grads))
+
+
+def after_step(state: _OptimizerState, optimizer: torch.optim.Optimizer, *, masters: bool) -> None:
+    """End a step of ``optimizer`` (taken or skipped): READY, or STEPPED when its parameters keep gradients, with the
+    loss and the scale they carry (``masters``: at O2 the half ones keep theirs unless the unscale showed the true
+    values on the model) and the marks that tell a later ``zero_grad`` (either way) apart."""
+    loss_id, grad_scale, shown, clips = state.loss_id, state.grad_scale, state.shown, state.clips
+    state.reset()
+    grads = present_grads(optimizer)
+    if grads:
+        state.stage = _Stage.STEPPED
+        state.loss_id, state.grad_scale, state.clips = loss_id, grad_scale, clips
+        state.stepped_true = not masters or shown
+        with torch._C.DisableTorchFunction():  # as in present_grads
+            state.stepped_marks = frozenset(zip(map(id, grads), map(_VERSION, grads)))
+
+
+def stepped_leftovers(
+    state: _OptimizerState, master_weights: Sequence[MasterWeights], optimizer: torch.optim.Optimizer
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(unscaled in place, the half model's): the model's gradients a step left (STEPPED) that the user has not
+    cleared since (gone, or written: ``zero_grad`` either way). Without masters all are unscaled in place; at O2 the
+    half ones hold the scale of ``loss_id`` (true values when ``stepped_true``), without the clips since the
+    unscale. The loop that clears them pays C-level maps only."""
+    marks = state.stepped_marks
+    grads = present_grads(optimizer)
+    if not grads or marks is None or marks.isdisjoint(_keys(grads)):
+        return [], []
+    left = {key[0] for key in _keys(grads) if key in marks}
+    if not master_weights:
+        return [g for g in grads if id(g) in left], []
+    inplace: list[torch.Tensor] = []
+    half: list[torch.Tensor] = []
+    for param, master in param_pairs(state, master_weights, optimizer=optimizer):
+        grad = param.grad
+        if grad is not None and id(grad) in left:
+            (inplace if master is param else half).append(grad)
+    return inplace, half
+
+
+def _multiply(state: _OptimizerState, grads: list[torch.Tensor], factor: torch.Tensor, backend: str) -> None:
+    """``grads`` times ``factor`` in place; not checked: the step that used them counted their overflow, and one
+    still there is found by the next step's check."""
+    if grads:
+        found = torch.zeros((), dtype=torch.float32, device=factor.device)
+        unscale_grads_(grads, factor.to(grads[0].device), found, backend=backend, workspace=state.workspace)
+
+
+def _carried_scale(state: _OptimizerState, scalers: Sequence[LossScaler]) -> torch.Tensor:
+    """The scale the half gradients a step left carry (that of ``loss_id``, as it was at the step)."""
+    return state.grad_scale if state.grad_scale is not None else scalers[state.loss_id or 0].scale_tensor
+
+
+def _apply_clips(state: _OptimizerState, half: list[torch.Tensor], scale: torch.Tensor) -> None:
+    """O2: the clips the masters' gradients had before the step, applied to the half ones it left (at ``scale``)."""
+    if not half:
+        return
+    for kind, norm, limit in state.clips:
+        if kind == "norm":
+            torch._foreach_mul_(half, clip_coefficient(norm, limit).to(half[0].device))
+        else:
+            bound = torch.as_tensor(limit, dtype=torch.float32) * scale.cpu()
+            for grad in half:
+                grad.clamp_(-bound.to(grad.device), bound.to(grad.device))
+
+
+def rescale_stepped(
+    state: _OptimizerState,
+    new_loss_id: int,
+    scalers: Sequence[LossScaler],
+    master_weights: Sequence[MasterWeights],
+    backend: str,
+) -> None:
+    """Before a backward of ``new_loss_id``: bring the gradients a step left (and the user kept) to its scale, as
+    FP32 adds the backward to them; READY after. The usual loop (cleared) pays C-level maps, no Python per parameter."""
+    optimizer = state.optimizer_ref()
+    marks = state.stepped_marks
+    grads = [] if optimizer is None or marks is None else present_grads(optimizer)
+    if grads:
+        with torch._C.DisableTorchFunction():  # as in present_grads
+            cleared = marks.isdisjoint(zip(map(id, grads), map(_VERSION, grads)))  # type: ignore[union-attr]
+    if grads and not cleared:
+        inplace, half = stepped_leftovers(state, master_weights, optimizer)  # type: ignore[arg-type]
+        device = (inplace or half or grads)[0].device
+        new = scalers[new_loss_id].to(device).scale_tensor
+        _multiply(state, inplace, new, backend)
+        if half:
+            carried = torch.ones((), device=device) if state.stepped_true else _carried_scale(state, scalers)
+            _apply_clips(state, half, carried)
+            _multiply(state, half, (new.double() / carried.to(device).double()).float(), backend)
+    state.reset()
+    state.loss_id = new_loss_id
+
+
+def resume_stepped(
+    state: _OptimizerState,
+    scalers: Sequence[LossScaler],
+    master_weights: Sequence[MasterWeights],
+    optimizer: torch.optim.Optimizer,
+    backend: str,
+) -> None:
+    """Before an unscale with no backward since a step (a second step, a clip): the gradients the step left are
+    taken again, as FP32's second step applies them again. Without masters every gradient there holds true values:
+    SKIPPED (checked, not divided again); at O2 all are brought to the scale the half ones carry: READY at it."""
+    if not master_weights:
+        keep = bool(present_grads(optimizer))  # written since or not: FP32 applies what is there
+        loss_id = state.loss_id
+        state.reset()
+        if keep:
+            state.stage, state.loss_id = _Stage.SKIPPED, loss_id
+        return
+    inplace, half = stepped_leftovers(state, master_weights, optimizer)
+    if inplace or half:
+        carried = _carried_scale(state, scalers)
+        _multiply(state, inplace, carried, backend)
+        if half:
+            _apply_clips(state, half, torch.ones(()) if state.stepped_true else carried)
+            if state.stepped_true:
+                _multiply(state, half, carried, backend)
+    loss_id, grad_scale = state.loss_id, state.grad_scale
+    state.reset()
+    state.loss_id, state.grad_scale = loss_id, grad_scale
+
+
+def hold_scale(state: _OptimizerState, scaler: LossScaler) -> None:
+    """At an update, O2: the half gradients a step (STEPPED) or an unscale (SKIPPED) left scaled keep the scale they
+    carry while ``scaler`` (dynamic) moves on; one small copy, only when such gradients are there."""
+    if state.grad_scale is not None or not scaler.dynamic or state.stepped_true or state.shown:
+        return
+    if state.stage is _Stage.SKIPPED or present_grads(state.optimizer):
+        state.grad_scale = scaler.scale_tensor.clone()
