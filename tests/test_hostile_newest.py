@@ -1,9 +1,7 @@
 """The last stop's newest surfaces driven as their users drive them: Accelerate's take-over of a model prepared
 again (a retried training function that keeps its model and optimizer, a second Accelerator), master-weight name
 prefixes changed on load (twin submodules of the same shapes), and what the Apex layer and the telemetry carry.
-Each case is compared with a reference (the run uninterrupted, bit for bit) or must be refused changing nothing.
-
-Findings that another session's files must fix are strict xfails, with the fix they need in the reason."""
+Each case is compared with a reference (the run uninterrupted, bit for bit) or must be refused changing nothing."""
 
 from __future__ import annotations
 
@@ -204,20 +202,16 @@ def test_save_state_after_a_take_over_resumes_bit_for_bit_in_a_fresh_accelerator
     assert _same([p.detach().clone() for p in resumed.amp.master_params(optimizer2.optimizer)], want)
 
 
-# -- findings left to the sessions that own the files ---------------------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    raises=KeyError,
-    reason="engine/optimizers.py StepMachine.release (out of bounds): at O2 it removes the master hooks but leaves "
-    "optimizer.state keyed by the FP32 masters while the groups hold the half parameters, so optimizer.state_dict() "
-    "raises a bare KeyError(<id>). Fix: move each state entry from its master back to its parameter on release "
-    "(as integrations/accelerate_forward.release_optimizers does for free_memory()).",
-)
 def test_an_optimizer_released_by_the_engine_still_saves_its_state() -> None:
+    """Finding (fixed): after ``Amp.release_optimizer`` at O2 the optimizer's state stayed keyed by the FP32 masters
+    while its groups held the half parameters, so ``optimizer.state_dict()`` raised a bare ``KeyError(<id>)``. The
+    state now goes back to the parameters, and the state dict holds the masters' Adam moments as they were."""
     amp, model, optimizer = _trained(_net())
+    moments = [optimizer.state[m]["exp_avg"].clone() for m in amp.master_params(optimizer)]
     amp.release_optimizer(optimizer)
     state = optimizer.state_dict()
     assert len(state["state"]) == len(list(model.parameters()))
+    assert _same([state["state"][i]["exp_avg"] for i in range(len(moments))], moments)
 
 
 @accelerate_only

@@ -178,8 +178,9 @@ class Amp(AmpParts):
         return optimizer
 
     def release_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Forget ``optimizer`` and remove the hooks put on it (its masters stay with their model); its steps
-        pending on the device (``skip_on_device``) are read first."""
+        """Forget ``optimizer`` and remove the hooks put on it (its masters stay with their model; its state, at O2
+        kept by the masters, is keyed by its own parameters again); its steps pending on the device
+        (``skip_on_device``) are read first."""
         self.read_step_outcomes()
         self._machine.release(optimizer)
 

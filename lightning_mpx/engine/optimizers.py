@@ -33,7 +33,7 @@ from lightning_mpx.health.telemetry import GradTelemetry
 from lightning_mpx.masters.optimizer_hooks import MasterHooks
 from lightning_mpx.masters.pairs import param_pairs
 from lightning_mpx.masters.store import Masters
-from lightning_mpx.masters.swap import mirrors
+from lightning_mpx.masters.swap import mirrors, state_to_params
 from lightning_mpx.masters.weights import Mirror
 from lightning_mpx.scaling.scaler import LossScaler
 
@@ -135,13 +135,14 @@ class StepMachine:
         weakref.finalize(optimizer, self.optimizers.pop, key, None)
 
     def release(self, optimizer: torch.optim.Optimizer) -> None:
-        """Forget ``optimizer`` and remove the hooks put on it."""
+        """Forget ``optimizer``, remove the hooks put on it and key its state by its own parameters again."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer.")
         state = self.optimizers.pop(id(optimizer), None)
         if state is not None:
             for handle in state.hooks:
                 handle.remove()
+            state_to_params(state, self.masters.weights)  # its state dict works without the hooks
 
     def master_params(self, optimizer: torch.optim.Optimizer, *, with_masters: bool) -> list[torch.Tensor]:
         """The tensors ``optimizer`` updates (its masters ``with_masters``, its parameters otherwise)."""

@@ -167,13 +167,8 @@ def release_optimizers(amp: Amp) -> None:
     start from these, and the old engine's hooks no longer refuse its steps."""
     for optimizer_state in list(amp._optimizers.values()):
         optimizer = optimizer_state.optimizer_ref()
-        if optimizer is None:
-            continue
-        pairs = list(zip(optimizer_params(optimizer), amp.master_params(optimizer)))
-        amp.release_optimizer(optimizer)
-        for param, master in pairs:
-            if master is not param and master in optimizer.state:
-                optimizer.state[param] = optimizer.state.pop(master)
+        if optimizer is not None:
+            amp.release_optimizer(optimizer)  # its state goes back to the model's parameters
 
 
 def _refuse_if_still_trained(old: Amp, model: nn.Module) -> None:

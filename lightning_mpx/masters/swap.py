@@ -87,3 +87,18 @@ def drop_master_grads(state: _OptimizerState) -> None:
     masters = state.pair_masters
     for index in state.mastered:
         masters[index].grad = None
+
+
+def state_to_params(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> None:
+    """An optimizer the engine lets go of (``Amp.release_optimizer``): its state (Adam's moments, step count), kept
+    by its FP32 masters while the engine stepped it, moved to the model's parameters its groups hold, so that its
+    ``state_dict()`` works without the engine's hooks and an engine that prepares it again takes the state over."""
+    if not master_weights:
+        return
+    optimizer = state.optimizer_ref()
+    if optimizer is None:
+        return
+    swap_out(state, optimizer)
+    for param, master in param_pairs(state, master_weights, optimizer=optimizer):
+        if master is not param and master in optimizer.state:
+            optimizer.state[param] = optimizer.state.pop(master)
