@@ -106,7 +106,9 @@ def test_a_long_run_read_every_step_keeps_no_gradient_graph_or_growing_position(
     run(50)
     alive, sizes = tensors(), [(len(r.counts), len(r.norms)) for r in amp._overflows.readers.values()]
     run(250)
-    assert tensors() == alive  # nothing kept per step (norms, positions, graphs)
+    # Nothing kept per step (norms, positions, graphs). At most as many: under xdist the worker's earlier test files
+    # may leave garbage that a collection here frees, so the count can only be bounded, not pinned.
+    assert tensors() <= alive
     assert [(len(r.counts), len(r.norms)) for r in amp._overflows.readers.values()] == sizes == [(2, 1), (2, 1)]
     assert not any(ref() is not None for ref in losses)  # no loss graph kept alive by a reader
     assert float(amp.metrics("late")["mpx/overflows"]) == amp.metrics()["mpx/skipped_steps"] == 43
