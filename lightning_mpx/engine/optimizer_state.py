@@ -78,6 +78,9 @@ class _OptimizerState:
     unscaled_marks: tuple[tuple[int, int] | None, ...] = ()
     # STEPPED: (id, version) of each gradient the step left; one gone or written since (zero_grad) was cleared.
     stepped_marks: frozenset[tuple[int, int]] | None = None
+    # STEPPED: weak references to those gradients: an id in stepped_marks is theirs only while they live (CPython gives
+    # a freed tensor's id to the next one made), so a tensor the user assigned since is told from one kept or written.
+    stepped_refs: tuple[weakref.ref[torch.Tensor], ...] = ()
     # O2: whether the step left true values in the half gradients too (shown: show_unscaled_on_model copied them
     # there before the step), not the scale of loss_id.
     shown: bool = False
@@ -114,6 +117,7 @@ class _OptimizerState:
         self.grad_scale = None
         self.unscaled_marks = ()
         self.stepped_marks = None
+        self.stepped_refs = ()
         self.shown = self.stepped_true = False
         self.clips = ()
         self.found_by_loss = {}

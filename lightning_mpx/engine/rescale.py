@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+import weakref
 from typing import Iterator, Sequence
 
 import torch
@@ -40,6 +41,7 @@ _GRAD = operator.attrgetter("grad")
 _VERSION = operator.attrgetter("_version")
 _PARAMS = operator.itemgetter("params")
 _SOME = functools.partial(operator.is_not, None)
+_DEREF = operator.methodcaller("__call__")
 
 
 def grad_marks(
@@ -181,27 +183,46 @@ def after_step(state: _OptimizerState, optimizer: torch.optim.Optimizer, *, mast
         state.stepped_true = not masters or shown
         with torch._C.DisableTorchFunction():  # as in present_grads
             state.stepped_marks = frozenset(zip(map(id, grads), map(_VERSION, grads)))
+            state.stepped_refs = tuple(map(weakref.ref, grads))
+
+
+def _alive_ids(state: _OptimizerState) -> set[int]:
+    """The ids of the gradients the step left that still live: only those ids are theirs (a freed one's id goes to
+    the next tensor made, such as one the user assigns)."""
+    return set(map(id, filter(_SOME, map(_DEREF, state.stepped_refs))))
+
+
+def _all_cleared(state: _OptimizerState, grads: list[torch.Tensor]) -> bool:
+    """Whether every gradient in ``grads`` is one the step left, written since (``zero_grad(set_to_none=False)``):
+    the usual loop, told by C-level maps."""
+    with torch._C.DisableTorchFunction():  # as in present_grads
+        marks = state.stepped_marks
+        return marks is None or (marks.isdisjoint(_keys(grads)) and set(map(id, grads)) <= _alive_ids(state))
 
 
 def stepped_leftovers(
     state: _OptimizerState, master_weights: Sequence[MasterWeights], optimizer: torch.optim.Optimizer
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(unscaled in place, the half model's): the model's gradients a step left (STEPPED) that the user has not
-    cleared since (gone, or written: ``zero_grad`` either way). Without masters all are unscaled in place; at O2 the
-    half ones hold the scale of ``loss_id`` (true values when ``stepped_true``), without the clips since the
+    cleared since (written in place: ``zero_grad(set_to_none=False)``; gone: ``set_to_none``), and tensors the user
+    assigned to ``.grad`` since, taken as what the step left there. Without masters all are unscaled in place; at O2
+    the half ones hold the scale of ``loss_id`` (true values when ``stepped_true``), without the clips since the
     unscale. The loop that clears them pays C-level maps only."""
-    marks = state.stepped_marks
     grads = present_grads(optimizer)
-    if not grads or marks is None or marks.isdisjoint(_keys(grads)):
+    if not grads or _all_cleared(state, grads):
         return [], []
-    left = {key[0] for key in _keys(grads) if key in marks}
+    marks, alive = state.stepped_marks or frozenset(), _alive_ids(state)
+
+    def kept(grad: torch.Tensor) -> bool:  # the step's own, not written since; or one assigned since
+        return id(grad) not in alive or (id(grad), grad._version) in marks
+
     if not master_weights:
-        return [g for g in grads if id(g) in left], []
+        return [g for g in grads if kept(g)], []
     inplace: list[torch.Tensor] = []
     half: list[torch.Tensor] = []
     for param, master in param_pairs(state, master_weights, optimizer=optimizer):
         grad = param.grad
-        if grad is not None and id(grad) in left:
+        if grad is not None and kept(grad):
             (inplace if master is param else half).append(grad)
     return inplace, half
 
@@ -242,12 +263,8 @@ def rescale_stepped(
     """Before a backward of ``new_loss_id``: bring the gradients a step left (and the user kept) to its scale, as
     FP32 adds the backward to them; READY after. The usual loop (cleared) pays C-level maps, no Python per parameter."""
     optimizer = state.optimizer_ref()
-    marks = state.stepped_marks
-    grads = [] if optimizer is None or marks is None else present_grads(optimizer)
-    if grads:
-        with torch._C.DisableTorchFunction():  # as in present_grads
-            cleared = marks.isdisjoint(zip(map(id, grads), map(_VERSION, grads)))  # type: ignore[union-attr]
-    if grads and not cleared:
+    grads = [] if optimizer is None or state.stepped_marks is None else present_grads(optimizer)
+    if grads and not _all_cleared(state, grads):
         inplace, half = stepped_leftovers(state, master_weights, optimizer)  # type: ignore[arg-type]
         device = (inplace or half or grads)[0].device
         new = scalers[new_loss_id].to(device).scale_tensor
