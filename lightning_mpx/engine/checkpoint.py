@@ -13,8 +13,10 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
+from lightning_mpx.engine.optimizer_state import _Stage
 from lightning_mpx.engine.optimizers import StepMachine
 from lightning_mpx.engine.overflow import Overflows
+from lightning_mpx.engine.rescale import hold_scale
 from lightning_mpx.health.promotion import Promotion
 from lightning_mpx.masters.level_resume import ExactWeights
 from lightning_mpx.masters.pairs import param_pairs
@@ -108,6 +110,7 @@ class EngineState:
         if kept is not None:
             self.masters.check_initial_state(kept)
         saved_half = state.get("half_dtype", str(self.properties.half_dtype))
+        self._hold_left_scales()
         for scaler, scaler_state in zip(self.scalers, state["scalers"]):
             if saved_half == str(self.properties.half_dtype):
                 scaler.load_state_dict(scaler_state)
@@ -148,6 +151,15 @@ class EngineState:
             out.append(values)
         return out, out_kept
 
+    def _hold_left_scales(self) -> None:
+        """Before the scalers load (they change their scale in place): the half gradients a step or an unscale left
+        at O2 keep the scale they carry, as across an update (:func:`~lightning_mpx.engine.rescale.hold_scale`)."""
+        if not self.masters.weights:
+            return
+        for optimizer_state in self.machine.optimizers.values():
+            if optimizer_state.stage in (_Stage.STEPPED, _Stage.SKIPPED):
+                hold_scale(optimizer_state, self.scalers[optimizer_state.loss_id or 0])
+
     def _load_across_levels(self, state: dict[str, Any], saved_level: str) -> None:
         """:meth:`load_state_dict` for a checkpoint saved at ``saved_level``, another opt level (checked first,
         changing nothing when refused)."""
@@ -180,6 +192,7 @@ class EngineState:
                     )
         promotion = state.get("promotion")
         self.promotion.check_state_dict(promotion)
+        self._hold_left_scales()
         for scaler, scaler_state in zip(self.scalers, state["scalers"]):
             if scaler.dynamic and scaler_state.get("dynamic", True):  # a dynamic scale is state; a static one a setting
                 scaler.load_state_dict(scaler_state)
