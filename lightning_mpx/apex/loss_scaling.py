@@ -8,7 +8,10 @@ optimizer touched in the iteration has stepped, each engine involved updates its
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import logging
+import operator
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -17,9 +20,12 @@ from torch import nn
 from lightning_mpx.apex._state import AmpState, _amp_state, is_rank_zero
 from lightning_mpx.apex.fp16_utils import _HalfParameters
 from lightning_mpx.engine.amp import Amp
-from lightning_mpx.engine.optimizer_state import optimizer_params
 
 log = logging.getLogger("lightning_mpx.apex")
+
+_GRAD = operator.attrgetter("grad")
+_PARAMS = operator.itemgetter("params")
+_NO_GRAD = functools.partial(operator.is_, None)
 
 
 class AmpOptimizer(torch.optim.Optimizer):
@@ -178,9 +184,10 @@ def scale_loss(
 def _record_gradless(state: AmpState, own: list[AmpOptimizer]) -> None:
     """At a block's end (after its unscale, which may give the model half copies of the gradients): the parameters
     of ``own`` without a gradient, which a backward outside any block would give one before the step."""
-    state.gradless.update(
-        (id(w.optimizer), [p for p in optimizer_params(w.optimizer) if p.grad is None]) for w in own
-    )
+    for wrapper in own:
+        params = list(itertools.chain.from_iterable(map(_PARAMS, wrapper.optimizer.param_groups)))
+        with torch._C.DisableTorchFunction():  # C-level maps, no Python per parameter (O1's cast mode included)
+            state.gradless[id(wrapper.optimizer)] = list(itertools.compress(params, map(_NO_GRAD, map(_GRAD, params))))
 
 
 @contextlib.contextmanager

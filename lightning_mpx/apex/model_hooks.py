@@ -88,5 +88,5 @@ class _Fp32StateDict(_EngineHook):
             if not torch.is_tensor(value) or value.dtype not in (torch.float16, torch.bfloat16):
                 continue
             param = params.get(key)
-            master = amp.master_of(param) if amp is not None and param is not None else None
+            master = amp.master_of(param, refresh=False) if amp is not None and param is not None else None
             state_dict[key] = master.detach().clone() if master is not None and master is not param else value.float()

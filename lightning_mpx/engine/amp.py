@@ -112,7 +112,7 @@ class Amp(AmpParts):
         self._machine = StepMachine(
             self.scalers, self._masters, backend=settings.unscale_backend, telemetry=self.telemetry, names=self._names
         )
-        master_of = functools.partial(self._masters.master_of, states=self._machine.optimizers.values())
+        master_of = functools.partial(self._masters.master_of, states=self._machine.optimizers.values(), refresh=False)
         self._overflows = Overflows(
             self.scalers, self.forensics, self.promotion, settings.overflow_log_interval,
             master_of=master_of, opt_level=self.properties.opt_level,
@@ -189,11 +189,12 @@ class Amp(AmpParts):
         otherwise. Their ``.grad`` holds the unscaled gradients between an unscale and the step."""
         return self._machine.master_params(optimizer, with_masters=self._with_masters)
 
-    def master_of(self, param: torch.Tensor) -> torch.Tensor:
+    def master_of(self, param: torch.Tensor, *, refresh: bool = True) -> torch.Tensor:
         """The FP32 master of a model parameter at O2 (the parameter itself when it has none: an FP32 parameter, or
         a half one that no prepared optimizer holds). A write made to the model parameter since the last step is
-        taken into the master first, as the next step would take it."""
-        return self._masters.master_of(param, self._optimizers.values())
+        taken into the master first, as the next step would take it (``refresh=False``: not looked for, for code that
+        needs the tensor, such as where its ``.grad`` lives, not its value)."""
+        return self._masters.master_of(param, self._optimizers.values(), refresh=refresh)
 
     def refresh_masters(self, params: Iterable[torch.Tensor] | None = None, *, force: bool = False) -> list[str]:
         """Take writes made to the half model into the FP32 masters now (done before every step anyway); returns

@@ -123,7 +123,7 @@ def gradient_targets(
     index: dict[int, tuple[AmpOptimizer, torch.Tensor]] = {}
     for opt in optimizers:
         for param in params_of(opt.optimizer):
-            master = amp.master_of(param)  # where the unscaled gradient lives
+            master = amp.master_of(param, refresh=False)  # where the unscaled gradient lives
             index[id(param)] = index[id(master)] = (opt, master)
     owners: dict[int, AmpOptimizer] = {}
     targets: dict[int, torch.Tensor] = {}

@@ -90,7 +90,7 @@ class Masters:
         for masters in self.weights:
             if masters.covers(param):
                 if param.requires_grad:  # a frozen one gets no master: no need to look through the optimizers
-                    self.master_of(param, states)
+                    self.master_of(param, states, refresh=False)
                 masters.take_loaded(param, value)
                 return
 
@@ -100,9 +100,11 @@ class Masters:
         for state in list(states):
             param_pairs(state, self.weights, recheck=True)
 
-    def master_of(self, param: torch.Tensor, states: Iterable[_OptimizerState]) -> torch.Tensor:
+    def master_of(
+        self, param: torch.Tensor, states: Iterable[_OptimizerState], *, refresh: bool = True
+    ) -> torch.Tensor:
         """The FP32 master of ``param`` (the parameter itself when it has none), with a write made to ``param`` since
-        the last step taken into it first."""
+        the last step taken into it first (``refresh``)."""
         if not isinstance(param, torch.Tensor):
             raise TypeError(
                 f"param={type(param).__name__} must be a model parameter (a torch.Tensor, such as one of "
@@ -114,7 +116,7 @@ class Masters:
                 if master is param and param.dtype in (torch.float16, torch.bfloat16):
                     self.make_held(states)  # added to an optimizer since its last step: its master is made now
                     master = masters.master_of(param)
-                if master is not param:
+                if refresh and master is not param:
                     masters.refresh([param])  # a write to the model since the last step: as the step will take it
                 return master
         return param
