@@ -214,8 +214,10 @@ def test_master_of_shows_a_write_made_since_the_last_step(how):
         weight.data.copy_(new)
     else:
         model.load_state_dict({**model.state_dict(), "0.weight": new})
+    unlooked = amp.master_of(weight, refresh=False)  # the tensor, as it was: for code that needs where .grad lives
+    assert torch.equal(unlooked, before)
     master = amp.master_of(weight)
-    assert master.dtype == torch.float32
+    assert master is unlooked and master.dtype == torch.float32
     # The master takes the written value wherever the old master does not round to it (where it does, the write
     # changed nothing the half model can tell, and the master keeps its FP32 digits, as a step would).
     assert torch.equal(master.to(weight.dtype), new)
