@@ -102,8 +102,9 @@ class AmpState:
         skip_next: Optimizers whose next ``step()`` is skipped because a block that named them overflowed, and
             the ``loss_id`` of that block.
         stash: O2: unscaled FP32 master gradients of earlier blocks, per optimizer, added after the next unscale.
-        after_step: Optimizers that stepped (or skipped) and that no ``scale_loss`` block named since: what their
-            parameters' gradients hold is left from that step (the script zeroes it before their next block).
+        after_step: Optimizers whose step was skipped (an overflow) and that no ``scale_loss`` block named since:
+            what their parameters' gradients hold is left from that step (the script zeroes it before their next
+            block).
         idle: Optimizers with no ``scale_loss`` block of their engine since ``initialize`` or their last step: a
             gradient they hold came from a backward outside any block, unscaled.
         gradless: Per optimizer, the parameters without a gradient when the last ``scale_loss`` block ended: a

@@ -149,9 +149,10 @@ def scale_loss(
     if amp.properties.master_weights:
         _stash(state, amp, own)
     # The core brings every optimizer's pending gradients to this loss's scale, checking them. What an optimizer
-    # that stepped and is not named here holds is left from its step (DCGAN's netG before netG.zero_grad(), after a
-    # skipped step: inf): Apex never looked at it, so the core does not see it either (else its next step would be
-    # skipped for it, and this loss's scale backed off).
+    # whose step was skipped and is not named here holds is left from that step (DCGAN's netG before netG.zero_grad():
+    # inf): Apex never looked at it, so the core does not see it either (else its next step would be skipped for it,
+    # and this loss's scale backed off). A taken step's leftovers are the core's (scaled up: the backward adds to them
+    # as FP32's does, for a script that steps the optimizer again without zero_grad).
     left = [w.optimizer for w in own if id(w.optimizer) in state.after_step and id(w.optimizer) not in ids]
     with _hidden_grads(left, named=[w.optimizer for w in wrapped]):
         scaled = amp.scale_loss(loss, loss_id)
@@ -301,6 +302,7 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> None:
             "optimizer that call returned."
         )
     key = id(wrapper.optimizer)
+    skipped = key in state.skip_next
     if key in state.idle or any(p.grad is not None for p in state.gradless.pop(key, ())):
         _refuse_unscaled_step(wrapper)
     if key in state.skip_next:
@@ -317,7 +319,8 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> None:
         _restore_stash(state, wrapper)
     wrapper._engine.step(wrapper.optimizer)
     state.stepped.add(key)
-    state.after_step.add(key)
+    if skipped:
+        state.after_step.add(key)
     state.idle.add(key)
     if {key for key in state.touched if key in state.optimizers} <= state.stepped:  # a dropped wrapper will not step
         _update(state)

@@ -138,6 +138,7 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
         self._unsynced: list[MasterWeights] = []  # masters made by convert_module, to take from the set-up model
         self._unchecked: list[weakref.ref[nn.Module]] = []  # prepared by convert_module; sharded by the strategy?
         self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
+        self._clipping: weakref.WeakSet[Optimizer] = weakref.WeakSet()  # main_params handed out since the unscale
         # Each converted model's FSDP1 wrapper (FSDPStrategy), found at the first call after fabric.setup.
         self._wrappers: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = weakref.WeakKeyDictionary()
         self.scaler = None  # FSDPPrecision's attribute: the engine scales, never a ShardedGradScaler
@@ -297,6 +298,11 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
         self._register(optimizer)
         # The engine records the outcome (a StepOutcome with skip_on_device, read when step_was_skipped() asks) and
         # the scale update it makes due; inside fabric.autocast(), Amp turns the casts off.
+        if optimizer in self._clipping:
+            # O2: fabric.clip_gradients clipped the masters' gradients with torch's clip, which the engine does not
+            # see: the model's get the clipped values, what a step leaves for a loop that keeps its gradients.
+            self._clipping.discard(optimizer)
+            self.amp.show_unscaled_on_model(optimizer)
         self.amp.step(optimizer, **kwargs)
         return None
 
@@ -331,6 +337,8 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
                 all_reduce_max(found)
             if found is not None and bool(found):
                 return iter([_nothing_to_clip(found.device)])  # a list: torch's clip warns about a generator
+        if self.amp.properties.master_weights and self.amp.is_unscaled(optimizer):
+            self._clipping.add(optimizer)
         return iter(self.amp.master_params(optimizer))
 
     def master_params(self, optimizer: Optimizer) -> list[torch.Tensor]:

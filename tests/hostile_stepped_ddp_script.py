@@ -1,0 +1,94 @@
+"""Two-process cases of tests/test_hostile_stepped_doors.py (gloo, one launch): a core ``Amp`` loop around
+``DistributedDataParallel`` that keeps its gradients across steps (no ``zero_grad``), against the same loop in FP32.
+
+Each rank writes ``$MPX_OUT/rank{r}.json``: per case the largest difference of its weights from the FP32 twin's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+if "RANK" not in os.environ:  # the launcher
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.launch import launch_ranks
+
+    raise SystemExit(launch_ranks(__file__))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+#: case -> (DDP keywords, actions): "bw" a backward, "ns" a backward under no_sync, "step", "zero0"
+CASES = {
+    "bucket_view": ({"gradient_as_bucket_view": True}, ["bw", "step"] * 3 + ["bw", "step", "step"]),
+    "bucket_view_zero0": ({"gradient_as_bucket_view": True}, ["bw", "step", "zero0", "bw", "step", "bw", "step"]),
+    "no_sync": ({}, ["ns", "bw", "step", "ns", "bw", "step"]),
+    "no_sync_bucket_view": ({"gradient_as_bucket_view": True}, ["ns", "bw", "step", "ns", "bw", "step"]),
+    "static_graph": ({"static_graph": True}, ["bw", "step"] * 4),
+}
+
+
+def _batch(i: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + 10 * i + rank)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 3, generator=g)
+
+
+def _run(level: str | None, ddp_kwargs: dict, actions: list[str], rank: int) -> list[torch.Tensor]:
+    from lightning_mpx import Amp
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    amp = None
+    if level is not None:
+        amp = Amp(level, half_dtype="bfloat16", loss_scale="dynamic", growth_interval=1)
+        net = amp.prepare_model(net)
+    model = nn.parallel.DistributedDataParallel(net, **ddp_kwargs)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    if amp is not None:
+        opt = amp.prepare_optimizer(opt)
+    it = 0
+    for action in actions:
+        if action in ("bw", "ns"):
+            x, y = _batch(it, rank)
+            it += 1
+            ctx = model.no_sync() if action == "ns" else torch.enable_grad()
+            with ctx:
+                if amp is None:
+                    F.mse_loss(model(x), y).backward()
+                else:
+                    with amp.forward_context():
+                        out = amp.cast_outputs(model(amp.cast_inputs(x))).float()
+                    amp.backward(F.mse_loss(out, y))
+        elif action == "step":
+            if amp is None:
+                opt.step()
+            else:
+                amp.step(opt)
+                amp.update()
+        elif action == "zero0":
+            opt.zero_grad(set_to_none=False)
+    if amp is not None and amp.properties.master_weights:
+        return [p.detach().clone() for p in amp.master_params(opt)]
+    return [p.detach().float().clone() for p in net.parameters()]
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    results = {}
+    for name, (kwargs, actions) in CASES.items():
+        want = _run(None, kwargs, actions, rank)
+        for level in ("O1", "O2"):
+            got = _run(level, kwargs, actions, rank)
+            results[f"{name}-{level}"] = max((g - w).abs().max().item() for g, w in zip(got, want))
+    with open(os.path.join(os.environ["MPX_OUT"], f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
