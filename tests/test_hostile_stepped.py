@@ -11,8 +11,11 @@ from typing import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from tests.test_leftover_grads import Loop, assert_close, run
+from lightning_mpx import Amp
+from tests.test_leftover_grads import Loop, assert_close, batch, run
 
 
 def _twins(level: str, actions: Callable[[Loop], None], **amp_settings) -> tuple[list[torch.Tensor], Loop]:
@@ -94,3 +97,37 @@ def test_loading_a_checkpoint_between_a_step_and_the_next_backward_keeps_the_lef
     # gradients the step left carried the old scale; the load now holds it first (0.21 off FP32 before).
     want, got = _twins(level, _rollback_while_stepped)
     assert_close(got.weights(), want)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_group_added_after_a_step_brings_its_backward_gradients_as_they_are(level):
+    # The first layer trains only from step 3 (add_param_group, a fine-tuning habit); until then its gradients add
+    # up, unzeroed, from every backward (FP32 steps their sum at step 3). They are a backward's, scaled, not a tensor
+    # the user assigned since the step: the next backward must not scale them again (found by
+    # test_hostile_o2_grad_buffer.py's mastered-set test when the first fix took every new tensor as assigned).
+    def train(amp: Amp | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        optimizer = torch.optim.SGD(net[2].parameters(), lr=0.1)
+        if amp is not None:
+            net, optimizer = amp.prepare_model(net), amp.prepare_optimizer(optimizer)
+        for i in range(5):
+            x, y = batch(i)
+            optimizer.zero_grad()  # the optimizer's own parameters only, as in torch
+            if i == 3:
+                optimizer.add_param_group({"params": list(net[0].parameters())})
+            if amp is None:
+                F.mse_loss(net(x), y).backward()
+                optimizer.step()
+                continue
+            with amp.forward_context():
+                out = amp.cast_outputs(net(amp.cast_inputs(x))).float()
+            amp.backward(F.mse_loss(out, y))
+            amp.step(optimizer)
+            amp.update()
+        params = list(net.parameters())
+        return [(amp.master_of(p) if amp is not None else p).detach().float() for p in params]
+
+    want = train(None)
+    got = train(Amp(level, half_dtype="bfloat16", loss_scale=128.0))
+    assert_close(got, want)

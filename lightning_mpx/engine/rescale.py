@@ -176,14 +176,16 @@ def after_step(state: _OptimizerState, optimizer: torch.optim.Optimizer, *, mast
     values on the model) and the marks that tell a later ``zero_grad`` (either way) apart."""
     loss_id, grad_scale, shown, clips = state.loss_id, state.grad_scale, state.shown, state.clips
     state.reset()
-    grads = present_grads(optimizer)
-    if grads:
-        state.stage = _Stage.STEPPED
-        state.loss_id, state.grad_scale, state.clips = loss_id, grad_scale, clips
-        state.stepped_true = not masters or shown
-        with torch._C.DisableTorchFunction():  # as in present_grads
+    params = list(itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)))
+    with torch._C.DisableTorchFunction():  # as in present_grads
+        grads = list(filter(_SOME, map(_GRAD, params)))
+        if grads:
+            state.stage = _Stage.STEPPED
+            state.loss_id, state.grad_scale, state.clips = loss_id, grad_scale, clips
+            state.stepped_true = not masters or shown
             state.stepped_marks = frozenset(zip(map(id, grads), map(_VERSION, grads)))
             state.stepped_refs = tuple(map(weakref.ref, grads))
+            state.stepped_params = frozenset(map(id, params))
 
 
 def _alive_ids(state: _OptimizerState) -> set[int]:
@@ -192,12 +194,32 @@ def _alive_ids(state: _OptimizerState) -> set[int]:
     return set(map(id, filter(_SOME, map(_DEREF, state.stepped_refs))))
 
 
-def _all_cleared(state: _OptimizerState, grads: list[torch.Tensor]) -> bool:
-    """Whether every gradient in ``grads`` is one the step left, written since (``zero_grad(set_to_none=False)``):
-    the usual loop, told by C-level maps."""
+def _all_cleared(state: _OptimizerState, grads: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> bool:
+    """Whether no gradient in ``grads`` (the optimizer's now) is one to take as the step left it: each is a gradient
+    the step left, written since (``zero_grad(set_to_none=False)``: the usual loop, told by C-level maps), or a
+    gradient of a parameter the optimizer did not hold at the step (a group added since: a backward made it, scaled)."""
     with torch._C.DisableTorchFunction():  # as in present_grads
         marks = state.stepped_marks
-        return marks is None or (marks.isdisjoint(_keys(grads)) and set(map(id, grads)) <= _alive_ids(state))
+        if marks is None:
+            return True
+        if not marks.isdisjoint(_keys(grads)):
+            return False
+        if set(map(id, grads)) <= _alive_ids(state):
+            return True
+    return not _assigned(state, optimizer)
+
+
+def _assigned(state: _OptimizerState, optimizer: torch.optim.Optimizer) -> set[int]:
+    """The ids of the gradients put on ``.grad`` since the step by the user (a new tensor on a parameter the optimizer
+    held at the step: gradient surgery, an EMA written back): they are not the step's, nor a backward's (none ran
+    since). Python per parameter: only when some gradient is not one the step left."""
+    alive, held = _alive_ids(state), state.stepped_params
+    with torch._C.DisableTorchFunction():  # as in present_grads
+        return {
+            id(grad)
+            for param in itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups))
+            if (grad := param.grad) is not None and id(grad) not in alive and id(param) in held
+        }
 
 
 def stepped_leftovers(
@@ -209,12 +231,12 @@ def stepped_leftovers(
     the half ones hold the scale of ``loss_id`` (true values when ``stepped_true``), without the clips since the
     unscale. The loop that clears them pays C-level maps only."""
     grads = present_grads(optimizer)
-    if not grads or _all_cleared(state, grads):
+    if not grads or _all_cleared(state, grads, optimizer):
         return [], []
-    marks, alive = state.stepped_marks or frozenset(), _alive_ids(state)
+    marks, assigned = state.stepped_marks or frozenset(), _assigned(state, optimizer)
 
-    def kept(grad: torch.Tensor) -> bool:  # the step's own, not written since; or one assigned since
-        return id(grad) not in alive or (id(grad), grad._version) in marks
+    def kept(grad: torch.Tensor) -> bool:  # the step's own, not written since; or one the user assigned since
+        return id(grad) in assigned or (id(grad), grad._version) in marks
 
     if not master_weights:
         return [g for g in grads if kept(g)], []
@@ -264,7 +286,7 @@ def rescale_stepped(
     FP32 adds the backward to them; READY after. The usual loop (cleared) pays C-level maps, no Python per parameter."""
     optimizer = state.optimizer_ref()
     grads = [] if optimizer is None or state.stepped_marks is None else present_grads(optimizer)
-    if grads and not _all_cleared(state, grads):
+    if grads and not _all_cleared(state, grads, optimizer):  # type: ignore[arg-type]
         inplace, half = stepped_leftovers(state, master_weights, optimizer)  # type: ignore[arg-type]
         device = (inplace or half or grads)[0].device
         new = scalers[new_loss_id].to(device).scale_tensor
