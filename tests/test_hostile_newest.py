@@ -15,13 +15,7 @@ from torch import nn
 
 from lightning_mpx import Amp
 from lightning_mpx.masters.renames import prefix_change
-
-HALF = "bfloat16"
-
-
-def _net(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+from tests.test_hostile_checkpoints import HALF, _net
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,18 @@ from torch import nn
 from lightning_mpx import Amp, FabricMixedPrecisionPlugin, MixedPrecisionPlugin
 from tests.launch import rank_results, run_script
 from tests.lightning_helpers import make_trainer
-from tests.test_leftover_grads import LR, Loop, NoZeroGrad, _data, _Ops, assert_close, batch, make_net, run
+from tests.test_leftover_grads import (
+    LR,
+    Loop,
+    NoZeroGrad,
+    _data,
+    _Ops,
+    apex_loop,
+    assert_close,
+    batch,
+    make_net,
+    run,
+)
 
 
 def _diff(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
@@ -77,11 +88,7 @@ def test_apex_delay_unscale_accumulation_without_zero_grad_trains_as_fp32(level)
     from lightning_mpx.apex._state import _amp_state
 
     def train(use_amp: bool) -> list[torch.Tensor]:
-        net = make_net()
-        opt = torch.optim.SGD(net.parameters(), lr=LR)
-        if use_amp:
-            extra = {"cast_model_type": torch.bfloat16} if level == "O2" else {}
-            net, opt = amp.initialize(net, opt, opt_level=level, verbosity=0, loss_scale="dynamic", **extra)
+        net, opt = apex_loop(level if use_amp else None)
         for it in range(6):
             x, y = batch(it)
             loss = F.mse_loss(net(x).float(), y)

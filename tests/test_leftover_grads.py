@@ -398,6 +398,19 @@ def test_accelerate_loop_without_zero_grad_trains_as_fp32(level, pattern):
 
 
 # -- the Apex layer ---------------------------------------------------------------------------------------------------
+def apex_loop(level: str | None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The test model and its SGD, through ``lightning_mpx.apex``'s ``amp.initialize`` at ``level`` (bfloat16 at O2,
+    a dynamic scale), or plain FP32 (``None``)."""
+    from lightning_mpx.apex import amp
+
+    net = make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    if level is None:
+        return net, opt
+    extra = {"cast_model_type": torch.bfloat16} if level == "O2" else {}
+    return amp.initialize(net, opt, opt_level=level, verbosity=0, loss_scale="dynamic", **extra)
+
+
 @pytest.mark.parametrize("zero_each", [True, False], ids=["zero_grad", "no_zero_grad"])
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_apex_layer_without_zero_grad_gives_fp32s_result_as_apex_did(level, zero_each):
@@ -407,11 +420,7 @@ def test_apex_layer_without_zero_grad_gives_fp32s_result_as_apex_did(level, zero
     from lightning_mpx.apex._state import _amp_state
 
     def train(use_amp: bool) -> list[torch.Tensor]:
-        net = make_net()
-        opt = torch.optim.SGD(net.parameters(), lr=LR)
-        if use_amp:
-            extra = {"cast_model_type": torch.bfloat16} if level == "O2" else {}
-            net, opt = amp.initialize(net, opt, opt_level=level, verbosity=0, loss_scale="dynamic", **extra)
+        net, opt = apex_loop(level if use_amp else None)
         for i in range(3):
             if zero_each:
                 opt.zero_grad()
