@@ -18,33 +18,23 @@
 from __future__ import annotations
 
 import contextlib
-import functools
-from typing import Any, Callable, ContextManager, Iterable, Sequence
+from typing import Any, ContextManager, Iterable, Sequence
 
 import torch
 from torch import nn
 from typing_extensions import Unpack
 
-from lightning_mpx.casting.policy import CastPolicy, casts_off_if_on
-from lightning_mpx.casting.table import CastTable
+from lightning_mpx.casting.policy import casts_off_if_on
 from lightning_mpx.common.containers import _cast_collection
 from lightning_mpx.engine.amp_parts import AmpParts
-from lightning_mpx.engine.checkpoint import EngineState, _engine_entry
-from lightning_mpx.engine.iteration import Iteration
+from lightning_mpx.engine.checkpoint import _engine_entry
+from lightning_mpx.engine.clipping import clip_norm, clip_value_, show_unscaled
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, backward_loss, loss_index
-from lightning_mpx.engine.optimizer_step import OptimizerStep
-from lightning_mpx.engine.optimizers import StepMachine
 from lightning_mpx.engine.outcome import StepOutcome
-from lightning_mpx.engine.overflow import DEFAULT_READER, Overflows, check_readers_state
+from lightning_mpx.engine.overflow import DEFAULT_READER, check_readers_state
 
 # _EngineHook's old import path here keeps working (lightning_mpx.apex's hooks).
 from lightning_mpx.engine.preparation import PreparedModels, _EngineHook  # noqa: F401
-from lightning_mpx.health.forensics import OverflowForensics
-from lightning_mpx.health.promotion import Promotion
-from lightning_mpx.health.telemetry import GradTelemetry
-from lightning_mpx.masters.store import Masters
-from lightning_mpx.opt_levels import Properties
-from lightning_mpx.scaling.scaler import LossScaler
 
 # MODEL_WRITES is defined with the other settings; its old import path here keeps working.
 from lightning_mpx.settings import (  # noqa: F401
@@ -93,44 +83,6 @@ class Amp(AmpParts):
         amp = cls.__new__(cls)
         amp._configure(settings)
         return amp
-
-    def _configure(self, settings: MixedPrecisionSettings) -> None:
-        self.settings = settings
-        self.model_writes = settings.model_writes
-        self.properties: Properties = settings.properties
-        self.policy: CastPolicy | None = _policy(settings)
-        self.scalers: list[LossScaler] = [
-            LossScaler.from_settings(self.properties.loss_scale, settings.scaler, half_dtype=self.properties.half_dtype)
-            for _ in range(settings.num_losses)
-        ]
-        self.found_inf_reducer: Callable[[torch.Tensor], None] | None = None
-        self.forensics = OverflowForensics(settings.diagnose_overflows)
-        self.promotion = Promotion(self, settings.fp32_modules)  # the modules that run in FP32
-        self.telemetry = GradTelemetry(self.properties.half_dtype)  # underflow/headroom, on request only
-        self._masters = Masters(settings.unscale_backend)
-        self._names: dict[int, str] = {}
-        self._machine = StepMachine(
-            self.scalers, self._masters, backend=settings.unscale_backend, telemetry=self.telemetry, names=self._names
-        )
-        master_of = functools.partial(self._masters.master_of, states=self._machine.optimizers.values(), refresh=False)
-        self._overflows = Overflows(
-            self.scalers, self.forensics, self.promotion, settings.overflow_log_interval,
-            master_of=master_of, opt_level=self.properties.opt_level,
-        )
-        self._models = PreparedModels(
-            settings, self.policy, self.promotion, self.forensics, self._masters, self._machine
-        )
-        self._stepper = OptimizerStep(
-            self._machine, self._overflows, self.forensics, master_of=master_of,
-            skip_on_device=settings.skip_on_device,
-        )
-        # skip_on_device: the steps not settled yet (read on one process at a use of their outcome, settled where
-        # every rank is: the next backward or step)
-        self._pending = self._stepper.pending
-        self._checkpoint = EngineState(
-            self.properties, self.scalers, self._masters, self.promotion, self._overflows, self._machine
-        )
-        self.iteration = Iteration()  # the steps since the last update(), and their outcomes: the doors read them
 
     @property
     def _with_masters(self) -> bool:
@@ -307,17 +259,17 @@ class Amp(AmpParts):
         """Clip ``optimizer``'s unscaled gradients (unscaling them first) to a global L2 norm; returns the norm
         before clipping. As ``torch.nn.utils.clip_grad_norm_`` (bit for bit), except that a non-finite norm (an
         overflow: the step is skipped) leaves the gradients as they are, so :attr:`last_overflow` tells inf from NaN."""
-        return self._machine.clip_grad_norm_(optimizer, max_norm, with_masters=self._with_masters)
+        return clip_norm(self._machine, optimizer, max_norm, with_masters=self._with_masters)
 
     def clip_grad_value_(self, optimizer: torch.optim.Optimizer, clip_value: float) -> None:
         """Clamp ``optimizer``'s unscaled gradients to ``[-clip_value, clip_value]``."""
-        self._machine.clip_grad_value_(optimizer, clip_value, with_masters=self._with_masters)
+        clip_value_(self._machine, optimizer, clip_value, with_masters=self._with_masters)
 
     def show_unscaled_on_model(self, optimizer: torch.optim.Optimizer) -> None:
         """At O2, copy the unscaled FP32 master gradients into the half model's gradients (rounded), for code that
         reads the model's gradients between the unscale and the step (Lightning's ``on_before_optimizer_step``,
         ``grad_norm(self)``); the masters' FP32 gradients stay what the step uses."""
-        self._machine.show_unscaled_on_model(optimizer)
+        show_unscaled(self._machine, optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer, **step_kwargs: Any) -> bool | StepOutcome:
         """Step ``optimizer`` unless its gradients overflowed (then nothing changes, and the overflow counts against the
@@ -454,13 +406,3 @@ class Amp(AmpParts):
     def _loss_index(self, loss_id: int) -> int:
         return loss_index(loss_id, len(self.scalers))
 
-
-def _policy(settings: MixedPrecisionSettings) -> CastPolicy | None:
-    """The cast policy of the opt level: the cast table at O1; at O2, one that runs a loss computed inside the half
-    model's own forward in FP32 (:meth:`CastTable.default_o2`); none otherwise."""
-    props = settings.properties
-    if not props.has_cast_policy:
-        return None
-    if props.patch_torch_functions:
-        return CastPolicy(settings.cast_table, props.half_dtype, allow_banned=settings.allow_banned)
-    return CastPolicy(CastTable.default_o2(), props.half_dtype, allow_banned=True)

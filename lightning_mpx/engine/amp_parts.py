@@ -1,4 +1,5 @@
-"""The state of :class:`~lightning_mpx.engine.amp.Amp`'s parts under the names the adapters and tests use.
+"""The parts of :class:`~lightning_mpx.engine.amp.Amp`, built from its settings, and their state under the names the
+adapters and tests use.
 
 Each part of the engine owns its state (the optimizers' step machine, the models, the masters, the overflows, the
 properties); :class:`AmpParts` shows it on the engine as properties that read (and, where settable, write) the part's
@@ -7,15 +8,30 @@ attribute, so that the engine and its part can never disagree.
 
 from __future__ import annotations
 
+import functools
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from lightning_mpx.casting.loss_regions import LossRegions
+from lightning_mpx.casting.policy import CastPolicy
+from lightning_mpx.casting.table import CastTable
+from lightning_mpx.engine.checkpoint import EngineState
+from lightning_mpx.engine.iteration import Iteration
 from lightning_mpx.engine.optimizer_state import _OptimizerState
-from lightning_mpx.health.forensics import OverflowRecord
+from lightning_mpx.engine.optimizer_step import OptimizerStep
+from lightning_mpx.engine.optimizers import StepMachine
+from lightning_mpx.engine.overflow import Overflows
+from lightning_mpx.engine.preparation import PreparedModels
+from lightning_mpx.health.forensics import OverflowForensics, OverflowRecord
+from lightning_mpx.health.promotion import Promotion
+from lightning_mpx.health.telemetry import GradTelemetry
+from lightning_mpx.masters.store import Masters
 from lightning_mpx.masters.weights import MasterWeights
+from lightning_mpx.opt_levels import Properties
+from lightning_mpx.scaling.scaler import LossScaler
+from lightning_mpx.settings import MixedPrecisionSettings
 
 
 def _part(path: str, *, doc: str, settable: bool = False, also: tuple[str, ...] = ()) -> Any:
@@ -68,3 +84,53 @@ class AmpParts:
         backend of the later unscales and masters.""")
 
     num_losses = property(lambda amp: len(amp.scalers), doc="The number of losses, one loss scaler each.")
+
+    def _configure(self, settings: MixedPrecisionSettings) -> None:
+        """Build the parts of the engine of ``settings`` (each owns its state; the properties above show it)."""
+        self.settings = settings
+        self.model_writes = settings.model_writes
+        self.properties: Properties = settings.properties
+        self.policy: CastPolicy | None = _policy(settings)
+        self.scalers: list[LossScaler] = [
+            LossScaler.from_settings(self.properties.loss_scale, settings.scaler, half_dtype=self.properties.half_dtype)
+            for _ in range(settings.num_losses)
+        ]
+        self.found_inf_reducer: Callable[[torch.Tensor], None] | None = None
+        self.forensics = OverflowForensics(settings.diagnose_overflows)
+        self.promotion = Promotion(self, settings.fp32_modules)  # the modules that run in FP32
+        self.telemetry = GradTelemetry(self.properties.half_dtype)  # underflow/headroom, on request only
+        self._masters = Masters(settings.unscale_backend)
+        self._names: dict[int, str] = {}
+        self._machine = StepMachine(
+            self.scalers, self._masters, backend=settings.unscale_backend, telemetry=self.telemetry, names=self._names
+        )
+        master_of = functools.partial(self._masters.master_of, states=self._machine.optimizers.values(), refresh=False)
+        self._overflows = Overflows(
+            self.scalers, self.forensics, self.promotion, settings.overflow_log_interval,
+            master_of=master_of, opt_level=self.properties.opt_level,
+        )
+        self._models = PreparedModels(
+            settings, self.policy, self.promotion, self.forensics, self._masters, self._machine
+        )
+        self._stepper = OptimizerStep(
+            self._machine, self._overflows, self.forensics, master_of=master_of,
+            skip_on_device=settings.skip_on_device,
+        )
+        # skip_on_device: the steps not settled yet (read on one process at a use of their outcome, settled where
+        # every rank is: the next backward or step)
+        self._pending = self._stepper.pending
+        self._checkpoint = EngineState(
+            self.properties, self.scalers, self._masters, self.promotion, self._overflows, self._machine
+        )
+        self.iteration = Iteration()  # the steps since the last update(), and their outcomes: the doors read them
+
+
+def _policy(settings: MixedPrecisionSettings) -> CastPolicy | None:
+    """The cast policy of the opt level: the cast table at O1; at O2, one that runs a loss computed inside the half
+    model's own forward in FP32 (:meth:`CastTable.default_o2`); none otherwise."""
+    props = settings.properties
+    if not props.has_cast_policy:
+        return None
+    if props.patch_torch_functions:
+        return CastPolicy(settings.cast_table, props.half_dtype, allow_banned=settings.allow_banned)
+    return CastPolicy(CastTable.default_o2(), props.half_dtype, allow_banned=True)

@@ -16,7 +16,8 @@ from typing import Any, Sequence
 
 import torch
 
-from lightning_mpx.engine.grad_checks import local_squares, reduce_checks, unscale
+from lightning_mpx.engine.clipping import show_unscaled
+from lightning_mpx.engine.grad_checks import reduce_checks, unscale
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
 from lightning_mpx.engine.rescale import (
     follow_cleared_grads,
@@ -28,7 +29,7 @@ from lightning_mpx.engine.rescale import (
     rescale_unscaled,
     resume_stepped,
 )
-from lightning_mpx.engine.sharding import Sharding, local_tensor
+from lightning_mpx.engine.sharding import Sharding
 from lightning_mpx.health.telemetry import GradTelemetry
 from lightning_mpx.masters.optimizer_hooks import MasterHooks
 from lightning_mpx.masters.pairs import param_pairs
@@ -206,70 +207,7 @@ class StepMachine:
             # As after torch.amp.GradScaler.unscale_(): the model's own gradients hold the true values (a half copy;
             # the FP32 ones the step uses stay in the masters), so code that clips or inspects them works. A write
             # to them before the step is taken into the masters.
-            self.show_unscaled_on_model(optimizer)
-
-    def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, *, with_masters: bool) -> torch.Tensor:
-        """:meth:`Amp.clip_grad_norm_ <lightning_mpx.engine.amp.Amp.clip_grad_norm_>`."""
-        state = self.state(optimizer)
-        max_norm = _clip_limit("max_norm", max_norm)
-        if state.stage is not _Stage.UNSCALED:
-            self._unscale(state, max_norm=float(max_norm))
-        else:
-            if self.masters.weights:
-                # The model's gradients, written since the unscale, are clipped.
-                follow_cleared_grads(state, self.masters.weights)
-            params = self._unscaled_params(optimizer, with_masters)
-            if self.sharding is not None:  # the global norm: this rank's squares, summed with the flags
-                device = state.found_inf.device if state.found_inf is not None else torch.device("cpu")
-                squares = local_squares(self.sharding, params, device)
-                grads = [p.grad for p in params if p.grad is not None]
-                state.grad_norm = reduce_checks(state, self.sharding, squares, grads, float(max_norm))
-            else:
-                state.grad_norm = _clip_unscaled(params, float(max_norm))
-        assert state.grad_norm is not None
-        if self.masters.weights:  # the half gradients lack it (see rescale.after_step)
-            state.clips += (("norm", state.grad_norm, max_norm),)
-        self.grad_norms[state.loss_id or 0] = state.grad_norm
-        return state.grad_norm
-
-    def clip_grad_value_(self, optimizer: torch.optim.Optimizer, clip_value: float, *, with_masters: bool) -> None:
-        """:meth:`Amp.clip_grad_value_ <lightning_mpx.engine.amp.Amp.clip_grad_value_>`."""
-        state = self.state(optimizer)
-        clip_value = _clip_limit("clip_value", clip_value)
-        if state.stage is not _Stage.UNSCALED:
-            self._unscale(state)
-        elif self.masters.weights:
-            follow_cleared_grads(state, self.masters.weights)  # as in clip_grad_norm_
-        params = self._unscaled_params(optimizer, with_masters)
-        if self.sharding is not None:  # elementwise: each rank clamps its own shards
-            for param in params:
-                local_tensor(param.grad).clamp_(-clip_value, clip_value)  # type: ignore[arg-type]
-        elif params:  # torch's clip refuses an empty list
-            torch.nn.utils.clip_grad_value_(params, clip_value)
-        if self.masters.weights:
-            state.clips += (("value", None, clip_value),)
-
-    def show_unscaled_on_model(self, optimizer: torch.optim.Optimizer) -> None:
-        """:meth:`Amp.show_unscaled_on_model <lightning_mpx.engine.amp.Amp.show_unscaled_on_model>`."""
-        state = self.state(optimizer)
-        master_weights = self.masters.weights
-        if not master_weights or state.stage is not _Stage.UNSCALED:
-            return
-        follow_cleared_grads(state, master_weights)
-        targets, sources = [], []
-        for param, master in param_pairs(state, master_weights):
-            if master is not param and master.grad is not None:
-                if param.grad is None:
-                    param.grad = master.grad.to(param.dtype)
-                else:
-                    targets.append(param.grad)
-                    sources.append(master.grad)
-        if targets:
-            # One multi-tensor copy (rounding to the half dtype as copy_ does), not a kernel per parameter: the Trainer
-            # calls this at every step it clips or has an on_before_optimizer_step hook.
-            torch._foreach_copy_(targets, sources)
-        state.shown, state.clips = True, ()  # the half gradients hold the true values now, clipped so far
-        state.unscaled_marks = grad_marks(state, master_weights)  # the copies are ours, not the user's writes
+            show_unscaled(self, optimizer)
 
     # -- step and update ----------------------------------------------------------------------------------------
     def check(self, state: _OptimizerState, optimizer: torch.optim.Optimizer, reducer: Any) -> list[int]:
@@ -436,32 +374,3 @@ class StepMachine:
         )
         if weights and not skipped and marks:
             state.unscaled_marks = grad_marks(state, weights, optimizer)
-
-
-def _clip_unscaled(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_(params, max_norm)`` with its two halves (torch >= 2.6), the coefficient
-    left at 1 for a non-finite norm (see :meth:`Amp.clip_grad_norm_ <lightning_mpx.engine.amp.Amp.clip_grad_norm_>`);
-    older torch: its clip as it is."""
-    get_norm = getattr(torch.nn.utils, "get_total_norm", None)
-    clip_with = getattr(torch.nn.utils, "clip_grads_with_norm_", None)
-    if get_norm is None or clip_with is None:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    total = get_norm([p.grad for p in params if p.grad is not None])
-    # A norm of 0 makes torch's coefficient max_norm / 1e-6, clamped to 1: the gradients are multiplied by one.
-    clip_with(params, max_norm, torch.where(torch.isfinite(total), total, 0.0))
-    return total
-
-
-def _clip_limit(name: str, value: object) -> float:
-    """``value`` as a float, refused unless a positive number (``math.inf``: no clipping): a NaN limit makes every
-    gradient NaN, a negative one flips or pins them, and the step that follows would apply them."""
-    try:
-        limit = None if isinstance(value, (bool, str)) else float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError, RuntimeError):
-        limit = None
-    if limit is None or not limit > 0:
-        raise ValueError(
-            f"{name}={value!r} must be a positive number (math.inf: measure without clipping); a zero, negative or "
-            "NaN limit would zero, flip or poison the gradients the step applies."
-        )
-    return limit
