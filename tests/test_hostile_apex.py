@@ -262,10 +262,10 @@ class _HostReads(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.xfail(strict=True, reason="engine: the step reads again the flag the block read (see the report)")
 def test_one_host_read_per_iteration_as_apex():
-    """Finding (not fixed, engine): Apex read the overflow flag once per iteration (at the end of the block); here
-    the block reads it and the step reads the same flag again (``StepMachine._read_flags``): two syncs."""
+    """Finding (fixed): Apex read the overflow flag once per iteration (at the end of the block); the block read it
+    and the step read the same flag again (``StepMachine._read_flags``): two syncs. The step now takes the block's
+    read (``Amp.overflowed``) when no check made a new flag since."""
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     model, optimizer = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",

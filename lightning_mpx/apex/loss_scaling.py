@@ -209,8 +209,7 @@ def _hidden_grads(optimizers: list[torch.optim.Optimizer], named: list[torch.opt
 
 def _overflowed(amp: Amp, optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer``'s gradients held non-finite values at their last check since its step (a host read)."""
-    found = amp.found_inf(optimizer)
-    return found is not None and bool(found.item() > 0)
+    return amp.overflowed(optimizer)  # the step that follows does not read the same flag again
 
 
 def _stash(state: AmpState, amp: Amp, wrappers: list[AmpOptimizer]) -> None:

@@ -246,6 +246,12 @@ class Amp(AmpParts):
         Reading it on the host waits for the device."""
         return self._machine.found_inf(optimizer, None if loss_id is None else self._loss_index(loss_id))
 
+    def overflowed(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the checks of ``optimizer``'s gradients since its last step found an overflow (``False`` when
+        nothing was checked): a host read, which waits for the device, made once per check: a :meth:`step` that
+        follows with no check between does not read again (``found_inf`` is the flag itself, without a read)."""
+        return self._machine.overflowed(optimizer)
+
     def share_overflow(self, optimizers: Sequence[torch.optim.Optimizer], loss_id: int = 0) -> None:
         """Charge an overflow of ``loss_id`` to ``optimizers``: their next :meth:`step` is skipped and counted as any
         overflow (Apex's ``scale_loss`` skips every optimizer an overflowing block names)."""

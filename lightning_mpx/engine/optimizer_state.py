@@ -50,6 +50,10 @@ class _OptimizerState:
     # non-finite), so that one loss's overflow does not back off another's scale.
     found_by_loss: dict[int, torch.Tensor] = field(default_factory=dict)
     found_inf: torch.Tensor | None = None  # all of them together: the skip decision
+    # The flag a host read of Amp.overflowed() read, and what it said: the step reads that flag again only if it is
+    # another tensor. Sound because a flag is never written after the check that made it (each check charges a new
+    # tensor, grad_checks.charge); the one write in place, a reducer's across processes, forgets it.
+    flag_read: tuple[torch.Tensor, bool] | None = None
     grad_norm: torch.Tensor | None = None
     workspace: UnscaleWorkspace = field(default_factory=UnscaleWorkspace)  # fused unscale's tables, kept across steps
     # (model parameter, its FP32 master or itself) for the optimizer's parameters, the masters of each parameter
@@ -111,6 +115,7 @@ class _OptimizerState:
     def clear_checks(self) -> None:
         """Forget the overflow flags and the norm of the checks since the last step."""
         self.found_by_loss, self.found_inf, self.grad_norm = {}, None, None
+        self.flag_read = None
         self.flags_reduced = False
 
     def reset(self) -> None:
@@ -126,6 +131,7 @@ class _OptimizerState:
         self.clips = ()
         self.found_by_loss = {}
         self.found_inf = None
+        self.flag_read = None
         self.grad_norm = None
         self.flags_reduced = False
         self.shared_overflow = False

@@ -161,6 +161,18 @@ class StepMachine:
         state = self.state(optimizer)
         return state.found_inf if loss_id is None else state.found_by_loss.get(loss_id)
 
+    def overflowed(self, optimizer: torch.optim.Optimizer) -> bool:
+        """:meth:`Amp.overflowed <lightning_mpx.engine.amp.Amp.overflowed>`."""
+        state = self.state(optimizer)
+        flags = state.found_by_loss
+        flag = next(iter(flags.values())) if len(flags) == 1 else state.found_inf  # the one _read_flags reads
+        if flag is None:
+            return False
+        memo = state.flag_read
+        if memo is None or memo[0] is not flag:
+            memo = state.flag_read = (flag, bool(flag.item() > 0))
+        return memo[1]
+
     def share_overflow(self, optimizers: Sequence[torch.optim.Optimizer], loss_id: int) -> None:
         """:meth:`Amp.share_overflow <lightning_mpx.engine.amp.Amp.share_overflow>`."""
         if isinstance(optimizers, torch.optim.Optimizer) or not isinstance(optimizers, (list, tuple)):
@@ -278,7 +290,8 @@ class StepMachine:
         if len(loss_ids) == 1 and reducer is None:  # the usual case: one loss, one process's flag, read as it is
             (loss_id,) = loss_ids
             found = state.found_by_loss[loss_id]
-            overflowed = found.item() > 0
+            memo = state.flag_read  # read already by overflowed(): the same flag, not written since
+            overflowed = memo[1] if memo is not None and memo[0] is found else found.item() > 0
             self.record_found({loss_id: found}, read={loss_id: overflowed})
             return [loss_id] if overflowed else []
         # One tensor for the reduction across processes and one host read; all ranks then agree loss by loss.
@@ -288,6 +301,7 @@ class StepMachine:
             else torch.stack([state.found_by_loss[i].reshape(()) for i in loss_ids])
         )
         if reducer is not None:
+            state.flag_read = None  # the reduction writes the flags in place
             reducer(flags)
         read = {i: flag > 0 for i, flag in zip(loss_ids, flags.tolist())}
         self.record_found(dict(zip(loss_ids, flags.unbind(0))), read=read)
