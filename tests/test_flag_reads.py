@@ -118,3 +118,35 @@ def test_a_read_before_the_steps_own_check_does_not_decide_it(opt_level):
     assert amp.step(second) is False  # the step's own check finds the new inf
     for param, old in zip(model[1].parameters(), before):
         torch.testing.assert_close(param, old, rtol=0, atol=0)
+
+
+def _fabric_clip_step_reads(**fabric_kwargs) -> list[int]:
+    """Host reads of ``fabric.clip_gradients`` + ``optimizer.step()``, per iteration."""
+    from lightning.fabric import Fabric
+
+    torch.manual_seed(0)
+    fabric = Fabric(accelerator="cpu", devices=1, **fabric_kwargs)
+    model = nn.Linear(4, 2)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    counts = []
+    for _ in range(2):
+        optimizer.zero_grad()
+        fabric.backward(model(torch.randn(8, 4)).float().pow(2).mean())
+        reads = _HostReads()
+        with reads:
+            fabric.clip_gradients(model, optimizer, max_norm=1.0)
+            optimizer.step()
+        counts.append(reads.count)
+    return counts
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_fabric_clip_and_step_read_the_flag_once(opt_level):
+    """Fabric's clip reads the flag (to hand an overflow step nothing to clip) and the step takes that read: one
+    read more than Fabric's own bf16-mixed, which has no flag (torch's clip reads its norm in both)."""
+    from lightning_mpx import FabricMixedPrecisionPlugin
+
+    own = _fabric_clip_step_reads(precision="bf16-mixed")
+    ours = _fabric_clip_step_reads(plugins=[FabricMixedPrecisionPlugin(opt_level, half_dtype="bfloat16",
+                                                                        loss_scale="dynamic")])
+    assert ours == [n + 1 for n in own]

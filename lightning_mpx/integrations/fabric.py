@@ -339,7 +339,8 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
                 # Found on this rank's shards: every rank must hand its clip the same (a DTensor norm is a collective).
                 found = found.clone()
                 all_reduce_max(found)
-            if found is not None and bool(found):
+            # Unsharded, the read the step then takes (Amp.overflowed): one host read of the flag per step, not two.
+            if found is not None and (bool(found) if self.amp.sharded else self.amp.overflowed(optimizer)):
                 return iter([_nothing_to_clip(found.device)])  # a list: torch's clip warns about a generator
         if self.amp.properties.master_weights and self.amp.is_unscaled(optimizer):
             self._clipping.add(optimizer)
