@@ -68,7 +68,8 @@ def poison(param: torch.Tensor) -> None:
 
 def gathered_norm(params: list[torch.Tensor], scale: float) -> float:
     """The unscaled FP64 norm of the full gradients (each parameter once), gathered from every rank."""
-    return float(torch.stack([p.grad.full_tensor().double().norm() for p in params if p.grad is not None]).norm()) / scale
+    norms = [p.grad.full_tensor().double().norm() for p in params if p.grad is not None]
+    return float(torch.stack(norms).norm()) / scale
 
 
 def full(params: dict[str, torch.Tensor]) -> dict[str, list[float]]:
@@ -187,8 +188,9 @@ def trainer_case(name: str, out: str) -> dict[str, Any]:
 
     plugin = MixedPrecisionPlugin("O2", half_dtype="float16", init_scale=1024.0, growth_interval=2, on_floor="continue")
     model = Lit()
-    trainer = make_trainer(plugin, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-                           devices=2, max_steps=STEPS, gradient_clip_val=CLIP, use_distributed_sampler=False)  # fmt: skip
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    trainer = make_trainer(plugin, strategy=strategy, devices=2, max_steps=STEPS, gradient_clip_val=CLIP,
+                           use_distributed_sampler=False)  # fmt: skip
     ckpt = {"from0": os.path.join(out, "ckpt0"), "from2": os.path.join(out, "ckpt2")}.get(name)
     trainer.fit(model, torch.utils.data.DataLoader(range(STEPS), batch_size=None), ckpt_path=ckpt)
     return {
