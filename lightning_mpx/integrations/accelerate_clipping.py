@@ -50,10 +50,10 @@ class GradientClipping:
         """Clip the unscaled gradients of ``parameters`` to a global norm; returns the norm before clipping.
 
         With an opt level, ``parameters`` (the model's or the optimizer's) are mapped to the optimizers that train
-        them, which are unscaled first; when they are exactly one optimizer's parameters and ``norm_type`` is 2,
-        unscaling, the overflow check, the norm and the clip are one fused pass, and the norm is logged as
-        ``mpx/grad_norm``. Under FSDP the norm is the global one (over every rank's shards); only that fused case
-        is supported there.
+        them, which are unscaled first; when they are one optimizer's parameters (its frozen ones may be left out)
+        and ``norm_type`` is 2, unscaling, the overflow check, the norm and the clip are one fused pass, and the norm
+        is logged as ``mpx/grad_norm``. Under FSDP the norm is the global one (over every rank's shards); only that
+        fused case is supported there.
 
         Raises:
             RuntimeError: inside ``accumulate()`` on a step that does not synchronise gradients.
@@ -66,7 +66,7 @@ class GradientClipping:
         owners, targets = gradient_targets(self.amp, self._amp_optimizers(), parameters)
         if float(norm_type) == 2.0 and len(owners) == 1:
             owner = owners[0]
-            if {id(p) for p in targets} == {id(p) for p in self.amp.master_params(owner.optimizer)}:
+            if _covers(targets, self.amp.master_params(owner.optimizer)):
                 norm = self.amp.clip_grad_norm_(owner.optimizer, max_norm)
                 owner.unscaled = True
                 return norm
@@ -105,3 +105,10 @@ class GradientClipping:
             if not self.amp.is_unscaled(owner.optimizer):  # the engine's stage: a skipped batch's clip is forgotten
                 self.amp.unscale_(owner.optimizer)
                 owner.unscaled = True
+
+
+def _covers(targets: list[torch.Tensor], params: list[torch.Tensor]) -> bool:
+    """Whether ``targets`` are ``params`` but for frozen ones (``requires_grad=False``, which an optimizer made from
+    ``model.parameters()`` holds): they have no gradient, so the norm of the rest is the norm of them all."""
+    wanted = {id(p) for p in targets}
+    return wanted <= {id(p) for p in params} and all(not p.requires_grad for p in params if id(p) not in wanted)
