@@ -108,7 +108,10 @@ class GradientClipping:
 
 
 def _covers(targets: list[torch.Tensor], params: list[torch.Tensor]) -> bool:
-    """Whether ``targets`` are ``params`` but for frozen ones (``requires_grad=False``, which an optimizer made from
-    ``model.parameters()`` holds): they have no gradient, so the norm of the rest is the norm of them all."""
+    """Whether ``targets`` are ``params`` but for frozen ones without a gradient (``requires_grad=False``, which an
+    optimizer made from ``model.parameters()`` holds): the norm of the rest is then the norm of them all. One frozen
+    after it got a gradient (which the step still applies) is not left out of the fused norm silently."""
     wanted = {id(p) for p in targets}
-    return wanted <= {id(p) for p in params} and all(not p.requires_grad for p in params if id(p) not in wanted)
+    return wanted <= {id(p) for p in params} and all(
+        not p.requires_grad and p.grad is None for p in params if id(p) not in wanted
+    )
