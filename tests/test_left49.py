@@ -41,7 +41,7 @@ def _late_group(level: str | None, then: list[str]) -> list[torch.Tensor]:
 def test_a_group_added_after_a_step_brings_the_scale_of_its_backward(level, then):
     # Before: at O1 a second step took the new group's gradients as true values (1.6e3 off FP32); after a backward
     # (O1 and O2) they kept the scale before the update, the backward's added at the new one.
-    assert_close(_late_group(level, then), _late_group(None, then))
+    assert_close(_late_group(level, then), _late_group(None, then), atol=1e-3)  # 3e-4 now, 5.7e-3 before
 
 
 # -- metric readers: a saved position above a total ----------------------------------------------------------------
