@@ -314,8 +314,8 @@ class StepMachine:
                 self.record_found(state.found_by_loss)
                 state.stage = _Stage.SKIPPED
                 state.found_by_loss, state.found_inf, state.grad_norm = {}, None, None
-            if state.stage is not _Stage.READY and self.masters.weights:  # a step may use the half gradients still
-                hold_scale(state, self.scalers[state.loss_id or 0])
+            if state.stage is not _Stage.READY:  # a step may use the gradients still (at O1 a group added since)
+                hold_scale(state, self.scalers[state.loss_id or 0], masters=bool(self.masters.weights))
         for state in self.optimizers.values():
             if (
                 state.stage is _Stage.READY

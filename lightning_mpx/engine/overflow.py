@@ -20,7 +20,7 @@ import torch
 from lightning_mpx.common.containers import read_floats
 from lightning_mpx.engine.optimizer_state import optimizer_params
 from lightning_mpx.engine.sharding import local_tensor
-from lightning_mpx.health.forensics import OverflowForensics, OverflowRecord
+from lightning_mpx.health.forensics import FIRST_TAG, OVERFLOW_TAG, ROOT_TAG, OverflowForensics, OverflowRecord
 from lightning_mpx.scaling.scaler import LossScaler
 
 if TYPE_CHECKING:
@@ -62,6 +62,40 @@ def check_readers_state(state: Any) -> None:
             f"the checkpoint's metric_readers entry {bad!r:.200} must map each reader's name (a non-empty str) to its "
             "counts' totals (str: a whole number in int64's range), as Amp.state_dict() saves them."
         )
+    totals, complete = _saved_totals(state)
+    for reader, position in saved.items():
+        for count, value in position.items():
+            total = totals.get(count, 0 if complete else None)
+            if total is not None and value > total:
+                raise ValueError(
+                    f"the checkpoint's metric_readers entry for reader {reader!r:.100} holds {count}={value:g}, above "
+                    f"the checkpoint's total {total} (positions from another checkpoint, or edited by hand): its reads "
+                    "would report negative counts. Save the engine again, or drop the checkpoint's metric_readers "
+                    "entry to count every reader from the loaded totals; nothing was loaded."
+                )
+
+
+def _saved_totals(state: Mapping[str, Any]) -> tuple[dict[str, int], bool]:
+    """The totals an engine checkpoint ``state`` holds, by metric name (each loss's overflows, the forensics' module
+    counts), and whether it holds every one (a count absent is 0): not when it kept no module totals (an older
+    release's)."""
+    scalers = state.get("scalers")
+    scalers = scalers if isinstance(scalers, list) else []
+    out = {
+        overflows_name(i, len(scalers)): int(s["overflows"])
+        for i, s in enumerate(scalers)
+        if isinstance(s, Mapping) and _whole_count(s.get("overflows"))
+    }
+    kept = state.get("overflow_counts")
+    if not isinstance(kept, Mapping):
+        return out, False
+    complete = len(out) == len(scalers)
+    for key, prefix in (("modules", OVERFLOW_TAG), ("first", FIRST_TAG)):
+        counts = kept.get(key) or {}
+        for module, count in counts.items() if isinstance(counts, Mapping) else ():
+            if _whole_count(count):
+                out[prefix + (str(module) or ROOT_TAG)] = int(count)
+    return out, complete
 
 
 def _whole_count(value: Any) -> bool:
@@ -409,9 +443,15 @@ class Overflows:
         # of an older release (or upgraded from it, with the door's reader only) counted for readers it did not save.
         self._start = MetricsReader({} if saved is not None and DEFAULT_READER in saved else totals, measurements)
         saved = saved or {}
+        # A count this load did not carry over (a scale of another half dtype or opt level, not taken: it counts
+        # afresh) is below the saved positions: they count from the loaded total instead, not from above it.
+        loaded = read_floats(totals) if saved else {}  # one host read, at a load
         self.readers = {
             name: MetricsReader(
-                {c: int(v) for c, v in saved[name].items()} if name in saved else self._start.counts, measurements
+                {c: min(int(v), int(loaded.get(c, 0))) for c, v in saved[name].items()}
+                if name in saved
+                else self._start.counts,
+                measurements,
             )
             for name in dict.fromkeys([*self.readers, *saved])
         }

@@ -222,6 +222,18 @@ def _assigned(state: _OptimizerState, optimizer: torch.optim.Optimizer) -> set[i
         }
 
 
+def late_grads(state: _OptimizerState, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The gradients of the parameters ``optimizer`` did not hold at the step (a group added since, STEPPED): a
+    backward's, never unscaled, taken at the scale the step's loss carried (the backward that made them ran before
+    it). The loop whose groups stay as they were pays C-level maps only."""
+    params = list(itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)))
+    held = state.stepped_params
+    if held.issuperset(map(id, params)):
+        return []
+    with torch._C.DisableTorchFunction():  # as in present_grads
+        return [grad for param in params if id(param) not in held and (grad := param.grad) is not None]
+
+
 def stepped_leftovers(
     state: _OptimizerState, master_weights: Sequence[MasterWeights], optimizer: torch.optim.Optimizer
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -295,6 +307,11 @@ def rescale_stepped(
             carried = torch.ones((), device=device) if state.stepped_true else _carried_scale(state, scalers)
             _apply_clips(state, half, carried)
             _multiply(state, half, (new.double() / carried.to(device).double()).float(), backend)
+    late = late_grads(state, optimizer) if grads else []  # type: ignore[arg-type]
+    carried = _carried_scale(state, scalers) if late else None
+    new = scalers[new_loss_id].to(late[0].device).scale_tensor if late else None
+    if late and carried is not new:  # another loss's, or the scale an update has changed since
+        _multiply(state, late, (new.double() / carried.to(new.device).double()).float(), backend)  # type: ignore
     state.reset()
     state.loss_id = new_loss_id
 
@@ -307,13 +324,19 @@ def resume_stepped(
     backend: str,
 ) -> None:
     """Before an unscale with no backward since a step (a second step, a clip): the gradients the step left are
-    taken again, as FP32's second step applies them again. Without masters every gradient there holds true values:
-    SKIPPED (checked, not divided again); at O2 all are brought to the scale the half ones carry: READY at it."""
+    taken again, as FP32's second step applies them again. Without masters those of the parameters the step held
+    hold true values: SKIPPED (checked, not divided again), unless a group added since brings a backward's
+    (:func:`late_grads`); then, as at O2, all are brought to the scale those carry: READY at it."""
     if not master_weights:
-        keep = bool(present_grads(optimizer))  # written since or not: FP32 applies what is there
-        loss_id = state.loss_id
+        grads = present_grads(optimizer)  # written since or not: FP32 applies what is there
+        late = {id(g) for g in late_grads(state, optimizer)} if grads else set()
+        if late:  # a backward's at the carried scale: the true ones join them there (READY)
+            _multiply(state, [g for g in grads if id(g) not in late], _carried_scale(state, scalers), backend)
+        loss_id, grad_scale = state.loss_id, state.grad_scale
         state.reset()
-        if keep:
+        if late:
+            state.loss_id, state.grad_scale = loss_id, grad_scale
+        elif grads:
             state.stage, state.loss_id = _Stage.SKIPPED, loss_id
         return
     inplace, half = stepped_leftovers(state, master_weights, optimizer)
@@ -329,10 +352,17 @@ def resume_stepped(
     state.loss_id, state.grad_scale = loss_id, grad_scale
 
 
-def hold_scale(state: _OptimizerState, scaler: LossScaler) -> None:
+def hold_scale(state: _OptimizerState, scaler: LossScaler, *, masters: bool = True) -> None:
     """At an update, O2: the half gradients a step (STEPPED) or an unscale (SKIPPED) left scaled keep the scale they
-    carry while ``scaler`` (dynamic) moves on; one small copy, only when such gradients are there."""
-    if state.grad_scale is not None or not scaler.dynamic or state.stepped_true or state.shown:
+    carry while ``scaler`` (dynamic) moves on; one small copy, only when such gradients are there. Without
+    ``masters`` after a step, for the gradients a group added since may bring (:func:`late_grads`)."""
+    if state.grad_scale is not None or not scaler.dynamic:
+        return
+    if not masters:
+        if state.stage is _Stage.STEPPED:
+            state.grad_scale = scaler.scale_tensor.clone()
+        return
+    if state.stepped_true or state.shown:
         return
     if state.stage is _Stage.SKIPPED or present_grads(state.optimizer):
         state.grad_scale = scaler.scale_tensor.clone()
