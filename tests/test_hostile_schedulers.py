@@ -14,10 +14,13 @@ from typing import Any, Callable
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.fabric import Fabric
+from lightning.fabric.plugins import MixedPrecision
 from torch import nn
 
-from lightning_mpx import MixedPrecisionPlugin
+from lightning_mpx import FabricMixedPrecisionPlugin, MixedPrecisionPlugin
 from lightning_mpx.apex import _amp_state, amp
+from lightning_mpx.engine.amp import Amp
 from tests.lightning_helpers import Classifier, RecordingLogger, classification_data, loader, make_trainer
 
 _BEFORE = "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
@@ -54,6 +57,51 @@ def _grad_scaler_warns(overflow: bool) -> bool:
         scheduler.step()
 
     return any(_BEFORE in message for message in _schedule_warnings(step))
+
+
+# -- the core engine and the Fabric plugin: as GradScaler and Fabric's own precision --------------------------------
+@pytest.mark.parametrize("made", ["before_prepare", "after_prepare"])
+@pytest.mark.parametrize("overflow", [True, False], ids=["skipped_first_step", "real_first_step"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_core_a_skipped_first_step_warns_the_scheduler_as_grad_scaler(level, overflow, made):
+    model, optimizer = _net()
+    engine = Amp(level, half_dtype="bfloat16", loss_scale="dynamic")
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5) if made == "before_prepare" else None
+    model = engine.prepare_model(model)
+    optimizer = engine.prepare_optimizer(optimizer)
+    scheduler = scheduler or torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+
+    def step() -> None:
+        engine.scale_loss(_loss(model, overflow)).backward()
+        assert bool(engine.step(optimizer)) is not overflow
+        engine.update()
+        scheduler.step()
+
+    assert any(_BEFORE in message for message in _schedule_warnings(step)) == _grad_scaler_warns(overflow)
+
+
+def _fabric_warns(plugin: Any, made: str) -> bool:
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model, optimizer = _net()
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5) if made == "before_setup" else None
+    model, optimizer = fabric.setup(model, optimizer)
+    scheduler = scheduler or torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+
+    def step() -> None:
+        fabric.backward(_loss(model, overflow=True))
+        optimizer.step()
+        scheduler.step()
+
+    return any(_BEFORE in message for message in _schedule_warnings(step))
+
+
+@pytest.mark.parametrize("made", ["before_setup", "after_setup"])
+def test_fabric_a_skipped_first_step_warns_the_scheduler_as_fabric_16_mixed(made):
+    # Fabric's own precision with a GradScaler: a scheduler made on the raw optimizer warns, one made on Fabric's
+    # wrapper (whose step() is called, skipped or not) does not.
+    own = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    plugin = FabricMixedPrecisionPlugin("O2", half_dtype="bfloat16", loss_scale="dynamic")
+    assert _fabric_warns(plugin, made) == _fabric_warns(own, made) == (made == "before_setup")
 
 
 # -- the Apex layer ----------------------------------------------------------------------------------------------
