@@ -316,13 +316,24 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> None:
         wrapper._engine.share_overflow([wrapper.optimizer], loss_id)
     else:
         _restore_stash(state, wrapper)
-    wrapper._engine.step(wrapper.optimizer)
+    _mark_for_schedulers(wrapper, stepped=wrapper._engine.step(wrapper.optimizer))
     state.stepped.add(key)
     if skipped:
         state.after_step.add(key)
     state.idle.add(key)
     if {key for key in state.touched if key in state.optimizers} <= state.stepped:  # a dropped wrapper will not step
         _update(state)
+
+
+def _mark_for_schedulers(wrapper: AmpOptimizer, stepped: bool) -> None:
+    """A learning-rate scheduler made on the wrapper marks it ``_opt_called`` whenever its ``step()`` is called; a
+    skipped step is no call of the optimizer's step (Apex and ``GradScaler`` skip without one), so until a step is
+    taken the mark is taken off again: a scheduler stepped after a skipped first step warns of it, as there."""
+    marks = wrapper.__dict__
+    if stepped:
+        marks["_took_a_step"] = True
+    elif not marks.get("_took_a_step"):
+        marks.pop("_opt_called", None)
 
 
 def _refuse_unscaled_step(wrapper: AmpOptimizer) -> None:
