@@ -74,7 +74,7 @@ def test_an_average_of_a_model_converted_before_the_fit_is_kept_in_fp32(kind: st
         seen = _AtTrainStart(averaging)
         trainer = make_trainer(plugin, max_epochs=2 if before == "validate" else 1, callbacks=[averaging, seen],
                                **({} if plugin else {"precision": precision}))  # fmt: skip
-        model = Classifier(optimizer="adamw", lr=1e-3)
+        model = Classifier(optimizer="adamw", lr=1e-2)
         if before == "validate":
             trainer.validate(model, data, verbose=False)
         trainer.fit(model, data)
@@ -91,7 +91,7 @@ def test_an_average_of_a_model_converted_before_the_fit_is_kept_in_fp32(kind: st
         return  # (SWA's equal average of a few steps: the exact start above is the case)
     reference, _ = run("32-true")
     for ours, want in zip(_average(averaging), _average(reference)):
-        # bfloat16 weights averaged against FP32's: 9e-4 here (an average kept in bfloat16: 6e-3)
+        # bfloat16 weights averaged against FP32's: 1e-3 here (an average kept in bfloat16: 6.5e-3)
         assert (ours - want).abs().max() <= 3e-3
 
 
