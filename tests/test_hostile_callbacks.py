@@ -68,7 +68,7 @@ def test_an_average_of_a_model_converted_before_the_fit_is_kept_in_fp32(kind: st
     the first fit's). The copy now starts as the FP32 masters."""
     data = loader(classification_data(n=32), batch_size=4)
 
-    def run(precision: str) -> tuple[Any, _AtTrainStart]:
+    def run(precision: str) -> tuple[Any, _AtTrainStart, Any]:
         plugin = MixedPrecisionPlugin("O2", half_dtype="bfloat16") if precision == "O2" else None
         averaging = _make_averaging(kind)
         seen = _AtTrainStart(averaging)
@@ -81,15 +81,22 @@ def test_an_average_of_a_model_converted_before_the_fit_is_kept_in_fp32(kind: st
         if before == "fit":
             trainer.fit_loop.max_epochs = 2
             trainer.fit(model, data)
-        return averaging, seen
+        return averaging, seen, (plugin, model)
 
-    averaging, seen = run("O2")
+    averaging, seen, (plugin, model) = run("O2")
     # The copy the callback averages into starts as the FP32 masters, bit for bit.
     assert all(a.dtype == torch.float32 for a in seen.seen["average"])
     assert all(torch.equal(a, m) for a, m in zip(seen.seen["average"], seen.seen["masters"]))
+    # At the end the callback writes its average into the model (its rounding): the masters, and so an FP32 export
+    # or a checkpoint's masters, are that FP32 average, as "bf16-mixed"'s FP32 model is; not a mix of it and the
+    # trained weights.
+    exported = plugin.amp.fp32_state_dict(model)
+    for (name, param), average in zip(model.named_parameters(), _average(averaging)):
+        assert torch.equal(param, average.to(param.dtype)), name  # the callback wrote its average in
+        assert torch.equal(exported[name], average), name
     if kind == "swa":
         return  # (SWA's equal average of a few steps: the exact start above is the case)
-    reference, _ = run("32-true")
+    reference, _, _ = run("32-true")
     for ours, want in zip(_average(averaging), _average(reference)):
         # bfloat16 weights averaged against FP32's: 1e-3 here (an average kept in bfloat16: 6.5e-3)
         assert (ours - want).abs().max() <= 3e-3

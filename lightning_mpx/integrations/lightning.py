@@ -47,7 +47,7 @@ from lightning.pytorch.plugins.precision import FSDPPrecision, Precision  # noqa
 from lightning.pytorch.strategies import FSDPStrategy  # noqa: E402
 
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
-from lightning_mpx.integrations.lightning_averages import average_in_fp32  # noqa: E402
+from lightning_mpx.integrations.lightning_averages import average_in_fp32, take_averages  # noqa: E402
 from lightning_mpx.integrations.lightning_clipping import GradientClipping  # noqa: E402
 from lightning_mpx.integrations.lightning_gradient_readers import GradientReaders  # noqa: E402
 from lightning_mpx.integrations.lightning_manual import ManualStep  # noqa: E402
@@ -402,6 +402,9 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
     def teardown(self) -> None:
         self._end_iteration()
         self._range_test.leave(self.amp)
+        trainer = trainer_of(self._module) if self._module is not None else None
+        if trainer is not None and trainer.state.fn == "fit" and self._sharded is None:
+            take_averages(trainer.callbacks, self._module, self.amp)  # an average written in at on_train_end
         # Every rank tears down: the last steps skipped on the device are settled (their records merged across
         # ranks, logged, their floor applied).
         self.amp.settle_step_outcomes()

@@ -5,6 +5,11 @@
 converted already (a second ``fit`` on the same Trainer, a ``validate`` before the first ``fit``) is copied in half,
 and an average kept in bfloat16 stops moving once its updates fall under half a unit in the last place (an EMA with
 ``decay=0.999``). :func:`average_in_fp32` gives such a copy the FP32 values of the masters, as on the first fit.
+
+At the end of ``fit`` the callbacks write their FP32 average into the model, which keeps its half rounding; the
+masters would take only the elements whose rounding changed and keep their trained value elsewhere, a value neither
+the average nor the trained weight. :func:`take_averages` gives them the FP32 average, as "bf16-mixed"'s FP32 model
+holds it (``fp32_state_dict``, a checkpoint's masters).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ try:  # Lightning 2.6 and later
 except ImportError:  # an earlier release: only StochasticWeightAveraging averages
     WeightAveraging = None  # type: ignore[assignment,misc]
 
-__all__ = ["average_in_fp32"]
+__all__ = ["average_in_fp32", "take_averages"]
 
 _AVERAGING = tuple(c for c in (WeightAveraging, StochasticWeightAveraging) if c is not None)
 
@@ -55,3 +60,26 @@ def average_in_fp32(callbacks: list[Any], module: nn.Module, amp: Amp) -> None:
                 master = amp.master_of(param)
                 if master is not param and master.shape == copy.shape:
                     copy.data = master.detach().clone()  # the averaging's own tensor, not the optimizer's
+
+
+def take_averages(callbacks: list[Any], module: nn.Module, amp: Amp) -> None:
+    """Give ``module``'s FP32 masters the FP32 average of a weight-averaging callback when ``module`` holds that
+    average's half rounding (the callback wrote it in at the end of ``fit``); otherwise change nothing."""
+    params = dict(module.named_parameters())
+    for callback in callbacks:
+        average = _averaged_module(callback) if isinstance(callback, _AVERAGING) else None
+        if average is None:
+            continue
+        pairs = []
+        for name, copy in average.named_parameters():
+            param = params.get(name)
+            if param is None or copy.dtype != torch.float32 or param.dtype == torch.float32:
+                continue
+            master = amp.master_of(param)
+            if master is not param and master.shape == copy.shape:
+                pairs.append((param, master, copy))
+        # Every parameter at once: a model that holds its trained weights (no average written) keeps its masters.
+        if pairs and all(torch.equal(p, c.to(p.device, p.dtype)) for p, _, c in pairs):
+            with torch.no_grad():
+                for _, master, copy in pairs:
+                    master.copy_(copy)
