@@ -237,7 +237,7 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
             self.amp.prepare_optimizer(unwrap_optimizer(optimizer))
         if trainer is not None:
             if not sharded:  # an averaging callback's copy of a model converted before this fit: FP32 as on the first
-                average_in_fp32(trainer.callbacks, self._module or model, self.amp)
+                average_in_fp32(trainer.callbacks, self._module if self._module is not None else model, self.amp)
             self.amp.log_overflows = trainer.is_global_zero
             distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
             if not sharded and trainer.world_size > 1 and distributed:
