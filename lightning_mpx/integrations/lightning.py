@@ -47,6 +47,7 @@ from lightning.pytorch.plugins.precision import FSDPPrecision, Precision  # noqa
 from lightning.pytorch.strategies import FSDPStrategy  # noqa: E402
 
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
+from lightning_mpx.integrations.lightning_averages import average_in_fp32, take_averages  # noqa: E402
 from lightning_mpx.integrations.lightning_clipping import GradientClipping  # noqa: E402
 from lightning_mpx.integrations.lightning_gradient_readers import GradientReaders  # noqa: E402
 from lightning_mpx.integrations.lightning_manual import ManualStep  # noqa: E402
@@ -146,6 +147,14 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         MixedPrecisionPlugin.__init__(self, state["opt_level"], **state["settings"])
         self.__dict__.update(state["extra"])
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._opt_level!r}, half_dtype={self.settings.half_dtype!r})"
+
+    def __str__(self) -> str:
+        # Lightning refuses the plugin with a precision= of its own ("Received both `precision=bf16-mixed` and
+        # `plugins={plugin}`. Choose one."): its message then says which of the two to drop.
+        return f"{self!r} [sets the Trainer's precision ({self.precision}) itself: pass no precision= with it]"
+
     @classmethod
     def from_settings(cls, settings: MixedPrecisionSettings) -> MixedPrecisionPlugin:
         """The plugin of ``settings``: ``MixedPrecisionPlugin(settings.opt_level, **settings.to_kwargs())``."""
@@ -227,6 +236,8 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         for optimizer in optimizers:
             self.amp.prepare_optimizer(unwrap_optimizer(optimizer))
         if trainer is not None:
+            if not sharded:  # an averaging callback's copy of a model converted before this fit: FP32 as on the first
+                average_in_fp32(trainer.callbacks, self._module if self._module is not None else model, self.amp)
             self.amp.log_overflows = trainer.is_global_zero
             distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
             if not sharded and trainer.world_size > 1 and distributed:
@@ -391,6 +402,9 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
     def teardown(self) -> None:
         self._end_iteration()
         self._range_test.leave(self.amp)
+        trainer = trainer_of(self._module) if self._module is not None else None
+        if trainer is not None and trainer.state.fn == "fit" and self._sharded is None:
+            take_averages(trainer.callbacks, self._module, self.amp)  # an average written in at on_train_end
         # Every rank tears down: the last steps skipped on the device are settled (their records merged across
         # ranks, logged, their floor applied).
         self.amp.settle_step_outcomes()

@@ -1,0 +1,85 @@
+"""The FP32 averages of Lightning's weight-averaging callbacks at O2.
+
+``EMAWeightAveraging``/``WeightAveraging`` and ``StochasticWeightAveraging`` copy the LightningModule in their
+``setup``, before the plugin converts it: on a model still in FP32 the copy, and so the average, is FP32. A model
+converted already (a second ``fit`` on the same Trainer, a ``validate`` before the first ``fit``) is copied in half,
+and an average kept in bfloat16 stops moving once its updates fall under half a unit in the last place (an EMA with
+``decay=0.999``). :func:`average_in_fp32` gives such a copy the FP32 values of the masters, as on the first fit.
+
+At the end of ``fit`` the callbacks write their FP32 average into the model, which keeps its half rounding; the
+masters would take only the elements whose rounding changed and keep their trained value elsewhere, a value neither
+the average nor the trained weight. :func:`take_averages` gives them the FP32 average, as "bf16-mixed"'s FP32 model
+holds it (``fp32_state_dict``, a checkpoint's masters).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_mpx.common.imports import require
+from lightning_mpx.engine.amp import Amp
+
+require("lightning.pytorch", extra="lightning", feature="lightning_mpx.MixedPrecisionPlugin")
+
+from lightning.pytorch.callbacks import StochasticWeightAveraging  # noqa: E402
+
+try:  # Lightning 2.6 and later
+    from lightning.pytorch.callbacks import WeightAveraging
+except ImportError:  # an earlier release: only StochasticWeightAveraging averages
+    WeightAveraging = None  # type: ignore[assignment,misc]
+
+__all__ = ["average_in_fp32", "take_averages"]
+
+_AVERAGING = tuple(c for c in (WeightAveraging, StochasticWeightAveraging) if c is not None)
+
+
+def _averaged_module(callback: Any) -> nn.Module | None:
+    """The copy of the LightningModule that ``callback`` averages into (``AveragedModel.module`` for
+    ``WeightAveraging``), or None before its ``setup`` made one."""
+    average = getattr(callback, "_average_model", None)
+    inner = getattr(average, "module", average)  # AveragedModel wraps the copy in .module
+    return inner if isinstance(inner, nn.Module) else None
+
+
+def average_in_fp32(callbacks: list[Any], module: nn.Module, amp: Amp) -> None:
+    """Turn the half parameters of the weight-averaging ``callbacks``' copies of ``module`` into FP32, with the values
+    of ``module``'s FP32 masters (parameters without a master, or already FP32, are left as they are)."""
+    for callback in callbacks:
+        average = _averaged_module(callback) if isinstance(callback, _AVERAGING) else None
+        if average is None:
+            continue
+        params = dict(module.named_parameters())
+        with torch.no_grad():
+            for name, copy in average.named_parameters():
+                param = params.get(name)
+                if param is None or copy.dtype != param.dtype or copy.dtype == torch.float32:
+                    continue
+                master = amp.master_of(param)
+                if master is not param and master.shape == copy.shape:
+                    copy.data = master.detach().clone()  # the averaging's own tensor, not the optimizer's
+
+
+def take_averages(callbacks: list[Any], module: nn.Module, amp: Amp) -> None:
+    """Give ``module``'s FP32 masters the FP32 average of a weight-averaging callback when ``module`` holds that
+    average's half rounding (the callback wrote it in at the end of ``fit``); otherwise change nothing."""
+    params = dict(module.named_parameters())
+    for callback in callbacks:
+        average = _averaged_module(callback) if isinstance(callback, _AVERAGING) else None
+        if average is None:
+            continue
+        pairs = []
+        for name, copy in average.named_parameters():
+            param = params.get(name)
+            if param is None or copy.dtype != torch.float32 or param.dtype == torch.float32:
+                continue
+            master = amp.master_of(param)
+            if master is not param and master.shape == copy.shape:
+                pairs.append((param, master, copy))
+        # Every parameter at once: a model that holds its trained weights (no average written) keeps its masters.
+        if pairs and all(torch.equal(p, c.to(p.device, p.dtype)) for p, _, c in pairs):
+            with torch.no_grad():
+                for _, master, copy in pairs:
+                    master.copy_(copy)
