@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -223,12 +224,22 @@ def test_plugin_overhead_rows_ratios_syncs_and_profile(tmp_path, capsys):
     )
 
 
-def test_o1_proxy_pairs_each_row_with_its_reference_in_the_same_repeat(tmp_path):
+@pytest.fixture(scope="module")
+def o1_proxy_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    """One small ``o1_proxy.py --phases`` run (the result and its JSON file), read by the tests of its rows and of
+    its phases."""
     import o1_proxy
 
-    out = tmp_path / "o1.json"
-    result = o1_proxy.main(["--variants", "core-O1-aligned", "plugin-O2", "--steps", "5", "--warmup", "1",
-                            "--repeats", "2", "--out", str(out)])  # fmt: skip
+    out = tmp_path_factory.mktemp("o1_proxy") / "o1.json"
+    result = o1_proxy.main(["--variants", "core-O1-aligned", "plugin-O2", "--steps", "6", "--warmup", "1",
+                            "--repeats", "2", "--phases", "--out", str(out)])  # fmt: skip
+    return result, out
+
+
+def test_o1_proxy_pairs_each_row_with_its_reference_in_the_same_repeat(o1_proxy_run):
+    import o1_proxy
+
+    result, out = o1_proxy_run
     assert json.loads(out.read_text())["rows"] == result["rows"]
     rows = {(r["row"], r["reference"]): r for r in result["rows"]}
     # references added; the aligned core loop against both torch loops (bare, and with Amp's skip check)
@@ -242,13 +253,12 @@ def test_o1_proxy_pairs_each_row_with_its_reference_in_the_same_repeat(tmp_path)
     assert o1_proxy.main(["--_child", "plugin-O2", "1", "1", "2"]) == {}  # a Trainer row too
 
 
-def test_o1_proxy_phases_split_each_trainer_step_into_its_parts(tmp_path):
+def test_o1_proxy_phases_split_each_trainer_step_into_its_parts(o1_proxy_run):
     """``--phases``: per Trainer row, the forward, backward and step phases of the same runs, with their difference
     to the reference taken within each repeat; the loops have none."""
     import o1_proxy
 
-    result = o1_proxy.main(["--variants", "core-O1-aligned", "plugin-O2", "--steps", "6", "--warmup", "1",
-                            "--repeats", "2", "--phases", "--out", str(tmp_path / "o1.json")])  # fmt: skip
+    result, out = o1_proxy_run
     phases = {r["row"]: r for r in result["phases"]}
     assert set(phases) == {"bf16-mixed", "plugin-O2"}
     for row in phases.values():
@@ -258,7 +268,7 @@ def test_o1_proxy_phases_split_each_trainer_step_into_its_parts(tmp_path):
     # The phases tile the step: their p20s add up to about the step's p20 (each a percentile of its own)
     total = sum(phases["plugin-O2"][p] for p in o1_proxy.PHASES)
     assert 0.5 * step["row_ms"] < total < 2.0 * step["row_ms"]
-    assert "phases of the Trainer rows" in (tmp_path / "o1.md").read_text()
+    assert "phases of the Trainer rows" in out.with_suffix(".md").read_text()
 
 
 def test_cast_overhead_rows_counts_and_references(tmp_path):

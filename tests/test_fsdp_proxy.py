@@ -1,7 +1,8 @@
 """benchmarks/fsdp_proxy.py (issue 41's CPU proxy of the host work under Lightning FSDP2) counts what it says.
 
-One ``--check`` launch: two gloo processes run Lightning's FSDP2 "bf16-mixed" and the plugin at O2 (bfloat16), 2
-steps of warm-up and 3 counted. No timing is asserted: the counts are of calls and collectives.
+One ``--check`` launch: two gloo processes run Lightning's FSDP2 "bf16-mixed" and the plugin at O2 (bfloat16), then
+Accelerate's "bf16" and the adapter at O2, 2 steps of warm-up and 3 counted each. No timing is asserted: the counts
+are of calls and collectives.
 """
 
 from __future__ import annotations
@@ -16,15 +17,32 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE, O2 = "lightning-bf16-mixed", "mpx-O2-bf16"
+ACCELERATE, ACCELERATE_O2 = "accelerate-bf16", "accelerate-mpx-O2-bf16"
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def launch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One ``--check`` launch for every row the tests read: Lightning's and Accelerate's references and their O2 rows,
+    one after the other in the same two processes (each launch costs both ranks their imports)."""
+    pytest.importorskip("accelerate")
     out = tmp_path_factory.mktemp("fsdp_proxy") / "proxy.json"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fsdp_proxy.py"), "--check", "--top", "5",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+                           "--variants", REFERENCE, O2, ACCELERATE, ACCELERATE_O2, "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
+
+
+def _only(launched: dict[str, Any], variants: tuple[str, ...]) -> dict[str, Any]:
+    """The launch's result as a launch of ``variants`` alone would have written it: their rows, goals, breakdowns."""
+    names = [g for g in launched["goals"] if any(g["goal"].startswith(v + " ") for v in variants)]
+    return dict(launched, rows=[r for r in launched["rows"] if r["variant"] in variants], goals=names,
+                breakdowns={k: v for k, v in launched["breakdowns"].items() if k in variants})
+
+
+@pytest.fixture(scope="module")
+def result(launch: dict[str, Any]) -> dict[str, Any]:
+    return _only(launch, (REFERENCE, O2))
 
 
 def _row(result: dict[str, Any], variant: str) -> dict[str, Any]:
@@ -86,18 +104,9 @@ def test_the_backward_pass_does_no_more_host_work_than_the_reference(result):
     assert o2["phases"]["backward"] - ref["phases"]["backward"] < 100, (o2["phases"], ref["phases"])
 
 
-ACCELERATE, ACCELERATE_O2 = "accelerate-bf16", "accelerate-mpx-O2-bf16"
-
-
 @pytest.fixture(scope="module")
-def accelerate_result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    pytest.importorskip("accelerate")
-    out = tmp_path_factory.mktemp("fsdp_proxy_accelerate") / "proxy.json"
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fsdp_proxy.py"), "--check", "--top", "5",
-                           "--variants", ACCELERATE, ACCELERATE_O2, "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(out.read_text())
+def accelerate_result(launch: dict[str, Any]) -> dict[str, Any]:
+    return _only(launch, (ACCELERATE, ACCELERATE_O2))
 
 
 def test_the_accelerate_adapter_under_fsdp2_against_accelerates_own_bf16(accelerate_result):
