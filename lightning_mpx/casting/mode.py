@@ -173,6 +173,10 @@ class _CastMode(TorchFunctionMode):
         if action == _BODY and args and callable(args[0]):
             # The checkpointed function runs under this mode, as in eager mode; the call itself (handed to the
             # mode again if the mode were on) runs as given.
+            # Dynamo refuses a change of the mode stack inside the checkpoint's body unless the traced code changed it
+            # before (a scope entered inside the compiled region does): entered and left once here, outside the body.
+            with self:
+                pass
             return func(_InMode(self, args[0]), *args[1:], **(kwargs or {}))
         device = self.autocast_device
         if device is None or action == _BACKWARD or not torch.is_autocast_enabled(device):
