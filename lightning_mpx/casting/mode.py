@@ -19,7 +19,8 @@ from lightning_mpx.casting.table import CastTable
 
 # Actions, resolved once per function and memoised by each policy.
 # _PASS is 0 (falsy) and the casting actions come before _BANNED: the hook tests for them so.
-_PASS, _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _PROMOTE_NATIVE, _BANNED, _BACKWARD, _INPLACE_FLOAT, _PLAIN, _BODY = range(11)
+(_PASS, _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _PROMOTE_NATIVE, _BANNED, _BACKWARD, _INPLACE_FLOAT, _PLAIN,
+ _BODY) = range(11)
 # _PLAIN: run as given with torch.autocast off (a function that autocast casts and the table leaves alone).
 # _BODY: a call that runs the user's code inside it, run with the mode on (_BODY_CALLS).
 _CATEGORY_ACTION = MappingProxyType(
