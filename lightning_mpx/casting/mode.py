@@ -172,10 +172,10 @@ class _CastMode(TorchFunctionMode):
         if not action or self.disabled:  # _PASS
             return func(*args, **kwargs) if kwargs else func(*args)
         if action == _BODY and args and callable(args[0]):
-            # The checkpointed function runs under this mode, as in eager mode; the call itself (handed to the
-            # mode again if the mode were on) runs as given.
-            # Dynamo refuses a change of the mode stack inside the checkpoint's body unless the traced code changed it
-            # before (a scope entered inside the compiled region does): entered and left once here, outside the body.
+            # The checkpointed function runs under this mode, as in eager mode; the call itself runs as given (with
+            # the mode on it would be handed to the mode again). Dynamo refuses a change of the mode stack inside
+            # the body unless the traced code changed it before (a scope entered inside the compiled region does),
+            # so the mode is entered and left once here, outside the body.
             with self:
                 pass
             return func(_InMode(self, args[0]), *args[1:], **(kwargs or {}))
