@@ -19,8 +19,10 @@ from lightning_mpx.casting.table import CastTable
 
 # Actions, resolved once per function and memoised by each policy.
 # _PASS is 0 (falsy) and the casting actions come before _BANNED: the hook tests for them so.
-_PASS, _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _PROMOTE_NATIVE, _BANNED, _BACKWARD, _INPLACE_FLOAT, _PLAIN = range(10)
+(_PASS, _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _PROMOTE_NATIVE, _BANNED, _BACKWARD, _INPLACE_FLOAT, _PLAIN,
+ _BODY) = range(11)
 # _PLAIN: run as given with torch.autocast off (a function that autocast casts and the table leaves alone).
+# _BODY: a call that runs the user's code inside it, run with the mode on (_BODY_CALLS).
 _CATEGORY_ACTION = MappingProxyType(
     {"half": _HALF, "float": _FLOAT, "promote": _PROMOTE, "sequence": _SEQUENCE, "banned": _BANNED}
 )  # read only when a policy resolves its table, never while a forward pass runs
@@ -93,6 +95,15 @@ _NATIVE_PROMOTION = frozenset(
 ) | {torch.Tensor.__eq__, torch.Tensor.__rsub__}
 
 
+# Under torch.compile dynamo hands an activation checkpoint (``torch.utils.checkpoint.checkpoint``, traced as the
+# ``tag_activation_checkpoint`` higher-order op) to the modes and traces the checkpointed function inside that call,
+# where a mode is set aside while it handles it: the body would be traced without casts (FP32 where eager mode has
+# half). Eager mode never hands these to a mode (checkpoint is plain Python there).
+_BODY_CALLS = frozenset(
+    f for f in (torch.utils.checkpoint.checkpoint, getattr(torch.ops.higher_order, "tag_activation_checkpoint", None))
+    if f is not None
+)
+
 _top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 
@@ -112,6 +123,18 @@ def _may_be_recomputed() -> bool:
 
 
 _may_be_recomputed._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+class _InMode:
+    """``fn`` called with ``mode`` on the mode stack (a checkpointed function under ``torch.compile``: _BODY_CALLS)."""
+
+    def __init__(self, mode: TorchFunctionMode, fn: Callable[..., Any]) -> None:
+        self.mode = mode
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.mode:
+            return self.fn(*args, **kwargs)
 
 
 def _in_reentrant_recompute() -> bool:
@@ -148,6 +171,14 @@ class _CastMode(TorchFunctionMode):
         action = policy._action_lookup(func, policy._actions_stamp)
         if not action or self.disabled:  # _PASS
             return func(*args, **kwargs) if kwargs else func(*args)
+        if action == _BODY and args and callable(args[0]):
+            # The checkpointed function runs under this mode, as in eager mode; the call itself runs as given (with
+            # the mode on it would be handed to the mode again). Dynamo refuses a change of the mode stack inside
+            # the body unless the traced code changed it before (a scope entered inside the compiled region does),
+            # so the mode is entered and left once here, outside the body.
+            with self:
+                pass
+            return func(_InMode(self, args[0]), *args[1:], **(kwargs or {}))
         device = self.autocast_device
         if device is None or action == _BACKWARD or not torch.is_autocast_enabled(device):
             return self._apply(func, action, args, kwargs)

@@ -57,6 +57,8 @@ from lightning_mpx.casting.compiled import HandOffHandle, hand_off_compiled
 from lightning_mpx.casting.lists import AUTOCAST_ACTIONS
 from lightning_mpx.casting.mode import (
     _BACKWARD,
+    _BODY,
+    _BODY_CALLS,
     _CATEGORY_ACTION,
     _INPLACE_FLOAT,
     _NATIVE_PROMOTION,
@@ -303,7 +305,7 @@ class CastPolicy:
         differs from autocast). Empty: the scope pushes no torch-function mode, and no torch call pays Python
         dispatch; otherwise every torch call in the scope does (the mode is handed them all)."""
         self._refresh_actions()
-        return tuple(f for f in self._actions if f not in _BACKWARD_ENTRIES)
+        return tuple(f for f in self._actions if f not in _BACKWARD_ENTRIES and f not in _BODY_CALLS)
 
     @property
     def cache_size(self) -> int:
@@ -346,6 +348,7 @@ class CastPolicy:
                 if actions.get(function) == _PROMOTE:
                     actions[function] = _PROMOTE_NATIVE
             actions.update(dict.fromkeys(_BACKWARD_ENTRIES, _BACKWARD))
+            actions.update(dict.fromkeys(_BODY_CALLS, _BODY))
             if refuse:
                 for entry in self.table.entries("float"):
                     inplace = (
@@ -353,7 +356,7 @@ class CastPolicy:
                     )
                     if inplace is not None and inplace not in actions:
                         actions[inplace] = _INPLACE_FLOAT
-            if autocast_device is not None and actions.keys() <= _BACKWARD_ENTRIES:
+            if autocast_device is not None and actions.keys() <= _BACKWARD_ENTRIES | _BODY_CALLS:
                 actions = {}  # no mode at all: torch's checkpoint restores autocast for recomputation itself
             self._actions = actions
             self._action_lookup = _action_lookup(actions)
