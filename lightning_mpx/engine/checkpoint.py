@@ -153,12 +153,12 @@ class EngineState:
 
     def _hold_left_scales(self) -> None:
         """Before the scalers load (they change their scale in place): the half gradients a step or an unscale left
-        at O2 keep the scale they carry, as across an update (:func:`~lightning_mpx.engine.rescale.hold_scale`)."""
-        if not self.masters.weights:
-            return
+        at O2 keep the scale they carry, as across an update (:func:`~lightning_mpx.engine.rescale.hold_scale`); at O1
+        those of a group added since the step (:func:`~lightning_mpx.engine.rescale.late_grads`) keep the step's."""
+        masters = bool(self.masters.weights)
         for optimizer_state in self.machine.optimizers.values():
             if optimizer_state.stage in (_Stage.STEPPED, _Stage.SKIPPED):
-                hold_scale(optimizer_state, self.scalers[optimizer_state.loss_id or 0])
+                hold_scale(optimizer_state, self.scalers[optimizer_state.loss_id or 0], masters=masters)
 
     def _load_across_levels(self, state: dict[str, Any], saved_level: str) -> None:
         """:meth:`load_state_dict` for a checkpoint saved at ``saved_level``, another opt level (checked first,
