@@ -103,8 +103,9 @@ def unscale(
     if sharding is not None:
         norm = None if squares is None else reduce_checks(state, sharding, squares, sources, max_norm)
     state.grad_norm = norm
-    if not master_weights:  # at O2 the half gradients keep the scale they carry, for what a step leaves
-        state.grad_scale = None
+    # grad_scale stays: at O2 the scale the half gradients carry, for what a step leaves; at O1 (the gradients hold
+    # true values now) the scale of the backward that made them, for gradients that backward left on parameters the
+    # optimizer does not hold yet (a group added after the step: rescale.late_grads).
     state.stage = _Stage.UNSCALED
 
 

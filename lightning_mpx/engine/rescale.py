@@ -336,8 +336,8 @@ def resume_stepped(
         state.reset()
         if late:
             state.loss_id, state.grad_scale = loss_id, grad_scale
-        elif grads:
-            state.stage, state.loss_id = _Stage.SKIPPED, loss_id
+        elif grads:  # the scale of their backward kept, for a group added later (late_grads)
+            state.stage, state.loss_id, state.grad_scale = _Stage.SKIPPED, loss_id, grad_scale
         return
     inplace, half = stepped_leftovers(state, master_weights, optimizer)
     if inplace or half:
