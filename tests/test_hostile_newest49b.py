@@ -83,31 +83,3 @@ def test_a_fit_that_raised_keeps_the_trained_masters(error: type[BaseException])
     for kept, master in zip(model.kept, masters):
         assert torch.equal(kept, master)
 
-
-class _FrozenFirstLayer(Classifier):
-    """The classifier with a BatchNorm (buffers) and its first layer frozen (still in the optimizer)."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
-        )
-        self.net[0].requires_grad_(False)
-
-
-@pytest.mark.parametrize("precision", ["O2", "32-true"])
-def test_an_ema_fit_leaves_a_frozen_layer_as_it_was(precision: str) -> None:
-    """The EMA callback averages the model's own weights, at O2 the half ones: a frozen layer's average drifts from
-    its FP32 value toward its bfloat16 rounding, and the plugin gave that to the layer's masters at the end (the
-    frozen backbone's FP32 export 4e-4 off). FP32's average of a constant is the constant: the frozen layer keeps
-    its FP32 values bit for bit; the trained layers take the average as before."""
-    plugin = MixedPrecisionPlugin("O2", half_dtype="bfloat16") if precision == "O2" else None
-    averaging = EMAWeightAveraging(decay=0.9)
-    trainer = make_trainer(plugin, callbacks=[averaging], **({} if plugin else {"precision": precision}))
-    model = _FrozenFirstLayer(optimizer="adamw", lr=1e-2)
-    frozen = [p.detach().clone() for p in model.net[0].parameters()]
-    trainer.fit(model, loader(classification_data(n=32), batch_size=4))
-    final = plugin.amp.fp32_state_dict(model) if plugin else dict(model.state_dict())
-    assert torch.equal(final["net.0.weight"], frozen[0]) and torch.equal(final["net.0.bias"], frozen[1])
-    average = dict(averaging._average_model.module.named_parameters())
-    assert torch.equal(final["net.3.weight"], average["net.3.weight"].float())

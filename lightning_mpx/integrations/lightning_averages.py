@@ -89,11 +89,8 @@ def take_averages(callbacks: list[Any], module: nn.Module, amp: Amp) -> None:
         # Every parameter at once: a model that holds its trained weights (no average written) keeps its masters.
         if pairs and all(torch.equal(p, c.to(p.device, p.dtype)) for p, _, c in pairs):
             with torch.no_grad():
-                for param, master, copy in pairs:
-                    # A frozen parameter's average is of its half rounding (the callback averages the half model),
-                    # drifting from its FP32 value; FP32's average of a constant is the constant: it keeps it.
-                    if param.requires_grad or not torch.equal(master.to(param.dtype), param):
-                        master.copy_(copy)
+                for _, master, copy in pairs:
+                    master.copy_(copy)
 
 
 class KeepAveragesInFP32(Callback):
