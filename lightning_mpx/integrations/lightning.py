@@ -403,8 +403,8 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         self._end_iteration()
         self._range_test.leave(self.amp)
         trainer = trainer_of(self._module) if self._module is not None else None
-        if trainer is not None and trainer.state.fn == "fit" and self._sharded is None:
-            take_averages(trainer.callbacks, self._module, self.amp)  # an average written in at on_train_end
+        if trainer is not None and trainer.state.fn == "fit" and self._sharded is None and not trainer.interrupted:
+            take_averages(trainer.callbacks, self._module, self.amp)  # written in at on_train_end (not if it raised)
         # Every rank tears down: the last steps skipped on the device are settled (their records merged across
         # ranks, logged, their floor applied).
         self.amp.settle_step_outcomes()

@@ -10,6 +10,10 @@ At the end of ``fit`` the callbacks write their FP32 average into the model, whi
 masters would take only the elements whose rounding changed and keep their trained value elsewhere, a value neither
 the average nor the trained weight. :func:`take_averages` gives them the FP32 average, as "bf16-mixed"'s FP32 model
 holds it (``fp32_state_dict``, a checkpoint's masters).
+
+``WeightAveraging`` swaps its average with the model's weights around every validation, through the half model: the
+swap back would leave the average rounded to half. :class:`KeepAveragesInFP32` (added to the Trainer's callbacks by
+:func:`average_in_fp32`) puts the FP32 average back after the validation.
 """
 
 from __future__ import annotations
@@ -24,14 +28,14 @@ from lightning_mpx.engine.amp import Amp
 
 require("lightning.pytorch", extra="lightning", feature="lightning_mpx.MixedPrecisionPlugin")
 
-from lightning.pytorch.callbacks import StochasticWeightAveraging  # noqa: E402
+from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging  # noqa: E402
 
 try:  # Lightning 2.6 and later
     from lightning.pytorch.callbacks import WeightAveraging
 except ImportError:  # an earlier release: only StochasticWeightAveraging averages
     WeightAveraging = None  # type: ignore[assignment,misc]
 
-__all__ = ["average_in_fp32", "take_averages"]
+__all__ = ["KeepAveragesInFP32", "average_in_fp32", "take_averages"]
 
 _AVERAGING = tuple(c for c in (WeightAveraging, StochasticWeightAveraging) if c is not None)
 
@@ -46,7 +50,11 @@ def _averaged_module(callback: Any) -> nn.Module | None:
 
 def average_in_fp32(callbacks: list[Any], module: nn.Module, amp: Amp) -> None:
     """Turn the half parameters of the weight-averaging ``callbacks``' copies of ``module`` into FP32, with the values
-    of ``module``'s FP32 masters (parameters without a master, or already FP32, are left as they are)."""
+    of ``module``'s FP32 masters (parameters without a master, or already FP32, are left as they are); add a
+    :class:`KeepAveragesInFP32` to ``callbacks`` (once) where one of them is a ``WeightAveraging``."""
+    if WeightAveraging is not None and any(isinstance(c, WeightAveraging) for c in callbacks):
+        if not any(isinstance(c, KeepAveragesInFP32) for c in callbacks):
+            callbacks.append(KeepAveragesInFP32())
     for callback in callbacks:
         average = _averaged_module(callback) if isinstance(callback, _AVERAGING) else None
         if average is None:
@@ -83,3 +91,31 @@ def take_averages(callbacks: list[Any], module: nn.Module, amp: Amp) -> None:
             with torch.no_grad():
                 for _, master, copy in pairs:
                     master.copy_(copy)
+
+
+class KeepAveragesInFP32(Callback):
+    """Keeps the FP32 averages of ``WeightAveraging`` callbacks across a validation. The callback swaps its average
+    with the half model's weights at ``on_validation_epoch_start`` and back at ``on_validation_epoch_end``, through
+    ``copy_``: the average comes back rounded to half (an EMA that then stalls, as one kept in half). The FP32 values
+    are taken before (``on_validation_start``) and put back after (``on_validation_end``) where the swap left
+    exactly their rounding."""
+
+    def __init__(self) -> None:
+        self._kept: list[tuple[torch.Tensor, torch.Tensor, torch.dtype]] = []
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._kept = []
+        params = dict(pl_module.named_parameters())
+        for callback in trainer.callbacks:
+            average = _averaged_module(callback) if isinstance(callback, WeightAveraging) else None
+            for name, copy in average.named_parameters() if average is not None else ():
+                param = params.get(name)
+                if param is not None and copy.dtype == torch.float32 and param.dtype != torch.float32:
+                    self._kept.append((copy, copy.detach().clone(), param.dtype))
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        kept, self._kept = self._kept, []
+        with torch.no_grad():
+            for copy, value, dtype in kept:
+                if torch.equal(copy, value.to(dtype).float()):  # the swap's rounding, nothing else wrote it
+                    copy.copy_(value)
