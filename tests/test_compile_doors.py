@@ -5,11 +5,11 @@ the eager ones.
 Found and fixed: compiled after ``fabric.setup`` (as Fabric's docs show in places), the Fabric plugin's code that runs
 inside the compiled forward broke the graph where it read the engine's properties of its parts (C-level attrgetters,
 which dynamo cannot call) and traced its bookkeeping (the masters taken from the set-up model, the iteration's end)
-into the graph, which recompiled at the second step (O1: 3 breaks and a recompile, O2: 8 breaks and a recompile;
-"bf16-mixed": none). At O2 through Fabric, compiled before or after ``fabric.setup``, the half parameters changed
-class (watched for ``.data`` writes) when the optimizer's first step made their masters: a recompile at the second
-step. The counts are dynamo's (``aot_eager``); tests/test_compile_o1.py, tests/test_compile_handoff*.py and
-tests/test_hostile_recompute.py hold the O1 doors the others cover.
+into the graph, which recompiled at the second step (dynamo's counts: O1 3 breaks and a recompile, O2 6 breaks and
+a recompile; "bf16-mixed" none). At O2 through Fabric, compiled before or after ``fabric.setup``, the half
+parameters changed class (watched for ``.data`` writes) when the optimizer's first step made their masters: a
+recompile at the second step. The counts are dynamo's (``aot_eager``); tests/test_compile_o1.py,
+tests/test_compile_handoff*.py and tests/test_hostile_recompute.py hold the O1 doors the others cover.
 """
 
 from __future__ import annotations
