@@ -185,14 +185,14 @@ class Amp(AmpParts):
     def cast_inputs(self, data: Any) -> Any:
         """Floating-point tensors in ``data`` (nested in lists, tuples, dicts) cast to half when the model is (not
         under FSDP, whose root policy casts)."""
-        if not self.properties.casts_model or self.sharded:
+        if not self.properties.casts_model or self._models.sharded:  # the part: dynamo cannot trace the property
             return data
         return _cast_collection(data, self.properties.half_dtype, (torch.float32, torch.float64))
 
     def cast_outputs(self, data: Any) -> Any:
         """Half tensors in ``data`` cast to FP32 when the model is half, so the loss is computed in FP32 (Apex); not
         under FSDP, whose root policy casts."""
-        if not self.properties.casts_model or self.sharded:
+        if not self.properties.casts_model or self._models.sharded:  # the part: dynamo cannot trace the property
             return data
         return _cast_collection(data, torch.float32, (self.properties.half_dtype,))
 

@@ -38,7 +38,8 @@ def _part(path: str, *, doc: str, settable: bool = False, also: tuple[str, ...] 
     """A property of :class:`Amp` that is the attribute at ``path`` of one of its parts (``"_overflows.last"``): the
     parts own their state, and the engine shows it under the names the adapters and tests use (``settable``: a
     write goes to the part, and to the parts' attributes at the paths in ``also``, which hold the same value). Read
-    with a C-level getter: no Python frame."""
+    with a C-level getter: no Python frame; dynamo cannot call one (a graph break), so code that runs inside a
+    compiled forward reads the part itself (``amp._models.sharded``, ``amp.properties.half_dtype``)."""
     targets = [(operator.attrgetter(owner), name) for owner, name in (p.rsplit(".", 1) for p in (path, *also))]
 
     def fset(amp: Any, value: Any) -> None:

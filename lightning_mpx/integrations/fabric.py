@@ -262,11 +262,12 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
 
     def convert_output(self, data: Any) -> Any:
         """A set-up model's outputs: half tensors cast to FP32, so that the loss computed from them runs in FP32."""
-        if self.amp.properties.casts_model:
+        props = self.amp.properties  # not the engine's properties of its parts: dynamo cannot call their getters
+        if props.casts_model:
             return self.amp.cast_outputs(data)
-        if self.amp.opt_level == "O0":
+        if props.opt_level == "O0":
             return data
-        half = self.amp.half_dtype
+        half = props.half_dtype
         return apply_to_collection(data, torch.Tensor, lambda t: t.float() if t.dtype == half else t)
 
     # -- backward ----------------------------------------------------------------------------------------------
@@ -404,9 +405,12 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
     # -- internals ---------------------------------------------------------------------------------------------
     def _begin(self) -> None:
         """At every call that starts work (a forward, a backward, metrics, checkpoints): take new models' masters
-        from the set-up model, and update the scales after the optimizer steps of the iteration that ended."""
-        self._after_setup()
-        self.amp.end_iteration()
+        from the set-up model, and update the scales after the optimizer steps of the iteration that ended. Not in a
+        model compiled after ``fabric.setup`` (traced, it would break the graph or put the update in it): the next
+        eager call (``fabric.backward``, before any use of the scale) does it."""
+        if not torch.compiler.is_compiling():
+            self._after_setup()
+            self.amp.end_iteration()
 
     def _after_setup(self) -> None:
         """At the first call after ``fabric.setup``: hand the engine the models the strategy sharded, and take new

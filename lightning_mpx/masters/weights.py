@@ -125,6 +125,10 @@ class MasterWeights:
                 entry.initial = initial[id(param)]
             if eager and param.requires_grad:
                 self._make_master(entry, param)
+            elif param.dtype in HALF_DTYPES:
+                # Its class now, not when its master is made (the first step of an optimizer met then, under Fabric):
+                # a class changed after torch.compile traced the model fails its guard, a recompile.
+                _watch_data(param, self._watch)
 
     # -- lookups ------------------------------------------------------------------------------------------------
     def _live(self) -> Iterator[tuple[_Entry, torch.Tensor]]:
