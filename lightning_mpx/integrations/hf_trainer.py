@@ -20,10 +20,13 @@ state (loss scales, FP32 masters, skip counters) in the Trainer's checkpoints, s
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import os
 from typing import Any
+
+import torch
 
 from lightning_mpx.common.imports import require
 from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
@@ -113,13 +116,39 @@ class MpxTrainerMixin:
             )
         self.accelerator._load_amp_state([], checkpoint)
 
+    # -- evaluation before training: the model is prepared for training, so that O2's masters start from FP32 ---------
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``evaluation_loop`` (``evaluate``/``predict``). Before any training, the Trainer prepares
+        the model for evaluation only, which at O2 makes it half without keeping its FP32 weights: the masters made
+        when ``train()`` follows would start from their half rounding. A Trainer given a ``train_dataset`` prepares
+        it for training here instead (its FP32 masters made now, from the FP32 weights)."""
+        amp = self.accelerator.amp
+        model = self.model  # type: ignore[attr-defined]
+        if (
+            amp is not None
+            and amp.properties.master_weights
+            and self.train_dataset is not None  # type: ignore[attr-defined]
+            and len(self.accelerator._models) == 0
+            and self.model_wrapped is model  # type: ignore[attr-defined]
+            and not self.is_fsdp_enabled  # type: ignore[attr-defined]
+        ):
+            self.accelerator.prepare_model(model)
+        return super().evaluation_loop(*args, **kwargs)  # type: ignore[misc]
+
     # -- exporting: the FP32 weights training produced, not the O2 model's half copies ----------------------------------
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
         amp = self.accelerator.amp
-        if state_dict is None and amp is not None and amp.master_weights and not amp.sharded:
-            unwrapped = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)  # type: ignore[attr-defined]
+        unwrapped = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)  # type: ignore[attr-defined]
+        fp32 = state_dict is None and amp is not None and amp.properties.master_weights and not amp.sharded
+        if fp32:
             state_dict = amp.fp32_state_dict(unwrapped)
         super()._save(output_dir, state_dict=state_dict)  # type: ignore[misc]
+        config = getattr(unwrapped, "config", None)
+        if fp32 and config is not None and hasattr(config, "save_pretrained"):
+            # save_pretrained names the model's (half) dtype in config.json, which from_pretrained loads in by default.
+            config = copy.deepcopy(config)
+            config.dtype = torch.float32
+            config.save_pretrained(output_dir if output_dir is not None else self.args.output_dir)  # type: ignore[attr-defined]
 
     # -- metrics ------------------------------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
