@@ -75,7 +75,8 @@ def trainer(tmp: Path, level: str | None, config: Any = GPT2, data: Any = None, 
     if level is None:
         return transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[logs]), logs
     cls = cls or mpx_trainer()
-    return cls(model=model, args=args, train_dataset=data, callbacks=[logs], opt_level=level, mpx_kwargs=mpx_kwargs), logs
+    made = cls(model=model, args=args, train_dataset=data, callbacks=[logs], opt_level=level, mpx_kwargs=mpx_kwargs)
+    return made, logs
 
 
 def trained(tmp: Path, level: str | None, **arguments: Any) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
@@ -228,7 +229,8 @@ def test_free_memory_keeps_the_fp32_values_of_a_model_prepared_without_optimizer
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    accelerator = Accelerator(mixed_precision="O2", cpu=True, kwargs_handlers=[MixedPrecisionKwargs(half_dtype="bfloat16")])
+    handlers = [MixedPrecisionKwargs(half_dtype="bfloat16")]
+    accelerator = Accelerator(mixed_precision="O2", cpu=True, kwargs_handlers=handlers)
     accelerator.prepare_model(model)
     accelerator.free_memory()
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))

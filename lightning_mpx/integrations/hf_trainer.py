@@ -58,7 +58,8 @@ class MpxTrainerMixin:
         self, *args: Any, opt_level: str = "O2", mpx_kwargs: MixedPrecisionKwargs | None = None, **kwargs: Any
     ) -> None:
         if opt_level not in OPT_LEVELS:
-            raise ValueError(f"opt_level={opt_level!r} is not valid; valid choices: {', '.join(map(repr, OPT_LEVELS))}.")
+            choices = ", ".join(map(repr, OPT_LEVELS))
+            raise ValueError(f"opt_level={opt_level!r} is not valid; valid choices: {choices}.")
         if mpx_kwargs is not None and not isinstance(mpx_kwargs, MixedPrecisionKwargs):
             raise TypeError(f"mpx_kwargs={type(mpx_kwargs).__name__} is not a MixedPrecisionKwargs.")
         self.mpx_opt_level = opt_level
@@ -76,7 +77,8 @@ class MpxTrainerMixin:
     def create_accelerator_and_postprocess(self) -> None:
         """The Trainer's own set-up, then its Accelerator replaced with lightning_mpx's with the opt level."""
         targs = self.args  # type: ignore[attr-defined]
-        native = [f"{name}=True" for name in ("fp16", "bf16", "fp16_full_eval", "bf16_full_eval") if getattr(targs, name)]
+        flags = ("fp16", "bf16", "fp16_full_eval", "bf16_full_eval")
+        native = [f"{name}=True" for name in flags if getattr(targs, name)]
         if native:
             raise ValueError(
                 f"TrainingArguments({', '.join(native)}) turns on the Trainer's own mixed precision, and "
@@ -135,7 +137,7 @@ class MpxTrainerMixin:
             self.accelerator.prepare_model(model)
         return super().evaluation_loop(*args, **kwargs)  # type: ignore[misc]
 
-    # -- exporting: the FP32 weights training produced, not the O2 model's half copies ----------------------------------
+    # -- exporting: the FP32 weights training produced, not the O2 model's half copies --------------------------------
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
         amp = self.accelerator.amp
         unwrapped = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)  # type: ignore[attr-defined]
