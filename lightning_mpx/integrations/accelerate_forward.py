@@ -145,13 +145,18 @@ def take_over(amp: Amp, model: nn.Module, *, train: bool) -> nn.Module | None:
     forward = target.__dict__.get("forward")
     if not isinstance(forward, AmpForward) or forward._amp is amp:
         return None
-    old, weights = forward._amp, None
+    old, weights = forward._amp, {}
     _refuse_if_still_trained(old, inner)
-    if amp.properties.master_weights and train:
-        # Only masters the old engine made (a copy's forward-only engine has none: its half values are the weights).
-        params = inner.named_parameters()
-        held = {name for name, param in params if param.requires_grad and old.master_of(param) is not param}
-        weights = {k: v for k, v in old.fp32_state_dict(inner).items() if k in held} if held else None
+    if amp.properties.master_weights and train and not old.sharded:  # FSDP: its sharded FP32 parameters
+        # The old engine's FP32 values where they hold more than the half weights: its masters, and the FP32 values it
+        # kept for masters not made yet (a model prepared for training before any optimizer). A copy's forward-only
+        # engine has neither: its half values are the weights.
+        fp32 = old.fp32_state_dict(inner)
+        weights = {
+            name: fp32[name]
+            for name, param in inner.named_parameters()
+            if param.requires_grad and name in fp32 and not torch.equal(fp32[name], param.detach().float())
+        }
     target.forward = target.__dict__.pop("_original_forward", forward._forward)
     amp.prepare_model(inner, train=train)
     install_forward(amp, inner)

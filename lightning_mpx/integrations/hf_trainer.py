@@ -1,0 +1,183 @@
+"""``transformers.Trainer`` on the Accelerate adapter: ``MpxTrainer(model, args, opt_level="O2")``.
+
+The Trainer builds its own ``accelerate.Accelerator`` in ``create_accelerator_and_postprocess``. The mixin
+:class:`MpxTrainerMixin` lets it do so (with its gradient-accumulation plugin, dataloader configuration, FSDP
+plugin and DDP kwargs unchanged), then replaces it with a :class:`~lightning_mpx.integrations.accelerate.Accelerator`
+built from the same arguments with the opt level, before the Trainer prepares anything. It also carries the engine's
+state (loss scales, FP32 masters, skip counters) in the Trainer's checkpoints, saves the FP32 weights at O2, and adds
+``mpx/loss_scale``, ``mpx/overflows``, ... to the Trainer's training logs::
+
+    from transformers import Trainer, TrainingArguments
+    from lightning_mpx.accelerate import MpxTrainerMixin
+
+    class MpxTrainer(MpxTrainerMixin, Trainer):
+        pass
+
+    trainer = MpxTrainer(model=model, args=TrainingArguments(...), train_dataset=data, opt_level="O2")
+
+:func:`mpx_trainer` makes that class for any ``Trainer`` subclass (``mpx_trainer(Seq2SeqTrainer)``).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import os
+from typing import Any
+
+import torch
+
+from lightning_mpx.common.imports import require
+from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
+from lightning_mpx.integrations.accelerate_checkpoint import AMP_STATE_NAME
+from lightning_mpx.integrations.metric_counts import LOG_READER
+from lightning_mpx.opt_levels import OPT_LEVELS
+
+__all__ = ["MpxTrainerMixin", "mpx_trainer"]
+
+
+class MpxTrainerMixin:
+    """Put before ``transformers.Trainer`` (or a subclass) in a class's bases to train with an opt level.
+
+    Args:
+        *args: Passed to the Trainer.
+        opt_level: ``"O0"`` to ``"O3"``.
+        mpx_kwargs: The opt level's settings (``half_dtype``, loss-scaler settings, ``log_metrics``, ...); ``None``
+            for the defaults.
+        **kwargs: Passed to the Trainer.
+
+    Raises:
+        ValueError: for an unknown ``opt_level``, or ``TrainingArguments(fp16=True)``/``bf16=True`` (and their
+            ``*_full_eval``), which turn on Accelerate's own mixed precision besides the opt level.
+    """
+
+    accelerator: Accelerator
+
+    def __init__(
+        self, *args: Any, opt_level: str = "O2", mpx_kwargs: MixedPrecisionKwargs | None = None, **kwargs: Any
+    ) -> None:
+        if opt_level not in OPT_LEVELS:
+            choices = ", ".join(map(repr, OPT_LEVELS))
+            raise ValueError(f"opt_level={opt_level!r} is not valid; valid choices: {choices}.")
+        if mpx_kwargs is not None and not isinstance(mpx_kwargs, MixedPrecisionKwargs):
+            raise TypeError(f"mpx_kwargs={type(mpx_kwargs).__name__} is not a MixedPrecisionKwargs.")
+        self.mpx_opt_level = opt_level
+        self.mpx_kwargs = mpx_kwargs
+        super().__init__(*args, **kwargs)  # the Trainer calls create_accelerator_and_postprocess in here
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        args: dict[str, Any] = super()._build_accelerator_args(**kwargs)  # type: ignore[misc]
+        # The Trainer builds Accelerate's own Accelerator from these first: without mixed precision (the opt level
+        # decides); ACCELERATE_MIXED_PRECISION=O2 would give it a value it does not know.
+        args["mixed_precision"] = "no"
+        self._mpx_accelerator_args = dict(args)
+        return args
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's own set-up, then its Accelerator replaced with lightning_mpx's with the opt level."""
+        targs = self.args  # type: ignore[attr-defined]
+        flags = ("fp16", "bf16", "fp16_full_eval", "bf16_full_eval")
+        native = [f"{name}=True" for name in flags if getattr(targs, name)]
+        if native:
+            raise ValueError(
+                f"TrainingArguments({', '.join(native)}) turns on the Trainer's own mixed precision, and "
+                f"opt_level={self.mpx_opt_level!r} turns on lightning_mpx's: use one. Drop {', '.join(native)} to "
+                "train with the opt level (set its dtype with mpx_kwargs=MixedPrecisionKwargs(half_dtype=...)), or "
+                "use transformers.Trainer without the mixin."
+            )
+        super().create_accelerator_and_postprocess()  # type: ignore[misc]
+        args = dict(self._mpx_accelerator_args)
+        handlers = list(args.pop("kwargs_handlers", None) or [])
+        if self.mpx_kwargs is not None:
+            handlers.append(self.mpx_kwargs)
+        args["mixed_precision"] = self.mpx_opt_level
+        # Accelerate's process and gradient states are shared singletons: this one sees the Trainer's set-up.
+        self.accelerator = Accelerator(**args, kwargs_handlers=handlers)
+        self.gather_function = self.accelerator.gather_for_metrics
+        if "use_gather_object" in inspect.signature(self.gather_function).parameters:
+            self.gather_function = functools.partial(
+                self.gather_function, use_gather_object=targs.eval_use_gather_object
+            )
+
+    # -- checkpoints: the Trainer saves and loads its own GradScaler here; the engine's state goes with it ----------
+    def _save_scaler(self, output_dir: str) -> None:
+        super()._save_scaler(output_dir)  # type: ignore[misc]
+        if self.accelerator.amp is not None:
+            self.accelerator._save_amp_state([], [], output_dir)
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        super()._load_scaler(checkpoint)  # type: ignore[misc]
+        if checkpoint is None or self.accelerator.amp is None:
+            return
+        if not os.path.isfile(os.path.join(checkpoint, AMP_STATE_NAME)):
+            raise FileNotFoundError(
+                f"resume_from_checkpoint={checkpoint!r} has no {AMP_STATE_NAME}: it was not saved with an opt level, "
+                f"so the loss scale and FP32 masters of opt_level={self.mpx_opt_level!r} cannot be restored. To start "
+                "from its weights only, load them with from_pretrained and train without resume_from_checkpoint."
+            )
+        self.accelerator._load_amp_state([], checkpoint)
+
+    # -- evaluation before training: the model is prepared for training, so that O2's masters start from FP32 ---------
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``evaluation_loop`` (``evaluate``/``predict``). Before any training, the Trainer prepares
+        the model for evaluation only, which at O2 makes it half without keeping its FP32 weights: the masters made
+        when ``train()`` follows would start from their half rounding. A Trainer given a ``train_dataset`` prepares
+        it for training here instead (its FP32 masters made now, from the FP32 weights)."""
+        amp = self.accelerator.amp
+        model = self.model  # type: ignore[attr-defined]
+        if (
+            amp is not None
+            and amp.properties.master_weights
+            and self.train_dataset is not None  # type: ignore[attr-defined]
+            and len(self.accelerator._models) == 0
+            and self.model_wrapped is model  # type: ignore[attr-defined]
+            and not self.is_fsdp_enabled  # type: ignore[attr-defined]
+        ):
+            self.accelerator.prepare_model(model)
+        return super().evaluation_loop(*args, **kwargs)  # type: ignore[misc]
+
+    # -- exporting: the FP32 weights training produced, not the O2 model's half copies --------------------------------
+    def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
+        amp = self.accelerator.amp
+        unwrapped = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)  # type: ignore[attr-defined]
+        fp32 = state_dict is None and amp is not None and amp.properties.master_weights and not amp.sharded
+        if fp32:
+            state_dict = amp.fp32_state_dict(unwrapped)
+        super()._save(output_dir, state_dict=state_dict)  # type: ignore[misc]
+        config = getattr(unwrapped, "config", None)
+        if fp32 and config is not None and hasattr(config, "save_pretrained"):
+            # save_pretrained names the model's (half) dtype in config.json, which from_pretrained loads in by default.
+            config = copy.deepcopy(config)
+            config.dtype = torch.float32
+            config.save_pretrained(output_dir if output_dir is not None else self.args.output_dir)  # type: ignore[attr-defined]
+
+    # -- metrics ------------------------------------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's ``log``; a training log (one with ``"loss"``) also gets the engine's metrics since the
+        previous one (``mpx/loss_scale``, ``mpx/overflows``, ``mpx/skipped_steps``, ...), unless
+        ``MixedPrecisionKwargs(log_metrics=False)``; the Trainer's own values win on a name clash."""
+        accelerator = self.accelerator
+        if (
+            "loss" in logs
+            and accelerator.amp is not None
+            and accelerator.mpx_kwargs is not None
+            and accelerator.mpx_kwargs.log_metrics
+            and accelerator.is_main_process
+        ):
+            logs = {**accelerator._read_mpx_metrics(LOG_READER), **logs}
+        super().log(logs, *args, **kwargs)  # type: ignore[misc]
+
+
+def mpx_trainer(trainer_cls: type | None = None) -> type:
+    """``trainer_cls`` (``transformers.Trainer`` by default, or a subclass of it) with :class:`MpxTrainerMixin`:
+    ``mpx_trainer()(model=model, args=args, train_dataset=data, opt_level="O2")``.
+
+    Raises:
+        TypeError: ``trainer_cls`` is not a subclass of ``transformers.Trainer``.
+    """
+    transformers = require("transformers", feature="lightning_mpx.accelerate.mpx_trainer")
+    base = transformers.Trainer if trainer_cls is None else trainer_cls
+    if not (isinstance(base, type) and issubclass(base, transformers.Trainer)):
+        raise TypeError(f"trainer_cls={base!r} is not a subclass of transformers.Trainer.")
+    return type(f"Mpx{base.__name__}", (MpxTrainerMixin, base), {"__module__": base.__module__})
