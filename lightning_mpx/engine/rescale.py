@@ -50,8 +50,10 @@ def grad_marks(
     """Identity and version of each half parameter's gradient (``None`` where it has none), in pair order;
     ``optimizer``: the state's, when the caller holds it (a step does)."""
     param_pairs(state, master_weights, optimizer=optimizer)
-    params = state.pair_params
-    return tuple(None if (g := params[i].grad) is None else (id(g), g._version) for i in state.mastered)
+    grads = list(map(_GRAD, map(state.pair_params.__getitem__, state.mastered)))
+    if all(map(_SOME, grads)):  # the usual case, by C-level maps (no Python per parameter)
+        return tuple(zip(map(id, grads), map(_VERSION, grads)))
+    return tuple(None if g is None else (id(g), g._version) for g in grads)
 
 
 def follow_cleared_grads(
