@@ -20,6 +20,7 @@ such a step, done when it is read and where every rank is. Which path an optimiz
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any, Callable
 
 import torch
@@ -34,6 +35,17 @@ from lightning_mpx.health.forensics import OverflowForensics
 from lightning_mpx.masters.swap import drop_master_grads, step_on_masters
 
 Reducer = Callable[[torch.Tensor], None]
+_SCALE_TENSOR = operator.attrgetter("scale_tensor")
+
+
+def without_casts(call: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)`` inside :func:`~lightning_mpx.casting.policy.casts_off_if_on`'s context when a
+    torch-function mode or ``torch.autocast`` is on (a backward or step called inside ``forward_context()``), else
+    as it is: the usual loop pays one call here, not the four of a context that does nothing."""
+    if torch._C._len_torch_function_stack() or torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+        with casts_off_if_on():
+            return call(*args, **kwargs)
+    return call(*args, **kwargs)
 
 
 class OptimizerStep:
@@ -68,7 +80,7 @@ class OptimizerStep:
         self.master_of = master_of
         self.skip_on_device = skip_on_device
         self.steps = 0
-        self.pending = PendingSteps(self.examine, self.settle)
+        self.pending = PendingSteps(self.examine, self.settle, forensics.watch)
 
     def step(
         self,
@@ -91,7 +103,10 @@ class OptimizerStep:
                 "closure: loss scaling cannot re-run a closure inside the optimizer step; run the closure first, "
                 "then call step() without it."
             )
-        on_device = self._on_device(optimizer, state)
+        # decided at the first step and when the number of groups changes (_on_device): a comparison per step
+        on_device = state.on_device if state.decided_groups == len(optimizer.param_groups) else self._on_device(
+            optimizer, state
+        )
         if self.pending.steps:
             # Every rank is here: their records are merged now. A step on the device leaves those of the iteration
             # under way pending (it does not wait for another optimizer's step); a host read waits for the device up
@@ -109,8 +124,8 @@ class OptimizerStep:
                 return False
             if self.forensics.watch.active:
                 self.forensics.stepped()  # an automatic watch ends with the first step that does not overflow
-            with casts_off_if_on():  # called inside forward_context(): the optimizer runs in its own dtypes
-                self._take_step(optimizer, state, step_kwargs, compare)
+            # called inside forward_context(): the optimizer runs in its own dtypes
+            without_casts(self._take_step, optimizer, state, step_kwargs, compare)
         except BaseException:
             self.machine.keep_marks(state)  # the step did not finish (an optimizer's error, an interrupt)
             raise
@@ -221,19 +236,19 @@ class OptimizerStep:
         found = flags if flags.dim() == 0 else flags.amax() if len(loss_ids) > 1 else flags.reshape(())
         outcome = StepOutcome(self.pending.read)
         pending = PendingStep.behind(
-            optimizer, loss_ids, flags, [self.machine.scalers[i].scale_tensor for i in loss_ids],
+            optimizer, loss_ids, flags, list(map(_SCALE_TENSOR, map(self.machine.scalers.__getitem__, loss_ids))),
             step=self.steps - 1, iteration=iteration, gather=reducer is not None or self.machine.sharding is not None,
             outcome=outcome,
         )
         pending.shared = state.shared_overflow
         try:
-            with casts_off_if_on():  # called inside forward_context(): the optimizer runs in its own dtypes
-                self._take_step(optimizer, state, step_kwargs, compare, found_inf=found)
+            # called inside forward_context(): the optimizer runs in its own dtypes
+            without_casts(self._take_step, optimizer, state, step_kwargs, compare, found_inf=found)
         except BaseException:
             self.machine.keep_marks(state)  # the step did not finish (an optimizer's error, an interrupt)
             raise
         after_step(state, optimizer, masters=bool(self.machine.masters.weights))
-        self.pending.add(pending)
+        self.pending.steps.append(pending)  # PendingSteps.add, written out
         if self.forensics.watch.active:
             # The forward watch's record is of this step's forward, which the next forward replaces: settle it now
             # (every rank is in this step).

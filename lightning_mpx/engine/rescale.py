@@ -299,7 +299,11 @@ def rescale_stepped(
     """Before a backward of ``new_loss_id``: bring the gradients a step left (and the user kept) to its scale, as
     FP32 adds the backward to them; READY after. The usual loop (cleared) pays C-level maps, no Python per parameter."""
     optimizer = state.optimizer_ref()
-    grads = [] if optimizer is None or state.stepped_marks is None else present_grads(optimizer)
+    grads: list[torch.Tensor] = []
+    if optimizer is not None and state.stepped_marks is not None:  # present_grads, written out
+        params = itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups))
+        with torch._C.DisableTorchFunction():  # as in present_grads
+            grads = list(filter(_SOME, map(_GRAD, params)))
     if grads and not _all_cleared(state, grads, optimizer):  # type: ignore[arg-type]
         inplace, half = stepped_leftovers(state, master_weights, optimizer)  # type: ignore[arg-type]
         device = (inplace or half or grads)[0].device
