@@ -187,6 +187,8 @@ class Amp(AmpParts):
         under FSDP, whose root policy casts)."""
         if not self.properties.casts_model or self.sharded:
             return data
+        if type(data) is torch.Tensor:  # _cast_collection's usual case, without its call
+            return data.to(self.properties.half_dtype) if data.dtype in (torch.float32, torch.float64) else data
         return _cast_collection(data, self.properties.half_dtype, (torch.float32, torch.float64))
 
     def cast_outputs(self, data: Any) -> Any:
@@ -194,6 +196,8 @@ class Amp(AmpParts):
         under FSDP, whose root policy casts."""
         if not self.properties.casts_model or self.sharded:
             return data
+        if type(data) is torch.Tensor:  # _cast_collection's usual case, without its call
+            return data.to(torch.float32) if data.dtype == self.properties.half_dtype else data
         return _cast_collection(data, torch.float32, (self.properties.half_dtype,))
 
     # -- backward -----------------------------------------------------------------------------------------------
@@ -217,7 +221,8 @@ class Amp(AmpParts):
 
     def backward(self, loss: torch.Tensor, loss_id: int = 0, **backward_kwargs: Any) -> None:
         """``scale_loss(loss, loss_id).backward(**backward_kwargs)`` inside :meth:`backward_context`."""
-        scaled = self.scale_loss(backward_loss(loss, backward_kwargs), loss_id)
+        usual = type(loss) is torch.Tensor and loss.requires_grad and loss.numel() == 1 and loss.is_floating_point()
+        scaled = self.scale_loss(loss if usual else backward_loss(loss, backward_kwargs), loss_id)  # else: refused
         if self.policy is None:
             scaled.backward(**backward_kwargs)
             return

@@ -114,7 +114,29 @@ class OptimizerStep:
             self.pending.settle(before=iteration if on_device else None)
         self.steps += 1
         if on_device:
-            return self._step_on_device(optimizer, state, step_kwargs, reducer, iteration, compare)
+            # The step skipped on the device: the flags to the optimizer's step, their host copy queued behind it.
+            loss_ids, flags = self.machine.check_on_device(state, optimizer, reducer)
+            found = flags if flags.dim() == 0 else flags.amax() if len(loss_ids) > 1 else flags.reshape(())
+            outcome = StepOutcome(self.pending.read)
+            scales = list(map(_SCALE_TENSOR, map(self.machine.scalers.__getitem__, loss_ids)))
+            gather = reducer is not None or self.machine.sharding is not None
+            pending = PendingStep.behind(
+                optimizer, loss_ids, flags, scales, step=self.steps - 1, iteration=iteration, gather=gather,
+                outcome=outcome,
+            )
+            pending.shared = state.shared_overflow
+            try:
+                self._take_step(optimizer, state, step_kwargs, compare, found_inf=found)
+            except BaseException:
+                self.machine.keep_marks(state)  # the step did not finish (an optimizer's error, an interrupt)
+                raise
+            after_step(state, optimizer, masters=bool(self.machine.masters.weights))
+            self.pending.steps.append(pending)  # PendingSteps.add, written out
+            if self.forensics.watch.active:
+                # The forward watch's record is of this step's forward, which the next forward replaces: settle it
+                # now (every rank is in this step).
+                self.pending.settle()
+            return outcome
         # Unscale and check the gradients (or shards), the flags reduced once across ranks, read, counted.
         overflowed = self.machine.check(state, optimizer, reducer)
         try:
@@ -124,8 +146,7 @@ class OptimizerStep:
                 return False
             if self.forensics.watch.active:
                 self.forensics.stepped()  # an automatic watch ends with the first step that does not overflow
-            # called inside forward_context(): the optimizer runs in its own dtypes
-            without_casts(self._take_step, optimizer, state, step_kwargs, compare)
+            self._take_step(optimizer, state, step_kwargs, compare)
         except BaseException:
             self.machine.keep_marks(state)  # the step did not finish (an optimizer's error, an interrupt)
             raise
@@ -157,11 +178,18 @@ class OptimizerStep:
         step_kwargs: dict[str, Any],
         compare: bool,
         found_inf: torch.Tensor | None = None,
+        casts_off: bool = False,
     ) -> None:
         """``optimizer.step(**step_kwargs)``, on the FP32 masters at O2 (the model's writes taken before, the result
         copied back after). ``found_inf``: the overflow flag (1.0 on overflow) handed to an optimizer that skips on
         the device (``_step_supports_amp_scaling``), with no scale set, the gradients being unscaled already: the
-        attributes torch's fused optimizers read, set and deleted as ``GradScaler.step`` does."""
+        attributes torch's fused optimizers read, set and deleted as ``GradScaler.step`` does.
+
+        Called inside ``forward_context()`` (a torch-function mode or autocast on: ``without_casts``' check, written
+        out), it runs again with the casts off (``casts_off``): the optimizer runs in its own dtypes."""
+        mode_on = torch._C._len_torch_function_stack() or torch.is_autocast_enabled("cpu")
+        if not casts_off and (mode_on or torch.is_autocast_enabled("cuda")):
+            return without_casts(self._take_step, optimizer, state, step_kwargs, compare, found_inf, True)
         if found_inf is not None:
             optimizer.grad_scale = None  # type: ignore[attr-defined]
             optimizer.found_inf = found_inf  # type: ignore[attr-defined]
@@ -221,39 +249,6 @@ class OptimizerStep:
                 state.on_device = False
             state.decided_groups = groups
         return state.on_device
-
-    def _step_on_device(
-        self,
-        optimizer: torch.optim.Optimizer,
-        state: _OptimizerState,
-        step_kwargs: dict[str, Any],
-        reducer: Reducer | None,
-        iteration: int,
-        compare: bool,
-    ) -> StepOutcome:
-        """The step skipped on the device: the flags to the optimizer's step, their host copy queued behind it."""
-        loss_ids, flags = self.machine.check_on_device(state, optimizer, reducer)
-        found = flags if flags.dim() == 0 else flags.amax() if len(loss_ids) > 1 else flags.reshape(())
-        outcome = StepOutcome(self.pending.read)
-        pending = PendingStep.behind(
-            optimizer, loss_ids, flags, list(map(_SCALE_TENSOR, map(self.machine.scalers.__getitem__, loss_ids))),
-            step=self.steps - 1, iteration=iteration, gather=reducer is not None or self.machine.sharding is not None,
-            outcome=outcome,
-        )
-        pending.shared = state.shared_overflow
-        try:
-            # called inside forward_context(): the optimizer runs in its own dtypes
-            without_casts(self._take_step, optimizer, state, step_kwargs, compare, found_inf=found)
-        except BaseException:
-            self.machine.keep_marks(state)  # the step did not finish (an optimizer's error, an interrupt)
-            raise
-        after_step(state, optimizer, masters=bool(self.machine.masters.weights))
-        self.pending.steps.append(pending)  # PendingSteps.add, written out
-        if self.forensics.watch.active:
-            # The forward watch's record is of this step's forward, which the next forward replaces: settle it now
-            # (every rank is in this step).
-            self.pending.settle()
-        return outcome
 
     def examine(self, pending: PendingStep) -> None:
         """What :meth:`step` does on the host after its read on this process alone, for a step skipped on the

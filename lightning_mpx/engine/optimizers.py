@@ -11,6 +11,8 @@ losses that overflowed; what happens on an overflow (the record, the log, the fl
 
 from __future__ import annotations
 
+import itertools
+import operator
 import weakref
 from typing import Any, Sequence
 
@@ -37,6 +39,9 @@ from lightning_mpx.masters.store import Masters
 from lightning_mpx.masters.swap import mirrors, state_to_params
 from lightning_mpx.masters.weights import Mirror
 from lightning_mpx.scaling.scaler import LossScaler
+
+_PARAMS = operator.itemgetter("params")
+_GRAD = operator.attrgetter("grad")
 
 
 class StepMachine:
@@ -195,7 +200,16 @@ class StepMachine:
         :meth:`Amp.scale_loss <lightning_mpx.engine.amp.Amp.scale_loss>`)."""
         for state in self.optimizers.values():
             if state.stage is _Stage.STEPPED:  # what a step left, unless cleared since (the usual loop: nothing)
-                rescale_stepped(state, loss_id, self.scalers, self.masters.weights, self.backend)
+                optimizer = state.optimizer_ref()
+                groups = optimizer.param_groups if optimizer is not None else ()
+                with torch._C.DisableTorchFunction():  # as rescale.present_grads; C-level maps, no Python per param
+                    params = itertools.chain.from_iterable(map(_PARAMS, groups))
+                    kept = any(map(operator.is_not, map(_GRAD, params), itertools.repeat(None)))
+                if kept:
+                    rescale_stepped(state, loss_id, self.scalers, self.masters.weights, self.backend)
+                else:  # rescale_stepped's usual case (every gradient cleared since the step), written out
+                    state.reset()
+                    state.loss_id = loss_id
             elif state.stage is not _Stage.READY:
                 if state.stage is _Stage.UNSCALED:
                     self.record_found(state.found_by_loss)  # an overflow seen by unscale_() counts toward update()

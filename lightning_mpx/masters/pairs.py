@@ -144,8 +144,15 @@ def grad_pairs(
     empty buffer and a copy into it take two). ``refuse_sparse(param)`` raises for a parameter with a sparse
     gradient.
     """
-    # once per step: a parameter unfrozen in place
-    pairs = param_pairs(state, master_weights, recheck=True, optimizer=optimizer)
+    # once per step: a parameter unfrozen in place (param_pairs' cache check, written out: its usual case)
+    lists = list(map(_PARAMS, optimizer.param_groups))
+    if (
+        state.swapped is not None
+        or tuple(zip(map(id, lists), map(len, lists))) != state.pairs_key
+        or (state.unmastered and _any_needs_master(state.unmastered))
+    ):
+        param_pairs(state, master_weights, recheck=True, optimizer=optimizer)
+    pairs = state.pairs
     # The usual step, every master's parameter with a dense gradient, read with C-level maps; a parameter's own
     # gradient is its master's (the master is the parameter), and a master of its own gets a new FP32 gradient. A
     # parameter that is its own master and has no gradient (a frozen base the optimizer holds, as a LoRA fine-tune's
