@@ -29,7 +29,7 @@ from lightning_mpx.engine.amp_parts import AmpParts
 from lightning_mpx.engine.checkpoint import _engine_entry
 from lightning_mpx.engine.clipping import clip_norm, clip_value_, show_unscaled
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, backward_loss, loss_index
-from lightning_mpx.engine.optimizer_step import without_casts
+from lightning_mpx.engine.optimizer_step import AUTOCAST_DEVICES, without_casts
 from lightning_mpx.engine.outcome import StepOutcome
 from lightning_mpx.engine.overflow import DEFAULT_READER, check_readers_state
 
@@ -227,7 +227,10 @@ class Amp(AmpParts):
             scaled.backward(**backward_kwargs)
             return
         # inside forward_context() the backward is not the forward's to cast; backward_context(), without the hook
-        without_casts(self.policy.backward, scaled, **backward_kwargs)
+        if torch._C._len_torch_function_stack() or any(map(torch.is_autocast_enabled, AUTOCAST_DEVICES)):
+            without_casts(self.policy.backward, scaled, **backward_kwargs)
+        else:  # the usual case (without_casts' check, written out)
+            self.policy.backward(scaled, **backward_kwargs)
 
     def backward_context(self, *, create_graph: bool = False) -> ContextManager[Any]:
         """The scope of a backward pass (``create_graph``: it builds a graph): activation checkpointing recomputes

@@ -36,13 +36,17 @@ from lightning_mpx.masters.swap import drop_master_grads, step_on_masters
 
 Reducer = Callable[[torch.Tensor], None]
 _SCALE_TENSOR = operator.attrgetter("scale_tensor")
+#: The devices whose ``torch.autocast`` :func:`without_casts` looks at (as ``casts_off_if_on``): a caller that tells
+#: ``torch._C._len_torch_function_stack() or any(map(torch.is_autocast_enabled, AUTOCAST_DEVICES))`` (C calls only)
+#: is false calls without it, the usual case at no Python call.
+AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 def without_casts(call: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """``call(*args, **kwargs)`` inside :func:`~lightning_mpx.casting.policy.casts_off_if_on`'s context when a
     torch-function mode or ``torch.autocast`` is on (a backward or step called inside ``forward_context()``), else
     as it is: the usual loop pays one call here, not the four of a context that does nothing."""
-    if torch._C._len_torch_function_stack() or torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+    if torch._C._len_torch_function_stack() or any(map(torch.is_autocast_enabled, AUTOCAST_DEVICES)):
         with casts_off_if_on():
             return call(*args, **kwargs)
     return call(*args, **kwargs)
@@ -187,8 +191,8 @@ class OptimizerStep:
 
         Called inside ``forward_context()`` (a torch-function mode or autocast on: ``without_casts``' check, written
         out), it runs again with the casts off (``casts_off``): the optimizer runs in its own dtypes."""
-        mode_on = torch._C._len_torch_function_stack() or torch.is_autocast_enabled("cpu")
-        if not casts_off and (mode_on or torch.is_autocast_enabled("cuda")):
+        casts_on = torch._C._len_torch_function_stack() or any(map(torch.is_autocast_enabled, AUTOCAST_DEVICES))
+        if casts_on and not casts_off:
             return without_casts(self._take_step, optimizer, state, step_kwargs, compare, found_inf, True)
         if found_inf is not None:
             optimizer.grad_scale = None  # type: ignore[attr-defined]
