@@ -124,11 +124,10 @@ class OptimizerStep:
             outcome = StepOutcome(self.pending.read)
             scales = list(map(_SCALE_TENSOR, map(self.machine.scalers.__getitem__, loss_ids)))
             gather = reducer is not None or self.machine.sharding is not None
-            pending = PendingStep.behind(
+            pending = PendingStep(
                 optimizer, loss_ids, flags, scales, step=self.steps - 1, iteration=iteration, gather=gather,
-                outcome=outcome,
+                outcome=outcome, shared=state.shared_overflow,
             )
-            pending.shared = state.shared_overflow
             try:
                 self._take_step(optimizer, state, step_kwargs, compare, found_inf=found)
             except BaseException:

@@ -45,7 +45,7 @@ def device_skip_refusal(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
-@dataclass
+@dataclass(init=False)
 class PendingStep:
     """One step handed to the device with its flag, until the host reads what it did and settles it.
 
@@ -79,9 +79,8 @@ class PendingStep:
     examined: OverflowRecord | None = None
     shared: bool = False  # the overflow was charged to it by Amp.share_overflow
 
-    @classmethod
-    def behind(
-        cls,
+    def __init__(
+        self,
         optimizer: torch.optim.Optimizer,
         loss_ids: list[int],
         flags: torch.Tensor,
@@ -91,9 +90,11 @@ class PendingStep:
         iteration: int,
         gather: bool,
         outcome: StepOutcome,
-    ) -> PendingStep:
+        shared: bool = False,
+    ) -> None:
         """The pending step of ``flags`` (one per loss) and the loss ``scales`` now, copied to the host behind the
-        work queued so far (one kernel and one copy on CUDA; no wait)."""
+        work queued so far (one kernel and one copy on CUDA; no wait). Its own constructor (not a classmethod over
+        the dataclass's): one Python call a step."""
         if flags.dim() == 0:  # one loss: its flag and its scale, one kernel
             values = torch.stack([flags, scales[0]])
         else:
@@ -105,7 +106,9 @@ class PendingStep:
             ready = torch.cuda.Event()
             ready.record()
             values = host
-        return cls(weakref.ref(optimizer), loss_ids, values, ready, step, iteration, gather, outcome)
+        self.optimizer, self.loss_ids, self.values, self.ready = weakref.ref(optimizer), loss_ids, values, ready
+        self.step, self.iteration, self.gather, self.outcome = step, iteration, gather, outcome
+        self.overflowed, self.scales, self.examined, self.shared = None, None, None, shared
 
     def read(self) -> None:
         """Read the losses that overflowed and every loss's scale at the step into :attr:`overflowed` and

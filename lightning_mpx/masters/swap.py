@@ -18,7 +18,7 @@ import torch
 
 from lightning_mpx.engine.optimizer_state import _OptimizerState
 from lightning_mpx.masters.pairs import param_pairs
-from lightning_mpx.masters.weights import MasterWeights, Mirror
+from lightning_mpx.masters.weights import MasterWeights, Mirror, step_mirrored
 
 _PARAMS = operator.itemgetter("params")
 
@@ -55,13 +55,10 @@ def step_on_masters(
     state.swapped = swapped = list(map(_PARAMS, groups))
     for group, masters in zip(groups, state.group_masters):
         group["params"] = masters
-    # step_mirrored, swap_out and drop_master_grads written out: a call each saved at every step (host-bound loops)
+    # swap_out and drop_master_grads written out: a call each saved at every step (host-bound loops); the mirrors'
+    # module is entered once (step_mirrored), as every module of a step (benchmarks/step_walk.py)
     try:
-        for view in views:
-            view.take_writes()
-        step()
-        for view in views:
-            view.copy_to_model()
+        step_mirrored(views, step)
     finally:
         for group, params in zip(optimizer.param_groups, swapped):  # by position, as swap_out
             group["params"] = params
