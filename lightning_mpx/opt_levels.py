@@ -6,6 +6,7 @@ refuses combinations that cannot work together, with a message that says why.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
@@ -121,7 +122,7 @@ class Properties:
             text += f" Overrides: {', '.join(changed)}."
         return text
 
-    @property
+    @functools.cached_property  # read at every forward's input and output casts: a dict lookup after the first
     def casts_model(self) -> bool:
         """Whether the model's parameters are cast to the half dtype."""
         return self.cast_model_type == self.half_dtype

@@ -24,12 +24,12 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
-from lightning_mpx.casting.policy import casts_off_if_on
 from lightning_mpx.common.containers import _cast_collection
 from lightning_mpx.engine.amp_parts import AmpParts
 from lightning_mpx.engine.checkpoint import _engine_entry
 from lightning_mpx.engine.clipping import clip_norm, clip_value_, show_unscaled
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, backward_loss, loss_index
+from lightning_mpx.engine.optimizer_step import AUTOCAST_DEVICES, without_casts
 from lightning_mpx.engine.outcome import StepOutcome
 from lightning_mpx.engine.overflow import DEFAULT_READER, check_readers_state
 
@@ -187,6 +187,8 @@ class Amp(AmpParts):
         under FSDP, whose root policy casts)."""
         if not self.properties.casts_model or self._models.sharded:  # the part: dynamo cannot trace the property
             return data
+        if type(data) is torch.Tensor:  # _cast_collection's usual case, without its call
+            return data.to(self.properties.half_dtype) if data.dtype in (torch.float32, torch.float64) else data
         return _cast_collection(data, self.properties.half_dtype, (torch.float32, torch.float64))
 
     def cast_outputs(self, data: Any) -> Any:
@@ -194,6 +196,8 @@ class Amp(AmpParts):
         under FSDP, whose root policy casts."""
         if not self.properties.casts_model or self._models.sharded:  # the part: dynamo cannot trace the property
             return data
+        if type(data) is torch.Tensor:  # _cast_collection's usual case, without its call
+            return data.to(torch.float32) if data.dtype == self.properties.half_dtype else data
         return _cast_collection(data, torch.float32, (self.properties.half_dtype,))
 
     # -- backward -----------------------------------------------------------------------------------------------
@@ -205,7 +209,7 @@ class Amp(AmpParts):
         Bringing them over checks them (but for what a step left, whose check that step made): a non-finite value
         found then is charged to the loss it came from, and the optimizer's next :meth:`step` is skipped even if the
         gradients are zeroed before it (as after :meth:`unscale_`: a check made decides the step)."""
-        loss_id = self._loss_index(loss_id)
+        loss_id = loss_id if type(loss_id) is int and 0 <= loss_id < len(self.scalers) else self._loss_index(loss_id)
         # the steps skipped on the device in earlier iterations, settled before new gradients come
         if self._pending.steps:
             self._pending.settle(before=self.iteration.index)  # every rank is here: their records are merged now
@@ -217,12 +221,16 @@ class Amp(AmpParts):
 
     def backward(self, loss: torch.Tensor, loss_id: int = 0, **backward_kwargs: Any) -> None:
         """``scale_loss(loss, loss_id).backward(**backward_kwargs)`` inside :meth:`backward_context`."""
-        scaled = self.scale_loss(backward_loss(loss, backward_kwargs), loss_id)
+        usual = type(loss) is torch.Tensor and loss.requires_grad and loss.numel() == 1 and loss.is_floating_point()
+        scaled = self.scale_loss(loss if usual else backward_loss(loss, backward_kwargs), loss_id)  # else: refused
         if self.policy is None:
             scaled.backward(**backward_kwargs)
             return
-        with casts_off_if_on():  # called inside forward_context(): the backward is not the forward's to cast
-            self.policy.backward(scaled, **backward_kwargs)  # backward_context(), without a call into the hook
+        # inside forward_context() the backward is not the forward's to cast; backward_context(), without the hook
+        if torch._C._len_torch_function_stack() or any(map(torch.is_autocast_enabled, AUTOCAST_DEVICES)):
+            without_casts(self.policy.backward, scaled, **backward_kwargs)
+        else:  # the usual case (without_casts' check, written out)
+            self.policy.backward(scaled, **backward_kwargs)
 
     def backward_context(self, *, create_graph: bool = False) -> ContextManager[Any]:
         """The scope of a backward pass (``create_graph``: it builds a graph): activation checkpointing recomputes

@@ -66,16 +66,18 @@ def clip_value_(
         state.clips += (("value", None, clip_value),)
 
 
-def show_unscaled(machine: StepMachine, optimizer: torch.optim.Optimizer) -> None:
+def show_unscaled(machine: StepMachine, optimizer: torch.optim.Optimizer, *, fresh: bool = False) -> None:
     """:meth:`Amp.show_unscaled_on_model <lightning_mpx.engine.amp.Amp.show_unscaled_on_model>` for ``machine``'s
-    ``optimizer``."""
+    ``optimizer``; ``fresh``: called by the unscale itself, right after it noted the half gradients it read (no user
+    code between: nothing to follow)."""
     state = machine.state(optimizer)
     master_weights = machine.masters.weights
     if not master_weights or state.stage is not _Stage.UNSCALED:
         return
-    follow_cleared_grads(state, master_weights)
+    if not fresh:
+        follow_cleared_grads(state, master_weights, optimizer)
     targets, sources = [], []
-    for param, master in param_pairs(state, master_weights):
+    for param, master in param_pairs(state, master_weights, optimizer=optimizer):
         if master is not param and master.grad is not None:
             if param.grad is None:
                 param.grad = master.grad.to(param.dtype)
@@ -87,7 +89,7 @@ def show_unscaled(machine: StepMachine, optimizer: torch.optim.Optimizer) -> Non
         # calls this at every step it clips or has an on_before_optimizer_step hook.
         torch._foreach_copy_(targets, sources)
     state.shown, state.clips = True, ()  # the half gradients hold the true values now, clipped so far
-    state.unscaled_marks = grad_marks(state, master_weights)  # the copies are ours, not the user's writes
+    state.unscaled_marks = grad_marks(state, master_weights, optimizer)  # the copies are ours, not the user's writes
 
 
 def _clip_unscaled(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:

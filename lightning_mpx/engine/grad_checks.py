@@ -9,6 +9,8 @@ optimizer's :class:`~lightning_mpx.engine.optimizer_state._OptimizerState`: no e
 
 from __future__ import annotations
 
+import functools
+import itertools
 import operator
 from typing import Callable, Mapping, Sequence
 
@@ -20,9 +22,18 @@ from lightning_mpx.health.telemetry import GradTelemetry
 from lightning_mpx.masters.pairs import grad_pairs
 from lightning_mpx.masters.weights import MasterWeights
 from lightning_mpx.scaling.scaler import LossScaler
-from lightning_mpx.scaling.unscale import GradStats, clip_coefficient, resolve_backend, unscale_grads_
+from lightning_mpx.scaling.unscale import (
+    GradStats,
+    clip_coefficient,
+    plain_unscale_,
+    resolve_backend,
+    unscale_grads_,
+)
 
 _IS_SPARSE = operator.attrgetter("is_sparse")
+_PARAMS = operator.itemgetter("params")
+_GRAD = operator.attrgetter("grad")
+_SOME = functools.partial(operator.is_not, None)
 
 
 def unscale(
@@ -59,7 +70,7 @@ def unscale(
         assert true_grads is not None
         sources = true_grads
         targets: list[torch.Tensor] | None = None
-        copy = False
+        copy = auto_plain = False
     else:
         # At O2 torch's kernels unscale the masters' new gradients in place, made with the half gradients' values;
         # the fused kernels read the half gradients and write the masters' in one pass. On "auto" a plain unscale
@@ -67,7 +78,8 @@ def unscale(
         # master as last paired picks the route: either route gives the same values on any backend (a wrong guess
         # only costs a copy), so the device of every tensor is left to the unscale's own choice.
         plain = max_norm is None and not telemetry.requested
-        copy = bool(master_weights) and _unfused(backend, state.pair_masters[:1], plain)
+        auto_plain = plain and backend == "auto"  # torch's kernels, in place (see auto_backend)
+        copy = bool(master_weights) and (auto_plain or _unfused(backend, state.pair_masters[:1], plain))
         if master_weights:
             sources, targets = grad_pairs(state, optimizer, master_weights, refuse_sparse, copy=copy)
         else:
@@ -82,7 +94,9 @@ def unscale(
     found = torch.zeros((), dtype=torch.float32, device=device)
     # Telemetry measures scaled gradients: not the leftovers of a skipped batch, which hold true values.
     stats = telemetry.stats() if telemetry.requested and not skipped else None
-    if sharding is None:
+    if sharding is None and auto_plain:  # a step's usual unscale: in place, torch's kernel
+        norm = plain_unscale_(targets if copy else sources, factor, found)  # type: ignore[arg-type]
+    elif sharding is None:
         norm = unscale_grads_(
             targets if copy else sources,  # type: ignore[arg-type]
             factor,
@@ -99,7 +113,10 @@ def unscale(
         )
     if stats is not None:
         telemetry.record(id(state), sources, optimizer_params(optimizer), names, stats)
-    charge(state, loss_id, found)
+    if state.found_inf is None:  # charge's usual case (the first check since the step), written out
+        state.flags_reduced, state.found_inf, state.found_by_loss = False, found, {loss_id: found}
+    else:
+        charge(state, loss_id, found)
     if sharding is not None:
         norm = None if squares is None else reduce_checks(state, sharding, squares, sources, max_norm)
     state.grad_norm = norm
@@ -126,8 +143,8 @@ def charge(state: _OptimizerState, loss_id: int, found: torch.Tensor) -> None:
 def own_grads(optimizer: torch.optim.Optimizer, refuse_sparse: Callable[[torch.Tensor], None]) -> list[torch.Tensor]:
     """The gradients of ``optimizer``'s parameters, each unscaled in place (no masters); ``refuse_sparse(param)``
     raises for a parameter with a sparse gradient."""
-    groups = optimizer.param_groups
-    grads = [grad for group in groups for param in group["params"] if (grad := param.grad) is not None]
+    params = itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups))
+    grads = list(filter(_SOME, map(_GRAD, params)))  # C-level maps: no Python per parameter
     if any(map(_IS_SPARSE, grads)):  # rare: the parameters are looked up only then
         for param in optimizer_params(optimizer):
             if param.grad is not None and param.grad.is_sparse:

@@ -20,6 +20,7 @@ such a step, done when it is read and where every rank is. Which path an optimiz
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any, Callable
 
 import torch
@@ -34,6 +35,21 @@ from lightning_mpx.health.forensics import OverflowForensics
 from lightning_mpx.masters.swap import drop_master_grads, step_on_masters
 
 Reducer = Callable[[torch.Tensor], None]
+_SCALE_TENSOR = operator.attrgetter("scale_tensor")
+#: The devices whose ``torch.autocast`` :func:`without_casts` looks at (as ``casts_off_if_on``): a caller that tells
+#: ``torch._C._len_torch_function_stack() or any(map(torch.is_autocast_enabled, AUTOCAST_DEVICES))`` (C calls only)
+#: is false calls without it, the usual case at no Python call.
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def without_casts(call: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)`` inside :func:`~lightning_mpx.casting.policy.casts_off_if_on`'s context when a
+    torch-function mode or ``torch.autocast`` is on (a backward or step called inside ``forward_context()``), else
+    as it is: the usual loop pays one call here, not the four of a context that does nothing."""
+    if torch._C._len_torch_function_stack() or any(map(torch.is_autocast_enabled, AUTOCAST_DEVICES)):
+        with casts_off_if_on():
+            return call(*args, **kwargs)
+    return call(*args, **kwargs)
 
 
 class OptimizerStep:
@@ -68,7 +84,7 @@ class OptimizerStep:
         self.master_of = master_of
         self.skip_on_device = skip_on_device
         self.steps = 0
-        self.pending = PendingSteps(self.examine, self.settle)
+        self.pending = PendingSteps(self.examine, self.settle, forensics.watch)
 
     def step(
         self,
@@ -91,7 +107,10 @@ class OptimizerStep:
                 "closure: loss scaling cannot re-run a closure inside the optimizer step; run the closure first, "
                 "then call step() without it."
             )
-        on_device = self._on_device(optimizer, state)
+        # decided at the first step and when the number of groups changes (_on_device): a comparison per step
+        on_device = state.on_device if state.decided_groups == len(optimizer.param_groups) else self._on_device(
+            optimizer, state
+        )
         if self.pending.steps:
             # Every rank is here: their records are merged now. A step on the device leaves those of the iteration
             # under way pending (it does not wait for another optimizer's step); a host read waits for the device up
@@ -99,7 +118,28 @@ class OptimizerStep:
             self.pending.settle(before=iteration if on_device else None)
         self.steps += 1
         if on_device:
-            return self._step_on_device(optimizer, state, step_kwargs, reducer, iteration, compare)
+            # The step skipped on the device: the flags to the optimizer's step, their host copy queued behind it.
+            loss_ids, flags = self.machine.check_on_device(state, optimizer, reducer)
+            found = flags if flags.dim() == 0 else flags.amax() if len(loss_ids) > 1 else flags.reshape(())
+            outcome = StepOutcome(self.pending.read)
+            scales = list(map(_SCALE_TENSOR, map(self.machine.scalers.__getitem__, loss_ids)))
+            gather = reducer is not None or self.machine.sharding is not None
+            pending = PendingStep(
+                optimizer, loss_ids, flags, scales, step=self.steps - 1, iteration=iteration, gather=gather,
+                outcome=outcome, shared=state.shared_overflow,
+            )
+            try:
+                self._take_step(optimizer, state, step_kwargs, compare, found_inf=found)
+            except BaseException:
+                self.machine.keep_marks(state)  # the step did not finish (an optimizer's error, an interrupt)
+                raise
+            after_step(state, optimizer, masters=bool(self.machine.masters.weights))
+            self.pending.steps.append(pending)  # PendingSteps.add, written out
+            if self.forensics.watch.active:
+                # The forward watch's record is of this step's forward, which the next forward replaces: settle it
+                # now (every rank is in this step).
+                self.pending.settle()
+            return outcome
         # Unscale and check the gradients (or shards), the flags reduced once across ranks, read, counted.
         overflowed = self.machine.check(state, optimizer, reducer)
         try:
@@ -109,8 +149,7 @@ class OptimizerStep:
                 return False
             if self.forensics.watch.active:
                 self.forensics.stepped()  # an automatic watch ends with the first step that does not overflow
-            with casts_off_if_on():  # called inside forward_context(): the optimizer runs in its own dtypes
-                self._take_step(optimizer, state, step_kwargs, compare)
+            self._take_step(optimizer, state, step_kwargs, compare)
         except BaseException:
             self.machine.keep_marks(state)  # the step did not finish (an optimizer's error, an interrupt)
             raise
@@ -142,11 +181,18 @@ class OptimizerStep:
         step_kwargs: dict[str, Any],
         compare: bool,
         found_inf: torch.Tensor | None = None,
+        casts_off: bool = False,
     ) -> None:
         """``optimizer.step(**step_kwargs)``, on the FP32 masters at O2 (the model's writes taken before, the result
         copied back after). ``found_inf``: the overflow flag (1.0 on overflow) handed to an optimizer that skips on
         the device (``_step_supports_amp_scaling``), with no scale set, the gradients being unscaled already: the
-        attributes torch's fused optimizers read, set and deleted as ``GradScaler.step`` does."""
+        attributes torch's fused optimizers read, set and deleted as ``GradScaler.step`` does.
+
+        Called inside ``forward_context()`` (a torch-function mode or autocast on: ``without_casts``' check, written
+        out), it runs again with the casts off (``casts_off``): the optimizer runs in its own dtypes."""
+        casts_on = torch._C._len_torch_function_stack() or any(map(torch.is_autocast_enabled, AUTOCAST_DEVICES))
+        if casts_on and not casts_off:
+            return without_casts(self._take_step, optimizer, state, step_kwargs, compare, found_inf, True)
         if found_inf is not None:
             optimizer.grad_scale = None  # type: ignore[attr-defined]
             optimizer.found_inf = found_inf  # type: ignore[attr-defined]
@@ -206,39 +252,6 @@ class OptimizerStep:
                 state.on_device = False
             state.decided_groups = groups
         return state.on_device
-
-    def _step_on_device(
-        self,
-        optimizer: torch.optim.Optimizer,
-        state: _OptimizerState,
-        step_kwargs: dict[str, Any],
-        reducer: Reducer | None,
-        iteration: int,
-        compare: bool,
-    ) -> StepOutcome:
-        """The step skipped on the device: the flags to the optimizer's step, their host copy queued behind it."""
-        loss_ids, flags = self.machine.check_on_device(state, optimizer, reducer)
-        found = flags if flags.dim() == 0 else flags.amax() if len(loss_ids) > 1 else flags.reshape(())
-        outcome = StepOutcome(self.pending.read)
-        pending = PendingStep.behind(
-            optimizer, loss_ids, flags, [self.machine.scalers[i].scale_tensor for i in loss_ids],
-            step=self.steps - 1, iteration=iteration, gather=reducer is not None or self.machine.sharding is not None,
-            outcome=outcome,
-        )
-        pending.shared = state.shared_overflow
-        try:
-            with casts_off_if_on():  # called inside forward_context(): the optimizer runs in its own dtypes
-                self._take_step(optimizer, state, step_kwargs, compare, found_inf=found)
-        except BaseException:
-            self.machine.keep_marks(state)  # the step did not finish (an optimizer's error, an interrupt)
-            raise
-        after_step(state, optimizer, masters=bool(self.machine.masters.weights))
-        self.pending.add(pending)
-        if self.forensics.watch.active:
-            # The forward watch's record is of this step's forward, which the next forward replaces: settle it now
-            # (every rank is in this step).
-            self.pending.settle()
-        return outcome
 
     def examine(self, pending: PendingStep) -> None:
         """What :meth:`step` does on the host after its read on this process alone, for a step skipped on the

@@ -11,6 +11,8 @@ losses that overflowed; what happens on an overflow (the record, the log, the fl
 
 from __future__ import annotations
 
+import itertools
+import operator
 import weakref
 from typing import Any, Sequence
 
@@ -37,6 +39,9 @@ from lightning_mpx.masters.store import Masters
 from lightning_mpx.masters.swap import mirrors, state_to_params
 from lightning_mpx.masters.weights import Mirror
 from lightning_mpx.scaling.scaler import LossScaler
+
+_PARAMS = operator.itemgetter("params")
+_GRAD = operator.attrgetter("grad")
 
 
 class StepMachine:
@@ -195,7 +200,16 @@ class StepMachine:
         :meth:`Amp.scale_loss <lightning_mpx.engine.amp.Amp.scale_loss>`)."""
         for state in self.optimizers.values():
             if state.stage is _Stage.STEPPED:  # what a step left, unless cleared since (the usual loop: nothing)
-                rescale_stepped(state, loss_id, self.scalers, self.masters.weights, self.backend)
+                optimizer = state.optimizer_ref()
+                groups = optimizer.param_groups if optimizer is not None else ()
+                with torch._C.DisableTorchFunction():  # as rescale.present_grads; C-level maps, no Python per param
+                    params = itertools.chain.from_iterable(map(_PARAMS, groups))
+                    kept = any(map(operator.is_not, map(_GRAD, params), itertools.repeat(None)))
+                if kept:
+                    rescale_stepped(state, loss_id, self.scalers, self.masters.weights, self.backend)
+                else:  # rescale_stepped's usual case (every gradient cleared since the step), written out
+                    state.reset()
+                    state.loss_id = loss_id
             elif state.stage is not _Stage.READY:
                 if state.stage is _Stage.UNSCALED:
                     self.record_found(state.found_by_loss)  # an overflow seen by unscale_() counts toward update()
@@ -214,12 +228,12 @@ class StepMachine:
                 "unscale_() has already been called on this optimizer since its last step() or update() (directly or "
                 "through clip_grad_norm_()/clip_grad_value_()); call step() (or update()) before unscaling again."
             )
-        self._unscale(state)
+        self._unscale(state, optimizer=optimizer)
         if self.masters.weights:
             # As after torch.amp.GradScaler.unscale_(): the model's own gradients hold the true values (a half copy;
             # the FP32 ones the step uses stay in the masters), so code that clips or inspects them works. A write
             # to them before the step is taken into the masters.
-            show_unscaled(self, optimizer)
+            show_unscaled(self, optimizer, fresh=True)
 
     # -- step and update ----------------------------------------------------------------------------------------
     def check(self, state: _OptimizerState, optimizer: torch.optim.Optimizer, reducer: Any) -> list[int]:
@@ -245,7 +259,12 @@ class StepMachine:
         and count them toward the next update on the device. Returns the losses whose gradients the optimizer holds
         and their flags (FP32, 1.0 on overflow: one per loss, or the one loss's own 0-d flag), for
         a step that skips on the device."""
-        self._unscaled_for_step(state, optimizer)
+        if state.stage is _Stage.READY:  # _unscale's usual case (a backward since the step), written out
+            unscale(state, optimizer, self.scalers[state.loss_id or 0], self.masters.weights, backend=self.backend,
+                    refuse_sparse=self.refuse_sparse, telemetry=self.telemetry, names=self.names,
+                    sharding=self.sharding)  # fmt: skip
+        else:
+            self._unscaled_for_step(state, optimizer)
         try:
             if self.sharding is not None:  # the step's collective (unless a clip made it): every rank's flags agree
                 if not state.flags_reduced:
@@ -254,7 +273,10 @@ class StepMachine:
             loss_ids = sorted(state.found_by_loss)
             if len(loss_ids) == 1 and reducer is None:  # the usual case: the one flag as it is, no kernel
                 flags = state.found_by_loss[loss_ids[0]]
-                self.record_found({loss_ids[0]: flags})  # unread: the update counts on the device
+                if loss_ids[0] in self.iteration_found:  # unread: the update counts on the device
+                    self.record_found({loss_ids[0]: flags})
+                else:  # record_found's usual case (the first flag of the iteration), written out
+                    self.iteration_found[loss_ids[0]], self.iteration_read[loss_ids[0]] = flags, None
                 return loss_ids, flags
             flags = torch.stack([state.found_by_loss[i].reshape(()) for i in loss_ids])
             if reducer is not None:
@@ -314,8 +336,10 @@ class StepMachine:
                 self.record_found(state.found_by_loss)
                 state.stage = _Stage.SKIPPED
                 state.found_by_loss, state.found_inf, state.grad_norm = {}, None, None
-            if state.stage is not _Stage.READY:  # a step may use the gradients still (at O1 a group added since)
-                hold_scale(state, self.scalers[state.loss_id or 0], masters=bool(self.masters.weights))
+            # a step may use the gradients still (at O1 a group added since); nothing to hold at a static scale
+            scaler = self.scalers[state.loss_id or 0]
+            if state.stage is not _Stage.READY and state.grad_scale is None and scaler.dynamic:
+                hold_scale(state, scaler, masters=bool(self.masters.weights))
         for state in self.optimizers.values():
             if (
                 state.stage is _Stage.READY

@@ -17,6 +17,7 @@ when its first step is skipped on the device, so a skipped first step would put 
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 import weakref
@@ -44,7 +45,7 @@ def device_skip_refusal(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
-@dataclass
+@dataclass(init=False)
 class PendingStep:
     """One step handed to the device with its flag, until the host reads what it did and settles it.
 
@@ -78,9 +79,8 @@ class PendingStep:
     examined: OverflowRecord | None = None
     shared: bool = False  # the overflow was charged to it by Amp.share_overflow
 
-    @classmethod
-    def behind(
-        cls,
+    def __init__(
+        self,
         optimizer: torch.optim.Optimizer,
         loss_ids: list[int],
         flags: torch.Tensor,
@@ -90,9 +90,11 @@ class PendingStep:
         iteration: int,
         gather: bool,
         outcome: StepOutcome,
-    ) -> PendingStep:
+        shared: bool = False,
+    ) -> None:
         """The pending step of ``flags`` (one per loss) and the loss ``scales`` now, copied to the host behind the
-        work queued so far (one kernel and one copy on CUDA; no wait)."""
+        work queued so far (one kernel and one copy on CUDA; no wait). Its own constructor (not a classmethod over
+        the dataclass's): one Python call a step."""
         if flags.dim() == 0:  # one loss: its flag and its scale, one kernel
             values = torch.stack([flags, scales[0]])
         else:
@@ -104,7 +106,9 @@ class PendingStep:
             ready = torch.cuda.Event()
             ready.record()
             values = host
-        return cls(weakref.ref(optimizer), loss_ids, values, ready, step, iteration, gather, outcome)
+        self.optimizer, self.loss_ids, self.values, self.ready = weakref.ref(optimizer), loss_ids, values, ready
+        self.step, self.iteration, self.gather, self.outcome = step, iteration, gather, outcome
+        self.overflowed, self.scales, self.examined, self.shared = None, None, None, shared
 
     def read(self) -> None:
         """Read the losses that overflowed and every loss's scale at the step into :attr:`overflowed` and
@@ -114,7 +118,7 @@ class PendingStep:
         values = self.values.tolist()
         count = len(self.loss_ids)
         flags, scales = values[:count], values[count:]
-        self.overflowed = [i for i, flag in zip(self.loss_ids, flags) if flag > 0]
+        self.overflowed = list(itertools.compress(self.loss_ids, map(operator.gt, flags, itertools.repeat(0))))
         self.scales = dict(zip(self.loss_ids, scales))
         self.outcome._stepped = not self.overflowed
 
@@ -251,19 +255,25 @@ class PendingSteps:
     teardown. A step of one process is settled at its read.
 
     Args:
-        examine: Called with each step once it is read, in order: what needs this process only (the skipped step
-            counted, this process's overflow record built while the gradients are still there).
+        examine: Called with each step once it is read and found to overflow, in order: what needs this process
+            only (the skipped step counted, this process's overflow record built while the gradients are still
+            there).
         settle: Called with each step once read, in order: the rest (may raise ``on_floor``'s error; may be a
-            collective when ``step.gather``).
+            collective when ``step.gather``); not called for a step that did not overflow unless ``watch.active``.
+        watch: What tells whether ``settle`` is due for a step that did not overflow (``watch.active``: the
+            forensics' forward watch, which such a step ends); ``None``: always due.
 
     Attributes:
         steps: The pending steps, oldest first: a caller tells from it, without a call, whether any is left to
             settle (changed only here).
     """
 
-    def __init__(self, examine: Callable[[PendingStep], None], settle: Callable[[PendingStep], None]) -> None:
+    def __init__(
+        self, examine: Callable[[PendingStep], None], settle: Callable[[PendingStep], None], watch: Any = None
+    ) -> None:
         self._examine = examine
         self._settle = settle
+        self._watch = watch
         self.steps: list[PendingStep] = []
 
     def __len__(self) -> int:
@@ -278,16 +288,26 @@ class PendingSteps:
         error from one (``on_floor="raise"``) leaves the later ones for the next read."""
         self._read(None)
         while self.steps and not self.steps[0].gather:
-            self._settle(self.steps.pop(0))
+            step = self.steps.pop(0)
+            if step.overflowed or self._watch is None or self._watch.active:
+                self._settle(step)
 
     def settle(self, before: int | None = None) -> None:
         """Read and settle every pending step, oldest first, on every rank together (under a process group: a
         collective); ``before``: only those of iterations before it (the steps of the iteration under way are left
         to a later call, so that a second optimizer's backward does not wait for the first one's step). An error
         from one (``on_floor="raise"``) leaves the later ones pending."""
-        self._read(before)
+        for step in self.steps:  # _read(before), written out: a backward's usual case is one step to read
+            if before is not None and step.iteration >= before:
+                break
+            if step.overflowed is None:
+                step.read()
+                if step.overflowed:  # nothing to examine otherwise (OptimizerStep.examine)
+                    self._examine(step)
         while self.steps and (before is None or self.steps[0].iteration < before):
-            self._settle(self.steps.pop(0))
+            step = self.steps.pop(0)
+            if step.overflowed or self._watch is None or self._watch.active:  # the usual step: nothing to settle
+                self._settle(step)
 
     def _read(self, before: int | None) -> None:
         for step in self.steps:
@@ -295,4 +315,5 @@ class PendingSteps:
                 break
             if step.overflowed is None:
                 step.read()
-                self._examine(step)
+                if step.overflowed:  # nothing to examine otherwise (OptimizerStep.examine)
+                    self._examine(step)

@@ -86,7 +86,9 @@ class PreparedModels:
         # O2/O3: each prepared model's hooks on the submodules tied to an fp32_modules module (_run_tied_in_fp32).
         self._tied_hooks: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
         # O2/O3: one parameter of each prepared model that prepare_model() made half (see _check_dtypes).
-        self._half_marks: weakref.WeakKeyDictionary[nn.Module, torch.Tensor | None] = weakref.WeakKeyDictionary()
+        # By the module's id, with a weak reference that drops the entry when the module goes: a plain dict, whose
+        # values a forward walks in C, where a WeakKeyDictionary's items() costs five Python calls.
+        self._half_marks: dict[int, tuple[weakref.ref[nn.Module], torch.Tensor | None]] = {}
 
     def prepare(self, module: nn.Module, *, train: bool) -> nn.Module:
         """:meth:`Amp.prepare_model <lightning_mpx.engine.amp.Amp.prepare_model>` (arguments checked)."""
@@ -127,7 +129,9 @@ class PreparedModels:
             self._run_tied_in_fp32(module, tied)
         initial = _keep_fp32_values(module, before_cast)
         if props.casts_model:  # one half parameter, looked at each forward: the dtype prepare_model() gave the model
-            self._half_marks[module] = next((p for p in module.parameters() if p.dtype == props.half_dtype), None)
+            marks, key = self._half_marks, id(module)
+            ref = weakref.ref(module, lambda ref: marks.pop(key) if marks.get(key, (None,))[0] is ref else None)
+            marks[key] = ref, next((p for p in module.parameters() if p.dtype == props.half_dtype), None)
         if props.master_weights and not train:
             self.masters.evaluation_only = True
         if props.master_weights and train:
@@ -170,8 +174,8 @@ class PreparedModels:
         if regions is not None and regions.stale() and not torch.compiler.is_compiling():
             self._hook_regions_again()
         half = self.properties.half_dtype
-        for module, param in self._half_marks.items():
-            if param is not None and param.dtype != half:
+        for ref, param in list(self._half_marks.values()):
+            if param is not None and param.dtype != half and (module := ref()) is not None:
                 self._check_dtypes(module, param)
 
     def _check_dtypes(self, module: nn.Module, param: torch.Tensor) -> None:
@@ -181,7 +185,7 @@ class PreparedModels:
         half = self.properties.half_dtype
         other = next((p for p in module.parameters() if p.dtype == half), None)
         if param.dtype == torch.float32 and other is not None:
-            self._half_marks[module] = other
+            self._half_marks[id(module)] = self._half_marks[id(module)][0], other
             return
         raise RuntimeError(
             f"module={type(module).__name__} was converted to {param.dtype} after prepare_model(), which made it "

@@ -50,8 +50,10 @@ def grad_marks(
     """Identity and version of each half parameter's gradient (``None`` where it has none), in pair order;
     ``optimizer``: the state's, when the caller holds it (a step does)."""
     param_pairs(state, master_weights, optimizer=optimizer)
-    params = state.pair_params
-    return tuple(None if (g := params[i].grad) is None else (id(g), g._version) for i in state.mastered)
+    grads = list(map(_GRAD, map(state.pair_params.__getitem__, state.mastered)))
+    if all(map(_SOME, grads)):  # the usual case, by C-level maps (no Python per parameter)
+        return tuple(zip(map(id, grads), map(_VERSION, grads)))
+    return tuple(None if g is None else (id(g), g._version) for g in grads)
 
 
 def follow_cleared_grads(
@@ -297,7 +299,11 @@ def rescale_stepped(
     """Before a backward of ``new_loss_id``: bring the gradients a step left (and the user kept) to its scale, as
     FP32 adds the backward to them; READY after. The usual loop (cleared) pays C-level maps, no Python per parameter."""
     optimizer = state.optimizer_ref()
-    grads = [] if optimizer is None or state.stepped_marks is None else present_grads(optimizer)
+    grads: list[torch.Tensor] = []
+    if optimizer is not None and state.stepped_marks is not None:  # present_grads, written out
+        params = itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups))
+        with torch._C.DisableTorchFunction():  # as in present_grads
+            grads = list(filter(_SOME, map(_GRAD, params)))
     if grads and not _all_cleared(state, grads, optimizer):  # type: ignore[arg-type]
         inplace, half = stepped_leftovers(state, master_weights, optimizer)  # type: ignore[arg-type]
         device = (inplace or half or grads)[0].device

@@ -10,6 +10,7 @@ held.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import operator
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ _HALF = (torch.float16, torch.bfloat16)
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _GRAD = operator.attrgetter("grad")
 _SHAPE = operator.attrgetter("shape")
+_PARAMS = operator.itemgetter("params")
 _ALIGN = 64  # elements of 4 bytes: 256 bytes
 
 
@@ -77,8 +79,9 @@ def param_pairs(
     optimizer = state.optimizer if optimizer is None else optimizer
     if state.swapped is not None:
         return state.pairs  # the groups hold the masters right now
-    key = tuple([(id(group["params"]), len(group["params"])) for group in optimizer.param_groups])
-    if key != state.pairs_key or (recheck and _any_needs_master(state.unmastered)):
+    lists = list(map(_PARAMS, optimizer.param_groups))
+    key = tuple(zip(map(id, lists), map(len, lists)))  # C-level maps: it runs at every step
+    if key != state.pairs_key or (recheck and state.unmastered and _any_needs_master(state.unmastered)):
         group_masters = []
         stray = []
         for group in optimizer.param_groups:
@@ -141,15 +144,22 @@ def grad_pairs(
     empty buffer and a copy into it take two). ``refuse_sparse(param)`` raises for a parameter with a sparse
     gradient.
     """
-    # once per step: a parameter unfrozen in place
-    pairs = param_pairs(state, master_weights, recheck=True, optimizer=optimizer)
+    # once per step: a parameter unfrozen in place (param_pairs' cache check, written out: its usual case)
+    lists = list(map(_PARAMS, optimizer.param_groups))
+    if (
+        state.swapped is not None
+        or tuple(zip(map(id, lists), map(len, lists))) != state.pairs_key
+        or (state.unmastered and _any_needs_master(state.unmastered))
+    ):
+        param_pairs(state, master_weights, recheck=True, optimizer=optimizer)
+    pairs = state.pairs
     # The usual step, every master's parameter with a dense gradient, read with C-level maps; a parameter's own
     # gradient is its master's (the master is the parameter), and a master of its own gets a new FP32 gradient. A
     # parameter that is its own master and has no gradient (a frozen base the optimizer holds, as a LoRA fine-tune's
     # AdamW(model.parameters()) does) is left out, as torch's optimizers skip it.
     grads = list(map(_GRAD, state.pair_params))
     mastered = state.mastered
-    halves = [grads[i] for i in mastered]
+    halves = list(map(grads.__getitem__, mastered))
     present: list[torch.Tensor] | None = grads
     if any(map(operator.is_, grads, itertools.repeat(None))):
         every_master_has_one = not any(map(operator.is_, halves, itertools.repeat(None)))
@@ -158,16 +168,21 @@ def grad_pairs(
         masters = state.pair_masters
         targets = grads.copy()
         layout = state.grad_layout
-        if layout is None or (layout and not layout.fits(halves)):
-            # Made again when the masters changed shape since (a write through `.data` taken by refresh_masters):
-            # the copy into the views would broadcast, not raise, so the shapes are compared every step.
-            layout = state.grad_layout = GradLayout.of([masters[i] for i in mastered]) or False
-        if layout and layout.fits(halves):
+        # Made again when the masters changed shape since (a write through `.data` taken by refresh_masters): the
+        # copy into the views would broadcast, not raise, so the shapes are compared every step (once).
+        fits = bool(layout) and tuple(map(_SHAPE, halves)) == layout.shapes  # type: ignore[union-attr]
+        if layout is None or (layout and not fits):
+            layout = state.grad_layout = GradLayout.of(list(map(masters.__getitem__, mastered))) or False
+            fits = bool(layout) and layout.fits(halves)  # type: ignore[union-attr]
+        if fits:
+            assert layout
             new = layout.new()
             if copy:
                 torch._foreach_copy_(new, halves)
-            for index, grad in zip(mastered, new):
-                targets[index] = masters[index].grad = grad
+            # C-level maps: each master's gradient set, and the targets list, without Python per parameter
+            gaining = map(masters.__getitem__, mastered)
+            collections.deque(map(setattr, gaining, itertools.repeat("grad"), new), maxlen=0)
+            collections.deque(map(targets.__setitem__, mastered, new), maxlen=0)
         else:
             for index in mastered:
                 master = masters[index]

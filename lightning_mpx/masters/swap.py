@@ -9,6 +9,9 @@ them, one :class:`~lightning_mpx.masters.weights.Mirror` per prepared model, is 
 
 from __future__ import annotations
 
+import collections
+import itertools
+import operator
 from typing import Callable, Sequence
 
 import torch
@@ -16,6 +19,8 @@ import torch
 from lightning_mpx.engine.optimizer_state import _OptimizerState
 from lightning_mpx.masters.pairs import param_pairs
 from lightning_mpx.masters.weights import MasterWeights, Mirror, step_mirrored
+
+_PARAMS = operator.itemgetter("params")
 
 
 def mirrors(state: _OptimizerState, master_weights: Sequence[MasterWeights], *, compare: bool) -> list[Mirror]:
@@ -47,14 +52,19 @@ def step_on_masters(
     nothing here looks for a changed parameter list again."""
     views = state.mirrors if state.mirrors is not None else _make_mirrors(state, master_weights, compare)
     groups = optimizer.param_groups
-    state.swapped = [group["params"] for group in groups]
+    state.swapped = swapped = list(map(_PARAMS, groups))
     for group, masters in zip(groups, state.group_masters):
         group["params"] = masters
+    # swap_out and drop_master_grads written out: a call each saved at every step (host-bound loops); the mirrors'
+    # module is entered once (step_mirrored), as every module of a step (benchmarks/step_walk.py)
     try:
         step_mirrored(views, step)
     finally:
-        swap_out(state, optimizer)
-    drop_master_grads(state)
+        for group, params in zip(optimizer.param_groups, swapped):  # by position, as swap_out
+            group["params"] = params
+        state.swapped = None
+    dropped = map(state.pair_masters.__getitem__, state.mastered)  # C-level maps: no Python per parameter
+    collections.deque(map(setattr, dropped, itertools.repeat("grad"), itertools.repeat(None)), maxlen=0)
 
 
 def swap_in(state: _OptimizerState, master_weights: Sequence[MasterWeights], *, recheck: bool = False) -> None:
@@ -84,9 +94,8 @@ def drop_master_grads(state: _OptimizerState) -> None:
     """Free the FP32 gradients of the optimizer's masters (the half model's own gradients stay): those of the pairs
     as last made, by the unscale that gave them their gradients or a step's swap since. The FP32 gradients were the
     step's: freeing them keeps them out of the next forward's and backward's peak memory."""
-    masters = state.pair_masters
-    for index in state.mastered:
-        masters[index].grad = None
+    dropped = map(state.pair_masters.__getitem__, state.mastered)  # C-level maps: no Python per parameter
+    collections.deque(map(setattr, dropped, itertools.repeat("grad"), itertools.repeat(None)), maxlen=0)
 
 
 def state_to_params(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> None:

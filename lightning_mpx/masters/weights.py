@@ -437,8 +437,11 @@ class Mirror:
         if self.compare:
             taken = _take_writes(self._pairs)
         else:
-            handed_out = self._watch.due(self._keys) if self._watch.active() else ()
-            if not handed_out and self._current() == self._marks:
+            watch, params = self._watch, self.params
+            # the watch's active() and _current() written out: the step's usual case is this comparison alone
+            handed_out = watch.due(self._keys) if watch.dirty or watch.aliases else ()
+            current = tuple(map(_VERSION, params)), tuple(map(torch.Tensor.data_ptr, params))
+            if not handed_out and current == self._marks:
                 return []
             taken = _take_writes([(e, p) for e, p in self._pairs if id(p) in handed_out or not e.unchanged(p)])
         self._marks = self._current()
@@ -462,7 +465,8 @@ class Mirror:
                 torch._C._set_grad_enabled(grad_mode)
         else:
             cast_copy_(self.params, self.masters, backend=self.copy_backend, workspace=self.workspace)
-        self._marks = versions, addresses = self._current()
+        params = self.params
+        self._marks = versions, addresses = tuple(map(_VERSION, params)), tuple(map(torch.Tensor.data_ptr, params))
         for entry, version, address in zip(self._entries, versions, addresses):
             entry.version, entry.address = version, address
 

@@ -189,7 +189,8 @@ class LossScaler:
             self.to("cpu" if device is None else device)
         if not self._unit:
             return self.inv_scale()
-        scale = self.scale_tensor
+        scale = self._scale  # made above: scale_tensor without its call
+        assert scale is not None
         one = self._one
         if one is None or one.device != scale.device:
             one = self._one = torch.ones((), dtype=torch.float32, device=scale.device)
@@ -209,7 +210,7 @@ class LossScaler:
                 f"found_inf={found_inf!r} must be a torch.Tensor (the overflow flag: nonzero on overflow), such as "
                 "Amp.found_inf(optimizer)."
             )
-        scale = self.scale_tensor
+        scale = self._scale if self._scale is not None else self.scale_tensor  # made once: no call per step
         if overflowed is not None:
             if overflowed:
                 self._overflows.add_(1)  # type: ignore[union-attr]

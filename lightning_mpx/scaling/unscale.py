@@ -135,6 +135,27 @@ def unscale_grads_(
     return implementation(grads, inv_scale, found_inf, out, want_norm, max_norm, workspace)
 
 
+def plain_unscale_(grads: Tensors, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+    """``unscale_grads_(grads, inv_scale, found_inf)`` on ``"auto"``, in place, with no norm, clip or statistics (a
+    step's usual unscale, which :func:`auto_backend` gives torch's kernels): in the usual case (every gradient on the
+    flag's and the factor's device, and on CUDA one dtype that is not bfloat16) torch's multi-tensor kernel at once,
+    one Python call where :func:`unscale_grads_` takes six (a host-bound step pays each); otherwise that route."""
+    device = found_inf.device
+    if grads and inv_scale.device == device and (
+        (device.type == "cpu" and all(map(_IS_CPU, grads)))
+        or (
+            len(set(map(_DEVICE, grads))) == 1
+            and grads[0].device == device
+            and len(dtypes := set(map(_DTYPE, grads))) == 1
+            and torch.bfloat16 not in dtypes
+        )
+    ):
+        scale = inv_scale.reshape(1) if inv_scale.dim() else inv_scale
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, scale)
+        return
+    unscale_grads_(grads, inv_scale, found_inf)
+
+
 def resolve_backend(tensors: Tensors) -> str:
     """Whether the fused kernels can serve these tensors at all: ``"triton"`` when they are all CUDA tensors and
     triton is installed (outside its interpreter), else ``"foreach"``. ``"auto"`` takes it for an unscale with a
