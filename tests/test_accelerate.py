@@ -345,6 +345,25 @@ def test_clip_on_part_of_the_model_and_other_norms_unscales_once():
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_clip_of_the_trainable_parameters_leaves_out_one_frozen_after_its_gradient(level):
+    """The optimizer holds every parameter; the first layer is frozen after a backward gave it a gradient (which the
+    step still applies, as torch's optimizers do): ``clip_grad_norm_`` of the trainable parameters is the norm of
+    theirs alone, as torch's clip of that list under Accelerate's own precision, not the fused norm of all that the
+    optimizer holds (which takes only frozen parameters without a gradient as left out)."""
+    accelerator, model, opt, _ = _setup(level)
+    x, y = _batch()
+    reference = _reference_grads(x, y)
+    accelerator.backward(F.cross_entropy(model(x), y))
+    model[0].requires_grad_(False)
+    norm = accelerator.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1e6)
+    rest = [p.grad for name, p in reference.named_parameters() if not name.startswith("0.")]
+    everything = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
+    expected = torch.nn.utils.get_total_norm(rest)
+    assert everything > expected * 1.1  # the frozen layer's gradient would show in the norm
+    torch.testing.assert_close(norm, expected, rtol=2e-2, atol=0)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
 def test_clip_grad_value_clamps_unscaled_gradients(level):
     accelerator, model, opt, _ = _setup(level)
     x, y = _batch()
