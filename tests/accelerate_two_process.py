@@ -7,6 +7,7 @@ Each rank writes what it saw to OUT_DIR/rank{r}.json and its final parameters to
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import sys
 from pathlib import Path
@@ -58,4 +59,7 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
+    # A rank that hangs prints every thread's stack and exits before the test's timeout, so that the test's failure
+    # shows where (the test prints the launch's stderr).
+    faulthandler.dump_traceback_later(150, exit=True)
     main(Path(sys.argv[1]))
