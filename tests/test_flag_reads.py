@@ -9,19 +9,7 @@ import torch
 from torch import nn
 
 from lightning_mpx import Amp
-
-
-class _HostReads(torch.overrides.TorchFunctionMode):
-    """Counts the calls that read a tensor on the host (each one a device sync on a GPU)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in ("item", "tolist", "__bool__", "__float__", "__int__"):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
+from tests.test_hostile_apex import _HostReads
 
 
 def _setup(opt_level: str):

@@ -297,13 +297,7 @@ class PendingSteps:
         collective); ``before``: only those of iterations before it (the steps of the iteration under way are left
         to a later call, so that a second optimizer's backward does not wait for the first one's step). An error
         from one (``on_floor="raise"``) leaves the later ones pending."""
-        for step in self.steps:  # _read(before), written out: a backward's usual case is one step to read
-            if before is not None and step.iteration >= before:
-                break
-            if step.overflowed is None:
-                step.read()
-                if step.overflowed:  # nothing to examine otherwise (OptimizerStep.examine)
-                    self._examine(step)
+        self._read(before)
         while self.steps and (before is None or self.steps[0].iteration < before):
             step = self.steps.pop(0)
             if step.overflowed or self._watch is None or self._watch.active:  # the usual step: nothing to settle

@@ -48,6 +48,31 @@ def _averaged_module(callback: Any) -> nn.Module | None:
     return inner if isinstance(inner, nn.Module) else None
 
 
+def _averages(callbacks: list[Any]) -> list[nn.Module]:
+    """The copies the weight-averaging ``callbacks`` average into (those made already)."""
+    found = (_averaged_module(c) for c in callbacks if isinstance(c, _AVERAGING))
+    return [average for average in found if average is not None]
+
+
+def _mastered(
+    average: nn.Module, module: nn.Module, amp: Amp, *, copy_in_fp32: bool
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(parameter, its FP32 master, the average's copy) for ``module``'s half parameters with a master of their own
+    and a copy of the same shape: the copies in FP32 (``copy_in_fp32``) or in the parameter's half dtype."""
+    params = dict(module.named_parameters())
+    out = []
+    for name, copy in average.named_parameters():
+        param = params.get(name)
+        if param is None or param.dtype == torch.float32:
+            continue
+        if copy.dtype != (torch.float32 if copy_in_fp32 else param.dtype):
+            continue
+        master = amp.master_of(param)
+        if master is not param and master.shape == copy.shape:
+            out.append((param, master, copy))
+    return out
+
+
 def average_in_fp32(callbacks: list[Any], module: nn.Module, amp: Amp) -> None:
     """Turn the half parameters of the weight-averaging ``callbacks``' copies of ``module`` into FP32, with the values
     of ``module``'s FP32 masters (parameters without a master, or already FP32, are left as they are); add a
@@ -55,37 +80,17 @@ def average_in_fp32(callbacks: list[Any], module: nn.Module, amp: Amp) -> None:
     if WeightAveraging is not None and any(isinstance(c, WeightAveraging) for c in callbacks):
         if not any(isinstance(c, KeepAveragesInFP32) for c in callbacks):
             callbacks.append(KeepAveragesInFP32())
-    for callback in callbacks:
-        average = _averaged_module(callback) if isinstance(callback, _AVERAGING) else None
-        if average is None:
-            continue
-        params = dict(module.named_parameters())
+    for average in _averages(callbacks):
         with torch.no_grad():
-            for name, copy in average.named_parameters():
-                param = params.get(name)
-                if param is None or copy.dtype != param.dtype or copy.dtype == torch.float32:
-                    continue
-                master = amp.master_of(param)
-                if master is not param and master.shape == copy.shape:
-                    copy.data = master.detach().clone()  # the averaging's own tensor, not the optimizer's
+            for _, master, copy in _mastered(average, module, amp, copy_in_fp32=False):
+                copy.data = master.detach().clone()  # the averaging's own tensor, not the optimizer's
 
 
 def take_averages(callbacks: list[Any], module: nn.Module, amp: Amp) -> None:
     """Give ``module``'s FP32 masters the FP32 average of a weight-averaging callback when ``module`` holds that
     average's half rounding (the callback wrote it in at the end of ``fit``); otherwise change nothing."""
-    params = dict(module.named_parameters())
-    for callback in callbacks:
-        average = _averaged_module(callback) if isinstance(callback, _AVERAGING) else None
-        if average is None:
-            continue
-        pairs = []
-        for name, copy in average.named_parameters():
-            param = params.get(name)
-            if param is None or copy.dtype != torch.float32 or param.dtype == torch.float32:
-                continue
-            master = amp.master_of(param)
-            if master is not param and master.shape == copy.shape:
-                pairs.append((param, master, copy))
+    for average in _averages(callbacks):
+        pairs = _mastered(average, module, amp, copy_in_fp32=True)
         # Every parameter at once: a model that holds its trained weights (no average written) keeps its masters.
         if pairs and all(torch.equal(p, c.to(p.device, p.dtype)) for p, _, c in pairs):
             with torch.no_grad():
