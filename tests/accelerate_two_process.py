@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_mpx.integrations.accelerate import Accelerator
+from tests.launch import end_ranks
 
 
 def main(out_dir: Path) -> None:
@@ -55,7 +56,9 @@ def main(out_dir: Path) -> None:
     }
     (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
     accelerator.save_state(str(out_dir / "checkpoint"))
-    accelerator.end_training()
+    # Not accelerator.end_training(): the gloo group's teardown at exit was seen to abort one rank ("terminate called
+    # without an active exception") or hang it in a loaded full run; end_ranks waits for every rank and leaves.
+    end_ranks()
 
 
 if __name__ == "__main__":

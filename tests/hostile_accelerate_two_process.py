@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
+from tests.launch import end_ranks
 
 STEPS = 8  # micro-batches: four windows of two
 SAVE_AT = 4  # saved before micro-batch 4 (after the second window)
@@ -110,7 +111,9 @@ def main(out_dir: Path) -> None:
     torch.save({"straight": straight_weights, "reloaded": reloaded_weights}, out_dir / f"rank{rank}.pt")
     report = {"world_size": accelerator.num_processes, "straight": straight, "resumed": resumed, "reloaded": reloaded}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
-    accelerator.end_training()
+    # Not accelerator.end_training(): the gloo group's teardown at exit was seen to abort one rank ("terminate called
+    # without an active exception") or hang it in a loaded full run; end_ranks waits for every rank and leaves.
+    end_ranks()
 
 
 if __name__ == "__main__":
