@@ -32,7 +32,7 @@ from lightning_mpx import Amp
 from lightning_mpx.engine.sharding import local_tensor
 from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 from tests.accelerate_helpers import reset_accelerate_state
-from tests.launch import launch_ranks
+from tests.launch import end_ranks, launch_ranks
 
 POISON_AT = 3
 MAX_NORM = 0.5
@@ -296,7 +296,7 @@ def main() -> int:
         with open(os.path.join(out_dir, name), "w") as f:
             json.dump(result, f)
         dist.barrier()
-    dist.destroy_process_group()
+    end_ranks()
     return 0
 
 

@@ -16,6 +16,7 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from lightning_mpx import FabricMixedPrecisionPlugin
+from tests.launch import end_ranks
 
 STEPS = 4
 ACCUMULATE = 2
@@ -71,9 +72,7 @@ def main() -> None:
     for case in os.environ.get("MPX_LEVELS", "O2:float16").split(","):
         level, half_dtype = case.split(":")
         run(level, half_dtype, out)
-    # Fabric leaves the gloo group to the interpreter's exit, which can abort it (pytorch/pytorch#190489): end it.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    end_ranks()  # Fabric leaves the gloo group to the interpreter's exit
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from typing import Any
 
 from lightning_mpx import MixedPrecisionPlugin
 from tests.forensics_models import ForensicsData, ForensicsModule
-from tests.launch import end_group, write_rank_results
+from tests.launch import end_ranks, write_rank_results
 from tests.lightning_helpers import loader, make_trainer
 
 
@@ -40,7 +40,7 @@ def main() -> None:
         "messages": handler.messages,
     }
     write_rank_results(result, rank=trainer.global_rank)
-    end_group()  # Lightning destroys the process group at exit only for NCCL
+    end_ranks()  # Lightning leaves a gloo group to the interpreter's exit
 
 
 if __name__ == "__main__":

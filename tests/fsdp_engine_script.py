@@ -19,7 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from lightning_mpx import Amp
 from lightning_mpx.engine.sharding import local_tensor
-from tests.launch import launch_ranks
+from tests.launch import end_ranks, launch_ranks
 
 POISON_AT = 3
 MAX_NORM = 0.5
@@ -160,7 +160,7 @@ def main() -> int:
         with open(os.path.join(out_dir, name), "w") as f:
             json.dump(result, f)
         dist.barrier()
-    dist.destroy_process_group()
+    end_ranks()
     return 0
 
 

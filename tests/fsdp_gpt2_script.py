@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_mpx import MixedPrecisionPlugin
 from lightning_mpx.integrations.fsdp import shard_model
-from tests.launch import end_group
+from tests.launch import end_ranks
 
 STEPS = 6
 BATCH = 8  # global
@@ -98,7 +98,7 @@ def main() -> None:
         name, record = fit(level, single)
         with open(os.path.join(out, f"{name}_{level}.json"), "w") as f:
             json.dump(record, f)
-    end_group()
+    end_ranks()
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_mpx import MixedPrecisionPlugin
 from lightning_mpx.integrations.fsdp import shard_model
+from tests.launch import end_ranks
 from tests.lightning_helpers import classification_data, loader, make_trainer
 
 BATCH = 8
@@ -146,9 +147,7 @@ def main() -> None:
             record = run(case)
         with open(os.path.join(out, f"{file_prefix(case)}rank{dist.get_rank()}.json"), "w") as f:
             json.dump(record, f)
-    # A gloo group left alive can abort the interpreter at exit (pytorch/pytorch#190489): end it here.
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    end_ranks()
 
 
 if __name__ == "__main__":

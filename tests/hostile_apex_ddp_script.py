@@ -28,6 +28,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+from tests.launch import end_ranks  # noqa: E402
+
 STEPS = 4
 BAD_STEP = 1
 CASES = {"o1": ("O1", {}), "o2": ("O2", {}), "o2_bf16_dynamic": ("O2", {"cast_model_type": torch.bfloat16,
@@ -92,7 +94,7 @@ def main() -> None:
     results = {name: _run_case(level, dict(kwargs), rank) for name, (level, kwargs) in CASES.items()}
     with open(os.path.join(os.environ["MPX_OUT"], f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
-    dist.destroy_process_group()
+    end_ranks()
 
 
 if __name__ == "__main__":

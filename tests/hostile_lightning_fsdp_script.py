@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_mpx import MixedPrecisionPlugin
+from tests.launch import end_ranks
 from tests.lightning_fsdp_script import BATCH, Net, data, full_params, make_strategy
 from tests.lightning_helpers import loader, make_trainer
 
@@ -92,10 +93,7 @@ def main() -> None:
             record = {"device": fit(case, None), "host": fit(case, False)}
         with open(os.path.join(out, f"{case.replace('/', '_')}_rank{dist.get_rank()}.json"), "w") as f:
             json.dump(record, f, default=str)
-    # As tests/lightning_fsdp_script.py: a gloo group left alive can abort the interpreter at exit.
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    end_ranks()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.launch import end_ranks
+
 #: batch index -> (the optimizer whose gradient gets an inf, the ranks it happens on) in the DDP cases
 DDP_OVERFLOWS: dict[int, tuple[str, tuple[int, ...]]] = {1: ("d", (0,)), 3: ("g", (1,))}
 CASES = ("reference", "o1_sgd", "o2_fused", "o2_host")
@@ -211,9 +213,7 @@ def main() -> None:
         rank = torch.distributed.get_rank()
     with open(os.path.join(os.environ["MPX_OUT"], f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
-    # A gloo group left alive can abort the interpreter at exit (see tests/ddp_script.py).
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    end_ranks()
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.launch import end_ranks
+
 MODELS = ("flat_self", "flat_forward", "tokens_net", "tokens_self")
 CASES = tuple(f"{level}:{model}" for level in ("O2", "O3") for model in MODELS) + (
     "bf16-true:flat_self", "bf16-true:tokens_net",
@@ -127,8 +129,7 @@ def main() -> None:
     rank = torch.distributed.get_rank()
     with open(os.path.join(os.environ["MPX_OUT"], f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    end_ranks()
 
 
 if __name__ == "__main__":

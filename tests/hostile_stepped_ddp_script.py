@@ -23,6 +23,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+from tests.launch import end_ranks  # noqa: E402
+
 #: case -> (DDP keywords, actions): "bw" a backward, "ns" a backward under no_sync, "step", "zero0"
 CASES = {
     "bucket_view": ({"gradient_as_bucket_view": True}, ["bw", "step"] * 3 + ["bw", "step", "step"]),
@@ -133,7 +135,7 @@ def main() -> None:
         results[f"lightning_ddp_accumulate-{level}"] = max((g - w).abs().max().item() for g, w in zip(got, want))
     with open(os.path.join(os.environ["MPX_OUT"], f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
-    dist.destroy_process_group()
+    end_ranks()
 
 
 if __name__ == "__main__":

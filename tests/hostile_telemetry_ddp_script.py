@@ -4,10 +4,10 @@ skipped on the device and read a batch later). The test reads ``$MPX_OUT/run/ver
 
 import os
 
-import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_mpx import MixedPrecisionPlugin
+from tests.launch import end_ranks
 from tests.lightning_helpers import Classifier, classification_data, loader, make_trainer
 
 OVERFLOW_STEPS = (2, 3)  # on rank 1 only
@@ -24,9 +24,7 @@ def main() -> None:
     logger = TensorBoardLogger(os.environ["MPX_OUT"], name="run", version=0)
     trainer = make_trainer(plugin, strategy="ddp", devices=2, max_steps=8, logger=logger, log_every_n_steps=1)
     trainer.fit(RankOneOverflow(optimizer="adamw_fused", lr=0.01), loader(classification_data(n=128), batch_size=8))
-    # Lightning destroys the process group at exit only for NCCL; a gloo group left alive can abort the interpreter.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    end_ranks()  # Lightning leaves a gloo group to the interpreter's exit
 
 
 if __name__ == "__main__":

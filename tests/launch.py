@@ -15,16 +15,24 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+_END_WAIT_S = 120  # how long end_ranks waits for the other ranks
 
 
-def run_script(name: str, out: Path, *, timeout: float, **env: str) -> None:
+def run_script(name: str, out: Path, *, timeout: float, ranks: int | None = 2, **env: str) -> None:
     """Run ``tests/<name>`` in ``out`` with ``MPX_OUT=out`` and ``env`` set; fail with the end of its stderr when it
     exits non-zero or runs past ``timeout`` seconds.
 
+    ``ranks``: the script runs once per rank with torchrun's environment, forked from one interpreter that imported
+    the heavy modules once (``tests/fork_ranks.py``); ``None``: run once as it is (a script that spawns its processes
+    itself, with ``torch.multiprocessing.spawn`` or ``strategy="ddp_spawn"``).
+
     The script runs in a session of its own: on a timeout the processes it spawned are killed with it (by its group).
     """
+    script = str(ROOT / "tests" / name)
+    command = [sys.executable, script] if ranks is None else [sys.executable, str(ROOT / "tests" / "fork_ranks.py"),
+                                                             script, str(ranks)]  # fmt: skip
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / name)],
+        command,
         cwd=out,
         # PYTHONFAULTHANDLER: a rank that dies natively (a signal, heap corruption) prints every thread's Python stack
         # to the stderr quoted on failure, so that a one-off crash says where it happened.
@@ -68,16 +76,6 @@ def case_error(out: dict[str, Any]) -> Iterator[dict[str, Any]]:
         out["error"] = traceback.format_exc()[-3000:]
 
 
-def end_group() -> None:
-    """In a script's rank: destroy the process group if one is up. Fabric and Lightning leave a gloo group to the
-    interpreter's exit, which can abort it ("terminate called without an active exception", pytorch/pytorch#190489).
-    """
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a process group's ``MASTER_PORT``)."""
     with socket.socket() as s:
@@ -116,12 +114,21 @@ def end_ranks() -> None:
 
     A script that made several DDP models in one gloo group was seen to finish its work (every rank's results
     written) and then hang in one rank's teardown, once in a loaded full run (never alone): the test then waited for
-    its timeout. Skipping the teardown (the process group, the DDP reducers, Lightning's launcher) leaves nothing to
-    race, and the barrier first makes sure no rank leaves while another still needs it."""
+    its timeout; another, with Accelerate, aborted rank 0 in the gloo group's teardown ("terminate called without an
+    active exception"). Skipping the teardown (the process group, the DDP reducers, Lightning's launcher) leaves
+    nothing to race, and the barrier first makes sure no rank leaves while another still needs it. Every rank script
+    ends here once its results are written."""
+    import datetime
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        if dist.get_backend() == "gloo":
+            # A rank that died before this point fails the others here, by name, instead of a hang to the test's
+            # timeout (a plain barrier waits for the group's 30 minutes).
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=_END_WAIT_S))
+        else:
+            dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

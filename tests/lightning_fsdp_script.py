@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_mpx import MixedPrecisionPlugin
 from lightning_mpx.integrations.fsdp import shard_model
+from tests.launch import end_ranks
 from tests.lightning_helpers import classification_data, loader, make_trainer
 
 BATCH = 8  # per rank: the global batch is 16
@@ -257,10 +258,7 @@ def main() -> None:
         record = fit(case, out)
         with open(os.path.join(out, f"{case.replace(':', '_')}_rank{dist.get_rank()}.json"), "w") as f:
             json.dump(record, f, default=str)
-    # Lightning ends the process group at exit only for NCCL; a gloo group left alive can abort the interpreter at
-    # exit (pytorch/pytorch#190489): end it here.
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    end_ranks()
 
 
 if __name__ == "__main__":

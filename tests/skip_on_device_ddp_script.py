@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tests.launch import end_group, write_rank_results
+from tests.launch import end_ranks, write_rank_results
 
 STEPS = 6
 #: step -> the ranks whose gradient gets an inf (after DDP's all-reduce: the ranks agree only through the engine)
@@ -217,7 +217,7 @@ def trainer_main() -> None:
 def main() -> None:
     for front in os.environ["MPX_FRONT"].split(","):  # one launch for both: Fabric's starts the processes
         {"fabric": fabric_main, "trainer": trainer_main}[front]()
-    end_group()
+    end_ranks()
 
 
 if __name__ == "__main__":

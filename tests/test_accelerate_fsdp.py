@@ -53,7 +53,7 @@ def _key(case):
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("accelerate_fsdp")
     run_script(
-        "accelerate_fsdp_script.py", out, timeout=240,
+        "accelerate_fsdp_script.py", out, timeout=240, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
         MPX_CASES=",".join(_spec(*_key(case)) for case in CASES), MPX_RESUME=_spec(*RESUME), MPX_STALE="1",
         MPX_BY_HAND="1",
         MPX_ACCUMULATE=",".join(_spec(*case) for case in ACCUMULATE),

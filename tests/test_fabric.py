@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import pickle
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,6 +23,7 @@ from torch import nn
 
 from lightning_mpx import FabricMixedPrecisionPlugin, MixedPrecisionPlugin, doctor
 from lightning_mpx.health.plot import plot_run, read_scalars
+from tests.launch import run_script
 from tests.lightning_helpers import Classifier
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -556,24 +554,7 @@ def test_litgpt_pretraining_loop_matches_32_true(level, half, tmp_path):
 
 # -- 9. DDP: two CPU processes make one skip decision ------------------------------------------------------------------
 def test_ddp_two_processes_skip_together_and_stay_identical(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MPX_OUT=str(tmp_path), MPX_LEVELS="O2:float16,O1:bfloat16")
-    # A session of its own: on a timeout the child process Fabric launched goes with the script (killed by group).
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "fabric_ddp_script.py")],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        _, stderr = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, stderr = proc.communicate()
-        pytest.fail(f"fabric_ddp_script.py timed out; stderr ends with:\n{stderr[-3000:]}")
-    assert proc.returncode == 0, f"exit code {proc.returncode}; stderr ends with:\n{stderr[-3000:]}"
+    run_script("fabric_ddp_script.py", tmp_path, timeout=180, MPX_LEVELS="O2:float16,O1:bfloat16")
     for level, dtype in (("O2", "torch.float16"), ("O1", "torch.float32")):
         ranks = [json.loads((tmp_path / f"{level}_rank{r}.json").read_text()) for r in (0, 1)]
         for rank in ranks:

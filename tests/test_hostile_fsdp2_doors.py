@@ -19,7 +19,7 @@ from tests.hostile_fsdp2_doors_script import CLIP, INF_AT, STEPS  # noqa: E402
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2_doors")
-    run_script("hostile_fsdp2_doors_script.py", out, timeout=240)
+    run_script("hostile_fsdp2_doors_script.py", out, timeout=240, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     return rank_results(out)
 
 
