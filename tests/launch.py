@@ -51,6 +51,23 @@ def run_script(name: str, out: Path, *, timeout: float, ranks: int | None = 2, *
     assert proc.returncode == 0, f"{name}: exit code {proc.returncode}; stderr ends with:\n{stderr[-8000:]}"
 
 
+def accelerate_launch(script: str, out: Path, *, timeout: float = 240) -> None:
+    """Run ``tests/<script> <out>`` in two gloo processes with ``accelerate launch``, as Accelerate users start one;
+    fail with the end of both outputs when it exits non-zero.
+
+    ``--cpu --num_processes 2`` starts one process in accelerate 1.x unless an MPI hostfile is given; the torchrun
+    launcher behind ``--multi_gpu`` runs the processes on CPU with gloo when no GPU is visible."""
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", "0",  # the launcher picks a free port just before torchrun binds it
+        str(ROOT / "tests" / script), str(out),
+    ]  # fmt: skip
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT), PYTHONFAULTHANDLER="1")
+    run = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, f"{script}: exit code {run.returncode}:\n{run.stdout[-3000:]}{run.stderr[-5000:]}"
+
+
 def rank_results(out: Path, prefix: str = "", world_size: int = 2) -> list[dict[str, Any]]:
     """What each rank wrote to ``out/{prefix}rank{r}.json``, by rank."""
     return [json.loads((out / f"{prefix}rank{r}.json").read_text()) for r in range(world_size)]

@@ -8,8 +8,6 @@ import copy
 import importlib
 import inspect
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from accelerate.utils import GradScalerKwargs  # noqa: E402
 from lightning_mpx import Amp  # noqa: E402
 from lightning_mpx.integrations.accelerate import AMP_STATE_NAME, Accelerator, MixedPrecisionKwargs  # noqa: E402
 from tests.accelerate_helpers import prepared_gan, reset_accelerate_state  # noqa: E402
+from tests.launch import accelerate_launch  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # Accelerate's singleton state: none at each start
 
@@ -663,18 +662,7 @@ def test_load_state_into_an_evaluation_only_o2_model(tmp_path):
 # -- two processes ---------------------------------------------------------------------------------------------------
 
 def test_two_processes_skip_together_and_stay_identical(tmp_path):
-    script = Path(__file__).with_name("accelerate_two_process.py")
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
-    # `--cpu --num_processes 2` starts one process in accelerate 1.x unless an MPI hostfile is given; the torchrun
-    # launcher behind --multi_gpu runs the processes on CPU with gloo when no GPU is visible.
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", "0",  # the launcher picks a free port just before torchrun binds it
-        str(script), str(tmp_path),
-    ]
-    run = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    accelerate_launch("accelerate_two_process.py", tmp_path)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["world_size"] == ranks[1]["world_size"] == 2
     # The overflow was injected on rank 0 only; both ranks skipped that step, and only that one.

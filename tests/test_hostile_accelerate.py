@@ -13,9 +13,6 @@ made before or after ``prepare``; ``unscale_gradients`` then torch's own clip; H
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -28,6 +25,7 @@ pytest.importorskip("accelerate")
 
 from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs  # noqa: E402
 from tests.accelerate_helpers import reset_accelerate_state  # noqa: E402
+from tests.launch import accelerate_launch  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
@@ -424,16 +422,7 @@ def test_two_processes_accumulate_overflow_on_one_rank_and_rank_zero_checkpoint(
     ``no_sync`` micro-batch, and one in rank 0's gradient after the all-reduce of a synchronising one, skip those
     windows on both ranks (and only them), with the same scale and schedule; a ``save_state`` called on rank 0 only
     does not hang, and ``load_state`` of it into a fresh model on every rank ends on the straight run's bits."""
-    script = Path(__file__).with_name("hostile_accelerate_two_process.py")
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", "0",  # the launcher picks a free port just before torchrun binds it
-        str(script), str(tmp_path),
-    ]
-    run = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    accelerate_launch("hostile_accelerate_two_process.py", tmp_path)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["world_size"] == 2
     assert ranks[0] == ranks[1]
