@@ -104,6 +104,7 @@ from lightning_mpx.integrations.accelerate_kwargs import FSDP_GATHER_CHOICES, Mi
 from lightning_mpx.integrations.accelerate_optimizer import (  # noqa: E402
     AmpOptimizer,
     check_masters_exist,
+    pair_again,
     released_by_engine,
 )
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
@@ -300,6 +301,7 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
             # On the device before conversion: O2's masters are created next to the parameters they copy.
             model.to(self.device)
         self.amp.prepare_model(model, train=not evaluation_mode)  # no FP32 masters for a model only evaluated
+        pair_again(self.amp, self._amp_optimizers(), model)  # an optimizer prepared before it: masters now
         self._converted.add(model)
         install_forward(self.amp, model)
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)

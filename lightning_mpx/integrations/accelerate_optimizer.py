@@ -14,7 +14,15 @@ from lightning_mpx.engine.amp import Amp
 require("accelerate", feature="lightning_mpx.accelerate")
 from accelerate.optimizer import AcceleratedOptimizer  # type: ignore[import-untyped]  # noqa: E402
 
-__all__ = ["AmpOptimizer", "check_masters_exist", "gradient_targets", "owner_of", "params_of", "released_by_engine"]
+__all__ = [
+    "AmpOptimizer",
+    "check_masters_exist",
+    "gradient_targets",
+    "owner_of",
+    "pair_again",
+    "params_of",
+    "released_by_engine",
+]
 
 
 _UNPICKLED_STEP = (
@@ -165,6 +173,20 @@ def check_masters_exist(amp: Amp, optimizer: torch.optim.Optimizer, models_prepa
         "`model = accelerator.prepare(model)` (or `accelerator.prepare_model(model)`), then "
         "`optimizer = accelerator.prepare(optimizer)`."
     )
+
+
+def pair_again(amp: Amp, optimizers: Iterable[AmpOptimizer], model: torch.nn.Module) -> None:
+    """Register again with ``amp`` the prepared ``optimizers`` that hold parameters of ``model``, which ``amp`` has just
+    converted. At O2 an optimizer prepared before its model (in an earlier ``prepare`` call) paired the model's
+    parameters with themselves while they were FP32: once they are half, they need the FP32 masters that registering
+    again makes (from the FP32 values kept at the conversion; the optimizer's state moves with them)."""
+    if not amp.properties.master_weights or amp.sharded:
+        return
+    ids = {id(param) for param in model.parameters()}
+    for opt in optimizers:
+        if opt.amp is amp and any(id(param) in ids for param in params_of(opt.optimizer)):
+            amp.release_optimizer(opt.optimizer)
+            amp.prepare_optimizer(opt.optimizer)
 
 
 def released_by_engine(optimizer: Any, amp: Amp) -> bool:
