@@ -87,3 +87,45 @@ def test_a_model_prepared_after_its_optimizer_trains_on_fp32_masters(calls):
     torch.testing.assert_close(weights, native, atol=1e-3, rtol=0)
     torch.manual_seed(1)
     assert (weights[-2] - nn.Linear(3, 3).weight).abs().max() > 5e-4  # the head trained (not at all before the fix)
+
+
+# -- the model file of save_state at O2 ---------------------------------------------------------------------------------
+def _trained_o2(steps=3):
+    accelerator = _accelerator("O2")
+    model = _net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, opt = accelerator.prepare(model, opt)
+    for step in range(steps):
+        x, y = _batch(step)
+        accelerator.backward(F.cross_entropy(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    return accelerator, model, opt
+
+
+@pytest.mark.parametrize("safe", [True, False])
+def test_o2_save_state_writes_fp32_weights_that_accelerate_bf16_resumes(tmp_path, safe):
+    """Found at stop 50: at O2 ``save_state`` wrote the model file with the half weights (bfloat16), where Accelerate's
+    own ``"bf16"`` writes FP32 ones; a run resumed with Accelerate's ``"bf16"`` (or ``"no"``, or anything that reads
+    the model file: ``load_checkpoint_in_model``, an evaluation script) took weights up to 1e-3 off the FP32 masters
+    training produced. Now the file holds the masters (FP32): resuming natively gives them exactly, the optimizer
+    state with them, and the O2 resume stays bit for bit (tests/test_hostile_accelerate.py)."""
+    accelerator, model, opt = _trained_o2()
+    accelerator.save_state(str(tmp_path), safe_serialization=safe)
+    masters = accelerator.amp.fp32_state_dict(accelerator.unwrap_model(model))
+    if safe:
+        from safetensors.torch import load_file
+
+        written = load_file(str(tmp_path / "model.safetensors"))
+    else:
+        written = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
+    assert {key: value.dtype for key, value in written.items()} == {key: torch.float32 for key in masters}
+    assert _same(list(written.values()), [masters[key] for key in written])
+    native = _accelerator("bf16")
+    twin = _net(5)
+    twin_opt = torch.optim.Adam(twin.parameters(), lr=1e-3)
+    twin, twin_opt = native.prepare(twin, twin_opt)
+    native.load_state(str(tmp_path))
+    assert _same(list(twin.state_dict().values()), list(masters.values()))
+    moments = [s["exp_avg"] for s in twin_opt.state_dict()["state"].values()]
+    assert _same(moments, [s["exp_avg"] for s in opt.state_dict()["state"].values()])

@@ -89,6 +89,7 @@ from lightning_mpx.integrations import accelerate_fsdp as _accelerate_fsdp  # no
 from lightning_mpx.integrations.accelerate_checkpoint import (  # noqa: E402
     AMP_STATE_NAME,
     amp_state_path,
+    masters_into_weights,
     read_amp_state,
     write_amp_state,
 )
@@ -451,6 +452,7 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
     def _save_amp_state(self, models: list[nn.Module], weights: list[dict[str, Any]], output_dir: str) -> None:
         assert self.amp is not None
         self._close_iteration()  # the checkpoint holds the scale the next backward would use
+        masters_into_weights(self.amp, models, weights)  # the model files hold FP32 weights, as Accelerate's own modes
         state = self.amp.state_dict()  # every rank reads its device state (the flags are reduced); the log's position
         if self.is_main_process or (self.project_configuration.save_on_each_node and self.is_local_main_process):
             write_amp_state(state, output_dir)

@@ -8,11 +8,26 @@ import os
 from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["AMP_STATE_NAME", "amp_state_path", "read_amp_state", "write_amp_state"]
+from lightning_mpx.engine.amp import Amp
+
+__all__ = ["AMP_STATE_NAME", "amp_state_path", "masters_into_weights", "read_amp_state", "write_amp_state"]
 
 #: The file that ``save_state`` writes the :class:`~lightning_mpx.engine.amp.Amp` state to.
 AMP_STATE_NAME = "lightning_mpx_amp.bin"
+
+
+def masters_into_weights(amp: Amp, models: list[nn.Module], weights: list[dict[str, Any]]) -> None:
+    """At O2, put the FP32 masters in place of the half weights in Accelerate's ``weights`` (the state dict of each
+    of ``models`` that ``save_state`` writes as its model file), in place: the file holds the weights training
+    produced, FP32 as Accelerate's own ``"bf16"``/``"fp16"`` write them, for whatever reads it (Accelerate's own modes
+    resuming, ``load_checkpoint_in_model``); the O2 resume takes them to the masters exactly."""
+    if not amp.properties.master_weights or amp.sharded:
+        return
+    for model, state in zip(models, weights):
+        fp32 = amp.fp32_state_dict(model)
+        state.update((key, fp32[key]) for key in state if key in fp32)
 
 
 def write_amp_state(state: dict[str, Any], output_dir: str) -> None:
