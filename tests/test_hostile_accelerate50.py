@@ -40,7 +40,7 @@ def _same(a, b):
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-# -- a model prepared after the optimizer that trains it ----------------------------------------------------------------
+# -- a model prepared after the optimizer that trains it ---------------------------------------------------------------
 def _encoder_head_run(calls, level="O2"):
     """An encoder and a head trained by one SGD (lr 1e-3, 8 steps), prepared as ``calls`` says; returns the FP32
     weights training produced (each model's ``fp32_state_dict`` at O2) and the head's master dtypes."""
@@ -89,18 +89,46 @@ def test_a_model_prepared_after_its_optimizer_trains_on_fp32_masters(calls):
     assert (weights[-2] - nn.Linear(3, 3).weight).abs().max() > 5e-4  # the head trained (not at all before the fix)
 
 
-# -- the model file of save_state at O2 ---------------------------------------------------------------------------------
-def _trained_o2(steps=3):
+# -- the weights get_state_dict, save_model and save_state give at O2 ------------------------------------------------
+def _trained_o2(steps=3, model=None, first=0, optimizer=torch.optim.Adam):
     accelerator = _accelerator("O2")
-    model = _net()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model = _net() if model is None else model
+    opt = optimizer(model.parameters(), lr=1e-3)
     model, opt = accelerator.prepare(model, opt)
-    for step in range(steps):
+    for step in range(first, first + steps):
         x, y = _batch(step)
         accelerator.backward(F.cross_entropy(model(x), y))
         opt.step()
         opt.zero_grad()
     return accelerator, model, opt
+
+
+@pytest.mark.parametrize("export", ["save_model", "get_state_dict"])
+def test_o2_exported_weights_are_the_fp32_masters_and_a_new_run_goes_on_from_them(tmp_path, export):
+    """Found at stop 50: at O2 ``get_state_dict(model)`` and ``save_model(model, dir)`` gave the half (bfloat16)
+    weights, where Accelerate's own ``"bf16"`` gives FP32 ones; Hugging Face's ``no_trainer`` habit
+    ``save_pretrained(dir, state_dict=accelerator.get_state_dict(model))`` and a later run loading that file started
+    from weights rounded by up to 1e-3. Now both give the FP32 masters: a fresh model loaded with them and prepared by
+    a new Accelerator goes on exactly as the uninterrupted run (SGD: no optimizer state to carry)."""
+    accelerator, model, opt = _trained_o2(optimizer=torch.optim.SGD)
+    if export == "save_model":
+        from safetensors.torch import load_file
+
+        accelerator.save_model(model, str(tmp_path))
+        exported = load_file(str(tmp_path / "model.safetensors"))
+    else:
+        exported = accelerator.get_state_dict(model)
+    masters = accelerator.amp.fp32_state_dict(accelerator.unwrap_model(model))
+    assert {v.dtype for v in exported.values()} == {torch.float32}
+    assert _same([exported[key] for key in masters], list(masters.values()))
+    fresh = _net(5)
+    fresh.load_state_dict(exported)
+    resumed, resumed_model, _ = _trained_o2(model=fresh, first=3, optimizer=torch.optim.SGD)
+    straight, straight_model, _ = _trained_o2(steps=6, optimizer=torch.optim.SGD)
+    assert _same(
+        list(resumed.amp.fp32_state_dict(resumed.unwrap_model(resumed_model)).values()),
+        list(straight.amp.fp32_state_dict(straight.unwrap_model(straight_model)).values()),
+    )
 
 
 @pytest.mark.parametrize("safe", [True, False])

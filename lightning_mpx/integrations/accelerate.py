@@ -40,7 +40,8 @@ their native behaviour untouched. With an opt level, Accelerate itself runs with
   ``MixedPrecisionKwargs(log_metrics=False)`` turns this off. :meth:`Accelerator.mpx_metrics` returns them counted
   since its own previous call: it and the logs never take counts from each other.
 * ``save_state``/``load_state`` write and read the loss scalers, the FP32 masters and the skip counters in
-  ``lightning_mpx_amp.bin`` next to Accelerate's own files.
+  ``lightning_mpx_amp.bin`` next to Accelerate's own files. At O2 ``get_state_dict`` (so ``save_model`` and the
+  model files of ``save_state``) gives the FP32 masters, as Accelerate's own modes give an FP32 model.
 
 **FSDP** (``fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2)``, or 1): Accelerate shards the model and
 the opt level is carried out partly by FSDP. The plugin's ``mixed_precision_policy`` is set to the level's
@@ -89,7 +90,7 @@ from lightning_mpx.integrations import accelerate_fsdp as _accelerate_fsdp  # no
 from lightning_mpx.integrations.accelerate_checkpoint import (  # noqa: E402
     AMP_STATE_NAME,
     amp_state_path,
-    masters_into_weights,
+    masters_into,
     read_amp_state,
     write_amp_state,
 )
@@ -312,6 +313,15 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
             self.amp.refresh_masters(model.parameters(), force=True)
         return prepared
 
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        """As ``accelerate.Accelerator.get_state_dict``; at O2 the half weights are replaced by their FP32 masters (the
+        weights training produced, FP32 as with Accelerate's own modes), so that ``save_model`` and the model files
+        of ``save_state`` hold them too (O3, which has no masters, gives its half weights)."""
+        state: dict[str, Any] = super().get_state_dict(model, unwrap=unwrap)
+        if self.amp is not None and self.distributed_type != DistributedType.FSDP:
+            masters_into(self.amp, self.unwrap_model(model) if unwrap else model, state)
+        return state
+
     def free_memory(self, *objects: Any) -> Any:
         """As ``accelerate.Accelerator.free_memory``; with an opt level, the engine's masters and optimizers are
         released too: the next ``prepare`` starts a fresh engine with the same settings (a model prepared again is
@@ -452,7 +462,6 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
     def _save_amp_state(self, models: list[nn.Module], weights: list[dict[str, Any]], output_dir: str) -> None:
         assert self.amp is not None
         self._close_iteration()  # the checkpoint holds the scale the next backward would use
-        masters_into_weights(self.amp, models, weights)  # the model files hold FP32 weights, as Accelerate's own modes
         state = self.amp.state_dict()  # every rank reads its device state (the flags are reduced); the log's position
         if self.is_main_process or (self.project_configuration.save_on_each_node and self.is_local_main_process):
             write_amp_state(state, output_dir)
