@@ -45,7 +45,7 @@ def _same(a, b):
 # -- a model prepared after the optimizer that trains it ---------------------------------------------------------------
 @functools.cache  # the references (one call; Accelerate's "no") serve both cases
 def _encoder_head_run(calls, level="O2"):
-    """An encoder and a head trained by one SGD (lr 1e-3, 8 steps), prepared as ``calls`` says; returns the FP32
+    """An encoder and a head trained by one SGD (lr 1e-3, 5 steps), prepared as ``calls`` says; returns the FP32
     weights training produced (each model's ``fp32_state_dict`` at O2) and the head's master dtypes."""
     accelerator = _accelerator(level)
     encoder = _net()
@@ -61,7 +61,7 @@ def _encoder_head_run(calls, level="O2"):
         encoder = accelerator.prepare(encoder)
         opt = accelerator.prepare(opt)
         head = accelerator.prepare(head)
-    for step in range(8):
+    for step in range(5):
         x, y = _batch(step)
         accelerator.backward(F.cross_entropy(head(encoder(x)), y))
         opt.step()
@@ -80,7 +80,7 @@ def test_a_model_prepared_after_its_optimizer_trains_on_fp32_masters(calls):
     """Found at stop 50: at O2 a model prepared in a later ``prepare`` call than the optimizer that trains it got no
     FP32 masters (its parameters were FP32, paired with themselves, when the optimizer was registered; the conversion
     to half came after), so the optimizer stepped its bfloat16 weights directly: at lr 1e-3 each update rounded away
-    and the head never moved (0.0 after 8 steps). Now the optimizer is registered again once its model is converted:
+    and the head never moved (0.0 after 5 steps). Now the optimizer is registered again once its model is converted:
     the run is the one prepared in a single call, bit for bit, and follows Accelerate's ``"no"``."""
     weights, dtypes = _encoder_head_run(calls)
     reference, _ = _encoder_head_run("one")
@@ -89,7 +89,7 @@ def test_a_model_prepared_after_its_optimizer_trains_on_fp32_masters(calls):
     native, _ = _encoder_head_run("one", level="no")
     torch.testing.assert_close(weights, native, atol=1e-3, rtol=0)
     torch.manual_seed(1)
-    assert (weights[-2] - nn.Linear(3, 3).weight).abs().max() > 5e-4  # the head trained (not at all before the fix)
+    assert (weights[-2] - nn.Linear(3, 3).weight).abs().max() > 2e-4  # the head trained (not at all before the fix)
 
 
 # -- the weights get_state_dict, save_model and save_state give at O2 ------------------------------------------------
