@@ -202,3 +202,20 @@ def test_o2_get_state_dict_of_a_model_with_extra_state_gives_the_fp32_masters():
     assert accelerator.amp.fp32_state_dict(accelerator.unwrap_model(model))["0._extra_state"] == {"recipe": "delayed"}
     state = accelerator.get_state_dict(model)
     assert torch.equal(state["0.weight"], accelerator.amp.master_params(opt.optimizer)[0])
+
+
+def test_o2_get_state_dict_after_free_memory_still_gives_the_masters():
+    """``free_memory()`` once training is over (releasing the optimizer, as a script tidying up before its export
+    does), then ``get_state_dict(model)``: the masters of the engine that trained the model, exactly, not its half
+    weights upcast (1e-3 off before: the accelerator's fresh engine had no masters for it); a deep copy of the model
+    (an EMA kept on the side), which has no masters, gives its half weights upcast."""
+    import copy
+
+    accelerator, model, opt = _trained_o2(optimizer=torch.optim.SGD)
+    masters = accelerator.amp.fp32_state_dict(accelerator.unwrap_model(model))
+    twin = copy.deepcopy(accelerator.unwrap_model(model))
+    accelerator.free_memory()
+    state = accelerator.get_state_dict(model)
+    assert _same([state[key] for key in masters], list(masters.values()))
+    copied = accelerator.get_state_dict(twin)
+    assert _same(list(copied.values()), [value.float() for value in twin.state_dict().values()])

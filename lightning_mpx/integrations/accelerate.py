@@ -97,6 +97,7 @@ from lightning_mpx.integrations.accelerate_checkpoint import (  # noqa: E402
 from lightning_mpx.integrations.accelerate_clipping import GradientClipping  # noqa: E402
 from lightning_mpx.integrations.accelerate_forward import (  # noqa: E402
     AmpForward,
+    engine_of,
     install_forward,
     release_optimizers,
     take_over,
@@ -319,7 +320,8 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
         of ``save_state`` hold them too (O3, which has no masters, gives its half weights)."""
         state: dict[str, Any] = super().get_state_dict(model, unwrap=unwrap)
         if self.amp is not None and self.distributed_type != DistributedType.FSDP:
-            masters_into(self.amp, self.unwrap_model(model) if unwrap else model, state)
+            module = self.unwrap_model(model) if unwrap else model
+            masters_into(engine_of(module, self.amp), module, state)  # after free_memory(): the engine that trained it
         return state
 
     def free_memory(self, *objects: Any) -> Any:
