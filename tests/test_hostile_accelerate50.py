@@ -2,7 +2,9 @@
 the same script prepared in one call, or Accelerate's own ``mixed_precision="no"``.
 
 Habits covered: a model prepared in a later ``prepare`` call than the optimizer that trains it (alone after
-``prepare(model, optimizer)``, or model, optimizer and model in three calls).
+``prepare(model, optimizer)``, or model, optimizer and model in three calls; for evaluation only); the weights
+``get_state_dict``, ``save_model`` and ``save_state`` write at O2 (then resumed by Accelerate's own ``"bf16"``, or
+loaded into a new run; after ``free_memory()``; a model with extra state).
 """
 
 from __future__ import annotations
@@ -90,6 +92,19 @@ def test_a_model_prepared_after_its_optimizer_trains_on_fp32_masters(calls):
     torch.testing.assert_close(weights, native, atol=1e-3, rtol=0)
     torch.manual_seed(1)
     assert (weights[-2] - nn.Linear(3, 3).weight).abs().max() > 2e-4  # the head trained (not at all before the fix)
+
+
+def test_a_model_its_optimizer_trains_is_refused_for_evaluation_only():
+    """The same order with the head prepared for evaluation only (no masters at O2): refused, naming the argument
+    and what to call, before anything is converted (the optimizer still steps the encoder)."""
+    accelerator = _accelerator("O2")
+    encoder, head = _net(), nn.Linear(3, 3)
+    opt = torch.optim.SGD([*encoder.parameters(), *head.parameters()], lr=1e-3)
+    encoder, opt = accelerator.prepare(encoder, opt)
+    with pytest.raises(ValueError, match=r"evaluation_mode=True, but optimizer=SGD .* accelerator.prepare\(model\)"):
+        accelerator.prepare_model(head, evaluation_mode=True)
+    assert head.weight.dtype == torch.float32
+    assert {p.dtype for p in accelerator.amp.master_params(opt.optimizer)[:4]} == {torch.float32}
 
 
 # -- the weights get_state_dict, save_model and save_state give at O2 ------------------------------------------------

@@ -107,6 +107,7 @@ from lightning_mpx.integrations.accelerate_kwargs import FSDP_GATHER_CHOICES, Mi
 from lightning_mpx.integrations.accelerate_optimizer import (  # noqa: E402
     AmpOptimizer,
     check_masters_exist,
+    holding,
     pair_again,
     released_by_engine,
 )
@@ -303,8 +304,9 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
         if place and not self.verify_device_map(model):
             # On the device before conversion: O2's masters are created next to the parameters they copy.
             model.to(self.device)
+        holders = holding(self.amp, self._amp_optimizers(), model, train=not evaluation_mode)  # prepared before it
         self.amp.prepare_model(model, train=not evaluation_mode)  # no FP32 masters for a model only evaluated
-        pair_again(self.amp, self._amp_optimizers(), model)  # an optimizer prepared before it: masters now
+        pair_again(self.amp, holders)  # their masters for its parameters, now half
         self._converted.add(model)
         install_forward(self.amp, model)
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)

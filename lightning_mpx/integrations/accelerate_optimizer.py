@@ -18,6 +18,7 @@ __all__ = [
     "AmpOptimizer",
     "check_masters_exist",
     "gradient_targets",
+    "holding",
     "owner_of",
     "pair_again",
     "params_of",
@@ -175,18 +176,32 @@ def check_masters_exist(amp: Amp, optimizer: torch.optim.Optimizer, models_prepa
     )
 
 
-def pair_again(amp: Amp, optimizers: Iterable[AmpOptimizer], model: torch.nn.Module) -> None:
-    """Register again with ``amp`` the prepared ``optimizers`` that hold parameters of ``model``, which ``amp`` has just
-    converted. At O2 an optimizer prepared before its model (in an earlier ``prepare`` call) paired the model's
-    parameters with themselves while they were FP32: once they are half, they need the FP32 masters that registering
-    again makes (from the FP32 values kept at the conversion; the optimizer's state moves with them)."""
+def holding(amp: Amp, optimizers: Iterable[AmpOptimizer], model: torch.nn.Module, *, train: bool) -> list[AmpOptimizer]:
+    """The prepared ``optimizers`` that hold parameters of ``model``, which ``amp`` is about to convert: at O2 each
+    paired them with themselves while they were FP32 (prepared before ``model``, in an earlier ``prepare`` call) and
+    must be paired again after the conversion (:func:`pair_again`). Refuses ``model`` for evaluation only (no masters)
+    when one of them trains it."""
     if not amp.properties.master_weights or amp.sharded:
-        return
-    ids = {id(param) for param in model.parameters()}
+        return []
+    ids = {id(param) for param in model.parameters()}  # frozen ones too: unfrozen later, they need a master
+    found = [o for o in optimizers if o.amp is amp and any(id(param) in ids for param in params_of(o.optimizer))]
+    if not train and any(p.requires_grad and id(p) in ids for o in found for p in params_of(o.optimizer)):
+        raise ValueError(
+            f"model={type(model).__name__} is prepared with evaluation_mode=True, but optimizer="
+            f"{type(found[0].optimizer).__name__} prepared by this Accelerator trains its parameters: at "
+            f"mixed_precision={amp.opt_level!r} it would step them in half without FP32 masters. Prepare it for "
+            "training: `model = accelerator.prepare(model)`."
+        )
+    return found
+
+
+def pair_again(amp: Amp, optimizers: Iterable[AmpOptimizer]) -> None:
+    """Register ``optimizers`` (from :func:`holding`) again with ``amp`` once their model is converted: its half
+    parameters get their FP32 masters (from the FP32 values kept at the conversion; the optimizer's state moves to
+    them)."""
     for opt in optimizers:
-        if opt.amp is amp and any(id(param) in ids for param in params_of(opt.optimizer)):
-            amp.release_optimizer(opt.optimizer)
-            amp.prepare_optimizer(opt.optimizer)
+        amp.release_optimizer(opt.optimizer)
+        amp.prepare_optimizer(opt.optimizer)
 
 
 def released_by_engine(optimizer: Any, amp: Amp) -> bool:
