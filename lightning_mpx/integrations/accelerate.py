@@ -40,7 +40,8 @@ their native behaviour untouched. With an opt level, Accelerate itself runs with
   ``MixedPrecisionKwargs(log_metrics=False)`` turns this off. :meth:`Accelerator.mpx_metrics` returns them counted
   since its own previous call: it and the logs never take counts from each other.
 * ``save_state``/``load_state`` write and read the loss scalers, the FP32 masters and the skip counters in
-  ``lightning_mpx_amp.bin`` next to Accelerate's own files.
+  ``lightning_mpx_amp.bin`` next to Accelerate's own files. At O2 ``get_state_dict`` (so ``save_model`` and the
+  model files of ``save_state``) gives the FP32 masters, as Accelerate's own modes give an FP32 model.
 
 **FSDP** (``fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2)``, or 1): Accelerate shards the model and
 the opt level is carried out partly by FSDP. The plugin's ``mixed_precision_policy`` is set to the level's
@@ -89,12 +90,14 @@ from lightning_mpx.integrations import accelerate_fsdp as _accelerate_fsdp  # no
 from lightning_mpx.integrations.accelerate_checkpoint import (  # noqa: E402
     AMP_STATE_NAME,
     amp_state_path,
+    masters_into,
     read_amp_state,
     write_amp_state,
 )
 from lightning_mpx.integrations.accelerate_clipping import GradientClipping  # noqa: E402
 from lightning_mpx.integrations.accelerate_forward import (  # noqa: E402
     AmpForward,
+    engine_of,
     install_forward,
     release_optimizers,
     take_over,
@@ -104,6 +107,8 @@ from lightning_mpx.integrations.accelerate_kwargs import FSDP_GATHER_CHOICES, Mi
 from lightning_mpx.integrations.accelerate_optimizer import (  # noqa: E402
     AmpOptimizer,
     check_masters_exist,
+    holding,
+    pair_again,
     released_by_engine,
 )
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
@@ -299,7 +304,9 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
         if place and not self.verify_device_map(model):
             # On the device before conversion: O2's masters are created next to the parameters they copy.
             model.to(self.device)
+        holders = holding(self.amp, self._amp_optimizers(), model, train=not evaluation_mode)  # prepared before it
         self.amp.prepare_model(model, train=not evaluation_mode)  # no FP32 masters for a model only evaluated
+        pair_again(self.amp, holders)  # their masters for its parameters, now half
         self._converted.add(model)
         install_forward(self.amp, model)
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
@@ -308,6 +315,16 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
             # will be trained, where they differ from them.
             self.amp.refresh_masters(model.parameters(), force=True)
         return prepared
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        """As ``accelerate.Accelerator.get_state_dict``; at O2 the half weights are replaced by their FP32 masters (the
+        weights training produced, FP32 as with Accelerate's own modes), so that ``save_model`` and the model files
+        of ``save_state`` hold them too (O3, which has no masters, gives its half weights)."""
+        state: dict[str, Any] = super().get_state_dict(model, unwrap=unwrap)
+        if self.amp is not None and self.distributed_type != DistributedType.FSDP:
+            module = self.unwrap_model(model) if unwrap else model
+            masters_into(engine_of(module, self.amp), module, state)  # after free_memory(): the engine that trained it
+        return state
 
     def free_memory(self, *objects: Any) -> Any:
         """As ``accelerate.Accelerator.free_memory``; with an opt level, the engine's masters and optimizers are

@@ -8,11 +8,26 @@ import os
 from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["AMP_STATE_NAME", "amp_state_path", "read_amp_state", "write_amp_state"]
+from lightning_mpx.engine.amp import Amp
+
+__all__ = ["AMP_STATE_NAME", "amp_state_path", "masters_into", "read_amp_state", "write_amp_state"]
 
 #: The file that ``save_state`` writes the :class:`~lightning_mpx.engine.amp.Amp` state to.
 AMP_STATE_NAME = "lightning_mpx_amp.bin"
+
+
+def masters_into(amp: Amp, module: nn.Module, state: dict[str, Any]) -> None:
+    """At O2, put the FP32 masters in place of the half weights in ``state`` (``module``'s state dict), in place: the
+    weights training produced, FP32 as Accelerate's own ``"bf16"``/``"fp16"`` give them, for ``get_state_dict``,
+    ``save_model`` and the model files of ``save_state`` (whose O2 resume takes them to the masters exactly)."""
+    if not amp.properties.master_weights or amp.sharded:
+        return
+    if not all(map(torch.is_tensor, state.values())):
+        return  # a module's get_extra_state(): Amp.fp32_state_dict cannot take it yet; the half weights, as before
+    fp32 = amp.fp32_state_dict(module)
+    state.update((key, fp32[key]) for key in state if key in fp32)
 
 
 def write_amp_state(state: dict[str, Any], output_dir: str) -> None:

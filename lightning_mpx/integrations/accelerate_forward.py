@@ -25,7 +25,7 @@ from lightning_mpx.engine.optimizer_state import optimizer_params
 require("accelerate", feature="lightning_mpx.accelerate")
 from accelerate.utils import extract_model_from_parallel, is_compiled_module  # type: ignore[import-untyped]  # noqa: E402
 
-__all__ = ["AmpForward", "install_forward", "release_optimizers", "take_over"]
+__all__ = ["AmpForward", "engine_of", "install_forward", "release_optimizers", "take_over"]
 
 
 class AmpForward:
@@ -129,6 +129,15 @@ def install_forward(amp: Amp, model: nn.Module) -> None:
         target = model._orig_mod if is_compiled_module(model) else model
         target._original_forward = target.forward  # type: ignore[assignment]
         target.forward = AmpForward(target.forward, amp)
+
+
+def engine_of(model: nn.Module, default: Amp) -> Amp:
+    """The engine whose forward ``model`` runs (the one that prepared it, which holds its masters: after
+    ``Accelerator.free_memory()`` the previous engine until the model is prepared again), else ``default``."""
+    inner = extract_model_from_parallel(model, keep_fp32_wrapper=True, keep_torch_compile=True)
+    target = inner._orig_mod if is_compiled_module(inner) else inner
+    forward = target.__dict__.get("forward")
+    return forward._amp if isinstance(forward, AmpForward) else default
 
 
 def take_over(amp: Amp, model: nn.Module, *, train: bool) -> nn.Module | None:

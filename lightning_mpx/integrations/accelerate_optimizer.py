@@ -14,7 +14,16 @@ from lightning_mpx.engine.amp import Amp
 require("accelerate", feature="lightning_mpx.accelerate")
 from accelerate.optimizer import AcceleratedOptimizer  # type: ignore[import-untyped]  # noqa: E402
 
-__all__ = ["AmpOptimizer", "check_masters_exist", "gradient_targets", "owner_of", "params_of", "released_by_engine"]
+__all__ = [
+    "AmpOptimizer",
+    "check_masters_exist",
+    "gradient_targets",
+    "holding",
+    "owner_of",
+    "pair_again",
+    "params_of",
+    "released_by_engine",
+]
 
 
 _UNPICKLED_STEP = (
@@ -165,6 +174,34 @@ def check_masters_exist(amp: Amp, optimizer: torch.optim.Optimizer, models_prepa
         "`model = accelerator.prepare(model)` (or `accelerator.prepare_model(model)`), then "
         "`optimizer = accelerator.prepare(optimizer)`."
     )
+
+
+def holding(amp: Amp, optimizers: Iterable[AmpOptimizer], model: torch.nn.Module, *, train: bool) -> list[AmpOptimizer]:
+    """The prepared ``optimizers`` that hold parameters of ``model``, which ``amp`` is about to convert: at O2 each
+    paired them with themselves while they were FP32 (prepared before ``model``, in an earlier ``prepare`` call) and
+    must be paired again after the conversion (:func:`pair_again`). Refuses ``model`` for evaluation only (no masters)
+    when one of them trains it."""
+    if not amp.properties.master_weights or amp.sharded:
+        return []
+    ids = {id(param) for param in model.parameters()}  # frozen ones too: unfrozen later, they need a master
+    found = [o for o in optimizers if o.amp is amp and any(id(param) in ids for param in params_of(o.optimizer))]
+    if not train and any(p.requires_grad and id(p) in ids for o in found for p in params_of(o.optimizer)):
+        raise ValueError(
+            f"model={type(model).__name__} is prepared with evaluation_mode=True, but optimizer="
+            f"{type(found[0].optimizer).__name__} prepared by this Accelerator trains its parameters: at "
+            f"mixed_precision={amp.opt_level!r} it would step them in half without FP32 masters. Prepare it for "
+            "training: `model = accelerator.prepare(model)`."
+        )
+    return found
+
+
+def pair_again(amp: Amp, optimizers: Iterable[AmpOptimizer]) -> None:
+    """Register ``optimizers`` (from :func:`holding`) again with ``amp`` once their model is converted: its half
+    parameters get their FP32 masters (from the FP32 values kept at the conversion; the optimizer's state moves to
+    them)."""
+    for opt in optimizers:
+        amp.release_optimizer(opt.optimizer)
+        amp.prepare_optimizer(opt.optimizer)
 
 
 def released_by_engine(optimizer: Any, amp: Amp) -> bool:
