@@ -155,10 +155,10 @@ class Amp(AmpParts):
         through ``.data`` of a user's ``nn.Parameter`` subclass)."""
         return self._masters.refresh(params, force=force)
 
-    def fp32_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+    def fp32_state_dict(self, module: nn.Module) -> dict[str, Any]:
         """``module.state_dict()`` in FP32, to export what training produced (the model is not changed): half
         parameters as their FP32 masters (writes made to the model since the last step taken first) or the FP32 value
-        kept for a master not made yet, other half tensors upcast (exactly), FP32 and integer tensors as they are;
+        kept for a master not made yet, other half tensors upcast exactly, the rest (FP32, integer, extra state) as is;
         keyed as ``module.state_dict()``, so ``model.save_pretrained(path, state_dict=amp.fp32_state_dict(model))``
         (Hugging Face, peft) or ``torch.save`` take it as the model's own.
 

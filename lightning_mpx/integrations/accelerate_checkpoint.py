@@ -24,8 +24,6 @@ def masters_into(amp: Amp, module: nn.Module, state: dict[str, Any]) -> None:
     ``save_model`` and the model files of ``save_state`` (whose O2 resume takes them to the masters exactly)."""
     if not amp.properties.master_weights or amp.sharded:
         return
-    if not all(map(torch.is_tensor, state.values())):
-        return  # a module's get_extra_state(): Amp.fp32_state_dict cannot take it yet; the half weights, as before
     fp32 = amp.fp32_state_dict(module)
     state.update((key, fp32[key]) for key in state if key in fp32)
 

@@ -355,7 +355,7 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
         self._register(optimizer)
         return self.amp.master_params(optimizer)
 
-    def fp32_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+    def fp32_state_dict(self, module: nn.Module) -> dict[str, Any]:
         """``module.state_dict()`` in FP32, the model unchanged: each half parameter with an FP32 master (or an FP32
         value kept for the master it will get) as that exact value, other half tensors upcast (see
         :meth:`lightning_mpx.engine.amp.Amp.fp32_state_dict`). Takes what ``fabric.setup`` returned or the model itself;

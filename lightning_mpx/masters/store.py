@@ -135,7 +135,7 @@ class Masters:
                 raise TypeError(f"params holds {strays[0]}; each entry must be a parameter (a torch.Tensor).")
         return [name for masters in self.weights for name in masters.refresh(params, force=force)]
 
-    def fp32_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+    def fp32_state_dict(self, module: nn.Module) -> dict[str, Any]:
         """``module.state_dict()`` in FP32 (see :meth:`Amp.fp32_state_dict
         <lightning_mpx.engine.amp.Amp.fp32_state_dict>`): masters for the half parameters that have one (or the FP32
         value kept for the master they will get), writes to the model since the last step taken first."""
@@ -143,8 +143,11 @@ class Masters:
         self.refresh(None, force=False)  # writes to the model since the last step, as a step takes them
         # A master not made yet (its optimizer has not stepped) is the FP32 value kept for it, as it will be made.
         masters = {key: value for weights in self.weights for key, value in weights.fp32_values().items()}
-        out: dict[str, torch.Tensor] = {}
+        out: dict[str, Any] = {}
         for key, value in module.state_dict(keep_vars=True).items():
+            if not isinstance(value, torch.Tensor):
+                out[key] = value  # a module's get_extra_state() (any object): as the state dict has it
+                continue
             tensor = masters.get(id(value), value).detach()
             out[key] = tensor.float() if tensor.is_floating_point() and tensor.dtype != torch.float32 else tensor
         return out
