@@ -86,8 +86,8 @@ def test_peft_load_best_model_at_end_o2_keeps_the_trained_parameters(tmp_path):
     replacing its parameters: at O2 the model then held new FP32 LoRA parameters with the best weights' bfloat16
     rounding (1.1e-3 off), which no optimizer held, and save_model() wrote those, with a base model's config.json.
     The best adapter now goes into the parameters the optimizer and their FP32 masters hold: ``save_model()`` writes
-    it exactly, as transformers' own Trainer does, without a ``config.json`` (the base is not saved), and a second
-    ``train()`` trains the model's parameters."""
+    it exactly, as transformers' own Trainer does, without a ``config.json`` (the base is not saved), and a resume
+    on the same Trainer trains the model's parameters."""
     with accelerate_state_reset():
         tr = _trainer(tmp_path / "o2", "O2", model=_lora(), **BEST)
         trained = {id(p) for p in tr.model.parameters() if p.requires_grad}
@@ -104,9 +104,12 @@ def test_peft_load_best_model_at_end_o2_keeps_the_trained_parameters(tmp_path):
         assert max_diff(final, best_adapter) == 0.0
         assert (tmp_path / "final" / "adapter_config.json").is_file()
         assert not (tmp_path / "final" / "config.json").exists()  # transformers' Trainer writes none for an adapter
-        tr.args.max_steps, tr.args.eval_strategy, tr.args.save_strategy = 1, "no", "no"
+        # Resumed on the same Trainer (its model prepared): the load went to new FP32 parameters, and the optimizer's
+        # then belonged to no model ("optimizer holds 4 half parameter(s) that belong to no model prepared ...").
+        tr.args.max_steps, tr.args.eval_strategy, tr.args.save_strategy = 3, "no", "no"
         tr.args.load_best_model_at_end = False
-        tr.train()
+        tr.train(resume_from_checkpoint=str(best))
+        assert {id(p) for p in tr.model.parameters() if p.requires_grad} == trained and tr.state.global_step == 3
         assert max_diff(_adapter(tr.model.state_dict()), best_adapter) > 1e-3  # trained on from the best
 
 
