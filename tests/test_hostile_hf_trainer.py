@@ -181,3 +181,14 @@ def test_a_replaced_parameter_with_other_values_goes_to_the_one_the_optimizer_ho
     _keeping_parameters(SimpleNamespace(model=model, accelerator=accelerator, is_fsdp_enabled=False), load)
     assert model.weight is held and held.dtype == torch.bfloat16
     assert torch.equal(accelerator.amp.master_of(held), loaded)
+
+
+def test_the_mixin_after_the_trainer_in_the_bases_is_refused_at_the_class():
+    """``class MyTrainer(Trainer, MpxTrainerMixin)``: the Trainer's methods came first, so it trained in FP32 without a
+    word (or failed with ``Trainer.__init__() got an unexpected keyword argument 'opt_level'``)."""
+    from lightning_mpx.accelerate import MpxTrainerMixin
+
+    with pytest.raises(TypeError, match=r"class Wrong\(Seq2SeqTrainer, MpxTrainerMixin\): MpxTrainerMixin comes after"):
+        type("Wrong", (transformers.Seq2SeqTrainer, MpxTrainerMixin), {})
+    right = type("Right", (MpxTrainerMixin, transformers.Seq2SeqTrainer), {})
+    assert type("Sub", (right,), {}).__mro__[2] is MpxTrainerMixin

@@ -56,6 +56,19 @@ class MpxTrainerMixin:
 
     accelerator: Accelerator
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        ahead = [f"{base.__module__}.{base.__qualname__}" for base in mro[: mro.index(MpxTrainerMixin)]]
+        if "transformers.trainer.Trainer" in ahead:
+            # After the Trainer in the bases, the Trainer's own methods win: no opt level, and no error saying so.
+            bases = ", ".join(base.__name__ for base in cls.__bases__)
+            raise TypeError(
+                f"class {cls.__name__}({bases}): MpxTrainerMixin comes after transformers.Trainer in its bases, so the "
+                "Trainer's own methods would run and no opt level would apply. Put the mixin first: "
+                f"class {cls.__name__}(MpxTrainerMixin, Trainer), or use mpx_trainer(Trainer)."
+            )
+
     def __init__(
         self, *args: Any, opt_level: str = "O2", mpx_kwargs: MixedPrecisionKwargs | None = None, **kwargs: Any
     ) -> None:
