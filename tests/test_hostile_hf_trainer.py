@@ -140,6 +140,32 @@ def test_save_only_model_checkpoint_resumes_with_the_weights_as_the_trainer_does
         assert logged[0]["mpx/loss_scale"] == 1024.0  # SCALED's initial scale, as the optimizer starts afresh
 
 
+
+def test_o2_save_model_after_predict_only_saves_the_half_weights_as_such(tmp_path):
+    """A Trainer without a ``train_dataset`` (inference): ``predict()`` at O2 casts the model to bfloat16 for good, as
+    the Trainer's own ``bf16_full_eval=True`` does. ``save_model()`` then wrote those values upcast, under a
+    ``config.json`` saying float32 (2.4e-4 off the FP32 weights it claimed); it now saves what the Trainer's
+    ``bf16_full_eval`` run saves: the same bfloat16 tensors, ``config.json`` saying bfloat16."""
+    saved = {}
+    for name, level, arguments in (("native", None, dict(bf16_full_eval=True)), ("o2", "O2", {})):
+        with accelerate_state_reset():
+            torch.manual_seed(0)
+            model = transformers.GPT2LMHeadModel(GPT2)
+            out = str(tmp_path / name)
+            args = transformers.TrainingArguments(output_dir=out, use_cpu=True, report_to=[], **arguments)
+            cls = transformers.Trainer if level is None else mpx_trainer()
+            tr = cls(model=model, args=args, **({} if level is None else dict(opt_level=level, mpx_kwargs=SCALED)))
+            tr.predict(lm_data(4))
+            tr.save_model(str(tmp_path / name / "final"))
+        final = tmp_path / name / "final"
+        saved[name] = json.loads((final / "config.json").read_text())["dtype"], safetensors_torch.load_file(
+            str(final / "model.safetensors")
+        )
+    assert saved["o2"][0] == saved["native"][0] == "bfloat16"
+    assert saved["o2"][1].keys() == saved["native"][1].keys()
+    assert all(torch.equal(saved["o2"][1][k], v) for k, v in saved["native"][1].items())
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="O2 holds frozen parameters (requires_grad=False) in the half dtype without FP32 masters (the engine keeps "

@@ -174,6 +174,9 @@ class MpxTrainerMixin:
         amp = self.accelerator.amp
         unwrapped = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)  # type: ignore[attr-defined]
         fp32 = state_dict is None and amp is not None and amp.properties.master_weights and not amp.sharded
+        # Prepared for evaluation only (predict() on a Trainer without train_dataset): its FP32 values are gone, and
+        # the half weights are saved as such (config.json naming the half dtype), as the Trainer's bf16_full_eval does.
+        fp32 = fp32 and not (amp._masters.evaluation_only and not amp._masters.prune())  # type: ignore[union-attr]
         if fp32:
             state_dict = amp.fp32_state_dict(unwrapped)
         super()._save(output_dir, state_dict=state_dict)  # type: ignore[misc]
