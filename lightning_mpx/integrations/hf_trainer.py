@@ -24,9 +24,11 @@ import copy
 import functools
 import inspect
 import os
-from typing import Any
+import warnings
+from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from lightning_mpx.common.imports import require
 from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
@@ -53,6 +55,19 @@ class MpxTrainerMixin:
     """
 
     accelerator: Accelerator
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        ahead = [f"{base.__module__}.{base.__qualname__}" for base in mro[: mro.index(MpxTrainerMixin)]]
+        if "transformers.trainer.Trainer" in ahead:
+            # After the Trainer in the bases, the Trainer's own methods win: no opt level, and no error saying so.
+            bases = ", ".join(base.__name__ for base in cls.__bases__)
+            raise TypeError(
+                f"class {cls.__name__}({bases}): MpxTrainerMixin comes after transformers.Trainer in its bases, so the "
+                "Trainer's own methods would run and no opt level would apply. Put the mixin first: "
+                f"class {cls.__name__}(MpxTrainerMixin, Trainer), or use mpx_trainer(Trainer)."
+            )
 
     def __init__(
         self, *args: Any, opt_level: str = "O2", mpx_kwargs: MixedPrecisionKwargs | None = None, **kwargs: Any
@@ -111,12 +126,29 @@ class MpxTrainerMixin:
         if checkpoint is None or self.accelerator.amp is None:
             return
         if not os.path.isfile(os.path.join(checkpoint, AMP_STATE_NAME)):
+            if not any(name.startswith(("optimizer", "scheduler", "scaler")) for name in os.listdir(checkpoint)):
+                # Weights only (save_only_model=True): the Trainer resumes with them and a fresh optimizer; so do we.
+                warnings.warn(
+                    f"resume_from_checkpoint={checkpoint!r} holds the weights only (save_only_model=True): training "
+                    "goes on from them with a fresh optimizer and scheduler, as transformers' Trainer does, and "
+                    f"opt_level={self.mpx_opt_level!r} with its initial loss scale and FP32 masters made from them.",
+                    stacklevel=2,
+                )
+                return
             raise FileNotFoundError(
                 f"resume_from_checkpoint={checkpoint!r} has no {AMP_STATE_NAME}: it was not saved with an opt level, "
                 f"so the loss scale and FP32 masters of opt_level={self.mpx_opt_level!r} cannot be restored. To start "
                 "from its weights only, load them with from_pretrained and train without resume_from_checkpoint."
             )
         self.accelerator._load_amp_state([], checkpoint)
+
+    # -- loads into a trained model: peft's load_adapter replaces the parameters the optimizer holds ------------------
+    def _load_best_model(self) -> None:
+        _keeping_parameters(self, super()._load_best_model)  # type: ignore[misc]
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        load = functools.partial(super()._load_from_checkpoint, resume_from_checkpoint, model)  # type: ignore[misc]
+        _keeping_parameters(self, load)
 
     # -- evaluation before training: the model is prepared for training, so that O2's masters start from FP32 ---------
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
@@ -142,11 +174,17 @@ class MpxTrainerMixin:
         amp = self.accelerator.amp
         unwrapped = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)  # type: ignore[attr-defined]
         fp32 = state_dict is None and amp is not None and amp.properties.master_weights and not amp.sharded
+        # Prepared for evaluation only (predict() on a Trainer without train_dataset): its FP32 values are gone, and
+        # the half weights are saved as such (config.json naming the half dtype), as the Trainer's bf16_full_eval does.
+        fp32 = fp32 and not (amp._masters.evaluation_only and not amp._masters.prune())  # type: ignore[union-attr]
         if fp32:
             state_dict = amp.fp32_state_dict(unwrapped)
         super()._save(output_dir, state_dict=state_dict)  # type: ignore[misc]
         config = getattr(unwrapped, "config", None)
-        if fp32 and config is not None and hasattr(config, "save_pretrained"):
+        from transformers import PreTrainedModel
+
+        # Only where save_pretrained wrote a config.json: a peft adapter's folder has none (its base is not saved).
+        if fp32 and isinstance(unwrapped, PreTrainedModel) and config is not None:
             # save_pretrained names the model's (half) dtype in config.json, which from_pretrained loads in by default.
             config = copy.deepcopy(config)
             config.dtype = torch.float32
@@ -167,6 +205,30 @@ class MpxTrainerMixin:
         ):
             logs = {**accelerator._read_mpx_metrics(LOG_READER), **logs}
         super().log(logs, *args, **kwargs)  # type: ignore[misc]
+
+
+def _keeping_parameters(trainer: Any, load: Callable[[], Any]) -> None:
+    """Run the Trainer's ``load`` of weights into its model, then put back the model parameters it replaced.
+
+    peft's ``load_adapter`` (the Trainer's load of a PeftModel's best or resumed adapter) loads the values, then
+    upcasts a half adapter to FP32 with new ``nn.Parameter`` objects: at O2 the model would hold FP32 copies of the
+    values' half rounding that no optimizer steps, while the parameters the optimizer holds (and their FP32 masters,
+    which the load wrote exactly) leave the model. A replacement holding other values is loaded into the old one."""
+    model = trainer.model
+    if trainer.accelerator.amp is None or trainer.is_fsdp_enabled:
+        load()
+        return
+    before = dict(model.named_parameters())
+    load()
+    for name, new in list(model.named_parameters()):
+        old = before.get(name)
+        if old is None or new is old:
+            continue
+        owner_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        setattr(owner, leaf, old)
+        if not torch.equal(new.detach().to(old.dtype), old.detach()):
+            owner.load_state_dict({leaf: new.detach()}, strict=False)  # FP32 values go to the masters exactly
 
 
 def mpx_trainer(trainer_cls: type | None = None) -> type:
