@@ -90,6 +90,7 @@ from lightning_mpx.integrations.fabric_sharding import (  # noqa: E402
     is_fsdp1,
     refuse_o2_sharding,
 )
+from lightning_mpx.integrations.lightning_lazy import refuse_lazy  # noqa: E402
 from lightning_mpx.integrations.metric_counts import upgrade_unlogged  # noqa: E402
 
 __all__ = ["FabricMixedPrecisionPlugin"]
@@ -226,6 +227,8 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
             )
             self._modules.add(module)
             return module
+        if props.master_weights:
+            refuse_lazy(module, "fabric.setup")  # a clear error, not the engine's on a parameter without a shape
         before = {id(masters) for masters in self.amp.master_weights}
         if self.amp.sharded and not is_sharded(module):
             # A model set up after the engine took a sharded one (a GAN's second model, a head set up mid-run): not

@@ -50,6 +50,7 @@ from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
 from lightning_mpx.integrations.lightning_averages import average_in_fp32, take_averages  # noqa: E402
 from lightning_mpx.integrations.lightning_clipping import GradientClipping  # noqa: E402
 from lightning_mpx.integrations.lightning_gradient_readers import GradientReaders  # noqa: E402
+from lightning_mpx.integrations.lightning_lazy import refuse_lazy  # noqa: E402
 from lightning_mpx.integrations.lightning_manual import ManualStep  # noqa: E402
 from lightning_mpx.integrations.lightning_model_hooks import ModelHooks  # noqa: E402
 from lightning_mpx.integrations.lightning_range_test import RangeTest  # noqa: E402
@@ -183,6 +184,8 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
             raise TypeError(_NOT_FOR_FABRIC.format(what=f"module={type(module).__name__} is not a LightningModule"))
         fitting = trainer is None or trainer.state.fn == "fit"
         sharded = trainer is not None and shards_model(trainer.strategy)
+        if not sharded and fitting and self.amp.properties.master_weights:
+            refuse_lazy(module, "trainer.fit")  # a clear error, not the engine's on a parameter without a shape
         if module is not self._module:
             if self._module is not None:  # a different model: a fresh engine with the same settings
                 self.amp.diagnose_overflows = False  # its forward hooks leave the old model
