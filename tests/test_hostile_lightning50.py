@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 pl = pytest.importorskip("lightning.pytorch")
@@ -62,6 +64,44 @@ def test_fabric_refuses_a_lazy_layer_at_o2_at_setup_and_takes_it_at_o1() -> None
     fabric.backward(model(torch.randn(4, 16)).sum())
     optimizer.step()
     assert model.module[0].weight.shape == (8, 16)
+
+
+# -- a module deeper than the boundary, called from the step ------------------------------------------------------
+class _DeepCall(Classifier):
+    """:class:`Classifier` whose training step calls a grandchild (``self.body.net[0]``) on the batch itself."""
+
+    def __init__(self, fail: str = "") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Module()
+        self.body.net = self.net
+        self.fail = fail
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.fail:
+            raise RuntimeError(self.fail)
+        x, y = batch
+        return F.cross_entropy(self.body.net[2](F.relu(self.body.net[0](x))), y)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes (add_note) are Python 3.11's")
+def test_an_fp32_batch_into_a_grandchild_at_o2_fails_with_a_note_on_the_boundary_that_bf16_true_does_not_have() -> None:
+    """Lightning's "bf16-true" casts the whole batch, so ``self.body.net[0](x)`` from the step trains there; the
+    plugin casts at the LightningModule and its direct children only (Apex's boundary, FP32 targets kept), and the run
+    ended on torch's bare "mat1 and mat2 must have the same dtype, but got Float and BFloat16". The error now carries
+    a note saying where the casts stop and what to do; an unrelated error gets none."""
+    data = loader(classification_data(n=32))
+    make_trainer(precision="bf16-true", max_steps=1).fit(_DeepCall(), data)  # Lightning's own: no error
+    with pytest.raises(RuntimeError, match="same dtype") as raised:
+        make_trainer(MixedPrecisionPlugin("O2", half_dtype=HALF), max_steps=1).fit(_DeepCall(), data)
+    notes = getattr(raised.value, "__notes__", [])
+    assert len(notes) == 1 and "direct children" in notes[0] and "x.to(torch.bfloat16)" in notes[0]
+
+    with pytest.raises(RuntimeError, match="the loss is not finite") as raised:
+        make_trainer(MixedPrecisionPlugin("O2", half_dtype=HALF), max_steps=1).fit(
+            _DeepCall(fail="the loss is not finite"), data
+        )
+    assert not getattr(raised.value, "__notes__", [])
 
 
 # -- complex parameters ----------------------------------------------------------------------------------------------

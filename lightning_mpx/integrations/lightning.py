@@ -24,6 +24,7 @@ A :class:`lightning.pytorch.plugins.Precision` that hands every precision decisi
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -52,7 +53,7 @@ from lightning_mpx.integrations.lightning_clipping import GradientClipping  # no
 from lightning_mpx.integrations.lightning_gradient_readers import GradientReaders  # noqa: E402
 from lightning_mpx.integrations.lightning_lazy import refuse_lazy  # noqa: E402
 from lightning_mpx.integrations.lightning_manual import ManualStep  # noqa: E402
-from lightning_mpx.integrations.lightning_model_hooks import ModelHooks  # noqa: E402
+from lightning_mpx.integrations.lightning_model_hooks import ModelHooks, note_uncast_input  # noqa: E402
 from lightning_mpx.integrations.lightning_range_test import RangeTest  # noqa: E402
 from lightning_mpx.integrations.lightning_schedulers import HeldSchedulers, step_configs  # noqa: E402
 from lightning_mpx.integrations.lightning_strategies import (  # noqa: E402
@@ -406,7 +407,9 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         self._end_iteration()
         self._range_test.leave(self.amp)
         trainer = trainer_of(self._module) if self._module is not None else None
-        if trainer is not None and trainer.state.fn == "fit" and self._sharded is None and not trainer.interrupted:
+        if trainer is not None and trainer.interrupted:  # Lightning tears down while it handles the run's exception
+            note_uncast_input(sys.exc_info()[1], self.amp)
+        elif trainer is not None and trainer.state.fn == "fit" and self._sharded is None:
             take_averages(trainer.callbacks, self._module, self.amp)  # written in at on_train_end (not if it raised)
         # Every rank tears down: the last steps skipped on the device are settled (their records merged across
         # ranks, logged, their floor applied).
