@@ -70,17 +70,22 @@ def test_fabric_refuses_a_lazy_layer_at_o2_at_setup_and_takes_it_at_o1() -> None
 class _DeepCall(Classifier):
     """:class:`Classifier` whose training step calls a grandchild (``self.body.net[0]``) on the batch itself."""
 
-    def __init__(self, fail: str = "") -> None:
+    def __init__(self, fail: str = "", cast: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.body = nn.Module()
         self.body.net = self.net
         self.fail = fail
+        self.cast = cast
+        self.step_dtype: torch.dtype | None = None
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.fail:
             raise RuntimeError(self.fail)
         x, y = batch
+        self.step_dtype = self.dtype
+        if self.cast:
+            x = x.to(self.dtype)  # the usual remedy: what the weights hold
         return F.cross_entropy(self.body.net[2](F.relu(self.body.net[0](x))), y)
 
 
@@ -95,13 +100,33 @@ def test_an_fp32_batch_into_a_grandchild_at_o2_fails_with_a_note_on_the_boundary
     with pytest.raises(RuntimeError, match="same dtype") as raised:
         make_trainer(MixedPrecisionPlugin("O2", half_dtype=HALF), max_steps=1).fit(_DeepCall(), data)
     notes = getattr(raised.value, "__notes__", [])
-    assert len(notes) == 1 and "direct children" in notes[0] and "x.to(torch.bfloat16)" in notes[0]
+    assert len(notes) == 1 and "direct children" in notes[0] and "x.to(self.dtype)" in notes[0]
 
     with pytest.raises(RuntimeError, match="the loss is not finite") as raised:
         make_trainer(MixedPrecisionPlugin("O2", half_dtype=HALF), max_steps=1).fit(
             _DeepCall(fail="the loss is not finite"), data
         )
     assert not getattr(raised.value, "__notes__", [])
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_the_lightning_modules_dtype_is_the_weights_dtype_as_under_lightnings_own_precision(level: str) -> None:
+    """``LightningModule.dtype`` (what ``x.to(self.dtype)`` and ``torch.zeros(..., dtype=self.dtype)`` in a step
+    use) said float32 at O2/O3 while the weights were bfloat16, where Lightning's "bf16-true" says bfloat16: the cast
+    the note above recommends then fed FP32 to the half layer again. It is the weights' dtype now, as under
+    Lightning's own precision of the same weights ("bf16-mixed" at O1), in the step, after the fit and in Fabric."""
+    data = loader(classification_data(n=16))
+    reference = "bf16-mixed" if level == "O1" else "bf16-true"
+    want = _DeepCall(cast=True)
+    make_trainer(precision=reference, max_steps=1).fit(want, data)
+    got = _DeepCall(cast=True)
+    make_trainer(MixedPrecisionPlugin(level, half_dtype=HALF), max_steps=1).fit(got, data)
+    assert got.step_dtype == want.step_dtype == got.net[0].weight.dtype
+    assert got.dtype == want.dtype
+
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricMixedPrecisionPlugin(level, half_dtype=HALF)])
+    module = fabric.setup_module(Classifier())
+    assert module.module.dtype == module.module.net[0].weight.dtype == want.dtype
 
 
 # -- complex parameters ----------------------------------------------------------------------------------------------

@@ -50,8 +50,8 @@ from lightning.pytorch.strategies import FSDPStrategy  # noqa: E402
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
 from lightning_mpx.integrations.lightning_averages import average_in_fp32, take_averages  # noqa: E402
 from lightning_mpx.integrations.lightning_clipping import GradientClipping  # noqa: E402
+from lightning_mpx.integrations.lightning_conversion import record_half_dtype, refuse_lazy  # noqa: E402
 from lightning_mpx.integrations.lightning_gradient_readers import GradientReaders  # noqa: E402
-from lightning_mpx.integrations.lightning_lazy import refuse_lazy  # noqa: E402
 from lightning_mpx.integrations.lightning_manual import ManualStep  # noqa: E402
 from lightning_mpx.integrations.lightning_model_hooks import ModelHooks, note_uncast_input  # noqa: E402
 from lightning_mpx.integrations.lightning_range_test import RangeTest  # noqa: E402
@@ -203,6 +203,9 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
             if not self.amp.properties.master_weights:  # O3: FSDP shards the half model (FSDP2: shard_model does)
                 keep_bn = bool(self.amp.properties.keep_batchnorm_fp32)
                 convert_module(module, self.amp.half_dtype, keep_batchnorm_fp32=keep_bn)
+                record_half_dtype(module, self.amp.half_dtype)
+        if not sharded and self.amp.properties.casts_model:
+            record_half_dtype(module, self.amp.half_dtype)  # self.dtype in a step: the weights' dtype, as "bf16-true"
         self._model_hooks.remove()
         fsdp1 = sharded and isinstance(trainer.strategy, FSDPStrategy)
         self._model_hooks.install(module, self.amp, fsdp1=fsdp1)  # O2/O3: the boundary casts; the compiled hand-off

@@ -126,7 +126,7 @@ def note_uncast_input(error: BaseException | None, amp: Amp) -> None:
         f"lightning_mpx: at {amp.opt_level} the plugin casts floating-point inputs to {half} at the LightningModule's "
         "forward and at its direct children that hold half parameters (Apex's boundary, which leaves FP32 targets "
         "as they are); a module deeper in the model called from a step (self.backbone.layer1(x)) gets the input as "
-        f"the batch holds it, in FP32. Call it through self(...) or a direct child, or cast the input: x.to({half})."
+        "the batch holds it, in FP32. Call it through self(...) or a direct child, or cast the input: x.to(self.dtype)."
     )
     if note not in getattr(error, "__notes__", ()):
         error.add_note(note)

@@ -1,0 +1,42 @@
+"""What the Trainer and Fabric plugins check and record on the models they convert for the opt level.
+
+* Lazy modules (``nn.LazyLinear``, ``nn.LazyConv2d``...): their parameters have no shape until their first forward,
+  and O2 makes each parameter's FP32 master when the model is prepared for training (``trainer.fit``,
+  ``fabric.setup``), before any forward. O1 and O3 make no masters and train a lazy module as Lightning's own
+  precisions do; at O2 the plugins refuse it with the remedy rather than fail inside the engine on a parameter
+  without a shape.
+* The dtype Lightning's modules report (``LightningModule.dtype``, kept by Lightning's ``.to()``, which the engine's
+  conversion does not go through): at O2/O3 the half dtype, as under Lightning's own ``"bf16-true"``, so that
+  ``x.to(self.dtype)`` and ``torch.zeros(..., dtype=self.dtype)`` in a step give what the weights hold.
+"""
+
+from __future__ import annotations
+
+import torch
+from lightning.fabric.utilities.device_dtype_mixin import _update_properties
+from torch import nn
+from torch.nn.parameter import is_lazy
+
+__all__ = ["record_half_dtype", "refuse_lazy"]
+
+
+def refuse_lazy(module: nn.Module, call: str) -> None:
+    """Raise a ``ValueError`` naming ``module``'s uninitialized (lazy) parameters, which O2 cannot make masters of
+    yet; ``call`` is the user's call that prepares the model (``"trainer.fit"``, ``"fabric.setup"``)."""
+    names = [name for name, param in module.named_parameters() if is_lazy(param)]
+    if not names:
+        return
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    verb = "is" if len(names) == 1 else "are"
+    raise ValueError(
+        f"opt_level='O2': {shown} of {type(module).__name__} {verb} not initialized yet (a lazy module such as "
+        f"nn.LazyLinear gets its shape at its first forward), and O2 makes the FP32 master weights at {call}, before "
+        f"any forward. Run one forward on an example batch before {call} (it materializes the lazy modules), or give "
+        "the layers their input sizes (nn.Linear(in_features, ...)); O1 and O3 make no masters and take lazy modules."
+    )
+
+
+def record_half_dtype(module: nn.Module, half_dtype: torch.dtype) -> None:
+    """Record ``half_dtype`` as the dtype of ``module`` and of its Lightning submodules (``LightningModule.dtype``),
+    as Lightning's ``module.to(half_dtype)`` does, after the plugin converted it to half (O2/O3)."""
+    _update_properties(module, dtype=half_dtype)
