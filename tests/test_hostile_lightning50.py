@@ -125,9 +125,22 @@ def test_the_lightning_modules_dtype_is_the_weights_dtype_as_under_lightnings_ow
     assert got.step_dtype == want.step_dtype == got.net[0].weight.dtype
     assert got.dtype == want.dtype
 
-    fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricMixedPrecisionPlugin(level, half_dtype=HALF)])
-    module = fabric.setup_module(Classifier())
-    assert module.module.dtype == module.module.net[0].weight.dtype == want.dtype
+    # Fabric, with a Lightning submodule kept in FP32 whole: it says so.
+    mpx = FabricMixedPrecisionPlugin(level, half_dtype=HALF, fp32_modules=["head"])
+    module = Fabric(accelerator="cpu", devices=1, plugins=[mpx]).setup_module(_WithHead()).module
+    assert module.dtype == module.body.weight.dtype == want.dtype
+    assert module.head.dtype == module.head.net.weight.dtype == torch.float32
+
+
+class _WithHead(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 8)
+        self.head = pl.LightningModule()
+        self.head.net = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head.net(self.body(x))
 
 
 # -- a second stage with a new Trainer ------------------------------------------------------------------------------

@@ -15,8 +15,10 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
-from lightning.fabric.utilities.device_dtype_mixin import _update_properties
+from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.nn.parameter import is_lazy
@@ -43,9 +45,13 @@ def refuse_lazy(module: nn.Module, call: str) -> None:
 
 
 def record_half_dtype(module: nn.Module, half_dtype: torch.dtype) -> None:
-    """Record ``half_dtype`` as the dtype of ``module`` and of its Lightning submodules (``LightningModule.dtype``),
-    as Lightning's ``module.to(half_dtype)`` does, after the plugin converted it to half (O2/O3)."""
-    _update_properties(module, dtype=half_dtype)
+    """Record ``half_dtype`` as the dtype of ``module`` and of its Lightning submodules (``LightningModule.dtype``)
+    that hold half tensors, as Lightning's ``module.to(half_dtype)`` does, after the plugin converted it to half
+    (O2/O3); a Lightning submodule kept in FP32 whole (``fp32_modules``) keeps its FP32."""
+    for sub in module.modules():
+        if isinstance(sub, _DeviceDtypeModuleMixin):
+            if any(t.dtype == half_dtype for t in itertools.chain(sub.parameters(), sub.buffers())):
+                sub._dtype = half_dtype
 
 
 def warn_foreign_masters(module: nn.Module) -> None:
