@@ -90,6 +90,7 @@ from lightning_mpx.integrations.fabric_sharding import (  # noqa: E402
     is_fsdp1,
     refuse_o2_sharding,
 )
+from lightning_mpx.integrations.lightning_conversion import record_half_dtype, refuse_lazy  # noqa: E402
 from lightning_mpx.integrations.metric_counts import upgrade_unlogged  # noqa: E402
 
 __all__ = ["FabricMixedPrecisionPlugin"]
@@ -224,8 +225,11 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
                 module, props.half_dtype, keep_batchnorm_fp32=props.keep_batchnorm_fp32 is not False,
                 require_parameters=False,
             )
+            record_half_dtype(module, props.half_dtype)
             self._modules.add(module)
             return module
+        if props.master_weights:
+            refuse_lazy(module, "fabric.setup")  # a clear error, not the engine's on a parameter without a shape
         before = {id(masters) for masters in self.amp.master_weights}
         if self.amp.sharded and not is_sharded(module):
             # A model set up after the engine took a sharded one (a GAN's second model, a head set up mid-run): not
@@ -238,6 +242,8 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
                 self.amp.sharded = True
         else:
             self.amp.prepare_model(module)
+        if props.casts_model and not self.amp.sharded:
+            record_half_dtype(module, props.half_dtype)  # LightningModule.dtype: the weights', as Fabric's "bf16-true"
         # The model is moved to its device (and, under DDP, given rank zero's weights) after this: its masters are
         # taken again from the set-up model at the next call into the plugin.
         self._unsynced += [masters for masters in self.amp.master_weights if id(masters) not in before]

@@ -24,6 +24,7 @@ A :class:`lightning.pytorch.plugins.Precision` that hands every precision decisi
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -49,9 +50,14 @@ from lightning.pytorch.strategies import FSDPStrategy  # noqa: E402
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
 from lightning_mpx.integrations.lightning_averages import average_in_fp32, take_averages  # noqa: E402
 from lightning_mpx.integrations.lightning_clipping import GradientClipping  # noqa: E402
+from lightning_mpx.integrations.lightning_conversion import (  # noqa: E402
+    record_half_dtype,
+    refuse_lazy,
+    warn_foreign_masters,
+)
 from lightning_mpx.integrations.lightning_gradient_readers import GradientReaders  # noqa: E402
 from lightning_mpx.integrations.lightning_manual import ManualStep  # noqa: E402
-from lightning_mpx.integrations.lightning_model_hooks import ModelHooks  # noqa: E402
+from lightning_mpx.integrations.lightning_model_hooks import ModelHooks, note_uncast_input  # noqa: E402
 from lightning_mpx.integrations.lightning_range_test import RangeTest  # noqa: E402
 from lightning_mpx.integrations.lightning_schedulers import HeldSchedulers, step_configs  # noqa: E402
 from lightning_mpx.integrations.lightning_strategies import (  # noqa: E402
@@ -183,6 +189,10 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
             raise TypeError(_NOT_FOR_FABRIC.format(what=f"module={type(module).__name__} is not a LightningModule"))
         fitting = trainer is None or trainer.state.fn == "fit"
         sharded = trainer is not None and shards_model(trainer.strategy)
+        if not sharded and fitting and self.amp.properties.master_weights:
+            refuse_lazy(module, "trainer.fit")  # a clear error, not the engine's on a parameter without a shape
+            if (module is not self._module or not self.amp.master_weights) and getattr(trainer, "ckpt_path", 0) is None:
+                warn_foreign_masters(module)  # masters about to be made, not from a checkpoint: another plugin's?
         if module is not self._module:
             if self._module is not None:  # a different model: a fresh engine with the same settings
                 self.amp.diagnose_overflows = False  # its forward hooks leave the old model
@@ -199,6 +209,9 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
             if not self.amp.properties.master_weights:  # O3: FSDP shards the half model (FSDP2: shard_model does)
                 keep_bn = bool(self.amp.properties.keep_batchnorm_fp32)
                 convert_module(module, self.amp.half_dtype, keep_batchnorm_fp32=keep_bn)
+                record_half_dtype(module, self.amp.half_dtype)
+        if not sharded and self.amp.properties.casts_model:
+            record_half_dtype(module, self.amp.half_dtype)  # self.dtype in a step: the weights' dtype, as "bf16-true"
         self._model_hooks.remove()
         fsdp1 = sharded and isinstance(trainer.strategy, FSDPStrategy)
         self._model_hooks.install(module, self.amp, fsdp1=fsdp1)  # O2/O3: the boundary casts; the compiled hand-off
@@ -403,7 +416,9 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         self._end_iteration()
         self._range_test.leave(self.amp)
         trainer = trainer_of(self._module) if self._module is not None else None
-        if trainer is not None and trainer.state.fn == "fit" and self._sharded is None and not trainer.interrupted:
+        if trainer is not None and trainer.interrupted:  # Lightning tears down while it handles the run's exception
+            note_uncast_input(sys.exc_info()[1], self.amp)
+        elif trainer is not None and trainer.state.fn == "fit" and self._sharded is None:
             take_averages(trainer.callbacks, self._module, self.amp)  # written in at on_train_end (not if it raised)
         # Every rank tears down: the last steps skipped on the device are settled (their records merged across
         # ranks, logged, their floor applied).

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_mpx.casting.boundary import BoundaryCast
 from lightning_mpx.engine.amp import Amp
 
-__all__ = ["ModelHooks"]
+__all__ = ["ModelHooks", "note_uncast_input"]
 
 #: The LightningModule's steps that ``trainer.fit(torch.compile(model))`` compiles.
 _STEPS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -104,3 +105,28 @@ class _PastRedirection:
         if self._passed and self._passed.pop():
             return None
         return self._boundary.post(module, args, output)
+
+
+def note_uncast_input(error: BaseException | None, amp: Amp) -> None:
+    """Add a note to ``error``, a run's exception, when it is torch's refusal of an FP32 input to a half module at
+    O2/O3 ("mat1 and mat2 must have the same dtype, but got Float and BFloat16"): the boundary casts stop at the
+    LightningModule's direct children, where Lightning's "bf16-true" casts the whole batch (targets too), so a deeper
+    module called from a step (``self.backbone.layer1(x)``) gets the batch's FP32 input. Read once, as the run ends
+    with the exception (the plugin's teardown): nothing per step."""
+    if not isinstance(error, RuntimeError) or not amp.properties.casts_model or not hasattr(error, "add_note"):
+        return
+    half = amp.half_dtype
+    message = str(error).lower()
+    name = "bfloat16" if half == torch.bfloat16 else "half"
+    if "float" not in message.replace(name, "") or name not in message or "type" not in message:
+        return
+    if "same" not in message and "expected" not in message:  # torch's words for two dtypes that must match
+        return
+    note = (
+        f"lightning_mpx: at {amp.opt_level} the plugin casts floating-point inputs to {half} at the LightningModule's "
+        "forward and at its direct children that hold half parameters (Apex's boundary, which leaves FP32 targets "
+        "as they are); a module deeper in the model called from a step (self.backbone.layer1(x)) gets the input as "
+        "the batch holds it, in FP32. Call it through self(...) or a direct child, or cast the input: x.to(self.dtype)."
+    )
+    if note not in getattr(error, "__notes__", ()):
+        error.add_note(note)

@@ -1,0 +1,71 @@
+"""What the Trainer and Fabric plugins check and record on the models they convert for the opt level.
+
+* Lazy modules (``nn.LazyLinear``, ``nn.LazyConv2d``...): their parameters have no shape until their first forward,
+  and O2 makes each parameter's FP32 master when the model is prepared for training (``trainer.fit``,
+  ``fabric.setup``), before any forward. O1 and O3 make no masters and train a lazy module as Lightning's own
+  precisions do; at O2 the plugins refuse it with the remedy rather than fail inside the engine on a parameter
+  without a shape.
+* A model whose half parameters have FP32 masters in another engine (a model fitted at O2 before, then given to a new
+  Trainer with a new plugin): the new plugin cannot reach those masters, so its own start from the half weights (one
+  rounding of the FP32 values the earlier fit trained), which the Trainer plugin says with a warning.
+* The dtype Lightning's modules report (``LightningModule.dtype``, kept by Lightning's ``.to()``, which the engine's
+  conversion does not go through): at O2/O3 the half dtype, as under Lightning's own ``"bf16-true"``, so that
+  ``x.to(self.dtype)`` and ``torch.zeros(..., dtype=self.dtype)`` in a step give what the weights hold.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from torch.nn.parameter import is_lazy
+
+from lightning_mpx.masters.weights import WatchedParameter
+
+__all__ = ["record_half_dtype", "refuse_lazy", "warn_foreign_masters"]
+
+
+def refuse_lazy(module: nn.Module, call: str) -> None:
+    """Raise a ``ValueError`` naming ``module``'s uninitialized (lazy) parameters, which O2 cannot make masters of
+    yet; ``call`` is the user's call that prepares the model (``"trainer.fit"``, ``"fabric.setup"``)."""
+    names = [name for name, param in module.named_parameters() if is_lazy(param)]
+    if not names:
+        return
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    verb = "is" if len(names) == 1 else "are"
+    raise ValueError(
+        f"opt_level='O2': {shown} of {type(module).__name__} {verb} not initialized yet (a lazy module such as "
+        f"nn.LazyLinear gets its shape at its first forward), and O2 makes the FP32 master weights at {call}, before "
+        f"any forward. Run one forward on an example batch before {call} (it materializes the lazy modules), or give "
+        "the layers their input sizes (nn.Linear(in_features, ...)); O1 and O3 make no masters and take lazy modules."
+    )
+
+
+def record_half_dtype(module: nn.Module, half_dtype: torch.dtype) -> None:
+    """Record ``half_dtype`` as the dtype of ``module`` and of its Lightning submodules (``LightningModule.dtype``)
+    that hold half tensors, as Lightning's ``module.to(half_dtype)`` does, after the plugin converted it to half
+    (O2/O3); a Lightning submodule kept in FP32 whole (``fp32_modules``) keeps its FP32."""
+    for sub in module.modules():
+        if isinstance(sub, _DeviceDtypeModuleMixin):
+            if any(t.dtype == half_dtype for t in itertools.chain(sub.parameters(), sub.buffers())):
+                sub._dtype = half_dtype
+
+
+def warn_foreign_masters(module: nn.Module) -> None:
+    """Warn (rank zero) when ``module``'s trained half parameters have FP32 masters in another engine, which the
+    plugin about to make its own masters cannot reach: they start from the half weights, one rounding of the FP32
+    values trained so far (what FP32 training would carry on from exactly)."""
+    params = module.named_parameters()
+    names = [name for name, param in params if param.requires_grad and type(param) is WatchedParameter]
+    if not names:
+        return
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    rank_zero_warn(
+        f"{type(module).__name__} was trained at O2 by another MixedPrecisionPlugin, whose FP32 master weights "
+        f"({shown}) this plugin cannot reach: its masters start from the half weights, rounded. To go on from the FP32 "
+        "values, give the new Trainer the same plugin (plugins=[old_trainer.precision_plugin]) or resume from a "
+        "checkpoint of the earlier fit (trainer.fit(model, ckpt_path=...))."
+    )
