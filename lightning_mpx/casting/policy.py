@@ -60,12 +60,14 @@ from lightning_mpx.casting.mode import (
     _BODY,
     _BODY_CALLS,
     _CATEGORY_ACTION,
+    _CONTAINERS,
     _INPLACE_FLOAT,
     _NATIVE_PROMOTION,
     _PASS,
     _PLAIN,
     _PROMOTE,
     _PROMOTE_NATIVE,
+    _UNSET,
     BannedOpError,
     _CastMode,
 )
@@ -95,8 +97,6 @@ __all__ = [
     "fp32_scope",
 ]
 
-_CONTAINERS = (torch.Tensor, list, tuple)  # what _cast_changed may change; anything else is passed as given
-_UNSET: Any = object()  # a parameter-cast cache not looked up yet (CastPolicy._cache_now)
 
 
 _ENGINES = ("auto", "autocast", "mode")
