@@ -48,6 +48,7 @@ class _Policy(Protocol):
     allow_banned: bool
     _actions_stamp: int
     _autocast_device: str | None
+    _actions: dict[Callable[..., Any], int]
     cache_casts: bool
     _grad_cache: dict[Any, Any]
     _no_grad_cache: dict[Any, Any]
@@ -157,7 +158,7 @@ class _CastMode(TorchFunctionMode):
     """The torch-function mode behind :meth:`~lightning_mpx.casting.policy.CastPolicy.scope`; one per scope entry."""
 
     def __init__(self, policy: _Policy, *, recompute_only: bool = False, autocast_device: str | None = None) -> None:
-        super().__init__()
+        # TorchFunctionMode.__init__ does nothing (a call saved per scope).
         self.policy = policy
         # The device whose torch.autocast runs beside this mode: the functions the mode handles run with it off.
         self.autocast_device = autocast_device
@@ -190,10 +191,8 @@ class _CastMode(TorchFunctionMode):
                     dtype, castable = policy.half_dtype, _FP32
                 else:  # _FLOAT, or a half op inside an FP32 module
                     dtype, castable = torch.float32, _LOW
-                if not policy._recomputes_seen and _may_be_recomputed():
-                    policy._recomputes = policy._recomputes_seen = True  # a checkpoint's: recomputed in a backward
                 # policy._cast_all, inline with its cache lookup and _cached_cast: positions are ints, keywords str.
-                cache = _UNSET
+                cache = compiling = _UNSET
                 new_args = new_kwargs = None  # copies, made at the first argument that changes
                 for where, item in chain(enumerate(args), kwargs.items()) if kwargs else enumerate(args):
                     if isinstance(item, torch.Tensor):
@@ -202,7 +201,8 @@ class _CastMode(TorchFunctionMode):
                             continue
                         if item.requires_grad and item.is_leaf:  # a parameter: cached
                             if cache is _UNSET:  # policy._cache_now(), inline
-                                cache = None if not policy.cache_casts or torch.compiler.is_compiling() else (
+                                compiling = torch.compiler.is_compiling()
+                                cache = None if compiling or not policy.cache_casts else (
                                     policy._grad_cache if torch.is_grad_enabled() else policy._no_grad_cache
                                 )
                             if cache is None:
@@ -242,8 +242,16 @@ class _CastMode(TorchFunctionMode):
                     args = tuple(new_args)
                 if new_kwargs is not None:
                     kwargs = new_kwargs
+                if not policy._recomputes_seen and (
+                    # _may_be_recomputed() inline where this call is known to run eagerly (a parameter was cast):
+                    # dynamo cannot trace the saved-tensor hooks' getter, and keeps the function's result instead.
+                    (_top_saved_tensors_hooks(False) is not None if torch.is_grad_enabled()
+                     else not torch.is_inference_mode_enabled())
+                    if compiling is False else _may_be_recomputed()
+                ):
+                    policy._recomputes = policy._recomputes_seen = True  # a checkpoint's: recomputed in a backward
                 return func(*args, **kwargs) if kwargs else func(*args)
-            if action != _SEQUENCE and not kwargs and len(args) == 2:  # _PROMOTE, _PROMOTE_NATIVE
+            if action != _SEQUENCE and action >= _PROMOTE and not kwargs and len(args) == 2:  # _PROMOTE(_NATIVE)
                 # The binary call that casts nothing (x + y of one dtype, x * 2.0, a native promotion), as _apply
                 # finds it.
                 a, b = args

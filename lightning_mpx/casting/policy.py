@@ -73,12 +73,13 @@ from lightning_mpx.casting.mode import (
 )
 from lightning_mpx.casting.scopes import (
     Fp32State,
-    _outer_autocast_off,
+    _EagerScope,
     casts_off_if_on,
     disable_casts,
     enter_fp32,
     exit_fp32,
     fp32_scope,
+    policy_scope,
 )
 from lightning_mpx.casting.table import CastTable
 from lightning_mpx.common.dtypes import parse_half_dtype
@@ -189,26 +190,12 @@ class CastPolicy:
         # resolve while tracing and recompile at the second call.
         self._refresh_actions()
 
-    @contextlib.contextmanager
-    def scope(self) -> Iterator[CastPolicy]:
+    def scope(self) -> contextlib.AbstractContextManager[CastPolicy]:
         """Apply the policy to torch calls on this thread until the block ends (also when it raises): under the
         ``"autocast"`` engine, ``torch.autocast`` and, only where the table differs from it, the Python mode."""
-        self._refresh_actions()
-        # Evaluation casts are redone in every scope: a write through ``p.data`` leaves no trace on ``p``.
-        self._no_grad_cache.clear()
-        device = self._autocast_device
-        if device is None:
-            # An autocast around this scope (another policy's autocast engine, or the user's own torch.autocast)
-            # would cast the half arguments this policy made to its own dtype: the innermost policy decides.
-            with _outer_autocast_off(), _CastMode(self):
-                yield self
-            return
-        with torch.autocast(device, dtype=self.half_dtype, cache_enabled=self.cache_casts):
-            if self._actions:
-                with _CastMode(self, autocast_device=device):
-                    yield self
-            else:  # nothing for Python to do: torch.autocast's C++ dispatch alone
-                yield self
+        # In eager code the scope pushes its mode itself (a few calls a step, not a generator's dozen and more);
+        # dynamo traces the generator (a scope entered inside a compiled region).
+        return policy_scope(self) if torch.compiler.is_dynamo_compiling() else _EagerScope(self)
 
     @contextlib.contextmanager
     def recompute_scope(self, *, create_graph: bool = False) -> Iterator[CastPolicy]:
@@ -242,7 +229,7 @@ class CastPolicy:
         policy's mode first: this goes to the autograd engine directly (``Amp.backward`` uses it).
         """
         self._refresh_actions()
-        if not self._recomputes and not builds_graph(args, kwargs):
+        if not self._recomputes and not ((args or kwargs) and builds_graph(args, kwargs)):
             # No cast of a scope's forward is recomputed, and no graph is built: nothing for a mode to do.
             self._grad_cache.clear()
             tensor.backward(*args, **kwargs)
@@ -283,7 +270,12 @@ class CastPolicy:
         inside an activation checkpoint is kept until the call after next: a graph may outlive one boundary (a GAN's
         generator, differentiated after the discriminator's step)."""
         self._recomputes, self._recomputes_seen = self._recomputes_seen, False
-        self._clear_casts()
+        # _clear_casts(), inline (a call saved per step)
+        self._grad_cache.clear()
+        self._no_grad_cache.clear()
+        device = self._autocast_device
+        if device is not None and torch.is_autocast_enabled(device):
+            torch.clear_autocast_cache()
 
     def _clear_casts(self) -> None:
         """Drop the cached casts of parameters (and ``torch.autocast``'s, inside a scope)."""

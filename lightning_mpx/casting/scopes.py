@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
-from lightning_mpx.casting.mode import _CastMode
+from lightning_mpx.casting.mode import _CastMode, _Policy
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -135,3 +135,56 @@ def disable_casts() -> Iterator[None]:
     finally:
         for mode in modes:
             mode.disabled -= 1
+
+
+@contextlib.contextmanager
+def policy_scope(policy: _Policy) -> Iterator[Any]:
+    """:meth:`CastPolicy.scope <lightning_mpx.casting.policy.CastPolicy.scope>` as a generator: what dynamo traces,
+    and what :class:`_EagerScope` enters where its own push does not do."""
+    policy._refresh_actions()
+    # Evaluation casts are redone in every scope: a write through ``p.data`` leaves no trace on ``p``.
+    policy._no_grad_cache.clear()
+    device = policy._autocast_device
+    if device is None:
+        # An autocast around this scope (another policy's autocast engine, or the user's own torch.autocast)
+        # would cast the half arguments this policy made to its own dtype: the innermost policy decides.
+        with _outer_autocast_off(), _CastMode(policy):
+            yield policy
+        return
+    with torch.autocast(device, dtype=policy.half_dtype, cache_enabled=policy.cache_casts):
+        if policy._actions:
+            with _CastMode(policy, autocast_device=device):
+                yield policy
+        else:  # nothing for Python to do: torch.autocast's C++ dispatch alone
+            yield policy
+
+
+class _EagerScope:
+    """:func:`policy_scope` outside compiled code. The common case, the Python policy alone with no
+    ``torch.autocast`` on (the mode engine's scope), pushes and pops the mode on torch's stack itself, as
+    ``TorchFunctionMode.__enter__``/``__exit__`` do; anything else is left to :func:`policy_scope`."""
+
+    __slots__ = ("policy", "inner")
+
+    def __init__(self, policy: _Policy) -> None:
+        self.policy = policy
+        self.inner: contextlib.AbstractContextManager[Any] | None = None
+
+    def __enter__(self) -> Any:
+        policy = self.policy
+        policy._refresh_actions()
+        if policy._autocast_device is None and not (
+            torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
+        ):
+            policy._no_grad_cache.clear()  # as policy_scope
+            torch._C._push_on_torch_function_stack(_CastMode(policy))
+            return policy
+        self.inner = inner = policy_scope(policy)
+        return inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        inner = self.inner
+        if inner is None:
+            torch._C._pop_torch_function_stack()
+            return None
+        return inner.__exit__(*exc)
