@@ -160,31 +160,41 @@ def policy_scope(policy: _Policy) -> Iterator[Any]:
 
 
 class _EagerScope:
-    """:func:`policy_scope` outside compiled code. The common case, the Python policy alone with no
-    ``torch.autocast`` on (the mode engine's scope), pushes and pops the mode on torch's stack itself, as
-    ``TorchFunctionMode.__enter__``/``__exit__`` do; anything else is left to :func:`policy_scope`."""
+    """:func:`policy_scope` outside compiled code, without a generator: it pushes and pops the mode on torch's
+    stack itself, as ``TorchFunctionMode.__enter__``/``__exit__`` do, inside the ``torch.autocast`` of the
+    ``"autocast"`` engine. A mode engine's scope inside a ``torch.autocast`` is left to :func:`policy_scope`."""
 
-    __slots__ = ("policy", "inner")
+    __slots__ = ("policy", "autocast", "pushed", "inner")
 
     def __init__(self, policy: _Policy) -> None:
         self.policy = policy
+        self.autocast: Any = None
         self.inner: contextlib.AbstractContextManager[Any] | None = None
 
     def __enter__(self) -> Any:
         policy = self.policy
         policy._refresh_actions()
-        if policy._autocast_device is None and not (
-            torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
-        ):
-            policy._no_grad_cache.clear()  # as policy_scope
+        device = policy._autocast_device
+        if device is None and (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
+            self.inner = inner = policy_scope(policy)  # the outer autocast turned off around the mode
+            return inner.__enter__()
+        policy._no_grad_cache.clear()  # as policy_scope
+        if device is None:
+            self.pushed = True
             torch._C._push_on_torch_function_stack(_CastMode(policy))
             return policy
-        self.inner = inner = policy_scope(policy)
-        return inner.__enter__()
+        self.autocast = autocast = torch.autocast(device, dtype=policy.half_dtype, cache_enabled=policy.cache_casts)
+        autocast.__enter__()
+        self.pushed = bool(policy._actions)  # else nothing for Python to do: torch.autocast's C++ dispatch alone
+        if self.pushed:
+            torch._C._push_on_torch_function_stack(_CastMode(policy, autocast_device=device))
+        return policy
 
     def __exit__(self, *exc: Any) -> Any:
-        inner = self.inner
-        if inner is None:
+        if self.inner is not None:
+            return self.inner.__exit__(*exc)
+        if self.pushed:
             torch._C._pop_torch_function_stack()
-            return None
-        return inner.__exit__(*exc)
+        if self.autocast is not None:
+            return self.autocast.__exit__(*exc)
+        return None
