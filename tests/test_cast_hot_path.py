@@ -151,3 +151,23 @@ def test_benchmark_twin_applies_the_tables_casts(model, half):
     for (name, p), g in zip(net.named_parameters(), grads):
         torch.testing.assert_close(p.grad, g, rtol=2 * eps, atol=2 * eps * float(g.abs().max()),
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_the_scope_resolves_the_table_again_whenever_its_key_changes():
+    # Eager scopes and backward passes compare the policy with what its actions were resolved from (a C-level read,
+    # mode._actions_key) instead of calling _refresh_actions: the read must be the key _refresh_actions records.
+    from lightning_mpx.casting.mode import _actions_key
+
+    x = torch.ones(3)
+    policy = _policy("float")
+    changes = [lambda: policy.table.register(_probe, "half"), lambda: setattr(policy, "half_dtype", f16),
+               lambda: setattr(policy, "table", _policy("float").table), lambda: setattr(policy, "engine", "autocast")]
+    expected = [bf16, f16, f32, f32]
+    for change, dtype in zip(changes, expected):
+        with policy.scope():
+            pass
+        assert _actions_key(policy) == policy._actions_of
+        change()
+        with policy.scope():
+            assert _probe(x)[0].dtype == dtype
+        assert _actions_key(policy) == policy._actions_of

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from itertools import chain
+from operator import attrgetter
 from types import MappingProxyType
 from typing import Any, Callable, Protocol
 
@@ -29,6 +30,11 @@ _CATEGORY_ACTION = MappingProxyType(
 )  # read only when a policy resolves its table, never while a forward pass runs
 _LOW = (torch.float16, torch.bfloat16)
 _FP32 = (torch.float32,)
+# What a policy's resolved actions were resolved from, as CastPolicy._refresh_actions records it in _actions_of
+# (tests/test_cast_hot_path.py keeps the two in step): compared in eager code, a C-level read of the policy instead
+# of a call into _refresh_actions (dynamo cannot call an attrgetter: traced code calls _refresh_actions).
+_actions_key = attrgetter("table", "table._version", "refuse_inplace_float", "engine", "device_type", "allow_banned",
+                          "half_dtype")
 _CONTAINERS = (torch.Tensor, list, tuple)  # what a cast may change in an argument; anything else is passed as given
 _UNSET: Any = object()  # a parameter-cast cache not looked up yet (CastPolicy._cache_now)
 
@@ -49,6 +55,7 @@ class _Policy(Protocol):
     _actions_stamp: int
     _autocast_device: str | None
     _actions: dict[Callable[..., Any], int]
+    _actions_of: tuple[Any, ...]
     cache_casts: bool
     _grad_cache: dict[Any, Any]
     _no_grad_cache: dict[Any, Any]

@@ -69,11 +69,11 @@ from lightning_mpx.casting.mode import (
     _PROMOTE_NATIVE,
     _UNSET,
     BannedOpError,
+    _actions_key,
     _CastMode,
 )
 from lightning_mpx.casting.scopes import (
     Fp32State,
-    _EagerScope,
     casts_off_if_on,
     disable_casts,
     enter_fp32,
@@ -190,12 +190,8 @@ class CastPolicy:
         # resolve while tracing and recompile at the second call.
         self._refresh_actions()
 
-    def scope(self) -> contextlib.AbstractContextManager[CastPolicy]:
-        """Apply the policy to torch calls on this thread until the block ends (also when it raises): under the
-        ``"autocast"`` engine, ``torch.autocast`` and, only where the table differs from it, the Python mode."""
-        # In eager code the scope pushes its mode itself (a few calls a step, not a generator's dozen and more);
-        # dynamo traces the generator (a scope entered inside a compiled region).
-        return policy_scope(self) if torch.compiler.is_dynamo_compiling() else _EagerScope(self)
+    # A generator function (a method here): dynamo traces the scope only when it is created where it is entered.
+    scope = policy_scope
 
     @contextlib.contextmanager
     def recompute_scope(self, *, create_graph: bool = False) -> Iterator[CastPolicy]:
@@ -228,7 +224,8 @@ class CastPolicy:
         The same as ``with policy.recompute_scope(): tensor.backward(...)``, which hands ``Tensor.backward`` to the
         policy's mode first: this goes to the autograd engine directly (``Amp.backward`` uses it).
         """
-        self._refresh_actions()
+        if _actions_key(self) != self._actions_of:  # _refresh_actions() when something changed (a call saved)
+            self._refresh_actions()
         if not self._recomputes and not ((args or kwargs) and builds_graph(args, kwargs)):
             # No cast of a scope's forward is recomputed, and no graph is built: nothing for a mode to do.
             self._grad_cache.clear()

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
-from lightning_mpx.casting.mode import _CastMode, _Policy
+from lightning_mpx.casting.mode import _actions_key, _CastMode, _Policy
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -139,17 +139,32 @@ def disable_casts() -> Iterator[None]:
 
 @contextlib.contextmanager
 def policy_scope(policy: _Policy) -> Iterator[Any]:
-    """:meth:`CastPolicy.scope <lightning_mpx.casting.policy.CastPolicy.scope>` as a generator: what dynamo traces,
-    and what :class:`_EagerScope` enters where its own push does not do."""
-    policy._refresh_actions()
+    """:meth:`CastPolicy.scope <lightning_mpx.casting.policy.CastPolicy.scope>`: the policy applied to torch calls
+    on this thread until the block ends (also when it raises): under the ``"autocast"`` engine, ``torch.autocast``
+    and, only where the table differs from it, the Python mode."""
+    traced = torch.compiler.is_dynamo_compiling()
+    if traced or _actions_key(policy) != policy._actions_of:  # the key read inline in eager code (a call saved)
+        policy._refresh_actions()
     # Evaluation casts are redone in every scope: a write through ``p.data`` leaves no trace on ``p``.
     policy._no_grad_cache.clear()
     device = policy._autocast_device
     if device is None:
-        # An autocast around this scope (another policy's autocast engine, or the user's own torch.autocast)
-        # would cast the half arguments this policy made to its own dtype: the innermost policy decides.
-        with _outer_autocast_off(), _CastMode(policy):
+        if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+            # An autocast around this scope (another policy's autocast engine, or the user's own torch.autocast)
+            # would cast the half arguments this policy made to its own dtype: the innermost policy decides.
+            with _outer_autocast_off(), _CastMode(policy):
+                yield policy
+            return
+        if traced:  # dynamo traces the mode's own __enter__ and __exit__
+            with _CastMode(policy):
+                yield policy
+            return
+        # Eager code pushes and pops the mode itself, as TorchFunctionMode.__enter__/__exit__ do (4 calls a scope).
+        torch._C._push_on_torch_function_stack(_CastMode(policy))
+        try:
             yield policy
+        finally:
+            torch._C._pop_torch_function_stack()
         return
     with torch.autocast(device, dtype=policy.half_dtype, cache_enabled=policy.cache_casts):
         if policy._actions:
@@ -157,44 +172,3 @@ def policy_scope(policy: _Policy) -> Iterator[Any]:
                 yield policy
         else:  # nothing for Python to do: torch.autocast's C++ dispatch alone
             yield policy
-
-
-class _EagerScope:
-    """:func:`policy_scope` outside compiled code, without a generator: it pushes and pops the mode on torch's
-    stack itself, as ``TorchFunctionMode.__enter__``/``__exit__`` do, inside the ``torch.autocast`` of the
-    ``"autocast"`` engine. A mode engine's scope inside a ``torch.autocast`` is left to :func:`policy_scope`."""
-
-    __slots__ = ("policy", "autocast", "pushed", "inner")
-
-    def __init__(self, policy: _Policy) -> None:
-        self.policy = policy
-        self.autocast: Any = None
-        self.inner: contextlib.AbstractContextManager[Any] | None = None
-
-    def __enter__(self) -> Any:
-        policy = self.policy
-        policy._refresh_actions()
-        device = policy._autocast_device
-        if device is None and (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
-            self.inner = inner = policy_scope(policy)  # the outer autocast turned off around the mode
-            return inner.__enter__()
-        policy._no_grad_cache.clear()  # as policy_scope
-        if device is None:
-            self.pushed = True
-            torch._C._push_on_torch_function_stack(_CastMode(policy))
-            return policy
-        self.autocast = autocast = torch.autocast(device, dtype=policy.half_dtype, cache_enabled=policy.cache_casts)
-        autocast.__enter__()
-        self.pushed = bool(policy._actions)  # else nothing for Python to do: torch.autocast's C++ dispatch alone
-        if self.pushed:
-            torch._C._push_on_torch_function_stack(_CastMode(policy, autocast_device=device))
-        return policy
-
-    def __exit__(self, *exc: Any) -> Any:
-        if self.inner is not None:
-            return self.inner.__exit__(*exc)
-        if self.pushed:
-            torch._C._pop_torch_function_stack()
-        if self.autocast is not None:
-            return self.autocast.__exit__(*exc)
-        return None
