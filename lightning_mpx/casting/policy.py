@@ -99,7 +99,6 @@ __all__ = [
 ]
 
 
-
 _ENGINES = ("auto", "autocast", "mode")
 
 
@@ -190,7 +189,8 @@ class CastPolicy:
         # resolve while tracing and recompile at the second call.
         self._refresh_actions()
 
-    # A generator function (a method here): dynamo traces the scope only when it is created where it is entered.
+    # The generator function itself, as a method: dynamo traces it inside compiled code (an object wrapping it broke
+    # Fabric's compiled graph), and in eager code it pushes its mode on torch's stack itself.
     scope = policy_scope
 
     @contextlib.contextmanager
