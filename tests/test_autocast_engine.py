@@ -302,3 +302,28 @@ def test_checkpoint_recomputes_the_python_policys_functions_with_autocast_off(ho
         policy.backward(out.sum())
         grads.append(w.grad)
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("engine", ["mode", "autocast-alone", "autocast-and-mode", "mode-in-user-autocast"])
+def test_every_scope_entry_restores_the_mode_stack_and_autocast_also_when_it_raises(engine):
+    # The scope's four ways in (the mode engine's mode pushed by hand, torch.autocast alone, torch.autocast with the
+    # mode for the table's differences, the mode engine inside the user's own autocast, turned off inside): each
+    # casts inside, nests, and leaves the stack and autocast's state as they were, also when the block raises.
+    table = {"autocast-alone": _aligned_table()}.get(engine)
+    policy = CastPolicy(table, half_dtype=torch.bfloat16, device_type=DEVICE,
+                        engine="autocast" if engine.startswith("autocast") else "mode")
+    outer = torch.autocast(DEVICE, dtype=torch.float16 if DEVICE == "cuda" else torch.bfloat16,
+                           enabled=engine == "mode-in-user-autocast")
+    modes = torch.overrides._get_current_function_mode_stack
+    lin = torch.nn.Linear(4, 4).to(DEVICE)
+    with outer:
+        before = (len(modes()), torch.is_autocast_enabled(DEVICE), torch.get_autocast_dtype(DEVICE))
+        for _ in range(2):
+            with pytest.raises(ValueError, match="restored"), policy.scope() as entered:
+                assert entered is policy and lin(torch.randn(2, 4, device=DEVICE)).dtype == torch.bfloat16
+                assert len(modes()) == (0 if engine == "autocast-alone" else 1)
+                assert torch.is_autocast_enabled(DEVICE) is engine.startswith("autocast")
+                with policy.scope():
+                    assert len(modes()) == (0 if engine == "autocast-alone" else 2)
+                raise ValueError("state is restored")
+            assert (len(modes()), torch.is_autocast_enabled(DEVICE), torch.get_autocast_dtype(DEVICE)) == before

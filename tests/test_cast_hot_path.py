@@ -74,6 +74,23 @@ def test_parameters_inside_a_list_and_a_keyword_are_cast_and_cached():
     assert policy.cache_size == 1
 
 
+@pytest.mark.parametrize(("category", "given", "expected"), [("half", f32, bf16), ("float", bf16, f32)])
+def test_a_half_or_float_call_of_two_arguments_is_cast_in_every_mode(category, given, expected):
+    # A tensor and a number (x.softmax(-1)) take no promotion short cut whatever the mode: a forward scope's inline
+    # casts, a backward's recompute mode (what recomputes an activation checkpoint) and an FP32 module's scope.
+    from lightning_mpx.casting.scopes import fp32_scope
+
+    x = torch.ones(3, dtype=given, requires_grad=True)
+    policy = _policy(category)
+    with policy.scope():
+        assert _probe(x, -1)[0].dtype == expected
+        with fp32_scope():
+            assert _probe(x, -1)[0].dtype == f32
+    with policy.recompute_scope(create_graph=True):  # a recompute mode: it casts what runs with gradients on
+        assert _probe(x, -1)[0].dtype == expected
+        assert _probe(x, x, w=x)[2].dtype == expected
+
+
 # The compute kernels of the twin test: where the casts decide a dtype. Residual additions are left out: the policy
 # adds an FP32 and a half tensor (aten promotes inside the kernel), the twin casts first; the same exact arithmetic.
 _COMPUTE_OPS = ("mm", "bmm", "addmm", "native_layer_norm", "_softmax", "gelu", "_log_softmax", "nll_loss")
@@ -134,3 +151,23 @@ def test_benchmark_twin_applies_the_tables_casts(model, half):
     for (name, p), g in zip(net.named_parameters(), grads):
         torch.testing.assert_close(p.grad, g, rtol=2 * eps, atol=2 * eps * float(g.abs().max()),
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_the_scope_resolves_the_table_again_whenever_its_key_changes():
+    # Eager scopes and backward passes compare the policy with what its actions were resolved from (a C-level read,
+    # mode._actions_key) instead of calling _refresh_actions: the read must be the key _refresh_actions records.
+    from lightning_mpx.casting.mode import _actions_key
+
+    x = torch.ones(3)
+    policy = _policy("float")
+    changes = [lambda: policy.table.register(_probe, "half"), lambda: setattr(policy, "half_dtype", f16),
+               lambda: setattr(policy, "table", _policy("float").table), lambda: setattr(policy, "engine", "autocast")]
+    expected = [bf16, f16, f32, f32]
+    for change, dtype in zip(changes, expected):
+        with policy.scope():
+            pass
+        assert _actions_key(policy) == policy._actions_of
+        change()
+        with policy.scope():
+            assert _probe(x)[0].dtype == dtype
+        assert _actions_key(policy) == policy._actions_of

@@ -9,6 +9,8 @@ reads the policy through :class:`_Policy`, so that this module never imports the
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
+from itertools import chain
+from operator import attrgetter
 from types import MappingProxyType
 from typing import Any, Callable, Protocol
 
@@ -28,6 +30,13 @@ _CATEGORY_ACTION = MappingProxyType(
 )  # read only when a policy resolves its table, never while a forward pass runs
 _LOW = (torch.float16, torch.bfloat16)
 _FP32 = (torch.float32,)
+# What a policy's resolved actions were resolved from, as CastPolicy._refresh_actions records it in _actions_of
+# (tests/test_cast_hot_path.py keeps the two in step): compared in eager code, a C-level read of the policy instead
+# of a call into _refresh_actions (dynamo cannot call an attrgetter: traced code calls _refresh_actions).
+_actions_key = attrgetter("table", "table._version", "refuse_inplace_float", "engine", "device_type", "allow_banned",
+                          "half_dtype")
+_CONTAINERS = (torch.Tensor, list, tuple)  # what a cast may change in an argument; anything else is passed as given
+_UNSET: Any = object()  # a parameter-cast cache not looked up yet (CastPolicy._cache_now)
 
 
 class BannedOpError(NotImplementedError):
@@ -45,7 +54,11 @@ class _Policy(Protocol):
     allow_banned: bool
     _actions_stamp: int
     _autocast_device: str | None
+    _actions: dict[Callable[..., Any], int]
+    _actions_of: tuple[Any, ...]
+    cache_casts: bool
     _grad_cache: dict[Any, Any]
+    _no_grad_cache: dict[Any, Any]
     _handed_off: bool
     _recomputes: bool
     _recomputes_seen: bool
@@ -56,6 +69,9 @@ class _Policy(Protocol):
     def _refresh_actions(self) -> None: ...
 
     def _cast_tensor(self, value: torch.Tensor, dtype: torch.dtype, cache: Any = ...) -> torch.Tensor: ...
+
+    def _cast_changed(self, value: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...], cache: Any = ...
+                      ) -> Any: ...
 
     def _cast_all(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None, dtype: torch.dtype,
                   castable: tuple[torch.dtype, ...]) -> tuple[tuple[Any, ...], dict[str, Any] | None]: ...
@@ -149,7 +165,7 @@ class _CastMode(TorchFunctionMode):
     """The torch-function mode behind :meth:`~lightning_mpx.casting.policy.CastPolicy.scope`; one per scope entry."""
 
     def __init__(self, policy: _Policy, *, recompute_only: bool = False, autocast_device: str | None = None) -> None:
-        super().__init__()
+        # TorchFunctionMode.__init__ does nothing (a call saved per scope).
         self.policy = policy
         # The device whose torch.autocast runs beside this mode: the functions the mode handles run with it off.
         self.autocast_device = autocast_device
@@ -171,6 +187,92 @@ class _CastMode(TorchFunctionMode):
         action = policy._action_lookup(func, policy._actions_stamp)
         if not action or self.disabled:  # _PASS
             return func(*args, **kwargs) if kwargs else func(*args)
+        if action <= _PROMOTE_NATIVE and self.autocast_device is None:
+            # The hot path, inline (a call saved here is saved per op); what it leaves goes to _apply, which decides
+            # the same way.
+            if action < _PROMOTE and not self.recompute_only:  # _HALF, _FLOAT
+                if kwargs and kwargs.get("out") is not None:
+                    # Casting the out= tensor would write the result into a copy that the caller never sees.
+                    return func(*args, **kwargs)
+                if action == _HALF and not self.fp32:
+                    dtype, castable = policy.half_dtype, _FP32
+                else:  # _FLOAT, or a half op inside an FP32 module
+                    dtype, castable = torch.float32, _LOW
+                # policy._cast_all, inline with its cache lookup and _cached_cast: positions are ints, keywords str.
+                cache = compiling = _UNSET
+                new_args = new_kwargs = None  # copies, made at the first argument that changes
+                for where, item in chain(enumerate(args), kwargs.items()) if kwargs else enumerate(args):
+                    if isinstance(item, torch.Tensor):
+                        current = item.dtype
+                        if current is dtype or current not in castable:
+                            continue
+                        if item.requires_grad and item.is_leaf:  # a parameter: cached
+                            if cache is _UNSET:  # policy._cache_now(), inline
+                                compiling = torch.compiler.is_compiling()
+                                cache = None if compiling or not policy.cache_casts else (
+                                    policy._grad_cache if torch.is_grad_enabled() else policy._no_grad_cache
+                                )
+                            if cache is None:
+                                item = item.to(dtype=dtype)
+                            else:
+                                key = (id(item), dtype)
+                                hit = cache.get(key)
+                                version, address = item._version, item.data_ptr()
+                                if hit is not None and hit[0] == version and hit[1] == address:
+                                    item = hit[2]
+                                else:
+                                    cast = item.to(dtype=dtype)
+                                    cache[key] = (version, address, cast, item, item.untyped_storage())
+                                    item = cast
+                        else:
+                            item = item.to(dtype=dtype)
+                    elif isinstance(item, (list, tuple)):
+                        for inner in item:
+                            if isinstance(inner, _CONTAINERS):
+                                break
+                        else:
+                            continue  # no tensor and no sequence inside (a stride, a shape): nothing to cast
+                        item = policy._cast_changed(item, dtype, castable, cache)
+                        if item is None:
+                            continue
+                    else:
+                        continue
+                    if type(where) is int:
+                        if new_args is None:
+                            new_args = list(args)
+                        new_args[where] = item
+                    else:
+                        if new_kwargs is None:
+                            new_kwargs = dict(kwargs)
+                        new_kwargs[where] = item
+                if new_args is not None:
+                    args = tuple(new_args)
+                if new_kwargs is not None:
+                    kwargs = new_kwargs
+                if not policy._recomputes_seen and (
+                    # _may_be_recomputed() inline where this call is known to run eagerly (a parameter was cast):
+                    # dynamo cannot trace the saved-tensor hooks' getter, and keeps the function's result instead.
+                    (_top_saved_tensors_hooks(False) is not None if torch.is_grad_enabled()
+                     else not torch.is_inference_mode_enabled())
+                    if compiling is False else _may_be_recomputed()
+                ):
+                    policy._recomputes = policy._recomputes_seen = True  # a checkpoint's: recomputed in a backward
+                return func(*args, **kwargs) if kwargs else func(*args)
+            if action != _SEQUENCE and action >= _PROMOTE and not kwargs and len(args) == 2:  # _PROMOTE(_NATIVE)
+                # The binary call that casts nothing (x + y of one dtype, x * 2.0, a native promotion), as _apply
+                # finds it.
+                a, b = args
+                if isinstance(a, torch.Tensor):
+                    if isinstance(b, torch.Tensor):
+                        a_dtype, b_dtype = a.dtype, b.dtype
+                        if (a_dtype is b_dtype or not (a_dtype.is_floating_point and b_dtype.is_floating_point)
+                                or (action == _PROMOTE_NATIVE and (a.ndim == 0) is (b.ndim == 0))):
+                            return func(a, b)
+                    elif not isinstance(b, (list, tuple)):
+                        return func(a, b)
+                elif isinstance(b, torch.Tensor) and not isinstance(a, (list, tuple)):
+                    return func(a, b)
+            return self._apply(func, action, args, kwargs)
         if action == _BODY and args and callable(args[0]):
             # The checkpointed function runs under this mode, as in eager mode; the call itself runs as given (with
             # the mode on it would be handed to the mode again). Dynamo refuses a change of the mode stack inside

@@ -60,23 +60,26 @@ from lightning_mpx.casting.mode import (
     _BODY,
     _BODY_CALLS,
     _CATEGORY_ACTION,
+    _CONTAINERS,
     _INPLACE_FLOAT,
     _NATIVE_PROMOTION,
     _PASS,
     _PLAIN,
     _PROMOTE,
     _PROMOTE_NATIVE,
+    _UNSET,
     BannedOpError,
+    _actions_key,
     _CastMode,
 )
 from lightning_mpx.casting.scopes import (
     Fp32State,
-    _outer_autocast_off,
     casts_off_if_on,
     disable_casts,
     enter_fp32,
     exit_fp32,
     fp32_scope,
+    policy_scope,
 )
 from lightning_mpx.casting.table import CastTable
 from lightning_mpx.common.dtypes import parse_half_dtype
@@ -94,9 +97,6 @@ __all__ = [
     "exit_fp32",
     "fp32_scope",
 ]
-
-_CONTAINERS = (torch.Tensor, list, tuple)  # what _cast_changed may change; anything else is passed as given
-_UNSET: Any = object()  # a parameter-cast cache not looked up yet (CastPolicy._cache_now)
 
 
 _ENGINES = ("auto", "autocast", "mode")
@@ -189,26 +189,9 @@ class CastPolicy:
         # resolve while tracing and recompile at the second call.
         self._refresh_actions()
 
-    @contextlib.contextmanager
-    def scope(self) -> Iterator[CastPolicy]:
-        """Apply the policy to torch calls on this thread until the block ends (also when it raises): under the
-        ``"autocast"`` engine, ``torch.autocast`` and, only where the table differs from it, the Python mode."""
-        self._refresh_actions()
-        # Evaluation casts are redone in every scope: a write through ``p.data`` leaves no trace on ``p``.
-        self._no_grad_cache.clear()
-        device = self._autocast_device
-        if device is None:
-            # An autocast around this scope (another policy's autocast engine, or the user's own torch.autocast)
-            # would cast the half arguments this policy made to its own dtype: the innermost policy decides.
-            with _outer_autocast_off(), _CastMode(self):
-                yield self
-            return
-        with torch.autocast(device, dtype=self.half_dtype, cache_enabled=self.cache_casts):
-            if self._actions:
-                with _CastMode(self, autocast_device=device):
-                    yield self
-            else:  # nothing for Python to do: torch.autocast's C++ dispatch alone
-                yield self
+    # The generator function itself, as a method: dynamo traces it inside compiled code (an object wrapping it broke
+    # Fabric's compiled graph), and in eager code it pushes its mode on torch's stack itself.
+    scope = policy_scope
 
     @contextlib.contextmanager
     def recompute_scope(self, *, create_graph: bool = False) -> Iterator[CastPolicy]:
@@ -241,8 +224,9 @@ class CastPolicy:
         The same as ``with policy.recompute_scope(): tensor.backward(...)``, which hands ``Tensor.backward`` to the
         policy's mode first: this goes to the autograd engine directly (``Amp.backward`` uses it).
         """
-        self._refresh_actions()
-        if not self._recomputes and not builds_graph(args, kwargs):
+        if _actions_key(self) != self._actions_of:  # _refresh_actions() when something changed (a call saved)
+            self._refresh_actions()
+        if not self._recomputes and not ((args or kwargs) and builds_graph(args, kwargs)):
             # No cast of a scope's forward is recomputed, and no graph is built: nothing for a mode to do.
             self._grad_cache.clear()
             tensor.backward(*args, **kwargs)
@@ -283,7 +267,12 @@ class CastPolicy:
         inside an activation checkpoint is kept until the call after next: a graph may outlive one boundary (a GAN's
         generator, differentiated after the discriminator's step)."""
         self._recomputes, self._recomputes_seen = self._recomputes_seen, False
-        self._clear_casts()
+        # _clear_casts(), inline (a call saved per step)
+        self._grad_cache.clear()
+        self._no_grad_cache.clear()
+        device = self._autocast_device
+        if device is not None and torch.is_autocast_enabled(device):
+            torch.clear_autocast_cache()
 
     def _clear_casts(self) -> None:
         """Drop the cached casts of parameters (and ``torch.autocast``'s, inside a scope)."""
