@@ -14,7 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+import safetensors.torch as safetensors_torch  # noqa: E402 - a dependency of transformers
 
 from lightning_mpx.accelerate import mpx_trainer  # noqa: E402
 from tests.accelerate_helpers import accelerate_state_reset  # noqa: E402
