@@ -32,7 +32,7 @@ from torch import nn
 
 from lightning_mpx.common.imports import require
 from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
-from lightning_mpx.integrations.accelerate_checkpoint import AMP_STATE_NAME
+from lightning_mpx.integrations.accelerate_checkpoint import AMP_STATE_NAME, masters_into
 from lightning_mpx.integrations.metric_counts import LOG_READER
 from lightning_mpx.opt_levels import OPT_LEVELS
 
@@ -178,7 +178,8 @@ class MpxTrainerMixin:
         # the half weights are saved as such (config.json naming the half dtype), as the Trainer's bf16_full_eval does.
         fp32 = fp32 and not (amp._masters.evaluation_only and not amp._masters.prune())  # type: ignore[union-attr]
         if fp32:
-            state_dict = amp.fp32_state_dict(unwrapped)
+            state_dict = unwrapped.state_dict()
+            masters_into(amp, unwrapped, state_dict)  # the masters, not copies; a frozen half base stays half
         super()._save(output_dir, state_dict=state_dict)  # type: ignore[misc]
         config = getattr(unwrapped, "config", None)
         from transformers import PreTrainedModel
