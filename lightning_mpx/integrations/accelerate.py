@@ -108,6 +108,7 @@ from lightning_mpx.integrations.accelerate_optimizer import (  # noqa: E402
     AmpOptimizer,
     check_masters_exist,
     holding,
+    keeping_grads,
     pair_again,
     released_by_engine,
 )
@@ -305,7 +306,8 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
             # On the device before conversion: O2's masters are created next to the parameters they copy.
             model.to(self.device)
         holders = holding(self.amp, self._amp_optimizers(), model, train=not evaluation_mode)  # prepared before it
-        self.amp.prepare_model(model, train=not evaluation_mode)  # no FP32 masters for a model only evaluated
+        with keeping_grads(model):  # accumulated before it was prepared (its optimizer was): not dropped
+            self.amp.prepare_model(model, train=not evaluation_mode)  # no FP32 masters for a model only evaluated
         pair_again(self.amp, holders)  # their masters for its parameters, now half
         self._converted.add(model)
         install_forward(self.amp, model)
