@@ -6,7 +6,6 @@ prepared in one call. Tiny GPT-2 from a config, bfloat16, on CPU."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import pytest
@@ -129,3 +128,55 @@ def test_a_model_prepared_inside_an_accumulation_window_keeps_its_accumulated_gr
     scaled as the next micro-batch's): 1.0e-5 off, as the run prepared in one call."""
     native = _head_prepared_mid_window("no")
     torch.testing.assert_close(_head_prepared_mid_window("O2"), native, atol=1e-4, rtol=0)
+
+
+# -- the Trainer: a LoRA model with two adapters, the best one loaded at the end, then saved ------------------------
+def test_trainer_o2_saves_the_best_adapter_of_two_without_copying_the_base(tmp_path):
+    """A PeftModel with a second (inactive, frozen) adapter, ``load_best_model_at_end`` at O2, then ``save_model()``.
+    Found at stop 50 (attack): the Trainer's save at O2 upcast the whole frozen base to a fresh FP32 copy before peft
+    kept only the adapters (122880 bytes here, twice the half base, at every checkpoint save), and
+    ``mpx_trainer(cls)`` of a class that has the mixin already failed with "Cannot create a consistent method
+    resolution order". Now the state dict handed to ``save_pretrained`` costs nothing (the masters and the model's own
+    tensors), the active adapter is the best checkpoint's bit for bit, the second adapter is saved as the model holds
+    it, and ``mpx_trainer`` returns a class with the mixin as it is."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from lightning_mpx.accelerate import mpx_trainer
+
+    cls = mpx_trainer()
+    assert mpx_trainer(cls) is cls
+    model = _lora()
+    model.add_adapter("second", peft.LoraConfig(r=2, target_modules=["c_fc"], fan_in_fan_out=True,
+                                                init_lora_weights=False))  # fmt: skip
+    second = {k: v.clone() for k, v in model.state_dict().items() if ".second." in k}
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "run"), use_cpu=True, report_to=[], max_steps=4, per_device_train_batch_size=4,
+        learning_rate=1e-2, logging_steps=1, disable_tqdm=True, optim="adamw_torch", eval_strategy="steps",
+        eval_steps=2, save_strategy="steps", save_steps=2, load_best_model_at_end=True,
+        metric_for_best_model="loss", greater_is_better=True,  # the early checkpoint: the loss falls
+    )
+    handed: dict[str, Any] = {}
+    with accelerate_state_reset():
+        tr = cls(model=model, args=args, train_dataset=lm_data(), eval_dataset=lm_data(4), opt_level="O2",
+                 mpx_kwargs=SCALED)  # fmt: skip
+        tr.train()
+        assert Path(tr.state.best_model_checkpoint).name == "checkpoint-2"
+        save_pretrained = tr.model.save_pretrained
+
+        def capture(directory: str, state_dict: Any = None, **kwargs: Any) -> Any:
+            handed.update(state_dict)
+            return save_pretrained(directory, state_dict=state_dict, **kwargs)
+
+        tr.model.save_pretrained = capture  # this instance only: what the Trainer hands peft
+        tr.save_model(str(tmp_path / "final"))
+        amp = tr.accelerator.amp
+        masters = {i: amp.master_of(p, refresh=False) for i, p in enumerate(tr.model.parameters())}
+        assert _fresh_bytes(handed, tr.model.state_dict(), masters) == 0
+    best = load_file(str(Path(tr.state.best_model_checkpoint) / "adapter_model.safetensors"))
+    final = load_file(str(tmp_path / "final" / "adapter_model.safetensors"))
+    assert final.keys() == best.keys() and all(torch.equal(final[k], v) for k, v in best.items())
+    saved_second = load_file(str(tmp_path / "final" / "second" / "adapter_model.safetensors"))
+    assert len(saved_second) == len(second) == 4
+    assert all(torch.equal(saved_second[k.replace(".second.", ".")], v.to(torch.bfloat16)) for k, v in second.items())

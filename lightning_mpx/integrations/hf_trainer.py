@@ -234,7 +234,8 @@ def _keeping_parameters(trainer: Any, load: Callable[[], Any]) -> None:
 
 def mpx_trainer(trainer_cls: type | None = None) -> type:
     """``trainer_cls`` (``transformers.Trainer`` by default, or a subclass of it) with :class:`MpxTrainerMixin`:
-    ``mpx_trainer()(model=model, args=args, train_dataset=data, opt_level="O2")``.
+    ``mpx_trainer()(model=model, args=args, train_dataset=data, opt_level="O2")``; a class that has the mixin already
+    is returned as it is.
 
     Raises:
         TypeError: ``trainer_cls`` is not a subclass of ``transformers.Trainer``.
@@ -243,4 +244,6 @@ def mpx_trainer(trainer_cls: type | None = None) -> type:
     base = transformers.Trainer if trainer_cls is None else trainer_cls
     if not (isinstance(base, type) and issubclass(base, transformers.Trainer)):
         raise TypeError(f"trainer_cls={base!r} is not a subclass of transformers.Trainer.")
+    if issubclass(base, MpxTrainerMixin):
+        return base  # it has the mixin already (a second one makes no consistent method order)
     return type(f"Mpx{base.__name__}", (MpxTrainerMixin, base), {"__module__": base.__module__})
