@@ -320,8 +320,9 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
         """As ``accelerate.Accelerator.get_state_dict``; at O2 the half weights are replaced by their FP32 masters (the
-        weights training produced, FP32 as with Accelerate's own modes), so that ``save_model`` and the model files
-        of ``save_state`` hold them too (O3, which has no masters, gives its half weights)."""
+        weights training produced, FP32 as with Accelerate's own modes; the masters themselves, not copies), so that
+        ``save_model`` and the model files of ``save_state`` hold them too. What has no master (a frozen half
+        parameter, a model prepared for evaluation only; O3) stays as the model holds it."""
         state: dict[str, Any] = super().get_state_dict(model, unwrap=unwrap)
         if self.amp is not None and self.distributed_type != DistributedType.FSDP:
             module = self.unwrap_model(model) if unwrap else model
