@@ -180,3 +180,30 @@ def test_trainer_o2_saves_the_best_adapter_of_two_without_copying_the_base(tmp_p
     saved_second = load_file(str(tmp_path / "final" / "second" / "adapter_model.safetensors"))
     assert len(saved_second) == len(second) == 4
     assert all(torch.equal(saved_second[k.replace(".second.", ".")], v.to(torch.bfloat16)) for k, v in second.items())
+
+
+def test_trainer_o2_save_model_after_free_memory_writes_the_masters(tmp_path):
+    """Found at stop 50 (attack): ``trainer.accelerator.free_memory()`` once training is over (releasing memory before
+    the export), then ``save_model()``: the save read the Accelerator's fresh engine, which has no masters, and wrote
+    the half weights (1.5e-3 off the FP32 masters) under a ``config.json`` saying float32, where the Accelerator's
+    own ``get_state_dict`` gives the masters. It takes the engine that trained the model now: bit for bit."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from lightning_mpx.accelerate import mpx_trainer
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(GPT2)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "run"), use_cpu=True, report_to=[], max_steps=2,
+                                          per_device_train_batch_size=4, learning_rate=1e-3, save_strategy="no",
+                                          disable_tqdm=True, optim="adamw_torch")  # fmt: skip
+    with accelerate_state_reset():
+        tr = mpx_trainer()(model=model, args=args, train_dataset=lm_data(), opt_level="O2", mpx_kwargs=SCALED)
+        tr.train()
+        masters = tr.accelerator.amp.fp32_state_dict(tr.model)
+        tr.accelerator.free_memory()
+        tr.save_model(str(tmp_path / "final"))
+    saved = load_file(str(tmp_path / "final" / "model.safetensors"))
+    assert json.loads((tmp_path / "final" / "config.json").read_text())["dtype"] == "float32"
+    assert all(v.dtype == torch.float32 and torch.equal(v, masters[k]) for k, v in saved.items())

@@ -33,6 +33,7 @@ from torch import nn
 from lightning_mpx.common.imports import require
 from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 from lightning_mpx.integrations.accelerate_checkpoint import AMP_STATE_NAME, masters_into
+from lightning_mpx.integrations.accelerate_forward import engine_of
 from lightning_mpx.integrations.metric_counts import LOG_READER
 from lightning_mpx.opt_levels import OPT_LEVELS
 
@@ -173,6 +174,8 @@ class MpxTrainerMixin:
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
         amp = self.accelerator.amp
         unwrapped = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)  # type: ignore[attr-defined]
+        if amp is not None:
+            amp = engine_of(unwrapped, amp)  # after free_memory(): the engine that trained it holds its masters
         fp32 = state_dict is None and amp is not None and amp.properties.master_weights and not amp.sharded
         # Prepared for evaluation only (predict() on a Trainer without train_dataset): its FP32 values are gone, and
         # the half weights are saved as such (config.json naming the half dtype), as the Trainer's bf16_full_eval does.
