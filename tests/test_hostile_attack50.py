@@ -66,7 +66,8 @@ def test_o2_get_state_dict_of_a_lora_model_hands_the_masters_and_copies_no_froze
     device, 120320 bytes of a 124416-byte state dict here, twice the base's own memory (a 7B base: 28 GB more at every
     save, where the run itself fits), though the base has no masters and the upcast adds no information. Now the
     masters are handed as they are (same storage), the rest as the model holds it: nothing is allocated, the adapter
-    entries are the masters bit for bit, and ``save_pretrained`` writes them."""
+    entries are the masters bit for bit; a model prepared for evaluation only gives its half weights as such (the
+    Trainer's rule for a predict-only save)."""
     accelerator = _accelerator("O2")
     model, opt = _train(accelerator, _lora())
     inner = accelerator.unwrap_model(model)
@@ -81,6 +82,10 @@ def test_o2_get_state_dict_of_a_lora_model_hands_the_masters_and_copies_no_froze
     assert len(masters) == 4
     base = {k: v for k, v in state.items() if k not in adapters}
     assert all(torch.equal(v, own[k]) and v.dtype == own[k].dtype for k, v in base.items())
+    # A model prepared for evaluation only (no masters, no FP32 values kept): its half weights as such, not copied.
+    evaluated = accelerator.prepare_model(_net(), evaluation_mode=True)
+    state = accelerator.get_state_dict(evaluated)
+    assert _fresh_bytes(state, evaluated.state_dict()) == 0 and {v.dtype for v in state.values()} == {torch.bfloat16}
 
 
 # -- a model prepared after its optimizer, inside an accumulation window -------------------------------------------
