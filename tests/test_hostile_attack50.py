@@ -141,9 +141,11 @@ def test_trainer_o2_saves_the_best_adapter_of_two_without_copying_the_base(tmp_p
     Found at stop 50 (attack): the Trainer's save at O2 upcast the whole frozen base to a fresh FP32 copy before peft
     kept only the adapters (122880 bytes here, twice the half base, at every checkpoint save), and
     ``mpx_trainer(cls)`` of a class that has the mixin already failed with "Cannot create a consistent method
-    resolution order". Now the state dict handed to ``save_pretrained`` costs nothing (the masters and the model's own
+    resolution order"; ``save_model()`` after ``trainer.accelerator.free_memory()`` read the fresh engine, which has no
+    masters, and wrote the half weights (a full GPT-2: 1.5e-3 off the masters, under a ``config.json`` saying float32).
+    Now the state dict handed to ``save_pretrained`` costs nothing (the masters and the model's own
     tensors), the active adapter is the best checkpoint's bit for bit, the second adapter is saved as the model holds
-    it, and ``mpx_trainer`` returns a class with the mixin as it is."""
+    it, the save after ``free_memory()`` is the same, and ``mpx_trainer`` returns a class with the mixin as it is."""
     from pathlib import Path
 
     from safetensors.torch import load_file
@@ -179,36 +181,16 @@ def test_trainer_o2_saves_the_best_adapter_of_two_without_copying_the_base(tmp_p
         amp = tr.accelerator.amp
         masters = {i: amp.master_of(p, refresh=False) for i, p in enumerate(tr.model.parameters())}
         assert _fresh_bytes(handed, tr.model.state_dict(), masters) == 0
+        # Memory released before the export: the save read the fresh engine, without masters, and wrote the half
+        # adapter (the masters' rounding) where the Accelerator's get_state_dict gives the masters.
+        tr.accelerator.free_memory()
+        tr.save_model(str(tmp_path / "after_free_memory"))
     best = load_file(str(Path(tr.state.best_model_checkpoint) / "adapter_model.safetensors"))
     final = load_file(str(tmp_path / "final" / "adapter_model.safetensors"))
     assert final.keys() == best.keys() and all(torch.equal(final[k], v) for k, v in best.items())
+    freed = load_file(str(tmp_path / "after_free_memory" / "adapter_model.safetensors"))
+    assert freed.keys() == best.keys() and all(torch.equal(freed[k], v) for k, v in best.items())
     saved_second = load_file(str(tmp_path / "final" / "second" / "adapter_model.safetensors"))
     assert len(saved_second) == len(second) == 4
     assert all(torch.equal(saved_second[k.replace(".second.", ".")], v.to(torch.bfloat16)) for k, v in second.items())
 
-
-def test_trainer_o2_save_model_after_free_memory_writes_the_masters(tmp_path):
-    """Found at stop 50 (attack): ``trainer.accelerator.free_memory()`` once training is over (releasing memory before
-    the export), then ``save_model()``: the save read the Accelerator's fresh engine, which has no masters, and wrote
-    the half weights (1.5e-3 off the FP32 masters) under a ``config.json`` saying float32, where the Accelerator's
-    own ``get_state_dict`` gives the masters. It takes the engine that trained the model now: bit for bit."""
-    import json
-
-    from safetensors.torch import load_file
-
-    from lightning_mpx.accelerate import mpx_trainer
-
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(GPT2)
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "run"), use_cpu=True, report_to=[], max_steps=2,
-                                          per_device_train_batch_size=4, learning_rate=1e-3, save_strategy="no",
-                                          disable_tqdm=True, optim="adamw_torch")  # fmt: skip
-    with accelerate_state_reset():
-        tr = mpx_trainer()(model=model, args=args, train_dataset=lm_data(), opt_level="O2", mpx_kwargs=SCALED)
-        tr.train()
-        masters = tr.accelerator.amp.fp32_state_dict(tr.model)
-        tr.accelerator.free_memory()
-        tr.save_model(str(tmp_path / "final"))
-    saved = load_file(str(tmp_path / "final" / "model.safetensors"))
-    assert json.loads((tmp_path / "final" / "config.json").read_text())["dtype"] == "float32"
-    assert all(v.dtype == torch.float32 and torch.equal(v, masters[k]) for k, v in saved.items())
