@@ -169,8 +169,9 @@ def test_o2_save_model_after_predict_only_saves_the_half_weights_as_such(tmp_pat
 @pytest.mark.xfail(
     strict=True,
     reason="O2 holds frozen parameters (requires_grad=False) in the half dtype without FP32 masters (the engine keeps "
-    "no FP32 copy of them, by design: a LoRA base would double its memory); save_model() exports their half values "
-    "upcast, under a config.json saying float32. Workaround: mpx_kwargs fp32_modules for the frozen modules, or O1.",
+    "no FP32 copy of them, by design: a LoRA base would double its memory); save_model() exports their half values, "
+    "as they are, under a config.json saying float32. Workaround: mpx_kwargs fp32_modules for the frozen modules, "
+    "or O1.",
 )
 def test_o2_export_keeps_frozen_parameters_fp32(tmp_path):
     with accelerate_state_reset():

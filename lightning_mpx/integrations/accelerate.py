@@ -108,6 +108,7 @@ from lightning_mpx.integrations.accelerate_optimizer import (  # noqa: E402
     AmpOptimizer,
     check_masters_exist,
     holding,
+    keeping_grads,
     pair_again,
     released_by_engine,
 )
@@ -305,7 +306,8 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
             # On the device before conversion: O2's masters are created next to the parameters they copy.
             model.to(self.device)
         holders = holding(self.amp, self._amp_optimizers(), model, train=not evaluation_mode)  # prepared before it
-        self.amp.prepare_model(model, train=not evaluation_mode)  # no FP32 masters for a model only evaluated
+        with keeping_grads(model):  # accumulated before it was prepared (its optimizer was): not dropped
+            self.amp.prepare_model(model, train=not evaluation_mode)  # no FP32 masters for a model only evaluated
         pair_again(self.amp, holders)  # their masters for its parameters, now half
         self._converted.add(model)
         install_forward(self.amp, model)
@@ -318,8 +320,9 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
         """As ``accelerate.Accelerator.get_state_dict``; at O2 the half weights are replaced by their FP32 masters (the
-        weights training produced, FP32 as with Accelerate's own modes), so that ``save_model`` and the model files
-        of ``save_state`` hold them too (O3, which has no masters, gives its half weights)."""
+        weights training produced, FP32 as with Accelerate's own modes; the masters themselves, not copies), so that
+        ``save_model`` and the model files of ``save_state`` hold them too. What has no master (a frozen half
+        parameter, a model prepared for evaluation only; O3) stays as the model holds it."""
         state: dict[str, Any] = super().get_state_dict(model, unwrap=unwrap)
         if self.amp is not None and self.distributed_type != DistributedType.FSDP:
             module = self.unwrap_model(model) if unwrap else model

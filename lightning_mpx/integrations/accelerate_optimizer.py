@@ -4,6 +4,7 @@ step is :meth:`Amp.step <lightning_mpx.engine.amp.Amp.step>`, and which of them 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -19,6 +20,7 @@ __all__ = [
     "check_masters_exist",
     "gradient_targets",
     "holding",
+    "keeping_grads",
     "owner_of",
     "pair_again",
     "params_of",
@@ -202,6 +204,18 @@ def pair_again(amp: Amp, optimizers: Iterable[AmpOptimizer]) -> None:
     for opt in optimizers:
         amp.release_optimizer(opt.optimizer)
         amp.prepare_optimizer(opt.optimizer)
+
+
+@contextlib.contextmanager
+def keeping_grads(model: torch.nn.Module) -> Iterator[None]:
+    """Keep the gradients ``model``'s parameters hold across its conversion to half, which drops them: a model
+    prepared inside an accumulation window (its optimizer prepared before it) keeps the micro-batches accumulated so
+    far, as under Accelerate's own modes; each is put back in its parameter's new dtype."""
+    grads = [(param, param.grad) for param in model.parameters() if param.grad is not None]
+    yield
+    for param, grad in grads:
+        if param.grad is None and grad.shape == param.shape:
+            param.grad = grad.to(device=param.device, dtype=param.dtype)
 
 
 def released_by_engine(optimizer: Any, amp: Amp) -> bool:

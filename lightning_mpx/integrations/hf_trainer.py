@@ -32,7 +32,8 @@ from torch import nn
 
 from lightning_mpx.common.imports import require
 from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
-from lightning_mpx.integrations.accelerate_checkpoint import AMP_STATE_NAME
+from lightning_mpx.integrations.accelerate_checkpoint import AMP_STATE_NAME, masters_into
+from lightning_mpx.integrations.accelerate_forward import engine_of
 from lightning_mpx.integrations.metric_counts import LOG_READER
 from lightning_mpx.opt_levels import OPT_LEVELS
 
@@ -173,12 +174,15 @@ class MpxTrainerMixin:
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
         amp = self.accelerator.amp
         unwrapped = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)  # type: ignore[attr-defined]
+        if amp is not None:
+            amp = engine_of(unwrapped, amp)  # after free_memory(): the engine that trained it holds its masters
         fp32 = state_dict is None and amp is not None and amp.properties.master_weights and not amp.sharded
         # Prepared for evaluation only (predict() on a Trainer without train_dataset): its FP32 values are gone, and
         # the half weights are saved as such (config.json naming the half dtype), as the Trainer's bf16_full_eval does.
         fp32 = fp32 and not (amp._masters.evaluation_only and not amp._masters.prune())  # type: ignore[union-attr]
         if fp32:
-            state_dict = amp.fp32_state_dict(unwrapped)
+            state_dict = unwrapped.state_dict()
+            masters_into(amp, unwrapped, state_dict)  # the masters, not copies; a frozen half base stays half
         super()._save(output_dir, state_dict=state_dict)  # type: ignore[misc]
         config = getattr(unwrapped, "config", None)
         from transformers import PreTrainedModel
@@ -233,7 +237,8 @@ def _keeping_parameters(trainer: Any, load: Callable[[], Any]) -> None:
 
 def mpx_trainer(trainer_cls: type | None = None) -> type:
     """``trainer_cls`` (``transformers.Trainer`` by default, or a subclass of it) with :class:`MpxTrainerMixin`:
-    ``mpx_trainer()(model=model, args=args, train_dataset=data, opt_level="O2")``.
+    ``mpx_trainer()(model=model, args=args, train_dataset=data, opt_level="O2")``; a class that has the mixin already
+    is returned as it is.
 
     Raises:
         TypeError: ``trainer_cls`` is not a subclass of ``transformers.Trainer``.
@@ -242,4 +247,6 @@ def mpx_trainer(trainer_cls: type | None = None) -> type:
     base = transformers.Trainer if trainer_cls is None else trainer_cls
     if not (isinstance(base, type) and issubclass(base, transformers.Trainer)):
         raise TypeError(f"trainer_cls={base!r} is not a subclass of transformers.Trainer.")
+    if issubclass(base, MpxTrainerMixin):
+        return base  # it has the mixin already (a second one makes no consistent method order)
     return type(f"Mpx{base.__name__}", (MpxTrainerMixin, base), {"__module__": base.__module__})
