@@ -280,8 +280,10 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         """The training step's context (:meth:`forward_context`); the previous iteration's scale update first."""
         # A new training step starts (``with plugin.train_step_context():`` enters it at once): the previous
         # iteration is over, so its scale update is due now.
-        self._end_iteration()
-        self._held.release()  # usually released at convert_input already (not called for a dataloader_iter)
+        if self.amp.iteration.update_pending or self._log_step is not None:  # (usually ended at the step already)
+            self._end_iteration()
+        if self._held.held:  # usually released at convert_input already (not called for a dataloader_iter)
+            self._held.release()
         return self._manual_step.scope(self._module, self.forward_context())
 
     def convert_input(self, data: Any) -> Any:
@@ -289,7 +291,7 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         the steps skipped on the device (``skip_on_device``) while their gradients are still there (Lightning
         zeroes them after the next training step)."""
         self.amp.read_step_outcomes()
-        if self._held:
+        if self._held.held:
             trainer = trainer_of(self._module) if self._module is not None else None
             if trainer is None or trainer.training:
                 # The first call into the plugin for a new training batch, before the on_train_batch_start hooks
@@ -350,7 +352,8 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
                 "optimizer=LBFGS re-evaluates the loss through its closure several times per step, which loss "
                 "scaling and step skipping cannot support; use a first-order optimizer or Trainer precision '32'."
             )
-        self._held.release()
+        if self._held.held:
+            self._held.release()
         trainer = model.trainer
         self._range_test.enter(self.amp, trainer)
         # Asked once per step: the answer holds until the loop counts the step, after this returns, unless the step
@@ -429,7 +432,8 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
     # -- internals -----------------------------------------------------------------------------------------------
     def _end_iteration(self, log: bool = True) -> None:
         """Update the scales of the iteration that ended, then log its metrics if it was a logging step."""
-        self.amp.end_iteration()
+        if self.amp.iteration.update_pending:  # Amp.end_iteration's test, without its call
+            self.amp.update()
         if log and self._log_step is not None:
             step, self._log_step = self._log_step, None
             trainer = self._module.trainer if isinstance(self._module, _pl.LightningModule) else None

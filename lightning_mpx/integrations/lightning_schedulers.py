@@ -45,11 +45,12 @@ class HeldSchedulers:
     """The per-step scheduler configs held out of the loop's scheduler update after a skipped step."""
 
     def __init__(self) -> None:
-        # (the strategy's config list, index, the config, its held copy in the list), until the next batch.
-        self._held: list[tuple[list[Any], int, Any, Any]] = []
+        #: (the strategy's config list, index, the config, its held copy in the list), until the next batch. Empty
+        #: when nothing is held: the plugin's per-batch hooks test it without a call (no :meth:`release` then).
+        self.held: list[tuple[list[Any], int, Any, Any]] = []
 
     def __bool__(self) -> bool:
-        return bool(self._held)
+        return bool(self.held)
 
     def hold(self, trainer: Any, optimizer: Optimizer) -> None:
         """Keep the per-step schedulers of ``optimizer``, which skipped its step, out of this batch's scheduler
@@ -61,11 +62,11 @@ class HeldSchedulers:
             config = configs[index]
             held = dataclasses.replace(config, interval=_HELD_INTERVAL)
             configs[index] = held
-            self._held.append((configs, index, config, held))
+            self.held.append((configs, index, config, held))
 
     def release(self) -> None:
         """Put the configs :meth:`hold` took out back into the strategy's list."""
-        for configs, index, config, held in self._held:
+        for configs, index, config, held in self.held:
             if index < len(configs) and configs[index] is held:  # not replaced since (a new fit builds a new list)
                 configs[index] = config
-        self._held.clear()
+        self.held.clear()
