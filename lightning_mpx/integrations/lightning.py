@@ -33,10 +33,10 @@ from torch.optim import Optimizer
 from typing_extensions import Unpack
 
 from lightning_mpx.casting.checkpointing import builds_graph
-from lightning_mpx.casting.policy import casts_off_if_on as _casts_off
 from lightning_mpx.common.containers import read_floats
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
+from lightning_mpx.engine.optimizer_step import AUTOCAST_DEVICES, without_casts
 from lightning_mpx.engine.outcome import StepOutcome
 from lightning_mpx.engine.sharding import is_sharded
 from lightning_mpx.masters.weights import convert_module
@@ -321,21 +321,12 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
     ) -> None:
         """Backward on the loss times the scale of ``loss_id`` (``self.manual_backward(loss, loss_id=1)``): the
         scaled loss goes to the LightningModule's ``backward`` hook, as with Lightning's own precision plugins."""
-        with _casts_off():  # a manual backward runs inside the training step's cast scope
-            scaled = self.amp.scale_loss(tensor, loss_id)
-            policy = self.amp.policy
-            hook = getattr(model, "backward", None)
-            default = getattr(hook, "__func__", None) is _DEFAULT_BACKWARD
-            if policy is not None and default and not getattr(model, "_fabric", None):
-                # The hook is LightningModule.backward itself, neither overridden nor wrapped: its body,
-                # loss.backward(), in the policy's recompute scope without a call into the policy's hook. Anything
-                # else (an override, or a wrapper over the default such as mock.patch.object(..., wraps=...), which
-                # Lightning's is_overridden sees through) is called.
-                policy.backward(scaled, *args, **kwargs)
-                return
-            # Activation checkpointing recomputes with the forward's casts.
-            with self.amp.backward_context(create_graph=builds_graph(args, kwargs)):
-                model.backward(scaled, *args, **kwargs)
+        # A manual backward runs inside the training step's cast scope: casts off there (without_casts' test, written
+        # out: an automatic backward, outside every scope, pays no call for it).
+        if torch._C._len_torch_function_stack() or any(map(torch.is_autocast_enabled, AUTOCAST_DEVICES)):
+            without_casts(_scaled_backward, self.amp, tensor, model, args, loss_id, kwargs)
+        else:
+            _scaled_backward(self.amp, tensor, model, args, loss_id, kwargs)
 
     # -- optimizer step ------------------------------------------------------------------------------------------
     def optimizer_step(  # type: ignore[override]
@@ -365,17 +356,13 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         closure_result = closure()
         automatic = model.automatic_optimization
         skip_backward = closure_result is None and automatic  # training_step returned None: nothing to step
-        with _casts_off():
-            unscaled = skip_backward or self.amp.is_unscaled(optimizer)  # (nothing to unscale, or done already)
-            if not unscaled and self._gradient_readers.read_gradients(model, plugin_clips=self._clip_overridden):
-                # Hooks must see true gradients (Lightning's MixedPrecision unscales here too). Without such hooks
-                # the unscale is left to the clip (one fused pass) or to the step. At O2 unscale_ also leaves the
-                # true values on the model's own gradients.
-                self.amp.unscale_(optimizer)
-            self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then gradient clipping
-            if skip_backward:
-                return closure_result
-            stepped = self.amp.step(optimizer, **kwargs)  # the engine records it (step_was_skipped reads it there)
+        # A manual step runs inside the training step's cast scope: casts off there (as in backward).
+        if torch._C._len_torch_function_stack() or any(map(torch.is_autocast_enabled, AUTOCAST_DEVICES)):
+            stepped = without_casts(self._hooks_and_step, model, optimizer, skip_backward, kwargs)
+        else:
+            stepped = self._hooks_and_step(model, optimizer, skip_backward, kwargs)
+        if skip_backward:
+            return closure_result
         # A step skipped on the device is read here only when a per-step schedule must be held on a skip (its update
         # comes before the next batch); otherwise at the next batch, backward or logging step.
         if automatic and (not isinstance(stepped, StepOutcome) or step_configs(trainer, optimizer)):
@@ -388,6 +375,20 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         if automatic:  # one optimizer per iteration: the iteration ends with its step
             self._end_iteration()
         return closure_result
+
+    def _hooks_and_step(self, model: Any, optimizer: Optimizer, skip_backward: bool, kwargs: dict[str, Any]) -> Any:
+        """The closure ran: unscale if a hook reads the gradients, the hooks and the clip, then the step (``None``
+        without one: the training step returned ``None``)."""
+        unscaled = skip_backward or self.amp.is_unscaled(optimizer)  # (nothing to unscale, or done already)
+        if not unscaled and self._gradient_readers.read_gradients(model, plugin_clips=self._clip_overridden):
+            # Hooks must see true gradients (Lightning's MixedPrecision unscales here too). Without such hooks the
+            # unscale is left to the clip (one fused pass) or to the step. At O2 unscale_ also leaves the true values
+            # on the model's own gradients.
+            self.amp.unscale_(optimizer)
+        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then gradient clipping
+        if skip_backward:
+            return None
+        return self.amp.step(optimizer, **kwargs)  # the engine records it (step_was_skipped reads it there)
 
     def step_was_skipped(self, optimizer: Optimizer) -> bool:
         """Whether ``optimizer``'s most recent step was skipped because its gradients overflowed (with
@@ -442,3 +443,23 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
                 values = read_floats(self.amp.metrics(LOG_READER))  # one host read, not one per metric
                 for logger in trainer.loggers:
                     logger.log_metrics(values, step=step)
+
+
+def _scaled_backward(
+    amp: Amp, tensor: torch.Tensor, model: Any, args: tuple[Any, ...], loss_id: int, kwargs: dict[str, Any]
+) -> None:
+    """:meth:`MixedPrecisionPlugin.backward`'s work: the scaled loss to the LightningModule's ``backward`` hook."""
+    scaled = amp.scale_loss(tensor, loss_id)
+    policy = amp.policy
+    hook = getattr(model, "backward", None)
+    default = getattr(hook, "__func__", None) is _DEFAULT_BACKWARD
+    if policy is not None and default and not getattr(model, "_fabric", None):
+        # The hook is LightningModule.backward itself, neither overridden nor wrapped: its body, loss.backward(), in
+        # the policy's recompute scope without a call into the policy's hook. Anything else (an override, or a wrapper
+        # over the default such as mock.patch.object(..., wraps=...), which Lightning's is_overridden sees through)
+        # is called.
+        policy.backward(scaled, *args, **kwargs)
+        return
+    # Activation checkpointing recomputes with the forward's casts.
+    with amp.backward_context(create_graph=builds_graph(args, kwargs)):
+        model.backward(scaled, *args, **kwargs)
