@@ -44,6 +44,7 @@ from lightning_mpx.settings import MixedPrecisionSettings, SettingsKeywords, key
 
 _pl = require("lightning.pytorch", extra="lightning", feature="lightning_mpx.MixedPrecisionPlugin")
 
+from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
 from lightning.pytorch.plugins.precision import FSDPPrecision, Precision  # noqa: E402
 from lightning.pytorch.strategies import FSDPStrategy  # noqa: E402
 
@@ -337,7 +338,8 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         **kwargs: Any,
     ) -> Any:
         """Run the closure, unscale once, call the hooks and clip, then step unless the gradients overflowed."""
-        optimizer = unwrap_optimizer(optimizer)
+        if isinstance(optimizer, LightningOptimizer):  # unwrap_optimizer, written out: a call saved at every step
+            optimizer = optimizer.optimizer
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError(
                 "optimizer=LBFGS re-evaluates the loss through its closure several times per step, which loss "
@@ -358,14 +360,17 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         skip_backward = closure_result is None and automatic  # training_step returned None: nothing to step
         # A manual step runs inside the training step's cast scope: casts off there (as in backward).
         if torch._C._len_torch_function_stack() or any(map(torch.is_autocast_enabled, AUTOCAST_DEVICES)):
-            stepped = without_casts(self._hooks_and_step, model, optimizer, skip_backward, kwargs)
+            stepped = without_casts(self._hooks_and_step, model, trainer.callbacks, optimizer, skip_backward, kwargs)
         else:
-            stepped = self._hooks_and_step(model, optimizer, skip_backward, kwargs)
+            stepped = self._hooks_and_step(model, trainer.callbacks, optimizer, skip_backward, kwargs)
         if skip_backward:
             return closure_result
         # A step skipped on the device is read here only when a per-step schedule must be held on a skip (its update
         # comes before the next batch); otherwise at the next batch, backward or logging step.
-        if automatic and (not isinstance(stepped, StepOutcome) or step_configs(trainer, optimizer)):
+        if automatic and (
+            not isinstance(stepped, StepOutcome)
+            or ((configs := trainer.strategy.lr_scheduler_configs) and step_configs(configs, optimizer))
+        ):
             if not stepped:
                 self._held.hold(trainer, optimizer)
         if not logging and trainer.should_stop and trainer.loggers:
@@ -376,11 +381,14 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
             self._end_iteration()
         return closure_result
 
-    def _hooks_and_step(self, model: Any, optimizer: Optimizer, skip_backward: bool, kwargs: dict[str, Any]) -> Any:
-        """The closure ran: unscale if a hook reads the gradients, the hooks and the clip, then the step (``None``
-        without one: the training step returned ``None``)."""
+    def _hooks_and_step(
+        self, model: Any, callbacks: list[Any], optimizer: Optimizer, skip_backward: bool, kwargs: dict[str, Any]
+    ) -> Any:
+        """The closure ran: unscale if the module or one of the Trainer's ``callbacks`` reads the gradients, the hooks
+        and the clip, then the step (``None`` without one: the training step returned ``None``)."""
         unscaled = skip_backward or self.amp.is_unscaled(optimizer)  # (nothing to unscale, or done already)
-        if not unscaled and self._gradient_readers.read_gradients(model, plugin_clips=self._clip_overridden):
+        readers = self._gradient_readers
+        if not unscaled and readers.read_gradients(model, callbacks, plugin_clips=self._clip_overridden):
             # Hooks must see true gradients (Lightning's MixedPrecision unscales here too). Without such hooks the
             # unscale is left to the clip (one fused pass) or to the step. At O2 unscale_ also leaves the true values
             # on the model's own gradients.

@@ -15,10 +15,10 @@ from typing import Any
 from torch.optim import Optimizer
 
 from lightning_mpx.common.imports import require
-from lightning_mpx.integrations.lightning_strategies import unwrap_optimizer
 
 require("lightning.pytorch", extra="lightning", feature="lightning_mpx.MixedPrecisionPlugin")
 
+from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
 from lightning.pytorch.utilities.types import LRSchedulerConfig  # noqa: E402
 
 __all__ = ["HeldSchedulers", "step_configs"]
@@ -28,14 +28,16 @@ __all__ = ["HeldSchedulers", "step_configs"]
 _HELD_INTERVAL = "step (held: the optimizer skipped its step)"
 
 
-def step_configs(trainer: Any, optimizer: Optimizer) -> list[int]:
-    """The positions of ``optimizer``'s per-step scheduler configs in the strategy's list."""
+def step_configs(configs: list[Any], optimizer: Optimizer) -> list[int]:
+    """The positions of ``optimizer``'s per-step scheduler configs in ``configs``, the strategy's list."""
     found = []
-    for index, config in enumerate(trainer.strategy.lr_scheduler_configs):
+    for index, config in enumerate(configs):
         if not isinstance(config, LRSchedulerConfig) or config.interval != "step":
             continue
         owner = getattr(config.scheduler, "optimizer", None)
-        if owner is not None and unwrap_optimizer(owner) is not optimizer:
+        if isinstance(owner, LightningOptimizer):  # unwrap_optimizer, written out: asked at every step
+            owner = owner.optimizer
+        if owner is not None and owner is not optimizer:
             continue  # another optimizer's schedule (a scheduler without one follows the only optimizer)
         found.append(index)
     return found
@@ -58,7 +60,7 @@ class HeldSchedulers:
         list holds a copy of each config with another ``interval``, so that the loop does not call
         ``lr_scheduler_step`` for it, and :meth:`release` (at the next training batch) puts the config back."""
         configs = trainer.strategy.lr_scheduler_configs
-        for index in step_configs(trainer, optimizer):
+        for index in step_configs(configs, optimizer):
             config = configs[index]
             held = dataclasses.replace(config, interval=_HELD_INTERVAL)
             configs[index] = held
