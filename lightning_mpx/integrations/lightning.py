@@ -285,7 +285,10 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
             self._end_iteration()
         if self._held.held:  # usually released at convert_input already (not called for a dataloader_iter)
             self._held.release()
-        return self._manual_step.scope(self._module, self.forward_context())
+        inner = self.forward_context()
+        if getattr(self._module, "automatic_optimization", True):
+            return inner  # its iteration ends inside the step, at its one optimizer step
+        return self._manual_step.scope(inner)  # marks a manual step as running (its reads end no iteration)
 
     def convert_input(self, data: Any) -> Any:
         """The batch as it is; a new training batch also ends the previous step's hold on its schedulers, and reads
@@ -377,8 +380,10 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
             logging = trainer._logger_connector.should_update_logs
         if logging and self._log_step is None:
             self._log_step = trainer.fit_loop.epoch_loop._batches_that_stepped
-        if automatic:  # one optimizer per iteration: the iteration ends with its step
-            self._end_iteration()
+        if automatic:  # one optimizer per iteration: the iteration ends with its step (_end_iteration, written out)
+            self.amp.update()  # due: the step ran
+            if self._log_step is not None:
+                self._log_metrics()
         return closure_result
 
     def _hooks_and_step(
@@ -444,13 +449,17 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         if self.amp.iteration.update_pending:  # Amp.end_iteration's test, without its call
             self.amp.update()
         if log and self._log_step is not None:
-            step, self._log_step = self._log_step, None
-            trainer = self._module.trainer if isinstance(self._module, _pl.LightningModule) else None
-            if trainer is not None:
-                self.amp.read_step_outcomes()  # a logging step: syncing is fine
-                values = read_floats(self.amp.metrics(LOG_READER))  # one host read, not one per metric
-                for logger in trainer.loggers:
-                    logger.log_metrics(values, step=step)
+            self._log_metrics()
+
+    def _log_metrics(self) -> None:
+        """Log the ``mpx/*`` metrics of the logging step that ended (``_log_step``) to the Trainer's loggers."""
+        step, self._log_step = self._log_step, None
+        trainer = self._module.trainer if isinstance(self._module, _pl.LightningModule) else None
+        if trainer is not None:
+            self.amp.read_step_outcomes()  # a logging step: syncing is fine
+            values = read_floats(self.amp.metrics(LOG_READER))  # one host read, not one per metric
+            for logger in trainer.loggers:
+                logger.log_metrics(values, step=step)
 
 
 def _scaled_backward(
