@@ -325,6 +325,41 @@ def test_gan_two_optimizers_two_losses(level):
     assert metrics["mpx/skipped_steps/loss1"] == 1.0
 
 
+def test_a_manual_steps_hooks_run_without_the_training_steps_casts():
+    """A manual backward and step run inside the training step's O1 cast scope: the LightningModule's ``backward``
+    and ``on_before_optimizer_step`` hooks they call run without its casts, as an automatic step's do (a matmul there
+    stays FP32)."""
+
+    class Manual(Classifier):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.seen: dict[str, list[torch.dtype]] = {"backward": [], "on_before_optimizer_step": []}
+
+        def _matmul_dtype(self) -> torch.dtype:
+            x = torch.ones(2, 2)
+            return torch.mm(x, x).dtype
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            optimizer = self.optimizers()
+            x, y = batch
+            self.manual_backward(F.cross_entropy(self(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+
+        def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            self.seen["backward"].append(self._matmul_dtype())
+            loss.backward(*args, **kwargs)
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            self.seen["on_before_optimizer_step"].append(self._matmul_dtype())
+
+    model = Manual()
+    trainer = make_trainer(MixedPrecisionPlugin("O1", half_dtype="bfloat16"), max_steps=2)
+    trainer.fit(model, loader(classification_data()))
+    assert model.seen == {"backward": [torch.float32] * 2, "on_before_optimizer_step": [torch.float32] * 2}
+
+
 # -- checkpoints ----------------------------------------------------------------------------------------------------
 _RESUME_SCRIPT = """
 import sys, torch

@@ -33,10 +33,10 @@ from torch.optim import Optimizer
 from typing_extensions import Unpack
 
 from lightning_mpx.casting.checkpointing import builds_graph
-from lightning_mpx.casting.policy import casts_off_if_on as _casts_off
 from lightning_mpx.common.containers import read_floats
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
+from lightning_mpx.engine.optimizer_step import AUTOCAST_DEVICES, without_casts
 from lightning_mpx.engine.outcome import StepOutcome
 from lightning_mpx.engine.sharding import is_sharded
 from lightning_mpx.masters.weights import convert_module
@@ -44,6 +44,7 @@ from lightning_mpx.settings import MixedPrecisionSettings, SettingsKeywords, key
 
 _pl = require("lightning.pytorch", extra="lightning", feature="lightning_mpx.MixedPrecisionPlugin")
 
+from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
 from lightning.pytorch.plugins.precision import FSDPPrecision, Precision  # noqa: E402
 from lightning.pytorch.strategies import FSDPStrategy  # noqa: E402
 
@@ -280,16 +281,21 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         """The training step's context (:meth:`forward_context`); the previous iteration's scale update first."""
         # A new training step starts (``with plugin.train_step_context():`` enters it at once): the previous
         # iteration is over, so its scale update is due now.
-        self._end_iteration()
-        self._held.release()  # usually released at convert_input already (not called for a dataloader_iter)
-        return self._manual_step.scope(self._module, self.forward_context())
+        if self.amp.iteration.update_pending or self._log_step is not None:  # (usually ended at the step already)
+            self._end_iteration()
+        if self._held.held:  # usually released at convert_input already (not called for a dataloader_iter)
+            self._held.release()
+        inner = self.forward_context()
+        if getattr(self._module, "automatic_optimization", True):
+            return inner  # its iteration ends inside the step, at its one optimizer step
+        return self._manual_step.scope(inner)  # marks a manual step as running (its reads end no iteration)
 
     def convert_input(self, data: Any) -> Any:
         """The batch as it is; a new training batch also ends the previous step's hold on its schedulers, and reads
         the steps skipped on the device (``skip_on_device``) while their gradients are still there (Lightning
         zeroes them after the next training step)."""
         self.amp.read_step_outcomes()
-        if self._held:
+        if self._held.held:
             trainer = trainer_of(self._module) if self._module is not None else None
             if trainer is None or trainer.training:
                 # The first call into the plugin for a new training batch, before the on_train_batch_start hooks
@@ -319,21 +325,12 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
     ) -> None:
         """Backward on the loss times the scale of ``loss_id`` (``self.manual_backward(loss, loss_id=1)``): the
         scaled loss goes to the LightningModule's ``backward`` hook, as with Lightning's own precision plugins."""
-        with _casts_off():  # a manual backward runs inside the training step's cast scope
-            scaled = self.amp.scale_loss(tensor, loss_id)
-            policy = self.amp.policy
-            hook = getattr(model, "backward", None)
-            default = getattr(hook, "__func__", None) is _DEFAULT_BACKWARD
-            if policy is not None and default and not getattr(model, "_fabric", None):
-                # The hook is LightningModule.backward itself, neither overridden nor wrapped: its body,
-                # loss.backward(), in the policy's recompute scope without a call into the policy's hook. Anything
-                # else (an override, or a wrapper over the default such as mock.patch.object(..., wraps=...), which
-                # Lightning's is_overridden sees through) is called.
-                policy.backward(scaled, *args, **kwargs)
-                return
-            # Activation checkpointing recomputes with the forward's casts.
-            with self.amp.backward_context(create_graph=builds_graph(args, kwargs)):
-                model.backward(scaled, *args, **kwargs)
+        # A manual backward runs inside the training step's cast scope: casts off there (without_casts' test, written
+        # out: an automatic backward, outside every scope, pays no call for it).
+        if torch._C._len_torch_function_stack() or any(map(torch.is_autocast_enabled, AUTOCAST_DEVICES)):
+            without_casts(_scaled_backward, self.amp, tensor, model, args, loss_id, kwargs)
+        else:
+            _scaled_backward(self.amp, tensor, model, args, loss_id, kwargs)
 
     # -- optimizer step ------------------------------------------------------------------------------------------
     def optimizer_step(  # type: ignore[override]
@@ -344,13 +341,15 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         **kwargs: Any,
     ) -> Any:
         """Run the closure, unscale once, call the hooks and clip, then step unless the gradients overflowed."""
-        optimizer = unwrap_optimizer(optimizer)
+        if isinstance(optimizer, LightningOptimizer):  # unwrap_optimizer, written out: a call saved at every step
+            optimizer = optimizer.optimizer
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError(
                 "optimizer=LBFGS re-evaluates the loss through its closure several times per step, which loss "
                 "scaling and step skipping cannot support; use a first-order optimizer or Trainer precision '32'."
             )
-        self._held.release()
+        if self._held.held:
+            self._held.release()
         trainer = model.trainer
         self._range_test.enter(self.amp, trainer)
         # Asked once per step: the answer holds until the loop counts the step, after this returns, unless the step
@@ -362,29 +361,47 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         closure_result = closure()
         automatic = model.automatic_optimization
         skip_backward = closure_result is None and automatic  # training_step returned None: nothing to step
-        with _casts_off():
-            unscaled = skip_backward or self.amp.is_unscaled(optimizer)  # (nothing to unscale, or done already)
-            if not unscaled and self._gradient_readers.read_gradients(model, plugin_clips=self._clip_overridden):
-                # Hooks must see true gradients (Lightning's MixedPrecision unscales here too). Without such hooks
-                # the unscale is left to the clip (one fused pass) or to the step. At O2 unscale_ also leaves the
-                # true values on the model's own gradients.
-                self.amp.unscale_(optimizer)
-            self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then gradient clipping
-            if skip_backward:
-                return closure_result
-            stepped = self.amp.step(optimizer, **kwargs)  # the engine records it (step_was_skipped reads it there)
+        # A manual step runs inside the training step's cast scope: casts off there (as in backward).
+        if torch._C._len_torch_function_stack() or any(map(torch.is_autocast_enabled, AUTOCAST_DEVICES)):
+            stepped = without_casts(self._hooks_and_step, model, trainer.callbacks, optimizer, skip_backward, kwargs)
+        else:
+            stepped = self._hooks_and_step(model, trainer.callbacks, optimizer, skip_backward, kwargs)
+        if skip_backward:
+            return closure_result
         # A step skipped on the device is read here only when a per-step schedule must be held on a skip (its update
         # comes before the next batch); otherwise at the next batch, backward or logging step.
-        if automatic and (not isinstance(stepped, StepOutcome) or step_configs(trainer, optimizer)):
+        if automatic and (
+            not isinstance(stepped, StepOutcome)
+            or ((configs := trainer.strategy.lr_scheduler_configs) and step_configs(configs, optimizer))
+        ):
             if not stepped:
                 self._held.hold(trainer, optimizer)
         if not logging and trainer.should_stop and trainer.loggers:
             logging = trainer._logger_connector.should_update_logs
         if logging and self._log_step is None:
             self._log_step = trainer.fit_loop.epoch_loop._batches_that_stepped
-        if automatic:  # one optimizer per iteration: the iteration ends with its step
-            self._end_iteration()
+        if automatic:  # one optimizer per iteration: the iteration ends with its step (_end_iteration, written out)
+            self.amp.update()  # due: the step ran
+            if self._log_step is not None:
+                self._log_metrics()
         return closure_result
+
+    def _hooks_and_step(
+        self, model: Any, callbacks: list[Any], optimizer: Optimizer, skip_backward: bool, kwargs: dict[str, Any]
+    ) -> Any:
+        """The closure ran: unscale if the module or one of the Trainer's ``callbacks`` reads the gradients, the hooks
+        and the clip, then the step (``None`` without one: the training step returned ``None``)."""
+        unscaled = skip_backward or self.amp.is_unscaled(optimizer)  # (nothing to unscale, or done already)
+        readers = self._gradient_readers
+        if not unscaled and readers.read_gradients(model, callbacks, plugin_clips=self._clip_overridden):
+            # Hooks must see true gradients (Lightning's MixedPrecision unscales here too). Without such hooks the
+            # unscale is left to the clip (one fused pass) or to the step. At O2 unscale_ also leaves the true values
+            # on the model's own gradients.
+            self.amp.unscale_(optimizer)
+        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then gradient clipping
+        if skip_backward:
+            return None
+        return self.amp.step(optimizer, **kwargs)  # the engine records it (step_was_skipped reads it there)
 
     def step_was_skipped(self, optimizer: Optimizer) -> bool:
         """Whether ``optimizer``'s most recent step was skipped because its gradients overflowed (with
@@ -429,12 +446,37 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
     # -- internals -----------------------------------------------------------------------------------------------
     def _end_iteration(self, log: bool = True) -> None:
         """Update the scales of the iteration that ended, then log its metrics if it was a logging step."""
-        self.amp.end_iteration()
+        if self.amp.iteration.update_pending:  # Amp.end_iteration's test, without its call
+            self.amp.update()
         if log and self._log_step is not None:
-            step, self._log_step = self._log_step, None
-            trainer = self._module.trainer if isinstance(self._module, _pl.LightningModule) else None
-            if trainer is not None:
-                self.amp.read_step_outcomes()  # a logging step: syncing is fine
-                values = read_floats(self.amp.metrics(LOG_READER))  # one host read, not one per metric
-                for logger in trainer.loggers:
-                    logger.log_metrics(values, step=step)
+            self._log_metrics()
+
+    def _log_metrics(self) -> None:
+        """Log the ``mpx/*`` metrics of the logging step that ended (``_log_step``) to the Trainer's loggers."""
+        step, self._log_step = self._log_step, None
+        trainer = self._module.trainer if isinstance(self._module, _pl.LightningModule) else None
+        if trainer is not None:
+            self.amp.read_step_outcomes()  # a logging step: syncing is fine
+            values = read_floats(self.amp.metrics(LOG_READER))  # one host read, not one per metric
+            for logger in trainer.loggers:
+                logger.log_metrics(values, step=step)
+
+
+def _scaled_backward(
+    amp: Amp, tensor: torch.Tensor, model: Any, args: tuple[Any, ...], loss_id: int, kwargs: dict[str, Any]
+) -> None:
+    """:meth:`MixedPrecisionPlugin.backward`'s work: the scaled loss to the LightningModule's ``backward`` hook."""
+    scaled = amp.scale_loss(tensor, loss_id)
+    policy = amp.policy
+    hook = getattr(model, "backward", None)
+    default = getattr(hook, "__func__", None) is _DEFAULT_BACKWARD
+    if policy is not None and default and not getattr(model, "_fabric", None):
+        # The hook is LightningModule.backward itself, neither overridden nor wrapped: its body, loss.backward(), in
+        # the policy's recompute scope without a call into the policy's hook. Anything else (an override, or a wrapper
+        # over the default such as mock.patch.object(..., wraps=...), which Lightning's is_overridden sees through)
+        # is called.
+        policy.backward(scaled, *args, **kwargs)
+        return
+    # Activation checkpointing recomputes with the forward's casts.
+    with amp.backward_context(create_graph=builds_graph(args, kwargs)):
+        model.backward(scaled, *args, **kwargs)

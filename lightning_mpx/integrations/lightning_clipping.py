@@ -81,7 +81,8 @@ class GradientClipping:
     def _clip_overridden(self) -> bool:
         """Whether ``clip_grad_by_norm`` or ``clip_grad_by_value`` is not this plugin's own (a subclass's, or one
         set on the instance), which clips without the fused unscale of this plugin's own."""
-        return any(
-            name in vars(self) or getattr(type(self), name) is not getattr(GradientClipping, name)
-            for name in ("clip_grad_by_norm", "clip_grad_by_value")
-        )
+        own = vars(self)
+        for name in ("clip_grad_by_norm", "clip_grad_by_value"):  # a loop, not a generator: asked at every step
+            if name in own or getattr(type(self), name) is not getattr(GradientClipping, name):
+                return True
+        return False

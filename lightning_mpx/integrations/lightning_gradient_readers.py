@@ -20,6 +20,8 @@ __all__ = ["GradientReaders"]
 
 #: The LightningModule's hooks that read the gradients (and may clip them itself).
 _MODULE_HOOKS = ("on_before_optimizer_step", "configure_gradient_clipping")
+#: The callbacks' hook that reads the gradients.
+_HOOK = "on_before_optimizer_step"
 
 
 class GradientReaders:
@@ -45,15 +47,25 @@ class GradientReaders:
             answer = self._overrides[key] = is_overridden(name, model)
         return answer
 
-    def read_gradients(self, model: Any, *, plugin_clips: Callable[[], bool]) -> bool:
+    def read_gradients(self, model: Any, callbacks: list[Any], *, plugin_clips: Callable[[], bool]) -> bool:
         """Whether the LightningModule implements ``on_before_optimizer_step`` or ``configure_gradient_clipping``
         (which reads the gradients and may clip them itself), the plugin's ``clip_grad_by_*`` is overridden
-        (``plugin_clips()``: a subclass's own clips what ``main_params()`` holds, true values), or a callback implements
-        ``on_before_optimizer_step``."""
-        if any(self.overridden(model, name) for name in _MODULE_HOOKS) or plugin_clips():
+        (``plugin_clips()``: a subclass's own clips what ``main_params()`` holds, true values), or one of the
+        Trainer's ``callbacks`` implements ``on_before_optimizer_step``."""
+        # Asked at every step: plain loops over the hooks and callbacks, no call but the cache's first answer.
+        own = vars(model)
+        for name in _MODULE_HOOKS:
+            if name in own:
+                return True
+            answer = self._overrides.get((type(model), name))
+            if answer is None:
+                answer = self.overridden(model, name)
+            if answer:
+                return True
+        if plugin_clips():
             return True
         base = _pl.Callback.on_before_optimizer_step
-        return any(
-            type(cb).on_before_optimizer_step is not base or "on_before_optimizer_step" in getattr(cb, "__dict__", ())
-            for cb in model.trainer.callbacks
-        )
+        for cb in callbacks:
+            if type(cb).on_before_optimizer_step is not base or _HOOK in getattr(cb, "__dict__", ()):
+                return True
+        return False

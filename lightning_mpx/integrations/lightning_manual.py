@@ -23,16 +23,11 @@ class ManualStep:
     def __init__(self) -> None:
         self.running = False
 
-    def scope(self, module: Any, inner: ContextManager[Any]) -> ContextManager[Any]:
-        """``inner`` (the training step's context), which also marks the step as running when ``module`` optimizes
-        manually; an automatic step gets ``inner`` itself (its iteration ends inside the step, at its one optimizer
-        step)."""
-        if getattr(module, "automatic_optimization", True):
-            return inner
-        return self._running(inner)
-
     @contextlib.contextmanager
-    def _running(self, inner: ContextManager[Any]) -> Iterator[Any]:
+    def scope(self, inner: ContextManager[Any]) -> Iterator[Any]:
+        """``inner`` (the training step's context of a module that optimizes manually), which also marks the step as
+        running. An automatic step needs none (its iteration ends inside the step, at its one optimizer step): the
+        plugin returns its ``inner`` itself, without the call of this generator context."""
         self.running = True
         try:
             with inner as value:

@@ -9,6 +9,7 @@ while the test runs, and gives the scalers their own ``on_floor`` back when the 
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from lightning_mpx.common.imports import require
@@ -17,18 +18,14 @@ from lightning_mpx.settings import OnFloor
 
 require("lightning.pytorch", extra="lightning", feature="lightning_mpx.MixedPrecisionPlugin")
 
-try:  # the callback of Lightning's learning-rate range test (Tuner.lr_find), private to Lightning
+# The callback of Lightning's learning-rate range test (Tuner.lr_find), private to Lightning: the tuner replaces the
+# Trainer's callbacks with it while the test runs.
+try:
     from lightning.pytorch.tuner.lr_finder import _LRCallback
 except ImportError:  # a release that names it otherwise: the range test is not recognised
     _LRCallback = None  # type: ignore[assignment,misc]
 
 __all__ = ["RangeTest"]
-
-
-def _is_range_test_callback(callback: Any) -> bool:
-    """Whether ``callback`` is the one Lightning's learning-rate finder runs its range test with (it replaces the
-    Trainer's callbacks with it while the test runs)."""
-    return _LRCallback is not None and isinstance(callback, _LRCallback)
 
 
 class RangeTest:
@@ -40,7 +37,10 @@ class RangeTest:
     def enter(self, amp: Amp, trainer: Any) -> None:
         """If ``trainer`` runs a range test (and it was not entered yet), make overflows at the floor skip the step
         and nothing more."""
-        if self._floors is not None or not any(map(_is_range_test_callback, trainer.callbacks)):
+        if self._floors is not None or _LRCallback is None:
+            return
+        # Asked at every step: isinstance over the callbacks in C (map), no call per callback.
+        if not any(map(isinstance, trainer.callbacks, itertools.repeat(_LRCallback))):
             return
         self._floors = [scaler.on_floor for scaler in amp.scalers]
         for scaler in amp.scalers:

@@ -15,10 +15,10 @@ from typing import Any
 from torch.optim import Optimizer
 
 from lightning_mpx.common.imports import require
-from lightning_mpx.integrations.lightning_strategies import unwrap_optimizer
 
 require("lightning.pytorch", extra="lightning", feature="lightning_mpx.MixedPrecisionPlugin")
 
+from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
 from lightning.pytorch.utilities.types import LRSchedulerConfig  # noqa: E402
 
 __all__ = ["HeldSchedulers", "step_configs"]
@@ -28,14 +28,16 @@ __all__ = ["HeldSchedulers", "step_configs"]
 _HELD_INTERVAL = "step (held: the optimizer skipped its step)"
 
 
-def step_configs(trainer: Any, optimizer: Optimizer) -> list[int]:
-    """The positions of ``optimizer``'s per-step scheduler configs in the strategy's list."""
+def step_configs(configs: list[Any], optimizer: Optimizer) -> list[int]:
+    """The positions of ``optimizer``'s per-step scheduler configs in ``configs``, the strategy's list."""
     found = []
-    for index, config in enumerate(trainer.strategy.lr_scheduler_configs):
+    for index, config in enumerate(configs):
         if not isinstance(config, LRSchedulerConfig) or config.interval != "step":
             continue
         owner = getattr(config.scheduler, "optimizer", None)
-        if owner is not None and unwrap_optimizer(owner) is not optimizer:
+        if isinstance(owner, LightningOptimizer):  # unwrap_optimizer, written out: asked at every step
+            owner = owner.optimizer
+        if owner is not None and owner is not optimizer:
             continue  # another optimizer's schedule (a scheduler without one follows the only optimizer)
         found.append(index)
     return found
@@ -45,11 +47,12 @@ class HeldSchedulers:
     """The per-step scheduler configs held out of the loop's scheduler update after a skipped step."""
 
     def __init__(self) -> None:
-        # (the strategy's config list, index, the config, its held copy in the list), until the next batch.
-        self._held: list[tuple[list[Any], int, Any, Any]] = []
+        #: (the strategy's config list, index, the config, its held copy in the list), until the next batch. Empty
+        #: when nothing is held: the plugin's per-batch hooks test it without a call (no :meth:`release` then).
+        self.held: list[tuple[list[Any], int, Any, Any]] = []
 
     def __bool__(self) -> bool:
-        return bool(self._held)
+        return bool(self.held)
 
     def hold(self, trainer: Any, optimizer: Optimizer) -> None:
         """Keep the per-step schedulers of ``optimizer``, which skipped its step, out of this batch's scheduler
@@ -57,15 +60,15 @@ class HeldSchedulers:
         list holds a copy of each config with another ``interval``, so that the loop does not call
         ``lr_scheduler_step`` for it, and :meth:`release` (at the next training batch) puts the config back."""
         configs = trainer.strategy.lr_scheduler_configs
-        for index in step_configs(trainer, optimizer):
+        for index in step_configs(configs, optimizer):
             config = configs[index]
             held = dataclasses.replace(config, interval=_HELD_INTERVAL)
             configs[index] = held
-            self._held.append((configs, index, config, held))
+            self.held.append((configs, index, config, held))
 
     def release(self) -> None:
         """Put the configs :meth:`hold` took out back into the strategy's list."""
-        for configs, index, config, held in self._held:
+        for configs, index, config, held in self.held:
             if index < len(configs) and configs[index] is held:  # not replaced since (a new fit builds a new list)
                 configs[index] = config
-        self._held.clear()
+        self.held.clear()
