@@ -217,8 +217,13 @@ class _CastMode(TorchFunctionMode):
                             else:
                                 key = (id(item), dtype)
                                 hit = cache.get(key)
-                                version, address = item._version, item.data_ptr()
-                                if hit is not None and hit[0] == version and hit[1] == address:
+                                try:
+                                    version, address = item._version, item.data_ptr()
+                                except RuntimeError:  # no version or storage: see policy._cached_cast
+                                    version = None
+                                if version is None:
+                                    item = item.to(dtype=dtype)
+                                elif hit is not None and hit[0] == version and hit[1] == address:
                                     item = hit[2]
                                 else:
                                     cast = item.to(dtype=dtype)

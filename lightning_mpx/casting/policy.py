@@ -476,7 +476,12 @@ def _cached_cast(cache: dict[Any, Any], value: torch.Tensor, dtype: torch.dtype)
     """
     key = (id(value), dtype)
     hit = cache.get(key)
-    version, address = value._version, value.data_ptr()
+    try:
+        version, address = value._version, value.data_ptr()
+    except RuntimeError:
+        # A tensor made under inference_mode has no version counter, and torch.func's wrappers (grad, vjp) no
+        # storage: nothing tells a later change, so it is cast each time (free with a try in the usual case).
+        return value.to(dtype=dtype)
     if hit is not None and hit[0] == version and hit[1] == address:
         return hit[2]
     cast = value.to(dtype=dtype)
