@@ -193,6 +193,23 @@ class CastPolicy:
     # Fabric's compiled graph), and in eager code it pushes its mode on torch's stack itself.
     scope = policy_scope
 
+    def forward_scope(self) -> contextlib.AbstractContextManager[Any]:
+        """:meth:`scope` for a forward pass (``Amp.forward_context``), which does not use what entering it gives:
+        where ``torch.autocast`` is the whole policy (the GPU's O1) and the table is resolved as it is now,
+        ``torch.autocast``'s own context (one call a scope, where the generator takes seven); else :meth:`scope`.
+
+        No compile check (``torch.compiler.is_compiling()`` makes dynamo keep a frame that returns a context, and it
+        cannot return the generator's): dynamo traces either.
+        """
+        of = self._actions_of  # _actions_key, read attribute by attribute: dynamo traces this
+        if (self._autocast_device is not None and not self._actions and self.table is of[0]
+                and (self.table._version, self.refuse_inplace_float, self.engine, self.device_type, self.allow_banned,
+                     self.half_dtype) == of[1:]):
+            if self._no_grad_cache:  # as every scope does (empty: no mode fills it)
+                self._no_grad_cache.clear()
+            return torch.autocast(self._autocast_device, dtype=self.half_dtype, cache_enabled=self.cache_casts)
+        return policy_scope(self)
+
     @contextlib.contextmanager
     def recompute_scope(self, *, create_graph: bool = False) -> Iterator[CastPolicy]:
         """Apply the policy to forward code that autograd re-runs during a backward pass entered in this block.

@@ -179,8 +179,10 @@ class Amp(AmpParts):
     def forward_context(self) -> ContextManager[Any]:
         """The scope of a forward pass: the cast policy at O1; at O2, a policy that runs loss functions called inside
         the model in FP32; nothing otherwise."""
-        self._models.before_forward()
-        return self.policy.scope() if self.policy is not None else contextlib.nullcontext()
+        models = self._models
+        if models._device_pending or models._half_marks or models.loss_regions is not None:  # else nothing to do
+            models.before_forward()  # (O1 after its first forward: a call saved per step)
+        return self.policy.forward_scope() if self.policy is not None else contextlib.nullcontext()
 
     def cast_inputs(self, data: Any) -> Any:
         """Floating-point tensors in ``data`` (nested in lists, tuples, dicts) cast to half when the model is (not
