@@ -269,7 +269,7 @@ class Amp(AmpParts):
 
     def is_unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer``'s gradients have been unscaled since its last :meth:`step` or :meth:`update`."""
-        return self._state(optimizer).stage is _Stage.UNSCALED
+        return self._machine.state(optimizer).stage is _Stage.UNSCALED
 
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Clip ``optimizer``'s unscaled gradients (unscaling them first) to a global L2 norm; returns the norm

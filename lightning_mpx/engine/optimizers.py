@@ -222,7 +222,7 @@ class StepMachine:
     # -- unscale and clip ---------------------------------------------------------------------------------------
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """:meth:`Amp.unscale_ <lightning_mpx.engine.amp.Amp.unscale_>`."""
-        state = self.state(optimizer)
+        state = self.optimizers.get(id(optimizer)) or self.state(optimizer)  # state() raises for an unknown one
         if state.stage is _Stage.UNSCALED:
             raise RuntimeError(
                 "unscale_() has already been called on this optimizer since its last step() or update() (directly or "

@@ -292,7 +292,11 @@ class PendingSteps:
         """Read every pending step on this process, oldest first (never a collective: rank 0 alone may call it).
         Steps that need no other process (one process: the flags were not reduced) are settled now, in order; an
         error from one (``on_floor="raise"``) leaves the later ones for the next read."""
-        self._read(None)
+        for step in self.steps:  # each read in order (examined when it overflowed), inline: a call saved per read
+            if step.overflowed is None:
+                step.read()
+                if step.overflowed:  # nothing to examine otherwise (OptimizerStep.examine)
+                    self._examine(step)
         while self.steps and not self.steps[0].gather:
             step = self.steps.pop(0)
             if step.overflowed or self._watch is None or self._watch.active:
@@ -303,7 +307,7 @@ class PendingSteps:
         collective); ``before``: only those of iterations before it (the steps of the iteration under way are left
         to a later call, so that a second optimizer's backward does not wait for the first one's step). An error
         from one (``on_floor="raise"``) leaves the later ones pending."""
-        for step in self.steps:  # _read(before), written out (the next backward's call: one saved per step)
+        for step in self.steps:  # as in read(), up to ``before``
             if before is not None and step.iteration >= before:
                 break
             if step.overflowed is None:
@@ -314,12 +318,3 @@ class PendingSteps:
             step = self.steps.pop(0)
             if step.overflowed or self._watch is None or self._watch.active:  # the usual step: nothing to settle
                 self._settle(step)
-
-    def _read(self, before: int | None) -> None:
-        for step in self.steps:
-            if before is not None and step.iteration >= before:
-                break
-            if step.overflowed is None:
-                step.read()
-                if step.overflowed:  # nothing to examine otherwise (OptimizerStep.examine)
-                    self._examine(step)
