@@ -74,6 +74,7 @@ from lightning_mpx.casting.mode import (
 )
 from lightning_mpx.casting.scopes import (
     Fp32State,
+    _AutocastSwitch,
     casts_off_if_on,
     disable_casts,
     enter_fp32,
@@ -100,6 +101,7 @@ __all__ = [
 
 
 _ENGINES = ("auto", "autocast", "mode")
+_new_object = object.__new__
 
 
 def autocast_differences(table: CastTable, device_type: str, *, allow_banned: bool = False,
@@ -178,6 +180,9 @@ class CastPolicy:
         # True while a _HandOff runs compiled code with this policy's mode taken off the stack: the compiled code
         # (a _ScopeInside) then enters the scope itself, inside the compiled region. Read while tracing (guarded).
         self._handed_off = False
+        # The _actions_stamp whose torch.autocast was found enabled (its arguments checked): forward_scope then
+        # switches autocast on without constructing one (see casting.scopes._AutocastSwitch).
+        self._autocast_checked = -1
         # Whether a forward pass in a scope ran a cast that a backward pass recomputes (an activation checkpoint's):
         # only then does a backward pass enter a recompute mode, which is handed every torch call it makes (FSDP's
         # gathers and reductions among them). Set by the forward's mode (with _recomputes_seen, this iteration's
@@ -196,10 +201,11 @@ class CastPolicy:
     def forward_scope(self) -> contextlib.AbstractContextManager[Any]:
         """:meth:`scope` for a forward pass (``Amp.forward_context``), which does not use what entering it gives:
         where ``torch.autocast`` is the whole policy (the GPU's O1) and the table is resolved as it is now,
-        ``torch.autocast``'s own context (one call a scope, where the generator takes seven); else :meth:`scope`.
-
-        No compile check (``torch.compiler.is_compiling()`` makes dynamo keep a frame that returns a context, and it
-        cannot return the generator's): dynamo traces either.
+        ``torch.autocast`` (one call a scope, where the generator takes seven), switched on without constructing one
+        once a ``torch.autocast`` of these arguments was found enabled (in eager code with no torch-function mode on);
+        else :meth:`scope`. Dynamo traces either; a compile check only where the scope is autocast's
+        (``torch.compiler.is_compiling()`` makes dynamo keep a frame that returns a context, and it cannot return the
+        generator's).
         """
         of = self._actions_of  # _actions_key, read attribute by attribute: dynamo traces this
         if (self._autocast_device is not None and not self._actions and self.table is of[0]
@@ -207,7 +213,16 @@ class CastPolicy:
                      self.half_dtype) == of[1:]):
             if self._no_grad_cache:  # as every scope does (empty: no mode fills it)
                 self._no_grad_cache.clear()
-            return torch.autocast(self._autocast_device, dtype=self.half_dtype, cache_enabled=self.cache_casts)
+            if (self._autocast_checked == self._actions_stamp and not torch.compiler.is_dynamo_compiling()
+                    and not torch._C._len_torch_function_stack()):  # (torch.autocast tells torch.export's mode)
+                switch = _new_object(_AutocastSwitch)  # no __init__ call
+                switch.device, switch.dtype, switch.cache, switch.policy = (
+                    self._autocast_device, self.half_dtype, self.cache_casts, self)
+                return switch
+            scope = torch.autocast(self._autocast_device, dtype=self.half_dtype, cache_enabled=self.cache_casts)
+            if not torch.compiler.is_dynamo_compiling() and scope._enabled:  # these arguments hold: checked once
+                self._autocast_checked = self._actions_stamp
+            return scope
         return policy_scope(self)
 
     @contextlib.contextmanager

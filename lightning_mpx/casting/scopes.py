@@ -137,6 +137,36 @@ def disable_casts() -> Iterator[None]:
             mode.disabled -= 1
 
 
+class _AutocastSwitch:
+    """``torch.autocast``'s own switch (its ``__enter__`` and ``__exit__``, less their checks for TorchScript and
+    ``torch.export``'s mode) for a policy that runs on ``torch.autocast`` alone, in eager code with no torch-function
+    mode on, once a ``torch.autocast`` of the same arguments was found enabled
+    (``CastPolicy.forward_scope``): constructing one checks them again in Python at every scope (on CUDA: CUDA's
+    availability and, at bfloat16, the device's support). Entering it gives the policy, as :func:`policy_scope` does.
+    """
+
+    __slots__ = ("device", "dtype", "cache", "policy", "saved")
+
+    def __enter__(self) -> Any:
+        device = self.device
+        self.saved = torch.is_autocast_cache_enabled(), torch.is_autocast_enabled(device), torch.get_autocast_dtype(
+            device)
+        torch.set_autocast_enabled(device, True)
+        torch.set_autocast_dtype(device, self.dtype)
+        torch.autocast_increment_nesting()
+        torch.set_autocast_cache_enabled(self.cache)
+        return self.policy
+
+    def __exit__(self, *exc: Any) -> bool:
+        if torch.autocast_decrement_nesting() == 0:  # left the outermost autocast: its casts go
+            torch.clear_autocast_cache()
+        cache, enabled, dtype = self.saved
+        torch.set_autocast_enabled(self.device, enabled)
+        torch.set_autocast_dtype(self.device, dtype)
+        torch.set_autocast_cache_enabled(cache)
+        return False
+
+
 @contextlib.contextmanager
 def policy_scope(policy: _Policy) -> Iterator[Any]:
     """:meth:`CastPolicy.scope <lightning_mpx.casting.policy.CastPolicy.scope>`: the policy applied to torch calls
