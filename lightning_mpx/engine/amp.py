@@ -224,7 +224,15 @@ class Amp(AmpParts):
     def backward(self, loss: torch.Tensor, loss_id: int = 0, **backward_kwargs: Any) -> None:
         """``scale_loss(loss, loss_id).backward(**backward_kwargs)`` inside :meth:`backward_context`."""
         usual = type(loss) is torch.Tensor and loss.requires_grad and loss.numel() == 1 and loss.is_floating_point()
-        scaled = self.scale_loss(loss if usual else backward_loss(loss, backward_kwargs), loss_id)  # else: refused
+        loss = loss if usual else backward_loss(loss, backward_kwargs)  # else: refused
+        # scale_loss(loss, loss_id), written out (a call saved per step)
+        loss_id = loss_id if type(loss_id) is int and 0 <= loss_id < len(self.scalers) else self._loss_index(loss_id)
+        if self._pending.steps:
+            self._pending.settle(before=self.iteration.index)
+        scaled = self.scalers[loss_id].scale(loss)
+        if self.forensics.watch.active:
+            self.forensics.watch.observe_loss(loss)
+        self._machine.before_backward(loss_id)
         if self.policy is None:
             scaled.backward(**backward_kwargs)
             return
