@@ -16,6 +16,7 @@ import torch
 from lightning_mpx.casting.mode import _actions_key, _CastMode, _Policy
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
+_NOTHING = contextlib.nullcontext()  # stateless and reentrant: one for every call (no __init__ call per step)
 
 
 class Fp32State(NamedTuple):
@@ -95,7 +96,7 @@ def casts_off_if_on() -> contextlib.AbstractContextManager[Any]:
     manual backward or step inside a training step's scope must not run an optimizer's matmuls in half."""
     if torch._C._len_torch_function_stack() or any(map(torch.is_autocast_enabled, _AUTOCAST_DEVICES)):
         return disable_casts()
-    return contextlib.nullcontext()
+    return _NOTHING
 
 
 @contextlib.contextmanager

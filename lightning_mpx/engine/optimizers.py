@@ -263,7 +263,7 @@ class StepMachine:
             unscale(state, optimizer, self.scalers[state.loss_id or 0], self.masters.weights, backend=self.backend,
                     refuse_sparse=self.refuse_sparse, telemetry=self.telemetry, names=self.names,
                     sharding=self.sharding)  # fmt: skip
-        else:
+        elif state.stage is not _Stage.UNSCALED or self.masters.weights:  # unscaled by a clip: nothing to do at O1
             self._unscaled_for_step(state, optimizer)
         try:
             if self.sharding is not None:  # the step's collective (unless a clip made it): every rank's flags agree
