@@ -39,6 +39,13 @@ Front doors, each with its reference (the framework's own bfloat16 mixed precisi
 * ``apex``: the Apex layer (``apex-O1``, ``apex-O2``: ``amp.initialize`` + ``amp.scale_loss``, float16 with dynamic
   loss scaling as Apex has it) against a ``torch.autocast`` float16 loop with ``GradScaler``.
 
+The ``-gpu`` variants (``O1-gpu`` of ``trainer``, ``fabric`` and ``accelerate``, ``core-O1-gpu`` of ``loop``) run O1
+the way it runs on a GPU. There, O1 with no table given takes ``CastTable.for_device("cuda")``: the default table
+settled ``torch.autocast``'s way, whose policy enters ``torch.autocast`` and pushes no torch-function mode. On CPU
+the default table differs from CPU autocast's narrow lists, and the plain ``O1`` rows run the Python mode. The
+``-gpu`` rows give ``cast_table=CastTable.autocast_aligned("cpu")`` (:func:`gpu_table`), so the CPU run takes the
+path a CUDA run takes: ``torch.autocast`` alone, no mode.
+
     python benchmarks/habit_census.py [--fronts trainer fabric accelerate loop apex] [--models gpt resnet]
         [--habits plain clip-norm ...] [--warmup 3] [--steps 4] [--depths 1 3] [--out PATH]
 """
@@ -66,10 +73,10 @@ from plugin_overhead import _quiet  # noqa: E402  (Lightning's info lines and wa
 TRAINER_HABITS = ("plain", "clip-norm", "clip-value", "accumulate", "scheduler", "log", "lr-monitor", "checkpoint",
                   "param-groups", "frozen", "tied", "grad-norm")  # fmt: skip
 FRONTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # front -> (variants, reference first; habits)
-    "trainer": (("bf16-mixed", "O1", "O2"), TRAINER_HABITS),
-    "fabric": (("bf16-mixed", "O1", "O2"), ("plain", "clip", "no-backward-sync")),
-    "accelerate": (("bf16", "O1", "O2"), ("plain", "accumulate", "clip")),
-    "loop": (("autocast", "core-O1", "core-O2"), ("plain",)),
+    "trainer": (("bf16-mixed", "O1", "O1-gpu", "O2"), TRAINER_HABITS),
+    "fabric": (("bf16-mixed", "O1", "O1-gpu", "O2"), ("plain", "clip", "no-backward-sync")),
+    "accelerate": (("bf16", "O1", "O1-gpu", "O2"), ("plain", "accumulate", "clip")),
+    "loop": (("autocast", "core-O1", "core-O1-gpu", "core-O2"), ("plain",)),
     "apex": (("autocast-fp16", "apex-O1", "apex-O2"), ("plain",)),
 }
 HABITS = tuple(dict.fromkeys(h for _, habits in FRONTS.values() for h in habits))
@@ -112,6 +119,23 @@ def optimizer_of(net: nn.Module, habit: str) -> torch.optim.Optimizer:
         groups: Any = [{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=LR, fused=True)
     return torch.optim.AdamW(net.parameters(), lr=LR, fused=True)
+
+
+def gpu_table() -> Any:
+    """The table that makes a CPU run of O1 take a CUDA run's path: ``torch.autocast`` alone, no torch-function
+    mode (on CUDA, ``CastTable.for_device("cuda")`` is autocast-aligned the same way)."""
+    from lightning_mpx import CastTable
+
+    return CastTable.autocast_aligned("cpu")
+
+
+def settings_of(variant: str) -> tuple[str, dict[str, Any]]:
+    """The opt level and the settings of a lightning_mpx variant (bfloat16; a ``-gpu`` variant with
+    :func:`gpu_table`)."""
+    settings: dict[str, Any] = {"half_dtype": torch.bfloat16}
+    if variant.endswith("-gpu"):
+        settings["cast_table"] = gpu_table()
+    return variant.removeprefix("core-").removesuffix("-gpu"), settings
 
 
 # -- counting ---------------------------------------------------------------------------------------------------------
@@ -231,9 +255,11 @@ def _trainer(variant: str, habit: str, net: nn.Module, batches: list[Any], steps
         callbacks.append(LearningRateMonitor(logging_interval="step"))
     if habit == "checkpoint":
         callbacks.append(ModelCheckpoint(dirpath=tmp / "ckpt", every_n_train_steps=2, save_top_k=-1))
-    kwargs: dict[str, Any] = {
-        "plugins": [MixedPrecisionPlugin(variant, half_dtype=torch.bfloat16)]} if variant != "bf16-mixed" else {
-        "precision": "bf16-mixed"}  # fmt: skip
+    if variant == "bf16-mixed":
+        kwargs: dict[str, Any] = {"precision": "bf16-mixed"}
+    else:
+        level, settings = settings_of(variant)
+        kwargs = {"plugins": [MixedPrecisionPlugin(level, **settings)]}
     if habit == "clip-norm" and variant != "bf16-mixed":
         kwargs["gradient_clip_val"] = 1.0
     if habit == "clip-value" and variant != "bf16-mixed":
@@ -258,8 +284,8 @@ def _fabric(variant: str, habit: str, net: nn.Module, batches: list[Any], steps:
     if variant == "bf16-mixed":
         fabric = Fabric(accelerator="cpu", devices=1, precision="bf16-mixed")
     else:
-        fabric = Fabric(accelerator="cpu", devices=1,
-                        plugins=[FabricMixedPrecisionPlugin(variant, half_dtype=torch.bfloat16)])
+        level, settings = settings_of(variant)
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricMixedPrecisionPlugin(level, **settings)])
     model, optimizer = fabric.setup(net, optimizer_of(net, habit))
     every = 2 if habit == "no-backward-sync" else 1
     for i in range(steps * every):
@@ -285,8 +311,9 @@ def _accelerate(variant: str, habit: str, net: nn.Module, batches: list[Any], st
     if variant == "bf16":
         accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=every)
     else:
-        accelerator = Accelerator(cpu=True, mixed_precision=variant, gradient_accumulation_steps=every,
-                                  kwargs_handlers=[MixedPrecisionKwargs(half_dtype="bfloat16")])
+        level, settings = settings_of(variant)
+        accelerator = Accelerator(cpu=True, mixed_precision=level, gradient_accumulation_steps=every,
+                                  kwargs_handlers=[MixedPrecisionKwargs(**{**settings, "half_dtype": "bfloat16"})])
     model, optimizer = accelerator.prepare(net, optimizer_of(net, habit))
     for i in range(steps * every):
         window.mark()
@@ -317,7 +344,8 @@ def _loop(variant: str, habit: str, net: nn.Module, batches: list[Any], steps: i
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
     elif variant.startswith("core-"):
-        amp = Amp(variant.removeprefix("core-"), half_dtype=torch.bfloat16)
+        level, settings = settings_of(variant)
+        amp = Amp(level, **settings)
         model = amp.prepare_model(net)
         opt = amp.prepare_optimizer(optimizer)
 

@@ -327,3 +327,35 @@ def test_every_scope_entry_restores_the_mode_stack_and_autocast_also_when_it_rai
                     assert len(modes()) == (0 if engine == "autocast-alone" else 2)
                 raise ValueError("state is restored")
             assert (len(modes()), torch.is_autocast_enabled(DEVICE), torch.get_autocast_dtype(DEVICE)) == before
+
+
+def test_amp_forward_context_on_autocast_alone_restores_state_and_follows_a_table_changed_since():
+    # Where torch.autocast is the whole policy (the GPU's default O1), Amp's forward scope is torch.autocast's own
+    # context (no generator): it casts, nests and restores autocast also when the block raises; a row registered into
+    # the table since the last scope is resolved at the next one (the mode is pushed for it, not autocast alone).
+    # The first scope constructs torch.autocast (its arguments checked), the next ones switch autocast on as its
+    # own __enter__ does; inside the user's autocast of another dtype and cache setting, both restore it.
+    amp = Amp("O1", half_dtype=torch.bfloat16, cast_table=_aligned_table())
+    lin = amp.prepare_model(torch.nn.Linear(4, 4).to(DEVICE))
+    modes = torch.overrides._get_current_function_mode_stack
+    x = torch.randn(2, 4, device=DEVICE)
+
+    def autocast_state() -> tuple:
+        return torch.is_autocast_enabled(DEVICE), torch.get_autocast_dtype(DEVICE), torch.is_autocast_cache_enabled()
+
+    for outer in (False, True):
+        with torch.autocast(DEVICE, dtype=torch.float16, enabled=outer, cache_enabled=False):
+            before = autocast_state()
+            for _ in range(2):
+                with pytest.raises(ValueError, match="restored"), amp.forward_context():
+                    assert len(modes()) == 0 and lin(x).dtype == torch.bfloat16
+                    with amp.forward_context():
+                        assert autocast_state() == (True, torch.bfloat16, True) and len(modes()) == 0
+                    assert autocast_state() == (True, torch.bfloat16, True)
+                    raise ValueError("state is restored")
+                assert autocast_state() == before and len(modes()) == 0
+    assert amp.policy.engine_in_use == f"autocast:{DEVICE}"
+    amp.policy.table.register(torch.outer, "half")  # a row autocast does not have: "auto" goes back to the mode
+    with amp.forward_context():
+        assert len(modes()) == 1 and torch.outer(x[0], x[1]).dtype == torch.bfloat16
+    assert len(modes()) == 0 and not torch.is_autocast_enabled(DEVICE)

@@ -171,3 +171,24 @@ def test_the_scope_resolves_the_table_again_whenever_its_key_changes():
         with policy.scope():
             assert _probe(x)[0].dtype == dtype
         assert _actions_key(policy) == policy._actions_of
+
+
+@pytest.mark.parametrize("change", ["row", "half_dtype", "table", "engine", "allow_banned", "refuse_inplace_float"])
+def test_the_forward_scope_on_autocast_alone_resolves_the_table_again_whenever_its_key_changes(change):
+    # CastPolicy.forward_scope reads the key attribute by attribute (dynamo traces it) before it takes autocast alone:
+    # each field of the key _refresh_actions records must send it back to a resolution.
+    from lightning_mpx.casting.mode import _actions_key
+
+    policy = CastPolicy(CastTable.autocast_aligned("cpu"), half_dtype=bf16, device_type="cpu")
+    for _ in range(2):  # the first scope constructs torch.autocast, the next one switches it on
+        with policy.forward_scope():
+            pass
+    if change == "row":
+        policy.table.register(_probe, "half")
+    elif change == "table":
+        policy.table = CastTable.autocast_aligned("cpu")
+    else:
+        setattr(policy, change, {"half_dtype": f16, "engine": "mode"}.get(change, True))
+    with policy.forward_scope():
+        pass
+    assert _actions_key(policy) == policy._actions_of

@@ -78,3 +78,21 @@ def test_row_refuses_an_unknown_setup():
         habit_census.row("fabric", "O2", "clip-norm", "gpt")
     with pytest.raises(ValueError, match="tied"):
         habit_census.row("trainer", "O2", "tied", "resnet")
+
+
+
+def test_gpu_default_o1_rows_run_on_autocast_alone():
+    """The ``-gpu`` rows run O1 as a GPU does with no table given (``CastTable.for_device("cuda")``): on
+    ``torch.autocast`` alone, no torch-function mode. The CPU default table's row runs the mode, whose casts of the
+    GPT's parameters cost kernels per parameter tensor that autocast's cached casts do not."""
+    from lightning_mpx import CastPolicy
+
+    for variant in ("O1-gpu", "core-O1-gpu"):  # every front's -gpu variant hands its engine the same table
+        level, settings = habit_census.settings_of(variant)
+        assert level == "O1" and settings["half_dtype"] is torch.bfloat16
+        policy = CastPolicy(settings["cast_table"], torch.bfloat16, device_type="cpu")
+        assert policy.engine_in_use == "autocast:cpu" and policy.python_functions == ()
+    rows = _rows("loop", "plain", "gpt", ("autocast", "core-O1", "core-O1-gpu"))
+    gpu = rows["core-O1-gpu"]
+    assert gpu["extra_syncs"] == 0 and gpu["extra_reads"] == 1  # the step's flag, read at the next backward
+    assert gpu["extra_ops_per_param"] <= 0 < rows["core-O1"]["extra_ops_per_param"], (gpu, rows["core-O1"])

@@ -16,6 +16,7 @@ import torch
 from lightning_mpx.casting.mode import _actions_key, _CastMode, _Policy
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
+_NOTHING = contextlib.nullcontext()  # stateless and reentrant: one for every call (no __init__ call per step)
 
 
 class Fp32State(NamedTuple):
@@ -95,7 +96,7 @@ def casts_off_if_on() -> contextlib.AbstractContextManager[Any]:
     manual backward or step inside a training step's scope must not run an optimizer's matmuls in half."""
     if torch._C._len_torch_function_stack() or any(map(torch.is_autocast_enabled, _AUTOCAST_DEVICES)):
         return disable_casts()
-    return contextlib.nullcontext()
+    return _NOTHING
 
 
 @contextlib.contextmanager
@@ -135,6 +136,36 @@ def disable_casts() -> Iterator[None]:
     finally:
         for mode in modes:
             mode.disabled -= 1
+
+
+class _AutocastSwitch:
+    """``torch.autocast``'s own switch (its ``__enter__`` and ``__exit__``, less their checks for TorchScript and
+    ``torch.export``'s mode) for a policy that runs on ``torch.autocast`` alone, in eager code with no torch-function
+    mode on, once a ``torch.autocast`` of the same arguments was found enabled
+    (``CastPolicy.forward_scope``): constructing one checks them again in Python at every scope (on CUDA: CUDA's
+    availability and, at bfloat16, the device's support). Entering it gives the policy, as :func:`policy_scope` does.
+    """
+
+    __slots__ = ("device", "dtype", "cache", "policy", "saved")
+
+    def __enter__(self) -> Any:
+        device = self.device
+        self.saved = torch.is_autocast_cache_enabled(), torch.is_autocast_enabled(device), torch.get_autocast_dtype(
+            device)
+        torch.set_autocast_enabled(device, True)
+        torch.set_autocast_dtype(device, self.dtype)
+        torch.autocast_increment_nesting()
+        torch.set_autocast_cache_enabled(self.cache)
+        return self.policy
+
+    def __exit__(self, *exc: Any) -> bool:
+        if torch.autocast_decrement_nesting() == 0:  # left the outermost autocast: its casts go
+            torch.clear_autocast_cache()
+        cache, enabled, dtype = self.saved
+        torch.set_autocast_enabled(self.device, enabled)
+        torch.set_autocast_dtype(self.device, dtype)
+        torch.set_autocast_cache_enabled(cache)
+        return False
 
 
 @contextlib.contextmanager

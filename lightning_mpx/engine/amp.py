@@ -179,8 +179,10 @@ class Amp(AmpParts):
     def forward_context(self) -> ContextManager[Any]:
         """The scope of a forward pass: the cast policy at O1; at O2, a policy that runs loss functions called inside
         the model in FP32; nothing otherwise."""
-        self._models.before_forward()
-        return self.policy.scope() if self.policy is not None else contextlib.nullcontext()
+        models = self._models
+        if models._device_pending or models._half_marks or models.loss_regions is not None:  # else nothing to do
+            models.before_forward()  # (O1 after its first forward: a call saved per step)
+        return self.policy.forward_scope() if self.policy is not None else contextlib.nullcontext()
 
     def cast_inputs(self, data: Any) -> Any:
         """Floating-point tensors in ``data`` (nested in lists, tuples, dicts) cast to half when the model is (not
@@ -222,7 +224,15 @@ class Amp(AmpParts):
     def backward(self, loss: torch.Tensor, loss_id: int = 0, **backward_kwargs: Any) -> None:
         """``scale_loss(loss, loss_id).backward(**backward_kwargs)`` inside :meth:`backward_context`."""
         usual = type(loss) is torch.Tensor and loss.requires_grad and loss.numel() == 1 and loss.is_floating_point()
-        scaled = self.scale_loss(loss if usual else backward_loss(loss, backward_kwargs), loss_id)  # else: refused
+        loss = loss if usual else backward_loss(loss, backward_kwargs)  # else: refused
+        # scale_loss(loss, loss_id), written out (a call saved per step)
+        loss_id = loss_id if type(loss_id) is int and 0 <= loss_id < len(self.scalers) else self._loss_index(loss_id)
+        if self._pending.steps:
+            self._pending.settle(before=self.iteration.index)
+        scaled = self.scalers[loss_id].scale(loss)
+        if self.forensics.watch.active:
+            self.forensics.watch.observe_loss(loss)
+        self._machine.before_backward(loss_id)
         if self.policy is None:
             scaled.backward(**backward_kwargs)
             return
@@ -267,7 +277,7 @@ class Amp(AmpParts):
 
     def is_unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer``'s gradients have been unscaled since its last :meth:`step` or :meth:`update`."""
-        return self._state(optimizer).stage is _Stage.UNSCALED
+        return self._machine.state(optimizer).stage is _Stage.UNSCALED
 
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Clip ``optimizer``'s unscaled gradients (unscaling them first) to a global L2 norm; returns the norm

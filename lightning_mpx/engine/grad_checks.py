@@ -82,8 +82,11 @@ def unscale(
         copy = bool(master_weights) and (auto_plain or _unfused(backend, state.pair_masters[:1], plain))
         if master_weights:
             sources, targets = grad_pairs(state, optimizer, master_weights, refuse_sparse, copy=copy)
-        else:
-            sources, targets = own_grads(optimizer, refuse_sparse), None
+        else:  # own_grads, written out (a call saved per step): C-level maps, no Python per parameter
+            params = itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups))
+            sources, targets = list(filter(_SOME, map(_GRAD, params))), None
+            if any(map(_IS_SPARSE, sources)):  # rare: own_grads refuses the sparse gradient by its parameter
+                own_grads(optimizer, refuse_sparse)
     # The scaler's state is made on the gradients' device when it has none yet (else where it is).
     factor = scaler.unscale_factor(sources[0].device if sources else torch.device("cpu"))
     device = factor.device

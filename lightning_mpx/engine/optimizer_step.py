@@ -121,15 +121,24 @@ class OptimizerStep:
             # The step skipped on the device: the flags to the optimizer's step, their host copy queued behind it.
             loss_ids, flags = self.machine.check_on_device(state, optimizer, reducer)
             found = flags if flags.dim() == 0 else flags.amax() if len(loss_ids) > 1 else flags.reshape(())
-            outcome = StepOutcome(self.pending.read)
             scales = list(map(_SCALE_TENSOR, map(self.machine.scalers.__getitem__, loss_ids)))
             gather = reducer is not None or self.machine.sharding is not None
             pending = PendingStep(
                 optimizer, loss_ids, flags, scales, step=self.steps - 1, iteration=iteration, gather=gather,
-                outcome=outcome, shared=state.shared_overflow,
+                read=self.pending.read, shared=state.shared_overflow,
             )
             try:
-                self._take_step(optimizer, state, step_kwargs, compare, found_inf=found)
+                if self.machine.masters.weights or torch._C._len_torch_function_stack() or any(
+                        map(torch.is_autocast_enabled, AUTOCAST_DEVICES)):
+                    self._take_step(optimizer, state, step_kwargs, compare, found_inf=found)
+                else:  # _take_step's usual case (no masters, no casts on), written out: a call saved per step
+                    optimizer.grad_scale = None  # type: ignore[attr-defined]
+                    optimizer.found_inf = found  # type: ignore[attr-defined]
+                    try:
+                        optimizer.step(**step_kwargs)
+                    finally:
+                        del optimizer.grad_scale  # type: ignore[attr-defined]
+                        del optimizer.found_inf  # type: ignore[attr-defined]
             except BaseException:
                 self.machine.keep_marks(state)  # the step did not finish (an optimizer's error, an interrupt)
                 raise
@@ -139,7 +148,7 @@ class OptimizerStep:
                 # The forward watch's record is of this step's forward, which the next forward replaces: settle it
                 # now (every rank is in this step).
                 self.pending.settle()
-            return outcome
+            return pending.outcome
         # Unscale and check the gradients (or shards), the flags reduced once across ranks, read, counted.
         overflowed = self.machine.check(state, optimizer, reducer)
         try:

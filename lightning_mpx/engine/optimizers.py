@@ -222,7 +222,7 @@ class StepMachine:
     # -- unscale and clip ---------------------------------------------------------------------------------------
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """:meth:`Amp.unscale_ <lightning_mpx.engine.amp.Amp.unscale_>`."""
-        state = self.state(optimizer)
+        state = self.optimizers.get(id(optimizer)) or self.state(optimizer)  # state() raises for an unknown one
         if state.stage is _Stage.UNSCALED:
             raise RuntimeError(
                 "unscale_() has already been called on this optimizer since its last step() or update() (directly or "
@@ -263,7 +263,7 @@ class StepMachine:
             unscale(state, optimizer, self.scalers[state.loss_id or 0], self.masters.weights, backend=self.backend,
                     refuse_sparse=self.refuse_sparse, telemetry=self.telemetry, names=self.names,
                     sharding=self.sharding)  # fmt: skip
-        else:
+        elif state.stage is not _Stage.UNSCALED or self.masters.weights:  # unscaled by a clip: nothing to do at O1
             self._unscaled_for_step(state, optimizer)
         try:
             if self.sharding is not None:  # the step's collective (unless a clip made it): every rank's flags agree

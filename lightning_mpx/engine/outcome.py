@@ -89,12 +89,12 @@ class PendingStep:
         step: int,
         iteration: int,
         gather: bool,
-        outcome: StepOutcome,
+        read: Callable[[], None],
         shared: bool = False,
     ) -> None:
         """The pending step of ``flags`` (one per loss) and the loss ``scales`` now, copied to the host behind the
-        work queued so far (one kernel and one copy on CUDA; no wait). Its own constructor (not a classmethod over
-        the dataclass's): one Python call a step."""
+        work queued so far (one kernel and one copy on CUDA; no wait), with its :attr:`outcome`, which ``read()``
+        makes known. Its own constructor (not a classmethod over the dataclass's): one Python call a step."""
         if flags.dim() == 0:  # one loss: its flag and its scale, one kernel
             values = torch.stack([flags, scales[0]])
         else:
@@ -107,7 +107,10 @@ class PendingStep:
             ready.record()
             values = host
         self.optimizer, self.loss_ids, self.values, self.ready = weakref.ref(optimizer), loss_ids, values, ready
-        self.step, self.iteration, self.gather, self.outcome = step, iteration, gather, outcome
+        # StepOutcome(read), without its __init__'s call (its two slots set here)
+        self.outcome = outcome = _new_object(StepOutcome)
+        outcome._read, outcome._stepped = read, None
+        self.step, self.iteration, self.gather = step, iteration, gather
         self.overflowed, self.scales, self.examined, self.shared = None, None, None, shared
 
     def read(self) -> None:
@@ -121,6 +124,9 @@ class PendingStep:
         self.overflowed = list(itertools.compress(self.loss_ids, map(operator.gt, flags, itertools.repeat(0))))
         self.scales = dict(zip(self.loss_ids, scales))
         self.outcome._stepped = not self.overflowed
+
+
+_new_object = object.__new__
 
 
 def _as_bool(value: Any) -> Any:
@@ -286,7 +292,11 @@ class PendingSteps:
         """Read every pending step on this process, oldest first (never a collective: rank 0 alone may call it).
         Steps that need no other process (one process: the flags were not reduced) are settled now, in order; an
         error from one (``on_floor="raise"``) leaves the later ones for the next read."""
-        self._read(None)
+        for step in self.steps:  # each read in order (examined when it overflowed), inline: a call saved per read
+            if step.overflowed is None:
+                step.read()
+                if step.overflowed:  # nothing to examine otherwise (OptimizerStep.examine)
+                    self._examine(step)
         while self.steps and not self.steps[0].gather:
             step = self.steps.pop(0)
             if step.overflowed or self._watch is None or self._watch.active:
@@ -297,17 +307,14 @@ class PendingSteps:
         collective); ``before``: only those of iterations before it (the steps of the iteration under way are left
         to a later call, so that a second optimizer's backward does not wait for the first one's step). An error
         from one (``on_floor="raise"``) leaves the later ones pending."""
-        self._read(before)
-        while self.steps and (before is None or self.steps[0].iteration < before):
-            step = self.steps.pop(0)
-            if step.overflowed or self._watch is None or self._watch.active:  # the usual step: nothing to settle
-                self._settle(step)
-
-    def _read(self, before: int | None) -> None:
-        for step in self.steps:
+        for step in self.steps:  # as in read(), up to ``before``
             if before is not None and step.iteration >= before:
                 break
             if step.overflowed is None:
                 step.read()
-                if step.overflowed:  # nothing to examine otherwise (OptimizerStep.examine)
+                if step.overflowed:
                     self._examine(step)
+        while self.steps and (before is None or self.steps[0].iteration < before):
+            step = self.steps.pop(0)
+            if step.overflowed or self._watch is None or self._watch.active:  # the usual step: nothing to settle
+                self._settle(step)
