@@ -711,8 +711,8 @@ def test_habit_census_writes_rows_findings_and_tables(tmp_path):
     result = habit_census.main(["--fronts", "loop", "--models", "resnet", "--warmup", "1", "--steps", "1",
                                 "--depths", "1", "2", "--no-calls", "--out", str(out)])  # fmt: skip
     saved = json.loads(out.read_text())
-    assert [r["variant"] for r in saved["rows"]] == ["autocast", "core-O1", "core-O2"] == \
+    assert [r["variant"] for r in saved["rows"]] == ["autocast", "core-O1", "core-O1-gpu", "core-O2"] == \
         [r["variant"] for r in result["rows"]]  # fmt: skip
     assert all({"syncs", "reads", "ops", "ops_per_param"} <= set(r) for r in saved["rows"])
-    assert saved["rows"][2]["extra_syncs"] == 0 and isinstance(saved["findings"], list)
+    assert saved["rows"][3]["extra_syncs"] == 0 and isinstance(saved["findings"], list)
     assert "| loop | resnet | plain | core-O2 |" in out.with_suffix(".md").read_text()
