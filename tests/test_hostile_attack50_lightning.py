@@ -85,18 +85,33 @@ def test_o3_losses_on_targets_made_in_self_dtype_train_as_under_bf16_true() -> N
 
 
 # -- the note on an uncast input ------------------------------------------------------------------------------------
+class _Smooth(nn.Module):
+    """A layer that blends its output with an FP32 tensor it makes itself (its own bug, not its input's dtype)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.lerp(x * self.weight, torch.zeros(x.shape), 0.1)
+
+
 class _Steps(Classifier):
     """Steps that fail on dtypes: ``"lerp"`` mixes the FP32 output with a ``self.dtype`` target in the training
-    step (no module involved); ``"deep conv"`` validates through a grandchild convolution on the FP32 batch."""
+    step (no module involved); ``"inner"`` calls a direct child (its input cast to half) that fails on a tensor of
+    its own; ``"deep conv"`` validates through a grandchild convolution on the FP32 batch."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
         self.how = how
+        self.smooth = _Smooth()
         self.body = nn.Module()
         self.body.conv = nn.Conv1d(1, 2, 3)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
+        if self.how == "inner":
+            return self.smooth(x).sum()
         out = self(x)
         return torch.lerp(out, F.one_hot(y, 4).to(self.dtype), 0.1).sum()
 
@@ -109,12 +124,14 @@ def test_the_boundary_note_goes_to_a_half_module_given_fp32_only() -> None:
     """The note says a module below the boundary got the FP32 batch and to call it through ``self(...)`` or cast
     with ``x.to(self.dtype)``. It was added to any error whose message names Float, BFloat16 and "expected":
     ``torch.lerp(output, target)`` on an FP32 output and a ``self.dtype`` target got it, and its advice (cast to
-    ``self.dtype``) is the cause there. A grandchild convolution given the FP32 batch in ``trainer.validate``, the
+    ``self.dtype``) is the cause there; so did a half layer given its input in half that failed on an FP32 tensor of its
+    own. A grandchild convolution given the FP32 batch in ``trainer.validate``, the
     case it is for, gets it once."""
     data = loader(classification_data(n=16))
-    with pytest.raises(RuntimeError, match="expected dtype float") as raised:
-        make_trainer(_o2(), max_steps=1).fit(_Steps("lerp"), data)
-    assert getattr(raised.value, "__notes__", []) == []
+    for how in ("lerp", "inner"):
+        with pytest.raises(RuntimeError, match="expected dtype") as raised:
+            make_trainer(_o2(), max_steps=1).fit(_Steps(how), data)
+        assert getattr(raised.value, "__notes__", []) == [], how
 
     with pytest.raises(RuntimeError, match="should be the same") as raised:
         make_trainer(_o2()).validate(_Steps("deep conv"), data)
