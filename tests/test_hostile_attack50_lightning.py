@@ -16,8 +16,11 @@ from torch import nn
 pl = pytest.importorskip("lightning.pytorch")
 
 from lightning.fabric import Fabric  # noqa: E402
+from lightning.fabric.plugins.environments.lightning import find_free_network_port  # noqa: E402
+from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
 from lightning_mpx import FabricMixedPrecisionPlugin, MixedPrecisionPlugin  # noqa: E402
+from lightning_mpx.integrations.fsdp import shard_model  # noqa: E402
 from tests.lightning_helpers import Classifier, assert_same, classification_data, loader, make_trainer  # noqa: E402
 
 HALF = "bfloat16"
@@ -226,3 +229,35 @@ def test_a_lazy_layer_built_in_configure_model_is_refused_with_a_remedy_that_app
     model = _BuiltInConfigureModel(materialize=True)
     make_trainer(_o2(), max_steps=1).fit(model, data)
     assert model.net[0].weight.dtype == torch.bfloat16 and model.dtype == torch.bfloat16
+
+
+# -- self.dtype under FSDP2 -----------------------------------------------------------------------------------------
+class _Sharded(Classifier):
+    """:class:`Classifier` sharded by ``shard_model`` in ``configure_model``; records ``self.dtype`` in its step."""
+
+    def configure_model(self) -> None:
+        shard_model(self.net, self.trainer.precision_plugin, mesh=self.device_mesh["data_parallel"])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.seen = (self.dtype, self.net[0].weight.dtype)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="ModelParallelStrategy needs torch.distributed")
+def test_self_dtype_at_o3_under_model_parallel_strategy_is_the_shards_half_dtype(monkeypatch: Any) -> None:
+    """At O3 ``shard_model`` casts the model to half in ``configure_model``, and the plugin recorded ``self.dtype``
+    only for unsharded models and FSDP1's: under ``ModelParallelStrategy`` a step read float32 beside bfloat16
+    weights (so ``x.to(self.dtype)``, the note's remedy, fed FP32 to them). A gloo group of one process, this one,
+    undone after (the group and the environment)."""
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_network_port()), RANK="0", LOCAL_RANK="0")
+    for name, value in dict(env, WORLD_SIZE="1", NODE_RANK="0").items():
+        monkeypatch.setenv(name, value)  # restored (or removed) after the test, as Lightning sets some of them
+    model = _Sharded()
+    strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    try:
+        trainer = make_trainer(MixedPrecisionPlugin("O3", half_dtype=HALF), max_steps=1, strategy=strategy)
+        trainer.fit(model, loader(classification_data(n=16)))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert model.seen == (torch.bfloat16, torch.bfloat16)
