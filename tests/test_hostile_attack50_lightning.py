@@ -17,6 +17,7 @@ pl = pytest.importorskip("lightning.pytorch")
 
 from lightning.fabric import Fabric  # noqa: E402
 from lightning.fabric.plugins.environments.lightning import find_free_network_port  # noqa: E402
+from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallel  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
 from lightning_mpx import FabricMixedPrecisionPlugin, MixedPrecisionPlugin  # noqa: E402
@@ -243,21 +244,49 @@ class _Sharded(Classifier):
         return super().training_step(batch, batch_idx)
 
 
-@pytest.mark.skipif(not torch.distributed.is_available(), reason="ModelParallelStrategy needs torch.distributed")
-def test_self_dtype_at_o3_under_model_parallel_strategy_is_the_shards_half_dtype(monkeypatch: Any) -> None:
-    """At O3 ``shard_model`` casts the model to half in ``configure_model``, and the plugin recorded ``self.dtype``
-    only for unsharded models and FSDP1's: under ``ModelParallelStrategy`` a step read float32 beside bfloat16
-    weights (so ``x.to(self.dtype)``, the note's remedy, fed FP32 to them). A gloo group of one process, this one,
-    undone after (the group and the environment)."""
+class _Linear(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+@pytest.fixture
+def group_of_one(monkeypatch: Any) -> Any:
+    """The environment of a gloo group of one process, this one; the group and the environment undone after."""
     env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_network_port()), RANK="0", LOCAL_RANK="0")
     for name, value in dict(env, WORLD_SIZE="1", NODE_RANK="0").items():
         monkeypatch.setenv(name, value)  # restored (or removed) after the test, as Lightning sets some of them
-    model = _Sharded()
-    strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
     try:
-        trainer = make_trainer(MixedPrecisionPlugin("O3", half_dtype=HALF), max_steps=1, strategy=strategy)
-        trainer.fit(model, loader(classification_data(n=16)))
+        yield
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="ModelParallelStrategy needs torch.distributed")
+def test_self_dtype_at_o3_under_model_parallel_strategy_is_the_shards_half_dtype(group_of_one: Any) -> None:
+    """At O3 ``shard_model`` casts the model to half in ``configure_model``, and the plugin recorded ``self.dtype``
+    only for unsharded models and FSDP1's: under ``ModelParallelStrategy`` a step read float32 beside bfloat16
+    weights (so ``x.to(self.dtype)``, the note's remedy, fed FP32 to them). Fabric's plugin recorded it for the
+    first model only: a second one set up after the engine took the first one sharded (a GAN's) said float32."""
+    model = _Sharded()
+    strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    make_trainer(MixedPrecisionPlugin("O3", half_dtype=HALF), max_steps=1, strategy=strategy).fit(
+        model, loader(classification_data(n=16))
+    )
     assert model.seen == (torch.bfloat16, torch.bfloat16)
+
+    mpx = FabricMixedPrecisionPlugin("O3", half_dtype=HALF)
+    strategy = FabricModelParallel(
+        lambda module, mesh: shard_model(module, mpx, mesh=mesh["data_parallel"]), data_parallel_size=1,
+        tensor_parallel_size=1,
+    )  # fmt: skip
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, plugins=[mpx])
+    fabric.launch()  # the group the Trainer started: no process started
+    first = fabric.setup_module(_Linear())
+    first(torch.randn(2, 4))  # the engine takes it sharded
+    second = fabric.setup_module(_Linear()).module
+    assert (first.module.dtype, second.dtype, second.lin.weight.dtype) == (torch.bfloat16,) * 3

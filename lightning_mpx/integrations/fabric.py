@@ -248,7 +248,7 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
                 self.amp.sharded = True
         else:
             self.amp.prepare_model(module)
-        if props.casts_model and not self.amp.sharded:
+        if props.casts_model:  # sharded too (a model set up after the engine took a sharded one): the weights' dtype
             record_half_dtype(module, props.half_dtype)  # LightningModule.dtype: the weights', as Fabric's "bf16-true"
         # The model is moved to its device (and, under DDP, given rank zero's weights) after this: its masters are
         # taken again from the set-up model at the next call into the plugin.
