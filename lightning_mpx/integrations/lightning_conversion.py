@@ -7,7 +7,7 @@
   without a shape.
 * A model whose half parameters have FP32 masters in another engine (a model fitted at O2 before, then given to a new
   Trainer with a new plugin): the new plugin cannot reach those masters, so its own start from the half weights (one
-  rounding of the FP32 values the earlier fit trained), which the Trainer plugin says with a warning.
+  rounding of the FP32 values the earlier fit trained), which the Trainer and Fabric plugins say with a warning.
 * The dtype Lightning's modules report (``LightningModule.dtype``, kept by Lightning's ``.to()``, which the engine's
   conversion does not go through): at O2/O3 the half dtype, as under Lightning's own ``"bf16-true"``, so that
   ``x.to(self.dtype)`` and ``torch.zeros(..., dtype=self.dtype)`` in a step give what the weights hold.
@@ -81,8 +81,9 @@ def warn_foreign_masters(module: nn.Module, call: str = "trainer.fit", known: It
     if not names:
         return
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    # The Trainer plugin keeps one model's engine: the plugin that trained the model may be this one.
-    itself = " (or by this one before it took another model: it keeps one model's masters)" * (call == "trainer.fit")
+    itself = ""
+    if call == "trainer.fit":  # the Trainer plugin keeps one model's engine: the one that trained it may be this one
+        itself = " (or by this one before it took another model: it keeps one model's masters)"
     rank_zero_warn(
         f"{type(module).__name__} was trained at O2 by another MixedPrecisionPlugin or FabricMixedPrecisionPlugin"
         f"{itself}, whose FP32 master weights ({shown}) this plugin cannot reach at {call}: its masters start from "
