@@ -90,7 +90,11 @@ from lightning_mpx.integrations.fabric_sharding import (  # noqa: E402
     is_fsdp1,
     refuse_o2_sharding,
 )
-from lightning_mpx.integrations.lightning_conversion import record_half_dtype, refuse_lazy  # noqa: E402
+from lightning_mpx.integrations.lightning_conversion import (  # noqa: E402
+    record_half_dtype,
+    refuse_lazy,
+    warn_foreign_masters,
+)
 from lightning_mpx.integrations.metric_counts import upgrade_unlogged  # noqa: E402
 
 __all__ = ["FabricMixedPrecisionPlugin"]
@@ -230,6 +234,8 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
             return module
         if props.master_weights:
             refuse_lazy(module, "fabric.setup")  # a clear error, not the engine's on a parameter without a shape
+            # Masters about to be made from half weights trained at O2 by another engine (a second stage)?
+            warn_foreign_masters(module, "fabric.setup", known=(p for m in list(self._modules) for p in m.parameters()))
         before = {id(masters) for masters in self.amp.master_weights}
         if self.amp.sharded and not is_sharded(module):
             # A model set up after the engine took a sharded one (a GAN's second model, a head set up mid-run): not
@@ -242,7 +248,7 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
                 self.amp.sharded = True
         else:
             self.amp.prepare_model(module)
-        if props.casts_model and not self.amp.sharded:
+        if props.casts_model:  # sharded too (a model set up after the engine took a sharded one): the weights' dtype
             record_half_dtype(module, props.half_dtype)  # LightningModule.dtype: the weights', as Fabric's "bf16-true"
         # The model is moved to its device (and, under DDP, given rank zero's weights) after this: its masters are
         # taken again from the set-up model at the next call into the plugin.

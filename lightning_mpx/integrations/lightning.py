@@ -210,8 +210,7 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
             if not self.amp.properties.master_weights:  # O3: FSDP shards the half model (FSDP2: shard_model does)
                 keep_bn = bool(self.amp.properties.keep_batchnorm_fp32)
                 convert_module(module, self.amp.half_dtype, keep_batchnorm_fp32=keep_bn)
-                record_half_dtype(module, self.amp.half_dtype)
-        if not sharded and self.amp.properties.casts_model:
+        if self.amp.properties.casts_model:  # sharded too: FSDP2's O3 shards (shard_model) are half, O2's FP32
             record_half_dtype(module, self.amp.half_dtype)  # self.dtype in a step: the weights' dtype, as "bf16-true"
         self._model_hooks.remove()
         fsdp1 = sharded and isinstance(trainer.strategy, FSDPStrategy)

@@ -7,7 +7,7 @@
   without a shape.
 * A model whose half parameters have FP32 masters in another engine (a model fitted at O2 before, then given to a new
   Trainer with a new plugin): the new plugin cannot reach those masters, so its own start from the half weights (one
-  rounding of the FP32 values the earlier fit trained), which the Trainer plugin says with a warning.
+  rounding of the FP32 values the earlier fit trained), which the Trainer and Fabric plugins say with a warning.
 * The dtype Lightning's modules report (``LightningModule.dtype``, kept by Lightning's ``.to()``, which the engine's
   conversion does not go through): at O2/O3 the half dtype, as under Lightning's own ``"bf16-true"``, so that
   ``x.to(self.dtype)`` and ``torch.zeros(..., dtype=self.dtype)`` in a step give what the weights hold.
@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Iterable
 
 import torch
 from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
@@ -36,11 +37,14 @@ def refuse_lazy(module: nn.Module, call: str) -> None:
         return
     shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     verb = "is" if len(names) == 1 else "are"
+    # Layers built in the LightningModule's configure_model do not exist before trainer.fit: the forward goes there.
+    built = ", in configure_model after building them for layers built there" if call == "trainer.fit" else ""
     raise ValueError(
         f"opt_level='O2': {shown} of {type(module).__name__} {verb} not initialized yet (a lazy module such as "
         f"nn.LazyLinear gets its shape at its first forward), and O2 makes the FP32 master weights at {call}, before "
-        f"any forward. Run one forward on an example batch before {call} (it materializes the lazy modules), or give "
-        "the layers their input sizes (nn.Linear(in_features, ...)); O1 and O3 make no masters and take lazy modules."
+        f"any forward. Run one forward on an example batch before {call} (it materializes the lazy modules){built}, or "
+        "give the layers their input sizes (nn.Linear(in_features, ...)); O1 and O3 make no masters and take lazy "
+        "modules."
     )
 
 
@@ -54,18 +58,34 @@ def record_half_dtype(module: nn.Module, half_dtype: torch.dtype) -> None:
                 sub._dtype = half_dtype
 
 
-def warn_foreign_masters(module: nn.Module) -> None:
-    """Warn (rank zero) when ``module``'s trained half parameters have FP32 masters in another engine, which the
-    plugin about to make its own masters cannot reach: they start from the half weights, one rounding of the FP32
-    values trained so far (what FP32 training would carry on from exactly)."""
+#: What a Trainer or Fabric user does to go on from the FP32 masters of the engine that trained the model last.
+_CARRY_ON = {
+    "trainer.fit": "fit the model with the plugin that trained it last, before that plugin takes another model "
+    "(plugins=[old_trainer.precision_plugin]), or resume from a checkpoint of that fit (trainer.fit(model, "
+    "ckpt_path=...))",
+    "fabric.setup": "set the model up with the plugin that trained it (Fabric(plugins=[mpx]) with the same mpx), or "
+    "load the earlier run's checkpoint with the plugin's entry after fabric.setup (plugin.setup_optimizers(optimizer), "
+    "then fabric.load(path, {'model': model, 'optimizer': optimizer, 'mpx': mpx}))",
+}
+
+
+def warn_foreign_masters(module: nn.Module, call: str = "trainer.fit", known: Iterable[nn.Parameter] = ()) -> None:
+    """Warn (rank zero) when ``module``'s trained half parameters have FP32 masters in another engine (another
+    plugin's, or this Trainer plugin's before it took another model), which the plugin about to make its own masters
+    cannot reach: they start from the half weights, one rounding of the FP32 values trained so far (what FP32
+    training would carry on from exactly). ``call``: the user's call that prepares the model (``"trainer.fit"``,
+    ``"fabric.setup"``); ``known``: parameters whose masters are the plugin's own (a model set up before)."""
+    own = {id(param) for param in known}
     params = module.named_parameters()
-    names = [name for name, param in params if param.requires_grad and type(param) is WatchedParameter]
+    names = [name for name, p in params if p.requires_grad and type(p) is WatchedParameter and id(p) not in own]
     if not names:
         return
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    itself = ""
+    if call == "trainer.fit":  # the Trainer plugin keeps one model's engine: the one that trained it may be this one
+        itself = " (or by this one before it took another model: it keeps one model's masters)"
     rank_zero_warn(
-        f"{type(module).__name__} was trained at O2 by another MixedPrecisionPlugin, whose FP32 master weights "
-        f"({shown}) this plugin cannot reach: its masters start from the half weights, rounded. To go on from the FP32 "
-        "values, give the new Trainer the same plugin (plugins=[old_trainer.precision_plugin]) or resume from a "
-        "checkpoint of the earlier fit (trainer.fit(model, ckpt_path=...))."
+        f"{type(module).__name__} was trained at O2 by another MixedPrecisionPlugin or FabricMixedPrecisionPlugin"
+        f"{itself}, whose FP32 master weights ({shown}) this plugin cannot reach at {call}: its masters start from "
+        f"the half weights, rounded. To go on from the FP32 values, {_CARRY_ON[call]}."
     )

@@ -122,6 +122,11 @@ def note_uncast_input(error: BaseException | None, amp: Amp) -> None:
         return
     if "same" not in message and "expected" not in message:  # torch's words for two dtypes that must match
         return
+    # The words alone also fit a step's own op on a half tensor and an FP32 one (torch.lerp(output, target) with a
+    # target made in self.dtype, the outputs being FP32): the note is for a module holding half weights of its own
+    # that was called on an FP32 tensor, the innermost module call the exception went through.
+    if not _half_module_got_fp32(error.__traceback__, half):
+        return
     note = (
         f"lightning_mpx: at {amp.opt_level} the plugin casts floating-point inputs to {half} at the LightningModule's "
         "forward and at its direct children that hold half parameters (Apex's boundary, which leaves FP32 targets "
@@ -130,3 +135,34 @@ def note_uncast_input(error: BaseException | None, amp: Amp) -> None:
     )
     if note not in getattr(error, "__notes__", ()):
         error.add_note(note)
+
+
+#: The frame of a module call (``module(x)``) in a traceback: its locals are the module and its inputs after the
+#: forward pre-hooks.
+_MODULE_CALL = nn.Module._call_impl.__code__
+
+
+def _half_module_got_fp32(traceback: Any, half: torch.dtype) -> bool:
+    """Whether the innermost module call in ``traceback`` is of a module with parameters of its own in ``half`` and
+    a floating-point input in another dtype."""
+    call = None
+    while traceback is not None:
+        if traceback.tb_frame.f_code is _MODULE_CALL:
+            call = traceback.tb_frame.f_locals
+        traceback = traceback.tb_next
+    module = call.get("self") if call is not None else None
+    if not isinstance(module, nn.Module) or not any(p.dtype == half for p in module.parameters(recurse=False)):
+        return False
+    inputs = _tensors((call.get("args"), call.get("kwargs")))
+    return any(t.is_floating_point() and t.dtype != half for t in inputs)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value`` and its tuples, lists and dicts."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    return []
