@@ -74,12 +74,12 @@ from lightning_mpx.casting.mode import (
 )
 from lightning_mpx.casting.scopes import (
     Fp32State,
-    _AutocastSwitch,
     casts_off_if_on,
     disable_casts,
     enter_fp32,
     exit_fp32,
     fp32_scope,
+    policy_forward_scope,
     policy_scope,
 )
 from lightning_mpx.casting.table import CastTable
@@ -101,7 +101,6 @@ __all__ = [
 
 
 _ENGINES = ("auto", "autocast", "mode")
-_new_object = object.__new__
 
 
 def autocast_differences(table: CastTable, device_type: str, *, allow_banned: bool = False,
@@ -198,32 +197,8 @@ class CastPolicy:
     # Fabric's compiled graph), and in eager code it pushes its mode on torch's stack itself.
     scope = policy_scope
 
-    def forward_scope(self) -> contextlib.AbstractContextManager[Any]:
-        """:meth:`scope` for a forward pass (``Amp.forward_context``), which does not use what entering it gives:
-        where ``torch.autocast`` is the whole policy (the GPU's O1) and the table is resolved as it is now,
-        ``torch.autocast`` (one call a scope, where the generator takes seven), switched on without constructing one
-        once a ``torch.autocast`` of these arguments was found enabled (in eager code with no torch-function mode on);
-        else :meth:`scope`. Dynamo traces either; a compile check only where the scope is autocast's
-        (``torch.compiler.is_compiling()`` makes dynamo keep a frame that returns a context, and it cannot return the
-        generator's).
-        """
-        of = self._actions_of  # _actions_key, read attribute by attribute: dynamo traces this
-        if (self._autocast_device is not None and not self._actions and self.table is of[0]
-                and (self.table._version, self.refuse_inplace_float, self.engine, self.device_type, self.allow_banned,
-                     self.half_dtype) == of[1:]):
-            if self._no_grad_cache:  # as every scope does (empty: no mode fills it)
-                self._no_grad_cache.clear()
-            if (self._autocast_checked == self._actions_stamp and not torch.compiler.is_dynamo_compiling()
-                    and not torch._C._len_torch_function_stack()):  # (torch.autocast tells torch.export's mode)
-                switch = _new_object(_AutocastSwitch)  # no __init__ call
-                switch.device, switch.dtype, switch.cache, switch.policy = (
-                    self._autocast_device, self.half_dtype, self.cache_casts, self)
-                return switch
-            scope = torch.autocast(self._autocast_device, dtype=self.half_dtype, cache_enabled=self.cache_casts)
-            if not torch.compiler.is_dynamo_compiling() and scope._enabled:  # these arguments hold: checked once
-                self._autocast_checked = self._actions_stamp
-            return scope
-        return policy_scope(self)
+    # A function of the policy, as scope is (see casting.scopes.policy_forward_scope).
+    forward_scope = policy_forward_scope
 
     @contextlib.contextmanager
     def recompute_scope(self, *, create_graph: bool = False) -> Iterator[CastPolicy]:

@@ -9,6 +9,7 @@ off inside and back on after.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
@@ -17,6 +18,7 @@ from lightning_mpx.casting.mode import _actions_key, _CastMode, _Policy
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 _NOTHING = contextlib.nullcontext()  # stateless and reentrant: one for every call (no __init__ call per step)
+_new_object = object.__new__
 
 
 class Fp32State(NamedTuple):
@@ -143,7 +145,8 @@ class _AutocastSwitch:
     ``torch.export``'s mode) for a policy that runs on ``torch.autocast`` alone, in eager code with no torch-function
     mode on, once a ``torch.autocast`` of the same arguments was found enabled
     (``CastPolicy.forward_scope``): constructing one checks them again in Python at every scope (on CUDA: CUDA's
-    availability and, at bfloat16, the device's support). Entering it gives the policy, as :func:`policy_scope` does.
+    availability and, at bfloat16, the device's support). Entering it gives the policy, and it decorates a function, as
+    :func:`policy_scope`'s context does.
     """
 
     __slots__ = ("device", "dtype", "cache", "policy", "saved")
@@ -166,6 +169,47 @@ class _AutocastSwitch:
         torch.set_autocast_dtype(self.device, dtype)
         torch.set_autocast_cache_enabled(cache)
         return False
+
+    def __call__(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        """``func`` run in a forward scope of the policy at each call (a fresh one: the calls may nest or recurse)."""
+        policy = self.policy
+
+        @functools.wraps(func)
+        def scoped(*args: Any, **kwargs: Any) -> Any:
+            with policy_forward_scope(policy):
+                return func(*args, **kwargs)
+
+        return scoped
+
+
+def policy_forward_scope(policy: Any) -> contextlib.AbstractContextManager[Any]:
+    """:meth:`CastPolicy.forward_scope <lightning_mpx.casting.policy.CastPolicy.forward_scope>`: :func:`policy_scope`
+    for a forward pass (``Amp.forward_context``). Where ``torch.autocast`` is the whole policy (the GPU's O1) and the
+    table is resolved as it is now: in eager code with no torch-function mode on, :class:`_AutocastSwitch` once a
+    ``torch.autocast`` of these arguments was found enabled (one call a scope, where the generator takes seven);
+    traced by dynamo, ``torch.autocast`` itself (``torch.compiler.is_compiling()`` makes dynamo keep a frame that
+    returns a context, and it cannot return the generator's). Else :func:`policy_scope`.
+    """
+    of = policy._actions_of  # _actions_key, read attribute by attribute: dynamo traces this
+    if (policy._autocast_device is not None and not policy._actions and policy.table is of[0]
+            and (policy.table._version, policy.refuse_inplace_float, policy.engine, policy.device_type,
+                 policy.allow_banned, policy.half_dtype) == of[1:]):
+        if policy._no_grad_cache:  # as every scope does (empty: no mode fills it)
+            policy._no_grad_cache.clear()
+        if torch.compiler.is_dynamo_compiling():  # first: traced code reads no eager-only state (a guard on it would
+            # recompile the graph once an eager scope changes it)
+            return torch.autocast(policy._autocast_device, dtype=policy.half_dtype, cache_enabled=policy.cache_casts)
+        if policy._autocast_checked != policy._actions_stamp:
+            if not torch.autocast(policy._autocast_device, dtype=policy.half_dtype,
+                                  cache_enabled=policy.cache_casts)._enabled:
+                return policy_scope(policy)  # (the generator gives the policy; torch.autocast gives itself)
+            policy._autocast_checked = policy._actions_stamp  # these arguments hold: checked once
+        if not torch._C._len_torch_function_stack():  # (torch.autocast tells torch.export's mode)
+            switch = _new_object(_AutocastSwitch)  # no __init__ call
+            switch.device, switch.dtype, switch.cache, switch.policy = (
+                policy._autocast_device, policy.half_dtype, policy.cache_casts, policy)
+            return switch
+    return policy_scope(policy)
 
 
 @contextlib.contextmanager
