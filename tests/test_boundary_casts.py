@@ -189,3 +189,61 @@ def test_accelerate_outputs_keep_their_type(kind):
     accelerator = Accelerator(mixed_precision="O2")
     model = accelerator.prepare(_Net(kind))
     _check(model(torch.randn(2, 4)), kind)
+
+
+# --- the exact-type fast paths against a reference walk ---------------------------------------------------------------
+def _reference_cast(data: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
+    """torch's own pytree walk (tuples, lists, dicts), casting the tensors of a ``castable`` dtype."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in castable else t, data)
+
+
+def _same(got: Any, want: Any, given: Any) -> None:
+    assert type(got) is type(want)
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and torch.equal(got.float(), want.float())
+        assert (got is given) == (want is given)  # a tensor left as it is stays the same object
+        return
+    if isinstance(want, (tuple, list, dict)):
+        assert got is not given or got == ()  # a fresh container, as the general path builds (() is one object)
+        keys = list(want) if isinstance(want, dict) else range(len(want))
+        assert (list(got) if isinstance(got, dict) else len(got)) == (keys if isinstance(want, dict) else len(want))
+        for key in keys:
+            _same(got[key], want[key], given[key])
+        return
+    assert got is given
+
+
+def test_exact_containers_cast_as_a_reference_walk():
+    from lightning_mpx.common.containers import _cast_collection
+
+    param = nn.Parameter(torch.randn(2))
+    data = (
+        (torch.randn(2), torch.randn(2).double(), _h(2)),
+        {"x": torch.arange(3), "nested": [torch.randn(2), {"deep": (torch.randn(1),)}, 4, None], "p": param},
+        {},
+        [],
+        (),
+        "text",
+    )
+    for dtype, castable in ((f16, (f32, torch.float64)), (f32, (f16,))):
+        _same(_cast_collection(data, dtype, castable), _reference_cast(data, dtype, castable), data)
+        assert type(_cast_collection(data, dtype, castable)[1]["p"]) is (nn.Parameter if castable == (f16,) else
+                                                                         torch.Tensor)
+
+
+def test_boundary_hooks_fast_paths_cast_as_the_general_path():
+    from lightning_mpx.casting.boundary import BoundaryCast
+
+    module = nn.Linear(2, 2).to(f16)
+    (hook,) = BoundaryCast.for_model([module], f16)
+    for given in (torch.randn(2), torch.randn(2).double(), _h(2), torch.arange(2), nn.Parameter(torch.randn(2))):
+        args, kwargs = hook.pre(module, (given,), {})
+        assert kwargs == {} and len(args) == 1
+        _same(args[0], _reference_cast(given, f16, (f32, torch.float64)), given)
+        out = hook.post(module, args, args[0])
+        _same(out, _reference_cast(args[0], f32, (f16,)), args[0])
+    args, _ = hook.pre(module, (torch.randn(2), torch.randn(2)), {"y": torch.randn(2)})
+    assert [a.dtype for a in args] == [f16, f16]
+    hook.post(module, args, None)

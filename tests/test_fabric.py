@@ -565,3 +565,32 @@ def test_ddp_two_processes_skip_together_and_stay_identical(tmp_path):
         assert ranks[0]["scale"] == ranks[1]["scale"] == (512.0 if level == "O2" else 1.0)
         assert ranks[0]["params"] == ranks[1]["params"] and ranks[0]["masters"] == ranks[1]["masters"]
         assert ranks[0]["norms"][2] == 0.0 and ranks[0]["norms"][3] == ranks[1]["norms"][3]
+
+
+class _AutocastSeen(torch.autograd.Function):
+    """Identity whose backward records whether ``torch.autocast`` was on while it ran."""
+
+    seen: list[bool] = []
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        _AutocastSeen.seen.append(torch.is_autocast_enabled("cpu"))
+        return grad
+
+
+@pytest.mark.parametrize("scope", [False, True])
+def test_fabric_backward_runs_without_a_users_autocast(scope):
+    # O3 has no cast policy (the engine's backward checks no scope): the plugin turns a user's torch.autocast off
+    # around fabric.backward itself, and skips that only outside every scope.
+    fabric = make_fabric(FabricMixedPrecisionPlugin("O3", half_dtype="bfloat16"))
+    model = fabric.setup(nn.Linear(4, 1))
+    _AutocastSeen.seen.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16) if scope else torch.autocast("cpu", enabled=False):
+        loss = _AutocastSeen.apply(model(torch.randn(2, 4)).float()).sum()
+        fabric.backward(loss)
+    assert _AutocastSeen.seen == [False]
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

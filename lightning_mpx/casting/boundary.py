@@ -103,16 +103,24 @@ class BoundaryCast:
         return [cls(depth, DtypeProbe(dtype, module)) for module in modules]
 
     def pre(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
-        self._depth.value += 1
-        dtype = self._probe.dtype(module) if self._depth.value == 1 else None
+        depth, probe = self._depth, self._probe
+        depth.value += 1
+        # The prepared model's probe holds its dtype (read here without a call: this runs at every forward).
+        dtype = (probe._dtype or probe.dtype(module)) if depth.value == 1 else None
         if dtype is None:
             return None  # called from inside the model, or a copy that runs in FP32
         kwargs = _cast_collection(kwargs, dtype, INPUT_DTYPES) if kwargs else kwargs
+        if len(args) == 1 and type(args[0]) is torch.Tensor:  # the usual call, model(x): no container walk
+            tensor = args[0]
+            return ((tensor.to(dtype),) if tensor.dtype in INPUT_DTYPES else args), kwargs
         return _cast_collection(args, dtype, INPUT_DTYPES), kwargs
 
     def post(self, module: nn.Module, args: Any, output: Any) -> Any:
-        self._depth.value = max(0, self._depth.value - 1)
-        dtype = self._probe.dtype(module) if self._depth.value == 0 else None
+        depth, probe = self._depth, self._probe
+        depth.value = max(0, depth.value - 1)
+        dtype = (probe._dtype or probe.dtype(module)) if depth.value == 0 else None
         if dtype is None:
             return None  # returning from a call inside the model, or a copy that runs in FP32
+        if type(output) is torch.Tensor:  # the usual output: no container walk
+            return output.to(torch.float32) if output.dtype == dtype else output
         return _cast_collection(output, torch.float32, (dtype,))

@@ -19,6 +19,27 @@ def _cast_collection(data: Any, dtype: torch.dtype, castable: tuple[torch.dtype,
     """``data`` with its tensors of a ``castable`` dtype cast to ``dtype``, through lists, tuples, namedtuples,
     mappings and dataclasses, each rebuilt as its own type (a Hugging Face ``ModelOutput``, which is both an
     ``OrderedDict`` and a dataclass, stays one; a ``defaultdict`` keeps its ``default_factory``)."""
+    # Exact types first, in loops rather than comprehensions: a step's inputs and outputs (a tensor, Fabric's
+    # ``(args, kwargs)``) cost one call per container, not the ABC checks' and generators' several.
+    kind = type(data)
+    if kind is torch.Tensor:
+        return data.to(dtype) if data.dtype in castable else data
+    if kind is tuple or kind is list:
+        items = []
+        for value in data:
+            if type(value) is torch.Tensor:
+                items.append(value.to(dtype) if value.dtype in castable else value)
+            else:
+                items.append(_cast_collection(value, dtype, castable))
+        return items if kind is list else tuple(items)
+    if kind is dict:
+        new = {}
+        for key, value in data.items():
+            if type(value) is torch.Tensor:
+                new[key] = value.to(dtype) if value.dtype in castable else value
+            else:
+                new[key] = _cast_collection(value, dtype, castable)
+        return new
     if isinstance(data, torch.Tensor):
         return data.to(dtype) if data.dtype in castable else data
     if dataclasses.is_dataclass(data) and not isinstance(data, type):

@@ -70,6 +70,7 @@ from lightning_mpx.common.containers import read_floats
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.optimizer_state import optimizer_params
+from lightning_mpx.engine.optimizer_step import AUTOCAST_DEVICES
 from lightning_mpx.engine.overflow import DEFAULT_READER
 from lightning_mpx.engine.sharding import is_sharded, refuse_gathered
 from lightning_mpx.masters.weights import MasterWeights, convert_module, has_floating_parameters
@@ -270,7 +271,7 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
     def convert_input(self, data: Any) -> Any:
         """A set-up model's inputs: floating tensors cast to half at O2/O3."""
         self._begin()
-        return self.amp.cast_inputs(data)
+        return self.amp.cast_inputs(data) if self.amp.properties.casts_model else data  # (O0/O1: a call saved)
 
     def convert_output(self, data: Any) -> Any:
         """A set-up model's outputs: half tensors cast to FP32, so that the loss computed from them runs in FP32."""
@@ -280,6 +281,8 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
         if props.opt_level == "O0":
             return data
         half = props.half_dtype
+        if type(data) is torch.Tensor:  # the usual output, without apply_to_collection's walk
+            return data.float() if data.dtype == half else data
         return apply_to_collection(data, torch.Tensor, lambda t: t.float() if t.dtype == half else t)
 
     # -- backward ----------------------------------------------------------------------------------------------
@@ -288,6 +291,11 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
     ) -> None:
         """Backward on the loss times the scale of ``loss_id`` (``fabric.backward(loss, loss_id=1)``)."""
         self._begin()
+        if not args and not torch._C._len_torch_function_stack() and not any(
+            map(torch.is_autocast_enabled, AUTOCAST_DEVICES)
+        ):  # outside every scope, the usual case (casts_off_if_on's test, written out: its call and context saved)
+            self.amp.backward(tensor, loss_id, **kwargs)
+            return
         with _casts_off():  # fabric.backward called inside fabric.autocast()
             if args:
                 scaled = self.amp.scale_loss(tensor, loss_id)
@@ -312,7 +320,8 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Step ``optimizer`` unless its gradients overflowed (unscaling them first if nothing did yet)."""
         optimizer = _unwrap(optimizer)
-        self._register(optimizer)
+        if self._unchecked or self._unsynced or optimizer not in self._optimizers:
+            self._register(optimizer)  # (else nothing to do: a call saved per step)
         # The engine records the outcome (a StepOutcome with skip_on_device, read when step_was_skipped() asks) and
         # the scale update it makes due; inside fabric.autocast(), Amp turns the casts off.
         if optimizer in self._clipping:
@@ -421,8 +430,12 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
         model compiled after ``fabric.setup`` (traced, it would break the graph or put the update in it): the next
         eager call (``fabric.backward``, before any use of the scale) does it."""
         if not torch.compiler.is_compiling():
-            self._after_setup()
-            self.amp.end_iteration()
+            # Each test is the one its call makes first: the calls only when there is work (a forward, a backward,
+            # each call per step otherwise).
+            if self._unchecked or self._unsynced:
+                self._after_setup()
+            if self.amp.iteration.update_pending:
+                self.amp.end_iteration()
 
     def _after_setup(self) -> None:
         """At the first call after ``fabric.setup``: hand the engine the models the strategy sharded, and take new
@@ -435,7 +448,8 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
             self._unsynced.clear()
 
     def _register(self, optimizer: Optimizer, lazily: bool = True) -> None:
-        self._after_setup()  # not _begin(): a scale update waits until every optimizer of the iteration stepped
+        if self._unchecked or self._unsynced:  # not _begin(): a scale update waits for every optimizer's step
+            self._after_setup()
         if optimizer in self._optimizers:
             return
         if not isinstance(optimizer, Optimizer):
