@@ -42,3 +42,12 @@ def test_the_script_is_valid_bash_and_refuses_a_missing_part(tmp_path):
     env = {"OUT": str(tmp_path), "PATH": "/usr/bin:/bin"}
     done = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env)
     assert done.returncode == 2 and "usage: bash benchmarks/gpu_issue41.sh fsdp|resnet" in done.stderr
+
+
+def test_the_device_tests_name_test_files_that_exist():
+    """The resnet call ends with the tests that have CUDA cases: a renamed file would pass here unnoticed and fail
+    only on the next GPU, whose minutes are counted."""
+    text = SCRIPT.read_text()
+    named = re.findall(r"tests/[^\s\"]+\.py", text)
+    assert len(named) >= 4 and "tests/test_hostile_autocast_switch.py" in named
+    assert [name for name in named if not (ROOT / name).is_file()] == []
