@@ -48,9 +48,6 @@ _IS_CPU = operator.attrgetter("is_cpu")
 _DEVICE = operator.attrgetter("device")
 _DTYPE = operator.attrgetter("dtype")
 _COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
-# Dtypes that torch's multi-tensor unscale does not take as they are: bfloat16 on CUDA (see
-# foreach_check_and_unscale_), complex everywhere (real_views).
-_NOT_ONE_KERNEL = _COMPLEX | {torch.bfloat16}
 
 
 @dataclass
@@ -203,7 +200,7 @@ def plain_unscale_(grads: Tensors, inv_scale: torch.Tensor, found_inf: torch.Ten
             len(set(map(_DEVICE, grads))) == 1
             and grads[0].device == device
             and len(dtypes := set(map(_DTYPE, grads))) == 1
-            and not dtypes & _NOT_ONE_KERNEL
+            and torch.bfloat16 not in dtypes
         )
     ):
         scale = inv_scale.reshape(1) if inv_scale.dim() else inv_scale
