@@ -148,6 +148,26 @@ def test_an_inf_in_a_complex_gradients_imaginary_part_skips_the_step_as_a_real_o
         assert torch.equal(model.phase, Spectral().phase), where
 
 
+def test_a_complex_parameter_in_a_group_added_after_steps_is_unscaled_as_one() -> None:
+    """The engine notes which optimizers hold complex parameters once per number of parameter groups (no look at
+    every gradient's dtype on each step): a group added later is looked at again."""
+    amp = Amp("O1", half_dtype=torch.bfloat16, loss_scale="dynamic")
+    model = amp.prepare_model(Spectral())
+    opt = amp.prepare_optimizer(torch.optim.SGD(model.lin.parameters(), lr=0.5))
+    for step in range(2):
+        if step == 1:
+            opt.add_param_group({"params": [model.phase]})
+        x, y = _data(step)
+        with amp.forward_context():
+            loss = F.cross_entropy(amp.cast_outputs(model(amp.cast_inputs(x))).float(), y)
+        amp.backward(loss)
+        grad = model.phase.grad.clone() / 2.0**16
+        assert amp.step(opt) is True
+        amp.update()
+        opt.zero_grad()
+    assert torch.equal(model.phase, Spectral().phase - 0.5 * grad)
+
+
 def test_telemetry_measures_a_complex_gradient_as_its_real_and_imaginary_parts() -> None:
     """``mpx/underflow`` and ``mpx/zeros`` of a complex gradient are fractions of its 2 * numel parts (never above 1):
     here 3 of 8 parts exactly zero, one below bfloat16's smallest normal number."""

@@ -266,7 +266,7 @@ def local_squares(sharding: Sharding, params: list[torch.Tensor], device: torch.
     squares = torch.zeros((), dtype=torch.float32, device=device)
     for weight, indices in sharding.groups(params).items():
         grads = local_tensors([params[i].grad for i in indices])  # type: ignore[misc]
-        grads = [g for g in grads if g.numel()]
+        grads = real_views([g for g in grads if g.numel()])  # a complex one's norm: its real view's
         if grads:
             norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
             squares = squares + torch.stack([n.to(device) for n in norms]).square().sum() * weight
