@@ -39,35 +39,40 @@ def _data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # -- the unscale call ----------------------------------------------------------------------------------------------
+_ON_GPU = torch.cuda.is_available() and not kernels.interpreting()
 BACKENDS = [
-    "foreach",
-    "reference",
-    pytest.param("triton", marks=pytest.mark.skipif(not kernels.interpreting(), reason="needs TRITON_INTERPRET=1")),
+    ("foreach", "cpu"),
+    ("reference", "cpu"),
+    pytest.param("triton", "cpu", marks=pytest.mark.skipif(not kernels.interpreting(), reason="no TRITON_INTERPRET")),
+    pytest.param("foreach", "cuda", marks=pytest.mark.skipif(not _ON_GPU, reason="no CUDA device")),
+    pytest.param("triton", "cuda", marks=pytest.mark.skipif(not _ON_GPU, reason="no CUDA device")),
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_unscale_grads_takes_complex_gradients_as_the_complex_arithmetic_does(backend: str) -> None:
+@pytest.mark.parametrize(("backend", "device"), BACKENDS)
+def test_unscale_grads_takes_complex_gradients_as_the_complex_arithmetic_does(backend: str, device: str) -> None:
     """torch's ``_amp_foreach_non_finite_check_and_unscale_`` refuses complex tensors; the norm, the clip and the
     overflow flag equal those of the complex values (an inf in an imaginary part flags as one in a real value)."""
     torch.manual_seed(0)
-    real, cplx = torch.randn(5) * S, torch.randn(3, dtype=torch.complex64) * S
+    real = (torch.randn(5) * S).to(device)
+    cplx = (torch.randn(3, dtype=torch.complex64) * S).to(device)
     grads = [real.clone(), cplx.clone()]
-    found = torch.zeros(())
-    norm = unscale_grads_(grads, torch.tensor(1 / S), found, max_norm=0.5, backend=backend)
+    found, inv = torch.zeros((), device=device), torch.tensor(1 / S, device=device)
+    norm = unscale_grads_(grads, inv, found, max_norm=0.5, backend=backend)
     want_norm = torch.linalg.vector_norm(torch.cat([real / S, (cplx / S).abs()]))
     assert norm is not None and torch.allclose(norm, want_norm)
     coef = 0.5 / (want_norm + 1e-6)
     assert torch.allclose(grads[0], real / S * coef) and torch.allclose(grads[1], cplx / S * coef)
     assert grads[1].dtype == torch.complex64 and found.item() == 0.0
 
-    masters = [torch.zeros(5), cplx.clone()]  # out=: a complex master that is its own gradient, unscaled in place
-    unscale_grads_([real.bfloat16(), masters[1]], torch.tensor(1 / S), found, out=masters, backend=backend)
+    # out=: a complex master that is its own gradient, unscaled in place
+    masters = [torch.zeros(5, device=device), cplx.clone()]
+    unscale_grads_([real.bfloat16(), masters[1]], inv, found, out=masters, backend=backend)
     assert torch.equal(masters[1], cplx / S) and found.item() == 0.0
 
     bad = cplx.clone()
     torch.view_as_real(bad)[1, 1] = math.inf
-    unscale_grads_([real.clone(), bad], torch.tensor(1 / S), found, backend=backend)
+    unscale_grads_([real.clone(), bad], inv, found, backend=backend)
     assert found.item() == 1.0
 
 
