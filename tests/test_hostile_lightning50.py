@@ -214,13 +214,6 @@ class _PhaseClassifier(Classifier):
         return out * self.phase.real.to(out.dtype)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=NotImplementedError,
-    reason="scaling/unscale.py hands complex gradients to torch._amp_foreach_non_finite_check_and_unscale_, which has "
-    "no complex kernel (\"not implemented for 'ComplexFloat'\"); unscaling torch.view_as_real(grad) would do (engine "
-    "code, another session's files)",
-)
 def test_a_complex_parameter_trains_at_o1_as_lightnings_bf16_mixed() -> None:
     data = loader(classification_data(n=32))
 

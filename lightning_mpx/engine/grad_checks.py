@@ -25,9 +25,13 @@ from lightning_mpx.scaling.scaler import LossScaler
 from lightning_mpx.scaling.unscale import (
     GradStats,
     clip_coefficient,
+    has_complex,
     plain_unscale_,
+    real_pairs,
+    real_views,
     resolve_backend,
     unscale_grads_,
+    unscale_real_grads_,
 )
 
 _IS_SPARSE = operator.attrgetter("is_sparse")
@@ -87,6 +91,11 @@ def unscale(
             sources, targets = list(filter(_SOME, map(_GRAD, params))), None
             if any(map(_IS_SPARSE, sources)):  # rare: own_grads refuses the sparse gradient by its parameter
                 own_grads(optimizer, refuse_sparse)
+    if state.complex_groups != len(optimizer.param_groups):  # a comparison per step: see note_complex
+        note_complex(state, optimizer)
+    named = sources
+    if state.has_complex:  # torch's unscale kernels have no complex case: their real views (no copy)
+        sources, targets = real_pairs(sources, targets)
     # The scaler's state is made on the gradients' device when it has none yet (else where it is).
     factor = scaler.unscale_factor(sources[0].device if sources else torch.device("cpu"))
     device = factor.device
@@ -100,7 +109,7 @@ def unscale(
     if sharding is None and auto_plain:  # a step's usual unscale: in place, torch's kernel
         norm = plain_unscale_(targets if copy else sources, factor, found)  # type: ignore[arg-type]
     elif sharding is None:
-        norm = unscale_grads_(
+        norm = unscale_real_grads_(
             targets if copy else sources,  # type: ignore[arg-type]
             factor,
             found,
@@ -115,7 +124,7 @@ def unscale(
             state, optimizer, sources, factor, found, sharding, max_norm is not None, backend, stats
         )
     if stats is not None:
-        telemetry.record(id(state), sources, optimizer_params(optimizer), names, stats)
+        telemetry.record(id(state), named, optimizer_params(optimizer), names, stats)
     if state.found_inf is None:  # charge's usual case (the first check since the step), written out
         state.flags_reduced, state.found_inf, state.found_by_loss = False, found, {loss_id: found}
     else:
@@ -127,6 +136,14 @@ def unscale(
     # true values now) the scale of the backward that made them, for gradients that backward left on parameters the
     # optimizer does not hold yet (a group added after the step: rescale.late_grads).
     state.stage = _Stage.UNSCALED
+
+
+def note_complex(state: _OptimizerState, optimizer: torch.optim.Optimizer) -> None:
+    """Note whether ``optimizer`` holds a complex parameter (its gradients are then unscaled as real views), for the
+    number of parameter groups it has now: a group added later is looked at again at the next unscale, and a model
+    without complex parameters pays one comparison per step, not a look at every gradient's dtype."""
+    state.has_complex = has_complex(list(optimizer_params(optimizer)))
+    state.complex_groups = len(optimizer.param_groups)
 
 
 def charge(state: _OptimizerState, loss_id: int, found: torch.Tensor) -> None:
@@ -249,7 +266,7 @@ def local_squares(sharding: Sharding, params: list[torch.Tensor], device: torch.
     squares = torch.zeros((), dtype=torch.float32, device=device)
     for weight, indices in sharding.groups(params).items():
         grads = local_tensors([params[i].grad for i in indices])  # type: ignore[misc]
-        grads = [g for g in grads if g.numel()]
+        grads = real_views([g for g in grads if g.numel()])  # a complex one's norm: its real view's
         if grads:
             norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
             squares = squares + torch.stack([n.to(device) for n in norms]).square().sum() * weight

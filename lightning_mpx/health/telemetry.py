@@ -117,7 +117,8 @@ class GradTelemetry:
         index = torch.tensor([position[g] for g in groups], dtype=torch.int64).to(device, non_blocking=True)
         numel = [0] * len(order)
         for group, grad in zip(groups, sources):
-            numel[position[group]] += local_tensor(grad).numel()  # a rank's shard under FSDP
+            # a rank's shard under FSDP; a complex gradient is measured as its real and imaginary parts
+            numel[position[group]] += local_tensor(grad).numel() * (1 + grad.is_complex())
         underflow = torch.zeros(len(order), dtype=torch.int64, device=device).index_add_(0, index, stats.underflow)
         zeros = torch.zeros(len(order), dtype=torch.int64, device=device).index_add_(0, index, stats.zeros)
         peak = torch.zeros(len(order), dtype=torch.float32, device=device).scatter_reduce_(

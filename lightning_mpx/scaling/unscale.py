@@ -47,6 +47,7 @@ _IS_CUDA = operator.attrgetter("is_cuda")
 _IS_CPU = operator.attrgetter("is_cpu")
 _DEVICE = operator.attrgetter("device")
 _DTYPE = operator.attrgetter("dtype")
+_COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
 
 
 @dataclass
@@ -114,10 +115,35 @@ def unscale_grads_(
     Returns:
         The norm as a 0-d FP32 tensor when asked for, else ``None``.
 
+    Complex gradients (a spectral layer's) are taken as their real views (:func:`real_views`): the flag, the norm
+    and the clip are those of the complex values, ``stats`` count their real and imaginary parts apart.
+
     Raises:
         ValueError: for an unknown backend, or ``backend="triton"`` with CPU tensors outside ``TRITON_INTERPRET=1``.
         ImportError: for ``backend="triton"`` when triton is not installed.
     """
+    if has_complex(grads) or (out is not None and has_complex(out)):
+        grads, out = real_pairs(grads, out)
+    return unscale_real_grads_(
+        grads, inv_scale, found_inf, out=out, compute_norm=compute_norm, max_norm=max_norm, backend=backend,
+        workspace=workspace, stats=stats,
+    )  # fmt: skip
+
+
+def unscale_real_grads_(
+    grads: Tensors,
+    inv_scale: torch.Tensor,
+    found_inf: torch.Tensor,
+    *,
+    out: Tensors | None = None,
+    compute_norm: bool = False,
+    max_norm: float | None = None,
+    backend: str = "auto",
+    workspace: UnscaleWorkspace | None = None,
+    stats: GradStats | None = None,
+) -> torch.Tensor | None:
+    """:func:`unscale_grads_` for gradients known to hold no complex tensor (the engine knows its parameters'
+    dtypes and passes the complex ones as :func:`real_views`): no scan of the dtypes on every step."""
     if out is not None and len(out) != len(grads):
         raise ValueError(f"out has {len(out)} tensors but grads has {len(grads)}; they must match one to one.")
     if max_norm is not None and (not isinstance(max_norm, (int, float)) or max_norm <= 0):
@@ -135,11 +161,38 @@ def unscale_grads_(
     return implementation(grads, inv_scale, found_inf, out, want_norm, max_norm, workspace)
 
 
+def has_complex(tensors: Tensors) -> bool:
+    """Whether any of ``tensors`` is complex (C-level maps: no Python per tensor)."""
+    return not _COMPLEX.isdisjoint(map(_DTYPE, tensors))
+
+
+def real_views(tensors: Tensors) -> list[torch.Tensor]:
+    """``tensors`` with each complex one as ``torch.view_as_real`` (a view of its memory, real and imaginary parts
+    as a last dimension of 2: no copy). torch's unscale kernels have no complex case (``GradScaler`` fails on one);
+    on the view, an infinite or NaN part sets the flag, the L2 norm is the complex one's and a clip scales both
+    parts, as each does for the complex values."""
+    return [torch.view_as_real(t) if t.is_complex() else t for t in tensors]
+
+
+def real_pairs(grads: Tensors, out: Tensors | None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """:func:`real_views` of ``grads`` and ``out``, a target that is its source (unscaled in place) kept as its
+    source's very view, so that the unscale still sees the pair as one tensor."""
+    views = real_views(grads)
+    if out is None:
+        return views, None
+    targets = [
+        view if target is grad else torch.view_as_real(target) if target.is_complex() else target
+        for grad, view, target in zip(grads, views, out)
+    ]
+    return views, targets
+
+
 def plain_unscale_(grads: Tensors, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
     """``unscale_grads_(grads, inv_scale, found_inf)`` on ``"auto"``, in place, with no norm, clip or statistics (a
     step's usual unscale, which :func:`auto_backend` gives torch's kernels): in the usual case (every gradient on the
     flag's and the factor's device, and on CUDA one dtype that is not bfloat16) torch's multi-tensor kernel at once,
-    one Python call where :func:`unscale_grads_` takes six (a host-bound step pays each); otherwise that route."""
+    one Python call where :func:`unscale_grads_` takes six (a host-bound step pays each); otherwise that route.
+    The caller passes complex gradients as :func:`real_views` (the engine knows which parameters are complex)."""
     device = found_inf.device
     if grads and inv_scale.device == device and (
         (device.type == "cpu" and all(map(_IS_CPU, grads)))
