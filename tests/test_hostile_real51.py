@@ -1,13 +1,16 @@
-"""Hugging Face models of architectures the other real-model tests leave out, driven as their users drive them, each
-against the framework's own precision on the same seed: a regression head's float ``labels=`` (the loss computed
-inside the model), a mixture of experts with its router's auxiliary loss, a model the user built in bfloat16
-(``from_config(..., dtype=torch.bfloat16)``). Tiny configs, bfloat16, CPU.
+"""Hugging Face models driven as their users drive them, in ways the other real-model tests leave out, each against
+the framework's own precision on the same seed: a regression head's float ``labels=`` (the loss computed inside the
+model) through the Accelerate adapter, ``transformers.Trainer`` and the Trainer plugin; LLaMA's rotary embedding at
+long positions against transformers' own bfloat16 model. Tiny configs, bfloat16, CPU.
 
-One expected failure (strict): the Trainer plugin's boundary cast rounds a ``labels=`` keyword to half at O2.
+Two expected failures (strict), in modules of other sessions: the Trainer plugin's boundary cast rounds a
+``labels=`` keyword to half at O2 (casting/boundary.py), and the O2/O3 conversion rounds the rotary ``inv_freq``
+buffer that transformers keeps FP32 (masters/weights.py).
 """
 
 from __future__ import annotations
 
+import gc
 import warnings
 from typing import Any
 
@@ -33,18 +36,18 @@ def _accelerator(level: str) -> Accelerator:
 
 
 def _regressor() -> Any:
-    """BERT with one output: ``labels=`` float targets, the model's own MSE loss."""
+    """LLaMA with one output (a regression head): ``labels=`` float targets, the model's own MSE loss."""
     torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                     intermediate_size=48, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                                     attention_probs_dropout_prob=0.0, num_labels=1)  # fmt: skip
-    return transformers.BertForSequenceClassification(config)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, num_labels=1,
+                                      pad_token_id=0)  # fmt: skip
+    return transformers.LlamaForSequenceClassification(config)
 
 
 def _regression_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Targets in [300, 303): bfloat16's spacing there is 2, so a rounded target is off by up to 1."""
     g = torch.Generator().manual_seed(step)
-    return torch.randint(0, 64, (8, 10), generator=g), 300 + 3 * torch.rand(8, generator=g)
+    return torch.randint(1, 64, (8, 10), generator=g), 300 + 3 * torch.rand(8, generator=g)
 
 
 def _regression_losses(level: str, steps: int = 2) -> list[tuple[float, float]]:
@@ -67,21 +70,25 @@ def _regression_losses(level: str, steps: int = 2) -> list[tuple[float, float]]:
 def test_accelerate_o2_computes_the_models_own_loss_on_the_fp32_labels():
     """Found at stop 51: at O2 the prepared forward cast every float keyword to half, ``labels=`` too, so a regression
     model's own MSE loss (run in FP32 by O2's loss policy) compared its outputs with targets rounded to bfloat16: at
-    targets near 300 the first loss was 90754.5 against 90862.7 with Accelerate's ``"no"`` and ``"bf16"`` (the MSE of
-    the very logits it returned, against the FP32 targets, was 90862.7), and the runs drifted apart from there
-    (third step: 90850.0 against 90694.1). Now ``labels=`` reaches the loss in FP32: each step's loss is the MSE of the
-    returned logits against the FP32 targets, and the run follows ``"bf16"``'s."""
+    targets near 300 the first loss was 90726.0 against 90776.9 with Accelerate's ``"no"`` and ``"bf16"`` (the MSE of
+    the very logits it returned, against the FP32 targets, was 90776.8), the second 90460.7 against 90570.3. Now
+    ``labels=`` reaches the loss in FP32: each step's loss is the MSE of the returned logits against the FP32 targets,
+    and the run follows ``"bf16"``'s (to 3e-5 over two steps: the half model's own rounding)."""
     ours, native = _regression_losses("O2"), _regression_losses("bf16")
     for (loss, from_logits), (native_loss, _) in zip(ours, native):
         assert loss == pytest.approx(from_logits, rel=1e-6)
-        assert loss == pytest.approx(native_loss, rel=2e-5)  # the half logits' rounding; the labels' was 1.2e-3
+        assert loss == pytest.approx(native_loss, rel=1e-4)
 
 
-def test_the_trainers_o2_regression_loss_is_the_trainers_own_bf16s(tmp_path):
+def test_the_trainers_o2_regression_loss_is_the_trainers_own_bf16s(tmp_path, request):
     """The same through ``transformers.Trainer`` with the mixin (the Trainer passes ``labels=`` to the model): the
     logged losses of two steps are those of the Trainer's own ``bf16=True``."""
     from lightning_mpx.accelerate import mpx_trainer
     from tests.accelerate_helpers import accelerate_state_reset
+
+    # Each train() runs gc.collect() (accelerator.free_memory()), which walks every object of the test process.
+    gc.freeze()
+    request.addfinalizer(gc.unfreeze)
 
     ids, targets = _regression_batch(0)
     data = [{"input_ids": i, "labels": y} for i, y in zip(ids, targets)]
@@ -104,7 +111,7 @@ def test_the_trainers_o2_regression_loss_is_the_trainers_own_bf16s(tmp_path):
 
     ours, native = logged("O2"), logged(None)
     assert len(ours) == len(native) == 2
-    assert ours == pytest.approx(native, rel=2e-5)
+    assert ours == pytest.approx(native, rel=1e-4)
 
 
 @pytest.mark.xfail(
@@ -116,7 +123,9 @@ def test_the_trainers_o2_regression_loss_is_the_trainers_own_bf16s(tmp_path):
 )
 def test_the_trainer_plugins_o2_loss_on_float_labels_is_bf16_mixeds():
     """A LightningModule around the regression model, its loss from ``labels=``: at O2 the first loss is
-    Lightning's ``"bf16-mixed"``'s (90862.69; O2 gives 90754.53, the loss of the targets rounded to bfloat16)."""
+    Lightning's ``"bf16-mixed"``'s (90776.89, ``"32-true"`` 90776.87; O2 gives 90726.04, the FP32 loss of the
+    targets rounded to bfloat16; ``"bf16-true"``, which rounds the whole batch and computes the loss in bfloat16,
+    90624.0)."""
     pl = pytest.importorskip("lightning.pytorch")
     from lightning_mpx import MixedPrecisionPlugin
 
@@ -145,4 +154,45 @@ def test_the_trainer_plugins_o2_loss_on_float_labels_is_bf16_mixeds():
         return losses[0]
 
     ours = first_loss(plugins=[MixedPrecisionPlugin("O2", half_dtype=HALF)])
-    assert ours == pytest.approx(first_loss(precision="bf16-mixed"), rel=2e-5)
+    assert ours == pytest.approx(first_loss(precision="bf16-mixed"), rel=1e-4)
+
+
+# -- rotary embeddings: transformers keeps the inverse frequencies FP32 in a bfloat16 model ------------------------
+def _llama_config() -> Any:
+    return transformers.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=48, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=2,
+                                    max_position_embeddings=4096)  # fmt: skip
+
+
+def _rotary_cos(model: Any, dtype: torch.dtype) -> torch.Tensor:
+    positions = torch.arange(4096)[None]
+    cos, _ = model.model.rotary_emb(torch.zeros(1, 4096, 128, dtype=dtype), positions)
+    return cos.float()
+
+
+def test_hugging_faces_own_bfloat16_llama_keeps_rope_within_bfloat16s_rounding():
+    """The reference of the expected failure below: a LLaMA that transformers builds in bfloat16
+    (``_from_config(config, dtype=torch.bfloat16)``, as ``from_pretrained(..., dtype=torch.bfloat16)`` builds it)
+    keeps its rotary ``inv_freq`` FP32, and its cos table is FP32's to bfloat16's rounding at every position."""
+    fp32 = _rotary_cos(transformers.LlamaForCausalLM(_llama_config()), torch.float32)
+    native = transformers.LlamaForCausalLM._from_config(_llama_config(), dtype=torch.bfloat16)
+    assert native.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert (_rotary_cos(native, torch.bfloat16) - fp32).abs().max().item() <= 2**-8
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open finding (stop 51): at O2/O3 the model conversion (lightning_mpx/masters/weights.py, "
+    "convert_module) casts every floating buffer to half, Hugging Face's rotary inv_freq too, which transformers "
+    "keeps FP32 in its own bfloat16 models: the RoPE angles are off by up to 1.8 rad at position 4096 (cos by 1.56; "
+    "0.22 within the first 512 positions) against 0.002 for transformers' bfloat16 model and Accelerate's 'bf16'",
+)
+@pytest.mark.parametrize("level", ["O2"])
+def test_o2_keeps_hugging_faces_rotary_frequencies_as_its_bfloat16_model_does(level):
+    """A LLaMA prepared at O2 by the Accelerate adapter (the conversion is every front door's): its rotary cos table
+    is within bfloat16's rounding of FP32's at every position up to 4096, as transformers' own bfloat16 model's."""
+    torch.manual_seed(0)
+    fp32 = _rotary_cos(transformers.LlamaForCausalLM(_llama_config()), torch.float32)
+    accelerator = _accelerator(level)
+    model = accelerator.unwrap_model(accelerator.prepare(transformers.LlamaForCausalLM(_llama_config())))
+    assert (_rotary_cos(model, torch.bfloat16) - fp32).abs().max().item() <= 2**-8
