@@ -30,9 +30,8 @@ __all__ = ["AmpForward", "engine_of", "install_forward", "release_optimizers", "
 
 class AmpForward:
     """A prepared model's ``forward`` under the opt level: ``Amp.forward_context`` around it (O1's cast policy; at O2,
-    loss functions in FP32), O2/O3's float inputs cast to half (at O2 but a ``labels=`` keyword: the targets of the
-    loss computed inside the model, in FP32); half outputs cast to FP32 (as Accelerate's own wrapper) so that the
-    loss is computed in FP32.
+    loss functions in FP32), O2/O3's float inputs cast to half; half outputs cast to FP32 (as Accelerate's own
+    wrapper) so that the loss is computed in FP32.
 
     A deep copy or pickle of the model (``AveragedModel``, an EMA model) gets a forward with an engine of its own
     whose O2/O3 casts follow the copy's own dtype (:class:`~lightning_mpx.casting.boundary.DtypeProbe`): a copy
@@ -50,13 +49,7 @@ class AmpForward:
             dtype = amp.half_dtype if self._probe is None else self._probe.dtype(self._forward.__self__)
             if dtype is None:  # a copy converted to FP32: nothing to cast
                 return self._forward(*args, **kwargs)
-            # Hugging Face's targets, which the model reads only in its loss: at O2 that loss runs in FP32 (as under
-            # Accelerate's own autocast), so float targets (regression, soft labels) reach it unrounded.
-            keep = "labels" in kwargs and amp.properties.has_cast_policy
-            labels = kwargs.pop("labels") if keep else None
             args, kwargs = _cast_collection(args, dtype, INPUT_DTYPES), _cast_collection(kwargs, dtype, INPUT_DTYPES)
-            if keep:
-                kwargs["labels"] = labels
         with amp.forward_context():
             output = self._forward(*args, **kwargs)
         # Accelerate's convert_to_fp32 loses defaultdicts and skips dataclasses; this keeps every container's type.
