@@ -94,7 +94,6 @@ from lightning_mpx.integrations.fabric_sharding import (  # noqa: E402
 from lightning_mpx.integrations.lightning_conversion import (  # noqa: E402
     record_half_dtype,
     refuse_lazy,
-    warn_foreign_masters,
 )
 from lightning_mpx.integrations.metric_counts import upgrade_unlogged  # noqa: E402
 
@@ -235,8 +234,6 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
             return module
         if props.master_weights:
             refuse_lazy(module, "fabric.setup")  # a clear error, not the engine's on a parameter without a shape
-            # Masters about to be made from half weights trained at O2 by another engine (a second stage)?
-            warn_foreign_masters(module, "fabric.setup", known=(p for m in list(self._modules) for p in m.parameters()))
         before = {id(masters) for masters in self.amp.master_weights}
         if self.amp.sharded and not is_sharded(module):
             # A model set up after the engine took a sharded one (a GAN's second model, a head set up mid-run): not

@@ -54,7 +54,6 @@ from lightning_mpx.integrations.lightning_clipping import GradientClipping  # no
 from lightning_mpx.integrations.lightning_conversion import (  # noqa: E402
     record_half_dtype,
     refuse_lazy,
-    warn_foreign_masters,
 )
 from lightning_mpx.integrations.lightning_gradient_readers import GradientReaders  # noqa: E402
 from lightning_mpx.integrations.lightning_manual import ManualStep  # noqa: E402
@@ -192,8 +191,6 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         sharded = trainer is not None and shards_model(trainer.strategy)
         if not sharded and fitting and self.amp.properties.master_weights:
             refuse_lazy(module, "trainer.fit")  # a clear error, not the engine's on a parameter without a shape
-            if (module is not self._module or not self.amp.master_weights) and getattr(trainer, "ckpt_path", 0) is None:
-                warn_foreign_masters(module)  # masters about to be made, not from a checkpoint: another plugin's?
         if module is not self._module:
             if self._module is not None:  # a different model: a fresh engine with the same settings
                 self.amp.diagnose_overflows = False  # its forward hooks leave the old model

@@ -1,8 +1,9 @@
 """Half parameters that know their FP32 masters (O2): :class:`WatchedParameter` and its :class:`_DataWatch`.
 
 A half parameter with a master is made a :class:`WatchedParameter` in place: its ``.data`` tells the masters when it
-is handed out or replaced, and its watch links back (weakly) to the
-:class:`~lightning_mpx.masters.weights.MasterWeights` that holds the master. Through that link:
+is handed out or replaced, and its watch links back to the :class:`~lightning_mpx.masters.weights.MasterWeights` that
+holds the master, which so lives as long as the model does (as an FP32 model's weights), not only as long as the
+engine that made it (a Trainer let go between two stages). Through that link:
 
 * another engine that prepares the model (a new Trainer or Fabric plugin for a second stage) takes the masters over
   (:func:`take_fp32_value`): the old engine hands each one over, no FP32 copy made, and refuses a later step of its
@@ -23,7 +24,7 @@ from torch import nn
 
 from lightning_mpx.common.dtypes import HALF_DTYPES
 
-__all__ = ["WatchedParameter", "carried_value", "masters_lost", "take_fp32_value"]
+__all__ = ["WatchedParameter", "carried_value", "take_fp32_value"]
 
 _WATCH = "_mpx_data_watch"  # a parameter's __dict__ key: its _DataWatch
 _CARRIED = "_mpx_fp32"  # a deep copy's parameter's __dict__ key: the FP32 value it carries
@@ -49,15 +50,16 @@ class _DataWatch:
     whether it was written.
 
     Args:
-        owner: The masters the watched parameters' masters belong to (held through a weak reference).
+        owner: The masters the watched parameters' masters belong to.
     """
 
     __slots__ = ("dirty", "aliases", "owner")
 
     def __init__(self, owner: _Holder | None = None) -> None:
         self.dirty: set[int] = set()  # ids of parameters to compare once
-        # The masters that made the watch, weakly: a model the user keeps does not keep its engine's masters alive.
-        self.owner = weakref.ref(owner) if owner is not None else None
+        # The masters that made the watch: a second stage's engine takes them over from the model, whether or not the
+        # first stage's Trainer still exists (the masters hold their parameters weakly: no cycle keeps a model).
+        self.owner = owner
         self.aliases: dict[int, list[tuple[weakref.ref[torch.Tensor], int]]] = {}  # live aliases and their versions
 
     def active(self) -> bool:
@@ -145,9 +147,9 @@ class WatchedParameter(nn.Parameter):
 
 
 def _owner(param: torch.Tensor) -> _Holder | None:
-    """The live masters ``param``'s watch belongs to (``None``: no watch, or its masters were let go)."""
+    """The masters ``param``'s watch belongs to (``None``: no watch)."""
     watch = param.__dict__.get(_WATCH)
-    return watch.owner() if watch is not None and watch.owner is not None else None
+    return watch.owner if watch is not None else None
 
 
 def carried_value(param: torch.Tensor) -> torch.Tensor | None:
@@ -176,14 +178,6 @@ def take_fp32_value(param: torch.Tensor, watch: _DataWatch) -> torch.Tensor | No
     owner = _owner(param) if old is not watch else None
     handed = owner.hand_over(param) if owner is not None else None
     return handed if handed is not None else carried
-
-
-def masters_lost(param: torch.Tensor) -> bool:
-    """Whether ``param`` had FP32 masters that nothing holds any more (the engine that made them was let go) and
-    carries no value: masters made for it now start from its half weights."""
-    if type(param) is not WatchedParameter or _CARRIED in param.__dict__:
-        return False
-    return param.__dict__.get(_WATCH) is not None and _owner(param) is None
 
 
 def _with_carried(param: WatchedParameter, value: torch.Tensor) -> torch.Tensor:
