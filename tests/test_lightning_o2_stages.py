@@ -100,6 +100,37 @@ def test_fabric_a_second_stage_with_a_new_plugin_is_the_run_of_the_first_and_ref
     assert_same(runs[1], runs[0])
 
 
+class _MastersAtStart(pl.Callback):
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        self.seen = _weights(module, trainer.precision_plugin)
+
+
+def test_the_first_plugin_given_the_model_back_after_a_later_stage_takes_its_masters_back() -> None:
+    """Stages alternating between two plugins (the first Trainer's plugin passed again for a third stage): the
+    first plugin still thought it held the model's masters and failed at the optimizer ("belong to no model prepared
+    for training"), or, at Fabric's setup, kept the model as set up. It prepares the model again and takes the
+    masters back from the second stage's plugin, exactly; Fabric the same."""
+    data = loader(classification_data(n=16))
+    model = Classifier(optimizer="adamw", lr=1e-2)
+    first, second = (MixedPrecisionPlugin("O2", half_dtype=HALF) for _ in range(2))
+    make_trainer(first, max_steps=1).fit(model, data)
+    make_trainer(second, max_steps=1).fit(model, data)
+    trained = _weights(model, second)
+    probe = _MastersAtStart()
+    make_trainer(first, max_steps=1, callbacks=[probe]).fit(model, data)
+    assert_same(probe.seen, trained)
+
+    x, y = next(iter(data))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    mpx_first, mpx_second = (FabricMixedPrecisionPlugin("O2", half_dtype=HALF) for _ in range(2))
+    _fabric_stage(mpx_first, net, [(x, y)])
+    _, _, optimizer = _fabric_stage(mpx_second, net, [(x, y)])
+    trained = [m.detach().clone() for m in mpx_second.master_params(optimizer)]
+    _, _, optimizer = _fabric_stage(mpx_first, net, [])
+    assert_same(mpx_first.master_params(optimizer), trained)
+
+
 def test_an_ema_average_made_on_a_second_fit_is_fp32_and_says_so() -> None:
     """``EMAWeightAveraging`` copies the model at its setup: on a second fit the model is half already, and the
     plugin gives the copy the FP32 values of the masters, but the copy's ``dtype`` (``LightningModule.dtype``) still

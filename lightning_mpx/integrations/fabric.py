@@ -92,6 +92,7 @@ from lightning_mpx.integrations.fabric_sharding import (  # noqa: E402
     refuse_o2_sharding,
 )
 from lightning_mpx.integrations.lightning_conversion import (  # noqa: E402
+    holds_masters,
     record_half_dtype,
     refuse_lazy,
 )
@@ -217,8 +218,9 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
         model."""
         if not isinstance(module, nn.Module):
             raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module.")
-        if module in self._modules:
-            return module
+        if module in self._modules:  # set up before: at O2 unsharded, again if another plugin took its masters since
+            if not self.amp.properties.master_weights or self.amp.sharded or holds_masters(self.amp, module):
+                return module
         refuse_o2_sharding(self.amp, sys._getframe(1).f_locals.get("self"))  # the caller: fabric.setup, or not Fabric
         props = self.amp.properties
         if props.casts_model and not has_floating_parameters(module):

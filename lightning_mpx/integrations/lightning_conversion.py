@@ -6,8 +6,9 @@
   precisions do; at O2 the plugins refuse it with the remedy rather than fail inside the engine on a parameter
   without a shape.
 * A model trained at O2 before (a second stage: a new Trainer with a new plugin, a new Fabric plugin) or a deep copy
-  of one needs nothing here: the engine's new masters start from its FP32 values, taken over from the masters that
-  hold them (which let them go) or carried by the copy (:mod:`lightning_mpx.masters.watch`).
+  of one: the engine's new masters start from its FP32 values, taken over from the masters that hold them (which
+  let them go) or carried by the copy (:mod:`lightning_mpx.masters.watch`). A plugin given back a model whose masters
+  a later stage's plugin took over prepares it again, taking them back (:func:`holds_masters`).
 * The dtype Lightning's modules report (``LightningModule.dtype``, kept by Lightning's ``.to()``, which the engine's
   conversion does not go through): at O2/O3 the half dtype, as under Lightning's own ``"bf16-true"``, so that
   ``x.to(self.dtype)`` and ``torch.zeros(..., dtype=self.dtype)`` in a step give what the weights hold.
@@ -22,7 +23,9 @@ from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixi
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-__all__ = ["record_half_dtype", "refuse_lazy"]
+from lightning_mpx.engine.amp import Amp
+
+__all__ = ["holds_masters", "record_half_dtype", "refuse_lazy"]
 
 
 def refuse_lazy(module: nn.Module, call: str) -> None:
@@ -52,3 +55,9 @@ def record_half_dtype(module: nn.Module, half_dtype: torch.dtype) -> None:
         if isinstance(sub, _DeviceDtypeModuleMixin):
             if any(t.dtype == half_dtype for t in itertools.chain(sub.parameters(), sub.buffers())):
                 sub._dtype = half_dtype
+
+
+def holds_masters(amp: Amp, module: nn.Module) -> bool:
+    """Whether ``amp`` holds FP32 masters for ``module``'s parameters: not for a model only evaluated so far, nor for
+    one whose masters another engine took over since (a later stage's plugin); the plugin then prepares it again."""
+    return any(masters.covers(param) for masters in amp.master_weights for param in module.parameters())
