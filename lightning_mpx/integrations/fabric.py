@@ -92,9 +92,9 @@ from lightning_mpx.integrations.fabric_sharding import (  # noqa: E402
     refuse_o2_sharding,
 )
 from lightning_mpx.integrations.lightning_conversion import (  # noqa: E402
+    holds_masters,
     record_half_dtype,
     refuse_lazy,
-    warn_foreign_masters,
 )
 from lightning_mpx.integrations.metric_counts import upgrade_unlogged  # noqa: E402
 
@@ -218,8 +218,9 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
         model."""
         if not isinstance(module, nn.Module):
             raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module.")
-        if module in self._modules:
-            return module
+        if module in self._modules:  # set up before: at O2 unsharded, again if another plugin took its masters since
+            if not self.amp.properties.master_weights or self.amp.sharded or holds_masters(self.amp, module):
+                return module
         refuse_o2_sharding(self.amp, sys._getframe(1).f_locals.get("self"))  # the caller: fabric.setup, or not Fabric
         props = self.amp.properties
         if props.casts_model and not has_floating_parameters(module):
@@ -235,8 +236,6 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
             return module
         if props.master_weights:
             refuse_lazy(module, "fabric.setup")  # a clear error, not the engine's on a parameter without a shape
-            # Masters about to be made from half weights trained at O2 by another engine (a second stage)?
-            warn_foreign_masters(module, "fabric.setup", known=(p for m in list(self._modules) for p in m.parameters()))
         before = {id(masters) for masters in self.amp.master_weights}
         if self.amp.sharded and not is_sharded(module):
             # A model set up after the engine took a sharded one (a GAN's second model, a head set up mid-run): not

@@ -52,9 +52,9 @@ from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
 from lightning_mpx.integrations.lightning_averages import average_in_fp32, take_averages  # noqa: E402
 from lightning_mpx.integrations.lightning_clipping import GradientClipping  # noqa: E402
 from lightning_mpx.integrations.lightning_conversion import (  # noqa: E402
+    holds_masters,
     record_half_dtype,
     refuse_lazy,
-    warn_foreign_masters,
 )
 from lightning_mpx.integrations.lightning_gradient_readers import GradientReaders  # noqa: E402
 from lightning_mpx.integrations.lightning_manual import ManualStep  # noqa: E402
@@ -192,8 +192,6 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         sharded = trainer is not None and shards_model(trainer.strategy)
         if not sharded and fitting and self.amp.properties.master_weights:
             refuse_lazy(module, "trainer.fit")  # a clear error, not the engine's on a parameter without a shape
-            if (module is not self._module or not self.amp.master_weights) and getattr(trainer, "ckpt_path", 0) is None:
-                warn_foreign_masters(module)  # masters about to be made, not from a checkpoint: another plugin's?
         if module is not self._module:
             if self._module is not None:  # a different model: a fresh engine with the same settings
                 self.amp.diagnose_overflows = False  # its forward hooks leave the old model
@@ -203,8 +201,8 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
             if not sharded:
                 self.amp.prepare_model(module, train=fitting)
             self._module = module
-        elif not sharded and fitting and self.amp.properties.master_weights and not self.amp.master_weights:
-            self.amp.prepare_model(module, train=True)  # evaluated before, fitted now: the masters are made here
+        elif not sharded and fitting and self.amp.properties.master_weights and not holds_masters(self.amp, module):
+            self.amp.prepare_model(module, train=True)  # evaluated before (or taken over since): masters made here
             self._masters_synced = False
         if sharded and isinstance(trainer.strategy, FSDPStrategy) and self.amp.properties.casts_model:
             if not self.amp.properties.master_weights:  # O3: FSDP shards the half model (FSDP2: shard_model does)

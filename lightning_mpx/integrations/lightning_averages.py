@@ -4,7 +4,8 @@
 ``setup``, before the plugin converts it: on a model still in FP32 the copy, and so the average, is FP32. A model
 converted already (a second ``fit`` on the same Trainer, a ``validate`` before the first ``fit``) is copied in half,
 and an average kept in bfloat16 stops moving once its updates fall under half a unit in the last place (an EMA with
-``decay=0.999``). :func:`average_in_fp32` gives such a copy the FP32 values of the masters, as on the first fit.
+``decay=0.999``). :func:`average_in_fp32` gives such a copy the FP32 values of the masters, and its dtype
+(``LightningModule.dtype``) FP32, as on the first fit.
 
 At the end of ``fit`` the callbacks write their FP32 average into the model, which keeps its half rounding; the
 masters would take only the elements whose rounding changed and keep their trained value elsewhere, a value neither
@@ -18,16 +19,19 @@ swap back would leave the average rounded to half. :class:`KeepAveragesInFP32` (
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_mpx.common.dtypes import HALF_DTYPES
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
 
 require("lightning.pytorch", extra="lightning", feature="lightning_mpx.MixedPrecisionPlugin")
 
+from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin  # noqa: E402
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging  # noqa: E402
 
 try:  # Lightning 2.6 and later
@@ -84,6 +88,17 @@ def average_in_fp32(callbacks: list[Any], module: nn.Module, amp: Amp) -> None:
         with torch.no_grad():
             for _, master, copy in _mastered(average, module, amp, copy_in_fp32=False):
                 copy.data = master.detach().clone()  # the averaging's own tensor, not the optimizer's
+        _record_fp32(average)
+
+
+def _record_fp32(average: nn.Module) -> None:
+    """Record FP32 as the dtype (``LightningModule.dtype``) of the Lightning modules of ``average`` recorded in half
+    that hold no half tensor any more, as on the first fit: the ``.data`` swap above does not go through Lightning's
+    ``.to()``, which keeps the record."""
+    for sub in average.modules():
+        if isinstance(sub, _DeviceDtypeModuleMixin) and sub._dtype in HALF_DTYPES:
+            if not any(t.dtype in HALF_DTYPES for t in itertools.chain(sub.parameters(), sub.buffers())):
+                sub._dtype = torch.float32
 
 
 def take_averages(callbacks: list[Any], module: nn.Module, amp: Amp) -> None:

@@ -5,9 +5,10 @@
   ``fabric.setup``), before any forward. O1 and O3 make no masters and train a lazy module as Lightning's own
   precisions do; at O2 the plugins refuse it with the remedy rather than fail inside the engine on a parameter
   without a shape.
-* A model whose half parameters have FP32 masters in another engine (a model fitted at O2 before, then given to a new
-  Trainer with a new plugin): the new plugin cannot reach those masters, so its own start from the half weights (one
-  rounding of the FP32 values the earlier fit trained), which the Trainer and Fabric plugins say with a warning.
+* A model trained at O2 before (a second stage: a new Trainer with a new plugin, a new Fabric plugin) or a deep copy
+  of one: the engine's new masters start from its FP32 values, taken over from the masters that hold them (which
+  let them go) or carried by the copy (:mod:`lightning_mpx.masters.watch`). A plugin given back a model whose masters
+  a later stage's plugin took over prepares it again, taking them back (:func:`holds_masters`).
 * The dtype Lightning's modules report (``LightningModule.dtype``, kept by Lightning's ``.to()``, which the engine's
   conversion does not go through): at O2/O3 the half dtype, as under Lightning's own ``"bf16-true"``, so that
   ``x.to(self.dtype)`` and ``torch.zeros(..., dtype=self.dtype)`` in a step give what the weights hold.
@@ -16,17 +17,15 @@
 from __future__ import annotations
 
 import itertools
-from typing import Iterable
 
 import torch
 from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from lightning_mpx.masters.weights import WatchedParameter
+from lightning_mpx.engine.amp import Amp
 
-__all__ = ["record_half_dtype", "refuse_lazy", "warn_foreign_masters"]
+__all__ = ["holds_masters", "record_half_dtype", "refuse_lazy"]
 
 
 def refuse_lazy(module: nn.Module, call: str) -> None:
@@ -58,34 +57,7 @@ def record_half_dtype(module: nn.Module, half_dtype: torch.dtype) -> None:
                 sub._dtype = half_dtype
 
 
-#: What a Trainer or Fabric user does to go on from the FP32 masters of the engine that trained the model last.
-_CARRY_ON = {
-    "trainer.fit": "fit the model with the plugin that trained it last, before that plugin takes another model "
-    "(plugins=[old_trainer.precision_plugin]), or resume from a checkpoint of that fit (trainer.fit(model, "
-    "ckpt_path=...))",
-    "fabric.setup": "set the model up with the plugin that trained it (Fabric(plugins=[mpx]) with the same mpx), or "
-    "load the earlier run's checkpoint with the plugin's entry after fabric.setup (plugin.setup_optimizers(optimizer), "
-    "then fabric.load(path, {'model': model, 'optimizer': optimizer, 'mpx': mpx}))",
-}
-
-
-def warn_foreign_masters(module: nn.Module, call: str = "trainer.fit", known: Iterable[nn.Parameter] = ()) -> None:
-    """Warn (rank zero) when ``module``'s trained half parameters have FP32 masters in another engine (another
-    plugin's, or this Trainer plugin's before it took another model), which the plugin about to make its own masters
-    cannot reach: they start from the half weights, one rounding of the FP32 values trained so far (what FP32
-    training would carry on from exactly). ``call``: the user's call that prepares the model (``"trainer.fit"``,
-    ``"fabric.setup"``); ``known``: parameters whose masters are the plugin's own (a model set up before)."""
-    own = {id(param) for param in known}
-    params = module.named_parameters()
-    names = [name for name, p in params if p.requires_grad and type(p) is WatchedParameter and id(p) not in own]
-    if not names:
-        return
-    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    itself = ""
-    if call == "trainer.fit":  # the Trainer plugin keeps one model's engine: the one that trained it may be this one
-        itself = " (or by this one before it took another model: it keeps one model's masters)"
-    rank_zero_warn(
-        f"{type(module).__name__} was trained at O2 by another MixedPrecisionPlugin or FabricMixedPrecisionPlugin"
-        f"{itself}, whose FP32 master weights ({shown}) this plugin cannot reach at {call}: its masters start from "
-        f"the half weights, rounded. To go on from the FP32 values, {_CARRY_ON[call]}."
-    )
+def holds_masters(amp: Amp, module: nn.Module) -> bool:
+    """Whether ``amp`` holds FP32 masters for ``module``'s parameters: not for a model only evaluated so far, nor for
+    one whose masters another engine took over since (a later stage's plugin); the plugin then prepares it again."""
+    return any(masters.covers(param) for masters in amp.master_weights for param in module.parameters())

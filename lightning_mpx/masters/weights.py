@@ -17,6 +17,14 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_mpx.common.dtypes import HALF_DTYPES
+from lightning_mpx.masters.watch import (
+    _TENSOR_DATA,  # noqa: F401  (kept import path)
+    WatchedParameter,
+    _DataWatch,
+    _unwatch_data,
+    _watch_data,
+    take_fp32_value,
+)
 from lightning_mpx.scaling.unscale import BACKENDS, UnscaleWorkspace, _one_copy_group, cast_copy_
 
 __all__ = ["MasterWeights", "Mirror", "WatchedParameter", "convert_module", "has_floating_parameters"]
@@ -114,15 +122,20 @@ class MasterWeights:
         self.copy_backend = copy_backend
         self.workspace = UnscaleWorkspace()
         self._entries: dict[int, _Entry] = {}
-        self._watch = _DataWatch()
+        self._watch = _DataWatch(self)
         self._eager = eager
         for name, param in named_parameters:
             if id(param) in self._entries or (exclude is not None and exclude(param)):
                 continue
             entry = _Entry(name, weakref.ref(param))
             self._entries[id(param)] = entry
+            # A model trained at O2 by another engine (a second stage's new plugin) or a deep copy of one: the masters
+            # start from its FP32 value, handed over by that engine (no copy) or carried by the copy.
+            taken = take_fp32_value(param, self._watch)
             if initial is not None and id(param) in initial:
                 entry.initial = initial[id(param)]
+            elif taken is not None and taken.shape == param.shape:
+                entry.initial = taken
             if eager and param.requires_grad:
                 self._make_master(entry, param)
             elif param.dtype in HALF_DTYPES:
@@ -238,14 +251,33 @@ class MasterWeights:
         (it was trainable then: the value is its FP32 weight, which its export must give); one frozen before has
         none. Nothing is changed."""
         out = {}
-        with torch.no_grad():
-            for entry, param in self._live():
-                if entry.master is not None:
-                    out[id(param)] = entry.master
-                elif entry.initial is not None and param.dtype in HALF_DTYPES and entry.initial.shape == param.shape:
-                    kept = entry.initial.to(param.device)
-                    out[id(param)] = torch.where(param != kept.to(param.dtype), param.float(), kept)
+        for entry, param in self._live():
+            value = _fp32_of(entry, param)
+            if value is not None:
+                out[id(param)] = value
         return out
+
+    def fp32_value(self, param: torch.Tensor) -> torch.Tensor | None:
+        """``param``'s entry of :meth:`fp32_values` (``None`` where it has none). Nothing is changed."""
+        entry = self._entry(param)
+        return _fp32_of(entry, param) if entry is not None else None
+
+    def hand_over(self, param: torch.Tensor) -> torch.Tensor | None:
+        """Let ``param`` go to another engine that prepares its model (a second stage's new plugin): returns its
+        FP32 value (its master itself, no copy; or the value it is kept to be made from), writes made to ``param``
+        since the last step taken first. These masters cover it no more, and a step of an optimizer of this engine
+        that still holds it raises (:class:`Mirror` sees the version moved here), so that one engine steps it."""
+        entry = self._entry(param)
+        if entry is None:
+            return None
+        if entry.master is not None:
+            self.refresh([param])
+        value = _fp32_of(entry, param)
+        del self._entries[id(param)]
+        entry.master = entry.initial = None
+        entry.version = _HANDED_OVER
+        torch.autograd.graph.increment_version(param)  # this engine's cached step views look at it again
+        return value
 
     def drop_initial(self) -> None:
         """Let go of the FP32 values kept from before the cast for masters not made yet (a trainable parameter no
@@ -483,6 +515,19 @@ def step_mirrored(mirrors: list[Mirror], step: Callable[[], object]) -> None:
 
 
 _VERSION = operator.attrgetter("_version")
+_HANDED_OVER = -2  # an _Entry's version once its parameter went to another engine (MasterWeights.hand_over)
+
+
+def _fp32_of(entry: _Entry, param: torch.Tensor) -> torch.Tensor | None:
+    """See :meth:`MasterWeights.fp32_values`."""
+    if entry.master is not None:
+        return entry.master
+    kept = entry.initial
+    if kept is None or param.dtype not in HALF_DTYPES or kept.shape != param.shape:
+        return None
+    with torch.no_grad():
+        kept = kept.to(param.device)
+        return torch.where(param != kept.to(param.dtype), param.float(), kept)
 
 
 _CHUNK = 1 << 22  # elements compared at a time: bounds the temporaries of a large embedding's comparison
@@ -514,6 +559,13 @@ def _take_writes(pairs: list[tuple[_Entry, torch.Tensor]]) -> list[str]:
     with torch.no_grad():
         for entry, param in pairs:
             master = entry.master
+            if entry.version == _HANDED_OVER:
+                raise RuntimeError(
+                    f"parameter {entry.name!r} was handed to another engine, which prepared its model since (a new "
+                    "MixedPrecisionPlugin, FabricMixedPrecisionPlugin or Amp: a second stage) and steps its FP32 "
+                    "master now; this optimizer's engine no longer holds it. Step the model with the optimizer of the "
+                    "engine that prepared it last."
+                )
             assert master is not None
             entry.mark(param)
             if master.device != param.device:
@@ -535,113 +587,6 @@ def _take_writes(pairs: list[tuple[_Entry, torch.Tensor]]) -> list[str]:
                 taken.append(entry.name)
     return taken
 
-
-class _DataWatch:
-    """Which half parameters had their ``.data`` taken since the masters last looked (see :class:`WatchedParameter`).
-
-    ``p.data`` is an alias of ``p`` with a version counter of its own, so writes through it (``p.data.copy_``,
-    ``p.data.clamp_``) leave no trace on ``p``. The watch keeps, per parameter, a weak reference to each alias
-    handed out and its version: an alias written while alive moves its own version; an alias that dies (the usual
-    ``p.data.clamp_()`` temporary) marks its parameter for one value comparison, as nothing can tell any more
-    whether it was written.
-    """
-
-    __slots__ = ("dirty", "aliases")
-
-    def __init__(self) -> None:
-        self.dirty: set[int] = set()  # ids of parameters to compare once
-        self.aliases: dict[int, list[tuple[weakref.ref[torch.Tensor], int]]] = {}  # live aliases and their versions
-
-    def active(self) -> bool:
-        return bool(self.dirty or self.aliases)
-
-    def handed_out(self, param: torch.Tensor, alias: torch.Tensor) -> None:
-        key, dirty = id(param), self.dirty
-        live = [(ref, version) for ref, version in self.aliases.get(key, ()) if ref() is not None]
-        live.append((weakref.ref(alias, lambda _: dirty.add(key)), alias._version))
-        self.aliases[key] = live
-
-    def assigned(self, param: torch.Tensor) -> None:
-        self.dirty.add(id(param))
-
-    def due(self, keys: set[int]) -> set[int]:
-        """The parameters among ``keys`` whose ``.data`` may have been written since the last call (then forgotten,
-        but for their live aliases' current versions)."""
-        due = self.dirty & keys
-        self.dirty -= due
-        for key in [key for key in self.aliases if key in keys]:
-            live = []
-            for ref, version in self.aliases[key]:
-                alias = ref()
-                if alias is None:
-                    continue
-                if alias._version != version:
-                    due.add(key)
-                live.append((ref, alias._version))
-            if live:
-                self.aliases[key] = live
-            else:
-                del self.aliases[key]
-        return due
-
-
-_TENSOR_DATA = torch._C.TensorBase.data  # the C-level ``.data`` descriptor that WatchedParameter wraps
-
-
-class WatchedParameter(nn.Parameter):
-    """An ``nn.Parameter`` whose ``.data`` tells its FP32 masters when it is handed out or replaced.
-
-    The half parameters of a model with masters (O2, O3) get this class in place (``param.__class__``) for as long
-    as they have masters; it behaves as ``nn.Parameter`` in every other way (``isinstance`` checks,
-    ``torch.compile``, DDP, ``state_dict``). Pickling and ``copy.deepcopy`` give a plain ``nn.Parameter``.
-    """
-
-    @property  # type: ignore[override]
-    def data(self) -> torch.Tensor:
-        alias = _TENSOR_DATA.__get__(self)
-        watch = self.__dict__.get("_mpx_data_watch")
-        if watch is not None:
-            watch.handed_out(self, alias)
-        return alias
-
-    @data.setter
-    def data(self, value: torch.Tensor) -> None:
-        _TENSOR_DATA.__set__(self, value)
-        watch = self.__dict__.get("_mpx_data_watch")
-        if watch is not None:
-            watch.assigned(self)
-
-    def __repr__(self) -> str:
-        return repr(nn.Parameter(_TENSOR_DATA.__get__(self), self.requires_grad))
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
-        if id(self) in memo:
-            return memo[id(self)]
-        data = _TENSOR_DATA.__get__(self).clone(memory_format=torch.preserve_format)
-        result = nn.Parameter(data, self.requires_grad)
-        memo[id(self)] = result
-        return result
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        plain = nn.Parameter(_TENSOR_DATA.__get__(self), self.requires_grad)
-        plain.__dict__.update((k, v) for k, v in self.__dict__.items() if k != "_mpx_data_watch")
-        return plain.__reduce_ex__(protocol)
-
-
-def _watch_data(param: torch.Tensor, watch: _DataWatch) -> None:
-    """Make ``param`` tell ``watch`` about its ``.data`` (a plain ``nn.Parameter`` only: a subclass of the user's
-    is left as it is, and writes through its ``.data`` need ``refresh_masters(force=True)`` or
-    ``model_writes="values"``)."""
-    if type(param) is nn.Parameter:
-        param.__class__ = WatchedParameter
-    if type(param) is WatchedParameter:
-        param.__dict__["_mpx_data_watch"] = watch
-
-
-def _unwatch_data(param: torch.Tensor) -> None:
-    if type(param) is WatchedParameter:
-        param.__dict__.pop("_mpx_data_watch", None)
-        param.__class__ = nn.Parameter
 
 
 class _Entry:

@@ -1,0 +1,215 @@
+"""Half parameters that know their FP32 masters (O2): :class:`WatchedParameter` and its :class:`_DataWatch`.
+
+A half parameter with a master is made a :class:`WatchedParameter` in place: its ``.data`` tells the masters when it
+is handed out or replaced, and its watch links back to the :class:`~lightning_mpx.masters.weights.MasterWeights` that
+holds the master, which so lives as long as the model does (as an FP32 model's weights), not only as long as the
+engine that made it (a Trainer let go between two stages). Through that link:
+
+* another engine that prepares the model (a new Trainer or Fabric plugin for a second stage) takes the masters over
+  (:func:`take_fp32_value`): the old engine hands each one over, no FP32 copy made, and refuses a later step of its
+  optimizers on it, so that every master has one owner;
+* ``copy.deepcopy`` gives the copy's parameters their own FP32 values (a copy of the masters), carried until an
+  engine prepares the copy (its masters start from them) or the copy is made FP32 (``.float()``, ``.to(float32)``:
+  it takes them exactly), as a deep copy of a model trained in FP32 is FP32-exact. They cost the copy 4 bytes per
+  parameter meanwhile, as an FP32 copy's weights do.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from lightning_mpx.common.dtypes import HALF_DTYPES
+
+__all__ = ["WatchedParameter", "carried_value", "take_fp32_value"]
+
+_WATCH = "_mpx_data_watch"  # a parameter's __dict__ key: its _DataWatch
+_CARRIED = "_mpx_fp32"  # a deep copy's parameter's __dict__ key: the FP32 value it carries
+
+
+class _Holder(Protocol):
+    """What a watch's owner (a ``MasterWeights``) does for the parameters it watches."""
+
+    def refresh(self, params: Any = None, *, force: bool = False) -> list[str]: ...
+
+    def fp32_value(self, param: torch.Tensor) -> torch.Tensor | None: ...
+
+    def hand_over(self, param: torch.Tensor) -> torch.Tensor | None: ...
+
+
+class _DataWatch:
+    """Which half parameters had their ``.data`` taken since the masters last looked (see :class:`WatchedParameter`).
+
+    ``p.data`` is an alias of ``p`` with a version counter of its own, so writes through it (``p.data.copy_``,
+    ``p.data.clamp_``) leave no trace on ``p``. The watch keeps, per parameter, a weak reference to each alias
+    handed out and its version: an alias written while alive moves its own version; an alias that dies (the usual
+    ``p.data.clamp_()`` temporary) marks its parameter for one value comparison, as nothing can tell any more
+    whether it was written.
+
+    Args:
+        owner: The masters the watched parameters' masters belong to.
+    """
+
+    __slots__ = ("dirty", "aliases", "owner")
+
+    def __init__(self, owner: _Holder | None = None) -> None:
+        self.dirty: set[int] = set()  # ids of parameters to compare once
+        # The masters that made the watch: a second stage's engine takes them over from the model, whether or not the
+        # first stage's Trainer still exists (the masters hold their parameters weakly: no cycle keeps a model).
+        self.owner = owner
+        self.aliases: dict[int, list[tuple[weakref.ref[torch.Tensor], int]]] = {}  # live aliases and their versions
+
+    def active(self) -> bool:
+        return bool(self.dirty or self.aliases)
+
+    def handed_out(self, param: torch.Tensor, alias: torch.Tensor) -> None:
+        key, dirty = id(param), self.dirty
+        live = [(ref, version) for ref, version in self.aliases.get(key, ()) if ref() is not None]
+        live.append((weakref.ref(alias, lambda _: dirty.add(key)), alias._version))
+        self.aliases[key] = live
+
+    def assigned(self, param: torch.Tensor) -> None:
+        self.dirty.add(id(param))
+
+    def due(self, keys: set[int]) -> set[int]:
+        """The parameters among ``keys`` whose ``.data`` may have been written since the last call (then forgotten,
+        but for their live aliases' current versions)."""
+        due = self.dirty & keys
+        self.dirty -= due
+        for key in [key for key in self.aliases if key in keys]:
+            live = []
+            for ref, version in self.aliases[key]:
+                alias = ref()
+                if alias is None:
+                    continue
+                if alias._version != version:
+                    due.add(key)
+                live.append((ref, alias._version))
+            if live:
+                self.aliases[key] = live
+            else:
+                del self.aliases[key]
+        return due
+
+
+_TENSOR_DATA = torch._C.TensorBase.data  # the C-level ``.data`` descriptor that WatchedParameter wraps
+
+
+class WatchedParameter(nn.Parameter):
+    """An ``nn.Parameter`` whose ``.data`` tells its FP32 masters when it is handed out or replaced.
+
+    The half parameters of a model with masters (O2, O3) get this class in place (``param.__class__``) for as long
+    as they have masters; it behaves as ``nn.Parameter`` in every other way (``isinstance`` checks,
+    ``torch.compile``, DDP, ``state_dict``). ``copy.deepcopy`` gives a parameter that carries a copy of its FP32
+    value (see the module's notes; a plain ``nn.Parameter`` where there is none); pickling a plain one.
+    """
+
+    @property  # type: ignore[override]
+    def data(self) -> torch.Tensor:
+        alias = _TENSOR_DATA.__get__(self)
+        watch = self.__dict__.get(_WATCH)
+        if watch is not None:
+            watch.handed_out(self, alias)
+        return alias
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        if _CARRIED in self.__dict__:
+            value = _with_carried(self, value)
+        _TENSOR_DATA.__set__(self, value)
+        watch = self.__dict__.get(_WATCH)
+        if watch is not None:
+            watch.assigned(self)
+        elif _CARRIED not in self.__dict__:  # a deep copy made FP32: a plain parameter again
+            self.__class__ = nn.Parameter
+
+    def __repr__(self) -> str:
+        return repr(nn.Parameter(_TENSOR_DATA.__get__(self), self.requires_grad))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
+        if id(self) in memo:
+            return memo[id(self)]
+        data = _TENSOR_DATA.__get__(self).clone(memory_format=torch.preserve_format)
+        value = carried_value(self)
+        result = (nn.Parameter if value is None else WatchedParameter)(data, self.requires_grad)
+        if value is not None:
+            result.__dict__[_CARRIED] = value.detach().clone()
+        memo[id(self)] = result
+        return result
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        plain = nn.Parameter(_TENSOR_DATA.__get__(self), self.requires_grad)
+        plain.__dict__.update((k, v) for k, v in self.__dict__.items() if k not in (_WATCH, _CARRIED))
+        return plain.__reduce_ex__(protocol)
+
+
+def _owner(param: torch.Tensor) -> _Holder | None:
+    """The masters ``param``'s watch belongs to (``None``: no watch)."""
+    watch = param.__dict__.get(_WATCH)
+    return watch.owner if watch is not None else None
+
+
+def carried_value(param: torch.Tensor) -> torch.Tensor | None:
+    """``param``'s FP32 value beyond its half one, changing no owner: the value a deep copy carries, or its master
+    (the FP32 value kept for it) with the writes made to ``param`` since the last step taken first, as a step
+    takes them; ``None`` when it has neither."""
+    if type(param) is not WatchedParameter:
+        return None
+    if _CARRIED in param.__dict__:
+        return param.__dict__[_CARRIED]
+    owner = _owner(param)
+    if owner is None:
+        return None
+    owner.refresh([param])
+    return owner.fp32_value(param)
+
+
+def take_fp32_value(param: torch.Tensor, watch: _DataWatch) -> torch.Tensor | None:
+    """The FP32 value the master ``watch``'s masters make for ``param`` starts from: the master of the engine that
+    holds it, handed over (that engine lets it go, see ``MasterWeights.hand_over``), or the value a deep copy
+    carries (then dropped from the parameter); ``None`` when there is neither."""
+    if type(param) is not WatchedParameter:
+        return None
+    carried = param.__dict__.pop(_CARRIED, None)
+    old = param.__dict__.get(_WATCH)
+    owner = _owner(param) if old is not watch else None
+    handed = owner.hand_over(param) if owner is not None else None
+    return handed if handed is not None else carried
+
+
+def _with_carried(param: WatchedParameter, value: torch.Tensor) -> torch.Tensor:
+    """What ``param.data = value`` sets on a parameter that carries an FP32 value (a deep copy): made FP32 (the
+    copy's ``.float()`` or ``.to(torch.float32)``), the carried value wherever ``value`` is the half value it
+    replaces, and the carried value is dropped; kept (on ``value``'s device) through a move in half."""
+    carried = param.__dict__.pop(_CARRIED)
+    old = _TENSOR_DATA.__get__(param)
+    if value.shape != carried.shape or old.shape != carried.shape or old.dtype not in HALF_DTYPES:
+        return value
+    if value.dtype == old.dtype:  # moved (.to(device)) or replaced in half: still the copy's FP32 value
+        param.__dict__[_CARRIED] = carried.to(value.device)
+        return value
+    if value.dtype != torch.float32:
+        return value
+    with torch.no_grad():
+        carried = carried.to(value.device)
+        return torch.where(value == old.to(value.device, torch.float32), carried, value, out=carried)
+
+
+def _watch_data(param: torch.Tensor, watch: _DataWatch) -> None:
+    """Make ``param`` tell ``watch`` about its ``.data`` (a plain ``nn.Parameter`` only: a subclass of the user's
+    is left as it is, and writes through its ``.data`` need ``refresh_masters(force=True)`` or
+    ``model_writes="values"``)."""
+    if type(param) is nn.Parameter:
+        param.__class__ = WatchedParameter
+    if type(param) is WatchedParameter:
+        param.__dict__[_WATCH] = watch
+
+
+def _unwatch_data(param: torch.Tensor) -> None:
+    if type(param) is WatchedParameter:
+        param.__dict__.pop(_WATCH, None)
+        if _CARRIED not in param.__dict__:
+            param.__class__ = nn.Parameter
