@@ -131,3 +131,35 @@ def test_the_masters_outlive_their_engine_while_the_model_lives_and_go_with_it()
     del model, new
     gc.collect()
     assert not masters.alive and not held.alive
+
+
+@pytest.mark.parametrize("write", ["averaged_model", "data_ema"])
+def test_a_deep_copy_written_since_it_was_made_keeps_its_own_values_through_float(write: str) -> None:
+    """The habit the carried value must not break: an EMA/SWA copy (``AveragedModel`` deep-copies the model) whose
+    half values are averaged in place, then made FP32 for export. Its ``.float()`` must hold the averaged values, not
+    the masters of the moment the copy was made (a stale carry was 0.02 off the average here)."""
+    model, amp = _net(), Amp("O2", half_dtype=HALF)
+    optimizer = _stage(amp, model, range(3))
+    if write == "averaged_model":
+        ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.5))
+        copied = ema.module
+    else:
+        copied = copy.deepcopy(model)
+    start = [p.detach().clone() for p in copied.parameters()]
+    for i in range(3, 6):
+        _step(amp, model, optimizer, i)
+        if write == "averaged_model":
+            ema.update_parameters(model)
+        else:
+            with torch.no_grad():
+                for e, p in zip(copied.parameters(), model.parameters()):
+                    e.data.mul_(0.5).add_(p.data, alpha=0.5)  # invisible to the version counter
+    averaged = [p.detach().float().clone() for p in copied.parameters()]
+    assert any(not torch.equal(a, s.float()) for a, s in zip(averaged, start))  # the copy did move
+    copied.float()
+    for got, want in zip(copied.parameters(), averaged):
+        assert got.dtype == torch.float32
+        if write == "averaged_model":  # written through the parameters: the carry is dropped, the values kept
+            assert torch.equal(got, want)
+        else:  # through .data: where the half value moved, its own value; elsewhere within its rounding
+            assert torch.equal(got.to(HALF), want.to(HALF))

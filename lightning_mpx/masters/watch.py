@@ -28,6 +28,7 @@ __all__ = ["WatchedParameter", "carried_value", "take_fp32_value"]
 
 _WATCH = "_mpx_data_watch"  # a parameter's __dict__ key: its _DataWatch
 _CARRIED = "_mpx_fp32"  # a deep copy's parameter's __dict__ key: the FP32 value it carries
+_CARRIED_AT = "_mpx_fp32_version"  # ... and the parameter's version then: a write since (in place) makes it stale
 
 
 class _Holder(Protocol):
@@ -120,6 +121,8 @@ class WatchedParameter(nn.Parameter):
         if _CARRIED in self.__dict__:
             value = _with_carried(self, value)
         _TENSOR_DATA.__set__(self, value)
+        if _CARRIED in self.__dict__:  # moved in half: the version to compare with is the new tensor's
+            self.__dict__[_CARRIED_AT] = self._version
         watch = self.__dict__.get(_WATCH)
         if watch is not None:
             watch.assigned(self)
@@ -137,12 +140,13 @@ class WatchedParameter(nn.Parameter):
         result = (nn.Parameter if value is None else WatchedParameter)(data, self.requires_grad)
         if value is not None:
             result.__dict__[_CARRIED] = value.detach().clone()
+            result.__dict__[_CARRIED_AT] = result._version
         memo[id(self)] = result
         return result
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         plain = nn.Parameter(_TENSOR_DATA.__get__(self), self.requires_grad)
-        plain.__dict__.update((k, v) for k, v in self.__dict__.items() if k not in (_WATCH, _CARRIED))
+        plain.__dict__.update((k, v) for k, v in self.__dict__.items() if k not in (_WATCH, _CARRIED, _CARRIED_AT))
         return plain.__reduce_ex__(protocol)
 
 
@@ -159,7 +163,7 @@ def carried_value(param: torch.Tensor) -> torch.Tensor | None:
     if type(param) is not WatchedParameter:
         return None
     if _CARRIED in param.__dict__:
-        return param.__dict__[_CARRIED]
+        return _still_carried(param)
     owner = _owner(param)
     if owner is None:
         return None
@@ -173,20 +177,50 @@ def take_fp32_value(param: torch.Tensor, watch: _DataWatch) -> torch.Tensor | No
     carries (then dropped from the parameter); ``None`` when there is neither."""
     if type(param) is not WatchedParameter:
         return None
-    carried = param.__dict__.pop(_CARRIED, None)
+    carried = _still_carried(param)
+    _drop_carry(param)
     old = param.__dict__.get(_WATCH)
     owner = _owner(param) if old is not watch else None
     handed = owner.hand_over(param) if owner is not None else None
-    return handed if handed is not None else carried
+    if handed is not None or carried is None:
+        return handed
+    half = _TENSOR_DATA.__get__(param)
+    return _reconciled(carried.to(half.device), half) if carried.shape == half.shape else None
+
+
+def _still_carried(param: torch.Tensor) -> torch.Tensor | None:
+    """The FP32 value a deep copy's ``param`` carries, ``None`` (and dropped) once the copy was written in place
+    since it was made (``AveragedModel.update_parameters``, an optimizer's step, ``p.mul_()`` under ``no_grad``): the
+    copy's values are its own then, and the carried ones a stale copy of what it was."""
+    carried = param.__dict__.get(_CARRIED)
+    if carried is not None and param.__dict__.get(_CARRIED_AT) != param._version:
+        _drop_carry(param)
+        return None
+    return carried
+
+
+def _drop_carry(param: torch.Tensor) -> None:
+    param.__dict__.pop(_CARRIED, None)
+    param.__dict__.pop(_CARRIED_AT, None)
+
+
+def _reconciled(carried: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
+    """A deep copy's carried FP32 value where it still rounds to the copy's half value, and the half value (upcast)
+    where the copy was written since it was made (an ``AveragedModel``'s in-place average, an EMA's
+    ``p.data.mul_().add_()``): a carried value is the copy's FP32 truth only while the copy is what it was. In place
+    on ``carried``."""
+    with torch.no_grad():
+        return torch.where(carried.to(half.dtype) == half, carried, half.to(carried.dtype), out=carried)
 
 
 def _with_carried(param: WatchedParameter, value: torch.Tensor) -> torch.Tensor:
     """What ``param.data = value`` sets on a parameter that carries an FP32 value (a deep copy): made FP32 (the
     copy's ``.float()`` or ``.to(torch.float32)``), the carried value wherever ``value`` is the half value it
     replaces, and the carried value is dropped; kept (on ``value``'s device) through a move in half."""
-    carried = param.__dict__.pop(_CARRIED)
+    carried = _still_carried(param)
+    _drop_carry(param)
     old = _TENSOR_DATA.__get__(param)
-    if value.shape != carried.shape or old.shape != carried.shape or old.dtype not in HALF_DTYPES:
+    if carried is None or value.shape != carried.shape or old.shape != carried.shape or old.dtype not in HALF_DTYPES:
         return value
     if value.dtype == old.dtype:  # moved (.to(device)) or replaced in half: still the copy's FP32 value
         param.__dict__[_CARRIED] = carried.to(value.device)
@@ -194,8 +228,9 @@ def _with_carried(param: WatchedParameter, value: torch.Tensor) -> torch.Tensor:
     if value.dtype != torch.float32:
         return value
     with torch.no_grad():
-        carried = carried.to(value.device)
-        return torch.where(value == old.to(value.device, torch.float32), carried, value, out=carried)
+        old = old.to(value.device)
+        carried = _reconciled(carried.to(value.device), old)
+        return torch.where(value == old.to(torch.float32), carried, value, out=carried)
 
 
 def _watch_data(param: torch.Tensor, watch: _DataWatch) -> None:
