@@ -31,6 +31,7 @@ from lightning_mpx.casting.lists import (
     CATEGORIES,
     DEFAULT_TABLE,
     O2_TABLE,
+    O3_TABLE,
 )
 from lightning_mpx.common.dtypes import parse_half_dtype
 
@@ -127,6 +128,12 @@ class CastTable:
         """A new table for the forward pass of a half model (O2): loss functions in FP32, nothing else
         (:data:`~lightning_mpx.casting.lists.O2_TABLE`)."""
         return cls.from_data(O2_TABLE)
+
+    @classmethod
+    def default_o3(cls) -> CastTable:
+        """A new table for the forward pass of a half model without masters (O3): loss functions whose floating
+        arguments differ in dtype run in the widest of them, nothing else (:data:`~lightning_mpx.casting.lists.O3_TABLE`)."""
+        return cls.from_data(O3_TABLE)
 
     @classmethod
     def from_data(cls, data: Mapping[str, Mapping[str, tuple[str, ...]]]) -> CastTable:
