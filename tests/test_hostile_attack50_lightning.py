@@ -89,6 +89,28 @@ def test_o3_losses_on_targets_made_in_self_dtype_train_as_under_bf16_true() -> N
     assert model.net[0].weight.dtype == torch.bfloat16  # still O3: a half model, no masters
 
 
+def test_fabric_o3_losses_on_targets_made_in_the_modules_dtype_train_in_its_autocast() -> None:
+    """Fabric's habit: the loss in ``fabric.autocast()`` on the set-up model's FP32 output and a target made in the
+    LightningModule's ``dtype`` (half at O3 since stop 50), refused by ``huber_loss`` and ``binary_cross_entropy``
+    before; they run in FP32 now, as at O2."""
+    torch.manual_seed(0)
+    lightning_module = Classifier()
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricMixedPrecisionPlugin("O3", half_dtype=HALF)])
+    module, optimizer = fabric.setup(lightning_module, torch.optim.SGD(lightning_module.parameters(), lr=0.1))
+    assert lightning_module.dtype == torch.bfloat16
+    before = [p.detach().clone() for p in module.parameters()]
+    for x, y in loader(classification_data(n=16)):
+        with fabric.autocast():
+            out = module(x)
+            target = F.one_hot(y, 4).to(lightning_module.dtype) * 0.9 + 0.025
+            losses = (F.huber_loss(out, target), F.binary_cross_entropy(torch.sigmoid(out), target))
+        assert [loss.dtype for loss in losses] == [torch.float32] * 2
+        fabric.backward(sum(losses))
+        optimizer.step()
+        optimizer.zero_grad()
+    assert all(not torch.equal(p.detach(), b) for p, b in zip(module.parameters(), before))
+
+
 # -- the note on an uncast input ------------------------------------------------------------------------------------
 class _Smooth(nn.Module):
     """A layer that blends its output with an FP32 tensor it makes itself (its own bug, not its input's dtype)."""
