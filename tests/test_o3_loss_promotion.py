@@ -84,3 +84,54 @@ def test_accelerate_o3_autocast_promotes_a_loss_on_a_half_target() -> None:
         accelerator.backward(loss)
         optimizer.step()
         assert not torch.equal(model.weight.detach(), before)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.fc(x))
+
+
+class _Stacked(nn.Module):
+    """GPT's layout: blocks in an ``nn.ModuleList`` (no forward of its own) that the root's forward iterates."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(depth))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_blocks_in_a_module_list_run_without_the_loss_mode(level: str) -> None:
+    """The loss policy's mode is taken off in the loss-free submodules by hooks on them; hooks on the
+    ``nn.ModuleList`` never ran (it is never called), so every op of its blocks was handed to the mode (a GPT at O3:
+    297 -> 430 Python calls per Fabric step). Its blocks are hooked: the mode sees the same calls at any depth, and
+    the loss is what the same engine computes with the mode on everywhere."""
+    from tests.compile_helpers import HookCounter
+
+    x, y, _ = _batch()
+    seen, losses = [], []
+    for depth in (1, 4):
+        torch.manual_seed(0)
+        amp = Amp(level, half_dtype=HALF)
+        model = amp.prepare_model(_Stacked(depth))
+        with HookCounter() as counter, amp.forward_context():
+            loss = F.cross_entropy(amp.cast_outputs(model(amp.cast_inputs(x))), y)
+        seen.append(counter.calls)
+        losses.append(loss)
+    assert seen[0] == seen[1] <= 6, seen  # the loss, the casts, and the root's own calls
+    torch.manual_seed(0)
+    amp = Amp(level, half_dtype=HALF)
+    model = amp.prepare_model(_Stacked(4))
+    for handle in amp._models._regions_hooks[model]:
+        handle.remove()  # the mode on for the whole forward
+    with amp.forward_context():
+        assert torch.equal(F.cross_entropy(amp.cast_outputs(model(amp.cast_inputs(x))), y), losses[1])
