@@ -1,4 +1,5 @@
-"""At O2, the forward policy (loss functions in FP32) only where the model's code can compute a loss.
+"""At O2 and O3, the forward policy (loss functions in FP32; at O3 promoted when their arguments differ) only where
+the model's code can compute a loss.
 
 The O2 policy is a torch-function mode, and a mode is handed every torch call made while it is on the stack: pushed
 for a whole forward it costs a Python call per op of the half model (3-5 us each, issue 25), to catch the few loss

@@ -132,7 +132,8 @@ class CastTable:
     @classmethod
     def default_o3(cls) -> CastTable:
         """A new table for the forward pass of a half model without masters (O3): loss functions whose floating
-        arguments differ in dtype run in the widest of them, nothing else (:data:`~lightning_mpx.casting.lists.O3_TABLE`)."""
+        arguments differ in dtype run in the widest of them, nothing else
+        (:data:`~lightning_mpx.casting.lists.O3_TABLE`)."""
         return cls.from_data(O3_TABLE)
 
     @classmethod
