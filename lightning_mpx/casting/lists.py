@@ -302,18 +302,6 @@ O2_TABLE: Mapping[str, Mapping[str, tuple[str, ...]]] = MappingProxyType(
     }
 )
 
-#: The table of an O3 forward pass (a half model without masters, Apex's "pure half"): the loss functions of
-#: :data:`O2_TABLE`, each run in the widest floating dtype of its arguments when they differ (the FP32 output of the
-#: model's boundary beside a target made in ``self.dtype``), as torch promotes ``mse_loss`` or ``kl_div`` itself;
-#: ``huber_loss`` and ``binary_cross_entropy`` refuse such a pair. A call whose floating arguments share one dtype runs
-#: as given: a loss on the half logits inside the model stays half, as at Apex's O3 and Lightning's "bf16-true".
-O3_TABLE: Mapping[str, Mapping[str, tuple[str, ...]]] = MappingProxyType(
-    {
-        "torch.nn.functional": MappingProxyType({"promote": _LOSSES + ("binary_cross_entropy",)}),
-        "torch": MappingProxyType({"promote": _TORCH_LOSSES}),
-    }
-)
-
 #: What the error for a banned op suggests instead, by function name.
 BANNED_ADVICE: Mapping[str, str] = MappingProxyType(
     {

@@ -31,7 +31,6 @@ from lightning_mpx.casting.lists import (
     CATEGORIES,
     DEFAULT_TABLE,
     O2_TABLE,
-    O3_TABLE,
 )
 from lightning_mpx.common.dtypes import parse_half_dtype
 
@@ -131,10 +130,14 @@ class CastTable:
 
     @classmethod
     def default_o3(cls) -> CastTable:
-        """A new table for the forward pass of a half model without masters (O3): loss functions whose floating
-        arguments differ in dtype run in the widest of them, nothing else
-        (:data:`~lightning_mpx.casting.lists.O3_TABLE`)."""
-        return cls.from_data(O3_TABLE)
+        """A new table for the forward pass of a half model without masters (O3): the loss functions of
+        :meth:`default_o2` in the ``promote`` category (a loss on floating arguments of two dtypes, the boundary's FP32
+        output beside a half target, runs in the widest; one on arguments of one dtype runs as given), nothing else
+        (see :mod:`~lightning_mpx.casting.loss_promotion`)."""
+        return cls.from_data({
+            namespace: {"promote": tuple(name for names in by_category.values() for name in names)}
+            for namespace, by_category in O2_TABLE.items()
+        })
 
     @classmethod
     def from_data(cls, data: Mapping[str, Mapping[str, tuple[str, ...]]]) -> CastTable:
