@@ -76,18 +76,41 @@ def test_o2_losses_on_targets_made_in_self_dtype_stay_fp32() -> None:
     assert model.loss_dtypes == dict.fromkeys(names, torch.float32)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="O3 has no forward-context policy (casting/policy.py, not these files) to run loss functions in FP32, and "
-    "its boundary hands FP32 outputs (Apex's O3) while self.dtype is half since this stop: huber_loss and "
-    "binary_cross_entropy refuse the pair ('Found dtype BFloat16 but expected Float'), which Lightning's "
-    "'bf16-true' (half outputs) and the plugin before this stop (float32 self.dtype) trained",
-)
 def test_o3_losses_on_targets_made_in_self_dtype_train_as_under_bf16_true() -> None:
-    model = _SelfDtypeTargets(("huber", "bce"))
+    """At O3 the boundary hands FP32 outputs (Apex's ``cast_model_outputs``) while ``self.dtype`` is half:
+    ``huber_loss`` and ``binary_cross_entropy`` refused the pair ("Found dtype BFloat16 but expected Float"), which
+    Lightning's "bf16-true" (half outputs) trains. O3's policy runs such a mixed call in the widest dtype, FP32, as
+    torch does for ``mse_loss`` and ``kl_div`` on the same pair (their dtypes unchanged)."""
+    names = ("mse", "bce_with_logits", "soft_cross_entropy", "kl_div", "huber", "bce")
+    reference = _SelfDtypeTargets(names)
+    make_trainer(precision="bf16-true", max_steps=1).fit(reference, loader(classification_data(n=16)))
+    assert reference.loss_dtypes == dict.fromkeys(names, torch.bfloat16)  # the habit trains there, in half
+    model = _SelfDtypeTargets(names)
     make_trainer(MixedPrecisionPlugin("O3", half_dtype=HALF), max_steps=1).fit(model, loader(classification_data(n=16)))
-    assert set(model.loss_dtypes) == {"huber", "bce"}
+    assert model.loss_dtypes == dict.fromkeys(names, torch.float32)
+    assert model.net[0].weight.dtype == torch.bfloat16  # still O3: a half model, no masters
+
+
+def test_fabric_o3_losses_on_targets_made_in_the_modules_dtype_train_in_its_autocast() -> None:
+    """Fabric's habit: the loss in ``fabric.autocast()`` on the set-up model's FP32 output and a target made in the
+    LightningModule's ``dtype`` (half at O3 since stop 50), refused by ``huber_loss`` and ``binary_cross_entropy``
+    before; they run in FP32 now, as at O2."""
+    torch.manual_seed(0)
+    lightning_module = Classifier()
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricMixedPrecisionPlugin("O3", half_dtype=HALF)])
+    module, optimizer = fabric.setup(lightning_module, torch.optim.SGD(lightning_module.parameters(), lr=0.1))
+    assert lightning_module.dtype == torch.bfloat16
+    before = [p.detach().clone() for p in module.parameters()]
+    for x, y in loader(classification_data(n=16)):
+        with fabric.autocast():
+            out = module(x)
+            target = F.one_hot(y, 4).to(lightning_module.dtype) * 0.9 + 0.025
+            losses = (F.huber_loss(out, target), F.binary_cross_entropy(torch.sigmoid(out), target))
+        assert [loss.dtype for loss in losses] == [torch.float32] * 2
+        fabric.backward(sum(losses))
+        optimizer.step()
+        optimizer.zero_grad()
+    assert all(not torch.equal(p.detach(), b) for p, b in zip(module.parameters(), before))
 
 
 # -- the note on an uncast input ------------------------------------------------------------------------------------

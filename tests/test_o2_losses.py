@@ -79,9 +79,13 @@ def test_the_o2_table_holds_losses_only():
         assert F.mse_loss(h, h.flip(0)).dtype == torch.float32
 
 
-def test_o0_and_o3_have_no_forward_policy():
-    assert Amp("O0").policy is None and Amp("O3").policy is None
-    assert Amp("O2").policy is not None and Amp("O2", master_weights=False).policy is None
+def test_o0_has_no_forward_policy_and_o3_promotes_the_o2_losses():
+    """O3 (and O2 without masters) promotes the loss functions O2 runs in FP32 (casting/loss_promotion.py)."""
+    assert Amp("O0").policy is None
+    o2 = {(entry.function, entry.category) for entry in Amp("O2").policy.table}
+    for amp in (Amp("O3"), Amp("O2", master_weights=False)):
+        assert {(entry.function, entry.category) for entry in amp.policy.table} == {(f, "promote") for f, _ in o2}
+        assert amp.policy.engine_in_use == "mode"
 
 
 pl = pytest.importorskip("lightning.pytorch")

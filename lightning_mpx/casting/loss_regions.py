@@ -1,4 +1,5 @@
-"""At O2, the forward policy (loss functions in FP32) only where the model's code can compute a loss.
+"""At O2 and O3, the forward policy (loss functions in FP32; at O3 promoted when their arguments differ) only where
+the model's code can compute a loss.
 
 The O2 policy is a torch-function mode, and a mode is handed every torch call made while it is on the stack: pushed
 for a whole forward it costs a Python call per op of the half model (3-5 us each, issue 25), to catch the few loss
@@ -93,7 +94,9 @@ class LossRegions:
 
     # -- finding the regions -----------------------------------------------------------------------------------
     def free_modules(self, root: nn.Module) -> list[nn.Module]:
-        """The topmost submodules of ``root`` (not ``root`` itself) whose whole subtree computes no loss."""
+        """The topmost submodules of ``root`` (not ``root`` itself) whose whole subtree computes no loss, and that
+        can be called: a container without a ``forward`` (``nn.ModuleList``, ``nn.ModuleDict``) never runs its hooks,
+        so its children stand in for it (a GPT's ``self.blocks``, iterated by its parent's forward)."""
         self._current_names()  # (re)read the table's names first: the verdicts below are made with them
         free: dict[int, bool] = {}
 
@@ -111,7 +114,7 @@ class LossRegions:
         while stack:
             parent = stack.pop()
             for child in parent.children():
-                if free[id(child)]:
+                if free[id(child)] and _callable(child):
                     found.setdefault(id(child), child)
                 else:
                     stack.append(child)
@@ -164,12 +167,6 @@ class LossRegions:
             handles.append(module.register_forward_hook(self._on, always_call=True))
         return handles
 
-    def _taken(self) -> list[list[Any]]:
-        taken = getattr(self._local, "taken", None)
-        if taken is None:
-            taken = self._local.taken = []
-        return taken
-
     def _off(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():  # traced: the mode's casts are in the graph, not paid per call
             return
@@ -180,15 +177,23 @@ class LossRegions:
             if not (type(top) is _CastMode and top.policy is self.policy):
                 break
             popped.append(torch._C._pop_torch_function_stack())
-        self._taken().append(popped)
+        taken = getattr(self._local, "taken", None)  # self._taken(), inline (a call saved per hooked module)
+        if taken is None:
+            taken = self._local.taken = []
+        taken.append(popped)
 
     def _on(self, module: nn.Module, args: Any, output: Any) -> None:
         # always_call: also when the forward raised, so the stack is whole again.
         if torch.compiler.is_compiling():
             return
-        taken = self._taken()
+        taken = getattr(self._local, "taken", None)  # self._taken(), inline
         for mode in reversed(taken.pop() if taken else ()):
             torch._C._push_on_torch_function_stack(mode)
+
+
+def _callable(module: nn.Module) -> bool:
+    """Whether ``module`` has a ``forward`` of its own (``nn.ModuleList`` and ``nn.ModuleDict`` have none)."""
+    return "forward" in module.__dict__ or type(module).forward is not nn.Module.forward
 
 
 def _names(code: types.CodeType) -> Iterable[str]:

@@ -129,6 +129,17 @@ class CastTable:
         return cls.from_data(O2_TABLE)
 
     @classmethod
+    def default_o3(cls) -> CastTable:
+        """A new table for the forward pass of a half model without masters (O3): the loss functions of
+        :meth:`default_o2` in the ``promote`` category (a loss on floating arguments of two dtypes, the boundary's FP32
+        output beside a half target, runs in the widest; one on arguments of one dtype runs as given), nothing else
+        (see :mod:`~lightning_mpx.casting.loss_promotion`)."""
+        return cls.from_data({
+            namespace: {"promote": tuple(name for names in by_category.values() for name in names)}
+            for namespace, by_category in O2_TABLE.items()
+        })
+
+    @classmethod
     def from_data(cls, data: Mapping[str, Mapping[str, tuple[str, ...]]]) -> CastTable:
         """Build a table from ``{namespace: {category: names}}`` data; names missing from this torch are skipped."""
         table = cls()

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from lightning_mpx.casting.loss_promotion import o3_policy
 from lightning_mpx.casting.loss_regions import LossRegions
 from lightning_mpx.casting.policy import CastPolicy
 from lightning_mpx.casting.table import CastTable
@@ -128,10 +129,11 @@ class AmpParts:
 
 def _policy(settings: MixedPrecisionSettings) -> CastPolicy | None:
     """The cast policy of the opt level: the cast table at O1; at O2, one that runs a loss computed inside the half
-    model's own forward in FP32 (:meth:`CastTable.default_o2`); none otherwise."""
+    model's own forward in FP32 (:meth:`CastTable.default_o2`); at O3, one that runs a loss on arguments of two
+    floating dtypes in the widest (:func:`~lightning_mpx.casting.loss_promotion.o3_policy`); none at O0."""
     props = settings.properties
     if not props.has_cast_policy:
-        return None
+        return o3_policy(props)
     if props.patch_torch_functions:
         return CastPolicy(settings.cast_table, props.half_dtype, allow_banned=settings.allow_banned)
     return CastPolicy(CastTable.default_o2(), props.half_dtype, allow_banned=True)
