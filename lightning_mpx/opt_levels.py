@@ -129,9 +129,10 @@ class Properties:
 
     @property
     def has_cast_policy(self) -> bool:
-        """Whether the forward pass runs under a cast policy: the cast table (``patch_torch_functions``), or at O2
-        (a half model with FP32 masters) the policy that runs loss functions in FP32."""
-        return self.patch_torch_functions or (self.casts_model and self.master_weights)
+        """Whether the forward pass runs under a cast policy: the cast table (``patch_torch_functions``), at O2 (a
+        half model with FP32 masters) the policy that runs loss functions in FP32, at O3 (a half model without) the
+        one that runs a loss on arguments of two floating dtypes in the widest."""
+        return self.patch_torch_functions or self.casts_model
 
     @property
     def dynamic_loss_scale(self) -> bool:

@@ -133,7 +133,9 @@ def _policy(settings: MixedPrecisionSettings) -> CastPolicy | None:
     floating dtypes in the widest (:func:`~lightning_mpx.casting.loss_promotion.o3_policy`); none at O0."""
     props = settings.properties
     if not props.has_cast_policy:
-        return o3_policy(props)
+        return None
     if props.patch_torch_functions:
         return CastPolicy(settings.cast_table, props.half_dtype, allow_banned=settings.allow_banned)
+    if not props.master_weights:
+        return o3_policy(props)
     return CastPolicy(CastTable.default_o2(), props.half_dtype, allow_banned=True)

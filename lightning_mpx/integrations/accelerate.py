@@ -23,7 +23,8 @@ their native behaviour untouched. With an opt level, Accelerate itself runs with
 
 * ``prepare`` converts each model for the opt level (before device placement's DDP wrapper, after it is moved to the
   device, so that O2's FP32 masters live on the device), replaces its ``forward`` *on that instance only* (O1: the
-  cast policy is active during the forward; O2: loss functions called inside it run in FP32; O2/O3: float inputs
+  cast policy is active during the forward; O2: loss functions called inside it run in FP32; O3: those given
+  arguments of two floating dtypes too; O2/O3: float inputs
   cast to half; every level: half outputs cast to
   FP32 so that the loss is computed in FP32), and wraps each optimizer so that ``step`` is ``Amp.step``.
 * **When the scale is updated.** ``Amp.update()`` must run once per iteration, after the real optimizer steps. The
@@ -379,7 +380,8 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
     @contextlib.contextmanager
     def autocast(self, autocast_handler: AutocastKwargs | None = None) -> Iterator[None]:
         """As ``accelerate.Accelerator.autocast``; with an opt level, ``Amp.forward_context``: the O1 cast policy's
-        scope, at O2 the policy that runs loss functions in FP32 (nothing at O0 and O3)."""
+        scope, at O2 the policy that runs loss functions in FP32, at O3 the one that runs a loss on arguments of two
+        floating dtypes in FP32 (nothing at O0)."""
         if self.amp is None:
             with super().autocast(autocast_handler):
                 yield

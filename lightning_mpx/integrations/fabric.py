@@ -263,7 +263,8 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
 
     def forward_context(self) -> ContextManager[Any]:
         """The engine's forward context (``fabric.autocast()`` and every set-up model's forward): the O1 cast
-        policy; at O2, loss functions in FP32; nothing at O0 and O3."""
+        policy; at O2, loss functions in FP32; at O3, a loss on arguments of two floating dtypes in FP32; nothing
+        at O0."""
         self._begin()
         return self.amp.forward_context()
 
