@@ -109,6 +109,8 @@ class AmpState:
             gradient they hold came from a backward outside any block, unscaled.
         gradless: Per optimizer, the parameters without a gradient when the last ``scale_loss`` block ended: a
             gradient they hold at its ``step()`` came from a backward outside any block, unscaled.
+        loaded: The engine ``amp.load_state_dict()`` loaded into, until its next ``scale_loss`` block: a new
+            ``initialize`` then would drop what was loaded (the wrong order, refused).
         registrations: ``(function, category)`` from ``register_*_function`` and the decorators (kept across
             ``initialize``).
     """
@@ -132,6 +134,7 @@ class AmpState:
     after_step: set[int] = field(default_factory=set)
     idle: set[int] = field(default_factory=set)
     gradless: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    loaded: Amp | None = None
     registrations: list[tuple[Callable[..., Any], str]] = field(default_factory=list)
 
     def reset(self) -> None:
@@ -166,7 +169,7 @@ class AmpState:
             del self.skip_next[key]
         for key in set(self.stash) - live:
             del self.stash[key]
-        self.amp, self.enabled, self.handle, self.holder = None, None, None, None
+        self.amp, self.enabled, self.handle, self.holder, self.loaded = None, None, None, None, None
         self.loss_scalers, self.current = [], []
 
     def leave_cast_scope(self) -> None:

@@ -134,6 +134,8 @@ def scale_loss(
         return
     wrapped = _resolve(optimizers)
     amp = wrapped[0]._engine
+    if state.loaded is amp:
+        state.loaded = None  # what was loaded is in use: a later initialize() drops nothing unused
     ids = [id(w.optimizer) for w in wrapped]
     if any(i in state.stepped for i in ids):
         # A new iteration began for an optimizer that already stepped: close the last one.
