@@ -27,7 +27,8 @@ Each ``initialize`` (or the older ``init()``, which returns Apex's handle) maps 
   ``half_function``/``float_function``/``promote_function`` decorators, which make it do so).
 * The scale backs off when the skipped step happens (``Amp.update()`` after the last named optimizer's step), not
   at the end of the block; the overflow message, logged at the end of the block, names the scale it will back off to.
-* ``min_loss_scale=None`` (Apex: no floor) means the smallest normal FP32 number, with a warning when reached.
+* ``min_loss_scale=None`` (Apex: no floor) means the smallest normal FP32 number, with a warning when reached. At
+  any floor an overflow skips the step and warns; training goes on, as Apex's.
 
 Where each part lives: :mod:`~lightning_mpx.apex.frontend` (``initialize``, ``init``),
 :mod:`~lightning_mpx.apex.loss_scaling` (``scale_loss`` and the optimizer wrapper), :mod:`~lightning_mpx.apex.handle`

@@ -13,7 +13,8 @@
 ``FP16_Optimizer`` is an O2 :class:`~lightning_mpx.Amp` (no casts, FP32 masters for the optimizer's half parameters,
 FP32 parameters stepped as they are) with one loss scaler: the scaling, overflow check, skip and masters are the
 core's. Its dynamic scaler follows Apex's old ``DynamicLossScaler`` settings (``init_scale=2**32``,
-``scale_factor=2``, ``scale_window=1000``, floor 1).
+``scale_factor=2``, ``scale_window=1000``, floor 1; Megatron-LM's ``delayed_shift`` is the core's ``hysteresis``).
+``FP16Model``, ``convert_network``, ``convert_module`` and ``clip_grad_norm`` are Apex's too.
 """
 
 from __future__ import annotations
@@ -132,6 +133,8 @@ class FP16_Optimizer:
     def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> float:
         """Clip the master gradients to a global ``norm_type`` norm; returns the norm before clipping (``-1`` on
         overflow)."""
+        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
+            raise ValueError(f"norm_type={norm_type!r} is not valid; valid choices: a positive number or inf.")
         if float(norm_type) == 2.0:
             norm = float(self.amp.clip_grad_norm_(self.optimizer, max_norm))
             return -1.0 if not math.isfinite(norm) else norm
