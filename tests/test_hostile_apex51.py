@@ -196,3 +196,49 @@ def test_fp16_utils_has_apex_fp16model_convert_network_and_clip_grad_norm():
     out = model(torch.randn(3, 4))
     assert out.dtype == torch.float16 and model.network[0].weight.dtype == torch.float16
     assert apex_fp16_utils.clip_grad_norm is torch.nn.utils.clip_grad_norm_
+
+
+# -- opt-level overrides -----------------------------------------------------------------------------------------
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return {"logits": y, "extra": (y, y.argmax(-1))}
+
+
+@pytest.mark.parametrize(("opt_level", "cast", "want"), [
+    ("O2", None, torch.float32),  # Apex's default output caster at O2/O3: FP32
+    ("O2", torch.float16, torch.float16),
+    ("O1", torch.float32, torch.float32),  # Apex patched the forward at O1 too when cast_model_outputs was given
+    ("O3", torch.bfloat16, torch.bfloat16),
+])
+def test_cast_model_outputs_casts_every_floating_output_as_apex_applier(opt_level, cast, want):
+    model = _TwoHeads()
+    model, _ = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=opt_level,
+                              cast_model_outputs=cast, verbosity=0)
+    out = model(torch.randn(3, 4))
+    assert out["logits"].dtype == want and out["extra"][0].dtype == want
+    assert out["extra"][1].dtype == torch.int64  # integers untouched
+
+
+def test_o2_master_weights_false_steps_the_half_model_as_plain_half_training():
+    """``opt_level="O2", master_weights=False``: the half parameters are stepped themselves (no masters), the static
+    scale divided out exactly: bit for bit the same half model trained by hand."""
+    model = _mlp()
+    reference = copy.deepcopy(model).to(torch.bfloat16)
+    model, optimizer = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+                                      opt_level="O2", cast_model_type=torch.bfloat16, master_weights=False,
+                                      loss_scale=128.0, verbosity=0)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+    assert all(m is p for m, p in zip(amp.master_params(optimizer), model.parameters()))
+    for x, y in _batches(3):
+        _apex_step(model, optimizer, x, y)
+        ref_opt.zero_grad()
+        (F.cross_entropy(reference(x.to(torch.bfloat16)).float(), y) * 128.0).backward()
+        for p in reference.parameters():
+            p.grad.div_(128.0)
+        ref_opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
