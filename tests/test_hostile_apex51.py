@@ -85,6 +85,23 @@ def test_the_first_dynamic_scale_is_apex_min_of_max_loss_scale_and_2_to_16(bound
     assert _amp_state.loss_scalers[0].loss_scale() == first  # and trains from there
 
 
+# -- the model given to initialize ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("opt_level", ["O0", "O1", "O2"])
+def test_a_model_made_half_before_initialize_is_refused_as_apex(opt_level):
+    """Apex's ``check_params_fp32``: ``model.half()`` before ``initialize`` is refused, naming the parameter (was: O1
+    trained the half weights without masters, silently; O0 failed in the first matmul). Apex's switch lets it in."""
+    model = _mlp().to(torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match=r"'0.weight' with dtype torch.bfloat16.*do not need to call .half\(\)"):
+        amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+    assert _amp_state.amp is None and not _amp_state.hooks  # nothing was set up
+    _amp_state.allow_incoming_model_not_fp32 = True
+    try:
+        amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+    finally:
+        _amp_state.allow_incoming_model_not_fp32 = False
+
+
 # -- checkpoint order ------------------------------------------------------------------------------------------------
 def test_amp_load_state_dict_before_initialize_is_refused_naming_the_order():
     """Apex documents initialize, then model/optimizer/amp ``load_state_dict``. Before any initialize the load is

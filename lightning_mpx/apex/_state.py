@@ -109,6 +109,8 @@ class AmpState:
             gradient they hold came from a backward outside any block, unscaled.
         gradless: Per optimizer, the parameters without a gradient when the last ``scale_loss`` block ended: a
             gradient they hold at its ``step()`` came from a backward outside any block, unscaled.
+        allow_incoming_model_not_fp32: Apex's switch: ``initialize`` then takes models with half parameters
+            (otherwise refused, as Apex did, unless ``cast_model_type=False``).
         loaded: The engine ``amp.load_state_dict()`` loaded into, until its next ``scale_loss`` block: a new
             ``initialize`` then would drop what was loaded (the wrong order, refused).
         registrations: ``(function, category)`` from ``register_*_function`` and the decorators (kept across
@@ -134,6 +136,7 @@ class AmpState:
     after_step: set[int] = field(default_factory=set)
     idle: set[int] = field(default_factory=set)
     gradless: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    allow_incoming_model_not_fp32: bool = False
     loaded: Amp | None = None
     registrations: list[tuple[Callable[..., Any], str]] = field(default_factory=list)
 

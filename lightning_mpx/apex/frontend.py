@@ -63,6 +63,8 @@ def initialize(
         optimizers_list, optimizers_single = [], True
     else:
         optimizers_list, optimizers_single = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+    if enabled is True and cast_model_type is not False and not _amp_state.allow_incoming_model_not_fp32:
+        _check_params_fp32(models_list)
     carried = _carry_over(models_list, optimizers_list) if enabled is True else []
     _amp_state.begin_call(models_list, [o for o in optimizers_list if not isinstance(o, AmpOptimizer)])
     if not isinstance(enabled, bool):
@@ -139,6 +141,23 @@ def initialize(
     if amp.properties.patch_torch_functions:
         _amp_state.handle = _enter_casts(amp, verbose=verbosity == 2)
     return _shaped(models_list, models_single, optimizers, wrapped, optimizers_single)
+
+
+def _check_params_fp32(models: list[nn.Module]) -> None:
+    """Apex's ``check_params_fp32``: a model made half before ``initialize`` is refused (at O1 its half weights
+    would train without FP32 masters; O2 would make masters of the rounded values). Models an earlier
+    ``initialize`` prepared (half by then) are its own doing."""
+    for model in models:
+        if model in _amp_state.models:
+            continue
+        for name, param in model.named_parameters():
+            if param.dtype in (torch.float16, torch.bfloat16):
+                raise RuntimeError(
+                    f"models: found parameter {name!r} with dtype {param.dtype}, expected torch.float32. When using "
+                    "amp.initialize, you do not need to call .half() on your model before passing it, no matter "
+                    "what optimization level you choose (as in Apex). To keep half parameters on purpose pass "
+                    "cast_model_type=False, or set amp._amp_state.allow_incoming_model_not_fp32 = True."
+                )
 
 
 def _carry_over(models: list[nn.Module], optimizers: list[Any]) -> list[tuple[Any, dict[str, Any]]]:
