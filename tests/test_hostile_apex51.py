@@ -259,3 +259,17 @@ def test_o2_master_weights_false_steps_the_half_model_as_plain_half_training():
             p.grad.div_(128.0)
         ref_opt.step()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+@pytest.mark.parametrize(("cast_model_type", "data_dtype"), [(None, torch.bfloat16), (torch.bfloat16, torch.float16)])
+def test_o2_casts_inputs_of_the_other_half_dtype_as_apex_to_type(cast_model_type, data_dtype):
+    """Apex's input caster cast every floating input to the model's dtype: bfloat16 data into the float16 model (was:
+    torch's "mat1 and mat2 must have the same dtype" in the first layer)."""
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    model, _ = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
+                              cast_model_type=cast_model_type, verbosity=0)
+    x = torch.randn(3, 4).to(data_dtype)
+    half = model[0].weight.dtype
+    want = reference.to(half)(x.to(half)).float()
+    assert torch.equal(model(x), want)
