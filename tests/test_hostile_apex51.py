@@ -273,3 +273,28 @@ def test_o2_casts_inputs_of_the_other_half_dtype_as_apex_to_type(cast_model_type
     half = model[0].weight.dtype
     want = reference.to(half)(x.to(half)).float()
     assert torch.equal(model(x), want)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_stepping_the_optimizer_passed_to_initialize_is_refused_naming_the_returned_one(opt_level):
+    """Apex patched the optimizer in place, so scripts step the one they passed in. Here that one's step bypasses
+    the skip and the scale's update (was, at O1: an overflowed step put inf into the weights and the scale never
+    backed off; at O2 an error pointing at ``amp.step(optimizer)``). The returned one steps; after
+    ``_amp_state.reset()`` the original is its own again."""
+    model = _mlp()
+    original = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, original, opt_level=opt_level, cast_model_type=None if opt_level == "O1"
+                                      else torch.bfloat16, loss_scale="dynamic", verbosity=0)
+    x, y = _batches(1)[0]
+    with amp.scale_loss(F.cross_entropy(model(x).float(), y) * float("inf"), original) as scaled_loss:
+        scaled_loss.backward()
+    with pytest.raises(RuntimeError, match=r"step\(\) of the SGD passed to amp.initialize\(\): step the optimizer"):
+        original.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    optimizer.step()  # skipped, and the scale backs off
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert _amp_state.loss_scalers[0].loss_scale() == 2.0**15
+    _amp_state.reset()
+    original.zero_grad()
+    F.cross_entropy(model(x.to(model[0].weight.dtype)).float(), y).backward()  # the model stays as cast
+    original.step()

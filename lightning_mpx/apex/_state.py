@@ -137,6 +137,7 @@ class AmpState:
     idle: set[int] = field(default_factory=set)
     gradless: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     allow_incoming_model_not_fp32: bool = False
+    stepping: Any = None  # the optimizer whose step() the wrapper is running (its step pre-hook lets it through)
     loaded: Amp | None = None
     registrations: list[tuple[Callable[..., Any], str]] = field(default_factory=list)
 
@@ -149,6 +150,7 @@ class AmpState:
                 handle.remove()
         for wrapper in list(self.optimizers.values()):
             wrapper._engine.release_optimizer(wrapper.optimizer)
+            wrapper.unguard_original()
         registrations = self.registrations
         self.__init__()  # type: ignore[misc]
         self.registrations = registrations
@@ -164,6 +166,7 @@ class AmpState:
             wrapper = self.optimizers.get(id(optimizer))
             if wrapper is not None and wrapper.optimizer is optimizer:
                 wrapper._engine.release_optimizer(optimizer)
+                wrapper.unguard_original()
                 del self.optimizers[id(optimizer)]
         live = set(self.optimizers.keys())
         for ids in (self.touched, self.stepped, self.after_step, self.idle):

@@ -130,8 +130,9 @@ def initialize(
             # O3: state made before (a checkpoint loaded first) takes the parameters' half dtype, as Apex's
             # load_state_dict(state_dict()) trick did; at O2 the core moves it to the FP32 masters.
             optimizer.load_state_dict(optimizer.state_dict())
-        amp.prepare_optimizer(optimizer)
         wrapper = AmpOptimizer(optimizer, _amp_state, amp)
+        wrapper.guard_original()  # before the engine's hooks: its refusal speaks Apex
+        amp.prepare_optimizer(optimizer)
         _amp_state.optimizers[id(optimizer)] = wrapper
         _amp_state.current.append(wrapper)
         _amp_state.idle.add(id(optimizer))
