@@ -86,8 +86,8 @@ def test_wrapper_is_an_optimizer_for_schedulers_and_delegates():
     opt.step()
     sched.step()
     assert inner.param_groups[0]["lr"] == pytest.approx(0.05)
-    with pytest.raises(RuntimeError, match="outside Amp.step"):
-        inner.step()  # the raw optimizer still refuses a direct step at O2
+    with pytest.raises(RuntimeError, match="step the optimizer amp.initialize"):
+        inner.step()  # the raw optimizer refuses a direct step, naming the returned one
     with pytest.raises(NotImplementedError, match="closure"):
         opt.step(closure=lambda: 0.0)
 

@@ -346,7 +346,9 @@ class _Chain(nn.Module):
 def test_o1_cast_cache_gives_the_fp32_gradient_across_train_eval_train(dtype):
     x = torch.ones(2, 4)
     model = _Chain(dtype)
+    _amp_state.allow_incoming_model_not_fp32 = True  # as Apex's test_cache: a half model on purpose
     model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), opt_level="O1", verbosity=0)
+    _amp_state.allow_incoming_model_not_fp32 = False
     _set_scales(4.0)  # the half gradients (up to ~80) times Apex's 65536 would overflow float16
     for phase in range(2):
         model.w.grad = None

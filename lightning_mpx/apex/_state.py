@@ -109,6 +109,10 @@ class AmpState:
             gradient they hold came from a backward outside any block, unscaled.
         gradless: Per optimizer, the parameters without a gradient when the last ``scale_loss`` block ended: a
             gradient they hold at its ``step()`` came from a backward outside any block, unscaled.
+        allow_incoming_model_not_fp32: Apex's switch: ``initialize`` then takes models with half parameters
+            (otherwise refused, as Apex did, unless ``cast_model_type=False``).
+        loaded: The engine ``amp.load_state_dict()`` loaded into, until its next ``scale_loss`` block: a new
+            ``initialize`` then would drop what was loaded (the wrong order, refused).
         registrations: ``(function, category)`` from ``register_*_function`` and the decorators (kept across
             ``initialize``).
     """
@@ -132,6 +136,9 @@ class AmpState:
     after_step: set[int] = field(default_factory=set)
     idle: set[int] = field(default_factory=set)
     gradless: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    allow_incoming_model_not_fp32: bool = False
+    stepping: Any = None  # the optimizer whose step() the wrapper is running (its step pre-hook lets it through)
+    loaded: Amp | None = None
     registrations: list[tuple[Callable[..., Any], str]] = field(default_factory=list)
 
     def reset(self) -> None:
@@ -143,6 +150,7 @@ class AmpState:
                 handle.remove()
         for wrapper in list(self.optimizers.values()):
             wrapper._engine.release_optimizer(wrapper.optimizer)
+            wrapper.unguard_original()
         registrations = self.registrations
         self.__init__()  # type: ignore[misc]
         self.registrations = registrations
@@ -158,6 +166,7 @@ class AmpState:
             wrapper = self.optimizers.get(id(optimizer))
             if wrapper is not None and wrapper.optimizer is optimizer:
                 wrapper._engine.release_optimizer(optimizer)
+                wrapper.unguard_original()
                 del self.optimizers[id(optimizer)]
         live = set(self.optimizers.keys())
         for ids in (self.touched, self.stepped, self.after_step, self.idle):
@@ -166,7 +175,7 @@ class AmpState:
             del self.skip_next[key]
         for key in set(self.stash) - live:
             del self.stash[key]
-        self.amp, self.enabled, self.handle, self.holder = None, None, None, None
+        self.amp, self.enabled, self.handle, self.holder, self.loaded = None, None, None, None, None
         self.loss_scalers, self.current = [], []
 
     def leave_cast_scope(self) -> None:

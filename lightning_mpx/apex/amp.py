@@ -14,7 +14,8 @@ Each ``initialize`` (or the older ``init()``, which returns Apex's handle) maps 
 
 * Nothing is patched process-wide. ``initialize`` returns each optimizer wrapped in a thin object whose ``step()``
   goes through ``Amp.step()`` (at O2 the masters stand in for the half parameters only there) and which delegates
-  everything else; models get removable forward hooks (input/output casts at O2/O3) and, at O2/O3, state-dict hooks.
+  everything else (the optimizer passed in refuses a ``step()`` of its own, which would bypass the skip and the
+  scale's update); models get removable forward hooks (input/output casts at O2/O3) and, at O2/O3, state-dict hooks.
 * A later ``initialize`` leaves the earlier calls' models and optimizers working with their own engine, as Apex's
   per-object patches did, and their loss scalers start afresh as Apex's global ones did. One ``scale_loss`` block
   cannot name optimizers of two calls (their scalers differ).
@@ -27,7 +28,8 @@ Each ``initialize`` (or the older ``init()``, which returns Apex's handle) maps 
   ``half_function``/``float_function``/``promote_function`` decorators, which make it do so).
 * The scale backs off when the skipped step happens (``Amp.update()`` after the last named optimizer's step), not
   at the end of the block; the overflow message, logged at the end of the block, names the scale it will back off to.
-* ``min_loss_scale=None`` (Apex: no floor) means the smallest normal FP32 number, with a warning when reached.
+* ``min_loss_scale=None`` (Apex: no floor) means the smallest normal FP32 number, with a warning when reached. At
+  any floor an overflow skips the step and warns; training goes on, as Apex's.
 
 Where each part lives: :mod:`~lightning_mpx.apex.frontend` (``initialize``, ``init``),
 :mod:`~lightning_mpx.apex.loss_scaling` (``scale_loss`` and the optimizer wrapper), :mod:`~lightning_mpx.apex.handle`

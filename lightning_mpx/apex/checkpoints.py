@@ -40,7 +40,14 @@ def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
 
 def load_state_dict(state: dict[str, Any]) -> None:
     """Load :func:`state_dict` output, an Apex checkpoint's ``"amp"`` entry, or a core ``Amp.state_dict()``."""
-    amp = _amp_state.require()
+    amp = _amp_state.amp
+    if amp is None:
+        raise RuntimeError(
+            "amp.load_state_dict() was called before amp.initialize() (or after initialize(enabled=False)): call "
+            "amp.initialize(model, optimizer, ...) first, then model.load_state_dict(...), "
+            "optimizer.load_state_dict(...) and amp.load_state_dict(checkpoint['amp']), in Apex's documented order."
+        )
+    _amp_state.loaded = amp
     if "scalers" in state:  # the core's own format
         amp.load_state_dict(state)
         return

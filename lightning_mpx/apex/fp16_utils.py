@@ -13,12 +13,14 @@
 ``FP16_Optimizer`` is an O2 :class:`~lightning_mpx.Amp` (no casts, FP32 masters for the optimizer's half parameters,
 FP32 parameters stepped as they are) with one loss scaler: the scaling, overflow check, skip and masters are the
 core's. Its dynamic scaler follows Apex's old ``DynamicLossScaler`` settings (``init_scale=2**32``,
-``scale_factor=2``, ``scale_window=1000``, floor 1).
+``scale_factor=2``, ``scale_window=1000``, floor 1; Megatron-LM's ``delayed_shift`` is the core's ``hysteresis``).
+``FP16Model``, ``convert_network``, ``convert_module`` and ``clip_grad_norm`` are Apex's too.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Callable, Iterable
 
 import torch
@@ -29,7 +31,11 @@ from lightning_mpx.engine.amp import Amp
 
 __all__ = [
     "BN_convert_float",
+    "FP16Model",
     "FP16_Optimizer",
+    "clip_grad_norm",
+    "convert_module",
+    "convert_network",
     "master_params_to_model_params",
     "model_grads_to_master_grads",
     "network_to_half",
@@ -61,7 +67,8 @@ class FP16_Optimizer:
         static_loss_scale: The scale when ``dynamic_loss_scale`` is False.
         dynamic_loss_scale: Scale dynamically (backs off on overflow, grows after ``scale_window`` clean steps).
         dynamic_loss_args: Apex's ``DynamicLossScaler`` arguments: ``init_scale``, ``scale_factor``,
-            ``scale_window`` (``min_scale`` too).
+            ``scale_window``; Megatron-LM's ``min_scale`` and ``delayed_shift`` (the overflows it takes to back off,
+            restored when the scale grows) too.
         verbose: Log the overflow messages (rank zero only).
     """
 
@@ -94,6 +101,7 @@ class FP16_Optimizer:
             backoff_factor=1.0 / scale_factor,
             growth_interval=int(args.get("scale_window", 1000)),
             min_loss_scale=float(args.get("min_scale", 1.0)),
+            hysteresis=int(args.get("delayed_shift", 1)),
             max_loss_scale=float(torch.finfo(torch.float32).max),
             on_floor="warn",
             skip_on_device=False,  # Apex's FP16_Optimizer sets self.overflow at its step: read on the host there
@@ -123,11 +131,18 @@ class FP16_Optimizer:
             self.amp.unscale_(self.optimizer)
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> float:
-        """Clip the master gradients to a global norm; returns the norm before clipping (``-1`` on overflow)."""
-        if norm_type != 2:
-            raise ValueError(f"norm_type={norm_type!r} is not supported; valid choices: 2.")
-        norm = float(self.amp.clip_grad_norm_(self.optimizer, max_norm))
-        return -1.0 if not torch.isfinite(torch.tensor(norm)) else norm
+        """Clip the master gradients to a global ``norm_type`` norm; returns the norm before clipping (``-1`` on
+        overflow)."""
+        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
+            raise ValueError(f"norm_type={norm_type!r} is not valid; valid choices: a positive number or inf.")
+        if float(norm_type) == 2.0:
+            norm = float(self.amp.clip_grad_norm_(self.optimizer, max_norm))
+            return -1.0 if not math.isfinite(norm) else norm
+        self.update_master_grads()
+        if self.amp.overflowed(self.optimizer):
+            return -1.0  # Apex's answer on overflow; the gradients stay for the step to skip
+        masters = list(self.amp.master_params(self.optimizer))
+        return float(torch.nn.utils.clip_grad_norm_(masters, max_norm, norm_type=norm_type))
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:
         """Step the optimizer on the FP32 masters, or skip on overflow (and back the scale off)."""
@@ -197,6 +212,46 @@ def BN_convert_float(module: nn.Module) -> nn.Module:  # noqa: N802 - Apex's nam
     for child in module.children():
         BN_convert_float(child)
     return module
+
+
+def convert_module(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast ``module``'s own floating-point parameters (and their gradients) and buffers to ``dtype`` in place, as
+    Apex (children untouched)."""
+    for param in module.parameters(recurse=False):
+        if param.is_floating_point():
+            param.data = param.data.to(dtype)
+            if param.grad is not None and param.grad.is_floating_point():
+                param.grad.data = param.grad.data.to(dtype)
+    for buf in module.buffers(recurse=False):
+        if buf.is_floating_point():
+            buf.data = buf.data.to(dtype)
+
+
+def convert_network(network: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast every module of ``network`` to ``dtype`` but the affine batch norms (their statistics too stay FP32), as
+    Apex; returns ``network``."""
+    for module in network.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.affine:
+            continue
+        convert_module(module, dtype)
+        if isinstance(module, nn.RNNBase):
+            module.flatten_parameters()
+    return network
+
+
+class FP16Model(nn.Module):
+    """Apex's ``FP16Model``: ``network`` in float16 (affine batch norms in FP32), its inputs cast to float16."""
+
+    def __init__(self, network: nn.Module) -> None:  # noqa: D107
+        super().__init__()
+        self.network = convert_network(network, dtype=torch.half)
+
+    def forward(self, *inputs: torch.Tensor) -> Any:  # noqa: D102
+        return self.network(*(t.half() for t in inputs))
+
+
+#: Apex's alias of ``torch.nn.utils.clip_grad_norm_``.
+clip_grad_norm = torch.nn.utils.clip_grad_norm_
 
 
 def network_to_half(network: nn.Module) -> nn.Module:

@@ -51,11 +51,20 @@ def initialize(
     Apex's global ones did. The new call takes over the O1 cast scope, ``loss_scalers`` and ``state_dict()``; models
     and optimizers given to it again lose what earlier calls did to them first.
     """
+    if _amp_state.loaded is not None and _amp_state.loaded is _amp_state.amp:
+        _amp_state.loaded = None  # said once: a script that catches this and goes on is not refused again
+        raise RuntimeError(
+            "amp.initialize() was called after amp.load_state_dict(): the loss scales loaded went to the previous "
+            "initialize() call's engine, and this call starts afresh without them. Call amp.initialize() first, then "
+            "amp.load_state_dict(checkpoint['amp']), in Apex's documented order."
+        )
     models_list, models_single = _as_list(models, nn.Module, "models")
     if optimizers is None:
         optimizers_list, optimizers_single = [], True
     else:
         optimizers_list, optimizers_single = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+    if enabled is True and cast_model_type is not False and not _amp_state.allow_incoming_model_not_fp32:
+        _check_params_fp32(models_list)
     carried = _carry_over(models_list, optimizers_list) if enabled is True else []
     _amp_state.begin_call(models_list, [o for o in optimizers_list if not isinstance(o, AmpOptimizer)])
     if not isinstance(enabled, bool):
@@ -121,8 +130,9 @@ def initialize(
             # O3: state made before (a checkpoint loaded first) takes the parameters' half dtype, as Apex's
             # load_state_dict(state_dict()) trick did; at O2 the core moves it to the FP32 masters.
             optimizer.load_state_dict(optimizer.state_dict())
-        amp.prepare_optimizer(optimizer)
         wrapper = AmpOptimizer(optimizer, _amp_state, amp)
+        wrapper.guard_original()  # before the engine's hooks: its refusal speaks Apex
+        amp.prepare_optimizer(optimizer)
         _amp_state.optimizers[id(optimizer)] = wrapper
         _amp_state.current.append(wrapper)
         _amp_state.idle.add(id(optimizer))
@@ -132,6 +142,23 @@ def initialize(
     if amp.properties.patch_torch_functions:
         _amp_state.handle = _enter_casts(amp, verbose=verbosity == 2)
     return _shaped(models_list, models_single, optimizers, wrapped, optimizers_single)
+
+
+def _check_params_fp32(models: list[nn.Module]) -> None:
+    """Apex's ``check_params_fp32``: a model made half before ``initialize`` is refused (at O1 its half weights
+    would train without FP32 masters; O2 would make masters of the rounded values). Models an earlier
+    ``initialize`` prepared (half by then) are its own doing."""
+    for model in models:
+        if model in _amp_state.models:
+            continue
+        for name, param in model.named_parameters():
+            if param.dtype in (torch.float16, torch.bfloat16):
+                raise RuntimeError(
+                    f"models: found parameter {name!r} with dtype {param.dtype}, expected torch.float32. When using "
+                    "amp.initialize, you do not need to call .half() on your model before passing it, no matter "
+                    "what optimization level you choose (as in Apex). To keep half parameters on purpose pass "
+                    "cast_model_type=False, or set amp._amp_state.allow_incoming_model_not_fp32 = True."
+                )
 
 
 def _carry_over(models: list[nn.Module], optimizers: list[Any]) -> list[tuple[Any, dict[str, Any]]]:
@@ -172,12 +199,16 @@ def _engine(
             overflows = scaler.state_dict()["overflows"]
             scaler.load_state_dict({"scale": scaler.init_scale, "growth_tracker": 0,
                                     "hysteresis_tracker": scaler.hysteresis, "overflows": overflows})
+    floor = float(torch.finfo(torch.float32).tiny) if min_loss_scale is None else min_loss_scale
     amp = Amp(
         opt_level,
         num_losses=num_losses,
-        min_loss_scale=float(torch.finfo(torch.float32).tiny) if min_loss_scale is None else min_loss_scale,
+        min_loss_scale=floor,
         max_loss_scale=max_loss_scale,
-        on_floor="warn" if min_loss_scale is None else "raise",
+        # Apex's dynamic scale started at min(max_loss_scale, 2**16) (a floor above it: the floor).
+        init_scale=_apex_init_scale(floor, max_loss_scale),
+        # Apex kept skipping at its floor (max(min_loss_scale, scale / 2)) and went on training: never an error.
+        on_floor="warn",
         allow_banned=allow_banned,
         # Apex says "Gradient overflow. Skipping step" at the step and its users read the scale right after: the
         # overflow flag is read on the host there, whatever the optimizer.
@@ -214,6 +245,14 @@ def _as_list(value: Any, kind: type, name: str) -> tuple[list[Any], bool]:
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, kind) for v in value):
         return list(value), False
     raise TypeError(f"{name}={value!r} must be a {kind.__name__} or a non-empty list of them.")
+
+
+def _apex_init_scale(floor: Any, ceiling: Any) -> Any:
+    """Apex's first dynamic scale, ``min(max_loss_scale, 2**16)``, kept within the floor (the core's check of
+    both bounds is left to name a bad one)."""
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (floor, ceiling)) or floor > ceiling:
+        return 2.0**16
+    return max(floor, min(ceiling, 2.0**16))
 
 
 def _shaped(models: list[Any], models_single: bool, optimizers: Any, opts: list[Any], opts_single: bool) -> Any:

@@ -42,6 +42,19 @@ class AmpOptimizer(torch.optim.Optimizer):
         object.__setattr__(self, "_amp_state", state)
         # The engine of the initialize() call that wrapped it: a later call leaves it working (as Apex did).
         object.__setattr__(self, "_engine", amp)
+        object.__setattr__(self, "_step_hook", None)
+
+    def guard_original(self) -> None:
+        """Refuse ``step()`` of the wrapped optimizer itself: Apex patched it in place, so old scripts step the one
+        they passed in; its step would bypass the skip and the scale's update (inf/NaN into the weights at O1).
+        Registered before the engine's own hooks, so that its message is the one seen at O2 too."""
+        object.__setattr__(self, "_step_hook", self.optimizer.register_step_pre_hook(_refuse_original_step))
+
+    def unguard_original(self) -> None:
+        """Take :meth:`guard_original`'s hook off (the optimizer is released)."""
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            object.__setattr__(self, "_step_hook", None)
 
     # Attributes the base class would otherwise read from self.
     @property
@@ -108,6 +121,18 @@ class AmpOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("AmpOptimizer cannot be pickled; save optimizer.state_dict() instead.")
 
+def _refuse_original_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    wrapper = _amp_state.optimizers.get(id(optimizer))
+    if _amp_state.stepping is optimizer or wrapper is None or wrapper.optimizer is not optimizer:
+        return  # the wrapper's own step, or no live wrapper (the script dropped it: the optimizer is its own again)
+    raise RuntimeError(
+        f"step() of the {type(optimizer).__name__} passed to amp.initialize(): step the optimizer amp.initialize() "
+        "returned (`model, optimizer = amp.initialize(model, optimizer, ...)`). Apex patched the optimizer in place; "
+        "here initialize() returns a wrapper whose step() skips a step whose gradients overflowed and updates the "
+        "loss scale, which this step would bypass."
+    )
+
+
 # -- the loss -------------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def scale_loss(
@@ -134,6 +159,8 @@ def scale_loss(
         return
     wrapped = _resolve(optimizers)
     amp = wrapped[0]._engine
+    if state.loaded is amp:
+        state.loaded = None  # what was loaded is in use: a later initialize() drops nothing unused
     ids = [id(w.optimizer) for w in wrapped]
     if any(i in state.stepped for i in ids):
         # A new iteration began for an optimizer that already stepped: close the last one.
@@ -316,7 +343,12 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> None:
         wrapper._engine.share_overflow([wrapper.optimizer], loss_id)
     else:
         _restore_stash(state, wrapper)
-    _mark_for_schedulers(wrapper, stepped=wrapper._engine.step(wrapper.optimizer))
+    state.stepping = wrapper.optimizer
+    try:
+        stepped = wrapper._engine.step(wrapper.optimizer)
+    finally:
+        state.stepping = None
+    _mark_for_schedulers(wrapper, stepped=stepped)
     state.stepped.add(key)
     if skipped:
         state.after_step.add(key)

@@ -35,15 +35,16 @@ def _add_model_hooks(
 
 
 class _CastInputs:
-    """Forward pre-hook: the model's floating-point inputs (FP32, FP64) cast to its half dtype."""
+    """Forward pre-hook: the model's floating-point inputs cast to its half dtype (Apex's ``to_type``: every floating
+    dtype, the other half one included: bfloat16 data into a float16 model)."""
 
     def __init__(self, half: torch.dtype) -> None:
         self.half = half
+        self.castable = tuple(d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16) if d != half)
 
     def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         self._check_still_half(module)
-        castable = (torch.float32, torch.float64)
-        return _cast_collection(args, self.half, castable), _cast_collection(kwargs, self.half, castable)
+        return _cast_collection(args, self.half, self.castable), _cast_collection(kwargs, self.half, self.castable)
 
 
     def _check_still_half(self, module: nn.Module) -> None:
