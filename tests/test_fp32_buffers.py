@@ -64,10 +64,11 @@ def test_convert_module_keeps_only_a_rotary_modules_frequencies_fp32():
     """The frequencies of a parameterless ``*RotaryEmbedding`` stay FP32 with their exact values; its cos table,
     a rotary module with parameters of its own and any other module's buffer of the same name are cast; frequencies
     the user rounded before preparing stay rounded (the opt-out)."""
-    rotary, learned, positions, rounded = _HFRotaryEmbedding(), _LearnedRotaryEmbedding(), _Positions(), _HFRotaryEmbedding()
+    rotary, learned, rounded = _HFRotaryEmbedding(), _LearnedRotaryEmbedding(), _HFRotaryEmbedding()
     exact = rotary.inv_freq.clone()
     rounded.to(HALF)
-    model = nn.ModuleDict(dict(rotary=rotary, learned=learned, positions=positions, rounded=rounded, head=nn.Linear(8, 2)))
+    parts = dict(rotary=rotary, learned=learned, positions=_Positions(), rounded=rounded, head=nn.Linear(8, 2))
+    model = nn.ModuleDict(parts)
     convert_module(model, HALF)
     dtypes = {name: buffer.dtype for name, buffer in model.named_buffers()}
     fp32 = ["rotary.inv_freq", "rotary.original_inv_freq", "rotary.sliding_attention_inv_freq"]
@@ -90,7 +91,8 @@ def test_a_persistent_rotary_frequency_is_exported_fp32_and_resumes_unchanged():
     )
     resumed.rotary.inv_freq.zero_()
     resumed.load_state_dict(state)
-    assert resumed.rotary.inv_freq.dtype == torch.float32 and torch.equal(resumed.rotary.inv_freq, state["rotary.inv_freq"])
+    assert resumed.rotary.inv_freq.dtype == torch.float32
+    assert torch.equal(resumed.rotary.inv_freq, state["rotary.inv_freq"])
     resumed.load_state_dict({**state, "rotary.inv_freq": state["rotary.inv_freq"].to(HALF)})
     assert resumed.rotary.inv_freq.dtype == torch.float32
 

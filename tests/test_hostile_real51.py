@@ -160,7 +160,8 @@ def test_hugging_faces_own_bfloat16_llama_keeps_rope_within_bfloat16s_rounding()
 @pytest.mark.parametrize("level", ["O2", "O3"])
 def test_o2_keeps_hugging_faces_rotary_frequencies_as_its_bfloat16_model_does(level):
     """A LLaMA prepared at O2/O3 by the Accelerate adapter (the conversion is every front door's): its rotary cos
-    table is within bfloat16's rounding of FP32's at every position up to 4096, as transformers' own bfloat16 model's."""
+    table is within bfloat16's rounding of FP32's at every position up to 4096, as transformers' own bfloat16
+    model's."""
     torch.manual_seed(0)
     fp32 = _rotary_cos(transformers.LlamaForCausalLM(_llama_config()), torch.float32)
     accelerator = _accelerator(level)
