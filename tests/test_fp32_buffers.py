@@ -2,7 +2,9 @@
 floating buffer (``lightning_mpx/masters/fp32_buffers.py``, applied by ``convert_module``). Tiny configs, bfloat16.
 
 The Accelerate adapter's LLaMA at O2/O3 against transformers' bfloat16 model is in ``tests/test_hostile_real51.py``;
-litgpt's cos/sin tables, cast as ``bf16-true`` casts them, in ``tests/test_hostile_third_party.py``.
+litgpt's cos/sin tables, cast as ``bf16-true`` casts them, in ``tests/test_hostile_third_party.py``. Two strict
+expected failures, open findings in other sessions' modules: O2 under FSDP casts the buffers its own way
+(integrations/fsdp.py), and ``fp32_modules`` gives a pinned module's buffers back from their half rounding.
 """
 
 from __future__ import annotations
@@ -208,3 +210,27 @@ def test_o2_under_fsdp_keeps_the_rotary_frequencies_fp32():
     model = nn.ModuleDict(dict(rotary=_HFRotaryEmbedding(), head=nn.Linear(8, 2)))
     _buffers_to(model, HALF, skip=set())
     assert model.rotary.inv_freq.dtype == torch.float32
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("factor", torch.tensor([1 / 3, 0.1, 3.14159, 2 / 7]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.factor
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open finding (stop 51): a module pinned by fp32_modules at O2/O3 gets its FP32 buffers back as the upcast "
+    "of their half rounding (health/promotion.py _module_to_fp32 after convert_module; engine/preparation.py restores "
+    "the exact FP32 values of parameters only): its buffer is off by up to 2**-9 relative",
+)
+def test_a_module_pinned_fp32_at_o2_keeps_its_buffers_exact_values():
+    """``fp32_modules`` runs a module in FP32 at O2: its buffers hold the values they held before preparing."""
+    model = nn.Sequential(nn.Linear(4, 4), _Scaled())
+    exact = model[1].factor.clone()
+    model = Amp(opt_level="O2", half_dtype="bfloat16", fp32_modules=["1"]).prepare_model(model)
+    assert model[1].factor.dtype == torch.float32 and torch.equal(model[1].factor, exact)
