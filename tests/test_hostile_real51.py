@@ -3,9 +3,9 @@ the framework's own precision on the same seed: a regression head's float ``labe
 model) through the Accelerate adapter and the Trainer plugin, and LLaMA's rotary embedding at long positions against
 transformers' own bfloat16 model. Tiny configs, bfloat16, CPU.
 
-Three expected failures (strict), open findings whose fixes belong to modules of other sessions: at O2 the boundary
-casts round a ``labels=`` keyword to half before the model's FP32 loss (casting/policy.py, the loss policy), and the
-O2/O3 conversion rounds the rotary ``inv_freq`` buffer that transformers keeps FP32 (masters/weights.py).
+Two expected failures (strict), an open finding whose fix belongs to a module of another session: at O2 the boundary
+casts round a ``labels=`` keyword to half before the model's FP32 loss (casting/policy.py, the loss policy). The
+O2/O3 conversion keeps the rotary ``inv_freq`` that transformers keeps FP32 (masters/fp32_buffers.py).
 """
 
 from __future__ import annotations
@@ -157,18 +157,11 @@ def test_hugging_faces_own_bfloat16_llama_keeps_rope_within_bfloat16s_rounding()
     assert (_rotary_cos(native, torch.bfloat16) - fp32).abs().max().item() <= 2**-8
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open finding (stop 51): at O2/O3 the model conversion (lightning_mpx/masters/weights.py, "
-    "convert_module) casts every floating buffer to half, Hugging Face's rotary inv_freq too, which transformers "
-    "keeps FP32 in its own bfloat16 models: the RoPE angles are off by up to 1.8 rad at position 4096 (cos by 1.56; "
-    "0.22 within the first 512 positions) against 0.002 for transformers' bfloat16 model, Accelerate's 'bf16' and "
-    "Lightning's 'bf16-mixed' (Lightning's 'bf16-true', a module.to(), rounds it as O2 does)",
-)
-@pytest.mark.parametrize("level", ["O2"])
+@pytest.mark.parametrize("level", ["O2", "O3"])
 def test_o2_keeps_hugging_faces_rotary_frequencies_as_its_bfloat16_model_does(level):
-    """A LLaMA prepared at O2 by the Accelerate adapter (the conversion is every front door's): its rotary cos table
-    is within bfloat16's rounding of FP32's at every position up to 4096, as transformers' own bfloat16 model's."""
+    """A LLaMA prepared at O2/O3 by the Accelerate adapter (the conversion is every front door's): its rotary cos
+    table is within bfloat16's rounding of FP32's at every position up to 4096, as transformers' own bfloat16
+    model's."""
     torch.manual_seed(0)
     fp32 = _rotary_cos(transformers.LlamaForCausalLM(_llama_config()), torch.float32)
     accelerator = _accelerator(level)

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_mpx.common.dtypes import HALF_DTYPES
+from lightning_mpx.masters.fp32_buffers import keeps_fp32_buffer
 from lightning_mpx.masters.watch import (
     _TENSOR_DATA,  # noqa: F401  (kept import path)
     WatchedParameter,
@@ -43,7 +44,8 @@ def convert_module(
     included, stay valid. Batch-norm modules (every subclass of ``_BatchNorm``, ``SyncBatchNorm`` included) are left
     in FP32 when ``keep_batchnorm_fp32``: their statistics need the range, and torch runs them on half inputs.
     ``require_parameters=False``: a module without floating-point parameters (a parameter-free wrapper) is accepted,
-    its floating buffers cast.
+    its floating buffers cast. Rotary inverse frequencies stay FP32, as in transformers' own half models (see
+    :func:`~lightning_mpx.masters.fp32_buffers.keeps_fp32_buffer`).
 
     Raises:
         ValueError: when the module has no floating-point parameters (there would be nothing to train in half) and
@@ -64,6 +66,8 @@ def convert_module(
                     param.grad = None
         for name, buffer in submodule._buffers.items():
             if buffer is not None and buffer.is_floating_point() and buffer.dtype != dtype:
+                if buffer.dtype == torch.float32 and keeps_fp32_buffer(submodule, name):
+                    continue  # position * inv_freq: its rounding grows with the position
                 submodule._buffers[name] = buffer.to(dtype)
     return module
 
