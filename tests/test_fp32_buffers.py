@@ -196,13 +196,6 @@ def test_trainer_plugin_o2_follows_dynamic_rope_as_bf16_mixed_does():
     assert ours[0] == pytest.approx(theirs[0], rel=2e-3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open finding (stop 51): O2 under FSDP (shard_model, the Trainer's and Fabric's FSDP strategies, the "
-    "Accelerate adapter's FSDP preparation) casts the buffers with lightning_mpx/integrations/fsdp.py's _buffers_to, "
-    "not convert_module, and rounds the rotary inv_freq; it should skip masters.fp32_buffers.keeps_fp32_buffer's "
-    "buffers (FSDP1's MixedPrecision(buffer_dtype=half) at O2 casts them too)",
-)
 def test_o2_under_fsdp_keeps_the_rotary_frequencies_fp32():
     """The buffer cast O2 under FSDP makes (its parameters stay FP32, FSDP's masters) keeps the frequencies FP32."""
     from lightning_mpx.integrations.fsdp import _buffers_to

@@ -54,6 +54,7 @@ from lightning_mpx.common.dtypes import HALF_DTYPES, dtype_name
 from lightning_mpx.engine.sharding import is_sharded, reshard_gathered
 from lightning_mpx.health.promotion import _module_to_fp32, matches
 from lightning_mpx.integrations.fsdp_plan import check_same_plan, done_plan, record_plan, shard_plan
+from lightning_mpx.masters.fp32_buffers import keeps_fp32_buffer
 from lightning_mpx.masters.weights import convert_module
 from lightning_mpx.opt_levels import Properties
 from lightning_mpx.settings import MixedPrecisionSettings, check_choice
@@ -330,13 +331,16 @@ def _resolve_blocks(module: nn.Module, blocks: object) -> list[nn.Module]:
 
 def _buffers_to(module: nn.Module, dtype: torch.dtype, *, skip: set[int]) -> None:
     """Cast the floating buffers of ``module`` outside the modules (and their submodules) in ``skip`` to ``dtype``:
-    at O2 the model computes in half, and an FP32 buffer (a position table) would promote activations to FP32."""
+    at O2 the model computes in half, and an FP32 buffer (a position table) would promote activations to FP32.
+    Rotary inverse frequencies stay FP32 (:func:`~lightning_mpx.masters.fp32_buffers.keeps_fp32_buffer`)."""
     skipped = {id(inner) for outer in module.modules() if id(outer) in skip for inner in outer.modules()}
     for submodule in module.modules():
         if id(submodule) in skipped:
             continue
         for name, buffer in submodule._buffers.items():
             if buffer is not None and buffer.is_floating_point() and buffer.dtype != dtype:
+                if keeps_fp32_buffer(submodule, name):  # rotary frequencies, as convert_module keeps them
+                    continue
                 submodule._buffers[name] = buffer.to(dtype)
 
 
