@@ -215,12 +215,6 @@ class _Scaled(nn.Module):
         return self.lin(x) * self.factor
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open finding (stop 51): a module pinned by fp32_modules at O2/O3 gets its FP32 buffers back as the upcast "
-    "of their half rounding (health/promotion.py _module_to_fp32 after convert_module; engine/preparation.py restores "
-    "the exact FP32 values of parameters only): its buffer is off by up to 2**-9 relative",
-)
 def test_a_module_pinned_fp32_at_o2_keeps_its_buffers_exact_values():
     """``fp32_modules`` runs a module in FP32 at O2: its buffers hold the values they held before preparing."""
     model = nn.Sequential(nn.Linear(4, 4), _Scaled())
