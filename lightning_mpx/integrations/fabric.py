@@ -39,7 +39,7 @@ What it does, in Fabric's terms:
   masters start from the FP32 values built there; losses are computed in FP32).
 * ``fabric.clip_gradients`` unscales (one pass: unscale and overflow check), then Fabric clips
   :meth:`~FabricMixedPrecisionPlugin.main_params` with torch's ``clip_grad_norm_`` or ``clip_grad_value_``. On an
-  overflow step ``main_params`` is one empty tensor: nothing is clipped, the returned norm is ``0.0``, and the step
+  overflow step ``main_params`` is one zero: nothing is clipped, the returned norm is ``0.0``, and the step
   is skipped, where torch's clip by norm with ``error_if_nonfinite=True`` would raise.
 * The scale is updated once per iteration: at the first forward, backward, :meth:`metrics` or checkpoint after the
   optimizer steps, so several optimizers stepping one after the other count as one iteration. Under DDP the
@@ -350,9 +350,9 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
     def main_params(self, optimizer: Optimizer) -> Iterator[torch.Tensor]:  # type: ignore[override]
         """The tensors the optimizer updates (the FP32 masters at O2), whose gradients ``fabric.clip_gradients``
         clips. On an overflow step once unscaled the step is skipped and there is nothing to clip (torch's clip by
-        norm would raise on the non-finite norm): one empty tensor with an empty gradient stands in for them, which
-        clips to a norm of ``0.0`` by norm and to nothing by value (torch's ``clip_grad_value_`` refuses an empty
-        list). Reading the overflow flag waits for the device, as the clip's norm does."""
+        norm would raise on the non-finite norm): one zero with a zero gradient stands in for them, which clips to a
+        norm of ``0.0`` by norm (any ``norm_type``) and to nothing by value (torch's ``clip_grad_value_`` refuses an
+        empty list). Reading the overflow flag waits for the device, as the clip's norm does."""
         optimizer = _unwrap(optimizer)
         self._register(optimizer)
         if self.amp.is_unscaled(optimizer):
@@ -483,10 +483,11 @@ def _unwrap(optimizer: Any) -> Any:
 
 
 def _nothing_to_clip(device: torch.device) -> torch.Tensor:
-    """An FP32 tensor without elements, with a gradient without elements: what an overflow step hands Fabric's
-    clip (torch's clips refuse or warn about an empty list; this one clips to a norm of 0 and changes nothing)."""
-    tensor = torch.empty(0, device=device)
-    tensor.grad = torch.empty(0, device=device)
+    """One FP32 zero with a zero gradient: what an overflow step hands Fabric's clip (torch's clips refuse or warn
+    about an empty list, and its infinity norm refuses an empty tensor; this one clips to a norm of 0 by every
+    norm and changes nothing)."""
+    tensor = torch.zeros(1, device=device)
+    tensor.grad = torch.zeros(1, device=device)
     return tensor
 
 
