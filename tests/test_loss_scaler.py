@@ -460,10 +460,14 @@ def test_no_action(scaler):
 
 @pytest.mark.parametrize("scale", [1.0, 128.0, 2.0**16])
 def test_static_scale_is_always_at_its_floor(scale):
-    with pytest.raises(LossScaleFloorError, match="head.bias"):
+    with pytest.raises(LossScaleFloorError, match="head.bias") as raised:
         LossScaler(scale).handle_overflow(NAMES)
-    with pytest.warns(RuntimeWarning, match="head.bias"):
+    assert "pass on_floor='warn' or 'continue' to keep training" in str(raised.value)
+    with pytest.warns(RuntimeWarning, match="head.bias") as warned:
         LossScaler(scale, on_floor="warn").handle_overflow(NAMES)
+    # the warning of a run already set to warn does not tell it to pass on_floor='warn': it says what goes on
+    message = str(warned[0].message)
+    assert "pass on_floor='warn'" not in message and "training goes on (on_floor='warn'" in message
 
 
 # -- bad input -----------------------------------------------------------------------------------------------------

@@ -289,7 +289,8 @@ class LossScaler:
             f" non-finite gradients in {shown or 'unknown parameters'}. The step was skipped and parameters are "
             "unchanged. "
             + (hint or _FLOOR_ADVICE[self.half_dtype])
-            + "; pass on_floor='warn' or 'continue' to keep training."
+            + ("; pass on_floor='warn' or 'continue' to keep training." if self.on_floor != "warn" else
+               "; training goes on (on_floor='warn'; 'continue' silences this warning, 'raise' stops).")
         )
         if self.on_floor in ("raise", "promote"):  # "promote" gets here only when no module could be blamed
             raise LossScaleFloorError(message)
