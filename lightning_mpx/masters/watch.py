@@ -120,6 +120,8 @@ class WatchedParameter(nn.Parameter):
     def data(self, value: torch.Tensor) -> None:
         if _CARRIED in self.__dict__:
             value = _with_carried(self, value)
+        elif _WATCH in self.__dict__ and value.dtype != _TENSOR_DATA.__get__(self).dtype:
+            value = _converted_from_masters(self, value)
         _TENSOR_DATA.__set__(self, value)
         if _CARRIED in self.__dict__:  # moved in half: the version to compare with is the new tensor's
             self.__dict__[_CARRIED_AT] = self._version
@@ -225,12 +227,40 @@ def _with_carried(param: WatchedParameter, value: torch.Tensor) -> torch.Tensor:
     if value.dtype == old.dtype:  # moved (.to(device)) or replaced in half: still the copy's FP32 value
         param.__dict__[_CARRIED] = carried.to(value.device)
         return value
-    if value.dtype != torch.float32:
+    return _from_fp32(param, _reconciled(carried.to(old.device), old), old, value)
+
+
+def _converted_from_masters(param: WatchedParameter, value: torch.Tensor) -> torch.Tensor:
+    """What ``param.data = value`` sets on a half parameter with masters when ``value`` has another dtype (the
+    model's ``.float()``, ``.double()``, ``.half()`` of a bfloat16 model, an engine's conversion for another opt
+    level): its FP32 master converted, wherever ``value`` is the conversion of the half value it replaces, as a deep
+    copy's carried value gives (not the half rounding, 1e-3 off); the engine that holds the master lets it go (it
+    refuses a later step on it), so that a model made FP32 after training does not keep its masters (4 more bytes
+    per parameter) for as long as it lives. Made another half dtype, the parameter carries the FP32 value, as a
+    deep copy does, for an engine that prepares it next."""
+    old = _TENSOR_DATA.__get__(param)
+    owner = _owner(param)
+    if owner is None or old.dtype not in HALF_DTYPES or not value.is_floating_point() or value.shape != old.shape:
+        return value
+    fp32 = owner.hand_over(param)
+    del param.__dict__[_WATCH]
+    return value if fp32 is None or fp32.shape != old.shape else _from_fp32(param, fp32, old, value)
+
+
+def _from_fp32(param: WatchedParameter, fp32: torch.Tensor, old: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (``old`` converted to another dtype, or other values) with ``fp32``'s values converted wherever it
+    is ``old``'s conversion; kept as ``param``'s carried value when ``value`` is half. ``fp32`` may be written."""
+    if not value.is_floating_point() or value.shape != fp32.shape:
         return value
     with torch.no_grad():
-        old = old.to(value.device)
-        carried = _reconciled(carried.to(value.device), old)
-        return torch.where(value == old.to(torch.float32), carried, value, out=carried)
+        fp32 = fp32.detach().to(value.device)  # a master requires grad: the model's data must not
+        same = value == old.to(value.device, value.dtype)
+        if value.dtype == torch.float32:
+            return torch.where(same, fp32, value, out=fp32)
+        out = torch.where(same, fp32.to(value.dtype), value)
+        if value.dtype in HALF_DTYPES:
+            param.__dict__[_CARRIED] = torch.where(same, fp32, out.float(), out=fp32)
+        return out
 
 
 def _watch_data(param: torch.Tensor, watch: _DataWatch) -> None:
