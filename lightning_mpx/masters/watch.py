@@ -24,7 +24,7 @@ from torch import nn
 
 from lightning_mpx.common.dtypes import HALF_DTYPES
 
-__all__ = ["WatchedParameter", "carried_value", "take_fp32_value"]
+__all__ = ["WatchedParameter", "carried_value", "release_masters", "take_fp32_value"]
 
 _WATCH = "_mpx_data_watch"  # a parameter's __dict__ key: its _DataWatch
 _CARRIED = "_mpx_fp32"  # a deep copy's parameter's __dict__ key: the FP32 value it carries
@@ -134,6 +134,17 @@ class WatchedParameter(nn.Parameter):
     def __repr__(self) -> str:
         return repr(nn.Parameter(_TENSOR_DATA.__get__(self), self.requires_grad))
 
+    def requires_grad_(self, requires_grad: bool = True) -> WatchedParameter:
+        # A deep copy frozen (a DPO reference, a distillation teacher: copy.deepcopy(model).requires_grad_(False))
+        # lets its carried FP32 value go: 4 bytes per parameter on a 2-byte one, for a value an engine would not take
+        # (a frozen half parameter gets no master) and only .float() would read.
+        result = super().requires_grad_(requires_grad)
+        if not requires_grad and _CARRIED in self.__dict__:
+            _drop_carry(self)
+            if _WATCH not in self.__dict__:
+                self.__class__ = nn.Parameter
+        return result
+
     def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
         if id(self) in memo:
             return memo[id(self)]
@@ -171,6 +182,26 @@ def carried_value(param: torch.Tensor) -> torch.Tensor | None:
         return None
     owner.refresh([param])
     return owner.fp32_value(param)
+
+
+def release_masters(module: nn.Module) -> int:
+    """Let go of the FP32 values kept for ``module``'s half parameters (O2): the masters of the engine that prepared
+    it (that engine refuses a later step on them, as after a second stage took them) and the values a deep copy
+    carries; for a model kept in half after training (inference, a frozen reference), as the masters otherwise live
+    as long as the model. The model's half values are unchanged (``module.float()`` instead takes the masters into the
+    model and lets them go). Returns the number of parameters let go."""
+    count = 0
+    for param in module.parameters():
+        if type(param) is not WatchedParameter:
+            continue
+        owner = _owner(param)
+        if owner is not None:
+            owner.hand_over(param)
+        _drop_carry(param)
+        param.__dict__.pop(_WATCH, None)
+        param.__class__ = nn.Parameter
+        count += 1
+    return count
 
 
 def take_fp32_value(param: torch.Tensor, watch: _DataWatch) -> torch.Tensor | None:
