@@ -11,7 +11,9 @@ engine that made it (a Trainer let go between two stages). Through that link:
 * ``copy.deepcopy`` gives the copy's parameters their own FP32 values (a copy of the masters), carried until an
   engine prepares the copy (its masters start from them) or the copy is made FP32 (``.float()``, ``.to(float32)``:
   it takes them exactly), as a deep copy of a model trained in FP32 is FP32-exact. They cost the copy 4 bytes per
-  parameter meanwhile, as an FP32 copy's weights do.
+  parameter meanwhile, as an FP32 copy's weights do; a frozen copy (``requires_grad_(False)``) lets them go;
+* the model made another dtype (``.float()``, ``.double()``, a bfloat16 model's ``.half()``) takes its masters and
+  their engine lets them go; :func:`release_masters` lets a model kept in half let them go.
 """
 
 from __future__ import annotations
