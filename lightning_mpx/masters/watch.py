@@ -151,7 +151,9 @@ class WatchedParameter(nn.Parameter):
         if id(self) in memo:
             return memo[id(self)]
         data = _TENSOR_DATA.__get__(self).clone(memory_format=torch.preserve_format)
-        value = carried_value(self)
+        # A copy made under torch.inference_mode has no version counter to tell when its carried value goes stale:
+        # it is a half copy, as in plain torch (an inference-only copy, which cannot be trained).
+        value = carried_value(self) if not data.is_inference() else None
         result = (nn.Parameter if value is None else WatchedParameter)(data, self.requires_grad)
         if value is not None:
             result.__dict__[_CARRIED] = value.detach().clone()
