@@ -126,6 +126,27 @@ def test_a_frozen_deep_copy_lets_its_carried_values_go_and_release_masters_frees
     assert held() is None
 
 
+def test_engines_preparing_the_model_for_evaluation_only_leave_its_masters_to_the_engine_training_it() -> None:
+    """Two more engines prepare the trained model for evaluation only (``train=False``: an eval loop, a second
+    Fabric for metrics) while the first trains it: they take no master (a step of the first is not refused) and the
+    first engine's run is bit for bit the one without them."""
+    reference, amp, optimizer, _ = _trained()
+    for i in range(3, 5):
+        _step(amp, reference, optimizer, i)
+    want = _masters(amp, reference)
+
+    model, amp, optimizer, _ = _trained()
+    for _ in range(2):
+        other = Amp("O2", half_dtype=HALF)
+        other.prepare_model(model, train=False)
+        with torch.no_grad(), other.forward_context():
+            other.cast_outputs(model(other.cast_inputs(torch.randn(4, 8))))
+        assert all(other.master_of(p, refresh=False) is p for p in model.parameters())
+    for i in range(3, 5):
+        _step(amp, model, optimizer, i)
+    assert all(torch.equal(a, b) for a, b in zip(_masters(amp, model), want))
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="engine/ (out of bounds): an O3 engine preparing an O2-trained model for training leaves the O2 engine's "
