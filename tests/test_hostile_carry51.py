@@ -218,7 +218,7 @@ def test_an_accelerate_trained_model_trains_in_a_later_stage_of_another_engine_a
     raises=ValueError,
     reason="masters/store.py, weights.py: the first engine's state_dict() after a later stage took its masters has "
     "none (saved without a word: a Trainer's save_checkpoint too); resuming from it fails with 'the checkpoint has "
-    "master weights for 0 model(s) but 1', which names no cause",
+    "master weights for 0 model(s) but 1' (its message now names the likely cause)",
 )
 def test_the_old_engines_checkpoint_after_a_second_stage_resumes_the_masters() -> None:
     model, old, _, trained = _trained()

@@ -172,6 +172,12 @@ class Masters:
             raise ValueError(
                 f"the checkpoint has master weights for {len(saved)} model(s) but "
                 f"{len(self.weights)} model(s) were prepared with master weights."
+                + (
+                    " A checkpoint saved by an engine whose masters a later engine took over since (a second stage's "
+                    "plugin, or the model made another dtype) has none: save it with the engine that trains the model."
+                    if not saved
+                    else ""
+                )
             )
         return saved
 
