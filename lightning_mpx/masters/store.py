@@ -15,6 +15,7 @@ from torch import nn
 
 from lightning_mpx.engine.optimizer_state import _OptimizerState
 from lightning_mpx.masters.pairs import param_pairs
+from lightning_mpx.masters.watch import carried_value
 from lightning_mpx.masters.weights import MasterWeights
 
 
@@ -148,7 +149,10 @@ class Masters:
             if not isinstance(value, torch.Tensor):
                 out[key] = value  # a module's get_extra_state() (any object): as the state dict has it
                 continue
-            tensor = masters.get(id(value), value).detach()
+            tensor = masters.get(id(value))
+            if tensor is None:  # another engine took its master over since (a second stage), or a deep copy's
+                tensor = carried_value(value)
+            tensor = (value if tensor is None else tensor).detach()
             out[key] = tensor.float() if tensor.is_floating_point() and tensor.dtype != torch.float32 else tensor
         return out
 
@@ -168,6 +172,12 @@ class Masters:
             raise ValueError(
                 f"the checkpoint has master weights for {len(saved)} model(s) but "
                 f"{len(self.weights)} model(s) were prepared with master weights."
+                + (
+                    " A checkpoint saved by an engine whose masters a later engine took over since (a second stage's "
+                    "plugin, or the model made another dtype) has none: save it with the engine that trains the model."
+                    if not saved
+                    else ""
+                )
             )
         return saved
 

@@ -11,7 +11,9 @@ engine that made it (a Trainer let go between two stages). Through that link:
 * ``copy.deepcopy`` gives the copy's parameters their own FP32 values (a copy of the masters), carried until an
   engine prepares the copy (its masters start from them) or the copy is made FP32 (``.float()``, ``.to(float32)``:
   it takes them exactly), as a deep copy of a model trained in FP32 is FP32-exact. They cost the copy 4 bytes per
-  parameter meanwhile, as an FP32 copy's weights do.
+  parameter meanwhile, as an FP32 copy's weights do; a frozen copy (``requires_grad_(False)``) lets them go;
+* the model made another dtype (``.float()``, ``.double()``, a bfloat16 model's ``.half()``) takes its masters and
+  their engine lets them go; :func:`release_masters` lets a model kept in half let them go.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torch import nn
 
 from lightning_mpx.common.dtypes import HALF_DTYPES
 
-__all__ = ["WatchedParameter", "carried_value", "take_fp32_value"]
+__all__ = ["WatchedParameter", "carried_value", "release_masters", "take_fp32_value"]
 
 _WATCH = "_mpx_data_watch"  # a parameter's __dict__ key: its _DataWatch
 _CARRIED = "_mpx_fp32"  # a deep copy's parameter's __dict__ key: the FP32 value it carries
@@ -120,6 +122,8 @@ class WatchedParameter(nn.Parameter):
     def data(self, value: torch.Tensor) -> None:
         if _CARRIED in self.__dict__:
             value = _with_carried(self, value)
+        elif _WATCH in self.__dict__ and value.dtype != _TENSOR_DATA.__get__(self).dtype:
+            value = _converted_from_masters(self, value)
         _TENSOR_DATA.__set__(self, value)
         if _CARRIED in self.__dict__:  # moved in half: the version to compare with is the new tensor's
             self.__dict__[_CARRIED_AT] = self._version
@@ -132,11 +136,24 @@ class WatchedParameter(nn.Parameter):
     def __repr__(self) -> str:
         return repr(nn.Parameter(_TENSOR_DATA.__get__(self), self.requires_grad))
 
+    def requires_grad_(self, requires_grad: bool = True) -> WatchedParameter:
+        # A deep copy frozen (a DPO reference, a distillation teacher: copy.deepcopy(model).requires_grad_(False))
+        # lets its carried FP32 value go: 4 bytes per parameter on a 2-byte one, for a value an engine would not take
+        # (a frozen half parameter gets no master) and only .float() would read.
+        result = super().requires_grad_(requires_grad)
+        if not requires_grad and _CARRIED in self.__dict__:
+            _drop_carry(self)
+            if _WATCH not in self.__dict__:
+                self.__class__ = nn.Parameter
+        return result
+
     def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
         if id(self) in memo:
             return memo[id(self)]
         data = _TENSOR_DATA.__get__(self).clone(memory_format=torch.preserve_format)
-        value = carried_value(self)
+        # A copy made under torch.inference_mode has no version counter to tell when its carried value goes stale:
+        # it is a half copy, as in plain torch (an inference-only copy, which cannot be trained).
+        value = carried_value(self) if not data.is_inference() else None
         result = (nn.Parameter if value is None else WatchedParameter)(data, self.requires_grad)
         if value is not None:
             result.__dict__[_CARRIED] = value.detach().clone()
@@ -169,6 +186,26 @@ def carried_value(param: torch.Tensor) -> torch.Tensor | None:
         return None
     owner.refresh([param])
     return owner.fp32_value(param)
+
+
+def release_masters(module: nn.Module) -> int:
+    """Let go of the FP32 values kept for ``module``'s half parameters (O2): the masters of the engine that prepared
+    it (that engine refuses a later step on them, as after a second stage took them) and the values a deep copy
+    carries; for a model kept in half after training (inference, a frozen reference), as the masters otherwise live
+    as long as the model. The model's half values are unchanged (``module.float()`` instead takes the masters into the
+    model and lets them go). Returns the number of parameters let go."""
+    count = 0
+    for param in module.parameters():
+        if type(param) is not WatchedParameter:
+            continue
+        owner = _owner(param)
+        if owner is not None:
+            owner.hand_over(param)
+        _drop_carry(param)
+        param.__dict__.pop(_WATCH, None)
+        param.__class__ = nn.Parameter
+        count += 1
+    return count
 
 
 def take_fp32_value(param: torch.Tensor, watch: _DataWatch) -> torch.Tensor | None:
@@ -225,12 +262,40 @@ def _with_carried(param: WatchedParameter, value: torch.Tensor) -> torch.Tensor:
     if value.dtype == old.dtype:  # moved (.to(device)) or replaced in half: still the copy's FP32 value
         param.__dict__[_CARRIED] = carried.to(value.device)
         return value
-    if value.dtype != torch.float32:
+    return _from_fp32(param, _reconciled(carried.to(old.device), old), old, value)
+
+
+def _converted_from_masters(param: WatchedParameter, value: torch.Tensor) -> torch.Tensor:
+    """What ``param.data = value`` sets on a half parameter with masters when ``value`` has another dtype (the
+    model's ``.float()``, ``.double()``, ``.half()`` of a bfloat16 model, an engine's conversion for another opt
+    level): its FP32 master converted, wherever ``value`` is the conversion of the half value it replaces, as a deep
+    copy's carried value gives (not the half rounding, 1e-3 off); the engine that holds the master lets it go (it
+    refuses a later step on it), so that a model made FP32 after training does not keep its masters (4 more bytes
+    per parameter) for as long as it lives. Made another half dtype, the parameter carries the FP32 value, as a
+    deep copy does, for an engine that prepares it next."""
+    old = _TENSOR_DATA.__get__(param)
+    owner = _owner(param)
+    if owner is None or old.dtype not in HALF_DTYPES or not value.is_floating_point() or value.shape != old.shape:
+        return value
+    fp32 = owner.hand_over(param)
+    del param.__dict__[_WATCH]
+    return value if fp32 is None or fp32.shape != old.shape else _from_fp32(param, fp32, old, value)
+
+
+def _from_fp32(param: WatchedParameter, fp32: torch.Tensor, old: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (``old`` converted to another dtype, or other values) with ``fp32``'s values converted wherever it
+    is ``old``'s conversion; kept as ``param``'s carried value when ``value`` is half. ``fp32`` may be written."""
+    if not value.is_floating_point() or value.shape != fp32.shape:
         return value
     with torch.no_grad():
-        old = old.to(value.device)
-        carried = _reconciled(carried.to(value.device), old)
-        return torch.where(value == old.to(torch.float32), carried, value, out=carried)
+        fp32 = fp32.detach().to(value.device)  # a master requires grad: the model's data must not
+        same = value == old.to(value.device, value.dtype)
+        if value.dtype == torch.float32:
+            return torch.where(same, fp32, value, out=fp32)
+        out = torch.where(same, fp32.to(value.dtype), value)
+        if value.dtype in HALF_DTYPES:
+            param.__dict__[_CARRIED] = torch.where(same, fp32, out.float(), out=fp32)
+        return out
 
 
 def _watch_data(param: torch.Tensor, watch: _DataWatch) -> None:

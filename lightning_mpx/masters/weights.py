@@ -567,8 +567,10 @@ def _take_writes(pairs: list[tuple[_Entry, torch.Tensor]]) -> list[str]:
                 raise RuntimeError(
                     f"parameter {entry.name!r} was handed to another engine, which prepared its model since (a new "
                     "MixedPrecisionPlugin, FabricMixedPrecisionPlugin or Amp: a second stage) and steps its FP32 "
-                    "master now; this optimizer's engine no longer holds it. Step the model with the optimizer of the "
-                    "engine that prepared it last."
+                    "master now, or was made another dtype since (the model's .float(), .double(), .half(), which "
+                    "took its FP32 master) or let go (release_masters); this optimizer's engine no longer holds it. "
+                    "Step the model with the optimizer of the engine that prepared it last (prepare it again after "
+                    "changing its dtype)."
                 )
             assert master is not None
             entry.mark(param)
