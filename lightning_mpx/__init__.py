@@ -10,6 +10,7 @@ from lightning_mpx.casting.table import CastEntry, CastTable, dispatchable
 from lightning_mpx.common.compat import warn_if_old_torch
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.outcome import StepOutcome
+from lightning_mpx.masters.watch import release_masters
 from lightning_mpx.masters.weights import MasterWeights, convert_module
 from lightning_mpx.opt_levels import DESCRIPTIONS, OPT_LEVELS, Properties, resolve_properties
 from lightning_mpx.scaling.scaler import LossScaleFloorError, LossScaler
@@ -58,6 +59,7 @@ __all__ = [
     "convert_module",
     "disable_casts",
     "dispatchable",
+    "release_masters",
     "resolve_properties",
     "unscale_grads_",
 ]

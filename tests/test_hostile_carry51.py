@@ -12,8 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mpx import Amp
-from lightning_mpx.masters.watch import release_masters
+from lightning_mpx import Amp, release_masters
 
 HALF = torch.bfloat16
 
