@@ -5,6 +5,7 @@ on a GPU the same tests run on CUDA tensors with compiled kernels. Small chunks 
 interpreter fast and put chunk and block boundaries inside the tensors.
 """
 
+import copy
 import subprocess
 import sys
 from pathlib import Path
@@ -346,19 +347,19 @@ def test_triton_master_to_model_copy_rounds_like_torch(device, dtype):
 def test_triton_master_weights_copy_to_model(device):
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.LayerNorm(7), torch.nn.Linear(7, 3)).to(device)
     model.half()
+    other = copy.deepcopy(model)  # a second model: masters over the same one would take them over (a second stage)
     fused = MasterWeights(model.named_parameters(), copy_backend="triton")
     fused.workspace = _workspace()
-    twin = MasterWeights(model.named_parameters(), copy_backend="foreach")
+    twin = MasterWeights(other.named_parameters(), copy_backend="foreach")
     with torch.no_grad():
         for _, m in fused.half_pairs:
             m.add_(torch.randn(m.shape, device=device) * 0.01)
     fused.copy_to_model()
     fused.copy_to_model()
-    fused_params = [p.detach().clone() for p in model.parameters()]
     for (_, m), (_, t) in zip(fused.half_pairs, twin.half_pairs):
         t.data.copy_(m)
     twin.copy_to_model()
-    assert all(torch.equal(a, b) for a, b in zip(fused_params, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
     assert fused.workspace.builds == 1
 
 
