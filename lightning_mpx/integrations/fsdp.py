@@ -34,12 +34,14 @@ level (called by :meth:`Amp.prepare_model <lightning_mpx.engine.amp.Amp.prepare_
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from typing import Any, Iterable, Literal, NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import (
     FSDPModule,
     FullyShardedDataParallel,
@@ -272,6 +274,7 @@ def shard_model(
     shards += [(unit, block_policy) for unit in units]
     shards.append((module, mixed_precision_policy(settings, role="root", gather=gather)))
     for unit, policy in shards:
+        policy = _complex_unit_policy(unit, policy, names)
         if props.has_cast_policy:
             # FSDP's forward hooks (the gathers and frees, hundreds of torch calls per unit) run without the cast
             # mode, which would be handed each of them.
@@ -281,6 +284,27 @@ def shard_model(
     # The model carries what was done to it, so that a second call can tell "the same again" from a conflict.
     record_plan(module, plan)
     return module
+
+
+def _complex_unit_policy(unit: nn.Module, policy: MixedPrecisionPolicy, names: dict[int, str]) -> MixedPrecisionPolicy:
+    """``policy``, for a unit about to be sharded, or the one its complex parameters (spectral layers) need.
+
+    FSDP2 gathers and reduces a unit's parameters as one buffer of one dtype: a unit of complex parameters only is
+    reduced in their dtype (an FP32 reduction failed in FSDP's backward with "torch.cat(): input types can't be
+    cast"); one that mixes them with real parameters is refused
+    here, naming them (FSDP's own "expects uniform original parameter dtype" named neither unit nor parameter)."""
+    own = [(n, p) for n, p in unit.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+    complex_names = [n for n, p in own if p.is_complex()]
+    if not complex_names:
+        return policy
+    if len(complex_names) < len(own):
+        unit_name = names.get(id(unit)) or "<root>"
+        raise ValueError(
+            f"shard_model: the unit {unit_name!r} holds complex parameters ({', '.join(complex_names)}) beside real "
+            "ones; FSDP2 shards a unit's parameters as one buffer of one dtype. Give them units of their own: pass "
+            "the modules of the real parameters (or of the complex ones) in blocks=."
+        )
+    return dataclasses.replace(policy, reduce_dtype=None)  # FSDP gathers a complex parameter as it is already
 
 
 def _resolve_blocks(module: nn.Module, blocks: object) -> list[nn.Module]:
