@@ -1,6 +1,6 @@
 """Ranks of tests/test_hostile_eng51.py (two CPU processes, gloo): a model with a complex parameter under FSDP2
 (``shard_model``, the core ``Amp``) and under DDP at each level, against the same loop on one process and the whole
-batch; and O3's loss promotion under FSDP2. Every rank writes ``$MPX_OUT/rank{r}.json``."""
+batch; O3's loss promotion under FSDP2; and O3 under FSDP2 with ``fp32_modules`` (the pinned module's exact values). Every rank writes ``$MPX_OUT/rank{r}.json``."""
 
 from __future__ import annotations
 
@@ -95,6 +95,31 @@ def o3_loss(rank: int) -> dict:
     return {"dtype": str(loss.dtype), "out_dtype": str(out.dtype)}
 
 
+class Scaled(nn.Module):
+    """A layer with an FP32 constant that bfloat16 rounds (3.14159 by 9.7e-4)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("factor", torch.tensor([1 / 3, 0.1, 3.14159, 2 / 7]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.factor
+
+
+def pinned() -> dict:
+    """O3 under FSDP2 with ``fp32_modules``: the pinned module's weight and buffer, off their FP32 values by."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Scaled())
+    weight, factor = model[1].lin.weight.detach().clone(), model[1].factor.clone()
+    amp = Amp("O3", fp32_modules=["1"], **SETTINGS)
+    shard_model(model, amp)
+    amp.prepare_model(model)
+    got = model[1].lin.weight.full_tensor()
+    return {"dtypes": [str(got.dtype), str(model[1].factor.dtype)],
+            "off": [float((got - weight).abs().max()), float((model[1].factor - factor).abs().max())]}  # fmt: skip
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -111,6 +136,10 @@ def main() -> None:
         results["o3_loss"] = o3_loss(rank)
     except Exception as error:  # noqa: BLE001
         results["o3_loss"] = {"error": f"{type(error).__name__}: {error}"[:400]}
+    try:
+        results["pinned"] = pinned()
+    except Exception as error:  # noqa: BLE001
+        results["pinned"] = {"error": f"{type(error).__name__}: {error}"[:400]}
     write_rank_results(results)
     end_ranks()
 

@@ -7,7 +7,9 @@ parameters once per number of groups, now once per number of parameters. ``shard
 failed inside FSDP2: a unit mixing it with real parameters with FSDP's "expects uniform original parameter dtype"
 (naming neither), a unit of complex parameters only at O1/O2 in the backward ("torch.cat(): input types can't be
 cast to the desired output type Float", the FP32 reduction); the first is refused naming the unit, the parameters and
-the fix, the second reduces in the parameters' dtype and trains as on one process.
+the fix, the second reduces in the parameters' dtype and trains as on one process. O3 under ``shard_model`` with
+``fp32_modules``: the pinned module's parameters and buffers were the upcast of their half rounding (a weight 9.4e-4
+off, a constant of 3.14159 9.7e-4 off), as without FSDP before stop 51's fix; they keep their exact values now.
 """
 
 from __future__ import annotations
@@ -128,7 +130,8 @@ def test_complex_parameters_under_fsdp2_and_ddp_train_as_on_one_process(tmp_path
     """Two ranks (gloo), half a batch each, an inf in an imaginary part of rank 1's shard at step 1: under
     ``shard_model`` (the complex parameter alone in the root's unit, reduced as complex; O1's FP32 reduction failed)
     and under DDP, every rank skips that step and the parameter stays complex and ends as on one process with the
-    whole batch. O3 under FSDP2 runs a loss on its FP32 output and a half target in FP32."""
+    whole batch. O3 under FSDP2 runs a loss on its FP32 output and a half target in FP32, and keeps an
+    ``fp32_modules`` module's exact values."""
     from tests.launch import rank_results, run_script
 
     run_script("hostile_eng51_script.py", tmp_path, timeout=150)
@@ -140,6 +143,9 @@ def test_complex_parameters_under_fsdp2_and_ddp_train_as_on_one_process(tmp_path
             torch.testing.assert_close(torch.tensor(got["phase"]), torch.tensor(want["phase"]), rtol=0, atol=2e-4)
             torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(want["norms"]), rtol=2e-3, atol=0)
         assert rank["o3_loss"] == {"dtype": "torch.float32", "out_dtype": "torch.float32"}
+        # O3 under FSDP2 with fp32_modules: the pinned module's weight and buffer hold their exact FP32 values, as
+        # without FSDP (they were the upcast of their rounding: 9.4e-4 and 9.7e-4 off).
+        assert rank["pinned"] == {"dtypes": ["torch.float32"] * 2, "off": [0.0, 0.0]}
 
 
 # -- FP32 buffers --------------------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ from lightning_mpx.common.dtypes import HALF_DTYPES, dtype_name
 from lightning_mpx.engine.sharding import is_sharded, reshard_gathered
 from lightning_mpx.health.promotion import _module_to_fp32, matches
 from lightning_mpx.integrations.fsdp_plan import check_same_plan, done_plan, record_plan, shard_plan
-from lightning_mpx.masters.fp32_buffers import keeps_fp32_buffer
+from lightning_mpx.masters.fp32_buffers import fp32_tensors, keeps_fp32_buffer, restore_fp32_tensors
 from lightning_mpx.masters.weights import convert_module
 from lightning_mpx.opt_levels import Properties
 from lightning_mpx.settings import MixedPrecisionSettings, check_choice
@@ -263,9 +263,11 @@ def shard_model(
         check_same_plan(module, done, plan)
         return module  # sharded by an earlier call with these arguments (a Lightning hook called at every stage)
     if mode.name == "half":
+        exact = [(island, fp32_tensors(island)) for _, island in islands]
         convert_module(module, mode.half, keep_batchnorm_fp32=mode.batchnorm_islands)
-        for _, island in islands:
-            _module_to_fp32(island)  # fp32_modules (batch norm was kept FP32 above)
+        for island, before in exact:
+            _module_to_fp32(island)  # fp32_modules (batch norm was kept FP32 above), with their exact values
+            restore_fp32_tensors(island, before)
     elif mode.name == "masters":
         _buffers_to(module, mode.half, skip=island_set)
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
