@@ -41,7 +41,6 @@ from typing import Any, Iterable, Literal, NamedTuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import (
     FSDPModule,
     FullyShardedDataParallel,
@@ -49,6 +48,7 @@ from torch.distributed.fsdp import (
     MixedPrecisionPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_mpx.casting.aside import around_hooks
