@@ -7,7 +7,9 @@ parameters once per number of groups, now once per number of parameters. ``shard
 failed inside FSDP2: a unit mixing it with real parameters with FSDP's "expects uniform original parameter dtype"
 (naming neither), a unit of complex parameters only at O1/O2 in the backward ("torch.cat(): input types can't be
 cast to the desired output type Float", the FP32 reduction); the first is refused naming the unit, the parameters and
-the fix, the second reduces in the parameters' dtype and trains as on one process. O3 under ``shard_model`` with
+the fix, the second reduces in the parameters' dtype and trains as on one process. An ``fp32_modules`` module tied
+to one outside it (``lm_head`` and the embedding) failed in FSDP2, and at O3 with a message that said to call the
+``shard_model`` that had been called; it is refused naming both. O3 under ``shard_model`` with
 ``fp32_modules``: the pinned module's parameters and buffers were the upcast of their half rounding (a weight 9.4e-4
 off, a constant of 3.14159 9.7e-4 off), as without FSDP before stop 51's fix; they keep their exact values now.
 """
@@ -124,6 +126,21 @@ def test_shard_model_refuses_a_unit_mixing_complex_and_real_parameters_naming_th
     amp = Amp("O1", half_dtype=HALF)
     with pytest.raises(ValueError, match=r"unit '<root>' holds complex parameters \(phase\).*blocks="):
         shard_model(Spectral(), amp)
+
+
+@pytest.mark.parametrize("level", ["O1", "O3"])
+def test_shard_model_refuses_an_fp32_module_tied_to_one_outside_it_naming_both(level: str) -> None:
+    """``fp32_modules=["head"]`` with ``head.weight`` tied to the embedding: FSDP2 keeps a parameter in one unit. It
+    failed in FSDP ("already managed by another FSDP group", a fix ``shard_model`` does not take) and at O3 in the
+    engine's check, which said to shard with ``shard_model`` (the call that had); refused before sharding."""
+    from lightning_mpx.integrations.fsdp import shard_model
+
+    model = nn.ModuleDict(dict(emb=nn.Embedding(16, 8), head=nn.Linear(8, 16, bias=False)))
+    model.head.weight = model.emb.weight
+    amp = Amp(level, half_dtype=HALF, fp32_modules=["head"])
+    with pytest.raises(ValueError, match=r"unit 'head' .*shares a parameter with 'emb.weight'.*fp32_modules"):
+        shard_model(model, amp)
+    assert model.emb.weight.dtype == torch.float32  # refused before any cast
 
 
 def test_complex_parameters_under_fsdp2_and_ddp_train_as_on_one_process(tmp_path: Path) -> None:

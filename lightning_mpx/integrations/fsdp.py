@@ -254,6 +254,7 @@ def shard_model(
     mode = _mode(props)
     islands = _islands(module, settings, mode, require_match=True)
     island_set = {id(m) for _, m in islands}
+    _refuse_tied_islands(module, islands)
     units = _resolve_blocks(module, blocks)
     inside = {id(m) for _, island in islands for m in island.modules()}
     units = [unit for unit in units if id(unit) not in inside]  # blocks inside an island are part of its unit
@@ -286,6 +287,23 @@ def shard_model(
     # The model carries what was done to it, so that a second call can tell "the same again" from a conflict.
     record_plan(module, plan)
     return module
+
+
+def _refuse_tied_islands(module: nn.Module, islands: list[tuple[str, nn.Module]]) -> None:
+    """Refuse an FP32 island that shares a parameter with a module outside it (an ``lm_head`` tied to the input
+    embedding): FSDP2 keeps a parameter in one unit (its own error named no fix ``shard_model`` takes, and at O3 the
+    tied FP32 weight outside the island was refused as a model not cast before sharding)."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(_clean(name))
+    for island_name, island in islands:
+        inside = island_name + "."
+        for name in (n for p in island.parameters() for n in names.get(id(p), ()) if not n.startswith(inside)):
+            raise ValueError(
+                f"shard_model: the FP32 unit {island_name!r} (batch norm or fp32_modules) shares a parameter with "
+                f"{name!r} outside it (tied weights); FSDP2 keeps a parameter in one unit. Leave {island_name!r} out "
+                "of fp32_modules (or untie the weights) to shard this model."
+            )
 
 
 def _complex_unit_policy(unit: nn.Module, policy: MixedPrecisionPolicy, names: dict[int, str]) -> MixedPrecisionPolicy:
