@@ -118,6 +118,39 @@ def test_a_complex_parameter_appended_to_a_groups_list_is_unscaled_as_one(level:
     assert torch.equal(model.phase, Spectral().phase - 0.5 * grad)
 
 
+def test_o2_complex_parameter_resumes_from_a_checkpoint_as_the_run_that_went_on() -> None:
+    """O2 with Adam: the engine's, optimizer's and model's state dicts after 2 steps, loaded into a fresh engine and
+    model, give bit for bit the weights of the run that went on (the complex parameter its own FP32 master)."""
+
+    def run(amp: Amp, model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+        for step in steps:
+            x, y = _data(step)
+            with amp.forward_context():
+                loss = F.cross_entropy(amp.cast_outputs(model(amp.cast_inputs(x))).float(), y)
+            amp.backward(loss)
+            amp.step(opt)
+            amp.update()
+            opt.zero_grad()
+
+    def fresh() -> tuple[Amp, nn.Module, torch.optim.Optimizer]:
+        amp = Amp("O2", half_dtype=HALF, loss_scale="dynamic")
+        model = amp.prepare_model(Spectral())
+        return amp, model, amp.prepare_optimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+
+    amp, model, opt = fresh()
+    run(amp, model, opt, range(2))
+    saved = copy.deepcopy((amp.state_dict(), opt.state_dict(), model.state_dict()))
+    run(amp, model, opt, range(2, 4))
+    amp2, model2, opt2 = fresh()
+    model2.load_state_dict(saved[2])
+    opt2.load_state_dict(saved[1])
+    amp2.load_state_dict(saved[0])
+    run(amp2, model2, opt2, range(2, 4))
+    assert model2.phase.dtype == torch.complex64
+    for name, value in model.state_dict().items():
+        assert torch.equal(model2.state_dict()[name], value), name
+
+
 def test_shard_model_refuses_a_unit_mixing_complex_and_real_parameters_naming_them() -> None:
     """FSDP2 shards a unit as one buffer of one dtype: a root holding the complex ``phase`` beside ``lin``'s real
     parameters is refused before any sharding, naming the unit, the parameter and ``blocks=``."""
