@@ -10,6 +10,9 @@ off) and return ``cos``/``sin`` in their input's dtype: an FP32 ``inv_freq`` pro
 as transformers' bfloat16 model does; every other floating buffer (a position table added to half activations, which
 in FP32 would promote them and fail at the next half layer) is cast. A table of cos/sin values (litgpt's ``cos`` and
 ``sin``) is cast too: its rounding is that of the values themselves, not multiplied by a position.
+
+:func:`fp32_tensors` and :func:`restore_fp32_tensors` give the modules made FP32 again after such a cast (an
+``fp32_modules`` unit under ``shard_model`` at O3) the exact values they held before it.
 """
 
 from __future__ import annotations
