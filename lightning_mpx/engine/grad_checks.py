@@ -91,7 +91,7 @@ def unscale(
             sources, targets = list(filter(_SOME, map(_GRAD, params))), None
             if any(map(_IS_SPARSE, sources)):  # rare: own_grads refuses the sparse gradient by its parameter
                 own_grads(optimizer, refuse_sparse)
-    if state.complex_groups != len(optimizer.param_groups):  # a comparison per step: see note_complex
+    if state.complex_groups != _param_count(optimizer):  # a sum over the groups per step: see note_complex
         note_complex(state, optimizer)
     named = sources
     if state.has_complex:  # torch's unscale kernels have no complex case: their real views (no copy)
@@ -140,10 +140,17 @@ def unscale(
 
 def note_complex(state: _OptimizerState, optimizer: torch.optim.Optimizer) -> None:
     """Note whether ``optimizer`` holds a complex parameter (its gradients are then unscaled as real views), for the
-    number of parameter groups it has now: a group added later is looked at again at the next unscale, and a model
-    without complex parameters pays one comparison per step, not a look at every gradient's dtype."""
+    number of parameters its groups hold now (kept in ``state.complex_groups``): a group added later, or a parameter
+    appended to a group's list, is looked at again at the next unscale (an appended one crashed in torch's kernel,
+    "not implemented for 'ComplexFloat'"), and a model without complex parameters pays one sum over its groups per
+    step, not a look at every gradient's dtype."""
     state.has_complex = has_complex(list(optimizer_params(optimizer)))
-    state.complex_groups = len(optimizer.param_groups)
+    state.complex_groups = _param_count(optimizer)
+
+
+def _param_count(optimizer: torch.optim.Optimizer) -> int:
+    """The number of parameters in ``optimizer``'s groups (C-level maps: no Python per parameter or group)."""
+    return sum(map(len, map(_PARAMS, optimizer.param_groups)))
 
 
 def charge(state: _OptimizerState, loss_id: int, found: torch.Tensor) -> None:

@@ -34,6 +34,7 @@ level (called by :meth:`Amp.prepare_model <lightning_mpx.engine.amp.Amp.prepare_
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from typing import Any, Iterable, Literal, NamedTuple
@@ -47,6 +48,7 @@ from torch.distributed.fsdp import (
     MixedPrecisionPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_mpx.casting.aside import around_hooks
@@ -54,7 +56,7 @@ from lightning_mpx.common.dtypes import HALF_DTYPES, dtype_name
 from lightning_mpx.engine.sharding import is_sharded, reshard_gathered
 from lightning_mpx.health.promotion import _module_to_fp32, matches
 from lightning_mpx.integrations.fsdp_plan import check_same_plan, done_plan, record_plan, shard_plan
-from lightning_mpx.masters.fp32_buffers import keeps_fp32_buffer
+from lightning_mpx.masters.fp32_buffers import fp32_tensors, keeps_fp32_buffer, restore_fp32_tensors
 from lightning_mpx.masters.weights import convert_module
 from lightning_mpx.opt_levels import Properties
 from lightning_mpx.settings import MixedPrecisionSettings, check_choice
@@ -252,6 +254,7 @@ def shard_model(
     mode = _mode(props)
     islands = _islands(module, settings, mode, require_match=True)
     island_set = {id(m) for _, m in islands}
+    _refuse_tied_islands(module, islands)
     units = _resolve_blocks(module, blocks)
     inside = {id(m) for _, island in islands for m in island.modules()}
     units = [unit for unit in units if id(unit) not in inside]  # blocks inside an island are part of its unit
@@ -261,9 +264,11 @@ def shard_model(
         check_same_plan(module, done, plan)
         return module  # sharded by an earlier call with these arguments (a Lightning hook called at every stage)
     if mode.name == "half":
+        exact = [(island, fp32_tensors(island)) for _, island in islands]
         convert_module(module, mode.half, keep_batchnorm_fp32=mode.batchnorm_islands)
-        for _, island in islands:
-            _module_to_fp32(island)  # fp32_modules (batch norm was kept FP32 above)
+        for island, before in exact:
+            _module_to_fp32(island)  # fp32_modules (batch norm was kept FP32 above), with their exact values
+            restore_fp32_tensors(island, before)
     elif mode.name == "masters":
         _buffers_to(module, mode.half, skip=island_set)
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
@@ -272,6 +277,7 @@ def shard_model(
     shards += [(unit, block_policy) for unit in units]
     shards.append((module, mixed_precision_policy(settings, role="root", gather=gather)))
     for unit, policy in shards:
+        policy = _complex_unit_policy(unit, policy, names)
         if props.has_cast_policy:
             # FSDP's forward hooks (the gathers and frees, hundreds of torch calls per unit) run without the cast
             # mode, which would be handed each of them.
@@ -281,6 +287,44 @@ def shard_model(
     # The model carries what was done to it, so that a second call can tell "the same again" from a conflict.
     record_plan(module, plan)
     return module
+
+
+def _refuse_tied_islands(module: nn.Module, islands: list[tuple[str, nn.Module]]) -> None:
+    """Refuse an FP32 island that shares a parameter with a module outside it (an ``lm_head`` tied to the input
+    embedding): FSDP2 keeps a parameter in one unit (its own error named no fix ``shard_model`` takes, and at O3 the
+    tied FP32 weight outside the island was refused as a model not cast before sharding)."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(_clean(name))
+    for island_name, island in islands:
+        inside = island_name + "."
+        for name in (n for p in island.parameters() for n in names.get(id(p), ()) if not n.startswith(inside)):
+            raise ValueError(
+                f"shard_model: the FP32 unit {island_name!r} (batch norm or fp32_modules) shares a parameter with "
+                f"{name!r} outside it (tied weights); FSDP2 keeps a parameter in one unit. Leave {island_name!r} out "
+                "of fp32_modules (or untie the weights) to shard this model."
+            )
+
+
+def _complex_unit_policy(unit: nn.Module, policy: MixedPrecisionPolicy, names: dict[int, str]) -> MixedPrecisionPolicy:
+    """``policy``, for a unit about to be sharded, or the one its complex parameters (spectral layers) need.
+
+    FSDP2 gathers and reduces a unit's parameters as one buffer of one dtype: a unit of complex parameters only is
+    reduced in their dtype (an FP32 reduction failed in FSDP's backward with "torch.cat(): input types can't be
+    cast"); one that mixes them with real parameters is refused
+    here, naming them (FSDP's own "expects uniform original parameter dtype" named neither unit nor parameter)."""
+    own = [(n, p) for n, p in unit.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+    complex_names = [n for n, p in own if p.is_complex()]
+    if not complex_names:
+        return policy
+    if len(complex_names) < len(own):
+        unit_name = names.get(id(unit)) or "<root>"
+        raise ValueError(
+            f"shard_model: the unit {unit_name!r} holds complex parameters ({', '.join(complex_names)}) beside real "
+            "ones; FSDP2 shards a unit's parameters as one buffer of one dtype. Give them units of their own: pass "
+            "the modules of the real parameters (or of the complex ones) in blocks=."
+        )
+    return dataclasses.replace(policy, reduce_dtype=None)  # FSDP gathers a complex parameter as it is already
 
 
 def _resolve_blocks(module: nn.Module, blocks: object) -> list[nn.Module]:

@@ -10,13 +10,17 @@ off) and return ``cos``/``sin`` in their input's dtype: an FP32 ``inv_freq`` pro
 as transformers' bfloat16 model does; every other floating buffer (a position table added to half activations, which
 in FP32 would promote them and fail at the next half layer) is cast. A table of cos/sin values (litgpt's ``cos`` and
 ``sin``) is cast too: its rounding is that of the values themselves, not multiplied by a position.
+
+:func:`fp32_tensors` and :func:`restore_fp32_tensors` give the modules made FP32 again after such a cast (an
+``fp32_modules`` unit under ``shard_model`` at O3) the exact values they held before it.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-__all__ = ["keeps_fp32_buffer"]
+__all__ = ["fp32_tensors", "keeps_fp32_buffer", "restore_fp32_tensors"]
 
 
 def keeps_fp32_buffer(module: nn.Module, name: str) -> bool:
@@ -31,3 +35,30 @@ def keeps_fp32_buffer(module: nn.Module, name: str) -> bool:
     if not name.endswith("inv_freq") or "RotaryEmbedding" not in type(module).__name__:
         return False
     return next(iter(module.parameters(recurse=False)), None) is None
+
+
+def fp32_tensors(module: nn.Module) -> dict[tuple[int, str], torch.Tensor]:
+    """The FP32 parameters' values and buffers of ``module``'s submodules before a cast to half (references: no
+    copy), by submodule and name, for :func:`restore_fp32_tensors`."""
+    found = {}
+    for sub in module.modules():
+        for table, tensors in (("p", sub._parameters), ("b", sub._buffers)):
+            for name, tensor in tensors.items():
+                if tensor is not None and tensor.dtype == torch.float32:
+                    found[(id(sub), f"{table}:{name}")] = tensor.data if table == "p" else tensor
+    return found
+
+
+def restore_fp32_tensors(module: nn.Module, before: dict[tuple[int, str], torch.Tensor]) -> None:
+    """After the cast to half: the parameters and buffers of ``module`` that are FP32 again (an FP32 island's) take
+    back the exact values they held before it (from :func:`fp32_tensors`), not the upcast of their rounding."""
+    for sub in module.modules():
+        for table, tensors in (("p", sub._parameters), ("b", sub._buffers)):
+            for name, tensor in tensors.items():
+                value = before.get((id(sub), f"{table}:{name}"))
+                if value is None or tensor is None or tensor.dtype != torch.float32 or tensor.shape != value.shape:
+                    continue
+                if table == "p":
+                    tensor.data = value
+                else:
+                    tensors[name] = value
