@@ -91,7 +91,8 @@ def unscale(
             sources, targets = list(filter(_SOME, map(_GRAD, params))), None
             if any(map(_IS_SPARSE, sources)):  # rare: own_grads refuses the sparse gradient by its parameter
                 own_grads(optimizer, refuse_sparse)
-    if state.complex_groups != _param_count(optimizer):  # a sum over the groups per step: see note_complex
+    # the parameter count, in C (map/len/sum: no Python call per step or per group): see note_complex
+    if state.complex_groups != sum(map(len, map(_PARAMS, optimizer.param_groups))):
         note_complex(state, optimizer)
     named = sources
     if state.has_complex:  # torch's unscale kernels have no complex case: their real views (no copy)

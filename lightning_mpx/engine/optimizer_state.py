@@ -104,8 +104,8 @@ class _OptimizerState:
     # had then (``decided_groups``; 0: not decided yet): a group added later is decided again at the next step.
     on_device: bool = False
     decided_groups: int = 0
-    # Whether the optimizer holds a complex parameter (unscaled as real views), noted for the number of parameter
-    # groups it had then (``complex_groups``; 0: not noted yet), as skip_on_device (grad_checks.note_complex).
+    # Whether the optimizer holds a complex parameter (unscaled as real views), noted for the number of parameters its
+    # groups held then (``complex_groups``; 0: not noted yet): grad_checks.note_complex.
     has_complex: bool = False
     complex_groups: int = 0
 
