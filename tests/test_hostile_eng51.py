@@ -215,11 +215,6 @@ def test_rotary_frequencies_stay_exact_through_fp32_modules_deepcopy_and_pickle(
         assert copy_.head.weight.dtype == HALF
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="integrations/accelerate_fsdp.py before_sharding (another session's module): at O3 it casts the model, "
-    "then makes the fp32_modules islands FP32 from their half rounding (shard_model keeps their exact values now)",
-)
 def test_accelerate_fsdp_o3_keeps_an_fp32_modules_modules_exact_values() -> None:
     """The Accelerate adapter's preparation under FSDP (before Accelerate wraps the model) at O3 with
     ``fp32_modules``: the pinned module's weight and buffer should hold their FP32 values, as without FSDP."""

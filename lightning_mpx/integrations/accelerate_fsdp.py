@@ -83,6 +83,7 @@ def before_sharding(
     reshard settings from the plugin; ``gather``: O1's all-gather dtype, for the islands' policy)."""
     from lightning_mpx.health.promotion import _module_to_fp32
     from lightning_mpx.integrations.fsdp import _buffers_to, _islands, _mode, mixed_precision_policy
+    from lightning_mpx.masters.fp32_buffers import fp32_tensors, restore_fp32_tensors
 
     if is_sharded(model):
         # sharded by the user (e.g. lightning_mpx.integrations.fsdp.shard_model): Accelerate keeps it, the engine
@@ -92,9 +93,11 @@ def before_sharding(
     mode = _mode(props)
     islands = _islands(model, settings, mode, require_match=True)
     if mode.name == "half":
+        exact = [(island, fp32_tensors(island)) for _, island in islands]
         convert_module(model, mode.half, keep_batchnorm_fp32=mode.batchnorm_islands)
-        for _, island in islands:
-            _module_to_fp32(island)
+        for island, kept in exact:
+            _module_to_fp32(island)  # fp32_modules, with the exact values they held (not their rounding's upcast)
+            restore_fp32_tensors(island, kept)
     else:
         for param in model.parameters():
             if param.requires_grad and param.is_floating_point() and param.dtype != torch.float32:
