@@ -305,7 +305,13 @@ class MixedPrecisionSettings:
         if self.cast_table is not None and not props.patch_torch_functions:
             raise ValueError(
                 f"cast_table is only used by the cast-table policy, which is off at opt_level="
-                f"{props.opt_level!r} (patch_torch_functions=False); use opt_level='O1'."
+                f"{props.opt_level!r} (patch_torch_functions=False); use opt_level='O1'"
+                + (
+                    ", or register a loss function of your own in the level's loss table after building "
+                    "(amp.policy.table.register(fn, 'float' at O2, 'promote' at O3), fn decorated with "
+                    "@lightning_mpx.dispatchable)."
+                    if props.casts_model else "."
+                )
             )
         if isinstance(self.scaler, Mapping):  # from_kwargs: checked here, in Amp's order of checks
             object.__setattr__(self, "scaler", ScalerSettings(**self.scaler))

@@ -135,3 +135,33 @@ def test_blocks_in_a_module_list_run_without_the_loss_mode(level: str) -> None:
         handle.remove()  # the mode on for the whole forward
     with amp.forward_context():
         assert torch.equal(F.cross_entropy(amp.cast_outputs(model(amp.cast_inputs(x))), y), losses[1])
+
+
+def test_a_cast_table_at_o3_is_refused_naming_the_register_route_which_promotes_a_users_own_loss() -> None:
+    """``cast_table=`` is O1's; at O3 the error names the route that works there: registering a ``@dispatchable`` loss
+    of one's own in the level's table with ``"promote"`` (a strict-dtype loss given an FP32 output and a half
+    target then runs in FP32, as the built-in ones do)."""
+    from lightning_mpx import CastTable, dispatchable
+
+    with pytest.raises(ValueError, match=r"opt_level='O3'.*amp\.policy\.table\.register\(fn, 'float' at O2, 'promote'"):
+        Amp("O3", half_dtype=HALF, cast_table=CastTable.default())
+
+    @dispatchable
+    def strict_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if output.dtype != target.dtype:
+            raise RuntimeError(f"strict_loss: {output.dtype} and {target.dtype}")
+        return (output - target).square().mean()
+
+    amp = Amp("O3", half_dtype=HALF)
+    model = amp.prepare_model(nn.Linear(16, 4))
+    x, _, target = _batch()
+    with amp.forward_context():
+        out = amp.cast_outputs(model(amp.cast_inputs(x)))
+        with pytest.raises(RuntimeError, match="strict_loss"):
+            strict_loss(out, target)
+    amp.policy.table.register(strict_loss, "promote")
+    with amp.forward_context():
+        out = amp.cast_outputs(model(amp.cast_inputs(x)))
+        loss = strict_loss(out, target)
+    assert loss.dtype == torch.float32
+    assert torch.equal(loss, strict_loss(out, target.float()))
