@@ -39,7 +39,11 @@ def remember(noted: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch
     if torch.compiler.is_compiling():
         return []
     for half, source in noted:
-        setattr(half, SOURCE_ATTRIBUTE, (source, half._version))
+        try:
+            version = half._version
+        except RuntimeError:  # an inference tensor has no version counter: the values tell a write (see _exact)
+            version = None
+        setattr(half, SOURCE_ATTRIBUTE, (source, version))
     return noted
 
 
@@ -74,8 +78,8 @@ def _exact(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     if note is None:
         return None
     source, version = note
-    if root._version != version or value.dtype is not root.dtype:
-        return None  # written in place since the cast (a view shares its base's counter), or a view as another dtype
+    if value.dtype is not root.dtype or (version is not None and root._version != version):
+        return None  # a view as another dtype, or written in place since the cast (a view shares its base's counter)
     if value is not root:
         if source.stride() != root.stride():
             source = source.contiguous()  # the cast of a tensor that is not dense made a contiguous one
@@ -83,7 +87,10 @@ def _exact(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
                 return None
         offset = value.storage_offset() - root.storage_offset() + source.storage_offset()
         source = source.as_strided(value.size(), value.stride(), offset)
-    return source.to(dtype=dtype)
+    exact = source.to(dtype=dtype)
+    if version is None:  # under inference mode: the source only where the half value is still its rounding (no sync)
+        exact = torch.where(source.to(dtype=value.dtype) == value, exact, value.to(dtype=dtype))
+    return exact
 
 
 def exact_sources(args: tuple[Any, ...], kwargs: dict[str, Any] | None, dtype: torch.dtype
