@@ -40,7 +40,7 @@ class _Regressor(nn.Module):
         pred = self.head(x + self.prenet(labels)).squeeze(-1)  # labels in half compute (a prenet)
         target = labels[:, 1]
         if self.inplace:
-            target.add_(1.0)  # written in place after the cast: the loss must see the written values
+            target.mul_(2.0)  # written in place after the cast: the loss must see the written values
         return F.mse_loss(pred.float(), target), pred
 
 
@@ -70,16 +70,28 @@ def test_core_amp_loss_inside_the_forward_takes_the_fp32_targets(level, whole):
     assert not amp.policy._noted
 
 
-def test_core_amp_target_written_in_place_after_the_cast_is_the_written_half_value():
-    """A target written in place inside the forward (its version moved) is not replaced by its stale source."""
+@pytest.mark.parametrize("inference", [False, True], ids=["grad", "inference-mode"])
+def test_core_amp_target_written_in_place_after_the_cast_is_the_written_half_value(inference):
+    """A target written in place inside the forward is not replaced by its stale source: its version moved, or,
+    under inference mode (no version counter), its half value is no longer the source's rounding."""
     amp = Amp("O2", half_dtype=HALF)
     model = amp.prepare_model(_Regressor(inplace=True))
     x, labels = _batch()
-    with amp.forward_context():
+    with torch.inference_mode(inference), amp.forward_context():
         loss, pred = amp.cast_outputs(model(*amp.cast_inputs((x, labels))))
-    written = labels[:, 1].to(torch.bfloat16).add_(1.0).float()
+    written = labels[:, 1].to(torch.bfloat16).mul_(2.0).float()
     assert loss.item() == pytest.approx(F.mse_loss(pred, written).item(), rel=1e-6)
-    assert loss.item() != pytest.approx(F.mse_loss(pred, labels[:, 1] + 1).item(), rel=1e-5)
+    assert loss.item() != pytest.approx(F.mse_loss(pred, labels[:, 1] * 2).item(), rel=1e-5)
+
+
+def test_core_amp_loss_under_inference_mode_takes_the_fp32_targets():
+    """Evaluation (Lightning validates under inference mode, whose tensors have no version counter)."""
+    amp = Amp("O2", half_dtype=HALF)
+    model = amp.prepare_model(_Regressor())
+    x, labels = _batch()
+    with torch.inference_mode(), amp.forward_context():
+        out = amp.cast_outputs(model(*amp.cast_inputs((x, labels))))
+    _check(model, out, labels)
 
 
 @pytest.mark.parametrize("level", ["O2", "O3"])
@@ -116,19 +128,23 @@ def test_trainer_plugin_loss_inside_the_modules_forward_takes_the_fp32_targets(l
             seen.append((out, batch[1]))
             return out[0]
 
+        def validation_step(self, batch: Any, batch_idx: int) -> None:  # under inference mode: views lose _base
+            seen.append((self(*batch), batch[1]))
+
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.0)
 
     module = Module()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_batch()), batch_size=8)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, enable_progress_bar=False, logger=False,
-                         enable_checkpointing=False, enable_model_summary=False,
-                         plugins=[MixedPrecisionPlugin(level, half_dtype=HALF)])  # fmt: skip
+                         enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=1, plugins=[MixedPrecisionPlugin(level, half_dtype=HALF)])  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(module, loader)
-    out, labels = seen[0]
-    _check(module.net, out, labels)
+        trainer.fit(module, loader, loader)
+    assert len(seen) == 2  # a training step and a validation step
+    for out, labels in seen:
+        _check(module.net, out, labels)
 
 
 @pytest.mark.parametrize("level", ["O2", "O3"])

@@ -202,7 +202,7 @@ class _CastMode(TorchFunctionMode):
                     dtype, castable = torch.float32, _LOW
                     if action == _FLOAT and policy.table.exact_sources:
                         # O2's loss on a target that the model boundary cast to half: its FP32 source's values
-                        args, kwargs = exact_sources(args, kwargs, dtype)
+                        args, kwargs = exact_sources(args, kwargs, dtype, policy._noted)
                 # policy._cast_all, inline with its cache lookup and _cached_cast: positions are ints, keywords str.
                 cache = compiling = _UNSET
                 new_args = new_kwargs = None  # copies, made at the first argument that changes
@@ -343,7 +343,7 @@ class _CastMode(TorchFunctionMode):
                         self._note_recompute()
                         widest = torch.promote_types(a_dtype, b_dtype)
                         if policy.table.exact_sources:  # O3's loss on a boundary-cast target: its source's values
-                            (a, b), _ = exact_sources((a, b), None, widest)
+                            (a, b), _ = exact_sources((a, b), None, widest, policy._noted)
                             a_dtype, b_dtype = a.dtype, b.dtype
                         if a_dtype is not widest and a_dtype in _ALL_FLOATS:
                             a = policy._cast_tensor(a, widest)
@@ -362,7 +362,7 @@ class _CastMode(TorchFunctionMode):
                 if widest is not None:
                     self._note_recompute()
                     if policy.table.exact_sources:  # O3's loss on a boundary-cast target: its source's values
-                        args, kwargs = exact_sources(args, kwargs, widest)
+                        args, kwargs = exact_sources(args, kwargs, widest, policy._noted)
                     args, kwargs = policy._cast_all(args, kwargs, widest, _ALL_FLOATS)
             return func(*args, **kwargs) if kwargs else func(*args)
         if action == _BACKWARD:

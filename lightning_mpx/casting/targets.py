@@ -31,19 +31,31 @@ from lightning_mpx.common.dtypes import HALF_DTYPES
 SOURCE_ATTRIBUTE = "_lightning_mpx_source"
 
 
-def remember(noted: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def remember(noted: list[tuple[torch.Tensor, torch.Tensor]], *, share: bool = True
+             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Let each half tensor of ``noted`` carry its source; returns what :func:`forget` takes back (empty under
-    ``torch.compile``, where nothing is set)."""
+    ``torch.compile``, where nothing is set).
+
+    Under inference mode a view does not know its base (``_base`` is ``None``): the loss policy then finds a view's
+    noted tensor by its storage among the notes its policy holds, so with ``share`` the notes are also given to the
+    cast policies active on this thread (the boundary's hooks run inside the step's policy scope), until their scope
+    ends."""
     if not noted:
         return noted
     if torch.compiler.is_compiling():
         return []
+    inference = False
     for half, source in noted:
         try:
             version = half._version
         except RuntimeError:  # an inference tensor has no version counter: the values tell a write (see _exact)
-            version = None
+            version, inference = None, True
         setattr(half, SOURCE_ATTRIBUTE, (source, version))
+    if inference and share:
+        for mode in torch.overrides._get_current_function_mode_stack():
+            held = getattr(getattr(mode, "policy", None), "_noted", None)
+            if type(held) is list:
+                held.extend(noted)
     return noted
 
 
@@ -57,8 +69,9 @@ def cast_model_inputs(policy: Any, data: Any, dtype: torch.dtype) -> Any:
         return _cast_collection(data, dtype, (torch.float32, torch.float64))
     noted: list[tuple[torch.Tensor, torch.Tensor]] = []
     data = _cast_collection(data, dtype, (torch.float32, torch.float64), noted)
-    if noted:
-        policy._noted.extend(remember(noted))
+    noted = remember(noted, share=False)
+    if noted:  # (none under torch.compile)
+        policy._noted.extend(noted)
     return data
 
 
@@ -70,13 +83,21 @@ def forget(noted: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     noted.clear()
 
 
-def _exact(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """The source's values of the half tensor ``value`` (a noted tensor or a view of one) in ``dtype``, or ``None``."""
+def _exact(value: torch.Tensor, dtype: torch.dtype, held: list[tuple[torch.Tensor, torch.Tensor]]
+           ) -> torch.Tensor | None:
+    """The source's values of the half tensor ``value`` (a noted tensor or a view of one) in ``dtype``, or ``None``.
+    ``held``: the notes of the policy, searched by storage for a view that does not know its base."""
     base = value._base
     root = value if base is None else base
     note = getattr(root, SOURCE_ATTRIBUTE, None)
     if note is None:
-        return None
+        if base is not None or not held:
+            return None
+        address = value.untyped_storage().data_ptr()  # a view made under inference mode: its storage tells
+        root = next((half for half, _ in held if half.untyped_storage().data_ptr() == address), None)
+        note = None if root is None else getattr(root, SOURCE_ATTRIBUTE, None)
+        if note is None:
+            return None
     source, version = note
     if value.dtype is not root.dtype or (version is not None and root._version != version):
         return None  # a view as another dtype, or written in place since the cast (a view shares its base's counter)
@@ -93,16 +114,17 @@ def _exact(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     return exact
 
 
-def exact_sources(args: tuple[Any, ...], kwargs: dict[str, Any] | None, dtype: torch.dtype
-                  ) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
+def exact_sources(args: tuple[Any, ...], kwargs: dict[str, Any] | None, dtype: torch.dtype,
+                  held: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
     """The call's arguments with each noted half tensor (or view of one) replaced by its source in ``dtype``; the
-    same objects where none is (the loss policy's casts then handle the rest as before)."""
+    same objects where none is (the loss policy's casts then handle the rest as before). ``held``: the policy's
+    notes (see :func:`_exact`)."""
     if torch.compiler.is_compiling():
         return args, kwargs
     new_args = None
     for index, item in enumerate(args):
         if isinstance(item, torch.Tensor) and item.dtype in HALF_DTYPES:
-            exact = _exact(item, dtype)
+            exact = _exact(item, dtype, held)
             if exact is not None:
                 if new_args is None:
                     new_args = list(args)
@@ -111,7 +133,7 @@ def exact_sources(args: tuple[Any, ...], kwargs: dict[str, Any] | None, dtype: t
         new_kwargs = None
         for name, item in kwargs.items():
             if isinstance(item, torch.Tensor) and item.dtype in HALF_DTYPES:
-                exact = _exact(item, dtype)
+                exact = _exact(item, dtype, held)
                 if exact is not None:
                     if new_kwargs is None:
                         new_kwargs = dict(kwargs)
