@@ -94,6 +94,24 @@ def test_core_amp_loss_under_inference_mode_takes_the_fp32_targets():
     _check(model, out, labels)
 
 
+def test_boundary_hooks_under_inference_mode_share_their_notes_with_the_scopes_policy():
+    """The Trainer plugin's boundary hooks (:class:`BoundaryCast`) on a model run under inference mode: the loss's
+    ``labels[:, 1]`` does not know its base there, and is found by its storage among the notes the hooks gave the
+    policy of the scope they run in (dropped when the scope ends)."""
+    from lightning_mpx.casting.boundary import BoundaryCast
+
+    amp = Amp("O2", half_dtype=HALF)
+    model = amp.prepare_model(_Regressor())
+    (boundary,) = BoundaryCast.for_model([model], torch.bfloat16)
+    model.register_forward_pre_hook(boundary.pre, with_kwargs=True)
+    model.register_forward_hook(boundary.post, always_call=True)
+    x, labels = _batch()
+    with torch.inference_mode(), amp.forward_context():
+        out = model(x, labels)
+    _check(model, out, labels)
+    assert not amp.policy._noted
+
+
 @pytest.mark.parametrize("level", ["O2", "O3"])
 def test_fabric_loss_inside_the_forward_takes_the_fp32_targets(level):
     lightning = pytest.importorskip("lightning")
