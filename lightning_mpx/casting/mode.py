@@ -18,7 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from lightning_mpx.casting.table import CastTable
-from lightning_mpx.casting.targets import exact_sources
+from lightning_mpx.casting.targets import exact_source, exact_sources
 
 # Actions, resolved once per function and memoised by each policy.
 # _PASS is 0 (falsy) and the casting actions come before _BANNED: the hook tests for them so.
@@ -197,12 +197,11 @@ class _CastMode(TorchFunctionMode):
                     # Casting the out= tensor would write the result into a copy that the caller never sees.
                     return func(*args, **kwargs)
                 if action == _HALF and not self.fp32:
-                    dtype, castable = policy.half_dtype, _FP32
+                    dtype, castable, exact = policy.half_dtype, _FP32, False
                 else:  # _FLOAT, or a half op inside an FP32 module
                     dtype, castable = torch.float32, _LOW
-                    if action == _FLOAT and policy.table.exact_sources:
-                        # O2's loss on a target that the model boundary cast to half: its FP32 source's values
-                        args, kwargs = exact_sources(args, kwargs, dtype, policy._noted)
+                    # O2's loss on a target that the model boundary cast to half takes its FP32 source's values
+                    exact = action == _FLOAT and policy.table.exact_sources
                 # policy._cast_all, inline with its cache lookup and _cached_cast: positions are ints, keywords str.
                 cache = compiling = _UNSET
                 new_args = new_kwargs = None  # copies, made at the first argument that changes
@@ -235,7 +234,8 @@ class _CastMode(TorchFunctionMode):
                                     cache[key] = (version, address, cast, item, item.untyped_storage())
                                     item = cast
                         else:
-                            item = item.to(dtype=dtype)
+                            source = exact_source(item, dtype, policy._noted) if exact else None
+                            item = item.to(dtype=dtype) if source is None else source
                     elif isinstance(item, (list, tuple)):
                         for inner in item:
                             if isinstance(inner, _CONTAINERS):

@@ -48,7 +48,7 @@ def remember(noted: list[tuple[torch.Tensor, torch.Tensor]], *, share: bool = Tr
     for half, source in noted:
         try:
             version = half._version
-        except RuntimeError:  # an inference tensor has no version counter: the values tell a write (see _exact)
+        except RuntimeError:  # an inference tensor has no version counter: the values tell a write (see exact_source)
             version, inference = None, True
         setattr(half, SOURCE_ATTRIBUTE, (source, version))
     if inference and share:
@@ -83,10 +83,13 @@ def forget(noted: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     noted.clear()
 
 
-def _exact(value: torch.Tensor, dtype: torch.dtype, held: list[tuple[torch.Tensor, torch.Tensor]]
-           ) -> torch.Tensor | None:
-    """The source's values of the half tensor ``value`` (a noted tensor or a view of one) in ``dtype``, or ``None``.
-    ``held``: the notes of the policy, searched by storage for a view that does not know its base."""
+def exact_source(value: torch.Tensor, dtype: torch.dtype, held: list[tuple[torch.Tensor, torch.Tensor]]
+                 ) -> torch.Tensor | None:
+    """The source's values of the half tensor ``value`` (a noted tensor or a view of one) in ``dtype``, or ``None``
+    (also under ``torch.compile``). ``held``: the notes of the policy, searched by storage for a view that does not
+    know its base."""
+    if torch.compiler.is_compiling():
+        return None
     base = value._base
     root = value if base is None else base
     note = getattr(root, SOURCE_ATTRIBUTE, None)
@@ -118,13 +121,13 @@ def exact_sources(args: tuple[Any, ...], kwargs: dict[str, Any] | None, dtype: t
                   held: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
     """The call's arguments with each noted half tensor (or view of one) replaced by its source in ``dtype``; the
     same objects where none is (the loss policy's casts then handle the rest as before). ``held``: the policy's
-    notes (see :func:`_exact`)."""
+    notes (see :func:`exact_source`)."""
     if torch.compiler.is_compiling():
         return args, kwargs
     new_args = None
     for index, item in enumerate(args):
         if isinstance(item, torch.Tensor) and item.dtype in HALF_DTYPES:
-            exact = _exact(item, dtype, held)
+            exact = exact_source(item, dtype, held)
             if exact is not None:
                 if new_args is None:
                     new_args = list(args)
@@ -133,7 +136,7 @@ def exact_sources(args: tuple[Any, ...], kwargs: dict[str, Any] | None, dtype: t
         new_kwargs = None
         for name, item in kwargs.items():
             if isinstance(item, torch.Tensor) and item.dtype in HALF_DTYPES:
-                exact = _exact(item, dtype, held)
+                exact = exact_source(item, dtype, held)
                 if exact is not None:
                     if new_kwargs is None:
                         new_kwargs = dict(kwargs)

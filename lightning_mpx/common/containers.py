@@ -33,7 +33,7 @@ def _cast_collection(data: Any, dtype: torch.dtype, castable: tuple[torch.dtype,
     if kind is tuple or kind is list:
         items = []
         for value in data:
-            if type(value) is torch.Tensor and noted is None:
+            if type(value) is torch.Tensor and (noted is None or value.dtype not in castable):
                 items.append(value.to(dtype) if value.dtype in castable else value)
             else:
                 items.append(_cast_collection(value, dtype, castable, noted))
@@ -41,7 +41,7 @@ def _cast_collection(data: Any, dtype: torch.dtype, castable: tuple[torch.dtype,
     if kind is dict:
         new = {}
         for key, value in data.items():
-            if type(value) is torch.Tensor and noted is None:
+            if type(value) is torch.Tensor and (noted is None or value.dtype not in castable):
                 new[key] = value.to(dtype) if value.dtype in castable else value
             else:
                 new[key] = _cast_collection(value, dtype, castable, noted)
