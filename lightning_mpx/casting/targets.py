@@ -67,11 +67,14 @@ def cast_model_inputs(policy: Any, data: Any, dtype: torch.dtype) -> Any:
         if type(data) is torch.Tensor:  # _cast_collection's usual case, without its call
             return data.to(dtype) if data.dtype in (torch.float32, torch.float64) else data
         return _cast_collection(data, dtype, (torch.float32, torch.float64))
+    if type(data) is torch.Tensor and data.dtype not in (torch.float32, torch.float64):
+        return data  # token ids: no call
     noted: list[tuple[torch.Tensor, torch.Tensor]] = []
     data = _cast_collection(data, dtype, (torch.float32, torch.float64), noted)
-    noted = remember(noted, share=False)
-    if noted:  # (none under torch.compile)
-        policy._noted.extend(noted)
+    if noted:  # nothing cast (token ids in a tuple): no call
+        noted = remember(noted, share=False)
+        if noted:  # (none under torch.compile)
+            policy._noted.extend(noted)
     return data
 
 
