@@ -44,12 +44,11 @@ def remember(noted: list[tuple[torch.Tensor, torch.Tensor]], *, share: bool = Tr
         return noted
     if torch.compiler.is_compiling():
         return []
-    inference = False
+    # A cast is a new tensor: its version is 0 (read, it would be a call into an active torch-function mode). Made
+    # under inference mode it has no version counter: None, and the values tell a write (see exact_source).
+    inference = torch.is_inference_mode_enabled()
+    version = None if inference else 0
     for half, source in noted:
-        try:
-            version = half._version
-        except RuntimeError:  # an inference tensor has no version counter: the values tell a write (see exact_source)
-            version, inference = None, True
         setattr(half, SOURCE_ATTRIBUTE, (source, version))
     if inference and share:
         for mode in torch.overrides._get_current_function_mode_stack():
@@ -67,10 +66,14 @@ def cast_model_inputs(policy: Any, data: Any, dtype: torch.dtype) -> Any:
         if type(data) is torch.Tensor:  # _cast_collection's usual case, without its call
             return data.to(dtype) if data.dtype in (torch.float32, torch.float64) else data
         return _cast_collection(data, dtype, (torch.float32, torch.float64))
-    if type(data) is torch.Tensor and data.dtype not in (torch.float32, torch.float64):
-        return data  # token ids: no call
-    noted: list[tuple[torch.Tensor, torch.Tensor]] = []
-    data = _cast_collection(data, dtype, (torch.float32, torch.float64), noted)
+    if type(data) is torch.Tensor:  # the usual case, without a call (and one dtype read: a call into the mode)
+        if data.dtype not in (torch.float32, torch.float64):
+            return data  # token ids
+        noted = [(data.to(dtype), data)]
+        data = noted[0][0]
+    else:
+        noted = []
+        data = _cast_collection(data, dtype, (torch.float32, torch.float64), noted)
     if noted:  # nothing cast (token ids in a tuple): no call
         noted = remember(noted, share=False)
         if noted:  # (none under torch.compile)
