@@ -3,9 +3,9 @@ the framework's own precision on the same seed: a regression head's float ``labe
 model) through the Accelerate adapter and the Trainer plugin, and LLaMA's rotary embedding at long positions against
 transformers' own bfloat16 model. Tiny configs, bfloat16, CPU.
 
-Two expected failures (strict), an open finding whose fix belongs to a module of another session: at O2 the boundary
-casts round a ``labels=`` keyword to half before the model's FP32 loss (casting/policy.py, the loss policy). The
-O2/O3 conversion keeps the rotary ``inv_freq`` that transformers keeps FP32 (masters/fp32_buffers.py).
+At O2 the boundary casts round a ``labels=`` keyword to half for compute, and the model's FP32 loss takes the cast's
+FP32 source (lightning_mpx/casting/targets.py). The O2/O3 conversion keeps the rotary ``inv_freq`` that transformers
+keeps FP32 (masters/fp32_buffers.py).
 """
 
 from __future__ import annotations
@@ -66,20 +66,8 @@ def _regression_losses(level: str, steps: int = 2) -> list[tuple[float, float]]:
     return losses
 
 
-LABELS_REASON = (
-    "open finding (stop 51): at O2 the boundary cast of the prepared forward "
-    "(lightning_mpx/integrations/accelerate_forward.py, AmpForward; for the Trainer plugin "
-    "lightning_mpx/casting/boundary.py, BoundaryCast.pre) casts every float keyword to half, labels= too, so a Hugging "
-    "Face model's own loss (FP32 under O2's loss policy) compares its outputs with targets rounded to bfloat16. "
-    "Exempting labels= at the boundary breaks models that feed labels= into their half layers (SpeechT5's "
-    "text-to-speech shifts its mel labels into the decoder prenet: 'mat1 and mat2 must have the same dtype'): the "
-    "fix belongs to O2's loss policy (lightning_mpx/casting/policy.py), which should take the FP32 source of a "
-    "boundary-cast tensor where it now upcasts its rounding"
-)
-
-
 def test_accelerate_o2_loss_from_the_returned_logits_follows_bf16s():
-    """The workaround of the expected failure below (docs/accelerate.md): at O2 the MSE of the logits the model
+    """The workaround before the fix below (docs/accelerate.md): at O2 the MSE of the logits the model
     returns (FP32) against the caller's FP32 targets follows Accelerate's ``"bf16"`` run (to 3e-5 over two steps:
     the half model's own rounding), and the caller's targets are not touched."""
     ours, native = _regression_losses("O2"), _regression_losses("bf16")
@@ -87,21 +75,20 @@ def test_accelerate_o2_loss_from_the_returned_logits_follows_bf16s():
         assert from_logits == pytest.approx(native_loss, rel=1e-4)
 
 
-@pytest.mark.xfail(strict=True, reason=LABELS_REASON)
 def test_accelerate_o2_computes_the_models_own_loss_on_the_fp32_labels():
     """At O2 the model's own MSE loss is the MSE of the logits it returned against the FP32 targets, as under
-    Accelerate's ``"no"`` and ``"bf16"``. It is not: at targets near 300 (bfloat16's spacing there is 2) the first
-    loss is 90726.0 against 90776.9 with ``"bf16"`` (90776.8 from the very logits O2 returned), the second 90460.7
-    against 90570.3: the run drifts from the framework's own."""
+    Accelerate's ``"no"`` and ``"bf16"``. It was not (the boundary cast rounded ``labels=`` to bfloat16): at targets
+    near 300 (bfloat16's spacing there is 2) the first loss was 90726.0 against 90776.9 with ``"bf16"`` (90776.8
+    from the very logits O2 returned), the second 90460.7 against 90570.3. Now O2's loss policy takes the FP32
+    source of the cast labels (lightning_mpx/casting/targets.py)."""
     for loss, from_logits in _regression_losses("O2"):
         assert loss == pytest.approx(from_logits, rel=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason=LABELS_REASON)
 def test_the_trainer_plugins_o2_loss_on_float_labels_is_bf16_mixeds():
     """A LightningModule around the regression model, its loss from ``labels=``: at O2 the first loss is
-    Lightning's ``"bf16-mixed"``'s (90776.89, ``"32-true"`` 90776.87; O2 gives 90726.04, the FP32 loss of the
-    targets rounded to bfloat16; ``"bf16-true"``, which rounds the whole batch and computes the loss in bfloat16,
+    Lightning's ``"bf16-mixed"``'s (90776.89, ``"32-true"`` 90776.87; O2 gave 90726.04 before the fix, the FP32 loss
+    of the targets rounded to bfloat16; ``"bf16-true"``, which rounds the whole batch and computes the loss in bfloat16,
     90624.0)."""
     pl = pytest.importorskip("lightning.pytorch")
     from lightning_mpx import MixedPrecisionPlugin

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mpx.casting.targets import forget, remember
 from lightning_mpx.common.containers import _cast_collection
 from lightning_mpx.common.dtypes import HALF_DTYPES
 
@@ -83,6 +84,9 @@ class BoundaryCast:
     """The boundary casts of one module as a forward pre-hook (:meth:`pre`: floating inputs to half) and a forward
     hook (:meth:`post`: half outputs to FP32; register it with ``always_call=True``).
 
+    :meth:`pre` notes each cast with its FP32 source until :meth:`post`: a loss computed inside the forward from a
+    boundary-cast target (``labels=``) takes the source's values at O2 and O3 (:mod:`~lightning_mpx.casting.targets`).
+
     The hooks of one model share a depth counter: a hooked module called from inside another hooked module's forward
     (``self.embed(tokens)`` in the model's own forward) is inside the boundary, and its inputs and outputs are left as
     they are.
@@ -91,6 +95,10 @@ class BoundaryCast:
         depth: The model's shared counter (:meth:`for_model` makes one).
         probe: Which dtype to cast to (see :class:`DtypeProbe`).
     """
+
+    #: The casts of the forward in progress and their FP32 sources, given back when it ends
+    #: (:mod:`~lightning_mpx.casting.targets`); an instance's own list while one runs.
+    _noted: list[tuple[torch.Tensor, torch.Tensor]] | tuple[()] = ()
 
     def __init__(self, depth: _Depth, probe: DtypeProbe) -> None:
         self._depth = depth
@@ -109,15 +117,27 @@ class BoundaryCast:
         dtype = (probe._dtype or probe.dtype(module)) if depth.value == 1 else None
         if dtype is None:
             return None  # called from inside the model, or a copy that runs in FP32
-        kwargs = _cast_collection(kwargs, dtype, INPUT_DTYPES) if kwargs else kwargs
+        # Each cast noted with its source: a loss inside the forward takes the source's values (casting.targets).
+        noted: list[tuple[torch.Tensor, torch.Tensor]] = []
+        kwargs = _cast_collection(kwargs, dtype, INPUT_DTYPES, noted) if kwargs else kwargs
         if len(args) == 1 and type(args[0]) is torch.Tensor:  # the usual call, model(x): no container walk
             tensor = args[0]
-            return ((tensor.to(dtype),) if tensor.dtype in INPUT_DTYPES else args), kwargs
-        return _cast_collection(args, dtype, INPUT_DTYPES), kwargs
+            if tensor.dtype in INPUT_DTYPES:
+                cast = tensor.to(dtype)
+                noted.append((cast, tensor))
+                args = (cast,)
+        else:
+            args = _cast_collection(args, dtype, INPUT_DTYPES, noted)
+        if noted:
+            self._noted = remember(noted)
+        return args, kwargs
 
     def post(self, module: nn.Module, args: Any, output: Any) -> Any:
         depth, probe = self._depth, self._probe
         depth.value = max(0, depth.value - 1)
+        if depth.value == 0 and self._noted:
+            forget(self._noted)  # the sources go with the forward (not kept with what autograd saves)
+            self._noted = ()
         dtype = (probe._dtype or probe.dtype(module)) if depth.value == 0 else None
         if dtype is None:
             return None  # returning from a call inside the model, or a copy that runs in FP32

@@ -18,6 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from lightning_mpx.casting.table import CastTable
+from lightning_mpx.casting.targets import exact_source, exact_sources
 
 # Actions, resolved once per function and memoised by each policy.
 # _PASS is 0 (falsy) and the casting actions come before _BANNED: the hook tests for them so.
@@ -63,6 +64,7 @@ class _Policy(Protocol):
     _recomputes: bool
     _recomputes_seen: bool
     _action_lookup: Callable[[Callable[..., Any], int], int]
+    _noted: list[tuple[torch.Tensor, torch.Tensor]]
 
     def scope(self) -> AbstractContextManager[Any]: ...
 
@@ -195,9 +197,11 @@ class _CastMode(TorchFunctionMode):
                     # Casting the out= tensor would write the result into a copy that the caller never sees.
                     return func(*args, **kwargs)
                 if action == _HALF and not self.fp32:
-                    dtype, castable = policy.half_dtype, _FP32
+                    dtype, castable, exact = policy.half_dtype, _FP32, False
                 else:  # _FLOAT, or a half op inside an FP32 module
                     dtype, castable = torch.float32, _LOW
+                    # O2's loss on a target that the model boundary cast to half takes its FP32 source's values
+                    exact = action == _FLOAT and policy.table.exact_sources
                 # policy._cast_all, inline with its cache lookup and _cached_cast: positions are ints, keywords str.
                 cache = compiling = _UNSET
                 new_args = new_kwargs = None  # copies, made at the first argument that changes
@@ -230,7 +234,8 @@ class _CastMode(TorchFunctionMode):
                                     cache[key] = (version, address, cast, item, item.untyped_storage())
                                     item = cast
                         else:
-                            item = item.to(dtype=dtype)
+                            source = exact_source(item, dtype, policy._noted) if exact else None
+                            item = item.to(dtype=dtype) if source is None else source
                     elif isinstance(item, (list, tuple)):
                         for inner in item:
                             if isinstance(inner, _CONTAINERS):
@@ -337,6 +342,9 @@ class _CastMode(TorchFunctionMode):
                         # Two floating dtypes (x + x.half()): what _widest and _cast_all find, without them.
                         self._note_recompute()
                         widest = torch.promote_types(a_dtype, b_dtype)
+                        if policy.table.exact_sources:  # O3's loss on a boundary-cast target: its source's values
+                            (a, b), _ = exact_sources((a, b), None, widest, policy._noted)
+                            a_dtype, b_dtype = a.dtype, b.dtype
                         if a_dtype is not widest and a_dtype in _ALL_FLOATS:
                             a = policy._cast_tensor(a, widest)
                         if b_dtype is not widest and b_dtype in _ALL_FLOATS:
@@ -353,6 +361,8 @@ class _CastMode(TorchFunctionMode):
                 widest = _promote_dtype(found)
                 if widest is not None:
                     self._note_recompute()
+                    if policy.table.exact_sources:  # O3's loss on a boundary-cast target: its source's values
+                        args, kwargs = exact_sources(args, kwargs, widest, policy._noted)
                     args, kwargs = policy._cast_all(args, kwargs, widest, _ALL_FLOATS)
             return func(*args, **kwargs) if kwargs else func(*args)
         if action == _BACKWARD:

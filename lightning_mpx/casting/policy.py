@@ -189,6 +189,8 @@ class CastPolicy:
         # generator, differentiated after the discriminator's step), and drops it the iteration after.
         self._recomputes = False
         self._recomputes_seen = False
+        # Amp.cast_inputs' casts and their FP32 sources until the scope ends (casting.targets).
+        self._noted: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Resolved now rather than at the first scope: a scope entered inside a compiled region would otherwise
         # resolve while tracing and recompile at the second call.
         self._refresh_actions()

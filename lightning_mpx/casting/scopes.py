@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 
 from lightning_mpx.casting.mode import _actions_key, _CastMode, _Policy
+from lightning_mpx.casting.targets import forget
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 _NOTHING = contextlib.nullcontext()  # stateless and reentrant: one for every call (no __init__ call per step)
@@ -227,8 +228,12 @@ def policy_scope(policy: _Policy) -> Iterator[Any]:
         if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
             # An autocast around this scope (another policy's autocast engine, or the user's own torch.autocast)
             # would cast the half arguments this policy made to its own dtype: the innermost policy decides.
-            with _outer_autocast_off(), _CastMode(policy):
-                yield policy
+            try:
+                with _outer_autocast_off(), _CastMode(policy):
+                    yield policy
+            finally:
+                if policy._noted:
+                    forget(policy._noted)
             return
         if traced:  # dynamo traces the mode's own __enter__ and __exit__
             with _CastMode(policy):
@@ -240,6 +245,8 @@ def policy_scope(policy: _Policy) -> Iterator[Any]:
             yield policy
         finally:
             torch._C._pop_torch_function_stack()
+            if policy._noted:  # Amp.cast_inputs' sources (casting.targets) go with the forward
+                forget(policy._noted)
         return
     with torch.autocast(device, dtype=policy.half_dtype, cache_enabled=policy.cache_casts):
         if policy._actions:

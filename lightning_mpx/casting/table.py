@@ -82,6 +82,10 @@ class CastTable:
         self._version = 0  # bumped on every change, so that policies re-read the table
         # Set by autocast_aligned: the table takes autocast's choices, float16 cuDNN RNNs under bfloat16 included.
         self._follows_autocast = False
+        #: Whether a policy of this table upcasts a half argument that a model boundary cast from FP32 to the FP32
+        #: source's own values (:mod:`~lightning_mpx.casting.targets`): the tables of O2 and O3, whose loss functions
+        #: are the only ones they cast up.
+        self.exact_sources = False
 
     @classmethod
     def default(cls) -> CastTable:
@@ -125,19 +129,24 @@ class CastTable:
     @classmethod
     def default_o2(cls) -> CastTable:
         """A new table for the forward pass of a half model (O2): loss functions in FP32, nothing else
-        (:data:`~lightning_mpx.casting.lists.O2_TABLE`)."""
-        return cls.from_data(O2_TABLE)
+        (:data:`~lightning_mpx.casting.lists.O2_TABLE`); a half argument that the model boundary cast from FP32 is
+        upcast to its source's values (:attr:`exact_sources`)."""
+        table = cls.from_data(O2_TABLE)
+        table.exact_sources = True
+        return table
 
     @classmethod
     def default_o3(cls) -> CastTable:
         """A new table for the forward pass of a half model without masters (O3): the loss functions of
         :meth:`default_o2` in the ``promote`` category (a loss on floating arguments of two dtypes, the boundary's FP32
         output beside a half target, runs in the widest; one on arguments of one dtype runs as given), nothing else
-        (see :mod:`~lightning_mpx.casting.loss_promotion`)."""
-        return cls.from_data({
+        (see :mod:`~lightning_mpx.casting.loss_promotion`); :attr:`exact_sources` as at O2."""
+        table = cls.from_data({
             namespace: {"promote": tuple(name for names in by_category.values() for name in names)}
             for namespace, by_category in O2_TABLE.items()
         })
+        table.exact_sources = True
+        return table
 
     @classmethod
     def from_data(cls, data: Mapping[str, Mapping[str, tuple[str, ...]]]) -> CastTable:
@@ -160,6 +169,7 @@ class CastTable:
         other = CastTable()
         other._entries = dict(self._entries)
         other._follows_autocast = self._follows_autocast
+        other.exact_sources = self.exact_sources
         return other
 
     def __getstate__(self) -> dict[str, Any]:
@@ -177,12 +187,13 @@ class CastTable:
             elif isinstance(function, torch._ops.OpOverloadPacket):
                 function = _OpName(*function._qualified_op_name.split("::"), None)
             rows.append((entry.namespace, entry.name, function, entry.category))
-        return {"rows": rows, "follows_autocast": self._follows_autocast}
+        return {"rows": rows, "follows_autocast": self._follows_autocast, "exact_sources": self.exact_sources}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._entries = {}
         self._version = 0
         self._follows_autocast = state.get("follows_autocast", False)
+        self.exact_sources = state.get("exact_sources", False)
         for namespace, name, function, category in state["rows"]:
             if function is None:
                 function = getattr(_NAMESPACES[namespace], name)

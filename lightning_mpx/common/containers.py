@@ -15,48 +15,63 @@ from typing import Any, Mapping, MutableMapping
 import torch
 
 
-def _cast_collection(data: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
+def _cast_collection(data: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...],
+                     noted: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Any:
     """``data`` with its tensors of a ``castable`` dtype cast to ``dtype``, through lists, tuples, namedtuples,
     mappings and dataclasses, each rebuilt as its own type (a Hugging Face ``ModelOutput``, which is both an
-    ``OrderedDict`` and a dataclass, stays one; a ``defaultdict`` keeps its ``default_factory``)."""
+    ``OrderedDict`` and a dataclass, stays one; a ``defaultdict`` keeps its ``default_factory``).
+
+    ``noted``: a list that each cast is appended to as ``(cast, tensor)`` (the model boundary's casts, whose sources
+    the losses inside the forward take: :mod:`lightning_mpx.casting.targets`)."""
     # Exact types first, in loops rather than comprehensions: a step's inputs and outputs (a tensor, Fabric's
     # ``(args, kwargs)``) cost one call per container, not the ABC checks' and generators' several.
     kind = type(data)
     if kind is torch.Tensor:
-        return data.to(dtype) if data.dtype in castable else data
+        if data.dtype not in castable:
+            return data
+        return data.to(dtype) if noted is None else _noted_cast(data, dtype, noted)
     if kind is tuple or kind is list:
         items = []
         for value in data:
-            if type(value) is torch.Tensor:
+            if type(value) is torch.Tensor and (noted is None or value.dtype not in castable):
                 items.append(value.to(dtype) if value.dtype in castable else value)
             else:
-                items.append(_cast_collection(value, dtype, castable))
+                items.append(_cast_collection(value, dtype, castable, noted))
         return items if kind is list else tuple(items)
     if kind is dict:
         new = {}
         for key, value in data.items():
-            if type(value) is torch.Tensor:
+            if type(value) is torch.Tensor and (noted is None or value.dtype not in castable):
                 new[key] = value.to(dtype) if value.dtype in castable else value
             else:
-                new[key] = _cast_collection(value, dtype, castable)
+                new[key] = _cast_collection(value, dtype, castable, noted)
         return new
     if isinstance(data, torch.Tensor):
-        return data.to(dtype) if data.dtype in castable else data
+        if data.dtype not in castable:
+            return data
+        return data.to(dtype) if noted is None else _noted_cast(data, dtype, noted)
     if dataclasses.is_dataclass(data) and not isinstance(data, type):
-        return _cast_dataclass(data, dtype, castable)
+        return _cast_dataclass(data, dtype, castable, noted)
     if isinstance(data, Mapping):
-        return _cast_mapping(data, dtype, castable)
+        return _cast_mapping(data, dtype, castable, noted)
     if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-        return type(data)(*(_cast_collection(v, dtype, castable) for v in data))
+        return type(data)(*(_cast_collection(v, dtype, castable, noted) for v in data))
     if isinstance(data, (list, tuple)):
-        return type(data)(_cast_collection(v, dtype, castable) for v in data)
+        return type(data)(_cast_collection(v, dtype, castable, noted) for v in data)
     return data
 
 
-def _cast_dataclass(data: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
+def _noted_cast(tensor: torch.Tensor, dtype: torch.dtype, noted: list[tuple[torch.Tensor, torch.Tensor]]
+                ) -> torch.Tensor:
+    cast = tensor.to(dtype)
+    noted.append((cast, tensor))
+    return cast
+
+
+def _cast_dataclass(data: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...], noted: Any = None) -> Any:
     # replace() runs __init__ and __post_init__ again, which a ModelOutput needs to rebuild its mapping.
     changes = {
-        f.name: _cast_collection(getattr(data, f.name), dtype, castable)
+        f.name: _cast_collection(getattr(data, f.name), dtype, castable, noted)
         for f in dataclasses.fields(data)
         if f.init and hasattr(data, f.name)
     }
@@ -64,12 +79,13 @@ def _cast_dataclass(data: Any, dtype: torch.dtype, castable: tuple[torch.dtype, 
     if isinstance(data, MutableMapping):  # keys set as items, outside the fields, come along too
         for key, value in data.items():
             if key not in new:
-                new[key] = _cast_collection(value, dtype, castable)
+                new[key] = _cast_collection(value, dtype, castable, noted)
     return new
 
 
-def _cast_mapping(data: Mapping[Any, Any], dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
-    items = {key: _cast_collection(value, dtype, castable) for key, value in data.items()}
+def _cast_mapping(data: Mapping[Any, Any], dtype: torch.dtype, castable: tuple[torch.dtype, ...],
+                  noted: Any = None) -> Any:
+    items = {key: _cast_collection(value, dtype, castable, noted) for key, value in data.items()}
     if isinstance(data, collections.defaultdict):
         return type(data)(data.default_factory, items)
     try:

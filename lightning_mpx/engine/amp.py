@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
+from lightning_mpx.casting.targets import cast_model_inputs
 from lightning_mpx.common.containers import _cast_collection
 from lightning_mpx.engine.amp_parts import AmpParts
 from lightning_mpx.engine.checkpoint import _engine_entry
@@ -189,9 +190,7 @@ class Amp(AmpParts):
         under FSDP, whose root policy casts)."""
         if not self.properties.casts_model or self._models.sharded:  # the part: dynamo cannot trace the property
             return data
-        if type(data) is torch.Tensor:  # _cast_collection's usual case, without its call
-            return data.to(self.properties.half_dtype) if data.dtype in (torch.float32, torch.float64) else data
-        return _cast_collection(data, self.properties.half_dtype, (torch.float32, torch.float64))
+        return cast_model_inputs(self.policy, data, self.properties.half_dtype)  # sources noted: casting.targets
 
     def cast_outputs(self, data: Any) -> Any:
         """Half tensors in ``data`` cast to FP32 when the model is half, so the loss is computed in FP32 (Apex); not

@@ -14,9 +14,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from lightning_mpx.casting.boundary import INPUT_DTYPES, DtypeProbe
+from lightning_mpx.casting.boundary import DtypeProbe
 from lightning_mpx.casting.table import _NAMESPACES as _TABLE_NAMESPACES
 from lightning_mpx.casting.table import CastTable
+from lightning_mpx.casting.targets import cast_model_inputs
 from lightning_mpx.common.containers import _cast_collection
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
@@ -49,7 +50,9 @@ class AmpForward:
             dtype = amp.half_dtype if self._probe is None else self._probe.dtype(self._forward.__self__)
             if dtype is None:  # a copy converted to FP32: nothing to cast
                 return self._forward(*args, **kwargs)
-            args, kwargs = _cast_collection(args, dtype, INPUT_DTYPES), _cast_collection(kwargs, dtype, INPUT_DTYPES)
+            # Each cast noted with its source on the policy until its scope ends: a loss computed inside the model
+            # from a float labels= takes the source's values at O2 and O3 (casting.targets); compute keeps half.
+            args, kwargs = cast_model_inputs(amp.policy, (args, kwargs), dtype)
         with amp.forward_context():
             output = self._forward(*args, **kwargs)
         # Accelerate's convert_to_fp32 loses defaultdicts and skips dataclasses; this keeps every container's type.

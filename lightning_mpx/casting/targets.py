@@ -1,0 +1,152 @@
+"""The FP32 sources of a half model's boundary casts, for the losses computed inside its forward.
+
+At O2 and O3 the model boundary casts every floating input to half (Apex's ``cast_model_inputs``), keyword arguments
+included: a Hugging Face model's float ``labels=`` (a regression head's targets, SpeechT5's mel frames, which its
+decoder prenet reads in half) come in rounded. The loss policy then upcasts a half argument of a loss function to
+FP32, which restores the dtype but not the values: targets near 300 are off by up to 1 in bfloat16.
+
+So each boundary cast *notes* its half tensors' sources: the half tensor carries its source (an attribute, set by
+:func:`remember`) until the forward ends (:func:`forget`, called by the boundary that noted it: the Trainer plugin's
+hooks, the Accelerate adapter's forward, or, for ``Amp.cast_inputs``, the cast policy's scope when it ends). Where the
+loss policy upcasts a half argument (a table with :attr:`~lightning_mpx.casting.table.CastTable.exact_sources`: O2's
+and O3's), :func:`exact_sources` gives it the source's own values: the tensor itself, or a view of it
+(``labels.squeeze()``, ``labels[:, 1:]``, ``.view(-1)``: the same elements of the source, through ``as_strided``).
+Anything else derived from it (``labels * 2``, ``labels.detach()``, a copy to another device) or a tensor written in
+place since the cast (its version counter) is upcast as before, rounded. Compute keeps the half tensor.
+
+Under ``torch.compile`` nothing is noted (dynamo cannot trace an attribute set on a tensor without a graph break):
+compiled code upcasts the rounded values, as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_mpx.common.containers import _cast_collection
+from lightning_mpx.common.dtypes import HALF_DTYPES
+
+#: The attribute a noted half tensor carries: ``(source, version of the half tensor when cast)``.
+SOURCE_ATTRIBUTE = "_lightning_mpx_source"
+
+
+def remember(noted: list[tuple[torch.Tensor, torch.Tensor]], *, share: bool = True
+             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Let each half tensor of ``noted`` carry its source; returns what :func:`forget` takes back (empty under
+    ``torch.compile``, where nothing is set).
+
+    Under inference mode a view does not know its base (``_base`` is ``None``): the loss policy then finds a view's
+    noted tensor by its storage among the notes its policy holds, so with ``share`` the notes are also given to the
+    cast policies active on this thread (the boundary's hooks run inside the step's policy scope), until their scope
+    ends."""
+    if not noted:
+        return noted
+    if torch.compiler.is_compiling():
+        return []
+    # A cast is a new tensor: its version is 0 (read, it would be a call into an active torch-function mode). Made
+    # under inference mode it has no version counter: None, and the values tell a write (see exact_source).
+    inference = torch.is_inference_mode_enabled()
+    version = None if inference else 0
+    for half, source in noted:
+        setattr(half, SOURCE_ATTRIBUTE, (source, version))
+    if inference and share:
+        for mode in torch.overrides._get_current_function_mode_stack():
+            held = getattr(getattr(mode, "policy", None), "_noted", None)
+            if type(held) is list:
+                held.extend(noted)
+    return noted
+
+
+def cast_model_inputs(policy: Any, data: Any, dtype: torch.dtype) -> Any:
+    """``Amp.cast_inputs``: the FP32 and FP64 tensors in ``data`` cast to ``dtype``, each noted with its source on
+    ``policy`` (when its table takes sources: O2's, O3's) until the policy's scope ends (the forward that
+    ``forward_context`` runs: Fabric casts the inputs just before it)."""
+    if policy is None or not policy.table.exact_sources:
+        if type(data) is torch.Tensor:  # _cast_collection's usual case, without its call
+            return data.to(dtype) if data.dtype in (torch.float32, torch.float64) else data
+        return _cast_collection(data, dtype, (torch.float32, torch.float64))
+    if type(data) is torch.Tensor:  # the usual case, without a call (and one dtype read: a call into the mode)
+        if data.dtype not in (torch.float32, torch.float64):
+            return data  # token ids
+        noted = [(data.to(dtype), data)]
+        data = noted[0][0]
+    else:
+        noted = []
+        data = _cast_collection(data, dtype, (torch.float32, torch.float64), noted)
+    if noted:  # nothing cast (token ids in a tuple): no call
+        noted = remember(noted, share=False)
+        if noted:  # (none under torch.compile)
+            policy._noted.extend(noted)
+    return data
+
+
+def forget(noted: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Take the sources back from the half tensors :func:`remember` gave them to (the forward ended: a half tensor
+    that autograd keeps for the backward pass must not keep an FP32 batch alive with it)."""
+    for half, _ in noted:
+        half.__dict__.pop(SOURCE_ATTRIBUTE, None)
+    noted.clear()
+
+
+def exact_source(value: torch.Tensor, dtype: torch.dtype, held: list[tuple[torch.Tensor, torch.Tensor]]
+                 ) -> torch.Tensor | None:
+    """The source's values of the half tensor ``value`` (a noted tensor or a view of one) in ``dtype``, or ``None``
+    (also under ``torch.compile``). ``held``: the notes of the policy, searched by storage for a view that does not
+    know its base."""
+    if torch.compiler.is_compiling():
+        return None
+    base = value._base
+    root = value if base is None else base
+    note = getattr(root, SOURCE_ATTRIBUTE, None)
+    if note is None:
+        if base is not None or not held:
+            return None
+        address = value.untyped_storage().data_ptr()  # a view made under inference mode: its storage tells
+        root = next((half for half, _ in held if half.untyped_storage().data_ptr() == address), None)
+        note = None if root is None else getattr(root, SOURCE_ATTRIBUTE, None)
+        if note is None:
+            return None
+    source, version = note
+    if value.dtype is not root.dtype or (version is not None and root._version != version):
+        return None  # a view as another dtype, or written in place since the cast (a view shares its base's counter)
+    if value is not root:
+        if source.stride() != root.stride():
+            source = source.contiguous()  # the cast of a tensor that is not dense made a contiguous one
+            if source.stride() != root.stride():
+                return None
+        offset = value.storage_offset() - root.storage_offset() + source.storage_offset()
+        source = source.as_strided(value.size(), value.stride(), offset)
+    exact = source.to(dtype=dtype)
+    if version is None:  # under inference mode: the source only where the half value is still its rounding (no sync)
+        exact = torch.where(source.to(dtype=value.dtype) == value, exact, value.to(dtype=dtype))
+    return exact
+
+
+def exact_sources(args: tuple[Any, ...], kwargs: dict[str, Any] | None, dtype: torch.dtype,
+                  held: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
+    """The call's arguments with each noted half tensor (or view of one) replaced by its source in ``dtype``; the
+    same objects where none is (the loss policy's casts then handle the rest as before). ``held``: the policy's
+    notes (see :func:`exact_source`)."""
+    if torch.compiler.is_compiling():
+        return args, kwargs
+    new_args = None
+    for index, item in enumerate(args):
+        if isinstance(item, torch.Tensor) and item.dtype in HALF_DTYPES:
+            exact = exact_source(item, dtype, held)
+            if exact is not None:
+                if new_args is None:
+                    new_args = list(args)
+                new_args[index] = exact
+    if kwargs:
+        new_kwargs = None
+        for name, item in kwargs.items():
+            if isinstance(item, torch.Tensor) and item.dtype in HALF_DTYPES:
+                exact = exact_source(item, dtype, held)
+                if exact is not None:
+                    if new_kwargs is None:
+                        new_kwargs = dict(kwargs)
+                    new_kwargs[name] = exact
+        if new_kwargs is not None:
+            kwargs = new_kwargs
+    return (tuple(new_args) if new_args is not None else args), kwargs
