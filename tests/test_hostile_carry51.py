@@ -194,6 +194,28 @@ def test_an_o3_accelerator_training_an_o2_trained_model_takes_it_from_the_o2_eng
     assert all(type(p) is nn.Parameter for p in model.parameters())
 
 
+def test_an_o3_trainer_stage_after_an_o2_stage_takes_the_model_from_the_first_plugin() -> None:
+    """The Trainer's plugin at O3 for a second stage takes an O2-trained model from the first stage's plugin: the
+    first engine's masters let go (its ``master_params`` refused) and its hooks off the model, the first Trainer
+    let go or not."""
+    pytest.importorskip("lightning.pytorch")
+    from lightning_mpx import MixedPrecisionPlugin
+    from tests.lightning_helpers import Classifier, classification_data, loader, make_trainer
+
+    data = loader(classification_data(n=16))
+    model = Classifier(optimizer="adamw", lr=1e-2)
+    first = MixedPrecisionPlugin("O2", half_dtype=HALF)
+    trainer = make_trainer(first, max_steps=1)
+    trainer.fit(model, data)
+    fresh = Classifier(optimizer="adamw", lr=1e-2)
+    make_trainer(MixedPrecisionPlugin("O3", half_dtype=HALF), max_steps=1).fit(fresh, data)
+    make_trainer(MixedPrecisionPlugin("O3", half_dtype=HALF), max_steps=1).fit(model, data)
+    assert all(type(p) is nn.Parameter and p.dtype == HALF for p in model.parameters())
+    assert _hook_counts(model) == _hook_counts(fresh)
+    with pytest.raises(RuntimeError, match="handed over"):
+        first.amp.master_params(trainer.optimizers[0])
+
+
 def _hook_counts(model: nn.Module) -> list[int]:
     return [
         len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._load_state_dict_pre_hooks) for m in model.modules()
