@@ -33,6 +33,7 @@ from lightning_mpx.engine.rescale import (
 )
 from lightning_mpx.engine.sharding import Sharding
 from lightning_mpx.health.telemetry import GradTelemetry
+from lightning_mpx.masters.handover import refuse_handed
 from lightning_mpx.masters.optimizer_hooks import MasterHooks
 from lightning_mpx.masters.pairs import param_pairs
 from lightning_mpx.masters.store import Masters
@@ -155,7 +156,11 @@ class StepMachine:
         state = self.state(optimizer)
         if not with_masters:
             return list(optimizer_params(optimizer))
-        return [master for _, master in param_pairs(state, self.masters.weights)]
+        pairs = param_pairs(state, self.masters.weights)
+        for weights in self.masters.weights:
+            if weights.handed:  # a second stage took masters of this engine's: they are not this engine's to give
+                refuse_handed(self.masters.weights, [param for param, _ in pairs])
+        return [master for _, master in pairs]
 
     def mirrors(self, state: _OptimizerState, *, compare: bool) -> list[Mirror]:
         """The optimizer's half parameters and their masters, one :class:`Mirror` per prepared model."""
@@ -394,6 +399,9 @@ class StepMachine:
         if it does not finish (:meth:`keep_marks`)."""
         weights = self.masters.weights
         optimizer = state.optimizer if optimizer is None else optimizer
+        for held in weights if marks else ():  # unscale_() or a clip; a step's own unscale is refused by its Mirror
+            if held.handed:
+                refuse_handed(weights, [p for group in optimizer.param_groups for p in group["params"]])
         if state.stage is _Stage.STEPPED:  # no backward since a step: what it left, taken again
             resume_stepped(state, self.scalers, weights, optimizer, self.backend)
         skipped = state.stage is _Stage.SKIPPED

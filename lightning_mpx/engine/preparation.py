@@ -25,7 +25,9 @@ from lightning_mpx.engine.optimizers import StepMachine
 from lightning_mpx.engine.sharding import Sharding, is_sharded, parameter_names
 from lightning_mpx.health.forensics import OverflowForensics
 from lightning_mpx.health.promotion import Promotion, _Fp32Boundary, _module_to_fp32, matches
+from lightning_mpx.masters.handover import HookRelease, let_go_of, masters_of
 from lightning_mpx.masters.store import Masters
+from lightning_mpx.masters.watch import release_masters
 from lightning_mpx.masters.weights import _multi_process, convert_module
 from lightning_mpx.opt_levels import Properties
 from lightning_mpx.settings import MixedPrecisionSettings
@@ -107,6 +109,7 @@ class PreparedModels:
         props = self.properties
         if props.master_weights and train:
             _refuse_meta(module)
+        olds = masters_of(module) if train else ()  # engines holding its masters: this one takes them over
         live = self.masters.prune()
         prefix = f"model{len(live)}." if live else ""
         for name, param in module.named_parameters():
@@ -130,6 +133,8 @@ class PreparedModels:
             self._run_tied_in_fp32(module, tied)
         if buffers:
             _keep_fp32_buffers(module, buffers)
+        if olds and not props.master_weights:  # O1/O3 train the half weights themselves (O0 made them FP32 above)
+            release_masters(module)
         initial = _keep_fp32_values(module, before_cast)
         if props.casts_model:  # one half parameter, looked at each forward: the dtype prepare_model() gave the model
             marks, key = self._half_marks, id(module)
@@ -139,7 +144,9 @@ class PreparedModels:
             self.masters.evaluation_only = True
         if props.master_weights and train:
             # The FP32 values are kept until each one's master is made, whenever (and by whichever optimizer) that is.
-            self.masters.add_model(module, self.names, prefix, initial if masters_from_fp32 else None)
+            weights = self.masters.add_model(module, self.names, prefix, initial if masters_from_fp32 else None)
+            if weights is not None:
+                weights.let_go = HookRelease(module, (self._regions_hooks, self._load_hooks, self._tied_hooks))
             if module not in self._load_hooks:
                 hook = _LoadIntoMasters(self)
                 self._load_hooks[module] = [
@@ -147,6 +154,7 @@ class PreparedModels:
                     for sub in module.modules()
                     if any(True for _ in sub.parameters(recurse=False))
                 ]
+        let_go_of(olds)  # the engines that handed over all of them take their hooks off it
         return module
 
     def _run_tied_in_fp32(self, module: nn.Module, tied: list[nn.Module]) -> None:

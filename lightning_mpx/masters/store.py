@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lightning_mpx.engine.optimizer_state import _OptimizerState
+from lightning_mpx.masters.handover import warn_handed_over
 from lightning_mpx.masters.pairs import param_pairs
 from lightning_mpx.masters.watch import carried_value
 from lightning_mpx.masters.weights import MasterWeights
@@ -47,21 +48,22 @@ class Masters:
 
     def add_model(
         self, module: nn.Module, names: Mapping[int, str], prefix: str, initial: Mapping[int, torch.Tensor] | None
-    ) -> None:
+    ) -> MasterWeights | None:
         """Masters for ``module``'s parameters, made lazily (by the optimizer that holds them, as Apex), unless
         another prepared model already covers all of them (a shared submodule keeps its one master); ``initial``:
-        the FP32 values the model held before its cast, which those masters start from."""
+        the FP32 values the model held before its cast, which those masters start from. Returns the new masters
+        (``None``: none were needed)."""
         if all(map(self.covered, module.parameters())):
-            return
-        self.weights.append(
-            MasterWeights(
-                ((names.get(id(p), prefix + name), p) for name, p in module.named_parameters()),
-                copy_backend=self.backend,
-                exclude=self.covered,
-                eager=False,
-                initial=initial,
-            )
+            return None
+        weights = MasterWeights(
+            ((names.get(id(p), prefix + name), p) for name, p in module.named_parameters()),
+            copy_backend=self.backend,
+            exclude=self.covered,
+            eager=False,
+            initial=initial,
         )
+        self.weights.append(weights)
+        return weights
 
     def initial_state(self) -> list[dict[str, torch.Tensor]]:
         """Per live model, the FP32 values kept for masters not made yet (see :meth:`add_model`)."""
@@ -160,6 +162,7 @@ class Masters:
         """The masters of every live model (parameters added to an optimizer since its last step included)."""
         if self.weights:
             self.make_held(states)
+        warn_handed_over(self.weights)
         return [masters.state_dict() for masters in self.weights if masters.alive]
 
     def accept(self, saved: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -128,6 +128,11 @@ class MasterWeights:
         self._entries: dict[int, _Entry] = {}
         self._watch = _DataWatch(self)
         self._eager = eager
+        # Parameters handed over (hand_over), by id: their names and weak references, so that this engine's checkpoint
+        # and master_params() can say so rather than leave them out, or hand out another engine's masters.
+        self.handed: dict[int, tuple[str, weakref.ref[torch.Tensor]]] = {}
+        # Set by the engine that made these masters: removes the hooks it put on their model (see let_go).
+        self.let_go: Callable[[], None] | None = None
         for name, param in named_parameters:
             if id(param) in self._entries or (exclude is not None and exclude(param)):
                 continue
@@ -278,10 +283,25 @@ class MasterWeights:
             self.refresh([param])
         value = _fp32_of(entry, param)
         del self._entries[id(param)]
+        self.handed[id(param)] = entry.name, entry.param
         entry.master = entry.initial = None
         entry.version = _HANDED_OVER
         torch.autograd.graph.increment_version(param)  # this engine's cached step views look at it again
         return value
+
+    def handed_names(self, params: Iterable[torch.Tensor] | None = None) -> list[str]:
+        """The names of the parameters (among ``params``; all by default) handed over since (:meth:`hand_over`) that
+        still exist."""
+        handed = self.handed
+        for key in [key for key, (_, ref) in handed.items() if ref() is None]:
+            del handed[key]
+        if params is None:
+            return [name for name, _ in handed.values()]
+        return [handed[id(p)][0] for p in params if id(p) in handed and handed[id(p)][1]() is p]
+
+    def holds_half(self) -> bool:
+        """Whether a half parameter of the model is still covered (none: every one was handed over, or is gone)."""
+        return any(param.dtype in HALF_DTYPES for _, param in self._live())
 
     def drop_initial(self) -> None:
         """Let go of the FP32 values kept from before the cast for masters not made yet (a trainable parameter no
