@@ -149,20 +149,21 @@ def test_engines_preparing_the_model_for_evaluation_only_leave_its_masters_to_th
 @pytest.mark.parametrize("level", ["O3", "O1", "O0"])
 def test_an_engine_without_masters_training_an_o2_trained_model_takes_it_from_the_o2_engine(level: str) -> None:
     """An O3 (or O1) engine preparing an O2-trained model for training left the O2 engine's masters in place: both
-    engines stepped the model, the O2 one from its masters. It trains the model's half weights (O3's, and O1's on a
-    half model) or, at O0, its FP32 weights made from the masters exactly; the O2 engine hands over (its later step,
+    engines stepped the model, the O2 one from its masters. It trains the model's half weights (O3) or, at O0 and
+    O1, its FP32 weights made from the masters exactly (O1 trained the rounded half weights in half, with no masters:
+    not the FP32 model O1 trains); the O2 engine hands over (its later step,
     its master_params() and its clipping are refused) and takes its hooks off the model; the new engine trains as on
     a model it prepared fresh from those weights."""
     model, old, old_optimizer, trained = _trained()
     reference = _net()
     with torch.no_grad():
         for r, p, t in zip(reference.parameters(), model.parameters(), trained):
-            r.data = (t if level == "O0" else p.detach()).clone()
+            r.data = (t if level in ("O0", "O1") else p.detach()).clone()
     new = Amp(level, half_dtype=HALF)
     new.prepare_model(model)
     optimizer = new.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=1e-2))
     assert all(type(p) is nn.Parameter for p in model.parameters())
-    refused = "converted to torch.float32" if level == "O0" else "handed to another engine"  # O0: FP32 now
+    refused = "converted to torch.float32" if level in ("O0", "O1") else "handed to another engine"  # FP32 now
     with pytest.raises(RuntimeError, match=refused):
         _step(old, model, old_optimizer, 9)
     with pytest.raises(RuntimeError, match="handed over"):

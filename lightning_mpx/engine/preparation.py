@@ -27,7 +27,7 @@ from lightning_mpx.health.forensics import OverflowForensics
 from lightning_mpx.health.promotion import Promotion, _Fp32Boundary, _module_to_fp32, matches
 from lightning_mpx.masters.handover import HookRelease, let_go_of, masters_of
 from lightning_mpx.masters.store import Masters
-from lightning_mpx.masters.watch import release_masters
+from lightning_mpx.masters.watch import WatchedParameter, release_masters
 from lightning_mpx.masters.weights import _multi_process, convert_module
 from lightning_mpx.opt_levels import Properties
 from lightning_mpx.settings import MixedPrecisionSettings
@@ -133,8 +133,11 @@ class PreparedModels:
             self._run_tied_in_fp32(module, tied)
         if buffers:
             _keep_fp32_buffers(module, buffers)
-        if olds and not props.master_weights:  # O1/O3 train the half weights themselves (O0 made them FP32 above)
-            release_masters(module)
+        if olds and not props.master_weights:  # O0 made them FP32 above, from the masters
+            if props.casts_model:  # O3 trains the half weights themselves
+                release_masters(module)
+            else:  # O1 trains FP32 weights: the masters' exact values (a .data cast of a watched one takes them)
+                _fp32_from_masters(module)
         initial = _keep_fp32_values(module, before_cast)
         if props.casts_model:  # one half parameter, looked at each forward: the dtype prepare_model() gave the model
             marks, key = self._half_marks, id(module)
@@ -306,6 +309,16 @@ def _pinned_params(module: nn.Module, prefix: str, patterns: Sequence[str]) -> t
                 params.setdefault(id(p), f"{name}.{sub_pname}")
             changed = True
     return set(params), tied
+
+
+def _fp32_from_masters(module: nn.Module) -> None:
+    """O1 given an O2-trained model: its half parameters with masters become FP32 with the masters' exact values
+    (the model O1 expects, not its rounding trained in half), as ``model.float()`` would make them."""
+    with torch.no_grad():
+        for param in module.parameters():
+            if type(param) is WatchedParameter and param.dtype in HALF_DTYPES:
+                param.data = param.data.float()
+    release_masters(module)  # anything left (a frozen half parameter) stays half, let go
 
 
 def _fp32_buffers(module: nn.Module) -> dict[tuple[int, str], torch.Tensor]:

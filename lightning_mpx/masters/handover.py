@@ -1,7 +1,7 @@
 """One owner per master after a second stage: what an engine does once the FP32 masters of a model went elsewhere.
 
 Another engine that prepares an O2-trained model for training takes its masters over (O2:
-:func:`~lightning_mpx.masters.watch.take_fp32_value`; O0: the model made FP32 from them; O1 and O3, which train the
+:func:`~lightning_mpx.masters.watch.take_fp32_value`; O0 and O1: the model made FP32 from them; O3, which trains the
 model's own weights: :func:`~lightning_mpx.masters.watch.release_masters`). The engine that held them then
 
 * removes the hooks it put on that model (:class:`HookRelease`, called by :func:`let_go_of`), so that N stages leave
