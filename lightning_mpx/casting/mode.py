@@ -18,7 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from lightning_mpx.casting.table import CastTable
-from lightning_mpx.casting.targets import exact_source, exact_sources
+from lightning_mpx.casting.targets import Notes, exact_source, exact_sources
 
 # Actions, resolved once per function and memoised by each policy.
 # _PASS is 0 (falsy) and the casting actions come before _BANNED: the hook tests for them so.
@@ -64,7 +64,7 @@ class _Policy(Protocol):
     _recomputes: bool
     _recomputes_seen: bool
     _action_lookup: Callable[[Callable[..., Any], int], int]
-    _noted: list[tuple[torch.Tensor, torch.Tensor]]
+    _noted: Notes
 
     def scope(self) -> AbstractContextManager[Any]: ...
 
