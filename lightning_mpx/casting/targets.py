@@ -33,6 +33,40 @@ from lightning_mpx.common.dtypes import HALF_DTYPES
 SOURCE_ATTRIBUTE = "_lightning_mpx_source"
 
 
+class _Source:
+    """A noted half tensor's source: held while its forward runs, weakly after it (:meth:`release`): a half tensor
+    that autograd keeps holds no FP32 batch, and a checkpoint's loss recomputed in the backward pass takes the
+    values its forward took while the caller still holds the batch. A copy or pickle of the half tensor (a model
+    deep-copied mid-forward) carries none."""
+
+    __slots__ = ("tensor", "ref")
+
+    def __init__(self, tensor: torch.Tensor | None = None) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.ref: weakref.ref[torch.Tensor] | None = None
+
+    def get(self) -> torch.Tensor | None:
+        if self.tensor is not None:
+            return self.tensor
+        return None if self.ref is None else self.ref()
+
+    def release(self) -> None:
+        if self.tensor is not None:
+            self.ref, self.tensor = weakref.ref(self.tensor), None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Source, ())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Source:
+        return _Source()
+
+
+def _release(half: torch.Tensor) -> None:
+    note = half.__dict__.get(SOURCE_ATTRIBUTE)
+    if note is not None:
+        note[0].release()
+
+
 class _Note:
     """A noted half tensor (weakly) and the thread that noted it; compared by identity (a list removes it)."""
 
@@ -86,7 +120,7 @@ def remember(noted: list[tuple[torch.Tensor, torch.Tensor]], *, share: bool = Tr
     inference = torch.is_inference_mode_enabled()
     version = None if inference else 0
     for half, source in noted:
-        setattr(half, SOURCE_ATTRIBUTE, (source, version))
+        setattr(half, SOURCE_ATTRIBUTE, (_Source(source), version))
     if inference and share:
         for mode in torch.overrides._get_current_function_mode_stack():
             held = getattr(getattr(mode, "policy", None), "_noted", None)
@@ -122,7 +156,7 @@ def forget(noted: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Take the sources back from the half tensors :func:`remember` gave them to (the forward ended: a half tensor
     that autograd keeps for the backward pass must not keep an FP32 batch alive with it)."""
     for half, _ in noted:
-        half.__dict__.pop(SOURCE_ATTRIBUTE, None)
+        _release(half)
     noted.clear()
 
 
@@ -138,7 +172,7 @@ def forget_scope(policy: Any) -> None:
         if entry.thread == thread:
             half = entry.ref()
             if half is not None:
-                half.__dict__.pop(SOURCE_ATTRIBUTE, None)
+                _release(half)
             try:
                 held.remove(entry)
             except ValueError:
@@ -163,7 +197,9 @@ def exact_source(value: torch.Tensor, dtype: torch.dtype, held: Notes) -> torch.
         note = None if root is None else getattr(root, SOURCE_ATTRIBUTE, None)
         if note is None:
             return None
-    source, version = note
+    source, version = note[0].get(), note[1]
+    if source is None:
+        return None  # the forward ended and the caller dropped the batch
     if value.dtype is not root.dtype or (version is not None and root._version != version):
         return None  # a view as another dtype, or written in place since the cast (a view shares its base's counter)
     if root.shape != source.shape:
