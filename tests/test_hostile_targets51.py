@@ -91,13 +91,15 @@ def test_a_target_made_a_leaf_that_requires_grad_gets_its_gradient():
     torch.testing.assert_close(ya.grad[:, 1].float(), expected.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
 
 
-def test_a_nested_forward_leaves_the_outer_forward_its_exact_targets():
+@pytest.mark.parametrize("inference", [False, True], ids=["grad", "inference-mode"])
+def test_a_nested_forward_leaves_the_outer_forward_its_exact_targets(inference):
     """A teacher's forward (its own ``forward_context`` and casts) inside the student's: the student's loss after it
-    still takes its FP32 targets (before: the inner scope dropped them, the loss off by 116.5)."""
+    still takes its FP32 targets, also under inference mode, where a view is found by its storage among the
+    policy's notes (before: the inner scope dropped them, the loss off by 116.5)."""
     amp, student = _setup()
     teacher = amp.prepare_model(nn.Linear(4, 1))
     x, y = _batch()
-    with amp.forward_context():
+    with torch.inference_mode(inference), amp.forward_context():
         xa, ya = amp.cast_inputs((x, y))
         with amp.forward_context():
             teacher(amp.cast_inputs(x))
@@ -106,7 +108,8 @@ def test_a_nested_forward_leaves_the_outer_forward_its_exact_targets():
     assert loss.item() == pytest.approx(F.mse_loss(pred.detach(), y[:, 1]).item(), rel=1e-6)
 
 
-def test_two_threads_forwards_keep_their_own_exact_targets():
+@pytest.mark.parametrize("inference", [False, True], ids=["grad", "inference-mode"])
+def test_two_threads_forwards_keep_their_own_exact_targets(inference):
     """Two threads run forwards of models prepared by one engine: one thread's scope leaving does not take the other
     thread's notes (before: losses off by up to 116.5, by chance)."""
     amp, _ = _setup()
@@ -119,7 +122,7 @@ def test_two_threads_forwards_keep_their_own_exact_targets():
         start.wait()
         target = y + 10 * index
         for _ in range(25):
-            with amp.forward_context():
+            with torch.inference_mode(inference), amp.forward_context():
                 xa, ya = amp.cast_inputs((x, target))
                 pred = _pred(models[index], xa)
                 loss = F.mse_loss(pred, ya[:, 1])
