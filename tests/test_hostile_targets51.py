@@ -8,6 +8,7 @@ notes; nothing may keep an FP32 batch alive. Reference: the loss of the returned
 
 from __future__ import annotations
 
+import copy
 import gc
 import threading
 import weakref
@@ -190,3 +191,42 @@ def test_a_checkpointed_loss_is_differentiated_on_the_targets_its_forward_took()
     (plain_loss, plain), (ckpt_loss, ckpt) = grad(False), grad(True)
     assert ckpt_loss == plain_loss
     torch.testing.assert_close(ckpt, plain, rtol=1e-6, atol=0)
+
+
+class _Keeper(nn.Module):
+    """Keeps the (half) target it was given, as autograd keeps an input of a half layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.kept: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        self.kept = target
+        return F.mse_loss(self.lin(x).float().squeeze(-1), target[:, 1])
+
+
+def test_a_copy_made_mid_forward_carries_no_fp32_batch():
+    """A deep copy or pickle made inside the forward (an EMA copy taken in the step) of a model that keeps its half
+    target, or of the cast policy: the copy carries no FP32 source (before: a copy of the batch on each kept half
+    tensor, forever, and in the saved file)."""
+    import io
+
+    from lightning_mpx.casting.targets import SOURCE_ATTRIBUTE
+
+    amp = Amp("O2", half_dtype=HALF)
+    model = amp.prepare_model(_Keeper())
+    x, y = _batch()
+    with amp.forward_context():
+        model(*amp.cast_inputs((x, y)))
+        copies = [copy.deepcopy(model)]
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        copies.append(torch.load(buffer, weights_only=False))
+        policy = copy.deepcopy(amp.policy)
+    for other in copies:
+        note = getattr(other.kept, SOURCE_ATTRIBUTE, None)
+        assert note is None or not any(isinstance(item, torch.Tensor) and item.dtype == torch.float32
+                                       for item in (note[0], getattr(note[0], "tensor", None)))
+    assert not policy._noted

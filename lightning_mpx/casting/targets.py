@@ -57,9 +57,6 @@ class _Source:
     def __reduce__(self) -> tuple[Any, ...]:
         return (_Source, ())
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Source:
-        return _Source()
-
 
 def _release(half: torch.Tensor) -> None:
     note = half.__dict__.get(SOURCE_ATTRIBUTE)
@@ -86,9 +83,6 @@ class Notes(list):  # type: ignore[type-arg]
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (Notes, ())
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Notes:
-        return Notes()
 
 
 def _hold(held: Notes, noted: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
