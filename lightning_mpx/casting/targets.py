@@ -6,13 +6,16 @@ decoder prenet reads in half) come in rounded. The loss policy then upcasts a ha
 FP32, which restores the dtype but not the values: targets near 300 are off by up to 1 in bfloat16.
 
 So each boundary cast *notes* its half tensors' sources: the half tensor carries its source (an attribute, set by
-:func:`remember`) until the forward ends (:func:`forget`, called by the boundary that noted it: the Trainer plugin's
-hooks, the Accelerate adapter's forward, or, for ``Amp.cast_inputs``, the cast policy's scope when it ends). Where the
+:func:`remember`) until the forward ends, then weakly (:func:`forget`, called by the boundary that noted it: the
+Trainer plugin's hooks, the Accelerate adapter's forward, or, for ``Amp.cast_inputs``, :func:`forget_scope` when the
+thread's outermost scope of the cast policy ends). Where the
 loss policy upcasts a half argument (a table with :attr:`~lightning_mpx.casting.table.CastTable.exact_sources`: O2's
 and O3's), :func:`exact_sources` gives it the source's own values: the tensor itself, or a view of it
 (``labels.squeeze()``, ``labels[:, 1:]``, ``.view(-1)``: the same elements of the source, through ``as_strided``).
-Anything else derived from it (``labels * 2``, ``labels.detach()``, a copy to another device) or a tensor written in
-place since the cast (its version counter) is upcast as before, rounded. Compute keeps the half tensor.
+Anything else derived from it (``labels * 2``, a copy to another device) or a tensor written in place since the cast
+(its version counter) is upcast as before, rounded; of the rest, only the elements whose half value is still the
+source's rounding take the source (a write through ``.data`` or into the source has no trace on the counter), and
+the gradient goes where the half value's would. Compute keeps the half tensor.
 
 Under ``torch.compile`` nothing is noted (dynamo cannot trace an attribute set on a tensor without a graph break):
 compiled code upcasts the rounded values, as before.
