@@ -54,7 +54,8 @@ def _check(model: _Regressor, out: Any, labels: torch.Tensor) -> None:
     assert pred.dtype == torch.float32 and labels.dtype == torch.float32
     assert loss.item() == pytest.approx(F.mse_loss(pred, labels[:, 1]).item(), rel=1e-6)
     assert model.kept.dtype == torch.bfloat16
-    assert not hasattr(model.kept, SOURCE_ATTRIBUTE)  # nothing of the FP32 batch kept after the forward
+    note = getattr(model.kept, SOURCE_ATTRIBUTE, None)
+    assert note is None or note[0].tensor is None  # nothing of the FP32 batch kept after the forward (weakly only)
 
 
 @pytest.mark.parametrize("level", ["O2", "O3"])

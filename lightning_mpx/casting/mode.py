@@ -18,7 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from lightning_mpx.casting.table import CastTable
-from lightning_mpx.casting.targets import exact_source, exact_sources
+from lightning_mpx.casting.targets import Notes, exact_source, exact_sources
 
 # Actions, resolved once per function and memoised by each policy.
 # _PASS is 0 (falsy) and the casting actions come before _BANNED: the hook tests for them so.
@@ -64,7 +64,7 @@ class _Policy(Protocol):
     _recomputes: bool
     _recomputes_seen: bool
     _action_lookup: Callable[[Callable[..., Any], int], int]
-    _noted: list[tuple[torch.Tensor, torch.Tensor]]
+    _noted: Notes
 
     def scope(self) -> AbstractContextManager[Any]: ...
 
@@ -310,6 +310,7 @@ class _CastMode(TorchFunctionMode):
         if action == _PLAIN:
             self._note_recompute()
             return func(*args, **kwargs) if kwargs else func(*args)
+        exact = action == _FLOAT and policy.table.exact_sources  # (a half op in an FP32 module is not a loss)
         if action == _HALF and self.fp32:
             action = _FLOAT  # inside an FP32 module: the table's half ops run in FP32
         if action < _BANNED:  # _HALF, _FLOAT, _PROMOTE, _SEQUENCE, _PROMOTE_NATIVE
@@ -324,6 +325,8 @@ class _CastMode(TorchFunctionMode):
                 if action == _HALF:
                     args, kwargs = policy._cast_all(args, kwargs, policy.half_dtype, _FP32)
                 else:
+                    if exact:  # a loss recomputed in the backward pass (a checkpoint's) takes what its forward took
+                        args, kwargs = exact_sources(args, kwargs, torch.float32, policy._noted)
                     args, kwargs = policy._cast_all(args, kwargs, torch.float32, _LOW)
             else:
                 if not kwargs and len(args) == 2:

@@ -83,6 +83,7 @@ from lightning_mpx.casting.scopes import (
     policy_scope,
 )
 from lightning_mpx.casting.table import CastTable
+from lightning_mpx.casting.targets import Notes
 from lightning_mpx.common.dtypes import parse_half_dtype
 
 __all__ = [
@@ -189,8 +190,8 @@ class CastPolicy:
         # generator, differentiated after the discriminator's step), and drops it the iteration after.
         self._recomputes = False
         self._recomputes_seen = False
-        # Amp.cast_inputs' casts and their FP32 sources until the scope ends (casting.targets).
-        self._noted: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Amp.cast_inputs' casts (weakly, per thread) until the thread's scope ends (casting.targets).
+        self._noted = Notes()
         # Resolved now rather than at the first scope: a scope entered inside a compiled region would otherwise
         # resolve while tracing and recompile at the second call.
         self._refresh_actions()

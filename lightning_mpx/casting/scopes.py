@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 
 from lightning_mpx.casting.mode import _actions_key, _CastMode, _Policy
-from lightning_mpx.casting.targets import forget
+from lightning_mpx.casting.targets import forget_scope
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 _NOTHING = contextlib.nullcontext()  # stateless and reentrant: one for every call (no __init__ call per step)
@@ -233,7 +233,7 @@ def policy_scope(policy: _Policy) -> Iterator[Any]:
                     yield policy
             finally:
                 if policy._noted:
-                    forget(policy._noted)
+                    forget_scope(policy)
             return
         if traced:  # dynamo traces the mode's own __enter__ and __exit__
             with _CastMode(policy):
@@ -246,7 +246,7 @@ def policy_scope(policy: _Policy) -> Iterator[Any]:
         finally:
             torch._C._pop_torch_function_stack()
             if policy._noted:  # Amp.cast_inputs' sources (casting.targets) go with the forward
-                forget(policy._noted)
+                forget_scope(policy)
         return
     with torch.autocast(device, dtype=policy.half_dtype, cache_enabled=policy.cache_casts):
         if policy._actions:

@@ -6,13 +6,16 @@ decoder prenet reads in half) come in rounded. The loss policy then upcasts a ha
 FP32, which restores the dtype but not the values: targets near 300 are off by up to 1 in bfloat16.
 
 So each boundary cast *notes* its half tensors' sources: the half tensor carries its source (an attribute, set by
-:func:`remember`) until the forward ends (:func:`forget`, called by the boundary that noted it: the Trainer plugin's
-hooks, the Accelerate adapter's forward, or, for ``Amp.cast_inputs``, the cast policy's scope when it ends). Where the
+:func:`remember`) until the forward ends, then weakly (:func:`forget`, called by the boundary that noted it: the
+Trainer plugin's hooks, the Accelerate adapter's forward, or, for ``Amp.cast_inputs``, :func:`forget_scope` when the
+thread's outermost scope of the cast policy ends). Where the
 loss policy upcasts a half argument (a table with :attr:`~lightning_mpx.casting.table.CastTable.exact_sources`: O2's
 and O3's), :func:`exact_sources` gives it the source's own values: the tensor itself, or a view of it
 (``labels.squeeze()``, ``labels[:, 1:]``, ``.view(-1)``: the same elements of the source, through ``as_strided``).
-Anything else derived from it (``labels * 2``, ``labels.detach()``, a copy to another device) or a tensor written in
-place since the cast (its version counter) is upcast as before, rounded. Compute keeps the half tensor.
+Anything else derived from it (``labels * 2``, a copy to another device) or a tensor written in place since the cast
+(its version counter) is upcast as before, rounded; of the rest, only the elements whose half value is still the
+source's rounding take the source (a write through ``.data`` or into the source has no trace on the counter), and
+the gradient goes where the half value's would. Compute keeps the half tensor.
 
 Under ``torch.compile`` nothing is noted (dynamo cannot trace an attribute set on a tensor without a graph break):
 compiled code upcasts the rounded values, as before.
@@ -20,6 +23,8 @@ compiled code upcasts the rounded values, as before.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -29,6 +34,69 @@ from lightning_mpx.common.dtypes import HALF_DTYPES
 
 #: The attribute a noted half tensor carries: ``(source, version of the half tensor when cast)``.
 SOURCE_ATTRIBUTE = "_lightning_mpx_source"
+
+
+class _Source:
+    """A noted half tensor's source: held while its forward runs, weakly after it (:meth:`release`): a half tensor
+    that autograd keeps holds no FP32 batch, and a checkpoint's loss recomputed in the backward pass takes the
+    values its forward took while the caller still holds the batch. A copy or pickle of the half tensor (a model
+    deep-copied mid-forward) carries none."""
+
+    __slots__ = ("tensor", "ref")
+
+    def __init__(self, tensor: torch.Tensor | None = None) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.ref: weakref.ref[torch.Tensor] | None = None
+
+    def get(self) -> torch.Tensor | None:
+        if self.tensor is not None:
+            return self.tensor
+        return None if self.ref is None else self.ref()
+
+    def release(self) -> None:
+        if self.tensor is not None:
+            self.ref, self.tensor = weakref.ref(self.tensor), None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Source, ())
+
+
+def _release(half: torch.Tensor) -> None:
+    note = half.__dict__.get(SOURCE_ATTRIBUTE)
+    if note is not None:
+        note[0].release()
+
+
+class _Note:
+    """A noted half tensor (weakly) and the thread that noted it; compared by identity (a list removes it)."""
+
+    __slots__ = ("ref", "thread")
+
+    def __init__(self, half: torch.Tensor, thread: int) -> None:
+        self.ref, self.thread = weakref.ref(half), thread
+
+
+class Notes(list):  # type: ignore[type-arg]
+    """A cast policy's notes (:class:`_Note`: a noted half tensor, weakly, and its thread) until the thread's
+    outermost scope of the policy ends (:func:`forget_scope`).
+
+    Weak: a cast made where no scope follows (``Amp.cast_inputs`` in a plain evaluation loop) keeps no FP32 batch
+    alive once the caller drops its half tensors. Per thread: one thread's scope leaves another thread's forward its
+    notes. A copy or pickle of the policy holds none (it is in no forward)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Notes, ())
+
+
+def _hold(held: Notes, noted: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    thread = threading.get_ident()
+    for entry in list(held):  # drop the dead (bounded where no scope ends); removal one by one: other threads append
+        if entry.ref() is None:
+            try:
+                held.remove(entry)
+            except ValueError:
+                pass
+    held.extend(_Note(half, thread) for half, _ in noted)
 
 
 def remember(noted: list[tuple[torch.Tensor, torch.Tensor]], *, share: bool = True
@@ -49,12 +117,12 @@ def remember(noted: list[tuple[torch.Tensor, torch.Tensor]], *, share: bool = Tr
     inference = torch.is_inference_mode_enabled()
     version = None if inference else 0
     for half, source in noted:
-        setattr(half, SOURCE_ATTRIBUTE, (source, version))
+        setattr(half, SOURCE_ATTRIBUTE, (_Source(source), version))
     if inference and share:
         for mode in torch.overrides._get_current_function_mode_stack():
             held = getattr(getattr(mode, "policy", None), "_noted", None)
-            if type(held) is list:
-                held.extend(noted)
+            if type(held) is Notes:
+                _hold(held, noted)
     return noted
 
 
@@ -77,7 +145,7 @@ def cast_model_inputs(policy: Any, data: Any, dtype: torch.dtype) -> Any:
     if noted:  # nothing cast (token ids in a tuple): no call
         noted = remember(noted, share=False)
         if noted:  # (none under torch.compile)
-            policy._noted.extend(noted)
+            _hold(policy._noted, noted)
     return data
 
 
@@ -85,12 +153,30 @@ def forget(noted: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Take the sources back from the half tensors :func:`remember` gave them to (the forward ended: a half tensor
     that autograd keeps for the backward pass must not keep an FP32 batch alive with it)."""
     for half, _ in noted:
-        half.__dict__.pop(SOURCE_ATTRIBUTE, None)
+        _release(half)
     noted.clear()
 
 
-def exact_source(value: torch.Tensor, dtype: torch.dtype, held: list[tuple[torch.Tensor, torch.Tensor]]
-                 ) -> torch.Tensor | None:
+def forget_scope(policy: Any) -> None:
+    """A scope of ``policy`` ended: at this thread's outermost one, the sources of the casts this thread noted on
+    the policy go (a scope nested inside a forward, a teacher's inside a student's, leaves the outer forward its
+    notes; another thread's forward keeps its own)."""
+    for mode in torch.overrides._get_current_function_mode_stack():
+        if getattr(mode, "policy", None) is policy:
+            return
+    held, thread = policy._noted, threading.get_ident()
+    for entry in list(held):
+        if entry.thread == thread:
+            half = entry.ref()
+            if half is not None:
+                _release(half)
+            try:
+                held.remove(entry)
+            except ValueError:
+                pass
+
+
+def exact_source(value: torch.Tensor, dtype: torch.dtype, held: Notes) -> torch.Tensor | None:
     """The source's values of the half tensor ``value`` (a noted tensor or a view of one) in ``dtype``, or ``None``
     (also under ``torch.compile``). ``held``: the notes of the policy, searched by storage for a view that does not
     know its base."""
@@ -103,13 +189,25 @@ def exact_source(value: torch.Tensor, dtype: torch.dtype, held: list[tuple[torch
         if base is not None or not held:
             return None
         address = value.untyped_storage().data_ptr()  # a view made under inference mode: its storage tells
-        root = next((half for half, _ in held if half.untyped_storage().data_ptr() == address), None)
+        root = next((half for half in (note.ref() for note in held)
+                     if half is not None and half.untyped_storage().data_ptr() == address), None)
         note = None if root is None else getattr(root, SOURCE_ATTRIBUTE, None)
         if note is None:
             return None
-    source, version = note
+    source, version = note[0].get(), note[1]
+    if source is None:
+        return None  # the forward ended and the caller dropped the batch
     if value.dtype is not root.dtype or (version is not None and root._version != version):
         return None  # a view as another dtype, or written in place since the cast (a view shares its base's counter)
+    if root.shape != source.shape:
+        return None  # given other data since the cast (``labels.data = ...``)
+    # The gradient goes where the half value's would: nowhere through a detach() or a view made under no_grad (found
+    # by its base or storage), and a half tensor made a leaf of its own (``labels.requires_grad_()``) keeps it.
+    if value.requires_grad:
+        if not source.requires_grad:
+            return None
+    elif source.requires_grad:
+        source = source.detach()
     if value is not root:
         if source.stride() != root.stride():
             source = source.contiguous()  # the cast of a tensor that is not dense made a contiguous one
@@ -117,14 +215,14 @@ def exact_source(value: torch.Tensor, dtype: torch.dtype, held: list[tuple[torch
                 return None
         offset = value.storage_offset() - root.storage_offset() + source.storage_offset()
         source = source.as_strided(value.size(), value.stride(), offset)
-    exact = source.to(dtype=dtype)
-    if version is None:  # under inference mode: the source only where the half value is still its rounding (no sync)
-        exact = torch.where(source.to(dtype=value.dtype) == value, exact, value.to(dtype=dtype))
-    return exact
+    # The source only where the half value is still its rounding (no sync): under inference mode (no version
+    # counter), and for a write the counter does not see (``labels.data.mul_(2)``: ``.data`` has a counter of its
+    # own) or one into the source since the cast (the model never saw those values).
+    return torch.where(source.to(dtype=value.dtype) == value, source.to(dtype=dtype), value.to(dtype=dtype))
 
 
 def exact_sources(args: tuple[Any, ...], kwargs: dict[str, Any] | None, dtype: torch.dtype,
-                  held: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
+                  held: Notes) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
     """The call's arguments with each noted half tensor (or view of one) replaced by its source in ``dtype``; the
     same objects where none is (the loss policy's casts then handle the rest as before). ``held``: the policy's
     notes (see :func:`exact_source`)."""
