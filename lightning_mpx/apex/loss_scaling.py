@@ -97,6 +97,8 @@ class AmpOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict)
+        if self._amp_state.amp is self._engine:
+            self._amp_state.restored = self._engine  # Apex's documented order: initialize(), then the loads
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the wrapped optimizer; at O2 its half parameters get FP32 masters at the next step, those of
@@ -161,6 +163,8 @@ def scale_loss(
     amp = wrapped[0]._engine
     if state.loaded is amp:
         state.loaded = None  # what was loaded is in use: a later initialize() drops nothing unused
+    if state.restored is amp:
+        state.restored = None
     ids = [id(w.optimizer) for w in wrapped]
     if any(i in state.stepped for i in ids):
         # A new iteration began for an optimizer that already stepped: close the last one.
