@@ -90,7 +90,16 @@ class AmpOptimizer(torch.optim.Optimizer):
         _optimizer_step(self._amp_state, self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's; at O2 the FP32 masters' gradients and the stash of earlier blocks go too, as with
+        Apex's O2 ``zero_grad`` (a ``delay_unscale`` chain given up leaves nothing to the next step, and a clip of
+        ``amp.master_params()`` before the next block sees no gradient)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._amp_state.stash.pop(id(self.optimizer), None)
+        if self._engine.properties.master_weights:
+            params = itertools.chain.from_iterable(map(_PARAMS, self.optimizer.param_groups))
+            for param, master in zip(params, self._engine.master_params(self.optimizer)):
+                if master is not param:
+                    master.grad = None
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
@@ -252,9 +261,13 @@ def _stash(state: AmpState, amp: Amp, wrappers: list[AmpOptimizer]) -> None:
     """
     for wrapper in wrappers:
         inner = wrapper.optimizer
+        params = [p for group in inner.param_groups for p in group["params"]]
+        if id(inner) in state.stash and all(p.grad is None for p in params):
+            # A delay_unscale block ran since the stash was taken, and its gradients are gone: the script cleared
+            # them (model.zero_grad()), and what was stashed before goes with them.
+            del state.stash[id(inner)]
         if not amp.is_unscaled(inner):
             continue
-        params = [p for group in inner.param_groups for p in group["params"]]
         kept = state.stash.setdefault(id(inner), [])
         for param, master in zip(params, amp.master_params(inner)):
             if master is not param and master.grad is not None:
