@@ -437,6 +437,22 @@ def test_o2_model_zero_grad_in_place_during_a_delayed_chain_drops_the_stash():
     test_o2_gradients_zeroed_during_a_delayed_chain_are_gone_from_the_step(through_model=True, set_to_none=False)
 
 
+def test_o2_a_clip_of_the_masters_is_what_a_loop_without_zero_grad_keeps():
+    """Found by the sequences: at O2, ``clip_grad_norm_(amp.master_params(opt), c)``, a step, then the next block
+    without ``zero_grad()`` (gradients accumulate as in FP32). The next step added the unclipped gradients of the
+    step before (the model's half copy, made before the clip), not the clipped ones Apex's FP32 masters kept."""
+    machine = ApexAgainstReference()
+    machine.setup(level="O2", optimizer="sgd")
+    try:
+        machine.block(seed=0, loss_id=0, delay=False, poison=None)
+        machine.clip(max_norm=0.05)
+        machine.step()
+        machine.block(seed=1, loss_id=0, delay=False, poison=None)
+        machine.step()  # the reference's: the clipped gradients plus the new ones
+    finally:
+        machine.teardown()
+
+
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_o2_optimizer_zero_grad_clears_the_master_gradients_as_apex(set_to_none):
     """Found by the sequences: after ``optimizer.zero_grad()`` at O2, ``clip_grad_norm_(amp.master_params(opt), c)``

@@ -360,6 +360,10 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> None:
         wrapper._engine.share_overflow([wrapper.optimizer], loss_id)
     else:
         _restore_stash(state, wrapper)
+        # What a taken step leaves to a loop without zero_grad() is the model's half copy of the gradients, which
+        # the next block scales up: made again from the masters', so that a clip of amp.master_params() since the
+        # block is in it (Apex kept the clipped FP32 master gradients).
+        wrapper._engine.show_unscaled_on_model(wrapper.optimizer)
     state.stepping = wrapper.optimizer
     try:
         stepped = wrapper._engine.step(wrapper.optimizer)
