@@ -8,11 +8,12 @@ backward, FP32 masters that receive the unscaled gradients and are stepped, then
 Each reference keeps the unscaled gradients of the iteration as one FP32 sum (what Apex's stash gives).
 
 Rules: a ``scale_loss`` block (``loss_id`` 0 or 1; ``delay_unscale=True`` blocks followed by a final block of the same
-loss), optionally with an inf or NaN put into the block's gradients; ``optimizer.step()``; a second step with no block
-between (refused); ``zero_grad`` (not while delayed blocks wait for their final block) through the optimizer or the model; ``clip_grad_norm_(amp.master_params(opt), c)``;
-a learning-rate change; a scheduler step; an evaluation forward under ``torch.no_grad()``; a save of
-``{'model', 'optimizer', 'amp', 'scheduler'}`` through ``torch.save`` and a resume into fresh objects in Apex's
-documented order (``initialize``, then ``load_state_dict`` of model, optimizer and amp).
+loss), optionally with an inf or NaN put into the block's gradients; ``optimizer.step()``; a second step with no
+block between (refused); ``zero_grad`` through the optimizer or the model (not while delayed blocks wait for their
+final block); ``clip_grad_norm_(amp.master_params(opt), c)`` after blocks; a learning-rate change; a scheduler step;
+an evaluation forward under ``torch.no_grad()``; a save of ``{'model', 'optimizer', 'amp', 'scheduler'}`` through
+``torch.save`` and a resume into fresh objects in Apex's documented order (``initialize``, then ``load_state_dict``
+of model, optimizer and amp). Cases the sequences avoid are strict xfails below, each naming its cause.
 
 After each step the update of what the optimizer trains (the FP32 masters at O2) matches the reference's from the same
 point, to a tolerance that a wrong step breaks (``test_a_wrong_step_breaks_the_comparison``); the reference then
@@ -200,7 +201,7 @@ class ApexAgainstReference(RuleBasedStateMachine):
         self.used: dict[int, bool] = {}  # losses of the blocks ended since the last step: whether one overflowed
         self.chain: tuple[int, bool] | None = None  # delayed blocks pending: their loss, and whether one overflowed
         self.leftover = False  # a skipped step left non-finite gradients (zero_grad before the next block)
-        self.dirty = False  # a non-finite value in the gradients (until zero_grad)
+        self.dirty: int | None = None  # the loss of a non-finite value in the gradients (until zero_grad)
         self.zeroed = False  # zero_grad since the last block (a clip comes after blocks; test_o2_zero_grad_...)
         self.steps = self.skips = 0
         self.saved: dict[str, Any] = {}
@@ -230,12 +231,15 @@ class ApexAgainstReference(RuleBasedStateMachine):
     def block(self, seed: int, loss_id: int, delay: bool, poison: float | None) -> None:
         if self.chain is not None:
             loss_id = self.chain[0]  # one loss per delayed chain (Apex's blocks unscale by their own scale)
+        elif self.dirty is not None and self.level == "O1":
+            loss_id = self.dirty  # another loss after an overflow: test_o1_an_overflow_is_charged_to_its_own_loss
         scale = float(self.scale[loss_id])
         got = self.ours.block(seed, loss_id, delay, poison)
         want = self.ref.block(seed, scale, final=not delay)
         assert abs(got - want) <= 1e-3 * abs(want) + 1e-4
         overflow = poison is not None or (self.chain is not None and self.chain[1])
-        self.dirty = self.dirty or poison is not None
+        if poison is not None and self.dirty is None:
+            self.dirty = loss_id
         self.zeroed = False
         if delay:
             self.chain = (loss_id, overflow)
@@ -285,14 +289,14 @@ class ApexAgainstReference(RuleBasedStateMachine):
         (self.ours.model if through_model else self.ours.opt).zero_grad(set_to_none=set_to_none)
         self.ref.zero_grad(set_to_none)
         self.chain = None
-        self.leftover = self.dirty = False
+        self.leftover, self.dirty = False, None
         self.zeroed = True
 
     @precondition(lambda self: self.used and self.chain is None and not self.zeroed)
     @rule(max_norm=st.sampled_from([0.05, 10.0]))
     def clip(self, max_norm: float) -> None:
         norm = torch.nn.utils.clip_grad_norm_(amp.master_params(self.ours.opt), max_norm)
-        if self.dirty:
+        if self.dirty is not None:
             assert not torch.isfinite(norm)  # an overflow: the step will be skipped
         else:
             want = self.ref.clip(max_norm)
@@ -365,7 +369,7 @@ class ApexAgainstReference(RuleBasedStateMachine):
         self.scale = [s.clone() for s in saved["scale"]]
         self.tracker = [t.clone() for t in saved["tracker"]]
         self.steps, self.skips = saved["steps"], saved["skips"]
-        self.leftover = self.dirty = False
+        self.leftover, self.dirty = False, None
 
     # -- invariants -------------------------------------------------------------------------------------------
     @invariant()
@@ -449,6 +453,27 @@ def test_o2_a_clip_of_the_masters_is_what_a_loop_without_zero_grad_keeps():
         machine.step()
         machine.block(seed=1, loss_id=0, delay=False, poison=None)
         machine.step()  # the reference's: the clipped gradients plus the new ones
+    finally:
+        machine.teardown()
+
+
+@pytest.mark.xfail(strict=True, reason="engine (StepMachine's rescale of pending gradients at scale_loss): at O1 the "
+                   "gradients already brought to a loss's scale are re-checked at its next block, and a non-finite "
+                   "value another loss's block put in them is charged to this loss")
+def test_o1_an_overflow_is_charged_to_its_own_loss():
+    """Apex checked only each block's own new gradients: loss 1's block overflows, then two blocks of loss 0 before
+    the step (skipped). Loss 1's scale backs off; loss 0's counts an iteration without overflow. At O1 loss 0's
+    scale backed off too (the step is skipped either way); at O2, whose stash keeps earlier blocks aside, the
+    sequences pass."""
+    machine = ApexAgainstReference()
+    machine.setup(level="O1", optimizer="sgd")
+    try:
+        machine.block(seed=0, loss_id=1, delay=False, poison=float("inf"))
+        machine.dirty = None  # else the machine keeps to loss 1 at O1 (the sequences avoid this case)
+        machine.block(seed=1, loss_id=0, delay=False, poison=None)
+        machine.block(seed=2, loss_id=0, delay=False, poison=None)
+        machine.step()
+        machine.scales_steps_and_learning_rates_agree()
     finally:
         machine.teardown()
 
