@@ -13,7 +13,8 @@ block between (refused); ``zero_grad`` through the optimizer or the model (not w
 final block); ``clip_grad_norm_(amp.master_params(opt), c)`` after blocks; a learning-rate change; a scheduler step;
 an evaluation forward under ``torch.no_grad()``; a save of ``{'model', 'optimizer', 'amp', 'scheduler'}`` through
 ``torch.save`` and a resume into fresh objects in Apex's documented order (``initialize``, then ``load_state_dict``
-of model, optimizer and amp). Cases the sequences avoid are strict xfails below, each naming its cause.
+of model, optimizer and amp); and a whole iteration of these in a row. Cases the sequences avoid are strict xfails
+below, each naming its cause.
 
 After each step the update of what the optimizer trains (the FP32 masters at O2) matches the reference's from the same
 point, to a tolerance that a wrong step breaks (``test_a_wrong_step_breaks_the_comparison``); the reference then
@@ -166,7 +167,7 @@ class _Reference:
         self._copy_to_half()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.acc = [None if set_to_none else torch.zeros_like(p) for p in self.model.parameters()]
+        self.acc = [None if set_to_none or a is None else torch.zeros_like(a) for a in self.acc]
         for p in self.holders():
             p.grad = None
 
@@ -266,10 +267,27 @@ class ApexAgainstReference(RuleBasedStateMachine):
             _assert_same_state(after["opt"], before["opt"])
             self.leftover = True
         else:
-            self.steps += 1
+            self.steps += any(g is not None for g in self.ref.acc)  # zero_grad(set_to_none=True): Adam steps nothing
             self.ref.step()
             _assert_same_update(self.ours.trained(), list(self.ref.model.parameters()), before["trained"])
         self._sync_reference()
+
+    @precondition(lambda self: self.chain is None)
+    @rule(data=st.data())
+    def iteration(self, data: st.DataObject) -> None:
+        """A whole iteration of an Apex loop, the rules above in a row (so that the sequences train): usually
+        ``optimizer.zero_grad()``, one to three blocks (delayed but the last, or of either loss), maybe a clip, the
+        step."""
+        if self.leftover or data.draw(st.integers(0, 3)) > 0:
+            self.zero_grad(set_to_none=data.draw(st.booleans()), through_model=False)
+        count = data.draw(st.integers(1, 3))
+        for index in range(count):
+            self.block(seed=data.draw(st.integers(0, 50)), loss_id=data.draw(st.sampled_from([0, 1])),
+                       delay=index < count - 1 and data.draw(st.booleans()),
+                       poison=data.draw(st.sampled_from([None, None, None, float("inf")])))  # fmt: skip
+        if data.draw(st.booleans()):
+            self.clip(max_norm=data.draw(st.sampled_from([0.05, 10.0])))
+        self.step()
 
     @precondition(lambda self: not self.used and self.chain is None)
     @rule()
@@ -395,7 +413,7 @@ class ApexAgainstReference(RuleBasedStateMachine):
                 assert float(values["step"]) == self.steps
 
 
-ApexAgainstReference.TestCase.settings = stateful_settings(max_examples=12, steps=16)
+ApexAgainstReference.TestCase.settings = stateful_settings(max_examples=16, steps=18)
 test_apex_api_against_plain_torch_reference = ApexAgainstReference.TestCase
 
 
