@@ -452,6 +452,22 @@ def test_o2_gradients_zeroed_during_a_delayed_chain_are_gone_from_the_step(throu
         machine.teardown()
 
 
+@pytest.mark.parametrize(("through_model", "set_to_none"), [(True, False), (True, True), (False, False)])
+def test_o2_a_block_zeroed_before_the_step_is_not_added_back(through_model, set_to_none):
+    """Found by the sequences: at O2, a block, ``model.zero_grad()`` (a batch dropped before its step), a new block,
+    the step. The first block's FP32 master gradients, which the zero_grad had not reached, were kept aside and added
+    to the new block's: the step used both."""
+    machine = ApexAgainstReference()
+    machine.setup(level="O2", optimizer="sgd")
+    try:
+        machine.block(seed=0, loss_id=0, delay=False, poison=None)
+        machine.zero_grad(set_to_none=set_to_none, through_model=through_model)
+        machine.block(seed=1, loss_id=0, delay=False, poison=None)
+        machine.step()  # the reference's: the second block's gradients only
+    finally:
+        machine.teardown()
+
+
 @pytest.mark.xfail(strict=True, reason="apex/loss_scaling.py: model.zero_grad(set_to_none=False) zeroes the half "
                    "gradients in place; telling that from a delayed block's own gradients takes reading them (a host "
                    "sync per block), so the stash is kept (as Apex kept its FP32 master gradients then)")

@@ -268,6 +268,9 @@ def _stash(state: AmpState, amp: Amp, wrappers: list[AmpOptimizer]) -> None:
             del state.stash[id(inner)]
         if not amp.is_unscaled(inner):
             continue
+        # The masters' gradients follow a zero_grad() of the model's since the unscale (the core tells one from the
+        # half gradients' version counters): what the user cleared is not kept aside and added back.
+        amp.show_unscaled_on_model(inner)
         kept = state.stash.setdefault(id(inner), [])
         for param, master in zip(params, amp.master_params(inner)):
             if master is not param and master.grad is not None:
