@@ -90,16 +90,19 @@ class AmpOptimizer(torch.optim.Optimizer):
         _optimizer_step(self._amp_state, self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped optimizer's; at O2 the FP32 masters' gradients and the stash of earlier blocks go too, as with
-        Apex's O2 ``zero_grad`` (a ``delay_unscale`` chain given up leaves nothing to the next step, and a clip of
-        ``amp.master_params()`` before the next block sees no gradient)."""
+        """The wrapped optimizer's; at O2 the FP32 masters' gradients (zeroed or set to None alike) and the stash of
+        earlier blocks go too, as with Apex's O2 ``zero_grad`` (a ``delay_unscale`` chain given up leaves nothing to
+        the next step, and a clip of ``amp.master_params()`` before the next block sees no gradient)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self._amp_state.stash.pop(id(self.optimizer), None)
         if self._engine.properties.master_weights:
             params = itertools.chain.from_iterable(map(_PARAMS, self.optimizer.param_groups))
             for param, master in zip(params, self._engine.master_params(self.optimizer)):
-                if master is not param:
-                    master.grad = None
+                if master is not param and master.grad is not None:
+                    if set_to_none:
+                        master.grad = None
+                    else:
+                        master.grad.zero_()  # as the model's: a step then moves by momentum alone, as FP32's
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
