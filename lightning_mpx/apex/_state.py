@@ -113,6 +113,9 @@ class AmpState:
             (otherwise refused, as Apex did, unless ``cast_model_type=False``).
         loaded: The engine ``amp.load_state_dict()`` loaded into, until its next ``scale_loss`` block: a new
             ``initialize`` then would drop what was loaded (the wrong order, refused).
+        restored: The engine whose returned optimizer was given a ``load_state_dict`` since ``initialize`` or its last
+            ``scale_loss`` block: an ``amp.load_state_dict()`` then follows Apex's documented order (a later
+            ``initialize``, the next checkpoint restored, is not refused).
         registrations: ``(function, category)`` from ``register_*_function`` and the decorators (kept across
             ``initialize``).
     """
@@ -139,6 +142,7 @@ class AmpState:
     allow_incoming_model_not_fp32: bool = False
     stepping: Any = None  # the optimizer whose step() the wrapper is running (its step pre-hook lets it through)
     loaded: Amp | None = None
+    restored: Amp | None = None
     registrations: list[tuple[Callable[..., Any], str]] = field(default_factory=list)
 
     def reset(self) -> None:
@@ -176,6 +180,7 @@ class AmpState:
         for key in set(self.stash) - live:
             del self.stash[key]
         self.amp, self.enabled, self.handle, self.holder, self.loaded = None, None, None, None, None
+        self.restored = None
         self.loss_scalers, self.current = [], []
 
     def leave_cast_scope(self) -> None:

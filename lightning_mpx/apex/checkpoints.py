@@ -47,7 +47,8 @@ def load_state_dict(state: dict[str, Any]) -> None:
             "amp.initialize(model, optimizer, ...) first, then model.load_state_dict(...), "
             "optimizer.load_state_dict(...) and amp.load_state_dict(checkpoint['amp']), in Apex's documented order."
         )
-    _amp_state.loaded = amp
+    # Restoring into the optimizer initialize() returned is the documented order: nothing to refuse later.
+    _amp_state.loaded = None if _amp_state.restored is amp else amp
     if "scalers" in state:  # the core's own format
         amp.load_state_dict(state)
         return

@@ -90,13 +90,27 @@ class AmpOptimizer(torch.optim.Optimizer):
         _optimizer_step(self._amp_state, self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's; at O2 the FP32 masters' gradients (zeroed or set to None alike) and the stash of
+        earlier blocks go too, as with Apex's O2 ``zero_grad`` (a ``delay_unscale`` chain given up leaves nothing to
+        the next step, and a clip of ``amp.master_params()`` before the next block sees no gradient)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._amp_state.stash.pop(id(self.optimizer), None)
+        if self._engine.properties.master_weights:
+            params = itertools.chain.from_iterable(map(_PARAMS, self.optimizer.param_groups))
+            for param, master in zip(params, self._engine.master_params(self.optimizer)):
+                if master is not param and master.grad is not None:
+                    if set_to_none:
+                        master.grad = None
+                    else:
+                        master.grad.zero_()  # as the model's: a step then moves by momentum alone, as FP32's
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict)
+        if self._amp_state.amp is self._engine:
+            self._amp_state.restored = self._engine  # Apex's documented order: initialize(), then the loads
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the wrapped optimizer; at O2 its half parameters get FP32 masters at the next step, those of
@@ -161,6 +175,8 @@ def scale_loss(
     amp = wrapped[0]._engine
     if state.loaded is amp:
         state.loaded = None  # what was loaded is in use: a later initialize() drops nothing unused
+    if state.restored is amp:
+        state.restored = None
     ids = [id(w.optimizer) for w in wrapped]
     if any(i in state.stepped for i in ids):
         # A new iteration began for an optimizer that already stepped: close the last one.
@@ -248,9 +264,16 @@ def _stash(state: AmpState, amp: Amp, wrappers: list[AmpOptimizer]) -> None:
     """
     for wrapper in wrappers:
         inner = wrapper.optimizer
+        params = [p for group in inner.param_groups for p in group["params"]]
+        if id(inner) in state.stash and all(p.grad is None for p in params):
+            # A delay_unscale block ran since the stash was taken, and its gradients are gone: the script cleared
+            # them (model.zero_grad()), and what was stashed before goes with them.
+            del state.stash[id(inner)]
         if not amp.is_unscaled(inner):
             continue
-        params = [p for group in inner.param_groups for p in group["params"]]
+        # The masters' gradients follow a zero_grad() of the model's since the unscale (the core tells one from the
+        # half gradients' version counters): what the user cleared is not kept aside and added back.
+        amp.show_unscaled_on_model(inner)
         kept = state.stash.setdefault(id(inner), [])
         for param, master in zip(params, amp.master_params(inner)):
             if master is not param and master.grad is not None:
@@ -343,6 +366,10 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> None:
         wrapper._engine.share_overflow([wrapper.optimizer], loss_id)
     else:
         _restore_stash(state, wrapper)
+        # What a taken step leaves to a loop without zero_grad() is the model's half copy of the gradients, which
+        # the next block scales up: made again from the masters', so that a clip of amp.master_params() since the
+        # block is in it (Apex kept the clipped FP32 master gradients).
+        wrapper._engine.show_unscaled_on_model(wrapper.optimizer)
     state.stepping = wrapper.optimizer
     try:
         stepped = wrapper._engine.step(wrapper.optimizer)
