@@ -139,6 +139,7 @@ class AmpState:
     after_step: set[int] = field(default_factory=set)
     idle: set[int] = field(default_factory=set)
     gradless: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    graded: dict[int, int] = field(default_factory=dict)  # O2: the masters' gradients' versions at a block's end
     allow_incoming_model_not_fp32: bool = False
     stepping: Any = None  # the optimizer whose step() the wrapper is running (its step pre-hook lets it through)
     loaded: Amp | None = None

@@ -24,6 +24,8 @@ from lightning_mpx.engine.amp import Amp
 log = logging.getLogger("lightning_mpx.apex")
 
 _GRAD = operator.attrgetter("grad")
+_VERSION = operator.attrgetter("_version")
+_SOME_GRAD = functools.partial(operator.is_not, None)
 _PARAMS = operator.itemgetter("params")
 _NO_GRAD = functools.partial(operator.is_, None)
 
@@ -223,6 +225,16 @@ def scale_loss(
         state.skip_next.update(dict.fromkeys(ids, loss_id))
         _log_overflow(amp, loss_id)
     _record_gradless(state, own)
+    if amp.properties.master_weights:
+        for wrapper in wrapped:
+            state.graded[id(wrapper.optimizer)] = _grad_versions(amp, wrapper.optimizer)
+
+
+def _grad_versions(amp: Amp, optimizer: torch.optim.Optimizer) -> int:
+    """The sum of the version counters of ``optimizer``'s master gradients (C-level maps, no Python per parameter):
+    an in-place write since (a clip of ``amp.master_params()``) moves it."""
+    with torch._C.DisableTorchFunction():
+        return sum(map(_VERSION, filter(_SOME_GRAD, map(_GRAD, amp.master_params(optimizer)))))
 
 
 def _record_gradless(state: AmpState, own: list[AmpOptimizer]) -> None:
@@ -367,9 +379,13 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> None:
     else:
         _restore_stash(state, wrapper)
         # What a taken step leaves to a loop without zero_grad() is the model's half copy of the gradients, which
-        # the next block scales up: made again from the masters', so that a clip of amp.master_params() since the
-        # block is in it (Apex kept the clipped FP32 master gradients).
-        wrapper._engine.show_unscaled_on_model(wrapper.optimizer)
+        # the next block scales up: made again from the masters' when they were written since the block (a clip of
+        # amp.master_params(); Apex kept the clipped FP32 master gradients), not on every step (a copy of every
+        # gradient that the usual loop's zero_grad() throws away).
+        engine, inner = wrapper._engine, wrapper.optimizer
+        graded = state.graded.pop(key, None)
+        if engine.properties.master_weights and (graded is None or graded != _grad_versions(engine, inner)):
+            engine.show_unscaled_on_model(inner)
     state.stepping = wrapper.optimizer
     try:
         stepped = wrapper._engine.step(wrapper.optimizer)
