@@ -18,23 +18,10 @@ from lightning_mpx import Amp
 from lightning_mpx.engine.sharding import local_tensor
 from lightning_mpx.integrations.fsdp import shard_model
 from tests.launch import end_ranks, write_rank_results
+from tests.test_complex_params import Spectral  # the same model as the one-process tests
 
 STEPS, BATCH, INF_AT = 3, 16, 1
 SETTINGS = {"half_dtype": "bfloat16", "loss_scale": "dynamic", "init_scale": 2.0**10}
-
-
-class Spectral(nn.Module):
-    """A linear layer, then a complex per-channel weight whose real and imaginary parts both reach the output."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = nn.Linear(8, 4)
-        self.phase = nn.Parameter(torch.polar(torch.ones(4), torch.linspace(0.0, 1.0, 4)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        z = self.lin(x).float() * self.phase
-        return z.real + 2.0 * z.imag
 
 
 def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -97,27 +97,6 @@ def test_o3_recomputed_blocks_give_the_gradients_of_the_plain_forward(reentrant:
 
 
 # -- complex parameters --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("level", ["O1", "O3"])
-def test_a_complex_parameter_appended_to_a_groups_list_is_unscaled_as_one(level: str) -> None:
-    """``opt.param_groups[0]["params"].append(p)`` (the group count unchanged): the complex gradient is unscaled
-    (it crashed in torch's kernel, "not implemented for 'ComplexFloat'") and the step is plain SGD's."""
-    amp = Amp(level, half_dtype=HALF, loss_scale="dynamic")
-    model = amp.prepare_model(Spectral())
-    opt = amp.prepare_optimizer(torch.optim.SGD(model.lin.parameters(), lr=0.5))
-    for step in range(2):
-        if step == 1:
-            opt.param_groups[0]["params"].append(model.phase)
-        x, y = _data(step)
-        with amp.forward_context():
-            loss = F.cross_entropy(amp.cast_outputs(model(amp.cast_inputs(x))).float(), y)
-        amp.backward(loss)
-        grad = model.phase.grad.clone() / 2.0**16
-        assert amp.step(opt) is True
-        amp.update()
-        opt.zero_grad()
-    assert torch.equal(model.phase, Spectral().phase - 0.5 * grad)
-
-
 def test_o2_complex_parameter_resumes_from_a_checkpoint_as_the_run_that_went_on() -> None:
     """O2 with Adam: the engine's, optimizer's and model's state dicts after 2 steps, loaded into a fresh engine and
     model, give bit for bit the weights of the run that went on (the complex parameter its own FP32 master)."""

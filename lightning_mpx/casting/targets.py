@@ -228,23 +228,22 @@ def exact_sources(args: tuple[Any, ...], kwargs: dict[str, Any] | None, dtype: t
     notes (see :func:`exact_source`)."""
     if torch.compiler.is_compiling():
         return args, kwargs
-    new_args = None
-    for index, item in enumerate(args):
+    new_args = _with_sources(enumerate(args), dtype, held)
+    if new_args:
+        args = tuple(new_args.get(index, item) for index, item in enumerate(args))
+    if kwargs:
+        new_kwargs = _with_sources(kwargs.items(), dtype, held)
+        if new_kwargs:
+            kwargs = {**kwargs, **new_kwargs}
+    return args, kwargs
+
+
+def _with_sources(items: Any, dtype: torch.dtype, held: Notes) -> dict[Any, torch.Tensor]:
+    """The exact sources of the noted half tensors among ``items`` (key, value pairs), by key; empty when none."""
+    found = {}
+    for key, item in items:
         if isinstance(item, torch.Tensor) and item.dtype in HALF_DTYPES:
             exact = exact_source(item, dtype, held)
             if exact is not None:
-                if new_args is None:
-                    new_args = list(args)
-                new_args[index] = exact
-    if kwargs:
-        new_kwargs = None
-        for name, item in kwargs.items():
-            if isinstance(item, torch.Tensor) and item.dtype in HALF_DTYPES:
-                exact = exact_source(item, dtype, held)
-                if exact is not None:
-                    if new_kwargs is None:
-                        new_kwargs = dict(kwargs)
-                    new_kwargs[name] = exact
-        if new_kwargs is not None:
-            kwargs = new_kwargs
-    return (tuple(new_args) if new_args is not None else args), kwargs
+                found[key] = exact
+    return found
