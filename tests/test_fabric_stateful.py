@@ -36,7 +36,7 @@ from lightning_mpx import CastTable, FabricMixedPrecisionPlugin
 from tests.stateful_helpers import stateful_settings
 
 # The rules call a scheduler before any step, as a loop that starts with a warm-up step may.
-pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()` before")
+pytestmark = pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler\.step\(\)` before")
 
 HALF = torch.bfloat16
 INIT_SCALE = 2.0**8
