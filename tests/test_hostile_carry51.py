@@ -257,14 +257,9 @@ def test_a_second_engine_leaves_one_set_of_hooks_on_the_model() -> None:
     assert all(torch.equal(amp.master_of(p, refresh=False), weights[n]) for n, p in model.named_parameters())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="accelerate_forward.py (out of bounds): a model trained by the Accelerate adapter keeps that engine's "
-    "forward (AmpForward) when another engine prepares it; at another half dtype the old forward refuses every step "
-    "('was converted to torch.bfloat16 after prepare_model()'), though the masters were taken over exactly",
-)
 def test_an_accelerate_trained_model_trains_in_a_later_stage_of_another_engine_at_another_half_dtype() -> None:
+    """The Accelerate adapter's forward stayed on a model another engine took over and refused every step at another
+    half dtype; the handover takes it off with the old engine's hooks."""
     from lightning_mpx.accelerate import Accelerator
 
     model = _net()
@@ -281,13 +276,8 @@ def test_an_accelerate_trained_model_trains_in_a_later_stage_of_another_engine_a
     _step(new, model, new_optimizer, 3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="health/promotion.py (out of bounds): the FP32-boundary hooks of fp32_modules are kept in one list per "
-    "engine (Promotion._hooks), not per model, so an engine that handed a model over cannot take them off it: each "
-    "stage adds two more on the pinned module",
-)
 def test_a_second_engine_with_fp32_modules_leaves_one_set_of_boundary_hooks() -> None:
+    """The FP32-boundary hooks of fp32_modules were kept per engine: each stage added two more on the pinned module."""
     model = _net()
     counts = []
     for _ in range(2):
@@ -334,14 +324,8 @@ def test_a_deep_copy_under_inference_mode_is_a_half_copy_as_in_torch() -> None:
     assert all(torch.equal(p.detach(), t) for p, t in zip(outside.parameters(), trained))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="masters/watch.py: under torch.__future__.set_swap_module_params_on_conversion(True) Module._apply swaps "
-    "the tensors (torch.utils.swap_tensors) instead of setting .data, so a deep copy's .float() gives the half "
-    "rounding (the carried value is not read), and the original model's .float() fails ('Couldn't swap "
-    "Linear.weight': its masters hold weak references to it)",
-)
 def test_a_deep_copy_made_fp32_with_module_swapping_takes_its_carried_values() -> None:
+    """Under tensor swapping (Module._apply sets no .data) a deep copy's .float() gave the half rounding."""
     model, _, _, trained = _trained()
     swapping = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)

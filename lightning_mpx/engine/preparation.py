@@ -91,6 +91,8 @@ class PreparedModels:
         # By the module's id, with a weak reference that drops the entry when the module goes: a plain dict, whose
         # values a forward walks in C, where a WeakKeyDictionary's items() costs five Python calls.
         self._half_marks: dict[int, tuple[weakref.ref[nn.Module], torch.Tensor | None]] = {}
+        # O2: what takes this engine's hooks off each model it holds the masters of, once another engine took them.
+        self._releases: weakref.WeakKeyDictionary[nn.Module, HookRelease] = weakref.WeakKeyDictionary()
 
     def prepare(self, module: nn.Module, *, train: bool) -> nn.Module:
         """:meth:`Amp.prepare_model <lightning_mpx.engine.amp.Amp.prepare_model>` (arguments checked)."""
@@ -149,7 +151,8 @@ class PreparedModels:
             # The FP32 values are kept until each one's master is made, whenever (and by whichever optimizer) that is.
             weights = self.masters.add_model(module, self.names, prefix, initial if masters_from_fp32 else None)
             if weights is not None:
-                weights.let_go = HookRelease(module, (self._regions_hooks, self._load_hooks, self._tied_hooks))
+                tables = (self._regions_hooks, self._load_hooks, self._tied_hooks, self.promotion.hooks)
+                weights.let_go = self._releases[module] = HookRelease(module, tables, self.forget)
             if module not in self._load_hooks:
                 hook = _LoadIntoMasters(self)
                 self._load_hooks[module] = [
@@ -159,6 +162,21 @@ class PreparedModels:
                 ]
         let_go_of(olds)  # the engines that handed over all of them take their hooks off it
         return module
+
+    def hold(self, module: nn.Module, handle: Any) -> bool:
+        """Have ``handle`` (anything with ``remove()``: an adapter's forward) removed from ``module`` with this
+        engine's hooks when another engine takes the model over; ``False`` when this engine holds no masters of it."""
+        release = self._releases.get(module)
+        if release is not None:
+            release.hold(handle)
+        return release is not None
+
+    def forget(self, module: nn.Module) -> None:
+        """After another engine took ``module`` over: this engine no longer hooks its FP32 modules (its hooks are off
+        it already, see :class:`~lightning_mpx.masters.handover.HookRelease`); its forward refuses the model made
+        another dtype since, as before."""
+        self.promotion.forget_model(module)
+        self._releases.pop(module, None)
 
     def _run_tied_in_fp32(self, module: nn.Module, tied: list[nn.Module]) -> None:
         """O2/O3: the submodules of ``module`` that share a parameter with an ``fp32_modules`` module (a tied input

@@ -175,7 +175,8 @@ class Promotion:
         self._roots: list[tuple[str, weakref.ref[nn.Module]]] = []  # (name prefix, prepared model)
         self._matched: set[str] = set()
         self._streak: list[frozenset[str]] = []
-        self._hooks: list[Any] = []
+        # The boundary hooks by prepared model: the engine that hands a model over takes its own off (masters.handover).
+        self.hooks: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 
     @property
     def amp(self) -> _Engine:
@@ -479,9 +480,15 @@ class Promotion:
     def remove_hooks(self) -> None:
         """Remove the forward hooks of the FP32 modules (at O2/O3 such a module then gets half inputs it cannot
         take: for a model you are done with)."""
-        for handle in self._hooks:
+        for handle in [handle for handles in self.hooks.values() for handle in handles]:
             handle.remove()
-        self._hooks.clear()
+        self.hooks.clear()
+
+    def forget_model(self, module: nn.Module) -> None:
+        """Let go of a model another engine took over: its boundary hooks come off and stay off."""
+        self._roots = [(prefix, ref) for prefix, ref in self._roots if ref() not in (module, None)]
+        for handle in self.hooks.pop(module, ()):
+            handle.remove()
 
     # -- internals ----------------------------------------------------------------------------------------------
     def _rehook(self) -> None:
@@ -498,13 +505,15 @@ class Promotion:
         for name in tops:
             if any(name.startswith(other + ".") for other in tops):
                 continue
-            module = self._module(name)
-            if module is None:
+            module, found = self._module(name), self._root_of(name)
+            if module is None or found is None:
                 continue
             # Inputs: after any other pre-hook (an adapter's boundary cast to half). Outputs: before any other
             # forward hook (an adapter's boundary cast to FP32 must see the half output last).
-            self._hooks.append(module.register_forward_pre_hook(boundary.pre, with_kwargs=True))
-            self._hooks.append(module.register_forward_hook(boundary.post, prepend=True, always_call=True))
+            self.hooks.setdefault(found[1], []).extend((
+                module.register_forward_pre_hook(boundary.pre, with_kwargs=True),
+                module.register_forward_hook(boundary.post, prepend=True, always_call=True),
+            ))
 
     def _root_of(self, name: str) -> tuple[str, nn.Module] | None:
         for prefix, ref in reversed(self._roots):  # longest prefixes ("model1.") were added last

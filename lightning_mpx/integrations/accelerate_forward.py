@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -130,8 +131,33 @@ def install_forward(amp: Amp, model: nn.Module) -> None:
         # A torch.compile'd model gets it on its original module, inside the compiled region: the policy is
         # traced into the graph and no mode is left on the stack while the compiled code runs.
         target = model._orig_mod if is_compiled_module(model) else model
+        restore = _ForwardRestore(target)
         target._original_forward = target.forward  # type: ignore[assignment]
-        target.forward = AmpForward(target.forward, amp)
+        target.forward = restore.forward = AmpForward(target.forward, amp)
+        # Another engine taking the model over (a later stage's Trainer, Fabric or Amp, at O2 with these masters)
+        # takes this forward off it with this engine's hooks: its own rules then apply alone.
+        amp._models.hold(model, restore)
+
+
+class _ForwardRestore:
+    """Puts back on ``target`` the ``forward`` (and ``_original_forward``) it had before :func:`install_forward`
+    (``remove()``), while the forward installed is still there."""
+
+    def __init__(self, target: nn.Module) -> None:
+        self._target = weakref.ref(target)
+        self._before = {key: target.__dict__.get(key) for key in ("forward", "_original_forward")}
+        self.forward: AmpForward | None = None
+
+    def remove(self) -> None:
+        target = self._target()
+        if target is None or self.forward is None or target.__dict__.get("forward") is not self.forward:
+            return
+        for key, value in self._before.items():
+            if value is None:
+                target.__dict__.pop(key, None)
+            else:
+                target.__dict__[key] = value
+        self.forward = None
 
 
 def engine_of(model: nn.Module, default: Amp) -> Amp:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -32,18 +32,32 @@ _WHERE = (
 
 
 class HookRelease:
-    """Removes the hooks one engine put on ``module`` (the handles in ``hooks``' entries for it): called when the
-    engine handed over every half parameter of the model. Holds the module weakly and the engine's dictionaries (not
-    the engine): an engine let go before the next stage (a Trainer of the first) leaves hooks that must come off too.
+    """Removes what one engine put on ``module`` (the handles in ``hooks``' entries for it: forward and load hooks, an
+    adapter's forward, see :meth:`hold`) and has the engine forget it (``forget``): called when the engine handed
+    over every half parameter of the model. Holds the module and the engine's bookkeeping weakly and the engine's
+    hook tables strongly (not the engine): an engine let go before the next stage (a Trainer of the first) leaves
+    hooks that must come off too.
 
     Args:
         module: The prepared model.
-        hooks: The engine's hook handles by model (``WeakKeyDictionary`` s of lists of handles).
+        hooks: The engine's hook handles by model (``WeakKeyDictionary`` s of lists of objects with ``remove()``).
+        forget: What the engine does to forget the model (a bound method, held weakly), or ``None``.
     """
 
-    def __init__(self, module: nn.Module, hooks: Sequence[weakref.WeakKeyDictionary[nn.Module, list[Any]]]) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        hooks: Sequence[weakref.WeakKeyDictionary[nn.Module, list[Any]]],
+        forget: Callable[[nn.Module], None] | None = None,
+    ) -> None:
         self._module = weakref.ref(module)
         self._hooks = tuple(hooks)
+        self._forget = weakref.WeakMethod(forget) if forget is not None else None  # type: ignore[arg-type]
+        self._held: list[Any] = []
+
+    def hold(self, handle: Any) -> None:
+        """Remove ``handle`` (anything with ``remove()``: an adapter's forward on the model) with the hooks."""
+        self._held.append(handle)
 
     def __call__(self) -> None:
         module = self._module()
@@ -52,6 +66,12 @@ class HookRelease:
         for table in self._hooks:
             for handle in table.pop(module, ()):
                 handle.remove()
+        for handle in self._held:
+            handle.remove()
+        self._held.clear()
+        forget = self._forget() if self._forget is not None else None
+        if forget is not None:
+            forget(module)
 
 
 def masters_of(module: nn.Module) -> list[MasterWeights]:

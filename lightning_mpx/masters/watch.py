@@ -18,6 +18,7 @@ engine that made it (a Trainer let go between two stages). Through that link:
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any, Protocol
 
@@ -99,6 +100,41 @@ class _DataWatch:
 
 
 _TENSOR_DATA = torch._C.TensorBase.data  # the C-level ``.data`` descriptor that WatchedParameter wraps
+_APPLY = nn.Module._apply.__code__  # Module._apply: its conversions under swap (see _converting)
+
+
+def _converting(name: str) -> Any:
+    """``Tensor.<name>`` (a conversion: ``float``, ``to``, ...) for :class:`WatchedParameter`: as torch's, but called
+    by ``Module._apply`` when it swaps tensors (``torch.__future__.set_swap_module_params_on_conversion(True)``),
+    which sets no ``.data`` that the parameter could see, it gives the FP32 values (the masters', a deep copy's
+    carried ones) converted; a parameter with masters (which hold it weakly: torch cannot swap it) is refused."""
+    method = getattr(torch.Tensor, name)
+
+    def convert(self: WatchedParameter, *args: Any, **kwargs: Any) -> torch.Tensor:
+        value = method(self, *args, **kwargs)
+        if value is self or torch.is_grad_enabled() or not torch.__future__.get_swap_module_params_on_conversion():
+            return value
+        frame, depth = sys._getframe(1), 0  # the conversion's lambda, then Module._apply
+        while frame is not None and frame.f_code is not _APPLY and depth < 3:
+            frame, depth = frame.f_back, depth + 1
+        if frame is None or frame.f_code is not _APPLY:
+            return value  # a user's own p.float(): a plain conversion, nothing taken
+        old = _TENSOR_DATA.__get__(self)
+        if value.dtype == old.dtype:  # moved in half: the swap drops what the parameter carries
+            return value
+        if _CARRIED in self.__dict__:
+            return _with_carried(self, value)
+        if _owner(self) is not None:  # refused before anything is taken: swap_tensors would fail on it after
+            raise RuntimeError(
+                f"a {old.dtype} parameter with FP32 masters cannot be converted to {value.dtype} with "
+                "torch.__future__.set_swap_module_params_on_conversion(True): torch swaps the tensors, which it "
+                "refuses for a parameter its engine refers to (weakly). Convert the model with the swap setting off "
+                "(the masters' exact values are taken then), or convert copy.deepcopy(model), which takes them too."
+            )
+        return value
+
+    convert.__name__ = convert.__qualname__ = name
+    return convert
 
 
 class WatchedParameter(nn.Parameter):
@@ -132,6 +168,12 @@ class WatchedParameter(nn.Parameter):
             watch.assigned(self)
         elif _CARRIED not in self.__dict__:  # a deep copy made FP32: a plain parameter again
             self.__class__ = nn.Parameter
+
+    float = _converting("float")  # type: ignore[assignment]
+    double = _converting("double")  # type: ignore[assignment]
+    half = _converting("half")  # type: ignore[assignment]
+    bfloat16 = _converting("bfloat16")  # type: ignore[assignment]
+    to = _converting("to")  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return repr(nn.Parameter(_TENSOR_DATA.__get__(self), self.requires_grad))
