@@ -1,9 +1,9 @@
 """Ranks of tests/test_ddp52.py (two CPU processes, gloo, one launch): stop 51's surfaces under Lightning's
 ``strategy="ddp"`` as users train with it, each against a "32-true" DDP twin: a regression head's float targets passed
-into the forward at O2 (the exact targets), rank-zero-only and synced logging, accumulation (``no_sync``),
+into the forward at O2 and O3 (the exact targets), rank-zero-only and synced logging, accumulation (``no_sync``),
 ``find_unused_parameters=True`` and an inf gradient on rank 1 only; a checkpoint saved before the first step and
-resumed; a second ``fit`` with a new plugin; complex parameters; ``release_masters`` on rank 0 only between two
-stages. Every rank writes ``$MPX_OUT/rank{r}.json``."""
+resumed; a second ``fit`` with a new plugin; complex parameters at every level; ``release_masters`` on rank 0 only
+between two stages (Trainer and Fabric). Every rank writes ``$MPX_OUT/rank{r}.json``."""
 
 from __future__ import annotations
 
