@@ -20,6 +20,7 @@ from torch import nn
 from lightning_mpx import MixedPrecisionPlugin, release_masters
 from tests.launch import case_error, end_ranks, write_rank_results
 from tests.test_complex_params import Spectral
+from tests.test_fp32_buffers import _HFRotaryEmbedding
 
 SETTINGS = {"half_dtype": "bfloat16", "loss_scale": "dynamic", "init_scale": 2.0**10}
 INF_AT = 3  # the batch (rank 1's only) whose backward leaves an inf: the last micro-batch of optimizer step 1
@@ -39,10 +40,12 @@ class Regressor(pl.LightningModule):
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
         self.spare = nn.Linear(4, 4)  # never used: find_unused_parameters=True
+        self.rotary = _HFRotaryEmbedding()  # FP32 inverse frequencies, kept FP32 at O2/O3 (DDP broadcasts buffers)
         self.inf, self.reference, self.index, self.exact = inf, reference, -1, []
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pred = self.net(x).squeeze(-1).float() + 300.0
+        angles = x[:, :1].float() * self.rotary.inv_freq  # FP32 angles, as a rotary module computes them
+        pred = self.net(x).squeeze(-1).float() + 300.0 + 1e-3 * angles.cos().sum(-1)
         return F.mse_loss(pred, labels), pred
 
     def training_step(self, batch, index):
@@ -170,12 +173,14 @@ def main() -> None:
         trainer = _fit(module, _regression(), plugin)
         r["w"], r["exact"] = _weights(module, trainer, plugin), max(module.exact)
         r["loss"] = float(trainer.callback_metrics["loss"])
+        r["inv_freq"] = [str(module.rotary.inv_freq.dtype), module.rotary.inv_freq.tolist()]
         r["scale"] = plugin.amp.scalers[0].get_scale()
     with case_error(results.setdefault("o3", {})) as r:
         plugin, module = MixedPrecisionPlugin("O3", **SETTINGS), Regressor(inf=True)
         trainer = _fit(module, _regression(), plugin)
         r["w"], r["exact"] = _weights(module, trainer, plugin), max(module.exact)
         r["scale"], r["dtype"] = plugin.amp.scalers[0].get_scale(), str(module.net[0].weight.dtype)
+        r["inv_freq"] = [str(module.rotary.inv_freq.dtype), module.rotary.inv_freq.tolist()]
     with case_error(results.setdefault("resume", {})) as r:
         path = os.path.join(out, "start.ckpt")
         try:

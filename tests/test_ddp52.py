@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.launch import rank_results, run_script
+from tests.test_fp32_buffers import _HFRotaryEmbedding
 
 ATOL = 3e-3  # bfloat16 compute and masters started from the half rounding (9.7e-4 measured), against FP32
 
@@ -49,12 +50,16 @@ def test_o2_regression_with_float_targets_skips_rank_1s_overflow_on_both_ranks_a
     """Trainer DDP at O2 (``find_unused_parameters=True``, accumulation under ``no_sync``, rank-zero-only and synced
     logging): the loss inside the forward takes the exact float targets on both ranks (near 300, which bfloat16
     rounds by up to 1), the inf on rank 1 only skips that step on both (the scale halved once on both), and the
-    masters end as the FP32 DDP run, which skips the same step, equal on both ranks. At O3 the same on both ranks."""
+    masters end as the FP32 DDP run, which skips the same step, equal on both ranks. At O3 the same on both ranks.
+    A rotary module's inverse frequencies stay FP32 and exact on both ranks."""
     for case in ("o2", "o3"):
         for rank in ranks:
             assert rank[case]["exact"] < 1e-6 and rank[case]["scale"] == 2.0**9, case
         _same_on_both(ranks, case, "w")
     _same_on_both(ranks, "o2", "loss")  # sync_dist=True
+    exact = _HFRotaryEmbedding().inv_freq.tolist()
+    for case in ("o2", "o3"):  # a rotary module's FP32 frequencies, through DDP's buffer broadcasts
+        assert [rank[case]["inv_freq"] for rank in ranks] == [["torch.float32", exact]] * 2, case
     assert ranks[0]["o3"]["dtype"] == "torch.bfloat16"
     torch.testing.assert_close(_same_on_both(ranks, "o2", "w"), _same_on_both(ranks, "ref", "w"), rtol=0, atol=ATOL)
 
