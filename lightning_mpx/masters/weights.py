@@ -139,11 +139,13 @@ class MasterWeights:
             entry = _Entry(name, weakref.ref(param))
             self._entries[id(param)] = entry
             # A model trained at O2 by another engine (a second stage's new plugin) or a deep copy of one: the masters
-            # start from its FP32 value, handed over by that engine (no copy) or carried by the copy.
+            # start from its FP32 value, handed over by that engine (no copy) or carried by the copy. Not under a
+            # process group: a rank may hold one that another does not (release_masters on rank 0 only), and the
+            # strategy broadcasts rank zero's half weights, whose rounding every rank then starts from.
             taken = take_fp32_value(param, self._watch)
             if initial is not None and id(param) in initial:
                 entry.initial = initial[id(param)]
-            elif taken is not None and taken.shape == param.shape:
+            elif taken is not None and taken.shape == param.shape and not _multi_process():
                 entry.initial = taken
             if eager and param.requires_grad:
                 self._make_master(entry, param)
