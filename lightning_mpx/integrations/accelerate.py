@@ -93,6 +93,7 @@ from lightning_mpx.integrations.accelerate_checkpoint import (  # noqa: E402
     amp_state_path,
     masters_into,
     read_amp_state,
+    warn_frozen_half,
     write_amp_state,
 )
 from lightning_mpx.integrations.accelerate_clipping import GradientClipping  # noqa: E402
@@ -323,11 +324,15 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
         """As ``accelerate.Accelerator.get_state_dict``; at O2 the half weights are replaced by their FP32 masters (the
         weights training produced, FP32 as with Accelerate's own modes; the masters themselves, not copies), so that
         ``save_model`` and the model files of ``save_state`` hold them too. What has no master (a frozen half
-        parameter, a model prepared for evaluation only; O3) stays as the model holds it."""
+        parameter, a model prepared for evaluation only; O3) stays as the model holds it; with ``unwrap=True`` (an
+        export: ``save_model``, your own call) frozen half parameters are named in a warning with the workaround."""
         state: dict[str, Any] = super().get_state_dict(model, unwrap=unwrap)
         if self.amp is not None and self.distributed_type != DistributedType.FSDP:
             module = self.unwrap_model(model) if unwrap else model
-            masters_into(engine_of(module, self.amp), module, state)  # after free_memory(): the engine that trained it
+            engine = engine_of(module, self.amp)  # after free_memory(): the engine that trained it
+            masters_into(engine, module, state)
+            if unwrap:  # an export (save_model, your own call); save_state's own call (unwrap=False) resumes exactly
+                warn_frozen_half(engine, module, state, "get_state_dict")
         return state
 
     def free_memory(self, *objects: Any) -> Any:
