@@ -258,3 +258,19 @@ def test_trainer_save_model_of_frozen_half_parameters_warns_and_fp32_modules_kee
     assert saved.dtype == torch.bfloat16 and torch.equal(saved, initial.to(torch.bfloat16)) and dtype == "float32"
     messages, saved, initial, dtype = results["kept"]
     assert messages == [] and torch.equal(saved, initial) and dtype == "float32"
+
+
+def test_accelerates_autocast_kwargs_with_an_opt_level_are_refused_naming_what_takes_their_place():
+    """``Accelerator(mixed_precision="O1", kwargs_handlers=[AutocastKwargs(cache_enabled=True)])`` (a habit from
+    Accelerate's own modes) was refused with "pass the loss-scaler settings in MixedPrecisionKwargs instead", which
+    AutocastKwargs are not. The refusal now names the handler and what takes its place for each kind."""
+    from accelerate.utils import AutocastKwargs, GradScalerKwargs
+
+    reset_accelerate_state()
+    refused = r"AutocastKwargs\(.*cache_enabled=True.*cast_table=.*disable_casts\(\)"
+    with pytest.raises(ValueError, match=refused) as err:
+        Accelerator(mixed_precision="O1", cpu=True, kwargs_handlers=[AutocastKwargs(cache_enabled=True)])
+    assert "loss-scaler" not in str(err.value)
+    reset_accelerate_state()
+    with pytest.raises(ValueError, match=r"GradScalerKwargs\(init_scale=8\.0.*MixedPrecisionKwargs instead"):
+        Accelerator(mixed_precision="O2", cpu=True, kwargs_handlers=[GradScalerKwargs(init_scale=8.0)])

@@ -179,12 +179,9 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
             super().__init__(*args, mixed_precision=mixed_precision, kwargs_handlers=theirs or None, **kwargs)
             return
 
-        native = [type(h).__name__ for h in theirs if isinstance(h, (GradScalerKwargs, AutocastKwargs))]
-        if native:
-            raise ValueError(
-                f"{', '.join(native)} configure torch's GradScaler/autocast, which mixed_precision={opt_level!r} "
-                "does not use; pass the loss-scaler settings in MixedPrecisionKwargs instead."
-            )
+        for handler in theirs:
+            if isinstance(handler, (GradScalerKwargs, AutocastKwargs)):
+                raise ValueError(_native_handler_refusal(handler, opt_level))
         settings = ours[0] if ours else MixedPrecisionKwargs()
         # Built before Accelerate sets up processes and devices, so that a bad combination fails fast.
         amp = Amp.from_settings(settings.settings(opt_level))
@@ -488,6 +485,23 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
             opt.unscaled = False
         # The next log counts from the saving run's last one (a checkpoint of the release before: its counts not logged)
         self.amp.load_state_dict(upgrade_unlogged(read_amp_state(path), LOG_READER))
+
+
+def _native_handler_refusal(handler: KwargsHandler, opt_level: str) -> str:
+    """Why Accelerate's ``GradScalerKwargs``/``AutocastKwargs`` ``handler`` is refused with ``opt_level``, and what
+    takes its place."""
+    if isinstance(handler, GradScalerKwargs):
+        return (
+            f"kwargs_handlers=[{handler!r}]: GradScalerKwargs configure torch's GradScaler, which "
+            f"mixed_precision={opt_level!r} does not use; pass the loss-scaler settings (init_scale, growth_factor, "
+            "backoff_factor, growth_interval) in MixedPrecisionKwargs instead."
+        )
+    return (
+        f"kwargs_handlers=[{handler!r}]: AutocastKwargs configure torch.autocast, which mixed_precision={opt_level!r} "
+        "does not use: the opt level casts by its cast table. Set what is cast with "
+        "MixedPrecisionKwargs(cast_table=..., fp32_modules=[...]) instead, and run part of a forward pass in FP32 "
+        "inside lightning_mpx.disable_casts()."
+    )
 
 
 def _opt_level_of(mixed_precision: object) -> str | None:
