@@ -1,7 +1,7 @@
 """``transformers.Trainer`` with an opt level, used as a Hugging Face user trains every day: ``load_best_model_at_end``
-(a full model and a peft LoRA adapter), ``save_only_model`` checkpoints resumed, and what a partly frozen model exports
-at O2. Each run is held to a reference: the checkpoint the Trainer chose (its files, exactly) or transformers' own
-Trainer. Tiny GPT-2 built from a config (nothing downloaded), bfloat16, on CPU."""
+(a full model and a peft LoRA adapter) and ``save_only_model`` checkpoints resumed (what a partly frozen model exports
+at O2: ``tests/test_accel52.py``). Each run is held to a reference: the checkpoint the Trainer chose (its files,
+exactly) or transformers' own Trainer. Tiny GPT-2 built from a config (nothing downloaded), bfloat16, on CPU."""
 
 from __future__ import annotations
 
@@ -164,27 +164,6 @@ def test_o2_save_model_after_predict_only_saves_the_half_weights_as_such(tmp_pat
     assert saved["o2"][0] == saved["native"][0] == "bfloat16"
     assert saved["o2"][1].keys() == saved["native"][1].keys()
     assert all(torch.equal(saved["o2"][1][k], v) for k, v in saved["native"][1].items())
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="O2 holds frozen parameters (requires_grad=False) in the half dtype without FP32 masters (the engine keeps "
-    "no FP32 copy of them, by design: a LoRA base would double its memory); save_model() exports their half values, "
-    "as they are, under a config.json saying float32. Workaround: mpx_kwargs fp32_modules for the frozen modules, "
-    "or O1.",
-)
-def test_o2_export_keeps_frozen_parameters_fp32(tmp_path):
-    with accelerate_state_reset():
-        torch.manual_seed(0)
-        model = transformers.GPT2LMHeadModel(GPT2)
-        model.transformer.wpe.weight.requires_grad_(False)
-        initial = model.transformer.wpe.weight.detach().clone()
-        tr = _trainer(tmp_path / "run", "O2", model=model, max_steps=1)
-        tr.train()
-        tr.save_model(str(tmp_path / "final"))
-    assert json.loads((tmp_path / "final" / "config.json").read_text())["dtype"] == "float32"
-    saved = safetensors_torch.load_file(str(tmp_path / "final" / "model.safetensors"))["transformer.wpe.weight"]
-    assert torch.equal(saved, initial)
 
 
 def test_a_replaced_parameter_with_other_values_goes_to_the_one_the_optimizer_holds():

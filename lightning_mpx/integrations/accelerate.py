@@ -93,6 +93,7 @@ from lightning_mpx.integrations.accelerate_checkpoint import (  # noqa: E402
     amp_state_path,
     masters_into,
     read_amp_state,
+    warn_frozen_half,
     write_amp_state,
 )
 from lightning_mpx.integrations.accelerate_clipping import GradientClipping  # noqa: E402
@@ -178,12 +179,9 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
             super().__init__(*args, mixed_precision=mixed_precision, kwargs_handlers=theirs or None, **kwargs)
             return
 
-        native = [type(h).__name__ for h in theirs if isinstance(h, (GradScalerKwargs, AutocastKwargs))]
-        if native:
-            raise ValueError(
-                f"{', '.join(native)} configure torch's GradScaler/autocast, which mixed_precision={opt_level!r} "
-                "does not use; pass the loss-scaler settings in MixedPrecisionKwargs instead."
-            )
+        for handler in theirs:
+            if isinstance(handler, (GradScalerKwargs, AutocastKwargs)):
+                raise ValueError(_native_handler_refusal(handler, opt_level))
         settings = ours[0] if ours else MixedPrecisionKwargs()
         # Built before Accelerate sets up processes and devices, so that a bad combination fails fast.
         amp = Amp.from_settings(settings.settings(opt_level))
@@ -323,11 +321,15 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
         """As ``accelerate.Accelerator.get_state_dict``; at O2 the half weights are replaced by their FP32 masters (the
         weights training produced, FP32 as with Accelerate's own modes; the masters themselves, not copies), so that
         ``save_model`` and the model files of ``save_state`` hold them too. What has no master (a frozen half
-        parameter, a model prepared for evaluation only; O3) stays as the model holds it."""
+        parameter, a model prepared for evaluation only; O3) stays as the model holds it; with ``unwrap=True`` (an
+        export: ``save_model``, your own call) frozen half parameters are named in a warning with the workaround."""
         state: dict[str, Any] = super().get_state_dict(model, unwrap=unwrap)
         if self.amp is not None and self.distributed_type != DistributedType.FSDP:
             module = self.unwrap_model(model) if unwrap else model
-            masters_into(engine_of(module, self.amp), module, state)  # after free_memory(): the engine that trained it
+            engine = engine_of(module, self.amp)  # after free_memory(): the engine that trained it
+            masters_into(engine, module, state)
+            if unwrap:  # an export (save_model, your own call); save_state's own call (unwrap=False) resumes exactly
+                warn_frozen_half(engine, module, state, "get_state_dict")
         return state
 
     def free_memory(self, *objects: Any) -> Any:
@@ -483,6 +485,23 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
             opt.unscaled = False
         # The next log counts from the saving run's last one (a checkpoint of the release before: its counts not logged)
         self.amp.load_state_dict(upgrade_unlogged(read_amp_state(path), LOG_READER))
+
+
+def _native_handler_refusal(handler: KwargsHandler, opt_level: str) -> str:
+    """Why Accelerate's ``GradScalerKwargs``/``AutocastKwargs`` ``handler`` is refused with ``opt_level``, and what
+    takes its place."""
+    if isinstance(handler, GradScalerKwargs):
+        return (
+            f"kwargs_handlers=[{handler!r}]: GradScalerKwargs configure torch's GradScaler, which "
+            f"mixed_precision={opt_level!r} does not use; pass the loss-scaler settings (init_scale, growth_factor, "
+            "backoff_factor, growth_interval) in MixedPrecisionKwargs instead."
+        )
+    return (
+        f"kwargs_handlers=[{handler!r}]: AutocastKwargs configure torch.autocast, which mixed_precision={opt_level!r} "
+        "does not use: the opt level casts by its cast table. Set what is cast with "
+        "MixedPrecisionKwargs(cast_table=..., fp32_modules=[...]) instead, and run part of a forward pass in FP32 "
+        "inside lightning_mpx.disable_casts()."
+    )
 
 
 def _opt_level_of(mixed_precision: object) -> str | None:

@@ -5,6 +5,7 @@ next to Accelerate's own files."""
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -12,7 +13,14 @@ from torch import nn
 
 from lightning_mpx.engine.amp import Amp
 
-__all__ = ["AMP_STATE_NAME", "amp_state_path", "masters_into", "read_amp_state", "write_amp_state"]
+__all__ = [
+    "AMP_STATE_NAME",
+    "amp_state_path",
+    "masters_into",
+    "read_amp_state",
+    "warn_frozen_half",
+    "write_amp_state",
+]
 
 #: The file that ``save_state`` writes the :class:`~lightning_mpx.engine.amp.Amp` state to.
 AMP_STATE_NAME = "lightning_mpx_amp.bin"
@@ -38,6 +46,37 @@ def masters_into(amp: Amp, module: nn.Module, state: dict[str, Any]) -> None:
         master = fp32.get(id(value)) if isinstance(value, torch.Tensor) else None
         if master is not None and key in state:
             state[key] = master.detach()
+
+
+def warn_frozen_half(amp: Amp, module: nn.Module, state: dict[str, Any], call: str) -> None:
+    """Warn, at an O2 export by ``call`` of ``module``'s ``state`` (after :func:`masters_into`), about its frozen
+    parameters (``requires_grad=False``) that ``state`` holds in the half dtype: their half rounding, not the FP32
+    values they had before ``prepare`` (O2 keeps no FP32 copy of them, so that a frozen base does not take twice its
+    memory). The warning names them and the ways to keep them exact. A peft model is left out: it exports its
+    adapters, not its base."""
+    if not amp.properties.master_weights or amp.sharded or type(module).__module__.split(".")[0] == "peft":
+        return
+    halves = (torch.float16, torch.bfloat16)
+    names = [
+        name
+        for name, param in module.named_parameters()
+        if not param.requires_grad and isinstance(state.get(name), torch.Tensor) and state[name].dtype in halves
+    ]
+    if not names:
+        return
+    owners = list(dict.fromkeys(name.rpartition(".")[0] or name for name in names))
+    shown = ", ".join(map(repr, names[:5])) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    dtype = str(state[names[0]].dtype).removeprefix("torch.")
+    warnings.warn(
+        f"{call} at O2 exports {len(names)} frozen parameter(s) (requires_grad=False: {shown}) as the {dtype} values "
+        f"the model holds: O2 keeps no FP32 copy of a frozen parameter, so these are the {dtype} rounding of the "
+        "values they had before prepare, not those values (the trained parameters are exported as their FP32 "
+        f"masters). To export them exactly, keep their modules in FP32 with MixedPrecisionKwargs(fp32_modules="
+        f"{owners[:5]!r}) or train at O1 (both keep them FP32 in memory), or take them from the checkpoint they came "
+        "from.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def write_amp_state(state: dict[str, Any], output_dir: str) -> None:

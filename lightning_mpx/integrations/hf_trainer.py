@@ -32,7 +32,7 @@ from torch import nn
 
 from lightning_mpx.common.imports import require
 from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
-from lightning_mpx.integrations.accelerate_checkpoint import AMP_STATE_NAME, masters_into
+from lightning_mpx.integrations.accelerate_checkpoint import AMP_STATE_NAME, masters_into, warn_frozen_half
 from lightning_mpx.integrations.accelerate_forward import engine_of
 from lightning_mpx.integrations.metric_counts import LOG_READER
 from lightning_mpx.opt_levels import OPT_LEVELS
@@ -183,6 +183,7 @@ class MpxTrainerMixin:
         if fp32:
             state_dict = unwrapped.state_dict()
             masters_into(amp, unwrapped, state_dict)  # the masters, not copies; a frozen half base stays half
+            warn_frozen_half(amp, unwrapped, state_dict, "save_model()")  # type: ignore[arg-type]
         super()._save(output_dir, state_dict=state_dict)  # type: ignore[misc]
         config = getattr(unwrapped, "config", None)
         from transformers import PreTrainedModel
