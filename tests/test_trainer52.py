@@ -1,0 +1,144 @@
+"""A hostile Lightning Trainer user at stop 52: habits against the same run under Lightning's own precision.
+
+* ``trainer.fit(torch.compile(model))`` at O2/O3: Lightning compiles the module's forward and steps; the plugin's
+  boundary hook, traced inside the compiled step, read the compiled forward Lightning set on the instance, which
+  Dynamo cannot (``InternalTorchDynamoError: 'method' object has no attribute '__dict__'``). It now trains, and
+  predicts, as the same run in eager mode.
+* An O2 checkpoint read without the plugin (``LightningModule.load_from_checkpoint``, ``fit(ckpt_path=...)`` under
+  ``precision="bf16-mixed"``) gave the half rounding of the trained weights: now their FP32 masters, exactly. The
+  checkpoint callback's habits around it (``save_top_k=2``, ``every_n_train_steps``, ``fit(ckpt_path="last")``
+  mid-epoch, ``test(ckpt_path="best")``) follow the same run under ``bf16-mixed``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+from lightning_mpx import MixedPrecisionPlugin  # noqa: E402
+from tests.lightning_helpers import classification_data, loader, make_trainer  # noqa: E402
+
+
+class _Net(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+        self.at_start: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", F.cross_entropy(self(x), y))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+    def on_train_start(self) -> None:
+        self.at_start = {k: v.detach().clone() for k, v in self.state_dict().items()}
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.5)
+
+
+def _data() -> torch.utils.data.DataLoader:
+    return loader(classification_data(n=64, seed=1), batch_size=8)
+
+
+def _trainer(precision: str, **kwargs: Any) -> pl.Trainer:
+    """``precision``: an opt level (the plugin, bfloat16) or Lightning's own (``"bf16-mixed"``)."""
+    if precision.startswith("O"):
+        return make_trainer(MixedPrecisionPlugin(precision, half_dtype=torch.bfloat16), **kwargs)
+    return make_trainer(precision=precision, **kwargs)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_fitting_a_torch_compiled_module_at_o2_trains_and_predicts_as_in_eager_mode() -> None:
+    level = "O2"  # (O3 goes through the same boundary hook)
+    eager = _Net()
+    _trainer(level, max_steps=4).fit(eager, _data())
+    module = _Net()
+    trainer = _trainer(level, max_steps=4)
+    trainer.fit(torch.compile(module, backend="eager"), _data())  # failed in Dynamo, tracing the boundary hook
+    for (name, got), want in zip(module.named_parameters(), eager.parameters()):
+        assert got.dtype == torch.bfloat16, name
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+    predictions = torch.cat(trainer.predict(module, _data()))
+    expected = torch.cat(_trainer(level).predict(eager, _data()))
+    assert predictions.dtype == torch.float32  # the boundary's output cast, as in eager mode
+    torch.testing.assert_close(predictions, expected, rtol=0, atol=0)
+
+
+def test_an_o2_checkpoint_read_without_the_plugin_holds_the_fp32_masters(tmp_path: Any) -> None:
+    model = _Net()
+    trainer = _trainer("O2")  # one epoch: a resume continues exactly where it ended
+    trainer.fit(model, _data())
+    path = tmp_path / "o2.ckpt"
+    trainer.save_checkpoint(path)
+    masters = trainer.precision_plugin.amp.fp32_state_dict(model)
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in masters.values())  # the masters are finer than half
+
+    loaded = _Net.load_from_checkpoint(path)  # a plain FP32 module: the trained weights are the masters
+    for name, value in loaded.state_dict().items():
+        assert value.dtype == torch.float32 and torch.equal(value, masters[name]), name
+
+    # Resumed under Lightning's own precision: it starts from the masters, and its steps follow bf16-mixed's.
+    resumed = _Net()
+    _trainer("bf16-mixed", max_epochs=2).fit(resumed, _data(), ckpt_path=str(path))
+    for name, value in resumed.at_start.items():
+        assert torch.equal(value, masters[name]), name
+    straight = _Net()
+    _trainer("bf16-mixed", max_epochs=2).fit(straight, _data())
+    for name, value in resumed.state_dict().items():
+        torch.testing.assert_close(value, straight.state_dict()[name], rtol=2e-2, atol=2e-3, msg=name)
+
+    # Resumed at O2 again: the model holds the masters' rounding, the masters the checkpoint's own.
+    again = _Net()
+    trainer = _trainer("O2")
+    trainer.fit(again, _data(), ckpt_path=str(path))
+    for name, value in trainer.precision_plugin.amp.fp32_state_dict(again).items():
+        assert torch.equal(value, masters[name]), name
+    for name, value in again.state_dict().items():
+        assert torch.equal(value, masters[name].bfloat16()), name
+
+
+def test_checkpoint_callback_habits_at_o2_follow_bf16_mixed(tmp_path: Any) -> None:
+    """``save_top_k=2`` every 3 steps, ``fit(ckpt_path="last")`` mid-epoch, ``test(ckpt_path="best")``."""
+    results = {}
+    for precision in ("O2", "bf16-mixed"):
+        root = tmp_path / precision
+
+        def trainer(steps: int, root: Any = root, precision: str = precision) -> pl.Trainer:
+            checkpoint = ModelCheckpoint(
+                dirpath=root, save_top_k=2, every_n_train_steps=3, monitor="train_loss", save_last=True
+            )
+            return _trainer(precision, max_steps=steps, enable_checkpointing=True, callbacks=[checkpoint])
+
+        trainer(5).fit(_Net(), _data())
+        model = _Net()
+        second = trainer(8)
+        second.fit(model, _data(), ckpt_path="last")
+        assert second.global_step == 8
+        tested = second.test(model, _data(), ckpt_path="best", verbose=False)[0]["test_loss"]
+        results[precision] = (model, tested, sorted(p.name for p in root.iterdir()))
+    (ours, our_loss, our_files), (theirs, their_loss, their_files) = results["O2"], results["bf16-mixed"]
+    assert our_files == their_files
+    assert our_loss == pytest.approx(their_loss, rel=1e-2)
+    for (name, got), want in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-3, msg=name)
