@@ -142,3 +142,31 @@ def test_checkpoint_callback_habits_at_o2_follow_bf16_mixed(tmp_path: Any) -> No
     assert our_loss == pytest.approx(their_loss, rel=1e-2)
     for (name, got), want in zip(ours.named_parameters(), theirs.parameters()):
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-3, msg=name)
+
+
+def test_a_callback_replacing_the_weights_with_fp32_tensors_at_o2_is_refused_naming_the_cause_and_the_fix() -> None:
+    """Lightning's ``ModelPruning`` resets the weights from FP32 copies by default (``param.data = copy``), which makes
+    the O2 model FP32 (under ``"bf16-true"`` too, which fails on a dtype mismatch); the engine's refusal spoke of
+    ``prepare_model()``, which a Trainer user never calls."""
+    from lightning.pytorch.callbacks import ModelPruning
+
+    pruning = ModelPruning("l1_unstructured", amount=0.3, apply_pruning=lambda epoch: epoch == 0)
+    trainer = _trainer("O2", max_epochs=2, callbacks=[pruning])
+    with pytest.raises(RuntimeError, match=r"param\.data = fp32_tensor.*ModelPruning.*param\.data\.copy_\(tensor\)"):
+        trainer.fit(_Net(), _data())
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="lightning checkpoint_connector.dump_checkpoint: a weights-only checkpoint (save_weights_only=True) is "
+    "written without the precision plugin's on_save_checkpoint, so its state_dict holds the O2 model's half values",
+)
+def test_a_weights_only_o2_checkpoint_holds_the_fp32_masters(tmp_path: Any) -> None:
+    model = _Net()
+    trainer = _trainer("O2", max_steps=4)
+    trainer.fit(model, _data())
+    path = tmp_path / "weights.ckpt"
+    trainer.save_checkpoint(path, weights_only=True)
+    masters = trainer.precision_plugin.amp.fp32_state_dict(model)
+    for name, value in _Net.load_from_checkpoint(path).state_dict().items():
+        assert torch.equal(value, masters[name]), name
