@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from lightning_mpx.engine.amp import Amp
+from lightning_mpx.integrations.accelerate_checkpoint import masters_into
 
 __all__ = ["holds_masters", "masters_into_checkpoint", "record_half_dtype", "refuse_lazy"]
 
@@ -68,18 +69,13 @@ def holds_masters(amp: Amp, module: nn.Module) -> bool:
 
 
 def masters_into_checkpoint(amp: Amp, module: nn.Module, checkpoint: dict[str, Any]) -> None:
-    """Put ``module``'s FP32 weights (:meth:`Amp.fp32_state_dict`: its masters, other half tensors upcast exactly) in
-    place of the half tensors of ``checkpoint["state_dict"]`` (Lightning's copy of ``module.state_dict()``), when
-    ``amp`` trains it with FP32 masters (O2, not sharded: FSDP's state dict is FP32 already). A resume at O2 or O3
-    loads them into the half model (their rounding, which it holds already); the masters come from the plugin's own
-    entry."""
+    """Put ``module``'s FP32 masters in place of its half weights in ``checkpoint["state_dict"]`` (Lightning's copy of
+    ``module.state_dict()``) when ``amp`` trains it at O2 (not sharded: FSDP's state dict is FP32 already), as the
+    Accelerate adapter's checkpoints do (:func:`~lightning_mpx.integrations.accelerate_checkpoint.masters_into`: a
+    frozen half parameter or a half buffer stays half). A resume at O2 or O3 loads them into the half model (their
+    rounding, which it holds already); the masters come from the plugin's own entry."""
     state = checkpoint.get("state_dict")
     if not isinstance(state, dict) or not amp.properties.master_weights or amp.sharded:
         return
-    if not holds_masters(amp, module):  # only evaluated so far: nothing was trained
-        return
-    half = amp.half_dtype
-    for name, value in amp.fp32_state_dict(module).items():
-        saved = state.get(name)
-        if isinstance(saved, torch.Tensor) and saved.dtype == half and value.shape == saved.shape:
-            state[name] = value
+    if holds_masters(amp, module):  # not a model only evaluated so far, nor one a later stage's engine took over
+        masters_into(amp, module, state)
