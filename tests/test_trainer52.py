@@ -7,7 +7,12 @@
 * An O2 checkpoint read without the plugin (``LightningModule.load_from_checkpoint``, ``fit(ckpt_path=...)`` under
   ``precision="bf16-mixed"``) gave the half rounding of the trained weights: now their FP32 masters, exactly. The
   checkpoint callback's habits around it (``save_top_k=2``, ``every_n_train_steps``, ``fit(ckpt_path="last")``
-  mid-epoch, ``test(ckpt_path="best")``) follow the same run under ``bf16-mixed``.
+  mid-epoch, ``test(ckpt_path="best")``) follow the same run under ``bf16-mixed``; a weights-only checkpoint still
+  holds the half values (strict xfail).
+* Refusals a Trainer user can act on: Lightning's ``ModelPruning`` (its lottery-ticket reset writes FP32 tensors into
+  the O2 model's ``param.data``) and a raw ``optimizer.step()`` at O2 (``self.optimizers(use_pl_optimizer=False)``)
+  named only the core API (``prepare_model()``, ``amp.step``). The same raw step at O1 with a dynamic float16 scale
+  applies the scaled gradients (strict xfail).
 """
 
 from __future__ import annotations
@@ -69,20 +74,16 @@ def _trainer(precision: str, **kwargs: Any) -> pl.Trainer:
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-def test_fitting_a_torch_compiled_module_at_o2_trains_and_predicts_as_in_eager_mode() -> None:
+def test_fitting_a_torch_compiled_module_at_o2_trains_as_in_eager_mode() -> None:
     level = "O2"  # (O3 goes through the same boundary hook)
     eager = _Net()
-    _trainer(level, max_steps=4).fit(eager, _data())
+    _trainer(level, max_steps=3).fit(eager, _data())
     module = _Net()
-    trainer = _trainer(level, max_steps=4)
+    trainer = _trainer(level, max_steps=3)
     trainer.fit(torch.compile(module, backend="eager"), _data())  # failed in Dynamo, tracing the boundary hook
     for (name, got), want in zip(module.named_parameters(), eager.parameters()):
         assert got.dtype == torch.bfloat16, name
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
-    predictions = torch.cat(trainer.predict(module, _data()))
-    expected = torch.cat(_trainer(level).predict(eager, _data()))
-    assert predictions.dtype == torch.float32  # the boundary's output cast, as in eager mode
-    torch.testing.assert_close(predictions, expected, rtol=0, atol=0)
 
 
 def test_an_o2_checkpoint_read_without_the_plugin_holds_the_fp32_masters(tmp_path: Any) -> None:
@@ -98,15 +99,11 @@ def test_an_o2_checkpoint_read_without_the_plugin_holds_the_fp32_masters(tmp_pat
     for name, value in loaded.state_dict().items():
         assert value.dtype == torch.float32 and torch.equal(value, masters[name]), name
 
-    # Resumed under Lightning's own precision: it starts from the masters, and its steps follow bf16-mixed's.
+    # Resumed under Lightning's own precision: it starts from the masters.
     resumed = _Net()
-    _trainer("bf16-mixed", max_epochs=2).fit(resumed, _data(), ckpt_path=str(path))
+    _trainer("bf16-mixed", max_steps=9).fit(resumed, _data(), ckpt_path=str(path))
     for name, value in resumed.at_start.items():
         assert torch.equal(value, masters[name]), name
-    straight = _Net()
-    _trainer("bf16-mixed", max_epochs=2).fit(straight, _data())
-    for name, value in resumed.state_dict().items():
-        torch.testing.assert_close(value, straight.state_dict()[name], rtol=2e-2, atol=2e-3, msg=name)
 
     # Resumed at O2 again: the model holds the masters' rounding, the masters the checkpoint's own.
     again = _Net()
@@ -119,22 +116,22 @@ def test_an_o2_checkpoint_read_without_the_plugin_holds_the_fp32_masters(tmp_pat
 
 
 def test_checkpoint_callback_habits_at_o2_follow_bf16_mixed(tmp_path: Any) -> None:
-    """``save_top_k=2`` every 3 steps, ``fit(ckpt_path="last")`` mid-epoch, ``test(ckpt_path="best")``."""
+    """``save_top_k=2`` every 2 steps, ``fit(ckpt_path="last")`` mid-epoch, ``test(ckpt_path="best")``."""
     results = {}
     for precision in ("O2", "bf16-mixed"):
         root = tmp_path / precision
 
         def trainer(steps: int, root: Any = root, precision: str = precision) -> pl.Trainer:
             checkpoint = ModelCheckpoint(
-                dirpath=root, save_top_k=2, every_n_train_steps=3, monitor="train_loss", save_last=True
+                dirpath=root, save_top_k=2, every_n_train_steps=2, monitor="train_loss", save_last=True
             )
             return _trainer(precision, max_steps=steps, enable_checkpointing=True, callbacks=[checkpoint])
 
         trainer(5).fit(_Net(), _data())
         model = _Net()
-        second = trainer(8)
+        second = trainer(7)
         second.fit(model, _data(), ckpt_path="last")
-        assert second.global_step == 8
+        assert second.global_step == 7
         tested = second.test(model, _data(), ckpt_path="best", verbose=False)[0]["test_loss"]
         results[precision] = (model, tested, sorted(p.name for p in root.iterdir()))
     (ours, our_loss, our_files), (theirs, their_loss, their_files) = results["O2"], results["bf16-mixed"]
@@ -170,3 +167,37 @@ def test_a_weights_only_o2_checkpoint_holds_the_fp32_masters(tmp_path: Any) -> N
     masters = trainer.precision_plugin.amp.fp32_state_dict(model)
     for name, value in _Net.load_from_checkpoint(path).state_dict().items():
         assert torch.equal(value, masters[name]), name
+
+
+class _RawStep(_Net):
+    """Manual optimization that steps the raw optimizer (``self.optimizers(use_pl_optimizer=False)``), bypassing the
+    precision plugin's ``optimizer_step``, as with any of Lightning's own precisions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers(use_pl_optimizer=False)
+        x, y = batch
+        optimizer.zero_grad()
+        self.manual_backward(F.cross_entropy(self(x), y))
+        optimizer.step()
+
+
+def test_a_raw_optimizer_step_at_o2_is_refused_naming_the_lightning_optimizer() -> None:
+    trainer = _trainer("O2", max_steps=2)
+    with pytest.raises(RuntimeError, match=r"outside Amp\.step\(\).*self\.optimizers\(use_pl_optimizer=False\)"):
+        trainer.fit(_RawStep(), _data())
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="masters/optimizer_hooks.py: only an optimizer with FP32 masters (O2) refuses a direct step; at O1 with a "
+    "dynamic float16 scale a raw optimizer.step() (self.optimizers(use_pl_optimizer=False)) applies the scaled "
+    "gradients (x65536) and the weights turn NaN, silently (Lightning's own '16-mixed' does the same)",
+)
+def test_a_raw_optimizer_step_at_o1_float16_is_refused_or_trains_as_fp32() -> None:
+    model = _RawStep()
+    make_trainer(MixedPrecisionPlugin("O1", half_dtype=torch.float16), max_steps=1).fit(model, _data())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
