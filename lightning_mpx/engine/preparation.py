@@ -223,7 +223,10 @@ class PreparedModels:
             f"module={type(module).__name__} was converted to {param.dtype} after prepare_model(), which made it "
             f"{half} (opt_level={self.properties.opt_level!r}): its inputs are cast to {half} and its FP32 masters "
             "follow that dtype. Call model.half()/.float()/.to(dtype) before prepare_model(), not after; for another "
-            "precision, build an Amp with that half_dtype or opt_level."
+            "precision, build an Amp with that half_dtype or opt_level. A parameter's data replaced by a tensor of "
+            "another dtype (param.data = fp32_tensor, as a callback resetting weights from FP32 copies does: "
+            "Lightning's ModelPruning with use_lottery_ticket_hypothesis=True) converts it too: write the values with "
+            "param.data.copy_(tensor), which keeps the dtype (at O2 the masters take the values written)."
         )
 
     def _adopt_device(self) -> None:

@@ -53,6 +53,7 @@ from lightning_mpx.integrations.lightning_averages import average_in_fp32, take_
 from lightning_mpx.integrations.lightning_clipping import GradientClipping  # noqa: E402
 from lightning_mpx.integrations.lightning_conversion import (  # noqa: E402
     holds_masters,
+    masters_into_checkpoint,
     record_half_dtype,
     refuse_lazy,
 )
@@ -421,6 +422,12 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         if not self._manual_step.running:
             self._end_iteration()  # a pending scale update belongs to the iteration that was just checkpointed
         return self.amp.state_dict()  # with the log's position: a resumed run's first log counts from there
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """At O2 the checkpoint's ``state_dict`` holds the FP32 masters (``load_from_checkpoint`` and a resume under
+        another precision get the trained weights, not their half rounding)."""
+        if self._module is not None:
+            masters_into_checkpoint(self.amp, self._module, checkpoint)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._range_test.leave(self.amp)  # the tuner restores its checkpoint when its range test ends

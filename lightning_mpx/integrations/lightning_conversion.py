@@ -9,6 +9,9 @@
   of one: the engine's new masters start from its FP32 values, taken over from the masters that hold them (which
   let them go) or carried by the copy (:mod:`lightning_mpx.masters.watch`). A plugin given back a model whose masters
   a later stage's plugin took over prepares it again, taking them back (:func:`holds_masters`).
+* The checkpoint's ``state_dict`` at O2: the FP32 masters (:func:`masters_into_checkpoint`), so that what reads it
+  without the plugin (``LightningModule.load_from_checkpoint``, a run resumed under Lightning's own precision) gets
+  the weights that were trained, not their half rounding.
 * The dtype Lightning's modules report (``LightningModule.dtype``, kept by Lightning's ``.to()``, which the engine's
   conversion does not go through): at O2/O3 the half dtype, as under Lightning's own ``"bf16-true"``, so that
   ``x.to(self.dtype)`` and ``torch.zeros(..., dtype=self.dtype)`` in a step give what the weights hold.
@@ -17,6 +20,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
@@ -24,8 +28,9 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from lightning_mpx.engine.amp import Amp
+from lightning_mpx.integrations.accelerate_checkpoint import masters_into
 
-__all__ = ["holds_masters", "record_half_dtype", "refuse_lazy"]
+__all__ = ["holds_masters", "masters_into_checkpoint", "record_half_dtype", "refuse_lazy"]
 
 
 def refuse_lazy(module: nn.Module, call: str) -> None:
@@ -61,3 +66,16 @@ def holds_masters(amp: Amp, module: nn.Module) -> bool:
     """Whether ``amp`` holds FP32 masters for ``module``'s parameters: not for a model only evaluated so far, nor for
     one whose masters another engine took over since (a later stage's plugin); the plugin then prepares it again."""
     return any(masters.covers(param) for masters in amp.master_weights for param in module.parameters())
+
+
+def masters_into_checkpoint(amp: Amp, module: nn.Module, checkpoint: dict[str, Any]) -> None:
+    """Put ``module``'s FP32 masters in place of its half weights in ``checkpoint["state_dict"]`` (Lightning's copy of
+    ``module.state_dict()``) when ``amp`` trains it at O2 (not sharded: FSDP's state dict is FP32 already), as the
+    Accelerate adapter's checkpoints do (:func:`~lightning_mpx.integrations.accelerate_checkpoint.masters_into`: a
+    frozen half parameter or a half buffer stays half). A resume at O2 or O3 loads them into the half model (their
+    rounding, which it holds already); the masters come from the plugin's own entry."""
+    state = checkpoint.get("state_dict")
+    if not isinstance(state, dict) or not amp.properties.master_weights or amp.sharded:
+        return
+    if holds_masters(amp, module):  # not a model only evaluated so far, nor one a later stage's engine took over
+        masters_into(amp, module, state)

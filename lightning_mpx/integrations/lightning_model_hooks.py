@@ -95,8 +95,10 @@ class _PastRedirection:
 
     def pre(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         # The redirection sets the step as the instance's forward until the call reaches it (Lightning's
-        # strategy.py, _ForwardRedirection.__call__.<locals>.wrapped_forward).
-        forward = vars(module).get("forward")
+        # strategy.py, _ForwardRedirection.__call__.<locals>.wrapped_forward). It runs eagerly, in the strategy's
+        # wrapper: a call traced by torch.compile (``self(x)`` in a step of ``trainer.fit(torch.compile(model))``) is
+        # the model's own, and Dynamo cannot read the compiled forward that Lightning set on the instance.
+        forward = None if torch.compiler.is_compiling() else vars(module).get("forward")
         redirected = forward is not None and getattr(forward, "__qualname__", "").startswith("_ForwardRedirection.")
         self._passed.append(redirected)
         return None if redirected else self._boundary.pre(module, args, kwargs)

@@ -74,5 +74,7 @@ class MasterHooks:
             raise RuntimeError(
                 "optimizer.step() was called on an optimizer prepared by lightning_mpx with FP32 master weights, "
                 "outside Amp.step(): its groups hold the half model parameters and their gradients are still "
-                "scaled. Call amp.step(optimizer) instead (the Lightning plugin and the Accelerate adapter do)."
+                "scaled. Call amp.step(optimizer) instead (the Lightning plugin and the Accelerate adapter do; in a "
+                "LightningModule's manual optimization, step the optimizer that self.optimizers() returns, not "
+                "self.optimizers(use_pl_optimizer=False), whose step bypasses the plugin)."
             )
