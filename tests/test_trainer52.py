@@ -95,6 +95,12 @@ def test_an_o2_checkpoint_read_without_the_plugin_holds_the_fp32_masters(tmp_pat
     masters = trainer.precision_plugin.amp.fp32_state_dict(model)
     assert any(not torch.equal(v, v.bfloat16().float()) for v in masters.values())  # the masters are finer than half
 
+    # The file holds each master once (the plugin's entry and the state dict share it): 4 bytes a parameter, not the
+    # 8 of two FP32 copies (nor stop 51's 6: half weights beside the masters).
+    saved = torch.load(path, weights_only=False)
+    own = saved["MixedPrecisionPlugin"]["master_weights"][0]
+    assert own and all(own[k].untyped_storage().data_ptr() == saved["state_dict"][k].untyped_storage().data_ptr()
+                       for k in own)
     loaded = _Net.load_from_checkpoint(path)  # a plain FP32 module: the trained weights are the masters
     for name, value in loaded.state_dict().items():
         assert value.dtype == torch.float32 and torch.equal(value, masters[name]), name

@@ -427,7 +427,7 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         """At O2 the checkpoint's ``state_dict`` holds the FP32 masters (``load_from_checkpoint`` and a resume under
         another precision get the trained weights, not their half rounding)."""
         if self._module is not None:
-            masters_into_checkpoint(self.amp, self._module, checkpoint)
+            masters_into_checkpoint(self.amp, self._module, checkpoint, checkpoint.get(type(self).__qualname__))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._range_test.leave(self.amp)  # the tuner restores its checkpoint when its range test ends

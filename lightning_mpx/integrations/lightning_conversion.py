@@ -68,14 +68,21 @@ def holds_masters(amp: Amp, module: nn.Module) -> bool:
     return any(masters.covers(param) for masters in amp.master_weights for param in module.parameters())
 
 
-def masters_into_checkpoint(amp: Amp, module: nn.Module, checkpoint: dict[str, Any]) -> None:
+def masters_into_checkpoint(amp: Amp, module: nn.Module, checkpoint: dict[str, Any], own: Any = None) -> None:
     """Put ``module``'s FP32 masters in place of its half weights in ``checkpoint["state_dict"]`` (Lightning's copy of
     ``module.state_dict()``) when ``amp`` trains it at O2 (not sharded: FSDP's state dict is FP32 already), as the
     Accelerate adapter's checkpoints do (:func:`~lightning_mpx.integrations.accelerate_checkpoint.masters_into`: a
     frozen half parameter or a half buffer stays half). A resume at O2 or O3 loads them into the half model (their
-    rounding, which it holds already); the masters come from the plugin's own entry."""
+    rounding, which it holds already); the masters come from the plugin's own entry, ``own`` (its ``state_dict()``),
+    whose copies of the masters are replaced by the same tensors, so that the file holds each master once."""
     state = checkpoint.get("state_dict")
     if not isinstance(state, dict) or not amp.properties.master_weights or amp.sharded:
         return
-    if holds_masters(amp, module):  # not a model only evaluated so far, nor one a later stage's engine took over
-        masters_into(amp, module, state)
+    if not holds_masters(amp, module):  # a model only evaluated so far, or one a later stage's engine took over
+        return
+    replaced = set(masters_into(amp, module, state))
+    for masters in own.get("master_weights", ()) if isinstance(own, dict) else ():
+        for name, copy in masters.items():  # torch.save writes a storage once: the master, not also its copy
+            value = state.get(name) if name in replaced else None
+            if value is not None and value.dtype == copy.dtype and value.shape == copy.shape:
+                masters[name] = value
