@@ -264,7 +264,8 @@ def test_fabric_checkpointed_loss_gives_the_gradients_of_the_plain_forward(level
 
     grads = []
     for checkpointed in (True, False):
-        fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricMixedPrecisionPlugin(level, half_dtype="bfloat16")])
+        plugin = FabricMixedPrecisionPlugin(level, half_dtype="bfloat16")
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
         model = LossNet()
         model, _ = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
         x, y = _xy()
