@@ -300,3 +300,30 @@ def test_hugging_face_o2_checkpointed_blocks_with_a_bare_backward_give_the_plain
     (the loss is computed outside them), so a plain ``loss.backward()`` recomputes them as the forward ran them."""
     for got, want in zip(_gpt2_grads(True, bare=True), _gpt2_grads(False, bare=False)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+# -- 3. the default half dtype on a CPU ---------------------------------------------------------------------------
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize(
+    "given, expected, noted",
+    [(None, bf16, True), ({"growth_interval": 7}, bf16, True), ({"half_dtype": "float16"}, torch.float16, False)],
+    ids=["no-kwargs", "kwargs-without-dtype", "explicit-float16"],
+)
+def test_accelerator_on_a_cpu_runs_bfloat16_unless_a_half_dtype_is_given(
+    given: dict[str, Any] | None, expected: torch.dtype, noted: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
+
+    handlers = None if given is None else [MixedPrecisionKwargs(**given)]
+    with caplog.at_level("WARNING", logger="lightning_mpx"):
+        accelerator = Accelerator(mixed_precision="O2", cpu=True, kwargs_handlers=handlers)
+    notes = [r.getMessage() for r in caplog.records if "runs in bfloat16 on this CPU" in r.getMessage()]
+    assert len(notes) == int(noted), notes
+    model = LossNet()
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert accelerator.amp.half_dtype == expected and model.fc1.weight.dtype == expected
+    assert accelerator.amp.scalers[0].dynamic == (expected == torch.float16)  # bfloat16: static scale 1.0
+    x, y = _xy()
+    accelerator.backward(model(x, y))
+    optimizer.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
