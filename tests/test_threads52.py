@@ -125,6 +125,39 @@ def test_two_threads_running_one_core_model_match_one_thread(level: str, fp32_mo
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("door", ["fabric", "accelerate"])
+def test_two_threads_running_one_prepared_model_match_one_thread(door: str, level: str) -> None:
+    """Fabric's and the Accelerate adapter's prepared model, called from two threads at once (O1 with a module
+    pinned to FP32), gives each thread what one thread alone gets."""
+    settings: dict[str, Any] = {"half_dtype": "bfloat16", "fp32_modules": ["block"] if level == "O1" else []}
+    net = Net()
+    if door == "fabric":
+        from lightning.fabric import Fabric
+
+        from lightning_mpx import FabricMixedPrecisionPlugin
+
+        plugin = FabricMixedPrecisionPlugin(level, **settings)
+        model = Fabric(accelerator="cpu", devices=1, plugins=[plugin]).setup(net)
+    else:
+        from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
+
+        handler = MixedPrecisionKwargs(**settings)
+        model = Accelerator(mixed_precision=level, cpu=True, kwargs_handlers=[handler]).prepare(net)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return model(x)
+
+    xs = _batches()
+    alone = [run(x) for x in xs]
+    net.overlap(True)
+    for got, want in zip(_in_two_threads(run, xs), alone):
+        assert not isinstance(got, BaseException), repr(got)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 class ThreadedStep(pl.LightningModule):
     """A LightningModule whose step runs its batch's two parts through ``self(...)`` in two threads at once, as
     ``torch.nn.DataParallel`` runs replicas that share the module's hooks."""
