@@ -16,12 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_mpx.integrations.accelerate import Accelerator
+from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 from tests.launch import end_ranks
 
 
 def main(out_dir: Path) -> None:
-    accelerator = Accelerator(mixed_precision="O2", cpu=True)
+    # float16's dynamic loss scale (a CPU's default half dtype is bfloat16, with a static scale)
+    accelerator = Accelerator(
+        mixed_precision="O2", cpu=True, kwargs_handlers=[MixedPrecisionKwargs(half_dtype="float16")]
+    )
     # Each rank starts from other weights: DDP broadcasts rank 0's when it wraps the model, and the FP32 masters must
     # follow, or the ranks drift apart from the first step on.
     torch.manual_seed(accelerator.process_index)

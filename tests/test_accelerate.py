@@ -42,7 +42,8 @@ def _batch(seed=0, n=32):
 
 
 def _accelerator(level="O2", **settings):
-    handlers = [MixedPrecisionKwargs(**settings)] if settings else None
+    settings.setdefault("half_dtype", "float16")  # these tests are about float16's loss scaling (a CPU's default: bf16)
+    handlers = [MixedPrecisionKwargs(**settings)]
     return Accelerator(mixed_precision=level, kwargs_handlers=handlers)
 
 
@@ -152,9 +153,12 @@ def test_mixed_precision_kwargs_defaults_mirror_amp():
     }
     amp_defaults.pop("opt_level")
     handler = MixedPrecisionKwargs()
+    assert handler.half_dtype is None  # the device's: Amp's float16, bfloat16 on a CPU
     for name, default in amp_defaults.items():
-        assert getattr(handler, name) == default, name
-    assert handler.amp_kwargs() == {}
+        assert getattr(handler, name) == (None if name == "half_dtype" else default), name
+    assert handler.amp_kwargs() == handler.amp_kwargs("cuda") == {}
+    assert handler.amp_kwargs("cpu") == {"half_dtype": "bfloat16"}
+    assert MixedPrecisionKwargs(half_dtype="float16").amp_kwargs("cpu") == {"half_dtype": "float16"}
     changed = MixedPrecisionKwargs(
         half_dtype="bfloat16", growth_interval=7, keep_batchnorm_fp32=False, log_metrics=False
     )
@@ -389,7 +393,8 @@ def test_clipping_refuses_foreign_parameters_and_non_synchronising_steps():
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_injected_overflow_leaves_parameters_optimizer_and_scheduler_unchanged(accumulation):
     accelerator = Accelerator(
-        mixed_precision="O2", gradient_accumulation_steps=accumulation, kwargs_handlers=[MixedPrecisionKwargs()]
+        mixed_precision="O2", gradient_accumulation_steps=accumulation,
+        kwargs_handlers=[MixedPrecisionKwargs(half_dtype="float16")],
     )
     model = _net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -425,7 +430,7 @@ def test_accumulation_divides_the_loss_and_updates_the_scale_once_per_real_step(
     accelerator = Accelerator(
         mixed_precision="O2",
         gradient_accumulation_steps=2,
-        kwargs_handlers=[MixedPrecisionKwargs(growth_interval=1, init_scale=16.0)],
+        kwargs_handlers=[MixedPrecisionKwargs(half_dtype="float16", growth_interval=1, init_scale=16.0)],
     )
     model = _net()
     model.eval()  # batch statistics would make two half batches differ from one full batch
@@ -523,7 +528,7 @@ def test_log_sends_the_metrics_to_tensorboard(tmp_path):
         mixed_precision="O2",
         log_with="tensorboard",
         project_dir=str(tmp_path),
-        kwargs_handlers=[MixedPrecisionKwargs()],
+        kwargs_handlers=[MixedPrecisionKwargs(half_dtype="float16")],
     )
     accelerator.init_trackers("run")
     model = _net()

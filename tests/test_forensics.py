@@ -271,7 +271,8 @@ def test_lightning_without_diagnose_registers_no_hooks():
 def test_accelerator_reports_the_record_and_the_counts():
     from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 
-    accelerator = Accelerator(mixed_precision="O1", kwargs_handlers=[MixedPrecisionKwargs(diagnose_overflows=True)])
+    handler = MixedPrecisionKwargs(diagnose_overflows=True, half_dtype="float16")  # float16's overflow
+    accelerator = Accelerator(mixed_precision="O1", kwargs_handlers=[handler])
     net = make_net("gradient")
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
     net, opt = accelerator.prepare(net, opt)

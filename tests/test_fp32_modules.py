@@ -122,7 +122,7 @@ def test_lightning_runs_pinned_modules_in_fp32(level: str) -> None:
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_accelerator_runs_pinned_modules_in_fp32(level: str) -> None:
-    handler = MixedPrecisionKwargs(fp32_modules=PATTERNS)
+    handler = MixedPrecisionKwargs(fp32_modules=PATTERNS, half_dtype=HALF)  # (a CPU's default would be bfloat16)
     accelerator = Accelerator(mixed_precision=level, cpu=True, kwargs_handlers=[handler])
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -81,12 +81,14 @@ def test_lightning_wgan_clipping_in_a_callback_matches_fp32(half):
 
 def test_accelerate_loop_with_wgan_clipping_matches_fp32():
     pytest.importorskip("accelerate")
-    from lightning_mpx.integrations.accelerate import Accelerator
+    from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 
     data = loader(classification_data(n=64))
     reference = _net()
     ref_opt = torch.optim.RMSprop(reference.parameters(), lr=5e-3)
-    accelerator = Accelerator(mixed_precision="O2", cpu=True)
+    # float16, as the other doors' loops here (a CPU's default half dtype is bfloat16)
+    handler = MixedPrecisionKwargs(half_dtype="float16")
+    accelerator = Accelerator(mixed_precision="O2", cpu=True, kwargs_handlers=[handler])
     model = _net()
     model, opt, prepared_data = accelerator.prepare(model, torch.optim.RMSprop(model.parameters(), lr=5e-3), data)
     for _ in range(3):

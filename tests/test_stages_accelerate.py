@@ -115,7 +115,7 @@ def test_a_discriminator_overflow_backs_off_only_its_own_scale(level, id_type):
     # The generator's loss (1) reaches the discriminator, whose gradients are zeroed with set_to_none=False. Before
     # the fix the zeroed tensors made loss 1 count in the discriminator's next step: both scales backed off. numpy
     # loss ids were refused.
-    accelerator = _accelerator(level, num_losses=2, init_scale=256.0)
+    accelerator = _accelerator(level, num_losses=2, init_scale=256.0, half_dtype="float16")  # dynamic scales
     gen, disc, opt_g, opt_d = prepared_gan(accelerator)
     bce = F.binary_cross_entropy_with_logits
     skipped = []

@@ -10,6 +10,7 @@ copy's own parameters (:class:`DtypeProbe`): a half copy takes FP32 inputs as th
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -69,15 +70,27 @@ class DtypeProbe:
         self._probe = weakref.ref(probe) if probe is not None else None
 
 
-class _Depth:
-    """How many hooked modules' forwards of one model are running; shared by that model's :class:`BoundaryCast`
-    hooks (a copy's hooks share a fresh one)."""
+class _Depth(threading.local):
+    """The state of one model's :class:`BoundaryCast` hooks that belongs to the forward in progress, per thread (as
+    ``torch.autocast`` keeps its state): threads running the same model at once (``torch.nn.DataParallel``'s replicas,
+    which share the hooks; a serving thread pool) each count their own calls. Shared by that model's hooks; a copy's
+    hooks share a fresh one.
 
-    def __init__(self) -> None:
+    Attributes:
+        value: How many hooked modules' forwards are running on this thread.
+        noted: The boundary casts of this thread's forward and their FP32 sources, given back when it ends
+            (:mod:`~lightning_mpx.casting.targets`).
+        passed: Per hooked call in progress, whether the outermost hook let it pass (see the Trainer plugin's
+            ``_PastRedirection``).
+    """
+
+    def __init__(self) -> None:  # run again on each thread's first use
         self.value = 0
+        self.noted: list[tuple[torch.Tensor, torch.Tensor]] | tuple[()] = ()
+        self.passed: list[bool] = []
 
-    def __getstate__(self) -> dict[str, int]:
-        return {"value": 0}
+    def __reduce__(self) -> tuple[type[_Depth], tuple[()]]:
+        return type(self), ()  # a copy (deepcopy, pickle) starts with no forward in progress
 
 
 class BoundaryCast:
@@ -87,18 +100,14 @@ class BoundaryCast:
     :meth:`pre` notes each cast with its FP32 source until :meth:`post`: a loss computed inside the forward from a
     boundary-cast target (``labels=``) takes the source's values at O2 and O3 (:mod:`~lightning_mpx.casting.targets`).
 
-    The hooks of one model share a depth counter: a hooked module called from inside another hooked module's forward
-    (``self.embed(tokens)`` in the model's own forward) is inside the boundary, and its inputs and outputs are left as
-    they are.
+    The hooks of one model share a depth counter, per thread: a hooked module called from inside another hooked
+    module's forward (``self.embed(tokens)`` in the model's own forward) is inside the boundary, and its inputs and
+    outputs are left as they are; another thread's forward of the same model (``torch.nn.DataParallel``) is not.
 
     Args:
         depth: The model's shared counter (:meth:`for_model` makes one).
         probe: Which dtype to cast to (see :class:`DtypeProbe`).
     """
-
-    #: The casts of the forward in progress and their FP32 sources, given back when it ends
-    #: (:mod:`~lightning_mpx.casting.targets`); an instance's own list while one runs.
-    _noted: list[tuple[torch.Tensor, torch.Tensor]] | tuple[()] = ()
 
     def __init__(self, depth: _Depth, probe: DtypeProbe) -> None:
         self._depth = depth
@@ -129,15 +138,15 @@ class BoundaryCast:
         else:
             args = _cast_collection(args, dtype, INPUT_DTYPES, noted)
         if noted:
-            self._noted = remember(noted)
+            depth.noted = remember(noted)
         return args, kwargs
 
     def post(self, module: nn.Module, args: Any, output: Any) -> Any:
         depth, probe = self._depth, self._probe
         depth.value = max(0, depth.value - 1)
-        if depth.value == 0 and self._noted:
-            forget(self._noted)  # the sources go with the forward (not kept with what autograd saves)
-            self._noted = ()
+        if depth.value == 0 and depth.noted:
+            forget(depth.noted)  # the sources go with the forward (not kept with what autograd saves)
+            depth.noted = ()
         dtype = (probe._dtype or probe.dtype(module)) if depth.value == 0 else None
         if dtype is None:
             return None  # returning from a call inside the model, or a copy that runs in FP32

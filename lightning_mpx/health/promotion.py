@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 
@@ -126,6 +127,17 @@ def matches(name: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
 
 
+class _Entered(threading.local):
+    """An FP32 module's :func:`enter_fp32` states of the calls in progress, per thread (each thread has its own cast
+    modes: threads running one model at once must not leave each other's); a copy starts empty."""
+
+    def __init__(self) -> None:  # run again on each thread's first use
+        self.stack: list[Any] = []
+
+    def __reduce__(self) -> tuple[type[_Entered], tuple[()]]:
+        return type(self), ()
+
+
 class _Fp32Boundary:
     """The forward hooks of one FP32 module: its inputs to FP32 (and O1's half ops in FP32) on the way in, its FP32
     outputs back to the half dtype on the way out (O2/O3). Holds no engine, so a deep copy of the model (EMA,
@@ -134,17 +146,18 @@ class _Fp32Boundary:
     def __init__(self, policy: bool, out_dtype: torch.dtype | None) -> None:
         self.policy = policy
         self.out_dtype = out_dtype
-        self._entered: list[Any] = []  # enter_fp32's states, innermost last (a module may call itself)
+        self._entered = _Entered()  # this thread's enter_fp32 states, innermost last (a module may call itself)
 
     def pre(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         if self.policy:
-            self._entered.append(enter_fp32())
+            self._entered.stack.append(enter_fp32())
         return _cast_collection(args, torch.float32, HALF_DTYPES), _cast_collection(kwargs, torch.float32, HALF_DTYPES)
 
     def post(self, module: nn.Module, args: Any, output: Any) -> Any:
         # always_call: also when the forward raised (output is None then), so the policy's state is restored.
         if self.policy:
-            exit_fp32(self._entered.pop() if self._entered else None)
+            entered = self._entered.stack
+            exit_fp32(entered.pop() if entered else None)
         if self.out_dtype is None or output is None:
             return None
         return _cast_collection(output, self.out_dtype, (torch.float32,))

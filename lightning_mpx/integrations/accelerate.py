@@ -63,6 +63,8 @@ its own ``fp16``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import os
 import warnings
 import weakref
@@ -116,6 +118,8 @@ from lightning_mpx.integrations.accelerate_optimizer import (  # noqa: E402
 )
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
 from lightning_mpx.integrations.metric_counts import LOG_READER, upgrade_unlogged  # noqa: E402
+
+_log = logging.getLogger("lightning_mpx")
 
 __all__ = ["AMP_STATE_NAME", "NATIVE_MIXED_PRECISION", "Accelerator", "MixedPrecisionKwargs"]
 
@@ -190,6 +194,15 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
             raise ValueError(f"mixed_precision={opt_level!r} cannot run under DeepSpeed. {_DEEPSPEED_HINT}")
         self._native_view = False  # True while Accelerate's own code prepares a model: see mixed_precision
         super().__init__(*args, mixed_precision="no", kwargs_handlers=theirs or None, **kwargs)
+        implicit = settings.implicit_dtype(self.device.type)
+        if implicit is not None:  # no half_dtype given, on a CPU: bfloat16 (float16 matmuls are often emulated there)
+            settings = dataclasses.replace(settings, half_dtype=implicit)
+            amp = Amp.from_settings(settings.settings(opt_level))
+            if self.is_main_process:
+                _log.warning(
+                    "lightning_mpx: mixed_precision=%r runs in %s on this CPU (no half_dtype given; float16 matmuls "
+                    "are often emulated on CPUs, tens of times slower): pass "
+                    "MixedPrecisionKwargs(half_dtype=\"float16\") for float16.", opt_level, implicit)
         if self.distributed_type == DistributedType.DEEPSPEED:
             raise ValueError(f"mixed_precision={opt_level!r} cannot run under DeepSpeed. {_DEEPSPEED_HINT}")
         if self.distributed_type not in _SUPPORTED_DISTRIBUTED:

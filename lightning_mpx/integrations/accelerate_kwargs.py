@@ -55,6 +55,8 @@ def _with_setting_fields(cls: type) -> type:
     (the opt-level overrides ``None``: the preset's value), ahead of the class's own fields."""
     generated = {}
     for name, kind, default in setting_fields(overrides=True):
+        if name == "half_dtype":  # None: the device's (see MixedPrecisionKwargs.settings)
+            kind, default = f"{kind} | None", None
         generated[name] = kind
         setattr(cls, name, default)
     cls.__annotations__ = {**generated, **cls.__dict__.get("__annotations__", {})}
@@ -71,7 +73,10 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
     as they can be without the opt level, and again, against the opt level, when the :class:`Accelerator` is built.
 
     Args:
-        half_dtype, num_losses, cast_table, allow_banned, unscale_backend, overflow_log_interval, model_writes,
+        half_dtype: ``"float16"`` or ``"bfloat16"`` (also ``"fp16"``, ``"bf16"`` or a torch dtype); ``None`` (default):
+            the device's, which the :class:`Accelerator` picks: bfloat16 on a CPU (where float16 matmuls are often
+            emulated, tens of times slower), float16 elsewhere, as Apex and :class:`~lightning_mpx.engine.amp.Amp`.
+        num_losses, cast_table, allow_banned, unscale_backend, overflow_log_interval, model_writes,
             diagnose_overflows, fp32_modules, skip_on_device: The engine's settings, documented and checked in
             :class:`~lightning_mpx.settings.MixedPrecisionSettings` (pass ``loss_id`` to
             :meth:`Accelerator.backward` with ``num_losses`` above 1; the overflow record of ``diagnose_overflows``
@@ -112,7 +117,8 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
 
     def __post_init__(self) -> None:
         # The checks that need no opt level, with the messages of lightning_mpx.settings; settings() checks the rest.
-        parse_half_dtype(self.half_dtype)
+        if self.half_dtype is not None:
+            parse_half_dtype(self.half_dtype)
         self.fp32_modules = check_patterns(self.fp32_modules)
         check_positive_int("num_losses", self.num_losses)
         for name in ("patch_torch_functions", "keep_batchnorm_fp32", "master_weights"):
@@ -133,13 +139,26 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
         _check_loss_scale(loss_scale)
         ScalerSettings(**{name: getattr(self, name) for name in SCALER_FIELDS}).check_init_scale(loss_scale)
 
-    def settings(self, opt_level: str) -> MixedPrecisionSettings:
-        """The :class:`~lightning_mpx.settings.MixedPrecisionSettings` of ``opt_level`` with these fields."""
-        return MixedPrecisionSettings.from_kwargs(opt_level, **self.amp_kwargs())
+    def settings(self, opt_level: str, device_type: str | None = None) -> MixedPrecisionSettings:
+        """The :class:`~lightning_mpx.settings.MixedPrecisionSettings` of ``opt_level`` with these fields, on
+        ``device_type`` (``"cpu"``, ``"cuda"``...): with ``half_dtype=None``, bfloat16 on ``"cpu"``, else float16."""
+        return MixedPrecisionSettings.from_kwargs(opt_level, **self.amp_kwargs(device_type))
 
-    def amp_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments for :class:`~lightning_mpx.engine.amp.Amp`: the fields changed from their defaults."""
-        return {k: v for k, v in self.to_kwargs().items() if k not in _ADAPTER_FIELDS}
+    def amp_kwargs(self, device_type: str | None = None) -> dict[str, Any]:
+        """The keyword arguments for :class:`~lightning_mpx.engine.amp.Amp`: the fields changed from their defaults,
+        and ``half_dtype`` as :meth:`settings` resolves it on ``device_type``."""
+        kwargs = {k: v for k, v in self.to_kwargs().items() if k not in _ADAPTER_FIELDS}
+        if kwargs.get("half_dtype") is None:
+            kwargs.pop("half_dtype", None)
+            if self.implicit_dtype(device_type) is not None:
+                kwargs["half_dtype"] = self.implicit_dtype(device_type)
+        return kwargs
+
+    def implicit_dtype(self, device_type: str | None) -> str | None:
+        """The half dtype picked for ``device_type`` when none was given (``"bfloat16"`` on ``"cpu"``), else
+        ``None`` (the given one, or float16: Amp's default)."""
+        return "bfloat16" if self.half_dtype is None and device_type == "cpu" else None
+
 
 
 #: The adapter's own fields, which are not engine settings.

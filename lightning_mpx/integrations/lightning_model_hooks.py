@@ -90,8 +90,8 @@ class _PastRedirection:
     """
 
     def __init__(self, boundary: BoundaryCast) -> None:
-        self._boundary = boundary
-        self._passed: list[bool] = []  # per call in progress: whether it was a redirection (post cannot tell)
+        self._boundary = boundary  # its per-thread state holds, per call in progress on this thread, whether the
+        # call was a redirection (post cannot tell)
 
     def pre(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         # The redirection sets the step as the instance's forward until the call reaches it (Lightning's
@@ -100,11 +100,12 @@ class _PastRedirection:
         # the model's own, and Dynamo cannot read the compiled forward that Lightning set on the instance.
         forward = None if torch.compiler.is_compiling() else vars(module).get("forward")
         redirected = forward is not None and getattr(forward, "__qualname__", "").startswith("_ForwardRedirection.")
-        self._passed.append(redirected)
+        self._boundary._depth.passed.append(redirected)
         return None if redirected else self._boundary.pre(module, args, kwargs)
 
     def post(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if self._passed and self._passed.pop():
+        passed = self._boundary._depth.passed
+        if passed and passed.pop():
             return None
         return self._boundary.post(module, args, output)
 
