@@ -9,6 +9,8 @@
   two micro-batches a step under ``fabric.no_backward_sync``, an inf in rank 1's shard only at ``INF_AT``,
   ``clip_gradients`` by norm; ``fabric.save`` before the first step and after ``RESUME_AT`` steps, each resumed by a
   fresh Fabric.
+* ``clip:<precision>``: the Trainer under ``ModelParallelStrategy`` with ``gradient_clip_val`` (by norm): the plugin
+  at O1 and O2 bfloat16, and Lightning's own ``bf16-mixed`` (the reference).
 * ``lora_trainer``: the same LoRA-like model through the Trainer at O2 float16 (accumulation, a clip by norm): a fit
   of ``STEPS`` steps against two stages (a new Trainer and plugin, another initial scale, fit the sharded model
   again), then a third stage at O1 (refused) and a stage after a fit that left its gradients.
@@ -18,6 +20,7 @@ Every rank writes ``$MPX_OUT/rank{r}.json``.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from datetime import timedelta
@@ -260,7 +263,7 @@ def lora_trainer_case() -> dict[str, Any]:
             return F.mse_loss(self.net(x).float(), y)
 
         def on_train_end(self) -> None:
-            if self.zero_at_end:  # the workaround docs/fsdp.md gives: no gradient left for the next stage's model.to()
+            if self.zero_at_end:  # no gradient left for the next stage (the parameters' swap alone)
                 self.trainer.optimizers[0].zero_grad(set_to_none=True)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -297,12 +300,72 @@ def lora_trainer_case() -> dict[str, Any]:
     return out
 
 
+# -- clip --------------------------------------------------------------------------------------------------------------
+def clip_case(precision: str) -> dict[str, Any]:
+    """``gradient_clip_val`` (by norm, below every step's norm) under ``ModelParallelStrategy``: the plugin at
+    ``precision`` (an opt level, bfloat16, ``shard_model``) or Lightning's own (``bf16-mixed``, plain ``fully_shard``
+    on the same units)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_mpx import MixedPrecisionPlugin
+    from lightning_mpx.integrations.fsdp import shard_model
+    from tests.lightning_helpers import make_trainer
+
+    class Lit(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(2)
+            self.net = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
+            self.losses: list[float] = []
+            self.norms: list[float] = []
+
+        def configure_model(self) -> None:
+            mesh, units = self.device_mesh["data_parallel"], [self.net[0], self.net[2]]
+            if precision == "bf16-mixed":
+                for unit in units:
+                    fully_shard(unit, mesh=mesh)
+                fully_shard(self.net, mesh=mesh)
+            else:
+                shard_model(self.net, self.trainer.precision_plugin, mesh=mesh, blocks=units)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = lora_batch(batch, 0, self.global_rank)
+            out = self.net(x)
+            self.out_dtype = str(out.dtype)
+            loss = F.mse_loss(out.float(), y)
+            reduced = loss.detach().clone()
+            dist.all_reduce(reduced)
+            self.losses.append(reduced.item() / 2)
+            return loss
+
+        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:  # before Lightning's clip
+            scale = self.trainer.precision_plugin.amp.scalers[0].get_scale() if plugin is not None else 1.0
+            norm = torch.stack([full(p.grad).double().norm() for p in self.parameters()]).norm() / scale
+            self.norms.append(float(norm))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    mixed = precision == "bf16-mixed"
+    kwargs: dict[str, Any] = {"precision": precision} if mixed else {}
+    plugin = None if mixed else MixedPrecisionPlugin(precision, half_dtype="bfloat16", loss_scale=1.0)
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=TIMEOUT)
+    model = Lit()
+    trainer = make_trainer(plugin, strategy=strategy, devices=2, max_steps=STEPS, gradient_clip_val=CLIP,
+                           use_distributed_sampler=False, **kwargs)  # fmt: skip
+    trainer.fit(model, torch.utils.data.DataLoader(range(STEPS), batch_size=None))
+    return {"losses": model.losses, "params": full_params(model.net), "norms": model.norms, "dtype": model.out_dtype}
+
+
 def main() -> int:
     if "RANK" not in os.environ:
         return launch_ranks(__file__, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     rank = int(os.environ["RANK"])
     results: dict[str, Any] = {}
     cases = {"rope": rope_case, "lora": lora_case, "lora_trainer": lora_trainer_case}
+    cases.update({f"clip:{p}": functools.partial(clip_case, p) for p in ("O1", "O2", "bf16-mixed")})
     for name, case in cases.items():
         with case_error(results.setdefault(name, {})) as record:
             record.update(case())
