@@ -85,6 +85,8 @@ class _OptimizerState:
     # STEPPED: weak references to those gradients: an id in stepped_marks is theirs only while they live (CPython gives
     # a freed tensor's id to the next one made), so a tensor the user assigned since is told from one kept or written.
     stepped_refs: tuple[weakref.ref[torch.Tensor], ...] = ()
+    # STEPPED: the ids of those gradients, in stepped_refs' order (which refer to an FSDP2 gradient's local shard).
+    stepped_ids: tuple[int, ...] = ()
     # STEPPED: the ids of the parameters the optimizer held at the step: a gradient on another one (a group added since)
     # came from a backward, scaled, not from the step.
     stepped_params: frozenset[int] = frozenset()
@@ -130,6 +132,7 @@ class _OptimizerState:
         self.unscaled_marks = ()
         self.stepped_marks = None
         self.stepped_refs = ()
+        self.stepped_ids = ()
         self.stepped_params = frozenset()
         self.shown = self.stepped_true = False
         self.clips = ()

@@ -29,6 +29,7 @@ import torch
 
 from lightning_mpx.engine.grad_checks import charge
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
+from lightning_mpx.engine.sharding import local_tensors
 from lightning_mpx.masters.pairs import param_pairs
 from lightning_mpx.masters.swap import drop_master_grads
 from lightning_mpx.masters.weights import MasterWeights
@@ -186,14 +187,17 @@ def after_step(state: _OptimizerState, optimizer: torch.optim.Optimizer, *, mast
             state.loss_id, state.grad_scale, state.clips = loss_id, grad_scale, clips
             state.stepped_true = not masters or shown
             state.stepped_marks = frozenset(zip(map(id, grads), map(_VERSION, grads)))
-            state.stepped_refs = tuple(map(weakref.ref, grads))
+            state.stepped_ids = tuple(map(id, grads))
+            # An FSDP2 gradient's local shard, not the DTensor: FSDP2's _apply (a model.to(), Lightning's at each
+            # stage) swaps the DTensor, which torch.utils.swap_tensors refuses for a tensor with a weak reference.
+            state.stepped_refs = tuple(map(weakref.ref, local_tensors(grads)))
             state.stepped_params = frozenset(map(id, params))
 
 
 def _alive_ids(state: _OptimizerState) -> set[int]:
     """The ids of the gradients the step left that still live: only those ids are theirs (a freed one's id goes to
     the next tensor made, such as one the user assigns)."""
-    return set(map(id, filter(_SOME, map(_DEREF, state.stepped_refs))))
+    return set(itertools.compress(state.stepped_ids, map(_SOME, map(_DEREF, state.stepped_refs))))
 
 
 def _all_cleared(state: _OptimizerState, grads: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> bool:

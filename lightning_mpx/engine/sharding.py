@@ -163,16 +163,13 @@ class Sharding:
         self.world_size = dist.get_world_size(group)
         self.shards: set[int] = set(_fsdp1_shards(module))
         self._models = [weakref.ref(module)]
-        # Each parameter's weight, asked on every clipping step: placements and shards do not change after sharding.
-        # By id, with a weak reference that tells a reused id from the parameter itself (a tensor's == is elementwise,
-        # so tensors cannot be dictionary keys by value).
-        self._weights: dict[int, tuple[weakref.ref[torch.Tensor], float]] = {}
+        # No cache of the parameters' weights: a weak reference to a parameter makes torch.utils.swap_tensors refuse
+        # it, and FSDP2's _apply (the Trainer's model.to() at its next stage) swaps every parameter.
 
     def add_model(self, module: nn.Module) -> None:
         """Take in the FSDP1 shards of another prepared model."""
         self.shards.update(_fsdp1_shards(module))
         self._models.append(weakref.ref(module))
-        self._weights.clear()
 
     def refuse_gathered(self, params: Iterable[torch.Tensor]) -> None:
         """:func:`refuse_gathered` over the prepared models."""
@@ -180,15 +177,9 @@ class Sharding:
 
     def weight(self, param: torch.Tensor) -> float:
         """One over the number of ranks that hold the same values of ``param``'s gradient (1 for a shard)."""
-        known = self._weights.get(id(param))
-        if known is not None and known[0]() is param:
-            return known[1]
-        weight = self._weight(param)
-        self._weights[id(param)] = (weakref.ref(param), weight)
-        return weight
+        return self._weight(param, _dtensor_type())
 
-    def _weight(self, param: torch.Tensor) -> float:
-        dtensor = _dtensor_type()
+    def _weight(self, param: torch.Tensor, dtensor: type | None) -> float:
         if dtensor is not None and isinstance(param, dtensor):
             copies = 1
             for dim, placement in enumerate(param.placements):
@@ -202,8 +193,9 @@ class Sharding:
     def groups(self, params: Sequence[torch.Tensor]) -> dict[float, list[int]]:
         """Indices of ``params`` by weight (usually one weight: every gradient a shard)."""
         out: dict[float, list[int]] = {}
+        dtensor = _dtensor_type()
         for index, param in enumerate(params):
-            out.setdefault(self.weight(param), []).append(index)
+            out.setdefault(self._weight(param, dtensor), []).append(index)
         return out
 
     def reduce(self, flags: Iterable[torch.Tensor], squared_norm: torch.Tensor | None) -> list[torch.Tensor]:
