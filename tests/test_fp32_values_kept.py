@@ -134,10 +134,12 @@ def test_taking_the_masters_again_from_the_set_up_model_keeps_them_exact_in_one_
     _assert_masters_are(amp, model, weights)
 
 
-def test_under_a_process_group_the_masters_are_the_half_rounding(tmp_path):
+def test_under_a_process_group_the_masters_are_the_half_rounding(tmp_path, monkeypatch):
     """Each rank's FP32 values may differ, and DDP broadcasts rank 0's half weights: masters taken from the
-    model's rounding are equal on every rank."""
+    model's rounding are equal on every rank. (A group of one rank standing for two: its world size reads 2. A real
+    group of one rank keeps the FP32 values, as one process does: tests/test_attack52.py.)"""
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
     try:
         model = _net()
         weights = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -126,8 +126,15 @@ class PreparedModels:
         if props.casts_model:
             pinned, tied = _pinned_params(module, prefix, self.promotion.patterns)
             for param in module.parameters():
-                if param.dtype == torch.float32 and (id(param) in pinned or masters_from_fp32 and param.requires_grad):
-                    before_cast[id(param)] = param.data
+                # A model loaded in another floating dtype (float16 for a bfloat16 run, float64) too: its values in
+                # FP32 (exact from a half dtype), not the rounding of the cast to the run's half dtype.
+                # (Not a half parameter of an earlier engine, or a deep copy's: it hands over its FP32 values.)
+                if param.dtype == props.half_dtype or not param.is_floating_point() or param.is_complex():
+                    continue
+                if param.dtype != torch.float32 and type(param) is WatchedParameter:
+                    continue
+                if id(param) in pinned or masters_from_fp32 and param.requires_grad:
+                    before_cast[id(param)] = param.data if param.dtype == torch.float32 else param.data.float()
         buffers = _fp32_buffers(module) if props.casts_model and self.promotion.patterns else None
         _convert(module, props)
         self.promotion.add_model(module, prefix)  # fp32_modules: back to FP32 before any master is made

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import types
 import weakref
 from typing import Any, Callable
 
@@ -141,23 +142,43 @@ def install_forward(amp: Amp, model: nn.Module) -> None:
 
 class _ForwardRestore:
     """Puts back on ``target`` the ``forward`` (and ``_original_forward``) it had before :func:`install_forward`
-    (``remove()``), while the forward installed is still there."""
+    (``remove()``), while the forward installed is still there.
+
+    Refers to nothing that refers to ``target`` (its own bound methods are kept as their functions, the installed
+    forward weakly): the engine keeps it in a dictionary weakly keyed by the model (``PreparedModels.hold``), whose
+    entry a strong reference would keep, and the model with it, for as long as the engine lives."""
 
     def __init__(self, target: nn.Module) -> None:
         self._target = weakref.ref(target)
-        self._before = {key: target.__dict__.get(key) for key in ("forward", "_original_forward")}
-        self.forward: AmpForward | None = None
+        self._before = {key: _unbound(target.__dict__.get(key), target) for key in ("forward", "_original_forward")}
+        self._forward: weakref.ref[AmpForward] | None = None
+
+    @property
+    def forward(self) -> AmpForward | None:
+        """The forward installed (``None`` once it is gone or was taken off)."""
+        return self._forward() if self._forward is not None else None
+
+    @forward.setter
+    def forward(self, value: AmpForward | None) -> None:
+        self._forward = weakref.ref(value) if value is not None else None
 
     def remove(self) -> None:
-        target = self._target()
-        if target is None or self.forward is None or target.__dict__.get("forward") is not self.forward:
+        target, forward = self._target(), self.forward
+        if target is None or forward is None or target.__dict__.get("forward") is not forward:
             return
-        for key, value in self._before.items():
+        for key, (value, bound) in self._before.items():
             if value is None:
                 target.__dict__.pop(key, None)
             else:
-                target.__dict__[key] = value
+                target.__dict__[key] = value.__get__(target) if bound else value
         self.forward = None
+
+
+def _unbound(value: Any, target: nn.Module) -> tuple[Any, bool]:
+    """``value`` and ``False``, or its function and ``True`` when it is a method bound to ``target``."""
+    if isinstance(value, types.MethodType) and value.__self__ is target:
+        return value.__func__, True
+    return value, False
 
 
 def engine_of(model: nn.Module, default: Amp) -> Amp:

@@ -572,9 +572,12 @@ def _take_differing(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
 
 
 def _multi_process() -> bool:
-    """Whether a ``torch.distributed`` process group is initialized (its frameworks broadcast rank zero's half
-    weights: masters must then be their rounding on every rank, not each rank's own FP32 values)."""
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+    """Whether a ``torch.distributed`` process group of more than one rank is initialized (its frameworks broadcast
+    rank zero's half weights: masters must then be their rounding on every rank, not each rank's own FP32 values).
+    A group of one rank (``Trainer(strategy="ddp", devices=1)``, ``torchrun --nproc_per_node=1``) has no other rank
+    to agree with: its masters keep their FP32 values, as in a single process."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _take_writes(pairs: list[tuple[_Entry, torch.Tensor]]) -> list[str]:
