@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -82,3 +84,31 @@ def test_accelerate_o2_on_a_cpu_trains_a_float16_loaded_model_from_its_float16_v
         assert torch.equal(got_start[name], value), name  # was their bfloat16 rounding
         assert torch.equal(want_start[name], value), name
         torch.testing.assert_close(got_end[name], want_end[name], rtol=0, atol=0, msg=name)
+
+
+def test_an_ema_checkpoint_at_o2_holds_the_average_bf16_mixed_holds(tmp_path: Any) -> None:
+    """``EMAWeightAveraging`` + ``ModelCheckpoint`` with a validation loop: the checkpoint's ``state_dict`` is the
+    average (what ``load_from_checkpoint`` gives). At O2 it averaged the half weights: as far from ``"bf16-mixed"``'s
+    average as their rounding (5e-4), where the trained weights themselves (``current_model_state``) agree."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
+
+    saved = {}
+    for precision in ("O2", "bf16-mixed"):
+        kwargs: dict[str, Any] = dict(
+            max_epochs=2,
+            enable_checkpointing=True,
+            callbacks=[EMAWeightAveraging(decay=0.9), ModelCheckpoint(dirpath=tmp_path / precision, save_top_k=-1)],
+        )
+        if precision == "O2":
+            trainer = make_trainer(MixedPrecisionPlugin("O2", half_dtype=torch.bfloat16), **kwargs)
+        else:
+            trainer = make_trainer(precision=precision, **kwargs)
+        data = loader(classification_data(n=32, seed=1), batch_size=8)
+        trainer.fit(Classifier(), data, loader(classification_data(n=8, seed=2), batch_size=8))
+        saved[precision] = [torch.load(p, weights_only=False) for p in sorted((tmp_path / precision).iterdir())]
+    assert len(saved["O2"]) == len(saved["bf16-mixed"]) == 2
+    for ours, theirs in zip(saved["O2"], saved["bf16-mixed"]):
+        for key in ("current_model_state", "state_dict"):
+            for name, value in theirs[key].items():
+                assert ours[key][name].dtype == torch.float32, name
+                torch.testing.assert_close(ours[key][name], value, rtol=0, atol=2e-5, msg=f"{key}: {name}")

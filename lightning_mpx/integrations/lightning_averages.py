@@ -12,6 +12,10 @@ masters would take only the elements whose rounding changed and keep their train
 the average nor the trained weight. :func:`take_averages` gives them the FP32 average, as "bf16-mixed"'s FP32 model
 holds it (``fp32_state_dict``, a checkpoint's masters).
 
+``WeightAveraging`` averages the model it is given, whose O2 parameters hold the half rounding: :func:`average_in_fp32`
+has its ``AveragedModel`` average the FP32 masters instead (:class:`_FromMasters`), as ``"bf16-mixed"`` averages its
+FP32 weights.
+
 ``WeightAveraging`` swaps its average with the model's weights around every validation, through the half model: the
 swap back would leave the average rounded to half. :class:`KeepAveragesInFP32` (added to the Trainer's callbacks by
 :func:`average_in_fp32`) puts the FP32 average back after the validation.
@@ -20,10 +24,12 @@ swap back would leave the average rounded to half. :class:`KeepAveragesInFP32` (
 from __future__ import annotations
 
 import itertools
-from typing import Any
+import weakref
+from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torch.optim.swa_utils import AveragedModel
 
 from lightning_mpx.common.dtypes import HALF_DTYPES
 from lightning_mpx.common.imports import require
@@ -89,6 +95,44 @@ def average_in_fp32(callbacks: list[Any], module: nn.Module, amp: Amp) -> None:
             for _, master, copy in _mastered(average, module, amp, copy_in_fp32=False):
                 copy.data = master.detach().clone()  # the averaging's own tensor, not the optimizer's
         _record_fp32(average)
+    for callback in callbacks if WeightAveraging is not None else ():
+        averaged = getattr(callback, "_average_model", None) if isinstance(callback, WeightAveraging) else None
+        if isinstance(averaged, AveragedModel):
+            own = type(averaged).update_parameters.__get__(averaged)
+            averaged.update_parameters = _FromMasters(own, module, amp)  # this fit's engine (a later fit's replaces it)
+
+
+class _FromMasters:
+    """``AveragedModel.update_parameters`` of a ``WeightAveraging`` callback's average, given the LightningModule:
+    it averages the module's FP32 masters where the module holds their half rounding (as ``"bf16-mixed"`` averages
+    its FP32 weights), not that rounding (an EMA of the rounding tends to the rounding: its checkpoint, which
+    ``load_from_checkpoint`` reads, was as far from ``"bf16-mixed"``'s as the half weights). Holds the module and the
+    engine weakly; without them it averages what it is given."""
+
+    def __init__(self, update: Any, module: nn.Module, amp: Amp) -> None:
+        self._update = update
+        self._module, self._amp = weakref.ref(module), weakref.ref(amp)
+
+    def __call__(self, model: nn.Module) -> None:
+        amp = self._amp()
+        view = _MastersView(model, amp) if amp is not None and model is self._module() else model
+        self._update(view)
+
+
+class _MastersView:
+    """What ``AveragedModel.update_parameters`` reads of a model (``parameters()``, ``buffers()``), with each half
+    parameter that has an FP32 master replaced by the master."""
+
+    def __init__(self, module: nn.Module, amp: Amp) -> None:
+        self._module, self._amp = module, amp
+
+    def parameters(self) -> Iterator[torch.Tensor]:
+        for param in self._module.parameters():
+            master = self._amp.master_of(param) if param.dtype in HALF_DTYPES else param
+            yield master if master.shape == param.shape else param
+
+    def buffers(self) -> Iterator[torch.Tensor]:
+        return self._module.buffers()
 
 
 def _record_fp32(average: nn.Module) -> None:
