@@ -113,10 +113,21 @@ class _FromMasters:
         self._update = update
         self._module, self._amp = weakref.ref(module), weakref.ref(amp)
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_update": self._update}  # a pickled average (torch.save) averages what it is given
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._update, self._module, self._amp = state["_update"], _gone, _gone
+
     def __call__(self, model: nn.Module) -> None:
         amp = self._amp()
         view = _MastersView(model, amp) if amp is not None and model is self._module() else model
         self._update(view)
+
+
+def _gone() -> None:
+    """A weak reference whose object is gone."""
+    return None
 
 
 class _MastersView:
