@@ -112,3 +112,24 @@ def test_an_ema_checkpoint_at_o2_holds_the_average_bf16_mixed_holds(tmp_path: An
             for name, value in theirs[key].items():
                 assert ours[key][name].dtype == torch.float32, name
                 torch.testing.assert_close(ours[key][name], value, rtol=0, atol=2e-5, msg=f"{key}: {name}")
+
+
+def test_stochastic_weight_averaging_at_o2_averages_the_masters_as_bf16_mixed_its_weights() -> None:
+    """``StochasticWeightAveraging`` writes its average into the model at the end of ``fit`` (the masters take it):
+    it averaged the half weights, 6e-4 from ``"bf16-mixed"``'s average."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    final = {}
+    for precision in ("O2", "bf16-mixed"):
+        averaging = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)
+        kwargs: dict[str, Any] = dict(max_epochs=3, callbacks=[averaging])
+        model, data = Classifier(), loader(classification_data(n=32, seed=1), batch_size=8)
+        if precision == "O2":
+            trainer = make_trainer(MixedPrecisionPlugin("O2", half_dtype=torch.bfloat16), **kwargs)
+            trainer.fit(model, data)
+            final[precision] = trainer.precision_plugin.amp.fp32_state_dict(model)
+        else:
+            make_trainer(precision=precision, **kwargs).fit(model, data)
+            final[precision] = model.state_dict()
+    for name, value in final["bf16-mixed"].items():
+        torch.testing.assert_close(final["O2"][name], value, rtol=0, atol=2e-5, msg=name)

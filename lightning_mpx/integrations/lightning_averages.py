@@ -95,34 +95,40 @@ def average_in_fp32(callbacks: list[Any], module: nn.Module, amp: Amp) -> None:
             for _, master, copy in _mastered(average, module, amp, copy_in_fp32=False):
                 copy.data = master.detach().clone()  # the averaging's own tensor, not the optimizer's
         _record_fp32(average)
-    for callback in callbacks if WeightAveraging is not None else ():
-        averaged = getattr(callback, "_average_model", None) if isinstance(callback, WeightAveraging) else None
+    for callback in callbacks:
+        # This fit's engine (a later fit's replaces it).
+        if isinstance(callback, StochasticWeightAveraging):  # update_parameters(average, model, n_averaged, avg_fn)
+            callback.update_parameters = _FromMasters(type(callback).update_parameters, module, amp, 1)
+        is_weight_averaging = WeightAveraging is not None and isinstance(callback, WeightAveraging)
+        averaged = getattr(callback, "_average_model", None) if is_weight_averaging else None
         if isinstance(averaged, AveragedModel):
             own = type(averaged).update_parameters.__get__(averaged)
-            averaged.update_parameters = _FromMasters(own, module, amp)  # this fit's engine (a later fit's replaces it)
+            averaged.update_parameters = _FromMasters(own, module, amp)
 
 
 class _FromMasters:
-    """``AveragedModel.update_parameters`` of a ``WeightAveraging`` callback's average, given the LightningModule:
-    it averages the module's FP32 masters where the module holds their half rounding (as ``"bf16-mixed"`` averages
-    its FP32 weights), not that rounding (an EMA of the rounding tends to the rounding: its checkpoint, which
+    """``AveragedModel.update_parameters`` of a ``WeightAveraging`` callback's average (or
+    ``StochasticWeightAveraging.update_parameters``), given the LightningModule (argument ``at``): it averages the
+    module's FP32 masters where the module holds their half rounding (as ``"bf16-mixed"`` averages its FP32 weights),
+    not that rounding (an average of the rounding tends to the rounding: an EMA checkpoint, which
     ``load_from_checkpoint`` reads, was as far from ``"bf16-mixed"``'s as the half weights). Holds the module and the
     engine weakly; without them it averages what it is given."""
 
-    def __init__(self, update: Any, module: nn.Module, amp: Amp) -> None:
-        self._update = update
+    def __init__(self, update: Any, module: nn.Module, amp: Amp, at: int = 0) -> None:
+        self._update, self._at = update, at
         self._module, self._amp = weakref.ref(module), weakref.ref(amp)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"_update": self._update}  # a pickled average (torch.save) averages what it is given
+        return {"_update": self._update, "_at": self._at}  # a pickled copy averages what it is given
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self._update, self._module, self._amp = state["_update"], _gone, _gone
+        self._update, self._at, self._module, self._amp = state["_update"], state["_at"], _gone, _gone
 
-    def __call__(self, model: nn.Module) -> None:
-        amp = self._amp()
-        view = _MastersView(model, amp) if amp is not None and model is self._module() else model
-        self._update(view)
+    def __call__(self, *args: Any) -> Any:
+        amp, model = self._amp(), args[self._at]
+        if amp is not None and model is self._module():
+            args = (*args[: self._at], _MastersView(model, amp), *args[self._at + 1 :])
+        return self._update(*args)
 
 
 def _gone() -> None:
