@@ -3,11 +3,12 @@ evaluation before training).
 
 The stage needs the half model only, with no FP32 masters; but the ``fit`` after it should start its masters from the
 exact FP32 weights the LightningModule holds, as it does without the evaluation (and as Lightning's ``"bf16-mixed"``
-does). The FP32 values the cast replaces are kept for the stage (:meth:`EvaluationValues.keep`), and put back into the
-model when it ends (:meth:`EvaluationValues.restore`, at the plugin's ``teardown``): between stages the model is the
-FP32 model the user gave, so a later ``fit`` makes its masters from it exactly and a model only ever evaluated keeps
-nothing extra. The cost: during the stage the FP32 values stay where they were (host memory, as Lightning casts the
-model before moving it to its device) next to the half copy the stage runs.
+does). :meth:`EvaluationValues.prepare` prepares the model for the stage with the engine, keeping the FP32 values the
+cast replaces (and those a load in the stage brings, ``ckpt_path=``), which go back into the model when the stage
+ends (:meth:`EvaluationValues.restore`, at the plugin's ``teardown``): between stages the model is the FP32 model the
+user gave, so a later ``fit`` makes its masters from it exactly and a model only ever evaluated keeps nothing extra.
+The cost: during the stage the FP32 values stay where they were (host memory, as Lightning casts the model before
+moving it to its device) next to the half copy the stage runs.
 """
 
 from __future__ import annotations
