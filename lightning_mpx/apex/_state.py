@@ -101,7 +101,10 @@ class AmpState:
         stepped: Of those, the ones that stepped (or skipped) since.
         skip_next: Optimizers whose next ``step()`` is skipped because a block that named them overflowed, and
             the ``loss_id`` of that block.
-        stash: O2: unscaled FP32 master gradients of earlier blocks, per optimizer, added after the next unscale.
+        stash: Unscaled gradients of earlier blocks (at O2 the FP32 master gradients), per optimizer, added after
+            the next unscale.
+        delayed: Per optimizer, the identity and version of its parameters' gradients at the end of the last
+            ``delay_unscale`` block: a clear of them before the next block is told apart by them.
         after_step: Optimizers whose step was skipped (an overflow) and that no ``scale_loss`` block named since:
             what their parameters' gradients hold is left from that step (the script zeroes it before their next
             block).
@@ -139,6 +142,7 @@ class AmpState:
     after_step: set[int] = field(default_factory=set)
     idle: set[int] = field(default_factory=set)
     gradless: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    delayed: dict[int, tuple[tuple[int, int] | None, ...]] = field(default_factory=dict)
     graded: dict[int, int] = field(default_factory=dict)  # O2: the masters' gradients' versions at a block's end
     allow_incoming_model_not_fp32: bool = False
     stepping: Any = None  # the optimizer whose step() the wrapper is running (its step pre-hook lets it through)
@@ -180,6 +184,8 @@ class AmpState:
             del self.skip_next[key]
         for key in set(self.stash) - live:
             del self.stash[key]
+        for key in set(self.delayed) - live:
+            del self.delayed[key]
         self.amp, self.enabled, self.handle, self.holder, self.loaded = None, None, None, None, None
         self.restored = None
         self.loss_scalers, self.current = [], []

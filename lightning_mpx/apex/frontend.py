@@ -216,6 +216,11 @@ def _engine(
         **overrides,
     )
     amp.log_overflows = False  # Apex's own message is logged instead (rank zero only)
+    if not amp.properties.patch_torch_functions:
+        # O2/O3: Apex patched nothing for losses (the model's outputs are cast to FP32, the loss computed outside it)
+        # and this layer never enters the core's forward_context(): the loss regions' hooks would only cost a Python
+        # call per submodule per forward.
+        amp._loss_regions = None
     if amp.policy is not None and amp.properties.patch_torch_functions:
         for function, category in (*_APEX_ROWS, *_amp_state.registrations):
             amp.policy.table.register(function, category)  # into this Amp's own copy of the table

@@ -1,8 +1,9 @@
 """One iteration of Apex's loss scaling: the optimizer wrapper ``initialize`` returns and the ``scale_loss`` block.
 
 A block scales the loss, and at its end unscales the gradients of the optimizers it names (Apex's stash of earlier
-blocks' FP32 master gradients at O2 included); an overflow marks their next ``step()`` to be skipped; once every
-optimizer touched in the iteration has stepped, each engine involved updates its scales (:func:`_update`).
+blocks' unscaled gradients, at O2 the FP32 master ones, added after); an overflow marks their next ``step()`` to be
+skipped; once every optimizer touched in the iteration has stepped, each engine involved updates its scales
+(:func:`_update`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 from lightning_mpx.apex._state import AmpState, _amp_state, is_rank_zero
 from lightning_mpx.apex.fp16_utils import _HalfParameters
 from lightning_mpx.engine.amp import Amp
+from lightning_mpx.engine.optimizer_state import _Stage
 
 log = logging.getLogger("lightning_mpx.apex")
 
@@ -97,6 +99,10 @@ class AmpOptimizer(torch.optim.Optimizer):
         the next step, and a clip of ``amp.master_params()`` before the next block sees no gradient)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self._amp_state.stash.pop(id(self.optimizer), None)
+        self._amp_state.delayed.pop(id(self.optimizer), None)
+        pending = self._engine._optimizers.get(id(self.optimizer))  # the core's state (a C-level getter)
+        if pending is not None and pending.loss_id is not None and pending.stage is _Stage.READY:
+            _forget_pending(self._engine, self.optimizer)  # a delay_unscale chain given up counts for no loss's scale
         if self._engine.properties.master_weights:
             params = itertools.chain.from_iterable(map(_PARAMS, self.optimizer.param_groups))
             for param, master in zip(params, self._engine.master_params(self.optimizer)):
@@ -191,8 +197,10 @@ def scale_loss(
     # What earlier blocks left non-finite stays so: only an overflow this block makes skips what it names (Apex
     # checked only the block's own new gradients).
     overflowed_before = [_overflowed(amp, w.optimizer) for w in wrapped]
-    if amp.properties.master_weights:
-        _stash(state, amp, own)
+    if unscaled or state.delayed:  # else nothing to keep aside (the usual block: one per step)
+        _stash(state, amp, own, unscaled)
+        # What was kept aside is not checked again: the block's check sees its own gradients alone.
+        overflowed_before = [b and id(w.optimizer) not in state.stash for w, b in zip(wrapped, overflowed_before)]
     # The core brings every optimizer's pending gradients to this loss's scale, checking them. What an optimizer
     # whose step was skipped and is not named here holds is left from that step (DCGAN's netG before netG.zero_grad():
     # inf): Apex never looked at it, so the core does not see it either (else its next step would be skipped for it,
@@ -209,6 +217,10 @@ def scale_loss(
         amp.policy._clear_casts()  # Apex cleared its cast cache at the end of every block (Amp.update the rest)
     if delay_unscale:
         _record_gradless(state, own)
+        for wrapper in own:  # what a clear of the chain's gradients before the next block is told apart by
+            state.delayed[id(wrapper.optimizer)] = _grad_marks(
+                [p for group in wrapper.optimizer.param_groups for p in group["params"]]
+            )
         return
     overflow = False
     for wrapper, before in zip(wrapped, overflowed_before):
@@ -267,31 +279,80 @@ def _overflowed(amp: Amp, optimizer: torch.optim.Optimizer) -> bool:
     return amp.overflowed(optimizer)  # the step that follows does not read the same flag again
 
 
-def _stash(state: AmpState, amp: Amp, wrappers: list[AmpOptimizer]) -> None:
-    """O2: take the unscaled FP32 master gradients of earlier blocks out of the way of this block's backward.
+def _stash(
+    state: AmpState, amp: Amp, wrappers: list[AmpOptimizer], unscaled: list[torch.optim.Optimizer]
+) -> None:
+    """Take the unscaled gradients of earlier blocks out of the way of this block's backward (Apex's stash): at O2
+    the FP32 master gradients, at O1 (and for FP32 parameters at O2) the parameters' own.
 
-    The core would scale them back up into the half gradients, where a true gradient above 65504 / scale overflows;
-    Apex kept them in FP32 and added them after unscaling the next block, and so does this (it is the core's
-    ``scale_loss`` that finds nothing left to rescale: both gradients are cleared here).
+    The core would scale them back up for the backward (at O2 into the half gradients, where a true gradient above
+    65504 / scale overflows) and check them again at the block's end, charging a non-finite value another loss's block
+    left to this block's loss. Apex kept them aside, checked only the block's new gradients and added them after
+    unscaling; so does this (it is the core's ``scale_loss`` that finds nothing left to rescale: the gradients are
+    cleared here).
     """
+    masters = amp.properties.master_weights
     for wrapper in wrappers:
         inner = wrapper.optimizer
-        params = [p for group in inner.param_groups for p in group["params"]]
-        if id(inner) in state.stash and all(p.grad is None for p in params):
-            # A delay_unscale block ran since the stash was taken, and its gradients are gone: the script cleared
-            # them (model.zero_grad()), and what was stashed before goes with them.
-            del state.stash[id(inner)]
-        if not amp.is_unscaled(inner):
+        if id(inner) not in state.delayed and all(inner is not u for u in unscaled):
             continue
-        # The masters' gradients follow a zero_grad() of the model's since the unscale (the core tells one from the
-        # half gradients' version counters): what the user cleared is not kept aside and added back.
-        amp.show_unscaled_on_model(inner)
+        params = [p for group in inner.param_groups for p in group["params"]]
+        marks = state.delayed.pop(id(inner), None)
+        if marks is not None and _chain_cleared(marks, params):
+            # The script cleared the gradients of the delay_unscale blocks since the last one ended (a batch dropped
+            # mid-accumulation, zero_grad either way): what was stashed before goes with them, and their loss's
+            # pending gradients count for nothing (Apex updated a scaler only at the end of a block it unscaled).
+            state.stash.pop(id(inner), None)
+            _forget_pending(amp, inner)
+        if all(inner is not u for u in unscaled):
+            continue
+        if masters:
+            # The masters' gradients follow a zero_grad() of the model's since the unscale (the core tells one from
+            # the half gradients' version counters): what the user cleared is not kept aside and added back.
+            amp.show_unscaled_on_model(inner)
         kept = state.stash.setdefault(id(inner), [])
-        for param, master in zip(params, amp.master_params(inner)):
-            if master is not param and master.grad is not None:
+        for param, master in zip(params, amp.master_params(inner) if masters else params):
+            if master.grad is not None:
                 kept.append((master, master.grad))
                 master.grad = None
                 param.grad = None
+
+
+def _grad_marks(params: list[torch.Tensor]) -> tuple[tuple[int, int] | None, ...]:
+    """Identity and version of each parameter's gradient (``None`` where it has none)."""
+    with torch._C.DisableTorchFunction():  # O1's cast mode would run per parameter
+        return tuple(None if (g := p.grad) is None else (id(g), g._version) for p in params)
+
+
+def _chain_cleared(marks: tuple[tuple[int, int] | None, ...], params: list[torch.Tensor]) -> bool:
+    """Whether every gradient the last ``delay_unscale`` block left (``marks``, noted at its end) was cleared since:
+    gone (``set_to_none``), or written and now zero (``zero_grad(set_to_none=False)``). Version counters tell a
+    write apart without reading the gradients; only a chain whose every gradient was written is read (one host
+    read), so that another in-place change (a scaling of the gradients) keeps what was stashed."""
+    if all(mark is None for mark in marks):
+        return False  # nothing was left to clear (a block that did not reach these parameters)
+    written = []
+    for mark, now in zip(marks, _grad_marks(params)):
+        if mark is None or now is None:
+            continue
+        if mark == now:
+            return False  # one gradient as the block left it: the chain goes on
+        written.append(now)
+    if not written:
+        return True
+    with torch._C.DisableTorchFunction():
+        peaks = [g.detach().abs().amax().float() for p in params if (g := p.grad) is not None and g.numel()]
+        return not peaks or not bool(torch.stack(peaks).amax().item())
+
+
+def _forget_pending(amp: Amp, optimizer: torch.optim.Optimizer) -> None:
+    """The pending (scaled, not yet unscaled) gradients of ``optimizer`` were cleared: the core forgets the loss and
+    scale they carried and the checks made of them, so no later check counts an iteration for that loss."""
+    state = amp._optimizers.get(id(optimizer))
+    if state is not None and state.stage is _Stage.READY:
+        state.clear_checks()
+        state.loss_id = None
+        state.grad_scale = None
 
 
 def _restore_stash(state: AmpState, wrapper: AmpOptimizer) -> None:
@@ -364,6 +425,7 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> None:
         )
     key = id(wrapper.optimizer)
     skipped = key in state.skip_next
+    state.delayed.pop(key, None)  # a delay_unscale chain ends at the step
     if key in state.idle or any(p.grad is not None for p in state.gradless.pop(key, ())):
         _refuse_unscaled_step(wrapper)
     if key in state.skip_next:

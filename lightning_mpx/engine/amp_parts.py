@@ -80,7 +80,9 @@ class AmpParts:
     opt_level: str = _part("properties.opt_level", doc="The opt level (``\"O0\"`` to ``\"O3\"``).")
     half_dtype: torch.dtype = _part("properties.half_dtype", doc="``torch.float16`` or ``torch.bfloat16``.")
     _optimizers: dict[int, _OptimizerState] = _part("_machine.optimizers", doc="The optimizers' states, by id.")
-    _loss_regions: LossRegions | None = _part("_models.loss_regions", doc="O2: the regions that compute no loss.")
+    _loss_regions: LossRegions | None = _part("_models.loss_regions", settable=True, doc="""O2: the regions that
+        compute no loss; set to ``None`` before preparing models by a front door that never enters
+        :meth:`forward_context` at O2 (the Apex layer): its models then get no region hooks.""")
 
     unscale_backend: str = _part("_machine.backend", settable=True, also=("_masters.backend",), doc="""The unscale
         backend of the later unscales and masters.""")
