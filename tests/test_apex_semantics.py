@@ -528,9 +528,12 @@ def test_o3_state_dict_is_fp32_and_loads_back_into_an_o3_model():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
 
 
-def test_o2_masters_take_the_fp32_values_in_one_process_and_the_half_rounding_under_torch_distributed(tmp_path):
-    """A checkpoint loaded before initialize gives exact masters; under a process group the masters stay the half
-    rounding, which DDP's broadcast of rank 0's half weights keeps equal on every rank."""
+def test_o2_masters_take_the_fp32_values_in_one_process_and_the_half_rounding_under_torch_distributed(
+    tmp_path, monkeypatch
+):
+    """A checkpoint loaded before initialize gives exact masters; under a process group of several ranks the masters
+    stay the half rounding, which DDP's broadcast of rank 0's half weights keeps equal on every rank (the group here
+    has one rank, which alone trains as one process: it is told it has two)."""
     torch.manual_seed(0)
     weight = nn.Linear(4, 4).weight.detach().clone()
 
@@ -545,6 +548,8 @@ def test_o2_masters_take_the_fp32_values_in_one_process_and_the_half_rounding_un
     assert torch.equal(masters_after_initialize(), weight)
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
+        assert torch.equal(masters_after_initialize(), weight)  # one rank: as one process
+        monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
         assert torch.equal(masters_after_initialize(), weight.half().float())
     finally:
         torch.distributed.destroy_process_group()
