@@ -2,8 +2,8 @@
 masters from rank zero's exact FP32 weights. Rank 1 builds its model with another seed (its FP32 weights differ from
 rank 0's); each case records the masters before the first step and at the end. Cases: Lightning's Trainer
 (``strategy="ddp"``), a second stage with a new plugin, a model rank 0 made half before ``fit`` (rank 1's FP32: both
-fall back to rank 0's half weights), Fabric's ``setup`` and the Accelerate adapter's ``prepare``. Every rank writes
-``$MPX_OUT/rank{r}.json``."""
+fall back to rank 0's half weights), the core ``Amp`` with and without ``rank_zero_fp32``, Fabric's ``setup`` and the
+Accelerate adapter's ``prepare``. Every rank writes ``$MPX_OUT/rank{r}.json``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_mpx import FabricMixedPrecisionPlugin, MixedPrecisionPlugin
+from lightning_mpx import Amp, FabricMixedPrecisionPlugin, MixedPrecisionPlugin
 from tests.launch import case_error, end_ranks, write_rank_results
 
 SETTINGS = {"half_dtype": "bfloat16", "loss_scale": "dynamic", "init_scale": 2.0**10}
@@ -127,6 +127,12 @@ def main() -> None:
         if rank == 0:  # made half before set-up on rank 0 only: no FP32 value there, so none on any rank
             module.to(torch.bfloat16)
         r["start"], r["end"] = fit(module, MixedPrecisionPlugin("O2", **SETTINGS))
+    with case_error(results.setdefault("core", {})) as r:  # the core engine: a collective only when asked
+        for key, agree in (("own", False), ("agreed", True)):
+            amp, module = Amp("O2", half_dtype="bfloat16"), Net(seed=rank)
+            amp.prepare_model(module, rank_zero_fp32=agree)
+            optimizer = amp.prepare_optimizer(torch.optim.SGD(module.parameters(), lr=LR))
+            r[key] = flat(amp.master_params(optimizer))
     with case_error(results.setdefault("fabric", {})) as r:
         r["start"], r["end"] = fabric_run(Net(seed=rank))
     with case_error(results.setdefault("accelerate", {})) as r:

@@ -80,6 +80,15 @@ def test_a_model_made_half_before_fit_on_rank_zero_only_falls_back_to_its_half_w
     _both(ranks, "half_on_rank0", "end")
 
 
+def test_the_core_amp_under_a_process_group_broadcasts_only_when_asked(ranks) -> None:
+    """``Amp.prepare_model`` alone makes no collective: each rank's masters are its own half weights (DDP would then
+    broadcast rank zero's); with ``rank_zero_fp32=True`` both ranks start from rank zero's FP32 weights exactly."""
+    for rank, got in enumerate(ranks):
+        own = torch.tensor(flat(Net(seed=rank).parameters()))
+        assert torch.equal(torch.tensor(got["core"]["own"]), own.bfloat16().float())
+    assert torch.equal(_both(ranks, "core", "agreed"), _fp32_weights())
+
+
 @pytest.fixture(scope="module")
 def fabric_one_process() -> torch.Tensor:
     """The masters a one-process Fabric run at O2 ends with (the same global batches)."""

@@ -119,8 +119,9 @@ class Amp(AmpParts):
         FP32 values, which the masters start from, as the Lightning, Fabric and Accelerate doors do."""
         if not isinstance(module, nn.Module):
             raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module.")
-        if not isinstance(train, bool) or not isinstance(rank_zero_fp32, bool):
-            raise TypeError(f"train={train!r} and rank_zero_fp32={rank_zero_fp32!r} must be True or False.")
+        for name, value in (("train", train), ("rank_zero_fp32", rank_zero_fp32)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name}={value!r} must be True or False.")
         return self._models.prepare(module, train=train, rank_zero_fp32=rank_zero_fp32)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -155,8 +155,6 @@ class PreparedModels:
         if props.master_weights and train:
             # The FP32 values are kept until each one's master is made, whenever (and by whichever optimizer) that is.
             weights = self.masters.add_model(module, self.names, prefix, initial if masters_from_fp32 else None)
-            if weights is not None and agreed is not None:
-                weights.ranks_agree = True  # its FP32 values are rank zero's on every rank (see sync_from_model)
             if weights is not None:
                 tables = (self._regions_hooks, self._load_hooks, self._tied_hooks, self.promotion.hooks)
                 weights.let_go = self._releases[module] = HookRelease(module, tables, self.forget)

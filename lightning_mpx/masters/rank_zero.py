@@ -35,7 +35,7 @@ def _agreed_params(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad and (p.dtype == torch.float32 or p.dtype in HALF_DTYPES)]
 
 
-def _collective_device(params: list[nn.Parameter]) -> torch.device:
+def _collective_device() -> torch.device:
     """Where the default group's broadcast runs: the current CUDA device under NCCL, else the CPU."""
     if "nccl" in str(torch.distributed.get_backend()).split(":")[-1] and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -62,7 +62,7 @@ def agree_on_rank_zero(module: nn.Module) -> dict[int, torch.Tensor]:
                 own[id(param)] = value.detach()
     sizes = [param.numel() for param in params]
     total = sum(sizes)
-    flat = torch.zeros(total + len(params), dtype=torch.float32, device=_collective_device(params))
+    flat = torch.zeros(total + len(params), dtype=torch.float32, device=_collective_device())
     with torch.no_grad():
         if rank_zero:
             offset = 0

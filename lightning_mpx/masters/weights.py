@@ -110,8 +110,6 @@ class MasterWeights:
 
     Attributes:
         workspace: The copy kernel's table cache, kept across steps.
-        ranks_agree: Whether the FP32 values these masters start from are rank zero's on every rank (the engine
-            broadcast them at set-up, :func:`~lightning_mpx.masters.rank_zero.agree_on_rank_zero`).
     """
 
     def __init__(
@@ -135,8 +133,6 @@ class MasterWeights:
         self.handed: dict[int, tuple[str, weakref.ref[torch.Tensor]]] = {}
         # Set by the engine that made these masters: removes the hooks it put on their model (see let_go).
         self.let_go: Callable[[], None] | None = None
-        # Set by the engine when every rank's FP32 values are rank zero's (agreed by one broadcast at set-up).
-        self.ranks_agree = False
         for name, param in named_parameters:
             if id(param) in self._entries or (exclude is not None and exclude(param)):
                 continue
@@ -368,12 +364,13 @@ class MasterWeights:
         """Re-take the masters from the model parameters, on the model's current device.
 
         For frameworks that move the model to its device, or broadcast rank zero's weights to every process, after
-        the masters were made. Identity is kept (an optimizer's state for them stays valid). In a single process, or
-        across processes whose FP32 values were agreed on (rank zero's, :attr:`ranks_agree`), a master keeps its exact
-        FP32 value where the model holds its rounding (the model was only moved, or given rank zero's rounding);
-        across processes otherwise every master is the model's value, so that all ranks hold rank zero's.
+        the masters were made. Identity is kept (an optimizer's state for them stays valid). In a single process a
+        master keeps its exact FP32 value where the model holds its rounding (the model was only moved); across
+        processes (a process group initialized) every master is the model's value, so that all ranks hold rank zero's.
+        The framework doors call it before any optimizer made a master: a master made after it starts from the FP32
+        value kept for it (rank zero's, when the ranks agreed on them at set-up), where the model holds its rounding.
         """
-        if not _multi_process() or self.ranks_agree:
+        if not _multi_process():
             self.refresh(force=True)  # moves each master to its parameter's device, takes what differs
             return
         with torch.no_grad():
