@@ -73,8 +73,9 @@ def test_a_second_trainer_stage_under_ddp_starts_from_the_first_stages_masters_e
 
 
 def test_a_model_made_half_before_fit_on_rank_zero_only_falls_back_to_its_half_weights_on_both_ranks(ranks) -> None:
-    """Rank zero holds no FP32 value (its model was made bfloat16 before ``fit``), rank 1 its own FP32 weights: both
-    start from rank zero's half weights, together, and train the same weights."""
+    """Rank zero holds no FP32 value (its model was made bfloat16 before ``fit``), rank 1 its own FP32 weights (rank
+    zero's a few ulps off, the same rounding): both start from rank zero's half weights, together (rank 1 does not
+    keep its own FP32 values), and train the same weights."""
     half = _fp32_weights().bfloat16().float()
     assert torch.equal(_both(ranks, "half_on_rank0", "start"), half)
     _both(ranks, "half_on_rank0", "end")
