@@ -68,14 +68,18 @@ def test_each_opt_level_trains_with_its_dtypes(level, half_name, half):
 
 def test_o2_evaluation_without_fit_makes_no_masters_and_a_later_fit_does():
     # predict/validate/test only need the half model: FP32 masters would triple its weight memory for nothing.
+    # The stage runs in half and gives the FP32 model back when it ends (a later fit's masters start from it).
     plugin = MixedPrecisionPlugin("O2", half_dtype="bfloat16")
     model = Classifier(optimizer="sgd", lr=0.1)
     trainer = make_trainer(plugin, max_epochs=2)
     data = loader(classification_data(n=64))
+    fp32 = model.net[0].weight.detach().clone()
     predictions = trainer.predict(model, data)
     trainer.validate(model, data, verbose=False)
     assert plugin.amp.master_weights == []
-    assert model.net[0].weight.dtype == torch.bfloat16 and predictions[0].dtype == torch.float32
+    assert model.hidden_dtypes == {"predict": torch.bfloat16, "val": torch.bfloat16}
+    assert predictions[0].dtype == torch.float32
+    assert model.net[0].weight.dtype == torch.float32 and torch.equal(model.net[0].weight, fp32)
 
     before = model.net[0].weight.detach().clone()
     trainer.fit(model, data)
@@ -420,7 +424,10 @@ def test_o2_evaluation_from_a_training_checkpoint_restores_the_scale_without_mas
     evaluator.validate(model, data, ckpt_path=ckpt, verbose=False)
     predictions = evaluator.predict(model, data, ckpt_path=ckpt)
     assert plugin.amp.master_weights == [] and plugin.amp.scalers[0].get_scale() == 2.0**14
-    assert_same(model.state_dict(), trained.state_dict())  # the half weights come from the checkpoint's model
+    # The stages ran the checkpoint's weights in half; the model they give back holds its FP32 weights exactly.
+    saved = torch.load(ckpt, weights_only=True)["state_dict"]
+    assert {value.dtype for value in saved.values()} == {torch.float32}
+    assert_same(model.state_dict(), saved)
     assert torch.equal(torch.cat(predictions), torch.cat(make_trainer(trained_plugin).predict(trained, data)))
 
 

@@ -11,8 +11,8 @@
   holds the half values (strict xfail).
 * Refusals a Trainer user can act on: Lightning's ``ModelPruning`` (its lottery-ticket reset writes FP32 tensors into
   the O2 model's ``param.data``) and a raw ``optimizer.step()`` at O2 (``self.optimizers(use_pl_optimizer=False)``)
-  named only the core API (``prepare_model()``, ``amp.step``). The same raw step at O1 with a dynamic float16 scale
-  applies the scaled gradients (strict xfail).
+  named only the core API (``prepare_model()``, ``amp.step``). The same raw step at O1 with a dynamic float16 scale,
+  which applied the scaled gradients, is refused too (stop 52, evalfirst).
 """
 
 from __future__ import annotations
@@ -197,13 +197,12 @@ def test_a_raw_optimizer_step_at_o2_is_refused_naming_the_lightning_optimizer() 
         trainer.fit(_RawStep(), _data())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="masters/optimizer_hooks.py: only an optimizer with FP32 masters (O2) refuses a direct step; at O1 with a "
-    "dynamic float16 scale a raw optimizer.step() (self.optimizers(use_pl_optimizer=False)) applies the scaled "
-    "gradients (x65536) and the weights turn NaN, silently (Lightning's own '16-mixed' does the same)",
-)
 def test_a_raw_optimizer_step_at_o1_float16_is_refused_or_trains_as_fp32() -> None:
+    # At O1 with the dynamic float16 scale the raw step would apply the gradients times 65536 (Lightning's own
+    # '16-mixed' does, and its weights turn NaN): refused, naming the optimizer to step, before any weight changes.
     model = _RawStep()
-    make_trainer(MixedPrecisionPlugin("O1", half_dtype=torch.float16), max_steps=1).fit(model, _data())
-    assert all(torch.isfinite(p).all() for p in model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = make_trainer(MixedPrecisionPlugin("O1", half_dtype=torch.float16), max_steps=1)
+    with pytest.raises(RuntimeError, match=r"outside Amp\.step\(\).*self\.optimizers\(use_pl_optimizer=False\)"):
+        trainer.fit(model, _data())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

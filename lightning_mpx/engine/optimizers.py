@@ -32,6 +32,7 @@ from lightning_mpx.engine.rescale import (
     resume_stepped,
 )
 from lightning_mpx.engine.sharding import Sharding
+from lightning_mpx.engine.step_guard import ScaledStepGuard
 from lightning_mpx.health.telemetry import GradTelemetry
 from lightning_mpx.masters.handover import refuse_handed
 from lightning_mpx.masters.optimizer_hooks import MasterHooks
@@ -138,6 +139,8 @@ class StepMachine:
             # moves to them.
             param_pairs(state, self.masters.weights)
             state.hooks = MasterHooks(state, self.masters).register(optimizer)
+        else:  # a direct step with scaled gradients is refused (masters' hooks refuse any direct step)
+            state.hooks = [optimizer.register_step_pre_hook(ScaledStepGuard(state, self.scalers))]
         self.optimizers[key] = state
         weakref.finalize(optimizer, self.optimizers.pop, key, None)
 

@@ -57,6 +57,7 @@ from lightning_mpx.integrations.lightning_conversion import (  # noqa: E402
     record_half_dtype,
     refuse_lazy,
 )
+from lightning_mpx.integrations.lightning_evaluation import EvaluationValues  # noqa: E402
 from lightning_mpx.integrations.lightning_gradient_readers import GradientReaders  # noqa: E402
 from lightning_mpx.integrations.lightning_manual import ManualStep  # noqa: E402
 from lightning_mpx.integrations.lightning_model_hooks import ModelHooks, note_uncast_input  # noqa: E402
@@ -140,6 +141,7 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         self._gradient_readers = GradientReaders()  # which hooks read the gradients, asked once per fit and class
         self._range_test = RangeTest()  # Lightning's learning-rate range test (Tuner.lr_find)
         self._manual_step = ManualStep()  # whether a manual-optimization training step runs (its reads end nothing)
+        self._evaluation = EvaluationValues()  # prepares the model; O2 before the first fit: FP32 values for a stage
         # Last: what this __init__ built, which pickling leaves out and rebuilds from the settings (__getstate__).
         self._built_here = frozenset(vars(self)) - inherited | {"_built_here"}
 
@@ -181,7 +183,9 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         when asked, FP32 masters; input and output casts at the model's boundary).
 
         FP32 masters are made only when the Trainer is fitting: ``validate``, ``test`` and ``predict`` get the half
-        model without them (as Lightning skips the DDP wrapper when not fitting). A later ``fit`` adds them.
+        model without them (as Lightning skips the DDP wrapper when not fitting). Before the first ``fit`` such a
+        stage keeps the FP32 values the cast replaces and puts them back when it ends, so a later ``fit`` makes its
+        masters from the exact FP32 weights.
 
         Under FSDP nothing is converted here: the model is sharded with the level's policies (FSDP2: by the user
         in ``configure_model``, before this call; FSDP1: by Lightning after it, with :attr:`mixed_precision_config`;
@@ -203,10 +207,15 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
                 self._masters_synced = False
                 self._sharded = None
             if not sharded:
-                self.amp.prepare_model(module, train=fitting, rank_zero_fp32=agree)
+                self._evaluation.prepare(self.amp, module, fitting=fitting, rank_zero_fp32=agree)
             self._module = module
-        elif not sharded and fitting and self.amp.properties.master_weights and not holds_masters(self.amp, module):
-            self.amp.prepare_model(module, train=True, rank_zero_fp32=agree)  # evaluated before, or taken over since
+        elif (
+            not sharded and self.amp.properties.master_weights and not holds_masters(self.amp, module)
+            and (fitting or self._evaluation.restored is module)
+        ):
+            # Evaluated before (made FP32 again when that stage ended), or taken over since: masters made here when
+            # fitting, from its FP32 weights; another evaluation converts the restored model again.
+            self._evaluation.prepare(self.amp, module, fitting=fitting, rank_zero_fp32=agree)
             self._masters_synced = False
         if sharded and isinstance(trainer.strategy, FSDPStrategy) and self.amp.properties.casts_model:
             if not self.amp.properties.master_weights:  # O3: FSDP shards the half model (FSDP2: shard_model does)
@@ -449,6 +458,7 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         self.amp.settle_step_outcomes()
         self._held.release()
         self._model_hooks.remove()
+        self._evaluation.restore()  # an evaluation before the first fit: the model is the user's FP32 model again
 
     # -- internals -----------------------------------------------------------------------------------------------
     def _end_iteration(self, log: bool = True) -> None:
