@@ -100,7 +100,7 @@ class Amp(AmpParts):
         ``region``, ``scale``, ``culprits``, ``parameters``)."""
         return dict(self.promotion.promoted)
 
-    def prepare_model(self, module: nn.Module, *, train: bool = True) -> nn.Module:
+    def prepare_model(self, module: nn.Module, *, train: bool = True, rank_zero_fp32: bool = False) -> nn.Module:
         """Convert ``module`` for the opt level (in place) and return it: half at O2/O3 (batch norm FP32 when
         ``keep_batchnorm_fp32``), half parameters FP32 at O0, as it is at O1. At O2 the FP32 masters of the
         parameters an optimizer holds are made by :meth:`prepare_optimizer` (a half submodule no optimizer trains
@@ -111,12 +111,18 @@ class Amp(AmpParts):
         model) is not converted and gets no masters: FSDP's mixed-precision policy computes in half and, at O2, its
         sharded FP32 parameters are the masters. Its policies are checked against the opt level
         (:func:`lightning_mpx.integrations.fsdp.check_sharded_model`), and the scaler then works on each rank's shards
-        with one all-reduce per step (the overflow flags and the global gradient norm)."""
+        with one all-reduce per step (the overflow flags and the global gradient norm).
+
+        Under a process group of several ranks the masters start from the half weights (each rank's FP32 values may
+        differ; DDP broadcasts rank zero's half weights), unless ``rank_zero_fp32``: then one FP32 broadcast (a
+        collective: call it on every rank together, before DDP wraps the model) gives every rank rank zero's exact
+        FP32 values, which the masters start from, as the Lightning, Fabric and Accelerate doors do."""
         if not isinstance(module, nn.Module):
             raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module.")
-        if not isinstance(train, bool):
-            raise TypeError(f"train={train!r} must be True or False.")
-        return self._models.prepare(module, train=train)
+        for name, value in (("train", train), ("rank_zero_fp32", rank_zero_fp32)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name}={value!r} must be True or False.")
+        return self._models.prepare(module, train=train, rank_zero_fp32=rank_zero_fp32)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Register ``optimizer`` (prepare its model first); for O2 its parameters become the FP32 masters (those

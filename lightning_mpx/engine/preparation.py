@@ -26,6 +26,7 @@ from lightning_mpx.engine.sharding import Sharding, is_sharded, parameter_names
 from lightning_mpx.health.forensics import OverflowForensics
 from lightning_mpx.health.promotion import Promotion, _Fp32Boundary, _module_to_fp32, matches
 from lightning_mpx.masters.handover import HookRelease, let_go_of, masters_of
+from lightning_mpx.masters.rank_zero import agree_on_rank_zero, several_ranks
 from lightning_mpx.masters.store import Masters
 from lightning_mpx.masters.watch import WatchedParameter, release_masters
 from lightning_mpx.masters.weights import _multi_process, convert_module
@@ -94,7 +95,7 @@ class PreparedModels:
         # O2: what takes this engine's hooks off each model it holds the masters of, once another engine took them.
         self._releases: weakref.WeakKeyDictionary[nn.Module, HookRelease] = weakref.WeakKeyDictionary()
 
-    def prepare(self, module: nn.Module, *, train: bool) -> nn.Module:
+    def prepare(self, module: nn.Module, *, train: bool, rank_zero_fp32: bool = False) -> nn.Module:
         """:meth:`Amp.prepare_model <lightning_mpx.engine.amp.Amp.prepare_model>` (arguments checked)."""
         if self._device_pending and self._device_model is None:
             self._device_model = weakref.ref(module)  # its device is read at the first forward
@@ -118,9 +119,12 @@ class PreparedModels:
             self.names.setdefault(id(param), prefix + name)
         self._unsharded[module] = [id(param) for param in module.parameters()]
         self.forensics.watch.add_model(module, prefix)
-        # FP32 values held through the cast: the trainable parameters' for their masters (O2, one process) and the
-        # fp32_modules' own; not those of the other frozen ones (a LoRA base), which would raise the cast's peak memory.
-        masters_from_fp32 = props.master_weights and train and not _multi_process()
+        # FP32 values held through the cast: the trainable parameters' for their masters (O2: one process, or rank
+        # zero's on every rank, agreed by one broadcast) and the fp32_modules' own; not those of the other frozen ones
+        # (a LoRA base), which would raise the cast's peak memory.
+        agree = rank_zero_fp32 and props.master_weights and train and several_ranks()
+        agreed = agree_on_rank_zero(module) if agree else None
+        masters_from_fp32 = props.master_weights and train and (agreed is not None or not _multi_process())
         before_cast = {}
         tied: list[nn.Module] = []
         if props.casts_model:
@@ -133,7 +137,9 @@ class PreparedModels:
                     continue
                 if param.dtype != torch.float32 and type(param) is WatchedParameter:
                     continue
-                if id(param) in pinned or masters_from_fp32 and param.requires_grad:
+                # Under a process group, only the values the ranks agreed on (rank zero's: see masters/rank_zero.py).
+                kept = masters_from_fp32 and param.requires_grad and (agreed is None or id(param) in agreed)
+                if id(param) in pinned or kept:
                     before_cast[id(param)] = param.data if param.dtype == torch.float32 else param.data.float()
         buffers = _fp32_buffers(module) if props.casts_model and self.promotion.patterns else None
         _convert(module, props)
@@ -147,7 +153,7 @@ class PreparedModels:
                 release_masters(module)
             else:  # O1 trains FP32 weights: the masters' exact values (a .data cast of a watched one takes them)
                 _fp32_from_masters(module)
-        initial = _keep_fp32_values(module, before_cast)
+        initial = _keep_fp32_values(module, before_cast, agreed)
         if props.casts_model:  # one half parameter, looked at each forward: the dtype prepare_model() gave the model
             marks, key = self._half_marks, id(module)
             ref = weakref.ref(module, lambda ref: marks.pop(key) if marks.get(key, (None,))[0] is ref else None)
@@ -373,13 +379,18 @@ def _keep_fp32_buffers(module: nn.Module, before: dict[tuple[int, str], torch.Te
                 sub._buffers[name] = value
 
 
-def _keep_fp32_values(module: nn.Module, before_cast: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+def _keep_fp32_values(
+    module: nn.Module, before_cast: dict[int, torch.Tensor], agreed: dict[int, torch.Tensor] | None = None
+) -> dict[int, torch.Tensor]:
     """After the cast to half: parameters FP32 again (``fp32_modules``) take back the exact values they held
-    before it, not their rounding; returns the FP32 values of the half parameters, for their masters."""
+    before it, not their rounding; returns the FP32 values of the half parameters, for their masters (``agreed``:
+    rank zero's, for the parameters half before the cast too, a second stage's)."""
     initial = {}
     with torch.no_grad():
         for param in module.parameters():
             value = before_cast.get(id(param))
+            if value is None and agreed is not None:
+                value = agreed.get(id(param))
             if value is None or value.shape != param.shape:
                 continue
             if param.dtype == torch.float32 and param.data_ptr() != value.data_ptr():

@@ -311,7 +311,8 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
             self._converted.add(adopted)  # prepared by an engine before free_memory() or a pickle: now by this one
         if self.amp is None or getattr(model, "_is_accelerate_prepared", False) or model in self._converted:
             if self.amp is not None and model in self._converted and not evaluation_mode:
-                self.amp.prepare_model(model, train=True)  # prepared for evaluation before: masters now (once)
+                # prepared for evaluation before: masters now (once), from rank zero's FP32 weights as below
+                self.amp.prepare_model(model, train=True, rank_zero_fp32=self.num_processes > 1)
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         place = self.device_placement if device_placement is None else device_placement
         if place and not self.verify_device_map(model):
@@ -319,7 +320,9 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
             model.to(self.device)
         holders = holding(self.amp, self._amp_optimizers(), model, train=not evaluation_mode)  # prepared before it
         with keeping_grads(model):  # accumulated before it was prepared (its optimizer was): not dropped
-            self.amp.prepare_model(model, train=not evaluation_mode)  # no FP32 masters for a model only evaluated
+            # No FP32 masters for a model only evaluated. Every rank prepares together, before DDP wraps the model:
+            # the masters start from rank zero's exact FP32 weights (one broadcast), not from their half rounding.
+            self.amp.prepare_model(model, train=not evaluation_mode, rank_zero_fp32=self.num_processes > 1)
         pair_again(self.amp, holders)  # their masters for its parameters, now half
         self._converted.add(model)
         install_forward(self.amp, model)

@@ -78,6 +78,7 @@ from lightning_mpx.settings import MixedPrecisionSettings, SettingsKeywords, key
 
 require("lightning.fabric", extra="lightning", feature="lightning_mpx.FabricMixedPrecisionPlugin")
 
+from lightning.fabric import Fabric  # noqa: E402
 from lightning.fabric.plugins.precision.fsdp import FSDPPrecision  # noqa: E402
 from lightning.fabric.wrappers import _FabricOptimizer  # noqa: E402
 from lightning_utilities.core.apply_func import apply_to_collection  # noqa: E402
@@ -221,7 +222,11 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
         if module in self._modules:  # set up before: at O2 unsharded, again if another plugin took its masters since
             if not self.amp.properties.master_weights or self.amp.sharded or holds_masters(self.amp, module):
                 return module
-        refuse_o2_sharding(self.amp, sys._getframe(1).f_locals.get("self"))  # the caller: fabric.setup, or not Fabric
+        caller = sys._getframe(1).f_locals.get("self")  # fabric.setup's Fabric, or not a Fabric
+        refuse_o2_sharding(self.amp, caller)
+        # fabric.setup under DDP: every rank is here together, before the strategy wraps the model; the masters start
+        # from rank zero's exact FP32 weights (one broadcast), not from their half rounding that DDP broadcasts.
+        agree = isinstance(caller, Fabric) and caller.world_size > 1
         props = self.amp.properties
         if props.casts_model and not has_floating_parameters(module):
             # A parameter-free wrapper (nn.Identity, a model of buffers): nothing to train in half and no masters,
@@ -247,7 +252,7 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
             finally:
                 self.amp.sharded = True
         else:
-            self.amp.prepare_model(module)
+            self.amp.prepare_model(module, rank_zero_fp32=agree)
         if props.casts_model:  # sharded too (a model set up after the engine took a sharded one): the weights' dtype
             record_half_dtype(module, props.half_dtype)  # LightningModule.dtype: the weights', as Fabric's "bf16-true"
         # The model is moved to its device (and, under DDP, given rank zero's weights) after this: its masters are

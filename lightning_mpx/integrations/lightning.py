@@ -195,6 +195,9 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
             raise TypeError(_NOT_FOR_FABRIC.format(what=f"module={type(module).__name__} is not a LightningModule"))
         fitting = trainer is None or trainer.state.fn == "fit"
         sharded = trainer is not None and shards_model(trainer.strategy)
+        # Under DDP every rank is here together, before DDP wraps the model: the masters start from rank zero's exact
+        # FP32 weights (one broadcast), not from their half rounding that DDP broadcasts.
+        agree = trainer is not None and trainer.world_size > 1
         if not sharded and fitting and self.amp.properties.master_weights:
             refuse_lazy(module, "trainer.fit")  # a clear error, not the engine's on a parameter without a shape
         if module is not self._module:
@@ -204,7 +207,7 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
                 self._masters_synced = False
                 self._sharded = None
             if not sharded:
-                self._evaluation.prepare(self.amp, module, fitting=fitting)
+                self._evaluation.prepare(self.amp, module, fitting=fitting, rank_zero_fp32=agree)
             self._module = module
         elif (
             not sharded and self.amp.properties.master_weights and not holds_masters(self.amp, module)
@@ -212,7 +215,7 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         ):
             # Evaluated before (made FP32 again when that stage ended), or taken over since: masters made here when
             # fitting, from its FP32 weights; another evaluation converts the restored model again.
-            self._evaluation.prepare(self.amp, module, fitting=fitting)
+            self._evaluation.prepare(self.amp, module, fitting=fitting, rank_zero_fp32=agree)
             self._masters_synced = False
         if sharded and isinstance(trainer.strategy, FSDPStrategy) and self.amp.properties.casts_model:
             if not self.amp.properties.master_weights:  # O3: FSDP shards the half model (FSDP2: shard_model does)

@@ -42,11 +42,11 @@ class EvaluationValues:
         half: a next stage prepares it again."""
         return self._restored() if self._restored is not None else None
 
-    def prepare(self, amp: Any, module: nn.Module, *, fitting: bool) -> None:
-        """``amp.prepare_model(module, train=fitting)``; at O2 not fitting, with the FP32 values the cast replaces
-        kept until :meth:`restore`."""
+    def prepare(self, amp: Any, module: nn.Module, *, fitting: bool, rank_zero_fp32: bool = False) -> None:
+        """``amp.prepare_model(module, train=fitting, rank_zero_fp32=rank_zero_fp32)``; at O2 not fitting, with the
+        FP32 values the cast replaces kept until :meth:`restore`."""
         if fitting or not amp.properties.master_weights:
-            amp.prepare_model(module, train=fitting)
+            amp.prepare_model(module, train=fitting, rank_zero_fp32=rank_zero_fp32)
             return
         before = self.keep(module)
         amp.prepare_model(module, train=False)

@@ -367,6 +367,8 @@ class MasterWeights:
         the masters were made. Identity is kept (an optimizer's state for them stays valid). In a single process a
         master keeps its exact FP32 value where the model holds its rounding (the model was only moved); across
         processes (a process group initialized) every master is the model's value, so that all ranks hold rank zero's.
+        The framework doors call it before any optimizer made a master: a master made after it starts from the FP32
+        value kept for it (rank zero's, when the ranks agreed on them at set-up), where the model holds its rounding.
         """
         if not _multi_process():
             self.refresh(force=True)  # moves each master to its parameter's device, takes what differs

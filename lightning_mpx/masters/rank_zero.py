@@ -1,0 +1,88 @@
+"""Rank zero's exact FP32 weights for every rank's O2 masters, when a framework sets a model up under DDP.
+
+Under a ``torch.distributed`` process group the strategy broadcasts rank zero's *half* weights after the model was
+converted, so masters taken from each rank's own FP32 values could differ between ranks, and masters taken from the
+half weights start 1e-3 (bfloat16's relative rounding) off the FP32 model. :func:`agree_on_rank_zero`, called by the
+framework doors (the Lightning plugin's ``convert_module`` under DDP, Fabric's ``setup``, the Accelerate adapter's
+``prepare``) at a point every rank passes together, makes one FP32 broadcast of rank zero's values with a flag per
+parameter in the same tensor: every rank's masters then start from rank zero's exact FP32 values, and its half
+weights are their rounding (what DDP then broadcasts). A parameter whose FP32 value rank zero does not hold (a model
+made half before set-up, ``release_masters`` on rank 0 only before a second stage) is flagged off on every rank
+together: its masters start from the half weights everywhere. The core ``Amp`` makes the broadcast only when asked
+(``prepare_model(..., rank_zero_fp32=True)``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_mpx.common.dtypes import HALF_DTYPES
+from lightning_mpx.masters.watch import carried_value
+
+__all__ = ["agree_on_rank_zero", "several_ranks"]
+
+
+def several_ranks() -> bool:
+    """Whether an initialized ``torch.distributed`` default process group holds more than one process."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _agreed_params(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters whose FP32 values the ranks agree on: the trainable FP32 and half ones (as DDP, the same list
+    on every rank)."""
+    return [p for p in module.parameters() if p.requires_grad and (p.dtype == torch.float32 or p.dtype in HALF_DTYPES)]
+
+
+def _collective_device() -> torch.device:
+    """Where the default group's broadcast runs: the current CUDA device under NCCL, else the CPU."""
+    if "nccl" in str(torch.distributed.get_backend()).split(":")[-1] and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree_on_rank_zero(module: nn.Module) -> dict[int, torch.Tensor]:
+    """Broadcast rank zero's FP32 values of ``module``'s trainable parameters (one collective: call it on every rank
+    together, with the same model); returns, by ``id`` of the parameter, the FP32 value its master starts from, for
+    the parameters rank zero holds one for (an FP32 parameter's own value, or the FP32 value a half parameter's
+    engine or deep copy keeps beyond it). On the other ranks those parameters are written with rank zero's value (a
+    half one with its rounding), so every rank's model is rank zero's before the strategy wraps it. The others get
+    no entry on any rank: their masters start from the half weights the strategy broadcasts."""
+    dist = torch.distributed
+    params = _agreed_params(module)
+    if not params:
+        return {}
+    rank_zero = dist.get_rank() == 0
+    own: dict[int, torch.Tensor] = {}
+    if rank_zero:
+        for param in params:
+            value = param.detach() if param.dtype == torch.float32 else carried_value(param)
+            if value is not None and value.shape == param.shape:
+                own[id(param)] = value.detach()
+    sizes = [param.numel() for param in params]
+    total = sum(sizes)
+    flat = torch.zeros(total + len(params), dtype=torch.float32, device=_collective_device())
+    with torch.no_grad():
+        if rank_zero:
+            offset = 0
+            for index, (param, size) in enumerate(zip(params, sizes)):
+                if id(param) in own:
+                    flat[offset : offset + size].copy_(own[id(param)].reshape(-1))
+                    flat[total + index] = 1.0
+                offset += size
+        dist.broadcast(flat, src=0)  # the values and their flags in one collective
+        flags = flat[total:].tolist()
+        agreed: dict[int, torch.Tensor] = {}
+        offset = 0
+        for param, size, flag in zip(params, sizes, flags):
+            start, offset = offset, offset + size
+            if not flag:
+                continue
+            if rank_zero:
+                agreed[id(param)] = own[id(param)]
+                continue
+            value = flat[start:offset].view(param.shape)
+            param.detach().copy_(value)  # FP32: rank zero's value; half: its rounding, as DDP broadcasts it
+            agreed[id(param)] = param.detach() if param.dtype == torch.float32 else value.to(param.device, copy=True)
+    return agreed
