@@ -14,6 +14,8 @@ together: its masters start from the half weights everywhere. The core ``Amp`` m
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -42,6 +44,44 @@ def _collective_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _digest(params: list[nn.Parameter]) -> int:
+    """A number for the list of shapes (order included), the same on every rank that holds the same list."""
+    digest = 0
+    for param in params:
+        for size in (param.dim(), *param.shape):
+            digest = (digest * 1_000_003 + size + 1) % (2**61 - 1)
+    return digest
+
+
+def _same_on_every_rank(module: nn.Module, params: list[nn.Parameter]) -> None:
+    """Raise ``ValueError`` on every rank when the ranks' lists of trainable parameters differ (count or shapes): a
+    model built differently on one rank, a parameter frozen on one rank only. One small collective; a second, on
+    every rank together, only when they differ, to name the first parameter that does."""
+    dist = torch.distributed
+    mine = torch.tensor([len(params), sum(p.numel() for p in params), _digest(params)], dtype=torch.int64)
+    every = [torch.zeros_like(mine, device=_collective_device()) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine.to(_collective_device()))
+    if all(torch.equal(other.cpu(), mine) for other in every):
+        return
+    names = {id(p): name for name, p in module.named_parameters()}
+    shapes = [(names.get(id(p), "?"), tuple(p.shape)) for p in params]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, shapes)
+    first = ""
+    for index in range(max(len(shapes) for shapes in gathered)):
+        found = [shapes[index] if index < len(shapes) else None for shapes in gathered]
+        if len({value[1] if value else None for value in found}) > 1:  # by shape (names may differ)
+            each = ", ".join(f"{value} on rank {rank}" for rank, value in enumerate(found))
+            first = f"parameter {index} (name, shape): {each}"
+            break
+    counts = ", ".join(f"rank {r}: {len(s)}" for r, s in enumerate(gathered))
+    raise ValueError(
+        f"module={type(module).__name__} differs between the ranks of the process group (trainable parameters: "
+        f"{counts}; {first}): DDP trains the same model on every rank. Build it the same way on every rank, with the "
+        "same parameters frozen (requires_grad=False), before setting it up."
+    )
+
+
 def agree_on_rank_zero(module: nn.Module) -> dict[int, torch.Tensor]:
     """Broadcast rank zero's FP32 values of ``module``'s trainable parameters (one collective: call it on every rank
     together, with the same model); returns, by ``id`` of the parameter, the FP32 value its master starts from, for
@@ -51,6 +91,7 @@ def agree_on_rank_zero(module: nn.Module) -> dict[int, torch.Tensor]:
     no entry on any rank: their masters start from the half weights the strategy broadcasts."""
     dist = torch.distributed
     params = _agreed_params(module)
+    _same_on_every_rank(module, params)  # a clear error on every rank, not a mismatched broadcast (abort or hang)
     if not params:
         return {}
     rank_zero = dist.get_rank() == 0
