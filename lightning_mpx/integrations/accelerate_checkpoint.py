@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_mpx.engine.amp import Amp
+from lightning_mpx.integrations.fp32_export import masters_into
 
 __all__ = [
     "AMP_STATE_NAME",
@@ -24,29 +25,6 @@ __all__ = [
 
 #: The file that ``save_state`` writes the :class:`~lightning_mpx.engine.amp.Amp` state to.
 AMP_STATE_NAME = "lightning_mpx_amp.bin"
-
-
-def masters_into(amp: Amp, module: nn.Module, state: dict[str, Any]) -> list[str]:
-    """At O2, put the FP32 masters in place of the half weights in ``state`` (``module``'s state dict), in place: the
-    weights training produced, FP32 as Accelerate's own ``"bf16"``/``"fp16"`` give them, for ``get_state_dict``,
-    ``save_model`` and the model files of ``save_state`` (whose O2 resume takes them to the masters exactly).
-
-    The masters are handed as they are, not copied; an entry without an FP32 value (a frozen half parameter, a LoRA
-    base; a half buffer; a model prepared for evaluation only) stays as the model holds it: its upcast would add no
-    information and, for a LoRA base, twice the base's memory on its device at every save. Returns the keys replaced."""
-    if not amp.properties.master_weights or amp.sharded:
-        return []
-    amp.refresh_masters()  # writes made to the model since the last step, as the step will take them
-    fp32: dict[int, torch.Tensor] = {}
-    for weights in amp._masters.prune():
-        fp32.update(weights.fp32_values())  # by id of the half parameter: its master (or the FP32 value kept for it)
-    replaced: list[str] = []
-    for key, value in module.state_dict(keep_vars=True).items() if fp32 else ():
-        master = fp32.get(id(value)) if isinstance(value, torch.Tensor) else None
-        if master is not None and key in state:
-            state[key] = master.detach()
-            replaced.append(key)
-    return replaced
 
 
 def warn_frozen_half(amp: Amp, module: nn.Module, state: dict[str, Any], call: str) -> None:

@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from lightning_mpx.engine.amp import Amp
-from lightning_mpx.integrations.accelerate_checkpoint import masters_into
+from lightning_mpx.integrations.fp32_export import masters_into
 
 __all__ = ["holds_masters", "masters_into_checkpoint", "record_half_dtype", "refuse_lazy"]
 
@@ -71,7 +71,7 @@ def holds_masters(amp: Amp, module: nn.Module) -> bool:
 def masters_into_checkpoint(amp: Amp, module: nn.Module, checkpoint: dict[str, Any], own: Any = None) -> None:
     """Put ``module``'s FP32 masters in place of its half weights in ``checkpoint["state_dict"]`` (Lightning's copy of
     ``module.state_dict()``) when ``amp`` trains it at O2 (not sharded: FSDP's state dict is FP32 already), as the
-    Accelerate adapter's checkpoints do (:func:`~lightning_mpx.integrations.accelerate_checkpoint.masters_into`: a
+    Accelerate adapter's checkpoints do (:func:`~lightning_mpx.integrations.fp32_export.masters_into`: a
     frozen half parameter or a half buffer stays half). A resume at O2 or O3 loads them into the half model (their
     rounding, which it holds already); the masters come from the plugin's own entry, ``own`` (its ``state_dict()``),
     whose copies of the masters are replaced by the same tensors, so that the file holds each master once."""
