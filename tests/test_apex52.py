@@ -108,17 +108,13 @@ def test_o1_a_chain_given_up_after_a_block_leaves_that_block_out(through_model, 
     """O1 keeps earlier blocks' gradients aside as O2 does: a block, a delay_unscale block, ``zero_grad`` (a batch
     dropped mid-accumulation, through the model or the optimizer, either way), a new block and the step train on
     the new block alone, as the FP32 reference; the given-up chain counts no iteration for its loss."""
-    machine = stateful.ApexAgainstReference()
-    machine.setup(level="O1", optimizer="sgd")
-    try:
+    with stateful.replayed("O1") as machine:
         machine.block(seed=0, loss_id=0, delay=False, poison=None)
         machine.block(seed=1, loss_id=0, delay=True, poison=None)
         machine.zero_grad(set_to_none=set_to_none, through_model=through_model)
         machine.block(seed=2, loss_id=0, delay=False, poison=None)
         machine.step()
         machine.scales_steps_and_learning_rates_agree()
-    finally:
-        machine.teardown()
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
@@ -126,16 +122,12 @@ def test_a_chain_given_up_through_the_model_counts_nothing_for_its_loss(level):
     """``model.zero_grad(set_to_none=False)`` after a delay_unscale block of loss 0, then a block of loss 1 and the
     step: loss 0's scale counts no iteration without overflow (Apex updated a scaler only at the end of a block it
     unscaled); loss 1's counts one."""
-    machine = stateful.ApexAgainstReference()
-    machine.setup(level=level, optimizer="sgd")
-    try:
+    with stateful.replayed(level) as machine:
         machine.block(seed=0, loss_id=0, delay=True, poison=None)
         machine.zero_grad(set_to_none=False, through_model=True)
         machine.block(seed=1, loss_id=1, delay=False, poison=None)
         machine.step()
         machine.scales_steps_and_learning_rates_agree()
-    finally:
-        machine.teardown()
 
 
 def test_a_scaling_of_a_delayed_blocks_gradients_keeps_the_stash():

@@ -27,6 +27,7 @@ A resume restores everything bit for bit. Nothing changes dtype.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 from typing import Any
@@ -413,20 +414,27 @@ class ApexAgainstReference(RuleBasedStateMachine):
 ApexAgainstReference.TestCase.settings = stateful_settings(max_examples=16, steps=18)
 test_apex_api_against_plain_torch_reference = ApexAgainstReference.TestCase
 
+@contextlib.contextmanager
+def replayed(level: str, optimizer: str = "sgd"):
+    """One :class:`ApexAgainstReference` set up at ``level`` for a sequence written out by hand, torn down after."""
+    machine = ApexAgainstReference()
+    machine.setup(level=level, optimizer=optimizer)
+    try:
+        yield machine
+    finally:
+        machine.teardown()
+
+
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_a_wrong_step_breaks_the_comparison(level):
     # A step 1% too long fails the update's tolerance.
-    machine = ApexAgainstReference()
-    machine.setup(level=level, optimizer="sgd")
-    try:
+    with replayed(level) as machine:
         machine.block(seed=0, loss_id=0, delay=True, poison=None)
         machine.block(seed=1, loss_id=0, delay=False, poison=None)
         machine.ours.opt.param_groups[0]["lr"] *= 1.01  # the reference's stays as it was
         with pytest.raises(AssertionError, match="update off by"):
             machine.step()
-    finally:
-        machine.teardown()
 
 
 # -- what the random sequences found, each written out ----------------------------------------------------------------
@@ -435,9 +443,7 @@ def test_o2_gradients_zeroed_during_a_delayed_chain_are_gone_from_the_step(throu
     """Found by the sequences: at O2, a block, then a ``delay_unscale`` block given up (``zero_grad``: a batch dropped
     mid-accumulation), then a new iteration's block and the step. The first block's FP32 gradients, kept aside in the
     stash while the delayed block ran, were added back after the zero_grad: the step trained on discarded gradients."""
-    machine = ApexAgainstReference()
-    machine.setup(level="O2", optimizer="sgd")
-    try:
+    with replayed("O2") as machine:
         machine.block(seed=0, loss_id=0, delay=False, poison=None)
         machine.block(seed=1, loss_id=0, delay=True, poison=None)
         (machine.ours.model if through_model else machine.ours.opt).zero_grad(set_to_none=set_to_none)
@@ -445,8 +451,6 @@ def test_o2_gradients_zeroed_during_a_delayed_chain_are_gone_from_the_step(throu
         machine.chain = None
         machine.block(seed=2, loss_id=0, delay=False, poison=None)
         machine.step()  # the update as the reference's, which dropped the first block's gradients
-    finally:
-        machine.teardown()
 
 
 @pytest.mark.parametrize(("through_model", "set_to_none"), [(True, False), (True, True), (False, False)])
@@ -454,15 +458,11 @@ def test_o2_a_block_zeroed_before_the_step_is_not_added_back(through_model, set_
     """Found by the sequences: at O2, a block, ``model.zero_grad()`` (a batch dropped before its step), a new block,
     the step. The first block's FP32 master gradients, which the zero_grad had not reached, were kept aside and added
     to the new block's: the step used both."""
-    machine = ApexAgainstReference()
-    machine.setup(level="O2", optimizer="sgd")
-    try:
+    with replayed("O2") as machine:
         machine.block(seed=0, loss_id=0, delay=False, poison=None)
         machine.zero_grad(set_to_none=set_to_none, through_model=through_model)
         machine.block(seed=1, loss_id=0, delay=False, poison=None)
         machine.step()  # the reference's: the second block's gradients only
-    finally:
-        machine.teardown()
 
 
 def test_o2_model_zero_grad_in_place_during_a_delayed_chain_drops_the_stash():
@@ -473,16 +473,12 @@ def test_o2_a_clip_of_the_masters_is_what_a_loop_without_zero_grad_keeps():
     """Found by the sequences: at O2, ``clip_grad_norm_(amp.master_params(opt), c)``, a step, then the next block
     without ``zero_grad()`` (gradients accumulate as in FP32). The next step added the unclipped gradients of the
     step before (the model's half copy, made before the clip), not the clipped ones Apex's FP32 masters kept."""
-    machine = ApexAgainstReference()
-    machine.setup(level="O2", optimizer="sgd")
-    try:
+    with replayed("O2") as machine:
         machine.block(seed=0, loss_id=0, delay=False, poison=None)
         machine.clip(max_norm=0.05)
         machine.step()
         machine.block(seed=1, loss_id=0, delay=False, poison=None)
         machine.step()  # the reference's: the clipped gradients plus the new ones
-    finally:
-        machine.teardown()
 
 
 def test_o1_an_overflow_is_charged_to_its_own_loss():
@@ -490,16 +486,12 @@ def test_o1_an_overflow_is_charged_to_its_own_loss():
     the step (skipped). Loss 1's scale backs off; loss 0's counts an iteration without overflow. At O1 loss 0's
     scale backed off too (the step is skipped either way): its blocks re-checked the gradients loss 1's left; O1 now
     keeps them aside as O2 does (Apex's stash)."""
-    machine = ApexAgainstReference()
-    machine.setup(level="O1", optimizer="sgd")
-    try:
+    with replayed("O1") as machine:
         machine.block(seed=0, loss_id=1, delay=False, poison=float("inf"))
         machine.block(seed=1, loss_id=0, delay=False, poison=None)
         machine.block(seed=2, loss_id=0, delay=False, poison=None)
         machine.step()
         machine.scales_steps_and_learning_rates_agree()
-    finally:
-        machine.teardown()
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
@@ -550,9 +542,7 @@ def test_a_discarded_delayed_chain_does_not_count_for_its_loss_scale():
     """Apex updates a loss's scaler only at the end of a block without ``delay_unscale``: a delayed block whose
     gradients are zeroed (a batch dropped mid-accumulation) leaves that loss's ``unskipped`` count alone. Here loss 0
     counts one more iteration without overflow (its scale grows one iteration early)."""
-    machine = ApexAgainstReference()
-    machine.setup(level="O1", optimizer="sgd")
-    try:
+    with replayed("O1") as machine:
         machine.block(seed=0, loss_id=0, delay=True, poison=None)
         machine.ours.opt.zero_grad(set_to_none=False)
         machine.ref.zero_grad()
@@ -560,5 +550,3 @@ def test_a_discarded_delayed_chain_does_not_count_for_its_loss_scale():
         machine.block(seed=1, loss_id=1, delay=False, poison=None)
         machine.step()
         machine.scales_steps_and_learning_rates_agree()
-    finally:
-        machine.teardown()
