@@ -307,7 +307,10 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
         (with FSDP1: the level's casts before Accelerate wraps the model, the engine on the wrapped model)."""
         if self.amp is not None and self.distributed_type == DistributedType.FSDP:
             return self._prepare_fsdp1_model(model, device_placement, evaluation_mode)
-        if self.amp is not None and (adopted := take_over(self.amp, model, train=not evaluation_mode)) is not None:
+        agree = self.num_processes > 1  # every rank's masters from rank zero's FP32 values (one broadcast)
+        train = not evaluation_mode
+        adopted = None if self.amp is None else take_over(self.amp, model, train=train, rank_zero_fp32=agree)
+        if adopted is not None:
             self._converted.add(adopted)  # prepared by an engine before free_memory() or a pickle: now by this one
         if self.amp is None or getattr(model, "_is_accelerate_prepared", False) or model in self._converted:
             if self.amp is not None and model in self._converted and not evaluation_mode:

@@ -24,6 +24,7 @@ from lightning_mpx.common.containers import _cast_collection
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.optimizer_state import optimizer_params
+from lightning_mpx.masters.rank_zero import agree_on_rank_zero, several_ranks
 
 require("accelerate", feature="lightning_mpx.accelerate")
 from accelerate.utils import extract_model_from_parallel, is_compiled_module  # type: ignore[import-untyped]  # noqa: E402
@@ -190,7 +191,7 @@ def engine_of(model: nn.Module, default: Amp) -> Amp:
     return forward._amp if isinstance(forward, AmpForward) else default
 
 
-def take_over(amp: Amp, model: nn.Module, *, train: bool) -> nn.Module | None:
+def take_over(amp: Amp, model: nn.Module, *, train: bool, rank_zero_fp32: bool = False) -> nn.Module | None:
     """Hand ``model`` to ``amp`` when another engine prepared it, and return the module that ``amp`` prepared
     (``None``: nothing to hand over).
 
@@ -198,7 +199,12 @@ def take_over(amp: Amp, model: nn.Module, *, train: bool) -> nn.Module | None:
     ``Accelerator.free_memory()`` (or a pickle) gives the Accelerator a fresh engine; preparing it again is the habit
     of a training function that is retried (``find_executable_batch_size``). The new engine prepares it, its forward
     is replaced, and at O2 the new masters start from the old engine's FP32 masters, exactly (a copy's engine, of a
-    pickle or a deep copy, has none: they start from the half weights)."""
+    pickle or a deep copy, has none: they start from the half weights).
+
+    ``rank_zero_fp32`` (call it on every rank together): under a process group the masters start from rank zero's
+    values on every rank (one broadcast, ``masters/rank_zero.py``), as ``prepare`` does; each rank's own would differ
+    where one rank loaded other weights (a checkpoint read on rank 0 only), and a model kept wrapped is not
+    broadcast by DDP again."""
     inner = extract_model_from_parallel(model, keep_fp32_wrapper=True, keep_torch_compile=True)
     target = inner._orig_mod if is_compiled_module(inner) else inner
     forward = target.__dict__.get("forward")
@@ -211,11 +217,17 @@ def take_over(amp: Amp, model: nn.Module, *, train: bool) -> nn.Module | None:
         # kept for masters not made yet (a model prepared for training before any optimizer). A copy's forward-only
         # engine has neither: its half values are the weights.
         fp32 = old.fp32_state_dict(inner)
-        weights = {
-            name: fp32[name]
-            for name, param in inner.named_parameters()
-            if param.requires_grad and name in fp32 and not torch.equal(fp32[name], param.detach().float())
-        }
+        named = dict(inner.named_parameters())
+        if rank_zero_fp32 and several_ranks():  # rank zero's value (its master, else its half weight) on every rank
+            names = {id(param): name for name, param in named.items()}
+            agreed = agree_on_rank_zero(inner, lambda param: fp32.get(names[id(param)], param.detach().float()))
+            weights = {name: agreed[id(param)] for name, param in named.items() if id(param) in agreed}
+        else:
+            weights = {
+                name: fp32[name]
+                for name, param in named.items()
+                if param.requires_grad and name in fp32 and not torch.equal(fp32[name], param.detach().float())
+            }
     target.forward = target.__dict__.pop("_original_forward", forward._forward)
     amp.prepare_model(inner, train=train)
     install_forward(amp, inner)

@@ -9,6 +9,12 @@ ends (:meth:`EvaluationValues.restore`, at the plugin's ``teardown``): between s
 user gave, so a later ``fit`` makes its masters from it exactly and a model only ever evaluated keeps nothing extra.
 The cost: during the stage the FP32 values stay where they were (host memory, as Lightning casts the model before
 moving it to its device) next to the half copy the stage runs.
+
+Under DDP Lightning does not wrap the model for an evaluation but broadcasts rank zero's parameters and buffers after
+the cast (``_sync_module_states``): rank 1's half tensors became rank zero's, and the stage's end gave rank 1 their
+rounding in FP32, not rank zero's FP32 values. :meth:`EvaluationValues.prepare` makes that same broadcast once before
+the cast, in FP32 (``rank_zero_fp32``): every rank holds rank zero's exact values, the cast rounds them alike, and
+every rank ends the stage with rank zero's FP32 values (its own, where the ranks agreed before).
 """
 
 from __future__ import annotations
@@ -18,8 +24,11 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
+from lightning.pytorch.overrides.distributed import _sync_module_states
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+from lightning_mpx.masters.rank_zero import several_ranks
 
 __all__ = ["EvaluationValues"]
 
@@ -44,10 +53,13 @@ class EvaluationValues:
 
     def prepare(self, amp: Any, module: nn.Module, *, fitting: bool, rank_zero_fp32: bool = False) -> None:
         """``amp.prepare_model(module, train=fitting, rank_zero_fp32=rank_zero_fp32)``; at O2 not fitting, with the
-        FP32 values the cast replaces kept until :meth:`restore`."""
+        FP32 values the cast replaces kept until :meth:`restore` (``rank_zero_fp32`` under a process group: rank
+        zero's, broadcast in FP32 first as the strategy then broadcasts the half ones; call it on every rank)."""
         if fitting or not amp.properties.master_weights:
             amp.prepare_model(module, train=fitting, rank_zero_fp32=rank_zero_fp32)
             return
+        if rank_zero_fp32 and several_ranks():
+            _sync_module_states(module)  # Lightning's own broadcast for an evaluation, before the cast: in FP32
         before = self.keep(module)
         amp.prepare_model(module, train=False)
         self.converted(before)

@@ -1,20 +1,19 @@
 """Rank zero's exact FP32 weights for every rank's O2 masters, when a framework sets a model up under DDP.
 
 Under a ``torch.distributed`` process group the strategy broadcasts rank zero's *half* weights after the model was
-converted, so masters taken from each rank's own FP32 values could differ between ranks, and masters taken from the
-half weights start 1e-3 (bfloat16's relative rounding) off the FP32 model. :func:`agree_on_rank_zero`, called by the
+converted, so masters taken from each rank's own FP32 values could differ between ranks, and masters taken from the half
+weights start 1e-3 (bfloat16's relative rounding) off the FP32 model. :func:`agree_on_rank_zero`, called by the
 framework doors (the Lightning plugin's ``convert_module`` under DDP, Fabric's ``setup``, the Accelerate adapter's
-``prepare``) at a point every rank passes together, makes one FP32 broadcast of rank zero's values with a flag per
-parameter in the same tensor: every rank's masters then start from rank zero's exact FP32 values, and its half
-weights are their rounding (what DDP then broadcasts). A parameter whose FP32 value rank zero does not hold (a model
-made half before set-up, ``release_masters`` on rank 0 only before a second stage) is flagged off on every rank
-together: its masters start from the half weights everywhere. The core ``Amp`` makes the broadcast only when asked
-(``prepare_model(..., rank_zero_fp32=True)``).
-"""
+``prepare`` and its ``take_over`` of a model prepared before ``free_memory()``) at a point every rank passes together,
+makes one FP32 broadcast of rank zero's values with a flag per parameter in the same tensor: every rank's masters then
+start from rank zero's exact FP32 values, and its half weights are their rounding (what DDP then broadcasts). A
+parameter whose FP32 value rank zero does not hold (a model made half before set-up, ``release_masters`` on rank 0 only
+before a second stage) is flagged off on every rank together: its masters start from the half weights everywhere. The
+core ``Amp`` makes the broadcast only when asked (``prepare_model(..., rank_zero_fp32=True)``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -82,13 +81,18 @@ def _same_on_every_rank(module: nn.Module, params: list[nn.Parameter]) -> None:
     )
 
 
-def agree_on_rank_zero(module: nn.Module) -> dict[int, torch.Tensor]:
+def agree_on_rank_zero(
+    module: nn.Module, fp32_of: Callable[[nn.Parameter], torch.Tensor | None] | None = None
+) -> dict[int, torch.Tensor]:
     """Broadcast rank zero's FP32 values of ``module``'s trainable parameters (one collective: call it on every rank
     together, with the same model); returns, by ``id`` of the parameter, the FP32 value its master starts from, for
     the parameters rank zero holds one for (an FP32 parameter's own value, or the FP32 value a half parameter's
     engine or deep copy keeps beyond it). On the other ranks those parameters are written with rank zero's value (a
     half one with its rounding), so every rank's model is rank zero's before the strategy wraps it. The others get
-    no entry on any rank: their masters start from the half weights the strategy broadcasts."""
+    no entry on any rank: their masters start from the half weights the strategy broadcasts.
+
+    ``fp32_of``: rank zero's FP32 value of a parameter (``None``: it holds none) in place of the default (the
+    Accelerate adapter's ``take_over``: the previous engine's masters, else the half weights, exactly)."""
     dist = torch.distributed
     params = _agreed_params(module)
     _same_on_every_rank(module, params)  # a clear error on every rank, not a mismatched broadcast (abort or hang)
@@ -98,7 +102,10 @@ def agree_on_rank_zero(module: nn.Module) -> dict[int, torch.Tensor]:
     own: dict[int, torch.Tensor] = {}
     if rank_zero:
         for param in params:
-            value = param.detach() if param.dtype == torch.float32 else carried_value(param)
+            if fp32_of is not None:
+                value = fp32_of(param)
+            else:
+                value = param.detach() if param.dtype == torch.float32 else carried_value(param)
             if value is not None and value.shape == param.shape:
                 own[id(param)] = value.detach()
     sizes = [param.numel() for param in params]
