@@ -64,6 +64,9 @@ class AmpParts:
         :class:`~lightning_mpx.masters.weights.MasterWeights` per model prepared for training (O2).""")
     skipped_steps: list[int] = _part("_overflows.skipped_steps", settable=True, doc="""Steps skipped on overflow so
         far, by loss.""")
+    made_half: Callable[[torch.Tensor], bool] = _part("_models.made_half", doc="""Whether :meth:`prepare_model`
+        converted a parameter to the half dtype (from FP32 or another floating dtype), not one the user gave in
+        half: an O2 export warns about the frozen ones of those only (their values are a rounding).""")
     last_overflow: OverflowRecord | None = _part("_overflows.last", doc="""The
         :class:`~lightning_mpx.health.forensics.OverflowRecord` of the latest overflow step (``None`` before the
         first), merged across ranks when ``found_inf_reducer`` is set.""")

@@ -92,6 +92,11 @@ class PreparedModels:
         # By the module's id, with a weak reference that drops the entry when the module goes: a plain dict, whose
         # values a forward walks in C, where a WeakKeyDictionary's items() costs five Python calls.
         self._half_marks: dict[int, tuple[weakref.ref[nn.Module], torch.Tensor | None]] = {}
+        # O2/O3: the ids of the parameters prepare() converted to the half dtype (from FP32 or another floating dtype),
+        # by model: a frozen one among them lost its values to the rounding (no master keeps them); one the user
+        # loaded in half did not (see made_half). Not a weak reference to the parameter: torch cannot swap a
+        # parameter that has one (set_swap_module_params_on_conversion).
+        self._made_half: weakref.WeakKeyDictionary[nn.Module, set[int]] = weakref.WeakKeyDictionary()
         # O2: what takes this engine's hooks off each model it holds the masters of, once another engine took them.
         self._releases: weakref.WeakKeyDictionary[nn.Module, HookRelease] = weakref.WeakKeyDictionary()
 
@@ -142,7 +147,10 @@ class PreparedModels:
                 if id(param) in pinned or kept:
                     before_cast[id(param)] = param.data if param.dtype == torch.float32 else param.data.float()
         buffers = _fp32_buffers(module) if props.casts_model and self.promotion.patterns else None
+        half = props.half_dtype
+        converting = [p for p in module.parameters() if props.casts_model and p.is_floating_point() and p.dtype != half]
         _convert(module, props)
+        self._note_made_half(module, converting)
         self.promotion.add_model(module, prefix)  # fp32_modules: back to FP32 before any master is made
         if tied:
             self._run_tied_in_fp32(module, tied)
@@ -183,6 +191,19 @@ class PreparedModels:
         if release is not None:
             release.hold(handle)
         return release is not None
+
+    def made_half(self, param: torch.Tensor) -> bool:
+        """Whether :meth:`prepare` converted ``param`` to the half dtype (it had another floating dtype, FP32 most
+        often), so that its half values are a rounding of what the user gave; ``False`` for a parameter the user
+        made or loaded in the half dtype, one kept in FP32, and one of a model no engine prepared."""
+        key = id(param)
+        return param.dtype == self.properties.half_dtype and any(key in ids for ids in self._made_half.values())
+
+    def _note_made_half(self, module: nn.Module, params: list[torch.Tensor]) -> None:
+        """Record which of ``module``'s ``params`` (floating, not half before the conversion) the conversion made
+        half (a model prepared again keeps those of its first preparation)."""
+        made = {id(p) for p in params if p.dtype == self.properties.half_dtype and not p.is_complex()}
+        self._made_half.setdefault(module, set()).update(made)
 
     def forget(self, module: nn.Module) -> None:
         """After another engine took ``module`` over: this engine no longer hooks its FP32 modules (its hooks are off

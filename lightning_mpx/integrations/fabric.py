@@ -39,8 +39,9 @@ What it does, in Fabric's terms:
   masters start from the FP32 values built there; losses are computed in FP32).
 * ``fabric.clip_gradients`` unscales (one pass: unscale and overflow check), then Fabric clips
   :meth:`~FabricMixedPrecisionPlugin.main_params` with torch's ``clip_grad_norm_`` or ``clip_grad_value_``. On an
-  overflow step ``main_params`` is one zero: nothing is clipped, the returned norm is ``0.0``, and the step
-  is skipped, where torch's clip by norm with ``error_if_nonfinite=True`` would raise.
+  overflow step ``main_params`` is one stand-in: nothing is clipped and the step is skipped; by norm the returned
+  norm is the non-finite one (inf, or NaN) with ``error_if_nonfinite=False``, ``0.0`` with Fabric's default
+  ``True`` (no error: a dynamic scale's overflow is routine; Fabric's ``"16-mixed"`` raises there).
 * The scale is updated once per iteration: at the first forward, backward, :meth:`metrics` or checkpoint after the
   optimizer steps, so several optimizers stepping one after the other count as one iteration. Under DDP the
   overflow flag is reduced across processes before each step, so all ranks skip together. Under
@@ -354,10 +355,11 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
 
     def main_params(self, optimizer: Optimizer) -> Iterator[torch.Tensor]:  # type: ignore[override]
         """The tensors the optimizer updates (the FP32 masters at O2), whose gradients ``fabric.clip_gradients``
-        clips. On an overflow step once unscaled the step is skipped and there is nothing to clip (torch's clip by
-        norm would raise on the non-finite norm): one zero with a zero gradient stands in for them, which clips to a
-        norm of ``0.0`` by norm (any ``norm_type``) and to nothing by value (torch's ``clip_grad_value_`` refuses an
-        empty list). Reading the overflow flag waits for the device, as the clip's norm does."""
+        clips. On an overflow step once unscaled the step is skipped and there is nothing to clip: one zero stands
+        in for them, and nothing real is clipped by value or by norm (any ``norm_type``). By norm Fabric's clip then
+        returns the overflow's non-finite norm (inf, or NaN) when called with ``error_if_nonfinite=False``, as its
+        own precisions do, and ``0.0`` with its default ``True`` (the stand-in's gradient is zero: no error, where
+        ``"16-mixed"`` raises). Reading the overflow flag waits for the device, as the clip's norm does."""
         optimizer = _unwrap(optimizer)
         self._register(optimizer)
         if self.amp.is_unscaled(optimizer):
@@ -368,10 +370,21 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
                 all_reduce_max(found)
             # Unsharded, the read the step then takes (Amp.overflowed): one host read of the flag per step, not two.
             if found is not None and (bool(found) if self.amp.sharded else self.amp.overflowed(optimizer)):
-                return iter([_nothing_to_clip(found.device)])  # a list: torch's clip warns about a generator
+                # Fabric's Strategy.clip_gradients_norm (the caller) says whether the user asked for the error
+                lenient = sys._getframe(1).f_locals.get("error_if_nonfinite") is False
+                return iter(_nothing_to_clip(found.device, self._non_finite_norm(optimizer) if lenient else None))
         if self.amp.properties.master_weights and self.amp.is_unscaled(optimizer):
             self._clipping.add(optimizer)
         return iter(self.amp.master_params(optimizer))
+
+    def _non_finite_norm(self, optimizer: Optimizer) -> torch.Tensor:
+        """On an overflow step, the norm Fabric's clip would compute: NaN where a gradient holds one, else inf (one
+        pass over the gradients, on overflow steps only; sharded, inf: the NaN may be on another rank)."""
+        grads = [p.grad for p in self.amp.master_params(optimizer) if p.grad is not None]
+        if self.amp.sharded or not grads:
+            return torch.tensor(float("inf"))
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        return torch.where(torch.isnan(norm), norm, float("inf"))
 
     def master_params(self, optimizer: Optimizer) -> list[torch.Tensor]:
         """The tensors ``optimizer`` updates: the FP32 masters of its half parameters at O2 (a layer frozen since
@@ -487,13 +500,15 @@ def _unwrap(optimizer: Any) -> Any:
     return optimizer.optimizer if isinstance(optimizer, _FabricOptimizer) else optimizer
 
 
-def _nothing_to_clip(device: torch.device) -> torch.Tensor:
-    """One FP32 zero with a zero gradient: what an overflow step hands Fabric's clip (torch's clips refuse or warn
-    about an empty list, and its infinity norm refuses an empty tensor; this one clips to a norm of 0 by every
-    norm and changes nothing)."""
+def _nothing_to_clip(device: torch.device, norm: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """What an overflow step hands Fabric's clip, as a list (torch's clip warns about a generator, refuses an empty
+    list, and its infinity norm refuses an empty tensor): one FP32 zero standing in for the parameters, whose
+    gradient is ``norm`` (inf or NaN: the clip returns that non-finite norm, by every norm type, as torch's does with
+    ``error_if_nonfinite=False``) or zero (``None``: a norm of ``0.0`` and no error). Clipping it changes no real
+    gradient: the step is skipped."""
     tensor = torch.zeros(1, device=device)
-    tensor.grad = torch.zeros(1, device=device)
-    return tensor
+    tensor.grad = torch.zeros(1, device=device) if norm is None else norm.to(device=device).reshape(1).float()
+    return [tensor]
 
 
 def _has_half_state(optimizer: Optimizer) -> bool:

@@ -135,6 +135,7 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         self._sharded: nn.Module | None = None  # under FSDP: the sharded model the engine was prepared with
         self._model_hooks = ModelHooks()  # boundary casts and the compiled hand-off, on the LightningModule
         self._masters_synced = False
+        self._frozen_warned = False  # the O2 checkpoint's warning about frozen half parameters: once per fit
         self._log_step: int | None = None  # the step to log the mpx metrics at, once the scale is updated
         # Per-step scheduler configs held out of the loop's scheduler update after a skipped step, until the next batch.
         self._held = HeldSchedulers()
@@ -194,6 +195,7 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         if trainer is None and not isinstance(module, _pl.LightningModule):
             raise TypeError(_NOT_FOR_FABRIC.format(what=f"module={type(module).__name__} is not a LightningModule"))
         fitting = trainer is None or trainer.state.fn == "fit"
+        self._frozen_warned = self._frozen_warned and not fitting
         sharded = trainer is not None and shards_model(trainer.strategy)
         # Under DDP every rank is here together, before DDP wraps the model: the masters start from rank zero's exact
         # FP32 weights (one broadcast), not from their half rounding that DDP broadcasts.
@@ -439,7 +441,8 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         """At O2 the checkpoint's ``state_dict`` holds the FP32 masters (``load_from_checkpoint`` and a resume under
         another precision get the trained weights, not their half rounding)."""
         if self._module is not None:
-            masters_into_checkpoint(self.amp, self._module, checkpoint, checkpoint.get(type(self).__qualname__))
+            own = checkpoint.get(type(self).__qualname__)
+            self._frozen_warned |= masters_into_checkpoint(self.amp, self._module, checkpoint, own, self._frozen_warned)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._range_test.leave(self.amp)  # the tuner restores its checkpoint when its range test ends

@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from lightning_mpx.engine.amp import Amp
+from lightning_mpx.integrations.accelerate_checkpoint import warn_frozen_half
 from lightning_mpx.integrations.fp32_export import masters_into
 
 __all__ = ["holds_masters", "masters_into_checkpoint", "record_half_dtype", "refuse_lazy"]
@@ -68,21 +69,29 @@ def holds_masters(amp: Amp, module: nn.Module) -> bool:
     return any(masters.covers(param) for masters in amp.master_weights for param in module.parameters())
 
 
-def masters_into_checkpoint(amp: Amp, module: nn.Module, checkpoint: dict[str, Any], own: Any = None) -> None:
+def masters_into_checkpoint(
+    amp: Amp, module: nn.Module, checkpoint: dict[str, Any], own: Any = None, warned: bool = False
+) -> bool:
     """Put ``module``'s FP32 masters in place of its half weights in ``checkpoint["state_dict"]`` (Lightning's copy of
     ``module.state_dict()``) when ``amp`` trains it at O2 (not sharded: FSDP's state dict is FP32 already), as the
     Accelerate adapter's checkpoints do (:func:`~lightning_mpx.integrations.fp32_export.masters_into`: a
     frozen half parameter or a half buffer stays half). A resume at O2 or O3 loads them into the half model (their
     rounding, which it holds already); the masters come from the plugin's own entry, ``own`` (its ``state_dict()``),
-    whose copies of the masters are replaced by the same tensors, so that the file holds each master once."""
+    whose copies of the masters are replaced by the same tensors, so that the file holds each master once. Unless
+    ``warned``, warns about the frozen parameters it holds in half that the plugin converted from FP32 (their rounding,
+    see :func:`~lightning_mpx.integrations.accelerate_checkpoint.warn_frozen_half`); returns whether it warned."""
     state = checkpoint.get("state_dict")
     if not isinstance(state, dict) or not amp.properties.master_weights or amp.sharded:
-        return
+        return False
     if not holds_masters(amp, module):  # a model only evaluated so far, or one a later stage's engine took over
-        return
+        return False
     replaced = set(masters_into(amp, module, state))
+    frozen = [] if warned else warn_frozen_half(
+        amp, module, state, "The checkpoint", keep="MixedPrecisionPlugin", when="before trainer.fit"
+    )
     for masters in own.get("master_weights", ()) if isinstance(own, dict) else ():
         for name, copy in masters.items():  # torch.save writes a storage once: the master, not also its copy
             value = state.get(name) if name in replaced else None
             if value is not None and value.dtype == copy.dtype and value.shape == copy.shape:
                 masters[name] = value
+    return bool(frozen)
