@@ -28,8 +28,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from lightning_mpx.engine.amp import Amp
-from lightning_mpx.integrations.accelerate_checkpoint import warn_frozen_half
-from lightning_mpx.integrations.fp32_export import masters_into
+from lightning_mpx.integrations.fp32_export import masters_into, warn_frozen_half
 
 __all__ = ["holds_masters", "masters_into_checkpoint", "record_half_dtype", "refuse_lazy"]
 
@@ -79,7 +78,7 @@ def masters_into_checkpoint(
     rounding, which it holds already); the masters come from the plugin's own entry, ``own`` (its ``state_dict()``),
     whose copies of the masters are replaced by the same tensors, so that the file holds each master once. Unless
     ``warned``, warns about the frozen parameters it holds in half that the plugin converted from FP32 (their rounding,
-    see :func:`~lightning_mpx.integrations.accelerate_checkpoint.warn_frozen_half`); returns whether it warned."""
+    see :func:`~lightning_mpx.integrations.fp32_export.warn_frozen_half`); returns whether it warned."""
     state = checkpoint.get("state_dict")
     if not isinstance(state, dict) or not amp.properties.master_weights or amp.sharded:
         return False
