@@ -30,7 +30,6 @@ _CATEGORY_ACTION = MappingProxyType(
     {"half": _HALF, "float": _FLOAT, "promote": _PROMOTE, "sequence": _SEQUENCE, "banned": _BANNED}
 )  # read only when a policy resolves its table, never while a forward pass runs
 _LOW = (torch.float16, torch.bfloat16)
-_FP32 = (torch.float32,)
 # What a policy's resolved actions were resolved from, as CastPolicy._refresh_actions records it in _actions_of
 # (tests/test_cast_hot_path.py keeps the two in step): compared in eager code, a C-level read of the policy instead
 # of a call into _refresh_actions (dynamo cannot call an attrgetter: traced code calls _refresh_actions).
@@ -57,6 +56,7 @@ class _Policy(Protocol):
     _autocast_device: str | None
     _actions: dict[Callable[..., Any], int]
     _actions_of: tuple[Any, ...]
+    _to_half: tuple[torch.dtype, ...]
     cache_casts: bool
     _grad_cache: dict[Any, Any]
     _no_grad_cache: dict[Any, Any]
@@ -197,7 +197,7 @@ class _CastMode(TorchFunctionMode):
                     # Casting the out= tensor would write the result into a copy that the caller never sees.
                     return func(*args, **kwargs)
                 if action == _HALF and not self.fp32:
-                    dtype, castable, exact = policy.half_dtype, _FP32, False
+                    dtype, castable, exact = policy.half_dtype, policy._to_half, False
                 else:  # _FLOAT, or a half op inside an FP32 module
                     dtype, castable = torch.float32, _LOW
                     # O2's loss on a target that the model boundary cast to half takes its FP32 source's values
@@ -323,7 +323,7 @@ class _CastMode(TorchFunctionMode):
                 if not (self.recompute_only or policy._recomputes_seen) and _may_be_recomputed():
                     policy._recomputes = policy._recomputes_seen = True  # a checkpoint's: recomputed in a backward
                 if action == _HALF:
-                    args, kwargs = policy._cast_all(args, kwargs, policy.half_dtype, _FP32)
+                    args, kwargs = policy._cast_all(args, kwargs, policy.half_dtype, policy._to_half)
                 else:
                     if exact:  # a loss recomputed in the backward pass (a checkpoint's) takes what its forward took
                         args, kwargs = exact_sources(args, kwargs, torch.float32, policy._noted)

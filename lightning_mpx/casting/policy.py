@@ -167,6 +167,8 @@ class CastPolicy:
         #: ``NotImplementedError``, as Apex did: the result cannot be FP32 in a half tensor. Off by default (the
         #: op then runs in half as written); :mod:`lightning_mpx.apex` turns it on.
         self.refuse_inplace_float = False
+        #: The dtypes a half op casts to ``half_dtype``: FP32, and the other half dtype after cast_other_half().
+        self._to_half: tuple[torch.dtype, ...] = (torch.float32,)
         self._actions: dict[Callable[..., Any], int] = {}
         self._actions_stamp = 0  # bumped whenever _actions is rebuilt: compiled code guards on it
         self._action_lookup = _action_lookup(self._actions)
@@ -270,6 +272,13 @@ class CastPolicy:
             Handles whose ``remove()`` restores the modules and methods.
         """
         return hand_off_compiled(self, root, methods=methods, compile_fn=compile_fn)
+
+    def cast_other_half(self) -> None:
+        """Have the half ops cast tensors of the other half dtype to ``half_dtype`` too, as ``torch.autocast`` does
+        (O1 of a model loaded in float16 under a bfloat16 run: its float16 weights met bfloat16 inputs, "mat1 and mat2
+        must have the same dtype"). Off by default: a scope nested in another policy's of the other half dtype then
+        leaves the inner policy's casts as they are."""
+        self._to_half = (torch.float32, torch.float16, torch.bfloat16)
 
     def clear_cache(self) -> None:
         """Drop the cached casts of parameters: call it at each iteration boundary, after the optimizer step (a

@@ -161,6 +161,8 @@ class PreparedModels:
                 release_masters(module)
             else:  # O1 trains FP32 weights: the masters' exact values (a .data cast of a watched one takes them)
                 _fp32_from_masters(module)
+        if self.policy is not None and not props.casts_model and _holds_other_half(module, props.half_dtype):
+            self.policy.cast_other_half()  # O1 of a model in the other half dtype: its weights meet the run's casts
         initial = _keep_fp32_values(module, before_cast, agreed)
         if props.casts_model:  # one half parameter, looked at each forward: the dtype prepare_model() gave the model
             marks, key = self._half_marks, id(module)
@@ -476,3 +478,9 @@ def _refuse_meta(module: nn.Module) -> None:
             "for the FP32 masters of opt_level='O2'; materialize it first (module.to_empty(device=...) and initialize "
             "or load its weights), then call prepare_model()."
         )
+
+
+def _holds_other_half(module: nn.Module, half_dtype: torch.dtype) -> bool:
+    """Whether ``module`` holds a parameter or buffer of the half dtype that is not ``half_dtype``."""
+    other = torch.bfloat16 if half_dtype == torch.float16 else torch.float16
+    return any(t.dtype == other for t in itertools.chain(module.parameters(), module.buffers()))
