@@ -24,10 +24,12 @@ import torch
 from lightning_mpx.casting.compiled import _compiled_graphs_made, _leave_compiled_backward
 from lightning_mpx.casting.mode import _CastMode, _Policy
 
+# torch's own Tensor.backward, as imported: a later replacement (a profiler's wrapper, a test's mock) is not it.
+_TENSOR_BACKWARD = torch.Tensor.backward
 # The calls that start a backward pass, with the names of their (roots, inputs) arguments.
 _BACKWARD_ARGUMENTS: Mapping[Callable[..., Any], tuple[str, str]] = MappingProxyType(
     {
-        torch.Tensor.backward: ("self", "inputs"),
+        _TENSOR_BACKWARD: ("self", "inputs"),
         torch.autograd.backward: ("tensors", "inputs"),
         torch.autograd.grad: ("outputs", "inputs"),
     }
@@ -53,7 +55,7 @@ def _run_backward(policy: _Policy, func: Callable[..., Any], args: tuple[Any, ..
     roots_name, inputs_name = _BACKWARD_ARGUMENTS[func]
     if func is not torch.autograd.grad:  # not a gradient penalty's grad() inside a forward pass
         policy._grad_cache.clear()  # the forward passes' casts: autograd keeps what the backward pass needs
-    if func is torch.Tensor.backward and len(args) == 1 and _TENSOR_BACKWARD_KEYWORDS.issuperset(kwargs):
+    if func is _TENSOR_BACKWARD and len(args) == 1 and _TENSOR_BACKWARD_KEYWORDS.issuperset(kwargs):
         bound, arguments = None, {"self": args[0], **kwargs}  # the common call, without inspect's binding
     else:
         bound = _BACKWARD_SIGNATURES[func].bind(*args, **kwargs)
@@ -72,7 +74,7 @@ def _run_backward(policy: _Policy, func: Callable[..., Any], args: tuple[Any, ..
         return func(*args, **kwargs)
     if _compiled_graphs_made():
         _leave_compiled_backward(policy, root_tensors)
-    if func is torch.Tensor.backward and _make_grads is not None and _engine_run_backward is not None:
+    if func is _TENSOR_BACKWARD and _make_grads is not None and _engine_run_backward is not None:
         given = arguments.get("inputs")
         engine_inputs = tuple(given.values()) if isinstance(given, dict) else given
         # As torch.autograd.backward reads it: one tensor, or a sequence of them (a list of parameters, often).
@@ -100,7 +102,7 @@ def _run_backward(policy: _Policy, func: Callable[..., Any], args: tuple[Any, ..
     arguments[roots_name] = _as_edges(roots)
     if inputs is not None:
         arguments[inputs_name] = _as_edges(inputs)
-    if func is torch.Tensor.backward:
+    if func is _TENSOR_BACKWARD:
         create_graph = bool(arguments.get("create_graph", False))
         retain_graph = arguments.get("retain_graph")
         edges = (arguments["self"],)

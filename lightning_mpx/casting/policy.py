@@ -52,7 +52,13 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import torch
 
-from lightning_mpx.casting.checkpointing import _BACKWARD_ENTRIES, _run_backward, builds_graph, checkpoint_contexts
+from lightning_mpx.casting.checkpointing import (
+    _BACKWARD_ENTRIES,
+    _TENSOR_BACKWARD,
+    _run_backward,
+    builds_graph,
+    checkpoint_contexts,
+)
 from lightning_mpx.casting.compiled import HandOffHandle, hand_off_compiled
 from lightning_mpx.casting.lists import AUTOCAST_ACTIONS
 from lightning_mpx.casting.mode import (
@@ -247,7 +253,13 @@ class CastPolicy:
             # torch.utils.checkpoint restores torch.autocast's state for the recomputation itself.
             tensor.backward(*args, **kwargs)
             return
-        _run_backward(self, torch.Tensor.backward, (tensor, *args), kwargs)
+        if torch.Tensor.backward is not _TENSOR_BACKWARD:
+            # Replaced since import (a profiler's wrapper, a test's mock): called as it is, once. Torch hands a mode
+            # the replacement, not a backward call it knows, so an activation checkpoint then recomputes without
+            # the forward's casts (as after a bare loss.backward()).
+            tensor.backward(*args, **kwargs)
+            return
+        _run_backward(self, _TENSOR_BACKWARD, (tensor, *args), kwargs)
 
     def hand_off_compiled(self, root: Any, *, methods: Mapping[str, Callable[..., Any]] | None = None,
                           compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None

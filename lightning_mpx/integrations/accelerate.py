@@ -285,7 +285,9 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
         of ``args``, because O2's optimizer needs the FP32 masters that preparing its model creates."""
         if self.amp is None:
             return super().prepare(*args, device_placement=device_placement)
-        if self.is_fsdp2:
+        # distributed_type first: after AcceleratorState._reset_state() it raises Accelerate's own hint, which the
+        # property is_fsdp2 would turn into a bare "no attribute 'is_fsdp2'".
+        if self.distributed_type == DistributedType.FSDP and self.is_fsdp2:
             return self._prepare_fsdp2_models(args, device_placement)
         # Stable: models first, everything else in its order; the results go back to the caller's order.
         order = sorted(range(len(args)), key=lambda i: not isinstance(args[i], nn.Module))

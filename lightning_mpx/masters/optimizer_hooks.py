@@ -70,7 +70,7 @@ class MasterHooks:
         return args[0] if args else None  # the state_dict post-hook returns the state dict
 
     def refuse_direct_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.state.swapped is None:
+        if self.state.swapped is None and not self._stepped_by_successor(optimizer):
             raise RuntimeError(
                 "optimizer.step() was called on an optimizer prepared by lightning_mpx with FP32 master weights, "
                 "outside Amp.step(): its groups hold the half model parameters and their gradients are still "
@@ -78,3 +78,10 @@ class MasterHooks:
                 "LightningModule's manual optimization, step the optimizer that self.optimizers() returns, not "
                 "self.optimizers(use_pl_optimizer=False), whose step bypasses the plugin)."
             )
+
+    def _stepped_by_successor(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the engine that took this engine's masters over (a second stage given the same optimizer) is
+        stepping it now: its FP32 masters are in the groups, no half parameter is."""
+        return any(masters.handed for masters in self.masters.weights) and not any(
+            param.dtype in HALF_DTYPES for group in optimizer.param_groups for param in group["params"]
+        )
