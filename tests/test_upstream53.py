@@ -115,3 +115,33 @@ def test_lr_scheduler_strict_second_stage_with_the_same_optimizer():
     for theirs, ours in zip(same, new, strict=True):
         assert ours.dtype == torch.float32
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_second_engine_given_the_same_optimizer_takes_it_over_alone(level):
+    """A second stage's engine registering the first stage's optimizer takes it from the first engine (its hooks
+    off, its state keyed back): one engine's hooks stay on it, and its state dict round-trips, as in one stage."""
+    from lightning_mpx import Amp
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    first = Amp(level, half_dtype="bfloat16")
+    model = first.prepare_model(model)
+    first.prepare_optimizer(optimizer)
+    hooks = len(optimizer._optimizer_step_pre_hooks)
+    for amp in (first, Amp(level, half_dtype="bfloat16")):
+        if amp is not first:
+            amp.prepare_model(model)
+            amp.prepare_optimizer(optimizer)
+        with amp.forward_context():
+            loss = model(amp.cast_inputs(torch.randn(3, 4))).float().pow(2).sum()
+        amp.backward(loss)
+        amp.step(optimizer)
+        amp.update()
+        optimizer.zero_grad()
+    assert len(optimizer._optimizer_step_pre_hooks) == hooks  # the first engine's are off
+    state = optimizer.state_dict()
+    assert state["state"][0]["exp_avg"].dtype == torch.float32
+    optimizer.load_state_dict(state)  # through the second engine's hooks alone
+    assert optimizer.state_dict()["state"][0]["step"].item() == 2

@@ -133,14 +133,16 @@ class StepMachine:
         key = id(optimizer)
         if key in self.optimizers:
             return  # registered before (a framework preparing it twice)
+        _release_from_other_engines(optimizer, self)  # one engine owns an optimizer: a later stage's takes it over
         state = _OptimizerState(weakref.ref(optimizer))
         if with_masters:
             # Refuses half parameters of unprepared models; makes missing masters; state made before preparing
             # moves to them.
             param_pairs(state, self.masters.weights)
-            state.hooks = MasterHooks(state, self.masters).register(optimizer)
+            state.hooks = MasterHooks(state, self.masters, owner=weakref.ref(self)).register(optimizer)
         else:  # a direct step with scaled gradients is refused (masters' hooks refuse any direct step)
-            state.hooks = [optimizer.register_step_pre_hook(ScaledStepGuard(state, self.scalers))]
+            guard = ScaledStepGuard(state, self.scalers, owner=weakref.ref(self))
+            state.hooks = [optimizer.register_step_pre_hook(guard)]
         self.optimizers[key] = state
         weakref.finalize(optimizer, self.optimizers.pop, key, None)
 
@@ -423,3 +425,16 @@ class StepMachine:
         )
         if weights and not skipped and marks:
             state.unscaled_marks = grad_marks(state, weights, optimizer)
+
+
+def _release_from_other_engines(optimizer: torch.optim.Optimizer, machine: StepMachine) -> None:
+    """Have every other engine that registered ``optimizer`` let go of it (``release``: its hooks off, its state keyed
+    by the parameters again) before ``machine`` registers it: a second stage given the first stage's optimizer (a new
+    Trainer, a new ``fabric.setup``) would otherwise step it under two engines' hooks, the first refusing the second's
+    steps and swapping its own masters in for the state dicts. Found by the hooks the engines put on it."""
+    for hook in list(optimizer._optimizer_step_pre_hooks.values()):
+        holder = getattr(hook, "__self__", hook)  # MasterHooks' bound method, or a ScaledStepGuard
+        owner = getattr(holder, "owner", None) if isinstance(holder, (MasterHooks, ScaledStepGuard)) else None
+        other = owner() if owner is not None else None
+        if other is not None and other is not machine:
+            other.release(optimizer)

@@ -27,11 +27,13 @@ class ScaledStepGuard:
     Args:
         state: The optimizer's state in the engine (its stage: gradients scaled since a backward, or unscaled).
         scalers: The engine's loss scalers (a static scale of 1 scales nothing: such a step is left alone).
+        owner: A weak reference to the engine's step machine that put the hook on.
     """
 
-    def __init__(self, state: _OptimizerState, scalers: Sequence[LossScaler]) -> None:
+    def __init__(self, state: _OptimizerState, scalers: Sequence[LossScaler], owner: Any = None) -> None:
         self.state = state
         self.scalers = scalers
+        self.owner = owner  # a weak reference to the engine's StepMachine (a later engine releases it from there)
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         state = self.state

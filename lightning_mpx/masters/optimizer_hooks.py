@@ -25,11 +25,13 @@ class MasterHooks:
     Args:
         state: The optimizer's state (its pairs and whether the masters are swapped in).
         masters: The engine's FP32 masters.
+        owner: A weak reference to the engine's step machine that put the hooks on.
     """
 
-    def __init__(self, state: _OptimizerState, masters: Masters) -> None:
+    def __init__(self, state: _OptimizerState, masters: Masters, owner: Any = None) -> None:
         self.state = state
         self.masters = masters
+        self.owner = owner  # a weak reference to the engine's StepMachine (a later engine releases it from there)
 
     def register(self, optimizer: torch.optim.Optimizer) -> list[RemovableHandle]:
         """Put the hooks on ``optimizer``; returns their handles."""
@@ -70,7 +72,7 @@ class MasterHooks:
         return args[0] if args else None  # the state_dict post-hook returns the state dict
 
     def refuse_direct_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.state.swapped is None and not self._stepped_by_successor(optimizer):
+        if self.state.swapped is None:
             raise RuntimeError(
                 "optimizer.step() was called on an optimizer prepared by lightning_mpx with FP32 master weights, "
                 "outside Amp.step(): its groups hold the half model parameters and their gradients are still "
@@ -79,9 +81,3 @@ class MasterHooks:
                 "self.optimizers(use_pl_optimizer=False), whose step bypasses the plugin)."
             )
 
-    def _stepped_by_successor(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether the engine that took this engine's masters over (a second stage given the same optimizer) is
-        stepping it now: its FP32 masters are in the groups, no half parameter is."""
-        return any(masters.handed for masters in self.masters.weights) and not any(
-            param.dtype in HALF_DTYPES for group in optimizer.param_groups for param in group["params"]
-        )
