@@ -237,3 +237,4 @@ def test_fsdp2_tied_head_fp32_modules_clipping_and_accumulation_then_a_second_fi
     assert len(ours.losses) == len(reference.losses) == 6
     assert ours.losses == pytest.approx(reference.losses, rel=1e-2)
     assert ours.head.weight is ours.emb.weight
+
