@@ -238,3 +238,42 @@ def test_fsdp2_tied_head_fp32_modules_clipping_and_accumulation_then_a_second_fi
     assert ours.losses == pytest.approx(reference.losses, rel=1e-2)
     assert ours.head.weight is ours.emb.weight
 
+
+
+# -- fp32_modules naming a module inside a compiled submodule ---------------------------------------------------------
+class _Compiled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(D, D), nn.LayerNorm(D))
+        self.head = nn.Linear(D, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def test_fp32_modules_match_through_a_compiled_submodule() -> None:
+    """``fp32_modules=["body.1"]`` with ``model.body = torch.compile(model.body)`` (whose modules are named
+    ``body._orig_mod.1``): the pattern matched nothing and ``prepare_model`` raised; now the LayerNorm is kept FP32
+    as in the uncompiled model."""
+    model = _Compiled()
+    model.body = torch.compile(model.body, backend="eager")  # type: ignore[assignment]  (never run)
+    Amp("O2", half_dtype="bfloat16", fp32_modules=["body.1"]).prepare_model(model)
+    assert [p.dtype for p in model.parameters()] == [torch.bfloat16] * 2 + [torch.float32] * 2 + [torch.bfloat16] * 2
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="FSDP2 needs torch.distributed")
+@pytest.mark.usefixtures("one_rank")
+def test_fp32_modules_of_a_model_sharded_then_compiled_are_taken_as_its_fp32_units() -> None:
+    """``shard_model`` with ``fp32_modules``, then a block compiled (as in a Lightning ``configure_model``): the check
+    of the sharded model took ``body._orig_mod.1``, the FP32 unit, for a unit gathering in the wrong dtype and
+    raised at the first forward; now the forward runs, its output FP32."""
+    from lightning_mpx.integrations.fsdp import shard_model
+
+    amp = Amp("O2", half_dtype="bfloat16", fp32_modules=["body.1"])
+    model = _Compiled()
+    shard_model(model, amp, blocks=[model.body])
+    model.body = torch.compile(model.body, backend="eager")  # type: ignore[assignment]  (the names are the point)
+    amp.prepare_model(model)
+    with amp.forward_context():  # the engine takes the sharded model (and checks it) at its first forward
+        out = amp.cast_outputs(model(amp.cast_inputs(torch.randn(2, D))))
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
