@@ -259,13 +259,14 @@ class _CastMode(TorchFunctionMode):
                     args = tuple(new_args)
                 if new_kwargs is not None:
                     kwargs = new_kwargs
-                if not policy._recomputes_seen and (
+                if (
                     # _may_be_recomputed() inline where this call is known to run eagerly (a parameter was cast):
                     # dynamo cannot trace the saved-tensor hooks' getter, and keeps the function's result instead.
                     (_top_saved_tensors_hooks(False) is not None if torch.is_grad_enabled()
                      else not torch.is_inference_mode_enabled())
                     if compiling is False else _may_be_recomputed()
-                ):
+                ) and not policy._recomputes_seen:  # the flag read last: a graph traced otherwise guards on it, and
+                    # recompiled at the second step after an evaluation under no_grad had set it
                     policy._recomputes = policy._recomputes_seen = True  # a checkpoint's: recomputed in a backward
                 return func(*args, **kwargs) if kwargs else func(*args)
             if action != _SEQUENCE and action >= _PROMOTE and not kwargs and len(args) == 2:  # _PROMOTE(_NATIVE)
@@ -320,7 +321,7 @@ class _CastMode(TorchFunctionMode):
                 # Casting the out= tensor would write the result into a copy that the caller never sees.
                 return func(*args, **kwargs)
             if action == _HALF or action == _FLOAT:
-                if not (self.recompute_only or policy._recomputes_seen) and _may_be_recomputed():
+                if not self.recompute_only and _may_be_recomputed() and not policy._recomputes_seen:  # (see above)
                     policy._recomputes = policy._recomputes_seen = True  # a checkpoint's: recomputed in a backward
                 if action == _HALF:
                     args, kwargs = policy._cast_all(args, kwargs, policy.half_dtype, policy._to_half)
@@ -393,5 +394,6 @@ class _CastMode(TorchFunctionMode):
         """Note on the policy that a backward pass recomputes the cast about to be made (an activation
         checkpoint's forward: :func:`_may_be_recomputed`), so that it enters a recompute mode. Only casts are noted:
         a call that casts nothing in the forward casts nothing when recomputed either."""
-        if not (self.recompute_only or self.policy._recomputes_seen) and _may_be_recomputed():
+        if not self.recompute_only and _may_be_recomputed() and not self.policy._recomputes_seen:  # (in that order:
+            # the flag read under compile only where it is set, not guarded on in a graph that does not set it)
             self.policy._recomputes = self.policy._recomputes_seen = True

@@ -112,7 +112,7 @@ def _converting(name: str) -> Any:
 
     def convert(self: WatchedParameter, *args: Any, **kwargs: Any) -> torch.Tensor:
         value = method(self, *args, **kwargs)
-        if value is self or torch.is_grad_enabled() or not torch.__future__.get_swap_module_params_on_conversion():
+        if torch.is_grad_enabled() or not torch.__future__.get_swap_module_params_on_conversion():
             return value
         frame, depth = sys._getframe(1), 0  # the conversion's lambda, then Module._apply
         while frame is not None and frame.f_code is not _APPLY and depth < 3:
@@ -120,17 +120,19 @@ def _converting(name: str) -> Any:
         if frame is None or frame.f_code is not _APPLY:
             return value  # a user's own p.float(): a plain conversion, nothing taken
         old = _TENSOR_DATA.__get__(self)
-        if value.dtype == old.dtype:  # moved in half: the swap drops what the parameter carries
+        if _owner(self) is not None:  # refused before anything is taken: swap_tensors would fail on it after, even
+            # for a move that returns the parameter itself (Module._apply swaps whatever the conversion returns)
+            raise RuntimeError(
+                f"a {old.dtype} parameter with FP32 masters cannot be moved or converted (to {value.dtype} on "
+                f"{value.device}) with torch.__future__.set_swap_module_params_on_conversion(True): torch swaps the "
+                "tensors, which it refuses for a parameter its engine refers to (weakly). Move or convert the model "
+                "with the swap setting off (the masters' exact values are taken then), or convert "
+                "copy.deepcopy(model), which takes them too."
+            )
+        if value is self or value.dtype == old.dtype:  # moved in half: the swap drops what the parameter carries
             return value
         if _CARRIED in self.__dict__:
             return _with_carried(self, value)
-        if _owner(self) is not None:  # refused before anything is taken: swap_tensors would fail on it after
-            raise RuntimeError(
-                f"a {old.dtype} parameter with FP32 masters cannot be converted to {value.dtype} with "
-                "torch.__future__.set_swap_module_params_on_conversion(True): torch swaps the tensors, which it "
-                "refuses for a parameter its engine refers to (weakly). Convert the model with the swap setting off "
-                "(the masters' exact values are taken then), or convert copy.deepcopy(model), which takes them too."
-            )
         return value
 
     convert.__name__ = convert.__qualname__ = name
@@ -174,6 +176,8 @@ class WatchedParameter(nn.Parameter):
     half = _converting("half")  # type: ignore[assignment]
     bfloat16 = _converting("bfloat16")  # type: ignore[assignment]
     to = _converting("to")  # type: ignore[assignment]
+    cpu = _converting("cpu")  # type: ignore[assignment]
+    cuda = _converting("cuda")  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return repr(nn.Parameter(_TENSOR_DATA.__get__(self), self.requires_grad))
