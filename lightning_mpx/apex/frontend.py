@@ -88,7 +88,8 @@ def initialize(
     keep_model = cast_model_type is False
     if keep_model:
         cast_model_type = None
-    overrides: dict[str, Any] = {}
+    # Apex's half dtype is float16 on every device (the core's default picks bfloat16 on a CPU).
+    overrides: dict[str, Any] = {"half_dtype": torch.float16}
     if cast_model_type is torch.bfloat16:
         # Apex cast the model to whatever dtype it was given: bfloat16 becomes the half dtype of the whole call
         # (its loss scale then defaults to a static 1.0, bfloat16 having FP32's range).
