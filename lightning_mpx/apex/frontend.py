@@ -88,8 +88,7 @@ def initialize(
     keep_model = cast_model_type is False
     if keep_model:
         cast_model_type = None
-    # Apex's half dtype is float16 on every device (the core's default picks bfloat16 on a CPU).
-    overrides: dict[str, Any] = {"half_dtype": torch.float16}
+    overrides: dict[str, Any] = {}
     if cast_model_type is torch.bfloat16:
         # Apex cast the model to whatever dtype it was given: bfloat16 becomes the half dtype of the whole call
         # (its loss scale then defaults to a static 1.0, bfloat16 having FP32's range).
@@ -200,6 +199,7 @@ def _engine(
             overflows = scaler.state_dict()["overflows"]
             scaler.load_state_dict({"scale": scaler.init_scale, "growth_tracker": 0,
                                     "hysteresis_tracker": scaler.hysteresis, "overflows": overflows})
+    overrides.setdefault("half_dtype", torch.float16)  # Apex's, on every device (the core's picks bfloat16 on a CPU)
     floor = float(torch.finfo(torch.float32).tiny) if min_loss_scale is None else min_loss_scale
     amp = Amp(
         opt_level,
