@@ -66,6 +66,7 @@ def test_trainer_corrects_a_provisional_float16_at_setup(monkeypatch: pytest.Mon
     trainer, model = _fit(plugin)
     assert plugin.amp.half_dtype == bf16 and trainer.precision == "bf16-true"
     assert model.net[0].weight.dtype == bf16 and not plugin.amp.scalers[0].dynamic
+    assert plugin.settings.properties.half_dtype == bf16 and plugin.settings.device_type == "cpu"  # one pick
     assert plugin.settings.half_dtype is None  # what the user asked: pickled (ddp_spawn) as such, picked again
 
 

@@ -48,9 +48,12 @@ def precision_of(amp: Amp) -> str:
 
 def pick_half_dtype(plugin: Any, where: torch.device | nn.Module) -> None:
     """Let ``plugin``'s engine pick its half dtype (none given) for ``where`` (the strategy's root device, or the
-    model when no strategy is known), before the model is prepared, and update the plugin's ``precision``."""
+    model when no strategy is known), before the model is prepared, and update the plugin's ``precision`` and
+    ``settings`` (a fresh engine for another model keeps the pick; pickling keeps ``half_dtype=None``)."""
     plugin.amp.pick_half_dtype(where)
     plugin.precision = precision_of(plugin.amp)
+    if "settings" in vars(plugin):  # the Trainer plugin's own copy (Fabric's reads the engine's): one pick, shown both
+        plugin.settings = plugin.amp.settings
 
 
 def refuse_lazy(module: nn.Module, call: str) -> None:
