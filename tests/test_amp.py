@@ -34,7 +34,7 @@ def _train_step(amp, model, opt, x, y, *, clip=None, loss_id=0):
 
 
 def _setup(level, **kw):
-    amp = Amp(level, **kw, half_dtype="float16")
+    amp = Amp(level, **{"half_dtype": "float16", **kw})
     model = amp.prepare_model(_net())
     opt = amp.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
     return amp, model, opt

@@ -554,7 +554,7 @@ class AmpAgainstFP32(RuleBasedStateMachine):
         if dynamic:
             self.settings["loss_scale"] = "dynamic"  # bfloat16's default is a static 1.0
         self.level = level
-        self.amp = Amp(level, **self.settings, half_dtype="float16")
+        self.amp = Amp(level, **{"half_dtype": "float16", **self.settings})
         self.models = {"first": nn.Linear(4, 3), "second": nn.Linear(3, 2)}
         # Gradual unfreezing: the second model's bias is frozen when the model is prepared (no master for it at O2)
         # until the add_param_group rule trains it.
@@ -781,7 +781,7 @@ class AmpAgainstFP32(RuleBasedStateMachine):
                 "opts": {name: o.state_dict() for name, o in self.opts.items()},
             }
         )
-        self.amp = Amp(self.level, **self.settings, half_dtype="float16")
+        self.amp = Amp(self.level, **{"half_dtype": "float16", **self.settings})
         self.models = {"first": nn.Linear(4, 3), "second": nn.Linear(3, 2)}
         self.models["second"].bias.requires_grad_(self.unfrozen)
         for name, model in self.models.items():

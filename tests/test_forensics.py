@@ -29,7 +29,7 @@ from tests.lightning_helpers import RecordingLogger, loader, make_trainer
 
 
 def _setup(level: str, case: str, **settings: Any) -> tuple[Amp, nn.Module, torch.optim.Optimizer]:
-    amp = Amp(level, **settings, half_dtype="float16")
+    amp = Amp(level, **{"half_dtype": "float16", **settings})
     net = amp.prepare_model(make_net(case))
     return amp, net, amp.prepare_optimizer(torch.optim.SGD(net.parameters(), lr=1e-3))
 

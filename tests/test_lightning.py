@@ -384,12 +384,12 @@ def test_resume_from_checkpoint_in_a_new_process_is_exact(tmp_path):
     data = loader(classification_data(n=64))  # 4 steps per epoch
     settings = dict(growth_interval=2, init_scale=2.0**12)
 
-    straight_plugin = MixedPrecisionPlugin("O2", **settings, half_dtype="float16")
+    straight_plugin = MixedPrecisionPlugin("O2", **{"half_dtype": "float16", **settings})
     straight = Classifier(inject_inf_at=(5,), optimizer="adamw", lr=0.01)
     straight_trainer = make_trainer(straight_plugin, max_epochs=4)
     straight_trainer.fit(straight, data)
 
-    first_plugin = MixedPrecisionPlugin("O2", **settings, half_dtype="float16")
+    first_plugin = MixedPrecisionPlugin("O2", **{"half_dtype": "float16", **settings})
     first = Classifier(inject_inf_at=(5,), optimizer="adamw", lr=0.01)
     first_trainer = make_trainer(first_plugin, max_epochs=2)
     first_trainer.fit(first, data)
@@ -530,7 +530,7 @@ def test_o2_on_a_module_without_floating_parameters_is_refused():
 )
 def test_bad_arguments_fail_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        MixedPrecisionPlugin(**kwargs, half_dtype="float16")
+        MixedPrecisionPlugin(**{"half_dtype": "float16", **kwargs})
 
 
 def test_manual_backward_rejects_an_unknown_loss_id():

@@ -154,7 +154,7 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
 
     def implicit_dtype(self, device_type: str | None) -> str | None:
         """The half dtype picked for ``device_type`` when none was given (``"bfloat16"`` on ``"cpu"``), else
-        ``None`` (the given one, or float16: Amp's default)."""
+        ``None`` (the given one, or float16 off a CPU)."""
         return "bfloat16" if self.half_dtype is None and device_type == "cpu" else None
 
 
