@@ -44,6 +44,7 @@ __all__ = [
     "ScalerKeywords",
     "ScalerSettings",
     "SettingsKeywords",
+    "implicit_half_dtype",
     "keyword_signature",
     "setting_fields",
 ]
@@ -227,7 +228,11 @@ class MixedPrecisionSettings:
     Args:
         opt_level: ``"O0"`` to ``"O3"`` (see :mod:`lightning_mpx.opt_levels`).
         half_dtype: ``"float16"`` or ``"bfloat16"`` (also ``"fp16"``, ``"bf16"`` or a torch dtype). With bfloat16 the
-            default loss scale is a static 1.0.
+            default loss scale is a static 1.0. ``None`` (default): the device's (:func:`implicit_half_dtype`):
+            bfloat16 on a CPU (float16 matmuls are often emulated there, tens of times slower), float16 elsewhere,
+            picked by :meth:`on_device` for the device the model trains on (the engine does it when it prepares its
+            first model, the Trainer and Fabric plugins at set-up); until then :attr:`properties` hold the
+            provisional one, float16 when CUDA is available, else bfloat16.
         num_losses: Number of losses with a loss scaler each (``loss_id`` 0 to ``num_losses - 1``), as Apex's
             ``num_losses``: a GAN gives its generator and discriminator losses their own scale.
         cast_table: The table of the O1 policy. ``None``: the table of the device the model is on at the first
@@ -269,11 +274,14 @@ class MixedPrecisionSettings:
             loss.
 
     Attributes:
-        properties: The resolved :class:`~lightning_mpx.opt_levels.Properties` of the opt level with its overrides.
+        properties: The resolved :class:`~lightning_mpx.opt_levels.Properties` of the opt level with its overrides
+            (their ``half_dtype`` is the one the run trains in).
+        device_type: With ``half_dtype=None``: the device type the half dtype was picked for (:meth:`on_device`),
+            ``None`` while it is provisional.
     """
 
     opt_level: str = "O1"
-    half_dtype: str | torch.dtype = "float16"
+    half_dtype: str | torch.dtype | None = None
     num_losses: int = 1
     cast_table: CastTable | None = None
     allow_banned: bool = False
@@ -286,6 +294,7 @@ class MixedPrecisionSettings:
     overrides: Mapping[str, Any] = field(default_factory=dict)
     scaler: ScalerSettings = field(default_factory=ScalerSettings)
     properties: Properties = field(init=False, repr=False, compare=False)
+    device_type: str | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         # In the order Amp has always checked them, so that a run with two bad settings reports the same one.
@@ -297,7 +306,8 @@ class MixedPrecisionSettings:
             )
         overrides = dict(self.overrides)  # a copy: the caller's dict does not change these settings
         object.__setattr__(self, "overrides", overrides)
-        props = resolve_properties(self.opt_level, half_dtype=self.half_dtype, **overrides)
+        half = implicit_half_dtype(self.device_type) if self.half_dtype is None else self.half_dtype
+        props = resolve_properties(self.opt_level, half_dtype=half, **overrides)
         object.__setattr__(self, "properties", props)
         if isinstance(self.num_losses, bool) or not isinstance(self.num_losses, int) or self.num_losses < 1:
             raise ValueError(f"num_losses={self.num_losses!r} must be a positive integer.")
@@ -347,6 +357,16 @@ class MixedPrecisionSettings:
         mine = {k: kwargs.pop(k) for k in list(kwargs) if k in own}
         return cls(opt_level, **mine, overrides=kwargs, scaler=scaler)  # type: ignore[arg-type]
 
+    def on_device(self, device_type: str) -> MixedPrecisionSettings:
+        """These settings with the half dtype picked for ``device_type`` (``"cpu"``, ``"cuda"``...) when none was
+        given (``half_dtype=None``; see :func:`implicit_half_dtype`); ``self`` when one was given or already picked."""
+        if self.half_dtype is not None or self.device_type is not None:
+            return self
+        picked = dataclasses.replace(self)
+        object.__setattr__(picked, "device_type", str(device_type))
+        picked.__post_init__()  # the properties of the picked dtype, checked as any settings' are
+        return picked
+
     def to_kwargs(self) -> dict[str, Any]:
         """The keywords of :class:`~lightning_mpx.engine.amp.Amp` (all but ``opt_level``) that rebuild these settings:
         ``Amp(s.opt_level, **s.to_kwargs())`` is ``Amp.from_settings(s)``."""
@@ -359,12 +379,29 @@ class MixedPrecisionSettings:
         return {**out, **self.scaler.to_kwargs(), **self.overrides}
 
 
+def implicit_half_dtype(device_type: str | None) -> str:
+    """The half dtype of a run given none: ``"bfloat16"`` on ``"cpu"`` (float16 matmuls are often emulated on CPUs,
+    tens of times slower; ``torch.autocast``'s CPU default too), ``"float16"`` on any other device; ``device_type=None``
+    (not known yet): float16 when CUDA is available, else bfloat16."""
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return "bfloat16" if device_type == "cpu" else "float16"
+
+
+def implicit_dtype_note(logger: Any, opt_level: str, dtype: str, hint: str = 'half_dtype="float16"') -> None:
+    """Log, once per run and on rank zero only (the caller's to check), that ``opt_level`` runs in ``dtype`` on
+    this CPU because no half dtype was given, and how to ask for float16 (``hint``)."""
+    logger.warning(
+        "lightning_mpx: opt level %r runs in %s on this CPU (no half_dtype given; float16 matmuls are often emulated "
+        "on CPUs, tens of times slower): pass %s for float16.", opt_level, dtype, hint)
+
+
 class SettingsKeywords(ScalerKeywords, OptLevelOverrides, total=False):
     """Every setting as a keyword (:class:`MixedPrecisionSettings`'s own fields, the scaler's, the opt-level
     overrides), for the front doors' ``**settings: Unpack[SettingsKeywords]``: type checkers and IDEs read the names
     and types here; the defaults and docs are the fields' (``tests/test_settings.py`` holds the two equal)."""
 
-    half_dtype: str | torch.dtype
+    half_dtype: str | torch.dtype | None
     num_losses: int
     cast_table: CastTable | None
     allow_banned: bool

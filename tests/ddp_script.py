@@ -23,7 +23,9 @@ class RankZeroOverflow(Classifier):
 
 def run(on_device: bool) -> None:
     # on_device: the flag reduced on the device and handed to a fused AdamW, read at the next batch
-    plugin = MixedPrecisionPlugin("O2", init_scale=1024.0, growth_interval=1000, skip_on_device=on_device)
+    plugin = MixedPrecisionPlugin(
+        "O2", init_scale=1024.0, growth_interval=1000, skip_on_device=on_device, half_dtype="float16"
+    )
     model = RankZeroOverflow(optimizer="adamw_fused" if on_device else "sgd", lr=0.01 if on_device else 0.05)
     trainer = make_trainer(plugin, strategy="ddp", devices=2, max_epochs=1)
     trainer.fit(model, loader(classification_data(n=80), batch_size=8))  # 5 steps per rank

@@ -67,7 +67,7 @@ def _plugin(level: str) -> MixedPrecisionPlugin:
         table = CastTable.default()
         table.register(torch.outer, "half")
         settings["cast_table"] = table
-    return MixedPrecisionPlugin(level, **settings)
+    return MixedPrecisionPlugin(level, **{"half_dtype": "float16", **settings})
 
 
 def _global_batches(dataset: torch.utils.data.Dataset) -> torch.utils.data.Dataset:

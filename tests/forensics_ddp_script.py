@@ -29,7 +29,7 @@ def main() -> None:
     mpx_log.addHandler(handler)
     mpx_log.setLevel(logging.INFO)
     # Rank 1 only: a NaN in the batch at step 1 (forward), a gradient explosion with a finite forward at step 3.
-    plugin = MixedPrecisionPlugin("O1", diagnose_overflows=True, overflow_log_interval=0.0)
+    plugin = MixedPrecisionPlugin("O1", diagnose_overflows=True, overflow_log_interval=0.0, half_dtype="float16")
     model = ForensicsModule("gradient", nan_at=(1, 1), only_at=(3, 1))
     trainer = make_trainer(plugin, strategy="ddp", devices=2, max_steps=5)
     trainer.fit(model, loader(ForensicsData("gradient", n=40), batch_size=4))

@@ -153,10 +153,10 @@ def test_mixed_precision_kwargs_defaults_mirror_amp():
     }
     amp_defaults.pop("opt_level")
     handler = MixedPrecisionKwargs()
-    assert handler.half_dtype is None  # the device's: Amp's float16, bfloat16 on a CPU
+    assert handler.half_dtype is None  # the device's: float16, bfloat16 on a CPU (picked by the adapter itself)
     for name, default in amp_defaults.items():
         assert getattr(handler, name) == (None if name == "half_dtype" else default), name
-    assert handler.amp_kwargs() == handler.amp_kwargs("cuda") == {}
+    assert handler.amp_kwargs() == handler.amp_kwargs("cuda") == {"half_dtype": "float16"}
     assert handler.amp_kwargs("cpu") == {"half_dtype": "bfloat16"}
     assert MixedPrecisionKwargs(half_dtype="float16").amp_kwargs("cpu") == {"half_dtype": "float16"}
     changed = MixedPrecisionKwargs(

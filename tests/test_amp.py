@@ -34,7 +34,7 @@ def _train_step(amp, model, opt, x, y, *, clip=None, loss_id=0):
 
 
 def _setup(level, **kw):
-    amp = Amp(level, **kw)
+    amp = Amp(level, **{"half_dtype": "float16", **kw})
     model = amp.prepare_model(_net())
     opt = amp.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
     return amp, model, opt
@@ -97,7 +97,7 @@ def test_master_weights_and_scaler_round_trip_bit_exactly(level):
     for i in range(5):
         _train_step(amp, model, opt, *_batch(i))
     state = copy.deepcopy(amp.state_dict())
-    fresh = Amp(level)
+    fresh = Amp(level, half_dtype="float16")
     fresh_model = fresh.prepare_model(_net())
     fresh_model.load_state_dict(model.state_dict())
     fresh.load_state_dict(state)
@@ -207,7 +207,7 @@ def test_accumulation_unscales_once_and_keeps_the_scale():
 
 
 def test_two_losses_two_optimizers_skip_independently_and_update_once_per_iteration():
-    amp = Amp("O1", num_losses=2, growth_interval=1, init_scale=2.0**8)
+    amp = Amp("O1", num_losses=2, growth_interval=1, init_scale=2.0**8, half_dtype="float16")
     torch.manual_seed(0)
     gen, disc = nn.Linear(4, 4), nn.Linear(4, 1)
     amp.prepare_model(gen), amp.prepare_model(disc)
@@ -239,7 +239,7 @@ def test_two_losses_two_optimizers_skip_independently_and_update_once_per_iterat
 
 
 def test_two_losses_into_one_optimizer_are_rescaled_not_mixed():
-    amp = Amp("O1", num_losses=2, init_scale=2.0**10)
+    amp = Amp("O1", num_losses=2, init_scale=2.0**10, half_dtype="float16")
     amp.scalers[1].to("cpu").load_state_dict(
         {"scale": 2.0**4, "growth_tracker": 0, "hysteresis_tracker": 1, "overflows": 0}
     )
@@ -280,7 +280,7 @@ def test_resume_is_bit_identical(level):
 
 
 def test_fused_adamw_with_clipping():
-    amp = Amp("O2")
+    amp = Amp("O2", half_dtype="float16")
     model = amp.prepare_model(_net())
     opt = amp.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
     losses = [_train_step(amp, model, opt, *_batch(0), clip=0.5)[0].item() for _ in range(20)]
@@ -335,15 +335,15 @@ def test_training_loop_reaches_fp32_loss_within_2_percent(level, half, fp32_loss
 
 def test_bad_input_messages():
     with pytest.raises(ValueError, match=r"num_losses=0 must be a positive integer"):
-        Amp("O1", num_losses=0)
+        Amp("O1", num_losses=0, half_dtype="float16")
     with pytest.raises(
         ValueError, match=r"unscale_backend='cuda' is not valid; valid choices: auto, foreach, reference"
     ):
-        Amp("O1", unscale_backend="cuda")
+        Amp("O1", unscale_backend="cuda", half_dtype="float16")
     from lightning_mpx import CastTable
 
     with pytest.raises(ValueError, match=r"cast_table is only used by the cast-table policy.*opt_level='O2'"):
-        Amp("O2", cast_table=CastTable.default())
+        Amp("O2", cast_table=CastTable.default(), half_dtype="float16")
     amp, model, opt = _setup("O1")
     with pytest.raises(ValueError, match=r"loss_id=1 is out of range; valid choices: 0 to 0"):
         amp.backward(model(_batch()[0]).sum(), loss_id=1)
@@ -352,9 +352,9 @@ def test_bad_input_messages():
     with pytest.raises(RuntimeError, match=r"was not registered; call prepare_optimizer"):
         amp.step(torch.optim.SGD(model.parameters(), lr=1.0))
     with pytest.raises(ValueError, match=r"module=ReLU has no floating-point parameters"):
-        Amp("O2").prepare_model(nn.ReLU())
+        Amp("O2", half_dtype="float16").prepare_model(nn.ReLU())
     with pytest.raises(RuntimeError, match=r"prepare_model\(\) must run before prepare_optimizer\(\)"):
-        Amp("O2").prepare_optimizer(torch.optim.SGD(_net().parameters(), lr=1.0))
+        Amp("O2", half_dtype="float16").prepare_optimizer(torch.optim.SGD(_net().parameters(), lr=1.0))
 
 
 def test_update_clears_the_cast_cache_at_the_iteration_boundary():

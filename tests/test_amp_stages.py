@@ -202,7 +202,7 @@ def test_gradients_pending_across_an_update_keep_their_scale(level):
     # and update() grows the scale in between (growth_interval=1). Its pending gradients carry the old scale.
     torch.manual_seed(0)
     first, second = nn.Linear(6, 8), nn.Linear(8, 3)
-    amp = Amp(level, growth_interval=1, init_scale=2.0**8)
+    amp = Amp(level, growth_interval=1, init_scale=2.0**8, half_dtype="float16")
     amp.prepare_model(first), amp.prepare_model(second)
     opt_first = amp.prepare_optimizer(torch.optim.SGD(first.parameters(), lr=0.1))
     opt_second = amp.prepare_optimizer(torch.optim.SGD(second.parameters(), lr=0.1))
@@ -235,7 +235,7 @@ def test_a_discriminator_overflow_does_not_back_off_the_generator_scale(level, s
     # to the discriminator's next step, and its overflow backed off both scales ([128, 128]).
     torch.manual_seed(0)
     gen, disc = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8)), nn.Sequential(nn.Linear(8, 1))
-    amp = Amp(level, num_losses=2, init_scale=256.0)
+    amp = Amp(level, num_losses=2, init_scale=256.0, half_dtype="float16")
     amp.prepare_model(gen), amp.prepare_model(disc)
     opt_g = amp.prepare_optimizer(torch.optim.Adam(gen.parameters(), lr=1e-3))
     opt_d = amp.prepare_optimizer(torch.optim.Adam(disc.parameters(), lr=1e-3))
@@ -272,7 +272,7 @@ def test_a_discriminator_overflow_does_not_back_off_the_generator_scale(level, s
 def test_an_overflow_is_charged_to_the_loss_whose_gradients_held_it():
     # Two losses into one optimizer: loss 1's gradients overflow, loss 0's come after them and are finite. The
     # non-finite values persist in the sum, but they are loss 1's: only its scale backs off.
-    amp = Amp("O1", num_losses=2, init_scale=2.0**10)
+    amp = Amp("O1", num_losses=2, init_scale=2.0**10, half_dtype="float16")
     model = amp.prepare_model(nn.Linear(3, 1))
     opt = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     x = torch.ones(2, 3)
@@ -298,7 +298,7 @@ def test_attribution_needs_no_host_sync_before_the_step():
             self.ops.append(str(func))
             return func(*args, **(kwargs or {}))
 
-    amp = Amp("O1", num_losses=2)
+    amp = Amp("O1", num_losses=2, half_dtype="float16")
     model = amp.prepare_model(nn.Linear(3, 1))
     opt = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     amp.backward(model(torch.ones(2, 3)).sum(), loss_id=0)
@@ -315,7 +315,7 @@ def test_a_static_scale_loaded_from_a_checkpoint_is_applied_both_ways():
     # Before the fix a static 128 loaded into a static 1.0 scaler divided the gradients by 128 but never multiplied
     # the loss: the gradients came out 128x too small.
     amp, model, opt, ref, _ = _pair("O1", loss_scale=1.0)
-    saved = Amp("O1", loss_scale=128.0).state_dict()
+    saved = Amp("O1", loss_scale=128.0, half_dtype="float16").state_dict()
     amp.load_state_dict(saved)
     loss = torch.tensor(3.0)
     assert amp.scale_loss(loss).item() == 384.0
@@ -329,7 +329,7 @@ def test_a_static_scale_loaded_from_a_checkpoint_is_applied_both_ways():
 # -- loss_id -----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("loss_id", [np.int64(1), np.int32(1), np.uint8(1), torch.tensor(1)], ids=repr)
 def test_integer_like_loss_ids_are_accepted(loss_id):
-    amp = Amp("O1", num_losses=2)
+    amp = Amp("O1", num_losses=2, half_dtype="float16")
     amp.scalers[1].load_state_dict({"scale": 8.0, "growth_tracker": 0, "hysteresis_tracker": 1, "overflows": 0})
     model = amp.prepare_model(nn.Linear(3, 1, bias=False))
     opt = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=1.0))
@@ -342,7 +342,7 @@ def test_integer_like_loss_ids_are_accepted(loss_id):
 
 @pytest.mark.parametrize("loss_id", [True, np.bool_(True), 1.0, "1", torch.tensor(True), None, 2, -1], ids=repr)
 def test_other_loss_ids_are_refused_with_the_choices(loss_id):
-    amp = Amp("O1", num_losses=2)
+    amp = Amp("O1", num_losses=2, half_dtype="float16")
     with pytest.raises(ValueError, match=r"loss_id=.* valid choices: 0 to 1 \(num_losses=2\)"):
         amp.scale_loss(torch.tensor(1.0), loss_id=loss_id)
 
@@ -390,10 +390,10 @@ def test_the_floor_error_keeps_its_general_advice_otherwise(eps, level, half):
 
 # -- consecutive_hysteresis through Amp --------------------------------------------------------------------------------
 def test_consecutive_hysteresis_reaches_the_scalers_and_is_validated():
-    amp = Amp("O1", num_losses=2, hysteresis=2, consecutive_hysteresis=True)
+    amp = Amp("O1", num_losses=2, hysteresis=2, consecutive_hysteresis=True, half_dtype="float16")
     assert all(s.consecutive_hysteresis and s.hysteresis == 2 for s in amp.scalers)
     with pytest.raises(TypeError, match=r"consecutive_hysteresis='yes' must be True or False"):
-        Amp("O1", consecutive_hysteresis="yes")
+        Amp("O1", consecutive_hysteresis="yes", half_dtype="float16")
 
 
 @pytest.mark.parametrize("half", ["float16", "bfloat16"])
@@ -554,7 +554,7 @@ class AmpAgainstFP32(RuleBasedStateMachine):
         if dynamic:
             self.settings["loss_scale"] = "dynamic"  # bfloat16's default is a static 1.0
         self.level = level
-        self.amp = Amp(level, **self.settings)
+        self.amp = Amp(level, **{"half_dtype": "float16", **self.settings})
         self.models = {"first": nn.Linear(4, 3), "second": nn.Linear(3, 2)}
         # Gradual unfreezing: the second model's bias is frozen when the model is prepared (no master for it at O2)
         # until the add_param_group rule trains it.
@@ -781,7 +781,7 @@ class AmpAgainstFP32(RuleBasedStateMachine):
                 "opts": {name: o.state_dict() for name, o in self.opts.items()},
             }
         )
-        self.amp = Amp(self.level, **self.settings)
+        self.amp = Amp(self.level, **{"half_dtype": "float16", **self.settings})
         self.models = {"first": nn.Linear(4, 3), "second": nn.Linear(3, 2)}
         self.models["second"].bias.requires_grad_(self.unfrozen)
         for name, model in self.models.items():
@@ -816,7 +816,7 @@ test_amp_against_fp32 = AmpAgainstFP32.TestCase
 
 
 def test_found_inf_reports_the_flag_per_loss():
-    amp = Amp("O1", num_losses=2, init_scale=256.0)
+    amp = Amp("O1", num_losses=2, init_scale=256.0, half_dtype="float16")
     model = amp.prepare_model(nn.Linear(4, 2))
     opt = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     assert amp.found_inf(opt) is None

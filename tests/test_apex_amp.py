@@ -413,7 +413,7 @@ def _core_train(core, model, opt, steps, seed):
 
 
 def _core_run():
-    core = lightning_mpx.Amp("O2")
+    core = lightning_mpx.Amp("O2", half_dtype="float16")  # Apex's dtype: its checkpoints are float16
     model = core.prepare_model(_mlp())
     opt = core.prepare_optimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
     return core, model, opt

@@ -250,7 +250,7 @@ def test_grad_none_after_a_skipped_overflow_leaves_no_inf_in_the_masters(front_d
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     data = [torch.randn(5, 3) for _ in range(3)]
     if front_door == "core":
-        core = lightning_mpx.Amp("O2", num_losses=2, init_scale=8.0)
+        core = lightning_mpx.Amp("O2", num_losses=2, init_scale=8.0, half_dtype="float16")
         model = core.prepare_model(model)
         opt = core.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
     else:

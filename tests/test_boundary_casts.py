@@ -53,7 +53,7 @@ def _model_output(**values: Any) -> Any:
 
 
 def _cast(data: Any) -> Any:
-    return Amp("O2").cast_outputs(data)  # half tensors to FP32
+    return Amp("O2", half_dtype="float16").cast_outputs(data)  # half tensors to FP32
 
 
 def _h(*shape: int) -> torch.Tensor:
@@ -113,7 +113,7 @@ def test_dataclasses_keep_their_type_and_nested_values_are_cast():
 
 
 def test_inputs_are_cast_to_half_in_the_same_containers():
-    amp = Amp("O2")
+    amp = Amp("O2", half_dtype="float16")
     data = {"batch": Output(torch.randn(2)), "masks": collections.defaultdict(int, {"m": torch.ones(2)})}
     cast = amp.cast_inputs(data)
     assert cast["batch"].logits.dtype == f16 and type(cast["masks"]) is collections.defaultdict
@@ -177,7 +177,7 @@ def test_lightning_o2_boundary_keeps_the_output_type(kind):
 
     module = Module()
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(2, 4)), batch_size=2)
-    make_trainer(MixedPrecisionPlugin("O2")).predict(module, data)
+    make_trainer(MixedPrecisionPlugin("O2", half_dtype="float16")).predict(module, data)
     assert module.weight_dtype == f16  # (the stage gives the FP32 model back when it ends)
     _check(module.outputs[0], kind)
 

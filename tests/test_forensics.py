@@ -29,7 +29,7 @@ from tests.lightning_helpers import RecordingLogger, loader, make_trainer
 
 
 def _setup(level: str, case: str, **settings: Any) -> tuple[Amp, nn.Module, torch.optim.Optimizer]:
-    amp = Amp(level, **settings)
+    amp = Amp(level, **{"half_dtype": "float16", **settings})
     net = amp.prepare_model(make_net(case))
     return amp, net, amp.prepare_optimizer(torch.optim.SGD(net.parameters(), lr=1e-3))
 
@@ -173,14 +173,14 @@ def test_diagnose_overflows_can_be_switched_and_is_validated():
     amp.diagnose_overflows = False
     assert _hooks(net) == others
     with pytest.raises(TypeError, match="diagnose_overflows='yes' must be True or False"):
-        Amp("O1", diagnose_overflows="yes")
+        Amp("O1", diagnose_overflows="yes", half_dtype="float16")
     with pytest.raises(TypeError, match="diagnose_overflows=1 must be True or False"):
-        MixedPrecisionPlugin("O1", diagnose_overflows=1)
+        MixedPrecisionPlugin("O1", diagnose_overflows=1, half_dtype="float16")
 
 
 def test_second_optimizer_on_the_same_forward_reads_the_same_flags():
     # Two optimizers stepping on one forward: the flags are cleared at the next watched forward, not by a step.
-    amp = Amp("O1", diagnose_overflows=True)
+    amp = Amp("O1", diagnose_overflows=True, half_dtype="float16")
     net = amp.prepare_model(make_net("activation"))
     first = amp.prepare_optimizer(torch.optim.SGD(list(net.inp.parameters()) + list(net.blow.parameters()), lr=0.1))
     second = amp.prepare_optimizer(torch.optim.SGD(list(net.explode.parameters()) + list(net.out.parameters()), lr=0.1))
@@ -214,7 +214,7 @@ def test_merge_records_names_the_rank_whose_forward_was_non_finite():
 # -- Lightning ------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", CASES)
 def test_lightning_o1_record_log_and_metrics(case, caplog):
-    plugin = MixedPrecisionPlugin("O1", diagnose_overflows=True)
+    plugin = MixedPrecisionPlugin("O1", diagnose_overflows=True, half_dtype="float16")
     model = ForensicsModule(case)
     logger = RecordingLogger()
     trainer = make_trainer(plugin, max_steps=2, logger=logger, log_every_n_steps=1)
@@ -243,7 +243,7 @@ def test_lightning_o1_record_log_and_metrics(case, caplog):
 def test_lightning_unwatched_record_under_gradient_clip_val_reads_the_backward_kinds(case):
     # The common configuration: gradient_clip_val (by norm) and no diagnose_overflows. Before, the clip's
     # coefficient 0 turned every overflowed gradient into NaN before the step built the record.
-    plugin = MixedPrecisionPlugin("O1")
+    plugin = MixedPrecisionPlugin("O1", half_dtype="float16")
     model = ForensicsModule(case)
     trainer = make_trainer(plugin, max_steps=1, gradient_clip_val=1.0)
     trainer.fit(model, loader(ForensicsData(case), batch_size=4))
@@ -253,7 +253,7 @@ def test_lightning_unwatched_record_under_gradient_clip_val_reads_the_backward_k
 
 
 def test_lightning_without_diagnose_registers_no_hooks():
-    plugin = MixedPrecisionPlugin("O1")
+    plugin = MixedPrecisionPlugin("O1", half_dtype="float16")
     seen: list[int] = []
 
     class Probe(ForensicsModule):
@@ -361,7 +361,7 @@ def test_unwatched_record_after_a_norm_clip_reads_what_the_backward_made(case, w
 @pytest.mark.parametrize("when", ["fused", "after unscale_"])
 def test_a_finite_norm_clips_as_torch_does(when, backend):
     torch.manual_seed(0)
-    amp = Amp("O1", unscale_backend=backend, init_scale=2.0**10)
+    amp = Amp("O1", unscale_backend=backend, init_scale=2.0**10, half_dtype="float16")
     net = amp.prepare_model(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)))
     opt = amp.prepare_optimizer(torch.optim.SGD(net.parameters(), lr=1e-3))
     x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))

@@ -171,7 +171,7 @@ def test_policies_per_level():
     assert mixed_precision_policy(o2, role="root") == MixedPrecisionPolicy(BF16, FP32, FP32, True)
     assert mixed_precision_policy(o2) == MixedPrecisionPolicy(BF16, FP32, None, True)
     assert mixed_precision_policy("O0", role="root") == MixedPrecisionPolicy()
-    o1 = mixed_precision_policy("O1")
+    o1 = mixed_precision_policy(MixedPrecisionSettings("O1", "float16"))
     assert (o1.param_dtype, o1.reduce_dtype, o1.cast_forward_inputs) == (FP16, FP32, False)
     assert mixed_precision_policy("O1", gather="fp32").param_dtype is None
 
@@ -219,10 +219,10 @@ def test_check_refuses_a_model_sharded_without_the_policy_at_o2():
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_check_refuses_a_gather_in_the_other_half_dtype(level):
-    """shard_model(net, "O1") gathers in float16 (the level's default); an engine in bfloat16 would meet float16
+    """shard_model(net, float16 settings) gathers in float16; an engine in bfloat16 would meet float16
     weights in its bfloat16 matmuls (O1), or run float16 compute with bfloat16's static scale (O2): refused, naming
     the unit, both dtypes and what to pass instead."""
-    model = shard_model(net(), level)  # float16, the default half dtype
+    model = shard_model(net(), MixedPrecisionSettings(level, "float16"))
     with pytest.raises(ValueError, match=(
         rf"another half dtype than opt_level='{level}' with half_dtype=bfloat16: .*param_dtype=torch.float16.*"
         r"pass the plugin or the Amp")):
@@ -245,7 +245,7 @@ def test_check_refuses_stored_dtypes_that_do_not_fit_the_level():
     with pytest.raises(ValueError, match="stores half parameters .*model in FP32 at O1"):
         check_sharded_model(half_model, "O1")
     with pytest.raises(ValueError, match="stores FP32 parameters .*needs the model cast to float16"):
-        check_sharded_model(shard_model(net(), "O2"), "O3")
+        check_sharded_model(shard_model(net(), "O2"), MixedPrecisionSettings("O3", "float16"))
 
 
 def test_check_warns_about_half_gradient_reduction():
@@ -253,7 +253,7 @@ def test_check_warns_about_half_gradient_reduction():
     fully_shard(model.bn, mp_policy=mixed_precision_policy("O2", role="fp32"))
     fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=FP16))  # reduce_dtype=None: reduces in fp16
     with pytest.warns(UserWarning, match="reduces the gradients of '<root>' in half"):
-        check_sharded_model(model, "O2")
+        check_sharded_model(model, MixedPrecisionSettings("O2", "float16"))
 
 
 def test_check_refuses_promote_at_o2():

@@ -110,7 +110,7 @@ def test_o2_conv_net_keeps_batchnorm_fp32_and_trains_fp32_masters():
     x = torch.randn(32, 3, 8, 8, generator=g)
     data = loader(torch.utils.data.TensorDataset(x, (x.mean((1, 2, 3)) > 0).long()), batch_size=8)
     model = ConvNet()
-    plugin = MixedPrecisionPlugin("O2", keep_batchnorm_fp32=True)
+    plugin = MixedPrecisionPlugin("O2", keep_batchnorm_fp32=True, half_dtype="float16")
     trainer = make_trainer(plugin, max_epochs=2)
     initial_bn = model.body[1].weight.detach().clone()
     trainer.fit(model, data)
@@ -133,7 +133,7 @@ def test_o2_conv_net_keeps_batchnorm_fp32_and_trains_fp32_masters():
 # -- clipping, hooks, fused optimizers ------------------------------------------------------------------------------
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_clip_by_norm_acts_on_unscaled_gradients(level):
-    plugin = MixedPrecisionPlugin(level)
+    plugin = MixedPrecisionPlugin(level, half_dtype="float16")
     model = RecordingClassifier()
     data = classification_data(n=16)
     trainer = make_trainer(plugin, max_steps=1, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
@@ -153,7 +153,7 @@ def test_clip_by_norm_acts_on_unscaled_gradients(level):
 
 
 def test_clip_by_value_acts_on_unscaled_gradients():
-    plugin = MixedPrecisionPlugin("O1")
+    plugin = MixedPrecisionPlugin("O1", half_dtype="float16")
     model = RecordingClassifier()
     trainer = make_trainer(plugin, max_steps=1, gradient_clip_val=1e-3, gradient_clip_algorithm="value")
     trainer.fit(model, loader(classification_data(n=16)))
@@ -173,7 +173,7 @@ def test_on_before_optimizer_step_sees_unscaled_gradients(level):
 
     model = Hooked()
     data = classification_data(n=16)
-    trainer = make_trainer(MixedPrecisionPlugin(level), max_steps=1)
+    trainer = make_trainer(MixedPrecisionPlugin(level, half_dtype="float16"), max_steps=1)
     trainer.fit(model, loader(data))
     for seen, true in zip(model.hook_grads[0], true_gradients(data[:16])):
         torch.testing.assert_close(seen, true, rtol=2e-2, atol=2e-4)
@@ -181,7 +181,7 @@ def test_on_before_optimizer_step_sees_unscaled_gradients(level):
 
 def test_fused_adamw_with_clipping_works():
     # Lightning's own 16-mixed plugin refuses clipping with fused optimizers; here the plugin unscales.
-    plugin = MixedPrecisionPlugin("O1")
+    plugin = MixedPrecisionPlugin("O1", half_dtype="float16")
     model = Classifier(optimizer="adamw_fused", lr=0.01)
     trainer = make_trainer(plugin, max_epochs=4, gradient_clip_val=1.0)
     trainer.fit(model, loader(classification_data(n=128)))
@@ -192,7 +192,7 @@ def test_fused_adamw_with_clipping_works():
 # -- overflow -------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_injected_overflow_skips_step_and_scheduler_and_halves_scale(level):
-    plugin = MixedPrecisionPlugin(level, init_scale=1024.0)
+    plugin = MixedPrecisionPlugin(level, init_scale=1024.0, half_dtype="float16")
     model = Classifier(inject_inf_at=(2,), optimizer="adamw", lr=0.01, scheduler=True)
     trainer = make_trainer(plugin, max_steps=4)
     scales: list[float] = []
@@ -216,7 +216,7 @@ def test_injected_overflow_skips_step_and_scheduler_and_halves_scale(level):
 
 
 def test_overflow_message_names_the_parameter(caplog):
-    plugin = MixedPrecisionPlugin("O1")
+    plugin = MixedPrecisionPlugin("O1", half_dtype="float16")
     trainer = make_trainer(plugin, max_steps=2)
     with caplog.at_level("INFO", logger="lightning_mpx"):
         trainer.fit(Classifier(inject_inf_at=(1,)), loader(classification_data(n=32)))
@@ -225,7 +225,7 @@ def test_overflow_message_names_the_parameter(caplog):
 
 # -- accumulation ---------------------------------------------------------------------------------------------------
 def test_accumulation_steps_once_and_keeps_the_scale_within_a_window():
-    plugin = MixedPrecisionPlugin("O1", growth_interval=1, init_scale=256.0)
+    plugin = MixedPrecisionPlugin("O1", growth_interval=1, init_scale=256.0, half_dtype="float16")
     scales_at_backward: list[float] = []
 
     class Probe(Classifier):
@@ -307,7 +307,7 @@ class TinyGAN(pl.LightningModule):
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_gan_two_optimizers_two_losses(level):
-    plugin = MixedPrecisionPlugin(level, num_losses=2, growth_interval=1, init_scale=64.0)
+    plugin = MixedPrecisionPlugin(level, num_losses=2, growth_interval=1, init_scale=64.0, half_dtype="float16")
     model = TinyGAN(inject_inf_at=3)
     data = loader(torch.utils.data.TensorDataset(torch.randn(48, 8)), batch_size=8)  # 6 iterations
     trainer = make_trainer(plugin, max_epochs=1)
@@ -370,7 +370,7 @@ import sys, torch
 sys.path.insert(0, {root!r})
 from lightning_mpx import MixedPrecisionPlugin
 from tests.lightning_helpers import Classifier, classification_data, loader, make_trainer
-plugin = MixedPrecisionPlugin("O2", growth_interval=2, init_scale=2.0**12)
+plugin = MixedPrecisionPlugin("O2", growth_interval=2, init_scale=2.0**12, half_dtype="float16")
 model = Classifier(inject_inf_at=(5,), optimizer="adamw", lr=0.01, scheduler=False)
 trainer = make_trainer(plugin, max_epochs=4)
 trainer.fit(model, loader(classification_data(n=64)), ckpt_path={ckpt!r})
@@ -384,12 +384,12 @@ def test_resume_from_checkpoint_in_a_new_process_is_exact(tmp_path):
     data = loader(classification_data(n=64))  # 4 steps per epoch
     settings = dict(growth_interval=2, init_scale=2.0**12)
 
-    straight_plugin = MixedPrecisionPlugin("O2", **settings)
+    straight_plugin = MixedPrecisionPlugin("O2", **{"half_dtype": "float16", **settings})
     straight = Classifier(inject_inf_at=(5,), optimizer="adamw", lr=0.01)
     straight_trainer = make_trainer(straight_plugin, max_epochs=4)
     straight_trainer.fit(straight, data)
 
-    first_plugin = MixedPrecisionPlugin("O2", **settings)
+    first_plugin = MixedPrecisionPlugin("O2", **{"half_dtype": "float16", **settings})
     first = Classifier(inject_inf_at=(5,), optimizer="adamw", lr=0.01)
     first_trainer = make_trainer(first_plugin, max_epochs=2)
     first_trainer.fit(first, data)
@@ -410,7 +410,7 @@ def test_resume_from_checkpoint_in_a_new_process_is_exact(tmp_path):
 
 def test_o2_evaluation_from_a_training_checkpoint_restores_the_scale_without_masters(tmp_path):
     data = loader(classification_data(n=64))
-    trained_plugin = MixedPrecisionPlugin("O2", init_scale=2.0**12, growth_interval=2)
+    trained_plugin = MixedPrecisionPlugin("O2", init_scale=2.0**12, growth_interval=2, half_dtype="float16")
     trained = Classifier(optimizer="adamw", lr=0.01)
     trainer = make_trainer(trained_plugin, max_epochs=1)
     trainer.fit(trained, data)
@@ -418,7 +418,7 @@ def test_o2_evaluation_from_a_training_checkpoint_restores_the_scale_without_mas
     trainer.save_checkpoint(ckpt)
     assert trained_plugin.amp.scalers[0].get_scale() == 2.0**14  # 4 steps, growth every 2
 
-    plugin = MixedPrecisionPlugin("O2", init_scale=2.0**12, growth_interval=2)
+    plugin = MixedPrecisionPlugin("O2", init_scale=2.0**12, growth_interval=2, half_dtype="float16")
     model = Classifier(optimizer="adamw", lr=0.01)
     evaluator = make_trainer(plugin)
     evaluator.validate(model, data, ckpt_path=ckpt, verbose=False)
@@ -436,7 +436,7 @@ def test_tensorboard_scale_curve_halves_at_injected_overflows(tmp_path):
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    plugin = MixedPrecisionPlugin("O1", init_scale=2.0**10, growth_interval=1000)
+    plugin = MixedPrecisionPlugin("O1", init_scale=2.0**10, growth_interval=1000, half_dtype="float16")
     logger = TensorBoardLogger(str(tmp_path), name="run", version=0)
     trainer = make_trainer(plugin, max_steps=12, logger=logger, log_every_n_steps=1)
     trainer.fit(Classifier(inject_inf_at=(4, 8)), loader(classification_data(n=192)))
@@ -455,7 +455,7 @@ def test_tensorboard_scale_curve_halves_at_injected_overflows(tmp_path):
 def test_metrics_follow_the_trainers_logging_cadence(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
-    plugin = MixedPrecisionPlugin("O1", init_scale=2.0**10, growth_interval=1000)
+    plugin = MixedPrecisionPlugin("O1", init_scale=2.0**10, growth_interval=1000, half_dtype="float16")
     logger = CSVLogger(str(tmp_path), name="run", version=0)
     trainer = make_trainer(plugin, max_steps=12, logger=logger, log_every_n_steps=5)
     trainer.fit(Classifier(inject_inf_at=(2,)), loader(classification_data(n=192)))
@@ -491,14 +491,14 @@ def test_ddp_two_processes_skip_together(ddp_runs, on_device):
 
 # -- bad input ------------------------------------------------------------------------------------------------------
 def test_lbfgs_is_refused_with_a_clear_error():
-    trainer = make_trainer(MixedPrecisionPlugin("O1"), max_steps=1)
+    trainer = make_trainer(MixedPrecisionPlugin("O1", half_dtype="float16"), max_steps=1)
     with pytest.raises(ValueError, match="LBFGS"):
         trainer.fit(Classifier(optimizer="lbfgs"), loader(classification_data(n=16)))
 
 
 def test_mixing_with_another_precision_setting_is_refused():
     with pytest.raises((ValueError, MisconfigurationException), match="Received both `precision=16-mixed`"):
-        pl.Trainer(precision="16-mixed", plugins=[MixedPrecisionPlugin("O1")], accelerator="cpu")
+        pl.Trainer(precision="16-mixed", plugins=[MixedPrecisionPlugin("O1", half_dtype="float16")], accelerator="cpu")
 
 
 def test_o2_on_a_module_without_floating_parameters_is_refused():
@@ -513,7 +513,7 @@ def test_o2_on_a_module_without_floating_parameters_is_refused():
         def configure_optimizers(self) -> None:
             return None
 
-    trainer = make_trainer(MixedPrecisionPlugin("O2"), max_steps=1)
+    trainer = make_trainer(MixedPrecisionPlugin("O2", half_dtype="float16"), max_steps=1)
     with pytest.raises(ValueError, match="no floating-point parameters"):
         trainer.fit(NoFloats(), loader(classification_data(n=16)))
 
@@ -530,7 +530,7 @@ def test_o2_on_a_module_without_floating_parameters_is_refused():
 )
 def test_bad_arguments_fail_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        MixedPrecisionPlugin(**kwargs)
+        MixedPrecisionPlugin(**{"half_dtype": "float16", **kwargs})
 
 
 def test_manual_backward_rejects_an_unknown_loss_id():
@@ -542,7 +542,7 @@ def test_manual_backward_rejects_an_unknown_loss_id():
         def training_step(self, batch: Any, batch_idx: int) -> None:
             self.manual_backward(self._step(batch, "train"), loss_id=3)
 
-    trainer = make_trainer(MixedPrecisionPlugin("O1", num_losses=2), max_steps=1)
+    trainer = make_trainer(MixedPrecisionPlugin("O1", num_losses=2, half_dtype="float16"), max_steps=1)
     with pytest.raises(ValueError, match="loss_id=3"):
         trainer.fit(Manual(), loader(classification_data(n=16)))
 
@@ -561,7 +561,7 @@ def test_snapshot_helper_detects_a_change():
 def test_steps_that_do_not_log_read_no_metrics(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
-    plugin = MixedPrecisionPlugin("O1")
+    plugin = MixedPrecisionPlugin("O1", half_dtype="float16")
     calls: list[int] = []
     metrics = plugin.amp.metrics
 

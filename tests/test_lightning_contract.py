@@ -269,7 +269,7 @@ def test_the_plugin_pickles_with_its_settings_and_trains_as_the_original(level):
         table.register(torch.outer, "half")
         table.register(torch.ops.aten.mm.default, "half")
         kwargs["cast_table"] = table
-    original = MixedPrecisionPlugin(level, **kwargs)
+    original = MixedPrecisionPlugin(level, **{"half_dtype": "float16", **kwargs})
     copied = pickle.loads(pickle.dumps(original))
     assert type(copied) is MixedPrecisionPlugin and copied.opt_level == level
     if level == "O1":
@@ -297,7 +297,7 @@ class _Tagged(MixedPrecisionPlugin):
 
 
 def test_a_pickled_plugin_starts_afresh_and_keeps_a_subclass_attributes():
-    plugin = _Tagged("mine", init_scale=SCALE)
+    plugin = _Tagged("mine", init_scale=SCALE, half_dtype="float16")
     model = Classifier(inject_inf_at=(1,))
     make_trainer(plugin, max_steps=2).fit(model, loader(classification_data(n=32)))
     assert plugin.amp.scalers[0].get_scale() == SCALE / 2

@@ -89,7 +89,7 @@ def _iteration(amp: Amp, model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 
 def _prepared(level: str, model: nn.Module, **settings: Any) -> tuple[Amp, torch.optim.Optimizer]:
-    amp = Amp(level, **settings)
+    amp = Amp(level, **{"half_dtype": "float16", **settings})
     amp.prepare_model(model)
     return amp, amp.prepare_optimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
 
@@ -201,8 +201,8 @@ def _fit(where: str, plugin: MixedPrecisionPlugin, steps: int) -> ParentArithmet
 )
 def test_trainer_o1_promote_recovers_by_promoting_the_producer(where: str, region: str, caplog: Any) -> None:
     steps = 30
-    reference = _fit(where, MixedPrecisionPlugin("O0"), steps)
-    plugin = MixedPrecisionPlugin("O1", on_floor="promote", **FLOOR)
+    reference = _fit(where, MixedPrecisionPlugin("O0", half_dtype="float16"), steps)
+    plugin = MixedPrecisionPlugin("O1", on_floor="promote", **{"half_dtype": "float16", **FLOOR})
     with caplog.at_level(logging.WARNING, logger="lightning_mpx"):
         module = _fit(where, plugin, steps)
     amp = plugin.amp

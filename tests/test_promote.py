@@ -91,7 +91,7 @@ def data_loader() -> torch.utils.data.DataLoader:
 
 def fit(level: str, on_floor: str = "promote", steps: int = STEPS, **kwargs: Any) -> tuple[RawFeaturesModule, Any]:
     module = RawFeaturesModule(steps)
-    plugin = MixedPrecisionPlugin(level, on_floor=on_floor, **FLOOR, **kwargs)
+    plugin = MixedPrecisionPlugin(level, on_floor=on_floor, **FLOOR, **{"half_dtype": "float16", **kwargs})
     make_trainer(plugin, max_steps=steps, max_epochs=-1).fit(module, data_loader())
     return module, plugin
 
@@ -124,7 +124,7 @@ def test_promote_trains_through_a_layer_that_always_overflows(level: str, o0_fin
 
 def test_raise_stops_at_the_floor() -> None:
     module = RawFeaturesModule()
-    plugin = MixedPrecisionPlugin("O1", on_floor="raise", **FLOOR)
+    plugin = MixedPrecisionPlugin("O1", on_floor="raise", **{"half_dtype": "float16", **FLOOR})
     with pytest.raises(LossScaleFloorError, match=r"stem\.weight"):
         make_trainer(plugin, max_steps=STEPS, max_epochs=-1).fit(module, data_loader())
     assert len(module.losses) == 4  # the fourth step is the first at the floor
@@ -144,7 +144,8 @@ def test_lightning_resume_keeps_the_promotion(level: str, tmp_path: Any) -> None
     total, first = 14, 8
     straight, _ = fit(level, steps=total)
     module = RawFeaturesModule(total)
-    trainer = make_trainer(MixedPrecisionPlugin(level, on_floor="promote", **FLOOR), max_steps=first, max_epochs=-1)
+    plugin = MixedPrecisionPlugin(level, on_floor="promote", **{"half_dtype": "float16", **FLOOR})
+    trainer = make_trainer(plugin, max_steps=first, max_epochs=-1)
     trainer.fit(module, data_loader())
     path = tmp_path / "promoted.ckpt"
     trainer.save_checkpoint(path)
@@ -161,7 +162,7 @@ def test_lightning_resume_keeps_the_promotion(level: str, tmp_path: Any) -> None
             seen["stem"] = pl_module.model.stem.weight.detach().clone()
 
     resumed = RawFeaturesModule(total)
-    plugin = MixedPrecisionPlugin(level, on_floor="promote", **FLOOR)
+    plugin = MixedPrecisionPlugin(level, on_floor="promote", **{"half_dtype": "float16", **FLOOR})
     make_trainer(plugin, max_steps=total, max_epochs=-1, callbacks=[AtStart()]).fit(
         resumed, data_loader(), ckpt_path=str(path)
     )
@@ -194,7 +195,7 @@ def test_amp_state_dict_resume_reapplies_the_promotion(level: str) -> None:
     # O3: pure half, with a dynamic scale and an eps that float16 holds (the optimizer state is half there).
     settings: dict[str, Any] = dict(FLOOR, loss_scale="dynamic") if level == "O3" else dict(FLOOR)
     eps = 1e-4 if level == "O3" else 1e-8
-    amp = Amp(level, on_floor="promote", **settings)
+    amp = Amp(level, on_floor="promote", **{"half_dtype": "float16", **settings})
     amp.prepare_model(model)
     optimizer = amp.prepare_optimizer(make_optimizer(model, eps=eps))
     stepped = _core_run(amp, model, optimizer, x, y, 8)
@@ -207,7 +208,7 @@ def test_amp_state_dict_resume_reapplies_the_promotion(level: str) -> None:
         assert checkpoint["amp"]["promotion"]["weights"]["stem.weight"].dtype == torch.float32  # ...its own weights
 
     fresh = RawFeatures()
-    fresh_amp = Amp(level, on_floor="promote", **settings)
+    fresh_amp = Amp(level, on_floor="promote", **{"half_dtype": "float16", **settings})
     fresh_amp.prepare_model(fresh)
     fresh_optimizer = fresh_amp.prepare_optimizer(make_optimizer(fresh, eps=eps))
     fresh.load_state_dict(checkpoint["model"])
@@ -229,7 +230,7 @@ def test_o2_promotion_keeps_the_optimizer_state() -> None:
     continues from them (step 10 -> 11)."""
     x, y = raw_feature_data()
     model = RawFeatures()
-    amp = Amp("O2", on_floor="promote", **FLOOR)
+    amp = Amp("O2", on_floor="promote", **{"half_dtype": "float16", **FLOOR})
     amp.prepare_model(model)
     optimizer = amp.prepare_optimizer(make_optimizer(model))
     assert _core_run(amp, model, optimizer, x / INPUT_SCALE, y, 10) == [True] * 10
@@ -256,7 +257,7 @@ def test_o2_promotion_keeps_the_optimizer_state() -> None:
 def test_no_promotion_without_a_culprit_in_common() -> None:
     """Overflows at the floor from different modules: nothing can be blamed, the floor error is raised."""
     model = RawFeatures()
-    amp = Amp("O1", on_floor="promote", init_scale=1.0, min_loss_scale=1.0)
+    amp = Amp("O1", on_floor="promote", init_scale=1.0, min_loss_scale=1.0, half_dtype="float16")
     amp.prepare_model(model)
     promotion = amp.promotion
     first = OverflowRecord(0, (0,), (1.0,), {"stem.weight": "inf"}, {"stem": "inf"})
@@ -274,7 +275,7 @@ def test_no_promotion_without_a_culprit_in_common() -> None:
 def test_a_blamed_fp32_module_promotes_its_parent() -> None:
     """At O2 a promoted module's output goes back to half: if it is blamed again, its parent is promoted."""
     model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), nn.Linear(4, 2))
-    amp = Amp("O2", on_floor="promote", fp32_modules=["0.0"])
+    amp = Amp("O2", on_floor="promote", fp32_modules=["0.0"], half_dtype="float16")
     amp.prepare_model(model)
     assert amp.fp32_modules == ["0.0"]
     record = OverflowRecord(0, (0,), (1.0,), {}, {}, origin="forward", first_module="0.0")
@@ -316,7 +317,7 @@ class ForwardOverflow(nn.Module):
 def test_promote_cures_a_forward_overflow(level: str, promoted: list[str]) -> None:
     x, y = raw_feature_data(scale=1.0)
     model = ForwardOverflow()
-    amp = Amp(level, on_floor="promote", **FLOOR)
+    amp = Amp(level, on_floor="promote", **{"half_dtype": "float16", **FLOOR})
     amp.prepare_model(model)
     optimizer = amp.prepare_optimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
     stepped = _core_run(amp, model, optimizer, x, y, 12)

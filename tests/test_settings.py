@@ -129,7 +129,7 @@ def test_settings_are_frozen_and_checked_when_built():
     with pytest.raises(TypeError, match=r"unknown opt-level override\(s\) 'keep_bn'"):
         MixedPrecisionSettings.from_kwargs("O2", keep_bn=True)
     with pytest.raises(ValueError, match=r"init_scale=0\.5 lies outside \[min_loss_scale=1\.0"):
-        MixedPrecisionSettings(scaler=ScalerSettings(init_scale=0.5))  # dynamic at O1 with float16
+        MixedPrecisionSettings(half_dtype="float16", scaler=ScalerSettings(init_scale=0.5))  # dynamic at O1
     # A static scale ignores init_scale, as before: bfloat16's default is a static 1.0.
     assert (
         MixedPrecisionSettings(half_dtype="bfloat16", scaler=ScalerSettings(init_scale=0.5)).properties.loss_scale

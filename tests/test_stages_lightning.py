@@ -45,7 +45,8 @@ def test_a_training_step_returning_none_with_clipping_does_not_leak(level):
     # without gradients, in torch's clip_grad_value_ of an empty list.)
     data = loader(classification_data(n=64), batch_size=16)  # 4 batches, the second one skipped
     model = SkipsBatches(skip_at=(1,), lr=0.05)
-    trainer = make_trainer(MixedPrecisionPlugin(level, init_scale=2.0**10), gradient_clip_val=10.0)
+    plugin = MixedPrecisionPlugin(level, init_scale=2.0**10, half_dtype="float16")
+    trainer = make_trainer(plugin, gradient_clip_val=10.0)
     trainer.fit(model, data)
     reference = SkipsBatches(skip_at=(1,), lr=0.05)
     make_trainer(precision="32-true", gradient_clip_val=10.0).fit(reference, data)  # 10 is above the norm: no clip
@@ -84,7 +85,7 @@ def test_a_manual_backward_between_clip_and_step_adds_at_the_right_scale(level, 
     # Before the fix the second backward's scaled gradients were stepped as they were: 1024x too large here.
     data = loader(classification_data(n=48), batch_size=16)
     model = ClipsBetweenBackwards(algorithm)
-    make_trainer(MixedPrecisionPlugin(level, init_scale=2.0**10)).fit(model, data)
+    make_trainer(MixedPrecisionPlugin(level, init_scale=2.0**10, half_dtype="float16")).fit(model, data)
     reference = ClipsBetweenBackwards(algorithm)
     make_trainer(precision="32-true").fit(reference, data)
     _assert_trained_alike(model, reference)
@@ -137,7 +138,7 @@ def test_a_discriminator_overflow_backs_off_only_its_own_scale(id_type, level):
     # Before the fix the zeroed (set_to_none=False) gradients of the generator's loss counted as loss 1's in the
     # discriminator's step, so its overflow backed off both scales: [128, 128]. numpy loss ids were refused. At O2
     # the optimizers hold the model's own parameters, so their zero_grad clears what the next step would read.
-    plugin = MixedPrecisionPlugin(level, num_losses=2, init_scale=256.0)
+    plugin = MixedPrecisionPlugin(level, num_losses=2, init_scale=256.0, half_dtype="float16")
     model = ZeroesWithoutNone(nan_at=1, id_type=id_type)
     data = loader(torch.utils.data.TensorDataset(torch.randn(24, 8)), batch_size=8)  # 3 iterations
     make_trainer(plugin).fit(model, data)
@@ -161,12 +162,12 @@ def test_every_amp_setting_is_a_named_typed_plugin_and_adapter_setting():
     assert amp <= set(plugin), sorted(amp - set(plugin))
     assert all(plugin[name].annotation is not inspect.Parameter.empty for name in amp)
     assert amp <= {f.name for f in dataclasses.fields(MixedPrecisionKwargs)}
-    plugin = MixedPrecisionPlugin("O2", model_writes="values")
+    plugin = MixedPrecisionPlugin("O2", model_writes="values", half_dtype="float16")
     assert plugin.amp.model_writes == "values"
 
 
 def test_consecutive_hysteresis_reaches_the_plugin_engine():
-    plugin = MixedPrecisionPlugin("O1", hysteresis=3, consecutive_hysteresis=True)
+    plugin = MixedPrecisionPlugin("O1", hysteresis=3, consecutive_hysteresis=True, half_dtype="float16")
     assert all(scaler.consecutive_hysteresis for scaler in plugin.amp.scalers)
     with pytest.raises(TypeError, match="consecutive_hysteresis='no' must be True or False"):
-        MixedPrecisionPlugin("O1", consecutive_hysteresis="no")
+        MixedPrecisionPlugin("O1", consecutive_hysteresis="no", half_dtype="float16")

@@ -196,7 +196,7 @@ def _train(amp: Amp, model: nn.Module, optimizers: list[torch.optim.Optimizer], 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_amp_measures_only_requested_iterations(level):
-    amp = Amp(level, init_scale=2.0**10)
+    amp = Amp(level, init_scale=2.0**10, half_dtype="float16")
     model = amp.prepare_model(_TwoParts())
     optimizer = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
     _train(amp, model, [optimizer])
@@ -222,7 +222,7 @@ def test_amp_measures_only_requested_iterations(level):
 def test_amp_values_match_a_direct_count():
     """The engine's per-group fractions (non-zero below tiny; exact zeros) and headroom are those of the scaled
     gradients counted by hand."""
-    amp = Amp("O1", init_scale=2.0**4, growth_interval=10**6)
+    amp = Amp("O1", init_scale=2.0**4, growth_interval=10**6, half_dtype="float16")
     model = amp.prepare_model(_TwoParts())
     optimizer = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.0))
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
@@ -247,7 +247,7 @@ def test_amp_values_match_a_direct_count():
 
 
 def test_amp_merges_optimizers_by_group():
-    amp = Amp("O1")
+    amp = Amp("O1", half_dtype="float16")
     model = amp.prepare_model(_TwoParts())
     body = amp.prepare_optimizer(torch.optim.SGD(model.body.parameters(), lr=0.01))
     head = amp.prepare_optimizer(torch.optim.SGD(model.head.parameters(), lr=0.01))

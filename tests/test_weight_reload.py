@@ -84,7 +84,7 @@ def test_lightning_validate_twice_sees_weights_loaded_through_data(write):
     x = torch.randn(5, 8)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=5)
     module = _Recorder()
-    trainer = make_trainer(MixedPrecisionPlugin("O1"))
+    trainer = make_trainer(MixedPrecisionPlugin("O1", half_dtype="float16"))
     trainer.validate(module, data, verbose=False)
     new = _new_weights(module.net)
     _load_through_data(module.net, new, write)

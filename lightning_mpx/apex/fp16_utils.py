@@ -95,6 +95,7 @@ class FP16_Optimizer:
         half = [p for g in init_optimizer.param_groups for p in g["params"] if p.dtype in _HALF]
         self.amp = Amp(
             "O2" if half else "O0",  # an all-FP32 optimizer needs no masters: loss scaling only
+            half_dtype="float16",  # Apex's FP16_Optimizer (the core's default picks bfloat16 on a CPU)
             loss_scale="dynamic" if dynamic_loss_scale else static_loss_scale,
             init_scale=float(args.get("init_scale", 2.0**32)),
             growth_factor=scale_factor,

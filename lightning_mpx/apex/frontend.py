@@ -199,6 +199,7 @@ def _engine(
             overflows = scaler.state_dict()["overflows"]
             scaler.load_state_dict({"scale": scaler.init_scale, "growth_tracker": 0,
                                     "hysteresis_tracker": scaler.hysteresis, "overflows": overflows})
+    overrides.setdefault("half_dtype", torch.float16)  # Apex's, on every device (the core's picks bfloat16 on a CPU)
     floor = float(torch.finfo(torch.float32).tiny) if min_loss_scale is None else min_loss_scale
     amp = Amp(
         opt_level,

@@ -122,6 +122,7 @@ class Amp(AmpParts):
         for name, value in (("train", train), ("rank_zero_fp32", rank_zero_fp32)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name}={value!r} must be True or False.")
+        self.pick_half_dtype(module)  # with no half_dtype given: the device's, once (bfloat16 on a CPU)
         return self._models.prepare(module, train=train, rank_zero_fp32=rank_zero_fp32)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -414,6 +415,7 @@ class Amp(AmpParts):
         scaling starts from its settings."""
         self.read_step_outcomes()  # steps made before the load are this run's: counted before it replaces them
         check_readers_state(_engine_entry(state))  # a bad one is refused before anything is loaded
+        self.pick_half_dtype(None)  # loaded before any model: the provisional dtype is the run's from now on
         self._checkpoint.load_state_dict(state, with_masters=self._with_masters)
         state = _engine_entry(state)
         self.forensics.load_state_dict(state.get("overflow_counts"))  # None (older release): from zero

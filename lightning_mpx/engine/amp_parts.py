@@ -9,10 +9,12 @@ attribute, so that the engine and its part can never disagree.
 from __future__ import annotations
 
 import functools
+import logging
 import operator
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from lightning_mpx.casting.loss_promotion import o3_policy
 from lightning_mpx.casting.loss_regions import LossRegions
@@ -32,7 +34,12 @@ from lightning_mpx.masters.store import Masters
 from lightning_mpx.masters.weights import MasterWeights
 from lightning_mpx.opt_levels import Properties
 from lightning_mpx.scaling.scaler import LossScaler
-from lightning_mpx.settings import MixedPrecisionSettings
+from lightning_mpx.settings import MixedPrecisionSettings, implicit_dtype_note
+
+_log = logging.getLogger("lightning_mpx")
+#: What the front doors may set on an engine before it picks its half dtype, kept when it does (:meth:`AmpParts.
+#: pick_half_dtype` builds the parts again).
+_KEPT = ("register_call", "found_inf_reducer", "log_overflows", "overflow_log_interval", "sharded", "unscale_backend")
 
 
 def _part(path: str, *, doc: str, settable: bool = False, also: tuple[str, ...] = ()) -> Any:
@@ -92,6 +99,36 @@ class AmpParts:
 
     num_losses = property(lambda amp: len(amp.scalers), doc="The number of losses, one loss scaler each.")
 
+    def pick_half_dtype(self, where: torch.device | str | nn.Module | None) -> None:
+        """Pick the half dtype the run trains in, when none was given (``half_dtype=None``), for the device of
+        ``where`` (a device, a device type, or a model: its first floating tensor's; a model with none, or
+        ``None``, keeps the provisional dtype): bfloat16 on a CPU, float16 elsewhere (see
+        :meth:`~lightning_mpx.settings.MixedPrecisionSettings.on_device`). Done once, before any model is prepared:
+        :meth:`prepare_model` does it for the model it is given, the Trainer and Fabric plugins at set-up for the
+        device the strategy trains on; later calls, and any call with a given half dtype, do nothing. Picking
+        bfloat16 on a CPU logs one line (rank zero only)."""
+        settings = self.settings
+        if settings.half_dtype is not None or settings.device_type is not None:
+            return
+        if isinstance(where, nn.Module):
+            tensor = next((t for t in (*where.parameters(), *where.buffers()) if t.is_floating_point()), None)
+            where = None if tensor is None else tensor.device
+        device_type = "meta" if where is None else torch.device(where).type
+        if device_type == "meta":  # nothing tells the device: the provisional dtype stays (CUDA's if available)
+            device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        picked = settings.on_device(device_type)
+        if picked.properties.half_dtype == self.properties.half_dtype:
+            self.settings = self._models.settings = picked  # the same parts: nothing was built for another dtype
+            self._checkpoint.picked_for = device_type
+        else:
+            kept = {name: getattr(self, name) for name in _KEPT}
+            self._configure(picked)
+            for name, value in kept.items():
+                setattr(self, name, value)
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if device_type == "cpu" and (not distributed or torch.distributed.get_rank() == 0):
+            implicit_dtype_note(_log, self.properties.opt_level, "bfloat16")
+
     def _configure(self, settings: MixedPrecisionSettings) -> None:
         """Build the parts of the engine of ``settings`` (each owns its state; the properties above show it)."""
         self.settings = settings
@@ -129,6 +166,7 @@ class AmpParts:
         self._checkpoint = EngineState(
             self.properties, self.scalers, self._masters, self.promotion, self._overflows, self._machine
         )
+        self._checkpoint.picked_for = settings.device_type if settings.half_dtype is None else None
         self.iteration = Iteration()  # the steps since the last update(), and their outcomes: the doors read them
 
 

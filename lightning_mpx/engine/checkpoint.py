@@ -39,6 +39,9 @@ class EngineState:
 
     Attributes:
         exact_weights: O2 masters resumed at O0/O1: kept through a later load of the model's state dict.
+        picked_for: The device type the engine's half dtype was picked for when none was given (``None``: given, or
+            not picked yet); a checkpoint of another half dtype is then refused, not resumed in a dtype the user
+            never chose.
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class EngineState:
         self.overflows = overflows
         self.machine = machine
         self.exact_weights = ExactWeights()
+        self.picked_for: str | None = None
 
     @property
     def opt_level(self) -> str:
@@ -77,11 +81,26 @@ class EngineState:
             "promotion": self.promotion.state_dict(),
         }
 
+    def _refuse_picked_dtype(self, saved: str) -> None:
+        """Refuse a checkpoint of another half dtype than the one picked for this device with none given (a run saved
+        on CUDA in float16, resumed on a CPU): the resumed run would change its dtype silently."""
+        here = str(self.properties.half_dtype)
+        if self.picked_for is None or saved == here:
+            return
+        saved_name, here_name = saved.removeprefix("torch."), here.removeprefix("torch.")
+        raise ValueError(
+            f"the checkpoint was trained in {saved_name}, and this run picked {here_name} for its "
+            f"{self.picked_for!r} device because no half_dtype was given: a resumed run does not change its half "
+            f"dtype silently. Pass half_dtype={saved_name!r} to resume in the checkpoint's dtype, or "
+            f"half_dtype={here_name!r} to switch to {here_name} on purpose (a dynamic loss scale then carries over)."
+        )
+
     def load_state_dict(self, state: dict[str, Any], *, with_masters: bool) -> None:
         """:meth:`Amp.load_state_dict <lightning_mpx.engine.amp.Amp.load_state_dict>`; ``with_masters``: the
         optimizers step FP32 masters of this engine."""
         state = _engine_entry(state)
         _check_engine_state(state)
+        self._refuse_picked_dtype(state.get("half_dtype", str(self.properties.half_dtype)))
         self.masters.prune()
         if len(state["scalers"]) != len(self.scalers):
             raise ValueError(

@@ -78,6 +78,7 @@ from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.overflow import DEFAULT_READER
 from lightning_mpx.opt_levels import OPT_LEVELS
+from lightning_mpx.settings import implicit_dtype_note
 
 # Import through require() so that a missing accelerate names the extra that installs it.
 require("accelerate", feature="lightning_mpx.accelerate")
@@ -199,10 +200,7 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
             settings = dataclasses.replace(settings, half_dtype=implicit)
             amp = Amp.from_settings(settings.settings(opt_level))
             if self.is_main_process:
-                _log.warning(
-                    "lightning_mpx: mixed_precision=%r runs in %s on this CPU (no half_dtype given; float16 matmuls "
-                    "are often emulated on CPUs, tens of times slower): pass "
-                    "MixedPrecisionKwargs(half_dtype=\"float16\") for float16.", opt_level, implicit)
+                implicit_dtype_note(_log, opt_level, implicit, 'MixedPrecisionKwargs(half_dtype="float16")')
         if self.distributed_type == DistributedType.DEEPSPEED:
             raise ValueError(f"mixed_precision={opt_level!r} cannot run under DeepSpeed. {_DEEPSPEED_HINT}")
         if self.distributed_type not in _SUPPORTED_DISTRIBUTED:

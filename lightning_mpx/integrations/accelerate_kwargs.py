@@ -148,15 +148,13 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
         """The keyword arguments for :class:`~lightning_mpx.engine.amp.Amp`: the fields changed from their defaults,
         and ``half_dtype`` as :meth:`settings` resolves it on ``device_type``."""
         kwargs = {k: v for k, v in self.to_kwargs().items() if k not in _ADAPTER_FIELDS}
-        if kwargs.get("half_dtype") is None:
-            kwargs.pop("half_dtype", None)
-            if self.implicit_dtype(device_type) is not None:
-                kwargs["half_dtype"] = self.implicit_dtype(device_type)
+        if kwargs.get("half_dtype") is None:  # the adapter picks it for its device itself: float16 off a CPU
+            kwargs["half_dtype"] = self.implicit_dtype(device_type) or "float16"
         return kwargs
 
     def implicit_dtype(self, device_type: str | None) -> str | None:
         """The half dtype picked for ``device_type`` when none was given (``"bfloat16"`` on ``"cpu"``), else
-        ``None`` (the given one, or float16: Amp's default)."""
+        ``None`` (the given one, or float16 off a CPU)."""
         return "bfloat16" if self.half_dtype is None and device_type == "cpu" else None
 
 

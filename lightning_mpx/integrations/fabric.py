@@ -95,6 +95,8 @@ from lightning_mpx.integrations.fabric_sharding import (  # noqa: E402
 )
 from lightning_mpx.integrations.lightning_conversion import (  # noqa: E402
     holds_masters,
+    pick_half_dtype,
+    precision_of,
     record_half_dtype,
     refuse_lazy,
 )
@@ -140,12 +142,8 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
             "plugin.setup_optimizers(optimizer) after fabric.setup() to register it now (the plugin's own "
             "master_params(optimizer) registers it too)"
         )
-        # Fabric's own words for it (ThroughputMonitor and others read it): what the weights are stored in, and
-        # whether the compute is mixed.
-        prefix = "bf16" if self.amp.half_dtype == torch.bfloat16 else "16"
-        level = self.amp.opt_level
-        precision = "32-true" if level == "O0" else f"{prefix}-mixed" if level == "O1" else f"{prefix}-true"
-        self.precision = precision  # type: ignore[assignment]
+        # Fabric's own words for it (no half_dtype given: provisional until convert_module picks the device's)
+        self.precision = precision_of(self.amp)  # type: ignore[assignment]
         self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._unsynced: list[MasterWeights] = []  # masters made by convert_module, to take from the set-up model
         self._unchecked: list[weakref.ref[nn.Module]] = []  # prepared by convert_module; sharded by the strategy?
@@ -225,6 +223,7 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
                 return module
         caller = sys._getframe(1).f_locals.get("self")  # fabric.setup's Fabric, or not a Fabric
         refuse_o2_sharding(self.amp, caller)
+        pick_half_dtype(self, caller.device if isinstance(caller, Fabric) else module)  # none given: the device's
         # fabric.setup under DDP: every rank is here together, before the strategy wraps the model; the masters start
         # from rank zero's exact FP32 weights (one broadcast), not from their half rounding that DDP broadcasts.
         agree = isinstance(caller, Fabric) and caller.world_size > 1

@@ -54,6 +54,8 @@ from lightning_mpx.integrations.lightning_clipping import GradientClipping  # no
 from lightning_mpx.integrations.lightning_conversion import (  # noqa: E402
     holds_masters,
     masters_into_checkpoint,
+    pick_half_dtype,
+    precision_of,
     record_half_dtype,
     refuse_lazy,
 )
@@ -126,11 +128,8 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         self.settings = MixedPrecisionSettings.from_kwargs(opt_level, **settings)
         self._opt_level = opt_level
         self.amp = Amp.from_settings(self.settings)
-        # ``trainer.precision`` in Lightning's own words (its model summary sizes the weights from it): what the
-        # parameters are stored in, and whether the compute is mixed.
-        prefix = "bf16" if self.amp.half_dtype == torch.bfloat16 else "16"
-        level = self.amp.opt_level
-        self.precision = "32-true" if level == "O0" else f"{prefix}-mixed" if level == "O1" else f"{prefix}-true"  # type: ignore[assignment]
+        # ``trainer.precision`` (no half_dtype given: provisional until convert_module picks the device's)
+        self.precision = precision_of(self.amp)  # type: ignore[assignment]
         self._module: nn.Module | None = None
         self._sharded: nn.Module | None = None  # under FSDP: the sharded model the engine was prepared with
         self._model_hooks = ModelHooks()  # boundary casts and the compiled hand-off, on the LightningModule
@@ -208,6 +207,7 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
                 self.amp = Amp.from_settings(self.settings)
                 self._masters_synced = False
                 self._sharded = None
+            pick_half_dtype(self, module if trainer is None else trainer.strategy.root_device)
             if not sharded:
                 self._evaluation.prepare(self.amp, module, fitting=fitting, rank_zero_fp32=agree)
             self._module = module

@@ -15,6 +15,9 @@
 * The dtype Lightning's modules report (``LightningModule.dtype``, kept by Lightning's ``.to()``, which the engine's
   conversion does not go through): at O2/O3 the half dtype, as under Lightning's own ``"bf16-true"``, so that
   ``x.to(self.dtype)`` and ``torch.zeros(..., dtype=self.dtype)`` in a step give what the weights hold.
+* The half dtype of a plugin given no ``half_dtype``: picked at set-up for the device the strategy trains on
+  (:func:`pick_half_dtype`: bfloat16 on a CPU, float16 elsewhere), and the plugin's ``precision`` (what
+  ``trainer.precision`` and Fabric report) with it (:func:`precision_of`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,27 @@ from torch.nn.parameter import is_lazy
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.integrations.fp32_export import masters_into, warn_frozen_half
 
-__all__ = ["holds_masters", "masters_into_checkpoint", "record_half_dtype", "refuse_lazy"]
+__all__ = [
+    "holds_masters", "masters_into_checkpoint", "pick_half_dtype", "precision_of", "record_half_dtype", "refuse_lazy"
+]
+
+
+def precision_of(amp: Amp) -> str:
+    """The engine's precision in Lightning's own words (``trainer.precision``; its model summary sizes the weights from
+    it, Fabric's ThroughputMonitor reads it): what the parameters are stored in, and whether the compute is mixed."""
+    prefix = "bf16" if amp.half_dtype == torch.bfloat16 else "16"
+    level = amp.opt_level
+    return "32-true" if level == "O0" else f"{prefix}-mixed" if level == "O1" else f"{prefix}-true"
+
+
+def pick_half_dtype(plugin: Any, where: torch.device | nn.Module) -> None:
+    """Let ``plugin``'s engine pick its half dtype (none given) for ``where`` (the strategy's root device, or the
+    model when no strategy is known), before the model is prepared, and update the plugin's ``precision`` and
+    ``settings`` (a fresh engine for another model keeps the pick; pickling keeps ``half_dtype=None``)."""
+    plugin.amp.pick_half_dtype(where)
+    plugin.precision = precision_of(plugin.amp)
+    if "settings" in vars(plugin):  # the Trainer plugin's own copy (Fabric's reads the engine's): one pick, shown both
+        plugin.settings = plugin.amp.settings
 
 
 def refuse_lazy(module: nn.Module, call: str) -> None:
