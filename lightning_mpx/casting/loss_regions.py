@@ -36,6 +36,8 @@ from lightning_mpx.casting.mode import _CastMode
 #: Words that mark a name as a loss in a module's code (lower-cased substring match).
 LOSS_WORDS = ("loss", "criterion")
 _DEPTH = 3  # calls followed from a forward
+_COMPILER = torch.compiler
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
 class LossRegions:
@@ -168,7 +170,9 @@ class LossRegions:
         return handles
 
     def _off(self, module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():  # traced: the mode's casts are in the graph, not paid per call
+        # torch.compiler.is_compiling(), a call saved per hooked module: dynamo makes is_dynamo_compiling() a
+        # constant True (the flag is not traced), eager code reads the flag that is_compiling() returns there.
+        if _dynamo_compiling() or _COMPILER._is_compiling_flag:  # traced: the casts are in the graph, not per call
             return
         popped = []
         length, at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
@@ -184,7 +188,7 @@ class LossRegions:
 
     def _on(self, module: nn.Module, args: Any, output: Any) -> None:
         # always_call: also when the forward raised, so the stack is whole again.
-        if torch.compiler.is_compiling():
+        if _dynamo_compiling() or _COMPILER._is_compiling_flag:  # torch.compiler.is_compiling(), as in _off
             return
         taken = getattr(self._local, "taken", None)  # self._taken(), inline
         for mode in reversed(taken.pop() if taken else ()):

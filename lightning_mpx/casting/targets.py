@@ -35,6 +35,12 @@ from lightning_mpx.common.dtypes import HALF_DTYPES
 #: The attribute a noted half tensor carries: ``(source, version of the half tensor when cast)``.
 SOURCE_ATTRIBUTE = "_lightning_mpx_source"
 
+_new_object = object.__new__  # a slotted note made without its __init__'s call (one per noted tensor, every step)
+_COMPILER = torch.compiler
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
+_stack_length, _stack_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
+_ref = weakref.ref
+
 
 class _Source:
     """A noted half tensor's source: held while its forward runs, weakly after it (:meth:`release`): a half tensor
@@ -96,7 +102,10 @@ def _hold(held: Notes, noted: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
                 held.remove(entry)
             except ValueError:
                 pass
-    held.extend(_Note(half, thread) for half, _ in noted)
+    for half, _ in noted:  # _Note(half, thread) each, without a generator's and an __init__'s calls
+        note = _new_object(_Note)
+        note.ref, note.thread = _ref(half), thread
+        held.append(note)
 
 
 def remember(noted: list[tuple[torch.Tensor, torch.Tensor]], *, share: bool = True
@@ -110,14 +119,18 @@ def remember(noted: list[tuple[torch.Tensor, torch.Tensor]], *, share: bool = Tr
     ends."""
     if not noted:
         return noted
-    if torch.compiler.is_compiling():
+    # torch.compiler.is_compiling() with a call saved: dynamo makes is_dynamo_compiling() a constant True (the flag
+    # is not traced); eager code reads the flag that is_compiling() returns there.
+    if _dynamo_compiling() or _COMPILER._is_compiling_flag:
         return []
     # A cast is a new tensor: its version is 0 (read, it would be a call into an active torch-function mode). Made
     # under inference mode it has no version counter: None, and the values tell a write (see exact_source).
     inference = torch.is_inference_mode_enabled()
     version = None if inference else 0
     for half, source in noted:
-        setattr(half, SOURCE_ATTRIBUTE, (_Source(source), version))
+        held = _new_object(_Source)  # _Source(source), without its __init__'s call
+        held.tensor, held.ref = source, None
+        setattr(half, SOURCE_ATTRIBUTE, (held, version))
     if inference and share:
         for mode in torch.overrides._get_current_function_mode_stack():
             held = getattr(getattr(mode, "policy", None), "_noted", None)
@@ -142,10 +155,25 @@ def cast_model_inputs(policy: Any, data: Any, dtype: torch.dtype) -> Any:
     else:
         noted = []
         data = _cast_collection(data, dtype, (torch.float32, torch.float64), noted)
-    if noted:  # nothing cast (token ids in a tuple): no call
-        noted = remember(noted, share=False)
-        if noted:  # (none under torch.compile)
-            _hold(policy._noted, noted)
+    # Nothing cast (token ids in a tuple): no call. Else remember(noted, share=False) and _hold(policy._noted, noted),
+    # written out (two calls saved per step): each half tensor carries its source, and the policy holds a note of it;
+    # nothing under torch.compile (as remember).
+    if noted and not (_dynamo_compiling() or _COMPILER._is_compiling_flag):
+        version = None if torch.is_inference_mode_enabled() else 0
+        held, thread = policy._noted, threading.get_ident()
+        for entry in list(held):  # as _hold: the dead dropped first
+            if entry.ref() is None:
+                try:
+                    held.remove(entry)
+                except ValueError:
+                    pass
+        for half, source in noted:
+            kept = _new_object(_Source)
+            kept.tensor, kept.ref = source, None
+            setattr(half, SOURCE_ATTRIBUTE, (kept, version))
+            note = _new_object(_Note)
+            note.ref, note.thread = _ref(half), thread
+            held.append(note)
     return data
 
 
@@ -161,15 +189,17 @@ def forget_scope(policy: Any) -> None:
     """A scope of ``policy`` ended: at this thread's outermost one, the sources of the casts this thread noted on
     the policy go (a scope nested inside a forward, a teacher's inside a student's, leaves the outer forward its
     notes; another thread's forward keeps its own)."""
-    for mode in torch.overrides._get_current_function_mode_stack():
-        if getattr(mode, "policy", None) is policy:
+    for at in range(_stack_length()):  # the mode stack read at the C level (torch's helper takes two calls)
+        if getattr(_stack_at(at), "policy", None) is policy:
             return
     held, thread = policy._noted, threading.get_ident()
     for entry in list(held):
         if entry.thread == thread:
             half = entry.ref()
-            if half is not None:
-                _release(half)
+            if half is not None:  # _release(half) and _Source.release, written out: two calls saved per note
+                note = half.__dict__.get(SOURCE_ATTRIBUTE)
+                if note is not None and (source := note[0]).tensor is not None:
+                    source.ref, source.tensor = _ref(source.tensor), None
             try:
                 held.remove(entry)
             except ValueError:

@@ -33,16 +33,29 @@ def _cast_collection(data: Any, dtype: torch.dtype, castable: tuple[torch.dtype,
     if kind is tuple or kind is list:
         items = []
         for value in data:
-            if type(value) is torch.Tensor and (noted is None or value.dtype not in castable):
-                items.append(value.to(dtype) if value.dtype in castable else value)
+            inner = type(value)
+            if inner is torch.Tensor:  # _noted_cast inline: no call per tensor
+                if value.dtype in castable:
+                    cast = value.to(dtype)
+                    if noted is not None:
+                        noted.append((cast, value))
+                    value = cast
+                items.append(value)
+            elif inner is dict and not value:  # Fabric's empty kwargs: a new empty dict, as the call below makes
+                items.append({})
             else:
                 items.append(_cast_collection(value, dtype, castable, noted))
         return items if kind is list else tuple(items)
     if kind is dict:
         new = {}
         for key, value in data.items():
-            if type(value) is torch.Tensor and (noted is None or value.dtype not in castable):
-                new[key] = value.to(dtype) if value.dtype in castable else value
+            if type(value) is torch.Tensor:  # as in the loop above
+                if value.dtype in castable:
+                    cast = value.to(dtype)
+                    if noted is not None:
+                        noted.append((cast, value))
+                    value = cast
+                new[key] = value
             else:
                 new[key] = _cast_collection(value, dtype, castable, noted)
         return new

@@ -20,6 +20,7 @@ such a step, done when it is read and where every rank is. Which path an optimiz
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 from typing import Any, Callable
 
@@ -36,6 +37,7 @@ from lightning_mpx.masters.swap import drop_master_grads, step_on_masters
 
 Reducer = Callable[[torch.Tensor], None]
 _SCALE_TENSOR = operator.attrgetter("scale_tensor")
+_SCALE = operator.attrgetter("_scale")  # LossScaler.scale_tensor's value once made (None before)
 #: The devices whose ``torch.autocast`` :func:`without_casts` looks at (as ``casts_off_if_on``): a caller that tells
 #: ``torch._C._len_torch_function_stack() or any(map(torch.is_autocast_enabled, AUTOCAST_DEVICES))`` (C calls only)
 #: is false calls without it, the usual case at no Python call.
@@ -121,7 +123,11 @@ class OptimizerStep:
             # The step skipped on the device: the flags to the optimizer's step, their host copy queued behind it.
             loss_ids, flags = self.machine.check_on_device(state, optimizer, reducer)
             found = flags if flags.dim() == 0 else flags.amax() if len(loss_ids) > 1 else flags.reshape(())
-            scales = list(map(_SCALE_TENSOR, map(self.machine.scalers.__getitem__, loss_ids)))
+            scalers = list(map(self.machine.scalers.__getitem__, loss_ids))
+            # their scale_tensor, read without the property's call when made (by their backward's scale())
+            scales = list(map(_SCALE, scalers))
+            if any(map(operator.is_, scales, itertools.repeat(None))):
+                scales = list(map(_SCALE_TENSOR, scalers))
             gather = reducer is not None or self.machine.sharding is not None
             pending = PendingStep(
                 optimizer, loss_ids, flags, scales, step=self.steps - 1, iteration=iteration, gather=gather,

@@ -43,6 +43,7 @@ _VERSION = operator.attrgetter("_version")
 _PARAMS = operator.itemgetter("params")
 _SOME = functools.partial(operator.is_not, None)
 _DEREF = operator.methodcaller("__call__")
+_PLAIN = frozenset({torch.Tensor})
 
 
 def grad_marks(
@@ -190,7 +191,9 @@ def after_step(state: _OptimizerState, optimizer: torch.optim.Optimizer, *, mast
             state.stepped_ids = tuple(map(id, grads))
             # An FSDP2 gradient's local shard, not the DTensor: FSDP2's _apply (a model.to(), Lightning's at each
             # stage) swaps the DTensor, which torch.utils.swap_tensors refuses for a tensor with a weak reference.
-            state.stepped_refs = tuple(map(weakref.ref, local_tensors(grads)))
+            # (local_tensors' usual case, plain tensors, told here without its call: C-level, no call per tensor)
+            plain = set(map(type, grads)) <= _PLAIN
+            state.stepped_refs = tuple(map(weakref.ref, grads if plain else local_tensors(grads)))
             state.stepped_params = frozenset(map(id, params))
 
 

@@ -446,7 +446,9 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
         from the set-up model, and update the scales after the optimizer steps of the iteration that ended. Not in a
         model compiled after ``fabric.setup`` (traced, it would break the graph or put the update in it): the next
         eager call (``fabric.backward``, before any use of the scale) does it."""
-        if not torch.compiler.is_compiling():
+        # torch.compiler.is_compiling() with a call saved (three times a step): dynamo makes is_dynamo_compiling() a
+        # constant True (the flag is not traced); eager code reads the flag that is_compiling() returns there.
+        if not (torch.compiler.is_dynamo_compiling() or torch.compiler._is_compiling_flag):
             # Each test is the one its call makes first: the calls only when there is work (a forward, a backward,
             # each call per step otherwise).
             if self._unchecked or self._unsynced:
