@@ -49,7 +49,8 @@ def test_custom_batch_class_with_to_is_cast_like_apex(opt_level):
     model = _BatchModel()
     reference = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level=opt_level, verbosity=0, loss_scale=128.0)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, verbosity=0, loss_scale=128.0,
+                                cast_model_type=torch.float16)  # Apex semantics: float16, whatever the default
     x = torch.randn(3, 4)
     out = model(CustomData(x.clone()), [CustomData(x.clone())])
     assert model.seen == [torch.float16, torch.float16]
@@ -79,6 +80,7 @@ def test_imagenet_main_amp_string_arguments_and_resume():
         model = _imagenet_like()
         opt = torch.optim.SGD(model.parameters(), 0.1, momentum=0.9, weight_decay=1e-4)
         model, opt = amp.initialize(model, opt, opt_level="O2", keep_batchnorm_fp32="False", loss_scale="128.0",
+                                    cast_model_type=torch.float16,
                                     verbosity=0)
         if state is not None:
             model.load_state_dict(state["state_dict"])
