@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -44,7 +46,7 @@ class _CastInputs:
 
     def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         self._check_still_half(module)
-        return _cast_collection(args, self.half, self.castable), _cast_collection(kwargs, self.half, self.castable)
+        return _apex_cast(args, self.half, self.castable), _apex_cast(kwargs, self.half, self.castable)
 
 
     def _check_still_half(self, module: nn.Module) -> None:
@@ -73,7 +75,34 @@ class _CastOutputs:
         self.castable = tuple(d for d in (torch.float16, torch.bfloat16, torch.float32) if d != dtype)
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
-        return _cast_collection(output, self.dtype, self.castable)
+        return _apex_cast(output, self.dtype, self.castable)
+
+
+def _apex_cast(data: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
+    """Apex's ``applier``: the core's container casts, plus a custom batch object with a ``to`` method (advanced.rst,
+    "Custom data batch types") given ``data.to(dtype)``, also inside lists, tuples and dicts. Mappings, dataclasses
+    and namedtuples keep the core's cast of their tensors (a Hugging Face ``BatchEncoding``'s ``to`` moves devices
+    only)."""
+    kind = type(data)
+    if kind is torch.Tensor:
+        return _cast_collection(data, dtype, castable)
+    if kind is list or kind is tuple:
+        return kind(_apex_cast(value, dtype, castable) for value in data)
+    if kind is dict:
+        return {key: _apex_cast(value, dtype, castable) for key, value in data.items()}
+    if _custom_batch(data):
+        return data.to(dtype)
+    return _cast_collection(data, dtype, castable)
+
+
+def _custom_batch(data: Any) -> bool:
+    """Whether Apex's patched forward called ``data.to(dtype)``: an object with a ``to`` method that is not a tensor,
+    an array, a string, a module, or a container the core already rebuilds."""
+    if isinstance(data, (torch.Tensor, str, bytes, nn.Module, Mapping, tuple)):
+        return False
+    if not callable(getattr(data, "to", None)):
+        return False
+    return not dataclasses.is_dataclass(data) and type(data).__module__ != "numpy"
 
 
 class _Fp32StateDict(_EngineHook):
