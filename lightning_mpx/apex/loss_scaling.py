@@ -147,6 +147,8 @@ def _refuse_original_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
     wrapper = _amp_state.optimizers.get(id(optimizer))
     if _amp_state.stepping is optimizer or wrapper is None or wrapper.optimizer is not optimizer:
         return  # the wrapper's own step, or no live wrapper (the script dropped it: the optimizer is its own again)
+    if id(optimizer) not in wrapper._engine._optimizers:
+        return  # another engine took it over (a core Amp's prepare_optimizer): that engine's hooks guard its steps
     raise RuntimeError(
         f"step() of the {type(optimizer).__name__} passed to amp.initialize(): step the optimizer amp.initialize() "
         "returned (`model, optimizer = amp.initialize(model, optimizer, ...)`). Apex patched the optimizer in place; "

@@ -82,6 +82,7 @@ class StepMachine:
         self.telemetry = telemetry
         self.names = names
         self.optimizers: dict[int, _OptimizerState] = {}
+        self.taken: dict[int, weakref.ref[torch.optim.Optimizer]] = {}  # optimizers another engine took over
         self.iteration_found: dict[int, torch.Tensor] = {}
         self.iteration_read: dict[int, bool | None] = {}
         self.grad_norms: dict[int, torch.Tensor] = {}
@@ -104,6 +105,15 @@ class StepMachine:
     def state(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
         state = self.optimizers.get(id(optimizer))
         if state is None:
+            taken = self.taken.get(id(optimizer))
+            if taken is not None and taken() is optimizer:
+                raise RuntimeError(
+                    f"optimizer={type(optimizer).__name__} was taken over by another engine that registered it since "
+                    "(a later stage's prepare_optimizer(), Trainer or fabric.setup()): an optimizer is stepped by one "
+                    "engine at a time. Step it through that engine; to step it through this one again, prepare its "
+                    f"model with this one again, then {self.register_call} (that takes both back). Two engines "
+                    "training at once need an optimizer each."
+                )
             raise RuntimeError(
                 f"optimizer={type(optimizer).__name__} was not registered; {self.register_call}."
             )
@@ -134,6 +144,7 @@ class StepMachine:
         if key in self.optimizers:
             return  # registered before (a framework preparing it twice)
         _release_from_other_engines(optimizer, self)  # one engine owns an optimizer: a later stage's takes it over
+        self.taken.pop(key, None)
         state = _OptimizerState(weakref.ref(optimizer))
         if with_masters:
             # Refuses half parameters of unprepared models; makes missing masters; state made before preparing
@@ -438,3 +449,4 @@ def _release_from_other_engines(optimizer: torch.optim.Optimizer, machine: StepM
         other = owner() if owner is not None else None
         if other is not None and other is not machine:
             other.release(optimizer)
+            other.taken[id(optimizer)] = weakref.ref(optimizer)  # its error for a later step names the take-over

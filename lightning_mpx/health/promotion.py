@@ -124,9 +124,12 @@ def check_patterns(fp32_modules: object) -> tuple[str, ...]:
 
 def matches(name: str, pattern: str) -> bool:
     """Whether module ``name`` matches ``pattern``: the whole name, or a tail of it after a dot. ``torch.compile``'s
-    ``_orig_mod`` segments are not part of it (a compiled submodule's ``body._orig_mod.1`` is ``body.1``)."""
+    ``_orig_mod`` segments are part of neither (a compiled submodule's ``body._orig_mod.1`` is ``body.1``, and so is a
+    pattern copied from ``named_modules()``, ``"body._orig_mod.1"``)."""
     if "_orig_mod" in name:
         name = ".".join(part for part in name.split(".") if part != "_orig_mod")
+    if "_orig_mod" in pattern:
+        pattern = ".".join(part for part in pattern.split(".") if part != "_orig_mod")
     return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
 
 

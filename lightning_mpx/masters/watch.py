@@ -130,7 +130,8 @@ def _converting(name: str) -> Any:
                 "copy.deepcopy(model), which takes them too."
             )
         if value is self or value.dtype == old.dtype:  # moved in half: the swap drops what the parameter carries
-            return value
+            # A plain tensor: Module._apply wraps it in nn.Parameter, which refuses this subclass ("Couldn't swap").
+            return value.as_subclass(torch.Tensor) if isinstance(value, WatchedParameter) else value
         if _CARRIED in self.__dict__:
             return _with_carried(self, value)
         return value
