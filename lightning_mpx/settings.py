@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence, TypedDict, TypeVar
 
@@ -445,14 +446,17 @@ def keyword_signature(*, engine: bool = True, overrides: bool = True) -> Callabl
     """Decorator for a front door written ``def __init__(self, opt_level="O1", **settings: Unpack[SettingsKeywords])``:
     the signature ``help()``, ``inspect`` and the docs show is its own parameters, then one typed keyword per setting
     with its default (from :func:`setting_fields`; ``engine=False``: the scaler's only), then ``**overrides`` for the
-    opt-level overrides (``overrides=False``: none). The function itself is unchanged."""
+    opt-level overrides (``overrides=False``: none). The function itself is unchanged. The keywords' types are the
+    fields' evaluated (``str | torch.dtype | None``, not that text): tools that build arguments from a signature
+    (jsonargparse, so ``LightningCLI`` config files) cannot resolve text in the front door's module."""
 
     def decorate(function: _F) -> _F:
         own = inspect.signature(function)
         kept = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        types = {**typing.get_type_hints(ScalerSettings), **typing.get_type_hints(MixedPrecisionSettings)}
         added = [
-            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=kind)
-            for name, kind, default in setting_fields(engine=engine)
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=types[name])
+            for name, _, default in setting_fields(engine=engine)
         ]
         if overrides:
             added.append(inspect.Parameter("overrides", inspect.Parameter.VAR_KEYWORD, annotation="Any"))

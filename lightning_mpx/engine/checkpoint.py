@@ -88,11 +88,14 @@ class EngineState:
         if self.picked_for is None or saved == here:
             return
         saved_name, here_name = saved.removeprefix("torch."), here.removeprefix("torch.")
+        # The scale a switch gets (load_state_dict): a checkpoint's dynamic scale carries over into a dynamic one only.
+        such = ", such as bfloat16 with loss_scale='dynamic'" if here_name == "bfloat16" else ""
         raise ValueError(
             f"the checkpoint was trained in {saved_name}, and this run picked {here_name} for its "
             f"{self.picked_for!r} device because no half_dtype was given: a resumed run does not change its half "
             f"dtype silently. Pass half_dtype={saved_name!r} to resume in the checkpoint's dtype, or "
-            f"half_dtype={here_name!r} to switch to {here_name} on purpose (a dynamic loss scale then carries over)."
+            f"half_dtype={here_name!r} to switch to {here_name} on purpose (with that run's own loss scaling: the "
+            f"checkpoint's dynamic scale carries over only into a dynamic one{such})."
         )
 
     def load_state_dict(self, state: dict[str, Any], *, with_masters: bool) -> None:
