@@ -78,6 +78,10 @@ class _CastOutputs:
         return _apex_cast(output, self.dtype, self.castable)
 
 
+#: Types that are never a custom batch: a list, tuple or dict of only these takes the core's cast whole.
+_PLAIN = frozenset({torch.Tensor, int, float, bool, str, type(None)})
+
+
 def _apex_cast(data: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...]) -> Any:
     """Apex's ``applier``: the core's container casts, plus a custom batch object with a ``to`` method (advanced.rst,
     "Custom data batch types") given ``data.to(dtype)``, also inside lists, tuples and dicts. Mappings, dataclasses
@@ -87,8 +91,12 @@ def _apex_cast(data: Any, dtype: torch.dtype, castable: tuple[torch.dtype, ...])
     if kind is torch.Tensor:
         return _cast_collection(data, dtype, castable)
     if kind is list or kind is tuple:
+        if set(map(type, data)) <= _PLAIN:  # tensors and scalars (the usual batch): the core's cast, no call per item
+            return _cast_collection(data, dtype, castable)
         return kind(_apex_cast(value, dtype, castable) for value in data)
     if kind is dict:
+        if set(map(type, data.values())) <= _PLAIN:  # (as above; the usual empty kwargs too)
+            return _cast_collection(data, dtype, castable)
         return {key: _apex_cast(value, dtype, castable) for key, value in data.items()}
     if _custom_batch(data):
         return data.to(dtype)
