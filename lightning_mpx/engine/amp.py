@@ -190,6 +190,12 @@ class Amp(AmpParts):
         models = self._models
         if models._device_pending or models._half_marks or models.loss_regions is not None:  # else nothing to do
             models.before_forward()  # (O1 after its first forward: a call saved per step)
+        if models._other_marks:  # O1: a model made the other half dtype since prepare_model (model.half())
+            other = models.other_half
+            for _, param in models._other_marks.values():
+                if param.dtype is other:
+                    models.other_half_met()
+                    break
         return self.policy.forward_scope() if self.policy is not None else contextlib.nullcontext()
 
     def cast_inputs(self, data: Any) -> Any:

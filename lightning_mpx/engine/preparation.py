@@ -97,6 +97,12 @@ class PreparedModels:
         # loaded in half did not (see made_half). Not a weak reference to the parameter: torch cannot swap a
         # parameter that has one (set_swap_module_params_on_conversion).
         self._made_half: weakref.WeakKeyDictionary[nn.Module, set[int]] = weakref.WeakKeyDictionary()
+        # O1 while the policy casts only FP32 to the half dtype: one floating parameter of each prepared model, by the
+        # module's id (as _half_marks); a forward that finds it in the other half dtype (model.half() after
+        # prepare_model under a bfloat16 run) has the policy cast that dtype too (see other_half_met).
+        self._other_marks: dict[int, tuple[weakref.ref[nn.Module], torch.Tensor]] = {}
+        #: The half dtype that is not the run's (float16 under bfloat16, bfloat16 under float16).
+        self.other_half = torch.bfloat16 if self.properties.half_dtype == torch.float16 else torch.float16
         # O2: what takes this engine's hooks off each model it holds the masters of, once another engine took them.
         self._releases: weakref.WeakKeyDictionary[nn.Module, HookRelease] = weakref.WeakKeyDictionary()
 
@@ -162,12 +168,14 @@ class PreparedModels:
             else:  # O1 trains FP32 weights: the masters' exact values (a .data cast of a watched one takes them)
                 _fp32_from_masters(module)
         if self.policy is not None and not props.casts_model and _holds_other_half(module, props.half_dtype):
-            self.policy.cast_other_half()  # O1 of a model in the other half dtype: its weights meet the run's casts
+            self.other_half_met()  # O1 of a model in the other half dtype: its weights meet the run's casts
+        elif self.policy is not None and props.patch_torch_functions and self.policy._to_half == (torch.float32,):
+            first = next((p for p in module.parameters() if p.is_floating_point() and not p.is_complex()), None)
+            if first is not None:  # looked at each forward (Amp.forward_context), without a call
+                self._mark(self._other_marks, module, first)
         initial = _keep_fp32_values(module, before_cast, agreed)
         if props.casts_model:  # one half parameter, looked at each forward: the dtype prepare_model() gave the model
-            marks, key = self._half_marks, id(module)
-            ref = weakref.ref(module, lambda ref: marks.pop(key) if marks.get(key, (None,))[0] is ref else None)
-            marks[key] = ref, next((p for p in module.parameters() if p.dtype == props.half_dtype), None)
+            self._mark(self._half_marks, module, next((p for p in module.parameters() if p.dtype == half), None))
         if props.master_weights and not train:
             self.masters.evaluation_only = True
         if props.master_weights and train:
@@ -185,6 +193,21 @@ class PreparedModels:
                 ]
         let_go_of(olds)  # the engines that handed over all of them take their hooks off it
         return module
+
+    @staticmethod
+    def _mark(marks: dict[int, Any], module: nn.Module, param: torch.Tensor | None) -> None:
+        """Put ``module``'s ``param`` in ``marks`` by the module's id, the entry dropped when the module goes."""
+        key = id(module)
+        ref = weakref.ref(module, lambda ref: marks.pop(key) if marks.get(key, (None,))[0] is ref else None)
+        marks[key] = ref, param
+
+    def other_half_met(self) -> None:
+        """O1: a prepared model holds the other half dtype (loaded in it, or made it after ``prepare_model``:
+        ``model.half()`` under a bfloat16 run): the policy's half ops cast that dtype to the run's too, as
+        ``torch.autocast`` does, and the forwards stop looking for it."""
+        assert self.policy is not None
+        self.policy.cast_other_half()
+        self._other_marks.clear()
 
     def hold(self, module: nn.Module, handle: Any) -> bool:
         """Have ``handle`` (anything with ``remove()``: an adapter's forward) removed from ``module`` with this

@@ -513,11 +513,13 @@ def _nothing_to_clip(device: torch.device, norm: torch.Tensor | None = None) -> 
 
 
 def _has_half_state(optimizer: Optimizer) -> bool:
-    """Whether ``optimizer`` holds floating-point state (beyond ``step``) for a half parameter."""
+    """Whether ``optimizer`` holds floating-point state (beyond ``step``) in a half parameter's own dtype: what
+    torch's ``load_state_dict`` casts a loaded state to. FP32 state of a half parameter is not that: an earlier
+    stage's (O1, FP32 training) optimizer, given to this O2 stage, whose masters take it over as it is."""
     for group in optimizer.param_groups:
         for param in group["params"]:
             if param.dtype in (torch.float16, torch.bfloat16) and param in optimizer.state:
                 state = optimizer.state[param]
-                if any(torch.is_tensor(v) and v.is_floating_point() and k != "step" for k, v in state.items()):
+                if any(torch.is_tensor(v) and v.dtype == param.dtype and k != "step" for k, v in state.items()):
                     return True
     return False

@@ -48,7 +48,9 @@ def warn_frozen_half(
     lost): their half rounding, not the FP32 values they had before ``prepare`` (O2 keeps no FP32 copy of them, so
     that a frozen base does not take twice its memory). The warning names them and the ways to keep them exact
     (``keep``: whose ``fp32_modules=`` keeps a module FP32; ``when``: the moment, e.g. ``"before prepare"``). A
-    peft model is left out: it exports its adapters, not its base. Returns the names warned about."""
+    peft model is left out: it exports its adapters, not its base. Under a process group the warning is issued on rank
+    zero only (Lightning's convention: every rank checkpoints, one writes); every rank returns the names warned
+    about."""
     if not amp.properties.master_weights or amp.sharded or type(module).__module__.split(".")[0] == "peft":
         return []
     halves = (torch.float16, torch.bfloat16)
@@ -63,6 +65,8 @@ def warn_frozen_half(
     owners = list(dict.fromkeys(name.rpartition(".")[0] or name for name in names))
     shown = ", ".join(map(repr, names[:5])) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
     dtype = str(state[names[0]].dtype).removeprefix("torch.")
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return names
     warnings.warn(
         f"{call} at O2 exports {len(names)} frozen parameter(s) (requires_grad=False: {shown}) as the {dtype} values "
         f"the model holds: O2 keeps no FP32 copy of a frozen parameter, so these are the {dtype} rounding of the "
