@@ -207,7 +207,8 @@ class ScalerKeywords(TypedDict, total=False):
 
 class OptLevelOverrides(TypedDict, total=False):
     """The opt-level property overrides (see :func:`~lightning_mpx.opt_levels.resolve_properties`); an override
-    not given keeps the preset's value."""
+    not given, or given as ``None``, keeps the preset's value (the front doors' signatures show each with the default
+    ``None``)."""
 
     cast_model_type: str | torch.dtype | None
     patch_torch_functions: bool
@@ -270,7 +271,9 @@ class MixedPrecisionSettings:
             ``docs/loss_scaling.md``.
         overrides: The opt-level property overrides given (any of ``cast_model_type``, ``patch_torch_functions``,
             ``keep_batchnorm_fp32``, ``master_weights``, ``loss_scale``; see
-            :func:`~lightning_mpx.opt_levels.resolve_properties`); an override not given keeps the preset's value.
+            :func:`~lightning_mpx.opt_levels.resolve_properties`, whose ``None`` values they keep:
+            ``cast_model_type=None`` leaves the model as it is); an override not given keeps the preset's value.
+            (:meth:`from_kwargs`, the front doors' keywords, leaves out those given as ``None``.)
         scaler: The loss-scaler settings (:class:`ScalerSettings`, or a mapping of its fields), one scaler per
             loss.
 
@@ -352,11 +355,14 @@ class MixedPrecisionSettings:
     def from_kwargs(cls, opt_level: str = "O1", **kwargs: Any) -> MixedPrecisionSettings:
         """The settings from :class:`~lightning_mpx.engine.amp.Amp`'s keywords: its own fields, the scaler's fields, and
         the opt-level overrides (any other keyword goes to the overrides, where
-        :func:`~lightning_mpx.opt_levels.resolve_properties` names it as unknown)."""
+        :func:`~lightning_mpx.opt_levels.resolve_properties` names it as unknown). An opt-level override given as
+        ``None`` is not given: the level's value, as in Apex's ``amp.initialize`` (the front doors' signatures show
+        each with the default ``None``, and a ``LightningCLI`` config passes every keyword of a signature)."""
         own = {f.name for f in dataclasses.fields(cls) if f.init} - {"opt_level", "overrides", "scaler"}
         scaler = {k: kwargs.pop(k) for k in SCALER_FIELDS if k in kwargs}
         mine = {k: kwargs.pop(k) for k in list(kwargs) if k in own}
-        return cls(opt_level, **mine, overrides=kwargs, scaler=scaler)  # type: ignore[arg-type]
+        overrides = {k: v for k, v in kwargs.items() if not (v is None and k in OPT_LEVEL_OVERRIDES)}
+        return cls(opt_level, **mine, overrides=overrides, scaler=scaler)  # type: ignore[arg-type]
 
     def on_device(self, device_type: str) -> MixedPrecisionSettings:
         """These settings with the half dtype picked for ``device_type`` (``"cpu"``, ``"cuda"``...) when none was
@@ -445,10 +451,11 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 def keyword_signature(*, engine: bool = True, overrides: bool = True) -> Callable[[_F], _F]:
     """Decorator for a front door written ``def __init__(self, opt_level="O1", **settings: Unpack[SettingsKeywords])``:
     the signature ``help()``, ``inspect`` and the docs show is its own parameters, then one typed keyword per setting
-    with its default (from :func:`setting_fields`; ``engine=False``: the scaler's only), then ``**overrides`` for the
-    opt-level overrides (``overrides=False``: none). The function itself is unchanged. The keywords' types are the
-    fields' evaluated (``str | torch.dtype | None``, not that text): tools that build arguments from a signature
-    (jsonargparse, so ``LightningCLI`` config files) cannot resolve text in the front door's module."""
+    with its default (from :func:`setting_fields`; ``engine=False``: the scaler's only), then (unless
+    ``overrides=False``) one keyword per opt-level override, typed ``... | None`` with the default ``None`` (the
+    level's value), and ``**overrides``. The function itself is unchanged. The keywords' types are the fields'
+    evaluated (``str | torch.dtype | None``, not that text): tools that build arguments from a signature (jsonargparse,
+    so ``LightningCLI`` config files) cannot resolve text in the front door's module, nor fill ``**overrides``."""
 
     def decorate(function: _F) -> _F:
         own = inspect.signature(function)
@@ -459,6 +466,10 @@ def keyword_signature(*, engine: bool = True, overrides: bool = True) -> Callabl
             for name, _, default in setting_fields(engine=engine)
         ]
         if overrides:
+            added += [
+                inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=kind | None)
+                for name, kind in typing.get_type_hints(OptLevelOverrides).items()
+            ]
             added.append(inspect.Parameter("overrides", inspect.Parameter.VAR_KEYWORD, annotation="Any"))
         function.__signature__ = own.replace(parameters=kept + added)  # type: ignore[attr-defined]
         return function

@@ -42,10 +42,13 @@ def test_every_front_door_has_each_setting_typed_with_the_settings_default():
     kwargs_fields = {f.name: f.default for f in dataclasses.fields(MixedPrecisionKwargs)}
     for front in (Amp.__init__, MixedPrecisionPlugin.__init__, FabricMixedPrecisionPlugin.__init__):
         defaults = _keyword_defaults(front)
-        assert set(defaults) == set(KEYWORDS), (front, sorted(set(defaults) ^ set(KEYWORDS)))
+        # then each opt-level override, typed, default None: the level's value (a LightningCLI config sets them)
+        expected = [*KEYWORDS, *OPT_LEVEL_OVERRIDES]
+        assert list(defaults) == expected, (front, sorted(set(defaults) ^ set(expected)))
         assert all(defaults[name] == _default(name) for name in KEYWORDS), front
+        assert all(defaults[name] is None for name in OPT_LEVEL_OVERRIDES), front
         params = inspect.signature(front).parameters
-        assert all(params[name].annotation is not inspect.Parameter.empty for name in KEYWORDS), front
+        assert all(params[name].annotation is not inspect.Parameter.empty for name in expected), front
     assert set(KEYWORDS) | set(OPT_LEVEL_OVERRIDES) <= set(kwargs_fields)
     # but half_dtype: None, the device's (bfloat16 on a CPU, else the settings' float16; docs/accelerate.md)
     assert all(kwargs_fields[name] == (None if name == "half_dtype" else _default(name)) for name in KEYWORDS)

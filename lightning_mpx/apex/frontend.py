@@ -4,6 +4,7 @@ enter the cast scope on the calling thread."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any, Callable, Sequence
 
@@ -17,6 +18,7 @@ from lightning_mpx.apex.loss_scaling import AmpOptimizer
 from lightning_mpx.apex.model_hooks import _add_model_hooks
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.opt_levels import resolve_properties
+from lightning_mpx.settings import MixedPrecisionSettings
 
 #: Rows of Apex's O1 lists that the core's default table does not have, added to the table of the ``Amp`` that
 #: ``initialize`` makes (not to the default): Apex's ``tensor_overrides.FP32_FUNCS`` lists ``Tensor.cpu``, so a
@@ -201,7 +203,10 @@ def _engine(
                                     "hysteresis_tracker": scaler.hysteresis, "overflows": overflows})
     overrides.setdefault("half_dtype", torch.float16)  # Apex's, on every device (the core's picks bfloat16 on a CPU)
     floor = float(torch.finfo(torch.float32).tiny) if min_loss_scale is None else min_loss_scale
-    amp = Amp(
+    # cast_model_type=None, keep_batchnorm_fp32=None (a model kept as given): resolve_properties' None, which the
+    # front doors' keywords read as "not given" (the level's value): added to the settings' overrides as they are.
+    kept = {name: overrides.pop(name) for name in list(overrides) if overrides[name] is None}
+    settings = MixedPrecisionSettings.from_kwargs(
         opt_level,
         num_losses=num_losses,
         min_loss_scale=floor,
@@ -216,6 +221,7 @@ def _engine(
         skip_on_device=False,
         **overrides,
     )
+    amp = Amp.from_settings(dataclasses.replace(settings, overrides={**settings.overrides, **kept}))
     amp.log_overflows = False  # Apex's own message is logged instead (rank zero only)
     if not amp.properties.patch_torch_functions:
         # O2/O3: Apex patched nothing for losses (the model's outputs are cast to FP32, the loss computed outside it)
