@@ -329,7 +329,7 @@ def test_a_static_scale_loaded_from_a_checkpoint_is_applied_both_ways():
 # -- loss_id -----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("loss_id", [np.int64(1), np.int32(1), np.uint8(1), torch.tensor(1)], ids=repr)
 def test_integer_like_loss_ids_are_accepted(loss_id):
-    amp = Amp("O1", num_losses=2, half_dtype="float16")
+    amp = Amp("O1", num_losses=2, half_dtype="bfloat16")
     amp.scalers[1].load_state_dict({"scale": 8.0, "growth_tracker": 0, "hysteresis_tracker": 1, "overflows": 0})
     model = amp.prepare_model(nn.Linear(3, 1, bias=False))
     opt = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=1.0))
@@ -342,7 +342,7 @@ def test_integer_like_loss_ids_are_accepted(loss_id):
 
 @pytest.mark.parametrize("loss_id", [True, np.bool_(True), 1.0, "1", torch.tensor(True), None, 2, -1], ids=repr)
 def test_other_loss_ids_are_refused_with_the_choices(loss_id):
-    amp = Amp("O1", num_losses=2, half_dtype="float16")
+    amp = Amp("O1", num_losses=2, half_dtype="bfloat16")
     with pytest.raises(ValueError, match=r"loss_id=.* valid choices: 0 to 1 \(num_losses=2\)"):
         amp.scale_loss(torch.tensor(1.0), loss_id=loss_id)
 
@@ -393,7 +393,7 @@ def test_consecutive_hysteresis_reaches_the_scalers_and_is_validated():
     amp = Amp("O1", num_losses=2, hysteresis=2, consecutive_hysteresis=True, half_dtype="float16")
     assert all(s.consecutive_hysteresis and s.hysteresis == 2 for s in amp.scalers)
     with pytest.raises(TypeError, match=r"consecutive_hysteresis='yes' must be True or False"):
-        Amp("O1", consecutive_hysteresis="yes", half_dtype="float16")
+        Amp("O1", consecutive_hysteresis="yes", half_dtype="bfloat16")
 
 
 @pytest.mark.parametrize("half", ["float16", "bfloat16"])
@@ -554,7 +554,7 @@ class AmpAgainstFP32(RuleBasedStateMachine):
         if dynamic:
             self.settings["loss_scale"] = "dynamic"  # bfloat16's default is a static 1.0
         self.level = level
-        self.amp = Amp(level, **{"half_dtype": "float16", **self.settings})
+        self.amp = Amp(level, **self.settings)
         self.models = {"first": nn.Linear(4, 3), "second": nn.Linear(3, 2)}
         # Gradual unfreezing: the second model's bias is frozen when the model is prepared (no master for it at O2)
         # until the add_param_group rule trains it.
@@ -781,7 +781,7 @@ class AmpAgainstFP32(RuleBasedStateMachine):
                 "opts": {name: o.state_dict() for name, o in self.opts.items()},
             }
         )
-        self.amp = Amp(self.level, **{"half_dtype": "float16", **self.settings})
+        self.amp = Amp(self.level, **self.settings)
         self.models = {"first": nn.Linear(4, 3), "second": nn.Linear(3, 2)}
         self.models["second"].bias.requires_grad_(self.unfrozen)
         for name, model in self.models.items():

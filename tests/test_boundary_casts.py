@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_mpx import Amp
 
-f16, f32 = torch.float16, torch.float32
+HALF, f32 = torch.bfloat16, torch.float32  # the half dtype: not the point here (bfloat16 is fast on a CPU)
 
 
 @dataclasses.dataclass
@@ -53,11 +53,11 @@ def _model_output(**values: Any) -> Any:
 
 
 def _cast(data: Any) -> Any:
-    return Amp("O2", half_dtype="float16").cast_outputs(data)  # half tensors to FP32
+    return Amp("O2", half_dtype=HALF).cast_outputs(data)  # half tensors to FP32
 
 
 def _h(*shape: int) -> torch.Tensor:
-    return torch.randn(*shape).to(f16)
+    return torch.randn(*shape).to(HALF)
 
 
 def test_model_output_keeps_its_type_keys_and_attributes():
@@ -99,7 +99,7 @@ def test_a_dict_subclass_with_its_own_constructor_is_copied_and_filled():
     data = Keyword(tag="t")
     data["a"] = _h(2)
     cast = _cast(data)
-    assert type(cast) is Keyword and cast.tag == "t" and cast["a"].dtype == f32 and data["a"].dtype == f16
+    assert type(cast) is Keyword and cast.tag == "t" and cast["a"].dtype == f32 and data["a"].dtype == HALF
 
 
 def test_dataclasses_keep_their_type_and_nested_values_are_cast():
@@ -113,11 +113,11 @@ def test_dataclasses_keep_their_type_and_nested_values_are_cast():
 
 
 def test_inputs_are_cast_to_half_in_the_same_containers():
-    amp = Amp("O2", half_dtype="float16")
+    amp = Amp("O2", half_dtype=HALF)
     data = {"batch": Output(torch.randn(2)), "masks": collections.defaultdict(int, {"m": torch.ones(2)})}
     cast = amp.cast_inputs(data)
-    assert cast["batch"].logits.dtype == f16 and type(cast["masks"]) is collections.defaultdict
-    assert cast["masks"]["m"].dtype == f16 and cast["masks"].default_factory is int
+    assert cast["batch"].logits.dtype == HALF and type(cast["masks"]) is collections.defaultdict
+    assert cast["masks"]["m"].dtype == HALF and cast["masks"].default_factory is int
 
 
 def test_dataclass_types_are_left_alone():
@@ -177,8 +177,8 @@ def test_lightning_o2_boundary_keeps_the_output_type(kind):
 
     module = Module()
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(2, 4)), batch_size=2)
-    make_trainer(MixedPrecisionPlugin("O2", half_dtype="float16")).predict(module, data)
-    assert module.weight_dtype == f16  # (the stage gives the FP32 model back when it ends)
+    make_trainer(MixedPrecisionPlugin("O2", half_dtype=HALF)).predict(module, data)
+    assert module.weight_dtype == HALF  # (the stage gives the FP32 model back when it ends)
     _check(module.outputs[0], kind)
 
 
@@ -228,23 +228,23 @@ def test_exact_containers_cast_as_a_reference_walk():
         (),
         "text",
     )
-    for dtype, castable in ((f16, (f32, torch.float64)), (f32, (f16,))):
+    for dtype, castable in ((HALF, (f32, torch.float64)), (f32, (HALF,))):
         _same(_cast_collection(data, dtype, castable), _reference_cast(data, dtype, castable), data)
-        assert type(_cast_collection(data, dtype, castable)[1]["p"]) is (nn.Parameter if castable == (f16,) else
+        assert type(_cast_collection(data, dtype, castable)[1]["p"]) is (nn.Parameter if castable == (HALF,) else
                                                                          torch.Tensor)
 
 
 def test_boundary_hooks_fast_paths_cast_as_the_general_path():
     from lightning_mpx.casting.boundary import BoundaryCast
 
-    module = nn.Linear(2, 2).to(f16)
-    (hook,) = BoundaryCast.for_model([module], f16)
+    module = nn.Linear(2, 2).to(HALF)
+    (hook,) = BoundaryCast.for_model([module], HALF)
     for given in (torch.randn(2), torch.randn(2).double(), _h(2), torch.arange(2), nn.Parameter(torch.randn(2))):
         args, kwargs = hook.pre(module, (given,), {})
         assert kwargs == {} and len(args) == 1
-        _same(args[0], _reference_cast(given, f16, (f32, torch.float64)), given)
+        _same(args[0], _reference_cast(given, HALF, (f32, torch.float64)), given)
         out = hook.post(module, args, args[0])
-        _same(out, _reference_cast(args[0], f32, (f16,)), args[0])
+        _same(out, _reference_cast(args[0], f32, (HALF,)), args[0])
     args, _ = hook.pre(module, (torch.randn(2), torch.randn(2)), {"y": torch.randn(2)})
-    assert [a.dtype for a in args] == [f16, f16]
+    assert [a.dtype for a in args] == [HALF, HALF]
     hook.post(module, args, None)

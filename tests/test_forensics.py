@@ -173,9 +173,9 @@ def test_diagnose_overflows_can_be_switched_and_is_validated():
     amp.diagnose_overflows = False
     assert _hooks(net) == others
     with pytest.raises(TypeError, match="diagnose_overflows='yes' must be True or False"):
-        Amp("O1", diagnose_overflows="yes", half_dtype="float16")
+        Amp("O1", diagnose_overflows="yes", half_dtype="bfloat16")
     with pytest.raises(TypeError, match="diagnose_overflows=1 must be True or False"):
-        MixedPrecisionPlugin("O1", diagnose_overflows=1, half_dtype="float16")
+        MixedPrecisionPlugin("O1", diagnose_overflows=1, half_dtype="bfloat16")
 
 
 def test_second_optimizer_on_the_same_forward_reads_the_same_flags():
@@ -253,7 +253,7 @@ def test_lightning_unwatched_record_under_gradient_clip_val_reads_the_backward_k
 
 
 def test_lightning_without_diagnose_registers_no_hooks():
-    plugin = MixedPrecisionPlugin("O1", half_dtype="float16")
+    plugin = MixedPrecisionPlugin("O1", half_dtype="bfloat16")
     seen: list[int] = []
 
     class Probe(ForensicsModule):

@@ -84,7 +84,7 @@ class NetModule(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-HALF, FP32 = torch.float16, torch.float32
+HALF, FP32 = torch.bfloat16, torch.float32  # the dtype is not the point here: bfloat16 is fast on a CPU
 
 
 def check_seen(seen: dict[str, tuple[torch.dtype, ...]], level: str) -> None:
@@ -106,7 +106,7 @@ def check_seen(seen: dict[str, tuple[torch.dtype, ...]], level: str) -> None:
 def test_lightning_runs_pinned_modules_in_fp32(level: str) -> None:
     module = NetModule()
     before = module.model.head[0].weight.detach().clone()
-    plugin = MixedPrecisionPlugin(level, fp32_modules=PATTERNS, half_dtype="float16")
+    plugin = MixedPrecisionPlugin(level, fp32_modules=PATTERNS, half_dtype=HALF)
     make_trainer(plugin, max_steps=3).fit(module, data())
     amp = plugin.amp
     assert amp.fp32_modules == ["model.blocks.0.norm", "model.blocks.1.norm", "model.head"]
@@ -122,7 +122,7 @@ def test_lightning_runs_pinned_modules_in_fp32(level: str) -> None:
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_accelerator_runs_pinned_modules_in_fp32(level: str) -> None:
-    handler = MixedPrecisionKwargs(fp32_modules=PATTERNS, half_dtype=HALF)  # (a CPU's default would be bfloat16)
+    handler = MixedPrecisionKwargs(fp32_modules=PATTERNS, half_dtype=HALF)
     accelerator = Accelerator(mixed_precision=level, cpu=True, kwargs_handlers=[handler])
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -141,7 +141,7 @@ def test_accelerator_runs_pinned_modules_in_fp32(level: str) -> None:
 def test_o3_and_o0() -> None:
     for level, dtype in (("O3", HALF), ("O0", FP32)):
         model = Net()
-        amp = Amp(level, fp32_modules=PATTERNS, half_dtype="float16")
+        amp = Amp(level, fp32_modules=PATTERNS, half_dtype=HALF)
         amp.prepare_model(model)
         assert amp.fp32_modules == ["blocks.0.norm", "blocks.1.norm", "head"]
         assert model.blocks[0].fc.weight.dtype == dtype and model.head[2].weight.dtype == FP32
@@ -152,7 +152,7 @@ def test_o3_and_o0() -> None:
 def test_a_deep_copy_keeps_the_fp32_boundary() -> None:
     """EMA callbacks and ``AveragedModel`` deep-copy the model: the copy's FP32 modules still work at O2."""
     model = Net()
-    amp = Amp("O2", fp32_modules=["head"], half_dtype="float16")
+    amp = Amp("O2", fp32_modules=["head"], half_dtype=HALF)
     amp.prepare_model(model)
     twin = copy.deepcopy(model)
     x = amp.cast_inputs(torch.randn(4, 16))
@@ -162,14 +162,14 @@ def test_a_deep_copy_keeps_the_fp32_boundary() -> None:
 
 def test_nested_patterns_pin_the_outermost_module_once() -> None:
     model = Net()
-    amp = Amp("O2", fp32_modules=["blocks.0", "blocks.0.*", "*.fc"], half_dtype="float16")
+    amp = Amp("O2", fp32_modules=["blocks.0", "blocks.0.*", "*.fc"], half_dtype=HALF)
     amp.prepare_model(model)
     assert amp.fp32_modules == ["blocks.0", "blocks.1.fc"]
     assert model(amp.cast_inputs(torch.randn(4, 16))).dtype == HALF
 
 
 def test_o1_fp32_scope_restores_the_policy_on_exit_and_error() -> None:
-    policy = CastPolicy()
+    policy = CastPolicy(half_dtype=HALF)
     layer = nn.Linear(4, 4)
     x = torch.randn(2, 4)
     with policy.scope():
@@ -189,7 +189,7 @@ def test_o1_fp32_scope_restores_the_policy_on_exit_and_error() -> None:
             raise RuntimeError("inside the pinned module")
 
     model = nn.Sequential(nn.Linear(4, 4), Failing())
-    amp = Amp("O1", fp32_modules=["1"], half_dtype="float16")
+    amp = Amp("O1", fp32_modules=["1"], half_dtype=HALF)
     amp.prepare_model(model)
     with amp.forward_context():
         with pytest.raises(RuntimeError, match="inside the pinned module"):
@@ -199,15 +199,15 @@ def test_o1_fp32_scope_restores_the_policy_on_exit_and_error() -> None:
 
 def test_bad_patterns_raise() -> None:
     model = Net()
-    amp = Amp("O1", fp32_modules=["lm_head", "*.norm"], half_dtype="float16")
+    amp = Amp("O1", fp32_modules=["lm_head", "*.norm"], half_dtype=HALF)
     amp.prepare_model(model)
     with pytest.raises(ValueError, match=r"'lm_head' match no module.*'blocks\.0\.fc'"):
         amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(TypeError, match=r"fp32_modules='head' must be a list.*\['head'\]"):
-        Amp("O1", fp32_modules="head", half_dtype="float16")  # type: ignore[arg-type]
+        Amp("O1", fp32_modules="head", half_dtype=HALF)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"fp32_modules holds 3"):
         MixedPrecisionKwargs(fp32_modules=["head", 3])  # type: ignore[list-item]
     with pytest.raises(ValueError, match=r"empty pattern"):
-        MixedPrecisionPlugin("O2", fp32_modules=[""], half_dtype="float16")
+        MixedPrecisionPlugin("O2", fp32_modules=[""], half_dtype=HALF)
     with pytest.raises(ValueError, match=r"'nothing\*' match no module.*'model\.blocks'"):
         make_trainer(MixedPrecisionPlugin("O2", fp32_modules=["nothing*"]), max_steps=1).fit(NetModule(), data())

@@ -491,14 +491,14 @@ def test_ddp_two_processes_skip_together(ddp_runs, on_device):
 
 # -- bad input ------------------------------------------------------------------------------------------------------
 def test_lbfgs_is_refused_with_a_clear_error():
-    trainer = make_trainer(MixedPrecisionPlugin("O1", half_dtype="float16"), max_steps=1)
+    trainer = make_trainer(MixedPrecisionPlugin("O1", half_dtype="bfloat16"), max_steps=1)
     with pytest.raises(ValueError, match="LBFGS"):
         trainer.fit(Classifier(optimizer="lbfgs"), loader(classification_data(n=16)))
 
 
 def test_mixing_with_another_precision_setting_is_refused():
     with pytest.raises((ValueError, MisconfigurationException), match="Received both `precision=16-mixed`"):
-        pl.Trainer(precision="16-mixed", plugins=[MixedPrecisionPlugin("O1", half_dtype="float16")], accelerator="cpu")
+        pl.Trainer(precision="16-mixed", plugins=[MixedPrecisionPlugin("O1", half_dtype="bfloat16")], accelerator="cpu")
 
 
 def test_o2_on_a_module_without_floating_parameters_is_refused():
@@ -513,7 +513,7 @@ def test_o2_on_a_module_without_floating_parameters_is_refused():
         def configure_optimizers(self) -> None:
             return None
 
-    trainer = make_trainer(MixedPrecisionPlugin("O2", half_dtype="float16"), max_steps=1)
+    trainer = make_trainer(MixedPrecisionPlugin("O2", half_dtype="bfloat16"), max_steps=1)
     with pytest.raises(ValueError, match="no floating-point parameters"):
         trainer.fit(NoFloats(), loader(classification_data(n=16)))
 
@@ -530,7 +530,7 @@ def test_o2_on_a_module_without_floating_parameters_is_refused():
 )
 def test_bad_arguments_fail_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        MixedPrecisionPlugin(**{"half_dtype": "float16", **kwargs})
+        MixedPrecisionPlugin(**{"half_dtype": "bfloat16", **kwargs})
 
 
 def test_manual_backward_rejects_an_unknown_loss_id():
@@ -542,7 +542,7 @@ def test_manual_backward_rejects_an_unknown_loss_id():
         def training_step(self, batch: Any, batch_idx: int) -> None:
             self.manual_backward(self._step(batch, "train"), loss_id=3)
 
-    trainer = make_trainer(MixedPrecisionPlugin("O1", num_losses=2, half_dtype="float16"), max_steps=1)
+    trainer = make_trainer(MixedPrecisionPlugin("O1", num_losses=2, half_dtype="bfloat16"), max_steps=1)
     with pytest.raises(ValueError, match="loss_id=3"):
         trainer.fit(Manual(), loader(classification_data(n=16)))
 
@@ -561,7 +561,7 @@ def test_snapshot_helper_detects_a_change():
 def test_steps_that_do_not_log_read_no_metrics(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
-    plugin = MixedPrecisionPlugin("O1", half_dtype="float16")
+    plugin = MixedPrecisionPlugin("O1", half_dtype="bfloat16")
     calls: list[int] = []
     metrics = plugin.amp.metrics
 

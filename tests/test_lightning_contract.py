@@ -269,7 +269,7 @@ def test_the_plugin_pickles_with_its_settings_and_trains_as_the_original(level):
         table.register(torch.outer, "half")
         table.register(torch.ops.aten.mm.default, "half")
         kwargs["cast_table"] = table
-    original = MixedPrecisionPlugin(level, **{"half_dtype": "float16", **kwargs})
+    original = MixedPrecisionPlugin(level, **kwargs)
     copied = pickle.loads(pickle.dumps(original))
     assert type(copied) is MixedPrecisionPlugin and copied.opt_level == level
     if level == "O1":

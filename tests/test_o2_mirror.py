@@ -66,7 +66,7 @@ def test_pretrained_weights_loaded_after_prepare_are_trained_not_reverted(half):
 
 
 def test_writes_under_no_grad_and_data_replacement_are_taken_elementwise():
-    amp = Amp("O2", half_dtype="float16")
+    amp = Amp("O2", half_dtype="bfloat16")
     model = amp.prepare_model(_net())
     opt = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.0))  # lr 0: only the writes move weights
     _step(amp, model, opt)
@@ -83,13 +83,13 @@ def test_writes_under_no_grad_and_data_replacement_are_taken_elementwise():
     assert torch.equal(master[0], torch.where(clamped, weight[0].float(), master_before[0]))
     assert torch.equal(master[1:], master_before[1:])
     assert torch.equal(amp.master_of(bias), torch.full((8,), 0.5))
-    assert torch.equal(weight[0], master[0].half())
+    assert torch.equal(weight[0], master[0].to(weight.dtype))
 
 
 def test_writes_through_p_data_in_place_are_taken():
     # p.data has a version counter of its own, so the version check alone cannot see an in-place write through it;
     # the parameter tells its masters when its .data is handed out, and the next refresh compares that one.
-    amp = Amp("O2", half_dtype="float16")
+    amp = Amp("O2", half_dtype="bfloat16")
     model = amp.prepare_model(_net())
     amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.0))
     model[2].weight.data.fill_(0.25)
@@ -148,7 +148,7 @@ def test_param_group_added_after_prepare_gets_fp32_masters_and_trains(half):
 
 
 def test_a_parameter_without_a_gradient_is_not_stepped_on_an_old_one():
-    amp = Amp("O2", half_dtype="float16")
+    amp = Amp("O2", half_dtype="bfloat16")
     model = amp.prepare_model(_net())
     opt = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     _step(amp, model, opt)
@@ -168,7 +168,7 @@ def test_models_sharing_a_submodule_each_get_masters_one_per_tensor():
     torch.manual_seed(0)
     shared = nn.Linear(6, 8)
     first, second = nn.Sequential(shared, nn.ReLU(), nn.Linear(8, 3)), nn.Sequential(shared, nn.Tanh(), nn.Linear(8, 2))
-    amp = Amp("O2", loss_scale=128.0, half_dtype="float16")
+    amp = Amp("O2", loss_scale=128.0, half_dtype="bfloat16")
     amp.prepare_model(first)
     amp.prepare_model(second)
     opt = amp.prepare_optimizer(torch.optim.SGD([*first.parameters(), *second[2].parameters()], lr=0.1))
@@ -181,7 +181,7 @@ def test_models_sharing_a_submodule_each_get_masters_one_per_tensor():
     before = second[2].weight.detach().clone()
     assert amp.step(opt)
     assert not torch.equal(second[2].weight, before)
-    assert torch.equal(shared.weight, amp.master_of(shared.weight).half())
+    assert torch.equal(shared.weight, amp.master_of(shared.weight).to(shared.weight.dtype))
 
 
 def test_tied_weights_keep_one_master():
@@ -189,7 +189,7 @@ def test_tied_weights_keep_one_master():
     embed, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
     head.weight = embed.weight
     model = nn.Sequential(embed, head)
-    amp = Amp("O2", loss_scale=128.0, half_dtype="float16")
+    amp = Amp("O2", loss_scale=128.0, half_dtype="bfloat16")
     amp.prepare_model(model)
     opt = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     assert len(amp.master_weights[0].half_pairs) == 1  # made with the optimizer, once for the tied weight
@@ -199,7 +199,7 @@ def test_tied_weights_keep_one_master():
 
 
 def test_amp_keeps_no_model_or_optimizer_alive():
-    amp = Amp("O2", half_dtype="float16")
+    amp = Amp("O2", half_dtype="bfloat16")
     model = amp.prepare_model(_net())
     opt = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     _step(amp, model, opt)
@@ -214,7 +214,7 @@ def test_amp_keeps_no_model_or_optimizer_alive():
 
 
 def test_optimizer_step_called_directly_is_refused_and_its_state_dict_is_fp32():
-    amp = Amp("O2", half_dtype="float16")
+    amp = Amp("O2", half_dtype="bfloat16")
     model = amp.prepare_model(_net())
     opt = amp.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
     _step(amp, model, opt)
@@ -283,7 +283,7 @@ def test_accelerate_free_memory_releases_masters_and_optimizers():
 def test_a_clipped_then_skipped_batch_leaves_no_master_gradient_behind(set_to_none):
     # Clip, skip the batch, zero the model's gradients, then a step in which the head gets no gradient: the head's
     # master must not be stepped on the skipped batch's unscaled gradient.
-    amp = Amp("O2", loss_scale=128.0, half_dtype="float16")
+    amp = Amp("O2", loss_scale=128.0, half_dtype="bfloat16")
     model = amp.prepare_model(_net())
     opt = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     x, y = _batch()
@@ -318,7 +318,7 @@ def test_writes_through_p_data_follow_an_fp32_run(model_writes):
     # The clamp ran on the half weights: a master that rounds to the clamped half value keeps its FP32 value.
     assert all(master.half().abs().max() <= 0.01 + 1e-5 for master in masters.values())
     with pytest.raises(ValueError, match=r"model_writes='always' is not valid; valid choices: 'versions', 'values'"):
-        Amp("O2", model_writes="always", half_dtype="float16")
+        Amp("O2", model_writes="always", half_dtype="bfloat16")
 
 
 def test_checkpoint_after_unfreezing_before_any_step_resumes_with_the_part_trainable():
@@ -327,14 +327,14 @@ def test_checkpoint_after_unfreezing_before_any_step_resumes_with_the_part_train
     torch.manual_seed(0)
     model = _net()
     model[0].requires_grad_(False)
-    amp = Amp("O2", half_dtype="float16")
+    amp = Amp("O2", half_dtype="bfloat16")
     amp.prepare_model(model)
     opt = amp.prepare_optimizer(torch.optim.SGD(model[2].parameters(), lr=0.1))
     model[0].requires_grad_(True)
     opt.add_param_group({"params": list(model[0].parameters())})
     saved = copy.deepcopy({"amp": amp.state_dict(), "model": model.state_dict(), "opt": opt.state_dict()})
 
-    fresh = Amp("O2", half_dtype="float16")
+    fresh = Amp("O2", half_dtype="bfloat16")
     resumed = fresh.prepare_model(_net(seed=4))
     fresh_opt = torch.optim.SGD(resumed[2].parameters(), lr=0.1)
     fresh_opt.add_param_group({"params": list(resumed[0].parameters())})

@@ -162,7 +162,7 @@ def test_every_amp_setting_is_a_named_typed_plugin_and_adapter_setting():
     assert amp <= set(plugin), sorted(amp - set(plugin))
     assert all(plugin[name].annotation is not inspect.Parameter.empty for name in amp)
     assert amp <= {f.name for f in dataclasses.fields(MixedPrecisionKwargs)}
-    plugin = MixedPrecisionPlugin("O2", model_writes="values", half_dtype="float16")
+    plugin = MixedPrecisionPlugin("O2", model_writes="values", half_dtype="bfloat16")
     assert plugin.amp.model_writes == "values"
 
 
@@ -170,4 +170,4 @@ def test_consecutive_hysteresis_reaches_the_plugin_engine():
     plugin = MixedPrecisionPlugin("O1", hysteresis=3, consecutive_hysteresis=True, half_dtype="float16")
     assert all(scaler.consecutive_hysteresis for scaler in plugin.amp.scalers)
     with pytest.raises(TypeError, match="consecutive_hysteresis='no' must be True or False"):
-        MixedPrecisionPlugin("O1", consecutive_hysteresis="no", half_dtype="float16")
+        MixedPrecisionPlugin("O1", consecutive_hysteresis="no", half_dtype="bfloat16")
