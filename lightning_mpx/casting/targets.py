@@ -95,6 +95,24 @@ class Notes(list):  # type: ignore[type-arg]
 
 
 def _hold(held: Notes, noted: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    _note(noted, held, set_sources=False)
+
+
+def _note(noted: list[tuple[torch.Tensor, torch.Tensor]], held: Notes | None, *, set_sources: bool = True) -> None:
+    """With ``set_sources``, let each half tensor of ``noted`` carry its source (:class:`_Source`, with the version a
+    new cast has: 0, ``None`` under inference mode); with ``held``, a policy's notes, drop its dead notes and note
+    each half tensor there for this thread. One call for both (the usual O2 input cast, every step): the notes and
+    sources are made without their ``__init__``'s calls."""
+    if set_sources:
+        # A cast is a new tensor: its version is 0 (read, it would be a call into an active torch-function mode). Made
+        # under inference mode it has no version counter: None, and the values tell a write (see exact_source).
+        version = None if torch.is_inference_mode_enabled() else 0
+        for half, source in noted:
+            kept = _new_object(_Source)
+            kept.tensor, kept.ref = source, None
+            setattr(half, SOURCE_ATTRIBUTE, (kept, version))
+    if held is None:
+        return
     thread = threading.get_ident()
     for entry in list(held):  # drop the dead (bounded where no scope ends); removal one by one: other threads append
         if entry.ref() is None:
@@ -102,7 +120,7 @@ def _hold(held: Notes, noted: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
                 held.remove(entry)
             except ValueError:
                 pass
-    for half, _ in noted:  # _Note(half, thread) each, without a generator's and an __init__'s calls
+    for half, _ in noted:
         note = _new_object(_Note)
         note.ref, note.thread = _ref(half), thread
         held.append(note)
@@ -123,15 +141,8 @@ def remember(noted: list[tuple[torch.Tensor, torch.Tensor]], *, share: bool = Tr
     # is not traced); eager code reads the flag that is_compiling() returns there.
     if _dynamo_compiling() or _COMPILER._is_compiling_flag:
         return []
-    # A cast is a new tensor: its version is 0 (read, it would be a call into an active torch-function mode). Made
-    # under inference mode it has no version counter: None, and the values tell a write (see exact_source).
-    inference = torch.is_inference_mode_enabled()
-    version = None if inference else 0
-    for half, source in noted:
-        held = _new_object(_Source)  # _Source(source), without its __init__'s call
-        held.tensor, held.ref = source, None
-        setattr(half, SOURCE_ATTRIBUTE, (held, version))
-    if inference and share:
+    _note(noted, None)
+    if share and torch.is_inference_mode_enabled():
         for mode in torch.overrides._get_current_function_mode_stack():
             held = getattr(getattr(mode, "policy", None), "_noted", None)
             if type(held) is Notes:
@@ -155,25 +166,11 @@ def cast_model_inputs(policy: Any, data: Any, dtype: torch.dtype) -> Any:
     else:
         noted = []
         data = _cast_collection(data, dtype, (torch.float32, torch.float64), noted)
-    # Nothing cast (token ids in a tuple): no call. Else remember(noted, share=False) and _hold(policy._noted, noted),
-    # written out (two calls saved per step): each half tensor carries its source, and the policy holds a note of it;
-    # nothing under torch.compile (as remember).
+    # Nothing cast (token ids in a tuple): no call. Else, in one call, each half tensor carries its source and the
+    # policy holds a note of it (remember(noted, share=False) and _hold(policy._noted, noted) in one); nothing under
+    # torch.compile (as remember).
     if noted and not (_dynamo_compiling() or _COMPILER._is_compiling_flag):
-        version = None if torch.is_inference_mode_enabled() else 0
-        held, thread = policy._noted, threading.get_ident()
-        for entry in list(held):  # as _hold: the dead dropped first
-            if entry.ref() is None:
-                try:
-                    held.remove(entry)
-                except ValueError:
-                    pass
-        for half, source in noted:
-            kept = _new_object(_Source)
-            kept.tensor, kept.ref = source, None
-            setattr(half, SOURCE_ATTRIBUTE, (kept, version))
-            note = _new_object(_Note)
-            note.ref, note.thread = _ref(half), thread
-            held.append(note)
+        _note(noted, policy._noted)
     return data
 
 
