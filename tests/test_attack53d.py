@@ -189,9 +189,9 @@ class _ExplicitFloat16(nn.Module):
         return self.linear(x) + torch.mm(x.half(), x.half().t()).float().sum(1, keepdim=True)
 
 
-def test_an_fp32_model_trains_the_same_beside_an_ordinary_float16_model():
-    """One engine preparing a float16 model and an FP32 one (the policy then casts float16 too): the FP32 model's
-    outputs are those of an engine that prepared only it."""
+def _beside_a_float16_model_and_alone(make: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The O1 outputs of ``make()``'s model prepared by an engine that also prepared a float16 model, and by one that
+    prepared only it."""
     def outputs(amp: Amp, model: nn.Module) -> list[torch.Tensor]:
         with amp.forward_context():
             return [model(x) for x in _batches(2)]
@@ -199,7 +199,13 @@ def test_an_fp32_model_trains_the_same_beside_an_ordinary_float16_model():
     alone = Amp("O1", half_dtype="bfloat16")
     both = Amp("O1", half_dtype="bfloat16")
     both.prepare_model(_net().half())
-    for got, want in zip(outputs(both, both.prepare_model(_net())), outputs(alone, alone.prepare_model(_net()))):
+    return outputs(both, both.prepare_model(make())), outputs(alone, alone.prepare_model(make()))
+
+
+def test_an_fp32_model_trains_the_same_beside_an_ordinary_float16_model():
+    """One engine preparing a float16 model and an FP32 one (the policy then casts float16 too): the FP32 model's
+    outputs are those of an engine that prepared only it."""
+    for got, want in zip(*_beside_a_float16_model_and_alone(_net)):
         assert torch.equal(got, want)
 
 
@@ -211,15 +217,7 @@ def test_an_fp32_model_trains_the_same_beside_an_ordinary_float16_model():
     "a nested scope of a float16 policy keeps its casts); a per-model switch would need the model's forward hooked",
 )
 def test_an_fp32_models_own_float16_op_is_not_changed_by_a_float16_model_beside_it():
-    def outputs(amp: Amp, model: nn.Module) -> list[torch.Tensor]:
-        with amp.forward_context():
-            return [model(x) for x in _batches(2)]
-
-    alone = Amp("O1", half_dtype="bfloat16")
-    both = Amp("O1", half_dtype="bfloat16")
-    both.prepare_model(_net().half())
-    got = outputs(both, both.prepare_model(_ExplicitFloat16()))
-    want = outputs(alone, alone.prepare_model(_ExplicitFloat16()))
+    got, want = _beside_a_float16_model_and_alone(_ExplicitFloat16)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
