@@ -44,7 +44,8 @@ class Properties:
             it is (O1).
         patch_torch_functions: Apply the cast-table policy to torch functions during the forward pass (O1).
         keep_batchnorm_fp32: Keep batch-norm modules in FP32 when the model is cast to half; ``None`` where the model
-            is not cast.
+            is not cast. ``None`` given with a half model is resolved here, once: the level's value where its preset
+            casts the model (O2: ``True``, O3: ``False``), else ``True``.
         master_weights: Keep FP32 master copies of half parameters for the optimizer to update.
         loss_scale: ``"dynamic"`` or a positive static scale.
         half_dtype: The low-precision dtype: ``torch.float16`` or ``torch.bfloat16``.
@@ -81,6 +82,12 @@ class Properties:
                 f"cast_model_type={self.cast_model_type!r}: FP32 master copies of FP32 parameters would be "
                 "duplicates. Use opt_level='O2', or leave master_weights=False."
             )
+        if self.keep_batchnorm_fp32 is None and model_is_half:
+            # The one reading of None on a half model (every converter reads this field as a bool): the level's
+            # value where its preset casts the model (O2: True, O3: False), else True (batch norm's statistics need
+            # FP32's range), as an override given as None means.
+            preset = _preset(self.opt_level, self.half_dtype).keep_batchnorm_fp32
+            object.__setattr__(self, "keep_batchnorm_fp32", True if preset is None else preset)
         if self.keep_batchnorm_fp32 is not None:
             if not isinstance(self.keep_batchnorm_fp32, bool):
                 raise TypeError(f"keep_batchnorm_fp32={self.keep_batchnorm_fp32!r} must be True, False or None.")

@@ -5,7 +5,7 @@ overrides and everything else an :class:`~lightning_mpx.engine.amp.Amp` is built
 Every front door takes these or forwards its keywords into them, so that each setting is documented, defaulted and
 checked here once::
 
-    settings = MixedPrecisionSettings.from_kwargs("O2", half_dtype="bfloat16", growth_interval=500)
+    settings = MixedPrecisionSettings.from_kwargs("O2", half_dtype="float16", growth_interval=500)
     amp = Amp.from_settings(settings)               # the same engine as Amp("O2", half_dtype=..., ...)
     plugin = MixedPrecisionPlugin.from_settings(settings)
 
@@ -25,7 +25,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import os
 import typing
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence, TypedDict, TypeVar
 
@@ -45,6 +47,7 @@ __all__ = [
     "ScalerKeywords",
     "ScalerSettings",
     "SettingsKeywords",
+    "ignored_scaler_settings",
     "implicit_half_dtype",
     "keyword_signature",
     "setting_fields",
@@ -357,11 +360,21 @@ class MixedPrecisionSettings:
         the opt-level overrides (any other keyword goes to the overrides, where
         :func:`~lightning_mpx.opt_levels.resolve_properties` names it as unknown). An opt-level override given as
         ``None`` is not given: the level's value, as in Apex's ``amp.initialize`` (the front doors' signatures show
-        each with the default ``None``, and a ``LightningCLI`` config passes every keyword of a signature)."""
+        each with the default ``None``, and a ``LightningCLI`` config passes every keyword of a signature).
+        ``overrides=`` (a mapping, as :meth:`to_kwargs` gives it) is taken as given, ``None`` values included: the
+        settings' own ``overrides``, whose ``None`` is :func:`~lightning_mpx.opt_levels.resolve_properties`' (so that
+        :meth:`to_kwargs`, ``from_settings`` and ``ddp_spawn``'s pickling keep ``cast_model_type=None``)."""
         own = {f.name for f in dataclasses.fields(cls) if f.init} - {"opt_level", "overrides", "scaler"}
         scaler = {k: kwargs.pop(k) for k in SCALER_FIELDS if k in kwargs}
         mine = {k: kwargs.pop(k) for k in list(kwargs) if k in own}
+        kept = kwargs.pop("overrides", {})
+        if not isinstance(kept, Mapping):
+            raise TypeError(
+                f"overrides={kept!r} must be a mapping of opt-level overrides; valid keys: "
+                f"{', '.join(OPT_LEVEL_OVERRIDES)}."
+            )
         overrides = {k: v for k, v in kwargs.items() if not (v is None and k in OPT_LEVEL_OVERRIDES)}
+        overrides.update(kept)
         return cls(opt_level, **mine, overrides=overrides, scaler=scaler)  # type: ignore[arg-type]
 
     def on_device(self, device_type: str) -> MixedPrecisionSettings:
@@ -376,14 +389,18 @@ class MixedPrecisionSettings:
 
     def to_kwargs(self) -> dict[str, Any]:
         """The keywords of :class:`~lightning_mpx.engine.amp.Amp` (all but ``opt_level``) that rebuild these settings:
-        ``Amp(s.opt_level, **s.to_kwargs())`` is ``Amp.from_settings(s)``."""
+        ``Amp(s.opt_level, **s.to_kwargs())`` is ``Amp.from_settings(s)``. The overrides given come flat, but those
+        given as ``None`` (a keyword ``None`` would mean the level's value) under ``overrides=``, which
+        :meth:`from_kwargs` keeps as given."""
         out = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
             if f.init and f.name not in ("opt_level", "overrides", "scaler")
         }
         out["fp32_modules"] = tuple(self.fp32_modules)
-        return {**out, **self.scaler.to_kwargs(), **self.overrides}
+        given = {k: v for k, v in self.overrides.items() if v is not None}
+        kept = {k: v for k, v in self.overrides.items() if v is None}
+        return {**out, **self.scaler.to_kwargs(), **given, **({"overrides": kept} if kept else {})}
 
 
 def implicit_half_dtype(device_type: str | None) -> str:
@@ -401,6 +418,57 @@ def implicit_dtype_note(logger: Any, opt_level: str, dtype: str, hint: str = 'ha
     logger.warning(
         "lightning_mpx: opt level %r runs in %s on this CPU (no half_dtype given; float16 matmuls are often emulated "
         "on CPUs, tens of times slower): pass %s for float16.", opt_level, dtype, hint)
+
+
+#: The scaler settings only a dynamic loss scale reads (a static scale never moves; ``on_floor`` acts on both).
+DYNAMIC_ONLY: tuple[str, ...] = (
+    "init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis", "consecutive_hysteresis",
+    "min_loss_scale", "max_loss_scale",
+)
+
+
+def ignored_scaler_settings(settings: MixedPrecisionSettings) -> dict[str, Any]:
+    """The scaler settings of ``settings`` given other than their defaults that its loss scale ignores: those of
+    :data:`DYNAMIC_ONLY` when the scale is static (bfloat16's default 1.0, O0's and O3's, or a number given as
+    ``loss_scale``); ``{}`` with a dynamic scale, which reads them all."""
+    if settings.properties.dynamic_loss_scale:
+        return {}
+    return {
+        name: getattr(settings.scaler, name)
+        for name in DYNAMIC_ONLY
+        if getattr(settings.scaler, name) != getattr(ScalerSettings, name)
+    }
+
+
+def _rank_zero() -> bool:
+    """Whether this process is rank zero (or alone): ``torch.distributed``'s rank once initialized, before that the
+    launchers' environment (``torchrun``'s ``RANK``, Lightning's ``LOCAL_RANK`` and ``NODE_RANK``)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank() == 0
+    return all(os.environ.get(name, "0") == "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK"))
+
+
+def warn_ignored_scaler_settings(settings: MixedPrecisionSettings) -> None:
+    """Warn (``UserWarning``, rank zero only) naming the scaler settings that ``settings``' static loss scale ignores
+    (:func:`ignored_scaler_settings`) and the remedy, ``loss_scale="dynamic"``. The engine calls it once the half
+    dtype is known: when built with one, or when :meth:`~lightning_mpx.engine.amp.Amp.pick_half_dtype` picks it."""
+    ignored = ignored_scaler_settings(settings)
+    if not ignored or not _rank_zero():
+        return
+    props = settings.properties
+    named = ", ".join(f"{name}={value!r}" for name, value in ignored.items())
+    why = "" if "loss_scale" in settings.overrides else f" ({props.opt_level}'s default)"
+    if why and props.half_dtype == torch.bfloat16 and props.opt_level in ("O1", "O2"):
+        why = " (bfloat16's default: it has FP32's range)"
+    warnings.warn(
+        f"lightning_mpx: {named} {'is' if len(ignored) == 1 else 'are'} ignored: opt_level={props.opt_level!r} with "
+        f"half_dtype {str(props.half_dtype).replace('torch.', '')} uses the static loss scale "
+        f"{float(props.loss_scale)}{why}, and "
+        "only a dynamic loss scale reads them. Pass loss_scale='dynamic' for a dynamic scale that uses them, or leave "
+        "them out.",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 class SettingsKeywords(ScalerKeywords, OptLevelOverrides, total=False):

@@ -104,8 +104,8 @@ def test_one_settings_object_block_and_its_claimed_equalities():
 
     ns = run(block("docs/core.md", "MixedPrecisionSettings.from_kwargs"), "docs/core.md")
     settings = ns["settings"]
-    assert MixedPrecisionKwargs(half_dtype="bfloat16", growth_interval=500).settings("O2") == settings
-    assert ns["amp"].settings == Amp("O2", half_dtype="bfloat16", growth_interval=500).settings
+    assert MixedPrecisionKwargs(half_dtype="float16", growth_interval=500).settings("O2") == settings
+    assert ns["amp"].settings == Amp("O2", half_dtype="float16", growth_interval=500).settings
     assert ns["plugin"].amp.settings == ns["fabric_plugin"].amp.settings == settings
     settings_doc = literal_blocks("lightning_mpx/settings.py")["<module>"]
     run(settings_doc, "settings.py", MixedPrecisionSettings=lightning_mpx.MixedPrecisionSettings, Amp=Amp,

@@ -93,10 +93,7 @@ class FP16_Optimizer:
         scale_factor = float(args.get("scale_factor", 2.0))
         self.verbose = verbose
         half = [p for g in init_optimizer.param_groups for p in g["params"] if p.dtype in _HALF]
-        self.amp = Amp(
-            "O2" if half else "O0",  # an all-FP32 optimizer needs no masters: loss scaling only
-            half_dtype="float16",  # Apex's FP16_Optimizer (the core's default picks bfloat16 on a CPU)
-            loss_scale="dynamic" if dynamic_loss_scale else static_loss_scale,
+        dynamic = dict(  # what only a dynamic scale reads: a static one is given none (the engine would warn)
             init_scale=float(args.get("init_scale", 2.0**32)),
             growth_factor=scale_factor,
             backoff_factor=1.0 / scale_factor,
@@ -104,6 +101,12 @@ class FP16_Optimizer:
             min_loss_scale=float(args.get("min_scale", 1.0)),
             hysteresis=int(args.get("delayed_shift", 1)),
             max_loss_scale=float(torch.finfo(torch.float32).max),
+        ) if dynamic_loss_scale else {}
+        self.amp = Amp(
+            "O2" if half else "O0",  # an all-FP32 optimizer needs no masters: loss scaling only
+            half_dtype="float16",  # Apex's FP16_Optimizer (the core's default picks bfloat16 on a CPU)
+            loss_scale="dynamic" if dynamic_loss_scale else static_loss_scale,
+            **dynamic,  # type: ignore[arg-type]
             on_floor="warn",
             skip_on_device=False,  # Apex's FP16_Optimizer sets self.overflow at its step: read on the host there
         )

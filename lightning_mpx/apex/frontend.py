@@ -206,13 +206,18 @@ def _engine(
     # cast_model_type=None, keep_batchnorm_fp32=None (a model kept as given): resolve_properties' None, which the
     # front doors' keywords read as "not given" (the level's value): added to the settings' overrides as they are.
     kept = {name: overrides.pop(name) for name in list(overrides) if overrides[name] is None}
+    scaler: dict[str, Any] = {}
+    if resolve_properties(opt_level, **overrides).dynamic_loss_scale:
+        # Apex's dynamic scale started at min(max_loss_scale, 2**16) (a floor above it: the floor).
+        scaler.update(min_loss_scale=floor, max_loss_scale=max_loss_scale,
+                      init_scale=_apex_init_scale(floor, max_loss_scale))
+    else:  # a static scale reads none of them: only the bounds given are passed (the engine warns they are ignored)
+        scaler.update({} if max_loss_scale == 2.0**24 else {"max_loss_scale": max_loss_scale})
+        scaler.update({} if min_loss_scale is None else {"min_loss_scale": min_loss_scale})
     settings = MixedPrecisionSettings.from_kwargs(
         opt_level,
         num_losses=num_losses,
-        min_loss_scale=floor,
-        max_loss_scale=max_loss_scale,
-        # Apex's dynamic scale started at min(max_loss_scale, 2**16) (a floor above it: the floor).
-        init_scale=_apex_init_scale(floor, max_loss_scale),
+        **scaler,
         # Apex kept skipping at its floor (max(min_loss_scale, scale / 2)) and went on training: never an error.
         on_floor="warn",
         allow_banned=allow_banned,

@@ -34,7 +34,7 @@ from lightning_mpx.masters.store import Masters
 from lightning_mpx.masters.weights import MasterWeights
 from lightning_mpx.opt_levels import Properties
 from lightning_mpx.scaling.scaler import LossScaler
-from lightning_mpx.settings import MixedPrecisionSettings, implicit_dtype_note
+from lightning_mpx.settings import MixedPrecisionSettings, implicit_dtype_note, warn_ignored_scaler_settings
 
 _log = logging.getLogger("lightning_mpx")
 #: What the front doors may set on an engine before it picks its half dtype, kept when it does (:meth:`AmpParts.
@@ -128,10 +128,13 @@ class AmpParts:
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if device_type == "cpu" and (not distributed or torch.distributed.get_rank() == 0):
             implicit_dtype_note(_log, self.properties.opt_level, "bfloat16")
+        warn_ignored_scaler_settings(self.settings)  # the half dtype is known now (its loss scale with it)
 
     def _configure(self, settings: MixedPrecisionSettings) -> None:
         """Build the parts of the engine of ``settings`` (each owns its state; the properties above show it)."""
         self.settings = settings
+        if settings.half_dtype is not None:  # given (none given: pick_half_dtype warns once it is picked)
+            warn_ignored_scaler_settings(settings)
         self.model_writes = settings.model_writes
         self.properties: Properties = settings.properties
         self.policy: CastPolicy | None = _policy(settings)
