@@ -1,18 +1,19 @@
 """LoRA fine-tuning of a litgpt model with Lightning Fabric and an Apex-style opt level.
 
 The loop has ``litgpt/finetune/lora.py``'s shape: ``fabric.init_module``, ``mark_only_lora_as_trainable``, the
-optimizer over the trainable (LoRA) parameters only, the pretrained FP32 base loaded with ``fabric.load_raw(...,
-strict=False)`` after ``fabric.setup``, logits in chunks into ``chunked_cross_entropy``, accumulation under
-``fabric.no_backward_sync``, ``fabric.clip_gradients``, a ``get_lr`` schedule, the LoRA weights saved, then
-``merge_lora_weights``.
+optimizer over all the parameters (only the LoRA ones train), the pretrained FP32 base loaded with
+``fabric.load_raw(..., strict=False)`` after ``fabric.setup``, logits in chunks into ``chunked_cross_entropy``,
+accumulation under ``fabric.no_backward_sync``, ``fabric.clip_gradients``, a ``get_lr`` schedule, the LoRA weights
+saved, then ``merge_lora_weights``.
 
 What differs from litgpt's script:
 
 * ``Fabric(plugins=[mpx])`` instead of ``Fabric(precision=...)``;
 * the schedule follows the optimizer steps taken (``mpx.step_was_skipped(optimizer)``), so it holds on a skipped step;
-* the LoRA weights are saved from ``mpx.fp32_state_dict(model)``: at O2 the model holds half weights (what
-  ``fabric.save(path, {"model": model}, filter={"model": lora_filter})`` or litgpt's ``save_lora_checkpoint`` would
-  write, each rounded to bfloat16) and the optimizer trains their FP32 masters, which this saves exactly.
+* the LoRA weights are saved from ``mpx.fp32_state_dict(model)`` (in ``save_lora_checkpoint``'s layout, which
+  ``litgpt merge_lora`` reads): at O2 the model holds half weights (what ``fabric.save(path, {"model": model},
+  filter={"model": lora_filter})`` or litgpt's ``save_lora_checkpoint`` would write, each rounded to bfloat16) and the
+  optimizer trains their FP32 masters, which this saves exactly.
 
 At O2 the frozen base is stored in half with no FP32 copy (no master: the optimizer does not train it); only the LoRA
 matrices get FP32 masters. The model is a small ``litgpt.lora.GPT`` (nothing is downloaded); the "pretrained" base is
@@ -101,7 +102,8 @@ def main(
     if base_before_setup:
         fabric.load_raw(base_checkpoint, model, strict=False)
     model = fabric.setup_module(model)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=train.learning_rate)
+    # Over all the parameters, as litgpt's script passes them: the frozen base gets no gradient, so no FP32 master.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=train.learning_rate, weight_decay=0.02)
     optimizer = fabric.setup_optimizers(optimizer)
     if not base_before_setup:
         fabric.load_raw(base_checkpoint, model, strict=False)  # litgpt's load_checkpoint: the base, no LoRA weights
@@ -134,7 +136,7 @@ def main(
     saved = lora_state_dict(fabric, model)
     save_path = out_dir / "final" / "lit_model.pth.lora"
     save_path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(saved, save_path)
+    torch.save({"model": saved}, save_path)  # save_lora_checkpoint's layout, which `litgpt merge_lora` reads
     merge_lora_weights(model.module)  # on the model as trained (half at O2), as litgpt's merge_lora does
     return {"losses": losses, "lora": saved, "model": model, "optimizer": optimizer, "path": save_path}
 

@@ -1,7 +1,7 @@
 """litgpt's LoRA fine-tuning through Lightning Fabric with the Fabric plugin, as a litgpt user runs it
-(``examples/fabric_litgpt_lora.py``: ``init_module``, ``mark_only_lora_as_trainable``, the optimizer over the LoRA
-parameters, ``load_raw`` of an FP32 base with ``strict=False`` before or after ``setup``, chunked logits into
-``chunked_cross_entropy``, ``no_backward_sync``, ``clip_gradients``, ``get_lr``, the LoRA weights saved, then
+(``examples/fabric_litgpt_lora.py``: ``init_module``, ``mark_only_lora_as_trainable``, the optimizer over all the
+parameters as litgpt's, ``load_raw`` of an FP32 base with ``strict=False`` before or after ``setup``, chunked logits
+into ``chunked_cross_entropy``, ``no_backward_sync``, ``clip_gradients``, ``get_lr``, the LoRA weights saved, then
 ``merge_lora_weights``), against litgpt's own precisions (``bf16-mixed``, ``32-true``): losses, the saved LoRA
 weights (the O2 masters), the frozen base's memory, float16's dynamic scale, and generation with the KV cache after a
 ``max_seq_length`` change. The adapters and the full fine-tune are in ``tests/test_hostile_third_party.py``.
@@ -61,7 +61,7 @@ def test_o2_lora_tracks_bf16_mixed_and_saves_the_fp32_masters(base, tmp_path, be
     model, mpx, saved = ours["model"], ours["mpx"], ours["lora"]
     trainable = {n: p for n, p in model.module.named_parameters() if p.requires_grad}
     assert set(saved) == set(trainable) and set(saved) == set(theirs["lora"]) and len(saved) == 18
-    loaded = torch.load(ours["path"])
+    loaded = torch.load(ours["path"])["model"]  # litgpt's layout (save_lora_checkpoint's, merge_lora's)
     for name, param in trainable.items():
         assert loaded[name].dtype == torch.float32
         assert torch.equal(loaded[name], mpx.amp.master_of(param))
@@ -69,16 +69,15 @@ def test_o2_lora_tracks_bf16_mixed_and_saves_the_fp32_masters(base, tmp_path, be
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     fp32_held = sum(v.numel() for weights in mpx.amp.master_weights for v in weights.fp32_values().values())
     assert fp32_held == sum(p.numel() for p in trainable.values()) < sum(p.numel() for p in model.parameters()) / 10
-    # Resuming the LoRA as litgpt's load_checkpoint_update does (base and LoRA file loaded after setup): the new
-    # run's masters are the saved FP32 weights exactly.
+    # Resuming the LoRA as litgpt's load_checkpoint_update does (base and LoRA file merged into one state dict,
+    # loaded into the set-up model): the new run's masters are the saved FP32 weights exactly.
     fabric = example.make_fabric("O2")
     with fabric.init_module(empty_init=False):
         fresh = example.GPT(example.Config(**example.BASE, **example.LORA))
     example.mark_only_lora_as_trainable(fresh)
     fresh = fabric.setup_module(fresh)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad]))
-    fabric.load_raw(base, fresh, strict=False)
-    fabric.load_raw(ours["path"], fresh, strict=False)
+    fresh.load_state_dict({**torch.load(base), **torch.load(ours["path"])["model"]}, strict=False)
     masters = dict(zip(trainable, fabric.strategy.precision.master_params(optimizer)))
     assert all(torch.equal(masters[name], loaded[name]) for name in trainable)
 
@@ -100,6 +99,7 @@ def test_o1_lora_is_bf16_mixed(base, tmp_path):
     "write the LoRA masters' bfloat16 rounding; save mpx.fp32_state_dict(model) filtered (the example does)",
 )
 def test_fabric_save_with_litgpts_lora_filter_writes_the_masters(base, tmp_path):
+    """litgpt's way to save the LoRA weights, at O2: the FP32 masters would be what a litgpt user wants written."""
     run = _run("O2", base, tmp_path)
     model, mpx = run["model"], run["mpx"]
     path = tmp_path / "lora.pth"
