@@ -172,6 +172,7 @@ def grad_pairs(
         # copy into the views would broadcast, not raise, so the shapes are compared every step (once).
         fits = bool(layout) and tuple(map(_SHAPE, halves)) == layout.shapes  # type: ignore[union-attr]
         if layout is None or (layout and not fits):
+            _take_reshaped(state, master_weights)
             layout = state.grad_layout = GradLayout.of(list(map(masters.__getitem__, mastered))) or False
             fits = bool(layout) and layout.fits(halves)  # type: ignore[union-attr]
         if fits:
@@ -249,6 +250,15 @@ class GradLayout:
         """New (uninitialized) gradients, one per master, views of one new buffer."""
         flat = torch.empty(self.total, dtype=self.dtype, device=self.device)
         return list(map(flat.as_strided, self.shapes, self.strides, self.offsets))
+
+
+def _take_reshaped(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> None:
+    """Take into their masters the parameters whose shape changed since (``p.data = t`` of another shape: Hugging
+    Face's ``resize_token_embeddings``), before their gradients go to the masters: the step would take them after."""
+    params, masters_of = state.pair_params, state.pair_masters
+    reshaped = [params[i] for i in state.mastered if params[i].shape != masters_of[i].shape]
+    for masters in master_weights if reshaped else ():
+        masters.refresh(reshaped)
 
 
 def _master_grad(master: torch.Tensor, grad: torch.Tensor, copy: bool) -> torch.Tensor:

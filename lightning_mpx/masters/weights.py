@@ -573,6 +573,17 @@ def _take_differing(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
     return master
 
 
+def _resized(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    """A new FP32 master for ``param``, resized since (``resize_token_embeddings``): its value, but for the leading
+    elements it shares with ``master`` (the rows kept) where it still holds their rounding: those keep FP32."""
+    new = param.detach().float()
+    if master.dim() == param.dim():
+        common = tuple(slice(0, min(a, b)) for a, b in zip(master.shape, param.shape))
+        kept = master.detach()[common]
+        torch.where(param.detach()[common] != kept.to(param.dtype), new[common], kept, out=new[common])
+    return new
+
+
 def _multi_process() -> bool:
     """Whether a ``torch.distributed`` process group of more than one rank is initialized (its frameworks broadcast
     rank zero's half weights: masters must then be their rounding on every rank, not each rank's own FP32 values).
@@ -603,8 +614,8 @@ def _take_writes(pairs: list[tuple[_Entry, torch.Tensor]]) -> list[str]:
             entry.mark(param)
             if master.device != param.device:
                 master.data = master.data.to(param.device)
-            if master.shape != param.shape:
-                master.data = param.detach().float()
+            if master.shape != param.shape:  # resized (``p.data = t``): where the two overlap, as any write
+                master.data = _resized(param, master)
                 taken.append(entry.name)
                 continue
             compared.append((entry, param, param != master.to(param.dtype)))  # NaN != NaN: a NaN written is taken
