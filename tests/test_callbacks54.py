@@ -345,7 +345,7 @@ def bf16_mixed_predictions() -> torch.Tensor:
     return _predictions(None, loader(classification_data(n=48), 8))
 
 
-class _CountsValidations(Classifier):
+class _CountsValidations(_InfAt):
     validations = 0
 
     def on_validation_start(self) -> None:
@@ -356,18 +356,19 @@ class _CountsValidations(Classifier):
 def test_stops_and_validations_inside_an_accumulation_window_and_a_prediction_writer_after_the_fit(
     level: str, bf16_mixed_predictions: torch.Tensor
 ) -> None:
-    """``accumulate_grad_batches=4``: a Timer that runs out at the 5th micro-batch leaves the weights of the one
-    finished step (the same as ``max_steps=1``: the half window is dropped); ``val_check_interval=3`` validates inside
+    """``accumulate_grad_batches=4``: a Timer that runs out at the 5th micro-batch (float16, which overflowed) leaves
+    the weights and loss scale of the one finished step (as ``max_steps=1``: the half window and its overflow are
+    dropped, as "16-mixed" drops them); ``val_check_interval=3`` validates inside
     windows and trains the same weights as without validation. Afterwards BasePredictionWriter gets the predictions
     "bf16-mixed" gets (at O2 in FP32: the model's boundary casts its outputs; "bf16-mixed" and O1 hand bfloat16)."""
     data = loader(classification_data(n=48), 8)
     runs = {}
     for case in ("timer", "max_steps", "validating", "not_validating"):
-        model = _CountsValidations()
+        model = _CountsValidations(at=((0, 4),) if case == "timer" else ())  # an overflow in the dropped window
         if case == "timer":
-            trainer = _trainer(level, "bfloat16", max_epochs=2, accumulate_grad_batches=4, callbacks=[_StopsAfter(5)])
+            trainer = _trainer(level, "float16", max_epochs=2, accumulate_grad_batches=4, callbacks=[_StopsAfter(5)])
         elif case == "max_steps":
-            trainer = _trainer(level, "bfloat16", max_steps=1, accumulate_grad_batches=4)
+            trainer = _trainer(level, "float16", max_steps=1, accumulate_grad_batches=4)
         else:
             validating = case == "validating"
             trainer = _trainer(
@@ -380,8 +381,12 @@ def test_stops_and_validations_inside_an_accumulation_window_and_a_prediction_wr
             )
         trainer.fit(model, data, data if case.endswith("validating") else None)
         runs[case] = (trainer.global_step, _weights(trainer, model), model)
+        if case in ("timer", "max_steps"):
+            plugin = trainer.precision_plugin
+            runs[case] += (plugin.amp.scalers[0].state_dict(), plugin.metrics()["mpx/skipped_steps"])
     assert runs["timer"][0] == runs["max_steps"][0] == 1
     assert _max_diff(runs["timer"][1], runs["max_steps"][1]) == 0.0
+    assert runs["timer"][3:] == runs["max_steps"][3:] and runs["timer"][4] == 0  # its overflow counts nowhere
     assert runs["validating"][2].validations == 2 and runs["validating"][0] == 2
     assert _max_diff(runs["validating"][1], runs["not_validating"][1]) == 0.0
 
