@@ -23,6 +23,7 @@ line in :class:`SettingsKeywords` (or :class:`ScalerKeywords`); every front door
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import math
 import os
@@ -98,6 +99,15 @@ def check_choice(name: str, value: object, choices: Sequence[str], *, quote: boo
     if value not in choices:
         listed = ", ".join(map(repr, choices)) if quote else ", ".join(choices)
         raise ValueError(f"{name}={value!r} is not valid; valid choices: {listed}.")
+
+
+def check_cast_table(table: object) -> None:
+    """Raise ``TypeError`` unless ``table`` is a :class:`~lightning_mpx.casting.table.CastTable` or ``None``."""
+    if table is not None and not isinstance(table, CastTable):
+        raise TypeError(
+            f"cast_table={type(table).__name__} must be a lightning_mpx.CastTable or None (the device's default); "
+            "build one with CastTable.default() or CastTable.for_device('cuda') and register into it."
+        )
 
 
 def check_keywords(where: str, given: Iterable[str], valid: Sequence[str]) -> None:
@@ -319,6 +329,7 @@ class MixedPrecisionSettings:
         if isinstance(self.num_losses, bool) or not isinstance(self.num_losses, int) or self.num_losses < 1:
             raise ValueError(f"num_losses={self.num_losses!r} must be a positive integer.")
         check_choice("unscale_backend", self.unscale_backend, BACKENDS)
+        check_cast_table(self.cast_table)
         if self.cast_table is not None and not props.patch_torch_functions:
             raise ValueError(
                 f"cast_table is only used by the cast-table policy, which is off at opt_level="
@@ -373,6 +384,7 @@ class MixedPrecisionSettings:
                 f"overrides={kept!r} must be a mapping of opt-level overrides; valid keys: "
                 f"{', '.join(OPT_LEVEL_OVERRIDES)}."
             )
+        _check_unknown(kwargs, ENGINE_FIELDS + SCALER_FIELDS)
         overrides = {k: v for k, v in kwargs.items() if not (v is None and k in OPT_LEVEL_OVERRIDES)}
         overrides.update(kept)
         return cls(opt_level, **mine, overrides=overrides, scaler=scaler)  # type: ignore[arg-type]
@@ -401,6 +413,21 @@ class MixedPrecisionSettings:
         given = {k: v for k, v in self.overrides.items() if v is not None}
         kept = {k: v for k, v in self.overrides.items() if v is None}
         return {**out, **self.scaler.to_kwargs(), **given, **({"overrides": kept} if kept else {})}
+
+
+def _check_unknown(given: Iterable[str], settings: Sequence[str]) -> None:
+    """Raise ``TypeError`` for a keyword of ``given`` that is neither an opt-level override nor one of ``settings``,
+    naming it, the overrides and the other settings, and the nearest valid keyword (a misspelt setting, such as
+    ``init_scaler=``, is not taken for an override)."""
+    unknown = [name for name in given if name not in OPT_LEVEL_OVERRIDES]
+    if not unknown:
+        return
+    near = difflib.get_close_matches(unknown[0], [*OPT_LEVEL_OVERRIDES, *settings, "overrides"], n=1)
+    raise TypeError(
+        f"unknown opt-level override(s) {', '.join(map(repr, unknown))}; valid choices: "
+        f"{', '.join(OPT_LEVEL_OVERRIDES)}, or a setting: {', '.join(settings)}."
+        + (f" Did you mean {near[0]}=?" if near else "")
+    )
 
 
 def implicit_half_dtype(device_type: str | None) -> str:

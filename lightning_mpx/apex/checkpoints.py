@@ -3,7 +3,7 @@ core's) and ``amp.master_params(optimizer)``."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -15,6 +15,10 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     """The tensors ``optimizer`` updates: the FP32 masters at O2 (their ``.grad`` holds the unscaled gradients after
     a ``scale_loss`` block), the parameters otherwise. For ``clip_grad_norm_(amp.master_params(opt), ...)``."""
     inner = optimizer.optimizer if isinstance(optimizer, AmpOptimizer) else optimizer
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer={type(optimizer).__name__} is not an optimizer (pass the one amp.initialize returned)."
+        )
     wrapper = _wrapper_of(optimizer)
     if wrapper is None:
         for group in inner.param_groups:
@@ -47,6 +51,8 @@ def load_state_dict(state: dict[str, Any]) -> None:
             "amp.initialize(model, optimizer, ...) first, then model.load_state_dict(...), "
             "optimizer.load_state_dict(...) and amp.load_state_dict(checkpoint['amp']), in Apex's documented order."
         )
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state={type(state).__name__} must be the dict that amp.state_dict() returned.")
     # Restoring into the optimizer initialize() returned is the documented order: nothing to refuse later.
     _amp_state.loaded = None if _amp_state.restored is amp else amp
     if "scalers" in state:  # the core's own format

@@ -28,6 +28,7 @@ from torch import nn
 
 from lightning_mpx.apex._state import is_rank_zero
 from lightning_mpx.engine.amp import Amp
+from lightning_mpx.settings import check_flag
 
 __all__ = [
     "BN_convert_float",
@@ -82,6 +83,7 @@ class FP16_Optimizer:
     ) -> None:
         if not isinstance(init_optimizer, torch.optim.Optimizer):
             raise TypeError(f"init_optimizer={type(init_optimizer).__name__} is not a torch.optim.Optimizer.")
+        check_flag("dynamic_loss_scale", dynamic_loss_scale)  # a string 'False' would otherwise turn scaling on
         args = dict(dynamic_loss_args or {})
         unknown = sorted(set(args) - set(_DYNAMIC_ARGS))
         if unknown:
@@ -234,6 +236,10 @@ def convert_module(module: nn.Module, dtype: torch.dtype) -> None:
 def convert_network(network: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Cast every module of ``network`` to ``dtype`` but the affine batch norms (their statistics too stay FP32), as
     Apex; returns ``network``."""
+    if not isinstance(network, nn.Module):
+        raise TypeError(f"network={type(network).__name__} is not a torch.nn.Module.")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype={dtype!r} must be a floating-point torch.dtype, such as torch.half.")
     for module in network.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.affine:
             continue

@@ -155,6 +155,8 @@ class CastPolicy:
         device_type: str | None = None,
         engine: str = "auto",
     ) -> None:
+        if table is not None and not isinstance(table, CastTable):
+            raise TypeError(f"table={type(table).__name__} must be a lightning_mpx.CastTable or None (the default).")
         self.table = table if table is not None else CastTable.default()
         self.half_dtype = parse_half_dtype(half_dtype)
         self.allow_banned = allow_banned

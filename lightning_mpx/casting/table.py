@@ -372,6 +372,8 @@ def dispatchable(function: Callable[..., Any]) -> Callable[..., Any]:
         ... def fused_gelu_linear(x, weight): ...
         >>> table.register(fused_gelu_linear, "half")  # doctest: +SKIP
     """
+    if not callable(function):
+        raise TypeError(f"function={function!r} is not callable; @dispatchable decorates a function.")
 
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:

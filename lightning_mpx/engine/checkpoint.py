@@ -110,6 +110,13 @@ class EngineState:
                 f"the checkpoint has {len(state['scalers'])} loss scaler(s) but this Amp has num_losses="
                 f"{len(self.scalers)}."
             )
+        if any(state["master_weights"]) and not self.masters.weights and not self._prepared_parameters():
+            raise RuntimeError(
+                f"load_state_dict() was called before prepare_model(): the checkpoint holds FP32 master weights for "
+                f"{len(state['master_weights'])} model(s), which load into prepared models. Call prepare_model(model) "
+                "first (the Trainer, fabric.setup() and accelerator.prepare() do), then load_state_dict(); nothing "
+                "was loaded."
+            )
         saved_level = state.get("opt_level", self.opt_level)
         if saved_level != self.opt_level:
             self._load_across_levels(state, saved_level)
@@ -268,5 +275,21 @@ def _check_engine_state(state: object) -> None:
         shown = ", ".join(repr(key) for key in list(state)[:3]) + (", ..." if len(state) > 3 else "")
         raise ValueError(
             f"state (keys {shown or 'none'}) is not an Amp.state_dict(): it lacks {missing}. A model's state dict "
-            "goes to model.load_state_dict(), an optimizer's to optimizer.load_state_dict()."
+            "goes to model.load_state_dict(), an optimizer's to optimizer.load_state_dict()." + _foreign_hint(state)
         )
+
+
+def _foreign_hint(state: Mapping[Any, Any]) -> str:
+    """What a state dict that is not the engine's most likely is, and where it goes (empty when unknown)."""
+    if {"scale", "_growth_tracker"} <= set(state):
+        return (
+            " This is a torch.amp.GradScaler state dict: its scale does not carry over (the engine's scalers keep "
+            "more state); resume with a fresh loss scale, or pass init_scale=state['scale']."
+        )
+    if "state_dict" in state and ("optimizer_states" in state or "epoch" in state):
+        return (
+            " This is a whole Lightning checkpoint: let Trainer.fit(ckpt_path=...) restore it, or pass the "
+            "plugin's entry of it (checkpoint['MixedPrecisionPlugin'])."
+        )
+    return ""
+

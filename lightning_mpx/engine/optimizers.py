@@ -132,7 +132,9 @@ class StepMachine:
         if with_masters and not self.masters.weights:
             raise RuntimeError(
                 "prepare_model() must run before prepare_optimizer() with master weights (O2), with train=True: "
-                "a model prepared with train=False has no masters for an optimizer to train."
+                "a model prepared with train=False has no masters for an optimizer to train. (Fabric: call "
+                "fabric.setup(model, optimizer) before fabric.backward(), clip_gradients() or a step; Accelerate: "
+                "accelerator.prepare(model, optimizer).)"
             )
         if self.sharding is not None:
             self.sharding.refuse_gathered(optimizer_params(optimizer))

@@ -169,6 +169,9 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
     ) -> None:
         self.amp: Amp | None = None
         self.mpx_kwargs: MixedPrecisionKwargs | None = None
+        if kwargs_handlers is not None and not isinstance(kwargs_handlers, (list, tuple)):
+            raise TypeError(f"kwargs_handlers={type(kwargs_handlers).__name__} must be a list of handlers, such as "
+                            f"[MixedPrecisionKwargs(...)]; for one, pass [handler].")
         handlers = list(kwargs_handlers or [])
         ours = [h for h in handlers if isinstance(h, MixedPrecisionKwargs)]
         theirs = [h for h in handlers if not isinstance(h, MixedPrecisionKwargs)]

@@ -540,6 +540,8 @@ def check_sharded_model(module: nn.Module, settings: object) -> None:
         module: The sharded model (FSDP1: the wrapped model).
         settings: The opt level (anything :func:`resolve_settings` takes).
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module={type(module).__name__} must be a torch.nn.Module.")
     settings = resolve_settings(settings, argument="settings")
     props = settings.properties
     mode = _mode(props)

@@ -28,6 +28,8 @@ def upgrade_unlogged(state: dict[str, Any], reader: str) -> dict[str, Any]:
     """``state``, a door's checkpoint of the engine; one of the release that saved ``unlogged_counts`` (and no reader
     positions) gets ``reader``'s position instead: each loss's total there less its counts not logged yet, and the
     module totals (that release kept none) from zero less theirs. Any other ``state`` as it is."""
+    if not isinstance(state, Mapping):
+        return state  # not a checkpoint of the engine at all: Amp.load_state_dict names what it is
     unlogged = state.get(UNLOGGED_KEY)
     if not isinstance(unlogged, Mapping) or "metric_readers" in state or not isinstance(state.get("scalers"), list):
         return state

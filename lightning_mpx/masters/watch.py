@@ -241,6 +241,8 @@ def release_masters(module: nn.Module) -> int:
     carries; for a model kept in half after training (inference, a frozen reference), as the masters otherwise live
     as long as the model. The model's half values are unchanged (``module.float()`` instead takes the masters into the
     model and lets them go). Returns the number of parameters let go."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module (pass the model itself).")
     count = 0
     for param in module.parameters():
         if type(param) is not WatchedParameter:

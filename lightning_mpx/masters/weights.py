@@ -31,6 +31,18 @@ from lightning_mpx.scaling.unscale import BACKENDS, UnscaleWorkspace, _one_copy_
 __all__ = ["MasterWeights", "Mirror", "WatchedParameter", "convert_module", "has_floating_parameters"]
 
 
+def _named_pairs(named_parameters: object) -> Iterator[tuple[str, nn.Parameter]]:
+    """``named_parameters``' ``(name, parameter)`` pairs, each checked: ``TypeError`` naming what was given instead
+    (a model, or a list of parameters, where ``model.named_parameters()`` goes)."""
+    hint = "must be (name, parameter) pairs, such as model.named_parameters()"
+    if isinstance(named_parameters, (nn.Module, torch.Tensor)) or not isinstance(named_parameters, Iterable):
+        raise TypeError(f"named_parameters={type(named_parameters).__name__} {hint}.")
+    for pair in named_parameters:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[1], torch.Tensor)):
+            raise TypeError(f"named_parameters holds {type(pair).__name__}; it {hint}.")
+        yield pair
+
+
 def has_floating_parameters(module: nn.Module) -> bool:
     return any(p.is_floating_point() for p in module.parameters())
 
@@ -51,6 +63,13 @@ def convert_module(
         ValueError: when the module has no floating-point parameters (there would be nothing to train in half) and
             ``require_parameters``.
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module.")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(
+            f"dtype={dtype!r} must be a floating-point torch.dtype; valid choices: torch.float16, torch.bfloat16, "
+            "torch.float32 (a name such as 'float16' is not taken here)."
+        )
     if require_parameters and not has_floating_parameters(module):
         raise ValueError(
             f"module={type(module).__name__} has no floating-point parameters, so casting it to {dtype} would do "
@@ -133,7 +152,7 @@ class MasterWeights:
         self.handed: dict[int, tuple[str, weakref.ref[torch.Tensor]]] = {}
         # Set by the engine that made these masters: removes the hooks it put on their model (see let_go).
         self.let_go: Callable[[], None] | None = None
-        for name, param in named_parameters:
+        for name, param in _named_pairs(named_parameters):
             if id(param) in self._entries or (exclude is not None and exclude(param)):
                 continue
             entry = _Entry(name, weakref.ref(param))

@@ -320,7 +320,9 @@ class LossScaler:
             raise TypeError(f"state={type(state).__name__} must be a dict saved by LossScaler.state_dict().")
         missing = {"scale", "growth_tracker", "hysteresis_tracker", "overflows"} - set(state)
         if missing:
-            raise KeyError(f"loss-scaler state is missing {sorted(missing)}; was it saved by LossScaler.state_dict()?")
+            grad_scaler = " It is a torch.amp.GradScaler state dict: pass init_scale=state['scale'] to a LossScaler."
+            raise KeyError(f"loss-scaler state is missing {sorted(missing)}; was it saved by LossScaler.state_dict()?"
+                           + (grad_scaler if "_growth_tracker" in state else ""))
         if "dynamic" in state and bool(state["dynamic"]) != self.dynamic:
             saved = "a dynamic" if state["dynamic"] else "a static"
             raise ValueError(
