@@ -17,6 +17,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch import nn
 
 from lightning_mpx import Amp, MixedPrecisionPlugin
+from lightning_mpx.integrations.lightning_conversion import masters_from_checkpoint
 from tests.lightning_helpers import classification_data, loader, make_trainer
 
 
@@ -152,7 +153,7 @@ def test_the_entry_loaded_by_a_plain_engine_takes_the_masters_from_the_model_sta
 ) -> None:
     """A Trainer checkpoint resumed in a plain loop (``Amp.load_state_dict(ckpt["MixedPrecisionPlugin"])`` and
     ``model.load_state_dict(ckpt["state_dict"])``, in either order): the masters are the checkpoint's exactly, though
-    the entry no longer holds them; a ``state_dict`` that lacks one is refused when the entry is put back together."""
+    the entry no longer holds them; a ``state_dict`` that lacks one is refused when the entry is made whole again."""
     model = _Net()
     trainer = _o2(max_steps=2)
     trainer.fit(model, _data())
@@ -171,4 +172,4 @@ def test_the_entry_loaded_by_a_plain_engine_takes_the_masters_from_the_model_sta
     _assert_equal(amp.fp32_state_dict(plain), masters)
     broken = {**saved, "state_dict": {k: v for k, v in saved["state_dict"].items() if k != "net.0.weight"}}
     with pytest.raises(KeyError, match=r"'net\.0\.weight'.*nothing was loaded"):
-        trainer.precision_plugin.on_load_checkpoint(broken)
+        masters_from_checkpoint(broken, "MixedPrecisionPlugin")

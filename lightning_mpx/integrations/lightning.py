@@ -53,7 +53,6 @@ from lightning_mpx.integrations.lightning_averages import average_in_fp32, take_
 from lightning_mpx.integrations.lightning_clipping import GradientClipping  # noqa: E402
 from lightning_mpx.integrations.lightning_conversion import (  # noqa: E402
     holds_masters,
-    masters_from_checkpoint,
     masters_into_checkpoint,
     pick_half_dtype,
     precision_of,
@@ -444,10 +443,6 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         if self._module is not None:
             own = checkpoint.get(type(self).__qualname__)
             self._frozen_warned |= masters_into_checkpoint(self.amp, self._module, checkpoint, own, self._frozen_warned)
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Take the masters the entry names from the checkpoint's ``state_dict`` before :meth:`load_state_dict`."""
-        masters_from_checkpoint(checkpoint, type(self).__qualname__)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._range_test.leave(self.amp)  # the tuner restores its checkpoint when its range test ends

@@ -102,7 +102,8 @@ def masters_into_checkpoint(
     frozen half parameter or a half buffer stays half). A resume at O2 or O3 loads them into the half model (their
     rounding, which it holds already); the masters held there leave the plugin's own entry, ``own`` (its
     ``state_dict()``), which names them instead (:data:`~lightning_mpx.engine.checkpoint.MASTERS_IN_STATE_DICT`: the
-    engine takes them from the model's state dict load, and :func:`masters_from_checkpoint` puts them back), so that
+    engine takes them from the model's state dict loads, which Lightning makes before it loads the entry, the
+    ``current_model_state`` of its ``WeightAveraging`` callbacks included), so that
     the file holds each master once under any CheckpointIO (Lightning's ``AsyncCheckpointIO`` clones every tensor
     one by one, which undid a shared storage). Unless ``warned``, warns about the
     frozen parameters it holds in half that the plugin converted from FP32 (their rounding, see
@@ -133,9 +134,11 @@ def masters_into_checkpoint(
 
 def masters_from_checkpoint(checkpoint: dict[str, Any], key: str) -> None:
     """Put back into the plugin's entry ``checkpoint[key]`` the masters it names as held in the checkpoint's
-    ``state_dict`` (:data:`MASTERS_IN_STATE_DICT`), in place, before the entry is loaded (Lightning calls the plugin's
-    ``on_load_checkpoint`` before its ``load_state_dict``). An entry of an earlier release holds them itself and is
-    left as it is. Raises a ``KeyError`` naming the keys the ``state_dict`` lacks."""
+    ``state_dict`` (:data:`~lightning_mpx.engine.checkpoint.MASTERS_IN_STATE_DICT`), in place: an entry that holds
+    them itself, as earlier releases wrote it (to load it without the model's state dict). Not for a checkpoint whose
+    ``state_dict`` a callback replaced (``WeightAveraging`` saves the average there and the trained weights under
+    ``current_model_state``). An entry that holds them already is left as it is. Raises a ``KeyError`` naming the
+    keys the ``state_dict`` lacks."""
     own = checkpoint.get(key)
     if not isinstance(own, dict) or MASTERS_IN_STATE_DICT not in own:
         return
