@@ -121,7 +121,7 @@ class EngineState:
             return
         held = state.get(MASTERS_IN_STATE_DICT) or []
         saved_masters = self.masters.accept(
-            [{**masters, **dict.fromkeys(held[i] if i < len(held) else ())} for i, masters in
+            [{**dict.fromkeys(held[i] if i < len(held) else ()), **masters} for i, masters in
              enumerate(state["master_weights"])]
         )
         promotion = state.get("promotion")

@@ -35,8 +35,8 @@ from lightning_mpx.engine.checkpoint import MASTERS_IN_STATE_DICT
 from lightning_mpx.integrations.fp32_export import masters_into, warn_frozen_half
 
 __all__ = [
-    "holds_masters", "masters_from_checkpoint", "masters_into_checkpoint", "pick_half_dtype",
-    "precision_of", "record_half_dtype", "refuse_lazy",
+    "frozen_masters_from_checkpoint", "holds_masters", "masters_from_checkpoint", "masters_into_checkpoint",
+    "pick_half_dtype", "precision_of", "record_half_dtype", "refuse_lazy",
 ]
 
 
@@ -157,3 +157,20 @@ def masters_from_checkpoint(checkpoint: dict[str, Any], key: str) -> None:
             masters[name] = state[name]
     del own[MASTERS_IN_STATE_DICT]
 
+
+
+def frozen_masters_from_checkpoint(module: nn.Module, checkpoint: dict[str, Any], key: str) -> None:
+    """Put into the plugin's entry ``checkpoint[key]`` the masters it names as held in the model's state dict for the
+    parameters of ``module`` frozen now: the model's load keeps no FP32 value for a frozen parameter (it gets no
+    master), which the saving run trained (a layer frozen since). They come from the trained weights:
+    ``current_model_state`` where a ``WeightAveraging`` callback saved the average as the ``state_dict``."""
+    own = checkpoint.get(key)
+    if not isinstance(own, dict) or not own.get(MASTERS_IN_STATE_DICT):
+        return
+    state = checkpoint.get("current_model_state", checkpoint.get("state_dict"))
+    frozen = {name for name, param in module.named_parameters() if not param.requires_grad}
+    for masters, names in zip(own["master_weights"], own[MASTERS_IN_STATE_DICT]):
+        for name in names:
+            value = state.get(name) if isinstance(state, dict) and name in frozen else None
+            if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+                masters[name] = value
