@@ -125,14 +125,6 @@ def test_accelerate_o2_export_does_not_warn_about_a_frozen_parameter_loaded_in_h
             assert torch.equal(state["base.weight"], given)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="integrations/lightning_conversion.py (masters_into_checkpoint): the plugin's entry shares each FP32 "
-    "master's tensor with state_dict so torch.save writes it once, but Lightning's AsyncCheckpointIO clones every "
-    "tensor of the checkpoint one by one (apply_to_collection), which breaks the sharing: 8 bytes a parameter, "
-    "not 4 (measured 8.04 against bf16-mixed's 4.03). A fix writes the entry's masters as references to "
-    "state_dict keys, resolved in on_load_checkpoint (called before load_state_dict): a checkpoint format change",
-)
 def test_async_checkpoint_io_writes_each_o2_master_once(tmp_path):
     """With ``AsyncCheckpointIO`` an O2 checkpoint is as large as one without it (and as ``"bf16-mixed"``'s)."""
     sizes = []

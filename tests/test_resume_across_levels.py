@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from lightning_mpx import Amp, MixedPrecisionPlugin
+from lightning_mpx.integrations.lightning_conversion import masters_from_checkpoint
 from tests.lightning_helpers import Classifier, classification_data, loader, make_trainer
 
 LEVELS = ["O0", "O1", "O2", "O3"]
@@ -130,6 +131,7 @@ def test_masters_that_match_no_parameter_are_refused_naming_both_levels(tmp_path
     model = Classifier(features=8)  # another model: other shapes, same names
     trainer = make_trainer(MixedPrecisionPlugin("O1", half_dtype="bfloat16"), max_steps=4)
     checkpoint = torch.load(path, weights_only=False)
+    masters_from_checkpoint(checkpoint, KEY)  # the masters the state dict holds, back in the entry
     amp = trainer.precision_plugin.amp
     amp.prepare_model(model)
     with pytest.raises(ValueError, match=r"opt_level='O2' and this run is at 'O1'.*'net\.0\.weight' has shape"):

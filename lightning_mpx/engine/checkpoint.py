@@ -25,6 +25,11 @@ from lightning_mpx.masters.store import Masters
 from lightning_mpx.opt_levels import Properties
 from lightning_mpx.scaling.scaler import LossScaler
 
+#: The key of a front door's checkpoint entry (the Trainer plugin's) naming, for each model, the masters it leaves
+#: out because the checkpoint's model state dict holds them, FP32 (each written once): at the same level they are
+#: what the model's state dict loads into them (the load hooks take an FP32 value exactly), in either load order.
+MASTERS_IN_STATE_DICT = "masters_in_state_dict"
+
 
 class EngineState:
     """The state dict of one engine.
@@ -121,11 +126,16 @@ class EngineState:
         if saved_level != self.opt_level:
             self._load_across_levels(state, saved_level)
             return
-        saved_masters = self.masters.accept(state["master_weights"])
+        held = state.get(MASTERS_IN_STATE_DICT) or []
+        saved_masters = self.masters.accept(
+            [{**dict.fromkeys(held[i] if i < len(held) else ()), **masters} for i, masters in
+             enumerate(state["master_weights"])]
+        )
         promotion = state.get("promotion")
         kept = state.get("fp32_values")
         if not self.promotion.param_names(promotion):
             saved_masters, kept = self._renamed(saved_masters, kept)
+        saved_masters = self._held_in_model(saved_masters)
         self.promotion.check_state_dict(promotion)
         # Masters this run made that the saving run had not made yet (their optimizer had not stepped) take the value
         # that run would have made them from.
@@ -180,6 +190,18 @@ class EngineState:
             out.append(values)
         return out, out_kept
 
+    def _held_in_model(self, saved: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``saved`` with each master held in the model's state dict (:data:`MASTERS_IN_STATE_DICT`, a ``None`` here)
+        as this run's FP32 value for it: the model's state dict loaded before gave it exactly, one loaded after
+        will (a name that matches no parameter is left for the check to refuse)."""
+        out = []
+        for masters, values in zip(self.masters.weights, saved):
+            if any(value is None for value in values.values()):
+                live = masters.fp32_by_name()
+                values = {k: live.get(k, torch.empty(0)) if v is None else v for k, v in values.items()}
+            out.append(values)
+        return out
+
     def _hold_left_scales(self) -> None:
         """Before the scalers load (they change their scale in place): the half gradients a step or an unscale left
         at O2 keep the scale they carry, as across an update (:func:`~lightning_mpx.engine.rescale.hold_scale`); at O1
@@ -193,6 +215,7 @@ class EngineState:
         """:meth:`load_state_dict` for a checkpoint saved at ``saved_level``, another opt level (checked first,
         changing nothing when refused)."""
         levels = f"the checkpoint was saved at opt_level={saved_level!r} and this run is at {self.opt_level!r}"
+        # Masters the model's state dict holds (MASTERS_IN_STATE_DICT) are left out: it gives them to the model.
         saved_masters = [dict(masters) for masters in state["master_weights"]]
         kept = state.get("fp32_values") or []
         into_model: dict[str, torch.Tensor] = {}

@@ -52,6 +52,7 @@ from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
 from lightning_mpx.integrations.lightning_averages import average_in_fp32, take_averages  # noqa: E402
 from lightning_mpx.integrations.lightning_clipping import GradientClipping  # noqa: E402
 from lightning_mpx.integrations.lightning_conversion import (  # noqa: E402
+    frozen_masters_from_checkpoint,
     holds_masters,
     masters_into_checkpoint,
     pick_half_dtype,
@@ -443,6 +444,10 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         if self._module is not None:
             own = checkpoint.get(type(self).__qualname__)
             self._frozen_warned |= masters_into_checkpoint(self.amp, self._module, checkpoint, own, self._frozen_warned)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self._module is not None:  # the others come from the model's loads, made before load_state_dict
+            frozen_masters_from_checkpoint(self._module, checkpoint, type(self).__qualname__)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._range_test.leave(self.amp)  # the tuner restores its checkpoint when its range test ends

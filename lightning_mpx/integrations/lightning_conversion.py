@@ -31,10 +31,12 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from lightning_mpx.engine.amp import Amp
+from lightning_mpx.engine.checkpoint import MASTERS_IN_STATE_DICT
 from lightning_mpx.integrations.fp32_export import masters_into, warn_frozen_half
 
 __all__ = [
-    "holds_masters", "masters_into_checkpoint", "pick_half_dtype", "precision_of", "record_half_dtype", "refuse_lazy"
+    "frozen_masters_from_checkpoint", "holds_masters", "masters_from_checkpoint", "masters_into_checkpoint",
+    "pick_half_dtype", "precision_of", "record_half_dtype", "refuse_lazy",
 ]
 
 
@@ -98,10 +100,14 @@ def masters_into_checkpoint(
     ``module.state_dict()``) when ``amp`` trains it at O2 (not sharded: FSDP's state dict is FP32 already), as the
     Accelerate adapter's checkpoints do (:func:`~lightning_mpx.integrations.fp32_export.masters_into`: a
     frozen half parameter or a half buffer stays half). A resume at O2 or O3 loads them into the half model (their
-    rounding, which it holds already); the masters come from the plugin's own entry, ``own`` (its ``state_dict()``),
-    whose copies of the masters are replaced by the same tensors, so that the file holds each master once. Unless
-    ``warned``, warns about the frozen parameters it holds in half that the plugin converted from FP32 (their rounding,
-    see :func:`~lightning_mpx.integrations.fp32_export.warn_frozen_half`); returns whether it warned."""
+    rounding, which it holds already); the masters held there leave the plugin's own entry, ``own`` (its
+    ``state_dict()``), which names them instead (:data:`~lightning_mpx.engine.checkpoint.MASTERS_IN_STATE_DICT`: the
+    engine takes them from the model's state dict loads, which Lightning makes before it loads the entry, the
+    ``current_model_state`` of its ``WeightAveraging`` callbacks included), so that
+    the file holds each master once under any CheckpointIO (Lightning's ``AsyncCheckpointIO`` clones every tensor
+    one by one, which undid a shared storage). Unless ``warned``, warns about the
+    frozen parameters it holds in half that the plugin converted from FP32 (their rounding, see
+    :func:`~lightning_mpx.integrations.fp32_export.warn_frozen_half`); returns whether it warned."""
     state = checkpoint.get("state_dict")
     if not isinstance(state, dict) or not amp.properties.master_weights or amp.sharded:
         return False
@@ -111,9 +117,60 @@ def masters_into_checkpoint(
     frozen = [] if warned else warn_frozen_half(
         amp, module, state, "The checkpoint", keep="MixedPrecisionPlugin", when="before trainer.fit"
     )
-    for masters in own.get("master_weights", ()) if isinstance(own, dict) else ():
-        for name, copy in masters.items():  # torch.save writes a storage once: the master, not also its copy
-            value = state.get(name) if name in replaced else None
-            if value is not None and value.dtype == copy.dtype and value.shape == copy.shape:
-                masters[name] = value
+    saved = own.get("master_weights") if isinstance(own, dict) else None
+    if isinstance(saved, list) and saved:
+        held: list[list[str]] = []
+        for masters in saved:
+            names = [
+                name for name, copy in masters.items()
+                if name in replaced and state[name].dtype == copy.dtype and state[name].shape == copy.shape
+            ]
+            for name in names:
+                del masters[name]
+            held.append(names)
+        own[MASTERS_IN_STATE_DICT] = held
     return bool(frozen)
+
+
+def masters_from_checkpoint(checkpoint: dict[str, Any], key: str) -> None:
+    """Put back into the plugin's entry ``checkpoint[key]`` the masters it names as held in the checkpoint's
+    ``state_dict`` (:data:`~lightning_mpx.engine.checkpoint.MASTERS_IN_STATE_DICT`), in place: an entry that holds
+    them itself, as earlier releases wrote it (to load it without the model's state dict). Not for a checkpoint whose
+    ``state_dict`` a callback replaced (``WeightAveraging`` saves the average there and the trained weights under
+    ``current_model_state``). An entry that holds them already is left as it is. Raises a ``KeyError`` naming the
+    keys the ``state_dict`` lacks."""
+    own = checkpoint.get(key)
+    if not isinstance(own, dict) or MASTERS_IN_STATE_DICT not in own:
+        return
+    state = checkpoint.get("state_dict")
+    state = state if isinstance(state, dict) else {}
+    held = own[MASTERS_IN_STATE_DICT]
+    missing = [name for names in held for name in names if not isinstance(state.get(name), torch.Tensor)]
+    if missing:
+        raise KeyError(
+            f"the checkpoint's {key!r} entry holds the FP32 master weights of {missing[:5]} in the checkpoint's "
+            "'state_dict', which lacks them: the checkpoint's 'state_dict' was changed since it was saved; nothing "
+            "was loaded."
+        )
+    for masters, names in zip(own["master_weights"], held):
+        for name in names:
+            masters[name] = state[name]
+    del own[MASTERS_IN_STATE_DICT]
+
+
+
+def frozen_masters_from_checkpoint(module: nn.Module, checkpoint: dict[str, Any], key: str) -> None:
+    """Put into the plugin's entry ``checkpoint[key]`` the masters it names as held in the model's state dict for the
+    parameters of ``module`` frozen now: the model's load keeps no FP32 value for a frozen parameter (it gets no
+    master), which the saving run trained (a layer frozen since). They come from the trained weights:
+    ``current_model_state`` where a ``WeightAveraging`` callback saved the average as the ``state_dict``."""
+    own = checkpoint.get(key)
+    if not isinstance(own, dict) or not own.get(MASTERS_IN_STATE_DICT):
+        return
+    state = checkpoint.get("current_model_state", checkpoint.get("state_dict"))
+    frozen = {name for name, param in module.named_parameters() if not param.requires_grad}
+    for masters, names in zip(own["master_weights"], own[MASTERS_IN_STATE_DICT]):
+        for name in names:
+            value = state.get(name) if isinstance(state, dict) and name in frozen else None
+            if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+                masters[name] = value

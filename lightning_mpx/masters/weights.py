@@ -233,6 +233,14 @@ class MasterWeights:
         entry = self._entry(param)
         return entry is not None and entry.master is None and entry.initial is not None
 
+    def fp32_by_name(self) -> dict[str, torch.Tensor]:
+        """:meth:`fp32_values` by parameter name; a half parameter without one as its value upcast."""
+        out = {}
+        for entry, param in self._live():
+            value = _fp32_of(entry, param)
+            out[entry.name] = value if value is not None else param.detach().float()
+        return out
+
     def name_of(self, param: torch.Tensor) -> str | None:
         entry = self._entry(param)
         return entry.name if entry is not None else None
