@@ -272,3 +272,55 @@ def test_accelerate_resize_after_prepare_with_a_new_optimizer_then_save_and_load
         runs[precision], resized = _accelerate_run(precision, os.path.join(tmp_path, precision))
     for level in ("O1", "O2"):
         _check(runs, "no", "bf16", level, resized)
+
+
+# --- an untie after set-up: refused, naming the parameter and the fix ------------------------------------------------
+
+
+class _Tied(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(20, 8)
+        self.lm_head = nn.Linear(8, 20, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def training_step(self, batch: Any, index: int) -> torch.Tensor:
+        (ids,) = batch
+        return F.cross_entropy(self.lm_head(self.embed(ids)).float().flatten(0, 1), ids.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return _sgd(self.parameters())
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        ids = torch.randint(0, 20, (4, 6), generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=2)
+
+
+def _untie(model: nn.Module) -> None:
+    model.lm_head.weight = nn.Parameter(model.embed.weight.detach().clone())  # half at O2: no master
+
+
+_NAMED = r"'lm_head\.weight'.*Linear 'lm_head' after prepare_model\(\).*before prepare_model\(\)"
+
+
+def test_untie_after_prepare_model_at_o2_is_refused_naming_the_parameter_and_the_fix() -> None:
+    amp = Amp("O2", half_dtype=HALF)
+    model = amp.prepare_model(_Tied())
+    amp.prepare_optimizer(_sgd(model.parameters()))
+    _untie(model)
+    with pytest.raises(ValueError, match=_NAMED):
+        amp.prepare_optimizer(_sgd(model.parameters()))
+
+
+class _UntieAtEpochOne(pl.Callback):
+    def on_train_epoch_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if trainer.current_epoch == 1:
+            _untie(module)
+            trainer.strategy.setup_optimizers(trainer)
+
+
+def test_untie_mid_fit_at_o2_is_refused_by_the_trainer_naming_the_parameter() -> None:
+    trainer = _trainer("O2", max_epochs=2, callbacks=[_UntieAtEpochOne()])
+    with pytest.raises(ValueError, match=_NAMED):
+        trainer.fit(_Tied())
