@@ -213,8 +213,8 @@ _UNTIE = pytest.mark.xfail(
     strict=True,
     raises=ValueError,
     reason="lightning_mpx/masters/pairs.py: a half nn.Parameter made after prepare_model (an untie's "
-    "nn.Parameter(embed.weight.detach().clone())) is refused by prepare_optimizer as belonging to 'no model "
-    "prepared for training', naming neither the parameter nor the module it was set on; FP32 trains it",
+    "nn.Parameter(embed.weight.detach().clone())) has no FP32 master: prepare_optimizer refuses it, naming the "
+    "parameter, its module and the fix (tests/test_surgery_doors54.py); FP32 trains it",
 )
 _WEIGHT_NORM = pytest.mark.xfail(
     strict=True,

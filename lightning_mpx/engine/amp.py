@@ -36,6 +36,7 @@ from lightning_mpx.engine.overflow import DEFAULT_READER, check_readers_state
 
 # _EngineHook's old import path here keeps working (lightning_mpx.apex's hooks).
 from lightning_mpx.engine.preparation import PreparedModels, _EngineHook  # noqa: F401
+from lightning_mpx.masters.pairs import StrayParameterError
 
 # MODEL_WRITES is defined with the other settings; its old import path here keeps working.
 from lightning_mpx.settings import (  # noqa: F401
@@ -134,7 +135,10 @@ class Amp(AmpParts):
         if self.settings.skip_on_device:
             self._stepper.refuse_device_skip(optimizer)
         self.promotion.check_patterns_matched()
-        self._machine.register(optimizer, with_masters=self._with_masters)
+        try:
+            self._machine.register(optimizer, with_masters=self._with_masters)
+        except StrayParameterError as error:  # named where a prepared model holds it (on this error's path only)
+            raise self._models.name_stray(error) from None
         return optimizer
 
     def release_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

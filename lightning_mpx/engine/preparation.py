@@ -26,6 +26,7 @@ from lightning_mpx.engine.sharding import Sharding, is_sharded, parameter_names
 from lightning_mpx.health.forensics import OverflowForensics
 from lightning_mpx.health.promotion import Promotion, _Fp32Boundary, _module_to_fp32, matches
 from lightning_mpx.masters.handover import HookRelease, let_go_of, masters_of
+from lightning_mpx.masters.pairs import StrayParameterError
 from lightning_mpx.masters.rank_zero import agree_on_rank_zero, several_ranks
 from lightning_mpx.masters.store import Masters
 from lightning_mpx.masters.watch import WatchedParameter, release_masters
@@ -229,6 +230,24 @@ class PreparedModels:
         half (a model prepared again keeps those of its first preparation)."""
         made = {id(p) for p in params if p.dtype == self.properties.half_dtype and not p.is_complex()}
         self._made_half.setdefault(module, set()).update(made)
+
+    def name_stray(self, error: StrayParameterError) -> ValueError:
+        """``error``, naming its first parameter and the module it was set on when a model prepared for training
+        holds it (set on it after preparing: an untie's ``nn.Parameter(w.detach().clone())``); asked on that error's
+        path only."""
+        param = error.params[0]
+        for module in list(self._releases.keys()):
+            for name, candidate in module.named_parameters(remove_duplicate=False):
+                if candidate is param:
+                    path = name.rpartition(".")[0]
+                    owner = f"{type(module.get_submodule(path)).__name__} {path!r}" if path else "the model"
+                    return ValueError(
+                        f"optimizer holds the half parameter {name!r} (shape {tuple(param.shape)}, {param.dtype}), "
+                        f"set on {owner} after prepare_model() (e.g. an untie by nn.Parameter(w.detach().clone())): "
+                        "it has no FP32 master, so it cannot train at O2. Make that change before prepare_model() "
+                        "(Trainer: before fit; Fabric: before fabric.setup; Accelerate: before prepare)."
+                    )
+        return error
 
     def forget(self, module: nn.Module) -> None:
         """After another engine took ``module`` over: this engine no longer hooks its FP32 modules (its hooks are off

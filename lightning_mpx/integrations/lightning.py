@@ -67,6 +67,7 @@ from lightning_mpx.integrations.lightning_model_hooks import ModelHooks, note_un
 from lightning_mpx.integrations.lightning_range_test import RangeTest  # noqa: E402
 from lightning_mpx.integrations.lightning_schedulers import HeldSchedulers, step_configs  # noqa: E402
 from lightning_mpx.integrations.lightning_strategies import (  # noqa: E402
+    adopt_optimizer,
     fsdp1_config,
     shards_model,
     trainer_of,
@@ -404,7 +405,10 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
     ) -> Any:
         """The closure ran: unscale if the module or one of the Trainer's ``callbacks`` reads the gradients, the hooks
         and the clip, then the step (``None`` without one: the training step returned ``None``)."""
-        unscaled = skip_backward or self.amp.is_unscaled(optimizer)  # (nothing to unscale, or done already)
+        try:
+            unscaled = skip_backward or self.amp.is_unscaled(optimizer)  # (nothing to unscale, or done already)
+        except RuntimeError:  # not registered: an optimizer made since fit started (strategy.setup_optimizers)
+            unscaled = adopt_optimizer(self.amp, model.trainer, optimizer)
         readers = self._gradient_readers
         if not unscaled and readers.read_gradients(model, callbacks, plugin_clips=self._clip_overridden):
             # Hooks must see true gradients (Lightning's MixedPrecision unscales here too). Without such hooks the

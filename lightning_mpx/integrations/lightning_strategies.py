@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import (  # noqa: E402
     SingleDeviceStrategy,
 )
 
-__all__ = ["fsdp1_config", "shards_model", "trainer_of", "unwrap_optimizer"]
+__all__ = ["adopt_optimizer", "fsdp1_config", "shards_model", "trainer_of", "unwrap_optimizer"]
 
 #: Strategies whose model is one ordinary module per process: the plugin converts it and makes FP32 masters.
 _REPLICATED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy)
@@ -73,6 +73,16 @@ def unwrap_optimizer(optimizer: Any) -> Optimizer:
     """The torch optimizer inside a ``LightningOptimizer`` (which Lightning builds as a subclass of the optimizer's
     own class, so an ``isinstance(..., Optimizer)`` test cannot tell them apart)."""
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def adopt_optimizer(amp: Any, trainer: Any, optimizer: Optimizer) -> bool:
+    """Register ``optimizer``, which the engine did not know at its step, if it is one of the Trainer's: made since
+    ``fit`` started (``trainer.strategy.setup_optimizers(trainer)`` after a resize or an added head), which Lightning
+    hands to no precision plugin. Returns whether it is unscaled (no: just registered); any other optimizer gets the
+    engine's own error."""
+    if any(unwrap_optimizer(held) is optimizer for held in trainer.strategy.optimizers):
+        amp.prepare_optimizer(optimizer)
+    return amp.is_unscaled(optimizer)  # raises for an optimizer the Trainer does not hold
 
 
 def trainer_of(model: nn.Module) -> Any:

@@ -31,6 +31,15 @@ _PARAMS = operator.itemgetter("params")
 _ALIGN = 64  # elements of 4 bytes: 256 bytes
 
 
+class StrayParameterError(ValueError):
+    """An optimizer holds trainable half parameters no prepared model covers (``params``), so none has a master;
+    the engine names them where its prepared models hold them (a parameter set on one after preparing)."""
+
+    def __init__(self, message: str, params: list[torch.Tensor]) -> None:
+        super().__init__(message)
+        self.params = params
+
+
 def _any_needs_master(params: list[torch.Tensor]) -> bool:
     """Whether a parameter paired with itself now requires a gradient or has one. C-level maps: it runs once per
     step, over what is most of a LoRA model's parameters (its frozen base)."""
@@ -94,10 +103,11 @@ def param_pairs(
                 masters.append(master)
             group_masters.append(masters)
         if stray:
-            raise ValueError(
+            raise StrayParameterError(
                 f"optimizer holds {len(stray)} half parameter(s) that belong to no model prepared for training "
                 f"(first: shape {tuple(stray[0].shape)}, {stray[0].dtype}); call prepare_model() (with "
-                "train=True) on every model whose parameters it trains."
+                "train=True) on every model whose parameters it trains.",
+                stray,
             )
         # Optimizer state kept by a parameter that has a master now (made before the optimizer was prepared, or
         # loaded before its master was made) is the master's: FP32, as the master steps.
