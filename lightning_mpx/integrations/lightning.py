@@ -73,7 +73,7 @@ from lightning_mpx.integrations.lightning_strategies import (  # noqa: E402
     trainer_of,
     unwrap_optimizer,
 )
-from lightning_mpx.integrations.metric_counts import LOG_READER, upgrade_unlogged  # noqa: E402
+from lightning_mpx.integrations.metric_counts import LOG_READER, log_metrics, upgrade_unlogged  # noqa: E402
 
 __all__ = ["MixedPrecisionPlugin"]
 
@@ -485,10 +485,7 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         step, self._log_step = self._log_step, None
         trainer = self._module.trainer if isinstance(self._module, _pl.LightningModule) else None
         if trainer is not None:
-            self.amp.read_step_outcomes()  # a logging step: syncing is fine
-            values = read_floats(self.amp.metrics(LOG_READER))  # one host read, not one per metric
-            for logger in trainer.loggers:
-                logger.log_metrics(values, step=step)
+            log_metrics(self.amp, trainer.loggers, step)
 
 
 def _scaled_backward(

@@ -12,16 +12,26 @@ still reports exactly those counts and its own.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
+from lightning_mpx.common.containers import read_floats
 from lightning_mpx.engine.overflow import overflows_name
 
-__all__ = ["LOG_READER", "upgrade_unlogged"]
+__all__ = ["LOG_READER", "log_metrics", "upgrade_unlogged"]
 
 #: The reader a front door logs the metrics as (``Amp.metrics(LOG_READER)``).
 LOG_READER = "log"
 #: The key of the counts not logged yet in a door's checkpoint of the release before (written no more).
 UNLOGGED_KEY = "unlogged_counts"
+
+
+def log_metrics(amp: Any, loggers: Iterable[Any], step: int) -> None:
+    """Log ``amp``'s ``mpx/*`` metrics as :data:`LOG_READER` (counts since the previous log) to ``loggers`` at
+    ``step``: a logging step, where syncing is fine; one host read, not one per metric."""
+    amp.read_step_outcomes()
+    values = read_floats(amp.metrics(LOG_READER))
+    for logger in loggers:
+        logger.log_metrics(values, step=step)
 
 
 def upgrade_unlogged(state: dict[str, Any], reader: str) -> dict[str, Any]:
