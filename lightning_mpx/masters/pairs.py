@@ -194,13 +194,15 @@ def grad_pairs(
             gaining = map(masters.__getitem__, mastered)
             collections.deque(map(setattr, gaining, itertools.repeat("grad"), new), maxlen=0)
             collections.deque(map(targets.__setitem__, mastered, new), maxlen=0)
-        else:
+        else:  # gradients of their own (a per-parameter loop already): a resize taken here too, as above
+            _take_reshaped(state, master_weights)
             for index in mastered:
                 master = masters[index]
                 targets[index] = master.grad = _master_grad(master, grads[index], copy)
         return present, targets if present is grads else [target for target in targets if target is not None]
     sources = []
     targets: list[torch.Tensor] = []
+    _take_reshaped(state, master_weights)  # a resize, as on the usual path
     for param, master in pairs:
         grad = param.grad
         if grad is None:
