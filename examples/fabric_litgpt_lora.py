@@ -11,9 +11,9 @@ What differs from litgpt's script:
 * ``Fabric(plugins=[mpx])`` instead of ``Fabric(precision=...)``;
 * the schedule follows the optimizer steps taken (``mpx.step_was_skipped(optimizer)``), so it holds on a skipped step;
 * the LoRA weights are saved from ``mpx.fp32_state_dict(model)`` (in ``save_lora_checkpoint``'s layout, which
-  ``litgpt merge_lora`` reads): at O2 the model holds half weights (what ``fabric.save(path, {"model": model},
-  filter={"model": lora_filter})`` or litgpt's ``save_lora_checkpoint`` would write, each rounded to bfloat16) and the
-  optimizer trains their FP32 masters, which this saves exactly.
+  ``litgpt merge_lora`` reads): at O2 the model holds half weights and the optimizer trains their FP32 masters, which
+  this saves exactly (as ``fabric.save(path, {"model": model}, filter={"model": lora_filter})`` and litgpt's
+  ``save_lora_checkpoint`` now do: a set-up model's ``state_dict()`` gives the masters at O2).
 
 At O2 the frozen base is stored in half with no FP32 copy (no master: the optimizer does not train it); only the LoRA
 matrices get FP32 masters. The model is a small ``litgpt.lora.GPT`` (nothing is downloaded); the "pretrained" base is

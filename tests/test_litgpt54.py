@@ -91,15 +91,8 @@ def test_o1_lora_is_bf16_mixed(base, tmp_path):
         torch.testing.assert_close(ours["lora"][name], value, rtol=0.02, atol=1e-4)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Fabric's save writes module.state_dict() (lightning/fabric/strategies/strategy.py, "
-    "_convert_stateful_objects_in_state) without asking the precision plugin, and at O2 the model holds half "
-    "weights: fabric.save(path, {'model': model}, filter={'model': lora_filter}) and litgpt's save_lora_checkpoint "
-    "write the LoRA masters' bfloat16 rounding; save mpx.fp32_state_dict(model) filtered (the example does)",
-)
 def test_fabric_save_with_litgpts_lora_filter_writes_the_masters(base, tmp_path):
-    """litgpt's way to save the LoRA weights, at O2: the FP32 masters would be what a litgpt user wants written."""
+    """litgpt's way to save the LoRA weights, at O2: the FP32 masters, what a litgpt user wants written."""
     run = _run("O2", base, tmp_path)
     model, mpx = run["model"], run["mpx"]
     path = tmp_path / "lora.pth"

@@ -52,7 +52,8 @@ What it does, in Fabric's terms:
   wrapper is, and ``fabric.clip_gradients`` by norm is FSDP1's own clip of the whole model (O2 refused at
   ``fabric.setup``).
 * ``mpx/*`` metrics (the Trainer plugin's names) come from :meth:`metrics`, read from the device only when called;
-  the plugin's state (loss scalers, FP32 masters, counters) goes into ``fabric.save`` as one more entry of the state.
+  the plugin's state (loss scalers, FP32 masters, counters) goes into ``fabric.save`` as one more entry of the state;
+  at O2 a set-up model's ``state_dict()`` (``fabric.save``'s ``{"model": model}``) gives its FP32 masters.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ from lightning_mpx.integrations.fabric_sharding import (  # noqa: E402
     is_fsdp1,
     refuse_o2_sharding,
 )
+from lightning_mpx.integrations.fp32_export import MastersInStateDict  # noqa: E402
 from lightning_mpx.integrations.lightning_conversion import (  # noqa: E402
     holds_masters,
     pick_half_dtype,
@@ -253,6 +255,8 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
                 self.amp.sharded = True
         else:
             self.amp.prepare_model(module, rank_zero_fp32=agree)
+        if props.master_weights:  # module.state_dict() (fabric.save) gives the FP32 masters, as the Trainer's model
+            MastersInStateDict.install(module, self.amp)
         if props.casts_model:  # sharded too (a model set up after the engine took a sharded one): the weights' dtype
             record_half_dtype(module, props.half_dtype)  # LightningModule.dtype: the weights', as Fabric's "bf16-true"
         # The model is moved to its device (and, under DDP, given rank zero's weights) after this: its masters are

@@ -1,12 +1,14 @@
 """The FP32 masters in a framework's copy of a model's state dict, at O2: what every front door exports or checkpoints
 as the model's weights (Accelerate's ``get_state_dict``/``save_model``/``save_state``, the ``transformers.Trainer``
-mixin's ``save_model``, the Lightning plugin's checkpoints), so that what reads them without lightning_mpx gets the
-weights training produced, not their half rounding; and the warning about frozen parameters the conversion rounded,
-which no master keeps."""
+mixin's ``save_model``, the Lightning plugin's checkpoints) and, through :class:`MastersInStateDict`, what the model's
+own ``state_dict()`` gives under the Trainer and Fabric plugins (``fabric.save``), so that what reads them without
+lightning_mpx gets the weights training produced, not their half rounding; and the warning about frozen parameters
+the conversion rounded, which no master keeps."""
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -14,7 +16,53 @@ from torch import nn
 
 from lightning_mpx.engine.amp import Amp
 
-__all__ = ["masters_into", "warn_frozen_half"]
+__all__ = ["MastersInStateDict", "masters_into", "warn_frozen_half"]
+
+
+class MastersInStateDict:
+    """A state-dict post-hook on a model trained at O2 (the Trainer plugin's LightningModule, each model the Fabric
+    plugin sets up): ``state_dict()`` gives each half parameter's FP32 master
+    (not copied, as the half value is not) in place of the half value, as ``"bf16-mixed"``'s FP32 model gives its
+    weights: a weights-only checkpoint (``ModelCheckpoint(save_weights_only=True)``, ``trainer.save_checkpoint(path,
+    weights_only=True)``, which Lightning writes without the precision plugin's hooks), ``self.state_dict()`` in a
+    callback or an EMA habit get the weights training produced, and ``load_state_dict`` of them into the half model
+    rounds them as before. ``state_dict(keep_vars=True)`` (the parameters themselves), a frozen half parameter or a
+    half buffer (no master), a model whose masters another engine took over since, a sharded model and a copy or an
+    unpickled model (the hook is inert there: it holds the engine weakly and pickles as inert) keep the model's values.
+    """
+
+    def __init__(self, amp: Amp | None) -> None:
+        self._amp = weakref.ref(amp) if amp is not None else None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (MastersInStateDict, (None,))
+
+    @classmethod
+    def install(cls, module: nn.Module, amp: Amp) -> Any:
+        """Put the hook of ``amp`` on ``module`` in place of any earlier one (a model set up again, by another
+        engine too); returns its handle."""
+        for key, hook in list(module._state_dict_hooks.items()):
+            if isinstance(hook, cls):
+                del module._state_dict_hooks[key]
+        return module.register_state_dict_post_hook(cls(amp))
+
+    def __call__(self, module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        amp = self._amp() if self._amp is not None else None
+        if amp is None or amp.sharded or not amp.properties.master_weights:
+            return
+        halves = (torch.float16, torch.bfloat16)
+        params = [(prefix + name, p) for name, p in module.named_parameters(remove_duplicate=False)]
+        params = [(key, p) for key, p in params if p.dtype in halves and state.get(key) is not p and key in state]
+        if not params:
+            return
+        amp.refresh_masters()  # writes made to the model since the last step, as the step will take them
+        fp32: dict[int, torch.Tensor] = {}
+        for weights in amp._masters.prune():
+            fp32.update(weights.fp32_values())
+        for key, param in params:
+            master = fp32.get(id(param))
+            if master is not None:
+                state[key] = master.detach()
 
 
 def masters_into(amp: Amp, module: nn.Module, state: dict[str, Any]) -> list[str]:

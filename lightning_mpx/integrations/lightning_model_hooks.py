@@ -1,11 +1,11 @@
 """The hooks the Trainer plugin puts on the LightningModule: the casts at the model's boundary (O2/O3) and the
 cast policy's hand-off to compiled regions (O1, and O2's loss functions), removable as a whole; and, at O2, the
-state-dict hook that gives the FP32 masters as the model's weights (:class:`MastersInStateDict`), which stays after
-the fit (a weights-only checkpoint saved then) until the plugin installs its hooks again."""
+state-dict hook that gives the FP32 masters as the model's weights
+(:class:`~lightning_mpx.integrations.fp32_export.MastersInStateDict`, which the Fabric plugin installs too), which
+stays after the fit (a weights-only checkpoint saved then) until the plugin installs its hooks again."""
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -14,6 +14,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_mpx.casting.boundary import BoundaryCast
 from lightning_mpx.engine.amp import Amp
+from lightning_mpx.integrations.fp32_export import MastersInStateDict
 
 __all__ = ["MastersInStateDict", "ModelHooks", "note_uncast_input"]
 
@@ -85,42 +86,6 @@ class ModelHooks:
                     methods[name] = ctx[f"original_{name}"]
         compile_fn = ctx["dynamo_ctx"] if methods else None
         self._handles.extend(policy.hand_off_compiled(module, methods=methods, compile_fn=compile_fn))
-
-
-class MastersInStateDict:
-    """A state-dict post-hook on the LightningModule at O2: ``state_dict()`` gives each half parameter's FP32 master
-    (not copied, as the half value is not) in place of the half value, as ``"bf16-mixed"``'s FP32 model gives its
-    weights: a weights-only checkpoint (``ModelCheckpoint(save_weights_only=True)``, ``trainer.save_checkpoint(path,
-    weights_only=True)``, which Lightning writes without the precision plugin's hooks), ``self.state_dict()`` in a
-    callback or an EMA habit get the weights training produced, and ``load_state_dict`` of them into the half model
-    rounds them as before. ``state_dict(keep_vars=True)`` (the parameters themselves), a frozen half parameter or a
-    half buffer (no master), a model whose masters another engine took over since, a sharded model and a copy or an
-    unpickled model (the hook is inert there: it holds the engine weakly and pickles as inert) keep the model's values.
-    """
-
-    def __init__(self, amp: Amp | None) -> None:
-        self._amp = weakref.ref(amp) if amp is not None else None
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (MastersInStateDict, (None,))
-
-    def __call__(self, module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        amp = self._amp() if self._amp is not None else None
-        if amp is None or amp.sharded or not amp.properties.master_weights:
-            return
-        halves = (torch.float16, torch.bfloat16)
-        params = [(prefix + name, p) for name, p in module.named_parameters(remove_duplicate=False)]
-        params = [(key, p) for key, p in params if p.dtype in halves and state.get(key) is not p and key in state]
-        if not params:
-            return
-        amp.refresh_masters()  # writes made to the model since the last step, as the step will take them
-        fp32: dict[int, torch.Tensor] = {}
-        for weights in amp._masters.prune():
-            fp32.update(weights.fp32_values())
-        for key, param in params:
-            master = fp32.get(id(param))
-            if master is not None:
-                state[key] = master.detach()
 
 
 class _PastRedirection:
