@@ -36,7 +36,7 @@ class ModelHooks:
             self._state_hook.remove()
             self._state_hook = None
         if amp.properties.master_weights:
-            self._state_hook = module.register_state_dict_post_hook(MastersInStateDict(amp))
+            self._state_hook = MastersInStateDict.install(module, amp)  # in place of another engine's
         if amp.properties.casts_model:
             # Under FSDP too: at O2/O3 FSDP1 does not cast the root's inputs for the Trainer (fsdp1_config: they are the
             # whole batch there, targets too) nor any output, and at O3 FSDP has no policy.
