@@ -35,6 +35,7 @@ from typing_extensions import Unpack
 from lightning_mpx.casting.checkpointing import builds_graph
 from lightning_mpx.common.containers import read_floats
 from lightning_mpx.common.imports import require
+from lightning_mpx.common.weak import WeakAttribute
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.optimizer_step import AUTOCAST_DEVICES, without_casts
 from lightning_mpx.engine.outcome import StepOutcome
@@ -123,6 +124,7 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         Trainer(strategy="fsdp", plugins=[MixedPrecisionPlugin("O2")])  # FSDP1: Lightning wraps the model
     """
 
+    _module = WeakAttribute()  # the model prepared last, not kept alive: a plugin kept after its fit holds no run
     @keyword_signature()
     def __init__(self, opt_level: str = "O1", **settings: Unpack[SettingsKeywords]) -> None:
         inherited = set(vars(self))  # a subclass's attributes set before this __init__ (kept by pickling)
@@ -204,7 +206,7 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
         if not sharded and fitting and self.amp.properties.master_weights:
             refuse_lazy(module, "trainer.fit")  # a clear error, not the engine's on a parameter without a shape
         if module is not self._module:
-            if self._module is not None:  # a different model: a fresh engine with the same settings
+            if MixedPrecisionPlugin._module.held(self):  # a different model (or one collected): a fresh engine
                 self.amp.diagnose_overflows = False  # its forward hooks leave the old model
                 self.amp = Amp.from_settings(self.settings)
                 self._masters_synced = False

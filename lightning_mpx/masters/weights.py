@@ -8,6 +8,7 @@ are FP32), and :meth:`MasterWeights.copy_to_model` writes the result back to the
 
 from __future__ import annotations
 
+import functools
 import operator
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping
@@ -155,7 +156,7 @@ class MasterWeights:
         for name, param in _named_pairs(named_parameters):
             if id(param) in self._entries or (exclude is not None and exclude(param)):
                 continue
-            entry = _Entry(name, weakref.ref(param))
+            entry = _Entry(name, param)
             self._entries[id(param)] = entry
             # A model trained at O2 by another engine (a second stage's new plugin) or a deep copy of one: the masters
             # start from its FP32 value, handed over by that engine (no copy) or carried by the copy. Not under a
@@ -662,13 +663,16 @@ def _take_writes(pairs: list[tuple[_Entry, torch.Tensor]]) -> list[str]:
 
 class _Entry:
     """One model parameter: its name, a weak reference, its master (``None`` until made; FP32 parameters have
-    none) and the version and address it had when the master last matched it."""
+    none) and the version and address it had when the master last matched it. When the parameter is collected (the
+    user let its model go) the master and the kept FP32 value go with it at once, not at the engine's next walk of its
+    entries: an engine that lives on (a notebook's, a second stage's) holds no FP32 copy of a model nobody holds."""
 
-    __slots__ = ("name", "param", "master", "initial", "version", "address")
+    __slots__ = ("name", "param", "master", "initial", "version", "address", "__weakref__")
 
-    def __init__(self, name: str, param: weakref.ref[torch.Tensor]) -> None:
+    def __init__(self, name: str, param: torch.Tensor) -> None:
         self.name = name
-        self.param = param
+        # The callback holds the entry weakly (no cycle): a dropped MasterWeights is freed by reference counting.
+        self.param = weakref.ref(param, functools.partial(_let_values_go, weakref.ref(self)))
         self.master: torch.Tensor | None = None
         self.initial: torch.Tensor | None = None  # the FP32 value before the cast to half, until the master is made
         self.version = -1
@@ -679,3 +683,10 @@ class _Entry:
 
     def unchanged(self, param: torch.Tensor) -> bool:
         return param._version == self.version and param.data_ptr() == self.address
+
+
+def _let_values_go(entry: weakref.ref[_Entry], _: object) -> None:
+    """A parameter's weak-reference callback: its entry lets go of its FP32 master and kept value."""
+    held = entry()
+    if held is not None:
+        held.master = held.initial = None
