@@ -51,11 +51,10 @@ from lightning.pytorch.strategies import FSDPStrategy  # noqa: E402
 
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
 from lightning_mpx.integrations.lightning_averages import average_in_fp32, take_averages  # noqa: E402
+from lightning_mpx.integrations.lightning_checkpoints import CheckpointHooks  # noqa: E402
 from lightning_mpx.integrations.lightning_clipping import GradientClipping  # noqa: E402
 from lightning_mpx.integrations.lightning_conversion import (  # noqa: E402
-    frozen_masters_from_checkpoint,
     holds_masters,
-    masters_into_checkpoint,
     pick_half_dtype,
     precision_of,
     record_half_dtype,
@@ -74,7 +73,7 @@ from lightning_mpx.integrations.lightning_strategies import (  # noqa: E402
     trainer_of,
     unwrap_optimizer,
 )
-from lightning_mpx.integrations.metric_counts import LOG_READER, log_metrics, upgrade_unlogged  # noqa: E402
+from lightning_mpx.integrations.metric_counts import log_metrics  # noqa: E402
 
 __all__ = ["MixedPrecisionPlugin"]
 
@@ -88,7 +87,7 @@ _NOT_FOR_FABRIC = (
 )
 
 
-class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
+class MixedPrecisionPlugin(GradientClipping, CheckpointHooks, FSDPPrecision):
     """Apex-style mixed precision for the Lightning Trainer.
 
     It works with single-device, DDP and FSDP strategies. It is an ``FSDPPrecision`` only because Lightning's
@@ -125,6 +124,7 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
     """
 
     _module = WeakAttribute()  # the model prepared last, not kept alive: a plugin kept after its fit holds no run
+
     @keyword_signature()
     def __init__(self, opt_level: str = "O1", **settings: Unpack[SettingsKeywords]) -> None:
         inherited = set(vars(self))  # a subclass's attributes set before this __init__ (kept by pickling)
@@ -436,28 +436,6 @@ class MixedPrecisionPlugin(GradientClipping, FSDPPrecision):
             self._end_iteration(log=False)
         self.amp.read_step_outcomes()
         return read_floats(self.amp.metrics())  # one host read, not one per metric
-
-    def state_dict(self) -> dict[str, Any]:
-        """Loss scalers, FP32 master weights and counters, saved in Lightning checkpoints (inside a manual training
-        step, ``trainer.save_checkpoint``: the scale before that iteration's update, which the step's end makes)."""
-        if not self._manual_step.running:
-            self._end_iteration()  # a pending scale update belongs to the iteration that was just checkpointed
-        return self.amp.state_dict()  # with the log's position: a resumed run's first log counts from there
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """At O2 the checkpoint's ``state_dict`` holds the FP32 masters (``load_from_checkpoint`` and a resume under
-        another precision get the trained weights, not their half rounding)."""
-        if self._module is not None:
-            own = checkpoint.get(type(self).__qualname__)
-            self._frozen_warned |= masters_into_checkpoint(self.amp, self._module, checkpoint, own, self._frozen_warned)
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self._module is not None:  # the others come from the model's loads, made before load_state_dict
-            frozen_masters_from_checkpoint(self._module, checkpoint, type(self).__qualname__)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._range_test.leave(self.amp)  # the tuner restores its checkpoint when its range test ends
-        self.amp.load_state_dict(upgrade_unlogged(state_dict, LOG_READER))  # (a checkpoint of the release before)
 
     def teardown(self) -> None:
         self._end_iteration()

@@ -1,0 +1,51 @@
+"""The Trainer plugin's checkpoint hooks (:class:`CheckpointHooks`, a base of
+:class:`~lightning_mpx.integrations.lightning.MixedPrecisionPlugin`): the engine's state in Lightning's checkpoints,
+and at O2 the FP32 masters as the checkpoint's model weights, each written once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from lightning_mpx.integrations.lightning_conversion import frozen_masters_from_checkpoint, masters_into_checkpoint
+from lightning_mpx.integrations.metric_counts import LOG_READER, upgrade_unlogged
+
+__all__ = ["CheckpointHooks"]
+
+
+class CheckpointHooks:
+    """Lightning's ``Precision`` checkpoint hooks of a plugin whose ``amp`` is a :class:`~lightning_mpx.Amp`, whose
+    ``_module`` is the model it prepared last and whose ``_end_iteration`` settles a pending scale update."""
+
+    amp: Any
+    _module: nn.Module | None
+    _frozen_warned: bool
+    _manual_step: Any
+    _range_test: Any
+    _end_iteration: Any  # the plugin's: update the scales of the iteration that ended, log it
+
+    def state_dict(self) -> dict[str, Any]:
+        """Loss scalers, FP32 master weights and counters, saved in Lightning checkpoints (inside a manual training
+        step, ``trainer.save_checkpoint``: the scale before that iteration's update, which the step's end makes)."""
+        if not self._manual_step.running:
+            self._end_iteration()  # a pending scale update belongs to the iteration that was just checkpointed
+        return self.amp.state_dict()  # with the log's position: a resumed run's first log counts from there
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """At O2 the checkpoint's ``state_dict`` holds the FP32 masters (``load_from_checkpoint`` and a resume under
+        another precision get the trained weights, not their half rounding)."""
+        if self._module is not None:
+            own = checkpoint.get(type(self).__qualname__)
+            self._frozen_warned |= masters_into_checkpoint(self.amp, self._module, checkpoint, own, self._frozen_warned)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The masters of parameters frozen in the resumed model come from the checkpoint (the others from the
+        model's state-dict loads, which Lightning makes before :meth:`load_state_dict`)."""
+        if self._module is not None:
+            frozen_masters_from_checkpoint(self._module, checkpoint, type(self).__qualname__)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the engine from the plugin's entry of a checkpoint (a checkpoint of the release before too)."""
+        self._range_test.leave(self.amp)  # the tuner restores its checkpoint when its range test ends
+        self.amp.load_state_dict(upgrade_unlogged(state_dict, LOG_READER))
