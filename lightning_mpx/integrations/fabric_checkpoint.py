@@ -88,6 +88,8 @@ class HeldMasters:
         entry loads after the plugin's, or never)."""
         self.pending = []
         saved_sums = state.get(MASTER_SUMS) if isinstance(state, dict) else None
+        if not amp.properties.master_weights and amp.properties.casts_model:
+            return  # resumed at O3: the half model holds the masters' rounding, which the model's entry gives
         for index, saved in enumerate(saved_sums or ()):
             now = _live_sums(amp, index, saved)
             if any(now.get(name) != value for name, value in saved.items()):
@@ -116,11 +118,13 @@ class HeldMasters:
 
 
 def _live_sums(amp: Amp, index: int, names: Iterable[str]) -> dict[str, int]:
-    """The checksums of the live masters of model ``index`` named in ``names`` (writes made to the model since the
-    last step taken first, as the step will take them)."""
-    amp.refresh_masters()
-    weights = amp._masters.prune()
-    if index >= len(weights):
-        return {}
-    live = weights[index].fp32_by_name()
+    """The checksums of the FP32 values named in ``names`` of model ``index``: at O2 its live masters (writes made
+    to the model since the last step taken first, as the step will take them); resumed at O0/O1 (no masters) the FP32
+    parameters of the prepared models, which the model's entry gives exactly."""
+    if amp.properties.master_weights:
+        amp.refresh_masters()
+        weights = amp._masters.prune()
+        live = weights[index].fp32_by_name() if index < len(weights) else {}
+    else:
+        live = {k: p for k, p in amp._checkpoint._prepared_parameters().items() if p.dtype == torch.float32}
     return _checksums({name: live[name] for name in names if name in live})
