@@ -24,6 +24,7 @@ from torch import nn
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.checkpoint import MASTERS_IN_STATE_DICT
 from lightning_mpx.integrations.fp32_export import MastersInStateDict
+from lightning_mpx.masters.renames import prefix_change, renamed
 
 __all__ = ["MASTER_SUMS", "HeldMasters", "masters_left_to_models"]
 
@@ -91,6 +92,7 @@ class HeldMasters:
         if not amp.properties.master_weights and amp.properties.casts_model:
             return  # resumed at O3: the half model holds the masters' rounding, which the model's entry gives
         for index, saved in enumerate(saved_sums or ()):
+            saved = _by_live_names(saved, _live_values(amp, index))
             now = _live_sums(amp, index, saved)
             if any(now.get(name) != value for name, value in saved.items()):
                 self.pending.append((index, dict(saved), now))
@@ -117,14 +119,28 @@ class HeldMasters:
         )
 
 
-def _live_sums(amp: Amp, index: int, names: Iterable[str]) -> dict[str, int]:
-    """The checksums of the FP32 values named in ``names`` of model ``index``: at O2 its live masters (writes made
-    to the model since the last step taken first, as the step will take them); resumed at O0/O1 (no masters) the FP32
-    parameters of the prepared models, which the model's entry gives exactly."""
+def _live_values(amp: Amp, index: int) -> dict[str, torch.Tensor]:
+    """By this run's names, the FP32 values of model ``index`` that the named masters load into: at O2 its live
+    masters (writes made to the model since the last step taken first, as the step will take them); resumed at
+    O0/O1 (no masters) the FP32 parameters of the prepared models, which the model's entry gives exactly."""
     if amp.properties.master_weights:
         amp.refresh_masters()
         weights = amp._masters.prune()
-        live = weights[index].fp32_by_name() if index < len(weights) else {}
-    else:
-        live = {k: p for k, p in amp._checkpoint._prepared_parameters().items() if p.dtype == torch.float32}
+        return weights[index].fp32_by_name() if index < len(weights) else {}
+    return {k: p for k, p in amp._checkpoint._prepared_parameters().items() if p.dtype == torch.float32}
+
+
+def _by_live_names(saved: dict[str, int], live: dict[str, torch.Tensor]) -> dict[str, int]:
+    """``saved`` by this run's names, where they are the saving run's with one prefix added or removed (a model set
+    up second by one plugin is named ``model1.``...), as the engine's load renames its masters."""
+    try:
+        change = prefix_change(saved, live)
+    except KeyError:  # several prefixes fit: the engine's load refused it already
+        return saved
+    return renamed(saved, change) if change is not None else saved
+
+
+def _live_sums(amp: Amp, index: int, names: Iterable[str]) -> dict[str, int]:
+    """The checksums of the values of :func:`_live_values` named in ``names``."""
+    live = _live_values(amp, index)
     return _checksums({name: live[name] for name in names if name in live})
