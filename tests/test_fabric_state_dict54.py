@@ -109,15 +109,9 @@ def test_fabric_save_and_load_of_the_documented_state_resume_as_the_uninterrupte
     assert mpx2.metrics()["mpx/loss_scale"] == mpx.metrics()["mpx/loss_scale"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fabric.py/Amp.state_dict: the plugin's entry (fabric.save's 'mpx': mpx) clones every FP32 master and the "
-    "model's entry now holds them too, so an O2 file holds each master twice (8 bytes a parameter, bf16-mixed's 4); "
-    "the plugin's state_dict() is called by Fabric's _convert_stateful_objects_in_state without the model's entry, "
-    "so the Trainer's masters_in_state_dict scheme (masters_into_checkpoint) has no place to apply",
-)
 def test_an_o2_fabric_checkpoint_holds_each_master_once(tmp_path: Path) -> None:
-    """The documented state's file is about ``"bf16-mixed"``'s size (FP32 weights and optimizer state)."""
+    """The documented state's file is about ``"bf16-mixed"``'s size (FP32 weights and optimizer state): the plugin's
+    entry names the masters the model's entry holds (tests/test_fabric_checkpoint54.py)."""
     sizes = {}
     for name in ("bf16-mixed", "O2"):
         fabric, model, optimizer, mpx = _setup(width=512, precision=name if name != "O2" else None)

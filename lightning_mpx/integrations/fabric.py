@@ -52,8 +52,9 @@ What it does, in Fabric's terms:
   wrapper is, and ``fabric.clip_gradients`` by norm is FSDP1's own clip of the whole model (O2 refused at
   ``fabric.setup``).
 * ``mpx/*`` metrics (the Trainer plugin's names) come from :meth:`metrics`, read from the device only when called;
-  the plugin's state (loss scalers, FP32 masters, counters) goes into ``fabric.save`` as one more entry of the state;
-  at O2 a set-up model's ``state_dict()`` (``fabric.save``'s ``{"model": model}``) gives its FP32 masters.
+  the plugin's state (loss scalers, counters) goes into ``fabric.save`` as one more entry of the state;
+  at O2 a set-up model's ``state_dict()`` (``fabric.save``'s ``{"model": model}``) gives its FP32 masters, which
+  the plugin's entry names rather than holds (:mod:`~lightning_mpx.integrations.fabric_checkpoint`).
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ from lightning_utilities.core.apply_func import apply_to_collection  # noqa: E40
 from lightning_mpx.casting.checkpointing import builds_graph  # noqa: E402
 from lightning_mpx.casting.policy import casts_off_if_on as _casts_off  # noqa: E402
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
+from lightning_mpx.integrations.fabric_checkpoint import HeldMasters, masters_left_to_models  # noqa: E402
 from lightning_mpx.integrations.fabric_sharding import (  # noqa: E402
     adopt_sharded,
     clipped_together,
@@ -154,6 +156,7 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
         # Each converted model's FSDP1 wrapper (FSDPStrategy), found at the first call after fabric.setup.
         self._wrappers: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = weakref.WeakKeyDictionary()
         self.scaler = None  # FSDPPrecision's attribute: the engine scales, never a ShardedGradScaler
+        self._held = HeldMasters()  # masters a loaded entry left to the model's entry: checked at the next call
 
     @classmethod
     def from_settings(cls, settings: MixedPrecisionSettings) -> FabricMixedPrecisionPlugin:
@@ -429,14 +432,17 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
 
     def state_dict(self) -> dict[str, Any]:
         """Loss scalers, FP32 master weights and counters: put the plugin into the state you save
-        (``fabric.save(path, {"model": model, "optimizer": optimizer, "mpx": mpx})``)."""
+        (``fabric.save(path, {"model": model, "optimizer": optimizer, "mpx": mpx})``). At O2 the masters a set-up
+        model's ``state_dict()`` gives are named, not held: the model's entry holds them (each written once)."""
         self._begin()  # a pending scale update belongs to the iteration that is being saved
-        return self.amp.state_dict()  # with metrics()'s position: a resumed run's first call counts from there
+        # with metrics()'s position: a resumed run's first call counts from there
+        return masters_left_to_models(self.amp, self._modules, self.amp.state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (``fabric.load`` does, for the plugin's entry of the state)."""
         self._begin()
         self.amp.load_state_dict(upgrade_unlogged(state_dict, DEFAULT_READER))  # (a checkpoint of the release before)
+        self._held.loaded(self.amp, state_dict)  # masters left to the model's entry: loaded by the next call?
 
     def teardown(self) -> None:
         self._begin()
@@ -457,6 +463,8 @@ class FabricMixedPrecisionPlugin(FSDPPrecision):
             # each call per step otherwise).
             if self._unchecked or self._unsynced:
                 self._after_setup()
+            if self._held.pending:
+                self._held.check(self.amp)
             if self.amp.iteration.update_pending:
                 self.amp.end_iteration()
 

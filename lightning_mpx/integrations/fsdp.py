@@ -55,6 +55,7 @@ from lightning_mpx.casting.aside import around_hooks
 from lightning_mpx.common.dtypes import HALF_DTYPES, dtype_name
 from lightning_mpx.engine.sharding import is_sharded, reshard_gathered
 from lightning_mpx.health.promotion import _module_to_fp32, matches
+from lightning_mpx.integrations.fsdp_mesh import warn_one_rank_mesh
 from lightning_mpx.integrations.fsdp_plan import check_same_plan, done_plan, record_plan, shard_plan
 from lightning_mpx.masters.fp32_buffers import fp32_tensors, keeps_fp32_buffer, restore_fp32_tensors
 from lightning_mpx.masters.weights import convert_module
@@ -263,6 +264,7 @@ def shard_model(
     if done is not None:
         check_same_plan(module, done, plan)
         return module  # sharded by an earlier call with these arguments (a Lightning hook called at every stage)
+    warn_one_rank_mesh(module, mesh)  # ModelParallelStrategy()'s default 'data_parallel' mesh: weights drift apart
     if mode.name == "half":
         exact = [(island, fp32_tensors(island)) for _, island in islands]
         convert_module(module, mode.half, keep_batchnorm_fp32=mode.batchnorm_islands)
