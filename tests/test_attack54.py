@@ -59,7 +59,9 @@ class _Net(pl.LightningModule):
         return _data()
 
 
-def _fit(precision: str | MixedPrecisionPlugin, model: pl.LightningModule, callbacks: list[Any] | None = None, **kw: Any) -> pl.Trainer:
+def _fit(
+    precision: str | MixedPrecisionPlugin, model: pl.LightningModule, callbacks: list[Any] | None = None, **kw: Any
+) -> pl.Trainer:
     if isinstance(precision, MixedPrecisionPlugin):
         prec: dict[str, Any] = {"plugins": [precision]}
     elif precision.startswith("O2"):
@@ -155,7 +157,7 @@ def test_resized_model_weights_only_checkpoint_loads_into_a_resized_model_in_fp3
     assert all(torch.allclose(got[k], ref[k], atol=0.01) for k in ref)
 
 
-# --- (b) optimizers the plugin did not set up --------------------------------------------------------------------------
+# --- (b) optimizers the plugin did not set up -------------------------------------------------------------------------
 
 
 @pytest.mark.xfail(
@@ -234,3 +236,24 @@ def test_fp16_optimizer_keeps_a_bfloat16_model_bfloat16_and_trains_it_as_fp32() 
     mixed.bias.data = mixed.bias.data.bfloat16()
     with pytest.raises(ValueError, match="both half dtypes"):
         FP16_Optimizer(torch.optim.SGD(mixed.parameters(), lr=0.1))
+
+
+# --- (a) under DDP: the one 2-rank launch -----------------------------------------------------------------------------
+
+
+def test_ddp_weights_only_checkpoint_resume_and_a_rank_zero_read(tmp_path: Path) -> None:
+    """One launch of ``tests/attack54_ddp_script.py``: the weights-only checkpoint Lightning writes on rank 0 holds the
+    FP32 masters exactly (and ``"bf16-mixed"``'s weights to bfloat16's tolerance); a resume ends where the
+    uninterrupted run ends; ``state_dict()`` on rank 0 only mid-step neither hangs nor changes the run."""
+    from tests.launch import rank_results, run_script
+
+    run_script("attack54_ddp_script.py", tmp_path, timeout=150)
+    for rank in rank_results(tmp_path):
+        for name, case in rank.items():
+            assert "error" not in case, f"{name}: {case['error']}"
+        saved = rank["weights_only"]
+        assert saved["dtypes"] == ["torch.float32"] and saved["masters_exact"], saved
+        assert saved["max_diff_to_bf16_mixed"] < 0.02, saved
+        resume = rank["resume"]
+        torch.testing.assert_close(torch.tensor(resume["resumed"]), torch.tensor(resume["straight"]), rtol=0, atol=1e-6)
+        assert rank["rank0_read"]["weights"] == rank["rank0_read"]["straight"]
