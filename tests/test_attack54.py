@@ -122,6 +122,20 @@ def test_compiled_model_state_dict_is_the_fp32_masters() -> None:
     assert all(v.dtype == torch.float32 and torch.equal(v, plain[k.removeprefix("_orig_mod.")]) for k, v in got.items())
 
 
+def test_a_submodule_state_dict_is_the_fp32_masters_as_under_bf16_mixed() -> None:
+    """``self.net.state_dict()`` of the LightningModule's inner model (``self.model.save_pretrained(path)``, peft's
+    ``get_peft_model_state_dict(self.model)`` in a callback) gives FP32 weights as ``"bf16-mixed"``'s: it gave the
+    bfloat16 rounding (the hook was on the LightningModule only)."""
+    ref, model = _Net(), _Net()
+    _fit("bf16-mixed", ref)
+    _fit("O2-bfloat16", model)
+    whole, inner = model.state_dict(), model.net.state_dict()
+    assert {v.dtype for v in inner.values()} == {torch.float32}
+    assert all(torch.equal(v, whole["net." + k]) for k, v in inner.items())
+    assert all(torch.allclose(v, ref.net.state_dict()[k], atol=0.01) for k, v in inner.items())
+    assert model.net[0].state_dict(keep_vars=True)["weight"] is model.net[0].weight  # keep_vars: the parameters
+
+
 class _Resize(pl.Callback):
     """Grow the embedding mid-fit as ``resize_token_embeddings`` does (``weight.data = t``), then re-create the
     optimizer with ``trainer.strategy.setup_optimizers``."""
