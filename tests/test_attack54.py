@@ -174,6 +174,39 @@ def test_resized_model_weights_only_checkpoint_loads_into_a_resized_model_in_fp3
 # --- (b) optimizers the plugin did not set up -------------------------------------------------------------------------
 
 
+class _TwoRecreated(_Net):
+    """Manual optimization over two optimizers, both re-created mid-fit with ``trainer.strategy.setup_optimizers``."""
+
+    def __init__(self) -> None:
+        super().__init__(manual="two")
+
+    def training_step(self, batch: Any, i: int) -> Any:
+        if i == 1:
+            self.trainer.strategy.setup_optimizers(self.trainer)
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x).float(), y)
+        optimizers = self.optimizers()
+        for opt in optimizers:
+            opt.zero_grad()
+        self.manual_backward(loss)
+        for opt in optimizers:
+            opt.step()
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.Adam(self.net[2].parameters(), lr=0.01)]
+
+
+def test_two_optimizers_recreated_mid_fit_under_manual_optimization_train_as_bf16_mixed() -> None:
+    ref, model = _TwoRecreated(), _TwoRecreated()
+    _fit("bf16-mixed", ref)
+    _fit("O2-bfloat16", model)
+    assert len(model.trainer.optimizers) == 2
+    got, want, init = _copy(model), _copy(ref), _copy(_TwoRecreated())
+    assert all(not torch.equal(got[k], init[k]) for k in ("net.0.weight", "net.2.weight")), "an optimizer never stepped"
+    assert all(torch.allclose(got[k], want[k], atol=0.02) for k in want)  # O2 sums the embedding in bfloat16
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="integrations/lightning.py + masters/watch.py: under manual optimization a user's own torch optimizer "
