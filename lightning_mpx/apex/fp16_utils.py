@@ -95,6 +95,12 @@ class FP16_Optimizer:
         scale_factor = float(args.get("scale_factor", 2.0))
         self.verbose = verbose
         half = [p for g in init_optimizer.param_groups for p in g["params"] if p.dtype in _HALF]
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in half})
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"init_optimizer holds parameters of both half dtypes ({', '.join(dtypes)}); FP16_Optimizer trains one "
+                "half dtype: make the model one (model.half() or model.bfloat16()) before building the optimizer."
+            )
         dynamic = dict(  # what only a dynamic scale reads: a static one is given none (the engine would warn)
             init_scale=float(args.get("init_scale", 2.0**32)),
             growth_factor=scale_factor,
@@ -106,7 +112,9 @@ class FP16_Optimizer:
         ) if dynamic_loss_scale else {}
         self.amp = Amp(
             "O2" if half else "O0",  # an all-FP32 optimizer needs no masters: loss scaling only
-            half_dtype="float16",  # Apex's FP16_Optimizer (the core's default picks bfloat16 on a CPU)
+            # The model's own half dtype (a bfloat16 model stays bfloat16: its range is not float16's); float16,
+            # Apex's, for an all-FP32 optimizer (the core's default would pick bfloat16 on a CPU).
+            half_dtype=dtypes[0] if dtypes else "float16",
             loss_scale="dynamic" if dynamic_loss_scale else static_loss_scale,
             **dynamic,  # type: ignore[arg-type]
             on_floor="warn",

@@ -25,28 +25,38 @@ class MastersInStateDict:
     (not copied, as the half value is not) in place of the half value, as ``"bf16-mixed"``'s FP32 model gives its
     weights: a weights-only checkpoint (``ModelCheckpoint(save_weights_only=True)``, ``trainer.save_checkpoint(path,
     weights_only=True)``, which Lightning writes without the precision plugin's hooks), ``self.state_dict()`` in a
-    callback or an EMA habit get the weights training produced, and ``load_state_dict`` of them into the half model
-    rounds them as before. ``state_dict(keep_vars=True)`` (the parameters themselves), a frozen half parameter or a
-    half buffer (no master), a model whose masters another engine took over since, a sharded model and a copy or an
-    unpickled model (the hook is inert there: it holds the engine weakly and pickles as inert) keep the model's values.
+    callback or an EMA habit, and a submodule's own ``state_dict()`` (``self.model.save_pretrained(path)``, peft's
+    ``get_peft_model_state_dict``) get the weights training produced, and ``load_state_dict`` of them into the half
+    model rounds them as before. ``state_dict(keep_vars=True)`` (the parameters themselves), a frozen half parameter or
+    a half buffer (no master), a model whose masters another engine took over since, a sharded model and a copy or an
+    unpickled model (the hook is inert there: it holds the engine weakly and pickles as inert) keep the model's
+    values.
     """
 
-    def __init__(self, amp: Amp | None) -> None:
+    def __init__(self, amp: Amp | None, *, nested: bool = False) -> None:
         self._amp = weakref.ref(amp) if amp is not None else None
+        # On a submodule: acts only when its own state_dict() is called (prefix ""; ``self.model.save_pretrained``,
+        # peft's ``get_peft_model_state_dict(self.model)``); inside the root's state dict the root's hook acts.
+        self._nested = nested
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (MastersInStateDict, (None,))
 
     @classmethod
-    def install(cls, module: nn.Module, amp: Amp) -> Any:
-        """Put the hook of ``amp`` on ``module`` in place of any earlier one (a model set up again, by another
-        engine too); returns its handle."""
-        for key, hook in list(module._state_dict_hooks.items()):
-            if isinstance(hook, cls):
-                del module._state_dict_hooks[key]
-        return module.register_state_dict_post_hook(cls(amp))
+    def install(cls, module: nn.Module, amp: Amp) -> _Handles:
+        """Put the hook of ``amp`` on ``module`` and each of its submodules in place of any earlier one (a model set
+        up again, by another engine too); returns their handles (``.remove()`` takes them all off)."""
+        handles = []
+        for sub in module.modules():
+            for key, hook in list(sub._state_dict_hooks.items()):
+                if isinstance(hook, cls):
+                    del sub._state_dict_hooks[key]
+            handles.append(sub.register_state_dict_post_hook(cls(amp, nested=sub is not module)))
+        return _Handles(handles)
 
     def __call__(self, module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        if self._nested and prefix:
+            return  # a submodule inside a parent's state dict: the root's hook covers it
         amp = self._amp() if self._amp is not None else None
         if amp is None or amp.sharded or not amp.properties.master_weights:
             return
@@ -63,6 +73,18 @@ class MastersInStateDict:
             master = fp32.get(id(param))
             if master is not None:
                 state[key] = master.detach()
+
+
+class _Handles:
+    """The handles of the hooks :meth:`MastersInStateDict.install` put on a model and its submodules."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        """Take every hook off."""
+        for handle in self.handles:
+            handle.remove()
 
 
 def masters_into(amp: Amp, module: nn.Module, state: dict[str, Any]) -> list[str]:
