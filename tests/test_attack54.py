@@ -99,10 +99,10 @@ def test_state_dict_between_backward_and_step_gives_the_pre_step_masters_and_cha
 
 @pytest.mark.xfail(
     strict=True,
-    reason="integrations/fp32_export.py MastersInStateDict: state_dict() hands out the FP32 master itself, so a "
-    "write through it (sd[k].copy_(ema[k]), an EMA swap before validation) changes the master only; the half "
-    "parameter the forward uses keeps its old value until the next optimizer step, and after the fit never gets it "
-    "(in FP32 or 'bf16-mixed' the state dict aliases the parameter: the next forward sees the write)",
+    reason="integrations/fp32_export.py MastersInStateDict: state_dict() hands out the FP32 master itself; a write "
+    "through it during the fit reaches the model at the next forward in the plugin's scope (Amp.forward_context: "
+    "tests/test_state_dict_writes54.py), but after the fit the plugin's hooks are off the model, so a direct "
+    "model(x) keeps the half parameter's old value (in FP32 or 'bf16-mixed' the state dict aliases the parameter)",
 )
 def test_a_write_through_the_state_dict_reaches_the_model_as_in_fp32() -> None:
     model = _Net()

@@ -192,6 +192,8 @@ class Amp(AmpParts):
         """The scope of a forward pass: the cast policy at O1; at O2, a policy that runs loss functions called inside
         the model in FP32; nothing otherwise."""
         models = self._models
+        if self._masters.lent:  # FP32 values a model's state_dict() handed out: written since, they go to the model
+            self._masters.take_lent()
         if models._device_pending or models._half_marks or models.loss_regions is not None:  # else nothing to do
             models.before_forward()  # (O1 after its first forward: a call saved per step)
         if models._other_marks:  # O1: a model made the other half dtype since prepare_model (model.half())

@@ -69,10 +69,13 @@ class MastersInStateDict:
         fp32: dict[int, torch.Tensor] = {}
         for weights in amp._masters.prune():
             fp32.update(weights.fp32_values())
+        lent = []
         for key, param in params:
             master = fp32.get(id(param))
             if master is not None:
                 state[key] = master.detach()
+                lent.append((param, master))
+        amp._masters.lend(lent)  # a write through this state dict reaches the model at the next forward
 
 
 class _Handles:
