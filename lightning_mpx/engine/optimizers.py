@@ -21,7 +21,6 @@ import torch
 from lightning_mpx.engine.clipping import show_unscaled
 from lightning_mpx.engine.grad_checks import reduce_checks, unscale
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
-from lightning_mpx.engine.raw_steps import refuse_raw_step
 from lightning_mpx.engine.rescale import (
     follow_cleared_grads,
     grad_marks,
@@ -45,7 +44,6 @@ from lightning_mpx.scaling.scaler import LossScaler
 
 _PARAMS = operator.itemgetter("params")
 _GRAD = operator.attrgetter("grad")
-_VERSION = operator.attrgetter("_version")
 
 
 class StepMachine:
@@ -241,15 +239,8 @@ class StepMachine:
                 rescale_unscaled(state, loss_id, self.scalers[loss_id], self.masters.weights, self.backend)
             elif state.loss_id is None:
                 state.loss_id = loss_id
-            else:  # gradients of a backward no step has taken yet: stepped by an optimizer not prepared?
-                refuse_raw_step(state, state.optimizer, self.masters.weights)
-                if state.loss_id != loss_id or state.grad_scale is not None:
-                    rescale_pending(state, loss_id, self.scalers, self.backend)
-            ref = state.optimizer_ref()
-            if state.backward_versions is None and state.stage is _Stage.READY and ref is not None:  # raw_steps' marks
-                with torch._C.DisableTorchFunction():  # C-level maps: no Python call per step
-                    params = itertools.chain.from_iterable(map(_PARAMS, ref.param_groups))
-                    state.backward_versions = tuple(map(_VERSION, params))
+            elif state.loss_id != loss_id or state.grad_scale is not None:
+                rescale_pending(state, loss_id, self.scalers, self.backend)
 
     # -- unscale and clip ---------------------------------------------------------------------------------------
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
