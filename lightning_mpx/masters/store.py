@@ -37,25 +37,26 @@ class Masters:
         self.backend = backend
         self.weights: list[MasterWeights] = []
         self.evaluation_only = False
-        #: The FP32 values a model's state dict handed out last (parameter, value, its version then), checked at the
-        #: next forward (:meth:`take_lent`); empty otherwise.
-        self.lent: list[tuple[weakref.ref[torch.Tensor], torch.Tensor, int]] = []
+        #: The FP32 values a model's state dict handed out last (parameter, value, the value's version then), both
+        #: held weakly (a model dropped after a state_dict() call takes its masters with it), checked at the next
+        #: forward (:meth:`take_lent`); empty otherwise.
+        self.lent: list[tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor], int]] = []
 
     def lend(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Note the FP32 values (masters, or values kept for masters not made yet) a model's ``state_dict()`` hands
         out in place of its half ``param``s (:class:`~lightning_mpx.integrations.fp32_export.MastersInStateDict`), as
         ``(param, value)`` pairs: a write through the state dict (``state_dict()[k].copy_(v)``, an EMA swap) reaches
         the model at the next forward, as in FP32, where the state dict aliases the parameters."""
-        self.lent = [(weakref.ref(param), value, value._version) for param, value in pairs]
+        self.lent = [(weakref.ref(param), weakref.ref(value), value._version) for param, value in pairs]
 
     def take_lent(self) -> None:
         """Write into the half model the handed-out FP32 values written since :meth:`lend` (their rounding; the
         step's take of writes to the model then finds nothing to take back), and forget them."""
         lent, self.lent = self.lent, []
-        written = [(ref(), value) for ref, value, version in lent if value._version != version]
         with torch.no_grad():
-            for param, value in written:
-                if param is not None:  # (collected since: nothing to write)
+            for param_ref, value_ref, version in lent:
+                param, value = param_ref(), value_ref()
+                if param is not None and value is not None and value._version != version:
                     param.copy_(value)
 
     def prune(self) -> list[MasterWeights]:
