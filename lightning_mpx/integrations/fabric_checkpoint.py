@@ -11,7 +11,7 @@ hooks take an FP32 value loaded into the half model exactly). A plugin entry loa
 (:class:`HeldMasters`): at the next call into the plugin (a forward, a backward), masters that are not the saved ones
 (by their checksums) and that nothing wrote since the plugin's load raise an error naming the fix, instead of
 training on this run's masters silently. Masters written since (weights loaded into the model on purpose after the
-plugin's entry) are the user's choice and are kept.
+plugin's entry, even the values it held already) are the user's choice and are kept.
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ class HeldMasters:
     """The masters a loaded plugin entry left to the model's entry, checked at the next call into the plugin."""
 
     def __init__(self) -> None:
-        self.pending: list[tuple[int, dict[str, int], dict[str, int]]] = []  # (model index, saved sums, sums at load)
+        # (model index, saved sums, sums at load, the model's parameters' versions at load)
+        self.pending: list[tuple[int, dict[str, int], dict[str, int], dict[str, int]]] = []
 
     def loaded(self, amp: Amp, state: dict[str, Any]) -> None:
         """After the engine loaded ``state``: note the named masters that are not the saved ones yet (the model's
@@ -95,16 +96,19 @@ class HeldMasters:
             saved = _by_live_names(saved, _live_values(amp, index))
             now = _live_sums(amp, index, saved)
             if any(now.get(name) != value for name, value in saved.items()):
-                self.pending.append((index, dict(saved), now))
+                self.pending.append((index, dict(saved), now, _versions(amp, index)))
 
     def check(self, amp: Amp) -> None:
         """Raise ``RuntimeError`` if a named master is not the saved one and nothing wrote it since the plugin's
         load; otherwise stop checking."""
         pending, self.pending = self.pending, []
         missing: list[str] = []
-        for index, saved, at_load in pending:
-            now = _live_sums(amp, index, saved)
-            missing += [n for n, value in saved.items() if now.get(n) != value and now.get(n) == at_load.get(n)]
+        for index, saved, at_load, versions in pending:
+            now, written = _live_sums(amp, index, saved), _versions(amp, index)
+            missing += [
+                n for n, value in saved.items()
+                if now.get(n) != value and now.get(n) == at_load.get(n) and written.get(n) == versions.get(n)
+            ]  # fmt: skip
         if not missing:
             return
         self.pending = pending  # every later call raises too: never a silent resume from this run's masters
@@ -128,6 +132,15 @@ def _live_values(amp: Amp, index: int) -> dict[str, torch.Tensor]:
         weights = amp._masters.prune()
         return weights[index].fp32_by_name() if index < len(weights) else {}
     return {k: p for k, p in amp._checkpoint._prepared_parameters().items() if p.dtype == torch.float32}
+
+
+def _versions(amp: Amp, index: int) -> dict[str, int]:
+    """By name, the version counter of each parameter of model ``index``: a load into the model since (even of the
+    values it holds: the weights loaded again after the plugin's entry of another run) writes it."""
+    if amp.properties.master_weights:
+        weights = amp._masters.prune()
+        return {entry.name: param._version for entry, param in weights[index]._live()} if index < len(weights) else {}
+    return {k: p._version for k, p in amp._checkpoint._prepared_parameters().items()}
 
 
 def _by_live_names(saved: dict[str, int], live: dict[str, torch.Tensor]) -> dict[str, int]:

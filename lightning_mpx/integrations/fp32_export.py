@@ -55,7 +55,7 @@ class MastersInStateDict:
         return _Handles(handles)
 
     def __call__(self, module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        if self._nested and prefix:
+        if self._nested and prefix and _inside_parent(state, prefix):
             return  # a submodule inside a parent's state dict: the root's hook covers it
         amp = self._amp() if self._amp is not None else None
         if amp is None or amp.sharded or not amp.properties.master_weights:
@@ -76,6 +76,17 @@ class MastersInStateDict:
                 state[key] = master.detach()
                 lent.append((param, master))
         amp._masters.lend(lent)  # a write through this state dict reaches the model at the next forward
+
+
+def _inside_parent(state: dict[str, Any], prefix: str) -> bool:
+    """Whether the ``state_dict()`` call that gave a module ``prefix`` is its parent's: the call's root notes its
+    own metadata first (under its prefix without the dot), so a submodule's own call with a ``prefix=`` of the
+    user's (``self.backbone.state_dict(prefix="backbone.")``) is told apart; without metadata (a ``destination=``
+    of the user's) a prefix is taken for a parent's."""
+    metadata = getattr(state, "_metadata", None)
+    if not metadata:
+        return True
+    return next(iter(metadata)) != prefix[:-1]
 
 
 class _Handles:
