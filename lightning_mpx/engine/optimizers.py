@@ -30,11 +30,11 @@ from lightning_mpx.engine.step_guard import ScaledStepGuard
 from lightning_mpx.engine.unscaling import UnscalePath
 from lightning_mpx.health.telemetry import GradTelemetry
 from lightning_mpx.masters.handover import refuse_handed
+from lightning_mpx.masters.mirror import Mirror
 from lightning_mpx.masters.optimizer_hooks import MasterHooks
 from lightning_mpx.masters.pairs import param_pairs
 from lightning_mpx.masters.store import Masters
 from lightning_mpx.masters.swap import mirrors, state_to_params
-from lightning_mpx.masters.weights import Mirror
 from lightning_mpx.scaling.scaler import LossScaler
 
 _PARAMS = operator.itemgetter("params")
