@@ -9,7 +9,7 @@ are FP32), and :meth:`MasterWeights.copy_to_model` writes the result back to the
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -32,6 +32,7 @@ from lightning_mpx.masters.watch import (
     _watch_data,
     take_fp32_value,
 )
+from lightning_mpx.masters.weights_checkpoint import MasterCheckpoint
 from lightning_mpx.scaling.unscale import BACKENDS, UnscaleWorkspace, cast_copy_
 
 __all__ = ["MasterWeights", "Mirror", "WatchedParameter", "convert_module", "has_floating_parameters"]
@@ -97,7 +98,7 @@ def convert_module(
     return module
 
 
-class MasterWeights:
+class MasterWeights(MasterCheckpoint):
     """FP32 master copies of a model's half parameters, kept coherent with the model.
 
     The optimizer keeps holding the model's own parameters (so ``optimizer.param_groups``, ``add_param_group``,
@@ -132,6 +133,9 @@ class MasterWeights:
         initial: FP32 values the half parameters held before their cast (by ``id`` of the parameter): a master made
             while its parameter still holds their rounding starts from them exactly (elements written since keep
             the model's value). Dropped by :meth:`drop_initial` once the masters that need them are made.
+
+    Its checkpoint (the masters, and the FP32 values kept for masters not made yet) is saved and loaded by its base
+    :class:`~lightning_mpx.masters.weights_checkpoint.MasterCheckpoint`.
 
     Attributes:
         workspace: The copy kernel's table cache, kept across steps.
@@ -266,27 +270,6 @@ class MasterWeights:
             entry.master = value.requires_grad_(True)
             _watch_data(param, self._watch)
         entry.mark(param)
-
-    def initial_state(self) -> dict[str, torch.Tensor]:
-        """The FP32 values kept from before the cast for masters not made yet, by name, cloned (a checkpoint taken
-        before the first step carries them, so that a resumed run makes those masters as the run it came from)."""
-        return {e.name: e.initial.detach().clone() for e, _ in self._live() if e.initial is not None}
-
-    def check_initial_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Raise, changing nothing, if :meth:`load_initial_state` cannot take ``state``."""
-        live = {entry.name: param for entry, param in self._live()}
-        for name, tensor in state.items():
-            if name not in live or tuple(tensor.shape) != tuple(live[name].shape):
-                raise ValueError(
-                    f"kept FP32 value {name!r} of the checkpoint matches no parameter of this model (or not its "
-                    "shape); nothing was loaded."
-                )
-
-    def load_initial_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Keep exactly the FP32 values of ``state`` for the masters not made yet (others are let go)."""
-        for entry, param in self._live():
-            value = state.get(entry.name)
-            entry.initial = None if value is None or entry.master is not None else value.detach().clone().float()
 
     def fp32_values(self) -> dict[int, torch.Tensor]:
         """By ``id`` of the parameter, the FP32 value of each half parameter that has a master or a kept value: its
@@ -435,57 +418,6 @@ class MasterWeights:
         """Drop the half model gradients once they have been unscaled into the masters."""
         for param, _ in self.half_pairs:
             param.grad = None
-
-    # -- checkpoints --------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """The FP32 masters of the half parameters, by name, cloned (exact, not rounded through half); writes made to
-        the model since the last step are taken first."""
-        for entry, param in list(self._live()) if self._eager else ():
-            if entry.master is None and param.requires_grad and param.dtype in HALF_DTYPES:
-                # Trainable now (unfrozen since preparing) but not stepped yet: its master is made here, so the
-                # checkpoint matches a run that prepares the model with it trainable.
-                self._make_master(entry, param)
-        self.refresh()
-        return {entry.name: entry.master.detach().clone() for entry, _ in self._live() if entry.master is not None}
-
-    def check_state_dict(self, state: dict[str, torch.Tensor], fp32: Iterable[str] = ()) -> None:
-        """Raise, changing nothing, if ``state`` cannot be loaded: other names, or a tensor of another shape.
-        ``fp32``: names of parameters the checkpoint holds elsewhere, as FP32 weights (modules promoted to FP32)."""
-        live = {entry.name: (entry, param) for entry, param in self._live()}
-        expected = {name for name, (entry, param) in live.items() if entry.master is not None} - set(fp32)
-        unexpected = [name for name in state if name not in live]
-        missing = sorted(expected - set(state))
-        if missing or unexpected:
-            raise KeyError(
-                f"master-weight state does not match the model: missing {missing}, unexpected {sorted(unexpected)}."
-            )
-        for name, tensor in state.items():
-            param = live[name][1]
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"master weight {name!r} has shape {tuple(tensor.shape)} in the checkpoint but the parameter has "
-                    f"shape {tuple(param.shape)}; nothing was loaded."
-                )
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore masters bit-exactly and refresh the half model parameters from them.
-
-        Raises:
-            KeyError: when names are missing or unexpected; ValueError: when a shape differs (also one that would
-                broadcast). Nothing is loaded in either case.
-        """
-        self.check_state_dict(state)
-        with torch.no_grad():
-            for entry, param in list(self._live()):
-                if entry.name not in state:
-                    continue
-                if entry.master is None:
-                    self._make_master(entry, param)
-                if entry.master is None:  # an FP32 parameter now (its module was promoted): the value is its own
-                    param.copy_(state[entry.name])
-                    continue
-                entry.master.copy_(state[entry.name])
-        self.copy_to_model()
 
 
 def _fp32_of(entry: _Entry, param: torch.Tensor) -> torch.Tensor | None:
