@@ -264,20 +264,6 @@ class StepMachine(UnscalePath):
         self.iteration_found.clear()
         self.iteration_read.clear()
 
-    def record_found(self, found_by_loss: dict[int, torch.Tensor], read: dict[int, bool] | None = None) -> None:
-        """Add overflow flags to the ones the next :meth:`update` applies, loss by loss; ``read``: what the host read
-        of each of them said (the step reads them), so that the update need not look again."""
-        for loss_id, found in found_by_loss.items():
-            seen = self.iteration_found.get(loss_id)
-            self.iteration_found[loss_id] = found if seen is None else torch.maximum(seen, found)
-            known = None if read is None else read.get(loss_id)
-            if seen is None:
-                self.iteration_read[loss_id] = known
-            elif known is None or self.iteration_read.get(loss_id) is None:
-                self.iteration_read[loss_id] = None  # one flag of the iteration was not read: the device counts
-            else:
-                self.iteration_read[loss_id] = bool(self.iteration_read[loss_id]) or known
-
     # -- internals ----------------------------------------------------------------------------------------------
     def _unscaled_params(self, optimizer: torch.optim.Optimizer, with_masters: bool) -> list[torch.Tensor]:
         """The tensors whose ``.grad`` holds ``optimizer``'s unscaled gradients (masters at O2), with a gradient."""

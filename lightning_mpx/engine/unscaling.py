@@ -37,7 +37,6 @@ class UnscalePath:
     iteration_read: dict[int, bool | None]
     sharding: Sharding | None
     state: Callable[[torch.optim.Optimizer], _OptimizerState]  # the machine's: the state of a registered optimizer
-    record_found: Callable[..., None]  # the machine's: flags counted toward the next update
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """:meth:`Amp.unscale_ <lightning_mpx.engine.amp.Amp.unscale_>`."""
@@ -147,6 +146,20 @@ class UnscalePath:
         read = {i: flag > 0 for i, flag in zip(loss_ids, flags.tolist())}
         self.record_found(dict(zip(loss_ids, flags.unbind(0))), read=read)
         return [i for i in loss_ids if read[i]]
+
+    def record_found(self, found_by_loss: dict[int, torch.Tensor], read: dict[int, bool] | None = None) -> None:
+        """Add overflow flags to the ones the next :meth:`update` applies, loss by loss; ``read``: what the host read
+        of each of them said (the step reads them), so that the update need not look again."""
+        for loss_id, found in found_by_loss.items():
+            seen = self.iteration_found.get(loss_id)
+            self.iteration_found[loss_id] = found if seen is None else torch.maximum(seen, found)
+            known = None if read is None else read.get(loss_id)
+            if seen is None:
+                self.iteration_read[loss_id] = known
+            elif known is None or self.iteration_read.get(loss_id) is None:
+                self.iteration_read[loss_id] = None  # one flag of the iteration was not read: the device counts
+            else:
+                self.iteration_read[loss_id] = bool(self.iteration_read[loss_id]) or known
 
     # -- internals ----------------------------------------------------------------------------------------------
     def refuse_sparse(self, param: torch.Tensor) -> None:
