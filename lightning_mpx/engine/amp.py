@@ -26,13 +26,11 @@ from typing_extensions import Unpack
 
 from lightning_mpx.casting.targets import cast_model_inputs
 from lightning_mpx.common.containers import _cast_collection
-from lightning_mpx.engine.amp_parts import AmpParts
-from lightning_mpx.engine.checkpoint import _engine_entry
+from lightning_mpx.engine.amp_records import AmpRecords
 from lightning_mpx.engine.clipping import clip_norm, clip_value_, show_unscaled
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, backward_loss, loss_index
 from lightning_mpx.engine.optimizer_step import AUTOCAST_DEVICES, without_casts
 from lightning_mpx.engine.outcome import StepOutcome
-from lightning_mpx.engine.overflow import DEFAULT_READER, check_readers_state
 
 # _EngineHook's old import path here keeps working (lightning_mpx.apex's hooks).
 from lightning_mpx.engine.preparation import PreparedModels, _EngineHook  # noqa: F401
@@ -49,13 +47,14 @@ from lightning_mpx.settings import (  # noqa: F401
 )
 
 
-class Amp(AmpParts):
+class Amp(AmpRecords):
     """Mixed precision for one training run: a facade over parts that each own their state (the optimizers'
     :class:`~lightning_mpx.engine.optimizers.StepMachine`, the step :class:`~lightning_mpx.engine.optimizer_step.
     OptimizerStep`, the models :class:`~lightning_mpx.engine.preparation.PreparedModels`, the checkpoint
     :class:`~lightning_mpx.engine.checkpoint.EngineState`, the masters :class:`~lightning_mpx.masters.store.Masters`,
     the overflows :class:`~lightning_mpx.engine.overflow.Overflows`, the scalers, the cast policy, the promotion, the
-    forensics).
+    forensics); its records (the step outcomes read late, the metrics, the checkpoint) are read and written by its
+    base :class:`~lightning_mpx.engine.amp_records.AmpRecords`.
 
     Args:
         opt_level, **settings: The opt level (``"O0"`` to ``"O3"``) and the settings, each documented and checked in
@@ -85,12 +84,6 @@ class Amp(AmpParts):
         amp = cls.__new__(cls)
         amp._configure(settings)
         return amp
-
-    @property
-    def _with_masters(self) -> bool:
-        """Whether optimizers step FP32 masters of this engine (O2 on an unsharded model; under FSDP, FSDP's own
-        sharded FP32 parameters are the masters)."""
-        return self.properties.master_weights and not self.sharded
 
     def _state(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
         return self._machine.state(optimizer)
@@ -340,25 +333,6 @@ class Amp(AmpParts):
         self.iteration.record(optimizer, outcome)  # not read: a StepOutcome is read when a door asks
         return outcome
 
-    def read_step_outcomes(self) -> None:
-        """Read the steps skipped on the device (``skip_on_device``) that were not read yet, oldest first, on this
-        process only (never a collective: rank 0 alone may call it, to log): their outcomes become known and each
-        overflow is counted (``skipped_steps``, the module counts of this process's record). Waits for the device
-        only up to the last of those steps. Nothing to do otherwise.
-
-        In one process each overflow is also recorded, logged and ``on_floor`` applied here (which may raise
-        :class:`LossScaleFloorError`). Under a process group (``found_inf_reducer`` set) that part merges the ranks'
-        records, a collective: it is done at the next :meth:`scale_loss` (backward) or :meth:`step` after an
-        :meth:`update`, where every rank is, or at :meth:`settle_step_outcomes`."""
-        self._pending.read()
-
-    def settle_step_outcomes(self) -> None:
-        """Read and settle every step skipped on the device (``skip_on_device``) that is still pending: count,
-        record (merged across ranks under a process group) and log each overflow, and apply ``on_floor`` (which may
-        raise :class:`LossScaleFloorError`). Under a process group it is a collective: call it on every rank
-        together (the plugins do at teardown; the next backward or step does it anyway). Nothing to do otherwise."""
-        self._pending.settle()
-
     def update(self) -> None:
         """Close the iteration (once, after the real step; no host sync): update the scale of every loss whose
         optimizers stepped, skipped or were unscaled since the last call, reset every optimizer's stage (as
@@ -376,74 +350,6 @@ class Amp(AmpParts):
         if due:
             self.update()
         return due
-
-    # -- metrics and checkpoints --------------------------------------------------------------------------------
-    def request_telemetry(self) -> None:
-        """Measure underflow and headroom of the scaled gradients in the unscale (on the device, no host sync) until
-        the next :meth:`update`: the next :meth:`metrics` holds ``mpx/underflow/<group>``, ``mpx/zeros/<group>`` and
-        ``mpx/headroom/<group>`` (see :mod:`lightning_mpx.health.telemetry`)."""
-        self.telemetry.requested = True
-
-    def metrics(self, reader: str = DEFAULT_READER) -> dict[str, torch.Tensor | float]:
-        """``mpx/loss_scale``, ``mpx/overflows`` (since ``reader``'s previous call), ``mpx/skipped_steps`` (total) and
-        ``mpx/grad_norm`` (unscaled, when computed since), with a ``/loss{id}`` suffix when there are several losses;
-        ``mpx/overflow/<module>`` (overflow steps since with non-finite gradients in the module; ``_root``: the root
-        module's own parameters); the telemetry measured since a :meth:`request_telemetry`. Device tensors or Python
-        numbers: building them does not wait for the device. With ``skip_on_device``, ``mpx/skipped_steps`` and the
-        module counts cover the steps read so far (:meth:`read_step_outcomes` first to include the last ones);
-        ``mpx/overflows`` is counted on the device and is always current.
-
-        The engine keeps the totals; each ``reader`` (a name: the front doors' loggers read as ``"log"``) keeps only
-        its position, so reads never take counts from each other. The positions are in :meth:`state_dict`: after
-        :meth:`load_state_dict` a reader's first call reports what its saving run had not read yet (a reader the
-        checkpoint does not hold never read: it counts from the start), never what it read there again."""
-        if not isinstance(reader, str) or not reader:
-            raise TypeError(f"reader={reader!r} must be a non-empty str (default {DEFAULT_READER!r}).")
-        position = self._overflows.reader(reader)
-        out = self._overflows.metrics(position, self._machine.grad_norms)  # and mpx/overflow/<module>
-        out.update(self.promotion.metrics())
-        out.update(self.telemetry.metrics(since=position.measurements))
-        position.measurements = self.telemetry.measurements
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        """Scalers, FP32 masters and counters (the overflow totals, and each metrics reader's position): everything
-        needed, with the optimizer's own state, to resume (steps skipped on the device are read first)."""
-        self.read_step_outcomes()
-        state = self._checkpoint.state_dict()
-        state["overflow_counts"] = self.forensics.state_dict()
-        state["metric_readers"] = self._overflows.readers_state()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (after :meth:`prepare_model`); masters come back bit-exact. A refused
-        checkpoint changes nothing. When every model was prepared with ``train=False`` the checkpoint's masters are
-        left out (the half weights come from the model's state dict).
-
-        A checkpoint of another opt level resumes (load the model's state dict first, as the frameworks do): into FP32
-        masters (O0/O1/O3 to O2) the masters are the model's weights as loaded (an FP32 checkpoint's exactly); out of
-        them (O2 to O0/O1/O3) the checkpoint's masters become the model's parameters (exact where the model is FP32,
-        their rounding at O3). A loss scale carries over when both levels scale dynamically; otherwise this level's own
-        scaling starts from its settings."""
-        self.read_step_outcomes()  # steps made before the load are this run's: counted before it replaces them
-        check_readers_state(_engine_entry(state))  # a bad one is refused before anything is loaded
-        self.pick_half_dtype(None)  # loaded before any model: the provisional dtype is the run's from now on
-        self._checkpoint.load_state_dict(state, with_masters=self._with_masters)
-        state = _engine_entry(state)
-        self.forensics.load_state_dict(state.get("overflow_counts"))  # None (older release): from zero
-        self._overflows.load_readers(state.get("metric_readers"), self.telemetry.measurements)
-
-    def continue_from(self, other: Amp) -> None:
-        """Go on from ``other``, an engine with the same settings that this one replaces before it prepares a model
-        (``Accelerator.free_memory()``): its loss scales, overflow totals, skipped steps and metrics readers'
-        positions, so that the scale curve and the logged counts go on as ``torch.amp.GradScaler`` does across
-        Accelerate's own ``free_memory()``. Masters and optimizers are not taken (see ``accelerate_forward``)."""
-        other.read_step_outcomes()
-        for mine, theirs in zip(self.scalers, other.scalers, strict=True):
-            mine.load_state_dict(theirs.state_dict())
-        self._overflows.skipped_steps[:] = other._overflows.skipped_steps
-        self.forensics.load_state_dict(other.forensics.state_dict())
-        self._overflows.load_readers(other._overflows.readers_state(), self.telemetry.measurements)
 
     # -- internals ----------------------------------------------------------------------------------------------
     def _loss_index(self, loss_id: int) -> int:

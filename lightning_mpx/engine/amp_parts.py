@@ -99,6 +99,12 @@ class AmpParts:
 
     num_losses = property(lambda amp: len(amp.scalers), doc="The number of losses, one loss scaler each.")
 
+    @property
+    def _with_masters(self) -> bool:
+        """Whether optimizers step FP32 masters of this engine (O2 on an unsharded model; under FSDP, FSDP's own
+        sharded FP32 parameters are the masters)."""
+        return self.properties.master_weights and not self.sharded
+
     def pick_half_dtype(self, where: torch.device | str | nn.Module | None) -> None:
         """Pick the half dtype the run trains in, when none was given (``half_dtype=None``), for the device of
         ``where`` (a device, a device type, or a model: its first floating tensor's; a model with none, or

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import torch
 
-from lightning_mpx.masters.weights import Mirror
+from lightning_mpx.masters.mirror import Mirror
 from lightning_mpx.scaling.workspace import UnscaleWorkspace
 
 

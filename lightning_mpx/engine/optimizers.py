@@ -14,40 +14,36 @@ from __future__ import annotations
 import itertools
 import operator
 import weakref
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
-from lightning_mpx.engine.clipping import show_unscaled
-from lightning_mpx.engine.grad_checks import reduce_checks, unscale
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
 from lightning_mpx.engine.rescale import (
-    follow_cleared_grads,
-    grad_marks,
     hold_scale,
-    leftovers,
     rescale_pending,
     rescale_stepped,
     rescale_unscaled,
-    resume_stepped,
 )
 from lightning_mpx.engine.sharding import Sharding
 from lightning_mpx.engine.step_guard import ScaledStepGuard
+from lightning_mpx.engine.unscaling import UnscalePath
 from lightning_mpx.health.telemetry import GradTelemetry
 from lightning_mpx.masters.handover import refuse_handed
+from lightning_mpx.masters.mirror import Mirror
 from lightning_mpx.masters.optimizer_hooks import MasterHooks
 from lightning_mpx.masters.pairs import param_pairs
 from lightning_mpx.masters.store import Masters
 from lightning_mpx.masters.swap import mirrors, state_to_params
-from lightning_mpx.masters.weights import Mirror
 from lightning_mpx.scaling.scaler import LossScaler
 
 _PARAMS = operator.itemgetter("params")
 _GRAD = operator.attrgetter("grad")
 
 
-class StepMachine:
-    """The prepared optimizers of one engine and their stages.
+class StepMachine(UnscalePath):
+    """The prepared optimizers of one engine and their stages; unscaling and checking their gradients is its base
+    :class:`~lightning_mpx.engine.unscaling.UnscalePath`'s.
 
     Args:
         scalers: The engine's loss scalers, one per loss (read, and updated by :meth:`update`).
@@ -242,116 +238,7 @@ class StepMachine:
             elif state.loss_id != loss_id or state.grad_scale is not None:
                 rescale_pending(state, loss_id, self.scalers, self.backend)
 
-    # -- unscale and clip ---------------------------------------------------------------------------------------
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """:meth:`Amp.unscale_ <lightning_mpx.engine.amp.Amp.unscale_>`."""
-        state = self.optimizers.get(id(optimizer)) or self.state(optimizer)  # state() raises for an unknown one
-        if state.stage is _Stage.UNSCALED:
-            raise RuntimeError(
-                "unscale_() has already been called on this optimizer since its last step() or update() (directly or "
-                "through clip_grad_norm_()/clip_grad_value_()); call step() (or update()) before unscaling again."
-            )
-        self._unscale(state, optimizer=optimizer)
-        if self.masters.weights:
-            # As after torch.amp.GradScaler.unscale_(): the model's own gradients hold the true values (a half copy;
-            # the FP32 ones the step uses stay in the masters), so code that clips or inspects them works. A write
-            # to them before the step is taken into the masters.
-            show_unscaled(self, optimizer, fresh=True)
-
     # -- step and update ----------------------------------------------------------------------------------------
-    def check(self, state: _OptimizerState, optimizer: torch.optim.Optimizer, reducer: Any) -> list[int]:
-        """Unscale the gradients of ``optimizer`` (the optimizer of ``state``) unless done (the local ones, or each
-        rank's shards), reduce its flags once across ranks (``reducer`` when set; under FSDP one collective with the
-        squared norm), count them toward the next update and read them on the host; returns the losses that
-        overflowed.
-
-        An unscale made here is followed by the step at once, with no user code in between, so the half gradients
-        it read are noted (for a later unscale, clip or backward to see what the user cleared since) only if the step
-        does not finish: :meth:`keep_marks`, called here and by ``Amp.step`` when an error leaves the step."""
-        self._unscaled_for_step(state, optimizer)
-        try:
-            return self._read_flags(state, reducer)
-        except BaseException:
-            self.keep_marks(state)
-            raise
-
-    def check_on_device(
-        self, state: _OptimizerState, optimizer: torch.optim.Optimizer, reducer: Any
-    ) -> tuple[list[int], torch.Tensor]:
-        """:meth:`check` without the host read: unscale unless done, reduce the flags with ``reducer`` (when set)
-        and count them toward the next update on the device. Returns the losses whose gradients the optimizer holds
-        and their flags (FP32, 1.0 on overflow: one per loss, or the one loss's own 0-d flag), for
-        a step that skips on the device."""
-        if state.stage is _Stage.READY:  # _unscale's usual case (a backward since the step), written out
-            unscale(state, optimizer, self.scalers[state.loss_id or 0], self.masters.weights, backend=self.backend,
-                    refuse_sparse=self.refuse_sparse, telemetry=self.telemetry, names=self.names,
-                    sharding=self.sharding)  # fmt: skip
-        elif state.stage is not _Stage.UNSCALED or self.masters.weights:  # unscaled by a clip: nothing to do at O1
-            self._unscaled_for_step(state, optimizer)
-        try:
-            if self.sharding is not None:  # the step's collective (unless a clip made it): every rank's flags agree
-                if not state.flags_reduced:
-                    reduce_checks(state, self.sharding, None, [], None)
-                reducer = None
-            loss_ids = sorted(state.found_by_loss)
-            if len(loss_ids) == 1 and reducer is None:  # the usual case: the one flag as it is, no kernel
-                flags = state.found_by_loss[loss_ids[0]]
-                if loss_ids[0] in self.iteration_found:  # unread: the update counts on the device
-                    self.record_found({loss_ids[0]: flags})
-                else:  # record_found's usual case (the first flag of the iteration), written out
-                    self.iteration_found[loss_ids[0]], self.iteration_read[loss_ids[0]] = flags, None
-                return loss_ids, flags
-            flags = torch.stack([state.found_by_loss[i].reshape(()) for i in loss_ids])
-            if reducer is not None:
-                reducer(flags)
-            self.record_found(dict(zip(loss_ids, flags.unbind(0))))
-            return loss_ids, flags
-        except BaseException:
-            self.keep_marks(state)
-            raise
-
-    def _unscaled_for_step(self, state: _OptimizerState, optimizer: torch.optim.Optimizer) -> None:
-        """The gradients unscaled for the step that follows at once (unscaled now without noting the half gradients
-        read, see :meth:`check`; or, unscaled before, with the user's clears since taken)."""
-        if state.stage is not _Stage.UNSCALED:
-            self._unscale(state, marks=False, optimizer=optimizer)
-        elif self.masters.weights:
-            follow_cleared_grads(state, self.masters.weights, optimizer)
-
-    def keep_marks(self, state: _OptimizerState) -> None:
-        """Note the half gradients an unscale read, when :meth:`check` unscaled without noting them and its step did
-        not finish (an error): the calls after it then treat the gradients as any unscale leaves them."""
-        if self.masters.weights and state.stage is _Stage.UNSCALED and not state.unscaled_marks:
-            state.unscaled_marks = grad_marks(state, self.masters.weights)
-
-    def _read_flags(self, state: _OptimizerState, reducer: Any) -> list[int]:
-        """Reduce the state's flags with ``reducer`` (when set), count them toward the next update and read them on
-        the host; returns the losses that overflowed."""
-        if self.sharding is not None:  # the step's collective, unless a clip made it already
-            if not state.flags_reduced:
-                reduce_checks(state, self.sharding, None, [], None)
-            reducer = None
-        loss_ids = sorted(state.found_by_loss)
-        if len(loss_ids) == 1 and reducer is None:  # the usual case: one loss, one process's flag, read as it is
-            (loss_id,) = loss_ids
-            found = state.found_by_loss[loss_id]
-            memo = state.flag_read  # read already by overflowed(): the same flag, not written since
-            overflowed = memo[1] if memo is not None and memo[0] is found else found.item() > 0
-            self.record_found({loss_id: found}, read={loss_id: overflowed})
-            return [loss_id] if overflowed else []
-        # One tensor for the reduction across processes and one host read; all ranks then agree loss by loss.
-        flags = (
-            state.found_by_loss[loss_ids[0]].reshape(1)  # one loss, the usual case: a view, no kernel
-            if len(loss_ids) == 1
-            else torch.stack([state.found_by_loss[i].reshape(()) for i in loss_ids])
-        )
-        if reducer is not None:
-            state.flag_read = None  # the reduction writes the flags in place
-            reducer(flags)
-        read = {i: flag > 0 for i, flag in zip(loss_ids, flags.tolist())}
-        self.record_found(dict(zip(loss_ids, flags.unbind(0))), read=read)
-        return [i for i in loss_ids if read[i]]
-
     def update(self) -> None:
         """Close the iteration: reset every optimizer's stage and update the scalers with the flags counted."""
         for state in self.optimizers.values():
@@ -377,67 +264,10 @@ class StepMachine:
         self.iteration_found.clear()
         self.iteration_read.clear()
 
-    def record_found(self, found_by_loss: dict[int, torch.Tensor], read: dict[int, bool] | None = None) -> None:
-        """Add overflow flags to the ones the next :meth:`update` applies, loss by loss; ``read``: what the host read
-        of each of them said (the step reads them), so that the update need not look again."""
-        for loss_id, found in found_by_loss.items():
-            seen = self.iteration_found.get(loss_id)
-            self.iteration_found[loss_id] = found if seen is None else torch.maximum(seen, found)
-            known = None if read is None else read.get(loss_id)
-            if seen is None:
-                self.iteration_read[loss_id] = known
-            elif known is None or self.iteration_read.get(loss_id) is None:
-                self.iteration_read[loss_id] = None  # one flag of the iteration was not read: the device counts
-            else:
-                self.iteration_read[loss_id] = bool(self.iteration_read[loss_id]) or known
-
     # -- internals ----------------------------------------------------------------------------------------------
     def _unscaled_params(self, optimizer: torch.optim.Optimizer, with_masters: bool) -> list[torch.Tensor]:
         """The tensors whose ``.grad`` holds ``optimizer``'s unscaled gradients (masters at O2), with a gradient."""
         return [p for p in self.master_params(optimizer, with_masters=with_masters) if p.grad is not None]
-
-    def refuse_sparse(self, param: torch.Tensor) -> None:
-        name = self.names.get(id(param), "an unnamed parameter")
-        raise ValueError(
-            f"parameter {name} has a sparse gradient, which lightning_mpx cannot unscale or check for overflow; "
-            "it needs dense gradients (for example nn.Embedding(..., sparse=False), the default)."
-        )
-
-    def _unscale(
-        self,
-        state: _OptimizerState,
-        max_norm: float | None = None,
-        *,
-        marks: bool = True,
-        optimizer: torch.optim.Optimizer | None = None,
-    ) -> None:
-        """Unscale the optimizer's gradients (:func:`~lightning_mpx.engine.grad_checks.unscale`); ``marks``: at O2,
-        note which half gradients were read, for the user code that may run before the step
-        (:func:`~lightning_mpx.engine.rescale.follow_cleared_grads`); a step that unscales for itself notes them only
-        if it does not finish (:meth:`keep_marks`)."""
-        weights = self.masters.weights
-        optimizer = state.optimizer if optimizer is None else optimizer
-        for held in weights if marks else ():  # unscale_() or a clip; a step's own unscale is refused by its Mirror
-            if held.handed:
-                refuse_handed(weights, [p for group in optimizer.param_groups for p in group["params"]])
-        if state.stage is _Stage.STEPPED:  # no backward since a step: what it left, taken again
-            resume_stepped(state, self.scalers, weights, optimizer, self.backend)
-        skipped = state.stage is _Stage.SKIPPED
-        unscale(
-            state,
-            optimizer,
-            self.scalers[state.loss_id or 0],
-            weights,
-            backend=self.backend,
-            refuse_sparse=self.refuse_sparse,
-            telemetry=self.telemetry,
-            names=self.names,
-            max_norm=max_norm,
-            sharding=self.sharding,
-            true_grads=[true for true, _ in leftovers(state, weights, optimizer)] if skipped else None,
-        )
-        if weights and not skipped and marks:
-            state.unscaled_marks = grad_marks(state, weights, optimizer)
 
 
 def _release_from_other_engines(optimizer: torch.optim.Optimizer, machine: StepMachine) -> None:

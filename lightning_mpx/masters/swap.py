@@ -17,8 +17,9 @@ from typing import Callable, Sequence
 import torch
 
 from lightning_mpx.engine.optimizer_state import _OptimizerState
+from lightning_mpx.masters.mirror import Mirror, step_mirrored
 from lightning_mpx.masters.pairs import param_pairs
-from lightning_mpx.masters.weights import MasterWeights, Mirror, step_mirrored
+from lightning_mpx.masters.weights import MasterWeights
 
 _PARAMS = operator.itemgetter("params")
 

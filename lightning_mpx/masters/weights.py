@@ -8,10 +8,8 @@ are FP32), and :meth:`MasterWeights.copy_to_model` writes the result back to the
 
 from __future__ import annotations
 
-import functools
-import operator
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -19,6 +17,13 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_mpx.common.dtypes import HALF_DTYPES
 from lightning_mpx.masters.fp32_buffers import keeps_fp32_buffer
+from lightning_mpx.masters.mirror import (
+    _HANDED_OVER,
+    Mirror,
+    _Entry,
+    _take_writes,
+    step_mirrored,  # noqa: F401  (kept import path)
+)
 from lightning_mpx.masters.watch import (
     _TENSOR_DATA,  # noqa: F401  (kept import path)
     WatchedParameter,
@@ -27,7 +32,8 @@ from lightning_mpx.masters.watch import (
     _watch_data,
     take_fp32_value,
 )
-from lightning_mpx.scaling.unscale import BACKENDS, UnscaleWorkspace, _one_copy_group, cast_copy_
+from lightning_mpx.masters.weights_checkpoint import MasterCheckpoint
+from lightning_mpx.scaling.unscale import BACKENDS, UnscaleWorkspace, cast_copy_
 
 __all__ = ["MasterWeights", "Mirror", "WatchedParameter", "convert_module", "has_floating_parameters"]
 
@@ -92,7 +98,7 @@ def convert_module(
     return module
 
 
-class MasterWeights:
+class MasterWeights(MasterCheckpoint):
     """FP32 master copies of a model's half parameters, kept coherent with the model.
 
     The optimizer keeps holding the model's own parameters (so ``optimizer.param_groups``, ``add_param_group``,
@@ -127,6 +133,9 @@ class MasterWeights:
         initial: FP32 values the half parameters held before their cast (by ``id`` of the parameter): a master made
             while its parameter still holds their rounding starts from them exactly (elements written since keep
             the model's value). Dropped by :meth:`drop_initial` once the masters that need them are made.
+
+    Its checkpoint (the masters, and the FP32 values kept for masters not made yet) is saved and loaded by its base
+    :class:`~lightning_mpx.masters.weights_checkpoint.MasterCheckpoint`.
 
     Attributes:
         workspace: The copy kernel's table cache, kept across steps.
@@ -261,27 +270,6 @@ class MasterWeights:
             entry.master = value.requires_grad_(True)
             _watch_data(param, self._watch)
         entry.mark(param)
-
-    def initial_state(self) -> dict[str, torch.Tensor]:
-        """The FP32 values kept from before the cast for masters not made yet, by name, cloned (a checkpoint taken
-        before the first step carries them, so that a resumed run makes those masters as the run it came from)."""
-        return {e.name: e.initial.detach().clone() for e, _ in self._live() if e.initial is not None}
-
-    def check_initial_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Raise, changing nothing, if :meth:`load_initial_state` cannot take ``state``."""
-        live = {entry.name: param for entry, param in self._live()}
-        for name, tensor in state.items():
-            if name not in live or tuple(tensor.shape) != tuple(live[name].shape):
-                raise ValueError(
-                    f"kept FP32 value {name!r} of the checkpoint matches no parameter of this model (or not its "
-                    "shape); nothing was loaded."
-                )
-
-    def load_initial_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Keep exactly the FP32 values of ``state`` for the masters not made yet (others are let go)."""
-        for entry, param in self._live():
-            value = state.get(entry.name)
-            entry.initial = None if value is None or entry.master is not None else value.detach().clone().float()
 
     def fp32_values(self) -> dict[int, torch.Tensor]:
         """By ``id`` of the parameter, the FP32 value of each half parameter that has a master or a kept value: its
@@ -431,148 +419,6 @@ class MasterWeights:
         for param, _ in self.half_pairs:
             param.grad = None
 
-    # -- checkpoints --------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """The FP32 masters of the half parameters, by name, cloned (exact, not rounded through half); writes made to
-        the model since the last step are taken first."""
-        for entry, param in list(self._live()) if self._eager else ():
-            if entry.master is None and param.requires_grad and param.dtype in HALF_DTYPES:
-                # Trainable now (unfrozen since preparing) but not stepped yet: its master is made here, so the
-                # checkpoint matches a run that prepares the model with it trainable.
-                self._make_master(entry, param)
-        self.refresh()
-        return {entry.name: entry.master.detach().clone() for entry, _ in self._live() if entry.master is not None}
-
-    def check_state_dict(self, state: dict[str, torch.Tensor], fp32: Iterable[str] = ()) -> None:
-        """Raise, changing nothing, if ``state`` cannot be loaded: other names, or a tensor of another shape.
-        ``fp32``: names of parameters the checkpoint holds elsewhere, as FP32 weights (modules promoted to FP32)."""
-        live = {entry.name: (entry, param) for entry, param in self._live()}
-        expected = {name for name, (entry, param) in live.items() if entry.master is not None} - set(fp32)
-        unexpected = [name for name in state if name not in live]
-        missing = sorted(expected - set(state))
-        if missing or unexpected:
-            raise KeyError(
-                f"master-weight state does not match the model: missing {missing}, unexpected {sorted(unexpected)}."
-            )
-        for name, tensor in state.items():
-            param = live[name][1]
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"master weight {name!r} has shape {tuple(tensor.shape)} in the checkpoint but the parameter has "
-                    f"shape {tuple(param.shape)}; nothing was loaded."
-                )
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore masters bit-exactly and refresh the half model parameters from them.
-
-        Raises:
-            KeyError: when names are missing or unexpected; ValueError: when a shape differs (also one that would
-                broadcast). Nothing is loaded in either case.
-        """
-        self.check_state_dict(state)
-        with torch.no_grad():
-            for entry, param in list(self._live()):
-                if entry.name not in state:
-                    continue
-                if entry.master is None:
-                    self._make_master(entry, param)
-                if entry.master is None:  # an FP32 parameter now (its module was promoted): the value is its own
-                    param.copy_(state[entry.name])
-                    continue
-                entry.master.copy_(state[entry.name])
-        self.copy_to_model()
-
-
-class Mirror:
-    """The half parameters one optimizer steps and their masters, held for its steps.
-
-    :meth:`take_writes` and :meth:`copy_to_model` are what a step adds at O2: a comparison of the parameters'
-    version counters and addresses as two tuples (C-level maps, about 0.1 us per parameter) and one look at the
-    masters' :class:`_DataWatch` (whether anyone took a parameter's ``.data``), which find nothing in the common
-    case, and the copy of the masters into the model (torch's multi-tensor copy, or the fused kernel with
-    ``backend="triton"``).
-    """
-
-    def __init__(
-        self,
-        pairs: list[tuple[_Entry, torch.Tensor]],
-        copy_backend: str,
-        compare: bool = False,
-        watch: _DataWatch | None = None,
-    ) -> None:
-        self.compare = compare  # compare values every step, not only version counters and handed-out .data
-        self._pairs = pairs
-        self._entries = [entry for entry, _ in pairs]
-        self.params = [param for _, param in pairs]
-        self.masters = [entry.master for entry, _ in pairs]
-        self.copy_backend = copy_backend
-        self.workspace = UnscaleWorkspace()
-        self._watch = watch if watch is not None else _DataWatch()
-        self._keys = {id(param) for param in self.params}
-        self._marks: tuple[tuple[int, ...], tuple[int, ...]] | None = None
-        # Whether torch's copy takes every pair in one call (the auto or foreach backend; CPU tensors, or one device
-        # and one dtype on each side): asked again when a parameter was written or replaced since the last step (it
-        # may have moved to another device). A stale answer would cost speed only: torch's copy takes any pair on
-        # any device.
-        self._one_call: bool | None = None
-
-    def _current(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        return tuple(map(_VERSION, self.params)), tuple(map(torch.Tensor.data_ptr, self.params))
-
-    def take_writes(self) -> list[str]:
-        """Take writes made to the parameters since the masters last matched them (see
-        :meth:`MasterWeights.refresh`)."""
-        if self.compare:
-            taken = _take_writes(self._pairs)
-        else:
-            watch, params = self._watch, self.params
-            # the watch's active() and _current() written out: the step's usual case is this comparison alone
-            handed_out = watch.due(self._keys) if watch.dirty or watch.aliases else ()
-            current = tuple(map(_VERSION, params)), tuple(map(torch.Tensor.data_ptr, params))
-            if not handed_out and current == self._marks:
-                return []
-            taken = _take_writes([(e, p) for e, p in self._pairs if id(p) in handed_out or not e.unchanged(p)])
-        self._marks = self._current()
-        self._one_call = None
-        return taken
-
-    def copy_to_model(self) -> None:
-        """Write the masters into the half parameters (after a real step) and remember their new versions."""
-        if not self.params:
-            return
-        if self._one_call is None:
-            self._one_call = self.copy_backend in ("auto", "foreach") and _one_copy_group(self.masters, self.params)
-        if self._one_call:  # cast_copy_'s usual case, without its per-step look at every tensor's device and dtype
-            # torch's multi-tensor copy with gradients off (parameters are written), as scaling.unscale's
-            # _foreach_copy_: written out here so that a step enters the kernels' module once, for its unscale
-            grad_mode = torch.is_grad_enabled()
-            torch._C._set_grad_enabled(False)
-            try:
-                torch._foreach_copy_(self.params, self.masters)
-            finally:
-                torch._C._set_grad_enabled(grad_mode)
-        else:
-            cast_copy_(self.params, self.masters, backend=self.copy_backend, workspace=self.workspace)
-        params = self.params
-        self._marks = versions, addresses = tuple(map(_VERSION, params)), tuple(map(torch.Tensor.data_ptr, params))
-        for entry, version, address in zip(self._entries, versions, addresses):
-            entry.version, entry.address = version, address
-
-
-def step_mirrored(mirrors: list[Mirror], step: Callable[[], object]) -> None:
-    """One optimizer step seen through ``mirrors``: each one's writes taken (:meth:`Mirror.take_writes`), ``step``
-    called (the masters stand in for the parameters), and the masters copied into the model
-    (:meth:`Mirror.copy_to_model`); nothing is copied when ``step`` raises."""
-    for mirror in mirrors:
-        mirror.take_writes()
-    step()
-    for mirror in mirrors:
-        mirror.copy_to_model()
-
-
-_VERSION = operator.attrgetter("_version")
-_HANDED_OVER = -2  # an _Entry's version once its parameter went to another engine (MasterWeights.hand_over)
-
 
 def _fp32_of(entry: _Entry, param: torch.Tensor) -> torch.Tensor | None:
     """See :meth:`MasterWeights.fp32_values`."""
@@ -601,17 +447,6 @@ def _take_differing(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
     return master
 
 
-def _resized(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
-    """A new FP32 master for ``param``, resized since (``resize_token_embeddings``): its value, but for the leading
-    elements it shares with ``master`` (the rows kept) where it still holds their rounding: those keep FP32."""
-    new = param.detach().float()
-    if master.dim() == param.dim():
-        common = tuple(slice(0, min(a, b)) for a, b in zip(master.shape, param.shape))
-        kept = master.detach()[common]
-        torch.where(param.detach()[common] != kept.to(param.dtype), new[common], kept, out=new[common])
-    return new
-
-
 def _multi_process() -> bool:
     """Whether a ``torch.distributed`` process group of more than one rank is initialized (its frameworks broadcast
     rank zero's half weights: masters must then be their rounding on every rank, not each rank's own FP32 values).
@@ -619,74 +454,3 @@ def _multi_process() -> bool:
     to agree with: its masters keep their FP32 values, as in a single process."""
     dist = torch.distributed
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _take_writes(pairs: list[tuple[_Entry, torch.Tensor]]) -> list[str]:
-    """Take the writes of ``pairs``' parameters into their masters where the two differ as half values (the other
-    elements keep their FP32 master value), with one host read for all; returns the names of those that changed."""
-    taken: list[str] = []
-    compared = []
-    with torch.no_grad():
-        for entry, param in pairs:
-            master = entry.master
-            if entry.version == _HANDED_OVER:
-                raise RuntimeError(
-                    f"parameter {entry.name!r} was handed to another engine, which prepared its model since (a new "
-                    "MixedPrecisionPlugin, FabricMixedPrecisionPlugin or Amp: a second stage) and steps its FP32 "
-                    "master now, or was made another dtype since (the model's .float(), .double(), .half(), which "
-                    "took its FP32 master) or let go (release_masters); this optimizer's engine no longer holds it. "
-                    "Step the model with the optimizer of the engine that prepared it last (prepare it again after "
-                    "changing its dtype)."
-                )
-            assert master is not None
-            entry.mark(param)
-            if master.device != param.device:
-                master.data = master.data.to(param.device)
-            if master.shape != param.shape:  # resized (``p.data = t``): where the two overlap, as any write
-                master.data = _resized(param, master)
-                taken.append(entry.name)
-                continue
-            compared.append((entry, param, param != master.to(param.dtype)))  # NaN != NaN: a NaN written is taken
-        if not compared:
-            return taken
-        device = compared[0][2].device
-        hits = torch.stack([mask.any().to(device) for _, _, mask in compared]).tolist()
-        for (entry, param, mask), hit in zip(compared, hits):
-            if hit:  # the same half values written again (a checkpoint's rounding) keep the FP32 masters
-                master = entry.master
-                assert master is not None
-                master.copy_(torch.where(mask, param.float(), master))
-                taken.append(entry.name)
-    return taken
-
-
-
-class _Entry:
-    """One model parameter: its name, a weak reference, its master (``None`` until made; FP32 parameters have
-    none) and the version and address it had when the master last matched it. When the parameter is collected (the
-    user let its model go) the master and the kept FP32 value go with it at once, not at the engine's next walk of its
-    entries: an engine that lives on (a notebook's, a second stage's) holds no FP32 copy of a model nobody holds."""
-
-    __slots__ = ("name", "param", "master", "initial", "version", "address", "__weakref__")
-
-    def __init__(self, name: str, param: torch.Tensor) -> None:
-        self.name = name
-        # The callback holds the entry weakly (no cycle): a dropped MasterWeights is freed by reference counting.
-        self.param = weakref.ref(param, functools.partial(_let_values_go, weakref.ref(self)))
-        self.master: torch.Tensor | None = None
-        self.initial: torch.Tensor | None = None  # the FP32 value before the cast to half, until the master is made
-        self.version = -1
-        self.address = -1
-
-    def mark(self, param: torch.Tensor) -> None:
-        self.version, self.address = param._version, param.data_ptr()
-
-    def unchanged(self, param: torch.Tensor) -> bool:
-        return param._version == self.version and param.data_ptr() == self.address
-
-
-def _let_values_go(entry: weakref.ref[_Entry], _: object) -> None:
-    """A parameter's weak-reference callback: its entry lets go of its FP32 master and kept value."""
-    held = entry()
-    if held is not None:
-        held.master = held.initial = None

@@ -1,0 +1,144 @@
+"""The Fabric plugin's bookkeeping (:class:`FabricBookkeeping`, a base of
+:class:`~lightning_mpx.integrations.fabric.FabricMixedPrecisionPlugin`): catching up, at each call that starts work,
+with what Fabric did since the last one (the models a strategy sharded after set-up, the masters to take from the
+set-up model, a scale update due), the optimizers the plugin meets at their first unscale or step, and the plugin's
+records (metrics, checkpoints, teardown). Fabric's ``Precision`` hooks themselves stay on the plugin."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_mpx.common.containers import read_floats
+from lightning_mpx.engine.amp import Amp
+from lightning_mpx.engine.optimizer_state import optimizer_params
+from lightning_mpx.engine.overflow import DEFAULT_READER
+from lightning_mpx.engine.sharding import refuse_gathered
+from lightning_mpx.integrations.fabric_checkpoint import HeldMasters, masters_left_to_models
+from lightning_mpx.integrations.fabric_sharding import adopt_sharded
+from lightning_mpx.integrations.metric_counts import upgrade_unlogged
+from lightning_mpx.masters.weights import MasterWeights
+
+__all__ = ["FabricBookkeeping"]
+
+
+class FabricBookkeeping:
+    """The bookkeeping of a Fabric plugin whose ``amp`` is a :class:`~lightning_mpx.Amp`: its records (metrics,
+    checkpoints, teardown) and what it catches up with at each call (``_begin``, ``_after_setup``, ``_register``)."""
+
+    amp: Amp
+    _modules: weakref.WeakSet[nn.Module]  # the models convert_module prepared
+    _unsynced: list[MasterWeights]  # masters made by convert_module, to take from the set-up model
+    _unchecked: list[weakref.ref[nn.Module]]  # prepared by convert_module; sharded by the strategy?
+    _optimizers: weakref.WeakSet[Optimizer]  # the optimizers registered with the engine
+    _held: HeldMasters  # masters a loaded entry left to the model's entry
+
+    # -- metrics, checkpoints, teardown ------------------------------------------------------------------------
+    def request_telemetry(self) -> None:
+        """Measure underflow and headroom in this iteration's unscale (``mpx/underflow/<group>``,
+        ``mpx/headroom/<group>`` in the next :meth:`metrics`); call it before the backward of a step you log."""
+        self._begin()
+        self.amp.request_telemetry()
+
+    def metrics(self) -> dict[str, float]:
+        """The ``mpx/*`` metrics as Python numbers, for ``fabric.log_dict``: ``mpx/loss_scale``, ``mpx/overflows``
+        (since the previous call; after ``fabric.load``, since the saving run's previous call), ``mpx/skipped_steps``...
+        (see :meth:`lightning_mpx.engine.amp.Amp.metrics`). Reads the device (it syncs): call it on the steps you log.
+        Steps skipped on the device (``skip_on_device``) are read first, so that ``mpx/skipped_steps`` counts them."""
+        self._begin()
+        self.amp.read_step_outcomes()
+        return read_floats(self.amp.metrics())  # one host read, not one per metric
+
+    def state_dict(self) -> dict[str, Any]:
+        """Loss scalers, FP32 master weights and counters: put the plugin into the state you save
+        (``fabric.save(path, {"model": model, "optimizer": optimizer, "mpx": mpx})``). At O2 the masters a set-up
+        model's ``state_dict()`` gives are named, not held: the model's entry holds them (each written once)."""
+        self._begin()  # a pending scale update belongs to the iteration that is being saved
+        # with metrics()'s position: a resumed run's first call counts from there
+        return masters_left_to_models(self.amp, self._modules, self.amp.state_dict())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (``fabric.load`` does, for the plugin's entry of the state)."""
+        self._begin()
+        self.amp.load_state_dict(upgrade_unlogged(state_dict, DEFAULT_READER))  # (a checkpoint of the release before)
+        self._held.loaded(self.amp, state_dict)  # masters left to the model's entry: loaded by the next call?
+
+    def teardown(self) -> None:
+        self._begin()
+        # Every rank tears down: the last steps skipped on the device are settled (their records merged across
+        # ranks, logged, their floor applied).
+        self.amp.settle_step_outcomes()
+
+    # -- internals ---------------------------------------------------------------------------------------------
+    def _begin(self) -> None:
+        """At every call that starts work (a forward, a backward, metrics, checkpoints): take new models' masters
+        from the set-up model, and update the scales after the optimizer steps of the iteration that ended. Not in a
+        model compiled after ``fabric.setup`` (traced, it would break the graph or put the update in it): the next
+        eager call (``fabric.backward``, before any use of the scale) does it."""
+        # torch.compiler.is_compiling() with a call saved (three times a step): dynamo makes is_dynamo_compiling() a
+        # constant True (the flag is not traced); eager code reads the flag that is_compiling() returns there.
+        if not (torch.compiler.is_dynamo_compiling() or torch.compiler._is_compiling_flag):
+            # Each test is the one its call makes first: the calls only when there is work (a forward, a backward,
+            # each call per step otherwise).
+            if self._unchecked or self._unsynced:
+                self._after_setup()
+            if self._held.pending:
+                self._held.check(self.amp)
+            if self.amp.iteration.update_pending:
+                self.amp.end_iteration()
+
+    def _after_setup(self) -> None:
+        """At the first call after ``fabric.setup``: hand the engine the models the strategy sharded, and take new
+        models' masters from the set-up model."""
+        if self._unchecked:
+            adopt_sharded(self)
+        if self._unsynced:
+            for masters in self._unsynced:
+                masters.sync_from_model()
+            self._unsynced.clear()
+
+    def _register(self, optimizer: Optimizer, lazily: bool = True) -> None:
+        if self._unchecked or self._unsynced:  # not _begin(): a scale update waits for every optimizer's step
+            self._after_setup()
+        if optimizer in self._optimizers:
+            return
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(
+                f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer: FabricMixedPrecisionPlugin "
+                "supports Fabric's single-device and DDP strategies (DeepSpeed steps its own engine)."
+            )
+        if lazily and self.amp.num_losses > 1:
+            raise RuntimeError(
+                f"num_losses={self.amp.num_losses}: the plugin must know every optimizer before the first "
+                f"fabric.backward(), to tell which loss's scale its gradients carry; call "
+                f"plugin.setup_optimizers({type(optimizer).__name__.lower()}, ...) after fabric.setup()."
+            )
+        if self.amp.properties.master_weights and _has_half_state(optimizer):
+            raise RuntimeError(
+                f"optimizer={type(optimizer).__name__} has state for the model's half parameters that the plugin did "
+                "not make: it was loaded (fabric.load) before the plugin knew the optimizer, which rounds the FP32 "
+                "state of the O2 masters to half. Call plugin.setup_optimizers(optimizer) after fabric.setup() and "
+                "before fabric.load()."
+            )
+        # The plugin prepared its models before a strategy sharded them (the engine never saw them sharded): an
+        # optimizer built after an evaluation, over the root's gathered copies, is refused here.
+        refuse_gathered(list(self._modules), optimizer_params(optimizer))
+        self.amp.prepare_optimizer(optimizer)
+        self._optimizers.add(optimizer)
+
+
+def _has_half_state(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` holds floating-point state (beyond ``step``) in a half parameter's own dtype: what
+    torch's ``load_state_dict`` casts a loaded state to. FP32 state of a half parameter is not that: an earlier
+    stage's (O1, FP32 training) optimizer, given to this O2 stage, whose masters take it over as it is."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.dtype in (torch.float16, torch.bfloat16) and param in optimizer.state:
+                state = optimizer.state[param]
+                if any(torch.is_tensor(v) and v.dtype == param.dtype and k != "step" for k, v in state.items()):
+                    return True
+    return False
