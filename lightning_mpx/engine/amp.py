@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
+from lightning_mpx.casting.policy import CastPolicy
 from lightning_mpx.casting.targets import cast_model_inputs
 from lightning_mpx.common.containers import _cast_collection
 from lightning_mpx.engine.amp_parts import AmpParts
@@ -45,6 +46,7 @@ from lightning_mpx.settings import (  # noqa: F401
     MixedPrecisionSettings,
     OnFloor,
     SettingsKeywords,
+    check_flag,
     keyword_signature,
 )
 
@@ -263,8 +265,7 @@ class Amp(AmpParts):
     def backward_context(self, *, create_graph: bool = False) -> ContextManager[Any]:
         """The scope of a backward pass (``create_graph``: it builds a graph): activation checkpointing recomputes
         with the forward's casts inside it (:meth:`~lightning_mpx.casting.policy.CastPolicy.recompute_scope`)."""
-        policy = self.policy
-        return policy.recompute_scope(create_graph=create_graph) if policy is not None else contextlib.nullcontext()
+        return _backward_scope(self.policy, create_graph)
 
     # -- optimizer step -----------------------------------------------------------------------------------------
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -438,6 +439,7 @@ class Amp(AmpParts):
         (``Accelerator.free_memory()``): its loss scales, overflow totals, skipped steps and metrics readers'
         positions, so that the scale curve and the logged counts go on as ``torch.amp.GradScaler`` does across
         Accelerate's own ``free_memory()``. Masters and optimizers are not taken (see ``accelerate_forward``)."""
+        _check_engine(other)
         other.read_step_outcomes()
         for mine, theirs in zip(self.scalers, other.scalers, strict=True):
             mine.load_state_dict(theirs.state_dict())
@@ -449,3 +451,17 @@ class Amp(AmpParts):
     def _loss_index(self, loss_id: int) -> int:
         return loss_index(loss_id, len(self.scalers))
 
+
+def _backward_scope(policy: CastPolicy | None, create_graph: object) -> ContextManager[Any]:
+    """:meth:`Amp.backward_context`'s scope: ``policy``'s recompute scope, or none without a policy (O0)."""
+    check_flag("create_graph", create_graph)
+    return policy.recompute_scope(create_graph=create_graph) if policy is not None else contextlib.nullcontext()
+
+
+def _check_engine(other: object) -> None:
+    """Raise ``TypeError`` unless ``other`` is an :class:`Amp` (the engine :meth:`Amp.continue_from` goes on from)."""
+    if not isinstance(other, Amp):
+        raise TypeError(
+            f"other={other!r} must be a lightning_mpx.Amp: the engine this one replaces (its loss scales and counts "
+            "go on here)."
+        )
