@@ -48,6 +48,7 @@ __all__ = [
     "ScalerKeywords",
     "ScalerSettings",
     "SettingsKeywords",
+    "ignored_level_settings",
     "ignored_scaler_settings",
     "implicit_half_dtype",
     "keyword_signature",
@@ -253,7 +254,8 @@ class MixedPrecisionSettings:
         cast_table: The table of the O1 policy. ``None``: the table of the device the model is on at the first
             forward (:meth:`CastTable.for_device`: on CUDA, the default settled ``torch.autocast``'s way, which runs
             with no Python per call; elsewhere :meth:`CastTable.default`). Only valid when the policy is on.
-        allow_banned: Run banned ops (``binary_cross_entropy``) in FP32 instead of raising.
+        allow_banned: Run banned ops (``binary_cross_entropy``) in FP32 instead of raising. Only O1's cast table
+            bans ops: given at another level it is named as ignored (:func:`ignored_level_settings`).
         unscale_backend: ``"auto"``, ``"foreach"``, ``"reference"`` or ``"triton"`` (see
             :mod:`lightning_mpx.scaling.unscale`); also used for the master-to-model copy at O2.
         overflow_log_interval: Minimum seconds between two overflow log messages.
@@ -262,7 +264,8 @@ class MixedPrecisionSettings:
             hands out, such as WGAN's ``p.data.clamp_()``: no cost when nothing was written; see
             :class:`~lightning_mpx.masters.weights.WatchedParameter`) or ``"values"`` (every half parameter is
             compared with its master's rounding before each step: one read of the weights and one host sync per
-            step, and every write is seen).
+            step, and every write is seen). Only read with FP32 masters (O2): given at another level it is named as
+            ignored.
         diagnose_overflows: Watch every forward with hooks that flag non-finite module outputs on the device, so
             that each overflow's record says whether the forward or the backward produced the non-finite values and
             which module did first. Without it the forward is watched only after an overflow with the scale at its
@@ -270,7 +273,7 @@ class MixedPrecisionSettings:
         fp32_modules: Module-name patterns (:mod:`fnmatch`, on the names of ``model.named_modules()``, e.g.
             ``["lm_head", "*.norm"]``) of modules that run in FP32 at every opt level (see
             :mod:`lightning_mpx.health.promotion`). A pattern that matches no module raises ``ValueError`` when an
-            optimizer is prepared.
+            optimizer is prepared. At O0 (the whole model FP32) it is named as ignored.
         skip_on_device: Where an overflowed step is skipped. ``None`` (default, "auto"): on the device for each
             optimizer that can skip its own step there (``torch.optim.Adam`` and ``AdamW`` with ``fused=True`` in
             every parameter group, on a model that is not sharded by FSDP1, with ``on_floor`` other than
@@ -475,27 +478,66 @@ def _rank_zero() -> bool:
     return all(os.environ.get(name, "0") == "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK"))
 
 
-def warn_ignored_scaler_settings(settings: MixedPrecisionSettings) -> None:
-    """Warn (``UserWarning``, rank zero only) naming the scaler settings that ``settings``' static loss scale ignores
-    (:func:`ignored_scaler_settings`) and the remedy, ``loss_scale="dynamic"``. The engine calls it once the half
-    dtype is known: when built with one, or when :meth:`~lightning_mpx.engine.amp.Amp.pick_half_dtype` picks it."""
-    ignored = ignored_scaler_settings(settings)
-    if not ignored or not _rank_zero():
-        return
+def ignored_level_settings(settings: MixedPrecisionSettings) -> dict[str, str]:
+    """The settings of ``settings`` given other than their defaults that its opt level (with its overrides) never
+    reads, each with what to do instead: ``model_writes`` without FP32 master weights (only O2 has them),
+    ``allow_banned`` without the cast table (only O1 bans ops: O2 runs losses in FP32 anyway), ``fp32_modules`` where
+    nothing runs in half (O0). ``{}`` when every setting given is read. (The other settings are read at every level:
+    at O0 the gradients are checked, unscaled by ``unscale_backend``, diagnosed, logged and measured against the half
+    dtype's range too; the scaler's settings are :func:`ignored_scaler_settings`'.)"""
     props = settings.properties
-    named = ", ".join(f"{name}={value!r}" for name, value in ignored.items())
-    why = "" if "loss_scale" in settings.overrides else f" ({props.opt_level}'s default)"
-    if why and props.half_dtype == torch.bfloat16 and props.opt_level in ("O1", "O2"):
-        why = " (bfloat16's default: it has FP32's range)"
-    warnings.warn(
-        f"lightning_mpx: {named} {'is' if len(ignored) == 1 else 'are'} ignored: opt_level={props.opt_level!r} with "
-        f"half_dtype {str(props.half_dtype).replace('torch.', '')} uses the static loss scale "
-        f"{float(props.loss_scale)}{why}, and "
-        "only a dynamic loss scale reads them. Pass loss_scale='dynamic' for a dynamic scale that uses them, or leave "
-        "them out.",
-        UserWarning,
-        stacklevel=2,
-    )
+    level = f"opt_level={props.opt_level!r}"
+    out: dict[str, str] = {}
+    if not props.master_weights and settings.model_writes != DEFAULTS.model_writes:
+        out["model_writes"] = (
+            f"model_writes={settings.model_writes!r} is ignored: {level} keeps no FP32 master weights, and "
+            "model_writes only applies to O2's masters. Leave it out, or use opt_level='O2'."
+        )
+    if not props.patch_torch_functions and settings.allow_banned != DEFAULTS.allow_banned:
+        out["allow_banned"] = (
+            f"allow_banned={settings.allow_banned!r} is ignored: {level} runs no cast table, and only O1's cast "
+            "table bans ops" + (" (O2 runs losses in FP32 anyway)" if props.master_weights else "")
+            + ". Leave it out, or use opt_level='O1'."
+        )
+    if not props.has_cast_policy and tuple(settings.fp32_modules) != tuple(DEFAULTS.fp32_modules):
+        out["fp32_modules"] = (
+            f"fp32_modules={list(settings.fp32_modules)!r} is ignored: {level} runs the whole model in FP32 already. "
+            "Leave it out, or use opt_level='O1', 'O2' or 'O3'."
+        )
+    return out
+
+
+def warn_ignored_settings(settings: MixedPrecisionSettings) -> None:
+    """Warn once per settings object (one ``UserWarning``, rank zero only) naming every setting given that
+    ``settings`` ignore, with the remedy: the scaler settings its static loss scale ignores
+    (:func:`ignored_scaler_settings`; remedy ``loss_scale="dynamic"``) and the settings its opt level never reads
+    (:func:`ignored_level_settings`). The engine calls it once the half dtype is known: when built with one, or when
+    :meth:`~lightning_mpx.engine.amp.Amp.pick_half_dtype` picks it. A setting given at its default is not given."""
+    if getattr(settings, "_ignored_warned", False) or not _rank_zero():
+        return
+    parts = []
+    ignored = ignored_scaler_settings(settings)
+    if ignored:
+        props = settings.properties
+        named = ", ".join(f"{name}={value!r}" for name, value in ignored.items())
+        why = "" if "loss_scale" in settings.overrides else f" ({props.opt_level}'s default)"
+        if why and props.half_dtype == torch.bfloat16 and props.opt_level in ("O1", "O2"):
+            why = " (bfloat16's default: it has FP32's range)"
+        parts.append(
+            f"{named} {'is' if len(ignored) == 1 else 'are'} ignored: opt_level={props.opt_level!r} with "
+            f"half_dtype {str(props.half_dtype).replace('torch.', '')} uses the static loss scale "
+            f"{float(props.loss_scale)}{why}, and only a dynamic loss scale reads them. Pass loss_scale='dynamic' "
+            "for a dynamic scale that uses them, or leave them out."
+        )
+    parts += ignored_level_settings(settings).values()
+    if not parts:
+        return
+    object.__setattr__(settings, "_ignored_warned", True)  # once per settings object (a frozen dataclass)
+    warnings.warn("lightning_mpx: " + " ".join(parts), UserWarning, stacklevel=2)
+
+
+#: The name the engine calls (the warning began with the scaler's settings).
+warn_ignored_scaler_settings = warn_ignored_settings
 
 
 class SettingsKeywords(ScalerKeywords, OptLevelOverrides, total=False):

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
+from lightning_mpx.casting.policy import CastPolicy
 from lightning_mpx.casting.targets import cast_model_inputs
 from lightning_mpx.common.containers import _cast_collection
 from lightning_mpx.engine.amp_records import AmpRecords
@@ -43,6 +44,7 @@ from lightning_mpx.settings import (  # noqa: F401
     MixedPrecisionSettings,
     OnFloor,
     SettingsKeywords,
+    check_flag,
     keyword_signature,
 )
 
@@ -256,8 +258,7 @@ class Amp(AmpRecords):
     def backward_context(self, *, create_graph: bool = False) -> ContextManager[Any]:
         """The scope of a backward pass (``create_graph``: it builds a graph): activation checkpointing recomputes
         with the forward's casts inside it (:meth:`~lightning_mpx.casting.policy.CastPolicy.recompute_scope`)."""
-        policy = self.policy
-        return policy.recompute_scope(create_graph=create_graph) if policy is not None else contextlib.nullcontext()
+        return _backward_scope(self.policy, create_graph)
 
     # -- optimizer step -----------------------------------------------------------------------------------------
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -354,4 +355,10 @@ class Amp(AmpRecords):
     # -- internals ----------------------------------------------------------------------------------------------
     def _loss_index(self, loss_id: int) -> int:
         return loss_index(loss_id, len(self.scalers))
+
+
+def _backward_scope(policy: CastPolicy | None, create_graph: object) -> ContextManager[Any]:
+    """:meth:`Amp.backward_context`'s scope: ``policy``'s recompute scope, or none without a policy (O0)."""
+    check_flag("create_graph", create_graph)
+    return policy.recompute_scope(create_graph=create_graph) if policy is not None else contextlib.nullcontext()
 

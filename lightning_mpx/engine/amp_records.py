@@ -106,9 +106,20 @@ class AmpRecords(AmpParts):
         (``Accelerator.free_memory()``): its loss scales, overflow totals, skipped steps and metrics readers'
         positions, so that the scale curve and the logged counts go on as ``torch.amp.GradScaler`` does across
         Accelerate's own ``free_memory()``. Masters and optimizers are not taken (see ``accelerate_forward``)."""
+        _check_engine(other)
         other.read_step_outcomes()
         for mine, theirs in zip(self.scalers, other.scalers, strict=True):
             mine.load_state_dict(theirs.state_dict())
         self._overflows.skipped_steps[:] = other._overflows.skipped_steps
         self.forensics.load_state_dict(other.forensics.state_dict())
         self._overflows.load_readers(other._overflows.readers_state(), self.telemetry.measurements)
+
+
+def _check_engine(other: object) -> None:
+    """Raise ``TypeError`` unless ``other`` is an engine (the :class:`~lightning_mpx.engine.amp.Amp`
+    :meth:`AmpRecords.continue_from` goes on from)."""
+    if not isinstance(other, AmpRecords):
+        raise TypeError(
+            f"other={other!r} must be a lightning_mpx.Amp: the engine this one replaces (its loss scales and counts "
+            "go on here)."
+        )

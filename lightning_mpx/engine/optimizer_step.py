@@ -69,6 +69,8 @@ class OptimizerStep:
     Attributes:
         steps: ``step()`` calls so far, all optimizers (``OverflowRecord.step``).
         pending: The steps skipped on the device that are not settled yet.
+        closed: ``None``, or why :meth:`step` is refused (the message of its ``RuntimeError``): set by a front door
+            whose run ended (the Trainer plugin's teardown), cleared when the next one starts.
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class OptimizerStep:
         self.master_of = master_of
         self.skip_on_device = skip_on_device
         self.steps = 0
+        self.closed: str | None = None
         self.pending = PendingSteps(self.examine, self.settle, forensics.watch)
 
     def step(
@@ -100,6 +103,8 @@ class OptimizerStep:
         """:meth:`Amp.step <lightning_mpx.engine.amp.Amp.step>`: ``reducer`` reduces the flags across processes
         (``found_inf_reducer``), ``iteration`` is the engine's (its ``update()`` calls so far), ``compare``: compare
         the model's values with the masters' every step (``model_writes="values"``)."""
+        if self.closed is not None:
+            raise RuntimeError(self.closed)
         state = self.machine.optimizers.get(id(optimizer))
         if state is None:
             self.machine.state(optimizer)  # raises: the optimizer was not registered

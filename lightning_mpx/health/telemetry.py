@@ -46,7 +46,14 @@ def module_groups(names: Sequence[str], all_names: Iterable[str] | None = None) 
         names: The parameter names to group.
         all_names: Every parameter name of the model(s), to decide whether there is a lone wrapper (default:
             ``names``).
+
+    Raises:
+        TypeError: for ``names`` or ``all_names`` given as one string.
     """
+    for name, value in (("names", names), ("all_names", all_names)):
+        if isinstance(value, str):  # a string is a sequence of its characters: each would be a parameter name
+            raise TypeError(f"{name}={value!r} must be a list of parameter names, not a string; did you mean "
+                            f"{name}=[{value!r}]?")
     every = list(names if all_names is None else all_names)
     heads = {name.split(".", 1)[0] for name in every}
     wrapped = len(heads) == 1 and all("." in name for name in every)

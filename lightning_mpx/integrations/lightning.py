@@ -247,6 +247,7 @@ class MixedPrecisionPlugin(GradientClipping, CheckpointHooks, FSDPPrecision):
         trainer = trainer_of(model)
         sharded = trainer is not None and shards_model(trainer.strategy)
         self._gradient_readers.clear()  # a new fit: classes may have changed since the last one
+        self.amp._stepper.closed = None  # a new run: the Trainer steps through the engine again
         if sharded:
             if model is not self._sharded:
                 if not is_sharded(model):
@@ -451,6 +452,12 @@ class MixedPrecisionPlugin(GradientClipping, CheckpointHooks, FSDPPrecision):
         self._held.release()
         self._model_hooks.remove()
         self._evaluation.restore()  # an evaluation before the first fit: the model is the user's FP32 model again
+        self.amp._stepper.closed = (  # the weights stay as the run left them
+            f"{type(self).__name__}.amp.step() was called after the Trainer's teardown (the end of trainer.fit(), "
+            "validate() or test()): the Trainer steps the optimizers through the engine inside trainer.fit(). Call "
+            "trainer.fit() again to train on, or build an engine of your own for a loop of your own "
+            "(lightning_mpx.Amp.from_settings(plugin.settings), then prepare_model() and prepare_optimizer())."
+        )
 
     # -- internals -----------------------------------------------------------------------------------------------
     def _end_iteration(self, log: bool = True) -> None:

@@ -19,6 +19,7 @@ from lightning_mpx.masters.handover import warn_handed_over
 from lightning_mpx.masters.pairs import param_pairs
 from lightning_mpx.masters.watch import carried_value
 from lightning_mpx.masters.weights import MasterWeights
+from lightning_mpx.settings import check_flag
 
 
 class Masters:
@@ -148,6 +149,7 @@ class Masters:
 
     def refresh(self, params: Iterable[torch.Tensor] | None, *, force: bool) -> list[str]:
         """Take writes to the half model into the masters; returns the names of the parameters that took one."""
+        check_flag("force", force)
         if params is not None:
             if isinstance(params, (nn.Module, torch.Tensor)) or not isinstance(params, Iterable):
                 raise TypeError(
