@@ -218,39 +218,45 @@ def policy_scope(policy: _Policy) -> Iterator[Any]:
     """:meth:`CastPolicy.scope <lightning_mpx.casting.policy.CastPolicy.scope>`: the policy applied to torch calls
     on this thread until the block ends (also when it raises): under the ``"autocast"`` engine, ``torch.autocast``
     and, only where the table differs from it, the Python mode."""
-    traced = torch.compiler.is_dynamo_compiling()
-    if traced or _actions_key(policy) != policy._actions_of:  # the key read inline in eager code (a call saved)
-        policy._refresh_actions()
-    # Evaluation casts are redone in every scope: a write through ``p.data`` leaves no trace on ``p``.
-    policy._no_grad_cache.clear()
-    device = policy._autocast_device
-    if device is None:
-        if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
-            # An autocast around this scope (another policy's autocast engine, or the user's own torch.autocast)
-            # would cast the half arguments this policy made to its own dtype: the innermost policy decides.
-            try:
-                with _outer_autocast_off(), _CastMode(policy):
+    try:
+        traced = torch.compiler.is_dynamo_compiling()
+        if traced or _actions_key(policy) != policy._actions_of:  # the key read inline in eager code (a call saved)
+            policy._refresh_actions()
+        # Evaluation casts are redone in every scope: a write through ``p.data`` leaves no trace on ``p``.
+        policy._no_grad_cache.clear()
+        device = policy._autocast_device
+        if device is None:
+            if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+                # An autocast around this scope (another policy's autocast engine, or the user's own torch.autocast)
+                # would cast the half arguments this policy made to its own dtype: the innermost policy decides.
+                try:
+                    with _outer_autocast_off(), _CastMode(policy):
+                        yield policy
+                finally:
+                    if policy._noted:
+                        forget_scope(policy)
+                return
+            if traced:  # dynamo traces the mode's own __enter__ and __exit__
+                with _CastMode(policy):
                     yield policy
+                return
+            # Eager code pushes and pops the mode itself, as TorchFunctionMode.__enter__/__exit__ do (4 calls a scope).
+            torch._C._push_on_torch_function_stack(_CastMode(policy))
+            try:
+                yield policy
             finally:
-                if policy._noted:
+                torch._C._pop_torch_function_stack()
+                if policy._noted:  # Amp.cast_inputs' sources (casting.targets) go with the forward
                     forget_scope(policy)
             return
-        if traced:  # dynamo traces the mode's own __enter__ and __exit__
-            with _CastMode(policy):
+        with torch.autocast(device, dtype=policy.half_dtype, cache_enabled=policy.cache_casts):
+            if policy._actions:
+                with _CastMode(policy, autocast_device=device):
+                    yield policy
+            else:  # nothing for Python to do: torch.autocast's C++ dispatch alone
                 yield policy
-            return
-        # Eager code pushes and pops the mode itself, as TorchFunctionMode.__enter__/__exit__ do (4 calls a scope).
-        torch._C._push_on_torch_function_stack(_CastMode(policy))
-        try:
-            yield policy
-        finally:
-            torch._C._pop_torch_function_stack()
-            if policy._noted:  # Amp.cast_inputs' sources (casting.targets) go with the forward
-                forget_scope(policy)
-        return
-    with torch.autocast(device, dtype=policy.half_dtype, cache_enabled=policy.cache_casts):
-        if policy._actions:
-            with _CastMode(policy, autocast_device=device):
-                yield policy
-        else:  # nothing for Python to do: torch.autocast's C++ dispatch alone
-            yield policy
+    except RuntimeError as error:  # the error's path only: a module set on a prepared model since, named
+        named = getattr(policy, "forward_error", None)
+        if named is not None:
+            named(error)
+        raise

@@ -35,6 +35,7 @@ from lightning_mpx.engine.outcome import StepOutcome
 
 # _EngineHook's old import path here keeps working (lightning_mpx.apex's hooks).
 from lightning_mpx.engine.preparation import PreparedModels, _EngineHook  # noqa: F401
+from lightning_mpx.engine.surgery import adopt_new_parameters
 from lightning_mpx.masters.pairs import StrayParameterError
 
 # MODEL_WRITES is defined with the other settings; its old import path here keeps working.
@@ -130,6 +131,8 @@ class Amp(AmpRecords):
         if self.settings.skip_on_device:
             self._stepper.refuse_device_skip(optimizer)
         self.promotion.check_patterns_matched()
+        if self._with_masters:  # parameters set on a prepared model since: a new module, an untie's clone
+            adopt_new_parameters(self._models, optimizer)
         try:
             self._machine.register(optimizer, with_masters=self._with_masters)
         except StrayParameterError as error:  # named where a prepared model holds it (on this error's path only)

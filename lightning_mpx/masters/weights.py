@@ -237,6 +237,15 @@ class MasterWeights(MasterCheckpoint):
         _unwatch_data(param)
         return master
 
+    def adopt(self, name: str, param: torch.Tensor, fp32: torch.Tensor) -> None:
+        """Cover ``param``, a half parameter set on the model after these masters were made whose values are the
+        rounding of ``fp32`` (an untie's clone of a parameter with a master): its master starts from a copy of
+        ``fp32``, as the same change made before preparing would have trained it."""
+        entry = _Entry(name, param)
+        entry.initial = fp32.detach().clone()
+        self._entries[id(param)] = entry
+        self._make_master(entry, param)
+
     def keeps_value(self, param: torch.Tensor) -> bool:
         """Whether an FP32 value is kept for ``param``'s master, not made yet (``initial``): then making the master
         costs no memory (the value becomes it), and a parameter frozen since preparing gets it from that value."""
