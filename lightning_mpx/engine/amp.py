@@ -120,6 +120,7 @@ class Amp(AmpRecords):
             if not isinstance(value, bool):
                 raise TypeError(f"{name}={value!r} must be True or False.")
         self.pick_half_dtype(module)  # with no half_dtype given: the device's, once (bfloat16 on a CPU)
+        self._machine.forget_writes()  # converting writes the parameters: no raw step (engine.raw_steps)
         return self._models.prepare(module, train=train, rank_zero_fp32=rank_zero_fp32)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -163,6 +164,8 @@ class Amp(AmpRecords):
         the names of the parameters whose masters took one. ``params``: the parameters to check (default: all);
         ``force``: compare values whatever the version counters say (writes through a kept ``p.data`` tensor, or
         through ``.data`` of a user's ``nn.Parameter`` subclass)."""
+        if force:
+            self._machine.forget_writes()  # a forced refresh follows writes by the user's code (engine.raw_steps)
         return self._masters.refresh(params, force=force)
 
     def fp32_state_dict(self, module: nn.Module) -> dict[str, Any]:

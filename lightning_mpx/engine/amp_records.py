@@ -97,6 +97,7 @@ class AmpRecords(AmpParts):
         check_readers_state(_engine_entry(state))  # a bad one is refused before anything is loaded
         self.pick_half_dtype(None)  # loaded before any model: the provisional dtype is the run's from now on
         self._checkpoint.load_state_dict(state, with_masters=self._with_masters)
+        self._machine.forget_writes()  # the load wrote the parameters: no raw step (engine.raw_steps)
         state = _engine_entry(state)
         self.forensics.load_state_dict(state.get("overflow_counts"))  # None (older release): from zero
         self._overflows.load_readers(state.get("metric_readers"), self.telemetry.measurements)
@@ -108,6 +109,8 @@ class AmpRecords(AmpParts):
         Accelerate's own ``free_memory()``. Masters and optimizers are not taken (see ``accelerate_forward``)."""
         _check_engine(other)
         other.read_step_outcomes()
+        self._machine.forget_writes()
+        other._machine.forget_writes()  # this stage's writes are no raw step of the other's (engine.raw_steps)
         for mine, theirs in zip(self.scalers, other.scalers, strict=True):
             mine.load_state_dict(theirs.state_dict())
         self._overflows.skipped_steps[:] = other._overflows.skipped_steps

@@ -90,6 +90,10 @@ class _OptimizerState:
     # STEPPED: the ids of the parameters the optimizer held at the step: a gradient on another one (a group added since)
     # came from a backward, scaled, not from the step.
     stepped_params: frozenset[int] = frozenset()
+    # The versions of its parameters at the first backward since its step (engine.raw_steps): a later backward with no
+    # step between finds those an optimizer lightning_mpx did not prepare stepped by hand.
+    backward_versions: tuple[int, ...] | None = None
+    noted_at: int = 0  # the engine's count of steps (of any optimizer) when they were noted
     # O2: whether the step left true values in the half gradients too (shown: show_unscaled_on_model copied them
     # there before the step), not the scale of loss_id.
     shown: bool = False
@@ -134,6 +138,7 @@ class _OptimizerState:
         self.stepped_refs = ()
         self.stepped_ids = ()
         self.stepped_params = frozenset()
+        self.backward_versions = None
         self.shown = self.stepped_true = False
         self.clips = ()
         self.found_by_loss = {}

@@ -153,6 +153,7 @@ class OptimizerStep:
             except BaseException:
                 self.machine.keep_marks(state)  # the step did not finish (an optimizer's error, an interrupt)
                 raise
+            self.machine.steps_taken += 1  # engine.raw_steps: parameters written by an engine step
             after_step(state, optimizer, masters=bool(self.machine.masters.weights))
             self.pending.steps.append(pending)  # PendingSteps.add, written out
             if self.forensics.watch.active:
@@ -173,6 +174,7 @@ class OptimizerStep:
         except BaseException:
             self.machine.keep_marks(state)  # the step did not finish (an optimizer's error, an interrupt)
             raise
+        self.machine.steps_taken += 1  # engine.raw_steps: parameters written by an engine step
         after_step(state, optimizer, masters=bool(self.machine.masters.weights))  # its gradients, left for FP32's loop
         return True
 
@@ -233,6 +235,7 @@ class OptimizerStep:
         after any step (:func:`~lightning_mpx.engine.rescale.after_step`)."""
         if self.machine.masters.weights:
             drop_master_grads(state)  # the half gradients are the user's, cleared by their zero_grad as in any loop
+        self.machine.steps_taken += 1  # engine.raw_steps: parameters written by an engine step
         after_step(state, optimizer, masters=bool(self.machine.masters.weights))
 
     # -- skip_on_device -----------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Sequence
 import torch
 
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
+from lightning_mpx.engine.raw_steps import refuse_raw_step
 from lightning_mpx.engine.rescale import (
     hold_scale,
     rescale_pending,
@@ -39,6 +40,7 @@ from lightning_mpx.scaling.scaler import LossScaler
 
 _PARAMS = operator.itemgetter("params")
 _GRAD = operator.attrgetter("grad")
+_VERSION = operator.attrgetter("_version")
 
 
 class StepMachine(UnscalePath):
@@ -83,6 +85,8 @@ class StepMachine(UnscalePath):
         self.iteration_read: dict[int, bool | None] = {}
         self.grad_norms: dict[int, torch.Tensor] = {}
         self.sharding: Sharding | None = None
+        # The engine's steps so far, of any optimizer (engine.raw_steps: a write after one is no raw step).
+        self.steps_taken = 0
         # What the error for an optimizer not registered tells the user to do: the front door's own call where it
         # registers optimizers itself (Amp.register_call).
         self.register_call = "call prepare_optimizer() on it first"
@@ -222,21 +226,49 @@ class StepMachine(UnscalePath):
                 optimizer = state.optimizer_ref()
                 groups = optimizer.param_groups if optimizer is not None else ()
                 with torch._C.DisableTorchFunction():  # as rescale.present_grads; C-level maps, no Python per param
-                    params = itertools.chain.from_iterable(map(_PARAMS, groups))
+                    params = tuple(itertools.chain.from_iterable(map(_PARAMS, groups)))
                     kept = any(map(operator.is_not, map(_GRAD, params), itertools.repeat(None)))
+                    versions = tuple(map(_VERSION, params))  # engine.raw_steps' marks, written out (no Python call)
                 if kept:
                     rescale_stepped(state, loss_id, self.scalers, self.masters.weights, self.backend)
+                    state.backward_versions, state.noted_at = versions, self.steps_taken
                 else:  # rescale_stepped's usual case (every gradient cleared since the step), written out
                     state.reset()
                     state.loss_id = loss_id
+                    state.backward_versions = versions  # a raw step before the next backward is told by them
+                    state.noted_at = self.steps_taken
             elif state.stage is not _Stage.READY:
                 if state.stage is _Stage.UNSCALED:
                     self.record_found(state.found_by_loss)  # an overflow seen by unscale_() counts toward update()
                 rescale_unscaled(state, loss_id, self.scalers[loss_id], self.masters.weights, self.backend)
             elif state.loss_id is None:
                 state.loss_id = loss_id
-            elif state.loss_id != loss_id or state.grad_scale is not None:
-                rescale_pending(state, loss_id, self.scalers, self.backend)
+                optimizer = state.optimizer_ref()
+                if optimizer is not None:  # engine.raw_steps' marks, written out (no Python call)
+                    with torch._C.DisableTorchFunction():
+                        params = itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups))
+                        state.backward_versions = tuple(map(_VERSION, params))
+                    state.noted_at = self.steps_taken
+            else:  # gradients of a backward no step has taken yet: stepped since by an optimizer not prepared?
+                # engine.raw_steps, its usual case (accumulation: nothing written since the note) written out: no
+                # Python call. A note made before an engine step of any optimizer (shared parameters) is void.
+                optimizer = state.optimizer_ref()
+                groups = optimizer.param_groups if optimizer is not None else ()
+                with torch._C.DisableTorchFunction():
+                    versions = tuple(map(_VERSION, itertools.chain.from_iterable(map(_PARAMS, groups))))
+                if versions != state.backward_versions and state.noted_at == self.steps_taken:
+                    harmful = bool(self.masters.weights) or not self.scalers[state.loss_id]._unit
+                    refuse_raw_step(state, self.masters.weights, self.names, harmful=harmful)
+                state.backward_versions, state.noted_at = versions, self.steps_taken
+                if state.loss_id != loss_id or state.grad_scale is not None:
+                    rescale_pending(state, loss_id, self.scalers, self.backend)
+
+    def forget_writes(self) -> None:
+        """Forget the parameter versions noted at the backwards (engine.raw_steps): a stage change of the engine (a
+        checkpoint loaded, a model prepared, masters refreshed with ``force``, another engine taking over) writes
+        parameters between a backward and a step, which is no raw step."""
+        for state in self.optimizers.values():
+            state.backward_versions = None
 
     # -- step and update ----------------------------------------------------------------------------------------
     def update(self) -> None:
