@@ -76,7 +76,7 @@ GPT_1B_CHECK = step.ModelSpec(batch=2, vocab=256, seq=32, dim=64, layers=2, head
 #: Rounds a group runs before the budget may stop it (fewer are not judged: gpu_report needs three paired ratios).
 MIN_ROUNDS = 3
 #: --check's rounds: both orders of a group's two rows and a second continued fit (or rebuild) of each row, the paths
-#: a GPU run's later rounds take; a third round would repeat the first's order (about 6 s of the test suite).
+#: a GPU run's later rounds take; a third round would repeat the first's order (~2.5 s of CPU in the test suite).
 CHECK_ROUNDS = 2
 
 
