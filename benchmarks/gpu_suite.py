@@ -500,7 +500,7 @@ def part_fidelity(args: argparse.Namespace, env: dict[str, Any]) -> Part:
 # -- fsdp -----------------------------------------------------------------------------------------------------------
 def part_fsdp(args: argparse.Namespace, env: dict[str, Any]) -> Part:
     """benchmarks/fsdp_step.py on CUDA, every group (``--fsdp-groups``: some) in one process, its own ``--budget``
-    a minute under the part's; ``--check``: its code path on CPU (two rows of each group, tiny models, 3 rounds)."""
+    a minute under the part's; ``--check``: its code path on CPU (two rows of each group, tiny models, 2 rounds)."""
     part = Part("fsdp", args.out, args.check, args.command, env)
     raw = args.out / "raw" / ("fsdp_step_check.json" if args.check else "fsdp_step_cuda.json")
     argv = [sys.executable, str(HERE / "fsdp_step.py"), "--out", str(raw), "--groups", *args.fsdp_groups]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -144,11 +145,11 @@ def test_all_check_fsdp_part_has_every_group_with_paired_ratios_per_round(check_
     assert list(result["groups"]) == list(fsdp_step.GROUPS)
     for name, group in fsdp_step.GROUPS.items():
         info = result["groups"][name]
-        assert info["rounds_done"] == fsdp_step.MIN_ROUNDS and info["reference"] == group.reference
+        assert info["rounds_done"] == fsdp_step.CHECK_ROUNDS and info["reference"] == group.reference
         rows = [r for r in result["rows"] if r["group"] == name]
         assert [r["variant"] for r in rows] == list(group.check_variants)
         for row in rows:
-            assert len(row["step_ms_rounds"]) == fsdp_step.MIN_ROUNDS and row["steps_per_round"] == 2
+            assert len(row["step_ms_rounds"]) == fsdp_step.CHECK_ROUNDS and row["steps_per_round"] == 2
             ratios = row["throughput_vs_reference_rounds"]
             ref = rows[0]["step_ms_rounds"]
             assert ratios == pytest.approx([b / a for a, b in zip(row["step_ms_rounds"], ref)])
@@ -156,7 +157,12 @@ def test_all_check_fsdp_part_has_every_group_with_paired_ratios_per_round(check_
             assert row["peak_memory_bytes"] is None  # no memory is measured on CPU
     plugin_rows = [r for r in result["rows"] if "-mpx-" in r["variant"]]
     assert plugin_rows and all(r["skipped_steps"] == 0 for r in plugin_rows)
-    assert "| gpt1b | fsdp2-mpx-O2-bf16 | 3 |" in (check_dir / "suite_fsdp.md").read_text()
+    assert "| gpt1b | fsdp2-mpx-O2-bf16 | 2 |" in (check_dir / "suite_fsdp.md").read_text()
+    # the check's two rounds ran each group's rows in both orders (the rotation a GPU run's rounds take)
+    log = (check_dir / "raw" / "fsdp.log").read_text()
+    for name, group in fsdp_step.GROUPS.items():
+        order = re.findall(rf"\[{name}\] round (\d) (\S+)", log)
+        assert order == [("0", v) for v in group.check_variants] + [("1", v) for v in group.check_variants[::-1]]
 
 
 def _fsdp_run(path: Path, check_dir: Path, factor: float) -> None:
