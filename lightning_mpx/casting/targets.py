@@ -161,8 +161,8 @@ def cast_model_inputs(policy: Any, data: Any, dtype: torch.dtype) -> Any:
         if type(data) is torch.Tensor:  # _cast_collection's usual case, without its call
             return data.to(dtype) if data.dtype in (torch.float32, torch.float64) else data
         return _cast_collection(data, dtype, (torch.float32, torch.float64))
-    eager = not (_dynamo_compiling() or _COMPILER._is_compiling_flag)  # torch.compiler.is_compiling(), a call saved
     if type(data) is torch.Tensor:  # the usual case, without a call
+        eager = not (_dynamo_compiling() or _COMPILER._is_compiling_flag)  # torch.compiler.is_compiling(), a call saved
         # In eager code with no mode on or only this policy's (the forward scope, which passes both through), the
         # dtype read and the cast run with torch-function handling off: each would be a call into the mode.
         plain = eager and (not _stack_length() or (
@@ -175,6 +175,7 @@ def cast_model_inputs(policy: Any, data: Any, dtype: torch.dtype) -> Any:
     else:
         noted = []
         data = _cast_collection(data, dtype, (torch.float32, torch.float64), noted)
+        eager = bool(noted) and not (_dynamo_compiling() or _COMPILER._is_compiling_flag)  # asked when cast
     # Nothing cast (token ids in a tuple): no call. Else, in one call, each half tensor carries its source and the
     # policy holds a note of it (remember(noted, share=False) and _hold(policy._noted, noted) in one); nothing under
     # torch.compile (as remember).
