@@ -23,6 +23,7 @@ compiled code upcasts the rounded values, as before.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from typing import Any
@@ -39,6 +40,8 @@ _new_object = object.__new__  # a slotted note made without its __init__'s call 
 _COMPILER = torch.compiler
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
 _stack_length, _stack_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
+# Torch functions run without any torch-function mode (a C context manager: no Python call to enter or leave).
+_no_torch_function = torch._C.DisableTorchFunction
 _ref = weakref.ref
 
 
@@ -158,18 +161,25 @@ def cast_model_inputs(policy: Any, data: Any, dtype: torch.dtype) -> Any:
         if type(data) is torch.Tensor:  # _cast_collection's usual case, without its call
             return data.to(dtype) if data.dtype in (torch.float32, torch.float64) else data
         return _cast_collection(data, dtype, (torch.float32, torch.float64))
-    if type(data) is torch.Tensor:  # the usual case, without a call (and one dtype read: a call into the mode)
-        if data.dtype not in (torch.float32, torch.float64):
-            return data  # token ids
-        noted = [(data.to(dtype), data)]
+    if type(data) is torch.Tensor:  # the usual case, without a call
+        eager = not (_dynamo_compiling() or _COMPILER._is_compiling_flag)  # torch.compiler.is_compiling(), a call saved
+        # In eager code with no mode on or only this policy's (the forward scope, which passes both through), the
+        # dtype read and the cast run with torch-function handling off: each would be a call into the mode.
+        plain = eager and (not _stack_length() or (
+            _stack_length() == 1 and getattr(_stack_at(0), "policy", None) is policy))
+        with _no_torch_function() if plain else contextlib.nullcontext():
+            if data.dtype not in (torch.float32, torch.float64):
+                return data  # token ids
+            noted = [(data.to(dtype), data)]
         data = noted[0][0]
     else:
         noted = []
         data = _cast_collection(data, dtype, (torch.float32, torch.float64), noted)
+        eager = bool(noted) and not (_dynamo_compiling() or _COMPILER._is_compiling_flag)  # asked when cast
     # Nothing cast (token ids in a tuple): no call. Else, in one call, each half tensor carries its source and the
     # policy holds a note of it (remember(noted, share=False) and _hold(policy._noted, noted) in one); nothing under
     # torch.compile (as remember).
-    if noted and not (_dynamo_compiling() or _COMPILER._is_compiling_flag):
+    if noted and eager:
         _note(noted, policy._noted)
     return data
 

@@ -25,7 +25,14 @@ from torch import nn
 from typing_extensions import Unpack
 
 from lightning_mpx.casting.policy import CastPolicy
-from lightning_mpx.casting.targets import cast_model_inputs
+from lightning_mpx.casting.targets import (
+    _COMPILER,
+    _dynamo_compiling,
+    _no_torch_function,
+    _stack_at,
+    _stack_length,
+    cast_model_inputs,
+)
 from lightning_mpx.common.containers import _cast_collection
 from lightning_mpx.engine.amp_records import AmpRecords
 from lightning_mpx.engine.clipping import clip_norm, clip_value_, show_unscaled
@@ -217,9 +224,16 @@ class Amp(AmpRecords):
         under FSDP, whose root policy casts."""
         if not self.properties.casts_model or self._models.sharded:  # the part: dynamo cannot trace the property
             return data
+        half = self.properties.half_dtype
         if type(data) is torch.Tensor:  # _cast_collection's usual case, without its call
-            return data.to(torch.float32) if data.dtype == self.properties.half_dtype else data
-        return _cast_collection(data, torch.float32, (self.properties.half_dtype,))
+            # Inside forward_context with only the policy's mode on (eager), the dtype read and the cast run with
+            # torch-function handling off, as in cast_inputs: the mode passes both through, a call each.
+            if (_stack_length() == 1 and getattr(_stack_at(0), "policy", None) is self.policy
+                    and not (_dynamo_compiling() or _COMPILER._is_compiling_flag)):
+                with _no_torch_function():
+                    return data.to(torch.float32) if data.dtype == half else data
+            return data.to(torch.float32) if data.dtype == half else data
+        return _cast_collection(data, torch.float32, (half,))
 
     # -- backward -----------------------------------------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor, loss_id: int = 0) -> torch.Tensor:
