@@ -78,6 +78,27 @@ def test_a_forward_through_a_head_added_after_prepare_model_is_refused_naming_it
     assert "dtype" in str(info.value.__cause__), "not raised from torch's own error"
 
 
+def test_a_model_converted_whole_after_prepare_keeps_the_engines_own_error_and_lets_its_masters_go() -> None:
+    """``model.float()`` after an O2 prepare is not a module added since: the forward's error is the engine's own
+    (naming the conversion), not the new-module diagnosis, and the engine's masters do not outlive the engine
+    through the model's hooks (the diagnosis holds the engine weakly)."""
+    import gc
+    import weakref
+
+    amp = Amp("O2", half_dtype=HALF)
+    model = amp.prepare_model(_Net())
+    amp.prepare_optimizer(_sgd(model.parameters()))
+    model.float()
+    with pytest.raises(RuntimeError, match=r"was converted to torch\.float32 after prepare_model\(\)") as info:
+        with amp.forward_context():
+            model(_batches()[0])
+    assert "is still FP32" not in str(info.value)
+    held = weakref.ref(amp.master_weights[0])
+    del amp, info
+    gc.collect()
+    assert held() is None, "the model's hooks keep the engine's masters alive"
+
+
 def test_a_head_added_after_prepare_model_is_made_half_with_fp32_masters_by_the_next_prepare_optimizer() -> None:
     amp = Amp("O2", half_dtype=HALF)
     model = amp.prepare_model(_Net())

@@ -9,7 +9,6 @@ policy at its first forward.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import weakref
 from typing import Any, Callable, Sequence
@@ -24,7 +23,7 @@ from lightning_mpx.casting.table import CastTable
 from lightning_mpx.common.dtypes import HALF_DTYPES
 from lightning_mpx.engine.optimizers import StepMachine
 from lightning_mpx.engine.sharding import Sharding, is_sharded, parameter_names
-from lightning_mpx.engine.surgery import forward_error
+from lightning_mpx.engine.surgery import ForwardErrors
 from lightning_mpx.health.forensics import OverflowForensics
 from lightning_mpx.health.promotion import Promotion, _Fp32Boundary, _module_to_fp32, matches
 from lightning_mpx.masters.handover import HookRelease, let_go_of, masters_of
@@ -66,7 +65,7 @@ class PreparedModels:
         self.properties: Properties = settings.properties
         self.policy = policy
         if policy is not None and self.properties.master_weights:  # O2: a forward's dtype error names a new module
-            policy.forward_error = functools.partial(forward_error, self)  # type: ignore[attr-defined]
+            policy.forward_error = ForwardErrors(self)  # type: ignore[attr-defined]
         self.promotion = promotion
         self.forensics = forensics
         self.masters = masters

@@ -17,6 +17,7 @@ Plain functions over the engine's ``PreparedModels``.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -70,10 +71,16 @@ def _adopt_rounding(models: Any, name: str, param: torch.Tensor) -> None:
 def forward_error(models: Any, error: RuntimeError) -> None:
     """On a forward's RuntimeError only: raise an error naming the FP32 modules set on a prepared model after
     preparing (their FP32 weights met the half activations), ``from`` torch's; return when there are none."""
-    if "dtype" not in str(error) or not models.properties.casts_model:
-        return
+    message = str(error)
+    mismatch = "dtype" in message or "should be the same" in message or "scalar type" in message
+    if not mismatch or "prepare_model()" in message or not models.properties.casts_model:
+        return  # not torch's dtype mismatch: the engine's own errors name their cause (e.g. model.float() after)
+    half = models.properties.half_dtype
     for module in list(models._releases.keys()):
-        new = [(name, p) for name, p in _unmastered(models, module) if p.dtype not in _HALF]
+        if not any(p.dtype == half for p in module.parameters()):
+            continue  # the whole model converted since: the engine's own check names that
+        prepared = set(models._unsharded.get(module, ()))  # the parameters it held when it was prepared
+        new = [(n, p) for n, p in _unmastered(models, module) if p.dtype not in _HALF and id(p) not in prepared]
         if new:
             owners = sorted({name.rpartition(".")[0] or name for name, _ in new})
             modules = dict(module.named_modules())
@@ -88,3 +95,19 @@ def forward_error(models: Any, error: RuntimeError) -> None:
                 "or add it before prepare_model() (Trainer: before fit; Fabric: before fabric.setup; Accelerate: "
                 "before prepare)."
             ) from error
+
+
+class ForwardErrors:
+    """The cast policy's hook for a forward's ``RuntimeError`` (:func:`forward_error` over the engine's
+    ``PreparedModels``), holding them weakly: the policy lives as long as the model's hooks, the engine's masters
+    must not."""
+
+    __slots__ = ("_models",)
+
+    def __init__(self, models: Any) -> None:
+        self._models = weakref.ref(models)
+
+    def __call__(self, error: RuntimeError) -> None:
+        models = self._models()
+        if models is not None:
+            forward_error(models, error)
