@@ -130,7 +130,8 @@ class PreparedModels:
             _refuse_meta(module)
         olds = masters_of(module) if train else ()  # engines holding its masters: this one takes them over
         live = self.masters.prune()
-        prefix = f"model{len(live)}." if live else ""
+        # A model prepared again (a head added since) keeps its first prefix: its masters are one model's.
+        prefix = self.masters.prefix_of(module, f"model{len(live)}." if live else "")
         for name, param in module.named_parameters():
             self.names.setdefault(id(param), prefix + name)
         self._unsharded[module] = [id(param) for param in module.parameters()]
