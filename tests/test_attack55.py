@@ -119,3 +119,27 @@ def test_a_trainer_checkpoint_after_a_head_added_between_two_fits_resumes_with_a
     want, got = plugin.amp.fp32_state_dict(model), fresh.amp.fp32_state_dict(whole)
     assert got.keys() == want.keys() and any(k.startswith("head.") for k in want)
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_after_the_fit_a_model_made_fp32_loads_with_assign_true_as_in_fp32() -> None:
+    """After an O2 fit, ``model.float()`` (the documented way back to an FP32 model: it takes its masters and lets them
+    go), then ``load_state_dict(sd, assign=True)`` (a Hugging Face or meta-init habit) was refused as if the model
+    still held half parameters with masters. The model is FP32's now: the load assigns, and a fit with a new plugin
+    trains it as one from a model built and loaded in FP32."""
+    plugin = MixedPrecisionPlugin("O2", half_dtype=HALF)
+    model = _Headed()
+    make_trainer(plugin, max_steps=2).fit(model)
+    model.float()
+    torch.manual_seed(5)
+    loaded = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    model.load_state_dict(loaded, assign=True)
+    state = model.state_dict()
+    assert all(state[k].data_ptr() == v.data_ptr() for k, v in loaded.items()), "assigned, as in FP32"
+    fresh = _Headed()
+    fresh.load_state_dict(loaded)
+    runs = {}
+    for name, net in (("reused", model), ("fresh", fresh)):
+        second = MixedPrecisionPlugin("O2", half_dtype=HALF)
+        make_trainer(second, max_steps=2).fit(net)
+        runs[name] = second.amp.fp32_state_dict(net)
+    assert all(torch.equal(runs["reused"][k], runs["fresh"][k]) for k in runs["fresh"])
