@@ -129,7 +129,8 @@ class PreparedModels:
             _refuse_meta(module)
         olds = masters_of(module) if train else ()  # engines holding its masters: this one takes them over
         live = self.masters.prune()
-        prefix = f"model{len(live)}." if live else ""
+        # A model prepared again (a head added since) keeps its first prefix: its masters are one model's.
+        prefix = self.masters.prefix_of(module, f"model{len(live)}." if live else "")
         for name, param in module.named_parameters():
             self.names.setdefault(id(param), prefix + name)
         self._unsharded[module] = [id(param) for param in module.parameters()]
@@ -500,18 +501,26 @@ class _LoadIntoMasters(_EngineHook):
         if models is None:
             return
         if args and isinstance(args[0], dict) and args[0].get("assign_to_params_buffers"):
-            _refuse_assign(module, state_dict, prefix)
+            _refuse_assign(models, module, state_dict, prefix)
         for name, param in module.named_parameters(recurse=False):
             value = state_dict.get(prefix + name)
             if param.dtype in HALF_DTYPES and torch.is_tensor(value) and value.dtype == torch.float32:
                 models.masters.take_loaded(param, value, models.machine.optimizers.values())
 
 
-def _refuse_assign(module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
+def _refuse_assign(models: PreparedModels, module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
     """``load_state_dict(..., assign=True)`` into a model prepared at O2 would put the loaded tensors in place of its
-    parameters: the FP32 masters and the optimizer would keep the old ones, and the model would hold
-    the loaded dtype."""
-    name = next((prefix + n for n, _ in module.named_parameters(recurse=False) if prefix + n in state_dict), None)
+    half parameters or those with masters: the FP32 masters and the optimizer would keep the old ones, and the model
+    would hold the loaded dtype. A model made FP32 since (``model.float()`` after the fit: its masters let go) is
+    FP32's, and loads as in FP32."""
+    name = next(
+        (
+            prefix + n
+            for n, p in module.named_parameters(recurse=False)
+            if prefix + n in state_dict and (p.dtype in HALF_DTYPES or models.masters.covered(p))
+        ),
+        None,
+    )
     if name is not None:
         raise ValueError(
             f"load_state_dict(..., assign=True) would replace the parameters of a model prepared at opt_level='O2' "

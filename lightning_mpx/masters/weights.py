@@ -162,6 +162,17 @@ class MasterWeights(MasterCheckpoint):
         self.handed: dict[int, tuple[str, weakref.ref[torch.Tensor]]] = {}
         # Set by the engine that made these masters: removes the hooks it put on their model (see let_go).
         self.let_go: Callable[[], None] | None = None
+        self.extend(named_parameters, exclude=exclude, initial=initial)
+
+    def extend(
+        self,
+        named_parameters: Iterable[tuple[str, nn.Parameter]],
+        *,
+        exclude: Callable[[torch.Tensor], bool] | None = None,
+        initial: Mapping[int, torch.Tensor] | None = None,
+    ) -> None:
+        """Cover the parameters of ``named_parameters`` not covered yet (``exclude``, ``initial``: as the
+        constructor's): the model's at construction, then those of a module added to it and prepared again."""
         for name, param in _named_pairs(named_parameters):
             if id(param) in self._entries or (exclude is not None and exclude(param)):
                 continue
@@ -176,7 +187,7 @@ class MasterWeights(MasterCheckpoint):
                 entry.initial = initial[id(param)]
             elif taken is not None and taken.shape == param.shape and not _multi_process():
                 entry.initial = taken
-            if eager and param.requires_grad:
+            if self._eager and param.requires_grad:
                 self._make_master(entry, param)
             elif param.dtype in HALF_DTYPES:
                 # Its class now, not when its master is made (the first step of an optimizer met then, under Fabric):
