@@ -189,13 +189,15 @@ class PreparedModels:
             if weights is not None:
                 tables = (self._regions_hooks, self._load_hooks, self._tied_hooks, self.promotion.hooks)
                 weights.let_go = self._releases[module] = HookRelease(module, tables, self.forget)
-            if module not in self._load_hooks:
-                hook = _LoadIntoMasters(self)
-                self._load_hooks[module] = [
-                    sub.register_load_state_dict_pre_hook(hook)
-                    for sub in module.modules()
-                    if any(True for _ in sub.parameters(recurse=False))
-                ]
+            # Prepared again (a head added since): its hooks are put on anew, the new submodules' included.
+            for handle in self._load_hooks.pop(module, ()):
+                handle.remove()
+            hook = _LoadIntoMasters(self)
+            self._load_hooks[module] = [
+                sub.register_load_state_dict_pre_hook(hook)
+                for sub in module.modules()
+                if any(True for _ in sub.parameters(recurse=False))
+            ]
         let_go_of(olds)  # the engines that handed over all of them take their hooks off it
         return module
 
@@ -502,6 +504,7 @@ class _LoadIntoMasters(_EngineHook):
             return
         if args and isinstance(args[0], dict) and args[0].get("assign_to_params_buffers"):
             _refuse_assign(models, module, state_dict, prefix)
+        models.machine.forget_writes()  # a load writes the parameters (a rollback after a backward): no raw step
         for name, param in module.named_parameters(recurse=False):
             value = state_dict.get(prefix + name)
             if param.dtype in HALF_DTYPES and torch.is_tensor(value) and value.dtype == torch.float32:

@@ -22,7 +22,6 @@ from lightning_mpx.masters.mirror import (
     Mirror,
     _Entry,
     _take_writes,
-    step_mirrored,  # noqa: F401  (kept import path)
 )
 from lightning_mpx.masters.watch import (
     _TENSOR_DATA,  # noqa: F401  (kept import path)
