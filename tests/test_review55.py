@@ -94,3 +94,34 @@ def test_a_head_added_after_prepare_loads_fp32_values_into_its_masters_exactly()
         assert torch.equal(got[k], want), f"{k}: the master took the half rounding of the loaded FP32 value"
     with pytest.raises(ValueError, match=r"assign=True.*first: 'weight'"):
         model.head.load_state_dict({"weight": checkpoint["head.weight"]}, strict=False, assign=True)
+
+
+class _Tied(nn.Module):
+    def __init__(self, untied: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 4)
+        self.lm_head = nn.Linear(4, 5, bias=False)
+        self.lm_head.weight = nn.Parameter(self.embed.weight.detach().clone()) if untied else self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.embed(x))
+
+
+def test_an_untie_in_an_engines_second_model_resumes_into_that_model_built_untied() -> None:
+    def engine(untied: bool) -> tuple[Amp, nn.Module, nn.Module]:
+        torch.manual_seed(0)
+        amp = Amp("O2", half_dtype="bfloat16")
+        first, second = amp.prepare_model(nn.Linear(4, 4)), amp.prepare_model(_Tied(untied))
+        amp.prepare_optimizer(torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.1))
+        return amp, first, second
+
+    amp, first, second = engine(untied=False)
+    second.lm_head.weight = nn.Parameter(second.embed.weight.detach().clone())  # the untie, after set-up
+    amp.prepare_optimizer(torch.optim.SGD(second.lm_head.parameters(), lr=0.1))
+    state, weights = amp.state_dict(), (amp.fp32_state_dict(first), amp.fp32_state_dict(second))
+
+    amp2, first2, second2 = engine(untied=True)  # the same models, built untied in a new process
+    first2.load_state_dict(weights[0])
+    second2.load_state_dict(weights[1])
+    amp2.load_state_dict(state)  # was: KeyError, unexpected ['lm_head.weight'] (named without 'model1.')
+    assert torch.equal(amp2.fp32_state_dict(second2)["lm_head.weight"], weights[1]["lm_head.weight"])

@@ -50,9 +50,10 @@ def adopt_new_parameters(models: Any, optimizer: torch.optim.Optimizer) -> None:
         if any(p.dtype != half for _, p in new):
             models.prepare(module, train=True)  # the new module made half, its masters from its FP32 values
             new = [(name, p) for name, p in _unmastered(models, module) if id(p) in held]
+        prefix = models.masters.prefix_of(module, "")  # the names of the model's masters ("model1." for a second)
         for name, param in new:
             if param.dtype == half and param.requires_grad:
-                _adopt_rounding(models, name, param)
+                _adopt_rounding(models, prefix + name, param)
 
 
 def _adopt_rounding(models: Any, name: str, param: torch.Tensor) -> None:
