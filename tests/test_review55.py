@@ -47,16 +47,7 @@ def _build() -> nn.Module:
     ("opt_level", "half_dtype"),
     [
         ("O2", "bfloat16"),
-        pytest.param(
-            "O1",
-            "float16",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="engine/raw_steps.py: at O1 the engine puts no load_state_dict hook on the model, so a "
-                "model.load_state_dict between a backward and the next (a rollback) is taken for a raw step under "
-                "float16's dynamic scale and refused",
-            ),
-        ),
+        ("O1", "float16"),
     ],
 )
 def test_a_rollback_load_between_backwards_is_no_raw_step_and_trains_as_fp32(opt_level: str, half_dtype: str) -> None:

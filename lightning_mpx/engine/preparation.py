@@ -198,6 +198,15 @@ class PreparedModels:
                 for sub in module.modules()
                 if any(True for _ in sub.parameters(recurse=False))
             ]
+        elif train:  # no masters (O0, O1, O3): a load still writes the parameters, which is no raw step
+            for handle in self._load_hooks.pop(module, ()):
+                handle.remove()
+            forget = _ForgetWrites(self)
+            self._load_hooks[module] = [
+                sub.register_load_state_dict_pre_hook(forget)
+                for sub in module.modules()
+                if any(True for _ in sub.parameters(recurse=False))
+            ]
         let_go_of(olds)  # the engines that handed over all of them take their hooks off it
         return module
 
@@ -509,6 +518,18 @@ class _LoadIntoMasters(_EngineHook):
             value = state_dict.get(prefix + name)
             if param.dtype in HALF_DTYPES and torch.is_tensor(value) and value.dtype == torch.float32:
                 models.masters.take_loaded(param, value, models.machine.optimizers.values())
+
+
+class _ForgetWrites(_EngineHook):
+    """``load_state_dict`` pre-hook on each submodule of a model prepared for training without masters (O0, O1,
+    O3): a load between a backward and the next (a rollback after a loss spike) writes the parameters, which the
+    raw-step check (:mod:`lightning_mpx.engine.raw_steps`) must not take for a step outside the engine. At O2
+    :class:`_LoadIntoMasters` does the same."""
+
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        models: PreparedModels | None = self.engine()
+        if models is not None:
+            models.machine.forget_writes()
 
 
 def _refuse_assign(models: PreparedModels, module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
