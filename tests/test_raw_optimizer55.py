@@ -167,12 +167,6 @@ def test_legitimate_writes_between_backwards_and_steps_train_as_fp32() -> None:
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine/raw_steps.py: only parameters of a registered optimizer are noted at a backward; a raw optimizer "
-    "over parameters no registered optimizer holds (a GAN's discriminator stepped raw beside a prepared generator "
-    "optimizer) steps them with the float16 dynamic scale's x65536 gradients unrefused",
-)
 def test_core_a_raw_optimizer_over_parameters_no_prepared_optimizer_holds_is_refused() -> None:
     torch.manual_seed(0)
     amp = Amp(opt_level="O1", half_dtype="float16")

@@ -42,6 +42,7 @@ from lightning_mpx.engine.outcome import StepOutcome
 
 # _EngineHook's old import path here keeps working (lightning_mpx.apex's hooks).
 from lightning_mpx.engine.preparation import PreparedModels, _EngineHook  # noqa: F401
+from lightning_mpx.engine.raw_steps import find_unheld
 from lightning_mpx.engine.surgery import adopt_new_parameters
 from lightning_mpx.masters.pairs import StrayParameterError
 
@@ -128,7 +129,9 @@ class Amp(AmpRecords):
                 raise TypeError(f"{name}={value!r} must be True or False.")
         self.pick_half_dtype(module)  # with no half_dtype given: the device's, once (bfloat16 on a CPU)
         self._machine.forget_writes()  # converting writes the parameters: no raw step (engine.raw_steps)
-        return self._models.prepare(module, train=train, rank_zero_fp32=rank_zero_fp32)
+        self._models.prepare(module, train=train, rank_zero_fp32=rank_zero_fp32)
+        find_unheld(self._models, self._machine)  # its parameters no optimizer holds (engine.raw_steps)
+        return module
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Register ``optimizer`` (prepare its model first); for O2 its parameters become the FP32 masters (those
@@ -145,6 +148,7 @@ class Amp(AmpRecords):
             self._machine.register(optimizer, with_masters=self._with_masters)
         except StrayParameterError as error:  # named where a prepared model holds it (on this error's path only)
             raise self._models.name_stray(error) from None
+        find_unheld(self._models, self._machine)  # the models' parameters no optimizer holds now (engine.raw_steps)
         return optimizer
 
     def release_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -153,6 +157,7 @@ class Amp(AmpRecords):
         (``skip_on_device``) are read first."""
         self.read_step_outcomes()
         self._machine.release(optimizer)
+        find_unheld(self._models, self._machine)
 
     def master_params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         """The tensors ``optimizer`` updates: the FP32 masters of its half parameters at O2, its parameters
@@ -251,7 +256,7 @@ class Amp(AmpRecords):
         scaled = self.scalers[loss_id].scale(loss)
         if self.forensics.watch.active:  # a device flag, no sync
             self.forensics.watch.observe_loss(loss)
-        self._machine.before_backward(loss_id)
+        self._machine.before_backward(loss_id, scaled)
         return scaled
 
     def backward(self, loss: torch.Tensor, loss_id: int = 0, **backward_kwargs: Any) -> None:
@@ -265,7 +270,7 @@ class Amp(AmpRecords):
         scaled = self.scalers[loss_id].scale(loss)
         if self.forensics.watch.active:
             self.forensics.watch.observe_loss(loss)
-        self._machine.before_backward(loss_id)
+        self._machine.before_backward(loss_id, scaled)
         if self.policy is None:
             scaled.backward(**backward_kwargs)
             return

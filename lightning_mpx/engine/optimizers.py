@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
-from lightning_mpx.engine.raw_steps import refuse_raw_step
+from lightning_mpx.engine.raw_steps import UnheldParams, refuse_raw_step
 from lightning_mpx.engine.rescale import (
     hold_scale,
     rescale_pending,
@@ -87,6 +87,9 @@ class StepMachine(UnscalePath):
         self.sharding: Sharding | None = None
         # The engine's steps so far, of any optimizer (engine.raw_steps: a write after one is no raw step).
         self.steps_taken = 0
+        # The prepared models' parameters that require grad and no registered optimizer holds (engine.raw_steps), found
+        # when the models or the registrations change (find_unheld); None when there are none (no cost at a backward).
+        self.unheld: UnheldParams | None = None
         # What the error for an optimizer not registered tells the user to do: the front door's own call where it
         # registers optimizers itself (Amp.register_call).
         self.register_call = "call prepare_optimizer() on it first"
@@ -218,9 +221,12 @@ class StepMachine(UnscalePath):
             state.found_inf = torch.stack([f.reshape(()) for f in state.found_by_loss.values()]).amax()
 
     # -- backward -----------------------------------------------------------------------------------------------
-    def before_backward(self, loss_id: int) -> None:
+    def before_backward(self, loss_id: int, scaled: torch.Tensor | None = None) -> None:
         """Make every optimizer's gradients carry ``loss_id``'s scale before its backward (see
-        :meth:`Amp.scale_loss <lightning_mpx.engine.amp.Amp.scale_loss>`)."""
+        :meth:`Amp.scale_loss <lightning_mpx.engine.amp.Amp.scale_loss>`); ``scaled``: the scaled loss, whose
+        backward notes the parameters no registered optimizer holds (engine.raw_steps), if any."""
+        if self.unheld is not None:  # a raw step over them since the last backward is refused
+            self.unheld.before_backward(self, loss_id, scaled)
         for state in self.optimizers.values():
             if state.stage is _Stage.STEPPED:  # what a step left, unless cleared since (the usual loop: nothing)
                 optimizer = state.optimizer_ref()
@@ -269,6 +275,8 @@ class StepMachine(UnscalePath):
         parameters between a backward and a step, which is no raw step."""
         for state in self.optimizers.values():
             state.backward_versions = None
+        if self.unheld is not None:
+            self.unheld.forget()
 
     # -- step and update ----------------------------------------------------------------------------------------
     def update(self) -> None:

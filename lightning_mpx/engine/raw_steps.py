@@ -15,23 +15,40 @@ after the step (a clamp, an EMA swap for validation) comes before the first back
 changes that write parameters (a checkpoint loaded, a model prepared again, masters refreshed with ``force``, another
 stage's engine taking over) forget what was noted (:meth:`StepMachine.forget_writes`): none of them is refused. Only
 where the harm is real: with FP32 masters (O2), or a loss scale other than 1.
+
+A raw optimizer over parameters that no registered optimizer holds (a GAN's discriminator stepped by hand beside a
+prepared generator optimizer; a Fabric model before the plugin met its optimizer at the first step) is seen through
+:class:`UnheldParams`: the parameters of the prepared models that require grad and that no registered optimizer holds,
+found when the models or the registrations change (never per step; ``None`` for an ordinary run, so no cost there).
+The end of each harmful engine backward notes their versions and which of them hold a gradient (a callback queued by a
+hook on the scaled loss); the next engine backward refuses those that held one and were written since with their
+gradients cleared, with no engine step between (a write after a step, an EMA swap, is no raw step). Written with the
+gradients kept (a discriminator stepped by hand before its ``zero_grad``, as the DCGAN loop does) they are suspects
+for one more backward: engine steps never write them, so one whose gradient is cleared by then is refused too. A
+parameter never written (its gradient accumulates), a frozen one, one that never holds a gradient (an EMA teacher
+under ``torch.no_grad()``) and one set on a model after it was prepared are left alone.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
-from typing import Sequence
+import weakref
+from typing import Any, Iterable, Sequence
 
 import torch
+from torch import nn
 
 from lightning_mpx.engine.optimizer_state import _OptimizerState
 from lightning_mpx.masters.weights import MasterWeights
 
-__all__ = ["refuse_raw_step"]
+__all__ = ["UnheldParams", "find_unheld", "refuse_raw_step"]
 
 _PARAMS = operator.itemgetter("params")
 _VERSION = operator.attrgetter("_version")
+_GRAD = operator.attrgetter("grad")
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def refuse_raw_step(
@@ -52,19 +69,161 @@ def refuse_raw_step(
     if not stepped:
         return  # written with the gradients kept (a clamp between accumulated backwards): the step takes it
     state.backward_versions = None  # raised once: a caller that catches it is not told again for the same writes
-    named = [_name(p, master_weights, names) for p in stepped]
-    shown = ", ".join(repr(n) for n in named[:5]) + (f" and {len(named) - 5} more" if len(named) > 5 else "")
+    shown = _shown(stepped, master_weights, names)
     raise RuntimeError(
         f"parameters {shown} were written and their gradients cleared after a backward of lightning_mpx with no "
-        f"step of its prepared {type(optimizer).__name__} between: a torch optimizer that lightning_mpx did not "
-        "prepare (or a hand-written update) stepped them, with still-scaled gradients (at O2 the half model's, with no "
-        "FP32 master update). Step a prepared optimizer instead: under the Trainer, return it from "
-        "configure_optimizers and step self.optimizers() (manual optimization); with Fabric, "
-        "fabric.setup(model, optimizer); with Accelerate, accelerator.prepare(model, optimizer); with the core Amp, "
-        "amp.prepare_optimizer(optimizer) and amp.step(optimizer)."
+        f"step of its prepared {type(optimizer).__name__} between: {_FIX}"
     )
 
 
 def _name(param: torch.Tensor, master_weights: Sequence[MasterWeights], names: dict[int, str]) -> str:
     found = next((n for m in master_weights if (n := m.name_of(param)) is not None), None)
     return found or names.get(id(param)) or f"<shape {tuple(param.shape)}>"
+
+
+class UnheldParams:
+    """The parameters of the prepared models that require grad and that no registered optimizer holds, and what the
+    last harmful engine backward left in them (see the module's docstring). Made by :func:`find_unheld` when the models
+    or the registrations change; the engine holds ``None`` instead when there are none.
+
+    Args:
+        modules: The prepared models that have some (held weakly: nothing here keeps a model or a parameter alive
+            past a backward, nor blocks ``torch.utils.swap_tensors``, which refuses a tensor with a weak reference).
+        ids: Those parameters' ids: read from the live models at each backward, so a parameter replaced since (a
+            model sharded by FSDP after it was prepared) drops out.
+    """
+
+    def __init__(self, modules: Sequence[nn.Module], ids: frozenset[int]) -> None:
+        self.modules = tuple(weakref.ref(m) for m in modules)
+        self.ids = ids
+        # At the end of the last harmful engine backward: the parameters, their versions, whether each held a gradient,
+        # the engine's count of steps, and whether only half parameters are harmed (O2 with a unit scale).
+        self.note: tuple[tuple[torch.Tensor, ...], tuple[int, ...], tuple[bool, ...], int, bool] | None = None
+        # Positions written with their gradients kept since the note before the last one, with no engine step between:
+        # refused at the next backward if their gradients were cleared since.
+        self.suspects: frozenset[int] = frozenset()
+
+    def params(self) -> tuple[torch.Tensor, ...]:
+        """The parameters, from the live models (once each)."""
+        ids, seen, found = self.ids, set(), []
+        for ref in self.modules:
+            module = ref()
+            for param in module.parameters() if module is not None else ():
+                key = id(param)
+                if key in ids and key not in seen:
+                    seen.add(key)
+                    found.append(param)
+        return tuple(found)
+
+    def before_backward(self, machine: Any, loss_id: int, scaled: torch.Tensor | None) -> None:
+        """At an engine backward (``scaled``: its scaled loss, ``None`` when not known): refuse a raw step since the
+        last one (:meth:`check`), then, where a raw step would harm (O2, or a scale other than 1), have the end of
+        this backward note the parameters."""
+        self.check(machine)
+        scaler = machine.scalers[loss_id]
+        masters = bool(machine.masters.weights)
+        if scaled is not None and scaled.requires_grad and (masters or not scaler._unit):
+            scaled.register_hook(functools.partial(self._queue, machine.steps_taken, scaler._unit))
+
+    def forget(self) -> None:
+        """Forget what was noted (a stage change of the engine wrote the parameters)."""
+        self.note, self.suspects = None, frozenset()
+
+    def check(self, machine: Any) -> None:
+        """Raise when parameters that held a gradient at the note were written since with their gradients cleared,
+        with no engine step between, or were suspects (written with the gradients kept) whose gradients were cleared
+        since; note new suspects. The usual case (nothing written, no suspect) is one C-level comparison."""
+        note = self.note
+        if note is None:
+            return
+        noted, versions, had, noted_at, half_only = note
+        params = self.params()
+        if not _same(params, noted):
+            self.forget()  # the models' parameters changed since (replaced, sharded): nothing to compare
+            return
+        with torch._C.DisableTorchFunction():
+            if not self.suspects and tuple(map(_VERSION, params)) == versions:
+                return
+            suspects, self.suspects = self.suspects, frozenset()
+            fresh = noted_at == machine.steps_taken  # a write after an engine step is no raw step (an EMA swap)
+            stepped, kept = [], []
+            for i, (param, version, held) in enumerate(zip(params, versions, had)):
+                cleared = param.grad is None
+                if i in suspects and cleared:
+                    stepped.append(param)
+                elif fresh and held and param._version != version:
+                    if cleared:
+                        stepped.append(param)
+                    else:
+                        kept.append(i)
+            self.suspects = frozenset(kept)
+        held_now = _held(machine)  # one added to a registered optimizer since (add_param_group): the engine's steps
+        stepped = [p for p in stepped if id(p) not in held_now and (not half_only or p.dtype in _HALF)]
+        if not stepped:
+            return
+        self.forget()  # raised once: a caller that catches it is not told again for the same writes
+        shown = _shown(stepped, machine.masters.weights, machine.names)
+        raise RuntimeError(
+            f"parameters {shown}, which no optimizer prepared by lightning_mpx holds, were written and their "
+            f"gradients cleared after a backward of lightning_mpx: {_FIX}"
+        )
+
+    def _queue(self, noted_at: int, half_only: bool, grad: torch.Tensor) -> None:
+        """The scaled loss's gradient hook: the note is taken when the backward ends."""
+        torch.autograd.Variable._execution_engine.queue_callback(  # type: ignore[attr-defined]
+            functools.partial(self._note, noted_at, half_only)
+        )
+
+    def _note(self, noted_at: int, half_only: bool) -> None:
+        params = self.params()
+        with torch._C.DisableTorchFunction():  # C-level maps
+            versions = tuple(map(_VERSION, params))
+            had = tuple(map(operator.is_not, map(_GRAD, params), itertools.repeat(None)))
+        if self.note is not None and not _same(params, self.note[0]):
+            self.suspects = frozenset()  # positions among other parameters
+        self.note = params, versions, had, noted_at, half_only
+
+
+def find_unheld(models: Any, machine: Any) -> None:
+    """Set ``machine.unheld`` (:class:`UnheldParams`, or ``None`` when there are none) for the engine's prepared models
+    (``models``: its :class:`~lightning_mpx.engine.preparation.PreparedModels`); none for a sharded model (its
+    parameters are the strategy's shards)."""
+    machine.unheld = None
+    if models.sharded:
+        return
+    modules: Iterable[nn.Module] = list(models._unsharded.keys())
+    held = _held(machine)
+    ids: set[int] = set()
+    owners = []
+    for module in modules:
+        new = {id(p) for p in module.parameters() if p.requires_grad and p.is_floating_point() and id(p) not in held}
+        if new:
+            owners.append(module)
+            ids |= new
+    if ids:
+        machine.unheld = UnheldParams(owners, frozenset(ids))
+
+
+def _same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+def _held(machine: Any) -> set[int]:
+    """The ids of the parameters the machine's registered optimizers hold."""
+    optimizers = [o for state in machine.optimizers.values() if (o := state.optimizer_ref()) is not None]
+    return {id(p) for o in optimizers for p in itertools.chain.from_iterable(map(_PARAMS, o.param_groups))}
+
+
+def _shown(params: Sequence[torch.Tensor], master_weights: Sequence[MasterWeights], names: dict[int, str]) -> str:
+    named = [_name(p, master_weights, names) for p in params]
+    return ", ".join(repr(n) for n in named[:5]) + (f" and {len(named) - 5} more" if len(named) > 5 else "")
+
+
+_FIX = (
+    "a torch optimizer that lightning_mpx did not prepare (or a hand-written update) stepped them, with still-scaled "
+    "gradients (at O2 the half model's, with no FP32 master update). Step a prepared optimizer instead: under the "
+    "Trainer, return it from configure_optimizers and step self.optimizers() (manual optimization); with Fabric, "
+    "fabric.setup(model, optimizer) and step the optimizer it returns; with Accelerate, "
+    "accelerator.prepare(model, optimizer); with the core Amp, amp.prepare_optimizer(optimizer) and "
+    "amp.step(optimizer)."
+)
