@@ -79,6 +79,7 @@ def test_the_warning_comes_once_per_settings_object_and_not_for_defaults():
 
 @pytest.mark.usefixtures("fresh_accelerate_state")  # Accelerate's singleton state: none at the start
 def test_every_front_warns_once_for_an_ignored_setting_and_never_at_its_defaults(monkeypatch):
+    from lightning_mpx.apex import _amp_state
     from lightning_mpx.apex import amp as apex_amp
     from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 
@@ -98,7 +99,10 @@ def test_every_front_warns_once_for_an_ignored_setting_and_never_at_its_defaults
         apex_defaults = dict(cast_model_type=None, patch_torch_functions=None, keep_batchnorm_fp32=None,
                              master_weights=None, loss_scale=None)
         assert _warnings(lambda: apex_initialize(level, **apex_defaults)) == [], level
-    assert _warnings(lambda: apex_amp.init(allow_banned=True)) == []  # Apex's older entry point: O1, which reads it
+    try:  # Apex's older entry point: O1, which reads it; it turns O1's casts on for this thread until reset
+        assert _warnings(lambda: apex_amp.init(allow_banned=True)) == []
+    finally:
+        _amp_state.reset()
     assert len(_warnings(lambda: MixedPrecisionPlugin("O1", half_dtype="bfloat16", model_writes="values"))) == 1
     assert len(_warnings(lambda: FabricMixedPrecisionPlugin("O3", half_dtype="bfloat16", allow_banned=True))) == 1
     assert _warnings(lambda: Accelerator(mixed_precision="O0", kwargs_handlers=[MixedPrecisionKwargs()])) == []

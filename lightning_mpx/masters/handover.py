@@ -55,6 +55,11 @@ class HookRelease:
         self._forget = weakref.WeakMethod(forget) if forget is not None else None  # type: ignore[arg-type]
         self._held: list[Any] = []
 
+    @property
+    def module(self) -> nn.Module | None:
+        """The prepared model, or ``None`` once it is gone."""
+        return self._module()
+
     def hold(self, handle: Any) -> None:
         """Remove ``handle`` (anything with ``remove()``: an adapter's forward on the model) with the hooks."""
         self._held.append(handle)

@@ -42,9 +42,6 @@ class Masters:
         #: held weakly (a model dropped after a state_dict() call takes its masters with it), checked at the next
         #: forward (:meth:`take_lent`); empty otherwise.
         self.lent: list[tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor], int]] = []
-        # Each model's masters and the prefix of their names: a model prepared again (a head added after set-up)
-        # extends them, so that its checkpoint holds one model's masters, named as the same model built whole.
-        self._of_model: weakref.WeakKeyDictionary[nn.Module, tuple[str, MasterWeights]] = weakref.WeakKeyDictionary()
 
     def lend(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Note the FP32 values (masters, or values kept for masters not made yet) a model's ``state_dict()`` hands
@@ -81,9 +78,9 @@ class Masters:
         (``None``: none were needed)."""
         if all(map(self.covered, module.parameters())):
             return None
-        known = self._of_model.get(module)
-        if known is not None and any(known[1] is weights for weights in self.prune()):
-            known[1].extend(  # prepared again: the new parameters join the model's masters
+        known = self._of(module)
+        if known is not None:
+            known.extend(  # prepared again: the new parameters join the model's masters
                 ((names.get(id(p), prefix + name), p) for name, p in module.named_parameters()),
                 exclude=self.covered,
                 initial=initial,
@@ -96,14 +93,26 @@ class Masters:
             eager=False,
             initial=initial,
         )
+        weights.prefix = prefix
         self.weights.append(weights)
-        self._of_model[module] = (prefix, weights)
         return weights
+
+    def _of(self, module: nn.Module) -> MasterWeights | None:
+        """The live masters made for ``module`` when it was first prepared (found by the model their release hooks
+        hold weakly), or ``None``: a model prepared again (a head added after set-up) extends them, so that its
+        checkpoint holds one model's masters, named as the same model built whole. No table of models is kept: a
+        ``WeakKeyDictionary`` of models whose values held the masters (and through their release a weak reference to
+        the model again) crashed CPython 3.11 in ``PyObject_ClearWeakRefs`` when the model died under a profiler."""
+        for weights in self.prune():
+            release = weights.let_go
+            if release is not None and getattr(release, "module", None) is module:
+                return weights
+        return None
 
     def prefix_of(self, module: nn.Module, default: str) -> str:
         """The prefix of the names of ``module``'s masters if it has some (prepared again), else ``default``."""
-        known = self._of_model.get(module)
-        return known[0] if known is not None and any(known[1] is weights for weights in self.weights) else default
+        known = self._of(module)
+        return known.prefix if known is not None else default
 
     def initial_state(self) -> list[dict[str, torch.Tensor]]:
         """Per live model, the FP32 values kept for masters not made yet (see :meth:`add_model`)."""

@@ -161,6 +161,9 @@ class MasterWeights(MasterCheckpoint):
         self.handed: dict[int, tuple[str, weakref.ref[torch.Tensor]]] = {}
         # Set by the engine that made these masters: removes the hooks it put on their model (see let_go).
         self.let_go: Callable[[], None] | None = None
+        # The prefix of the names of these masters ("model1." for an engine's second model): a module added to the model
+        # and prepared again is named with it (Masters.prefix_of).
+        self.prefix = ""
         self.extend(named_parameters, exclude=exclude, initial=initial)
 
     def extend(
