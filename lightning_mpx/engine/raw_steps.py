@@ -24,7 +24,8 @@ The end of each harmful engine backward notes their versions and which of them h
 hook on the scaled loss); the next engine backward refuses those that held one and were written since with their
 gradients cleared, with no engine step between (a write after a step, an EMA swap, is no raw step). Written with the
 gradients kept (a discriminator stepped by hand before its ``zero_grad``, as the DCGAN loop does) they are suspects
-for one more backward: engine steps never write them, so one whose gradient is cleared by then is refused too. A
+for one more backward: engine steps never write them, so one whose gradient is cleared by then is refused too, unless
+written again since (a value set by hand before each forward: a temperature annealed under accumulation). A
 parameter never written (its gradient accumulates), a frozen one, one that never holds a gradient (an EMA teacher
 under ``torch.no_grad()``) and one set on a model after it was prepared are left alone.
 """
@@ -149,7 +150,9 @@ class UnheldParams:
             stepped, kept = [], []
             for i, (param, version, held) in enumerate(zip(params, versions, had)):
                 cleared = param.grad is None
-                if i in suspects and cleared:
+                # A suspect written again since the note (a value set by hand before each forward: a temperature
+                # annealed under accumulation) took that value, not a raw step's: left to the rule below.
+                if i in suspects and cleared and param._version == version:
                     stepped.append(param)
                 elif fresh and held and param._version != version:
                     if cleared:
@@ -225,5 +228,6 @@ _FIX = (
     "Trainer, return it from configure_optimizers and step self.optimizers() (manual optimization); with Fabric, "
     "fabric.setup(model, optimizer) and step the optimizer it returns; with Accelerate, "
     "accelerator.prepare(model, optimizer); with the core Amp, amp.prepare_optimizer(optimizer) and "
-    "amp.step(optimizer)."
+    "amp.step(optimizer). A write of your own with the gradients cleared and no step between (a rollback by copy_ "
+    "after a loss spike) looks the same: restore with model.load_state_dict(...) instead, which is no raw step."
 )
