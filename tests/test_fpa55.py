@@ -2,8 +2,10 @@
 door and compared with the framework's own precision ("bf16-mixed"/"16-mixed"): a hand-written EMA swapped in for a
 validation run mid-accumulation (``copy_`` under ``no_grad``, which bumps the parameters' versions, unlike Lightning's
 ``WeightAveraging`` that writes through ``.data``), over a model whose optimizer holds frozen parameters and a branch
-the forward does not use; and a Fabric loop whose backbone is left out of the optimizer but requires grad, its
-gradients cleared with ``model.zero_grad()`` after the step."""
+the forward does not use; an EMA teacher in the optimizer's parameters (its output detached) updated every
+micro-batch; and a Fabric loop whose backbone is left out of the optimizer but requires grad, its gradients cleared
+with ``model.zero_grad()`` after the step. On a CPU "16-mixed" runs as bf16-mixed, so O1 float16 is compared with
+FP32."""
 
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ from torch import nn
 
 from lightning_mpx import FabricMixedPrecisionPlugin, MixedPrecisionPlugin
 
-# On a CPU Lightning and Fabric run "16-mixed" as bf16-mixed (with a warning): O1 float16 is compared with FP32.
 LEVELS = [("O2", "bfloat16", "bf16-mixed"), ("O1", "float16", "32-true")]
 
 
@@ -150,22 +151,22 @@ def test_fabric_an_ema_swap_kept_through_accumulation_then_model_zero_grad_train
     }
 
 
-class _FrozenEMATeacher(pl.LightningModule):
-    """A student and its EMA teacher (frozen, but in ``self.parameters()`` given to the optimizer, which skips it),
-    the teacher updated after every batch, so between accumulated backwards too."""
+class _EMATeacher(pl.LightningModule):
+    """A student and its EMA teacher, which requires grad and is in ``self.parameters()`` given to the optimizer but
+    takes no gradient (its output is detached), updated after every batch, so between accumulated backwards too."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.student = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-        self.teacher = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).requires_grad_(False)
+        self.teacher = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
         self.teacher.load_state_dict(self.student.state_dict())
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         x = x.to(self.student[0].weight.dtype)
         out = self.student(x).float()
-        return F.mse_loss(out, y) + 0.1 * F.mse_loss(out, self.teacher(x).float())
+        return F.mse_loss(out, y) + 0.1 * F.mse_loss(out, self.teacher(x).float().detach())
 
     def on_train_batch_end(self, *args: Any) -> None:
         with torch.no_grad():
@@ -177,14 +178,15 @@ class _FrozenEMATeacher(pl.LightningModule):
 
 
 @pytest.mark.parametrize(("opt_level", "half_dtype", "reference"), LEVELS)
-def test_a_frozen_ema_teacher_in_the_optimizer_updated_every_micro_batch_trains_as_lightnings_precision(
+def test_an_ema_teacher_in_the_optimizer_updated_every_micro_batch_trains_as_lightnings_precision(
     opt_level: str, half_dtype: str, reference: str
 ) -> None:
-    """Was refused ("parameters 'teacher.0.weight', ... were written and their gradients cleared"): the teacher's
-    parameters hold no gradient because they are frozen, not because a raw optimizer's zero_grad cleared them."""
+    """Was refused ("parameters 'teacher.0.weight', ... were written and their gradients cleared"), frozen or not:
+    the teacher's parameters hold no gradient because none reached them, not because a raw optimizer's zero_grad
+    cleared them (the student's gradients are kept)."""
 
     def fit(**precision: Any) -> dict[str, torch.Tensor]:
-        model = _FrozenEMATeacher()
+        model = _EMATeacher()
         pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                    enable_model_summary=False, max_epochs=1, accumulate_grad_batches=2, **precision).fit(
             model, _loader(6))  # fmt: skip
@@ -192,7 +194,7 @@ def test_a_frozen_ema_teacher_in_the_optimizer_updated_every_micro_batch_trains_
 
     want = fit(precision=reference)
     got = fit(plugins=[MixedPrecisionPlugin(opt_level, half_dtype=half_dtype)])
-    start = {k: v.detach() for k, v in _FrozenEMATeacher().state_dict().items()}
+    start = {k: v.detach() for k, v in _EMATeacher().state_dict().items()}
     assert (want["teacher.2.weight"] - start["teacher.2.weight"]).abs().max() > 1e-2  # the EMA moved the teacher
     assert all(torch.allclose(got[k], want[k], atol=3e-3) for k in want), {
         k: (got[k] - want[k]).abs().max().item() for k in want

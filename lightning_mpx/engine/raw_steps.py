@@ -16,9 +16,9 @@ changes that write parameters (a checkpoint loaded, a model prepared again, mast
 stage's engine taking over) forget what was noted (:meth:`StepMachine.forget_writes`): none of them is refused. Only
 where the harm is real: with FP32 masters (O2), or a loss scale other than 1.
 
-A write between accumulated backwards (an EMA swap for validation) that keeps some of the optimizer's gradients is
-none either: no ``zero_grad`` ran, so its parameters without a gradient (frozen, or unused by the forward) never took
-the backward's.
+Nor is a write while some of the optimizer's parameters keep their gradients (an EMA swap for validation, or an EMA
+teacher in ``self.parameters()`` updated, between accumulated backwards): no ``zero_grad`` ran, so those without one
+(frozen, unused by the forward, a teacher whose output is detached) never took the backward's.
 
 A raw optimizer over parameters that no registered optimizer holds (a GAN's discriminator stepped by hand beside a
 prepared generator optimizer; a Fabric model before the plugin met its optimizer at the first step) is seen through
@@ -71,14 +71,12 @@ def refuse_raw_step(
         params = list(itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)))
         if len(noted) != len(params) or tuple(map(_VERSION, params)) == noted:
             return  # the usual case: nothing written since (gradient accumulation, a skipped batch)
-        written = [p for p, v in zip(params, noted) if p._version != v]
-        if any(map(operator.is_not, map(_GRAD, written), itertools.repeat(None))):
-            # written with gradients kept (a clamp, an EMA swap for validation between accumulated backwards): no
-            # zero_grad since, so those without one never took the backward's (frozen, or unused in the forward)
+        if any(map(operator.is_not, map(_GRAD, params), itertools.repeat(None))):
+            # gradients kept (accumulation; a clamp or an EMA swap between accumulated backwards): no zero_grad since,
+            # so those written without one never took the backward's (frozen, unused by the forward, an EMA teacher
+            # whose output is detached)
             return
-        stepped = [p for p in written if p.requires_grad]  # a frozen one takes no gradient: no optimizer steps it
-    if not stepped:
-        return
+        stepped = [p for p, v in zip(params, noted) if p._version != v]
     state.backward_versions = None  # raised once: a caller that catches it is not told again for the same writes
     shown = _shown(stepped, master_weights, names)
     raise RuntimeError(
