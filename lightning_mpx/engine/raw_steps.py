@@ -16,6 +16,10 @@ changes that write parameters (a checkpoint loaded, a model prepared again, mast
 stage's engine taking over) forget what was noted (:meth:`StepMachine.forget_writes`): none of them is refused. Only
 where the harm is real: with FP32 masters (O2), or a loss scale other than 1.
 
+Nor is a write while some of the optimizer's parameters keep their gradients (an EMA swap for validation, or an EMA
+teacher in ``self.parameters()`` updated, between accumulated backwards): no ``zero_grad`` ran, so those without one
+(frozen, unused by the forward, a teacher whose output is detached) never took the backward's.
+
 A raw optimizer over parameters that no registered optimizer holds (a GAN's discriminator stepped by hand beside a
 prepared generator optimizer; a Fabric model before the plugin met its optimizer at the first step) is seen through
 :class:`UnheldParams`: the parameters of the prepared models that require grad and that no registered optimizer holds,
@@ -25,9 +29,11 @@ hook on the scaled loss); the next engine backward refuses those that held one a
 gradients cleared, with no engine step between (a write after a step, an EMA swap, is no raw step). Written with the
 gradients kept (a discriminator stepped by hand before its ``zero_grad``, as the DCGAN loop does) they are suspects
 for one more backward: engine steps never write them, so one whose gradient is cleared by then is refused too, unless
-written again since (a value set by hand before each forward: a temperature annealed under accumulation). A
-parameter never written (its gradient accumulates), a frozen one, one that never holds a gradient (an EMA teacher
-under ``torch.no_grad()``) and one set on a model after it was prepared are left alone.
+written again since (a value set by hand before each forward: a temperature annealed under accumulation) or unless
+every gradient the registered optimizers hold was cleared with it (``model.zero_grad()`` ending an iteration after an
+EMA swap kept through accumulation). A parameter never written (its gradient accumulates), a frozen one, one that
+never holds a gradient (an EMA teacher under ``torch.no_grad()``) and one set on a model after it was prepared are left
+alone.
 """
 
 from __future__ import annotations
@@ -66,9 +72,12 @@ def refuse_raw_step(
         params = list(itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)))
         if len(noted) != len(params) or tuple(map(_VERSION, params)) == noted:
             return  # the usual case: nothing written since (gradient accumulation, a skipped batch)
-        stepped = [p for p, v in zip(params, noted) if p._version != v and p.grad is None]
-    if not stepped:
-        return  # written with the gradients kept (a clamp between accumulated backwards): the step takes it
+        if any(map(operator.is_not, map(_GRAD, params), itertools.repeat(None))):
+            # gradients kept (accumulation; a clamp or an EMA swap between accumulated backwards): no zero_grad since,
+            # so those written without one never took the backward's (frozen, unused by the forward, an EMA teacher
+            # whose output is detached)
+            return
+        stepped = [p for p, v in zip(params, noted) if p._version != v]
     state.backward_versions = None  # raised once: a caller that catches it is not told again for the same writes
     shown = _shown(stepped, master_weights, names)
     raise RuntimeError(
@@ -147,19 +156,23 @@ class UnheldParams:
                 return
             suspects, self.suspects = self.suspects, frozenset()
             fresh = noted_at == machine.steps_taken  # a write after an engine step is no raw step (an EMA swap)
-            stepped, kept = [], []
+            stepped, kept, cleared_suspects = [], [], []
             for i, (param, version, held) in enumerate(zip(params, versions, had)):
                 cleared = param.grad is None
                 # A suspect written again since the note (a value set by hand before each forward: a temperature
                 # annealed under accumulation) took that value, not a raw step's: left to the rule below.
                 if i in suspects and cleared and param._version == version:
-                    stepped.append(param)
+                    cleared_suspects.append(param)
                 elif fresh and held and param._version != version:
                     if cleared:
                         stepped.append(param)
                     else:
                         kept.append(i)
             self.suspects = frozenset(kept)
+        if cleared_suspects and not _all_cleared(machine):
+            # cleared alone (a raw optimizer's zero_grad); with every gradient the prepared optimizers hold, it is the
+            # end of an iteration (model.zero_grad() after the step) and the write an EMA swap kept through accumulation
+            stepped += cleared_suspects
         held_now = _held(machine)  # one added to a registered optimizer since (add_param_group): the engine's steps
         stepped = [p for p in stepped if id(p) not in held_now and (not half_only or p.dtype in _HALF)]
         if not stepped:
@@ -215,6 +228,13 @@ def _held(machine: Any) -> set[int]:
     """The ids of the parameters the machine's registered optimizers hold."""
     optimizers = [o for state in machine.optimizers.values() if (o := state.optimizer_ref()) is not None]
     return {id(p) for o in optimizers for p in itertools.chain.from_iterable(map(_PARAMS, o.param_groups))}
+
+
+def _all_cleared(machine: Any) -> bool:
+    """Whether every parameter the machine's registered optimizers hold has its gradient cleared."""
+    optimizers = [o for state in machine.optimizers.values() if (o := state.optimizer_ref()) is not None]
+    groups = itertools.chain.from_iterable(o.param_groups for o in optimizers)
+    return all(p.grad is None for p in itertools.chain.from_iterable(map(_PARAMS, groups)))
 
 
 def _shown(params: Sequence[torch.Tensor], master_weights: Sequence[MasterWeights], names: dict[int, str]) -> str:
