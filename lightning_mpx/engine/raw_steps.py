@@ -23,17 +23,17 @@ teacher in ``self.parameters()`` updated, between accumulated backwards): no ``z
 A raw optimizer over parameters that no registered optimizer holds (a GAN's discriminator stepped by hand beside a
 prepared generator optimizer; a Fabric model before the plugin met its optimizer at the first step) is seen through
 :class:`UnheldParams`: the parameters of the prepared models that require grad and that no registered optimizer holds,
-found when the models or the registrations change (never per step; ``None`` for an ordinary run, so no cost there).
-The end of each harmful engine backward notes their versions and which of them hold a gradient (a callback queued by a
-hook on the scaled loss); the next engine backward refuses those that held one and were written since with their
-gradients cleared, with no engine step between (a write after a step, an EMA swap, is no raw step). Written with the
-gradients kept (a discriminator stepped by hand before its ``zero_grad``, as the DCGAN loop does) they are suspects
-for one more backward: engine steps never write them, so one whose gradient is cleared by then is refused too, unless
-written again since (a value set by hand before each forward: a temperature annealed under accumulation) or unless
-every gradient the registered optimizers hold was cleared with it (``model.zero_grad()`` ending an iteration after an
-EMA swap kept through accumulation). A parameter never written (its gradient accumulates), a frozen one, one that
-never holds a gradient (an EMA teacher under ``torch.no_grad()``) and one set on a model after it was prepared are left
-alone.
+found when the models or the registrations change (never per step; ``None`` for an ordinary run, so no cost there). The
+end of each harmful engine backward notes their versions and which of them hold a gradient (a callback queued by a hook
+on the scaled loss, run after DDP's: the ranks see the same gradients, and so refuse alike); the next engine backward
+refuses those that held one and were written since with their gradients cleared, with no engine step between (a write
+after a step, an EMA swap, is no raw step). Written with the gradients kept (a discriminator stepped by hand before its
+``zero_grad``, as the DCGAN loop does) they are suspects for one more backward: engine steps never write them, so one
+whose gradient is cleared by then is refused too, unless written again since (a value set by hand before each forward: a
+temperature annealed under accumulation) or unless every gradient the registered optimizers hold was cleared with it
+(``model.zero_grad()`` ending an iteration after an EMA swap kept through accumulation). A parameter never written (its
+gradient accumulates), a frozen one, one that never holds a gradient (an EMA teacher under ``torch.no_grad()``) and one
+set on a model after it was prepared are left alone.
 """
 
 from __future__ import annotations
@@ -185,9 +185,13 @@ class UnheldParams:
         )
 
     def _queue(self, noted_at: int, half_only: bool, grad: torch.Tensor) -> None:
-        """The scaled loss's gradient hook: the note is taken when the backward ends."""
+        """The scaled loss's gradient hook: the note is taken when the backward ends, after the callbacks queued during
+        it (``_requeue``): DDP's, which gives a rank the all-reduced gradient of a parameter only another rank's
+        forward used. Noted before it, which parameters hold a gradient differed between the ranks, and so did the
+        refusal: one rank raised while the other went on into the next all-reduce (a hang)."""
+        note = functools.partial(self._note, noted_at, half_only)
         torch.autograd.Variable._execution_engine.queue_callback(  # type: ignore[attr-defined]
-            functools.partial(self._note, noted_at, half_only)
+            functools.partial(_requeue, note)
         )
 
     def _note(self, noted_at: int, half_only: bool) -> None:
@@ -218,6 +222,11 @@ def find_unheld(models: Any, machine: Any) -> None:
             ids |= new
     if ids:
         machine.unheld = UnheldParams(owners, frozenset(ids))
+
+
+def _requeue(callback: Any) -> None:
+    """Queue ``callback`` at the end of the running backward's callbacks (after those queued since: DDP's)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
 
 
 def _same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
