@@ -227,6 +227,10 @@ class StepMachine(UnscalePath):
         backward notes the parameters no registered optimizer holds (engine.raw_steps), if any."""
         if self.unheld is not None:  # a raw step over them since the last backward is refused
             self.unheld.before_backward(self, loss_id, scaled)
+        # engine.raw_steps' marks only where a raw step after this backward would harm (FP32 masters, or gradients
+        # scaled by other than 1): asked at every backward, so a scale that leaves 1 (a checkpoint's) or masters
+        # made since are watched from the next backward on; at O0/O1 with a unit scale nothing is noted
+        watch = bool(self.masters.weights) or not self.scalers[loss_id]._unit
         for state in self.optimizers.values():
             if state.stage is _Stage.STEPPED:  # what a step left, unless cleared since (the usual loop: nothing)
                 optimizer = state.optimizer_ref()
@@ -234,7 +238,7 @@ class StepMachine(UnscalePath):
                 with torch._C.DisableTorchFunction():  # as rescale.present_grads; C-level maps, no Python per param
                     params = tuple(itertools.chain.from_iterable(map(_PARAMS, groups)))
                     kept = any(map(operator.is_not, map(_GRAD, params), itertools.repeat(None)))
-                    versions = tuple(map(_VERSION, params))  # engine.raw_steps' marks, written out (no Python call)
+                    versions = tuple(map(_VERSION, params)) if watch else None  # engine.raw_steps' marks
                 if kept:
                     rescale_stepped(state, loss_id, self.scalers, self.masters.weights, self.backend)
                     state.backward_versions, state.noted_at = versions, self.steps_taken
@@ -250,7 +254,7 @@ class StepMachine(UnscalePath):
             elif state.loss_id is None:
                 state.loss_id = loss_id
                 optimizer = state.optimizer_ref()
-                if optimizer is not None:  # engine.raw_steps' marks, written out (no Python call)
+                if optimizer is not None and watch:  # engine.raw_steps' marks, written out (no Python call)
                     with torch._C.DisableTorchFunction():
                         params = itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups))
                         state.backward_versions = tuple(map(_VERSION, params))
@@ -258,14 +262,17 @@ class StepMachine(UnscalePath):
             else:  # gradients of a backward no step has taken yet: stepped since by an optimizer not prepared?
                 # engine.raw_steps, its usual case (accumulation: nothing written since the note) written out: no
                 # Python call. A note made before an engine step of any optimizer (shared parameters) is void.
-                optimizer = state.optimizer_ref()
-                groups = optimizer.param_groups if optimizer is not None else ()
-                with torch._C.DisableTorchFunction():
-                    versions = tuple(map(_VERSION, itertools.chain.from_iterable(map(_PARAMS, groups))))
-                if versions != state.backward_versions and state.noted_at == self.steps_taken:
-                    harmful = bool(self.masters.weights) or not self.scalers[state.loss_id]._unit
-                    refuse_raw_step(state, self.masters.weights, self.names, harmful=harmful)
-                state.backward_versions, state.noted_at = versions, self.steps_taken
+                noted = state.backward_versions
+                if noted is not None or watch:  # nothing noted and nothing to note: no harm either way
+                    optimizer = state.optimizer_ref()
+                    groups = optimizer.param_groups if optimizer is not None else ()
+                    with torch._C.DisableTorchFunction():
+                        versions = tuple(map(_VERSION, itertools.chain.from_iterable(map(_PARAMS, groups))))
+                    if noted is not None and versions != noted and state.noted_at == self.steps_taken:
+                        harmful = bool(self.masters.weights) or not self.scalers[state.loss_id]._unit
+                        refuse_raw_step(state, self.masters.weights, self.names, harmful=harmful)
+                    state.backward_versions = versions if watch else None
+                    state.noted_at = self.steps_taken
                 if state.loss_id != loss_id or state.grad_scale is not None:
                     rescale_pending(state, loss_id, self.scalers, self.backend)
 

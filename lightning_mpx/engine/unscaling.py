@@ -46,12 +46,19 @@ class UnscalePath:
                 "unscale_() has already been called on this optimizer since its last step() or update() (directly or "
                 "through clip_grad_norm_()/clip_grad_value_()); call step() (or update()) before unscaling again."
             )
-        self._unscale(state, optimizer=optimizer)
-        if self.masters.weights:
-            # As after torch.amp.GradScaler.unscale_(): the model's own gradients hold the true values (a half copy;
-            # the FP32 ones the step uses stay in the masters), so code that clips or inspects them works. A write
-            # to them before the step is taken into the masters.
+        if not self.masters.weights:
+            self._unscale(state, optimizer=optimizer)
+            return
+        # As after torch.amp.GradScaler.unscale_(): the model's own gradients hold the true values (a half copy;
+        # the FP32 ones the step uses stay in the masters), so code that clips or inspects them works. A write
+        # to them before the step is taken into the masters. show_unscaled notes the half gradients after its
+        # copies: the unscale's own note, overwritten at once, is made only if the copies do not finish.
+        self._unscale(state, optimizer=optimizer, note=False)
+        try:
             show_unscaled(self, optimizer, fresh=True)
+        except BaseException:
+            self.keep_marks(state)
+            raise
 
     # -- the step's check ---------------------------------------------------------------------------------------
     def check(self, state: _OptimizerState, optimizer: torch.optim.Optimizer, reducer: Any) -> list[int]:
@@ -176,11 +183,12 @@ class UnscalePath:
         *,
         marks: bool = True,
         optimizer: torch.optim.Optimizer | None = None,
+        note: bool = True,
     ) -> None:
         """Unscale the optimizer's gradients (:func:`~lightning_mpx.engine.grad_checks.unscale`); ``marks``: at O2,
         note which half gradients were read, for the user code that may run before the step
         (:func:`~lightning_mpx.engine.rescale.follow_cleared_grads`); a step that unscales for itself notes them only
-        if it does not finish (:meth:`keep_marks`)."""
+        if it does not finish (:meth:`keep_marks`); ``note=False``: noted by the caller (:meth:`unscale_`)."""
         weights = self.masters.weights
         optimizer = state.optimizer if optimizer is None else optimizer
         for held in weights if marks else ():  # unscale_() or a clip; a step's own unscale is refused by its Mirror
@@ -202,5 +210,5 @@ class UnscalePath:
             sharding=self.sharding,
             true_grads=[true for true, _ in leftovers(state, weights, optimizer)] if skipped else None,
         )
-        if weights and not skipped and marks:
+        if weights and not skipped and marks and note:  # note=False: the caller notes them (unscale_)
             state.unscaled_marks = grad_marks(state, weights, optimizer)
