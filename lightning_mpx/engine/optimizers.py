@@ -127,6 +127,13 @@ class StepMachine(UnscalePath):
         optimizer before any model was prepared for training, and under FSDP one holding gathered parameters."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer.")
+        if not hasattr(optimizer, "_optimizer_step_pre_hooks"):  # a wrapper never calling Optimizer.__init__
+            raise TypeError(
+                f"optimizer={type(optimizer).__name__} never ran torch.optim.Optimizer.__init__, so it has none of the "
+                "step and state-dict hooks lightning_mpx puts on a prepared optimizer: in its __init__, call "
+                "torch.optim.Optimizer.__init__(self, inner.param_groups, inner.defaults) before sharing the inner "
+                "optimizer's param_groups (a Lookahead wrapper)."
+            )
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError(
                 "optimizer=LBFGS re-evaluates the loss through a closure several times per step, which loss scaling "
