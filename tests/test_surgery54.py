@@ -205,17 +205,22 @@ def _weight_norm(model: nn.Module, opt: torch.optim.Optimizer, prepared: Any) ->
 _NEW_FP32_HEAD = pytest.mark.xfail(
     strict=True,
     raises=RuntimeError,
-    reason="lightning_mpx/engine/surgery.py (O2): a head added after prepare_model and given to the prepared "
-    "optimizer by add_param_group alone is met by no call of the engine before its first forward: the forward "
-    "raises a RuntimeError naming the FP32 module and the fix (prepare an optimizer that holds it: it is then made "
-    "half with FP32 masters; tests/test_surgery55.py)",
+    reason="lightning_mpx/engine/surgery.py (O2): torch's Optimizer.add_param_group calls no hook (it appends to "
+    "the plain list optimizer.param_groups) and the engine's hooks on a prepared optimizer (step and state-dict "
+    "hooks) run after the forward, so a head added after prepare_model and given to it by add_param_group alone "
+    "meets the half activations in FP32: a RuntimeError naming the module and the fix, prepare_optimizer(opt) "
+    "again (tests/test_surgery56.py). Seeing it earlier needs an instance override of the user's optimizer or a "
+    "per-forward check of every optimizer's groups",
 )
 _WEIGHT_NORM = pytest.mark.xfail(
     strict=True,
     raises=RuntimeError,
     reason="lightning_mpx/masters/watch.py: weight_norm's right_inverse hands back the WatchedParameter itself and "
-    "torch's Parameter(t) needs type(t.detach()) is type(t) for a Parameter subclass: 'Creating a Parameter from an "
-    "instance of type WatchedParameter' (register it before prepare_model)",
+    "torch's Parameter(t) (parametrize.py) needs type(t.detach()) is type(t) for a Parameter subclass: 'Creating a "
+    "Parameter from an instance of type WatchedParameter', raised inside torch, where no hook of the engine runs (a "
+    "Python detach on WatchedParameter would tax every detach and torch.compile). Ways out: register it before "
+    "prepare_model, or make the module FP32 first (module.float(), exact from its masters), then prepare an "
+    "optimizer (tests/test_surgery56.py)",
 )
 
 

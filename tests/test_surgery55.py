@@ -198,17 +198,7 @@ def _trainer_run(precision: str, register: bool) -> Weights:
     return _floats(plugin.amp.fp32_state_dict(module.net) if plugin else module.net.state_dict())
 
 
-_LAZY = pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="lightning_mpx/integrations/lightning.py: Lightning hands an optimizer made by "
-    "trainer.strategy.setup_optimizers mid-fit to no precision plugin; the plugin registers it at its first step "
-    "(adopt_optimizer), after the forward through the FP32 head, which is refused naming it and the fix "
-    "(trainer.precision_plugin.amp.prepare_optimizer)",
-)
-
-
-@pytest.mark.parametrize("register", [pytest.param(False, marks=_LAZY), True], ids=["plain", "registered"])
+@pytest.mark.parametrize("register", [False, True], ids=["plain", "registered"])
 def test_trainer_head_added_by_a_callback_between_epochs_trains_as_fp32(register: bool) -> None:
     _close(_trainer_run("O2", register), _trainer_run("32-true", register))
 

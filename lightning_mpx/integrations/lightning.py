@@ -67,6 +67,7 @@ from lightning_mpx.integrations.lightning_model_hooks import ModelHooks, note_un
 from lightning_mpx.integrations.lightning_range_test import RangeTest  # noqa: E402
 from lightning_mpx.integrations.lightning_schedulers import HeldSchedulers, step_configs  # noqa: E402
 from lightning_mpx.integrations.lightning_strategies import (  # noqa: E402
+    NewOptimizers,
     adopt_optimizer,
     fsdp1_config,
     shards_model,
@@ -144,6 +145,7 @@ class MixedPrecisionPlugin(GradientClipping, CheckpointHooks, FSDPPrecision):
         self._held = HeldSchedulers()
         self._gradient_readers = GradientReaders()  # which hooks read the gradients, asked once per fit and class
         self._range_test = RangeTest()  # Lightning's learning-rate range test (Tuner.lr_find)
+        self._new_optimizers = NewOptimizers()  # made mid-fit by strategy.setup_optimizers: registered before a step
         self._manual_step = ManualStep()  # whether a manual-optimization training step runs (its reads end nothing)
         self._evaluation = EvaluationValues()  # prepares the model; O2 before the first fit: FP32 values for a stage
         # Last: what this __init__ built, which pickling leaves out and rebuilds from the settings (__getstate__).
@@ -302,6 +304,7 @@ class MixedPrecisionPlugin(GradientClipping, CheckpointHooks, FSDPPrecision):
             self._end_iteration()
         if self._held.held:  # usually released at convert_input already (not called for a dataloader_iter)
             self._held.release()
+        self._new_optimizers.register(self.amp, self._module)
         inner = self.forward_context()
         if getattr(self._module, "automatic_optimization", True):
             return inner  # its iteration ends inside the step, at its one optimizer step
@@ -450,6 +453,7 @@ class MixedPrecisionPlugin(GradientClipping, CheckpointHooks, FSDPPrecision):
         # ranks, logged, their floor applied).
         self.amp.settle_step_outcomes()
         self._held.release()
+        self._new_optimizers.forget()
         self._model_hooks.remove()
         self._evaluation.restore()  # an evaluation before the first fit: the model is the user's FP32 model again
         self.amp._stepper.closed = (  # the weights stay as the run left them

@@ -85,6 +85,30 @@ def adopt_optimizer(amp: Any, trainer: Any, optimizer: Optimizer) -> bool:
     return amp.is_unscaled(optimizer)  # raises for an optimizer the Trainer does not hold
 
 
+class NewOptimizers:
+    """The Trainer's optimizers made since fit started (``trainer.strategy.setup_optimizers(trainer)`` in a callback,
+    after an added head or a resize), which Lightning hands to no precision plugin: registered when the next training
+    step starts, before its forward (a module added since is then made half with FP32 masters, as at set-up), not at
+    their first step, after it. One identity test of the strategy's list per training step."""
+
+    __slots__ = ("_seen",)
+
+    def __init__(self) -> None:
+        self._seen: list[Any] | None = None  # the strategy's list of optimizers last looked at (dropped at teardown)
+
+    def register(self, amp: Any, module: nn.Module | None) -> None:
+        trainer = trainer_of(module) if module is not None else None
+        optimizers = trainer.strategy.optimizers if trainer is not None else None
+        if optimizers is None or optimizers is self._seen:
+            return
+        self._seen = optimizers
+        for optimizer in optimizers:
+            amp.prepare_optimizer(unwrap_optimizer(optimizer))  # (one registered already is left as it is)
+
+    def forget(self) -> None:
+        self._seen = None
+
+
 def trainer_of(model: nn.Module) -> Any:
     """The Trainer of the LightningModule ``model`` is or wraps (DDP's and Lightning's wrappers), or ``None``."""
     module = getattr(model, "module", model)  # DDP
