@@ -304,7 +304,9 @@ class MixedPrecisionPlugin(GradientClipping, CheckpointHooks, FSDPPrecision):
             self._end_iteration()
         if self._held.held:  # usually released at convert_input already (not called for a dataloader_iter)
             self._held.release()
-        self._new_optimizers.register(self.amp, self._module)
+        new = self._new_optimizers  # optimizers made mid-fit (strategy.setup_optimizers): registered before the forward
+        if new.strategy is None or getattr(new.strategy, "_optimizers", None) is not new.seen:
+            new.register(self.amp, self._module)
         inner = self.forward_context()
         if getattr(self._module, "automatic_optimization", True):
             return inner  # its iteration ends inside the step, at its one optimizer step

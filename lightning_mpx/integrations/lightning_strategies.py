@@ -89,24 +89,32 @@ class NewOptimizers:
     """The Trainer's optimizers made since fit started (``trainer.strategy.setup_optimizers(trainer)`` in a callback,
     after an added head or a resize), which Lightning hands to no precision plugin: registered when the next training
     step starts, before its forward (a module added since is then made half with FP32 masters, as at set-up), not at
-    their first step, after it. One identity test of the strategy's list per training step."""
+    their first step, after it. Per training step the plugin compares ``strategy._optimizers`` (the list behind
+    ``strategy.optimizers``) by identity with ``seen``, inline: attribute reads, no Python call; :meth:`register` runs
+    when no strategy was found yet or that list was replaced."""
 
-    __slots__ = ("_seen",)
+    __slots__ = ("seen", "strategy")
 
     def __init__(self) -> None:
-        self._seen: list[Any] | None = None  # the strategy's list of optimizers last looked at (dropped at teardown)
+        self.strategy: Any = None  # the fit's strategy, found at its first training step (dropped at teardown)
+        self.seen: list[Any] | None = None  # its list of optimizers last looked at
 
     def register(self, amp: Any, module: nn.Module | None) -> None:
+        """Register each optimizer of the strategy's list (one registered already is left as it is)."""
         trainer = trainer_of(module) if module is not None else None
-        optimizers = trainer.strategy.optimizers if trainer is not None else None
-        if optimizers is None or optimizers is self._seen:
+        strategy = trainer.strategy if trainer is not None else None
+        if strategy is None:
             return
-        self._seen = optimizers
-        for optimizer in optimizers:
-            amp.prepare_optimizer(unwrap_optimizer(optimizer))  # (one registered already is left as it is)
+        self.strategy = strategy
+        optimizers = getattr(strategy, "_optimizers", None)
+        if optimizers is self.seen:
+            return
+        self.seen = optimizers
+        for optimizer in strategy.optimizers:
+            amp.prepare_optimizer(unwrap_optimizer(optimizer))
 
     def forget(self) -> None:
-        self._seen = None
+        self.strategy = self.seen = None
 
 
 def trainer_of(model: nn.Module) -> Any:
