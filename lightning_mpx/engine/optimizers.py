@@ -264,7 +264,9 @@ class StepMachine(UnscalePath):
                     versions = tuple(map(_VERSION, itertools.chain.from_iterable(map(_PARAMS, groups))))
                 if versions != state.backward_versions and state.noted_at == self.steps_taken:
                     harmful = bool(self.masters.weights) or not self.scalers[state.loss_id]._unit
-                    refuse_raw_step(state, self.masters.weights, self.names, harmful=harmful)
+                    refuse_raw_step(
+                        state, self.masters.weights, self.names, harmful=harmful, steps_taken=self.steps_taken
+                    )
                 state.backward_versions, state.noted_at = versions, self.steps_taken
                 if state.loss_id != loss_id or state.grad_scale is not None:
                     rescale_pending(state, loss_id, self.scalers, self.backend)
