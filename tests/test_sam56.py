@@ -252,3 +252,27 @@ def test_fabric_o2_sam_state_before_the_first_step_is_not_called_a_load():
     with pytest.raises(RuntimeError, match=r"SAM-style two-pass optimizer(.|\n)*plugin.setup_optimizers") as caught:
         optimizer.step()
     assert "loaded (fabric.load) before" not in str(caught.value)
+
+
+def test_o1_float16_sam_overflow_in_either_pass_leaves_the_weights():
+    """An overflow of the first pass perturbs the weights to inf/NaN; the recipe's restore puts them back before the
+    door's step, which skips the overflowed second pass: the weights stay finite and unchanged, the scale backs off."""
+    from lightning_mpx import Amp
+
+    amp = Amp("O1", half_dtype="float16", init_scale=2.0**24)
+    model = amp.prepare_model(_net())
+    before = _weights(model)
+    optimizer = amp.prepare_optimizer(DoorSAM(model.parameters(), torch.optim.SGD, lr=0.1))
+    x, y = _batch(0)
+    for _ in range(2):
+        with amp.forward_context():
+            loss = F.mse_loss(model(x).float(), y)
+        amp.backward(loss)
+        if _ == 0:
+            optimizer.first_step(zero_grad=True)
+            assert not all(torch.isfinite(p).all() for p in model.parameters())  # perturbed by the overflow
+    optimizer.second_step()
+    assert not amp.step(optimizer)
+    _assert_close(_weights(model), before, 0.0)
+    amp.end_iteration()
+    assert amp.metrics()["mpx/loss_scale"] < 2.0**24
