@@ -94,6 +94,9 @@ class _OptimizerState:
     # step between finds those an optimizer lightning_mpx did not prepare stepped by hand.
     backward_versions: tuple[int, ...] | None = None
     noted_at: int = 0  # the engine's count of steps (of any optimizer) when they were noted
+    # A SAM-style two-pass optimizer (engine.raw_steps): the count of steps at which its first_step's perturbation was
+    # let through (one per step: a second write with the gradients cleared before the step is its base step, raw).
+    perturbed_at: int = -1
     # O2: whether the step left true values in the half gradients too (shown: show_unscaled_on_model copied them
     # there before the step), not the scale of loss_id.
     shown: bool = False

@@ -277,7 +277,9 @@ class StepMachine(UnscalePath):
                         versions = tuple(map(_VERSION, itertools.chain.from_iterable(map(_PARAMS, groups))))
                     if noted is not None and versions != noted and state.noted_at == self.steps_taken:
                         harmful = bool(self.masters.weights) or not self.scalers[state.loss_id]._unit
-                        refuse_raw_step(state, self.masters.weights, self.names, harmful=harmful)
+                        refuse_raw_step(
+                            state, self.masters.weights, self.names, harmful=harmful, steps_taken=self.steps_taken
+                        )
                     state.backward_versions = versions if watch else None
                     state.noted_at = self.steps_taken
                 if state.loss_id != loss_id or state.grad_scale is not None:

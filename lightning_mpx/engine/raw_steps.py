@@ -14,7 +14,10 @@ Gradient accumulation keeps its gradients, a skipped batch (``zero_grad`` withou
 after the step (a clamp, an EMA swap for validation) comes before the first backward, and the engine's own stage
 changes that write parameters (a checkpoint loaded, a model prepared again, masters refreshed with ``force``, another
 stage's engine taking over) forget what was noted (:meth:`StepMachine.forget_writes`): none of them is refused. Only
-where the harm is real: with FP32 masters (O2), or a loss scale other than 1.
+where the harm is real: with FP32 masters (O2), or a loss scale other than 1. A SAM-style two-pass optimizer
+(``first_step``/``second_step``, :func:`is_two_pass`) has one such write let through per engine step: its
+``first_step``'s perturbation, undone before the step; a second (davda54's ``second_step``, whose
+``base_optimizer.step()`` the engine never sees) is refused with the recipe of docs/master_weights.md.
 
 Nor is a write while some of the optimizer's parameters keep their gradients (an EMA swap for validation, or an EMA
 teacher in ``self.parameters()`` updated, between accumulated backwards): no ``zero_grad`` ran, so those without one
@@ -50,7 +53,7 @@ from torch import nn
 from lightning_mpx.engine.optimizer_state import _OptimizerState
 from lightning_mpx.masters.weights import MasterWeights
 
-__all__ = ["UnheldParams", "find_unheld", "refuse_raw_step"]
+__all__ = ["UnheldParams", "find_unheld", "is_two_pass", "refuse_raw_step"]
 
 _PARAMS = operator.itemgetter("params")
 _VERSION = operator.attrgetter("_version")
@@ -59,11 +62,18 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def refuse_raw_step(
-    state: _OptimizerState, master_weights: Sequence[MasterWeights], names: dict[int, str], *, harmful: bool
+    state: _OptimizerState,
+    master_weights: Sequence[MasterWeights],
+    names: dict[int, str],
+    *,
+    harmful: bool,
+    steps_taken: int = 0,
 ) -> None:
     """Raise when, since the backward that noted them, parameters of the state's optimizer were written and their
     gradients cleared with no step of the engine between: another optimizer stepped them by hand. ``harmful``: with
-    FP32 masters or a loss scale other than 1 (otherwise such a step is a plain step, and left alone)."""
+    FP32 masters or a loss scale other than 1 (otherwise such a step is a plain step, and left alone). A SAM-style
+    two-pass optimizer (:func:`is_two_pass`) has one such write let through per engine step (``steps_taken``: the
+    engine's count): its ``first_step``'s perturbation, undone before the step; a second is its base step, raw."""
     noted = state.backward_versions
     optimizer = state.optimizer_ref()
     if noted is None or optimizer is None or not harmful:
@@ -78,12 +88,29 @@ def refuse_raw_step(
             # whose output is detached)
             return
         stepped = [p for p, v in zip(params, noted) if p._version != v]
+    two_pass = is_two_pass(optimizer)
+    if two_pass and state.perturbed_at != steps_taken:
+        state.perturbed_at = steps_taken  # its first_step: scale-free (g / ||g||), undone before the step
+        return
     state.backward_versions = None  # raised once: a caller that catches it is not told again for the same writes
     shown = _shown(stepped, master_weights, names)
+    if two_pass:
+        raise RuntimeError(
+            f"parameters {shown} were written and their gradients cleared twice since the last step of the "
+            f"{type(optimizer).__name__} prepared by lightning_mpx, with backwards between: the second write of this "
+            f"SAM-style two-pass optimizer (first_step, second_step) is its second_step's base_optimizer.step(), "
+            f"which the engine never sees: {_SAM_FIX}"
+        )
     raise RuntimeError(
         f"parameters {shown} were written and their gradients cleared after a backward of lightning_mpx with no "
         f"step of its prepared {type(optimizer).__name__} between: {_FIX}"
     )
+
+
+def is_two_pass(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is a SAM-style two-pass optimizer (davda54/sam, ASAM, GSAM): callable ``first_step`` and
+    ``second_step`` methods (also through a wrapper that delegates them: Lightning's or Fabric's optimizer)."""
+    return callable(getattr(optimizer, "first_step", None)) and callable(getattr(optimizer, "second_step", None))
 
 
 def _name(param: torch.Tensor, master_weights: Sequence[MasterWeights], names: dict[int, str]) -> str:
@@ -258,5 +285,15 @@ _FIX = (
     "fabric.setup(model, optimizer) and step the optimizer it returns; with Accelerate, "
     "accelerator.prepare(model, optimizer); with the core Amp, amp.prepare_optimizer(optimizer) and "
     "amp.step(optimizer). A write of your own with the gradients cleared and no step between (a rollback by copy_ "
-    "after a loss spike) looks the same: restore with model.load_state_dict(...) instead, which is no raw step."
+    "after a loss spike) looks the same: restore with model.load_state_dict(...) instead, which is no raw step. A "
+    "SAM-style two-pass optimizer (first_step, second_step): see 'SAM and two-pass optimizers' in "
+    "docs/master_weights.md."
+)
+_SAM_FIX = (
+    "with still-scaled gradients (at O2 the half model's, with no FP32 master update). Give the optimizer a step() "
+    "that steps its base optimizer (def step(self, closure=None): return self.base_optimizer.step(closure)); after "
+    "the second backward undo the perturbation (second_step's restore of old_p, without its base step) and step "
+    "through the door: amp.step(optimizer), or optimizer.step() on the optimizer self.optimizers(), fabric.setup() "
+    "(with plugin.setup_optimizers(optimizer) after fabric.setup()) or accelerator.prepare() returned. See 'SAM and "
+    "two-pass optimizers' in docs/master_weights.md."
 )

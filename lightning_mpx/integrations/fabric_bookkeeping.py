@@ -17,6 +17,7 @@ from lightning_mpx.common.containers import read_floats
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.optimizer_state import optimizer_params
 from lightning_mpx.engine.overflow import DEFAULT_READER
+from lightning_mpx.engine.raw_steps import is_two_pass
 from lightning_mpx.engine.sharding import refuse_gathered
 from lightning_mpx.integrations.fabric_checkpoint import HeldMasters, masters_left_to_models
 from lightning_mpx.integrations.fabric_sharding import adopt_sharded
@@ -118,6 +119,15 @@ class FabricBookkeeping:
                 f"plugin.setup_optimizers({type(optimizer).__name__.lower()}, ...) after fabric.setup()."
             )
         if self.amp.properties.master_weights and _has_half_state(optimizer):
+            if is_two_pass(optimizer):  # its first_step's state (old_p), before Fabric's first optimizer step
+                raise RuntimeError(
+                    f"optimizer={type(optimizer).__name__}, a SAM-style two-pass optimizer (first_step, second_step), "
+                    "holds state for the model's half parameters that it wrote before the plugin knew it (its "
+                    "first_step's copies, before Fabric's first optimizer step, where the plugin meets an optimizer): "
+                    "the plugin cannot tell it from state loaded (fabric.load) and rounded to half. Call "
+                    "plugin.setup_optimizers(optimizer) after fabric.setup() and before the first fabric.backward(); "
+                    "see 'SAM and two-pass optimizers' in docs/master_weights.md."
+                )
             raise RuntimeError(
                 f"optimizer={type(optimizer).__name__} has state for the model's half parameters that the plugin did "
                 "not make: it was loaded (fabric.load) before the plugin knew the optimizer, which rounds the FP32 "
