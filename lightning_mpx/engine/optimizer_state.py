@@ -97,6 +97,9 @@ class _OptimizerState:
     # A SAM-style two-pass optimizer (engine.raw_steps): the count of steps at which its first_step's perturbation was
     # let through (one per step: a second write with the gradients cleared before the step is its base step, raw).
     perturbed_at: int = -1
+    # O2: a SAM-style optimizer (engine.raw_steps.is_two_pass, asked at registration): its step takes no write made
+    # to the half parameters since the last step (first_step's perturbation, and its undo) into the masters.
+    two_pass: bool = False
     # O2: whether the step left true values in the half gradients too (shown: show_unscaled_on_model copied them
     # there before the step), not the scale of loss_id.
     shown: bool = False

@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
-from lightning_mpx.engine.raw_steps import UnheldParams, refuse_raw_step
+from lightning_mpx.engine.raw_steps import UnheldParams, is_two_pass, refuse_raw_step
 from lightning_mpx.engine.rescale import (
     hold_scale,
     rescale_pending,
@@ -157,7 +157,7 @@ class StepMachine(UnscalePath):
             return  # registered before (a framework preparing it twice)
         _release_from_other_engines(optimizer, self)  # one engine owns an optimizer: a later stage's takes it over
         self.taken.pop(key, None)
-        state = _OptimizerState(weakref.ref(optimizer))
+        state = _OptimizerState(weakref.ref(optimizer), two_pass=is_two_pass(optimizer))
         if with_masters:
             # Refuses half parameters of unprepared models; makes missing masters; state made before preparing
             # moves to them.

@@ -15,7 +15,7 @@ after the step (a clamp, an EMA swap for validation) comes before the first back
 changes that write parameters (a checkpoint loaded, a model prepared again, masters refreshed with ``force``, another
 stage's engine taking over) forget what was noted (:meth:`StepMachine.forget_writes`): none of them is refused. Only
 where the harm is real: with FP32 masters (O2), or a loss scale other than 1. A SAM-style two-pass optimizer
-(``first_step``/``second_step``, :func:`is_two_pass`) has one such write let through per engine step: its
+(``first_step``, :func:`is_two_pass`) has one such write let through per engine step: its
 ``first_step``'s perturbation, undone before the step; a second (davda54's ``second_step``, whose
 ``base_optimizer.step()`` the engine never sees) is refused with the recipe of docs/master_weights.md.
 
@@ -108,9 +108,10 @@ def refuse_raw_step(
 
 
 def is_two_pass(optimizer: Any) -> bool:
-    """Whether ``optimizer`` is a SAM-style two-pass optimizer (davda54/sam, ASAM, GSAM): callable ``first_step`` and
-    ``second_step`` methods (also through a wrapper that delegates them: Lightning's or Fabric's optimizer)."""
-    return callable(getattr(optimizer, "first_step", None)) and callable(getattr(optimizer, "second_step", None))
+    """Whether ``optimizer`` is a SAM-style two-pass optimizer (davda54/sam, ASAM, GSAM): a callable ``first_step``
+    (the perturbation; ``second_step`` is optional: a ``step()`` that restores and steps the base optimizer is the
+    same recipe), also through a wrapper that delegates it (Lightning's or Fabric's optimizer)."""
+    return callable(getattr(optimizer, "first_step", None))
 
 
 def _name(param: torch.Tensor, master_weights: Sequence[MasterWeights], names: dict[int, str]) -> str:

@@ -76,6 +76,13 @@ class Mirror:
         self._one_call = None
         return taken
 
+    def overlook_writes(self) -> None:
+        """Leave writes made to the parameters since the last step out of the masters (a SAM-style optimizer's
+        ``first_step`` perturbation and its undo): the masters hold the weights the step starts from, and
+        :meth:`copy_to_model` after it overwrites what was written."""
+        self._watch.due(self._keys)  # .data handed out since: consumed, not compared
+        self._one_call = None
+
     def copy_to_model(self) -> None:
         """Write the masters into the half parameters (after a real step) and remember their new versions."""
         if not self.params:
@@ -99,12 +106,13 @@ class Mirror:
             entry.version, entry.address = version, address
 
 
-def step_mirrored(mirrors: list[Mirror], step: Callable[[], object]) -> None:
-    """One optimizer step seen through ``mirrors``: each one's writes taken (:meth:`Mirror.take_writes`), ``step``
-    called (the masters stand in for the parameters), and the masters copied into the model
-    (:meth:`Mirror.copy_to_model`); nothing is copied when ``step`` raises."""
+def step_mirrored(mirrors: list[Mirror], step: Callable[[], object], *, take: bool = True) -> None:
+    """One optimizer step seen through ``mirrors``: each one's writes taken (:meth:`Mirror.take_writes`; with
+    ``take=False`` overlooked, :meth:`Mirror.overlook_writes`), ``step`` called (the masters stand in for the
+    parameters), and the masters copied into the model (:meth:`Mirror.copy_to_model`); nothing is copied when ``step``
+    raises."""
     for mirror in mirrors:
-        mirror.take_writes()
+        mirror.take_writes() if take else mirror.overlook_writes()
     step()
     for mirror in mirrors:
         mirror.copy_to_model()

@@ -46,8 +46,10 @@ def step_on_masters(
     compare: bool,
 ) -> None:
     """Run ``step`` (the optimizer's own step) on the masters: writes made to the model since the last step (loaded
-    weights, SWA, EMA...) taken into them, the masters in the groups for the call, the result copied to the model
-    (after a skip on the device: the masters' unchanged values), and their FP32 gradients freed.
+    weights, SWA, EMA...) taken into them (not for a SAM-style optimizer, ``state.two_pass``: its ``first_step``
+    perturbed the half weights, and the masters hold the weights to step from), the masters in the groups for the
+    call, the result copied to the model (after a skip on the device: the masters' unchanged values), and their FP32
+    gradients freed.
 
     The pairs are taken as the unscale of this step made or checked them (no user code runs between the two), so
     nothing here looks for a changed parameter list again."""
@@ -59,7 +61,7 @@ def step_on_masters(
     # swap_out and drop_master_grads written out: a call each saved at every step (host-bound loops); the mirrors'
     # module is entered once (step_mirrored), as every module of a step (benchmarks/step_walk.py)
     try:
-        step_mirrored(views, step)
+        step_mirrored(views, step, take=not state.two_pass)
     finally:
         for group, params in zip(optimizer.param_groups, swapped):  # by position, as swap_out
             group["params"] = params
