@@ -249,5 +249,8 @@ _FIX = (
     "fabric.setup(model, optimizer) and step the optimizer it returns; with Accelerate, "
     "accelerator.prepare(model, optimizer); with the core Amp, amp.prepare_optimizer(optimizer) and "
     "amp.step(optimizer). A write of your own with the gradients cleared and no step between (a rollback by copy_ "
-    "after a loss spike) looks the same: restore with model.load_state_dict(...) instead, which is no raw step."
+    "after a loss spike, a layer re-initialised by reset_parameters() on a skipped batch) looks the same: restore "
+    "with model.load_state_dict(...) instead, or call refresh_masters(force=True) right after the write (on the "
+    "Trainer's trainer.precision_plugin.amp, Fabric's plugin.amp, accelerator.amp or the Amp itself), which takes it "
+    "as yours (at O2 into the FP32 masters); neither is a raw step."
 )
