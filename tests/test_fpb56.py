@@ -1,9 +1,11 @@
 """The raw-step check (engine/raw_steps.py) under model-side habits, each through a real front door and compared with
 the framework's own precision ("bf16-mixed"; O1 float16 with FP32, which "16-mixed" is not on a CPU): a head
 re-initialised on a skipped batch (its gradients dropped, no step) is refused, the refusal naming
-``refresh_masters(force=True)``, and that way the reset sticks; stochastic depth, a distillation teacher that requires
-grad outside the optimizer, a DQN target network inside the model loaded every other step, two halves frozen in turn
-under one optimizer, a head reset after a step and Lightning's ``ModelPruning`` made permanent train unrefused."""
+``refresh_masters(force=True)``, and that way the reset sticks; so is an ``nn.Embedding(max_norm=...)`` (its forward
+renormalises rows in place) after a batch skipped once its backward ran (a false refusal: strict xfail, and the way
+out the refusal names); stochastic depth, a distillation teacher that requires grad outside the optimizer, a DQN
+target inside the model loaded every other step, two halves frozen in turn, a head reset after a step and
+Lightning's ``ModelPruning`` made permanent train unrefused."""
 
 from __future__ import annotations
 
@@ -75,6 +77,58 @@ def test_a_head_reset_on_a_skipped_batch_is_refused_naming_refresh_masters_and_t
     want = _skipped_batch_reset(None, reference, refresh=True)
     assert want.pop("jump") > 0.1 and got.pop("jump") > 0.1  # the reset moved the head: a lost one would show
     assert all(torch.allclose(got[k].float(), want[k], atol=3e-3) for k in want), {
+        k: (got[k].float() - want[k]).abs().max().item() for k in want
+    }
+
+
+def _embedding_max_norm(plugin: FabricMixedPrecisionPlugin | None, reference: str, refresh: bool) -> dict[str, Any]:
+    """Fabric; an ``nn.Embedding(max_norm=1.0)`` (its forward renormalises rows in place); the third batch skipped
+    after its backward (``zero_grad``, no step)."""
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1, **({"plugins": [plugin]} if plugin else {"precision": reference}))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(16, 8, max_norm=1.0), nn.Linear(8, 1))
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.5))
+    for i in range(6):
+        g = torch.Generator().manual_seed(i)
+        ids, y = torch.randint(0, 16, (8,), generator=g), torch.randn(8, 1, generator=g) / 2
+        fabric.backward(F.mse_loss(model(ids).float(), y))
+        if i == 2:
+            optimizer.zero_grad()
+            if plugin is not None and refresh:
+                plugin.amp.refresh_masters(force=True)  # the way out the refusal names
+            continue
+        optimizer.step()
+        optimizer.zero_grad()
+    if plugin is not None:
+        assert plugin.amp.last_overflow is None
+        return plugin.amp.fp32_state_dict(net)
+    return {k: v.detach().float() for k, v in net.state_dict().items()}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason="engine/raw_steps.py: the forward's in-place renorm (torch.embedding_renorm_) after a batch skipped once "
+    "its backward ran moves the weight's version with its gradient cleared and no engine step between, which is "
+    "what a raw optimizer step leaves; telling them apart needs versions noted at each forward's entry (a cost on "
+    "the hot path). The refusal names refresh_masters(force=True) at the skip as the way out",
+)
+def test_an_embedding_with_max_norm_after_a_batch_skipped_post_backward_trains_on() -> None:
+    _embedding_max_norm(FabricMixedPrecisionPlugin("O2", half_dtype="bfloat16"), "bf16-mixed", refresh=False)
+
+
+@pytest.mark.parametrize(("opt_level", "half_dtype", "reference"), LEVELS)
+def test_an_embedding_with_max_norm_refusal_names_its_way_out_and_that_way_trains_as_the_reference(
+    opt_level: str, half_dtype: str, reference: str
+) -> None:
+    with pytest.raises(RuntimeError, match=r"(?s)'0\.weight'.*nn\.Embedding\(max_norm=\.\.\.\).*refresh_masters"):
+        _embedding_max_norm(FabricMixedPrecisionPlugin(opt_level, half_dtype=half_dtype), reference, refresh=False)
+    got = _embedding_max_norm(FabricMixedPrecisionPlugin(opt_level, half_dtype=half_dtype), reference, refresh=True)
+    want = _embedding_max_norm(None, reference, refresh=True)
+    # O2 renormalises the half rows (their bfloat16 rounding, taken into the masters): a few units in the last place
+    assert all(torch.allclose(got[k].float(), want[k], atol=1e-2) for k in want), {
         k: (got[k].float() - want[k]).abs().max().item() for k in want
     }
 

@@ -249,8 +249,9 @@ _FIX = (
     "fabric.setup(model, optimizer) and step the optimizer it returns; with Accelerate, "
     "accelerator.prepare(model, optimizer); with the core Amp, amp.prepare_optimizer(optimizer) and "
     "amp.step(optimizer). A write of your own with the gradients cleared and no step between (a rollback by copy_ "
-    "after a loss spike, a layer re-initialised by reset_parameters() on a skipped batch) looks the same: restore "
-    "with model.load_state_dict(...) instead, or call refresh_masters(force=True) right after the write (on the "
+    "after a loss spike, a layer re-initialised by reset_parameters() on a skipped batch, an "
+    "nn.Embedding(max_norm=...) renormalising its rows in the forward after one) looks the same: restore with "
+    "model.load_state_dict(...) instead, or call refresh_masters(force=True) right after the write or the skip (on the "
     "Trainer's trainer.precision_plugin.amp, Fabric's plugin.amp, accelerator.amp or the Amp itself), which takes it "
     "as yours (at O2 into the FP32 masters); neither is a raw step."
 )
