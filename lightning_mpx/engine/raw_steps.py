@@ -10,7 +10,8 @@ Nothing of the engine runs in that step, so the next backward tells it: every ba
 registered optimizer's parameters and the count of the engine's steps (``StepMachine.before_backward``: C-level maps,
 no Python call); a later backward with no engine step between (the gradients of the first still pending) that finds
 versions changed looks for parameters written since whose gradients were cleared (:func:`refuse_raw_step`).
-Gradient accumulation keeps its gradients, a skipped batch (``zero_grad`` without a step) writes no parameter, a write
+Gradient accumulation keeps its gradients, a skipped batch (``zero_grad`` without a step) writes no parameter (but
+for an ``nn.Embedding(max_norm=...)``'s weight, renormalised in place by each forward: left out), a write
 after the step (a clamp, an EMA swap for validation) comes before the first backward, and the engine's own stage
 changes that write parameters (a checkpoint loaded, a model prepared again, masters refreshed with ``force``, another
 stage's engine taking over) forget what was noted (:meth:`StepMachine.forget_writes`): none of them is refused. Only
@@ -59,11 +60,18 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def refuse_raw_step(
-    state: _OptimizerState, master_weights: Sequence[MasterWeights], names: dict[int, str], *, harmful: bool
+    state: _OptimizerState,
+    master_weights: Sequence[MasterWeights],
+    names: dict[int, str],
+    *,
+    harmful: bool,
+    renormed: frozenset[int] = frozenset(),
 ) -> None:
     """Raise when, since the backward that noted them, parameters of the state's optimizer were written and their
     gradients cleared with no step of the engine between: another optimizer stepped them by hand. ``harmful``: with
-    FP32 masters or a loss scale other than 1 (otherwise such a step is a plain step, and left alone)."""
+    FP32 masters or a loss scale other than 1 (otherwise such a step is a plain step, and left alone). ``renormed``:
+    the ids of weights an ``nn.Embedding(max_norm=...)`` renormalises in place at each forward, left out (its forward
+    after a batch skipped once its backward ran writes them so)."""
     noted = state.backward_versions
     optimizer = state.optimizer_ref()
     if noted is None or optimizer is None or not harmful:
@@ -77,7 +85,9 @@ def refuse_raw_step(
             # so those written without one never took the backward's (frozen, unused by the forward, an EMA teacher
             # whose output is detached)
             return
-        stepped = [p for p, v in zip(params, noted) if p._version != v]
+        stepped = [p for p, v in zip(params, noted) if p._version != v and id(p) not in renormed]
+    if not stepped:
+        return
     state.backward_versions = None  # raised once: a caller that catches it is not told again for the same writes
     shown = _shown(stepped, master_weights, names)
     raise RuntimeError(
@@ -203,11 +213,18 @@ class UnheldParams:
 def find_unheld(models: Any, machine: Any) -> None:
     """Set ``machine.unheld`` (:class:`UnheldParams`, or ``None`` when there are none) for the engine's prepared models
     (``models``: its :class:`~lightning_mpx.engine.preparation.PreparedModels`); none for a sharded model (its
-    parameters are the strategy's shards)."""
-    machine.unheld = None
+    parameters are the strategy's shards). Also ``machine.renormed``: the weights an ``nn.Embedding(max_norm=...)``
+    renormalises in place at each forward (see :func:`refuse_raw_step`)."""
+    machine.unheld, machine.renormed = None, frozenset()
     if models.sharded:
         return
     modules: Iterable[nn.Module] = list(models._unsharded.keys())
+    machine.renormed = frozenset(
+        id(sub.weight)
+        for module in modules
+        for sub in module.modules()
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.max_norm is not None
+    )
     held = _held(machine)
     ids: set[int] = set()
     owners = []
@@ -249,9 +266,8 @@ _FIX = (
     "fabric.setup(model, optimizer) and step the optimizer it returns; with Accelerate, "
     "accelerator.prepare(model, optimizer); with the core Amp, amp.prepare_optimizer(optimizer) and "
     "amp.step(optimizer). A write of your own with the gradients cleared and no step between (a rollback by copy_ "
-    "after a loss spike, a layer re-initialised by reset_parameters() on a skipped batch, an "
-    "nn.Embedding(max_norm=...) renormalising its rows in the forward after one) looks the same: restore with "
-    "model.load_state_dict(...) instead, or call refresh_masters(force=True) right after the write or the skip (on the "
+    "after a loss spike, a layer re-initialised by reset_parameters() on a skipped batch) looks the same: restore "
+    "with model.load_state_dict(...) instead, or call refresh_masters(force=True) right after the write (on the "
     "Trainer's trainer.precision_plugin.amp, Fabric's plugin.amp, accelerator.amp or the Amp itself), which takes it "
     "as yours (at O2 into the FP32 masters); neither is a raw step."
 )
