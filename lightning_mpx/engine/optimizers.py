@@ -90,6 +90,9 @@ class StepMachine(UnscalePath):
         # The prepared models' parameters that require grad and no registered optimizer holds (engine.raw_steps), found
         # when the models or the registrations change (find_unheld); None when there are none (no cost at a backward).
         self.unheld: UnheldParams | None = None
+        # The ids of the weights an nn.Embedding(max_norm=...) of the prepared models renormalises in place at each
+        # forward (engine.raw_steps: no raw step), found with ``unheld``.
+        self.renormed: frozenset[int] = frozenset()
         # What the error for an optimizer not registered tells the user to do: the front door's own call where it
         # registers optimizers itself (Amp.register_call).
         self.register_call = "call prepare_optimizer() on it first"
@@ -278,7 +281,12 @@ class StepMachine(UnscalePath):
                     if noted is not None and versions != noted and state.noted_at == self.steps_taken:
                         harmful = bool(self.masters.weights) or not self.scalers[state.loss_id]._unit
                         refuse_raw_step(
-                            state, self.masters.weights, self.names, harmful=harmful, steps_taken=self.steps_taken
+                            state,
+                            self.masters.weights,
+                            self.names,
+                            harmful=harmful,
+                            steps_taken=self.steps_taken,
+                            renormed=self.renormed,
                         )
                     state.backward_versions = versions if watch else None
                     state.noted_at = self.steps_taken

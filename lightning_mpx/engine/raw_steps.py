@@ -10,7 +10,8 @@ Nothing of the engine runs in that step, so the next backward tells it: every ba
 registered optimizer's parameters and the count of the engine's steps (``StepMachine.before_backward``: C-level maps,
 no Python call); a later backward with no engine step between (the gradients of the first still pending) that finds
 versions changed looks for parameters written since whose gradients were cleared (:func:`refuse_raw_step`).
-Gradient accumulation keeps its gradients, a skipped batch (``zero_grad`` without a step) writes no parameter, a write
+Gradient accumulation keeps its gradients, a skipped batch (``zero_grad`` without a step) writes no parameter (but
+for an ``nn.Embedding(max_norm=...)``'s weight, renormalised in place by each forward: left out), a write
 after the step (a clamp, an EMA swap for validation) comes before the first backward, and the engine's own stage
 changes that write parameters (a checkpoint loaded, a model prepared again, masters refreshed with ``force``, another
 stage's engine taking over) forget what was noted (:meth:`StepMachine.forget_writes`): none of them is refused. Only
@@ -68,12 +69,15 @@ def refuse_raw_step(
     *,
     harmful: bool,
     steps_taken: int = 0,
+    renormed: frozenset[int] = frozenset(),
 ) -> None:
     """Raise when, since the backward that noted them, parameters of the state's optimizer were written and their
     gradients cleared with no step of the engine between: another optimizer stepped them by hand. ``harmful``: with
     FP32 masters or a loss scale other than 1 (otherwise such a step is a plain step, and left alone). A SAM-style
     two-pass optimizer (:func:`is_two_pass`) has one such write let through per engine step (``steps_taken``: the
-    engine's count): its ``first_step``'s perturbation, undone before the step; a second is its base step, raw."""
+    engine's count): its ``first_step``'s perturbation, undone before the step; a second is its base step, raw.
+    ``renormed``: the ids of weights an ``nn.Embedding(max_norm=...)`` renormalises in place at each forward, left out
+    (its forward after a batch skipped once its backward ran writes them so)."""
     noted = state.backward_versions
     optimizer = state.optimizer_ref()
     if noted is None or optimizer is None or not harmful:
@@ -87,7 +91,9 @@ def refuse_raw_step(
             # so those written without one never took the backward's (frozen, unused by the forward, an EMA teacher
             # whose output is detached)
             return
-        stepped = [p for p, v in zip(params, noted) if p._version != v]
+        stepped = [p for p, v in zip(params, noted) if p._version != v and id(p) not in renormed]
+    if not stepped:
+        return
     two_pass = is_two_pass(optimizer)
     if two_pass and state.perturbed_at != steps_taken:
         state.perturbed_at = steps_taken  # its first_step: scale-free (g / ||g||), undone before the step
@@ -235,11 +241,18 @@ class UnheldParams:
 def find_unheld(models: Any, machine: Any) -> None:
     """Set ``machine.unheld`` (:class:`UnheldParams`, or ``None`` when there are none) for the engine's prepared models
     (``models``: its :class:`~lightning_mpx.engine.preparation.PreparedModels`); none for a sharded model (its
-    parameters are the strategy's shards)."""
-    machine.unheld = None
+    parameters are the strategy's shards). Also ``machine.renormed``: the weights an ``nn.Embedding(max_norm=...)``
+    renormalises in place at each forward (see :func:`refuse_raw_step`)."""
+    machine.unheld, machine.renormed = None, frozenset()
     if models.sharded:
         return
     modules: Iterable[nn.Module] = list(models._unsharded.keys())
+    machine.renormed = frozenset(
+        id(sub.weight)
+        for module in modules
+        for sub in module.modules()
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.max_norm is not None
+    )
     held = _held(machine)
     ids: set[int] = set()
     owners = []
@@ -286,9 +299,11 @@ _FIX = (
     "fabric.setup(model, optimizer) and step the optimizer it returns; with Accelerate, "
     "accelerator.prepare(model, optimizer); with the core Amp, amp.prepare_optimizer(optimizer) and "
     "amp.step(optimizer). A write of your own with the gradients cleared and no step between (a rollback by copy_ "
-    "after a loss spike) looks the same: restore with model.load_state_dict(...) instead, which is no raw step. A "
-    "SAM-style two-pass optimizer (first_step, second_step): see 'SAM and two-pass optimizers' in "
-    "docs/master_weights.md."
+    "after a loss spike, a layer re-initialised by reset_parameters() on a skipped batch) looks the same: restore "
+    "with model.load_state_dict(...) instead, or call refresh_masters(force=True) right after the write (on the "
+    "Trainer's trainer.precision_plugin.amp, Fabric's plugin.amp, accelerator.amp or the Amp itself), which takes it "
+    "as yours (at O2 into the FP32 masters); neither is a raw step. A SAM-style two-pass optimizer (first_step, "
+    "second_step): see 'SAM and two-pass optimizers' in docs/master_weights.md."
 )
 _SAM_FIX = (
     "with still-scaled gradients (at O2 the half model's, with no FP32 master update). Give the optimizer a step() "
