@@ -399,7 +399,7 @@ class MixedPrecisionSettings:
             return self
         picked = dataclasses.replace(self)
         object.__setattr__(picked, "device_type", str(device_type))
-        object.__setattr__(picked, "_picked_from", _written(self))  # its warning is the written object's
+        object.__setattr__(picked, "_picked_from", written_settings(self))  # its warning is the written object's
         picked.__post_init__()  # the properties of the picked dtype, checked as any settings' are
         return picked
 
@@ -508,7 +508,7 @@ def ignored_level_settings(settings: MixedPrecisionSettings) -> dict[str, str]:
     return out
 
 
-def _written(settings: MixedPrecisionSettings) -> MixedPrecisionSettings:
+def written_settings(settings: MixedPrecisionSettings) -> MixedPrecisionSettings:
     """The settings object the user wrote: ``settings`` itself, or the one :meth:`~MixedPrecisionSettings.on_device`
     picked it from (an engine's picked copy warns for the object it was picked from, once)."""
     return settings.__dict__.get("_picked_from", settings)
@@ -546,7 +546,7 @@ def warn_ignored_settings(settings: MixedPrecisionSettings) -> None:
     (:func:`ignored_scaler_settings`; remedy ``loss_scale="dynamic"``) and the settings its opt level never reads
     (:func:`ignored_level_settings`). The engine calls it once the half dtype is known: when built with one, or when
     :meth:`~lightning_mpx.engine.amp.Amp.pick_half_dtype` picks it. A setting given at its default is not given."""
-    written = _written(settings)  # an engine's picked copy warns for the object it was picked from
+    written = written_settings(settings)  # an engine's picked copy warns for the object it was picked from
     if getattr(written, "_ignored_warned", False) or not _rank_zero():
         return
     parts = []

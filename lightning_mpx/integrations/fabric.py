@@ -80,6 +80,7 @@ from lightning_mpx.settings import (
     SettingsKeywords,
     keyword_signature,
     settings_of,
+    written_settings,
 )
 
 require("lightning.fabric", extra="lightning", feature="lightning_mpx.FabricMixedPrecisionPlugin")
@@ -167,7 +168,7 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         settings comes once per object)."""
         if not isinstance(settings, MixedPrecisionSettings):
             raise TypeError(f"settings={type(settings).__name__} must be a lightning_mpx.MixedPrecisionSettings.")
-        return cls(settings.opt_level, **{SETTINGS_OBJECT: settings})
+        return cls(settings.opt_level, **{SETTINGS_OBJECT: written_settings(settings)})
 
     # -- pickling (strategy="ddp_spawn" pickles Fabric into each process) ------------------------------------------
     def __getstate__(self) -> dict[str, Any]:

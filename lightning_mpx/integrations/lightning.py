@@ -47,6 +47,7 @@ from lightning_mpx.settings import (
     SettingsKeywords,
     keyword_signature,
     settings_of,
+    written_settings,
 )
 
 _pl = require("lightning.pytorch", extra="lightning", feature="lightning_mpx.MixedPrecisionPlugin")
@@ -161,8 +162,9 @@ class MixedPrecisionPlugin(GradientClipping, CheckpointHooks, FSDPPrecision):
         where the plugin starts afresh (a new engine; the run's state, loss scales and FP32 masters, is restored from
         checkpoints). A subclass's own attributes are kept."""
         extra = {name: value for name, value in vars(self).items() if name not in self._built_here}
-        # The settings object itself: it keeps whether its warning about ignored settings was said.
-        return {"opt_level": self._opt_level, "settings": self.settings, "extra": extra}
+        # The settings object written (not the copy a pick made: each process picks for its own device) itself: it
+        # keeps whether its warning about ignored settings was said.
+        return {"opt_level": self._opt_level, "settings": written_settings(self.settings), "extra": extra}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         settings = state["settings"]
@@ -185,7 +187,7 @@ class MixedPrecisionPlugin(GradientClipping, CheckpointHooks, FSDPPrecision):
         many front doors it is handed to)."""
         if not isinstance(settings, MixedPrecisionSettings):
             raise TypeError(f"settings={type(settings).__name__} must be a lightning_mpx.MixedPrecisionSettings.")
-        return cls(settings.opt_level, **{SETTINGS_OBJECT: settings})
+        return cls(settings.opt_level, **{SETTINGS_OBJECT: written_settings(settings)})
 
     @property
     def opt_level(self) -> str:
