@@ -399,6 +399,7 @@ class MixedPrecisionSettings:
             return self
         picked = dataclasses.replace(self)
         object.__setattr__(picked, "device_type", str(device_type))
+        object.__setattr__(picked, "_picked_from", written_settings(self))  # its warning is the written object's
         picked.__post_init__()  # the properties of the picked dtype, checked as any settings' are
         return picked
 
@@ -507,13 +508,46 @@ def ignored_level_settings(settings: MixedPrecisionSettings) -> dict[str, str]:
     return out
 
 
+def written_settings(settings: MixedPrecisionSettings) -> MixedPrecisionSettings:
+    """The settings object the user wrote: ``settings`` itself, or the one :meth:`~MixedPrecisionSettings.on_device`
+    picked it from (an engine's picked copy warns for the object it was picked from, once)."""
+    return settings.__dict__.get("_picked_from", settings)
+
+
+#: The keyword under which ``from_settings`` and unpickling hand a front door's ``__init__`` the settings object itself
+#: (see :func:`settings_of`): not a setting, so not in any signature.
+SETTINGS_OBJECT = "_settings_object"
+
+
+def settings_of(opt_level: str, keywords: dict[str, Any]) -> MixedPrecisionSettings:
+    """The settings a front door's ``__init__(opt_level, **keywords)`` stands for: the object ``from_settings`` (or
+    unpickling) hands over under :data:`SETTINGS_OBJECT`, kept as it is (so its once-per-object warning about
+    ignored settings stays said), else new settings from ``keywords``.
+
+    Raises:
+        TypeError: for a handed-over object that is not a :class:`MixedPrecisionSettings`, given with other keywords,
+            or with another ``opt_level``.
+    """
+    given = keywords.pop(SETTINGS_OBJECT, None)
+    if given is None:
+        return MixedPrecisionSettings.from_kwargs(opt_level, **keywords)
+    if not isinstance(given, MixedPrecisionSettings) or keywords or given.opt_level != opt_level:
+        raise TypeError(
+            f"{SETTINGS_OBJECT}={type(given).__name__} with opt_level={opt_level!r} and keywords {sorted(keywords)}: "
+            "from_settings(settings) hands over a MixedPrecisionSettings alone, at its own opt_level; pass either "
+            "the settings object (from_settings) or the keywords."
+        )
+    return given
+
+
 def warn_ignored_settings(settings: MixedPrecisionSettings) -> None:
     """Warn once per settings object (one ``UserWarning``, rank zero only) naming every setting given that
     ``settings`` ignore, with the remedy: the scaler settings its static loss scale ignores
     (:func:`ignored_scaler_settings`; remedy ``loss_scale="dynamic"``) and the settings its opt level never reads
     (:func:`ignored_level_settings`). The engine calls it once the half dtype is known: when built with one, or when
     :meth:`~lightning_mpx.engine.amp.Amp.pick_half_dtype` picks it. A setting given at its default is not given."""
-    if getattr(settings, "_ignored_warned", False) or not _rank_zero():
+    written = written_settings(settings)  # an engine's picked copy warns for the object it was picked from
+    if getattr(written, "_ignored_warned", False) or not _rank_zero():
         return
     parts = []
     ignored = ignored_scaler_settings(settings)
@@ -532,7 +566,8 @@ def warn_ignored_settings(settings: MixedPrecisionSettings) -> None:
     parts += ignored_level_settings(settings).values()
     if not parts:
         return
-    object.__setattr__(settings, "_ignored_warned", True)  # once per settings object (a frozen dataclass)
+    # Once per settings object (a frozen dataclass); kept by pickling, and by from_settings, which hands it over whole.
+    object.__setattr__(written, "_ignored_warned", True)
     warnings.warn("lightning_mpx: " + " ".join(parts), UserWarning, stacklevel=2)
 
 

@@ -10,7 +10,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
@@ -147,13 +146,6 @@ def test_after_the_fit_a_model_made_fp32_loads_with_assign_true_as_in_fp32() -> 
     assert all(torch.equal(runs["reused"][k], runs["fresh"][k]) for k in runs["fresh"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="lightning_mpx/integrations/lightning.py, fabric.py: from_settings builds the plugin from "
-    "settings.to_kwargs(), a new settings object, so settings.warn_ignored_settings' once-per-object flag set by "
-    "Amp.from_settings(settings) does not carry (nor through ddp_spawn's pickling, which rebuilds from to_kwargs): "
-    "one settings object given to Amp and both plugins warns three times",
-)
 def test_one_settings_object_given_to_every_door_warns_once_about_a_setting_its_level_ignores() -> None:
     """docs/core.md, "One settings object": the warning about a setting the level never reads comes once per
     settings object; the documented habit hands that object to each front door."""

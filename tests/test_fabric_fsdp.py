@@ -171,7 +171,7 @@ def test_rank_zero_reads_skips_scales_and_logs_without_a_collective(user):
     assert plugin["skipped"] == core["skipped"] == SKIPPED
     assert plugin["scales"] == core["scales"] == SCALES
     assert plugin["skipped_steps"] == core["skipped_steps"] == 2.0
-    assert plugin["telemetry"] and all(name.rsplit("/", 1)[0] in ("mpx/underflow", "mpx/headroom")
+    assert plugin["telemetry"] and all(name.rsplit("/", 1)[0] in ("mpx/underflow", "mpx/headroom_doublings")
                                        for name in plugin["telemetry"])  # fmt: skip
     logged = plugin["logged"]
     assert len(logged) == STEPS and all("mpx/loss_scale" in row and "mpx/skipped_steps" in row for row in logged)

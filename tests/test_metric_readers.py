@@ -75,10 +75,10 @@ def test_core_gradient_norm_and_telemetry_are_reported_once_to_each_reader():
     _steps(amp, model, optimizer, [False], clip=True)
     default, log = amp.metrics(), amp.metrics("log")
     for read in (default, log):
-        assert "mpx/grad_norm" in read and any(name.startswith("mpx/headroom/") for name in read)
+        assert "mpx/grad_norm" in read and any(name.startswith("mpx/headroom_doublings/") for name in read)
     assert float(default["mpx/grad_norm"]) == float(log["mpx/grad_norm"])
     again = amp.metrics()  # nothing new since the default reader's previous call
-    assert "mpx/grad_norm" not in again and not any(name.startswith("mpx/headroom/") for name in again)
+    assert "mpx/grad_norm" not in again and not any(name.startswith("mpx/headroom_doublings/") for name in again)
 
 
 def test_core_resume_counts_what_each_reader_had_not_read_when_saved():

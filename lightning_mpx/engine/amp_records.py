@@ -49,7 +49,7 @@ class AmpRecords(AmpParts):
     def request_telemetry(self) -> None:
         """Measure underflow and headroom of the scaled gradients in the unscale (on the device, no host sync) until
         the next :meth:`update`: the next :meth:`metrics` holds ``mpx/underflow/<group>``, ``mpx/zeros/<group>`` and
-        ``mpx/headroom/<group>`` (see :mod:`lightning_mpx.health.telemetry`)."""
+        ``mpx/headroom_doublings/<group>`` (see :mod:`lightning_mpx.health.telemetry`)."""
         self.telemetry.requested = True
 
     def metrics(self, reader: str = DEFAULT_READER) -> dict[str, torch.Tensor | float]:

@@ -8,8 +8,8 @@ suggested fix:
   values at any scale): most steps overflow, the scale sits at its floor (or is static) and skipped steps grow; with
   ``mpx/overflow/<module>`` tags the modules whose gradients were non-finite, and since which step;
 - **scale too low**: gradients underflow (``mpx/underflow/<group>``, and the zeros of ``mpx/zeros/<group>`` that
-  move with the scale) while every group's largest gradient sits far below the half maximum
-  (``mpx/headroom/<group>``) and the scale does not grow (a static scale, or a dynamic one stuck at its ceiling);
+  move with the scale) while every group's largest gradient sits far below the half maximum (``mpx/headroom_doublings/
+  <group>``) and the scale does not grow (a static scale, or a dynamic one stuck at its ceiling);
 - **heavy underflow in one module**: one group's gradients underflow while the scale cannot rise because another
   group already uses the range;
 - **promoted modules** (``mpx/promoted/<module>``), for information;
@@ -36,13 +36,13 @@ from typing import Any, Callable, Sequence
 
 from lightning_mpx.health.plot import (
     FIRST_OVERFLOW_PREFIX,
-    HEADROOM_PREFIX,
     LOSS_TAGS,
     MODULE_OVERFLOW_PREFIX,
     OVERFLOW_TAG,
     SCALE_TAG,
     UNDERFLOW_PREFIX,
     ZEROS_PREFIX,
+    headroom_ratios,
     read_scalars,
 )
 
@@ -73,9 +73,9 @@ ZEROS_CHANGES = 3
 #: subnormal too. bfloat16 runs, whose range ends near 1e-38, have none: their zeros are structural.
 SUBNORMAL_SHARE = 0.01
 #: "Far below the half maximum": a group's largest scaled gradient under this fraction of the half dtype's maximum
-#: (``mpx/headroom/<group>``, max over the end of the run). float16's normal range spans 30 binades; a gradient
-#: tensor commonly spreads over 15 to 20 binades below its largest element, so a largest element 12 binades below
-#: the top puts the small end under float16's smallest normal. Zero gradients of unused embedding rows count as
+#: (``2 ** -mpx/headroom_doublings/<group>``, max over the end of the run). float16's normal range spans 30 binades; a
+#: gradient tensor commonly spreads over 15 to 20 binades below its largest element, so a largest element 12 binades
+#: below the top puts the small end under float16's smallest normal. Zero gradients of unused embedding rows count as
 #: underflow too; their group's headroom stays normal, so they are not reported.
 HEADROOM_LOW = 2.0**-12
 #: Without underflow telemetry, a loss scale at or below this that never changed and never overflowed is pointed
@@ -242,8 +242,8 @@ def diagnose_scalars(series: dict[str, Series], run_dir: str = "") -> Diagnosis:
     if not _by_suffix(mpx, UNDERFLOW_PREFIX):
         info.extend(_unchecked_constant_scales(mpx))
         notes.append(
-            "no mpx/underflow/* or mpx/headroom/* scalars in this run: underflow (a scale that is too low) could not "
-            "be judged."
+            "no mpx/underflow/* or mpx/headroom_doublings/* scalars in this run: underflow (a scale that is too low) "
+            "could not be judged."
         )
     overflowed = any(value > 0 for tag, points in mpx.items() if tag.startswith(OVERFLOW_TAG) for _, value in points)
     if overflowed and not module_overflows:
@@ -407,7 +407,7 @@ def _underflow(mpx: dict[str, Series]) -> tuple[list[Finding], list[str]]:
     underflow, zeros = judged(UNDERFLOW_PREFIX), judged(ZEROS_PREFIX)
     if not underflow:
         return [], []
-    headroom = _by_suffix(mpx, HEADROOM_PREFIX)
+    headroom = headroom_ratios(mpx)  # ratios to the half max, in float64: bfloat16's tiny ones too
     scale = next((mpx[tag] for tag in sorted(mpx) if tag == SCALE_TAG or tag.startswith(SCALE_TAG + "/loss")), None)
     fraction: dict[str, float] = {}  # judged: non-zero values below tiny, plus the zeros that move with the scale
     below: dict[str, float] = {}  # mpx/underflow/<group> alone

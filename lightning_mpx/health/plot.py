@@ -16,6 +16,11 @@ LOSS_TAGS = ("train/loss", "train_loss", "loss")
 UNDERFLOW_PREFIX = "mpx/underflow/"
 #: Exact zeros per group (lightning_mpx.health.telemetry); runs written before it counted them in mpx/underflow/*.
 ZEROS_PREFIX = "mpx/zeros/"
+#: Headroom per group in powers of two, ``log2(half max / largest |scaled gradient|)``: how many more doublings of the
+#: scale it takes to overflow (0 or less: overflowed; lightning_mpx.health.telemetry).
+HEADROOM_DOUBLINGS_PREFIX = "mpx/headroom_doublings/"
+#: Runs written before it: the ratio ``largest |scaled gradient| / half max``, which TensorBoard's float32 flushed to 0
+#: under bfloat16 for gradients below about 5e-7. Read still (see :func:`headroom_ratios`).
 HEADROOM_PREFIX = "mpx/headroom/"
 MODULE_OVERFLOW_PREFIX = "mpx/overflow/"
 #: Watched forward overflows by the first module whose output went non-finite (lightning_mpx.health.forensics).
@@ -50,7 +55,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     With several loss scalers (``mpx/loss_scale/loss0``, ...) each gets its own curve. When the run logged them, two
     more panels: per group the fraction of gradient elements below the half's smallest normal and not zero
     (``mpx/underflow/*``, solid), the fraction of exact zeros (``mpx/zeros/*``, dotted) and the headroom
-    (``mpx/headroom/*``, dashed, right axis); and the overflow steps per module (``mpx/overflow/*``, cumulative).
+    (``mpx/headroom_doublings/*``, drawn as max |grad| / half max: dashed, right axis); and the overflow steps per
+    module (``mpx/overflow/*``, cumulative).
     """
     matplotlib = require("matplotlib", extra="demo", feature="lightning-mpx plot")
     matplotlib.use("Agg")
@@ -101,7 +107,7 @@ def plot_figure(series: dict[str, list[tuple[int, float]]], title: str = "") -> 
     ax_loss.set_xlabel("step")
     ax_loss.grid(True, alpha=0.3)
     if underflow or zeros:
-        _underflow_panel(more.pop(0), underflow, zeros, _by_prefix(series, HEADROOM_PREFIX))
+        _underflow_panel(more.pop(0), underflow, zeros, headroom_ratios(series))
     if module_overflows:
         first_step = min(step for tag in scale_tags for step, _ in series[tag][:1])
         _module_overflow_panel(more.pop(0), module_overflows, first_step)
@@ -190,6 +196,16 @@ def _module_overflow_panel(ax: Any, module_overflows: dict[str, list[tuple[int, 
     ax.set_title("Overflows by module" + (f" (top {len(shown)}; {hidden} more not drawn)" if hidden else ""))
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper left", fontsize="x-small")
+
+
+def headroom_ratios(series: dict[str, list[tuple[int, float]]]) -> dict[str, list[tuple[int, float]]]:
+    """Each group's headroom as the ratio ``largest |scaled gradient| / half max`` (1 or more: overflow; 0: no
+    non-zero gradient) in Python floats, whose range holds bfloat16's smallest ratios: ``2 ** -doublings`` from
+    ``mpx/headroom_doublings/<group>``, or ``mpx/headroom/<group>`` as a run written before it logged it."""
+    out = _by_prefix(series, HEADROOM_PREFIX)
+    for group, points in _by_prefix(series, HEADROOM_DOUBLINGS_PREFIX).items():
+        out[group] = [(step, 2.0 ** -value) for step, value in points]  # -inf (overflow): inf; inf (zeros): 0
+    return out
 
 
 def _by_prefix(series: dict[str, list[tuple[int, float]]], prefix: str) -> dict[str, list[tuple[int, float]]]:

@@ -11,8 +11,11 @@ multiply by ``1 / scale``, whatever its storage dtype: FP32 at O1, half at O2) a
   scale), but a value the half backward flushed to zero is a zero too. One measurement cannot tell them apart; a run
   can: structural zeros do not move when the scale changes, flushed ones fall as it grows (``lightning-mpx doctor``
   reads them so);
-* ``mpx/headroom/<group>``: the largest gradient magnitude divided by ``torch.finfo(half_dtype).max``: 1 or more is an
-  overflow, ``2**-k`` means the scale could grow ``k`` more times before this group overflows.
+* ``mpx/headroom_doublings/<group>``: ``log2(torch.finfo(half_dtype).max / the largest gradient magnitude)``, how many
+  more times the scale could double before this group overflows: ``k`` means the largest gradient is ``2**-k`` of the
+  half maximum, 0 or less (``-inf``) an overflow, ``inf`` a group without a non-zero gradient. In powers of two, so
+  that it stays in range in float32 (TensorBoard's) for bfloat16 too, whose maximum (3.4e38) made the ratio of small
+  gradients (below about 5e-7) read 0; it replaced ``mpx/headroom/<group>`` (that ratio).
 
 ``<group>`` is the top-level module of the parameter (see :func:`module_groups`). The values are device tensors:
 building them never waits for the device. Without a request nothing is measured and nothing is launched.
@@ -23,6 +26,7 @@ building them never waits for the device. Without a request nothing is measured 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
@@ -135,9 +139,10 @@ class GradTelemetry:
         self._results[key] = _Result(order, underflow, zeros, numel, peak, self.measurements)
 
     def metrics(self, since: int = 0) -> dict[str, torch.Tensor]:
-        """``mpx/underflow/<group>``, ``mpx/zeros/<group>`` and ``mpx/headroom/<group>`` from the latest results of
-        every optimizer measured after the first ``since`` :attr:`measurements` (merged by group), as 0-d device
-        tensors; empty when there are none. Nothing is cleared: each reader passes the count of its previous read."""
+        """``mpx/underflow/<group>``, ``mpx/zeros/<group>`` and ``mpx/headroom_doublings/<group>`` from the latest
+        results of every optimizer measured after the first ``since`` :attr:`measurements` (merged by group), as 0-d
+        device tensors; empty when there are none. Nothing is cleared: each reader passes the count of its previous
+        read."""
         results = [result for result in self._results.values() if result.measurement > since]
         if not results:
             return {}
@@ -167,10 +172,11 @@ class GradTelemetry:
         totals = torch.tensor([max(n, 1) for n in numel], dtype=torch.float64).to(underflow.device, non_blocking=True)
         # Both fractions from one [2, groups] division; the metrics are views of it (device tensors: no sync).
         fractions = (torch.stack([underflow - zeros, zeros]).double() / totals).float()
-        headroom = peak / self.max
+        # log2(max) - log2(peak) in float32: in range for any peak (max / peak overflows below ~1 under bfloat16).
+        headroom = math.log2(self.max) - torch.log2(peak)
         out: dict[str, torch.Tensor] = {}
         for group, f, z, h in zip(order, fractions[0].unbind(0), fractions[1].unbind(0), headroom.unbind(0)):
             out[f"mpx/underflow/{group}"] = f
             out[f"mpx/zeros/{group}"] = z
-            out[f"mpx/headroom/{group}"] = h
+            out[f"mpx/headroom_doublings/{group}"] = h
         return out

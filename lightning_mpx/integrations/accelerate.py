@@ -444,7 +444,7 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
     def request_mpx_telemetry(self) -> None:
         """Measure underflow and headroom in this iteration's unscale (call it before the optimizer step); the next
         :meth:`log` or :meth:`mpx_metrics` holds ``mpx/underflow/<module>``, ``mpx/zeros/<module>`` and
-        ``mpx/headroom/<module>``."""
+        ``mpx/headroom_doublings/<module>``."""
         if self.amp is None:
             raise ValueError(
                 f"request_mpx_telemetry() needs an opt level, but mixed_precision={self.mixed_precision!r}; use "
@@ -456,9 +456,9 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
         """``mpx/loss_scale``, ``mpx/overflows`` (since the previous call), ``mpx/skipped_steps`` and
         ``mpx/grad_norm`` (when ``clip_grad_norm_`` computed it since the previous call) as Python floats, with a
         ``/loss{id}`` suffix when there are several losses, and ``mpx/underflow/<module>``, ``mpx/zeros/<module>``
-        and ``mpx/headroom/<module>`` after telemetry was measured. Reads the device (one sync); empty with a native
-        value. :meth:`log` reads on its own (since the previous log): a call takes nothing from the next log, and
-        after ``load_state`` each counts on from where the saving run's left off."""
+        and ``mpx/headroom_doublings/<module>`` after telemetry was measured. Reads the device (one sync); empty with
+        a native value. :meth:`log` reads on its own (since the previous log): a call takes nothing from the next
+        log, and after ``load_state`` each counts on from where the saving run's left off."""
         return self._read_mpx_metrics(DEFAULT_READER)
 
     def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:

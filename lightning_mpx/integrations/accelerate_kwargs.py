@@ -88,8 +88,8 @@ class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]
             overrides (see :func:`~lightning_mpx.opt_levels.resolve_properties`); ``None`` keeps the preset's value.
         log_metrics: Add the ``mpx/...`` metrics to every :meth:`Accelerator.log` call.
         telemetry_every_n_steps: Measure underflow, zeros and headroom (``mpx/underflow/<module>``,
-            ``mpx/zeros/<module>``, ``mpx/headroom/<module>``, see :mod:`lightning_mpx.health.telemetry`) in the unscale
-            of every n-th iteration
+            ``mpx/zeros/<module>``, ``mpx/headroom_doublings/<module>``, see :mod:`lightning_mpx.health.telemetry`) in
+            the unscale of every n-th iteration
             (the first, then every n-th: log when ``step % n == 0``); ``None`` (default) measures only after
             :meth:`Accelerator.request_mpx_telemetry`.
         fsdp_gather: Under Accelerate's FSDP at O1, the dtype FSDP all-gathers the FP32 parameters in: ``"half"``

@@ -74,7 +74,14 @@ from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.optimizer_step import AUTOCAST_DEVICES
 from lightning_mpx.engine.sharding import is_sharded
 from lightning_mpx.masters.weights import MasterWeights, convert_module, has_floating_parameters
-from lightning_mpx.settings import MixedPrecisionSettings, SettingsKeywords, keyword_signature
+from lightning_mpx.settings import (
+    SETTINGS_OBJECT,
+    MixedPrecisionSettings,
+    SettingsKeywords,
+    keyword_signature,
+    settings_of,
+    written_settings,
+)
 
 require("lightning.fabric", extra="lightning", feature="lightning_mpx.FabricMixedPrecisionPlugin")
 
@@ -135,8 +142,8 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
     @keyword_signature()
     def __init__(self, opt_level: str = "O1", **settings: Unpack[SettingsKeywords]) -> None:
         self._opt_level = opt_level
-        self._settings = dict(settings)
-        self.amp = Amp(opt_level, **settings)  # bad arguments fail at Fabric construction, not mid-setup
+        self._settings = settings_of(opt_level, settings)  # type: ignore[arg-type]
+        self.amp = Amp.from_settings(self._settings)  # bad arguments fail at Fabric construction, not mid-setup
         # A Fabric user never calls prepare_optimizer(): the engine's errors name the plugin's call instead.
         self.amp.register_call = (
             "the Fabric plugin registers an optimizer at its first step or unscale: call "
@@ -157,18 +164,21 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
 
     @classmethod
     def from_settings(cls, settings: MixedPrecisionSettings) -> FabricMixedPrecisionPlugin:
-        """The plugin of ``settings`` (the same object the Trainer plugin and ``Amp`` take)."""
+        """The plugin of ``settings`` (the same object the Trainer plugin and ``Amp`` take; its warning about ignored
+        settings comes once per object)."""
         if not isinstance(settings, MixedPrecisionSettings):
             raise TypeError(f"settings={type(settings).__name__} must be a lightning_mpx.MixedPrecisionSettings.")
-        return cls(settings.opt_level, **settings.to_kwargs())
+        return cls(settings.opt_level, **{SETTINGS_OBJECT: written_settings(settings)})
 
     # -- pickling (strategy="ddp_spawn" pickles Fabric into each process) ------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         """The settings, not the run: each process starts a fresh engine (a run's state is in its checkpoints)."""
-        return {"opt_level": self._opt_level, "settings": dict(self._settings)}
+        return {"opt_level": self._opt_level, "settings": self._settings}  # the object: it keeps its warning said
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        FabricMixedPrecisionPlugin.__init__(self, state["opt_level"], **state["settings"])
+        settings = state["settings"]
+        given = {SETTINGS_OBJECT: settings} if isinstance(settings, MixedPrecisionSettings) else settings
+        FabricMixedPrecisionPlugin.__init__(self, state["opt_level"], **given)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._opt_level!r})"

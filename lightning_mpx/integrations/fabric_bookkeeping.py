@@ -41,7 +41,8 @@ class FabricBookkeeping:
     # -- metrics, checkpoints, teardown ------------------------------------------------------------------------
     def request_telemetry(self) -> None:
         """Measure underflow and headroom in this iteration's unscale (``mpx/underflow/<group>``,
-        ``mpx/headroom/<group>`` in the next :meth:`metrics`); call it before the backward of a step you log."""
+        ``mpx/headroom_doublings/<group>`` in the next :meth:`metrics`); call it before the backward of a step you
+        log."""
         self._begin()
         self.amp.request_telemetry()
 

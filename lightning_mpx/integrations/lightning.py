@@ -41,7 +41,14 @@ from lightning_mpx.engine.optimizer_step import AUTOCAST_DEVICES, without_casts
 from lightning_mpx.engine.outcome import StepOutcome
 from lightning_mpx.engine.sharding import is_sharded
 from lightning_mpx.masters.weights import convert_module
-from lightning_mpx.settings import MixedPrecisionSettings, SettingsKeywords, keyword_signature
+from lightning_mpx.settings import (
+    SETTINGS_OBJECT,
+    MixedPrecisionSettings,
+    SettingsKeywords,
+    keyword_signature,
+    settings_of,
+    written_settings,
+)
 
 _pl = require("lightning.pytorch", extra="lightning", feature="lightning_mpx.MixedPrecisionPlugin")
 
@@ -130,7 +137,7 @@ class MixedPrecisionPlugin(GradientClipping, CheckpointHooks, FSDPPrecision):
     def __init__(self, opt_level: str = "O1", **settings: Unpack[SettingsKeywords]) -> None:
         inherited = set(vars(self))  # a subclass's attributes set before this __init__ (kept by pickling)
         # Built now so that bad arguments fail at Trainer construction, not mid-setup.
-        self.settings = MixedPrecisionSettings.from_kwargs(opt_level, **settings)
+        self.settings = settings_of(opt_level, settings)  # type: ignore[arg-type]
         self._opt_level = opt_level
         self.amp = Amp.from_settings(self.settings)
         # ``trainer.precision`` (no half_dtype given: provisional until convert_module picks the device's)
@@ -157,10 +164,14 @@ class MixedPrecisionPlugin(GradientClipping, CheckpointHooks, FSDPPrecision):
         where the plugin starts afresh (a new engine; the run's state, loss scales and FP32 masters, is restored from
         checkpoints). A subclass's own attributes are kept."""
         extra = {name: value for name, value in vars(self).items() if name not in self._built_here}
-        return {"opt_level": self._opt_level, "settings": self.settings.to_kwargs(), "extra": extra}
+        # The settings object written (not the copy a pick made: each process picks for its own device) itself: it
+        # keeps whether its warning about ignored settings was said.
+        return {"opt_level": self._opt_level, "settings": written_settings(self.settings), "extra": extra}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        MixedPrecisionPlugin.__init__(self, state["opt_level"], **state["settings"])
+        settings = state["settings"]
+        given = {SETTINGS_OBJECT: settings} if isinstance(settings, MixedPrecisionSettings) else settings
+        MixedPrecisionPlugin.__init__(self, state["opt_level"], **given)
         self.__dict__.update(state["extra"])
 
     def __repr__(self) -> str:
@@ -173,10 +184,12 @@ class MixedPrecisionPlugin(GradientClipping, CheckpointHooks, FSDPPrecision):
 
     @classmethod
     def from_settings(cls, settings: MixedPrecisionSettings) -> MixedPrecisionPlugin:
-        """The plugin of ``settings``: ``MixedPrecisionPlugin(settings.opt_level, **settings.to_kwargs())``."""
+        """The plugin of ``settings``, as ``MixedPrecisionPlugin(settings.opt_level, **settings.to_kwargs())`` but
+        with that object itself as :attr:`settings` (its warning about ignored settings comes once per object, however
+        many front doors it is handed to)."""
         if not isinstance(settings, MixedPrecisionSettings):
             raise TypeError(f"settings={type(settings).__name__} must be a lightning_mpx.MixedPrecisionSettings.")
-        return cls(settings.opt_level, **settings.to_kwargs())
+        return cls(settings.opt_level, **{SETTINGS_OBJECT: written_settings(settings)})
 
     @property
     def opt_level(self) -> str:
