@@ -35,7 +35,7 @@ from lightning_mpx.masters.mirror import Mirror
 from lightning_mpx.masters.optimizer_hooks import MasterHooks
 from lightning_mpx.masters.pairs import param_pairs
 from lightning_mpx.masters.store import Masters
-from lightning_mpx.masters.swap import mirrors, state_to_params
+from lightning_mpx.masters.swap import mirrors, state_to_params, take_writes_before_pass
 from lightning_mpx.scaling.scaler import LossScaler
 
 _PARAMS = operator.itemgetter("params")
@@ -242,6 +242,9 @@ class StepMachine(UnscalePath):
         # made since are watched from the next backward on; at O0/O1 with a unit scale nothing is noted
         watch = bool(self.masters.weights) or not self.scalers[loss_id]._unit
         for state in self.optimizers.values():
+            if state.two_pass and self.masters.weights and (state.stage is _Stage.STEPPED or state.loss_id is None):
+                # O2 SAM, its first backward since a step: the user's writes since, taken before first_step perturbs
+                take_writes_before_pass(state, self.masters.weights)
             if state.stage is _Stage.STEPPED:  # what a step left, unless cleared since (the usual loop: nothing)
                 optimizer = state.optimizer_ref()
                 groups = optimizer.param_groups if optimizer is not None else ()

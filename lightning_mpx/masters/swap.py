@@ -37,6 +37,15 @@ def _make_mirrors(state: _OptimizerState, master_weights: Sequence[MasterWeights
     return state.mirrors
 
 
+def take_writes_before_pass(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> None:
+    """A SAM-style optimizer (``state.two_pass``), at the first engine backward since its last step: take the writes
+    made to the half parameters since that step (a clamp, a layer re-initialised, weights set after set-up) into the
+    masters now, before ``first_step`` perturbs them; its step overlooks the writes made after (see
+    :func:`step_on_masters`)."""
+    for mirror in mirrors(state, master_weights, compare=False):
+        mirror.take_writes()
+
+
 def step_on_masters(
     state: _OptimizerState,
     optimizer: torch.optim.Optimizer,
@@ -47,7 +56,8 @@ def step_on_masters(
 ) -> None:
     """Run ``step`` (the optimizer's own step) on the masters: writes made to the model since the last step (loaded
     weights, SWA, EMA...) taken into them (not for a SAM-style optimizer, ``state.two_pass``: its ``first_step``
-    perturbed the half weights, and the masters hold the weights to step from), the masters in the groups for the
+    perturbed the half weights, and the masters hold the weights to step from; writes before its first pass were
+    taken at that pass's backward, :func:`take_writes_before_pass`), the masters in the groups for the
     call, the result copied to the model (after a skip on the device: the masters' unchanged values), and their FP32
     gradients freed.
 
