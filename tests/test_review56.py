@@ -90,3 +90,51 @@ def test_fabric_o2_sam_with_a_clamp_after_each_step_trains_as_bf16_mixed() -> No
 
     got = _fabric(FabricMixedPrecisionPlugin("O2", half_dtype="bfloat16"), "")
     _assert_close(got, _fabric(None, "bf16-mixed"), atol=1e-2)
+
+
+def _restore_in_step(amp: Any) -> dict[str, torch.Tensor]:
+    """fpa56's SAM (the restore of ``old_p`` inside ``step()``, no ``second_step``), an overflow in the first pass of
+    the second iteration: the step is skipped (``amp`` ``None``: FP32, that iteration's step and restore left out
+    but for the restore, which a skipped step owes the weights)."""
+    from tests.test_fpa56 import _SAM
+
+    model = _net()
+    if amp is not None:
+        model = amp.prepare_model(model)
+    optimizer = _SAM(model.parameters())
+    if amp is not None:
+        optimizer = amp.prepare_optimizer(optimizer)
+    for i in range(STEPS):
+        x, y = _batch(i)
+        for second in (False, True):
+            if amp is None:
+                F.mse_loss(model(x), y).backward()
+            else:
+                with amp.forward_context():
+                    loss = F.mse_loss(model(x.to(next(model.parameters()).dtype)).float(), y)
+                amp.backward(loss * (1e30 if i == 1 and not second else 1.0))  # overflows at float16
+            if not second:
+                optimizer.first_step()
+        if amp is not None:
+            amp.step(optimizer)
+        elif i != 1:
+            optimizer.step()
+        else:  # the skipped step: the weights before first_step
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(optimizer.state[p].pop("old_p"))
+        optimizer.zero_grad()
+    return _weights(model)
+
+
+def test_o2_float16_sam_restoring_in_step_survives_an_overflowed_first_pass() -> None:
+    """Core Amp, O2 float16, SAM whose step() restores and steps: an overflow in the first pass skips the step, so its
+    restore never runs; the perturbation (NaN from the overflowed gradients) was left in the half weights and every
+    later step overflowed and skipped (a dead run). The skipped step now copies the masters (the weights before
+    first_step) into the model, and training goes on as FP32 with that step skipped."""
+    from lightning_mpx import Amp
+
+    amp = Amp("O2", half_dtype="float16")
+    got = _restore_in_step(amp)
+    assert len(amp.skipped_steps) == 1, amp.skipped_steps
+    _assert_close(got, _restore_in_step(None), atol=1e-2)

@@ -33,7 +33,7 @@ from lightning_mpx.engine.outcome import PendingStep, PendingSteps, StepOutcome,
 from lightning_mpx.engine.overflow import MasterOf, Overflows
 from lightning_mpx.engine.rescale import after_step
 from lightning_mpx.health.forensics import OverflowForensics
-from lightning_mpx.masters.swap import drop_master_grads, step_on_masters
+from lightning_mpx.masters.swap import drop_master_grads, step_on_masters, undo_pass
 
 Reducer = Callable[[torch.Tensor], None]
 _SCALE_TENSOR = operator.attrgetter("scale_tensor")
@@ -235,6 +235,8 @@ class OptimizerStep:
         after any step (:func:`~lightning_mpx.engine.rescale.after_step`)."""
         if self.machine.masters.weights:
             drop_master_grads(state)  # the half gradients are the user's, cleared by their zero_grad as in any loop
+            if state.two_pass:  # SAM: its first_step's perturbation undone, as its step would have
+                undo_pass(state, self.machine.masters.weights)
         self.machine.steps_taken += 1  # engine.raw_steps: parameters written by an engine step
         after_step(state, optimizer, masters=bool(self.machine.masters.weights))
 

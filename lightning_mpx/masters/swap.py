@@ -46,6 +46,15 @@ def take_writes_before_pass(state: _OptimizerState, master_weights: Sequence[Mas
         mirror.take_writes()
 
 
+def undo_pass(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> None:
+    """A SAM-style optimizer's step skipped on the host (an overflow): the masters (the weights before its
+    ``first_step``) copied into the model, as its step would have, so a perturbation its ``step()`` was to undo (the
+    restore inside it) is not left in the half weights (a float16 overflow's NaN: every later step skipped)."""
+    for mirror in mirrors(state, master_weights, compare=False):
+        mirror.overlook_writes()
+        mirror.copy_to_model()
+
+
 def step_on_masters(
     state: _OptimizerState,
     optimizer: torch.optim.Optimizer,
