@@ -276,3 +276,31 @@ def test_o1_float16_sam_overflow_in_either_pass_leaves_the_weights():
     _assert_close(_weights(model), before, 0.0)
     amp.end_iteration()
     assert amp.metrics()["mpx/loss_scale"] < 2.0**24
+
+
+class _WarmupSGD(torch.optim.SGD):
+    """Not SAM: an SGD with a warm-up helper that happens to be called ``first_step`` (no second_step, no base
+    optimizer)."""
+
+    def first_step(self) -> None:
+        for group in self.param_groups:
+            group["lr"] = group["lr"] * 0.1
+
+
+def test_a_first_step_method_alone_is_not_sam_style_so_a_raw_update_is_refused_at_once():
+    """The SAM allowance (one write with the gradients cleared per engine step) needs first_step beside second_step
+    or a base_optimizer: an optimizer with a first_step method alone gets no unchecked hand-written update."""
+    from lightning_mpx import Amp
+
+    amp = Amp("O2", half_dtype="bfloat16")
+    model = amp.prepare_model(_net())
+    optimizer = amp.prepare_optimizer(_WarmupSGD(model.parameters(), lr=0.1))
+    optimizer.first_step()
+    x, y = _batch(0)
+    amp.backward(F.mse_loss(amp.cast_outputs(model(amp.cast_inputs(x))).float(), y))
+    with torch.no_grad():  # a hand-written update with still-scaled gradients (at O2: no master update)
+        for p in model.parameters():
+            p -= 0.1 * p.grad
+    optimizer.zero_grad()
+    with pytest.raises(RuntimeError, match="did not prepare"):
+        amp.backward(F.mse_loss(amp.cast_outputs(model(amp.cast_inputs(x))).float(), y))

@@ -94,7 +94,7 @@ def refuse_raw_step(
         stepped = [p for p, v in zip(params, noted) if p._version != v and id(p) not in renormed]
     if not stepped:
         return
-    two_pass = is_two_pass(optimizer)
+    two_pass = state.two_pass  # is_two_pass(optimizer), asked once at registration
     if two_pass and state.perturbed_at != steps_taken:
         state.perturbed_at = steps_taken  # its first_step: scale-free (g / ||g||), undone before the step
         return
@@ -115,9 +115,12 @@ def refuse_raw_step(
 
 def is_two_pass(optimizer: Any) -> bool:
     """Whether ``optimizer`` is a SAM-style two-pass optimizer (davda54/sam, ASAM, GSAM): a callable ``first_step``
-    (the perturbation; ``second_step`` is optional: a ``step()`` that restores and steps the base optimizer is the
-    same recipe), also through a wrapper that delegates it (Lightning's or Fabric's optimizer)."""
-    return callable(getattr(optimizer, "first_step", None))
+    (the perturbation) beside a callable ``second_step`` or a ``base_optimizer`` (a ``step()`` that restores and steps
+    the base optimizer is the same recipe), also through a wrapper that delegates them (Lightning's or Fabric's
+    optimizer). A ``first_step`` alone (a user's warm-up method of that name) is not SAM-style."""
+    if not callable(getattr(optimizer, "first_step", None)):
+        return False
+    return callable(getattr(optimizer, "second_step", None)) or getattr(optimizer, "base_optimizer", None) is not None
 
 
 def _name(param: torch.Tensor, master_weights: Sequence[MasterWeights], names: dict[int, str]) -> str:
@@ -310,6 +313,7 @@ _SAM_FIX = (
     "that steps its base optimizer (def step(self, closure=None): return self.base_optimizer.step(closure)); after "
     "the second backward undo the perturbation (second_step's restore of old_p, without its base step) and step "
     "through the door: amp.step(optimizer), or optimizer.step() on the optimizer self.optimizers(), fabric.setup() "
-    "(with plugin.setup_optimizers(optimizer) after fabric.setup()) or accelerator.prepare() returned. See 'SAM and "
+    "(with the FabricMixedPrecisionPlugin's setup_optimizers(optimizer) after fabric.setup()) or accelerator.prepare() "
+    "returned. See 'SAM and "
     "two-pass optimizers' in docs/master_weights.md."
 )

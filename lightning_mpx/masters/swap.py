@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from lightning_mpx.engine.optimizer_state import _OptimizerState
+from lightning_mpx.engine.optimizer_state import _OptimizerState, optimizer_params
 from lightning_mpx.masters.mirror import Mirror, step_mirrored
 from lightning_mpx.masters.pairs import param_pairs
 from lightning_mpx.masters.weights import MasterWeights
@@ -41,18 +41,33 @@ def take_writes_before_pass(state: _OptimizerState, master_weights: Sequence[Mas
     """A SAM-style optimizer (``state.two_pass``), at the first engine backward since its last step: take the writes
     made to the half parameters since that step (a clamp, a layer re-initialised, weights set after set-up) into the
     masters now, before ``first_step`` perturbs them; its step overlooks the writes made after (see
-    :func:`step_on_masters`)."""
-    for mirror in mirrors(state, master_weights, compare=False):
-        mirror.take_writes()
+    :func:`step_on_masters`). Through the step's mirrors once a step made them (with its ``model_writes`` mode),
+    through the masters themselves before: no mirror is made here, in a mode the step did not choose."""
+    if state.mirrors is not None:
+        for mirror in state.mirrors:
+            mirror.take_writes()
+        return
+    optimizer = state.optimizer_ref()
+    if optimizer is not None:
+        params = list(optimizer_params(optimizer))
+        for weights in master_weights:
+            weights.refresh(params)
 
 
 def undo_pass(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> None:
     """A SAM-style optimizer's step skipped on the host (an overflow): the masters (the weights before its
     ``first_step``) copied into the model, as its step would have, so a perturbation its ``step()`` was to undo (the
     restore inside it) is not left in the half weights (a float16 overflow's NaN: every later step skipped)."""
-    for mirror in mirrors(state, master_weights, compare=False):
-        mirror.overlook_writes()
-        mirror.copy_to_model()
+    if state.mirrors is not None:
+        for mirror in state.mirrors:
+            mirror.overlook_writes()
+            mirror.copy_to_model()
+        return
+    optimizer = state.optimizer_ref()
+    if optimizer is not None:
+        params = list(optimizer_params(optimizer))
+        for weights in master_weights:
+            weights.copy_to_model(params)
 
 
 def step_on_masters(
