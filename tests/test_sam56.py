@@ -304,3 +304,39 @@ def test_a_first_step_method_alone_is_not_sam_style_so_a_raw_update_is_refused_a
     optimizer.zero_grad()
     with pytest.raises(RuntimeError, match="did not prepare"):
         amp.backward(F.mse_loss(amp.cast_outputs(model(amp.cast_inputs(x))).float(), y))
+
+
+def _fabric_checkpointed(tmp_path: Any, **precision: Any) -> dict[str, torch.Tensor]:
+    """The recipe with momentum, two accumulated micro-batches per pass, and fabric.save/fabric.load before the first
+    step and mid-run (a SAM run that checkpoints, as users' do)."""
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1, **precision)
+    model, optimizer = fabric.setup(model := _net(), DoorSAM(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9))
+    for plugin in precision.get("plugins", ()):
+        plugin.setup_optimizers(optimizer)
+    path = tmp_path / "ck.pt"
+    for i in range(STEPS):
+        if i in (0, 2):
+            fabric.save(path, {"model": model, "optimizer": optimizer})
+            fabric.load(path, {"model": model, "optimizer": optimizer})
+        x, y = _batch(i)
+        for _ in range(2):  # first pass, then the pass at the perturbed weights
+            for half in (slice(0, 4), slice(4, 8)):
+                fabric.backward(F.mse_loss(model(x[half]).float(), y[half]) / 2)
+            if _ == 0:
+                optimizer.first_step(zero_grad=True)
+        optimizer.second_step()
+        optimizer.step()
+        optimizer.zero_grad()
+    return _weights(model)
+
+
+def test_fabric_o2_sam_checkpointed_mid_run_trains_as_bf16_mixed(tmp_path):
+    """At O2 first_step's per-parameter state, written where the groups hold the half parameters, was left keyed by
+    them: optimizer.state_dict() (fabric.save) raised KeyError once a step had run. It goes to the masters now."""
+    from lightning_mpx import FabricMixedPrecisionPlugin
+
+    want = _fabric_checkpointed(tmp_path, precision="bf16-mixed")
+    got = _fabric_checkpointed(tmp_path, plugins=[FabricMixedPrecisionPlugin("O2", half_dtype="bfloat16")])
+    assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-2

@@ -15,6 +15,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_mpx.common.dtypes import HALF_DTYPES
 from lightning_mpx.engine.optimizer_state import _OptimizerState
+from lightning_mpx.masters.pairs import state_to_masters
 from lightning_mpx.masters.store import Masters
 from lightning_mpx.masters.swap import swap_in, swap_out
 
@@ -44,7 +45,11 @@ class MasterHooks:
         ]
 
     def masters_in(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
+        """Before ``state_dict()``: the masters in the groups, and state kept by a half parameter since (outside the
+        step: a SAM-style optimizer's ``first_step``) given to its master (:func:`state_to_masters`)."""
         swap_in(self.state, self.masters.weights, recheck=True)
+        if self.state.pairs:
+            state_to_masters(optimizer, self.state.pairs)
 
     def masters_in_to_load(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         """Before the optimizer loads a state dict: a half parameter without a master (frozen when the masters were

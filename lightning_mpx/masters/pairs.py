@@ -264,6 +264,27 @@ class GradLayout:
         return list(map(flat.as_strided, self.shapes, self.strides, self.offsets))
 
 
+def state_to_masters(optimizer: torch.optim.Optimizer, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Before a state dict is made (the masters in the groups): optimizer state kept by a half parameter that has a
+    master goes to the master (FP32, as :func:`param_pairs` moves it), merged into the master's own where it has one
+    (its keys win). Such state is written outside the engine's step, where the groups hold the half parameters: a
+    SAM-style optimizer's ``first_step`` keeps ``old_p`` there (an empty entry once its restore pops it). Left there,
+    torch's ``state_dict()`` finds a key in no group and raises ``KeyError``."""
+    kept = optimizer.state
+    for param, master in pairs:
+        if master is param or param not in kept:
+            continue
+        entry = {
+            k: v.float() if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v
+            for k, v in kept.pop(param).items()
+        }
+        if master in kept:
+            for key, value in entry.items():
+                kept[master].setdefault(key, value)
+        elif entry:
+            kept[master] = entry
+
+
 def _take_reshaped(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> None:
     """Take into their masters the parameters whose shape changed since (``p.data = t`` of another shape: Hugging
     Face's ``resize_token_embeddings``), before their gradients go to the masters: the step would take them after."""
