@@ -49,7 +49,7 @@ class MasterHooks:
         step: a SAM-style optimizer's ``first_step``) given to its master (:func:`state_to_masters`)."""
         swap_in(self.state, self.masters.weights, recheck=True)
         if self.state.pairs:
-            state_to_masters(optimizer, self.state.pairs)
+            state_to_masters(optimizer, self.state)
 
     def masters_in_to_load(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         """Before the optimizer loads a state dict: a half parameter without a master (frozen when the masters were

@@ -264,15 +264,19 @@ class GradLayout:
         return list(map(flat.as_strided, self.shapes, self.strides, self.offsets))
 
 
-def state_to_masters(optimizer: torch.optim.Optimizer, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def state_to_masters(optimizer: torch.optim.Optimizer, state: _OptimizerState) -> None:
     """Before a state dict is made (the masters in the groups): optimizer state kept by a half parameter that has a
     master goes to the master (FP32, as :func:`param_pairs` moves it), merged into the master's own where it has one
     (its keys win). Such state is written outside the engine's step, where the groups hold the half parameters: a
     SAM-style optimizer's ``first_step`` keeps ``old_p`` there (an empty entry once its restore pops it). Left there,
-    torch's ``state_dict()`` finds a key in no group and raises ``KeyError``."""
+    torch's ``state_dict()`` finds a key in no group and raises ``KeyError``. The usual case (no such state) is told by
+    ids, with C-level maps: a tensor's ``__hash__`` is a Python call."""
     kept = optimizer.state
-    for param, master in pairs:
-        if master is param or param not in kept:
+    held = set(map(id, kept))
+    if held.isdisjoint(map(id, map(state.pair_params.__getitem__, state.mastered))):
+        return
+    for param, master in state.pairs:
+        if master is param or id(param) not in held:
             continue
         entry = {
             k: v.float() if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v
