@@ -140,13 +140,6 @@ def test_lookahead_that_never_ran_optimizer_init_is_refused_at_setup_by_name() -
         _fit("lookahead_no_init", plugin=_o2())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=KeyError,
-    reason="engine/optimizers.py: at O2 the state of an inner optimizer sharing a Lookahead's param_groups is keyed by "
-    "the FP32 masters it stepped; only the prepared wrapper gets the hooks that put the masters in the groups for a "
-    "state dict, so the inner optimizer's state_dict() (a checkpoint) finds no parameter for its state",
-)
 def test_lookahead_state_dict_at_o2() -> None:
     amp = Amp("O2", half_dtype="bfloat16")
     model = amp.prepare_model(_net())

@@ -11,6 +11,7 @@ losses that overflowed; what happens on an overflow (the record, the log, the fl
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import weakref
@@ -32,7 +33,7 @@ from lightning_mpx.engine.unscaling import UnscalePath
 from lightning_mpx.health.telemetry import GradTelemetry
 from lightning_mpx.masters.handover import refuse_handed
 from lightning_mpx.masters.mirror import Mirror
-from lightning_mpx.masters.optimizer_hooks import MasterHooks
+from lightning_mpx.masters.optimizer_hooks import MasterHooks, SharedGroupHooks
 from lightning_mpx.masters.pairs import param_pairs
 from lightning_mpx.masters.store import Masters
 from lightning_mpx.masters.swap import mirrors, state_to_params, take_writes_before_pass
@@ -166,11 +167,25 @@ class StepMachine(UnscalePath):
             # moves to them.
             param_pairs(state, self.masters.weights)
             state.hooks = MasterHooks(state, self.masters, owner=weakref.ref(self)).register(optimizer)
+            self.adopt_inners(state, optimizer)
+            # an inner optimizer made on its groups later (add_param_group gives each group a new list) at the next
+            # making of its pairs: no call per step
+            state.on_new_pairs = functools.partial(_adopt_later, weakref.ref(self), state)
         else:  # a direct step with scaled gradients is refused (masters' hooks refuse any direct step)
             guard = ScaledStepGuard(state, self.scalers, owner=weakref.ref(self))
             state.hooks = [optimizer.register_step_pre_hook(guard)]
         self.optimizers[key] = state
         weakref.finalize(optimizer, self.optimizers.pop, key, None)
+
+    def adopt_inners(self, state: _OptimizerState, optimizer: torch.optim.Optimizer) -> None:
+        """Give the inner optimizers that share ``optimizer``'s param_groups and are not registered themselves (a
+        Lookahead's base optimizer, SAM's ``base_optimizer``) the state-dict hooks: stepped inside its step, their
+        state is keyed by the masters, and a state dict of theirs would find no parameter for it (``KeyError``)."""
+        known = {id(ref()) for ref in state.inners}
+        for inner in shared_inners(optimizer):
+            if id(inner) not in known and id(inner) not in self.optimizers:
+                state.hooks.extend(SharedGroupHooks(state, self.masters).register(inner))
+                state.inners.append(weakref.ref(inner))
 
     def release(self, optimizer: torch.optim.Optimizer) -> None:
         """Forget ``optimizer``, remove the hooks put on it and key its state by its own parameters again."""
@@ -181,6 +196,11 @@ class StepMachine(UnscalePath):
             for handle in state.hooks:
                 handle.remove()
             state_to_params(state, self.masters.weights)  # its state dict works without the hooks
+            for ref in state.inners:  # and the inner optimizers' that shared its groups
+                inner = ref()
+                if inner is not None:
+                    inner_state = _OptimizerState(ref)
+                    state_to_params(inner_state, self.masters.weights)
 
     def master_params(self, optimizer: torch.optim.Optimizer, *, with_masters: bool) -> list[torch.Tensor]:
         """The tensors ``optimizer`` updates (its masters ``with_masters``, its parameters otherwise)."""
@@ -349,3 +369,35 @@ def _release_from_other_engines(optimizer: torch.optim.Optimizer, machine: StepM
         if other is not None and other is not machine:
             other.release(optimizer)
             other.taken[id(optimizer)] = weakref.ref(optimizer)  # its error for a later step names the take-over
+
+
+def shared_inners(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizers among ``optimizer``'s attributes (and theirs, in turn) that share its ``param_groups``: the same
+    list, or one of the same group dicts (an inner optimizer made on the wrapper's groups), and ran
+    ``Optimizer.__init__`` (the hooks need its tables)."""
+    found: list[torch.optim.Optimizer] = []
+    seen = {id(optimizer)}
+    todo = [optimizer]
+    while todo:
+        outer = todo.pop()
+        groups = outer.param_groups
+        ids = set(map(id, groups))
+        for value in list(vars(outer).values()):
+            if (
+                isinstance(value, torch.optim.Optimizer)
+                and id(value) not in seen
+                and hasattr(value, "_optimizer_state_dict_pre_hooks")
+                and (value.param_groups is groups or not ids.isdisjoint(map(id, value.param_groups)))
+            ):
+                seen.add(id(value))
+                found.append(value)
+                todo.append(value)
+    return found
+
+
+def _adopt_later(
+    machine_ref: weakref.ref[StepMachine], state: _OptimizerState, optimizer: torch.optim.Optimizer
+) -> None:
+    machine = machine_ref()
+    if machine is not None and state.optimizer_ref() is optimizer:
+        machine.adopt_inners(state, optimizer)

@@ -15,7 +15,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_mpx.common.dtypes import HALF_DTYPES
 from lightning_mpx.engine.optimizer_state import _OptimizerState
-from lightning_mpx.masters.pairs import state_to_masters
+from lightning_mpx.masters.pairs import param_pairs, state_to_masters
 from lightning_mpx.masters.store import Masters
 from lightning_mpx.masters.swap import swap_in, swap_out
 
@@ -86,3 +86,60 @@ class MasterHooks:
                 "self.optimizers(use_pl_optimizer=False), whose step bypasses the plugin)."
             )
 
+
+
+class SharedGroupHooks:
+    """The state-dict hooks of an inner optimizer that shares a prepared wrapper's ``param_groups`` (a Lookahead's
+    base optimizer, SAM's ``base_optimizer``): stepped inside the wrapper's step, where the groups hold the masters,
+    its state is keyed by the masters, so its own ``state_dict()`` and ``load_state_dict()`` (which a wrapper's
+    ``state_dict()`` calls, or the user does) get the masters in its groups for the call, as the wrapper's do.
+
+    Args:
+        state: The wrapper's state (its pairs: which master each parameter has).
+        masters: The engine's FP32 masters.
+    """
+
+    def __init__(self, state: _OptimizerState, masters: Masters) -> None:
+        self.state = state
+        self.masters = masters
+        self.swapped: list[list[torch.Tensor]] | None = None  # the inner groups' own lists during a call
+
+    def register(self, inner: torch.optim.Optimizer) -> list[RemovableHandle]:
+        """Put the hooks on ``inner``; returns their handles."""
+        return [
+            inner.register_state_dict_pre_hook(self.masters_in),
+            inner.register_state_dict_post_hook(self.masters_out),
+            inner.register_load_state_dict_pre_hook(self.masters_in),
+            inner.register_load_state_dict_post_hook(self.masters_out),
+        ]
+
+    def masters_in(self, inner: torch.optim.Optimizer, *args: Any) -> None:
+        """Before a state dict is made or loaded: each parameter of ``inner``'s groups replaced by its master (those
+        the wrapper holds already, when the groups are shared and the wrapper's own hooks ran, stay), and state kept
+        by a half parameter since given to its master."""
+        if self.swapped is not None:
+            return
+        if self.state.swapped is None:
+            param_pairs(self.state, self.masters.weights, recheck=True)
+        master_of = dict(zip(map(id, self.state.pair_params), self.state.pair_masters))
+        self.swapped = [group["params"] for group in inner.param_groups]
+        for group, params in zip(inner.param_groups, self.swapped):
+            group["params"] = [master_of.get(id(param), param) for param in params]
+        if self.state.pairs:
+            state_to_masters(inner, self.state)
+
+    def masters_out(self, inner: torch.optim.Optimizer, *args: Any) -> Any:
+        """After: the groups' own lists back, by position (``load_state_dict`` replaces the group dicts). Outside the
+        wrapper's own swap, a master in them goes back to its parameter: a wrapper's ``load_state_dict`` that loads
+        its own groups first gives its new group dicts their parameters back and leaves the old ones, which the inner
+        optimizer still shares, holding the masters."""
+        if self.swapped is not None:
+            param_of = None
+            if self.state.swapped is None:
+                param_of = {id(master): param for param, master in self.state.pairs if master is not param}
+            for group, params in zip(inner.param_groups, self.swapped):
+                if param_of and any(id(t) in param_of for t in params):
+                    params = [param_of.get(id(t), t) for t in params]
+                group["params"] = params
+            self.swapped = None
+        return args[0] if args else None  # the state_dict post-hook returns the state dict

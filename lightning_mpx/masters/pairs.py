@@ -132,6 +132,8 @@ def param_pairs(
         state.mastered = [i for i, (param, master) in enumerate(state.pairs) if master is not param]
         state.grad_layout = None
         state.mirrors = None
+        if state.on_new_pairs is not None:  # inner optimizers made on the groups since get their hooks
+            state.on_new_pairs(optimizer)
     return state.pairs
 
 
