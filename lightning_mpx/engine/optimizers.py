@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
-from lightning_mpx.engine.raw_steps import UnheldParams, is_two_pass, refuse_raw_step
+from lightning_mpx.engine.raw_steps import _SAM_FIX, UnheldParams, is_two_pass, refuse_raw_step
 from lightning_mpx.engine.rescale import (
     hold_scale,
     rescale_pending,
@@ -27,7 +27,7 @@ from lightning_mpx.engine.rescale import (
     rescale_unscaled,
 )
 from lightning_mpx.engine.sharding import Sharding
-from lightning_mpx.engine.step_guard import ScaledStepGuard
+from lightning_mpx.engine.step_guard import BaseStepGuard, ScaledStepGuard
 from lightning_mpx.engine.unscaling import UnscalePath
 from lightning_mpx.health.telemetry import GradTelemetry
 from lightning_mpx.masters.handover import refuse_handed
@@ -169,6 +169,11 @@ class StepMachine(UnscalePath):
         else:  # a direct step with scaled gradients is refused (masters' hooks refuse any direct step)
             guard = ScaledStepGuard(state, self.scalers, owner=weakref.ref(self))
             state.hooks = [optimizer.register_step_pre_hook(guard)]
+        base = getattr(optimizer, "base_optimizer", None)
+        if state.two_pass and isinstance(base, torch.optim.Optimizer) and base is not optimizer:
+            # davda54's second_step (its base step called directly) refused at the call, before any write
+            guard = BaseStepGuard(state, self.scalers, with_masters, _SAM_FIX)
+            state.hooks.append(base.register_step_pre_hook(guard))
         self.optimizers[key] = state
         weakref.finalize(optimizer, self.optimizers.pop, key, None)
 
