@@ -72,3 +72,76 @@ def test_base_step_through_the_door_and_after_unscale_passes():
         optimizer.zero_grad()
         amp.end_iteration()
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# -- a checkpoint between first_step and second_step (a callback, a preemption handler), resumed in a fresh run
+def _fabric_run(
+    tmp_path: Any, plugin_args: tuple | None, *, save_at: int | None = None, stop: bool = True, load: bool = False
+) -> dict:
+    """DoorSAM (plain SGD: davda54's state_dict() leaves out its base optimizer's momentum) under Fabric; ``save_at``: fabric.save right after that iteration's first_step, then
+    stop (preempted) or go on (``stop=False``: a callback's checkpoint); ``load``: a fresh run that loads it and finishes that iteration and the rest."""
+    from lightning.fabric import Fabric
+
+    from lightning_mpx import FabricMixedPrecisionPlugin
+
+    plugin = FabricMixedPrecisionPlugin(plugin_args[0], half_dtype=plugin_args[1]) if plugin_args else None
+    fabric = Fabric(accelerator="cpu", devices=1, **({"plugins": [plugin]} if plugin else {"precision": "bf16-mixed"}))
+    model, optimizer = fabric.setup(model := _net(), DoorSAM(model.parameters(), torch.optim.SGD, lr=0.1))
+    if plugin is not None:
+        plugin.setup_optimizers(optimizer)
+    path = tmp_path / "mid.ckpt"
+    start, mid = 0, False
+    if load:
+        state = {"model": model, "optimizer": optimizer, "i": 0}
+        fabric.load(path, state)
+        start, mid = state["i"], True
+    for i in range(start, STEPS):
+        x, y = _batch(i)
+        if not mid:
+            fabric.backward(F.mse_loss(model(x).float(), y))
+            optimizer.first_step(zero_grad=True)
+            if i == save_at:
+                fabric.save(path, {"model": model, "optimizer": optimizer, "i": i})
+                if stop:
+                    return {}
+        mid = False
+        fabric.backward(F.mse_loss(model(x).float(), y))  # at the perturbed weights
+        optimizer.second_step()
+        optimizer.step()
+        optimizer.zero_grad()
+    out = _weights(model)
+    if plugin is not None:
+        out["masters"] = torch.cat([m.detach().flatten() for m in plugin.master_params(optimizer)])
+    return out
+
+
+@pytest.mark.parametrize("save_at", [0, 2])
+@pytest.mark.parametrize("plugin_args", [("O2", "bfloat16"), None], ids=["O2", "bf16-mixed"])
+def test_checkpoint_between_first_and_second_step_resumes_as_the_unbroken_run(tmp_path, plugin_args, save_at):
+    """fabric.save after first_step (before the first step, and mid-run), loaded into a fresh run that finishes the
+    iteration: the same weights as the unbroken run (at O2 neither the model nor the masters keep the perturbation),
+    as under Fabric's own "bf16-mixed"."""
+    want = _fabric_run(tmp_path, plugin_args)
+    on = _fabric_run(tmp_path, plugin_args, save_at=save_at, stop=False)
+    assert all(torch.equal(on[k], want[k]) for k in want)  # the save changed nothing of the run that made it
+    got = _fabric_run(tmp_path, plugin_args, load=True)
+    # O2 resumed: the checkpoint holds the masters (the weights before first_step), so the resumed second pass runs
+    # at them (measured 6e-3 off; keeping the perturbation in the masters was 2e-2 off). "bf16-mixed": exact.
+    diffs = {k: (got[k] - want[k]).abs().max().item() for k in want}
+    assert max(diffs.values()) < 1e-2, diffs
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="masters/weights.py in_pass: at O2 a checkpoint made between first_step and the step holds the FP32 masters "
+    "(the weights before first_step), not the perturbed half weights, and SAM's old_p goes to the masters' state: a run "
+    "resumed from it runs its second pass at the unperturbed weights (one step with the plain gradient), where "
+    "'bf16-mixed' resumes exactly",
+)
+def test_o2_resumed_between_the_passes_runs_its_second_pass_at_the_perturbed_weights(tmp_path):
+    """Resumed from a checkpoint made after first_step, the second pass runs at the perturbed weights (as in the run
+    that saved it): the resumed O2 run ends as the unbroken one, within bfloat16 rounding over the remaining steps."""
+    want = _fabric_run(tmp_path, ("O2", "bfloat16"))
+    _fabric_run(tmp_path, ("O2", "bfloat16"), save_at=2)
+    got = _fabric_run(tmp_path, ("O2", "bfloat16"), load=True)
+    assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-3
