@@ -145,3 +145,43 @@ def test_o2_resumed_between_the_passes_runs_its_second_pass_at_the_perturbed_wei
     _fabric_run(tmp_path, ("O2", "bfloat16"), save_at=2)
     got = _fabric_run(tmp_path, ("O2", "bfloat16"), load=True)
     assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-3
+
+
+# -- model_writes="values" before the first step
+def _hidden_write(param: torch.Tensor, value: float) -> None:
+    """Fill ``param`` through another tensor on its storage (``set_``): a write its version counter never sees (a
+    C extension's or a DLPack consumer's), the kind ``model_writes="values"`` is there to catch."""
+    alias = torch.empty(0, dtype=param.dtype).set_(param.untyped_storage(), param.storage_offset(), param.shape,
+                                                   param.stride())
+    version = param._version
+    alias.fill_(value)
+    assert param._version == version and bool((param == value).all())
+
+
+@pytest.mark.parametrize("hidden", [False, True], ids=["no-write", "hidden-write"])
+def test_o2_values_mode_sam_before_the_first_step(hidden: bool):
+    """O2 with model_writes="values": a SAM run with no write before its first step is not refused and trains as
+    with "versions" (no false refusal); a write its version counter never sees, made before the first backward, is
+    taken into the masters (it was checked by versions there, before the step made its mirrors, and lost)."""
+    from lightning_mpx import Amp
+
+    def run(mode: str) -> dict[str, torch.Tensor]:
+        amp = Amp("O2", half_dtype="bfloat16", model_writes=mode)
+        model = amp.prepare_model(_net())
+        optimizer = amp.prepare_optimizer(DoorSAM(model.parameters(), torch.optim.SGD, lr=0.1))
+        if hidden:
+            _hidden_write(model[2].bias, 0.5) if mode == "values" else model[2].bias.data.fill_(0.5)
+        for i in range(2):
+            x, y = _batch(i)
+            for _ in range(2):
+                amp.backward(F.mse_loss(amp.cast_outputs(model(amp.cast_inputs(x))).float(), y))
+                if _ == 0:
+                    optimizer.first_step(zero_grad=True)
+            optimizer.second_step()
+            amp.step(optimizer)
+            optimizer.zero_grad()
+            amp.end_iteration()
+        return {**_weights(model), "masters": torch.cat([m.flatten() for m in amp.master_params(optimizer)])}
+
+    want, got = run("versions"), run("values")
+    assert all(torch.equal(got[k], want[k]) for k in want), {k: (got[k] - want[k]).abs().max().item() for k in want}

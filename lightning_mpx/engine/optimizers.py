@@ -87,6 +87,9 @@ class StepMachine(UnscalePath):
         self.sharding: Sharding | None = None
         # The engine's steps so far, of any optimizer (engine.raw_steps: a write after one is no raw step).
         self.steps_taken = 0
+        # model_writes="values": the writes a SAM-style optimizer's first backward takes (before its step made the
+        # mirrors that compare values) are found by comparing values too (masters.swap.take_writes_before_pass).
+        self.compare_writes = False
         # The prepared models' parameters that require grad and no registered optimizer holds (engine.raw_steps), found
         # when the models or the registrations change (find_unheld); None when there are none (no cost at a backward).
         self.unheld: UnheldParams | None = None
@@ -249,7 +252,7 @@ class StepMachine(UnscalePath):
         for state in self.optimizers.values():
             if state.two_pass and self.masters.weights and (state.stage is _Stage.STEPPED or state.loss_id is None):
                 # O2 SAM, its first backward since a step: the user's writes since, taken before first_step perturbs
-                take_writes_before_pass(state, self.masters.weights)
+                take_writes_before_pass(state, self.masters.weights, compare=self.compare_writes)
             if state.stage is _Stage.STEPPED:  # what a step left, unless cleared since (the usual loop: nothing)
                 optimizer = state.optimizer_ref()
                 groups = optimizer.param_groups if optimizer is not None else ()

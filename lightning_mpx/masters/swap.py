@@ -37,12 +37,15 @@ def _make_mirrors(state: _OptimizerState, master_weights: Sequence[MasterWeights
     return state.mirrors
 
 
-def take_writes_before_pass(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> None:
+def take_writes_before_pass(
+    state: _OptimizerState, master_weights: Sequence[MasterWeights], *, compare: bool = False
+) -> None:
     """A SAM-style optimizer (``state.two_pass``), at the first engine backward since its last step: take the writes
     made to the half parameters since that step (a clamp, a layer re-initialised, weights set after set-up) into the
     masters now, before ``first_step`` perturbs them; its step overlooks the writes made after (see
     :func:`step_on_masters`). Through the step's mirrors once a step made them (with its ``model_writes`` mode),
-    through the masters themselves before: no mirror is made here, in a mode the step did not choose."""
+    through the masters themselves before: no mirror is made here, in a mode the step did not choose
+    (``compare``: ``model_writes="values"``, every value compared, as the step's mirrors will)."""
     optimizer = state.optimizer_ref()
     held = frozenset(map(id, optimizer_params(optimizer))) if optimizer is not None else frozenset()
     if state.mirrors is not None:
@@ -52,7 +55,7 @@ def take_writes_before_pass(state: _OptimizerState, master_weights: Sequence[Mas
         params = list(optimizer_params(optimizer))
         for weights in master_weights:
             weights.in_pass -= held
-            weights.refresh(params)
+            weights.refresh(params, force=compare)
     for weights in master_weights:  # until its step: writes to them are its pass's (MasterWeights.in_pass)
         weights.in_pass |= held
 
