@@ -157,6 +157,7 @@ class AmpParts:
         self._machine = StepMachine(
             self.scalers, self._masters, backend=settings.unscale_backend, telemetry=self.telemetry, names=self._names
         )
+        self._machine.compare_writes = settings.model_writes == "values"  # a SAM pass's writes taken before its step
         master_of = functools.partial(self._masters.master_of, states=self._machine.optimizers.values(), refresh=False)
         self._overflows = Overflows(
             self.scalers, self.forensics, self.promotion, settings.overflow_log_interval,

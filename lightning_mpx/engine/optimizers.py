@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
-from lightning_mpx.engine.raw_steps import UnheldParams, is_two_pass, refuse_raw_step
+from lightning_mpx.engine.raw_steps import _SAM_FIX, UnheldParams, is_two_pass, refuse_raw_step
 from lightning_mpx.engine.rescale import (
     hold_scale,
     rescale_pending,
@@ -28,7 +28,7 @@ from lightning_mpx.engine.rescale import (
     rescale_unscaled,
 )
 from lightning_mpx.engine.sharding import Sharding
-from lightning_mpx.engine.step_guard import ScaledStepGuard
+from lightning_mpx.engine.step_guard import BaseStepGuard, ScaledStepGuard
 from lightning_mpx.engine.unscaling import UnscalePath
 from lightning_mpx.health.telemetry import GradTelemetry
 from lightning_mpx.masters.handover import refuse_handed
@@ -88,6 +88,9 @@ class StepMachine(UnscalePath):
         self.sharding: Sharding | None = None
         # The engine's steps so far, of any optimizer (engine.raw_steps: a write after one is no raw step).
         self.steps_taken = 0
+        # model_writes="values": the writes a SAM-style optimizer's first backward takes (before its step made the
+        # mirrors that compare values) are found by comparing values too (masters.swap.take_writes_before_pass).
+        self.compare_writes = False
         # The prepared models' parameters that require grad and no registered optimizer holds (engine.raw_steps), found
         # when the models or the registrations change (find_unheld); None when there are none (no cost at a backward).
         self.unheld: UnheldParams | None = None
@@ -174,6 +177,11 @@ class StepMachine(UnscalePath):
         else:  # a direct step with scaled gradients is refused (masters' hooks refuse any direct step)
             guard = ScaledStepGuard(state, self.scalers, owner=weakref.ref(self))
             state.hooks = [optimizer.register_step_pre_hook(guard)]
+        base = getattr(optimizer, "base_optimizer", None)
+        if state.two_pass and isinstance(base, torch.optim.Optimizer) and base is not optimizer:
+            # davda54's second_step (its base step called directly) refused at the call, before any write
+            guard = BaseStepGuard(state, self.scalers, with_masters, _SAM_FIX)
+            state.hooks.append(base.register_step_pre_hook(guard))
         self.optimizers[key] = state
         weakref.finalize(optimizer, self.optimizers.pop, key, None)
 
@@ -264,7 +272,7 @@ class StepMachine(UnscalePath):
         for state in self.optimizers.values():
             if state.two_pass and self.masters.weights and (state.stage is _Stage.STEPPED or state.loss_id is None):
                 # O2 SAM, its first backward since a step: the user's writes since, taken before first_step perturbs
-                take_writes_before_pass(state, self.masters.weights)
+                take_writes_before_pass(state, self.masters.weights, compare=self.compare_writes)
             if state.stage is _Stage.STEPPED:  # what a step left, unless cleared since (the usual loop: nothing)
                 optimizer = state.optimizer_ref()
                 groups = optimizer.param_groups if optimizer is not None else ()

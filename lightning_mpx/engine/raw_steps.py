@@ -18,7 +18,9 @@ stage's engine taking over) forget what was noted (:meth:`StepMachine.forget_wri
 where the harm is real: with FP32 masters (O2), or a loss scale other than 1. A SAM-style two-pass optimizer
 (``first_step``, :func:`is_two_pass`) has one such write let through per engine step: its
 ``first_step``'s perturbation, undone before the step; a second (davda54's ``second_step``, whose
-``base_optimizer.step()`` the engine never sees) is refused with the recipe of docs/master_weights.md.
+``base_optimizer.step()`` the engine's step never runs) is refused with the recipe of docs/master_weights.md: at that
+call where the optimizer has a ``base_optimizer`` (:class:`~lightning_mpx.engine.step_guard.BaseStepGuard`), here
+otherwise.
 
 Nor is a write while some of the optimizer's parameters keep their gradients (an EMA swap for validation, or an EMA
 teacher in ``self.parameters()`` updated, between accumulated backwards): no ``zero_grad`` ran, so those without one

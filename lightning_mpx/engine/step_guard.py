@@ -18,7 +18,7 @@ import torch
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage
 from lightning_mpx.scaling.scaler import LossScaler
 
-__all__ = ["ScaledStepGuard"]
+__all__ = ["BaseStepGuard", "ScaledStepGuard"]
 
 
 class ScaledStepGuard:
@@ -51,4 +51,44 @@ class ScaledStepGuard:
             "this step); in a LightningModule's manual optimization, the optimizer self.optimizers() returns, not "
             "self.optimizers(use_pl_optimizer=False); with Fabric, the optimizer fabric.setup() returned; with "
             "lightning_mpx.accelerate.Accelerator, the optimizer accelerator.prepare() returned."
+        )
+
+
+class BaseStepGuard:
+    """Refuse a SAM-style two-pass optimizer's ``base_optimizer.step()`` called outside the engine's step (davda54's
+    ``second_step``: restore, then the base step directly), at the call and before any write.
+
+    Put on the base optimizer when the engine registers the SAM-style optimizer holding it (one with a callable
+    ``first_step`` and a ``base_optimizer``: :func:`~lightning_mpx.engine.raw_steps.is_two_pass`); removed with that
+    optimizer's other hooks. The engine's step (the door's ``optimizer.step()``, whose ``step()`` runs the base step)
+    passes: at O2 the masters stand in the groups then (``state.swapped``), elsewhere the gradients are unscaled. A
+    base step with unscaled gradients (after ``amp.unscale_``) or under a scale of 1 without masters passes too, as
+    :class:`ScaledStepGuard` lets a direct step pass. One Python call per base step, for SAM-style optimizers only.
+
+    Args:
+        state: The SAM-style optimizer's state in the engine.
+        scalers: The engine's loss scalers.
+        masters: Whether the optimizer's parameters have FP32 masters (O2).
+        message: The recipe to name (docs/master_weights.md, "SAM and two-pass optimizers").
+    """
+
+    def __init__(self, state: _OptimizerState, scalers: Sequence[LossScaler], masters: bool, message: str) -> None:
+        self.state = state
+        self.scalers = scalers
+        self.masters = masters
+        self.message = message
+
+    def __call__(self, base: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        state = self.state
+        if self.masters:
+            if state.swapped is not None:  # the engine's step on the masters
+                return
+        elif state.stage is not _Stage.READY or state.loss_id is None or self.scalers[state.loss_id]._unit:
+            return
+        optimizer = state.optimizer_ref()
+        name = type(optimizer).__name__ if optimizer is not None else "optimizer"
+        raise RuntimeError(
+            f"the SAM-style two-pass optimizer {name} prepared by lightning_mpx had its base_optimizer.step() "
+            f"({type(base).__name__}) called outside the engine's step (davda54's second_step steps it itself), "
+            f"{self.message}"
         )

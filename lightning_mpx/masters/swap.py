@@ -37,27 +37,43 @@ def _make_mirrors(state: _OptimizerState, master_weights: Sequence[MasterWeights
     return state.mirrors
 
 
-def take_writes_before_pass(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> None:
+def take_writes_before_pass(
+    state: _OptimizerState, master_weights: Sequence[MasterWeights], *, compare: bool = False
+) -> None:
     """A SAM-style optimizer (``state.two_pass``), at the first engine backward since its last step: take the writes
     made to the half parameters since that step (a clamp, a layer re-initialised, weights set after set-up) into the
     masters now, before ``first_step`` perturbs them; its step overlooks the writes made after (see
     :func:`step_on_masters`). Through the step's mirrors once a step made them (with its ``model_writes`` mode),
-    through the masters themselves before: no mirror is made here, in a mode the step did not choose."""
+    through the masters themselves before: no mirror is made here, in a mode the step did not choose
+    (``compare``: ``model_writes="values"``, every value compared, as the step's mirrors will)."""
+    optimizer = state.optimizer_ref()
+    held = frozenset(map(id, optimizer_params(optimizer))) if optimizer is not None else frozenset()
     if state.mirrors is not None:
         for mirror in state.mirrors:
             mirror.take_writes()
-        return
-    optimizer = state.optimizer_ref()
-    if optimizer is not None:
+    elif optimizer is not None:
         params = list(optimizer_params(optimizer))
         for weights in master_weights:
-            weights.refresh(params)
+            weights.in_pass -= held
+            weights.refresh(params, force=compare)
+    for weights in master_weights:  # until its step: writes to them are its pass's (MasterWeights.in_pass)
+        weights.in_pass |= held
+
+
+def end_pass(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> None:
+    """A SAM-style optimizer's step (taken or skipped): writes to its parameters are the model's again."""
+    optimizer = state.optimizer_ref()
+    if optimizer is not None and any(weights.in_pass for weights in master_weights):
+        held = frozenset(map(id, optimizer_params(optimizer)))
+        for weights in master_weights:
+            weights.in_pass -= held
 
 
 def undo_pass(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> None:
     """A SAM-style optimizer's step skipped on the host (an overflow): the masters (the weights before its
     ``first_step``) copied into the model, as its step would have, so a perturbation its ``step()`` was to undo (the
     restore inside it) is not left in the half weights (a float16 overflow's NaN: every later step skipped)."""
+    end_pass(state, master_weights)
     if state.mirrors is not None:
         for mirror in state.mirrors:
             mirror.overlook_writes()
@@ -100,6 +116,8 @@ def step_on_masters(
         for group, params in zip(optimizer.param_groups, swapped):  # by position, as swap_out
             group["params"] = params
         state.swapped = None
+    if state.two_pass:
+        end_pass(state, master_weights)
     dropped = map(state.pair_masters.__getitem__, state.mastered)  # C-level maps: no Python per parameter
     collections.deque(map(setattr, dropped, itertools.repeat("grad"), itertools.repeat(None)), maxlen=0)
 

@@ -164,6 +164,11 @@ class MasterWeights(MasterCheckpoint):
         # The prefix of the names of these masters ("model1." for an engine's second model): a module added to the model
         # and prepared again is named with it (Masters.prefix_of).
         self.prefix = ""
+        # The ids of the half parameters of a SAM-style optimizer between its first backward and its step: their
+        # writes since (first_step's perturbation) are its pass's, left out of refresh() unless forced (a checkpoint
+        # or fp32_state_dict() made between the passes keeps the weights before first_step). Set and cleared by
+        # masters.swap (take_writes_before_pass; the step, or undo_pass).
+        self.in_pass: frozenset[int] = frozenset()
         self.extend(named_parameters, exclude=exclude, initial=initial)
 
     def extend(
@@ -385,6 +390,8 @@ class MasterWeights(MasterCheckpoint):
             if params is None
             else ((e, p) for p in params if (e := self._entry(p)) is not None)
         )
+        if self.in_pass and not force:  # a SAM-style optimizer's pass: its perturbation is no write to take
+            entries = [(e, p) for e, p in entries if id(p) not in self.in_pass]
         handed_out = self._watch.due({id(p) for _, p in entries})
         for entry, param in entries:
             if entry.master is None:
