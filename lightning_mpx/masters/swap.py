@@ -150,7 +150,9 @@ def state_to_params(state: _OptimizerState, master_weights: Sequence[MasterWeigh
             optimizer.state[param] = optimizer.state.pop(master)
 
 
-def call_on_masters(state: _OptimizerState, master_weights: Sequence[MasterWeights], call: Callable[[], object]) -> None:
+def call_on_masters(
+    state: _OptimizerState, master_weights: Sequence[MasterWeights], call: Callable[[], object]
+) -> None:
     """Run ``call`` (an optimizer's own method that writes its parameters outside a step: a schedule-free optimizer's
     ``eval()``/``train()``, which move them between its two points) on the masters: writes made to the model since
     the last step taken into them first, the masters in the groups for the call (the state a half parameter kept
