@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Iterable, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -45,6 +45,7 @@ from lightning_mpx.engine.preparation import PreparedModels, _EngineHook  # noqa
 from lightning_mpx.engine.raw_steps import find_unheld
 from lightning_mpx.engine.surgery import adopt_new_parameters
 from lightning_mpx.masters.pairs import StrayParameterError
+from lightning_mpx.masters.swap import call_on_masters
 
 # MODEL_WRITES is defined with the other settings; its old import path here keeps working.
 from lightning_mpx.settings import (  # noqa: F401
@@ -325,6 +326,15 @@ class Amp(AmpRecords):
     def clip_grad_value_(self, optimizer: torch.optim.Optimizer, clip_value: float) -> None:
         """Clamp ``optimizer``'s unscaled gradients to ``[-clip_value, clip_value]``."""
         clip_value_(self._machine, optimizer, clip_value, with_masters=self._with_masters)
+
+    def call_on_masters(self, optimizer: torch.optim.Optimizer, call: Callable[[], object]) -> None:
+        """Run ``call``, a method of ``optimizer`` that writes its parameters outside a step (a schedule-free
+        optimizer's ``eval()``/``train()``), on what it trains: at O2 the FP32 masters, then copied into the half
+        model (the model's writes since the last step taken into them first); otherwise as it is."""
+        if not self._with_masters or not self._machine.masters.weights:
+            call()
+            return
+        call_on_masters(self._machine.state(optimizer), self._machine.masters.weights, call)
 
     def show_unscaled_on_model(self, optimizer: torch.optim.Optimizer) -> None:
         """At O2, copy the unscaled FP32 master gradients into the half model's gradients (rounded), for code that

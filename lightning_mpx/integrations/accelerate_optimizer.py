@@ -72,6 +72,22 @@ class AmpOptimizer(AcceleratedOptimizer):  # type: ignore[misc]
         self.unscaled = False
         self.on_step(self)
 
+    def train(self) -> None:
+        """As Accelerate's: the optimizer's ``train()`` (a schedule-free optimizer's), at O2 on the FP32 masters it
+        steps, then copied into the half model."""
+        self._on_masters(super().train)
+
+    def eval(self) -> None:
+        """As Accelerate's: the optimizer's ``eval()`` (a schedule-free optimizer moves its parameters to the point
+        to evaluate), at O2 on the FP32 masters it steps, then copied into the half model, which evaluates there."""
+        self._on_masters(super().eval)
+
+    def _on_masters(self, call: Callable[[], Any]) -> None:
+        if self.amp is None or not callable(getattr(self.optimizer, "train", None)):
+            call()
+            return
+        self.amp.call_on_masters(self.optimizer, call)
+
     @property
     def _is_overflow(self) -> bool:  # what Accelerate's step_was_skipped returns
         return not self.__dict__.get("_stepped", True)

@@ -18,7 +18,7 @@ import torch
 
 from lightning_mpx.engine.optimizer_state import _OptimizerState, optimizer_params
 from lightning_mpx.masters.mirror import Mirror, step_mirrored
-from lightning_mpx.masters.pairs import param_pairs
+from lightning_mpx.masters.pairs import param_pairs, state_to_masters
 from lightning_mpx.masters.weights import MasterWeights
 
 _PARAMS = operator.itemgetter("params")
@@ -166,3 +166,28 @@ def state_to_params(state: _OptimizerState, master_weights: Sequence[MasterWeigh
     for param, master in param_pairs(state, master_weights, optimizer=optimizer):
         if master is not param and master in optimizer.state:
             optimizer.state[param] = optimizer.state.pop(master)
+
+
+def call_on_masters(
+    state: _OptimizerState, master_weights: Sequence[MasterWeights], call: Callable[[], object]
+) -> None:
+    """Run ``call`` (an optimizer's own method that writes its parameters outside a step: a schedule-free optimizer's
+    ``eval()``/``train()``, which move them between its two points) on the masters: writes made to the model since
+    the last step taken into them first, the masters in the groups for the call (the state a half parameter kept
+    since given to its master), then copied into the model, so that the model holds what the call made of them."""
+    optimizer = state.optimizer_ref()
+    if optimizer is None:
+        call()
+        return
+    params = list(optimizer_params(optimizer)) if state.swapped is None else [p for g in state.swapped for p in g]
+    for weights in master_weights:
+        weights.refresh(params)
+    swap_in(state, master_weights, recheck=True)
+    if state.pairs:
+        state_to_masters(optimizer, state)
+    try:
+        call()
+    finally:
+        swap_out(state)
+        for weights in master_weights:
+            weights.copy_to_model(params)
