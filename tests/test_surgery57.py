@@ -197,3 +197,34 @@ def _fabric_head_run(precision: str) -> Weights:
 
 def test_fabric_head_added_by_add_param_group_after_steps_trains_as_bf16_mixed() -> None:
     _close(_fabric_head_run("O2"), _fabric_head_run("bf16-mixed"))
+
+
+def test_a_backbone_unfrozen_into_a_new_group_gets_its_own_value_as_master_not_a_lookalikes() -> None:
+    """A backbone unfrozen into a new group (``BaseFinetuning.unfreeze_and_add_param_group``'s move) is seen at the
+    next forward: the unfrozen half parameters (frozen when the model was prepared) take their own values as masters,
+    never the FP32 value of another master whose rounding they happen to equal (an untie's clone alone is adopted so).
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.LayerNorm(8))
+    model[:2].requires_grad_(False)  # the backbone, frozen before set-up
+    amp = Amp("O2", half_dtype=HALF)
+    model = amp.prepare_model(model)
+    opt = amp.prepare_optimizer(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-4))
+    x = torch.randn(4, 8)
+    for i in range(2):
+        if i == 1:
+            model[:2].requires_grad_(True)  # (BaseFinetuning would skip the norm: its `in` compares values)
+            opt.add_param_group({"params": list(model[:2].parameters())})
+        with amp.forward_context():
+            loss = amp.cast_outputs(model(amp.cast_inputs(x))).square().mean()
+        if i == 1:  # the new group seen at that forward: the backbone's norm has its master, from its own 1.0
+            backbone = amp.master_of(model[1].weight)
+            assert backbone is not model[1].weight and backbone.dtype == torch.float32
+            assert torch.equal(backbone.detach(), torch.ones(8)), "took the head's FP32 value"
+        amp.backward(loss)
+        amp.step(opt)
+        amp.update()
+        opt.zero_grad()
+        if i == 0:  # the head's norm moved less than a bfloat16 rounding: its master rounds to the backbone's 1.0
+            head = amp.master_of(model[3].weight).detach().clone()
+            assert not torch.equal(head, torch.ones(8)) and torch.equal(head.bfloat16(), model[1].weight)
