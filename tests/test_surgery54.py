@@ -202,16 +202,6 @@ def _weight_norm(model: nn.Module, opt: torch.optim.Optimizer, prepared: Any) ->
     return prepared(torch.optim.SGD(model.parameters(), lr=1.0))
 
 
-_NEW_FP32_HEAD = pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="lightning_mpx/engine/surgery.py (O2): torch's Optimizer.add_param_group calls no hook (it appends to "
-    "the plain list optimizer.param_groups) and the engine's hooks on a prepared optimizer (step and state-dict "
-    "hooks) run after the forward, so a head added after prepare_model and given to it by add_param_group alone "
-    "meets the half activations in FP32: a RuntimeError naming the module and the fix, prepare_optimizer(opt) "
-    "again (tests/test_surgery56.py). Seeing it earlier needs an instance override of the user's optimizer or a "
-    "per-forward check of every optimizer's groups",
-)
 _WEIGHT_NORM = pytest.mark.xfail(
     strict=True,
     raises=RuntimeError,
@@ -228,7 +218,7 @@ _WEIGHT_NORM = pytest.mark.xfail(
     ("level", "surgery", "freeze_body"),
     [
         pytest.param("O1", _add_head, False, id="O1-head-add_param_group"),
-        pytest.param("O2", _add_head, False, id="O2-head-add_param_group", marks=_NEW_FP32_HEAD),
+        pytest.param("O2", _add_head, False, id="O2-head-add_param_group"),  # seen at the next forward
         pytest.param("O2", _add_head_new_optimizer, False, id="O2-head-new-optimizer"),
         pytest.param("O2", _tie, False, id="O2-tie"),
         pytest.param("O2", _tie_then_untie, False, id="O2-tie-untie"),

@@ -1,6 +1,7 @@
 """Model surgery after set-up at O2, the ways out of what the engine cannot see (tests/test_surgery54.py's strict
 xfails): a head given to a registered optimizer by ``add_param_group`` (torch calls no hook there) is adopted by
-preparing that optimizer again, and ``weight_norm`` registered after set-up (torch's ``Parameter(t)`` refuses the
+preparing that optimizer again (the next ``forward_context`` now does it too: ``tests/test_surgery57.py``), and
+``weight_norm`` registered after set-up (torch's ``Parameter(t)`` refuses the
 masters' parameter class) works on the module made FP32 first, its ``original0``/``original1`` then made half with
 FP32 masters from the FP32 values. Each is compared with the same surgery in FP32 (bfloat16; tolerances)."""
 

@@ -44,7 +44,7 @@ from lightning_mpx.engine.outcome import StepOutcome
 from lightning_mpx.engine.preparation import PreparedModels, _EngineHook  # noqa: F401
 from lightning_mpx.engine.raw_steps import find_unheld
 from lightning_mpx.engine.surgery import adopt_new_parameters
-from lightning_mpx.masters.pairs import StrayParameterError
+from lightning_mpx.masters.pairs import StrayParameterError, param_pairs
 from lightning_mpx.masters.swap import call_on_masters
 
 # MODEL_WRITES is defined with the other settings; its old import path here keeps working.
@@ -152,6 +152,19 @@ class Amp(AmpRecords):
         find_unheld(self._models, self._machine)  # the models' parameters no optimizer holds now (engine.raw_steps)
         return optimizer
 
+    def _groups_changed(self, optimizer: torch.optim.Optimizer) -> None:
+        """A registered ``optimizer`` whose parameter groups were added or removed since its pairs were made (seen
+        at a forward, see :meth:`forward_context`): prepared again (a module added since is made half with FP32
+        masters, :func:`~lightning_mpx.engine.surgery.adopt_new_parameters`) and its pairs made now, so that the
+        check does not fire again before its step."""
+        self.prepare_optimizer(optimizer)
+        state = self._machine.optimizers.get(id(optimizer))
+        if state is not None:
+            try:
+                param_pairs(state, self._machine.masters.weights)
+            except StrayParameterError as error:  # named where a prepared model holds it
+                raise self._models.name_stray(error) from None
+
     def release_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Forget ``optimizer`` and remove the hooks put on it (its masters stay with their model; its state, at O2
         kept by the masters, is keyed by its own parameters again); its steps pending on the device
@@ -210,6 +223,13 @@ class Amp(AmpRecords):
             self._masters.take_lent()
         if models._device_pending or models._half_marks or models.loss_regions is not None:  # else nothing to do
             models.before_forward()  # (O1 after its first forward: a call saved per step)
+        # O2: a registered optimizer given a group since its pairs were made (torch's add_param_group calls no hook;
+        # a head added with it is still FP32): its new parameters are prepared now, before this forward. Attribute
+        # reads and C calls per optimizer (pairs_key is None without masters).
+        for state in self._machine.optimizers.values():
+            key = state.pairs_key
+            if key is not None and (opt := state.optimizer_ref()) is not None and len(opt.param_groups) != len(key):
+                self._groups_changed(opt)
         if models._other_marks:  # O1: a model made the other half dtype since prepare_model (model.half())
             other = models.other_half
             for _, param in models._other_marks.values():

@@ -12,8 +12,10 @@ after preparing whose values are exactly the rounding of an existing master (an 
 fails on such a module before that (torch's "mat1 and mat2 must have the same dtype") is named by
 :func:`forward_error`, on that error's path only (Fabric registers an optimizer at its first step, after that
 forward: the error names the call that registers it now; torch's ``add_param_group`` calls
-no hook, so a group added to a registered optimizer is met at its next ``prepare_optimizer``; the Trainer plugin
-registers an optimizer made mid-fit by ``strategy.setup_optimizers`` when the next training step starts).
+no hook, so a group added to a registered optimizer is met at the engine's next ``forward_context`` (``Amp`` compares
+each registered optimizer's number of groups with the one its pairs were made from, and prepares it again: every
+front door's forward enters it) or its next ``prepare_optimizer``; the Trainer plugin registers an optimizer made
+mid-fit by ``strategy.setup_optimizers`` when the next training step starts).
 Plain functions over the engine's ``PreparedModels``.
 """
 
@@ -91,8 +93,9 @@ def forward_error(models: Any, error: RuntimeError) -> None:
             raise RuntimeError(
                 f"{named} of the model prepared at O2 was set after prepare_model() and is still FP32 "
                 f"({new[0][0]!r}: {new[0][1].dtype}), so its weights met the {models.properties.half_dtype} "
-                "activations. Register an optimizer that holds its parameters before its first forward (again "
-                "after opt.add_param_group, which the engine cannot see): amp.prepare_optimizer(opt); "
+                "activations. Register an optimizer that holds its parameters before its first forward (a group "
+                "added by opt.add_param_group to a registered optimizer is prepared at the next forward_context: "
+                "forward under it): amp.prepare_optimizer(opt); "
                 "accelerator.prepare(opt); Fabric: plugin.setup_optimizers(opt) after fabric.setup_optimizers; "
                 "Trainer: trainer.strategy.setup_optimizers(trainer) in a callback before the training step, or "
                 "trainer.precision_plugin.amp.prepare_optimizer(opt). It is then made half with FP32 masters; "
