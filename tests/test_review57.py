@@ -1,0 +1,58 @@
+"""Stop 57's merged changes attacked as a user would (add_param_group seen at the next forward, SAM's base optimizer
+guard, call_on_masters, shared inner optimizers), each against an FP32 run or Lightning's own precision. bfloat16;
+tolerances, not bit equality."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_mpx import Amp
+from tests.test_surgery55 import _add_head, _batches, _floats, _loss, _Net
+
+HALF = "bfloat16"
+Weights = dict[str, torch.Tensor]
+
+
+# --- a head replaced by del param_groups[-1] + add_param_group (the group count unchanged) ---------------------------
+
+
+def _replaced_head_run(level: str | None) -> Weights:
+    """Two steps with a classifier added by add_param_group, then that head replaced by another (its group removed
+    and a new one added in one callback: the same number of groups), two more steps."""
+    model = _Net()
+    amp = Amp(level, half_dtype=HALF) if level else None
+    model = amp.prepare_model(model) if amp else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt = amp.prepare_optimizer(opt) if amp else opt
+    for i, x in enumerate(_batches()):
+        if i == 1:
+            _add_head(model)
+            opt.add_param_group({"params": list(model.classifier.parameters())})
+        if i == 2:  # a new head in place of the old one
+            del opt.param_groups[-1]
+            torch.manual_seed(5)
+            model.classifier = nn.Sequential(nn.Linear(20, 4))
+            opt.add_param_group({"params": list(model.classifier.parameters())})
+        with amp.forward_context() if amp else torch.enable_grad():
+            loss = _loss(model(x), x)
+        if amp:
+            amp.backward(loss)
+            amp.step(opt)
+            amp.update()
+        else:
+            loss.backward()
+            opt.step()
+        opt.zero_grad()
+    return _floats(amp.fp32_state_dict(model) if amp else model.state_dict())
+
+
+def test_a_head_replaced_at_the_same_group_count_is_prepared_at_the_next_forward_and_trains_as_fp32() -> None:
+    """The check at forward_context compared only the number of groups: a head replaced (its group removed, the new
+    head's added) kept the count, so the new FP32 head met the bfloat16 activations, and the error told the user to
+    forward under forward_context, which they did."""
+    got, ref = _replaced_head_run("O2"), _replaced_head_run(None)
+    assert got.keys() == ref.keys() and "classifier.0.weight" in ref
+    for name, value in ref.items():
+        assert torch.allclose(got[name], value, atol=0.02, rtol=0.02), f"{name}: {(got[name] - value).abs().max()}"
