@@ -56,3 +56,50 @@ def test_a_head_replaced_at_the_same_group_count_is_prepared_at_the_next_forward
     assert got.keys() == ref.keys() and "classifier.0.weight" in ref
     for name, value in ref.items():
         assert torch.allclose(got[name], value, atol=0.02, rtol=0.02), f"{name}: {(got[name] - value).abs().max()}"
+
+
+# --- SAM and its base optimizer both registered ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("base_first", [False, True])
+def test_registering_sam_and_its_base_optimizer_is_refused_naming_both_and_the_sam_alone_trains(base_first) -> None:
+    """Both registered (the base optimizer too, for a scheduler or by habit): the base one's state took first_step's
+    perturbation for a raw step of its own, and the second backward raised that 'a torch optimizer lightning_mpx did
+    not prepare' stepped the parameters, a cause the user did not have. Refused at the registration now, naming the
+    two and the fix; the SAM-style optimizer registered alone trains as FP32 does."""
+    import torch.nn.functional as F
+
+    from tests.test_sam56 import DoorSAM, _batch, _net
+
+    def run(amp: Amp | None) -> Weights:
+        model = amp.prepare_model(_net()) if amp else _net()
+        opt = DoorSAM(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+        if amp:
+            first, second = (opt.base_optimizer, opt) if base_first else (opt, opt.base_optimizer)
+            amp.prepare_optimizer(first)
+            with pytest.raises(ValueError, match=r"SAM-style optimizer DoorSAM and its base_optimizer \(SGD\) cannot "
+                               r"both be registered; register the SAM-style optimizer only"):
+                amp.prepare_optimizer(second)
+            if base_first:
+                amp.release_optimizer(opt.base_optimizer)
+                amp.prepare_optimizer(opt)
+        for i in range(3):
+            x, y = _batch(i)
+            for rep in range(2):
+                with amp.forward_context() if amp else torch.enable_grad():
+                    loss = F.mse_loss(model(amp.cast_inputs(x) if amp else x).float(), y)
+                amp.backward(loss) if amp else loss.backward()
+                if rep == 0:
+                    opt.first_step(zero_grad=True)
+            opt.second_step()
+            if amp:
+                amp.step(opt)
+                amp.update()
+            else:
+                opt.step()
+            opt.zero_grad()
+        return _floats(amp.fp32_state_dict(model) if amp else model.state_dict())
+
+    got, ref = run(Amp("O2", half_dtype=HALF)), run(None)
+    for name, value in ref.items():
+        assert torch.allclose(got[name], value, atol=0.02, rtol=0.02), f"{name}: {(got[name] - value).abs().max()}"

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
-from lightning_mpx.engine.raw_steps import _SAM_FIX, UnheldParams, is_two_pass, refuse_raw_step
+from lightning_mpx.engine.raw_steps import _SAM_FIX, UnheldParams, is_two_pass, refuse_base_with_sam, refuse_raw_step
 from lightning_mpx.engine.rescale import (
     hold_scale,
     rescale_pending,
@@ -162,6 +162,8 @@ class StepMachine(UnscalePath):
         key = id(optimizer)
         if key in self.optimizers:
             return  # registered before (a framework preparing it twice)
+        if with_masters or not all(scaler._unit for scaler in self.scalers):  # SAM and its base optimizer: one of them
+            refuse_base_with_sam(optimizer, self.optimizers.values())
         _release_from_other_engines(optimizer, self)  # one engine owns an optimizer: a later stage's takes it over
         self.taken.pop(key, None)
         state = _OptimizerState(weakref.ref(optimizer), two_pass=is_two_pass(optimizer))
