@@ -103,3 +103,53 @@ def test_registering_sam_and_its_base_optimizer_is_refused_naming_both_and_the_s
     got, ref = run(Amp("O2", half_dtype=HALF)), run(None)
     for name, value in ref.items():
         assert torch.allclose(got[name], value, atol=0.02, rtol=0.02), f"{name}: {(got[name] - value).abs().max()}"
+
+
+# --- a SAM-style optimizer released between its passes ------------------------------------------------------------
+
+
+def _released_mid_pass_run(amp: Amp | None) -> Weights:
+    """first_step and second_step's restore, then the SAM-style optimizer released (its step never taken: the user
+    switches to a plain SGD), two SGD steps, a weight clamp, the export."""
+    import torch.nn.functional as F
+
+    from tests.test_sam56 import DoorSAM, _batch, _net
+
+    model = amp.prepare_model(_net()) if amp else _net()
+    sam = DoorSAM(model.parameters(), torch.optim.SGD, lr=0.1)
+    if amp:
+        amp.prepare_optimizer(sam)
+    x, y = _batch(0)
+
+    def backward() -> None:
+        with amp.forward_context() if amp else torch.enable_grad():
+            loss = F.mse_loss(model(amp.cast_inputs(x) if amp else x).float(), y)
+        amp.backward(loss) if amp else loss.backward()
+
+    backward()
+    sam.first_step(zero_grad=True)
+    sam.second_step()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    if amp:
+        amp.release_optimizer(sam)
+        amp.prepare_optimizer(sgd)
+    for _ in range(2):
+        backward()
+        if amp:
+            amp.step(sgd)
+            amp.update()
+        else:
+            sgd.step()
+        sgd.zero_grad()
+    with torch.no_grad():
+        model[0].weight.clamp_(-0.01, 0.01)
+    return _floats(amp.fp32_state_dict(model) if amp else model.state_dict())
+
+
+def test_a_sam_released_between_its_passes_leaves_later_writes_to_the_checkpoint() -> None:
+    """Its parameters stayed marked as in its pass (MasterWeights.in_pass) forever: a clamp after a later optimizer's
+    step was left out of fp32_state_dict() (the unclamped masters exported, silently)."""
+    got, ref = _released_mid_pass_run(Amp("O2", half_dtype=HALF)), _released_mid_pass_run(None)
+    assert got["0.weight"].abs().max() <= 0.0101, "the clamp is not in the export"
+    for name, value in ref.items():
+        assert torch.allclose(got[name], value, atol=0.02, rtol=0.02), f"{name}: {(got[name] - value).abs().max()}"

@@ -36,7 +36,7 @@ from lightning_mpx.masters.mirror import Mirror
 from lightning_mpx.masters.optimizer_hooks import MasterHooks, SharedGroupHooks
 from lightning_mpx.masters.pairs import param_pairs
 from lightning_mpx.masters.store import Masters
-from lightning_mpx.masters.swap import mirrors, state_to_params, take_writes_before_pass
+from lightning_mpx.masters.swap import end_pass, mirrors, state_to_params, take_writes_before_pass
 from lightning_mpx.scaling.scaler import LossScaler
 
 _PARAMS = operator.itemgetter("params")
@@ -206,6 +206,8 @@ class StepMachine(UnscalePath):
             for handle in state.hooks:
                 handle.remove()
             state_to_params(state, self.masters.weights)  # its state dict works without the hooks
+            if state.two_pass:  # released between a SAM's passes: writes to its parameters are the model's again
+                end_pass(state, self.masters.weights)
             for ref in state.inners:  # and the inner optimizers' that shared its groups
                 inner = ref()
                 if inner is not None:
