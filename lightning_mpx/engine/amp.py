@@ -225,10 +225,15 @@ class Amp(AmpRecords):
             models.before_forward()  # (O1 after its first forward: a call saved per step)
         # O2: a registered optimizer given a group since its pairs were made (torch's add_param_group calls no hook;
         # a head added with it is still FP32): its new parameters are prepared now, before this forward. Attribute
-        # reads and C calls per optimizer (pairs_key is None without masters).
+        # reads and C calls per optimizer (pairs_key is None without masters). A group added in place of one removed
+        # (a head replaced: the same count) has a new list as the last group's.
         for state in self._machine.optimizers.values():
             key = state.pairs_key
-            if key is not None and (opt := state.optimizer_ref()) is not None and len(opt.param_groups) != len(key):
+            if (
+                key is not None
+                and (opt := state.optimizer_ref()) is not None
+                and (len(groups := opt.param_groups) != len(key) or groups[-1]["params"] is not state.last_params)
+            ):
                 self._groups_changed(opt)
         if models._other_marks:  # O1: a model made the other half dtype since prepare_model (model.half())
             other = models.other_half

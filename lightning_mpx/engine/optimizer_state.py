@@ -62,6 +62,9 @@ class _OptimizerState:
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     group_masters: list[list[torch.Tensor]] = field(default_factory=list)
     pairs_key: tuple[tuple[int, int], ...] | None = None
+    # the last group's parameter list the pairs were made from, held (its id is never another list's): a group added
+    # in place of a removed one, at the same count, is seen at the next forward (engine.amp.Amp.forward_context)
+    last_params: list[torch.Tensor] | None = None
     # O2: the half parameters paired with themselves (frozen when the pairs were made): one that requires a gradient
     # or has one since makes the pairs be made again, with its master.
     unmastered: list[torch.Tensor] = field(default_factory=list)

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
-from lightning_mpx.engine.raw_steps import _SAM_FIX, UnheldParams, is_two_pass, refuse_raw_step
+from lightning_mpx.engine.raw_steps import _SAM_FIX, UnheldParams, is_two_pass, refuse_base_with_sam, refuse_raw_step
 from lightning_mpx.engine.rescale import (
     hold_scale,
     rescale_pending,
@@ -36,7 +36,7 @@ from lightning_mpx.masters.mirror import Mirror
 from lightning_mpx.masters.optimizer_hooks import MasterHooks, SharedGroupHooks
 from lightning_mpx.masters.pairs import param_pairs
 from lightning_mpx.masters.store import Masters
-from lightning_mpx.masters.swap import mirrors, state_to_params, take_writes_before_pass
+from lightning_mpx.masters.swap import end_pass, mirrors, state_to_params, take_writes_before_pass
 from lightning_mpx.scaling.scaler import LossScaler
 
 _PARAMS = operator.itemgetter("params")
@@ -162,6 +162,8 @@ class StepMachine(UnscalePath):
         key = id(optimizer)
         if key in self.optimizers:
             return  # registered before (a framework preparing it twice)
+        if with_masters or not all(scaler._unit for scaler in self.scalers):  # SAM and its base optimizer: one of them
+            refuse_base_with_sam(optimizer, self.optimizers.values())
         _release_from_other_engines(optimizer, self)  # one engine owns an optimizer: a later stage's takes it over
         self.taken.pop(key, None)
         state = _OptimizerState(weakref.ref(optimizer), two_pass=is_two_pass(optimizer))
@@ -204,6 +206,8 @@ class StepMachine(UnscalePath):
             for handle in state.hooks:
                 handle.remove()
             state_to_params(state, self.masters.weights)  # its state dict works without the hooks
+            if state.two_pass:  # released between a SAM's passes: writes to its parameters are the model's again
+                end_pass(state, self.masters.weights)
             for ref in state.inners:  # and the inner optimizers' that shared its groups
                 inner = ref()
                 if inner is not None:

@@ -56,7 +56,7 @@ from torch import nn
 from lightning_mpx.engine.optimizer_state import _OptimizerState
 from lightning_mpx.masters.weights import MasterWeights
 
-__all__ = ["UnheldParams", "find_unheld", "is_two_pass", "refuse_raw_step"]
+__all__ = ["UnheldParams", "find_unheld", "is_two_pass", "refuse_base_with_sam", "refuse_raw_step"]
 
 _PARAMS = operator.itemgetter("params")
 _VERSION = operator.attrgetter("_version")
@@ -123,6 +123,32 @@ def is_two_pass(optimizer: Any) -> bool:
     if not callable(getattr(optimizer, "first_step", None)):
         return False
     return callable(getattr(optimizer, "second_step", None)) or getattr(optimizer, "base_optimizer", None) is not None
+
+
+def refuse_base_with_sam(optimizer: torch.optim.Optimizer, states: Iterable[_OptimizerState]) -> None:
+    """Refuse registering ``optimizer`` beside a registered SAM-style optimizer whose ``base_optimizer`` it is, or
+    a SAM-style ``optimizer`` whose ``base_optimizer`` is registered: the two hold the same parameters, and the base
+    one's state took ``first_step``'s perturbation for a raw step of its own at the next backward (an error naming a
+    cause the user did not have). Called where that check is harmful (with masters, or a loss scale other than 1),
+    once per registration."""
+    base = getattr(optimizer, "base_optimizer", None) if is_two_pass(optimizer) else None
+    for state in states:
+        other = state.optimizer_ref()
+        if other is None or other is optimizer:
+            continue
+        if other is base:
+            sam, inner = optimizer, other
+        elif state.two_pass and getattr(other, "base_optimizer", None) is optimizer:
+            sam, inner = other, optimizer
+        else:
+            continue
+        raise ValueError(
+            f"optimizer={type(optimizer).__name__}: the SAM-style optimizer {type(sam).__name__} and its "
+            f"base_optimizer ({type(inner).__name__}) cannot both be registered; register the SAM-style optimizer only "
+            "(its step() steps the base optimizer, on the FP32 masters at O2): prepare_optimizer(), "
+            "accelerator.prepare(), fabric.setup() or configure_optimizers() with it alone. See 'SAM and two-pass "
+            "optimizers' in docs/master_weights.md."
+        )
 
 
 def _name(param: torch.Tensor, master_weights: Sequence[MasterWeights], names: dict[int, str]) -> str:

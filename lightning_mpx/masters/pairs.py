@@ -126,6 +126,7 @@ def param_pairs(
             for param, master in zip(group["params"], masters)
         ]
         state.pairs_key = key
+        state.last_params = lists[-1] if lists else None
         state.unmastered = [param for param, master in state.pairs if master is param and param.dtype in _HALF]
         state.pair_params = [param for param, _ in state.pairs]
         state.pair_masters = [master for _, master in state.pairs]
