@@ -36,7 +36,7 @@ from lightning_mpx.masters.mirror import Mirror
 from lightning_mpx.masters.optimizer_hooks import MasterHooks, SharedGroupHooks
 from lightning_mpx.masters.pairs import param_pairs
 from lightning_mpx.masters.store import Masters
-from lightning_mpx.masters.swap import end_pass, mirrors, state_to_params, take_writes_before_pass
+from lightning_mpx.masters.swap import end_pass, mirrors, state_to_params, take_writes_before_pass, train_modes
 from lightning_mpx.scaling.scaler import LossScaler
 
 _PARAMS = operator.itemgetter("params")
@@ -171,6 +171,7 @@ class StepMachine(UnscalePath):
             # Refuses half parameters of unprepared models; makes missing masters; state made before preparing
             # moves to them.
             param_pairs(state, self.masters.weights)
+            state.train_modes = train_modes(optimizer)  # a schedule-free optimizer's flags (masters.swap.follow_modes)
             state.hooks = MasterHooks(state, self.masters, owner=weakref.ref(self)).register(optimizer)
             self.adopt_inners(state, optimizer)
             # an inner optimizer made on its groups later (add_param_group gives each group a new list) at the next

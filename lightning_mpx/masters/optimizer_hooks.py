@@ -17,7 +17,7 @@ from lightning_mpx.common.dtypes import HALF_DTYPES
 from lightning_mpx.engine.optimizer_state import _OptimizerState
 from lightning_mpx.masters.pairs import param_pairs, state_to_masters
 from lightning_mpx.masters.store import Masters
-from lightning_mpx.masters.swap import swap_in, swap_out
+from lightning_mpx.masters.swap import follow_modes, swap_in, swap_out, train_modes
 
 
 class MasterHooks:
@@ -41,12 +41,16 @@ class MasterHooks:
             optimizer.register_state_dict_pre_hook(self.masters_in),
             optimizer.register_state_dict_post_hook(self.masters_out),
             optimizer.register_load_state_dict_pre_hook(self.masters_in_to_load),
-            optimizer.register_load_state_dict_post_hook(self.masters_out),
+            optimizer.register_load_state_dict_post_hook(self.loaded),
         ]
 
     def masters_in(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         """Before ``state_dict()``: the masters in the groups, and state kept by a half parameter since (outside the
-        step: a SAM-style optimizer's ``first_step``) given to its master (:func:`state_to_masters`)."""
+        step: a SAM-style optimizer's ``first_step``) given to its master (:func:`state_to_masters`). A schedule-free
+        optimizer's ``eval()``/``train()`` called since the engine last looked is redone on the masters first
+        (:func:`follow_modes`), so the state dict holds the flags and the masters' point together."""
+        if self.state.train_modes is not None and self.state.swapped is None:
+            follow_modes(self.state, self.masters.weights)
         swap_in(self.state, self.masters.weights, recheck=True)
         if self.state.pairs:
             state_to_masters(optimizer, self.state)
@@ -75,6 +79,13 @@ class MasterHooks:
     def masters_out(self, optimizer: torch.optim.Optimizer, *args: Any) -> Any:
         swap_out(self.state)
         return args[0] if args else None  # the state_dict post-hook returns the state dict
+
+    def loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the optimizer loaded a state dict: the groups' own lists back; a schedule-free optimizer's loaded
+        ``train_mode`` flags noted as seen (the masters the checkpoint holds are at that point)."""
+        swap_out(self.state)
+        if self.state.train_modes is not None:
+            self.state.train_modes = train_modes(optimizer)
 
     def refuse_direct_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.state.swapped is None:

@@ -191,3 +191,39 @@ def call_on_masters(
         swap_out(state)
         for weights in master_weights:
             weights.copy_to_model(params)
+
+
+def train_modes(optimizer: torch.optim.Optimizer) -> tuple[object, ...] | None:
+    """The ``train_mode`` flag of each of ``optimizer``'s groups (a schedule-free optimizer's), or ``None`` when no
+    group carries one."""
+    groups = optimizer.param_groups
+    return tuple(group.get("train_mode") for group in groups) if any("train_mode" in g for g in groups) else None
+
+
+def follow_modes(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> None:
+    """A schedule-free optimizer whose ``eval()`` or ``train()`` ran where its groups hold the half parameters (the
+    user's, through Fabric's or Lightning's optimizer wrapper), which moved none of them (its state is keyed by their
+    masters): the call redone on the masters (:func:`call_on_masters`, its flags put back first), then copied into
+    the model. A parameter that is its own master (FP32: batch norm) was moved by the user's call already: its state is
+    hidden from the redone one."""
+    optimizer = state.optimizer_ref()
+    if optimizer is None:
+        return
+    seen, modes = state.train_modes, train_modes(optimizer)
+    state.train_modes = modes
+    if seen is None or modes is None or len(seen) != len(modes) or modes == seen or len(set(modes)) != 1:
+        return  # groups added or removed since (recorded), or flags not all alike: not a call of eval()/train()
+    method = getattr(optimizer, "train" if modes[0] else "eval", None)
+    if not callable(method):
+        return
+    for group, mode in zip(optimizer.param_groups, seen):
+        group["train_mode"] = mode
+    kept = optimizer.state
+    own = [param for param, master in state.pairs if master is param and param in kept]
+    hidden = [(param, kept.pop(param)) for param in own]
+    try:
+        call_on_masters(state, master_weights, method)
+    finally:
+        for param, entry in hidden:
+            kept[param] = entry
+        state.train_modes = train_modes(optimizer)
