@@ -60,20 +60,9 @@ class MasterHooks:
         made, and frozen again in this run) whose state the checkpoint holds trained in the run that saved it, so
         it gets its master now, and the state loads into the master in FP32 (into the half parameter it would be
         rounded to half). ``Amp.load_state_dict`` then gives the master its saved value."""
-        saved = state_dict.get("state", {})
-        saved_groups = state_dict.get("param_groups", [])
-        if saved and len(saved_groups) == len(optimizer.param_groups):
-            made = False
-            for group, saved_group in zip(optimizer.param_groups, saved_groups):
-                for param, index in zip(group["params"], saved_group.get("params", ())):
-                    if index in saved and param.dtype in HALF_DTYPES:
-                        for masters in self.masters.weights:
-                            if masters.covers(param) and masters.master_of(param) is param:
-                                masters.master_of(param, create=True)
-                                made = True
-            if made:
-                self.state.pairs_key = None  # pair them with their new masters
-                self.state.mirrors = None
+        if masters_for_loaded(optimizer, state_dict, self.masters):
+            self.state.pairs_key = None  # pair them with their new masters
+            self.state.mirrors = None
         swap_in(self.state, self.masters.weights, recheck=True)
 
     def masters_out(self, optimizer: torch.optim.Optimizer, *args: Any) -> Any:
@@ -99,6 +88,23 @@ class MasterHooks:
 
 
 
+def masters_for_loaded(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any], masters: Masters) -> bool:
+    """Before ``optimizer`` loads ``state_dict``: a master made for each half parameter of its groups that has none
+    (frozen when the masters were made) and whose state the checkpoint holds; whether any was made."""
+    saved = state_dict.get("state", {})
+    saved_groups = state_dict.get("param_groups", [])
+    made = False
+    if saved and len(saved_groups) == len(optimizer.param_groups):
+        for group, saved_group in zip(optimizer.param_groups, saved_groups):
+            for param, index in zip(group["params"], saved_group.get("params", ())):
+                if index in saved and param.dtype in HALF_DTYPES:
+                    for weights in masters.weights:
+                        if weights.covers(param) and weights.master_of(param) is param:
+                            weights.master_of(param, create=True)
+                            made = True
+    return made
+
+
 class SharedGroupHooks:
     """The state-dict hooks of an inner optimizer that shares a prepared wrapper's ``param_groups`` (a Lookahead's
     base optimizer, SAM's ``base_optimizer``): stepped inside the wrapper's step, where the groups hold the masters,
@@ -114,13 +120,23 @@ class SharedGroupHooks:
         self.state = state
         self.masters = masters
         self.swapped: list[list[torch.Tensor]] | None = None  # the inner groups' own lists during a call
+        # The hooks of every prepared wrapper around the same inner optimizer (this one's included): one swaps, the
+        # others leave its groups alone (a second would pair the masters the first put in with themselves, and put
+        # them back as the groups' own lists).
+        self.peers: list[SharedGroupHooks] = [self]
 
     def register(self, inner: torch.optim.Optimizer) -> list[RemovableHandle]:
         """Put the hooks on ``inner``; returns their handles."""
+        for hook in inner._optimizer_state_dict_pre_hooks.values():
+            other = getattr(hook, "__self__", None)
+            if isinstance(other, SharedGroupHooks) and other is not self:
+                other.peers.append(self)
+                self.peers = other.peers
+                break
         return [
             inner.register_state_dict_pre_hook(self.masters_in),
             inner.register_state_dict_post_hook(self.masters_out),
-            inner.register_load_state_dict_pre_hook(self.masters_in),
+            inner.register_load_state_dict_pre_hook(self.masters_in_to_load),
             inner.register_load_state_dict_post_hook(self.masters_out),
         ]
 
@@ -128,7 +144,7 @@ class SharedGroupHooks:
         """Before a state dict is made or loaded: each parameter of ``inner``'s groups replaced by its master (those
         the wrapper holds already, when the groups are shared and the wrapper's own hooks ran, stay), and state kept
         by a half parameter since given to its master."""
-        if self.swapped is not None:
+        if any(peer.swapped is not None for peer in self.peers):
             return
         if self.state.swapped is None:
             param_pairs(self.state, self.masters.weights, recheck=True)
@@ -138,6 +154,16 @@ class SharedGroupHooks:
             group["params"] = [master_of.get(id(param), param) for param in params]
         if self.state.pairs:
             state_to_masters(inner, self.state)
+
+    def masters_in_to_load(self, inner: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        """Before ``inner`` loads a state dict: as :meth:`MasterHooks.masters_in_to_load`, a half parameter frozen
+        since before the masters were made, whose state the checkpoint holds, gets its master (the state loads into it
+        in FP32), then :meth:`masters_in`."""
+        if self.state.swapped is None and not any(peer.swapped is not None for peer in self.peers):
+            if masters_for_loaded(inner, state_dict, self.masters):
+                self.state.pairs_key = None
+                self.state.mirrors = None
+        self.masters_in(inner)
 
     def masters_out(self, inner: torch.optim.Optimizer, *args: Any) -> Any:
         """After: the groups' own lists back, by position (``load_state_dict`` replaces the group dicts). Outside the

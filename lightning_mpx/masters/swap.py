@@ -108,6 +108,7 @@ def step_on_masters(
     state.swapped = swapped = list(map(_PARAMS, groups))
     for group, masters in zip(groups, state.group_masters):
         group["params"] = masters
+    apart = _inners_apart_in(state, groups) if state.inners else None  # a wrapper's inner optimizers (rare)
     # swap_out and drop_master_grads written out: a call each saved at every step (host-bound loops); the mirrors'
     # module is entered once (step_mirrored), as every module of a step (benchmarks/step_walk.py)
     try:
@@ -116,10 +117,37 @@ def step_on_masters(
         for group, params in zip(optimizer.param_groups, swapped):  # by position, as swap_out
             group["params"] = params
         state.swapped = None
+        if apart:
+            for inner_groups, inner_params in apart:
+                for group, params in zip(inner_groups, inner_params):
+                    group["params"] = params
     if state.two_pass:
         end_pass(state, master_weights)
     dropped = map(state.pair_masters.__getitem__, state.mastered)  # C-level maps: no Python per parameter
     collections.deque(map(setattr, dropped, itertools.repeat("grad"), itertools.repeat(None)), maxlen=0)
+
+
+def _inners_apart_in(
+    state: _OptimizerState, groups: list[dict]
+) -> list[tuple[list[dict], list[list[torch.Tensor]]]]:
+    """The masters put for the step in the groups of the wrapper's inner optimizers (``state.inners``) that no longer
+    share its groups: torch-optimizer's ``Lookahead.load_state_dict`` loads its own groups and then its inner
+    optimizer's, and the two hold the same parameters in separate group dicts from then on (the inner one steps its
+    own, as in FP32). Returns each such inner optimizer's groups and their own lists, to put back after the step."""
+    ids = set(map(id, groups))
+    apart = []
+    master_of = None
+    for ref in state.inners:
+        inner = ref()
+        if inner is None or inner.param_groups is groups or not ids.isdisjoint(map(id, inner.param_groups)):
+            continue  # shared: the wrapper's swap put the masters in them
+        if master_of is None:
+            master_of = dict(zip(map(id, state.pair_params), state.pair_masters))
+        inner_groups = list(inner.param_groups)
+        apart.append((inner_groups, [group["params"] for group in inner_groups]))
+        for group in inner_groups:
+            group["params"] = [master_of.get(id(param), param) for param in group["params"]]
+    return apart
 
 
 def swap_in(state: _OptimizerState, master_weights: Sequence[MasterWeights], *, recheck: bool = False) -> None:
