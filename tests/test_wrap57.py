@@ -257,7 +257,8 @@ class _Module(pl.LightningModule):
 
 
 def _fit(shape: str, tmp_path: Any = None, **precision: Any) -> dict[str, torch.Tensor]:
-    """Six steps of one epoch; with ``tmp_path``: a checkpoint after three, and a new Trainer resuming from it."""
+    """Six steps of one epoch; with ``tmp_path``: a checkpoint after three, and a new Trainer resuming from it for a
+    second epoch."""
     xs, ys = zip(*map(_batch, range(6)))
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=8)
     plugin = precision.pop("plugin", None)
@@ -271,8 +272,9 @@ def _fit(shape: str, tmp_path: Any = None, **precision: Any) -> dict[str, torch.
     state = torch.load(tmp_path / "mid.ckpt", weights_only=False)["optimizer_states"][0]
     assert set(state.get("fast_state") or state["state"]) == {0, 1, 2, 3}
     module = _Module(shape)
-    trainer = make_trainer(plugin() if plugin else None, max_epochs=1, **precision)
+    trainer = make_trainer(plugin() if plugin else None, max_epochs=2, **precision)
     trainer.fit(module, data, ckpt_path=tmp_path / "mid.ckpt")
+    assert trainer.global_step > 3  # the resumed run stepped (a checkpoint where max_steps stopped ends its epoch)
     return _weights(module.net)
 
 
