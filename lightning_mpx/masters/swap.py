@@ -239,8 +239,10 @@ def follow_modes(state: _OptimizerState, master_weights: Sequence[MasterWeights]
         return
     seen, modes = state.train_modes, train_modes(optimizer)
     state.train_modes = modes
+    if seen is not None and modes is not None and len(modes) > len(seen):
+        seen += modes[len(seen) :]  # groups added since (add_param_group): the older groups' flags tell a call
     if seen is None or modes is None or len(seen) != len(modes) or modes == seen or len(set(modes)) != 1:
-        return  # groups added or removed since (recorded), or flags not all alike: not a call of eval()/train()
+        return  # groups removed since (recorded), or flags not all alike: not a call of eval()/train()
     method = getattr(optimizer, "train" if modes[0] else "eval", None)
     if not callable(method):
         return
