@@ -1,12 +1,13 @@
 """Host calls of an O2 step beyond the framework's own (issue 41's host-bound step, stop 57).
 
-Two cuts that keep what the step does: the O2 forward scope (``amp.forward_context()``, the Trainer's and Fabric's
+Cuts that keep what the step does: the O2 forward scope (``amp.forward_context()``, the Trainer's and Fabric's
 forward) pushes its cast mode from a two-method context (``casting.scopes._ModeSwitch``) instead of a generator's
-context (six calls a scope to two, and no ``_CastMode.__init__`` call), and ``amp.show_unscaled_on_model`` (the
+context (six calls a scope to two, and no ``_CastMode.__init__`` call); ``amp.show_unscaled_on_model`` (the
 Trainer calls it at every step at O2) takes the optimizer's pairs once (``paired=True`` for the marks it notes), not
-three times. The ceilings are what stop 57 left (this model, torch 2.13 on CPU): a cut put back goes over. The
-behaviour the scope keeps (the mode on the stack inside and off after, also after an error; a forward error named;
-the scope as a decorator) is asserted beside its count.
+three times; Fabric's ``optimizer_step`` tests its optimizer sets at the C level (its clip still reaches the model's
+gradients: asserted below). The ceilings are what stop 57 left (this model, torch 2.13 on CPU): a cut put back goes
+over. The behaviour the scope keeps (the mode on the stack inside and off after, also after an error; a forward
+error named; the scope as a decorator) is asserted beside its count.
 """
 
 from __future__ import annotations
@@ -119,3 +120,25 @@ def test_o2_show_unscaled_on_model_takes_the_pairs_once() -> None:
         amp.update()
         optimizer.zero_grad(set_to_none=True)
     assert calls <= SHOW_UNSCALED_CALLS
+
+
+def test_fabric_o2_step_after_a_clip_leaves_the_clipped_gradients_on_the_model() -> None:
+    # Fabric's optimizer_step tests its registered and clipping optimizers at the C level (the WeakSets' own test):
+    # a clip by fabric.clip_gradients still reaches the model's gradients at the step, as a loop that keeps them reads.
+    from lightning.fabric import Fabric
+
+    from lightning_mpx import FabricMixedPrecisionPlugin
+
+    torch.manual_seed(0)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricMixedPrecisionPlugin("O2", half_dtype=torch.bfloat16)])
+    net = _Net()
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    for _ in range(2):
+        fabric.backward(F.cross_entropy(model(x), y))
+        norm = fabric.clip_gradients(model, optimizer, max_norm=1e-3)
+        assert float(norm) > 1e-2  # it clips
+        optimizer.step()
+        model_norm = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in model.parameters()]))
+        torch.testing.assert_close(model_norm, torch.tensor(1e-3), rtol=2e-2, atol=0.0)
+        optimizer.zero_grad(set_to_none=True)
