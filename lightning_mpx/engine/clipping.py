@@ -74,10 +74,11 @@ def show_unscaled(machine: StepMachine, optimizer: torch.optim.Optimizer, *, fre
     master_weights = machine.masters.weights
     if not master_weights or state.stage is not _Stage.UNSCALED:
         return
+    pairs = param_pairs(state, master_weights, optimizer=optimizer)  # current for the marks below (paired=True)
     if not fresh:
-        follow_cleared_grads(state, master_weights, optimizer)
+        follow_cleared_grads(state, master_weights, optimizer, paired=True)
     targets, sources = [], []
-    for param, master in param_pairs(state, master_weights, optimizer=optimizer):
+    for param, master in pairs:
         if master is not param and master.grad is not None:
             if param.grad is None:
                 param.grad = master.grad.to(param.dtype)
@@ -89,7 +90,8 @@ def show_unscaled(machine: StepMachine, optimizer: torch.optim.Optimizer, *, fre
         # calls this at every step it clips or has an on_before_optimizer_step hook.
         torch._foreach_copy_(targets, sources)
     state.shown, state.clips = True, ()  # the half gradients hold the true values now, clipped so far
-    state.unscaled_marks = grad_marks(state, master_weights, optimizer)  # the copies are ours, not the user's writes
+    # the copies are ours, not the user's writes
+    state.unscaled_marks = grad_marks(state, master_weights, optimizer, paired=True)
 
 
 def _clip_unscaled(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:

@@ -47,11 +47,17 @@ _PLAIN = frozenset({torch.Tensor})
 
 
 def grad_marks(
-    state: _OptimizerState, master_weights: Sequence[MasterWeights], optimizer: torch.optim.Optimizer | None = None
+    state: _OptimizerState,
+    master_weights: Sequence[MasterWeights],
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    paired: bool = False,
 ) -> Marks:
     """Identity and version of each half parameter's gradient (``None`` where it has none), in pair order;
-    ``optimizer``: the state's, when the caller holds it (a step does)."""
-    param_pairs(state, master_weights, optimizer=optimizer)
+    ``optimizer``: the state's, when the caller holds it (a step does); ``paired``: the caller took
+    :func:`param_pairs` since the parameter groups last changed (the pairs are current: a call saved)."""
+    if not paired:
+        param_pairs(state, master_weights, optimizer=optimizer)
     grads = list(map(_GRAD, map(state.pair_params.__getitem__, state.mastered)))
     if all(map(_SOME, grads)):  # the usual case, by C-level maps (no Python per parameter)
         return tuple(zip(map(id, grads), map(_VERSION, grads)))
@@ -59,12 +65,16 @@ def grad_marks(
 
 
 def follow_cleared_grads(
-    state: _OptimizerState, master_weights: Sequence[MasterWeights], optimizer: torch.optim.Optimizer | None = None
+    state: _OptimizerState,
+    master_weights: Sequence[MasterWeights],
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    paired: bool = False,
 ) -> None:
     """Between an unscale and the step, the user may clear the half gradients (``zero_grad`` either way, a skipped
     batch): the FP32 master gradients the step would use follow them (see :func:`leftovers`). A step that finds
-    them as the unscale left them compares one tuple. ``optimizer`` as for :func:`grad_marks`."""
-    if grad_marks(state, master_weights, optimizer) != state.unscaled_marks:
+    them as the unscale left them compares one tuple. ``optimizer`` and ``paired`` as for :func:`grad_marks`."""
+    if grad_marks(state, master_weights, optimizer, paired=paired) != state.unscaled_marks:
         leftovers(state, master_weights, optimizer)
         # taken: a later check looks for later writes only
         state.unscaled_marks = grad_marks(state, master_weights, optimizer)

@@ -339,11 +339,14 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Step ``optimizer`` unless its gradients overflowed (unscaling them first if nothing did yet)."""
         optimizer = _unwrap(optimizer)
-        if self._unchecked or self._unsynced or optimizer not in self._optimizers:
+        # The WeakSets' membership tests as WeakSet.__contains__ makes them (the weak reference looked up in its set
+        # of references), at the C level: two calls saved per step. An Optimizer always takes a weak reference.
+        if (self._unchecked or self._unsynced or not isinstance(optimizer, Optimizer)
+                or weakref.ref(optimizer) not in self._optimizers.data):
             self._register(optimizer)  # (else nothing to do: a call saved per step)
         # The engine records the outcome (a StepOutcome with skip_on_device, read when step_was_skipped() asks) and
         # the scale update it makes due; inside fabric.autocast(), Amp turns the casts off.
-        if optimizer in self._clipping:
+        if self._clipping.data and weakref.ref(optimizer) in self._clipping.data:
             # O2: fabric.clip_gradients clipped the masters' gradients with torch's clip, which the engine does not
             # see: the model's get the clipped values, what a step leaves for a loop that keeps its gradients.
             self._clipping.discard(optimizer)
