@@ -176,7 +176,6 @@ class _CastMode(TorchFunctionMode):
         self.fp32 = 0
         # A backward pass's mode (CastPolicy.recompute_scope): casts only what runs with gradients enabled.
         self.recompute_only = recompute_only
-        # (casting.scopes._ModeSwitch makes its modes without this call: an attribute added here goes there too)
 
     def __torch_function__(
         self,

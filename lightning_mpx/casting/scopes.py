@@ -183,58 +183,13 @@ class _AutocastSwitch:
         return scoped
 
 
-class _ModeSwitch:
-    """:func:`policy_scope`'s eager path for a policy with no ``torch.autocast`` of its own (O2, O3; O1 under the
-    ``"python"`` engine) and no autocast on around it, where the table is resolved as it is now
-    (``CastPolicy.forward_scope``): the cast mode pushed in ``__enter__`` and popped in ``__exit__``, as the
-    generator does, in two calls a scope where the generator's context takes six. A ``RuntimeError`` of the block goes
-    to the policy's ``forward_error`` after the mode is popped, as in :func:`policy_scope`. Entering it gives the
-    policy, and it decorates a function, as :func:`policy_scope`'s context does."""
-
-    __slots__ = ("policy",)
-
-    def __enter__(self) -> Any:
-        policy = self.policy
-        # Evaluation casts are redone in every scope (as policy_scope: a write through ``p.data`` leaves no trace).
-        policy._no_grad_cache.clear()
-        # _CastMode(policy) without its __init__ call (a call saved per scope): the attributes its __init__ sets.
-        mode = _new_object(_CastMode)
-        mode.policy, mode.autocast_device, mode.disabled, mode.fp32, mode.recompute_only = policy, None, 0, 0, False
-        torch._C._push_on_torch_function_stack(mode)
-        return policy
-
-    def __exit__(self, kind: Any, error: Any, traceback: Any) -> bool:
-        torch._C._pop_torch_function_stack()
-        policy = self.policy
-        if policy._noted:  # Amp.cast_inputs' sources (casting.targets) go with the forward
-            forget_scope(policy)
-        if kind is not None and issubclass(kind, RuntimeError):  # as policy_scope's except clause
-            named = getattr(policy, "forward_error", None)
-            if named is not None:
-                named(error)
-        return False
-
-    def __call__(self, func: Callable[..., Any]) -> Callable[..., Any]:
-        """``func`` run in a forward scope of the policy at each call (a fresh one: the calls may nest or recurse)."""
-        policy = self.policy
-
-        @functools.wraps(func)
-        def scoped(*args: Any, **kwargs: Any) -> Any:
-            with policy_forward_scope(policy):
-                return func(*args, **kwargs)
-
-        return scoped
-
-
 def policy_forward_scope(policy: Any) -> contextlib.AbstractContextManager[Any]:
     """:meth:`CastPolicy.forward_scope <lightning_mpx.casting.policy.CastPolicy.forward_scope>`: :func:`policy_scope`
     for a forward pass (``Amp.forward_context``). Where ``torch.autocast`` is the whole policy (the GPU's O1) and the
     table is resolved as it is now: in eager code with no torch-function mode on, :class:`_AutocastSwitch` once a
     ``torch.autocast`` of these arguments was found enabled (one call a scope, where the generator takes seven);
     traced by dynamo, ``torch.autocast`` itself (``torch.compiler.is_compiling()`` makes dynamo keep a frame that
-    returns a context, and it cannot return the generator's). A policy with no ``torch.autocast`` of its own (O2,
-    O3), in eager code with no autocast on and the table resolved as it is now: :class:`_ModeSwitch` (two calls a
-    scope, where the generator takes six). Else :func:`policy_scope`.
+    returns a context, and it cannot return the generator's). Else :func:`policy_scope`.
     """
     of = policy._actions_of  # _actions_key, read attribute by attribute: dynamo traces this
     if (policy._autocast_device is not None and not policy._actions and policy.table is of[0]
@@ -255,13 +210,6 @@ def policy_forward_scope(policy: Any) -> contextlib.AbstractContextManager[Any]:
             switch.device, switch.dtype, switch.cache, switch.policy = (
                 policy._autocast_device, policy.half_dtype, policy.cache_casts, policy)
             return switch
-    if (policy._autocast_device is None and not torch.compiler.is_dynamo_compiling()
-            and _actions_key(policy) == policy._actions_of
-            and not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))):
-        # policy_scope's eager path with no refresh and no outer autocast, without the generator (see _ModeSwitch)
-        mode_switch = _new_object(_ModeSwitch)
-        mode_switch.policy = policy
-        return mode_switch
     return policy_scope(policy)
 
 
