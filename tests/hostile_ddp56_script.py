@@ -21,6 +21,9 @@ short one here, so that a hang fails the test instead of CI). The cases:
 * ``subset_no_sync``: under ``no_backward_sync``, a raw SGD over part of a prepared optimizer's parameters (the trunk)
   while a branch only rank 0 uses keeps its gradient there: rank 1 (branch gradient None) raises, rank 0 does not
   (strict xfail in the test).
+* ``branch_raw_no_sync``: the same with the raw SGD over the branch instead: it writes the branch on rank 0 alone;
+  rank 0's view is ``subset_no_sync``'s with trunk and branch swapped, rank 1 sees nothing written. Neither refuses
+  today; a rule that made rank 0 refuse ``subset_no_sync`` from what it sees would refuse here on rank 0 alone.
 """
 
 from __future__ import annotations
@@ -224,6 +227,29 @@ def _subset_no_sync(r: dict) -> None:
         fabric.backward(F.mse_loss(model(x), y))
 
 
+def _branch_raw_no_sync(r: dict) -> None:
+    """Under ``no_backward_sync``: a raw SGD over the branch of a set-up optimizer holding trunk and branch; the branch
+    holds a gradient on rank 0 only (its forward alone uses it), so the raw step writes it there alone. Rank 0 sees
+    what it sees in ``subset_no_sync`` with trunk and branch swapped (one part written, its gradients cleared, the
+    other's kept); rank 1 sees nothing written."""
+    fabric, _ = _fabric("O2", find_unused_parameters=True)
+    rank = fabric.global_rank
+    module = Branched(0)
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=LR))
+    raw = torch.optim.SGD(module.branch.parameters(), lr=LR)
+    x, y = batch(0, rank)
+    fabric.backward(F.mse_loss(model(x, branch=True), y))
+    optimizer.step()
+    optimizer.zero_grad()
+    with fabric.no_backward_sync(model):
+        fabric.backward(F.mse_loss(model(x, branch=rank == 0), y))
+        before = module.branch.weight.detach().clone()
+        raw.step()
+        r["branch_written"] = not torch.equal(before, module.branch.weight)
+        raw.zero_grad()
+        fabric.backward(F.mse_loss(model(x), y))
+
+
 def main() -> None:
     # A short timeout: a collective left waiting by a one-rank error fails here instead of after 30 minutes.
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
@@ -247,6 +273,8 @@ def main() -> None:
         _unheld_branch(r)
     with case_error(results.setdefault("subset_no_sync", {})) as r:
         _subset_no_sync(r)
+    with case_error(results.setdefault("branch_raw_no_sync", {})) as r:
+        _branch_raw_no_sync(r)
     with case_error(results.setdefault("after", {})) as r:  # the group still works after the errors
         total = torch.ones(1)
         dist.all_reduce(total)

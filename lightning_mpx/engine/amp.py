@@ -45,7 +45,7 @@ from lightning_mpx.engine.preparation import PreparedModels, _EngineHook  # noqa
 from lightning_mpx.engine.raw_steps import find_unheld
 from lightning_mpx.engine.surgery import adopt_new_parameters
 from lightning_mpx.masters.pairs import StrayParameterError, param_pairs
-from lightning_mpx.masters.swap import call_on_masters
+from lightning_mpx.masters.swap import call_on_masters, follow_modes, train_modes
 
 # MODEL_WRITES is defined with the other settings; its old import path here keeps working.
 from lightning_mpx.settings import (  # noqa: F401
@@ -173,6 +173,15 @@ class Amp(AmpRecords):
             except StrayParameterError as error:  # named where a prepared model holds it
                 raise self._models.name_stray(error) from None
 
+    def follow_optimizer_modes(self) -> None:
+        """At O2, a schedule-free optimizer's ``eval()``/``train()`` called where its groups held the half parameters
+        (through Fabric's or Lightning's optimizer wrapper: it moved none of them, its state is keyed by the masters)
+        redone on the FP32 masters and copied into the model. Done at every forward, before a state dict is made
+        (the model's and the optimizer's) and at the Trainer's teardown; nothing for other optimizers."""
+        for state in list(self._machine.optimizers.values()):
+            if state.train_modes is not None:
+                follow_modes(state, self._machine.masters.weights)
+
     def release_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Forget ``optimizer`` and remove the hooks put on it (its masters stay with their model; its state, at O2
         kept by the masters, is keyed by its own parameters again); its steps pending on the device
@@ -220,6 +229,7 @@ class Amp(AmpRecords):
                 f"module={type(module).__name__}: this Amp trains an FSDP-sharded model, whose parameters are FP32 "
                 "already; export it with the strategy's own state dict (it gathers the shards), not fp32_state_dict()."
             )
+        self.follow_optimizer_modes()  # a schedule-free optimizer's eval() since the last forward: its point
         return self._masters.fp32_state_dict(module)
 
     # -- forward ------------------------------------------------------------------------------------------------
@@ -234,7 +244,9 @@ class Amp(AmpRecords):
         # O2: a registered optimizer given a group since its pairs were made (torch's add_param_group calls no hook;
         # a head added with it is still FP32): its new parameters are prepared now, before this forward. Attribute
         # reads and C calls per optimizer (pairs_key is None without masters). A group added in place of one removed
-        # (a head replaced: the same count) has a new list as the last group's.
+        # (a head replaced: the same count) has a new list as the last group's. A schedule-free optimizer (train_modes
+        # noted at registration, else None) whose eval()/train() ran on the half parameters since: redone on the
+        # masters, so this forward runs at the point it asked for.
         for state in self._machine.optimizers.values():
             key = state.pairs_key
             if (
@@ -243,6 +255,8 @@ class Amp(AmpRecords):
                 and (len(groups := opt.param_groups) != len(key) or groups[-1]["params"] is not state.last_params)
             ):
                 self._groups_changed(opt)
+            if state.train_modes is not None:
+                follow_modes(state, self._machine.masters.weights)
         if models._other_marks:  # O1: a model made the other half dtype since prepare_model (model.half())
             other = models.other_half
             for _, param in models._other_marks.values():
@@ -367,7 +381,11 @@ class Amp(AmpRecords):
         if not self._with_masters or not self._machine.masters.weights:
             call()
             return
-        call_on_masters(self._machine.state(optimizer), self._machine.masters.weights, call)
+        state = self._machine.state(optimizer)
+        try:
+            call_on_masters(state, self._machine.masters.weights, call)
+        finally:
+            state.train_modes = state.train_modes if state.train_modes is None else train_modes(optimizer)
 
     def show_unscaled_on_model(self, optimizer: torch.optim.Optimizer) -> None:
         """At O2, copy the unscaled FP32 master gradients into the half model's gradients (rounded), for code that

@@ -36,7 +36,7 @@ from lightning_mpx.masters.mirror import Mirror
 from lightning_mpx.masters.optimizer_hooks import MasterHooks, SharedGroupHooks
 from lightning_mpx.masters.pairs import param_pairs
 from lightning_mpx.masters.store import Masters
-from lightning_mpx.masters.swap import end_pass, mirrors, state_to_params, take_writes_before_pass
+from lightning_mpx.masters.swap import end_pass, mirrors, state_to_params, take_writes_before_pass, train_modes
 from lightning_mpx.scaling.scaler import LossScaler
 
 _PARAMS = operator.itemgetter("params")
@@ -167,6 +167,7 @@ class StepMachine(UnscalePath):
             return  # registered before (a framework preparing it twice)
         if with_masters or not all(scaler._unit for scaler in self.scalers):  # SAM and its base optimizer: one of them
             refuse_base_with_sam(optimizer, self.optimizers.values())
+            _refuse_registered_inner(optimizer, self.optimizers.values())
         _release_from_other_engines(optimizer, self)  # one engine owns an optimizer: a later stage's takes it over
         self.taken.pop(key, None)
         state = _OptimizerState(weakref.ref(optimizer), two_pass=is_two_pass(optimizer))
@@ -174,6 +175,7 @@ class StepMachine(UnscalePath):
             # Refuses half parameters of unprepared models; makes missing masters; state made before preparing
             # moves to them.
             param_pairs(state, self.masters.weights)
+            state.train_modes = train_modes(optimizer)  # a schedule-free optimizer's flags (masters.swap.follow_modes)
             state.hooks = MasterHooks(state, self.masters, owner=weakref.ref(self)).register(optimizer)
             self.adopt_inners(state, optimizer)
             # an inner optimizer made on its groups later (add_param_group gives each group a new list) at the next
@@ -408,6 +410,30 @@ def shared_inners(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimize
                 found.append(value)
                 todo.append(value)
     return found
+
+
+def _refuse_registered_inner(optimizer: torch.optim.Optimizer, states: Sequence[_OptimizerState] | object) -> None:
+    """Refuse registering ``optimizer`` beside a registered optimizer that shares its groups as a wrapper's inner one
+    (a Lookahead made around an optimizer prepared before, or the inner one prepared after its wrapper): the wrapper's
+    step steps the inner one, whose own hooks took that for a direct step outside the engine's (an error naming a
+    cause the user did not have). Registration only, with a walk of the attributes of each."""
+    for state in states:  # type: ignore[attr-defined]
+        other = state.optimizer_ref()
+        if other is None or other is optimizer:
+            continue
+        if any(inner is other for inner in shared_inners(optimizer)):
+            wrapper, inner = optimizer, other
+        elif any(inner is optimizer for inner in shared_inners(other)):
+            wrapper, inner = other, optimizer
+        else:
+            continue
+        raise ValueError(
+            f"optimizer={type(optimizer).__name__}: the wrapper {type(wrapper).__name__} and the optimizer it wraps "
+            f"({type(inner).__name__}, sharing its param_groups) cannot both be registered; register the wrapper only "
+            "(its step() steps the inner optimizer, on the FP32 masters at O2): build it around an optimizer not "
+            "prepared yet, or call release_optimizer() on the inner one first, then prepare_optimizer(), "
+            "accelerator.prepare(), fabric.setup() or configure_optimizers() with the wrapper alone."
+        )
 
 
 def _adopt_later(

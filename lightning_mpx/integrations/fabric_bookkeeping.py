@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 from lightning_mpx.common.containers import read_floats
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.optimizer_state import optimizer_params
+from lightning_mpx.engine.optimizers import shared_inners
 from lightning_mpx.engine.overflow import DEFAULT_READER
 from lightning_mpx.engine.raw_steps import is_two_pass
 from lightning_mpx.engine.sharding import refuse_gathered
@@ -154,14 +155,17 @@ class FabricBookkeeping:
 def _has_half_state(optimizer: Optimizer, first_step: frozenset[int] = frozenset()) -> bool:
     """Whether ``optimizer`` holds floating-point state (beyond ``step``) in a half parameter's own dtype: what
     torch's ``load_state_dict`` casts a loaded state to. FP32 state of a half parameter is not that: an earlier
-    stage's (O1, FP32 training) optimizer, given to this O2 stage, whose masters take it over as it is. Nor is the
-    state of the parameters in ``first_step`` (ids): a SAM-style optimizer's ``first_step`` wrote them and kept it."""
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if id(param) in first_step or param.dtype not in (torch.float16, torch.bfloat16):
-                continue
-            if param in optimizer.state:
-                state = optimizer.state[param]
-                if any(torch.is_tensor(v) and v.dtype == param.dtype and k != "step" for k, v in state.items()):
-                    return True
+    stage's (O1, FP32 training) optimizer, given to this O2 stage, whose masters take it over as it is. The inner
+    optimizers that share its ``param_groups`` are asked too (a timm-style Lookahead keeps every state in its base
+    optimizer, whose ``load_state_dict`` its own calls: its own ``state`` stays empty). Nor is the state of the
+    parameters in ``first_step`` (ids): a SAM-style optimizer's ``first_step`` wrote them and kept it."""
+    for each in (optimizer, *shared_inners(optimizer)):
+        for group in each.param_groups:
+            for param in group["params"]:
+                if id(param) in first_step or param.dtype not in (torch.float16, torch.bfloat16):
+                    continue
+                if param in each.state:
+                    state = each.state[param]
+                    if any(torch.is_tensor(v) and v.dtype == param.dtype and k != "step" for k, v in state.items()):
+                        return True
     return False

@@ -65,6 +65,7 @@ class MastersInStateDict:
         params = [(key, p) for key, p in params if p.dtype in halves and state.get(key) is not p and key in state]
         if not params:
             return
+        amp.follow_optimizer_modes()  # a schedule-free optimizer's eval()/train() since the last forward
         amp.refresh_masters()  # writes made to the model since the last step, as the step will take them
         fp32: dict[int, torch.Tensor] = {}
         for weights in amp._masters.prune():

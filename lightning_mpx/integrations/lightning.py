@@ -467,6 +467,7 @@ class MixedPrecisionPlugin(GradientClipping, CheckpointHooks, FSDPPrecision):
         # Every rank tears down: the last steps skipped on the device are settled (their records merged across
         # ranks, logged, their floor applied).
         self.amp.settle_step_outcomes()
+        self.amp.follow_optimizer_modes()  # on_train_end's optimizer.eval() (schedule-free): the model at its point
         self._held.release()
         self._new_optimizers.forget()
         self._model_hooks.remove()

@@ -17,7 +17,7 @@ from lightning_mpx.common.dtypes import HALF_DTYPES
 from lightning_mpx.engine.optimizer_state import _OptimizerState
 from lightning_mpx.masters.pairs import param_pairs, state_to_masters
 from lightning_mpx.masters.store import Masters
-from lightning_mpx.masters.swap import swap_in, swap_out
+from lightning_mpx.masters.swap import follow_modes, swap_in, swap_out, train_modes
 
 
 class MasterHooks:
@@ -41,12 +41,16 @@ class MasterHooks:
             optimizer.register_state_dict_pre_hook(self.masters_in),
             optimizer.register_state_dict_post_hook(self.masters_out),
             optimizer.register_load_state_dict_pre_hook(self.masters_in_to_load),
-            optimizer.register_load_state_dict_post_hook(self.masters_out),
+            optimizer.register_load_state_dict_post_hook(self.loaded),
         ]
 
     def masters_in(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         """Before ``state_dict()``: the masters in the groups, and state kept by a half parameter since (outside the
-        step: a SAM-style optimizer's ``first_step``) given to its master (:func:`state_to_masters`)."""
+        step: a SAM-style optimizer's ``first_step``) given to its master (:func:`state_to_masters`). A schedule-free
+        optimizer's ``eval()``/``train()`` called since the engine last looked is redone on the masters first
+        (:func:`follow_modes`), so the state dict holds the flags and the masters' point together."""
+        if self.state.train_modes is not None and self.state.swapped is None:
+            follow_modes(self.state, self.masters.weights)
         swap_in(self.state, self.masters.weights, recheck=True)
         if self.state.pairs:
             state_to_masters(optimizer, self.state)
@@ -56,25 +60,21 @@ class MasterHooks:
         made, and frozen again in this run) whose state the checkpoint holds trained in the run that saved it, so
         it gets its master now, and the state loads into the master in FP32 (into the half parameter it would be
         rounded to half). ``Amp.load_state_dict`` then gives the master its saved value."""
-        saved = state_dict.get("state", {})
-        saved_groups = state_dict.get("param_groups", [])
-        if saved and len(saved_groups) == len(optimizer.param_groups):
-            made = False
-            for group, saved_group in zip(optimizer.param_groups, saved_groups):
-                for param, index in zip(group["params"], saved_group.get("params", ())):
-                    if index in saved and param.dtype in HALF_DTYPES:
-                        for masters in self.masters.weights:
-                            if masters.covers(param) and masters.master_of(param) is param:
-                                masters.master_of(param, create=True)
-                                made = True
-            if made:
-                self.state.pairs_key = None  # pair them with their new masters
-                self.state.mirrors = None
+        if masters_for_loaded(optimizer, state_dict, self.masters):
+            self.state.pairs_key = None  # pair them with their new masters
+            self.state.mirrors = None
         swap_in(self.state, self.masters.weights, recheck=True)
 
     def masters_out(self, optimizer: torch.optim.Optimizer, *args: Any) -> Any:
         swap_out(self.state)
         return args[0] if args else None  # the state_dict post-hook returns the state dict
+
+    def loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the optimizer loaded a state dict: the groups' own lists back; a schedule-free optimizer's loaded
+        ``train_mode`` flags noted as seen (the masters the checkpoint holds are at that point)."""
+        swap_out(self.state)
+        if self.state.train_modes is not None:
+            self.state.train_modes = train_modes(optimizer)
 
     def refuse_direct_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.state.swapped is None:
@@ -86,6 +86,23 @@ class MasterHooks:
                 "self.optimizers(use_pl_optimizer=False), whose step bypasses the plugin)."
             )
 
+
+
+def masters_for_loaded(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any], masters: Masters) -> bool:
+    """Before ``optimizer`` loads ``state_dict``: a master made for each half parameter of its groups that has none
+    (frozen when the masters were made) and whose state the checkpoint holds; whether any was made."""
+    saved = state_dict.get("state", {})
+    saved_groups = state_dict.get("param_groups", [])
+    made = False
+    if saved and len(saved_groups) == len(optimizer.param_groups):
+        for group, saved_group in zip(optimizer.param_groups, saved_groups):
+            for param, index in zip(group["params"], saved_group.get("params", ())):
+                if index in saved and param.dtype in HALF_DTYPES:
+                    for weights in masters.weights:
+                        if weights.covers(param) and weights.master_of(param) is param:
+                            weights.master_of(param, create=True)
+                            made = True
+    return made
 
 
 class SharedGroupHooks:
@@ -103,13 +120,23 @@ class SharedGroupHooks:
         self.state = state
         self.masters = masters
         self.swapped: list[list[torch.Tensor]] | None = None  # the inner groups' own lists during a call
+        # The hooks of every prepared wrapper around the same inner optimizer (this one's included): one swaps, the
+        # others leave its groups alone (a second would pair the masters the first put in with themselves, and put
+        # them back as the groups' own lists).
+        self.peers: list[SharedGroupHooks] = [self]
 
     def register(self, inner: torch.optim.Optimizer) -> list[RemovableHandle]:
         """Put the hooks on ``inner``; returns their handles."""
+        for hook in inner._optimizer_state_dict_pre_hooks.values():
+            other = getattr(hook, "__self__", None)
+            if isinstance(other, SharedGroupHooks) and other is not self:
+                other.peers.append(self)
+                self.peers = other.peers
+                break
         return [
             inner.register_state_dict_pre_hook(self.masters_in),
             inner.register_state_dict_post_hook(self.masters_out),
-            inner.register_load_state_dict_pre_hook(self.masters_in),
+            inner.register_load_state_dict_pre_hook(self.masters_in_to_load),
             inner.register_load_state_dict_post_hook(self.masters_out),
         ]
 
@@ -117,7 +144,7 @@ class SharedGroupHooks:
         """Before a state dict is made or loaded: each parameter of ``inner``'s groups replaced by its master (those
         the wrapper holds already, when the groups are shared and the wrapper's own hooks ran, stay), and state kept
         by a half parameter since given to its master."""
-        if self.swapped is not None:
+        if any(peer.swapped is not None for peer in self.peers):
             return
         if self.state.swapped is None:
             param_pairs(self.state, self.masters.weights, recheck=True)
@@ -127,6 +154,16 @@ class SharedGroupHooks:
             group["params"] = [master_of.get(id(param), param) for param in params]
         if self.state.pairs:
             state_to_masters(inner, self.state)
+
+    def masters_in_to_load(self, inner: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        """Before ``inner`` loads a state dict: as :meth:`MasterHooks.masters_in_to_load`, a half parameter frozen
+        since before the masters were made, whose state the checkpoint holds, gets its master (the state loads into it
+        in FP32), then :meth:`masters_in`."""
+        if self.state.swapped is None and not any(peer.swapped is not None for peer in self.peers):
+            if masters_for_loaded(inner, state_dict, self.masters):
+                self.state.pairs_key = None
+                self.state.mirrors = None
+        self.masters_in(inner)
 
     def masters_out(self, inner: torch.optim.Optimizer, *args: Any) -> Any:
         """After: the groups' own lists back, by position (``load_state_dict`` replaces the group dicts). Outside the

@@ -108,6 +108,7 @@ def step_on_masters(
     state.swapped = swapped = list(map(_PARAMS, groups))
     for group, masters in zip(groups, state.group_masters):
         group["params"] = masters
+    apart = _inners_apart_in(state, groups) if state.inners else None  # a wrapper's inner optimizers (rare)
     # swap_out and drop_master_grads written out: a call each saved at every step (host-bound loops); the mirrors'
     # module is entered once (step_mirrored), as every module of a step (benchmarks/step_walk.py)
     try:
@@ -116,10 +117,37 @@ def step_on_masters(
         for group, params in zip(optimizer.param_groups, swapped):  # by position, as swap_out
             group["params"] = params
         state.swapped = None
+        if apart:
+            for inner_groups, inner_params in apart:
+                for group, params in zip(inner_groups, inner_params):
+                    group["params"] = params
     if state.two_pass:
         end_pass(state, master_weights)
     dropped = map(state.pair_masters.__getitem__, state.mastered)  # C-level maps: no Python per parameter
     collections.deque(map(setattr, dropped, itertools.repeat("grad"), itertools.repeat(None)), maxlen=0)
+
+
+def _inners_apart_in(
+    state: _OptimizerState, groups: list[dict]
+) -> list[tuple[list[dict], list[list[torch.Tensor]]]]:
+    """The masters put for the step in the groups of the wrapper's inner optimizers (``state.inners``) that no longer
+    share its groups: torch-optimizer's ``Lookahead.load_state_dict`` loads its own groups and then its inner
+    optimizer's, and the two hold the same parameters in separate group dicts from then on (the inner one steps its
+    own, as in FP32). Returns each such inner optimizer's groups and their own lists, to put back after the step."""
+    ids = set(map(id, groups))
+    apart = []
+    master_of = None
+    for ref in state.inners:
+        inner = ref()
+        if inner is None or inner.param_groups is groups or not ids.isdisjoint(map(id, inner.param_groups)):
+            continue  # shared: the wrapper's swap put the masters in them
+        if master_of is None:
+            master_of = dict(zip(map(id, state.pair_params), state.pair_masters))
+        inner_groups = list(inner.param_groups)
+        apart.append((inner_groups, [group["params"] for group in inner_groups]))
+        for group in inner_groups:
+            group["params"] = [master_of.get(id(param), param) for param in group["params"]]
+    return apart
 
 
 def swap_in(state: _OptimizerState, master_weights: Sequence[MasterWeights], *, recheck: bool = False) -> None:
@@ -191,3 +219,41 @@ def call_on_masters(
         swap_out(state)
         for weights in master_weights:
             weights.copy_to_model(params)
+
+
+def train_modes(optimizer: torch.optim.Optimizer) -> tuple[object, ...] | None:
+    """The ``train_mode`` flag of each of ``optimizer``'s groups (a schedule-free optimizer's), or ``None`` when no
+    group carries one."""
+    groups = optimizer.param_groups
+    return tuple(group.get("train_mode") for group in groups) if any("train_mode" in g for g in groups) else None
+
+
+def follow_modes(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> None:
+    """A schedule-free optimizer whose ``eval()`` or ``train()`` ran where its groups hold the half parameters (the
+    user's, through Fabric's or Lightning's optimizer wrapper), which moved none of them (its state is keyed by their
+    masters): the call redone on the masters (:func:`call_on_masters`, its flags put back first), then copied into
+    the model. A parameter that is its own master (FP32: batch norm) was moved by the user's call already: its state is
+    hidden from the redone one."""
+    optimizer = state.optimizer_ref()
+    if optimizer is None:
+        return
+    seen, modes = state.train_modes, train_modes(optimizer)
+    state.train_modes = modes
+    if seen is not None and modes is not None and len(modes) > len(seen):
+        seen += modes[len(seen) :]  # groups added since (add_param_group): the older groups' flags tell a call
+    if seen is None or modes is None or len(seen) != len(modes) or modes == seen or len(set(modes)) != 1:
+        return  # groups removed since (recorded), or flags not all alike: not a call of eval()/train()
+    method = getattr(optimizer, "train" if modes[0] else "eval", None)
+    if not callable(method):
+        return
+    for group, mode in zip(optimizer.param_groups, seen):
+        group["train_mode"] = mode
+    kept = optimizer.state
+    own = [param for param, master in state.pairs if master is param and param in kept]
+    hidden = [(param, kept.pop(param)) for param in own]
+    try:
+        call_on_masters(state, master_weights, method)
+    finally:
+        for param, entry in hidden:
+            kept[param] = entry
+        state.train_modes = train_modes(optimizer)
