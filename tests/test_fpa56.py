@@ -86,14 +86,6 @@ def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], a
 LEVELS = [("O2", "bfloat16", "bf16-mixed"), ("O1", "float16", "32-true")]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="integrations/fabric.py: Fabric hands the optimizer to the plugin at its first step, so first_step's write "
-    "(its gradients then cleared to None) is over parameters no prepared optimizer holds at the second backward and "
-    "cannot be told from a raw step there; way out: plugin.setup_optimizers(optimizer) after fabric.setup() "
-    "(docs/master_weights.md 'SAM and two-pass optimizers'; test_sam_with_the_plugin_told_trains_as_fabrics_precision)",
-)
 @pytest.mark.parametrize(("opt_level", "half_dtype", "reference"), LEVELS)
 def test_sam_clearing_to_none_trains_as_fabrics_precision(opt_level: str, half_dtype: str, reference: str) -> None:
     """Refused at the second backward of the first iteration ("parameters '0.weight', ... which no optimizer
@@ -123,13 +115,6 @@ def test_o1_float16_sam_clearing_to_zeros_trains_as_fp32() -> None:
     _assert_close(got, want, 1e-3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="integrations/fabric_bookkeeping.py: SAM's per-parameter state ('old_p', written by first_step before "
-    "Fabric's first optimizer step, where the plugin meets the optimizer) is taken for state loaded "
-    "before the plugin knew the optimizer ('it was loaded (fabric.load) before the plugin knew the optimizer')",
-)
 def test_o2_sam_clearing_to_zeros_trains_as_fabrics_bf16_mixed() -> None:
     want = _fit("sam", set_to_none=False, precision="bf16-mixed")
     got = _fit("sam", set_to_none=False, plugins=[FabricMixedPrecisionPlugin("O2", half_dtype="bfloat16")])

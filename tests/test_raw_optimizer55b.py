@@ -99,9 +99,11 @@ def test_core_gan_a_raw_discriminator_optimizer_is_refused_where_harmful(
     assert len(backwards) == refused_at  # refused at that backward (counted), before it ran
 
 
-def test_fabric_o1_a_raw_step_before_the_plugin_met_the_optimizer_is_refused_at_the_next_backward() -> None:
+def test_fabric_o1_a_raw_step_before_the_plugin_met_the_optimizer_is_refused_at_its_first_step() -> None:
     """Fabric hands the optimizer to the strategy; the plugin meets it at its first step. Stepping the inner torch
-    optimizer by hand before that applied the x65536 gradients: the next ``fabric.backward`` refuses it."""
+    optimizer by hand before that applied the x65536 gradients: the next ``fabric.backward`` notes it (a SAM-style
+    first_step looks the same there, tests/test_fabsam57.py) and the plugin refuses it where it meets the optimizer,
+    a plain SGD, at ``optimizer.step()``."""
     from lightning.fabric import Fabric
 
     from lightning_mpx import FabricMixedPrecisionPlugin
@@ -114,8 +116,9 @@ def test_fabric_o1_a_raw_step_before_the_plugin_met_the_optimizer_is_refused_at_
     fabric.backward(F.mse_loss(model(x), y))
     optimizer.optimizer.step()  # the inner optimizer, by hand
     optimizer.zero_grad()
+    fabric.backward(F.mse_loss(model(x), y))
     with pytest.raises(RuntimeError, match=r"(?s)'0\.weight'.*no optimizer prepared.*fabric\.setup\(model, optimizer"):
-        fabric.backward(F.mse_loss(model(x), y))
+        optimizer.step()
 
 
 def _legit(model: nn.Module, backward: Any, step: Any, load: Any, zero: Any) -> None:

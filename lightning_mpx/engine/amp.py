@@ -152,6 +152,14 @@ class Amp(AmpRecords):
         find_unheld(self._models, self._machine)  # the models' parameters no optimizer holds now (engine.raw_steps)
         return optimizer
 
+    def judge_first_writes(self, optimizer: torch.optim.Optimizer) -> frozenset[int]:
+        """Before registering ``optimizer`` where the front door meets it at its first step (``registers_at_step``):
+        refuse a raw step over its parameters since the first backward (an error naming it), and return the ids of
+        the parameters a SAM-style ``optimizer`` held and wrote since then (its ``first_step``'s: state it kept for
+        them, ``old_p``, is its own). Nothing to judge (the usual case): an empty set."""
+        unheld = self._machine.unheld
+        return frozenset() if unheld is None else unheld.judge(self._machine, optimizer)
+
     def _groups_changed(self, optimizer: torch.optim.Optimizer) -> None:
         """A registered ``optimizer`` whose parameter groups were added or removed since its pairs were made (seen
         at a forward, see :meth:`forward_context`): prepared again (a module added since is made half with FP32

@@ -39,7 +39,15 @@ from lightning_mpx.settings import MixedPrecisionSettings, implicit_dtype_note, 
 _log = logging.getLogger("lightning_mpx")
 #: What the front doors may set on an engine before it picks its half dtype, kept when it does (:meth:`AmpParts.
 #: pick_half_dtype` builds the parts again).
-_KEPT = ("register_call", "found_inf_reducer", "log_overflows", "overflow_log_interval", "sharded", "unscale_backend")
+_KEPT = (
+    "register_call",
+    "registers_at_step",
+    "found_inf_reducer",
+    "log_overflows",
+    "overflow_log_interval",
+    "sharded",
+    "unscale_backend",
+)
 
 
 def _part(path: str, *, doc: str, settable: bool = False, also: tuple[str, ...] = ()) -> Any:
@@ -65,6 +73,10 @@ class AmpParts:
         engine does not know tells the user to do (default: ``"call prepare_optimizer() on it first"``). A front door
         whose users never call :meth:`prepare_optimizer` names its own call here (the Fabric plugin:
         ``plugin.setup_optimizers(optimizer)``).""")
+    registers_at_step: bool = _part("_machine.registers_at_step", settable=True, doc="""Whether the front door
+        registers optimizers at their first step (the Fabric plugin): before any is registered, a write with the
+        gradients cleared over parameters no optimizer holds is judged by :meth:`judge_first_writes` there, not
+        refused at the next backward (a SAM-style ``first_step`` in the first iteration).""")
     sharded: bool = _part("_models.sharded", settable=True, doc="""Whether the prepared model is sharded by PyTorch
         FSDP (see :meth:`prepare_model`).""")
     master_weights: list[MasterWeights] = _part("_masters.weights", doc="""One

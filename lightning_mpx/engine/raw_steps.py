@@ -40,6 +40,13 @@ temperature annealed under accumulation) or unless every gradient the registered
 (``model.zero_grad()`` ending an iteration after an EMA swap kept through accumulation). A parameter never written (its
 gradient accumulates), a frozen one, one that never holds a gradient (an EMA teacher under ``torch.no_grad()``) and one
 set on a model after it was prepared are left alone.
+
+A door that meets its optimizers at their first step (Fabric's: ``registers_at_step``) has, in the first iteration,
+a SAM-style ``first_step`` write over parameters no optimizer holds yet: before any optimizer is registered, one such
+write is noted at the backward after it (``UnheldParams.deferred``), not refused, and judged where the door registers
+the optimizer (:meth:`UnheldParams.judge`): the ``first_step`` of a SAM-style optimizer holding those parameters, or a
+raw step, refused there (a second write before it is refused at the backward after it). At O2 the masters are made at
+the first such backward, from the weights before ``first_step``.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ import torch
 from torch import nn
 
 from lightning_mpx.engine.optimizer_state import _OptimizerState
+from lightning_mpx.masters.pairs import master_for
 from lightning_mpx.masters.weights import MasterWeights
 
 __all__ = ["UnheldParams", "find_unheld", "is_two_pass", "refuse_base_with_sam", "refuse_raw_step"]
@@ -177,6 +185,10 @@ class UnheldParams:
         # Positions written with their gradients kept since the note before the last one, with no engine step between:
         # refused at the next backward if their gradients were cleared since.
         self.suspects: frozenset[int] = frozenset()
+        # A door that registers optimizers at their first step (Fabric's, ``machine.registers_at_step``), before any is
+        # registered: the parameters of one write with their gradients cleared (a SAM-style first_step, or a raw
+        # step), judged where the door registers its optimizer (:meth:`judge`).
+        self.deferred: tuple[torch.Tensor, ...] = ()
 
     def params(self) -> tuple[torch.Tensor, ...]:
         """The parameters, from the live models (once each)."""
@@ -197,17 +209,55 @@ class UnheldParams:
         self.check(machine)
         scaler = machine.scalers[loss_id]
         masters = bool(machine.masters.weights)
+        if masters and self.note is None and machine.registers_at_step and not machine.optimizers:
+            # A door that meets its optimizers at their first step (Fabric's), at the first backward: the masters
+            # made now (as the step would, writes since set-up taken), from the weights before a SAM-style first_step
+            # perturbs them; its step (judge) then takes no write into them. Masters exist from the first step on.
+            for param in self.params():
+                master_for(machine.masters.weights, param)
         if scaled is not None and scaled.requires_grad and (masters or not scaler._unit):
             scaled.register_hook(functools.partial(self._queue, machine.steps_taken, scaler._unit))
 
     def forget(self) -> None:
         """Forget what was noted (a stage change of the engine wrote the parameters)."""
-        self.note, self.suspects = None, frozenset()
+        self.note, self.suspects, self.deferred = None, frozenset(), ()
 
-    def check(self, machine: Any) -> None:
+    def judge(self, machine: Any, optimizer: torch.optim.Optimizer) -> frozenset[int]:
+        """Where a door that registers optimizers at their first step (``machine.registers_at_step``: Fabric's)
+        registers ``optimizer``, before it does: refuse a write since the last backward (a raw step before this step),
+        and a write deferred at a backward (:meth:`check`) unless ``optimizer`` is SAM-style (:func:`is_two_pass`) and
+        holds its parameters (then it was its ``first_step``). Returns the ids of the parameters written since the
+        first backward that ``optimizer``, SAM-style, holds: its ``first_step``'s (their gradients cleared or zeroed),
+        whose per-parameter state (``old_p``) is its own, not state loaded before the door knew it."""
+        note, suspects = self.note, self.suspects  # written with the gradients kept (zeroed) before the last note
+        self.check(machine, defer=False)
+        deferred = self.deferred
+        written = list(deferred)
+        if note is not None:
+            written += [note[0][i] for i in sorted(suspects)]
+        if not written:
+            return frozenset()
+        held = frozenset(map(id, itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups))))
+        two_pass = is_two_pass(optimizer)
+        if deferred and not (two_pass and all(id(p) in held for p in deferred)):
+            self.forget()
+            shown = _shown(deferred, machine.masters.weights, machine.names)
+            raise RuntimeError(
+                f"parameters {shown}, which no optimizer prepared by lightning_mpx held then, were written and their "
+                f"gradients cleared between two backwards of lightning_mpx before the first step of "
+                f"{type(optimizer).__name__} (where the Fabric plugin meets it), which is no SAM-style optimizer "
+                f"holding them: {_FIX}"
+            )
+        self.deferred = ()
+        return frozenset(id(p) for p in written if id(p) in held) if two_pass else frozenset()
+
+    def check(self, machine: Any, *, defer: bool = True) -> None:
         """Raise when parameters that held a gradient at the note were written since with their gradients cleared,
         with no engine step between, or were suspects (written with the gradients kept) whose gradients were cleared
-        since; note new suspects. The usual case (nothing written, no suspect) is one C-level comparison."""
+        since; note new suspects. The usual case (nothing written, no suspect) is one C-level comparison. In a door
+        that registers optimizers at their first step (``machine.registers_at_step``), before any is registered, one
+        such write is deferred (``defer``): noted for :meth:`judge`, which tells a SAM-style ``first_step`` from a raw
+        step there; a second one before that is refused."""
         note = self.note
         if note is None:
             return
@@ -242,6 +292,10 @@ class UnheldParams:
         stepped = [p for p in stepped if id(p) not in held_now and (not half_only or p.dtype in _HALF)]
         if not stepped:
             return
+        if defer and not self.deferred and not machine.optimizers and machine.registers_at_step:
+            self.deferred = tuple(stepped)  # judged where the door registers its optimizer (judge)
+            return
+        stepped = [*self.deferred, *(p for p in stepped if all(p is not d for d in self.deferred))]
         self.forget()  # raised once: a caller that catches it is not told again for the same writes
         shown = _shown(stepped, machine.masters.weights, machine.names)
         raise RuntimeError(
@@ -341,7 +395,5 @@ _SAM_FIX = (
     "that steps its base optimizer (def step(self, closure=None): return self.base_optimizer.step(closure)); after "
     "the second backward undo the perturbation (second_step's restore of old_p, without its base step) and step "
     "through the door: amp.step(optimizer), or optimizer.step() on the optimizer self.optimizers(), fabric.setup() "
-    "(with the FabricMixedPrecisionPlugin's setup_optimizers(optimizer) after fabric.setup()) or accelerator.prepare() "
-    "returned. See 'SAM and "
-    "two-pass optimizers' in docs/master_weights.md."
+    "or accelerator.prepare() returned. See 'SAM and two-pass optimizers' in docs/master_weights.md."
 )

@@ -150,6 +150,9 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
             "plugin.setup_optimizers(optimizer) after fabric.setup() to register it now (the plugin's own "
             "master_params(optimizer) registers it too)"
         )
+        # ...so a write over parameters no optimizer holds yet, in the first iteration (a SAM-style first_step), is
+        # judged there (FabricBookkeeping._register), not refused at the backward after it (engine.raw_steps)
+        self.amp.registers_at_step = True
         # Fabric's own words for it (no half_dtype given: provisional until convert_module picks the device's)
         self.precision = precision_of(self.amp)  # type: ignore[assignment]
         self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()

@@ -120,7 +120,10 @@ class FabricBookkeeping:
                 f"fabric.backward(), to tell which loss's scale its gradients carry; call "
                 f"plugin.setup_optimizers({type(optimizer).__name__.lower()}, ...) after fabric.setup()."
             )
-        if self.amp.properties.master_weights and _has_half_state(optimizer):
+        # A raw step over its parameters since the first backward refused; a SAM-style optimizer's first_step in the
+        # first iteration (before this first step, where the plugin meets it) told: the parameters it wrote.
+        first_step = self.amp.judge_first_writes(optimizer)
+        if self.amp.properties.master_weights and _has_half_state(optimizer, first_step):
             if is_two_pass(optimizer):  # its first_step's state (old_p), before Fabric's first optimizer step
                 raise RuntimeError(
                     f"optimizer={type(optimizer).__name__}, a SAM-style two-pass optimizer (first_step, second_step), "
@@ -139,20 +142,29 @@ class FabricBookkeeping:
         # The plugin prepared its models before a strategy sharded them (the engine never saw them sharded): an
         # optimizer built after an evaluation, over the root's gathered copies, is refused here.
         refuse_gathered(list(self._modules), optimizer_params(optimizer))
+        # first_step's state (old_p, half copies of the weights before it) stays with the half parameters, where it
+        # stays when the plugin knew the optimizer before: the FP32 masters hold those weights, unperturbed, and its
+        # step's copy into the model undoes the perturbation (a restore moved to the masters would round them).
+        kept = optimizer.state
+        own = {p: kept.pop(p) for p in optimizer_params(optimizer) if id(p) in first_step and p in kept}
         self.amp.prepare_optimizer(optimizer)
+        kept.update(own)
         self._optimizers.add(optimizer)
 
 
-def _has_half_state(optimizer: Optimizer) -> bool:
+def _has_half_state(optimizer: Optimizer, first_step: frozenset[int] = frozenset()) -> bool:
     """Whether ``optimizer`` holds floating-point state (beyond ``step``) in a half parameter's own dtype: what
     torch's ``load_state_dict`` casts a loaded state to. FP32 state of a half parameter is not that: an earlier
     stage's (O1, FP32 training) optimizer, given to this O2 stage, whose masters take it over as it is. The inner
     optimizers that share its ``param_groups`` are asked too (a timm-style Lookahead keeps every state in its base
-    optimizer, whose ``load_state_dict`` its own calls: its own ``state`` stays empty)."""
+    optimizer, whose ``load_state_dict`` its own calls: its own ``state`` stays empty). Nor is the state of the
+    parameters in ``first_step`` (ids): a SAM-style optimizer's ``first_step`` wrote them and kept it."""
     for each in (optimizer, *shared_inners(optimizer)):
         for group in each.param_groups:
             for param in group["params"]:
-                if param.dtype in (torch.float16, torch.bfloat16) and param in each.state:
+                if id(param) in first_step or param.dtype not in (torch.float16, torch.bfloat16):
+                    continue
+                if param in each.state:
                     state = each.state[param]
                     if any(torch.is_tensor(v) and v.dtype == param.dtype and k != "step" for k, v in state.items()):
                         return True
