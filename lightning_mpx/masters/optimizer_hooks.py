@@ -15,9 +15,21 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_mpx.common.dtypes import HALF_DTYPES
 from lightning_mpx.engine.optimizer_state import _OptimizerState
-from lightning_mpx.masters.pairs import param_pairs, state_to_masters
+from lightning_mpx.masters.pairs import half_state_to_params, param_pairs, state_to_masters, state_to_params_again
 from lightning_mpx.masters.store import Masters
-from lightning_mpx.masters.swap import follow_modes, swap_in, swap_out, train_modes
+from lightning_mpx.masters.swap import (
+    HALF_STATE,
+    PASS_WEIGHTS,
+    check_half_state,
+    check_pass_weights,
+    follow_modes,
+    half_state_keys,
+    pass_weights,
+    restore_pass,
+    swap_in,
+    swap_out,
+    train_modes,
+)
 
 
 class MasterHooks:
@@ -33,6 +45,9 @@ class MasterHooks:
         self.state = state
         self.masters = masters
         self.owner = owner  # a weak reference to the engine's StepMachine (a later engine releases it from there)
+        self.loading_pass: dict[int, torch.Tensor] = {}  # a SAM pass the state dict being loaded holds (PASS_WEIGHTS)
+        self.loading_half: dict[int, list[str]] = {}  # the half parameters' state keys it holds (HALF_STATE)
+        self.moved: list = []  # the state moved to the masters for the state dict being made (state_to_masters)
 
     def register(self, optimizer: torch.optim.Optimizer) -> list[RemovableHandle]:
         """Put the hooks on ``optimizer``; returns their handles."""
@@ -53,21 +68,40 @@ class MasterHooks:
             follow_modes(self.state, self.masters.weights)
         swap_in(self.state, self.masters.weights, recheck=True)
         if self.state.pairs:
-            state_to_masters(optimizer, self.state)
+            self.moved = state_to_masters(optimizer, self.state)
 
     def masters_in_to_load(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         """Before the optimizer loads a state dict: a half parameter without a master (frozen when the masters were
         made, and frozen again in this run) whose state the checkpoint holds trained in the run that saved it, so
         it gets its master now, and the state loads into the master in FP32 (into the half parameter it would be
-        rounded to half). ``Amp.load_state_dict`` then gives the master its saved value."""
+        rounded to half). ``Amp.load_state_dict`` then gives the master its saved value. A state dict made between a
+        SAM-style optimizer's passes: its perturbed half weights (:data:`PASS_WEIGHTS`) checked, put back by
+        :meth:`loaded`."""
+        saved = state_dict.get(PASS_WEIGHTS)
+        self.loading_pass = check_pass_weights(optimizer, saved) if saved is not None and self.state.two_pass else {}
+        keys = state_dict.get(HALF_STATE)
+        self.loading_half = check_half_state(optimizer, keys) if keys is not None else {}
         if masters_for_loaded(optimizer, state_dict, self.masters):
             self.state.pairs_key = None  # pair them with their new masters
             self.state.mirrors = None
         swap_in(self.state, self.masters.weights, recheck=True)
 
     def masters_out(self, optimizer: torch.optim.Optimizer, *args: Any) -> Any:
+        """After ``state_dict()``: between a SAM-style optimizer's passes, the perturbed half weights its second pass
+        runs at added (:data:`PASS_WEIGHTS`; the masters, the model's entry, hold the weights before ``first_step``);
+        the state moved from half parameters to their masters named (:data:`HALF_STATE`) and moved back; the groups'
+        own lists back."""
+        saved = args[0] if args else None
+        weights = pass_weights(self.state, self.masters.weights) if self.state.two_pass else None
+        if weights and isinstance(saved, dict):
+            saved[PASS_WEIGHTS] = weights
+        if self.moved:
+            moved, self.moved = self.moved, []
+            if isinstance(saved, dict):
+                saved[HALF_STATE] = half_state_keys(self.state, optimizer, moved)
+            state_to_params_again(optimizer, moved)
         swap_out(self.state)
-        return args[0] if args else None  # the state_dict post-hook returns the state dict
+        return saved  # the state_dict post-hook returns the state dict
 
     def loaded(self, optimizer: torch.optim.Optimizer) -> None:
         """After the optimizer loaded a state dict: the groups' own lists back; a schedule-free optimizer's loaded
@@ -75,6 +109,15 @@ class MasterHooks:
         swap_out(self.state)
         if self.state.train_modes is not None:
             self.state.train_modes = train_modes(optimizer)
+        if self.loading_half:  # state a half parameter kept (SAM's old_p): back to it, as the run that saved kept it
+            keys, self.loading_half = self.loading_half, {}
+            half_state_to_params(optimizer, self.state, keys)
+        if self.loading_pass:  # loaded between a SAM's passes: the perturbed weights back, its pass open
+            saved, self.loading_pass = self.loading_pass, {}
+            restore_pass(self.state, self.masters.weights, saved)
+            machine = self.owner() if self.owner is not None else None
+            if machine is not None:
+                machine.forget_writes()  # a load's write, no raw step
 
     def refuse_direct_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.state.swapped is None:

@@ -267,29 +267,74 @@ class GradLayout:
         return list(map(flat.as_strided, self.shapes, self.strides, self.offsets))
 
 
-def state_to_masters(optimizer: torch.optim.Optimizer, state: _OptimizerState) -> None:
+def state_to_masters(
+    optimizer: torch.optim.Optimizer, state: _OptimizerState
+) -> list[tuple[torch.Tensor, dict, torch.Tensor, dict | None]]:
     """Before a state dict is made (the masters in the groups): optimizer state kept by a half parameter that has a
-    master goes to the master (FP32, as :func:`param_pairs` moves it), merged into the master's own where it has one
-    (its keys win). Such state is written outside the engine's step, where the groups hold the half parameters: a
-    SAM-style optimizer's ``first_step`` keeps ``old_p`` there (an empty entry once its restore pops it). Left there,
-    torch's ``state_dict()`` finds a key in no group and raises ``KeyError``. The usual case (no such state) is told by
-    ids, with C-level maps: a tensor's ``__hash__`` is a Python call."""
+    master goes to the master (FP32, as :func:`param_pairs` moves it), merged into a new entry with the master's own
+    where it has one (its keys win). Such state is written outside the engine's step, where the groups hold the half
+    parameters: a SAM-style optimizer's ``first_step`` keeps ``old_p`` there (an empty entry once its restore pops it).
+    Left there, torch's ``state_dict()`` finds a key in no group and raises ``KeyError``. Returns each move (the
+    parameter, its entry, the master, the master's entry before or ``None``), for :func:`state_to_params_again`. The
+    usual case (no such state) is told by ids, with C-level maps: a tensor's ``__hash__`` is a Python call."""
     kept = optimizer.state
     held = set(map(id, kept))
     if held.isdisjoint(map(id, map(state.pair_params.__getitem__, state.mastered))):
-        return
+        return []
+    moved = []
     for param, master in state.pairs:
         if master is param or id(param) not in held:
             continue
+        own = kept.pop(param)
         entry = {
-            k: v.float() if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v
-            for k, v in kept.pop(param).items()
+            k: v.float() if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v for k, v in own.items()
         }
-        if master in kept:
-            for key, value in entry.items():
-                kept[master].setdefault(key, value)
+        mine = kept.get(master)
+        if mine is not None:
+            kept[master] = {**entry, **mine}
         elif entry:
             kept[master] = entry
+        moved.append((param, own, master, mine))
+    return moved
+
+
+def state_to_params_again(
+    optimizer: torch.optim.Optimizer, moved: list[tuple[torch.Tensor, dict, torch.Tensor, dict | None]]
+) -> None:
+    """After the state dict was made: the moves of :func:`state_to_masters` undone (the state dict keeps the moved
+    entries), so that the run goes on with its state where it was: a restore inside a SAM-style optimizer's
+    ``step()`` (the masters in its groups) finds no ``old_p`` of a step before and writes no master with it."""
+    kept = optimizer.state
+    for param, own, master, mine in moved:
+        kept[param] = own
+        if mine is None:
+            kept.pop(master, None)
+        else:
+            kept[master] = mine
+
+
+def half_state_to_params(
+    optimizer: torch.optim.Optimizer, state: _OptimizerState, keys: dict[int, list[str]]
+) -> None:
+    """After a state dict was loaded (the groups' own lists back): the keys ``keys`` names, by index, that a half
+    parameter kept when it was made (:func:`state_to_masters` moved them to its master, in FP32) moved back to it in
+    its dtype, as the run that saved it kept them (``old_p``: its half values, exact)."""
+    kept = optimizer.state
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    masters = {id(param): master for param, master in state.pairs}
+    for index, names in keys.items():
+        param = params[index]
+        master = masters.get(id(param), param)
+        entry = kept.get(master)
+        if master is param or entry is None:
+            continue
+        for name in names:
+            if name in entry:
+                value = entry.pop(name)
+                cast = torch.is_tensor(value) and value.is_floating_point() and name != "step"
+                kept[param][name] = value.to(param.dtype) if cast else value
+        if not entry:
+            kept.pop(master)
 
 
 def _take_reshaped(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import itertools
 import operator
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -22,6 +22,11 @@ from lightning_mpx.masters.pairs import param_pairs, state_to_masters
 from lightning_mpx.masters.weights import MasterWeights
 
 _PARAMS = operator.itemgetter("params")
+
+#: The key of an O2 optimizer's state dict made between a SAM-style optimizer's passes: the perturbed half weights its
+#: second pass runs at, by the parameter's index in the state dict (:func:`pass_weights`, :func:`restore_pass`). The
+#: model's entry and the masters hold the weights before ``first_step``. Absent otherwise; loads ignore it elsewhere.
+PASS_WEIGHTS = "mpx_pass_weights"
 
 
 def mirrors(state: _OptimizerState, master_weights: Sequence[MasterWeights], *, compare: bool) -> list[Mirror]:
@@ -36,6 +41,10 @@ def _make_mirrors(state: _OptimizerState, master_weights: Sequence[MasterWeights
     state.mirrors = [m for masters in master_weights if (m := masters.mirror(params, compare=compare)).params]
     return state.mirrors
 
+#: The key of an O2 optimizer's state dict naming, by index, the state keys a half parameter kept (outside the step:
+#: SAM's ``old_p``) that the state dict holds under its master, in FP32; a load gives them back to the half parameter.
+HALF_STATE = "mpx_half_state"
+
 
 def take_writes_before_pass(
     state: _OptimizerState, master_weights: Sequence[MasterWeights], *, compare: bool = False
@@ -48,6 +57,8 @@ def take_writes_before_pass(
     (``compare``: ``model_writes="values"``, every value compared, as the step's mirrors will)."""
     optimizer = state.optimizer_ref()
     held = frozenset(map(id, optimizer_params(optimizer))) if optimizer is not None else frozenset()
+    if held and any(not weights.in_pass.isdisjoint(held) for weights in master_weights):
+        return  # its pass open already: restored by a load between the passes (restore_pass), no write to take
     if state.mirrors is not None:
         for mirror in state.mirrors:
             mirror.take_writes()
@@ -67,6 +78,87 @@ def end_pass(state: _OptimizerState, master_weights: Sequence[MasterWeights]) ->
         held = frozenset(map(id, optimizer_params(optimizer)))
         for weights in master_weights:
             weights.in_pass -= held
+
+
+def pass_weights(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> dict[int, torch.Tensor]:
+    """A state dict made between a SAM-style optimizer's first backward and its step (the masters in the groups,
+    ``state.swapped`` their own lists): the half values of its parameters with a master, perturbed by ``first_step``,
+    by their index in the state dict (torch's: the groups' order), cloned. Empty when no pass is open."""
+    if not state.two_pass or state.swapped is None or not any(weights.in_pass for weights in master_weights):
+        return {}
+    masters = {id(param): master for param, master in state.pairs}
+    params = [param for group in state.swapped for param in group]
+    return {
+        index: param.detach().clone()
+        for index, param in enumerate(params)
+        if masters.get(id(param), param) is not param and any(id(param) in w.in_pass for w in master_weights)
+    }
+
+
+def half_state_keys(
+    state: _OptimizerState, optimizer: torch.optim.Optimizer, moved: list[tuple[torch.Tensor, dict, torch.Tensor, Any]]
+) -> dict[int, list[str]]:
+    """For a state dict: by index, the keys of the state a half parameter kept that :func:`state_to_masters` moved
+    to its master (not the master's own), so that a load gives them back to the half parameter (:data:`HALF_STATE`)."""
+    lists = state.swapped if state.swapped is not None else list(map(_PARAMS, optimizer.param_groups))
+    index = {id(param): i for i, param in enumerate(itertools.chain.from_iterable(lists))}
+    out = {}
+    for param, own, _, mine in moved:
+        keys = sorted(k for k in own if mine is None or k not in mine)
+        if keys and id(param) in index:
+            out[index[id(param)]] = keys
+    return out
+
+
+def check_half_state(optimizer: torch.optim.Optimizer, saved: object) -> dict[int, list[str]]:
+    """The :data:`HALF_STATE` entry of a state dict ``optimizer`` is to load, checked before anything is loaded.
+    Raises ``ValueError`` (nothing loaded) unless each index is one of its parameters' and names a list of keys."""
+    count = sum(1 for _ in optimizer_params(optimizer))
+    fits = isinstance(saved, dict) and all(
+        isinstance(i, int) and 0 <= i < count and isinstance(keys, list) and all(isinstance(k, str) for k in keys)
+        for i, keys in saved.items()
+    )
+    if not fits:
+        raise ValueError(
+            f"{HALF_STATE} of the optimizer's state dict must map indices of its {count} parameters to lists of state "
+            f"keys, got {saved!r:.80}: the checkpoint is another model's; nothing was loaded."
+        )
+    return saved
+
+
+def check_pass_weights(optimizer: torch.optim.Optimizer, saved: object) -> dict[int, torch.Tensor]:
+    """The :data:`PASS_WEIGHTS` entry of a state dict ``optimizer`` is to load, checked before anything is loaded:
+    each index one of its half parameters', of its shape. Raises ``ValueError`` (nothing loaded) otherwise."""
+    params = list(optimizer_params(optimizer))
+    if not isinstance(saved, dict):
+        raise ValueError(f"{PASS_WEIGHTS}={type(saved).__name__} of the optimizer's state dict must be a dict of "
+                         "parameter index to tensor; nothing was loaded.")
+    for index, value in saved.items():
+        param = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
+        if param is None or not torch.is_tensor(value) or tuple(value.shape) != tuple(param.shape):
+            raise ValueError(
+                f"{PASS_WEIGHTS}[{index!r}] of the optimizer's state dict matches none of its {len(params)} "
+                "parameters (or not its shape): the checkpoint is another model's; nothing was loaded."
+            )
+    return saved
+
+
+def restore_pass(
+    state: _OptimizerState, master_weights: Sequence[MasterWeights], saved: dict[int, torch.Tensor]
+) -> None:
+    """After a state dict made between a SAM-style optimizer's passes was loaded (the model's entry, the masters,
+    loaded before it): its half parameters take the perturbed values the saved run's second pass ran at, and its pass
+    is open again (``MasterWeights.in_pass``), so that its step steps the loaded masters, not these values."""
+    optimizer = state.optimizer_ref()
+    if optimizer is None or not saved:
+        return
+    params = list(optimizer_params(optimizer))
+    with torch.no_grad():
+        for index, value in saved.items():
+            params[index].copy_(value)
+    held = frozenset(map(id, params))
+    for weights in master_weights:
+        weights.in_pass |= held
 
 
 def undo_pass(state: _OptimizerState, master_weights: Sequence[MasterWeights]) -> None:
