@@ -204,3 +204,58 @@ def test_swa_averaged_model_made_before_initialize_averages_in_fp32() -> None:
                    "lightning_mpx leaves user copies of the model as they are (docs/apex.md: make it before)")
 def test_swa_averaged_model_made_after_initialize_averages_as_fp32() -> None:
     _swa_close("after")()
+
+
+# -- FusedAdam's stand-in (torch's fused AdamW) beside SGD, num_losses=2, a checkpoint mid-run
+def _two_losses(level: str | None, half: torch.dtype, save_at: int, resume: bytes | None = None,
+                steps: int = 5) -> tuple[Weights, bytes | None, list[float]]:
+    a, b = _net(), _net()
+    opts: Any = [torch.optim.AdamW(a.parameters(), lr=0.01, fused=True),
+                 torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)]
+    models: Any = [a, b]
+    if level is not None:
+        kw = {"cast_model_type": torch.bfloat16} if half is torch.bfloat16 else {}
+        models, opts = amp.initialize(models, opts, opt_level=level, num_losses=2, verbosity=0, **kw)
+    start, saved = 0, None
+    if resume is not None:
+        checkpoint = torch.load(io.BytesIO(resume))
+        for obj, key in zip([*models, *opts], ("a", "b", "oa", "ob")):
+            obj.load_state_dict(checkpoint[key])
+        if level is not None:
+            amp.load_state_dict(checkpoint["amp"])
+        start = save_at
+    for i in range(start, steps):
+        if i == save_at and resume is None:
+            buffer = io.BytesIO()
+            torch.save({**{k: o.state_dict() for k, o in zip(("a", "b", "oa", "ob"), [*models, *opts])},
+                        "amp": amp.state_dict() if level is not None else {}}, buffer)
+            saved = buffer.getvalue()
+        x, y = _batch(i)
+        overflow = i == 2 and half is torch.float16  # loss 0 overflows once: only its optimizer skips
+        for loss_id, (model, opt) in enumerate(zip(models, opts)):
+            loss = F.mse_loss(model(x).float(), y) * (1e30 if overflow and loss_id == 0 else 1.0)
+            if level is None:
+                if not (overflow and loss_id == 0):
+                    loss.backward()
+                continue
+            with amp.scale_loss(loss, opt, loss_id=loss_id) as scaled:
+                scaled.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    weights = {f"{n}.{k}": v for n, m in zip("ab", models) for k, v in _weights(m).items()}
+    return weights, saved, [s.loss_scale() for s in _amp_state.loss_scalers] if level is not None else []
+
+
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_fused_adamw_and_sgd_with_two_losses_skip_apart_and_resume_mid_run(half: torch.dtype) -> None:
+    """DCGAN-shaped: two models, torch's fused AdamW (for apex.optimizers.FusedAdam) and SGD, num_losses=2 with
+    loss_id; at float16 an overflow of loss 0 skips only the AdamW step and halves only its scale; saved mid-run,
+    the resumed run ends where the unbroken one does; both follow FP32 (with the overflowed step left out)."""
+    unbroken, saved, scales = _two_losses("O2", half, save_at=3)
+    _amp_state.reset()
+    resumed, _, resumed_scales = _two_losses("O2", half, save_at=3, resume=saved)
+    _amp_state.reset()
+    _close(resumed, unbroken, atol=0)
+    assert resumed_scales == scales == ([2.0**15, 2.0**16] if half is torch.float16 else [1.0, 1.0])
+    _close(unbroken, _two_losses(None, half, save_at=-1)[0], atol=_tol(half))
