@@ -56,14 +56,18 @@ def _tol(half: torch.dtype | None) -> float:
 
 
 # -- SAM
-def _sam(level: str | None, half: torch.dtype | None, steps: int = 3) -> Weights:
+def _sam(level: str | None, half: torch.dtype | None, steps: int = 3, boom: tuple[int, int] = (-1, 0)) -> Weights:
+    """``boom``: (iteration, pass) whose loss overflows at float16 (the FP32 run leaves that iteration out)."""
     model = _net()
     model, opt = _setup(model, DoorSAM(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9), level, half)
     for i in range(steps):
+        if level is None and i == boom[0]:
+            continue
         x, y = _batch(i)
-        _backward(level, opt, F.mse_loss(model(x).float(), y))
+        big = 1e30 if i == boom[0] else 1.0
+        _backward(level, opt, F.mse_loss(model(x).float(), y) * (big if boom[1] == 1 else 1.0))
         opt.first_step(zero_grad=True)
-        _backward(level, opt, F.mse_loss(model(x).float(), y))  # at the perturbed weights
+        _backward(level, opt, F.mse_loss(model(x).float(), y) * (big if boom[1] == 2 else 1.0))  # perturbed weights
         opt.second_step()  # the restore only
         opt.step()  # the base step, through the returned optimizer: unscaled, skipped on overflow, on the masters
         opt.zero_grad()
@@ -75,6 +79,16 @@ def test_sam_recipe_with_two_scale_loss_blocks_trains_as_fp32(level: str, half: 
     """davda54's SAM adapted to Apex: two scale_loss blocks per step, second_step() undoing the perturbation only and
     the base step run by the returned optimizer's step(): the weights follow the FP32 run of the same script."""
     _close(_sam(level, half), _sam(None, None), atol=_tol(half))
+
+
+@pytest.mark.parametrize("boom_pass", [1, 2])
+def test_sam_recipe_overflow_in_either_pass_skips_the_step_at_o2_float16(boom_pass: int) -> None:
+    """An overflow of the first pass (first_step then perturbs the half weights to inf/NaN) or of the second: the
+    step is skipped, the weights stay finite and the scale halves; the run follows FP32 without that iteration."""
+    got = _sam("O2", torch.float16, boom=(1, boom_pass))
+    assert _amp_state.loss_scalers[0].loss_scale() == 2.0**15
+    _amp_state.reset()
+    _close(got, _sam(None, None, boom=(1, boom_pass)), atol=_tol(torch.float16))
 
 
 @pytest.mark.parametrize(("level", "half"), LEVELS)
