@@ -22,6 +22,7 @@ from lightning_mpx.apex._state import AmpState, _amp_state, is_rank_zero
 from lightning_mpx.apex.fp16_utils import _HalfParameters
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.optimizer_state import _Stage
+from lightning_mpx.engine.raw_steps import is_two_pass
 
 log = logging.getLogger("lightning_mpx.apex")
 
@@ -52,12 +53,19 @@ class AmpOptimizer(torch.optim.Optimizer):
         """Refuse ``step()`` of the wrapped optimizer itself: Apex patched it in place, so old scripts step the one
         they passed in; its step would bypass the skip and the scale's update (inf/NaN into the weights at O1).
         Registered before the engine's own hooks, so that its message is the one seen at O2 too."""
-        object.__setattr__(self, "_step_hook", self.optimizer.register_step_pre_hook(_refuse_original_step))
+        hooks = [self.optimizer.register_step_pre_hook(_refuse_original_step)]
+        base = getattr(self.optimizer, "base_optimizer", None) if is_two_pass(self.optimizer) else None
+        if isinstance(base, torch.optim.Optimizer):
+            # davda54's second_step steps its base optimizer itself: at O1 that step bypassed the skip of an
+            # overflowed step (inf into the weights) and the scale's update; at O2 it stepped the half weights.
+            hooks.append(base.register_step_pre_hook(functools.partial(_refuse_base_step, self)))
+        object.__setattr__(self, "_step_hook", hooks)
 
     def unguard_original(self) -> None:
-        """Take :meth:`guard_original`'s hook off (the optimizer is released)."""
+        """Take :meth:`guard_original`'s hooks off (the optimizer is released)."""
         if self._step_hook is not None:
-            self._step_hook.remove()
+            for hook in self._step_hook:
+                hook.remove()
             object.__setattr__(self, "_step_hook", None)
 
     # Attributes the base class would otherwise read from self.
@@ -82,7 +90,12 @@ class AmpOptimizer(torch.optim.Optimizer):
         return self.optimizer.defaults
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(object.__getattribute__(self, "optimizer"), name)
+        attribute = getattr(object.__getattribute__(self, "optimizer"), name)
+        if name in ("train", "eval") and callable(attribute):
+            # A schedule-free optimizer's train()/eval() moves the parameters its groups hold between steps (at O2
+            # the half ones, its state keyed by the FP32 masters): run on the masters, then copied into the model.
+            return functools.partial(_on_masters, self, attribute)
+        return attribute
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
         """Step through ``Amp.step()`` unless a ``scale_loss`` block that named this optimizer overflowed."""
@@ -143,6 +156,13 @@ class AmpOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("AmpOptimizer cannot be pickled; save optimizer.state_dict() instead.")
 
+def _on_masters(wrapper: AmpOptimizer, call: Callable[[], Any]) -> Any:
+    """Run ``call`` (the wrapped optimizer's ``train``/``eval``) through :meth:`Amp.call_on_masters`; its result."""
+    result: list[Any] = []
+    wrapper._engine.call_on_masters(wrapper.optimizer, lambda: result.append(call()))
+    return result[0] if result else None
+
+
 def _refuse_original_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     wrapper = _amp_state.optimizers.get(id(optimizer))
     if _amp_state.stepping is optimizer or wrapper is None or wrapper.optimizer is not optimizer:
@@ -154,6 +174,32 @@ def _refuse_original_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
         "returned (`model, optimizer = amp.initialize(model, optimizer, ...)`). Apex patched the optimizer in place; "
         "here initialize() returns a wrapper whose step() skips a step whose gradients overflowed and updates the "
         "loss scale, which this step would bypass."
+    )
+
+
+def _refuse_base_step(wrapper: AmpOptimizer, base: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Refuse a SAM-style optimizer's ``base_optimizer.step()`` outside the step of the optimizer ``initialize``
+    returned (davda54's ``second_step``), unless nothing is scaled and there are no masters (a static scale of 1 at
+    O1/O3: the step is FP32's)."""
+    engine, optimizer = wrapper._engine, wrapper.optimizer
+    if _amp_state.stepping is optimizer or _wrapper_of(wrapper) is not wrapper:
+        return  # the wrapper's own step, or a dropped wrapper
+    if id(optimizer) not in engine._optimizers:
+        return  # another engine took it over: its own guard
+    masters, unit = engine.properties.master_weights, all(scaler._unit for scaler in engine.scalers)
+    if not masters and unit:
+        return
+    harm = [] if unit else ["bypass the skip of a step whose gradients overflowed (inf into the weights) and the "
+                            "loss scale's update"]
+    harm += ["step the half weights instead of the FP32 masters"] if masters else []
+    raise RuntimeError(
+        f"base_optimizer.step() ({type(base).__name__}) of the SAM-style optimizer {type(optimizer).__name__} passed "
+        "to amp.initialize() was called outside the step of the optimizer amp.initialize() returned (davda54's "
+        f"second_step() steps it itself): that step would {' and '.join(harm)}. Make second_step() undo the "
+        "perturbation only and step() "
+        "the base step (def step(self, closure=None): return self.base_optimizer.step(closure)); then, after the "
+        "second scale_loss block: optimizer.second_step(); optimizer.step(); optimizer.zero_grad(). See 'SAM' in "
+        "docs/apex.md."
     )
 
 
