@@ -3,8 +3,8 @@
 A GPT-2 (transformers, built from a config, FP32 weights), then ``Amp("O2")``'s ``prepare_model`` and
 ``prepare_optimizer`` (AdamW over every parameter): the process's peak resident memory after each (a high-water mark,
 so each row is a fresh child process), and the largest difference between a master and the FP32 weight it stands
-for. ``--trees`` runs the same child against other checkouts of the repository (a ``git worktree`` of an earlier
-commit), side by side in one run.
+for (in the same child, once its peaks are read: one import of transformers per row). ``--trees`` runs the same
+child against other checkouts of the repository (a ``git worktree`` of an earlier commit), side by side in one run.
 
     python benchmarks/prepare_memory.py [--layers 12] [--hidden 768] [--half bfloat16] [--trees . /tmp/old] [--out PATH]
 """
@@ -62,20 +62,23 @@ print(json.dumps({"max_abs_gap": gap, "exact_tensors": int(exact), "tensors": le
 """
 
 
-def _child(code: str, tree: Path, args: list[str]) -> dict[str, Any]:
+def _child(code: str, tree: Path, args: list[str]) -> list[dict[str, Any]]:
     env = dict(os.environ, PYTHONPATH=str(tree))
     done = subprocess.run([sys.executable, "-c", code, *args], env=env, cwd="/", capture_output=True, text=True,
                           timeout=900, check=False)  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"the child for {tree} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    return [json.loads(line) for line in lines[-2:]]  # the peaks' line, then the exactness line
 
 
 def measure(tree: Path, layers: int, hidden: int, half: str) -> dict[str, Any]:
+    """One row: the peaks, then (in the same child, once they are read and printed) the masters' exactness."""
     args = [str(layers), str(hidden), half]
     commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             check=False).stdout.strip() or "?"  # fmt: skip
-    return {"tree": str(tree), "commit": commit, **_child(_CHILD, tree, args), **_child(_EXACTNESS, tree, args)}
+    peaks, exactness = _child(_CHILD + "del model, optimizer, amp\n" + _EXACTNESS, tree, args)
+    return {"tree": str(tree), "commit": commit, **peaks, **exactness}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -30,15 +30,14 @@ STEP_FIELDS = {
 
 
 def test_step_script_end_to_end_in_subprocesses(tmp_path):
+    """step.py's default method: each variant in a child process of its own (the parent runs here: its ``__main__``
+    door is test_every_script_answers_help's; the children are the script's own, ``--_child`` and all)."""
     out = tmp_path / "step.json"
     variants = ["mpx-O1-bf16", "lightning-bf16-mixed"]
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "step.py"), "--device", "cpu", "--model", "gpt", "--steps", "2",
-         "--warmup", "1", "--variants", *variants, "--out", str(out)],
-        capture_output=True, text=True, timeout=240, cwd=ROOT,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
+    step.main(["--device", "cpu", "--model", "gpt", "--steps", "2", "--warmup", "1", "--variants", *variants,
+               "--out", str(out)])  # fmt: skip
     result = json.loads(out.read_text())
+    assert result["method"] == "a child process per run"
     assert result["device_type"] == "cpu" and result["torch"] and result["lightning"] and result["loadavg"]
     assert [r["variant"] for r in result["rows"]] == variants
     for row in result["rows"]:
@@ -271,18 +270,23 @@ def test_o1_proxy_phases_split_each_trainer_step_into_its_parts(o1_proxy_run):
     assert "phases of the Trainer rows" in out.with_suffix(".md").read_text()
 
 
-def test_cast_overhead_rows_counts_and_references(tmp_path):
+def test_cast_overhead_rows_counts_and_references(tmp_path, capsys, fresh_dynamo):
     """cast_overhead.py (issue 12's figures) in a tiny configuration: every eager and compiled row, the ratios to
     each reference, and dynamo's counts. The counts are facts, not timings: a compiled O1 step has no graph break and
-    no recompile, and the handed-off and inside variants make no call into the policy's hook."""
+    no recompile, and the handed-off and inside variants make no call into the policy's hook. In this process (the
+    script's ``__main__`` door is test_every_script_answers_help's): dynamo's state is emptied before and after, and
+    the thread count the script sets is put back."""
+    import cast_overhead
+    import torch
+
     out = tmp_path / "cast_overhead.json"
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "cast_overhead.py"), "--models", "tiny", "--steps", "8",
-         "--repeats", "1", "--backend", "aot_eager", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "/twin_floor" in done.stdout
+    threads = torch.get_num_threads()
+    try:
+        cast_overhead.main(["--models", "tiny", "--steps", "8", "--repeats", "1", "--backend", "aot_eager",
+                            "--out", str(out)])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    assert "/twin_floor" in capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
     eager = {r["variant"]: r for r in rows if r["mode"] == "eager"}
     compiled = {r["variant"]: r for r in rows if r["mode"] != "eager"}
