@@ -81,7 +81,7 @@ class _OptimizerState:
     # O2: weak references to the inner optimizers sharing its param_groups (a Lookahead's base optimizer), which carry
     # the state-dict hooks too (engine.optimizers.shared_inners)
     inners: list[Any] = field(default_factory=list)
-    on_new_pairs: Any = None  # called with the optimizer when its pairs are made again (masters.pairs.param_pairs)
+    on_new_pairs: Any = None  # called with the state and the optimizer when its pairs are made again (masters.pairs)
     mirrors: list[Mirror] | None = None  # O2: the step-time view of its half parameters' masters
     # O2, from an unscale to the end of the iteration: the version of each half gradient the unscale read (by id).
     # A half gradient that is gone or was written since (zero_grad either way) was cleared by the user, and the

@@ -179,8 +179,9 @@ class StepMachine(UnscalePath):
             state.hooks = MasterHooks(state, self.masters, owner=weakref.ref(self)).register(optimizer)
             self.adopt_inners(state, optimizer)
             # an inner optimizer made on its groups later (add_param_group gives each group a new list) at the next
-            # making of its pairs: no call per step
-            state.on_new_pairs = functools.partial(_adopt_later, weakref.ref(self), state)
+            # making of its pairs: no call per step (the state is passed, not held: no cycle keeping it and its masters
+            # alive once the optimizer is gone, tests/test_leaks54.py)
+            state.on_new_pairs = functools.partial(_adopt_later, weakref.ref(self))
         else:  # a direct step with scaled gradients is refused (masters' hooks refuse any direct step)
             guard = ScaledStepGuard(state, self.scalers, owner=weakref.ref(self))
             state.hooks = [optimizer.register_step_pre_hook(guard)]
@@ -439,6 +440,7 @@ def _refuse_registered_inner(optimizer: torch.optim.Optimizer, states: Sequence[
 def _adopt_later(
     machine_ref: weakref.ref[StepMachine], state: _OptimizerState, optimizer: torch.optim.Optimizer
 ) -> None:
+    # the state is passed by its caller (masters.pairs.param_pairs), not held by the partial
     machine = machine_ref()
     if machine is not None and state.optimizer_ref() is optimizer:
         machine.adopt_inners(state, optimizer)

@@ -134,7 +134,7 @@ def param_pairs(
         state.grad_layout = None
         state.mirrors = None
         if state.on_new_pairs is not None:  # inner optimizers made on the groups since get their hooks
-            state.on_new_pairs(optimizer)
+            state.on_new_pairs(state, optimizer)
     return state.pairs
 
 
