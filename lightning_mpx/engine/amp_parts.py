@@ -74,8 +74,8 @@ class AmpParts:
         whose users never call :meth:`prepare_optimizer` names its own call here (the Fabric plugin:
         ``plugin.setup_optimizers(optimizer)``).""")
     registers_at_step: bool = _part("_machine.registers_at_step", settable=True, doc="""Whether the front door
-        registers optimizers at their first step (the Fabric plugin): before it registers their optimizer, a write
-        with the gradients cleared over parameters no optimizer holds is judged by :meth:`judge_first_writes` there, not
+        registers optimizers at their first step (the Fabric plugin): before any is registered, a write with the
+        gradients cleared over parameters no optimizer holds is judged by :meth:`judge_first_writes` there, not
         refused at the next backward (a SAM-style ``first_step`` in the first iteration).""")
     sharded: bool = _part("_models.sharded", settable=True, doc="""Whether the prepared model is sharded by PyTorch
         FSDP (see :meth:`prepare_model`).""")

@@ -94,9 +94,8 @@ class StepMachine(UnscalePath):
         # The prepared models' parameters that require grad and no registered optimizer holds (engine.raw_steps), found
         # when the models or the registrations change (find_unheld); None when there are none (no cost at a backward).
         self.unheld: UnheldParams | None = None
-        # A door that registers optimizers at their first step (Fabric's): before it registers their optimizer, a
-        # write over the parameters no optimizer holds yet is judged there (UnheldParams.judge), not refused at the
-        # backward.
+        # A door that registers optimizers at their first step (Fabric's): before any is registered, a write over
+        # the parameters no optimizer holds yet is judged there (UnheldParams.judge), not refused at the backward.
         self.registers_at_step = False
         # The ids of the weights an nn.Embedding(max_norm=...) of the prepared models renormalises in place at each
         # forward (engine.raw_steps: no raw step), found with ``unheld``.

@@ -41,12 +41,12 @@ temperature annealed under accumulation) or unless every gradient the registered
 gradient accumulates), a frozen one, one that never holds a gradient (an EMA teacher under ``torch.no_grad()``) and one
 set on a model after it was prepared are left alone.
 
-A door that meets its optimizers at their first step (Fabric's: ``registers_at_step``) has, in the first iteration, a
-SAM-style ``first_step`` write over parameters no optimizer holds yet (a GAN's generator, after the discriminator's
-optimizer was met), one such write is noted at the backward after it (``UnheldParams.deferred``), not refused, and
-judged where the door registers the optimizer (:meth:`UnheldParams.judge`): the ``first_step`` of a SAM-style optimizer
-holding those parameters, or a raw step, refused there (a second write before it is refused at the backward after it).
-At O2 the masters are made at the first such backward, from the weights before ``first_step``.
+A door that meets its optimizers at their first step (Fabric's: ``registers_at_step``) has, in the first iteration,
+a SAM-style ``first_step`` write over parameters no optimizer holds yet: before any optimizer is registered, one such
+write is noted at the backward after it (``UnheldParams.deferred``), not refused, and judged where the door registers
+the optimizer (:meth:`UnheldParams.judge`): the ``first_step`` of a SAM-style optimizer holding those parameters, or a
+raw step, refused there (a second write before it is refused at the backward after it). At O2 the masters are made at
+the first such backward, from the weights before ``first_step``.
 """
 
 from __future__ import annotations
@@ -185,10 +185,9 @@ class UnheldParams:
         # Positions written with their gradients kept since the note before the last one, with no engine step between:
         # refused at the next backward if their gradients were cleared since.
         self.suspects: frozenset[int] = frozenset()
-        # A door that registers optimizers at their first step (Fabric's, ``machine.registers_at_step``), over
-        # parameters no registered optimizer holds yet (also after another was met: a GAN's): the parameters of one
-        # write with their gradients cleared (a SAM-style first_step, or a raw step), judged where the door registers
-        # its optimizer (:meth:`judge`).
+        # A door that registers optimizers at their first step (Fabric's, ``machine.registers_at_step``), before any is
+        # registered: the parameters of one write with their gradients cleared (a SAM-style first_step, or a raw
+        # step), judged where the door registers its optimizer (:meth:`judge`).
         self.deferred: tuple[torch.Tensor, ...] = ()
 
     def params(self) -> tuple[torch.Tensor, ...]:
@@ -255,12 +254,10 @@ class UnheldParams:
     def check(self, machine: Any, *, defer: bool = True) -> None:
         """Raise when parameters that held a gradient at the note were written since with their gradients cleared,
         with no engine step between, or were suspects (written with the gradients kept) whose gradients were cleared
-        since; note new suspects. The usual case (nothing written, no suspect) is one C-level comparison. In a door that
-        registers optimizers at their first step (``machine.registers_at_step``), one such write over parameters no
-        registered optimizer holds is deferred (``defer``; also once another optimizer is registered: a GAN's generator
-        met second): noted for :meth:`judge`, which tells a SAM-style ``first_step`` from a raw step there; a second one
-        before that is refused (a raw torch optimizer stepped by hand over them: refused at the backward after its
-        second step)."""
+        since; note new suspects. The usual case (nothing written, no suspect) is one C-level comparison. In a door
+        that registers optimizers at their first step (``machine.registers_at_step``), before any is registered, one
+        such write is deferred (``defer``): noted for :meth:`judge`, which tells a SAM-style ``first_step`` from a raw
+        step there; a second one before that is refused."""
         note = self.note
         if note is None:
             return
@@ -295,7 +292,7 @@ class UnheldParams:
         stepped = [p for p in stepped if id(p) not in held_now and (not half_only or p.dtype in _HALF)]
         if not stepped:
             return
-        if defer and not self.deferred and machine.registers_at_step:
+        if defer and not self.deferred and not machine.optimizers and machine.registers_at_step:
             self.deferred = tuple(stepped)  # judged where the door registers its optimizer (judge)
             return
         stepped = [*self.deferred, *(p for p in stepped if all(p is not d for d in self.deferred))]
