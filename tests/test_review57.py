@@ -153,3 +153,36 @@ def test_a_sam_released_between_its_passes_leaves_later_writes_to_the_checkpoint
     assert got["0.weight"].abs().max() <= 0.0101, "the clamp is not in the export"
     for name, value in ref.items():
         assert torch.allclose(got[name], value, atol=0.02, rtol=0.02), f"{name}: {(got[name] - value).abs().max()}"
+
+
+def test_o2_a_module_without_an_optimizer_fits_as_bf16_mixed() -> None:
+    """``configure_optimizers`` returning ``None`` (Lightning warns and fits with its ``_MockOptimizer``, which has no
+    parameter groups): the forward check of added groups read the last group of an optimizer that has none
+    (``IndexError``; Lightning's own ``tests_pytorch/trainer/optimization/test_optimizers.py::test_none_optimizer``)."""
+    import lightning.pytorch as pl
+    import torch.nn.functional as F
+
+    from lightning_mpx import MixedPrecisionPlugin
+    from tests.lightning_helpers import classification_data, loader, make_trainer
+
+    class NoOptimizer(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Linear(16, 4)
+
+        def training_step(self, batch, index):
+            x, y = batch
+            return F.cross_entropy(self.net(x).float(), y)
+
+        def configure_optimizers(self):
+            return None
+
+    outputs = {}
+    for name, plugin in (("O2", MixedPrecisionPlugin("O2", half_dtype=HALF)), ("ref", None)):
+        module = NoOptimizer()
+        trainer = make_trainer(plugin, max_steps=2, **({} if plugin else {"precision": "bf16-mixed"}))
+        with pytest.warns(UserWarning, match="`LightningModule.configure_optimizers` returned `None`"):
+            trainer.fit(module, loader(classification_data(n=16)))
+        outputs[name] = module.net.weight.detach().float()
+    torch.testing.assert_close(outputs["O2"], outputs["ref"], rtol=0, atol=4e-3)  # untrained: the bf16 rounding

@@ -252,7 +252,10 @@ class Amp(AmpRecords):
             if (
                 key is not None
                 and (opt := state.optimizer_ref()) is not None
-                and (len(groups := opt.param_groups) != len(key) or groups[-1]["params"] is not state.last_params)
+                and (
+                    len(groups := opt.param_groups) != len(key)
+                    or (groups and groups[-1]["params"] is not state.last_params)  # (none: Lightning's mock optimizer)
+                )
             ):
                 self._groups_changed(opt)
             if state.train_modes is not None:
