@@ -85,15 +85,11 @@ def _fit_loaded(tmp_path: Any, **precision: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach().float() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine/step_guard.py: torch's Optimizer.load_state_dict gives a SAM-style optimizer a new param_groups "
-    "list; one without davda54's override (base_optimizer.param_groups = self.param_groups) keeps the base "
-    "optimizer on the old groups, which the O2 registration never swaps to the FP32 masters: the base step inside "
-    "the door's step steps the half weights, the masters never move and the copy back undoes it (the run stalls, "
-    "0.2 off bf16-mixed, silently). With the override it trains as bf16-mixed.",
-)
 def test_o2_sam_without_the_load_override_loaded_before_the_first_step_trains_as_bf16_mixed(tmp_path: Any) -> None:
+    """torch's ``load_state_dict`` gives the SAM new group dicts and leaves its base optimizer on the old ones: the
+    base step inside the door's step stepped the half weights, the masters never moved and the copy back undid it
+    (the run stalled, 0.2 off "bf16-mixed", silently). A SAM-style optimizer's ``base_optimizer`` is its inner one
+    whether or not their groups came apart (engine/optimizers.py shared_inners): its groups get the masters too."""
     want = _fit_loaded(tmp_path, precision="bf16-mixed")
     got = _fit_loaded(tmp_path, plugins=[FabricMixedPrecisionPlugin("O2", half_dtype="bfloat16")])
     _assert_close(got, want, 3e-3)

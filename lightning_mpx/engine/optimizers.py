@@ -392,7 +392,10 @@ def _release_from_other_engines(optimizer: torch.optim.Optimizer, machine: StepM
 def shared_inners(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
     """The optimizers among ``optimizer``'s attributes (and theirs, in turn) that share its ``param_groups``: the same
     list, or one of the same group dicts (an inner optimizer made on the wrapper's groups), and ran
-    ``Optimizer.__init__`` (the hooks need its tables)."""
+    ``Optimizer.__init__`` (the hooks need its tables). A SAM-style optimizer's ``base_optimizer`` is its inner one
+    even when their groups came apart (a SAM without davda54's ``load_state_dict`` override, loaded: torch's load
+    gives the SAM new group dicts and leaves the base optimizer on the old ones; the step then gives those the
+    masters too, ``masters.swap``)."""
     found: list[torch.optim.Optimizer] = []
     seen = {id(optimizer)}
     todo = [optimizer]
@@ -400,12 +403,16 @@ def shared_inners(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimize
         outer = todo.pop()
         groups = outer.param_groups
         ids = set(map(id, groups))
-        for value in list(vars(outer).values()):
+        for name, value in list(vars(outer).items()):
             if (
                 isinstance(value, torch.optim.Optimizer)
                 and id(value) not in seen
                 and hasattr(value, "_optimizer_state_dict_pre_hooks")
-                and (value.param_groups is groups or not ids.isdisjoint(map(id, value.param_groups)))
+                and (
+                    value.param_groups is groups
+                    or not ids.isdisjoint(map(id, value.param_groups))
+                    or (name == "base_optimizer" and is_two_pass(outer))
+                )
             ):
                 seen.add(id(value))
                 found.append(value)
