@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_mpx import Amp, MixedPrecisionPlugin
 from tests.lightning_helpers import make_trainer
+from tests.test_sam56 import DoorSAM as _DoorSAM
 
 
 class TimmLookahead(torch.optim.Optimizer):
@@ -92,37 +93,9 @@ class TorchOptimizerLookahead(torch.optim.Optimizer):
         self.param_groups = self.optimizer.param_groups
 
 
-class DoorSAM(torch.optim.Optimizer):
-    """davda54's SAM in the form docs/master_weights.md gives (restore in ``second_step``, base step in ``step``),
-    its ``base_optimizer`` made on its own ``param_groups``; its state dict holds the base optimizer's."""
-
-    def __init__(self, params: Any, base_optimizer: type, rho: float = 0.05, **kwargs: Any) -> None:
-        super().__init__(params, dict(rho=rho, **kwargs))
-        self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
-        self.param_groups = self.base_optimizer.param_groups
-
-    @torch.no_grad()
-    def first_step(self, zero_grad: bool = False) -> None:
-        grads = [p.grad.norm() for g in self.param_groups for p in g["params"] if p.grad is not None]
-        norm = torch.norm(torch.stack(grads))
-        for group in self.param_groups:
-            scale = group["rho"] / (norm + 1e-12)
-            for p in group["params"]:
-                if p.grad is not None:
-                    self.state[p]["old_p"] = p.data.clone()
-                    p.add_(p.grad * scale.to(p))
-        if zero_grad:
-            self.zero_grad()
-
-    @torch.no_grad()
-    def second_step(self, zero_grad: bool = False) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if "old_p" in self.state[p]:
-                    p.data = self.state[p].pop("old_p")
-
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        return self.base_optimizer.step(closure)
+class DoorSAM(_DoorSAM):
+    """davda54's SAM in the form docs/master_weights.md gives (tests/test_sam56.py's ``DoorSAM``: restore in
+    ``second_step``, base step in ``step``), with a state dict that holds the base optimizer's."""
 
     def state_dict(self) -> dict[str, Any]:
         return {"sam": super().state_dict(), "base": self.base_optimizer.state_dict()}
