@@ -30,6 +30,7 @@ from lightning_mpx.masters.handover import HookRelease, let_go_of, masters_of
 from lightning_mpx.masters.pairs import StrayParameterError
 from lightning_mpx.masters.rank_zero import agree_on_rank_zero, several_ranks
 from lightning_mpx.masters.store import Masters
+from lightning_mpx.masters.swap import follow_modes
 from lightning_mpx.masters.watch import WatchedParameter, release_masters
 from lightning_mpx.masters.weights import _multi_process, convert_module
 from lightning_mpx.opt_levels import Properties
@@ -198,6 +199,7 @@ class PreparedModels:
                 for sub in module.modules()
                 if any(True for _ in sub.parameters(recurse=False))
             ]
+            self._load_hooks[module].append(module.register_state_dict_pre_hook(_FollowModes(self)))
         elif train:  # no masters (O0, O1, O3): a load still writes the parameters, which is no raw step
             for handle in self._load_hooks.pop(module, ()):
                 handle.remove()
@@ -518,6 +520,22 @@ class _LoadIntoMasters(_EngineHook):
             value = state_dict.get(prefix + name)
             if param.dtype in HALF_DTYPES and torch.is_tensor(value) and value.dtype == torch.float32:
                 models.masters.take_loaded(param, value, models.machine.optimizers.values())
+
+
+class _FollowModes(_EngineHook):
+    """``state_dict`` pre-hook on a model prepared at O2: a schedule-free optimizer's ``eval()``/``train()`` since the
+    last forward (which moved no half weight: its state is keyed by the masters) redone on the masters and copied into
+    the model first, so ``torch.save(model.state_dict())`` right after ``optimizer.eval()`` holds the point it asked
+    for (the Fabric and Trainer hooks of ``fp32_export`` do the same for their FP32 values). On the root module,
+    acting once per call of its own (``prefix`` empty)."""
+
+    def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        models: PreparedModels | None = self.engine()
+        if models is None or prefix:
+            return
+        for state in list(models.machine.optimizers.values()):
+            if state.train_modes is not None:
+                follow_modes(state, models.masters.weights)
 
 
 class _ForgetWrites(_EngineHook):
