@@ -531,7 +531,7 @@ class _FollowModes(_EngineHook):
 
     def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         models: PreparedModels | None = self.engine()
-        if models is None or prefix:
+        if models is None:
             return
         for state in list(models.machine.optimizers.values()):
             if state.train_modes is not None:
