@@ -45,8 +45,10 @@ A door that meets its optimizers at their first step (Fabric's: ``registers_at_s
 a SAM-style ``first_step`` write over parameters no optimizer holds yet: before any optimizer is registered, one such
 write is noted at the backward after it (``UnheldParams.deferred``), not refused, and judged where the door registers
 the optimizer (:meth:`UnheldParams.judge`): the ``first_step`` of a SAM-style optimizer holding those parameters, or a
-raw step, refused there (a second write before it is refused at the backward after it). At O2 the masters are made at
-the first such backward, from the weights before ``first_step``.
+raw step, refused there (a second write before it is refused at the backward after it). After a registration, only a
+write over set-up models no registered optimizer holds any parameter of is so noted (a GAN's SAM generator met after
+its discriminator's optimizer); one over part of a held model (a head beside a set-up trunk) is refused at once. At O2
+the masters are made at the first such backward, from the weights before ``first_step``.
 """
 
 from __future__ import annotations
@@ -292,7 +294,7 @@ class UnheldParams:
         stepped = [p for p in stepped if id(p) not in held_now and (not half_only or p.dtype in _HALF)]
         if not stepped:
             return
-        if defer and not self.deferred and not machine.optimizers and machine.registers_at_step:
+        if defer and not self.deferred and machine.registers_at_step and self._unmet(machine, stepped):
             self.deferred = tuple(stepped)  # judged where the door registers its optimizer (judge)
             return
         stepped = [*self.deferred, *(p for p in stepped if all(p is not d for d in self.deferred))]
@@ -302,6 +304,21 @@ class UnheldParams:
             f"parameters {shown}, which no optimizer prepared by lightning_mpx holds, were written and their "
             f"gradients cleared after a backward of lightning_mpx: {_FIX}"
         )
+
+    def _unmet(self, machine: Any, stepped: Sequence[torch.Tensor]) -> bool:
+        """Whether ``stepped`` may be an optimizer's write that the door has not met yet: before any registration, or
+        (a GAN's second optimizer, met after the first) when each lies in a prepared model no registered optimizer
+        holds any parameter of (Fabric's ``setup(model, optimizer)`` pairs them). A write over part of a model whose
+        other parameters a registered optimizer holds (a head beside a set-up trunk) is no such write: refused."""
+        if not machine.optimizers:
+            return True
+        whole = set()
+        for ref in self.modules:
+            module = ref()
+            params = [] if module is None else [p for p in module.parameters() if p.requires_grad]
+            if params and all(id(p) in self.ids for p in params):
+                whole.update(map(id, params))
+        return all(id(p) in whole for p in stepped)
 
     def _queue(self, noted_at: int, half_only: bool, grad: torch.Tensor) -> None:
         """The scaled loss's gradient hook: the note is taken when the backward ends, after the callbacks queued during
