@@ -268,7 +268,7 @@ class ScheduleFreeHabits(_AgainstTwin):
         self.training = train
 
 
-OptimizerHabits.TestCase.settings = stateful_settings(max_examples=10, steps=12)
+OptimizerHabits.TestCase.settings = stateful_settings(max_examples=8, steps=12)
 test_o2_optimizer_habits_against_an_autocast_twin = OptimizerHabits.TestCase
 ScheduleFreeHabits.TestCase.settings = stateful_settings(max_examples=6, steps=10)
 test_o2_schedule_free_flips_against_an_autocast_twin = ScheduleFreeHabits.TestCase
