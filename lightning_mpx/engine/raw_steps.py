@@ -14,7 +14,8 @@ Gradient accumulation keeps its gradients, a skipped batch (``zero_grad`` withou
 for an ``nn.Embedding(max_norm=...)``'s weight, renormalised in place by each forward: left out), a write
 after the step (a clamp, an EMA swap for validation) comes before the first backward, and the engine's own stage
 changes that write parameters (a checkpoint loaded, a model prepared again, masters refreshed with ``force``, another
-stage's engine taking over) forget what was noted (:meth:`StepMachine.forget_writes`): none of them is refused. Only
+stage's engine taking over, a schedule-free optimizer's ``eval()``/``train()`` redone on the masters) forget what was
+noted (:meth:`StepMachine.forget_writes`): none of them is refused. Only
 where the harm is real: with FP32 masters (O2), or a loss scale other than 1. A SAM-style two-pass optimizer
 (``first_step``, :func:`is_two_pass`) has one such write let through per engine step: its
 ``first_step``'s perturbation, undone before the step; a second (davda54's ``second_step``, whose

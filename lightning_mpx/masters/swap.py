@@ -311,6 +311,7 @@ def call_on_masters(
         swap_out(state)
         for weights in master_weights:
             weights.copy_to_model(params)
+        state.backward_versions = None  # the engine's own write of the model, no raw step (engine.raw_steps)
 
 
 def train_modes(optimizer: torch.optim.Optimizer) -> tuple[object, ...] | None:
