@@ -1,0 +1,76 @@
+"""A first-time user follows README.md and docs/ through every door (stop 58): the places where the text and the
+library disagreed, or where an error a newcomer meets did not name the fix, checked as the user meets them.
+
+- docs/accelerate.md: the import is the switch; Accelerate's own ``Accelerator(mixed_precision="O2")`` refuses the
+  level with its own message, which the page quotes, and the adapter's refusal of ``"o2"`` says ``"O2"``.
+- docs/core.md: the opt-level overrides are keywords a ``LightningCLI`` config sets (it said jsonargparse could not).
+- ``MpxTrainerMixin(opt_level="o2")`` said only "not valid": now the core's message with "did you mean 'O2'?", as
+  every other door; ``mpx_kwargs={...}`` names the call that builds one.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _prose(doc: str) -> str:
+    """The page's text with its line breaks folded, as a reader reads a sentence."""
+    return re.sub(r"\s*\n\s*", " ", (ROOT / doc).read_text())
+
+
+def test_accelerate_md_quotes_the_errors_of_a_forgotten_import_and_of_a_lower_case_level() -> None:
+    accelerate = pytest.importorskip("accelerate")
+    from lightning_mpx.accelerate import Accelerator
+
+    text = _prose("docs/accelerate.md")
+    quoted = r"raises its own `ValueError: (Unknown mixed_precision mode: O2\. Choose between [^`]*)`"
+    upstream = re.search(quoted, text)
+    assert upstream, "docs/accelerate.md no longer quotes Accelerate's refusal of mixed_precision='O2'"
+    with pytest.raises(ValueError) as raised:
+        accelerate.Accelerator(mixed_precision="O2")  # the import not swapped: Accelerate's own class
+    assert str(raised.value) == upstream.group(1)
+    with pytest.raises(ValueError, match=r"mixed_precision='o2' is not valid; valid choices: .* did you mean 'O2'\?"):
+        Accelerator(mixed_precision="o2")
+
+
+def test_core_md_config_sets_the_opt_level_overrides_through_lightning_cli(tmp_path: Path) -> None:
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+    text = _prose("docs/core.md")
+    found = re.search(r"so a config sets them as well \(`init_args: (\{[^`]*\})`", text)
+    assert found, "docs/core.md no longer shows a config that sets an opt-level override"
+    init_args = yaml.safe_load(found.group(1))
+    assert set(init_args) >= {"loss_scale", "keep_batchnorm_fp32"}
+    plugin = {"class_path": "lightning_mpx.MixedPrecisionPlugin", "init_args": {**init_args, "half_dtype": "bfloat16"}}
+    config = {"trainer": {"accelerator": "cpu", "logger": False, "enable_checkpointing": False,
+                          "default_root_dir": str(tmp_path), "plugins": [plugin]}}  # fmt: skip
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    args = ["--config", str(path)]
+    cli = LightningCLI(BoringModel, BoringDataModule, args=args, save_config_callback=None, run=False)
+    props = cli.trainer.precision_plugin.amp.properties
+    assert props.loss_scale == "dynamic" and props.keep_batchnorm_fp32 is True  # bfloat16's preset: static 1.0
+
+
+def test_hf_trainer_mixin_refuses_a_lower_case_level_and_a_dict_naming_the_fix(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from lightning_mpx.accelerate import MpxTrainerMixin
+
+    class MpxTrainer(MpxTrainerMixin, transformers.Trainer):  # docs/accelerate.md, "transformers.Trainer"
+        pass
+
+    with pytest.raises(ValueError, match=r"opt_level='o2' is not an opt level; valid choices: 'O0', 'O1', 'O2', "
+                                         r"'O3'\. .*did you mean 'O2'\?"):  # fmt: skip
+        MpxTrainer(model=None, args=None, opt_level="o2")
+    with pytest.raises(ValueError, match=r"opt_level='02' .*not the digit zero: did you mean 'O2'\?"):
+        MpxTrainer(model=None, args=None, opt_level="02")
+    with pytest.raises(TypeError, match=r"mpx_kwargs=dict is not a MixedPrecisionKwargs: pass .*MixedPrecisionKwargs\("
+                                        r"\*\*d\)"):  # fmt: skip
+        MpxTrainer(model=None, args=None, opt_level="O2", mpx_kwargs={"half_dtype": "bfloat16"})
