@@ -6,6 +6,8 @@ library disagreed, or where an error a newcomer meets did not name the fix, chec
 - docs/core.md: the opt-level overrides are keywords a ``LightningCLI`` config sets (it said jsonargparse could not).
 - ``MpxTrainerMixin(opt_level="o2")`` said only "not valid": now the core's message with "did you mean 'O2'?", as
   every other door; ``mpx_kwargs={...}`` names the call that builds one.
+- docs/apex.md's block with ``amp.initialize`` left out (a newcomer's first edit of an Apex script): ``scale_loss``
+  yielded the loss unscaled and training ran on without a word; Apex raised, naming ``initialize``, and so does it now.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,3 +78,29 @@ def test_hf_trainer_mixin_refuses_a_lower_case_level_and_a_dict_naming_the_fix(t
     with pytest.raises(TypeError, match=r"mpx_kwargs=dict is not a MixedPrecisionKwargs: pass .*MixedPrecisionKwargs\("
                                         r"\*\*d\)"):  # fmt: skip
         MpxTrainer(model=None, args=None, opt_level="O2", mpx_kwargs={"half_dtype": "bfloat16"})
+
+
+def test_apex_md_block_without_initialize_is_refused_naming_it_and_runs_with_it() -> None:
+    from lightning_mpx.apex import _amp_state
+
+    text = (ROOT / "docs/apex.md").read_text()
+    code = re.search(r"^```python\n(.*?)^```", text, re.S | re.M).group(1)
+    assert "amp.initialize(model, optimizer" in code
+    skipped = code.replace('model, optimizer = amp.initialize(model, optimizer, opt_level="O2")', "")
+
+    def user() -> dict:  # only what the block leaves to the user: a model, an optimizer, a batch, a loss
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1), "x": torch.randn(3, 4),
+                "y": torch.randn(3, 2), "loss_fn": nn.functional.mse_loss}
+
+    _amp_state.reset()
+    try:
+        with pytest.raises(RuntimeError, match=r"amp\.initialize\(\) has not been called: call model, optimizer = "
+                                               r"amp\.initialize\(model, optimizer, opt_level=\.\.\.\)"):  # fmt: skip
+            exec(compile(skipped, "docs/apex.md", "exec"), user())  # noqa: S102 - the documented block under test
+        ns = user()
+        exec(compile(code, "docs/apex.md", "exec"), ns)  # noqa: S102 - float16, Apex's, on a 4x2 layer: quick
+        assert "loss_scale" in ns["checkpoint"]["amp"]["loss_scaler0"]  # Apex's entry
+    finally:
+        _amp_state.reset()
