@@ -43,23 +43,23 @@ def test_accelerate_md_quotes_the_errors_of_a_forgotten_import_and_of_a_lower_ca
         Accelerator(mixed_precision="o2")
 
 
-def test_core_md_config_sets_the_opt_level_overrides_through_lightning_cli(tmp_path: Path) -> None:
-    from lightning.pytorch.cli import LightningCLI
-    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+def test_core_md_config_sets_the_opt_level_overrides_through_lightning_cli() -> None:
+    """jsonargparse, which ``LightningCLI`` reads its configs with, on the plugin's ``init_args`` as core.md shows them
+    (tests/test_cliconfig53.py trains a whole ``LightningCLI`` run from such a config)."""
+    from jsonargparse import ArgumentParser
+
+    from lightning_mpx import MixedPrecisionPlugin
 
     text = _prose("docs/core.md")
     found = re.search(r"so a config sets them as well \(`init_args: (\{[^`]*\})`", text)
     assert found, "docs/core.md no longer shows a config that sets an opt-level override"
     init_args = yaml.safe_load(found.group(1))
     assert set(init_args) >= {"loss_scale", "keep_batchnorm_fp32"}
-    plugin = {"class_path": "lightning_mpx.MixedPrecisionPlugin", "init_args": {**init_args, "half_dtype": "bfloat16"}}
-    config = {"trainer": {"accelerator": "cpu", "logger": False, "enable_checkpointing": False,
-                          "default_root_dir": str(tmp_path), "plugins": [plugin]}}  # fmt: skip
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    args = ["--config", str(path)]
-    cli = LightningCLI(BoringModel, BoringDataModule, args=args, save_config_callback=None, run=False)
-    props = cli.trainer.precision_plugin.amp.properties
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--plugin", type=MixedPrecisionPlugin)
+    config = {"class_path": "lightning_mpx.MixedPrecisionPlugin", "init_args": {**init_args, "half_dtype": "bfloat16"}}
+    plugin = parser.instantiate_classes(parser.parse_object({"plugin": config})).plugin
+    props = plugin.amp.properties
     assert props.loss_scale == "dynamic" and props.keep_batchnorm_fp32 is True  # bfloat16's preset: static 1.0
 
 
