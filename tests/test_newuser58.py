@@ -6,6 +6,8 @@ library disagreed, or where an error a newcomer meets did not name the fix, chec
 - docs/core.md: the opt-level overrides are keywords a ``LightningCLI`` config sets (it said jsonargparse could not).
 - ``MpxTrainerMixin(opt_level="o2")`` said only "not valid": now the core's message with "did you mean 'O2'?", as
   every other door; ``mpx_kwargs={...}`` names the call that builds one.
+- README.md:106 and docs/accelerate.md:14 showed ``growth_interval`` beside ``half_dtype="bfloat16"``, whose static
+  scale ignores it: a copied example warned "growth_interval=... is ignored". Their settings are now all read.
 - docs/apex.md's block with ``amp.initialize`` left out (a newcomer's first edit of an Apex script): ``scale_loss``
   yielded the loss unscaled and training ran on without a word; Apex raised, naming ``initialize``, and so does it now.
 """
@@ -30,7 +32,7 @@ def _prose(doc: str) -> str:
 
 def test_accelerate_md_quotes_the_errors_of_a_forgotten_import_and_of_a_lower_case_level() -> None:
     accelerate = pytest.importorskip("accelerate")
-    from lightning_mpx.accelerate import Accelerator
+    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
 
     text = _prose("docs/accelerate.md")
     quoted = r"raises its own `ValueError: (Unknown mixed_precision mode: O2\. Choose between [^`]*)`"
@@ -39,6 +41,9 @@ def test_accelerate_md_quotes_the_errors_of_a_forgotten_import_and_of_a_lower_ca
     with pytest.raises(ValueError) as raised:
         accelerate.Accelerator(mixed_precision="O2")  # the import not swapped: Accelerate's own class
     assert str(raised.value) == upstream.group(1)
+    assert "a `MixedPrecisionKwargs` in Accelerate's own `kwargs_handlers` fails there with a bare `KeyError" in text
+    with pytest.raises(KeyError, match="MixedPrecisionKwargs"):
+        accelerate.Accelerator(kwargs_handlers=[MixedPrecisionKwargs(half_dtype="bfloat16")], cpu=True)
     with pytest.raises(ValueError, match=r"mixed_precision='o2' is not valid; valid choices: .* did you mean 'O2'\?"):
         Accelerator(mixed_precision="o2")
 
@@ -104,3 +109,22 @@ def test_apex_md_block_without_initialize_is_refused_naming_it_and_runs_with_it(
         assert "loss_scale" in ns["checkpoint"]["amp"]["loss_scaler0"]  # Apex's entry
     finally:
         _amp_state.reset()
+
+
+def test_the_settings_the_readme_and_accelerate_md_show_are_all_read() -> None:
+    """A keyword that the level's loss scale ignores makes the engine warn: an example should not show one."""
+    from lightning_mpx import MixedPrecisionPlugin
+    from lightning_mpx.accelerate import MixedPrecisionKwargs
+    from lightning_mpx.settings import ignored_level_settings, ignored_scaler_settings
+
+    readme = re.search(r"\(`(MixedPrecisionPlugin\(\"O2\", half_dtype=[^`]*growth_interval=[^`]*\))`\)",
+                       _prose("README.md"))  # fmt: skip
+    assert readme, "README.md no longer shows the plugin's keywords"
+    accelerate_md = (ROOT / "docs/accelerate.md").read_text()
+    kwargs = re.search(r"kwargs_handlers=\[(MixedPrecisionKwargs\([^)]*\))\]", accelerate_md)
+    assert kwargs, "docs/accelerate.md no longer shows MixedPrecisionKwargs"
+    names = {"MixedPrecisionPlugin": MixedPrecisionPlugin, "MixedPrecisionKwargs": MixedPrecisionKwargs}
+    shown = {"README.md": eval(readme.group(1), names).settings,  # noqa: S307 - the documented call
+             "docs/accelerate.md": eval(kwargs.group(1), names).settings("O2")}  # noqa: S307
+    for doc, settings in shown.items():
+        assert not ignored_scaler_settings(settings) and not ignored_level_settings(settings), doc
