@@ -224,8 +224,13 @@ def scale_loss(
     """
     state = _amp_state
     items = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
-    if state.amp is None and all(_wrapper_of(item) is None for item in items):  # enabled=False, as Apex
-        yield loss  # (an earlier call's optimizers keep scaling: their step unscales)
+    if state.amp is None and all(_wrapper_of(item) is None for item in items):
+        if state.enabled is None:  # Apex's own refusal: nothing was initialized, the loss would go unscaled
+            raise RuntimeError(
+                "amp.scale_loss() was invoked, but amp.initialize() has not been called: call "
+                "model, optimizer = amp.initialize(model, optimizer, opt_level=...) before `with amp.scale_loss`."
+            )
+        yield loss  # enabled=False, as Apex (an earlier call's optimizers keep scaling: their step unscales)
         return
     wrapped = _resolve(optimizers)
     amp = wrapped[0]._engine

@@ -35,7 +35,7 @@ from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwa
 from lightning_mpx.integrations.accelerate_checkpoint import AMP_STATE_NAME, masters_into, warn_frozen_half
 from lightning_mpx.integrations.accelerate_forward import engine_of
 from lightning_mpx.integrations.metric_counts import LOG_READER
-from lightning_mpx.opt_levels import OPT_LEVELS
+from lightning_mpx.opt_levels import _check_opt_level
 
 __all__ = ["MpxTrainerMixin", "mpx_trainer"]
 
@@ -73,11 +73,12 @@ class MpxTrainerMixin:
     def __init__(
         self, *args: Any, opt_level: str = "O2", mpx_kwargs: MixedPrecisionKwargs | None = None, **kwargs: Any
     ) -> None:
-        if opt_level not in OPT_LEVELS:
-            choices = ", ".join(map(repr, OPT_LEVELS))
-            raise ValueError(f"opt_level={opt_level!r} is not valid; valid choices: {choices}.")
+        _check_opt_level(opt_level)  # the core's message: "o2" and "02" get their "did you mean 'O2'?"
         if mpx_kwargs is not None and not isinstance(mpx_kwargs, MixedPrecisionKwargs):
-            raise TypeError(f"mpx_kwargs={type(mpx_kwargs).__name__} is not a MixedPrecisionKwargs.")
+            raise TypeError(
+                f"mpx_kwargs={type(mpx_kwargs).__name__} is not a MixedPrecisionKwargs: pass "
+                f"mpx_kwargs=MixedPrecisionKwargs(half_dtype=..., ...) (a dict d: MixedPrecisionKwargs(**d))."
+            )
         self.mpx_opt_level = opt_level
         self.mpx_kwargs = mpx_kwargs
         super().__init__(*args, **kwargs)  # the Trainer calls create_accelerator_and_postprocess in here
