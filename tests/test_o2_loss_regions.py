@@ -36,7 +36,7 @@ def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.fixture
 def mode_everywhere(monkeypatch):
     """The engine before: the O2 mode on for the whole forward (no region hooks)."""
-    monkeypatch.setattr(LossRegions, "install", lambda self, root: [])
+    monkeypatch.setattr(LossRegions, "install", lambda self, root, **kwargs: [])
 
 
 def _train_bert(steps: int = 3) -> tuple[list[float], nn.Module, int]:
@@ -63,7 +63,7 @@ def test_hf_blocks_pay_no_python_and_the_run_is_the_same(monkeypatch):
     # The encoder, dropout and classifier run with the mode off: only the head's own code (the loss) is handed over.
     assert calls <= 12, calls
     with monkeypatch.context() as patch:
-        patch.setattr(LossRegions, "install", lambda self, root: [])
+        patch.setattr(LossRegions, "install", lambda self, root, **kwargs: [])
         expected, reference, reference_calls = _train_bert()
     assert reference_calls > 10 * calls  # every op of the encoder went through the mode before
     assert losses == expected

@@ -6,8 +6,18 @@ for a whole forward it costs a Python call per op of the half model (3-5 us each
 calls. Losses are computed by a model's own code (a Hugging Face ``...ForSequenceClassification.forward``, a
 LightningModule's ``training_step``), not inside its blocks. So when a model is prepared at O2, :class:`LossRegions`
 reads each submodule's code and takes the mode off the stack while the topmost submodules whose subtree computes no
-loss run (a forward pre-hook and an always-called forward hook on each of them; the prepared module itself is never
-hooked: Lightning runs ``training_step`` through it under DDP and FSDP).
+loss run (a forward pre-hook and an always-called forward hook on each of them).
+
+A prepared module whose whole tree computes no loss (a GPT that returns logits, the loss computed by the loop after
+the call) is hooked alone instead, when it runs its own ``forward``: one pair of hooks in place of a pair per child
+(each pair costs about 7 host calls per step: torch's hooked call path, the two hooks, a dynamo question in each).
+Not when the tree holds a ``training_step`` (a LightningModule: the Trainer runs its training code outside its
+forward, through it under DDP and FSDP with ``forward`` redirected), nor when the prepared module is sharded (FSDP's
+wrapper runs its inner module's forward, which Lightning and Fabric redirect); and while a ``forward`` put on the
+root's instance since it was hooked runs (Lightning's and Fabric's redirection of another method through the
+model's call, Accelerate's forward wrapper, which hooks the model again when it puts its forward on) its hooks take
+nothing off. A free child called directly (not through the root) then runs with the mode on: the same dtypes (the
+mode passes every function its table does not name), a call into the mode per op.
 
 A module *computes a loss* when it is a ``torch.nn`` loss module, or when its ``forward`` (or a function or method it
 calls, its own or a child module's, three calls deep, nested functions included) names a function of the O2 table
@@ -99,6 +109,27 @@ class LossRegions:
         """The topmost submodules of ``root`` (not ``root`` itself) whose whole subtree computes no loss, and that
         can be called: a container without a ``forward`` (``nn.ModuleList``, ``nn.ModuleDict``) never runs its hooks,
         so its children stand in for it (a GPT's ``self.blocks``, iterated by its parent's forward)."""
+        free = self._free(root)
+        found: dict[int, nn.Module] = {}
+        stack = [root]
+        while stack:
+            parent = stack.pop()
+            for child in parent.children():
+                if free[id(child)] and _callable(child):
+                    found.setdefault(id(child), child)
+                else:
+                    stack.append(child)
+        return list(found.values())
+
+    def runs_alone(self, root: nn.Module) -> bool:
+        """Whether ``root`` is hooked alone: its whole tree computes no loss, it has a ``forward`` of its own and no
+        ``forward`` on its instance, and no module of its tree has a ``training_step`` (see the module's docstring)."""
+        return (_callable(root) and "forward" not in root.__dict__
+                and not any(hasattr(type(module), "training_step") for module in root.modules())
+                and self._free(root)[id(root)])
+
+    def _free(self, root: nn.Module) -> dict[int, bool]:
+        """By ``id``: whether each module of ``root``'s tree, ``root`` included, computes no loss in its subtree."""
         self._current_names()  # (re)read the table's names first: the verdicts below are made with them
         free: dict[int, bool] = {}
 
@@ -111,16 +142,7 @@ class LossRegions:
             return free[key]
 
         visit(root)
-        found: dict[int, nn.Module] = {}
-        stack = [root]
-        while stack:
-            parent = stack.pop()
-            for child in parent.children():
-                if free[id(child)] and _callable(child):
-                    found.setdefault(id(child), child)
-                else:
-                    stack.append(child)
-        return list(found.values())
+        return free
 
     def computes_loss(self, module: nn.Module) -> bool:
         """Whether ``module``'s own code can compute a loss (see the module's docstring)."""
@@ -161,8 +183,12 @@ class LossRegions:
         return verdict
 
     # -- the hooks --------------------------------------------------------------------------------------------
-    def install(self, root: nn.Module) -> list[Any]:
-        """Hook the free modules of ``root``; returns the hook handles."""
+    def install(self, root: nn.Module, *, alone: bool = True) -> list[Any]:
+        """Hook the free modules of ``root``, or ``root`` alone where :meth:`runs_alone` (``alone=False``: never, as
+        for a sharded model); returns the hook handles."""
+        if alone and self.runs_alone(root):
+            return [root.register_forward_pre_hook(self._off_root),
+                    root.register_forward_hook(self._on, always_call=True)]
         handles = []
         for module in self.free_modules(root):
             handles.append(module.register_forward_pre_hook(self._off))
@@ -185,6 +211,19 @@ class LossRegions:
         if taken is None:
             taken = self._local.taken = []
         taken.append(popped)
+
+    def _off_root(self, module: nn.Module, args: Any) -> None:
+        # A root hooked alone: its code was judged, not a forward put on its instance since (a redirection of
+        # training_step or another method through the model's call, a forward wrapper): that one keeps the mode on.
+        if _dynamo_compiling() or _COMPILER._is_compiling_flag:  # traced, as in _off
+            return
+        if "forward" not in module.__dict__:
+            self._off(module, args)
+            return
+        taken = getattr(self._local, "taken", None)
+        if taken is None:
+            taken = self._local.taken = []
+        taken.append(())  # _on puts nothing back
 
     def _on(self, module: nn.Module, args: Any, output: Any) -> None:
         # always_call: also when the forward raised, so the stack is whole again.
