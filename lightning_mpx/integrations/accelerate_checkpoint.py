@@ -39,8 +39,11 @@ def amp_state_path(input_dir: str, opt_level: str) -> str:
             f"with an opt level, so the loss scale and FP32 masters of mixed_precision={opt_level!r} "
             "cannot be restored. To start this run from the weights of a checkpoint of plain Accelerate, load "
             "them into the model before accelerator.prepare(...) (model.load_state_dict(...), or accelerate's "
-            "load_checkpoint_in_model), or after it (FP32 values go to the O2 masters exactly); the optimizer "
-            "and the loss scale then start afresh."
+            "load_checkpoint_in_model), or after it (FP32 values go to the O2 masters exactly), and keep the "
+            "optimizer's state (its moments) with prepared_optimizer.load_state_dict(torch.load(os.path.join("
+            f"{input_dir!r}, 'optimizer.bin'))) after prepare (optimizer_1.bin for the second...); the loss scale "
+            "starts from init_scale (a scaler.pt of Accelerate's 'fp16': MixedPrecisionKwargs(init_scale="
+            "torch.load(<its path>)['scale']))."
         )
     return path
 

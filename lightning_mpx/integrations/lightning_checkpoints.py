@@ -11,7 +11,27 @@ from torch import nn
 from lightning_mpx.integrations.lightning_conversion import frozen_masters_from_checkpoint, masters_into_checkpoint
 from lightning_mpx.integrations.metric_counts import LOG_READER, upgrade_unlogged
 
-__all__ = ["CheckpointHooks"]
+__all__ = ["CheckpointHooks", "native_scale_into"]
+
+#: The keys of Lightning's own ``MixedPrecision`` plugin's entry (``"16-mixed"``: its ``GradScaler``'s state dict),
+#: the current one and that of older checkpoints.
+_NATIVE_KEYS = ("MixedPrecision", "native_amp_scaling_state")
+
+
+def native_scale_into(amp: Any, checkpoint: dict[str, Any]) -> None:
+    """Give the scale and growth tracker of the ``torch.amp.GradScaler`` in a checkpoint of Lightning's own
+    ``"16-mixed"`` to ``amp``'s dynamic loss scalers, as a dynamic scale carries over between opt levels (a static
+    scale is a setting: it stays)."""
+    for key in _NATIVE_KEYS:
+        state = checkpoint.get(key)
+        if isinstance(state, dict) and "scale" in state:
+            for scaler in amp.scalers:
+                if scaler.dynamic:
+                    scaler.load_state_dict({
+                        "scale": state["scale"], "growth_tracker": int(state.get("_growth_tracker", 0)),
+                        "hysteresis_tracker": scaler.hysteresis, "overflows": 0, "dynamic": True,
+                    })
+            return
 
 
 class CheckpointHooks:
@@ -41,9 +61,12 @@ class CheckpointHooks:
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The masters of parameters frozen in the resumed model come from the checkpoint (the others from the
-        model's state-dict loads, which Lightning makes before :meth:`load_state_dict`)."""
+        model's state-dict loads, which Lightning makes before :meth:`load_state_dict`). A checkpoint of Lightning's
+        own ``"16-mixed"`` (no entry of this plugin) gives its ``GradScaler`` scale to the dynamic scalers."""
         if self._module is not None:
             frozen_masters_from_checkpoint(self._module, checkpoint, type(self).__qualname__)
+        if type(self).__qualname__ not in checkpoint:
+            native_scale_into(self.amp, checkpoint)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the engine from the plugin's entry of a checkpoint (a checkpoint of the release before too)."""
