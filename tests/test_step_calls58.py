@@ -182,3 +182,45 @@ def test_accelerate_o2_forward_keeps_the_mode_off_in_its_blocks() -> None:
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+
+
+def _handed_loss(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(a, b)
+
+
+class _Criterion:
+    def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(a, b)
+
+
+class _LossInForward(nn.Module):
+    """A model whose own forward computes its loss through a callable its code does not name: handed to
+    ``__init__`` (a function, a lambda, a criterion object) or looked up by name."""
+
+    def __init__(self, fn: Any) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.body(x)
+        if self.fn is None:
+            return getattr(F, "cross_entropy")(logits, y)
+        return self.fn(logits, y)
+
+
+@pytest.mark.parametrize(
+    "fn", [_handed_loss, lambda a, b: F.cross_entropy(a, b), _Criterion(), None],
+    ids=["function", "lambda", "criterion_object", "getattr"],
+)
+def test_o2_loss_in_the_forward_through_a_handed_callable_stays_fp32(fn: Any) -> None:
+    # A root hooked alone runs its own code with the mode off: a loss reached through a callable its names do not
+    # show ran in bfloat16 there (stop 58's first root-alone rule: 4 of these 4 cases; before it, and now, FP32: the
+    # root keeps its children's hooks and the mode for its own code).
+    amp = Amp("O2", half_dtype=torch.bfloat16)
+    model = amp.prepare_model(_LossInForward(fn))
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    with amp.forward_context():
+        loss = model(amp.cast_inputs(x), y)
+    assert loss.dtype == torch.float32
+    assert not amp._models.loss_regions.runs_alone(model)

@@ -10,14 +10,16 @@ loss run (a forward pre-hook and an always-called forward hook on each of them).
 
 A prepared module whose whole tree computes no loss (a GPT that returns logits, the loss computed by the loop after
 the call) is hooked alone instead, when it runs its own ``forward``: one pair of hooks in place of a pair per child
-(each pair costs about 7 host calls per step: torch's hooked call path, the two hooks, a dynamo question in each).
-Not when the tree holds a ``training_step`` (a LightningModule: the Trainer runs its training code outside its
-forward, through it under DDP and FSDP with ``forward`` redirected), nor when the prepared module is sharded (FSDP's
-wrapper runs its inner module's forward, which Lightning and Fabric redirect); and while a ``forward`` put on the
-root's instance since it was hooked runs (Lightning's and Fabric's redirection of another method through the
-model's call, Accelerate's forward wrapper, which hooks the model again when it puts its forward on) its hooks take
-nothing off. A free child called directly (not through the root) then runs with the mode on: the same dtypes (the
-mode passes every function its table does not name), a call into the mode per op.
+(each pair costs about 7 host calls per step: torch's hooked call path, the two hooks, a dynamo question in each). Not
+when the root's own code calls a callable it does not name (an instance attribute that is not a module, or a
+``getattr``) whose code computes a loss or cannot be read (:meth:`LossRegions._hidden_callees`): a root hooked alone
+would run that loss in half. Not when the tree holds a ``training_step`` (a LightningModule: the Trainer runs its
+training code outside its forward, through it under DDP and FSDP with ``forward`` redirected), nor when the prepared
+module is sharded (FSDP's wrapper runs its inner module's forward, which Lightning and Fabric redirect); and while a
+``forward`` put on the root's instance since it was hooked runs (Lightning's and Fabric's redirection of another
+method through the model's call, Accelerate's forward wrapper, which hooks the model again when it puts its forward
+on) its hooks take nothing off. A free child called directly (not through the root) then runs with the mode on: the
+same dtypes (the mode passes every function its table does not name), a call into the mode per op.
 
 A module *computes a loss* when it is a ``torch.nn`` loss module, or when its ``forward`` (or a function or method it
 calls, its own or a child module's, three calls deep, nested functions included) names a function of the O2 table
@@ -46,6 +48,7 @@ from lightning_mpx.casting.mode import _CastMode
 #: Words that mark a name as a loss in a module's code (lower-cased substring match).
 LOSS_WORDS = ("loss", "criterion")
 _DEPTH = 3  # calls followed from a forward
+_DYNAMIC = frozenset({"getattr", "eval", "exec"})  # names whose callee the code does not show
 _COMPILER = torch.compiler
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
 
@@ -126,7 +129,43 @@ class LossRegions:
         ``forward`` on its instance, and no module of its tree has a ``training_step`` (see the module's docstring)."""
         return (_callable(root) and "forward" not in root.__dict__
                 and not any(hasattr(type(module), "training_step") for module in root.modules())
-                and self._free(root)[id(root)])
+                and self._free(root)[id(root)] and not self._hidden_callees(root))
+
+    def _hidden_callees(self, root: nn.Module) -> bool:
+        """Whether ``root``'s own code (its ``forward`` and the methods of its class it calls, three deep) reaches a
+        callable whose code its names do not show: a callable instance attribute that is not a module (a loss
+        function handed to ``__init__``, a lambda, a ``functools.partial``, a criterion object) whose code computes a
+        loss or cannot be read, or a name looked up at run time (``getattr``). A root hooked alone would run such a
+        loss in half; the children's hooks keep the mode on for the root's own code (the layout before stop 58)."""
+        owner = type(root)
+        forward = inspect.unwrap(owner.forward)
+        start = getattr(forward, "__code__", None)
+        if start is None:
+            return True
+        globals_ = getattr(forward, "__globals__", {})
+        stack, seen = [(start, _DEPTH)], {start}
+        while stack:
+            code, depth = stack.pop()
+            for name in set(_names(code)):
+                if name in _DYNAMIC:
+                    return True
+                value = root.__dict__.get(name)
+                if value is not None and callable(value) and not isinstance(value, (nn.Module, torch.Tensor)):
+                    if isinstance(value, types.BuiltinFunctionType):  # torch.tanh, math.exp: named as they are
+                        if value.__name__ in self.loss_names:
+                            return True
+                        continue
+                    inner = getattr(value, "func", value)  # functools.partial
+                    called = _python_code(inner) or _python_code(getattr(type(inner), "__call__", None))
+                    if called is None or self._code_computes_loss(called, getattr(inner, "__globals__", globals_),
+                                                                  (owner,), _DEPTH):
+                        return True
+                target = inspect.getattr_static(owner, name, None)
+                called = _python_code(getattr(target, "__func__", target))
+                if called is not None and depth > 0 and called not in seen:
+                    seen.add(called)
+                    stack.append((called, depth - 1))
+        return False
 
     def _free(self, root: nn.Module) -> dict[int, bool]:
         """By ``id``: whether each module of ``root``'s tree, ``root`` included, computes no loss in its subtree."""
