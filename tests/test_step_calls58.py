@@ -193,6 +193,28 @@ class _Criterion:
         return F.cross_entropy(a, b)
 
 
+_GLOBAL_CE = nn.CrossEntropyLoss()
+
+
+class _GlobalCriterion(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return _GLOBAL_CE(self.body(x), y)
+
+
+class _DefaultArgument(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor,
+                fn: Callable[..., torch.Tensor] = F.cross_entropy) -> torch.Tensor:
+        return fn(self.body(x), y)
+
+
 class _LossInForward(nn.Module):
     """A model whose own forward computes its loss through a callable its code does not name: handed to
     ``__init__`` (a function, a lambda, a criterion object) or looked up by name."""
@@ -210,15 +232,15 @@ class _LossInForward(nn.Module):
 
 
 @pytest.mark.parametrize(
-    "fn", [_handed_loss, lambda a, b: F.cross_entropy(a, b), _Criterion(), None],
-    ids=["function", "lambda", "criterion_object", "getattr"],
+    "fn", [_handed_loss, lambda a, b: F.cross_entropy(a, b), _Criterion(), None, _GlobalCriterion, _DefaultArgument],
+    ids=["function", "lambda", "criterion_object", "getattr", "global_loss_module", "default_argument"],
 )
 def test_o2_loss_in_the_forward_through_a_handed_callable_stays_fp32(fn: Any) -> None:
     # A root hooked alone runs its own code with the mode off: a loss reached through a callable its names do not
-    # show ran in bfloat16 there (stop 58's first root-alone rule: 4 of these 4 cases; before it, and now, FP32: the
+    # show ran in bfloat16 there (stop 58's first root-alone rule: all six cases; before it, and now, FP32: the
     # root keeps its children's hooks and the mode for its own code).
     amp = Amp("O2", half_dtype=torch.bfloat16)
-    model = amp.prepare_model(_LossInForward(fn))
+    model = amp.prepare_model(fn() if isinstance(fn, type) else _LossInForward(fn))
     x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
     with amp.forward_context():
         loss = model(amp.cast_inputs(x), y)

@@ -133,39 +133,54 @@ class LossRegions:
 
     def _hidden_callees(self, root: nn.Module) -> bool:
         """Whether ``root``'s own code (its ``forward`` and the methods of its class it calls, three deep) reaches a
-        callable whose code its names do not show: a callable instance attribute that is not a module (a loss
-        function handed to ``__init__``, a lambda, a ``functools.partial``, a criterion object) whose code computes a
-        loss or cannot be read, or a name looked up at run time (``getattr``). A root hooked alone would run such a
-        loss in half; the children's hooks keep the mode on for the root's own code (the layout before stop 58)."""
+        callable whose code its names do not show: an object it calls by a name that is an instance attribute, a
+        global or a default argument (a loss function handed to ``__init__``, a lambda, a ``functools.partial``, a
+        criterion object or loss module kept in a global) whose code computes a loss or cannot be read, or a name
+        looked up at run time (``getattr``). A root hooked alone would run such a loss in half; the children's hooks
+        keep the mode on for the root's own code (the layout before stop 58)."""
         owner = type(root)
         forward = inspect.unwrap(owner.forward)
         start = getattr(forward, "__code__", None)
         if start is None:
             return True
-        globals_ = getattr(forward, "__globals__", {})
-        stack, seen = [(start, _DEPTH)], {start}
+        kwdefaults = getattr(forward, "__kwdefaults__", None) or {}
+        defaults = (*(getattr(forward, "__defaults__", None) or ()), *kwdefaults.values())
+        if any(self._hides_loss(value, owner) for value in defaults):
+            return True
+        stack, seen = [(start, getattr(forward, "__globals__", {}), _DEPTH)], {start}
         while stack:
-            code, depth = stack.pop()
+            code, globals_, depth = stack.pop()
             for name in set(_names(code)):
                 if name in _DYNAMIC:
                     return True
-                value = root.__dict__.get(name)
-                if value is not None and callable(value) and not isinstance(value, (nn.Module, torch.Tensor)):
-                    if isinstance(value, types.BuiltinFunctionType):  # torch.tanh, math.exp: named as they are
-                        if value.__name__ in self.loss_names:
-                            return True
-                        continue
-                    inner = getattr(value, "func", value)  # functools.partial
-                    called = _python_code(inner) or _python_code(getattr(type(inner), "__call__", None))
-                    if called is None or self._code_computes_loss(called, getattr(inner, "__globals__", globals_),
-                                                                  (owner,), _DEPTH):
-                        return True
+                if self._hides_loss(root.__dict__.get(name), owner) or (
+                        not isinstance(globals_.get(name), types.FunctionType)
+                        and self._hides_loss(globals_.get(name), owner)):
+                    return True
                 target = inspect.getattr_static(owner, name, None)
-                called = _python_code(getattr(target, "__func__", target))
+                target = getattr(target, "__func__", target)
+                called = _python_code(target)
                 if called is not None and depth > 0 and called not in seen:
                     seen.add(called)
-                    stack.append((called, depth - 1))
+                    stack.append((called, getattr(target, "__globals__", globals_), depth - 1))
         return False
+
+    def _hides_loss(self, value: Any, owner: type) -> bool:
+        """Whether calling ``value`` (an object the code reaches by a name) may compute a loss: a loss module or a
+        module whose tree computes one, a builtin named in the table, Python code that computes one (a function, a
+        lambda, a ``functools.partial``'s function, a callable object's ``__call__``), or code that cannot be read."""
+        if value is None or not callable(value) or isinstance(value, (type, types.ModuleType, torch.Tensor)):
+            return False
+        if isinstance(value, nn.Module):
+            return any(self.computes_loss(module) for module in value.modules())
+        if isinstance(value, types.BuiltinFunctionType):  # torch.tanh, math.exp: named as they are
+            return value.__name__ in self.loss_names
+        inner = getattr(value, "func", value)  # functools.partial
+        if inner is not value:
+            return self._hides_loss(inner, owner)
+        called = _python_code(inner) or _python_code(getattr(type(inner), "__call__", None))
+        return called is None or self._code_computes_loss(
+            called, getattr(getattr(inner, "__func__", inner), "__globals__", {}), (owner,), _DEPTH)
 
     def _free(self, root: nn.Module) -> dict[int, bool]:
         """By ``id``: whether each module of ``root``'s tree, ``root`` included, computes no loss in its subtree."""
