@@ -497,7 +497,7 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
         self._close_iteration()  # the checkpoint holds the scale the next backward would use
         state = self.amp.state_dict()  # every rank reads its device state (the flags are reduced); the log's position
         if self.is_main_process or (self.project_configuration.save_on_each_node and self.is_local_main_process):
-            write_amp_state(state, output_dir)
+            write_amp_state(state, output_dir, self.amp.scalers)
 
     def _load_amp_state(self, models: list[nn.Module], input_dir: str) -> None:
         assert self.amp is not None

@@ -13,6 +13,7 @@ from lightning_mpx.integrations.fp32_export import masters_into, warn_frozen_hal
 
 __all__ = [
     "AMP_STATE_NAME",
+    "GRAD_SCALER_NAME",
     "amp_state_path",
     "masters_into",
     "read_amp_state",
@@ -24,9 +25,18 @@ __all__ = [
 AMP_STATE_NAME = "lightning_mpx_amp.bin"
 
 
-def write_amp_state(state: dict[str, Any], output_dir: str) -> None:
-    """Write the engine's ``state`` into the checkpoint in ``output_dir``."""
+#: The file Accelerate's own ``"fp16"`` keeps its ``GradScaler``'s state in (``accelerate.utils.SCALER_NAME``).
+GRAD_SCALER_NAME = "scaler.pt"
+
+
+def write_amp_state(state: dict[str, Any], output_dir: str, scalers: Any = ()) -> None:
+    """Write the engine's ``state`` into the checkpoint in ``output_dir``, and the dynamic scale of loss 0 (of
+    ``scalers``, the engine's loss scalers) in ``GradScaler``'s format as :data:`GRAD_SCALER_NAME`, which
+    Accelerate's own ``"fp16"`` reads at ``load_state`` (a static scale writes none)."""
     torch.save(state, os.path.join(output_dir, AMP_STATE_NAME))
+    native = scalers[0].grad_scaler_state(state["scalers"][0]) if scalers and state.get("scalers") else None
+    if native is not None:
+        torch.save(native, os.path.join(output_dir, GRAD_SCALER_NAME))
 
 
 def amp_state_path(input_dir: str, opt_level: str) -> str:

@@ -11,7 +11,7 @@ from torch import nn
 from lightning_mpx.integrations.lightning_conversion import frozen_masters_from_checkpoint, masters_into_checkpoint
 from lightning_mpx.integrations.metric_counts import LOG_READER, upgrade_unlogged
 
-__all__ = ["CheckpointHooks", "native_scale_into"]
+__all__ = ["CheckpointHooks", "native_scale_from", "native_scale_into"]
 
 #: The keys of Lightning's own ``MixedPrecision`` plugin's entry (``"16-mixed"``: its ``GradScaler``'s state dict),
 #: the current one and that of older checkpoints.
@@ -34,6 +34,18 @@ def native_scale_into(amp: Any, checkpoint: dict[str, Any]) -> None:
             return
 
 
+def native_scale_from(amp: Any, checkpoint: dict[str, Any], own: Any) -> None:
+    """Write the dynamic scale of loss 0 in ``own`` (the plugin's entry of ``checkpoint``, :meth:`Amp.state_dict
+    <lightning_mpx.engine.amp.Amp.state_dict>`) as Lightning's own ``"16-mixed"`` entry (its ``GradScaler``'s state
+    dict), which a run resumed under ``"16-mixed"`` loads; the plugin's own resume reads its entry, not this one. A
+    static scale (bfloat16's, ``loss_scale=<number>``) writes none, and the other losses' scalers have no place
+    there."""
+    if isinstance(own, dict) and own.get("scalers") and amp.scalers:
+        native = amp.scalers[0].grad_scaler_state(own["scalers"][0])
+        if native is not None:
+            checkpoint[_NATIVE_KEYS[0]] = native
+
+
 class CheckpointHooks:
     """Lightning's ``Precision`` checkpoint hooks of a plugin whose ``amp`` is a :class:`~lightning_mpx.Amp`, whose
     ``_module`` is the model it prepared last and whose ``_end_iteration`` settles a pending scale update."""
@@ -54,10 +66,12 @@ class CheckpointHooks:
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """At O2 the checkpoint's ``state_dict`` holds the FP32 masters (``load_from_checkpoint`` and a resume under
-        another precision get the trained weights, not their half rounding)."""
+        another precision get the trained weights, not their half rounding); a dynamic scale of loss 0 also goes to
+        the entry of Lightning's own ``"16-mixed"`` (:func:`native_scale_from`)."""
         if self._module is not None:
             own = checkpoint.get(type(self).__qualname__)
             self._frozen_warned |= masters_into_checkpoint(self.amp, self._module, checkpoint, own, self._frozen_warned)
+        native_scale_from(self.amp, checkpoint, checkpoint.get(type(self).__qualname__))
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The masters of parameters frozen in the resumed model come from the checkpoint (the others from the

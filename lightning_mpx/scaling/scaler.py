@@ -345,6 +345,19 @@ class LossScaler:
         else:
             self._apply_state(state)
 
+    def grad_scaler_state(self, state: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+        """This scaler's state (or ``state``, a :meth:`state_dict` of it) in ``torch.amp.GradScaler.state_dict()``'s
+        format, for a run of the framework's own float16 mixed precision to resume from (its scale, growth tracker and
+        growth settings; a GradScaler has no hysteresis nor scale bounds); ``None`` for a static scale, which a
+        GradScaler (always dynamic) cannot hold."""
+        if not self.dynamic:
+            return None
+        state = self.state_dict() if state is None else state
+        return {
+            "scale": float(state["scale"]), "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+            "growth_interval": int(self.growth_interval), "_growth_tracker": int(state["growth_tracker"]),
+        }
+
     def _apply_state(self, state: dict[str, Any]) -> None:
         # A state saved with a longer growth_interval (or a larger hysteresis) can hold a tracker past this scaler's
         # limit; torch's kernel grows only when the tracker *equals* the interval, so it would never grow again.
