@@ -205,6 +205,17 @@ class _GlobalCriterion(nn.Module):
         return _GLOBAL_CE(self.body(x), y)
 
 
+class _ClassAttribute(nn.Module):
+    score = nn.CrossEntropyLoss()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.score(self.body(x), y)
+
+
 class _DefaultArgument(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -232,12 +243,14 @@ class _LossInForward(nn.Module):
 
 
 @pytest.mark.parametrize(
-    "fn", [_handed_loss, lambda a, b: F.cross_entropy(a, b), _Criterion(), None, _GlobalCriterion, _DefaultArgument],
-    ids=["function", "lambda", "criterion_object", "getattr", "global_loss_module", "default_argument"],
+    "fn", [_handed_loss, lambda a, b: F.cross_entropy(a, b), _Criterion(), None, _GlobalCriterion, _DefaultArgument,
+           _ClassAttribute],
+    ids=["function", "lambda", "criterion_object", "getattr", "global_loss_module", "default_argument",
+         "class_attribute"],
 )
 def test_o2_loss_in_the_forward_through_a_handed_callable_stays_fp32(fn: Any) -> None:
     # A root hooked alone runs its own code with the mode off: a loss reached through a callable its names do not
-    # show ran in bfloat16 there (stop 58's first root-alone rule: all six cases; before it, and now, FP32: the
+    # show ran in bfloat16 there (stop 58's first root-alone rule: all seven cases; before it, and now, FP32: the
     # root keeps its children's hooks and the mode for its own code).
     amp = Amp("O2", half_dtype=torch.bfloat16)
     model = amp.prepare_model(fn() if isinstance(fn, type) else _LossInForward(fn))

@@ -133,11 +133,11 @@ class LossRegions:
 
     def _hidden_callees(self, root: nn.Module) -> bool:
         """Whether ``root``'s own code (its ``forward`` and the methods of its class it calls, three deep) reaches a
-        callable whose code its names do not show: an object it calls by a name that is an instance attribute, a
-        global or a default argument (a loss function handed to ``__init__``, a lambda, a ``functools.partial``, a
-        criterion object or loss module kept in a global) whose code computes a loss or cannot be read, or a name
-        looked up at run time (``getattr``). A root hooked alone would run such a loss in half; the children's hooks
-        keep the mode on for the root's own code (the layout before stop 58)."""
+        callable whose code its names do not show: an object it calls by a name that is an instance or class
+        attribute, a global or a default argument (a loss function handed to ``__init__``, a lambda, a
+        ``functools.partial``, a criterion object or loss module kept in a global) whose code computes a loss or
+        cannot be read, or a name looked up at run time (``getattr``). A root hooked alone would run such a loss in
+        half; the children's hooks keep the mode on for the root's own code (the layout before stop 58)."""
         owner = type(root)
         forward = inspect.unwrap(owner.forward)
         start = getattr(forward, "__code__", None)
@@ -160,6 +160,8 @@ class LossRegions:
                 target = inspect.getattr_static(owner, name, None)
                 target = getattr(target, "__func__", target)
                 called = _python_code(target)
+                if called is None and self._hides_loss(target, owner):  # a class attribute: a loss module
+                    return True
                 if called is not None and depth > 0 and called not in seen:
                     seen.add(called)
                     stack.append((called, getattr(target, "__globals__", globals_), depth - 1))
