@@ -19,7 +19,11 @@ module is sharded (FSDP's wrapper runs its inner module's forward, which Lightni
 ``forward`` put on the root's instance since it was hooked runs (Lightning's and Fabric's redirection of another
 method through the model's call, Accelerate's forward wrapper, which hooks the model again when it puts its forward
 on) its hooks take nothing off. A free child called directly (not through the root) then runs with the mode on: the
-same dtypes (the mode passes every function its table does not name), a call into the mode per op.
+same dtypes (the mode passes every function its table does not name), a call into the mode per op. Nor a root
+whose code calls one of its arguments, or indexes a dict, list or tuple holding a loss function, or a closure holding
+one; nor one whose topmost loss-free children have forward hooks: one registered after it was hooked (read with
+builtins when torch's hook counter moved) keeps the mode on for that call and has its children hooked in its place
+at the next forward (:meth:`stale`). The mode goes back on before a module's other forward hooks run.
 
 A module *computes a loss* when it is a ``torch.nn`` loss module, or when its ``forward`` (or a function or method it
 calls, its own or a child module's, three calls deep, nested functions included) names a function of the O2 table
@@ -35,13 +39,16 @@ its models again at the next forward.
 
 from __future__ import annotations
 
+import ast
 import inspect
+import textwrap
 import threading
 import types
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from lightning_mpx.casting.mode import _CastMode
 
@@ -69,6 +76,11 @@ class LossRegions:
         self._verdicts: dict[Any, bool] = {}  # code object or class -> computes a loss
         self._read: tuple[Any, int] | None = None  # the (table, version) the names and verdicts were read from
         self._names: frozenset[str] = frozenset()
+        # By the id of each root hooked alone: torch's hook counter when its free children's forward hooks were last
+        # read, their hook dicts, and those hooks' (count, newest id). A forward hook put on one of them since (a
+        # distillation or MoE aux-loss hook) runs code that was not read; before stop 58 it ran with the mode on.
+        self._hook_marks: dict[int, tuple[int, list[Any], tuple[int, int]]] = {}
+        self._demoted: set[int] = set()  # roots hooked alone found hooked below since: their children hooked next
 
     @property
     def loss_names(self) -> frozenset[str]:
@@ -89,6 +101,8 @@ class LossRegions:
         """Whether the policy's table changed (a row registered, removed or replaced, or another table put in its
         place) since the regions were last found: hooks installed before then may take the mode off around code
         that calls a function the table now casts."""
+        if self._demoted:
+            return True
         if self._fixed_names is not None or self._read is None:
             return False
         table = self.policy.table
@@ -150,6 +164,8 @@ class LossRegions:
         stack, seen = [(start, getattr(forward, "__globals__", {}), _DEPTH)], {start}
         while stack:
             code, globals_, depth = stack.pop()
+            if _calls_an_argument(code):  # a loss function handed to the call (``forward(self, x, y, metric)``)
+                return True
             for name in set(_names(code)):
                 if name in _DYNAMIC:
                     return True
@@ -167,10 +183,17 @@ class LossRegions:
                     stack.append((called, getattr(target, "__globals__", globals_), depth - 1))
         return False
 
-    def _hides_loss(self, value: Any, owner: type) -> bool:
+    def _hides_loss(self, value: Any, owner: type, depth: int = _DEPTH) -> bool:
         """Whether calling ``value`` (an object the code reaches by a name) may compute a loss: a loss module or a
         module whose tree computes one, a builtin named in the table, Python code that computes one (a function, a
-        lambda, a ``functools.partial``'s function, a callable object's ``__call__``), or code that cannot be read."""
+        lambda, a ``functools.partial``'s function, a callable object's ``__call__``, a callable a closure holds), or
+        code that cannot be read; a dict, list or tuple of callables indexed by the code (``self.fns["ce"](...)``,
+        ``OBJECTIVES[name](...)``) when one of them may."""
+        if depth < 0:
+            return False
+        if isinstance(value, (dict, list, tuple)):
+            items = value.values() if isinstance(value, dict) else value
+            return any(self._hides_loss(item, owner, depth - 1) for item in items)
         if value is None or not callable(value) or isinstance(value, (type, types.ModuleType, torch.Tensor)):
             return False
         if isinstance(value, nn.Module):
@@ -179,10 +202,14 @@ class LossRegions:
             return value.__name__ in self.loss_names
         inner = getattr(value, "func", value)  # functools.partial
         if inner is not value:
-            return self._hides_loss(inner, owner)
+            return self._hides_loss(inner, owner, depth)
         called = _python_code(inner) or _python_code(getattr(type(inner), "__call__", None))
-        return called is None or self._code_computes_loss(
-            called, getattr(getattr(inner, "__func__", inner), "__globals__", {}), (owner,), _DEPTH)
+        function = getattr(inner, "__func__", inner)
+        if called is None or self._code_computes_loss(called, getattr(function, "__globals__", {}), (owner,), _DEPTH):
+            return True
+        # A closure made in __init__ (``make_scorer(F.cross_entropy)``) calls what its cells hold.
+        cells = getattr(function, "__closure__", None) or ()
+        return any(self._hides_loss(_cell_value(cell), owner, depth - 1) for cell in cells)
 
     def _free(self, root: nn.Module) -> dict[int, bool]:
         """By ``id``: whether each module of ``root``'s tree, ``root`` included, computes no loss in its subtree."""
@@ -242,13 +269,16 @@ class LossRegions:
     def install(self, root: nn.Module, *, alone: bool = True) -> list[Any]:
         """Hook the free modules of ``root``, or ``root`` alone where :meth:`runs_alone` (``alone=False``: never, as
         for a sharded model); returns the hook handles."""
-        if alone and self.runs_alone(root):
+        self._demoted.discard(id(root))
+        hooks = [module._forward_hooks for module in self.free_modules(root)]
+        if alone and self.runs_alone(root) and _hook_print(hooks)[0] == 0:
+            self._hook_marks[id(root)] = (RemovableHandle.next_id, hooks, _hook_print(hooks))
             return [root.register_forward_pre_hook(self._off_root),
-                    root.register_forward_hook(self._on, always_call=True)]
+                    root.register_forward_hook(self._on, always_call=True, prepend=True)]
         handles = []
         for module in self.free_modules(root):
             handles.append(module.register_forward_pre_hook(self._off))
-            handles.append(module.register_forward_hook(self._on, always_call=True))
+            handles.append(module.register_forward_hook(self._on, always_call=True, prepend=True))
         return handles
 
     def _off(self, module: nn.Module, args: Any) -> None:
@@ -274,8 +304,19 @@ class LossRegions:
         if _dynamo_compiling() or _COMPILER._is_compiling_flag:  # traced, as in _off
             return
         if "forward" not in module.__dict__:
-            self._off(module, args)
-            return
+            mark = self._hook_marks.get(id(module))
+            if mark is not None and mark[0] == RemovableHandle.next_id:  # no hook registered anywhere since
+                self._off(module, args)
+                return
+            hooks = mark[1] if mark is not None else ()  # _hook_print(hooks), inline: builtins, no Python call
+            if mark is not None and (sum(map(len, hooks)), max(map(max, filter(None, hooks)), default=-1)) == mark[2]:
+                self._hook_marks[id(module)] = (RemovableHandle.next_id, mark[1], mark[2])
+                self._off(module, args)
+                return
+            # A forward hook put below it since it was hooked: this call keeps the mode on (the hook's loss in
+            # FP32); its children are hooked in its place at the next forward (stale()).
+            self._demoted.add(id(module))
+            self._read = None  # the engine's per-forward look at the table then asks stale()
         taken = getattr(self._local, "taken", None)
         if taken is None:
             taken = self._local.taken = []
@@ -293,6 +334,43 @@ class LossRegions:
 def _callable(module: nn.Module) -> bool:
     """Whether ``module`` has a ``forward`` of its own (``nn.ModuleList`` and ``nn.ModuleDict`` have none)."""
     return "forward" in module.__dict__ or type(module).forward is not nn.Module.forward
+
+
+def _hook_print(hooks: list[Any]) -> tuple[int, int]:
+    """The count of the hooks in the dicts ``hooks`` and the newest one's id (ids count up), by builtins alone."""
+    return sum(map(len, hooks)), max(map(max, filter(None, hooks)), default=-1)
+
+
+def _cell_value(cell: types.CellType) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def _calls_an_argument(code: types.CodeType) -> bool:
+    """Whether ``code`` (a function, its nested functions included) calls one of its arguments, or an item of one
+    (``forward(self, x, y, metric)`` calling ``metric(...)`` or ``fns[0](...)``); code whose source cannot be read
+    counts as doing so."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(code)))
+    except (OSError, TypeError, SyntaxError):
+        return True
+    function = next((node for node in ast.walk(tree)
+                     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))), None)
+    if function is None:
+        return True
+    spec = function.args
+    arguments = {arg.arg for arg in (*spec.posonlyargs, *spec.args, *spec.kwonlyargs, spec.vararg, spec.kwarg)
+                 if arg is not None}
+    for node in ast.walk(function):
+        if isinstance(node, ast.Call):
+            callee = node.func
+            while isinstance(callee, ast.Subscript):
+                callee = callee.value
+            if isinstance(callee, ast.Name) and callee.id in arguments and callee.id != "self":
+                return True
+    return False
 
 
 def _names(code: types.CodeType) -> Iterable[str]:
