@@ -134,3 +134,31 @@ def test_o2_loss_in_a_childs_forward_hook_stays_fp32(registered: str) -> None:
         loss, logits = aux[-1]
         assert logits.dtype is torch.bfloat16 and loss.dtype is torch.float32
         torch.testing.assert_close(loss, F.cross_entropy(logits.float(), y))
+
+
+def test_o2_ema_deep_copy_of_a_root_hooked_alone_forwards_without_rehooking_the_model() -> None:
+    # An EMA made by copy.deepcopy of the prepared model carries the root's hooks; its forward was taken for a root
+    # hooked below since, so every step re-hooked the regions of every model (hook churn per step, stop 58's
+    # hook-print rule). The copy runs as the original: the mode off in its code, nothing re-hooked.
+    import copy
+
+    amp = Amp("O2", half_dtype=torch.bfloat16)
+    model = amp.prepare_model(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)))
+    opt = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ema = copy.deepcopy(model)
+    regions = amp._models.loss_regions
+    hooks_before = [dict(m._forward_pre_hooks) for m in model.modules()]
+    for _ in range(3):
+        x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+        with amp.forward_context():
+            logits = model(amp.cast_inputs(x))
+            loss = F.cross_entropy(logits.float(), y)
+        amp.backward(loss)
+        amp.step(opt)
+        amp.update()
+        opt.zero_grad()
+        with torch.no_grad(), amp.forward_context():
+            out = ema(amp.cast_inputs(x))
+        assert out.dtype == logits.dtype == torch.bfloat16  # the half model's output, as the original's
+    assert regions.runs_alone(model)
+    assert [dict(m._forward_pre_hooks) for m in model.modules()] == hooks_before  # the same hooks, not re-made

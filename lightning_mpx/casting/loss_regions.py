@@ -305,8 +305,8 @@ class LossRegions:
             return
         if "forward" not in module.__dict__:
             mark = self._hook_marks.get(id(module))
-            if mark is not None and mark[0] == RemovableHandle.next_id:  # no hook registered anywhere since
-                self._off(module, args)
+            if mark is None or mark[0] == RemovableHandle.next_id:  # no hook registered anywhere since; or a deep
+                self._off(module, args)  # copy of the root (an EMA), whose code is the original's: never demoted
                 return
             hooks = mark[1] if mark is not None else ()  # _hook_print(hooks), inline: builtins, no Python call
             if mark is not None and (sum(map(len, hooks)), max(map(max, filter(None, hooks)), default=-1)) == mark[2]:
