@@ -164,6 +164,7 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         self._wrappers: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = weakref.WeakKeyDictionary()
         self.scaler = None  # FSDPPrecision's attribute: the engine scales, never a ShardedGradScaler
         self._held = HeldMasters()  # masters a loaded entry left to the model's entry: checked at the next call
+        self._flips = False  # a schedule-free optimizer registered: the forward scope runs untraced (forward_context)
 
     @classmethod
     def from_settings(cls, settings: MixedPrecisionSettings) -> FabricMixedPrecisionPlugin:
@@ -288,6 +289,8 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         policy; at O2, loss functions in FP32; at O3, a loss on arguments of two floating dtypes in FP32; nothing
         at O0."""
         self._begin()
+        if self._flips:
+            return _untraced_scope(self.amp)
         return self.amp.forward_context()
 
     def convert_input(self, data: Any) -> Any:
@@ -426,6 +429,15 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         learning-rate schedule then (``if not mpx.step_was_skipped(optimizer): scheduler.step()``). With
         ``skip_on_device``, asking reads the step's outcome (waiting for the device up to that step)."""
         return self.amp.iteration.skipped(_unwrap(optimizer))
+
+
+@torch.compiler.disable
+def _untraced_scope(amp: Amp) -> ContextManager[Any]:
+    """``amp.forward_context()`` never traced, for a schedule-free optimizer: its ``eval()``/``train()`` since the last
+    forward redone on the masters (``masters.swap.follow_modes``) in eager code. In a model compiled after
+    ``fabric.setup``, dynamo runs ``_FabricModule.forward`` eagerly (its backward hook breaks the graph) and compiles
+    each call in it as a frame of its own: traced, the redo made graphs, breaks and recompiles at every flip."""
+    return amp.forward_context()
 
 
 def _unwrap(optimizer: Any) -> Any:

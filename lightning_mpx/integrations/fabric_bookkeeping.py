@@ -23,6 +23,7 @@ from lightning_mpx.engine.sharding import refuse_gathered
 from lightning_mpx.integrations.fabric_checkpoint import HeldMasters, masters_left_to_models
 from lightning_mpx.integrations.fabric_sharding import adopt_sharded
 from lightning_mpx.integrations.metric_counts import upgrade_unlogged
+from lightning_mpx.masters.swap import train_modes
 from lightning_mpx.masters.weights import MasterWeights
 
 __all__ = ["FabricBookkeeping"]
@@ -38,6 +39,7 @@ class FabricBookkeeping:
     _unchecked: list[weakref.ref[nn.Module]]  # prepared by convert_module; sharded by the strategy?
     _optimizers: weakref.WeakSet[Optimizer]  # the optimizers registered with the engine
     _held: HeldMasters  # masters a loaded entry left to the model's entry
+    _flips: bool  # a schedule-free optimizer registered (its eval()/train() followed at the forward, untraced)
 
     # -- metrics, checkpoints, teardown ------------------------------------------------------------------------
     def request_telemetry(self) -> None:
@@ -150,6 +152,8 @@ class FabricBookkeeping:
         self.amp.prepare_optimizer(optimizer)
         kept.update(own)
         self._optimizers.add(optimizer)
+        if train_modes(optimizer) is not None:  # schedule-free: the forward scope follows its flips untraced
+            self._flips = True
 
 
 def _has_half_state(optimizer: Optimizer, first_step: frozenset[int] = frozenset()) -> bool:
