@@ -116,7 +116,7 @@ class PreparedModels:
         if self._device_pending and self._device_model is None:
             self._device_model = weakref.ref(module)  # its device is read at the first forward
         if self.loss_regions is not None and module not in self._regions_hooks:
-            self._regions_hooks[module] = self.loss_regions.install(module, alone=not is_sharded(module))
+            self._regions_hooks[module] = self.loss_regions.install(module)
         if is_sharded(module):
             self._prepare_sharded(module)
             return module
@@ -302,7 +302,7 @@ class PreparedModels:
         if regions is not None and not (regions._fixed_names is None and regions._read is not None
                                         and regions._read == ((table := regions.policy.table), table._version)):
             if regions.stale() and not torch.compiler.is_compiling():
-                self.hook_regions_again()
+                self._hook_regions_again()
         half = self.properties.half_dtype
         for ref, param in list(self._half_marks.values()):
             if param is not None and param.dtype != half and (module := ref()) is not None:
@@ -343,18 +343,14 @@ class PreparedModels:
                 and policy.device_type == device):
             policy.table = CastTable.for_device(device, policy.half_dtype, module)
 
-    def hook_regions_again(self, only: nn.Module | None = None) -> None:
+    def _hook_regions_again(self) -> None:
         """O2's table changed since the models were hooked (a row registered, a table replaced): find the regions
-        of every prepared model again with the table's names as they are now. ``only``: that model's, as it is now
-        (a forward put on its instance since: its free children hooked in place of it)."""
-        if self.loss_regions is None:
-            return
+        of every prepared model again with the table's names as they are now."""
+        assert self.loss_regions is not None
         for module, handles in list(self._regions_hooks.items()):
-            if only is not None and module is not only:
-                continue
             for handle in handles:
                 handle.remove()
-            self._regions_hooks[module] = self.loss_regions.install(module, alone=not is_sharded(module))
+            self._regions_hooks[module] = self.loss_regions.install(module)
 
     def _prepare_sharded(self, module: nn.Module) -> None:
         from lightning_mpx.integrations.fsdp import check_sharded_model

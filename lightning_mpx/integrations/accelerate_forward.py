@@ -136,9 +136,6 @@ def install_forward(amp: Amp, model: nn.Module) -> None:
         restore = _ForwardRestore(target)
         target._original_forward = target.forward  # type: ignore[assignment]
         target.forward = restore.forward = AmpForward(target.forward, amp)
-        # O2: a root hooked alone would take nothing off around this forward (the mode is pushed inside it): its
-        # free children are hooked in its place (casting.loss_regions).
-        amp._models.hook_regions_again(model)
         # Another engine taking the model over (a later stage's Trainer, Fabric or Amp, at O2 with these masters)
         # takes this forward off it with this engine's hooks: its own rules then apply alone.
         amp._models.hold(model, restore)
