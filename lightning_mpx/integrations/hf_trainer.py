@@ -124,7 +124,10 @@ class MpxTrainerMixin:
             self.accelerator._save_amp_state([], [], output_dir)
 
     def _load_scaler(self, checkpoint: str | None) -> None:
-        super()._load_scaler(checkpoint)  # type: ignore[misc]
+        if self.accelerator.amp is None or self.accelerator.scaler is not None:
+            # The Trainer loads a scaler.pt into accelerator.scaler; with an opt level there is none (the engine
+            # scales) and the checkpoint's scaler.pt is the engine's scale written for Accelerate's own "fp16".
+            super()._load_scaler(checkpoint)  # type: ignore[misc]
         if checkpoint is None or self.accelerator.amp is None:
             return
         if not os.path.isfile(os.path.join(checkpoint, AMP_STATE_NAME)):
