@@ -492,12 +492,15 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
         if self.amp is not None and self.amp.end_iteration():
             self._iterations += 1
 
-    def _save_amp_state(self, models: list[nn.Module], weights: list[dict[str, Any]], output_dir: str) -> None:
+    def _save_amp_state(
+        self, models: list[nn.Module], weights: list[dict[str, Any]], output_dir: str, grad_scaler: bool = True
+    ) -> None:
+        # grad_scaler=False: no scaler.pt (transformers' Trainer loads one into accelerator.scaler, None unless fp16)
         assert self.amp is not None
         self._close_iteration()  # the checkpoint holds the scale the next backward would use
         state = self.amp.state_dict()  # every rank reads its device state (the flags are reduced); the log's position
         if self.is_main_process or (self.project_configuration.save_on_each_node and self.is_local_main_process):
-            write_amp_state(state, output_dir, self.amp.scalers)
+            write_amp_state(state, output_dir, self.amp.scalers if grad_scaler else ())
 
     def _load_amp_state(self, models: list[nn.Module], input_dir: str) -> None:
         assert self.amp is not None

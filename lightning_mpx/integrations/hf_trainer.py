@@ -121,7 +121,9 @@ class MpxTrainerMixin:
     def _save_scaler(self, output_dir: str) -> None:
         super()._save_scaler(output_dir)  # type: ignore[misc]
         if self.accelerator.amp is not None:
-            self.accelerator._save_amp_state([], [], output_dir)
+            # No scaler.pt: a transformers Trainer resumed without fp16 (bf16=True, FP32, a CPU) loads any scaler.pt
+            # into its accelerator.scaler, None there, and crashes; one with fp16 skips a missing file.
+            self.accelerator._save_amp_state([], [], output_dir, grad_scaler=False)
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         if self.accelerator.amp is None or self.accelerator.scaler is not None:
