@@ -85,6 +85,7 @@ def _run_forked(name: str, script: str, ranks: int, out: Path, env: dict[str, st
     assert server.stdin is not None and server.stdout is not None
     fd, stderr_path = tempfile.mkstemp(prefix="fork_ranks_", suffix=".err")
     os.close(fd)
+    pid, ended = None, None
     try:
         request = {"script": script, "world": ranks, "cwd": str(out), "env": env, "stderr": stderr_path}
         server.stdin.write(json.dumps(request) + "\n")
@@ -102,6 +103,12 @@ def _run_forked(name: str, script: str, ranks: int, out: Path, env: dict[str, st
         stderr = Path(stderr_path).read_text(errors="replace")
     finally:
         os.unlink(stderr_path)
+        if ended is None:  # interrupted (pytest-timeout, Ctrl-C) or a bad answer: no launch or server left behind
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+            server.kill()
+            _fork_server.cache_clear()
     if timed_out:
         raise AssertionError(f"{name} timed out after {timeout} s; stderr ends with:\n{stderr[-8000:]}")
     code = int(ended[1])
