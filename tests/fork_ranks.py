@@ -11,10 +11,16 @@ Forking a process that has imported torch (not used it: no thread pool started, 
 ``DataLoader``'s workers do on Linux. Each rank runs the script as ``__main__`` and leaves with ``os._exit``: it never
 returns into this file's frames. When a rank fails, the others get a little time to fail on their own (a collective
 with a dead peer) and are then killed, so that a failure ends the launch instead of a hang to the test's timeout.
+
+``python tests/fork_ranks.py --serve`` (what ``run_script`` keeps one of per test process): the same, with the imports
+paid once per test process rather than once per launch (~7 s of CPU each, over the suite's ~30 launches);
+see :func:`serve`.
 """
 
 from __future__ import annotations
 
+import faulthandler
+import json
 import os
 import runpy
 import signal
@@ -46,13 +52,22 @@ def _run_rank(script: str, rank: int, world: int, port: int) -> None:
     os._exit(code)
 
 
-def main() -> int:
-    script, world = os.path.abspath(sys.argv[1]), int(sys.argv[2])
+def _preload() -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tests.launch import free_port
-
     for name in _PRELOAD:
         __import__(name)
+
+
+def main() -> int:
+    script, world = os.path.abspath(sys.argv[1]), int(sys.argv[2])
+    _preload()
+    return launch(script, world)
+
+
+def launch(script: str, world: int) -> int:
+    """Fork the ``world`` ranks of ``script`` from this (preloaded) interpreter; their worst exit code."""
+    from tests.launch import free_port
+
     port = free_port()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -81,5 +96,54 @@ def main() -> int:
     return worst
 
 
+def serve() -> int:
+    """``fork_ranks.py --serve``: preload once, then for each request line on stdin (JSON: ``script``, ``world``,
+    ``cwd``, ``env``, ``stderr``: a file for the launch's stderr) fork a launcher in a session of its own, in ``cwd``
+    with exactly ``env``, that forks the ranks as :func:`main` does; answer ``pid N`` at once and ``exit CODE`` when it
+    ends. One launch at a time (a pytest worker runs one test at a time); the server itself never runs a script, so
+    every launch forks from the same freshly imported interpreter, as a launch of its own did. It ends at stdin's end
+    (the pytest worker that started it exited). :func:`tests.launch.run_script` keeps one per worker: the import of
+    the heavy modules (about 7 s of CPU) is paid once per worker instead of once per launch."""
+    _preload()
+    reply = os.fdopen(os.dup(1), "w", buffering=1)
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.close(reply.fileno())  # the answers' reader sees EOF when the server dies, not when a rank does
+            _launcher(request)
+        reply.write(f"pid {pid}\n")
+        _, status = os.waitpid(pid, 0)
+        reply.write(f"exit {os.waitstatus_to_exitcode(status)}\n")
+    return 0
+
+
+def _launcher(request: dict) -> None:
+    code = 1
+    try:
+        os.setsid()  # run_script kills the session on a timeout: this launcher and its ranks
+        null = os.open(os.devnull, os.O_RDWR)
+        err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(null, 0)
+        os.dup2(null, 1)
+        os.dup2(err, 2)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        faulthandler.enable()  # what PYTHONFAULTHANDLER=1 gives a launch started as a process
+        if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # read at startup by OpenMP: set it as a start would
+            import torch
+
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        code = launch(os.path.abspath(request["script"]), int(request["world"]))
+    except BaseException:  # noqa: BLE001 - on the launch's stderr, then it fails
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(serve() if sys.argv[1:] == ["--serve"] else main())

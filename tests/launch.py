@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,20 +27,22 @@ def run_script(name: str, out: Path, *, timeout: float, ranks: int | None = 2, *
     exits non-zero or runs past ``timeout`` seconds.
 
     ``ranks``: the script runs once per rank with torchrun's environment, forked from one interpreter that imported
-    the heavy modules once (``tests/fork_ranks.py``); ``None``: run once as it is (a script that spawns its processes
-    itself, with ``torch.multiprocessing.spawn`` or ``strategy="ddp_spawn"``).
+    the heavy modules once for this whole test process (``tests/fork_ranks.py --serve``); ``None``: run once as it
+    is (a script that spawns its processes itself, with ``torch.multiprocessing.spawn`` or ``strategy="ddp_spawn"``).
 
     The script runs in a session of its own: on a timeout the processes it spawned are killed with it (by its group).
     """
     script = str(ROOT / "tests" / name)
-    command = [sys.executable, script] if ranks is None else [sys.executable, str(ROOT / "tests" / "fork_ranks.py"),
-                                                             script, str(ranks)]  # fmt: skip
+    # PYTHONFAULTHANDLER: a rank that dies natively (a signal, heap corruption) prints every thread's Python stack
+    # to the stderr quoted on failure, so that a one-off crash says where it happened.
+    full_env = dict(os.environ, PYTHONPATH=str(ROOT), MPX_OUT=str(out), PYTHONFAULTHANDLER="1", **env)
+    if ranks is not None:
+        _run_forked(name, script, ranks, out, full_env, timeout)
+        return
     proc = subprocess.Popen(
-        command,
+        [sys.executable, script],
         cwd=out,
-        # PYTHONFAULTHANDLER: a rank that dies natively (a signal, heap corruption) prints every thread's Python stack
-        # to the stderr quoted on failure, so that a one-off crash says where it happened.
-        env=dict(os.environ, PYTHONPATH=str(ROOT), MPX_OUT=str(out), PYTHONFAULTHANDLER="1", **env),
+        env=full_env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -49,6 +55,64 @@ def run_script(name: str, out: Path, *, timeout: float, ranks: int | None = 2, *
         _, stderr = proc.communicate()
         raise AssertionError(f"{name} timed out after {timeout} s; stderr ends with:\n{stderr[-8000:]}") from None
     assert proc.returncode == 0, f"{name}: exit code {proc.returncode}; stderr ends with:\n{stderr[-8000:]}"
+
+
+@functools.lru_cache(maxsize=1)
+def _fork_server() -> subprocess.Popen:
+    """This process's ``tests/fork_ranks.py --serve``: the interpreter with the heavy modules imported that every
+    launch of :func:`run_script` forks its ranks from (started at the first launch; it exits with this process, at
+    the end of its stdin)."""
+    server = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "fork_ranks.py"), "--serve"],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), PYTHONFAULTHANDLER="1"),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a timeout's kill of a launch's session never reaches the server
+    )
+    atexit.register(server.kill)
+    return server
+
+
+def _run_forked(name: str, script: str, ranks: int, out: Path, env: dict[str, str], timeout: float) -> None:
+    """:func:`run_script`'s ranks, forked by the server from a launcher of their own (a session: killed whole on a
+    timeout), with ``env`` and ``out`` as the working directory; its stderr goes to a file read on failure."""
+    server = _fork_server()
+    if server.poll() is not None:  # it died (it never should): start another
+        _fork_server.cache_clear()
+        server = _fork_server()
+    assert server.stdin is not None and server.stdout is not None
+    fd, stderr_path = tempfile.mkstemp(prefix="fork_ranks_", suffix=".err")
+    os.close(fd)
+    pid, ended = None, None
+    try:
+        request = {"script": script, "world": ranks, "cwd": str(out), "env": env, "stderr": stderr_path}
+        server.stdin.write(json.dumps(request) + "\n")
+        server.stdin.flush()
+        started = server.stdout.readline().split()
+        assert started[:1] == ["pid"], f"{name}: the fork server answered {started!r}"
+        pid, timed_out = int(started[1]), False
+        ready, _, _ = select.select([server.stdout], [], [], timeout)
+        if not ready:
+            timed_out = True
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        ended = server.stdout.readline().split()
+        assert ended[:1] == ["exit"], f"{name}: the fork server answered {ended!r}"
+        stderr = Path(stderr_path).read_text(errors="replace")
+    finally:
+        os.unlink(stderr_path)
+        if ended is None:  # interrupted (pytest-timeout, Ctrl-C) or a bad answer: no launch or server left behind
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+            server.kill()
+            _fork_server.cache_clear()
+    if timed_out:
+        raise AssertionError(f"{name} timed out after {timeout} s; stderr ends with:\n{stderr[-8000:]}")
+    code = int(ended[1])
+    assert code == 0, f"{name}: exit code {code}; stderr ends with:\n{stderr[-8000:]}"
 
 
 def accelerate_launch(script: str, out: Path, *, timeout: float = 240) -> None:
