@@ -7,12 +7,12 @@ import contextlib
 import functools
 import json
 import os
-import select
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,13 +93,19 @@ def _run_forked(name: str, script: str, ranks: int, out: Path, env: dict[str, st
         started = server.stdout.readline().split()
         assert started[:1] == ["pid"], f"{name}: the fork server answered {started!r}"
         pid, timed_out = int(started[1]), False
-        ready, _, _ = select.select([server.stdout], [], [], timeout)
-        if not ready:
+        # The answer read by a thread, not select() on the pipe: its text reader may already hold the "exit" line
+        # in its buffer (read with "pid"), where select() would wait out the timeout for data already there.
+        answer: list[str] = []
+        reader = threading.Thread(target=lambda: answer.append(server.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if reader.is_alive():
             timed_out = True
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-        ended = server.stdout.readline().split()
-        assert ended[:1] == ["exit"], f"{name}: the fork server answered {ended!r}"
+            reader.join(60)
+        ended = answer[0].split() if answer and answer[0] else None
+        assert ended is not None and ended[:1] == ["exit"], f"{name}: the fork server answered {answer!r}"
         stderr = Path(stderr_path).read_text(errors="replace")
     finally:
         os.unlink(stderr_path)
