@@ -82,8 +82,11 @@ class ModelHooks:
         methods = {}
         if isinstance(ctx, dict) and ctx.get("compiler") == "dynamo" and ctx.get("dynamo_ctx") is not None:
             for name in _STEPS:
-                if ctx.get(f"original_{name}") is not None:
-                    methods[name] = ctx[f"original_{name}"]
+                if (original := ctx.get(f"original_{name}")) is not None:
+                    # A second fit of the same compiled model: Lightning's "original" is the step its first fit
+                    # compiled (left on the module); its uncompiled method, as dynamo itself unwraps a compiled
+                    # function it is asked to compile (else our wrapper hides it: a recompile at every new fit).
+                    methods[name] = getattr(original, "_torchdynamo_orig_callable", original)
         compile_fn = ctx["dynamo_ctx"] if methods else None
         self._handles.extend(policy.hand_off_compiled(module, methods=methods, compile_fn=compile_fn))
 
