@@ -6,7 +6,6 @@ not bit equality, against FP32."""
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import lightning.pytorch as pl
@@ -25,7 +24,7 @@ class _Net(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(16, 32), nn.Softmax(-1), nn.Linear(32, 4))
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -41,9 +40,9 @@ class _Net(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.5)
 
 
-def _fit(level: str | None, model: _Net | None = None) -> tuple[pl.Trainer, _Net]:
+def _fit(level: str | None, model: _Net | None = None, **kwargs: Any) -> tuple[pl.Trainer, _Net]:
     model = model if model is not None else _Net()
-    trainer = make_trainer(MixedPrecisionPlugin(level, half_dtype=HALF) if level else None)
+    trainer = make_trainer(MixedPrecisionPlugin(level, half_dtype=HALF) if level else None, **kwargs)
     trainer.fit(model, loader(classification_data(n=32, seed=1), batch_size=8))
     return trainer, model
 
@@ -51,10 +50,14 @@ def _fit(level: str | None, model: _Net | None = None) -> tuple[pl.Trainer, _Net
 _X = torch.randn(4, 16, generator=torch.Generator().manual_seed(5))
 
 
-def _softmax_dtypes(model: _Net) -> tuple[list[torch.dtype], Any]:
-    """The dtypes the softmax inside the model computes in, recorded by a hook (taken off for the exports)."""
-    seen: list[torch.dtype] = []
-    return seen, model.net[1].register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+class _HooksSeen(pl.Callback):
+    """The forward hooks on the model's block at each training batch (O2: the engine's loss-region hooks)."""
+
+    def __init__(self) -> None:
+        self.counts: set[int] = set()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: _Net, *args: Any) -> None:
+        self.counts.add(len(module.net._forward_pre_hooks) + len(module.net._forward_hooks))
 
 
 @pytest.fixture(scope="module")
@@ -90,24 +93,22 @@ def test_an_o2_fitted_model_scripts_traces_and_exports_in_its_half_dtype_then_tr
 ) -> None:
     """``to_torchscript()`` compiled the engine's O2 loss-region hooks the fit left on the model (``Unknown type name
     'nn.Module'`` in loss_regions.py); the Trainer's teardown now takes them off, and the next fit puts them back."""
-    model = _Net()
-    seen, hook = _softmax_dtypes(model)
-    trainer, model = _fit("O2", model)
+    first = _HooksSeen()
+    trainer, model = _fit("O2", callbacks=[first])
     masters = {k: v.clone() for k, v in trainer.precision_plugin.amp.fp32_state_dict(model).items()}
-    first_fit_softmax = set(seen)
-    hook.remove()
+    assert len(first.counts) == 1 and not model.net._forward_pre_hooks and not model.net._forward_hooks
+    fitting, first.counts = first.counts, set()
     model.eval()
     for name, (out, dtypes) in _exports(model, _X.to(HALF)).items():
         assert dtypes == {HALF} and out.dtype == HALF, name  # the half model, as "bf16-true" exports it
         torch.testing.assert_close(out.float(), fp32_out, atol=5e-2, rtol=0, msg=name)
     assert {k: v.dtype for k, v in model.state_dict().items()} == dict.fromkeys(masters, torch.float32)
-    # Training goes on from the same FP32 masters as without the exports, with the same casts as the first fit.
-    _, straight = _fit("O2")
-    model.train()
-    seen, hook = _softmax_dtypes(model)
-    trainer, model = _fit("O2", model)
-    trainer_straight, straight = _fit("O2", straight)
-    assert set(seen) == first_fit_softmax
+    # The same Trainer fits on (a second epoch) from the same FP32 masters as without the exports, hooked again.
+    trainer_straight, straight = _fit("O2")
+    for run, net in ((trainer, model.train()), (trainer_straight, straight)):
+        run.fit_loop.max_epochs = 2
+        run.fit(net, loader(classification_data(n=32, seed=1), batch_size=8))
+    assert first.counts == fitting  # the loss regions' hooks are back for the new fit
     want = trainer_straight.precision_plugin.amp.fp32_state_dict(straight)
     for key, value in trainer.precision_plugin.amp.fp32_state_dict(model).items():
         assert torch.equal(value, want[key]) and not torch.equal(value, masters[key]), key
@@ -122,9 +123,31 @@ def test_predict_after_the_fit_gives_the_fp32_runs_outputs(level: str, fp32_out:
     torch.testing.assert_close(out.float(), fp32_out, atol=5e-2, rtol=0)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("onnx") is not None, reason="onnx is installed here")
-def test_to_onnx_names_the_missing_package() -> None:
-    """``to_onnx`` needs the ``onnx`` package, not installed here: Lightning's own error names it (no O2 check)."""
-    _, model = _fit("O2")
-    with pytest.raises(ModuleNotFoundError, match="onnx"):
-        model.to_onnx("unused.onnx", _X.to(HALF))
+@pytest.mark.xfail(
+    strict=True,
+    reason="test_export59.py: at O2 the Accelerate adapter puts no MastersInStateDict hook on the prepared model "
+    "(docs/accelerate.md: unwrap_model(model).state_dict() is torch's, half), so save_pretrained(dir) without "
+    "state_dict=accelerator.get_state_dict(model) writes the bfloat16 weights, where Accelerate's own 'bf16' writes "
+    "FP32; changing that changes what unwrap_model(model).state_dict() gives every Accelerate user",
+)
+def test_accelerate_o2_save_pretrained_without_a_state_dict_writes_fp32_as_accelerates_bf16(tmp_path: Any) -> None:
+    from safetensors.torch import load_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from tests.accelerate_helpers import accelerate_state_reset
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    with accelerate_state_reset():
+        accelerator = Accelerator(mixed_precision="O2", kwargs_handlers=[MixedPrecisionKwargs(half_dtype=HALF)])
+        model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        accelerator.backward(model(input_ids=ids, labels=ids).loss)
+        opt.step()
+        masters = accelerator.get_state_dict(model)
+        accelerator.unwrap_model(model).save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    assert {value.dtype for value in saved.values()} == {torch.float32}  # Accelerate's "bf16" writes FP32
+    for key, value in saved.items():
+        assert torch.equal(value, masters[key]), key
