@@ -149,6 +149,8 @@ class StepMachine(UnscalePath):
                 "optimizer=LBFGS re-evaluates the loss through a closure several times per step, which loss scaling "
                 "and step skipping cannot support; use opt_level='O0', or a first-order optimizer."
             )
+        if with_masters:
+            _refuse_zero_redundancy(optimizer)
         if with_masters and not self.masters.weights:
             raise RuntimeError(
                 "prepare_model() must run before prepare_optimizer() with master weights (O2), with train=True: "
@@ -451,3 +453,19 @@ def _adopt_later(
     machine = machine_ref()
     if machine is not None and state.optimizer_ref() is optimizer:
         machine.adopt_inners(state, optimizer)
+
+
+def _refuse_zero_redundancy(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse ``torch.distributed.optim.ZeroRedundancyOptimizer`` with master weights: the engine puts the FP32 masters
+    in the wrapper's groups for the step, but ZeRO steps its local optimizer, built on its own groups over the half
+    parameters of its shard (which hold no gradient then), and broadcasts those: no weight would ever change."""
+    import sys
+
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")  # not imported: not one
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+        raise ValueError(
+            "optimizer=ZeroRedundancyOptimizer cannot step FP32 master weights (opt_level O2): its local optimizer "
+            "steps its shard of the model's half parameters and broadcasts them, never the masters, so the weights "
+            "would not train. Use O1 with ZeroRedundancyOptimizer (the model stays FP32; it shards the optimizer "
+            "state), a plain optimizer at O2 under DDP, or FSDP (lightning_mpx.fsdp) to shard state with masters."
+        )

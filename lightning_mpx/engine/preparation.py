@@ -115,8 +115,7 @@ class PreparedModels:
         """:meth:`Amp.prepare_model <lightning_mpx.engine.amp.Amp.prepare_model>` (arguments checked)."""
         if self._device_pending and self._device_model is None:
             self._device_model = weakref.ref(module)  # its device is read at the first forward
-        if self.loss_regions is not None and module not in self._regions_hooks:
-            self._regions_hooks[module] = self.loss_regions.install(module)
+        self.hook_regions(module)
         if is_sharded(module):
             self._prepare_sharded(module)
             return module
@@ -342,6 +341,20 @@ class PreparedModels:
         if (untouched is not None and (policy.table, policy.table._version) == untouched and policy.engine == "auto"
                 and policy.device_type == device):
             policy.table = CastTable.for_device(device, policy.half_dtype, module)
+
+    def hook_regions(self, module: nn.Module) -> None:
+        """O2: put the loss regions' hooks on ``module`` unless they are on it."""
+        if self.loss_regions is not None and module not in self._regions_hooks:
+            self._regions_hooks[module] = self.loss_regions.install(module)
+
+    def unhook_regions(self, module: nn.Module) -> bool:
+        """O2: take the loss regions' hooks off ``module`` (the Trainer's teardown: a fitted model then carries no
+        engine hook, which ``torch.jit.script``/``to_torchscript()`` cannot compile); whether it had them.
+        :meth:`hook_regions` puts them back."""
+        handles = self._regions_hooks.pop(module, None)
+        for handle in handles or ():
+            handle.remove()
+        return handles is not None
 
     def _hook_regions_again(self) -> None:
         """O2's table changed since the models were hooked (a row registered, a table replaced): find the regions

@@ -7,8 +7,9 @@ local pieces with its usual kernels; what a rank finds is only its part of the a
 skip decision, keeps the same scale and clips by the same global norm.
 
 A tensor held whole on several ranks (an FSDP2 ``Replicate`` placement such as HSDP's replica dimension, a parameter
-FSDP ignores) would be counted once per copy by that sum: its squared norm is weighted by one over its number of
-copies, so the sum counts it once (:meth:`Sharding.weight`).
+FSDP ignores, a ``DTensor`` on a sub-mesh such as FSDP's ``"data_parallel"`` dimension of a tensor-parallel model,
+held alike by every tensor-parallel rank) would be counted once per copy by that sum: its squared norm is weighted by
+one over its number of copies, so the sum counts it once (:meth:`Sharding.weight`).
 """
 
 from __future__ import annotations
@@ -181,10 +182,14 @@ class Sharding:
 
     def _weight(self, param: torch.Tensor, dtensor: type | None) -> float:
         if dtensor is not None and isinstance(param, dtensor):
-            copies = 1
+            mesh = param.device_mesh
+            # Ranks outside the DTensor's mesh hold copies of their own: FSDP over device_mesh["data_parallel"] of a
+            # tensor-parallel model shards a parameter that tensor parallelism left whole (a norm's) over that
+            # sub-mesh only, and each tensor-parallel rank holds the same shard.
+            copies = max(self.world_size // mesh.size(), 1)
             for dim, placement in enumerate(param.placements):
                 if placement.is_replicate():
-                    copies *= param.device_mesh.size(dim)
+                    copies *= mesh.size(dim)
             return 1.0 / copies
         if id(param) in self.shards:
             return 1.0

@@ -30,12 +30,16 @@ GRAD_SCALER_NAME = "scaler.pt"
 
 
 def write_amp_state(state: dict[str, Any], output_dir: str, scalers: Any = ()) -> None:
-    """Write the engine's ``state`` into the checkpoint in ``output_dir``, and the dynamic scale of loss 0 (of
-    ``scalers``, the engine's loss scalers) in ``GradScaler``'s format as :data:`GRAD_SCALER_NAME`, which
-    Accelerate's own ``"fp16"`` reads at ``load_state`` (a static scale writes none)."""
+    """Write the engine's ``state`` into the checkpoint in ``output_dir``, and, given ``scalers`` (the engine's loss
+    scalers), :data:`GRAD_SCALER_NAME` in ``GradScaler``'s format, which ``load_state`` of Accelerate's own
+    ``"fp16"`` requires (it fails on a missing file): the dynamic scale of loss 0, or for a static scale (a setting
+    a ``GradScaler``, always dynamic, cannot hold) a fresh ``GradScaler``'s state, where ``"fp16"`` starts without
+    a checkpoint (as Lightning's ``"16-mixed"`` starts at its ``init_scale``)."""
     torch.save(state, os.path.join(output_dir, AMP_STATE_NAME))
-    native = scalers[0].grad_scaler_state(state["scalers"][0]) if scalers and state.get("scalers") else None
-    if native is not None:
+    if scalers and state.get("scalers"):
+        native = scalers[0].grad_scaler_state(state["scalers"][0])
+        if native is None:
+            native = torch.amp.GradScaler("cpu").state_dict()  # its scale is a Python float, not a tensor
         torch.save(native, os.path.join(output_dir, GRAD_SCALER_NAME))
 
 

@@ -136,6 +136,14 @@ def install_forward(amp: Amp, model: nn.Module) -> None:
         restore = _ForwardRestore(target)
         target._original_forward = target.forward  # type: ignore[assignment]
         target.forward = restore.forward = AmpForward(target.forward, amp)
+        if callable(getattr(type(target), "generate", None)):
+            # A Hugging Face model's generate() runs its encoder itself (Whisper: get_encoder()(input_features)),
+            # outside forward: it gets the forward's casts too (O2/O3: float inputs to half; O1: the cast policy).
+            # One left by an earlier engine (Accelerate's unwrap_model(keep_fp32_wrapper=False) restores forward
+            # only): replaced, not wrapped again.
+            generate = target.generate
+            generate = generate._forward if isinstance(generate, AmpForward) else generate
+            target.generate = AmpForward(generate, amp)  # type: ignore[method-assign]
         # Another engine taking the model over (a later stage's Trainer, Fabric or Amp, at O2 with these masters)
         # takes this forward off it with this engine's hooks: its own rules then apply alone.
         amp._models.hold(model, restore)
@@ -151,7 +159,8 @@ class _ForwardRestore:
 
     def __init__(self, target: nn.Module) -> None:
         self._target = weakref.ref(target)
-        self._before = {key: _unbound(target.__dict__.get(key), target) for key in ("forward", "_original_forward")}
+        keys = ("forward", "_original_forward", "generate")
+        self._before = {key: _unbound(target.__dict__.get(key), target) for key in keys}
         self._forward: weakref.ref[AmpForward] | None = None
 
     @property

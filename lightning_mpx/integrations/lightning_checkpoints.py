@@ -13,15 +13,18 @@ from lightning_mpx.integrations.metric_counts import LOG_READER, upgrade_unlogge
 
 __all__ = ["CheckpointHooks", "native_scale_from", "native_scale_into"]
 
-#: The keys of Lightning's own ``MixedPrecision`` plugin's entry (``"16-mixed"``: its ``GradScaler``'s state dict),
-#: the current one and that of older checkpoints.
-_NATIVE_KEYS = ("MixedPrecision", "native_amp_scaling_state")
+#: The entries of Lightning's own float16 precisions that hold a ``GradScaler``'s state dict (``"16-mixed"``):
+#: ``MixedPrecision``'s, ``FSDPPrecision``'s (its ``ShardedGradScaler``, under ``strategy="fsdp"``) and that of older
+#: checkpoints. The plugin writes the first two; each is read only by its own plugin (Lightning loads an entry into the
+#: precision plugin of its name), and those plugins without a scaler (``"bf16-mixed"``, ``"32-true"``) ignore it.
+_NATIVE_KEYS = ("MixedPrecision", "FSDPPrecision", "native_amp_scaling_state")
+_WRITTEN_KEYS = _NATIVE_KEYS[:2]
 
 
 def native_scale_into(amp: Any, checkpoint: dict[str, Any]) -> None:
     """Give the scale and growth tracker of the ``torch.amp.GradScaler`` in a checkpoint of Lightning's own
-    ``"16-mixed"`` to ``amp``'s dynamic loss scalers, as a dynamic scale carries over between opt levels (a static
-    scale is a setting: it stays)."""
+    ``"16-mixed"`` (its ``MixedPrecision`` or, under FSDP, ``FSDPPrecision`` entry) to ``amp``'s dynamic loss
+    scalers, as a dynamic scale carries over between opt levels (a static scale is a setting: it stays)."""
     for key in _NATIVE_KEYS:
         state = checkpoint.get(key)
         if isinstance(state, dict) and "scale" in state:
@@ -36,14 +39,16 @@ def native_scale_into(amp: Any, checkpoint: dict[str, Any]) -> None:
 
 def native_scale_from(amp: Any, checkpoint: dict[str, Any], own: Any) -> None:
     """Write the dynamic scale of loss 0 in ``own`` (the plugin's entry of ``checkpoint``, :meth:`Amp.state_dict
-    <lightning_mpx.engine.amp.Amp.state_dict>`) as Lightning's own ``"16-mixed"`` entry (its ``GradScaler``'s state
-    dict), which a run resumed under ``"16-mixed"`` loads; the plugin's own resume reads its entry, not this one. A
+    <lightning_mpx.engine.amp.Amp.state_dict>`) as the entries of Lightning's own ``"16-mixed"`` (its ``GradScaler``'s
+    state dict, under ``MixedPrecision`` and, for ``strategy="fsdp"``'s ``ShardedGradScaler``, ``FSDPPrecision``),
+    which a run resumed under ``"16-mixed"`` loads; the plugin's own resume reads its entry, not these. A
     static scale (bfloat16's, ``loss_scale=<number>``) writes none, and the other losses' scalers have no place
     there."""
     if isinstance(own, dict) and own.get("scalers") and amp.scalers:
         native = amp.scalers[0].grad_scaler_state(own["scalers"][0])
         if native is not None:
-            checkpoint[_NATIVE_KEYS[0]] = native
+            for key in _WRITTEN_KEYS:
+                checkpoint[key] = dict(native)
 
 
 class CheckpointHooks:
@@ -67,7 +72,7 @@ class CheckpointHooks:
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """At O2 the checkpoint's ``state_dict`` holds the FP32 masters (``load_from_checkpoint`` and a resume under
         another precision get the trained weights, not their half rounding); a dynamic scale of loss 0 also goes to
-        the entry of Lightning's own ``"16-mixed"`` (:func:`native_scale_from`)."""
+        the entries of Lightning's own ``"16-mixed"`` (:func:`native_scale_from`)."""
         if self._module is not None:
             own = checkpoint.get(type(self).__qualname__)
             self._frozen_warned |= masters_into_checkpoint(self.amp, self._module, checkpoint, own, self._frozen_warned)

@@ -6,6 +6,7 @@ stays after the fit (a weights-only checkpoint saved then) until the plugin inst
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -28,6 +29,9 @@ class ModelHooks:
     def __init__(self) -> None:
         self._handles: list[Any] = []
         self._state_hook: Any = None  # kept by remove(): replaced by the next install
+        # The model and engine whose loss regions' hooks remove() took off (the fit's end), put back by install().
+        self._regions: tuple[weakref.ref[nn.Module], weakref.ref[Amp]] | None = None
+        self._unhooked = False
 
     def install(self, module: nn.Module, amp: Amp, *, fsdp1: bool = False) -> None:
         """Put ``amp``'s hooks on ``module`` (after :meth:`remove` of the previous ones). ``fsdp1``: Lightning's
@@ -42,11 +46,19 @@ class ModelHooks:
             # whole batch there, targets too) nor any output, and at O3 FSDP has no policy.
             self._add_boundary_casts(module, amp, fsdp1)
         self._hand_off_compiled(module, amp)
+        if self._unhooked and self._regions is not None and self._regions[0]() is module and self._regions[1]() is amp:
+            amp._models.hook_regions(module)  # a new stage of the model the last one ended with
+        self._regions, self._unhooked = (weakref.ref(module), weakref.ref(amp)), False
 
     def remove(self) -> None:
+        """Take the hooks off (the boundary casts, and the engine's O2 loss regions' hooks: a fitted model carries none,
+        so ``to_torchscript()`` compiles it); the state-dict hook stays."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        module, amp = (ref() for ref in self._regions) if self._regions is not None else (None, None)
+        if module is not None and amp is not None and not self._unhooked:
+            self._unhooked = amp._models.unhook_regions(module)
 
     def _add_boundary_casts(self, module: nn.Module, amp: Amp, fsdp1: bool) -> None:
         # Apex casts a half model's inputs to half and its outputs to FP32. Here the casts sit on the

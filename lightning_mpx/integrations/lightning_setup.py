@@ -127,7 +127,9 @@ class ModelSetup:
                     raise ValueError(
                         f"strategy={type(trainer.strategy).__name__}: the model has no FSDP module. Shard it in "
                         "the LightningModule's configure_model: lightning_mpx.fsdp.shard_model(self.model, "
-                        "self.trainer.precision_plugin, mesh=self.device_mesh['data_parallel'])."
+                        "self.trainer.precision_plugin, mesh=self.device_mesh['data_parallel']). With tensor "
+                        "parallelism (parallelize_module over device_mesh['tensor_parallel']) call it after "
+                        "parallelize_module, with data_parallel_size=1 too: FSDP's FP32 parameters are the masters."
                     )
                 self.amp.prepare_model(model, train=trainer.state.fn == "fit")
                 self._sharded = model
