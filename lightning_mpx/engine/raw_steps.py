@@ -57,6 +57,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+import warnings
 import weakref
 from typing import Any, Iterable, Sequence
 
@@ -192,6 +193,8 @@ class UnheldParams:
         # registered: the parameters of one write with their gradients cleared (a SAM-style first_step, or a raw
         # step), judged where the door registers its optimizer (:meth:`judge`).
         self.deferred: tuple[torch.Tensor, ...] = ()
+        # Whether the half children no optimizer holds were looked for (:meth:`warn_half_children`, once).
+        self.looked = False
 
     def params(self) -> tuple[torch.Tensor, ...]:
         """The parameters, from the live models (once each)."""
@@ -212,6 +215,8 @@ class UnheldParams:
         self.check(machine)
         scaler = machine.scalers[loss_id]
         masters = bool(machine.masters.weights)
+        if not self.looked and masters and machine.optimizers:
+            self.warn_half_children(machine)
         if masters and self.note is None and machine.registers_at_step and not machine.optimizers:
             # A door that meets its optimizers at their first step (Fabric's), at the first backward: the masters
             # made now (as the step would, writes since set-up taken), from the weights before a SAM-style first_step
@@ -220,6 +225,37 @@ class UnheldParams:
                 master_for(machine.masters.weights, param)
         if scaled is not None and scaled.requires_grad and (masters or not scaler._unit):
             scaled.register_hook(functools.partial(self._queue, machine.steps_taken, scaler._unit))
+
+    def warn_half_children(self, machine: Any) -> None:
+        """Once, at the first backward where optimizers are registered and FP32 masters exist (O2): warn about the
+        half parameters, of a model an optimizer trains part of, that require grad and that no optimizer holds, such
+        as an EMA or momentum teacher kept as a child. Updated by hand (``e.lerp_(s, 1 - d)``) with a decay of 0.99
+        or more, most of their elements never move in half, where ``"bf16-mixed"`` averages its FP32 weights."""
+        self.looked = True
+        held = _held(machine)
+        for ref in self.modules:
+            module = ref()
+            if module is None or not any(id(p) in held for p in module.parameters()):
+                continue  # a model no optimizer trains any of (a GAN's other model, met at its own first step)
+            found = [(n, p.dtype) for n, p in module.named_parameters() if id(p) in self.ids and p.dtype in _HALF]
+            if not found:
+                continue
+            names = [n for n, _ in found]
+            children = list(dict.fromkeys(n.rpartition(".")[0].split(".")[0] or n for n in names))
+            dtype = str(found[0][1]).replace("torch.", "")
+            shown = ", ".join(repr(c) for c in children[:5])
+            shown += f" and {len(children) - 5} more" if len(children) > 5 else ""
+            warnings.warn(
+                f"lightning_mpx: {len(names)} {dtype} parameters of {type(module).__name__} ({shown}) require grad "
+                "but no optimizer holds them, so they have no FP32 master. If one is an EMA or momentum teacher "
+                "updated by hand (e.lerp_(s, 1 - d), e.data.mul_(d).add_(s.data, alpha=1 - d)), most of its elements "
+                f"never move in {dtype} at decay 0.999 (the update is under half a unit in the last place), where "
+                f"\"bf16-mixed\" averages FP32 weights: keep it FP32 with fp32_modules=[{children[0]!r}] and average "
+                "the FP32 masters (amp.master_of(s)); one that does not train: requires_grad_(False) before set-up. "
+                "See 'EMA and momentum teachers at O2' in docs/master_weights.md.",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def forget(self) -> None:
         """Forget what was noted (a stage change of the engine wrote the parameters)."""
