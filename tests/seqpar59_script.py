@@ -10,7 +10,8 @@ runs on the sharded logits inside ``loss_parallel()`` (backward too, in ``Lightn
 ``shard_model`` over the one-rank ``device_mesh["data_parallel"]`` follows. Cases: O2 (bfloat16, the loss in the
 model's own forward: O2's loss region, whose policy casts the bfloat16 DTensor logits), Lightning's ``"bf16-mixed"``
 and ``"32-true"``, O2 and O1 (bfloat16) with ``gradient_clip_val``, and O2 in float16 with an ``inf`` in one rank's
-gradient shard (these compute the loss in ``training_step``). Every rank
+gradient shard, and O2 in manual optimization (``loss_parallel()`` around ``manual_backward``, then
+``clip_gradients``); these compute the loss in ``training_step``. Every rank
 writes ``$MPX_OUT/rank{r}.json``."""
 
 from __future__ import annotations
@@ -135,7 +136,9 @@ def local_norms(module: nn.Module) -> dict[str, list[float]]:
             for n, p in module.named_parameters() if n.startswith("norm")}  # fmt: skip
 
 
-def fit(precision: str, *, clip: bool = False, inner: bool = False, inf_at: int | None = None) -> dict[str, Any]:
+def fit(
+    precision: str, *, clip: bool = False, inner: bool = False, inf_at: int | None = None, manual: bool = False
+) -> dict[str, Any]:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.distributed.tensor import DTensor
@@ -158,6 +161,9 @@ def fit(precision: str, *, clip: bool = False, inner: bool = False, inf_at: int 
             self.loss_types: list[str] = []
             self.scales: list[float] = []
 
+        def on_fit_start(self) -> None:
+            self.automatic_optimization = not manual
+
         def configure_model(self) -> None:
             parallelize_module(self.model, self.device_mesh["tensor_parallel"], plan())
             if plugin is not None:
@@ -174,6 +180,14 @@ def fit(precision: str, *, clip: bool = False, inner: bool = False, inf_at: int 
                     loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(0, 1))
                 self.loss_types.append(f"{type(logits).__name__}:{logits.dtype}->{type(loss).__name__}:{loss.dtype}")
             self.losses.append(loss.item())
+            if manual:  # loss_parallel() around manual_backward, the backward hook not used
+                opt = self.optimizers()
+                opt.zero_grad()
+                with loss_parallel():
+                    self.manual_backward(loss)
+                self.clip_gradients(opt, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
+                opt.step()
+                return None
             return loss
 
         def on_after_backward(self) -> None:
@@ -186,15 +200,17 @@ def fit(precision: str, *, clip: bool = False, inner: bool = False, inf_at: int 
             if plugin is not None:
                 self.scales.append(plugin.amp.scalers[0].get_scale())
 
-        def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-            with loss_parallel():
-                loss.backward(*args, **kwargs)
+        if not manual:  # manual optimization runs loss_parallel() around manual_backward itself, with no hook
+
+            def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+                with loss_parallel():
+                    loss.backward(*args, **kwargs)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return Recording(self.parameters(), self.norms)
 
     extra: dict[str, Any] = {} if plugin else {"precision": precision}
-    if clip:
+    if clip and not manual:
         extra["gradient_clip_val"] = CLIP
     strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
     trainer = make_trainer(plugin, strategy=strategy, devices=2, max_steps=STEPS, use_distributed_sampler=False,
@@ -216,6 +232,7 @@ CASES = {
     "O2_clip": dict(precision="O2", clip=True),
     "O1_clip": dict(precision="O1", clip=True),
     "O2_fp16_inf": dict(precision="O2", inf_at=1),
+    "O2_manual_clip": dict(precision="O2", manual=True),
 }
 
 

@@ -121,3 +121,13 @@ def test_an_overflow_in_one_ranks_shard_skips_the_step_on_both_ranks(ranks) -> N
     zero, one = ranks[0]["O2_fp16_inf"], ranks[1]["O2_fp16_inf"]
     assert zero["local_norms"] == one["local_norms"] and zero["params"] == one["params"]
     assert zero["losses"] == one["losses"]
+
+
+def test_manual_optimization_under_loss_parallel_clips_as_automatic(ranks) -> None:
+    """In manual optimization, ``with loss_parallel(): self.manual_backward(loss)`` then ``self.clip_gradients(...)``
+    (no ``backward`` hook override) trains as the automatic O2 run with ``gradient_clip_val``."""
+    for rank in ranks:
+        manual, automatic = case(rank, "O2_manual_clip"), case(rank, "O2_clip")
+        assert manual["norms"] == pytest.approx([CLIP] * STEPS, rel=1e-5)
+        assert manual["losses"] == pytest.approx(automatic["losses"], abs=1e-6)
+        assert gap(manual["params"], automatic["params"]) < 1e-6
