@@ -23,17 +23,22 @@ import convergence  # noqa: E402
 import engine_overhead  # noqa: E402
 import step  # noqa: E402
 
+from tests.warm_python import warm_python  # noqa: E402
+
 STEP_FIELDS = {
     "variant", "model", "steps_timed", "step_ms_median", "samples_per_second", "peak_memory_bytes",
     "peak_memory_kind", "repeats", "throughput_vs_bf16_mixed", "step_time_vs_bf16_mixed",
 }  # fmt: skip
 
 
-def test_step_script_end_to_end_in_subprocesses(tmp_path):
+def test_step_script_end_to_end_in_subprocesses(tmp_path, monkeypatch):
     """step.py's default method: each variant in a child process of its own (the parent runs here: its ``__main__``
     door is test_every_script_answers_help's; the children are the script's own, ``--_child`` and all)."""
     out = tmp_path / "step.json"
     variants = ["mpx-O1-bf16", "lightning-bf16-mixed"]
+    # The children start from the warm interpreter of tests/warm_python.py (``sys.executable`` is what step.py starts
+    # them with): a process and a ``__main__`` of their own each, the imports of torch and Lightning already paid.
+    monkeypatch.setattr(sys, "executable", warm_python())
     step.main(["--device", "cpu", "--model", "gpt", "--steps", "2", "--warmup", "1", "--variants", *variants,
                "--out", str(out)])  # fmt: skip
     result = json.loads(out.read_text())
@@ -425,7 +430,8 @@ print(json.dumps(answers))
 def test_every_script_answers_help():
     """``python benchmarks/<script> --help`` works for every script (in one process: importing torch once)."""
     scripts = sorted(str(p) for p in (ROOT / "benchmarks").glob("[!_]*.py"))
-    done = subprocess.run([sys.executable, "-c", _HELP, *scripts], capture_output=True, text=True, timeout=180,
+    # From the warm interpreter of tests/warm_python.py: torch and Lightning imported before, each script afresh.
+    done = subprocess.run([warm_python(), "-c", _HELP, *scripts], capture_output=True, text=True, timeout=180,
                           cwd=ROOT)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     answers = json.loads(done.stdout.strip().splitlines()[-1])

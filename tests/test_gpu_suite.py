@@ -25,6 +25,8 @@ import fsdp_step  # noqa: E402
 import gpu_report  # noqa: E402
 import gpu_suite  # noqa: E402
 
+from tests.warm_python import warm_python  # noqa: E402
+
 H100 = ROOT / "benchmarks" / "results" / "gpu" / "2026-11-23-h100"
 PART_FILES = ("tests", "unscale", "step_gpt", "step_resnet", "fidelity", "fsdp")
 UNSCALE_FIELDS = {"set", "dtype", "variant", "tensors", "fused_ms", "torch_ms", "speedup", "fused_GBps",
@@ -44,11 +46,17 @@ TARGETS = {
 
 @pytest.fixture(scope="module")
 def check_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One ``all --check`` run (about a minute on two busy cores), shared by the tests that read its files."""
+    """One ``all --check`` run, shared by the tests that read its files: the script and each of its nine child
+    processes start from the warm interpreter of ``tests/warm_python.py`` (a process of its own each, the imports of
+    torch and Lightning already paid: the run took about a minute of mostly imports on two busy cores otherwise).
+    That interpreter imported Triton in its interpreter mode, as every process of ``--check`` does; the script's own
+    environment still lacks ``TRITON_INTERPRET``, and lightning_mpx's kernels (not preloaded) are decorated in each
+    process from its own environment, so a suite that stopped setting it would still fail here."""
     out = tmp_path_factory.mktemp("gpu-suite-check")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the suite must set it itself
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "all", "--check", "--out", str(out)],
+        [warm_python(TRITON_INTERPRET="1"), str(ROOT / "benchmarks" / "gpu_suite.py"), "all", "--check",
+         "--out", str(out)],
         capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
