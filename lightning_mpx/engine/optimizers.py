@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from lightning_mpx.engine.frozen_writes import FrozenWrites
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
 from lightning_mpx.engine.raw_steps import _SAM_FIX, UnheldParams, is_two_pass, refuse_base_with_sam, refuse_raw_step
 from lightning_mpx.engine.rescale import (
@@ -94,6 +95,10 @@ class StepMachine(UnscalePath):
         # The prepared models' parameters that require grad and no registered optimizer holds (engine.raw_steps), found
         # when the models or the registrations change (find_unheld); None when there are none (no cost at a backward).
         self.unheld: UnheldParams | None = None
+        # The one-time check for a frozen half teacher written by hand (engine.frozen_writes): None once it ran
+        # (``frozen_checked``), so no cost at a backward after it.
+        self.frozen_writes: FrozenWrites | None = None
+        self.frozen_checked = False
         # A door that registers optimizers at their first step (Fabric's): before any is registered, a write over
         # the parameters no optimizer holds yet is judged there (UnheldParams.judge), not refused at the backward.
         self.registers_at_step = False
@@ -277,6 +282,8 @@ class StepMachine(UnscalePath):
         backward notes the parameters no registered optimizer holds (engine.raw_steps), if any."""
         if self.unheld is not None:  # a raw step over them since the last backward is refused
             self.unheld.before_backward(self, loss_id, scaled)
+        if self.frozen_writes is not None:  # until its one look is done
+            self.frozen_writes.at_backward(self)
         # engine.raw_steps' marks only where a raw step after this backward would harm (FP32 masters, or gradients
         # scaled by other than 1): asked at every backward, so a scale that leaves 1 (a checkpoint's) or masters
         # made since are watched from the next backward on; at O0/O1 with a unit scale nothing is noted
@@ -344,6 +351,8 @@ class StepMachine(UnscalePath):
             state.backward_versions = None
         if self.unheld is not None:
             self.unheld.forget()
+        if self.frozen_writes is not None:
+            self.frozen_writes.forget()
 
     # -- step and update ----------------------------------------------------------------------------------------
     def update(self) -> None:

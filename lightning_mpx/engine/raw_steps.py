@@ -64,6 +64,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
+from lightning_mpx.engine.frozen_writes import watch_frozen
 from lightning_mpx.engine.optimizer_state import _OptimizerState
 from lightning_mpx.masters.pairs import master_for
 from lightning_mpx.masters.weights import MasterWeights
@@ -380,12 +381,14 @@ class UnheldParams:
 def find_unheld(models: Any, machine: Any) -> None:
     """Set ``machine.unheld`` (:class:`UnheldParams`, or ``None`` when there are none) for the engine's prepared models
     (``models``: its :class:`~lightning_mpx.engine.preparation.PreparedModels`); none for a sharded model (its
-    parameters are the strategy's shards). Also ``machine.renormed``: the weights an ``nn.Embedding(max_norm=...)``
-    renormalises in place at each forward (see :func:`refuse_raw_step`)."""
+    parameters are the strategy's shards), and ``machine.frozen_writes`` (:func:`watch_frozen`). Also
+    ``machine.renormed``: the weights an ``nn.Embedding(max_norm=...)`` renormalises in place at each forward (see
+    :func:`refuse_raw_step`)."""
     machine.unheld, machine.renormed = None, frozenset()
+    modules: list[nn.Module] = [] if models.sharded else list(models._unsharded.keys())
+    watch_frozen(modules, machine)  # a frozen half teacher written by hand (engine.frozen_writes), looked for once
     if models.sharded:
         return
-    modules: Iterable[nn.Module] = list(models._unsharded.keys())
     machine.renormed = frozenset(
         id(sub.weight)
         for module in modules
