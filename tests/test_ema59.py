@@ -152,3 +152,30 @@ def test_a_half_ema_child_updated_by_hand_averages_as_bf16_mixed(
 ) -> None:
     errors = _errors(plain_o2[0], bf16_mixed)
     assert max(errors.values()) < 0.05, errors
+
+
+def test_the_warning_names_a_nested_ema_as_fp32_modules_needs_it() -> None:
+    """An EMA nested in the model (``self.net.ema`` beside ``self.net.student``): the warning's ``fp32_modules``
+    advice names ``'net.ema'``; the top-level child (``'net'``) would make the student FP32 too."""
+    from lightning_mpx import Amp
+
+    torch.manual_seed(0)
+    student = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    model = nn.Module()
+    model.net = nn.ModuleDict({"student": student, "ema": copy.deepcopy(student)})
+    model.forward = lambda x: model.net["student"](x)
+    amp = Amp("O2", half_dtype=HALF)
+    model = amp.prepare_model(model)
+    optimizer = amp.prepare_optimizer(torch.optim.AdamW(model.net["student"].parameters(), lr=1e-2))
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with amp.forward_context():
+                loss = F.cross_entropy(amp.cast_outputs(model(amp.cast_inputs(x))), y)
+            amp.backward(loss)
+            amp.step(optimizer)
+            optimizer.zero_grad()
+    messages = [str(w.message) for w in caught if "no optimizer holds" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert "('net.ema')" in messages[0] and "fp32_modules=['net.ema']" in messages[0], messages[0]

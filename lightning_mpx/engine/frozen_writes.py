@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-__all__ = ["FrozenWrites", "watch_frozen"]
+__all__ = ["FrozenWrites", "holding_modules", "watch_frozen"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -93,7 +93,7 @@ class FrozenWrites:
             ]
             if not written:
                 continue
-            children = _children([name for name, _ in written])
+            children = holding_modules([name for name, _ in written])
             dtype = str(written[0][1]).replace("torch.", "")
             shown = ", ".join(repr(c) for c in children[:5])
             shown += f" and {len(children) - 5} more" if len(children) > 5 else ""
@@ -119,7 +119,7 @@ def watch_frozen(modules: Sequence[nn.Module], machine: Any) -> None:
     machine.frozen_writes = FrozenWrites(modules)
 
 
-def _children(names: list[str]) -> list[str]:
+def holding_modules(names: list[str]) -> list[str]:
     """The module that holds every written parameter (``pair.teacher`` for a teacher nested in a LightningModule's
     model: its name is what ``fp32_modules`` needs), or, where none but the root does, their top-level children."""
     parts = [name.split(".")[:-1] for name in names]

@@ -64,7 +64,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
-from lightning_mpx.engine.frozen_writes import watch_frozen
+from lightning_mpx.engine.frozen_writes import holding_modules, watch_frozen
 from lightning_mpx.engine.optimizer_state import _OptimizerState
 from lightning_mpx.masters.pairs import master_for
 from lightning_mpx.masters.weights import MasterWeights
@@ -242,7 +242,7 @@ class UnheldParams:
             if not found:
                 continue
             names = [n for n, _ in found]
-            children = list(dict.fromkeys(n.rpartition(".")[0].split(".")[0] or n for n in names))
+            children = holding_modules(names)  # "pair.ema" nested in a LightningModule: what fp32_modules needs
             dtype = str(found[0][1]).replace("torch.", "")
             shown = ", ".join(repr(c) for c in children[:5])
             shown += f" and {len(children) - 5} more" if len(children) > 5 else ""
