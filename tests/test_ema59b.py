@@ -201,3 +201,31 @@ def test_accelerate_frozen_teacher_updated_after_the_step_is_warned_about() -> N
             momentum_update(pair)
 
     _assert_warned(_caught(run))
+
+
+def test_moco_optimizer_over_every_parameter_frozen_key_encoder_is_warned_about() -> None:
+    """MoCo's own code hands ``model.parameters()`` to SGD, its frozen key encoder included (no gradient: the step
+    skips it): frozen at set-up it has no FP32 master either, and its hand update is warned about the same way."""
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.q = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    model.k = copy.deepcopy(model.q).requires_grad_(False)
+    model.forward = lambda x: model.q(x)
+    amp = Amp("O2", half_dtype=HALF)
+    model = amp.prepare_model(model)
+    optimizer = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+
+    def run() -> None:
+        for _ in range(3):
+            with amp.forward_context():
+                loss = F.cross_entropy(amp.cast_outputs(model(amp.cast_inputs(x))), y)
+            amp.backward(loss)
+            amp.step(optimizer)
+            optimizer.zero_grad()
+            with torch.no_grad():
+                for k, q in zip(model.k.parameters(), model.q.parameters()):
+                    k.mul_(0.999).add_(q, alpha=0.001)
+
+    messages = [m for m in _caught(run) if WARNED in m]
+    assert len(messages) == 1 and "('k')" in messages[0] and "fp32_modules=['k']" in messages[0], messages

@@ -99,7 +99,7 @@ class FrozenWrites:
             shown += f" and {len(children) - 5} more" if len(children) > 5 else ""
             warnings.warn(
                 f"lightning_mpx: {len(written)} frozen {dtype} parameters of {type(module).__name__} ({shown}), which "
-                "no optimizer holds, were written in place between two steps, so they have no FP32 master. If one is "
+                "have no FP32 master (frozen at set-up), were written in place between two steps. If one is "
                 "an EMA or momentum teacher updated by hand (e.lerp_(s, 1 - d), e.data.mul_(d).add_(s.data, "
                 f"alpha=1 - d)), most of its elements never move in {dtype} at decay 0.999 (the update is under half a "
                 f"unit in the last place), where \"bf16-mixed\" averages FP32 weights: keep it FP32 with "
