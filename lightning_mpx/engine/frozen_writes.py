@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-__all__ = ["FrozenWrites", "holding_modules", "watch_frozen"]
+__all__ = ["FrozenWrites", "holding_modules", "warn_half_ema", "watch_frozen"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -93,21 +93,8 @@ class FrozenWrites:
             ]
             if not written:
                 continue
-            children = holding_modules([name for name, _ in written])
-            dtype = str(written[0][1]).replace("torch.", "")
-            shown = ", ".join(repr(c) for c in children[:5])
-            shown += f" and {len(children) - 5} more" if len(children) > 5 else ""
-            warnings.warn(
-                f"lightning_mpx: {len(written)} frozen {dtype} parameters of {type(module).__name__} ({shown}), which "
-                "have no FP32 master (frozen at set-up), were written in place between two steps. If one is "
-                "an EMA or momentum teacher updated by hand (e.lerp_(s, 1 - d), e.data.mul_(d).add_(s.data, "
-                f"alpha=1 - d)), most of its elements never move in {dtype} at decay 0.999 (the update is under half a "
-                f"unit in the last place), where \"bf16-mixed\" averages FP32 weights: keep it FP32 with "
-                f"fp32_modules=[{children[0]!r}] and average the FP32 masters (amp.master_of(s)). See 'EMA and "
-                "momentum teachers at O2' in docs/master_weights.md.",
-                UserWarning,
-                stacklevel=2,
-            )
+            what = "frozen {dtype} parameters of {owner} ({shown}), which have no FP32 master (frozen at set-up), were "
+            warn_half_ema(module, written, what + "written in place between two steps.", frozen=True)
 
 
 def watch_frozen(modules: Sequence[nn.Module], machine: Any) -> None:
@@ -117,6 +104,27 @@ def watch_frozen(modules: Sequence[nn.Module], machine: Any) -> None:
         machine.frozen_writes = None
         return
     machine.frozen_writes = FrozenWrites(modules)
+
+
+def warn_half_ema(module: nn.Module, found: list[tuple[str, torch.dtype]], what: str, *, frozen: bool) -> None:
+    """Warn, from the engine's backward, that ``found`` (``(name, dtype)`` of ``module``'s half parameters without a
+    master) may be an EMA or momentum teacher that never moves in half: ``what`` says what was seen (its
+    ``{dtype}``, ``{owner}`` and ``{shown}`` filled in), the rest is the recipe, naming the module that holds them."""
+    children = holding_modules([name for name, _ in found])
+    dtype = str(found[0][1]).replace("torch.", "")
+    shown = ", ".join(repr(c) for c in children[:5])
+    shown += f" and {len(children) - 5} more" if len(children) > 5 else ""
+    untrained = "" if frozen else "; one that does not train: requires_grad_(False) before set-up"
+    warnings.warn(
+        f"lightning_mpx: {len(found)} " + what.format(dtype=dtype, owner=type(module).__name__, shown=shown)
+        + " If one is an EMA or momentum teacher updated by hand (e.lerp_(s, 1 - d), e.data.mul_(d).add_(s.data, "
+        f"alpha=1 - d)), most of its elements never move in {dtype} at decay 0.999 (the update is under half a unit "
+        f"in the last place), where \"bf16-mixed\" averages FP32 weights: keep it FP32 with "
+        f"fp32_modules=[{children[0]!r}] and average the FP32 masters (amp.master_of(s)){untrained}. See 'EMA and "
+        "momentum teachers at O2' in docs/master_weights.md.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def holding_modules(names: list[str]) -> list[str]:

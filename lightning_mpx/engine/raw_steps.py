@@ -57,14 +57,13 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-import warnings
 import weakref
 from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
 
-from lightning_mpx.engine.frozen_writes import holding_modules, watch_frozen
+from lightning_mpx.engine.frozen_writes import warn_half_ema, watch_frozen
 from lightning_mpx.engine.optimizer_state import _OptimizerState
 from lightning_mpx.masters.pairs import master_for
 from lightning_mpx.masters.weights import MasterWeights
@@ -241,22 +240,9 @@ class UnheldParams:
             found = [(n, p.dtype) for n, p in module.named_parameters() if id(p) in self.ids and p.dtype in _HALF]
             if not found:
                 continue
-            names = [n for n, _ in found]
-            children = holding_modules(names)  # "pair.ema" nested in a LightningModule: what fp32_modules needs
-            dtype = str(found[0][1]).replace("torch.", "")
-            shown = ", ".join(repr(c) for c in children[:5])
-            shown += f" and {len(children) - 5} more" if len(children) > 5 else ""
-            warnings.warn(
-                f"lightning_mpx: {len(names)} {dtype} parameters of {type(module).__name__} ({shown}) require grad "
-                "but no optimizer holds them, so they have no FP32 master. If one is an EMA or momentum teacher "
-                "updated by hand (e.lerp_(s, 1 - d), e.data.mul_(d).add_(s.data, alpha=1 - d)), most of its elements "
-                f"never move in {dtype} at decay 0.999 (the update is under half a unit in the last place), where "
-                f"\"bf16-mixed\" averages FP32 weights: keep it FP32 with fp32_modules=[{children[0]!r}] and average "
-                "the FP32 masters (amp.master_of(s)); one that does not train: requires_grad_(False) before set-up. "
-                "See 'EMA and momentum teachers at O2' in docs/master_weights.md.",
-                UserWarning,
-                stacklevel=2,
-            )
+            what = "{dtype} parameters of {owner} ({shown}) require grad but no optimizer holds them, so they have "
+            what += "no FP32 master."
+            warn_half_ema(module, found, what, frozen=False)
 
     def forget(self) -> None:
         """Forget what was noted (a stage change of the engine wrote the parameters)."""
