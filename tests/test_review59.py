@@ -1,6 +1,7 @@
 """Stop 59's library changes attacked from the user's side: a prepared Hugging Face model's ``generate()`` (the
 Accelerate adapter) costs no more per token than the model's own ``generate``; ``ZeroRedundancyOptimizer`` through
-Apex's ``amp.initialize`` at O3 (no masters: it steps the half parameters itself). bfloat16."""
+Apex's ``amp.initialize`` at O3 (no masters: it steps the half parameters itself), and inside a Lookahead-style wrapper
+at O2 (refused as ZeRO itself is). bfloat16; one gloo rank in-process."""
 
 from __future__ import annotations
 
@@ -83,7 +84,18 @@ def test_a_prepared_models_generate_costs_no_more_calls_per_token_than_its_own(l
     assert prepared <= plain + 1, (prepared, plain)
 
 
-def test_zero_redundancy_optimizer_at_apex_o3_is_taken_and_trains() -> None:
+class _Lookahead(torch.optim.Optimizer):
+    """A wrapper on its base optimizer's groups (torch_optimizer's ``Lookahead`` habit), stepping the base."""
+
+    def __init__(self, base: torch.optim.Optimizer) -> None:
+        super().__init__(base.param_groups, base.defaults)
+        self.optimizer = base
+
+    def step(self, closure: Any = None) -> Any:
+        return self.optimizer.step(closure)
+
+
+def test_zero_redundancy_optimizer_at_apex_o3_trains_and_a_wrapped_one_at_o2_is_refused() -> None:
     """At O3 (and O2 with ``master_weights=False``) ``amp.initialize`` ran ``optimizer.load_state_dict(
     optimizer.state_dict())`` on every optimizer, and ZeRO's ``state_dict()`` raises before
     ``consolidate_state_dict()``: it failed there ("Optimizer state has not been consolidated"); a fresh optimizer has
@@ -106,5 +118,15 @@ def test_zero_redundancy_optimizer_at_apex_o3_is_taken_and_trains() -> None:
                 scaled.backward()
             zero.step()
             assert model.weight.dtype == HALF and not torch.equal(model.weight, before)
+
+            # At O2 a wrapper on ZeRO's groups had the masters stepped by ZeRO, which steps the half shard: accepted,
+            # the masters never moved. Refused now, naming both.
+            from lightning_mpx import Amp
+
+            amp = Amp("O2", half_dtype=HALF)
+            net = amp.prepare_model(nn.Linear(4, 4))
+            wrapped = _Lookahead(ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, lr=0.5))
+            with pytest.raises(ValueError, match=r"optimizer=_Lookahead, a wrapper of a ZeroRedundancyOptimizer "):
+                amp.prepare_optimizer(wrapped)
         finally:
             dist.destroy_process_group()
