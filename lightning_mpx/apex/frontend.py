@@ -128,9 +128,10 @@ def initialize(
         _add_model_hooks(amp, model, cast_model_outputs, cast_model=not keep_model)
     wrapped = []
     for optimizer in optimizers_list:
-        if amp.properties.casts_model and not amp.properties.master_weights and not keep_model:
+        if amp.properties.casts_model and not amp.properties.master_weights and not keep_model and optimizer.state:
             # O3: state made before (a checkpoint loaded first) takes the parameters' half dtype, as Apex's
-            # load_state_dict(state_dict()) trick did; at O2 the core moves it to the FP32 masters.
+            # load_state_dict(state_dict()) trick did; at O2 the core moves it to the FP32 masters. A fresh optimizer
+            # has none to move (ZeroRedundancyOptimizer's state_dict() raises before consolidate_state_dict()).
             optimizer.load_state_dict(optimizer.state_dict())
         wrapper = AmpOptimizer(optimizer, _amp_state, amp)
         wrapper.guard_original()  # before the engine's hooks: its refusal speaks Apex

@@ -155,7 +155,8 @@ class StepMachine(UnscalePath):
                 "and step skipping cannot support; use opt_level='O0', or a first-order optimizer."
             )
         if with_masters:
-            _refuse_zero_redundancy(optimizer)
+            for inner in (optimizer, *shared_inners(optimizer)):  # a Lookahead's base optimizer steps the masters too
+                _refuse_zero_redundancy(inner, optimizer)
         if with_masters and not self.masters.weights:
             raise RuntimeError(
                 "prepare_model() must run before prepare_optimizer() with master weights (O2), with train=True: "
@@ -464,17 +465,20 @@ def _adopt_later(
         machine.adopt_inners(state, optimizer)
 
 
-def _refuse_zero_redundancy(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse ``torch.distributed.optim.ZeroRedundancyOptimizer`` with master weights: the engine puts the FP32 masters
+def _refuse_zero_redundancy(optimizer: torch.optim.Optimizer, outer: torch.optim.Optimizer) -> None:
+    """Refuse ``torch.distributed.optim.ZeroRedundancyOptimizer`` (``optimizer``, ``outer`` or an inner one of
+    ``outer``) with master weights: the engine puts the FP32 masters
     in the wrapper's groups for the step, but ZeRO steps its local optimizer, built on its own groups over the half
     parameters of its shard (which hold no gradient then), and broadcasts those: no weight would ever change."""
     import sys
 
     zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")  # not imported: not one
     if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+        name = "" if outer is optimizer else f"{type(outer).__name__}, a wrapper of a "
         raise ValueError(
-            "optimizer=ZeroRedundancyOptimizer cannot step FP32 master weights (opt_level O2): its local optimizer "
-            "steps its shard of the model's half parameters and broadcasts them, never the masters, so the weights "
-            "would not train. Use O1 with ZeroRedundancyOptimizer (the model stays FP32; it shards the optimizer "
-            "state), a plain optimizer at O2 under DDP, or FSDP (lightning_mpx.fsdp) to shard state with masters."
+            f"optimizer={name}ZeroRedundancyOptimizer cannot step FP32 master weights (opt_level O2): its local "
+            "optimizer steps its shard of the model's half parameters and broadcasts them, never the masters, so the "
+            "weights would not train. Use O1 with ZeroRedundancyOptimizer (the model stays FP32; it shards the "
+            "optimizer state), a plain optimizer at O2 under DDP, or FSDP (lightning_mpx.fsdp) to shard state with "
+            "masters."
         )
