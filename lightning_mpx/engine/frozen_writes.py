@@ -5,9 +5,13 @@ DINO, Mean Teacher, timm's ``ModelEmaV2``) is half at O2 with no FP32 master, so
 0.999 (``e.lerp_(s, 1 - d)``) mostly never moves it (docs/master_weights.md, "EMA and momentum teachers at O2"). At
 set-up it cannot be told from a part frozen on purpose (a LoRA base), which is never written: the writes tell them
 apart. At the first backward after an engine step, the versions of the frozen half parameters without a master of
-the models an optimizer trains part of are noted; at the first backward after a later engine step they are compared,
-and those written in place between (``_version`` changed) are warned about once, naming their children and the
-recipe. Then the machine drops the check (``machine.frozen_writes = None``): no per-step work after it. A stage
+the models an optimizer trains part of are noted (not an ``nn.Embedding(max_norm=...)``'s weight, which its forward
+renormalises in place); they are compared at the first backward after the 1st, 2nd, 4th, ... 128th engine step since
+(a teacher updated every N steps: ema_pytorch's ``update_every=10``), and those written in place between
+(``_version`` changed) that are still frozen with no master are warned about once (rank zero only, pointing at the
+user's line), naming their children and the recipe. Then, or when none was written by the last look, the machine drops
+the check (``machine.frozen_writes = None``): no per-step work after it; before, ``machine.frozen_writes.due`` spares
+the backwards between two looks a call. A stage
 change of the engine that writes parameters (a ``load_state_dict`` into the model, ``amp.load_state_dict``, a model
 prepared again: :meth:`StepMachine.forget_writes`) forgets the note, taken again at the next backward.
 """
@@ -15,6 +19,7 @@ prepared again: :meth:`StepMachine.forget_writes`) forgets the note, taken again
 from __future__ import annotations
 
 import itertools
+import sys
 import warnings
 import weakref
 from typing import Any, Sequence
@@ -22,9 +27,17 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from lightning_mpx.settings import _rank_zero
+
 __all__ = ["FrozenWrites", "holding_modules", "warn_half_ema", "watch_frozen"]
 
 _HALF = (torch.float16, torch.bfloat16)
+# The engine steps since the note by which the last look is taken (looks at 1, 2, 4, ... of them).
+_LAST_LOOK = 128
+# The packages whose frames a warning skips to point at the user's line (a Trainer's: the ``trainer.fit`` call).
+_LIBRARIES = frozenset(
+    {"lightning_mpx", "torch", "lightning", "pytorch_lightning", "accelerate", "transformers", "peft"}
+)
 
 
 class FrozenWrites:
@@ -41,6 +54,8 @@ class FrozenWrites:
         self.noted_at = -1
         self.versions: dict[int, int] | None = None
         self.notes = 0
+        # The engine's count of steps from which a backward looks (the machine calls at_backward from it on).
+        self.due = 0
 
     def at_backward(self, machine: Any) -> None:
         """At an engine backward: note after the first engine step, compare after a later one, then drop the check
@@ -52,27 +67,31 @@ class FrozenWrites:
             return
         if self.versions is None:
             self.versions, self.noted_at, self.notes = self._note(machine), machine.steps_taken, self.notes + 1
+            self.due = self.noted_at + 1
             if not self.versions or self.notes > 3:  # a load between every two steps: looked at enough
                 _done(machine)  # no frozen half parameter without a master: nothing to watch
             return
-        if machine.steps_taken == self.noted_at:
+        since = machine.steps_taken - self.noted_at
+        if since < 1:
             return  # accumulation: no engine step since the note
-        _done(machine)  # one look, no per-step work after it
-        self._warn(self.versions)
+        if self._warn(self.versions, machine) or since >= _LAST_LOOK:
+            _done(machine)  # warned, or none written by the last look: no per-step work after it
+        else:
+            self.due = self.noted_at + 2 * since  # the next look
 
     def forget(self) -> None:
         """Forget the note (a stage change of the engine wrote the parameters): taken again at the next backward."""
-        self.versions = None
+        self.versions, self.due = None, 0
 
     def _note(self, machine: Any) -> dict[int, int]:
         optimizers = [o for state in machine.optimizers.values() if (o := state.optimizer_ref()) is not None]
         held = {id(p) for o in optimizers for p in itertools.chain.from_iterable(g["params"] for g in o.param_groups)}
-        with_master = {id(p) for weights in machine.masters.weights for p, _ in weights.half_pairs}
+        skipped = _with_master(machine) | machine.renormed  # an embedding's max_norm renormalises it at each forward
         versions = {}
         for module in self._trained(held):
             for param in module.parameters():
                 key = id(param)
-                if not param.requires_grad and param.dtype in _HALF and key not in with_master:
+                if not param.requires_grad and param.dtype in _HALF and key not in skipped:
                     versions[key] = param._version
         return versions
 
@@ -81,7 +100,10 @@ class FrozenWrites:
         modules = [ref() for ref in self.modules]
         return [m for m in modules if m is not None and any(id(p) in held for p in m.parameters())]
 
-    def _warn(self, versions: dict[int, int]) -> None:
+    def _warn(self, versions: dict[int, int], machine: Any) -> bool:
+        """Warn about the noted parameters written since, still frozen with no master (not unfrozen and trained
+        since: a freezing schedule); whether any was."""
+        with_master, warned = _with_master(machine), False
         for ref in self.modules:
             module = ref()
             if module is None:
@@ -89,12 +111,16 @@ class FrozenWrites:
             written = [
                 (name, param.dtype)
                 for name, param in module.named_parameters()
-                if not param.requires_grad and versions.get(id(param), param._version) != param._version
+                if not param.requires_grad
+                and id(param) not in with_master
+                and versions.get(id(param), param._version) != param._version
             ]
             if not written:
                 continue
+            warned = True
             what = "frozen {dtype} parameters of {owner} ({shown}), which have no FP32 master (frozen at set-up), were "
             warn_half_ema(module, written, what + "written in place between two steps.", frozen=True)
+        return warned
 
 
 def watch_frozen(modules: Sequence[nn.Module], machine: Any) -> None:
@@ -109,7 +135,10 @@ def watch_frozen(modules: Sequence[nn.Module], machine: Any) -> None:
 def warn_half_ema(module: nn.Module, found: list[tuple[str, torch.dtype]], what: str, *, frozen: bool) -> None:
     """Warn, from the engine's backward, that ``found`` (``(name, dtype)`` of ``module``'s half parameters without a
     master) may be an EMA or momentum teacher that never moves in half: ``what`` says what was seen (its
-    ``{dtype}``, ``{owner}`` and ``{shown}`` filled in), the rest is the recipe, naming the module that holds them."""
+    ``{dtype}``, ``{owner}`` and ``{shown}`` filled in), the rest is the recipe, naming the module that holds them.
+    On rank zero only (the same model on every rank), pointing at the user's line (:func:`_user_stacklevel`)."""
+    if not _rank_zero():
+        return
     children = holding_modules([name for name, _ in found])
     dtype = str(found[0][1]).replace("torch.", "")
     shown = ", ".join(repr(c) for c in children[:5])
@@ -123,8 +152,23 @@ def warn_half_ema(module: nn.Module, found: list[tuple[str, torch.dtype]], what:
         f"fp32_modules=[{children[0]!r}] and average the FP32 masters (amp.master_of(s)){untrained}. See 'EMA and "
         "momentum teachers at O2' in docs/master_weights.md.",
         UserWarning,
-        stacklevel=3,
+        stacklevel=_user_stacklevel(),
     )
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` for :func:`warn_half_ema`'s ``warnings.warn`` that points at the first frame outside
+    :data:`_LIBRARIES` (the user's ``fabric.backward(loss)``, ``trainer.fit(model)``): filters by module then match
+    the user's code, and a warning is not deduplicated by a line inside the library."""
+    frame, level = sys._getframe(2), 2  # warn_half_ema's caller (stacklevel 2)
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").split(".")[0] in _LIBRARIES:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _with_master(machine: Any) -> set[int]:
+    """The ids of the half parameters with an FP32 master."""
+    return {id(p) for weights in machine.masters.weights for p, _ in weights.half_pairs}
 
 
 def holding_modules(names: list[str]) -> list[str]:

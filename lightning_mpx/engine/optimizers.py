@@ -95,7 +95,7 @@ class StepMachine(UnscalePath):
         # The prepared models' parameters that require grad and no registered optimizer holds (engine.raw_steps), found
         # when the models or the registrations change (find_unheld); None when there are none (no cost at a backward).
         self.unheld: UnheldParams | None = None
-        # The one-time check for a frozen half teacher written by hand (engine.frozen_writes): None once it ran
+        # The check for a frozen half teacher written by hand (engine.frozen_writes): None once it ran
         # (``frozen_checked``), so no cost at a backward after it.
         self.frozen_writes: FrozenWrites | None = None
         self.frozen_checked = False
@@ -283,8 +283,9 @@ class StepMachine(UnscalePath):
         backward notes the parameters no registered optimizer holds (engine.raw_steps), if any."""
         if self.unheld is not None:  # a raw step over them since the last backward is refused
             self.unheld.before_backward(self, loss_id, scaled)
-        if self.frozen_writes is not None:  # until its one look is done
-            self.frozen_writes.at_backward(self)
+        frozen = self.frozen_writes
+        if frozen is not None and self.steps_taken >= frozen.due:  # until its looks are done, at each look
+            frozen.at_backward(self)
         # engine.raw_steps' marks only where a raw step after this backward would harm (FP32 masters, or gradients
         # scaled by other than 1): asked at every backward, so a scale that leaves 1 (a checkpoint's) or masters
         # made since are watched from the next backward on; at O0/O1 with a unit scale nothing is noted
