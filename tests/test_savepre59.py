@@ -135,3 +135,24 @@ def test_o2_a_weight_clamp_right_after_load_state_survives_the_next_forward(tmp_
     model(x)
     for p, want in zip(model.parameters(), clamped):
         assert torch.equal(p.detach(), want)  # the clamp, not the loaded values
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_o2_a_weight_clamp_after_a_step_that_follows_get_state_dict_survives_the_next_forward() -> None:
+    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+
+    accelerator = Accelerator(mixed_precision="O2", kwargs_handlers=[MixedPrecisionKwargs(half_dtype=HALF)])
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    model, optimizer = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    x = torch.randn(4, 8)
+    accelerator.backward(model(x).float().pow(2).mean())
+    accelerator.get_state_dict(model)  # between backward and step (a checkpoint there)
+    optimizer.step()
+    optimizer.zero_grad()
+    for p in model.parameters():
+        p.data.clamp_(-0.01, 0.01)
+    clamped = [p.detach().clone() for p in model.parameters()]
+    model(x)
+    for p, want in zip(model.parameters(), clamped):
+        assert torch.equal(p.detach(), want)  # the clamp, not the step's values

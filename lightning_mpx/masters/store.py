@@ -50,6 +50,13 @@ class Masters:
         the model at the next forward, as in FP32, where the state dict aliases the parameters."""
         self.lent = {id(param): (weakref.ref(param), weakref.ref(value), value._version) for param, value in pairs}
 
+    def forget_lent(self, params: Iterable[torch.Tensor]) -> None:
+        """Forget the handed-out values of ``params``, which a step has just written into the model: a write to
+        them since :meth:`lend` is stepped with them, and a ``p.data`` write after the step is not overwritten at the
+        next forward."""
+        for param in params:
+            self.lent.pop(id(param), None)
+
     def take_lent(self) -> None:
         """Write into the half model the handed-out FP32 values written since :meth:`lend` (their rounding; the
         step's take of writes to the model then finds nothing to take back), and forget them."""
