@@ -1,8 +1,8 @@
 """What users do with a model right after a mixed-precision fit: TorchScript (``to_torchscript()``, scripted and
 traced), ``torch.jit.trace``, ``torch.export.export``, ``trainer.predict`` and going on training, at O1 (the FP32
 model: FP32 inputs, FP32 weights in every export) and O2 (the half model: its own dtype's inputs), against the same
-model fitted in FP32; and the Accelerate adapter's ``save_pretrained`` without ``state_dict=``. bfloat16; tolerances,
-not bit equality, against FP32."""
+model fitted in FP32 (the Accelerate adapter's ``save_pretrained`` without ``state_dict=``: tests/test_savepre59.py).
+bfloat16; tolerances, not bit equality, against FP32."""
 
 from __future__ import annotations
 
@@ -121,33 +121,3 @@ def test_predict_after_the_fit_gives_the_fp32_runs_outputs(level: str, fp32_out:
     # O1 returns autocast's half output, as Lightning's "bf16-mixed" does; O2 the boundary's FP32 output.
     assert out.dtype == (HALF if level == "O1" else torch.float32)
     torch.testing.assert_close(out.float(), fp32_out, atol=5e-2, rtol=0)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="test_export59.py: at O2 the Accelerate adapter puts no MastersInStateDict hook on the prepared model "
-    "(docs/accelerate.md: unwrap_model(model).state_dict() is torch's, half), so save_pretrained(dir) without "
-    "state_dict=accelerator.get_state_dict(model) writes the bfloat16 weights, where Accelerate's own 'bf16' writes "
-    "FP32; changing that changes what unwrap_model(model).state_dict() gives every Accelerate user",
-)
-def test_accelerate_o2_save_pretrained_without_a_state_dict_writes_fp32_as_accelerates_bf16(tmp_path: Any) -> None:
-    from safetensors.torch import load_file
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
-    from tests.accelerate_helpers import accelerate_state_reset
-
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
-    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
-    with accelerate_state_reset():
-        accelerator = Accelerator(mixed_precision="O2", kwargs_handlers=[MixedPrecisionKwargs(half_dtype=HALF)])
-        model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-        accelerator.backward(model(input_ids=ids, labels=ids).loss)
-        opt.step()
-        masters = accelerator.get_state_dict(model)
-        accelerator.unwrap_model(model).save_pretrained(tmp_path)
-    saved = load_file(tmp_path / "model.safetensors")
-    assert {value.dtype for value in saved.values()} == {torch.float32}  # Accelerate's "bf16" writes FP32
-    for key, value in saved.items():
-        assert torch.equal(value, masters[key]), key

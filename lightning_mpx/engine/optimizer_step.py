@@ -223,6 +223,8 @@ class OptimizerStep:
             if master_weights:
                 step = functools.partial(optimizer.step, **step_kwargs)
                 step_on_masters(state, optimizer, master_weights, step, compare=compare)
+                if self.machine.masters.lent:  # handed out by a state dict before the step, which wrote them over
+                    self.machine.masters.forget_lent(optimizer_params(optimizer))  # a p.data write after it stays
             else:
                 optimizer.step(**step_kwargs)
         finally:

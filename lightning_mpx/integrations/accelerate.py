@@ -118,6 +118,7 @@ from lightning_mpx.integrations.accelerate_optimizer import (  # noqa: E402
     released_by_engine,
 )
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
+from lightning_mpx.integrations.fp32_export import MastersInStateDict  # noqa: E402
 from lightning_mpx.integrations.metric_counts import LOG_READER, upgrade_unlogged  # noqa: E402
 
 _log = logging.getLogger("lightning_mpx")
@@ -332,6 +333,8 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
         pair_again(self.amp, holders)  # their masters for its parameters, now half
         self._converted.add(model)
         install_forward(self.amp, model)
+        if self.amp.properties.master_weights:  # unwrap_model(model).state_dict(), save_pretrained: the FP32 masters
+            MastersInStateDict.install(model, self.amp)  # in place of an earlier engine's (another door's)
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         if self.amp.master_weights and prepared is not model:
             # Wrapped (DDP broadcasts rank zero's weights to every process): the masters take the weights that

@@ -24,6 +24,7 @@ from lightning_mpx.common.containers import _cast_collection
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.optimizer_state import optimizer_params
+from lightning_mpx.integrations.fp32_export import MastersInStateDict
 from lightning_mpx.masters.rank_zero import agree_on_rank_zero, several_ranks
 
 require("accelerate", feature="lightning_mpx.accelerate")
@@ -258,6 +259,8 @@ def take_over(amp: Amp, model: nn.Module, *, train: bool, rank_zero_fp32: bool =
     target.forward = target.__dict__.pop("_original_forward", forward._forward)
     amp.prepare_model(inner, train=train)
     install_forward(amp, inner)
+    if amp.properties.master_weights:  # its state_dict() gives this engine's masters, not the old one's
+        MastersInStateDict.install(inner, amp)
     if weights:
         inner.load_state_dict(weights, strict=False)  # FP32 values go to the new masters exactly
     return inner

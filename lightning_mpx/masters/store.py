@@ -40,22 +40,29 @@ class Masters:
         self.evaluation_only = False
         #: The FP32 values a model's state dict handed out last (parameter, value, the value's version then), both
         #: held weakly (a model dropped after a state_dict() call takes its masters with it), checked at the next
-        #: forward (:meth:`take_lent`); empty otherwise.
-        self.lent: list[tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor], int]] = []
+        #: forward (:meth:`take_lent`), by id of the parameter; empty otherwise.
+        self.lent: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor], int]] = {}
 
     def lend(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Note the FP32 values (masters, or values kept for masters not made yet) a model's ``state_dict()`` hands
         out in place of its half ``param``s (:class:`~lightning_mpx.integrations.fp32_export.MastersInStateDict`), as
         ``(param, value)`` pairs: a write through the state dict (``state_dict()[k].copy_(v)``, an EMA swap) reaches
         the model at the next forward, as in FP32, where the state dict aliases the parameters."""
-        self.lent = [(weakref.ref(param), weakref.ref(value), value._version) for param, value in pairs]
+        self.lent = {id(param): (weakref.ref(param), weakref.ref(value), value._version) for param, value in pairs}
+
+    def forget_lent(self, params: Iterable[torch.Tensor]) -> None:
+        """Forget the handed-out values of ``params``, which a step has just written into the model: a write to
+        them since :meth:`lend` is stepped with them, and a ``p.data`` write after the step is not overwritten at the
+        next forward."""
+        for param in params:
+            self.lent.pop(id(param), None)
 
     def take_lent(self) -> None:
         """Write into the half model the handed-out FP32 values written since :meth:`lend` (their rounding; the
         step's take of writes to the model then finds nothing to take back), and forget them."""
-        lent, self.lent = self.lent, []
+        lent, self.lent = self.lent, {}
         with torch.no_grad():
-            for param_ref, value_ref, version in lent:
+            for param_ref, value_ref, version in lent.values():
                 param, value = param_ref(), value_ref()
                 if param is not None and value is not None and value._version != version:
                     param.copy_(value)
@@ -138,7 +145,10 @@ class Masters:
             masters.drop_initial()
 
     def take_loaded(self, param: torch.Tensor, value: torch.Tensor, states: Iterable[_OptimizerState]) -> None:
-        """FP32 ``value`` loaded into half ``param``: its master (made now if an optimizer holds it) takes it."""
+        """FP32 ``value`` loaded into half ``param``: its master (made now if an optimizer holds it) takes it, and
+        the model its rounding; a value of ``param`` a state dict handed out before is no longer taken at the next
+        forward (``load_state`` after ``save_state``, then a ``p.data`` write: the write stays)."""
+        self.lent.pop(id(param), None)
         for masters in self.weights:
             if masters.covers(param):
                 if param.requires_grad:  # a frozen one gets no master: no need to look through the optimizers
