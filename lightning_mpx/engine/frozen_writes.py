@@ -34,9 +34,10 @@ __all__ = ["FrozenWrites", "holding_modules", "warn_half_ema", "watch_frozen"]
 _HALF = (torch.float16, torch.bfloat16)
 # The engine steps since the note by which the last look is taken (looks at 1, 2, 4, ... of them).
 _LAST_LOOK = 128
-# The packages whose frames a warning skips to point at the user's line (a Trainer's: the ``trainer.fit`` call).
+# The packages whose frames a warning skips to point at the user's line (a Trainer's: the ``trainer.fit`` call;
+# contextlib's: the exit of Apex's ``with amp.scale_loss(...)``, a generator context manager).
 _LIBRARIES = frozenset(
-    {"lightning_mpx", "torch", "lightning", "pytorch_lightning", "accelerate", "transformers", "peft"}
+    {"lightning_mpx", "torch", "lightning", "pytorch_lightning", "accelerate", "transformers", "peft", "contextlib"}
 )
 
 
