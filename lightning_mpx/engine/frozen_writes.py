@@ -145,16 +145,27 @@ def warn_half_ema(module: nn.Module, found: list[tuple[str, torch.dtype]], what:
     shown = ", ".join(repr(c) for c in children[:5])
     shown += f" and {len(children) - 5} more" if len(children) > 5 else ""
     untrained = "" if frozen else "; one that does not train: requires_grad_(False) before set-up"
+    if _apex_door(module):  # amp.initialize takes no fp32_modules, and the Apex layer's amp has no master_of
+        recipe = (f"keep it FP32, out of the model given to amp.initialize, and average the FP32 masters "
+                  f"(amp.master_params(optimizer), in the optimizer's order){untrained}")
+    else:
+        recipe = (f"keep it FP32 with fp32_modules=[{children[0]!r}] and average the FP32 masters "
+                  f"(amp.master_of(s)){untrained}")
     warnings.warn(
         f"lightning_mpx: {len(found)} " + what.format(dtype=dtype, owner=type(module).__name__, shown=shown)
         + " If one is an EMA or momentum teacher updated by hand (e.lerp_(s, 1 - d), e.data.mul_(d).add_(s.data, "
         f"alpha=1 - d)), most of its elements never move in {dtype} at decay 0.999 (the update is under half a unit "
-        f"in the last place), where \"bf16-mixed\" averages FP32 weights: keep it FP32 with "
-        f"fp32_modules=[{children[0]!r}] and average the FP32 masters (amp.master_of(s)){untrained}. See 'EMA and "
-        "momentum teachers at O2' in docs/master_weights.md.",
+        f"in the last place), where \"bf16-mixed\" averages FP32 weights: {recipe}. See 'EMA and momentum teachers "
+        "at O2' in docs/master_weights.md.",
         UserWarning,
         stacklevel=_user_stacklevel(),
     )
+
+
+def _apex_door(module: nn.Module) -> bool:
+    """Whether ``module`` was set up by the Apex layer's ``amp.initialize`` (its recipe differs)."""
+    state = sys.modules.get("lightning_mpx.apex._state")
+    return state is not None and module in state._amp_state.models
 
 
 def _user_stacklevel() -> int:
