@@ -139,8 +139,9 @@ class ModelSetup:
             for masters in self.amp.master_weights:
                 masters.sync_from_model()
             self._masters_synced = True
-        for optimizer in optimizers:
-            self.amp.prepare_optimizer(unwrap_optimizer(optimizer))
+        if trainer is None or trainer.state.fn == "fit":  # validate/test/predict step nothing: the optimizers kept
+            for optimizer in optimizers:  # from an earlier fit may be another model's (this one has no masters)
+                self.amp.prepare_optimizer(unwrap_optimizer(optimizer))
         if trainer is not None:
             if not sharded:  # an averaging callback's copy of a model converted before this fit: FP32 as on the first
                 average_in_fp32(trainer.callbacks, self._module if self._module is not None else model, self.amp)
