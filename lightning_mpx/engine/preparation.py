@@ -241,6 +241,19 @@ class PreparedModels:
         key = id(param)
         return param.dtype == self.properties.half_dtype and any(key in ids for ids in self._made_half.values())
 
+    def replaced_in_fp32(self) -> list[str]:
+        """The names of the parameters :meth:`prepare` made half that are FP32 now, in a module not pinned or promoted
+        to FP32: their data was replaced with an FP32 tensor after it (``param.data = fp32_tensor``, as Lightning's
+        ``ModelPruning`` lottery-ticket reset does), which :meth:`before_forward` sees only for the one parameter per
+        model it looks at. Read on an error's path only (the run's dtype error), never per step."""
+        return [
+            name
+            for module, ids in list(self._made_half.items())
+            for name, param in module.named_parameters()
+            if id(param) in ids and param.dtype == torch.float32
+            and not self.promotion.runs_fp32(name.rpartition(".")[0])
+        ]
+
     def _note_made_half(self, module: nn.Module, params: list[torch.Tensor]) -> None:
         """Record which of ``module``'s ``params`` (floating, not half before the conversion) the conversion made
         half (a model prepared again keeps those of its first preparation)."""

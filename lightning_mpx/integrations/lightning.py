@@ -61,7 +61,11 @@ from lightning_mpx.integrations.lightning_conversion import (  # noqa: E402
 from lightning_mpx.integrations.lightning_evaluation import EvaluationValues  # noqa: E402
 from lightning_mpx.integrations.lightning_gradient_readers import GradientReaders  # noqa: E402
 from lightning_mpx.integrations.lightning_manual import ManualStep  # noqa: E402
-from lightning_mpx.integrations.lightning_model_hooks import ModelHooks, note_uncast_input  # noqa: E402
+from lightning_mpx.integrations.lightning_model_hooks import (  # noqa: E402
+    ModelHooks,
+    note_replaced_data,
+    note_uncast_input,
+)
 from lightning_mpx.integrations.lightning_range_test import RangeTest  # noqa: E402
 from lightning_mpx.integrations.lightning_schedulers import HeldSchedulers, step_configs  # noqa: E402
 from lightning_mpx.integrations.lightning_setup import NOT_FOR_FABRIC, ModelSetup  # noqa: E402
@@ -353,6 +357,7 @@ class MixedPrecisionPlugin(ModelSetup, GradientClipping, CheckpointHooks, FSDPPr
         trainer = trainer_of(self._module) if self._module is not None else None
         if trainer is not None and trainer.interrupted:  # Lightning tears down while it handles the run's exception
             note_uncast_input(sys.exc_info()[1], self.amp)
+            note_replaced_data(sys.exc_info()[1], self.amp)
         elif trainer is not None and trainer.state.fn == "fit" and self._sharded is None:
             take_averages(trainer.callbacks, self._module, self.amp)  # written in at on_train_end (not if it raised)
         # Every rank tears down: the last steps skipped on the device are settled (their records merged across

@@ -17,7 +17,7 @@ from lightning_mpx.casting.boundary import BoundaryCast
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.integrations.fp32_export import MastersInStateDict
 
-__all__ = ["MastersInStateDict", "ModelHooks", "note_uncast_input"]
+__all__ = ["MastersInStateDict", "ModelHooks", "note_replaced_data", "note_uncast_input"]
 
 #: The LightningModule's steps that ``trainer.fit(torch.compile(model))`` compiles.
 _STEPS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -141,15 +141,9 @@ def note_uncast_input(error: BaseException | None, amp: Amp) -> None:
     LightningModule's direct children, where Lightning's "bf16-true" casts the whole batch (targets too), so a deeper
     module called from a step (``self.backbone.layer1(x)``) gets the batch's FP32 input. Read once, as the run ends
     with the exception (the plugin's teardown): nothing per step."""
-    if not isinstance(error, RuntimeError) or not amp.properties.casts_model or not hasattr(error, "add_note"):
+    if not _half_fp32_mismatch(error, amp):
         return
     half = amp.half_dtype
-    message = str(error).lower()
-    name = "bfloat16" if half == torch.bfloat16 else "half"
-    if "float" not in message.replace(name, "") or name not in message or "type" not in message:
-        return
-    if "same" not in message and "expected" not in message:  # torch's words for two dtypes that must match
-        return
     # The words alone also fit a step's own op on a half tensor and an FP32 one (torch.lerp(output, target) with a
     # target made in self.dtype, the outputs being FP32): the note is for a module holding half weights of its own
     # that was called on an FP32 tensor, the innermost module call the exception went through.
@@ -163,6 +157,42 @@ def note_uncast_input(error: BaseException | None, amp: Amp) -> None:
     )
     if note not in getattr(error, "__notes__", ()):
         error.add_note(note)
+
+
+def note_replaced_data(error: BaseException | None, amp: Amp) -> None:
+    """Add a note to ``error``, a run's exception, when it is torch's refusal of a half tensor with an FP32 one at
+    O2/O3 ("self and mat2 must have the same dtype, but got BFloat16 and Float") while a parameter the plugin made half
+    is FP32 now: its data was replaced with an FP32 tensor after set-up (``param.data = copy``, Lightning's
+    ``ModelPruning`` lottery-ticket reset). The engine's dtype check at each forward reads one parameter per model,
+    which names this cause when it is that one. Read once, as the run ends with the exception: nothing per step."""
+    if not _half_fp32_mismatch(error, amp):
+        return
+    names = amp._models.replaced_in_fp32()
+    if not names:
+        return
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    note = (
+        f"lightning_mpx: at {amp.opt_level} the plugin made these parameters {amp.half_dtype} at set-up and they are "
+        f"torch.float32 now: {shown}. Their data was replaced with an FP32 tensor after set-up (param.data = "
+        "fp32_tensor), as Lightning's ModelPruning does with its default use_lottery_ticket_hypothesis=True (its "
+        "reset copies the FP32 weights it kept at setup); the forward then mixes them with half tensors. Pass "
+        "ModelPruning(..., use_lottery_ticket_hypothesis=False), or write the values with param.data.copy_(tensor), "
+        "which keeps the dtype (at O2 the masters take the values written)."
+    )
+    if note not in getattr(error, "__notes__", ()):
+        error.add_note(note)
+
+
+def _half_fp32_mismatch(error: BaseException | None, amp: Amp) -> bool:
+    """Whether ``error`` is torch's refusal of two tensors, one in the run's half dtype and one in another floating
+    dtype, that must match, at an opt level that casts the model (O2/O3)."""
+    if not isinstance(error, RuntimeError) or not amp.properties.casts_model or not hasattr(error, "add_note"):
+        return False
+    message = str(error).lower()
+    name = "bfloat16" if amp.half_dtype == torch.bfloat16 else "half"
+    if "float" not in message.replace(name, "") or name not in message or "type" not in message:
+        return False
+    return "same" in message or "expected" in message  # torch's words for two dtypes that must match
 
 
 #: The frame of a module call (``module(x)``) in a traceback: its locals are the module and its inputs after the
