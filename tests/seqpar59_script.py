@@ -27,9 +27,11 @@ from torch import nn
 
 from tests.launch import case_error, end_ranks, launch_ranks, write_rank_results
 
+# tp59's SGD that records the gathered gradient norm, its LR and momentum (test_seqpar59 reads them), gathered weights
+from tests.tp59_script import LR, MOMENTUM, Recording, full  # noqa: F401
+
 STEPS = 4
 CLIP = 0.05  # below every step's gradient norm: each step is clipped
-LR, MOMENTUM = 0.1, 0.9
 VOCAB, DIM, BATCH, SEQ = 16, 8, 4, 8
 
 
@@ -98,34 +100,6 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
     idx = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     return idx, (idx * 3 + 1) % VOCAB
-
-
-def global_norm(tensors: list[torch.Tensor]) -> float:
-    from torch.distributed.tensor import DTensor
-
-    full = [(t.full_tensor() if isinstance(t, DTensor) else t).double() for t in tensors]
-    return float(torch.linalg.vector_norm(torch.stack([t.norm() for t in full])))
-
-
-class Recording(torch.optim.SGD):
-    """SGD that records the global norm of the gradients it steps with (after any clipping)."""
-
-    def __init__(self, params: Any, norms: list[float]) -> None:
-        super().__init__(params, lr=LR, momentum=MOMENTUM)
-        self.norms = norms
-
-    def step(self, closure: Any = None) -> Any:
-        loss = closure() if closure is not None else None
-        self.norms.append(global_norm([p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]))
-        super().step()
-        return loss
-
-
-def full(module: nn.Module) -> dict[str, list[float]]:
-    from torch.distributed.tensor import DTensor
-
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().double().flatten().tolist()
-            for n, p in module.named_parameters()}  # fmt: skip
 
 
 def local_norms(module: nn.Module) -> dict[str, list[float]]:
