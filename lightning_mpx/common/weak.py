@@ -6,7 +6,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-__all__ = ["WeakAttribute"]
+__all__ = ["WeakAttribute", "WeakHook"]
 
 
 class WeakAttribute:
@@ -28,3 +28,19 @@ class WeakAttribute:
     def held(self, obj: Any) -> bool:
         """Whether ``obj`` was given an object (alive or collected since)."""
         return obj.__dict__.get(self.slot) is not None
+
+
+class WeakHook:
+    """A hook that calls a bound method through a weak reference, so that registering ``obj.method`` as a hook on
+    ``obj`` itself makes no reference cycle (``obj`` is freed as soon as the user drops it, not at the next cyclic
+    collection). Once ``obj`` is gone the hook does nothing. It pickles as the bound method."""
+
+    def __init__(self, method: Any) -> None:
+        self._method = weakref.WeakMethod(method)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        method = self._method()
+        return None if method is None else method(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return (WeakHook, (self._method(),))

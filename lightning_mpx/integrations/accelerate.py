@@ -75,6 +75,7 @@ from torch import nn
 
 from lightning_mpx.common.containers import read_floats
 from lightning_mpx.common.imports import require
+from lightning_mpx.common.weak import WeakHook
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.overflow import DEFAULT_READER
 from lightning_mpx.opt_levels import OPT_LEVELS
@@ -237,8 +238,10 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
         self._converted: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         # FSDP2: optimizers prepared before Accelerate sharded their model, registered with the engine after.
         self._deferred: list[AmpOptimizer] | None = None
-        self.register_save_state_pre_hook(self._save_amp_state)
-        self.register_load_state_pre_hook(self._load_amp_state)
+        # Weakly: a bound method in the Accelerator's own hook dicts would keep it (and its engine, models and masters)
+        # alive after the user drops it, until the next cyclic collection (Accelerate's own is freed at once).
+        self.register_save_state_pre_hook(WeakHook(self._save_amp_state))
+        self.register_load_state_pre_hook(WeakHook(self._load_amp_state))
 
     # -- pickling ---------------------------------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
