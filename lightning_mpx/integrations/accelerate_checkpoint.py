@@ -3,7 +3,7 @@ FP32 masters and the skip counters of the adapter's :class:`~lightning_mpx.engin
 next to Accelerate's own files. At O2 the masters the checkpoint's model files hold (a prepared model's state dict
 gives them) are left out of it and named instead (:func:`masters_left_to_weights`), so that each is written once;
 ``load_state`` loads the model files after the engine's, and they give those masters exactly. A file that holds them
-itself (written by releases before 0.60) loads as before."""
+itself (as written before this release) loads as before."""
 
 from __future__ import annotations
 
