@@ -197,7 +197,9 @@ def test_fabric_and_accelerate_warn_once_for_a_backbone_frozen_before_set_up() -
                 backward(F.cross_entropy(model(data.tensors[0]).float(), data.tensors[1]))
                 optimizer.step()
                 optimizer.zero_grad()
-        return [str(w.message) for w in caught if SIGN in str(w.message)]
+        ours = [w for w in caught if SIGN in str(w.message)]
+        assert all(w.filename == __file__ for w in ours), [w.filename for w in ours]  # the user's line
+        return [str(w.message) for w in ours]
 
     for door in ("fabric", "accelerate"):
         assert len(run(door, freeze_before=True)) == 1, door

@@ -34,6 +34,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from lightning_mpx.common.user_frames import user_stacklevel
 from lightning_mpx.settings import _rank_zero
 
 __all__ = ["FrozenWrites", "holding_modules", "warn_half_ema", "watch_frozen"]
@@ -41,11 +42,6 @@ __all__ = ["FrozenWrites", "holding_modules", "warn_half_ema", "watch_frozen"]
 _HALF = (torch.float16, torch.bfloat16)
 # The engine steps since the note by which the last look is taken (looks at 1, 2, 4, ... of them).
 _LAST_LOOK = 128
-# The packages whose frames a warning skips to point at the user's line (a Trainer's: the ``trainer.fit`` call;
-# contextlib's: the exit of Apex's ``with amp.scale_loss(...)``, a generator context manager).
-_LIBRARIES = frozenset(
-    {"lightning_mpx", "torch", "lightning", "pytorch_lightning", "accelerate", "transformers", "peft", "contextlib"}
-)
 
 
 class FrozenWrites:
@@ -189,7 +185,7 @@ def warn_half_ema(module: nn.Module, found: list[tuple[str, torch.dtype]], what:
     """Warn, from the engine's backward, that ``found`` (``(name, dtype)`` of ``module``'s half parameters without a
     master) may be an EMA or momentum teacher that never moves in half: ``what`` says what was seen (its
     ``{dtype}``, ``{owner}`` and ``{shown}`` filled in), the rest is the recipe, naming the module that holds them.
-    On rank zero only (the same model on every rank), pointing at the user's line (:func:`_user_stacklevel`)."""
+    On rank zero only (the same model on every rank), pointing at the user's line (``user_stacklevel``)."""
     if not _rank_zero():
         return
     children = holding_modules([name for name, _ in found])
@@ -210,7 +206,7 @@ def warn_half_ema(module: nn.Module, found: list[tuple[str, torch.dtype]], what:
         f"in the last place), where \"bf16-mixed\" averages FP32 weights: {recipe}. See 'EMA and momentum teachers "
         "at O2' in docs/master_weights.md.",
         UserWarning,
-        stacklevel=_user_stacklevel(),
+        stacklevel=user_stacklevel(),
     )
 
 
@@ -218,16 +214,6 @@ def _apex_door(module: nn.Module) -> bool:
     """Whether ``module`` was set up by the Apex layer's ``amp.initialize`` (its recipe differs)."""
     state = sys.modules.get("lightning_mpx.apex._state")
     return state is not None and module in state._amp_state.models
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` for :func:`warn_half_ema`'s ``warnings.warn`` that points at the first frame outside
-    :data:`_LIBRARIES` (the user's ``fabric.backward(loss)``, ``trainer.fit(model)``): filters by module then match
-    the user's code, and a warning is not deduplicated by a line inside the library."""
-    frame, level = sys._getframe(2), 2  # warn_half_ema's caller (stacklevel 2)
-    while frame.f_back is not None and frame.f_globals.get("__name__", "").split(".")[0] in _LIBRARIES:
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _with_master(machine: Any) -> set[int]:
