@@ -68,7 +68,7 @@ import logging
 import os
 import warnings
 import weakref
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -238,8 +238,17 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
         self._converted: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         # FSDP2: optimizers prepared before Accelerate sharded their model, registered with the engine after.
         self._deferred: list[AmpOptimizer] | None = None
-        self.register_save_state_pre_hook(self._save_amp_state)
+        self._amp_save_hook = self.register_save_state_pre_hook(self._save_amp_state)
         self.register_load_state_pre_hook(self._load_amp_state)
+
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> Any:
+        """Accelerate's ``register_save_state_pre_hook``; the engine's own hook stays the last one, so that it sees
+        the weights as the user's hooks leave them (a hook that casts them: the masters stay in the engine's file)."""
+        handle = super().register_save_state_pre_hook(hook)
+        ours = getattr(self, "_amp_save_hook", None)
+        if ours is not None and ours.id in self._save_model_state_pre_hook:
+            self._save_model_state_pre_hook.move_to_end(ours.id)
+        return handle
 
     # -- pickling ---------------------------------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:

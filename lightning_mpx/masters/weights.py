@@ -14,9 +14,8 @@ from typing import Callable, Iterable, Iterator, Mapping
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from lightning_mpx.common.dtypes import HALF_DTYPES
+from lightning_mpx.common.dtypes import HALF_DTYPES, set_param_data
 from lightning_mpx.masters.fp32_buffers import keeps_fp32_buffer
 from lightning_mpx.masters.mirror import (
     _HANDED_OVER,
@@ -89,13 +88,8 @@ def convert_module(
             if param is not None and param.is_floating_point() and param.dtype != dtype:
                 if param.grad is not None:
                     param.grad = None
-                if is_traceable_wrapper_subclass(param):
-                    # A DTensor (tensor parallelism): `.data =` changes its dtype but not its local shard's (FSDP
-                    # then shards the FP32 local tensor). Swapped whole, as nn.Module.to does for such tensors.
-                    cast = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
-                    torch.utils.swap_tensors(param, cast)
-                else:
-                    param.data = param.data.to(dtype)
+                # A DTensor (tensor parallelism) swapped whole: `.data =` would leave its local shard FP32
+                set_param_data(param, param.data.to(dtype), name=f"{type(submodule).__name__} parameter")
         for name, buffer in submodule._buffers.items():
             if buffer is not None and buffer.is_floating_point() and buffer.dtype != dtype:
                 if buffer.dtype == torch.float32 and keeps_fp32_buffer(submodule, name):
