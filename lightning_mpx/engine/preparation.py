@@ -20,7 +20,7 @@ from lightning_mpx.casting.lists import AUTOCAST_ACTIONS
 from lightning_mpx.casting.loss_regions import LossRegions
 from lightning_mpx.casting.policy import CastPolicy
 from lightning_mpx.casting.table import CastTable
-from lightning_mpx.common.dtypes import HALF_DTYPES
+from lightning_mpx.common.dtypes import HALF_DTYPES, set_param_data
 from lightning_mpx.engine.optimizers import StepMachine
 from lightning_mpx.engine.sharding import Sharding, is_sharded, parameter_names
 from lightning_mpx.engine.surgery import ForwardErrors
@@ -618,7 +618,7 @@ def _convert(module: nn.Module, props: Properties) -> None:
     elif props.cast_model_type == torch.float32:
         for param in module.parameters():
             if param.dtype in (torch.float16, torch.bfloat16):
-                param.data = param.data.float()
+                set_param_data(param, param.data.float())  # a tensor-parallel DTensor: its local shard too
 
 
 def _refuse_meta(module: nn.Module) -> None:

@@ -427,7 +427,7 @@ class Promotion:
                 for masters in amp.master_weights:
                     if masters.covers(param):
                         master = masters.release(param)
-                param.data = master.data if master is not None else param.data.float()
+                set_param_data(param, master.data if master is not None else param.data.float())
                 param.grad = None  # the overflowed half gradient; the next backward makes an FP32 one
                 for optimizer in optimizers:
                     if master is not None and master in optimizer.state:
