@@ -106,7 +106,9 @@ class Amp(AmpRecords):
         ``region``, ``scale``, ``culprits``, ``parameters``)."""
         return dict(self.promotion.promoted)
 
-    def prepare_model(self, module: nn.Module, *, train: bool = True, rank_zero_fp32: bool = False) -> nn.Module:
+    def prepare_model(
+        self, module: nn.Module, *, train: bool = True, rank_zero_fp32: bool = False, keep_frozen_fp32: bool = False
+    ) -> nn.Module:
         """Convert ``module`` for the opt level (in place) and return it: half at O2/O3 (batch norm FP32 when
         ``keep_batchnorm_fp32``), half parameters FP32 at O0, as it is at O1. At O2 the FP32 masters of the
         parameters an optimizer holds are made by :meth:`prepare_optimizer` (a half submodule no optimizer trains
@@ -122,15 +124,20 @@ class Amp(AmpRecords):
         Under a process group of several ranks the masters start from the half weights (each rank's FP32 values may
         differ; DDP broadcasts rank zero's half weights), unless ``rank_zero_fp32``: then one FP32 broadcast (a
         collective: call it on every rank together, before DDP wraps the model) gives every rank rank zero's exact
-        FP32 values, which the masters start from, as the Lightning, Fabric and Accelerate doors do."""
+        FP32 values, which the masters start from, as the Lightning, Fabric and Accelerate doors do.
+
+        ``keep_frozen_fp32``: at O2 keep the FP32 values of the parameters frozen now too (4 bytes a parameter), so a
+        part unfrozen later (a backbone fine-tuned after its head) gets its master from them, not from its half
+        rounding (the Trainer plugin does so when a ``BaseFinetuning`` callback is given)."""
         if not isinstance(module, nn.Module):
             raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module.")
-        for name, value in (("train", train), ("rank_zero_fp32", rank_zero_fp32)):
+        flags = {"train": train, "rank_zero_fp32": rank_zero_fp32, "keep_frozen_fp32": keep_frozen_fp32}
+        for name, value in flags.items():
             if not isinstance(value, bool):
                 raise TypeError(f"{name}={value!r} must be True or False.")
         self.pick_half_dtype(module)  # with no half_dtype given: the device's, once (bfloat16 on a CPU)
         self._machine.forget_writes()  # converting writes the parameters: no raw step (engine.raw_steps)
-        self._models.prepare(module, train=train, rank_zero_fp32=rank_zero_fp32)
+        self._models.prepare(module, train=train, rank_zero_fp32=rank_zero_fp32, keep_frozen_fp32=keep_frozen_fp32)
         find_unheld(self._models, self._machine)  # its parameters no optimizer holds (engine.raw_steps)
         return module
 

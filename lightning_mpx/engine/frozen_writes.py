@@ -14,10 +14,17 @@ the check (``machine.frozen_writes = None``): no per-step work after it; before,
 the backwards between two looks a call. A stage
 change of the engine that writes parameters (a ``load_state_dict`` into the model, ``amp.load_state_dict``, a model
 prepared again: :meth:`StepMachine.forget_writes`) forgets the note, taken again at the next backward.
+
+An EMA child INSIDE the optimizer (``SGD(self.parameters())`` over a ``copy.deepcopy(student)`` child) has FP32
+masters, but never a gradient: the masters take each hand write as its half rounding. At the note and at each look,
+the held half parameters that require grad and were written since the engine's last step are taken, and the end of
+that backward warns once about those with no gradient (:meth:`FrozenWrites._watch_held`); a run with nothing of
+either kind at the note drops the check there.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 import warnings
@@ -27,6 +34,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from lightning_mpx.common.user_frames import user_stacklevel
 from lightning_mpx.settings import _rank_zero
 
 __all__ = ["FrozenWrites", "holding_modules", "warn_half_ema", "watch_frozen"]
@@ -34,11 +42,6 @@ __all__ = ["FrozenWrites", "holding_modules", "warn_half_ema", "watch_frozen"]
 _HALF = (torch.float16, torch.bfloat16)
 # The engine steps since the note by which the last look is taken (looks at 1, 2, 4, ... of them).
 _LAST_LOOK = 128
-# The packages whose frames a warning skips to point at the user's line (a Trainer's: the ``trainer.fit`` call;
-# contextlib's: the exit of Apex's ``with amp.scale_loss(...)``, a generator context manager).
-_LIBRARIES = frozenset(
-    {"lightning_mpx", "torch", "lightning", "pytorch_lightning", "accelerate", "transformers", "peft", "contextlib"}
-)
 
 
 class FrozenWrites:
@@ -57,10 +60,16 @@ class FrozenWrites:
         self.notes = 0
         # The engine's count of steps from which a backward looks (the machine calls at_backward from it on).
         self.due = 0
+        # Whether the held half parameters were warned about (_judge_held), and whether a stage change wrote the
+        # parameters since the last backward (forget: a load, not judged).
+        self.held_warned = False
+        self.loaded = False
 
-    def at_backward(self, machine: Any) -> None:
-        """At an engine backward: note after the first engine step, compare after a later one, then drop the check
-        (warning once if any noted parameter was written between)."""
+    def at_backward(self, machine: Any, scaled: torch.Tensor | None = None) -> None:
+        """At an engine backward (``scaled``: its scaled loss): note after the first engine step, compare after a
+        later one, then drop the check (warning once if any noted parameter was written between); at the note and at
+        each look, the held half parameters written by hand since the last step are judged at this backward's end
+        (:meth:`_watch_held`)."""
         if machine.steps_taken < 1 or not machine.optimizers:
             return
         if not machine.masters.weights:  # no FP32 masters after a step (not O2): nothing of this kind
@@ -69,24 +78,63 @@ class FrozenWrites:
         if self.versions is None:
             self.versions, self.noted_at, self.notes = self._note(machine), machine.steps_taken, self.notes + 1
             self.due = self.noted_at + 1
-            if not self.versions or self.notes > 3:  # a load between every two steps: looked at enough
-                _done(machine)  # no frozen half parameter without a master: nothing to watch
+            held = self._watch_held(machine, scaled)
+            if (not self.versions and not held) or self.notes > 3:  # a load between every two steps: enough
+                _done(machine)  # nothing frozen or held to watch (the usual run: no per-step work after it)
             return
         since = machine.steps_taken - self.noted_at
         if since < 1:
             return  # accumulation: no engine step since the note
-        if self._warn(self.versions, machine) or since >= _LAST_LOOK:
+        held = self._watch_held(machine, scaled)
+        # a held parameter's warning comes at this backward's end; without frozen ones, one written but with a
+        # gradient at the step (a clamp after it) is looked at again, and none written ends the check
+        if self._warn(self.versions, machine) or (not self.versions and not held) or since >= _LAST_LOOK:
             _done(machine)  # warned, or none written by the last look: no per-step work after it
         else:
             self.due = self.noted_at + 2 * since  # the next look
 
     def forget(self) -> None:
-        """Forget the note (a stage change of the engine wrote the parameters): taken again at the next backward."""
-        self.versions, self.due = None, 0
+        """Forget the note (a stage change of the engine wrote the parameters): taken again at the next backward,
+        where the held parameters are not judged (that write, a load, is no hand update)."""
+        self.versions, self.due, self.loaded = None, 0, True
+
+    def _watch_held(self, machine: Any, scaled: torch.Tensor | None) -> bool:
+        """Find the held half parameters that require grad, have an FP32 master and were written since the engine's
+        last step (their version or address moved since its copy of the masters into the model: an EMA child inside
+        the optimizer's ``self.parameters()`` updated by ``lerp_``); have the end of this backward warn about those
+        that got no gradient (:meth:`_judge_held`). Returns whether any was found. Not after a stage change's write
+        (:meth:`forget`), nor once warned."""
+        loaded, self.loaded = self.loaded, False
+        if self.held_warned or loaded or scaled is None or not scaled.requires_grad:
+            return False
+        held = _held_ids(machine)
+        written = {
+            id(param)
+            for weights in machine.masters.weights
+            for param, _ in weights.half_pairs
+            if param.requires_grad and id(param) in held and not weights._entry(param).unchanged(param)
+        }
+        if written:
+            scaled.register_hook(functools.partial(_queue, functools.partial(self._judge_held, frozenset(written))))
+        return bool(written)
+
+    def _judge_held(self, written: frozenset[int]) -> None:
+        """At the end of a backward: warn, once, about the ``written`` parameters that hold no gradient (the step
+        leaves them as the hand write's half rounding), by the module that holds them."""
+        for ref in self.modules:
+            module = ref()
+            if module is None or self.held_warned:
+                continue
+            found = [(n, p.dtype) for n, p in module.named_parameters() if id(p) in written and p.grad is None]
+            if not found:
+                continue
+            self.held_warned = True
+            what = ("{dtype} parameters of {owner} ({shown}) that the optimizer holds got no gradient and were "
+                    "written in place since the last step, so their FP32 masters take each write as its rounding.")
+            warn_half_ema(module, found, what, frozen=True)  # the recipe alone: they are no part left untrained
 
     def _note(self, machine: Any) -> dict[int, int]:
-        optimizers = [o for state in machine.optimizers.values() if (o := state.optimizer_ref()) is not None]
-        held = {id(p) for o in optimizers for p in itertools.chain.from_iterable(g["params"] for g in o.param_groups)}
+        held = _held_ids(machine)
         skipped = _with_master(machine) | machine.renormed  # an embedding's max_norm renormalises it at each forward
         versions = {}
         for module in self._trained(held):
@@ -137,7 +185,7 @@ def warn_half_ema(module: nn.Module, found: list[tuple[str, torch.dtype]], what:
     """Warn, from the engine's backward, that ``found`` (``(name, dtype)`` of ``module``'s half parameters without a
     master) may be an EMA or momentum teacher that never moves in half: ``what`` says what was seen (its
     ``{dtype}``, ``{owner}`` and ``{shown}`` filled in), the rest is the recipe, naming the module that holds them.
-    On rank zero only (the same model on every rank), pointing at the user's line (:func:`_user_stacklevel`)."""
+    On rank zero only (the same model on every rank), pointing at the user's line (``user_stacklevel``)."""
     if not _rank_zero():
         return
     children = holding_modules([name for name, _ in found])
@@ -158,7 +206,7 @@ def warn_half_ema(module: nn.Module, found: list[tuple[str, torch.dtype]], what:
         f"in the last place), where \"bf16-mixed\" averages FP32 weights: {recipe}. See 'EMA and momentum teachers "
         "at O2' in docs/master_weights.md.",
         UserWarning,
-        stacklevel=_user_stacklevel(),
+        stacklevel=user_stacklevel(),
     )
 
 
@@ -166,16 +214,6 @@ def _apex_door(module: nn.Module) -> bool:
     """Whether ``module`` was set up by the Apex layer's ``amp.initialize`` (its recipe differs)."""
     state = sys.modules.get("lightning_mpx.apex._state")
     return state is not None and module in state._amp_state.models
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` for :func:`warn_half_ema`'s ``warnings.warn`` that points at the first frame outside
-    :data:`_LIBRARIES` (the user's ``fabric.backward(loss)``, ``trainer.fit(model)``): filters by module then match
-    the user's code, and a warning is not deduplicated by a line inside the library."""
-    frame, level = sys._getframe(2), 2  # warn_half_ema's caller (stacklevel 2)
-    while frame.f_back is not None and frame.f_globals.get("__name__", "").split(".")[0] in _LIBRARIES:
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _with_master(machine: Any) -> set[int]:
@@ -195,6 +233,19 @@ def holding_modules(names: list[str]) -> list[str]:
     if common:
         return [".".join(common)]
     return list(dict.fromkeys(p[0] if p else n for p, n in zip(parts, names)))
+
+
+def _held_ids(machine: Any) -> set[int]:
+    """The ids of the parameters the machine's registered optimizers hold."""
+    optimizers = [o for state in machine.optimizers.values() if (o := state.optimizer_ref()) is not None]
+    return {id(p) for o in optimizers for p in itertools.chain.from_iterable(g["params"] for g in o.param_groups)}
+
+
+def _queue(callback: Any, grad: torch.Tensor) -> None:
+    """The scaled loss's gradient hook: ``callback`` runs when the backward ends, after the callbacks queued during
+    it (DDP's, which give a rank the gradients only another rank's forward made)."""
+    requeue = functools.partial(torch.autograd.Variable._execution_engine.queue_callback, callback)
+    torch.autograd.Variable._execution_engine.queue_callback(requeue)  # type: ignore[attr-defined]
 
 
 def _done(machine: Any) -> None:

@@ -285,7 +285,7 @@ class StepMachine(UnscalePath):
             self.unheld.before_backward(self, loss_id, scaled)
         frozen = self.frozen_writes
         if frozen is not None and self.steps_taken >= frozen.due:  # until its looks are done, at each look
-            frozen.at_backward(self)
+            frozen.at_backward(self, scaled)
         # engine.raw_steps' marks only where a raw step after this backward would harm (FP32 masters, or gradients
         # scaled by other than 1): asked at every backward, so a scale that leaves 1 (a checkpoint's) or masters
         # made since are watched from the next backward on; at O0/O1 with a unit scale nothing is noted

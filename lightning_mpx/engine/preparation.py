@@ -20,7 +20,7 @@ from lightning_mpx.casting.lists import AUTOCAST_ACTIONS
 from lightning_mpx.casting.loss_regions import LossRegions
 from lightning_mpx.casting.policy import CastPolicy
 from lightning_mpx.casting.table import CastTable
-from lightning_mpx.common.dtypes import HALF_DTYPES
+from lightning_mpx.common.dtypes import HALF_DTYPES, set_param_data
 from lightning_mpx.engine.optimizers import StepMachine
 from lightning_mpx.engine.sharding import Sharding, is_sharded, parameter_names
 from lightning_mpx.engine.surgery import ForwardErrors
@@ -111,7 +111,9 @@ class PreparedModels:
         # O2: what takes this engine's hooks off each model it holds the masters of, once another engine took them.
         self._releases: weakref.WeakKeyDictionary[nn.Module, HookRelease] = weakref.WeakKeyDictionary()
 
-    def prepare(self, module: nn.Module, *, train: bool, rank_zero_fp32: bool = False) -> nn.Module:
+    def prepare(
+        self, module: nn.Module, *, train: bool, rank_zero_fp32: bool = False, keep_frozen_fp32: bool = False
+    ) -> nn.Module:
         """:meth:`Amp.prepare_model <lightning_mpx.engine.amp.Amp.prepare_model>` (arguments checked)."""
         if self._device_pending and self._device_model is None:
             self._device_model = weakref.ref(module)  # its device is read at the first forward
@@ -154,7 +156,9 @@ class PreparedModels:
                 if param.dtype != torch.float32 and type(param) is WatchedParameter:
                     continue
                 # Under a process group, only the values the ranks agreed on (rank zero's: see masters/rank_zero.py).
-                kept = masters_from_fp32 and param.requires_grad and (agreed is None or id(param) in agreed)
+                kept = masters_from_fp32 and (param.requires_grad or keep_frozen_fp32) and (
+                    agreed is None or id(param) in agreed
+                )
                 if id(param) in pinned or kept:
                     before_cast[id(param)] = param.data if param.dtype == torch.float32 else param.data.float()
         buffers = _fp32_buffers(module) if props.casts_model and self.promotion.patterns else None
@@ -178,7 +182,7 @@ class PreparedModels:
             first = next((p for p in module.parameters() if p.is_floating_point() and not p.is_complex()), None)
             if first is not None:  # looked at each forward (Amp.forward_context), without a call
                 self._mark(self._other_marks, module, first)
-        initial = _keep_fp32_values(module, before_cast, agreed)
+        initial = _keep_fp32_values(module, before_cast, agreed, frozen=keep_frozen_fp32)
         if props.casts_model:  # one half parameter, looked at each forward: the dtype prepare_model() gave the model
             self._mark(self._half_marks, module, next((p for p in module.parameters() if p.dtype == half), None))
         if props.master_weights and not train:
@@ -186,6 +190,10 @@ class PreparedModels:
         if props.master_weights and train:
             # The FP32 values are kept until each one's master is made, whenever (and by whichever optimizer) that is.
             weights = self.masters.add_model(module, self.names, prefix, initial if masters_from_fp32 else None)
+            if masters_from_fp32:  # frozen now, no FP32 value kept: a master made later comes from the rounding
+                rounded = {id(p) for p in converting if p.dtype == half and not (p.requires_grad or id(p) in initial)}
+                for masters in self.masters.weights:
+                    masters.note_rounded(rounded)
             if weights is not None:
                 tables = (self._regions_hooks, self._load_hooks, self._tied_hooks, self.promotion.hooks)
                 weights.let_go = self._releases[module] = HookRelease(module, tables, self.forget)
@@ -491,11 +499,15 @@ def _keep_fp32_buffers(module: nn.Module, before: dict[tuple[int, str], torch.Te
 
 
 def _keep_fp32_values(
-    module: nn.Module, before_cast: dict[int, torch.Tensor], agreed: dict[int, torch.Tensor] | None = None
+    module: nn.Module,
+    before_cast: dict[int, torch.Tensor],
+    agreed: dict[int, torch.Tensor] | None = None,
+    *,
+    frozen: bool = False,
 ) -> dict[int, torch.Tensor]:
     """After the cast to half: parameters FP32 again (``fp32_modules``) take back the exact values they held
     before it, not their rounding; returns the FP32 values of the half parameters, for their masters (``agreed``:
-    rank zero's, for the parameters half before the cast too, a second stage's)."""
+    rank zero's, for the parameters half before the cast too, a second stage's; ``frozen``: the frozen ones' too)."""
     initial = {}
     with torch.no_grad():
         for param in module.parameters():
@@ -506,7 +518,7 @@ def _keep_fp32_values(
                 continue
             if param.dtype == torch.float32 and param.data_ptr() != value.data_ptr():
                 param.data = value  # pinned FP32 by fp32_modules after the cast: its own values, exactly
-            elif param.dtype in HALF_DTYPES and param.requires_grad:
+            elif param.dtype in HALF_DTYPES and (param.requires_grad or frozen):
                 initial[id(param)] = value
     return initial
 
@@ -606,7 +618,7 @@ def _convert(module: nn.Module, props: Properties) -> None:
     elif props.cast_model_type == torch.float32:
         for param in module.parameters():
             if param.dtype in (torch.float16, torch.bfloat16):
-                param.data = param.data.float()
+                set_param_data(param, param.data.float())  # a tensor-parallel DTensor: its local shard too
 
 
 def _refuse_meta(module: nn.Module) -> None:

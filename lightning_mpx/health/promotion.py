@@ -56,7 +56,7 @@ from torch import nn
 
 from lightning_mpx.casting.policy import enter_fp32, exit_fp32
 from lightning_mpx.common.containers import _cast_collection
-from lightning_mpx.common.dtypes import HALF_DTYPES
+from lightning_mpx.common.dtypes import HALF_DTYPES, set_param_data
 from lightning_mpx.health.forensics import OverflowRecord
 
 if TYPE_CHECKING:
@@ -427,7 +427,7 @@ class Promotion:
                 for masters in amp.master_weights:
                     if masters.covers(param):
                         master = masters.release(param)
-                param.data = master.data if master is not None else param.data.float()
+                set_param_data(param, master.data if master is not None else param.data.float())
                 param.grad = None  # the overflowed half gradient; the next backward makes an FP32 one
                 for optimizer in optimizers:
                     if master is not None and master in optimizer.state:
@@ -568,7 +568,7 @@ def _module_to_fp32(module: nn.Module) -> None:
     for submodule in module.modules():
         for param in submodule._parameters.values():
             if param is not None and param.dtype in HALF_DTYPES:
-                param.data = param.data.float()
+                set_param_data(param, param.data.float())  # a tensor-parallel DTensor: its local shard too
                 param.grad = None
         for key, buffer in submodule._buffers.items():
             if buffer is not None and buffer.dtype in HALF_DTYPES:

@@ -68,7 +68,7 @@ import logging
 import os
 import warnings
 import weakref
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -96,6 +96,7 @@ from lightning_mpx.integrations.accelerate_checkpoint import (  # noqa: E402
     AMP_STATE_NAME,
     amp_state_path,
     masters_into,
+    masters_left_to_weights,
     read_amp_state,
     warn_frozen_half,
     write_amp_state,
@@ -240,8 +241,17 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
         self._deferred: list[AmpOptimizer] | None = None
         # Weakly: a bound method in the Accelerator's own hook dicts would keep it (and its engine, models and masters)
         # alive after the user drops it, until the next cyclic collection (Accelerate's own is freed at once).
-        self.register_save_state_pre_hook(WeakHook(self._save_amp_state))
+        self._amp_save_hook = self.register_save_state_pre_hook(WeakHook(self._save_amp_state))
         self.register_load_state_pre_hook(WeakHook(self._load_amp_state))
+
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> Any:
+        """Accelerate's ``register_save_state_pre_hook``; the engine's own hook stays the last one, so that it sees
+        the weights as the user's hooks leave them (a hook that casts them: the masters stay in the engine's file)."""
+        handle = super().register_save_state_pre_hook(hook)
+        ours = getattr(self, "_amp_save_hook", None)
+        if ours is not None and ours.id in self._save_model_state_pre_hook:
+            self._save_model_state_pre_hook.move_to_end(ours.id)
+        return handle
 
     # -- pickling ---------------------------------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -505,6 +515,8 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
         assert self.amp is not None
         self._close_iteration()  # the checkpoint holds the scale the next backward would use
         state = self.amp.state_dict()  # every rank reads its device state (the flags are reduced); the log's position
+        # At O2 the model files hold the FP32 masters: each is written once (load_state loads those files after this)
+        state = masters_left_to_weights(self.amp, [self.unwrap_model(m) for m in models], weights, state)
         if self.is_main_process or (self.project_configuration.save_on_each_node and self.is_local_main_process):
             write_amp_state(state, output_dir, self.amp.scalers if grad_scaler else ())
 

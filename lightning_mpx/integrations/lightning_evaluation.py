@@ -51,12 +51,15 @@ class EvaluationValues:
         half: a next stage prepares it again."""
         return self._restored() if self._restored is not None else None
 
-    def prepare(self, amp: Any, module: nn.Module, *, fitting: bool, rank_zero_fp32: bool = False) -> None:
-        """``amp.prepare_model(module, train=fitting, rank_zero_fp32=rank_zero_fp32)``; at O2 not fitting, with the
-        FP32 values the cast replaces kept until :meth:`restore` (``rank_zero_fp32`` under a process group: rank
-        zero's, broadcast in FP32 first as the strategy then broadcasts the half ones; call it on every rank)."""
+    def prepare(
+        self, amp: Any, module: nn.Module, *, fitting: bool, rank_zero_fp32: bool = False, keep_frozen: bool = False
+    ) -> None:
+        """``amp.prepare_model(module, train=fitting, rank_zero_fp32=rank_zero_fp32, keep_frozen_fp32=keep_frozen)``;
+        at O2 not fitting, with the FP32 values the cast replaces kept until :meth:`restore` (``rank_zero_fp32``
+        under a process group: rank zero's, broadcast in FP32 first as the strategy then broadcasts the half ones;
+        call it on every rank)."""
         if fitting or not amp.properties.master_weights:
-            amp.prepare_model(module, train=fitting, rank_zero_fp32=rank_zero_fp32)
+            amp.prepare_model(module, train=fitting, rank_zero_fp32=rank_zero_fp32, keep_frozen_fp32=keep_frozen)
             return
         if rank_zero_fp32 and several_ranks():
             _sync_module_states(module)  # Lightning's own broadcast for an evaluation, before the cast: in FP32

@@ -18,6 +18,7 @@ from lightning_mpx.masters.weights import convert_module
 
 _pl = require("lightning.pytorch", extra="lightning", feature="lightning_mpx.MixedPrecisionPlugin")
 
+from lightning.pytorch.callbacks import BaseFinetuning  # noqa: E402
 from lightning.pytorch.strategies import FSDPStrategy  # noqa: E402
 
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
@@ -76,6 +77,9 @@ class ModelSetup:
         # Under DDP every rank is here together, before DDP wraps the model: the masters start from rank zero's exact
         # FP32 weights (one broadcast), not from their half rounding that DDP broadcasts.
         agree = trainer is not None and trainer.world_size > 1
+        # A BaseFinetuning callback (BackboneFinetuning) froze the part it unfreezes later, before this cast: its FP32
+        # values are kept for its masters (the memory they will take, as "bf16-mixed" keeps them), not its rounding.
+        finetuning = trainer is not None and any(isinstance(c, BaseFinetuning) for c in trainer.callbacks)
         if not sharded and fitting and self.amp.properties.master_weights:
             refuse_lazy(module, "trainer.fit")  # a clear error, not the engine's on a parameter without a shape
         if module is not self._module:
@@ -86,7 +90,9 @@ class ModelSetup:
                 self._sharded = None
             pick_half_dtype(self, module if trainer is None else trainer.strategy.root_device)
             if not sharded:
-                self._evaluation.prepare(self.amp, module, fitting=fitting, rank_zero_fp32=agree)
+                self._evaluation.prepare(
+                    self.amp, module, fitting=fitting, rank_zero_fp32=agree, keep_frozen=finetuning
+                )
             self._module = module
         elif (
             not sharded and self.amp.properties.master_weights and not holds_masters(self.amp, module)
@@ -94,7 +100,7 @@ class ModelSetup:
         ):
             # Evaluated before (made FP32 again when that stage ended), or taken over since: masters made here when
             # fitting, from its FP32 weights; another evaluation converts the restored model again.
-            self._evaluation.prepare(self.amp, module, fitting=fitting, rank_zero_fp32=agree)
+            self._evaluation.prepare(self.amp, module, fitting=fitting, rank_zero_fp32=agree, keep_frozen=finetuning)
             self._masters_synced = False
         if sharded and isinstance(trainer.strategy, FSDPStrategy) and self.amp.properties.casts_model:
             if not self.amp.properties.master_weights:  # O3: FSDP shards the half model (FSDP2: shard_model does)

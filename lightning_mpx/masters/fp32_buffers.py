@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_mpx.common.dtypes import set_param_data
+
 __all__ = ["fp32_tensors", "keeps_fp32_buffer", "restore_fp32_tensors"]
 
 
@@ -59,6 +61,6 @@ def restore_fp32_tensors(module: nn.Module, before: dict[tuple[int, str], torch.
                 if value is None or tensor is None or tensor.dtype != torch.float32 or tensor.shape != value.shape:
                     continue
                 if table == "p":
-                    tensor.data = value
+                    set_param_data(tensor, value)  # a tensor-parallel DTensor: its local shard too
                 else:
                     tensors[name] = value

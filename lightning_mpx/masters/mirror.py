@@ -174,7 +174,7 @@ class _Entry:
     user let its model go) the master and the kept FP32 value go with it at once, not at the engine's next walk of its
     entries: an engine that lives on (a notebook's, a second stage's) holds no FP32 copy of a model nobody holds."""
 
-    __slots__ = ("name", "param", "master", "initial", "version", "address", "__weakref__")
+    __slots__ = ("name", "param", "master", "initial", "rounded", "version", "address", "__weakref__")
 
     def __init__(self, name: str, param: torch.Tensor) -> None:
         self.name = name
@@ -182,6 +182,7 @@ class _Entry:
         self.param = weakref.ref(param, functools.partial(_let_values_go, weakref.ref(self)))
         self.master: torch.Tensor | None = None
         self.initial: torch.Tensor | None = None  # the FP32 value before the cast to half, until the master is made
+        self.rounded = False  # frozen when cast to half, its FP32 value not kept: a master made later is its rounding
         self.version = -1
         self.address = -1
 

@@ -13,13 +13,16 @@ from __future__ import annotations
 import collections
 import itertools
 import operator
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
+from lightning_mpx.common.user_frames import user_stacklevel
 from lightning_mpx.engine.optimizer_state import _OptimizerState
 from lightning_mpx.masters.weights import MasterWeights
+from lightning_mpx.settings import _rank_zero
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
 _IS_SPARSE = operator.attrgetter("is_sparse")
@@ -61,6 +64,29 @@ def master_for(master_weights: Sequence[MasterWeights], param: torch.Tensor) -> 
     if param.dtype in (torch.float16, torch.bfloat16) and param.requires_grad:
         return None
     return param
+
+
+def warn_from_rounding(master_weights: Sequence[MasterWeights]) -> None:
+    """Once per model: warn that masters were made from the half rounding of parameters frozen when the model was
+    cast (unfrozen since: a backbone fine-tuned after its head), naming a few and the remedy. Called where masters
+    are made (a rebuild of an optimizer's pairs), never per step; on rank zero, pointing at the user's line."""
+    for masters in master_weights:
+        names, masters.from_rounding = masters.from_rounding, []
+        if not names or masters.rounding_warned:
+            continue
+        masters.rounding_warned = True
+        if not _rank_zero():  # the same model on every rank: one warning
+            continue
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        warnings.warn(
+            f"lightning_mpx: {len(names)} parameter(s) ({shown}) were frozen when the model was cast to half at O2, "
+            "so no FP32 value was kept for them; unfrozen since, their FP32 masters start from their half rounding, "
+            "which can be as large as a fine-tune's moves. Freeze them after set-up instead (Lightning: in "
+            "on_fit_start; or after fabric.setup / accelerator.prepare / amp.prepare_model), which keeps their FP32 "
+            "values (4 bytes a parameter), or keep that part FP32 with fp32_modules.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
 
 
 def param_pairs(
@@ -126,6 +152,7 @@ def param_pairs(
             for param, master in zip(group["params"], masters)
         ]
         state.pairs_key = key
+        warn_from_rounding(master_weights)
         state.last_params = lists[-1] if lists else None
         state.unmastered = [param for param, master in state.pairs if master is param and param.dtype in _HALF]
         state.pair_params = [param for param, _ in state.pairs]

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_mpx.common.dtypes import HALF_DTYPES
+from lightning_mpx.common.dtypes import HALF_DTYPES, set_param_data
 from lightning_mpx.masters.fp32_buffers import keeps_fp32_buffer
 from lightning_mpx.masters.mirror import (
     _HANDED_OVER,
@@ -86,9 +86,10 @@ def convert_module(
             continue
         for param in submodule._parameters.values():
             if param is not None and param.is_floating_point() and param.dtype != dtype:
-                param.data = param.data.to(dtype)
                 if param.grad is not None:
                     param.grad = None
+                # A DTensor (tensor parallelism) swapped whole: `.data =` would leave its local shard FP32
+                set_param_data(param, param.data.to(dtype), name=f"{type(submodule).__name__} parameter")
         for name, buffer in submodule._buffers.items():
             if buffer is not None and buffer.is_floating_point() and buffer.dtype != dtype:
                 if buffer.dtype == torch.float32 and keeps_fp32_buffer(submodule, name):
@@ -169,6 +170,10 @@ class MasterWeights(MasterCheckpoint):
         # or fp32_state_dict() made between the passes keeps the weights before first_step). Set and cleared by
         # masters.swap (take_writes_before_pass; the step, or undo_pass).
         self.in_pass: frozenset[int] = frozenset()
+        # The names of the parameters frozen when cast to half whose masters were made since from that rounding (read
+        # and emptied by masters.pairs.warn_from_rounding, once), and whether that warning was given.
+        self.from_rounding: list[str] = []
+        self.rounding_warned = False
         self.extend(named_parameters, exclude=exclude, initial=initial)
 
     def extend(
@@ -264,6 +269,14 @@ class MasterWeights(MasterCheckpoint):
         self._entries[id(param)] = entry
         self._make_master(entry, param)
 
+    def note_rounded(self, ids: set[int]) -> None:
+        """The parameters (by ``id``) frozen when their model was cast to half, with no FP32 value kept: a master made
+        for one later (unfrozen) starts from its rounding, which :attr:`from_rounding` names."""
+        for key in ids:
+            entry = self._entries.get(key)
+            if entry is not None and entry.master is None and entry.initial is None:
+                entry.rounded = True
+
     def keeps_value(self, param: torch.Tensor) -> bool:
         """Whether an FP32 value is kept for ``param``'s master, not made yet (``initial``): then making the master
         costs no memory (the value becomes it), and a parameter frozen since preparing gets it from that value."""
@@ -285,6 +298,7 @@ class MasterWeights(MasterCheckpoint):
     # -- coherence ----------------------------------------------------------------------------------------------
     def _make_master(self, entry: _Entry, param: torch.Tensor) -> None:
         initial, entry.initial = entry.initial, None
+        rounded, entry.rounded = entry.rounded, False
         if param.dtype in HALF_DTYPES:
             with torch.no_grad():
                 if initial is not None and initial.shape == param.shape and initial.dtype == torch.float32:
@@ -294,6 +308,8 @@ class MasterWeights(MasterCheckpoint):
                     value = _take_differing(param, initial.to(param.device))
                 else:
                     value = param.detach().float()
+                    if rounded and not self.rounding_warned:
+                        self.from_rounding.append(entry.name)
             entry.master = value.requires_grad_(True)
             _watch_data(param, self._watch)
         entry.mark(param)

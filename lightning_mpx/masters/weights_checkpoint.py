@@ -91,6 +91,7 @@ class MasterCheckpoint:
                 if entry.name not in state:
                     continue
                 if entry.master is None:
+                    entry.rounded = False  # its master is the checkpoint's, not the rounding it is made from here
                     self._make_master(entry, param)
                 if entry.master is None:  # an FP32 parameter now (its module was promoted): the value is its own
                     param.copy_(state[entry.name])
