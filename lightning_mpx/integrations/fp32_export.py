@@ -7,6 +7,8 @@ the conversion rounded, which no master keeps."""
 
 from __future__ import annotations
 
+import copy
+import types
 import warnings
 import weakref
 from typing import Any
@@ -16,7 +18,7 @@ from torch import nn
 
 from lightning_mpx.engine.amp import Amp
 
-__all__ = ["MastersInStateDict", "masters_into", "warn_frozen_half"]
+__all__ = ["Fp32SavePretrained", "MastersInStateDict", "masters_into", "warn_frozen_half"]
 
 
 class MastersInStateDict:
@@ -30,7 +32,7 @@ class MastersInStateDict:
     model rounds them as before. ``state_dict(keep_vars=True)`` (the parameters themselves), a frozen half parameter or
     a half buffer (no master), a model whose masters another engine took over since, a sharded model and a copy or an
     unpickled model (the hook is inert there: it holds the engine weakly and pickles as inert) keep the model's
-    values.
+    values. A Hugging Face model in it gets :class:`Fp32SavePretrained` too (its ``config.json`` then says float32).
     """
 
     def __init__(self, amp: Amp | None, *, nested: bool = False) -> None:
@@ -46,12 +48,14 @@ class MastersInStateDict:
     def install(cls, module: nn.Module, amp: Amp) -> _Handles:
         """Put the hook of ``amp`` on ``module`` and each of its submodules in place of any earlier one (a model set
         up again, by another engine too); returns their handles (``.remove()`` takes them all off)."""
-        handles = []
+        handles: list[Any] = []
         for sub in module.modules():
             for key, hook in list(sub._state_dict_hooks.items()):
                 if isinstance(hook, cls):
                     del sub._state_dict_hooks[key]
             handles.append(sub.register_state_dict_post_hook(cls(amp, nested=sub is not module)))
+            if hasattr(type(sub), "config_class") and callable(getattr(type(sub), "save_pretrained", None)):
+                handles.append(Fp32SavePretrained.install(sub, amp))  # a transformers PreTrainedModel
         return _Handles(handles)
 
     def __call__(self, module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
@@ -77,6 +81,56 @@ class MastersInStateDict:
                 state[key] = master.detach()
                 lent.append((param, master))
         amp._masters.lend(lent)  # a write through this state dict reaches the model at the next forward
+
+
+class Fp32SavePretrained:
+    """A Hugging Face model's ``save_pretrained`` (an attribute of the instance: its class and other instances are
+    untouched) while :class:`MastersInStateDict` is on it at O2: the weights it writes are the FP32 masters, so the
+    ``config.json`` it writes names ``float32`` (as ``"bf16-mixed"``'s or Accelerate's FP32 model), not the half dtype
+    of the model's first parameter that ``transformers`` writes there; ``from_pretrained(path)`` without a ``dtype``
+    then loads the weights training produced, not their half rounding. A copy of the config is written again after
+    the model's call (on the main process; not with ``push_to_hub=True``, whose upload comes first: save, then upload
+    the folder). With a ``state_dict=`` of the user's, a peft adapter (no config.json), or no master for the model's
+    first parameter (a copy, another engine's model now), what ``transformers`` wrote stays. A deep copy or pickle of
+    the model gets the plain method back."""
+
+    def __init__(self, save: Any, amp: Amp) -> None:
+        self._save = save
+        self._amp = weakref.ref(amp)
+
+    @classmethod
+    def install(cls, model: nn.Module, amp: Amp) -> Fp32SavePretrained:
+        """Put one of ``amp`` on ``model`` in place of an earlier one; ``remove()`` takes it off."""
+        save = model.__dict__.get("save_pretrained")
+        wrapper = cls(save._save if isinstance(save, cls) else model.save_pretrained, amp)
+        model.save_pretrained = wrapper  # type: ignore[method-assign]
+        return wrapper
+
+    def remove(self) -> None:
+        """Take it off its model (if still there)."""
+        model = self._save.__self__
+        if model.__dict__.get("save_pretrained") is self:
+            del model.save_pretrained
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (types.MethodType, (self._save.__func__, self._save.__self__))
+
+    def __call__(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        output = self._save(save_directory, *args, **kwargs)
+        model, amp = self._save.__self__, self._amp()
+        if (amp is None or args[1:2] or kwargs.get("state_dict") is not None or kwargs.get("push_to_hub")
+                or not (args[0] if args else kwargs.get("is_main_process", True))
+                or getattr(model, "_hf_peft_config_loaded", False) or getattr(model, "config", None) is None):
+            return output
+        if not amp.properties.master_weights or amp.sharded:
+            return output
+        first = next((p for p in model.parameters() if p.is_floating_point()), None)
+        if first is None or first.dtype == torch.float32 or amp.master_of(first, refresh=False).dtype != torch.float32:
+            return output
+        config = copy.deepcopy(model.config)  # as the transformers.Trainer mixin's save_model: the model's untouched
+        config.dtype = torch.float32
+        config.save_pretrained(save_directory)
+        return output
 
 
 def _inside_parent(state: dict[str, Any], prefix: str) -> bool:
