@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 import warnings
 from typing import Any
 
@@ -105,6 +107,8 @@ def test_fabric_and_trainer_o2_hf_save_pretrained_reloads_the_fp32_masters(tmp_p
     opt.step()
     model.save_pretrained(str(tmp_path / "fabric"))
     _check_reload(tmp_path / "fabric", model, fabric.strategy.precision.amp)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):  # torch.save(model), an EMA copy
+        assert clone.save_pretrained.__self__ is clone
 
     module, plugin = _HFChild(), MixedPrecisionPlugin("O2", half_dtype=HALF)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=2)

@@ -8,7 +8,6 @@ the conversion rounded, which no master keeps."""
 from __future__ import annotations
 
 import copy
-import types
 import warnings
 import weakref
 from typing import Any
@@ -113,7 +112,7 @@ class Fp32SavePretrained:
             del model.save_pretrained
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (types.MethodType, (self._save.__func__, self._save.__self__))
+        return (_class_method_of, (self._save.__self__, "save_pretrained"))
 
     def __call__(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
         output = self._save(save_directory, *args, **kwargs)
@@ -131,6 +130,12 @@ class Fp32SavePretrained:
         config.dtype = torch.float32
         config.save_pretrained(save_directory)
         return output
+
+
+def _class_method_of(obj: Any, name: str) -> Any:
+    """``obj``'s method ``name`` as its class defines it (what a copy or an unpickled :class:`Fp32SavePretrained`
+    becomes; read from the class: an object being unpickled has no state yet)."""
+    return getattr(type(obj), name).__get__(obj)
 
 
 def _inside_parent(state: dict[str, Any], prefix: str) -> bool:
