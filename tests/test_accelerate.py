@@ -680,3 +680,14 @@ def test_two_processes_skip_together_and_stay_identical(tmp_path):
     saved = sorted(p.name for p in (tmp_path / "checkpoint").iterdir())
     assert AMP_STATE_NAME in saved and "model.safetensors" in saved
     assert "model_1.safetensors" not in saved  # the DDP-wrapped model is registered once
+    # Saved under DDP with each master once (the model file holds them): a new single process resumes them exactly.
+    masters = params[0]["masters"]
+    engine = torch.load(tmp_path / "checkpoint" / AMP_STATE_NAME, weights_only=True)
+    assert engine["master_weights"] == [{}] and len(engine["masters_in_state_dict"][0]) == 4  # BN: FP32
+    reset_accelerate_state()
+    kwargs = [MixedPrecisionKwargs(half_dtype="float16")]
+    accelerator = Accelerator(mixed_precision="O2", cpu=True, kwargs_handlers=kwargs)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    accelerator.load_state(str(tmp_path / "checkpoint"))
+    _assert_same_tensors(list(accelerator.amp.master_params(opt.optimizer)), masters)

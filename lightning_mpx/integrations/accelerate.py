@@ -95,6 +95,7 @@ from lightning_mpx.integrations.accelerate_checkpoint import (  # noqa: E402
     AMP_STATE_NAME,
     amp_state_path,
     masters_into,
+    masters_left_to_weights,
     read_amp_state,
     warn_frozen_half,
     write_amp_state,
@@ -502,6 +503,8 @@ class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # ty
         assert self.amp is not None
         self._close_iteration()  # the checkpoint holds the scale the next backward would use
         state = self.amp.state_dict()  # every rank reads its device state (the flags are reduced); the log's position
+        # At O2 the model files hold the FP32 masters: each is written once (load_state loads those files after this)
+        state = masters_left_to_weights(self.amp, [self.unwrap_model(m) for m in models], weights, state)
         if self.is_main_process or (self.project_configuration.save_on_each_node and self.is_local_main_process):
             write_amp_state(state, output_dir, self.amp.scalers if grad_scaler else ())
 

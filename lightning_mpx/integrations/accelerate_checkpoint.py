@@ -1,6 +1,9 @@
 """The engine's file in Accelerate's checkpoints: ``save_state``/``load_state`` write and read the loss scalers, the
 FP32 masters and the skip counters of the adapter's :class:`~lightning_mpx.engine.amp.Amp` in :data:`AMP_STATE_NAME`,
-next to Accelerate's own files."""
+next to Accelerate's own files. At O2 the masters the checkpoint's model files hold (a prepared model's state dict
+gives them) are left out of it and named instead (:func:`masters_left_to_weights`), so that each is written once;
+``load_state`` loads the model files after the engine's, and they give those masters exactly. A file that holds them
+itself (as written before this release) loads as before."""
 
 from __future__ import annotations
 
@@ -8,7 +11,11 @@ import os
 from typing import Any
 
 import torch
+from torch import nn
 
+from lightning_mpx.engine.amp import Amp
+from lightning_mpx.engine.checkpoint import MASTERS_IN_STATE_DICT
+from lightning_mpx.integrations.fabric_checkpoint import masters_left_to_models
 from lightning_mpx.integrations.fp32_export import masters_into, warn_frozen_half
 
 __all__ = [
@@ -16,6 +23,7 @@ __all__ = [
     "GRAD_SCALER_NAME",
     "amp_state_path",
     "masters_into",
+    "masters_left_to_weights",
     "read_amp_state",
     "warn_frozen_half",
     "write_amp_state",
@@ -41,6 +49,39 @@ def write_amp_state(state: dict[str, Any], output_dir: str, scalers: Any = ()) -
         if native is None:
             native = torch.amp.GradScaler("cpu").state_dict()  # its scale is a Python float, not a tensor
         torch.save(native, os.path.join(output_dir, GRAD_SCALER_NAME))
+
+
+def masters_left_to_weights(
+    amp: Amp, modules: list[nn.Module], weights: list[dict[str, Any]], state: dict[str, Any]
+) -> dict[str, Any]:
+    """``state`` (the engine's state dict) without the FP32 masters that ``weights`` (the model state dicts
+    ``save_state`` writes, of the unwrapped ``modules``) hold bit for bit, named under
+    :data:`~lightning_mpx.engine.checkpoint.MASTERS_IN_STATE_DICT` instead; ``state`` itself (every master in it)
+    when one of them is not there as its master's exact FP32 value (a save hook changed it, a model saved by FSDP's
+    or DeepSpeed's own files), so that a checkpoint never lacks a master."""
+    lean = {**state, "master_weights": [dict(m) for m in state.get("master_weights") or ()]}
+    lean = masters_left_to_models(amp, modules, lean)
+    held = lean.get(MASTERS_IN_STATE_DICT)
+    if not held:
+        return state
+    written: dict[str, list[torch.Tensor]] = {}
+    for values in weights:
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+                for name in _suffixes(key):
+                    written.setdefault(name, []).append(value)
+    for masters, names in zip(state["master_weights"], held):
+        for name in names:
+            if not any(v.shape == masters[name].shape and torch.equal(v, masters[name]) for v in written.get(name, ())):
+                return state
+    return lean
+
+
+def _suffixes(key: str) -> list[str]:
+    """``key`` and each of its dotted tails (``module.0.weight``: ``0.weight``, ``weight``): the names it has
+    inside a wrapper's state dict."""
+    parts = key.split(".")
+    return [".".join(parts[i:]) for i in range(len(parts))]
 
 
 def amp_state_path(input_dir: str, opt_level: str) -> str:

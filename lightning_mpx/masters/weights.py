@@ -14,6 +14,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from lightning_mpx.common.dtypes import HALF_DTYPES
 from lightning_mpx.masters.fp32_buffers import keeps_fp32_buffer
@@ -86,9 +87,15 @@ def convert_module(
             continue
         for param in submodule._parameters.values():
             if param is not None and param.is_floating_point() and param.dtype != dtype:
-                param.data = param.data.to(dtype)
                 if param.grad is not None:
                     param.grad = None
+                if is_traceable_wrapper_subclass(param):
+                    # A DTensor (tensor parallelism): `.data =` changes its dtype but not its local shard's (FSDP
+                    # then shards the FP32 local tensor). Swapped whole, as nn.Module.to does for such tensors.
+                    cast = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+                    torch.utils.swap_tensors(param, cast)
+                else:
+                    param.data = param.data.to(dtype)
         for name, buffer in submodule._buffers.items():
             if buffer is not None and buffer.is_floating_point() and buffer.dtype != dtype:
                 if buffer.dtype == torch.float32 and keeps_fp32_buffer(submodule, name):
