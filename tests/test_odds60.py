@@ -115,6 +115,9 @@ def test_fabric_and_trainer_o2_hf_save_pretrained_reloads_the_fp32_masters(tmp_p
     make_trainer(plugin, max_steps=1).fit(module, data)
     module.model.save_pretrained(str(tmp_path / "trainer"))  # the LightningModule's HF child, after fit
     _check_reload(tmp_path / "trainer", module.model, plugin.amp)
+    # README's recipe: the dict given decides (FP32 here), so config.json says float32 too
+    module.model.save_pretrained(str(tmp_path / "given"), state_dict=plugin.amp.fp32_state_dict(module.model))
+    _check_reload(tmp_path / "given", module.model, plugin.amp)
 
 
 # -- 2. optimizer.step()'s return value --------------------------------------------------------------------------

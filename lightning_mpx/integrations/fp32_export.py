@@ -89,8 +89,9 @@ class Fp32SavePretrained:
     of the model's first parameter that ``transformers`` writes there; ``from_pretrained(path)`` without a ``dtype``
     then loads the weights training produced, not their half rounding. A copy of the config is written again after
     the model's call (on the main process; not with ``push_to_hub=True``, whose upload comes first: save, then upload
-    the folder). With a ``state_dict=`` of the user's, a peft adapter (no config.json), or no master for the model's
-    first parameter (a copy, another engine's model now), what ``transformers`` wrote stays. A deep copy or pickle of
+    the folder). With a ``state_dict=`` of the user's, its dtype for the model's first parameter decides (FP32 from
+    ``amp.fp32_state_dict(model)``: float32); with a peft adapter (no config.json), or no master for the model's first
+    parameter (a copy, another engine's model now), what ``transformers`` wrote stays. A deep copy or pickle of
     the model gets the plain method back."""
 
     def __init__(self, save: Any, amp: Amp) -> None:
@@ -115,16 +116,21 @@ class Fp32SavePretrained:
         return (_class_method_of, (self._save.__self__, "save_pretrained"))
 
     def __call__(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        model = self._save.__self__
+        name, first = next(((n, p) for n, p in model.named_parameters() if p.is_floating_point()), ("", None))
+        state = args[1] if len(args) > 1 else kwargs.get("state_dict")
+        # Read before the call: transformers empties a given state dict as it writes the shards.
+        given = state.get(name) if state is not None and hasattr(state, "get") else None
         output = self._save(save_directory, *args, **kwargs)
-        model, amp = self._save.__self__, self._amp()
-        if (amp is None or args[1:2] or kwargs.get("state_dict") is not None or kwargs.get("push_to_hub")
-                or not (args[0] if args else kwargs.get("is_main_process", True))
-                or getattr(model, "_hf_peft_config_loaded", False) or getattr(model, "config", None) is None):
-            return output
-        if not amp.properties.master_weights or amp.sharded:
-            return output
-        first = next((p for p in model.parameters() if p.is_floating_point()), None)
-        if first is None or first.dtype == torch.float32 or amp.master_of(first, refresh=False).dtype != torch.float32:
+        amp = self._amp()
+        if (amp is None or kwargs.get("push_to_hub") or not (args[0] if args else kwargs.get("is_main_process", True))
+                or getattr(model, "_hf_peft_config_loaded", False) or getattr(model, "config", None) is None
+                or not amp.properties.master_weights or amp.sharded or first is None or first.dtype == torch.float32):
+            return output  # (an FP32 model: transformers wrote float32)
+        if state is not None:  # the user's (amp.fp32_state_dict(model)): the dtype it holds for that parameter
+            if not isinstance(given, torch.Tensor) or given.dtype != torch.float32:
+                return output
+        elif amp.master_of(first, refresh=False).dtype != torch.float32:
             return output
         config = copy.deepcopy(model.config)  # as the transformers.Trainer mixin's save_model: the model's untouched
         config.dtype = torch.float32
