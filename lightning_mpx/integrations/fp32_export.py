@@ -54,7 +54,9 @@ class MastersInStateDict:
                     del sub._state_dict_hooks[key]
             handles.append(sub.register_state_dict_post_hook(cls(amp, nested=sub is not module)))
             if hasattr(type(sub), "config_class") and callable(getattr(type(sub), "save_pretrained", None)):
-                handles.append(Fp32SavePretrained.install(sub, amp))  # a transformers PreTrainedModel
+                wrapper = Fp32SavePretrained.install(sub, amp)  # a transformers PreTrainedModel
+                if wrapper is not None:
+                    handles.append(wrapper)
         return _Handles(handles)
 
     def __call__(self, module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
@@ -94,34 +96,40 @@ class Fp32SavePretrained:
     parameter (a copy, another engine's model now), what ``transformers`` wrote stays. A deep copy or pickle of
     the model gets the plain method back."""
 
-    def __init__(self, save: Any, amp: Amp) -> None:
-        self._save = save
+    def __init__(self, model: nn.Module, amp: Amp) -> None:
+        # Both weakly: the model holds this (no reference cycle keeping a model dropped alive until a gc pass).
+        self._model = weakref.ref(model)
         self._amp = weakref.ref(amp)
 
     @classmethod
-    def install(cls, model: nn.Module, amp: Amp) -> Fp32SavePretrained:
-        """Put one of ``amp`` on ``model`` in place of an earlier one; ``remove()`` takes it off."""
+    def install(cls, model: nn.Module, amp: Amp) -> Fp32SavePretrained | None:
+        """Put one of ``amp`` on ``model`` in place of an earlier one (not over a ``save_pretrained`` the instance
+        holds of its own: returns ``None``); ``remove()`` takes it off."""
         save = model.__dict__.get("save_pretrained")
-        wrapper = cls(save._save if isinstance(save, cls) else model.save_pretrained, amp)
+        if save is not None and not isinstance(save, cls):
+            return None
+        wrapper = cls(model, amp)
         model.save_pretrained = wrapper  # type: ignore[method-assign]
         return wrapper
 
     def remove(self) -> None:
         """Take it off its model (if still there)."""
-        model = self._save.__self__
-        if model.__dict__.get("save_pretrained") is self:
+        model = self._model()
+        if model is not None and model.__dict__.get("save_pretrained") is self:
             del model.save_pretrained
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_class_method_of, (self._save.__self__, "save_pretrained"))
+        return (_class_method_of, (self._model(), "save_pretrained"))
 
     def __call__(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
-        model = self._save.__self__
+        model = self._model()
+        if model is None:
+            raise ReferenceError("save_pretrained of a model that no longer exists")
         name, first = next(((n, p) for n, p in model.named_parameters() if p.is_floating_point()), ("", None))
         state = args[1] if len(args) > 1 else kwargs.get("state_dict")
         # Read before the call: transformers empties a given state dict as it writes the shards.
         given = state.get(name) if state is not None and hasattr(state, "get") else None
-        output = self._save(save_directory, *args, **kwargs)
+        output = type(model).save_pretrained(model, save_directory, *args, **kwargs)
         amp = self._amp()
         if (amp is None or kwargs.get("push_to_hub") or not (args[0] if args else kwargs.get("is_main_process", True))
                 or getattr(model, "_hf_peft_config_loaded", False) or getattr(model, "config", None) is None
