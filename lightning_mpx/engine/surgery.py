@@ -80,6 +80,9 @@ def forward_error(models: Any, error: RuntimeError) -> None:
     mismatch = "dtype" in message or "should be the same" in message or "scalar type" in message
     if not mismatch or "prepare_model()" in message or not models.properties.casts_model:
         return  # not torch's dtype mismatch: the engine's own errors name their cause (e.g. model.float() after)
+    note = replaced_data_note(models)  # a parameter's data replaced by an FP32 tensor: named on torch's error
+    if note is not None and note not in getattr(error, "__notes__", ()):
+        error.add_note(note)
     half = models.properties.half_dtype
     for module in list(models._releases.keys()):
         if not any(p.dtype == half for p in module.parameters()):
@@ -102,6 +105,25 @@ def forward_error(models: Any, error: RuntimeError) -> None:
                 "or add it before prepare_model() (Trainer: before fit; Fabric: before fabric.setup; Accelerate: "
                 "before prepare)."
             ) from error
+
+
+def replaced_data_note(models: Any) -> str | None:
+    """The note naming the parameters the conversion made half whose data was replaced by an FP32 tensor since
+    (``param.data = fp32_tensor``, Lightning's ``ModelPruning`` lottery-ticket reset), which torch's dtype error in
+    the forward does not name; ``None`` when there are none. Read on an error's path only."""
+    names = models.replaced_in_fp32()
+    if not names:
+        return None
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    props = models.properties
+    return (
+        f"lightning_mpx: at {props.opt_level} set-up made these parameters {props.half_dtype} and they are "
+        f"torch.float32 now: {shown}. Their data was replaced with an FP32 tensor after set-up (param.data = "
+        "fp32_tensor), as Lightning's ModelPruning does with its default use_lottery_ticket_hypothesis=True (its "
+        "reset copies the FP32 weights it kept at setup); the forward then mixes them with half tensors. Pass "
+        "ModelPruning(..., use_lottery_ticket_hypothesis=False), or write the values with param.data.copy_(tensor), "
+        "which keeps the dtype (at O2 the masters take the values written)."
+    )
 
 
 class ForwardErrors:

@@ -7,6 +7,7 @@ the conversion rounded, which no master keeps."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 import weakref
 from typing import Any
@@ -16,7 +17,7 @@ from torch import nn
 
 from lightning_mpx.engine.amp import Amp
 
-__all__ = ["MastersInStateDict", "masters_into", "warn_frozen_half"]
+__all__ = ["Fp32SavePretrained", "MastersInStateDict", "masters_into", "warn_frozen_half"]
 
 
 class MastersInStateDict:
@@ -30,7 +31,7 @@ class MastersInStateDict:
     model rounds them as before. ``state_dict(keep_vars=True)`` (the parameters themselves), a frozen half parameter or
     a half buffer (no master), a model whose masters another engine took over since, a sharded model and a copy or an
     unpickled model (the hook is inert there: it holds the engine weakly and pickles as inert) keep the model's
-    values.
+    values. A Hugging Face model in it gets :class:`Fp32SavePretrained` too (its ``config.json`` then says float32).
     """
 
     def __init__(self, amp: Amp | None, *, nested: bool = False) -> None:
@@ -46,12 +47,16 @@ class MastersInStateDict:
     def install(cls, module: nn.Module, amp: Amp) -> _Handles:
         """Put the hook of ``amp`` on ``module`` and each of its submodules in place of any earlier one (a model set
         up again, by another engine too); returns their handles (``.remove()`` takes them all off)."""
-        handles = []
+        handles: list[Any] = []
         for sub in module.modules():
             for key, hook in list(sub._state_dict_hooks.items()):
                 if isinstance(hook, cls):
                     del sub._state_dict_hooks[key]
             handles.append(sub.register_state_dict_post_hook(cls(amp, nested=sub is not module)))
+            if hasattr(type(sub), "config_class") and callable(getattr(type(sub), "save_pretrained", None)):
+                wrapper = Fp32SavePretrained.install(sub, amp)  # a transformers PreTrainedModel
+                if wrapper is not None:
+                    handles.append(wrapper)
         return _Handles(handles)
 
     def __call__(self, module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
@@ -77,6 +82,74 @@ class MastersInStateDict:
                 state[key] = master.detach()
                 lent.append((param, master))
         amp._masters.lend(lent)  # a write through this state dict reaches the model at the next forward
+
+
+class Fp32SavePretrained:
+    """A Hugging Face model's ``save_pretrained`` (an attribute of the instance: its class and other instances are
+    untouched) while :class:`MastersInStateDict` is on it at O2: the weights it writes are the FP32 masters, so the
+    ``config.json`` it writes names ``float32`` (as ``"bf16-mixed"``'s or Accelerate's FP32 model), not the half dtype
+    of the model's first parameter that ``transformers`` writes there; ``from_pretrained(path)`` without a ``dtype``
+    then loads the weights training produced, not their half rounding. A copy of the config is written again after
+    the model's call (on the main process; not with ``push_to_hub=True``, whose upload comes first: save, then upload
+    the folder). With a ``state_dict=`` of the user's, its dtype for the model's first parameter decides (FP32 from
+    ``amp.fp32_state_dict(model)``: float32); with a peft adapter (no config.json), or no master for the model's first
+    parameter (a copy, another engine's model now), what ``transformers`` wrote stays. A deep copy or pickle of
+    the model gets the plain method back."""
+
+    def __init__(self, model: nn.Module, amp: Amp) -> None:
+        # Both weakly: the model holds this (no reference cycle keeping a model dropped alive until a gc pass).
+        self._model = weakref.ref(model)
+        self._amp = weakref.ref(amp)
+
+    @classmethod
+    def install(cls, model: nn.Module, amp: Amp) -> Fp32SavePretrained | None:
+        """Put one of ``amp`` on ``model`` in place of an earlier one (not over a ``save_pretrained`` the instance
+        holds of its own: returns ``None``); ``remove()`` takes it off."""
+        save = model.__dict__.get("save_pretrained")
+        if save is not None and not isinstance(save, cls):
+            return None
+        wrapper = cls(model, amp)
+        model.save_pretrained = wrapper  # type: ignore[method-assign]
+        return wrapper
+
+    def remove(self) -> None:
+        """Take it off its model (if still there)."""
+        model = self._model()
+        if model is not None and model.__dict__.get("save_pretrained") is self:
+            del model.save_pretrained
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_class_method_of, (self._model(), "save_pretrained"))
+
+    def __call__(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        model = self._model()
+        if model is None:
+            raise ReferenceError("save_pretrained of a model that no longer exists")
+        name, first = next(((n, p) for n, p in model.named_parameters() if p.is_floating_point()), ("", None))
+        state = args[1] if len(args) > 1 else kwargs.get("state_dict")
+        # Read before the call: transformers empties a given state dict as it writes the shards.
+        given = state.get(name) if state is not None and hasattr(state, "get") else None
+        output = type(model).save_pretrained(model, save_directory, *args, **kwargs)
+        amp = self._amp()
+        if (amp is None or kwargs.get("push_to_hub") or not (args[0] if args else kwargs.get("is_main_process", True))
+                or getattr(model, "_hf_peft_config_loaded", False) or getattr(model, "config", None) is None
+                or not amp.properties.master_weights or amp.sharded or first is None or first.dtype == torch.float32):
+            return output  # (an FP32 model: transformers wrote float32)
+        if state is not None:  # the user's (amp.fp32_state_dict(model)): the dtype it holds for that parameter
+            if not isinstance(given, torch.Tensor) or given.dtype != torch.float32:
+                return output
+        elif amp.master_of(first, refresh=False).dtype != torch.float32:
+            return output
+        config = copy.deepcopy(model.config)  # as the transformers.Trainer mixin's save_model: the model's untouched
+        config.dtype = torch.float32
+        config.save_pretrained(save_directory)
+        return output
+
+
+def _class_method_of(obj: Any, name: str) -> Any:
+    """``obj``'s method ``name`` as its class defines it (what a copy or an unpickled :class:`Fp32SavePretrained`
+    becomes; read from the class: an object being unpickled has no state yet)."""
+    return getattr(type(obj), name).__get__(obj)
 
 
 def _inside_parent(state: dict[str, Any], prefix: str) -> bool:

@@ -15,6 +15,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_mpx.casting.boundary import BoundaryCast
 from lightning_mpx.engine.amp import Amp
+from lightning_mpx.engine.surgery import replaced_data_note
 from lightning_mpx.integrations.fp32_export import MastersInStateDict
 
 __all__ = ["MastersInStateDict", "ModelHooks", "note_replaced_data", "note_uncast_input"]
@@ -167,18 +168,9 @@ def note_replaced_data(error: BaseException | None, amp: Amp) -> None:
     which names this cause when it is that one. Read once, as the run ends with the exception: nothing per step."""
     if not _half_fp32_mismatch(error, amp):
         return
-    names = amp._models.replaced_in_fp32()
-    if not names:
+    note = replaced_data_note(amp._models)  # the forward scope's note too (engine.surgery): added once
+    if note is None:
         return
-    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-    note = (
-        f"lightning_mpx: at {amp.opt_level} the plugin made these parameters {amp.half_dtype} at set-up and they are "
-        f"torch.float32 now: {shown}. Their data was replaced with an FP32 tensor after set-up (param.data = "
-        "fp32_tensor), as Lightning's ModelPruning does with its default use_lottery_ticket_hypothesis=True (its "
-        "reset copies the FP32 weights it kept at setup); the forward then mixes them with half tensors. Pass "
-        "ModelPruning(..., use_lottery_ticket_hypothesis=False), or write the values with param.data.copy_(tensor), "
-        "which keeps the dtype (at O2 the masters take the values written)."
-    )
     if note not in getattr(error, "__notes__", ()):
         error.add_note(note)
 
