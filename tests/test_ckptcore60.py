@@ -124,3 +124,34 @@ def test_apex_amp_entry_written_with_the_masters_inside_still_loads_alone_or_bes
         amp.load_state_dict(saved["amp"])
         _train(model, optimizer, 3, 20)
         assert all(torch.equal(a, b) for a, b in zip(expected, amp.master_params(optimizer))), with_model
+
+
+def test_apex_models_given_half_with_cast_model_type_false_keep_their_masters_in_the_amp_entry() -> None:
+    # Not prepared (a holder of their half parameters is): an FP32 value loaded into them rounds, so the amp entry
+    # keeps the masters, and a resume with the model entry loaded after it is still exact.
+    def run(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        _amp_state.reset()
+        torch.manual_seed(seed)
+        model = nn.Linear(16, 8).half()  # Apex's half: float16 (tiny)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return amp.initialize(model, optimizer, opt_level="O2", cast_model_type=False, verbosity=0)
+
+    def train(model: nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+        for i in range(2):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(seed + i)).half()
+            with amp.scale_loss(model(x).float().pow(2).mean(), optimizer) as scaled:
+                scaled.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    model, optimizer = run(0)
+    train(model, optimizer, 10)
+    ckpt = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "amp": amp.state_dict()})
+    train(model, optimizer, 20)
+    expected = [m.detach().clone() for m in amp.master_params(optimizer)]
+    model, optimizer = run(1)
+    amp.load_state_dict(ckpt["amp"])
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    train(model, optimizer, 20)
+    assert all(torch.equal(a, b) for a, b in zip(expected, amp.master_params(optimizer)))

@@ -34,10 +34,14 @@ def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
     """Apex's format, ``{'loss_scaler0': {'loss_scale': float, 'unskipped': int}, ...}``, plus the core's state
     under ``'lightning_mpx'``, which Apex ignores with a warning. At O2 the FP32 masters of the models given to
     ``initialize`` are named there, not held: their ``model.state_dict()`` gives them exactly (Apex's checkpoint
-    saves it beside this), so each master is written once; masters of no such model are held."""
+    saves it beside this), so each master is written once; masters of no such model (or of models given with
+    ``cast_model_type=False``, whose load rounds) are held."""
     amp = _amp_state.require()
     out = {} if destination is None else destination
-    models = [model for model, engine in list(_amp_state.models.items()) if engine is amp]
+    # With cast_model_type=False the models were not prepared (a holder of their half parameters was): loading FP32
+    # values into them rounds, so their masters stay in this entry.
+    kept = _amp_state.holder is not None
+    models = [model for model, engine in list(_amp_state.models.items()) if engine is amp and not kept]
     full = masters_left_to_models(amp, models, amp.state_dict(), hook_type=_Fp32StateDict)
     for i, scaler_state in enumerate(full["scalers"]):
         out[f"loss_scaler{i}"] = {
