@@ -114,6 +114,8 @@ class AmpState:
             gradient they hold at its ``step()`` came from a backward outside any block, unscaled.
         allow_incoming_model_not_fp32: Apex's switch: ``initialize`` then takes models with half parameters
             (otherwise refused, as Apex did, unless ``cast_model_type=False``).
+        held: The FP32 masters a loaded ``amp.state_dict()`` names (the checkpoint's model entry holds them), checked
+            at the next ``scale_loss`` block of its engine (``None``: none pending).
         loaded: The engine ``amp.load_state_dict()`` loaded into, until its next ``scale_loss`` block: a new
             ``initialize`` then would drop what was loaded (the wrong order, refused).
         restored: The engine whose returned optimizer was given a ``load_state_dict`` since ``initialize`` or its last
@@ -148,6 +150,7 @@ class AmpState:
     stepping: Any = None  # the optimizer whose step() the wrapper is running (its step pre-hook lets it through)
     loaded: Amp | None = None
     restored: Amp | None = None
+    held: Any = None  # masters a loaded amp.state_dict() left to the model's entry: checked at the next block
     registrations: list[tuple[Callable[..., Any], str]] = field(default_factory=list)
 
     def reset(self) -> None:
@@ -187,7 +190,7 @@ class AmpState:
         for key in set(self.delayed) - live:
             del self.delayed[key]
         self.amp, self.enabled, self.handle, self.holder, self.loaded = None, None, None, None, None
-        self.restored = None
+        self.restored, self.held = None, None
         self.loss_scalers, self.current = [], []
 
     def leave_cast_scope(self) -> None:

@@ -9,6 +9,9 @@ import torch
 
 from lightning_mpx.apex._state import _amp_state
 from lightning_mpx.apex.loss_scaling import AmpOptimizer, _wrapper_of
+from lightning_mpx.apex.model_hooks import _Fp32StateDict
+from lightning_mpx.engine.amp import Amp
+from lightning_mpx.integrations.fabric_checkpoint import HeldMasters, _live_sums, masters_left_to_models
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
@@ -28,11 +31,18 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
 
 
 def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Apex's format, ``{'loss_scaler0': {'loss_scale': float, 'unskipped': int}, ...}``, plus the core's full state
-    (scalers and exact FP32 masters) under ``'lightning_mpx'``, which Apex ignores with a warning."""
+    """Apex's format, ``{'loss_scaler0': {'loss_scale': float, 'unskipped': int}, ...}``, plus the core's state
+    under ``'lightning_mpx'``, which Apex ignores with a warning. At O2 the FP32 masters of the models given to
+    ``initialize`` are named there, not held: their ``model.state_dict()`` gives them exactly (Apex's checkpoint
+    saves it beside this), so each master is written once; masters of no such model (or of models given with
+    ``cast_model_type=False``, whose load rounds) are held."""
     amp = _amp_state.require()
     out = {} if destination is None else destination
-    full = amp.state_dict()
+    # With cast_model_type=False the models were not prepared (a holder of their half parameters was): loading FP32
+    # values into them rounds, so their masters stay in this entry.
+    kept = _amp_state.holder is not None
+    models = [model for model, engine in list(_amp_state.models.items()) if engine is amp and not kept]
+    full = masters_left_to_models(amp, models, amp.state_dict(), hook_type=_Fp32StateDict)
     for i, scaler_state in enumerate(full["scalers"]):
         out[f"loss_scaler{i}"] = {
             "loss_scale": float(scaler_state["scale"]),
@@ -55,11 +65,13 @@ def load_state_dict(state: dict[str, Any]) -> None:
         raise TypeError(f"state={type(state).__name__} must be the dict that amp.state_dict() returned.")
     # Restoring into the optimizer initialize() returned is the documented order: nothing to refuse later.
     _amp_state.loaded = None if _amp_state.restored is amp else amp
-    if "scalers" in state:  # the core's own format
-        amp.load_state_dict(state)
-        return
-    if "lightning_mpx" in state:
-        amp.load_state_dict(state["lightning_mpx"])
+    core = state if "scalers" in state else state.get("lightning_mpx")  # the core's own format, or this layer's
+    if isinstance(core, Mapping):
+        _amp_state.held = None
+        amp.load_state_dict(core)  # type: ignore[arg-type]
+        held = _ModelEntryMasters()
+        held.loaded(amp, core)  # type: ignore[arg-type]
+        _amp_state.held = held if held.pending else None
         return
     keys = sorted(k for k in state if k.startswith("loss_scaler"))
     unexpected = sorted(set(state) - set(keys))
@@ -79,3 +91,31 @@ def load_state_dict(state: dict[str, Any]) -> None:
             "hysteresis_tracker": scaler.hysteresis,
             "overflows": current["overflows"],
         })
+
+
+class _ModelEntryMasters(HeldMasters):
+    """The masters a loaded ``amp.state_dict()`` names (the model's entry of the checkpoint holds them), checked at
+    the next ``scale_loss`` block: by then the model's state dict must have given them, bit for bit."""
+
+    def check(self, amp: Amp) -> None:
+        """Raise ``RuntimeError`` (at every later call too) if a named master is not the saved one; otherwise stop
+        checking. Unlike Fabric's check, a write since the load is no excuse: the masters Apex's checkpoint restores
+        are the saved ones, which the model entry loaded from another checkpoint (or none) does not give."""
+        missing: list[str] = []
+        for index, saved, _, _ in self.pending:
+            now = _live_sums(amp, index, saved)  # (by this run's names, as HeldMasters.loaded keeps them)
+            missing += [name for name, value in saved.items() if now.get(name) != value]
+        if not missing:
+            self.pending = []
+            return
+        shown = ", ".join(map(repr, missing[:5])) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise RuntimeError(
+            f"amp.load_state_dict() loaded a checkpoint whose 'amp' entry leaves the FP32 master weights of "
+            f"{len(missing)} parameter(s) ({shown}) to its 'model' entry (at O2 model.state_dict() holds them, so the "
+            "file holds each once), and the model does not hold those weights: its checkpoint entry was not loaded, "
+            "or one of another model or checkpoint was. Training on would start from other masters than the "
+            "checkpoint's. Load the model entry saved with it, in Apex's order: model.load_state_dict(ckpt['model']), "
+            "optimizer.load_state_dict(ckpt['optimizer']), amp.load_state_dict(ckpt['amp']) (any order works), before "
+            "the next amp.scale_loss() block."
+        )
+

@@ -234,6 +234,9 @@ def scale_loss(
         return
     wrapped = _resolve(optimizers)
     amp = wrapped[0]._engine
+    if state.held is not None and state.amp is amp:
+        state.held.check(amp)  # the masters the loaded amp entry left to the model's: given by now?
+        state.held = None
     if state.loaded is amp:
         state.loaded = None  # what was loaded is in use: a later initialize() drops nothing unused
     if state.restored is amp:

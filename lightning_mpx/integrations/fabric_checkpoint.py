@@ -43,25 +43,29 @@ def _checksums(values: dict[str, torch.Tensor]) -> dict[str, int]:
     return dict(zip(names, torch.stack([s.cpu() for s in sums]).tolist()))
 
 
-def _hooked_params(amp: Amp, modules: Iterable[nn.Module]) -> set[int]:
-    """The ids of the half parameters of ``modules`` that carry ``amp``'s :class:`MastersInStateDict` hook: their
-    ``state_dict()`` gives those parameters' FP32 masters."""
+def _hooked_params(amp: Amp, modules: Iterable[nn.Module], hook_type: type = MastersInStateDict) -> set[int]:
+    """The ids of the half parameters of ``modules`` that carry ``amp``'s state-dict post-hook of ``hook_type``
+    (:class:`MastersInStateDict`; the Apex layer's FP32 state-dict hook): their ``state_dict()`` gives those
+    parameters' FP32 masters."""
     out: set[int] = set()
     for module in modules:
-        hooks = [h for h in module._state_dict_hooks.values() if isinstance(h, MastersInStateDict)]
+        hooks = [h for h in module._state_dict_hooks.values() if isinstance(h, hook_type)]
         if any(h._amp is not None and h._amp() is amp for h in hooks):
             out.update(id(p) for p in module.parameters() if p.dtype in _HALVES)
     return out
 
 
-def masters_left_to_models(amp: Amp, modules: Iterable[nn.Module], state: dict[str, Any]) -> dict[str, Any]:
+def masters_left_to_models(
+    amp: Amp, modules: Iterable[nn.Module], state: dict[str, Any], *, hook_type: type = MastersInStateDict
+) -> dict[str, Any]:
     """``state`` (the engine's state dict) without the masters that the state dicts of ``modules`` (the models the
-    plugin set up) hold, in place: named under :data:`MASTERS_IN_STATE_DICT`, with their checksums under
-    :data:`MASTER_SUMS`. Unchanged below O2, for a sharded engine (the hook is inert there) and with no such model."""
+    plugin set up; their state-dict hook is a ``hook_type``) hold, in place: named under
+    :data:`MASTERS_IN_STATE_DICT`, with their checksums under :data:`MASTER_SUMS`. Unchanged below O2, for a sharded
+    engine (the hook is inert there) and with no such model."""
     saved = state.get("master_weights")
     if not amp.properties.master_weights or amp.sharded or not isinstance(saved, list) or not saved:
         return state
-    hooked = _hooked_params(amp, modules)
+    hooked = _hooked_params(amp, modules, hook_type)
     if not hooked:
         return state
     held: list[list[str]] = []
