@@ -9,7 +9,7 @@ checkpoint's bytes against the framework's own precision on the same model):
 | Fabric ``fabric.save`` (model, optimizer, plugin) | bf16-mixed | 6.31 | 6.31 | 6.31 | 3.16 |
 | Accelerate ``save_state`` | bf16 | 6.33 | 6.33 | 6.33 (8.44 before: masters twice) | 3.18 |
 | core ``Amp``: model, optimizer, ``amp.state_dict()`` | autocast | 6.31 | 6.31 | 7.37 | 3.16 |
-| Apex layer: model, optimizer, ``amp.state_dict()`` | autocast | 6.31 | 6.31 | 8.42 | 4.21 |
+| Apex layer: model, optimizer, ``amp.state_dict()`` | autocast | 6.31 | 6.31 | 6.31 (8.42 before this stop) | 4.21 |
 
 (docs/benchmarks.md, "Checkpoint sizes", says what the core and Apex rows keep twice and why). At O2 the model files
 hold the FP32 masters (a prepared model's state dict gives them), so lightning_mpx_amp.bin names them instead of holding
