@@ -225,11 +225,89 @@ def test_ema_child_updated_every_10_steps_inside_the_optimizer_is_warned_about()
 @pytest.mark.xfail(strict=True, reason=(
     "engine/frozen_writes.py: an EMA child inside the optimizer updated through .data (e.data.mul_(d).add_(s.data, "
     "...)) bumps no version of the parameter (its .data's counter is its own), so _watch_held finds it unwritten and "
-    "no warning comes; the masters do take it (masters' .data watch), as its rounding: its O2 EMA ends 1.4e-2 from "
-    "'bf16-mixed''s (which moved 1.75e-2 in 40 steps at decay 0.99; 48% of its elements never moved)"))
+    "no warning comes; the masters do take it (masters' .data watch), as its rounding: its O2 EMA ends 1.1e-2 from "
+    "'bf16-mixed''s (which moved 6.0e-3 in 20 steps at decay 0.99; 56% of its elements never moved)"))
 def test_ema_child_updated_through_data_inside_the_optimizer_is_warned_about() -> None:
-    messages, ours = _ema_run("data", True)
-    _, mixed = _ema_run("data", False)
+    messages, ours = _ema_run("data", True, steps=20)
+    _, mixed = _ema_run("data", False, steps=20)
     gap = max((p.float() - q).abs().max().item() for p, q in zip(ours.ema.parameters(), mixed.ema.parameters()))
-    assert gap > 1e-2
+    assert gap > 5e-3
     assert any("got no gradient" in m for m in messages), messages
+
+
+def test_backbone_finetuning_resumed_before_the_unfreeze_ends_as_the_uninterrupted_run(tmp_path: Any) -> None:
+    """``BackboneFinetuning(unfreeze_backbone_at_epoch=2)``: a checkpoint saved after epoch 0 (backbone still frozen,
+    no master) and resumed into a model built with other weights ends with the uninterrupted run's backbone (the
+    checkpoint holds the frozen backbone's FP32 values, which the resumed run keeps), as ``"bf16-mixed"`` does; no
+    rounding warning."""
+    from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
+
+    from tests.test_finetune60 import Finetuned, _backbone_gap, _fit, _mlp
+
+    class Other(Finetuned):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(5)
+            with torch.no_grad():
+                for p in self.parameters():
+                    p.add_(torch.randn_like(p) * 0.1)
+
+    def callbacks() -> list[Any]:
+        return [BackboneFinetuning(unfreeze_backbone_at_epoch=2)]
+
+    messages, full = _fit(Finetuned(), "O2", callbacks(), epochs=4)
+    saver = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    _fit(Finetuned(), "O2", [*callbacks(), saver], epochs=1, enable_checkpointing=True)
+    resumed_messages, resumed = _fit(Other(), "O2", callbacks(), epochs=4, ckpt=str(tmp_path / "last.ckpt"))
+    assert messages == resumed_messages == []
+    start = {f"backbone.{k}": v for k, v in _mlp().state_dict().items()}
+    assert _backbone_gap(full, start) > 2e-3  # the backbone trained after the unfreeze
+    assert _backbone_gap(resumed, full) <= 1e-6
+
+
+class LoraWithBackbone(pl.LightningModule):
+    """A peft LoRA model (frozen base of 71,172 parameters) beside a small ``backbone`` (272) that
+    ``BackboneFinetuning`` freezes and unfreezes, and a head."""
+
+    def __init__(self) -> None:
+        from peft import LoraConfig, get_peft_model
+
+        super().__init__()
+        torch.manual_seed(0)
+        base = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
+        self.lm = get_peft_model(base, LoraConfig(r=4, target_modules=["0", "2", "4"]))
+        self.backbone, self.head = nn.Linear(16, 16), nn.Linear(4, 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.lm(self.backbone(batch[0]))).float(), batch[1])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+
+def _kept_fp32_bytes(with_callback: bool) -> tuple[list[str], int]:
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    plugin = MixedPrecisionPlugin("O2", half_dtype=HALF)
+    callbacks = [BackboneFinetuning(unfreeze_backbone_at_epoch=1)] if with_callback else []
+    trainer = make_trainer(plugin, max_epochs=2, callbacks=callbacks)
+    messages = _caught(lambda: trainer.fit(LoraWithBackbone(), loader(classification_data(n=32))))
+    entries = [e for w in plugin.amp._masters.weights for e, _ in w._live()]
+    return messages, sum(e.initial.numel() * 4 for e in entries if e.initial is not None)
+
+
+def test_lora_base_without_a_finetuning_callback_keeps_no_fp32_copy_and_is_not_warned() -> None:
+    assert _kept_fp32_bytes(False) == ([], 0)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "integrations/lightning_setup.py ModelSetup: any BaseFinetuning callback makes the plugin keep the FP32 value of "
+    "EVERY parameter frozen at conversion (keep_frozen_fp32=True), not only those the callback froze: beside a peft "
+    "LoRA base of 71,172 frozen parameters it keeps 284,688 bytes FP32 (1.9x the whole model's 151,280 bytes of "
+    "parameters; 6 bytes a base parameter where 'bf16-mixed' takes 4) where the 272 backbone parameters need 1,088. "
+    "Telling them apart needs what was frozen before the callbacks' setup hook (BaseFinetuning.setup freezes), which "
+    "the precision plugin is not called before"))
+def test_lora_base_beside_backbone_finetuning_keeps_fp32_values_only_for_the_backbone() -> None:
+    messages, kept = _kept_fp32_bytes(True)
+    assert messages == []
+    assert kept <= 272 * 4, kept
