@@ -311,3 +311,19 @@ def test_lora_base_beside_backbone_finetuning_keeps_fp32_values_only_for_the_bac
     messages, kept = _kept_fp32_bytes(True)
     assert messages == []
     assert kept <= 272 * 4, kept
+
+
+def test_ddp_each_warning_once_on_rank_zero_only(tmp_path: Any) -> None:
+    """The Trainer's DDP, two ranks (tests/attack60b_ddp_script.py): the EMA-child warning and the rounding warning
+    each come once on rank zero, never on rank one."""
+    from tests.launch import rank_results, run_script
+
+    run_script("attack60b_ddp_script.py", tmp_path, timeout=180)
+    got = rank_results(tmp_path)
+    for case in ("ema", "rounding"):
+        for rank, want in ((0, 1), (1, 0)):
+            result = got[rank][case]
+            assert "error" not in result, result.get("error")
+            assert result[case] == want, (case, rank, result)
+            other = "rounding" if case == "ema" else "ema"
+            assert result[other] == 0, (case, rank, result)
