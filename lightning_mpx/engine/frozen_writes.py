@@ -18,7 +18,9 @@ prepared again: :meth:`StepMachine.forget_writes`) forgets the note, taken again
 An EMA child INSIDE the optimizer (``SGD(self.parameters())`` over a ``copy.deepcopy(student)`` child) has FP32
 masters, but never a gradient: the masters take each hand write as its half rounding. At the note and at each look,
 the held half parameters that require grad and were written since the engine's last step are taken, and the end of
-that backward warns once about those with no gradient (:meth:`FrozenWrites._watch_held`); a run with nothing of
+that backward warns once about those with no gradient (:meth:`FrozenWrites._watch_held`), leaving out those an
+optimizer keeps state for (stepped with a gradient before: an MoE expert no token reached, a part a later micro-batch
+trains, normalised by hand after the step); a run with nothing of
 either kind at the note drops the check there.
 """
 
@@ -107,12 +109,13 @@ class FrozenWrites:
         loaded, self.loaded = self.loaded, False
         if self.held_warned or loaded or scaled is None or not scaled.requires_grad:
             return False
-        held = _held_ids(machine)
+        held, stepped = _held_ids(machine), _stepped_ids(machine)
         written = {
             id(param)
             for weights in machine.masters.weights
-            for param, _ in weights.half_pairs
+            for param, master in weights.half_pairs
             if param.requires_grad and id(param) in held and not weights._entry(param).unchanged(param)
+            and id(master) not in stepped  # stepped with a gradient before: no EMA child (an MoE expert, a micro-batch)
         }
         if written:
             scaled.register_hook(functools.partial(_queue, functools.partial(self._judge_held, frozenset(written))))
@@ -239,6 +242,13 @@ def _held_ids(machine: Any) -> set[int]:
     """The ids of the parameters the machine's registered optimizers hold."""
     optimizers = [o for state in machine.optimizers.values() if (o := state.optimizer_ref()) is not None]
     return {id(p) for o in optimizers for p in itertools.chain.from_iterable(g["params"] for g in o.param_groups)}
+
+
+def _stepped_ids(machine: Any) -> set[int]:
+    """The ids of the tensors (FP32 masters at O2) for which a registered optimizer holds state (momentum, Adam's
+    moments): stepped with a gradient at least once, which an EMA child inside the optimizer never is."""
+    optimizers = [o for state in machine.optimizers.values() if (o := state.optimizer_ref()) is not None]
+    return {id(t) for o in optimizers for t, s in o.state.items() if s}
 
 
 def _queue(callback: Any, grad: torch.Tensor) -> None:
