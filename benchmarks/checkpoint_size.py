@@ -10,7 +10,9 @@ Then each door's documented checkpoint (``--door-width`` MLP, AdamW, two steps, 
 the framework's own precision: the Trainer's ``save_checkpoint`` against ``"bf16-mixed"``, ``fabric.save`` of model,
 optimizer and plugin against ``"bf16-mixed"``, Accelerate's ``save_state`` folder against ``"bf16"``, and
 ``torch.save({"model", "optimizer", "amp"})`` of the core ``Amp`` and of the Apex layer (README's checkpoints)
-against ``torch.autocast`` on the FP32 model (no ``"amp"`` entry).
+against ``torch.autocast`` on the FP32 model (no ``"amp"`` entry); and the ``transformers.Trainer`` door
+(``mpx_trainer()``) on a 466,432-parameter GPT-2 from a config: its ``checkpoint-2`` folder against the Trainer's own
+``bf16=True``.
 
     python benchmarks/checkpoint_size.py [--width 512] [--door-width 256] [--doors trainer ...] [--out PATH]
 """
@@ -150,6 +152,8 @@ def _door_bytes(door: str, variant: str, width: int, folder: str) -> int:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
         return sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
+    if door == "hf_trainer":
+        return _hf_trainer_bytes(level, folder)
     model = _net(width)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if door == "core" and level:
@@ -190,6 +194,43 @@ def _door_bytes(door: str, variant: str, width: int, folder: str) -> int:
     return os.path.getsize(path)
 
 
+def _gpt2() -> Any:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=512, n_positions=32, n_embd=128, n_layer=2,
+                                                                n_head=2))  # fmt: skip
+
+
+def _hf_trainer_bytes(level: str | None, folder: str) -> int:
+    """The bytes of the Trainer's ``checkpoint-2`` folder of :func:`_gpt2` after two AdamW steps, at ``level`` (an
+    opt level through ``mpx_trainer()``, or ``None``: transformers' own ``bf16=True``)."""
+    import torch
+    import transformers
+    from accelerate.state import AcceleratorState, GradientState
+
+    from lightning_mpx.accelerate import MixedPrecisionKwargs, mpx_trainer
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    torch.manual_seed(0)
+    ids = torch.randint(0, 512, (8, 32), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = transformers.TrainingArguments(output_dir=folder, use_cpu=True, report_to=[], max_steps=2, save_steps=2,
+                                          per_device_train_batch_size=4, save_strategy="steps", disable_tqdm=True,
+                                          optim="adamw_torch", bf16=level is None)  # fmt: skip
+    if level is None:
+        trainer = transformers.Trainer(model=_gpt2(), args=args, train_dataset=data)
+    else:
+        trainer = mpx_trainer()(model=_gpt2(), args=args, train_dataset=data, opt_level=level,
+                                mpx_kwargs=MixedPrecisionKwargs(half_dtype=torch.bfloat16))  # fmt: skip
+    trainer.train()
+    path = os.path.join(folder, "checkpoint-2")
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    return sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
+
+
 #: Each door, the framework's own precision it is measured against, and the opt levels it takes.
 DOORS = {
     "trainer": ("bf16-mixed", ("O1", "O2", "O3")),
@@ -197,12 +238,14 @@ DOORS = {
     "accelerate": ("bf16", ("O1", "O2", "O3")),
     "core": ("autocast", ("O1", "O2", "O3")),
     "apex": ("autocast", ("O1", "O2", "O3")),
+    "hf_trainer": ("bf16", ("O1", "O2", "O3")),
 }
 
 
 def _door_row(door: str, width: int) -> dict[str, Any]:
     own, levels = DOORS[door]
-    row: dict[str, Any] = {"door": door, "own": own, "parameters": sum(p.numel() for p in _net(width).parameters())}
+    model = _gpt2() if door == "hf_trainer" else _net(width)
+    row: dict[str, Any] = {"door": door, "own": own, "parameters": sum(p.numel() for p in model.parameters())}
     for variant in (own, *levels):
         with tempfile.TemporaryDirectory() as folder:
             try:

@@ -120,10 +120,19 @@ class MpxTrainerMixin:
     # -- checkpoints: the Trainer saves and loads its own GradScaler here; the engine's state goes with it ----------
     def _save_scaler(self, output_dir: str) -> None:
         super()._save_scaler(output_dir)  # type: ignore[misc]
+        saved, self._mpx_saved_masters = getattr(self, "_mpx_saved_masters", None), None
         if self.accelerator.amp is not None:
+            # At O2 the checkpoint's model file (written just before, by _save) holds the FP32 masters: the engine's
+            # file names them instead of holding them again (the Trainer loads the model before _load_scaler).
+            models, weights = [], []
+            if saved is not None and saved[0] == output_dir:
+                model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)  # type: ignore[attr-defined]
+                state = model.state_dict()
+                masters_into(engine_of(model, self.accelerator.amp), model, state)
+                models, weights = [model], [_written({key: state[key] for key in saved[1]}, output_dir)]
             # No scaler.pt: a transformers Trainer resumed without fp16 (bf16=True, FP32, a CPU) loads any scaler.pt
             # into its accelerator.scaler, None there, and crashes; one with fp16 skips a missing file.
-            self.accelerator._save_amp_state([], [], output_dir, grad_scaler=False)
+            self.accelerator._save_amp_state(models, weights, output_dir, grad_scaler=False)
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         if self.accelerator.amp is None or self.accelerator.scaler is not None:
@@ -186,9 +195,13 @@ class MpxTrainerMixin:
         # Prepared for evaluation only (predict() on a Trainer without train_dataset): its FP32 values are gone, and
         # the half weights are saved as such (config.json naming the half dtype), as the Trainer's bf16_full_eval does.
         fp32 = fp32 and not (amp._masters.evaluation_only and not amp._masters.prune())  # type: ignore[union-attr]
+        self._mpx_saved_masters: tuple[str, frozenset[str]] | None = None
         if fp32:
             state_dict = unwrapped.state_dict()
-            masters_into(amp, unwrapped, state_dict)  # the masters, not copies; a frozen half base stays half
+            replaced = masters_into(amp, unwrapped, state_dict)  # the masters, not copies; a frozen half base: half
+            # For _save_scaler of the same checkpoint: the keys of the masters its model file holds (no tensors).
+            folder = output_dir if output_dir is not None else self.args.output_dir  # type: ignore[attr-defined]
+            self._mpx_saved_masters = (folder, frozenset(replaced))
             warn_frozen_half(amp, unwrapped, state_dict, "save_model()")  # type: ignore[arg-type]
         super()._save(output_dir, state_dict=state_dict)  # type: ignore[misc]
         config = getattr(unwrapped, "config", None)
@@ -240,6 +253,25 @@ def _keeping_parameters(trainer: Any, load: Callable[[], Any]) -> None:
         setattr(owner, leaf, old)
         if not torch.equal(new.detach().to(old.dtype), old.detach()):
             owner.load_state_dict({leaf: new.detach()}, strict=False)  # FP32 values go to the masters exactly
+
+
+def _written(masters: dict[str, torch.Tensor], folder: str) -> dict[str, torch.Tensor]:
+    """``masters`` (by state-dict key) that the model files ``save_pretrained`` wrote in ``folder`` hold under their
+    key (read from the files' headers): a tied copy it dropped, a key it renamed (a peft adapter's) or a file format
+    read here without its tensors is left out, and the engine's file then keeps that master itself."""
+    keys: set[str] = set()
+    for name in os.listdir(folder):
+        if not name.startswith(("model", "pytorch_model", "adapter_model")):
+            continue
+        path = os.path.join(folder, name)
+        if name.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            with safe_open(path, framework="pt") as file:
+                keys.update(file.keys())
+        elif name.endswith(".bin"):
+            keys.update(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
+    return {key: value for key, value in masters.items() if key in keys}
 
 
 def mpx_trainer(trainer_cls: type | None = None) -> type:
