@@ -6,7 +6,8 @@ into ``chunked_cross_entropy``, ``no_backward_sync``, ``clip_gradients``, ``get_
 weights (the O2 masters), the frozen base's memory, float16's dynamic scale, and generation with the KV cache after a
 ``max_seq_length`` change. The adapters and the full fine-tune are in ``tests/test_hostile_third_party.py``.
 
-One expected failure (strict): ``fabric.save(..., filter={"model": lora_filter})`` at O2 writes the half weights.
+``fabric.save(..., filter={"model": lora_filter})`` at O2 writes the FP32 masters (a strict xfail when this file was
+written: the half weights then).
 """
 
 from __future__ import annotations
