@@ -175,9 +175,6 @@ def test_manual_step_returns_what_bf16_mixed_returns_for_sgd(level: str) -> None
             assert got == want == [None, None]
 
 
-@pytest.mark.xfail(strict=True, reason="engine/optimizer_step.py: OptimizerStepper calls optimizer.step(**kwargs) and "
-                   "drops its return value (Amp.step returns bool | StepOutcome); the Trainer plugin returns the "
-                   "closure's result, so a custom optimizer's own return value ({'custom': 1}) is lost")
 def test_manual_step_returns_a_custom_optimizers_value_as_bf16_mixed() -> None:
     assert _manual_returns("bf16-mixed", _DictSGD, False) == [{"custom": 1}] * 2
     assert _manual_returns("O2", _DictSGD, False) == [{"custom": 1}] * 2
@@ -202,8 +199,6 @@ def test_fabric_step_returns_none_for_sgd_as_bf16_mixed_and_refuses_a_closure() 
         opt.step(lambda: None)
 
 
-@pytest.mark.xfail(strict=True, reason="engine/optimizer_step.py: OptimizerStepper drops optimizer.step()'s return "
-                   "value; the Fabric plugin's optimizer_step returns None where 'bf16-mixed' returns the optimizer's")
 def test_fabric_step_returns_a_custom_optimizers_value_as_bf16_mixed() -> None:
     assert _fabric_step_returns("bf16-mixed", _DictSGD) == {"custom": 1}
     assert _fabric_step_returns("O2", _DictSGD) == {"custom": 1}
@@ -302,10 +297,6 @@ def test_fabric_o2_generate_of_t5_as_bf16_mixed() -> None:
     assert torch.equal(_generate("O2", _t5, ids), _generate("bf16-mixed", _t5, ids))
 
 
-@pytest.mark.xfail(strict=True, reason="integrations/fabric.py: single device, Fabric calls generate() on the module "
-                   "itself, not through its forward's convert_input: Whisper's generate hands the FP32 input_features "
-                   "to its half encoder (\"Input type (float) and bias type should be the same\"), as under Fabric's "
-                   "own 'bf16-true'; the Accelerate adapter's AmpGenerate is not installed by the Fabric plugin")
 def test_fabric_o2_whisper_generate_as_bf16_mixed() -> None:
     features = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
     want = _generate("bf16-mixed", _whisper, {"input_features": features})

@@ -97,14 +97,15 @@ class AmpOptimizer(torch.optim.Optimizer):
             return functools.partial(_on_masters, self, attribute)
         return attribute
 
-    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
-        """Step through ``Amp.step()`` unless a ``scale_loss`` block that named this optimizer overflowed."""
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Step through ``Amp.step()`` unless a ``scale_loss`` block that named this optimizer overflowed; returns
+        what the optimizer's ``step()`` returned (``None`` when skipped), as Apex's patched step."""
         if closure is not None:
             raise NotImplementedError(
                 "closure: Currently, Amp does not support closure use with optimizers (loss scaling cannot re-run "
                 "the closure inside the step); run the closure first, then call step() without it."
             )
-        _optimizer_step(self._amp_state, self)
+        return _optimizer_step(self._amp_state, self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped optimizer's; at O2 the FP32 masters' gradients (zeroed or set to None alike) and the stash of
@@ -473,7 +474,7 @@ def _log_overflow(amp: Amp, loss_id: int) -> None:
         log.info("Gradient overflow.  Skipping step, loss scaler %d keeps its static loss scale %s", loss_id, scale)
 
 
-def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> None:
+def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> Any:
     if _wrapper_of(wrapper) is None:
         raise RuntimeError(
             "step(): this optimizer was given to a later amp.initialize() (or _amp_state.reset() ran); step the "
@@ -516,6 +517,9 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> None:
     state.idle.add(key)
     if {key for key in state.touched if key in state.optimizers} <= state.stepped:  # a dropped wrapper will not step
         _update(state)
+    stepper = wrapper._engine._stepper  # the optimizer's step's value, taken (the engine keeps no user value)
+    returned, stepper.returned = stepper.returned, None
+    return returned
 
 
 def _mark_for_schedulers(wrapper: AmpOptimizer, stepped: bool) -> None:

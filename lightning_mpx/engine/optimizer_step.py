@@ -71,6 +71,9 @@ class OptimizerStep:
         pending: The steps skipped on the device that are not settled yet.
         closed: ``None``, or why :meth:`step` is refused (the message of its ``RuntimeError``): set by a front door
             whose run ended (the Trainer plugin's teardown), cleared when the next one starts.
+        returned: What the last step's ``optimizer.step(...)`` returned (a torch optimizer: the closure's loss, so
+            ``None``; a custom one: anything), ``None`` after a step skipped on the host (as ``GradScaler.step``
+            returns): the front doors hand it to the user as Lightning's and Fabric's precisions do.
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class OptimizerStep:
         self.skip_on_device = skip_on_device
         self.steps = 0
         self.closed: str | None = None
+        self.returned: Any = None
         self.pending = PendingSteps(self.examine, self.settle, forensics.watch)
 
     def step(
@@ -146,7 +150,7 @@ class OptimizerStep:
                     optimizer.grad_scale = None  # type: ignore[attr-defined]
                     optimizer.found_inf = found  # type: ignore[attr-defined]
                     try:
-                        optimizer.step(**step_kwargs)
+                        self.returned = optimizer.step(**step_kwargs)
                     finally:
                         del optimizer.grad_scale  # type: ignore[attr-defined]
                         del optimizer.found_inf  # type: ignore[attr-defined]
@@ -165,6 +169,7 @@ class OptimizerStep:
         overflowed = self.machine.check(state, optimizer, reducer)
         try:
             if overflowed:
+                self.returned = None  # as GradScaler.step returns on a skip
                 gather = reducer is not None or self.machine.sharding is not None
                 self._skip(optimizer, state, overflowed, gather=gather, iteration=iteration)
                 return False
@@ -206,9 +211,10 @@ class OptimizerStep:
         casts_off: bool = False,
     ) -> None:
         """``optimizer.step(**step_kwargs)``, on the FP32 masters at O2 (the model's writes taken before, the result
-        copied back after). ``found_inf``: the overflow flag (1.0 on overflow) handed to an optimizer that skips on
-        the device (``_step_supports_amp_scaling``), with no scale set, the gradients being unscaled already: the
-        attributes torch's fused optimizers read, set and deleted as ``GradScaler.step`` does.
+        copied back after); what it returns kept in :attr:`returned`. ``found_inf``: the overflow flag (1.0 on
+        overflow) handed to an optimizer that skips on the device (``_step_supports_amp_scaling``), with no scale set,
+        the gradients being unscaled already: the attributes torch's fused optimizers read, set and deleted as
+        ``GradScaler.step`` does.
 
         Called inside ``forward_context()`` (a torch-function mode or autocast on: ``without_casts``' check, written
         out), it runs again with the casts off (``casts_off``): the optimizer runs in its own dtypes."""
@@ -222,11 +228,11 @@ class OptimizerStep:
             master_weights = self.machine.masters.weights
             if master_weights:
                 step = functools.partial(optimizer.step, **step_kwargs)
-                step_on_masters(state, optimizer, master_weights, step, compare=compare)
+                self.returned = step_on_masters(state, optimizer, master_weights, step, compare=compare)
                 if self.machine.masters.lent:  # handed out by a state dict before the step, which wrote them over
                     self.machine.masters.forget_lent(optimizer_params(optimizer))  # a p.data write after it stays
             else:
-                optimizer.step(**step_kwargs)
+                self.returned = optimizer.step(**step_kwargs)
         finally:
             if found_inf is not None:
                 del optimizer.grad_scale  # type: ignore[attr-defined]

@@ -95,6 +95,7 @@ from lightning_mpx.casting.policy import casts_off_if_on as _casts_off  # noqa: 
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
 from lightning_mpx.integrations.fabric_bookkeeping import FabricBookkeeping  # noqa: E402
 from lightning_mpx.integrations.fabric_checkpoint import HeldMasters  # noqa: E402
+from lightning_mpx.integrations.fabric_generate import install_generate  # noqa: E402
 from lightning_mpx.integrations.fabric_sharding import (  # noqa: E402
     clipped_together,
     is_fsdp1,
@@ -273,6 +274,8 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
             MastersInStateDict.install(module, self.amp)
         if props.casts_model:  # sharded too (a model set up after the engine took a sharded one): the weights' dtype
             record_half_dtype(module, props.half_dtype)  # LightningModule.dtype: the weights', as Fabric's "bf16-true"
+        # Fabric calls generate() on the module itself, past convert_input: at O2/O3 its float inputs cast too.
+        install_generate(module, props.half_dtype if props.casts_model else None)
         # The model is moved to its device (and, under DDP, given rank zero's weights) after this: its masters are
         # taken again from the set-up model at the next call into the plugin.
         self._unsynced += [masters for masters in self.amp.master_weights if id(masters) not in before]
@@ -343,7 +346,8 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
             self._register(_unwrap(optimizer), lazily=False)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """Step ``optimizer`` unless its gradients overflowed (unscaling them first if nothing did yet)."""
+        """Step ``optimizer`` unless its gradients overflowed (unscaling them first if nothing did yet); returns what
+        its ``step()`` returned (``None`` when skipped)."""
         optimizer = _unwrap(optimizer)
         # The WeakSets' membership tests as WeakSet.__contains__ makes them (the weak reference looked up in its set
         # of references), at the C level: two calls saved per step. An Optimizer always takes a weak reference.
@@ -358,7 +362,11 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
             self._clipping.discard(optimizer)
             self.amp.show_unscaled_on_model(optimizer)
         self.amp.step(optimizer, **kwargs)
-        return None
+        # What the optimizer's step returned, as "bf16-mixed" returns it (None on a step skipped on the host, as
+        # "16-mixed"'s GradScaler.step); taken, not kept: the engine holds no user value past the step.
+        stepper = self.amp._stepper
+        returned, stepper.returned = stepper.returned, None
+        return returned
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Unscale ``optimizer``'s gradients (once per step; ``fabric.clip_gradients`` calls it). At O2 the true

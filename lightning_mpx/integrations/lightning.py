@@ -314,7 +314,14 @@ class MixedPrecisionPlugin(ModelSetup, GradientClipping, CheckpointHooks, FSDPPr
             self.amp.update()  # due: the step ran
             if self._log_step is not None:
                 self._log_metrics()
-        return closure_result
+        # As "bf16-mixed" returns optimizer.step(closure=closure): what the optimizer's step returned (a custom
+        # optimizer's value), else the closure's result (what torch's optimizers return); None on a step skipped on
+        # the host, as "16-mixed"'s GradScaler.step. Taken, not kept: the engine holds no user value past the step.
+        stepper = self.amp._stepper
+        returned, stepper.returned = stepper.returned, None
+        if stepped is False:
+            return None
+        return closure_result if returned is None else returned
 
     def _hooks_and_step(
         self, model: Any, callbacks: list[Any], optimizer: Optimizer, skip_backward: bool, kwargs: dict[str, Any]

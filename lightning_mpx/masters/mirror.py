@@ -106,16 +106,17 @@ class Mirror:
             entry.version, entry.address = version, address
 
 
-def step_mirrored(mirrors: list[Mirror], step: Callable[[], object], *, take: bool = True) -> None:
+def step_mirrored(mirrors: list[Mirror], step: Callable[[], object], *, take: bool = True) -> object:
     """One optimizer step seen through ``mirrors``: each one's writes taken (:meth:`Mirror.take_writes`; with
     ``take=False`` overlooked, :meth:`Mirror.overlook_writes`), ``step`` called (the masters stand in for the
     parameters), and the masters copied into the model (:meth:`Mirror.copy_to_model`); nothing is copied when ``step``
-    raises."""
+    raises. Returns what ``step`` returned."""
     for mirror in mirrors:
         mirror.take_writes() if take else mirror.overlook_writes()
-    step()
+    returned = step()
     for mirror in mirrors:
         mirror.copy_to_model()
+    return returned
 
 
 def _resized(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:

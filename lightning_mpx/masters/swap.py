@@ -185,13 +185,13 @@ def step_on_masters(
     step: Callable[[], object],
     *,
     compare: bool,
-) -> None:
+) -> object:
     """Run ``step`` (the optimizer's own step) on the masters: writes made to the model since the last step (loaded
     weights, SWA, EMA...) taken into them (not for a SAM-style optimizer, ``state.two_pass``: its ``first_step``
     perturbed the half weights, and the masters hold the weights to step from; writes before its first pass were
     taken at that pass's backward, :func:`take_writes_before_pass`), the masters in the groups for the
     call, the result copied to the model (after a skip on the device: the masters' unchanged values), and their FP32
-    gradients freed.
+    gradients freed. Returns what ``step`` returned.
 
     The pairs are taken as the unscale of this step made or checked them (no user code runs between the two), so
     nothing here looks for a changed parameter list again."""
@@ -204,7 +204,7 @@ def step_on_masters(
     # swap_out and drop_master_grads written out: a call each saved at every step (host-bound loops); the mirrors'
     # module is entered once (step_mirrored), as every module of a step (benchmarks/step_walk.py)
     try:
-        step_mirrored(views, step, take=not state.two_pass)
+        returned = step_mirrored(views, step, take=not state.two_pass)
     finally:
         for group, params in zip(optimizer.param_groups, swapped):  # by position, as swap_out
             group["params"] = params
@@ -217,6 +217,7 @@ def step_on_masters(
         end_pass(state, master_weights)
     dropped = map(state.pair_masters.__getitem__, state.mastered)  # C-level maps: no Python per parameter
     collections.deque(map(setattr, dropped, itertools.repeat("grad"), itertools.repeat(None)), maxlen=0)
+    return returned
 
 
 def _inners_apart_in(
