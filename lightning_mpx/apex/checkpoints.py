@@ -65,9 +65,9 @@ def load_state_dict(state: dict[str, Any]) -> None:
         raise TypeError(f"state={type(state).__name__} must be the dict that amp.state_dict() returned.")
     # Restoring into the optimizer initialize() returned is the documented order: nothing to refuse later.
     _amp_state.loaded = None if _amp_state.restored is amp else amp
+    _amp_state.held = None  # this load replaces an earlier one's (loss scales alone: the user's own weights)
     core = state if "scalers" in state else state.get("lightning_mpx")  # the core's own format, or this layer's
     if isinstance(core, Mapping):
-        _amp_state.held = None
         amp.load_state_dict(core)  # type: ignore[arg-type]
         held = _ModelEntryMasters()
         held.loaded(amp, core)  # type: ignore[arg-type]
@@ -116,6 +116,8 @@ class _ModelEntryMasters(HeldMasters):
             "or one of another model or checkpoint was. Training on would start from other masters than the "
             "checkpoint's. Load the model entry saved with it, in Apex's order: model.load_state_dict(ckpt['model']), "
             "optimizer.load_state_dict(ckpt['optimizer']), amp.load_state_dict(ckpt['amp']) (any order works), before "
-            "the next amp.scale_loss() block."
+            "the next amp.scale_loss() block. To train from other weights on purpose (keeping the checkpoint's loss "
+            "scales), load the amp entry's loss scales alone: "
+            "amp.load_state_dict({k: v for k, v in ckpt['amp'].items() if k.startswith('loss_scaler')})."
         )
 
