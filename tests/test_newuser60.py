@@ -4,6 +4,8 @@
   had lost it when the modules moved into packages (ImportError).
 - docs/lightning.md's ``MpxMetricsToCallbacks`` logged the integer ``mpx/overflows`` count, and Lightning warned at
   the first step that it converts it to float.
+- ``MixedPrecisionPlugin("bf16-mixed")`` (Lightning's precision string as the opt level) named the valid levels but
+  not what to pass for that precision.
 - docs/master_weights.md said ``model.state_dict()`` holds the half values at O2 for every model but the Trainer
   plugin's; Fabric's set-up model gives the FP32 masters too (the core's and the Apex layer's submodules do not).
 """
@@ -15,6 +17,7 @@ import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from lightning.fabric import Fabric
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -124,3 +127,14 @@ def test_fsdp_opt_level_string_takes_the_device_half_dtype():
     # lightning_mpx/integrations/fsdp.py's docstring said an opt-level string means float16.
     expected = torch.float16 if torch.cuda.is_available() else torch.bfloat16
     assert mixed_precision_policy("O2").param_dtype == expected
+
+
+def test_a_framework_precision_string_as_opt_level_names_the_opt_level_and_dtype():
+    # A Lightning user writes the precision they know into the plugin; a ported Apex/Accelerate one "fp16".
+    with pytest.raises(ValueError, match=r"opt_level='bf16-mixed' is not an opt level; valid choices: 'O0', 'O1', "
+                                         r"'O2', 'O3'\..*Lightning's precision=.*'O1'.*'O2'.*half_dtype='bfloat16'"):
+        MixedPrecisionPlugin("bf16-mixed")
+    with pytest.raises(ValueError, match=r"opt_level='fp16'.*half_dtype='float16'"):
+        Amp("fp16")
+    with pytest.raises(ValueError, match=r"opt_level='O4' is not an opt level; valid choices: 'O0', .*'O3'\.$"):
+        FabricMixedPrecisionPlugin("O4")
