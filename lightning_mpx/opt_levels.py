@@ -164,6 +164,13 @@ def _check_opt_level(opt_level: object) -> str:
             hint = f" The prefix is the letter O, not the digit zero: did you mean 'O{opt_level[1]}'?"
         elif len(opt_level) == 2 and opt_level[0] == "o" and opt_level[1] in "0123":
             hint = f" Opt levels are written with a capital letter O: did you mean 'O{opt_level[1]}'?"
+        else:
+            half = {"16": "float16", "fp16": "float16", "float16": "float16", "half": "float16", "bf16": "bfloat16",
+                    "bfloat16": "bfloat16"}.get(opt_level.lower().removesuffix("-mixed").removesuffix("-true"))
+            if half is not None:  # a framework's precision string (Lightning's "bf16-mixed", Accelerate's "fp16")
+                hint = (f" {opt_level!r} is a precision setting (Lightning's precision=, Accelerate's "
+                        f"mixed_precision=), not an opt level: pass 'O1' (the model stays FP32) or 'O2' (a half "
+                        f"model with FP32 masters) with half_dtype={half!r}.")
     raise ValueError(f"opt_level={opt_level!r} is not an opt level; valid choices: {choices}.{hint}")
 
 

@@ -4,6 +4,7 @@ from lightning_mpx.scaling.unscale import (  # noqa: F401
     BACKENDS,
     GradStats,
     Tensors,
+    UnscaleWorkspace,
     auto_backend,
     cast_copy_,
     clip_coefficient,
@@ -18,7 +19,7 @@ from lightning_mpx.scaling.unscale import (  # noqa: F401
 )
 
 __all__ = [
-    'Tensors', 'GradStats', 'unscale_grads_', 'resolve_backend', 'auto_backend', 'cast_copy_',
+    'Tensors', 'GradStats', 'UnscaleWorkspace', 'unscale_grads_', 'resolve_backend', 'auto_backend', 'cast_copy_',
     'foreach_check_and_unscale_', 'plain_unscale_', 'clip_coefficient', 'BACKENDS',
     'has_complex', 'real_views', 'real_pairs', 'unscale_real_grads_',
 ]

@@ -26,7 +26,8 @@ policy for users who call ``fully_shard`` themselves; :func:`fsdp1_mixed_precisi
 FSDP1 (``FullyShardedDataParallel``); :func:`check_sharded_model` refuses a sharded model that does not fit the
 level (called by :meth:`Amp.prepare_model <lightning_mpx.engine.amp.Amp.prepare_model>` on a sharded model).
 
-``precision`` is everywhere an opt-level string (``"O2"``: the default settings, float16), a
+``precision`` is everywhere an opt-level string (``"O2"``: the default settings; no half dtype given, so float16
+when CUDA is available, else bfloat16), a
 :class:`~lightning_mpx.settings.MixedPrecisionSettings`, or an object with a ``settings`` attribute holding one
 (:class:`~lightning_mpx.engine.amp.Amp`, :class:`~lightning_mpx.integrations.lightning.MixedPrecisionPlugin`,
 :class:`~lightning_mpx.integrations.fabric.FabricMixedPrecisionPlugin`): pass the plugin itself to get its half dtype.

@@ -45,7 +45,7 @@ class MpxTrainerMixin:
 
     Args:
         *args: Passed to the Trainer.
-        opt_level: ``"O0"`` to ``"O3"``.
+        opt_level: ``"O0"`` to ``"O3"``; ``"O2"`` when left out.
         mpx_kwargs: The opt level's settings (``half_dtype``, loss-scaler settings, ``log_metrics``, ...); ``None``
             for the defaults.
         **kwargs: Passed to the Trainer.
