@@ -1,10 +1,10 @@
 """An EMA child INSIDE the optimizer at O2 (``copy.deepcopy(student)`` kept as a child, ``SGD(model.parameters())``):
 its half parameters are held, so they get FP32 masters, but never a gradient; the user's ``lerp_`` under
 ``no_grad`` writes the half values and the masters take each write as its rounding, so the EMA barely moves
-(tests/test_attack60.py measured it against ``"bf16-mixed"``). The engine warns once, at the first backward after the
-1st, 2nd, 4th ... step (lightning_mpx/engine/frozen_writes.py ``FrozenWrites._watch_held``), about the held half
-parameters written since the last step that end the backward with no gradient, naming the child, in every door,
-pointing at the user's line; writes that are no hand update of an untrained child are not warned about.
+(tests/test_attack60.py measured it against ``"bf16-mixed"``). The engine warns once, at a step that took writes into
+the masters (lightning_mpx/engine/frozen_writes.py ``HeldWrites``), about the held half parameters written since the
+last step whose masters have no gradient and no optimizer state, naming the child, in every door, pointing at the
+user's line; writes that are no hand update of an untrained child are not warned about.
 """
 
 from __future__ import annotations

@@ -16,17 +16,19 @@ change of the engine that writes parameters (a ``load_state_dict`` into the mode
 prepared again: :meth:`StepMachine.forget_writes`) forgets the note, taken again at the next backward.
 
 An EMA child INSIDE the optimizer (``SGD(self.parameters())`` over a ``copy.deepcopy(student)`` child) has FP32
-masters, but never a gradient: the masters take each hand write as its half rounding. At the note and at each look,
-the held half parameters that require grad and were written since the engine's last step are taken, and the end of
-that backward warns once about those with no gradient (:meth:`FrozenWrites._watch_held`), leaving out those an
-optimizer keeps state for (stepped with a gradient before: an MoE expert no token reached, a part a later micro-batch
-trains, normalised by hand after the step); a run with nothing of
-either kind at the note drops the check there.
+masters, but never a gradient: the masters take each hand write as its half rounding. The step finds those writes
+already (``Mirror.take_writes``, through versions, addresses and the ``.data`` watch: nothing in the usual step), and
+only when it took some does it call :class:`HeldWrites` (``machine.held_writes``), before the optimizer steps: a taken
+parameter that requires grad, whose master has no gradient at this step and no optimizer state (never stepped with a
+gradient: not an MoE expert no token reached, not a part a later micro-batch trains) is an EMA child inside the
+optimizer, warned about once. Not at the engine's first step (weights set after set-up), nor after a load since the
+last step (``machine.written_at``: a stage change's write, no hand update). A SAM-style optimizer's step takes no
+writes (its passes' are overlooked), and a schedule-free optimizer's ``eval()``/``train()`` is taken into the masters
+outside the step.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import sys
 import warnings
@@ -39,7 +41,7 @@ from torch import nn
 from lightning_mpx.common.user_frames import user_stacklevel
 from lightning_mpx.settings import _rank_zero
 
-__all__ = ["FrozenWrites", "holding_modules", "warn_half_ema", "watch_frozen"]
+__all__ = ["FrozenWrites", "HeldWrites", "holding_modules", "warn_half_ema", "watch_frozen"]
 
 _HALF = (torch.float16, torch.bfloat16)
 # The engine steps since the note by which the last look is taken (looks at 1, 2, 4, ... of them).
@@ -62,16 +64,10 @@ class FrozenWrites:
         self.notes = 0
         # The engine's count of steps from which a backward looks (the machine calls at_backward from it on).
         self.due = 0
-        # Whether the held half parameters were warned about (_judge_held), and whether a stage change wrote the
-        # parameters since the last backward (forget: a load, not judged).
-        self.held_warned = False
-        self.loaded = False
 
-    def at_backward(self, machine: Any, scaled: torch.Tensor | None = None) -> None:
-        """At an engine backward (``scaled``: its scaled loss): note after the first engine step, compare after a
-        later one, then drop the check (warning once if any noted parameter was written between); at the note and at
-        each look, the held half parameters written by hand since the last step are judged at this backward's end
-        (:meth:`_watch_held`)."""
+    def at_backward(self, machine: Any) -> None:
+        """At an engine backward: note after the first engine step, compare after a later one, then drop the check
+        (warning once if any noted parameter was written between)."""
         if machine.steps_taken < 1 or not machine.optimizers:
             return
         if not machine.masters.weights:  # no FP32 masters after a step (not O2): nothing of this kind
@@ -80,61 +76,20 @@ class FrozenWrites:
         if self.versions is None:
             self.versions, self.noted_at, self.notes = self._note(machine), machine.steps_taken, self.notes + 1
             self.due = self.noted_at + 1
-            held = self._watch_held(machine, scaled)
-            if (not self.versions and not held) or self.notes > 3:  # a load between every two steps: enough
-                _done(machine)  # nothing frozen or held to watch (the usual run: no per-step work after it)
+            if not self.versions or self.notes > 3:  # a load between every two steps: enough
+                _done(machine)  # nothing frozen to watch (the usual run: no per-step work after it)
             return
         since = machine.steps_taken - self.noted_at
         if since < 1:
             return  # accumulation: no engine step since the note
-        held = self._watch_held(machine, scaled)
-        # a held parameter's warning comes at this backward's end; without frozen ones, one written but with a
-        # gradient at the step (a clamp after it) is looked at again, and none written ends the check
-        if self._warn(self.versions, machine) or (not self.versions and not held) or since >= _LAST_LOOK:
+        if self._warn(self.versions, machine) or since >= _LAST_LOOK:
             _done(machine)  # warned, or none written by the last look: no per-step work after it
         else:
             self.due = self.noted_at + 2 * since  # the next look
 
     def forget(self) -> None:
-        """Forget the note (a stage change of the engine wrote the parameters): taken again at the next backward,
-        where the held parameters are not judged (that write, a load, is no hand update)."""
-        self.versions, self.due, self.loaded = None, 0, True
-
-    def _watch_held(self, machine: Any, scaled: torch.Tensor | None) -> bool:
-        """Find the held half parameters that require grad, have an FP32 master and were written since the engine's
-        last step (their version or address moved since its copy of the masters into the model: an EMA child inside
-        the optimizer's ``self.parameters()`` updated by ``lerp_``); have the end of this backward warn about those
-        that got no gradient (:meth:`_judge_held`). Returns whether any was found. Not after a stage change's write
-        (:meth:`forget`), nor once warned."""
-        loaded, self.loaded = self.loaded, False
-        if self.held_warned or loaded or scaled is None or not scaled.requires_grad:
-            return False
-        held, stepped = _held_ids(machine), _stepped_ids(machine)
-        written = {
-            id(param)
-            for weights in machine.masters.weights
-            for param, master in weights.half_pairs
-            if param.requires_grad and id(param) in held and not weights._entry(param).unchanged(param)
-            and id(master) not in stepped  # stepped with a gradient before: no EMA child (an MoE expert, a micro-batch)
-        }
-        if written:
-            scaled.register_hook(functools.partial(_queue, functools.partial(self._judge_held, frozenset(written))))
-        return bool(written)
-
-    def _judge_held(self, written: frozenset[int]) -> None:
-        """At the end of a backward: warn, once, about the ``written`` parameters that hold no gradient (the step
-        leaves them as the hand write's half rounding), by the module that holds them."""
-        for ref in self.modules:
-            module = ref()
-            if module is None or self.held_warned:
-                continue
-            found = [(n, p.dtype) for n, p in module.named_parameters() if id(p) in written and p.grad is None]
-            if not found:
-                continue
-            self.held_warned = True
-            what = ("{dtype} parameters of {owner} ({shown}) that the optimizer holds got no gradient and were "
-                    "written in place since the last step, so their FP32 masters take each write as its rounding.")
-            warn_half_ema(module, found, what, frozen=True)  # the recipe alone: they are no part left untrained
+        """Forget the note (a stage change of the engine wrote the parameters): taken again at the next backward."""
+        self.versions, self.due = None, 0
 
     def _note(self, machine: Any) -> dict[int, int]:
         held = _held_ids(machine)
@@ -175,9 +130,47 @@ class FrozenWrites:
         return warned
 
 
+class HeldWrites:
+    """The judgment of an EMA child inside the optimizer (see the module's docstring), called by an O2 step that
+    took hand writes (:func:`~lightning_mpx.masters.mirror.step_mirrored`), before the optimizer steps; held by the
+    engine's step machine (``machine.held_writes``) until it warned.
+
+    Args:
+        modules: The prepared models (held weakly, their parameters named only when a warning comes).
+        machine: The engine's step machine (held weakly).
+    """
+
+    def __init__(self, modules: Sequence[nn.Module], machine: Any) -> None:
+        self.modules = tuple(weakref.ref(m) for m in modules)
+        self.machine = weakref.ref(machine)
+
+    def __call__(self, taken: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Judge the ``(parameter, master)`` pairs whose writes the step took: warn once about those that require
+        grad, whose master has no gradient at this step and no optimizer state, by the model holding them."""
+        machine = self.machine()
+        if machine is None or machine.steps_taken < 1 or machine.written_at == machine.steps_taken:
+            return  # weights set before the first step, or a load (a stage change) since the last step
+        bare = [(p, m) for p, m in taken if m.grad is None and p.requires_grad and id(p) not in machine.renormed]
+        if not bare:
+            return  # written where a gradient came (a clamp, a normalisation of trained weights)
+        stepped = _stepped_ids(machine)  # an MoE expert no token reached, a part another micro-batch trained
+        written = {id(p) for p, m in bare if id(m) not in stepped}
+        for ref in self.modules:
+            module = ref()
+            found = [] if module is None else [(n, p.dtype) for n, p in module.named_parameters() if id(p) in written]
+            if found:
+                machine.held_writes, machine.held_warned = None, True
+                what = ("{dtype} parameters of {owner} ({shown}) that the optimizer holds got no gradient and were "
+                        "written in place since the last step, so their FP32 masters take each write as its rounding.")
+                warn_half_ema(module, found, what, frozen=True)  # the recipe alone: they are no part left untrained
+                return
+
+
 def watch_frozen(modules: Sequence[nn.Module], machine: Any) -> None:
     """Set ``machine.frozen_writes`` for the engine's prepared (unsharded) ``modules``, unless the check ran already
-    (``machine.frozen_checked``: once per engine) or there are none."""
+    (``machine.frozen_checked``: once per engine) or there are none; and ``machine.held_writes`` (:class:`HeldWrites`)
+    unless it warned already (``machine.held_warned``) or there are none."""
+    machine.held_writes = HeldWrites(modules, machine) if modules and not machine.held_warned else None
     if machine.frozen_checked or not modules:
         machine.frozen_writes = None
         return
@@ -249,13 +242,6 @@ def _stepped_ids(machine: Any) -> set[int]:
     moments): stepped with a gradient at least once, which an EMA child inside the optimizer never is."""
     optimizers = [o for state in machine.optimizers.values() if (o := state.optimizer_ref()) is not None]
     return {id(t) for o in optimizers for t, s in o.state.items() if s}
-
-
-def _queue(callback: Any, grad: torch.Tensor) -> None:
-    """The scaled loss's gradient hook: ``callback`` runs when the backward ends, after the callbacks queued during
-    it (DDP's, which give a rank the gradients only another rank's forward made)."""
-    requeue = functools.partial(torch.autograd.Variable._execution_engine.queue_callback, callback)
-    torch.autograd.Variable._execution_engine.queue_callback(requeue)  # type: ignore[attr-defined]
 
 
 def _done(machine: Any) -> None:

@@ -228,7 +228,9 @@ class OptimizerStep:
             master_weights = self.machine.masters.weights
             if master_weights:
                 step = functools.partial(optimizer.step, **step_kwargs)
-                self.returned = step_on_masters(state, optimizer, master_weights, step, compare=compare)
+                self.returned = step_on_masters(
+                    state, optimizer, master_weights, step, compare=compare, judge=self.machine.held_writes
+                )  # an EMA child inside the optimizer, judged where the step takes hand writes (engine.frozen_writes)
                 if self.machine.masters.lent:  # handed out by a state dict before the step, which wrote them over
                     self.machine.masters.forget_lent(optimizer_params(optimizer))  # a p.data write after it stays
             else:

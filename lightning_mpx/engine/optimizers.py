@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from lightning_mpx.engine.frozen_writes import FrozenWrites
+from lightning_mpx.engine.frozen_writes import FrozenWrites, HeldWrites
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
 from lightning_mpx.engine.raw_steps import _SAM_FIX, UnheldParams, is_two_pass, refuse_base_with_sam, refuse_raw_step
 from lightning_mpx.engine.rescale import (
@@ -99,6 +99,12 @@ class StepMachine(UnscalePath):
         # (``frozen_checked``), so no cost at a backward after it.
         self.frozen_writes: FrozenWrites | None = None
         self.frozen_checked = False
+        # The judgment of an EMA child inside the optimizer, called by a step that took hand writes
+        # (engine.frozen_writes.HeldWrites): None once it warned (``held_warned``), or with no prepared model; and the
+        # engine's count of steps at the last stage change that wrote the parameters (forget_writes: a load).
+        self.held_writes: HeldWrites | None = None
+        self.held_warned = False
+        self.written_at = -1
         # A door that registers optimizers at their first step (Fabric's): before any is registered, a write over
         # the parameters no optimizer holds yet is judged there (UnheldParams.judge), not refused at the backward.
         self.registers_at_step = False
@@ -285,7 +291,7 @@ class StepMachine(UnscalePath):
             self.unheld.before_backward(self, loss_id, scaled)
         frozen = self.frozen_writes
         if frozen is not None and self.steps_taken >= frozen.due:  # until its looks are done, at each look
-            frozen.at_backward(self, scaled)
+            frozen.at_backward(self)
         # engine.raw_steps' marks only where a raw step after this backward would harm (FP32 masters, or gradients
         # scaled by other than 1): asked at every backward, so a scale that leaves 1 (a checkpoint's) or masters
         # made since are watched from the next backward on; at O0/O1 with a unit scale nothing is noted
@@ -349,6 +355,7 @@ class StepMachine(UnscalePath):
         """Forget the parameter versions noted at the backwards (engine.raw_steps): a stage change of the engine (a
         checkpoint loaded, a model prepared, masters refreshed with ``force``, another engine taking over) writes
         parameters between a backward and a step, which is no raw step."""
+        self.written_at = self.steps_taken  # no hand update for HeldWrites to judge at the next step
         for state in self.optimizers.values():
             state.backward_versions = None
         if self.unheld is not None:

@@ -59,11 +59,13 @@ class Mirror:
     def _current(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return tuple(map(_VERSION, self.params)), tuple(map(torch.Tensor.data_ptr, self.params))
 
-    def take_writes(self) -> list[str]:
+    def take_writes(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Take writes made to the parameters since the masters last matched them (see
-        :meth:`MasterWeights.refresh`)."""
+        :meth:`MasterWeights.refresh`); returns the ``(parameter, master)`` pairs found written (version, address or
+        ``.data`` moved; with ``compare``, values), taken where their half values changed: none in the usual step."""
         if self.compare:
-            taken = _take_writes(self._pairs)
+            taken = set(_take_writes(self._pairs))
+            written = [(e, p) for e, p in self._pairs if e.name in taken] if taken else []
         else:
             watch, params = self._watch, self.params
             # the watch's active() and _current() written out: the step's usual case is this comparison alone
@@ -71,10 +73,11 @@ class Mirror:
             current = tuple(map(_VERSION, params)), tuple(map(torch.Tensor.data_ptr, params))
             if not handed_out and current == self._marks:
                 return []
-            taken = _take_writes([(e, p) for e, p in self._pairs if id(p) in handed_out or not e.unchanged(p)])
+            written = [(e, p) for e, p in self._pairs if id(p) in handed_out or not e.unchanged(p)]
+            _take_writes(written)
         self._marks = self._current()
         self._one_call = None
-        return taken
+        return [(param, entry.master) for entry, param in written]
 
     def overlook_writes(self) -> None:
         """Leave writes made to the parameters since the last step out of the masters (a SAM-style optimizer's
@@ -106,13 +109,23 @@ class Mirror:
             entry.version, entry.address = version, address
 
 
-def step_mirrored(mirrors: list[Mirror], step: Callable[[], object], *, take: bool = True) -> object:
+def step_mirrored(
+    mirrors: list[Mirror],
+    step: Callable[[], object],
+    *,
+    take: bool = True,
+    judge: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None] | None = None,
+) -> object:
     """One optimizer step seen through ``mirrors``: each one's writes taken (:meth:`Mirror.take_writes`; with
     ``take=False`` overlooked, :meth:`Mirror.overlook_writes`), ``step`` called (the masters stand in for the
     parameters), and the masters copied into the model (:meth:`Mirror.copy_to_model`); nothing is copied when ``step``
-    raises. Returns what ``step`` returned."""
+    raises. ``judge``: called, before ``step``, with the ``(parameter, master)`` pairs a mirror found written (the
+    masters' gradients are the step's then), only when it found some. Returns what ``step`` returned."""
     for mirror in mirrors:
-        mirror.take_writes() if take else mirror.overlook_writes()
+        if not take:
+            mirror.overlook_writes()
+        elif (written := mirror.take_writes()) and judge is not None:  # the usual step: nothing written, no call
+            judge(written)
     returned = step()
     for mirror in mirrors:
         mirror.copy_to_model()

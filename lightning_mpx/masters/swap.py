@@ -185,13 +185,15 @@ def step_on_masters(
     step: Callable[[], object],
     *,
     compare: bool,
+    judge: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None] | None = None,
 ) -> object:
     """Run ``step`` (the optimizer's own step) on the masters: writes made to the model since the last step (loaded
     weights, SWA, EMA...) taken into them (not for a SAM-style optimizer, ``state.two_pass``: its ``first_step``
     perturbed the half weights, and the masters hold the weights to step from; writes before its first pass were
     taken at that pass's backward, :func:`take_writes_before_pass`), the masters in the groups for the
     call, the result copied to the model (after a skip on the device: the masters' unchanged values), and their FP32
-    gradients freed. Returns what ``step`` returned.
+    gradients freed. ``judge``: given the pairs found written, before the step (see
+    :func:`~lightning_mpx.masters.mirror.step_mirrored`). Returns what ``step`` returned.
 
     The pairs are taken as the unscale of this step made or checked them (no user code runs between the two), so
     nothing here looks for a changed parameter list again."""
@@ -204,7 +206,7 @@ def step_on_masters(
     # swap_out and drop_master_grads written out: a call each saved at every step (host-bound loops); the mirrors'
     # module is entered once (step_mirrored), as every module of a step (benchmarks/step_walk.py)
     try:
-        returned = step_mirrored(views, step, take=not state.two_pass)
+        returned = step_mirrored(views, step, take=not state.two_pass, judge=judge)
     finally:
         for group, params in zip(optimizer.param_groups, swapped):  # by position, as swap_out
             group["params"] = params
