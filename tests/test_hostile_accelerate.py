@@ -323,10 +323,10 @@ def test_gpt2_at_o2_keeps_its_tied_embeddings_and_exports_the_fp32_masters(tmp_p
     assert losses == pytest.approx(ref_losses, abs=2e-2)
     state = accelerator.amp.fp32_state_dict(inner)
     inner.save_pretrained(tmp_path, state_dict=state)
-    # transformers 5 loads in the dtype config.json names (dtype="auto"), which save_pretrained takes from the half
-    # model: the documented recipe loads with dtype=torch.float32 (docs/accelerate.md).
-    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
-    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, dtype=torch.float32)
+    # transformers 5 loads in the dtype config.json names (dtype="auto"); the FP32 state dict given makes it float32
+    # (Fp32SavePretrained), so a plain from_pretrained loads the masters, as Accelerate's "bf16" save does.
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "float32"
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
     assert reloaded.lm_head.weight is reloaded.transformer.wte.weight
     assert torch.equal(reloaded.transformer.wte.weight, accelerator.amp.master_of(inner.transformer.wte.weight))
 

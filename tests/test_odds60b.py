@@ -177,3 +177,23 @@ def test_apex_o2_step_returns_the_optimizers_value_and_none_on_a_skip() -> None:
         assert returned == [None, {"custom": 1}]  # Apex's patched step returns the optimizer's step's value
     finally:
         _amp_state.reset()
+
+
+def test_fabric_o2_set_up_model_with_generate_is_freed_at_once_when_dropped() -> None:
+    """The ``generate`` casts make no reference cycle (the method is bound to a weak reference of its module): a set-up
+    GPT-2 the user drops is freed without a garbage-collector pass, so a second ``fabric.setup`` of a new model (a
+    notebook cell run again) is the engine's only model (tests/test_surgery_doors54.py met this)."""
+    import gc
+    import weakref
+
+    fabric = _fabric("O2")
+    model = _gpt2()
+    wrapped, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert "generate" in model.__dict__  # the casts are on
+    gone = weakref.ref(model)
+    gc.disable()
+    try:
+        del model, wrapped, optimizer
+        assert gone() is None
+    finally:
+        gc.enable()

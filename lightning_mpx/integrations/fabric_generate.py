@@ -7,8 +7,11 @@ precision's ``convert_input``: a Hugging Face ``generate`` that hands a float in
 call, no scope (each step's forward enters its own), so a generated token costs what it did.
 
 The attribute is a bound method (``types.MethodType``), so that ``_FabricModule.mark_forward_method("generate")`` and
-its DDP call tracker see the method they expect. A deep copy binds the same casts to the copy, which then follow the
-copy's own parameters (none once it is converted to FP32); a pickle restores the class's ``generate``.
+its DDP call tracker see the method they expect; it is bound to a :class:`_ModuleRef`, which holds the module weakly,
+not to the module itself, so that the module holding its own method makes no reference cycle (a model the user drops
+is freed at once, and the engine lets its masters go, as without the method). A deep copy binds the same casts to
+the copy, which then follow the copy's own parameters (none once it is converted to FP32); a pickle restores the
+class's ``generate``.
 """
 
 from __future__ import annotations
@@ -46,7 +49,10 @@ class HalfGenerate:
         self.__name__ = "generate"  # a bound method's name (its pickle looks the class's generate up by it)
         self.__doc__ = getattr(generate, "__doc__", None)
 
-    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, bound: Any, *args: Any, **kwargs: Any) -> Any:
+        module = bound.ref() if isinstance(bound, _ModuleRef) else bound
+        if module is None:
+            raise ReferenceError("generate() of a module that no longer exists")
         if self._module() is module:
             dtype: torch.dtype | None = self._dtype
         else:  # a copy: its own dtype, none once converted to FP32
@@ -59,6 +65,29 @@ class HalfGenerate:
         return _cast_collection(output, torch.float32, (torch.float16, torch.bfloat16))
 
 
+class _ModuleRef:
+    """What a :class:`HalfGenerate` method is bound to: its module, held weakly (the module holds the method). A deep
+    copy of the module gives the copy's method a reference to the copy; a pickle, the module itself (whose
+    ``getattr(module, "generate")`` is then the class's)."""
+
+    __slots__ = ("ref", "__weakref__")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.ref = weakref.ref(module)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _ModuleRef:
+        module = self.ref()
+        copied = memo.get(id(module)) if module is not None else None
+        return _ModuleRef(copied if copied is not None else module)  # type: ignore[arg-type]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_same, (self.ref(),))
+
+
+def _same(obj: Any) -> Any:
+    return obj
+
+
 def install_generate(module: nn.Module, dtype: torch.dtype | None) -> None:
     """Give ``module`` a :class:`HalfGenerate` of ``dtype`` when its class has a ``generate`` (``dtype=None``: O0/O1,
     the one an earlier set-up gave taken off)."""
@@ -68,4 +97,4 @@ def install_generate(module: nn.Module, dtype: torch.dtype | None) -> None:
     generate = getattr(type(module), "generate", None)
     if dtype is None or not callable(generate) or "generate" in module.__dict__:
         return
-    module.__dict__["generate"] = types.MethodType(HalfGenerate(generate, module, dtype), module)
+    module.__dict__["generate"] = types.MethodType(HalfGenerate(generate, module, dtype), _ModuleRef(module))
