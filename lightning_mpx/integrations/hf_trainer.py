@@ -257,9 +257,10 @@ def _keeping_parameters(trainer: Any, load: Callable[[], Any]) -> None:
 
 def _written(masters: dict[str, torch.Tensor], folder: str) -> dict[str, torch.Tensor]:
     """``masters`` (by state-dict key) that the model files ``save_pretrained`` wrote in ``folder`` hold under their
-    key (read from the files' headers): a tied copy it dropped, a key it renamed (a peft adapter's) or a file format
-    read here without its tensors is left out, and the engine's file then keeps that master itself."""
-    keys: set[str] = set()
+    key with their exact values (read back from the files): a tied copy it dropped, a key it renamed (a peft
+    adapter's), a file format read here without its tensors or a value that is not the master's (a user's ``_save``
+    writing half or rounded weights) is left out, and the engine's file then keeps that master itself."""
+    kept: dict[str, torch.Tensor] = {}
     for name in os.listdir(folder):
         if not name.startswith(("model", "pytorch_model", "adapter_model")):
             continue
@@ -268,10 +269,25 @@ def _written(masters: dict[str, torch.Tensor], folder: str) -> dict[str, torch.T
             from safetensors import safe_open
 
             with safe_open(path, framework="pt") as file:
-                keys.update(file.keys())
+                for key in masters.keys() & set(file.keys()):
+                    if _same(masters[key], file.get_tensor(key)):
+                        kept[key] = masters[key]
         elif name.endswith(".bin"):
-            keys.update(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
-    return {key: value for key, value in masters.items() if key in keys}
+            stored = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            for key in masters.keys() & stored.keys():
+                if _same(masters[key], stored[key]):
+                    kept[key] = masters[key]
+    return kept
+
+
+def _same(master: torch.Tensor, stored: Any) -> bool:
+    """Whether ``stored`` (read from a model file) is ``master`` exactly: its dtype, shape and values."""
+    return (
+        isinstance(stored, torch.Tensor)
+        and stored.dtype == master.dtype
+        and stored.shape == master.shape
+        and torch.equal(stored, master.detach().to("cpu"))
+    )
 
 
 def mpx_trainer(trainer_cls: type | None = None) -> type:
