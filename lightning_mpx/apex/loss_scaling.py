@@ -510,6 +510,9 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> Any:
         stepped = wrapper._engine.step(wrapper.optimizer)
     finally:
         state.stepping = None
+    # the optimizer's step's value, taken before _update's amp.update() drops it (the engine keeps no user value)
+    stepper = wrapper._engine._stepper
+    returned, stepper.returned = stepper.returned, None
     _mark_for_schedulers(wrapper, stepped=stepped)
     state.stepped.add(key)
     if skipped:
@@ -517,8 +520,6 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> Any:
     state.idle.add(key)
     if {key for key in state.touched if key in state.optimizers} <= state.stepped:  # a dropped wrapper will not step
         _update(state)
-    stepper = wrapper._engine._stepper  # the optimizer's step's value, taken (the engine keeps no user value)
-    returned, stepper.returned = stepper.returned, None
     return returned
 
 

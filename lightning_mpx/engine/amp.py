@@ -437,6 +437,7 @@ class Amp(AmpRecords):
         clear the cast cache."""
         self._machine.update()
         self.iteration.close()
+        self._stepper.returned = None  # the optimizer's step's value: a door that hands it on took it before
         if self.policy is not None:
             self.policy.clear_cache()
         self.telemetry.requested = False  # a request covers one iteration

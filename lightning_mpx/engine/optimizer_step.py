@@ -73,7 +73,9 @@ class OptimizerStep:
             whose run ended (the Trainer plugin's teardown), cleared when the next one starts.
         returned: What the last step's ``optimizer.step(...)`` returned (a torch optimizer: the closure's loss, so
             ``None``; a custom one: anything), ``None`` after a step skipped on the host (as ``GradScaler.step``
-            returns): the front doors hand it to the user as Lightning's and Fabric's precisions do.
+            returns): the front doors hand it to the user as Lightning's and Fabric's precisions do, taking it before
+            :meth:`Amp.update <lightning_mpx.engine.amp.Amp.update>`, which drops it (no user value is held past the
+            iteration by a door that does not hand it on: the core, Accelerate, the HF Trainer).
     """
 
     def __init__(

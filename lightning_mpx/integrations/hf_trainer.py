@@ -257,9 +257,11 @@ def _keeping_parameters(trainer: Any, load: Callable[[], Any]) -> None:
 
 def _written(masters: dict[str, torch.Tensor], folder: str) -> dict[str, torch.Tensor]:
     """``masters`` (by state-dict key) that the model files ``save_pretrained`` wrote in ``folder`` hold under their
-    key (read from the files' headers): a tied copy it dropped, a key it renamed (a peft adapter's) or a file format
-    read here without its tensors is left out, and the engine's file then keeps that master itself."""
-    keys: set[str] = set()
+    key in FP32 with their shape (read from the files' headers, not their data: a checkpoint does not read the model
+    back): a tied copy it dropped, a key it renamed (a peft adapter's), a file format read here without its tensors
+    or a tensor of another dtype (a user's ``_save`` writing half weights) is left out, and the engine's file then
+    keeps that master itself."""
+    kept: dict[str, torch.Tensor] = {}
     for name in os.listdir(folder):
         if not name.startswith(("model", "pytorch_model", "adapter_model")):
             continue
@@ -268,10 +270,18 @@ def _written(masters: dict[str, torch.Tensor], folder: str) -> dict[str, torch.T
             from safetensors import safe_open
 
             with safe_open(path, framework="pt") as file:
-                keys.update(file.keys())
+                for key in masters.keys() & set(file.keys()):
+                    stored = file.get_slice(key)
+                    if stored.get_dtype() == "F32" and list(stored.get_shape()) == list(masters[key].shape):
+                        kept[key] = masters[key]
         elif name.endswith(".bin"):
-            keys.update(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
-    return {key: value for key, value in masters.items() if key in keys}
+            stored_bin = torch.load(path, map_location="cpu", mmap=True, weights_only=True)  # mapped, not read
+            for key in masters.keys() & stored_bin.keys():
+                value = stored_bin[key]
+                if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+                    if value.shape == masters[key].shape:
+                        kept[key] = masters[key]
+    return kept
 
 
 def mpx_trainer(trainer_cls: type | None = None) -> type:

@@ -296,6 +296,9 @@ class MixedPrecisionPlugin(ModelSetup, GradientClipping, CheckpointHooks, FSDPPr
             stepped = without_casts(self._hooks_and_step, model, trainer.callbacks, optimizer, skip_backward, kwargs)
         else:
             stepped = self._hooks_and_step(model, trainer.callbacks, optimizer, skip_backward, kwargs)
+        # The optimizer's step's value, taken before amp.update() below drops it (the engine keeps no user value).
+        stepper = self.amp._stepper
+        returned, stepper.returned = stepper.returned, None
         if skip_backward:
             return closure_result
         # A step skipped on the device is read here only when a per-step schedule must be held on a skip (its update
@@ -315,10 +318,8 @@ class MixedPrecisionPlugin(ModelSetup, GradientClipping, CheckpointHooks, FSDPPr
             if self._log_step is not None:
                 self._log_metrics()
         # As "bf16-mixed" returns optimizer.step(closure=closure): what the optimizer's step returned (a custom
-        # optimizer's value), else the closure's result (what torch's optimizers return); None on a step skipped on
-        # the host, as "16-mixed"'s GradScaler.step. Taken, not kept: the engine holds no user value past the step.
-        stepper = self.amp._stepper
-        returned, stepper.returned = stepper.returned, None
+        # optimizer's value, taken above), else the closure's result (what torch's optimizers return); None on a step
+        # skipped on the host, as "16-mixed"'s GradScaler.step.
         if stepped is False:
             return None
         return closure_result if returned is None else returned
