@@ -45,3 +45,50 @@ def test_dropped_accelerator_is_freed_at_once(opt_level, tmp_path):
         assert [ref() is None for ref in refs] == [True] * len(refs)
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_swa_subclass_with_its_own_update_parameters_method_averages_as_bf16_mixed(opt_level):
+    """Lightning ``tests_pytorch/callbacks/test_stochastic_weight_avg.py`` (every ``test_swa_callback*`` failed at O1
+    and O2): a ``StochasticWeightAveraging`` subclass that overrides ``update_parameters`` (a staticmethod upstream)
+    with a method of its own that counts its calls. The plugin wrapped the class attribute as the staticmethod, so the
+    method got the average model as its ``self`` ("object has no attribute 'update_parameters_calls'"). Now it is
+    called bound to its callback, as often as under ``"bf16-mixed"``, and averages the same weights; a pickled
+    callback (``ddp_spawn`` pickles the Trainer's) gets its own method back."""
+    import pickle
+
+    from lightning_mpx import MixedPrecisionPlugin
+    from tests.lightning_helpers import Classifier, classification_data, loader, make_trainer
+
+    final, calls = {}, {}
+    for precision in (opt_level, "bf16-mixed"):
+        torch.manual_seed(0)
+        averaging = Counting(swa_lrs=0.05, swa_epoch_start=1)
+        model, data = Classifier(), loader(classification_data(n=32, seed=1), batch_size=8)
+        plugin = MixedPrecisionPlugin(opt_level, half_dtype=torch.bfloat16) if precision == opt_level else None
+        extra = {} if plugin else {"precision": precision}
+        make_trainer(plugin, max_epochs=3, callbacks=[averaging], **extra).fit(model, data)
+        final[precision] = plugin.amp.fp32_state_dict(model) if plugin else model.state_dict()
+        calls[precision] = averaging.calls
+        if plugin is not None:
+            assert pickle.loads(pickle.dumps(averaging)).update_parameters.__func__ is Counting.update_parameters
+    assert calls[opt_level] == calls["bf16-mixed"] > 0
+    for name, value in final["bf16-mixed"].items():
+        torch.testing.assert_close(final[opt_level][name].float(), value.float(), rtol=0, atol=2e-2, msg=name)
+
+
+try:
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    class Counting(StochasticWeightAveraging):
+        """A ``StochasticWeightAveraging``, its ``update_parameters`` is a method of its own (module level: pickles)."""
+
+        def __init__(self, **kwargs) -> None:  # noqa: ANN003
+            super().__init__(**kwargs)
+            self.calls = 0
+
+        def update_parameters(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+            self.calls += 1
+            return StochasticWeightAveraging.update_parameters(*args, **kwargs)
+except ImportError:  # no Lightning: the test above is skipped with its imports
+    pass

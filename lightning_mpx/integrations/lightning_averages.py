@@ -23,6 +23,7 @@ swap back would leave the average rounded to half. :class:`KeepAveragesInFP32` (
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import weakref
 from typing import Any, Iterator
@@ -98,7 +99,13 @@ def average_in_fp32(callbacks: list[Any], module: nn.Module, amp: Amp) -> None:
     for callback in callbacks:
         # This fit's engine (a later fit's replaces it).
         if isinstance(callback, StochasticWeightAveraging):  # update_parameters(average, model, n_averaged, avg_fn)
-            callback.update_parameters = _FromMasters(type(callback).update_parameters, module, amp, 1)
+            # Lightning's is a staticmethod; a subclass may override it with a method of its own (its self: the
+            # callback, held weakly by the wrapper the callback holds)
+            static = inspect.getattr_static(type(callback), "update_parameters")
+            if isinstance(static, staticmethod):
+                callback.update_parameters = _FromMasters(static.__func__, module, amp, 1)
+            else:
+                callback.update_parameters = _FromMasters(type(callback).update_parameters, module, amp, 1, callback)
         is_weight_averaging = WeightAveraging is not None and isinstance(callback, WeightAveraging)
         averaged = getattr(callback, "_average_model", None) if is_weight_averaging else None
         if isinstance(averaged, AveragedModel):
@@ -114,20 +121,31 @@ class _FromMasters:
     ``load_from_checkpoint`` reads, was as far from ``"bf16-mixed"``'s as the half weights). Holds the module and the
     engine weakly; without them it averages what it is given."""
 
-    def __init__(self, update: Any, module: nn.Module, amp: Amp, at: int = 0) -> None:
+    def __init__(self, update: Any, module: nn.Module, amp: Amp, at: int = 0, owner: Any = None) -> None:
         self._update, self._at = update, at
         self._module, self._amp = weakref.ref(module), weakref.ref(amp)
+        # A callback's own update_parameters method (``update`` its function): called with the callback first
+        self._owner = weakref.ref(owner) if owner is not None else None
 
     def __getstate__(self) -> dict[str, Any]:
         return {"_update": self._update, "_at": self._at}  # a pickled copy averages what it is given
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._update, self._at, self._module, self._amp = state["_update"], state["_at"], _gone, _gone
+        self._owner = None
+
+    def __reduce__(self) -> Any:
+        owner = self._owner() if self._owner is not None else None
+        if owner is not None:  # its callback's own method again, as before this wrapper
+            return (getattr, (owner, "update_parameters"))
+        return super().__reduce__()
 
     def __call__(self, *args: Any) -> Any:
         amp, model = self._amp(), args[self._at]
         if amp is not None and model is self._module():
             args = (*args[: self._at], _MastersView(model, amp), *args[self._at + 1 :])
+        if self._owner is not None:
+            return self._update(self._owner(), *args)
         return self._update(*args)
 
 
