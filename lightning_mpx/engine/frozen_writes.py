@@ -20,7 +20,8 @@ masters, but never a gradient: the masters take each hand write as its half roun
 already (``Mirror.take_writes``, through versions, addresses and the ``.data`` watch: nothing in the usual step), and
 only when it took some does it call :class:`HeldWrites` (``machine.held_writes``), before the optimizer steps: a taken
 parameter that requires grad, whose master has no gradient at this step and no optimizer state (never stepped with a
-gradient: not an MoE expert no token reached, not a part a later micro-batch trains) is an EMA child inside the
+gradient: not an MoE expert no token reached, not a part a later micro-batch trains; a state made at construction
+whose step count is 0, ``Adagrad``'s, counts as none) is an EMA child inside the
 optimizer, warned about once. Not at the engine's first step (weights set after set-up), nor after a load since the
 last step (``machine.written_at``: a stage change's write, no hand update). A SAM-style optimizer's step takes no
 writes (its passes' are overlooked), and a schedule-free optimizer's ``eval()``/``train()`` is taken into the masters
@@ -153,8 +154,9 @@ class HeldWrites:
         bare = [(p, m) for p, m in taken if m.grad is None and p.requires_grad and id(p) not in machine.renormed]
         if not bare:
             return  # written where a gradient came (a clamp, a normalisation of trained weights)
-        stepped = _stepped_ids(machine)  # an MoE expert no token reached, a part another micro-batch trained
-        written = {id(p) for p, m in bare if id(m) not in stepped}
+        optimizers = [o for state in machine.optimizers.values() if (o := state.optimizer_ref()) is not None]
+        # stepped with a gradient before: an MoE expert no token reached, a part another micro-batch trained
+        written = {id(p) for p, m in bare if not any(_stepped(o.state.get(m)) for o in optimizers)}
         for ref in self.modules:
             module = ref()
             found = [] if module is None else [(n, p.dtype) for n, p in module.named_parameters() if id(p) in written]
@@ -237,11 +239,17 @@ def _held_ids(machine: Any) -> set[int]:
     return {id(p) for o in optimizers for p in itertools.chain.from_iterable(g["params"] for g in o.param_groups)}
 
 
-def _stepped_ids(machine: Any) -> set[int]:
-    """The ids of the tensors (FP32 masters at O2) for which a registered optimizer holds state (momentum, Adam's
-    moments): stepped with a gradient at least once, which an EMA child inside the optimizer never is."""
-    optimizers = [o for state in machine.optimizers.values() if (o := state.optimizer_ref()) is not None]
-    return {id(t) for o in optimizers for t, s in o.state.items() if s}
+def _stepped(state: dict[str, Any] | None) -> bool:
+    """Whether an optimizer's ``state`` for a tensor (an FP32 master at O2) shows it was stepped with a gradient
+    (momentum, Adam's moments), which an EMA child inside the optimizer never is: not an empty or missing state, nor
+    one made at the optimizer's construction whose step count is still 0 (``Adagrad``'s, for every parameter). A step
+    count on an accelerator is taken as stepped (no device sync)."""
+    if not state:
+        return False
+    step = state.get("step")
+    if isinstance(step, torch.Tensor):
+        return step.device.type != "cpu" or bool(step != 0)
+    return step is None or step != 0
 
 
 def _done(machine: Any) -> None:

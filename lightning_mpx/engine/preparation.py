@@ -141,7 +141,7 @@ class PreparedModels:
         # zero's on every rank, agreed by one broadcast) and the fp32_modules' own; not those of the other frozen ones
         # (a LoRA base), which would raise the cast's peak memory.
         agree = rank_zero_fp32 and props.master_weights and train and several_ranks()
-        agreed = agree_on_rank_zero(module) if agree else None
+        agreed = agree_on_rank_zero(module, frozen=keep_frozen_fp32) if agree else None
         masters_from_fp32 = props.master_weights and train and (agreed is not None or not _multi_process())
         before_cast = {}
         tied: list[nn.Module] = []

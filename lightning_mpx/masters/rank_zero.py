@@ -30,10 +30,13 @@ def several_ranks() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _agreed_params(module: nn.Module) -> list[nn.Parameter]:
-    """The parameters whose FP32 values the ranks agree on: the trainable FP32 and half ones (as DDP, the same list
-    on every rank)."""
-    return [p for p in module.parameters() if p.requires_grad and (p.dtype == torch.float32 or p.dtype in HALF_DTYPES)]
+def _agreed_params(module: nn.Module, frozen: bool = False) -> list[nn.Parameter]:
+    """The parameters whose FP32 values the ranks agree on: the trainable FP32 and half ones, with ``frozen`` the
+    frozen ones too (as DDP, the same list on every rank)."""
+    return [
+        p for p in module.parameters()
+        if (p.requires_grad or frozen) and (p.dtype == torch.float32 or p.dtype in HALF_DTYPES)
+    ]  # fmt: skip
 
 
 def _collective_device() -> torch.device:
@@ -82,7 +85,7 @@ def _same_on_every_rank(module: nn.Module, params: list[nn.Parameter]) -> None:
 
 
 def agree_on_rank_zero(
-    module: nn.Module, fp32_of: Callable[[nn.Parameter], torch.Tensor | None] | None = None
+    module: nn.Module, fp32_of: Callable[[nn.Parameter], torch.Tensor | None] | None = None, *, frozen: bool = False
 ) -> dict[int, torch.Tensor]:
     """Broadcast rank zero's FP32 values of ``module``'s trainable parameters (one collective: call it on every rank
     together, with the same model); returns, by ``id`` of the parameter, the FP32 value its master starts from, for
@@ -92,9 +95,11 @@ def agree_on_rank_zero(
     no entry on any rank: their masters start from the half weights the strategy broadcasts.
 
     ``fp32_of``: rank zero's FP32 value of a parameter (``None``: it holds none) in place of the default (the
-    Accelerate adapter's ``take_over``: the previous engine's masters, else the half weights, exactly)."""
+    Accelerate adapter's ``take_over``: the previous engine's masters, else the half weights, exactly). ``frozen``:
+    the frozen parameters' too (``Amp.prepare_model(keep_frozen_fp32=True)``: a backbone a ``BaseFinetuning`` callback
+    unfreezes later starts from rank zero's FP32 values on every rank, not from their half rounding)."""
     dist = torch.distributed
-    params = _agreed_params(module)
+    params = _agreed_params(module, frozen)
     _same_on_every_rank(module, params)  # a clear error on every rank, not a mismatched broadcast (abort or hang)
     if not params:
         return {}
