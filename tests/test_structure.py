@@ -322,3 +322,19 @@ def test_the_old_import_paths_re_export_the_same_objects(shim):
     wanted = set().union(*(public_names(module_files(ROOT, PACKAGE)[target]) for target in targets))
     missing = sorted(wanted - exported)
     assert not missing, f"{PACKAGE}.{shim} does not re-export these public names of {targets}: {missing}"
+
+
+def test_no_text_file_holds_a_merge_conflict_marker():
+    """A conflict resolved by hand and committed half-done (stop 60's CHANGELOG once) fails here, not in a reader's
+    eyes: no line of the package, tests, docs, benchmarks, README or CHANGELOG starts as git's markers do."""
+    markers = ("<" * 7 + " ", ">" * 7 + " ", "=" * 7 + "\n")
+    files = [ROOT / "README.md", ROOT / "CHANGELOG.md"]
+    for folder, pattern in (("lightning_mpx", "*.py"), ("tests", "*.py"), ("docs", "*.md"), ("benchmarks", "*.py")):
+        files += sorted((ROOT / folder).rglob(pattern))
+    found = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in files
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(keepends=True), 1)
+        if line.startswith(markers)
+    ]
+    assert not found, found
