@@ -216,15 +216,6 @@ def test_apex_o2_lean_checkpoint_loads_into_the_core_amp_with_its_model_entry() 
     _core_step(core, model, optimizer)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "engine/checkpoint.py _held_in_model: the core Amp.load_state_dict of a lean entry (masters_in_state_dict) "
-        "takes each named master from the model's current FP32 values and never compares them with the entry's "
-        "masters_in_state_dict_sums; only the Apex layer (apex/checkpoints.py _ModelEntryMasters) and Fabric "
-        "(HeldMasters) check at the next step, so without the model entry the core trains on from this run's masters"
-    ),
-)
 def test_apex_o2_lean_checkpoint_into_the_core_amp_without_its_model_entry_is_refused() -> None:
     """The same entry loaded into the core ``Amp`` WITHOUT ``model.load_state_dict(ckpt['model'])``: the masters
     are this run's own initial weights (0.47 off the saved ones measured), silently; a step must refuse."""

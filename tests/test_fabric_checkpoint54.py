@@ -132,7 +132,7 @@ def test_other_weights_loaded_after_the_plugins_entry_are_kept(saved: dict[str, 
     [
         "O1",
         pytest.param("O3", marks=pytest.mark.xfail(strict=True, reason=(
-            "fabric_checkpoint.py/HeldMasters.loaded: resumed at O3 the model holds half values and the entry's "
+            "engine/held_masters.py HeldMasters.loaded: resumed at O3 the model holds half values and the entry's "
             "checksums are of the FP32 masters, so a plugin entry loaded without the model's cannot be told from one "
             "loaded after it (O3 has no load hooks to see the model's load); the model keeps this run's weights"
         ))),

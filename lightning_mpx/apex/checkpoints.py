@@ -11,7 +11,8 @@ from lightning_mpx.apex._state import _amp_state
 from lightning_mpx.apex.loss_scaling import AmpOptimizer, _wrapper_of
 from lightning_mpx.apex.model_hooks import _Fp32StateDict
 from lightning_mpx.engine.amp import Amp
-from lightning_mpx.integrations.fabric_checkpoint import HeldMasters, _live_sums, masters_left_to_models
+from lightning_mpx.engine.held_masters import HeldMasters, shown
+from lightning_mpx.integrations.fabric_checkpoint import masters_left_to_models
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
@@ -68,10 +69,9 @@ def load_state_dict(state: dict[str, Any]) -> None:
     _amp_state.held = None  # this load replaces an earlier one's (loss scales alone: the user's own weights)
     core = state if "scalers" in state else state.get("lightning_mpx")  # the core's own format, or this layer's
     if isinstance(core, Mapping):
-        amp.load_state_dict(core)  # type: ignore[arg-type]
-        held = _ModelEntryMasters()
-        held.loaded(amp, core)  # type: ignore[arg-type]
-        _amp_state.held = held if held.pending else None
+        amp.load_state_dict(core)  # type: ignore[arg-type]  (the engine notes the masters left to the model's entry)
+        held = amp._checkpoint.held
+        _amp_state.held = _ModelEntryMasters(held) if held.pending else None
         return
     keys = sorted(k for k in state if k.startswith("loss_scaler"))
     unexpected = sorted(set(state) - set(keys))
@@ -91,33 +91,33 @@ def load_state_dict(state: dict[str, Any]) -> None:
             "hysteresis_tracker": scaler.hysteresis,
             "overflows": current["overflows"],
         })
+    amp._checkpoint.held.pending = []  # nor does the engine check an earlier load's masters: the user's weights
 
 
-class _ModelEntryMasters(HeldMasters):
-    """The masters a loaded ``amp.state_dict()`` names (the model's entry of the checkpoint holds them), checked at
-    the next ``scale_loss`` block: by then the model's state dict must have given them, bit for bit."""
+class _ModelEntryMasters:
+    """The masters a loaded ``amp.state_dict()`` names (the model's entry of the checkpoint holds them; ``held``, the
+    engine's :class:`~lightning_mpx.engine.held_masters.HeldMasters`), checked at the next ``scale_loss`` block: by
+    then the model's state dict must have given them, bit for bit."""
+
+    def __init__(self, held: HeldMasters) -> None:
+        self.held = held
 
     def check(self, amp: Amp) -> None:
         """Raise ``RuntimeError`` (at every later call too) if a named master is not the saved one; otherwise stop
-        checking. Unlike Fabric's check, a write since the load is no excuse: the masters Apex's checkpoint restores
-        are the saved ones, which the model entry loaded from another checkpoint (or none) does not give."""
-        missing: list[str] = []
-        for index, saved, _, _ in self.pending:
-            now = _live_sums(amp, index, saved)  # (by this run's names, as HeldMasters.loaded keeps them)
-            missing += [name for name, value in saved.items() if now.get(name) != value]
+        checking. Unlike the engine's check, a write since the load is no excuse: the masters Apex's checkpoint
+        restores are the saved ones, which the model entry loaded from another checkpoint (or none) does not give."""
+        missing = self.held.missing(amp, written_ok=False)
         if not missing:
-            self.pending = []
             return
-        shown = ", ".join(map(repr, missing[:5])) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise RuntimeError(
             f"amp.load_state_dict() loaded a checkpoint whose 'amp' entry leaves the FP32 master weights of "
-            f"{len(missing)} parameter(s) ({shown}) to its 'model' entry (at O2 model.state_dict() holds them, so the "
-            "file holds each once), and the model does not hold those weights: its checkpoint entry was not loaded, "
-            "or one of another model or checkpoint was. Training on would start from other masters than the "
-            "checkpoint's. Load the model entry saved with it, in Apex's order: model.load_state_dict(ckpt['model']), "
-            "optimizer.load_state_dict(ckpt['optimizer']), amp.load_state_dict(ckpt['amp']) (any order works), before "
+            f"{len(missing)} parameter(s) ({shown(missing)}) to its 'model' entry (at O2 model.state_dict() holds "
+            "them, so the file holds each once), and the model does not hold those weights: its checkpoint entry was "
+            "not loaded, or one of another model or checkpoint was. Training on would start from other masters than "
+            "the checkpoint's. Load the model entry saved with it, in Apex's order: "
+            "model.load_state_dict(ckpt['model']), optimizer.load_state_dict(ckpt['optimizer']), "
+            "amp.load_state_dict(ckpt['amp']) (any order works), before "
             "the next amp.scale_loss() block. To train from other weights on purpose (keeping the checkpoint's loss "
             "scales), load the amp entry's loss scales alone: "
             "amp.load_state_dict({k: v for k, v in ckpt['amp'].items() if k.startswith('loss_scaler')})."
         )
-

@@ -423,6 +423,8 @@ class Amp(AmpRecords):
             LossScaleFloorError: on overflow at the floor with ``on_floor="raise"`` (the step is skipped first; with
                 ``skip_on_device``, raised where the overflow is read, or under a process group where it is settled).
         """
+        if self._checkpoint.held.pending:  # a lean entry loaded: are the masters it left to the model's entry given?
+            self._checkpoint.held.check(self)
         outcome = self._stepper.step(
             optimizer, step_kwargs, reducer=self.found_inf_reducer, iteration=self.iteration.index,
             compare=self.model_writes == "values",

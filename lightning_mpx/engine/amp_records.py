@@ -99,6 +99,7 @@ class AmpRecords(AmpParts):
         self._checkpoint.load_state_dict(state, with_masters=self._with_masters)
         self._machine.forget_writes()  # the load wrote the parameters: no raw step (engine.raw_steps)
         state = _engine_entry(state)
+        self._checkpoint.held.loaded(self, state)  # masters left to the model's entry: loaded by the next step?
         self.forensics.load_state_dict(state.get("overflow_counts"))  # None (older release): from zero
         self._overflows.load_readers(state.get("metric_readers"), self.telemetry.measurements)
 

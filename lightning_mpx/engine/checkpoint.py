@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
+from lightning_mpx.engine.held_masters import HeldMasters
 from lightning_mpx.engine.optimizer_state import _Stage
 from lightning_mpx.engine.optimizers import StepMachine
 from lightning_mpx.engine.overflow import Overflows
@@ -47,6 +48,8 @@ class EngineState:
         picked_for: The device type the engine's half dtype was picked for when none was given (``None``: given, or
             not picked yet); a checkpoint of another half dtype is then refused, not resumed in a dtype the user
             never chose.
+        held: The masters a loaded lean entry left to the model's entry (:data:`MASTERS_IN_STATE_DICT`), checked at
+            the next step (:class:`~lightning_mpx.engine.held_masters.HeldMasters`).
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class EngineState:
         self.machine = machine
         self.exact_weights = ExactWeights()
         self.picked_for: str | None = None
+        self.held = HeldMasters()
 
     @property
     def opt_level(self) -> str:

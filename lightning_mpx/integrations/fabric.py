@@ -94,7 +94,6 @@ from lightning_mpx.casting.checkpointing import builds_graph  # noqa: E402
 from lightning_mpx.casting.policy import casts_off_if_on as _casts_off  # noqa: E402
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
 from lightning_mpx.integrations.fabric_bookkeeping import FabricBookkeeping  # noqa: E402
-from lightning_mpx.integrations.fabric_checkpoint import HeldMasters  # noqa: E402
 from lightning_mpx.integrations.fabric_generate import install_generate  # noqa: E402
 from lightning_mpx.integrations.fabric_sharding import (  # noqa: E402
     clipped_together,
@@ -164,7 +163,7 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         # Each converted model's FSDP1 wrapper (FSDPStrategy), found at the first call after fabric.setup.
         self._wrappers: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = weakref.WeakKeyDictionary()
         self.scaler = None  # FSDPPrecision's attribute: the engine scales, never a ShardedGradScaler
-        self._held = HeldMasters()  # masters a loaded entry left to the model's entry: checked at the next call
+        self._held = self.amp._checkpoint.held  # the engine's: masters a loaded entry left to the model's entry
         self._flips = False  # a schedule-free optimizer registered: the forward scope runs untraced (forward_context)
 
     @classmethod

@@ -15,18 +15,27 @@ from torch.optim import Optimizer
 
 from lightning_mpx.common.containers import read_floats
 from lightning_mpx.engine.amp import Amp
+from lightning_mpx.engine.held_masters import HeldMasters
 from lightning_mpx.engine.optimizer_state import optimizer_params
 from lightning_mpx.engine.optimizers import shared_inners
 from lightning_mpx.engine.overflow import DEFAULT_READER
 from lightning_mpx.engine.raw_steps import is_two_pass
 from lightning_mpx.engine.sharding import refuse_gathered
-from lightning_mpx.integrations.fabric_checkpoint import HeldMasters, masters_left_to_models
+from lightning_mpx.integrations.fabric_checkpoint import masters_left_to_models
 from lightning_mpx.integrations.fabric_sharding import adopt_sharded
 from lightning_mpx.integrations.metric_counts import upgrade_unlogged
 from lightning_mpx.masters.swap import train_modes
 from lightning_mpx.masters.weights import MasterWeights
 
 __all__ = ["FabricBookkeeping"]
+
+# Fabric's words for a plugin entry loaded without the model's (the engine's check, HeldMasters.check).
+_ENTRY = "the plugin's checkpoint entry loaded before this call"
+_ADVICE = (
+    'Load the model with the plugin: fabric.load(path, {"model": model, "optimizer": optimizer, "mpx": mpx}), or '
+    "load the checkpoint's model entry with fabric.load_raw(path, model) or model.load_state_dict(...) before the next "
+    "step."
+)
 
 
 class FabricBookkeeping:
@@ -38,7 +47,7 @@ class FabricBookkeeping:
     _unsynced: list[MasterWeights]  # masters made by convert_module, to take from the set-up model
     _unchecked: list[weakref.ref[nn.Module]]  # prepared by convert_module; sharded by the strategy?
     _optimizers: weakref.WeakSet[Optimizer]  # the optimizers registered with the engine
-    _held: HeldMasters  # masters a loaded entry left to the model's entry
+    _held: HeldMasters  # the engine's: masters a loaded entry left to the model's entry
     _flips: bool  # a schedule-free optimizer registered (its eval()/train() followed at the forward, untraced)
 
     # -- metrics, checkpoints, teardown ------------------------------------------------------------------------
@@ -69,8 +78,8 @@ class FabricBookkeeping:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (``fabric.load`` does, for the plugin's entry of the state)."""
         self._begin()
-        self.amp.load_state_dict(upgrade_unlogged(state_dict, DEFAULT_READER))  # (a checkpoint of the release before)
-        self._held.loaded(self.amp, state_dict)  # masters left to the model's entry: loaded by the next call?
+        # (a checkpoint of the release before); the engine notes the masters left to the model's entry (self._held)
+        self.amp.load_state_dict(upgrade_unlogged(state_dict, DEFAULT_READER))
 
     def teardown(self) -> None:
         self._begin()
@@ -91,8 +100,8 @@ class FabricBookkeeping:
             # each call per step otherwise).
             if self._unchecked or self._unsynced:
                 self._after_setup()
-            if self._held.pending:
-                self._held.check(self.amp)
+            if self._held.pending:  # checked before the step does, in Fabric's words
+                self._held.check(self.amp, entry=_ENTRY, advice=_ADVICE)
             if self.amp.iteration.update_pending:
                 self.amp.end_iteration()
 
