@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Iterable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 from torch import nn
@@ -34,7 +34,7 @@ from lightning_mpx.casting.targets import (
     cast_model_inputs,
 )
 from lightning_mpx.common.containers import _cast_collection
-from lightning_mpx.engine.amp_records import AmpRecords
+from lightning_mpx.engine.amp_masters import AmpMasters
 from lightning_mpx.engine.clipping import clip_norm, clip_value_, show_unscaled
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, backward_loss, loss_index
 from lightning_mpx.engine.optimizer_step import AUTOCAST_DEVICES, without_casts
@@ -59,14 +59,15 @@ from lightning_mpx.settings import (  # noqa: F401
 )
 
 
-class Amp(AmpRecords):
+class Amp(AmpMasters):
     """Mixed precision for one training run: a facade over parts that each own their state (the optimizers'
     :class:`~lightning_mpx.engine.optimizers.StepMachine`, the step :class:`~lightning_mpx.engine.optimizer_step.
     OptimizerStep`, the models :class:`~lightning_mpx.engine.preparation.PreparedModels`, the checkpoint
     :class:`~lightning_mpx.engine.checkpoint.EngineState`, the masters :class:`~lightning_mpx.masters.store.Masters`,
     the overflows :class:`~lightning_mpx.engine.overflow.Overflows`, the scalers, the cast policy, the promotion, the
     forensics); its records (the step outcomes read late, the metrics, the checkpoint) are read and written by its
-    base :class:`~lightning_mpx.engine.amp_records.AmpRecords`.
+    base :class:`~lightning_mpx.engine.amp_records.AmpRecords`, and its FP32 masters are read (and exported) through
+    its base :class:`~lightning_mpx.engine.amp_masters.AmpMasters`.
 
     Args:
         opt_level, **settings: The opt level (``"O0"`` to ``"O3"``) and the settings, each documented and checked in
@@ -180,15 +181,6 @@ class Amp(AmpRecords):
             except StrayParameterError as error:  # named where a prepared model holds it
                 raise self._models.name_stray(error) from None
 
-    def follow_optimizer_modes(self) -> None:
-        """At O2, a schedule-free optimizer's ``eval()``/``train()`` called where its groups held the half parameters
-        (through Fabric's or Lightning's optimizer wrapper: it moved none of them, its state is keyed by the masters)
-        redone on the FP32 masters and copied into the model. Done at every forward, before a state dict is made
-        (the model's and the optimizer's) and at the Trainer's teardown; nothing for other optimizers."""
-        for state in list(self._machine.optimizers.values()):
-            if state.train_modes is not None:
-                follow_modes(state, self._machine.masters.weights)
-
     def release_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Forget ``optimizer`` and remove the hooks put on it (its masters stay with their model; its state, at O2
         kept by the masters, is keyed by its own parameters again); its steps pending on the device
@@ -196,48 +188,6 @@ class Amp(AmpRecords):
         self.read_step_outcomes()
         self._machine.release(optimizer)
         find_unheld(self._models, self._machine)
-
-    def master_params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        """The tensors ``optimizer`` updates: the FP32 masters of its half parameters at O2, its parameters
-        otherwise. Their ``.grad`` holds the unscaled gradients between an unscale and the step."""
-        return self._machine.master_params(optimizer, with_masters=self._with_masters)
-
-    def master_of(self, param: torch.Tensor, *, refresh: bool = True) -> torch.Tensor:
-        """The FP32 master of a model parameter at O2 (the parameter itself when it has none: an FP32 parameter, or
-        a half one that no prepared optimizer holds). A write made to the model parameter since the last step is
-        taken into the master first, as the next step would take it (``refresh=False``: not looked for, for code that
-        needs the tensor, such as where its ``.grad`` lives, not its value)."""
-        return self._masters.master_of(param, self._optimizers.values(), refresh=refresh)
-
-    def refresh_masters(self, params: Iterable[torch.Tensor] | None = None, *, force: bool = False) -> list[str]:
-        """Take writes made to the half model into the FP32 masters now (done before every step anyway); returns
-        the names of the parameters whose masters took one. ``params``: the parameters to check (default: all);
-        ``force``: compare values whatever the version counters say (writes through a kept ``p.data`` tensor, or
-        through ``.data`` of a user's ``nn.Parameter`` subclass)."""
-        if force:
-            self._machine.forget_writes()  # a forced refresh follows writes by the user's code (engine.raw_steps)
-        return self._masters.refresh(params, force=force)
-
-    def fp32_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        """``module.state_dict()`` in FP32, to export what training produced (the model is not changed): half
-        parameters as their FP32 masters (writes made to the model since the last step taken first) or the FP32 value
-        kept for a master not made yet, other half tensors upcast exactly, the rest (FP32, integer, extra state) as is;
-        keyed as ``module.state_dict()``, so ``model.save_pretrained(path, state_dict=amp.fp32_state_dict(model))``
-        (Hugging Face, peft) or ``torch.save`` take it as the model's own.
-
-        Raises:
-            TypeError: ``module`` is not an ``nn.Module``.
-            ValueError: for an FSDP-sharded model, whose parameters are FP32 already (use the strategy's state dict).
-        """
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module.")
-        if self.sharded:
-            raise ValueError(
-                f"module={type(module).__name__}: this Amp trains an FSDP-sharded model, whose parameters are FP32 "
-                "already; export it with the strategy's own state dict (it gathers the shards), not fp32_state_dict()."
-            )
-        self.follow_optimizer_modes()  # a schedule-free optimizer's eval() since the last forward: its point
-        return self._masters.fp32_state_dict(module)
 
     # -- forward ------------------------------------------------------------------------------------------------
     def forward_context(self) -> ContextManager[Any]:

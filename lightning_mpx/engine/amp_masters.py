@@ -1,0 +1,74 @@
+"""The FP32 masters of :class:`~lightning_mpx.engine.amp.Amp`, as its user reads them: the tensors an optimizer
+updates, the master of one parameter, a refresh from writes made to the half model, and an FP32 export of a module.
+
+:class:`AmpMasters` is the base of :class:`~lightning_mpx.engine.amp.Amp` over the masters' read side; the masters
+themselves are owned by :class:`~lightning_mpx.masters.store.Masters` (``self._masters``), and the training calls
+(prepare, forward, backward, step, update) stay on :class:`~lightning_mpx.engine.amp.Amp`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from lightning_mpx.engine.amp_records import AmpRecords
+from lightning_mpx.masters.swap import follow_modes
+
+
+class AmpMasters(AmpRecords):
+    """The base of :class:`~lightning_mpx.engine.amp.Amp` over the FP32 masters: :meth:`master_params`,
+    :meth:`master_of`, :meth:`refresh_masters`, :meth:`fp32_state_dict`, and :meth:`follow_optimizer_modes` (a
+    schedule-free optimizer's point taken into the masters)."""
+
+    def follow_optimizer_modes(self) -> None:
+        """At O2, a schedule-free optimizer's ``eval()``/``train()`` called where its groups held the half parameters
+        (through Fabric's or Lightning's optimizer wrapper: it moved none of them, its state is keyed by the masters)
+        redone on the FP32 masters and copied into the model. Done at every forward, before a state dict is made
+        (the model's and the optimizer's) and at the Trainer's teardown; nothing for other optimizers."""
+        for state in list(self._machine.optimizers.values()):
+            if state.train_modes is not None:
+                follow_modes(state, self._machine.masters.weights)
+
+    def master_params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The tensors ``optimizer`` updates: the FP32 masters of its half parameters at O2, its parameters
+        otherwise. Their ``.grad`` holds the unscaled gradients between an unscale and the step."""
+        return self._machine.master_params(optimizer, with_masters=self._with_masters)
+
+    def master_of(self, param: torch.Tensor, *, refresh: bool = True) -> torch.Tensor:
+        """The FP32 master of a model parameter at O2 (the parameter itself when it has none: an FP32 parameter, or
+        a half one that no prepared optimizer holds). A write made to the model parameter since the last step is
+        taken into the master first, as the next step would take it (``refresh=False``: not looked for, for code that
+        needs the tensor, such as where its ``.grad`` lives, not its value)."""
+        return self._masters.master_of(param, self._optimizers.values(), refresh=refresh)
+
+    def refresh_masters(self, params: Iterable[torch.Tensor] | None = None, *, force: bool = False) -> list[str]:
+        """Take writes made to the half model into the FP32 masters now (done before every step anyway); returns
+        the names of the parameters whose masters took one. ``params``: the parameters to check (default: all);
+        ``force``: compare values whatever the version counters say (writes through a kept ``p.data`` tensor, or
+        through ``.data`` of a user's ``nn.Parameter`` subclass)."""
+        if force:
+            self._machine.forget_writes()  # a forced refresh follows writes by the user's code (engine.raw_steps)
+        return self._masters.refresh(params, force=force)
+
+    def fp32_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """``module.state_dict()`` in FP32, to export what training produced (the model is not changed): half
+        parameters as their FP32 masters (writes made to the model since the last step taken first) or the FP32 value
+        kept for a master not made yet, other half tensors upcast exactly, the rest (FP32, integer, extra state) as is;
+        keyed as ``module.state_dict()``, so ``model.save_pretrained(path, state_dict=amp.fp32_state_dict(model))``
+        (Hugging Face, peft) or ``torch.save`` take it as the model's own.
+
+        Raises:
+            TypeError: ``module`` is not an ``nn.Module``.
+            ValueError: for an FSDP-sharded model, whose parameters are FP32 already (use the strategy's state dict).
+        """
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module.")
+        if self.sharded:
+            raise ValueError(
+                f"module={type(module).__name__}: this Amp trains an FSDP-sharded model, whose parameters are FP32 "
+                "already; export it with the strategy's own state dict (it gathers the shards), not fp32_state_dict()."
+            )
+        self.follow_optimizer_modes()  # a schedule-free optimizer's eval() since the last forward: its point
+        return self._masters.fp32_state_dict(module)
