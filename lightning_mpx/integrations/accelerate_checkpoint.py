@@ -64,15 +64,21 @@ def masters_left_to_weights(
     held = lean.get(MASTERS_IN_STATE_DICT)
     if not held:
         return state
-    written: dict[str, list[torch.Tensor]] = {}
-    for values in weights:
+    # By parameter, not by name: the engine names a second model's masters "model1.<name>", its file "<name>".
+    written: dict[int, list[torch.Tensor]] = {}
+    for module, values in zip(modules, weights):
+        tails: dict[str, list[torch.Tensor]] = {}
         for key, value in values.items():
             if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
                 for name in _suffixes(key):
-                    written.setdefault(name, []).append(value)
-    for masters, names in zip(state["master_weights"], held):
+                    tails.setdefault(name, []).append(value)
+        for name, param in module.named_parameters(remove_duplicate=False):
+            written.setdefault(id(param), []).extend(tails.get(name, ()))
+    for weights_of, masters, names in zip(amp._masters.prune(), state["master_weights"], held):
+        params = {entry.name: param for entry, param in weights_of._live()}
         for name in names:
-            if not any(v.shape == masters[name].shape and torch.equal(v, masters[name]) for v in written.get(name, ())):
+            found = written.get(id(params[name]), ()) if name in params else ()
+            if not any(v.shape == masters[name].shape and torch.equal(v, masters[name]) for v in found):
                 return state
     return lean
 
