@@ -162,7 +162,6 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         self._clipping: weakref.WeakSet[Optimizer] = weakref.WeakSet()  # main_params handed out since the unscale
         # Each converted model's FSDP1 wrapper (FSDPStrategy), found at the first call after fabric.setup.
         self._wrappers: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = weakref.WeakKeyDictionary()
-        self.scaler = None  # FSDPPrecision's attribute: the engine scales, never a ShardedGradScaler
         self._held = self.amp._checkpoint.held  # the engine's: masters a loaded entry left to the model's entry
         self._flips = False  # a schedule-free optimizer registered: the forward scope runs untraced (forward_context)
 

@@ -26,6 +26,7 @@ from lightning_mpx.integrations.fabric_sharding import adopt_sharded
 from lightning_mpx.integrations.metric_counts import upgrade_unlogged
 from lightning_mpx.masters.swap import train_modes
 from lightning_mpx.masters.weights import MasterWeights
+from lightning_mpx.scaling.view import GradScalerView
 
 __all__ = ["FabricBookkeeping"]
 
@@ -57,6 +58,20 @@ class FabricBookkeeping:
         log."""
         self._begin()
         self.amp.request_telemetry()
+
+    @property
+    def scaler(self) -> GradScalerView:
+        """Loss 0's scaler as ``torch.amp.GradScaler``'s read API shows it, for code ported from ``"16-mixed"``
+        (``fabric._precision.scaler.get_scale()``): a read-only :class:`~lightning_mpx.scaling.view.GradScalerView`
+        of the engine's (``amp.scalers[i]`` for loss ``i``). It stands for ``FSDPPrecision``'s attribute, which none
+        of the plugin's methods reads (each of ``FSDPPrecision``'s is replaced): the engine scales, never a
+        ``ShardedGradScaler``."""
+        return GradScalerView(self, "fabric")
+
+    def _settled_amp(self) -> Amp:
+        """The engine, caught up as at every call (the finished iteration's scale update done)."""
+        self._begin()
+        return self.amp
 
     def metrics(self) -> dict[str, float]:
         """The ``mpx/*`` metrics as Python numbers, for ``fabric.log_dict``: ``mpx/loss_scale``, ``mpx/overflows``

@@ -38,6 +38,7 @@ from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.optimizer_step import AUTOCAST_DEVICES, without_casts
 from lightning_mpx.engine.outcome import StepOutcome
+from lightning_mpx.scaling.view import GradScalerView
 from lightning_mpx.settings import (
     SETTINGS_OBJECT,
     MixedPrecisionSettings,
@@ -350,6 +351,19 @@ class MixedPrecisionPlugin(ModelSetup, GradientClipping, CheckpointHooks, FSDPPr
         return self.amp.iteration.skipped(unwrap_optimizer(optimizer))
 
     # -- metrics, checkpoints, teardown --------------------------------------------------------------------------
+    @property
+    def scaler(self) -> GradScalerView:  # type: ignore[override]
+        """Loss 0's scaler as ``torch.amp.GradScaler``'s read API shows it, for code ported from ``"16-mixed"``
+        (``self.trainer.precision_plugin.scaler.get_scale()``, ``trainer.scaler.state_dict()``): a read-only
+        :class:`~lightning_mpx.scaling.view.GradScalerView` of the engine's (``amp.scalers[i]`` for loss ``i``)."""
+        return GradScalerView(self, "trainer")
+
+    def _settled_amp(self) -> Amp:
+        """The engine, its finished iteration's scale update done (what :meth:`metrics` shows)."""
+        if not self._manual_step.running:
+            self._end_iteration(log=False)
+        return self.amp
+
     def metrics(self) -> dict[str, float]:
         """The current ``mpx/*`` metrics as Python numbers (this reads device values: it syncs), counts since the
         previous call (the plugin's logs read on their own: a call takes nothing from the next log). Inside a manual
