@@ -2,8 +2,9 @@
 on the same code: adapters of DoRA, ``nn.Embedding`` LoRA and ``modules_to_save=["lm_head"]`` saved by
 ``save_pretrained`` (the FP32 masters, reloaded in FP32), ``merge_and_unload`` (into the half base) and the FP32 merge
 recipe, ``disable_adapter()`` as a DPO-like reference inside a training step at O1/O2, a second adapter added after
-``prepare`` (``add_adapter``/``set_adapter``), one frozen at ``prepare`` and switched to, and ``get_peft_model``
-applied to a model already prepared. Tiny GPT-2 built from a config (nothing downloaded), bfloat16, on CPU."""
+``prepare`` (``add_adapter``/``set_adapter``), one frozen at ``prepare`` and switched to, ``get_peft_model``
+applied to a model already prepared, and ``load_adapter`` into the prepared model mid-training. Tiny GPT-2 built
+from a config (nothing downloaded), bfloat16, on CPU."""
 
 from __future__ import annotations
 
@@ -250,22 +251,12 @@ def test_get_peft_model_on_a_prepared_model_then_its_optimizer_trains_as_under_b
     assert all((a - r).abs().max() <= ADAM for a, r in zip(results["O2"][1], results["bf16"][1], strict=True))
 
 
-_RELOAD_XFAIL = pytest.mark.xfail(
-    strict=True,
-    reason="peft's load_adapter (autocast_adapter_dtype=True, its default) loads the file into the half adapters "
-    "(their masters take the FP32 values exactly), then replaces them with new FP32 nn.Parameters holding their "
-    "bfloat16 rounding: the model trains those, which no optimizer holds, and the prepared optimizer steps the old "
-    "ones, which no longer get gradients; nothing is warned. Only the HF Trainer door keeps the parameters "
-    "(hf_trainer._keeping_parameters); through Accelerate the workaround is load_adapter(..., "
-    "autocast_adapter_dtype=False) (docs/accelerate.md)",
-)
-
-
-@pytest.mark.parametrize("autocast", [pytest.param(True, marks=_RELOAD_XFAIL), False], ids=["default", "no_autocast"])
+@pytest.mark.parametrize("autocast", [True, False], ids=["default", "no_autocast"])
 def test_load_adapter_into_the_prepared_model_mid_training_keeps_training_it(tmp_path: Path, autocast: bool):
     """A user loads a saved adapter back into the prepared model mid-training (``load_adapter(path, "default",
-    is_trainable=True)``) and trains on: under Accelerate's ``"bf16"`` the adapters move on from the file's values, and
-    at O2 with ``autocast_adapter_dtype=False`` (the workaround) too."""
+    is_trainable=True)``) and trains on: the adapters move on from the file's FP32 values, as under Accelerate's
+    ``"bf16"``. peft's default ``autocast_adapter_dtype=True`` replaced the half adapters with FP32 copies of their
+    rounding that no optimizer holds, and they stopped training, silently (``fp32_export.KeptAdapterLoad``)."""
     accelerator, model, optimizer = _prepared("O2", _lora())
     _train(accelerator, model, optimizer, range(2))
     inner = accelerator.unwrap_model(model)
