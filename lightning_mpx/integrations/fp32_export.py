@@ -10,14 +10,15 @@ from __future__ import annotations
 import copy
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from lightning_mpx.engine.amp import Amp
 
-__all__ = ["Fp32SavePretrained", "MastersInStateDict", "masters_into", "warn_frozen_half"]
+__all__ = ["Fp32SavePretrained", "KeptAdapterLoad", "MastersInStateDict", "keep_replaced_parameters", "masters_into",
+           "warn_frozen_half"]
 
 
 class MastersInStateDict:
@@ -57,6 +58,10 @@ class MastersInStateDict:
                 wrapper = Fp32SavePretrained.install(sub, amp)  # a transformers PreTrainedModel
                 if wrapper is not None:
                     handles.append(wrapper)
+            if type(sub).__module__.split(".")[0] == "peft" and callable(getattr(type(sub), "load_adapter", None)):
+                kept = KeptAdapterLoad.install(sub)  # a PeftModel
+                if kept is not None:
+                    handles.append(kept)
         return _Handles(handles)
 
     def __call__(self, module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
@@ -144,6 +149,65 @@ class Fp32SavePretrained:
         config.dtype = torch.float32
         config.save_pretrained(save_directory)
         return output
+
+
+def keep_replaced_parameters(model: nn.Module, load: Callable[[], Any]) -> Any:
+    """Run ``load`` (a load of weights into ``model``), then put back the parameters of ``model`` it replaced, loading
+    the values of a replacement that holds others into the old one (at O2: into its FP32 master, exactly).
+
+    peft's ``load_adapter`` loads the values, then upcasts a half adapter to FP32 with new ``nn.Parameter`` objects:
+    at O2 the model would hold FP32 copies of the values' half rounding that no optimizer steps, while the parameters
+    the optimizer holds (and their FP32 masters, which the load wrote exactly) leave the model. Each kept parameter
+    takes the replacement's ``requires_grad``. Returns what ``load`` returned."""
+    before = dict(model.named_parameters())
+    output = load()
+    for name, new in list(model.named_parameters()):
+        old = before.get(name)
+        if old is None or new is old:
+            continue
+        owner_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        setattr(owner, leaf, old)
+        old.requires_grad_(new.requires_grad)
+        if not torch.equal(new.detach().to(old.dtype), old.detach()):
+            owner.load_state_dict({leaf: new.detach()}, strict=False)  # FP32 values go to the masters exactly
+    return output
+
+
+class KeptAdapterLoad:
+    """A peft model's ``load_adapter`` (an attribute of the instance, beside :class:`MastersInStateDict`) that keeps
+    the parameters the optimizer holds (:func:`keep_replaced_parameters`): an adapter loaded into the prepared model
+    mid-training at O2 goes on training from the file's FP32 values, as under the frameworks' own precisions, instead
+    of being replaced by FP32 copies of their half rounding that no optimizer steps. A new adapter name is loaded as
+    peft loads it. A deep copy or pickle of the model gets the plain method back."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = weakref.ref(model)  # weakly: the model holds this
+
+    @classmethod
+    def install(cls, model: nn.Module) -> KeptAdapterLoad | None:
+        """Put one on ``model`` (not over a ``load_adapter`` the instance holds of its own: returns ``None``)."""
+        load = model.__dict__.get("load_adapter")
+        if load is not None and not isinstance(load, cls):
+            return None
+        wrapper = cls(model)
+        model.load_adapter = wrapper  # type: ignore[method-assign]
+        return wrapper
+
+    def remove(self) -> None:
+        """Take it off its model (if still there)."""
+        model = self._model()
+        if model is not None and model.__dict__.get("load_adapter") is self:
+            del model.load_adapter
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_class_method_of, (self._model(), "load_adapter"))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        model = self._model()
+        if model is None:
+            raise ReferenceError("load_adapter of a model that no longer exists")
+        return keep_replaced_parameters(model, lambda: type(model).load_adapter(model, *args, **kwargs))
 
 
 def _class_method_of(obj: Any, name: str) -> Any:

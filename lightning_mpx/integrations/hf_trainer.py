@@ -34,6 +34,7 @@ from lightning_mpx.common.imports import require
 from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 from lightning_mpx.integrations.accelerate_checkpoint import AMP_STATE_NAME, masters_into, warn_frozen_half
 from lightning_mpx.integrations.accelerate_forward import engine_of
+from lightning_mpx.integrations.fp32_export import keep_replaced_parameters
 from lightning_mpx.integrations.metric_counts import LOG_READER
 from lightning_mpx.opt_levels import _check_opt_level
 
@@ -232,27 +233,13 @@ class MpxTrainerMixin:
 
 
 def _keeping_parameters(trainer: Any, load: Callable[[], Any]) -> None:
-    """Run the Trainer's ``load`` of weights into its model, then put back the model parameters it replaced.
-
-    peft's ``load_adapter`` (the Trainer's load of a PeftModel's best or resumed adapter) loads the values, then
-    upcasts a half adapter to FP32 with new ``nn.Parameter`` objects: at O2 the model would hold FP32 copies of the
-    values' half rounding that no optimizer steps, while the parameters the optimizer holds (and their FP32 masters,
-    which the load wrote exactly) leave the model. A replacement holding other values is loaded into the old one."""
-    model = trainer.model
+    """Run the Trainer's ``load`` of weights into its model, then put back the model parameters it replaced
+    (:func:`~lightning_mpx.integrations.fp32_export.keep_replaced_parameters`: peft's ``load_adapter`` of a PeftModel's
+    best or resumed adapter would replace them with FP32 copies of their half rounding that no optimizer steps)."""
     if trainer.accelerator.amp is None or trainer.is_fsdp_enabled:
         load()
         return
-    before = dict(model.named_parameters())
-    load()
-    for name, new in list(model.named_parameters()):
-        old = before.get(name)
-        if old is None or new is old:
-            continue
-        owner_name, _, leaf = name.rpartition(".")
-        owner = model.get_submodule(owner_name)
-        setattr(owner, leaf, old)
-        if not torch.equal(new.detach().to(old.dtype), old.detach()):
-            owner.load_state_dict({leaf: new.detach()}, strict=False)  # FP32 values go to the masters exactly
+    keep_replaced_parameters(trainer.model, load)
 
 
 def _written(masters: dict[str, torch.Tensor], folder: str) -> dict[str, torch.Tensor]:
