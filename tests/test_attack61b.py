@@ -183,3 +183,103 @@ def test_a_read_between_a_gans_first_steps_keeps_the_unregistered_generators_gra
     without_read = _gan(_fp16(), read=False)
     assert _max_error(without_read, fp32) < 1e-3
     assert _max_error(_gan(_fp16(), read=True), without_read) < 1e-6
+
+
+# -- the HF Trainer's checkpoints at O2 -------------------------------------------------------------------------------
+def test_hf_trainer_o2_best_model_rotation_and_mid_training_export(tmp_path: Path) -> None:
+    """``save_total_limit=1`` with ``load_best_model_at_end`` (``metric_for_best_model="eval_loss"``), accumulation
+    with ``max_grad_norm``, a callback that calls ``trainer.save_model`` mid-training, then ``save_model`` at the end
+    (a resume from the latest held too, and is tested in tests/test_hf_trainer.py): the weights track transformers'
+    ``bf16=True`` run; each export loads with ``from_pretrained`` as FP32 with the masters' values."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_mpx.accelerate import mpx_trainer
+    from tests.accelerate_helpers import accelerate_state_reset
+    from tests.test_hf_trainer import GPT2, SCALED, lm_data
+
+    class SaveMid(transformers.TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == 1:
+                made.save_model(str(tmp_path / f"mid-{level}"))
+
+    def run(max_steps: int) -> tuple[dict[str, torch.Tensor], Any]:
+        torch.manual_seed(0)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / str(level)), use_cpu=True, report_to=[], max_steps=max_steps,
+            per_device_train_batch_size=4, learning_rate=1e-3, disable_tqdm=True, optim="adamw_torch",
+            save_strategy="steps", save_steps=1, save_total_limit=1, eval_strategy="steps", eval_steps=1,
+            load_best_model_at_end=True, metric_for_best_model="eval_loss", gradient_accumulation_steps=2,
+            max_grad_norm=0.5, bf16=level is None, logging_steps=1,
+        )  # fmt: skip
+        kwargs: dict[str, Any] = dict(model=transformers.GPT2LMHeadModel(GPT2), args=args, train_dataset=lm_data(),
+                                      eval_dataset=lm_data(8), callbacks=[SaveMid()])
+        trainer = (transformers.Trainer(**kwargs) if level is None
+                   else mpx_trainer()(**kwargs, opt_level=level, mpx_kwargs=SCALED))
+        nonlocal made
+        made = trainer
+        trainer.train()
+        if level is not None:
+            trainer.save_model(str(tmp_path / "final"))  # inside its Accelerate state
+        amp = None if level is None else trainer.accelerator.amp
+        weights = trainer.model.state_dict() if amp is None else amp.fp32_state_dict(trainer.model)
+        return {k: v.float().clone() for k, v in weights.items()}, trainer
+
+    made: Any = None
+    results = {}
+    for level in (None, "O2"):
+        with accelerate_state_reset():
+            results[level] = run(2)
+    ours, trainer = results["O2"]
+    assert max((ours[k] - results[None][0][k]).abs().max().item() for k in ours) < 1e-2
+    assert trainer.state.best_model_checkpoint is not None
+    assert len(list((tmp_path / "O2").glob("checkpoint-*"))) <= 2  # the best and the latest at most
+    for exported, values in ((tmp_path / "final", ours), (tmp_path / "mid-O2", None)):
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(exported))
+        assert loaded.config.torch_dtype == torch.float32 and loaded.dtype == torch.float32
+        if values is not None:
+            state = loaded.state_dict()
+            assert max((state[k] - values[k]).abs().max().item() for k in values if k in state) == 0.0
+
+
+# -- Fabric's generate at O2 ------------------------------------------------------------------------------------------
+def test_fabric_o2_whisper_generate_marked_sampled_in_inference_mode_and_after_load_as_bf16_mixed(tmp_path) -> None:
+    """A set-up Whisper's ``generate`` (float ``input_features``) marked or not, greedy and sampled, under
+    ``torch.inference_mode()``, after ``eval()``/``train()``, its scores' dtype, and a fresh set-up model after
+    ``fabric.load`` of the checkpoint: the tokens of Fabric's ``"bf16-mixed"``."""
+    pytest.importorskip("transformers")
+    import warnings
+
+    from tests.test_odds60 import _fabric, _whisper
+
+    features = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
+
+    def generate(model: Any, sample: bool = False, inference: bool = False) -> torch.Tensor:
+        if sample:
+            torch.manual_seed(5)
+        with torch.inference_mode() if inference else torch.enable_grad():
+            out = model.generate(input_features=features, max_new_tokens=3, do_sample=sample,
+                                 return_dict_in_generate=True, output_scores=True)
+        assert out.scores[0].dtype == torch.float32
+        return out.sequences
+
+    def run(precision: str) -> list[torch.Tensor]:
+        fabric = _fabric(precision)
+        net = _whisper()
+        model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        got = [generate(model, inference=True), generate(model.eval(), sample=True)]
+        model.mark_forward_method("generate")
+        got += [generate(model.train(), sample=True, inference=True)]
+        fabric.save(tmp_path / f"{precision}.ckpt", {"model": model, "optimizer": optimizer})
+        fresh = _fabric(precision)
+        other = _whisper()
+        with torch.no_grad():
+            for p in other.parameters():
+                p.mul_(0.5)
+        model2, optimizer2 = fresh.setup(other, torch.optim.SGD(other.parameters(), lr=0.1))
+        fresh.load(tmp_path / f"{precision}.ckpt", {"model": model2, "optimizer": optimizer2})
+        return got + [generate(model2.train(), inference=True)]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours, theirs = run("O2"), run("bf16-mixed")
+    for mine, want in zip(ours, theirs):
+        assert torch.equal(mine, want)
