@@ -8,6 +8,7 @@ the conversion rounded, which no master keeps."""
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 import weakref
 from typing import Any, Callable
@@ -178,8 +179,9 @@ class KeptAdapterLoad:
     """A peft model's ``load_adapter`` (an attribute of the instance, beside :class:`MastersInStateDict`) that keeps
     the parameters the optimizer holds (:func:`keep_replaced_parameters`): an adapter loaded into the prepared model
     mid-training at O2 goes on training from the file's FP32 values, as under the frameworks' own precisions, instead
-    of being replaced by FP32 copies of their half rounding that no optimizer steps. A new adapter name is loaded as
-    peft loads it. A deep copy or pickle of the model gets the plain method back."""
+    of being replaced by FP32 copies of their half rounding that no optimizer steps (``low_cpu_mem_usage=True`` too,
+    which into an existing adapter only assigns the file's tensors). A new adapter name is loaded as peft loads it.
+    A deep copy or pickle of the model gets the plain method back."""
 
     def __init__(self, model: nn.Module) -> None:
         self._model = weakref.ref(model)  # weakly: the model holds this
@@ -207,7 +209,14 @@ class KeptAdapterLoad:
         model = self._model()
         if model is None:
             raise ReferenceError("load_adapter of a model that no longer exists")
-        return keep_replaced_parameters(model, lambda: type(model).load_adapter(model, *args, **kwargs))
+        call = inspect.signature(type(model).load_adapter).bind(model, *args, **kwargs)
+        if call.arguments.get("low_cpu_mem_usage") and call.arguments.get("adapter_name", "default") in getattr(
+            model, "peft_config", {}
+        ):
+            # Into an adapter the model has, peft's low_cpu_mem_usage only loads with assign=True: it would replace
+            # the parameters the optimizer holds (refused at O2), where a plain load writes into them.
+            call.arguments["low_cpu_mem_usage"] = False
+        return keep_replaced_parameters(model, lambda: type(model).load_adapter(*call.args, **call.kwargs))
 
 
 def _class_method_of(obj: Any, name: str) -> Any:
