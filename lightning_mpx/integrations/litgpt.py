@@ -1,0 +1,234 @@
+"""litgpt's own LoRA fine-tuning entry point with an opt level.
+
+``litgpt finetune_lora`` builds its ``Fabric`` from a precision string, so a precision plugin cannot be handed to it.
+:func:`finetune_lora` is litgpt's ``litgpt.finetune.lora.setup`` (its arguments and defaults) with the ``Fabric``
+built with ``plugins=[FabricMixedPrecisionPlugin(opt_level, **mpx_kwargs)]`` instead of ``precision=``; it does what
+that ``setup`` does before ``fabric.launch`` (checkpoint folder, LoRA config, logger, strategy) and then launches
+litgpt's own ``main`` (its ``fit``, validation, LoRA save and ``merge_lora``), nothing of litgpt patched.
+
+``python -m lightning_mpx.litgpt finetune_lora <checkpoint_dir> --opt_level O2 [litgpt's flags]`` is the command
+line: litgpt's own parser (``--config`` YAMLs included) with ``--opt_level`` and ``--mpx_kwargs`` (a JSON object of
+:class:`~lightning_mpx.FabricMixedPrecisionPlugin` keywords) added.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import inspect
+import io
+import json
+import sys
+import warnings
+from collections.abc import Iterator, Sequence
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+from lightning_mpx.integrations.fabric import FabricMixedPrecisionPlugin
+
+# What litgpt's ``finetune/lora.py`` ``main`` takes, in the order its ``setup`` passes it (litgpt 0.21).
+LORA_MAIN_PARAMETERS = ("fabric", "devices", "seed", "config", "data", "checkpoint_dir", "out_dir", "train", "eval",
+                        "optimizer", "num_nodes", "precision")  # fmt: skip
+# litgpt's precision for its ``merge_lora`` at the end of ``main``: the merged ``lit_model.pth`` is FP32, the dtype of
+# the saved LoRA file (the FP32 masters at O2), as after litgpt's own ``bf16-mixed`` run.
+MERGE_PRECISION = "32-true"
+COMMANDS = ("finetune_lora", "finetune")
+
+
+def _litgpt_version() -> str:
+    try:
+        return version("litgpt")
+    except Exception:  # pragma: no cover - litgpt imported from a source tree
+        return "unknown"
+
+
+def check_main(main: Any, expected: Sequence[str]) -> None:
+    """Refuse a litgpt whose ``main`` no longer takes what its ``setup`` passed when this was written.
+
+    Raises:
+        RuntimeError: naming the installed litgpt version, the parameters found and those expected.
+    """
+    found = tuple(inspect.signature(main).parameters)
+    if found != tuple(expected):
+        raise RuntimeError(
+            f"litgpt {_litgpt_version()}: {main.__module__}.main takes {found}, lightning_mpx.litgpt passes "
+            f"{tuple(expected)} (litgpt 0.21's); this litgpt version is not supported by lightning_mpx.litgpt: build "
+            "the Fabric by hand as examples/fabric_litgpt_lora.py does"
+        )
+
+
+def _bind(setup: Any, checkpoint_dir: Path | str, setup_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """litgpt's ``setup`` arguments with its defaults applied; refuses what the opt level replaces."""
+    for name in ("precision", "quantize"):
+        if setup_kwargs.get(name) is not None:
+            raise ValueError(
+                f"{name}={setup_kwargs[name]!r} with an opt level: the FabricMixedPrecisionPlugin sets the precision"
+                + (" (litgpt refuses mixed precision with quantize= too); drop quantize=, or run litgpt's own "
+                   "`litgpt finetune_lora --quantize` without an opt level" if name == "quantize" else
+                   "; pass opt_level= (and mpx_kwargs=) instead of precision=")
+            )  # fmt: skip
+    try:
+        bound = inspect.signature(setup).bind(checkpoint_dir, **setup_kwargs)
+    except TypeError as error:
+        raise TypeError(f"{error}: finetune_lora takes litgpt.finetune.lora.setup's arguments") from None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _flag_value(value: Any) -> str:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, default=_plain)
+
+
+def _plain(value: Any) -> Any:
+    """A value jsonargparse reads back: paths as strings, litgpt's prompt styles by their registered name."""
+    if isinstance(value, Path):
+        return str(value)
+    from litgpt.prompts import prompt_styles
+
+    for name, style in prompt_styles.items():
+        if type(value) is style:
+            return name
+    raise TypeError(f"cannot write {value!r} as a command-line value")
+
+
+def _argv(arguments: dict[str, Any]) -> list[str]:
+    """The ``litgpt finetune_lora`` flags standing for ``arguments`` (without ``precision``/``quantize``)."""
+    argv = [str(arguments["checkpoint_dir"])]
+    for name, value in arguments.items():
+        if name in ("checkpoint_dir", "precision", "quantize") or value is None:
+            continue
+        if name == "data" and dataclasses.is_dataclass(value):
+            init = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
+            value = {"class_path": f"{type(value).__module__}.{type(value).__qualname__}", "init_args": init}
+        elif dataclasses.is_dataclass(value):
+            argv += [f"--{name}.{f.name}={_flag_value(getattr(value, f.name))}" for f in dataclasses.fields(value)]
+            continue
+        argv.append(f"--{name}={_flag_value(value)}")
+    return argv
+
+
+def _recorded_argv(setup: Any, arguments: dict[str, Any]) -> list[str]:
+    """The flags litgpt's ``save_hyperparameters`` will parse (it reads ``sys.argv``): all of ``arguments`` where
+    litgpt's parser reads them back, else the ones ``merge_lora`` needs (checkpoint, LoRA settings), with a warning."""
+    from jsonargparse import capture_parser
+    from litgpt.utils import CLI
+
+    try:
+        argv = _argv(arguments)
+        with contextlib.redirect_stderr(io.StringIO()):
+            capture_parser(lambda: CLI(setup)).parse_args(argv)
+        return argv
+    except (Exception, SystemExit) as error:
+        kept = ("out_dir", "seed", "devices", "num_nodes", "optimizer", "logger_name")
+        essential = {k: v for k, v in arguments.items() if k.startswith("lora_") or k in kept or k == "checkpoint_dir"}
+        warnings.warn(
+            f"hyperparameters.yaml records litgpt's defaults for some arguments ({type(error).__name__}: {error}); "
+            "the checkpoint folder and the LoRA settings merge_lora reads are recorded",
+            stacklevel=3,
+        )
+        return _argv(essential)
+
+
+@contextlib.contextmanager
+def _litgpt_argv(argv: list[str]) -> Iterator[None]:
+    """litgpt's ``main`` records its hyperparameters by parsing ``sys.argv``: hand it litgpt's own flags for the run."""
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else "litgpt", *argv]
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
+def finetune_lora(checkpoint_dir: Path | str, *, opt_level: str = "O2", mpx_kwargs: dict[str, Any] | None = None,
+                  _argv_given: list[str] | None = None, **setup_kwargs: Any) -> Any:  # fmt: skip
+    """litgpt's LoRA fine-tuning (``litgpt.finetune.lora.setup``, its arguments and defaults) at ``opt_level``.
+
+    The ``Fabric`` gets ``plugins=[FabricMixedPrecisionPlugin(opt_level, **mpx_kwargs)]`` in place of litgpt's
+    ``precision=``; litgpt's ``main`` trains, validates, saves ``final/lit_model.pth.lora`` (the LoRA weights in FP32:
+    the masters at O2) and merges it into an FP32 ``final/lit_model.pth``. Returns the ``Fabric`` it ran (its
+    ``strategy.precision`` is the plugin); litgpt's ``setup`` returns nothing.
+
+    Raises:
+        ValueError: for ``precision=`` or ``quantize=`` (the opt level sets the precision), or a bad opt level.
+        TypeError: for an argument litgpt's ``setup`` does not take.
+        RuntimeError: when the installed litgpt's ``main`` takes other parameters than litgpt 0.21's.
+    """
+    import lightning as L
+    import torch
+    from litgpt.finetune import lora
+    from litgpt.utils import (
+        auto_download_checkpoint,
+        check_nvlink_connectivity,
+        check_valid_checkpoint_dir,
+        choose_logger,
+        init_out_dir,
+        parse_devices,
+    )
+
+    check_main(lora.main, LORA_MAIN_PARAMETERS)
+    args = _bind(lora.setup, checkpoint_dir, setup_kwargs)
+    plugin = FabricMixedPrecisionPlugin(opt_level, **(mpx_kwargs or {}))  # a bad opt level fails before any file
+    recorded = _argv_given if _argv_given is not None else _recorded_argv(lora.setup, args)
+
+    # litgpt's setup, up to its fabric.launch
+    checkpoint_dir = auto_download_checkpoint(model_name=args["checkpoint_dir"], access_token=args["access_token"])
+    if args["data"] is None:
+        from litgpt.data import Alpaca
+
+        args["data"] = Alpaca()
+    devices = parse_devices(args["devices"])
+    num_nodes, train = args["num_nodes"], args["train"]
+    out_dir = init_out_dir(args["out_dir"])
+    check_valid_checkpoint_dir(checkpoint_dir)
+    config = lora.Config.from_file(checkpoint_dir / "model_config.yaml",
+                                   **{k: v for k, v in args.items() if k.startswith("lora_")})  # fmt: skip
+    logger = choose_logger(args["logger_name"], out_dir, name=f"finetune-{config.name}",
+                           log_interval=train.log_interval, log_args=dataclasses.asdict(args["log"]))  # fmt: skip
+    strategy: Any = "auto"
+    if devices * num_nodes > 1:
+        from lightning.fabric.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(parallelize_fn=lora.parallelize_fn, data_parallel_size=devices * num_nodes,
+                                         tensor_parallel_size=1)  # fmt: skip
+    fabric = L.Fabric(devices=devices, num_nodes=num_nodes, strategy=strategy, loggers=logger, plugins=[plugin])
+    if torch.cuda.is_available() and devices > 1:
+        check_nvlink_connectivity(fabric)
+    with _litgpt_argv(recorded):
+        fabric.launch(lora.main, devices, args["seed"], config, args["data"], checkpoint_dir, out_dir, train,
+                      args["eval"], args["optimizer"], num_nodes, MERGE_PRECISION)  # fmt: skip
+    return fabric
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m lightning_mpx.litgpt finetune_lora <checkpoint_dir> --opt_level O2 [litgpt's flags]``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours = argparse.ArgumentParser(prog="python -m lightning_mpx.litgpt", add_help=False)
+    ours.add_argument("command", choices=COMMANDS)
+    ours.add_argument("--opt_level", "--opt-level", default="O2")
+    example = '{"half_dtype": "bfloat16"}'
+    ours.add_argument("--mpx_kwargs", "--mpx-kwargs", type=json.loads, default=None,
+                      help=f"FabricMixedPrecisionPlugin keywords as JSON, e.g. '{example}'")
+    if not argv or argv[0] in ("-h", "--help"):
+        ours.print_help()
+        print("\nThen litgpt's own flags: python -m lightning_mpx.litgpt finetune_lora --help")
+        return
+    known, rest = ours.parse_known_args(argv)
+
+    from jsonargparse import capture_parser
+    from litgpt.finetune import lora
+    from litgpt.utils import CLI
+
+    parser = capture_parser(lambda: CLI(lora.setup))
+    parser.prog = f"python -m lightning_mpx.litgpt {known.command} [--opt_level O2] [--mpx_kwargs JSON]"
+    config = parser.parse_args(rest)
+    settings = {k: v for k, v in vars(parser.instantiate_classes(config)).items() if k not in ("config", "__path__")}
+    settings = {k: v for k, v in settings.items() if k not in ("precision", "quantize") or v is not None}
+    finetune_lora(settings.pop("checkpoint_dir"), opt_level=known.opt_level, mpx_kwargs=known.mpx_kwargs,
+                  _argv_given=rest, **settings)  # fmt: skip
