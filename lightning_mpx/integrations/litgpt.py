@@ -147,7 +147,7 @@ def _litgpt_argv(argv: list[str]) -> Iterator[None]:
 
 
 def finetune_lora(checkpoint_dir: Path | str, *, opt_level: str = "O2", mpx_kwargs: dict[str, Any] | None = None,
-                  _argv_given: list[str] | None = None, **setup_kwargs: Any) -> Any:  # fmt: skip
+                  **setup_kwargs: Any) -> Any:  # fmt: skip
     """litgpt's LoRA fine-tuning (``litgpt.finetune.lora.setup``, its arguments and defaults) at ``opt_level``.
 
     The ``Fabric`` gets ``plugins=[FabricMixedPrecisionPlugin(opt_level, **mpx_kwargs)]`` in place of litgpt's
@@ -160,6 +160,12 @@ def finetune_lora(checkpoint_dir: Path | str, *, opt_level: str = "O2", mpx_kwar
         TypeError: for an argument litgpt's ``setup`` does not take.
         RuntimeError: when the installed litgpt's ``main`` takes other parameters than litgpt 0.21's.
     """
+    return _finetune_lora(checkpoint_dir, opt_level, mpx_kwargs, setup_kwargs, None)
+
+
+def _finetune_lora(checkpoint_dir: Path | str, opt_level: str, mpx_kwargs: dict[str, Any] | None,
+                   setup_kwargs: dict[str, Any], argv: list[str] | None) -> Any:  # fmt: skip
+    """:func:`finetune_lora`; ``argv``: the litgpt flags it was given on the command line (recorded as they are)."""
     import lightning as L
     import torch
     from litgpt.finetune import lora
@@ -175,7 +181,7 @@ def finetune_lora(checkpoint_dir: Path | str, *, opt_level: str = "O2", mpx_kwar
     check_main(lora.main, LORA_MAIN_PARAMETERS)
     args = _bind(lora.setup, checkpoint_dir, setup_kwargs)
     plugin = FabricMixedPrecisionPlugin(opt_level, **(mpx_kwargs or {}))  # a bad opt level fails before any file
-    recorded = _argv_given if _argv_given is not None else _recorded_argv(lora.setup, args)
+    recorded = argv if argv is not None else _recorded_argv(lora.setup, args)
 
     # litgpt's setup, up to its fabric.launch
     checkpoint_dir = auto_download_checkpoint(model_name=args["checkpoint_dir"], access_token=args["access_token"])
@@ -230,5 +236,4 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = parser.parse_args(rest)
     settings = {k: v for k, v in vars(parser.instantiate_classes(config)).items() if k not in ("config", "__path__")}
     settings = {k: v for k, v in settings.items() if k not in ("precision", "quantize") or v is not None}
-    finetune_lora(settings.pop("checkpoint_dir"), opt_level=known.opt_level, mpx_kwargs=known.mpx_kwargs,
-                  _argv_given=rest, **settings)  # fmt: skip
+    _finetune_lora(settings.pop("checkpoint_dir"), known.opt_level, known.mpx_kwargs, settings, rest)
