@@ -22,10 +22,11 @@ pytest.importorskip("lightning")
 import litgpt  # noqa: E402
 from litgpt.args import EvalArgs, TrainArgs  # noqa: E402
 from litgpt.data import JSON  # noqa: E402
+from litgpt.finetune import full as litgpt_full  # noqa: E402
 from litgpt.finetune import lora as litgpt_lora  # noqa: E402
 
 from lightning_mpx import FabricMixedPrecisionPlugin  # noqa: E402
-from lightning_mpx.litgpt import finetune_lora, main  # noqa: E402
+from lightning_mpx.litgpt import finetune_full, finetune_lora, main  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(60)]
 SETTINGS: dict[str, Any] = dict(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_key=True, lora_mlp=True)
@@ -154,6 +155,33 @@ def test_hyperparameters_keep_the_lora_settings_when_data_cannot_be_recorded(run
         argv = _recorded_argv(litgpt_lora.setup, args)
     recorded = capture_parser(lambda: CLI(litgpt_lora.setup)).parse_args(argv)
     assert recorded.lora_r == 2 and Path(recorded.checkpoint_dir) == runs["checkpoint"]
+
+
+def test_full_finetune_at_o2_saves_fp32_weights_that_follow_bf16_mixed(runs, tmp_path, monkeypatch):
+    """``finetune_full`` at O2 against litgpt's ``finetune/full.py`` ``setup(precision="bf16-mixed")``: the final
+    ``lit_model.pth`` is FP32 (the masters), trained, within bfloat16's tolerance, and loads into a ``litgpt.GPT``."""
+    kwargs = {k: v for k, v in _kwargs(tmp_path / "x", runs["data"]).items() if not k.startswith("lora_")}
+    kwargs["optimizer"] = {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.5}}
+    monkeypatch.setattr(sys, "argv", ["litgpt", "finetune_full", str(runs["checkpoint"])])
+    litgpt_full.setup(runs["checkpoint"], precision="bf16-mixed", **{**kwargs, "out_dir": tmp_path / "theirs"})
+    fabric = finetune_full(runs["checkpoint"], opt_level="O2", mpx_kwargs={"half_dtype": "bfloat16"},
+                           **{**kwargs, "out_dir": tmp_path / "ours"})  # fmt: skip
+    assert isinstance(fabric.strategy.precision, FabricMixedPrecisionPlugin)
+    ours = torch.load(tmp_path / "ours" / "final" / "lit_model.pth")["model"]
+    theirs = torch.load(tmp_path / "theirs" / "final" / "lit_model.pth")["model"]
+    base = torch.load(runs["checkpoint"] / "lit_model.pth")
+    assert {v.dtype for v in ours.values()} == {torch.float32}
+    for name, value in ours.items():
+        torch.testing.assert_close(value, theirs[name], atol=1e-2, rtol=2e-2, msg=name)
+    moved = ours["transformer.h.1.attn.qkv.weight"] - base["transformer.h.1.attn.qkv.weight"]
+    head = ours["lm_head.weight"]
+    assert moved.abs().max() > 1e-2 and not torch.equal(head, head.bfloat16().float())  # the masters, not half values
+    litgpt.GPT(litgpt.Config.from_file(tmp_path / "ours" / "final" / "model_config.yaml")).load_state_dict(ours)
+    hparams = yaml.safe_load((tmp_path / "ours" / "final" / "hyperparameters.yaml").read_text())
+    assert hparams["train"]["max_steps"] == 3 and hparams["checkpoint_dir"] == str(runs["checkpoint"])
+    with pytest.raises(ValueError, match="resume=True at O2"):
+        finetune_full(runs["checkpoint"], opt_level="O2", resume=True, out_dir=tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
 
 
 def test_command_line_reads_litgpt_flags_and_config(runs, tmp_path):
