@@ -19,6 +19,7 @@ import yaml
 pytest.importorskip("litgpt")
 pytest.importorskip("lightning")
 
+import lightning.fabric  # noqa: E402
 import litgpt  # noqa: E402
 from litgpt.args import EvalArgs, TrainArgs  # noqa: E402
 from litgpt.data import JSON  # noqa: E402
@@ -77,10 +78,27 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         litgpt_lora.setup(checkpoint, precision="bf16-mixed", **_kwargs(tmp / "theirs", data))
     finally:
         sys.argv = saved
-    fabric = finetune_lora(checkpoint, opt_level="O2", mpx_kwargs={"half_dtype": "bfloat16"},
-                           **_kwargs(tmp / "ours", data))  # fmt: skip
+    launched: list[list[str]] = []  # sys.argv when Fabric's launcher runs (its subprocess launcher reads it)
+    launch = lightning.fabric.Fabric._wrap_and_launch
+
+    def spy(self, *args: Any, **kwargs: Any) -> Any:
+        launched.append(list(sys.argv))
+        return launch(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lightning.fabric.Fabric, "_wrap_and_launch", spy)
+        fabric = finetune_lora(checkpoint, opt_level="O2", mpx_kwargs={"half_dtype": "bfloat16"},
+                               **_kwargs(tmp / "ours", data))  # fmt: skip
     assert sys.argv is saved
-    return {"checkpoint": checkpoint, "data": data, "theirs": tmp / "theirs", "ours": tmp / "ours", "fabric": fabric}
+    return {"checkpoint": checkpoint, "data": data, "theirs": tmp / "theirs", "ours": tmp / "ours", "fabric": fabric,
+            "launched": launched, "argv": list(saved)}
+
+
+def test_fabric_launches_from_the_processs_own_command_line(runs):
+    """Fabric's subprocess launcher (DDP/FSDP on several GPUs) starts the other ranks from ``sys.argv``: at
+    ``fabric.launch`` it must be this process's command line, not the litgpt flags ``main`` records (which would
+    start ``python <checkpoint_dir> --lora_r=...`` on every other rank)."""
+    assert runs["launched"] == [runs["argv"]]
 
 
 def test_o2_lora_file_is_fp32_and_follows_bf16_mixed(runs):

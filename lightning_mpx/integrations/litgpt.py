@@ -17,12 +17,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import inspect
 import io
 import json
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -139,13 +140,14 @@ def _recorded_argv(setup: Any, arguments: dict[str, Any]) -> list[str]:
         return _argv(essential)
 
 
-@contextlib.contextmanager
-def _litgpt_argv(argv: list[str]) -> Iterator[None]:
-    """litgpt's ``main`` records its hyperparameters by parsing ``sys.argv``: hand it litgpt's own flags for the run."""
+def _with_litgpt_argv(argv: list[str], main: Callable[..., Any], *args: Any) -> Any:
+    """Run litgpt's ``main`` with ``sys.argv`` as litgpt's own flags (``argv``): its ``save_hyperparameters`` parses
+    ``sys.argv``. Swapped in the launched function, in each process, not around ``fabric.launch``: Fabric's
+    subprocess launcher starts the other ranks from the real ``sys.argv`` (this process's command line)."""
     saved = sys.argv
     sys.argv = [saved[0] if saved else "litgpt", *argv]
     try:
-        yield
+        return main(*args)
     finally:
         sys.argv = saved
 
@@ -184,9 +186,9 @@ def _finetune_lora(checkpoint_dir: Path | str, opt_level: str, mpx_kwargs: dict[
         strategy = ModelParallelStrategy(parallelize_fn=lora.parallelize_fn, tensor_parallel_size=1,
                                          data_parallel_size=devices * args["num_nodes"])  # fmt: skip
     fabric = _fabric(args, config, out_dir, devices, strategy, plugin)
-    with _litgpt_argv(recorded):
-        fabric.launch(lora.main, devices, args["seed"], config, args["data"], checkpoint_dir, out_dir, args["train"],
-                      args["eval"], args["optimizer"], args["num_nodes"], MERGE_PRECISION)  # fmt: skip
+    fabric.launch(functools.partial(_with_litgpt_argv, recorded, lora.main), devices, args["seed"], config,
+                  args["data"], checkpoint_dir, out_dir, args["train"], args["eval"], args["optimizer"],
+                  args["num_nodes"], MERGE_PRECISION)  # fmt: skip
     return fabric
 
 
@@ -228,9 +230,9 @@ def _finetune_full(checkpoint_dir: Path | str, opt_level: str, mpx_kwargs: dict[
         strategy = FSDPStrategy(auto_wrap_policy={full.Block}, activation_checkpointing_policy={full.Block},
                                 state_dict_type="full", limit_all_gathers=True, cpu_offload=False)  # fmt: skip
     fabric = _fabric(args, config, out_dir, devices, strategy, plugin, resume=bool(args["resume"]))
-    with _litgpt_argv(recorded):
-        fabric.launch(full.main, devices, args["resume"], args["seed"], config, args["data"], checkpoint_dir, out_dir,
-                      args["train"], args["eval"], args["optimizer"], args["num_nodes"])  # fmt: skip
+    fabric.launch(functools.partial(_with_litgpt_argv, recorded, full.main), devices, args["resume"], args["seed"],
+                  config, args["data"], checkpoint_dir, out_dir, args["train"], args["eval"], args["optimizer"],
+                  args["num_nodes"])  # fmt: skip
     return fabric
 
 
