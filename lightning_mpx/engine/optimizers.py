@@ -36,6 +36,7 @@ from lightning_mpx.masters.handover import refuse_handed
 from lightning_mpx.masters.mirror import Mirror
 from lightning_mpx.masters.optimizer_hooks import MasterHooks, SharedGroupHooks
 from lightning_mpx.masters.pairs import param_pairs
+from lightning_mpx.masters.state_keys import key_by_masters, key_by_params
 from lightning_mpx.masters.store import Masters
 from lightning_mpx.masters.swap import end_pass, mirrors, state_to_params, take_writes_before_pass, train_modes
 from lightning_mpx.scaling.scaler import LossScaler
@@ -192,6 +193,7 @@ class StepMachine(UnscalePath):
             state.train_modes = train_modes(optimizer)  # a schedule-free optimizer's flags (masters.swap.follow_modes)
             state.hooks = MasterHooks(state, self.masters, owner=weakref.ref(self)).register(optimizer)
             self.adopt_inners(state, optimizer)
+            key_by_masters(state, optimizer)  # optimizer.state[p] by a half parameter: its master's entry
             # an inner optimizer made on its groups later (add_param_group gives each group a new list) at the next
             # making of its pairs: no call per step (the state is passed, not held: no cycle keeping it and its masters
             # alive once the optimizer is gone, tests/test_leaks54.py)
@@ -226,6 +228,7 @@ class StepMachine(UnscalePath):
             for handle in state.hooks:
                 handle.remove()
             state_to_params(state, self.masters.weights)  # its state dict works without the hooks
+            key_by_params(optimizer)
             if state.two_pass:  # released between a SAM's passes: writes to its parameters are the model's again
                 end_pass(state, self.masters.weights)
             for ref in state.inners:  # and the inner optimizers' that shared its groups

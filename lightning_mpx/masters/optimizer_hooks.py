@@ -16,6 +16,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_mpx.common.dtypes import HALF_DTYPES
 from lightning_mpx.engine.optimizer_state import _OptimizerState
 from lightning_mpx.masters.pairs import half_state_to_params, param_pairs, state_to_masters, state_to_params_again
+from lightning_mpx.masters.state_keys import key_by_masters
 from lightning_mpx.masters.store import Masters
 from lightning_mpx.masters.swap import (
     HALF_STATE,
@@ -107,6 +108,7 @@ class MasterHooks:
         """After the optimizer loaded a state dict: the groups' own lists back; a schedule-free optimizer's loaded
         ``train_mode`` flags noted as seen (the masters the checkpoint holds are at that point)."""
         swap_out(self.state)
+        key_by_masters(self.state, optimizer)  # torch's load replaced optimizer.state with a plain defaultdict
         if self.state.train_modes is not None:
             self.state.train_modes = train_modes(optimizer)
         if self.loading_half:  # state a half parameter kept (SAM's old_p): back to it, as the run that saved kept it

@@ -359,7 +359,7 @@ def half_state_to_params(
             if name in entry:
                 value = entry.pop(name)
                 cast = torch.is_tensor(value) and value.is_floating_point() and name != "step"
-                kept[param][name] = value.to(param.dtype) if cast else value
+                kept.setdefault(param, {})[name] = value.to(param.dtype) if cast else value  # not the master's
         if not entry:
             kept.pop(master)
 

@@ -19,6 +19,7 @@ import torch
 from lightning_mpx.engine.optimizer_state import _OptimizerState, optimizer_params
 from lightning_mpx.masters.mirror import Mirror, step_mirrored
 from lightning_mpx.masters.pairs import param_pairs, state_to_masters
+from lightning_mpx.masters.state_keys import key_by_masters
 from lightning_mpx.masters.weights import MasterWeights
 
 _PARAMS = operator.itemgetter("params")
@@ -199,6 +200,9 @@ def step_on_masters(
     nothing here looks for a changed parameter list again."""
     views = state.mirrors if state.mirrors is not None else _make_mirrors(state, master_weights, compare)
     groups = optimizer.param_groups
+    if optimizer.state.__class__ is collections.defaultdict and not state.two_pass and state.train_modes is None:
+        # the user's own defaultdict put in since (key_by_masters: not for SAM-style or schedule-free ones)
+        key_by_masters(state, optimizer)
     state.swapped = swapped = list(map(_PARAMS, groups))
     for group, masters in zip(groups, state.group_masters):
         group["params"] = masters

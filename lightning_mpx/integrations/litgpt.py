@@ -1,0 +1,305 @@
+"""litgpt's own fine-tuning entry points (LoRA, full) with an opt level.
+
+``litgpt finetune_lora`` builds its ``Fabric`` from a precision string, so a precision plugin cannot be handed to it.
+:func:`finetune_lora` is litgpt's ``litgpt.finetune.lora.setup`` (its arguments and defaults) with the ``Fabric``
+built with ``plugins=[FabricMixedPrecisionPlugin(opt_level, **mpx_kwargs)]`` instead of ``precision=``; it does what
+that ``setup`` does before ``fabric.launch`` (checkpoint folder, LoRA config, logger, strategy) and then launches
+litgpt's own ``main`` (its ``fit``, validation, LoRA save and ``merge_lora``), nothing of litgpt patched.
+:func:`finetune_full` does the same for ``litgpt.finetune.full``.
+
+``python -m lightning_mpx.litgpt finetune_lora|finetune_full <checkpoint_dir> --opt_level O2 [litgpt's flags]`` is
+the command line: litgpt's own parser (``--config`` YAMLs included) with ``--opt_level`` and ``--mpx_kwargs`` (a JSON
+object of :class:`~lightning_mpx.FabricMixedPrecisionPlugin` keywords) added.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import inspect
+import io
+import json
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+from lightning_mpx.integrations.fabric import FabricMixedPrecisionPlugin
+
+# What litgpt's ``finetune/lora.py`` ``main`` takes, in the order its ``setup`` passes it (litgpt 0.21).
+LORA_MAIN_PARAMETERS = ("fabric", "devices", "seed", "config", "data", "checkpoint_dir", "out_dir", "train", "eval",
+                        "optimizer", "num_nodes", "precision")  # fmt: skip
+# litgpt's precision for its ``merge_lora`` at the end of ``main``: the merged ``lit_model.pth`` is FP32, the dtype of
+# the saved LoRA file (the FP32 masters at O2), as after litgpt's own ``bf16-mixed`` run.
+MERGE_PRECISION = "32-true"
+# litgpt's ``finetune/full.py`` ``main`` (litgpt 0.21).
+FULL_MAIN_PARAMETERS = ("fabric", "devices", "resume", "seed", "config", "data", "checkpoint_dir", "out_dir", "train",
+                        "eval", "optimizer", "num_nodes")  # fmt: skip
+COMMANDS = ("finetune_lora", "finetune", "finetune_full")
+
+
+def _litgpt_version() -> str:
+    try:
+        return version("litgpt")
+    except Exception:  # pragma: no cover - litgpt imported from a source tree
+        return "unknown"
+
+
+def check_main(main: Any, expected: Sequence[str]) -> None:
+    """Refuse a litgpt whose ``main`` no longer takes what its ``setup`` passed when this was written.
+
+    Raises:
+        RuntimeError: naming the installed litgpt version, the parameters found and those expected.
+    """
+    found = tuple(inspect.signature(main).parameters)
+    if found != tuple(expected):
+        raise RuntimeError(
+            f"litgpt {_litgpt_version()}: {main.__module__}.main takes {found}, lightning_mpx.litgpt passes "
+            f"{tuple(expected)} (litgpt 0.21's); this litgpt version is not supported by lightning_mpx.litgpt: build "
+            "the Fabric by hand as examples/fabric_litgpt_lora.py does"
+        )
+
+
+def _bind(setup: Any, checkpoint_dir: Path | str, setup_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """litgpt's ``setup`` arguments with its defaults applied; refuses what the opt level replaces."""
+    for name in ("precision", "quantize"):
+        if setup_kwargs.get(name) is not None:
+            raise ValueError(
+                f"{name}={setup_kwargs[name]!r} with an opt level: the FabricMixedPrecisionPlugin sets the precision"
+                + (" (litgpt refuses mixed precision with quantize= too); drop quantize=, or run litgpt's own "
+                   "`litgpt finetune_lora --quantize` without an opt level" if name == "quantize" else
+                   "; pass opt_level= (and mpx_kwargs=) instead of precision=")
+            )  # fmt: skip
+    try:
+        bound = inspect.signature(setup).bind(checkpoint_dir, **setup_kwargs)
+    except TypeError as error:
+        raise TypeError(f"{error}: finetune_lora takes litgpt.finetune.lora.setup's arguments") from None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _flag_value(value: Any) -> str:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, default=_plain)
+
+
+def _plain(value: Any) -> Any:
+    """A value jsonargparse reads back: paths as strings, litgpt's prompt styles by their registered name."""
+    if isinstance(value, Path):
+        return str(value)
+    from litgpt.prompts import prompt_styles
+
+    for name, style in prompt_styles.items():
+        if type(value) is style:
+            return name
+    raise TypeError(f"cannot write {value!r} as a command-line value")
+
+
+def _argv(arguments: dict[str, Any]) -> list[str]:
+    """The ``litgpt finetune_lora`` flags standing for ``arguments`` (without ``precision``/``quantize``)."""
+    argv = [str(arguments["checkpoint_dir"])]
+    for name, value in arguments.items():
+        if name in ("checkpoint_dir", "precision", "quantize") or value is None:
+            continue
+        if name == "data" and dataclasses.is_dataclass(value):
+            init = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
+            value = {"class_path": f"{type(value).__module__}.{type(value).__qualname__}", "init_args": init}
+        elif dataclasses.is_dataclass(value):
+            argv += [f"--{name}.{f.name}={_flag_value(getattr(value, f.name))}" for f in dataclasses.fields(value)]
+            continue
+        argv.append(f"--{name}={_flag_value(value)}")
+    return argv
+
+
+def _recorded_argv(setup: Any, arguments: dict[str, Any]) -> list[str]:
+    """The flags litgpt's ``save_hyperparameters`` will parse (it reads ``sys.argv``): all of ``arguments`` where
+    litgpt's parser reads them back, else the ones ``merge_lora`` needs (checkpoint, LoRA settings), with a warning."""
+    from jsonargparse import capture_parser
+    from litgpt.utils import CLI
+
+    try:
+        argv = _argv(arguments)
+        with contextlib.redirect_stderr(io.StringIO()):
+            capture_parser(lambda: CLI(setup)).parse_args(argv)
+        return argv
+    except (Exception, SystemExit) as error:
+        kept = ("out_dir", "seed", "devices", "num_nodes", "optimizer", "logger_name")
+        essential = {k: v for k, v in arguments.items() if k.startswith("lora_") or k in kept or k == "checkpoint_dir"}
+        warnings.warn(
+            f"hyperparameters.yaml records litgpt's defaults for some arguments ({type(error).__name__}: {error}); "
+            "the checkpoint folder and the LoRA settings merge_lora reads are recorded",
+            stacklevel=3,
+        )
+        return _argv(essential)
+
+
+def _with_litgpt_argv(argv: list[str], main: Callable[..., Any], *args: Any) -> Any:
+    """Run litgpt's ``main`` with ``sys.argv`` as litgpt's own flags (``argv``): its ``save_hyperparameters`` parses
+    ``sys.argv``. Swapped in the launched function, in each process, not around ``fabric.launch``: Fabric's
+    subprocess launcher starts the other ranks from the real ``sys.argv`` (this process's command line)."""
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else "litgpt", *argv]
+    try:
+        return main(*args)
+    finally:
+        sys.argv = saved
+
+
+def finetune_lora(checkpoint_dir: Path | str, *, opt_level: str = "O2", mpx_kwargs: dict[str, Any] | None = None,
+                  **setup_kwargs: Any) -> Any:  # fmt: skip
+    """litgpt's LoRA fine-tuning (``litgpt.finetune.lora.setup``, its arguments and defaults) at ``opt_level``.
+
+    The ``Fabric`` gets ``plugins=[FabricMixedPrecisionPlugin(opt_level, **mpx_kwargs)]`` in place of litgpt's
+    ``precision=``; litgpt's ``main`` trains, validates, saves ``final/lit_model.pth.lora`` (the LoRA weights in FP32:
+    the masters at O2) and merges it into an FP32 ``final/lit_model.pth``. Returns the ``Fabric`` it ran (its
+    ``strategy.precision`` is the plugin); litgpt's ``setup`` returns nothing.
+
+    Raises:
+        ValueError: for ``precision=`` or ``quantize=`` (the opt level sets the precision), or a bad opt level.
+        TypeError: for an argument litgpt's ``setup`` does not take.
+        RuntimeError: when the installed litgpt's ``main`` takes other parameters than litgpt 0.21's.
+    """
+    return _finetune_lora(checkpoint_dir, opt_level, mpx_kwargs, setup_kwargs, None)
+
+
+def _finetune_lora(checkpoint_dir: Path | str, opt_level: str, mpx_kwargs: dict[str, Any] | None,
+                   setup_kwargs: dict[str, Any], argv: list[str] | None) -> Any:  # fmt: skip
+    """:func:`finetune_lora`; ``argv``: the litgpt flags it was given on the command line (recorded as they are)."""
+    from litgpt.finetune import lora
+
+    check_main(lora.main, LORA_MAIN_PARAMETERS)
+    args, plugin, recorded = _arguments(lora.setup, checkpoint_dir, opt_level, mpx_kwargs, setup_kwargs, argv)
+    checkpoint_dir, devices, out_dir = _prepare(args)
+    config = lora.Config.from_file(checkpoint_dir / "model_config.yaml",
+                                   **{k: v for k, v in args.items() if k.startswith("lora_")})  # fmt: skip
+    strategy: Any = "auto"
+    if devices * args["num_nodes"] > 1:
+        from lightning.fabric.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(parallelize_fn=lora.parallelize_fn, tensor_parallel_size=1,
+                                         data_parallel_size=devices * args["num_nodes"])  # fmt: skip
+    fabric = _fabric(args, config, out_dir, devices, strategy, plugin)
+    fabric.launch(functools.partial(_with_litgpt_argv, recorded, lora.main), devices, args["seed"], config,
+                  args["data"], checkpoint_dir, out_dir, args["train"], args["eval"], args["optimizer"],
+                  args["num_nodes"], MERGE_PRECISION)  # fmt: skip
+    return fabric
+
+
+def finetune_full(checkpoint_dir: Path | str, *, opt_level: str = "O2", mpx_kwargs: dict[str, Any] | None = None,
+                  **setup_kwargs: Any) -> Any:  # fmt: skip
+    """litgpt's full fine-tuning (``litgpt.finetune.full.setup``, its arguments and defaults) at ``opt_level``.
+
+    As :func:`finetune_lora`: litgpt's ``main`` trains and saves ``final/lit_model.pth`` (``fabric.save`` of the
+    model: the FP32 masters at O2, as ``"bf16-mixed"``'s FP32 weights). Returns the ``Fabric`` it ran.
+
+    Raises:
+        ValueError: for ``precision=``, a bad opt level, or ``resume=`` with FP32 masters (O2): litgpt's ``main``
+            loads the optimizer's state before the plugin meets the optimizer, which at O2 is refused at the first
+            step (docs/fabric.md, "Checkpoints at O2").
+        TypeError: for an argument litgpt's ``setup`` does not take.
+        RuntimeError: when the installed litgpt's ``main`` takes other parameters than litgpt 0.21's.
+    """
+    return _finetune_full(checkpoint_dir, opt_level, mpx_kwargs, setup_kwargs, None)
+
+
+def _finetune_full(checkpoint_dir: Path | str, opt_level: str, mpx_kwargs: dict[str, Any] | None,
+                   setup_kwargs: dict[str, Any], argv: list[str] | None) -> Any:  # fmt: skip
+    from litgpt.finetune import full
+
+    check_main(full.main, FULL_MAIN_PARAMETERS)
+    args, plugin, recorded = _arguments(full.setup, checkpoint_dir, opt_level, mpx_kwargs, setup_kwargs, argv)
+    if args["resume"] and plugin.amp.properties.master_weights:
+        raise ValueError(
+            f"resume={args['resume']!r} at {opt_level}: litgpt's finetune/full.py main loads the optimizer's state "
+            "before the plugin meets the optimizer (FP32 masters need plugin.setup_optimizers(optimizer) first); "
+            "resume at O1, or write the loop by hand (examples/fabric_litgpt.py)"
+        )
+    checkpoint_dir, devices, out_dir = _prepare(args)
+    config = full.Config.from_file(checkpoint_dir / "model_config.yaml")
+    strategy: Any = "auto"
+    if devices * args["num_nodes"] > 1:
+        from lightning.fabric.strategies import FSDPStrategy
+
+        strategy = FSDPStrategy(auto_wrap_policy={full.Block}, activation_checkpointing_policy={full.Block},
+                                state_dict_type="full", limit_all_gathers=True, cpu_offload=False)  # fmt: skip
+    fabric = _fabric(args, config, out_dir, devices, strategy, plugin, resume=bool(args["resume"]))
+    fabric.launch(functools.partial(_with_litgpt_argv, recorded, full.main), devices, args["resume"], args["seed"],
+                  config, args["data"], checkpoint_dir, out_dir, args["train"], args["eval"], args["optimizer"],
+                  args["num_nodes"])  # fmt: skip
+    return fabric
+
+
+def _arguments(setup: Any, checkpoint_dir: Path | str, opt_level: str, mpx_kwargs: dict[str, Any] | None,  # fmt: skip
+               setup_kwargs: dict[str, Any], argv: list[str] | None) -> tuple[dict[str, Any], Any, list[str]]:
+    """litgpt's ``setup`` arguments, the plugin (a bad opt level fails before any file) and the flags to record."""
+    args = _bind(setup, checkpoint_dir, setup_kwargs)
+    plugin = FabricMixedPrecisionPlugin(opt_level, **(mpx_kwargs or {}))
+    return args, plugin, argv if argv is not None else _recorded_argv(setup, args)
+
+
+def _prepare(args: dict[str, Any]) -> tuple[Path, int, Path]:
+    """What litgpt's ``setup`` does first: the checkpoint folder, the data's default, devices and the output folder."""
+    from litgpt.utils import auto_download_checkpoint, check_valid_checkpoint_dir, init_out_dir, parse_devices
+
+    checkpoint_dir = auto_download_checkpoint(model_name=args["checkpoint_dir"], access_token=args["access_token"])
+    if args["data"] is None:
+        from litgpt.data import Alpaca
+
+        args["data"] = Alpaca()
+    devices = parse_devices(args["devices"])
+    out_dir = init_out_dir(args["out_dir"])
+    check_valid_checkpoint_dir(checkpoint_dir)
+    return checkpoint_dir, devices, out_dir
+
+
+def _fabric(args: dict[str, Any], config: Any, out_dir: Path, devices: int, strategy: Any, plugin: Any,
+            **logger_kwargs: Any) -> Any:  # fmt: skip
+    """litgpt's logger and ``Fabric``, with ``plugins=[plugin]`` in place of ``precision=``."""
+    import lightning as L
+    import torch
+    from litgpt.utils import check_nvlink_connectivity, choose_logger
+
+    logger = choose_logger(args["logger_name"], out_dir, name=f"finetune-{config.name}",
+                           log_interval=args["train"].log_interval, log_args=dataclasses.asdict(args["log"]),
+                           **logger_kwargs)  # fmt: skip
+    fabric = L.Fabric(devices=devices, num_nodes=args["num_nodes"], strategy=strategy, loggers=logger,
+                      plugins=[plugin])  # fmt: skip
+    if torch.cuda.is_available() and devices > 1:
+        check_nvlink_connectivity(fabric)
+    return fabric
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m lightning_mpx.litgpt finetune_lora <checkpoint_dir> --opt_level O2 [litgpt's flags]`` (or
+    ``finetune_full``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours = argparse.ArgumentParser(prog="python -m lightning_mpx.litgpt", add_help=False)
+    ours.add_argument("command", choices=COMMANDS)
+    ours.add_argument("--opt_level", "--opt-level", default="O2")
+    example = '{"half_dtype": "bfloat16"}'
+    ours.add_argument("--mpx_kwargs", "--mpx-kwargs", type=json.loads, default=None,
+                      help=f"FabricMixedPrecisionPlugin keywords as JSON, e.g. '{example}'")
+    if not argv or argv[0] in ("-h", "--help"):
+        ours.print_help()
+        print("\nThen litgpt's own flags: python -m lightning_mpx.litgpt finetune_lora --help (or finetune_full)")
+        return
+    known, rest = ours.parse_known_args(argv)
+
+    from jsonargparse import capture_parser
+    from litgpt.finetune import full, lora
+    from litgpt.utils import CLI
+
+    setup, run = (full.setup, _finetune_full) if known.command == "finetune_full" else (lora.setup, _finetune_lora)
+    parser = capture_parser(lambda: CLI(setup))
+    parser.prog = f"python -m lightning_mpx.litgpt {known.command} [--opt_level O2] [--mpx_kwargs JSON]"
+    config = parser.parse_args(rest)
+    settings = {k: v for k, v in vars(parser.instantiate_classes(config)).items() if k not in ("config", "__path__")}
+    settings = {k: v for k, v in settings.items() if k not in ("precision", "quantize") or v is not None}
+    run(settings.pop("checkpoint_dir"), known.opt_level, known.mpx_kwargs, settings, rest)

@@ -1,0 +1,86 @@
+"""``optimizer.state[p]`` by a model parameter at O2: the entry of its FP32 master.
+
+At O2 an optimizer's groups hold the half model parameters outside the step, and its state is keyed by the FP32
+masters the engine swaps in for the step (:mod:`lightning_mpx.masters.swap`). User code that reads the state by a
+parameter of its groups after a step (transformers' ``AdafactorSchedule.get_lr``: ``opt.state[group["params"][0]]``,
+a log of Adam's ``exp_avg_sq``, Lightning's ``trainer.optimizers[0].state[p]``) would get torch's fresh ``{}``.
+:class:`StateByMasters`, installed per optimizer in place of torch's ``defaultdict(dict)``, overrides only
+``__missing__``: a half parameter with a master gets the master's entry (the same dict: one owner; made empty under
+the master when it has none yet). A hit (torch's own ``self.state[master]`` in the step) costs no Python call.
+``p in optimizer.state``, ``optimizer.state.get(p)``, iteration and ``len`` are torch's (not redirected: torch's
+``_init_group`` calls ``.get`` per parameter per step). A SAM-style optimizer keeps its ``old_p`` under the half
+parameter (docs/master_weights.md), a schedule-free one's ``eval()``/``train()`` called on the half parameters must move
+nothing (the engine redoes them on the masters, :func:`~lightning_mpx.masters.swap.follow_modes`): both keep torch's
+``defaultdict``.
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from typing import Any
+
+import torch
+
+from lightning_mpx.engine.optimizer_state import _OptimizerState
+
+
+class StateByMasters(collections.defaultdict):
+    """An optimizer's ``state`` whose lookup of a half parameter with an FP32 master (absent as a key) returns the
+    master's entry; anything else as torch's ``defaultdict(dict)``. Holds the engine's optimizer state weakly (no
+    cycle optimizer -> state -> engine). Pickles and copies as a plain ``defaultdict(dict)`` of its items.
+
+    Args:
+        owner: The engine's state of the optimizer (its pairs: which master each parameter has).
+        items: The entries of the optimizer's state so far.
+    """
+
+    __slots__ = ("_owner", "_pairs_id", "_index")
+
+    def __init__(self, owner: _OptimizerState, items: Any = ()) -> None:
+        super().__init__(dict, items)
+        self._owner = weakref.ref(owner)
+        self._pairs_id = 0  # id of the pairs list _index was made from
+        self._index: dict[int, int] = {}  # id(half parameter) -> its position in the pairs (ids only: no tensor held)
+
+    def __missing__(self, key: Any) -> Any:
+        owner = self._owner()
+        if owner is not None and isinstance(key, torch.Tensor):
+            pairs = owner.pairs
+            if id(pairs) != self._pairs_id:
+                self._index = {id(p): i for i, (p, m) in enumerate(pairs) if m is not p}
+                self._pairs_id = id(pairs)
+            i = self._index.get(id(key))
+            if i is not None and i < len(pairs) and pairs[i][0] is key:
+                return self[pairs[i][1]]  # the master's entry, made under the master if it has none
+        return super().__missing__(key)
+
+    def __reduce__(self) -> Any:
+        return (collections.defaultdict, (dict,), None, None, iter(self.items()))
+
+    def __copy__(self) -> collections.defaultdict:
+        return collections.defaultdict(dict, self)
+
+
+def key_by_masters(state: _OptimizerState, optimizer: torch.optim.Optimizer) -> None:
+    """Give ``optimizer`` a :class:`StateByMasters` (its entries kept) unless it has one of ``state``'s already; not
+    for a SAM-style optimizer (``state.two_pass``) nor a schedule-free one (``state.train_modes``: its ``eval()`` and
+    ``train()`` on the half parameters must find no state, the engine redoes them on the masters), nor where its
+    ``state`` is not torch's ``defaultdict`` or is shared with an inner optimizer (a wrapper aliasing its base
+    optimizer's state: replacing it would part the two)."""
+    kept = optimizer.state
+    if state.two_pass or state.train_modes is not None or type(kept) not in (collections.defaultdict, StateByMasters):
+        return
+    if kept.default_factory is not dict:
+        return
+    if type(kept) is StateByMasters and kept._owner() is state:
+        return
+    if any((inner := ref()) is not None and inner.state is kept for ref in state.inners):
+        return
+    optimizer.state = StateByMasters(state, kept)
+
+
+def key_by_params(optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer the engine lets go of: torch's plain ``defaultdict(dict)`` back, its entries kept."""
+    if type(optimizer.state) is StateByMasters:
+        optimizer.state = collections.defaultdict(dict, optimizer.state)
