@@ -66,7 +66,8 @@ def test_every_fsdp_precision_method_is_replaced():
     # FSDPPrecision's attribute is a read-only view (ported code reads the scale there); none of the methods above
     # reads it, and one that called scale() on it would be refused, never scale twice.
     with pytest.raises(RuntimeError, match="read-only view"):
-        FabricMixedPrecisionPlugin("O1").scaler.scale(torch.ones(()))
+        FabricMixedPrecisionPlugin("O1", half_dtype="float16").scaler.scale(torch.ones(()))
+    assert FabricMixedPrecisionPlugin("O1", half_dtype="bfloat16").scaler is None  # FSDPPrecision's for "bf16-mixed"
 
 
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])

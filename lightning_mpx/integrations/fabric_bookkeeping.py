@@ -60,13 +60,14 @@ class FabricBookkeeping:
         self.amp.request_telemetry()
 
     @property
-    def scaler(self) -> GradScalerView:
+    def scaler(self) -> GradScalerView | None:
         """Loss 0's scaler as ``torch.amp.GradScaler``'s read API shows it, for code ported from ``"16-mixed"``
         (``fabric._precision.scaler.get_scale()``): a read-only :class:`~lightning_mpx.scaling.view.GradScalerView`
-        of the engine's (``amp.scalers[i]`` for loss ``i``). It stands for ``FSDPPrecision``'s attribute, which none
-        of the plugin's methods reads (each of ``FSDPPrecision``'s is replaced): the engine scales, never a
-        ``ShardedGradScaler``."""
-        return GradScalerView(self, "fabric")
+        of the engine's (``amp.scalers[i]`` for loss ``i``) when its scale is dynamic; ``None`` for a static scale
+        (bfloat16's default unit scale, a fixed ``loss_scale``), as ``"bf16-mixed"``'s. It stands for
+        ``FSDPPrecision``'s attribute, which none of the plugin's methods reads (each of ``FSDPPrecision``'s is
+        replaced): the engine scales, never a ``ShardedGradScaler``."""
+        return GradScalerView(self, "fabric") if self.amp.scalers[0].dynamic else None
 
     def _settled_amp(self) -> Amp:
         """The engine, caught up as at every call (the finished iteration's scale update done)."""
