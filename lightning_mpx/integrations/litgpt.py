@@ -276,6 +276,27 @@ def _fabric(args: dict[str, Any], config: Any, out_dir: Path, devices: int, stra
     return fabric
 
 
+MPX_KWARGS_EXAMPLE = '{"half_dtype": "bfloat16"}'
+
+
+def _mpx_kwargs(text: str) -> dict[str, Any]:
+    """``--mpx_kwargs``'s value: a JSON object (the plugin's keywords), or argparse's error naming the value and an
+    example (``json.loads`` alone says "invalid loads value", and a JSON list failed later at ``**``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not JSON ({error.msg}); pass FabricMixedPrecisionPlugin's keywords as a JSON object, "
+            f"keys and strings in double quotes, e.g. --mpx_kwargs '{MPX_KWARGS_EXAMPLE}'"
+        ) from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is a JSON {type(value).__name__}, not an object; pass FabricMixedPrecisionPlugin's keywords "
+            f"as a JSON object, e.g. --mpx_kwargs '{MPX_KWARGS_EXAMPLE}'"
+        )
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m lightning_mpx.litgpt finetune_lora <checkpoint_dir> --opt_level O2 [litgpt's flags]`` (or
     ``finetune_full``)."""
@@ -283,9 +304,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ours = argparse.ArgumentParser(prog="python -m lightning_mpx.litgpt", add_help=False)
     ours.add_argument("command", choices=COMMANDS)
     ours.add_argument("--opt_level", "--opt-level", default="O2")
-    example = '{"half_dtype": "bfloat16"}'
-    ours.add_argument("--mpx_kwargs", "--mpx-kwargs", type=json.loads, default=None,
-                      help=f"FabricMixedPrecisionPlugin keywords as JSON, e.g. '{example}'")
+    ours.add_argument("--mpx_kwargs", "--mpx-kwargs", type=_mpx_kwargs, default=None,
+                      help=f"FabricMixedPrecisionPlugin keywords as JSON, e.g. '{MPX_KWARGS_EXAMPLE}'")
     if not argv or argv[0] in ("-h", "--help"):
         ours.print_help()
         print("\nThen litgpt's own flags: python -m lightning_mpx.litgpt finetune_lora --help (or finetune_full)")
