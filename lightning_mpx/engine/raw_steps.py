@@ -50,6 +50,13 @@ raw step, refused there (a second write before it is refused at the backward aft
 write over set-up models no registered optimizer holds any parameter of is so noted (a GAN's SAM generator met after
 its discriminator's optimizer); one over part of a held model (a head beside a set-up trunk) is refused at once. At O2
 the masters are made at the first such backward, from the weights before ``first_step``.
+
+The gradients an engine backward leaves on those parameters carry the scale of its loss; nothing rescales them (no
+optimizer's state holds them). An update before their optimizer is registered (a Fabric GAN's read of the scale after
+D's first step, before G's, where the plugin meets G) must not change what they are unscaled by: it keeps, for those
+still as the backward left them, the loss and the scale (:meth:`UnheldParams.carry`, from the notes), and the
+optimizer registered over them later starts with them (:meth:`UnheldParams.settle`), as a registered optimizer's
+pending gradients keep theirs (``_OptimizerState.grad_scale``). Gradients cleared or recomputed since carry nothing.
 """
 
 from __future__ import annotations
@@ -195,6 +202,14 @@ class UnheldParams:
         self.deferred: tuple[torch.Tensor, ...] = ()
         # Whether the half children no optimizer holds were looked for (:meth:`warn_half_children`, once).
         self.looked = False
+        # The gradients the engine's backwards left here, by parameter id: at the last note, (a weak reference to each,
+        # its version); since the last update, the loss of the last backward that made or added to each (``touched``);
+        # across updates, the loss and the scale each still carries (``carried``, :meth:`carry`), which an optimizer
+        # registered over them later starts with (:meth:`settle`), as a registered optimizer's pending gradients keep
+        # theirs (a Fabric GAN's generator, met at its first step after a read of the scale ended the iteration).
+        self.marks: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self.touched: dict[int, int] = {}
+        self.carried: dict[int, tuple[weakref.ref[torch.Tensor], int, int, torch.Tensor]] = {}
 
     def params(self) -> tuple[torch.Tensor, ...]:
         """The parameters, from the live models (once each)."""
@@ -224,7 +239,7 @@ class UnheldParams:
             for param in self.params():
                 master_for(machine.masters.weights, param)
         if scaled is not None and scaled.requires_grad and (masters or not scaler._unit):
-            scaled.register_hook(functools.partial(self._queue, machine.steps_taken, scaler._unit))
+            scaled.register_hook(functools.partial(self._queue, machine.steps_taken, scaler._unit, loss_id))
 
     def warn_half_children(self, machine: Any) -> None:
         """Once, at the first backward where optimizers are registered and FP32 masters exist (O2): warn about the
@@ -344,24 +359,74 @@ class UnheldParams:
                 whole.update(map(id, params))
         return all(id(p) in whole for p in stepped)
 
-    def _queue(self, noted_at: int, half_only: bool, grad: torch.Tensor) -> None:
+    def carry(self, scalers: Sequence[Any]) -> None:
+        """At an update, before the scalers move: the gradients the engine's backwards since the last update left here,
+        still as they left them, keep the scale of their loss (``scalers``: the engine's), for :meth:`settle`; one
+        cleared or written since carries nothing."""
+        touched, self.touched = self.touched, {}
+        if not touched:
+            return
+        scales: dict[int, torch.Tensor] = {}
+        for param in self.params():
+            key = id(param)
+            loss_id = touched.get(key)
+            if loss_id is None or not _kept(self.marks.get(key), param.grad) or not scalers[loss_id].dynamic:
+                continue
+            if loss_id not in scales:
+                scales[loss_id] = scalers[loss_id].scale_tensor.clone()
+            ref, version = self.marks[key]
+            self.carried[key] = (ref, version, loss_id, scales[loss_id])
+
+    def settle(self, state: _OptimizerState, optimizer: torch.optim.Optimizer) -> None:
+        """Where ``optimizer`` is registered: the loss and the scale that the gradients on its parameters carry across
+        an update (:meth:`carry`) become its state's (``loss_id``, ``grad_scale``), so its first step unscales them by
+        the scale they were computed with. (Parameters carrying several losses' gradients: the last one's.)"""
+        carried = self.carried
+        if not carried:
+            return
+        for param in itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)):
+            entry = carried.pop(id(param), None)
+            if entry is not None and _kept(entry[:2], param.grad):
+                state.loss_id, state.grad_scale = entry[2], entry[3]
+
+    def take_over(self, old: UnheldParams) -> None:
+        """Take what ``old`` (the engine's before the registrations changed) knows of the gradients on the parameters
+        that stay unheld: their marks, the losses that touched them, and what they carry."""
+        ids = self.ids
+        self.marks = {k: v for k, v in old.marks.items() if k in ids}
+        self.touched = {k: v for k, v in old.touched.items() if k in ids}
+        self.carried = {k: v for k, v in old.carried.items() if k in ids}
+
+    def _queue(self, noted_at: int, half_only: bool, loss_id: int, grad: torch.Tensor) -> None:
         """The scaled loss's gradient hook: the note is taken when the backward ends, after the callbacks queued during
         it (``_requeue``): DDP's, which gives a rank the all-reduced gradient of a parameter only another rank's
         forward used. Noted before it, which parameters hold a gradient differed between the ranks, and so did the
         refusal: one rank raised while the other went on into the next all-reduce (a hang)."""
-        note = functools.partial(self._note, noted_at, half_only)
+        note = functools.partial(self._note, noted_at, half_only, loss_id)
         torch.autograd.Variable._execution_engine.queue_callback(  # type: ignore[attr-defined]
             functools.partial(_requeue, note)
         )
 
-    def _note(self, noted_at: int, half_only: bool) -> None:
+    def _note(self, noted_at: int, half_only: bool, loss_id: int) -> None:
         params = self.params()
         with torch._C.DisableTorchFunction():  # C-level maps
             versions = tuple(map(_VERSION, params))
-            had = tuple(map(operator.is_not, map(_GRAD, params), itertools.repeat(None)))
+            grads = tuple(map(_GRAD, params))
+            had = tuple(map(operator.is_not, grads, itertools.repeat(None)))
         if self.note is not None and not _same(params, self.note[0]):
             self.suspects = frozenset()  # positions among other parameters
         self.note = params, versions, had, noted_at, half_only
+        # The gradients this backward made or added to carry loss_id's scale (carry); what an update carried for them
+        # before is void (recomputed since).
+        marks, old = {}, self.marks
+        for param, grad in zip(params, grads):
+            if grad is not None:
+                key = id(param)
+                if not _kept(old.get(key), grad):
+                    self.touched[key] = loss_id
+                    self.carried.pop(key, None)
+                marks[key] = (weakref.ref(grad), grad._version)
+        self.marks = marks
 
 
 def find_unheld(models: Any, machine: Any) -> None:
@@ -370,7 +435,7 @@ def find_unheld(models: Any, machine: Any) -> None:
     parameters are the strategy's shards), and ``machine.frozen_writes`` (:func:`watch_frozen`). Also
     ``machine.renormed``: the weights an ``nn.Embedding(max_norm=...)`` renormalises in place at each forward (see
     :func:`refuse_raw_step`)."""
-    machine.unheld, machine.renormed = None, frozenset()
+    old, machine.unheld, machine.renormed = machine.unheld, None, frozenset()
     modules: list[nn.Module] = [] if models.sharded else list(models._unsharded.keys())
     watch_frozen(modules, machine)  # a frozen half teacher written by hand (engine.frozen_writes), looked for once
     if models.sharded:
@@ -391,11 +456,18 @@ def find_unheld(models: Any, machine: Any) -> None:
             ids |= new
     if ids:
         machine.unheld = UnheldParams(owners, frozenset(ids))
+        if old is not None:  # the gradients left on those still unheld, and the scales they carry (carry)
+            machine.unheld.take_over(old)
 
 
 def _requeue(callback: Any) -> None:
     """Queue ``callback`` at the end of the running backward's callbacks (after those queued since: DDP's)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+
+
+def _kept(mark: tuple[weakref.ref[torch.Tensor], int] | None, grad: torch.Tensor | None) -> bool:
+    """Whether ``grad`` is the gradient ``mark`` (a weak reference and a version) noted, not written since."""
+    return mark is not None and grad is not None and mark[0]() is grad and grad._version == mark[1]
 
 
 def _same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
