@@ -148,3 +148,80 @@ def test_core_amp_optimizer_prepared_after_an_update_takes_its_losss_scale() -> 
     late, early = _core(True), _core(False)
     assert _max_error(late, early) < 1e-6
     assert _max_error(late, _core(None)) < 1e-3
+
+
+# -- the cost where nothing is registered late: an optimizer over part of a model whose rest still requires grad -------
+
+
+def _fine_tune(dtype: str, layers: int) -> tuple[Amp, nn.Sequential, Any]:
+    """Core ``Amp`` at O2: an optimizer over the last layer only, the layers before it left requiring grad (a head
+    fine-tuned without freezing the backbone): their gradients, on parameters no optimizer holds, pile up."""
+    torch.manual_seed(0)
+    amp = Amp("O2", half_dtype=dtype)
+    model = amp.prepare_model(nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)]))
+    opt = amp.prepare_optimizer(torch.optim.SGD(model[-1].parameters(), lr=1e-3))
+    x = torch.randn(4, 8)
+
+    def step() -> None:
+        with amp.forward_context():
+            loss = amp.cast_outputs(model(amp.cast_inputs(x))).float().pow(2).mean()
+        amp.backward(loss)
+        amp.step(opt)
+        amp.update()
+        opt.zero_grad()
+
+    return amp, model, step
+
+
+def _engine_calls_per_step(dtype: str, layers: int) -> tuple[float, float]:
+    """Python calls per steady step into engine/raw_steps.py and engine/carried_scales.py (what the unheld
+    parameters cost), and into carried_scales.py alone."""
+    import sys
+
+    _, _, step = _fine_tune(dtype, layers)
+    for _ in range(2):
+        step()
+    counts = [0, 0]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            name = frame.f_code.co_filename
+            counts[0] += name.endswith(("raw_steps.py", "carried_scales.py"))
+            counts[1] += name.endswith("carried_scales.py")
+
+    sys.setprofile(profile)
+    try:
+        for _ in range(4):
+            step()
+    finally:
+        sys.setprofile(None)
+    return counts[0] / 4, counts[1] / 4
+
+
+_UNHELD = pytest.mark.filterwarnings("ignore:.*require grad but no optimizer holds them")
+
+
+@_UNHELD
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_backbone_left_requiring_grad_costs_no_python_call_per_parameter(dtype: str) -> None:
+    """A static scale (bfloat16's) never moves: nothing is kept for a late optimizer, so no step calls into
+    engine/carried_scales.py. A dynamic one (float16): a fixed few calls per step, however many parameters no optimizer
+    holds (C-level maps, not a loop over them)."""
+    shallow, deep = _engine_calls_per_step(dtype, 2), _engine_calls_per_step(dtype, 6)
+    assert shallow[0] == deep[0], (shallow, deep)  # nothing per parameter
+    assert deep[1] == (0 if dtype == "bfloat16" else 2), deep  # float16: the note at the backward, the carry at update
+
+
+@_UNHELD
+def test_zero_grad_frees_the_gradients_no_optimizer_holds_at_a_dynamic_scale() -> None:
+    """What is kept of the gradients on the backbone (to carry their scale) holds none of them: ``zero_grad()`` over
+    the model frees them."""
+    import weakref
+
+    amp, model, step = _fine_tune("float16", 3)
+    for _ in range(3):
+        step()
+    grads = [weakref.ref(p.grad) for p in model[0].parameters()]
+    assert all(ref() is not None for ref in grads)
+    model.zero_grad(set_to_none=True)
+    assert all(ref() is None for ref in grads)

@@ -368,8 +368,8 @@ class StepMachine(UnscalePath):
     # -- step and update ----------------------------------------------------------------------------------------
     def update(self) -> None:
         """Close the iteration: reset every optimizer's stage and update the scalers with the flags counted."""
-        if self.unheld is not None:  # gradients on parameters no optimizer holds yet keep the scale they carry
-            self.unheld.carry(self.scalers)
+        if self.unheld is not None and self.unheld.scales.pending:  # gradients no optimizer holds yet keep their scale
+            self.unheld.scales.carry(self.scalers)
         for state in self.optimizers.values():
             if state.stage is _Stage.UNSCALED:
                 self.record_found(state.found_by_loss)

@@ -54,9 +54,10 @@ the masters are made at the first such backward, from the weights before ``first
 The gradients an engine backward leaves on those parameters carry the scale of its loss; nothing rescales them (no
 optimizer's state holds them). An update before their optimizer is registered (a Fabric GAN's read of the scale after
 D's first step, before G's, where the plugin meets G) must not change what they are unscaled by: it keeps, for those
-still as the backward left them, the loss and the scale (:meth:`UnheldParams.carry`, from the notes), and the
-optimizer registered over them later starts with them (:meth:`UnheldParams.settle`), as a registered optimizer's
-pending gradients keep theirs (``_OptimizerState.grad_scale``). Gradients cleared or recomputed since carry nothing.
+still as the backward left them, the loss and the scale (``CarriedScales.carry``, engine.carried_scales, from the
+notes of dynamic losses), and the optimizer registered over them later starts with them (:meth:`UnheldParams.settle`),
+as a registered optimizer's pending gradients keep theirs (``_OptimizerState.grad_scale``). Gradients cleared or
+recomputed since carry nothing. A static scale never moves: nothing is kept.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
+from lightning_mpx.engine.carried_scales import CarriedScales
 from lightning_mpx.engine.frozen_writes import warn_half_ema, watch_frozen
 from lightning_mpx.engine.optimizer_state import _OptimizerState
 from lightning_mpx.masters.pairs import master_for
@@ -202,14 +204,9 @@ class UnheldParams:
         self.deferred: tuple[torch.Tensor, ...] = ()
         # Whether the half children no optimizer holds were looked for (:meth:`warn_half_children`, once).
         self.looked = False
-        # The gradients the engine's backwards left here, by parameter id: at the last note, (a weak reference to each,
-        # its version); since the last update, the loss of the last backward that made or added to each (``touched``);
-        # across updates, the loss and the scale each still carries (``carried``, :meth:`carry`), which an optimizer
-        # registered over them later starts with (:meth:`settle`), as a registered optimizer's pending gradients keep
-        # theirs (a Fabric GAN's generator, met at its first step after a read of the scale ended the iteration).
-        self.marks: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
-        self.touched: dict[int, int] = {}
-        self.carried: dict[int, tuple[weakref.ref[torch.Tensor], int, int, torch.Tensor]] = {}
+        # The gradients the engine's backwards of dynamic losses left here, and the scale each carries across an update,
+        # which an optimizer registered over them later starts with (engine.carried_scales; a Fabric GAN's generator).
+        self.scales = CarriedScales()
 
     def params(self) -> tuple[torch.Tensor, ...]:
         """The parameters, from the live models (once each)."""
@@ -239,7 +236,8 @@ class UnheldParams:
             for param in self.params():
                 master_for(machine.masters.weights, param)
         if scaled is not None and scaled.requires_grad and (masters or not scaler._unit):
-            scaled.register_hook(functools.partial(self._queue, machine.steps_taken, scaler._unit, loss_id))
+            dynamic = loss_id if scaler.dynamic else None  # the gradients' scale recorded (CarriedScales) or not
+            scaled.register_hook(functools.partial(self._queue, machine.steps_taken, scaler._unit, dynamic))
 
     def warn_half_children(self, machine: Any) -> None:
         """Once, at the first backward where optimizers are registered and FP32 masters exist (O2): warn about the
@@ -359,55 +357,28 @@ class UnheldParams:
                 whole.update(map(id, params))
         return all(id(p) in whole for p in stepped)
 
-    def carry(self, scalers: Sequence[Any]) -> None:
-        """At an update, before the scalers move: the gradients the engine's backwards since the last update left here,
-        still as they left them, keep the scale of their loss (``scalers``: the engine's), for :meth:`settle`; one
-        cleared or written since carries nothing."""
-        touched, self.touched = self.touched, {}
-        if not touched:
-            return
-        scales: dict[int, torch.Tensor] = {}
-        for param in self.params():
-            key = id(param)
-            loss_id = touched.get(key)
-            if loss_id is None or not _kept(self.marks.get(key), param.grad) or not scalers[loss_id].dynamic:
-                continue
-            if loss_id not in scales:
-                scales[loss_id] = scalers[loss_id].scale_tensor.clone()
-            ref, version = self.marks[key]
-            self.carried[key] = (ref, version, loss_id, scales[loss_id])
-
     def settle(self, state: _OptimizerState, optimizer: torch.optim.Optimizer) -> None:
         """Where ``optimizer`` is registered: the loss and the scale that the gradients on its parameters carry across
-        an update (:meth:`carry`) become its state's (``loss_id``, ``grad_scale``), so its first step unscales them by
-        the scale they were computed with. (Parameters carrying several losses' gradients: the last one's.)"""
-        carried = self.carried
-        if not carried:
-            return
-        for param in itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)):
-            entry = carried.pop(id(param), None)
-            if entry is not None and _kept(entry[:2], param.grad):
-                state.loss_id, state.grad_scale = entry[2], entry[3]
+        an update become its state's (:meth:`CarriedScales.settle`)."""
+        if self.scales.records:
+            self.scales.settle(state, list(itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups))))
 
     def take_over(self, old: UnheldParams) -> None:
-        """Take what ``old`` (the engine's before the registrations changed) knows of the gradients on the parameters
-        that stay unheld: their marks, the losses that touched them, and what they carry."""
-        ids = self.ids
-        self.marks = {k: v for k, v in old.marks.items() if k in ids}
-        self.touched = {k: v for k, v in old.touched.items() if k in ids}
-        self.carried = {k: v for k, v in old.carried.items() if k in ids}
+        """Take what ``old`` (the engine's before the registrations changed) knows of the gradients left here."""
+        self.scales = old.scales
 
-    def _queue(self, noted_at: int, half_only: bool, loss_id: int, grad: torch.Tensor) -> None:
+    def _queue(self, noted_at: int, half_only: bool, loss_id: int | None, grad: torch.Tensor) -> None:
         """The scaled loss's gradient hook: the note is taken when the backward ends, after the callbacks queued during
         it (``_requeue``): DDP's, which gives a rank the all-reduced gradient of a parameter only another rank's
         forward used. Noted before it, which parameters hold a gradient differed between the ranks, and so did the
-        refusal: one rank raised while the other went on into the next all-reduce (a hang)."""
+        refusal: one rank raised while the other went on into the next all-reduce (a hang). ``loss_id``: the loss's,
+        where its scale is dynamic (the gradients recorded, :class:`CarriedScales`); ``None`` where it is static."""
         note = functools.partial(self._note, noted_at, half_only, loss_id)
         torch.autograd.Variable._execution_engine.queue_callback(  # type: ignore[attr-defined]
             functools.partial(_requeue, note)
         )
 
-    def _note(self, noted_at: int, half_only: bool, loss_id: int) -> None:
+    def _note(self, noted_at: int, half_only: bool, loss_id: int | None) -> None:
         params = self.params()
         with torch._C.DisableTorchFunction():  # C-level maps
             versions = tuple(map(_VERSION, params))
@@ -416,17 +387,8 @@ class UnheldParams:
         if self.note is not None and not _same(params, self.note[0]):
             self.suspects = frozenset()  # positions among other parameters
         self.note = params, versions, had, noted_at, half_only
-        # The gradients this backward made or added to carry loss_id's scale (carry); what an update carried for them
-        # before is void (recomputed since).
-        marks, old = {}, self.marks
-        for param, grad in zip(params, grads):
-            if grad is not None:
-                key = id(param)
-                if not _kept(old.get(key), grad):
-                    self.touched[key] = loss_id
-                    self.carried.pop(key, None)
-                marks[key] = (weakref.ref(grad), grad._version)
-        self.marks = marks
+        if loss_id is not None:  # a dynamic scale: the gradients this backward made or added to carry it
+            self.scales.note(params, grads, had, loss_id)
 
 
 def find_unheld(models: Any, machine: Any) -> None:
@@ -463,11 +425,6 @@ def find_unheld(models: Any, machine: Any) -> None:
 def _requeue(callback: Any) -> None:
     """Queue ``callback`` at the end of the running backward's callbacks (after those queued since: DDP's)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
-
-
-def _kept(mark: tuple[weakref.ref[torch.Tensor], int] | None, grad: torch.Tensor | None) -> bool:
-    """Whether ``grad`` is the gradient ``mark`` (a weak reference and a version) noted, not written since."""
-    return mark is not None and grad is not None and mark[0]() is grad and grad._version == mark[1]
 
 
 def _same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
