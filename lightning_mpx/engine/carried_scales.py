@@ -81,18 +81,19 @@ class CarriedScales:
     def settle(self, state: Any, params: Sequence[torch.Tensor]) -> None:
         """Where an optimizer over ``params`` is registered: the loss and the scale that the gradients on them carry
         across an update become its state's (``loss_id``, ``grad_scale``), so its first step unscales them by the scale
-        they were computed with. (Parameters carrying several losses' gradients: the last one's.)"""
+        they were computed with. (Parameters carrying several losses' gradients: the last one's.) The last record of a
+        parameter decides, whatever was done to its gradient since without an engine backward (scaled in place,
+        replaced by a copy: still at the scale it was computed with, as a registered optimizer's pending gradients keep
+        theirs); a gradient cleared and computed again by an engine backward has a later record."""
         records = self.records
         if not any(record[4] is not None for record in records):
             return
         for param in params:
-            grad, key = param.grad, id(param)
-            if grad is None:
+            key = id(param)
+            if param.grad is None:
                 continue
-            for loss_id, ids, refs, versions, scale in reversed(records):
+            for loss_id, ids, _refs, _versions, scale in reversed(records):
                 if key in ids:
-                    at = ids.index(key)
-                    if refs[at]() is grad and grad._version == versions[at]:
-                        if scale is not None:  # else computed since the last update: at the scale the state reads
-                            state.loss_id, state.grad_scale = loss_id, scale
-                        break
+                    if scale is not None:  # else computed since the last update: at the scale the state reads
+                        state.loss_id, state.grad_scale = loss_id, scale
+                    break
