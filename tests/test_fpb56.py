@@ -187,6 +187,10 @@ class _Habits(pl.LightningModule):
 def test_model_side_habits_and_model_pruning_made_permanent_train_as_lightnings_precision(
     opt_level: str, half_dtype: str, reference: str
 ) -> None:
+    if opt_level == "O2" and torch.__version__ < (2, 13):
+        pytest.skip("torch 2.11's CPU uniform_ draws other values into a bfloat16 tensor than into a float32 one from "
+                    "the same seed (2.13 draws the same, rounded): the head's reset_parameters() on O2's bfloat16 "
+                    "weights starts from another init than bf16-mixed's FP32 head")
     from lightning.pytorch.callbacks import ModelPruning
 
     def fit(**precision: Any) -> dict[str, torch.Tensor]:

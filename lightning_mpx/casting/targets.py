@@ -175,7 +175,8 @@ def cast_model_inputs(policy: Any, data: Any, dtype: torch.dtype) -> Any:
     else:
         noted = []
         data = _cast_collection(data, dtype, (torch.float32, torch.float64), noted)
-        eager = bool(noted) and not (_dynamo_compiling() or _COMPILER._is_compiling_flag)  # asked when cast
+        # Asked when cast. `if noted`, not bool(noted): dynamo of torch 2.11 cannot trace bool() of a list (a break).
+        eager = not (_dynamo_compiling() or _COMPILER._is_compiling_flag) if noted else False
     # Nothing cast (token ids in a tuple): no call. Else, in one call, each half tensor carries its source and the
     # policy holds a note of it (remember(noted, share=False) and _hold(policy._noted, noted) in one); nothing under
     # torch.compile (as remember).

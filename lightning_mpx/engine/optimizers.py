@@ -206,6 +206,8 @@ class StepMachine(UnscalePath):
             # davda54's second_step (its base step called directly) refused at the call, before any write
             guard = BaseStepGuard(state, self.scalers, with_masters, _SAM_FIX)
             state.hooks.append(base.register_step_pre_hook(guard))
+        if self.unheld is not None:  # gradients on its parameters left before it was known keep their scale
+            self.unheld.settle(state, optimizer)
         self.optimizers[key] = state
         weakref.finalize(optimizer, self.optimizers.pop, key, None)
 
@@ -369,6 +371,8 @@ class StepMachine(UnscalePath):
     # -- step and update ----------------------------------------------------------------------------------------
     def update(self) -> None:
         """Close the iteration: reset every optimizer's stage and update the scalers with the flags counted."""
+        if self.unheld is not None and self.unheld.scales.pending:  # gradients no optimizer holds yet keep their scale
+            self.unheld.scales.carry(self.scalers)
         for state in self.optimizers.values():
             if state.stage is _Stage.UNSCALED:
                 self.record_found(state.found_by_loss)

@@ -50,6 +50,14 @@ raw step, refused there (a second write before it is refused at the backward aft
 write over set-up models no registered optimizer holds any parameter of is so noted (a GAN's SAM generator met after
 its discriminator's optimizer); one over part of a held model (a head beside a set-up trunk) is refused at once. At O2
 the masters are made at the first such backward, from the weights before ``first_step``.
+
+The gradients an engine backward leaves on those parameters carry the scale of its loss; nothing rescales them (no
+optimizer's state holds them). An update before their optimizer is registered (a Fabric GAN's read of the scale after
+D's first step, before G's, where the plugin meets G) must not change what they are unscaled by: it keeps, for those
+still as the backward left them, the loss and the scale (``CarriedScales.carry``, engine.carried_scales, from the
+notes of dynamic losses), and the optimizer registered over them later starts with them (:meth:`UnheldParams.settle`),
+as a registered optimizer's pending gradients keep theirs (``_OptimizerState.grad_scale``). Gradients cleared or
+recomputed since carry nothing. A static scale never moves: nothing is kept.
 """
 
 from __future__ import annotations
@@ -63,6 +71,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
+from lightning_mpx.engine.carried_scales import CarriedScales
 from lightning_mpx.engine.frozen_writes import warn_half_ema, watch_frozen
 from lightning_mpx.engine.optimizer_state import _OptimizerState
 from lightning_mpx.masters.pairs import master_for
@@ -195,6 +204,9 @@ class UnheldParams:
         self.deferred: tuple[torch.Tensor, ...] = ()
         # Whether the half children no optimizer holds were looked for (:meth:`warn_half_children`, once).
         self.looked = False
+        # The gradients the engine's backwards of dynamic losses left here, and the scale each carries across an update,
+        # which an optimizer registered over them later starts with (engine.carried_scales; a Fabric GAN's generator).
+        self.scales = CarriedScales()
 
     def params(self) -> tuple[torch.Tensor, ...]:
         """The parameters, from the live models (once each)."""
@@ -224,7 +236,8 @@ class UnheldParams:
             for param in self.params():
                 master_for(machine.masters.weights, param)
         if scaled is not None and scaled.requires_grad and (masters or not scaler._unit):
-            scaled.register_hook(functools.partial(self._queue, machine.steps_taken, scaler._unit))
+            dynamic = loss_id if scaler.dynamic else None  # the gradients' scale recorded (CarriedScales) or not
+            scaled.register_hook(functools.partial(self._queue, machine.steps_taken, scaler._unit, dynamic))
 
     def warn_half_children(self, machine: Any) -> None:
         """Once, at the first backward where optimizers are registered and FP32 masters exist (O2): warn about the
@@ -344,24 +357,38 @@ class UnheldParams:
                 whole.update(map(id, params))
         return all(id(p) in whole for p in stepped)
 
-    def _queue(self, noted_at: int, half_only: bool, grad: torch.Tensor) -> None:
+    def settle(self, state: _OptimizerState, optimizer: torch.optim.Optimizer) -> None:
+        """Where ``optimizer`` is registered: the loss and the scale that the gradients on its parameters carry across
+        an update become its state's (:meth:`CarriedScales.settle`)."""
+        if self.scales.records:
+            self.scales.settle(state, list(itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups))))
+
+    def take_over(self, old: UnheldParams) -> None:
+        """Take what ``old`` (the engine's before the registrations changed) knows of the gradients left here."""
+        self.scales = old.scales
+
+    def _queue(self, noted_at: int, half_only: bool, loss_id: int | None, grad: torch.Tensor) -> None:
         """The scaled loss's gradient hook: the note is taken when the backward ends, after the callbacks queued during
         it (``_requeue``): DDP's, which gives a rank the all-reduced gradient of a parameter only another rank's
         forward used. Noted before it, which parameters hold a gradient differed between the ranks, and so did the
-        refusal: one rank raised while the other went on into the next all-reduce (a hang)."""
-        note = functools.partial(self._note, noted_at, half_only)
+        refusal: one rank raised while the other went on into the next all-reduce (a hang). ``loss_id``: the loss's,
+        where its scale is dynamic (the gradients recorded, :class:`CarriedScales`); ``None`` where it is static."""
+        note = functools.partial(self._note, noted_at, half_only, loss_id)
         torch.autograd.Variable._execution_engine.queue_callback(  # type: ignore[attr-defined]
             functools.partial(_requeue, note)
         )
 
-    def _note(self, noted_at: int, half_only: bool) -> None:
+    def _note(self, noted_at: int, half_only: bool, loss_id: int | None) -> None:
         params = self.params()
         with torch._C.DisableTorchFunction():  # C-level maps
             versions = tuple(map(_VERSION, params))
-            had = tuple(map(operator.is_not, map(_GRAD, params), itertools.repeat(None)))
+            grads = tuple(map(_GRAD, params))
+            had = tuple(map(operator.is_not, grads, itertools.repeat(None)))
         if self.note is not None and not _same(params, self.note[0]):
             self.suspects = frozenset()  # positions among other parameters
         self.note = params, versions, had, noted_at, half_only
+        if loss_id is not None:  # a dynamic scale: the gradients this backward made or added to carry it
+            self.scales.note(params, grads, had, loss_id)
 
 
 def find_unheld(models: Any, machine: Any) -> None:
@@ -370,7 +397,7 @@ def find_unheld(models: Any, machine: Any) -> None:
     parameters are the strategy's shards), and ``machine.frozen_writes`` (:func:`watch_frozen`). Also
     ``machine.renormed``: the weights an ``nn.Embedding(max_norm=...)`` renormalises in place at each forward (see
     :func:`refuse_raw_step`)."""
-    machine.unheld, machine.renormed = None, frozenset()
+    old, machine.unheld, machine.renormed = machine.unheld, None, frozenset()
     modules: list[nn.Module] = [] if models.sharded else list(models._unsharded.keys())
     watch_frozen(modules, machine)  # a frozen half teacher written by hand (engine.frozen_writes), looked for once
     if models.sharded:
@@ -391,6 +418,8 @@ def find_unheld(models: Any, machine: Any) -> None:
             ids |= new
     if ids:
         machine.unheld = UnheldParams(owners, frozenset(ids))
+        if old is not None:  # the gradients left on those still unheld, and the scales they carry (carry)
+            machine.unheld.take_over(old)
 
 
 def _requeue(callback: Any) -> None:

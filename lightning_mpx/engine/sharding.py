@@ -88,12 +88,17 @@ def gathered_params(module: nn.Module) -> dict[int, str]:
     parameter each stands for: tensors an optimizer must not hold (FSDP moves the gradients to the shards, so a
     gathered parameter never gets one, and what a step wrote to it is overwritten by the next gather).
 
-    This reads FSDP2's private ``FSDPParam._unsharded_param`` (and finds nothing where a torch lacks it).
+    This reads FSDP2's private ``FSDPParam._unsharded_param`` (and finds nothing where a torch lacks it); a unit's
+    state holds its groups as ``_fsdp_param_groups`` (torch 2.13) or its one group as ``_fsdp_param_group`` (2.11).
     """
     names = {}
     for unit in _fsdp2_units(module):
         state = unit._get_fsdp_state()  # type: ignore[operator]
-        for group in getattr(state, "_fsdp_param_groups", ()):
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = () if group is None else (group,)
+        for group in groups:
             for fsdp_param in getattr(group, "fsdp_params", ()):
                 gathered = getattr(fsdp_param, "_unsharded_param", None)
                 if gathered is not None:

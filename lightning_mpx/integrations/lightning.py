@@ -356,8 +356,8 @@ class MixedPrecisionPlugin(ModelSetup, GradientClipping, CheckpointHooks, FSDPPr
         """Loss 0's scaler as ``torch.amp.GradScaler``'s read API shows it, for code ported from ``"16-mixed"``
         (``self.trainer.precision_plugin.scaler.get_scale()``, ``trainer.scaler.state_dict()``): a read-only
         :class:`~lightning_mpx.scaling.view.GradScalerView` of the engine's (``amp.scalers[i]`` for loss ``i``) when
-        its scale is dynamic; ``None`` for a static scale (bfloat16's default unit scale, a fixed ``loss_scale``), as
-        ``"bf16-mixed"``'s, so ``if trainer.scaler is not None:`` takes the same branch."""
+        its scale is dynamic; ``None`` for a static scale (bfloat16's default, a fixed ``loss_scale``), as
+        ``"bf16-mixed"``'s."""
         return GradScalerView(self, "trainer") if self.amp.scalers[0].dynamic else None
 
     def _settled_amp(self) -> Amp:

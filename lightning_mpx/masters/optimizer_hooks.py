@@ -122,7 +122,7 @@ class MasterHooks:
                 machine.forget_writes()  # a load's write, no raw step
 
     def refuse_direct_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.state.swapped is None:
+        if self.state.swapped is None and not state_making_step(optimizer):
             raise RuntimeError(
                 "optimizer.step() was called on an optimizer prepared by lightning_mpx with FP32 master weights, "
                 "outside Amp.step(): its groups hold the half model parameters and their gradients are still "
@@ -131,6 +131,22 @@ class MasterHooks:
                 "self.optimizers(use_pl_optimizer=False), whose step bypasses the plugin)."
             )
 
+
+def state_making_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether this direct ``step()`` is ``torch.distributed.checkpoint``'s ``_init_optim_state`` (its
+    ``get_state_dict``/``set_state_dict`` of an optimizer without state): no state, every ``lr`` 0 and every gradient
+    zero. Its gradients are dropped so the step does nothing: state made on the half parameters would be half and
+    kept by them (the state dict then has no state, as a stateless optimizer's; a load gives the masters theirs)."""
+    if optimizer.state:
+        return False
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(float(group.get("lr", 0.0)) != 0.0 for group in optimizer.param_groups):
+        return False
+    if not all(p.grad is not None and not p.grad.any() for p in params if p.requires_grad):
+        return False
+    for p in params:
+        p.grad = None
+    return True
 
 
 def masters_for_loaded(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any], masters: Masters) -> bool:

@@ -7,6 +7,7 @@ a log of Adam's ``exp_avg_sq``, Lightning's ``trainer.optimizers[0].state[p]``) 
 :class:`StateByMasters`, installed per optimizer in place of torch's ``defaultdict(dict)``, overrides only
 ``__missing__``: a half parameter with a master gets the master's entry (the same dict: one owner; made empty under
 the master when it has none yet). A hit (torch's own ``self.state[master]`` in the step) costs no Python call.
+``del optimizer.state[p]`` and ``optimizer.state.pop(p)`` (a reset of ``p``'s moments) remove the master's entry.
 ``p in optimizer.state``, ``optimizer.state.get(p)``, iteration and ``len`` are torch's (not redirected: torch's
 ``_init_group`` calls ``.get`` per parameter per step). A SAM-style optimizer keeps its ``old_p`` under the half
 parameter (docs/master_weights.md), a schedule-free one's ``eval()``/``train()`` called on the half parameters must move
@@ -44,16 +45,32 @@ class StateByMasters(collections.defaultdict):
         self._index: dict[int, int] = {}  # id(half parameter) -> its position in the pairs (ids only: no tensor held)
 
     def __missing__(self, key: Any) -> Any:
-        owner = self._owner()
-        if owner is not None and isinstance(key, torch.Tensor):
-            pairs = owner.pairs
-            if id(pairs) != self._pairs_id:
-                self._index = {id(p): i for i, (p, m) in enumerate(pairs) if m is not p}
-                self._pairs_id = id(pairs)
-            i = self._index.get(id(key))
-            if i is not None and i < len(pairs) and pairs[i][0] is key:
-                return self[pairs[i][1]]  # the master's entry, made under the master if it has none
+        master = self._master(key)
+        if master is not None:
+            return self[master]  # the master's entry, made under the master if it has none
         return super().__missing__(key)
+
+    def __delitem__(self, key: Any) -> None:
+        """``del optimizer.state[p]`` (a reset of ``p``'s moments) by a half parameter deletes its master's entry."""
+        master = self._master(key) if key not in self else None
+        super().__delitem__(master if master is not None else key)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        """``optimizer.state.pop(p, None)`` by a half parameter pops its master's entry (a reset, as torch's)."""
+        master = self._master(key) if key not in self else None
+        return super().pop(master if master is not None else key, *default)
+
+    def _master(self, key: Any) -> torch.Tensor | None:
+        """The FP32 master of ``key`` when it is a half parameter of the optimizer's pairs, else ``None``."""
+        owner = self._owner()
+        if owner is None or not isinstance(key, torch.Tensor):
+            return None
+        pairs = owner.pairs
+        if id(pairs) != self._pairs_id:
+            self._index = {id(p): i for i, (p, m) in enumerate(pairs) if m is not p}
+            self._pairs_id = id(pairs)
+        i = self._index.get(id(key))
+        return pairs[i][1] if i is not None and i < len(pairs) and pairs[i][0] is key else None
 
     def __reduce__(self) -> Any:
         return (collections.defaultdict, (dict,), None, None, iter(self.items()))
