@@ -56,7 +56,7 @@ class Regressor(pl.LightningModule):
         kind = self.model_kind
         pred = self.forward(x) if kind == "flat_forward" else self.net(x) if kind == "tokens_net" else self(x)
         self.seen.update({f"{step}:x:{x.dtype}", f"{step}:y:{y.dtype}", f"{step}:pred:{pred.dtype}"})
-        return F.mse_loss(pred.float(), y)
+        return F.mse_loss(pred.float(), y.float())  # torch 2.11's mse_loss backward refuses a bfloat16 target
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self._loss(batch, "train")

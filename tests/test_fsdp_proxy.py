@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE, O2 = "lightning-bf16-mixed", "mpx-O2-bf16"
@@ -70,10 +71,16 @@ def test_fsdp_and_lightning_collectives_are_counted_as_others(result):
     per-step broadcast are found, called from FSDP and Lightning, in both rows; ``shard_model`` makes FSDP do exactly
     what the reference's ``fully_shard`` defaults do (the root stays gathered from its forward to its backward: 7
     all-gathers in the forward, the 6 blocks again in the backward; one more with the root resharded)."""
+    # torch 2.13's FSDP2 calls ``dist.reduce_scatter_single``/``all_gather_single``; 2.11's (the GPU machines')
+    # ``reduce_scatter_tensor``/``all_gather_into_tensor``: the same collectives under their older names.
+    newer = hasattr(torch.distributed, "reduce_scatter_single")
+    scatter, gather = (
+        ("reduce_scatter_single", "all_gather_single") if newer else ("reduce_scatter_tensor", "all_gather_into_tensor")
+    )
     for variant in (REFERENCE, O2):
         others = _row(result, variant)["other_collectives"]
-        assert others["reduce_scatter_single"] == 7
-        assert others["all_gather_single"] == 13
+        assert others[scatter] == 7, others
+        assert others[gather] == 13, others
         assert others["broadcast"] == 1  # Lightning's SIGTERM check
     callers = _row(result, REFERENCE)["collective_callers"]
     assert all(("/fsdp/" in k) or k.startswith("broadcast <- lightning/") for k in callers), callers

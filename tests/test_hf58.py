@@ -120,6 +120,9 @@ def test_schedule_free_optimizer_evaluates_and_saves_at_the_averaged_point(tmp_p
     assert _distance(saved, native_saved) < _distance(at_train_point, native_saved) / 2
 
 
+@pytest.mark.skipif(torch.__version__ < (2, 13), reason="torch < 2.13's uniform_ draws other values into bfloat16 "
+                    "than float32 from one seed: NEFTune's noise (uniform_ on the embeddings' output, bfloat16 at O2, "
+                    "float32 under bf16=True) differs, so the losses cannot follow bf16's")
 def test_trainer_habits_follow_bf16(tmp_path):
     """Label smoothing, NEFTune, non-reentrant gradient checkpointing, accumulation 2 with ``max_grad_norm=1.0``;
     ``evaluate()``/``predict()`` before any training, then ``train()`` twice on one Trainer: the losses, the

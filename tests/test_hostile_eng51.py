@@ -167,6 +167,9 @@ def test_complex_parameters_under_fsdp2_and_ddp_train_as_on_one_process(tmp_path
     for rank in rank_results(tmp_path):
         for level, how in (("O1", "fsdp2"), ("O3", "fsdp2"), ("O2", "ddp")):
             got, want = rank[f"{level}/{how}"], rank[f"{level}/one"]
+            if how == "fsdp2" and torch.__version__ < (2, 13):  # 2.11's FSDP2 would drop the imaginary part: refused
+                assert got["error"].startswith("ValueError: shard_model: the unit '<root>' holds complex"), got
+                continue
             assert "error" not in got, got
             assert got["phase_dtype"] == "torch.complex64" and got["skipped"] == want["skipped"] == [False, True, False]
             torch.testing.assert_close(torch.tensor(got["phase"]), torch.tensor(want["phase"]), rtol=0, atol=2e-4)

@@ -184,7 +184,12 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+_OLD_RNG = pytest.mark.skipif(torch.__version__ < (2, 13), reason="torch < 2.13's uniform_ draws other values into "
+                              "bfloat16 (O2's weights) than float32 (bf16-mixed's) from one seed: reset_parameters"
+                              " differs")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=_OLD_RNG) if c == "reset_parameters" else c for c in CASES])
 def test_writes_that_are_no_ema_are_not_warned_and_end_as_bf16_mixed(case: str) -> None:
     make, after, kwargs = CASES[case]
     messages, ours = _loop(make(), True, after, **kwargs)

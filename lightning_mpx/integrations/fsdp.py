@@ -280,6 +280,15 @@ def _complex_unit_policy(unit: nn.Module, policy: MixedPrecisionPolicy, names: d
             "ones; FSDP2 shards a unit's parameters as one buffer of one dtype. Give them units of their own: pass "
             "the modules of the real parameters (or of the complex ones) in blocks=."
         )
+    if policy.param_dtype is not None and torch.__version__ < (2, 13):
+        # torch 2.13's FSDP2 gathers a non-floating parameter as it is; 2.11's casts it to the policy's real
+        # ``param_dtype``, silently dropping the imaginary part (2.12 not checked).
+        raise ValueError(
+            f"shard_model: the unit {names.get(id(unit)) or '<root>'!r} holds complex parameters "
+            f"({', '.join(complex_names)}), which torch {torch.__version__}'s FSDP2 would gather as "
+            f"{dtype_name(policy.param_dtype)}, dropping their imaginary parts; torch>=2.13 gathers them as they are. "
+            "Upgrade torch, or keep the complex parameters out of shard_model (DDP trains them)."
+        )
     return dataclasses.replace(policy, reduce_dtype=None)  # FSDP gathers a complex parameter as it is already
 
 
