@@ -5,7 +5,8 @@
 built with ``plugins=[FabricMixedPrecisionPlugin(opt_level, **mpx_kwargs)]`` instead of ``precision=``; it does what
 that ``setup`` does before ``fabric.launch`` (checkpoint folder, LoRA config, logger, strategy) and then launches
 litgpt's own ``main`` (its ``fit``, validation, LoRA save and ``merge_lora``), nothing of litgpt patched.
-:func:`finetune_full` does the same for ``litgpt.finetune.full``.
+:func:`finetune_full` does the same for ``litgpt.finetune.full``, :func:`pretrain` for ``litgpt.pretrain``. Each
+adds the plugin's ``mpx/*`` metrics to the training records litgpt logs (:func:`log_mpx_metrics`).
 
 ``python -m lightning_mpx.litgpt finetune_lora|finetune_full <checkpoint_dir> --opt_level O2 [litgpt's flags]`` is
 the command line: litgpt's own parser (``--config`` YAMLs included) with ``--opt_level`` and ``--mpx_kwargs`` (a JSON
