@@ -5,7 +5,8 @@
 built with ``plugins=[FabricMixedPrecisionPlugin(opt_level, **mpx_kwargs)]`` instead of ``precision=``; it does what
 that ``setup`` does before ``fabric.launch`` (checkpoint folder, LoRA config, logger, strategy) and then launches
 litgpt's own ``main`` (its ``fit``, validation, LoRA save and ``merge_lora``), nothing of litgpt patched.
-:func:`finetune_full` does the same for ``litgpt.finetune.full``.
+:func:`finetune_full` does the same for ``litgpt.finetune.full``, :func:`pretrain` for ``litgpt.pretrain``. Each
+adds the plugin's ``mpx/*`` metrics to the training records litgpt logs (:func:`log_mpx_metrics`).
 
 ``python -m lightning_mpx.litgpt finetune_lora|finetune_full <checkpoint_dir> --opt_level O2 [litgpt's flags]`` is
 the command line: litgpt's own parser (``--config`` YAMLs included) with ``--opt_level`` and ``--mpx_kwargs`` (a JSON
@@ -23,6 +24,7 @@ import io
 import json
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from importlib.metadata import version
 from pathlib import Path
@@ -39,7 +41,11 @@ MERGE_PRECISION = "32-true"
 # litgpt's ``finetune/full.py`` ``main`` (litgpt 0.21).
 FULL_MAIN_PARAMETERS = ("fabric", "devices", "resume", "seed", "config", "data", "checkpoint_dir", "out_dir", "train",
                         "eval", "optimizer", "num_nodes")  # fmt: skip
-COMMANDS = ("finetune_lora", "finetune", "finetune_full")
+# litgpt's ``pretrain.py`` ``main``: its ``setup`` calls ``fabric.launch()`` and then ``main``.
+PRETRAIN_MAIN_PARAMETERS = ("fabric", "devices", "seed", "initial_checkpoint_dir", "resume", "config", "data",
+                            "out_dir", "tokenizer_dir", "tokenizer", "train", "eval", "optimizer",
+                            "num_nodes")  # fmt: skip
+COMMANDS = ("finetune_lora", "finetune", "finetune_full", "pretrain")
 
 
 def _litgpt_version() -> str:
@@ -77,7 +83,7 @@ def _bind(setup: Any, checkpoint_dir: Path | str, setup_kwargs: dict[str, Any]) 
     try:
         bound = inspect.signature(setup).bind(checkpoint_dir, **setup_kwargs)
     except TypeError as error:
-        raise TypeError(f"{error}: finetune_lora takes litgpt.finetune.lora.setup's arguments") from None
+        raise TypeError(f"{error}: it takes {setup.__module__}.setup's arguments") from None
     bound.apply_defaults()
     return dict(bound.arguments)
 
@@ -103,19 +109,33 @@ def _plain(value: Any) -> Any:
 
 
 def _argv(arguments: dict[str, Any]) -> list[str]:
-    """The ``litgpt finetune_lora`` flags standing for ``arguments`` (without ``precision``/``quantize``)."""
-    argv = [str(arguments["checkpoint_dir"])]
+    """The litgpt flags standing for ``arguments`` (without ``precision``/``quantize``); the first one (the checkpoint
+    folder, or pretrain's model name) is the positional one."""
+    first = next(iter(arguments))
+    argv = [str(arguments[first])]
     for name, value in arguments.items():
-        if name in ("checkpoint_dir", "precision", "quantize") or value is None:
+        if name in (first, "precision", "quantize") or value is None:
             continue
         if name == "data" and dataclasses.is_dataclass(value):
             init = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
             value = {"class_path": f"{type(value).__module__}.{type(value).__qualname__}", "init_args": init}
         elif dataclasses.is_dataclass(value):
-            argv += [f"--{name}.{f.name}={_flag_value(getattr(value, f.name))}" for f in dataclasses.fields(value)]
+            # the fields off their defaults: jsonargparse refuses `null` for an optional field nested in an optional
+            # dataclass (pretrain's `model_config: Config | None`), and checks each flag of it (seconds for a Config)
+            argv += [f"--{name}.{f.name}={_flag_value(getattr(value, f.name))}" for f in dataclasses.fields(value)
+                     if _off_default(f, getattr(value, f.name))]  # fmt: skip
             continue
         argv.append(f"--{name}={_flag_value(value)}")
     return argv
+
+
+def _off_default(field: dataclasses.Field, value: Any) -> bool:
+    """Whether a dataclass field holds other than its default (a field without one: always)."""
+    if field.default is not dataclasses.MISSING:
+        return bool(value != field.default)
+    if field.default_factory is not dataclasses.MISSING:
+        return bool(value != field.default_factory())
+    return True
 
 
 def _recorded_argv(setup: Any, arguments: dict[str, Any]) -> list[str]:
@@ -131,7 +151,8 @@ def _recorded_argv(setup: Any, arguments: dict[str, Any]) -> list[str]:
         return argv
     except (Exception, SystemExit) as error:
         kept = ("out_dir", "seed", "devices", "num_nodes", "optimizer", "logger_name")
-        essential = {k: v for k, v in arguments.items() if k.startswith("lora_") or k in kept or k == "checkpoint_dir"}
+        first = next(iter(arguments))
+        essential = {k: v for k, v in arguments.items() if k.startswith("lora_") or k in kept or k == first}
         warnings.warn(
             f"hyperparameters.yaml records litgpt's defaults for some arguments ({type(error).__name__}: {error}); "
             "the checkpoint folder and the LoRA settings merge_lora reads are recorded",
@@ -185,7 +206,7 @@ def _finetune_lora(checkpoint_dir: Path | str, opt_level: str, mpx_kwargs: dict[
 
         strategy = ModelParallelStrategy(parallelize_fn=lora.parallelize_fn, tensor_parallel_size=1,
                                          data_parallel_size=devices * args["num_nodes"])  # fmt: skip
-    fabric = _fabric(args, config, out_dir, devices, strategy, plugin)
+    fabric = _fabric(args, f"finetune-{config.name}", out_dir, devices, strategy, plugin)
     fabric.launch(functools.partial(_with_litgpt_argv, recorded, lora.main), devices, args["seed"], config,
                   args["data"], checkpoint_dir, out_dir, args["train"], args["eval"], args["optimizer"],
                   args["num_nodes"], MERGE_PRECISION)  # fmt: skip
@@ -229,11 +250,108 @@ def _finetune_full(checkpoint_dir: Path | str, opt_level: str, mpx_kwargs: dict[
 
         strategy = FSDPStrategy(auto_wrap_policy={full.Block}, activation_checkpointing_policy={full.Block},
                                 state_dict_type="full", limit_all_gathers=True, cpu_offload=False)  # fmt: skip
-    fabric = _fabric(args, config, out_dir, devices, strategy, plugin, resume=bool(args["resume"]))
+    fabric = _fabric(args, f"finetune-{config.name}", out_dir, devices, strategy, plugin, resume=bool(args["resume"]))
     fabric.launch(functools.partial(_with_litgpt_argv, recorded, full.main), devices, args["resume"], args["seed"],
                   config, args["data"], checkpoint_dir, out_dir, args["train"], args["eval"], args["optimizer"],
                   args["num_nodes"])  # fmt: skip
     return fabric
+
+
+def pretrain(model_name: str | None = None, *, opt_level: str = "O2", mpx_kwargs: dict[str, Any] | None = None,
+             **setup_kwargs: Any) -> Any:  # fmt: skip
+    """litgpt's pretraining (``litgpt.pretrain.setup``, its arguments and defaults) at ``opt_level``.
+
+    ``model_name`` may be left out when ``model_config=`` (a ``litgpt.Config``) is given. As :func:`finetune_full`:
+    the ``Fabric`` gets the plugin in place of ``precision=``, litgpt's ``main`` builds, compiles and trains the model
+    and saves ``final/lit_model.pth`` (``fabric.save`` of its state: the model's FP32 masters at O2, as
+    ``"bf16-mixed"``'s FP32 weights). Returns the ``Fabric`` it ran.
+
+    Raises:
+        ValueError: for ``precision=``, a bad opt level, neither ``model_name`` nor ``model_config``, or ``resume=``
+            that finds a checkpoint with FP32 masters (O2): litgpt's ``main`` loads the optimizer's state before the
+            plugin meets the optimizer (docs/fabric.md, "Checkpoints at O2").
+        TypeError: for an argument litgpt's ``setup`` does not take.
+        RuntimeError: when the installed litgpt's ``main`` takes other parameters than litgpt 0.21's.
+    """
+    return _pretrain(model_name, opt_level, mpx_kwargs, setup_kwargs, None)
+
+
+def _pretrain(model_name: str | None, opt_level: str, mpx_kwargs: dict[str, Any] | None,
+              setup_kwargs: dict[str, Any], argv: list[str] | None) -> Any:  # fmt: skip
+    from litgpt import pretrain as litgpt_pretrain
+    from litgpt.utils import extend_checkpoint_dir, find_resume_path, init_out_dir, parse_devices
+
+    check_main(litgpt_pretrain.main, PRETRAIN_MAIN_PARAMETERS)
+    config = setup_kwargs.get("model_config")
+    if model_name is None:
+        if config is None:
+            raise ValueError("model_name=None and model_config=None: pretrain needs one (a name in litgpt.config, "
+                             "or a litgpt.Config)")  # fmt: skip
+        model_name = config.name  # what hyperparameters.yaml records as litgpt's positional argument
+    args = _bind(litgpt_pretrain.setup, model_name, setup_kwargs)
+    plugin = FabricMixedPrecisionPlugin(opt_level, **(mpx_kwargs or {}))
+    out_dir = init_out_dir(args["out_dir"])
+    resume = args["resume"]
+    if resume and plugin.amp.properties.master_weights and find_resume_path(resume, out_dir) is not None:
+        raise ValueError(
+            f"resume={resume!r} at {opt_level}: litgpt's pretrain.py main loads the optimizer's state before the "
+            "plugin meets the optimizer (FP32 masters need plugin.setup_optimizers(optimizer) first); resume at O1, "
+            "or write the loop by hand (examples/fabric_litgpt.py)"
+        )
+    recorded = argv if argv is not None else _recorded_argv(litgpt_pretrain.setup, args)
+    for name in ("initial_checkpoint_dir", "tokenizer_dir"):
+        if args[name] is not None:
+            args[name] = extend_checkpoint_dir(Path(args[name]))
+    if config is None:
+        config = args["model_config"] = litgpt_pretrain.Config.from_name(model_name)
+    hparams = {k: v if v is None or isinstance(v, (int, float, str, bool, Path)) else
+               dataclasses.asdict(v) if dataclasses.is_dataclass(v) else str(v)
+               for k, v in {**args, "opt_level": opt_level, "mpx_kwargs": mpx_kwargs}.items()}  # fmt: skip
+    if args["data"] is None:
+        args["data"] = litgpt_pretrain.TinyLlama()
+    devices = parse_devices(args["devices"])
+    tokenizer = litgpt_pretrain.Tokenizer(args["tokenizer_dir"]) if args["tokenizer_dir"] is not None else None
+    strategy: Any = "auto"
+    if devices * args["num_nodes"] > 1:
+        strategy = litgpt_pretrain.FSDPStrategy(auto_wrap_policy={litgpt_pretrain.Block}, state_dict_type="full",
+                                                sharding_strategy="HYBRID_SHARD")  # fmt: skip
+    fabric = _fabric(args, f"pretrain-{config.name}", out_dir, devices, strategy, plugin, resume=bool(resume))
+    fabric.launch(functools.partial(_launched_pretrain, recorded, hparams, args["logger_name"], litgpt_pretrain.main),
+                  devices, args["seed"], args["initial_checkpoint_dir"], resume, config, args["data"], out_dir,
+                  args["tokenizer_dir"], tokenizer, args["train"], args["eval"], args["optimizer"],
+                  args["num_nodes"])  # fmt: skip
+    return fabric
+
+
+def _launched_pretrain(argv: list[str], hparams: dict[str, Any], logger_name: str, main: Callable[..., Any],
+                       fabric: Any, *args: Any) -> Any:  # fmt: skip
+    """What litgpt's pretraining ``setup`` does after ``fabric.launch()``: print (and log) the hyperparameters, then
+    its ``main``, with ``sys.argv`` as litgpt's flags (its ``save_checkpoint`` records ``hyperparameters.yaml``)."""
+    import pprint
+
+    fabric.print(pprint.pformat(hparams))
+    if logger_name in ("tensorboard", "wandb", "mlflow"):
+        fabric.logger.log_hyperparams(hparams)
+    return _with_litgpt_argv(argv, main, fabric, *args)
+
+
+def log_mpx_metrics(logger: Any, plugin: FabricMixedPrecisionPlugin) -> None:
+    """Have ``logger`` (a Fabric logger the entry point made) add ``plugin.metrics()`` (``mpx/loss_scale``,
+    ``mpx/overflows``, ``mpx/skipped_steps``...) to each training record litgpt logs (a dict with ``"loss"``), at
+    litgpt's own step, on rank 0. Nothing runs on an iteration litgpt does not log; its validation records are left
+    as they are. The plugin is held weakly (the logger does not keep the engine alive)."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    log_metrics = logger.log_metrics
+    held = weakref.ref(plugin)
+
+    def log_with_mpx(metrics: dict[str, Any], step: int | None = None) -> Any:
+        plugin = held()
+        if "loss" in metrics and plugin is not None and getattr(rank_zero_only, "rank", 0) == 0:
+            metrics = {**metrics, **plugin.metrics()}
+        return log_metrics(metrics, step)
+
+    logger.log_metrics = log_with_mpx
 
 
 def _arguments(setup: Any, checkpoint_dir: Path | str, opt_level: str, mpx_kwargs: dict[str, Any] | None,  # fmt: skip
@@ -259,16 +377,17 @@ def _prepare(args: dict[str, Any]) -> tuple[Path, int, Path]:
     return checkpoint_dir, devices, out_dir
 
 
-def _fabric(args: dict[str, Any], config: Any, out_dir: Path, devices: int, strategy: Any, plugin: Any,
+def _fabric(args: dict[str, Any], name: str, out_dir: Path, devices: int, strategy: Any, plugin: Any,
             **logger_kwargs: Any) -> Any:  # fmt: skip
-    """litgpt's logger and ``Fabric``, with ``plugins=[plugin]`` in place of ``precision=``."""
+    """litgpt's logger (adding the plugin's ``mpx/*`` metrics to litgpt's training logs) and ``Fabric``, with
+    ``plugins=[plugin]`` in place of ``precision=``."""
     import lightning as L
     import torch
     from litgpt.utils import check_nvlink_connectivity, choose_logger
 
-    logger = choose_logger(args["logger_name"], out_dir, name=f"finetune-{config.name}",
-                           log_interval=args["train"].log_interval, log_args=dataclasses.asdict(args["log"]),
-                           **logger_kwargs)  # fmt: skip
+    logger = choose_logger(args["logger_name"], out_dir, name=name, log_interval=args["train"].log_interval,
+                           log_args=dataclasses.asdict(args["log"]), **logger_kwargs)  # fmt: skip
+    log_mpx_metrics(logger, plugin)
     fabric = L.Fabric(devices=devices, num_nodes=args["num_nodes"], strategy=strategy, loggers=logger,
                       plugins=[plugin])  # fmt: skip
     if torch.cuda.is_available() and devices > 1:
@@ -299,7 +418,7 @@ def _mpx_kwargs(text: str) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m lightning_mpx.litgpt finetune_lora <checkpoint_dir> --opt_level O2 [litgpt's flags]`` (or
-    ``finetune_full``)."""
+    ``finetune_full``; ``pretrain <model_name>``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     ours = argparse.ArgumentParser(prog="python -m lightning_mpx.litgpt", add_help=False)
     ours.add_argument("command", choices=COMMANDS)
@@ -308,18 +427,22 @@ def main(argv: Sequence[str] | None = None) -> None:
                       help=f"FabricMixedPrecisionPlugin keywords as JSON, e.g. '{MPX_KWARGS_EXAMPLE}'")
     if not argv or argv[0] in ("-h", "--help"):
         ours.print_help()
-        print("\nThen litgpt's own flags: python -m lightning_mpx.litgpt finetune_lora --help (or finetune_full)")
+        print("\nThen litgpt's own flags: python -m lightning_mpx.litgpt finetune_lora --help (or finetune_full, "
+              "pretrain)")
         return
     known, rest = ours.parse_known_args(argv)
 
     from jsonargparse import capture_parser
+    from litgpt import pretrain as litgpt_pretrain
     from litgpt.finetune import full, lora
     from litgpt.utils import CLI
 
-    setup, run = (full.setup, _finetune_full) if known.command == "finetune_full" else (lora.setup, _finetune_lora)
+    setup, run = {"finetune_full": (full.setup, _finetune_full), "pretrain": (litgpt_pretrain.setup, _pretrain)}.get(
+        known.command, (lora.setup, _finetune_lora))
     parser = capture_parser(lambda: CLI(setup))
     parser.prog = f"python -m lightning_mpx.litgpt {known.command} [--opt_level O2] [--mpx_kwargs JSON]"
     config = parser.parse_args(rest)
     settings = {k: v for k, v in vars(parser.instantiate_classes(config)).items() if k not in ("config", "__path__")}
     settings = {k: v for k, v in settings.items() if k not in ("precision", "quantize") or v is not None}
-    run(settings.pop("checkpoint_dir"), known.opt_level, known.mpx_kwargs, settings, rest)
+    run(settings.pop(next(iter(inspect.signature(setup).parameters))), known.opt_level, known.mpx_kwargs, settings,
+        rest)
