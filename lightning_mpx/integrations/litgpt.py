@@ -32,13 +32,13 @@ from typing import Any
 
 from lightning_mpx.integrations.fabric import FabricMixedPrecisionPlugin
 
-# What litgpt's ``finetune/lora.py`` ``main`` takes, in the order its ``setup`` passes it (litgpt 0.21).
+# What litgpt's ``finetune/lora.py`` ``main`` takes, in the order its ``setup`` passes it (litgpt 0.5.13).
 LORA_MAIN_PARAMETERS = ("fabric", "devices", "seed", "config", "data", "checkpoint_dir", "out_dir", "train", "eval",
                         "optimizer", "num_nodes", "precision")  # fmt: skip
 # litgpt's precision for its ``merge_lora`` at the end of ``main``: the merged ``lit_model.pth`` is FP32, the dtype of
 # the saved LoRA file (the FP32 masters at O2), as after litgpt's own ``bf16-mixed`` run.
 MERGE_PRECISION = "32-true"
-# litgpt's ``finetune/full.py`` ``main`` (litgpt 0.21).
+# litgpt's ``finetune/full.py`` ``main`` (litgpt 0.5.13).
 FULL_MAIN_PARAMETERS = ("fabric", "devices", "resume", "seed", "config", "data", "checkpoint_dir", "out_dir", "train",
                         "eval", "optimizer", "num_nodes")  # fmt: skip
 # litgpt's ``pretrain.py`` ``main``: its ``setup`` calls ``fabric.launch()`` and then ``main``.
@@ -65,7 +65,7 @@ def check_main(main: Any, expected: Sequence[str]) -> None:
     if found != tuple(expected):
         raise RuntimeError(
             f"litgpt {_litgpt_version()}: {main.__module__}.main takes {found}, lightning_mpx.litgpt passes "
-            f"{tuple(expected)} (litgpt 0.21's); this litgpt version is not supported by lightning_mpx.litgpt: build "
+            f"{tuple(expected)} (litgpt 0.5.13's); this litgpt version is not supported by lightning_mpx.litgpt: build "
             "the Fabric by hand as examples/fabric_litgpt_lora.py does"
         )
 
@@ -185,7 +185,7 @@ def finetune_lora(checkpoint_dir: Path | str, *, opt_level: str = "O2", mpx_kwar
     Raises:
         ValueError: for ``precision=`` or ``quantize=`` (the opt level sets the precision), or a bad opt level.
         TypeError: for an argument litgpt's ``setup`` does not take.
-        RuntimeError: when the installed litgpt's ``main`` takes other parameters than litgpt 0.21's.
+        RuntimeError: when the installed litgpt's ``main`` takes other parameters than litgpt 0.5.13's.
     """
     return _finetune_lora(checkpoint_dir, opt_level, mpx_kwargs, setup_kwargs, None)
 
@@ -225,7 +225,7 @@ def finetune_full(checkpoint_dir: Path | str, *, opt_level: str = "O2", mpx_kwar
             loads the optimizer's state before the plugin meets the optimizer, which at O2 is refused at the first
             step (docs/fabric.md, "Checkpoints at O2").
         TypeError: for an argument litgpt's ``setup`` does not take.
-        RuntimeError: when the installed litgpt's ``main`` takes other parameters than litgpt 0.21's.
+        RuntimeError: when the installed litgpt's ``main`` takes other parameters than litgpt 0.5.13's.
     """
     return _finetune_full(checkpoint_dir, opt_level, mpx_kwargs, setup_kwargs, None)
 
@@ -271,7 +271,7 @@ def pretrain(model_name: str | None = None, *, opt_level: str = "O2", mpx_kwargs
             that finds a checkpoint with FP32 masters (O2): litgpt's ``main`` loads the optimizer's state before the
             plugin meets the optimizer (docs/fabric.md, "Checkpoints at O2").
         TypeError: for an argument litgpt's ``setup`` does not take.
-        RuntimeError: when the installed litgpt's ``main`` takes other parameters than litgpt 0.21's.
+        RuntimeError: when the installed litgpt's ``main`` takes other parameters than litgpt 0.5.13's.
     """
     return _pretrain(model_name, opt_level, mpx_kwargs, setup_kwargs, None)
 
