@@ -1,0 +1,64 @@
+"""Hostile review of stop 61's carried scales (engine.carried_scales) under DDP: a Fabric DDP GAN at O2 float16 whose
+generator's optimizer the plugin meets at its first step, with a read of the scale between D's and G's first steps
+on both ranks or on rank 0 only, D's first loss overflowing on rank 1; against the registered-up-front loop, FP32 and
+Fabric's ``"16-mixed"``. One launch of ``tests/hostile_gan61_script.py`` serves both tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.launch import rank_results, run_script
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any]]:
+    out = tmp_path_factory.mktemp("gan61")
+    run_script("hostile_gan61_script.py", out, timeout=150)  # the script's faulthandler ends a hang at 100 s
+    zero, one = rank_results(out)
+    for name in zero:
+        assert "error" not in zero[name] and "error" not in one[name], (name, zero[name].get("error"),
+                                                                        one[name].get("error"))  # fmt: skip
+    return zero, one
+
+
+def _max_error(got: Any, want: Any) -> float:
+    return max(abs(a - b) for x, y in zip(got, want) for a, b in zip(x, y))
+
+
+def test_a_ddp_gans_read_on_every_rank_between_its_first_steps(ranks: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    """The read on both ranks (SGD; fused AdamW with and without ``skip_on_device``): no hang, the ranks end with the
+    same weights and scale, G's first update is the registered-up-front loop's and FP32's (D's skip on rank 1's
+    overflow leaves G alone) and G's weights stay near FP32's; ``"16-mixed"``'s ranks agree alongside."""
+    zero, one = ranks
+    for optim in ("sgd", "adamw"):
+        fp32, registered = zero[f"{optim}-fp32-none-late"], zero[f"{optim}-O2-none-registered"]
+        assert zero[f"{optim}-native-both-late"]["final"] == one[f"{optim}-native-both-late"]["final"]
+        for kind in ("O2", "skip_on_device") if optim == "adamw" else ("O2",):
+            name = f"{optim}-{kind}-both-late"
+            ours, other = zero[name], one[name]
+            assert ours["weights"] == other["weights"] and ours["final"] == other["final"], name
+            assert _max_error(ours["first"], registered["first"]) < 1e-6, name
+            assert _max_error(ours["first"], fp32["first"]) < 1e-3, name
+            assert _max_error(ours["weights"][:2], fp32["weights"][:2]) < 1e-2, name
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "integrations/fabric_bookkeeping.py _settled_amp (scaling/view.py GradScalerView reads): a read of "
+    "plugin.scaler between two optimizers' steps runs the iteration's pending scale update on the reading rank "
+    "only; the other ranks update once, after both steps: the ranks' scales part (1024 vs 512) and DDP then "
+    "averages gradients scaled differently (weights part by 0.07). With skip_on_device the ranks' collectives "
+    "mismatch and the next step hangs in unscaling.check_on_device's all-reduce (not launched here). "
+    "Workaround: read on every rank, or after the last optimizer's step"))
+def test_a_ddp_gans_read_on_rank_zero_only_between_its_first_steps(
+    ranks: tuple[dict[str, Any], dict[str, Any]],
+) -> None:
+    """The read on rank 0 only (``if fabric.global_rank == 0``): the ranks must end with the same scale and
+    weights, G's first update the registered loop's."""
+    zero, one = ranks
+    for optim in ("sgd", "adamw"):
+        name = f"{optim}-O2-rank0-late"
+        assert _max_error(zero[name]["first"], zero[f"{optim}-O2-none-registered"]["first"]) < 1e-6, name
+        assert zero[name]["final"] == one[name]["final"], name
+        assert zero[name]["weights"] == one[name]["weights"], name
