@@ -70,16 +70,32 @@ class FabricBookkeeping:
         return GradScalerView(self, "fabric") if self.amp.scalers[0].dynamic else None
 
     def _settled_amp(self) -> Amp:
-        """The engine, caught up as at every call (the finished iteration's scale update done)."""
-        self._begin()
+        """The engine, caught up as at every call (the finished iteration's scale update done), unless a read may
+        not end the iteration (:meth:`_begin_read`)."""
+        self._begin_read()
         return self.amp
+
+    def _begin_read(self) -> None:
+        """:meth:`_begin` for a read (``metrics()``, ``scaler``), which code calls on rank 0 alone: under a process
+        group it does not end the iteration while parameters no registered optimizer holds have gradients (an
+        optimizer the plugin has not met yet, a GAN's G before its first step, may still step in this iteration).
+        Ended there on the reading rank only, the ranks' scales would part (and with ``skip_on_device`` their
+        collectives: a hang); the next call every rank makes (a forward, ``fabric.backward``) ends it. Nothing else
+        changes: one process, or every optimizer met, as :meth:`_begin`."""
+        amp = self.amp
+        if amp.found_inf_reducer is not None and amp.iteration.update_pending:
+            unheld = amp._machine.unheld
+            if unheld is not None and any(param.grad is not None for param in unheld.params()):
+                self._begin(end=False)
+                return
+        self._begin()
 
     def metrics(self) -> dict[str, float]:
         """The ``mpx/*`` metrics as Python numbers, for ``fabric.log_dict``: ``mpx/loss_scale``, ``mpx/overflows``
         (since the previous call; after ``fabric.load``, since the saving run's previous call), ``mpx/skipped_steps``...
         (see :meth:`lightning_mpx.engine.amp.Amp.metrics`). Reads the device (it syncs): call it on the steps you log.
         Steps skipped on the device (``skip_on_device``) are read first, so that ``mpx/skipped_steps`` counts them."""
-        self._begin()
+        self._begin_read()
         self.amp.read_step_outcomes()
         return read_floats(self.amp.metrics())  # one host read, not one per metric
 
@@ -104,11 +120,12 @@ class FabricBookkeeping:
         self.amp.settle_step_outcomes()
 
     # -- internals ---------------------------------------------------------------------------------------------
-    def _begin(self) -> None:
+    def _begin(self, end: bool = True) -> None:
         """At every call that starts work (a forward, a backward, metrics, checkpoints): take new models' masters
         from the set-up model, and update the scales after the optimizer steps of the iteration that ended. Not in a
         model compiled after ``fabric.setup`` (traced, it would break the graph or put the update in it): the next
-        eager call (``fabric.backward``, before any use of the scale) does it."""
+        eager call (``fabric.backward``, before any use of the scale) does it. ``end=False``: without the update (a
+        read that may not end the iteration, :meth:`_begin_read`)."""
         # torch.compiler.is_compiling() with a call saved (three times a step): dynamo makes is_dynamo_compiling() a
         # constant True (the flag is not traced); eager code reads the flag that is_compiling() returns there.
         if not (torch.compiler.is_dynamo_compiling() or torch.compiler._is_compiling_flag):
@@ -118,7 +135,7 @@ class FabricBookkeeping:
                 self._after_setup()
             if self._held.pending:  # checked before the step does, in Fabric's words
                 self._held.check(self.amp, entry=_ENTRY, advice=_ADVICE)
-            if self.amp.iteration.update_pending:
+            if end and self.amp.iteration.update_pending:
                 self.amp.end_iteration()
 
     def _after_setup(self) -> None:
