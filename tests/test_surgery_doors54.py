@@ -23,6 +23,13 @@ from tests.lightning_helpers import classification_data, loader, make_trainer
 HALF = "bfloat16"
 NEW_ROWS = slice(40, 48)
 Weights = dict[str, torch.Tensor]
+# torch < 2.13's CPU normal_ draws other values into a bfloat16 tensor than into a float32 one from one seed (2.13 draws
+# the same, rounded): resize_token_embeddings initialises the new rows in O2's bfloat16 (GPT-2's _init_weights), the
+# FP32 reference in float32, so O2's new rows start elsewhere. O1 (FP32 weights) is checked on every torch.
+OLD_RNG = torch.__version__ < (2, 13)
+OLD_RNG_REASON = ("O2 part: torch < 2.13's normal_ draws other values into bfloat16 than float32 from one seed, so "
+                  "resize_token_embeddings' new rows (initialised in O2's bfloat16) start off the FP32 reference's")
+LEVELS = ("O1",) if OLD_RNG else ("O1", "O2")
 
 
 def _gpt2(resized: bool = False) -> nn.Module:
@@ -113,7 +120,7 @@ def _export(trainer: pl.Trainer, module: _LM) -> Weights:
 def test_trainer_resize_mid_fit_with_the_optimizer_made_again_then_resumed_trains_as_fp32(tmp_path) -> None:
     runs: dict[str, tuple[Weights, ...]] = {}
     resized: Weights = {}
-    for precision in ("32-true", "bf16-mixed", "O1", "O2"):
+    for precision in ("32-true", "bf16-mixed", *LEVELS):
         module, resize = _LM(), _ResizeAtEpochOne()
         trainer = _trainer(precision, max_epochs=2, reload_dataloaders_every_n_epochs=1, callbacks=[resize])
         trainer.fit(module)
@@ -127,8 +134,10 @@ def test_trainer_resize_mid_fit_with_the_optimizer_made_again_then_resumed_train
         runs[precision] = (after, _export(trainer, resumed))
         assert resize.resized is not None
         resized = resize.resized
-    for level in ("O1", "O2"):
+    for level in LEVELS:
         _check(runs, "32-true", "bf16-mixed", level, resized)
+    if OLD_RNG:
+        pytest.skip(OLD_RNG_REASON)
 
 
 class _Finetuned(pl.LightningModule):
@@ -216,10 +225,12 @@ def _fabric_run(precision: str, path: str) -> tuple[tuple[Weights, ...], Weights
 
 def test_fabric_resize_after_setup_with_a_new_optimizer_then_save_and_load_trains_as_fp32(tmp_path) -> None:
     runs = {}
-    for precision in ("32-true", "bf16-mixed", "O1", "O2"):
+    for precision in ("32-true", "bf16-mixed", *LEVELS):
         runs[precision], resized = _fabric_run(precision, os.path.join(tmp_path, precision))
-    for level in ("O1", "O2"):
+    for level in LEVELS:
         _check(runs, "32-true", "bf16-mixed", level, resized)
+    if OLD_RNG:
+        pytest.skip(OLD_RNG_REASON)
 
 
 # --- the Accelerate adapter -----------------------------------------------------------------------------------------
@@ -268,10 +279,12 @@ def test_accelerate_resize_after_prepare_with_a_new_optimizer_then_save_and_load
 ) -> None:
     pytest.importorskip("accelerate")
     runs = {}
-    for precision in ("no", "bf16", "O1", "O2"):
+    for precision in ("no", "bf16", *LEVELS):
         runs[precision], resized = _accelerate_run(precision, os.path.join(tmp_path, precision))
-    for level in ("O1", "O2"):
+    for level in LEVELS:
         _check(runs, "no", "bf16", level, resized)
+    if OLD_RNG:
+        pytest.skip(OLD_RNG_REASON)
 
 
 # --- a half parameter set after set-up: refused, naming the parameter and the fix ----------------------------------
