@@ -105,3 +105,28 @@ def test_a_reset_of_a_parameters_adam_state_by_the_model_parameter_resets_it_at_
     assert len(opt.state) == 1 and opt.state[weight] == {}
     step()
     assert float(opt.state[weight]["step"]) == 1.0 and float(opt.state[model.bias]["step"]) == 3.0
+
+
+def test_setdefault_by_the_model_parameter_gives_the_masters_entry_at_o2() -> None:
+    """``optimizer.state.setdefault(p, {})`` by a model parameter at O2 (code that adds its own key to a parameter's
+    state) gives the FP32 master's entry, as ``optimizer.state[p]`` does: one entry, the key kept by the next
+    ``state_dict()`` beside Adam's moments (dict's own setdefault put a second, empty entry under ``p``, which later
+    reads by ``p`` found instead of the moments)."""
+    from lightning_mpx import Amp
+
+    amp = Amp("O2", half_dtype="bfloat16")
+    model = nn.Linear(4, 4)
+    amp.prepare_model(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    amp.prepare_optimizer(opt)
+    with amp.forward_context():
+        loss = model(torch.ones(2, 4, dtype=torch.bfloat16)).float().pow(2).mean()
+    amp.backward(loss)
+    amp.step(opt)
+    amp.update()
+    entry = opt.state.setdefault(model.weight, {})
+    assert "exp_avg_sq" in entry and entry is opt.state[model.weight] and len(opt.state) == 2
+    entry["mine"] = 7
+    saved = opt.state_dict()["state"]
+    assert [sorted(s) for s in saved.values()].count(sorted(["step", "exp_avg", "exp_avg_sq", "mine"])) == 1
+

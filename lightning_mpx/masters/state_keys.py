@@ -7,7 +7,8 @@ a log of Adam's ``exp_avg_sq``, Lightning's ``trainer.optimizers[0].state[p]``) 
 :class:`StateByMasters`, installed per optimizer in place of torch's ``defaultdict(dict)``, overrides only
 ``__missing__``: a half parameter with a master gets the master's entry (the same dict: one owner; made empty under
 the master when it has none yet). A hit (torch's own ``self.state[master]`` in the step) costs no Python call.
-``del optimizer.state[p]`` and ``optimizer.state.pop(p)`` (a reset of ``p``'s moments) remove the master's entry.
+``del optimizer.state[p]`` and ``optimizer.state.pop(p)`` (a reset of ``p``'s moments) remove the master's entry, and
+``optimizer.state.setdefault(p, {})`` gives it.
 ``p in optimizer.state``, ``optimizer.state.get(p)``, iteration and ``len`` are torch's (not redirected: torch's
 ``_init_group`` calls ``.get`` per parameter per step). A SAM-style optimizer keeps its ``old_p`` under the half
 parameter (docs/master_weights.md), a schedule-free one's ``eval()``/``train()`` called on the half parameters must move
@@ -59,6 +60,13 @@ class StateByMasters(collections.defaultdict):
         """``optimizer.state.pop(p, None)`` by a half parameter pops its master's entry (a reset, as torch's)."""
         master = self._master(key) if key not in self else None
         return super().pop(master if master is not None else key, *default)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        """``optimizer.state.setdefault(p, {})`` by a half parameter gives its master's entry (made under the master
+        if it has none), as ``optimizer.state[p]`` does; dict's own would put a second entry under ``p``, which the
+        reads by ``p`` would then find instead of the master's."""
+        master = self._master(key) if key not in self else None
+        return super().setdefault(master if master is not None else key, default)
 
     def _master(self, key: Any) -> torch.Tensor | None:
         """The FP32 master of ``key`` when it is a half parameter of the optimizer's pairs, else ``None``."""
