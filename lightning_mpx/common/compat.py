@@ -16,16 +16,22 @@ import torch
 MIN_TORCH: tuple[int, int] = (2, 11)
 
 
+def torch_release(version: str) -> tuple[int, int] | None:
+    """torch ``version``'s (major, minor): a pre-release or source build of a release (``2.13.0a0+git...``,
+    ``2.13.0.dev20260101``) counts as that release; ``None`` for what is not a release number."""
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+    except (IndexError, ValueError):
+        return None
+
+
 def old_torch_warning(version: str) -> str | None:
     """The warning for torch ``version`` when it is older than :data:`MIN_TORCH` (``None`` otherwise). A pre-release
     of the minimum itself (``2.11.0a0+git...``) counts as that release."""
-    parts = version.split("+")[0].split(".")
-    try:
-        major, minor = int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
-    except (IndexError, ValueError):
-        return None  # not a release number: nothing to say
-    if (major, minor) >= MIN_TORCH:
-        return None
+    release = torch_release(version)
+    if release is None or release >= MIN_TORCH:
+        return None  # (not a release number: nothing to say)
     floor = ".".join(map(str, MIN_TORCH))
     return (
         f"lightning_mpx is tested with torch>={floor}, and torch {version} is installed: torch.compile at O1 fails "

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from typing import Any, Iterable, Literal
 
 import torch
@@ -50,6 +51,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_mpx.casting.aside import around_hooks
+from lightning_mpx.common.compat import torch_release
 from lightning_mpx.common.dtypes import dtype_name
 from lightning_mpx.engine.sharding import reshard_gathered
 from lightning_mpx.health.promotion import _module_to_fp32
@@ -280,9 +282,7 @@ def _complex_unit_policy(unit: nn.Module, policy: MixedPrecisionPolicy, names: d
             "ones; FSDP2 shards a unit's parameters as one buffer of one dtype. Give them units of their own: pass "
             "the modules of the real parameters (or of the complex ones) in blocks=."
         )
-    if policy.param_dtype is not None and torch.__version__ < (2, 13):
-        # torch 2.13's FSDP2 gathers a non-floating parameter as it is; 2.11's casts it to the policy's real
-        # ``param_dtype``, silently dropping the imaginary part (2.12 not checked).
+    if policy.param_dtype is not None and not _gathers_complex_as_is():
         raise ValueError(
             f"shard_model: the unit {names.get(id(unit)) or '<root>'!r} holds complex parameters "
             f"({', '.join(complex_names)}), which torch {torch.__version__}'s FSDP2 would gather as "
@@ -290,6 +290,22 @@ def _complex_unit_policy(unit: nn.Module, policy: MixedPrecisionPolicy, names: d
             "Upgrade torch, or keep the complex parameters out of shard_model (DDP trains them)."
         )
     return dataclasses.replace(policy, reduce_dtype=None)  # FSDP gathers a complex parameter as it is already
+
+
+def _gathers_complex_as_is() -> bool:
+    """Whether this torch's FSDP2 gathers a complex parameter as it is: torch 2.13's ``FSDPParam.init_dtype_attrs``
+    leaves a non-floating parameter's dtype alone, 2.11's casts it to the policy's real ``param_dtype``, silently
+    dropping the imaginary part (2.12 not checked). Asked of that method itself, so a source build or nightly
+    (``2.13.0a0+git...``, before 2.13 in torch's version compare) is judged by what it does; by the release number
+    where the method is not there to ask."""
+    probe = types.SimpleNamespace(sharded_param=torch.zeros(1, dtype=torch.complex64))
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam  # private: asked, else the release
+
+        FSDPParam.init_dtype_attrs(probe, MixedPrecisionPolicy(param_dtype=torch.bfloat16))  # type: ignore[arg-type]
+    except Exception:
+        return (torch_release(torch.__version__) or (2, 13)) >= (2, 13)
+    return getattr(probe, "param_dtype", torch.bfloat16) is None
 
 
 def _resolve_blocks(module: nn.Module, blocks: object) -> list[nn.Module]:

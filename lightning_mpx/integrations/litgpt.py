@@ -30,6 +30,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+
 from lightning_mpx.integrations.fabric import FabricMixedPrecisionPlugin
 
 # What litgpt's ``finetune/lora.py`` ``main`` takes, in the order its ``setup`` passes it (litgpt 0.5.13).
@@ -340,18 +342,26 @@ def log_mpx_metrics(logger: Any, plugin: FabricMixedPrecisionPlugin) -> None:
     ``mpx/overflows``, ``mpx/skipped_steps``...) to each training record litgpt logs (a dict with ``"loss"``), at
     litgpt's own step, on rank 0. Nothing runs on an iteration litgpt does not log; its validation records are left
     as they are. The plugin is held weakly (the logger does not keep the engine alive)."""
-    from lightning.fabric.utilities.rank_zero import rank_zero_only
+    logger.log_metrics = _LogWithMpx(logger.log_metrics, plugin)
 
-    log_metrics = logger.log_metrics
-    held = weakref.ref(plugin)
 
-    def log_with_mpx(metrics: dict[str, Any], step: int | None = None) -> Any:
-        plugin = held()
+class _LogWithMpx:
+    """A logger's ``log_metrics`` adding the plugin's metrics (:func:`log_mpx_metrics`). An object, not a closure, so
+    the logger still pickles and deep-copies (the copy logs to its own files, as the logger did before the plugin:
+    a weak reference to the plugin does not pickle)."""
+
+    def __init__(self, log_metrics: Callable[..., Any], plugin: FabricMixedPrecisionPlugin) -> None:
+        self.log_metrics = log_metrics
+        self.plugin: weakref.ref[FabricMixedPrecisionPlugin] | None = weakref.ref(plugin)
+
+    def __call__(self, metrics: dict[str, Any], step: int | None = None) -> Any:
+        plugin = self.plugin() if self.plugin is not None else None
         if "loss" in metrics and plugin is not None and getattr(rank_zero_only, "rank", 0) == 0:
             metrics = {**metrics, **plugin.metrics()}
-        return log_metrics(metrics, step)
+        return self.log_metrics(metrics, step)
 
-    logger.log_metrics = log_with_mpx
+    def __getstate__(self) -> dict[str, Any]:
+        return {"log_metrics": self.log_metrics, "plugin": None}
 
 
 def _arguments(setup: Any, checkpoint_dir: Path | str, opt_level: str, mpx_kwargs: dict[str, Any] | None,  # fmt: skip

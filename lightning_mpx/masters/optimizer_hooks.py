@@ -122,7 +122,7 @@ class MasterHooks:
                 machine.forget_writes()  # a load's write, no raw step
 
     def refuse_direct_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.state.swapped is None and not state_making_step(optimizer):
+        if self.state.swapped is None and not state_making_step(optimizer, args, kwargs):
             raise RuntimeError(
                 "optimizer.step() was called on an optimizer prepared by lightning_mpx with FP32 master weights, "
                 "outside Amp.step(): its groups hold the half model parameters and their gradients are still "
@@ -132,12 +132,14 @@ class MasterHooks:
             )
 
 
-def state_making_step(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether this direct ``step()`` is ``torch.distributed.checkpoint``'s ``_init_optim_state`` (its
-    ``get_state_dict``/``set_state_dict`` of an optimizer without state): no state, every ``lr`` 0 and every gradient
-    zero. Its gradients are dropped so the step does nothing: state made on the half parameters would be half and
-    kept by them (the state dict then has no state, as a stateless optimizer's; a load gives the masters theirs)."""
-    if optimizer.state:
+def state_making_step(optimizer: torch.optim.Optimizer, args: Any = (), kwargs: Any = None) -> bool:
+    """Whether this direct ``step(*args, **kwargs)`` is ``torch.distributed.checkpoint``'s ``_init_optim_state`` (its
+    ``get_state_dict``/``set_state_dict`` of an optimizer without state): ``step(closure=None)``, no state, every
+    ``lr`` 0 and every gradient zero (a user's plain ``optimizer.step()`` at a warm-up's ``lr`` 0 with zero gradients
+    is refused as any raw step). Its gradients are dropped so the step does nothing: state made on the half
+    parameters would be half and kept by them (the state dict then has no state, as a stateless optimizer's; a load
+    gives the masters theirs)."""
+    if any(a is not optimizer for a in args) or kwargs != {"closure": None} or optimizer.state:  # args: (optimizer,)
         return False
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if any(float(group.get("lr", 0.0)) != 0.0 for group in optimizer.param_groups):
