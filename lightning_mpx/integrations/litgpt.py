@@ -238,12 +238,8 @@ def _finetune_full(checkpoint_dir: Path | str, opt_level: str, mpx_kwargs: dict[
 
     check_main(full.main, FULL_MAIN_PARAMETERS)
     args, plugin, recorded = _arguments(full.setup, checkpoint_dir, opt_level, mpx_kwargs, setup_kwargs, argv)
-    if args["resume"] and plugin.amp.properties.master_weights:
-        raise ValueError(
-            f"resume={args['resume']!r} at {opt_level}: litgpt's finetune/full.py main loads the optimizer's state "
-            "before the plugin meets the optimizer (FP32 masters need plugin.setup_optimizers(optimizer) first); "
-            "resume at O1, or write the loop by hand (examples/fabric_litgpt.py)"
-        )
+    if args["resume"]:
+        _refuse_resume_with_masters(plugin, args["resume"], opt_level, "finetune/full.py")
     checkpoint_dir, devices, out_dir = _prepare(args)
     config = full.Config.from_file(checkpoint_dir / "model_config.yaml")
     strategy: Any = "auto"
@@ -294,12 +290,8 @@ def _pretrain(model_name: str | None, opt_level: str, mpx_kwargs: dict[str, Any]
     plugin = FabricMixedPrecisionPlugin(opt_level, **(mpx_kwargs or {}))
     out_dir = init_out_dir(args["out_dir"])
     resume = args["resume"]
-    if resume and plugin.amp.properties.master_weights and find_resume_path(resume, out_dir) is not None:
-        raise ValueError(
-            f"resume={resume!r} at {opt_level}: litgpt's pretrain.py main loads the optimizer's state before the "
-            "plugin meets the optimizer (FP32 masters need plugin.setup_optimizers(optimizer) first); resume at O1, "
-            "or write the loop by hand (examples/fabric_litgpt.py)"
-        )
+    if resume and find_resume_path(resume, out_dir) is not None:
+        _refuse_resume_with_masters(plugin, resume, opt_level, "pretrain.py")
     recorded = argv if argv is not None else _recorded_argv(litgpt_pretrain.setup, args)
     for name in ("initial_checkpoint_dir", "tokenizer_dir"):
         if args[name] is not None:
@@ -370,6 +362,17 @@ def _arguments(setup: Any, checkpoint_dir: Path | str, opt_level: str, mpx_kwarg
     args = _bind(setup, checkpoint_dir, setup_kwargs)
     plugin = FabricMixedPrecisionPlugin(opt_level, **(mpx_kwargs or {}))
     return args, plugin, argv if argv is not None else _recorded_argv(setup, args)
+
+
+def _refuse_resume_with_masters(plugin: Any, resume: Any, opt_level: str, script: str) -> None:
+    """Refuse ``resume=`` where the plugin keeps FP32 masters (O2): litgpt's ``script`` ``main`` loads the optimizer's
+    state with ``fabric.load`` before the plugin meets the optimizer (docs/fabric.md, "Checkpoints at O2")."""
+    if plugin.amp.properties.master_weights:
+        raise ValueError(
+            f"resume={resume!r} at {opt_level}: litgpt's {script} main loads the optimizer's state before the plugin "
+            "meets the optimizer (FP32 masters need plugin.setup_optimizers(optimizer) first); resume at O1, or write "
+            "the loop by hand (examples/fabric_litgpt.py)"
+        )
 
 
 def _prepare(args: dict[str, Any]) -> tuple[Path, int, Path]:
