@@ -94,6 +94,7 @@ from accelerate.utils import (  # type: ignore[import-untyped]  # noqa: E402
 from lightning_mpx.integrations import accelerate_fsdp as _accelerate_fsdp  # noqa: E402
 from lightning_mpx.integrations.accelerate_checkpoint import (  # noqa: E402
     AMP_STATE_NAME,
+    WholeModelExport,
     amp_state_path,
     masters_into,
     masters_left_to_weights,
@@ -141,7 +142,7 @@ _DEEPSPEED_HINT = (
 )
 
 
-class Accelerator(GradientClipping, ShardedPreparation, _BaseAccelerator):  # type: ignore[misc]
+class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseAccelerator):  # type: ignore[misc]
     """``accelerate.Accelerator`` that also accepts the opt levels ``"O0"`` to ``"O3"`` as ``mixed_precision``.
 
     Args:

@@ -3,7 +3,8 @@ FP32 masters and the skip counters of the adapter's :class:`~lightning_mpx.engin
 next to Accelerate's own files. At O2 the masters the checkpoint's model files hold (a prepared model's state dict
 gives them) are left out of it and named instead (:func:`masters_left_to_weights`), so that each is written once;
 ``load_state`` loads the model files after the engine's, and they give those masters exactly. A file that holds them
-itself (as written before this release) loads as before."""
+itself (as written before this release) loads as before. :class:`WholeModelExport` (a base of the adapter's
+``Accelerator``) warns when ``save_model`` writes a peft model's base in half at O2."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ from torch import nn
 
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.checkpoint import MASTERS_IN_STATE_DICT
+from lightning_mpx.integrations.accelerate_forward import engine_of
 from lightning_mpx.integrations.fabric_checkpoint import masters_left_to_models
 from lightning_mpx.integrations.fp32_export import masters_into, warn_frozen_half
 
 __all__ = [
     "AMP_STATE_NAME",
+    "WholeModelExport",
     "GRAD_SCALER_NAME",
     "amp_state_path",
     "masters_into",
@@ -112,3 +115,26 @@ def amp_state_path(input_dir: str, opt_level: str) -> str:
 def read_amp_state(path: str) -> dict[str, Any]:
     """The engine's state from its file ``path`` (:func:`amp_state_path`), on the CPU."""
     return torch.load(path, map_location="cpu", weights_only=True)  # type: ignore[no-any-return]
+
+
+class WholeModelExport:
+    """``save_model`` of the Accelerate adapter's ``Accelerator`` (a base of it): Accelerate's, then at O2 a warning
+    naming a peft model's frozen half base that the file holds (the bfloat16 rounding where Accelerate's ``"bf16"``
+    writes the FP32 base). ``get_state_dict`` does not warn for a peft model, whose habit
+    ``save_pretrained(state_dict=accelerator.get_state_dict(model))`` keeps only its adapters; ``save_model`` writes
+    the whole model, and ``get_state_dict`` has warned already for any other model."""
+
+    amp: Any  # what the Accelerator this is a base of provides (declared here for readers and type checkers)
+    distributed_type: Any
+
+    def save_model(self, model: nn.Module, save_directory: Any, max_shard_size: int | str = "10GB",
+                   safe_serialization: bool = True) -> None:  # fmt: skip
+        """As ``accelerate.Accelerator.save_model``; at O2 a peft model's frozen half base is named in a warning."""
+        super().save_model(  # type: ignore[misc]
+            model, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization
+        )
+        module = self.unwrap_model(model)  # type: ignore[attr-defined]
+        if self.amp is None or self.distributed_type == "FSDP" or type(module).__module__.split(".")[0] != "peft":
+            return
+        held = dict(module.named_parameters())  # the frozen ones are in the file as the model holds them
+        warn_frozen_half(engine_of(module, self.amp), module, held, "save_model", whole=True)

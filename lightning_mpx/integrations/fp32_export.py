@@ -271,7 +271,14 @@ def masters_into(amp: Amp, module: nn.Module, state: dict[str, Any]) -> list[str
 
 
 def warn_frozen_half(
-    amp: Amp, module: nn.Module, state: dict[str, Any], call: str, *, keep: str = "MixedPrecisionKwargs", when: str = ""
+    amp: Amp,
+    module: nn.Module,
+    state: dict[str, Any],
+    call: str,
+    *,
+    keep: str = "MixedPrecisionKwargs",
+    when: str = "",
+    whole: bool = False,
 ) -> list[str]:
     """Warn, at an O2 export by ``call`` of ``module``'s ``state`` (after :func:`masters_into`), about its frozen
     parameters (``requires_grad=False``) that ``state`` holds in the half dtype and that ``prepare`` converted to it
@@ -279,10 +286,12 @@ def warn_frozen_half(
     lost): their half rounding, not the FP32 values they had before ``prepare`` (O2 keeps no FP32 copy of them, so
     that a frozen base does not take twice its memory). The warning names them and the ways to keep them exact
     (``keep``: whose ``fp32_modules=`` keeps a module FP32; ``when``: the moment, e.g. ``"before prepare"``). A
-    peft model is left out: it exports its adapters, not its base. Under a process group the warning is issued on rank
-    zero only (Lightning's convention: every rank checkpoints, one writes); every rank returns the names warned
-    about."""
-    if not amp.properties.master_weights or amp.sharded or type(module).__module__.split(".")[0] == "peft":
+    peft model is left out (its ``save_pretrained`` exports its adapters, not its base) unless ``whole``: ``call``
+    writes the whole model, the half base too (Accelerate's ``save_model``). Under a process group the warning is
+    issued on rank zero only (Lightning's convention: every rank checkpoints, one writes); every rank returns the
+    names warned about."""
+    peft = type(module).__module__.split(".")[0] == "peft"
+    if not amp.properties.master_weights or amp.sharded or (peft and not whole):
         return []
     halves = (torch.float16, torch.bfloat16)
     names = [
@@ -304,7 +313,8 @@ def warn_frozen_half(
         f"values they had {when or 'before prepare'}, not those values (the trained parameters are exported as their "
         f"FP32 masters). To export them exactly, keep their modules in FP32 with {keep}(fp32_modules="
         f"{owners[:5]!r}) or train at O1 (both keep them FP32 in memory), or take them from the checkpoint they came "
-        "from.",
+        "from" + (" (a peft model's base: save the adapters with save_pretrained, FP32, and load them onto the FP32 "
+                  "base with PeftModel.from_pretrained)." if peft else "."),
         UserWarning,
         stacklevel=3,
     )
