@@ -45,18 +45,20 @@ def _steps(amp: Amp | None, model: nn.Module, optimizer: torch.optim.Optimizer, 
 
 
 def test_resetting_a_parameters_moments_by_assignment_matches_fp32() -> None:
-    """``optimizer.state[p] = {}`` (a reset of ``p``'s moments) at O2 replaced nothing: the master's moments went on
-    (step 3, not 1) and a stale ``{}`` under ``p`` shadowed them for every later read by ``p``."""
+    """``optimizer.state[p] = {}`` or ``optimizer.state.update({p: {}})`` (a reset of ``p``'s moments) at O2 replaced
+    nothing: the master's moments went on (step 3, not 1) and a stale ``{}`` under ``p`` shadowed them for every later
+    read by ``p``."""
     runs = {}
     for level in (None, "O2"):
         amp, model, optimizer = _core(level, 2)
-        first = model[0].weight
+        first, last = model[0].weight, model[2].bias
         optimizer.state[first] = {}
+        optimizer.state.update({last: {}})
         _steps(amp, model, optimizer, range(2, 3))
         runs[level] = (model, optimizer)
-        assert int(optimizer.state[first]["step"]) == 1  # restarted, as FP32's
+        assert int(optimizer.state[first]["step"]) == int(optimizer.state[last]["step"]) == 1  # restarted, as FP32's
         assert len(optimizer.state) == 4
-        assert [int(s["step"]) for s in optimizer.state_dict()["state"].values()] == [1, 3, 3, 3]
+        assert [int(s["step"]) for s in optimizer.state_dict()["state"].values()] == [1, 3, 3, 1]
     (ref_model, ref), (model, optimizer) = runs[None], runs["O2"]
     for p, r in zip(model.parameters(), ref_model.parameters()):
         assert optimizer.state[p]["exp_avg"].dtype == torch.float32

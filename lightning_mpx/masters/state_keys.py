@@ -8,7 +8,7 @@ a log of Adam's ``exp_avg_sq``, Lightning's ``trainer.optimizers[0].state[p]``) 
 ``__missing__``: a half parameter with a master gets the master's entry (the same dict: one owner; made empty under
 the master when it has none yet). A hit (torch's own ``self.state[master]`` in the step) costs no Python call.
 ``del optimizer.state[p]`` and ``optimizer.state.pop(p)`` (a reset of ``p``'s moments) remove the master's entry,
-``optimizer.state[p] = {}`` replaces it, and ``optimizer.state.setdefault(p, {})`` gives it.
+``optimizer.state[p] = {}`` (or ``.update({p: {}})``) replaces it, and ``optimizer.state.setdefault(p, {})`` gives it.
 ``p in optimizer.state``, ``optimizer.state.get(p)``, iteration and ``len`` are torch's (not redirected: torch's
 ``_init_group`` calls ``.get`` per parameter per step). A SAM-style optimizer keeps its ``old_p`` under the half
 parameter (docs/master_weights.md), a schedule-free one's ``eval()``/``train()`` called on the half parameters must move
@@ -63,6 +63,12 @@ class StateByMasters(collections.defaultdict):
         ``p`` would then find instead of the master's."""
         master = self._master(key) if key not in self else None
         super().__setitem__(master if master is not None else key, value)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        """``optimizer.state.update({p: {}})`` by a half parameter: each entry as ``optimizer.state[p] = ...`` (dict's
+        own would bypass ``__setitem__``)."""
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
 
     def pop(self, key: Any, *default: Any) -> Any:
         """``optimizer.state.pop(p, None)`` by a half parameter pops its master's entry (a reset, as torch's)."""
