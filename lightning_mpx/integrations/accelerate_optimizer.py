@@ -4,6 +4,7 @@ step is :meth:`Amp.step <lightning_mpx.engine.amp.Amp.step>`, and which of them 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import Any, Callable, Iterable, Iterator
 
@@ -119,11 +120,12 @@ class AmpOptimizer(AcceleratedOptimizer):  # type: ignore[misc]
 
 def _with_masters_in_groups(optimizer: torch.optim.Optimizer, amp: Amp) -> torch.optim.Optimizer:
     """A copy of ``optimizer`` holding what it steps at O2: the FP32 masters in its groups, its state (keyed by the
-    masters) shared. Between steps the engine keeps the model's half parameters in the groups and swaps the masters in
-    only for a step or a state-dict call, with hooks that a pickle does not carry."""
+    masters) its entries. Between steps the engine keeps the model's half parameters in the groups and swaps the
+    masters in only for a step or a state-dict call, with hooks that a pickle does not carry."""
     groups = [{**group, "params": [amp.master_of(p) for p in group["params"]]} for group in optimizer.param_groups]
     twin = optimizer.__class__.__new__(optimizer.__class__)
-    twin.__setstate__({"defaults": optimizer.defaults, "state": optimizer.state, "param_groups": groups})
+    state = collections.defaultdict(dict, optimizer.state)  # keyed by the masters, as its groups (not re-keyed)
+    twin.__setstate__({"defaults": optimizer.defaults, "state": state, "param_groups": groups})
     return twin
 
 

@@ -21,6 +21,7 @@ import torch
 
 from lightning_mpx.common.user_frames import user_stacklevel
 from lightning_mpx.engine.optimizer_state import _OptimizerState
+from lightning_mpx.masters.state_keys import put_by_param
 from lightning_mpx.masters.weights import MasterWeights
 from lightning_mpx.settings import _rank_zero
 
@@ -333,7 +334,7 @@ def state_to_params_again(
     ``step()`` (the masters in its groups) finds no ``old_p`` of a step before and writes no master with it."""
     kept = optimizer.state
     for param, own, master, mine in moved:
-        kept[param] = own
+        put_by_param(kept, param, own)
         if mine is None:
             kept.pop(master, None)
         else:

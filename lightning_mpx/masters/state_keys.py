@@ -7,8 +7,8 @@ a log of Adam's ``exp_avg_sq``, Lightning's ``trainer.optimizers[0].state[p]``) 
 :class:`StateByMasters`, installed per optimizer in place of torch's ``defaultdict(dict)``, overrides only
 ``__missing__``: a half parameter with a master gets the master's entry (the same dict: one owner; made empty under
 the master when it has none yet). A hit (torch's own ``self.state[master]`` in the step) costs no Python call.
-``del optimizer.state[p]`` and ``optimizer.state.pop(p)`` (a reset of ``p``'s moments) remove the master's entry, and
-``optimizer.state.setdefault(p, {})`` gives it.
+``del optimizer.state[p]`` and ``optimizer.state.pop(p)`` (a reset of ``p``'s moments) remove the master's entry,
+``optimizer.state[p] = {}`` (or ``.update({p: {}})``) replaces it, and ``optimizer.state.setdefault(p, {})`` gives it.
 ``p in optimizer.state``, ``optimizer.state.get(p)``, iteration and ``len`` are torch's (not redirected: torch's
 ``_init_group`` calls ``.get`` per parameter per step). A SAM-style optimizer keeps its ``old_p`` under the half
 parameter (docs/master_weights.md), a schedule-free one's ``eval()``/``train()`` called on the half parameters must move
@@ -30,7 +30,8 @@ from lightning_mpx.engine.optimizer_state import _OptimizerState
 class StateByMasters(collections.defaultdict):
     """An optimizer's ``state`` whose lookup of a half parameter with an FP32 master (absent as a key) returns the
     master's entry; anything else as torch's ``defaultdict(dict)``. Holds the engine's optimizer state weakly (no
-    cycle optimizer -> state -> engine). Pickles and copies as a plain ``defaultdict(dict)`` of its items.
+    cycle optimizer -> state -> engine). Pickles and deep-copies as a plain ``defaultdict(dict)`` keyed by the groups'
+    half parameters (what the groups hold outside the step); ``copy.copy`` is one of its items.
 
     Args:
         owner: The engine's state of the optimizer (its pairs: which master each parameter has).
@@ -55,6 +56,19 @@ class StateByMasters(collections.defaultdict):
         """``del optimizer.state[p]`` (a reset of ``p``'s moments) by a half parameter deletes its master's entry."""
         master = self._master(key) if key not in self else None
         super().__delitem__(master if master is not None else key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        """``optimizer.state[p] = {}`` (a reset of ``p``'s moments) by a half parameter replaces its master's entry;
+        dict's own would leave the master's moments in use and put a second entry under ``p``, which the reads by
+        ``p`` would then find instead of the master's."""
+        master = self._master(key) if key not in self else None
+        super().__setitem__(master if master is not None else key, value)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        """``optimizer.state.update({p: {}})`` by a half parameter: each entry as ``optimizer.state[p] = ...`` (dict's
+        own would bypass ``__setitem__``)."""
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
 
     def pop(self, key: Any, *default: Any) -> Any:
         """``optimizer.state.pop(p, None)`` by a half parameter pops its master's entry (a reset, as torch's)."""
@@ -81,10 +95,30 @@ class StateByMasters(collections.defaultdict):
         return pairs[i][1] if i is not None and i < len(pairs) and pairs[i][0] is key else None
 
     def __reduce__(self) -> Any:
-        return (collections.defaultdict, (dict,), None, None, iter(self.items()))
+        """Pickled or deep-copied (``copy.deepcopy(optimizer)``): a plain ``defaultdict(dict)`` keyed by the groups'
+        half parameters outside the step (the masters are not pickled with the optimizer: keyed by them, the copy's
+        ``state_dict()`` would find no parameter of its groups for its entries), by the masters while they stand in."""
+        return (collections.defaultdict, (dict,), None, None, self._items_by_groups())
+
+    def _items_by_groups(self) -> Any:
+        owner = self._owner()
+        if owner is None or owner.swapped is not None:
+            return iter(self.items())
+        halves = {id(m): p for p, m in owner.pairs if m is not p}
+        return ((halves.get(id(k), k) if isinstance(k, torch.Tensor) else k, v) for k, v in self.items())
 
     def __copy__(self) -> collections.defaultdict:
         return collections.defaultdict(dict, self)
+
+
+def put_by_param(state: Any, key: torch.Tensor, value: Any) -> None:
+    """``state[key] = value`` under ``key`` itself, a half parameter included: the engine's own moves of an entry
+    between a master and its parameter (a release, a promotion to FP32, a state dict's move undone), which a
+    :class:`StateByMasters`' ``__setitem__`` would send back to the master."""
+    if isinstance(state, StateByMasters):
+        dict.__setitem__(state, key, value)
+    else:
+        state[key] = value
 
 
 def key_by_masters(state: _OptimizerState, optimizer: torch.optim.Optimizer) -> None:

@@ -19,7 +19,7 @@ import torch
 from lightning_mpx.engine.optimizer_state import _OptimizerState, optimizer_params
 from lightning_mpx.masters.mirror import Mirror, step_mirrored
 from lightning_mpx.masters.pairs import param_pairs, state_to_masters
-from lightning_mpx.masters.state_keys import key_by_masters
+from lightning_mpx.masters.state_keys import key_by_masters, put_by_param
 from lightning_mpx.masters.weights import MasterWeights
 
 _PARAMS = operator.itemgetter("params")
@@ -292,7 +292,7 @@ def state_to_params(state: _OptimizerState, master_weights: Sequence[MasterWeigh
     swap_out(state, optimizer)
     for param, master in param_pairs(state, master_weights, optimizer=optimizer):
         if master is not param and master in optimizer.state:
-            optimizer.state[param] = optimizer.state.pop(master)
+            put_by_param(optimizer.state, param, optimizer.state.pop(master))
 
 
 def call_on_masters(
