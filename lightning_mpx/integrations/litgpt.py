@@ -80,7 +80,9 @@ def _bind(setup: Any, checkpoint_dir: Path | str, setup_kwargs: dict[str, Any]) 
                 f"{name}={setup_kwargs[name]!r} with an opt level: the FabricMixedPrecisionPlugin sets the precision"
                 + (" (litgpt refuses mixed precision with quantize= too); drop quantize=, or run litgpt's own "
                    "`litgpt finetune_lora --quantize` without an opt level" if name == "quantize" else
-                   "; pass opt_level= (and mpx_kwargs=) instead of precision=")
+                   "; pass opt_level= (and mpx_kwargs=) instead of precision= (on the command line, a --config "
+                   "YAML's precision: counts too, as litgpt's config_hub files set it: add --precision null after "
+                   "--config)")
             )  # fmt: skip
     try:
         bound = inspect.signature(setup).bind(checkpoint_dir, **setup_kwargs)
