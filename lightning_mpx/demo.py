@@ -322,6 +322,9 @@ def train(config: DemoConfig) -> DemoResult:
         devices=1,
         plugins=[plugin],
         max_steps=config.steps,
+        # The epochs those steps take: without it Lightning's max_epochs is -1 (no limit) and its progress bar
+        # reads "Epoch 0/-2".
+        max_epochs=math.ceil(config.steps / max(1, len(train_loader))),
         val_check_interval=min(config.val_every, len(train_loader)),
         check_val_every_n_epoch=None,
         limit_val_batches=config.val_batches,

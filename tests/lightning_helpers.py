@@ -157,7 +157,9 @@ def true_gradients(batch: Any) -> list[torch.Tensor]:
 
 
 def snapshot(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Model parameters, the optimizer's own parameters (FP32 masters at O2) and its state, cloned."""
+    """The model's state dict (at O2 the FP32 masters: a prepared model's ``state_dict()`` gives them), the
+    parameters of the optimizer's groups (at O2 the half ones: the masters stand in only for the step) and its state,
+    cloned."""
     return {
         "model": {k: v.detach().clone() for k, v in module.state_dict().items()},
         "optimizer_params": [p.detach().clone() for g in optimizer.param_groups for p in g["params"]],

@@ -64,34 +64,52 @@ def load_state_dict(state: dict[str, Any]) -> None:
         )
     if not isinstance(state, Mapping):
         raise TypeError(f"state={type(state).__name__} must be the dict that amp.state_dict() returned.")
+    core = state if "scalers" in state else state.get("lightning_mpx")  # the core's own format, or this layer's
+    entries = None if isinstance(core, Mapping) else _loss_scaler_entries(state, amp.num_losses)  # before any change
     # Restoring into the optimizer initialize() returned is the documented order: nothing to refuse later.
     _amp_state.loaded = None if _amp_state.restored is amp else amp
     _amp_state.held = None  # this load replaces an earlier one's (loss scales alone: the user's own weights)
-    core = state if "scalers" in state else state.get("lightning_mpx")  # the core's own format, or this layer's
-    if isinstance(core, Mapping):
+    if entries is None:
         amp.load_state_dict(core)  # type: ignore[arg-type]  (the engine notes the masters left to the model's entry)
         held = amp._checkpoint.held
         _amp_state.held = _ModelEntryMasters(held) if held.pending else None
         return
-    keys = sorted(k for k in state if k.startswith("loss_scaler"))
-    unexpected = sorted(set(state) - set(keys))
-    if unexpected:
-        raise ValueError(f"state has unexpected keys {unexpected}; valid keys: loss_scaler0 to loss_scaler"
-                         f"{amp.num_losses - 1}.")
-    if len(keys) != amp.num_losses:
-        raise ValueError(
-            f"state has {len(keys)} loss scaler(s) but amp.initialize() was called with num_losses={amp.num_losses}."
-        )
-    for i, scaler in enumerate(amp.scalers):
-        entry = state[f"loss_scaler{i}"]
+    for scaler, (scale, unskipped) in zip(amp.scalers, entries):
         current = scaler.state_dict()
         scaler.load_state_dict({
-            "scale": float(entry["loss_scale"]),
-            "growth_tracker": int(entry["unskipped"]),
+            "scale": scale,
+            "growth_tracker": unskipped,
             "hysteresis_tracker": scaler.hysteresis,
             "overflows": current["overflows"],
         })
     amp._checkpoint.held.pending = []  # nor does the engine check an earlier load's masters: the user's weights
+
+
+def _loss_scaler_entries(state: Mapping[str, Any], num_losses: int) -> list[tuple[float, int]]:
+    """Each loss scaler's ``(loss_scale, unskipped)`` in an Apex ``amp.state_dict()``, or a ``ValueError`` naming the
+    key and what is valid (a bare ``KeyError``/``TypeError`` from inside before)."""
+    keys = sorted(k for k in state if k.startswith("loss_scaler"))
+    valid = f"valid keys: loss_scaler0 to loss_scaler{num_losses - 1}"
+    unexpected = sorted(set(state) - set(keys))
+    if unexpected:
+        raise ValueError(f"state has unexpected keys {unexpected}; {valid}.")
+    if len(keys) != num_losses:
+        raise ValueError(f"state has {len(keys)} loss scaler(s) but amp.initialize() was called with "
+                         f"num_losses={num_losses}.")
+    expected = [f"loss_scaler{i}" for i in range(num_losses)]
+    if keys != sorted(expected):
+        raise ValueError(f"state has keys {keys}; {valid} (num_losses={num_losses}).")
+    entries = []
+    for key in expected:
+        entry = state[key]
+        try:
+            entries.append((float(entry["loss_scale"]), int(entry["unskipped"])))
+        except (TypeError, KeyError, ValueError, IndexError):
+            raise ValueError(
+                f"state[{key!r}]={entry!r} is not an Apex loss scaler's entry; valid: a dict "
+                "{'loss_scale': <a positive number>, 'unskipped': <an integer>}, as amp.state_dict() writes it."
+            ) from None
+    return entries
 
 
 class _ModelEntryMasters:

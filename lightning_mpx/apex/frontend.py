@@ -16,6 +16,7 @@ from lightning_mpx.apex.fp16_utils import _HalfParameters
 from lightning_mpx.apex.handle import AmpHandle, NoOpHandle
 from lightning_mpx.apex.loss_scaling import AmpOptimizer
 from lightning_mpx.apex.model_hooks import _add_model_hooks
+from lightning_mpx.common.dtypes import HALF_DTYPE_NAMES, parse_half_dtype
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.opt_levels import resolve_properties
 from lightning_mpx.settings import MixedPrecisionSettings
@@ -90,6 +91,10 @@ def initialize(
     keep_model = cast_model_type is False
     if keep_model:
         cast_model_type = None
+    if isinstance(cast_model_type, str) and cast_model_type.lower() in HALF_DTYPE_NAMES:
+        # a half dtype by name ("bfloat16", "fp16"...) is that dtype, as Apex's torch.bfloat16 (a ValueError before
+        # for "bfloat16", which named the float16 choices only)
+        cast_model_type = parse_half_dtype(cast_model_type, argument="cast_model_type")
     overrides: dict[str, Any] = {}
     if cast_model_type is torch.bfloat16:
         # Apex cast the model to whatever dtype it was given: bfloat16 becomes the half dtype of the whole call

@@ -18,6 +18,8 @@ _HALF_DTYPE_NAMES: Mapping[str, torch.dtype] = MappingProxyType({
 })
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+#: The accepted spellings, lower case (``parse_half_dtype`` takes any case).
+HALF_DTYPE_NAMES: frozenset[str] = frozenset(_HALF_DTYPE_NAMES)
 
 
 def parse_half_dtype(value: str | torch.dtype, *, argument: str = "half_dtype") -> torch.dtype:

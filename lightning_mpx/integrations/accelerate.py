@@ -173,14 +173,7 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
     ) -> None:
         self.amp: Amp | None = None
         self.mpx_kwargs: MixedPrecisionKwargs | None = None
-        if kwargs_handlers is not None and not isinstance(kwargs_handlers, (list, tuple)):
-            raise TypeError(f"kwargs_handlers={type(kwargs_handlers).__name__} must be a list of handlers, such as "
-                            f"[MixedPrecisionKwargs(...)]; for one, pass [handler].")
-        handlers = list(kwargs_handlers or [])
-        ours = [h for h in handlers if isinstance(h, MixedPrecisionKwargs)]
-        theirs = [h for h in handlers if not isinstance(h, MixedPrecisionKwargs)]
-        if len(ours) > 1:
-            raise ValueError(f"kwargs_handlers holds {len(ours)} MixedPrecisionKwargs; pass at most one.")
+        ours, theirs = _split_handlers(kwargs_handlers)
         opt_level = _opt_level_of(mixed_precision)
         if opt_level is None:
             if ours:
@@ -529,6 +522,27 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
             opt.unscaled = False
         # The next log counts from the saving run's last one (a checkpoint of the release before: its counts not logged)
         self.amp.load_state_dict(upgrade_unlogged(read_amp_state(path), LOG_READER))
+
+
+def _split_handlers(kwargs_handlers: object) -> tuple[list[MixedPrecisionKwargs], list[KwargsHandler]]:
+    """``kwargs_handlers`` checked, as (the :class:`MixedPrecisionKwargs`, Accelerate's handlers); anything else is
+    refused naming it (Accelerate's own ``AssertionError`` before)."""
+    if kwargs_handlers is not None and not isinstance(kwargs_handlers, (list, tuple)):
+        raise TypeError(f"kwargs_handlers={type(kwargs_handlers).__name__} must be a list of handlers, such as "
+                        f"[MixedPrecisionKwargs(...)]; for one, pass [handler].")
+    handlers = list(kwargs_handlers or [])
+    for handler in handlers:
+        if not isinstance(handler, KwargsHandler):
+            hint = " (for a dict d of settings: MixedPrecisionKwargs(**d))" if isinstance(handler, dict) else ""
+            raise TypeError(
+                f"kwargs_handlers holds {handler!r} ({type(handler).__name__}); valid choices: "
+                "lightning_mpx's MixedPrecisionKwargs(...) or one of Accelerate's handlers (a subclass of "
+                f"accelerate.utils.KwargsHandler, such as DistributedDataParallelKwargs){hint}."
+            )
+    ours = [h for h in handlers if isinstance(h, MixedPrecisionKwargs)]
+    if len(ours) > 1:
+        raise ValueError(f"kwargs_handlers holds {len(ours)} MixedPrecisionKwargs; pass at most one.")
+    return ours, [h for h in handlers if not isinstance(h, MixedPrecisionKwargs)]
 
 
 def _native_handler_refusal(handler: KwargsHandler, opt_level: str) -> str:

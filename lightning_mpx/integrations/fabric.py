@@ -184,7 +184,8 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         FabricMixedPrecisionPlugin.__init__(self, state["opt_level"], **given)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self._opt_level!r})"
+        # as the Trainer plugin's (the half dtype as given; None: the device's, picked at convert_module)
+        return f"{type(self).__name__}({self._opt_level!r}, half_dtype={self.settings.half_dtype!r})"
 
     def __str__(self) -> str:
         # A Trainer refuses this plugin ("Found invalid type for plugin {plugin}", before any call into it): its

@@ -295,9 +295,9 @@ def _complex_unit_policy(unit: nn.Module, policy: MixedPrecisionPolicy, names: d
 def _gathers_complex_as_is() -> bool:
     """Whether this torch's FSDP2 gathers a complex parameter as it is: torch 2.13's ``FSDPParam.init_dtype_attrs``
     leaves a non-floating parameter's dtype alone, 2.11's casts it to the policy's real ``param_dtype``, silently
-    dropping the imaginary part (2.12 not checked). Asked of that method itself, so a source build or nightly
-    (``2.13.0a0+git...``, before 2.13 in torch's version compare) is judged by what it does; by the release number
-    where the method is not there to ask."""
+    dropping the imaginary part (2.12 leaves it alone, as 2.13 does). Asked of that method itself, so a source build
+    or nightly (``2.13.0a0+git...``, before 2.13 in torch's version compare) is judged by what it does; by the
+    release number where the method is not there to ask."""
     probe = types.SimpleNamespace(sharded_param=torch.zeros(1, dtype=torch.complex64))
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam  # private: asked, else the release

@@ -33,6 +33,7 @@ from typing import Any
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from lightning_mpx.integrations.fabric import FabricMixedPrecisionPlugin
+from lightning_mpx.opt_levels import _check_opt_level
 
 # What litgpt's ``finetune/lora.py`` ``main`` takes, in the order its ``setup`` passes it (litgpt 0.5.13).
 LORA_MAIN_PARAMETERS = ("fabric", "devices", "seed", "config", "data", "checkpoint_dir", "out_dir", "train", "eval",
@@ -289,7 +290,7 @@ def _pretrain(model_name: str | None, opt_level: str, mpx_kwargs: dict[str, Any]
                              "or a litgpt.Config)")  # fmt: skip
         model_name = config.name  # what hyperparameters.yaml records as litgpt's positional argument
     args = _bind(litgpt_pretrain.setup, model_name, setup_kwargs)
-    plugin = FabricMixedPrecisionPlugin(opt_level, **(mpx_kwargs or {}))
+    plugin = _plugin(opt_level, mpx_kwargs)
     out_dir = init_out_dir(args["out_dir"])
     resume = args["resume"]
     if resume and find_resume_path(resume, out_dir) is not None:
@@ -362,8 +363,17 @@ def _arguments(setup: Any, checkpoint_dir: Path | str, opt_level: str, mpx_kwarg
                setup_kwargs: dict[str, Any], argv: list[str] | None) -> tuple[dict[str, Any], Any, list[str]]:
     """litgpt's ``setup`` arguments, the plugin (a bad opt level fails before any file) and the flags to record."""
     args = _bind(setup, checkpoint_dir, setup_kwargs)
-    plugin = FabricMixedPrecisionPlugin(opt_level, **(mpx_kwargs or {}))
+    plugin = _plugin(opt_level, mpx_kwargs)
     return args, plugin, argv if argv is not None else _recorded_argv(setup, args)
+
+
+def _plugin(opt_level: str, mpx_kwargs: dict[str, Any] | None) -> FabricMixedPrecisionPlugin:
+    """The plugin of ``opt_level`` and ``mpx_kwargs`` (its keywords as a dict; Python's "argument after ** must be a
+    mapping" before, naming no argument)."""
+    if mpx_kwargs is not None and not isinstance(mpx_kwargs, dict):
+        raise TypeError(f"mpx_kwargs={mpx_kwargs!r} must be a dict of FabricMixedPrecisionPlugin's keywords or None, "
+                        "e.g. mpx_kwargs={'half_dtype': 'bfloat16'}")
+    return FabricMixedPrecisionPlugin(opt_level, **(mpx_kwargs or {}))
 
 
 def _refuse_resume_with_masters(plugin: Any, resume: Any, opt_level: str, script: str) -> None:
@@ -431,13 +441,22 @@ def _mpx_kwargs(text: str) -> dict[str, Any]:
     return value
 
 
+def _opt_level(text: str) -> str:
+    """``--opt_level``'s value, or argparse's error with the core's message (a traceback from the plugin before)."""
+    try:
+        _check_opt_level(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m lightning_mpx.litgpt finetune_lora <checkpoint_dir> --opt_level O2 [litgpt's flags]`` (or
     ``finetune_full``; ``pretrain <model_name>``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     ours = argparse.ArgumentParser(prog="python -m lightning_mpx.litgpt", add_help=False)
     ours.add_argument("command", choices=COMMANDS)
-    ours.add_argument("--opt_level", "--opt-level", default="O2")
+    ours.add_argument("--opt_level", "--opt-level", default="O2", type=_opt_level)
     ours.add_argument("--mpx_kwargs", "--mpx-kwargs", type=_mpx_kwargs, default=None,
                       help=f"FabricMixedPrecisionPlugin keywords as JSON, e.g. '{MPX_KWARGS_EXAMPLE}'")
     if not argv or argv[0] in ("-h", "--help"):
@@ -459,5 +478,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = parser.parse_args(rest)
     settings = {k: v for k, v in vars(parser.instantiate_classes(config)).items() if k not in ("config", "__path__")}
     settings = {k: v for k, v in settings.items() if k not in ("precision", "quantize") or v is not None}
+    for name in ("precision", "quantize"):
+        if name in settings:  # argparse's error in the command line's words (a traceback naming precision= before)
+            ours.error(f"--{name} {settings[name]} with --opt_level {known.opt_level}: the opt level sets the "
+                       f"precision" + (" (litgpt refuses mixed precision with --quantize too); drop --quantize, or run "
+                       f"litgpt's own `litgpt {known.command} --quantize` without --opt_level" if name == "quantize"
+                       else f"; drop --precision (set the half dtype with --mpx_kwargs '{MPX_KWARGS_EXAMPLE}')"))
     run(settings.pop(next(iter(inspect.signature(setup).parameters))), known.opt_level, known.mpx_kwargs, settings,
         rest)

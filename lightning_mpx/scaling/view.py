@@ -43,6 +43,14 @@ _INSTEAD: dict[str, dict[Front, str]] = {
         "trainer": "the plugin updates the scale once per iteration, after its optimizer steps",
         "fabric": "the plugin updates the scale once per iteration, at its first call after the optimizer steps",
     },
+    **{
+        f"set_{name}": {
+            front: f"{name} is a setting of the engine's scaler, fixed for the run: pass it to the plugin, "
+                   f"{plugin}(opt_level, {name}=...)"
+            for front, plugin in (("trainer", "MixedPrecisionPlugin"), ("fabric", "FabricMixedPrecisionPlugin"))
+        }
+        for name in ("growth_factor", "backoff_factor", "growth_interval")
+    },
     "load_state_dict": {
         "trainer": "the plugin's entry of the checkpoint carries the scale: trainer.fit(model, ckpt_path=...) "
                    "restores it",
@@ -138,6 +146,16 @@ class GradScalerView:
 
     def load_state_dict(self, state_dict: Any) -> None:
         raise self._refuse("load_state_dict")
+
+    # GradScaler's setters (its growth settings): a bare AttributeError before
+    def set_growth_factor(self, new_factor: float) -> None:
+        raise self._refuse("set_growth_factor")
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        raise self._refuse("set_backoff_factor")
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        raise self._refuse("set_growth_interval")
 
     def __repr__(self) -> str:
         return f"GradScalerView(loss 0 of {self._owner!r}: {self._owner.amp.scalers[0]!r})"  # reads nothing
