@@ -81,9 +81,7 @@ def _bind(setup: Any, checkpoint_dir: Path | str, setup_kwargs: dict[str, Any]) 
                 f"{name}={setup_kwargs[name]!r} with an opt level: the FabricMixedPrecisionPlugin sets the precision"
                 + (" (litgpt refuses mixed precision with quantize= too); drop quantize=, or run litgpt's own "
                    "`litgpt finetune_lora --quantize` without an opt level" if name == "quantize" else
-                   "; pass opt_level= (and mpx_kwargs=) instead of precision= (on the command line, a --config "
-                   "YAML's precision: counts too, as litgpt's config_hub files set it: add --precision null after "
-                   "--config)")
+                   "; pass opt_level= (and mpx_kwargs=) instead of precision=")
             )  # fmt: skip
     try:
         bound = inspect.signature(setup).bind(checkpoint_dir, **setup_kwargs)
@@ -483,6 +481,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             ours.error(f"--{name} {settings[name]} with --opt_level {known.opt_level}: the opt level sets the "
                        f"precision" + (" (litgpt refuses mixed precision with --quantize too); drop --quantize, or run "
                        f"litgpt's own `litgpt {known.command} --quantize` without --opt_level" if name == "quantize"
-                       else f"; drop --precision (set the half dtype with --mpx_kwargs '{MPX_KWARGS_EXAMPLE}')"))
+                       else f"; drop --precision (set the half dtype with --mpx_kwargs '{MPX_KWARGS_EXAMPLE}'); a "
+                       "--config YAML's precision: counts too (litgpt's config_hub files set one): add --precision "
+                       "null after --config"))
     run(settings.pop(next(iter(inspect.signature(setup).parameters))), known.opt_level, known.mpx_kwargs, settings,
         rest)
