@@ -18,7 +18,8 @@ import torch
 trl = pytest.importorskip("trl")
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
-datasets = pytest.importorskip("datasets")
+
+import datasets  # noqa: E402 - a dependency of trl
 
 from lightning_mpx.accelerate import MixedPrecisionKwargs, mpx_trainer  # noqa: E402
 from tests.accelerate_helpers import accelerate_state_reset  # noqa: E402
