@@ -21,6 +21,7 @@ state (loss scales, FP32 masters, skip counters) in the Trainer's checkpoints, s
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import inspect
 import os
@@ -102,7 +103,7 @@ class MpxTrainerMixin:
                 f"TrainingArguments({', '.join(native)}) turns on the Trainer's own mixed precision, and "
                 f"opt_level={self.mpx_opt_level!r} turns on lightning_mpx's: use one. Drop {', '.join(native)} to "
                 "train with the opt level (set its dtype with mpx_kwargs=MixedPrecisionKwargs(half_dtype=...)), or "
-                "use transformers.Trainer without the mixin."
+                "use transformers.Trainer without the mixin." + _unset_bf16_hint(targs, native)
             )
         super().create_accelerator_and_postprocess()  # type: ignore[misc]
         args = dict(self._mpx_accelerator_args)
@@ -230,6 +231,21 @@ class MpxTrainerMixin:
         ):
             logs = {**accelerator._read_mpx_metrics(LOG_READER), **logs}
         super().log(logs, *args, **kwargs)  # type: ignore[misc]
+
+
+def _unset_bf16_hint(targs: Any, native: list[str]) -> str:
+    """For arguments whose class turns ``bf16`` on when it is left unset (TRL's ``SFTConfig``, ``DPOConfig``, ...:
+    ``bf16=None`` becomes ``True`` unless ``fp16``), the refusal's hint that the user must pass ``bf16=False``."""
+    if "bf16=True" not in native or not dataclasses.is_dataclass(targs):
+        return ""
+    field = next((f for f in dataclasses.fields(targs) if f.name == "bf16"), None)
+    if field is None or field.default is not None:
+        return ""
+    name = type(targs).__name__
+    return (
+        f" {name} sets bf16=True when it is left unset ({name}'s default, not transformers'): pass "
+        f"{name}(..., bf16=False) to train with the opt level."
+    )
 
 
 def _keeping_parameters(trainer: Any, load: Callable[[], Any]) -> None:
