@@ -226,7 +226,10 @@ def check_sharded_model(module: nn.Module, settings: object) -> None:
             if param.dtype != _F32:
                 island_half.append(name)
         elif param.dtype in HALF_DTYPES:
-            stored_half.append(name)
+            # At O2 a frozen half parameter (a LoRA model's base loaded in half) needs no master, as without FSDP:
+            # the policy gathers it in half like the rest (tests/test_fsdplora62.py).
+            if mode.name != "masters" or param.requires_grad:
+                stored_half.append(name)
         else:
             stored_fp32.append(name)
     if stored_half and mode.name != "half":
