@@ -78,6 +78,8 @@ class MasterHooks:
         rounded to half). ``Amp.load_state_dict`` then gives the master its saved value. A state dict made between a
         SAM-style optimizer's passes: its perturbed half weights (:data:`PASS_WEIGHTS`) checked, put back by
         :meth:`loaded`."""
+        if not fits_groups(optimizer, state_dict):
+            return  # torch's load refuses it next (ValueError), after which no post-hook runs to swap back
         saved = state_dict.get(PASS_WEIGHTS)
         self.loading_pass = check_pass_weights(optimizer, saved) if saved is not None and self.state.two_pass else {}
         keys = state_dict.get(HALF_STATE)
@@ -151,6 +153,16 @@ def state_making_step(optimizer: torch.optim.Optimizer, args: Any = (), kwargs: 
     return True
 
 
+def fits_groups(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> bool:
+    """Whether torch's ``load_state_dict`` will take ``state_dict``'s groups (as many, each as long as the
+    optimizer's). One it refuses raises ``ValueError`` after the pre-hooks and before the post-hooks: masters swapped
+    in for it would stay in the groups (a ``zero_grad()`` then clears the masters' gradients, not the model's)."""
+    saved = state_dict.get("param_groups")
+    groups = optimizer.param_groups
+    return (isinstance(saved, (list, tuple)) and len(saved) == len(groups)
+            and all(len(s.get("params", ())) == len(g["params"]) for s, g in zip(saved, groups)))  # fmt: skip
+
+
 def masters_for_loaded(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any], masters: Masters) -> bool:
     """Before ``optimizer`` loads ``state_dict``: a master made for each half parameter of its groups that has none
     (frozen when the masters were made) and whose state the checkpoint holds; whether any was made."""
@@ -222,6 +234,8 @@ class SharedGroupHooks:
         """Before ``inner`` loads a state dict: as :meth:`MasterHooks.masters_in_to_load`, a half parameter frozen
         since before the masters were made, whose state the checkpoint holds, gets its master (the state loads into it
         in FP32), then :meth:`masters_in`."""
+        if not fits_groups(inner, state_dict):
+            return  # refused by torch's load next, with no post-hook after it
         if self.state.swapped is None and not any(peer.swapped is not None for peer in self.peers):
             if masters_for_loaded(inner, state_dict, self.masters):
                 self.state.pairs_key = None

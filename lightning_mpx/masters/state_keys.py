@@ -8,7 +8,8 @@ a log of Adam's ``exp_avg_sq``, Lightning's ``trainer.optimizers[0].state[p]``) 
 ``__missing__``: a half parameter with a master gets the master's entry (the same dict: one owner; made empty under
 the master when it has none yet). A hit (torch's own ``self.state[master]`` in the step) costs no Python call.
 ``del optimizer.state[p]`` and ``optimizer.state.pop(p)`` (a reset of ``p``'s moments) remove the master's entry,
-``optimizer.state[p] = {}`` (or ``.update({p: {}})``) replaces it, and ``optimizer.state.setdefault(p, {})`` gives it.
+``optimizer.state[p] = {}`` (or ``.update({p: {}})``, ``|= {p: {}}``) replaces it, and
+``optimizer.state.setdefault(p, {})`` gives it.
 ``p in optimizer.state``, ``optimizer.state.get(p)``, iteration and ``len`` are torch's (not redirected: torch's
 ``_init_group`` calls ``.get`` per parameter per step). A SAM-style optimizer keeps its ``old_p`` under the half
 parameter (docs/master_weights.md), a schedule-free one's ``eval()``/``train()`` called on the half parameters must move
@@ -70,6 +71,11 @@ class StateByMasters(collections.defaultdict):
         for key, value in dict(*args, **kwargs).items():
             self[key] = value
 
+    def __ior__(self, other: Any) -> StateByMasters:
+        """``optimizer.state |= {p: {}}``: as :meth:`update` (dict's own would put a second entry under ``p``)."""
+        self.update(other)
+        return self
+
     def pop(self, key: Any, *default: Any) -> Any:
         """``optimizer.state.pop(p, None)`` by a half parameter pops its master's entry (a reset, as torch's)."""
         master = self._master(key) if key not in self else None
@@ -109,6 +115,15 @@ class StateByMasters(collections.defaultdict):
 
     def __copy__(self) -> collections.defaultdict:
         return collections.defaultdict(dict, self)
+
+    copy = __copy__  # ``optimizer.state.copy()``: defaultdict's calls the class (an owner-less StateByMasters)
+
+    def __or__(self, other: Any) -> Any:
+        """``optimizer.state | other`` (either side): a plain ``defaultdict(dict)``, as :meth:`copy`."""
+        return collections.defaultdict.__or__(self.copy(), other)
+
+    def __ror__(self, other: Any) -> Any:
+        return collections.defaultdict.__ror__(self.copy(), other)
 
 
 def put_by_param(state: Any, key: torch.Tensor, value: Any) -> None:
