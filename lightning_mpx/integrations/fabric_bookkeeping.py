@@ -76,19 +76,30 @@ class FabricBookkeeping:
         return self.amp
 
     def _begin_read(self) -> None:
-        """:meth:`_begin` for a read (``metrics()``, ``scaler``), which code calls on rank 0 alone: under a process
-        group it does not end the iteration while parameters no registered optimizer holds have gradients (an
-        optimizer the plugin has not met yet, a GAN's G before its first step, may still step in this iteration).
-        Ended there on the reading rank only, the ranks' scales would part (and with ``skip_on_device`` their
-        collectives: a hang); the next call every rank makes (a forward, ``fabric.backward``) ends it. Nothing else
-        changes: one process, or every optimizer met, as :meth:`_begin`."""
+        """:meth:`_begin` for a read (``metrics()``, ``scaler``, ``state_dict()``), which code calls on rank 0 alone:
+        under a process group it does not end the iteration while gradients wait for a step that may still come in
+        it: parameters no registered optimizer holds (an optimizer the plugin has not met yet, a GAN's G before its
+        first step), or a registered optimizer that has not stepped since the last update (a GAN's G between D's step
+        and its own). Ended there on the reading rank only, the ranks' scales would part (and their weights; with
+        ``skip_on_device`` their collectives: a hang); the next call every rank makes (a forward,
+        ``fabric.backward``) ends it. Nothing else changes: one process, or no gradient waiting, as :meth:`_begin`."""
         amp = self.amp
-        if amp.found_inf_reducer is not None and amp.iteration.update_pending:
-            unheld = amp._machine.unheld
-            if unheld is not None and any(param.grad is not None for param in unheld.params()):
-                self._begin(end=False)
-                return
+        if amp.found_inf_reducer is not None and amp.iteration.update_pending and self._steps_may_follow():
+            self._begin(end=False)
+            return
         self._begin()
+
+    def _steps_may_follow(self) -> bool:
+        """Whether gradients wait for an optimizer step that may still come in this iteration (see
+        :meth:`_begin_read`)."""
+        unheld = self.amp._machine.unheld
+        if unheld is not None and any(param.grad is not None for param in unheld.params()):
+            return True
+        iteration = self.amp.iteration
+        return any(
+            not iteration.stepped(optimizer) and any(p.grad is not None for p in optimizer_params(optimizer))
+            for optimizer in list(self._optimizers)
+        )
 
     def metrics(self) -> dict[str, float]:
         """The ``mpx/*`` metrics as Python numbers, for ``fabric.log_dict``: ``mpx/loss_scale``, ``mpx/overflows``
@@ -103,7 +114,10 @@ class FabricBookkeeping:
         """Loss scalers, FP32 master weights and counters: put the plugin into the state you save
         (``fabric.save(path, {"model": model, "optimizer": optimizer, "mpx": mpx})``). At O2 the masters a set-up
         model's ``state_dict()`` gives are named, not held: the model's entry holds them (each written once)."""
-        self._begin()  # a pending scale update belongs to the iteration that is being saved
+        # A pending scale update belongs to the iteration that is being saved; not while another optimizer's gradients
+        # wait under a process group (_begin_read): `if fabric.global_rank == 0: mpx.state_dict()` between a GAN's two
+        # steps ended the iteration on rank 0 alone, and the ranks' scales and weights parted.
+        self._begin_read()
         # with metrics()'s position: a resumed run's first call counts from there
         return masters_left_to_models(self.amp, self._modules, self.amp.state_dict())
 
