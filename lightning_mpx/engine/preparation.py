@@ -405,7 +405,7 @@ class PreparedModels:
         self.sharded = True  # before the promotion: it leaves an FSDP model's dtypes to FSDP's policies
         self.promotion.add_model(module, "")
         if self.machine.sharding is None:
-            self.machine.sharding = Sharding(module)
+            self.machine.sharding = Sharding(module, masters=self.properties.master_weights)
         else:
             self.machine.sharding.add_model(module)
 

@@ -20,9 +20,11 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
+from lightning_mpx.common.dtypes import HALF_DTYPES, dtype_name
+
 __all__ = [
     "Sharding", "gathered_params", "is_sharded", "local_tensor", "parameter_names", "refuse_gathered",
-    "reshard_gathered",
+    "refuse_half_params", "reshard_gathered",
 ]  # fmt: skip
 
 #: The module names FSDP1 and activation checkpointing insert between a module and its children.
@@ -127,6 +129,30 @@ def refuse_gathered(modules: Iterable[nn.Module], params: Iterable[torch.Tensor]
         )
 
 
+def refuse_half_params(modules: Iterable[nn.Module], params: Iterable[torch.Tensor]) -> None:
+    """Raise ``ValueError`` when ``params`` (an O2 optimizer's, under FSDP) hold half-dtype parameters, naming them
+    (by their names in ``modules``) and the fix.
+
+    Under FSDP at O2 the optimizer steps FSDP's sharded FP32 parameters: they are the masters, and no other master is
+    made. A half parameter (a frozen base loaded in half, which ``check_sharded_model`` lets through) would be stepped
+    in half, losing precision silently, once it trains; a frozen one is refused too, since unfreezing it later
+    (``requires_grad_(True)``) is a change no check sees.
+    """
+    half = [p for p in params if p.dtype in HALF_DTYPES]
+    if not half:
+        return
+    names = {id(p): name for module in modules for name, p in parameter_names(module)}
+    held = [names.get(id(p), f"<unnamed {dtype_name(p.dtype)} {tuple(p.shape)}>") for p in half]
+    raise ValueError(
+        f"the optimizer holds {len(held)} half parameter(s) of a model sharded by FSDP at O2: "
+        f"{', '.join(held[:5])}{', ...' if len(held) > 5 else ''}. Under FSDP, FSDP's sharded FP32 parameters are "
+        "the master weights (no separate FP32 masters are made): a half parameter would be stepped in half, losing "
+        "precision, once it trains (a frozen one when unfrozen later). Build the optimizer over the trainable "
+        "parameters only, [p for p in model.parameters() if p.requires_grad], as peft and the Hugging Face Trainer "
+        "do, and add no frozen half parameter later; to train the base, load it in FP32 before sharding."
+    )
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The rank's local shard of a ``DTensor`` (in-place work on it changes the ``DTensor``), any other tensor as it
     is."""
@@ -151,13 +177,15 @@ class Sharding:
     Args:
         module: The sharded model (after ``fully_shard`` or the FSDP1 wrapper).
         group: The process group the gradients are sharded over (default: the default group).
+        masters: O2: FSDP's sharded FP32 parameters are the master weights, and an optimizer holding a half
+            parameter is refused (:func:`refuse_half_params`).
 
     Attributes:
         world_size: The number of ranks in ``group``.
         shards: The ids of the plain tensors that are FSDP1 shards (each rank holds a different piece).
     """
 
-    def __init__(self, module: nn.Module, group: object | None = None) -> None:
+    def __init__(self, module: nn.Module, group: object | None = None, *, masters: bool = False) -> None:
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
@@ -166,6 +194,7 @@ class Sharding:
                 "(torch.distributed.init_process_group) before prepare_model()."
             )
         self.group = group
+        self.masters = masters
         self.world_size = dist.get_world_size(group)
         self.shards: set[int] = set(_fsdp1_shards(module))
         self._models = [weakref.ref(module)]
@@ -178,8 +207,13 @@ class Sharding:
         self._models.append(weakref.ref(module))
 
     def refuse_gathered(self, params: Iterable[torch.Tensor]) -> None:
-        """:func:`refuse_gathered` over the prepared models."""
-        refuse_gathered([m for m in (ref() for ref in self._models) if m is not None], params)
+        """:func:`refuse_gathered` over the prepared models; at O2 (``masters``) also :func:`refuse_half_params`.
+        Called when an optimizer is prepared and when its number of parameter groups changes: no cost per step."""
+        models = [m for m in (ref() for ref in self._models) if m is not None]
+        params = list(params)
+        refuse_gathered(models, params)
+        if self.masters:
+            refuse_half_params(models, params)
 
     def weight(self, param: torch.Tensor) -> float:
         """One over the number of ranks that hold the same values of ``param``'s gradient (1 for a shard)."""
