@@ -62,7 +62,7 @@ def test_o2_bf16_ddp_trains_as_bf16_true(launched: tuple[Path, list[dict[str, An
 def test_o2_float16_overflow_on_one_rank_skips_on_both(launched: tuple[Path, list[dict[str, Any]]]) -> None:
     """Rank 1's loss inf at steps 1 and 2, in the micro-batch under ``no_sync`` (gradient accumulation 2): both ranks
     skip those steps (weights unchanged, equal), the scale backs off on both as torch's GradScaler's does, the step
-    counters agree, and nothing hangs."""
+    counters agree, and nothing hangs; a resume from the checkpoint after the overflows goes on with their scale."""
     out, ranks = launched
     r0, r1 = ranks[0]["fp16"], ranks[1]["fp16"]
     assert r0["ddp"] and r0["per_step"] == [1] * 6
@@ -73,6 +73,12 @@ def test_o2_float16_overflow_on_one_rank_skips_on_both(launched: tuple[Path, lis
     assert torch.equal(w0, w1)
     moved = [not torch.equal(a, b) for a, b in zip(w0[:-1], w0[1:])]
     assert moved == [True, False, False, True, True, True], moved
+    # Resumed from checkpoint-3 on both ranks: the backed-off scale goes on from the checkpoint (not init_scale).
+    a0, a1 = ranks[0]["fp16_resume"], ranks[1]["fp16_resume"]
+    assert a0["scales"] == a1["scales"] == r0["scales"][3:], (a0["scales"], r0["scales"])
+    again = _weights(out, "fp16_resume", 0)
+    assert torch.equal(again, _weights(out, "fp16_resume", 1))
+    assert torch.allclose(again[-1], w0[-1], atol=1e-6, rtol=0), (again[-1] - w0[-1]).abs().max()
 
 
 def test_o2_checkpoint_resume_and_save_model_under_ddp(launched: tuple[Path, list[dict[str, Any]]]) -> None:
