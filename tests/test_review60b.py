@@ -103,19 +103,19 @@ def test_o2_save_pretrained_variant_shards_push_to_hub_and_a_second_accelerator(
         assert {k: v for k, v in model.config.to_dict().items() if k not in ("dtype", "architectures")} == before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="integrations/fp32_export.py Fp32SavePretrained: with push_to_hub=True transformers uploads inside its "
-    "save_pretrained, before the wrapper rewrites config.json, so the Hub gets FP32 weights under a config naming "
-    "bfloat16 (from_pretrained without a dtype rounds them); model.push_to_hub(...) is right",
-)
 def test_o2_save_pretrained_push_to_hub_uploads_a_float32_config(tmp_path, monkeypatch) -> None:
+    """``model.save_pretrained(path, push_to_hub=True)`` at O2: the Hub gets the FP32 masters under a config naming
+    float32 (transformers uploads inside its call: the config was rewritten after the upload, naming bfloat16), and
+    the model keeps no ``_upload_modified_files`` of its own afterwards."""
     with accelerate_state_reset():
-        model = _prepared_step(_accelerator(), _gpt2())
+        accelerator = _accelerator()
+        model = _prepared_step(accelerator, _gpt2())
         uploaded: list[str] = []
         _stub_hub(monkeypatch, uploaded)
         model.save_pretrained(str(tmp_path / "pushed"), push_to_hub=True, repo_id="user/model")
         assert uploaded == ["float32"]
+        assert "_upload_modified_files" not in model.__dict__
+        _assert_reloads_masters(tmp_path / "pushed", model, accelerator.amp)
 
 
 # -- 2. the Apex layer's lean checkpoint -----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_mpx import Amp
+from lightning_mpx.masters.state_keys import KeyedOnCopy
 
 
 def _core_steps(amp: Amp, model: nn.Module, optimizer: torch.optim.Optimizer, n: int) -> None:
@@ -82,10 +83,13 @@ def test_sam_and_schedule_free_keep_torch_state():
     amp = Amp("O2", half_dtype=torch.bfloat16)
     model = amp.prepare_model(_net())
     # SAM's old_p is the half parameter's (docs/master_weights.md); a schedule-free eval()/train() on the half
-    # parameters must find no state (the engine redoes it on the masters: tests/test_sched57.py)
-    for optimizer in (DoorSAM(model.parameters(), torch.optim.SGD, lr=0.1), ScheduleFreeSGD(model.parameters())):
-        assert type(amp.prepare_optimizer(optimizer).state) is collections.defaultdict
+    # parameters must find no state (the engine redoes it on the masters: tests/test_sched57.py); the schedule-free
+    # one's KeyedOnCopy redirects no lookup, it only re-keys its copies (tests/test_review62.py)
+    for optimizer, kind in ((DoorSAM(model.parameters(), torch.optim.SGD, lr=0.1), collections.defaultdict),
+                            (ScheduleFreeSGD(model.parameters()), KeyedOnCopy)):  # fmt: skip
+        assert type(amp.prepare_optimizer(optimizer).state) is kind
         amp.release_optimizer(optimizer)
+        assert type(optimizer.state) is collections.defaultdict
 
 
 def test_accelerate_o2_exp_avg_sq_by_param_matches_bf16(fresh_accelerate_state):

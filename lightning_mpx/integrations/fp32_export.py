@@ -96,11 +96,11 @@ class Fp32SavePretrained:
     ``config.json`` it writes names ``float32`` (as ``"bf16-mixed"``'s or Accelerate's FP32 model), not the half dtype
     of the model's first parameter that ``transformers`` writes there; ``from_pretrained(path)`` without a ``dtype``
     then loads the weights training produced, not their half rounding. A copy of the config is written again after
-    the model's call (on the main process; not with ``push_to_hub=True``, whose upload comes first: save, then upload
-    the folder). With a ``state_dict=`` of the user's, its dtype for the model's first parameter decides (FP32 from
-    ``amp.fp32_state_dict(model)``: float32); with a peft adapter (no config.json), or no master for the model's first
-    parameter (a copy, another engine's model now), what ``transformers`` wrote stays. A deep copy or pickle of
-    the model gets the plain method back."""
+    the model's call (on the main process; with ``push_to_hub=True``, whose upload comes inside that call, just
+    before the upload). With a ``state_dict=`` of the user's, its dtype for the model's first parameter decides
+    (FP32 from ``amp.fp32_state_dict(model)``: float32); with a peft adapter (no config.json), or no master for the
+    model's first parameter (a copy, another engine's model now), what ``transformers`` wrote stays. A deep copy or
+    pickle of the model gets the plain method back."""
 
     def __init__(self, model: nn.Module, amp: Amp) -> None:
         # Both weakly: the model holds this (no reference cycle keeping a model dropped alive until a gc pass).
@@ -135,21 +135,42 @@ class Fp32SavePretrained:
         state = args[1] if len(args) > 1 else kwargs.get("state_dict")
         # Read before the call: transformers empties a given state dict as it writes the shards.
         given = state.get(name) if state is not None and hasattr(state, "get") else None
-        output = type(model).save_pretrained(model, save_directory, *args, **kwargs)
+        if not (kwargs.get("push_to_hub") or (len(args) > 2 and args[2])):
+            output = type(model).save_pretrained(model, save_directory, *args, **kwargs)
+            self._write_fp32_config(model, first, state, given, save_directory, args, kwargs)
+            return output
+
+        # push_to_hub=True: transformers uploads the folder inside its call, so the config is rewritten just before
+        # its upload, by an instance attribute for the call only (its class and other instances untouched)
+        def upload(folder: Any, *a: Any, **k: Any) -> Any:
+            self._write_fp32_config(model, first, state, given, folder, args, kwargs)
+            return type(model)._upload_modified_files(model, folder, *a, **k)
+
+        if not hasattr(type(model), "_upload_modified_files") or "_upload_modified_files" in model.__dict__:
+            return type(model).save_pretrained(model, save_directory, *args, **kwargs)  # another transformers
+        model._upload_modified_files = upload
+        try:
+            return type(model).save_pretrained(model, save_directory, *args, **kwargs)
+        finally:
+            del model._upload_modified_files
+
+    def _write_fp32_config(self, model: nn.Module, first: torch.Tensor | None, state: Any, given: Any,
+                           save_directory: Any, args: tuple, kwargs: dict) -> None:  # fmt: skip
+        """After transformers wrote the folder: ``config.json`` again naming ``float32`` where the weights written
+        are the FP32 masters (see the class)."""
         amp = self._amp()
-        if (amp is None or kwargs.get("push_to_hub") or not (args[0] if args else kwargs.get("is_main_process", True))
+        if (amp is None or not (args[0] if args else kwargs.get("is_main_process", True))
                 or getattr(model, "_hf_peft_config_loaded", False) or getattr(model, "config", None) is None
                 or not amp.properties.master_weights or amp.sharded or first is None or first.dtype == torch.float32):
-            return output  # (an FP32 model: transformers wrote float32)
+            return  # (an FP32 model: transformers wrote float32)
         if state is not None:  # the user's (amp.fp32_state_dict(model)): the dtype it holds for that parameter
             if not isinstance(given, torch.Tensor) or given.dtype != torch.float32:
-                return output
+                return
         elif amp.master_of(first, refresh=False).dtype != torch.float32:
-            return output
+            return
         config = copy.deepcopy(model.config)  # as the transformers.Trainer mixin's save_model: the model's untouched
         config.dtype = torch.float32
         config.save_pretrained(save_directory)
-        return output
 
 
 def keep_replaced_parameters(model: nn.Module, load: Callable[[], Any]) -> Any:

@@ -12,9 +12,10 @@ the master when it has none yet). A hit (torch's own ``self.state[master]`` in t
 ``optimizer.state.setdefault(p, {})`` gives it.
 ``p in optimizer.state``, ``optimizer.state.get(p)``, iteration and ``len`` are torch's (not redirected: torch's
 ``_init_group`` calls ``.get`` per parameter per step). A SAM-style optimizer keeps its ``old_p`` under the half
-parameter (docs/master_weights.md), a schedule-free one's ``eval()``/``train()`` called on the half parameters must move
-nothing (the engine redoes them on the masters, :func:`~lightning_mpx.masters.swap.follow_modes`): both keep torch's
-``defaultdict``.
+parameter (docs/master_weights.md) and keeps torch's ``defaultdict``; a schedule-free one's ``eval()``/``train()``
+called on the half parameters must move nothing (the engine redoes them on the masters,
+:func:`~lightning_mpx.masters.swap.follow_modes`): it gets a :class:`KeyedOnCopy`, torch's lookups with the copies
+re-keyed.
 """
 
 from __future__ import annotations
@@ -28,22 +29,69 @@ import torch
 from lightning_mpx.engine.optimizer_state import _OptimizerState
 
 
-class StateByMasters(collections.defaultdict):
-    """An optimizer's ``state`` whose lookup of a half parameter with an FP32 master (absent as a key) returns the
-    master's entry; anything else as torch's ``defaultdict(dict)``. Holds the engine's optimizer state weakly (no
-    cycle optimizer -> state -> engine). Pickles and deep-copies as a plain ``defaultdict(dict)`` keyed by the groups'
-    half parameters (what the groups hold outside the step); ``copy.copy`` is one of its items.
+class KeyedOnCopy(collections.defaultdict):
+    """An optimizer's ``state`` as torch's ``defaultdict(dict)`` (no lookup redirected) that pickles and deep-copies
+    keyed by its groups' half parameters outside the step (the masters are not pickled with the optimizer: keyed by
+    them, the copy's ``state_dict()`` would find no parameter of its groups for its entries), by the masters while
+    they stand in; ``copy.copy`` is one of its items. A schedule-free optimizer's (its ``eval()``/``train()`` on the
+    half parameters must find no state); :class:`StateByMasters` adds the lookups by a half parameter.
 
     Args:
         owner: The engine's state of the optimizer (its pairs: which master each parameter has).
         items: The entries of the optimizer's state so far.
     """
 
-    __slots__ = ("_owner", "_pairs_id", "_index")
+    __slots__ = ("_owner",)
 
     def __init__(self, owner: _OptimizerState, items: Any = ()) -> None:
         super().__init__(dict, items)
         self._owner = weakref.ref(owner)
+
+    def __reduce__(self) -> Any:
+        """Pickled or deep-copied (``copy.deepcopy(optimizer)``): a plain ``defaultdict(dict)`` keyed as the groups."""
+        return (collections.defaultdict, (dict,), None, None, self._items_by_groups())
+
+    def _items_by_groups(self) -> Any:
+        """The entries, a master's under its half parameter outside the step; an entry kept by a half parameter whose
+        master has one too (the empty ``{}`` a schedule-free ``eval()`` on the half parameters made) is left out."""
+        owner = self._owner()
+        if owner is None or owner.swapped is not None:
+            return iter(self.items())
+        halves = {id(m): p for p, m in owner.pairs if m is not p}
+        shadowed = {id(halves[id(k)]) for k in self if isinstance(k, torch.Tensor) and id(k) in halves}
+        return (
+            (halves.get(id(k), k), v) if isinstance(k, torch.Tensor) else (k, v)
+            for k, v in self.items()
+            if not (isinstance(k, torch.Tensor) and id(k) in shadowed)
+        )
+
+    def __copy__(self) -> collections.defaultdict:
+        return collections.defaultdict(dict, self)
+
+    copy = __copy__  # ``optimizer.state.copy()``: defaultdict's calls the class (an owner-less instance)
+
+    def __or__(self, other: Any) -> Any:
+        """``optimizer.state | other`` (either side): a plain ``defaultdict(dict)``, as :meth:`copy`."""
+        return collections.defaultdict.__or__(self.copy(), other)
+
+    def __ror__(self, other: Any) -> Any:
+        return collections.defaultdict.__ror__(self.copy(), other)
+
+
+class StateByMasters(KeyedOnCopy):
+    """An optimizer's ``state`` whose lookup of a half parameter with an FP32 master (absent as a key) returns the
+    master's entry; anything else as torch's ``defaultdict(dict)``. Holds the engine's optimizer state weakly (no
+    cycle optimizer -> state -> engine). Pickles and deep-copies as :class:`KeyedOnCopy`.
+
+    Args:
+        owner: The engine's state of the optimizer (its pairs: which master each parameter has).
+        items: The entries of the optimizer's state so far.
+    """
+
+    __slots__ = ("_pairs_id", "_index")
+
+    def __init__(self, owner: _OptimizerState, items: Any = ()) -> None:
+        super().__init__(owner, items)
         self._pairs_id = 0  # id of the pairs list _index was made from
         self._index: dict[int, int] = {}  # id(half parameter) -> its position in the pairs (ids only: no tensor held)
 
@@ -100,31 +148,6 @@ class StateByMasters(collections.defaultdict):
         i = self._index.get(id(key))
         return pairs[i][1] if i is not None and i < len(pairs) and pairs[i][0] is key else None
 
-    def __reduce__(self) -> Any:
-        """Pickled or deep-copied (``copy.deepcopy(optimizer)``): a plain ``defaultdict(dict)`` keyed by the groups'
-        half parameters outside the step (the masters are not pickled with the optimizer: keyed by them, the copy's
-        ``state_dict()`` would find no parameter of its groups for its entries), by the masters while they stand in."""
-        return (collections.defaultdict, (dict,), None, None, self._items_by_groups())
-
-    def _items_by_groups(self) -> Any:
-        owner = self._owner()
-        if owner is None or owner.swapped is not None:
-            return iter(self.items())
-        halves = {id(m): p for p, m in owner.pairs if m is not p}
-        return ((halves.get(id(k), k) if isinstance(k, torch.Tensor) else k, v) for k, v in self.items())
-
-    def __copy__(self) -> collections.defaultdict:
-        return collections.defaultdict(dict, self)
-
-    copy = __copy__  # ``optimizer.state.copy()``: defaultdict's calls the class (an owner-less StateByMasters)
-
-    def __or__(self, other: Any) -> Any:
-        """``optimizer.state | other`` (either side): a plain ``defaultdict(dict)``, as :meth:`copy`."""
-        return collections.defaultdict.__or__(self.copy(), other)
-
-    def __ror__(self, other: Any) -> Any:
-        return collections.defaultdict.__ror__(self.copy(), other)
-
 
 def put_by_param(state: Any, key: torch.Tensor, value: Any) -> None:
     """``state[key] = value`` under ``key`` itself, a half parameter included: the engine's own moves of an entry
@@ -137,24 +160,26 @@ def put_by_param(state: Any, key: torch.Tensor, value: Any) -> None:
 
 
 def key_by_masters(state: _OptimizerState, optimizer: torch.optim.Optimizer) -> None:
-    """Give ``optimizer`` a :class:`StateByMasters` (its entries kept) unless it has one of ``state``'s already; not
-    for a SAM-style optimizer (``state.two_pass``) nor a schedule-free one (``state.train_modes``: its ``eval()`` and
-    ``train()`` on the half parameters must find no state, the engine redoes them on the masters), nor where its
-    ``state`` is not torch's ``defaultdict`` or is shared with an inner optimizer (a wrapper aliasing its base
-    optimizer's state: replacing it would part the two)."""
+    """Give ``optimizer`` a :class:`StateByMasters` (its entries kept) unless it has one of ``state``'s already; a
+    schedule-free one (``state.train_modes``: its ``eval()`` and ``train()`` on the half parameters must find no
+    state, the engine redoes them on the masters) a :class:`KeyedOnCopy` (its copies keyed as its groups); nothing
+    for a SAM-style optimizer (``state.two_pass``), nor where its ``state`` is not torch's ``defaultdict`` or is
+    shared with an inner optimizer (a wrapper aliasing its base optimizer's state: replacing it would part the
+    two)."""
     kept = optimizer.state
-    if state.two_pass or state.train_modes is not None or type(kept) not in (collections.defaultdict, StateByMasters):
+    kind = KeyedOnCopy if state.train_modes is not None else StateByMasters
+    if state.two_pass or type(kept) not in (collections.defaultdict, kind):
         return
     if kept.default_factory is not dict:
         return
-    if type(kept) is StateByMasters and kept._owner() is state:
+    if type(kept) is kind and kept._owner() is state:
         return
     if any((inner := ref()) is not None and inner.state is kept for ref in state.inners):
         return
-    optimizer.state = StateByMasters(state, kept)
+    optimizer.state = kind(state, kept)
 
 
 def key_by_params(optimizer: torch.optim.Optimizer) -> None:
     """An optimizer the engine lets go of: torch's plain ``defaultdict(dict)`` back, its entries kept."""
-    if type(optimizer.state) is StateByMasters:
+    if type(optimizer.state) in (StateByMasters, KeyedOnCopy):
         optimizer.state = collections.defaultdict(dict, optimizer.state)
