@@ -5,16 +5,17 @@
 The model is Linear-Tanh-Linear whose last Linear starts frozen (before or after ``prepare_model``, drawn) and outside
 the optimizer; AdamW or SGD with momentum (drawn). Rules, each a user habit: a training iteration
 (``forward_context``/``backward``/``step``/``update``, docs/core.md); ``zero_grad``; reading ``optimizer.state[p]``
-for each named ``p`` of the groups; resetting one parameter's moments by ``del``, ``pop``, ``= {}``,
-``.update({p: {}})``, ``|= {p: {}}``, ``setdefault`` then ``clear()``; ``optimizer.state.clear()``; unfreezing the last
-layer and ``add_param_group`` for it; a state dict round trip into the same optimizer and a checkpoint into FRESH
+for each named ``p`` of the groups; asking ``p in optimizer.state`` and ``optimizer.state.get(p)`` for each; resetting
+one parameter's moments by ``del`` (guarded by ``p in optimizer.state``), ``pop``, ``= {}``, ``.update({p: {}})``,
+``|= {p: {}}``, ``setdefault`` or ``get`` then ``clear()``; ``optimizer.state.clear()``; unfreezing the last layer and
+``add_param_group`` for it; a state dict round trip into the same optimizer and a checkpoint into FRESH
 objects (docs/core.md's checkpoint); a ``copy.deepcopy(optimizer)`` snapshot restored later by
 ``optimizer.load_state_dict(snapshot.state_dict())``; a learning-rate change.
 
 Invariants: per named parameter, an entry in ours exactly where the twin has one, its moments (``exp_avg``,
 ``momentum_buffer``, Adam's ``step``) the twin's to bfloat16's tolerance; no entry under a half parameter that has a
-master (the masters keep the state); ``len(optimizer.state)`` the twin's; the half weights are the rounding of their
-masters; the masters track the twin's weights.
+master (the masters keep the state), yet ``p in optimizer.state`` the twin's; ``len(optimizer.state)`` the twin's;
+the half weights are the rounding of their masters; the masters track the twin's weights.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from torch import nn
 
 from lightning_mpx import Amp
+from lightning_mpx.masters.state_keys import has_own_key
 from tests.stateful_helpers import stateful_settings
 
 # The last layer frozen before prepare_model and unfrozen later (a drawn start) is warned about: its master starts
@@ -44,7 +46,7 @@ LR = 0.02
 RTOL, ATOL = 0.05, 2e-3
 # Moments against the twin's: |ours - twin| <= M_RTOL * max|twin| + M_ATOL per tensor (a kept moment is ~100%).
 M_RTOL, M_ATOL = 0.05, 1e-5
-RESETS = ["ior", "del", "pop", "assign", "update", "setdefault_clear", "clear"]
+RESETS = ["ior", "del", "pop", "assign", "update", "setdefault_clear", "get_clear", "clear"]
 MOMENTS = ("exp_avg", "momentum_buffer", "step")
 
 
@@ -119,10 +121,10 @@ class _Run:
         return torch.load(buffer, weights_only=False)
 
 
-def _reset(state: Any, p: torch.Tensor, how: str, present: bool) -> None:
-    """One parameter's moments reset as user code does it (``present``: the twin has an entry for it)."""
+def _reset(state: Any, p: torch.Tensor, how: str) -> None:
+    """One parameter's moments reset as user code does it."""
     if how == "del":
-        if present:  # as ``if p in optimizer.state`` would guard it in FP32 (not redirected at O2: documented)
+        if p in state:  # each run's own membership (ours: p's master's entry)
             del state[p]
     elif how == "pop":
         state.pop(p, None)
@@ -134,6 +136,8 @@ def _reset(state: Any, p: torch.Tensor, how: str, present: bool) -> None:
         state |= {p: {}}
     elif how == "setdefault_clear":
         state.setdefault(p, {}).clear()
+    elif how == "get_clear":
+        state.get(p, {}).clear()
     else:
         state.clear()
 
@@ -185,9 +189,23 @@ class StateHabits(RuleBasedStateMachine):
         """One parameter's moments reset (``how``), or ``optimizer.state.clear()``."""
         names = list(self.runs[1].named())
         name = names[index % len(names)]
-        present = self.runs[1].named()[name] in self.runs[1].opt.state
         for run in self.runs:
-            _reset(run.opt.state, run.named()[name], how, present)
+            _reset(run.opt.state, run.named()[name], how)
+
+    @rule(default=st.sampled_from([None, "absent"]))
+    def ask_each(self, default: Any) -> None:
+        """``p in optimizer.state`` and ``optimizer.state.get(p, default)`` for each named ``p`` (a log, a guard):
+        the twin's answers (ours: the master's entry); neither makes an entry."""
+        ours, twin = self.runs
+        sizes = len(ours.opt.state), len(twin.opt.state)
+        for (name, p), r in zip(ours.named().items(), twin.named().values(), strict=True):
+            assert (p in ours.opt.state) == (r in twin.opt.state), f"{name}: membership not the twin's"
+            got, want = ours.opt.state.get(p, default), twin.opt.state.get(r, default)
+            if want is default:
+                assert got is default, f"{name}: get gave {got!r}, the twin {default!r}"
+            else:
+                _moments_close(got, want, name)
+        assert (len(ours.opt.state), len(twin.opt.state)) == sizes, "a lookup made an entry"
 
     @precondition(lambda self: not self.unfrozen)
     @rule()
@@ -252,7 +270,8 @@ class StateHabits(RuleBasedStateMachine):
         ours, twin = self.runs
         assert len(ours.opt.state) == len(twin.opt.state), (len(ours.opt.state), len(twin.opt.state))
         for (name, p), key, r in zip(ours.named().items(), ours.keyed().values(), twin.named().values(), strict=True):
-            assert key is p or p not in ours.opt.state, f"{name}: an entry under the half parameter"
+            assert key is p or not has_own_key(ours.opt.state, p), f"{name}: an entry under the half parameter"
+            assert (p in ours.opt.state) == (r in twin.opt.state), f"{name}: membership by p not the twin's"
             assert (key in ours.opt.state) == (r in twin.opt.state), f"{name}: entry in one run only"
             if r in twin.opt.state:
                 _moments_close(dict.__getitem__(ours.opt.state, key), twin.opt.state[r], name)
@@ -292,7 +311,7 @@ def test_a_reset_by_in_place_or_resets_the_masters_moments() -> None:
     p = model[0].weight
     state = optimizer.state
     state |= {p: {}}
-    assert optimizer.state is state and p not in optimizer.state and len(optimizer.state) == 4
+    assert optimizer.state is state and not has_own_key(optimizer.state, p) and len(optimizer.state) == 4
     assert optimizer.state[p] is optimizer.state[amp.master_of(p)] == {}
 
 

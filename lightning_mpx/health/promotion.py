@@ -58,7 +58,7 @@ from lightning_mpx.casting.policy import enter_fp32, exit_fp32
 from lightning_mpx.common.containers import _cast_collection
 from lightning_mpx.common.dtypes import HALF_DTYPES, set_param_data
 from lightning_mpx.health.forensics import OverflowRecord
-from lightning_mpx.masters.state_keys import put_by_param
+from lightning_mpx.masters.state_keys import has_own_key, put_by_param
 
 if TYPE_CHECKING:
     from lightning_mpx.masters.weights import MasterWeights
@@ -431,9 +431,9 @@ class Promotion:
                 set_param_data(param, master.data if master is not None else param.data.float())
                 param.grad = None  # the overflowed half gradient; the next backward makes an FP32 one
                 for optimizer in optimizers:
-                    if master is not None and master in optimizer.state:
+                    if master is not None and has_own_key(optimizer.state, master):
                         put_by_param(optimizer.state, param, optimizer.state.pop(master))  # FP32 moments, kept
-                    elif param in optimizer.state:  # O3: the state was half like the parameter
+                    elif has_own_key(optimizer.state, param):  # O3: the state was half like the parameter
                         optimizer.state[param] = {
                             k: v.float() if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v
                             for k, v in optimizer.state[param].items()

@@ -24,6 +24,7 @@ from lightning_mpx.engine.sharding import refuse_gathered
 from lightning_mpx.integrations.fabric_checkpoint import masters_left_to_models
 from lightning_mpx.integrations.fabric_sharding import adopt_sharded
 from lightning_mpx.integrations.metric_counts import upgrade_unlogged
+from lightning_mpx.masters.state_keys import has_own_key
 from lightning_mpx.masters.swap import train_modes
 from lightning_mpx.masters.weights import MasterWeights
 from lightning_mpx.scaling.view import GradScalerView
@@ -217,7 +218,7 @@ class FabricBookkeeping:
         # stays when the plugin knew the optimizer before: the FP32 masters hold those weights, unperturbed, and its
         # step's copy into the model undoes the perturbation (a restore moved to the masters would round them).
         kept = optimizer.state
-        own = {p: kept.pop(p) for p in optimizer_params(optimizer) if id(p) in first_step and p in kept}
+        own = {p: kept.pop(p) for p in optimizer_params(optimizer) if id(p) in first_step and has_own_key(kept, p)}
         self.amp.prepare_optimizer(optimizer)
         kept.update(own)
         self._optimizers.add(optimizer)
@@ -237,7 +238,7 @@ def _has_half_state(optimizer: Optimizer, first_step: frozenset[int] = frozenset
             for param in group["params"]:
                 if id(param) in first_step or param.dtype not in (torch.float16, torch.bfloat16):
                     continue
-                if param in each.state:
+                if has_own_key(each.state, param):  # its own entry: the masters' is FP32
                     state = each.state[param]
                     if any(torch.is_tensor(v) and v.dtype == param.dtype and k != "step" for k, v in state.items()):
                         return True

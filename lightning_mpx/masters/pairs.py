@@ -21,7 +21,7 @@ import torch
 
 from lightning_mpx.common.user_frames import user_stacklevel
 from lightning_mpx.engine.optimizer_state import _OptimizerState
-from lightning_mpx.masters.state_keys import put_by_param
+from lightning_mpx.masters.state_keys import has_own_key, put_by_param
 from lightning_mpx.masters.weights import MasterWeights
 from lightning_mpx.settings import _rank_zero
 
@@ -141,7 +141,7 @@ def param_pairs(
         moved = optimizer.state
         for group, masters in zip(optimizer.param_groups, group_masters):
             for param, master in zip(group["params"], masters):
-                if master is not param and param in moved and master not in moved:
+                if master is not param and has_own_key(moved, param) and not has_own_key(moved, master):
                     moved[master] = {
                         k: v.float() if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v
                         for k, v in moved.pop(param).items()

@@ -4,18 +4,20 @@ At O2 an optimizer's groups hold the half model parameters outside the step, and
 masters the engine swaps in for the step (:mod:`lightning_mpx.masters.swap`). User code that reads the state by a
 parameter of its groups after a step (transformers' ``AdafactorSchedule.get_lr``: ``opt.state[group["params"][0]]``,
 a log of Adam's ``exp_avg_sq``, Lightning's ``trainer.optimizers[0].state[p]``) would get torch's fresh ``{}``.
-:class:`StateByMasters`, installed per optimizer in place of torch's ``defaultdict(dict)``, overrides only
-``__missing__``: a half parameter with a master gets the master's entry (the same dict: one owner; made empty under
-the master when it has none yet). A hit (torch's own ``self.state[master]`` in the step) costs no Python call.
+:class:`StateByMasters`, installed per optimizer in place of torch's ``defaultdict(dict)``, overrides ``__missing__``
+(not ``__getitem__``): a half parameter with a master gets the master's entry (the same dict: one owner; made empty
+under the master when it has none yet). A hit (torch's own ``self.state[master]`` in the step) costs no Python call.
 ``del optimizer.state[p]`` and ``optimizer.state.pop(p)`` (a reset of ``p``'s moments) remove the master's entry,
-``optimizer.state[p] = {}`` (or ``.update({p: {}})``, ``|= {p: {}}``) replaces it, and
-``optimizer.state.setdefault(p, {})`` gives it.
-``p in optimizer.state``, ``optimizer.state.get(p)``, iteration and ``len`` are torch's (not redirected: torch's
-``_init_group`` calls ``.get`` per parameter per step). A SAM-style optimizer keeps its ``old_p`` under the half
-parameter (docs/master_weights.md) and keeps torch's ``defaultdict``; a schedule-free one's ``eval()``/``train()``
-called on the half parameters must move nothing (the engine redoes them on the masters,
-:func:`~lightning_mpx.masters.swap.follow_modes`): it gets a :class:`KeyedOnCopy`, torch's lookups with the copies
-re-keyed.
+``optimizer.state[p] = {}`` (or ``.update({p: {}})``, ``|= {p: {}}``) replaces it, and ``optimizer.state.setdefault(p,
+{})`` gives it; ``p in optimizer.state`` is true when ``p`` or its master has an entry and ``optimizer.state.get(p)``
+gives the master's entry when ``p`` has none (neither makes an entry; torch's step calls neither: ``.get(p, [])`` is in
+its optimizers' ``__setstate__`` only), so ``if p in optimizer.state: del optimizer.state[p]`` resets ``p``'s moments as
+in FP32. The engine's own tests of a key itself (a half parameter's own entry: a SAM-style ``old_p``, state moved
+between a master and its parameter) say so: :func:`has_own_key`. Iteration and ``len`` are torch's (the masters' keys).
+A SAM-style optimizer keeps its ``old_p`` under the half parameter (docs/master_weights.md) and keeps torch's
+``defaultdict``; a schedule-free one's ``eval()``/``train()`` called on the half parameters must move nothing (the
+engine redoes them on the masters, :func:`~lightning_mpx.masters.swap.follow_modes`): it gets a :class:`KeyedOnCopy`,
+torch's lookups with the copies re-keyed.
 """
 
 from __future__ import annotations
@@ -80,8 +82,9 @@ class KeyedOnCopy(collections.defaultdict):
 
 class StateByMasters(KeyedOnCopy):
     """An optimizer's ``state`` whose lookup of a half parameter with an FP32 master (absent as a key) returns the
-    master's entry; anything else as torch's ``defaultdict(dict)``. Holds the engine's optimizer state weakly (no
-    cycle optimizer -> state -> engine). Pickles and deep-copies as :class:`KeyedOnCopy`.
+    master's entry (``[]``, ``in``, ``get``, ``del``, ``pop``, ``=``, ``update``, ``|=``, ``setdefault``); anything
+    else as torch's ``defaultdict(dict)``. Holds the engine's optimizer state weakly (no cycle optimizer -> state ->
+    engine). Pickles and deep-copies as :class:`KeyedOnCopy`.
 
     Args:
         owner: The engine's state of the optimizer (its pairs: which master each parameter has).
@@ -101,16 +104,31 @@ class StateByMasters(KeyedOnCopy):
             return self[master]  # the master's entry, made under the master if it has none
         return super().__missing__(key)
 
+    def __contains__(self, key: Any) -> bool:
+        """``p in optimizer.state`` by a half parameter: whether it or its master has an entry (makes none)."""
+        if dict.__contains__(self, key):
+            return True
+        master = self._master(key)
+        return master is not None and dict.__contains__(self, master)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        """``optimizer.state.get(p, default)`` by a half parameter without an entry of its own: its master's entry,
+        ``default`` when neither has one (makes none)."""
+        if dict.__contains__(self, key):
+            return dict.__getitem__(self, key)
+        master = self._master(key)
+        return dict.get(self, master, default) if master is not None else default
+
     def __delitem__(self, key: Any) -> None:
         """``del optimizer.state[p]`` (a reset of ``p``'s moments) by a half parameter deletes its master's entry."""
-        master = self._master(key) if key not in self else None
+        master = self._master(key) if not dict.__contains__(self, key) else None
         super().__delitem__(master if master is not None else key)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         """``optimizer.state[p] = {}`` (a reset of ``p``'s moments) by a half parameter replaces its master's entry;
         dict's own would leave the master's moments in use and put a second entry under ``p``, which the reads by
         ``p`` would then find instead of the master's."""
-        master = self._master(key) if key not in self else None
+        master = self._master(key) if not dict.__contains__(self, key) else None
         super().__setitem__(master if master is not None else key, value)
 
     def update(self, *args: Any, **kwargs: Any) -> None:
@@ -126,14 +144,14 @@ class StateByMasters(KeyedOnCopy):
 
     def pop(self, key: Any, *default: Any) -> Any:
         """``optimizer.state.pop(p, None)`` by a half parameter pops its master's entry (a reset, as torch's)."""
-        master = self._master(key) if key not in self else None
+        master = self._master(key) if not dict.__contains__(self, key) else None
         return super().pop(master if master is not None else key, *default)
 
     def setdefault(self, key: Any, default: Any = None) -> Any:
         """``optimizer.state.setdefault(p, {})`` by a half parameter gives its master's entry (made under the master
         if it has none), as ``optimizer.state[p]`` does; dict's own would put a second entry under ``p``, which the
         reads by ``p`` would then find instead of the master's."""
-        master = self._master(key) if key not in self else None
+        master = self._master(key) if not dict.__contains__(self, key) else None
         return super().setdefault(master if master is not None else key, default)
 
     def _master(self, key: Any) -> torch.Tensor | None:
@@ -147,6 +165,13 @@ class StateByMasters(KeyedOnCopy):
             self._pairs_id = id(pairs)
         i = self._index.get(id(key))
         return pairs[i][1] if i is not None and i < len(pairs) and pairs[i][0] is key else None
+
+
+def has_own_key(state: Any, key: Any) -> bool:
+    """Whether ``state`` has an entry under ``key`` itself, a half parameter included: the engine's own tests of a
+    parameter's entry (a SAM-style ``old_p``, state moved between a master and its parameter), which a
+    :class:`StateByMasters`' ``in`` would answer by the master's entry too."""
+    return dict.__contains__(state, key) if isinstance(state, dict) else key in state
 
 
 def put_by_param(state: Any, key: torch.Tensor, value: Any) -> None:

@@ -19,7 +19,7 @@ import torch
 from lightning_mpx.engine.optimizer_state import _OptimizerState, optimizer_params
 from lightning_mpx.masters.mirror import Mirror, step_mirrored
 from lightning_mpx.masters.pairs import param_pairs, state_to_masters
-from lightning_mpx.masters.state_keys import key_by_masters, put_by_param
+from lightning_mpx.masters.state_keys import has_own_key, key_by_masters, put_by_param
 from lightning_mpx.masters.weights import MasterWeights
 
 _PARAMS = operator.itemgetter("params")
@@ -291,7 +291,7 @@ def state_to_params(state: _OptimizerState, master_weights: Sequence[MasterWeigh
         return
     swap_out(state, optimizer)
     for param, master in param_pairs(state, master_weights, optimizer=optimizer):
-        if master is not param and master in optimizer.state:
+        if master is not param and has_own_key(optimizer.state, master):
             put_by_param(optimizer.state, param, optimizer.state.pop(master))
 
 
@@ -349,7 +349,7 @@ def follow_modes(state: _OptimizerState, master_weights: Sequence[MasterWeights]
     for group, mode in zip(optimizer.param_groups, seen):
         group["train_mode"] = mode
     kept = optimizer.state
-    own = [param for param, master in state.pairs if master is param and param in kept]
+    own = [param for param, master in state.pairs if master is param and has_own_key(kept, param)]
     hidden = [(param, kept.pop(param)) for param in own]
     try:
         call_on_masters(state, master_weights, method)
