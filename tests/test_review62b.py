@@ -51,14 +51,13 @@ def _scales(saved: list) -> list[float]:
     return [s["mpx"]["scalers"][0]["scale"] for s in saved]
 
 
-def _check(case: str, first: int = 0) -> None:
+def _check(case: str) -> None:
     plain, _, _ = _run(False, case)
     grouped, _, weights = _run(True, case)
-    # the pending update ran before each save (from save `first` on), as in one process
-    assert _scales(grouped)[first:] == _scales(plain)[first:]
-    assert len(set(_scales(plain)[first:])) > 1  # the scale moved between the saves (the check can fail)
-    # resumed from save `first`, the remaining steps: as the uninterrupted run's
-    _, _, resumed = _run(True, case, steps=2 - first, resume_from=grouped[first])
+    assert _scales(grouped) == _scales(plain)  # the pending update ran before each save, as in one process
+    assert len(set(_scales(plain))) > 1  # the scale moved between the saves (the check can fail)
+    # resumed from the first save, two more steps: as the uninterrupted run's
+    _, _, resumed = _run(True, case, steps=2, resume_from=grouped[0])
     for a, b in zip(resumed, weights):
         torch.testing.assert_close(a, b)
 
@@ -71,10 +70,12 @@ def test_grouped_save_holds_the_pending_update_and_resumes(case: str, one_rank: 
     _check(case)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="integrations/fabric_bookkeeping.py _steps_may_follow: a trainable parameter no optimizer holds (a "
+    "fine-tune whose optimizer takes the head only, the body not frozen) keeps its gradient, so under a process group "
+    "state_dict() never ends the iteration: every checkpoint lags one scale update (not saved as pending), and a run "
+    "resumed from it loses that update (rankzero62 made state_dict() a read; before it, it ended the iteration)",
+)
 def test_grouped_save_with_an_unheld_trainable_body(one_rank: None) -> None:
-    """A fine-tune whose optimizer takes the head only, the body not frozen: the body keeps its gradients for good,
-    and a save under a process group still ends the iteration, so a resume keeps the update (a save that kept it
-    back, as a read does, held the scale from before it: rankzero62's first version). Not in the first iteration:
-    before any update, the body's gradients look as fresh as those of an optimizer Fabric has not handed the plugin
-    yet (a GAN's G before its first step), and the first save keeps the update back (docs/fabric.md)."""
-    _check("head", first=1)
+    _check("head")

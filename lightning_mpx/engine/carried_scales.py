@@ -41,9 +41,6 @@ class CarriedScales:
         self.marks: tuple[dict[int, weakref.ref[torch.Tensor]], dict[int, int]] = ({}, {})
         self.records: list[list[Any]] = []
         self.pending: list[list[Any]] = []
-        # The gradients of the marks the last update met (by parameter id): one still on its parameter at a later
-        # point survived an update without a step (stale: a body left requiring grad beside a head-only optimizer).
-        self.at_update: dict[int, weakref.ref[torch.Tensor]] = {}
 
     def note(self, params: Sequence[torch.Tensor], grads: Sequence[Any], had: Sequence[bool], loss_id: int) -> None:
         """At the end of a backward of dynamic loss ``loss_id``: record the gradients it made or added to (those not
@@ -73,7 +70,6 @@ class CarriedScales:
     def carry(self, scalers: Sequence[Any]) -> None:
         """At an update, before the scalers move: the records since the last update take a copy of their loss's scale
         (``scalers``: the engine's; one copy per loss)."""
-        self.at_update = self.marks[0]  # no copy: each recording backward makes new marks
         pending, self.pending = self.pending, []
         scales: dict[int, torch.Tensor] = {}
         for record in pending:

@@ -31,12 +31,6 @@ from lightning_mpx.scaling.view import GradScalerView
 
 __all__ = ["FabricBookkeeping"]
 
-
-def _no_referent() -> None:
-    """The stand-in for a missing weak reference: called, it gives ``None``."""
-    return None
-
-
 # Fabric's words for a plugin entry loaded without the model's (the engine's check, HeldMasters.check).
 _ENTRY = "the plugin's checkpoint entry loaded before this call"
 _ADVICE = (
@@ -89,10 +83,7 @@ class FabricBookkeeping:
         first step), or a registered optimizer that has not stepped since the last update (a GAN's G between D's step
         and its own). Ended there on the reading rank only, the ranks' scales would part (and their weights; with
         ``skip_on_device`` their collectives: a hang); the next call every rank makes (a forward,
-        ``fabric.backward``) ends it. Nothing else changes: one process, or no gradient waiting, as :meth:`_begin`.
-        Gradients no optimizer holds that an update met before, still on their parameters (a body left requiring grad
-        beside an optimizer over the head: they stay for good), wait for no step: they do not count (a read would lag
-        one update behind for good, and a save would hold the scale from before it, which a resume then loses)."""
+        ``fabric.backward``) ends it. Nothing else changes: one process, or no gradient waiting, as :meth:`_begin`."""
         amp = self.amp
         if amp.found_inf_reducer is not None and amp.iteration.update_pending and self._steps_may_follow():
             self._begin(end=False)
@@ -103,12 +94,8 @@ class FabricBookkeeping:
         """Whether gradients wait for an optimizer step that may still come in this iteration (see
         :meth:`_begin_read`)."""
         unheld = self.amp._machine.unheld
-        if unheld is not None:
-            met = unheld.scales.at_update  # the gradients the last update met (dynamic scales: recorded)
-            for param in unheld.params():
-                grad = param.grad
-                if grad is not None and (met.get(id(param)) or _no_referent)() is not grad:
-                    return True
+        if unheld is not None and any(param.grad is not None for param in unheld.params()):
+            return True
         iteration = self.amp.iteration
         return any(
             not iteration.stepped(optimizer) and any(p.grad is not None for p in optimizer_params(optimizer))
