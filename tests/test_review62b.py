@@ -75,7 +75,9 @@ def test_grouped_save_holds_the_pending_update_and_resumes(case: str, one_rank: 
     reason="integrations/fabric_bookkeeping.py _steps_may_follow: a trainable parameter no optimizer holds (a "
     "fine-tune whose optimizer takes the head only, the body not frozen) keeps its gradient, so under a process group "
     "state_dict() never ends the iteration: every checkpoint lags one scale update (not saved as pending), and a run "
-    "resumed from it loses that update (rankzero62 made state_dict() a read; before it, it ended the iteration)",
+    "resumed from it loses that update (rankzero62 made state_dict() a read; before it, it ended the iteration). "
+    "Counting gradients an update already met as stale fixes this but splits the ranks where a GAN's G, met late, "
+    "added to them in place (tests/test_review62c.py): the two look the same at the save",
 )
 def test_grouped_save_with_an_unheld_trainable_body(one_rank: None) -> None:
     _check("head")

@@ -43,18 +43,13 @@ def _gan(read: bool, late: int = 2, iters: int = 4) -> tuple[list[int], float, l
     return updates, mpx.amp.scalers[0].scale_tensor.item(), [p.detach().clone() for p in gen.parameters()]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="integrations/fabric_bookkeeping.py _steps_may_follow: G's gradients, accumulated in place since an update "
-    "met them, count as stale (engine/carried_scales.py at_update: same tensor), so the read ends the iteration on "
-    "the reading rank only and G's first step follows in the next one there: one more scale update (and found-inf "
-    "all_reduce: a hang with two ranks). Requiring the version unchanged since the update fixes it but brings back "
-    "the one-update lag of a head-only optimizer's unfrozen body (test_review62b, test_review61c): the two cases "
-    "look the same at the read",
-)
 def test_a_read_between_d_and_a_late_g_step_keeps_the_ranks_together(one_rank: None) -> None:
     """A read on one rank between D's step and the first step of G's optimizer (met late) must not end the
-    iteration there: the reading rank's updates, scale and G's weights stay those of a rank that did not read."""
+    iteration there: the reading rank's updates, scale and G's weights stay those of a rank that did not read.
+    G's gradients, added to in place since an update met them, look at the read exactly as a head-only optimizer's
+    unfrozen body's do; a rule that counted such gradients as stale (tried in stop 62) split the ranks here, so any
+    gradient no optimizer holds counts as waiting, and the body's case keeps its one-update lag
+    (tests/test_review62b.py, docs/fabric.md)."""
     read_updates, read_scale, read_weights = _gan(read=True)
     updates, scale, weights = _gan(read=False)
     assert read_updates == updates
