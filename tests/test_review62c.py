@@ -4,7 +4,6 @@ reads on "rank 0" is compared with the same run without the read (what the other
 
 from __future__ import annotations
 
-import pytest
 import torch
 from lightning.fabric import Fabric
 from torch import nn
