@@ -148,8 +148,9 @@ def refuse_half_params(modules: Iterable[nn.Module], params: Iterable[torch.Tens
         f"{', '.join(held[:5])}{', ...' if len(held) > 5 else ''}. Under FSDP, FSDP's sharded FP32 parameters are "
         "the master weights (no separate FP32 masters are made): a half parameter would be stepped in half, losing "
         "precision, once it trains (a frozen one when unfrozen later). Build the optimizer over the trainable "
-        "parameters only, [p for p in model.parameters() if p.requires_grad], as peft and the Hugging Face Trainer "
-        "do, and add no frozen half parameter later; to train the base, load it in FP32 before sharding."
+        "parameters only, [p for p in model.parameters() if p.requires_grad] (in a LightningModule's "
+        "configure_optimizers: filter(lambda p: p.requires_grad, self.parameters())), as peft and the Hugging Face "
+        "Trainer do, and add no frozen half parameter later; to train the base, load it in FP32 before sharding."
     )
 
 
