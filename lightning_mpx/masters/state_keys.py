@@ -17,7 +17,8 @@ between a master and its parameter) say so: :func:`has_own_key`. Iteration and `
 A SAM-style optimizer keeps its ``old_p`` under the half parameter (docs/master_weights.md) and keeps torch's
 ``defaultdict``; a schedule-free one's ``eval()``/``train()`` called on the half parameters must move nothing (the
 engine redoes them on the masters, :func:`~lightning_mpx.masters.swap.follow_modes`): it gets a :class:`KeyedOnCopy`,
-torch's lookups with the copies re-keyed.
+torch's ``[]`` with the copies re-keyed, and ``in``/``get`` by a half parameter answered by its master's entry (a
+schedule-free ``eval()``/``train()`` reads ``self.state[p]`` only).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from lightning_mpx.engine.optimizer_state import _OptimizerState
 
 
 class KeyedOnCopy(collections.defaultdict):
-    """An optimizer's ``state`` as torch's ``defaultdict(dict)`` (no lookup redirected) that pickles and deep-copies
+    """An optimizer's ``state`` as torch's ``defaultdict(dict)`` (``state[p]`` not redirected; ``p in state`` and
+    ``state.get(p)`` by a half parameter answer by its master's entry, as in FP32) that pickles and deep-copies
     keyed by its groups' half parameters outside the step (the masters are not pickled with the optimizer: keyed by
     them, the copy's ``state_dict()`` would find no parameter of its groups for its entries), by the masters while
     they stand in; ``copy.copy`` is one of its items. A schedule-free optimizer's (its ``eval()``/``train()`` on the
@@ -43,11 +45,42 @@ class KeyedOnCopy(collections.defaultdict):
         items: The entries of the optimizer's state so far.
     """
 
-    __slots__ = ("_owner",)
+    __slots__ = ("_owner", "_pairs_id", "_index")
 
     def __init__(self, owner: _OptimizerState, items: Any = ()) -> None:
         super().__init__(dict, items)
         self._owner = weakref.ref(owner)
+        self._pairs_id = 0  # id of the pairs list _index was made from
+        self._index: dict[int, int] = {}  # id(half parameter) -> its position in the pairs (ids only: no tensor held)
+
+    def __contains__(self, key: Any) -> bool:
+        """``p in optimizer.state`` by a half parameter: whether it or its master has an entry (makes none)."""
+        if dict.__contains__(self, key):
+            return True
+        master = self._master(key)
+        return master is not None and dict.__contains__(self, master)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        """``optimizer.state.get(p, default)`` by a half parameter: its master's entry where ``p`` has none of its own
+        or only the empty ``{}`` a schedule-free ``eval()``/``train()`` on the half parameters made (makes none);
+        torch's ``eval()``/``train()`` of schedulefree read ``self.state[p]``, which stays torch's."""
+        own = dict.get(self, key, default)
+        if own is not default and own:
+            return own
+        master = self._master(key)
+        return dict.get(self, master, own) if master is not None else own
+
+    def _master(self, key: Any) -> torch.Tensor | None:
+        """The FP32 master of ``key`` when it is a half parameter of the optimizer's pairs, else ``None``."""
+        owner = self._owner()
+        if owner is None or not isinstance(key, torch.Tensor):
+            return None
+        pairs = owner.pairs
+        if id(pairs) != self._pairs_id:
+            self._index = {id(p): i for i, (p, m) in enumerate(pairs) if m is not p}
+            self._pairs_id = id(pairs)
+        i = self._index.get(id(key))
+        return pairs[i][1] if i is not None and i < len(pairs) and pairs[i][0] is key else None
 
     def __reduce__(self) -> Any:
         """Pickled or deep-copied (``copy.deepcopy(optimizer)``): a plain ``defaultdict(dict)`` keyed as the groups."""
@@ -91,25 +124,11 @@ class StateByMasters(KeyedOnCopy):
         items: The entries of the optimizer's state so far.
     """
 
-    __slots__ = ("_pairs_id", "_index")
-
-    def __init__(self, owner: _OptimizerState, items: Any = ()) -> None:
-        super().__init__(owner, items)
-        self._pairs_id = 0  # id of the pairs list _index was made from
-        self._index: dict[int, int] = {}  # id(half parameter) -> its position in the pairs (ids only: no tensor held)
-
     def __missing__(self, key: Any) -> Any:
         master = self._master(key)
         if master is not None:
             return self[master]  # the master's entry, made under the master if it has none
         return super().__missing__(key)
-
-    def __contains__(self, key: Any) -> bool:
-        """``p in optimizer.state`` by a half parameter: whether it or its master has an entry (makes none)."""
-        if dict.__contains__(self, key):
-            return True
-        master = self._master(key)
-        return master is not None and dict.__contains__(self, master)
 
     def get(self, key: Any, default: Any = None) -> Any:
         """``optimizer.state.get(p, default)`` by a half parameter without an entry of its own: its master's entry,
@@ -153,18 +172,6 @@ class StateByMasters(KeyedOnCopy):
         reads by ``p`` would then find instead of the master's."""
         master = self._master(key) if not dict.__contains__(self, key) else None
         return super().setdefault(master if master is not None else key, default)
-
-    def _master(self, key: Any) -> torch.Tensor | None:
-        """The FP32 master of ``key`` when it is a half parameter of the optimizer's pairs, else ``None``."""
-        owner = self._owner()
-        if owner is None or not isinstance(key, torch.Tensor):
-            return None
-        pairs = owner.pairs
-        if id(pairs) != self._pairs_id:
-            self._index = {id(p): i for i, (p, m) in enumerate(pairs) if m is not p}
-            self._pairs_id = id(pairs)
-        i = self._index.get(id(key))
-        return pairs[i][1] if i is not None and i < len(pairs) and pairs[i][0] is key else None
 
 
 def has_own_key(state: Any, key: Any) -> bool:
