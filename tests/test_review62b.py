@@ -70,14 +70,9 @@ def test_grouped_save_holds_the_pending_update_and_resumes(case: str, one_rank: 
     _check(case)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="integrations/fabric_bookkeeping.py _steps_may_follow: a trainable parameter no optimizer holds (a "
-    "fine-tune whose optimizer takes the head only, the body not frozen) keeps its gradient, so under a process group "
-    "state_dict() never ends the iteration: every checkpoint lags one scale update (not saved as pending), and a run "
-    "resumed from it loses that update (rankzero62 made state_dict() a read; before it, it ended the iteration). "
-    "Counting gradients an update already met as stale fixes this but splits the ranks where a GAN's G, met late, "
-    "added to them in place (tests/test_review62c.py): the two look the same at the save",
-)
 def test_grouped_save_with_an_unheld_trainable_body(one_rank: None) -> None:
+    """A fine-tune whose optimizer takes the head only, the body left requiring grad (its gradients kept for good):
+    under a process group ``state_dict()`` never ends the iteration (gradients wait for a step that may come), and
+    holds the scalers as the pending update leaves them (tests/test_savepreview62.py): each save holds the update of
+    the saved iteration, as one process's does, and a run resumed from it matches the uninterrupted one."""
     _check("head")

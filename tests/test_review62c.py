@@ -47,8 +47,8 @@ def test_a_read_between_d_and_a_late_g_step_keeps_the_ranks_together(one_rank: N
     iteration there: the reading rank's updates, scale and G's weights stay those of a rank that did not read.
     G's gradients, added to in place since an update met them, look at the read exactly as a head-only optimizer's
     unfrozen body's do; a rule that counted such gradients as stale (tried in stop 62) split the ranks here, so any
-    gradient no optimizer holds counts as waiting, and the body's case keeps its one-update lag
-    (tests/test_review62b.py, docs/fabric.md)."""
+    gradient no optimizer holds counts as waiting: in the body's case reads lag one update (docs/fabric.md), and
+    saves hold the scalers as the pending update leaves them (tests/test_savepreview62.py)."""
     read_updates, read_scale, read_weights = _gan(read=True)
     updates, scale, weights = _gan(read=False)
     assert read_updates == updates

@@ -15,7 +15,7 @@ import functools
 import itertools
 import operator
 import weakref
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -395,6 +395,22 @@ class StepMachine(UnscalePath):
             self.scalers[loss_id].update(found, overflowed=self.iteration_read.get(loss_id))
         self.iteration_found.clear()
         self.iteration_read.clear()
+
+    def scalers_after_update(self) -> list[dict[str, Any]]:
+        """Each scaler's :meth:`~lightning_mpx.scaling.scaler.LossScaler.state_dict` as :meth:`update` would leave it
+        now, computed on copies (the flags it would apply, the scalers' own update): nothing here changes. For a save
+        that may not end the iteration (Fabric's, under a process group) yet holds what ending it would save."""
+        found, read = dict(self.iteration_found), dict(self.iteration_read)
+        for state in self.optimizers.values():
+            if state.stage is _Stage.UNSCALED:  # unscaled, not stepped: update() applies its flags too
+                self.record_found(state.found_by_loss, into=(found, read))
+        states = []
+        for loss_id, scaler in enumerate(self.scalers):
+            if loss_id in found:
+                scaler = scaler.clone()
+                scaler.update(found[loss_id], overflowed=read.get(loss_id))
+            states.append(scaler.state_dict())
+        return states
 
     # -- internals ----------------------------------------------------------------------------------------------
     def _unscaled_params(self, optimizer: torch.optim.Optimizer, with_masters: bool) -> list[torch.Tensor]:

@@ -154,19 +154,27 @@ class UnscalePath:
         self.record_found(dict(zip(loss_ids, flags.unbind(0))), read=read)
         return [i for i in loss_ids if read[i]]
 
-    def record_found(self, found_by_loss: dict[int, torch.Tensor], read: dict[int, bool] | None = None) -> None:
+    def record_found(
+        self,
+        found_by_loss: dict[int, torch.Tensor],
+        read: dict[int, bool] | None = None,
+        *,
+        into: tuple[dict[int, torch.Tensor], dict[int, bool | None]] | None = None,
+    ) -> None:
         """Add overflow flags to the ones the next :meth:`update` applies, loss by loss; ``read``: what the host read
-        of each of them said (the step reads them), so that the update need not look again."""
+        of each of them said (the step reads them), so that the update need not look again. ``into``: copies of
+        (``iteration_found``, ``iteration_read``) to add them to instead (the engine's left as they are)."""
+        found_now, read_now = (self.iteration_found, self.iteration_read) if into is None else into
         for loss_id, found in found_by_loss.items():
-            seen = self.iteration_found.get(loss_id)
-            self.iteration_found[loss_id] = found if seen is None else torch.maximum(seen, found)
+            seen = found_now.get(loss_id)
+            found_now[loss_id] = found if seen is None else torch.maximum(seen, found)
             known = None if read is None else read.get(loss_id)
             if seen is None:
-                self.iteration_read[loss_id] = known
-            elif known is None or self.iteration_read.get(loss_id) is None:
-                self.iteration_read[loss_id] = None  # one flag of the iteration was not read: the device counts
+                read_now[loss_id] = known
+            elif known is None or read_now.get(loss_id) is None:
+                read_now[loss_id] = None  # one flag of the iteration was not read: the device counts
             else:
-                self.iteration_read[loss_id] = bool(self.iteration_read[loss_id]) or known
+                read_now[loss_id] = bool(read_now[loss_id]) or known
 
     # -- internals ----------------------------------------------------------------------------------------------
     def refuse_sparse(self, param: torch.Tensor) -> None:

@@ -76,19 +76,21 @@ class FabricBookkeeping:
         self._begin_read()
         return self.amp
 
-    def _begin_read(self) -> None:
+    def _begin_read(self) -> bool:
         """:meth:`_begin` for a read (``metrics()``, ``scaler``, ``state_dict()``), which code calls on rank 0 alone:
         under a process group it does not end the iteration while gradients wait for a step that may still come in
         it: parameters no registered optimizer holds (an optimizer the plugin has not met yet, a GAN's G before its
         first step), or a registered optimizer that has not stepped since the last update (a GAN's G between D's step
         and its own). Ended there on the reading rank only, the ranks' scales would part (and their weights; with
         ``skip_on_device`` their collectives: a hang); the next call every rank makes (a forward,
-        ``fabric.backward``) ends it. Nothing else changes: one process, or no gradient waiting, as :meth:`_begin`."""
+        ``fabric.backward``) ends it. Nothing else changes: one process, or no gradient waiting, as :meth:`_begin`.
+        Whether the scale update was held back."""
         amp = self.amp
         if amp.found_inf_reducer is not None and amp.iteration.update_pending and self._steps_may_follow():
             self._begin(end=False)
-            return
+            return True
         self._begin()
+        return False
 
     def _steps_may_follow(self) -> bool:
         """Whether gradients wait for an optimizer step that may still come in this iteration (see
@@ -117,10 +119,16 @@ class FabricBookkeeping:
         model's ``state_dict()`` gives are named, not held: the model's entry holds them (each written once)."""
         # A pending scale update belongs to the iteration that is being saved; not while another optimizer's gradients
         # wait under a process group (_begin_read): `if fabric.global_rank == 0: mpx.state_dict()` between a GAN's two
-        # steps ended the iteration on rank 0 alone, and the ranks' scales and weights parted.
-        self._begin_read()
+        # steps ended the iteration on rank 0 alone, and the ranks' scales and weights parted. Held back there, the
+        # save holds the scalers as the update will leave them (computed on copies: the live engine stays as every
+        # rank's), what a save that ended the iteration held: a resume (a head-only optimizer beside a body that keeps
+        # gradients: held back at every save) does not lose the update.
+        held = self._begin_read()
         # with metrics()'s position: a resumed run's first call counts from there
-        return masters_left_to_models(self.amp, self._modules, self.amp.state_dict())
+        state = masters_left_to_models(self.amp, self._modules, self.amp.state_dict())
+        if held:
+            state["scalers"] = self.amp._machine.scalers_after_update()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (``fabric.load`` does, for the plugin's entry of the state)."""

@@ -7,6 +7,7 @@ the device. With ``hysteresis=1`` and no bound reached, the scale follows ``torc
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any, Mapping, Sequence
 
@@ -160,6 +161,20 @@ class LossScaler:
     def get_scale(self) -> float:
         """The current scale as a Python float (waits for the device)."""
         return float(self.scale_tensor.item())
+
+    def clone(self) -> LossScaler:
+        """A copy with device state of its own (the scale, trackers and overflow count cloned; a state loaded before
+        the first :meth:`scale` copied): updating it leaves this scaler as it is. The settings (frozen) and the unit
+        scale's read-only one are shared."""
+        other = copy.copy(self)
+        if self._scale is not None:
+            other._scale = self._scale.clone()
+            other._growth_tracker = self._growth_tracker.clone()  # type: ignore[union-attr]
+            other._hysteresis_tracker = self._hysteresis_tracker.clone()  # type: ignore[union-attr]
+            other._overflows = self._overflows.clone()  # type: ignore[union-attr]
+        if self._pending_state is not None:
+            other._pending_state = dict(self._pending_state)
+        return other
 
     # -- the per-step work --------------------------------------------------------------------------------------
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
