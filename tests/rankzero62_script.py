@@ -27,7 +27,8 @@ from torch import nn
 
 from tests.launch import case_error, end_ranks, write_rank_results
 
-GUARD_S = 8.0  # a guarded call on rank 0 that takes longer is a hang (each takes well under a second)
+GUARD_S = 25.0  # a guarded call on rank 0 that takes longer is a hang (each takes well under a second; room for a
+# loaded CI machine and a first call's lazy imports, within the launch's 120 s)
 STEPS, GUARD_AFTER = 3, 1  # the guarded calls after the first step; two steps after them
 FP16 = {"half_dtype": "float16", "init_scale": 2.0**8, "growth_interval": 1}
 BF16 = {"half_dtype": "bfloat16"}
