@@ -38,7 +38,8 @@ class KeyedOnCopy(collections.defaultdict):
     keyed by its groups' half parameters outside the step (the masters are not pickled with the optimizer: keyed by
     them, the copy's ``state_dict()`` would find no parameter of its groups for its entries), by the masters while
     they stand in; ``copy.copy`` is one of its items. A schedule-free optimizer's (its ``eval()``/``train()`` on the
-    half parameters must find no state); :class:`StateByMasters` adds the lookups by a half parameter.
+    half parameters must find no state through ``state[p]``); :class:`StateByMasters` redirects ``state[p]`` and the
+    writes by a half parameter too.
 
     Args:
         owner: The engine's state of the optimizer (its pairs: which master each parameter has).
@@ -124,19 +125,13 @@ class StateByMasters(KeyedOnCopy):
         items: The entries of the optimizer's state so far.
     """
 
+    __slots__ = ()
+
     def __missing__(self, key: Any) -> Any:
         master = self._master(key)
         if master is not None:
             return self[master]  # the master's entry, made under the master if it has none
         return super().__missing__(key)
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        """``optimizer.state.get(p, default)`` by a half parameter without an entry of its own: its master's entry,
-        ``default`` when neither has one (makes none)."""
-        if dict.__contains__(self, key):
-            return dict.__getitem__(self, key)
-        master = self._master(key)
-        return dict.get(self, master, default) if master is not None else default
 
     def __delitem__(self, key: Any) -> None:
         """``del optimizer.state[p]`` (a reset of ``p``'s moments) by a half parameter deletes its master's entry."""
