@@ -93,6 +93,8 @@ def unscale(
                 own_grads(optimizer, refuse_sparse)
     # the parameter count, in C (map/len/sum: no Python call per step or per group): see note_complex
     if state.complex_groups != sum(map(len, map(_PARAMS, optimizer.param_groups))):
+        if sharding is not None:  # a parameter appended to a group's list: what prepare_optimizer refuses, refused
+            sharding.refuse_gathered(optimizer_params(optimizer))
         note_complex(state, optimizer)
     named = sources
     if state.has_complex:  # torch's unscale kernels have no complex case: their real views (no copy)

@@ -209,7 +209,9 @@ class Sharding:
 
     def refuse_gathered(self, params: Iterable[torch.Tensor]) -> None:
         """:func:`refuse_gathered` over the prepared models; at O2 (``masters``) also :func:`refuse_half_params`.
-        Called when an optimizer is prepared and when its number of parameter groups changes: no cost per step."""
+        Called when an optimizer is prepared, when its number of parameter groups changes and at the unscale after
+        its number of parameters changed (``grad_checks.unscale``: parameters appended to a group's list): no cost
+        per step."""
         models = [m for m in (ref() for ref in self._models) if m is not None]
         params = list(params)
         refuse_gathered(models, params)
