@@ -52,18 +52,16 @@ def _fabric_records(reducer: bool) -> list[tuple[float, float, float, float]]:
     return records
 
 
-def test_a_read_under_a_process_group_with_a_backbone_no_optimizer_holds_lags_one_update(one_rank):
+def test_a_read_under_a_process_group_with_a_backbone_no_optimizer_holds_shows_the_update(one_rank):
     """Under a process group the read does not end the iteration while parameters no optimizer holds have gradients
     (``_begin_read``): with a backbone that requires grad and that no optimizer ever holds, that is every read. The
-    logged scale (``metrics()`` and ``mpx.scaler``) is then the one before the finished iteration's update, one update
-    behind the single-process run (and ``"16-mixed"``), never more; each overflow arrives one record later and none is
-    lost; ``mpx/skipped_steps`` counts each skipped step at its own record."""
+    logged scale (``metrics()`` and ``mpx.scaler``) and ``mpx/overflows`` are those the held-back update will leave
+    (computed on copies), record for record what the single-process run (and ``"16-mixed"``) shows; stop 62's read
+    showed the scale one update behind and each overflow one record late (tests/test_fabricread63.py)."""
     alone, grouped = _fabric_records(False), _fabric_records(True)
     assert [r[0] for r in alone] == [r[3] for r in alone] == [256, 512, 256, 128, 128, 256, 128, 128]
-    assert [r[0] for r in grouped[1:]] == [r[3] for r in grouped[1:]] == [r[0] for r in alone[:-1]]
-    assert [r[1] for r in grouped[1:]] == [r[1] for r in alone[:-1]]  # overflows: one record late
-    assert sum(r[1] for r in grouped) == sum(r[1] for r in alone) == 3  # none lost
-    assert [r[2] for r in grouped] == [r[2] for r in alone]  # skipped steps: at their own record
+    assert grouped == alone
+    assert sum(r[1] for r in grouped) == 3  # none lost, none counted twice
 
 
 def test_a_raw_step_at_lr_zero_with_zero_gradients_is_refused_as_any_raw_step():

@@ -52,7 +52,7 @@ class AmpRecords(AmpParts):
         ``mpx/headroom_doublings/<group>`` (see :mod:`lightning_mpx.health.telemetry`)."""
         self.telemetry.requested = True
 
-    def metrics(self, reader: str = DEFAULT_READER) -> dict[str, torch.Tensor | float]:
+    def metrics(self, reader: str = DEFAULT_READER, *, after_update: bool = False) -> dict[str, torch.Tensor | float]:
         """``mpx/loss_scale``, ``mpx/overflows`` (since ``reader``'s previous call), ``mpx/skipped_steps`` (total) and
         ``mpx/grad_norm`` (unscaled, when computed since), with a ``/loss{id}`` suffix when there are several losses;
         ``mpx/overflow/<module>`` (overflow steps since with non-finite gradients in the module; ``_root``: the root
@@ -64,11 +64,19 @@ class AmpRecords(AmpParts):
         The engine keeps the totals; each ``reader`` (a name: the front doors' loggers read as ``"log"``) keeps only
         its position, so reads never take counts from each other. The positions are in :meth:`state_dict`: after
         :meth:`load_state_dict` a reader's first call reports what its saving run had not read yet (a reader the
-        checkpoint does not hold never read: it counts from the start), never what it read there again."""
+        checkpoint does not hold never read: it counts from the start), never what it read there again.
+
+        ``after_update=True``: the scale and the overflow count as the scale update the finished iteration owes will
+        leave them, computed on copies (the engine unchanged: :meth:`update` stays due), for a read that may not end
+        the iteration yet shows what ending it would (Fabric's under a process group, while another optimizer's step
+        may still come). The overflow it counts is not counted again after the update."""
         if not isinstance(reader, str) or not reader:
             raise TypeError(f"reader={reader!r} must be a non-empty str (default {DEFAULT_READER!r}).")
+        if not isinstance(after_update, bool):
+            raise TypeError(f"after_update={after_update!r} must be a bool (default False).")
         position = self._overflows.reader(reader)
-        out = self._overflows.metrics(position, self._machine.grad_norms)  # and mpx/overflow/<module>
+        scalers = self._machine.updated_scalers() if after_update and self.iteration.update_pending else None
+        out = self._overflows.metrics(position, self._machine.grad_norms, scalers)  # and mpx/overflow/<module>
         out.update(self.promotion.metrics())
         out.update(self.telemetry.metrics(since=position.measurements))
         position.measurements = self.telemetry.measurements

@@ -396,21 +396,25 @@ class StepMachine(UnscalePath):
         self.iteration_found.clear()
         self.iteration_read.clear()
 
-    def scalers_after_update(self) -> list[dict[str, Any]]:
-        """Each scaler's :meth:`~lightning_mpx.scaling.scaler.LossScaler.state_dict` as :meth:`update` would leave it
-        now, computed on copies (the flags it would apply, the scalers' own update): nothing here changes. For a save
-        that may not end the iteration (Fabric's, under a process group) yet holds what ending it would save."""
+    def updated_scalers(self) -> list[LossScaler]:
+        """The scalers as :meth:`update` would leave them now: each one it would update, a copy updated with the
+        flags it would apply (:meth:`~lightning_mpx.scaling.scaler.LossScaler.clone`); the others, themselves.
+        Nothing here changes. For a read that may not end the iteration (Fabric's, under a process group) yet shows
+        what ending it would: read them, never step with them."""
         found, read = dict(self.iteration_found), dict(self.iteration_read)
         for state in self.optimizers.values():
             if state.stage is _Stage.UNSCALED:  # unscaled, not stepped: update() applies its flags too
                 self.record_found(state.found_by_loss, into=(found, read))
-        states = []
-        for loss_id, scaler in enumerate(self.scalers):
-            if loss_id in found:
-                scaler = scaler.clone()
-                scaler.update(found[loss_id], overflowed=read.get(loss_id))
-            states.append(scaler.state_dict())
-        return states
+        scalers = list(self.scalers)
+        for loss_id, flag in found.items():
+            scalers[loss_id] = scalers[loss_id].clone()
+            scalers[loss_id].update(flag, overflowed=read.get(loss_id))
+        return scalers
+
+    def scalers_after_update(self) -> list[dict[str, Any]]:
+        """Each scaler's :meth:`~lightning_mpx.scaling.scaler.LossScaler.state_dict` as :meth:`update` would leave it
+        now (:meth:`updated_scalers`): for a save that may not end the iteration yet holds what ending it would."""
+        return [scaler.state_dict() for scaler in self.updated_scalers()]
 
     # -- internals ----------------------------------------------------------------------------------------------
     def _unscaled_params(self, optimizer: torch.optim.Optimizer, with_masters: bool) -> list[torch.Tensor]:

@@ -391,19 +391,29 @@ class Overflows:
             reader = self.readers[name] = MetricsReader(self._start.counts, self._start.measurements)
         return reader
 
-    def metrics(self, reader: MetricsReader, grad_norms: Mapping[int, torch.Tensor]) -> dict[str, torch.Tensor | float]:
+    def metrics(
+        self,
+        reader: MetricsReader,
+        grad_norms: Mapping[int, torch.Tensor],
+        scalers: Sequence[LossScaler] | None = None,
+    ) -> dict[str, torch.Tensor | float]:
         """Each loss's ``mpx/loss_scale``, ``mpx/overflows`` (since ``reader``'s previous read), ``mpx/skipped_steps``
         and ``mpx/grad_norm`` (from ``grad_norms``, when ``reader`` has not reported it yet), suffixed ``/loss{id}``
         when there are several losses, then the forensics' module counts (since ``reader``'s previous read); moves
-        ``reader`` to now. Device tensors or Python numbers: no device read."""
+        ``reader`` to now. ``scalers``: the scale and overflow count read from these (the engine's scalers as the
+        pending update will leave them) instead of the engine's. Device tensors or Python numbers: no device read."""
         out: dict[str, torch.Tensor | float] = {}
         counts = reader.counts
-        for loss_id, scaler in enumerate(self.scalers):
-            suffix = f"/loss{loss_id}" if len(self.scalers) > 1 else ""
-            name, total = overflows_name(loss_id, len(self.scalers)), scaler.overflow_count
+        scalers = self.scalers if scalers is None else scalers
+        for loss_id, scaler in enumerate(scalers):
+            suffix = f"/loss{loss_id}" if len(scalers) > 1 else ""
+            name, total = overflows_name(loss_id, len(scalers)), scaler.overflow_count
             out["mpx/loss_scale" + suffix] = scaler.scale_tensor.clone()
-            out[name] = total - counts.get(name, 0)
-            counts[name] = total.clone()  # the scaler counts in place
+            # A read of the updated copies moved the position past the engine's count until its update: nothing is
+            # counted twice, nor below zero. (A new tensor: the scaler counts in place.)
+            position = counts.get(name, 0)
+            counts[name] = total = total.clamp(min=position)
+            out[name] = total - position
             out["mpx/skipped_steps" + suffix] = float(self.skipped_steps[loss_id])
             norm = grad_norms.get(loss_id)
             if norm is not None and reader.norms.get(loss_id) is not norm:

@@ -27,6 +27,7 @@ from lightning_mpx.integrations.metric_counts import upgrade_unlogged
 from lightning_mpx.masters.state_keys import has_own_key
 from lightning_mpx.masters.swap import train_modes
 from lightning_mpx.masters.weights import MasterWeights
+from lightning_mpx.scaling.scaler import LossScaler
 from lightning_mpx.scaling.view import GradScalerView
 
 __all__ = ["FabricBookkeeping"]
@@ -70,11 +71,13 @@ class FabricBookkeeping:
         replaced): the engine scales, never a ``ShardedGradScaler``."""
         return GradScalerView(self, "fabric") if self.amp.scalers[0].dynamic else None
 
-    def _settled_amp(self) -> Amp:
-        """The engine, caught up as at every call (the finished iteration's scale update done), unless a read may
-        not end the iteration (:meth:`_begin_read`)."""
-        self._begin_read()
-        return self.amp
+    def _read_scalers(self) -> list[LossScaler]:
+        """The engine's scalers as a read shows them (the :attr:`scaler` view's): after the finished iteration's
+        scale update, made as at every call, or, where a read may not end the iteration (:meth:`_begin_read`),
+        computed on copies of those it changes (the live ones untouched, as on every other rank)."""
+        if self._begin_read():
+            return self.amp._machine.updated_scalers()
+        return list(self.amp.scalers)
 
     def _begin_read(self) -> bool:
         """:meth:`_begin` for a read (``metrics()``, ``scaler``, ``state_dict()``), which code calls on rank 0 alone:
@@ -84,7 +87,8 @@ class FabricBookkeeping:
         and its own). Ended there on the reading rank only, the ranks' scales would part (and their weights; with
         ``skip_on_device`` their collectives: a hang); the next call every rank makes (a forward,
         ``fabric.backward``) ends it. Nothing else changes: one process, or no gradient waiting, as :meth:`_begin`.
-        Whether the scale update was held back."""
+        Whether the scale update was held back: the read then shows the scalers as the update will leave them
+        (computed on copies), what it would show had it ended the iteration."""
         amp = self.amp
         if amp.found_inf_reducer is not None and amp.iteration.update_pending and self._steps_may_follow():
             self._begin(end=False)
@@ -108,10 +112,12 @@ class FabricBookkeeping:
         """The ``mpx/*`` metrics as Python numbers, for ``fabric.log_dict``: ``mpx/loss_scale``, ``mpx/overflows``
         (since the previous call; after ``fabric.load``, since the saving run's previous call), ``mpx/skipped_steps``...
         (see :meth:`lightning_mpx.engine.amp.Amp.metrics`). Reads the device (it syncs): call it on the steps you log.
-        Steps skipped on the device (``skip_on_device``) are read first, so that ``mpx/skipped_steps`` counts them."""
-        self._begin_read()
+        Steps skipped on the device (``skip_on_device``) are read first, so that ``mpx/skipped_steps`` counts them.
+        Under a process group, where the read may not end the iteration (:meth:`_begin_read`), the scale and
+        ``mpx/overflows`` are those the pending update will leave (computed on copies), as one process shows."""
+        held = self._begin_read()
         self.amp.read_step_outcomes()
-        return read_floats(self.amp.metrics())  # one host read, not one per metric
+        return read_floats(self.amp.metrics(after_update=held))  # one host read, not one per metric
 
     def state_dict(self) -> dict[str, Any]:
         """Loss scalers, FP32 master weights and counters: put the plugin into the state you save

@@ -38,6 +38,7 @@ from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.optimizer_step import AUTOCAST_DEVICES, without_casts
 from lightning_mpx.engine.outcome import StepOutcome
+from lightning_mpx.scaling.scaler import LossScaler
 from lightning_mpx.scaling.view import GradScalerView
 from lightning_mpx.settings import (
     SETTINGS_OBJECT,
@@ -360,11 +361,11 @@ class MixedPrecisionPlugin(ModelSetup, GradientClipping, CheckpointHooks, FSDPPr
         ``"bf16-mixed"``'s."""
         return GradScalerView(self, "trainer") if self.amp.scalers[0].dynamic else None
 
-    def _settled_amp(self) -> Amp:
-        """The engine, its finished iteration's scale update done (what :meth:`metrics` shows)."""
+    def _read_scalers(self) -> list[LossScaler]:
+        """The engine's scalers, its finished iteration's scale update done (what :meth:`metrics` shows)."""
         if not self._manual_step.running:
             self._end_iteration(log=False)
-        return self.amp
+        return list(self.amp.scalers)
 
     def metrics(self) -> dict[str, float]:
         """The current ``mpx/*`` metrics as Python numbers (this reads device values: it syncs), counts since the

@@ -63,7 +63,7 @@ _INSTEAD: dict[str, dict[Front, str]] = {
 class _Owner(Protocol):
     amp: Amp
 
-    def _settled_amp(self) -> Amp: ...
+    def _read_scalers(self) -> list[LossScaler]: ...
 
 
 class GradScalerView:
@@ -87,7 +87,7 @@ class GradScalerView:
         self._front = front
 
     def _scaler(self) -> LossScaler:
-        return self._owner._settled_amp().scalers[0]
+        return self._owner._read_scalers()[0]
 
     # -- GradScaler's read API ---------------------------------------------------------------------------------
     def get_scale(self) -> float:
