@@ -47,10 +47,10 @@ def _mpk(**kwargs: Any) -> Any:
     return MixedPrecisionKwargs(**kwargs)
 
 
-def _accelerator(**kwargs: Any) -> Any:
+def _accelerator(*args: Any, **kwargs: Any) -> Any:
     from lightning_mpx.accelerate import Accelerator
 
-    return Accelerator(**kwargs)
+    return Accelerator(*args, **kwargs)
 
 
 def _fsdp(name: str, *args: Any, **kwargs: Any) -> Any:
@@ -206,6 +206,97 @@ def test_mixed_precision_kwargs_stays_a_plain_dataclass() -> None:
     assert type(kwargs)("bfloat16").half_dtype == "bfloat16"  # positional, as the dataclass takes it
     accelerator = _accelerator(mixed_precision="O2", cpu=True, kwargs_handlers=[pickle.loads(pickle.dumps(replaced))])
     assert accelerator.amp.settings.scaler.growth_interval == 5 and accelerator.amp.scalers[0].get_scale() == 8.0
+
+
+# -- the sweep: wrong types, values and orders a user plausibly passes ------------------------------------------------
+def _amp_run() -> tuple[Any, nn.Module, torch.optim.Optimizer]:
+    amp = mpx.Amp("O2", half_dtype="bfloat16")
+    model = amp.prepare_model(nn.Linear(4, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.prepare_optimizer(optimizer)
+    return amp, model, optimizer
+
+
+def _clip_parameters() -> Any:
+    amp, model, _ = _amp_run()
+    return amp.clip_grad_norm_(model.parameters(), 1.0)  # torch's habit: clip_grad_norm_(parameters, max_norm)
+
+
+def _apex_delay_unscale(value: Any) -> None:
+    model, optimizer = apex_amp.initialize(*_run(), opt_level="O2", cast_model_type=torch.bfloat16, verbosity=0)
+    with apex_amp.scale_loss(model(torch.randn(2, 4, dtype=torch.bfloat16)).float().sum(), optimizer,
+                             delay_unscale=value) as scaled:  # fmt: skip
+        scaled.backward()
+
+
+SWEEP_FIXED: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
+    (
+        "Amp.step(model)",
+        lambda: _amp_run()[0].step(nn.Linear(4, 4)),
+        TypeError,
+        r"optimizer=Linear is not a torch\.optim\.Optimizer: pass the optimizer itself",
+    ),  # "not registered" before
+    (
+        "Amp.clip_grad_norm_(model.parameters(), 1.0)",
+        _clip_parameters,
+        TypeError,
+        r"optimizer=generator is not a torch\.optim\.Optimizer: pass the optimizer itself .*not a model or its "
+        r"parameters",
+    ),
+    (
+        "Accelerator('O2') positional",
+        lambda: _accelerator("O2"),
+        TypeError,
+        r"Accelerator\('O2'\): the first positional argument is Accelerate's device_placement.*"
+        r"Accelerator\(mixed_precision='O2'\)",
+    ),  # silently no mixed precision before
+    (
+        "convert_module(keep_batchnorm_fp32='False')",
+        lambda: mpx.convert_module(nn.BatchNorm1d(4), torch.bfloat16, keep_batchnorm_fp32="False"),
+        TypeError,
+        r"keep_batchnorm_fp32='False' must be True or False",
+    ),  # taken as true before
+    (
+        "apex scale_loss(delay_unscale='False')",
+        lambda: _apex_delay_unscale("False"),
+        TypeError,
+        r"delay_unscale='False' must be True or False",
+    ),  # taken as true before: the gradients left scaled
+    (
+        "unscale_grads_(inv_scale=0.5)",
+        lambda: mpx.unscale_grads_([torch.ones(2)], 0.5, torch.zeros(1)),
+        TypeError,
+        r"inv_scale=0\.5 must be a one-element FP32 torch\.Tensor",
+    ),  # AttributeError 'float' ... 'device' before
+    (
+        "apex register_half_function('torch', 'matmul')",
+        lambda: apex_amp.register_half_function("torch", "matmul"),
+        TypeError,
+        r"module='torch' must be the module or class that holds the function.*"
+        r"amp\.register_half_function\(torch, 'matmul'\)",
+    ),  # "'torch' has no attribute 'matmul'" before
+    (
+        "CastTable.for_device('gpu')",
+        lambda: mpx.CastTable.for_device("gpu"),
+        ValueError,
+        r"device_type='gpu' is not a torch device type; valid choices: 'cuda', 'cpu'",
+    ),  # the CPU's table before
+]
+
+
+@pytest.mark.parametrize(("call", "error", "pattern"), [c[1:] for c in SWEEP_FIXED], ids=[c[0] for c in SWEEP_FIXED])
+def test_sweep_bad_input_is_named(call: Callable[[], Any], error: type[Exception], pattern: str) -> None:
+    with pytest.raises(error, match=pattern):
+        call()
+
+
+def test_cast_table_for_a_numbered_cuda_device_is_cudas() -> None:
+    """``CastTable.for_device("cuda:0")`` (a device's ``str``) is CUDA's table (autocast's rows), not the default
+    one that any other device gets (it was, silently)."""
+    cuda = mpx.CastTable.for_device("cuda")
+    numbered = mpx.CastTable.for_device("cuda:0")
+    assert cuda.autocast_differences("cuda") == numbered.autocast_differences("cuda") == {}
+    assert mpx.CastTable.for_device("cpu").autocast_differences("cuda") != {}
 
 
 # -- 2. the litgpt command line ---------------------------------------------------------------------------------------
@@ -390,8 +481,8 @@ def test_a_correct_initialize_after_a_failed_one_behaves_as_a_first_one(bad: dic
 def test_other_torch_pins_the_dev_extras_versions_and_the_torch_asked() -> None:
     """``.ci/dev_pins.py`` (what ``.ci/other_torch`` passes to pip with ``-c``): the asked torch, and every package
     the dev extra resolved here at its installed version (transformers 5.3.0 here, not the newest), through their own
-    requirements; never what a torch wheel pins for itself, nor a package named to leave unpinned."""
-    pytest.importorskip("packaging")
+    requirements; never what a torch wheel pins for itself, nor a package named to leave unpinned. (.ci/dev_pins.py
+    reads them with packaging, which pytest itself requires.)"""
     run = subprocess.run([sys.executable, str(ROOT / ".ci" / "dev_pins.py"), "2.11.0", "numpy"],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert run.returncode == 0, run.stderr

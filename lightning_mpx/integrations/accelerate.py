@@ -175,6 +175,11 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
         **kwargs: Any,
     ) -> None:
         _check_keywords(kwargs)
+        if args and isinstance(args[0], str):  # Accelerator("O2") ran with no mixed precision, silently
+            raise TypeError(
+                f"Accelerator({args[0]!r}): the first positional argument is Accelerate's device_placement (a bool); "
+                f"pass the precision by name: Accelerator(mixed_precision={args[0]!r})."
+            )
         self.amp: Amp | None = None
         self.mpx_kwargs: MixedPrecisionKwargs | None = None
         ours, theirs = _split_handlers(kwargs_handlers)
