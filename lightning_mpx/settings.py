@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Sequence, TypedDic
 import torch
 
 from lightning_mpx.casting.table import CastTable
+from lightning_mpx.common.keywords import check_keywords  # noqa: F401  (its home before; scaling/scaler.py imports it here)
 from lightning_mpx.health.promotion import check_patterns
 from lightning_mpx.opt_levels import Properties, _check_loss_scale, resolve_properties
 from lightning_mpx.scaling.unscale import BACKENDS
@@ -109,16 +110,6 @@ def check_cast_table(table: object) -> None:
             f"cast_table={type(table).__name__} must be a lightning_mpx.CastTable or None (the device's default); "
             "build one with CastTable.default() or CastTable.for_device('cuda') and register into it."
         )
-
-
-def check_keywords(where: str, given: Iterable[str], valid: Sequence[str]) -> None:
-    """Raise ``TypeError`` naming the first of ``given`` that is not in ``valid``, and the valid keywords, as Python
-    does for a keyword a function does not take (``where``: the callable's name, e.g. ``"LossScaler()"``)."""
-    for name in given:
-        if name not in valid:
-            raise TypeError(
-                f"{where} got an unexpected keyword argument {name!r}; valid choices: {', '.join(valid)}."
-            )
 
 
 @dataclass(frozen=True)

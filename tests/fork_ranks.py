@@ -64,8 +64,13 @@ def main() -> int:
     return launch(script, world)
 
 
-def launch(script: str, world: int) -> int:
-    """Fork the ``world`` ranks of ``script`` from this (preloaded) interpreter; their worst exit code."""
+def launch(script: str, world: int, rank_stderr: str | None = None) -> int:
+    """Fork the ``world`` ranks of ``script`` from this (preloaded) interpreter; their worst exit code.
+
+    ``rank_stderr``: each rank's stderr (file descriptor 2: Python's tracebacks, the fault handler's stacks, native
+    messages such as gloo's) goes to a file of its own, ``{rank_stderr}.rank{r}``, instead of this process's
+    (:func:`tests.launch.run_script` quotes the start and the end of each: one rank's first error is not lost among
+    the lines the others print after it)."""
     from tests.launch import free_port
 
     port = free_port()
@@ -75,6 +80,10 @@ def launch(script: str, world: int) -> int:
     for rank in range(world):
         pid = os.fork()
         if pid == 0:
+            if rank_stderr is not None:
+                err = os.open(f"{rank_stderr}.rank{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(err, 2)
+                os.close(err)
             _run_rank(script, rank, world, port)
         ranks[pid] = rank
     worst, deadline = 0, None
@@ -98,12 +107,13 @@ def launch(script: str, world: int) -> int:
 
 def serve() -> int:
     """``fork_ranks.py --serve``: preload once, then for each request line on stdin (JSON: ``script``, ``world``,
-    ``cwd``, ``env``, ``stderr``: a file for the launch's stderr) fork a launcher in a session of its own, in ``cwd``
-    with exactly ``env``, that forks the ranks as :func:`main` does; answer ``pid N`` at once and ``exit CODE`` when it
-    ends. One launch at a time (a pytest worker runs one test at a time); the server itself never runs a script, so
-    every launch forks from the same freshly imported interpreter, as a launch of its own did. It ends at stdin's end
-    (the pytest worker that started it exited). :func:`tests.launch.run_script` keeps one per worker: the import of
-    the heavy modules (about 7 s of CPU) is paid once per worker instead of once per launch."""
+    ``cwd``, ``env``, ``stderr``: a file for the launch's stderr, ``{stderr}.rank{r}`` for each rank's) fork a launcher
+    in a session of its own, in ``cwd`` with exactly ``env``, that forks the ranks as :func:`main` does; answer ``pid
+    N`` at once and ``exit CODE`` when it ends. One launch at a time (a pytest worker runs one test at a time); the
+    server itself never runs a script, so every launch forks from the same freshly imported interpreter, as a launch
+    of its own did. It ends at stdin's end (the pytest worker that started it exited). :func:`tests.launch.run_script`
+    keeps one per worker: the import of the heavy modules (about 7 s of CPU) is paid once per worker instead of once
+    per launch."""
     _preload()
     reply = os.fdopen(os.dup(1), "w", buffering=1)
     for line in sys.stdin:
@@ -137,7 +147,7 @@ def _launcher(request: dict) -> None:
             import torch
 
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        code = launch(os.path.abspath(request["script"]), int(request["world"]))
+        code = launch(os.path.abspath(request["script"]), int(request["world"]), rank_stderr=request["stderr"])
     except BaseException:  # noqa: BLE001 - on the launch's stderr, then it fails
         traceback.print_exc()
     sys.stdout.flush()

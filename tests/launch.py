@@ -7,6 +7,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,11 +21,46 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 _END_WAIT_S = 120  # how long end_ranks waits for the other ranks
+# A failed launch quotes each stderr bounded: from its first error, and its end (a rank's first error was cut off
+# when only the last 8000 characters of the ranks' stderr, interleaved, were shown).
+_HEAD_CHARS = 3000
+_TAIL_CHARS = 5000
+_FIRST_ERROR = re.compile(r"^(Traceback \(most recent call last\)|Fatal Python error|terminate called)", re.MULTILINE)
+
+
+def excerpt(text: str, *, head: int = _HEAD_CHARS, tail: int = _TAIL_CHARS) -> str:
+    """``text`` in at most ``head + tail`` characters and two notes: all of it when it fits; else ``head`` characters
+    from its start, or from its first error when that comes later (a Python traceback, a fault handler's "Fatal Python
+    error", C++'s "terminate called"), a note of what was left out, and its last ``tail`` characters (cut at lines)."""
+    if len(text) <= head + tail:
+        return text
+    found = _FIRST_ERROR.search(text)
+    start = found.start() if found is not None and head // 3 < found.start() < len(text) - tail else 0
+    head_end = text.rfind("\n", start, start + head) + 1 or start + head
+    tail_start = text.find("\n", len(text) - tail) + 1 or len(text) - tail
+    if head_end >= tail_start:
+        return (f"[{start} characters before the first error left out]\n" if start else "") + text[start:]
+    skipped = f"[the first {start} characters left out; from the first error:]\n" if start else ""
+    return f"{skipped}{text[start:head_end]}[... {tail_start - head_end} characters left out ...]\n{text[tail_start:]}"
+
+
+def failure_report(what: str, launch_stderr: str, ranks_stderr: list[str] | None = None) -> str:
+    """A failed launch's message: ``what``, then the launch's stderr and each rank's (from :func:`excerpt`)."""
+    parts = [what]
+    if ranks_stderr is None:
+        parts.append(f"stderr:\n{excerpt(launch_stderr)}")
+    else:
+        if launch_stderr.strip():
+            parts.append(f"the launcher's stderr:\n{excerpt(launch_stderr)}")
+        for rank, text in enumerate(ranks_stderr):
+            parts.append(f"rank {rank}'s stderr ({len(text)} characters):\n{excerpt(text)}" if text
+                         else f"rank {rank}'s stderr: empty")  # fmt: skip
+    return "\n---- ".join(parts)
 
 
 def run_script(name: str, out: Path, *, timeout: float, ranks: int | None = 2, **env: str) -> None:
-    """Run ``tests/<name>`` in ``out`` with ``MPX_OUT=out`` and ``env`` set; fail with the end of its stderr when it
-    exits non-zero or runs past ``timeout`` seconds.
+    """Run ``tests/<name>`` in ``out`` with ``MPX_OUT=out`` and ``env`` set; fail when it exits non-zero or runs past
+    ``timeout`` seconds, quoting its stderr (each rank's, forked) from the first error and its end (:func:`excerpt`).
 
     ``ranks``: the script runs once per rank with torchrun's environment, forked from one interpreter that imported
     the heavy modules once for this whole test process (``tests/fork_ranks.py --serve``); ``None``: run once as it
@@ -53,8 +89,8 @@ def run_script(name: str, out: Path, *, timeout: float, ranks: int | None = 2, *
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         _, stderr = proc.communicate()
-        raise AssertionError(f"{name} timed out after {timeout} s; stderr ends with:\n{stderr[-8000:]}") from None
-    assert proc.returncode == 0, f"{name}: exit code {proc.returncode}; stderr ends with:\n{stderr[-8000:]}"
+        raise AssertionError(failure_report(f"{name} timed out after {timeout} s", stderr)) from None
+    assert proc.returncode == 0, failure_report(f"{name}: exit code {proc.returncode}", stderr)
 
 
 @functools.lru_cache(maxsize=1)
@@ -77,7 +113,8 @@ def _fork_server() -> subprocess.Popen:
 
 def _run_forked(name: str, script: str, ranks: int, out: Path, env: dict[str, str], timeout: float) -> None:
     """:func:`run_script`'s ranks, forked by the server from a launcher of their own (a session: killed whole on a
-    timeout), with ``env`` and ``out`` as the working directory; its stderr goes to a file read on failure."""
+    timeout), with ``env`` and ``out`` as the working directory; the launcher's stderr and each rank's go to files
+    read on failure."""
     server = _fork_server()
     if server.poll() is not None:  # it died (it never should): start another
         _fork_server.cache_clear()
@@ -107,8 +144,11 @@ def _run_forked(name: str, script: str, ranks: int, out: Path, env: dict[str, st
         ended = answer[0].split() if answer and answer[0] else None
         assert ended is not None and ended[:1] == ["exit"], f"{name}: the fork server answered {answer!r}"
         stderr = Path(stderr_path).read_text(errors="replace")
+        ranks_stderr = [_read(f"{stderr_path}.rank{r}") for r in range(ranks)]
     finally:
-        os.unlink(stderr_path)
+        for path in (stderr_path, *(f"{stderr_path}.rank{r}" for r in range(ranks))):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         if ended is None:  # interrupted (pytest-timeout, Ctrl-C) or a bad answer: no launch or server left behind
             if pid is not None:
                 with contextlib.suppress(ProcessLookupError):
@@ -116,9 +156,16 @@ def _run_forked(name: str, script: str, ranks: int, out: Path, env: dict[str, st
             server.kill()
             _fork_server.cache_clear()
     if timed_out:
-        raise AssertionError(f"{name} timed out after {timeout} s; stderr ends with:\n{stderr[-8000:]}")
+        raise AssertionError(failure_report(f"{name} timed out after {timeout} s", stderr, ranks_stderr))
     code = int(ended[1])
-    assert code == 0, f"{name}: exit code {code}; stderr ends with:\n{stderr[-8000:]}"
+    assert code == 0, failure_report(f"{name}: exit code {code}", stderr, ranks_stderr)
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(errors="replace")
+    except FileNotFoundError:  # the rank never started (the launcher failed first)
+        return ""
 
 
 def accelerate_launch(script: str, out: Path, *, timeout: float = 240) -> None:
@@ -135,7 +182,9 @@ def accelerate_launch(script: str, out: Path, *, timeout: float = 240) -> None:
     ]  # fmt: skip
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT), PYTHONFAULTHANDLER="1")
     run = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    assert run.returncode == 0, f"{script}: exit code {run.returncode}:\n{run.stdout[-3000:]}{run.stderr[-5000:]}"
+    assert run.returncode == 0, failure_report(
+        f"{script}: exit code {run.returncode}; stdout ends with:\n{run.stdout[-3000:]}", run.stderr
+    )
 
 
 def rank_results(out: Path, prefix: str = "", world_size: int = 2) -> list[dict[str, Any]]:

@@ -24,6 +24,11 @@ def _register(function: Callable[..., Any], category: str) -> None:
 
 
 def _register_named(module: Any, name: str, category: str) -> None:
+    if isinstance(module, str):  # "'torch' has no attribute 'matmul'" before: the name was looked up on the string
+        raise TypeError(
+            f"module={module!r} must be the module or class that holds the function (torch, torch.nn.functional, "
+            f"torch.Tensor...), not its name: amp.register_{category}_function(torch, {name!r})."
+        )
     if not hasattr(module, name):
         raise ValueError(f"name={name!r}: {getattr(module, '__name__', module)!r} has no attribute {name!r}.")
     function = getattr(module, name)

@@ -17,6 +17,7 @@ from lightning_mpx.apex.handle import AmpHandle, NoOpHandle
 from lightning_mpx.apex.loss_scaling import AmpOptimizer
 from lightning_mpx.apex.model_hooks import _add_model_hooks
 from lightning_mpx.common.dtypes import HALF_DTYPE_NAMES, parse_half_dtype
+from lightning_mpx.common.keywords import checks_keywords
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.opt_levels import resolve_properties
 from lightning_mpx.settings import MixedPrecisionSettings
@@ -27,6 +28,7 @@ from lightning_mpx.settings import MixedPrecisionSettings
 _APEX_ROWS: tuple[tuple[Callable[..., Any], str], ...] = ((torch.Tensor.cpu, "float"),)
 
 
+@checks_keywords("amp.initialize()")  # a misspelt keyword names Apex's keywords (Python's TypeError named none)
 def initialize(
     models: nn.Module | Sequence[nn.Module],
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
@@ -66,58 +68,31 @@ def initialize(
         optimizers_list, optimizers_single = [], True
     else:
         optimizers_list, optimizers_single = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
-    if enabled is True and cast_model_type is not False and not _amp_state.allow_incoming_model_not_fp32:
-        _check_params_fp32(models_list)
-    carried = _carry_over(models_list, optimizers_list) if enabled is True else []
-    _amp_state.begin_call(models_list, [o for o in optimizers_list if not isinstance(o, AmpOptimizer)])
+    # Every argument is checked before _amp_state is touched: a call that raises leaves the earlier calls' scope,
+    # engines, scalers and wrappers exactly as they were, and a correct call after it is as if it had not happened.
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled={enabled!r} must be True or False.")
     if isinstance(verbosity, bool) or not isinstance(verbosity, int):
         raise TypeError(f"verbosity={verbosity!r} must be an integer (0 silences amp's messages).")
+    carried: list[tuple[Any, dict[str, Any]]] = []
+    if enabled:
+        if any(isinstance(opt, AmpOptimizer) for opt in optimizers_list):
+            raise ValueError("optimizers: an optimizer returned by a previous amp.initialize() was passed; pass the "
+                             "original optimizer (its .optimizer attribute).")
+        settings, keep_model, half_params = _call_settings(
+            models_list, opt_level, cast_model_type, patch_torch_functions, keep_batchnorm_fp32, master_weights,
+            loss_scale, cast_model_outputs, num_losses, min_loss_scale, max_loss_scale,
+        )  # fmt: skip
+        if not keep_model and not _amp_state.allow_incoming_model_not_fp32:
+            _check_params_fp32(models_list)
+        carried = _carry_over(models_list, optimizers_list)
+    _amp_state.begin_call(models_list, [o for o in optimizers_list if not isinstance(o, AmpOptimizer)])
     _amp_state.verbosity = verbosity
     _amp_state.enabled = enabled
     if not enabled:
         _amp_state.amp = None
         return _shaped(models_list, models_single, optimizers, optimizers_list, optimizers_single)
-    if any(isinstance(opt, AmpOptimizer) for opt in optimizers_list):
-        raise ValueError("optimizers: an optimizer returned by a previous amp.initialize() was passed; pass the "
-                         "original optimizer (its .optimizer attribute).")
-    if cast_model_outputs is not None and cast_model_outputs not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(
-            f"cast_model_outputs={cast_model_outputs!r} is not valid; valid choices: None, torch.float32, "
-            "torch.float16, torch.bfloat16."
-        )
-    # cast_model_type=False: the models stay as given; at O2 the parameters the user made half get FP32 masters.
-    keep_model = cast_model_type is False
-    if keep_model:
-        cast_model_type = None
-    if isinstance(cast_model_type, str) and cast_model_type.lower() in HALF_DTYPE_NAMES:
-        # a half dtype by name ("bfloat16", "fp16"...) is that dtype, as Apex's torch.bfloat16 (a ValueError before
-        # for "bfloat16", which named the float16 choices only)
-        cast_model_type = parse_half_dtype(cast_model_type, argument="cast_model_type")
-    overrides: dict[str, Any] = {}
-    if cast_model_type is torch.bfloat16:
-        # Apex cast the model to whatever dtype it was given: bfloat16 becomes the half dtype of the whole call
-        # (its loss scale then defaults to a static 1.0, bfloat16 having FP32's range).
-        overrides["half_dtype"] = torch.bfloat16
-    for name, value in (
-        ("cast_model_type", cast_model_type),
-        ("patch_torch_functions", patch_torch_functions),
-        ("keep_batchnorm_fp32", _parse_keep_batchnorm(keep_batchnorm_fp32)),
-        ("master_weights", master_weights),
-        ("loss_scale", _parse_loss_scale(loss_scale)),
-    ):
-        if value is not None:
-            overrides[name] = value
-    half_params = [
-        p for m in models_list for p in m.parameters() if p.dtype in (torch.float16, torch.bfloat16)
-    ] if keep_model else []
-    if keep_model:
-        wants_masters = resolve_properties(opt_level, **overrides).master_weights
-        if not (wants_masters and half_params):
-            # Nothing to cast and no masters to keep: the preset's policy and loss scaling only.
-            overrides.update(cast_model_type=None, master_weights=False, keep_batchnorm_fp32=None)
-    amp = _engine(opt_level, num_losses, min_loss_scale, max_loss_scale, **overrides)
+    amp = _install_engine(settings, num_losses)
     if keep_model and amp.properties.master_weights:
         # The core makes masters per prepared model and casts it; a holder of the half parameters alone is already
         # half, so preparing it only makes their masters.
@@ -186,27 +161,70 @@ def _carry_over(models: list[nn.Module], optimizers: list[Any]) -> list[tuple[An
     return out
 
 
-def _engine(
+def _call_settings(
+    models: list[nn.Module],
+    opt_level: str,
+    cast_model_type: Any,
+    patch_torch_functions: Any,
+    keep_batchnorm_fp32: Any,
+    master_weights: Any,
+    loss_scale: Any,
+    cast_model_outputs: Any,
+    num_losses: int,
+    min_loss_scale: float | None,
+    max_loss_scale: float,
+) -> tuple[MixedPrecisionSettings, bool, list[nn.Parameter]]:
+    """``initialize``'s arguments checked and resolved, touching nothing: the settings of its engine, whether the
+    models stay as given (``cast_model_type=False``) and, then, their half parameters."""
+    if cast_model_outputs is not None and cast_model_outputs not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(
+            f"cast_model_outputs={cast_model_outputs!r} is not valid; valid choices: None, torch.float32, "
+            "torch.float16, torch.bfloat16."
+        )
+    # cast_model_type=False: the models stay as given; at O2 the parameters the user made half get FP32 masters.
+    keep_model = cast_model_type is False
+    if keep_model:
+        cast_model_type = None
+    if isinstance(cast_model_type, str) and cast_model_type.lower() in HALF_DTYPE_NAMES:
+        # a half dtype by name ("bfloat16", "fp16"...) is that dtype, as Apex's torch.bfloat16 (a ValueError before
+        # for "bfloat16", which named the float16 choices only)
+        cast_model_type = parse_half_dtype(cast_model_type, argument="cast_model_type")
+    overrides: dict[str, Any] = {}
+    if cast_model_type is torch.bfloat16:
+        # Apex cast the model to whatever dtype it was given: bfloat16 becomes the half dtype of the whole call
+        # (its loss scale then defaults to a static 1.0, bfloat16 having FP32's range).
+        overrides["half_dtype"] = torch.bfloat16
+    for name, value in (
+        ("cast_model_type", cast_model_type),
+        ("patch_torch_functions", patch_torch_functions),
+        ("keep_batchnorm_fp32", _parse_keep_batchnorm(keep_batchnorm_fp32)),
+        ("master_weights", master_weights),
+        ("loss_scale", _parse_loss_scale(loss_scale)),
+    ):
+        if value is not None:
+            overrides[name] = value
+    half_params = [
+        p for m in models for p in m.parameters() if p.dtype in (torch.float16, torch.bfloat16)
+    ] if keep_model else []
+    if keep_model:
+        wants_masters = resolve_properties(opt_level, **overrides).master_weights
+        if not (wants_masters and half_params):
+            # Nothing to cast and no masters to keep: the preset's policy and loss scaling only.
+            overrides.update(cast_model_type=None, master_weights=False, keep_batchnorm_fp32=None)
+    settings = _settings(opt_level, num_losses, min_loss_scale, max_loss_scale, **overrides)
+    return settings, keep_model, half_params
+
+
+def _settings(
     opt_level: str,
     num_losses: int,
     min_loss_scale: float | None,
     max_loss_scale: float,
     allow_banned: bool = False,
-    fresh_earlier: bool = True,
     **overrides: Any,
-) -> Amp:
-    """A new :class:`Amp` (Apex's settings and O1 rows), installed in ``_amp_state``.
-
-    Apex's loss scalers were global: each ``initialize`` replaced them, for the earlier calls' optimizers too. Here
-    each call's engine owns its scalers, and those of the earlier calls' engines start afresh as Apex's new ones did
-    (a restored run and the run it came from then scale alike).
-    """
-    earlier = [w._engine for w in _amp_state.optimizers.values()] if fresh_earlier else []
-    for engine in {id(e): e for e in earlier}.values():
-        for scaler in engine.scalers:
-            overflows = scaler.state_dict()["overflows"]
-            scaler.load_state_dict({"scale": scaler.init_scale, "growth_tracker": 0,
-                                    "hysteresis_tracker": scaler.hysteresis, "overflows": overflows})
+) -> MixedPrecisionSettings:
+    """The settings of a call's :class:`Amp` (Apex's defaults), checked: a bad value raises here, before
+    ``_amp_state`` is touched."""
     overrides.setdefault("half_dtype", torch.float16)  # Apex's, on every device (the core's picks bfloat16 on a CPU)
     floor = float(torch.finfo(torch.float32).tiny) if min_loss_scale is None else min_loss_scale
     # cast_model_type=None, keep_batchnorm_fp32=None (a model kept as given): resolve_properties' None, which the
@@ -232,7 +250,23 @@ def _engine(
         skip_on_device=False,
         **overrides,
     )
-    amp = Amp.from_settings(dataclasses.replace(settings, overrides={**settings.overrides, **kept}))
+    return dataclasses.replace(settings, overrides={**settings.overrides, **kept})
+
+
+def _install_engine(settings: MixedPrecisionSettings, num_losses: int, *, fresh_earlier: bool = True) -> Amp:
+    """A new :class:`Amp` of ``settings`` (Apex's O1 rows), installed in ``_amp_state``.
+
+    Apex's loss scalers were global: each ``initialize`` replaced them, for the earlier calls' optimizers too. Here
+    each call's engine owns its scalers, and those of the earlier calls' engines start afresh as Apex's new ones did
+    (a restored run and the run it came from then scale alike).
+    """
+    earlier = [w._engine for w in _amp_state.optimizers.values()] if fresh_earlier else []
+    for engine in {id(e): e for e in earlier}.values():
+        for scaler in engine.scalers:
+            overflows = scaler.state_dict()["overflows"]
+            scaler.load_state_dict({"scale": scaler.init_scale, "growth_tracker": 0,
+                                    "hysteresis_tracker": scaler.hysteresis, "overflows": overflows})
+    amp = Amp.from_settings(settings)
     amp.log_overflows = False  # Apex's own message is logged instead (rank zero only)
     if not amp.properties.patch_torch_functions:
         # O2/O3: Apex patched nothing for losses (the model's outputs are cast to FP32, the loss computed outside it)
@@ -308,6 +342,7 @@ def _parse_loss_scale(value: Any) -> Any:
 
 
 # -- Apex's older entry point ---------------------------------------------------------------------------------------
+@checks_keywords("amp.init()")
 def init(
     enabled: bool = True,
     loss_scale: float | str = "dynamic",
@@ -335,10 +370,10 @@ def init(
             raise TypeError(f"{name}={value!r} must be True or False.")
     if not enabled:
         return NoOpHandle()
+    settings = _settings("O1", 1, None, 2.0**24, allow_banned=allow_banned, loss_scale=_parse_loss_scale(loss_scale))
     _amp_state.begin_call([], [])
     # Apex's init() patched the functions and left the loss scalers of initialize() alone.
-    amp = _engine("O1", 1, None, 2.0**24, allow_banned=allow_banned, fresh_earlier=False,
-                  loss_scale=_parse_loss_scale(loss_scale))
+    amp = _install_engine(settings, 1, fresh_earlier=False)
     assert amp.policy is not None
     amp.policy.cache_casts = enable_caching
     _amp_state.handle = _enter_casts(amp, verbose=verbose)

@@ -223,6 +223,8 @@ def scale_loss(
 
     ``model`` and ``delay_overflow_check`` are accepted for compatibility and unused (as in Apex's last releases).
     """
+    if not isinstance(delay_unscale, bool):  # a string ("False") was taken as true: the block then kept its gradients
+        raise TypeError(f"delay_unscale={delay_unscale!r} must be True or False.")
     state = _amp_state
     items = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
     if state.amp is None and all(_wrapper_of(item) is None for item in items):

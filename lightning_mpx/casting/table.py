@@ -115,6 +115,13 @@ class CastTable:
         """
         if not isinstance(device_type, str):
             raise TypeError(f"device_type={device_type!r} must be a device type name such as 'cuda' or 'cpu'.")
+        try:  # "cuda:0" is "cuda" (it got the CPU's table before); "gpu" is no device type (it got it silently)
+            device_type = torch.device(device_type).type
+        except RuntimeError:
+            raise ValueError(
+                f"device_type={device_type!r} is not a torch device type; valid choices: 'cuda', 'cpu', or another "
+                "torch device type ('xpu', 'mps'...), as in model.device.type."
+            ) from None
         dtype = None if half_dtype is None else parse_half_dtype(half_dtype)
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model={type(model).__name__} is not a torch.nn.Module (or None).")

@@ -139,6 +139,11 @@ class StepMachine(UnscalePath):
                     f"model with this one again, then {self.register_call} (that takes both back). Two engines "
                     "training at once need an optimizer each."
                 )
+            if not isinstance(optimizer, torch.optim.Optimizer):  # said "was not registered; call prepare_optimizer()"
+                raise TypeError(
+                    f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer: pass the optimizer itself "
+                    "(its step, unscale and clip cover the parameters it trains), not a model or its parameters."
+                )
             raise RuntimeError(
                 f"optimizer={type(optimizer).__name__} was not registered; {self.register_call}."
             )

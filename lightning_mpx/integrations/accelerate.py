@@ -64,6 +64,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
+import inspect
 import logging
 import os
 import warnings
@@ -75,6 +77,7 @@ from torch import nn
 
 from lightning_mpx.common.containers import read_floats
 from lightning_mpx.common.imports import require
+from lightning_mpx.common.keywords import check_keywords
 from lightning_mpx.common.weak import WeakHook
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.overflow import DEFAULT_READER
@@ -171,6 +174,12 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
         kwargs_handlers: list[KwargsHandler] | None = None,
         **kwargs: Any,
     ) -> None:
+        _check_keywords(kwargs)
+        if args and isinstance(args[0], str):  # Accelerator("O2") ran with no mixed precision, silently
+            raise TypeError(
+                f"Accelerator({args[0]!r}): the first positional argument is Accelerate's device_placement (a bool); "
+                f"pass the precision by name: Accelerator(mixed_precision={args[0]!r})."
+            )
         self.amp: Amp | None = None
         self.mpx_kwargs: MixedPrecisionKwargs | None = None
         ours, theirs = _split_handlers(kwargs_handlers)
@@ -543,6 +552,27 @@ def _split_handlers(kwargs_handlers: object) -> tuple[list[MixedPrecisionKwargs]
     if len(ours) > 1:
         raise ValueError(f"kwargs_handlers holds {len(ours)} MixedPrecisionKwargs; pass at most one.")
     return ours, [h for h in handlers if not isinstance(h, MixedPrecisionKwargs)]
+
+
+def _check_keywords(kwargs: dict[str, Any]) -> None:
+    """Refuse a keyword ``accelerate.Accelerator`` does not take before anything is built (its own ``TypeError`` named
+    no valid keyword): an opt level's setting (``half_dtype=``, or a name close to one) is sent to
+    ``MixedPrecisionKwargs``; anything else gets Accelerate's keywords and the closest of them."""
+    parameters = inspect.signature(_BaseAccelerator.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return  # an Accelerate that takes any keyword: it names its own
+    accepted = [name for name in parameters if name != "self"]
+    settings = [f.name for f in dataclasses.fields(MixedPrecisionKwargs)]
+    for name in (n for n in kwargs if n not in accepted):
+        ours = [name] if name in settings else difflib.get_close_matches(name, settings, n=1)
+        if ours and not difflib.get_close_matches(name, accepted, n=1, cutoff=0.8):
+            raise TypeError(
+                f"Accelerator() got an unexpected keyword argument {name!r}: "
+                + (f"{name!r} is" if ours[0] == name else f"did you mean {ours[0]!r}? It is")
+                + f" a setting of the opt level; pass it as kwargs_handlers=[MixedPrecisionKwargs({ours[0]}=...)] "
+                f"with mixed_precision='O0' to 'O3'."
+            )
+        check_keywords("Accelerator()", [name], accepted)
 
 
 def _native_handler_refusal(handler: KwargsHandler, opt_level: str) -> str:

@@ -15,6 +15,7 @@ from typing_extensions import Unpack
 from lightning_mpx.casting.table import CastTable
 from lightning_mpx.common.dtypes import parse_half_dtype
 from lightning_mpx.common.imports import require
+from lightning_mpx.common.keywords import checks_keywords
 from lightning_mpx.health.promotion import check_patterns
 from lightning_mpx.opt_levels import _check_loss_scale
 from lightning_mpx.scaling.unscale import BACKENDS
@@ -63,6 +64,17 @@ def _with_setting_fields(cls: type) -> type:
     return cls
 
 
+def _naming_unknown_keywords(cls: type) -> type:
+    """Applied after ``@dataclass``: a keyword that is not a field (a typo, ``init_scaler=``) is refused with the
+    valid keywords and the closest of them, where the dataclass's own ``__init__`` named none. The generated
+    ``__init__`` does the rest; the signature shown is its own, and ``dataclasses.replace``, ``copy`` and pickling go
+    through it (or around it) as before."""
+    valid = tuple(f.name for f in dataclasses.fields(cls) if f.init)
+    cls.__init__ = checks_keywords(f"{cls.__name__}()", valid)(cls.__init__)  # type: ignore[misc]
+    return cls
+
+
+@_naming_unknown_keywords
 @dataclasses.dataclass
 @_with_setting_fields
 class MixedPrecisionKwargs(KwargsHandler):  # type: ignore[misc]

@@ -53,6 +53,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from lightning_mpx.casting.aside import around_hooks
 from lightning_mpx.common.compat import torch_release
 from lightning_mpx.common.dtypes import dtype_name
+from lightning_mpx.common.keywords import checks_keywords
 from lightning_mpx.engine.sharding import reshard_gathered
 from lightning_mpx.health.promotion import _module_to_fp32
 from lightning_mpx.integrations.fsdp_checks import (
@@ -100,6 +101,7 @@ def _check_gather(props: Properties, gather: object) -> None:
 
 
 # -- FSDP2 -------------------------------------------------------------------------------------------------------
+@checks_keywords("mixed_precision_policy()")
 def mixed_precision_policy(precision: object, *, role: Role = "block", gather: Gather = "half") -> MixedPrecisionPolicy:
     """The FSDP2 ``MixedPrecisionPolicy`` of one sharded module for an opt level (see the module docstring).
 
@@ -147,6 +149,7 @@ def mixed_precision_policy(precision: object, *, role: Role = "block", gather: G
     return MixedPrecisionPolicy()
 
 
+@checks_keywords("shard_model()")  # a misspelt keyword (block=) names the valid ones (Python's TypeError named none)
 def shard_model(
     module: nn.Module,
     precision: object,
@@ -370,6 +373,7 @@ def _buffers_to(module: nn.Module, dtype: torch.dtype, *, skip: set[int]) -> Non
 
 
 # -- FSDP1 -------------------------------------------------------------------------------------------------------
+@checks_keywords("fsdp1_mixed_precision()")
 def fsdp1_mixed_precision(precision: object, *, gather: Gather = "half") -> MixedPrecision | None:
     """FSDP1's ``MixedPrecision`` for an opt level (``FullyShardedDataParallel(..., mixed_precision=...)``), or
     ``None`` where FSDP1 should not cast (O0, and O1 with ``gather="fp32"``).

@@ -378,11 +378,39 @@ def _refuse_resume_with_masters(plugin: Any, resume: Any, opt_level: str, script
     """Refuse ``resume=`` where the plugin keeps FP32 masters (O2): litgpt's ``script`` ``main`` loads the optimizer's
     state with ``fabric.load`` before the plugin meets the optimizer (docs/fabric.md, "Checkpoints at O2")."""
     if plugin.amp.properties.master_weights:
-        raise ValueError(
-            f"resume={resume!r} at {opt_level}: litgpt's {script} main loads the optimizer's state before the plugin "
-            "meets the optimizer (FP32 masters need plugin.setup_optimizers(optimizer) first); resume at O1, or write "
-            "the loop by hand (examples/fabric_litgpt.py)"
-        )
+        raise ValueError(f"resume={resume!r} at {opt_level}: {_resume_reason(script)}; resume at O1, or write the loop "
+                         "by hand (examples/fabric_litgpt.py)")  # fmt: skip
+
+
+def _resume_reason(script: str) -> str:
+    return (f"litgpt's {script} main loads the optimizer's state before the plugin meets the optimizer (FP32 masters "
+            "need plugin.setup_optimizers(optimizer) first)")  # fmt: skip
+
+
+def _command_line_refusal(command: str, opt_level: str, plugin: Any, settings: dict[str, Any]) -> str | None:
+    """What the command line refuses before litgpt runs (argparse's error in its words, where the Python API raises
+    ``ValueError`` with a traceback): ``--resume`` where the plugin keeps FP32 masters (O2) and litgpt's ``main``
+    would load a checkpoint (``finetune_full``: any ``--resume``; ``pretrain``: one that finds a checkpoint), and
+    pretrain's ``--resume true`` that finds none (litgpt's own ``FileNotFoundError``)."""
+    resume = settings.get("resume")
+    if command not in ("finetune_full", "pretrain") or not resume:
+        return None
+    flag = f"--resume {str(resume).lower() if isinstance(resume, bool) else resume}"
+    if command == "pretrain":
+        from litgpt.utils import find_resume_path, init_out_dir
+
+        out_dir = init_out_dir(settings["out_dir"])
+        try:
+            if find_resume_path(resume, out_dir) is None:
+                return None  # --resume auto with no checkpoint yet: litgpt starts afresh
+        except FileNotFoundError:
+            return (f"{flag}: no checkpoint (step-*/*.pth) in --out_dir {out_dir}; pass the --out_dir of the run to "
+                    "resume, or --resume auto to start afresh when there is none")  # fmt: skip
+    if not plugin.amp.properties.master_weights:
+        return None
+    script = "pretrain.py" if command == "pretrain" else "finetune/full.py"
+    return (f"{flag} with --opt_level {opt_level}: {_resume_reason(script)}; resume with --opt_level O1, or write the "
+            "loop by hand (examples/fabric_litgpt.py)")  # fmt: skip
 
 
 def _prepare(args: dict[str, Any]) -> tuple[Path, int, Path]:
@@ -463,6 +491,10 @@ def main(argv: Sequence[str] | None = None) -> None:
               "pretrain)")
         return
     known, rest = ours.parse_known_args(argv)
+    try:  # the plugin's keywords checked before litgpt's parser (a traceback from the plugin before)
+        plugin = _plugin(known.opt_level, known.mpx_kwargs)
+    except (TypeError, ValueError) as error:
+        ours.error(f"argument --mpx_kwargs/--mpx-kwargs: {json.dumps(known.mpx_kwargs)}: {error}")
 
     from jsonargparse import capture_parser
     from litgpt import pretrain as litgpt_pretrain
@@ -484,5 +516,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                        else f"; drop --precision (set the half dtype with --mpx_kwargs '{MPX_KWARGS_EXAMPLE}'); a "
                        "--config YAML's precision: counts too (litgpt's config_hub files set one): add --precision "
                        "null after --config"))
+    refusal = _command_line_refusal(known.command, known.opt_level, plugin, settings)
+    if refusal is not None:  # argparse's error (a traceback from the entry point before)
+        ours.error(refusal)
     run(settings.pop(next(iter(inspect.signature(setup).parameters))), known.opt_level, known.mpx_kwargs, settings,
         rest)

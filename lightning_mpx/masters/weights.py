@@ -76,6 +76,9 @@ def convert_module(
             f"dtype={dtype!r} must be a floating-point torch.dtype; valid choices: torch.float16, torch.bfloat16, "
             "torch.float32 (a name such as 'float16' is not taken here)."
         )
+    for name, flag in (("keep_batchnorm_fp32", keep_batchnorm_fp32), ("require_parameters", require_parameters)):
+        if not isinstance(flag, bool):  # a string ("False") was taken as true
+            raise TypeError(f"{name}={flag!r} must be True or False.")
     if require_parameters and not has_floating_parameters(module):
         raise ValueError(
             f"module={type(module).__name__} has no floating-point parameters, so casting it to {dtype} would do "

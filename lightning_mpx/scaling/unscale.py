@@ -120,8 +120,15 @@ def unscale_grads_(
 
     Raises:
         ValueError: for an unknown backend, or ``backend="triton"`` with CPU tensors outside ``TRITON_INTERPRET=1``.
+        TypeError: for an ``inv_scale`` or ``found_inf`` that is not a tensor (a Python float).
         ImportError: for ``backend="triton"`` when triton is not installed.
     """
+    for name, value in (("inv_scale", inv_scale), ("found_inf", found_inf)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"{name}={value!r} must be a one-element FP32 torch.Tensor on the gradients' device, e.g. "
+                f"{'torch.tensor([1 / scale])' if name == 'inv_scale' else 'torch.zeros(1)'}."
+            )
     if has_complex(grads) or (out is not None and has_complex(out)):
         grads, out = real_pairs(grads, out)
     return unscale_real_grads_(

@@ -1,0 +1,50 @@
+"""Keyword arguments a callable does not take, refused with the valid ones and the closest of them (Python's own
+``TypeError`` names neither): :func:`check_keywords` for a check written in place, :func:`checks_keywords` to wrap a
+function or a dataclass's generated ``__init__``."""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar, cast
+
+__all__ = ["check_keywords", "checks_keywords"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+_BY_NAME = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def check_keywords(where: str, given: Iterable[str], valid: Sequence[str]) -> None:
+    """Raise ``TypeError`` naming the first of ``given`` that is not in ``valid``, the valid keywords and the closest
+    of them, as Python does for a keyword a function does not take (``where``: the callable's name, e.g.
+    ``"LossScaler()"``)."""
+    for name in given:
+        if name not in valid:
+            near = difflib.get_close_matches(name, valid, n=1)
+            raise TypeError(
+                f"{where} got an unexpected keyword argument {name!r}; valid choices: {', '.join(valid)}."
+                + (f" Did you mean {near[0]}=?" if near else "")
+            )
+
+
+def checks_keywords(where: str, valid: Sequence[str] | None = None) -> Callable[[F], F]:
+    """Decorator: the function refuses a keyword it does not take with :func:`check_keywords`' message before it
+    runs (``valid``: its parameters that can be passed by name, when not given). Its signature, name and docstring
+    stay the function's own (``functools.wraps``: ``inspect.signature`` and IDEs show the real parameters)."""
+
+    def decorate(function: F) -> F:
+        names = tuple(valid) if valid is not None else tuple(
+            name for name, p in inspect.signature(function).parameters.items() if p.kind in _BY_NAME
+            and name != "self"
+        )  # fmt: skip
+
+        @functools.wraps(function)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            check_keywords(where, kwargs, names)
+            return function(*args, **kwargs)
+
+        return cast(F, checked)
+
+    return decorate
