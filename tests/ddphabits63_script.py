@@ -10,16 +10,15 @@ SGD with momentum, two epochs. Every case records ``"w"``: the parameters as ``s
 masters at O2); the Trainer's cases also ``"w_steps"`` (after each batch), ``"scales"``, ``"norms"`` (the unscaled
 gradients' norm before each step) and ``"start"`` (the masters, or the weights, at ``on_train_start``).
 
-Trainer cases (``{case}/{level}``, level ``bf16-mixed``, ``O1``, ``O2``):
+Trainer cases (``{case}/{level}``, level ``bf16-mixed``, ``O1``, ``O2``; ``TRAINER_CASES`` says which):
 
 * ``trainer_unused``: ``DDPStrategy(find_unused_parameters=True)``, ``accumulate_grad_batches=2``; the side branch is
-  skipped in the last batch (a window of its own) on rank 1 in epoch 0 and on both ranks in epoch 1. ``32-true`` too.
-* ``trainer_static``: ``DDPStrategy(static_graph=True, gradient_as_bucket_view=True)``.
-* ``trainer_bucket``: ``gradient_as_bucket_view=True``, ``accumulate_grad_batches=2``, ``gradient_clip_val`` below the
-  gradients' norm (the clipped gradients go back into the buckets' views).
-* ``trainer_static_accumulate``: ``static_graph=True`` with ``accumulate_grad_batches=2``, which torch's reducer
-  refuses under every precision (pytorch/pytorch#143580): the error, the model as the failed fit leaves it, then a
-  retry with a plain ``DDPStrategy()``.
+  skipped in the last batch (a window of its own) on rank 1 in epoch 0 and on both ranks in epoch 1.
+* ``trainer_static``: ``DDPStrategy(static_graph=True, gradient_as_bucket_view=True)``, ``gradient_clip_val`` below
+  the gradients' norm (the clipped gradients go back into the buckets' views).
+* ``trainer_static_accumulate/{bf16-mixed,O2}``: ``static_graph=True`` with ``accumulate_grad_batches=2``, which
+  torch's reducer refuses under every precision (pytorch/pytorch#143580): the error, the model as the failed fit
+  leaves it.
 * ``trainer_hook16``/``trainer_hookbf16``/``trainer_wrapped``: ``DDPStrategy(ddp_comm_hook=fp16_compress_hook)``,
   ``bf16_compress_hook`` (renamed: DDP refuses that name off NCCL; gloo reduces bfloat16), and
   ``ddp_comm_state=WORLD, ddp_comm_hook=allreduce_hook, ddp_comm_wrapper=fp16_compress_wrapper``. Lightning registers
@@ -29,7 +28,7 @@ Trainer cases (``{case}/{level}``, level ``bf16-mixed``, ``O1``, ``O2``):
   (bfloat16's static scale is at its floor: raise), the error and the weights it leaves.
 * ``trainer_syncbn``: ``sync_batchnorm=True``: the model as DDP is about to wrap it (after Lightning's conversion and
   the plugin's ``convert_module``), DDP's refusal of ``SyncBatchNorm`` on CPU modules, the model as the failed fit
-  leaves it, then a retry without ``sync_batchnorm``.
+  leaves it, then (but at O1) a retry without ``sync_batchnorm``.
 * ``trainer_fp16/{O2,16-mixed}``: O2 float16 with a dynamic scale against Lightning's ``MixedPrecision("16-mixed",
   "cpu")`` with a ``GradScaler`` of the same settings (``Trainer(precision="16-mixed")`` becomes ``"bf16-mixed"`` on a
   CPU), fp16_compress_hook, rank 1's loss times ``SPIKE`` at step 1: an overflow on ONE rank.
@@ -73,8 +72,13 @@ BF16 = {"half_dtype": "bfloat16"}
 FP16 = {"half_dtype": "float16", "loss_scale": "dynamic", "init_scale": 2.0**8, "growth_interval": 100}
 SPIKE = 1e7  # rank 1's loss at step 1 times this: gradients ~1e5 to 1e6, finite in bfloat16, inf in float16
 SPIKE_STEP = 1
-TRAINER_CASES = ("trainer_unused", "trainer_static", "trainer_bucket", "trainer_static_accumulate", "trainer_hook16",
-                 "trainer_hookbf16", "trainer_wrapped", "trainer_spike16", "trainer_syncbn")  # fmt: skip
+# The levels each Trainer case runs ("bf16-mixed" first): O1 where its FP32 gradients meet something of their own.
+TRAINER_CASES = {
+    "trainer_unused": ("bf16-mixed", "O1", "O2", "32-true"), "trainer_static": ("bf16-mixed", "O1", "O2"),
+    "trainer_static_accumulate": ("bf16-mixed", "O2"), "trainer_hook16": ("bf16-mixed", "O1", "O2"),
+    "trainer_hookbf16": ("bf16-mixed", "O2"), "trainer_wrapped": ("bf16-mixed", "O2"),
+    "trainer_spike16": ("bf16-mixed", "O1", "O2"), "trainer_syncbn": ("bf16-mixed", "O1", "O2"),
+}  # fmt: skip
 
 
 def _bf16_hook(state: Any, bucket: Any) -> Any:
@@ -227,11 +231,9 @@ def _strategy(case: str, r: dict, kwargs: dict) -> Any:
     if case == "trainer_unused":
         kwargs["accumulate_grad_batches"] = 2
         return DDPStrategy(find_unused_parameters=True)
-    if case == "trainer_static":
+    if case == "trainer_static":  # the clipped gradients go back into the buckets' views
+        kwargs["gradient_clip_val"] = CLIP
         return DDPStrategy(static_graph=True, gradient_as_bucket_view=True)
-    if case == "trainer_bucket":
-        kwargs.update(accumulate_grad_batches=2, gradient_clip_val=CLIP)
-        return DDPStrategy(gradient_as_bucket_view=True)
     if case == "trainer_static_accumulate":
         kwargs["accumulate_grad_batches"] = 2
         return DDPStrategy(static_graph=True)
@@ -262,14 +264,14 @@ def _trainer_case(case: str, level: str, r: dict, raises: bool = False) -> None:
     data = torch.utils.data.DataLoader(dataset(), batch_size=BATCH)
     if case in ("trainer_syncbn", "trainer_static_accumulate") or raises:
         # A fit that fails (under every precision, or the plugin's raise): its error, the model as it leaves it, then
-        # the user's retry without the option (a new Trainer and plugin, the same model).
+        # (sync_batchnorm) the user's retry without the option (a new Trainer and plugin, the same model).
         try:
             trainer.fit(module, data)
             r["fit_error"] = None
         except Exception as e:  # noqa: BLE001 - read by the test
             r["fit_error"] = f"{type(e).__name__}: {e}"
         r["after_error"], r["w_error"] = layout(module), params(module.net)
-        if raises:
+        if case != "trainer_syncbn" or level == "O1":
             return
         r.pop("w_steps", None)
         trainer, plugin = _trainer_for(level, DDPStrategy(), settings)
@@ -391,8 +393,8 @@ def _run(results: dict, name: str, fn: Callable[..., None], *args: Any) -> bool:
 
 
 def _trainer_door(results: dict) -> None:
-    for case in TRAINER_CASES:
-        for level in ("bf16-mixed", "O1", "O2") + (("32-true",) if case == "trainer_unused" else ()):
+    for case, levels in TRAINER_CASES.items():
+        for level in levels:
             _run(results, f"{case}/{level}", _trainer_case, case, level)
     _run(results, "trainer_spike16/O2_raise", lambda r: _trainer_case("trainer_spike16", "O2", r, raises=True))
     for level in ("16-mixed", "O2"):
