@@ -31,7 +31,8 @@ from litgpt.lora import merge_lora_weights  # noqa: E402
 from tests.test_litgptcli61 import SETTINGS, _checkpoint, _data  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-TIMEOUT_S = 150  # a hang (a rank that never joins) fails; 60 s timed out once on a loaded 2-core machine (rank 1 still importing)
+# a hang (a rank that never joins) fails; 60 s timed out once on a loaded 2-core machine (rank 1 still importing)
+TIMEOUT_S = 150
 STEPS = 2
 
 
