@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
+from tests import test_peftzoo62 as zoo  # noqa: E402
 from tests.test_peft61 import HALF, _ids, _lora, _prepared, _train  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
@@ -93,3 +94,38 @@ def test_a_deep_copy_of_a_layer_merges_as_peft_does() -> None:
     inner = accelerator.unwrap_model(model)
     twin = copy.deepcopy(inner)
     assert {p.dtype for p in _merged(twin).values()} == {HALF}
+
+
+def _adalora(level: str, clip: float, **kwargs: Any) -> tuple[dict[str, list[bool]], list[dict[str, torch.Tensor]]]:
+    """AdaLoRA's documented loop with ``clip_grad_norm_`` before the step: the final rank pattern, and the smoothed
+    importance scores after each step before the final mask (which resets them)."""
+    torch.manual_seed(0)
+    config = peft.AdaLoraConfig(init_r=6, target_r=2, target_modules=["q_proj", "v_proj"], total_step=5, tinit=1,
+                                tfinal=2, deltaT=1)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = peft.get_peft_model(zoo._llama(), config)
+    accelerator = zoo._accelerator(level, **kwargs)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(trained, lr=zoo.LR))
+    tuner = accelerator.unwrap_model(model).base_model
+    scores = []
+    for step in range(5):
+        accelerator.backward(model(**zoo._batch("adalora", step)).loss)
+        accelerator.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        tuner.update_and_allocate(step)
+        optimizer.zero_grad()
+        scores.append({n: v.float().clone() for n, v in tuner.rankallocator.exp_avg_ipt.items()})
+    return tuner.peft_config["default"].rank_pattern, scores[:3]
+
+
+def test_adalora_at_o2_float16_with_a_growing_scale_and_a_clip_scores_as_fp32() -> None:
+    pattern, scores = _adalora("no", clip=1e-3)
+    got_pattern, got = _adalora("O2", clip=1e-3, half_dtype=torch.float16, init_scale=2.0, growth_interval=1)
+    assert got_pattern == pattern and sum(sum(r) for r in pattern.values()) == 4
+    for ours, fp32 in zip(got, scores, strict=True):
+        assert set(ours) == set(fp32) and fp32
+        for name, value in fp32.items():
+            assert ours[name].dtype == torch.float32  # smoothed in FP32, as under FP32 training
+            assert (ours[name] - value).abs().max() <= 0.25 * value.abs().max(), name  # float16 gradients of ~1e-6
