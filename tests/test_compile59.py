@@ -153,11 +153,6 @@ def test_trainer_second_fit_of_a_compiled_model_compiles_no_graph(two_fits):
     assert first > 0 and second == first, f"graphs after each fit: {two_fits['graphs']}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "casting/mode.py _CastMode.__torch_function__: the compiled validation_step runs under no_grad (Lightning's "
-    "evaluation of a compiled model), which _may_be_recomputed() counts, so the traced graph sets the policy's "
-    "_recomputes_seen and guards on ___get_torch_function_mode_stack_at(0).policy._recomputes_seen == False: one "
-    "recompile of validation_step per fit (O1 8 graphs against bf16-mixed's 7)"))
 def test_trainer_compiled_validation_recompiles_on_no_guard_of_ours(two_fits):
     ours = [m for m in two_fits["recompiles"] if "_recomputes_seen" in m]
     assert not ours, ours[0]
