@@ -10,12 +10,12 @@ plugin's hand-off wrapped that compiled function, which dynamo cannot unwrap thr
 had a method). The plugin now hands off the uncompiled method, as dynamo unwraps a compiled function itself
 (``integrations/lightning_model_hooks.py``). "bf16-mixed": no graph at the second fit.
 
-Measured, not ours to fix: through Fabric at O2, ``torch.compile`` over a user's function that enters
-``fabric.autocast()`` around the model (the set-up model's module, inputs cast by the user) recompiles once at the
-second call (2/0/1 against "bf16-mixed"'s 1/0/0): the scope's new-group check iterates the engine's optimizers, and the
-plugin meets the optimizer only at its first ``optimizer.step()`` (Fabric hands optimizers to no precision plugin), so
-dynamo's guard ``len(fabric._precision.amp._machine.optimizers) != 0`` fails once. ``plugin.setup_optimizers(opt)``
-after ``fabric.setup`` (documented) makes it 1/0/0.
+Fixed at stop 63: through Fabric at O2, ``torch.compile`` over a user's function that enters ``fabric.autocast()``
+around the model (the set-up model's module, inputs cast by the user) recompiled once at the second call (2/0/1
+against "bf16-mixed"'s 1/0/0): the scope's new-group check iterates the engine's optimizers, and the plugin met the
+optimizer only at its first ``optimizer.step()``, so dynamo's guard ``len(fabric._precision.amp._machine.optimizers)
+!= 0`` failed once. The plugin now registers the optimizers given to ``fabric.setup`` there (one set up apart by
+``fabric.setup_optimizers`` still recompiles once unless ``plugin.setup_optimizers(opt)``).
 
 Measured, left: at O2 the second ``trainer.fit`` still recompiles the steps once (11 graphs after it against 8, two
 epochs then one, 20 samples): the new plugin registers the boundary casts' forward hooks on the model's children again,
@@ -76,11 +76,6 @@ def test_fabric_autocast_inside_a_compiled_function_with_the_optimizer_registere
     assert _fabric_user_compiled("O2", register=True) == (1, 0, 0)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine/amp.py Amp.forward_context (traced in the user's compiled function): the new-group check iterates the "
-    "engine's optimizers; the Fabric plugin meets the optimizer at its first step, so dynamo's guard "
-    "len(fabric._precision.amp._machine.optimizers) != 0 fails once: 2/0/1 against bf16-mixed's 1/0/0 (workaround: "
-    "plugin.setup_optimizers(opt))"))
 def test_fabric_autocast_inside_a_compiled_function_recompiles_nothing(monkeypatch):
     monkeypatch.setattr("tests.test_compile_doors.STEPS", 2)
     assert _fabric_user_compiled("O2", register=False)[2] == 0
@@ -158,11 +153,6 @@ def test_trainer_second_fit_of_a_compiled_model_compiles_no_graph(two_fits):
     assert first > 0 and second == first, f"graphs after each fit: {two_fits['graphs']}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "casting/mode.py _CastMode.__torch_function__: the compiled validation_step runs under no_grad (Lightning's "
-    "evaluation of a compiled model), which _may_be_recomputed() counts, so the traced graph sets the policy's "
-    "_recomputes_seen and guards on ___get_torch_function_mode_stack_at(0).policy._recomputes_seen == False: one "
-    "recompile of validation_step per fit (O1 8 graphs against bf16-mixed's 7)"))
 def test_trainer_compiled_validation_recompiles_on_no_guard_of_ours(two_fits):
     ours = [m for m in two_fits["recompiles"] if "_recomputes_seen" in m]
     assert not ours, ours[0]

@@ -193,14 +193,6 @@ def test_accelerate_o1_a_raw_step_of_the_wrapped_optimizer_is_refused() -> None:
     assert all(torch.isfinite(p).all() for p in net.parameters())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="integrations/fabric.py: Fabric hands its optimizers to the strategy, not to the precision plugin, which "
-    "registers one (and puts the step guard on it) at its first step through fabric or at plugin.setup_optimizers(); "
-    "a raw step of the inner optimizer before that applies the scaled gradients (x65536) unrefused at the step itself: "
-    "since stop 57 the next fabric.backward notes it and that iteration's fabric step refuses it (engine/raw_steps.py "
-    "UnheldParams.judge, tests/test_raw_optimizer55b.py), one step late",
-)
 def test_fabric_o1_a_raw_step_before_the_plugin_met_the_optimizer_is_refused() -> None:
     from lightning.fabric import Fabric
 

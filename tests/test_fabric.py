@@ -63,10 +63,14 @@ def batches(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def setup_net(fabric: Fabric, optimizer: Any = torch.optim.SGD, **settings: Any) -> tuple[Any, Any]:
-    """``fabric.setup`` of a ``Net`` and an optimizer of class ``optimizer`` over its parameters."""
+def setup_net(fabric: Fabric, optimizer: Any = torch.optim.SGD, late: bool = False, **settings: Any) -> tuple[Any, Any]:
+    """``fabric.setup`` of a ``Net`` and an optimizer of class ``optimizer`` over its parameters (``late``:
+    ``fabric.setup_module`` then ``fabric.setup_optimizers``: the plugin meets the optimizer at its first step)."""
     net = Net()
     settings.setdefault("lr", 0.1)
+    if late:
+        model = fabric.setup_module(net)
+        return model, fabric.setup_optimizers(optimizer(net.parameters(), **settings))
     return fabric.setup(net, optimizer(net.parameters(), **settings))
 
 
@@ -350,8 +354,8 @@ def test_two_losses_each_keep_their_scale():
     fabric = make_fabric(mpx)
     gen, disc = Net(), nn.Linear(4, 1)
     gen_opt, disc_opt = torch.optim.SGD(gen.parameters(), lr=0.1), torch.optim.SGD(disc.parameters(), lr=0.1)
-    gen, gen_opt = fabric.setup(gen, gen_opt)
-    disc, disc_opt = fabric.setup(disc, disc_opt)
+    gen, gen_opt = fabric.setup_module(gen), fabric.setup_optimizers(gen_opt)  # met at their first step
+    disc, disc_opt = fabric.setup_module(disc), fabric.setup_optimizers(disc_opt)
     x, _ = batches(1)[0]
     # Unregistered optimizers cannot tell which loss's scale their gradients carry: refused, saying what to call.
     fabric.backward(disc(gen(x).detach()).mean(), loss_id=0)
@@ -433,7 +437,7 @@ def test_loading_an_o2_optimizer_before_the_plugin_knows_it_is_refused(tmp_path)
     def setup() -> tuple[Fabric, dict[str, Any]]:
         mpx = FabricMixedPrecisionPlugin("O2", half_dtype="float16")
         fabric = make_fabric(mpx)
-        model, opt = setup_net(fabric, torch.optim.AdamW, lr=1e-3)
+        model, opt = setup_net(fabric, torch.optim.AdamW, late=True, lr=1e-3)  # (fabric.setup meets it)
         return fabric, {"model": model, "optimizer": opt, "mpx": mpx}
 
     fabric, state = setup()

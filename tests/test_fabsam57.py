@@ -19,11 +19,13 @@ from tests.test_fpa56 import _SAM, _assert_close, _batch
 
 
 def _setup(**precision: Any) -> tuple[Fabric, Any, Any]:
+    """``fabric.setup_module`` and ``fabric.setup_optimizers``: the plugin meets the optimizer at its first step
+    (``fabric.setup(model, optimizer)`` registers it at set-up)."""
     fabric = Fabric(accelerator="cpu", devices=1, **precision)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    return fabric, model, optimizer
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    model = fabric.setup_module(net)
+    return fabric, model, fabric.setup_optimizers(torch.optim.SGD(net.parameters(), lr=0.1))
 
 
 def _loss(model: Any, i: int) -> torch.Tensor:

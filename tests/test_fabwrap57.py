@@ -189,8 +189,9 @@ def test_lookahead_fabric_load_before_the_plugin_knew_it_refused_setup_optimizer
         def build() -> Any:
             plugin = FabricMixedPrecisionPlugin("O2", half_dtype="bfloat16")
             fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
-            model = _net()
-            model, opt = fabric.setup(model, TimmLookahead(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)))
+            net = _net()  # the optimizer set up apart: met at its first step (fabric.setup(model, opt) meets it)
+            model = fabric.setup_module(net)
+            opt = fabric.setup_optimizers(TimmLookahead(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)))
             if setup_optimizers:
                 plugin.setup_optimizers(opt)
             return fabric, model, opt

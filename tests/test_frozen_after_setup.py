@@ -99,8 +99,9 @@ def test_fabric_master_params_before_the_first_step_names_setup_optimizers():
     (``mpx.setup_optimizers`` after ``fabric.setup``); the plugin's own ``master_params`` registers it and answers."""
     mpx = FabricMixedPrecisionPlugin("O2", half_dtype=HALF)
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[mpx])
-    model = _net()
-    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    net = _net()  # the optimizer set up apart: the plugin meets it at its first step (fabric.setup meets it there)
+    fabric.setup_module(net)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(net.parameters(), lr=0.1))
     with pytest.raises(RuntimeError, match=r"optimizer=SGD was not registered.*setup_optimizers\(optimizer\)"
                        r".*after fabric\.setup\(\)") as raised:  # fmt: skip
         mpx.amp.master_params(optimizer.optimizer)

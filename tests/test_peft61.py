@@ -146,10 +146,6 @@ def test_merge_and_unload_after_o2_gives_the_half_model_and_the_fp32_merge_goes_
     assert (merged["O2"].float() - exact).abs().max() <= 3 * ulp  # the half model: the base's rounding and the sum's
 
 
-@pytest.mark.xfail(strict=True, reason="peft's merge_and_unload (get_delta_weight) reads the adapters the module "
-                   "holds: at O2 their bfloat16 copies, multiplied and scaled in bfloat16 and then added to the half "
-                   "base (two roundings), not the FP32 masters; the merge is peft's code on the half model, and the "
-                   "FP32 merge goes through the saved adapter (docs/accelerate.md, peft)")
 def test_merge_and_unload_at_o2_is_the_rounding_of_the_half_base_plus_the_masters_delta():
     accelerator, model, optimizer = _prepared("O2", _lora())
     _train(accelerator, model, optimizer, range(3))

@@ -22,14 +22,6 @@ pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 HALF = torch.bfloat16
 LR = 1e-2
-ADALORA_FLOAT16 = (
-    "peft/tuners/adalora/layer.py RankAllocator.update_ipt: at O2 float16 AdaLoRA's importance scores are "
-    "|p * p.grad| of the half lora_ parameters and of their half gradients, which after the step keep the loss scale "
-    "(docs/loss_scaling.md: at O2 the half model's gradients keep the scale they were computed with): float16 "
-    "products of scaled values, smoothed across steps whose scales differ; with the scale starting at 2 and "
-    "doubling every step, every score is zero or dominated by the last scale and all ranks are masked, where FP32 "
-    "keeps 4 of 12. Use bfloat16 (scale 1.0: FP32's pattern, the test above) or O1 for AdaLoRA with float16"
-)
 
 
 def _gpt2(cls_name: str = "GPT2LMHeadModel") -> Any:
@@ -200,11 +192,10 @@ def test_adalora_update_and_allocate_at_o2_masks_the_ranks_fp32_and_bf16_mask():
             assert run["masters"][name].dtype == torch.float32, (level, name)
 
 
-@pytest.mark.xfail(strict=True, reason=ADALORA_FLOAT16)
 def test_adalora_at_o2_float16_with_a_changing_loss_scale_masks_the_ranks_fp32_masks():
     """AdaLoRA at O2 float16, the scale starting at 2 and doubling every step: the final budget (4 of 12 ranks kept,
-    FP32's count, whatever the scores: the test above) should be kept; the float16 scores of scaled gradients tie at
-    zero and mask all 12."""
+    FP32's count, whatever the scores: the test above) is kept. (A strict xfail until stop 63: the float16 scores of
+    the scaled half gradients tied at zero and masked all 12; tests/test_xfails63.py.)"""
     pattern = _adalora("O2", half_dtype=torch.float16, init_scale=2.0, growth_interval=1)["pattern"]
     assert sum(sum(ranks) for ranks in pattern.values()) == 4
 

@@ -111,7 +111,8 @@ def test_fabric_o1_a_raw_step_before_the_plugin_met_the_optimizer_is_refused_at_
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricMixedPrecisionPlugin("O1", half_dtype="float16")])
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
-    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    model = fabric.setup_module(net)  # the optimizer set up apart (fabric.setup(model, optimizer) meets it there)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(net.parameters(), lr=0.1))
     x, y = _batch(0)
     fabric.backward(F.mse_loss(model(x), y))
     optimizer.optimizer.step()  # the inner optimizer, by hand

@@ -246,8 +246,9 @@ def test_fabric_o2_davda54_second_step_with_the_plugin_never_told_is_refused_nam
     from lightning_mpx import FabricMixedPrecisionPlugin
 
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricMixedPrecisionPlugin("O2", half_dtype="bfloat16")])
-    model = _net()
-    model, optimizer = fabric.setup(model, SAM(model.parameters(), torch.optim.SGD, lr=0.1))
+    net = _net()  # the optimizer set up apart: the plugin meets it at its first step (fabric.setup meets it there)
+    model = fabric.setup_module(net)
+    optimizer = fabric.setup_optimizers(SAM(net.parameters(), torch.optim.SGD, lr=0.1))
     x, y = _batch(0)
     fabric.backward(F.mse_loss(model(x).float(), y))
     optimizer.first_step(zero_grad=True)

@@ -133,8 +133,12 @@ def _may_be_recomputed() -> bool:
     that it did not need, which costs time, never a cast. Inference mode is not counted (nothing is recomputed).
 
     Dynamo cannot trace the saved-tensor hooks' getter: under ``torch.compile`` it runs this while tracing and keeps
-    the result as a constant (a compiled graph's checkpoints recompute inside the graph, with its casts).
+    the result as a constant. While it traces, nothing counts: a compiled graph's checkpoints recompute inside the
+    graph, with its casts, and a flag set from traced code would be guarded on (a compiled ``validation_step`` under
+    ``no_grad`` recompiled once per fit, guarding ``policy._recomputes_seen``).
     """
+    if torch.compiler._is_compiling_flag:  # (the flag is_compiling() returns, read here without its call)
+        return False
     if torch.is_grad_enabled():
         return _top_saved_tensors_hooks(False) is not None
     return not torch.is_inference_mode_enabled()

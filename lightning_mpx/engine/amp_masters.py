@@ -14,13 +14,15 @@ import torch
 from torch import nn
 
 from lightning_mpx.engine.amp_records import AmpRecords
+from lightning_mpx.engine.rescale import true_grad
+from lightning_mpx.masters.pairs import param_pairs
 from lightning_mpx.masters.swap import follow_modes
 
 
 class AmpMasters(AmpRecords):
     """The base of :class:`~lightning_mpx.engine.amp.Amp` over the FP32 masters: :meth:`master_params`,
-    :meth:`master_of`, :meth:`refresh_masters`, :meth:`fp32_state_dict`, and :meth:`follow_optimizer_modes` (a
-    schedule-free optimizer's point taken into the masters)."""
+    :meth:`master_of`, :meth:`true_grads`, :meth:`refresh_masters`, :meth:`fp32_state_dict`, and
+    :meth:`follow_optimizer_modes` (a schedule-free optimizer's point taken into the masters)."""
 
     def follow_optimizer_modes(self) -> None:
         """At O2, a schedule-free optimizer's ``eval()``/``train()`` called where its groups held the half parameters
@@ -42,6 +44,26 @@ class AmpMasters(AmpRecords):
         taken into the master first, as the next step would take it (``refresh=False``: not looked for, for code that
         needs the tensor, such as where its ``.grad`` lives, not its value)."""
         return self._masters.master_of(param, self._optimizers.values(), refresh=refresh)
+
+    def true_grads(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor | None]:
+        """The gradients of model parameters as FP32 training would hold them now, for code that reads ``.grad``
+        outside the step (peft's AdaLoRA scores): at O2 a new FP32 tensor for each half parameter a registered
+        optimizer holds (its half gradient keeps the loss scale it was computed with until the next backward or
+        ``zero_grad``: divided by it, the clips since the unscale applied; between an unscale and the step its master's
+        gradient), ``None`` where it has no gradient; any other parameter's ``.grad`` as it is."""
+        wanted = list(params)
+        ids = {id(p) for p in wanted}
+        found: dict[int, torch.Tensor | None] = {}
+        machine = self._machine
+        if machine.masters.weights:
+            for state in list(machine.optimizers.values()):
+                optimizer = state.optimizer_ref()
+                if optimizer is None:
+                    continue
+                for param, master in param_pairs(state, machine.masters.weights, optimizer=optimizer):
+                    if id(param) in ids and master is not param:
+                        found[id(param)] = true_grad(state, machine.scalers, param, master)
+        return [found[id(p)] if id(p) in found else p.grad for p in wanted]
 
     def refresh_masters(self, params: Iterable[torch.Tensor] | None = None, *, force: bool = False) -> list[str]:
         """Take writes made to the half model into the FP32 masters now (done before every step anyway); returns

@@ -375,6 +375,30 @@ def resume_stepped(
     state.loss_id, state.grad_scale = loss_id, grad_scale
 
 
+def true_grad(
+    state: _OptimizerState, scalers: Sequence[LossScaler], param: torch.Tensor, master: torch.Tensor
+) -> torch.Tensor | None:
+    """O2: a new FP32 tensor of the true value of half ``param``'s gradient as the state of its optimizer has it now,
+    what FP32 training holds on ``.grad`` there (``None`` without a gradient): between an unscale and the step the
+    master's (clipped as the step uses it); otherwise the half gradient divided by the scale it carries (not where
+    the unscale showed true values on the model, or a step left them), with the clips since the unscale applied (as
+    FP32's clip wrote them into its gradients). Nothing is changed."""
+    if state.stage is _Stage.UNSCALED and master is not param and master.grad is not None:
+        return master.grad.detach().clone()
+    grad = param.grad
+    if grad is None:
+        return None
+    value = grad.detach().to(torch.float32, copy=True)
+    if not (state.shown or (state.stage is _Stage.STEPPED and state.stepped_true)):
+        value.div_(_carried_scale(state, scalers).to(value.device))
+    for kind, norm, limit in state.clips:
+        if kind == "norm":
+            value.mul_(clip_coefficient(norm, limit).to(value.device))
+        else:
+            value.clamp_(-limit, limit)
+    return value
+
+
 def hold_scale(state: _OptimizerState, scaler: LossScaler, *, masters: bool = True) -> None:
     """At an update, O2: the half gradients a step (STEPPED) or an unscale (SKIPPED) left scaled keep the scale they
     carry while ``scaler`` (dynamic) moves on; one small copy, only when such gradients are there. Without

@@ -26,14 +26,15 @@ What it does, in Fabric's terms:
   in FP32); at O2/O3 its floating inputs are cast to half and its half outputs to FP32, and at O1 its half outputs are
   cast to FP32 too (as Fabric's own ``"16-mixed"`` does), so that a loss computed after the forward runs in FP32.
   ``fabric.autocast()`` is the forward context.
-* Fabric hands its optimizers to the strategy, not to the precision plugin: the plugin meets an optimizer at its
-  first unscale or step and registers it with the engine then (O2: the FP32 masters stand in for its half parameters
-  during its steps). The masters do not wait for it: the engine keeps the FP32 values a model holds at set-up (or
-  loads after it) until each parameter's master is made, whichever optimizer steps first. Two cases need the
-  optimizers registered earlier, and are refused with an error that says so otherwise: several losses
-  (``num_losses > 1``: the scale each optimizer's gradients carry depends on it), and loading a checkpoint into an
-  O2 optimizer (its FP32 state belongs to the masters); call :meth:`FabricMixedPrecisionPlugin.setup_optimizers`
-  after ``fabric.setup`` and before the first backward or ``fabric.load``.
+* Fabric hands its optimizers to the strategy, not to the precision plugin: the plugin registers those given to
+  ``fabric.setup(model, *optimizers)`` there (read from Fabric's call; single-device and DDP strategies), and meets
+  one set up apart (``fabric.setup_optimizers``) at its first unscale or step (O2: the FP32 masters stand in for its
+  half parameters during its steps). The masters do not wait for it: the engine keeps the FP32 values a model holds
+  at set-up (or loads after it) until each parameter's master is made, whichever optimizer steps first. Two cases
+  need an optimizer set up apart registered earlier, and are refused with an error that says so otherwise: several
+  losses (``num_losses > 1``: the scale each optimizer's gradients carry depends on it), and loading a checkpoint
+  into an O2 optimizer (its FP32 state belongs to the masters); call
+  :meth:`FabricMixedPrecisionPlugin.setup_optimizers` for it before the first backward or ``fabric.load``.
 * Not aligned with Fabric's own precisions, on purpose (docs/fabric.md): at O1 floating inputs stay FP32 (the cast
   table casts op by op); at O2/O3 the default dtype stays FP32 in ``fabric.init_module()`` and the forward (the
   masters start from the FP32 values built there; losses are computed in FP32).
@@ -156,7 +157,8 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         # Fabric's own words for it (no half_dtype given: provisional until convert_module picks the device's)
         self.precision = precision_of(self.amp)  # type: ignore[assignment]
         self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        self._unsynced: list[MasterWeights] = []  # masters made by convert_module, to take from the set-up model
+        # masters made by convert_module, to take from the set-up model; True: the ranks agreed on their FP32 values
+        self._unsynced: list[tuple[MasterWeights, bool]] = []
         self._unchecked: list[weakref.ref[nn.Module]] = []  # prepared by convert_module; sharded by the strategy?
         self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self._clipping: weakref.WeakSet[Optimizer] = weakref.WeakSet()  # main_params handed out since the unscale
@@ -237,7 +239,8 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         if module in self._modules:  # set up before: at O2 unsharded, again if another plugin took its masters since
             if not self.amp.properties.master_weights or self.amp.sharded or holds_masters(self.amp, module):
                 return module
-        caller = sys._getframe(1).f_locals.get("self")  # fabric.setup's Fabric, or not a Fabric
+        given = sys._getframe(1).f_locals  # fabric.setup's: its Fabric and the optimizers it was given
+        caller = given.get("self")  # fabric.setup's Fabric, or not a Fabric
         refuse_o2_sharding(self.amp, caller)
         pick_half_dtype(self, caller.device if isinstance(caller, Fabric) else module)  # none given: the device's
         # fabric.setup under DDP: every rank is here together, before the strategy wraps the model; the masters start
@@ -277,13 +280,15 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         install_generate(module, props.half_dtype if props.casts_model else None)
         # The model is moved to its device (and, under DDP, given rank zero's weights) after this: its masters are
         # taken again from the set-up model at the next call into the plugin.
-        self._unsynced += [masters for masters in self.amp.master_weights if id(masters) not in before]
+        self._unsynced += [(masters, agree) for masters in self.amp.master_weights if id(masters) not in before]
         self._unchecked.append(weakref.ref(module))
         self._modules.add(module)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             self.amp.log_overflows = torch.distributed.get_rank() == 0
             if torch.distributed.get_world_size() > 1:
                 self.amp.found_inf_reducer = all_reduce_max  # every rank makes the same skip decision
+        if isinstance(caller, Fabric) and given.get("optimizers"):  # fabric.setup(model, *optimizers)
+            self._meet_at_setup(given["optimizers"], caller.strategy)
         return module
 
     def forward_context(self) -> ContextManager[Any]:
@@ -335,7 +340,9 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
     # -- optimizer ---------------------------------------------------------------------------------------------
     def setup_optimizers(self, *optimizers: Optimizer) -> None:
         """Register optimizers with the engine now rather than at their first unscale or step (Fabric does not
-        hand them to the precision plugin). Calling it again for an optimizer does nothing.
+        hand them to the precision plugin; those given to ``fabric.setup(model, *optimizers)`` are registered
+        there, so this is for one set up apart, by ``fabric.setup_optimizers``). Calling it again for an optimizer
+        does nothing.
 
         Needed with several losses (``num_losses > 1``), before the first ``fabric.backward``, and at O2 before
         ``fabric.load`` restores an optimizer's state (which then goes to the FP32 masters, not the half

@@ -47,7 +47,8 @@ class FabricBookkeeping:
 
     amp: Amp
     _modules: weakref.WeakSet[nn.Module]  # the models convert_module prepared
-    _unsynced: list[MasterWeights]  # masters made by convert_module, to take from the set-up model
+    # masters made by convert_module, to take from the set-up model; True: the ranks agreed on their FP32 values
+    _unsynced: list[tuple[MasterWeights, bool]]
     _unchecked: list[weakref.ref[nn.Module]]  # prepared by convert_module; sharded by the strategy?
     _optimizers: weakref.WeakSet[Optimizer]  # the optimizers registered with the engine
     _held: HeldMasters  # the engine's: masters a loaded entry left to the model's entry
@@ -169,16 +170,52 @@ class FabricBookkeeping:
 
     def _after_setup(self) -> None:
         """At the first call after ``fabric.setup``: hand the engine the models the strategy sharded, and take new
-        models' masters from the set-up model."""
+        models' masters from the set-up model (moved to its device; under a process group, rank zero's weights: taken
+        where they differ when the ranks agreed on the FP32 values at set-up, which keeps masters an optimizer
+        registered there made from them exact)."""
         if self._unchecked:
             adopt_sharded(self)
         if self._unsynced:
-            for masters in self._unsynced:
-                masters.sync_from_model()
+            for masters, agreed in self._unsynced:
+                if agreed:
+                    masters.refresh(force=True)
+                else:
+                    masters.sync_from_model()
             self._unsynced.clear()
+        # A schedule-free optimizer registered at set-up: the forward scope follows its flips untraced from the first
+        # eager call on (set at set-up, a model compiled after it would break its first traced forward there).
+        self._flips = self._flips or any(train_modes(o) is not None for o in list(self._optimizers))
 
-    def _register(self, optimizer: Optimizer, lazily: bool = True) -> None:
-        if self._unchecked or self._unsynced:  # not _begin(): a scale update waits for every optimizer's step
+    def _meet_at_setup(self, optimizers: Any, strategy: Any) -> None:
+        """The optimizers ``fabric.setup(model, *optimizers)`` hands the strategy (Fabric hands none to the precision
+        plugin), registered at set-up rather than at their first step through Fabric: a raw step of one before that
+        is refused at the step (its gradients carry the loss scale), a compiled function entering ``fabric.autocast()``
+        is traced with them registered (no recompile at its second call), an O2 optimizer's state loaded by
+        ``fabric.load`` goes to its masters, several losses need no ``setup_optimizers``, and a GAN's G keeps the scale
+        of its gradients across an update before its first step. Under the single-device and DDP strategies only (the
+        others shard the model or replace the optimizers after this), and only an optimizer over models the plugin
+        prepared (one that also holds a model set up later is met at its first step, as before); an optimizer set up
+        apart (``fabric.setup_optimizers``) is met at its first step too. The masters it makes are taken again after the
+        strategy moved (and wrapped) the model (:meth:`_after_setup`)."""
+        from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
+
+        if self.amp.sharded or not isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)):
+            return
+        for optimizer in optimizers if isinstance(optimizers, (tuple, list)) else ():
+            if not isinstance(optimizer, Optimizer) or optimizer in self._optimizers:
+                continue
+            if self._held_by_prepared(optimizer):
+                self._register(optimizer, lazily=False, settle=False)
+
+    def _held_by_prepared(self, optimizer: Optimizer) -> bool:
+        """Whether every parameter ``optimizer`` holds is one of a model the plugin prepared."""
+        prepared = {id(p) for module in list(self._modules) for p in module.parameters()}
+        return all(id(p) in prepared for p in optimizer_params(optimizer))
+
+    def _register(self, optimizer: Optimizer, lazily: bool = True, settle: bool = True) -> None:
+        # not _begin(): a scale update waits for every optimizer's step; not at set-up (settle=False), where the
+        # strategy has yet to move (and wrap) the model the masters are taken from
+        if settle and (self._unchecked or self._unsynced):
             self._after_setup()
         if optimizer in self._optimizers:
             return
@@ -223,8 +260,8 @@ class FabricBookkeeping:
         self.amp.prepare_optimizer(optimizer)
         kept.update(own)
         self._optimizers.add(optimizer)
-        if train_modes(optimizer) is not None:  # schedule-free: the forward scope follows its flips untraced
-            self._flips = True
+        if settle and train_modes(optimizer) is not None:  # schedule-free: the forward follows its flips untraced
+            self._flips = True  # (registered at set-up: from the first call after it, _after_setup)
 
 
 def _has_half_state(optimizer: Optimizer, first_step: frozenset[int] = frozenset()) -> bool:

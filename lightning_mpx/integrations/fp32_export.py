@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lightning_mpx.engine.amp import Amp
+from lightning_mpx.integrations.peft_fp32 import AllocateInFp32, MergeInFp32, is_adalora_model, is_tuner_layer
 
 __all__ = ["Fp32SavePretrained", "KeptAdapterLoad", "MastersInStateDict", "keep_replaced_parameters", "masters_into",
            "warn_frozen_half"]
@@ -33,7 +34,10 @@ class MastersInStateDict:
     model rounds them as before. ``state_dict(keep_vars=True)`` (the parameters themselves), a frozen half parameter or
     a half buffer (no master), a model whose masters another engine took over since, a sharded model and a copy or an
     unpickled model (the hook is inert there: it holds the engine weakly and pickles as inert) keep the model's
-    values. A Hugging Face model in it gets :class:`Fp32SavePretrained` too (its ``config.json`` then says float32).
+    values. A Hugging Face model in it gets :class:`Fp32SavePretrained` too (its ``config.json`` then says float32),
+    a peft model :class:`KeptAdapterLoad`, each peft tuner layer the FP32 merges of
+    :class:`~lightning_mpx.integrations.peft_fp32.MergeInFp32` and an AdaLoRA model the FP32 scores of
+    :class:`~lightning_mpx.integrations.peft_fp32.AllocateInFp32`.
     """
 
     def __init__(self, amp: Amp | None, *, nested: bool = False) -> None:
@@ -63,6 +67,10 @@ class MastersInStateDict:
                 kept = KeptAdapterLoad.install(sub)  # a PeftModel
                 if kept is not None:
                     handles.append(kept)
+            if is_tuner_layer(sub):  # its merges (merge_and_unload...) on the FP32 masters, rounded once
+                handles.append(MergeInFp32.install(sub, amp))
+            elif is_adalora_model(sub):  # its importance scores from the masters and the true gradients
+                handles.append(AllocateInFp32.install(sub, amp))
         return _Handles(handles)
 
     def __call__(self, module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
