@@ -16,6 +16,7 @@ the module gets the plain method back."""
 
 from __future__ import annotations
 
+import abc
 import sys
 import weakref
 from typing import Any, Callable
@@ -44,7 +45,7 @@ def is_adalora_model(module: nn.Module) -> bool:
     return model is not None and isinstance(module, model)
 
 
-class _OnFp32:
+class _OnFp32(abc.ABC):
     """A method of a peft module, as an attribute of the instance, that runs the class's method on FP32 stand-ins of
     the module's half parameters (see the subclasses)."""
 
@@ -88,8 +89,9 @@ class _OnFp32:
             return method(module, *args, **kwargs)
         return self._run(amp, module, lambda: method(module, *args, **kwargs))
 
+    @abc.abstractmethod
     def _run(self, amp: Amp, module: nn.Module, call: Callable[[], Any]) -> Any:
-        raise NotImplementedError
+        """``call()`` (the class's method on ``module``) run on FP32 stand-ins, as the subclass says."""
 
 
 class MergeInFp32(_OnFp32):
