@@ -43,6 +43,7 @@ from lightning_mpx.engine.outcome import StepOutcome
 # _EngineHook's old import path here keeps working (lightning_mpx.apex's hooks).
 from lightning_mpx.engine.preparation import PreparedModels, _EngineHook  # noqa: F401
 from lightning_mpx.engine.raw_steps import find_unheld
+from lightning_mpx.engine.sharding import refuse_unfrozen_half
 from lightning_mpx.engine.surgery import adopt_new_parameters
 from lightning_mpx.masters.pairs import StrayParameterError, param_pairs
 from lightning_mpx.masters.swap import call_on_masters, follow_modes, train_modes
@@ -279,14 +280,17 @@ class Amp(AmpMasters):
         if self.forensics.watch.active:
             self.forensics.watch.observe_loss(loss)
         self._machine.before_backward(loss_id, scaled)
-        if self.policy is None:
-            scaled.backward(**backward_kwargs)
-            return
-        # inside forward_context() the backward is not the forward's to cast; backward_context(), without the hook
-        if torch._C._len_torch_function_stack() or any(map(torch.is_autocast_enabled, AUTOCAST_DEVICES)):
-            without_casts(self.policy.backward, scaled, **backward_kwargs)
-        else:  # the usual case (without_casts' check, written out)
-            self.policy.backward(scaled, **backward_kwargs)
+        try:  # no call per step: the except clause runs only when the backward raised
+            if self.policy is None:
+                scaled.backward(**backward_kwargs)
+            # inside forward_context() the backward is not the forward's to cast; backward_context(), without the hook
+            elif torch._C._len_torch_function_stack() or any(map(torch.is_autocast_enabled, AUTOCAST_DEVICES)):
+                without_casts(self.policy.backward, scaled, **backward_kwargs)
+            else:  # the usual case (without_casts' check, written out)
+                self.policy.backward(scaled, **backward_kwargs)
+        except (RuntimeError, AssertionError) as error:  # FSDP at O2 on half parameters unfrozen: said so, by name
+            refuse_unfrozen_half(self._machine.sharding, error)
+            raise
 
     def backward_context(self, *, create_graph: bool = False) -> ContextManager[Any]:
         """The scope of a backward pass (``create_graph``: it builds a graph): activation checkpointing recomputes

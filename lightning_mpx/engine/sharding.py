@@ -14,6 +14,7 @@ one over its number of copies, so the sum counts it once (:meth:`Sharding.weight
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Iterable, Sequence
 
@@ -24,7 +25,7 @@ from lightning_mpx.common.dtypes import HALF_DTYPES, dtype_name
 
 __all__ = [
     "Sharding", "gathered_params", "is_sharded", "local_tensor", "parameter_names", "refuse_gathered",
-    "refuse_half_params", "reshard_gathered",
+    "refuse_half_params", "refuse_unfrozen_half", "reshard_gathered",
 ]  # fmt: skip
 
 #: The module names FSDP1 and activation checkpointing insert between a module and its children.
@@ -152,6 +153,59 @@ def refuse_half_params(modules: Iterable[nn.Module], params: Iterable[torch.Tens
         "configure_optimizers: filter(lambda p: p.requires_grad, self.parameters())), as peft and the Hugging Face "
         "Trainer do, and add no frozen half parameter later; to train the base, load it in FP32 before sharding."
     )
+
+
+def refuse_unfrozen_half(sharding: Sharding | None, error: BaseException) -> None:
+    """Raise ``ValueError`` from ``error`` (an exception a backward raised) when it is FSDP failing on half parameters
+    unfrozen after FSDP set their unit up, at O2 (``sharding.masters``); return otherwise, for the caller to re-raise
+    ``error`` as it is. Called only once a backward has raised: nothing per step.
+
+    A base loaded in half and frozen shares its FSDP unit with FP32 parameters (a LoRA model's adapters, or
+    ``shard_model`` without ``blocks``): FSDP fixes the unit's gradient dtype from the parameters trainable at its
+    first forward (FP32, the adapters'), so once ``requires_grad_(True)`` unfreezes the half ones, FSDP's backward fails
+    assigning them an FP32 gradient ("attempting to assign a gradient with dtype 'float' to a tensor with grad_dtype
+    'BFloat16'"; without a mixed-precision policy, "FSDP reduce-scatter expects uniform gradient dtype"), with or
+    without them in an optimizer. They could not train anyway: under FSDP at O2 FSDP's FP32 shards are the masters, and
+    a half parameter has none. (A half unit of its own reduces in half: its backward succeeds, and an optimizer given
+    its parameters is refused at the next step by :func:`refuse_half_params`.)
+    """
+    if sharding is None or not sharding.masters or "dtype" not in str(error) or not _raised_by_fsdp(error):
+        return
+    models = [m for m in (ref() for ref in sharding._models) if m is not None]
+    for module in models:  # the failed backward may have left units gathered: their half copies are not the params
+        reshard_gathered(module)
+    half = [
+        (name, p)
+        for module in models
+        for name, p in parameter_names(module)
+        if p.requires_grad and p.dtype in HALF_DTYPES
+    ]
+    if not half:
+        return
+    held = [name for name, _ in half]
+    dtype = dtype_name(half[0][1].dtype)
+    raise ValueError(
+        f"{len(held)} half parameter(s) of a model sharded by FSDP at O2 require a gradient: "
+        f"{', '.join(held[:5])}{', ...' if len(held) > 5 else ''}. They were frozen when FSDP set their unit up and "
+        f"unfrozen since (requires_grad_(True)), and FSDP's backward failed on them (its error above). Under FSDP at "
+        "O2, FSDP's sharded FP32 parameters are the master weights and no other master is made: a parameter loaded in "
+        f"{dtype} has no FP32 master to train, and FSDP fixed its unit's gradient dtype (FP32, the unit's trainable "
+        "parameters') when it set the unit up, at its first forward; a sharded unit's dtypes cannot change. FSDP's "
+        "state after its failed backward is not to be trusted: start again (from a checkpoint) and keep them frozen, "
+        f"or, to train them, load the base in FP32 before sharding: O2 then gathers it in {dtype} for the forward "
+        "and its FP32 shards are its masters (O1 needs it in FP32 too)."
+    ) from error
+
+
+def _raised_by_fsdp(error: BaseException) -> bool:
+    """Whether ``error`` was raised in torch's FSDP code (its innermost Python frame), not in a hook of the user's
+    that FSDP's backward ran."""
+    tb = error.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"{os.sep}fsdp{os.sep}" in tb.tb_frame.f_code.co_filename
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.optimizer_step import AUTOCAST_DEVICES, without_casts
 from lightning_mpx.engine.outcome import StepOutcome
+from lightning_mpx.engine.sharding import refuse_unfrozen_half
 from lightning_mpx.scaling.scaler import LossScaler
 from lightning_mpx.scaling.view import GradScalerView
 from lightning_mpx.settings import (
@@ -424,13 +425,17 @@ def _scaled_backward(
     policy = amp.policy
     hook = getattr(model, "backward", None)
     default = getattr(hook, "__func__", None) is _DEFAULT_BACKWARD
-    if policy is not None and default and not getattr(model, "_fabric", None):
-        # The hook is LightningModule.backward itself, neither overridden nor wrapped: its body, loss.backward(), in
-        # the policy's recompute scope without a call into the policy's hook. Anything else (an override, or a wrapper
-        # over the default such as mock.patch.object(..., wraps=...), which Lightning's is_overridden sees through)
-        # is called.
-        policy.backward(scaled, *args, **kwargs)
-        return
-    # Activation checkpointing recomputes with the forward's casts.
-    with amp.backward_context(create_graph=builds_graph(args, kwargs)):
-        model.backward(scaled, *args, **kwargs)
+    try:  # no call per step: the except clause runs only when the backward raised
+        if policy is not None and default and not getattr(model, "_fabric", None):
+            # The hook is LightningModule.backward itself, neither overridden nor wrapped: its body, loss.backward(),
+            # in the policy's recompute scope without a call into the policy's hook. Anything else (an override, or a
+            # wrapper over the default such as mock.patch.object(..., wraps=...), which Lightning's is_overridden sees
+            # through) is called.
+            policy.backward(scaled, *args, **kwargs)
+            return
+        # Activation checkpointing recomputes with the forward's casts.
+        with amp.backward_context(create_graph=builds_graph(args, kwargs)):
+            model.backward(scaled, *args, **kwargs)
+    except (RuntimeError, AssertionError) as error:  # FSDP at O2 on half parameters unfrozen: said so, by name
+        refuse_unfrozen_half(amp._machine.sharding, error)
+        raise
