@@ -78,6 +78,14 @@ class _DataWatch:
     def assigned(self, param: torch.Tensor) -> None:
         self.dirty.add(id(param))
 
+    def pending(self, keys: set[int]) -> set[int]:
+        """The parameters among ``keys`` that :meth:`due` would give now, forgetting nothing (an export's look)."""
+        due = self.dirty & keys
+        for key in keys & self.aliases.keys():
+            if any((alias := ref()) is not None and alias._version != version for ref, version in self.aliases[key]):
+                due.add(key)
+        return due
+
     def due(self, keys: set[int]) -> set[int]:
         """The parameters among ``keys`` whose ``.data`` may have been written since the last call (then forgotten,
         but for their live aliases' current versions)."""

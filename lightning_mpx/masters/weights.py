@@ -21,6 +21,7 @@ from lightning_mpx.masters.mirror import (
     _HANDED_OVER,
     Mirror,
     _Entry,
+    _resized,
     _take_writes,
 )
 from lightning_mpx.masters.watch import (
@@ -325,6 +326,36 @@ class MasterWeights(MasterCheckpoint):
             value = _fp32_of(entry, param)
             if value is not None:
                 out[id(param)] = value
+        return out
+
+    def current_fp32_values(self) -> dict[int, torch.Tensor]:
+        """:meth:`fp32_values` with the writes made to the model since the masters last matched it in them, as
+        :meth:`refresh` would take them, without taking them: what an export gives (a model's ``state_dict()``,
+        ``save_pretrained``), so that a write undone before the next step leaves the masters exact. An EMA swapped
+        in for validation (diffusers' ``ema.store``/``copy_to``, a pipeline saved, ``restore``) puts back the half
+        rounding of the masters, which :meth:`refresh` then finds unchanged; had the save taken the swap into the
+        masters, ``restore`` would have left them that rounding. A written parameter gives its master itself where
+        the model holds its rounding, else a new tensor: the master with the elements that differ set to the model's
+        values. Nothing is changed (one comparison per written parameter, one host read for all)."""
+        out = self.fp32_values()
+        entries = [(e, p) for e, p in self._live() if e.master is not None and e.version != _HANDED_OVER]
+        pending = self._watch.pending({id(p) for _, p in entries})
+        compared = []
+        with torch.no_grad():
+            for entry, param in entries:
+                if id(param) not in pending and entry.unchanged(param):
+                    continue
+                master = entry.master.detach().to(param.device)
+                if master.shape != param.shape:  # resized (``p.data = t``): as refresh takes it
+                    out[id(param)] = _resized(param, master)
+                    continue
+                compared.append((param, master, param != master.to(param.dtype)))
+            if compared:
+                device = compared[0][2].device
+                hits = torch.stack([mask.any().to(device) for _, _, mask in compared]).tolist()
+                for (param, master, mask), hit in zip(compared, hits):
+                    if hit:
+                        out[id(param)] = torch.where(mask, param.float(), master)
         return out
 
     def fp32_value(self, param: torch.Tensor) -> torch.Tensor | None:
