@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lightning_mpx.engine.amp import Amp
+from lightning_mpx.masters.weights import current_fp32_values
 
 __all__ = ["Fp32SavePretrained", "KeptAdapterLoad", "MastersInStateDict", "keep_replaced_parameters", "masters_into",
            "warn_frozen_half"]
@@ -80,8 +81,8 @@ class MastersInStateDict:
         fp32: dict[int, torch.Tensor] = {}
         for weights in amp._masters.prune():
             # Writes made to the model since the last step, as the step will take them, not taken: an EMA swapped in
-            # for a save and restored before the step leaves the masters exact (MasterWeights.current_fp32_values).
-            fp32.update(weights.current_fp32_values())
+            # for a save and restored before the step leaves the masters exact (masters.weights.current_fp32_values).
+            fp32.update(current_fp32_values(weights))
         lent = []
         for key, param in params:
             master = fp32.get(id(param))
@@ -282,8 +283,8 @@ def masters_into(amp: Amp, module: nn.Module, state: dict[str, Any]) -> list[str
     fp32: dict[int, torch.Tensor] = {}
     for weights in amp._masters.prune():
         # By id of the half parameter: its master (or the FP32 value kept for it), with the writes made to the model
-        # since the last step as the step will take them, not taken (see MasterWeights.current_fp32_values).
-        fp32.update(weights.current_fp32_values())
+        # since the last step as the step will take them, not taken (see masters.weights.current_fp32_values).
+        fp32.update(current_fp32_values(weights))
     replaced: list[str] = []
     for key, value in module.state_dict(keep_vars=True).items() if fp32 else ():
         master = fp32.get(id(value)) if isinstance(value, torch.Tensor) else None

@@ -41,7 +41,7 @@ class _Holder(Protocol):
 
     def fp32_value(self, param: torch.Tensor) -> torch.Tensor | None: ...
 
-    def hand_over(self, param: torch.Tensor) -> torch.Tensor | None: ...
+    def hand_over(self, param: torch.Tensor, *, converted: bool = False) -> torch.Tensor | None: ...
 
 
 class _DataWatch:
@@ -334,7 +334,7 @@ def _converted_from_masters(param: WatchedParameter, value: torch.Tensor) -> tor
     owner = _owner(param)
     if owner is None or old.dtype not in HALF_DTYPES or not value.is_floating_point() or value.shape != old.shape:
         return value
-    fp32 = owner.hand_over(param)
+    fp32 = owner.hand_over(param, converted=True)
     del param.__dict__[_WATCH]
     return value if fp32 is None or fp32.shape != old.shape else _from_fp32(param, fp32, old, value)
 
