@@ -341,7 +341,7 @@ class MasterWeights(MasterCheckpoint):
         since the last step taken first. These masters cover it no more, and a step of an optimizer of this engine
         that still holds it raises (:class:`Mirror` sees the version moved here), so that one engine steps it.
         ``converted``: ``param`` was made another dtype (which takes the value), not prepared by another engine;
-        the refusals say so (:func:`~lightning_mpx.masters.mirror.converted_refusal`)."""
+        the refusals say so (:data:`~lightning_mpx.masters.mirror.CONVERTED_HINT`)."""
         entry = self._entry(param)
         if entry is None:
             return None
