@@ -276,8 +276,9 @@ def test_text_to_image_trains_as_bf16_and_fp32_and_exports_fp32(
     for mode in ("no", "bf16"):
         ref = references[mode]
         assert run.losses == pytest.approx(ref["losses"], rel=2e-3), mode
-        assert _relative(weights, ref["weights"], start) < 0.2, mode  # bf16 vs FP32 itself: 0.07
-        assert _relative(ema, ref["ema"], start) < 0.2, mode
+        assert _relative(weights, ref["weights"], start) < 0.2, mode  # bf16 vs FP32 itself: 0.044
+        if level == "O1":  # O2's EMA averages the half weights: see test_o2_ema_of_the_unet_parameters_*
+            assert _relative(ema, ref["ema"], start) < 0.2, mode
     assert {v.dtype for v in weights.values()} == {torch.float32}
 
     unet.save_pretrained(tmp_path)  # the script's final save (through StableDiffusionPipeline.save_pretrained)
@@ -287,6 +288,51 @@ def test_text_to_image_trains_as_bf16_and_fp32_and_exports_fp32(
     loaded = UNet2DConditionModel.from_pretrained(tmp_path)
     assert loaded.dtype == torch.float32
     assert all(torch.equal(v, weights[k]) for k, v in loaded.state_dict().items())
+
+
+@pytest.fixture(scope="module")
+def o2_emas(references: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """``train_text_to_image.py`` at O2 with two EMAs: the script's ``ema_unet.step(unet.parameters())`` (the half
+    weights) and one stepped with the FP32 masters (``accelerator.amp.master_of``); each EMA's update away from
+    FP32's, relative to its size (:func:`_relative`; ``"bf16"``'s own: 0.046)."""
+    from tests.accelerate_helpers import accelerate_state_reset
+
+    with accelerate_state_reset():
+        run = _text_to_image("O2")
+        unet = run.accelerator.unwrap_model(run.unet)
+        of_masters = EMAModel(_unet().parameters(), model_cls=UNet2DConditionModel, model_config=unet.config)
+        for batch in run.loader:
+            with run.accelerator.accumulate(run.unet):
+                run.accelerator.backward(_text_to_image_loss(run, batch))
+                if run.accelerator.sync_gradients:
+                    run.accelerator.clip_grad_norm_(run.unet.parameters(), 1.0)
+                run.optimizer.step()
+                run.lr_scheduler.step()
+                run.optimizer.zero_grad()
+            if run.accelerator.sync_gradients:
+                run.ema.step(unet.parameters())
+                of_masters.step([run.accelerator.amp.master_of(p) for p in unet.parameters()])
+        names = [n for n, _ in unet.named_parameters()]
+        start = {k: v.float() for k, v in _unet().state_dict().items()}
+        fp32 = references["no"]["ema"]
+        return {"half weights": _relative(_ema_weights(run.ema, names), fp32, start),
+                "masters": _relative(_ema_weights(of_masters, names), fp32, start)}  # fmt: skip
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="O2: the UNet's parameters are bfloat16, so EMAModel.step(unet.parameters()) averages their rounding, not "
+    "the FP32 weights training produced: 0.18 away from FP32's EMA (relative to its update) where 'bf16' is 0.046; "
+    "its first step copies the weights whole, rounding and all. Nothing reaches the EMA's read of a half parameter; "
+    "step it with the masters: ema_unet.step([accelerator.amp.master_of(p) for p in unet.parameters()]) (0.047).",
+)
+def test_o2_ema_of_the_unet_parameters_averages_as_bf16(o2_emas: dict[str, float]) -> None:
+    assert o2_emas["half weights"] < 0.1
+
+
+def test_o2_ema_of_the_masters_averages_as_bf16(o2_emas: dict[str, float]) -> None:
+    """The recipe: the EMA stepped with the FP32 masters is as close to FP32's EMA as ``"bf16"``'s (0.046)."""
+    assert o2_emas["masters"] < 0.1
 
 
 @pytest.mark.parametrize("level", LEVELS)
