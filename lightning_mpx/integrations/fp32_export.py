@@ -18,6 +18,7 @@ from torch import nn
 
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.integrations.peft_fp32 import AllocateInFp32, MergeInFp32, is_adalora_model, is_tuner_layer
+from lightning_mpx.masters.weights import current_fp32_values
 
 __all__ = ["Fp32SavePretrained", "KeptAdapterLoad", "MastersInStateDict", "keep_replaced_parameters", "masters_into",
            "warn_frozen_half"]
@@ -85,10 +86,11 @@ class MastersInStateDict:
         if not params:
             return
         amp.follow_optimizer_modes()  # a schedule-free optimizer's eval()/train() since the last forward
-        amp.refresh_masters()  # writes made to the model since the last step, as the step will take them
         fp32: dict[int, torch.Tensor] = {}
         for weights in amp._masters.prune():
-            fp32.update(weights.fp32_values())
+            # Writes made to the model since the last step, as the step will take them, not taken: an EMA swapped in
+            # for a save and restored before the step leaves the masters exact (masters.weights.current_fp32_values).
+            fp32.update(current_fp32_values(weights))
         lent = []
         for key, param in params:
             master = fp32.get(id(param))
@@ -286,10 +288,11 @@ def masters_into(amp: Amp, module: nn.Module, state: dict[str, Any]) -> list[str
     information and, for a LoRA base, twice the base's memory on its device at every save. Returns the keys replaced."""
     if not amp.properties.master_weights or amp.sharded:
         return []
-    amp.refresh_masters()  # writes made to the model since the last step, as the step will take them
     fp32: dict[int, torch.Tensor] = {}
     for weights in amp._masters.prune():
-        fp32.update(weights.fp32_values())  # by id of the half parameter: its master (or the FP32 value kept for it)
+        # By id of the half parameter: its master (or the FP32 value kept for it), with the writes made to the model
+        # since the last step as the step will take them, not taken (see masters.weights.current_fp32_values).
+        fp32.update(current_fp32_values(weights))
     replaced: list[str] = []
     for key, value in module.state_dict(keep_vars=True).items() if fp32 else ():
         master = fp32.get(id(value)) if isinstance(value, torch.Tensor) else None

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from lightning_mpx.masters.mirror import CONVERTED_HINT
 from lightning_mpx.masters.watch import WatchedParameter, _owner
 from lightning_mpx.masters.weights import MasterWeights
 
@@ -105,12 +106,14 @@ def _named(names: list[str]) -> str:
 def refuse_handed(weights: Sequence[MasterWeights], params: Iterable[torch.Tensor]) -> None:
     """Raise if one of ``params`` (an optimizer's) was handed over by these masters: its master is another
     engine's now (clipping or zeroing it would change that engine's training)."""
+    params = list(params)
     names = [name for masters in weights for name in masters.handed_names(params)]
     if names:
+        converted = any(masters.converted_names(params) for masters in weights)
         raise RuntimeError(
             f"this engine's optimizer holds parameter(s) {_named(names)} whose FP32 masters this engine handed over "
             f"{_WHERE}; it has no master for them to hand out. Call master_params() (and clip) through the engine "
-            "that prepared the model last, with its optimizer."
+            "that prepared the model last, with its optimizer." + (f" {CONVERTED_HINT}" if converted else "")
         )
 
 

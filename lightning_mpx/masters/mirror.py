@@ -21,6 +21,18 @@ __all__ = ["Mirror", "step_mirrored"]
 
 _VERSION = operator.attrgetter("_version")
 _HANDED_OVER = -2  # an _Entry's version once its parameter went to another engine (MasterWeights.hand_over)
+_CONVERTED = -3  # ... once its parameter was made another dtype, which took its master (hand_over(converted=True))
+
+
+#: Said after a refusal of parameters made another dtype (``_CONVERTED``): the user's own conversion, diffusers'.
+CONVERTED_HINT = (
+    "If your code made them another dtype after the model was prepared at O2 (p.data = p.to(torch.float32), which "
+    "diffusers' cast_training_params(model, dtype=torch.float32) does, or .float()): the optimizer steps FP32 masters "
+    "of the half parameters already, so call cast_training_params before the model is prepared (accelerator.prepare, "
+    "fabric.setup, the Trainer's fit), which makes them half with FP32 masters from those values, or leave it out (in "
+    "a load_state hook the masters take the checkpoint's FP32 values exactly); to train them as FP32 parameters, name "
+    "their modules in fp32_modules=[...] or train at O1."
+)
 
 
 class Mirror:
@@ -151,14 +163,15 @@ def _take_writes(pairs: list[tuple[_Entry, torch.Tensor]]) -> list[str]:
     with torch.no_grad():
         for entry, param in pairs:
             master = entry.master
-            if entry.version == _HANDED_OVER:
+            if entry.version in (_HANDED_OVER, _CONVERTED):
+                hint = f" {CONVERTED_HINT}" if entry.version == _CONVERTED else ""
                 raise RuntimeError(
                     f"parameter {entry.name!r} was handed to another engine, which prepared its model since (a new "
                     "MixedPrecisionPlugin, FabricMixedPrecisionPlugin or Amp: a second stage) and steps its FP32 "
                     "master now, or was made another dtype since (the model's .float(), .double(), .half(), which "
                     "took its FP32 master) or let go (release_masters); this optimizer's engine no longer holds it. "
                     "Step the model with the optimizer of the engine that prepared it last (prepare it again after "
-                    "changing its dtype)."
+                    f"changing its dtype).{hint}"
                 )
             assert master is not None
             entry.mark(param)

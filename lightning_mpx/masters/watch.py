@@ -41,7 +41,7 @@ class _Holder(Protocol):
 
     def fp32_value(self, param: torch.Tensor) -> torch.Tensor | None: ...
 
-    def hand_over(self, param: torch.Tensor) -> torch.Tensor | None: ...
+    def hand_over(self, param: torch.Tensor, *, converted: bool = False) -> torch.Tensor | None: ...
 
 
 class _DataWatch:
@@ -77,6 +77,14 @@ class _DataWatch:
 
     def assigned(self, param: torch.Tensor) -> None:
         self.dirty.add(id(param))
+
+    def pending(self, keys: set[int]) -> set[int]:
+        """The parameters among ``keys`` that :meth:`due` would give now, forgetting nothing (an export's look)."""
+        due = self.dirty & keys
+        for key in keys & self.aliases.keys():
+            if any((alias := ref()) is not None and alias._version != version for ref, version in self.aliases[key]):
+                due.add(key)
+        return due
 
     def due(self, keys: set[int]) -> set[int]:
         """The parameters among ``keys`` whose ``.data`` may have been written since the last call (then forgotten,
@@ -326,7 +334,7 @@ def _converted_from_masters(param: WatchedParameter, value: torch.Tensor) -> tor
     owner = _owner(param)
     if owner is None or old.dtype not in HALF_DTYPES or not value.is_floating_point() or value.shape != old.shape:
         return value
-    fp32 = owner.hand_over(param)
+    fp32 = owner.hand_over(param, converted=True)
     del param.__dict__[_WATCH]
     return value if fp32 is None or fp32.shape != old.shape else _from_fp32(param, fp32, old, value)
 

@@ -18,9 +18,11 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from lightning_mpx.common.dtypes import HALF_DTYPES, set_param_data
 from lightning_mpx.masters.fp32_buffers import keeps_fp32_buffer
 from lightning_mpx.masters.mirror import (
+    _CONVERTED,
     _HANDED_OVER,
     Mirror,
     _Entry,
+    _resized,
     _take_writes,
 )
 from lightning_mpx.masters.watch import (
@@ -163,6 +165,7 @@ class MasterWeights(MasterCheckpoint):
         # Parameters handed over (hand_over), by id: their names and weak references, so that this engine's checkpoint
         # and master_params() can say so rather than leave them out, or hand out another engine's masters.
         self.handed: dict[int, tuple[str, weakref.ref[torch.Tensor]]] = {}
+        self.converted: set[int] = set()  # ... those made another dtype (hand_over(converted=True)), by id
         # Set by the engine that made these masters: removes the hooks it put on their model (see let_go).
         self.let_go: Callable[[], None] | None = None
         # The prefix of the names of these masters ("model1." for an engine's second model): a module added to the model
@@ -335,11 +338,13 @@ class MasterWeights(MasterCheckpoint):
         entry = self._entry(param)
         return _fp32_of(entry, param) if entry is not None else None
 
-    def hand_over(self, param: torch.Tensor) -> torch.Tensor | None:
+    def hand_over(self, param: torch.Tensor, *, converted: bool = False) -> torch.Tensor | None:
         """Let ``param`` go to another engine that prepares its model (a second stage's new plugin): returns its
         FP32 value (its master itself, no copy; or the value it is kept to be made from), writes made to ``param``
         since the last step taken first. These masters cover it no more, and a step of an optimizer of this engine
-        that still holds it raises (:class:`Mirror` sees the version moved here), so that one engine steps it."""
+        that still holds it raises (:class:`Mirror` sees the version moved here), so that one engine steps it.
+        ``converted``: ``param`` was made another dtype (which takes the value), not prepared by another engine;
+        the refusals say so (:data:`~lightning_mpx.masters.mirror.CONVERTED_HINT`)."""
         entry = self._entry(param)
         if entry is None:
             return None
@@ -348,8 +353,10 @@ class MasterWeights(MasterCheckpoint):
         value = _fp32_of(entry, param)
         del self._entries[id(param)]
         self.handed[id(param)] = entry.name, entry.param
+        if converted:
+            self.converted.add(id(param))
         entry.master = entry.initial = None
-        entry.version = _HANDED_OVER
+        entry.version = _CONVERTED if converted else _HANDED_OVER
         torch.autograd.graph.increment_version(param)  # this engine's cached step views look at it again
         return value
 
@@ -359,9 +366,16 @@ class MasterWeights(MasterCheckpoint):
         handed = self.handed
         for key in [key for key, (_, ref) in handed.items() if ref() is None]:
             del handed[key]
+            self.converted.discard(key)
         if params is None:
             return [name for name, _ in handed.values()]
         return [handed[id(p)][0] for p in params if id(p) in handed and handed[id(p)][1]() is p]
+
+    def converted_names(self, params: Iterable[torch.Tensor]) -> list[str]:
+        """Those of :meth:`handed_names` (among ``params``) that were made another dtype rather than taken over."""
+        handed = self.handed
+        return [handed[id(p)][0] for p in params if id(p) in self.converted and id(p) in handed
+                and handed[id(p)][1]() is p]  # fmt: skip
 
     def holds_half(self) -> bool:
         """Whether a half parameter of the model is still covered (none: every one was handed over, or is gone)."""
@@ -466,6 +480,38 @@ class MasterWeights(MasterCheckpoint):
         """Drop the half model gradients once they have been unscaled into the masters."""
         for param, _ in self.half_pairs:
             param.grad = None
+
+
+def current_fp32_values(masters: MasterWeights) -> dict[int, torch.Tensor]:
+    """``masters``' :meth:`~MasterWeights.fp32_values` with the writes made to the model since the masters last
+    matched it in them, as :meth:`~MasterWeights.refresh` would take them, without taking them: what an export gives
+    (a model's ``state_dict()``, ``save_pretrained``), so that a write undone before the next step leaves the masters
+    exact. An EMA swapped in for validation (diffusers' ``ema.store``/``copy_to``, a pipeline saved, ``restore``)
+    puts back the half rounding of the masters, which ``refresh`` then finds unchanged; had the save taken the swap
+    into the masters, ``restore`` would have left them that rounding. A written parameter gives its master itself
+    where the model holds its rounding, else a new tensor: the master with the elements that differ set to the
+    model's values. Nothing is changed (one comparison per written parameter, one host read for all)."""
+    out = masters.fp32_values()
+    gone = (_HANDED_OVER, _CONVERTED)
+    entries = [(e, p) for e, p in masters._live() if e.master is not None and e.version not in gone]
+    pending = masters._watch.pending({id(p) for _, p in entries})
+    compared = []
+    with torch.no_grad():
+        for entry, param in entries:
+            if id(param) not in pending and entry.unchanged(param):
+                continue
+            master = entry.master.detach().to(param.device)
+            if master.shape != param.shape:  # resized (``p.data = t``): as refresh takes it
+                out[id(param)] = _resized(param, master)
+                continue
+            compared.append((param, master, param != master.to(param.dtype)))
+        if compared:
+            device = compared[0][2].device
+            hits = torch.stack([mask.any().to(device) for _, _, mask in compared]).tolist()
+            for (param, master, mask), hit in zip(compared, hits):
+                if hit:
+                    out[id(param)] = torch.where(mask, param.float(), master)
+    return out
 
 
 def _fp32_of(entry: _Entry, param: torch.Tensor) -> torch.Tensor | None:
