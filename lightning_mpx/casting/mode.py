@@ -123,6 +123,7 @@ _BODY_CALLS = frozenset(
 )
 
 _top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_tracing_context = torch._guards.TracingContext.try_get  # dynamo's, set while it traces a frame
 
 
 def _may_be_recomputed() -> bool:
@@ -141,7 +142,9 @@ def _may_be_recomputed() -> bool:
         return False
     if torch.is_grad_enabled():
         return _top_saved_tensors_hooks(False) is not None
-    return not torch.is_inference_mode_enabled()
+    # torch 2.11's dynamo sets no _is_compiling_flag while it traces (2.13's does), only its tracing context: asked
+    # here, off the training path (gradients off, not inference mode: a validation under no_grad)
+    return not torch.is_inference_mode_enabled() and _tracing_context() is None
 
 
 _may_be_recomputed._dynamo_marked_constant = True  # type: ignore[attr-defined]
