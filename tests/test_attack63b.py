@@ -466,7 +466,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return ranks
 
 
-DDP_CASES = ["plain", "gan", "wrapper", "fabric_subclass", "plugin_subclass", "lost"]
+DDP_CASES = ["plain", "resumed", "gan", "wrapper", "fabric_subclass", "plugin_subclass", "lost"]
 
 
 @pytest.mark.parametrize("case", DDP_CASES)
@@ -485,3 +485,15 @@ def test_ddp_masters_start_from_rank_zeros_fp32_weights_and_the_ranks_stay_one(
         assert rank["registered_at_setup"] == (case != "lost")
     assert zero["final"] == one["final"] and zero["final_masters"] == one["final_masters"]
     assert zero["scale"] == one["scale"] and zero["reads"]  # rank 0 read the metrics between steps
+
+
+def test_ddp_load_before_the_first_step_resumes_bit_exact_on_both_ranks(launched: list[dict[str, Any]]) -> None:
+    """``fabric.load`` of ``plain``'s checkpoint (3 steps) into a run with other weights, before its first step: the
+    AdamW state FP32 as saved (into the masters), and 2 more steps give ``plain``'s 5-step weights, masters and state
+    on each rank, bit for bit."""
+    for rank in launched:
+        plain, resumed = rank["plain"], rank["resumed"]
+        assert resumed["loaded_state"] == plain["saved_state"]
+        assert {dtype for key, dtype, _ in resumed["loaded_state"] if key != "step"} == {"torch.float32"}
+        for key in ("final", "final_masters", "opt_state", "scale"):
+            assert resumed[key] == plain[key], key
