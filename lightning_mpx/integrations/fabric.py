@@ -236,11 +236,13 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         model."""
         if not isinstance(module, nn.Module):
             raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module.")
+        given = _fabric_call(sys._getframe(1))  # fabric.setup's: its Fabric and the optimizers it was given
+        caller = given.get("self")  # fabric.setup's Fabric, or not a Fabric
         if module in self._modules:  # set up before: at O2 unsharded, again if another plugin took its masters since
             if not self.amp.properties.master_weights or self.amp.sharded or holds_masters(self.amp, module):
+                if isinstance(caller, Fabric) and given.get("optimizers"):  # a new optimizer for it (a next stage)
+                    self._meet_at_setup(given["optimizers"], caller.strategy)
                 return module
-        given = sys._getframe(1).f_locals  # fabric.setup's: its Fabric and the optimizers it was given
-        caller = given.get("self")  # fabric.setup's Fabric, or not a Fabric
         refuse_o2_sharding(self.amp, caller)
         pick_half_dtype(self, caller.device if isinstance(caller, Fabric) else module)  # none given: the device's
         # fabric.setup under DDP: every rank is here together, before the strategy wraps the model; the masters start
@@ -452,6 +454,28 @@ def _untraced_scope(amp: Amp) -> ContextManager[Any]:
     ``fabric.setup``, dynamo runs ``_FabricModule.forward`` eagerly (its backward hook breaks the graph) and compiles
     each call in it as a frame of its own: traced, the redo made graphs, breaks and recompiles at every flip."""
     return amp.forward_context()
+
+
+def _fabric_call(frame: Any) -> dict[str, Any]:
+    """The locals of the Fabric call that converts a module (``convert_module``'s caller ``frame``): ``fabric.setup``'s
+    (``self``, its ``optimizers``) or ``setup_module``'s. The caller itself when its ``self`` is a ``Fabric`` (a
+    subclass's own ``setup`` included), else the nearest ``Fabric.setup``/``setup_module`` above it (a subclass of the
+    plugin whose ``convert_module`` calls ``super()``, a wrapper put on the method); empty when there is none: the
+    plugin then meets the optimizers at their first step and takes the device from the module."""
+    if isinstance(frame.f_locals.get("self"), Fabric):
+        return frame.f_locals
+    codes = (Fabric.setup.__code__, Fabric.setup_module.__code__)
+    for _ in range(_FRAMES_SEARCHED):
+        frame = frame.f_back
+        if frame is None:
+            break
+        if frame.f_code in codes:
+            return frame.f_locals
+    return {}
+
+
+# How far up convert_module's caller _fabric_call looks for Fabric's setup (a few wrappers deep).
+_FRAMES_SEARCHED = 8
 
 
 def _unwrap(optimizer: Any) -> Any:
