@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -427,6 +428,17 @@ print(json.dumps(answers))
 """
 
 
+def test_the_warm_python_of_these_tests_is_warm_in_the_suites_environment():
+    """The runs of ``warm_python()`` here (step.py's children, the --help sweep, prepare_memory.py's child) are forks
+    of its server, which imported Lightning in the import mode they inherit from this process (conftest.py sets
+    ``TRITON_INTERPRET=1`` without a GPU). Before stop 63 the server imported without it, and every run here started
+    cold: a fresh interpreter each, importing torch and Lightning again (~6.5 s of CPU)."""
+    code = "import os, sys; print('lightning.pytorch' in sys.modules, os.environ.get('TRITON_INTERPRET', '-'))"
+    done = subprocess.run([warm_python(), "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", os.environ.get("TRITON_INTERPRET", "-")]
+
+
 def test_every_script_answers_help():
     """``python benchmarks/<script> --help`` works for every script (in one process: importing torch once)."""
     scripts = sorted(str(p) for p in (ROOT / "benchmarks").glob("[!_]*.py"))
@@ -516,12 +528,16 @@ def test_lora_masters_counts_the_adapters_only(tmp_path):
         lora_masters.main(["--hidden", "30"])
 
 
-def test_prepare_memory_reports_peaks_and_the_masters_gap(tmp_path):
+def test_prepare_memory_reports_peaks_and_the_masters_gap(tmp_path, monkeypatch):
     """benchmarks/prepare_memory.py: peak host memory after each prepare call, in a child process per tree, and the
     masters' distance from the FP32 weights (none in this checkout)."""
     pytest.importorskip("transformers")
     import prepare_memory
 
+    # The child (``sys.executable -c``) starts from the warm interpreter, as step.py's children: a process of its own,
+    # torch and lightning_mpx imported (transformers, in the child); its peaks then count those imports too, which
+    # the test, reading only their order, does not judge.
+    monkeypatch.setattr(sys, "executable", warm_python())
     out = tmp_path / "prepare.json"
     result = prepare_memory.main(["--layers", "1", "--hidden", "64", "--out", str(out)])
     (row,) = result["rows"]

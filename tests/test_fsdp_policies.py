@@ -301,7 +301,7 @@ def test_fsdp1_without_the_policy_is_refused_at_o2():
 # -- two processes ----------------------------------------------------------------------------------------------------
 def test_o2_ranks_hold_fp32_shards_only(tmp_path):
     """At O2 on 2 ranks each holds half of the model's FP32 bytes, and no full-size FP32 tensor is alive."""
-    run_script("fsdp_policies_script.py", tmp_path, timeout=90, ranks=None)  # torch.multiprocessing.spawn
+    run_script("fsdp_policies_script.py", tmp_path, timeout=90)
     for rank, result in enumerate(rank_results(tmp_path)):
         full = result["model_fp32_bytes"]
         assert result["local_param_bytes"] == pytest.approx(full / 2, rel=0.02), result

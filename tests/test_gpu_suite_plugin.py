@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
+
+from tests.warm_python import warm_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_plugin_part_check_writes_its_suite_file(tmp_path):
+    # From the warm interpreter of tests/warm_python.py, as test_gpu_suite.py's ``all --check``: the script and its
+    # plugin_overhead.py child a process of their own each, torch and Lightning already imported.
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "plugin", "--check", "--out", str(tmp_path)],
+        [warm_python(), str(ROOT / "benchmarks" / "gpu_suite.py"), "plugin", "--check", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -54,13 +54,23 @@ sys.exit(int(answer))
 """
 
 
-@functools.lru_cache(maxsize=None)
 def warm_python(**env: str) -> str:
     """This test process's warm executable (its server started at the first call; it ends with this process).
 
-    ``env``: set for the server's imports, one server per distinct ``env``. ``TRITON_INTERPRET="1"`` for runs that
-    all set it (``gpu_suite.py --check`` and its children): Triton decorates its own helpers when it is imported, in
-    the interpreter's mode or not, and torch imports it. The runs' environment is their own all the same."""
+    ``env``: set for the server's imports, one server per distinct import environment. ``TRITON_INTERPRET="1"`` for
+    runs that all set it (``gpu_suite.py --check`` and its children): Triton decorates its own helpers when it is
+    imported, in the interpreter's mode or not, and torch imports it. The runs' environment is their own all the same.
+    A variable of :data:`_IMPORT_ENV` not in ``env`` takes this process's value: the runs inherit it (conftest.py
+    sets ``TRITON_INTERPRET=1`` without a GPU), and a server imported without it would start every such run cold
+    (stop 63: ``warm_python()`` in the CPU suite served only cold runs, each paying the imports again)."""
+    mode = {k: os.environ[k] for k in _IMPORT_ENV if k in os.environ}
+    return _server(tuple(sorted({**mode, **env}.items())))
+
+
+@functools.lru_cache(maxsize=None)
+def _server(items: tuple[tuple[str, str], ...]) -> str:
+    """:func:`warm_python`'s server for the import environment ``items`` (started once per test process)."""
+    env = dict(items)
     folder = tempfile.mkdtemp(prefix="warm_python_")
     sock, shim = os.path.join(folder, "s"), os.path.join(folder, "python")
     Path(shim).write_text(_SHIM.format(python=sys.executable, socket=sock))
