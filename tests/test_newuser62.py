@@ -34,6 +34,8 @@ ELSEWHERE = {
     "benchmarks/forensics_overhead.py": "merged into engine_overhead.py (benchmarks_history.md)",
     "benchmarks/mirror_check.py": "merged into engine_overhead.py (benchmarks_history.md)",
     "lightning_mpx/_step_machine.py": "a recorded GPU run's source line, before the package layout (benchmarks.md)",
+    "examples/text_to_image/train_text_to_image.py": "diffusers' training script (accelerate.md)",
+    "examples/unconditional_image_generation/train_unconditional.py": "diffusers' training script (accelerate.md)",
 }
 CITED = re.compile(r"\b(?:tests|benchmarks|examples|lightning_mpx)/[\w./*{},-]*[\w*}]")
 
