@@ -203,6 +203,73 @@ def test_a_dtype_error_of_a_hook_in_a_folder_named_fsdp_is_raised_as_it_is(one_r
     assert run["error"] is raised
 
 
+_GLOO = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="FSDP needs torch.distributed with gloo",
+)
+
+
+def _sharded_run(net: nn.Module, params: list[nn.Parameter], change: Any) -> Any:
+    """The engine's loop at O2 under FSDP2 (``shard_model`` per ``Block``, a gloo group of one), ``change(optimizer)``
+    made before the second of three steps; returns the optimizer."""
+    from lightning_mpx import Amp
+    from lightning_mpx.integrations.fsdp import shard_model
+    from tests.fsdpunfreeze63_script import Block
+
+    amp = Amp("O2", half_dtype="bfloat16")
+    shard_model(net, amp, blocks=Block)
+    amp.prepare_model(net)
+    optimizer = amp.prepare_optimizer(torch.optim.AdamW(params(net) if callable(params) else params, lr=1e-2))
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        if step == 1:
+            change(net, optimizer)
+        x, y = torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+        with amp.forward_context():
+            out = net(amp.cast_inputs(x))
+        amp.backward(nn.functional.cross_entropy(out.float(), y))
+        amp.step(optimizer)
+        amp.update()
+        optimizer.zero_grad()
+    return optimizer
+
+
+@_GLOO
+def test_fsdp_o2_a_group_changed_by_fp32_parameters_trains_on(one_rank) -> None:
+    """stop 63's check at the unscale after a group's parameter count changed refuses half parameters only: an FP32
+    shard appended, a parameter removed, then given back by ``add_param_group``, train on (Adam's moments FP32)."""
+    from tests.fsdpunfreeze63_script import Net
+
+    def change(net: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        params = optimizer.param_groups[0]["params"]
+        assert params.pop() is net.head.bias
+        params.append(net.second.adapter.weight)
+        optimizer.add_param_group({"params": [net.head.bias]})
+
+    optimizer = _sharded_run(Net(), lambda net: [net.first.adapter.weight, *net.head.parameters()], change)
+    assert len(optimizer.state) == 4 and {s["exp_avg"].dtype for s in optimizer.state.values()} == {torch.float32}
+
+
+@_GLOO
+@pytest.mark.xfail(
+    strict=True,
+    reason="review63: under FSDP at O2 a half parameter put in a group's list in place of another (the list rebuilt "
+    "with as many parameters: the trainable block moved from the head to a base loaded in bfloat16) is not refused: "
+    "stop 63's check rides the parameter count, which did not change, and Adam steps it in bfloat16 with bfloat16 "
+    "moments (appended, it is refused). Seeing it needs the groups' lists compared by identity at each unscale.",
+)
+def test_fsdp_o2_a_half_parameter_swapped_into_a_group_is_refused_as_an_appended_one(one_rank) -> None:
+    from tests.test_fsdpunfreeze63 import _half_unit_net
+
+    def change(net: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        net.head.weight.requires_grad_(False)
+        net.first.fc.weight.requires_grad_(True)
+        optimizer.param_groups[0]["params"] = [net.second.adapter.weight, net.first.fc.weight]
+
+    with pytest.raises(ValueError, match=r"1 half parameter\(s\) of a model sharded by FSDP at O2: first\.fc\.weight"):
+        _sharded_run(_half_unit_net(), lambda net: [net.second.adapter.weight, net.head.weight], change)
+
+
 # -- 5. Fabric's reads on rank 0 alone: a state machine against the run without reads and one process ---------------
 
 _READS = ("metrics", "get_scale", "view_state", "engine", "metrics_engine")
@@ -247,12 +314,15 @@ class _FabricRun:
     def _entries(self) -> dict[str, Any]:
         return {**self.models, **{f"opt_{who}": opt for who, opt in self.opts.items()}, "mpx": self.mpx}
 
-    def _count(self, metrics: dict[str, Any]) -> dict[str, float]:
+    def _count(self, metrics: dict[str, Any], summed: bool = True) -> dict[str, float]:
+        """The scale and overflows read, each count never below zero; ``summed``: a read of the ``"default"``
+        reader (``mpx.metrics()``'s), whose counts add up to the run's."""
         read = {k: float(v) for k, v in metrics.items() if k.startswith(("mpx/loss_scale", "mpx/overflows"))}
         for name, value in read.items():
             if name.startswith("mpx/overflows"):
                 assert value >= 0, read
-                self.sums[name] = self.sums.get(name, 0.0) + value
+                if summed:
+                    self.sums[name] = self.sums.get(name, 0.0) + value
         return read
 
     def do(self, op: tuple[Any, ...], index: int) -> Any:
@@ -281,10 +351,10 @@ class _FabricRun:
         elif kind in _READS and self.reads:
             if kind == "metrics":
                 return ("metrics", {k: v for k, v in self._count(self.mpx.metrics()).items()})
-            if kind == "engine":  # the engine's own read: the live scale, the reader's count
-                self._count(self.mpx.amp.metrics())
+            if kind == "engine":  # the engine's own read, a reader of its own: the live scale, its own count
+                self._count(self.mpx.amp.metrics("engine"), summed=False)
                 return None
-            if kind == "metrics_engine":  # both, one after the other (the same reader): a held read, then the live
+            if kind == "metrics_engine":  # both, one after the other, the same reader: a held read, then the live
                 self._count(self.mpx.metrics())
                 return ("metrics_engine", self._count(self.mpx.amp.metrics())["mpx/overflows" + self._suffix])
             view = self.mpx.scaler
