@@ -100,17 +100,25 @@ def _peft_helpers() -> Any:
     return test_peft61, test_xfails63
 
 
+def _copy_trained_again(model: nn.Module) -> tuple[nn.Module, Any]:
+    """``model`` trained two steps at O2 (Accelerate), deep-copied, and the copy trained two more at O2 with a new
+    ``Accelerator`` (a second phase): the copy and its ``Accelerator``."""
+    peft61, _ = _peft_helpers()
+    accelerator, prepared, optimizer = peft61._prepared("O2", model)
+    peft61._train(accelerator, prepared, optimizer, range(2))
+    twin = copy.deepcopy(accelerator.unwrap_model(prepared))
+    second, prepared, optimizer = peft61._prepared("O2", twin)
+    peft61._train(second, prepared, optimizer, range(2, 4))
+    return twin, second
+
+
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_a_deep_copy_prepared_again_at_o2_merges_as_the_rounding_of_the_fp32_merge() -> None:
     """A LoRA GPT-2 trained at O2, deep-copied and trained on at O2 with a new ``Accelerator``: the copy's
     ``merge_and_unload`` is the bfloat16 rounding of peft's FP32 merge of its masters (before: peft's merge of the
     half copies, which differs in ``c_attn``)."""
     peft61, xfails63 = _peft_helpers()
-    accelerator, model, optimizer = peft61._prepared("O2", peft61._lora())
-    peft61._train(accelerator, model, optimizer, range(2))
-    twin = copy.deepcopy(accelerator.unwrap_model(model))
-    second, prepared, optimizer = peft61._prepared("O2", twin)
-    peft61._train(second, prepared, optimizer, range(2, 4))
+    twin, second = _copy_trained_again(peft61._lora())
     want = xfails63._merged(xfails63._fp32_twin(twin, second.amp))
     got = xfails63._merged(twin)
     assert set(got) == set(want)
@@ -123,11 +131,7 @@ def test_a_deep_copy_prepared_again_at_o2_saves_pretrained_as_float32(tmp_path: 
     """A GPT-2 trained at O2, deep-copied and trained on at O2: ``save_pretrained`` writes the FP32 masters and a
     ``config.json`` naming float32, as for the original (before: bfloat16, so ``from_pretrained`` rounded them)."""
     peft61, _ = _peft_helpers()
-    accelerator, model, optimizer = peft61._prepared("O2", peft61._gpt2())
-    peft61._train(accelerator, model, optimizer, range(1))
-    twin = copy.deepcopy(accelerator.unwrap_model(model))
-    second, prepared, optimizer = peft61._prepared("O2", twin)
-    peft61._train(second, prepared, optimizer, range(1, 2))
+    twin, _ = _copy_trained_again(peft61._gpt2())
     twin.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config.get("dtype", config.get("torch_dtype")) == "float32"
@@ -401,7 +405,7 @@ def _loops(draw: Any) -> tuple[dict[str, Any], list[tuple[Any, ...]]]:
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
     reason="the found-inf reducer needs torch.distributed with gloo",
 )
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(loop=_loops())
 @example(  # the body keeps gradients: every read holds the update back; the held read, then the engine's own
     loop=(
