@@ -452,3 +452,35 @@ def test_rank_zero_reads_count_each_overflow_once_change_nothing_and_read_as_one
     (scalers, index, weights), (quiet_scalers, quiet_index, quiet_weights) = read.live(), quiet.live()
     assert (scalers, index) == (quiet_scalers, quiet_index)
     assert all(torch.equal(a, b) for a, b in zip(weights, quiet_weights))
+
+
+@pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="the found-inf reducer needs torch.distributed with gloo",
+)
+def test_a_read_between_d_s_step_and_a_g_step_without_gradients_changes_nothing(one_rank, tmp_path: Path) -> None:
+    """A GAN whose G gets a loss every other iteration and whose ``opt_g.step()`` runs every iteration (a no-op
+    without gradients), read on rank 0 between D's step and G's: before, on the iterations without G's gradients the
+    read ended the iteration on the reading rank alone (no gradient waited), G's step then fell in the next one there
+    and in the same one on the other ranks, so the ranks' growth trackers, and then their scales, parted (here: the
+    run with the reads against the same run without them). Now a registered optimizer that has not stepped holds the
+    update back, gradients or not."""
+    loop = []
+    for it in range(4):
+        loop += [("zero", "d"), ("zero", "g"), ("backward", "d", it == 2)]
+        loop += [("backward", "g", False)] if it % 2 == 0 else []
+        loop += [("step", "d"), ("metrics",), ("step", "g")]
+    config = dict(losses=1, skip=False, level="O1", body=False, late=False)
+    read = _FabricRun(tmp_path, grouped=True, reads=True, **config)
+    quiet = _FabricRun(tmp_path, grouped=True, reads=False, **config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for index, op in enumerate(loop):
+            read.do(op, index)
+            quiet.do(op, index)
+        for run in (read, quiet):
+            run.mpx.amp.end_iteration()  # as every rank's next call
+    (scalers, index, weights), (quiet_scalers, quiet_index, quiet_weights) = read.live(), quiet.live()
+    assert (scalers, index) == (quiet_scalers, quiet_index) and index == 4
+    assert all(torch.equal(a, b) for a, b in zip(weights, quiet_weights))
+    assert sum(read.sums.values()) == 1  # the overflow of iteration 2, read once
