@@ -19,6 +19,7 @@ from lightning_mpx.apex.model_hooks import _add_model_hooks
 from lightning_mpx.common.dtypes import HALF_DTYPE_NAMES, parse_half_dtype
 from lightning_mpx.common.keywords import checks_keywords
 from lightning_mpx.engine.amp import Amp
+from lightning_mpx.engine.optimizers import refuse_unregistrable
 from lightning_mpx.opt_levels import resolve_properties
 from lightning_mpx.settings import MixedPrecisionSettings
 
@@ -85,6 +86,8 @@ def initialize(
         )  # fmt: skip
         if not keep_model and not _amp_state.allow_incoming_model_not_fp32:
             _check_params_fp32(models_list)
+        for optimizer in optimizers_list:  # what the engine's prepare_optimizer refuses (LBFGS...), refused here
+            refuse_unregistrable(optimizer, with_masters=settings.properties.master_weights)
         carried = _carry_over(models_list, optimizers_list)
     _amp_state.begin_call(models_list, [o for o in optimizers_list if not isinstance(o, AmpOptimizer)])
     _amp_state.verbosity = verbosity

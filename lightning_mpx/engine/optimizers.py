@@ -150,25 +150,9 @@ class StepMachine(UnscalePath):
         return state
 
     def validate(self, optimizer: torch.optim.Optimizer, *, with_masters: bool) -> None:
-        """Refuse what cannot be registered: not an optimizer, a closure optimizer (LBFGS), ``with_masters`` an
+        """Refuse what cannot be registered: what :func:`refuse_unregistrable` refuses, ``with_masters`` an
         optimizer before any model was prepared for training, and under FSDP one holding gathered parameters."""
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer.")
-        if not hasattr(optimizer, "_optimizer_step_pre_hooks"):  # a wrapper never calling Optimizer.__init__
-            raise TypeError(
-                f"optimizer={type(optimizer).__name__} never ran torch.optim.Optimizer.__init__, so it has none of the "
-                "step and state-dict hooks lightning_mpx puts on a prepared optimizer: in its __init__, call "
-                "torch.optim.Optimizer.__init__(self, inner.param_groups, inner.defaults) before sharing the inner "
-                "optimizer's param_groups (a Lookahead wrapper)."
-            )
-        if isinstance(optimizer, torch.optim.LBFGS):
-            raise ValueError(
-                "optimizer=LBFGS re-evaluates the loss through a closure several times per step, which loss scaling "
-                "and step skipping cannot support; use opt_level='O0', or a first-order optimizer."
-            )
-        if with_masters:
-            for inner in (optimizer, *shared_inners(optimizer)):  # a Lookahead's base optimizer steps the masters too
-                _refuse_zero_redundancy(inner, optimizer)
+        refuse_unregistrable(optimizer, with_masters=with_masters)
         if with_masters and not self.masters.weights:
             raise RuntimeError(
                 "prepare_model() must run before prepare_optimizer() with master weights (O2), with train=True: "
@@ -439,6 +423,29 @@ def _release_from_other_engines(optimizer: torch.optim.Optimizer, machine: StepM
         if other is not None and other is not machine:
             other.release(optimizer)
             other.taken[id(optimizer)] = weakref.ref(optimizer)  # its error for a later step names the take-over
+
+
+def refuse_unregistrable(optimizer: object, *, with_masters: bool) -> None:
+    """Refuse an ``optimizer`` no engine can register, whatever it holds: not an optimizer, a wrapper that never ran
+    ``Optimizer.__init__``, a closure optimizer (LBFGS), and ``with_masters`` (O2) a ``ZeroRedundancyOptimizer``. For
+    a front door that checks its arguments before it changes anything (the Apex layer's ``initialize``)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer.")
+    if not hasattr(optimizer, "_optimizer_step_pre_hooks"):  # a wrapper never calling Optimizer.__init__
+        raise TypeError(
+            f"optimizer={type(optimizer).__name__} never ran torch.optim.Optimizer.__init__, so it has none of the "
+            "step and state-dict hooks lightning_mpx puts on a prepared optimizer: in its __init__, call "
+            "torch.optim.Optimizer.__init__(self, inner.param_groups, inner.defaults) before sharing the inner "
+            "optimizer's param_groups (a Lookahead wrapper)."
+        )
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(
+            "optimizer=LBFGS re-evaluates the loss through a closure several times per step, which loss scaling "
+            "and step skipping cannot support; use opt_level='O0', or a first-order optimizer."
+        )
+    if with_masters:
+        for inner in (optimizer, *shared_inners(optimizer)):  # a Lookahead's base optimizer steps the masters too
+            _refuse_zero_redundancy(inner, optimizer)
 
 
 def shared_inners(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:

@@ -198,14 +198,17 @@ def refuse_unfrozen_half(sharding: Sharding | None, error: BaseException) -> Non
 
 
 def _raised_by_fsdp(error: BaseException) -> bool:
-    """Whether ``error`` was raised in torch's FSDP code (its innermost Python frame), not in a hook of the user's
-    that FSDP's backward ran."""
+    """Whether ``error`` was raised in torch's FSDP package (its innermost Python frame), not in a hook of the
+    user's that FSDP's backward ran (a script in a folder of its own named ``fsdp`` too)."""
     tb = error.__traceback__
     if tb is None:
         return False
     while tb.tb_next is not None:
         tb = tb.tb_next
-    return f"{os.sep}fsdp{os.sep}" in tb.tb_frame.f_code.co_filename
+    import torch.distributed.fsdp
+
+    package = os.path.dirname(os.path.abspath(torch.distributed.fsdp.__file__)) + os.sep
+    return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(package)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,14 @@ import torch
 from torch import nn
 
 from lightning_mpx.engine.amp import Amp
-from lightning_mpx.integrations.peft_fp32 import AllocateInFp32, MergeInFp32, is_adalora_model, is_tuner_layer
+from lightning_mpx.integrations.peft_fp32 import (
+    AllocateInFp32,
+    MergeInFp32,
+    _class_method_of,
+    holds_own,
+    is_adalora_model,
+    is_tuner_layer,
+)
 from lightning_mpx.masters.weights import current_fp32_values
 
 __all__ = ["Fp32SavePretrained", "KeptAdapterLoad", "MastersInStateDict", "keep_replaced_parameters", "masters_into",
@@ -121,8 +128,7 @@ class Fp32SavePretrained:
     def install(cls, model: nn.Module, amp: Amp) -> Fp32SavePretrained | None:
         """Put one of ``amp`` on ``model`` in place of an earlier one (not over a ``save_pretrained`` the instance
         holds of its own: returns ``None``); ``remove()`` takes it off."""
-        save = model.__dict__.get("save_pretrained")
-        if save is not None and not isinstance(save, cls):
+        if holds_own(model, "save_pretrained", cls):
             return None
         wrapper = cls(model, amp)
         model.save_pretrained = wrapper  # type: ignore[method-assign]
@@ -220,8 +226,7 @@ class KeptAdapterLoad:
     @classmethod
     def install(cls, model: nn.Module) -> KeptAdapterLoad | None:
         """Put one on ``model`` (not over a ``load_adapter`` the instance holds of its own: returns ``None``)."""
-        load = model.__dict__.get("load_adapter")
-        if load is not None and not isinstance(load, cls):
+        if holds_own(model, "load_adapter", cls):
             return None
         wrapper = cls(model)
         model.load_adapter = wrapper  # type: ignore[method-assign]
@@ -248,12 +253,6 @@ class KeptAdapterLoad:
             # the parameters the optimizer holds (refused at O2), where a plain load writes into them.
             call.arguments["low_cpu_mem_usage"] = False
         return keep_replaced_parameters(model, lambda: type(model).load_adapter(*call.args, **call.kwargs))
-
-
-def _class_method_of(obj: Any, name: str) -> Any:
-    """``obj``'s method ``name`` as its class defines it (what a copy or an unpickled :class:`Fp32SavePretrained`
-    becomes; read from the class: an object being unpickled has no state yet)."""
-    return getattr(type(obj), name).__get__(obj)
 
 
 def _inside_parent(state: dict[str, Any], prefix: str) -> bool:

@@ -27,7 +27,7 @@ from torch import nn
 from lightning_mpx.common.dtypes import HALF_DTYPES
 from lightning_mpx.engine.amp import Amp
 
-__all__ = ["AllocateInFp32", "MergeInFp32", "is_adalora_model", "is_tuner_layer"]
+__all__ = ["AllocateInFp32", "MergeInFp32", "holds_own", "is_adalora_model", "is_tuner_layer"]
 
 
 def is_tuner_layer(module: nn.Module) -> bool:
@@ -62,8 +62,7 @@ class _OnFp32(abc.ABC):
         its own); the returned handle's ``remove()`` takes them off."""
         wrappers = []
         for name in cls.methods:
-            own = module.__dict__.get(name)
-            if (own is not None and not isinstance(own, _OnFp32)) or not callable(getattr(type(module), name, None)):
+            if holds_own(module, name, _OnFp32) or not callable(getattr(type(module), name, None)):
                 continue
             wrapper = cls(module, amp, name)
             setattr(module, name, wrapper)
@@ -87,11 +86,12 @@ class _OnFp32(abc.ABC):
         amp = self._amp()
         if amp is None or not amp.properties.master_weights or amp.sharded:
             return method(module, *args, **kwargs)
-        return self._run(amp, module, lambda: method(module, *args, **kwargs))
+        return self._run(amp, module, lambda: method(module, *args, **kwargs), args, kwargs)
 
     @abc.abstractmethod
-    def _run(self, amp: Amp, module: nn.Module, call: Callable[[], Any]) -> Any:
-        """``call()`` (the class's method on ``module``) run on FP32 stand-ins, as the subclass says."""
+    def _run(self, amp: Amp, module: nn.Module, call: Callable[[], Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        """``call()`` (the class's method on ``module``, given ``args`` and ``kwargs``) run on FP32 stand-ins, as the
+        subclass says."""
 
 
 class MergeInFp32(_OnFp32):
@@ -100,12 +100,21 @@ class MergeInFp32(_OnFp32):
     last step taken first) and each other one's its exact upcast (the frozen half base, which O2 keeps no FP32 copy
     of), put in the layer's modules for the call only; what the call wrote (the base layer's weight, a
     ``lora_bias``'s bias) is then written into the model once, rounded to its dtype (and into the master of a
-    parameter that has one, exactly): the half rounding of the FP32 merge of the masters."""
+    parameter that has one, exactly): the half rounding of the FP32 merge of the masters. ``merge(safe_merge=True)``
+    refuses a merge whose FP32 values are finite but overflow the half dtype once rounded (peft's merge in half
+    refuses it, non-finite there), with a ``ValueError`` before anything is written or noted as merged."""
 
     methods = ("merge", "unmerge")
 
-    def _run(self, amp: Amp, module: nn.Module, call: Callable[[], Any]) -> Any:
-        return _on_fp32(amp, module, call, mastered_only=False)
+    def _run(self, amp: Amp, module: nn.Module, call: Callable[[], Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        safe = self._name == "merge" and bool(kwargs.get("safe_merge", args[0] if args else False))
+        merged = list(getattr(module, "merged_adapters", ()))
+        try:
+            return _on_fp32(amp, module, call, mastered_only=False, finite=safe)
+        except _RoundedToNonFinite as error:  # nothing written: nothing merged either
+            if isinstance(getattr(module, "merged_adapters", None), list):
+                module.merged_adapters[:] = merged
+            raise ValueError(str(error)) from None
 
 
 class AllocateInFp32(_OnFp32):
@@ -118,15 +127,20 @@ class AllocateInFp32(_OnFp32):
 
     methods = ("update_and_allocate",)
 
-    def _run(self, amp: Amp, module: nn.Module, call: Callable[[], Any]) -> Any:
+    def _run(self, amp: Amp, module: nn.Module, call: Callable[[], Any], args: tuple, kwargs: dict[str, Any]) -> Any:
         return _on_fp32(amp, module, call, mastered_only=True)
 
 
-def _on_fp32(amp: Amp, module: nn.Module, call: Callable[[], Any], *, mastered_only: bool) -> Any:
+class _RoundedToNonFinite(Exception):
+    """A value :func:`_on_fp32` was to write is finite in FP32 and not in the parameter's half dtype."""
+
+
+def _on_fp32(amp: Amp, module: nn.Module, call: Callable[[], Any], *, mastered_only: bool, finite: bool = False) -> Any:
     """``call()`` with each half parameter of ``module`` replaced, in its owner's ``_parameters``, by an FP32 stand-in
     (its master, or the FP32 value kept for it; else, unless ``mastered_only``, its exact upcast), whose ``.grad`` is
     the true gradient where ``mastered_only``; then the stand-ins written (in place, or set anew) go to the model:
-    into the master exactly, into the half parameter rounded. No FP32 value for any of them: ``call()`` as it is."""
+    into the master exactly, into the half parameter rounded. No FP32 value for any of them: ``call()`` as it is.
+    ``finite``: raise :class:`_RoundedToNonFinite`, writing nothing, when a finite value written rounds to inf."""
     amp.refresh_masters()  # writes made to the model since the last step, as the step will take them
     fp32: dict[int, torch.Tensor] = {}
     for weights in amp._masters.prune():
@@ -165,6 +179,16 @@ def _on_fp32(amp: Amp, module: nn.Module, call: Callable[[], Any], *, mastered_o
                 or (start is not None and value.shape == start.shape and not torch.equal(value, start))
             ):
                 written.append((param, value, fp32.get(id(param))))
+    if finite:  # (a merge's few tensors, once per merge)
+        overflowed = [p for p, v, _ in written if not torch.isfinite(v.to(p.dtype)).all() and torch.isfinite(v).all()]
+        if overflowed:
+            names = {id(p): name for name, p in module.named_parameters()}
+            raise _RoundedToNonFinite(
+                f"NaNs detected in the merged weights: {', '.join(names.get(id(p), '?') for p in overflowed)} "
+                f"overflow {overflowed[0].dtype} once rounded (the FP32 merge of the adapters' masters is finite, "
+                "its rounding to the model's half dtype is not), so safe_merge=True merged nothing, as peft's merge "
+                "in the half dtype refuses it. To merge, load the base model in FP32 and merge the adapter into it."
+            )
     with torch.no_grad():
         for param, value, master in written:
             if value.shape != param.shape:
@@ -176,8 +200,21 @@ def _on_fp32(amp: Amp, module: nn.Module, call: Callable[[], Any], *, mastered_o
 
 
 def _class_method_of(obj: Any, name: str) -> Any:
-    """``obj``'s method ``name`` as its class defines it (what a copy or an unpickled wrapper becomes)."""
+    """``obj``'s method ``name`` as its class defines it (what a copy or an unpickled wrapper becomes; read from the
+    class: an object being unpickled has no state yet)."""
     return getattr(type(obj), name).__get__(obj)
+
+
+def holds_own(module: nn.Module, name: str, kind: type) -> bool:
+    """Whether ``module`` holds an attribute ``name`` of its own that a wrapper of ``kind`` must not replace: not one
+    of ``kind``, nor the class's method bound to ``module`` that a deep copy or pickle of such a wrapper becomes (a
+    copy prepared again at O2 gets its wrappers back)."""
+    own = module.__dict__.get(name)
+    if own is None or isinstance(own, kind):
+        return False
+    return not (
+        getattr(own, "__self__", None) is module and getattr(own, "__func__", None) is getattr(type(module), name, None)
+    )
 
 
 class _Installed:
