@@ -493,7 +493,11 @@ def current_fp32_values(masters: MasterWeights) -> dict[int, torch.Tensor]:
     model's values. Nothing is changed (one comparison per written parameter, one host read for all)."""
     out = masters.fp32_values()
     gone = (_HANDED_OVER, _CONVERTED)
-    entries = [(e, p) for e, p in masters._live() if e.master is not None and e.version not in gone]
+    # a SAM-style optimizer's pass: its perturbation is no write (as refresh leaves it; the state dict's pass weights)
+    entries = [
+        (e, p) for e, p in masters._live()
+        if e.master is not None and e.version not in gone and id(p) not in masters.in_pass
+    ]  # fmt: skip
     pending = masters._watch.pending({id(p) for _, p in entries})
     compared = []
     with torch.no_grad():
