@@ -255,7 +255,8 @@ def policy_scope(policy: _Policy) -> Iterator[Any]:
                     yield policy
             else:  # nothing for Python to do: torch.autocast's C++ dispatch alone
                 yield policy
-    except RuntimeError as error:  # the error's path only: a module set on a prepared model since, named
+    except (RuntimeError, AssertionError) as error:  # the error's path only: a module set on a prepared model since,
+        # or (FSDP's first forward) half parameters unfrozen beside FP32 ones in an FSDP unit, named
         named = getattr(policy, "forward_error", None)
         if named is not None:
             named(error)

@@ -24,8 +24,8 @@ from torch import nn
 from lightning_mpx.common.dtypes import HALF_DTYPES, dtype_name
 
 __all__ = [
-    "Sharding", "gathered_params", "is_sharded", "local_tensor", "parameter_names", "refuse_gathered",
-    "refuse_half_params", "refuse_unfrozen_half", "reshard_gathered",
+    "Sharding", "gathered_params", "guard_fsdp_setup", "is_sharded", "local_tensor", "parameter_names",
+    "refuse_gathered", "refuse_half_params", "refuse_unfrozen_half", "reshard_gathered",
 ]  # fmt: skip
 
 #: The module names FSDP1 and activation checkpointing insert between a module and its children.
@@ -155,22 +155,64 @@ def refuse_half_params(modules: Iterable[nn.Module], params: Iterable[torch.Tens
     )
 
 
-def refuse_unfrozen_half(sharding: Sharding | None, error: BaseException) -> None:
-    """Raise ``ValueError`` from ``error`` (an exception a backward raised) when it is FSDP failing on half parameters
-    unfrozen after FSDP set their unit up, at O2 (``sharding.masters``); return otherwise, for the caller to re-raise
-    ``error`` as it is. Called only once a backward has raised: nothing per step.
+def refuse_unfrozen_half(sharding: Sharding | None, error: BaseException, *, forward: bool = False) -> None:
+    """Raise ``ValueError`` from ``error`` (an exception a backward raised; with ``forward``, one a forward raised)
+    when it is FSDP failing on half parameters unfrozen (``requires_grad_(True)``) beside FP32 ones in one FSDP unit,
+    at O2 (``sharding.masters``); return otherwise, for the caller to re-raise ``error`` as it is. Called only once a
+    backward or a forward has raised: nothing per step.
 
     A base loaded in half and frozen shares its FSDP unit with FP32 parameters (a LoRA model's adapters, or
-    ``shard_model`` without ``blocks``): FSDP fixes the unit's gradient dtype from the parameters trainable at its
-    first forward (FP32, the adapters'), so once ``requires_grad_(True)`` unfreezes the half ones, FSDP's backward fails
-    assigning them an FP32 gradient ("attempting to assign a gradient with dtype 'float' to a tensor with grad_dtype
-    'BFloat16'"; without a mixed-precision policy, "FSDP reduce-scatter expects uniform gradient dtype"), with or
-    without them in an optimizer. They could not train anyway: under FSDP at O2 FSDP's FP32 shards are the masters, and
-    a half parameter has none. (A half unit of its own reduces in half: its backward succeeds, and an optimizer given
-    its parameters is refused at the next step by :func:`refuse_half_params`.)
+    ``shard_model`` without ``blocks``). FSDP sets a unit up at the model's first forward, from the parameters
+    trainable then. Unfrozen after that set-up, the half ones make FSDP's backward fail: it fixed the unit's gradient
+    dtype (FP32, the adapters'), and fails assigning them an FP32 gradient ("attempting to assign a gradient with dtype
+    'float' to a tensor with grad_dtype 'BFloat16'"; without a mixed-precision policy, "FSDP reduce-scatter expects
+    uniform gradient dtype"), with or without them in an optimizer. Unfrozen before it (after the optimizer was built:
+    Lightning's ``BaseFinetuning`` unfreezing at epoch 0), the set-up itself fails in the first forward ("FSDP expects
+    uniform original parameter dtype": a unit's trainable parameters must share one dtype). They could not train
+    anyway: under FSDP at O2 FSDP's FP32 shards are the masters, and a half parameter has none. (A half unit of its own
+    reduces in half: its backward succeeds, and an optimizer given its parameters is refused at the next step by
+    :func:`refuse_half_params`.)
     """
-    if sharding is None or not sharding.masters or "dtype" not in str(error) or not _raised_by_fsdp(error):
+    found = _unfrozen_half(sharding, error)
+    if found is None:
         return
+    held, dtype = found
+    named = (
+        f"{len(held)} half parameter(s) of a model sharded by FSDP at O2 require a gradient: "
+        f"{', '.join(held[:5])}{', ...' if len(held) > 5 else ''}. "
+    )
+    masters = (
+        "Under FSDP at O2, FSDP's sharded FP32 parameters are the master weights and no other master is made: a "
+        f"parameter loaded in {dtype} has no FP32 master to train"
+    )
+    in_fp32 = (
+        f"load the base in FP32 before sharding: O2 then gathers it in {dtype} for the forward and its FP32 shards are "
+        "its masters (O1 needs it in FP32 too)."
+    )
+    if forward:
+        raise ValueError(
+            f"{named}They were unfrozen (requires_grad_(True)) after the model was sharded and before its first "
+            "forward, and share an FSDP unit with FP32 parameters: FSDP sets its units up at the first forward, "
+            "where a unit's trainable parameters must have one dtype, and its set-up failed on them in this forward "
+            f"(its error above). {masters}. No step ran and no weight changed, but FSDP's set-up stopped half done "
+            "and a next forward would not redo it: build and shard the model again, and keep them frozen (in a "
+            "BaseFinetuning callback's finetune_function, unfreeze only FP32 modules), or, to train them, "
+            f"{in_fp32}"
+        ) from error
+    raise ValueError(
+        f"{named}They were frozen when FSDP set their unit up and unfrozen since (requires_grad_(True)), and FSDP's "
+        f"backward failed on them (its error above). {masters}, and FSDP fixed its unit's gradient dtype (FP32, the "
+        "unit's trainable parameters') when it set the unit up, at its first forward; a sharded unit's dtypes cannot "
+        "change. FSDP's state after its failed backward is not to be trusted: start again (from a checkpoint) and "
+        f"keep them frozen, or, to train them, {in_fp32}"
+    ) from error
+
+
+def _unfrozen_half(sharding: Sharding | None, error: BaseException) -> tuple[list[str], str] | None:
+    """For :func:`refuse_unfrozen_half`: the names of the half parameters of ``sharding``'s models that require a
+    gradient and their dtype's name, when ``error`` is a dtype error of torch's FSDP at O2; ``None`` otherwise."""
+    if sharding is None or not sharding.masters or "dtype" not in str(error) or not _raised_by_fsdp(error):
+        return None
     models = [m for m in (ref() for ref in sharding._models) if m is not None]
     for module in models:  # the failed backward may have left units gathered: their half copies are not the params
         reshard_gathered(module)
@@ -181,20 +223,55 @@ def refuse_unfrozen_half(sharding: Sharding | None, error: BaseException) -> Non
         if p.requires_grad and p.dtype in HALF_DTYPES
     ]
     if not half:
+        return None
+    return [name for name, _ in half], dtype_name(half[0][1].dtype)
+
+
+def guard_fsdp_setup(module: nn.Module, machine: object) -> None:
+    """Put :func:`refuse_unfrozen_half` (``forward=True``) on the error path of FSDP2's set-up of ``module``'s units:
+    ``module``'s own FSDP forward pre-hook (a root's lazy set-up, at the model's first forward), wrapped until a
+    forward got through it, then FSDP's hook again, in its place: no call added per step. ``machine``: the engine's
+    ``StepMachine`` (its ``sharding`` read on the error's path only), held weakly.
+
+    For a door whose own code runs inside the model's ``forward`` (the Accelerate adapter's forward wrapper): FSDP's
+    pre-hook, and so its set-up, runs before it. A door whose forward scope is entered around the call
+    (``Amp.forward_context``, the Lightning plugins') meets the error in its cast policy's scope instead. Nothing is
+    done for a module without an FSDP2 pre-hook of its own."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    state = get_state() if callable(get_state) else None
+    handle = getattr(state, "_pre_forward_hook_handle", None)
+    hooks = module._forward_pre_hooks
+    if handle is None or handle.id not in hooks or isinstance(hooks[handle.id], _SetUpGuard):
         return
-    held = [name for name, _ in half]
-    dtype = dtype_name(half[0][1].dtype)
-    raise ValueError(
-        f"{len(held)} half parameter(s) of a model sharded by FSDP at O2 require a gradient: "
-        f"{', '.join(held[:5])}{', ...' if len(held) > 5 else ''}. They were frozen when FSDP set their unit up and "
-        f"unfrozen since (requires_grad_(True)), and FSDP's backward failed on them (its error above). Under FSDP at "
-        "O2, FSDP's sharded FP32 parameters are the master weights and no other master is made: a parameter loaded in "
-        f"{dtype} has no FP32 master to train, and FSDP fixed its unit's gradient dtype (FP32, the unit's trainable "
-        "parameters') when it set the unit up, at its first forward; a sharded unit's dtypes cannot change. FSDP's "
-        "state after its failed backward is not to be trusted: start again (from a checkpoint) and keep them frozen, "
-        f"or, to train them, load the base in FP32 before sharding: O2 then gathers it in {dtype} for the forward "
-        "and its FP32 shards are its masters (O1 needs it in FP32 too)."
-    ) from error
+    guard = _SetUpGuard()
+    guard.hook, guard.hooks, guard.key, guard.machine = hooks[handle.id], hooks, handle.id, weakref.ref(machine)
+    hooks[handle.id] = guard
+
+
+class _SetUpGuard:
+    """FSDP2's forward pre-hook with :func:`refuse_unfrozen_half` on its error's path (:func:`guard_fsdp_setup`);
+    once a call got through, FSDP's hook is put back in the module's hooks (the same key: the same place). Pickled
+    or copied as FSDP's hook."""
+
+    __slots__ = ("hook", "hooks", "key", "machine")
+
+    def __call__(self, *args: object) -> object:
+        try:
+            result = self.hook(*args)
+        except (RuntimeError, AssertionError) as error:  # the error's path only
+            machine = self.machine()
+            refuse_unfrozen_half(getattr(machine, "sharding", None), error, forward=True)
+            raise
+        if self.hooks.get(self.key) is self and not torch.compiler.is_compiling():
+            self.hooks[self.key] = self.hook  # FSDP set the units up: its own hook from now on
+        return result
+
+    def __reduce__(self) -> tuple[object, tuple[object]]:
+        return _same, (self.hook,)
+
+
+def _same(value: object) -> object:
+    return value
 
 
 def _raised_by_fsdp(error: BaseException) -> bool:

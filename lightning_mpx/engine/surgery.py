@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mpx.engine.sharding import refuse_unfrozen_half
+
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -127,16 +129,19 @@ def replaced_data_note(models: Any) -> str | None:
 
 
 class ForwardErrors:
-    """The cast policy's hook for a forward's ``RuntimeError`` (:func:`forward_error` over the engine's
-    ``PreparedModels``), holding them weakly: the policy lives as long as the model's hooks, the engine's masters
-    must not."""
+    """The cast policy's hook for a forward's ``RuntimeError`` or ``AssertionError`` (on that error's path only):
+    torch's FSDP failing to set a unit up on half parameters unfrozen before the first forward
+    (:func:`~lightning_mpx.engine.sharding.refuse_unfrozen_half`), else :func:`forward_error` over the engine's
+    ``PreparedModels``, held weakly: the policy lives as long as the model's hooks, the engine's masters must not."""
 
     __slots__ = ("_models",)
 
     def __init__(self, models: Any) -> None:
         self._models = weakref.ref(models)
 
-    def __call__(self, error: RuntimeError) -> None:
+    def __call__(self, error: RuntimeError | AssertionError) -> None:
         models = self._models()
         if models is not None:
-            forward_error(models, error)
+            refuse_unfrozen_half(models.machine.sharding, error, forward=True)
+            if isinstance(error, RuntimeError):
+                forward_error(models, error)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lightning_mpx.casting.aside import around_fsdp_hooks
-from lightning_mpx.engine.sharding import is_sharded
+from lightning_mpx.engine.sharding import guard_fsdp_setup, is_sharded
 from lightning_mpx.integrations.accelerate_forward import install_forward
 from lightning_mpx.integrations.accelerate_optimizer import AmpOptimizer, params_of
 from lightning_mpx.masters.weights import convert_module
@@ -189,6 +189,9 @@ class ShardedPreparation:
                 self.amp.prepare_model(obj)  # sharded: no conversion, no masters; the policies are checked
                 self._converted.add(obj)
                 install_forward(self.amp, obj)
+                if self.amp.properties.master_weights:  # FSDP sets its units up in its root's pre-hook, before the
+                    # forward wrapper: half parameters unfrozen before the first forward named there (first call only)
+                    guard_fsdp_setup(obj, self.amp._machine)
         for wrapped in deferred:
             self.amp.prepare_optimizer(wrapped.optimizer)  # after the swap: it holds the shards now
         return prepared
