@@ -214,7 +214,7 @@ def _unfrozen_half(sharding: Sharding | None, error: BaseException) -> tuple[lis
     if sharding is None or not sharding.masters or "dtype" not in str(error) or not _raised_by_fsdp(error):
         return None
     models = [m for m in (ref() for ref in sharding._models) if m is not None]
-    for module in models:  # the failed backward may have left units gathered: their half copies are not the params
+    for module in models:  # a failed backward (forward) may have left units gathered: their half copies are not params
         reshard_gathered(module)
     half = [
         (name, p)
@@ -250,28 +250,23 @@ def guard_fsdp_setup(module: nn.Module, machine: object) -> None:
 
 class _SetUpGuard:
     """FSDP2's forward pre-hook with :func:`refuse_unfrozen_half` on its error's path (:func:`guard_fsdp_setup`);
-    once a call got through, FSDP's hook is put back in the module's hooks (the same key: the same place). Pickled
-    or copied as FSDP's hook."""
+    once a call got through, FSDP's hook is put back in the module's hooks (the same key: the same place). (FSDP2
+    modules are neither deep-copied nor pickled: FSDP refuses both.)"""
 
     __slots__ = ("hook", "hooks", "key", "machine")
 
     def __call__(self, *args: object) -> object:
+        if torch.compiler.is_compiling():  # traced (a compiled model): FSDP's hook, which runs outside the graph
+            return self.hook(*args)
         try:
             result = self.hook(*args)
         except (RuntimeError, AssertionError) as error:  # the error's path only
             machine = self.machine()
             refuse_unfrozen_half(getattr(machine, "sharding", None), error, forward=True)
             raise
-        if self.hooks.get(self.key) is self and not torch.compiler.is_compiling():
+        if self.hooks.get(self.key) is self:
             self.hooks[self.key] = self.hook  # FSDP set the units up: its own hook from now on
         return result
-
-    def __reduce__(self) -> tuple[object, tuple[object]]:
-        return _same, (self.hook,)
-
-
-def _same(value: object) -> object:
-    return value
 
 
 def _raised_by_fsdp(error: BaseException) -> bool:
