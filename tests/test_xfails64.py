@@ -110,8 +110,8 @@ def test_an_o2_checkpoint_resumed_at_o3_with_the_models_entry_runs_on_its_roundi
 def test_an_o2_bfloat16_checkpoint_resumed_at_o3_float16_is_not_refused(
     o2_checkpoint: tuple[Any, dict[str, torch.Tensor]],
 ) -> None:
-    """Resumed in the other half dtype, the model's entry loaded first: no error (the saved checksums are of the bfloat16
-    rounding, which a float16 model's values cannot be compared with: not checked), the float16 rounding."""
+    """Resumed in the other half dtype, the model's entry loaded first: no error (the saved checksums are of the
+    bfloat16 rounding, which a float16 model's values cannot be compared with: not checked), the float16 rounding."""
     path, masters = o2_checkpoint
     fabric, model, mpx = _o3("float16")
     fabric.load(path, {"model": model, "mpx": mpx})  # the model's first: the plugin's load sees its values
