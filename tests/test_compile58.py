@@ -158,14 +158,10 @@ def test_fabric_schedule_free_flips_compile_as_bf16_mixed_and_train_as_eager(mon
 
 
 # Measured (tests/test_compile58.py's probes): the compiled O2 runs of both doors hold eager O2's losses, evaluations
-# and weights exactly; only the counts are off. Fabric's own "bf16-mixed" compiled after setup: 6 graphs, 1 break (its
-# backward hook), no recompile; Accelerate's "bf16": 2/0/0.
-@pytest.mark.parametrize("door", [
-    pytest.param("accelerate", marks=pytest.mark.xfail(strict=True, reason=(
-        "engine/amp.py Amp.forward_context (traced inside the adapter's compiled forward): the new-group check reads "
-        "opt.param_groups, so dynamo guards on the schedule-free group's step count 'k' == 0: one recompile after "
-        "the first step (3/0/1 against bf16's 2/0/0), not per step"))),
-])
+# and weights exactly. Fabric's own "bf16-mixed" compiled after setup: 6 graphs, 1 break (its backward hook), no
+# recompile; Accelerate's "bf16": 2/0/0, as O2 now (3/0/1 before stop 64: Amp.forward_context, traced inside the
+# adapter's compiled forward, read opt.param_groups, and dynamo guarded on the group's step count 'k' == 0).
+@pytest.mark.parametrize("door", ["accelerate"])
 def test_schedule_free_flips_between_compiled_steps_recompile_nothing(door: str, monkeypatch) -> None:
     """``opt.train()``/``opt.eval()`` around every step, the model compiled after the door: nothing compiled after
     the first step (its training and ``no_grad`` evaluation graphs), as under the framework's own bf16."""

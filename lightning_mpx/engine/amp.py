@@ -204,18 +204,19 @@ class Amp(AmpMasters):
         # reads and C calls per optimizer (pairs_key is None without masters). A group added in place of one removed
         # (a head replaced: the same count) has a new list as the last group's. A schedule-free optimizer (train_modes
         # noted at registration, else None) whose eval()/train() ran on the half parameters since: redone on the
-        # masters, so this forward runs at the point it asked for.
+        # masters, so this forward runs at the point it asked for. Traced by dynamo (a model compiled after the
+        # Accelerate adapter's prepare), the groups guard on their count and the last group's list only: read from the
+        # optimizer's __dict__ (an attribute read of a torch optimizer's param_groups guards on every value of every
+        # group, as does a list's truth value: a scheduler's lr, a schedule-free step count was a recompile).
         for state in self._machine.optimizers.values():
             key = state.pairs_key
-            if (
-                key is not None
-                and (opt := state.optimizer_ref()) is not None
-                and (
-                    len(groups := opt.param_groups) != len(key)
-                    or (groups and groups[-1]["params"] is not state.last_params)  # (none: Lightning's mock optimizer)
-                )
-            ):
-                self._groups_changed(opt)
+            if key is not None and (opt := state.optimizer_ref()) is not None:
+                if (groups := opt.__dict__.get("param_groups")) is None:
+                    groups = opt.param_groups  # (a property: a wrapper's)
+                if len(groups) != len(key) or (
+                    len(groups) and groups[-1]["params"] is not state.last_params  # (none: Lightning's mock optimizer)
+                ):
+                    self._groups_changed(opt)
             if state.train_modes is not None:
                 follow_modes(state, self._machine.masters.weights)
         if models._other_marks:  # O1: a model made the other half dtype since prepare_model (model.half())

@@ -23,10 +23,15 @@ from lightning_mpx.masters.renames import prefix_change, renamed
 if TYPE_CHECKING:
     from lightning_mpx.engine.amp import Amp
 
-__all__ = ["MASTER_SUMS", "HeldMasters"]
+__all__ = ["MASTER_HALF_SUMS", "MASTER_SUMS", "HeldMasters"]
 
 #: The key of a lean engine entry holding, for each model, a checksum of each master its model's entry holds.
 MASTER_SUMS = "masters_in_state_dict_sums"
+
+#: The key of a lean engine entry holding the half dtype of the model that saved it (``"dtype"``) and, for each
+#: model, a checksum of the rounding to that dtype of each master its model's entry holds (``"sums"``): what an O3
+#: run's half model holds once the model's entry is loaded (since stop 64; an older entry is not checked at O3).
+MASTER_HALF_SUMS = "masters_in_state_dict_half_sums"
 
 #: What the core's refusal tells to do (a front door that checks itself names its own calls).
 CORE_ADVICE = (
@@ -41,21 +46,30 @@ class HeldMasters:
     Attributes:
         pending: For each model with a named master that was not the saved one at the load: (model index, saved
             checksums by this run's names, checksums at the load, the parameters' versions at the load).
+        rounded: Resumed at O3: the half dtype whose rounding of the masters the saved checksums are of (the half
+            model holds that rounding once the model's entry is loaded); ``None``: of the FP32 masters.
     """
 
     def __init__(self) -> None:
         self.pending: list[tuple[int, dict[str, int], dict[str, int], dict[str, int]]] = []
+        self.rounded: torch.dtype | None = None
 
     def loaded(self, amp: Amp, state: Any) -> None:
         """After ``amp`` loaded ``state`` (its engine entry): note the named masters that are not the saved ones yet
         (the model's entry loads after the engine's, or never)."""
-        self.pending = []
+        self.pending, self.rounded = [], None
         saved_sums = state.get(MASTER_SUMS) if isinstance(state, dict) else None
         if not amp.properties.master_weights and amp.properties.casts_model:
-            return  # resumed at O3: the half model holds the masters' rounding, which the model's entry gives
+            # Resumed at O3: the half model holds the masters' rounding, which the model's entry gives; checked
+            # against the entry's checksums of that rounding when it was saved in this run's half dtype (another
+            # dtype's rounding of the model's values would round twice), else not at all.
+            half = state.get(MASTER_HALF_SUMS) if isinstance(state, dict) else None
+            if not isinstance(half, dict) or half.get("dtype") != str(amp.half_dtype):
+                return
+            saved_sums, self.rounded = half.get("sums"), amp.half_dtype
         for index, saved in enumerate(saved_sums or ()):
-            saved = _by_live_names(saved, _live_values(amp, index))
-            now = _live_sums(amp, index, saved)
+            saved = _by_live_names(saved, _live_values(amp, index, self.rounded))
+            now = _live_sums(amp, index, saved, self.rounded)
             if any(now.get(name) != value for name, value in saved.items()):
                 self.pending.append((index, dict(saved), now, _versions(amp, index)))
 
@@ -64,7 +78,7 @@ class HeldMasters:
         since the load); none: stop checking (``pending`` emptied)."""
         out: list[str] = []
         for index, saved, at_load, versions in self.pending:
-            now = _live_sums(amp, index, saved)
+            now = _live_sums(amp, index, saved, self.rounded)
             written = _versions(amp, index) if written_ok else {}
             out += [
                 n for n, value in saved.items()
@@ -107,15 +121,19 @@ def checksums(values: dict[str, torch.Tensor]) -> dict[str, int]:
     return dict(zip(names, torch.stack([s.cpu() for s in sums]).tolist()))
 
 
-def _live_values(amp: Amp, index: int) -> dict[str, torch.Tensor]:
+def _live_values(amp: Amp, index: int, rounded: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """By this run's names, the FP32 values of model ``index`` that the named masters load into: at O2 its live
     masters (writes made to the model since the last step taken first, as the step will take them); resumed at
-    O0/O1 (no masters) the FP32 parameters of the prepared models, which the model's entry gives exactly."""
+    O0/O1 (no masters) the FP32 parameters of the prepared models, which the model's entry gives exactly; at O3
+    (``rounded``: the half dtype) the prepared parameters' values in that dtype, as FP32."""
     if amp.properties.master_weights:
         amp.refresh_masters()
         weights = amp._masters.prune()
         return weights[index].fp32_by_name() if index < len(weights) else {}
-    return {k: p for k, p in amp._checkpoint._prepared_parameters().items() if p.dtype == torch.float32}
+    params = amp._checkpoint._prepared_parameters()
+    if rounded is not None:
+        return {k: p.detach().to(rounded).float() for k, p in params.items() if p.is_floating_point()}
+    return {k: p for k, p in params.items() if p.dtype == torch.float32}
 
 
 def _versions(amp: Amp, index: int) -> dict[str, int]:
@@ -137,8 +155,7 @@ def _by_live_names(saved: dict[str, int], live: dict[str, torch.Tensor]) -> dict
     return renamed(saved, change) if change is not None else saved
 
 
-def _live_sums(amp: Amp, index: int, names: Iterable[str]) -> dict[str, int]:
+def _live_sums(amp: Amp, index: int, names: Iterable[str], rounded: torch.dtype | None = None) -> dict[str, int]:
     """The checksums of the values of :func:`_live_values` named in ``names``."""
-    live = _live_values(amp, index)
+    live = _live_values(amp, index, rounded)
     return checksums({name: live[name] for name in names if name in live})
-

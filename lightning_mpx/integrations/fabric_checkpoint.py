@@ -24,7 +24,7 @@ from lightning_mpx.engine.checkpoint import MASTERS_IN_STATE_DICT
 
 # The check of the masters a loaded entry left to the model's entry is the engine's; its old import path here keeps
 # working.
-from lightning_mpx.engine.held_masters import MASTER_SUMS, HeldMasters, checksums
+from lightning_mpx.engine.held_masters import MASTER_HALF_SUMS, MASTER_SUMS, HeldMasters, checksums
 from lightning_mpx.integrations.fp32_export import MastersInStateDict
 
 __all__ = ["MASTER_SUMS", "HeldMasters", "masters_left_to_models"]
@@ -49,8 +49,9 @@ def masters_left_to_models(
 ) -> dict[str, Any]:
     """``state`` (the engine's state dict) without the masters that the state dicts of ``modules`` (the models the
     plugin set up; their state-dict hook is a ``hook_type``) hold, in place: named under
-    :data:`MASTERS_IN_STATE_DICT`, with their checksums under :data:`MASTER_SUMS`. Unchanged below O2, for a sharded
-    engine (the hook is inert there) and with no such model."""
+    :data:`MASTERS_IN_STATE_DICT`, with their checksums under :data:`MASTER_SUMS` and those of their rounding to the
+    half dtype under :data:`MASTER_HALF_SUMS` (what the half model holds when the entries are resumed at O3). Unchanged
+    below O2, for a sharded engine (the hook is inert there) and with no such model."""
     saved = state.get("master_weights")
     if not amp.properties.master_weights or amp.sharded or not isinstance(saved, list) or not saved:
         return state
@@ -59,13 +60,19 @@ def masters_left_to_models(
         return state
     held: list[list[str]] = []
     sums: list[dict[str, int]] = []
+    half_sums: list[dict[str, int]] = []
+    half = amp.half_dtype
     for weights, masters in zip(amp._masters.prune(), saved):  # the engine's order: its live models'
         params = {entry.name: param for entry, param in weights._live()}
         names = [name for name in masters if name in params and id(params[name]) in hooked]
-        sums.append(checksums({name: masters[name] for name in names}))
+        # One host read for both: each master and its rounding ("\0" ends no parameter's name).
+        both = checksums({**{n: masters[n] for n in names}, **{f"{n}\0": masters[n].to(half).float() for n in names}})
+        sums.append({n: both[n] for n in names if n in both})
+        half_sums.append({n: both[f"{n}\0"] for n in names if f"{n}\0" in both})
         for name in names:
             del masters[name]
         held.append(names)
     state[MASTERS_IN_STATE_DICT] = held
     state[MASTER_SUMS] = sums
+    state[MASTER_HALF_SUMS] = {"dtype": str(half), "sums": half_sums}
     return state

@@ -323,8 +323,10 @@ def call_on_masters(
 
 def train_modes(optimizer: torch.optim.Optimizer) -> tuple[object, ...] | None:
     """The ``train_mode`` flag of each of ``optimizer``'s groups (a schedule-free optimizer's), or ``None`` when no
-    group carries one."""
-    groups = optimizer.param_groups
+    group carries one. Read as :meth:`Amp.forward_context <lightning_mpx.engine.amp.Amp.forward_context>` reads them
+    (from the optimizer's ``__dict__``: traced, an attribute read guards on every value of every group)."""
+    if (groups := optimizer.__dict__.get("param_groups")) is None:
+        groups = optimizer.param_groups
     return tuple(group.get("train_mode") for group in groups) if any("train_mode" in g for g in groups) else None
 
 
