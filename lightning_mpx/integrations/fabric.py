@@ -72,6 +72,7 @@ from typing_extensions import Unpack
 
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
+from lightning_mpx.engine.clipping import clip_limit
 from lightning_mpx.engine.optimizer_step import AUTOCAST_DEVICES
 from lightning_mpx.engine.sharding import is_sharded
 from lightning_mpx.masters.weights import MasterWeights, convert_module, has_floating_parameters
@@ -378,7 +379,19 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Unscale ``optimizer``'s gradients (once per step; ``fabric.clip_gradients`` calls it). At O2 the true
-        values go to the FP32 masters' gradients, and a half copy to the model's."""
+        values go to the FP32 masters' gradients, and a half copy to the model's.
+
+        Raises:
+            ValueError: called by ``fabric.clip_gradients`` with a ``max_norm`` or ``clip_val`` that is not a positive
+                number (``math.inf`` is: no clipping), before anything is unscaled. torch's clip takes them and
+                flips (negative), zeroes (zero) or poisons (NaN) the gradients the step applies.
+        """
+        caller = sys._getframe(1)
+        name = _CLIP_LIMITS.get(caller.f_code.co_name)  # Fabric's Strategy.clip_gradients_norm/_value: their limit
+        if name is not None:
+            limit = caller.f_locals.get(name)
+            if type(limit) not in (int, float) or not limit > 0:  # a call only for a bad (or unusual) one
+                clip_limit(name, limit)
         optimizer = _unwrap(optimizer)
         self._register(optimizer)
         # FSDP1 wrappers: found when the plugin took the models, or the models themselves when the user wrapped them
@@ -476,6 +489,9 @@ def _fabric_call(frame: Any) -> dict[str, Any]:
 
 # How far up convert_module's caller _fabric_call looks for Fabric's setup (a few wrappers deep).
 _FRAMES_SEARCHED = 8
+
+# The Strategy methods fabric.clip_gradients calls (which call unscale_gradients), by name, and their limit's name.
+_CLIP_LIMITS = {"clip_gradients_norm": "max_norm", "clip_gradients_value": "clip_val"}
 
 
 def _unwrap(optimizer: Any) -> Any:
