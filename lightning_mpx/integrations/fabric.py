@@ -324,7 +324,14 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
     def backward(
         self, tensor: torch.Tensor, model: nn.Module | None, *args: Any, loss_id: int = 0, **kwargs: Any
     ) -> None:
-        """Backward on the loss times the scale of ``loss_id`` (``fabric.backward(loss, loss_id=1)``)."""
+        """Backward on the loss times the scale of ``loss_id`` (``fabric.backward(loss, loss_id=1)``).
+
+        Raises:
+            RuntimeError: before ``fabric.setup`` (no model set up, no optimizer registered), naming it: the scaled
+                gradients of a model Fabric never set up would reach its optimizer scaled.
+        """
+        if not (self._modules.data or self._optimizers.data):  # sets: no call per step
+            raise RuntimeError(_BEFORE_SETUP)
         self._begin()
         if not args and not torch._C._len_torch_function_stack() and not any(
             map(torch.is_autocast_enabled, AUTOCAST_DEVICES)
@@ -489,6 +496,16 @@ def _fabric_call(frame: Any) -> dict[str, Any]:
 
 # How far up convert_module's caller _fabric_call looks for Fabric's setup (a few wrappers deep).
 _FRAMES_SEARCHED = 8
+
+# fabric.backward before anything was set up (Fabric refuses the same under DeepSpeed; "16-mixed" scales silently).
+_BEFORE_SETUP = (
+    "fabric.backward(loss) was called before fabric.setup(): the plugin has set up no model and knows no optimizer. "
+    "It scales the loss and unscales the gradients at the step of an optimizer it knows, so a model Fabric did not "
+    "set up would keep scaled gradients (an optimizer stepped by hand applies them scaled; at O2 fabric.setup then "
+    "drops them as it casts the model), and it ran its forward without the opt level's casts. Call "
+    "fabric.setup(model, optimizer) (or fabric.setup_module(model)) before the first fabric.backward(); for a loss "
+    "that trains tensors of your own (no model), register their optimizer first: plugin.setup_optimizers(optimizer)."
+)
 
 # The Strategy methods fabric.clip_gradients calls (which call unscale_gradients), by name, and their limit's name.
 _CLIP_LIMITS = {"clip_gradients_norm": "max_norm", "clip_gradients_value": "clip_val"}
