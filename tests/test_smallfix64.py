@@ -38,7 +38,7 @@ from lightning_mpx.apex import amp as apex_amp
 from lightning_mpx.apex._state import _amp_state
 from tests.test_smallfix63 import _accelerator, _amp_run, _mpk, _run
 
-pytestmark = [pytest.mark.usefixtures("fresh_accelerate_state"), pytest.mark.filterwarnings("ignore::UserWarning")]
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 BF16 = torch.bfloat16
 SCALED = {"half_dtype": "bfloat16", "loss_scale": "dynamic", "init_scale": 2.0**10}  # unscaling matters
