@@ -343,7 +343,8 @@ def test_integer_like_loss_ids_are_accepted(loss_id):
 @pytest.mark.parametrize("loss_id", [True, np.bool_(True), 1.0, "1", torch.tensor(True), None, 2, -1], ids=repr)
 def test_other_loss_ids_are_refused_with_the_choices(loss_id):
     amp = Amp("O1", num_losses=2, half_dtype="bfloat16")
-    with pytest.raises(ValueError, match=r"loss_id=.* valid choices: 0 to 1 \(num_losses=2\)"):
+    error = ValueError if type(loss_id) is int else TypeError  # not an integer: a type error (stop 64)
+    with pytest.raises(error, match=r"loss_id=.* valid choices: 0 to 1 \(num_losses=2\)"):
         amp.scale_loss(torch.tensor(1.0), loss_id=loss_id)
 
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from lightning_mpx.apex._state import is_rank_zero
 from lightning_mpx.engine.amp import Amp
+from lightning_mpx.engine.clipping import clip_limit
 from lightning_mpx.settings import check_flag
 
 __all__ = [
@@ -152,6 +153,7 @@ class FP16_Optimizer:
         if float(norm_type) == 2.0:
             norm = float(self.amp.clip_grad_norm_(self.optimizer, max_norm))
             return -1.0 if not math.isfinite(norm) else norm
+        max_norm = clip_limit("max_norm", max_norm)  # as the engine's clip above: torch's flips or zeroes them
         self.update_master_grads()
         if self.amp.overflowed(self.optimizer):
             return -1.0  # Apex's answer on overflow; the gradients stay for the step to skip

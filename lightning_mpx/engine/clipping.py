@@ -24,7 +24,7 @@ def clip_norm(
 ) -> torch.Tensor:
     """:meth:`Amp.clip_grad_norm_ <lightning_mpx.engine.amp.Amp.clip_grad_norm_>` for ``machine``'s ``optimizer``."""
     state = machine.state(optimizer)
-    max_norm = _clip_limit("max_norm", max_norm)
+    max_norm = clip_limit("max_norm", max_norm)
     if state.stage is not _Stage.UNSCALED:
         machine._unscale(state, max_norm=float(max_norm))
     else:
@@ -51,7 +51,7 @@ def clip_value_(
 ) -> None:
     """:meth:`Amp.clip_grad_value_ <lightning_mpx.engine.amp.Amp.clip_grad_value_>` for ``machine``'s ``optimizer``."""
     state = machine.state(optimizer)
-    clip_value = _clip_limit("clip_value", clip_value)
+    clip_value = clip_limit("clip_value", clip_value)
     if state.stage is not _Stage.UNSCALED:
         machine._unscale(state)
     elif machine.masters.weights:
@@ -108,7 +108,7 @@ def _clip_unscaled(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     return total
 
 
-def _clip_limit(name: str, value: object) -> float:
+def clip_limit(name: str, value: object) -> float:
     """``value`` as a float, refused unless a positive number (``math.inf``: no clipping): a NaN limit makes every
     gradient NaN, a negative one flips or pins them, and the step that follows would apply them."""
     try:

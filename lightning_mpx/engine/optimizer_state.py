@@ -195,7 +195,13 @@ def backward_loss(loss: torch.Tensor, backward_kwargs: dict[str, Any]) -> torch.
 
 
 def loss_index(loss_id: int, num_losses: int) -> int:
-    """``loss_id`` as a Python int (numpy and other integer types accepted; bool refused), checked in range."""
+    """``loss_id`` as a Python int (numpy and other integer types accepted; bool refused), checked in range.
+
+    Raises:
+        TypeError: ``loss_id`` is not an integer (a string, a float, a bool, ``None``), naming the valid type.
+        ValueError: an integer out of range, naming the valid ones.
+    """
+    choices = f"valid choices: 0 to {num_losses - 1} (num_losses={num_losses})"
     try:
         # numpy's bool is refused like Python's: numpy before 2.3 still lets operator.index read it as 0 or 1.
         kind = type(loss_id)
@@ -207,8 +213,11 @@ def loss_index(loss_id: int, num_losses: int) -> int:
         index = None if is_bool else operator.index(loss_id)
     except TypeError:
         index = None
-    if index is None or not 0 <= index < num_losses:
-        raise ValueError(
-            f"loss_id={loss_id!r} is out of range; valid choices: 0 to {num_losses - 1} (num_losses={num_losses})."
+    if index is None:  # "0", 0.0, True, None: "out of range" named no type before
+        raise TypeError(
+            f"loss_id={loss_id!r} ({type(loss_id).__name__}) must be an int (a Python or numpy integer, or a 0-d "
+            f"integer tensor); {choices}."
         )
+    if not 0 <= index < num_losses:
+        raise ValueError(f"loss_id={loss_id!r} is out of range; {choices}.")
     return index

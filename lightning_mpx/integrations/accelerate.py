@@ -516,12 +516,13 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
     ) -> None:
         # grad_scaler=False: no scaler.pt (transformers' Trainer loads one into accelerator.scaler, None unless fp16)
         assert self.amp is not None
-        self._close_iteration()  # the checkpoint holds the scale the next backward would use
-        state = self.amp.state_dict()  # every rank reads its device state (the flags are reduced); the log's position
+        self._close_iteration()  # on every rank: the checkpoint holds the scale the next backward would use
+        if not (self.is_main_process or (self.project_configuration.save_on_each_node and self.is_local_main_process)):
+            return  # built where written only: no collective in it (the flags were reduced at the step)
+        state = self.amp.state_dict()  # the log's position with it
         # At O2 the model files hold the FP32 masters: each is written once (load_state loads those files after this)
         state = masters_left_to_weights(self.amp, [self.unwrap_model(m) for m in models], weights, state)
-        if self.is_main_process or (self.project_configuration.save_on_each_node and self.is_local_main_process):
-            write_amp_state(state, output_dir, self.amp.scalers if grad_scaler else ())
+        write_amp_state(state, output_dir, self.amp.scalers if grad_scaler else ())
 
     def _load_amp_state(self, models: list[nn.Module], input_dir: str) -> None:
         assert self.amp is not None

@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from lightning_mpx.common.imports import require
+from lightning_mpx.engine.clipping import clip_limit
 
 require("accelerate", feature="lightning_mpx.accelerate")
 from lightning_mpx.integrations.accelerate_optimizer import (  # noqa: E402
@@ -57,11 +58,14 @@ class GradientClipping:
 
         Raises:
             RuntimeError: inside ``accumulate()`` on a step that does not synchronise gradients.
-            ValueError: when a parameter with a gradient belongs to no optimizer prepared by this accelerator, or
-                under FSDP for a part of an optimizer's parameters or a norm_type other than 2.
+            ValueError: when ``max_norm`` is not a positive number (``math.inf`` is: the norm without clipping), a
+                parameter with a gradient belongs to no optimizer prepared by this accelerator, or under FSDP for a
+                part of an optimizer's parameters or a norm_type other than 2.
         """
         if self.amp is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)  # type: ignore[no-any-return]
+        if type(max_norm) not in (int, float) or not max_norm > 0:  # torch's clip (below) would flip or zero them
+            clip_limit("max_norm", max_norm)
         self._check_sync("clip_grad_norm_")
         owners, targets = gradient_targets(self.amp, self._amp_optimizers(), parameters)
         if float(norm_type) == 2.0 and len(owners) == 1:
@@ -86,6 +90,8 @@ class GradientClipping:
         if self.amp is None:
             super().clip_grad_value_(parameters, clip_value)
             return
+        if type(clip_value) not in (int, float) or not clip_value > 0:  # torch's clamp would pin or zero them
+            clip_limit("clip_value", clip_value)
         self._check_sync("clip_grad_value_")
         owners, targets = gradient_targets(self.amp, self._amp_optimizers(), parameters)
         self._unscale(owners)

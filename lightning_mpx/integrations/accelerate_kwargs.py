@@ -56,8 +56,8 @@ def _with_setting_fields(cls: type) -> type:
     (the opt-level overrides ``None``: the preset's value), ahead of the class's own fields."""
     generated = {}
     for name, kind, default in setting_fields(overrides=True):
-        if name == "half_dtype":  # None: the device's (see MixedPrecisionKwargs.settings)
-            kind, default = f"{kind} | None", None
+        if name == "half_dtype":  # None: the device's (see MixedPrecisionKwargs.settings), once in the annotation
+            kind, default = (kind if "None" in kind.split(" | ") else f"{kind} | None"), None
         generated[name] = kind
         setattr(cls, name, default)
     cls.__annotations__ = {**generated, **cls.__dict__.get("__annotations__", {})}

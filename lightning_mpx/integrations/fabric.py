@@ -72,6 +72,7 @@ from typing_extensions import Unpack
 
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
+from lightning_mpx.engine.clipping import clip_limit
 from lightning_mpx.engine.optimizer_step import AUTOCAST_DEVICES
 from lightning_mpx.engine.sharding import is_sharded
 from lightning_mpx.masters.weights import MasterWeights, convert_module, has_floating_parameters
@@ -323,7 +324,14 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
     def backward(
         self, tensor: torch.Tensor, model: nn.Module | None, *args: Any, loss_id: int = 0, **kwargs: Any
     ) -> None:
-        """Backward on the loss times the scale of ``loss_id`` (``fabric.backward(loss, loss_id=1)``)."""
+        """Backward on the loss times the scale of ``loss_id`` (``fabric.backward(loss, loss_id=1)``).
+
+        Raises:
+            RuntimeError: before ``fabric.setup`` (no model set up, no optimizer registered), naming it: the scaled
+                gradients of a model Fabric never set up would reach its optimizer scaled.
+        """
+        if not (self._modules.data or self._optimizers.data):  # sets: no call per step
+            raise RuntimeError(_BEFORE_SETUP)
         self._begin()
         if not args and not torch._C._len_torch_function_stack() and not any(
             map(torch.is_autocast_enabled, AUTOCAST_DEVICES)
@@ -378,7 +386,19 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Unscale ``optimizer``'s gradients (once per step; ``fabric.clip_gradients`` calls it). At O2 the true
-        values go to the FP32 masters' gradients, and a half copy to the model's."""
+        values go to the FP32 masters' gradients, and a half copy to the model's.
+
+        Raises:
+            ValueError: called by ``fabric.clip_gradients`` with a ``max_norm`` or ``clip_val`` that is not a positive
+                number (``math.inf`` is: no clipping), before anything is unscaled. torch's clip takes them and
+                flips (negative), zeroes (zero) or poisons (NaN) the gradients the step applies.
+        """
+        caller = sys._getframe(1)
+        name = _CLIP_LIMITS.get(caller.f_code.co_name)  # Fabric's Strategy.clip_gradients_norm/_value: their limit
+        if name is not None:
+            limit = caller.f_locals.get(name)
+            if type(limit) not in (int, float) or not limit > 0:  # a call only for a bad (or unusual) one
+                clip_limit(name, limit)
         optimizer = _unwrap(optimizer)
         self._register(optimizer)
         # FSDP1 wrappers: found when the plugin took the models, or the models themselves when the user wrapped them
@@ -476,6 +496,19 @@ def _fabric_call(frame: Any) -> dict[str, Any]:
 
 # How far up convert_module's caller _fabric_call looks for Fabric's setup (a few wrappers deep).
 _FRAMES_SEARCHED = 8
+
+# fabric.backward before anything was set up (Fabric refuses the same under DeepSpeed; "16-mixed" scales silently).
+_BEFORE_SETUP = (
+    "fabric.backward(loss) was called before fabric.setup(): the plugin has set up no model and knows no optimizer. "
+    "It scales the loss and unscales the gradients at the step of an optimizer it knows, so a model Fabric did not "
+    "set up would keep scaled gradients (an optimizer stepped by hand applies them scaled; at O2 fabric.setup then "
+    "drops them as it casts the model), and it ran its forward without the opt level's casts. Call "
+    "fabric.setup(model, optimizer) (or fabric.setup_module(model)) before the first fabric.backward(); for a loss "
+    "that trains tensors of your own (no model), register their optimizer first: plugin.setup_optimizers(optimizer)."
+)
+
+# The Strategy methods fabric.clip_gradients calls (which call unscale_gradients), by name, and their limit's name.
+_CLIP_LIMITS = {"clip_gradients_norm": "max_norm", "clip_gradients_value": "clip_val"}
 
 
 def _unwrap(optimizer: Any) -> Any:

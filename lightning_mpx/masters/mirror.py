@@ -17,7 +17,7 @@ import torch
 from lightning_mpx.masters.watch import _DataWatch
 from lightning_mpx.scaling.unscale import UnscaleWorkspace, _one_copy_group, cast_copy_
 
-__all__ = ["Mirror", "step_mirrored"]
+__all__ = ["Mirror", "handed_over_error", "step_mirrored"]
 
 _VERSION = operator.attrgetter("_version")
 _HANDED_OVER = -2  # an _Entry's version once its parameter went to another engine (MasterWeights.hand_over)
@@ -33,6 +33,20 @@ CONVERTED_HINT = (
     "a load_state hook the masters take the checkpoint's FP32 values exactly); to train them as FP32 parameters, name "
     "their modules in fp32_modules=[...] or train at O1."
 )
+
+
+def handed_over_error(name: str, *, converted: bool) -> RuntimeError:
+    """The refusal of a step of parameter ``name``, handed over by its masters (``converted``: made another dtype),
+    at any step: the first one (:func:`~lightning_mpx.masters.swap.mirrors`, where no mirror holds it yet) or a
+    later one (:meth:`Mirror.take_writes`)."""
+    hint = f" {CONVERTED_HINT}" if converted else ""
+    return RuntimeError(
+        f"parameter {name!r} was handed to another engine, which prepared its model since (a new "
+        "MixedPrecisionPlugin, FabricMixedPrecisionPlugin or Amp: a second stage) and steps its FP32 master now, or "
+        "was made another dtype since (the model's .float(), .double(), .half(), which took its FP32 master) or let "
+        "go (release_masters); this optimizer's engine no longer holds it. Step the model with the optimizer of the "
+        f"engine that prepared it last (prepare it again after changing its dtype).{hint}"
+    )
 
 
 class Mirror:
@@ -164,15 +178,7 @@ def _take_writes(pairs: list[tuple[_Entry, torch.Tensor]]) -> list[str]:
         for entry, param in pairs:
             master = entry.master
             if entry.version in (_HANDED_OVER, _CONVERTED):
-                hint = f" {CONVERTED_HINT}" if entry.version == _CONVERTED else ""
-                raise RuntimeError(
-                    f"parameter {entry.name!r} was handed to another engine, which prepared its model since (a new "
-                    "MixedPrecisionPlugin, FabricMixedPrecisionPlugin or Amp: a second stage) and steps its FP32 "
-                    "master now, or was made another dtype since (the model's .float(), .double(), .half(), which "
-                    "took its FP32 master) or let go (release_masters); this optimizer's engine no longer holds it. "
-                    "Step the model with the optimizer of the engine that prepared it last (prepare it again after "
-                    f"changing its dtype).{hint}"
-                )
+                raise handed_over_error(entry.name, converted=entry.version == _CONVERTED)
             assert master is not None
             entry.mark(param)
             if master.device != param.device:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from lightning_mpx.engine.optimizer_state import _OptimizerState, optimizer_params
-from lightning_mpx.masters.mirror import Mirror, step_mirrored
+from lightning_mpx.masters.mirror import Mirror, handed_over_error, step_mirrored
 from lightning_mpx.masters.pairs import param_pairs, state_to_masters
 from lightning_mpx.masters.state_keys import has_own_key, key_by_masters, put_by_param
 from lightning_mpx.masters.weights import MasterWeights
@@ -39,8 +39,16 @@ def mirrors(state: _OptimizerState, master_weights: Sequence[MasterWeights], *, 
 
 def _make_mirrors(state: _OptimizerState, master_weights: Sequence[MasterWeights], compare: bool) -> list[Mirror]:
     params = [param for param, master in state.pairs if master is not param]
-    state.mirrors = [m for masters in master_weights if (m := masters.mirror(params, compare=compare)).params]
-    return state.mirrors
+    made = [m for masters in master_weights if (m := masters.mirror(params, compare=compare)).params]
+    if sum(len(mirror.params) for mirror in made) != len(params):
+        # Paired with a master when the optimizer was registered, handed over since (a second stage's engine, or
+        # made another dtype: diffusers' cast_training_params after prepare) before this first step: refused as a
+        # later step refuses it (the step took the stale master, which the parameter's new FP32 data shares, before)
+        for masters in master_weights:
+            if names := masters.handed_names(params):
+                raise handed_over_error(names[0], converted=bool(masters.converted_names(params)))
+    state.mirrors = made
+    return made
 
 #: The key of an O2 optimizer's state dict naming, by index, the state keys a half parameter kept (outside the step:
 #: SAM's ``old_p``) that the state dict holds under its master, in FP32; a load gives them back to the half parameter.

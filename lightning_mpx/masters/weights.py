@@ -68,15 +68,22 @@ def convert_module(
     :func:`~lightning_mpx.masters.fp32_buffers.keeps_fp32_buffer`).
 
     Raises:
-        ValueError: when the module has no floating-point parameters (there would be nothing to train in half) and
-            ``require_parameters``.
+        TypeError: ``dtype`` is not a ``torch.dtype``.
+        ValueError: ``dtype`` is not a half dtype (``torch.float16``, ``torch.bfloat16``: the opt levels' half dtype;
+            ``module.float()`` makes a model FP32), or the module has no floating-point parameters (there would be
+            nothing to train in half) and ``require_parameters``.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module.")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(
-            f"dtype={dtype!r} must be a floating-point torch.dtype; valid choices: torch.float16, torch.bfloat16, "
-            "torch.float32 (a name such as 'float16' is not taken here)."
+            f"dtype={dtype!r} must be a floating-point torch.dtype; valid choices: torch.float16, torch.bfloat16 "
+            "(a name such as 'float16' is not taken here)."
+        )
+    if dtype not in HALF_DTYPES:  # float64 was taken: a "half" model in double, its masters FP32 below it
+        raise ValueError(
+            f"dtype={dtype} is not a half-precision dtype; valid choices: torch.float16, torch.bfloat16 (the opt "
+            "levels' half dtypes; for an FP32 model, module.float())."
         )
     for name, flag in (("keep_batchnorm_fp32", keep_batchnorm_fp32), ("require_parameters", require_parameters)):
         if not isinstance(flag, bool):  # a string ("False") was taken as true

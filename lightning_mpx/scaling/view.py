@@ -118,6 +118,12 @@ class GradScalerView:
         ``plugin.state_dict()``."""
         return self._scaler().grad_scaler_state() or {}
 
+    def _get_growth_tracker(self) -> int:
+        """The unskipped steps since the scale last grew or backed off, as a Python int: ``GradScaler``'s private
+        method, which callbacks ported from ``"16-mixed"`` log (``scaler._get_growth_tracker()``); 0 before the
+        first backward (a ``GradScaler``'s ``init`` value), or a loaded checkpoint's."""
+        return int(self._scaler().state_dict()["growth_tracker"])
+
     @property
     def _scale(self) -> torch.Tensor | None:
         """A copy of the scale as a 0-d FP32 tensor on its device; ``None`` before the first backward (a
