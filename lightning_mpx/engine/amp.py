@@ -272,7 +272,8 @@ class Amp(AmpMasters):
     def backward(self, loss: torch.Tensor, loss_id: int = 0, **backward_kwargs: Any) -> None:
         """``scale_loss(loss, loss_id).backward(**backward_kwargs)`` inside :meth:`backward_context`."""
         usual = type(loss) is torch.Tensor and loss.requires_grad and loss.numel() == 1 and loss.is_floating_point()
-        loss = loss if usual else backward_loss(loss, backward_kwargs)  # else: refused
+        # else: refused (a keyword Tensor.backward does not take too, before anything is noted)
+        loss = loss if usual and not backward_kwargs else backward_loss(loss, backward_kwargs)
         # scale_loss(loss, loss_id), written out (a call saved per step)
         loss_id = loss_id if type(loss_id) is int and 0 <= loss_id < len(self.scalers) else self._loss_index(loss_id)
         if self._pending.steps:

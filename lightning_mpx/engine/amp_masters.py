@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lightning_mpx.engine.amp_records import AmpRecords
-from lightning_mpx.engine.rescale import true_grad
+from lightning_mpx.engine.rescale import true_grad, unscaled_grad
 from lightning_mpx.masters.pairs import param_pairs
 from lightning_mpx.masters.swap import follow_modes
 
@@ -50,19 +50,29 @@ class AmpMasters(AmpRecords):
         outside the step (peft's AdaLoRA scores): at O2 a new FP32 tensor for each half parameter a registered
         optimizer holds (its half gradient keeps the loss scale it was computed with until the next backward or
         ``zero_grad``: divided by it, the clips since the unscale applied; between an unscale and the step its master's
-        gradient), ``None`` where it has no gradient; any other parameter's ``.grad`` as it is."""
-        wanted = list(params)
+        gradient), ``None`` where it has no gradient. A parameter without a master that a registered optimizer holds
+        (O1's FP32 model, batch norm at O2): after a backward and before the unscale a new FP32 tensor, its ``.grad``
+        divided by the scale it carries; after the unscale its ``.grad`` (unscaled in place). Any other parameter's
+        ``.grad`` as it is.
+
+        Raises:
+            TypeError: ``params`` is not an iterable of tensors (a single tensor, a module, ``named_parameters()``).
+        """
+        wanted = _tensors(params)
         ids = {id(p) for p in wanted}
         found: dict[int, torch.Tensor | None] = {}
         machine = self._machine
-        if machine.masters.weights:
-            for state in list(machine.optimizers.values()):
-                optimizer = state.optimizer_ref()
-                if optimizer is None:
-                    continue
-                for param, master in param_pairs(state, machine.masters.weights, optimizer=optimizer):
-                    if id(param) in ids and master is not param:
-                        found[id(param)] = true_grad(state, machine.scalers, param, master)
+        for state in list(machine.optimizers.values()):
+            optimizer = state.optimizer_ref()
+            if optimizer is None:
+                continue
+            for param, master in param_pairs(state, machine.masters.weights, optimizer=optimizer):
+                if id(param) in ids:
+                    found[id(param)] = (
+                        true_grad(state, machine.scalers, param, master)
+                        if master is not param
+                        else unscaled_grad(state, machine.scalers, param)
+                    )
         return [found[id(p)] if id(p) in found else p.grad for p in wanted]
 
     def refresh_masters(self, params: Iterable[torch.Tensor] | None = None, *, force: bool = False) -> list[str]:
@@ -94,3 +104,23 @@ class AmpMasters(AmpRecords):
             )
         self.follow_optimizer_modes()  # a schedule-free optimizer's eval() since the last forward: its point
         return self._masters.fp32_state_dict(module)
+
+
+def _tensors(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """``params`` as a list of tensors, refusing what is not an iterable of tensors with a ``TypeError`` that says
+    what to pass (a single tensor iterates over its rows; ``named_parameters()`` gives pairs)."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params is one tensor (iterated, it gives its rows): pass [param], or model.parameters().")
+    if isinstance(params, nn.Module) or not isinstance(params, Iterable):
+        raise TypeError(
+            f"params={type(params).__name__}: pass an iterable of parameters, such as model.parameters() or [param]."
+        )
+    wanted = list(params)
+    for each in wanted:
+        if not isinstance(each, torch.Tensor):
+            hint = " (named_parameters() gives (name, parameter) pairs)" if isinstance(each, tuple) else ""
+            raise TypeError(
+                f"params holds a {type(each).__name__}, not a tensor{hint}: pass an iterable of parameters, such as "
+                "model.parameters() or [param]."
+            )
+    return wanted

@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 import torch
 
+from lightning_mpx.common.keywords import check_keywords
 from lightning_mpx.masters.mirror import Mirror
 from lightning_mpx.scaling.workspace import UnscaleWorkspace
 
@@ -172,9 +173,17 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]
         yield from group["params"]
 
 
+#: The keywords of a scaled backward: the loss's scaler, then ``Tensor.backward``'s own.
+BACKWARD_KEYWORDS: tuple[str, ...] = ("loss_id", "gradient", "retain_graph", "create_graph", "inputs")
+
+
 def backward_loss(loss: torch.Tensor, backward_kwargs: dict[str, Any]) -> torch.Tensor:
     """``loss``, refused with an error that says what is wrong with it (instead of autograd's) unless a backward can
-    start from it: a floating-point tensor that requires grad, with one element (or a ``gradient`` given)."""
+    start from it: a floating-point tensor that requires grad, with one element (or a ``gradient`` given); a keyword
+    ``Tensor.backward`` does not take (``loss_idx=``) is refused naming the valid ones (torch's error named neither
+    ``loss_id`` nor them)."""
+    if backward_kwargs:
+        check_keywords("backward()", backward_kwargs, BACKWARD_KEYWORDS)
     if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
         kind = loss.dtype if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise TypeError(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -554,10 +554,25 @@ class _LoadIntoMasters(_EngineHook):
         if args and isinstance(args[0], dict) and args[0].get("assign_to_params_buffers"):
             _refuse_assign(models, module, state_dict, prefix)
         models.machine.forget_writes()  # a load writes the parameters (a rollback after a backward): no raw step
-        for name, param in module.named_parameters(recurse=False):
+        for name, param in _unhooked_parameters(module, type(self)):
             value = state_dict.get(prefix + name)
             if param.dtype in HALF_DTYPES and torch.is_tensor(value) and value.dtype == torch.float32:
                 models.masters.take_loaded(param, value, models.machine.optimizers.values())
+
+
+def _unhooked_parameters(module: nn.Module, hook: type) -> Iterator[tuple[str, nn.Parameter]]:
+    """``module``'s own parameters, and those of its submodules without a ``hook`` of their own (made since the
+    hooks were put on: ``torch.nn.utils.parametrize`` moves a weight into ``parametrizations.weight.original``, a
+    module of its own), by their names under ``module``: the parameters whose load ``module``'s hook takes."""
+    yield from module.named_parameters(recurse=False)
+    todo = [(name + ".", child) for name, child in module.named_children()]
+    while todo:
+        prefix, sub = todo.pop()
+        if any(isinstance(getattr(h, "hook", h), hook) for h in sub._load_state_dict_pre_hooks.values()):
+            continue  # its own hook takes its parameters
+        for name, param in sub.named_parameters(recurse=False):
+            yield prefix + name, param
+        todo += [(prefix + name + ".", child) for name, child in sub.named_children()]
 
 
 class _FollowModes(_EngineHook):

@@ -399,6 +399,17 @@ def true_grad(
     return value
 
 
+def unscaled_grad(state: _OptimizerState, scalers: Sequence[LossScaler], param: torch.Tensor) -> torch.Tensor | None:
+    """The true value of the gradient of ``param``, a parameter without a master (O1's FP32 model, batch norm or
+    ``fp32_modules`` at O2, O3's half model), as FP32 training holds it (``None`` without a gradient): after a
+    backward and before the unscale (``READY``) a new FP32 tensor, its ``.grad`` divided by the scale it carries;
+    otherwise its ``.grad`` itself (the unscale wrote the true values in place). Nothing is changed."""
+    grad = param.grad
+    if grad is None or state.stage is not _Stage.READY or state.loss_id is None:
+        return grad
+    return grad.detach().to(torch.float32, copy=True).div_(_carried_scale(state, scalers).to(grad.device))
+
+
 def hold_scale(state: _OptimizerState, scaler: LossScaler, *, masters: bool = True) -> None:
     """At an update, O2: the half gradients a step (STEPPED) or an unscale (SKIPPED) left scaled keep the scale they
     carry while ``scaler`` (dynamic) moves on; one small copy, only when such gradients are there. Without

@@ -82,31 +82,19 @@ class FabricBookkeeping:
 
     def _begin_read(self) -> bool:
         """:meth:`_begin` for a read (``metrics()``, ``scaler``, ``state_dict()``), which code calls on rank 0 alone:
-        under a process group it does not end the iteration while a step may still come in it: gradients of
-        parameters no registered optimizer holds (an optimizer the plugin has not met yet, a GAN's G before its first
-        step), or a registered optimizer that has not stepped since the last update (a GAN's G between D's step and
-        its own, with gradients or without). Ended there on the reading rank only, the ranks' scales would part (and
-        their weights; with ``skip_on_device`` their collectives: a hang); the next call every rank makes (a forward,
-        ``fabric.backward``) ends it. Nothing else changes: one process, or no step to come, as :meth:`_begin`.
+        under a process group it never ends the iteration. Ended there on the reading rank only, the ranks' scales
+        would part (and their weights; with ``skip_on_device`` their collectives: a hang) whenever a step still comes
+        in the iteration, which a rank cannot always tell (a GAN's G before the plugin met its optimizer, or between
+        D's step and its own; an optimizer set up apart, met at a first step over parameters that got no gradient);
+        the next call every rank makes (a forward, ``fabric.backward``) ends it. One process: as :meth:`_begin`.
         Whether the scale update was held back: the read then shows the scalers as the update will leave them
         (computed on copies), what it would show had it ended the iteration."""
         amp = self.amp
-        if amp.found_inf_reducer is not None and amp.iteration.update_pending and self._steps_may_follow():
+        if amp.found_inf_reducer is not None and amp.iteration.update_pending:
             self._begin(end=False)
             return True
         self._begin()
         return False
-
-    def _steps_may_follow(self) -> bool:
-        """Whether an optimizer step may still come in this iteration (see :meth:`_begin_read`): gradients no
-        registered optimizer holds, or a registered optimizer that has not stepped since the last update, gradients or
-        not (a GAN's ``opt_g.step()`` on iterations that gave G no loss: ended before it on the reading rank alone,
-        the ranks' growth trackers parted)."""
-        unheld = self.amp._machine.unheld
-        if unheld is not None and any(param.grad is not None for param in unheld.params()):
-            return True
-        iteration = self.amp.iteration
-        return not all(map(iteration.stepped, list(self._optimizers)))
 
     def metrics(self) -> dict[str, float]:
         """The ``mpx/*`` metrics as Python numbers, for ``fabric.log_dict``: ``mpx/loss_scale``, ``mpx/overflows``

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import functools
 import inspect
 import os
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from lightning_mpx.common.imports import require
+from lightning_mpx.common.keywords import check_keywords
 from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 from lightning_mpx.integrations.accelerate_checkpoint import AMP_STATE_NAME, masters_into, warn_frozen_half
 from lightning_mpx.integrations.accelerate_forward import engine_of
@@ -76,6 +78,7 @@ class MpxTrainerMixin:
         self, *args: Any, opt_level: str = "O2", mpx_kwargs: MixedPrecisionKwargs | None = None, **kwargs: Any
     ) -> None:
         _check_opt_level(opt_level)  # the core's message: "o2" and "02" get their "did you mean 'O2'?"
+        _refuse_unknown_keywords(super().__init__, kwargs)  # the Trainer's TypeError named neither ours nor its own
         if mpx_kwargs is not None and not isinstance(mpx_kwargs, MixedPrecisionKwargs):
             raise TypeError(
                 f"mpx_kwargs={type(mpx_kwargs).__name__} is not a MixedPrecisionKwargs: pass "
@@ -285,6 +288,32 @@ def _written(masters: dict[str, torch.Tensor], folder: str) -> dict[str, torch.T
                     if value.shape == masters[key].shape:
                         kept[key] = masters[key]
     return kept
+
+
+def _refuse_unknown_keywords(trainer_init: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+    """Refuse a keyword that neither the mixin nor the Trainer's ``__init__`` takes, before the Trainer runs: a
+    misspelt ``opt_level`` or a setting of the opt level (``half_dtype=``, which goes into ``mpx_kwargs``) named as
+    such, anything else with the valid keywords and the closest of them. A Trainer that takes any keyword names its
+    own."""
+    try:
+        parameters = inspect.signature(trainer_init).parameters
+    except (TypeError, ValueError):  # no signature to read: the Trainer's own error
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    accepted = [n for n, p in parameters.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL]
+    settings = [f.name for f in dataclasses.fields(MixedPrecisionKwargs) if f.init]
+    valid = ["opt_level", "mpx_kwargs", *accepted]
+    for name in (n for n in kwargs if n not in accepted):
+        near = difflib.get_close_matches(name, valid + settings, n=1)
+        if name in settings or (near and near[0] not in valid):
+            setting = name if name in settings else near[0]
+            raise TypeError(
+                f"{name!r} is not a keyword of the Trainer"
+                + (f" (did you mean {setting!r}?)" if setting != name else "")
+                + f": it is a setting of the opt level; pass mpx_kwargs=MixedPrecisionKwargs({setting}=...)."
+            )
+        check_keywords("Trainer()", [name], valid)
 
 
 def mpx_trainer(trainer_cls: type | None = None) -> type:
