@@ -19,10 +19,12 @@ from torch import nn
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.integrations.peft_fp32 import (
     AllocateInFp32,
+    CombineInFp32,
     MergeInFp32,
     _class_method_of,
     holds_own,
     is_adalora_model,
+    is_lora_model,
     is_tuner_layer,
 )
 from lightning_mpx.masters.weights import current_fp32_values
@@ -44,7 +46,8 @@ class MastersInStateDict:
     unpickled model (the hook is inert there: it holds the engine weakly and pickles as inert) keep the model's
     values. A Hugging Face model in it gets :class:`Fp32SavePretrained` too (its ``config.json`` then says float32),
     a peft model :class:`KeptAdapterLoad`, each peft tuner layer the FP32 merges of
-    :class:`~lightning_mpx.integrations.peft_fp32.MergeInFp32` and an AdaLoRA model the FP32 scores of
+    :class:`~lightning_mpx.integrations.peft_fp32.MergeInFp32`, a LoRA model the FP32 combinations of
+    :class:`~lightning_mpx.integrations.peft_fp32.CombineInFp32` and an AdaLoRA model the FP32 scores of
     :class:`~lightning_mpx.integrations.peft_fp32.AllocateInFp32`.
     """
 
@@ -79,6 +82,8 @@ class MastersInStateDict:
                 handles.append(MergeInFp32.install(sub, amp))
             elif is_adalora_model(sub):  # its importance scores from the masters and the true gradients
                 handles.append(AllocateInFp32.install(sub, amp))
+            if is_lora_model(sub):  # add_weighted_adapter combines the adapters' FP32 masters
+                handles.append(CombineInFp32.install(sub, amp))
         return _Handles(handles)
 
     def __call__(self, module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:

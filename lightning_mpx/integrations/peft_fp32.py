@@ -4,6 +4,9 @@
   base upcast exactly, and the merged base is rounded once, so that ``merge_and_unload()``, ``merge_adapter()`` and
   ``unmerge_adapter()`` of a model trained at O2 give the half rounding of the FP32 merge, not peft's merge of the
   adapters' half copies (rounded, multiplied in half, then added to the half base: two roundings);
+* :class:`CombineInFp32`: a LoRA model's ``add_weighted_adapter`` reads the adapters it combines as their FP32
+  masters, so that the new adapter (and a merge of it) is what FP32 training's gives, not a combination of the
+  adapters' half copies (``"linear"``: rounded twice; ``"svd"``: an SVD of the rounded products);
 * :class:`AllocateInFp32`: AdaLoRA's ``update_and_allocate`` reads the adapters as their FP32 masters and their
   gradients as FP32 training holds them (:meth:`Amp.true_grads <lightning_mpx.engine.amp.Amp.true_grads>`: at O2 the
   half gradients keep the loss scale after the step), so that its importance scores, and the ranks it masks, are
@@ -27,7 +30,15 @@ from torch import nn
 from lightning_mpx.common.dtypes import HALF_DTYPES
 from lightning_mpx.engine.amp import Amp
 
-__all__ = ["AllocateInFp32", "MergeInFp32", "holds_own", "is_adalora_model", "is_tuner_layer"]
+__all__ = [
+    "AllocateInFp32",
+    "CombineInFp32",
+    "MergeInFp32",
+    "holds_own",
+    "is_adalora_model",
+    "is_lora_model",
+    "is_tuner_layer",
+]
 
 
 def is_tuner_layer(module: nn.Module) -> bool:
@@ -42,6 +53,14 @@ def is_adalora_model(module: nn.Module) -> bool:
     training loop calls)."""
     adalora = sys.modules.get("peft.tuners.adalora.model")
     model = getattr(adalora, "AdaLoraModel", None) if adalora is not None else None
+    return model is not None and isinstance(module, model)
+
+
+def is_lora_model(module: nn.Module) -> bool:
+    """Whether ``module`` is peft's LoRA tuner (``peft_model.base_model``, whose ``add_weighted_adapter`` combines
+    adapters; AdaLoRA's is one too)."""
+    lora = sys.modules.get("peft.tuners.lora.model")
+    model = getattr(lora, "LoraModel", None) if lora is not None else None
     return model is not None and isinstance(module, model)
 
 
@@ -131,16 +150,39 @@ class AllocateInFp32(_OnFp32):
         return _on_fp32(amp, module, call, mastered_only=True)
 
 
+class CombineInFp32(_OnFp32):
+    """A LoRA model's ``add_weighted_adapter`` (on ``peft_model.base_model``) at O2: peft's own method runs with the
+    adapters' FP32 masters standing in for their half copies, put in the model for the call only; the new adapter it
+    makes is what peft makes from FP32 adapters (``"linear"``, ``"svd"`` and the other task-arithmetic kinds give FP32
+    tensors, which it stores as they are, as under FP32 training; ``"cat"`` writes them into the new adapter's half
+    weights, rounded once), so that ``merge_and_unload()`` of it is the rounding of FP32's merge. The adapters it reads
+    are not written."""
+
+    methods = ("add_weighted_adapter",)
+
+    def _run(self, amp: Amp, module: nn.Module, call: Callable[[], Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        return _on_fp32(amp, module, call, mastered_only=True, grads=False)
+
+
 class _RoundedToNonFinite(Exception):
     """A value :func:`_on_fp32` was to write is finite in FP32 and not in the parameter's half dtype."""
 
 
-def _on_fp32(amp: Amp, module: nn.Module, call: Callable[[], Any], *, mastered_only: bool, finite: bool = False) -> Any:
+def _on_fp32(
+    amp: Amp,
+    module: nn.Module,
+    call: Callable[[], Any],
+    *,
+    mastered_only: bool,
+    finite: bool = False,
+    grads: bool | None = None,
+) -> Any:
     """``call()`` with each half parameter of ``module`` replaced, in its owner's ``_parameters``, by an FP32 stand-in
     (its master, or the FP32 value kept for it; else, unless ``mastered_only``, its exact upcast), whose ``.grad`` is
-    the true gradient where ``mastered_only``; then the stand-ins written (in place, or set anew) go to the model:
-    into the master exactly, into the half parameter rounded. No FP32 value for any of them: ``call()`` as it is.
-    ``finite``: raise :class:`_RoundedToNonFinite`, writing nothing, when a finite value written rounds to inf."""
+    the true gradient where ``mastered_only`` (unless ``grads`` is ``False``); then the stand-ins written (in place, or
+    set anew) go to the model: into the master exactly, into the half parameter rounded. No FP32 value for any of
+    them: ``call()`` as it is. ``finite``: raise :class:`_RoundedToNonFinite`, writing nothing, when a finite value
+    written rounds to inf."""
     amp.refresh_masters()  # writes made to the model since the last step, as the step will take them
     fp32: dict[int, torch.Tensor] = {}
     for weights in amp._masters.prune():
@@ -153,9 +195,10 @@ def _on_fp32(amp: Amp, module: nn.Module, call: Callable[[], Any], *, mastered_o
     ]
     if not any(id(param) in fp32 for _, _, param in held):
         return call()  # no master here (a copy, another engine's model now)
-    grads = amp.true_grads(param for _, _, param in held) if mastered_only else [None] * len(held)
+    with_grads = mastered_only if grads is None else grads
+    true = amp.true_grads([param for _, _, param in held]) if with_grads else [None] * len(held)
     stand_ins = []
-    for (owner, leaf, param), grad in zip(held, grads):
+    for (owner, leaf, param), grad in zip(held, true):
         value = fp32.get(id(param))
         value = (value if value is not None else param).detach().to(torch.float32, copy=True)
         stand_in = nn.Parameter(value, requires_grad=param.requires_grad)
