@@ -35,7 +35,10 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Sequence, TypedDic
 import torch
 
 from lightning_mpx.casting.table import CastTable
-from lightning_mpx.common.keywords import check_keywords  # noqa: F401  (its home before; scaling/scaler.py imports it here)
+from lightning_mpx.common.keywords import (
+    check_keywords,  # noqa: F401  (its home before; scaling/scaler.py imports it here)
+    checks_keywords,
+)
 from lightning_mpx.health.promotion import check_patterns
 from lightning_mpx.opt_levels import Properties, _check_loss_scale, resolve_properties
 from lightning_mpx.scaling.unscale import BACKENDS
@@ -564,6 +567,14 @@ def warn_ignored_settings(settings: MixedPrecisionSettings) -> None:
 
 #: The name the engine calls (the warning began with the scaler's settings).
 warn_ignored_scaler_settings = warn_ignored_settings
+
+
+# A keyword that is not a field (``halfdtype=``) names the valid ones and the closest (the dataclass's own named none).
+for _settings in (ScalerSettings, MixedPrecisionSettings):
+    _settings.__init__ = checks_keywords(  # type: ignore[method-assign]
+        f"{_settings.__name__}()", tuple(f.name for f in dataclasses.fields(_settings) if f.init)
+    )(_settings.__init__)
+del _settings
 
 
 class SettingsKeywords(ScalerKeywords, OptLevelOverrides, total=False):

@@ -27,6 +27,7 @@ Tiny models on CPU, bfloat16 unless the scale is the point.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from pathlib import Path
 from typing import Any
@@ -213,6 +214,19 @@ def test_a_misspelt_backward_keyword_names_loss_id_and_changes_nothing() -> None
     clean, retried = _two_loss_run(False), _two_loss_run(True)
     for name, value in clean.items():
         assert torch.equal(retried[name], value), name
+
+
+def test_settings_objects_name_the_valid_keywords() -> None:
+    """``MixedPrecisionSettings(halfdtype=...)`` and ``ScalerSettings(init_scal=...)`` (the objects every door takes)
+    name the valid keywords and the closest, as ``Amp`` and ``MixedPrecisionKwargs`` do (Python's error named none)."""
+    from lightning_mpx.settings import MixedPrecisionSettings, ScalerSettings
+
+    with pytest.raises(TypeError, match=r"MixedPrecisionSettings\(\) .*'halfdtype'; valid choices: .*half_dtype=\?"):
+        MixedPrecisionSettings(opt_level="O2", halfdtype="bfloat16")
+    with pytest.raises(TypeError, match=r"ScalerSettings\(\) .*'init_scal'; valid choices: .*init_scale=\?"):
+        ScalerSettings(init_scal=2.0)
+    settings = MixedPrecisionSettings(opt_level="O2", half_dtype="bfloat16")
+    assert dataclasses.replace(settings, num_losses=2).num_losses == 2  # replace goes through the checked __init__
 
 
 def test_mpx_trainer_names_opt_level_and_mpx_kwargs() -> None:
