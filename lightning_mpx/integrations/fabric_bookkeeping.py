@@ -74,8 +74,9 @@ class FabricBookkeeping:
 
     def _read_scalers(self) -> list[LossScaler]:
         """The engine's scalers as a read shows them (the :attr:`scaler` view's): after the finished iteration's
-        scale update, made as at every call, or, where a read may not end the iteration (:meth:`_begin_read`),
-        computed on copies of those it changes (the live ones untouched, as on every other rank)."""
+        scale update, made as at every call, or, under a process group, where a read never ends the iteration
+        (:meth:`_begin_read`), computed on copies of those it changes (the live ones untouched, as on every other
+        rank)."""
         if self._begin_read():
             return self.amp._machine.updated_scalers()
         return list(self.amp.scalers)
@@ -101,7 +102,7 @@ class FabricBookkeeping:
         (since the previous call; after ``fabric.load``, since the saving run's previous call), ``mpx/skipped_steps``...
         (see :meth:`lightning_mpx.engine.amp.Amp.metrics`). Reads the device (it syncs): call it on the steps you log.
         Steps skipped on the device (``skip_on_device``) are read first, so that ``mpx/skipped_steps`` counts them.
-        Under a process group, where the read may not end the iteration (:meth:`_begin_read`), the scale and
+        Under a process group, where the read never ends the iteration (:meth:`_begin_read`), the scale and
         ``mpx/overflows`` are those the pending update will leave (computed on copies), as one process shows."""
         held = self._begin_read()
         self.amp.read_step_outcomes()
@@ -111,12 +112,11 @@ class FabricBookkeeping:
         """Loss scalers, FP32 master weights and counters: put the plugin into the state you save
         (``fabric.save(path, {"model": model, "optimizer": optimizer, "mpx": mpx})``). At O2 the masters a set-up
         model's ``state_dict()`` gives are named, not held: the model's entry holds them (each written once)."""
-        # A pending scale update belongs to the iteration that is being saved; not while another optimizer's gradients
-        # wait under a process group (_begin_read): `if fabric.global_rank == 0: mpx.state_dict()` between a GAN's two
-        # steps ended the iteration on rank 0 alone, and the ranks' scales and weights parted. Held back there, the
-        # save holds the scalers as the update will leave them (computed on copies: the live engine stays as every
-        # rank's), what a save that ended the iteration held: a resume (a head-only optimizer beside a body that keeps
-        # gradients: held back at every save) does not lose the update.
+        # A pending scale update belongs to the iteration that is being saved; not ended under a process group
+        # (_begin_read): `if fabric.global_rank == 0: mpx.state_dict()` between a GAN's two steps ended the iteration
+        # on rank 0 alone, and the ranks' scales and weights parted. Held back there, the save holds the scalers as the
+        # update will leave them (computed on copies: the live engine stays as every rank's), what a save that ended
+        # the iteration held: a resume does not lose the update.
         held = self._begin_read()
         # with metrics()'s position: a resumed run's first call counts from there
         state = masters_left_to_models(self.amp, self._modules, self.amp.state_dict())
@@ -142,7 +142,7 @@ class FabricBookkeeping:
         from the set-up model, and update the scales after the optimizer steps of the iteration that ended. Not in a
         model compiled after ``fabric.setup`` (traced, it would break the graph or put the update in it): the next
         eager call (``fabric.backward``, before any use of the scale) does it. ``end=False``: without the update (a
-        read that may not end the iteration, :meth:`_begin_read`)."""
+        read under a process group, :meth:`_begin_read`)."""
         # torch.compiler.is_compiling() with a call saved (three times a step): dynamo makes is_dynamo_compiling() a
         # constant True (the flag is not traced); eager code reads the flag that is_compiling() returns there.
         if not (torch.compiler.is_dynamo_compiling() or torch.compiler._is_compiling_flag):
