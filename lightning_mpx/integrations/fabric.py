@@ -395,8 +395,9 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         """
         caller = sys._getframe(1)
         name = _CLIP_LIMITS.get(caller.f_code.co_name)  # Fabric's Strategy.clip_gradients_norm/_value: their limit
-        if name is not None:
-            limit = caller.f_locals.get(name)
+        # (a strategy's own clip_gradients_norm(self, module, optimizer, **kwargs) has no such local: not checked)
+        if name is not None and name in (local := caller.f_locals):
+            limit = local[name]
             if type(limit) not in (int, float) or not limit > 0:  # a call only for a bad (or unusual) one
                 clip_limit(name, limit)
         optimizer = _unwrap(optimizer)
