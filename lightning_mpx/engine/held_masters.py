@@ -28,9 +28,10 @@ __all__ = ["MASTER_HALF_SUMS", "MASTER_SUMS", "HeldMasters"]
 #: The key of a lean engine entry holding, for each model, a checksum of each master its model's entry holds.
 MASTER_SUMS = "masters_in_state_dict_sums"
 
-#: The key of a lean engine entry holding the half dtype of the model that saved it (``"dtype"``) and, for each
-#: model, a checksum of the rounding to that dtype of each master its model's entry holds (``"sums"``): what an O3
-#: run's half model holds once the model's entry is loaded (since stop 64; an older entry is not checked at O3).
+#: The key of a lean engine entry holding, by half dtype (``str(torch.float16)``, ``str(torch.bfloat16)``) and for
+#: each model, a checksum of the rounding to that dtype of each master its model's entry holds: what an O3 run's
+#: half model in that dtype holds once the model's entry is loaded (since stop 64; an older entry is not checked at
+#: O3).
 MASTER_HALF_SUMS = "masters_in_state_dict_half_sums"
 
 #: What the core's refusal tells to do (a front door that checks itself names its own calls).
@@ -60,13 +61,14 @@ class HeldMasters:
         self.pending, self.rounded = [], None
         saved_sums = state.get(MASTER_SUMS) if isinstance(state, dict) else None
         if not amp.properties.master_weights and amp.properties.casts_model:
-            # Resumed at O3: the half model holds the masters' rounding, which the model's entry gives; checked
-            # against the entry's checksums of that rounding when it was saved in this run's half dtype (another
-            # dtype's rounding of the model's values would round twice), else not at all.
+            # Resumed at O3: the half model holds the masters' rounding to this run's half dtype, which the model's
+            # entry (FP32 masters) gives; checked against the entry's checksums of that rounding (an entry holds
+            # both half dtypes'), else (an entry of another format) not at all.
             half = state.get(MASTER_HALF_SUMS) if isinstance(state, dict) else None
-            if not isinstance(half, dict) or half.get("dtype") != str(amp.half_dtype):
+            saved_sums = half.get(str(amp.half_dtype)) if isinstance(half, dict) else None
+            if not isinstance(saved_sums, list):
                 return
-            saved_sums, self.rounded = half.get("sums"), amp.half_dtype
+            self.rounded = amp.half_dtype
         for index, saved in enumerate(saved_sums or ()):
             saved = _by_live_names(saved, _live_values(amp, index, self.rounded))
             now = _live_sums(amp, index, saved, self.rounded)

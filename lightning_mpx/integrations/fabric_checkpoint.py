@@ -60,19 +60,23 @@ def masters_left_to_models(
         return state
     held: list[list[str]] = []
     sums: list[dict[str, int]] = []
-    half_sums: list[dict[str, int]] = []
-    half = amp.half_dtype
+    half_sums: dict[str, list[dict[str, int]]] = {str(half): [] for half in _HALVES}
     for weights, masters in zip(amp._masters.prune(), saved):  # the engine's order: its live models'
         params = {entry.name: param for entry, param in weights._live()}
         names = [name for name in masters if name in params and id(params[name]) in hooked]
-        # One host read for both: each master and its rounding ("\0" ends no parameter's name).
-        both = checksums({**{n: masters[n] for n in names}, **{f"{n}\0": masters[n].to(half).float() for n in names}})
-        sums.append({n: both[n] for n in names if n in both})
-        half_sums.append({n: both[f"{n}\0"] for n in names if f"{n}\0" in both})
+        # One host read for all: each master and its rounding to each half dtype (a resume at O3 may take either;
+        # the model's entry holds the FP32 masters, which it rounds once). "\0" ends no parameter's name.
+        values = {n: masters[n] for n in names}
+        for index, half in enumerate(_HALVES):
+            values.update({f"{n}\0{index}": masters[n].to(half).float() for n in names})
+        found = checksums(values)
+        sums.append({n: found[n] for n in names if n in found})
+        for index, half in enumerate(_HALVES):
+            half_sums[str(half)].append({n: found[f"{n}\0{index}"] for n in names if f"{n}\0{index}" in found})
         for name in names:
             del masters[name]
         held.append(names)
     state[MASTERS_IN_STATE_DICT] = held
     state[MASTER_SUMS] = sums
-    state[MASTER_HALF_SUMS] = {"dtype": str(half), "sums": half_sums}
+    state[MASTER_HALF_SUMS] = half_sums
     return state
