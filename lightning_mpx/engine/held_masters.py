@@ -113,28 +113,39 @@ def shown(names: list[str], limit: int = 5) -> str:
     return ", ".join(map(repr, names[:limit])) + more
 
 
-def checksums(values: dict[str, torch.Tensor]) -> dict[str, int]:
+def checksums(values: dict[str, torch.Tensor], rounded: torch.dtype | None = None) -> dict[str, int]:
     """By name, the sum of each FP32 tensor's bit patterns as 64-bit integers (exact and order-free: the same on
-    every device; one host read for all)."""
-    names = [name for name, value in values.items() if value.dtype == torch.float32 and value.numel()]
+    every device; one host read for all). ``rounded`` (a half dtype): of each floating-point tensor's rounding to it,
+    as FP32, each rounding made and summed in turn (no copy of all the values is held at once: a model's worth of
+    FP32 copies at a save or a load would be a memory peak)."""
+    if rounded is None:
+        names = [name for name, value in values.items() if value.dtype == torch.float32 and value.numel()]
+        sums = [_bit_sum(values[name]) for name in names]
+    else:
+        names = [name for name, value in values.items() if value.is_floating_point() and value.numel()]
+        sums = [_bit_sum(values[name].detach().to(rounded).float()) for name in names]
     if not names:
         return {}
-    sums = [values[name].detach().reshape(-1).view(torch.int32).sum(dtype=torch.int64) for name in names]
     return dict(zip(names, torch.stack([s.cpu() for s in sums]).tolist()))
+
+
+def _bit_sum(value: torch.Tensor) -> torch.Tensor:
+    """The sum of an FP32 tensor's bit patterns as a 64-bit integer (a 0-d tensor on its device)."""
+    return value.detach().reshape(-1).view(torch.int32).sum(dtype=torch.int64)
 
 
 def _live_values(amp: Amp, index: int, rounded: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """By this run's names, the FP32 values of model ``index`` that the named masters load into: at O2 its live
     masters (writes made to the model since the last step taken first, as the step will take them); resumed at
     O0/O1 (no masters) the FP32 parameters of the prepared models, which the model's entry gives exactly; at O3
-    (``rounded``: the half dtype) the prepared parameters' values in that dtype, as FP32."""
+    (``rounded``: the half dtype) the prepared floating-point parameters, whose rounding to it is summed."""
     if amp.properties.master_weights:
         amp.refresh_masters()
         weights = amp._masters.prune()
         return weights[index].fp32_by_name() if index < len(weights) else {}
     params = amp._checkpoint._prepared_parameters()
-    if rounded is not None:
-        return {k: p.detach().to(rounded).float() for k, p in params.items() if p.is_floating_point()}
+    if rounded is not None:  # rounded as they are summed (_live_sums)
+        return {k: p for k, p in params.items() if p.is_floating_point()}
     return {k: p for k, p in params.items() if p.dtype == torch.float32}
 
 
@@ -160,4 +171,4 @@ def _by_live_names(saved: dict[str, int], live: dict[str, torch.Tensor]) -> dict
 def _live_sums(amp: Amp, index: int, names: Iterable[str], rounded: torch.dtype | None = None) -> dict[str, int]:
     """The checksums of the values of :func:`_live_values` named in ``names``."""
     live = _live_values(amp, index, rounded)
-    return checksums({name: live[name] for name in names if name in live})
+    return checksums({name: live[name] for name in names if name in live}, rounded)

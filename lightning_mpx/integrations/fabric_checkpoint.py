@@ -64,15 +64,12 @@ def masters_left_to_models(
     for weights, masters in zip(amp._masters.prune(), saved):  # the engine's order: its live models'
         params = {entry.name: param for entry, param in weights._live()}
         names = [name for name in masters if name in params and id(params[name]) in hooked]
-        # One host read for all: each master and its rounding to each half dtype (a resume at O3 may take either;
-        # the model's entry holds the FP32 masters, which it rounds once). "\0" ends no parameter's name.
+        # Each master's checksum and those of its rounding to each half dtype (a resume at O3 may take either; the
+        # model's entry holds the FP32 masters, which it rounds once): each rounding made and summed in turn.
         values = {n: masters[n] for n in names}
-        for index, half in enumerate(_HALVES):
-            values.update({f"{n}\0{index}": masters[n].to(half).float() for n in names})
-        found = checksums(values)
-        sums.append({n: found[n] for n in names if n in found})
-        for index, half in enumerate(_HALVES):
-            half_sums[str(half)].append({n: found[f"{n}\0{index}"] for n in names if f"{n}\0{index}" in found})
+        sums.append(checksums(values))
+        for half in _HALVES:
+            half_sums[str(half)].append(checksums(values, rounded=half))
         for name in names:
             del masters[name]
         held.append(names)
