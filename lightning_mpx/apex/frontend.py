@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -88,7 +89,37 @@ def initialize(
             _check_params_fp32(models_list)
         for optimizer in optimizers_list:  # what the engine's prepare_optimizer refuses (LBFGS...), refused here
             refuse_unregistrable(optimizer, with_masters=settings.properties.master_weights)
+        if settings.properties.master_weights and not keep_model:
+            _refuse_stray_half(models_list, optimizers_list)  # the engine's refusal, before a model is cast
         carried = _carry_over(models_list, optimizers_list)
+    # A refusal while preparing (the engine's: a lazy module, a model with nothing to cast) leaves _amp_state as it
+    # was (_Undo): a correct call after it is as if it had not happened.
+    undo = _Undo(models_list, optimizers_list)
+    try:
+        return _initialize(models_list, models_single, optimizers, optimizers_list, optimizers_single, enabled,
+                           verbosity, settings if enabled else None, num_losses, keep_model if enabled else False,
+                           half_params if enabled else [], cast_model_outputs, carried)  # fmt: skip
+    except BaseException:
+        undo.restore()
+        raise
+
+
+def _initialize(
+    models_list: list[nn.Module],
+    models_single: bool,
+    optimizers: Any,
+    optimizers_list: list[Any],
+    optimizers_single: bool,
+    enabled: bool,
+    verbosity: int,
+    settings: Any,
+    num_losses: int,
+    keep_model: bool,
+    half_params: Any,
+    cast_model_outputs: Any,
+    carried: list[tuple[Any, dict[str, Any]]],
+) -> Any:
+    """:func:`initialize` past its checks: ``_amp_state`` changed, the models and optimizers prepared."""
     _amp_state.begin_call(models_list, [o for o in optimizers_list if not isinstance(o, AmpOptimizer)])
     _amp_state.verbosity = verbosity
     _amp_state.enabled = enabled
@@ -128,6 +159,84 @@ def initialize(
     if amp.properties.patch_torch_functions:
         _amp_state.handle = _enter_casts(amp, verbose=verbosity == 2)
     return _shaped(models_list, models_single, optimizers, wrapped, optimizers_single)
+
+
+class _Undo:
+    """What :func:`initialize` changes in ``_amp_state`` (and in the earlier calls' engines: their loss scalers start
+    afresh), saved before it does, and put back by :meth:`restore` when it fails while preparing: its own hooks,
+    wrappers and O1 scope are removed, the earlier calls' state and scales are as they were (the earlier hooks and
+    wrapper of a model or optimizer given to it again stay dropped, as any call given them drops them)."""
+
+    def __init__(self, models: list[nn.Module], optimizers: list[Any]) -> None:
+        self.models = models
+        self.optimizers = [o for o in optimizers if not isinstance(o, AmpOptimizer)]
+        self.saved = {f.name: _copied(getattr(_amp_state, f.name)) for f in dataclasses.fields(_amp_state)}
+        engines = {id(w._engine): w._engine for w in _amp_state.optimizers.values()}
+        self.scales = [(scaler, scaler.state_dict()) for e in engines.values() for scaler in e.scalers]
+        self.scope = _amp_state.cast_scope
+
+    def restore(self) -> None:
+        state = _amp_state
+        if state.cast_scope is not None and state.cast_scope is not self.scope:
+            state.leave_cast_scope()  # this call's
+        for model in self.models:
+            for handle in state.hooks.pop(model, []):  # this call's (begin_call removed the earlier ones)
+                handle.remove()
+        for optimizer in self.optimizers:
+            wrapper = state.optimizers.get(id(optimizer))
+            if (
+                wrapper is not None
+                and wrapper.optimizer is optimizer
+                and wrapper is not self.saved["optimizers"].get(id(optimizer))
+            ):  # this call's wrapper
+                wrapper._engine.release_optimizer(optimizer)
+                wrapper.unguard_original()
+        for scaler, scale in self.scales:
+            scaler.load_state_dict(scale)
+        for name, value in self.saved.items():
+            setattr(state, name, value)
+        given = {id(o) for o in self.optimizers}
+        for model in self.models:
+            state.hooks.pop(model, None)  # dropped by begin_call (its handles removed): not hooked any more
+        for key in [k for k, w in state.optimizers.items() if k in given and w.optimizer is _by_id(self.optimizers, k)]:
+            del state.optimizers[key]  # released by begin_call
+        state.current = [w for w in state.current if id(w.optimizer) not in given]
+        if self.scope is not None and state.cast_scope is None:
+            self.scope.__enter__()  # the earlier call's O1 scope, which begin_call left, entered again
+            state.cast_scope, state.cast_thread = self.scope, threading.get_ident()
+
+
+def _by_id(objects: list[Any], key: int) -> Any:
+    return next((o for o in objects if id(o) == key), None)
+
+
+def _copied(value: Any) -> Any:
+    """A copy of an ``_amp_state`` field's container (one level deeper for the hooks' lists); other values as they
+    are."""
+    if isinstance(value, weakref.WeakKeyDictionary):
+        return weakref.WeakKeyDictionary({k: list(v) if isinstance(v, list) else v for k, v in value.items()})
+    if isinstance(value, weakref.WeakValueDictionary):
+        return weakref.WeakValueDictionary(dict(value.items()))
+    if isinstance(value, (list, set, dict)):
+        return type(value)(value)
+    return value
+
+
+def _refuse_stray_half(models: list[nn.Module], optimizers: list[Any]) -> None:
+    """At O2, an optimizer over half parameters of no model given to this call (they would have no FP32 master),
+    refused before anything is cast (the engine refuses it at ``prepare_optimizer``, after the models were cast)."""
+    owned = {id(p) for model in models for p in model.parameters()}
+    for optimizer in optimizers:
+        stray = [
+            p for group in optimizer.param_groups for p in group["params"]
+            if isinstance(p, torch.Tensor) and p.dtype in (torch.float16, torch.bfloat16) and id(p) not in owned
+        ]  # fmt: skip
+        if stray:
+            raise ValueError(
+                f"optimizers: {type(optimizer).__name__} holds {len(stray)} half parameter(s) (first: shape "
+                f"{tuple(stray[0].shape)}, {stray[0].dtype}) of no model given to this amp.initialize() call: they "
+                "would have no FP32 master weights. Pass the model that owns them in models (FP32, as built)."
+            )
 
 
 def _check_params_fp32(models: list[nn.Module]) -> None:

@@ -52,11 +52,15 @@ class AmpMasters(AmpRecords):
         ``zero_grad``: divided by it, the clips since the unscale applied; between an unscale and the step its master's
         gradient), ``None`` where it has no gradient. A parameter without a master that a registered optimizer holds
         (O1's FP32 model, batch norm at O2): after a backward and before the unscale a new FP32 tensor, its ``.grad``
-        divided by the scale it carries; after the unscale its ``.grad`` (unscaled in place). Any other parameter's
-        ``.grad`` as it is.
+        divided by the scale it carries; after the unscale its ``.grad`` (unscaled in place). A parameter of a
+        prepared model that no registered optimizer holds (yet: a door that meets its optimizer at its first step, or
+        none) a new FP32 tensor, its ``.grad`` divided by the scale of the engine backward that made it (kept across an
+        update), as ``GradScaler.unscale_`` and a read of ``.grad``; with every scale 1, ``.grad`` as it is.
 
         Raises:
             TypeError: ``params`` is not an iterable of tensors (a single tensor, a module, ``named_parameters()``).
+            RuntimeError: a parameter no registered optimizer holds has a gradient whose scale cannot be known (of no
+                prepared model, or made by no engine backward of a dynamic scale).
         """
         wanted = _tensors(params)
         ids = {id(p) for p in wanted}
@@ -73,7 +77,7 @@ class AmpMasters(AmpRecords):
                         if master is not param
                         else unscaled_grad(state, machine.scalers, param)
                     )
-        return [found[id(p)] if id(p) in found else p.grad for p in wanted]
+        return [found[id(p)] if id(p) in found else _unheld_true_grad(machine, p) for p in wanted]
 
     def refresh_masters(self, params: Iterable[torch.Tensor] | None = None, *, force: bool = False) -> list[str]:
         """Take writes made to the half model into the FP32 masters now (done before every step anyway); returns
@@ -104,6 +108,33 @@ class AmpMasters(AmpRecords):
             )
         self.follow_optimizer_modes()  # a schedule-free optimizer's eval() since the last forward: its point
         return self._masters.fp32_state_dict(module)
+
+
+def _unheld_true_grad(machine: Any, param: torch.Tensor) -> torch.Tensor | None:
+    """:meth:`AmpMasters.true_grads` of ``param``, which no registered optimizer holds: its ``.grad`` divided by the
+    scale it carries (a new FP32 tensor), or ``.grad`` as it is when every scale is 1; refused when that scale cannot
+    be known."""
+    grad = param.grad
+    scalers = machine.scalers
+    if grad is None or all(scaler._unit for scaler in scalers):
+        return grad
+    unheld = machine.unheld
+    known = unheld is not None and id(param) in unheld.ids
+    carried = unheld.scales.last_loss(param) if known else None
+    if carried is not None:
+        loss_id, scale = carried
+        scale = scalers[loss_id].scale_tensor if scale is None else scale
+    elif known and not any(s.dynamic for s in scalers) and len({float(s.scale_tensor) for s in scalers}) == 1:
+        scale = scalers[0].scale_tensor  # a static scale (every loss's): nothing recorded, nothing moves
+    else:
+        where = "a model prepared by this Amp" if known else "no model prepared by this Amp"
+        raise RuntimeError(
+            f"true_grads: a parameter (shape {tuple(param.shape)}, {param.dtype}) of {where}, which no optimizer "
+            "registered with it holds, has a gradient that no backward of this Amp with a dynamic loss scale is known "
+            "to have made: the scale it carries cannot be known. Register its optimizer (prepare_optimizer, or the "
+            "door's own call) before reading it, or read its .grad yourself."
+        )
+    return grad.detach().to(torch.float32, copy=True).div_(scale.to(grad.device))
 
 
 def _tensors(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:

@@ -97,3 +97,13 @@ class CarriedScales:
                     if scale is not None:  # else computed since the last update: at the scale the state reads
                         state.loss_id, state.grad_scale = loss_id, scale
                     break
+
+    def last_loss(self, param: torch.Tensor) -> tuple[int, torch.Tensor | None] | None:
+        """The loss of the last recorded backward that made or added to ``param``'s gradient and the scale it carries
+        across an update (``None``: computed since the last update, at that loss's scale now); ``None`` when no
+        record holds it. As :meth:`settle` reads it, for one parameter."""
+        key = id(param)
+        for loss_id, ids, _refs, _versions, scale in reversed(self.records):
+            if key in ids:
+                return loss_id, scale
+        return None

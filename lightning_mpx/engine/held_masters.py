@@ -40,6 +40,8 @@ CORE_ADVICE = (
     "amp.load_state_dict(ckpt['amp']))."
 )
 
+_CORE_ENTRY = "Amp.load_state_dict() loaded an entry that"
+
 
 class HeldMasters:
     """The masters a loaded engine entry left to the model's entry, checked at the next step.
@@ -54,11 +56,14 @@ class HeldMasters:
     def __init__(self) -> None:
         self.pending: list[tuple[int, dict[str, int], dict[str, int], dict[str, int]]] = []
         self.rounded: torch.dtype | None = None
+        # (entry, advice): the words of the front door that loaded the entry (its own calls), for the engine's check
+        # at the next step; None: the core's (set by the door after each load, reset by the next one)
+        self.words: tuple[str, str] | None = None
 
     def loaded(self, amp: Amp, state: Any) -> None:
         """After ``amp`` loaded ``state`` (its engine entry): note the named masters that are not the saved ones yet
         (the model's entry loads after the engine's, or never)."""
-        self.pending, self.rounded = [], None
+        self.pending, self.rounded, self.words = [], None, None
         saved_sums = state.get(MASTER_SUMS) if isinstance(state, dict) else None
         if not amp.properties.master_weights and amp.properties.casts_model:
             # Resumed at O3: the half model holds the masters' rounding to this run's half dtype, which the model's
@@ -91,12 +96,13 @@ class HeldMasters:
             self.pending = []
         return out
 
-    def check(
-        self, amp: Amp, *, advice: str = CORE_ADVICE, entry: str = "Amp.load_state_dict() loaded an entry that"
-    ) -> None:
+    def check(self, amp: Amp, *, advice: str | None = None, entry: str | None = None) -> None:
         """Raise ``RuntimeError`` (at every later call too: never a silent resume from this run's masters) if a
         named master is not the saved one and nothing wrote it since the load; otherwise stop checking. ``entry``
-        and ``advice``: the front door's words for its load and its fix."""
+        and ``advice``: the front door's words for its load and its fix (default: those the door that loaded the
+        entry set in :attr:`words`, else the core's)."""
+        door_entry, door_advice = self.words or (_CORE_ENTRY, CORE_ADVICE)
+        entry, advice = entry or door_entry, advice or door_advice
         missing = self.missing(amp)
         if missing:
             raise RuntimeError(

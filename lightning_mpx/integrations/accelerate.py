@@ -532,6 +532,17 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
             opt.unscaled = False
         # The next log counts from the saving run's last one (a checkpoint of the release before: its counts not logged)
         self.amp.load_state_dict(upgrade_unlogged(read_amp_state(path), LOG_READER))
+        self.amp._checkpoint.held.words = (_HELD_ENTRY, _HELD_ADVICE)  # its refusal names Accelerate's calls
+
+
+# The O2/O3 resume check's words (engine.held_masters) for an entry load_state loaded without the models' files.
+_HELD_ENTRY = "accelerator.load_state() loaded the engine's entry of a checkpoint that"
+_HELD_ADVICE = (
+    "accelerator.load_state(dir) loads the models' files and the engine's entry together: a load_state pre-hook "
+    "(register_load_state_pre_hook) that took the models out of its list skipped the models' files. Load them before "
+    "the next optimizer.step(): leave the models in load_state's list, or load the model file of that directory "
+    "into accelerator.unwrap_model(model) yourself (load_state_dict)."
+)
 
 
 def _split_handlers(kwargs_handlers: object) -> tuple[list[MixedPrecisionKwargs], list[KwargsHandler]]:

@@ -244,7 +244,7 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
                 if isinstance(caller, Fabric) and given.get("optimizers"):  # a new optimizer for it (a next stage)
                     self._meet_at_setup(given["optimizers"], caller.strategy)
                 return module
-        refuse_o2_sharding(self.amp, caller)
+        refuse_o2_sharding(self.amp, caller, module)
         pick_half_dtype(self, caller.device if isinstance(caller, Fabric) else module)  # none given: the device's
         # fabric.setup under DDP: every rank is here together, before the strategy wraps the model; the masters start
         # from rank zero's exact FP32 weights (one broadcast), not from their half rounding that DDP broadcasts.

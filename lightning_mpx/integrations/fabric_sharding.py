@@ -69,12 +69,14 @@ def sharded_form(plugin: FabricMixedPrecisionPlugin, module: nn.Module) -> nn.Mo
     return wrapper
 
 
-def refuse_o2_sharding(amp: Amp, caller: Any) -> None:
+def refuse_o2_sharding(amp: Amp, caller: Any, module: nn.Module | None = None) -> None:
     """At O2, refuse a model that Fabric's ``ModelParallelStrategy`` or ``FSDPStrategy`` will shard, as soon as the
     plugin can tell: ``caller`` is the object whose method called into the plugin (``fabric.setup`` converting the
     model: the ``Fabric``; ``FSDPStrategy`` reading the FSDP1 config to wrap it, at ``fabric.setup`` or
     ``fabric.init_module``: the strategy). Another caller (Lightning's throughput monitor reads the config under every
-    strategy) is let through; the plugin's first call after ``fabric.setup`` refuses such a model anyway."""
+    strategy) is let through; the plugin's first call after ``fabric.setup`` refuses such a model anyway. ``module``:
+    the model ``fabric.setup`` converts; one sharded already (``lightning_mpx.fsdp.shard_model`` or ``fully_shard``
+    before ``fabric.setup``, under any other strategy) is refused in words of that path."""
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import FSDPStrategy, ModelParallelStrategy
 
@@ -84,6 +86,21 @@ def refuse_o2_sharding(amp: Amp, caller: Any) -> None:
     if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
         fsdp1 = isinstance(strategy, FSDPStrategy)
         raise RuntimeError(o2_refusal(amp.opt_level, dtype_name(amp.half_dtype), fsdp1=fsdp1))
+    if module is not None and is_sharded(module):
+        raise RuntimeError(presharded_refusal(amp.opt_level, module, type(strategy).__name__))
+
+
+def presharded_refusal(level: str, module: nn.Module, strategy: str) -> str:
+    """Why O2 cannot train a model sharded by FSDP before ``fabric.setup`` under a strategy that does not shard
+    (``strategy``: its class name), and what to use."""
+    return (
+        f"FabricMixedPrecisionPlugin({level!r}) cannot train {type(module).__name__}, which FSDP sharded before "
+        f"fabric.setup (lightning_mpx.fsdp.shard_model or fully_shard), under Fabric's {strategy}: the plugin's "
+        f"{level} makes its own FP32 master weights of the model fabric.setup gives it and cannot train FSDP's FP32 "
+        "shards as them. Set the model up unsharded (the plugin makes its masters), use opt_level='O1' (or 'O3') "
+        f"for the sharded model, or train it with the core lightning_mpx.Amp({level!r}), whose masters are FSDP's "
+        "FP32 shards."
+    )
 
 
 def o2_refusal(level: str, half: str, *, fsdp1: bool) -> str:
