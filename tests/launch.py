@@ -64,7 +64,9 @@ def run_script(name: str, out: Path, *, timeout: float, ranks: int | None = 2, *
 
     ``ranks``: the script runs once per rank with torchrun's environment, forked from one interpreter that imported
     the heavy modules once for this whole test process (``tests/fork_ranks.py --serve``); ``None``: run once as it
-    is (a script that spawns its processes itself, with ``torch.multiprocessing.spawn`` or ``strategy="ddp_spawn"``).
+    is, forked from the same interpreter without torchrun's environment (a script that spawns its processes itself,
+    with ``torch.multiprocessing.spawn`` or ``strategy="ddp_spawn"``: those start fresh interpreters still; it paid
+    the imports in a process of its own until stop 64).
 
     The script runs in a session of its own: on a timeout the processes it spawned are killed with it (by its group).
     """
@@ -72,25 +74,7 @@ def run_script(name: str, out: Path, *, timeout: float, ranks: int | None = 2, *
     # PYTHONFAULTHANDLER: a rank that dies natively (a signal, heap corruption) prints every thread's Python stack
     # to the stderr quoted on failure, so that a one-off crash says where it happened.
     full_env = dict(os.environ, PYTHONPATH=str(ROOT), MPX_OUT=str(out), PYTHONFAULTHANDLER="1", **env)
-    if ranks is not None:
-        _run_forked(name, script, ranks, out, full_env, timeout)
-        return
-    proc = subprocess.Popen(
-        [sys.executable, script],
-        cwd=out,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        _, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, stderr = proc.communicate()
-        raise AssertionError(failure_report(f"{name} timed out after {timeout} s", stderr)) from None
-    assert proc.returncode == 0, failure_report(f"{name}: exit code {proc.returncode}", stderr)
+    _run_forked(name, script, 0 if ranks is None else ranks, out, full_env, timeout)
 
 
 @functools.lru_cache(maxsize=1)
