@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import re
-import tempfile
 from typing import Any, Callable
 
 import pytest
@@ -84,7 +83,9 @@ def _hf_trainer(*, opt_level: Any = "O2", mpx_kwargs: Any = None, **args: Any) -
 
     from lightning_mpx.integrations.hf_trainer import mpx_trainer
 
-    targs = TrainingArguments(tempfile.mkdtemp(prefix="badinput62-"), use_cpu=True, report_to=[], **args)
+    # A folder under the test's tmp_path (the working directory, _in_tmp_path): a tempfile.mkdtemp() here was left in
+    # /tmp by every run.
+    targs = TrainingArguments("hf-trainer", use_cpu=True, report_to=[], **args)
     kwargs = _mpk(**BF16) if mpx_kwargs is None else mpx_kwargs
     return mpx_trainer()(model=_Model(), args=targs, opt_level=opt_level, mpx_kwargs=kwargs)
 
@@ -175,6 +176,12 @@ _BAD_KEYWORDS: dict[str, list[Any]] = {
     "master_weights": ["yes", 1], "loss_scale": ["dyn", -1, "1024", math.inf, True], "cast_table": ["default"],
 }
 KEYWORDS = [(door, name, value) for door in PLUGINS for name, values in _BAD_KEYWORDS.items() for value in values]
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    """Each test runs in its tmp_path: the HF Trainer's ``output_dir`` (``"hf-trainer"``) is relative to it."""
+    monkeypatch.chdir(tmp_path)
 
 
 @pytest.fixture(autouse=True)

@@ -24,6 +24,7 @@ import functools
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -81,6 +82,7 @@ def _server(items: tuple[tuple[str, str], ...]) -> str:
         env=dict(server_env, PYTHONPATH=str(ROOT), **env), text=True, start_new_session=True,
     )  # fmt: skip
     atexit.register(server.kill)
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # the socket and the shim (left in /tmp before)
     assert server.stdout is not None and server.stdout.readline().strip() == "ready", "warm_python: no server"
     return shim
 
