@@ -81,9 +81,13 @@ def run_script(name: str, out: Path, *, timeout: float, ranks: int | None = 2, *
 def _fork_server() -> subprocess.Popen:
     """This process's ``tests/fork_ranks.py --serve``: the interpreter with the heavy modules imported that every
     launch of :func:`run_script` forks its ranks from (started at the first launch; it exits with this process, at
-    the end of its stdin)."""
+    the end of its stdin). It is itself a fork of this process's warm interpreter (``tests/warm_python.py``, which
+    preloads the same modules), so that a test process pays those imports once for both: a worker that ran a launch
+    and a benchmark script paid them twice before stop 64 (about 7 s of CPU)."""
+    from tests.warm_python import warm_python
+
     server = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "fork_ranks.py"), "--serve"],
+        [warm_python(), str(ROOT / "tests" / "fork_ranks.py"), "--serve"],
         cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=str(ROOT), PYTHONFAULTHANDLER="1"),
         stdin=subprocess.PIPE,
@@ -157,9 +161,13 @@ def accelerate_launch(script: str, out: Path, *, timeout: float = 240) -> None:
     fail with the end of both outputs when it exits non-zero.
 
     ``--cpu --num_processes 2`` starts one process in accelerate 1.x unless an MPI hostfile is given; the torchrun
-    launcher behind ``--multi_gpu`` runs the processes on CPU with gloo when no GPU is visible."""
+    launcher behind ``--multi_gpu`` runs the processes on CPU with gloo when no GPU is visible. The launcher starts
+    from this process's warm interpreter (tests/warm_python.py), and so do the processes it starts (torchrun runs
+    ``sys.executable -u SCRIPT``): each paid the imports of torch and Lightning before stop 64."""
+    from tests.warm_python import warm_python
+
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        warm_python(), "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
         "--main_process_port", "0",  # the launcher picks a free port just before torchrun binds it
         str(ROOT / "tests" / script), str(out),
