@@ -204,6 +204,21 @@ def case_error(out: dict[str, Any]) -> Iterator[dict[str, Any]]:
         out["error"] = traceback.format_exc()[-3000:]
 
 
+def finish_cases(results: dict[str, Any]) -> None:
+    """The end of a rank of a script whose cases ran under :func:`case_error`: the process group still works after
+    them (an all-reduce of ones, its sum in ``results["after"]["sum"]``, an error there in ``results["after"]``),
+    then :func:`write_rank_results` and :func:`end_ranks`."""
+    import torch
+    import torch.distributed as dist
+
+    with case_error(results.setdefault("after", {})) as r:
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        r["sum"] = total.item()
+    write_rank_results(results)
+    end_ranks()
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a process group's ``MASTER_PORT``)."""
     with socket.socket() as s:
