@@ -109,7 +109,11 @@ class ModelSpec:
     classes: int = 10
 
 
+#: ``tiny``: the test suite's size (``--check`` runs and the tests of the scripts): every code path, no figure worth
+#: reading (half-precision matmuls crawl on CPUs without their kernels); ``small``: a CPU's; ``real``: a GPU's.
 SPECS: dict[tuple[str, str], ModelSpec] = {
+    ("gpt", "tiny"): ModelSpec(batch=2, vocab=64, seq=16, dim=16, layers=1, heads=2),
+    ("resnet", "tiny"): ModelSpec(batch=2, image=8, width=4, blocks=(1, 1)),
     ("gpt", "small"): ModelSpec(batch=8, vocab=512, seq=64, dim=64, layers=2, heads=4),
     ("gpt", "real"): ModelSpec(batch=8, vocab=50257, seq=512, dim=768, layers=12, heads=12),
     ("resnet", "small"): ModelSpec(batch=16, image=32, width=16, blocks=(1, 1, 1)),

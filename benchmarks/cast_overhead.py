@@ -1,6 +1,7 @@
 """Cost of the O1 cast policy against torch.autocast, on CPU, eager and under ``torch.compile``.
 
-Two models: ``tiny`` (2 layers, d=64) and ``mid`` (4 layers, d=256), forward + backward, one thread by default.
+Two models: ``tiny`` (2 layers, d=64) and ``mid`` (4 layers, d=256), forward + backward, one thread by default;
+``micro`` (1 layer, d=16) is the test suite's: every row's code path at the least compute.
 
 Eager rows, interleaved so that they see the same machine state: FP32; ``torch.autocast("cpu", dtype)``; autocast
 plus a do-nothing ``TorchFunctionMode`` (``mode_floor``: what any mode costs before it does work); the O1 policy; the
@@ -18,8 +19,8 @@ outside the compiled model (``O1_outside``: ``Amp.forward_context()`` around a m
 the compiled model handed off (``O1_handoff``: ``CastPolicy.hand_off_compiled``, what the Lightning plugin does with a
 compiled model); and the O1 policy entered inside the compiled function (``O1_inside``: the Accelerate adapter's
 prepared forward). Each compiled row starts from ``torch._dynamo.reset()`` and reports dynamo's graph breaks, the
-graphs compiled (the backend's calls), the recompiles (compilations after the first step) and the calls into the
-policy's hook in one steady-state step (counted with ``sys.setprofile``).
+graphs compiled (the backend's calls), the recompiles (compilations after the first step, over ``--count-steps``)
+and the calls into the policy's hook in one steady-state step (counted with ``sys.setprofile``).
 
     python benchmarks/cast_overhead.py [--models tiny mid] [--steps 100] [--repeats 5] [--no-compile] [--split]
                                        [--out PATH]
@@ -127,7 +128,8 @@ class TinyLM(nn.Module):
         return nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
-MODELS = {"tiny": {"dim": 64, "heads": 4, "layers": 2}, "mid": {"dim": 256, "heads": 4, "layers": 4}}
+MODELS = {"tiny": {"dim": 64, "heads": 4, "layers": 2}, "mid": {"dim": 256, "heads": 4, "layers": 4},
+          "micro": {"dim": 16, "heads": 2, "layers": 1}}
 
 
 class _PassThrough(TorchFunctionMode):
@@ -262,12 +264,12 @@ def run_model(name: str, dtype: torch.dtype, args: argparse.Namespace) -> list[d
     idx = torch.randint(0, 64, (args.batch, 32))
     data = (idx, torch.roll(idx, -1, 1))
     policy = CastPolicy(half_dtype=dtype)
-    steps = args.steps if name == "tiny" else max(args.steps // 4, 10)
+    steps = max(args.steps // 4, 10) if name == "mid" else args.steps
     rows = []
 
     eager = _variants(model, data, dtype, policy, None)
     for step, after in eager.values():  # warm-up
-        _time(model, step, 10, after)
+        _time(model, step, args.warmup, after)
     times, ratios = _alternate(model, eager, steps, args.repeats)
     o1_calls = _hook_calls(model, *eager["O1"])
     for v in eager:
@@ -276,27 +278,30 @@ def run_model(name: str, dtype: torch.dtype, args: argparse.Namespace) -> list[d
 
     if args.no_compile:
         return rows
+    # Each variant compiled once, from one dynamo state emptied first, with a backend of its own that counts its
+    # graphs: its graph breaks (counted before and after it), graphs and recompiles over --count-steps steps. Then
+    # the same compiled steps timed side by side, so that they can alternate. (Each was compiled from an emptied
+    # state, and compiled again for the timing, until stop 64: the variants' graphs and counts are their own either
+    # way, each backend compiling only its own variant, and half the compilations went.)
+    torch._dynamo.reset()
+    counters.clear()
     compiled: dict[str, dict[str, Any]] = {}
+    stepped: dict[str, tuple[Step, Callable[[], None]]] = {}
     for v in ("autocast", "O1_outside", "O1_handoff", "O1_inside"):
-        # Each variant compiled from a clean dynamo state, counting its graphs, breaks and recompiles over 20 steps.
-        torch._dynamo.reset()
-        counters.clear()
         backend, graphs = _counting(args.backend)
-        step, after = _variants(model, data, dtype, policy, backend)[v]
+        step, after = stepped[v] = _variants(model, data, dtype, policy, backend)[v]
+        breaks = sum(counters["graph_break"].values())
         _time(model, step, 1, after)
         first = graphs[0]
-        _time(model, step, 19, after)
+        _time(model, step, args.count_steps - 1, after)
         compiled[v] = {
-            "graph_breaks": sum(counters["graph_break"].values()),
+            "graph_breaks": sum(counters["graph_break"].values()) - breaks,
             "graphs": graphs[0],
             "recompiles": graphs[0] - first,
             "hook_calls": _hook_calls(model, step, after),
         }
-    # For timing, the three compiled side by side (reset() above drops compiled code), so that they can alternate.
-    torch._dynamo.reset()
-    stepped = _variants(model, data, dtype, policy, args.backend)
     for step, after in stepped.values():
-        _time(model, step, 10, after)
+        _time(model, step, args.warmup, after)
     times, ratios = _alternate(model, stepped, steps, args.repeats)
     for v in stepped:
         rows.append({"model": name, "mode": f"compiled ({args.backend})", "variant": v, "us": times[v], **ratios[v],
@@ -325,7 +330,7 @@ def split(name: str, dtype: torch.dtype, args: argparse.Namespace, rounds: int =
         "twin": (null, lambda: model.twin(*data, dtype), torch.Tensor.backward),
         "twin_floor": (_PassThrough, lambda: model.twin(*data, dtype), torch.Tensor.backward),
     }
-    per_round = 20 if name == "tiny" else 5
+    per_round = 5 if name == "mid" else 20
 
     def halves(v: str) -> Callable[[], tuple[float, float]]:
         ctx, forward, backward = forwards[v]
@@ -395,6 +400,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--steps", type=int, default=100, help="steps per sample for tiny (a quarter for mid)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps per variant before the timed ones")
+    parser.add_argument("--count-steps", type=int, default=20,
+                        help="steps of each compiled variant over which dynamo's graphs and recompiles are counted")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--backend", default="inductor")
@@ -402,8 +410,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--split", action="store_true", help="also time forward and backward apart (see split())")
     parser.add_argument("--out", type=Path, default=_harness.default_out("cast_overhead"))
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.repeats < 1 or args.batch < 1:
-        parser.error(f"--steps={args.steps}, --repeats={args.repeats} and --batch={args.batch} must be at least 1")
+    if args.steps < 1 or args.repeats < 1 or args.batch < 1 or args.warmup < 0 or args.count_steps < 2:
+        parser.error(f"--steps={args.steps}, --repeats={args.repeats} and --batch={args.batch} must be at least 1, "
+                     f"--warmup={args.warmup} at least 0 and --count-steps={args.count_steps} at least 2")
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     machine = _harness.machine()  # before the runs: the load they start under
@@ -419,6 +428,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "dtype": args.dtype,
         "steps": args.steps,
         "repeats": args.repeats,
+        "warmup": args.warmup,
+        "count_steps": args.count_steps,
         "batch": args.batch,
         "backend": args.backend,
         "rows": rows,

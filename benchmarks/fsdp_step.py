@@ -71,8 +71,8 @@ FSDP1_VARIANTS = ("fsdp1-lightning-bf16-mixed", "fsdp1-lightning-16-mixed", "fsd
 ACCELERATE_VARIANTS = ("accelerate-bf16", "accelerate-mpx-O2-fp16", "accelerate-mpx-O2-bf16")
 #: A GPT of 1.31B parameters: GPU-bound on an H100 at sequence 1024.
 GPT_1B = step.ModelSpec(batch=4, vocab=50257, seq=1024, dim=2048, layers=24, heads=16)
-#: --check's tiny stand-in for it (another shape than GPT-2 small's stand-in, the same code).
-GPT_1B_CHECK = step.ModelSpec(batch=2, vocab=256, seq=32, dim=64, layers=2, heads=4)
+#: --check's tiny stand-in for it (another shape than GPT-2 small's stand-in, step.py's "tiny" GPT; the same code).
+GPT_1B_CHECK = step.ModelSpec(batch=2, vocab=32, seq=8, dim=16, layers=2, heads=2)
 #: Rounds a group runs before the budget may stop it (fewer are not judged: gpu_report needs three paired ratios).
 MIN_ROUNDS = 3
 #: --check's rounds: both orders of a group's two rows and a second continued fit (or rebuild) of each row, the paths
@@ -101,11 +101,11 @@ class Group:
 
 GROUPS: dict[str, Group] = {g.name: g for g in (
     Group("gpt2", "GPT-2 small, FSDP2 (ModelParallelStrategy)", FSDP2_VARIANTS, step.SPECS[("gpt", "real")],
-          step.SPECS[("gpt", "small")], 20, 5, 1.0, ("fsdp2-lightning-bf16-mixed", "fsdp2-mpx-O2-bf16")),
+          step.SPECS[("gpt", "tiny")], 20, 5, 1.0, ("fsdp2-lightning-bf16-mixed", "fsdp2-mpx-O2-bf16")),
     Group("fsdp1", "GPT-2 small, FSDP1 (FSDPStrategy)", FSDP1_VARIANTS, step.SPECS[("gpt", "real")],
-          step.SPECS[("gpt", "small")], 20, 5, 0.8, ("fsdp1-lightning-bf16-mixed", "fsdp1-mpx-O2-bf16")),
+          step.SPECS[("gpt", "tiny")], 20, 5, 0.8, ("fsdp1-lightning-bf16-mixed", "fsdp1-mpx-O2-bf16")),
     Group("accelerate", "GPT-2 small, Accelerate FSDP2", ACCELERATE_VARIANTS, step.SPECS[("gpt", "real")],
-          step.SPECS[("gpt", "small")], 20, 3, 0.8, ("accelerate-bf16", "accelerate-mpx-O2-bf16")),
+          step.SPECS[("gpt", "tiny")], 20, 3, 0.8, ("accelerate-bf16", "accelerate-mpx-O2-bf16")),
     Group("gpt1b", "GPT 1.3B (sequence 1024), FSDP2 (ModelParallelStrategy)", FSDP2_VARIANTS, GPT_1B, GPT_1B_CHECK,
           6, 2, 1.6, ("fsdp2-lightning-bf16-mixed", "fsdp2-mpx-O2-bf16")),
 )}  # fmt: skip

@@ -13,7 +13,7 @@ Then the top operators by self CPU time of one step of ``--profile`` under ``tor
 functions by own time under cProfile over ``--steps`` steps (where the host time goes).
 
     python benchmarks/gpu_host_profile.py [--model gpt|resnet] [--steps 20] [--profile core-O1-fp16] [--out PATH]
-    python benchmarks/gpu_host_profile.py --check   # the code path on CPU, small model, bfloat16: measures nothing
+    python benchmarks/gpu_host_profile.py --check   # the code path on CPU, tiny model, bfloat16: measures nothing
     python benchmarks/gpu_host_profile.py --model gpt --interleave 6 --steps 20 --out DIR/step_interleaved_gpt.json
     python benchmarks/gpu_host_profile.py --model resnet --census --steps 10 --variants autocast-fp16 core-O1-fp16
 
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                         "profiled with cProfile over --steps steps (default core-O1-fp16; --check: core-O1-bf16)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS + EXTRA_VARIANTS, default=None,
                         help="the loops to measure (default: the five of VARIANTS; --check: CHECK_VARIANTS)")
-    parser.add_argument("--check", action="store_true", help="run the code path on CPU, small model: no measurement")
+    parser.add_argument("--check", action="store_true", help="run the code path on CPU, tiny model: no measurement")
     parser.add_argument("--out", type=Path, default=_harness.RESULTS / "gpu" / "host_profile.json")
     parser.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
                         help="measure the loops against each other in one process, interleaved over ROUNDS rounds "
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_host_profile.py measures CUDA steps and no CUDA device is present: nothing measured "
               "(--check runs the code path on CPU).")
         return 0
-    device_type, size = ("cpu", "small") if args.check else ("cuda", "real")
+    device_type, size = ("cpu", "tiny") if args.check else ("cuda", "real")
     variants = tuple(args.variants) if args.variants else CHECK_VARIANTS if args.check else VARIANTS
     profiled = args.profile or variants[min(1, len(variants) - 1)]
     dev = torch.device(device_type)

@@ -14,9 +14,9 @@ real ResNet-18 (a host-bound 13 ms step). Variants (``--variants`` picks a subse
   core loops are compared with.
 
 Every Trainer row is a real ``Trainer.fit`` (AdamW, ``enable_progress_bar=False``, ``enable_checkpointing=False``,
-a ``CSVLogger`` with Lightning's default ``log_every_n_steps=50``, or none with ``--logger none``). A step's time is
-the time from one ``on_train_batch_start`` to the next (everything the loop does per batch, the logging steps
-included; the loops time one iteration the same way, fetching the batch included). One run of a variant is
+a ``CSVLogger`` with Lightning's default ``log_every_n_steps=50`` (``--log-every``), or none with ``--logger none``).
+A step's time is the time from one ``on_train_batch_start`` to the next (everything the loop does per batch, the
+logging steps included; the loops time one iteration the same way, fetching the batch included). One run of a variant is
 ``--warmup`` + ``--steps`` steps in a fresh Trainer and model (after one untimed short run of every variant); a
 repeat runs every variant once, the order rotated from one repeat to the next, ``--repeats`` times. Reported per
 variant: each run's 20th percentile of step time (the steps the shared machine's bursts of load spared; the median
@@ -110,9 +110,10 @@ def _quiet() -> Iterator[None]:
 
 
 def run_trainer(variant: str, spec: ModelSpec, batches: list[Any], total: int, device: str, logger: str,
-                log_dir: Path, clock: str = "wall",
-                hook: Callable[[], None] | None = None) -> tuple[list[float], dict[str, Any]]:
-    """``total`` steps of ``Trainer.fit`` for one variant; returns the step times (``total - 1`` of them)."""
+                log_dir: Path, clock: str = "wall", hook: Callable[[], None] | None = None,
+                log_every: int = 50) -> tuple[list[float], dict[str, Any]]:
+    """``total`` steps of ``Trainer.fit`` for one variant (``log_every_n_steps=log_every``); returns the step times
+    (``total - 1`` of them)."""
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger
 
@@ -140,7 +141,8 @@ def run_trainer(variant: str, spec: ModelSpec, batches: list[Any], total: int, d
         kwargs = step.precision(variant.split("-")[1], dtype)
     with _quiet():
         trainer = step.fit(net, batches, total, device, [Mark()],
-                           CSVLogger(str(log_dir), name=variant) if logger == "csv" else False, **kwargs)
+                           CSVLogger(str(log_dir), name=variant) if logger == "csv" else False,
+                           log_every_n_steps=log_every, **kwargs)
     extra: dict[str, Any] = {"lightning_precision": str(trainer.precision)}
     plugin = trainer.precision_plugin
     if isinstance(plugin, MixedPrecisionPlugin):
@@ -169,7 +171,8 @@ def run_loop(variant: str, spec: ModelSpec, batches: list[Any], total: int, devi
 def run_variant(variant: str, args: argparse.Namespace, spec: ModelSpec, batches: list[Any], total: int,
                 log_dir: Path, hook: Callable[[], None] | None = None) -> tuple[list[float], dict[str, Any]]:
     if variant in TRAINER_VARIANTS:
-        return run_trainer(variant, spec, batches, total, args.device, args.logger, log_dir, args.clock, hook)
+        return run_trainer(variant, spec, batches, total, args.device, args.logger, log_dir, args.clock, hook,
+                           args.log_every)
     return run_loop(variant, spec, batches, total, args.device, args.clock, hook)
 
 
@@ -191,7 +194,7 @@ def count_syncs(variant: str, args: argparse.Namespace, spec: ModelSpec, batches
     """Host reads of tensors per step (logging steps of the CSV logger apart from the others)."""
     counter = _SyncCounter()
     marks: list[int] = []
-    total = args.sync_steps  # steps 49 and 99 (0-based) are Lightning's logging steps (log_every_n_steps=50)
+    total = args.sync_steps  # the logging steps: log_every - 1, 2 * log_every - 1, ... (49 and 99 at 50, the default)
     profiler = cProfile.Profile()
     first = 11  # function calls are counted from the start of step 10 to the start of the last step
 
@@ -214,7 +217,7 @@ def count_syncs(variant: str, args: argparse.Namespace, spec: ModelSpec, batches
                  if name == "<method 'tolist' of 'torch._C.TensorBase' objects>")
     per_step = [b - a for a, b in zip(marks, marks[1:])]
     logged_run = variant in TRAINER_VARIANTS and args.logger == "csv"
-    logging_steps = {i for i in (49, 99) if i < total} if logged_run else set()
+    logging_steps = set(range(args.log_every - 1, total, args.log_every)) if logged_run else set()
     plain = [n for i, n in enumerate(per_step) if i >= 2 and i not in logging_steps]
     logged = [per_step[i] for i in sorted(logging_steps) if i >= 2]
     return {
@@ -263,14 +266,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "where the load of other processes counts less; wall on cuda, where the host waits)")
     parser.add_argument("--count-syncs", action="store_true", help="count host reads of tensors per step")
     parser.add_argument("--sync-steps", type=int, default=120,
-                        help="steps of each --count-syncs run (steps 49 and 99 are logging steps)")
+                        help="steps of each --count-syncs run (steps 49 and 99 are logging steps at --log-every 50)")
+    parser.add_argument("--log-every", type=int, default=50,
+                        help="the Trainer rows' log_every_n_steps (default 50, Lightning's): the logging steps are "
+                        "the steps log_every - 1, 2 * log_every - 1, ...")
     parser.add_argument("--profile", choices=VARIANTS, default=None, help="print a cProfile table of one run")
     parser.add_argument("--label", default="", help="a name for this version in the JSON (e.g. before/after)")
     parser.add_argument("--out", type=Path, default=_harness.default_out("plugin_overhead"))
     args = parser.parse_args(argv)
-    if args.steps < 2 or args.warmup < 0 or args.repeats < 1 or args.width < 1 or args.sync_steps < 13:
+    if (args.steps < 2 or args.warmup < 0 or args.repeats < 1 or args.width < 1 or args.sync_steps < 13
+            or args.log_every < 1):
         parser.error(f"--steps={args.steps} must be at least 2, --warmup={args.warmup} at least 0, "
-                     f"--repeats={args.repeats} and --width={args.width} at least 1, "
+                     f"--repeats={args.repeats}, --width={args.width} and --log-every={args.log_every} at least 1, "
                      f"--sync-steps={args.sync_steps} at least 13")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA device and none is available; use --device cpu")

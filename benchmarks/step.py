@@ -349,7 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     parser.add_argument("--model", choices=(*MODELS, "all"), default="all")
-    parser.add_argument("--size", choices=("small", "real"), default=None, help="default: small on CPU, real on CUDA")
+    parser.add_argument("--size", choices=("tiny", "small", "real"), default=None,
+                        help="default: small on CPU, real on CUDA (tiny: the test suite's, every code path)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant, after the warm-up")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--cpu-fp16-steps", type=int, default=None,

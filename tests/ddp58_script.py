@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_mpx import FabricMixedPrecisionPlugin
-from tests.launch import case_error, end_ranks, write_rank_results
+from tests.launch import case_error, finish_cases
 
 BF16 = {"half_dtype": "bfloat16"}
 FP16 = {"half_dtype": "float16", "loss_scale": "dynamic", "init_scale": 2.0**8, "growth_interval": 100}
@@ -277,12 +277,7 @@ def main() -> None:
         _trainer_schedule_free(r)
     with case_error(results.setdefault("sam/O2", {})) as r:
         _sam(r)
-    with case_error(results.setdefault("after", {})) as r:  # the group still works after every case
-        total = torch.ones(1)
-        dist.all_reduce(total)
-        r["sum"] = total.item()
-    write_rank_results(results)
-    end_ranks()
+    finish_cases(results)
 
 
 if __name__ == "__main__":

@@ -34,10 +34,13 @@ _GRACE_S = 20.0  # after a rank fails, how long the others have to end before th
 
 
 def _run_rank(script: str, rank: int, world: int, port: int) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
+    """Run ``script`` as ``__main__`` in this (forked) process, as rank ``rank`` of ``world`` (world 0: as it is,
+    without torchrun's environment), and leave with its exit code."""
+    if world:
+        os.environ.update(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        )  # fmt: skip
     code = 0
     try:
         sys.argv = [script]
@@ -65,7 +68,9 @@ def main() -> int:
 
 
 def launch(script: str, world: int, rank_stderr: str | None = None) -> int:
-    """Fork the ``world`` ranks of ``script`` from this (preloaded) interpreter; their worst exit code.
+    """Fork the ``world`` ranks of ``script`` from this (preloaded) interpreter; their worst exit code. ``world`` 0:
+    one process without torchrun's environment, its stderr this process's (a script that starts its processes
+    itself: ``strategy="ddp_spawn"``).
 
     ``rank_stderr``: each rank's stderr (file descriptor 2: Python's tracebacks, the fault handler's stacks, native
     messages such as gloo's) goes to a file of its own, ``{rank_stderr}.rank{r}``, instead of this process's
@@ -77,10 +82,10 @@ def launch(script: str, world: int, rank_stderr: str | None = None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     ranks: dict[int, int] = {}
-    for rank in range(world):
+    for rank in range(max(world, 1)):
         pid = os.fork()
         if pid == 0:
-            if rank_stderr is not None:
+            if rank_stderr is not None and world:
                 err = os.open(f"{rank_stderr}.rank{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
                 os.dup2(err, 2)
                 os.close(err)

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_mpx import FabricMixedPrecisionPlugin, MixedPrecisionPlugin
-from tests.launch import case_error, end_ranks, write_rank_results
+from tests.launch import case_error, finish_cases
 
 BF16 = {"half_dtype": "bfloat16", "loss_scale": "dynamic", "init_scale": 2.0**8}
 FP16 = {"half_dtype": "float16", "loss_scale": "dynamic", "init_scale": 2.0**8}
@@ -275,12 +275,7 @@ def main() -> None:
         _subset_no_sync(r)
     with case_error(results.setdefault("branch_raw_no_sync", {})) as r:
         _branch_raw_no_sync(r)
-    with case_error(results.setdefault("after", {})) as r:  # the group still works after the errors
-        total = torch.ones(1)
-        dist.all_reduce(total)
-        r["sum"] = total.item()
-    write_rank_results(results)
-    end_ranks()
+    finish_cases(results)
 
 
 if __name__ == "__main__":

@@ -132,7 +132,8 @@ def run(level: str, order: str, reshard: bool | None) -> dict[str, Any]:
         elif order == "resume":
             # Uninterrupted: 2 epochs, a checkpoint after each validation (the root gathered by it). Resumed: a new
             # model and Trainer from the first epoch's checkpoint.
-            shared = tempfile.mkdtemp() if dist.get_rank() == 0 else None
+            # in the test's folder ($MPX_OUT): one in /tmp was left behind by every run
+            shared = tempfile.mkdtemp(dir=os.environ.get("MPX_OUT")) if dist.get_rank() == 0 else None
             holder = [shared]
             dist.broadcast_object_list(holder)
             folder = os.path.join(holder[0], f"{level}_{reshard}")

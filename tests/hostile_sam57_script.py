@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_mpx import MixedPrecisionPlugin
-from tests.launch import case_error, end_ranks, write_rank_results
+from tests.launch import case_error, finish_cases
 from tests.test_sam56 import SAM, DoorSAM
 
 
@@ -104,12 +104,7 @@ def main() -> None:
             _fit(r, "O1", variant == "no_sync", inf_at=1)
     with case_error(results.setdefault("davda54", {})) as r:
         _fit(r, "O2", no_sync=False, raw=True)
-    with case_error(results.setdefault("after", {})) as r:  # the group still works after every case
-        total = torch.ones(1)
-        dist.all_reduce(total)
-        r["sum"] = total.item()
-    write_rank_results(results)
-    end_ranks()
+    finish_cases(results)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,9 @@ def run_script(name: str, out: Path, *, timeout: float, ranks: int | None = 2, *
 
     ``ranks``: the script runs once per rank with torchrun's environment, forked from one interpreter that imported
     the heavy modules once for this whole test process (``tests/fork_ranks.py --serve``); ``None``: run once as it
-    is (a script that spawns its processes itself, with ``torch.multiprocessing.spawn`` or ``strategy="ddp_spawn"``).
+    is, forked from the same interpreter without torchrun's environment (a script that spawns its processes itself,
+    with ``torch.multiprocessing.spawn`` or ``strategy="ddp_spawn"``: those start fresh interpreters still; it paid
+    the imports in a process of its own until stop 64).
 
     The script runs in a session of its own: on a timeout the processes it spawned are killed with it (by its group).
     """
@@ -72,34 +74,20 @@ def run_script(name: str, out: Path, *, timeout: float, ranks: int | None = 2, *
     # PYTHONFAULTHANDLER: a rank that dies natively (a signal, heap corruption) prints every thread's Python stack
     # to the stderr quoted on failure, so that a one-off crash says where it happened.
     full_env = dict(os.environ, PYTHONPATH=str(ROOT), MPX_OUT=str(out), PYTHONFAULTHANDLER="1", **env)
-    if ranks is not None:
-        _run_forked(name, script, ranks, out, full_env, timeout)
-        return
-    proc = subprocess.Popen(
-        [sys.executable, script],
-        cwd=out,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        _, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, stderr = proc.communicate()
-        raise AssertionError(failure_report(f"{name} timed out after {timeout} s", stderr)) from None
-    assert proc.returncode == 0, failure_report(f"{name}: exit code {proc.returncode}", stderr)
+    _run_forked(name, script, 0 if ranks is None else ranks, out, full_env, timeout)
 
 
 @functools.lru_cache(maxsize=1)
 def _fork_server() -> subprocess.Popen:
     """This process's ``tests/fork_ranks.py --serve``: the interpreter with the heavy modules imported that every
     launch of :func:`run_script` forks its ranks from (started at the first launch; it exits with this process, at
-    the end of its stdin)."""
+    the end of its stdin). It is itself a fork of this process's warm interpreter (``tests/warm_python.py``, which
+    preloads the same modules), so that a test process pays those imports once for both: a worker that ran a launch
+    and a benchmark script paid them twice before stop 64 (about 7 s of CPU)."""
+    from tests.warm_python import warm_python
+
     server = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "fork_ranks.py"), "--serve"],
+        [warm_python(), str(ROOT / "tests" / "fork_ranks.py"), "--serve"],
         cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=str(ROOT), PYTHONFAULTHANDLER="1"),
         stdin=subprocess.PIPE,
@@ -173,9 +161,13 @@ def accelerate_launch(script: str, out: Path, *, timeout: float = 240) -> None:
     fail with the end of both outputs when it exits non-zero.
 
     ``--cpu --num_processes 2`` starts one process in accelerate 1.x unless an MPI hostfile is given; the torchrun
-    launcher behind ``--multi_gpu`` runs the processes on CPU with gloo when no GPU is visible."""
+    launcher behind ``--multi_gpu`` runs the processes on CPU with gloo when no GPU is visible. The launcher starts
+    from this process's warm interpreter (tests/warm_python.py), and so do the processes it starts (torchrun runs
+    ``sys.executable -u SCRIPT``): each paid the imports of torch and Lightning before stop 64."""
+    from tests.warm_python import warm_python
+
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        warm_python(), "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
         "--main_process_port", "0",  # the launcher picks a free port just before torchrun binds it
         str(ROOT / "tests" / script), str(out),
@@ -210,6 +202,21 @@ def case_error(out: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield out
     except Exception:  # noqa: BLE001 - reported by the test
         out["error"] = traceback.format_exc()[-3000:]
+
+
+def finish_cases(results: dict[str, Any]) -> None:
+    """The end of a rank of a script whose cases ran under :func:`case_error`: the process group still works after
+    them (an all-reduce of ones, its sum in ``results["after"]["sum"]``, an error there in ``results["after"]``),
+    then :func:`write_rank_results` and :func:`end_ranks`."""
+    import torch
+    import torch.distributed as dist
+
+    with case_error(results.setdefault("after", {})) as r:
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        r["sum"] = total.item()
+    write_rank_results(results)
+    end_ranks()
 
 
 def free_port() -> int:

@@ -4,10 +4,11 @@
 ``mixed_precision_config``; on CPU through a subclass that passes ``device_id=cpu``).
 
 ``$MPX_CASES`` lists the fits, comma-separated, each ``<strategy>:<level>:<dtype>:<kind>`` with strategy ``fsdp2`` or
-``fsdp1`` and kind ``train`` (20 steps, ``gradient_clip_val``, an inf on rank 0 only at step ``INF_AT``), ``accum``
-(the same with ``accumulate_grad_batches=2``) or ``resume`` (2 epochs with a checkpoint after the first, then a
-second run resumed from it with ``ckpt_path=``). Lightning's launcher starts the second process by running this
-script again; later fits find the process group running. Every rank writes ``$MPX_OUT/<case>_rank<r>.json``.
+``fsdp1`` and kind ``train`` (``STEPS`` steps, ``gradient_clip_val``, an inf on rank 0 only at step ``INF_AT``),
+``accum`` (the same with ``accumulate_grad_batches=2`` over twice the batches) or ``resume`` (2 epochs with a
+checkpoint after the first, then a second run resumed from it with ``ckpt_path=``). Lightning's launcher starts the
+second process by running this script again; later fits find the process group running. Every rank writes
+``$MPX_OUT/<case>_rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tests.launch import end_ranks
 from tests.lightning_helpers import classification_data, loader, make_trainer
 
 BATCH = 8  # per rank: the global batch is 16
-STEPS = 20
+STEPS = 10  # 20 until stop 64: the same checks, half the steps (the 13 fits were most of the launch)
 INF_AT = 3  # the global step whose gradient gets an inf, on rank 0 only
 CLIP = 0.5
 
@@ -163,7 +164,12 @@ def make_strategy(name: str) -> pl.strategies.Strategy:
 
 
 def data(kind: str) -> torch.utils.data.Dataset:
-    return classification_data(n=BATCH * 2 * (5 if kind == "resume" else STEPS), seed=1)
+    return classification_data(n=BATCH * 2 * batches(kind), seed=1)
+
+
+def batches(kind: str) -> int:
+    """Batches per rank in a fit of ``kind`` (its first epoch for ``resume``)."""
+    return {"resume": 5, "accum": 2 * STEPS}.get(kind, STEPS)
 
 
 def global_batches(dataset: torch.utils.data.Dataset) -> torch.utils.data.Dataset:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import re
-import tempfile
 from typing import Any, Callable
 
 import pytest
@@ -21,6 +20,7 @@ from torch import nn
 import lightning_mpx as mpx
 from lightning_mpx.apex import amp as apex_amp
 from lightning_mpx.apex._state import _amp_state
+from tests.error_tables import Row, cases, fresh_apex_state, refused  # noqa: F401 (fresh_apex_state: autouse)
 
 BF16 = {"half_dtype": "bfloat16"}
 PLUGINS = {"Trainer": mpx.MixedPrecisionPlugin, "Fabric": mpx.FabricMixedPrecisionPlugin}
@@ -84,12 +84,14 @@ def _hf_trainer(*, opt_level: Any = "O2", mpx_kwargs: Any = None, **args: Any) -
 
     from lightning_mpx.integrations.hf_trainer import mpx_trainer
 
-    targs = TrainingArguments(tempfile.mkdtemp(prefix="badinput62-"), use_cpu=True, report_to=[], **args)
+    # A folder under the test's tmp_path (the working directory, _in_tmp_path): a tempfile.mkdtemp() here was left in
+    # /tmp by every run.
+    targs = TrainingArguments("hf-trainer", use_cpu=True, report_to=[], **args)
     kwargs = _mpk(**BF16) if mpx_kwargs is None else mpx_kwargs
     return mpx_trainer()(model=_Model(), args=targs, opt_level=opt_level, mpx_kwargs=kwargs)
 
 
-FIXED: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
+FIXED: list[Row] = [
     ("apex load_state_dict({'loss_scaler0': {}})", lambda: _apex_load({"loss_scaler0": {}}), ValueError,
      r"state\['loss_scaler0'\]=\{\} is not an Apex loss scaler's entry; valid: a dict \{'loss_scale'.*'unskipped'"),
     ("apex load_state_dict({'loss_scaler0': 3})", lambda: _apex_load({"loss_scaler0": 3}), ValueError,
@@ -117,7 +119,7 @@ FIXED: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
      TypeError, r"mpx_kwargs='\{\"half_dtype\": \"bf16\"\}' must be a dict"),
 ]
 
-GOOD: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
+GOOD: list[Row] = [
     ("finetune_lora(opt_level='O5')", lambda: _litgpt("finetune_lora", "ckpt", opt_level="O5"), ValueError,
      r"opt_level='O5' is not an opt level; valid choices: 'O0', 'O1', 'O2', 'O3'"),
     ("finetune_full(precision=)", lambda: _litgpt("finetune_full", "ckpt", precision="bf16-true"), ValueError,
@@ -178,22 +180,19 @@ KEYWORDS = [(door, name, value) for door in PLUGINS for name, values in _BAD_KEY
 
 
 @pytest.fixture(autouse=True)
-def _fresh_apex_state():
-    _amp_state.reset()
-    yield
-    _amp_state.reset()
+def _in_tmp_path(tmp_path, monkeypatch):
+    """Each test runs in its tmp_path: the HF Trainer's ``output_dir`` (``"hf-trainer"``) is relative to it."""
+    monkeypatch.chdir(tmp_path)
 
 
-@pytest.mark.parametrize(("call", "error", "pattern"), [c[1:] for c in FIXED], ids=[c[0] for c in FIXED])
+@cases(FIXED)
 def test_bad_input_fixed_this_stop_is_named(call: Callable[[], Any], error: type[Exception], pattern: str) -> None:
-    with pytest.raises(error, match=pattern):
-        call()
+    refused(call, error, pattern)
 
 
-@pytest.mark.parametrize(("call", "error", "pattern"), [c[1:] for c in GOOD], ids=[c[0] for c in GOOD])
+@cases(GOOD)
 def test_bad_input_already_named_stays_so(call: Callable[[], Any], error: type[Exception], pattern: str) -> None:
-    with pytest.raises(error, match=pattern):
-        call()
+    refused(call, error, pattern)
 
 
 def test_every_plugin_keyword_names_a_bad_value() -> None:

@@ -40,8 +40,8 @@ def test_step_script_end_to_end_in_subprocesses(tmp_path, monkeypatch):
     # The children start from the warm interpreter of tests/warm_python.py (``sys.executable`` is what step.py starts
     # them with): a process and a ``__main__`` of their own each, the imports of torch and Lightning already paid.
     monkeypatch.setattr(sys, "executable", warm_python())
-    step.main(["--device", "cpu", "--model", "gpt", "--steps", "2", "--warmup", "1", "--variants", *variants,
-               "--out", str(out)])  # fmt: skip
+    step.main(["--device", "cpu", "--model", "gpt", "--size", "tiny", "--steps", "2", "--warmup", "1", "--variants",
+               *variants, "--out", str(out)])  # fmt: skip
     result = json.loads(out.read_text())
     assert result["method"] == "a child process per run"
     assert result["device_type"] == "cpu" and result["torch"] and result["lightning"] and result["loadavg"]
@@ -204,25 +204,26 @@ def test_plugin_overhead_rows_ratios_syncs_and_profile(tmp_path, capsys):
     import plugin_overhead
 
     out = tmp_path / "po.json"
+    # Logging every 6 steps, 13 counted steps hold logging steps 5 and 11 (Lightning's default, 50, took 52 steps)
     result = plugin_overhead.main(["--variants", "plugin-O2", "core-O2", "--steps", "3", "--warmup", "1",
-                                   "--repeats", "2", "--count-syncs", "--sync-steps", "52", "--profile", "plugin-O2",
-                                   "--out", str(out)])  # fmt: skip
+                                   "--repeats", "2", "--count-syncs", "--sync-steps", "13", "--log-every", "6",
+                                   "--profile", "plugin-O2", "--out", str(out)])  # fmt: skip
     rows = json.loads(out.read_text())["rows"]
     assert [r["variant"] for r in rows] == ["bf16-mixed", "plugin-O2", "core-O2"]  # the reference first
     assert all(r["step_ms_p20"] > 0 and len(r["ratios"]) == 2 for r in rows)
     assert rows[0]["ratio_to_bf16-mixed"] == 1.0 and rows[1]["lightning_precision"] == "bf16-true"
     assert set(result["pairs"]) == {"plugin-O2 / core-O2"}
     syncs = {s["variant"]: s for s in result["syncs"]}
-    # The plugin reads its metrics on the logging step (49) only, in one transfer (a tolist, no .item() per metric);
+    # The plugin reads its metrics on the logging steps (5, 11) only, in one transfer (a tolist, no .item() per metric);
     # the step's own reads are the same as the core's.
     assert syncs["plugin-O2"]["per_logging_step"] == syncs["plugin-O2"]["per_step_nonlogging"]
     assert syncs["plugin-O2"]["per_step_nonlogging"] == syncs["core-O2"]["per_step_nonlogging"]
     # One host read of the overflow flag per step beyond Lightning's own (AdamW's step counters on CPU), as
     # GradScaler's: one loss in one process reads it with .item(), counted by the dispatch mode.
     assert syncs["plugin-O2"]["per_step_nonlogging"] == syncs["reference"]["per_step_nonlogging"] + 1
-    # tolist: the metrics' one read on the one logging step of the counted steps (10 to 51), none in the reference.
+    # tolist: the metrics' one read on the one logging step of the counted steps (10 and 11), none in the reference.
     assert syncs["reference"]["tolist_per_step"] == 0
-    assert round(syncs["plugin-O2"]["tolist_per_step"] * (52 - 11), 6) == 1
+    assert round(syncs["plugin-O2"]["tolist_per_step"] * (13 - 11), 6) == 1
     assert (
         "lightning_mpx/integrations/lightning.py" in result["profile"]
         and "optimizer_step" in capsys.readouterr().out
@@ -277,19 +278,20 @@ def test_o1_proxy_phases_split_each_trainer_step_into_its_parts(o1_proxy_run):
 
 
 def test_cast_overhead_rows_counts_and_references(tmp_path, capsys, fresh_dynamo):
-    """cast_overhead.py (issue 12's figures) in a tiny configuration: every eager and compiled row, the ratios to
-    each reference, and dynamo's counts. The counts are facts, not timings: a compiled O1 step has no graph break and
-    no recompile, and the handed-off and inside variants make no call into the policy's hook. In this process (the
-    script's ``__main__`` door is test_every_script_answers_help's): dynamo's state is emptied before and after, and
-    the thread count the script sets is put back."""
+    """cast_overhead.py (issue 12's figures) in its smallest configuration (the ``micro`` model, one warm-up step,
+    dynamo's counts over three steps): every eager and compiled row, the ratios to each reference, and dynamo's
+    counts. The counts are facts, not timings: a compiled O1 step has no graph break and no recompile, and the
+    handed-off and inside variants make no call into the policy's hook. In this process (the script's ``__main__``
+    door is test_every_script_answers_help's): dynamo's state is emptied before and after, and the thread count the
+    script sets is put back."""
     import cast_overhead
     import torch
 
     out = tmp_path / "cast_overhead.json"
     threads = torch.get_num_threads()
     try:
-        cast_overhead.main(["--models", "tiny", "--steps", "8", "--repeats", "1", "--backend", "aot_eager",
-                            "--out", str(out)])  # fmt: skip
+        cast_overhead.main(["--models", "micro", "--steps", "8", "--repeats", "1", "--warmup", "1", "--count-steps",
+                            "3", "--backend", "aot_eager", "--out", str(out)])  # fmt: skip
     finally:
         torch.set_num_threads(threads)
     assert "/twin_floor" in capsys.readouterr().out
@@ -315,7 +317,7 @@ def test_cast_overhead_split_times_forward_and_backward_apart():
     import cast_overhead
     import torch
 
-    rows = {r["variant"]: r for r in cast_overhead.split("tiny", torch.bfloat16, argparse.Namespace(batch=1),
+    rows = {r["variant"]: r for r in cast_overhead.split("micro", torch.bfloat16, argparse.Namespace(batch=1),
                                                          rounds=3)}
     assert list(rows) == ["autocast", "mode_floor", "O1", "twin", "twin_floor"]
     assert rows["autocast"]["step_over_autocast_us"] == 0 and rows["mode_floor"]["step_over_floor_us"] == 0
@@ -459,8 +461,8 @@ def test_step_one_process_rotates_rounds_and_keeps_the_rounds_a_cut_run_finished
 
     out = tmp_path / "step.json"
     variants = ["torch-autocast-bf16", "loop-fp32"]
-    argv = ["--device", "cpu", "--model", "resnet", "--steps", "1", "--warmup", "0", "--repeats", "2",
-            "--one-process", "--variants", *variants, "--out", str(out)]  # fmt: skip
+    argv = ["--device", "cpu", "--model", "resnet", "--size", "tiny", "--steps", "1", "--warmup", "0", "--repeats",
+            "2", "--one-process", "--variants", *variants, "--out", str(out)]  # fmt: skip
     order: list[str] = []
     real = step.run_in_process
 
@@ -573,8 +575,9 @@ def test_step_persistent_builds_each_variant_once_and_trains_it_on(tmp_path, mon
     monkeypatch.setattr(step.Persistent, "advance", advance)
     out = tmp_path / "step.json"
     variants = ["mpx-O2-bf16", "core-O1-bf16", "fp32"]
-    result = step.main(["--device", "cpu", "--model", "resnet", "--steps", "2", "--warmup", "1", "--repeats", "2",
-                        "--one-process", "--persistent", "--variants", *variants, "--out", str(out)])  # fmt: skip
+    result = step.main(["--device", "cpu", "--model", "resnet", "--size", "tiny", "--steps", "2", "--warmup", "1",
+                        "--repeats", "2", "--one-process", "--persistent", "--variants", *variants,
+                        "--out", str(out)])  # fmt: skip
     assert sorted(built) == sorted(variants)  # once each, for both rounds
     assert result["method"].startswith("one process, each variant built once") and result["rounds_done"] == 2
     steps_of = [gs for v, gs in advanced if v == "mpx-O2-bf16"]
@@ -634,8 +637,8 @@ def test_clip_rows_clip_and_are_compared_with_16_mixed_clipping_the_same(tmp_pat
 
     built = _keep_built_rows(monkeypatch)
     variants = ["lightning-16-mixed-clip", "mpx-O2-fp16-clip"]
-    result = step.main(["--device", "cpu", "--model", "resnet", "--steps", "2", "--warmup", "1", "--repeats", "2",
-                        "--one-process", "--persistent", "--variants", *variants,
+    result = step.main(["--device", "cpu", "--model", "resnet", "--size", "tiny", "--steps", "2", "--warmup", "1",
+                        "--repeats", "2", "--one-process", "--persistent", "--variants", *variants,
                         "--out", str(tmp_path / "s.json")])  # fmt: skip
     assert all(built[v].trainer.gradient_clip_val == 1.0 for v in variants)
     amp = built["mpx-O2-fp16-clip"].trainer.precision_plugin.amp
@@ -659,8 +662,8 @@ def test_fused_rows_step_a_fused_adamw_and_the_plugins_skip_on_the_device(tmp_pa
     built = _keep_built_rows(monkeypatch)
     variants = ["lightning-16-mixed-fused", "lightning-bf16-mixed-fused", "mpx-O1-fp16-fused", "mpx-O1-bf16-fused",
                 "mpx-O2-fp16-fused"]  # fmt: skip
-    result = step.main(["--device", "cpu", "--model", "resnet", "--steps", "2", "--warmup", "1", "--repeats", "2",
-                        "--one-process", "--persistent", "--variants", *variants,
+    result = step.main(["--device", "cpu", "--model", "resnet", "--size", "tiny", "--steps", "2", "--warmup", "1",
+                        "--repeats", "2", "--one-process", "--persistent", "--variants", *variants,
                         "--out", str(tmp_path / "s.json")])  # fmt: skip
     rows = {r["variant"]: r for r in result["rows"]}
     for variant in variants:

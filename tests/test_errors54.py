@@ -18,8 +18,8 @@ import lightning_mpx as mpx
 from lightning_mpx import Amp, CastPolicy, LossScaler, MasterWeights
 from lightning_mpx.apex import amp as apex_amp
 from lightning_mpx.apex import fp16_utils
-from lightning_mpx.apex._state import _amp_state
 from lightning_mpx.fsdp import check_sharded_model
+from tests.error_tables import Row, cases, fresh_apex_state, refused  # noqa: F401 (fresh_apex_state: autouse)
 
 BF16 = {"half_dtype": "bfloat16"}
 
@@ -77,7 +77,7 @@ def _mpk() -> Any:
 
 _LIGHTNING_CKPT = {"state_dict": {}, "optimizer_states": [], "epoch": 1, "MixedPrecisionPlugin": {}}
 
-FIXED: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
+FIXED: list[Row] = [
     ("Amp(cast_table=dict)", lambda: Amp("O1", cast_table={}, **BF16), TypeError,
      r"cast_table=dict must be a lightning_mpx\.CastTable or None"),
     ("Trainer plugin(cast_table=str)", lambda: mpx.MixedPrecisionPlugin("O1", cast_table="default", **BF16),
@@ -133,7 +133,7 @@ FIXED: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
      r"dtype='half' must be a floating-point torch\.dtype"),
 ]
 
-GOOD: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
+GOOD: list[Row] = [
     ("Amp('o2')", lambda: Amp("o2"), ValueError, r"opt_level='o2' is not an opt level; valid choices: 'O0'.*'O2'\?"),
     ("Amp('O4')", lambda: Amp("O4"), ValueError, r"opt_level='O4' is not an opt level; valid choices"),
     ("Amp(2)", lambda: Amp(2), ValueError, r"opt_level=2 is not an opt level"),
@@ -174,23 +174,14 @@ GOOD: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_apex_state():
-    _amp_state.reset()
-    yield
-    _amp_state.reset()
-
-
-@pytest.mark.parametrize(("call", "error", "pattern"), [c[1:] for c in FIXED], ids=[c[0] for c in FIXED])
+@cases(FIXED)
 def test_bad_input_fixed_this_stop_is_named(call: Callable[[], Any], error: type[Exception], pattern: str) -> None:
-    with pytest.raises(error, match=pattern):
-        call()
+    refused(call, error, pattern)
 
 
-@pytest.mark.parametrize(("call", "error", "pattern"), [c[1:] for c in GOOD], ids=[c[0] for c in GOOD])
+@cases(GOOD)
 def test_bad_input_already_named_stays_so(call: Callable[[], Any], error: type[Exception], pattern: str) -> None:
-    with pytest.raises(error, match=pattern):
-        call()
+    refused(call, error, pattern)
 
 
 @pytest.mark.parametrize("alias", ["fp16", "half", "FP16", "float16", torch.float16])

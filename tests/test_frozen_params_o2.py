@@ -11,7 +11,6 @@ Apex made masters for the parameters that require a gradient.
 from __future__ import annotations
 
 import copy
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -280,7 +279,7 @@ def test_a_checkpoint_with_a_frozen_parameter_resumes_exactly(unfreeze_before_sa
         assert torch.equal(p, q) and torch.equal(amp.master_of(p), amp2.master_of(q))
 
 
-def test_fp32_state_dict_exports_the_masters_and_peft_saves_them():
+def test_fp32_state_dict_exports_the_masters_and_peft_saves_them(tmp_path):
     """``amp.fp32_state_dict(model)``: the model's state dict with the FP32 masters for the trained half parameters
     (exactly), frozen half ones upcast, the model itself unchanged; peft's ``save_pretrained(state_dict=...)`` then
     writes FP32 adapters equal to the masters, where the model's own state dict would give their bfloat16 rounding."""
@@ -309,8 +308,8 @@ def test_fp32_state_dict_exports_the_masters_and_peft_saves_them():
             assert torch.equal(exported[key], value.float() if value.is_floating_point() else value), key
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # the model is not changed
 
-    model.save_pretrained(str(tmp_dir := Path(tempfile.mkdtemp())), state_dict=exported)
-    saved = load_file(str(tmp_dir / "adapter_model.safetensors"))
+    model.save_pretrained(str(tmp_path), state_dict=exported)
+    saved = load_file(str(tmp_path / "adapter_model.safetensors"))
     masters = [amp.master_of(p) for p in model.parameters() if p.requires_grad]
     assert saved and len(saved) == len(masters)
     assert all(v.dtype == torch.float32 and any(torch.equal(v, m) for m in masters) for v in saved.values())

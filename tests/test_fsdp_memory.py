@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.warm_python import warm_python  # a process of its own, torch and Lightning imported
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("torch.distributed.fsdp")
@@ -18,7 +19,7 @@ pytest.importorskip("torch.distributed.fsdp")
 def test_o1_half_gather_saves_no_weight_copies_for_backward(tmp_path):
     out = tmp_path / "fsdp_memory.json"
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "fsdp_memory.py"), "--width", "256", "--layers", "4",
+        [warm_python(), str(ROOT / "benchmarks" / "fsdp_memory.py"), "--width", "256", "--layers", "4",
          "--out", str(out)],
         capture_output=True, text=True, timeout=120, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)),
     )  # fmt: skip

@@ -1,35 +1,39 @@
 """benchmarks/fsdp_proxy.py (issue 41's CPU proxy of the host work under Lightning FSDP2) counts what it says.
 
 One ``--check`` launch: two gloo processes run Lightning's FSDP2 "bf16-mixed" and the plugin at O2 (bfloat16), then
-Accelerate's "bf16" and the adapter at O2, 2 steps of warm-up and 3 counted each. No timing is asserted: the counts
-are of calls and collectives.
+Accelerate's "bf16" and the adapter at O2, 2 steps of warm-up and 3 counted each, on the script's GPT with
+``LAYERS`` blocks (each an FSDP unit). No timing is asserted: the counts are of calls and collectives.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.warm_python import warm_python
+
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE, O2 = "lightning-bf16-mixed", "mpx-O2-bf16"
+LAYERS = 2  # the script's default is 6: the counts per unit are the same, a third of the steps' host work
 ACCELERATE, ACCELERATE_O2 = "accelerate-bf16", "accelerate-mpx-O2-bf16"
 
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One ``--check`` launch for every row the tests read: Lightning's and Accelerate's references and their O2 rows,
-    one after the other in the same two processes (each launch costs both ranks their imports)."""
+    one after the other in the same two processes. The script and its two ranks (``sys.executable`` again) start
+    from the warm interpreter of tests/warm_python.py: processes of their own, torch and Lightning imported (each
+    paid the imports before stop 64)."""
     pytest.importorskip("accelerate")
     out = tmp_path_factory.mktemp("fsdp_proxy") / "proxy.json"
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fsdp_proxy.py"), "--check", "--top", "5",
-                           "--variants", REFERENCE, O2, ACCELERATE, ACCELERATE_O2, "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    done = subprocess.run([warm_python(), str(ROOT / "benchmarks" / "fsdp_proxy.py"), "--check", "--top", "5",
+                           "--layers", str(LAYERS), "--variants", REFERENCE, O2, ACCELERATE, ACCELERATE_O2,
+                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -67,10 +71,10 @@ def test_the_engine_makes_one_all_reduce_per_step_and_the_reference_none(result)
 
 
 def test_fsdp_and_lightning_collectives_are_counted_as_others(result):
-    """FSDP2's all-gathers and reduce-scatters (one reduce-scatter per unit: 6 blocks and the root) and Lightning's
+    """FSDP2's all-gathers and reduce-scatters (one reduce-scatter per unit: the blocks and the root) and Lightning's
     per-step broadcast are found, called from FSDP and Lightning, in both rows; ``shard_model`` makes FSDP do exactly
-    what the reference's ``fully_shard`` defaults do (the root stays gathered from its forward to its backward: 7
-    all-gathers in the forward, the 6 blocks again in the backward; one more with the root resharded)."""
+    what the reference's ``fully_shard`` defaults do (the root stays gathered from its forward to its backward: an
+    all-gather per unit in the forward, the blocks again in the backward; one more with the root resharded)."""
     # torch 2.13's FSDP2 calls ``dist.reduce_scatter_single``/``all_gather_single``; 2.11's (the GPU machines')
     # ``reduce_scatter_tensor``/``all_gather_into_tensor``: the same collectives under their older names.
     newer = hasattr(torch.distributed, "reduce_scatter_single")
@@ -79,8 +83,8 @@ def test_fsdp_and_lightning_collectives_are_counted_as_others(result):
     )
     for variant in (REFERENCE, O2):
         others = _row(result, variant)["other_collectives"]
-        assert others[scatter] == 7, others
-        assert others[gather] == 13, others
+        assert others[scatter] == LAYERS + 1, others
+        assert others[gather] == 2 * LAYERS + 1, others
         assert others["broadcast"] == 1  # Lightning's SIGTERM check
     callers = _row(result, REFERENCE)["collective_callers"]
     assert all(("/fsdp/" in k) or k.startswith("broadcast <- lightning/") for k in callers), callers

@@ -110,6 +110,23 @@ def test_all_check_tests_part_collects_and_passes_its_own_checks(check_dir):
     assert all(s["per_step"] is None and "no CUDA" in s["note"] for s in result["syncs"].values())
 
 
+def test_plugin_part_check_writes_its_suite_file(tmp_path):
+    """The ``plugin`` part (benchmarks/plugin_overhead.py on CUDA; not part of ``all``) runs its code path on CPU with
+    ``--check`` and records the rows. From the same warm interpreter as ``all --check`` (one server for both: this
+    test was a file of its own, tests/test_gpu_suite_plugin.py, whose worker could start a second one)."""
+    done = subprocess.run(
+        [warm_python(), str(ROOT / "benchmarks" / "gpu_suite.py"), "plugin", "--check", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads((tmp_path / "suite_plugin.json").read_text())
+    assert data["suite"]["part"] == "plugin" and data["suite"]["status"] == "complete" and data["suite"]["check"]
+    rows = data["result"]["check"]["rows"]
+    assert [r["variant"] for r in rows] == ["bf16-mixed", "plugin-O2", "core-O2"]
+    assert data["suite"]["commands"][0]["command"].startswith("python benchmarks/plugin_overhead.py --out")
+    assert "measure nothing" in (tmp_path / "suite_plugin.md").read_text()
+
+
 def test_report_reads_the_check_output_and_fills_the_doc(check_dir, tmp_path):
     doc = tmp_path / "benchmarks.md"
     doc.write_text(f"# intro\n\n{gpu_report.BEGIN}\nstale-body\n{gpu_report.END}\n\n## after\n")

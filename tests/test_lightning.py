@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from tests.lightning_helpers import (
     snapshot,
     true_gradients,
 )
+from tests.warm_python import warm_python
 
 HALVES = [("float16", torch.float16), ("bfloat16", torch.bfloat16)]
 ROOT = Path(__file__).resolve().parent.parent
@@ -399,7 +399,8 @@ def test_resume_from_checkpoint_in_a_new_process_is_exact(tmp_path):
 
     out = tmp_path / "resumed.pt"
     script = _RESUME_SCRIPT.format(root=str(ROOT), ckpt=str(ckpt), out=str(out))
-    subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path, capture_output=True, timeout=300)
+    # A process of its own, forked from the warm interpreter of tests/warm_python.py (nothing of this one's state)
+    subprocess.run([warm_python(), "-c", script], check=True, cwd=tmp_path, capture_output=True, timeout=300)
     resumed = torch.load(out, weights_only=False)
 
     assert straight_plugin.amp.skipped_steps == [1]

@@ -12,7 +12,6 @@ import csv
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from litgpt.lora import Config as LoRAConfig  # noqa: E402
 from litgpt.lora import merge_lora_weights  # noqa: E402
 
 from tests.test_litgptcli61 import SETTINGS, _checkpoint, _data  # noqa: E402
+from tests.warm_python import warm_python  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # a hang (a rank that never joins) fails; 60 s timed out once on a loaded 2-core machine (rank 1 still importing)
@@ -38,12 +38,15 @@ STEPS = 2
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict[str, Any]:
-    """The one two-process launch: the CLI at O1 bfloat16, 2 optimizer steps of 2 micro-batches on each rank."""
+    """The one two-process launch: the CLI at O1 bfloat16, 2 optimizer steps of 2 micro-batches on each rank. The
+    command starts from the warm interpreter of tests/warm_python.py (``python`` with torch and Lightning imported),
+    and so does rank 1, which Fabric starts with ``sys.executable`` and the command line: each process paid those
+    imports before stop 64."""
     tmp = tmp_path_factory.mktemp("litgptddp")
     checkpoint, data, out = _checkpoint(tmp / "checkpoint"), _data(tmp / "data.json"), tmp / "out"
     optimizer = {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.2}}
     command = [
-        sys.executable, "-m", "lightning_mpx.litgpt", "finetune_lora", str(checkpoint), "--devices", "2",
+        warm_python(), "-m", "lightning_mpx.litgpt", "finetune_lora", str(checkpoint), "--devices", "2",
         "--opt_level", "O1", "--mpx_kwargs", json.dumps({"half_dtype": "bfloat16"}), "--out_dir", str(out),
         "--data", "JSON", "--data.json_path", str(data), "--data.val_split_fraction", "0.25",
         "--data.prompt_style", "alpaca", "--data.num_workers", "0", "--train.save_interval", "null",

@@ -36,6 +36,7 @@ from torch import nn
 import lightning_mpx as mpx
 from lightning_mpx.apex import amp as apex_amp
 from lightning_mpx.apex._state import AmpState, _amp_state
+from tests.error_tables import Row, cases, fresh_apex_state, refused  # noqa: F401 (fresh_apex_state: autouse)
 from tests.launch import ROOT, run_script
 
 HAS_LITGPT = importlib.util.find_spec("litgpt") is not None
@@ -61,7 +62,7 @@ def _fsdp(name: str, *args: Any, **kwargs: Any) -> Any:
 
 # -- 1. misspelt keywords -------------------------------------------------------------------------------------------
 VALID_KWARGS = r"valid choices: half_dtype, num_losses, .*, log_metrics, telemetry_every_n_steps, fsdp_gather\."
-FIXED: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
+FIXED: list[Row] = [
     (
         "MixedPrecisionKwargs(init_scaler=)",
         lambda: _mpk(init_scaler=3),
@@ -144,7 +145,7 @@ FIXED: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ),
 ]
 
-GOOD: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
+GOOD: list[Row] = [
     (
         "Amp(init_scaler=)",
         lambda: mpx.Amp("O2", init_scaler=3),
@@ -172,23 +173,14 @@ GOOD: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_apex_state():
-    _amp_state.reset()
-    yield
-    _amp_state.reset()
-
-
-@pytest.mark.parametrize(("call", "error", "pattern"), [c[1:] for c in FIXED], ids=[c[0] for c in FIXED])
+@cases(FIXED)
 def test_a_misspelt_keyword_names_the_valid_ones(call: Callable[[], Any], error: type[Exception], pattern: str) -> None:
-    with pytest.raises(error, match=pattern):
-        call()
+    refused(call, error, pattern)
 
 
-@pytest.mark.parametrize(("call", "error", "pattern"), [c[1:] for c in GOOD], ids=[c[0] for c in GOOD])
+@cases(GOOD)
 def test_a_misspelt_keyword_already_named_stays_so(call: Callable[[], Any], error: type[Exception], pattern: str):
-    with pytest.raises(error, match=pattern):
-        call()
+    refused(call, error, pattern)
 
 
 def test_mixed_precision_kwargs_stays_a_plain_dataclass() -> None:
@@ -229,7 +221,7 @@ def _apex_delay_unscale(value: Any) -> None:
         scaled.backward()
 
 
-SWEEP_FIXED: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
+SWEEP_FIXED: list[Row] = [
     (
         "Amp.step(model)",
         lambda: _amp_run()[0].step(nn.Linear(4, 4)),
@@ -284,10 +276,9 @@ SWEEP_FIXED: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
 ]
 
 
-@pytest.mark.parametrize(("call", "error", "pattern"), [c[1:] for c in SWEEP_FIXED], ids=[c[0] for c in SWEEP_FIXED])
+@cases(SWEEP_FIXED)
 def test_sweep_bad_input_is_named(call: Callable[[], Any], error: type[Exception], pattern: str) -> None:
-    with pytest.raises(error, match=pattern):
-        call()
+    refused(call, error, pattern)
 
 
 def test_cast_table_for_a_numbered_cuda_device_is_cudas() -> None:

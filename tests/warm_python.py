@@ -1,6 +1,7 @@
-"""A warm ``python`` for the tests of the benchmark scripts: each call of :func:`warm_python`'s executable runs its
-script (``SCRIPT ARGS``, ``-m MODULE ARGS`` or ``-c CODE ARGS``) in a process forked from one interpreter that has
-already imported torch, Lightning and lightning_mpx (``python tests/warm_python.py --serve SOCKET SHIM``).
+"""A warm ``python`` for the tests' processes (the benchmark scripts, the launchers, ``tests/launch.py``'s fork server):
+each call of :func:`warm_python`'s executable runs its script (``SCRIPT ARGS``, ``-m MODULE ARGS`` or ``-c CODE
+ARGS``, each after an optional ``-u``) in a process forked from one interpreter that has already imported torch,
+Lightning and lightning_mpx (``python tests/warm_python.py --serve SOCKET SHIM``).
 
 A benchmark script run as a child process (``gpu_suite.py all --check`` runs nine, ``step.py`` one per variant) paid
 ``import lightning`` again each time: about 6.5 s of CPU on these machines. The scripts start their children with
@@ -24,6 +25,7 @@ import functools
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -81,6 +83,7 @@ def _server(items: tuple[tuple[str, str], ...]) -> str:
         env=dict(server_env, PYTHONPATH=str(ROOT), **env), text=True, start_new_session=True,
     )  # fmt: skip
     atexit.register(server.kill)
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # the socket and the shim (left in /tmp before)
     assert server.stdout is not None and server.stdout.readline().strip() == "ready", "warm_python: no server"
     return shim
 
@@ -151,8 +154,11 @@ def _run(request: dict[str, Any]) -> None:
     import runpy
     import warnings
 
+    argv = request["argv"]
+    unbuffered = argv[:1] == ["-u"]  # what torchrun (Accelerate's launcher) starts each worker with
+    argv = argv[1:] if unbuffered else argv
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the caller's streams, as a start would open them
-    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+    sys.stdout = open(1, "w", closefd=False, **({"buffering": 1} if unbuffered else {}))  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
     os.chdir(request["cwd"])
     os.environ.clear()
@@ -171,7 +177,6 @@ def _run(request: dict[str, Any]) -> None:
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    argv = request["argv"]
     if argv[:1] == ["-m"]:
         sys.argv = [argv[1], *argv[2:]]
         sys.path.insert(0, os.getcwd())
@@ -186,7 +191,7 @@ def _run(request: dict[str, Any]) -> None:
         sys.path.insert(0, os.path.dirname(script))
         runpy.run_path(script, run_name="__main__")
     else:
-        sys.exit(f"warm_python: unsupported arguments {argv!r} (SCRIPT, -m MODULE or -c CODE)")
+        sys.exit(f"warm_python: unsupported arguments {argv!r} ([-u] SCRIPT, -m MODULE or -c CODE)")
 
 
 def _exit_code(stop: SystemExit) -> int:

@@ -38,7 +38,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_mpx import Amp, FabricMixedPrecisionPlugin, MixedPrecisionPlugin
-from tests.launch import case_error, end_ranks, write_rank_results
+from tests.launch import case_error, finish_cases
 
 LR = 1e-2
 STEPS = 4
@@ -211,12 +211,7 @@ def main() -> None:
         _case(results, f"lightning/{precision}/hook", lightning, precision, "hook", tmp)
     for precision in ("O1", "O2"):  # the loop is core()'s: held to core/bf16/zero
         _case(results, f"fabric/{precision}/zero", fabric_case, precision)
-    with case_error(results.setdefault("after", {})) as r:  # the group still works after every case
-        total = torch.ones(1)
-        dist.all_reduce(total)
-        r["sum"] = total.item()
-    write_rank_results(results)
-    end_ranks()
+    finish_cases(results)
 
 
 if __name__ == "__main__":
