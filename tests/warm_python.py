@@ -163,6 +163,9 @@ def _run(request: dict[str, Any]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    import tempfile
+
+    tempfile.tempdir = None  # the run's TMPDIR, as a start reads it (the server's imports may have cached its own)
     if any(os.environ.get(k) != v for k, v in request["imported_with"].items()):
         # Imported in another mode than this run's (TRITON_INTERPRET): started cold, as the run's own python would,
         # its children still warm (a script that forgot to set the mode for itself fails as it would alone).
