@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import array
 import atexit
+import fcntl
 import functools
 import json
 import os
@@ -39,13 +40,27 @@ ROOT = Path(__file__).resolve().parent.parent
 _PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "lightning.fabric", "lightning_mpx")
 #: What those imports depend on in the environment: a run whose value differs starts cold (``--cold``).
 _IMPORT_ENV = ("TRITON_INTERPRET",)
+#: The most descriptors a run takes from its caller (0-2 and those passed down to it).
+_MAX_FDS = 64
+#: Interpreter options a run takes and has no use for here (``multiprocessing`` passes the parent's on): the process
+#: is started already.
+_IGNORED_OPTIONS = ("-b", "-bb", "-B", "-d", "-E", "-I", "-O", "-OO", "-P", "-q", "-R", "-s", "-S", "-v")
 
 _SHIM = """#!{python} -IS
 import array, json, os, socket, sys
+fds = [0, 1, 2]  # and every other descriptor the caller passed down (multiprocessing's spawn passes its pipes)
+for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
+    try:
+        if int(name) > 2 and os.fstat(int(name)):
+            fds.append(int(name))
+    except OSError:  # the listing's own descriptor, closed by now
+        pass
+if len(fds) > {max_fds}:
+    sys.exit("warm_python: more than {max_fds} descriptors to pass on")
 s = socket.socket(socket.AF_UNIX)
 s.connect({socket!r})
-s.sendmsg([json.dumps({{"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}}).encode() + b"\\n"],
-           [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
+s.sendmsg([json.dumps({{"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd(), "fds": fds}}).encode()
+           + b"\\n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
 answer = b""
 while not answer.endswith(b"\\n"):
     chunk = s.recv(64)
@@ -75,7 +90,7 @@ def _server(items: tuple[tuple[str, str], ...]) -> str:
     env = dict(items)
     folder = tempfile.mkdtemp(prefix="warm_python_")
     sock, shim = os.path.join(folder, "s"), os.path.join(folder, "python")
-    Path(shim).write_text(_SHIM.format(python=sys.executable, socket=sock))
+    Path(shim).write_text(_SHIM.format(python=sys.executable, socket=sock, max_fds=_MAX_FDS))
     os.chmod(shim, 0o755)
     server_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the runs set their own
     server = subprocess.Popen(
@@ -110,7 +125,7 @@ def _serve(sock_path: str, shim: str) -> dict[str, Any]:
             continue
         conn, _ = listener.accept()
         fds = array.array("i")
-        message, ancillary, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(3 * fds.itemsize))
+        message, ancillary, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(_MAX_FDS * fds.itemsize))
         for _level, _type, data in ancillary:
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
         while not message.endswith(b"\n"):
@@ -133,7 +148,12 @@ def _monitor(conn: socket.socket, fds: list[int], request: dict[str, Any], shim:
     pid = os.fork()
     if pid == 0:
         conn.close()
-        for target, fd in enumerate(fds):
+        # Each descriptor at its number in the caller (0-2, and those passed down): first out of the way of the
+        # numbers (the run has no descriptor of its own beyond 0-2), then into place.
+        moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1024) for fd in fds]
+        for fd in fds:
+            os.close(fd)
+        for target, fd in zip(request.get("fds", range(len(moved))), moved):
             os.dup2(fd, target)
             os.close(fd)
         request["shim"] = shim
@@ -154,9 +174,18 @@ def _run(request: dict[str, Any]) -> None:
     import runpy
     import warnings
 
-    argv = request["argv"]
-    unbuffered = argv[:1] == ["-u"]  # what torchrun (Accelerate's launcher) starts each worker with
-    argv = argv[1:] if unbuffered else argv
+    argv, unbuffered, warn_options = list(request["argv"]), False, []
+    while argv and argv[0].startswith("-") and argv[0] not in ("-m", "-c"):  # the interpreter's own options
+        option = argv.pop(0)
+        if option == "-u":  # what torchrun (Accelerate's launcher) starts each worker with
+            unbuffered = True
+        elif option in ("-W", "-X") and argv:
+            value = argv.pop(0)
+            warn_options += [value] if option == "-W" else []
+        elif option.startswith(("-W", "-X")) and len(option) > 2:
+            warn_options += [option[2:]] if option.startswith("-W") else []
+        elif option not in _IGNORED_OPTIONS:
+            sys.exit(f"warm_python: unsupported option {option!r} ([-u] [-W ...] SCRIPT, -m MODULE or -c CODE)")
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the caller's streams, as a start would open them
     sys.stdout = open(1, "w", closefd=False, **({"buffering": 1} if unbuffered else {}))  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
@@ -171,10 +200,13 @@ def _run(request: dict[str, Any]) -> None:
         # its children still warm (a script that forgot to set the mode for itself fails as it would alone).
         os.execv(request["python"], [request["python"], __file__, "--cold", json.dumps(request)])
     sys.executable = request["shim"]  # the script's own children start warm too
+    import multiprocessing.spawn
+
+    multiprocessing.spawn.set_executable(request["shim"])  # and the processes it spawns (strategy="ddp_spawn")
     sys.path[:] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [
         p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)
     ]
-    for option in filter(None, os.environ.get("PYTHONWARNINGS", "").split(",")):
+    for option in [*filter(None, os.environ.get("PYTHONWARNINGS", "").split(",")), *warn_options]:
         warnings._setoption(option)  # noqa: SLF001 - what the interpreter does with PYTHONWARNINGS at start-up
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # read at start-up by OpenMP: set it as a start would
         import torch
