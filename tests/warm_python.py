@@ -1,18 +1,20 @@
 """A warm ``python`` for the tests' processes (the benchmark scripts, the launchers, ``tests/launch.py``'s fork server):
 each call of :func:`warm_python`'s executable runs its script (``SCRIPT ARGS``, ``-m MODULE ARGS`` or ``-c CODE
-ARGS``, each after an optional ``-u``) in a process forked from one interpreter that has already imported torch,
-Lightning and lightning_mpx (``python tests/warm_python.py --serve SOCKET SHIM``).
+ARGS``, after the interpreter's options ``-u`` and ``-W`` if given) in a process forked from one interpreter that has
+already imported torch, Lightning and lightning_mpx (``python tests/warm_python.py --serve SOCKET SHIM``).
 
 A benchmark script run as a child process (``gpu_suite.py all --check`` runs nine, ``step.py`` one per variant) paid
 ``import lightning`` again each time: about 6.5 s of CPU on these machines. The scripts start their children with
 ``sys.executable``; in a process started through the warm executable ``sys.executable`` is that executable again, so
-the children of a script started from it start warm as well. Each run is still a process of its own: ``__main__`` is
-the script, with its own ``sys.argv``, environment (replaced whole, as ``exec`` does), working directory, standard
-streams (the caller's, passed over the socket) and exit code; modules other than the preloaded ones are imported
-afresh (``TRITON_INTERPRET``, read when lightning_mpx's Triton kernels are decorated, is the run's own).
+the children of a script started from it start warm as well, and so do the processes multiprocessing's ``spawn``
+starts (``strategy="ddp_spawn"``: its executable is set to it). Each run is still a process of its own: ``__main__``
+is the script, with its own ``sys.argv``, environment (replaced whole, as ``exec`` does), working directory,
+descriptors (the caller's standard streams and those it passed down, at their numbers, over the socket) and exit
+code; modules other than the preloaded ones are imported afresh (``TRITON_INTERPRET``, read when lightning_mpx's
+Triton kernels are decorated, is the run's own).
 
 The executable is a few lines of standard library (``python -I -S``): it hands its arguments, environment, working
-directory and standard streams to the server and exits with the run's code. The server forks a monitor in a session
+directory and open descriptors to the server and exits with the run's code. The server forks a monitor in a session
 of its own per run, which forks the run: when the caller dies (a timeout kills its process group), the monitor sees
 the socket close and kills the run's session.
 """
