@@ -25,6 +25,7 @@ import os
 import runpy
 import signal
 import sys
+import tempfile
 import time
 import traceback
 
@@ -147,6 +148,7 @@ def _launcher(request: dict) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        tempfile.tempdir = None  # the launch's TMPDIR, as a started process reads it
         faulthandler.enable()  # what PYTHONFAULTHANDLER=1 gives a launch started as a process
         if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # read at startup by OpenMP: set it as a start would
             import torch

@@ -172,7 +172,8 @@ def accelerate_launch(script: str, out: Path, *, timeout: float = 240) -> None:
         "--main_process_port", "0",  # the launcher picks a free port just before torchrun binds it
         str(ROOT / "tests" / script), str(out),
     ]  # fmt: skip
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT), PYTHONFAULTHANDLER="1")
+    # TMPDIR: torchrun's log folder (a tempfile.mkdtemp it leaves behind) goes under ``out``, not /tmp
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT), PYTHONFAULTHANDLER="1", TMPDIR=str(out))
     run = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, failure_report(
         f"{script}: exit code {run.returncode}; stdout ends with:\n{run.stdout[-3000:]}", run.stderr

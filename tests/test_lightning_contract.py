@@ -310,7 +310,11 @@ def test_a_pickled_plugin_starts_afresh_and_keeps_a_subclass_attributes():
 
 
 def test_ddp_spawn_two_processes_train_as_one_process_on_the_global_batches(tmp_path):
-    run_script("ddp_spawn_script.py", tmp_path, timeout=240, ranks=None, MPX_LEVELS="O1")
+    # The script and the two processes Lightning spawns into which it pickles the Trainer are processes of their own,
+    # from the warm interpreter of tests/warm_python.py (each paid the imports before stop 64). TMPDIR: Lightning's
+    # ddp_spawn saves rank 0's weights for the main process in a tempfile.mkdtemp() folder and removes the file only:
+    # the folder goes under tmp_path, not /tmp.
+    run_script("ddp_spawn_script.py", tmp_path, timeout=240, ranks=None, MPX_LEVELS="O1", TMPDIR=str(tmp_path))
     ranks = rank_results(tmp_path, prefix="O1_")
     main = json.loads((tmp_path / "O1_main.json").read_text())
     for rank in ranks:

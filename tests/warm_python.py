@@ -1,18 +1,20 @@
 """A warm ``python`` for the tests' processes (the benchmark scripts, the launchers, ``tests/launch.py``'s fork server):
 each call of :func:`warm_python`'s executable runs its script (``SCRIPT ARGS``, ``-m MODULE ARGS`` or ``-c CODE
-ARGS``, each after an optional ``-u``) in a process forked from one interpreter that has already imported torch,
-Lightning and lightning_mpx (``python tests/warm_python.py --serve SOCKET SHIM``).
+ARGS``, after the interpreter's options ``-u`` and ``-W`` if given) in a process forked from one interpreter that has
+already imported torch, Lightning and lightning_mpx (``python tests/warm_python.py --serve SOCKET SHIM``).
 
 A benchmark script run as a child process (``gpu_suite.py all --check`` runs nine, ``step.py`` one per variant) paid
 ``import lightning`` again each time: about 6.5 s of CPU on these machines. The scripts start their children with
 ``sys.executable``; in a process started through the warm executable ``sys.executable`` is that executable again, so
-the children of a script started from it start warm as well. Each run is still a process of its own: ``__main__`` is
-the script, with its own ``sys.argv``, environment (replaced whole, as ``exec`` does), working directory, standard
-streams (the caller's, passed over the socket) and exit code; modules other than the preloaded ones are imported
-afresh (``TRITON_INTERPRET``, read when lightning_mpx's Triton kernels are decorated, is the run's own).
+the children of a script started from it start warm as well, and so do the processes multiprocessing's ``spawn``
+starts (``strategy="ddp_spawn"``: its executable is set to it). Each run is still a process of its own: ``__main__``
+is the script, with its own ``sys.argv``, environment (replaced whole, as ``exec`` does), working directory,
+descriptors (the caller's standard streams and those it passed down, at their numbers, over the socket) and exit
+code; modules other than the preloaded ones are imported afresh (``TRITON_INTERPRET``, read when lightning_mpx's
+Triton kernels are decorated, is the run's own).
 
 The executable is a few lines of standard library (``python -I -S``): it hands its arguments, environment, working
-directory and standard streams to the server and exits with the run's code. The server forks a monitor in a session
+directory and open descriptors to the server and exits with the run's code. The server forks a monitor in a session
 of its own per run, which forks the run: when the caller dies (a timeout kills its process group), the monitor sees
 the socket close and kills the run's session.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import array
 import atexit
+import fcntl
 import functools
 import json
 import os
@@ -39,13 +42,27 @@ ROOT = Path(__file__).resolve().parent.parent
 _PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "lightning.fabric", "lightning_mpx")
 #: What those imports depend on in the environment: a run whose value differs starts cold (``--cold``).
 _IMPORT_ENV = ("TRITON_INTERPRET",)
+#: The most descriptors a run takes from its caller (0-2 and those passed down to it).
+_MAX_FDS = 64
+#: Interpreter options a run takes and has no use for here (``multiprocessing`` passes the parent's on): the process
+#: is started already.
+_IGNORED_OPTIONS = ("-b", "-bb", "-B", "-d", "-E", "-I", "-O", "-OO", "-P", "-q", "-R", "-s", "-S", "-v")
 
 _SHIM = """#!{python} -IS
 import array, json, os, socket, sys
+fds = [0, 1, 2]  # and every other descriptor the caller passed down (multiprocessing's spawn passes its pipes)
+for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
+    try:
+        if int(name) > 2 and os.fstat(int(name)):
+            fds.append(int(name))
+    except OSError:  # the listing's own descriptor, closed by now
+        pass
+if len(fds) > {max_fds}:
+    sys.exit("warm_python: more than {max_fds} descriptors to pass on")
 s = socket.socket(socket.AF_UNIX)
 s.connect({socket!r})
-s.sendmsg([json.dumps({{"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}}).encode() + b"\\n"],
-           [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
+s.sendmsg([json.dumps({{"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd(), "fds": fds}}).encode()
+           + b"\\n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
 answer = b""
 while not answer.endswith(b"\\n"):
     chunk = s.recv(64)
@@ -75,7 +92,7 @@ def _server(items: tuple[tuple[str, str], ...]) -> str:
     env = dict(items)
     folder = tempfile.mkdtemp(prefix="warm_python_")
     sock, shim = os.path.join(folder, "s"), os.path.join(folder, "python")
-    Path(shim).write_text(_SHIM.format(python=sys.executable, socket=sock))
+    Path(shim).write_text(_SHIM.format(python=sys.executable, socket=sock, max_fds=_MAX_FDS))
     os.chmod(shim, 0o755)
     server_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the runs set their own
     server = subprocess.Popen(
@@ -110,7 +127,7 @@ def _serve(sock_path: str, shim: str) -> dict[str, Any]:
             continue
         conn, _ = listener.accept()
         fds = array.array("i")
-        message, ancillary, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(3 * fds.itemsize))
+        message, ancillary, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(_MAX_FDS * fds.itemsize))
         for _level, _type, data in ancillary:
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
         while not message.endswith(b"\n"):
@@ -133,7 +150,12 @@ def _monitor(conn: socket.socket, fds: list[int], request: dict[str, Any], shim:
     pid = os.fork()
     if pid == 0:
         conn.close()
-        for target, fd in enumerate(fds):
+        # Each descriptor at its number in the caller (0-2, and those passed down): first out of the way of the
+        # numbers (the run has no descriptor of its own beyond 0-2), then into place.
+        moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1024) for fd in fds]
+        for fd in fds:
+            os.close(fd)
+        for target, fd in zip(request.get("fds", range(len(moved))), moved):
             os.dup2(fd, target)
             os.close(fd)
         request["shim"] = shim
@@ -154,24 +176,39 @@ def _run(request: dict[str, Any]) -> None:
     import runpy
     import warnings
 
-    argv = request["argv"]
-    unbuffered = argv[:1] == ["-u"]  # what torchrun (Accelerate's launcher) starts each worker with
-    argv = argv[1:] if unbuffered else argv
+    argv, unbuffered, warn_options = list(request["argv"]), False, []
+    while argv and argv[0].startswith("-") and argv[0] not in ("-m", "-c"):  # the interpreter's own options
+        option = argv.pop(0)
+        if option == "-u":  # what torchrun (Accelerate's launcher) starts each worker with
+            unbuffered = True
+        elif option in ("-W", "-X") and argv:
+            value = argv.pop(0)
+            warn_options += [value] if option == "-W" else []
+        elif option.startswith(("-W", "-X")) and len(option) > 2:
+            warn_options += [option[2:]] if option.startswith("-W") else []
+        elif option not in _IGNORED_OPTIONS:
+            sys.exit(f"warm_python: unsupported option {option!r} ([-u] [-W ...] SCRIPT, -m MODULE or -c CODE)")
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the caller's streams, as a start would open them
     sys.stdout = open(1, "w", closefd=False, **({"buffering": 1} if unbuffered else {}))  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    import tempfile
+
+    tempfile.tempdir = None  # the run's TMPDIR, as a start reads it (the server's imports may have cached its own)
     if any(os.environ.get(k) != v for k, v in request["imported_with"].items()):
         # Imported in another mode than this run's (TRITON_INTERPRET): started cold, as the run's own python would,
         # its children still warm (a script that forgot to set the mode for itself fails as it would alone).
         os.execv(request["python"], [request["python"], __file__, "--cold", json.dumps(request)])
     sys.executable = request["shim"]  # the script's own children start warm too
+    import multiprocessing.spawn
+
+    multiprocessing.spawn.set_executable(request["shim"])  # and the processes it spawns (strategy="ddp_spawn")
     sys.path[:] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [
         p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)
     ]
-    for option in filter(None, os.environ.get("PYTHONWARNINGS", "").split(",")):
+    for option in [*filter(None, os.environ.get("PYTHONWARNINGS", "").split(",")), *warn_options]:
         warnings._setoption(option)  # noqa: SLF001 - what the interpreter does with PYTHONWARNINGS at start-up
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # read at start-up by OpenMP: set it as a start would
         import torch
