@@ -21,6 +21,7 @@ from lightning_mpx.common.dtypes import HALF_DTYPE_NAMES, parse_half_dtype
 from lightning_mpx.common.keywords import checks_keywords
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.optimizers import refuse_unregistrable
+from lightning_mpx.masters.weights import refuse_unpreparable
 from lightning_mpx.opt_levels import resolve_properties
 from lightning_mpx.settings import MixedPrecisionSettings
 
@@ -91,9 +92,13 @@ def initialize(
             refuse_unregistrable(optimizer, with_masters=settings.properties.master_weights)
         if settings.properties.master_weights and not keep_model:
             _refuse_stray_half(models_list, optimizers_list)  # the engine's refusal, before a model is cast
+        if not keep_model:  # the engine's refusals of a model (lazy, meta, nothing to cast), before any is prepared
+            for model in models_list:
+                refuse_unpreparable(model, settings.properties, "amp.initialize")
         carried = _carry_over(models_list, optimizers_list)
-    # A refusal while preparing (the engine's: a lazy module, a model with nothing to cast) leaves _amp_state as it
-    # was (_Undo): a correct call after it is as if it had not happened.
+    # A refusal while preparing (the engine's, other than those checked above) leaves _amp_state as it was (_Undo): a
+    # correct call after it is as if it had not happened. The earlier hooks and wrapper of a model or optimizer given
+    # again stay dropped (begin_call's): the refusals above come first, so that the earlier pair trains on.
     undo = _Undo(models_list, optimizers_list)
     try:
         return _initialize(models_list, models_single, optimizers, optimizers_list, optimizers_single, enabled,

@@ -32,7 +32,7 @@ from lightning_mpx.masters.rank_zero import agree_on_rank_zero, several_ranks
 from lightning_mpx.masters.store import Masters
 from lightning_mpx.masters.swap import follow_modes
 from lightning_mpx.masters.watch import WatchedParameter, release_masters
-from lightning_mpx.masters.weights import _multi_process, convert_module
+from lightning_mpx.masters.weights import _multi_process, convert_module, refuse_lazy, refuse_meta
 from lightning_mpx.opt_levels import Properties
 from lightning_mpx.settings import MixedPrecisionSettings
 
@@ -128,7 +128,8 @@ class PreparedModels:
             )
         props = self.properties
         if props.master_weights and train:
-            _refuse_meta(module)
+            refuse_meta(module)
+            refuse_lazy(module, "prepare_model()")  # a clear error, not torch's on a parameter without a shape
         olds = masters_of(module) if train else ()  # engines holding its masters: this one takes them over
         live = self.masters.prune()
         # A model prepared again (a head added since) keeps its first prefix: its masters are one model's.
@@ -634,18 +635,6 @@ def _convert(module: nn.Module, props: Properties) -> None:
         for param in module.parameters():
             if param.dtype in (torch.float16, torch.bfloat16):
                 set_param_data(param, param.data.float())  # a tensor-parallel DTensor: its local shard too
-
-
-def _refuse_meta(module: nn.Module) -> None:
-    """O2: the FP32 masters are made from the parameters' values, which a model on the ``meta`` device does not have
-    (``to_empty()`` after would also replace the parameters the masters were made for)."""
-    name = next((name for name, param in module.named_parameters() if param.is_meta), None)
-    if name is not None:
-        raise ValueError(
-            f"module={type(module).__name__} has parameters on the meta device (first: {name!r}), which have no values "
-            "for the FP32 masters of opt_level='O2'; materialize it first (module.to_empty(device=...) and initialize "
-            "or load its weights), then call prepare_model()."
-        )
 
 
 def _holds_other_half(module: nn.Module, half_dtype: torch.dtype) -> bool:

@@ -81,6 +81,7 @@ from lightning_mpx.common.keywords import check_keywords
 from lightning_mpx.common.weak import WeakHook
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.overflow import DEFAULT_READER
+from lightning_mpx.masters.weights import refuse_lazy
 from lightning_mpx.opt_levels import OPT_LEVELS
 from lightning_mpx.settings import implicit_dtype_note
 
@@ -337,6 +338,8 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
                 # prepared for evaluation before: masters now (once), from rank zero's FP32 weights as below
                 self.amp.prepare_model(model, train=True, rank_zero_fp32=self.num_processes > 1)
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        if self.amp.properties.master_weights and train:
+            refuse_lazy(model, "accelerator.prepare")  # a clear error, not the engine's on a parameter without a shape
         place = self.device_placement if device_placement is None else device_placement
         if place and not self.verify_device_map(model):
             # On the device before conversion: O2's masters are created next to the parameters they copy.

@@ -28,11 +28,11 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
 from torch import nn
-from torch.nn.parameter import is_lazy
 
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.checkpoint import MASTERS_IN_STATE_DICT
 from lightning_mpx.integrations.fp32_export import masters_into, warn_frozen_half
+from lightning_mpx.masters.weights import refuse_lazy  # its home before: the plugins import it from here
 
 __all__ = [
     "frozen_masters_from_checkpoint", "holds_masters", "masters_from_checkpoint", "masters_into_checkpoint",
@@ -56,25 +56,6 @@ def pick_half_dtype(plugin: Any, where: torch.device | nn.Module) -> None:
     plugin.precision = precision_of(plugin.amp)
     if "settings" in vars(plugin):  # the Trainer plugin's own copy (Fabric's reads the engine's): one pick, shown both
         plugin.settings = plugin.amp.settings
-
-
-def refuse_lazy(module: nn.Module, call: str) -> None:
-    """Raise a ``ValueError`` naming ``module``'s uninitialized (lazy) parameters, which O2 cannot make masters of
-    yet; ``call`` is the user's call that prepares the model (``"trainer.fit"``, ``"fabric.setup"``)."""
-    names = [name for name, param in module.named_parameters() if is_lazy(param)]
-    if not names:
-        return
-    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-    verb = "is" if len(names) == 1 else "are"
-    # Layers built in the LightningModule's configure_model do not exist before trainer.fit: the forward goes there.
-    built = ", in configure_model after building them for layers built there" if call == "trainer.fit" else ""
-    raise ValueError(
-        f"opt_level='O2': {shown} of {type(module).__name__} {verb} not initialized yet (a lazy module such as "
-        f"nn.LazyLinear gets its shape at its first forward), and O2 makes the FP32 master weights at {call}, before "
-        f"any forward. Run one forward on an example batch before {call} (it materializes the lazy modules){built}, or "
-        "give the layers their input sizes (nn.Linear(in_features, ...)); O1 and O3 make no masters and take lazy "
-        "modules."
-    )
 
 
 def record_half_dtype(module: nn.Module, half_dtype: torch.dtype) -> None:

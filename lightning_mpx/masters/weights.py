@@ -9,11 +9,12 @@ are FP32), and :meth:`MasterWeights.copy_to_model` writes the result back to the
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parameter import is_lazy
 
 from lightning_mpx.common.dtypes import HALF_DTYPES, set_param_data
 from lightning_mpx.masters.fp32_buffers import keeps_fp32_buffer
@@ -36,7 +37,19 @@ from lightning_mpx.masters.watch import (
 from lightning_mpx.masters.weights_checkpoint import MasterCheckpoint
 from lightning_mpx.scaling.unscale import BACKENDS, UnscaleWorkspace, cast_copy_
 
-__all__ = ["MasterWeights", "Mirror", "WatchedParameter", "convert_module", "has_floating_parameters"]
+if TYPE_CHECKING:
+    from lightning_mpx.opt_levels import Properties
+
+__all__ = [
+    "MasterWeights",
+    "Mirror",
+    "WatchedParameter",
+    "convert_module",
+    "has_floating_parameters",
+    "refuse_lazy",
+    "refuse_meta",
+    "refuse_unpreparable",
+]
 
 
 def _named_pairs(named_parameters: object) -> Iterator[tuple[str, nn.Parameter]]:
@@ -108,6 +121,50 @@ def convert_module(
                     continue  # position * inv_freq: its rounding grows with the position
                 submodule._buffers[name] = buffer.to(dtype)
     return module
+
+
+def refuse_meta(module: nn.Module) -> None:
+    """O2: the FP32 masters are made from the parameters' values, which a model on the ``meta`` device does not have
+    (``to_empty()`` after would also replace the parameters the masters were made for)."""
+    name = next((name for name, param in module.named_parameters() if param.is_meta), None)
+    if name is not None:
+        raise ValueError(
+            f"module={type(module).__name__} has parameters on the meta device (first: {name!r}), which have no values "
+            "for the FP32 masters of opt_level='O2'; materialize it first (module.to_empty(device=...) and initialize "
+            "or load its weights), then call prepare_model()."
+        )
+
+
+def refuse_lazy(module: nn.Module, call: str) -> None:
+    """Raise a ``ValueError`` naming ``module``'s uninitialized (lazy) parameters, which O2 cannot make masters of
+    yet; ``call`` is the user's call that prepares the model (``"trainer.fit"``, ``"fabric.setup"``,
+    ``"accelerator.prepare"``, ``"prepare_model()"``)."""
+    names = [name for name, param in module.named_parameters() if is_lazy(param)]
+    if not names:
+        return
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    verb = "is" if len(names) == 1 else "are"
+    # Layers built in the LightningModule's configure_model do not exist before trainer.fit: the forward goes there.
+    built = ", in configure_model after building them for layers built there" if call == "trainer.fit" else ""
+    raise ValueError(
+        f"opt_level='O2': {shown} of {type(module).__name__} {verb} not initialized yet (a lazy module such as "
+        f"nn.LazyLinear gets its shape at its first forward), and O2 makes the FP32 master weights at {call}, before "
+        f"any forward. Run one forward on an example batch before {call} (it materializes the lazy modules){built}, or "
+        "give the layers their input sizes (nn.Linear(in_features, ...)); O1 and O3 make no masters and take lazy "
+        "modules."
+    )
+
+
+def refuse_unpreparable(module: nn.Module, properties: Properties, call: str) -> None:
+    """Raise what preparing ``module`` for training at ``properties`` would refuse in its parameters, before anything
+    is changed (for a front door that prepares several models and must fail before the first: the Apex layer's
+    ``initialize``): at O2 parameters on the meta device or not initialized yet (lazy), at O2/O3 no floating-point
+    parameter to cast. ``call``: the user's call that prepares it (``"amp.initialize"``)."""
+    if properties.master_weights:
+        refuse_meta(module)
+        refuse_lazy(module, call)
+    if properties.casts_model and not has_floating_parameters(module):
+        convert_module(module, properties.half_dtype)  # refuses it with its own message before it casts anything
 
 
 class MasterWeights(MasterCheckpoint):
