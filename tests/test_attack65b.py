@@ -124,3 +124,133 @@ def test_a_lazy_module_at_o2_is_refused_naming_the_call_at_every_door(fresh_acce
         with amp.forward_context():
             amp.backward(F.cross_entropy(amp.cast_outputs(model(amp.cast_inputs(x))), y))
         assert amp.step(optimizer)
+
+
+# -- 3. misspelt keywords: the argument, its value, the valid choices ------------------------------------------------
+def _accelerate_rows(tmp: str) -> tuple[Any, Any, list[tuple[str, Callable[[], Any], str, str]]]:
+    """The accelerator, its model and (where, call with one keyword misspelt, misspelt, the keyword meant) for each
+    public keyword of the Accelerate adapter's own methods, at O2 bfloat16 after one backward (the gradients scaled,
+    not unscaled yet)."""
+    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+
+    kwargs = [MixedPrecisionKwargs(half_dtype="bfloat16", loss_scale="dynamic", init_scale=1024.0)]
+    accelerator = Accelerator(mixed_precision="O2", cpu=True, kwargs_handlers=kwargs)
+    model, optimizer = accelerator.prepare(_net(), torch.optim.SGD(_net().parameters(), lr=0.1))
+    x, y = _batch(0)
+    accelerator.backward(F.cross_entropy(model(x), y))
+    a, params = accelerator, model.parameters
+    rows = [
+        ("accelerator.prepare()", lambda: a.prepare(_net(), device_placment=[True]), "device_placment", ""),
+        ("accelerator.prepare_model()", lambda: a.prepare_model(_net(), evaluation_mod=True), "evaluation_mod", ""),
+        ("accelerator.prepare_optimizer()", lambda: a.prepare_optimizer(optimizer, device_placment=True), "", ""),
+        ("accelerator.clip_grad_norm_()", lambda: a.clip_grad_norm_(params(), 1.0, norm_typ=2), "norm_typ", ""),
+        ("accelerator.clip_grad_value_()", lambda: a.clip_grad_value_(params(), 1.0, clip_val=1), "clip_val", ""),
+        ("accelerator.unscale_gradients()", lambda: a.unscale_gradients(optimzer=optimizer), "optimzer", ""),
+        ("accelerator.get_state_dict()", lambda: a.get_state_dict(model, unwarp=True), "unwarp", ""),
+        ("accelerator.save_model()", lambda: a.save_model(model, tmp, max_shard_sze="1GB"), "max_shard_sze", ""),
+        ("accelerator.autocast()", lambda: a.autocast(autocast_handlr=None).__enter__(), "autocast_handlr", ""),
+        ("accelerator.log()", lambda: a.log({"loss": 1.0}, stpe=1), "stpe", ""),
+        ("accelerator.register_save_state_pre_hook()", lambda: a.register_save_state_pre_hook(hok=print), "hok", ""),
+        ("accelerator.free_memory()", lambda: a.free_memory(objs=[model]), "objs", "-"),
+        ("accelerator.mpx_metrics()", lambda: a.mpx_metrics(reset=True), "reset", "-"),
+        ("backward()", lambda: a.backward(F.cross_entropy(model(x), y), loss_idx=0), "loss_idx", "loss_id"),
+        ("optimizer.step()", lambda: optimizer.step(closre=None), "closre", "closure"),
+        ("Accelerator()", lambda: Accelerator(mixed_precision="O2", gradient_accumulation_step=2), "", ""),
+        ("MixedPrecisionKwargs()", lambda: MixedPrecisionKwargs(half_dtyp="bfloat16"), "half_dtyp", "half_dtype"),
+    ]
+    return accelerator, model, rows
+
+
+def _apex_rows() -> list[tuple[str, Callable[[], Any], str, str]]:
+    """The same for each public keyword of the Apex layer (``amp``, the optimizer it returns, ``fp16_utils``)."""
+    from lightning_mpx.apex import fp16_utils
+
+    net = _net()
+    model, optimizer = apex_amp.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    half = nn.Linear(2, 2).half()
+    fp16 = fp16_utils.FP16_Optimizer(torch.optim.SGD(half.parameters(), lr=0.1), dynamic_loss_scale=True)
+    loss = model(_batch(0)[0]).float().sum()
+    scale_loss, masters = apex_amp.scale_loss, fp16_utils.prep_param_lists(nn.Linear(2, 2))
+    return [
+        ("amp.initialize()", lambda: apex_amp.initialize(_net(), opt_levl="O2"), "opt_levl", "opt_level"),
+        ("amp.init()", lambda: apex_amp.init(enable_cashing=True), "enable_cashing", "enable_caching"),
+        ("amp.scale_loss()", lambda: scale_loss(loss, optimizer, loss_idx=0).__enter__(), "loss_idx", "loss_id"),
+        ("amp.scale_loss()", lambda: scale_loss(loss, optimizer, delay_unscaled=True).__enter__(), "", ""),
+        ("amp.state_dict()", lambda: apex_amp.state_dict(destinaton={}), "destinaton", "destination"),
+        ("amp.load_state_dict()", lambda: apex_amp.load_state_dict(state_dict={}), "state_dict", "state"),
+        ("amp.master_params()", lambda: list(apex_amp.master_params(optimizer, opt=None)), "opt", "-"),
+        ("amp.register_half_function()", lambda: apex_amp.register_half_function(torch, fname="mm"), "fname", "name"),
+        ("amp.register_float_function()", lambda: apex_amp.register_float_function(torch, nme="mm"), "nme", "name"),
+        ("amp.register_promote_function()", lambda: apex_amp.register_promote_function(torch, nam="mm"), "nam", ""),
+        ("optimizer.step()", lambda: optimizer.step(closre=None), "closre", "closure"),
+        ("optimizer.zero_grad()", lambda: optimizer.zero_grad(set_to_non=True), "set_to_non", "set_to_none"),
+        ("optimizer.load_state_dict()", lambda: optimizer.load_state_dict(state={}), "state", "state_dict"),
+        ("optimizer.add_param_group()", lambda: optimizer.add_param_group(group={}), "group", "param_group"),
+        ("FP16_Optimizer()", lambda: fp16_utils.FP16_Optimizer(fp16.optimizer, dynamic_loss_scal=True), "", ""),
+        ("FP16_Optimizer.backward()", lambda: fp16.backward(loss, update_master_grad=False), "", ""),
+        ("FP16_Optimizer.clip_master_grads()", lambda: fp16.clip_master_grads(1.0, norm_typ=2), "norm_typ", ""),
+        ("FP16_Optimizer.step()", lambda: fp16.step(closre=None), "closre", "closure"),
+        ("FP16_Optimizer.zero_grad()", lambda: fp16.zero_grad(set_grads_to_none=True), "", "set_grads_to_None"),
+        ("FP16_Optimizer.load_state_dict()", lambda: fp16.load_state_dict(state={}), "state", "state_dict"),
+        ("network_to_half()", lambda: fp16_utils.network_to_half(netwrk=_net()), "netwrk", "network"),
+        ("BN_convert_float()", lambda: fp16_utils.BN_convert_float(modul=_net()), "modul", "module"),
+        ("convert_network()", lambda: fp16_utils.convert_network(_net(), dtyp=torch.half), "dtyp", "dtype"),
+        ("prep_param_lists()", lambda: fp16_utils.prep_param_lists(_net(), flat_mastr=True), "flat_mastr", ""),
+        ("model_grads_to_master_grads()", lambda: fp16_utils.model_grads_to_master_grads(*masters, flat=1), "", "-"),
+        (
+            "master_params_to_model_params()",
+            lambda: fp16_utils.master_params_to_model_params(*masters, flatmaster=1),
+            "flatmaster",
+            "flat_master",
+        ),
+        ("to_python_float()", lambda: fp16_utils.to_python_float(torch.ones(1), tensor=1), "tensor", "-"),
+    ]
+
+
+def _check_row(where: str, call: Callable[[], Any], misspelt: str, meant: str) -> None:
+    """The refusal names where, the keyword (its value too) and the valid ones, and the closest of them (``meant``;
+    ``"-"``: none close; empty: the keyword with its last letter dropped or one swapped, read from the message)."""
+    with pytest.raises(TypeError) as error:
+        call()
+    message = str(error.value)
+    assert message.startswith(f"{where} got an unexpected keyword argument "), message
+    given = misspelt or message.split("'")[1]
+    assert f"argument {given!r}; " in message and f"(given: {given}=" in message, message
+    assert "valid choices: " in message or "takes no keyword arguments" in message, message
+    if meant == "-":
+        assert "Did you mean" not in message, message
+    else:
+        assert "Did you mean " in message and (not meant or f"Did you mean {meant}=?" in message), message
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_a_misspelt_keyword_of_the_accelerate_adapter_is_named_with_its_value_and_the_valid_ones(tmp_path) -> None:
+    """Each public keyword of the adapter's own methods, misspelt once: before, Python's ``TypeError`` named the class
+    the method lives in (``GradientClipping.clip_grad_norm_()``, ``WholeModelExport.save_model()``) and no valid
+    keyword. A misspelt clip is refused before anything is unscaled. (A required argument misspelt,
+    ``clip_grad_norm_(params, max_nrom=1.0)``, gets Python's "missing 1 required positional argument: 'max_norm'",
+    which names it: the per-step methods take no wrapper, which would be a Python call more per step.)"""
+    accelerator, model, rows = _accelerate_rows(str(tmp_path))
+    for row in rows:
+        _check_row(*row)
+    optimizer = accelerator._amp_optimizers()[0]
+    assert not accelerator.amp.is_unscaled(optimizer.optimizer)  # the refused clips and unscale touched nothing
+    with pytest.raises(TypeError, match=r"missing 1 required positional argument: 'max_norm'"):
+        accelerator.clip_grad_norm_(model.parameters(), max_nrom=1.0)
+
+
+@pytest.mark.usefixtures("fresh_apex")
+def test_a_misspelt_keyword_of_the_apex_layer_is_named_with_its_value_and_the_valid_ones() -> None:
+    """Each public keyword of ``amp``, of the optimizer ``initialize`` returns and of ``fp16_utils``, misspelt once:
+    before, Python's ``TypeError`` (``scale_loss() got an unexpected keyword argument 'loss_idx'``) named no valid
+    keyword (``amp.initialize``/``amp.init`` did, without the value)."""
+    for row in _apex_rows():
+        _check_row(*row)
+
+
+def test_a_misspelt_keyword_of_mpx_trainer_is_named_with_its_value_and_the_valid_ones() -> None:
+    """``mpx_trainer(trainer_class=...)``: refused before transformers is imported (``MpxTrainer(opt_lvl=...)`` is
+    ``tests/test_attack64.py``'s; its message now shows the value too: ``(given: opt_lvl='O2')``)."""
+    from lightning_mpx.accelerate import mpx_trainer
+
+    _check_row("mpx_trainer()", lambda: mpx_trainer(trainer_class=None), "trainer_class", "trainer_cls")

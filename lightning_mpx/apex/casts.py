@@ -10,6 +10,7 @@ from typing import Any, Callable, TypeVar
 from lightning_mpx.apex._state import _amp_state
 from lightning_mpx.casting.policy import disable_casts as _disable_casts
 from lightning_mpx.casting.table import _takes_part_in_dispatch, dispatchable
+from lightning_mpx.common.keywords import checks_keywords
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -41,16 +42,19 @@ def _register_named(module: Any, name: str, category: str) -> None:
     _register(function, category)
 
 
+@checks_keywords("amp.register_half_function()")
 def register_half_function(module: Any, name: str) -> None:
     """Run ``module.name`` with half inputs under O1 (from the next ``initialize`` on, or now if initialized)."""
     _register_named(module, name, "half")
 
 
+@checks_keywords("amp.register_float_function()")
 def register_float_function(module: Any, name: str) -> None:
     """Run ``module.name`` with FP32 inputs under O1."""
     _register_named(module, name, "float")
 
 
+@checks_keywords("amp.register_promote_function()")
 def register_promote_function(module: Any, name: str) -> None:
     """Run ``module.name`` in the widest floating type of its inputs under O1."""
     _register_named(module, name, "promote")

@@ -3,21 +3,24 @@ core's) and ``amp.master_params(optimizer)``."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, NoReturn
 
 import torch
 
 from lightning_mpx.apex._state import _amp_state
 from lightning_mpx.apex.loss_scaling import AmpOptimizer, _wrapper_of
 from lightning_mpx.apex.model_hooks import _Fp32StateDict
+from lightning_mpx.common.keywords import check_keywords, checks_keywords
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.held_masters import HeldMasters, shown
 from lightning_mpx.integrations.fabric_checkpoint import masters_left_to_models
 
 
-def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+def master_params(optimizer: torch.optim.Optimizer, **misspelt: NoReturn) -> Iterator[torch.Tensor]:
     """The tensors ``optimizer`` updates: the FP32 masters at O2 (their ``.grad`` holds the unscaled gradients after
     a ``scale_loss`` block), the parameters otherwise. For ``clip_grad_norm_(amp.master_params(opt), ...)``."""
+    if misspelt:  # refused naming the valid one (common/keywords.py: no wrapper on a per-step call)
+        check_keywords("amp.master_params()", misspelt, ("optimizer",))
     inner = optimizer.optimizer if isinstance(optimizer, AmpOptimizer) else optimizer
     if not isinstance(inner, torch.optim.Optimizer):
         raise TypeError(
@@ -31,6 +34,7 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     yield from wrapper._engine.master_params(inner)
 
 
+@checks_keywords("amp.state_dict()")
 def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
     """Apex's format, ``{'loss_scaler0': {'loss_scale': float, 'unskipped': int}, ...}``, plus the core's state
     under ``'lightning_mpx'``, which Apex ignores with a warning. At O2 the FP32 masters of the models given to
@@ -53,6 +57,7 @@ def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
     return out
 
 
+@checks_keywords("amp.load_state_dict()")
 def load_state_dict(state: dict[str, Any]) -> None:
     """Load :func:`state_dict` output, an Apex checkpoint's ``"amp"`` entry, or a core ``Amp.state_dict()``."""
     amp = _amp_state.amp

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NoReturn
 
 import torch
 from torch import nn
 
 from lightning_mpx.apex._state import is_rank_zero
+from lightning_mpx.common.keywords import check_keywords, checks_keywords
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.clipping import clip_limit
 from lightning_mpx.settings import check_flag
@@ -74,6 +75,7 @@ class FP16_Optimizer:
         verbose: Log the overflow messages (rank zero only).
     """
 
+    @checks_keywords("FP16_Optimizer()")  # Python's TypeError named no valid keyword
     def __init__(
         self,
         init_optimizer: torch.optim.Optimizer,
@@ -129,13 +131,19 @@ class FP16_Optimizer:
         self.first_closure_call_this_step = True
 
     # -- the loop -------------------------------------------------------------------------------------------------
-    def zero_grad(self, set_grads_to_None: bool = False) -> None:
+    def zero_grad(self, set_grads_to_None: bool = False, **misspelt: NoReturn) -> None:
         """Zero the model gradients (the masters' are cleared by the step)."""
+        if misspelt:  # refused naming the valid ones (common/keywords.py: no wrapper on a per-step call)
+            check_keywords("FP16_Optimizer.zero_grad()", misspelt, ("set_grads_to_None",))
         self.optimizer.zero_grad(set_to_none=set_grads_to_None)
 
-    def backward(self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False) -> None:
+    def backward(
+        self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False, **misspelt: NoReturn
+    ) -> None:
         """``(loss.float() * loss_scale).backward()``; then, unless ``update_master_grads=False``, unscale into the
         FP32 master gradients. Several calls before one step accumulate."""
+        if misspelt:
+            check_keywords("FP16_Optimizer.backward()", misspelt, ("loss", "update_master_grads", "retain_graph"))
         self.amp.backward(loss.float(), retain_graph=retain_graph)
         if update_master_grads:
             self.update_master_grads()
@@ -145,9 +153,11 @@ class FP16_Optimizer:
         if not self.amp.is_unscaled(self.optimizer):
             self.amp.unscale_(self.optimizer)
 
-    def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> float:
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2, **misspelt: NoReturn) -> float:
         """Clip the master gradients to a global ``norm_type`` norm; returns the norm before clipping (``-1`` on
         overflow)."""
+        if misspelt:
+            check_keywords("FP16_Optimizer.clip_master_grads()", misspelt, ("max_norm", "norm_type"))
         if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
             raise ValueError(f"norm_type={norm_type!r} is not valid; valid choices: a positive number or inf.")
         if float(norm_type) == 2.0:
@@ -160,8 +170,10 @@ class FP16_Optimizer:
         masters = list(self.amp.master_params(self.optimizer))
         return float(torch.nn.utils.clip_grad_norm_(masters, max_norm, norm_type=norm_type))
 
-    def step(self, closure: Callable[[], Any] | None = None) -> None:
+    def step(self, closure: Callable[[], Any] | None = None, **misspelt: NoReturn) -> None:
         """Step the optimizer on the FP32 masters, or skip on overflow (and back the scale off)."""
+        if misspelt:
+            check_keywords("FP16_Optimizer.step()", misspelt, ("closure",))
         if closure is not None:
             raise NotImplementedError(
                 "closure: FP16_Optimizer.step(closure) is not supported here (loss scaling cannot re-run a closure "
@@ -199,6 +211,7 @@ class FP16_Optimizer:
             "lightning_mpx": full,
         }
 
+    @checks_keywords("FP16_Optimizer.load_state_dict()")
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "lightning_mpx" not in state_dict:
             raise ValueError(
@@ -221,6 +234,7 @@ class tofp16(nn.Module):  # noqa: N801 - Apex's name
         return input.half()
 
 
+@checks_keywords("BN_convert_float()")
 def BN_convert_float(module: nn.Module) -> nn.Module:  # noqa: N802 - Apex's name
     """Make the affine batch-norm modules of ``module`` FP32 again (in place), as Apex."""
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.affine:
@@ -230,6 +244,7 @@ def BN_convert_float(module: nn.Module) -> nn.Module:  # noqa: N802 - Apex's nam
     return module
 
 
+@checks_keywords("convert_module()")
 def convert_module(module: nn.Module, dtype: torch.dtype) -> None:
     """Cast ``module``'s own floating-point parameters (and their gradients) and buffers to ``dtype`` in place, as
     Apex (children untouched)."""
@@ -243,6 +258,7 @@ def convert_module(module: nn.Module, dtype: torch.dtype) -> None:
             buf.data = buf.data.to(dtype)
 
 
+@checks_keywords("convert_network()")
 def convert_network(network: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Cast every module of ``network`` to ``dtype`` but the affine batch norms (their statistics too stay FP32), as
     Apex; returns ``network``."""
@@ -262,6 +278,7 @@ def convert_network(network: nn.Module, dtype: torch.dtype) -> nn.Module:
 class FP16Model(nn.Module):
     """Apex's ``FP16Model``: ``network`` in float16 (affine batch norms in FP32), its inputs cast to float16."""
 
+    @checks_keywords("FP16Model()")
     def __init__(self, network: nn.Module) -> None:  # noqa: D107
         super().__init__()
         self.network = convert_network(network, dtype=torch.half)
@@ -274,11 +291,13 @@ class FP16Model(nn.Module):
 clip_grad_norm = torch.nn.utils.clip_grad_norm_
 
 
+@checks_keywords("network_to_half()")
 def network_to_half(network: nn.Module) -> nn.Module:
     """``nn.Sequential(tofp16(), BN_convert_float(network.half()))``, as Apex."""
     return nn.Sequential(tofp16(), BN_convert_float(network.half()))
 
 
+@checks_keywords("prep_param_lists()")
 def prep_param_lists(model: nn.Module, flat_master: bool = False) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """``(model_params, master_params)``: the trainable parameters and FP32 copies of them (one flat tensor when
     ``flat_master``)."""
@@ -293,9 +312,12 @@ def prep_param_lists(model: nn.Module, flat_master: bool = False) -> tuple[list[
 
 
 def model_grads_to_master_grads(
-    model_params: list[torch.Tensor], master_params: list[torch.Tensor], flat_master: bool = False
+    model_params: list[torch.Tensor], master_params: list[torch.Tensor], flat_master: bool = False,
+    **misspelt: NoReturn,
 ) -> None:
     """Copy the model gradients into the master gradients (as FP32)."""
+    if misspelt:  # refused naming the valid ones (common/keywords.py: no wrapper on a per-step call)
+        check_keywords("model_grads_to_master_grads()", misspelt, ("model_params", "master_params", "flat_master"))
     if flat_master:
         grads = [
             p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device)
@@ -313,9 +335,12 @@ def model_grads_to_master_grads(
 
 
 def master_params_to_model_params(
-    model_params: list[torch.Tensor], master_params: list[torch.Tensor], flat_master: bool = False
+    model_params: list[torch.Tensor], master_params: list[torch.Tensor], flat_master: bool = False,
+    **misspelt: NoReturn,
 ) -> None:
     """Copy the master values into the model parameters."""
+    if misspelt:
+        check_keywords("master_params_to_model_params()", misspelt, ("model_params", "master_params", "flat_master"))
     with torch.no_grad():
         if flat_master:
             offset = 0
@@ -329,8 +354,10 @@ def master_params_to_model_params(
             model.copy_(master)
 
 
-def to_python_float(t: Any) -> float:
+def to_python_float(t: Any, **misspelt: NoReturn) -> float:
     """``t.item()`` for a tensor, ``t[0]`` for a sequence, as Apex."""
+    if misspelt:
+        check_keywords("to_python_float()", misspelt, ("t",))
     if hasattr(t, "item"):
         return t.item()
     return t[0]

@@ -4,13 +4,14 @@ optimizer wrapper of Apex's first API (:class:`LegacyOptimizer`), and :class:`No
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, NoReturn
 
 import torch
 
 from lightning_mpx.apex._state import _amp_state
 from lightning_mpx.apex.loss_scaling import AmpOptimizer, scale_loss
 from lightning_mpx.casting.policy import disable_casts as _disable_casts
+from lightning_mpx.common.keywords import check_keywords, checks_keywords
 from lightning_mpx.engine.amp import Amp
 
 
@@ -48,6 +49,7 @@ class AmpHandle:
     def verbose(self) -> bool:
         return self._verbose
 
+    @checks_keywords("handle.wrap_optimizer()")
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, num_loss: int = 1) -> LegacyOptimizer:
         """Apex's first optimizer wrapper: register ``optimizer`` with the engine and return it wrapped, with
         ``scale_loss(loss)`` (see :class:`LegacyOptimizer`)."""
@@ -65,13 +67,17 @@ class AmpHandle:
         return wrapper
 
     @contextlib.contextmanager
-    def scale_loss(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    def scale_loss(
+        self, loss: torch.Tensor, optimizer: torch.optim.Optimizer, **misspelt: NoReturn
+    ) -> Iterator[torch.Tensor]:
         """The module's :func:`scale_loss` for an optimizer that :meth:`wrap_optimizer` or ``initialize`` returned.
 
         Raises:
             TypeError: for an optimizer that was not wrapped: Apex patched its ``step`` to skip an overflowed step;
                 nothing is patched here, so the wrapper's ``step`` is what skips.
         """
+        if misspelt:  # refused naming the valid ones (common/keywords.py: no wrapper on a per-step call)
+            check_keywords("handle.scale_loss()", misspelt, ("loss", "optimizer"))
         self._current()
         if not isinstance(optimizer, AmpOptimizer):
             raise TypeError(
@@ -100,8 +106,10 @@ class LegacyOptimizer(AmpOptimizer):
     first wrapper kept one scaler per loss; ``initialize(num_losses=...)`` is the way to separate them)."""
 
     @contextlib.contextmanager
-    def scale_loss(self, loss: torch.Tensor) -> Iterator[torch.Tensor]:
+    def scale_loss(self, loss: torch.Tensor, **misspelt: NoReturn) -> Iterator[torch.Tensor]:
         """:func:`scale_loss` for this optimizer."""
+        if misspelt:
+            check_keywords("optimizer.scale_loss()", misspelt, ("loss",))
         with scale_loss(loss, self) as scaled:
             yield scaled
 

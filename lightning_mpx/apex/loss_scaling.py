@@ -13,13 +13,14 @@ import functools
 import itertools
 import logging
 import operator
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 import torch
 from torch import nn
 
 from lightning_mpx.apex._state import AmpState, _amp_state, is_rank_zero
 from lightning_mpx.apex.fp16_utils import _HalfParameters
+from lightning_mpx.common.keywords import check_keywords, checks_keywords
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.optimizer_state import _Stage
 from lightning_mpx.engine.raw_steps import is_two_pass
@@ -97,9 +98,11 @@ class AmpOptimizer(torch.optim.Optimizer):
             return functools.partial(_on_masters, self, attribute)
         return attribute
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None, **misspelt: NoReturn) -> Any:  # type: ignore[override]
         """Step through ``Amp.step()`` unless a ``scale_loss`` block that named this optimizer overflowed; returns
         what the optimizer's ``step()`` returned (``None`` when skipped), as Apex's patched step."""
+        if misspelt:  # refused naming the valid one (common/keywords.py: no wrapper on a per-step call)
+            check_keywords("optimizer.step()", misspelt, ("closure",))
         if closure is not None:
             raise NotImplementedError(
                 "closure: Currently, Amp does not support closure use with optimizers (loss scaling cannot re-run "
@@ -107,10 +110,12 @@ class AmpOptimizer(torch.optim.Optimizer):
             )
         return _optimizer_step(self._amp_state, self)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool = True, **misspelt: NoReturn) -> None:
         """The wrapped optimizer's; at O2 the FP32 masters' gradients (zeroed or set to None alike) and the stash of
         earlier blocks go too, as with Apex's O2 ``zero_grad`` (a ``delay_unscale`` chain given up leaves nothing to
         the next step, and a clip of ``amp.master_params()`` before the next block sees no gradient)."""
+        if misspelt:
+            check_keywords("optimizer.zero_grad()", misspelt, ("set_to_none",))
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self._amp_state.stash.pop(id(self.optimizer), None)
         self._amp_state.delayed.pop(id(self.optimizer), None)
@@ -129,11 +134,13 @@ class AmpOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
 
+    @checks_keywords("optimizer.load_state_dict()")
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict)
         if self._amp_state.amp is self._engine:
             self._amp_state.restored = self._engine  # Apex's documented order: initialize(), then the loads
 
+    @checks_keywords("optimizer.add_param_group()")
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the wrapped optimizer; at O2 its half parameters get FP32 masters at the next step, those of
         a model ``initialize`` did not prepare (a new head made half) too, as Apex's patched ``add_param_group``
@@ -205,6 +212,9 @@ def _refuse_base_step(wrapper: AmpOptimizer, base: torch.optim.Optimizer, args: 
 
 
 # -- the loss -------------------------------------------------------------------------------------------------------
+_SCALE_LOSS_KEYWORDS = ("loss", "optimizers", "loss_id", "model", "delay_unscale", "delay_overflow_check")
+
+
 @contextlib.contextmanager
 def scale_loss(
     loss: torch.Tensor,
@@ -213,6 +223,7 @@ def scale_loss(
     model: nn.Module | None = None,
     delay_unscale: bool = False,
     delay_overflow_check: bool = False,
+    **misspelt: NoReturn,
 ) -> Iterator[torch.Tensor]:
     """Yield ``loss`` times the scale of ``loss_id``; at the end of the block, unscale the gradients of
     ``optimizers`` (into the FP32 masters at O2) unless ``delay_unscale``.
@@ -223,6 +234,8 @@ def scale_loss(
 
     ``model`` and ``delay_overflow_check`` are accepted for compatibility and unused (as in Apex's last releases).
     """
+    if misspelt:  # refused naming the valid ones (common/keywords.py: no wrapper on a per-step call)
+        check_keywords("amp.scale_loss()", misspelt, _SCALE_LOSS_KEYWORDS)
     if not isinstance(delay_unscale, bool):  # a string ("False") was taken as true: the block then kept its gradients
         raise TypeError(f"delay_unscale={delay_unscale!r} must be True or False.")
     state = _amp_state

@@ -4,11 +4,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NoReturn
 
 import torch
 
 from lightning_mpx.common.imports import require
+from lightning_mpx.common.keywords import check_keywords
 from lightning_mpx.engine.clipping import clip_limit
 
 require("accelerate", feature="lightning_mpx.accelerate")
@@ -31,11 +32,13 @@ class GradientClipping:
     sync_gradients: bool
     _amp_optimizers: Callable[[], list[AmpOptimizer]]  # its prepared optimizers' wrappers
 
-    def unscale_gradients(self, optimizer: Any = None) -> None:
+    def unscale_gradients(self, optimizer: Any = None, **misspelt: NoReturn) -> None:
         """Unscale the gradients of ``optimizer`` (one, a list, or ``None``: every prepared optimizer that holds
         gradients). At O2 the unscaled gradients are the FP32 masters' ``.grad``. Does nothing to an optimizer
         already unscaled since its last step. Call it right before the step: a later backward would add scaled
         gradients to unscaled ones."""
+        if misspelt:  # a keyword of none of them, refused naming them (keywords.py: no wrapper on a per-step call)
+            check_keywords("accelerator.unscale_gradients()", misspelt, ("optimizer",))
         if self.amp is None:
             super().unscale_gradients(optimizer)
             return
@@ -47,7 +50,9 @@ class GradientClipping:
             owners = [owner_of(self._amp_optimizers(), opt) for opt in optimizers]
         self._unscale(owners)
 
-    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, parameters: Any, max_norm: float, norm_type: float = 2, **misspelt: NoReturn
+    ) -> torch.Tensor:
         """Clip the unscaled gradients of ``parameters`` to a global norm; returns the norm before clipping.
 
         With an opt level, ``parameters`` (the model's or the optimizer's) are mapped to the optimizers that train
@@ -61,7 +66,10 @@ class GradientClipping:
             ValueError: when ``max_norm`` is not a positive number (``math.inf`` is: the norm without clipping), a
                 parameter with a gradient belongs to no optimizer prepared by this accelerator, or under FSDP for a
                 part of an optimizer's parameters or a norm_type other than 2.
+            TypeError: for a keyword it does not take (``max_nrom=``), naming the valid ones.
         """
+        if misspelt:
+            check_keywords("accelerator.clip_grad_norm_()", misspelt, ("parameters", "max_norm", "norm_type"))
         if self.amp is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)  # type: ignore[no-any-return]
         if type(max_norm) not in (int, float) or not max_norm > 0:  # torch's clip (below) would flip or zero them
@@ -84,9 +92,11 @@ class GradientClipping:
         self._unscale(owners)
         return torch.nn.utils.clip_grad_norm_(targets, max_norm, norm_type=norm_type)
 
-    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+    def clip_grad_value_(self, parameters: Any, clip_value: float, **misspelt: NoReturn) -> None:
         """Clamp the unscaled gradients of ``parameters`` to ``[-clip_value, clip_value]`` (see
         :meth:`clip_grad_norm_` for how parameters are mapped)."""
+        if misspelt:
+            check_keywords("accelerator.clip_grad_value_()", misspelt, ("parameters", "clip_value"))
         if self.amp is None:
             super().clip_grad_value_(parameters, clip_value)
             return

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, NoReturn
 
 import torch
 
 from lightning_mpx.common.imports import require
+from lightning_mpx.common.keywords import check_keywords
 from lightning_mpx.engine.amp import Amp
 
 require("accelerate", feature="lightning_mpx.accelerate")
@@ -57,7 +58,9 @@ class AmpOptimizer(AcceleratedOptimizer):  # type: ignore[misc]
         self.on_step = on_step
         self.unscaled = False  # unscaled since the last step (by clip_grad_norm_/unscale_gradients)
 
-    def step(self, closure: Callable[[], Any] | None = None) -> None:
+    def step(self, closure: Callable[[], Any] | None = None, **misspelt: NoReturn) -> None:
+        if misspelt:  # refused naming the valid one (keywords.py: no wrapper on a per-step call)
+            check_keywords("optimizer.step()", misspelt, ("closure",))
         if not self.gradient_state.sync_gradients:
             return  # accumulating: Accelerate steps only on the synchronising micro-batch
         if self.amp is None:

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from lightning_mpx.common.imports import require
-from lightning_mpx.common.keywords import check_keywords
+from lightning_mpx.common.keywords import check_keywords, checks_keywords
 from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 from lightning_mpx.integrations.accelerate_checkpoint import AMP_STATE_NAME, masters_into, warn_frozen_half
 from lightning_mpx.integrations.accelerate_forward import engine_of
@@ -313,9 +313,10 @@ def _refuse_unknown_keywords(trainer_init: Callable[..., Any], kwargs: dict[str,
                 + (f" (did you mean {setting!r}?)" if setting != name else "")
                 + f": it is a setting of the opt level; pass mpx_kwargs=MixedPrecisionKwargs({setting}=...)."
             )
-        check_keywords("Trainer()", [name], valid)
+        check_keywords("Trainer()", {name: kwargs[name]}, valid)
 
 
+@checks_keywords("mpx_trainer()")
 def mpx_trainer(trainer_cls: type | None = None) -> type:
     """``trainer_cls`` (``transformers.Trainer`` by default, or a subclass of it) with :class:`MpxTrainerMixin`:
     ``mpx_trainer()(model=model, args=args, train_dataset=data, opt_level="O2")``; a class that has the mixin already
