@@ -18,6 +18,7 @@ Tiny models on CPU, bfloat16 unless the scale is the point.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import pytest
@@ -254,3 +255,64 @@ def test_a_misspelt_keyword_of_mpx_trainer_is_named_with_its_value_and_the_valid
     from lightning_mpx.accelerate import mpx_trainer
 
     _check_row("mpx_trainer()", lambda: mpx_trainer(trainer_class=None), "trainer_class", "trainer_cls")
+
+
+# -- 4. a model prepared for evaluation only, then for training -----------------------------------------------------
+def _evaluated_first(level: str, *, evaluate_first: bool, reload: bool = False) -> tuple[dict, list[str]]:
+    """An SGD run of 4 steps through the Accelerate adapter (``level``, bfloat16) or Accelerate's own ``level``; with
+    ``evaluate_first`` the model is prepared for evaluation only (and evaluated) before ``prepare(model, optimizer)``
+    (``reload``: its FP32 weights loaded again after that, the warning's remedy). The FP32 weights before the first
+    step and after the last, and the warnings."""
+    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from tests.accelerate_helpers import reset_accelerate_state
+
+    reset_accelerate_state()
+    ours = [MixedPrecisionKwargs(half_dtype="bfloat16")] if level.startswith("O") else None
+    accelerator = Accelerator(mixed_precision=level, cpu=True, kwargs_handlers=ours)
+    net = _net()
+    fp32 = {k: v.clone() for k, v in net.state_dict().items()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if evaluate_first:
+            model = accelerator.prepare_model(net, evaluation_mode=True)
+            with torch.no_grad():
+                model(_batch(9)[0])
+        model, optimizer = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        if reload:
+            accelerator.unwrap_model(model).load_state_dict(fp32)
+        start = {k: v.float().clone() for k, v in accelerator.get_state_dict(model).items()}
+        for step in range(4):
+            x, y = _batch(step)
+            accelerator.backward(F.cross_entropy(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+    end = {k: v.float().clone() for k, v in accelerator.get_state_dict(model).items()}
+    reset_accelerate_state()
+    return {"fp32": fp32, "start": start, "end": end}, [
+        str(w.message) for w in caught if "lightning_mpx" in str(w.message)
+    ]
+
+
+def test_a_model_evaluated_before_it_is_prepared_for_training_is_warned_about() -> None:
+    """``accelerator.prepare_model(model, evaluation_mode=True)`` (no FP32 copy), an evaluation, then
+    ``accelerator.prepare(model, optimizer)``: the FP32 masters start from the bfloat16 rounding of the weights
+    (up to 1e-3 off), where Accelerate's own ``"bf16"`` trains the FP32 weights; it was silent. Now a warning says
+    so when the masters are made, naming the remedy, and the remedy (the FP32 weights loaded again) gives the run that
+    prepared the model for training first, bit for bit. No warning for that run, nor under ``"bf16"``."""
+    bf16, bf16_warned = _evaluated_first("bf16", evaluate_first=True)
+    direct, direct_warned = _evaluated_first("O2", evaluate_first=False)
+    rounded, warned = _evaluated_first("O2", evaluate_first=True)
+    reloaded, _ = _evaluated_first("O2", evaluate_first=True, reload=True)
+    assert not bf16_warned and not direct_warned
+    assert len(warned) == 1 and "prepared for evaluation only" in warned[0] and "0.weight, 0.bias" in warned[0]
+    assert "model.load_state_dict(fp32_state_dict)" in warned[0]
+    fp32 = direct["fp32"]
+    assert all(torch.equal(direct["start"][k], fp32[k]) and torch.equal(bf16["start"][k], fp32[k]) for k in fp32)
+    off = max((rounded["start"][k] - fp32[k]).abs().max().item() for k in fp32)
+    assert 1e-4 < off < 1e-2  # the masters started from the bfloat16 rounding
+    assert all(torch.equal(reloaded[when][k], direct[when][k]) for when in ("start", "end") for k in fp32)
+    # The core's own door: prepare_model(train=False), then for training, warns the same way.
+    amp, net = Amp("O2", half_dtype="bfloat16"), _net()
+    amp.prepare_model(net, train=False)
+    with pytest.warns(UserWarning, match=r"prepared for evaluation only .* Amp\.prepare_model\(model, train=False\)"):
+        amp.prepare_optimizer(torch.optim.SGD(amp.prepare_model(net).parameters(), lr=0.1))

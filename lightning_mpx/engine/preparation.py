@@ -193,8 +193,12 @@ class PreparedModels:
             weights = self.masters.add_model(module, self.names, prefix, initial if masters_from_fp32 else None)
             if masters_from_fp32:  # frozen now, no FP32 value kept: a master made later comes from the rounding
                 rounded = {id(p) for p in converting if p.dtype == half and not (p.requires_grad or id(p) in initial)}
+                # Made half by an earlier prepare for evaluation only (train=False), which kept no FP32 value.
+                new = {id(p) for p in converting}
+                evaluated = {id(p) for p in module.parameters() if id(p) not in new and self.made_half(p)}
                 for masters in self.masters.weights:
                     masters.note_rounded(rounded)
+                    masters.note_rounded(evaluated, cause="evaluation")
             if weights is not None:
                 tables = (self._regions_hooks, self._load_hooks, self._tied_hooks, self.promotion.hooks)
                 weights.let_go = self._releases[module] = HookRelease(module, tables, self.forget)

@@ -67,6 +67,18 @@ def master_for(master_weights: Sequence[MasterWeights], param: torch.Tensor) -> 
     return param
 
 
+#: The warning of :func:`warn_from_rounding` for a model prepared for evaluation only, then for training.
+_EVALUATED_FIRST = (
+    "lightning_mpx: {count} parameter(s) ({shown}) were cast to half at O2 when the model was prepared for evaluation "
+    "only (accelerator.prepare_model(model, evaluation_mode=True), trainer.validate/test/predict before "
+    "trainer.fit, Amp.prepare_model(model, train=False)), which keeps no FP32 value; prepared for training since, "
+    "their FP32 masters start from their half rounding, not from the FP32 weights the model held (which FP32 and "
+    "the frameworks' own bf16/fp16 train from). Prepare the model for training first (with its optimizer) and "
+    "evaluate it then, or load its FP32 weights again now (model.load_state_dict(fp32_state_dict): FP32 values go "
+    "to the masters exactly)."
+)
+
+
 def warn_from_rounding(master_weights: Sequence[MasterWeights]) -> None:
     """Once per model: warn that masters were made from the half rounding of parameters frozen when the model was
     cast (unfrozen since: a backbone fine-tuned after its head), naming a few and the remedy. Called where masters
@@ -79,6 +91,10 @@ def warn_from_rounding(master_weights: Sequence[MasterWeights]) -> None:
         if not _rank_zero():  # the same model on every rank: one warning
             continue
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        if masters.rounding_cause == "evaluation":
+            warnings.warn(_EVALUATED_FIRST.format(count=len(names), shown=shown), UserWarning,
+                          stacklevel=user_stacklevel())  # fmt: skip
+            continue
         warnings.warn(
             f"lightning_mpx: {len(names)} parameter(s) ({shown}) were frozen when the model was cast to half at O2, "
             "so no FP32 value was kept for them; unfrozen since, their FP32 masters start from their half rounding, "

@@ -244,6 +244,7 @@ class MasterWeights(MasterCheckpoint):
         # and emptied by masters.pairs.warn_from_rounding, once), and whether that warning was given.
         self.from_rounding: list[str] = []
         self.rounding_warned = False
+        self.rounding_cause = "frozen"  # or "evaluation": the model was prepared for evaluation only first
         self.extend(named_parameters, exclude=exclude, initial=initial)
 
     def extend(
@@ -339,13 +340,16 @@ class MasterWeights(MasterCheckpoint):
         self._entries[id(param)] = entry
         self._make_master(entry, param)
 
-    def note_rounded(self, ids: set[int]) -> None:
-        """The parameters (by ``id``) frozen when their model was cast to half, with no FP32 value kept: a master made
-        for one later (unfrozen) starts from its rounding, which :attr:`from_rounding` names."""
+    def note_rounded(self, ids: set[int], cause: str = "frozen") -> None:
+        """The parameters (by ``id``) frozen when their model was cast to half (``cause="evaluation"``: cast when it
+        was prepared for evaluation only), with no FP32 value kept: a master made for one later (unfrozen, or the model
+        prepared for training since) starts from its rounding, which :attr:`from_rounding` names."""
         for key in ids:
             entry = self._entries.get(key)
-            if entry is not None and entry.master is None and entry.initial is None:
+            if entry is not None and entry.master is None and entry.initial is None and not entry.rounded:
                 entry.rounded = True
+                if cause != "frozen":
+                    self.rounding_cause = cause
 
     def keeps_value(self, param: torch.Tensor) -> bool:
         """Whether an FP32 value is kept for ``param``'s master, not made yet (``initial``): then making the master
