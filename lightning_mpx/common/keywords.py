@@ -15,7 +15,7 @@ import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
-__all__ = ["check_keywords", "checks_keywords"]
+__all__ = ["check_keywords", "checks_keywords", "checks_method_keywords"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _BY_NAME = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -60,5 +60,19 @@ def checks_keywords(where: str, valid: Sequence[str] | None = None) -> Callable[
             return function(*args, **kwargs)
 
         return cast(F, checked)
+
+    return decorate
+
+
+def checks_method_keywords(prefix: str, names: Sequence[str]) -> Callable[[type], type]:
+    """Class decorator: each method of the class named in ``names`` (its own or inherited) refuses a keyword it does
+    not take as :func:`checks_keywords` does, as ``f"{prefix}.{name}()"`` (``"accelerator.prepare()"``); the methods
+    are wrapped once, on this class (a method of a base class is left as it is there)."""
+
+    def decorate(cls: type) -> type:
+        for name in names:
+            method = getattr(cls, name)
+            setattr(cls, name, checks_keywords(f"{prefix}.{name}()")(method))
+        return cls
 
     return decorate

@@ -70,14 +70,14 @@ import logging
 import os
 import warnings
 import weakref
-from typing import Any, Callable, Iterator, NoReturn
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from lightning_mpx.common.containers import read_floats
 from lightning_mpx.common.imports import require
-from lightning_mpx.common.keywords import check_keywords, checks_keywords
+from lightning_mpx.common.keywords import check_keywords, checks_method_keywords
 from lightning_mpx.common.weak import WeakHook
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.overflow import DEFAULT_READER
@@ -135,6 +135,10 @@ __all__ = ["AMP_STATE_NAME", "NATIVE_MIXED_PRECISION", "Accelerator", "MixedPrec
 #: Accelerate's own ``mixed_precision`` values, passed through unchanged.
 NATIVE_MIXED_PRECISION: tuple[str, ...] = ("no", "fp16", "bf16", "fp8")
 
+_CHECKED_METHODS = (
+    "prepare", "prepare_model", "prepare_optimizer", "get_state_dict", "free_memory", "autocast", "log", "mpx_metrics",
+    "request_mpx_telemetry", "register_save_state_pre_hook", "save_model",
+)  # fmt: skip
 _SUPPORTED_DISTRIBUTED = (
     DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.FSDP
 )
@@ -146,6 +150,9 @@ _DEEPSPEED_HINT = (
 )
 
 
+# Its own methods a user calls (not per step: a clip, backward and the optimizer's step check in their body) refuse a
+# misspelt keyword naming the valid ones and the value given (Python's TypeError named no valid keyword).
+@checks_method_keywords("accelerator", _CHECKED_METHODS)
 class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseAccelerator):  # type: ignore[misc]
     """``accelerate.Accelerator`` that also accepts the opt levels ``"O0"`` to ``"O3"`` as ``mixed_precision``.
 
@@ -248,7 +255,6 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
         self._amp_save_hook = self.register_save_state_pre_hook(WeakHook(self._save_amp_state))
         self.register_load_state_pre_hook(WeakHook(self._load_amp_state))
 
-    @checks_keywords("accelerator.register_save_state_pre_hook()")
     def register_save_state_pre_hook(self, hook: Callable[..., None]) -> Any:
         """Accelerate's ``register_save_state_pre_hook``; the engine's own hook stays the last one, so that it sees
         the weights as the user's hooks leave them (a hook that casts them: the masters stay in the engine's file)."""
@@ -300,7 +306,6 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
         return self.amp.opt_level if self.amp is not None else None
 
     # -- prepare ----------------------------------------------------------------------------------------------------
-    @checks_keywords("accelerator.prepare()")  # Python's TypeError named no valid keyword
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         """As ``accelerate.Accelerator.prepare``; with an opt level, models are prepared first whatever the order
         of ``args``, because O2's optimizer needs the FP32 masters that preparing its model creates."""
@@ -323,7 +328,6 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
             result[index] = prepared[position]
         return tuple(result)
 
-    @checks_keywords("accelerator.prepare_model()")
     def prepare_model(
         self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ) -> nn.Module:
@@ -364,7 +368,6 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
             self.amp.refresh_masters(model.parameters(), force=True)
         return prepared
 
-    @checks_keywords("accelerator.get_state_dict()")
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
         """As ``accelerate.Accelerator.get_state_dict``; at O2 the half weights are replaced by their FP32 masters (the
         weights training produced, FP32 as with Accelerate's own modes; the masters themselves, not copies), so that
@@ -380,7 +383,6 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
                 warn_frozen_half(engine, module, state, "get_state_dict")
         return state
 
-    @checks_keywords("accelerator.free_memory()")
     def free_memory(self, *objects: Any) -> Any:
         """As ``accelerate.Accelerator.free_memory``; with an opt level, the engine's masters and optimizers are
         released too: the next ``prepare`` starts a fresh engine with the same settings (a model prepared again is
@@ -398,7 +400,6 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
             self._converted = weakref.WeakSet()
         return released
 
-    @checks_keywords("accelerator.prepare_optimizer()")
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
         """As ``accelerate.Accelerator.prepare_optimizer``; with an opt level the optimizer steps through the
         :class:`~lightning_mpx.engine.amp.Amp` (at O2 on the FP32 masters). Prepare its model first."""
@@ -429,7 +430,6 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
         return wrapped
 
     # -- forward and backward ---------------------------------------------------------------------------------------
-    @checks_keywords("accelerator.autocast()")
     @contextlib.contextmanager
     def autocast(self, autocast_handler: AutocastKwargs | None = None) -> Iterator[None]:
         """As ``accelerate.Accelerator.autocast``; with an opt level, ``Amp.forward_context``: the O1 cast policy's
@@ -470,7 +470,6 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
         self.amp.backward(loss / self.gradient_accumulation_steps, loss_id=loss_id, **kwargs)
 
     # -- metrics ----------------------------------------------------------------------------------------------------
-    @checks_keywords("accelerator.request_mpx_telemetry()")
     def request_mpx_telemetry(self) -> None:
         """Measure underflow and headroom in this iteration's unscale (call it before the optimizer step); the next
         :meth:`log` or :meth:`mpx_metrics` holds ``mpx/underflow/<module>``, ``mpx/zeros/<module>`` and
@@ -482,7 +481,6 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
             )
         self.amp.request_telemetry()
 
-    @checks_keywords("accelerator.mpx_metrics()")
     def mpx_metrics(self) -> dict[str, float]:
         """``mpx/loss_scale``, ``mpx/overflows`` (since the previous call), ``mpx/skipped_steps`` and
         ``mpx/grad_norm`` (when ``clip_grad_norm_`` computed it since the previous call) as Python floats, with a
@@ -492,19 +490,11 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
         log, and after ``load_state`` each counts on from where the saving run's left off."""
         return self._read_mpx_metrics(DEFAULT_READER)
 
-    def log(
-        self,
-        values: dict[str, Any],
-        step: int | None = None,
-        log_kwargs: dict[str, Any] | None = None,
-        **misspelt: NoReturn,  # refused below (keywords.py: no wrapper on a per-step call)
-    ) -> None:
+    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
         """As ``accelerate.Accelerator.log``; with an opt level the metrics of :meth:`mpx_metrics`, counted since the
         previous log (whatever :meth:`mpx_metrics` calls were made between), are added to ``values`` (your own values
         win on a name clash) unless ``MixedPrecisionKwargs(log_metrics=False)``. The device is read
         only here, and only on the main process, which is the only one that logs."""
-        if misspelt:
-            check_keywords("accelerator.log()", misspelt, ("values", "step", "log_kwargs"))
         if (
             self.amp is not None
             and self.mpx_kwargs is not None

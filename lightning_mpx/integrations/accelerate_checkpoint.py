@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_mpx.common.keywords import checks_keywords
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.checkpoint import MASTERS_IN_STATE_DICT
 from lightning_mpx.integrations.accelerate_forward import engine_of
@@ -128,7 +127,6 @@ class WholeModelExport:
     amp: Any  # what the Accelerator this is a base of provides (declared here for readers and type checkers)
     distributed_type: Any
 
-    @checks_keywords("accelerator.save_model()")
     def save_model(self, model: nn.Module, save_directory: Any, max_shard_size: int | str = "10GB",
                    safe_serialization: bool = True) -> None:  # fmt: skip
         """As ``accelerate.Accelerator.save_model``; at O2 a peft model's frozen half base is named in a warning."""

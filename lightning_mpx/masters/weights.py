@@ -40,16 +40,7 @@ from lightning_mpx.scaling.unscale import BACKENDS, UnscaleWorkspace, cast_copy_
 if TYPE_CHECKING:
     from lightning_mpx.opt_levels import Properties
 
-__all__ = [
-    "MasterWeights",
-    "Mirror",
-    "WatchedParameter",
-    "convert_module",
-    "has_floating_parameters",
-    "refuse_lazy",
-    "refuse_meta",
-    "refuse_unpreparable",
-]
+__all__ = ["MasterWeights", "Mirror", "WatchedParameter", "convert_module", "has_floating_parameters"]
 
 
 def _named_pairs(named_parameters: object) -> Iterator[tuple[str, nn.Parameter]]:
