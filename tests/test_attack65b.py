@@ -12,6 +12,21 @@ Found and fixed:
    ``Can't access the shape of an uninitialized parameter ... in load_state_dict``; it now gets the Lightning doors'
    refusal, naming the parameters, the call (``accelerator.prepare``, ``amp.initialize``, ``prepare_model()``) and the
    remedy (one forward first).
+3. A misspelt keyword of the Accelerate adapter's own methods, of the Apex layer (``amp``, the optimizer it returns,
+   ``FP16_Optimizer``, ``fp16_utils``) and of ``mpx_trainer`` got Python's ``TypeError`` (naming an internal class,
+   ``GradientClipping.clip_grad_norm_()``, and no valid keyword): now the valid ones, the closest and the value.
+4. At O2 a model prepared for evaluation only (``accelerator.prepare_model(model, evaluation_mode=True)``, an
+   evaluation) then for training got FP32 masters from its bfloat16 rounding, silently (``"bf16"`` trains the FP32
+   weights): now warned, with the remedy, which gives the run prepared for training first bit for bit.
+
+Held (probe scripts, against ``"bf16"``/FP32/Apex): ``accumulate`` with ``gradient_accumulation_steps`` and
+``GradientAccumulationPlugin(sync_with_dataloader=False)``, clips (norm 1/2/inf, value, a numpy or tensor limit, part
+of the parameters, two optimizers), ``unscale_gradients`` then torch's clip, two models one optimizer and one model two
+optimizers in any prepare order, ``unwrap_model`` training, ``DataParallel`` on CPU, ``torch.compile`` before/after
+``prepare``, ``free_memory`` then ``prepare``, ``save_state`` before the first step with a registered scheduler,
+O1/O2/O3 resume crossings (Accelerate and Apex, both half dtypes), edited or ``strict=False`` checkpoints, the HF
+Trainer with LoRA + ``modules_to_save`` + accumulation + clipping + ``load_best_model_at_end`` + resume, Apex lists
+with ``num_losses``/``loss_id``/``delay_unscale`` and one loss overflowing, ``Amp.true_grads`` at each phase.
 
 Tiny models on CPU, bfloat16 unless the scale is the point.
 """
