@@ -128,6 +128,9 @@ class _OptimizerState:
     # groups held then (``complex_groups``; 0: not noted yet): grad_checks.note_complex.
     has_complex: bool = False
     complex_groups: int = 0
+    # Under FSDP: the optimizer's parameters as the last unscale saw them (grad_checks.unscale): a list changed since
+    # (a parameter appended, or put in place of another) is checked again (half parameters refused at O2).
+    sharded_params: tuple[torch.Tensor, ...] = ()
     # O2: a schedule-free optimizer's per-group ``train_mode`` flags as the engine last saw them (None: its groups carry
     # no such flag). Its own ``eval()``/``train()`` called where the groups hold the half parameters moves nothing
     # (its state is keyed by the masters): a flag changed since is redone on the masters (masters.swap.follow_modes).
