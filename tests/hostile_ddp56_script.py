@@ -32,6 +32,7 @@ short one here, so that a hang fails the test instead of CI). The cases:
 
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 import warnings
@@ -160,6 +161,7 @@ def _legit(level: str | None, r: dict) -> None:
     module = Branched(10 + rank)
     model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=LR))
     ema = [p.detach().float().clone() for p in module.parameters()] if rank == 0 else None
+    copied = copy.deepcopy(module)  # before the first backward (an AveragedModel made after set-up)
     for step in range(6):
         x, y = batch(step, rank)
         with fabric.no_backward_sync(model, enabled=step % 2 == 0):
@@ -171,6 +173,12 @@ def _legit(level: str | None, r: dict) -> None:
                 for e, p in zip(ema, module.parameters()):
                     e.lerp_(p.detach().float(), 0.5)
     r["w"] = flat(plugin.master_params(optimizer) if plugin is not None else module.parameters())
+    copied(torch.zeros(1, 4).to(next(copied.parameters()).dtype), branch=True)  # after the first backward
+    r["hooks_left"] = [  # the engine's DDP watch (engine/unsynced.py)
+        sum(type(hook).__name__ == "DdpWatch" for m in net.modules() for hook in m._forward_pre_hooks.values())
+        for net in (module, copied)
+    ]
+    r["watched"] = plugin is not None and len(plugin.amp._machine.ddp) == 1  # the wrapper was found
 
 
 def _overflow(r: dict) -> None:

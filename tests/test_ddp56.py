@@ -63,12 +63,17 @@ def test_group_still_works_after_the_refusals(ranks: list[dict[str, Any]]) -> No
 def test_legit_ddp_habits_not_refused_and_trained_like_bf16_mixed(ranks: list[dict[str, Any]]) -> None:
     """DDP's broadcast at wrap time (each rank its own initial weights), ``no_backward_sync`` accumulation, a branch
     only rank 0 uses (``find_unused_parameters=True``) and a rank-0-only EMA that reads the weights: no error, the
-    ranks' masters equal, and within bfloat16's reach of Fabric's own "bf16-mixed" run."""
+    ranks' masters equal, and within bfloat16's reach of Fabric's own "bf16-mixed" run; no hook of the engine's DDP
+    watch is left on the model or on a copy made before the first backward."""
     o2 = [torch.tensor(rank["legit/O2"]["w"]) for rank in ranks]
     ref = [torch.tensor(rank["legit/ref"]["w"]) for rank in ranks]
     assert torch.equal(o2[0], o2[1]) and torch.equal(ref[0], ref[1])
     torch.testing.assert_close(o2[0], ref[0], rtol=0, atol=ATOL_REF)
     assert not torch.equal(o2[0], ref[0])  # two runs, not one read twice
+    # engine/unsynced.py finds the DDP wrapper by forward pre-hooks until the first backward: none is left on the
+    # model, nor on a deep copy made before it (taken off at the copy's first forward)
+    assert [rank["legit/O2"]["hooks_left"] for rank in ranks] == [[0, 0], [0, 0]]
+    assert all(rank["legit/O2"]["watched"] for rank in ranks)
 
 
 def test_one_rank_overflow_skipped_on_both(ranks: list[dict[str, Any]]) -> None:

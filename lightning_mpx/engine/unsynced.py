@@ -16,7 +16,8 @@ there. Without a reducer (the core ``Amp`` under DDP with none set) the rank rai
 
 The DDP wrappers around the prepared models are found at their first forward: a forward pre-hook on each submodule that
 holds parameters reads ``DistributedDataParallel``'s active module there (set while a wrapper's forward runs), and the
-hooks are taken off at the engine's next backward (:meth:`DdpWatch.settle`): nothing per step after it. Whether a
+hooks are taken off at the engine's next backward (:meth:`DdpWatch.settle`; a copy of the model made before it drops
+its own at its first forward): nothing per step after it. Whether a
 backward runs unsynchronised is read from the wrappers at each engine backward (two attribute reads each, written out in
 ``StepMachine.before_backward``).
 """
@@ -33,30 +34,39 @@ __all__ = ["DdpWatch", "raise_refusals", "watch_ddp"]
 
 
 class DdpWatch:
-    """One-shot forward pre-hooks on the prepared models' submodules that hold parameters, noting the DDP wrappers
-    whose forward runs them (``machine.ddp``: weak references). Taken off at the engine's next backward
-    (:meth:`settle`), whether or not a wrapper was found (a model under DDP goes through its wrapper's forward before
-    its first backward)."""
+    """One-shot forward pre-hooks (this object itself) on the prepared models' submodules that hold parameters, noting
+    the DDP wrappers whose forward runs them (``machine.ddp``: weak references). Taken off at the engine's next
+    backward (:meth:`settle`), whether or not a wrapper was found (a model under DDP goes through its wrapper's forward
+    before its first backward). A copy of a model made meanwhile (``copy.deepcopy``, ``AveragedModel``) shares it and
+    an unpickled one gets an inert one: there, and wherever it runs once settled, it takes itself off the module."""
 
     def __init__(self, machine: Any) -> None:
-        self._machine = weakref.ref(machine)
+        self._machine = weakref.ref(machine) if machine is not None else None
         self._handles: list[Any] = []
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (DdpWatch, (None,))  # inert: takes itself off at its first call
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DdpWatch:
+        return self
 
     def add(self, modules: Iterable[nn.Module]) -> None:
         """Watch the forwards of ``modules``' submodules that hold parameters."""
         self._handles += [
-            sub.register_forward_pre_hook(self._seen)
+            sub.register_forward_pre_hook(self)
             for module in modules
             for sub in module.modules()
             if any(True for _ in sub.parameters(recurse=False))
         ]
 
-    def _seen(self, module: nn.Module, args: Any) -> None:
-        wrapper = _active_ddp()
-        machine = self._machine()
-        if wrapper is None or machine is None:
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        machine = self._machine() if self._machine is not None else None
+        if machine is None or machine.ddp_watch is not self:  # settled, or on a copy or an unpickled model
+            for key in [key for key, hook in module._forward_pre_hooks.items() if hook is self]:
+                del module._forward_pre_hooks[key]
             return
-        if all(ref() is not wrapper for ref in machine.ddp):
+        wrapper = _active_ddp()
+        if wrapper is not None and all(ref() is not wrapper for ref in machine.ddp):
             machine.ddp = (*machine.ddp, weakref.ref(wrapper))
 
     def settle(self) -> None:
