@@ -23,7 +23,7 @@ import functools
 import itertools
 import operator
 import weakref
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -207,11 +207,23 @@ def after_step(state: _OptimizerState, optimizer: torch.optim.Optimizer, *, mast
             # what the step left (stepped_leftovers), as a kept one is. On an FSDP2 gradient's local shard, not the
             # DTensor (local_tensors' usual case, plain tensors, told here without its call). C-level: no call per
             # tensor.
-            plain = set(map(type, grads)) <= _PLAIN
             marks = list(map(set, itertools.repeat((), len(grads))))
-            list(map(setattr, grads if plain else local_tensors(grads), itertools.repeat(_MARK), marks))
-            state.stepped_refs = tuple(map(weakref.ref, marks))
+            if set(map(type, grads)) <= _PLAIN:
+                list(map(setattr, grads, itertools.repeat(_MARK), marks))
+                state.stepped_refs = tuple(map(weakref.ref, marks))
+            else:
+                state.stepped_refs = tuple(map(_mark, local_tensors(grads), marks))
             state.stepped_params = frozenset(map(id, params))
+
+
+def _mark(grad: torch.Tensor, mark: set[Any]) -> weakref.ref[Any]:
+    """A weak reference to ``mark``, put in ``grad``'s ``__dict__``; to ``grad`` itself where a tensor subclass takes
+    no attribute."""
+    try:
+        setattr(grad, _MARK, mark)
+    except AttributeError:
+        return weakref.ref(grad)
+    return weakref.ref(mark)
 
 
 def _alive_ids(state: _OptimizerState) -> set[int]:
