@@ -19,15 +19,20 @@ short one here, so that a hang fails the test instead of CI). The cases:
   gradient: rank 0 alone raised). The checking backward runs under ``no_backward_sync`` so that a one-rank error
   cannot hang the launch.
 * ``subset_no_sync``: under ``no_backward_sync``, a raw SGD over part of a prepared optimizer's parameters (the trunk)
-  while a branch only rank 0 uses keeps its gradient there: rank 1 (branch gradient None) raises, rank 0 does not
-  (strict xfail in the test).
+  while a branch only rank 0 uses keeps its gradient there: rank 1 (branch gradient None) refuses, rank 0 would not;
+  after that unsynchronised backward the refusal waits for the step, where both raise (engine.unsynced; stop 65: rank
+  1 raised at the backward alone).
+* ``subset_no_sync_fused``: the same with a fused AdamW (its step skips on the device): the step is skipped on both
+  ranks, and both raise at the next backward, where it is settled.
 * ``branch_raw_no_sync``: the same with the raw SGD over the branch instead: it writes the branch on rank 0 alone;
   rank 0's view is ``subset_no_sync``'s with trunk and branch swapped, rank 1 sees nothing written. Neither refuses
-  today; a rule that made rank 0 refuse ``subset_no_sync`` from what it sees would refuse here on rank 0 alone.
+  (rank 0 lets it pass: a gradient kept); a rule that made rank 0 refuse ``subset_no_sync`` from what it sees would
+  refuse here on rank 0 alone.
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 import warnings
@@ -156,6 +161,7 @@ def _legit(level: str | None, r: dict) -> None:
     module = Branched(10 + rank)
     model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=LR))
     ema = [p.detach().float().clone() for p in module.parameters()] if rank == 0 else None
+    copied = copy.deepcopy(module)  # before the first backward (an AveragedModel made after set-up)
     for step in range(6):
         x, y = batch(step, rank)
         with fabric.no_backward_sync(model, enabled=step % 2 == 0):
@@ -167,6 +173,12 @@ def _legit(level: str | None, r: dict) -> None:
                 for e, p in zip(ema, module.parameters()):
                     e.lerp_(p.detach().float(), 0.5)
     r["w"] = flat(plugin.master_params(optimizer) if plugin is not None else module.parameters())
+    copied(torch.zeros(1, 4).to(next(copied.parameters()).dtype), branch=True)  # after the first backward
+    r["hooks_left"] = [  # the engine's DDP watch (engine/unsynced.py)
+        sum(type(hook).__name__ == "DdpWatch" for m in net.modules() for hook in m._forward_pre_hooks.values())
+        for net in (module, copied)
+    ]
+    r["watched"] = plugin is not None and len(plugin.amp._machine.ddp) == 1  # the wrapper was found
 
 
 def _overflow(r: dict) -> None:
@@ -225,6 +237,33 @@ def _subset_no_sync(r: dict) -> None:
         raw.step()
         raw.zero_grad()
         fabric.backward(F.mse_loss(model(x), y))
+    r["step_reached"] = True
+    optimizer.step()  # the ranks meet: both refuse here (engine.unsynced)
+    r["stepped"] = True
+
+
+def _subset_no_sync_fused(r: dict) -> None:
+    """``subset_no_sync`` with a fused AdamW, whose step skips on the device: both ranks refuse at the backward after
+    the step, where the step is settled."""
+    fabric, _ = _fabric("O2", find_unused_parameters=True)
+    rank = fabric.global_rank
+    module = Branched(0)
+    model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=LR, fused=True))
+    raw = torch.optim.SGD(module.trunk.parameters(), lr=LR)
+    x, y = batch(0, rank)
+    fabric.backward(F.mse_loss(model(x, branch=True), y))
+    optimizer.step()
+    optimizer.zero_grad()
+    with fabric.no_backward_sync(model):
+        fabric.backward(F.mse_loss(model(x, branch=rank == 0), y))
+        raw.step()
+        raw.zero_grad()
+        fabric.backward(F.mse_loss(model(x), y))
+    r["trunk_before_step"] = flat(module.trunk.parameters())
+    optimizer.step()  # skipped on the device on both ranks
+    r["trunk_after_step"] = flat(module.trunk.parameters())
+    optimizer.zero_grad()
+    fabric.backward(F.mse_loss(model(x), y))  # settled here: both refuse
 
 
 def _branch_raw_no_sync(r: dict) -> None:
@@ -248,6 +287,8 @@ def _branch_raw_no_sync(r: dict) -> None:
         r["branch_written"] = not torch.equal(before, module.branch.weight)
         raw.zero_grad()
         fabric.backward(F.mse_loss(model(x), y))
+    optimizer.step()  # the ranks meet at the step
+    r["stepped"] = True
 
 
 def main() -> None:
@@ -273,6 +314,8 @@ def main() -> None:
         _unheld_branch(r)
     with case_error(results.setdefault("subset_no_sync", {})) as r:
         _subset_no_sync(r)
+    with case_error(results.setdefault("subset_no_sync_fused", {})) as r:
+        _subset_no_sync_fused(r)
     with case_error(results.setdefault("branch_raw_no_sync", {})) as r:
         _branch_raw_no_sync(r)
     finish_cases(results)

@@ -24,7 +24,7 @@ RAW_CASES = ("trainer_raw", "fabric_raw/O2", "fabric_raw/O1", "accelerate_raw")
 # bfloat16 autocast) over 3 SGD steps of a tiny model: measured 3e-4 apart.
 ATOL_REF = 3e-3
 # Cases that raise on purpose (the checks below read their errors).
-RAISING = (*RAW_CASES, "unheld_branch", "subset_no_sync", "branch_raw_no_sync")
+RAISING = (*RAW_CASES, "unheld_branch", "subset_no_sync", "subset_no_sync_fused", "branch_raw_no_sync")
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +63,17 @@ def test_group_still_works_after_the_refusals(ranks: list[dict[str, Any]]) -> No
 def test_legit_ddp_habits_not_refused_and_trained_like_bf16_mixed(ranks: list[dict[str, Any]]) -> None:
     """DDP's broadcast at wrap time (each rank its own initial weights), ``no_backward_sync`` accumulation, a branch
     only rank 0 uses (``find_unused_parameters=True``) and a rank-0-only EMA that reads the weights: no error, the
-    ranks' masters equal, and within bfloat16's reach of Fabric's own "bf16-mixed" run."""
+    ranks' masters equal, and within bfloat16's reach of Fabric's own "bf16-mixed" run; no hook of the engine's DDP
+    watch is left on the model or on a copy made before the first backward."""
     o2 = [torch.tensor(rank["legit/O2"]["w"]) for rank in ranks]
     ref = [torch.tensor(rank["legit/ref"]["w"]) for rank in ranks]
     assert torch.equal(o2[0], o2[1]) and torch.equal(ref[0], ref[1])
     torch.testing.assert_close(o2[0], ref[0], rtol=0, atol=ATOL_REF)
     assert not torch.equal(o2[0], ref[0])  # two runs, not one read twice
+    # engine/unsynced.py finds the DDP wrapper by forward pre-hooks until the first backward: none is left on the
+    # model, nor on a deep copy made before it (taken off at the copy's first forward)
+    assert [rank["legit/O2"]["hooks_left"] for rank in ranks] == [[0, 0], [0, 0]]
+    assert all(rank["legit/O2"]["watched"] for rank in ranks)
 
 
 def test_one_rank_overflow_skipped_on_both(ranks: list[dict[str, Any]]) -> None:
@@ -89,27 +94,35 @@ def test_unheld_branch_refused_on_both_ranks(ranks: list[dict[str, Any]]) -> Non
         assert "which no optimizer prepared by lightning_mpx holds" in error, f"rank {r}: {error or 'not refused'}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine/raw_steps.py refuse_raw_step: under no_sync a raw step over part of a prepared optimizer's "
-    "parameters is let pass while any of its gradients is kept; a branch only rank 0's forward used keeps one on rank "
-    "0 alone, so rank 1 raises and rank 0 goes on (into the next all-reduce: a hang). No rule from a rank's own view "
-    "decides alike here and in branch_raw_no_sync: rank 0's views of the two are the same with trunk and branch "
-    "swapped (one part had a gradient, written, cleared; the other had one, kept), but rank 1 must refuse here (its "
-    "view is a plain raw step beside an unused parameter) and sees nothing written there",
-)
 def test_subset_raw_step_under_no_sync_decided_alike(ranks: list[dict[str, Any]]) -> None:
     """Under ``no_backward_sync``, a raw SGD over the trunk while the branch's gradient is kept on rank 0 only: the
-    ranks must decide alike (both refuse)."""
+    ranks must decide alike (both refuse). Was: rank 1 raised at the next backward and rank 0 went on (a hang at the
+    next all-reduce); after a backward DDP did not synchronise the refusal waits for the step, where the ranks meet,
+    skip it and both raise (engine/unsynced.py)."""
     outcomes = [REFUSED in _error(rank, "subset_no_sync") for rank in ranks]
     assert outcomes == [True, True], outcomes
+    assert [rank["subset_no_sync"].get("step_reached") for rank in ranks] == [True, True]
+    assert not any(rank["subset_no_sync"].get("stepped") for rank in ranks)
+    assert "on rank 1" in _error(ranks[0], "subset_no_sync")  # rank 0 names where it was found
+
+
+def test_subset_raw_step_under_no_sync_with_a_fused_optimizer_skipped_and_refused_on_both(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """The same with a fused AdamW (its step skips on the device, read later): the step is skipped on both ranks (the
+    trunk as the raw step left it) and both refuse at the next backward, where the step is settled."""
+    for r, rank in enumerate(ranks):
+        case = rank["subset_no_sync_fused"]
+        assert REFUSED in case.get("error", ""), f"rank {r}: {case.get('error') or 'not refused'}"
+        assert case["trunk_after_step"] == case["trunk_before_step"]
 
 
 def test_raw_step_over_a_one_rank_branch_decided_alike(ranks: list[dict[str, Any]]) -> None:
     """Under ``no_backward_sync``, a raw SGD over a branch only rank 0's forward used writes it on rank 0 alone: the
-    ranks decide alike (today: neither refuses; rank 1 has nothing to see). Guards against fixing
+    ranks decide alike (neither refuses; rank 1 has nothing to see), and both step. Guards against fixing
     ``subset_no_sync`` by refusing each written parameter whose own gradient was cleared, which refuses here on rank 0
     alone: a hang at the next all-reduce."""
     assert [rank["branch_raw_no_sync"].get("branch_written") for rank in ranks] == [True, False]
     outcomes = [REFUSED in _error(rank, "branch_raw_no_sync") for rank in ranks]
     assert outcomes[0] == outcomes[1], outcomes
+    assert [rank["branch_raw_no_sync"].get("stepped") for rank in ranks] == [True, True]

@@ -145,19 +145,12 @@ def test_async_checkpoint_io_writes_each_o2_master_once(tmp_path):
     assert sizes[1] <= sizes[0] * 1.05, sizes
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine/rescale.py (after_step): the engine keeps a weak reference to each gradient a step leaves "
-    "(state.stepped_refs, telling a live gradient from a new tensor that reused a freed one's id), and "
-    "torch.utils.swap_tensors refuses a tensor with a weak reference: under "
-    "set_swap_module_params_on_conversion(True) model.to() raises \"Couldn't swap Linear.weight.grad\" until "
-    "optimizer.zero_grad(). Neither a storage weak pointer nor a marker in the tensor's __dict__ survives the swap "
-    "(both are swapped away), so the engine would take the moved gradients for new ones",
-)
 @pytest.mark.parametrize("level", ["O1", "O3"])
 def test_swap_on_conversion_moves_a_model_whose_gradients_a_step_left(level):
     """``model.to()`` under ``torch.__future__.set_swap_module_params_on_conversion(True)`` after a step that left
-    its gradients (no ``zero_grad``) moves the model as it does without the engine."""
+    its gradients (no ``zero_grad``) moves the model as it does without the engine. Was: "Couldn't swap
+    Linear.weight.grad" until ``optimizer.zero_grad()`` (the engine held a weak reference to each gradient a step
+    left, which ``torch.utils.swap_tensors`` refuses; it holds one to a mark in the gradient's ``__dict__`` now)."""
     from lightning_mpx import Amp
 
     torch.manual_seed(0)

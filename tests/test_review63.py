@@ -255,14 +255,11 @@ def test_fsdp_o2_a_group_changed_by_fp32_parameters_trains_on(one_rank) -> None:
 
 
 @_GLOO
-@pytest.mark.xfail(
-    strict=True,
-    reason="review63: under FSDP at O2 a half parameter put in a group's list in place of another (the list rebuilt "
-    "with as many parameters: the trainable block moved from the head to a base loaded in bfloat16) is not refused: "
-    "stop 63's check rides the parameter count, which did not change, and Adam steps it in bfloat16 with bfloat16 "
-    "moments (appended, it is refused). Seeing it needs the groups' lists compared by identity at each unscale.",
-)
 def test_fsdp_o2_a_half_parameter_swapped_into_a_group_is_refused_as_an_appended_one(one_rank) -> None:
+    """Under FSDP at O2 a half parameter put in a group's list in place of another (the list rebuilt with as many
+    parameters: the trainable block moved from the head to a base loaded in bfloat16) is refused at the next unscale,
+    as an appended one is. Was: stop 63's check rode the parameter count, which did not change, and Adam stepped it in
+    bfloat16 with bfloat16 moments; the unscale under FSDP now compares the groups' lists by identity."""
     from tests.test_fsdpunfreeze63 import _half_unit_net
 
     def change(net: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -127,11 +127,11 @@ class _Gathers:
 
     def __init__(self, amp: Amp) -> None:
         self.calls = 0
-        self._gather = amp.forensics.gather
+        self._gather = amp.forensics.gather_noted  # the records and the ranks' kept refusals (engine/unsynced.py)
 
-    def __call__(self, record: Any) -> Any:
+    def __call__(self, record: Any, note: Any = None) -> Any:
         self.calls += 1
-        return self._gather(record)
+        return self._gather(record, note)
 
 
 @pytest.mark.parametrize("read", ["bool", "sum", "read_step_outcomes", "state_dict"])
@@ -139,7 +139,7 @@ def test_a_read_under_a_process_group_is_no_collective_and_the_next_backward_set
     amp, model, optimizer = _engine(True, loss_scale="dynamic")
     amp.found_inf_reducer = lambda flag: None  # as under DDP: the flags are reduced, the records are merged
     gathers = _Gathers(amp)
-    monkeypatch.setattr(amp.forensics, "gather", gathers)
+    monkeypatch.setattr(amp.forensics, "gather_noted", gathers)
     outcomes = [_train_step(amp, model, optimizer, 0, bad=True)]  # the record names it while the gradient is there
     if read == "bool":
         assert not outcomes[0]

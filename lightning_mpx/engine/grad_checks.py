@@ -91,10 +91,14 @@ def unscale(
             sources, targets = list(filter(_SOME, map(_GRAD, params))), None
             if any(map(_IS_SPARSE, sources)):  # rare: own_grads refuses the sparse gradient by its parameter
                 own_grads(optimizer, refuse_sparse)
+    if sharding is not None:  # a group's list changed (a parameter appended, or put in place of another, the count
+        # unchanged): what prepare_optimizer refuses, refused. C-level maps, under FSDP only.
+        held = tuple(itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)))
+        if len(held) != len(state.sharded_params) or not all(map(operator.is_, held, state.sharded_params)):
+            sharding.refuse_gathered(held)
+            state.sharded_params = held
     # the parameter count, in C (map/len/sum: no Python call per step or per group): see note_complex
     if state.complex_groups != sum(map(len, map(_PARAMS, optimizer.param_groups))):
-        if sharding is not None:  # a parameter appended to a group's list: what prepare_optimizer refuses, refused
-            sharding.refuse_gathered(optimizer_params(optimizer))
         note_complex(state, optimizer)
     named = sources
     if state.has_complex:  # torch's unscale kernels have no complex case: their real views (no copy)

@@ -90,9 +90,10 @@ class _OptimizerState:
     unscaled_marks: tuple[tuple[int, int] | None, ...] = ()
     # STEPPED: (id, version) of each gradient the step left; one gone or written since (zero_grad) was cleared.
     stepped_marks: frozenset[tuple[int, int]] | None = None
-    # STEPPED: weak references to those gradients: an id in stepped_marks is theirs only while they live (CPython gives
-    # a freed tensor's id to the next one made), so a tensor the user assigned since is told from one kept or written.
-    stepped_refs: tuple[weakref.ref[torch.Tensor], ...] = ()
+    # STEPPED: weak references to marks those gradients hold (rescale.after_step; none to the gradients, which
+    # torch.utils.swap_tensors refuses): an id in stepped_marks is theirs only while they live (CPython gives a freed
+    # tensor's id to the next one made), so a tensor the user assigned since is told from one kept or written.
+    stepped_refs: tuple[weakref.ref[set[Any]], ...] = ()
     # STEPPED: the ids of those gradients, in stepped_refs' order (which refer to an FSDP2 gradient's local shard).
     stepped_ids: tuple[int, ...] = ()
     # STEPPED: the ids of the parameters the optimizer held at the step: a gradient on another one (a group added since)
@@ -128,6 +129,9 @@ class _OptimizerState:
     # groups held then (``complex_groups``; 0: not noted yet): grad_checks.note_complex.
     has_complex: bool = False
     complex_groups: int = 0
+    # Under FSDP: the optimizer's parameters as the last unscale saw them (grad_checks.unscale): a list changed since
+    # (a parameter appended, or put in place of another) is checked again (half parameters refused at O2).
+    sharded_params: tuple[torch.Tensor, ...] = ()
     # O2: a schedule-free optimizer's per-group ``train_mode`` flags as the engine last saw them (None: its groups carry
     # no such flag). Its own ``eval()``/``train()`` called where the groups hold the half parameters moves nothing
     # (its state is keyed by the masters): a flag changed since is redone on the masters (masters.swap.follow_modes).

@@ -120,6 +120,9 @@ class OptimizerStep:
                 "closure: loss scaling cannot re-run a closure inside the optimizer step; run the closure first, "
                 "then call step() without it."
             )
+        if self.machine.refused is not None and reducer is None and self.machine.sharding is None:
+            refused, self.machine.refused = self.machine.refused, None  # no rank to meet (engine.unsynced)
+            raise RuntimeError(refused)
         # decided at the first step and when the number of groups changes (_on_device): a comparison per step
         on_device = state.on_device if state.decided_groups == len(optimizer.param_groups) else self._on_device(
             optimizer, state
@@ -196,9 +199,10 @@ class OptimizerStep:
     ) -> None:
         """An overflow step: recorded (merged across ranks when ``gather``), finished without a step, then the
         floor's policy (which may raise)."""
+        refused, self.machine.refused = (self.machine.refused, None) if gather else (None, self.machine.refused)
         self.overflows.record(
             optimizer, overflowed, names=self.machine.names, master_of=self.master_of, step=self.steps - 1,
-            gather=gather, iteration=iteration, shared=state.shared_overflow,
+            gather=gather, iteration=iteration, shared=state.shared_overflow, refused=refused,
         )
         self._finish(optimizer, state)
         self.overflows.at_floor(optimizer, overflowed)
@@ -311,9 +315,12 @@ class OptimizerStep:
                 self.forensics.stepped()
             return
         assert pending.examined is not None  # examined at its read
+        refused = None
+        if pending.gather:  # a raw-step refusal kept for a step where ranks meet (engine.unsynced)
+            refused, self.machine.refused = self.machine.refused, None
         self.overflows.settle(
             pending.examined, overflowed, gather=pending.gather, iteration=pending.iteration, scales=scales,
-            shared=pending.shared,
+            shared=pending.shared, refused=refused,
         )
         optimizer = pending.optimizer()
         if optimizer is None:  # dropped since: recorded, no floor to apply to it

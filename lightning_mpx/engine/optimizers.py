@@ -18,6 +18,7 @@ import weakref
 from typing import Any, Sequence
 
 import torch
+from torch import nn
 
 from lightning_mpx.engine.frozen_writes import FrozenWrites, HeldWrites
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
@@ -31,6 +32,7 @@ from lightning_mpx.engine.rescale import (
 from lightning_mpx.engine.sharding import Sharding
 from lightning_mpx.engine.step_guard import BaseStepGuard, ScaledStepGuard
 from lightning_mpx.engine.unscaling import UnscalePath
+from lightning_mpx.engine.unsynced import DdpWatch
 from lightning_mpx.health.telemetry import GradTelemetry
 from lightning_mpx.masters.handover import refuse_handed
 from lightning_mpx.masters.mirror import Mirror
@@ -115,6 +117,14 @@ class StepMachine(UnscalePath):
         # What the error for an optimizer not registered tells the user to do: the front door's own call where it
         # registers optimizers itself (Amp.register_call).
         self.register_call = "call prepare_optimizer() on it first"
+        # Under DDP (engine.unsynced): the wrappers around the prepared models (weakly), the watch of the forwards that
+        # finds them (until the next backward) and the ids of the models it watched; the count of steps at the last
+        # backward DDP did not synchronise (no_sync); a raw-step refusal kept until the next step, where ranks meet.
+        self.ddp: tuple[weakref.ref[nn.Module], ...] = ()
+        self.ddp_watch: DdpWatch | None = None
+        self.ddp_watched: frozenset[int] = frozenset()
+        self.unsynced_at = -1
+        self.refused: str | None = None
 
     @property
     def register_call(self) -> str:
@@ -281,6 +291,9 @@ class StepMachine(UnscalePath):
         """Make every optimizer's gradients carry ``loss_id``'s scale before its backward (see
         :meth:`Amp.scale_loss <lightning_mpx.engine.amp.Amp.scale_loss>`); ``scaled``: the scaled loss, whose
         backward notes the parameters no registered optimizer holds (engine.raw_steps), if any."""
+        if self.ddp_watch is not None:  # the DDP wrappers were met in the forwards before it (engine.unsynced)
+            self.ddp_watch.settle()
+            self.ddp_watch = None
         if self.unheld is not None:  # a raw step over them since the last backward is refused
             self.unheld.before_backward(self, loss_id, scaled)
         frozen = self.frozen_writes
@@ -332,18 +345,25 @@ class StepMachine(UnscalePath):
                         versions = tuple(map(_VERSION, itertools.chain.from_iterable(map(_PARAMS, groups))))
                     if noted is not None and versions != noted and state.noted_at == self.steps_taken:
                         harmful = bool(self.masters.weights) or not self.scalers[state.loss_id]._unit
-                        refuse_raw_step(
+                        refused = refuse_raw_step(
                             state,
                             self.masters.weights,
                             self.names,
                             harmful=harmful,
                             steps_taken=self.steps_taken,
                             renormed=self.renormed,
+                            defer=self.unsynced_at == self.steps_taken,
                         )
+                        if refused is not None and self.refused is None:
+                            self.refused = refused  # engine.unsynced: raised at the next step, on every rank
                     state.backward_versions = versions if watch else None
                     state.noted_at = self.steps_taken
                 if state.loss_id != loss_id or state.grad_scale is not None:
                     rescale_pending(state, loss_id, self.scalers, self.backend)
+        for ref in self.ddp:  # this backward unsynchronised by DDP (no_sync): a refusal after it waits for the step
+            wrapper = ref()
+            if wrapper is not None and not (wrapper.require_backward_grad_sync and wrapper.require_forward_param_sync):
+                self.unsynced_at = self.steps_taken
 
     def forget_writes(self) -> None:
         """Forget the parameter versions noted at the backwards (engine.raw_steps): a stage change of the engine (a

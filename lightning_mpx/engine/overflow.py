@@ -20,6 +20,7 @@ import torch
 from lightning_mpx.common.containers import read_floats
 from lightning_mpx.engine.optimizer_state import optimizer_params
 from lightning_mpx.engine.sharding import local_tensor
+from lightning_mpx.engine.unsynced import raise_refusals
 from lightning_mpx.health.forensics import FIRST_TAG, OVERFLOW_TAG, ROOT_TAG, OverflowForensics, OverflowRecord
 from lightning_mpx.scaling.scaler import LossScaler
 
@@ -284,11 +285,14 @@ class Overflows:
         iteration: int,
         shared: bool = False,
         scales: Mapping[int, float] | None = None,
+        refused: str | None = None,
     ) -> list[str]:
         """:meth:`examine` then :meth:`settle` an overflow step of ``optimizer`` at once (the step read on the
         host). Returns this process's non-finite parameter names."""
         local = self.examine(optimizer, overflowed, names=names, master_of=master_of, step=step, scales=scales)
-        return self.settle(local, overflowed, gather=gather, iteration=iteration, shared=shared, scales=scales)
+        return self.settle(
+            local, overflowed, gather=gather, iteration=iteration, shared=shared, scales=scales, refused=refused
+        )
 
     def examine(
         self,
@@ -331,18 +335,24 @@ class Overflows:
         iteration: int,
         shared: bool = False,
         scales: Mapping[int, float] | None = None,
+        refused: str | None = None,
     ) -> list[str]:
         """The rest of an overflow step, from this process's ``local`` record (:meth:`examine`): merged across
         ranks when ``gather`` (a collective: every rank calls this together, on the same step, which holds when
         the flags were reduced across them), counted where other ranks add modules, logged; at the floor, watch
-        the next forwards. Returns this process's non-finite parameter names.
+        the next forwards. Returns this process's non-finite parameter names. ``refused``: a raw-step refusal this
+        rank kept for this step (engine.unsynced), gathered with the records and raised on every rank.
 
         A record that names no parameter on any rank does not replace one of the same ``iteration`` (the engine's
         ``update()`` count) and losses that names some: an optimizer skipped with the others of an overflowing loss
         (:meth:`Amp.share_overflow <lightning_mpx.engine.amp.Amp.share_overflow>`, Apex's ``scale_loss`` over several
         optimizers) holds finite gradients, and the overflow is where the other one's record says. ``shared``: the
         optimizer's overflow was charged to it so (the log of a record naming nothing then says so)."""
-        merged = self.forensics.gather(local) if gather else local
+        if gather:
+            merged, refusals = self.forensics.gather_noted(local, refused)
+            raise_refusals(refusals, local.rank)
+        else:
+            merged = local
         last = self.last
         named_before = self._last_iteration == iteration and last is not None and bool(last.parameters)
         # ... and the same losses' overflow: a nameless record of another loss is an overflow of its own

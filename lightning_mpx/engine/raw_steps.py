@@ -74,6 +74,7 @@ from torch import nn
 from lightning_mpx.engine.carried_scales import CarriedScales
 from lightning_mpx.engine.frozen_writes import warn_half_ema, watch_frozen
 from lightning_mpx.engine.optimizer_state import _OptimizerState
+from lightning_mpx.engine.unsynced import watch_ddp
 from lightning_mpx.masters.pairs import master_for
 from lightning_mpx.masters.weights import MasterWeights
 
@@ -93,47 +94,54 @@ def refuse_raw_step(
     harmful: bool,
     steps_taken: int = 0,
     renormed: frozenset[int] = frozenset(),
-) -> None:
+    defer: bool = False,
+) -> str | None:
     """Raise when, since the backward that noted them, parameters of the state's optimizer were written and their
     gradients cleared with no step of the engine between: another optimizer stepped them by hand. ``harmful``: with
     FP32 masters or a loss scale other than 1 (otherwise such a step is a plain step, and left alone). A SAM-style
     two-pass optimizer (:func:`is_two_pass`) has one such write let through per engine step (``steps_taken``: the
     engine's count): its ``first_step``'s perturbation, undone before the step; a second is its base step, raw.
     ``renormed``: the ids of weights an ``nn.Embedding(max_norm=...)`` renormalises in place at each forward, left out
-    (its forward after a batch skipped once its backward ran writes them so)."""
+    (its forward after a batch skipped once its backward ran writes them so). ``defer``: a backward since the last
+    engine step was not synchronised by DDP (engine.unsynced): the error's message is returned instead of raised, for
+    the next step to raise on every rank; ``None`` when there is none."""
     noted = state.backward_versions
     optimizer = state.optimizer_ref()
     if noted is None or optimizer is None or not harmful:
-        return
+        return None
     with torch._C.DisableTorchFunction():
         params = list(itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)))
         if len(noted) != len(params) or tuple(map(_VERSION, params)) == noted:
-            return  # the usual case: nothing written since (gradient accumulation, a skipped batch)
+            return None  # the usual case: nothing written since (gradient accumulation, a skipped batch)
         if any(map(operator.is_not, map(_GRAD, params), itertools.repeat(None))):
             # gradients kept (accumulation; a clamp or an EMA swap between accumulated backwards): no zero_grad since,
             # so those written without one never took the backward's (frozen, unused by the forward, an EMA teacher
             # whose output is detached)
-            return
+            return None
         stepped = [p for p, v in zip(params, noted) if p._version != v and id(p) not in renormed]
     if not stepped:
-        return
+        return None
     two_pass = state.two_pass  # is_two_pass(optimizer), asked once at registration
     if two_pass and state.perturbed_at != steps_taken:
         state.perturbed_at = steps_taken  # its first_step: scale-free (g / ||g||), undone before the step
-        return
+        return None
     state.backward_versions = None  # raised once: a caller that catches it is not told again for the same writes
     shown = _shown(stepped, master_weights, names)
     if two_pass:
-        raise RuntimeError(
+        message = (
             f"parameters {shown} were written and their gradients cleared twice since the last step of the "
             f"{type(optimizer).__name__} prepared by lightning_mpx, with backwards between: the second write of this "
             f"SAM-style two-pass optimizer (first_step, second_step) is its second_step's base_optimizer.step(), "
             f"which the engine never sees: {_SAM_FIX}"
         )
-    raise RuntimeError(
-        f"parameters {shown} were written and their gradients cleared after a backward of lightning_mpx with no "
-        f"step of its prepared {type(optimizer).__name__} between: {_FIX}"
-    )
+    else:
+        message = (
+            f"parameters {shown} were written and their gradients cleared after a backward of lightning_mpx with no "
+            f"step of its prepared {type(optimizer).__name__} between: {_FIX}"
+        )
+    if defer:
+        return message
+    raise RuntimeError(message)
 
 
 def is_two_pass(optimizer: Any) -> bool:
@@ -337,10 +345,14 @@ class UnheldParams:
         stepped = [*self.deferred, *(p for p in stepped if all(p is not d for d in self.deferred))]
         self.forget()  # raised once: a caller that catches it is not told again for the same writes
         shown = _shown(stepped, machine.masters.weights, machine.names)
-        raise RuntimeError(
+        message = (
             f"parameters {shown}, which no optimizer prepared by lightning_mpx holds, were written and their "
             f"gradients cleared after a backward of lightning_mpx: {_FIX}"
         )
+        if machine.unsynced_at == machine.steps_taken:  # after a backward DDP did not synchronise (engine.unsynced)
+            machine.refused = machine.refused or message
+            return
+        raise RuntimeError(message)
 
     def _unmet(self, machine: Any, stepped: Sequence[torch.Tensor]) -> bool:
         """Whether ``stepped`` may be an optimizer's write that the door has not met yet: before any registration, or
@@ -402,6 +414,7 @@ def find_unheld(models: Any, machine: Any) -> None:
     watch_frozen(modules, machine)  # a frozen half teacher written by hand (engine.frozen_writes), looked for once
     if models.sharded:
         return
+    watch_ddp(modules, machine)  # their DDP wrappers, met in the forwards before the next backward (engine.unsynced)
     machine.renormed = frozenset(
         id(sub.weight)
         for module in modules

@@ -23,7 +23,7 @@ import functools
 import itertools
 import operator
 import weakref
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -44,6 +44,7 @@ _PARAMS = operator.itemgetter("params")
 _SOME = functools.partial(operator.is_not, None)
 _DEREF = operator.methodcaller("__call__")
 _PLAIN = frozenset({torch.Tensor})
+_MARK = "_mpx_stepped"  # the attribute of a gradient a step left that holds its mark (after_step)
 
 
 def grad_marks(
@@ -199,12 +200,30 @@ def after_step(state: _OptimizerState, optimizer: torch.optim.Optimizer, *, mast
             state.stepped_true = not masters or shown
             state.stepped_marks = frozenset(zip(map(id, grads), map(_VERSION, grads)))
             state.stepped_ids = tuple(map(id, grads))
-            # An FSDP2 gradient's local shard, not the DTensor: FSDP2's _apply (a model.to(), Lightning's at each
-            # stage) swaps the DTensor, which torch.utils.swap_tensors refuses for a tensor with a weak reference.
-            # (local_tensors' usual case, plain tensors, told here without its call: C-level, no call per tensor)
-            plain = set(map(type, grads)) <= _PLAIN
-            state.stepped_refs = tuple(map(weakref.ref, grads if plain else local_tensors(grads)))
+            # Not a weak reference to the gradient, which torch.utils.swap_tensors refuses (a model.to() under
+            # set_swap_module_params_on_conversion(True), FSDP2's _apply at each of Lightning's stages): one to a
+            # mark (an empty set) put in its __dict__, which lives as long as the gradient, and which a swap takes
+            # away with the old tensor: a moved gradient is then taken as one the user assigned, which is taken as
+            # what the step left (stepped_leftovers), as a kept one is. On an FSDP2 gradient's local shard, not the
+            # DTensor (local_tensors' usual case, plain tensors, told here without its call). C-level: no call per
+            # tensor.
+            marks = list(map(set, itertools.repeat((), len(grads))))
+            if set(map(type, grads)) <= _PLAIN:
+                list(map(setattr, grads, itertools.repeat(_MARK), marks))
+                state.stepped_refs = tuple(map(weakref.ref, marks))
+            else:
+                state.stepped_refs = tuple(map(_mark, local_tensors(grads), marks))
             state.stepped_params = frozenset(map(id, params))
+
+
+def _mark(grad: torch.Tensor, mark: set[Any]) -> weakref.ref[Any]:
+    """A weak reference to ``mark``, put in ``grad``'s ``__dict__``; to ``grad`` itself where a tensor subclass takes
+    no attribute."""
+    try:
+        setattr(grad, _MARK, mark)
+    except AttributeError:
+        return weakref.ref(grad)
+    return weakref.ref(mark)
 
 
 def _alive_ids(state: _OptimizerState) -> set[int]:

@@ -36,6 +36,7 @@ class UnscalePath:
     iteration_found: dict[int, torch.Tensor]
     iteration_read: dict[int, bool | None]
     sharding: Sharding | None
+    refused: str | None  # a raw-step refusal kept for the step, where ranks meet (engine.unsynced)
     state: Callable[[torch.optim.Optimizer], _OptimizerState]  # the machine's: the state of a registered optimizer
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -105,6 +106,8 @@ class UnscalePath:
                 return loss_ids, flags
             flags = torch.stack([state.found_by_loss[i].reshape(()) for i in loss_ids])
             if reducer is not None:
+                if self.refused is not None:  # every rank skips this step and raises it (engine.unsynced)
+                    flags.fill_(1.0)
                 reducer(flags)
             self.record_found(dict(zip(loss_ids, flags.unbind(0))))
             return loss_ids, flags
@@ -149,6 +152,8 @@ class UnscalePath:
         )
         if reducer is not None:
             state.flag_read = None  # the reduction writes the flags in place
+            if self.refused is not None:  # every rank skips this step and raises it (engine.unsynced)
+                flags.fill_(1.0)
             reducer(flags)
         read = {i: flag > 0 for i, flag in zip(loss_ids, flags.tolist())}
         self.record_found(dict(zip(loss_ids, flags.unbind(0))), read=read)

@@ -616,12 +616,17 @@ class OverflowForensics:
     def gather(self, record: OverflowRecord) -> OverflowRecord:
         """Under an initialised process group of several processes, every rank's record merged (all ranks call
         this together, on the same overflow step); ``record`` itself otherwise."""
+        return self.gather_noted(record)[0]
+
+    def gather_noted(self, record: OverflowRecord, note: Any = None) -> tuple[OverflowRecord, list[Any]]:
+        """:meth:`gather`, with every rank's ``note`` (by rank) gathered in the same collective: ``[note]`` in one
+        process."""
         dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-            return record
-        records: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(records, record)
-        return merge_records(records)
+            return record, [note]
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (record, note))
+        return merge_records([r for r, _ in gathered]), [n for _, n in gathered]
 
     def count(self, modules: Iterable[str]) -> None:
         """Count one overflow step for each of ``modules`` (``mpx/overflow/<module>``)."""

@@ -1,0 +1,112 @@
+"""Raw-step refusals (engine.raw_steps) decided from gradients that a DDP backward did not synchronise, kept until the
+step, where the ranks meet.
+
+Under DDP the raw-step checks decide from the gradients each rank holds. After a synchronised backward every rank
+holds the same ones, and the ranks decide alike at the next backward. Under ``no_sync`` (``fabric.no_backward_sync``,
+Accelerate's ``accumulate``, the Trainer's ``accumulate_grad_batches``) each rank holds its own: a parameter only one
+rank's forward used has a gradient on that rank alone, and a raw step that one rank refuses another may let pass (a
+gradient kept beside the written ones), or never see (its raw optimizer wrote nothing there): the refusing rank raised
+and the others went on into the next all-reduce, a hang. No rule from one rank's view decides alike in every case.
+
+So after a backward that DDP did not synchronise, with no engine step since, a refusal is not raised at the backward:
+the machine keeps it (``machine.refused``) until the next step, where every rank meets in the all-reduce of the
+overflow flags (``found_inf_reducer``): the rank that keeps one sets its flags (every rank skips the step, nothing is
+written), and the overflow records gathered across ranks carry it (:func:`raise_refusals`), so every rank raises it
+there. Without a reducer (the core ``Amp`` under DDP with none set) the rank raises it at its step.
+
+The DDP wrappers around the prepared models are found at their first forward: a forward pre-hook on each submodule that
+holds parameters reads ``DistributedDataParallel``'s active module there (set while a wrapper's forward runs), and the
+hooks are taken off at the engine's next backward (:meth:`DdpWatch.settle`; a copy of the model made before it drops
+its own at its first forward): nothing per step after it. Whether a
+backward runs unsynchronised is read from the wrappers at each engine backward (two attribute reads each, written out in
+``StepMachine.before_backward``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["DdpWatch", "raise_refusals", "watch_ddp"]
+
+
+class DdpWatch:
+    """One-shot forward pre-hooks (this object itself) on the prepared models' submodules that hold parameters, noting
+    the DDP wrappers whose forward runs them (``machine.ddp``: weak references). Taken off at the engine's next
+    backward (:meth:`settle`), whether or not a wrapper was found (a model under DDP goes through its wrapper's forward
+    before its first backward). A copy of a model made meanwhile (``copy.deepcopy``, ``AveragedModel``) shares it and
+    an unpickled one gets an inert one: there, and wherever it runs once settled, it takes itself off the module."""
+
+    def __init__(self, machine: Any) -> None:
+        self._machine = weakref.ref(machine) if machine is not None else None
+        self._handles: list[Any] = []
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (DdpWatch, (None,))  # inert: takes itself off at its first call
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DdpWatch:
+        return self
+
+    def add(self, modules: Iterable[nn.Module]) -> None:
+        """Watch the forwards of ``modules``' submodules that hold parameters."""
+        self._handles += [
+            sub.register_forward_pre_hook(self)
+            for module in modules
+            for sub in module.modules()
+            if any(True for _ in sub.parameters(recurse=False))
+        ]
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        machine = self._machine() if self._machine is not None else None
+        if machine is None or machine.ddp_watch is not self:  # settled, or on a copy or an unpickled model
+            for key in [key for key, hook in module._forward_pre_hooks.items() if hook is self]:
+                del module._forward_pre_hooks[key]
+            return
+        wrapper = _active_ddp()
+        if wrapper is not None and all(ref() is not wrapper for ref in machine.ddp):
+            machine.ddp = (*machine.ddp, weakref.ref(wrapper))
+
+    def settle(self) -> None:
+        """Take the hooks off (at the engine's backward: the wrappers, if any, were met by then)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def watch_ddp(modules: Sequence[nn.Module], machine: Any) -> None:
+    """Under a process group of several ranks, watch the forwards of those of ``modules`` (the prepared models, not
+    sharded) not watched yet until the engine's next backward, for DDP wrappers around them (:class:`DdpWatch`);
+    nothing otherwise (called when the models or the registrations change: never per step)."""
+    new = [module for module in modules if id(module) not in machine.ddp_watched]
+    dist = torch.distributed
+    if not new or not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    machine.ddp_watched = machine.ddp_watched | frozenset(map(id, new))
+    if machine.ddp_watch is None:
+        machine.ddp_watch = DdpWatch(machine)
+    machine.ddp_watch.add(new)
+
+
+def raise_refusals(refusals: Sequence[str | None], rank: int) -> None:
+    """Raise on every rank the refusals the ranks kept (``refusals``, by rank, gathered with their overflow records
+    at a step they all skipped for it): this rank's own, or the first other rank's."""
+    if not any(refusals):
+        return
+    own = refusals[rank] if rank < len(refusals) else None
+    if own:
+        raise RuntimeError(own)
+    other, message = next((r, m) for r, m in enumerate(refusals) if m)
+    raise RuntimeError(
+        f"on rank {other} (refused on every rank at this step, where the ranks meet: the backward before it was not "
+        f"synchronised by DDP, so each rank held its own gradients): {message}"
+    )
+
+
+def _active_ddp() -> Any:
+    """The ``DistributedDataParallel`` whose forward runs now, if any."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel._active_ddp_module
