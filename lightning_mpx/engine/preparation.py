@@ -547,10 +547,12 @@ class _EngineHook:
 
 
 class _LoadIntoMasters(_EngineHook):
-    """``load_state_dict`` pre-hook on each submodule of a model prepared at O2: an FP32 value loaded into a half
-    parameter goes to its master (or to the value its master will be made from) exactly; the model takes its
-    rounding. It acts on the module it is called for (a ``copy.deepcopy`` of the model, an EMA copy, has no masters)
-    and holds the engine's :class:`PreparedModels` weakly; a copied or pickled hook holds none."""
+    """``load_state_dict`` pre-hook on each submodule of a model prepared at O2: a floating-point value of another
+    dtype loaded into a half parameter goes to its master (or to the value its master will be made from) as an FP32
+    model takes it (FP32 and the other half dtype exactly, float64 rounded to FP32); the model takes its rounding. A
+    value in the parameter's own dtype is its rounding already (the master takes it from the model). It acts on the
+    module it is called for (a ``copy.deepcopy`` of the model, an EMA copy, has no masters) and holds the engine's
+    :class:`PreparedModels` weakly; a copied or pickled hook holds none."""
 
     def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         models: PreparedModels | None = self.engine()
@@ -561,8 +563,17 @@ class _LoadIntoMasters(_EngineHook):
         models.machine.forget_writes()  # a load writes the parameters (a rollback after a backward): no raw step
         for name, param in _unhooked_parameters(module, type(self)):
             value = state_dict.get(prefix + name)
-            if param.dtype in HALF_DTYPES and torch.is_tensor(value) and value.dtype == torch.float32:
+            # Any floating dtype but the parameter's own (FP32 alone before: a float16 checkpoint into a bfloat16
+            # model, a float64 one, left the masters the model's half rounding)
+            if param.dtype in HALF_DTYPES and torch.is_tensor(value) and value.dtype in _LOADED_EXACTLY[param.dtype]:
                 models.masters.take_loaded(param, value, models.machine.optimizers.values())
+
+
+# By half parameter dtype, the dtypes of loaded values its master takes (an FP32 model's copy_ of them).
+_LOADED_EXACTLY = {
+    torch.bfloat16: frozenset((torch.float32, torch.float64, torch.float16)),
+    torch.float16: frozenset((torch.float32, torch.float64, torch.bfloat16)),
+}
 
 
 def _unhooked_parameters(module: nn.Module, hook: type) -> Iterator[tuple[str, nn.Parameter]]:

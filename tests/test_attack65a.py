@@ -1,0 +1,152 @@
+"""Helper attack65a: a hostile Lightning user (``Trainer`` and Fabric) of stop 64's surfaces, against Lightning's own
+precisions (``"bf16-mixed"``, a real ``"16-mixed"`` with a ``GradScaler``: on a CPU ``precision="16-mixed"`` is turned
+into ``"bf16-mixed"`` by Lightning, so the reference is built as ``MixedPrecision("16-mixed", "cpu", scaler=...)``).
+
+Found and fixed:
+
+1. At O2, weights of another floating dtype loaded into a set-up model (``model.load_state_dict`` of a float16
+   checkpoint into a bfloat16 model, ``fabric.load_raw``, a state dict built from NumPy's float64 arrays, a callback's
+   load mid-fit) reached the FP32 masters as their half rounding: only FP32 values went to the masters exactly. The run
+   trained on silently from the rounded weights (bfloat16's rounding of float16 weights, 9.8e-4 off after the load),
+   where ``"bf16-mixed"``'s FP32 model holds them exactly; now the masters take them as an FP32 model does.
+
+Held (no change): ``fabric.backward`` refused before any set-up and every set-up pattern (``setup_module`` then
+``setup_optimizers``, ``setup(model)`` then optimizers, a GAN set up one by one, inside ``fabric.launch``) trains as
+``"16-mixed"``/``"bf16-mixed"``; ``fabric.clip_gradients`` limits (by norm, by value, ``norm_type=inf``, from a
+``Fabric`` subclass, ``functools.partial``, inside ``fabric.launch``) and the Trainer's clipping against
+``"16-mixed"``; the Trainer's O2 resumes; rank-0-only reads under the Trainer's DDP (``tests/attack65a_script.py``).
+
+Tiny models on CPU, bfloat16 unless the scale is the point.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.fabric import Fabric
+from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
+from torch import nn
+
+from lightning_mpx import FabricMixedPrecisionPlugin, MixedPrecisionPlugin
+from tests.lightning_helpers import make_trainer
+
+
+def _net(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    return torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+
+
+def _fabric(precision: str, cls: type[Fabric] = Fabric, **scaling: Any) -> Fabric:
+    """``"O1"``/``"O2"`` with ``:float16`` for float16 (else bfloat16), or Lightning's own precision; ``"16-mixed"`` is
+    a real float16 autocast with a ``GradScaler`` (``precision="16-mixed"`` would be bfloat16 on a CPU)."""
+    if precision.startswith("O"):
+        level, _, dtype = precision.partition(":")
+        plugin = FabricMixedPrecisionPlugin(level, half_dtype=dtype or "bfloat16", **scaling)
+        return cls(accelerator="cpu", devices=1, plugins=[plugin])
+    if precision == "16-mixed":
+        scaler = torch.amp.GradScaler("cpu", **scaling)
+        return cls(accelerator="cpu", devices=1, plugins=[FabricMixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    return cls(accelerator="cpu", devices=1, precision=precision)
+
+
+def _flat(module: nn.Module) -> torch.Tensor:
+    """The model's state dict as one FP32 vector (at O2 the FP32 masters: a set-up model's ``state_dict()`` gives
+    them)."""
+    return torch.cat([v.detach().float().flatten() for v in module.state_dict().values()])
+
+
+# -- 1. weights of another dtype loaded after set-up ------------------------------------------------------------------
+def _loaded_run(precision: str, values: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step, then ``values`` loaded into the set-up model (``model.load_state_dict``), then two steps: the weights
+    right after the load and at the end."""
+    fabric = _fabric(precision)
+    net = _net()
+    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for step in range(3):
+        if step == 1:
+            model.load_state_dict(values)
+            loaded = _flat(model)
+        x, y = _batch(step)
+        fabric.backward(F.cross_entropy(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    return loaded, _flat(model)
+
+
+def _other_weights(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Weights of another model in ``dtype``: values a float16 checkpoint holds (so that FP32 keeps them exactly);
+    in bfloat16 a bias of small values too, which float16 holds as subnormals (rounded)."""
+    values = {k: (v * 1.37).to(torch.float16).to(dtype) for k, v in _net(1).state_dict().items()}
+    if dtype == torch.bfloat16:
+        values["0.bias"] = values["0.bias"] * 1e-5
+    return values
+
+
+@pytest.mark.parametrize(
+    ("precision", "reference", "dtype"),
+    [
+        ("O2", "bf16-mixed", torch.float16),  # a float16 checkpoint into a bfloat16 model
+        ("O2", "bf16-mixed", torch.float64),  # a state dict made from NumPy's float64 arrays
+        ("O2:float16", "16-mixed", torch.bfloat16),  # a bfloat16 checkpoint into a float16 model (small values)
+    ],
+    ids=["float16-into-bf16", "float64-into-bf16", "bfloat16-into-fp16"],
+)
+def test_weights_of_another_dtype_loaded_after_setup_reach_the_masters(
+    precision: str, reference: str, dtype: torch.dtype
+) -> None:
+    """Weights of another floating dtype loaded into an O2 model after ``fabric.setup`` go to its FP32 masters as
+    Lightning's FP32 model takes them: the weights right after the load, and after two steps, are ``reference``'s bit
+    for bit. Before, only FP32 values reached the masters exactly: these took the model's half rounding (9.8e-4 off
+    for float16 values in a bfloat16 model) and training went on from it, silently."""
+    values = _other_weights(dtype)
+    loaded, final = _loaded_run(precision, values)
+    want_loaded, want_final = _loaded_run(reference, values)
+    assert torch.equal(want_loaded, torch.cat([v.float().flatten() for v in values.values()]))  # FP32's: exact
+    assert torch.equal(loaded, want_loaded)
+    assert torch.equal(final, want_final)
+
+
+class _LoadAtEpoch(pl.Callback):
+    """Loads ``values`` into the LightningModule's ``net`` when epoch 1 starts (a warm restart from other weights)."""
+
+    def __init__(self, values: dict[str, torch.Tensor]) -> None:
+        self.values = values
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch == 1:
+            pl_module.net.load_state_dict(self.values)
+
+
+class _Net(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _net()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_trainer_load_mid_fit_of_float16_weights_reaches_the_masters() -> None:
+    """A callback loading float16 weights into the LightningModule mid-fit (epoch 1) at O2 bfloat16: the fit ends
+    with ``"bf16-mixed"``'s weights bit for bit (before: 1.0e-3 off, trained on from their bfloat16 rounding)."""
+    data = torch.utils.data.TensorDataset(*_batch(0))
+    values = _other_weights(torch.float16)
+    finals = []
+    for plugin in (dict(precision="bf16-mixed"), dict(plugins=[MixedPrecisionPlugin("O2", half_dtype="bfloat16")])):
+        model = _Net()
+        trainer = make_trainer(max_epochs=2, callbacks=[_LoadAtEpoch(values)], **plugin)
+        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
+        finals.append(_flat(model))
+    assert torch.equal(finals[0], finals[1])
