@@ -150,3 +150,45 @@ def test_trainer_load_mid_fit_of_float16_weights_reaches_the_masters() -> None:
         trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
         finals.append(_flat(model))
     assert torch.equal(finals[0], finals[1])
+
+
+# -- 2. a checkpoint edited by hand, loaded with the model first -------------------------------------------------------
+def _resumed(precision: str, path: Any, keys: tuple[str, ...]) -> torch.Tensor:
+    """``path`` loaded with ``fabric.load`` of the state's ``keys`` in that order, then two steps: the weights."""
+    fabric = _fabric(precision)
+    net = _net()
+    model, opt = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    state = {"model": model, "optimizer": opt, "mpx": fabric.strategy.precision}
+    fabric.load(path, {key: state[key] for key in keys})
+    for step in range(2):
+        x, y = _batch(step)
+        fabric.backward(F.cross_entropy(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    return _flat(model)
+
+
+@pytest.mark.parametrize("precision", ["O2", "O1"])
+def test_a_checkpoint_with_a_weight_replaced_by_hand_loads_with_the_model_first(precision: str, tmp_path: Any) -> None:
+    """An O2 checkpoint whose model entry had a weight replaced by hand (a head re-initialised for a new task),
+    loaded as docs/fabric.md writes the state (``{"model": ..., "optimizer": ..., "mpx": ...}``, the model first),
+    trains on as ``"bf16-mixed"`` loading the same file: at O2 and resumed at O1. Before, the plugin refused at the
+    next forward, saying the model's weights were not loaded from the checkpoint (they were, before its entry: only
+    the order ``{"mpx": ..., "model": ...}`` passed). The entry loaded without the model is still refused."""
+    fabric = _fabric("O2")
+    net = _net()
+    model, opt = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    for step in range(2):
+        x, y = _batch(step)
+        fabric.backward(F.cross_entropy(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    fabric.save(tmp_path / "saved.ckpt", {"model": model, "optimizer": opt, "mpx": fabric.strategy.precision})
+    checkpoint = torch.load(tmp_path / "saved.ckpt", weights_only=False)
+    checkpoint["model"]["2.weight"] = torch.full_like(checkpoint["model"]["2.weight"], 0.01)
+    torch.save(checkpoint, tmp_path / "edited.ckpt")
+    want = _resumed("bf16-mixed", tmp_path / "edited.ckpt", ("model", "optimizer"))
+    for keys in (("model", "optimizer", "mpx"), ("mpx", "optimizer", "model")):
+        assert torch.equal(_resumed(precision, tmp_path / "edited.ckpt", keys), want), keys
+    with pytest.raises(RuntimeError, match="the model's weights were not loaded from it"):
+        _resumed(precision, tmp_path / "edited.ckpt", ("optimizer", "mpx"))

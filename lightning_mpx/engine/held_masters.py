@@ -9,7 +9,11 @@ instead of holding them: the model's entry gives them, loaded before or after th
 :meth:`Amp.step <lightning_mpx.engine.amp.Amp.step>` (or earlier, at the next call into a front door that checks
 itself), masters that are still not the saved ones and that nothing wrote since the load raise an error naming the
 fix, instead of training on this run's masters silently. Masters written since (weights loaded into the model on
-purpose after the engine's entry, even the values it held already) are the user's choice and are kept.
+purpose after the engine's entry, even the values it held already) are the user's choice and are kept, and so are
+those a ``load_state_dict`` wrote since the last step, before the entry (the model's entry of the same checkpoint
+loaded first, with a weight replaced by hand: ``fabric.load`` of ``{"model": ..., "mpx": ...}`` refused it, saying
+the model's weights were not loaded). The Apex layer's check is stricter (:meth:`HeldMasters.missing` with
+``written_ok=False``): only the saved masters.
 """
 
 from __future__ import annotations
@@ -48,13 +52,14 @@ class HeldMasters:
 
     Attributes:
         pending: For each model with a named master that was not the saved one at the load: (model index, saved
-            checksums by this run's names, checksums at the load, the parameters' versions at the load).
+            checksums by this run's names, checksums at the load, the parameters' versions at the load, the names
+            a ``load_state_dict`` wrote since the engine's last step, before the load).
         rounded: Resumed at O3: the half dtype whose rounding of the masters the saved checksums are of (the half
             model holds that rounding once the model's entry is loaded); ``None``: of the FP32 masters.
     """
 
     def __init__(self) -> None:
-        self.pending: list[tuple[int, dict[str, int], dict[str, int], dict[str, int]]] = []
+        self.pending: list[tuple[int, dict[str, int], dict[str, int], dict[str, int], set[str]]] = []
         self.rounded: torch.dtype | None = None
         # (entry, advice): the words of the front door that loaded the entry (its own calls), for the engine's check
         # at the next step; None: the core's (set by the door after each load, reset by the next one)
@@ -78,19 +83,22 @@ class HeldMasters:
             saved = _by_live_names(saved, _live_values(amp, index, self.rounded))
             now = _live_sums(amp, index, saved, self.rounded)
             if any(now.get(name) != value for name, value in saved.items()):
-                self.pending.append((index, dict(saved), now, _versions(amp, index)))
+                # Loaded into the model since the last step, before this entry (the model's entry of this checkpoint
+                # loaded first, a weight in it replaced by hand): the user's values, as those loaded after it are
+                self.pending.append((index, dict(saved), now, _versions(amp, index), _loaded_names(amp, index)))
 
     def missing(self, amp: Amp, *, written_ok: bool = True) -> list[str]:
         """The named masters that are not the saved ones (unless ``written_ok`` is false: and that nothing wrote
         since the load); none: stop checking (``pending`` emptied)."""
         out: list[str] = []
-        for index, saved, at_load, versions in self.pending:
+        for index, saved, at_load, versions, loaded in self.pending:
             now = _live_sums(amp, index, saved, self.rounded)
             written = _versions(amp, index) if written_ok else {}
             out += [
                 n for n, value in saved.items()
                 if now.get(n) != value
-                and not (written_ok and (now.get(n) != at_load.get(n) or written.get(n) != versions.get(n)))
+                and not (written_ok and (n in loaded or now.get(n) != at_load.get(n)
+                                         or written.get(n) != versions.get(n)))
             ]  # fmt: skip
         if not out:
             self.pending = []
@@ -162,6 +170,19 @@ def _versions(amp: Amp, index: int) -> dict[str, int]:
         weights = amp._masters.prune()
         return {entry.name: param._version for entry, param in weights[index]._live()} if index < len(weights) else {}
     return {k: p._version for k, p in amp._checkpoint._prepared_parameters().items()}
+
+
+def _loaded_names(amp: Amp, index: int) -> set[str]:
+    """The names of model ``index``'s parameters that a ``load_state_dict`` wrote since the engine's last step."""
+    machine = amp._machine
+    if not machine.loaded:
+        return set()
+    if amp.properties.master_weights:
+        weights = amp._masters.prune()
+        live = ((entry.name, param) for entry, param in weights[index]._live()) if index < len(weights) else ()
+    else:
+        live = amp._checkpoint._prepared_parameters().items()
+    return {name for name, param in live if machine.loaded_since_step(param)}
 
 
 def _by_live_names(saved: dict[str, int], live: dict[str, torch.Tensor]) -> dict[str, int]:

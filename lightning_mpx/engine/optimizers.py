@@ -15,7 +15,7 @@ import functools
 import itertools
 import operator
 import weakref
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -108,6 +108,10 @@ class StepMachine(UnscalePath):
         self.held_writes: HeldWrites | None = None
         self.held_warned = False
         self.written_at = -1
+        # The parameters a load_state_dict wrote (the engine's load hooks), by id: a weak reference and the engine's
+        # count of steps then (engine.held_masters: values loaded since the last step are the user's, not stale).
+        self.loaded: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self.loaded_kept = 0
         # A door that registers optimizers at their first step (Fabric's): before any is registered, a write over
         # the parameters no optimizer holds yet is judged there (UnheldParams.judge), not refused at the backward.
         self.registers_at_step = False
@@ -364,6 +368,20 @@ class StepMachine(UnscalePath):
             wrapper = ref()
             if wrapper is not None and not (wrapper.require_backward_grad_sync and wrapper.require_forward_param_sync):
                 self.unsynced_at = self.steps_taken
+
+    def note_loaded(self, params: Iterable[torch.Tensor]) -> None:
+        """``params`` were just written by a ``load_state_dict`` (at a load only: nothing per step)."""
+        steps, loaded = self.steps_taken, self.loaded
+        for param in params:
+            loaded[id(param)] = (weakref.ref(param), steps)
+        if len(loaded) > 2 * self.loaded_kept + 64:  # those let go dropped now and then (amortised over loads)
+            self.loaded = {k: noted for k, noted in loaded.items() if noted[0]() is not None}
+            self.loaded_kept = len(self.loaded)
+
+    def loaded_since_step(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` was written by a ``load_state_dict`` since the engine's last step."""
+        noted = self.loaded.get(id(param))
+        return noted is not None and noted[0]() is param and noted[1] == self.steps_taken
 
     def forget_writes(self) -> None:
         """Forget the parameter versions noted at the backwards (engine.raw_steps): a stage change of the engine (a

@@ -561,12 +561,16 @@ class _LoadIntoMasters(_EngineHook):
         if args and isinstance(args[0], dict) and args[0].get("assign_to_params_buffers"):
             _refuse_assign(models, module, state_dict, prefix)
         models.machine.forget_writes()  # a load writes the parameters (a rollback after a backward): no raw step
+        written = []
         for name, param in _unhooked_parameters(module, type(self)):
             value = state_dict.get(prefix + name)
+            if torch.is_tensor(value):
+                written.append(param)
             # Any floating dtype but the parameter's own (FP32 alone before: a float16 checkpoint into a bfloat16
             # model, a float64 one, left the masters the model's half rounding)
             if param.dtype in HALF_DTYPES and torch.is_tensor(value) and value.dtype in _LOADED_EXACTLY[param.dtype]:
                 models.masters.take_loaded(param, value, models.machine.optimizers.values())
+        models.machine.note_loaded(written)  # the user's values now (engine.held_masters)
 
 
 # By half parameter dtype, the dtypes of loaded values its master takes (an FP32 model's copy_ of them).
@@ -610,13 +614,17 @@ class _FollowModes(_EngineHook):
 class _ForgetWrites(_EngineHook):
     """``load_state_dict`` pre-hook on each submodule of a model prepared for training without masters (O0, O1,
     O3): a load between a backward and the next (a rollback after a loss spike) writes the parameters, which the
-    raw-step check (:mod:`lightning_mpx.engine.raw_steps`) must not take for a step outside the engine. At O2
+    raw-step check (:mod:`lightning_mpx.engine.raw_steps`) must not take for a step outside the engine, and the
+    parameters it writes are noted as loaded (:mod:`lightning_mpx.engine.held_masters`). At O2
     :class:`_LoadIntoMasters` does the same."""
 
     def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         models: PreparedModels | None = self.engine()
         if models is not None:
             models.machine.forget_writes()
+            models.machine.note_loaded(  # the user's values now (engine.held_masters)
+                param for name, param in _unhooked_parameters(module, type(self)) if prefix + name in state_dict
+            )
 
 
 def _refuse_assign(models: PreparedModels, module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
