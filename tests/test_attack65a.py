@@ -32,6 +32,7 @@ from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrec
 from torch import nn
 
 from lightning_mpx import FabricMixedPrecisionPlugin, MixedPrecisionPlugin
+from tests.launch import rank_results, run_script
 from tests.lightning_helpers import make_trainer
 
 
@@ -192,3 +193,43 @@ def test_a_checkpoint_with_a_weight_replaced_by_hand_loads_with_the_model_first(
         assert torch.equal(_resumed(precision, tmp_path / "edited.ckpt", keys), want), keys
     with pytest.raises(RuntimeError, match="the model's weights were not loaded from it"):
         _resumed(precision, tmp_path / "edited.ckpt", ("optimizer", "mpx"))
+
+
+# -- 3. rank-0-only reads under DDP: one launch --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("attack65a")
+    run_script("attack65a_script.py", out, timeout=150)
+    ranks = rank_results(out)
+    for case in ranks[0]:
+        for rank in ranks:
+            assert "error" not in rank[case], (case, rank[case].get("error"))
+    assert [rank["after"]["sum"] for rank in ranks] == [2.0, 2.0]  # the process group works after every case
+    return ranks
+
+
+@pytest.mark.parametrize("case", ["trainer_auto/O1", "trainer_gan/O2", "fabric_gan/O1"])
+def test_rank_zero_reads_never_part_the_ranks(launched: list[dict[str, Any]], case: str) -> None:
+    """Rank 0 alone reads the scale (``scaler.get_scale()``, ``metrics()``, ``state_dict()``: in
+    ``on_before_optimizer_step`` and ``on_train_batch_end`` callbacks, between a GAN's two steps), with accumulation,
+    ``LearningRateMonitor``, ``ModelCheckpoint(every_n_train_steps=1)``, ``toggle_optimizer``, a generator set up in
+    pieces inside ``fabric.launch``, fused AdamW (skipped on the device) and float16 overflows on rank 1 only: no hang,
+    the same scale at every batch and the same weights on both ranks, the scale backed off at the overflows; the three
+    reads agree."""
+    zero, one = launched[0][case], launched[1][case]
+    assert zero["live"] == one["live"] and zero["final"] == one["final"]
+    live = zero["live"]
+    assert any(b < a for a, b in zip(live, live[1:])) and len(set(live)) > 2  # backed off, and moved otherwise
+    assert zero["seen"] and all(len(set(read[1:])) == 1 for read in zero["seen"])
+    assert one["seen"] == []
+
+
+@pytest.mark.parametrize("front", ["trainer_auto", "fabric_gan"])
+def test_rank_zero_reads_show_what_16_mixed_shows(launched: list[dict[str, Any]], front: str) -> None:
+    """The same runs under Lightning's ``"16-mixed"`` (a ``GradScaler``, read with ``get_scale()`` at the same points
+    on rank 0): the same scale at every batch, the same reads, bit-equal weights (O1 float16; a constant learning
+    rate, which ``"16-mixed"`` would step on a skipped step too)."""
+    ours, native = launched[0][f"{front}/O1"], launched[0][f"{front}/16-mixed"]
+    assert ours["live"] == native["live"]
+    assert ours["seen"] == native["seen"]
+    assert ours["final"] == native["final"]
