@@ -233,3 +233,25 @@ def test_rank_zero_reads_show_what_16_mixed_shows(launched: list[dict[str, Any]]
     assert ours["live"] == native["live"]
     assert ours["seen"] == native["seen"]
     assert ours["final"] == native["final"]
+
+
+def test_fabric_load_before_setup_names_the_calls(tmp_path: Any) -> None:
+    """``fabric.load(path, {"model": net, "optimizer": opt, "mpx": mpx})`` before ``fabric.setup`` (a script that
+    builds, loads, then sets up) with an O2 checkpoint: a ``RuntimeError`` naming ``fabric.setup`` before
+    ``fabric.load``, as for an entry that holds its masters. Before, the lean entry (whose masters the model's entry
+    holds) got ``ValueError: the checkpoint has master weights for 1 model(s) but 0 model(s) were prepared with master
+    weights``, naming no call. Loaded after ``fabric.setup``, it resumes."""
+    fabric = _fabric("O2")
+    net = _net()
+    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    fabric.save(tmp_path / "o2.ckpt", {"model": model, "optimizer": opt, "mpx": fabric.strategy.precision})
+    fabric = _fabric("O2")
+    net = _net(1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    state = {"model": net, "optimizer": opt, "mpx": fabric.strategy.precision}
+    named = r"before prepare_model\(\).*fabric\.load\(path, state\) after fabric\.setup"
+    with pytest.raises(RuntimeError, match=named):
+        fabric.load(tmp_path / "o2.ckpt", state)
+    model, opt = fabric.setup(net, opt)
+    fabric.load(tmp_path / "o2.ckpt", {"model": model, "optimizer": opt, "mpx": fabric.strategy.precision})
+    assert torch.equal(_flat(model), _flat(_net()))

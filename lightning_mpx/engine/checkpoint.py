@@ -119,12 +119,16 @@ class EngineState:
                 f"the checkpoint has {len(state['scalers'])} loss scaler(s) but this Amp has num_losses="
                 f"{len(self.scalers)}."
             )
-        if any(state["master_weights"]) and not self.masters.weights and not self._prepared_parameters():
+        # (a lean entry names its masters, which the model's entry holds: before set-up it was refused as "0 model(s)
+        # were prepared with master weights", naming no call, under fabric.load before fabric.setup)
+        named = any(state["master_weights"]) or any(state.get(MASTERS_IN_STATE_DICT) or ())
+        if named and not self.masters.weights and not self._prepared_parameters():
             raise RuntimeError(
                 f"load_state_dict() was called before prepare_model(): the checkpoint holds FP32 master weights for "
-                f"{len(state['master_weights'])} model(s), which load into prepared models. Call prepare_model(model) "
-                "first (the Trainer, fabric.setup() and accelerator.prepare() do), then load_state_dict(); nothing "
-                "was loaded."
+                f"{len(state['master_weights'])} model(s) (or names those its model entry holds), which load into "
+                "prepared models. Call prepare_model(model) first (the Trainer, fabric.setup() and "
+                "accelerator.prepare() do: fabric.load(path, state) after fabric.setup(model, optimizer)), then "
+                "load_state_dict(); nothing was loaded."
             )
         saved_level = state.get("opt_level", self.opt_level)
         if saved_level != self.opt_level:
