@@ -135,6 +135,11 @@ class _Net(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return F.cross_entropy(self.net(batch[0]), batch[1])
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", F.cross_entropy(self.net(batch[0]), batch[1]))
+
+    test_step = validation_step
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
@@ -255,3 +260,27 @@ def test_fabric_load_before_setup_names_the_calls(tmp_path: Any) -> None:
     model, opt = fabric.setup(net, opt)
     fabric.load(tmp_path / "o2.ckpt", {"model": model, "optimizer": opt, "mpx": fabric.strategy.precision})
     assert torch.equal(_flat(model), _flat(_net()))
+
+
+@pytest.mark.parametrize("stage", ["validate", "test"])
+def test_a_fit_resumes_from_a_checkpoint_saved_after_validate(stage: str, tmp_path: Any) -> None:
+    """``trainer.validate(model)`` (or ``test``), ``trainer.save_checkpoint(path)`` before any fit, then another
+    model's ``trainer.fit(model, ckpt_path=path)`` at O2: it trains from the checkpoint's weights as ``"bf16-mixed"``
+    does, bit for bit. Before, the fit failed with ``ValueError: the checkpoint has master weights for 0 model(s) but
+    1 model(s) were prepared with master weights``, blaming a take-over by a later engine (the evaluating engine made
+    no masters; the checkpoint's FP32 ``state_dict`` gives them)."""
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_batch(0)), batch_size=4)
+    finals = []
+    for name, plugin in (
+        ("bf16-mixed", dict(precision="bf16-mixed")),
+        ("O2", dict(plugins=[MixedPrecisionPlugin("O2", half_dtype="bfloat16")])),
+    ):
+        trainer = make_trainer(max_epochs=2, **plugin)
+        getattr(trainer, stage)(_Net(), data, verbose=False)
+        trainer.save_checkpoint(tmp_path / f"{name}.ckpt")
+        model = _Net()
+        model.net = _net(1)  # another model: the checkpoint's weights must reach it (and, at O2, its masters)
+        trainer = make_trainer(max_epochs=2, **plugin)
+        trainer.fit(model, data, ckpt_path=tmp_path / f"{name}.ckpt")
+        finals.append(_flat(model))
+    assert torch.equal(finals[0], finals[1])

@@ -31,6 +31,11 @@ from lightning_mpx.scaling.scaler import LossScaler
 #: what the model's state dict loads into them (the load hooks take an FP32 value exactly), in either load order.
 MASTERS_IN_STATE_DICT = "masters_in_state_dict"
 
+#: The key of an O2 entry saved by an engine that only evaluated (``prepare_model(train=False)``: the Trainer's
+#: ``validate``/``test``/``predict`` before any ``fit``): it made no masters, and the model's weights saved beside it
+#: (FP32: the stage gave the model back) give those of the run that resumes from it. Absent otherwise.
+EVALUATED_ONLY = "evaluated_only"
+
 
 class EngineState:
     """The state dict of one engine.
@@ -79,7 +84,7 @@ class EngineState:
         """:meth:`Amp.state_dict <lightning_mpx.engine.amp.Amp.state_dict>`."""
         masters = self.masters.state_dict(self.machine.optimizers.values())  # makes the masters the optimizers hold
         kept = self.masters.initial_state()
-        return {
+        state = {
             "opt_level": self.properties.opt_level,
             "half_dtype": str(self.properties.half_dtype),
             "scalers": [scaler.state_dict() for scaler in self.scalers],
@@ -89,6 +94,9 @@ class EngineState:
             "skipped_steps": list(self.overflows.skipped_steps),
             "promotion": self.promotion.state_dict(),
         }
+        if self.masters.evaluation_only and not masters:
+            state[EVALUATED_ONLY] = True
+        return state
 
     def _refuse_picked_dtype(self, saved: str) -> None:
         """Refuse a checkpoint of another half dtype than the one picked for this device with none given (a run saved
@@ -134,6 +142,13 @@ class EngineState:
         if saved_level != self.opt_level:
             self._load_across_levels(state, saved_level)
             return
+        if state.get(EVALUATED_ONLY) and not state["master_weights"] and self.masters.weights:
+            # Saved by an engine that only evaluated (before any fit): no masters to load; the model's weights saved
+            # beside it gave this run's (refused as "master weights for 0 model(s)" before: a fit resumed from a
+            # checkpoint saved after trainer.validate())
+            self._load_scalers(state)
+            self.overflows.skipped_steps = list(state.get("skipped_steps", self.overflows.skipped_steps))
+            return
         held = state.get(MASTERS_IN_STATE_DICT) or []
         saved_masters = self.masters.accept(
             [{**dict.fromkeys(held[i] if i < len(held) else ()), **masters} for i, masters in
@@ -156,15 +171,7 @@ class EngineState:
         kept = kept if self.masters.weights else None
         if kept is not None:
             self.masters.check_initial_state(kept)
-        saved_half = state.get("half_dtype", str(self.properties.half_dtype))
-        self._hold_left_scales()
-        for scaler, scaler_state in zip(self.scalers, state["scalers"]):
-            if saved_half == str(self.properties.half_dtype):
-                scaler.load_state_dict(scaler_state)
-            elif scaler.dynamic and scaler_state.get("dynamic", True):
-                # Another half dtype (float16 to bfloat16 or back): its default scaling differs, so, as across opt
-                # levels, a dynamic scale carries over into a dynamic one and this run's settings rule otherwise.
-                scaler.load_state_dict(scaler_state)
+        self._load_scalers(state)
         self.promotion.load_state_dict(promotion)  # the run that saved it promoted these modules: so does this one
         self.masters.load_state_dict(saved_masters)
         if kept is None:
@@ -181,6 +188,18 @@ class EngineState:
                 optimizer_state.pairs_key = None
                 param_pairs(optimizer_state, self.masters.weights)
         self.overflows.skipped_steps = list(state.get("skipped_steps", self.overflows.skipped_steps))
+
+    def _load_scalers(self, state: dict[str, Any]) -> None:
+        """The checkpoint's loss scalers (checked in number already)."""
+        saved_half = state.get("half_dtype", str(self.properties.half_dtype))
+        self._hold_left_scales()
+        for scaler, scaler_state in zip(self.scalers, state["scalers"]):
+            if saved_half == str(self.properties.half_dtype):
+                scaler.load_state_dict(scaler_state)
+            elif scaler.dynamic and scaler_state.get("dynamic", True):
+                # Another half dtype (float16 to bfloat16 or back): its default scaling differs, so, as across opt
+                # levels, a dynamic scale carries over into a dynamic one and this run's settings rule otherwise.
+                scaler.load_state_dict(scaler_state)
 
     def _renamed(
         self, saved: list[dict[str, Any]], kept: list[dict[str, torch.Tensor]] | None
