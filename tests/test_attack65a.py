@@ -262,25 +262,43 @@ def test_fabric_load_before_setup_names_the_calls(tmp_path: Any) -> None:
     assert torch.equal(_flat(model), _flat(_net()))
 
 
+class _SaveAtEnd(pl.Callback):
+    """``trainer.save_checkpoint(path)`` in ``on_validation_end``/``on_test_end``: inside the evaluation stage."""
+
+    def __init__(self, path: Any) -> None:
+        self.path = path
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)
+
+    on_test_end = on_validation_end
+
+
+@pytest.mark.parametrize("where", ["after", "inside"])
 @pytest.mark.parametrize("stage", ["validate", "test"])
-def test_a_fit_resumes_from_a_checkpoint_saved_after_validate(stage: str, tmp_path: Any) -> None:
-    """``trainer.validate(model)`` (or ``test``), ``trainer.save_checkpoint(path)`` before any fit, then another
-    model's ``trainer.fit(model, ckpt_path=path)`` at O2: it trains from the checkpoint's weights as ``"bf16-mixed"``
-    does, bit for bit. Before, the fit failed with ``ValueError: the checkpoint has master weights for 0 model(s) but
-    1 model(s) were prepared with master weights``, blaming a take-over by a later engine (the evaluating engine made
-    no masters; the checkpoint's FP32 ``state_dict`` gives them)."""
+def test_a_fit_resumes_from_a_checkpoint_saved_at_an_evaluation(stage: str, where: str, tmp_path: Any) -> None:
+    """``trainer.validate(model)`` (or ``test``) before any fit, a checkpoint saved after it
+    (``trainer.save_checkpoint``) or inside it (a callback's ``on_validation_end``), then another model's
+    ``trainer.fit(model, ckpt_path=path)`` at O2: it trains from the checkpoint's weights as ``"bf16-mixed"`` does, bit
+    for bit. Before, the fit failed with ``ValueError: the checkpoint has master weights for 0 model(s) but 1 model(s)
+    were prepared with master weights``, blaming a take-over by a later engine (the evaluating engine made no masters;
+    the checkpoint's FP32 ``state_dict`` gives them), and a checkpoint saved inside the stage held the half model's
+    weights (``load_from_checkpoint`` gave their rounding)."""
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_batch(0)), batch_size=4)
     finals = []
     for name, plugin in (
         ("bf16-mixed", dict(precision="bf16-mixed")),
         ("O2", dict(plugins=[MixedPrecisionPlugin("O2", half_dtype="bfloat16")])),
     ):
-        trainer = make_trainer(max_epochs=2, **plugin)
+        path = tmp_path / f"{name}.ckpt"
+        trainer = make_trainer(max_epochs=2, callbacks=[_SaveAtEnd(path)] if where == "inside" else [], **plugin)
         getattr(trainer, stage)(_Net(), data, verbose=False)
-        trainer.save_checkpoint(tmp_path / f"{name}.ckpt")
+        if where == "after":
+            trainer.save_checkpoint(path)
+        assert {v.dtype for v in torch.load(path, weights_only=False)["state_dict"].values()} == {torch.float32}
         model = _Net()
         model.net = _net(1)  # another model: the checkpoint's weights must reach it (and, at O2, its masters)
         trainer = make_trainer(max_epochs=2, **plugin)
-        trainer.fit(model, data, ckpt_path=tmp_path / f"{name}.ckpt")
+        trainer.fit(model, data, ckpt_path=path)
         finals.append(_flat(model))
     assert torch.equal(finals[0], finals[1])

@@ -61,6 +61,7 @@ class CheckpointHooks:
     _manual_step: Any
     _range_test: Any
     _end_iteration: Any  # the plugin's: update the scales of the iteration that ended, log it
+    _evaluation: Any  # the plugin's EvaluationValues: the FP32 values of a model in an evaluation before any fit
 
     def state_dict(self) -> dict[str, Any]:
         """Loss scalers, FP32 master weights and counters, saved in Lightning checkpoints (inside a manual training
@@ -76,6 +77,12 @@ class CheckpointHooks:
         if self._module is not None:
             own = checkpoint.get(type(self).__qualname__)
             self._frozen_warned |= masters_into_checkpoint(self.amp, self._module, checkpoint, own, self._frozen_warned)
+            # Saved in an O2 evaluation before the first fit (trainer.save_checkpoint in its hooks): the FP32 values
+            # the stage gives back, not their half rounding (a fit resumed from it trained from the rounding)
+            weights = checkpoint.get("state_dict")
+            for name, value in self._evaluation.fp32_values(self._module).items():
+                if isinstance(weights, dict) and name in weights:
+                    weights[name] = value
         native_scale_from(self.amp, checkpoint, checkpoint.get(type(self).__qualname__))
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -113,6 +113,20 @@ class EvaluationValues:
             for sub, name, value in self._buffers
         ]
 
+    def fp32_values(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """By ``module``'s state-dict names, the FP32 values its tensors in half take back at the stage's end (what a
+        checkpoint saved in the stage holds, as ``"bf16-mixed"``'s FP32 model gives them); empty outside a stage."""
+        if self._converted is None or self._converted() is not module:
+            return {}
+        names = {id(p): name for name, p in module.named_parameters()}
+        out = {names[id(p)]: _back(p.data, value) for p, value in self._params if id(p) in names}
+        subs = {id(sub): name for name, sub in module.named_modules()}
+        for sub, name, value in self._buffers:
+            now = sub._buffers.get(name)
+            if now is not None and id(sub) in subs:
+                out[_dotted(subs[id(sub)], name)] = _back(now, value)
+        return out
+
     def restore(self) -> None:
         """At the stage's end: the model takes back its FP32 values (on the device it is on now: Lightning moves it
         to the CPU first). A value the stage changed (written into the half tensor) is kept, in FP32."""
