@@ -9,6 +9,14 @@ Found and fixed:
    load mid-fit) reached the FP32 masters as their half rounding: only FP32 values went to the masters exactly. The run
    trained on silently from the rounded weights (bfloat16's rounding of float16 weights, 9.8e-4 off after the load),
    where ``"bf16-mixed"``'s FP32 model holds them exactly; now the masters take them as an FP32 model does.
+2. ``fabric.load`` of a checkpoint whose model entry had a weight replaced by hand, with the state ordered as
+   docs/fabric.md writes it (``{"model": ..., "optimizer": ..., "mpx": ...}``), was refused at the next forward:
+   "the model's weights were not loaded from it" (they were, before the plugin's entry); only ``"mpx"`` first passed.
+3. ``fabric.load`` of an O2 checkpoint before ``fabric.setup`` got ``ValueError: ... 0 model(s) were prepared with
+   master weights``, naming no call.
+4. A Trainer fit at O2 resumed from a checkpoint saved after (or inside) ``trainer.validate``/``test`` before any fit
+   failed with ``ValueError: the checkpoint has master weights for 0 model(s) but 1 model(s)...``, blaming a
+   take-over; one saved inside the stage held the half model's weights.
 
 Held (no change): ``fabric.backward`` refused before any set-up and every set-up pattern (``setup_module`` then
 ``setup_optimizers``, ``setup(model)`` then optimizers, a GAN set up one by one, inside ``fabric.launch``) trains as
