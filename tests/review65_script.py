@@ -99,7 +99,9 @@ def _trainer(module: Accum, level: str, r: dict, batches: int = 4) -> None:
 
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(7 + rank)
-    data = torch.utils.data.TensorDataset(torch.randn(4 * batches, 4, generator=g), torch.randn(4 * batches, generator=g))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(4 * batches, 4, generator=g), torch.randn(4 * batches, generator=g)
+    )
     kwargs: dict[str, Any] = (
         {"plugins": [MixedPrecisionPlugin(level, **BF16)]} if level.startswith("O") else {"precision": level}
     )
@@ -135,6 +137,7 @@ def _accelerate(level: str, r: dict, raw_rank1: bool = False, gan: bool = False)
         if gan:
             gen, disc, opt_g, opt_d = prepared_gan(accelerator)
             r["wrapper"] = type(gen).__name__
+            r["w_start"] = flat([p for m in (gen, disc) for p in accelerator.unwrap_model(m).parameters()])
             for step in range(4):
                 g = torch.Generator().manual_seed(10 * step + rank)
                 noise, real = torch.randn(4, 4, generator=g), torch.randn(4, 8, generator=g)
@@ -152,7 +155,8 @@ def _accelerate(level: str, r: dict, raw_rank1: bool = False, gan: bool = False)
             unwrapped = [accelerator.unwrap_model(m) for m in (gen, disc)]
             r["w"] = flat([p for m in unwrapped for p in m.parameters()])
             if level != "bf16":
-                r["w"] = flat(accelerator.amp.master_params(opt_g.optimizer)) + flat(accelerator.amp.master_params(opt_d.optimizer))
+                amp = accelerator.amp
+                r["w"] = flat([*amp.master_params(opt_g.optimizer), *amp.master_params(opt_d.optimizer)])
             return
         module = Net()
         model, optimizer = accelerator.prepare(module, torch.optim.SGD(module.parameters(), lr=LR))
