@@ -217,8 +217,36 @@ def _fabric_watch(variant: str, r: dict) -> None:
         raw.step()
         raw.zero_grad()
     fabric.backward(F.mse_loss(model(x), y))  # synchronised: rank 1 keeps its refusal
+    if variant == "clip":  # the unscale before the step: nothing raised there
+        fabric.clip_gradients(model, optimizer, max_norm=0.01)
     r["step_reached"] = True
     optimizer.step()  # the ranks meet: both refuse
+
+
+def _bucket_view(precision: str | None, r: dict) -> None:
+    """``gradient_as_bucket_view=True`` with ``zero_grad(set_to_none=False)`` (the same bucket views, marked by each
+    step, kept from step to step), two micro-batches a step under ``no_backward_sync``, SGD with momentum."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import DDPStrategy
+
+    from lightning_mpx import FabricMixedPrecisionPlugin
+
+    plugin = FabricMixedPrecisionPlugin("O2", **BF16) if precision is None else None
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=DDPStrategy(gradient_as_bucket_view=True), plugins=plugin,
+                    precision=precision)  # fmt: skip
+    fabric.launch()
+    rank = fabric.global_rank
+    module = Net()
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=LR, momentum=0.9))
+    r["w_start"] = flat(module.parameters())
+    for step in range(6):
+        x, y = batch(step, rank)
+        with fabric.no_backward_sync(model, enabled=step % 2 == 0):
+            fabric.backward(F.mse_loss(model(x), y) / 2)
+        if step % 2 == 1:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+    r["w"] = flat(plugin.master_params(optimizer) if plugin is not None else module.parameters())
 
 
 def main() -> None:
@@ -238,7 +266,10 @@ def main() -> None:
     for level in ("O2", "bf16"):
         with case_error(results.setdefault(f"accelerate_gan/{level}", {})) as r:
             _accelerate(level, r, gan=True)
-    for variant in ("eval_first", "find_unused", "static_graph", "compile"):
+    for precision in (None, "bf16-mixed"):
+        with case_error(results.setdefault(f"bucket_view/{precision or 'O2'}", {})) as r:
+            _bucket_view(precision, r)
+    for variant in ("eval_first", "find_unused", "static_graph", "compile", "clip"):
         with case_error(results.setdefault(f"watch/{variant}", {})) as r:
             _fabric_watch(variant, r)
     finish_cases(results)

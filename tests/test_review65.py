@@ -37,10 +37,10 @@ REFUSED = "were written and their gradients cleared after a backward of lightnin
 UNHELD = "which no optimizer prepared by lightning_mpx holds"
 ON_RANK_1 = "on rank 1 (refused on every rank at this step, where the ranks meet"
 REFUSALS = ("trainer_raw_rank1", "trainer_unheld_rank1", "accelerate_raw_rank1",
-            "watch/eval_first", "watch/find_unused", "watch/static_graph", "watch/compile")  # fmt: skip
+            "watch/eval_first", "watch/find_unused", "watch/static_graph", "watch/compile", "watch/clip")  # fmt: skip
 # O2 bfloat16 (FP32 masters) against the frameworks' own bf16 autocast, tiny models: the Trainer's 3 SGD steps measured
-# 9.0e-4 apart, the GAN's 2 Adam steps (lr 1e-3) 8.8e-6 apart.
-ATOL = {"trainer_habits": 3e-3, "accelerate_gan": 1e-4}
+# 9.0e-4 apart, the GAN's 2 Adam steps (lr 1e-3) 8.8e-6 apart, Fabric's 3 SGD steps on bucket views 5.2e-4.
+ATOL = {"trainer_habits": 3e-3, "accelerate_gan": 1e-4, "bucket_view": 3e-3}
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,9 @@ def test_rank0_weights_untouched_by_the_refused_step(ranks: list[dict[str, Any]]
         assert torch.equal(torch.tensor(r0["w"]), start), case
 
 
-@pytest.mark.parametrize(("case", "ref"), [("trainer_habits", "bf16-mixed"), ("accelerate_gan", "bf16")])
+@pytest.mark.parametrize(
+    ("case", "ref"), [("trainer_habits", "bf16-mixed"), ("accelerate_gan", "bf16"), ("bucket_view", "bf16-mixed")]
+)
 def test_no_sync_habits_train_like_the_frameworks_bf16(ranks: list[dict[str, Any]], case: str, ref: str) -> None:
     """A frozen backbone and an EMA teacher written between accumulated backwards (Trainer), a GAN's two optimizers
     under ``accelerator.accumulate`` (Accelerate): no refusal, both ranks equal, within bfloat16's reach of the
