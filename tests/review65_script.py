@@ -8,6 +8,8 @@ Refusal cases (``*_raw_rank1``, ``*_unheld_rank1``): the raw step runs on rank 1
 backwards (the first under ``no_sync``): rank 1 alone sees it, so raising at rank 1's next backward would leave rank 0
 in that backward's all-reduce (a hang, until the group's short timeout). Both ranks must raise, at the step.
 
+``trainer_fit_twice``: the raw step in a second ``trainer.fit`` of the same Trainer (a new DDP wrapper).
+
 Watch cases (``watch/*``, Fabric, O2): the first forward is an evaluation under ``torch.no_grad()`` (``eval_first``),
 or the model is compiled (``compile``), or DDP runs with ``find_unused_parameters`` / ``static_graph``; the ranks
 agree whether the wrapper was found (``watched``) before the rank-1-only raw step is tried (a wrapper not found would
@@ -249,6 +251,35 @@ def _bucket_view(precision: str | None, r: dict) -> None:
     r["w"] = flat(plugin.master_params(optimizer) if plugin is not None else module.parameters())
 
 
+class LaterRaw(Accum):
+    """:class:`Accum` whose rank-1-only raw step comes in the second epoch only (the second ``fit``)."""
+
+    def training_step(self, batch: Any, index: int) -> torch.Tensor:
+        self.raw_over = "all" if self.current_epoch > 0 else None
+        return super().training_step(batch, index)
+
+
+def _fit_twice(r: dict) -> None:
+    """``trainer.fit`` for one epoch, then ``max_epochs`` raised and ``trainer.fit`` again (the same Trainer and
+    plugin, a new DDP wrapper around the same model): the rank-1-only raw step comes in the second fit."""
+    from lightning_mpx import MixedPrecisionPlugin
+
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(7 + rank)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, generator=g))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, max_epochs=1, accumulate_grad_batches=2,
+        use_distributed_sampler=False, plugins=[MixedPrecisionPlugin("O2", **BF16)],
+    )  # fmt: skip
+    module = LaterRaw()
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    trainer.fit(module, loader)
+    r["first_steps"] = trainer.global_step
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(module, loader)
+
+
 def main() -> None:
     # A short timeout: a collective left waiting by a one-rank error fails here instead of after 30 minutes.
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
@@ -272,6 +303,10 @@ def main() -> None:
     for variant in ("eval_first", "find_unused", "static_graph", "compile", "clip"):
         with case_error(results.setdefault(f"watch/{variant}", {})) as r:
             _fabric_watch(variant, r)
+    # Last: before stop 65's review the second fit's wrapper was not found, rank 1 raised alone (a hang, which
+    # leaves the group unusable for the cases after it)
+    with case_error(results.setdefault("trainer_fit_twice", {})) as r:
+        _fit_twice(r)
     finish_cases(results)
 
 

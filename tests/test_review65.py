@@ -8,14 +8,20 @@
    two optimizers under ``accelerator.accumulate``) train as Lightning's ``"bf16-mixed"`` / Accelerate's ``"bf16"``.
    The DDP watch's one-shot forward pre-hooks find the wrapper after an evaluation under ``torch.no_grad()`` first,
    with ``find_unused_parameters``, ``static_graph`` and a model compiled before ``fabric.setup``, and leave none.
-   All in ONE 2-rank launch (tests/review65_script.py). Held: no defect found.
+   All in ONE 2-rank launch (tests/review65_script.py). Found and fixed: a second ``trainer.fit`` of the same
+   Trainer wraps the model in a new DDP, which the watch (keyed by the model, watched once) never met: a rank-1-only
+   raw step there was raised on rank 1 alone at its backward and rank 0 waited in the all-reduce (a hang). The
+   models are watched again at each set-up after the watch settled.
 2. The marks a step leaves in its gradients' ``__dict__`` (engine/rescale.py): ``torch.save`` of the gradients loads
    with ``weights_only=True`` and ``pickle`` (the empty mark travels along, inert); clones, ``.to()`` round trips and
    a state_dict save change nothing in training. Held.
 3. The evaluation-first warning (masters from the half rounding): not raised for Lightning's ``validate`` then
    ``fit``, Fabric's ``setup_module`` then ``setup_optimizers``, the HF Trainer's ``evaluate()`` then ``train()``
    (their masters start from the FP32 weights exactly); raised once for two evaluation prepares; a load_state right
-   after the prepare gives the saved weights exactly.
+   after the prepare gives the saved weights exactly. Fixed: the warning named ``trainer.validate/test/predict``
+   before ``trainer.fit`` among its causes (Lightning keeps the FP32 weights through an evaluation stage), and now
+   names ``accelerator.load_state`` of a checkpoint as a remedy.
+4. Found and left (strict xfail): a raw optimizer stepped in the same iteration as the prepared one.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from tests.launch import rank_results, run_script
 REFUSED = "were written and their gradients cleared after a backward of lightning_mpx"
 UNHELD = "which no optimizer prepared by lightning_mpx holds"
 ON_RANK_1 = "on rank 1 (refused on every rank at this step, where the ranks meet"
-REFUSALS = ("trainer_raw_rank1", "trainer_unheld_rank1", "accelerate_raw_rank1",
+REFUSALS = ("trainer_raw_rank1", "trainer_unheld_rank1", "accelerate_raw_rank1", "trainer_fit_twice",
             "watch/eval_first", "watch/find_unused", "watch/static_graph", "watch/compile", "watch/clip")  # fmt: skip
 # O2 bfloat16 (FP32 masters) against the frameworks' own bf16 autocast, tiny models: the Trainer's 3 SGD steps measured
 # 9.0e-4 apart, the GAN's 2 Adam steps (lr 1e-3) 8.8e-6 apart, Fabric's 3 SGD steps on bucket views 5.2e-4.
@@ -69,7 +75,7 @@ def test_rank1_only_raw_step_under_no_sync_refused_on_both_ranks(ranks: list[dic
     expected = UNHELD if "unheld" in case else REFUSED
     assert expected in own and not own.startswith("RuntimeError: on rank"), own or "rank 1 not refused"
     assert ON_RANK_1 in other and expected in other, other or "rank 0 not refused"
-    if case.startswith("trainer"):
+    if case.startswith("trainer_") and case != "trainer_fit_twice":
         assert [rank[case]["steps"] for rank in ranks] == [0, 0]
     if case.startswith("watch"):
         assert all(rank[case]["watched"] and rank[case]["hooks_left"] == 0 for rank in ranks)
