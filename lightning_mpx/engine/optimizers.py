@@ -297,7 +297,7 @@ class StepMachine(UnscalePath):
         backward notes the parameters no registered optimizer holds (engine.raw_steps), if any."""
         if self.ddp_watch is not None:  # the DDP wrappers were met in the forwards before it (engine.unsynced)
             self.ddp_watch.settle()
-            self.ddp_watch = None
+            self.ddp_watch, self.ddp_watched = None, frozenset()  # watched again at a later set-up (a second fit)
         if self.unheld is not None:  # a raw step over them since the last backward is refused
             self.unheld.before_backward(self, loss_id, scaled)
         frozen = self.frozen_writes

@@ -17,7 +17,8 @@ there. Without a reducer (the core ``Amp`` under DDP with none set) the rank rai
 The DDP wrappers around the prepared models are found at their first forward: a forward pre-hook on each submodule that
 holds parameters reads ``DistributedDataParallel``'s active module there (set while a wrapper's forward runs), and the
 hooks are taken off at the engine's next backward (:meth:`DdpWatch.settle`; a copy of the model made before it drops
-its own at its first forward): nothing per step after it. Whether a
+its own at its first forward): nothing per step after it. A later set-up of the same models (a second
+``trainer.fit``, which wraps them in a new DDP) watches them again. Whether a
 backward runs unsynchronised is read from the wrappers at each engine backward (two attribute reads each, written out in
 ``StepMachine.before_backward``).
 """
@@ -66,8 +67,8 @@ class DdpWatch:
                 del module._forward_pre_hooks[key]
             return
         wrapper = _active_ddp()
-        if wrapper is not None and all(ref() is not wrapper for ref in machine.ddp):
-            machine.ddp = (*machine.ddp, weakref.ref(wrapper))
+        if wrapper is not None and all(ref() is not wrapper for ref in machine.ddp):  # those of an earlier set-up gone
+            machine.ddp = (*(ref for ref in machine.ddp if ref() is not None), weakref.ref(wrapper))
 
     def settle(self) -> None:
         """Take the hooks off (at the engine's backward: the wrappers, if any, were met by then)."""
