@@ -169,6 +169,36 @@ def test_an_apex_o2_amp_state_dict_copies_one_master_at_a_time() -> None:
         _amp_state.reset()
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="test_house65: the Trainer plugin's entry (its state_dict(), asked for by Lightning before the checkpoint's "
+    "on_save_checkpoint hooks) copies every FP32 master, which lightning_conversion drops there once the checkpoint's "
+    "state_dict holds them: a model's worth of memory at every trainer.save_checkpoint at O2 (6 masters at once here)",
+)
+def test_a_trainer_o2_save_checkpoint_copies_one_master_at_a_time(tmp_path: Path) -> None:
+    """``trainer.save_checkpoint(path)`` at O2 through ``MixedPrecisionPlugin``."""
+    import lightning.pytorch as pl
+
+    from lightning_mpx import MixedPrecisionPlugin
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _net()
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         plugins=[MixedPrecisionPlugin("O2", half_dtype=torch.bfloat16)])  # fmt: skip
+    trainer.fit(Module(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_batch()), batch_size=4))
+    _within(_peak(lambda: trainer.save_checkpoint(tmp_path / "last.ckpt")))
+
+
 @pytest.mark.parametrize("entries", ["model_first", "plugin_alone"])
 def test_an_o3_resume_checks_one_rounding_at_a_time(fabric_o2: dict[str, Any], entries: str) -> None:
     """The O2 checkpoint resumed at O3: ``fabric.load`` (the model's entry first, or the plugin's alone, which the
