@@ -18,7 +18,7 @@ right after ``fabric.setup`` (``mpx.master_params``), then trains three steps on
 
 from __future__ import annotations
 
-import datetime
+import functools
 import os
 import warnings
 from typing import Any
@@ -30,7 +30,7 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from lightning_mpx import FabricMixedPrecisionPlugin
-from tests.launch import case_error, end_ranks, write_rank_results
+from tests.launch import run_cases
 
 CASES = ("plain", "resumed", "gan", "wrapper", "fabric_subclass", "plugin_subclass", "lost")
 
@@ -163,14 +163,7 @@ def run_case(case: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))  # a stray collective: an error, no hang
-    torch.set_num_threads(1)
-    results: dict[str, Any] = {}
-    for case in CASES:
-        with case_error(results.setdefault(case, {})) as out:
-            out.update(run_case(case))
-    write_rank_results(results)
-    end_ranks()
+    run_cases({case: functools.partial(run_case, case) for case in CASES})
 
 
 if __name__ == "__main__":

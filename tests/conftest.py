@@ -1,6 +1,6 @@
 """Shared test set-up (torch's threads shared out among pytest-xdist's workers; the fixtures ``fresh_dynamo``,
-``fresh_accelerate_state`` and ``one_rank`` are at the end; ``_launch_environment``, for every test, keeps the
-variables of a launched rank out of the next tests).
+``fresh_accelerate_state``, ``one_rank`` and ``launched_alone`` are at the end; ``_launch_environment``, for every
+test, keeps the variables of a launched rank out of the next tests).
 
 The fused unscale kernels are Triton kernels. Without a GPU they are tested in triton's interpreter, which runs them
 on CPU tensors; triton reads ``TRITON_INTERPRET`` when a kernel is decorated, so it is set here, before any test
@@ -83,6 +83,26 @@ def one_rank():
         pytest.skip("a process group is already set up in this process")
     with one_process_group():
         yield
+
+
+@pytest.fixture
+def launched_alone(monkeypatch):
+    """The environment of a gloo group of one process, this one, for a test whose framework starts the group itself
+    (Lightning's strategies, Accelerate's state); the group and Accelerate's state undone after."""
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    from tests.accelerate_helpers import accelerate_state_reset
+
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_network_port()), RANK="0", LOCAL_RANK="0",
+               WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", NODE_RANK="0")  # fmt: skip
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with accelerate_state_reset():
+        try:
+            yield
+        finally:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
 
 
 #: What a launched rank finds in its environment. Lightning's strategies and Accelerate write them into

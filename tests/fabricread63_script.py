@@ -18,16 +18,15 @@ Each rank writes ``$MPX_OUT/rank{r}.json``: per case and ``reads`` (with the rea
 
 from __future__ import annotations
 
-import datetime
+import functools
 import os
 import warnings
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from tests.launch import case_error, end_ranks, write_rank_results
+from tests.launch import run_cases
 
 SCALING = {"half_dtype": "float16", "init_scale": 256.0, "growth_interval": 2}
 STEPS, OVERFLOW_AT, LATE = 6, 2, 3
@@ -106,15 +105,8 @@ def run_case(case: str, reads: bool, devices: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))  # a stray collective: an error, no hang
-    torch.set_num_threads(1)
-    results: dict[str, Any] = {}
-    for case in CASES:
-        for reads in (True, False):
-            with case_error(results.setdefault(f"{case}-{reads}", {})) as out:
-                out.update(run_case(case, reads, devices=2))
-    write_rank_results(results)
-    end_ranks()
+    cases = [(case, reads) for case in CASES for reads in (True, False)]
+    run_cases({f"{case}-{reads}": functools.partial(run_case, case, reads, devices=2) for case, reads in cases})
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ left (steps, whether the unfrozen base moved).
 
 import os
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,29 +70,55 @@ def failure(error: BaseException, steps: int, moved: bool) -> dict:
                 cause=None if cause is None else f"{type(cause).__name__}: {cause}")  # fmt: skip
 
 
-def lightning_run(precision: str, ranks: int = 2) -> dict:
-    import lightning.pytorch as pl
-    from lightning.pytorch.strategies import ModelParallelStrategy
+def shard_blocks(net: nn.Module, plugin: Any, mesh: Any) -> nn.Module:
+    """``net`` sharded by FSDP2 on ``mesh``, each ``Block`` a unit: by ``shard_model`` with ``plugin`` (ours at O2), or
+    by ``fully_shard`` per block and root (the frameworks' own precisions, ``plugin`` None)."""
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_mpx import MixedPrecisionPlugin
     from lightning_mpx.fsdp import shard_model
-    from tests.lightning_helpers import make_trainer
+
+    if plugin is not None:
+        return shard_model(net, plugin, mesh=mesh, blocks=Block)
+    for block in (net.first, net.second):
+        fully_shard(block, mesh=mesh)
+    return fully_shard(net, mesh=mesh)
+
+
+def lightning_module(precision: str) -> Any:
+    """A ``LightningModule`` class over :class:`Net` for ``ModelParallelStrategy``: sharded per ``Block`` in
+    ``configure_model`` (:func:`shard_blocks`, with the Trainer's plugin at O2), cross-entropy, AdamW over the
+    trainable parameters."""
+    import lightning.pytorch as pl
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.net = Net()
-            self.before: list[float] = []
 
         def configure_model(self) -> None:
-            mesh = self.device_mesh["data_parallel"]
-            if precision == "O2":
-                shard_model(self.net, self.trainer.precision_plugin, mesh=mesh, blocks=Block)
-            else:
-                for block in (self.net.first, self.net.second):
-                    fully_shard(block, mesh=mesh)
-                fully_shard(self.net, mesh=mesh)
+            plugin = self.trainer.precision_plugin if precision == "O2" else None
+            shard_blocks(self.net, plugin, self.device_mesh["data_parallel"])
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x).float(), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(filter(lambda p: p.requires_grad, self.parameters()), lr=1e-2)
+
+    return Module
+
+
+def lightning_run(precision: str, ranks: int = 2) -> dict:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_mpx import MixedPrecisionPlugin
+    from tests.lightning_helpers import make_trainer
+
+    class Module(lightning_module(precision)):
+        def __init__(self) -> None:
+            super().__init__()
+            self.before: list[float] = []
 
         def on_fit_start(self) -> None:
             self.before = gathered(self.net)
@@ -100,13 +127,6 @@ def lightning_run(precision: str, ranks: int = 2) -> dict:
             if batch_idx == UNFREEZE_AT:
                 self.net.first.fc.requires_grad_(True)
                 self.trainer.optimizers[0].param_groups[0]["params"].extend(self.net.first.fc.parameters())
-
-        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return nn.functional.cross_entropy(self.net(x).float(), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(filter(lambda p: p.requires_grad, self.parameters()), lr=1e-2)
 
     module = Module()
     loader = torch.utils.data.DataLoader([batch(step) for step in range(STEPS)], batch_size=None)
@@ -121,7 +141,11 @@ def lightning_run(precision: str, ranks: int = 2) -> dict:
     return dict(steps=trainer.global_step, moved=gathered(module.net) != module.before)
 
 
-def accelerate_run(mixed_precision: str) -> dict:
+def accelerate_prepared(mixed_precision: str) -> tuple[Any, nn.Module, Any]:
+    """``fsdp_version=2`` (each ``Block`` a unit) through ``lightning_mpx.accelerate.Accelerator`` (``"O2"``, or
+    Accelerate's own ``mixed_precision``; its shared state told the process is ``MULTI_GPU`` on ``cpu``: see the
+    module docstring), the optimizer over the trainable parameters: ``(accelerator, model, optimizer)`` as
+    ``prepare`` returned them."""
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
@@ -130,7 +154,7 @@ def accelerate_run(mixed_precision: str) -> dict:
 
     reset_accelerate_state()
     PartialState(cpu=True)
-    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU  # see the module docstring
+    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
     PartialState._shared_state["device"] = torch.device("cpu")
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"]
@@ -141,6 +165,11 @@ def accelerate_run(mixed_precision: str) -> dict:
     net = Net()
     optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
     net, optimizer = accelerator.prepare(net, optimizer)
+    return accelerator, net, optimizer
+
+
+def accelerate_run(mixed_precision: str) -> dict:
+    accelerator, net, optimizer = accelerate_prepared(mixed_precision)
     before = gathered(net)
     steps = 0
     try:

@@ -15,7 +15,7 @@ import sys
 import tempfile
 import threading
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +180,18 @@ def accelerate_launch(script: str, out: Path, *, timeout: float = 240) -> None:
     )
 
 
+def case_results(name: str, out: Path, *, timeout: float) -> list[dict[str, Any]]:
+    """Run the 2-rank script ``tests/<name>`` (:func:`run_script`) whose cases ran under :func:`case_error` and
+    return each rank's results (:func:`rank_results`), having checked that no case (nor :func:`finish_cases`'s check
+    after them) raised on any rank."""
+    run_script(name, out, timeout=timeout)
+    ranks = rank_results(out)
+    for case in ranks[0]:
+        for rank in ranks:
+            assert "error" not in rank[case], (case, rank[case].get("error"))
+    return ranks
+
+
 def rank_results(out: Path, prefix: str = "", world_size: int = 2) -> list[dict[str, Any]]:
     """What each rank wrote to ``out/{prefix}rank{r}.json``, by rank."""
     return [json.loads((out / f"{prefix}rank{r}.json").read_text()) for r in range(world_size)]
@@ -218,6 +230,24 @@ def finish_cases(results: dict[str, Any]) -> None:
         r["sum"] = total.item()
     write_rank_results(results)
     end_ranks()
+
+
+def run_cases(cases: Mapping[str, Callable[[], dict[str, Any]]], *, timeout_s: float = 30) -> None:
+    """A rank of a script of independent cases, from start to end: a gloo group whose collectives time out after
+    ``timeout_s`` (a stray collective is an error, not a hang), one torch thread, each case's results under its name
+    (:func:`case_error`), then :func:`finish_cases`. What the test reads with :func:`case_results`."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    torch.set_num_threads(1)
+    results: dict[str, Any] = {}
+    for name, case in cases.items():
+        with case_error(results.setdefault(name, {})) as out:
+            out.update(case())
+    finish_cases(results)
 
 
 def free_port() -> int:

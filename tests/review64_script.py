@@ -10,7 +10,7 @@ and writes the scale every rank's ``mpx.metrics()`` read after each iteration's 
 
 from __future__ import annotations
 
-import datetime
+import functools
 import os
 import warnings
 from pathlib import Path
@@ -23,7 +23,7 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from lightning_mpx import FabricMixedPrecisionPlugin
-from tests.launch import case_error, end_ranks, write_rank_results
+from tests.launch import run_cases
 
 CASES = ("read_save", "read_load")
 STEPS = 5
@@ -85,17 +85,10 @@ def run_case(case: str, out_dir: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))  # a stray collective: an error, no hang
-    torch.set_num_threads(1)
     out_dir = Path(os.environ["MPX_OUT"])
-    results: dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for case in CASES:
-            with case_error(results.setdefault(case, {})) as out:
-                out.update(run_case(case, out_dir))
-    write_rank_results(results)
-    end_ranks()
+        run_cases({case: functools.partial(run_case, case, out_dir) for case in CASES})
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
-"""The settings every stateful (hypothesis ``RuleBasedStateMachine``) test of the suite runs with."""
+"""The settings every stateful (hypothesis ``RuleBasedStateMachine``) test of the suite runs with, and the checks that
+two runs' tensors and optimizer states are the same."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from hypothesis import HealthCheck, settings
 
 
@@ -11,3 +15,18 @@ def stateful_settings(max_examples: int, steps: int) -> settings:
     tests/conftest.py."""
     return settings(max_examples=max_examples, stateful_step_count=steps, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+
+
+def assert_same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    """The tensors of ``got`` are those of ``want``, one for one, in dtype and bit for bit."""
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def assert_same_state(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """Two optimizer state dicts are the same: the groups, and every state tensor (:func:`assert_same`)."""
+    assert got["param_groups"] == want["param_groups"]
+    assert got["state"].keys() == want["state"].keys()
+    for index, values in want["state"].items():
+        assert values.keys() == got["state"][index].keys()
+        assert_same([got["state"][index][k] for k in values], list(values.values()))

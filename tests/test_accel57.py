@@ -57,6 +57,19 @@ class ScheduleFreeSGD(torch.optim.Optimizer):
                     z.sub_(p.grad, alpha=group["lr"])
 
 
+class ClosureScheduleFreeSGD(ScheduleFreeSGD):
+    """As ``schedulefree``'s optimizers: the closure (Lightning's Trainer and ``"bf16-mixed"`` pass one) called first,
+    with gradients."""
+
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        super().step()
+        return loss
+
+
 def _schedule_free_run(mp: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Two epochs of ``model.train(); optimizer.train()`` ... ``model.eval(); optimizer.eval()`` and an evaluation
     under ``torch.no_grad()``; returns the evaluation losses and the exported weights after a last ``train()``."""

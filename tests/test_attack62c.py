@@ -24,21 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.test_accel57 import ScheduleFreeSGD
+from tests.test_accel57 import ClosureScheduleFreeSGD, ScheduleFreeSGD
 
 BF16 = torch.bfloat16
-
-
-class _ClosureSF(ScheduleFreeSGD):
-    """The suite's schedule-free SGD calling the Trainer's closure, as ``schedulefree``'s optimizers do."""
-
-    def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        super().step()
-        return loss
 
 
 def _net() -> nn.Module:
@@ -142,7 +130,7 @@ def test_trainer_o2_schedule_free_eval_around_validation_in_and_get_as_fp32():
             self.optimizers().optimizer.train()
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return _ClosureSF(self.parameters())
+            return ClosureScheduleFreeSGD(self.parameters())
 
     def run(plugin: Any) -> dict:
         module = Module()

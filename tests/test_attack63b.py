@@ -33,7 +33,7 @@ from torch import nn
 
 from lightning_mpx import FabricMixedPrecisionPlugin
 from tests.attack63b_script import _FabricSubclass, _my_setup, _PluginSubclass, _registered
-from tests.launch import rank_results, run_script
+from tests.launch import case_results
 
 SCALING = {"init_scale": 2.0**10, "growth_interval": 2}
 Weights = dict[str, torch.Tensor]
@@ -458,12 +458,7 @@ def test_when_fabrics_call_cannot_be_read_the_optimizer_is_met_at_its_first_step
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out: Path = tmp_path_factory.mktemp("attack63b")
-    run_script("attack63b_script.py", out, timeout=120)
-    ranks = rank_results(out)
-    for case in ranks[0]:
-        for rank in ranks:
-            assert "error" not in rank[case], (case, rank[case].get("error"))
-    return ranks
+    return case_results("attack63b_script.py", out, timeout=120)
 
 
 DDP_CASES = ["plain", "resumed", "gan", "wrapper", "fabric_subclass", "plugin_subclass", "lost"]

@@ -40,7 +40,7 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from lightning_mpx import Amp, FabricMixedPrecisionPlugin
-from tests.launch import rank_results, run_script
+from tests.launch import case_results
 
 
 def _net(seed: int = 0) -> nn.Sequential:
@@ -57,12 +57,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out: Path = tmp_path_factory.mktemp("attack64")
-    run_script("attack64_script.py", out, timeout=150)
-    ranks = rank_results(out)
-    for case in ranks[0]:
-        for rank in ranks:
-            assert "error" not in rank[case], (case, rank[case].get("error"))
-    return ranks
+    return case_results("attack64_script.py", out, timeout=150)
 
 
 @pytest.mark.parametrize("case", ["unmet_nograd", "accum_skip", "two_opts_skip"])

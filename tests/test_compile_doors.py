@@ -46,6 +46,23 @@ def _compile(module: nn.Module) -> nn.Module:
     return torch.compile(module, backend="aot_eager")
 
 
+def _stepper(model: Any, backward: Callable[[torch.Tensor], Any], opt: Any, *schedules: Any) -> Callable[[int], float]:
+    """A training step of batch ``i`` through a door: ``model``'s cross-entropy loss, the door's ``backward``, the
+    optimizer's step, each of ``schedules`` stepped, the gradients zeroed; it returns the loss."""
+
+    def step(i: int) -> float:
+        x, y = _batch(i)
+        loss = F.cross_entropy(model(x).float(), y)
+        backward(loss)
+        opt.step()
+        for schedule in schedules:
+            schedule.step()
+        opt.zero_grad()
+        return loss.item()
+
+    return step
+
+
 def _counted(run_step: Callable[[int], float]) -> tuple[tuple[int, int, int], list[float]]:
     """``((graphs, graph breaks, graphs compiled after the first step), losses)`` of ``STEPS`` calls of
     ``run_step`` from an empty dynamo cache."""
@@ -94,22 +111,14 @@ def _fabric(level: str, place: str | None, **settings: Any) -> tuple[tuple[int, 
     net = _Net()
     model, opt = fabric.setup(_compile(net) if place == "before" else net, torch.optim.SGD(net.parameters(), lr=0.1))
     model = _compile(model) if place == "after" else model
-
-    def step(i: int) -> float:
-        x, y = _batch(i)
-        loss = F.cross_entropy(model(x).float(), y)
-        fabric.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        return loss.item()
-
-    counts, losses = _counted(step)
+    counts, losses = _counted(_stepper(model, fabric.backward, opt))
     return counts, losses, plugin
 
 
-def _accelerate(level: str, place: str | None) -> tuple[tuple[int, int, int], list[float]]:
+def _accelerate(level: str, place: str | None, *, scheduled: bool = False) -> tuple[tuple[int, int, int], list[float]]:
     """Counts and losses through Accelerate (``level``: an opt level through the adapter, or ``"bf16"``), compiled by
-    ``Accelerator(dynamo_backend="aot_eager")`` (``place`` "dynamo_backend"; None: eager)."""
+    ``Accelerator(dynamo_backend="aot_eager")`` (``place`` "dynamo_backend") or after ``prepare`` (``"after"``; None:
+    eager). ``scheduled``: the SGD's learning rate changed at every step by a prepared ``LambdaLR``."""
     pytest.importorskip("accelerate")
     from accelerate import Accelerator as TheirAccelerator
 
@@ -124,17 +133,11 @@ def _accelerate(level: str, place: str | None) -> tuple[tuple[int, int, int], li
             handlers = [MixedPrecisionKwargs(half_dtype="bfloat16")]
             accelerator = Accelerator(mixed_precision=level, kwargs_handlers=handlers, **compile_kwargs)
         net = _Net()
-        model, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
-
-        def step(i: int) -> float:
-            x, y = _batch(i)
-            loss = F.cross_entropy(model(x).float(), y)
-            accelerator.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            return loss.item()
-
-        return _counted(step)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        schedules = [torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))] if scheduled else []
+        model, opt, *schedules = accelerator.prepare(net, opt, *schedules)
+        model = _compile(model) if place == "after" else model
+        return _counted(_stepper(model, accelerator.backward, opt, *schedules))
 
 
 def _no_worse(ours: tuple[int, int, int], own: tuple[int, int, int]) -> None:

@@ -33,7 +33,7 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from lightning_mpx import CastTable, FabricMixedPrecisionPlugin
-from tests.stateful_helpers import stateful_settings
+from tests.stateful_helpers import assert_same, assert_same_state, stateful_settings
 
 # The rules call a scheduler before any step, as a loop that starts with a warm-up step may.
 pytestmark = pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler\.step\(\)` before")
@@ -114,19 +114,6 @@ class _Run:
                 self.fabric.backward(loss)
             total += loss.item()
         return total
-
-
-def _assert_same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
-    for a, b in zip(got, want, strict=True):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-
-
-def _assert_same_state(got: dict[str, Any], want: dict[str, Any]) -> None:
-    assert got["param_groups"] == want["param_groups"]
-    assert got["state"].keys() == want["state"].keys()
-    for index, values in want["state"].items():
-        assert values.keys() == got["state"][index].keys()
-        _assert_same([got["state"][index][k] for k in values], list(values.values()))
 
 
 def assert_same_update(got: list[torch.Tensor], want: list[torch.Tensor], before: list[torch.Tensor], rtol: float):
@@ -224,9 +211,9 @@ class FabricAgainstReference(RuleBasedStateMachine):
         if skipped:
             self.skips += 1
             after = self.ours.snapshot()
-            _assert_same(after["trained"], before["trained"])
-            _assert_same(list(after["model"].values()), list(before["model"].values()))
-            _assert_same_state(after["opt"], before["opt"])
+            assert_same(after["trained"], before["trained"])
+            assert_same(list(after["model"].values()), list(before["model"].values()))
+            assert_same_state(after["opt"], before["opt"])
         else:
             self.steps += 1
             self.ref.opt.step()
@@ -268,7 +255,7 @@ class FabricAgainstReference(RuleBasedStateMachine):
             with torch.inference_mode() if inference else torch.no_grad():
                 outs.append(run.model(x))
             run.model.train()
-            _assert_same(list(run.model.buffers()), buffers)  # eval mode: the running statistics are only read
+            assert_same(list(run.model.buffers()), buffers)  # eval mode: the running statistics are only read
         assert outs[0].dtype == torch.float32
         torch.testing.assert_close(outs[0], outs[1].float(), rtol=4 * LOSS_RTOL[self.level], atol=2e-2)
 
@@ -296,7 +283,7 @@ class FabricAgainstReference(RuleBasedStateMachine):
         # The FP32 export (litgpt's final save of the weights): the values the optimizer trains, exactly.
         exported = self.ours.mpx.fp32_state_dict(self.ours.model)
         names = [name for name, _ in self.ours.model.module.named_parameters()]
-        _assert_same([exported[name] for name in names], [t.detach() for t in self.ours.trained()])
+        assert_same([exported[name] for name in names], [t.detach() for t in self.ours.trained()])
         self.ours.fabric.save(path, self.ours.state())
         # After the save (a checkpoint makes the pending scale update): what a resume must bring back.
         self.saved[slot] = dict(
@@ -316,9 +303,9 @@ class FabricAgainstReference(RuleBasedStateMachine):
         self.ours = _Run(self.level, self.optimizer, self.growth, reference=False, init_seed=1, register=register)
         self.ours.fabric.load(saved["path"], self.ours.state())
         got = self.ours.snapshot()
-        _assert_same(got["trained"], saved["ours"]["trained"])
-        _assert_same(list(got["model"].values()), list(saved["ours"]["model"].values()))
-        _assert_same_state(got["opt"], saved["ours"]["opt"])
+        assert_same(got["trained"], saved["ours"]["trained"])
+        assert_same(list(got["model"].values()), list(saved["ours"]["model"].values()))
+        assert_same_state(got["opt"], saved["ours"]["opt"])
         assert got["scale"] == saved["ours"]["scale"]
         assert self.ours.scheduler.state_dict() == saved["sched"]
         self.ref.model.load_state_dict(saved["ref"])
@@ -392,4 +379,4 @@ def test_an_overflow_step_clipped_by_the_infinity_norm_is_skipped(level, norm_ty
     assert float(norm) == 0.0  # nothing clipped
     run.opt.step()
     assert run.mpx.step_was_skipped(run.opt)
-    _assert_same(run.trained(), before)
+    assert_same(run.trained(), before)

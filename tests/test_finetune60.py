@@ -21,26 +21,10 @@ from torch import nn
 from lightning_mpx import MixedPrecisionPlugin
 from lightning_mpx.engine.amp import Amp
 from tests.lightning_helpers import classification_data, loader, make_trainer
+from tests.test_attack60 import Net, _mlp  # a backbone and a head (each subclass here picks its optimizer)
 
 HALF = torch.bfloat16
 SIGN = "frozen when the model was cast to half"
-
-
-def _mlp() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-
-
-class Net(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.backbone, self.head = _mlp(), nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.backbone(x))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return F.cross_entropy(self(batch[0]).float(), batch[1])
 
 
 class Finetuned(Net):

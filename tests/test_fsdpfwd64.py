@@ -29,7 +29,7 @@ from torch import nn
 
 from lightning_mpx import Amp
 from lightning_mpx.integrations.fsdp import shard_model
-from tests.fsdpunfreeze63_script import Block, Net, gathered
+from tests.fsdpunfreeze63_script import Block, Net, accelerate_prepared, gathered, lightning_module, shard_blocks
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
@@ -115,27 +115,7 @@ def test_a_users_own_assertion_error_in_the_forward_is_raised_as_it_is(one_rank)
     assert run["error"].__cause__ is None
 
 
-# -- Lightning and Accelerate, in this process (a gloo group of one) --------------------------------------------------
-@pytest.fixture
-def launched_alone(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The environment of a gloo group of one process, this one (Lightning's strategies and Accelerate's state start
-    the group themselves); the group and Accelerate's state undone after."""
-    from lightning.fabric.plugins.environments.lightning import find_free_network_port
-
-    from tests.accelerate_helpers import accelerate_state_reset
-
-    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_network_port()), RANK="0", LOCAL_RANK="0",
-               WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", NODE_RANK="0")  # fmt: skip
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    with accelerate_state_reset():
-        try:
-            yield
-        finally:
-            if torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
-
-
+# -- Lightning and Accelerate, in this process (a gloo group of one: conftest's launched_alone) ------------------------
 def _trainer_run(precision: str) -> dict[str, Any]:
     """``Trainer(strategy=ModelParallelStrategy())``, sharded per ``Block`` in ``configure_model``, the optimizer over
     the trainable parameters, and a ``BaseFinetuning`` callback that makes ``first.fc`` trainable at epoch 0 (in
@@ -143,7 +123,6 @@ def _trainer_run(precision: str) -> dict[str, Any]:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import BaseFinetuning
     from lightning.pytorch.strategies import ModelParallelStrategy
-    from torch.distributed.fsdp import fully_shard
 
     from lightning_mpx import MixedPrecisionPlugin
     from tests.lightning_helpers import make_trainer
@@ -156,28 +135,7 @@ def _trainer_run(precision: str) -> dict[str, Any]:
             if current_epoch == 0:
                 self.make_trainable(pl_module.net.first.fc)
 
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = Net()
-
-        def configure_model(self) -> None:
-            mesh = self.device_mesh["data_parallel"]
-            if precision == "O2":
-                shard_model(self.net, self.trainer.precision_plugin, mesh=mesh, blocks=Block)
-            else:
-                for block in (self.net.first, self.net.second):
-                    fully_shard(block, mesh=mesh)
-                fully_shard(self.net, mesh=mesh)
-
-        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return nn.functional.cross_entropy(self.net(x).float(), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(filter(lambda p: p.requires_grad, self.parameters()), lr=1e-2)
-
-    module = Module()
+    module = lightning_module(precision)()
     plugin = MixedPrecisionPlugin("O2", half_dtype="bfloat16") if precision == "O2" else None
     trainer = make_trainer(
         plugin, strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1),
@@ -210,18 +168,13 @@ def _fabric_run(precision: str) -> BaseException | None:
     with the plugin at O2), the optimizer set up over the trainable parameters, ``first.fc`` unfrozen, one forward."""
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import ModelParallelStrategy
-    from torch.distributed.fsdp import fully_shard
 
     from lightning_mpx import FabricMixedPrecisionPlugin
 
     plugin = FabricMixedPrecisionPlugin("O2", half_dtype="bfloat16") if precision == "O2" else None
 
     def parallelize(model: nn.Module, mesh: Any) -> nn.Module:
-        if plugin is not None:
-            return shard_model(model, plugin, mesh=mesh["data_parallel"], blocks=Block)
-        for block in (model.first, model.second):
-            fully_shard(block, mesh=mesh["data_parallel"])
-        return fully_shard(model, mesh=mesh["data_parallel"])
+        return shard_blocks(model, plugin, mesh["data_parallel"])
 
     strategy = ModelParallelStrategy(parallelize, data_parallel_size=1, tensor_parallel_size=1)
     fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy,
@@ -255,32 +208,6 @@ def test_fabric_at_o2_refuses_fsdp_at_setup_before_any_forward(launched_alone) -
         os.environ.update(environ)
 
 
-def _accelerate_prepared(mixed_precision: str) -> tuple[Any, nn.Module, Any]:
-    """``fsdp_version=2`` (each ``Block`` a unit) through ``lightning_mpx.accelerate.Accelerator`` (Accelerate's
-    shared state told the process is ``MULTI_GPU`` on ``cpu``, as in tests/fsdpunfreeze63_script.py), the optimizer
-    over the trainable parameters: ``(accelerator, model, optimizer)`` as ``prepare`` returned them."""
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
-    from tests.accelerate_helpers import reset_accelerate_state
-
-    reset_accelerate_state()
-    PartialState(cpu=True)
-    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
-    PartialState._shared_state["device"] = torch.device("cpu")
-    plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"]
-    )
-    handlers = [MixedPrecisionKwargs(half_dtype="bfloat16")] if mixed_precision == "O2" else []
-    accelerator = Accelerator(mixed_precision=mixed_precision, fsdp_plugin=plugin, cpu=True, kwargs_handlers=handlers)
-    assert accelerator.distributed_type == DistributedType.FSDP, accelerator.distributed_type
-    net = Net()
-    optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
-    net, optimizer = accelerator.prepare(net, optimizer)
-    return accelerator, net, optimizer
-
-
 def _accelerate_step(accelerator: Any, net: nn.Module, optimizer: Any, autocast: bool = False) -> None:
     x, y = _batch()
     if autocast:
@@ -296,7 +223,7 @@ def _accelerate_step(accelerator: Any, net: nn.Module, optimizer: Any, autocast:
 def _accelerate_unfrozen(mixed_precision: str, autocast: bool = False) -> tuple[BaseException | None, bool]:
     """``first.fc`` unfrozen after ``prepare``, then one step (``autocast``: the forward under
     ``accelerator.autocast()``): the error raised and whether the base moved."""
-    accelerator, net, optimizer = _accelerate_prepared(mixed_precision)
+    accelerator, net, optimizer = accelerate_prepared(mixed_precision)
     before = gathered(net)
     net.first.fc.requires_grad_(True)
     try:
@@ -328,7 +255,7 @@ def test_accelerate_gives_fsdp_its_own_pre_hook_back_after_the_first_forward(lau
     pytest.importorskip("accelerate")
     from lightning_mpx.engine.sharding import _SetUpGuard
 
-    accelerator, net, optimizer = _accelerate_prepared("O2")
+    accelerator, net, optimizer = accelerate_prepared("O2")
     hooks = net._forward_pre_hooks
     key = net._get_fsdp_state()._pre_forward_hook_handle.id
     guard, order = hooks[key], list(hooks)

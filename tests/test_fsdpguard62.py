@@ -16,24 +16,11 @@ from torch import nn
 
 from lightning_mpx import Amp
 from lightning_mpx.integrations.fsdp import shard_model
+from tests.test_attack62b import Lora  # a frozen bfloat16 base, an FP32 adapter and head
 
 pytest.importorskip("torch.distributed.fsdp")
 
 BF16 = torch.bfloat16
-
-
-class Lora(nn.Module):
-    """A frozen base loaded in bfloat16 (as ``from_pretrained(..., dtype=torch.bfloat16)``) and an FP32 adapter."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.base = nn.Linear(8, 8).to(BF16).requires_grad_(False)
-        self.adapter = nn.Linear(8, 8, bias=False)
-        self.head = nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.base(x) + self.adapter(x)))
 
 
 def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -174,27 +174,7 @@ def test_without_fsdp_o2_trains_the_unfrozen_half_base_from_its_half_values() ->
     assert run["optimizer"].state[net.first.fc.weight]["exp_avg"].dtype == torch.float32
 
 
-# -- Lightning and Accelerate, in this process (a gloo group of one) --------------------------------------------------
-@pytest.fixture
-def launched_alone(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The environment of a gloo group of one process, this one (Lightning's strategy and Accelerate's state start
-    the group themselves); the group and Accelerate's state undone after."""
-    from lightning.fabric.plugins.environments.lightning import find_free_network_port
-
-    from tests.accelerate_helpers import accelerate_state_reset
-
-    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_network_port()), RANK="0", LOCAL_RANK="0",
-               WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", NODE_RANK="0")  # fmt: skip
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    with accelerate_state_reset():
-        try:
-            yield
-        finally:
-            if torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
-
-
+# -- Lightning and Accelerate, in this process (a gloo group of one: conftest's launched_alone) ------------------------
 @pytest.mark.parametrize("front", ["lightning", "accelerate"])
 def test_lightning_and_accelerate_at_o2_refuse_it_where_their_own_precisions_fail_in_torch(launched_alone, front):
     """Lightning (``ModelParallelStrategy``, ``shard_model`` per block, the base appended to the optimizer's group)

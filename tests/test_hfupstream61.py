@@ -10,21 +10,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from lightning_mpx.accelerate import MixedPrecisionKwargs, mpx_trainer  # noqa: E402
+from tests.test_hfcallback61 import _Regression  # noqa: E402 - transformers' RegressionModel
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 transformers.logging.set_verbosity_error()
-
-
-class _Regression(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = torch.nn.Parameter(torch.zeros(4))
-        self.b = torch.nn.Parameter(torch.zeros(4))
-
-    def forward(self, input_x: torch.Tensor, labels: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        y = input_x * self.a + self.b
-        return (torch.nn.functional.mse_loss(y.float(), labels),) if labels is not None else (y,)
 
 
 def _data() -> list[dict[str, torch.Tensor]]:

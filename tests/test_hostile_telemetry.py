@@ -16,6 +16,7 @@ from torch import nn
 from lightning_mpx import MixedPrecisionPlugin
 from lightning_mpx.health.plot import plot_figure, read_scalars
 from tests.lightning_helpers import Classifier, classification_data, loader, make_trainer
+from tests.test_metric_readers import _accelerate_run, _fabric_run
 
 INIT, GROWTH = 2.0**10, 3
 
@@ -214,68 +215,23 @@ def test_two_losses_each_get_their_own_curve_at_the_batch_that_overflowed(tmp_pa
 
 
 # -- the other doors: a resumed run's first log counts its own overflows ----------------------------------------------
-def _fabric_run(state: dict[str, Any] | None, inject: set[int], steps: int) -> tuple[list[float], dict[str, Any]]:
-    from lightning.fabric import Fabric
-
-    from lightning_mpx import FabricMixedPrecisionPlugin
-
-    mpx = FabricMixedPrecisionPlugin("O1", half_dtype="float16", init_scale=INIT, growth_interval=GROWTH)
-    fabric = Fabric(accelerator="cpu", devices=1, plugins=[mpx])
-    torch.manual_seed(0)
-    model = fabric.setup_module(nn.Linear(16, 4))
-    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.01))
-    if state is not None:
-        mpx.load_state_dict(state)
-    overflows = []
-    for step in range(steps):
-        fabric.backward(model(torch.randn(8, 16)).square().mean())
-        if step in inject:
-            model.weight.grad[0, 0] = float("inf")
-        optimizer.step()
-        optimizer.zero_grad()
-        overflows.append(mpx.metrics()["mpx/overflows"])  # fabric.log_dict(mpx.metrics(), step=step), every step
-    return overflows, mpx.state_dict()
-
-
 def test_fabric_resumed_run_logs_no_overflow_spike():
-    first, state = _fabric_run(None, {1, 2}, 4)
-    second, _ = _fabric_run(state, {2}, 4)
+    """``fabric.log_dict(mpx.metrics(), step=step)`` at every step (tests/test_metric_readers.py's Fabric run, read
+    every step)."""
+    first, state = _fabric_run(None, {1, 2}, 4, read_every=1)
+    second, _ = _fabric_run(state, {2}, 4, read_every=1)
     assert first == [0.0, 1.0, 1.0, 0.0]
     assert second == [0.0, 0.0, 1.0, 0.0]  # not the 2 overflows of the first run at its first step
 
 
-def _accelerate_run(project: Path, resume: Path | None, inject: set[int], first_step: int) -> None:
-    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
-
-    accelerator = Accelerator(
-        mixed_precision="O1", log_with="tensorboard", project_dir=str(project),
-        kwargs_handlers=[MixedPrecisionKwargs(half_dtype="float16", init_scale=INIT, growth_interval=GROWTH)],
-    )
-    accelerator.init_trackers("run")
-    torch.manual_seed(0)
-    model = nn.Linear(16, 4)
-    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
-    if resume is not None:
-        accelerator.load_state(str(resume))
-    for step in range(first_step, first_step + 4):
-        accelerator.backward(model(torch.randn(8, 16)).square().mean())
-        if step in inject:
-            model.weight.grad[0, 0] = float("inf")
-        optimizer.step()
-        optimizer.zero_grad()
-        accelerator.log({"step": float(step)}, step=step)
-    if resume is None:
-        accelerator.save_state(str(project / "ckpt"))
-    accelerator.end_training()
-
-
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_accelerate_resumed_run_logs_no_overflow_spike(tmp_path):
+    """``accelerator.log`` at every step (tests/test_metric_readers.py's Accelerate run, logging every step)."""
     from tests.accelerate_helpers import reset_accelerate_state
 
-    _accelerate_run(tmp_path, None, {1, 2}, 0)
+    _accelerate_run(tmp_path, None, {1, 2}, range(4), peek=False, log_every=1)
     reset_accelerate_state()  # a second run in this process, as in a new one
-    _accelerate_run(tmp_path, tmp_path / "ckpt", {6}, 4)
+    _accelerate_run(tmp_path, tmp_path / "ckpt", {6}, range(4, 8), peek=False, log_every=1)
     scales, skipped = reference({1, 2, 6}, 8)
     logged = curves(tmp_path / "run")
     assert [logged["mpx/overflows"][s] for s in range(8)] == [float(s in skipped) for s in range(8)]

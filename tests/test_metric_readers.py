@@ -262,7 +262,7 @@ def test_fabric_resume_counts_what_metrics_had_not_read_when_saved(old):
 
 # -- Accelerate ------------------------------------------------------------------------------------------------------
 def _accelerate_run(project: Path, resume: Path | None, inject: set[int], steps: range, peek: bool,
-                    old: bool = False) -> dict[int, float]:
+                    old: bool = False, log_every: int = 3) -> dict[int, float]:
     from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
     from lightning_mpx.integrations.accelerate_checkpoint import AMP_STATE_NAME
 
@@ -288,7 +288,7 @@ def _accelerate_run(project: Path, resume: Path | None, inject: set[int], steps:
         optimizer.zero_grad()
         if peek:
             peeked[step] = accelerator.mpx_metrics()["mpx/overflows"]  # between the logs
-        if step % 3 == 2:
+        if step % log_every == log_every - 1:
             accelerator.log({"step": float(step)}, step=step)
     if resume is None:
         accelerator.save_state(str(project / "ckpt"))  # after step 4, whose overflow no log holds yet

@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_mpx import Amp, MixedPrecisionPlugin
 from tests.lightning_helpers import classification_data, loader
-from tests.test_accel57 import ScheduleFreeSGD
+from tests.test_accel57 import ClosureScheduleFreeSGD, ScheduleFreeSGD
 from tests.test_review58 import _Lookahead, _xy
 
 HALF = "bfloat16"
@@ -36,18 +36,6 @@ def _floats(state: dict[str, Any]) -> Weights:
 def _gap(got: Weights, want: Weights) -> float:
     assert got.keys() == want.keys()
     return max((got[k] - want[k]).abs().max().item() for k in got)
-
-
-class _ClosureSGD(ScheduleFreeSGD):
-    """As ``schedulefree``'s: the closure (Lightning's ``"bf16-mixed"`` passes one) run first, with gradients."""
-
-    def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        super().step()
-        return loss
 
 
 # --- Trainer ---------------------------------------------------------------------------------------------------------
@@ -92,7 +80,7 @@ class _LM(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.kind == "sf":
-            return _ClosureSGD(self.parameters(), lr=0.5)
+            return ClosureScheduleFreeSGD(self.parameters(), lr=0.5)
         return _Lookahead(torch.optim.AdamW(self.parameters(), lr=0.02, fused=False))
 
 

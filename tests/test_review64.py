@@ -15,7 +15,7 @@ from lightning.fabric.strategies import SingleDeviceStrategy
 from torch import nn
 
 from lightning_mpx import FabricMixedPrecisionPlugin
-from tests.launch import rank_results, run_script
+from tests.launch import case_results
 
 
 # -- 1. fabric.clip_gradients through a strategy of one's own ----------------------------------------------------
@@ -57,12 +57,7 @@ _GRADSCALER = [2048.0, 1024.0, 2048.0, 1024.0, 2048.0]
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out: Path = tmp_path_factory.mktemp("review64")
-    run_script("review64_script.py", out, timeout=150)
-    ranks = rank_results(out)
-    for case in ranks[0]:
-        for rank in ranks:
-            assert "error" not in rank[case], (case, rank[case].get("error"))
-    return ranks
+    return case_results("review64_script.py", out, timeout=150)
 
 
 def _gradscaler_history() -> list[float]:

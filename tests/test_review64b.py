@@ -6,7 +6,7 @@ pre-hook (``engine/sharding.guard_fsdp_setup``) and the forward scope translates
 the first forward and ``load_state`` after, a second ``prepare``, ``free_memory`` then ``prepare`` again, a model
 compiled after ``prepare`` and a user's own ``assert`` in a forward train as Accelerate's ``"bf16"`` does (refused
 nowhere), and half parameters unfrozen before the first forward of a model prepared second, or after
-``free_memory``, are still named. In-process on a gloo group of one (``launched_alone``, tests/test_fsdpfwd64.py).
+``free_memory``, are still named. In-process on a gloo group of one (``launched_alone``, tests/conftest.py).
 
 The O3 resume check (``engine/held_masters``) through the Accelerate adapter's and the Apex layer's entries: an O2
 checkpoint resumed at O3 with only the engine's entry loaded is refused at the next step, with the model's entry too it
@@ -24,13 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.fsdpunfreeze63_script import Net
-from tests.test_fsdpfwd64 import (
-    _accelerate_prepared,
-    _batch,
-    _check_named,
-    launched_alone,  # noqa: F401 - the fixture
-)
+from tests.fsdpunfreeze63_script import Net, accelerate_prepared
+from tests.test_fsdpfwd64 import _batch, _check_named
 
 pytest.importorskip("accelerate")
 _gloo = pytest.mark.skipif(
@@ -62,7 +57,7 @@ def _habits(mixed_precision: str, tmp_path: Any) -> tuple[list[float], dict[str,
     ``load_state`` after them, a step, a second model prepared and stepped, then the first stepped again: the losses
     and both models' weights."""
     torch.manual_seed(0)
-    accelerator, net, optimizer = _accelerate_prepared(mixed_precision)
+    accelerator, net, optimizer = accelerate_prepared(mixed_precision)
     accelerator.save_state(str(tmp_path / mixed_precision))
     losses = [_step(accelerator, accelerator.unwrap_model(net), optimizer)]
     losses.append(_step(accelerator, accelerator.unwrap_model(net, keep_fp32_wrapper=False), optimizer))
@@ -98,7 +93,7 @@ def test_accelerate_fsdp2_o2_trains_as_bf16_through_unwrap_save_load_and_a_secon
 
 def _freed_and_compiled(mixed_precision: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """``free_memory()`` after ``prepare``, a new model prepared, compiled (``aot_eager``) and stepped."""
-    accelerator, _, _ = _accelerate_prepared(mixed_precision)
+    accelerator, _, _ = accelerate_prepared(mixed_precision)
     accelerator.free_memory()
     torch.manual_seed(1)
     net = Net()
@@ -121,7 +116,7 @@ def test_accelerate_fsdp2_o2_free_memory_then_prepare_and_compile_trains_as_bf16
 def test_accelerate_names_the_half_base_of_a_model_prepared_later(how) -> None:
     """The guard is on each prepared model: the second model's (or, after ``free_memory``, the new model's) half base
     unfrozen before its first forward is named as the first model's is."""
-    accelerator, net, optimizer = _accelerate_prepared("O2")
+    accelerator, net, optimizer = accelerate_prepared("O2")
     if how == "second_prepare":
         _step(accelerator, net, optimizer)
     else:
@@ -144,7 +139,7 @@ class _Asserting(nn.Module):
 def test_accelerate_passes_a_users_own_assertion_in_the_forward_through() -> None:
     """A user's ``assert`` (about a dtype) in a forward of the model prepared at O2 under FSDP2: raised as it is, at
     the first forward (the guard's) and at a later one (the scope's)."""
-    accelerator, net, optimizer = _accelerate_prepared("O2")
+    accelerator, net, optimizer = accelerate_prepared("O2")
     net.second.adapter.register_forward_pre_hook(lambda module, args: _Asserting()(args[0]))
     for _ in range(2):
         with pytest.raises(AssertionError, match="my model wants float64") as raised:

@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_mpx import FabricMixedPrecisionPlugin, MixedPrecisionPlugin
 from tests.lightning_helpers import classification_data, loader
-from tests.test_accel57 import ScheduleFreeSGD
+from tests.test_accel57 import ClosureScheduleFreeSGD, ScheduleFreeSGD
 
 HALF = "bfloat16"
 Weights = dict[str, torch.Tensor]
@@ -68,18 +68,6 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
 
 
 _OPTIMIZERS = {"sgd": ScheduleFreeSGD, "adamw": ScheduleFreeAdamW}
-
-
-class _ClosureSGD(ScheduleFreeSGD):
-    """As ``schedulefree``'s: the closure (Lightning's ``"bf16-mixed"`` passes one) called first, with gradients."""
-
-    def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        super().step()
-        return loss
 
 
 def _net() -> nn.Module:
@@ -215,7 +203,7 @@ class _ScheduleFreeLM(pl.LightningModule):
         self.optimizers().eval()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return _ClosureSGD(self.parameters())
+        return ClosureScheduleFreeSGD(self.parameters())
 
 
 def _trainer_fit(precision: str, epochs: int, root: str, ckpt: str | None = None) -> tuple[list[float], Weights, Any]:

@@ -420,13 +420,13 @@ def test_hf_trainer_builds_the_engine_state_only_on_the_rank_that_writes_it(tmp_
             main["process"] = True  # the next checkpoint as rank 0
 
     calls = {"state_dict": 0}
-    state_dict = mpx.Amp.state_dict
+    state_dict = mpx.Amp._state_dict  # what Amp.state_dict() and the doors' lean entries build the state with
 
-    def counted(amp: Any) -> dict[str, Any]:  # the Trainer's engine (free_memory at train() makes a new one)
-        calls["state_dict"] += 1
-        return state_dict(amp)
+    def counted(amp: Any, shared: Any = ()) -> dict[str, Any]:  # the Trainer's engine (free_memory at train() makes
+        calls["state_dict"] += 1  # a new one)
+        return state_dict(amp, shared)
 
-    monkeypatch.setattr(mpx.Amp, "state_dict", counted)
+    monkeypatch.setattr(mpx.Amp, "_state_dict", counted)
     hf, _ = trainer(tmp_path, "O2", max_steps=2, save_strategy="steps", save_steps=1)
     hf.add_callback(Saves())
     hf.train()

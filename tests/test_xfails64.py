@@ -11,40 +11,15 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tests.test_compile_doors import _batch, _counted, _Net, _no_worse
+from tests.test_compile_doors import _accelerate, _no_worse
 
 
 def _accelerate_scheduled(level: str | None) -> tuple[int, int, int]:
     """dynamo's counts over ``STEPS`` steps of a model compiled after ``accelerator.prepare``, its SGD's learning
     rate changed at every step by a prepared ``LambdaLR`` (``level`` None: Accelerate's own "bf16")."""
-    pytest.importorskip("accelerate")
-    from accelerate import Accelerator as TheirAccelerator
-
-    from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
-    from tests.accelerate_helpers import accelerate_state_reset
-
-    with accelerate_state_reset():
-        net = _Net()
-        opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
-        runner = (Accelerator(mixed_precision=level, kwargs_handlers=[MixedPrecisionKwargs(half_dtype="bfloat16")])
-                  if level else TheirAccelerator(mixed_precision="bf16"))  # fmt: skip
-        model, opt, schedule = runner.prepare(net, opt, schedule)
-        model = torch.compile(model, backend="aot_eager")
-
-        def step(i: int) -> float:
-            x, y = _batch(i)
-            loss = F.cross_entropy(model(x).float(), y)
-            runner.backward(loss)
-            opt.step()
-            schedule.step()
-            opt.zero_grad()
-            return loss.item()
-
-        return _counted(step)[0]
+    return _accelerate(level or "bf16", "after", scheduled=True)[0]
 
 
 @pytest.mark.usefixtures("fresh_dynamo")

@@ -13,7 +13,7 @@ from lightning_mpx.apex.model_hooks import _Fp32StateDict
 from lightning_mpx.common.keywords import check_keywords, checks_keywords
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.held_masters import HeldMasters, shown
-from lightning_mpx.integrations.fabric_checkpoint import masters_left_to_models
+from lightning_mpx.integrations.fabric_checkpoint import lean_state_dict
 
 
 def master_params(optimizer: torch.optim.Optimizer, **misspelt: NoReturn) -> Iterator[torch.Tensor]:
@@ -47,7 +47,7 @@ def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
     # values into them rounds, so their masters stay in this entry.
     kept = _amp_state.holder is not None
     models = [model for model, engine in list(_amp_state.models.items()) if engine is amp and not kept]
-    full = masters_left_to_models(amp, models, amp.state_dict(), hook_type=_Fp32StateDict)
+    full = lean_state_dict(amp, models, hook_type=_Fp32StateDict)
     for i, scaler_state in enumerate(full["scalers"]):
         out[f"loss_scaler{i}"] = {
             "loss_scale": float(scaler_state["scale"]),

@@ -7,7 +7,7 @@ recorded; the engine's training calls (prepare, forward, backward, step, update)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Collection
 
 import torch
 
@@ -85,8 +85,15 @@ class AmpRecords(AmpParts):
     def state_dict(self) -> dict[str, Any]:
         """Scalers, FP32 masters and counters (the overflow totals, and each metrics reader's position): everything
         needed, with the optimizer's own state, to resume (steps skipped on the device are read first)."""
+        return self._state_dict()
+
+    def _state_dict(self, shared: Collection[int] = ()) -> dict[str, Any]:
+        """:meth:`state_dict`, the masters of the half parameters whose ``id`` is in ``shared`` the live masters, not
+        copies: for a front door whose lean entry drops them at once, its model's entry holding them
+        (:func:`~lightning_mpx.integrations.fabric_checkpoint.lean_state_dict`); a copy of each would be a model's
+        worth of FP32 memory at every save."""
         self.read_step_outcomes()
-        state = self._checkpoint.state_dict()
+        state = self._checkpoint.state_dict(shared)
         state["overflow_counts"] = self.forensics.state_dict()
         state["metric_readers"] = self._overflows.readers_state()
         return state

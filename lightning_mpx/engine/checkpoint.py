@@ -8,7 +8,7 @@ are read.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -80,9 +80,12 @@ class EngineState:
     def opt_level(self) -> str:
         return self.properties.opt_level
 
-    def state_dict(self) -> dict[str, Any]:
-        """:meth:`Amp.state_dict <lightning_mpx.engine.amp.Amp.state_dict>`."""
-        masters = self.masters.state_dict(self.machine.optimizers.values())  # makes the masters the optimizers hold
+    def state_dict(self, shared: Collection[int] = ()) -> dict[str, Any]:
+        """:meth:`Amp.state_dict <lightning_mpx.engine.amp.Amp.state_dict>`; the masters of the parameters whose ``id``
+        is in ``shared`` not copied (:meth:`AmpRecords._state_dict
+        <lightning_mpx.engine.amp_records.AmpRecords._state_dict>`)."""
+        # makes the masters the optimizers hold
+        masters = self.masters.state_dict(self.machine.optimizers.values(), shared)
         kept = self.masters.initial_state()
         state = {
             "opt_level": self.properties.opt_level,

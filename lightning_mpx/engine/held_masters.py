@@ -130,22 +130,34 @@ def shown(names: list[str], limit: int = 5) -> str:
 def checksums(values: dict[str, torch.Tensor], rounded: torch.dtype | None = None) -> dict[str, int]:
     """By name, the sum of each FP32 tensor's bit patterns as 64-bit integers (exact and order-free: the same on
     every device; one host read for all). ``rounded`` (a half dtype): of each floating-point tensor's rounding to it,
-    as FP32, each rounding made and summed in turn (no copy of all the values is held at once: a model's worth of
-    FP32 copies at a save or a load would be a memory peak)."""
+    as FP32. Each tensor is summed in turn, :data:`_CHUNK` elements at a time (each chunk rounded as it is summed):
+    what the sums hold at once is a few chunks' worth, not a copy of all the values (a model's worth of FP32 copies
+    at a save or a load), nor of one large tensor (the sum's 64-bit integers take twice an FP32 tensor's bytes)."""
     if rounded is None:
         names = [name for name, value in values.items() if value.dtype == torch.float32 and value.numel()]
-        sums = [_bit_sum(values[name]) for name in names]
     else:
         names = [name for name, value in values.items() if value.is_floating_point() and value.numel()]
-        sums = [_bit_sum(values[name].detach().to(rounded).float()) for name in names]
     if not names:
         return {}
+    sums = [_bit_sum(values[name], rounded) for name in names]
     return dict(zip(names, torch.stack([s.cpu() for s in sums]).tolist()))
 
 
-def _bit_sum(value: torch.Tensor) -> torch.Tensor:
-    """The sum of an FP32 tensor's bit patterns as a 64-bit integer (a 0-d tensor on its device)."""
-    return value.detach().reshape(-1).view(torch.int32).sum(dtype=torch.int64)
+#: How many elements of a tensor :func:`checksums` rounds and sums at a time (4 MiB of FP32).
+_CHUNK = 1 << 20
+
+
+def _bit_sum(value: torch.Tensor, rounded: torch.dtype | None = None) -> torch.Tensor:
+    """The sum of the bit patterns of an FP32 tensor (``rounded``: of a floating-point tensor's rounding to that
+    dtype, as FP32) as a 64-bit integer (a 0-d tensor on its device), :data:`_CHUNK` elements at a time."""
+    total: torch.Tensor | None = None
+    for part in value.detach().reshape(-1).split(_CHUNK):
+        if rounded is not None:
+            part = part.to(rounded).float()
+        partial = part.view(torch.int32).sum(dtype=torch.int64)
+        total = partial if total is None else total.add_(partial)
+    assert total is not None  # names holds only tensors with elements
+    return total
 
 
 def _live_values(amp: Amp, index: int, rounded: torch.dtype | None = None) -> dict[str, torch.Tensor]:

@@ -125,6 +125,7 @@ from lightning_mpx.integrations.accelerate_optimizer import (  # noqa: E402
     released_by_engine,
 )
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
+from lightning_mpx.integrations.fabric_checkpoint import shared_masters  # noqa: E402
 from lightning_mpx.integrations.fp32_export import MastersInStateDict  # noqa: E402
 from lightning_mpx.integrations.metric_counts import LOG_READER, upgrade_unlogged  # noqa: E402
 
@@ -529,9 +530,12 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
         self._close_iteration()  # on every rank: the checkpoint holds the scale the next backward would use
         if not (self.is_main_process or (self.project_configuration.save_on_each_node and self.is_local_main_process)):
             return  # built where written only: no collective in it (the flags were reduced at the step)
-        state = self.amp.state_dict()  # the log's position with it
+        modules = [self.unwrap_model(m) for m in models]
+        # the log's position with it; the masters the model files hold are not copied (the lean entry drops them, a
+        # full one is written at once): a copy of each was a model's worth of memory at every save
+        state = self.amp._state_dict(shared_masters(self.amp, modules))
         # At O2 the model files hold the FP32 masters: each is written once (load_state loads those files after this)
-        state = masters_left_to_weights(self.amp, [self.unwrap_model(m) for m in models], weights, state)
+        state = masters_left_to_weights(self.amp, modules, weights, state)
         write_amp_state(state, output_dir, self.amp.scalers if grad_scaler else ())
 
     def _load_amp_state(self, models: list[nn.Module], input_dir: str) -> None:

@@ -21,7 +21,7 @@ from lightning_mpx.engine.optimizers import shared_inners
 from lightning_mpx.engine.overflow import DEFAULT_READER
 from lightning_mpx.engine.raw_steps import is_two_pass
 from lightning_mpx.engine.sharding import refuse_gathered
-from lightning_mpx.integrations.fabric_checkpoint import masters_left_to_models
+from lightning_mpx.integrations.fabric_checkpoint import lean_state_dict
 from lightning_mpx.integrations.fabric_sharding import adopt_sharded
 from lightning_mpx.integrations.metric_counts import upgrade_unlogged
 from lightning_mpx.masters.state_keys import has_own_key
@@ -119,7 +119,7 @@ class FabricBookkeeping:
         # the iteration held: a resume does not lose the update.
         held = self._begin_read()
         # with metrics()'s position: a resumed run's first call counts from there
-        state = masters_left_to_models(self.amp, self._modules, self.amp.state_dict())
+        state = lean_state_dict(self.amp, self._modules)
         if held:
             state["scalers"] = self.amp._machine.scalers_after_update()
         return state

@@ -27,7 +27,7 @@ from lightning_mpx.engine.checkpoint import MASTERS_IN_STATE_DICT
 from lightning_mpx.engine.held_masters import MASTER_HALF_SUMS, MASTER_SUMS, HeldMasters, checksums
 from lightning_mpx.integrations.fp32_export import MastersInStateDict
 
-__all__ = ["MASTER_SUMS", "HeldMasters", "masters_left_to_models"]
+__all__ = ["MASTER_SUMS", "HeldMasters", "lean_state_dict", "masters_left_to_models", "shared_masters"]
 
 _HALVES = (torch.float16, torch.bfloat16)
 
@@ -42,6 +42,24 @@ def _hooked_params(amp: Amp, modules: Iterable[nn.Module], hook_type: type = Mas
         if any(h._amp is not None and h._amp() is amp for h in hooks):
             out.update(id(p) for p in module.parameters() if p.dtype in _HALVES)
     return out
+
+
+def shared_masters(amp: Amp, modules: Iterable[nn.Module], hook_type: type = MastersInStateDict) -> set[int]:
+    """The ids of the parameters whose masters :func:`masters_left_to_models` leaves to the state dicts of
+    ``modules``: what ``amp``'s state dict may hold as the live masters, not copies (``amp._state_dict(shared)``),
+    when the lean entry drops them at once. None below O2 or for a sharded engine."""
+    if not amp.properties.master_weights or amp.sharded:
+        return set()
+    return _hooked_params(amp, modules, hook_type)
+
+
+def lean_state_dict(amp: Amp, modules: Iterable[nn.Module], *, hook_type: type = MastersInStateDict) -> dict[str, Any]:
+    """``amp``'s state dict without the masters that the state dicts of ``modules`` hold
+    (:func:`masters_left_to_models`), those masters never copied: the entry a front door saves beside its models'
+    (a copy of each, dropped at once, was a model's worth of FP32 memory at every save)."""
+    modules = list(modules)
+    return masters_left_to_models(amp, modules, amp._state_dict(shared_masters(amp, modules, hook_type)),
+                                  hook_type=hook_type)  # fmt: skip
 
 
 def masters_left_to_models(

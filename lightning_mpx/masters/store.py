@@ -9,7 +9,7 @@ optimizer holds.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable, Mapping
+from typing import Any, Collection, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -218,12 +218,14 @@ class Masters:
             out[key] = tensor.float() if tensor.is_floating_point() and tensor.dtype != torch.float32 else tensor
         return out
 
-    def state_dict(self, states: Iterable[_OptimizerState]) -> list[dict[str, Any]]:
-        """The masters of every live model (parameters added to an optimizer since its last step included)."""
+    def state_dict(self, states: Iterable[_OptimizerState], shared: Collection[int] = ()) -> list[dict[str, Any]]:
+        """The masters of every live model (parameters added to an optimizer since its last step included), copies
+        but for those of the parameters whose ``id`` is in ``shared`` (see
+        :meth:`~lightning_mpx.masters.weights_checkpoint.MasterCheckpoint.state_dict`)."""
         if self.weights:
             self.make_held(states)
         warn_handed_over(self.weights)
-        return [masters.state_dict() for masters in self.weights if masters.alive]
+        return [masters.state_dict(shared) for masters in self.weights if masters.alive]
 
     def accept(self, saved: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The masters of a checkpoint to load (none when every model was prepared for evaluation only), checked

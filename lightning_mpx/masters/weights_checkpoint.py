@@ -5,7 +5,7 @@ nothing)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Collection, Iterable, Iterator
 
 import torch
 
@@ -48,16 +48,22 @@ class MasterCheckpoint:
             entry.initial = None if value is None or entry.master is not None else value.detach().clone().float()
 
     # -- the masters -------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, shared: Collection[int] = ()) -> dict[str, Any]:
         """The FP32 masters of the half parameters, by name, cloned (exact, not rounded through half); writes made to
-        the model since the last step are taken first."""
+        the model since the last step are taken first. The masters of the parameters whose ``id`` is in ``shared``
+        are the live masters, not copies: for a caller that drops them from the state before anything writes them (a
+        lean entry, whose model's entry holds them: a copy of each would be a model's worth of memory at a save)."""
         for entry, param in list(self._live()) if self._eager else ():
             if entry.master is None and param.requires_grad and param.dtype in HALF_DTYPES:
                 # Trainable now (unfrozen since preparing) but not stepped yet: its master is made here, so the
                 # checkpoint matches a run that prepares the model with it trainable.
                 self._make_master(entry, param)
         self.refresh()
-        return {entry.name: entry.master.detach().clone() for entry, _ in self._live() if entry.master is not None}
+        return {
+            entry.name: entry.master.detach() if id(param) in shared else entry.master.detach().clone()
+            for entry, param in self._live()
+            if entry.master is not None
+        }
 
     def check_state_dict(self, state: dict[str, torch.Tensor], fp32: Iterable[str] = ()) -> None:
         """Raise, changing nothing, if ``state`` cannot be loaded: other names, or a tensor of another shape.
