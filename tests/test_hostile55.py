@@ -94,10 +94,14 @@ def test_submodule_state_dict_with_own_prefix_gives_masters() -> None:
     assert all(torch.equal(a, b) for a, b in zip(model.module[0].state_dict().values(), part.values()))
 
 
-def test_mpx_entry_of_another_run_then_weights_again(tmp_path: Path, uninterrupted: dict[str, torch.Tensor]) -> None:
+def test_mpx_entry_of_another_run_after_the_weights_trains_on_from_the_weights(
+    tmp_path: Path, uninterrupted: dict[str, torch.Tensor]
+) -> None:
     """Checkpoint entries mixed by hand: the model's and optimizer's from run A, then the plugin's from run B (same
-    shapes) stops the next step with an error naming the fix; loading A's model entry again (weights, plugin, weights
-    in that order) resumes exactly as the uninterrupted run."""
+    shapes, same scale). The weights a load wrote since the last step, before the plugin's entry, are the user's
+    (stop 65: this was refused, as a checkpoint whose weight was edited by hand was): training goes on from A's
+    weights, not B's, and ends as the uninterrupted run A. (The plugin's entry loaded with no model entry is still
+    refused: tests/test_attack65a.py.)"""
     for seed, name in ((0, "a.ckpt"), (1, "b.ckpt")):
         fabric, model, optimizer, mpx = _setup(seed)
         _train(fabric, model, optimizer, range(2))
@@ -105,9 +109,6 @@ def test_mpx_entry_of_another_run_then_weights_again(tmp_path: Path, uninterrupt
     fabric, model, optimizer, mpx = _setup(seed=2)
     fabric.load(tmp_path / "a.ckpt", {"model": model, "optimizer": optimizer})
     fabric.load(tmp_path / "b.ckpt", {"mpx": mpx})
-    with pytest.raises(RuntimeError, match="model's entry"):
-        _train(fabric, model, optimizer, range(2, 3))
-    fabric.load(tmp_path / "a.ckpt", {"model": model})
     _train(fabric, model, optimizer, range(2, 4))
     _assert_equal(_weights(model), uninterrupted)
 
