@@ -49,16 +49,6 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _frozen_heap():
-    """``Trainer.train()`` runs ``gc.collect()``: the objects made before this module are left out of it."""
-    import gc
-
-    gc.freeze()
-    yield
-    gc.unfreeze()
-
-
 def _trainer(out: Path, level: str | None, schedule_free: bool = False, scaled: bool = False,
              **arguments: Any) -> tuple[Any, Logs]:  # fmt: skip
     """A Trainer of a seeded GPT-2: ``level=None`` is transformers' own with ``bf16=True``, else the mixin at

@@ -5,7 +5,6 @@ Accelerate adapter, held to the Trainer's own ``bf16=True`` and FP32 runs. Tiny 
 
 from __future__ import annotations
 
-import gc
 import json
 from pathlib import Path
 from typing import Any
@@ -21,14 +20,6 @@ from tests.test_docs_examples import block, run, substitute  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _frozen_heap():
-    """Each ``Trainer.train()`` runs ``gc.collect()`` (``accelerator.free_memory()``), which walks every object of
-    the test process: the ones made before this module are left out of it while it runs."""
-    gc.freeze()
-    yield
-    gc.unfreeze()
 
 transformers.logging.set_verbosity_error()
 GPT2 = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,

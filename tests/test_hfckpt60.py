@@ -9,7 +9,6 @@ it gives them exactly. Every resume is into a fresh Trainer and model (another i
 
 from __future__ import annotations
 
-import gc
 import json
 from pathlib import Path
 from typing import Any
@@ -31,14 +30,6 @@ transformers.logging.set_verbosity_error()
 GPT2 = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
                                embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
 KWARGS = MixedPrecisionKwargs(half_dtype=torch.bfloat16, loss_scale="dynamic", init_scale=2.0**10)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _frozen_heap():
-    """``Trainer.train()`` runs ``gc.collect()``: the objects made before this module are left out of it."""
-    gc.freeze()
-    yield
-    gc.unfreeze()
 
 
 def _trainer(tmp: Path, seed: int, level: str | None = "O2", cls: Any = None, **arguments: Any) -> Any:

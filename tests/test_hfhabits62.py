@@ -31,16 +31,6 @@ GPT2 = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer
 LEVELS = (None, "O2")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _frozen_heap():
-    """``Trainer.train()`` runs ``gc.collect()``: the objects made before this module are left out of it."""
-    import gc
-
-    gc.freeze()
-    yield
-    gc.unfreeze()
-
-
 def _data(n: int) -> list[dict[str, torch.Tensor]]:
     ids = torch.randint(0, 64, (n, 16), generator=torch.Generator().manual_seed(0))
     return [{"input_ids": row, "labels": row} for row in ids]

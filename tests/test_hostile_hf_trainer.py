@@ -25,16 +25,6 @@ pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 transformers.logging.set_verbosity_error()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _frozen_heap():
-    """``Trainer.train()`` runs ``gc.collect()``: the objects made before this module are left out of it."""
-    import gc
-
-    gc.freeze()
-    yield
-    gc.unfreeze()
-
-
 def _lora() -> Any:
     torch.manual_seed(0)
     config = peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False)
@@ -138,7 +128,6 @@ def test_save_only_model_checkpoint_resumes_with_the_weights_as_the_trainer_does
         assert masters_at_start == [0.0] and resumed.state.global_step == 3
         logged = [log for log in resumed.state.log_history if "loss" in log]
         assert logged[0]["mpx/loss_scale"] == 1024.0  # SCALED's initial scale, as the optimizer starts afresh
-
 
 
 def test_o2_save_model_after_predict_only_saves_the_half_weights_as_such(tmp_path):

@@ -33,16 +33,6 @@ LLAMA = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_atte
 LEVELS = ("fp32", "bf16", "O2")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _frozen_heap():
-    """``Trainer.train()`` runs ``gc.collect()``: the objects made before this module are left out of it."""
-    import gc
-
-    gc.freeze()
-    yield
-    gc.unfreeze()
-
-
 def _tokenizer() -> Any:
     from tokenizers import Tokenizer, models, pre_tokenizers
 

@@ -64,74 +64,6 @@ SUPPORTED_DTYPES = tuple(_TL_DTYPES)
 
 
 @triton.jit
-def _round_to(x, DST: tl.constexpr):
-    """FP32 ``x`` rounded to nearest-even in ``DST``, the same on the GPU and in triton's interpreter.
-
-    For BF16 the rounding is done on the bits: the interpreter's own FP32 -> BF16 cast truncates, and the GPU's
-    ``cvt.rn`` rounds to nearest-even, which is what this computes (NaN becomes the canonical BF16 NaN).
-    """
-    if DST == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        upper = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        upper = tl.where(x != x, 0x7FC0, upper)  # NaN: the carry of the rounding could reach the sign bit
-        return upper.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(DST)
-
-
-@triton.jit
-def _is_zero(v):
-    """``v == 0`` (either sign) read on the bits: triton's interpreter turns bfloat16 subnormals into zeros when it
-    converts them to FP32, the GPU does not; the bits give the same answer on both."""
-    if v.dtype == tl.float32:
-        return (v.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) == 0
-    else:
-        return (v.to(tl.uint16, bitcast=True) & 0x7FFF) == 0
-
-
-@triton.jit
-def _block(
-    src, dst, offs, n, scale, squares, bad, under, zero, peak, tiny, DST, HAS_SCALE, STORE, CHECK, NORM, STATS,
-    MASKED: tl.constexpr,
-):
-    """One block of a chunk; unmasked blocks let the compiler use vector loads and stores."""
-    if MASKED:
-        mask = offs < n
-        loaded = tl.load(src + offs, mask=mask, other=0.0)
-    else:
-        loaded = tl.load(src + offs)
-    x = loaded.to(tl.float32)
-    if STATS:
-        # The scaled value, before the multiply; NaN counts as infinitely large (not as underflow).
-        a = tl.abs(x)
-        a = tl.where(a == a, a, float("inf"))
-        small = a < tiny
-        nil = _is_zero(loaded)
-        if MASKED:
-            small = small & mask  # masked lanes hold 0: not elements
-            nil = nil & mask
-        under += small.to(tl.int32)
-        zero += nil.to(tl.int32)
-        peak = tl.maximum(peak, a)
-    if HAS_SCALE:
-        x = x * scale  # one FP32 multiply, then one rounding to DST: what torch's unscale does
-    y = _round_to(x, DST)
-    if STORE:
-        if MASKED:
-            tl.store(dst + offs, y, mask=mask)
-        else:
-            tl.store(dst + offs, y)
-    # The flag and the norm are taken on the value as stored (rounded to DST), as the reference does: an unscaled
-    # value that overflows the destination dtype is an overflow.
-    v = y.to(tl.float32)
-    if CHECK:
-        bad = tl.maximum(bad, tl.where(tl.abs(v) <= _FP32_MAX, 0, 1))  # false for inf, -inf and NaN
-    if NORM:
-        squares += v * v  # masked lanes hold 0
-    return squares, bad, under, zero, peak
-
-
-@triton.jit
 def _chunk_kernel(
     table_ptr,
     src_base_ptr,
@@ -175,19 +107,82 @@ def _chunk_kernel(
     zero = tl.zeros([BLOCK], dtype=tl.int32)
     peak = tl.zeros([BLOCK], dtype=tl.float32)
     # A constant trip count; only the last block of a tensor is masked, and the steps past the end of a short
-    # chunk are fully masked and move no data.
+    # chunk are fully masked and move no data. A block's code is written out twice, for a full block (unmasked: the
+    # compiler uses vector loads and stores) and for a tensor's last (masked); the two differ only in the mask.
+    # Calls of a jit helper compiled to the same PTX (triton inlines them), but triton's interpreter (the tests on
+    # CPU) paid for every call: a third of its time.
+    # - STATS measure the scaled value, before the multiply; NaN counts as infinitely large (not as underflow). A
+    #   zero (either sign) is read on the bits: triton's interpreter turns bfloat16 subnormals into zeros when it
+    #   converts them to FP32, the GPU does not.
+    # - The result is rounded to nearest-even in DST, the same on the GPU and in the interpreter. For BF16 on the
+    #   bits: the interpreter's own FP32 -> BF16 cast truncates, and the GPU's cvt.rn rounds to nearest-even, which
+    #   is what this computes (NaN becomes the canonical BF16 NaN: the carry of the rounding could reach the sign).
+    # - The flag and the norm are taken on the value as stored (rounded to DST), as the reference does: an unscaled
+    #   value that overflows the destination dtype is an overflow. tl.abs(v) <= _FP32_MAX is false for inf, -inf
+    #   and NaN.
     for start in range(0, CHUNK, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         if start + BLOCK <= n:
-            squares, bad, under, zero, peak = _block(
-                src, dst, offs, n, scale, squares, bad, under, zero, peak, tiny, DST, HAS_SCALE, STORE, CHECK, NORM,
-                STATS, False,
-            )
-        else:
-            squares, bad, under, zero, peak = _block(
-                src, dst, offs, n, scale, squares, bad, under, zero, peak, tiny, DST, HAS_SCALE, STORE, CHECK, NORM,
-                STATS, True,
-            )
+            loaded = tl.load(src + offs)
+            x = loaded.to(tl.float32)
+            if STATS:
+                a = tl.abs(x)
+                a = tl.where(a == a, a, float("inf"))
+                small = a < tiny
+                if SRC == tl.float32:
+                    nil = (loaded.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) == 0
+                else:
+                    nil = (loaded.to(tl.uint16, bitcast=True) & 0x7FFF) == 0
+                under += small.to(tl.int32)
+                zero += nil.to(tl.int32)
+                peak = tl.maximum(peak, a)
+            if HAS_SCALE:
+                x = x * scale  # one FP32 multiply, then one rounding to DST: what torch's unscale does
+            if DST == tl.bfloat16:
+                bits = x.to(tl.uint32, bitcast=True)
+                upper = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+                y = tl.where(x != x, 0x7FC0, upper).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            else:
+                y = x.to(DST)
+            if STORE:
+                tl.store(dst + offs, y)
+            v = y.to(tl.float32)
+            if CHECK:
+                bad = tl.maximum(bad, tl.where(tl.abs(v) <= _FP32_MAX, 0, 1))
+            if NORM:
+                squares += v * v
+        else:  # the same, masked
+            mask = offs < n
+            loaded = tl.load(src + offs, mask=mask, other=0.0)
+            x = loaded.to(tl.float32)
+            if STATS:
+                a = tl.abs(x)
+                a = tl.where(a == a, a, float("inf"))
+                small = a < tiny
+                if SRC == tl.float32:
+                    nil = (loaded.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) == 0
+                else:
+                    nil = (loaded.to(tl.uint16, bitcast=True) & 0x7FFF) == 0
+                small = small & mask  # masked lanes hold 0: not elements
+                nil = nil & mask
+                under += small.to(tl.int32)
+                zero += nil.to(tl.int32)
+                peak = tl.maximum(peak, a)
+            if HAS_SCALE:
+                x = x * scale
+            if DST == tl.bfloat16:
+                bits = x.to(tl.uint32, bitcast=True)
+                upper = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+                y = tl.where(x != x, 0x7FC0, upper).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            else:
+                y = x.to(DST)
+            if STORE:
+                tl.store(dst + offs, y, mask=mask)
+            v = y.to(tl.float32)
+            if CHECK:
+                bad = tl.maximum(bad, tl.where(tl.abs(v) <= _FP32_MAX, 0, 1))
+            if NORM:
+                squares += v * v  # masked lanes hold 0
     if CHECK:
         tl.store(found_ptr, 1.0, mask=tl.max(bad, axis=0) > 0)
     if NORM:
