@@ -46,8 +46,8 @@ def full(module: nn.Module) -> dict[str, list[float]]:
 
 
 def optimizer_for(kind: str, params: Any) -> torch.optim.Optimizer:
-    from tests.test_sam56 import DoorSAM
     from tests.test_accel57 import ClosureScheduleFreeSGD as _ClosureSGD
+    from tests.test_sam56 import DoorSAM
     from tests.test_wrap57 import TimmLookahead
 
     if kind == "sf":  # tests/test_accel57.py's ScheduleFreeSGD, calling the closure as schedulefree's do

@@ -15,8 +15,8 @@ from torch import nn
 
 from lightning_mpx import Amp, FabricMixedPrecisionPlugin, MixedPrecisionPlugin
 from tests.lightning_helpers import classification_data, loader
-from tests.test_accel57 import ScheduleFreeSGD
 from tests.test_accel57 import ClosureScheduleFreeSGD as _ClosureSGD
+from tests.test_accel57 import ScheduleFreeSGD
 from tests.test_wrap57 import TimmLookahead, TorchOptimizerLookahead
 
 HALF = "bfloat16"
