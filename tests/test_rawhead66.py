@@ -330,3 +330,29 @@ def test_a_marked_gradient_saved_and_copied_carries_an_inert_mark(tmp_path: Path
     model.zero_grad()
     amp.backward(F.mse_loss(model(x), y))
     assert amp.step(opt)
+
+
+# -- DDP: one 2-rank launch (tests/rawhead66_script.py), Fabric O1 float16, the raw head stepped on both ranks
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    from tests.launch import case_results
+
+    return case_results("rawhead66_script.py", tmp_path_factory.mktemp("rawhead66"), timeout=150)
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_ddp_raw_head_on_both_ranks_refused_alike_without_a_hang(ranks: list[dict[str, Any]], order: str) -> None:
+    """Both ranks raise the same error at the same iteration (before: at the first prepared step, the trunk not
+    stepped; after: at the second backward), and the process group works after it (case_results checks)."""
+    got = [rank[f"raw_{order}"] for rank in ranks]
+    assert [r["iterations"] for r in got] == [0 if order == "before" else 1] * 2, got
+    messages = [r.get("refused", "") for r in got]
+    assert all("'2.weight', '2.bias', which no optimizer prepared by lightning_mpx holds" in m for m in messages)
+    assert messages[0] == messages[1]
+    assert [r["trunk_moved"] for r in got] == [order == "after"] * 2
+
+
+def test_ddp_head_given_to_fabric_setup_trains_on_both_ranks(ranks: list[dict[str, Any]]) -> None:
+    got = [rank["raw_prepared"] for rank in ranks]
+    assert all(r["iterations"] == 3 and "refused" not in r and r["finite"] and r["trunk_moved"] for r in got), got
+    assert all(rank["after"]["sum"] == 2 for rank in ranks)
