@@ -386,12 +386,13 @@ class UnheldParams:
     def _refuse_beside(
         self, stepped: Sequence[torch.Tensor], machine: Any, when: str, *, at_step: bool = False
     ) -> None:
-        """Refuse a raw step beside an engine step over ``stepped`` (those a registered optimizer holds now, and at
-        O2 with a unit scale those not half, left out), at once or where the ranks meet."""
+        """Refuse a raw step beside an engine step over ``stepped`` (those a registered optimizer holds now, at O2
+        with a unit scale those not half, and the weights an ``nn.Embedding(max_norm=...)`` renormalises at each
+        forward, left out), at once or where the ranks meet."""
         note = self.note
         half_only = note is not None and note[4]
-        held_now = _held(machine)
-        stepped = [p for p in stepped if id(p) not in held_now and (not half_only or p.dtype in _HALF)]
+        left = _held(machine) | machine.renormed
+        stepped = [p for p in stepped if id(p) not in left and (not half_only or p.dtype in _HALF)]
         if not stepped:
             return
         self.forget()  # raised once: a caller that catches it is not told again for the same writes
