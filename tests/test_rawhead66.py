@@ -388,3 +388,33 @@ def test_an_embedding_with_max_norm_left_out_renormalised_by_a_forward_beside_th
             model(ids)  # an evaluation forward after the step
         model.zero_grad()
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("refresh", [False, True])
+def test_a_clamp_of_your_own_beside_the_step_is_refused_unless_refresh_masters_takes_it(refresh: bool) -> None:
+    """A parameter no optimizer holds (``keep``), clamped by hand after the step while it holds its gradient, then
+    freed by ``model.zero_grad()``: its write cannot be told from a raw optimizer's (the error says so); the way out
+    the error names, ``refresh_masters(force=True)`` right after the write, takes it as the user's."""
+    amp = Amp(opt_level="O1", half_dtype="float16")
+    model = amp.prepare_model(Wide())
+    opt = amp.prepare_optimizer(torch.optim.SGD([*model.trunk.parameters(), *model.head.parameters()], lr=0.05))
+
+    def run() -> None:
+        for i in range(2):
+            x, y = _batch(i)
+            amp.backward(F.mse_loss(model(x), y))
+            amp.step(opt)
+            amp.update()
+            with torch.no_grad():
+                model.keep.weight.clamp_(-0.3, 0.3)
+            if refresh:
+                amp.refresh_masters(force=True)
+            model.zero_grad()
+
+    if refresh:
+        run()
+        assert model.keep.weight.abs().max() <= 0.3
+    else:
+        refused = r"(?s)'keep\.weight', which no.*after the step.*refresh_masters\(force=True\)"
+        with pytest.raises(RuntimeError, match=refused):
+            run()

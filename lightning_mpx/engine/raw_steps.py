@@ -535,8 +535,9 @@ _BESIDE_FIX = (
     "what it returns; with Accelerate, accelerator.prepare(model, optimizer, head_optimizer); with the core Amp, "
     "amp.prepare_optimizer(optimizer) and amp.step(optimizer). Or, at O1, unscale them before your own step: give each "
     "parameter its true gradient (for p, g in zip(params, amp.true_grads(params)): p.grad = g, with the Trainer's "
-    "trainer.precision_plugin.amp, Fabric's plugin.amp, accelerator.amp or the Amp itself). Parameters left out of "
-    "every optimizer on purpose: freeze them (requires_grad_(False))."
+    "trainer.precision_plugin.amp, Fabric's plugin.amp, accelerator.amp or the Amp itself). A write of your own while "
+    "they held their gradients (a clamp) looks the same: call refresh_masters(force=True) on that amp right after it, "
+    "which takes it as yours. Parameters left out of every optimizer on purpose: freeze them (requires_grad_(False))."
 )
 _SAM_FIX = (
     "with still-scaled gradients (at O2 the half model's, with no FP32 master update). Give the optimizer a step() "
