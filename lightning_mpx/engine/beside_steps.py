@@ -11,7 +11,9 @@ attribute read per step for all of this):
 
 * before the step (:func:`written_before_step`): those that held a gradient at the end of the last backward and were
   written since, with no engine step between, unless their gradient was replaced by another tensor (the user's own
-  unscaled one, ``p.grad = g`` from ``amp.true_grads``): the raw step came first;
+  unscaled one, ``p.grad = g`` from ``amp.true_grads``) or parameters of the registered optimizers were written since
+  too (:func:`held_written`: a weight decay written by hand over every parameter before the step): the raw step came
+  first;
 * after the step (:class:`StepsBeside`): the versions of those parameters and of the registered optimizers' then, and a
   mark (an empty set in each gradient's ``__dict__``, weakly referenced with a callback) on each gradient present:
   a gradient freed (``zero_grad``) after its parameter was written since the step was stepped on, which is what a raw
@@ -27,7 +29,7 @@ Both are refused with a ``RuntimeError`` naming the parameters and each door's f
 this library does not patch). Under DDP the refusal goes where the ranks meet (``machine.refused``: the step's flags,
 engine.unsynced), so both ranks refuse alike. Not seen: a raw step after the prepared one whose gradients are zeroed in
 place (``zero_grad(set_to_none=False)``), or never cleared; one followed by a write to the registered optimizers'
-parameters before the next backward.
+parameters before the next backward; one before the step beside such a write before it.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["StepsBeside", "held_versions", "written_before_step"]
+__all__ = ["StepsBeside", "held_versions", "held_written", "written_before_step"]
 
 _VERSION = operator.attrgetter("_version")
 _GRAD = operator.attrgetter("grad")
@@ -57,6 +59,23 @@ def held_versions(machine: Any) -> tuple[int, ...]:
     groups = itertools.chain.from_iterable(map(_GROUPS, optimizers))
     with torch._C.DisableTorchFunction():
         return tuple(map(_VERSION, itertools.chain.from_iterable(map(_PARAMS, groups))))
+
+
+def held_written(machine: Any) -> bool:
+    """Whether parameters of the registered optimizers were written since the backward that noted their versions,
+    with no engine step between (``_OptimizerState.backward_versions``): a whole-model write before the step (a
+    weight decay or a clamp written by hand over every parameter), no raw step over the unheld ones alone. The weights
+    an ``nn.Embedding(max_norm=...)`` renormalises at each forward (``machine.renormed``) are left out. Asked only
+    where :func:`written_before_step` found a write."""
+    renormed = machine.renormed
+    for state in machine.optimizers.values():
+        noted, optimizer = state.backward_versions, state.optimizer_ref()
+        if noted is None or optimizer is None or state.noted_at != machine.steps_taken:
+            continue
+        params = list(itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)))
+        if len(params) == len(noted) and any(p._version != v for p, v in zip(params, noted) if id(p) not in renormed):
+            return True
+    return False
 
 
 def written_before_step(note: Any, grad_ids: tuple[int, ...], steps_taken: int) -> list[torch.Tensor]:

@@ -71,7 +71,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
-from lightning_mpx.engine.beside_steps import StepsBeside, written_before_step
+from lightning_mpx.engine.beside_steps import StepsBeside, held_written, written_before_step
 from lightning_mpx.engine.carried_scales import CarriedScales
 from lightning_mpx.engine.frozen_writes import warn_half_ema, watch_frozen
 from lightning_mpx.engine.optimizer_state import _OptimizerState
@@ -369,10 +369,11 @@ class UnheldParams:
     def before_step(self, machine: Any, optimizer: torch.optim.Optimizer) -> None:
         """At an engine step of ``optimizer``, before it: refuse parameters here that held a gradient at the end of
         the last backward and were written since, with no engine step between (a raw optimizer stepped before the
-        prepared one: engine.beside_steps). Kept in ``machine.refused``, which the step raises (on every rank, where
-        they meet)."""
+        prepared one: engine.beside_steps), unless the registered optimizers' parameters were written since too (a
+        whole-model write: a weight decay by hand over every parameter). Kept in ``machine.refused``, which the step
+        raises (on every rank, where they meet)."""
         stepped = written_before_step(self.note, self.grad_ids, machine.steps_taken)
-        if stepped:
+        if stepped and not held_written(machine):  # a whole-model write (a weight decay by hand) is no raw step
             when = f"between a backward of lightning_mpx and the step of its prepared {type(optimizer).__name__}"
             self._refuse_beside(stepped, machine, when, at_step=True)
 

@@ -1,0 +1,124 @@
+"""review66: what stop 66 merged, attacked as a user who must not be hurt.
+
+rawhead66 (engine/beside_steps.py) refuses a raw optimizer stepped beside the prepared one in the same iteration. Its
+check before the step took any write since the backward to the parameters no optimizer holds for a raw step: a weight
+decay written by hand over every parameter before the step (Lightning's ``on_before_optimizer_step``), with a backbone
+left requiring grad and out of the optimizer (a head fine-tuned), was refused, where the same write after the step
+passed (a whole-model write: the registered optimizers' parameters written too). Now it passes before the step as well,
+and trains as FP32 / Lightning's ``"bf16-mixed"`` does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_mpx import Amp, MixedPrecisionPlugin
+
+LEVELS = [("O1", "float16"), ("O2", "bfloat16")]
+
+
+def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(4, 4, generator=g), torch.randn(4, 1, generator=g)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.trunk(x.to(self.trunk.weight.dtype)))).float()
+
+
+def _decay(model: nn.Module) -> None:
+    """A decoupled weight decay written by hand over every parameter (the backbone's too)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1 - 0.05 * 0.5)
+
+
+def _loop(model: nn.Module, backward: Callable[[torch.Tensor], Any], step: Callable[[], Any], zero: Any) -> None:
+    for i in range(3):
+        x, y = _batch(i)
+        backward(F.mse_loss(model(x), y))
+        _decay(model)  # between the backward and the step
+        step()
+        zero()
+
+
+@pytest.mark.parametrize(("opt_level", "half_dtype"), LEVELS)
+def test_core_weight_decay_by_hand_before_the_step_with_a_backbone_out_of_the_optimizer_trains_as_fp32(
+    opt_level: str, half_dtype: str
+) -> None:
+    ref = Net()
+    ref_opt = torch.optim.SGD(ref.head.parameters(), lr=0.05)
+    _loop(ref, lambda loss: loss.backward(), ref_opt.step, ref_opt.zero_grad)
+    amp = Amp(opt_level=opt_level, half_dtype=half_dtype)
+    model = amp.prepare_model(Net())
+    opt = amp.prepare_optimizer(torch.optim.SGD(model.head.parameters(), lr=0.05))  # the trunk left requiring grad
+
+    def step() -> None:
+        amp.step(opt)
+        amp.update()
+
+    _loop(model, amp.backward, step, opt.zero_grad)  # was: RuntimeError 'trunk.weight', 'trunk.bias' ... written
+    got, want = amp.fp32_state_dict(model), ref.state_dict()
+    assert all(torch.allclose(got[k].float(), want[k], rtol=1e-2, atol=1e-3) for k in want), {
+        k: (got[k].float() - want[k]).abs().max().item() for k in want
+    }
+    assert not torch.equal(want["trunk.weight"], Net().trunk.weight)  # the decay reached the trunk
+
+
+def test_core_raw_head_before_the_step_is_still_refused_beside_a_decay_of_the_unheld_alone() -> None:
+    """The true case stays refused: a write before the step to the unheld parameters alone (no registered optimizer's
+    parameter written) is a raw step, as engine.beside_steps says."""
+    amp = Amp(opt_level="O1", half_dtype="float16")
+    model = amp.prepare_model(Net())
+    opt = amp.prepare_optimizer(torch.optim.SGD(model.trunk.parameters(), lr=0.05))
+    head = torch.optim.SGD(model.head.parameters(), lr=0.05)  # never prepared
+    x, y = _batch(0)
+    amp.backward(F.mse_loss(model(x), y))
+    head.step()
+    with pytest.raises(RuntimeError, match=r"'head\.weight', 'head\.bias', which no optimizer prepared"):
+        amp.step(opt)
+
+
+def test_trainer_weight_decay_in_on_before_optimizer_step_trains_as_bf16_mixed(tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+
+    class Tune(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Net()
+
+        def training_step(self, batch: Any, _: int) -> torch.Tensor:
+            return F.mse_loss(self.net(batch[0]), batch[1])
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            _decay(self)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.net.head.parameters(), lr=0.05)  # the trunk left requiring grad
+
+    def fit(**precision: Any) -> tuple[Tune, Any]:
+        module = Tune()
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path, **precision,
+        )  # fmt: skip
+        trainer.fit(module, torch.utils.data.DataLoader([_batch(i) for i in range(3)], batch_size=None))
+        return module, trainer
+
+    want, _ = fit(precision="bf16-mixed")
+    module, trainer = fit(plugins=[MixedPrecisionPlugin("O2", half_dtype=torch.bfloat16)])
+    got = trainer.precision_plugin.amp.fp32_state_dict(module)
+    assert all(torch.allclose(got[k].float(), v, rtol=1e-2, atol=1e-3) for k, v in want.state_dict().items())
