@@ -6,8 +6,14 @@ The multi-rank cases: ``tests/fsdp1find66_script.py`` (one launch)."""
 
 from __future__ import annotations
 
-import pytest
+import math
 
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_mpx import Amp
 from tests.launch import rank_results, run_script
 
 pytest.importorskip("lightning.fabric")
@@ -53,3 +59,96 @@ def test_an_overflow_on_one_rank_skips_the_step_on_both_with_the_heap_frozen(ran
         assert mine["weights"] == reference["weights"]
         assert mine["overflow"] == reference["overflow"] == [["0.weight"], [0]]
     assert frozen[0]["weights"] == frozen[1]["weights"]
+
+
+# -- torch.nn.DataParallel (no GPU: it runs the module itself) ------------------------------------------------------
+def _build() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(4)]
+
+
+OVERFLOW_AT = 2  # an inf loss: the step is skipped and the scale backs off
+
+
+def _core_run(level: str, wrap: str) -> tuple[list[torch.Tensor], float, list[torch.Tensor]]:
+    """The core engine as docs/core.md shows it; ``wrap``: ``""`` (none), ``"after"`` (``nn.DataParallel`` around the
+    prepared model) or ``"before"`` (the wrapper prepared)."""
+    amp = Amp(level, half_dtype="bfloat16", loss_scale="dynamic", init_scale=2.0**8)
+    model = _build()
+    if wrap == "before":
+        model = amp.prepare_model(nn.DataParallel(model))
+    else:
+        model = amp.prepare_model(model)
+        if wrap == "after":
+            model = nn.DataParallel(model)
+    if wrap:
+        assert model.device_ids == []  # no GPU: DataParallel calls the module itself
+    optimizer = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for step, (x, y) in enumerate(_batches()):
+        with amp.forward_context():
+            loss = F.mse_loss(amp.cast_outputs(model(amp.cast_inputs(x))).float(), y)
+        amp.backward(loss * (math.inf if step == OVERFLOW_AT else 1.0))
+        amp.step(optimizer)
+        amp.update()
+        optimizer.zero_grad()
+    inner = model.module if wrap else model
+    masters = [m.detach().clone() for m in amp.master_params(optimizer)]
+    return [p.detach().clone() for p in inner.parameters()], float(amp.metrics()["mpx/loss_scale"]), masters
+
+
+def _apex_run(level: str, wrap: str) -> tuple[list[torch.Tensor], float, list[torch.Tensor]]:
+    """The Apex layer in Apex's documented order: ``amp.initialize`` first, then ``nn.DataParallel(model)``."""
+    from lightning_mpx.apex import _amp_state
+    from lightning_mpx.apex import amp as apex_amp
+
+    _amp_state.reset()
+    _amp_state.registrations.clear()
+    model = _build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    half = {"cast_model_type": torch.bfloat16} if level == "O2" else {}
+    model, optimizer = apex_amp.initialize(model, optimizer, opt_level=level, loss_scale="dynamic", verbosity=0, **half)
+    if wrap:
+        model = nn.DataParallel(model)
+    for step, (x, y) in enumerate(_batches()):
+        loss = F.mse_loss(model(x).float(), y) * (math.inf if step == OVERFLOW_AT else 1.0)
+        with apex_amp.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    inner = model.module if wrap else model
+    scale = _amp_state.loss_scalers[0].loss_scale()
+    masters = [m.detach().clone() for m in apex_amp.master_params(optimizer)]
+    _amp_state.reset()
+    _amp_state.registrations.clear()
+    return [p.detach().clone() for p in inner.parameters()], float(scale), masters
+
+
+@pytest.mark.parametrize(
+    ("front", "level", "wrap"),
+    [
+        ("core", "O1", "after"),
+        ("core", "O1", "before"),
+        ("core", "O2", "after"),
+        ("core", "O2", "before"),
+        ("apex", "O1", "after"),
+        ("apex", "O2", "after"),
+    ],  # fmt: skip
+)
+def test_data_parallel_trains_as_the_model_without_it(front, level, wrap):
+    """``nn.DataParallel`` around the model (the core: around the prepared model or prepared itself; Apex: after
+    ``amp.initialize``, Apex's order): on a machine without a GPU it calls the model itself, and a user gets the
+    weights, masters and scale of the same run without the wrapper: the steps taken, the overflow skipped."""
+    run = _core_run if front == "core" else _apex_run
+    weights, scale, masters = run(level, wrap)
+    ref_weights, ref_scale, ref_masters = run(level, "")
+    assert scale == ref_scale and scale < (2.0**8 if front == "core" else 2.0**16)  # backed off once
+    assert all(torch.equal(a, b) for a, b in zip(weights, ref_weights, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(masters, ref_masters, strict=True))
+    assert weights[0].dtype == (torch.float32 if level == "O1" else torch.bfloat16)
+    assert masters[0].dtype == torch.float32
+    assert not torch.equal(weights[0].float(), _build()[0].weight.to(weights[0].dtype).float())  # it trained
