@@ -7,6 +7,7 @@ The multi-rank cases: ``tests/fsdp1find66_script.py`` (one launch)."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -152,3 +153,68 @@ def test_data_parallel_trains_as_the_model_without_it(front, level, wrap):
     assert weights[0].dtype == (torch.float32 if level == "O1" else torch.bfloat16)
     assert masters[0].dtype == torch.float32
     assert not torch.equal(weights[0].float(), _build()[0].weight.to(weights[0].dtype).float())  # it trained
+
+
+# -- attack65b's limits: the evaluation-first masters warning -------------------------------------------------------
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _prepared_after_evaluation(case: str) -> tuple[list[str], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Accelerate adapter, O2 bfloat16: the model prepared for evaluation only and evaluated (``case="trained"``: for
+    training, with its optimizer, and stepped once), then ``free_memory()`` and ``prepare(model, optimizer)``
+    (``"two_optimizers"``: no ``free_memory()``; one optimizer per layer). The lightning_mpx warnings, the model's
+    FP32 weights at the start and its masters after the second ``prepare``."""
+    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from tests.accelerate_helpers import reset_accelerate_state
+
+    reset_accelerate_state()
+    accelerator = Accelerator(
+        mixed_precision="O2", cpu=True, kwargs_handlers=[MixedPrecisionKwargs(half_dtype="bfloat16")]
+    )
+    net = _net()
+    fp32 = {k: v.clone() for k, v in net.state_dict().items()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if case == "trained":
+            model, optimizer = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.0))
+            accelerator.backward(model(torch.ones(2, 8)).float().sum())
+            optimizer.step()
+        else:
+            model = accelerator.prepare_model(net, evaluation_mode=True)
+            with torch.no_grad():
+                model(torch.ones(2, 8))
+        if case == "two_optimizers":
+            first, second = (torch.optim.SGD(net[i].parameters(), lr=0.1) for i in (0, 2))
+            model, _, _ = accelerator.prepare(net, first, second)
+        else:
+            accelerator.free_memory()
+            model, _ = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        masters = {k: v.float().clone() for k, v in accelerator.get_state_dict(model).items()}
+    reset_accelerate_state()
+    return [str(w.message) for w in caught if "lightning_mpx" in str(w.message)], fp32, masters
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_masters_from_the_rounding_after_free_memory_are_warned_about():
+    """A model prepared for evaluation only, then ``accelerator.free_memory()`` (a retried training function) and
+    ``prepare(model, optimizer)``: the new engine's masters start from the bfloat16 rounding, as at the first
+    preparation, which warns; after ``free_memory()`` it was silent. A model trained before ``free_memory()`` hands its
+    exact masters over, and nothing is said."""
+    warned, fp32, masters = _prepared_after_evaluation("free_memory")
+    assert len(warned) == 1 and "4 parameter(s) (0.weight, 0.bias, 2.weight and 1 more)" in warned[0], warned
+    assert "prepared for evaluation only" in warned[0]
+    assert all(not torch.equal(masters[k], fp32[k]) for k in fp32)  # what the warning says: the rounding
+    warned, fp32, masters = _prepared_after_evaluation("trained")
+    assert warned == []
+    assert all(torch.equal(masters[k], fp32[k]) for k in fp32)  # lr=0: the FP32 weights, exactly
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_the_evaluation_first_warning_names_every_optimizers_parameters():
+    """Two optimizers over a model prepared for evaluation first (one per layer): the warning, made with the first
+    optimizer's masters, named only its parameters (2 of 4), and the second's masters came from the rounding
+    silently. Now it names all four."""
+    warned, _, _ = _prepared_after_evaluation("two_optimizers")
+    assert len(warned) == 1 and "4 parameter(s) (0.weight, 0.bias, 2.weight and 1 more)" in warned[0], warned
