@@ -7,6 +7,7 @@ The multi-rank cases: ``tests/fsdp1find66_script.py`` (one launch)."""
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 
 import pytest
@@ -274,3 +275,37 @@ def test_a_misspelt_logs_of_mpx_trainer_is_named():
         trainer.log(logz={"loss": 1.0})
     with pytest.raises(TypeError, match=r"^trainer\.log\(\) missing 1 required argument: 'logs'$"):
         trainer.log()
+
+
+def _as_a_replica(forward):
+    """``forward()`` run as ``nn.DataParallel`` runs each replica's forward over two or more GPUs
+    (``torch.nn.parallel.parallel_apply``'s worker): in a thread of its own, carrying grad mode and autocast's on/off
+    only (on the CPU here: without a GPU DataParallel calls the module itself)."""
+    result = {}
+    grad, autocast = torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")
+
+    def worker():
+        with torch.set_grad_enabled(grad), torch.amp.autocast("cpu", enabled=autocast):
+            result["output"] = forward()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    return result["output"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="fsdp1find66: nn.DataParallel over two or more GPUs runs each replica's forward in a thread of its own "
+    "(parallel_apply carries grad mode and autocast's on/off, not the autocast dtype nor torch-function modes): the O1 "
+    "cast policy of the core's forward_context() and the Apex layer's O1 scope (a TorchFunctionMode on the calling "
+    "thread) are not in effect there: the replicas run without the opt level's casts (FP32 here), silently (no GPU here to test a fix: refuse "
+    "DataParallel with several device_ids, naming DistributedDataParallel, or carry the scope into the threads)",
+)
+def test_o1_casts_apply_in_a_data_parallel_replicas_thread():
+    amp = Amp("O1", half_dtype="bfloat16")
+    model = amp.prepare_model(nn.Linear(4, 4))
+    x = torch.ones(2, 4)
+    with amp.forward_context():
+        assert model(x).dtype == torch.bfloat16  # on the calling thread
+        assert _as_a_replica(lambda: model(x)).dtype == torch.bfloat16
