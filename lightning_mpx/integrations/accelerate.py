@@ -141,6 +141,8 @@ _CHECKED_METHODS = (
     "prepare", "prepare_model", "prepare_optimizer", "get_state_dict", "free_memory", "autocast", "log", "mpx_metrics",
     "request_mpx_telemetry", "register_save_state_pre_hook", "save_model",
 )  # fmt: skip
+# backward()'s loss when left out, or misspelt (los=): refused naming it, with no check per call (keywords.Required)
+_LOSS = required("accelerator.backward()", "loss")
 _SUPPORTED_DISTRIBUTED = (
     DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.FSDP
 )
@@ -449,9 +451,7 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
         with self.amp.forward_context():
             yield
 
-    def backward(
-        self, loss: torch.Tensor = required("accelerator.backward()", "loss"), loss_id: int = 0, **kwargs: Any
-    ) -> None:
+    def backward(self, loss: torch.Tensor = _LOSS, loss_id: int = 0, **kwargs: Any) -> None:
         """Scaled backward of ``loss / gradient_accumulation_steps`` (Accelerate's division is kept).
 
         Args:
