@@ -299,9 +299,9 @@ def _as_a_replica(forward):
     reason="fsdp1find66: nn.DataParallel over two or more GPUs runs each replica's forward in a thread of its own "
     "(parallel_apply carries grad mode and autocast's on/off, not the autocast dtype nor torch-function modes): the O1 "
     "cast policy of the core's forward_context() and the Apex layer's O1 scope (a TorchFunctionMode on the calling "
-    "thread) are not in effect there: the replicas run without the opt level's casts (FP32 here), silently (no GPU "
-    "here to test a fix: refuse DataParallel with several device_ids, naming DistributedDataParallel, or carry the "
-    "scope into the threads)",
+    "thread) are not in effect there: the replicas run without the opt level's casts (FP32 here), silently; "
+    "docs/apex.md and docs/core.md say so, no error does (no GPU here to test a fix: refuse DataParallel with several "
+    "device_ids, naming DistributedDataParallel, or carry the scope into the threads)",
 )
 def test_o1_casts_apply_in_a_data_parallel_replicas_thread():
     amp = Amp("O1", half_dtype="bfloat16")
