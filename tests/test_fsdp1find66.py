@@ -63,6 +63,38 @@ def test_an_overflow_on_one_rank_skips_the_step_on_both_with_the_heap_frozen(ran
     assert frozen[0]["weights"] == frozen[1]["weights"]
 
 
+@pytest.mark.parametrize("habit", ["compiled", "fabric_subclass"])
+def test_the_fsdp1_wrapper_is_found_through_a_users_habits_with_the_heap_frozen(one_rank, habit):
+    """In one process: ``fabric.setup_module(torch.compile(model))`` (Fabric compiles the wrapper again: its
+    ``_FabricModule`` holds an ``OptimizedModule``) and a subclass of ``Fabric`` whose ``setup_module`` calls
+    ``super()``, the heap frozen before the plugin's first call (``plugin.metrics()`` here): the engine takes the
+    FSDP1 wrapper as the sharded model, and the ``fabric.setup_module`` call's frame is let go."""
+    import gc
+
+    from lightning.fabric import Fabric
+
+    from lightning_mpx import FabricMixedPrecisionPlugin
+    from tests.fabric_fsdp1_script import CPUFSDPStrategy
+
+    class MyFabric(Fabric):
+        def setup_module(self, module, *args, **kwargs):
+            return super().setup_module(module, *args, **kwargs)
+
+    plugin = FabricMixedPrecisionPlugin("O1", half_dtype="bfloat16")
+    kind = MyFabric if habit == "fabric_subclass" else Fabric
+    fabric = kind(accelerator="cpu", devices=1, strategy=CPUFSDPStrategy(), plugins=[plugin])
+    fabric.launch()
+    inner = nn.Sequential(nn.Linear(4, 4))
+    model = fabric.setup_module(torch.compile(inner) if habit == "compiled" else inner)
+    gc.collect()
+    gc.freeze()  # left frozen, as tests/conftest.py's: what is alive now stays alive anyway
+    plugin.metrics()
+    assert plugin.amp.sharded
+    wrapper = model._forward_module._orig_mod if habit == "compiled" else model._forward_module
+    assert plugin._wrappers[inner]() is wrapper
+    assert not plugin._setups
+
+
 # -- torch.nn.DataParallel (no GPU: it runs the module itself) ------------------------------------------------------
 def _build() -> nn.Module:
     torch.manual_seed(0)
