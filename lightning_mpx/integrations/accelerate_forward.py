@@ -240,7 +240,14 @@ def take_over(amp: Amp, model: nn.Module, *, train: bool, rank_zero_fp32: bool =
         return None
     old, weights = forward._amp, {}
     _refuse_if_still_trained(old, inner)
+    evaluated: set[int] = set()
     if amp.properties.master_weights and train and not old.sharded:  # FSDP: its sharded FP32 parameters
+        # Made half by the old engine for evaluation only (no master covers them, no FP32 value was kept): their new
+        # masters start from the rounding, which is warned about as at their first preparation for training.
+        evaluated = {
+            id(param) for param in inner.parameters()
+            if old.made_half(param) and not any(masters.covers(param) for masters in old.master_weights)
+        }  # fmt: skip
         # The old engine's FP32 values where they hold more than the half weights: its masters, and the FP32 values it
         # kept for masters not made yet (a model prepared for training before any optimizer). A copy's forward-only
         # engine has neither: its half values are the weights.
@@ -258,6 +265,8 @@ def take_over(amp: Amp, model: nn.Module, *, train: bool, rank_zero_fp32: bool =
             }
     target.forward = target.__dict__.pop("_original_forward", forward._forward)
     amp.prepare_model(inner, train=train)
+    for masters in amp.master_weights if evaluated else ():
+        masters.note_rounded(evaluated, cause="evaluation")
     install_forward(amp, inner)
     if amp.properties.master_weights:  # its state_dict() gives this engine's masters, not the old one's
         MastersInStateDict.install(inner, amp)
