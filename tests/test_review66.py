@@ -122,3 +122,27 @@ def test_trainer_weight_decay_in_on_before_optimizer_step_trains_as_bf16_mixed(t
     module, trainer = fit(plugins=[MixedPrecisionPlugin("O2", half_dtype=torch.bfloat16)])
     got = trainer.precision_plugin.amp.fp32_state_dict(module)
     assert all(torch.allclose(got[k].float(), v, rtol=1e-2, atol=1e-3) for k, v in want.state_dict().items())
+
+
+def test_a_required_default_answers_protocol_probes_as_any_object(fresh_accelerate_state: Any) -> None:
+    """fsdp1find66's ``keywords.Required`` (the default of ``accelerator.backward``'s ``loss``, of
+    ``clip_grad_norm_``'s arguments) refused every attribute with its missing-argument ``TypeError``, a protocol
+    probe too: ``copy.deepcopy`` of the signature's defaults and ``hasattr(default, "__array__")`` raised (hasattr
+    only takes ``AttributeError``). Its use still names the argument, and a valid call is taken."""
+    import copy
+
+    from lightning_mpx.accelerate import Accelerator
+
+    default = Accelerator.backward.__defaults__[0]  # type: ignore[index]
+    assert copy.deepcopy(Accelerator.clip_grad_norm_.__defaults__) is not None
+    assert not hasattr(default, "__array__")
+    with pytest.raises(TypeError, match=r"accelerator\.backward\(\) missing 1 required argument: 'loss'"):
+        default.grad  # noqa: B018
+    accelerator = Accelerator(mixed_precision="O1", cpu=True)
+    net = Net()
+    model, _ = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match=r"accelerator\.backward\(\) missing 1 required argument: 'loss'"):
+        accelerator.backward()
+    x, y = _batch(0)
+    accelerator.backward(F.mse_loss(model(x), y))
+    assert accelerator.clip_grad_norm_(model.parameters(), 1.0) > 0

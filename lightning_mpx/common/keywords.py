@@ -102,6 +102,8 @@ class Required:
         return "<required>"
 
     def __getattr__(self, attribute: str) -> NoReturn:  # only for attributes it has not (a tensor's, a list's)
+        if attribute.startswith("__") and attribute.endswith("__"):  # a protocol probed (copy's __deepcopy__,
+            raise AttributeError(attribute)  # hasattr(x, "__array__")): absent, as on any object
         self.refuse()
 
     __float__ = __int__ = __index__ = __bool__ = __len__ = __iter__ = __contains__ = __getitem__ = refuse
