@@ -40,8 +40,9 @@ class DdpWatch:
     """One-shot forward pre-hooks (this object itself) on the prepared models' submodules that hold parameters, noting
     the DDP wrappers whose forward runs them (``machine.ddp``: weak references). A model's are taken off at the
     engine's first backward after its forward ran (:meth:`settle`), whether or not a wrapper was found (a model under
-    DDP goes through its wrapper's forward). A copy of a model made meanwhile (``copy.deepcopy``, ``AveragedModel``) shares it and
-    an unpickled one gets an inert one: there, and wherever it runs once settled, it takes itself off the module."""
+    DDP goes through its wrapper's forward). A copy of a model made meanwhile (``copy.deepcopy``, ``AveragedModel``)
+    shares it and an unpickled one gets an inert one: there, and wherever it runs once settled, it takes itself off the
+    module."""
 
     def __init__(self, machine: Any) -> None:
         self._machine = weakref.ref(machine) if machine is not None else None
