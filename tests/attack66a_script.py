@@ -9,12 +9,21 @@ Fabric cases (``strategy="ddp"``, 2 ranks, inside ``fabric.launch``):
 * ``two_models``: two models, accumulation of 2 with ``no_backward_sync`` on the first model only;
 * ``setup_twice``: after 3 steps the original module set up again (``fabric.setup(model.module, optimizer)``),
   3 steps more;
-* ``uneven``: a second model's forward on rank 0 only in the micro-batches under its ``no_backward_sync``;
+* ``uneven``: a second model, accumulation of 2 under its ``no_backward_sync``, whose forward rank 1 skips in the
+  first micro-batch (it ran no forward there before the engine's first backward);
+* ``uneven_raw``: the same, with a raw SGD over the second model stepped (and zeroed) after the third micro-batch's
+  backward (under ``no_sync``): both ranks must refuse, at the step;
+* ``nograd_rank0``: rank 0 alone runs a ``torch.no_grad()`` forward through the wrapper before a (synchronised)
+  backward; each rank writes whether a refusal after it would be kept for the step (``kept``);
+  ``nograd_rank0_raw`` (a probe, not in the suite: it parts the ranks) adds the raw step;
 * ``unused_branch``: ``find_unused_parameters=True``, a branch rank 1 skips at even steps.
 
 Trainer cases (``strategy="ddp"``): ``accumulate`` (``accumulate_grad_batches=3``), ``manual_block`` (manual
 optimization accumulating under ``self.trainer.strategy.block_backward_sync()``), ``fit_validate_fit`` (fit one
 epoch, ``trainer.validate``, then a second fit of the same Trainer to two epochs from ``ckpt_path="last"``).
+
+The suite runs ``CASES``; ``ATTACK66A_CASES=all`` runs every case but the parting probe, ``ATTACK66A_CASES=a,b`` the
+cases named.
 """
 
 from __future__ import annotations
@@ -69,6 +78,27 @@ def fabric_case(kind: str, precision: str) -> dict[str, Any]:
 
     def train(fabric: Fabric) -> dict[str, Any]:
         rank = fabric.global_rank
+        if kind in ("nograd_rank0", "nograd_rank0_raw"):
+            net = _net()
+            model, opt = fabric.setup(net, _sgd(net))
+            raw = torch.optim.SGD(net.parameters(), lr=0.1)  # not set up: a careless user's
+            kept = []
+            for step in range(3):
+                x, y = _batch(step, rank)
+                loss = F.cross_entropy(model(x), y)
+                if rank == 0 and step == 1:
+                    with torch.no_grad():
+                        model(x[:1])  # rank 0 only: a look at one sample through the wrapper (no collective)
+                fabric.backward(loss)  # synchronised by DDP on both ranks
+                machine = fabric._precision.amp._machine
+                kept.append(machine.unsynced_at == machine.steps_taken)  # a refusal now: kept (True) or raised
+                if kind == "nograd_rank0_raw" and step == 1:  # rank 0 keeps its refusal for the step, rank 1 raises
+                    raw.step()  # it at the next backward while rank 0 waits in DDP's all-reduce: the ranks part
+                    raw.zero_grad()
+                    continue
+                opt.step()
+                opt.zero_grad()
+            return {"final": _values(net), "kept": kept}
         if kind in ("plain", "nosync_off", "setup_twice"):
             net = _net()
             model, opt = fabric.setup(net, _sgd(net))
@@ -203,13 +233,14 @@ def trainer_case(kind: str, precision: str, out: Path) -> dict[str, Any]:
 ALL_CASES = (
     *(f"fabric_{k}/{p}" for k in ("plain", "nosync_off", "two_models", "setup_twice", "uneven") for p in PRECISIONS),
     "fabric_uneven_raw/O2",
+    "fabric_nograd_rank0/O2",
     *(f"fabric_unused_branch/{p}" for p in PRECISIONS),
     *(f"trainer_{k}/{p}" for k in ("accumulate", "manual_block", "fit_validate_fit") for p in PRECISIONS),
 )
 # The suite's launch (the rest held too: ATTACK66A_CASES=all runs them, as probes)
 CASES = (
     "fabric_uneven/O2", "fabric_uneven/bf16-mixed", "fabric_uneven_raw/O2", "fabric_plain/O2", "fabric_nosync_off/O2",
-    "fabric_two_models/O2", "fabric_two_models/bf16-mixed",
+    "fabric_two_models/O2", "fabric_two_models/bf16-mixed", "fabric_nograd_rank0/O2",
 )  # fmt: skip
 
 
@@ -218,7 +249,8 @@ def main() -> None:
     torch.set_num_threads(1)
     out = Path(os.environ["MPX_OUT"])
     results: dict[str, Any] = {}
-    cases = ALL_CASES if os.environ.get("ATTACK66A_CASES") == "all" else CASES
+    chosen = os.environ.get("ATTACK66A_CASES")
+    cases = CASES if not chosen else ALL_CASES if chosen == "all" else tuple(chosen.split(","))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for case in cases:

@@ -86,6 +86,20 @@ def test_two_models_one_in_no_sync_trains_as_bf16_mixed(ranks: list[dict[str, An
     assert (o2 - reference).abs().max() < 1e-3
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="attack66a: engine/unsynced.py takes a backward as unsynchronised from the DDP wrapper's "
+    "require_forward_param_sync, which a torch.no_grad() forward through the wrapper also clears: a rank-0-only look "
+    "(model(sample) under no_grad between the forward and fabric.backward) makes rank 0 keep a raw-step refusal for "
+    "the step while rank 1 raises it at the backward, and the ranks part (gloo aborts on the collective mismatch, "
+    "probe case fabric_nograd_rank0_raw). Deferring under every DDP backward would agree but hung "
+    "tests/hostile_ddp56_script.py (not pursued)",
+)
+def test_rank0_only_no_grad_look_leaves_the_ranks_agreed(ranks: list[dict[str, Any]]) -> None:
+    kept = [r["fabric_nograd_rank0/O2"]["kept"] for r in ranks]
+    assert kept[0] == kept[1], f"whether a refusal is kept for the step, by rank: {kept}"
+
+
 # -- one process ------------------------------------------------------------------------------------------------------
 class Tied(nn.Module):
     """GPT-style weight tying: the head is the embedding."""
