@@ -11,9 +11,14 @@ Found and fixed:
    keeps its watch until the backward after its first forward, and both ranks raise at the step
    (``tests/attack66a_script.py``, one 2-rank launch).
 
-Gaps (strict xfails): a ``torch.no_grad()`` forward through the DDP wrapper on rank 0 alone before a synchronised
-backward makes rank 0 keep a raw-step refusal that rank 1 raises at once (the ranks part); a ``fabric.save(...,
-filter=...)`` checkpoint loaded with ``strict=False`` is refused at O2 where ``"bf16-mixed"`` trains on.
+2. At O2 a checkpoint saved with ``fabric.save(path, {"model", "optimizer", "mpx"}, filter={"model": ...})`` (the
+   model's entry without some weights) and loaded with ``fabric.load(path, state, strict=False)`` was refused at the
+   next call ("the model's weights were not loaded from it", advising the very ``fabric.load`` the user made), where
+   ``"bf16-mixed"`` trains on with this run's values for the weights left out. Now the parameters a ``strict=False``
+   load lacked are the user's choice, as in FP32 (a ``load_state_dict`` post-hook on the prepared model).
+
+Gap (strict xfail): a ``torch.no_grad()`` forward through the DDP wrapper on rank 0 alone before a synchronised
+backward makes rank 0 keep a raw-step refusal that rank 1 raises at once (the ranks part).
 
 Held (no change; the Trainer's DDP cases and the rest run with ``ATTACK66A_CASES=all`` as probes): Fabric
 ``no_backward_sync(model, enabled=False)`` is the plain run bit for bit; two models with one in ``no_sync``; the
@@ -175,16 +180,10 @@ def test_tied_embedding_resumes_bit_for_bit_and_edited_checkpoints_load_as_bf16_
     assert torch.equal(loaded["O2"], loaded["bf16-mixed"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack66a: fabric.save(path, {'model', 'optimizer', 'mpx'}, filter={'model': ...}) drops weights from "
-    "the model's entry; fabric.load(path, state, strict=False) then trains under bf16-mixed (the dropped weights keep "
-    "this run's values) but O2 refuses at the next call, saying the model's weights were not loaded (the lean 'mpx' "
-    "entry left their masters to the model's entry) and advising the fabric.load the user made. A load_state_dict "
-    "pre-hook cannot tell a strict=False load (torch passes strict=True to _load_from_state_dict): a post-hook's "
-    "missing_keys could note them as the user's (engine/preparation.py, engine/held_masters.py)",
-)
 def test_filtered_save_loaded_with_strict_false_trains_as_bf16_mixed(tmp_path: Path) -> None:
+    """``fabric.save(..., filter=...)`` keeping the weights alone beside the ``"mpx"`` entry, loaded with
+    ``strict=False``: the biases keep this run's values and training goes on as ``"bf16-mixed"``'s, bit for bit (was
+    refused at the next call: the lean entry left their masters to the model's entry)."""
     weights = {}
     for precision in ("O2", "bf16-mixed"):
         fabric, model, optimizer = _setup(precision)
