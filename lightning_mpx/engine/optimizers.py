@@ -296,8 +296,9 @@ class StepMachine(UnscalePath):
         :meth:`Amp.scale_loss <lightning_mpx.engine.amp.Amp.scale_loss>`); ``scaled``: the scaled loss, whose
         backward notes the parameters no registered optimizer holds (engine.raw_steps), if any."""
         if self.ddp_watch is not None:  # the DDP wrappers were met in the forwards before it (engine.unsynced)
-            self.ddp_watch.settle()
-            self.ddp_watch, self.ddp_watched = None, frozenset()  # watched again at a later set-up (a second fit)
+            self.ddp_watched = self.ddp_watch.settle()  # those whose forward has not run yet stay watched
+            if not self.ddp_watched:
+                self.ddp_watch = None  # watched again at a later set-up (a second fit)
         if self.unheld is not None:  # a raw step over them since the last backward is refused
             self.unheld.before_backward(self, loss_id, scaled)
         frozen = self.frozen_writes

@@ -212,6 +212,7 @@ class PreparedModels:
                 if any(True for _ in sub.parameters(recurse=False))
             ]
             self._load_hooks[module].append(module.register_state_dict_pre_hook(_FollowModes(self)))
+            self._load_hooks[module].append(module.register_load_state_dict_post_hook(_MissingKept(self)))
         elif train:  # no masters (O0, O1, O3): a load still writes the parameters, which is no raw step
             for handle in self._load_hooks.pop(module, ()):
                 handle.remove()
@@ -221,6 +222,7 @@ class PreparedModels:
                 for sub in module.modules()
                 if any(True for _ in sub.parameters(recurse=False))
             ]
+            self._load_hooks[module].append(module.register_load_state_dict_post_hook(_MissingKept(self)))
         let_go_of(olds)  # the engines that handed over all of them take their hooks off it
         return module
 
@@ -625,6 +627,19 @@ class _ForgetWrites(_EngineHook):
             models.machine.note_loaded(  # the user's values now (engine.held_masters)
                 param for name, param in _unhooked_parameters(module, type(self)) if prefix + name in state_dict
             )
+
+
+class _MissingKept(_EngineHook):
+    """``load_state_dict`` post-hook on a prepared model: the parameters a ``strict=False`` load lacked (a
+    checkpoint saved with ``fabric.save(..., filter=...)``) keep this run's values by the user's choice, as in an
+    FP32 model, and are noted as loaded with the others, so that the held-masters check (engine.held_masters) does not
+    take them for a model entry never loaded. On the model's root: the keys are named from it."""
+
+    def __call__(self, module: nn.Module, incompatible: Any) -> None:
+        models: PreparedModels | None = self.engine()
+        if models is not None and incompatible.missing_keys:  # at a load only, and one with keys missing
+            missing = set(incompatible.missing_keys)
+            models.machine.note_loaded(p for name, p in module.named_parameters() if name in missing)
 
 
 def _refuse_assign(models: PreparedModels, module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:

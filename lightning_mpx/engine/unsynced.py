@@ -17,7 +17,9 @@ there. Without a reducer (the core ``Amp`` under DDP with none set) the rank rai
 The DDP wrappers around the prepared models are found at their first forward: a forward pre-hook on each submodule that
 holds parameters reads ``DistributedDataParallel``'s active module there (set while a wrapper's forward runs), and the
 hooks are taken off at the engine's next backward (:meth:`DdpWatch.settle`; a copy of the model made before it drops
-its own at its first forward): nothing per step after it. A later set-up of the same models (a second
+its own at its first forward): nothing per step after it. A model whose forward has not run by then on this rank (a
+model used in some iterations only: uneven batches) keeps its hooks until the backward after its first forward, so that
+every rank finds its wrapper. A later set-up of the same models (a second
 ``trainer.fit``, which wraps them in a new DDP) watches them again. Whether a
 backward runs unsynchronised is read from the wrappers at each engine backward (two attribute reads each, written out in
 ``StepMachine.before_backward``).
@@ -36,14 +38,17 @@ __all__ = ["DdpWatch", "raise_refusals", "watch_ddp"]
 
 class DdpWatch:
     """One-shot forward pre-hooks (this object itself) on the prepared models' submodules that hold parameters, noting
-    the DDP wrappers whose forward runs them (``machine.ddp``: weak references). Taken off at the engine's next
-    backward (:meth:`settle`), whether or not a wrapper was found (a model under DDP goes through its wrapper's forward
-    before its first backward). A copy of a model made meanwhile (``copy.deepcopy``, ``AveragedModel``) shares it and
-    an unpickled one gets an inert one: there, and wherever it runs once settled, it takes itself off the module."""
+    the DDP wrappers whose forward runs them (``machine.ddp``: weak references). A model's are taken off at the
+    engine's first backward after its forward ran (:meth:`settle`), whether or not a wrapper was found (a model under
+    DDP goes through its wrapper's forward). A copy of a model made meanwhile (``copy.deepcopy``, ``AveragedModel``)
+    shares it and an unpickled one gets an inert one: there, and wherever it runs once settled, it takes itself off the
+    module."""
 
     def __init__(self, machine: Any) -> None:
         self._machine = weakref.ref(machine) if machine is not None else None
-        self._handles: list[Any] = []
+        self._handles: dict[int, list[Any]] = {}  # by the id of the watched model
+        self._models: dict[int, tuple[int, ...]] = {}  # a watched submodule's id: the ids of the models holding it
+        self._ran: set[int] = set()  # the watched models whose forward ran since they were watched
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (DdpWatch, (None,))  # inert: takes itself off at its first call
@@ -53,12 +58,11 @@ class DdpWatch:
 
     def add(self, modules: Iterable[nn.Module]) -> None:
         """Watch the forwards of ``modules``' submodules that hold parameters."""
-        self._handles += [
-            sub.register_forward_pre_hook(self)
-            for module in modules
-            for sub in module.modules()
-            if any(True for _ in sub.parameters(recurse=False))
-        ]
+        for module in modules:
+            subs = [sub for sub in module.modules() if any(True for _ in sub.parameters(recurse=False))]
+            self._handles[id(module)] = [sub.register_forward_pre_hook(self) for sub in subs]
+            for sub in subs:
+                self._models[id(sub)] = (*self._models.get(id(sub), ()), id(module))
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         machine = self._machine() if self._machine is not None else None
@@ -66,15 +70,22 @@ class DdpWatch:
             for key in [key for key, hook in module._forward_pre_hooks.items() if hook is self]:
                 del module._forward_pre_hooks[key]
             return
+        self._ran.update(self._models.get(id(module), ()))
         wrapper = _active_ddp()
         if wrapper is not None and all(ref() is not wrapper for ref in machine.ddp):  # those of an earlier set-up gone
             machine.ddp = (*(ref for ref in machine.ddp if ref() is not None), weakref.ref(wrapper))
 
-    def settle(self) -> None:
-        """Take the hooks off (at the engine's backward: the wrappers, if any, were met by then)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+    def settle(self) -> frozenset[int]:
+        """Take the hooks off the models whose forward ran (at the engine's backward: their wrappers, if any, were met
+        by then). A model whose forward has not run yet (on this rank: uneven batches, a model used in some iterations
+        only) keeps its hooks until a backward after its first forward: taken off at the first backward, its wrapper
+        would be known to the ranks that ran it only, which would then keep a refusal that the others raise at once
+        (the ranks part). Returns the ids of the models still watched."""
+        for model in [model for model in self._handles if model in self._ran]:
+            for handle in self._handles.pop(model):
+                handle.remove()
+        self._ran.clear()
+        return frozenset(self._handles)
 
 
 def watch_ddp(modules: Sequence[nn.Module], machine: Any) -> None:
