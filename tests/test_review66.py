@@ -146,3 +146,43 @@ def test_a_required_default_answers_protocol_probes_as_any_object(fresh_accelera
     x, y = _batch(0)
     accelerator.backward(F.mse_loss(model(x), y))
     assert accelerator.clip_grad_norm_(model.parameters(), 1.0) > 0
+
+
+def _watch_hooks(module: nn.Module) -> int:
+    return sum(type(h).__name__ == "DdpWatch" for m in module.modules() for h in m._forward_pre_hooks.values())
+
+
+def test_ddp_watch_leaves_no_hook_on_a_copy_nor_on_a_model_evaluated_through_its_wrapper_after_training() -> None:
+    """attack66a kept the DDP watch (engine/unsynced.py) alive while a prepared model had not run its forward (``b``,
+    evaluated only after training): a copy made before the first backward (an ``AveragedModel`` of the trained model)
+    then kept its shared hooks for good, a Python call per submodule at each of its forwards (before, they took
+    themselves off at its first forward once the watch settled), and ``b``'s stayed through its forwards after the
+    last backward. Now a copy's hook takes itself off at its first call, and a model's hooks go at its forward through
+    its DDP wrapper. One process, a fake process group of two ranks (torch's testing store: no collectives run)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        torch.manual_seed(0)
+        amp = Amp("O1", half_dtype="bfloat16")
+        a = amp.prepare_model(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)))
+        b = amp.prepare_model(nn.Linear(4, 1))  # evaluated after training only
+        opt = amp.prepare_optimizer(torch.optim.SGD(a.parameters(), lr=0.1))
+        averaged = torch.optim.swa_utils.AveragedModel(a)  # a copy made before the first backward: shares the hooks
+        assert (_watch_hooks(a), _watch_hooks(b), _watch_hooks(averaged)) == (2, 1, 2)  # watched
+        x = torch.randn(2, 4)
+        for _ in range(2):
+            amp.backward(a(x).float().pow(2).mean())
+            amp.step(opt)
+            amp.update()
+            opt.zero_grad()
+            averaged.update_parameters(a)
+        averaged(x)
+        assert (_watch_hooks(a), _watch_hooks(averaged)) == (0, 0)  # the copy's: 2 for good (attack66a)
+        with torch.no_grad():
+            DistributedDataParallel(b)(x)
+        assert _watch_hooks(b) == 0  # 1 for good (attack66a)
+    finally:
+        dist.destroy_process_group()

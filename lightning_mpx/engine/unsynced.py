@@ -38,11 +38,11 @@ __all__ = ["DdpWatch", "raise_refusals", "watch_ddp"]
 
 class DdpWatch:
     """One-shot forward pre-hooks (this object itself) on the prepared models' submodules that hold parameters, noting
-    the DDP wrappers whose forward runs them (``machine.ddp``: weak references). A model's are taken off at the
-    engine's first backward after its forward ran (:meth:`settle`), whether or not a wrapper was found (a model under
-    DDP goes through its wrapper's forward). A copy of a model made meanwhile (``copy.deepcopy``, ``AveragedModel``)
-    shares it and an unpickled one gets an inert one: there, and wherever it runs once settled, it takes itself off the
-    module."""
+    the DDP wrappers whose forward runs them (``machine.ddp``: weak references). A model's are taken off at its
+    forward through a DDP wrapper, or else at the engine's first backward after its forward ran (:meth:`settle`),
+    whether or not a wrapper was found (a model under DDP goes through its wrapper's forward). A copy of a model made
+    meanwhile (``copy.deepcopy``, ``AveragedModel``) shares it and an unpickled one gets an inert one: there (a module
+    it never watched), and wherever it runs once settled, it takes itself off the module at its first call."""
 
     def __init__(self, machine: Any) -> None:
         self._machine = weakref.ref(machine) if machine is not None else None
@@ -66,14 +66,20 @@ class DdpWatch:
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         machine = self._machine() if self._machine is not None else None
-        if machine is None or machine.ddp_watch is not self:  # settled, or on a copy or an unpickled model
+        models = self._models.get(id(module))  # None: a copy's (deepcopy, AveragedModel), made before it settled
+        if machine is None or machine.ddp_watch is not self or models is None:  # settled, a copy, an unpickled model
             for key in [key for key, hook in module._forward_pre_hooks.items() if hook is self]:
                 del module._forward_pre_hooks[key]
             return
-        self._ran.update(self._models.get(id(module), ()))
+        self._ran.update(models)
         wrapper = _active_ddp()
-        if wrapper is not None and all(ref() is not wrapper for ref in machine.ddp):  # those of an earlier set-up gone
+        if wrapper is None:
+            return
+        if all(ref() is not wrapper for ref in machine.ddp):  # those of an earlier set-up gone
             machine.ddp = (*(ref for ref in machine.ddp if ref() is not None), weakref.ref(wrapper))
+        if len(models) == 1:  # its wrapper met: its hooks are done (a model evaluated after the last backward)
+            for handle in self._handles.pop(models[0], ()):
+                handle.remove()
 
     def settle(self) -> frozenset[int]:
         """Take the hooks off the models whose forward ran (at the engine's backward: their wrappers, if any, were met
