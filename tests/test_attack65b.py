@@ -193,7 +193,7 @@ def _apex_rows() -> list[tuple[str, Callable[[], Any], str, str]]:
         ("amp.scale_loss()", lambda: scale_loss(loss, optimizer, loss_idx=0).__enter__(), "loss_idx", "loss_id"),
         ("amp.scale_loss()", lambda: scale_loss(loss, optimizer, delay_unscaled=True).__enter__(), "", ""),
         ("amp.state_dict()", lambda: apex_amp.state_dict(destinaton={}), "destinaton", "destination"),
-        ("amp.load_state_dict()", lambda: apex_amp.load_state_dict(state_dict={}), "state_dict", "state"),
+        ("amp.load_state_dict()", lambda: apex_amp.load_state_dict(state_dct={}), "state_dct", "state_dict"),
         ("amp.master_params()", lambda: list(apex_amp.master_params(optimizer, opt=None)), "opt", "-"),
         ("amp.register_half_function()", lambda: apex_amp.register_half_function(torch, fname="mm"), "fname", "name"),
         ("amp.register_float_function()", lambda: apex_amp.register_float_function(torch, nme="mm"), "nme", "name"),

@@ -240,6 +240,7 @@ def take_over(amp: Amp, model: nn.Module, *, train: bool, rank_zero_fp32: bool =
         return None
     old, weights = forward._amp, {}
     _refuse_if_still_trained(old, inner)
+    lost = _fp32_lost(old, inner) if amp.properties.master_weights and train and not old.sharded else {}
     if amp.properties.master_weights and train and not old.sharded:  # FSDP: its sharded FP32 parameters
         # The old engine's FP32 values where they hold more than the half weights: its masters, and the FP32 values it
         # kept for masters not made yet (a model prepared for training before any optimizer). A copy's forward-only
@@ -263,7 +264,28 @@ def take_over(amp: Amp, model: nn.Module, *, train: bool, rank_zero_fp32: bool =
         MastersInStateDict.install(inner, amp)
     if weights:
         inner.load_state_dict(weights, strict=False)  # FP32 values go to the new masters exactly
+    for cause in ("frozen", "evaluation"):  # masters made from them later start from the rounding: warned then
+        ids = {key for key, why in lost.items() if why == cause}
+        for masters in amp.master_weights if ids else ():
+            masters.note_rounded(ids, cause=cause)
     return inner
+
+
+def _fp32_lost(old: Amp, model: nn.Module) -> dict[int, str]:
+    """By ``id``, the parameters of ``model`` that ``old`` made half without keeping an FP32 value, and why:
+    ``"evaluation"`` (prepared for evaluation only: no masters) or ``"frozen"`` (frozen when it was cast). The new
+    engine finds them half already and would make their masters from the rounding silently (transformers' Trainer
+    calls ``free_memory()`` at ``train()``, after an ``evaluate()`` that prepared the model for evaluation only)."""
+    lost = {}
+    for param in model.parameters():
+        if not old.made_half(param):
+            continue
+        covering = [masters for masters in old.master_weights if masters.covers(param)]
+        if not covering:
+            lost[id(param)] = "evaluation"
+        elif all(masters.fp32_value(param) is None for masters in covering):
+            lost[id(param)] = "frozen"
+    return lost
 
 
 def release_optimizers(amp: Amp) -> None:
