@@ -64,6 +64,34 @@ def test_accelerator_methods_take_every_keyword_of_accelerate(name: str) -> None
     assert ours[: len(theirs)] == theirs, (ours, theirs)
 
 
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("level", ["O2", "bf16"])
+def test_accelerator_positional_arguments_in_accelerate_order(level: str) -> None:
+    """``Accelerator(True, None, level, 2)``: Accelerate's order (device_placement, split_batches, mixed_precision,
+    gradient_accumulation_steps) means what it means to ``accelerate.Accelerator``, an opt level and its native values
+    alike (Python refused it: "got multiple values for argument 'mixed_precision'", given once); a value given both
+    ways is refused naming the argument."""
+    import accelerate
+
+    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from tests.accelerate_helpers import reset_accelerate_state
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Accelerate's deprecation of split_batches there
+        native = level == "bf16"
+        handlers = None if native else [MixedPrecisionKwargs(**BF16)]
+        ours = Accelerator(True, None, level, 2, kwargs_handlers=handlers)
+        assert (ours.mixed_precision, ours.opt_level, ours.gradient_accumulation_steps) == (
+            level, None if native else level, 2)  # fmt: skip
+        reset_accelerate_state()
+        if native:
+            theirs = accelerate.Accelerator(True, None, level, 2)
+            assert (theirs.mixed_precision, theirs.gradient_accumulation_steps) == (level, 2)
+            reset_accelerate_state()
+        with pytest.raises(TypeError, match=r"multiple values for argument 'mixed_precision': positional argument 3"):
+            Accelerator(True, None, level, mixed_precision=level)
+
+
 # Apex's signatures (apex/amp/frontend.py, amp.py, handle.py; apex/fp16_utils), by name in order.
 _APEX = {
     "initialize": ["models", "optimizers", "enabled", "opt_level", "cast_model_type", "patch_torch_functions",

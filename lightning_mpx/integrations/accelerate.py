@@ -189,6 +189,11 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
                 f"Accelerator({args[0]!r}): the first positional argument is Accelerate's device_placement (a bool); "
                 f"pass the precision by name: Accelerator(mixed_precision={args[0]!r})."
             )
+        if args:  # Accelerate's positional order (device_placement, split_batches, mixed_precision, ...): by name
+            kwargs = _by_name(args, kwargs, mixed_precision=mixed_precision, kwargs_handlers=kwargs_handlers)
+            mixed_precision = kwargs.pop("mixed_precision", mixed_precision)
+            kwargs_handlers = kwargs.pop("kwargs_handlers", kwargs_handlers)
+            args = ()
         self.amp: Amp | None = None
         self.mpx_kwargs: MixedPrecisionKwargs | None = None
         ours, theirs = _split_handlers(kwargs_handlers)
@@ -599,6 +604,27 @@ def _check_keywords(kwargs: dict[str, Any]) -> None:
                 f"with mixed_precision='O0' to 'O3'."
             )
         check_keywords("Accelerator()", {name: kwargs[name]}, accepted)
+
+
+def _by_name(args: tuple[Any, ...], kwargs: dict[str, Any], **given: Any) -> dict[str, Any]:
+    """``kwargs`` with the positional ``args`` bound to ``accelerate.Accelerator``'s parameters in its order (a
+    third positional argument is its ``mixed_precision``, which this class takes by name: Python then reported it
+    given twice); ``given``: the values this class's own parameters got by name (``None``: not given)."""
+    names = [
+        name for name, p in inspect.signature(_BaseAccelerator.__init__).parameters.items()
+        if name != "self" and p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    ]  # fmt: skip
+    if len(args) > len(names):
+        raise TypeError(f"Accelerator() takes {len(names)} positional arguments but {len(args)} were given.")
+    bound = dict(kwargs)
+    for name, value in zip(names, args):
+        if name in kwargs or given.get(name) is not None:
+            raise TypeError(
+                f"Accelerator() got multiple values for argument {name!r}: positional argument "
+                f"{names.index(name) + 1} is Accelerate's {name}, and {name}= was given too."
+            )
+        bound[name] = value
+    return bound
 
 
 def _native_handler_refusal(handler: KwargsHandler, opt_level: str) -> str:
