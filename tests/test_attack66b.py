@@ -187,6 +187,42 @@ def test_apex_load_state_dict_by_apex_keyword_resumes(tmp_path: Path) -> None:
         _amp_state.reset()
 
 
+def test_apex_initialized_for_inference_then_for_training_keeps_fp32() -> None:
+    """Apex's evaluation first: ``amp.initialize(model, opt_level="O2")`` without an optimizer (inference), an
+    evaluation, then ``amp.initialize(model, optimizer, opt_level="O2")``: the second call carries the model's state
+    over (``model.state_dict()``), which gave the half rounding of the FP32 weights kept for its masters (no optimizer
+    had made them yet), so the run trained from the rounding (up to 1e-3 off), silently. It trains as the model
+    initialized with its optimizer at once, bit for bit, and ``model.state_dict()`` after the first call is the FP32
+    weights."""
+    from lightning_mpx.apex import amp
+    from lightning_mpx.apex._state import _amp_state
+
+    xs = torch.randn(3, 4, 4, generator=torch.Generator().manual_seed(2))
+
+    def train(evaluate_first: bool) -> list[torch.Tensor]:
+        _amp_state.reset()
+        net = _mlp()
+        fp32 = {k: v.clone() for k, v in net.state_dict().items()}
+        if evaluate_first:
+            net = amp.initialize(net, opt_level="O2", cast_model_type=torch.bfloat16, verbosity=0)
+            assert all(torch.equal(v, fp32[k]) for k, v in net.state_dict().items())
+            with torch.no_grad():
+                net(xs[0])
+        model, optimizer = amp.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), opt_level="O2",
+                                          cast_model_type=torch.bfloat16, verbosity=0)  # fmt: skip
+        for x in xs:
+            with amp.scale_loss(model(x).float().pow(2).mean(), optimizer) as scaled:
+                scaled.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return list(model.state_dict().values())
+
+    try:
+        assert all(torch.equal(a, b) for a, b in zip(train(True), train(False)))
+    finally:
+        _amp_state.reset()
+
+
 # -- 2. models cast to half before training --------------------------------------------------------------------------
 def _accelerator(level: str = "O2") -> Any:
     from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
