@@ -169,7 +169,7 @@ def _accelerate_rows(tmp: str) -> tuple[Any, Any, list[tuple[str, Callable[[], A
         ("accelerator.register_save_state_pre_hook()", lambda: a.register_save_state_pre_hook(hok=print), "hok", ""),
         ("accelerator.free_memory()", lambda: a.free_memory(objs=[model]), "objs", "-"),
         ("accelerator.mpx_metrics()", lambda: a.mpx_metrics(reset=True), "reset", "-"),
-        ("backward()", lambda: a.backward(F.cross_entropy(model(x), y), loss_idx=0), "loss_idx", "loss_id"),
+        ("accelerator.backward()", lambda: a.backward(F.cross_entropy(model(x), y), loss_idx=0), "loss_idx", ""),
         ("optimizer.step()", lambda: optimizer.step(closre=None), "closre", "closure"),
         ("Accelerator()", lambda: Accelerator(mixed_precision="O2", gradient_accumulation_step=2), "", ""),
         ("MixedPrecisionKwargs()", lambda: MixedPrecisionKwargs(half_dtyp="bfloat16"), "half_dtyp", "half_dtype"),

@@ -80,6 +80,7 @@ from lightning_mpx.common.imports import require
 from lightning_mpx.common.keywords import check_keywords, checks_method_keywords
 from lightning_mpx.common.weak import WeakHook
 from lightning_mpx.engine.amp import Amp
+from lightning_mpx.engine.optimizer_state import BACKWARD_KEYWORDS
 from lightning_mpx.engine.overflow import DEFAULT_READER
 from lightning_mpx.masters.weights import refuse_lazy
 from lightning_mpx.opt_levels import OPT_LEVELS
@@ -469,6 +470,8 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
                 )
             super().backward(loss, **kwargs)
             return
+        if kwargs:  # refused in the adapter's name (the core's check names its own backward())
+            check_keywords("accelerator.backward()", kwargs, BACKWARD_KEYWORDS)
         self._close_iteration()  # a pending update must reach the scale this backward uses
         every = self.mpx_kwargs.telemetry_every_n_steps if self.mpx_kwargs is not None else None
         if every is not None and self._iterations % every == 0:
