@@ -10,7 +10,8 @@ the clip's norm, ``sync_gradients`` at each micro-batch, and the final FP32 weig
 * ``accum/{O1,O2,fp16}``: ``Accelerator(gradient_accumulation_steps=2)`` and ``with accelerator.accumulate(model)``;
 * ``no_sync/{O2,fp16}``: no plugin; ``with accelerator.no_sync(model)`` around the first micro-batch's backward, the
   loss halved by hand, the step after the second;
-* ``sync_each/{O2,bf16}``: ``GradientAccumulationPlugin(num_steps=2, sync_each_batch=True)``, bfloat16, no overflow.
+* ``sync_each/{O2,bf16}``: ``GradientAccumulationPlugin(num_steps=2, sync_each_batch=True)``, bfloat16, no overflow;
+* ``short_window/{O2,fp16}``: a prepared DataLoader whose last window is one micro-batch long, rank 1 overflowing there.
 """
 
 from __future__ import annotations
@@ -95,6 +96,38 @@ def _run(level: str, how: str) -> dict[str, Any]:
         return out
 
 
+def _short_window(level: str) -> dict[str, Any]:
+    """A prepared DataLoader of 5 batches per rank under ``gradient_accumulation_steps=2``: its last window is one
+    micro-batch long (Accelerate synchronises at the end of the loader), and rank 1 overflows there."""
+    from tests.accelerate_helpers import accelerate_state_reset
+
+    with accelerate_state_reset():
+        accelerator = _accelerator(level, gradient_accumulation_steps=2)
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        x = torch.randn(40, 4, generator=torch.Generator().manual_seed(5))
+        data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+        loader = torch.utils.data.DataLoader(data, batch_size=4)
+        model, optimizer, loader = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.05), loader)
+        out: dict[str, Any] = {"sync": [], "skipped": [], "scales": []}
+        for micro, (xb, yb) in enumerate(loader):
+            with accelerator.accumulate(model):
+                poison = float("inf") if accelerator.process_index == 1 and micro == 4 else 1.0
+                accelerator.backward(F.mse_loss(model(xb).float(), yb) * poison)
+                out["sync"].append(bool(accelerator.sync_gradients))
+                optimizer.step()
+                if accelerator.sync_gradients:
+                    out["skipped"].append(bool(optimizer.step_was_skipped))
+                    amp = getattr(accelerator, "amp", None)
+                    scale = amp.metrics()["mpx/loss_scale"] if amp is not None else accelerator.scaler.get_scale()
+                    out["scales"].append(float(scale))
+                optimizer.zero_grad()
+        amp = getattr(accelerator, "amp", None)
+        params = amp.master_params(optimizer.optimizer) if amp is not None else model.module.parameters()
+        out["weights"] = torch.cat([p.detach().float().flatten() for p in params]).tolist()
+        return out
+
+
 CASES = {
     "accum/O1": lambda: _run("O1", "accum"),
     "accum/O2": lambda: _run("O2", "accum"),
@@ -103,6 +136,8 @@ CASES = {
     "no_sync/fp16": lambda: _run("fp16", "no_sync"),
     "sync_each/O2": lambda: _run("O2bf16", "sync_each"),
     "sync_each/bf16": lambda: _run("bf16", "sync_each"),
+    "short_window/O2": lambda: _short_window("O2"),
+    "short_window/fp16": lambda: _short_window("fp16"),
 }
 
 

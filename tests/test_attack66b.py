@@ -395,3 +395,15 @@ def test_sync_each_batch_trains_as_bf16(launched: list[dict[str, Any]]) -> None:
     assert zero["weights"] == one["weights"] and zero["sync"] == ref["sync"] == [False, True] * 4
     assert not any(zero["skipped"])
     assert torch.allclose(torch.tensor(zero["weights"]), torch.tensor(ref["weights"]), rtol=0, atol=2e-3)
+
+
+def test_overflow_in_a_short_last_window_skips_as_gradscaler(launched: list[dict[str, Any]]) -> None:
+    """A prepared DataLoader of 5 batches under ``gradient_accumulation_steps=2``: Accelerate synchronises at its end,
+    a window of one micro-batch, where rank 1 alone overflows. Both ranks skip that step and back the scale off as
+    ``"fp16"``'s ``GradScaler`` does, and end equal, at ``"fp16"``'s weights within float16's rounding."""
+    zero, one, ref = launched[0]["short_window/O2"], launched[1]["short_window/O2"], launched[0]["short_window/fp16"]
+    assert zero["weights"] == one["weights"]
+    assert zero["sync"] == ref["sync"] == [False, True, False, True, True]
+    assert zero["skipped"] == one["skipped"] == ref["skipped"] == [False, False, True]
+    assert zero["scales"] == ref["scales"] == [256.0, 512.0, 256.0]
+    assert torch.allclose(torch.tensor(zero["weights"]), torch.tensor(ref["weights"]), rtol=0, atol=2e-4)
