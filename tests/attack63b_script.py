@@ -134,7 +134,7 @@ def run_case(case: str) -> dict[str, Any]:
     out["rounded_init"] = _values(p.to(torch.bfloat16) for p in params)
     found = fabric_module._fabric_call
     if case == "lost":
-        fabric_module._fabric_call = lambda frame: {}
+        fabric_module._fabric_call = lambda frame: None
     try:
         setups = [_setup(fabric, net, wrapper=case == "wrapper") for net in nets]
     finally:

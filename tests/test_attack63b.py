@@ -439,7 +439,7 @@ def test_when_fabrics_call_cannot_be_read_the_optimizer_is_met_at_its_first_step
     import lightning_mpx.integrations.fabric as fabric_module
 
     want, want_metrics, want_states = _habit("frozen", level, apart=False)
-    monkeypatch.setattr(fabric_module, "_fabric_call", lambda frame: {})
+    monkeypatch.setattr(fabric_module, "_fabric_call", lambda frame: None)
     run = _Run("plain", level, apart=False)
     net = _net(0)
     net[0].requires_grad_(False)

@@ -21,7 +21,8 @@
    after the prepare gives the saved weights exactly. Fixed: the warning named ``trainer.validate/test/predict``
    before ``trainer.fit`` among its causes (Lightning keeps the FP32 weights through an evaluation stage), and now
    names ``accelerator.load_state`` of a checkpoint as a remedy.
-4. Found and left (strict xfail): a raw optimizer stepped in the same iteration as the prepared one.
+4. Found and left (strict xfail): a raw optimizer stepped in the same iteration as the prepared one (fixed at stop
+   66, engine/beside_steps.py).
 """
 
 from __future__ import annotations
@@ -322,15 +323,10 @@ def test_accelerate_evaluated_twice_warned_once_and_load_state_exact(
     assert all(torch.equal(loaded[k].float(), saved[k]) for k in saved)
 
 
-# -- found and left: a raw step next to an engine step in the same iteration
-@pytest.mark.xfail(
-    strict=True,
-    reason="review65: a raw optimizer stepped in the same iteration as the prepared one (a head's optimizer "
-    "never given to fabric.setup, stepped before or after it) is never refused: an engine step between the "
-    "backward's note and the next backward voids the note (engine/raw_steps.py, UnheldParams.check's 'fresh'), there "
-    "to let an EMA swap after the step through; at O1 float16 the head trains on gradients times the loss scale, "
-    "silently (NaN in 3 steps)",
-)
+# -- found and left at stop 65, fixed at stop 66 (engine/beside_steps.py): a raw step next to an engine step in the
+# same iteration (a head's optimizer never given to fabric.setup, stepped before or after the prepared one) was never
+# refused: an engine step between the backward's note and the next backward voided the note; at O1 float16 the head
+# trained on gradients times the loss scale, silently (NaN in 3 steps). tests/test_rawhead66.py covers every door.
 def test_raw_head_optimizer_stepped_beside_the_prepared_one_is_refused() -> None:
     from lightning.fabric import Fabric
 

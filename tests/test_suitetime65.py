@@ -5,26 +5,26 @@ from __future__ import annotations
 
 import gc
 
-import pytest
 import torch
 from torch import nn
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fabric_sharding.fsdp1_wrapper finds Fabric's FSDP1 wrapper of a model with gc.get_referrers, which does "
-    "not see objects frozen by gc.freeze(): a user who freezes the heap between fabric.setup (FSDPStrategy) and the "
-    "plugin's first call has the model taken for an unsharded one (adopt_sharded never prepares the wrapper, so the "
-    "engine does not reduce the overflow flags across the ranks)",
-)
 def test_the_fsdp1_wrapper_of_a_model_is_found_after_the_heap_is_frozen(one_rank):
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    """Fabric's ``FSDPStrategy`` wraps the model after the plugin converted it; the plugin finds the wrapper at its
+    first call after ``fabric.setup``, the heap frozen in between (it looked with ``gc.get_referrers``, which does not
+    see frozen objects, and took the model for an unsharded one: fsdp1find66)."""
+    from lightning.fabric import Fabric
 
-    from lightning_mpx.integrations.fabric_sharding import fsdp1_wrapper
+    from lightning_mpx import FabricMixedPrecisionPlugin
+    from tests.fabric_fsdp1_script import CPUFSDPStrategy
 
-    module = nn.Sequential(nn.Linear(4, 4))
-    wrapper = FullyShardedDataParallel(module, device_id=torch.device("cpu"))
-    assert fsdp1_wrapper(module) is wrapper
+    plugin = FabricMixedPrecisionPlugin("O1", half_dtype="bfloat16")
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=CPUFSDPStrategy(), plugins=[plugin])
+    fabric.launch()
+    model = fabric.setup_module(nn.Sequential(nn.Linear(4, 4)))
     gc.collect()
     gc.freeze()  # as _frozen_heap does: left frozen, what is alive now stays alive anyway
-    assert fsdp1_wrapper(module) is wrapper
+    fabric.backward(model(torch.ones(2, 4)).float().sum())  # the plugin's first call after fabric.setup
+    assert plugin.amp.sharded
+    assert plugin._wrappers[model._original_module]() is model._forward_module
+    assert not plugin._setups  # the fabric.setup_module call's frame, let go

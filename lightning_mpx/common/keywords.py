@@ -5,7 +5,11 @@ to wrap a function or a dataclass's generated ``__init__``.
 A function called at every step (a clip, an optimizer's ``step``, Apex's ``scale_loss``) is not wrapped (the wrapper
 would be a Python call more per step): it takes the misspelt ones itself, ``**misspelt: NoReturn`` (no keyword a type
 checker accepts there), and refuses any with :func:`check_keywords` in its body, which costs nothing when there are
-none."""
+none.
+A required argument of such a function defaults to :func:`required` (Python's "missing 1 required positional
+argument", raised before the body runs, named an internal class and not the misspelt keyword): the body's check then
+names the misspelt keyword and the one meant, and an argument left out is refused, naming the call and the argument,
+where it is first used (:class:`Required`), still with no check per call."""
 
 from __future__ import annotations
 
@@ -13,9 +17,9 @@ import difflib
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, NoReturn, TypeVar, cast
 
-__all__ = ["check_keywords", "checks_keywords", "checks_method_keywords"]
+__all__ = ["Required", "check_keywords", "checks_keywords", "checks_method_keywords", "required"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _BY_NAME = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -76,3 +80,35 @@ def checks_method_keywords(prefix: str, names: Sequence[str]) -> Callable[[type]
         return cls
 
     return decorate
+
+
+class Required:
+    """The default of a required argument of a per-step function that takes misspelt keywords itself (``where``: the
+    call's name, ``name``: the argument's): every use of it (a number, a comparison, arithmetic, iterating it, an
+    attribute) raises ``TypeError`` naming the call and the argument, as Python's "missing 1 required argument" (see
+    the module's notes). The function's body needs no check: where its own checks refuse the value (an error path),
+    :meth:`refuse` says that instead."""
+
+    __slots__ = ("where", "name")
+
+    def __init__(self, where: str, name: str) -> None:
+        self.where, self.name = where, name
+
+    def refuse(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Raise the ``TypeError`` of the argument left out."""
+        raise TypeError(f"{self.where} missing 1 required argument: {self.name!r}")
+
+    def __repr__(self) -> str:
+        return "<required>"
+
+    def __getattr__(self, attribute: str) -> NoReturn:  # only for attributes it has not (a tensor's, a list's)
+        self.refuse()
+
+    __float__ = __int__ = __index__ = __bool__ = __len__ = __iter__ = __contains__ = __getitem__ = refuse
+    __lt__ = __le__ = __gt__ = __ge__ = __neg__ = __abs__ = refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = __pow__ = refuse
+
+
+def required(where: str, name: str) -> Any:
+    """A :class:`Required` default for the argument ``name`` of ``where`` (typed ``Any``: it stands for any value)."""
+    return Required(where, name)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lightning_mpx.common.keywords import Required
 from lightning_mpx.engine.grad_checks import local_squares, reduce_checks
 from lightning_mpx.engine.optimizer_state import _Stage
 from lightning_mpx.engine.rescale import follow_cleared_grads, grad_marks
@@ -111,6 +112,8 @@ def _clip_unscaled(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
 def clip_limit(name: str, value: object) -> float:
     """``value`` as a float, refused unless a positive number (``math.inf``: no clipping): a NaN limit makes every
     gradient NaN, a negative one flips or pins them, and the step that follows would apply them."""
+    if isinstance(value, Required):  # left out (a misspelt keyword is named before): Python's missing-argument error
+        value.refuse()
     try:
         limit = None if isinstance(value, (bool, str)) else float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError, RuntimeError):

@@ -120,6 +120,8 @@ class OptimizerStep:
                 "closure: loss scaling cannot re-run a closure inside the optimizer step; run the closure first, "
                 "then call step() without it."
             )
+        if self.machine.unheld is not None:  # a raw optimizer stepped since the backward (engine.beside_steps)
+            self.machine.unheld.before_step(self.machine, optimizer)
         if self.machine.refused is not None and reducer is None and self.machine.sharding is None:
             refused, self.machine.refused = self.machine.refused, None  # no rank to meet (engine.unsynced)
             raise RuntimeError(refused)
@@ -164,6 +166,8 @@ class OptimizerStep:
                 raise
             self.machine.steps_taken += 1  # engine.raw_steps: parameters written by an engine step
             after_step(state, optimizer, masters=bool(self.machine.masters.weights))
+            if self.machine.unheld is not None:  # a raw optimizer stepped after it (engine.beside_steps)
+                self.machine.unheld.after_step(self.machine)
             self.pending.steps.append(pending)  # PendingSteps.add, written out
             if self.forensics.watch.active:
                 # The forward watch's record is of this step's forward, which the next forward replaces: settle it
@@ -186,6 +190,8 @@ class OptimizerStep:
             raise
         self.machine.steps_taken += 1  # engine.raw_steps: parameters written by an engine step
         after_step(state, optimizer, masters=bool(self.machine.masters.weights))  # its gradients, left for FP32's loop
+        if self.machine.unheld is not None:  # a raw optimizer stepped after it (engine.beside_steps)
+            self.machine.unheld.after_step(self.machine)
         return True
 
     def _skip(
@@ -255,6 +261,8 @@ class OptimizerStep:
                 undo_pass(state, self.machine.masters.weights)
         self.machine.steps_taken += 1  # engine.raw_steps: parameters written by an engine step
         after_step(state, optimizer, masters=bool(self.machine.masters.weights))
+        if self.machine.unheld is not None:  # a raw optimizer stepped after it (engine.beside_steps)
+            self.machine.unheld.after_step(self.machine)
 
     # -- skip_on_device -----------------------------------------------------------------------------------------
     def refusal(self, optimizer: torch.optim.Optimizer) -> str | None:

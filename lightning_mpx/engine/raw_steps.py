@@ -71,6 +71,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
+from lightning_mpx.engine.beside_steps import StepsBeside, written_before_step
 from lightning_mpx.engine.carried_scales import CarriedScales
 from lightning_mpx.engine.frozen_writes import warn_half_ema, watch_frozen
 from lightning_mpx.engine.optimizer_state import _OptimizerState
@@ -215,6 +216,10 @@ class UnheldParams:
         # The gradients the engine's backwards of dynamic losses left here, and the scale each carries across an update,
         # which an optimizer registered over them later starts with (engine.carried_scales; a Fabric GAN's generator).
         self.scales = CarriedScales()
+        # A raw optimizer stepped in the same iteration as a prepared one (engine.beside_steps): the ids of the
+        # gradients at the note, and what the last engine step left of these parameters.
+        self.grad_ids: tuple[int, ...] = ()
+        self.beside = StepsBeside()
 
     def params(self) -> tuple[torch.Tensor, ...]:
         """The parameters, from the live models (once each)."""
@@ -233,6 +238,12 @@ class UnheldParams:
         last one (:meth:`check`), then, where a raw step would harm (O2, or a scale other than 1), have the end of
         this backward note the parameters."""
         self.check(machine)
+        if self.beside.written:  # gradients freed after a write since the last engine step (engine.beside_steps)
+            self._refuse_beside(
+                self.beside.take(machine),
+                machine,
+                "after the step of a prepared optimizer, while they held the gradients of the backward before it",
+            )
         scaler = machine.scalers[loss_id]
         masters = bool(machine.masters.weights)
         if not self.looked and masters and machine.optimizers:
@@ -268,6 +279,7 @@ class UnheldParams:
     def forget(self) -> None:
         """Forget what was noted (a stage change of the engine wrote the parameters)."""
         self.note, self.suspects, self.deferred = None, frozenset(), ()
+        self.beside.forget()
 
     def judge(self, machine: Any, optimizer: torch.optim.Optimizer) -> frozenset[int]:
         """Where a door that registers optimizers at their first step (``machine.registers_at_step``: Fabric's)
@@ -354,6 +366,44 @@ class UnheldParams:
             return
         raise RuntimeError(message)
 
+    def before_step(self, machine: Any, optimizer: torch.optim.Optimizer) -> None:
+        """At an engine step of ``optimizer``, before it: refuse parameters here that held a gradient at the end of
+        the last backward and were written since, with no engine step between (a raw optimizer stepped before the
+        prepared one: engine.beside_steps). Kept in ``machine.refused``, which the step raises (on every rank, where
+        they meet)."""
+        stepped = written_before_step(self.note, self.grad_ids, machine.steps_taken)
+        if stepped:
+            when = f"between a backward of lightning_mpx and the step of its prepared {type(optimizer).__name__}"
+            self._refuse_beside(stepped, machine, when, at_step=True)
+
+    def after_step(self, machine: Any) -> None:
+        """At the end of an engine step: what it left of these parameters, for a raw step after it
+        (:class:`~lightning_mpx.engine.beside_steps.StepsBeside`)."""
+        note = self.note
+        if note is not None:
+            self.beside.after_step(note[0], machine)
+
+    def _refuse_beside(
+        self, stepped: Sequence[torch.Tensor], machine: Any, when: str, *, at_step: bool = False
+    ) -> None:
+        """Refuse a raw step beside an engine step over ``stepped`` (those a registered optimizer holds now, at O2
+        with a unit scale those not half, and the weights an ``nn.Embedding(max_norm=...)`` renormalises at each
+        forward, left out), at once or where the ranks meet."""
+        note = self.note
+        half_only = note is not None and note[4]
+        left = _held(machine) | machine.renormed
+        stepped = [p for p in stepped if id(p) not in left and (not half_only or p.dtype in _HALF)]
+        if not stepped:
+            return
+        self.forget()  # raised once: a caller that catches it is not told again for the same writes
+        shown = _shown(stepped, machine.masters.weights, machine.names)
+        message = f"parameters {shown}, which no optimizer prepared by lightning_mpx holds, were written {when}: "
+        message += _BESIDE_FIX
+        if at_step or machine.unsynced_at == machine.steps_taken:  # raised by the step (engine.unsynced)
+            machine.refused = machine.refused or message
+            return
+        raise RuntimeError(message)
+
     def _unmet(self, machine: Any, stepped: Sequence[torch.Tensor]) -> bool:
         """Whether ``stepped`` may be an optimizer's write that the door has not met yet: before any registration, or
         (a GAN's second optimizer, met after the first) when each lies in a prepared model no registered optimizer
@@ -396,6 +446,7 @@ class UnheldParams:
             versions = tuple(map(_VERSION, params))
             grads = tuple(map(_GRAD, params))
             had = tuple(map(operator.is_not, grads, itertools.repeat(None)))
+            self.grad_ids = tuple(map(id, grads))
         if self.note is not None and not _same(params, self.note[0]):
             self.suspects = frozenset()  # positions among other parameters
         self.note = params, versions, had, noted_at, half_only
@@ -474,6 +525,19 @@ _FIX = (
     "Trainer's trainer.precision_plugin.amp, Fabric's plugin.amp, accelerator.amp or the Amp itself), which takes it "
     "as yours (at O2 into the FP32 masters); neither is a raw step. A SAM-style two-pass optimizer (first_step, "
     "second_step): see 'SAM and two-pass optimizers' in docs/master_weights.md."
+)
+_BESIDE_FIX = (
+    "a torch optimizer that lightning_mpx did not prepare (a second one, such as a head's, stepped before or after "
+    "the prepared one) stepped them with gradients still multiplied by the loss scale (at O2 the half model's, with no "
+    "FP32 master update); their weights took that step (reload them if you go on from here). Give that optimizer to "
+    "lightning_mpx too: under the Trainer, return it from configure_optimizers beside the other and step "
+    "self.optimizers() (manual optimization); with Fabric, fabric.setup(model, optimizer, head_optimizer) and step "
+    "what it returns; with Accelerate, accelerator.prepare(model, optimizer, head_optimizer); with the core Amp, "
+    "amp.prepare_optimizer(optimizer) and amp.step(optimizer). Or, at O1, unscale them before your own step: give each "
+    "parameter its true gradient (for p, g in zip(params, amp.true_grads(params)): p.grad = g, with the Trainer's "
+    "trainer.precision_plugin.amp, Fabric's plugin.amp, accelerator.amp or the Amp itself). A write of your own while "
+    "they held their gradients (a clamp) looks the same: call refresh_masters(force=True) on that amp right after it, "
+    "which takes it as yours. Parameters left out of every optimizer on purpose: freeze them (requires_grad_(False))."
 )
 _SAM_FIX = (
     "with still-scaled gradients (at O2 the half model's, with no FP32 master update). Give the optimizer a step() "

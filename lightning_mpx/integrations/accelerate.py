@@ -77,7 +77,7 @@ from torch import nn
 
 from lightning_mpx.common.containers import read_floats
 from lightning_mpx.common.imports import require
-from lightning_mpx.common.keywords import check_keywords, checks_method_keywords
+from lightning_mpx.common.keywords import Required, check_keywords, checks_method_keywords, required
 from lightning_mpx.common.weak import WeakHook
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.optimizer_state import BACKWARD_KEYWORDS
@@ -141,6 +141,8 @@ _CHECKED_METHODS = (
     "prepare", "prepare_model", "prepare_optimizer", "get_state_dict", "free_memory", "autocast", "log", "mpx_metrics",
     "request_mpx_telemetry", "register_save_state_pre_hook", "save_model",
 )  # fmt: skip
+# backward()'s loss when left out, or misspelt (los=): refused naming it, with no check per call (keywords.Required)
+_LOSS = required("accelerator.backward()", "loss")
 _SUPPORTED_DISTRIBUTED = (
     DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.FSDP
 )
@@ -454,11 +456,11 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
         with self.amp.forward_context():
             yield
 
-    def backward(self, loss: torch.Tensor, loss_id: int = 0, **kwargs: Any) -> None:
+    def backward(self, loss: torch.Tensor = _LOSS, loss_id: int = 0, **kwargs: Any) -> None:
         """Scaled backward of ``loss / gradient_accumulation_steps`` (Accelerate's division is kept).
 
         Args:
-            loss: The loss.
+            loss: The loss (left out, or misspelt: refused naming it).
             loss_id: Which loss scaler to use (``0`` to ``num_losses - 1``); opt levels only.
             **kwargs: Passed to ``Tensor.backward``.
         """
@@ -471,12 +473,18 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
             super().backward(loss, **kwargs)
             return
         if kwargs:  # refused in the adapter's name (the core's check names its own backward())
-            check_keywords("accelerator.backward()", kwargs, BACKWARD_KEYWORDS)
+            check_keywords("accelerator.backward()", kwargs, ("loss", *BACKWARD_KEYWORDS))
         self._close_iteration()  # a pending update must reach the scale this backward uses
         every = self.mpx_kwargs.telemetry_every_n_steps if self.mpx_kwargs is not None else None
         if every is not None and self._iterations % every == 0:
             self.amp.request_telemetry()  # before this iteration's unscale; Amp.update() ends the request
-        self.amp.backward(loss / self.gradient_accumulation_steps, loss_id=loss_id, **kwargs)
+        try:  # (no cost without an exception)
+            divided = loss / self.gradient_accumulation_steps
+        except TypeError:
+            if isinstance(loss, Required) and kwargs:  # misspelt (los=): named, with the one meant
+                check_keywords("accelerator.backward()", kwargs, ("loss", *BACKWARD_KEYWORDS))
+            raise
+        self.amp.backward(divided, loss_id=loss_id, **kwargs)
 
     # -- metrics ----------------------------------------------------------------------------------------------------
     def request_mpx_telemetry(self) -> None:

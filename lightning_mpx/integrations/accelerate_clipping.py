@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable, NoReturn
 import torch
 
 from lightning_mpx.common.imports import require
-from lightning_mpx.common.keywords import check_keywords
+from lightning_mpx.common.keywords import check_keywords, required
 from lightning_mpx.engine.clipping import clip_limit
 
 require("accelerate", feature="lightning_mpx.accelerate")
@@ -51,7 +51,11 @@ class GradientClipping:
         self._unscale(owners)
 
     def clip_grad_norm_(
-        self, parameters: Any, max_norm: float, norm_type: float = 2, **misspelt: NoReturn
+        self,
+        parameters: Any = required("accelerator.clip_grad_norm_()", "parameters"),
+        max_norm: float = required("accelerator.clip_grad_norm_()", "max_norm"),
+        norm_type: float = 2,
+        **misspelt: NoReturn,
     ) -> torch.Tensor:
         """Clip the unscaled gradients of ``parameters`` to a global norm; returns the norm before clipping.
 
@@ -66,7 +70,8 @@ class GradientClipping:
             ValueError: when ``max_norm`` is not a positive number (``math.inf`` is: the norm without clipping), a
                 parameter with a gradient belongs to no optimizer prepared by this accelerator, or under FSDP for a
                 part of an optimizer's parameters or a norm_type other than 2.
-            TypeError: for a keyword it does not take (``max_nrom=``), naming the valid ones.
+            TypeError: for a keyword it does not take (``max_nrom=``), naming the valid ones and the one meant; for
+                ``parameters`` or ``max_norm`` left out, naming it.
         """
         if misspelt:
             check_keywords("accelerator.clip_grad_norm_()", misspelt, ("parameters", "max_norm", "norm_type"))
@@ -92,7 +97,12 @@ class GradientClipping:
         self._unscale(owners)
         return torch.nn.utils.clip_grad_norm_(targets, max_norm, norm_type=norm_type)
 
-    def clip_grad_value_(self, parameters: Any, clip_value: float, **misspelt: NoReturn) -> None:
+    def clip_grad_value_(
+        self,
+        parameters: Any = required("accelerator.clip_grad_value_()", "parameters"),
+        clip_value: float = required("accelerator.clip_grad_value_()", "clip_value"),
+        **misspelt: NoReturn,
+    ) -> None:
         """Clamp the unscaled gradients of ``parameters`` to ``[-clip_value, clip_value]`` (see
         :meth:`clip_grad_norm_` for how parameters are mapped)."""
         if misspelt:

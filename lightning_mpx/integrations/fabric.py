@@ -63,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import weakref
+from types import FrameType
 from typing import Any, ContextManager, Iterator
 
 import torch
@@ -161,6 +162,9 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         # masters made by convert_module, to take from the set-up model; True: the ranks agreed on their FP32 values
         self._unsynced: list[tuple[MasterWeights, bool]] = []
         self._unchecked: list[weakref.ref[nn.Module]] = []  # prepared by convert_module; sharded by the strategy?
+        # ...and the frames of the fabric.setup calls that converted them, where the FSDP1 wrapper is found after
+        # (fabric_sharding.fsdp1_wrapper): held until the first call after fabric.setup, then let go.
+        self._setups: list[tuple[weakref.ref[nn.Module], FrameType]] = []
         self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self._clipping: weakref.WeakSet[Optimizer] = weakref.WeakSet()  # main_params handed out since the unscale
         # Each converted model's FSDP1 wrapper (FSDPStrategy), found at the first call after fabric.setup.
@@ -237,7 +241,8 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         model."""
         if not isinstance(module, nn.Module):
             raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module.")
-        given = _fabric_call(sys._getframe(1))  # fabric.setup's: its Fabric and the optimizers it was given
+        setup = _fabric_call(sys._getframe(1))  # fabric.setup's frame: its Fabric and the optimizers it was given
+        given = setup.f_locals if setup is not None else {}
         caller = given.get("self")  # fabric.setup's Fabric, or not a Fabric
         if module in self._modules:  # set up before: at O2 unsharded, again if another plugin took its masters since
             if not self.amp.properties.master_weights or self.amp.sharded or holds_masters(self.amp, module):
@@ -285,6 +290,8 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         # taken again from the set-up model at the next call into the plugin.
         self._unsynced += [(masters, agree) for masters in self.amp.master_weights if id(masters) not in before]
         self._unchecked.append(weakref.ref(module))
+        if setup is not None:  # the wrapper FSDPStrategy puts around the model is one of its locals after it
+            self._setups.append((weakref.ref(module), setup))
         self._modules.add(module)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             self.amp.log_overflows = torch.distributed.get_rank() == 0
@@ -477,22 +484,23 @@ def _untraced_scope(amp: Amp) -> ContextManager[Any]:
     return amp.forward_context()
 
 
-def _fabric_call(frame: Any) -> dict[str, Any]:
-    """The locals of the Fabric call that converts a module (``convert_module``'s caller ``frame``): ``fabric.setup``'s
-    (``self``, its ``optimizers``) or ``setup_module``'s. The caller itself when its ``self`` is a ``Fabric`` (a
-    subclass's own ``setup`` included), else the nearest ``Fabric.setup``/``setup_module`` above it (a subclass of the
-    plugin whose ``convert_module`` calls ``super()``, a wrapper put on the method); empty when there is none: the
-    plugin then meets the optimizers at their first step and takes the device from the module."""
+def _fabric_call(frame: FrameType) -> FrameType | None:
+    """The frame of the Fabric call that converts a module (``convert_module``'s caller ``frame``): ``fabric.setup``'s
+    (its locals: ``self``, its ``optimizers``; after it, the ``module`` it set up) or ``setup_module``'s. The caller
+    itself when its ``self`` is a ``Fabric`` (a subclass's own ``setup`` included), else the nearest
+    ``Fabric.setup``/``setup_module`` above it (a subclass of the plugin whose ``convert_module`` calls ``super()``, a
+    wrapper put on the method); ``None`` when there is none: the plugin then meets the optimizers at their first step
+    and takes the device from the module."""
     if isinstance(frame.f_locals.get("self"), Fabric):
-        return frame.f_locals
+        return frame
     codes = (Fabric.setup.__code__, Fabric.setup_module.__code__)
     for _ in range(_FRAMES_SEARCHED):
-        frame = frame.f_back
+        frame = frame.f_back  # type: ignore[assignment]
         if frame is None:
             break
         if frame.f_code in codes:
-            return frame.f_locals
-    return {}
+            return frame
+    return None
 
 
 # How far up convert_module's caller _fabric_call looks for Fabric's setup (a few wrappers deep).

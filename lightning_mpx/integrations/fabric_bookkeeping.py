@@ -50,6 +50,7 @@ class FabricBookkeeping:
     # masters made by convert_module, to take from the set-up model; True: the ranks agreed on their FP32 values
     _unsynced: list[tuple[MasterWeights, bool]]
     _unchecked: list[weakref.ref[nn.Module]]  # prepared by convert_module; sharded by the strategy?
+    _setups: list[tuple[weakref.ref[nn.Module], Any]]  # ...and the frames of the fabric.setup calls that did
     _optimizers: weakref.WeakSet[Optimizer]  # the optimizers registered with the engine
     _held: HeldMasters  # the engine's: masters a loaded entry left to the model's entry
     _flips: bool  # a schedule-free optimizer registered (its eval()/train() followed at the forward, untraced)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 from torch import nn
 from torch.optim import Optimizer
@@ -33,7 +33,7 @@ def adopt_sharded(plugin: FabricMixedPrecisionPlugin) -> None:
     modules = [sharded_form(plugin, m) for m in (ref() for ref in plugin._unchecked) if m is not None]
     sharded = [m for m in modules if is_sharded(m)]
     if not sharded and not plugin.amp.sharded:
-        plugin._unchecked.clear()
+        forget_setups(plugin)
         return
     if plugin.amp.properties.master_weights:
         raise RuntimeError(o2_refusal(plugin.amp.opt_level, dtype_name(plugin.amp.half_dtype), fsdp1=any(
@@ -53,15 +53,26 @@ def adopt_sharded(plugin: FabricMixedPrecisionPlugin) -> None:
             "ModelParallelStrategy, shard every model you fabric.setup in parallelize_fn (fully_shard, or "
             "lightning_mpx.fsdp.shard_model(model, plugin, mesh=mesh['data_parallel'])), a frozen one too."
         )
-    plugin._unchecked.clear()  # refused above at every call, not only the first
+    forget_setups(plugin)  # refused above at every call, not only the first
     for module in sharded:
         plugin.amp.prepare_model(module)  # the engine then reduces the flags itself, once per step
+
+
+def forget_setups(plugin: FabricMixedPrecisionPlugin) -> None:
+    """The models converted since the last call are taken: their ``fabric.setup`` frames are let go (they hold what
+    the call's locals held, and its caller's frame)."""
+    plugin._unchecked.clear()
+    plugin._setups.clear()
 
 
 def sharded_form(plugin: FabricMixedPrecisionPlugin, module: nn.Module) -> nn.Module:
     """``module``, or the FSDP1 wrapper Fabric's ``FSDPStrategy`` put around it (found once, then kept)."""
     known = plugin._wrappers.get(module)
-    wrapper = known() if known is not None else fsdp1_wrapper(module)
+    if known is not None:
+        wrapper = known()
+    else:
+        setups = [frame for ref, frame in plugin._setups if ref() is module]
+        wrapper = fsdp1_wrapper(module, setups) if setups else fsdp1_wrapper_by_referrers(module)
     if wrapper is None:
         return module
     # A weak reference: the wrapper holds the module, which would then never leave the dictionary.
@@ -159,13 +170,36 @@ def is_fsdp1(module: nn.Module) -> bool:
     return any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
 
 
-def fsdp1_wrapper(module: nn.Module) -> nn.Module | None:
+def fsdp1_wrapper(module: nn.Module, setups: Iterable[Any]) -> nn.Module | None:
     """The FSDP1 wrapper whose wrapped module is ``module``, or ``None``.
 
     Fabric's ``FSDPStrategy`` wraps the model after :meth:`FabricMixedPrecisionPlugin.convert_module` and hands the
-    plugin nothing after that; FSDP1 marks the parameters it flattened, and only then is the wrapper looked for among
-    what refers to ``module`` (its ``_modules`` dictionary, up to the wrapper): once per model, at the first call
-    after ``fabric.setup``."""
+    plugin nothing after that; but the ``fabric.setup`` (or ``setup_module``) call that converted it holds it after:
+    its local ``module`` is the ``_FabricModule`` it returned, whose ``_forward_module`` is the wrapper (through
+    ``torch.compile``'s ``OptimizedModule`` when the model was compiled before ``fabric.setup``). ``setups``: the
+    frames of those calls, which the plugin keeps until its first call after ``fabric.setup``. Read once per model,
+    at that call, and only when FSDP1 flattened the model's parameters; nothing in the heap is searched (the garbage
+    collector does not see what ``gc.freeze()`` froze, as a user does before forking data-loader workers)."""
+    if not any(getattr(p, "_fsdp_flattened", False) for p in module.parameters()):
+        return None
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    for frame in setups:
+        for value in list(frame.f_locals.values()):
+            for _ in range(_WRAPPERS_FOLLOWED):  # _FabricModule -> (OptimizedModule ->) FSDP1 wrapper
+                if not isinstance(value, nn.Module):
+                    break
+                if isinstance(value, FullyShardedDataParallel) and value._fsdp_wrapped_module is module:
+                    return value
+                inner = value._modules  # registered submodules only: FSDP1 forwards missing attributes inwards
+                value = inner.get("_forward_module", inner.get("_orig_mod"))
+    return None
+
+
+def fsdp1_wrapper_by_referrers(module: nn.Module) -> nn.Module | None:
+    """:func:`fsdp1_wrapper` for a model the plugin converted outside any ``fabric.setup`` (its ``convert_module``
+    called by hand): the wrapper looked for among what refers to ``module``, once per model. Blind to what
+    ``gc.freeze()`` froze: a model set up by Fabric is found through its ``fabric.setup`` call instead."""
     if not any(getattr(p, "_fsdp_flattened", False) for p in module.parameters()):
         return None
     from torch.distributed.fsdp import FullyShardedDataParallel
@@ -181,3 +215,6 @@ def fsdp1_wrapper(module: nn.Module) -> nn.Module | None:
             break
     return None
 
+
+# How many wrappers fsdp1_wrapper follows inwards from a local of fabric.setup (_FabricModule, OptimizedModule).
+_WRAPPERS_FOLLOWED = 4

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from lightning_mpx.common.imports import require
-from lightning_mpx.common.keywords import check_keywords, checks_keywords
+from lightning_mpx.common.keywords import Required, check_keywords, checks_keywords, required
 from lightning_mpx.integrations.accelerate import Accelerator, MixedPrecisionKwargs
 from lightning_mpx.integrations.accelerate_checkpoint import AMP_STATE_NAME, masters_into, warn_frozen_half
 from lightning_mpx.integrations.accelerate_forward import engine_of
@@ -221,13 +221,22 @@ class MpxTrainerMixin:
             config.save_pretrained(output_dir if output_dir is not None else self.args.output_dir)  # type: ignore[attr-defined]
 
     # -- metrics ------------------------------------------------------------------------------------------------------
-    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+    def log(self, logs: dict[str, float] = required("trainer.log()", "logs"), *args: Any, **kwargs: Any) -> None:
         """The Trainer's ``log``; a training log (one with ``"loss"``) also gets the engine's metrics since the
         previous one (``mpx/loss_scale``, ``mpx/overflows``, ``mpx/skipped_steps``, ...), unless
-        ``MixedPrecisionKwargs(log_metrics=False)``; the Trainer's own values win on a name clash."""
+        ``MixedPrecisionKwargs(log_metrics=False)``; the Trainer's own values win on a name clash. ``logs`` left out
+        or misspelt (``log(logz=...)``) is refused naming it."""
         accelerator = self.accelerator
+        try:  # (no cost without an exception)
+            training = "loss" in logs
+        except TypeError:
+            if isinstance(logs, Required) and kwargs:  # misspelt: named, with the one meant and the valid ones
+                params = inspect.signature(super().log).parameters.values()  # type: ignore[misc]
+                valid = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+                check_keywords("trainer.log()", kwargs, valid)
+            raise
         if (
-            "loss" in logs
+            training
             and accelerator.amp is not None
             and accelerator.mpx_kwargs is not None
             and accelerator.mpx_kwargs.log_metrics

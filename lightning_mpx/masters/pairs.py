@@ -92,6 +92,8 @@ def warn_from_rounding(master_weights: Sequence[MasterWeights]) -> None:
         masters.rounding_warned = True
         if not _rank_zero():  # the same model on every rank: one warning
             continue
+        if masters.rounding_cause == "evaluation":  # those another optimizer will make too: every one named now
+            names += [name for name in masters.rounded_to_come() if name not in names]
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         if masters.rounding_cause == "evaluation":
             warnings.warn(_EVALUATED_FIRST.format(count=len(names), shown=shown), UserWarning,

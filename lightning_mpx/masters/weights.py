@@ -342,6 +342,12 @@ class MasterWeights(MasterCheckpoint):
                 if cause != "frozen":
                     self.rounding_cause = cause
 
+    def rounded_to_come(self) -> list[str]:
+        """The names of the trainable parameters cast when their model was prepared for evaluation only whose masters
+        are not made yet (another optimizer's, prepared after): they will start from the rounding too, and the one
+        warning names them with those made (:func:`~lightning_mpx.masters.pairs.warn_from_rounding`)."""
+        return [e.name for e, param in self._live() if e.rounded and e.master is None and param.requires_grad]
+
     def keeps_value(self, param: torch.Tensor) -> bool:
         """Whether an FP32 value is kept for ``param``'s master, not made yet (``initial``): then making the master
         costs no memory (the value becomes it), and a parameter frozen since preparing gets it from that value."""
