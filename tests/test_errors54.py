@@ -119,7 +119,7 @@ FIXED: list[Row] = [
     ("apex master_params(model)", lambda: list(apex_amp.master_params(_linear())), TypeError,
      r"optimizer=Linear is not an optimizer"),
     ("apex load_state_dict(list)", lambda: _apex_load([]), TypeError,
-     r"state=list must be the dict that amp\.state_dict\(\) returned"),
+     r"state_dict=list must be the dict that amp\.state_dict\(\) returned"),
     ("check_sharded_model(list)", lambda: check_sharded_model([_linear()], "O2"), TypeError,
      r"module=list must be a torch\.nn\.Module"),
     ("Accelerator(kwargs_handlers=handler)", lambda: _accelerator(mixed_precision="O2", kwargs_handlers=_mpk()),

@@ -61,8 +61,8 @@ def register_promote_function(module: Any, name: str) -> None:
 
 
 def _decorator(category: str) -> Callable[[F], F]:
-    def decorate(function: F) -> F:
-        wrapper = dispatchable(function)
+    def decorate(fn: F) -> F:  # Apex's name for it: half_function(fn=...) works too
+        wrapper = dispatchable(fn)
         _register(wrapper, category)
         return wrapper  # type: ignore[return-value]
 

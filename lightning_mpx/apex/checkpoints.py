@@ -58,8 +58,10 @@ def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
 
 
 @checks_keywords("amp.load_state_dict()")
-def load_state_dict(state: dict[str, Any]) -> None:
-    """Load :func:`state_dict` output, an Apex checkpoint's ``"amp"`` entry, or a core ``Amp.state_dict()``."""
+def load_state_dict(state_dict: dict[str, Any]) -> None:
+    """Load :func:`state_dict` output, an Apex checkpoint's ``"amp"`` entry, or a core ``Amp.state_dict()``
+    (``state_dict``: Apex's name for the argument, which a script may pass by name)."""
+    state = state_dict
     amp = _amp_state.amp
     if amp is None:
         raise RuntimeError(
@@ -68,7 +70,7 @@ def load_state_dict(state: dict[str, Any]) -> None:
             "optimizer.load_state_dict(...) and amp.load_state_dict(checkpoint['amp']), in Apex's documented order."
         )
     if not isinstance(state, Mapping):
-        raise TypeError(f"state={type(state).__name__} must be the dict that amp.state_dict() returned.")
+        raise TypeError(f"state_dict={type(state).__name__} must be the dict that amp.state_dict() returned.")
     core = state if "scalers" in state else state.get("lightning_mpx")  # the core's own format, or this layer's
     entries = None if isinstance(core, Mapping) else _loss_scaler_entries(state, amp.num_losses)  # before any change
     # Restoring into the optimizer initialize() returned is the documented order: nothing to refuse later.

@@ -127,4 +127,6 @@ class _Fp32StateDict(_EngineHook):
                 continue
             param = params.get(key)
             master = amp.master_of(param, refresh=False) if amp is not None and param is not None else None
+            if master is param:  # no master made yet (no optimizer holds it): the FP32 value kept for it, if any
+                master = next((v for w in amp.master_weights if w.covers(param) for v in [w.fp32_value(param)]), None)
             state_dict[key] = master.detach().clone() if master is not None and master is not param else value.float()

@@ -187,11 +187,8 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
         **kwargs: Any,
     ) -> None:
         _check_keywords(kwargs)
-        if args and isinstance(args[0], str):  # Accelerator("O2") ran with no mixed precision, silently
-            raise TypeError(
-                f"Accelerator({args[0]!r}): the first positional argument is Accelerate's device_placement (a bool); "
-                f"pass the precision by name: Accelerator(mixed_precision={args[0]!r})."
-            )
+        if args:  # Accelerate's positional order (device_placement, split_batches, mixed_precision, ...): by name
+            args, mixed_precision, kwargs_handlers, kwargs = _by_name(args, kwargs, mixed_precision, kwargs_handlers)
         self.amp: Amp | None = None
         self.mpx_kwargs: MixedPrecisionKwargs | None = None
         ours, theirs = _split_handlers(kwargs_handlers)
@@ -467,6 +464,8 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
                 )
             super().backward(loss, **kwargs)
             return
+        if kwargs:  # refused in the adapter's name (the core's check names its own backward())
+            check_keywords("accelerator.backward()", kwargs, ("loss", *BACKWARD_KEYWORDS))
         self._close_iteration()  # a pending update must reach the scale this backward uses
         every = self.mpx_kwargs.telemetry_every_n_steps if self.mpx_kwargs is not None else None
         if every is not None and self._iterations % every == 0:
@@ -608,6 +607,35 @@ def _check_keywords(kwargs: dict[str, Any]) -> None:
                 f"with mixed_precision='O0' to 'O3'."
             )
         check_keywords("Accelerator()", {name: kwargs[name]}, accepted)
+
+
+def _by_name(
+    args: tuple[Any, ...], kwargs: dict[str, Any], mixed_precision: Any, kwargs_handlers: Any
+) -> tuple[tuple[()], Any, Any, dict[str, Any]]:
+    """``Accelerator(*args, ...)``'s positional ``args`` bound to ``accelerate.Accelerator``'s parameters in its order:
+    ``((), mixed_precision, kwargs_handlers, kwargs)`` (a third positional argument is its ``mixed_precision``, which
+    this class takes by name: Python reported it given twice). A value given both ways is refused naming it."""
+    if isinstance(args[0], str):  # Accelerator("O2") ran with no mixed precision, silently
+        raise TypeError(
+            f"Accelerator({args[0]!r}): the first positional argument is Accelerate's device_placement (a bool); "
+            f"pass the precision by name: Accelerator(mixed_precision={args[0]!r})."
+        )
+    names = [
+        name for name, p in inspect.signature(_BaseAccelerator.__init__).parameters.items()
+        if name != "self" and p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    ]  # fmt: skip
+    if len(args) > len(names):
+        raise TypeError(f"Accelerator() takes {len(names)} positional arguments but {len(args)} were given.")
+    given = {"mixed_precision": mixed_precision, "kwargs_handlers": kwargs_handlers}
+    bound = dict(kwargs)
+    for name, value in zip(names, args):
+        if name in kwargs or given.get(name) is not None:
+            raise TypeError(
+                f"Accelerator() got multiple values for argument {name!r}: positional argument "
+                f"{names.index(name) + 1} is Accelerate's {name}, and {name}= was given too."
+            )
+        bound[name] = value
+    return (), bound.pop("mixed_precision", mixed_precision), bound.pop("kwargs_handlers", kwargs_handlers), bound
 
 
 def _native_handler_refusal(handler: KwargsHandler, opt_level: str) -> str:

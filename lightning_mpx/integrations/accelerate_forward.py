@@ -241,6 +241,7 @@ def take_over(amp: Amp, model: nn.Module, *, train: bool, rank_zero_fp32: bool =
     old, weights = forward._amp, {}
     _refuse_if_still_trained(old, inner)
     evaluated: set[int] = set()
+    frozen: set[int] = set()
     if amp.properties.master_weights and train and not old.sharded:  # FSDP: its sharded FP32 parameters
         # Made half by the old engine for evaluation only (no master covers them, no FP32 value was kept): their new
         # masters start from the rounding, which is warned about as at their first preparation for training.
@@ -248,6 +249,7 @@ def take_over(amp: Amp, model: nn.Module, *, train: bool, rank_zero_fp32: bool =
             id(param) for param in inner.parameters()
             if old.made_half(param) and not any(masters.covers(param) for masters in old.master_weights)
         }  # fmt: skip
+        frozen = _frozen_without_fp32(old, inner)  # frozen when the old engine cast them: the same, as "frozen"
         # The old engine's FP32 values where they hold more than the half weights: its masters, and the FP32 values it
         # kept for masters not made yet (a model prepared for training before any optimizer). A copy's forward-only
         # engine has neither: its half values are the weights.
@@ -265,14 +267,27 @@ def take_over(amp: Amp, model: nn.Module, *, train: bool, rank_zero_fp32: bool =
             }
     target.forward = target.__dict__.pop("_original_forward", forward._forward)
     amp.prepare_model(inner, train=train)
-    for masters in amp.master_weights if evaluated else ():
+    for masters in amp.master_weights if evaluated or frozen else ():
         masters.note_rounded(evaluated, cause="evaluation")
+        masters.note_rounded(frozen)
     install_forward(amp, inner)
     if amp.properties.master_weights:  # its state_dict() gives this engine's masters, not the old one's
         MastersInStateDict.install(inner, amp)
     if weights:
         inner.load_state_dict(weights, strict=False)  # FP32 values go to the new masters exactly
     return inner
+
+
+def _frozen_without_fp32(old: Amp, model: nn.Module) -> set[int]:
+    """The ids of the parameters of ``model`` that ``old`` made half while they were frozen, keeping no FP32 value
+    (its masters cover them, with none made): the new engine finds them half already, and a master made for one
+    later (unfrozen after ``free_memory()``) starts from the rounding, warned about as in the old engine."""
+    return {
+        id(param) for param in model.parameters()
+        if old.made_half(param)
+        and (covering := [masters for masters in old.master_weights if masters.covers(param)])
+        and all(masters.fp32_value(param) is None for masters in covering)
+    }  # fmt: skip
 
 
 def release_optimizers(amp: Amp) -> None:

@@ -168,6 +168,7 @@ class MpxTrainerMixin:
         _keeping_parameters(self, super()._load_best_model)  # type: ignore[misc]
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        _train_if_evaluated(self, self.model if model is None else model)  # type: ignore[attr-defined]
         load = functools.partial(super()._load_from_checkpoint, resume_from_checkpoint, model)  # type: ignore[misc]
         _keeping_parameters(self, load)
 
@@ -258,6 +259,21 @@ def _unset_bf16_hint(targs: Any, native: list[str]) -> str:
         f" {name} sets bf16=True when it is left unset ({name}'s default, not transformers'): pass "
         f"{name}(..., bf16=False) to train with the opt level."
     )
+
+
+def _train_if_evaluated(trainer: Any, model: nn.Module) -> None:
+    """Before ``train(resume_from_checkpoint=...)`` loads the checkpoint's weights: a model ``evaluate()``/``predict()``
+    prepared for evaluation only (a Trainer made without a ``train_dataset``; at O2 half, no masters) is prepared for
+    training, so that the FP32 weights loaded next become its masters exactly. Loaded into the half model alone they
+    were rounded, and the engine's entry then refused the resume, saying the model's weights were not loaded."""
+    accelerator = trainer.accelerator
+    amp = accelerator.amp
+    if amp is None or not amp.properties.master_weights or trainer.is_fsdp_enabled:
+        return
+    if model not in accelerator._converted:  # not prepared yet (prepare makes the masters from its FP32 weights)
+        return
+    if not any(masters.covers(param) for masters in amp.master_weights for param in model.parameters()):
+        amp.prepare_model(model, train=True, rank_zero_fp32=accelerator.num_processes > 1)
 
 
 def _keeping_parameters(trainer: Any, load: Callable[[], Any]) -> None:

@@ -70,12 +70,14 @@ def master_for(master_weights: Sequence[MasterWeights], param: torch.Tensor) -> 
 #: The warning of :func:`warn_from_rounding` for a model prepared for evaluation only, then for training.
 _EVALUATED_FIRST = (
     "lightning_mpx: {count} parameter(s) ({shown}) were cast to half at O2 when the model was prepared for evaluation "
-    "only (accelerator.prepare_model(model, evaluation_mode=True), Amp.prepare_model(model, train=False)), which "
+    "only (accelerator.prepare_model(model, evaluation_mode=True), Amp.prepare_model(model, train=False); "
+    "transformers' Trainer: evaluate() or predict() before train() on a Trainer made without a train_dataset), which "
     "keeps no FP32 value; prepared for training since, "
     "their FP32 masters start from their half rounding, not from the FP32 weights the model held (which FP32 and "
-    "the frameworks' own bf16/fp16 train from). Prepare the model for training first (with its optimizer) and "
-    "evaluate it then, or load its FP32 weights again now (model.load_state_dict(fp32_state_dict), or a checkpoint "
-    "with accelerator.load_state: FP32 values go to the masters exactly; a run resumed so needs nothing more)."
+    "the frameworks' own bf16/fp16 train from). Prepare the model for training first (with its optimizer; the "
+    "Trainer: give it the train_dataset when it is made) and evaluate it then, or load its FP32 weights again now "
+    "(model.load_state_dict(fp32_state_dict), or a checkpoint with accelerator.load_state: FP32 values go to the "
+    "masters exactly; a run resumed so needs nothing more)."
 )
 
 
