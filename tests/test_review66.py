@@ -186,3 +186,29 @@ def test_ddp_watch_leaves_no_hook_on_a_copy_nor_on_a_model_evaluated_through_its
         assert _watch_hooks(b) == 0  # 1 for good (attack66a)
     finally:
         dist.destroy_process_group()
+
+
+def test_fabric_setup_in_a_function_of_the_users_lets_its_temporaries_go_when_it_returns() -> None:
+    """fsdp1find66 kept each ``fabric.setup`` frame until the plugin's next call, to find an FSDP1 wrapper among its
+    locals, under every strategy: the frame holds its caller's, so what a function of the user's that set up the model
+    had made (a checkpoint loaded to initialise it) stayed alive after it returned, until the first forward. Kept
+    under ``FSDPStrategy`` only now (FSDP1 is covered by tests/test_fsdp1find66.py)."""
+    import weakref
+
+    from lightning.fabric import Fabric
+
+    from lightning_mpx import FabricMixedPrecisionPlugin
+
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=FabricMixedPrecisionPlugin("O1", half_dtype="bfloat16"))
+
+    def build() -> tuple[Any, Any, Any]:
+        loaded = {k: v.clone() for k, v in Net().state_dict().items()}  # a checkpoint's tensors
+        net = Net()
+        net.load_state_dict(loaded)
+        model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        return model, optimizer, weakref.ref(loaded["trunk.weight"])
+
+    model, _, temporary = build()
+    assert temporary() is None  # alive until model's first forward (fsdp1find66)
+    x, _ = _batch(0)
+    assert torch.isfinite(model(x)).all()

@@ -90,6 +90,7 @@ require("lightning.fabric", extra="lightning", feature="lightning_mpx.FabricMixe
 
 from lightning.fabric import Fabric  # noqa: E402
 from lightning.fabric.plugins.precision.fsdp import FSDPPrecision  # noqa: E402
+from lightning.fabric.strategies import FSDPStrategy  # noqa: E402
 from lightning.fabric.wrappers import _FabricOptimizer  # noqa: E402
 from lightning_utilities.core.apply_func import apply_to_collection  # noqa: E402
 
@@ -290,7 +291,9 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         # taken again from the set-up model at the next call into the plugin.
         self._unsynced += [(masters, agree) for masters in self.amp.master_weights if id(masters) not in before]
         self._unchecked.append(weakref.ref(module))
-        if setup is not None:  # the wrapper FSDPStrategy puts around the model is one of its locals after it
+        if setup is not None and isinstance(getattr(caller, "strategy", None), FSDPStrategy):
+            # The wrapper FSDPStrategy puts around the model is one of its locals after it. Only there: the frame holds
+            # its callers' (a function of the user's that returned, with its temporaries) until the next call.
             self._setups.append((weakref.ref(module), setup))
         self._modules.add(module)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
