@@ -1,0 +1,212 @@
+"""Stop 66 (savecopy66): the Trainer plugin's O2 checkpoint entry copies no master that the checkpoint's
+``state_dict`` holds, and spectral norm at O2.
+
+1. Lightning's ``dump_checkpoint`` (``trainer.save_checkpoint``, ``ModelCheckpoint``) asks the precision plugin for its
+   ``state_dict()`` and calls its ``on_save_checkpoint`` next, which drops from the entry the masters the checkpoint's
+   ``state_dict`` holds (the model's state-dict hook gives them there). The entry copied every master first: a model's
+   worth of FP32 memory at every save (tests/test_house65.py's strict xfail). It now lends them for that one call
+   (``lightning_checkpoints.LentMasters``); what is written, what callbacks and the checkpoint IO see, is unchanged:
+   compared here with the same run under a subclass of the plugin that overrides ``on_save_checkpoint`` (the entry
+   then copies, as before), file by file, bit for bit: ``ModelCheckpoint`` every step (full and weights only) written
+   by ``AsyncCheckpointIO`` on its thread (it clones every tensor on the caller's thread first: the live masters in
+   the checkpoint are copied there, which is right for a file written while training goes on), and
+   ``trainer.save_checkpoint`` before the first step, inside validation and after the fit.
+2. ``spectral_norm`` at O2: its power-iteration vectors are buffers, cast to half with the model as ``"bf16-true"``
+   casts them (batch norm's statistics are kept FP32 because batch norm takes a half input with FP32 statistics;
+   ``torch.mv`` of the half weight with an FP32 vector is refused, so those vectors cannot stay FP32 alone). The
+   documented recipe, ``fp32_modules=[the layer]``, runs the layer FP32 whole, as ``"bf16-mixed"`` computes the
+   normalized weight.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.test_house65 import FACTOR, LAYERS, MASTER, LiveTemporaries, _batch, _net
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
+
+from lightning_mpx import MixedPrecisionPlugin  # noqa: E402
+
+
+class Copying(MixedPrecisionPlugin):
+    """The plugin with an ``on_save_checkpoint`` of its own: its entry copies the masters (the behaviour before)."""
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+
+
+class Module(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _net()
+
+    def training_step(self, batch: Any, index: int) -> torch.Tensor:
+        return F.cross_entropy(self.net(batch[0]), batch[1])
+
+    def validation_step(self, batch: Any, index: int) -> None:
+        self.log("val", F.cross_entropy(self.net(batch[0]), batch[1]))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _live_storages(trainer: Any) -> set[int]:
+    amp = trainer.precision_plugin.amp
+    return {amp.master_of(p, refresh=False).untyped_storage().data_ptr() for p in trainer.lightning_module.parameters()}
+
+
+class Saves(pl.Callback):
+    """``trainer.save_checkpoint`` before the first step and inside validation, each watched; and, at every save, what
+    a callback's ``on_save_checkpoint`` sees in the plugin's entry (whether it holds a live master), then an edit of
+    the checkpoint (a key of the user's in the plugin's entry and in the ``state_dict``'s neighbourhood)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.peaks: dict[str, int] = {}
+        self.live_in_entry: list[int] = []
+
+    def _save(self, trainer: Any, name: str) -> None:
+        with LiveTemporaries() as watch:
+            trainer.save_checkpoint(self.folder / f"{name}.ckpt")
+        self.peaks[name] = watch.peak
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        self._save(trainer, "start")
+
+    def on_validation_end(self, trainer: Any, module: Any) -> None:
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self._save(trainer, "validation")
+
+    def on_save_checkpoint(self, trainer: Any, module: Any, checkpoint: dict[str, Any]) -> None:
+        entry = checkpoint[type(trainer.precision_plugin).__qualname__]
+        live = _live_storages(trainer)
+        held = [t for masters in entry["master_weights"] for t in masters.values()]
+        self.live_in_entry.append(sum(t.untyped_storage().data_ptr() in live for t in held))
+        entry["users_note"] = len(held)  # an edit of the plugin's entry, and of the checkpoint
+        checkpoint["users_sum"] = sum(float(v.float().sum()) for v in checkpoint["state_dict"].values())
+
+
+def _fit(plugin: MixedPrecisionPlugin, folder: Path, io: list[Any]) -> dict[str, Any]:
+    folder.mkdir()
+    saves = Saves(folder)
+    every = ModelCheckpoint(dirpath=folder, filename="step{step}", every_n_train_steps=1, save_top_k=-1)
+    weights = ModelCheckpoint(dirpath=folder, filename="weights{step}", every_n_train_steps=3, save_top_k=-1,
+                              save_weights_only=True)  # fmt: skip
+    trainer = pl.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, val_check_interval=2, limit_val_batches=1,
+                         num_sanity_val_steps=0, callbacks=[saves, every, weights], plugins=[plugin, *io])  # fmt: skip
+    x, y = _batch()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x.repeat(4, 1), y.repeat(4)), batch_size=4)
+    trainer.fit(Module(), data, data)
+    saves._save(trainer, "after_fit")
+    return {"trainer": trainer, "saves": saves, "folder": folder}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    root = tmp_path_factory.mktemp("savecopy66")
+    lent = _fit(MixedPrecisionPlugin("O2", half_dtype=torch.bfloat16), root / "lent", [])
+    lent_async = _fit(MixedPrecisionPlugin("O2", half_dtype=torch.bfloat16), root / "async", [AsyncCheckpointIO()])
+    copying = _fit(Copying("O2", half_dtype=torch.bfloat16), root / "copying", [])
+    return {"lent": lent, "async": lent_async, "copying": copying}
+
+
+def _same(got: Any, want: Any, where: str) -> None:
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype, where
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), where
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), (where, set(got) ^ set(want))
+        for key in want:
+            _same(got[key], want[key], f"{where}/{key}")
+    elif isinstance(want, (list, tuple)):
+        assert type(got) is type(want) and len(got) == len(want), where
+        for i, (a, b) in enumerate(zip(got, want)):
+            _same(a, b, f"{where}[{i}]")
+    else:
+        assert got == want, where
+
+
+@pytest.mark.parametrize("io", ["lent", "async"])
+def test_every_checkpoint_is_written_as_the_copying_entry_wrote_it(runs: dict[str, dict[str, Any]], io: str) -> None:
+    """ModelCheckpoint every step, weights only, and ``trainer.save_checkpoint`` before the first step, inside
+    validation and after the fit, written by the default checkpoint IO or by ``AsyncCheckpointIO`` on its thread
+    while training goes on: the same files, bit for bit, as the entry that copies its masters (the plugin's key
+    renamed) writes by the default IO; the masters are in the files' ``state_dict``, FP32."""
+    lent, copying = runs[io]["folder"], runs["copying"]["folder"]
+    names = sorted(p.name for p in copying.glob("*.ckpt"))
+    assert names == sorted(p.name for p in lent.glob("*.ckpt"))
+    assert {"start.ckpt", "validation.ckpt", "after_fit.ckpt", "stepstep=1.ckpt", "weightsstep=3.ckpt"} <= set(names)
+    for name in names:
+        got = torch.load(lent / name, weights_only=False)
+        want = torch.load(copying / name, weights_only=False)
+        got.pop("callbacks", None), want.pop("callbacks", None)  # ModelCheckpoint's dirpath differs
+        if "Copying" in want:
+            want["MixedPrecisionPlugin"] = want.pop("Copying")
+            assert want["MixedPrecisionPlugin"]["master_weights"] == [{}]  # every master in the state_dict
+        assert all(v.dtype == torch.float32 for v in got["state_dict"].values()), name
+        _same(got, want, name)
+
+
+def test_callbacks_see_an_entry_without_live_masters(runs: dict[str, dict[str, Any]]) -> None:
+    """A callback's ``on_save_checkpoint`` (after the plugin's) finds no live master in the plugin's entry, at every
+    save of the run (ModelCheckpoint's and the user's)."""
+    for io in ("lent", "async"):
+        seen = runs[io]["saves"].live_in_entry
+        assert len(seen) == len(runs["copying"]["saves"].live_in_entry) == 6  # 3 steps, 3 of the user's
+        assert seen == [0] * len(seen), io
+
+
+def test_trainer_saves_copy_no_master(runs: dict[str, dict[str, Any]]) -> None:
+    """``trainer.save_checkpoint`` before the first step, inside validation and after the fit: the temporaries alive
+    at once stay under ``FACTOR`` masters' bytes (after the fit, whose end moves the model, the model's state-dict
+    hook compares each weight with its master's rounding: a boolean mask each, 1.5 masters' bytes here); the copying
+    entry held every master at once (the watch sees them)."""
+    lent, copying = runs["lent"]["saves"].peaks, runs["copying"]["saves"].peaks
+    assert set(lent) == set(copying) == {"start", "validation", "after_fit"}
+    for name in lent:
+        assert copying[name] >= LAYERS * MASTER, (name, copying[name] / MASTER)
+        assert lent[name] < FACTOR * MASTER, (name, lent[name] / MASTER)
+
+
+def test_a_master_left_out_of_the_state_dict_stays_in_the_entry_as_a_copy(tmp_path: Path) -> None:
+    """A LightningModule whose ``state_dict()`` leaves a trained layer out: the entry keeps that layer's master, a
+    copy (training goes on without changing it), and a resume without strict loading restores it exactly."""
+
+    class LeavesOut(Module):
+        def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+            state = super().state_dict(*args, **kwargs)
+            state.pop("net.0.weight", None)
+            return state
+
+    def trainer(steps: int) -> Any:
+        return pl.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False,
+                          plugins=[MixedPrecisionPlugin("O2", half_dtype=torch.bfloat16)])  # fmt: skip
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_batch()), batch_size=4)
+    first = trainer(1)
+    module = LeavesOut()
+    first.fit(module, data)
+    checkpoint = first._checkpoint_connector.dump_checkpoint()
+    saved = checkpoint["MixedPrecisionPlugin"]["master_weights"][0]
+    assert set(saved) == {"net.0.weight"}
+    live = first.precision_plugin.amp.master_of(module.net[0].weight)
+    assert saved["net.0.weight"].untyped_storage().data_ptr() != live.untyped_storage().data_ptr()
+    assert torch.equal(saved["net.0.weight"], live)
+    first.save_checkpoint(tmp_path / "left_out.ckpt")
+    resumed = LeavesOut()
+    resumed.strict_loading = False
+    second = trainer(1)
+    second.fit(resumed, data, ckpt_path=tmp_path / "left_out.ckpt")
+    assert torch.equal(second.precision_plugin.amp.master_of(resumed.net[0].weight), live)
