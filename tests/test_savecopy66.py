@@ -210,3 +210,108 @@ def test_a_master_left_out_of_the_state_dict_stays_in_the_entry_as_a_copy(tmp_pa
     second = trainer(1)
     second.fit(resumed, data, ckpt_path=tmp_path / "left_out.ckpt")
     assert torch.equal(second.precision_plugin.amp.master_of(resumed.net[0].weight), live)
+
+
+# -- 2. spectral norm (and weight norm) at O2 -------------------------------------------------------------------------
+
+NORMS = {
+    "spectral_norm": nn.utils.spectral_norm,  # the hook: weight_orig, buffers weight_u/weight_v
+    "parametrizations.spectral_norm": nn.utils.parametrizations.spectral_norm,  # buffers _u/_v
+    "parametrizations.weight_norm": nn.utils.parametrizations.weight_norm,  # no buffer: g and v are parameters
+}
+
+
+def _normed(norm: str) -> nn.Module:
+    torch.manual_seed(0)  # the power iteration's starting vectors too
+    net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    NORMS[norm](net[2])
+    return net
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def _first_forward(norm: str, **fabric: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One training-mode forward through Fabric: its output and layer 2's floating tensors after it."""
+    from lightning.fabric import Fabric
+
+    net = _normed(norm)
+    model = Fabric(accelerator="cpu", devices=1, **fabric).setup_module(net)
+    out = model(_data()[0]).float()
+    return out, dict(net[2].named_buffers())
+
+
+@pytest.mark.parametrize("norm", list(NORMS))
+def test_o2_computes_the_normalized_weight_in_half_as_bf16_true(norm: str) -> None:
+    """Pinned (docs/master_weights.md, "What the cast leaves FP32"): at O2 spectral norm's power-iteration vectors are
+    cast to half with the model and the normalized weight is computed from the half weight each forward, exactly as
+    under Fabric's ``"bf16-true"`` (the FP32 masters are kept apart); weight norm's too (no buffers)."""
+    from lightning_mpx import FabricMixedPrecisionPlugin
+
+    got, got_buffers = _first_forward(norm, plugins=[FabricMixedPrecisionPlugin("O2", half_dtype=torch.bfloat16)])
+    want, want_buffers = _first_forward(norm, precision="bf16-true")
+    assert torch.equal(got, want)
+    assert got_buffers.keys() == want_buffers.keys() == ({"weight_u", "weight_v"} if norm == "spectral_norm"
+                                                         else {"parametrizations.weight.0._u",
+                                                               "parametrizations.weight.0._v"} if "spectral" in norm
+                                                         else set())  # fmt: skip
+    for name, value in got_buffers.items():
+        assert value.dtype == torch.bfloat16 and torch.equal(value, want_buffers[name]), name
+
+
+@pytest.mark.parametrize("norm", ["spectral_norm", "parametrizations.spectral_norm"])
+def test_o2_with_the_normed_layer_in_fp32_modules_iterates_as_bf16_mixed(norm: str) -> None:
+    """The recipe (docs/master_weights.md): ``fp32_modules=[the layer]`` keeps the layer FP32 whole, its
+    power-iteration vectors FP32 and computed from the FP32 weight, bit for bit as under ``"bf16-mixed"`` (which
+    computes them in FP32 from its FP32 weights); without it they are half."""
+    from lightning_mpx import FabricMixedPrecisionPlugin
+
+    plugin = FabricMixedPrecisionPlugin("O2", half_dtype=torch.bfloat16, fp32_modules=["2"])
+    _, got = _first_forward(norm, plugins=[plugin])
+    _, want = _first_forward(norm, precision="bf16-mixed")
+    _, plain = _first_forward(norm, plugins=[FabricMixedPrecisionPlugin("O2", half_dtype=torch.bfloat16)])
+    for name, value in want.items():
+        assert value.dtype == got[name].dtype == torch.float32 and torch.equal(got[name], value), name
+        assert not torch.equal(plain[name].float(), value), name
+
+
+def _fit_normed(norm: str, **trainer: Any) -> torch.Tensor:
+    """Six SGD steps of the Trainer on the normed model; the trained model's FP32 output (eval mode)."""
+
+    class Normed(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _normed(norm)
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    module = Normed()
+    x, y = _data()
+    pl.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False, **trainer).fit(
+        module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x.repeat(6, 1), y.repeat(6)), batch_size=8)
+    )  # fmt: skip
+    fresh = _normed(norm)
+    fresh.load_state_dict({k: v.float() for k, v in module.net.state_dict().items()})  # the masters, FP32 buffers
+    with torch.no_grad():
+        return fresh.eval()(x)
+
+
+@pytest.mark.parametrize("norm", ["spectral_norm", "parametrizations.spectral_norm"])
+def test_trainer_o2_recipe_trains_as_bf16_mixed(norm: str) -> None:
+    """Six SGD steps of the Trainer at O2 with the recipe against Lightning's ``"bf16-mixed"``: within twice the
+    distance of the FP32 run from ``"bf16-mixed"`` (the recipe computes the layer's product in FP32, bf16-mixed in
+    bfloat16: it sits between the two), and its buffers FP32 in the checkpoint's state dict."""
+    from lightning_mpx import MixedPrecisionPlugin
+
+    want = _fit_normed(norm, precision="bf16-mixed")
+    fp32 = _fit_normed(norm, precision="32-true")
+    got = _fit_normed(norm, plugins=[MixedPrecisionPlugin("O2", half_dtype=torch.bfloat16, fp32_modules=["net.2"])])
+    assert (got - want).abs().max() <= 2 * (fp32 - want).abs().max()
+    assert (fp32 - want).abs().max() < 1e-2  # the runs are close: the comparison is of noise-level differences
