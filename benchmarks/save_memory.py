@@ -3,9 +3,15 @@
 A model of ``--layers`` equal ``Linear(--width, --width)`` layers (default 6 x 2048: 96 MiB of FP32 weights), one SGD
 step (no momentum: no optimizer state), then each door's documented save: ``fabric.save(path, {"model", "optimizer",
 "mpx"})`` with ``FabricMixedPrecisionPlugin("O2")``, the Accelerate adapter's ``accelerator.save_state(folder)`` at
-``"O2"``, and the Apex layer's ``torch.save({"model": model.state_dict(), "optimizer": ..., "amp":
-amp.state_dict()})`` at O2, all bfloat16; the reference is the same model's ``fabric.save`` under Fabric's own
-``"bf16-mixed"`` (FP32 weights, no copy to make), with Accelerate's own ``"bf16"`` beside it for the Accelerate row.
+``"O2"``, the Apex layer's ``torch.save({"model": model.state_dict(), "optimizer": ..., "amp":
+amp.state_dict()})`` at O2 and the Trainer's ``trainer.save_checkpoint(path)`` after a one-step ``trainer.fit`` with
+``MixedPrecisionPlugin("O2")``, all bfloat16; the reference is the same model's ``fabric.save`` under Fabric's own
+``"bf16-mixed"`` (FP32 weights, no copy to make), with Accelerate's own ``"bf16"`` beside it for the Accelerate row and
+the Trainer's own ``"bf16-mixed"`` for the Trainer rows. Lightning's checkpoint IO serializes the whole file in
+memory once the checkpoint is built (``_atomic_save``), so a copy made and dropped while it is built does not raise
+the save's host peak there; the ``-stream`` rows write the checkpoint the Trainer builds (Lightning's
+``dump_checkpoint``) with ``torch.save`` to the file, as a checkpoint IO that streams does, where it does (and on a
+GPU such a copy is device memory: the masters live there).
 Each row runs in a child process of its own with ``MALLOC_MMAP_THRESHOLD_=65536`` (freed buffers go back to the
 system at once, so the resident size follows what is alive); the save's peak is the kernel's high-water mark
 (``VmHWM``, reset through ``/proc/self/clear_refs`` as the save starts; ``/proc/self/statm`` sampled every 0.5 ms where
@@ -49,6 +55,10 @@ VARIANTS = (
     ("accelerate-bf16", "accelerate", "bf16"),
     ("accelerate-O2", "accelerate", "O2"),
     ("apex-O2", "apex", "O2"),
+    ("trainer-bf16-mixed", "trainer", "bf16-mixed"),
+    ("trainer-O2", "trainer", "O2"),
+    ("trainer-bf16-mixed-stream", "trainer_stream", "bf16-mixed"),
+    ("trainer-O2-stream", "trainer_stream", "O2"),
 )
 REFERENCE = "fabric-bf16-mixed"
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -169,7 +179,45 @@ def _apex(precision: str, layers: int, width: int, folder: str) -> tuple[Callabl
     return save, model
 
 
-_DOORS = {"fabric": _fabric, "accelerate": _accelerate, "apex": _apex}
+def _trainer(precision: str, layers: int, width: int, folder: str) -> tuple[Callable[[], Any], Any]:
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_mpx import MixedPrecisionPlugin
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model(layers, width)
+
+        def training_step(self, batch: Any, index: int) -> Any:
+            return self.net(batch[0]).float().pow(2).mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    plugin = MixedPrecisionPlugin(precision, half_dtype=torch.bfloat16) if precision.startswith("O") else None
+    given = {"plugins": [plugin]} if plugin else {"precision": precision}
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, **given)  # fmt: skip
+    module = Module()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(_batch(width)), batch_size=4)
+    trainer.fit(module, data)
+    return lambda: trainer.save_checkpoint(os.path.join(folder, "run.ckpt")), module
+
+
+def _trainer_stream(precision: str, layers: int, width: int, folder: str) -> tuple[Callable[[], Any], Any]:
+    """The checkpoint the Trainer's save builds (Lightning's ``dump_checkpoint``, which ``trainer.save_checkpoint``
+    and ``ModelCheckpoint`` call) written by ``torch.save`` to the file, as a checkpoint IO that streams writes it."""
+    import torch
+
+    _, module = _trainer(precision, layers, width, folder)
+    trainer = module.trainer
+    return lambda: torch.save(trainer._checkpoint_connector.dump_checkpoint(), os.path.join(folder, "run.ckpt")), module
+
+
+_DOORS = {"fabric": _fabric, "accelerate": _accelerate, "apex": _apex, "trainer": _trainer,
+          "trainer_stream": _trainer_stream}  # fmt: skip
 
 
 def measure(variant: str, layers: int, width: int) -> dict[str, Any]:

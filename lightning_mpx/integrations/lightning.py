@@ -56,7 +56,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
 from lightning.pytorch.plugins.precision import FSDPPrecision, Precision  # noqa: E402
 
 from lightning_mpx.integrations.lightning_averages import take_averages  # noqa: E402
-from lightning_mpx.integrations.lightning_checkpoints import CheckpointHooks  # noqa: E402
+from lightning_mpx.integrations.lightning_checkpoints import CheckpointHooks, LentMasters  # noqa: E402
 from lightning_mpx.integrations.lightning_clipping import GradientClipping  # noqa: E402
 from lightning_mpx.integrations.lightning_conversion import (  # noqa: E402
     precision_of,
@@ -137,6 +137,7 @@ class MixedPrecisionPlugin(ModelSetup, GradientClipping, CheckpointHooks, FSDPPr
         self._model_hooks = ModelHooks()  # boundary casts and the compiled hand-off, on the LightningModule
         self._masters_synced = False
         self._frozen_warned = False  # the O2 checkpoint's warning about frozen half parameters: once per fit
+        self._lent = LentMasters()  # the masters the checkpoint entry holds live within Lightning's dump_checkpoint
         self._log_step: int | None = None  # the step to log the mpx metrics at, once the scale is updated
         # Per-step scheduler configs held out of the loop's scheduler update after a skipped step, until the next batch.
         self._held = HeldSchedulers()

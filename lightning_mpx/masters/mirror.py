@@ -187,16 +187,18 @@ def _take_writes(pairs: list[tuple[_Entry, torch.Tensor]]) -> list[str]:
                 master.data = _resized(param, master)
                 taken.append(entry.name)
                 continue
-            compared.append((entry, param, param != master.to(param.dtype)))  # NaN != NaN: a NaN written is taken
+            # NaN != NaN: a NaN written is taken. Whether any element differs, not the mask: one parameter's mask
+            # and rounding alive at a time (a mask each was a quarter of the masters' bytes, a save after a fit)
+            compared.append((entry, param, (param != master.to(param.dtype)).any()))
         if not compared:
             return taken
         device = compared[0][2].device
-        hits = torch.stack([mask.any().to(device) for _, _, mask in compared]).tolist()
-        for (entry, param, mask), hit in zip(compared, hits):
+        hits = torch.stack([differs.to(device) for _, _, differs in compared]).tolist()
+        for (entry, param, _), hit in zip(compared, hits):
             if hit:  # the same half values written again (a checkpoint's rounding) keep the FP32 masters
                 master = entry.master
                 assert master is not None
-                master.copy_(torch.where(mask, param.float(), master))
+                master.copy_(torch.where(param != master.to(param.dtype), param.float(), master))
                 taken.append(entry.name)
     return taken
 

@@ -573,13 +573,15 @@ def current_fp32_values(masters: MasterWeights) -> dict[int, torch.Tensor]:
             if master.shape != param.shape:  # resized (``p.data = t``): as refresh takes it
                 out[id(param)] = _resized(param, master)
                 continue
-            compared.append((param, master, param != master.to(param.dtype)))
+            # Whether any element differs, not the mask: one parameter's mask and rounding alive at a time (a mask
+            # each, kept for the host read, was a quarter of the masters' bytes at a save after trainer.fit)
+            compared.append((param, master, (param != master.to(param.dtype)).any()))
         if compared:
             device = compared[0][2].device
-            hits = torch.stack([mask.any().to(device) for _, _, mask in compared]).tolist()
-            for (param, master, mask), hit in zip(compared, hits):
-                if hit:
-                    out[id(param)] = torch.where(mask, param.float(), master)
+            hits = torch.stack([differs.to(device) for _, _, differs in compared]).tolist()
+            for (param, master, _), hit in zip(compared, hits):
+                if hit:  # written: the mask made again, for this parameter alone
+                    out[id(param)] = torch.where(param != master.to(param.dtype), param.float(), master)
     return out
 
 
