@@ -417,6 +417,7 @@ class ApexAgainstReference(RuleBasedStateMachine):
 ApexAgainstReference.TestCase.settings = stateful_settings(max_examples=16, steps=18)
 test_apex_api_against_plain_torch_reference = ApexAgainstReference.TestCase
 
+
 @contextlib.contextmanager
 def replayed(level: str, optimizer: str = "sgd"):
     """One :class:`ApexAgainstReference` set up at ``level`` for a sequence written out by hand, torn down after."""
@@ -426,7 +427,6 @@ def replayed(level: str, optimizer: str = "sgd"):
         yield machine
     finally:
         machine.teardown()
-
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
