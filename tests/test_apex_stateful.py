@@ -41,8 +41,9 @@ from torch import nn
 
 from lightning_mpx.apex import _amp_state, amp
 
-# Under the names the rules use: hypothesis derandomizes from their source, and at stop 65 other examples failed
-# (FlakyStrategyDefinition: data generation depends on state outside the machine).
+# Under the names the rules use: hypothesis derandomizes from the machine's source. (At stop 65 other examples failed:
+# FlakyStrategyDefinition was pytest-timeout's 300 s stopping hypothesis mid-run; the failures under it were the
+# machine's model of a step after a delay_unscale chain given up, and a library defect: tests/test_stateful66.py.)
 from tests.stateful_helpers import assert_same as _assert_same
 from tests.stateful_helpers import assert_same_state as _assert_same_state
 from tests.stateful_helpers import stateful_settings
