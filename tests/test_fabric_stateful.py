@@ -363,7 +363,7 @@ class FabricAgainstReference(RuleBasedStateMachine):
         assert float(scaler.scale_tensor) == (self.scale_before if pending else float(self.scale))
 
 
-FabricAgainstReference.TestCase.settings = stateful_settings(max_examples=12, steps=14)
+FabricAgainstReference.TestCase.settings = stateful_settings(max_examples=6, steps=12)
 test_fabric_plugin_against_fabric_reference = FabricAgainstReference.TestCase
 
 
