@@ -32,7 +32,7 @@ from lightning_mpx.engine.rescale import (
 from lightning_mpx.engine.sharding import Sharding
 from lightning_mpx.engine.step_guard import BaseStepGuard, ScaledStepGuard
 from lightning_mpx.engine.unscaling import UnscalePath
-from lightning_mpx.engine.unsynced import DdpWatch
+from lightning_mpx.engine.unsynced import DdpWatch, synced
 from lightning_mpx.health.telemetry import GradTelemetry
 from lightning_mpx.masters.handover import refuse_handed
 from lightning_mpx.masters.mirror import Mirror
@@ -127,6 +127,7 @@ class StepMachine(UnscalePath):
         self.ddp: tuple[weakref.ref[nn.Module], ...] = ()
         self.ddp_watch: DdpWatch | None = None
         self.ddp_watched: frozenset[int] = frozenset()
+        self.ddp_synced: dict[int, bool] = {}  # by a wrapper's id: its last forward with grad synchronises (SyncNote)
         self.unsynced_at = -1
         self.refused: str | None = None
 
@@ -367,7 +368,7 @@ class StepMachine(UnscalePath):
                     rescale_pending(state, loss_id, self.scalers, self.backend)
         for ref in self.ddp:  # this backward unsynchronised by DDP (no_sync): a refusal after it waits for the step
             wrapper = ref()
-            if wrapper is not None and not (wrapper.require_backward_grad_sync and wrapper.require_forward_param_sync):
+            if wrapper is not None and not synced(wrapper, self.ddp_synced):
                 self.unsynced_at = self.steps_taken
 
     def note_loaded(self, params: Iterable[torch.Tensor]) -> None:
