@@ -25,7 +25,9 @@ otherwise.
 
 Nor is a write while some of the optimizer's parameters keep their gradients (an EMA swap for validation, or an EMA
 teacher in ``self.parameters()`` updated, between accumulated backwards): no ``zero_grad`` ran, so those without one
-(frozen, unused by the forward, a teacher whose output is detached) never took the backward's.
+(frozen, unused by the forward, a teacher whose output is detached) never took the backward's. At O2, though, such a
+write that moved elements from their masters' rounding against their gradients nearly everywhere is a torch optimizer's
+step between accumulated backwards (:func:`stepped_along`), refused: the next step would keep its half rounding only.
 
 A raw optimizer over parameters that no registered optimizer holds (a GAN's discriminator stepped by hand beside a
 prepared generator optimizer; a Fabric model before the plugin met its optimizer at the first step) is seen through
