@@ -121,13 +121,12 @@ class StepMachine(UnscalePath):
         # What the error for an optimizer not registered tells the user to do: the front door's own call where it
         # registers optimizers itself (Amp.register_call).
         self.register_call = "call prepare_optimizer() on it first"
-        # Under DDP (engine.unsynced): the wrappers around the prepared models (weakly), the watch of the forwards that
-        # finds them (until the next backward) and the ids of the models it watched; the count of steps at the last
-        # backward DDP did not synchronise (no_sync); a raw-step refusal kept until the next step, where ranks meet.
+        # Under DDP (engine.unsynced): the wrappers around the prepared models (weakly), the forwards' watch that finds
+        # them, the ids of the models it watched, whether a wrapper's last forward with grad syncs (SyncNote); the count
+        # of steps at the last backward DDP did not synchronise; a raw-step refusal kept for the step (ranks meet).
         self.ddp: tuple[weakref.ref[nn.Module], ...] = ()
         self.ddp_watch: DdpWatch | None = None
-        self.ddp_watched: frozenset[int] = frozenset()
-        self.ddp_synced: dict[int, bool] = {}  # by a wrapper's id: its last forward with grad synchronises (SyncNote)
+        self.ddp_watched, self.ddp_synced = frozenset[int](), dict[int, bool]()
         self.unsynced_at = -1
         self.refused: str | None = None
 
