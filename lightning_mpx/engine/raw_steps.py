@@ -606,9 +606,9 @@ _SAM_FIX = (
 )
 _KEPT_FIX = (
     "a torch optimizer that lightning_mpx did not prepare (or a hand-written update) stepped the half weights, which "
-    "the next step overwrites from the FP32 masters but for their half rounding: most of that update is lost, where "
-    "FP32 (and bf16-mixed) keeps it. Step a prepared optimizer instead: under the Trainer, return it from "
-    "configure_optimizers and step self.optimizers() (manual optimization); with Fabric, fabric.setup(model, "
+    "the next step takes into the FP32 masters at their half rounding only: what of that update is below the rounding "
+    "is lost, where FP32 (and bf16-mixed) keeps it. Step a prepared optimizer instead: under the Trainer, return it "
+    "from configure_optimizers and step self.optimizers() (manual optimization); with Fabric, fabric.setup(model, "
     "optimizer, other_optimizer) and step what it returns; with Accelerate, accelerator.prepare(model, optimizer); "
     "with the core Amp, amp.prepare_optimizer(optimizer) and amp.step(optimizer). A write of your own meant to stand "
     "(a constraint applied by hand): call refresh_masters(force=True) right after it (on the Trainer's "
