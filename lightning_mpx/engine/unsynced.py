@@ -103,23 +103,19 @@ class SyncNote:
     that the others raise at once). A call per forward of a DDP wrapper, only under DDP."""
 
     def __init__(self, machine: Any) -> None:
-        self._machine = weakref.ref(machine)
+        self._machine = weakref.ref(machine) if machine is not None else None
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_inert, ())  # a pickled wrapper's copy notes nothing
+        return (SyncNote, (None,))  # a pickled wrapper's copy notes nothing
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SyncNote:
         return self
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self._machine is not None:
             machine = self._machine()
             if machine is not None:
                 machine.ddp_synced[id(module)] = bool(module.require_forward_param_sync)
-
-
-def _inert(*args: Any) -> None:
-    return None
 
 
 def synced(wrapper: nn.Module, noted: dict[int, bool]) -> bool:
