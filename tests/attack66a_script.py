@@ -15,7 +15,8 @@ Fabric cases (``strategy="ddp"``, 2 ranks, inside ``fabric.launch``):
   backward (under ``no_sync``): both ranks must refuse, at the step;
 * ``nograd_rank0``: rank 0 alone runs a ``torch.no_grad()`` forward through the wrapper before a (synchronised)
   backward; each rank writes whether a refusal after it would be kept for the step (``kept``);
-  ``nograd_rank0_raw`` (a probe, not in the suite: it parts the ranks) adds the raw step;
+  ``nograd_rank0_raw`` adds the raw step (both ranks refuse it at the next backward; it parted the ranks before
+  gap66's fix);
 * ``unused_branch``: ``find_unused_parameters=True``, a branch rank 1 skips at even steps.
 
 Trainer cases (``strategy="ddp"``): ``accumulate`` (``accumulate_grad_batches=3``), ``manual_block`` (manual
@@ -234,13 +235,14 @@ ALL_CASES = (
     *(f"fabric_{k}/{p}" for k in ("plain", "nosync_off", "two_models", "setup_twice", "uneven") for p in PRECISIONS),
     "fabric_uneven_raw/O2",
     "fabric_nograd_rank0/O2",
+    "fabric_nograd_rank0_raw/O2",
     *(f"fabric_unused_branch/{p}" for p in PRECISIONS),
     *(f"trainer_{k}/{p}" for k in ("accumulate", "manual_block", "fit_validate_fit") for p in PRECISIONS),
 )
 # The suite's launch (the rest held too: ATTACK66A_CASES=all runs them, as probes)
 CASES = (
     "fabric_uneven/O2", "fabric_uneven/bf16-mixed", "fabric_uneven_raw/O2", "fabric_plain/O2", "fabric_nosync_off/O2",
-    "fabric_two_models/O2", "fabric_two_models/bf16-mixed", "fabric_nograd_rank0/O2",
+    "fabric_two_models/O2", "fabric_two_models/bf16-mixed", "fabric_nograd_rank0/O2", "fabric_nograd_rank0_raw/O2",
 )  # fmt: skip
 
 

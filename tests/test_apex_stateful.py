@@ -41,8 +41,9 @@ from torch import nn
 
 from lightning_mpx.apex import _amp_state, amp
 
-# Under the names the rules use: hypothesis derandomizes from their source, and at stop 65 other examples failed
-# (FlakyStrategyDefinition: data generation depends on state outside the machine).
+# Under the names the rules use: hypothesis derandomizes from the machine's source. (At stop 65 other examples failed:
+# FlakyStrategyDefinition was pytest-timeout's 300 s stopping hypothesis mid-run; the failures under it were the
+# machine's model of a step after a delay_unscale chain given up, and a library defect: tests/test_stateful66.py.)
 from tests.stateful_helpers import assert_same as _assert_same
 from tests.stateful_helpers import assert_same_state as _assert_same_state
 from tests.stateful_helpers import stateful_settings
@@ -180,8 +181,10 @@ class _Reference:
 
 
 class ApexAgainstReference(RuleBasedStateMachine):
-    @initialize(level=st.sampled_from(["O1", "O2"]), optimizer=st.sampled_from(["sgd", "adam"]))
-    def setup(self, level: str, optimizer: str) -> None:
+    @initialize(level=st.sampled_from(["O1", "O2"]), optimizer=st.sampled_from(["sgd", "adam"]), data=st.data())
+    def setup(self, level: str, optimizer: str, data: Any = None) -> None:
+        """With ``data``, one or two iterations first, so that every sequence trains (CI's derandomized examples are
+        short: half of them took no step)."""
         _amp_state.reset()
         self.level, self.optimizer = level, optimizer
         self.ours = _Ours(level, optimizer)
@@ -197,8 +200,12 @@ class ApexAgainstReference(RuleBasedStateMachine):
         self.leftover = False  # a skipped step left non-finite gradients (zero_grad before the next block)
         self.dirty: int | None = None  # the loss of a non-finite value in the gradients (until zero_grad)
         self.zeroed = False  # zero_grad since the last block (a clip comes after blocks; test_o2_zero_grad_...)
+        self.blocked = False  # a block since the last step (a delay_unscale chain given up too: a step may follow)
+        self.dropped = False  # a delay_unscale chain given up (zero_grad) since the last block
         self.steps = self.skips = 0
         self.saved: dict[str, Any] = {}
+        for _ in range(data.draw(st.integers(1, 2)) if data is not None else 0):
+            self.iteration(data)
 
     def teardown(self) -> None:
         _amp_state.reset()
@@ -232,24 +239,29 @@ class ApexAgainstReference(RuleBasedStateMachine):
         overflow = poison is not None or (self.chain is not None and self.chain[1])
         if poison is not None and self.dirty is None:
             self.dirty = loss_id
-        self.zeroed = False
+        self.zeroed, self.dropped = False, False
+        self.blocked = True
         if delay:
             self.chain = (loss_id, overflow)
         else:
             self.used[loss_id] = self.used.get(loss_id, False) or overflow
             self.chain = None
 
-    @precondition(lambda self: self.used and self.chain is None)
+    @precondition(lambda self: self.blocked and self.chain is None)
     @rule()
     def step(self) -> None:
         before = self.ours.snapshot()
         skipped = any(self.used.values())
+        if self.dropped:
+            # A step right after a delay_unscale chain given up counts an iteration for loss 0 (Apex: for no loss):
+            # tests/test_stateful66.py's strict xfail.
+            self.used.setdefault(0, False)
         self.ours.opt.step()
         for loss_id, found in self.used.items():
             torch._amp_update_scale_(self.scale[loss_id], self.tracker[loss_id], torch.tensor([float(found)]), 2.0,
                                      0.5, GROWTH)  # fmt: skip
             self.scale[loss_id].clamp_(max=MAX_SCALE)  # Apex: min(max_loss_scale, 2 * scale)
-        self.used = {}
+        self.used, self.blocked, self.dropped = {}, False, False
         after = self.ours.snapshot()
         if skipped:
             self.skips += 1
@@ -280,12 +292,15 @@ class ApexAgainstReference(RuleBasedStateMachine):
             self.clip(max_norm=data.draw(st.sampled_from([0.05, 10.0])))
         self.step()
 
-    @precondition(lambda self: not self.used and self.chain is None)
+    @precondition(lambda self: not self.blocked and self.chain is None)
     @rule()
     def step_without_a_block(self) -> None:
-        """A second ``step()`` with no block between: refused while the scale is not 1 (docs/apex.md), changing
-        nothing; without gradients (zeroed to None) it does nothing at all."""
+        """A second ``step()`` with no block between: refused while the scale (loss 0's) is not 1 (docs/apex.md),
+        changing nothing; without gradients (zeroed to None) it does nothing at all. (A block since the last step,
+        a ``delay_unscale`` chain given up with ``zero_grad`` too, makes it a step: the ``step`` rule.)"""
         before, grads = self.ours.snapshot(), self._grads()
+        if float(self.scale[0]) == 1.0:
+            return  # loss 0's scale backed off to 1: a step of the gradients as they are (not modelled)
         if any(g is not None for g in grads):
             with pytest.raises(RuntimeError, match="no amp.scale_loss"):
                 self.ours.opt.step()
@@ -296,6 +311,7 @@ class ApexAgainstReference(RuleBasedStateMachine):
     def zero_grad(self, set_to_none: bool, through_model: bool) -> None:
         (self.ours.model if through_model else self.ours.opt).zero_grad(set_to_none=set_to_none)
         self.ref.zero_grad(set_to_none)
+        self.dropped = self.dropped or self.chain is not None
         self.chain = None
         self.leftover, self.dirty = False, None
         self.zeroed = True
@@ -377,7 +393,7 @@ class ApexAgainstReference(RuleBasedStateMachine):
         self.scale = [s.clone() for s in saved["scale"]]
         self.tracker = [t.clone() for t in saved["tracker"]]
         self.steps, self.skips = saved["steps"], saved["skips"]
-        self.leftover, self.dirty = False, None
+        self.leftover, self.dirty, self.blocked, self.dropped = False, None, False, False
 
     # -- invariants -------------------------------------------------------------------------------------------
     @invariant()
@@ -406,6 +422,7 @@ class ApexAgainstReference(RuleBasedStateMachine):
 ApexAgainstReference.TestCase.settings = stateful_settings(max_examples=16, steps=18)
 test_apex_api_against_plain_torch_reference = ApexAgainstReference.TestCase
 
+
 @contextlib.contextmanager
 def replayed(level: str, optimizer: str = "sgd"):
     """One :class:`ApexAgainstReference` set up at ``level`` for a sequence written out by hand, torn down after."""
@@ -415,7 +432,6 @@ def replayed(level: str, optimizer: str = "sgd"):
         yield machine
     finally:
         machine.teardown()
-
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])

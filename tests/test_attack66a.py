@@ -17,8 +17,10 @@ Found and fixed:
    ``"bf16-mixed"`` trains on with this run's values for the weights left out. Now the parameters a ``strict=False``
    load lacked are the user's choice, as in FP32 (a ``load_state_dict`` post-hook on the prepared model).
 
-Gap (strict xfail): a ``torch.no_grad()`` forward through the DDP wrapper on rank 0 alone before a synchronised
-backward makes rank 0 keep a raw-step refusal that rank 1 raises at once (the ranks part).
+Was a gap (strict xfail; fixed by gap66): a ``torch.no_grad()`` forward through the DDP wrapper on rank 0 alone before
+a synchronised backward made rank 0 keep a raw-step refusal that rank 1 raised at once (the ranks parted). Now the
+backward's synchronisation is read from the wrapper's last forward with grad enabled (engine/unsynced.py's
+``SyncNote``).
 
 Held (no change; the Trainer's DDP cases and the rest run with ``ATTACK66A_CASES=all`` as probes): Fabric
 ``no_backward_sync(model, enabled=False)`` is the plain run bit for bit; two models with one in ``no_sync``; the
@@ -95,18 +97,19 @@ def test_two_models_one_in_no_sync_trains_as_bf16_mixed(ranks: list[dict[str, An
     assert (o2 - reference).abs().max() < 1e-3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack66a: engine/unsynced.py takes a backward as unsynchronised from the DDP wrapper's "
-    "require_forward_param_sync, which a torch.no_grad() forward through the wrapper also clears: a rank-0-only look "
-    "(model(sample) under no_grad between the forward and fabric.backward) makes rank 0 keep a raw-step refusal for "
-    "the step while rank 1 raises it at the backward, and the ranks part (gloo aborts on the collective mismatch, "
-    "probe case fabric_nograd_rank0_raw). Deferring under every DDP backward would agree but hung "
-    "tests/hostile_ddp56_script.py (not pursued)",
-)
 def test_rank0_only_no_grad_look_leaves_the_ranks_agreed(ranks: list[dict[str, Any]]) -> None:
     kept = [r["fabric_nograd_rank0/O2"]["kept"] for r in ranks]
     assert kept[0] == kept[1], f"whether a refusal is kept for the step, by rank: {kept}"
+
+
+def test_rank0_only_no_grad_look_then_a_raw_step_is_refused_on_both_ranks(ranks: list[dict[str, Any]]) -> None:
+    """gap66: the raw step after the synchronised backward that rank 0's ``torch.no_grad()`` look preceded is refused
+    by both ranks at the next backward, and the ranks still meet afterwards (rank 0 kept it for a step while rank 1
+    raised: gloo aborted on the collective mismatch)."""
+    for rank, r in enumerate(ranks):
+        error = r["fabric_nograd_rank0_raw/O2"].get("error", "")
+        assert REFUSAL in error, f"rank {rank}: {error or 'no refusal'}"
+        assert r["after"] == {"sum": 2.0}, f"rank {rank} after the cases: {r['after']}"
 
 
 # -- one process ------------------------------------------------------------------------------------------------------

@@ -497,7 +497,15 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> Any:
         )
     key = id(wrapper.optimizer)
     skipped = key in state.skip_next
-    state.delayed.pop(key, None)  # a delay_unscale chain ends at the step
+    marks = state.delayed.pop(key, None)  # a delay_unscale chain ends at the step
+    if marks is not None and _chain_cleared(
+        marks, [p for group in wrapper.optimizer.param_groups for p in group["params"]]
+    ):
+        # The chain's gradients were cleared since its last block (model.zero_grad() either way: a batch dropped
+        # mid-accumulation), and the step comes next: what earlier blocks kept aside goes with them, as at a next
+        # block (_stash), and the chain's loss counts nothing.
+        state.stash.pop(key, None)
+        _forget_pending(wrapper._engine, wrapper.optimizer)
     if key in state.idle or any(p.grad is not None for p in state.gradless.pop(key, ())):
         _refuse_unscaled_step(wrapper)
     if key in state.skip_next:

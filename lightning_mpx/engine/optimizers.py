@@ -32,7 +32,7 @@ from lightning_mpx.engine.rescale import (
 from lightning_mpx.engine.sharding import Sharding
 from lightning_mpx.engine.step_guard import BaseStepGuard, ScaledStepGuard
 from lightning_mpx.engine.unscaling import UnscalePath
-from lightning_mpx.engine.unsynced import DdpWatch
+from lightning_mpx.engine.unsynced import DdpWatch, synced
 from lightning_mpx.health.telemetry import GradTelemetry
 from lightning_mpx.masters.handover import refuse_handed
 from lightning_mpx.masters.mirror import Mirror
@@ -121,12 +121,12 @@ class StepMachine(UnscalePath):
         # What the error for an optimizer not registered tells the user to do: the front door's own call where it
         # registers optimizers itself (Amp.register_call).
         self.register_call = "call prepare_optimizer() on it first"
-        # Under DDP (engine.unsynced): the wrappers around the prepared models (weakly), the watch of the forwards that
-        # finds them (until the next backward) and the ids of the models it watched; the count of steps at the last
-        # backward DDP did not synchronise (no_sync); a raw-step refusal kept until the next step, where ranks meet.
+        # Under DDP (engine.unsynced): the wrappers around the prepared models (weakly), the forwards' watch that finds
+        # them, the ids of the models it watched, whether a wrapper's last forward with grad syncs (SyncNote); the count
+        # of steps at the last backward DDP did not synchronise; a raw-step refusal kept for the step (ranks meet).
         self.ddp: tuple[weakref.ref[nn.Module], ...] = ()
         self.ddp_watch: DdpWatch | None = None
-        self.ddp_watched: frozenset[int] = frozenset()
+        self.ddp_watched, self.ddp_synced = frozenset[int](), dict[int, bool]()
         self.unsynced_at = -1
         self.refused: str | None = None
 
@@ -367,7 +367,7 @@ class StepMachine(UnscalePath):
                     rescale_pending(state, loss_id, self.scalers, self.backend)
         for ref in self.ddp:  # this backward unsynchronised by DDP (no_sync): a refusal after it waits for the step
             wrapper = ref()
-            if wrapper is not None and not (wrapper.require_backward_grad_sync and wrapper.require_forward_param_sync):
+            if wrapper is not None and not synced(wrapper, self.ddp_synced):
                 self.unsynced_at = self.steps_taken
 
     def note_loaded(self, params: Iterable[torch.Tensor]) -> None:

@@ -25,7 +25,9 @@ otherwise.
 
 Nor is a write while some of the optimizer's parameters keep their gradients (an EMA swap for validation, or an EMA
 teacher in ``self.parameters()`` updated, between accumulated backwards): no ``zero_grad`` ran, so those without one
-(frozen, unused by the forward, a teacher whose output is detached) never took the backward's.
+(frozen, unused by the forward, a teacher whose output is detached) never took the backward's. At O2, though, such a
+write that moved elements from their masters' rounding against their gradients nearly everywhere is a torch optimizer's
+step between accumulated backwards (:func:`stepped_along`), refused: the next step would keep its half rounding only.
 
 A raw optimizer over parameters that no registered optimizer holds (a GAN's discriminator stepped by hand beside a
 prepared generator optimizer; a Fabric model before the plugin met its optimizer at the first step) is seen through
@@ -85,6 +87,7 @@ _PARAMS = operator.itemgetter("params")
 _VERSION = operator.attrgetter("_version")
 _GRAD = operator.attrgetter("grad")
 _HALF = (torch.float16, torch.bfloat16)
+_MOVED = 16  # elements moved below which a write is not told from a hand write (stepped_along)
 
 
 def refuse_raw_step(
@@ -117,8 +120,20 @@ def refuse_raw_step(
         if any(map(operator.is_not, map(_GRAD, params), itertools.repeat(None))):
             # gradients kept (accumulation; a clamp or an EMA swap between accumulated backwards): no zero_grad since,
             # so those written without one never took the backward's (frozen, unused by the forward, an EMA teacher
-            # whose output is detached)
-            return None
+            # whose output is detached). A raw optimizer between accumulated backwards, at O2, is told by what it
+            # wrote: a step along the gradients the backward left (:func:`stepped_along`)
+            stepped = stepped_along(params, noted, master_weights, renormed)
+            if not stepped:
+                return None
+            state.backward_versions = None  # raised once
+            shown = _shown(stepped, master_weights, names)
+            message = (
+                f"parameters {shown} were stepped along their gradients between two backwards of lightning_mpx, "
+                f"with the gradients kept and no step of its prepared {type(optimizer).__name__} between: {_KEPT_FIX}"
+            )
+            if defer:
+                return message
+            raise RuntimeError(message)
         stepped = [p for p, v in zip(params, noted) if p._version != v and id(p) not in renormed]
     if not stepped:
         return None
@@ -143,6 +158,49 @@ def refuse_raw_step(
     if defer:
         return message
     raise RuntimeError(message)
+
+
+def stepped_along(
+    params: Sequence[torch.Tensor],
+    noted: Sequence[int],
+    master_weights: Sequence[MasterWeights],
+    renormed: frozenset[int] = frozenset(),
+) -> list[torch.Tensor]:
+    """Of ``params`` (a registered optimizer's, with their versions ``noted`` at the last engine backward), at O2 the
+    half ones written since that hold a gradient (kept: no ``zero_grad``) and whose values moved away from their FP32
+    masters' rounding along minus that gradient: what a torch optimizer's step writes (SGD, Adam: each element moves
+    against the sign of its gradient), which the next engine step would take into the masters at its half rounding
+    only (most of a small step rounds away). A clamp, a renormalisation by hand, an EMA swapped in and back, a
+    SAM-style or adversarial perturbation (along the gradient, not against it) and a write over zeroed gradients are
+    no such step. Called only where versions changed between accumulated backwards (never in the usual step);
+    without masters (O1) there is no value to compare with: nothing is found."""
+    found: list[torch.Tensor] = []
+    if not master_weights:
+        return found
+    agree = moved = 0
+    with torch.no_grad():
+        for param, version in zip(params, noted):
+            grad = param.grad
+            if grad is None or param._version == version or id(param) in renormed or param.dtype not in _HALF:
+                continue
+            master = next((m.master_of(param) for m in master_weights if m.covers(param)), param)
+            if master is param or master.shape != param.shape or grad.shape != param.shape:
+                continue
+            delta = param.detach().float() - master.detach().to(param.dtype).float()
+            changed = delta != 0
+            count = int(changed.sum())
+            if not count:
+                continue
+            along = int((changed & (torch.sign(delta) == -torch.sign(grad.float()))).sum())
+            agree, moved = agree + along, moved + count
+            if along * 2 > count:
+                found.append(param)
+    if moved < _MOVED or (moved - agree) * 16 > moved:
+        # Too few elements moved to tell (a small step mostly rounds away), or not against the gradients nearly
+        # everywhere: a torch optimizer's first step moves each element against its gradient's sign, and its
+        # rounding to half keeps that sign; a write of another kind agrees by chance, about half the time.
+        return []
+    return found
 
 
 def is_two_pass(optimizer: Any) -> bool:
@@ -546,4 +604,15 @@ _SAM_FIX = (
     "the second backward undo the perturbation (second_step's restore of old_p, without its base step) and step "
     "through the door: amp.step(optimizer), or optimizer.step() on the optimizer self.optimizers(), fabric.setup() "
     "or accelerator.prepare() returned. See 'SAM and two-pass optimizers' in docs/master_weights.md."
+)
+_KEPT_FIX = (
+    "a torch optimizer that lightning_mpx did not prepare (or a hand-written update) stepped the half weights, which "
+    "the next step takes into the FP32 masters at their half rounding only: what of that update is below the rounding "
+    "is lost, where FP32 (and bf16-mixed) keeps it. Step a prepared optimizer instead: under the Trainer, return it "
+    "from configure_optimizers and step self.optimizers() (manual optimization); with Fabric, fabric.setup(model, "
+    "optimizer, other_optimizer) and step what it returns; with Accelerate, accelerator.prepare(model, optimizer); "
+    "with the core Amp, amp.prepare_optimizer(optimizer) and amp.step(optimizer). A write of your own meant to stand "
+    "(a constraint applied by hand): call refresh_masters(force=True) right after it (on the Trainer's "
+    "trainer.precision_plugin.amp, Fabric's plugin.amp, accelerator.amp or the Amp itself), which takes it into the "
+    "FP32 masters as yours."
 )

@@ -21,8 +21,9 @@ its own at its first forward): nothing per step after it. A model whose forward 
 model used in some iterations only: uneven batches) keeps its hooks until the backward after its first forward, so that
 every rank finds its wrapper. A later set-up of the same models (a second
 ``trainer.fit``, which wraps them in a new DDP) watches them again. Whether a
-backward runs unsynchronised is read from the wrappers at each engine backward (two attribute reads each, written out in
-``StepMachine.before_backward``).
+backward runs unsynchronised is read from the wrappers at each engine backward (:func:`synced`): ``no_sync`` active, or
+the wrapper's last forward with grad enabled ran under it (noted by a forward hook put on each wrapper met,
+:class:`SyncNote`: a ``torch.no_grad()`` forward on one rank alone, which clears DDP's own flag, changes nothing).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["DdpWatch", "raise_refusals", "watch_ddp"]
+__all__ = ["DdpWatch", "SyncNote", "raise_refusals", "synced", "watch_ddp"]
 
 
 class DdpWatch:
@@ -77,6 +78,11 @@ class DdpWatch:
             return
         if all(ref() is not wrapper for ref in machine.ddp):  # those of an earlier set-up gone
             machine.ddp = (*(ref for ref in machine.ddp if ref() is not None), weakref.ref(wrapper))
+            # whether its forwards with grad enabled prepare a synchronised backward (SyncNote); this one's as its
+            # _post_forward will set it, the hook taking the next ones
+            if torch.is_grad_enabled():
+                machine.ddp_synced[id(wrapper)] = bool(wrapper.require_backward_grad_sync)
+            wrapper.register_forward_hook(SyncNote(machine))
         if len(models) == 1:  # its wrapper met: its hooks are done (a model evaluated after the last backward)
             for handle in self._handles.pop(models[0], ()):
                 handle.remove()
@@ -92,6 +98,41 @@ class DdpWatch:
                 handle.remove()
         self._ran.clear()
         return frozenset(self._handles)
+
+
+class SyncNote:
+    """A forward hook on a DDP wrapper met by :class:`DdpWatch`: after each of its forwards with grad enabled, whether
+    that forward prepared DDP's reducer for a synchronised backward (the wrapper's ``require_forward_param_sync``, which
+    its ``_post_forward`` has just set), kept in ``machine.ddp_synced`` by the wrapper's id. The flag itself is cleared
+    by a ``torch.no_grad()`` forward too (a look at a sample on one rank alone), which prepares nothing and leaves the
+    coming backward synchronised: read at the backward, it would part the ranks (one keeping a refusal for the step
+    that the others raise at once). A call per forward of a DDP wrapper, only under DDP."""
+
+    def __init__(self, machine: Any) -> None:
+        self._machine = weakref.ref(machine) if machine is not None else None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (SyncNote, (None,))  # a pickled wrapper's copy notes nothing
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SyncNote:
+        return self
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled() and self._machine is not None:
+            machine = self._machine()
+            if machine is not None:
+                machine.ddp_synced[id(module)] = bool(module.require_forward_param_sync)
+
+
+def synced(wrapper: nn.Module, noted: dict[int, bool]) -> bool:
+    """Whether the coming backward through ``wrapper`` (a DDP wrapper) all-reduces: DDP's ``no_sync`` not active, and
+    its last forward with grad enabled prepared the reducer (``noted``: :class:`SyncNote`'s, by id; the wrapper's
+    flag before any was noted). Alike on every rank that ran the same forwards with grad, whatever forwards under
+    ``torch.no_grad()`` one rank ran alone."""
+    if not wrapper.require_backward_grad_sync:
+        return False
+    found = noted.get(id(wrapper))
+    return bool(wrapper.require_forward_param_sync) if found is None else found
 
 
 def watch_ddp(modules: Sequence[nn.Module], machine: Any) -> None:
