@@ -19,6 +19,7 @@ from torch import nn
 from lightning_mpx.casting.lists import AUTOCAST_ACTIONS
 from lightning_mpx.casting.loss_regions import LossRegions
 from lightning_mpx.casting.policy import CastPolicy
+from lightning_mpx.casting.replicas import carry_scope_into_replicas
 from lightning_mpx.casting.table import CastTable
 from lightning_mpx.common.dtypes import HALF_DTYPES, set_param_data
 from lightning_mpx.engine.optimizers import StepMachine
@@ -126,6 +127,8 @@ class PreparedModels:
                 f"module={type(module).__name__} is not sharded, but this Amp prepared an FSDP-sharded model: one "
                 "engine trains either sharded models or unsharded ones; use one Amp per kind."
             )
+        if self.policy is not None:  # nn.DataParallel's replicas run in worker threads: the scope goes with them
+            carry_scope_into_replicas(module)
         props = self.properties
         if props.master_weights and train:
             refuse_meta(module)

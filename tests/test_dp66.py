@@ -1,0 +1,199 @@
+"""Stop 66 (dp66): O1 under ``nn.DataParallel``'s worker threads.
+
+Over two or more GPUs ``nn.DataParallel`` replicates the model on the calling thread (``replicate``) and runs each
+replica's forward in a thread of its own (``parallel_apply``), which carries grad mode and autocast's on/off only: O1's
+cast scope (a torch-function mode of the calling thread) was not in effect there, and the replicas ran uncast,
+silently. The prepared model's replicas now enter the calling thread's scope (``lightning_mpx.casting.replicas``).
+
+No GPU here: :func:`_data_parallel` runs what ``DataParallel.forward`` runs over two devices, on the CPU: torch's own
+``replicate`` (its broadcast of the parameters to the devices replaced by views, through which the gradients come
+back as Broadcast's backward brings them), one thread per replica as ``parallel_apply``'s worker (grad mode and
+autocast's on/off carried), and the outputs concatenated (``gather``).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_mpx import Amp, CastTable
+
+
+@pytest.fixture
+def cpu_broadcast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``replicate``'s broadcast to the devices (CUDA only) as views of the parameters on the CPU."""
+    import sys
+
+    replicate_module = sys.modules["torch.nn.parallel.replicate"]  # (the package's name is the function)
+
+    def broadcast(tensors: list[torch.Tensor], devices: list[int], detach: bool = False) -> list[list[torch.Tensor]]:
+        with torch._C.DisableTorchFunction():  # (the real broadcast is no torch function a mode sees)
+            return [[t.detach() if detach else t.view_as(t) for t in tensors] for _ in devices]
+
+    monkeypatch.setattr(replicate_module, "_broadcast_coalesced_reshape", broadcast)
+
+
+def _worker(replica: nn.Module, x: torch.Tensor, results: dict[int, Any], i: int, grad: bool, autocast: bool) -> None:
+    """``parallel_apply``'s worker, on the CPU."""
+    torch.set_grad_enabled(grad)
+    with torch.amp.autocast("cpu", enabled=autocast):
+        results[i] = replica(x)
+
+
+def _data_parallel(model: nn.Module, x: torch.Tensor, replicas: int = 2) -> torch.Tensor:
+    """``nn.DataParallel(model)(x)`` over ``replicas`` devices, on the CPU (see the module's docstring)."""
+    from torch.nn.parallel import replicate
+
+    copies = replicate(model, list(range(replicas)), not torch.is_grad_enabled())
+    results: dict[int, Any] = {}
+    grad, autocast = torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")
+    if replicas == 1:  # parallel_apply calls a single replica on the calling thread
+        _worker(copies[0], x, results, 0, grad, autocast)
+    else:
+        threads = [threading.Thread(target=_worker, args=(replica, chunk, results, i, grad, autocast))
+                   for i, (replica, chunk) in enumerate(zip(copies, x.chunk(replicas)))]  # fmt: skip
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    return torch.cat([results[i] for i in range(replicas)])
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+
+
+def _core_outputs(level: str, forward: Callable[[nn.Module, torch.Tensor], torch.Tensor], **amp: Any) -> torch.Tensor:
+    engine = Amp(level, **{"half_dtype": "bfloat16", **amp})
+    model = engine.prepare_model(_net())
+    with engine.forward_context():
+        return forward(model, engine.cast_inputs(_x()))
+
+
+@pytest.mark.usefixtures("cpu_broadcast")
+@pytest.mark.parametrize(
+    ("level", "amp"),
+    [("O1", {}), ("O2", {}), ("O1", {"half_dtype": "float16", "cast_table": "autocast"})],
+    ids=["O1", "O2", "O1-autocast-float16"],
+)
+@pytest.mark.parametrize("replicas", [2, 1])
+def test_data_parallel_replicas_compute_as_the_calling_thread(level: str, amp: dict[str, Any], replicas: int) -> None:
+    """The core, ``forward_context()`` around ``DataParallel(model)``: the replicas' outputs have the dtype and the
+    values of the single-thread forward (O1: bfloat16, were FP32; O1 on ``torch.autocast`` alone (a CUDA run's path)
+    with float16: float16, were the worker's default autocast dtype, bfloat16 on the CPU). O2's model is half
+    itself: its replicas computed in half before too."""
+    if amp.get("cast_table") == "autocast":
+        amp = {**amp, "cast_table": CastTable.autocast_aligned("cpu")}
+    want = _core_outputs(level, lambda model, x: model(x), **amp)
+    got = _core_outputs(level, lambda model, x: _data_parallel(model, x, replicas), **amp)
+    assert want.dtype == (torch.float16 if amp.get("half_dtype") == "float16" else torch.bfloat16)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+class _WithLoss(nn.Module):
+    """A model that computes its loss in its forward (as Hugging Face models given labels do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _net()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.net(x), torch.zeros(len(x), dtype=torch.long), reduction="none")
+
+
+@pytest.mark.usefixtures("cpu_broadcast")
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_loss_computed_in_a_replica_is_fp32(level: str) -> None:
+    """O2 needs the scope too: a loss function called inside the model runs in FP32 under ``forward_context()``
+    (O2's loss policy); in a replica's thread it ran in bfloat16."""
+    engine = Amp(level, half_dtype="bfloat16")
+    model = engine.prepare_model(_WithLoss())
+    with engine.forward_context():
+        want = model(engine.cast_inputs(_x()))
+        got = _data_parallel(model, engine.cast_inputs(_x()))
+    assert want.dtype == got.dtype == torch.float32
+    assert torch.equal(got, want)
+
+
+@pytest.mark.usefixtures("cpu_broadcast")
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("wrap", ["after", "before"])
+def test_core_training_through_data_parallel_replicas(level: str, wrap: str) -> None:
+    """Three SGD steps of the core loop through two replicas (``nn.DataParallel`` around the prepared model, or
+    prepared itself) against the same steps without it: the same weights and masters, to the tolerance of a
+    gradient summed over two half batches."""
+
+    def run(parallel: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        engine = Amp(level, half_dtype="bfloat16")
+        net = _net()
+        model = engine.prepare_model(nn.DataParallel(net) if wrap == "before" else net)
+        optimizer = engine.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        target = torch.randn(4, 4, generator=torch.Generator().manual_seed(2))
+        for _ in range(3):
+            with engine.forward_context():
+                x = engine.cast_inputs(_x())
+                out = _data_parallel(net, x) if parallel else net(x)
+                assert out.dtype == torch.bfloat16
+                loss = F.mse_loss(engine.cast_outputs(out), target)
+            engine.backward(loss)
+            engine.step(optimizer)
+            engine.update()
+            optimizer.zero_grad()
+        return [p.detach().float() for p in net.parameters()], [m.clone() for m in engine.master_params(optimizer)]
+
+    (weights, masters), (ref_weights, ref_masters) = run(True), run(False)
+    for got, want in zip(weights + masters, ref_weights + ref_masters, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    assert not torch.equal(ref_masters[0], _net()[0].weight)  # it trained
+
+
+@pytest.mark.usefixtures("cpu_broadcast")
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_apex_initialize_then_data_parallel(level: str) -> None:
+    """Apex's documented order, ``amp.initialize`` then ``nn.DataParallel(model)``: the replicas compute as the
+    model does on the calling thread (O1: the scope ``initialize`` entered; O2: the input cast of the model's
+    hook, which the replica shares)."""
+    from lightning_mpx.apex import _amp_state
+    from lightning_mpx.apex import amp as apex_amp
+
+    _amp_state.reset()
+    try:
+        model = _net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = apex_amp.initialize(model, optimizer, opt_level=level, verbosity=0,
+                                               cast_model_type=torch.bfloat16 if level == "O2" else None)  # fmt: skip
+        want = model(_x())
+        got = _data_parallel(model, _x())
+    finally:
+        _amp_state.reset()
+        _amp_state.registrations.clear()
+    assert want.dtype == (torch.float16 if level == "O1" else torch.float32)  # (O2: the output cast back)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.usefixtures("cpu_broadcast")
+def test_nothing_is_carried_outside_a_scope_and_a_copy_replicates_itself() -> None:
+    """Outside ``forward_context()`` the replicas run as the model does there (FP32 at O1); a deep copy of the
+    prepared model (an EMA copy) replicates itself, not the original; a replica is not replicated again."""
+    engine = Amp("O1", half_dtype="bfloat16")
+    model = engine.prepare_model(_net())
+    assert _data_parallel(model, _x()).dtype == torch.float32
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin[0].weight.zero_()
+    with engine.forward_context():
+        assert torch.equal(_data_parallel(twin, _x()), twin(_x()))
+        assert not torch.equal(twin(_x()), model(_x()))
+    replica = model._replicate_for_data_parallel()
+    assert "_replicate_for_data_parallel" not in replica.__dict__
