@@ -197,3 +197,73 @@ def test_nothing_is_carried_outside_a_scope_and_a_copy_replicates_itself() -> No
         assert not torch.equal(twin(_x()), model(_x()))
     replica = model._replicate_for_data_parallel()
     assert "_replicate_for_data_parallel" not in replica.__dict__
+
+
+# -- 2. an FP32 module's output cast follows the model's dtype (model.float() after an O2 fit) -----------------------
+class _Tied(nn.Module):
+    """An embedding, a half layer, and a head whose weight is the embedding's (tied)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(10, 8)
+        self.body = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(self.embed(ids))))
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 10, (4, 3), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("pinned", ["1", "head"])
+def test_core_o2_fp32_module_output_follows_the_model_made_fp32(pinned: str) -> None:
+    """Core O2, ``fp32_modules`` (a middle layer; a tied head, whose embedding runs FP32 too): trained one step, the
+    model half; then ``model.float()``: the forward runs in FP32 (it failed at the layer after the FP32 module with
+    "mat1 and mat2 must have the same dtype") and equals the FP32 model's with the same weights. A deep copy made FP32
+    while the original stays half: the original's FP32 module still casts its output to half."""
+    engine = Amp("O2", half_dtype="bfloat16", fp32_modules=[pinned])
+    model = engine.prepare_model(_net() if pinned == "1" else _Tied())
+    x = _x() if pinned == "1" else _ids()
+    optimizer = engine.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with engine.forward_context():
+        loss = engine.cast_outputs(model(engine.cast_inputs(x))).float().square().mean()
+    engine.backward(loss)
+    engine.step(optimizer)
+    engine.update()
+    twin = copy.deepcopy(model).float()
+    with engine.forward_context():
+        assert model(engine.cast_inputs(x)).dtype == torch.bfloat16  # the original: half still
+    for fp32 in (twin, model.float()):
+        reference = _net() if pinned == "1" else _Tied()  # hookless, with the same weights
+        with torch.no_grad():
+            for name, param in fp32.named_parameters():
+                reference.get_parameter(name).copy_(param)
+            out = fp32(x)
+            assert out.dtype == torch.float32
+            assert torch.equal(out, reference(x))
+
+
+def test_fabric_o2_fp32_module_output_follows_the_model_made_fp32() -> None:
+    """Fabric, O2 with ``fp32_modules``, one step; then the user's own model made FP32 (``net.float()``) for an FP32
+    evaluation: it runs in FP32 (the FP32 module's output was cast to half, and the next layer failed). Fabric's
+    wrapper refuses the converted model with a message that names the conversion (as before)."""
+    from lightning.fabric import Fabric
+
+    from lightning_mpx import FabricMixedPrecisionPlugin
+
+    net = nn.Sequential(_net(), nn.Tanh(), nn.Linear(4, 4))
+    plugin = FabricMixedPrecisionPlugin("O2", half_dtype=torch.bfloat16, fp32_modules=["0.2"])
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    fabric.backward(model(_x()).float().square().mean())
+    optimizer.step()
+    assert net[0][2].weight.dtype == torch.float32 and net[2].weight.dtype == torch.bfloat16
+    net.float()
+    with torch.no_grad():
+        assert net(_x()).dtype == torch.float32
+    with pytest.raises(RuntimeError, match="converted to torch.float32 after prepare_model"):
+        model(_x())
