@@ -267,3 +267,31 @@ def test_fabric_o2_fp32_module_output_follows_the_model_made_fp32() -> None:
         assert net(_x()).dtype == torch.float32
     with pytest.raises(RuntimeError, match="converted to torch.float32 after prepare_model"):
         model(_x())
+
+
+# -- 3. the lazy-module refusal names the door the user used --------------------------------------------------------
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_the_lazy_module_refusal_names_trainer_train_through_mpx_trainer(tmp_path: Any) -> None:
+    """``mpx_trainer`` at O2 with an ``nn.LazyLinear`` not materialized: the refusal names ``trainer.train`` (the
+    user's call, where the model is prepared), not ``accelerator.prepare``, which the user never called."""
+    transformers = pytest.importorskip("transformers")
+
+    from lightning_mpx.accelerate import MixedPrecisionKwargs, mpx_trainer
+
+    class Lazy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 2))
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"loss": F.cross_entropy(self.net(x), labels)}
+
+    data = [{"x": torch.randn(8), "labels": torch.tensor(i % 2)} for i in range(4)]
+    args = transformers.TrainingArguments(str(tmp_path), report_to=[], use_cpu=True, max_steps=1,
+                                          per_device_train_batch_size=4, save_strategy="no")  # fmt: skip
+    trainer = mpx_trainer(transformers.Trainer)(model=Lazy(), args=args, train_dataset=data, opt_level="O2",
+                                                mpx_kwargs=MixedPrecisionKwargs(half_dtype="bfloat16"))  # fmt: skip
+    with pytest.raises(ValueError, match=r"O2 makes the FP32 master weights at trainer\.train, before any") as error:
+        trainer.train()
+    assert "accelerator.prepare" not in str(error.value)
+    assert "Run one forward on an example batch before trainer.train" in str(error.value)

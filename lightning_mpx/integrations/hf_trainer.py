@@ -116,6 +116,7 @@ class MpxTrainerMixin:
         args["mixed_precision"] = self.mpx_opt_level
         # Accelerate's process and gradient states are shared singletons: this one sees the Trainer's set-up.
         self.accelerator = Accelerator(**args, kwargs_handlers=handlers)
+        self.accelerator._mpx_prepared_by = "trainer.train"  # the call its errors name (the lazy-module refusal)
         self.gather_function = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(self.gather_function).parameters:
             self.gather_function = functools.partial(
