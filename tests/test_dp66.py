@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import types
 from typing import Any, Callable
 
 import pytest
@@ -197,6 +198,8 @@ def test_nothing_is_carried_outside_a_scope_and_a_copy_replicates_itself() -> No
         assert not torch.equal(twin(_x()), model(_x()))
     replica = model._replicate_for_data_parallel()
     assert "_replicate_for_data_parallel" not in replica.__dict__
+    model.forward = types.MethodType(type(model).forward, model)  # Accelerate's own autocast wrapper's habit
+    assert model._replicate_for_data_parallel().forward.__self__ is not model
 
 
 # -- 2. an FP32 module's output cast follows the model's dtype (model.float() after an O2 fit) -----------------------
@@ -295,3 +298,55 @@ def test_the_lazy_module_refusal_names_trainer_train_through_mpx_trainer(tmp_pat
         trainer.train()
     assert "accelerator.prepare" not in str(error.value)
     assert "Run one forward on an example batch before trainer.train" in str(error.value)
+
+
+# -- the HF Trainer over several GPUs without a distributed launch (nn.DataParallel by itself) ----------------------
+class _Labelled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _net()
+        self.dtypes: list[torch.dtype] = []
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.net(x)
+        self.dtypes.append(out.dtype)
+        return {"loss": F.mse_loss(out.float(), labels)}
+
+
+def _hf_run(level: str, gpus: int, tmp_path: Any) -> tuple[_Labelled, Any]:
+    transformers = pytest.importorskip("transformers")
+
+    from lightning_mpx.accelerate import MixedPrecisionKwargs, mpx_trainer
+
+    g = torch.Generator().manual_seed(5)
+    data = [{"x": torch.randn(8, generator=g), "labels": torch.randn(4, generator=g)} for _ in range(8)]
+    args = transformers.TrainingArguments(str(tmp_path / str(gpus)), report_to=[], use_cpu=True, max_steps=2,
+                                          per_device_train_batch_size=4 // gpus, save_strategy="no",
+                                          learning_rate=0.1, lr_scheduler_type="constant")  # fmt: skip
+    args._n_gpu = gpus  # (read after the devices are set up): the Trainer wraps nn.DataParallel itself when > 1
+    model = _Labelled()
+    trainer = mpx_trainer(transformers.Trainer)(model=model, args=args, train_dataset=data, opt_level=level,
+                                                mpx_kwargs=MixedPrecisionKwargs(half_dtype="bfloat16"))  # fmt: skip
+    trainer.train()
+    return model, trainer
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_mpx_trainer_wrapping_data_parallel_itself_trains_with_the_opt_level(level: str, tmp_path: Any) -> None:
+    """``mpx_trainer`` where the Trainer sees two GPUs without a distributed launch (``n_gpu=2``): it wraps the model
+    in ``nn.DataParallel`` and prepared no model with the Accelerator. O1 trained in FP32, silently; O2 refused the
+    optimizer ("prepared before its model", a call the user never made). Now the model is prepared inside the
+    wrapper: it trains as on one device (DataParallel calls the model itself here, without a GPU), its replicas'
+    forward bound to each replica."""
+    pytest.importorskip("transformers")
+    model, trainer = _hf_run(level, 2, tmp_path)
+    reference, single = _hf_run(level, 1, tmp_path)
+    assert type(trainer.model_wrapped) is nn.DataParallel and trainer.model_wrapped.module is model
+    assert model.dtypes == reference.dtypes == [torch.bfloat16] * 2
+    got = trainer.accelerator.amp.fp32_state_dict(model)
+    want = single.accelerator.amp.fp32_state_dict(reference)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert not torch.equal(got["net.0.weight"], _net()[0].weight)  # it trained
+    replica = model._replicate_for_data_parallel()  # as torch's replicate calls it over two GPUs
+    assert replica.forward._forward.__self__ is replica  # the adapter's forward runs the replica's parameters

@@ -11,12 +11,15 @@ which would run uncast, silently.
 (:class:`ReplicaScope`): called only by ``replicate``, it makes torch's replica and, when a cast scope or
 ``torch.autocast`` is on on the calling thread, gives the replica a call (``_call_impl``, its hooks included) that
 enters the same scope in the worker thread (fresh modes of the same policies, the same autocast dtypes) when that
-thread has not got it. Nothing runs on an ordinary forward: a model that is not replicated never calls it.
+thread has not got it; an instance ``forward`` bound to the model (the Accelerate adapter's, Accelerate's own
+autocast wrapper) is bound to the replica, which would run the model's own parameters else. Nothing runs on an
+ordinary forward: a model that is not replicated never calls it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import types
 from typing import Any, Callable
 
 import torch
@@ -82,6 +85,15 @@ class ReplicaScope:
         module = self.module
         replica = type(module)._replicate_for_data_parallel(module)
         replica.__dict__.pop(_ATTRIBUTE, None)  # (the copied __dict__'s: it would replicate the original)
+        for key in ("forward", "generate"):  # an instance's own, bound to the model (the adapters', Accelerate's):
+            value = replica.__dict__.get(key)  # bound to the replica, which would run the model's parameters else
+            if value is None:
+                continue
+            rebind = getattr(value, "for_replica", None)  # lightning_mpx's AmpForward
+            if rebind is not None:
+                replica.__dict__[key] = rebind(module, replica)
+            elif isinstance(value, types.MethodType) and value.__self__ is module:
+                replica.__dict__[key] = types.MethodType(value.__func__, replica)
         modes = [m for m in torch.overrides._get_current_function_mode_stack() if isinstance(m, _CastMode)]
         autocasts = [(device, torch.get_autocast_dtype(device), torch.is_autocast_cache_enabled())
                      for device in _AUTOCAST_DEVICES if torch.is_autocast_enabled(device)]  # fmt: skip

@@ -127,8 +127,7 @@ class PreparedModels:
                 f"module={type(module).__name__} is not sharded, but this Amp prepared an FSDP-sharded model: one "
                 "engine trains either sharded models or unsharded ones; use one Amp per kind."
             )
-        if self.policy is not None:  # nn.DataParallel's replicas run in worker threads: the scope goes with them
-            carry_scope_into_replicas(module)
+        carry_scope_into_replicas(module)  # nn.DataParallel's replicas run in worker threads: the scope goes there
         props = self.properties
         if props.master_weights and train:
             refuse_meta(module)

@@ -104,6 +104,17 @@ class AmpForward:
         twin._init(copy.deepcopy(self._forward, memo), engine, copy.deepcopy(self._probe, memo))
         return twin
 
+    def for_replica(self, model: nn.Module, replica: nn.Module) -> AmpForward:
+        """This forward for ``replica``, an ``nn.DataParallel`` replica of ``model``
+        (:mod:`lightning_mpx.casting.replicas`): the same engine, the forward bound to the replica (which holds no
+        parameters of its own to probe: the engine's half dtype)."""
+        forward = self._forward
+        if getattr(forward, "__self__", None) is model:
+            forward = types.MethodType(forward.__func__, replica)  # type: ignore[attr-defined]
+        twin = type(self).__new__(type(self))
+        twin._init(forward, self._amp, None)
+        return twin
+
     def _init(self, forward: Callable[..., Any], amp: Amp, probe: DtypeProbe | None) -> None:
         self._forward = forward
         self._amp = amp
