@@ -14,8 +14,10 @@ autocast's on/off carried), and the outputs concatenated (``gather``).
 from __future__ import annotations
 
 import copy
+import gc
 import threading
 import types
+import weakref
 from typing import Any, Callable
 
 import pytest
@@ -198,8 +200,26 @@ def test_nothing_is_carried_outside_a_scope_and_a_copy_replicates_itself() -> No
         assert not torch.equal(twin(_x()), model(_x()))
     replica = model._replicate_for_data_parallel()
     assert "_replicate_for_data_parallel" not in replica.__dict__
-    model.forward = types.MethodType(type(model).forward, model)  # Accelerate's own autocast wrapper's habit
-    assert model._replicate_for_data_parallel().forward.__self__ is not model
+    seen = []
+
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        seen.append(self)
+        return x
+
+    model.forward = types.MethodType(forward, model)  # bound to the model: Accelerate's autocast wrapper's habit
+    replica = model._replicate_for_data_parallel()
+    replica(_x())
+    assert seen == [replica]  # it ran the model's parameters from every replica
+    del model.forward  # (the test's own cycle)
+    with engine.forward_context():  # a replica with the scope carried, and the model, are freed without a gc pass
+        replica, gone = model._replicate_for_data_parallel(), weakref.ref(model)
+    gone_replica = weakref.ref(replica)
+    gc.disable()
+    try:
+        del model, replica
+        assert gone() is None and gone_replica() is None
+    finally:
+        gc.enable()
 
 
 # -- 2. an FP32 module's output cast follows the model's dtype (model.float() after an O2 fit) -----------------------
@@ -349,4 +369,4 @@ def test_mpx_trainer_wrapping_data_parallel_itself_trains_with_the_opt_level(lev
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert not torch.equal(got["net.0.weight"], _net()[0].weight)  # it trained
     replica = model._replicate_for_data_parallel()  # as torch's replicate calls it over two GPUs
-    assert replica.forward._forward.__self__ is replica  # the adapter's forward runs the replica's parameters
+    assert replica.forward._forward._method().__self__ is replica  # the adapter's forward runs the replica's

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import types
+import weakref
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from lightning_mpx.casting.mode import _CastMode
+from lightning_mpx.common.weak import WeakHook
 
 _ATTRIBUTE = "_replicate_for_data_parallel"
 _AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -73,16 +75,28 @@ class _ScopedCall:
             return self.call(*args, **kwargs)
 
 
+def bound_weakly(function: Callable[..., Any], obj: Any) -> WeakHook:
+    """``function`` bound to ``obj`` through a weak reference: put on ``obj`` itself, no reference cycle (a replica
+    is freed with its parameters' copies as soon as DataParallel's forward lets it go)."""
+    return WeakHook(types.MethodType(function, obj))
+
+
 class ReplicaScope:
     """A prepared model's ``_replicate_for_data_parallel`` (an instance attribute, taken off each replica): torch's,
     and the replica's call made to enter the calling thread's cast scope in a worker thread (see the module's
-    docstring). Copied with the model (``copy.deepcopy``, pickling), it acts for the copy."""
+    docstring). It holds the model weakly (no reference cycle: a model the user drops is freed at once); copied with
+    the model (``copy.deepcopy``, pickling), it acts for the copy."""
 
     def __init__(self, module: nn.Module) -> None:
-        self.module = module
+        self._module = weakref.ref(module)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return (ReplicaScope, (self._module(),))
 
     def __call__(self) -> nn.Module:
-        module = self.module
+        module = self._module()
+        if module is None:  # (only the model calls it: it is alive)
+            raise RuntimeError("the model this replicate call belongs to is gone")
         replica = type(module)._replicate_for_data_parallel(module)
         replica.__dict__.pop(_ATTRIBUTE, None)  # (the copied __dict__'s: it would replicate the original)
         for key in ("forward", "generate"):  # an instance's own, bound to the model (the adapters', Accelerate's):
@@ -93,7 +107,7 @@ class ReplicaScope:
             if rebind is not None:
                 replica.__dict__[key] = rebind(module, replica)
             elif isinstance(value, types.MethodType) and value.__self__ is module:
-                replica.__dict__[key] = types.MethodType(value.__func__, replica)
+                replica.__dict__[key] = bound_weakly(value.__func__, replica)
         modes = [m for m in torch.overrides._get_current_function_mode_stack() if isinstance(m, _CastMode)]
         autocasts = [(device, torch.get_autocast_dtype(device), torch.is_autocast_cache_enabled())
                      for device in _AUTOCAST_DEVICES if torch.is_autocast_enabled(device)]  # fmt: skip
@@ -103,7 +117,7 @@ class ReplicaScope:
             if compiled is not None:
                 replica._compiled_call_impl = _ScopedCall(compiled, scope)
             else:
-                replica._call_impl = _ScopedCall(type(replica)._call_impl.__get__(replica), scope)
+                replica._call_impl = _ScopedCall(bound_weakly(type(replica)._call_impl, replica), scope)
         return replica
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lightning_mpx.casting.boundary import DtypeProbe
+from lightning_mpx.casting.replicas import bound_weakly
 from lightning_mpx.casting.table import _NAMESPACES as _TABLE_NAMESPACES
 from lightning_mpx.casting.table import CastTable
 from lightning_mpx.casting.targets import cast_model_inputs
@@ -108,11 +109,11 @@ class AmpForward:
         """This forward for ``replica``, an ``nn.DataParallel`` replica of ``model``
         (:mod:`lightning_mpx.casting.replicas`): the same engine, the forward bound to the replica (which holds no
         parameters of its own to probe: the engine's half dtype)."""
-        forward = self._forward
-        if getattr(forward, "__self__", None) is model:
-            forward = types.MethodType(forward.__func__, replica)  # type: ignore[attr-defined]
         twin = type(self).__new__(type(self))
-        twin._init(forward, self._amp, None)
+        twin.__dict__.update(self.__dict__)  # (its functools.update_wrapper attributes)
+        if getattr(self._forward, "__self__", None) is model:  # bound weakly: no cycle through the replica
+            twin._forward = bound_weakly(self._forward.__func__, replica)  # type: ignore[attr-defined]
+        twin._probe = None
         return twin
 
     def _init(self, forward: Callable[..., Any], amp: Amp, probe: DtypeProbe | None) -> None:
