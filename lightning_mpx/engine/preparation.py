@@ -26,7 +26,7 @@ from lightning_mpx.engine.optimizers import StepMachine
 from lightning_mpx.engine.sharding import Sharding, is_sharded, parameter_names
 from lightning_mpx.engine.surgery import ForwardErrors
 from lightning_mpx.health.forensics import OverflowForensics
-from lightning_mpx.health.promotion import Promotion, _Fp32Boundary, _module_to_fp32, half_reference, matches
+from lightning_mpx.health.promotion import Promotion, _Fp32Boundary, _half_reference, _module_to_fp32, matches
 from lightning_mpx.masters.handover import HookRelease, let_go_of, masters_of
 from lightning_mpx.masters.pairs import StrayParameterError
 from lightning_mpx.masters.rank_zero import agree_on_rank_zero, several_ranks
@@ -311,7 +311,7 @@ class PreparedModels:
         if module in self._tied_hooks:  # prepared again (evaluated, then trained): hooked once
             return
         half = self.properties.half_dtype
-        boundary = _Fp32Boundary(policy=False, out_dtype=half, reference=half_reference(module, half))
+        boundary = _Fp32Boundary(policy=False, out_dtype=half, reference=_half_reference(module, half))
         # The same order as the pinned modules' hooks: inputs after any other pre-hook, outputs before any other hook.
         self._tied_hooks[module] = [
             handle

@@ -177,7 +177,7 @@ class _Fp32Boundary:
         return _cast_collection(output, self.out_dtype, (torch.float32,))
 
 
-def half_reference(model: nn.Module, half: torch.dtype) -> torch.Tensor | None:
+def _half_reference(model: nn.Module, half: torch.dtype) -> torch.Tensor | None:
     """A parameter of ``model`` in the ``half`` dtype (made half by the prepare), which its FP32 modules' output casts
     follow (:class:`_Fp32Boundary`); ``None`` when it has none."""
     return next((p for p in model.parameters() if p.dtype == half), None)
@@ -541,7 +541,7 @@ class Promotion:
                 continue
             boundary = boundaries.get(id(found[1]))
             if boundary is None:
-                reference = half_reference(found[1], out_dtype) if out_dtype is not None else None
+                reference = _half_reference(found[1], out_dtype) if out_dtype is not None else None
                 boundary = boundaries[id(found[1])] = _Fp32Boundary(
                     amp.properties.patch_torch_functions, out_dtype, reference
                 )
