@@ -370,3 +370,28 @@ def test_mpx_trainer_wrapping_data_parallel_itself_trains_with_the_opt_level(lev
     assert not torch.equal(got["net.0.weight"], _net()[0].weight)  # it trained
     replica = model._replicate_for_data_parallel()  # as torch's replicate calls it over two GPUs
     assert replica.forward._forward._method().__self__ is replica  # the adapter's forward runs the replica's
+
+
+def test_apex_o2_batch_norm_kept_fp32_has_no_output_cast_and_a_converted_model_is_named() -> None:
+    """The Apex layer at O2 with ``keep_batchnorm_fp32``: batch norm takes the half input with its FP32 parameters
+    (no hook of its own casts its output, unlike ``fp32_modules``); a model made FP32 after ``amp.initialize``
+    (``model.float()``) is refused at its next forward with a message naming the conversion, as before."""
+    from lightning_mpx.apex import _amp_state
+    from lightning_mpx.apex import amp as apex_amp
+
+    _amp_state.reset()
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = apex_amp.initialize(model, optimizer, opt_level="O2", keep_batchnorm_fp32=True,
+                                               cast_model_type=torch.bfloat16, verbosity=0)  # fmt: skip
+        assert model[1].weight.dtype == torch.float32 and model[2].weight.dtype == torch.bfloat16
+        assert not model[1]._forward_hooks and not model[1]._forward_pre_hooks
+        assert model(_x()).dtype == torch.float32  # (the model's output cast back, Apex's)
+        model.float()
+        with pytest.raises(RuntimeError, match=r"converted after amp\.initialize\(\) \(model\.float\(\)"):
+            model(_x())
+    finally:
+        _amp_state.reset()
+        _amp_state.registrations.clear()
