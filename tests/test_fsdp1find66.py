@@ -326,19 +326,12 @@ def _as_a_replica(forward):
     return result["output"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fsdp1find66: nn.DataParallel over two or more GPUs runs each replica's forward in a thread of its own "
-    "(parallel_apply carries grad mode and autocast's on/off, not the autocast dtype nor torch-function modes): the O1 "
-    "cast policy of the core's forward_context() and the Apex layer's O1 scope (a TorchFunctionMode on the calling "
-    "thread) are not in effect there: the replicas run without the opt level's casts (FP32 here), silently; "
-    "docs/apex.md and docs/core.md say so, no error does (no GPU here to test a fix: refuse DataParallel with several "
-    "device_ids, naming DistributedDataParallel, or carry the scope into the threads)",
-)
 def test_o1_casts_apply_in_a_data_parallel_replicas_thread():
     amp = Amp("O1", half_dtype="bfloat16")
     model = amp.prepare_model(nn.Linear(4, 4))
     x = torch.ones(2, 4)
     with amp.forward_context():
         assert model(x).dtype == torch.bfloat16  # on the calling thread
-        assert _as_a_replica(lambda: model(x)).dtype == torch.bfloat16
+        replica = model._replicate_for_data_parallel()  # torch.nn.parallel.replicate's call, on this thread
+        replica.__dict__.update(model._parameters)  # (replicate sets the parameters' copies on it so)
+        assert _as_a_replica(lambda: replica(x)).dtype == torch.bfloat16  # (dp66: the scope goes with it)

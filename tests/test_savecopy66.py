@@ -354,14 +354,6 @@ def test_trainer_o2_recipe_trains_as_bf16_mixed(norm: str) -> None:
     assert (fp32 - want).abs().max() < 1e-2  # the runs are close: the comparison is of noise-level differences
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="savecopy66: after an O2 fit with fp32_modules, the FP32 module's output is still cast to the half dtype "
-    "(the island's hooks stay on the model after the fit; the plugin's boundary casts are taken off): a model made "
-    "FP32 for inference or export (module.float()) then fails at the next layer ('mat1 and mat2 must have the same "
-    "dtype, but got BFloat16 and Float'); without fp32_modules it runs in FP32",
-)
 def test_a_model_made_fp32_after_an_o2_fit_with_fp32_modules_runs_in_fp32() -> None:
     from lightning_mpx import MixedPrecisionPlugin
 

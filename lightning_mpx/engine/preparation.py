@@ -19,13 +19,14 @@ from torch import nn
 from lightning_mpx.casting.lists import AUTOCAST_ACTIONS
 from lightning_mpx.casting.loss_regions import LossRegions
 from lightning_mpx.casting.policy import CastPolicy
+from lightning_mpx.casting.replicas import carry_scope_into_replicas
 from lightning_mpx.casting.table import CastTable
 from lightning_mpx.common.dtypes import HALF_DTYPES, set_param_data
 from lightning_mpx.engine.optimizers import StepMachine
 from lightning_mpx.engine.sharding import Sharding, is_sharded, parameter_names
 from lightning_mpx.engine.surgery import ForwardErrors
 from lightning_mpx.health.forensics import OverflowForensics
-from lightning_mpx.health.promotion import Promotion, _Fp32Boundary, _module_to_fp32, matches
+from lightning_mpx.health.promotion import Promotion, _Fp32Boundary, _half_reference, _module_to_fp32, matches
 from lightning_mpx.masters.handover import HookRelease, let_go_of, masters_of
 from lightning_mpx.masters.pairs import StrayParameterError
 from lightning_mpx.masters.rank_zero import agree_on_rank_zero, several_ranks
@@ -126,6 +127,7 @@ class PreparedModels:
                 f"module={type(module).__name__} is not sharded, but this Amp prepared an FSDP-sharded model: one "
                 "engine trains either sharded models or unsharded ones; use one Amp per kind."
             )
+        carry_scope_into_replicas(module)  # nn.DataParallel's replicas run in worker threads: the scope goes there
         props = self.properties
         if props.master_weights and train:
             refuse_meta(module)
@@ -308,7 +310,8 @@ class PreparedModels:
             _module_to_fp32(sub)
         if module in self._tied_hooks:  # prepared again (evaluated, then trained): hooked once
             return
-        boundary = _Fp32Boundary(policy=False, out_dtype=self.properties.half_dtype)
+        half = self.properties.half_dtype
+        boundary = _Fp32Boundary(policy=False, out_dtype=half, reference=_half_reference(module, half))
         # The same order as the pinned modules' hooks: inputs after any other pre-hook, outputs before any other hook.
         self._tied_hooks[module] = [
             handle

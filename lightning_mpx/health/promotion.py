@@ -148,11 +148,16 @@ class _Entered(threading.local):
 class _Fp32Boundary:
     """The forward hooks of one FP32 module: its inputs to FP32 (and O1's half ops in FP32) on the way in, its FP32
     outputs back to the half dtype on the way out (O2/O3). Holds no engine, so a deep copy of the model (EMA,
-    ``AveragedModel``) copies the hooks along with it."""
+    ``AveragedModel``) copies the hooks along with it.
 
-    def __init__(self, policy: bool, out_dtype: torch.dtype | None) -> None:
+    ``reference``: a parameter of the model that the prepare made half, outside the FP32 modules: the output is cast
+    while it is half, and left as it is once the model was made another dtype since (``model.float()`` after training,
+    for an FP32 export or evaluation: the layers after the FP32 module are FP32 then)."""
+
+    def __init__(self, policy: bool, out_dtype: torch.dtype | None, reference: torch.Tensor | None = None) -> None:
         self.policy = policy
         self.out_dtype = out_dtype
+        self.reference = reference  # not a weak reference: torch cannot swap a parameter that has one
         self._entered = _Entered()  # this thread's enter_fp32 states, innermost last (a module may call itself)
 
     def pre(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -167,7 +172,15 @@ class _Fp32Boundary:
             exit_fp32(entered.pop() if entered else None)
         if self.out_dtype is None or output is None:
             return None
+        if (reference := self.reference) is not None and reference.dtype != self.out_dtype:
+            return None  # the model is not half now (model.float() after training): its next layers are not either
         return _cast_collection(output, self.out_dtype, (torch.float32,))
+
+
+def _half_reference(model: nn.Module, half: torch.dtype) -> torch.Tensor | None:
+    """A parameter of ``model`` in the ``half`` dtype (made half by the prepare), which its FP32 modules' output casts
+    follow (:class:`_Fp32Boundary`); ``None`` when it has none."""
+    return next((p for p in model.parameters() if p.dtype == half), None)
 
 
 class Promotion:
@@ -517,10 +530,8 @@ class Promotion:
         amp = self.amp
         if amp.opt_level == "O0":
             return
-        boundary = _Fp32Boundary(
-            policy=amp.properties.patch_torch_functions,
-            out_dtype=amp.half_dtype if amp.properties.casts_model else None,
-        )
+        out_dtype = amp.half_dtype if amp.properties.casts_model else None
+        boundaries: dict[int, _Fp32Boundary] = {}  # by prepared model: each follows its own model's dtype
         tops = self.fp32_modules
         for name in tops:
             if any(name.startswith(other + ".") for other in tops):
@@ -528,6 +539,12 @@ class Promotion:
             module, found = self._module(name), self._root_of(name)
             if module is None or found is None:
                 continue
+            boundary = boundaries.get(id(found[1]))
+            if boundary is None:
+                reference = _half_reference(found[1], out_dtype) if out_dtype is not None else None
+                boundary = boundaries[id(found[1])] = _Fp32Boundary(
+                    amp.properties.patch_torch_functions, out_dtype, reference
+                )
             # Inputs: after any other pre-hook (an adapter's boundary cast to half). Outputs: before any other
             # forward hook (an adapter's boundary cast to FP32 must see the half output last).
             self.hooks.setdefault(found[1], []).extend((

@@ -347,7 +347,8 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
                 self.amp.prepare_model(model, train=True, rank_zero_fp32=self.num_processes > 1)
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         if self.amp.properties.master_weights and train:
-            refuse_lazy(model, "accelerator.prepare")  # a clear error, not the engine's on a parameter without a shape
+            # A clear error, not the engine's on a parameter without a shape, naming the user's call (mpx_trainer's).
+            refuse_lazy(model, getattr(self, "_mpx_prepared_by", "accelerator.prepare"))
         place = self.device_placement if device_placement is None else device_placement
         if place and not self.verify_device_map(model):
             # On the device before conversion: O2's masters are created next to the parameters they copy.

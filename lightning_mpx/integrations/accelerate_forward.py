@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lightning_mpx.casting.boundary import DtypeProbe
+from lightning_mpx.casting.replicas import bound_weakly
 from lightning_mpx.casting.table import _NAMESPACES as _TABLE_NAMESPACES
 from lightning_mpx.casting.table import CastTable
 from lightning_mpx.casting.targets import cast_model_inputs
@@ -102,6 +103,17 @@ class AmpForward:
         )
         twin = type(self).__new__(type(self))
         twin._init(copy.deepcopy(self._forward, memo), engine, copy.deepcopy(self._probe, memo))
+        return twin
+
+    def for_replica(self, model: nn.Module, replica: nn.Module) -> AmpForward:
+        """This forward for ``replica``, an ``nn.DataParallel`` replica of ``model``
+        (:mod:`lightning_mpx.casting.replicas`): the same engine, the forward bound to the replica (which holds no
+        parameters of its own to probe: the engine's half dtype)."""
+        twin = type(self).__new__(type(self))
+        twin.__dict__.update(self.__dict__)  # (its functools.update_wrapper attributes)
+        if getattr(self._forward, "__self__", None) is model:  # bound weakly: no cycle through the replica
+            twin._forward = bound_weakly(self._forward.__func__, replica)  # type: ignore[attr-defined]
+        twin._probe = None
         return twin
 
     def _init(self, forward: Callable[..., Any], amp: Amp, probe: DtypeProbe | None) -> None:

@@ -116,11 +116,28 @@ class MpxTrainerMixin:
         args["mixed_precision"] = self.mpx_opt_level
         # Accelerate's process and gradient states are shared singletons: this one sees the Trainer's set-up.
         self.accelerator = Accelerator(**args, kwargs_handlers=handlers)
+        self.accelerator._mpx_prepared_by = "trainer.train"  # the call its errors name (the lazy-module refusal)
         self.gather_function = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(self.gather_function).parameters:
             self.gather_function = functools.partial(
                 self.gather_function, use_gather_object=targs.eval_use_gather_object
             )
+
+    def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
+        """The Trainer's own wrap. Over several GPUs without a distributed launch it wraps the model in
+        ``nn.DataParallel``, and then prepares no model with the Accelerator (an "unhandled case" to it): the model
+        ran without the opt level (FP32, silently; O2 refused the optimizer, prepared before any model). The model
+        inside the wrapper is prepared here, once for training (once for evaluation before that); its replicas run
+        in the calling thread's cast scope (:mod:`lightning_mpx.casting.replicas`)."""
+        wrapped = super()._wrap_model(model, training, dataloader)  # type: ignore[misc]
+        inner = getattr(wrapped, "module", None)
+        if type(wrapped) is nn.DataParallel and inner is self.model and self.accelerator.amp is not None:  # type: ignore[attr-defined]
+            done = self.__dict__.get("_mpx_in_data_parallel")  # (the model, whether prepared for training)
+            trained = done is not None and done[0] is inner and done[1]
+            if (done is None or done[0] is not inner or training) and not trained:
+                self.accelerator.prepare_model(inner, evaluation_mode=not training)
+                self._mpx_in_data_parallel = (inner, training)
+        return wrapped
 
     # -- checkpoints: the Trainer saves and loads its own GradScaler here; the engine's state goes with it ----------
     def _save_scaler(self, output_dir: str) -> None:

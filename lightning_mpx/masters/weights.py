@@ -129,7 +129,7 @@ def refuse_meta(module: nn.Module) -> None:
 def refuse_lazy(module: nn.Module, call: str) -> None:
     """Raise a ``ValueError`` naming ``module``'s uninitialized (lazy) parameters, which O2 cannot make masters of
     yet; ``call`` is the user's call that prepares the model (``"trainer.fit"``, ``"fabric.setup"``,
-    ``"accelerator.prepare"``, ``"prepare_model()"``)."""
+    ``"accelerator.prepare"``, ``"trainer.train"`` through ``mpx_trainer``, ``"prepare_model()"``)."""
     names = [name for name, param in module.named_parameters() if is_lazy(param)]
     if not names:
         return
