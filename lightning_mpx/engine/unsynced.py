@@ -22,8 +22,10 @@ model used in some iterations only: uneven batches) keeps its hooks until the ba
 every rank finds its wrapper. A later set-up of the same models (a second
 ``trainer.fit``, which wraps them in a new DDP) watches them again. Whether a
 backward runs unsynchronised is read from the wrappers at each engine backward (:func:`synced`): ``no_sync`` active, or
-the wrapper's last forward with grad enabled ran under it (noted by a forward hook put on each wrapper met,
-:class:`SyncNote`: a ``torch.no_grad()`` forward on one rank alone, which clears DDP's own flag, changes nothing).
+the reducer not prepared: DDP's flag off now (the Trainer's ``manual_backward`` sets it again after a
+``training_step`` forward) and the wrapper's last forward with grad enabled ran under ``no_sync`` (noted by a forward
+hook put on each wrapper met, :class:`SyncNote`: a ``torch.no_grad()`` forward on one rank alone, which clears DDP's
+own flag, changes nothing).
 """
 
 from __future__ import annotations
