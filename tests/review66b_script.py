@@ -184,10 +184,7 @@ ALL_CASES = (
     "trainer_switch_raw",
 )
 # The suite's launch (the rest held too: REVIEW66B_CASES=all runs them, as probes)
-CASES = (
-    "two_forwards", "checkpoint",
-    *(f"{k}_raw" for k in ("inference0", "logging0", "copies", "nosync", "trainer_switch")),
-)  # fmt: skip
+CASES = ("checkpoint", *(f"{k}_raw" for k in ("inference0", "logging0", "nosync", "trainer_switch")))  # fmt: skip
 
 
 def main() -> None:
