@@ -22,8 +22,10 @@ model used in some iterations only: uneven batches) keeps its hooks until the ba
 every rank finds its wrapper. A later set-up of the same models (a second
 ``trainer.fit``, which wraps them in a new DDP) watches them again. Whether a
 backward runs unsynchronised is read from the wrappers at each engine backward (:func:`synced`): ``no_sync`` active, or
-the wrapper's last forward with grad enabled ran under it (noted by a forward hook put on each wrapper met,
-:class:`SyncNote`: a ``torch.no_grad()`` forward on one rank alone, which clears DDP's own flag, changes nothing).
+the reducer not prepared: DDP's flag off now (the Trainer's ``manual_backward`` sets it again after a
+``training_step`` forward) and the wrapper's last forward with grad enabled ran under ``no_sync`` (noted by a forward
+hook put on each wrapper met, :class:`SyncNote`: a ``torch.no_grad()`` forward on one rank alone, which clears DDP's
+own flag, changes nothing).
 """
 
 from __future__ import annotations
@@ -126,13 +128,13 @@ class SyncNote:
 
 def synced(wrapper: nn.Module, noted: dict[int, bool]) -> bool:
     """Whether the coming backward through ``wrapper`` (a DDP wrapper) all-reduces: DDP's ``no_sync`` not active, and
-    its last forward with grad enabled prepared the reducer (``noted``: :class:`SyncNote`'s, by id; the wrapper's
-    flag before any was noted). Alike on every rank that ran the same forwards with grad, whatever forwards under
-    ``torch.no_grad()`` one rank ran alone."""
+    the reducer prepared: the wrapper's flag set now (by its last forward, or by the Trainer's ``manual_backward``,
+    whose ``prepare_for_backward`` sets it after a ``training_step`` forward that left it off), or else set by its last
+    forward with grad enabled (``noted``: :class:`SyncNote`'s, by id). Alike on every rank that ran the same forwards
+    with grad, whatever forwards under ``torch.no_grad()`` one rank ran alone (which clear the flag)."""
     if not wrapper.require_backward_grad_sync:
         return False
-    found = noted.get(id(wrapper))
-    return bool(wrapper.require_forward_param_sync) if found is None else found
+    return bool(wrapper.require_forward_param_sync) or noted.get(id(wrapper), False)
 
 
 def watch_ddp(modules: Sequence[nn.Module], machine: Any) -> None:
