@@ -33,7 +33,12 @@ def events(run: Path) -> dict[str, list[tuple[int, float]]]:
     a resumed run that logged an x again must show here)."""
     acc = EventAccumulator(str(run), size_guidance={"scalars": 0}, purge_orphaned_data=False)
     acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    # In the order written: the files are read in name order, and a name's last field is a per-process count (9 and
+    # 10 sort "10" first when two writers open in one second): by wall time, ties kept in file order.
+    return {
+        tag: [(e.step, e.value) for e in sorted(acc.Scalars(tag), key=lambda e: e.wall_time)]
+        for tag in acc.Tags()["scalars"]
+    }
 
 
 def since(skipped: list[int], at: list[int]) -> list[float]:
