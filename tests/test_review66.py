@@ -19,24 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_mpx import Amp, MixedPrecisionPlugin
-
-LEVELS = [("O1", "float16"), ("O2", "bfloat16")]
-
-
-def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(i)
-    return torch.randn(4, 4, generator=g), torch.randn(4, 1, generator=g)
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.trunk = nn.Linear(4, 8)
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.trunk(x.to(self.trunk.weight.dtype)))).float()
+from tests.test_rawhead66 import LEVELS, Net, _batch  # the model and batches rawhead66 pinned the refusal with
 
 
 def _decay(model: nn.Module) -> None:
