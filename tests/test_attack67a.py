@@ -336,17 +336,17 @@ def _final(ranks: list[dict[str, Any]], case: str) -> torch.Tensor:
 
 
 def test_ddp_alternating_no_backward_sync_trains_as_bf16_mixed(ranks: list[dict[str, Any]]) -> None:
-    """``fabric.no_backward_sync(model, enabled=step % 2 == 0)``, a step every second backward: the ranks equal, as
-    ``"bf16-mixed"``."""
+    """``fabric.no_backward_sync(model, enabled=step % 2 == 0)``, a step every second backward, the model's first
+    forward inside ``torch.inference_mode()``, rank 0 alone looking at a sample under ``torch.no_grad()`` inside each
+    window: no refusal, no hang, the ranks equal, as ``"bf16-mixed"``."""
     got, want = _final(ranks, "fabric_alternate/O2"), _final(ranks, "fabric_alternate/bf16-mixed")
     torch.testing.assert_close(got, want, rtol=0, atol=2e-3)
 
 
-@pytest.mark.parametrize("case", ["inference_first", "interleaved", "nograd_rank0_acc"])
-def test_ddp_habits_around_the_sync_note_keep_the_ranks_together(ranks: list[dict[str, Any]], case: str) -> None:
-    """A first forward inside ``torch.inference_mode()``, two models whose ``no_sync`` windows interleave, and a
-    rank-0-only ``torch.no_grad()`` look inside an accumulation window: no refusal, no hang, the ranks equal."""
-    _final(ranks, f"fabric_{case}/O2")
+def test_ddp_two_models_with_interleaved_no_sync_windows_keep_the_ranks_together(ranks: list[dict[str, Any]]) -> None:
+    """Two models whose ``no_sync`` windows interleave (one synchronises where the other does not): no refusal, no
+    hang, the ranks equal."""
+    _final(ranks, "fabric_interleaved/O2")
     assert all(r["after"] == {"sum": 2.0} for r in ranks)
 
 
