@@ -224,3 +224,57 @@ def test_apex_unnamed_optimizer_overflow_backs_off_once() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert _scales(apex=True) == _scales(apex=False)
+
+
+# -- 5. the HF Trainer wrapping nn.DataParallel itself, train() twice -------------------------------------------------
+class _Labelled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.dtypes: list[torch.dtype] = []
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.net(x)
+        self.dtypes.append(out.dtype)
+        return {"loss": F.mse_loss(out.float(), labels)}
+
+
+def _trained_twice(level: str, gpus: int, tmp_path: Any) -> tuple[_Labelled, Any]:
+    transformers = pytest.importorskip("transformers")
+    from lightning_mpx.accelerate import MixedPrecisionKwargs, mpx_trainer
+    from tests.accelerate_helpers import reset_accelerate_state
+
+    reset_accelerate_state()
+    g = torch.Generator().manual_seed(5)
+    data = [{"x": torch.randn(8, generator=g), "labels": torch.randn(4, generator=g)} for _ in range(8)]
+    args = transformers.TrainingArguments(
+        str(tmp_path / f"{level}{gpus}"), report_to=[], use_cpu=True, max_steps=1, per_device_train_batch_size=4 // gpus,
+        save_strategy="no", learning_rate=0.1, lr_scheduler_type="constant", disable_tqdm=True,
+    )  # fmt: skip
+    args._n_gpu = gpus  # (read after the devices are set up): the Trainer wraps nn.DataParallel itself when > 1
+    torch.manual_seed(0)
+    model = _Labelled()
+    trainer = mpx_trainer(transformers.Trainer)(
+        model=model, args=args, train_dataset=data, opt_level=level,
+        mpx_kwargs=MixedPrecisionKwargs(half_dtype="bfloat16"),
+    )  # fmt: skip
+    trainer.train()
+    trainer.args.max_steps = 2
+    trainer.train()  # again, on the same Trainer (its free_memory() gives the Accelerator a new engine)
+    return model, trainer
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_trainer_wrapping_data_parallel_trains_twice(level: str, tmp_path: Any) -> None:
+    """``trainer.train()`` twice on an ``mpx_trainer`` that wraps ``nn.DataParallel`` itself (two GPUs without a
+    distributed launch): at O2 the second ``train()`` was refused ("optimizer=SGD was prepared before its model, and no
+    model has been prepared by this Accelerator", calls the user never made): the model prepared inside the wrapper
+    by the first ``train()``'s engine was taken as prepared by the new one. Now both train as on one device."""
+    model, trainer = _trained_twice(level, 2, tmp_path)
+    reference, single = _trained_twice(level, 1, tmp_path)
+    assert type(trainer.model_wrapped) is nn.DataParallel and trainer.model_wrapped.module is model
+    assert model.dtypes == reference.dtypes == [torch.bfloat16] * 3  # 1 step, then 2
+    got = trainer.accelerator.amp.fp32_state_dict(model)
+    want = single.accelerator.amp.fp32_state_dict(reference)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
