@@ -248,8 +248,8 @@ def _trained_twice(level: str, gpus: int, tmp_path: Any) -> tuple[_Labelled, Any
     g = torch.Generator().manual_seed(5)
     data = [{"x": torch.randn(8, generator=g), "labels": torch.randn(4, generator=g)} for _ in range(8)]
     args = transformers.TrainingArguments(
-        str(tmp_path / f"{level}{gpus}"), report_to=[], use_cpu=True, max_steps=1, per_device_train_batch_size=4 // gpus,
-        save_strategy="no", learning_rate=0.1, lr_scheduler_type="constant", disable_tqdm=True,
+        str(tmp_path / f"{level}{gpus}"), report_to=[], use_cpu=True, max_steps=1, save_strategy="no",
+        per_device_train_batch_size=4 // gpus, learning_rate=0.1, lr_scheduler_type="constant", disable_tqdm=True,
     )  # fmt: skip
     args._n_gpu = gpus  # (read after the devices are set up): the Trainer wraps nn.DataParallel itself when > 1
     torch.manual_seed(0)
