@@ -217,7 +217,9 @@ def _scales(apex: bool) -> list[float]:
     strict=True,
     reason="Apex layer: an optimizer stepped but not named in the scale_loss block whose backward reached it counts "
     "the block's overflow again at its own step, after the iteration's update: the scale backs off twice "
-    "(65536 -> 32768 -> 16384) where GradScaler backs off once; the weights are right (both steps skipped)",
+    "(65536 -> 32768 -> 16384) where GradScaler backs off once; the weights are right (both steps skipped). Same "
+    "cause: a GAN stepping the generator first, whose block reaches the zeroed discriminator's parameters. Deferring "
+    "the update to that optimizer's step lags the scale a DCGAN loop reads (tests/test_hostile_apex.py)",
 )
 def test_apex_unnamed_optimizer_overflow_backs_off_once() -> None:
     """One overflow, one back-off, as ``GradScaler`` stepping both optimizers (the weights agree already)."""
