@@ -659,10 +659,9 @@ def _native_handler_refusal(handler: KwargsHandler, opt_level: str) -> str:
 def _opt_level_of(mixed_precision: object) -> str | None:
     """The opt level that ``mixed_precision`` (or ``ACCELERATE_MIXED_PRECISION`` when it is ``None``) names, or
     ``None`` for Accelerate's own values."""
-    value = mixed_precision
-    if value is None:
-        env = os.environ.get("ACCELERATE_MIXED_PRECISION")
-        return env if env in OPT_LEVELS else None
+    value, name = mixed_precision, "mixed_precision"
+    if value is None:  # Accelerate passes an unknown value of it on unchecked ("o2": no mixed precision, silently)
+        value, name = os.environ.get("ACCELERATE_MIXED_PRECISION") or "no", "ACCELERATE_MIXED_PRECISION"
     text = str(value)  # PrecisionType members are str enums
     if text in OPT_LEVELS:
         return text
@@ -675,7 +674,7 @@ def _opt_level_of(mixed_precision: object) -> str | None:
             f"{'the digit zero' if text[0] == '0' else 'a lower-case o'}: did you mean 'O{text[1]}'?"
         )
     raise ValueError(
-        f"mixed_precision={value!r} is not valid; valid choices: Accelerate's "
+        f"{name}={value!r} is not valid; valid choices: Accelerate's "
         f"{', '.join(map(repr, NATIVE_MIXED_PRECISION))} or lightning_mpx's opt levels "
         f"{', '.join(map(repr, OPT_LEVELS))}.{hint}"
     )

@@ -27,6 +27,7 @@ import functools
 import inspect
 import os
 import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -128,15 +129,17 @@ class MpxTrainerMixin:
         ``nn.DataParallel``, and then prepares no model with the Accelerator (an "unhandled case" to it): the model
         ran without the opt level (FP32, silently; O2 refused the optimizer, prepared before any model). The model
         inside the wrapper is prepared here, once for training (once for evaluation before that); its replicas run
-        in the calling thread's cast scope (:mod:`lightning_mpx.casting.replicas`)."""
+        in the calling thread's cast scope (:mod:`lightning_mpx.casting.replicas`). Prepared again by a new engine
+        (the Trainer's ``free_memory()`` at each ``train()``: a second ``train()`` found it prepared by the first's)."""
         wrapped = super()._wrap_model(model, training, dataloader)  # type: ignore[misc]
         inner = getattr(wrapped, "module", None)
-        if type(wrapped) is nn.DataParallel and inner is self.model and self.accelerator.amp is not None:  # type: ignore[attr-defined]
-            done = self.__dict__.get("_mpx_in_data_parallel")  # (the model, whether prepared for training)
-            trained = done is not None and done[0] is inner and done[1]
-            if (done is None or done[0] is not inner or training) and not trained:
+        amp = self.accelerator.amp
+        if type(wrapped) is nn.DataParallel and inner is self.model and amp is not None:  # type: ignore[attr-defined]
+            done = self.__dict__.get("_mpx_in_data_parallel")  # (the model, whether for training, the engine's ref)
+            current = done is not None and done[0] is inner and done[2]() is amp
+            if (not current or training) and not (current and done[1]):
                 self.accelerator.prepare_model(inner, evaluation_mode=not training)
-                self._mpx_in_data_parallel = (inner, training)
+                self._mpx_in_data_parallel = (inner, training, weakref.ref(amp))
         return wrapped
 
     # -- checkpoints: the Trainer saves and loads its own GradScaler here; the engine's state goes with it ----------
