@@ -278,13 +278,6 @@ def test_apex_o1_clip_after_a_zero_loss_delayed_block_keeps_the_earlier_blocks_g
     assert all(torch.allclose(g, w, atol=1e-4) for g, w in zip(got, want))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review66: gap66's stepped_along (engine/raw_steps.py) takes a write between accumulated backwards at O2 "
-    "for a torch optimizer's step when the elements moved against their gradients' signs nearly everywhere; a "
-    "weight decay written by hand (p.mul_(1 - lr * wd)) moves each element towards zero, which is against its "
-    "gradient wherever an L2 penalty in the loss dominates the gradient: refused as a raw step",
-)
 def test_o2_weight_decay_by_hand_between_accumulated_backwards_with_an_l2_penalty_trains_on() -> None:
     torch.manual_seed(0)
     amp = Amp(opt_level="O2", half_dtype="bfloat16")

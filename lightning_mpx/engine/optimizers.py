@@ -391,6 +391,7 @@ class StepMachine(UnscalePath):
         self.written_at = self.steps_taken  # no hand update for HeldWrites to judge at the next step
         for state in self.optimizers.values():
             state.backward_versions = None
+            state.kept_writes = []  # a write found between accumulated backwards, taken as the user's (kept_writes)
         if self.unheld is not None:
             self.unheld.forget()
         if self.frozen_writes is not None:

@@ -1,0 +1,154 @@
+"""Helper xfails67: stop 66's strict xfails turned into passes, and what those fixes also cover.
+
+1. ``engine/raw_steps.py``'s ``stepped_along`` (an O2 write between accumulated backwards that moved the half weights
+   against their gradients nearly everywhere: a raw torch optimizer's step) refused two correct habits. Now such a
+   write is judged at the step (``engine/kept_writes.py``): refused where it still stands, let through where it was
+   undone (a descent probe: extragradient, a first-order MAML inner step); and a write that is one factor times the
+   weights (a weight decay by hand, where an L2 penalty makes the gradients the weights' own) is no raw step.
+
+Tiny models on CPU, bfloat16.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_mpx import Amp
+from tests.test_gap66 import REFUSAL, _batch
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _core(between: Callable[[nn.Module, Amp], None], *, penalty: float = 0.0, steps: int = 2) -> dict[str, Any]:
+    """The core Amp at O2 bfloat16 (or FP32 with ``Amp`` left out: ``between(model, None)``), two accumulated
+    micro-batches a step, ``between`` after the first backward; the FP32 weights it ends on."""
+    amp = Amp(opt_level="O2", half_dtype="bfloat16")
+    model = amp.prepare_model(_net())
+    opt = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for step in range(steps):
+        for micro in range(2):
+            x, y = _batch(2 * step + micro)
+            loss = F.cross_entropy(model(x.bfloat16()).float(), y)
+            if penalty:
+                loss = loss + penalty * sum(p.float().pow(2).sum() for p in model.parameters())
+            amp.backward(loss)
+            if micro == 0:
+                between(model, amp)
+        amp.step(opt)
+        amp.update()
+        opt.zero_grad()
+    return amp.fp32_state_dict(model)
+
+
+def _reference(between: Callable[[nn.Module, Any], None], *, penalty: float = 0.0, steps: int = 2) -> dict[str, Any]:
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        for micro in range(2):
+            x, y = _batch(2 * step + micro)
+            loss = F.cross_entropy(model(x), y)
+            if penalty:
+                loss = loss + penalty * sum(p.pow(2).sum() for p in model.parameters())
+            loss.backward()
+            if micro == 0:
+                between(model, None)
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+def _close(got: dict[str, Any], want: dict[str, Any]) -> None:
+    worst = max((got[k].float() - v).abs().max().item() for k, v in want.items())
+    assert worst < 1e-2, worst
+
+
+def _probe_undone_by_subtraction(model: nn.Module, amp: Any) -> None:
+    """Extragradient's extrapolation undone by subtracting it (not from a saved copy): the half weights come back to
+    their masters' rounding up to a rounding of their own."""
+    params = list(model.parameters())
+    moves = [-5e-2 * p.grad.float() for p in params]
+    with torch.no_grad():
+        for p, move in zip(params, moves):
+            p.add_(move.to(p.dtype))
+    x, y = _batch(100)
+    dtype = params[0].dtype
+    loss = F.cross_entropy(model(x.to(dtype)).float(), y) / 2
+    amp.backward(loss) if amp is not None else loss.backward()
+    with torch.no_grad():
+        for p, move in zip(params, moves):
+            p.sub_(move.to(p.dtype))
+
+
+def test_o2_descent_probe_undone_by_subtraction_trains_as_fp32() -> None:
+    _close(_core(_probe_undone_by_subtraction), _reference(_probe_undone_by_subtraction))
+
+
+def _raw_sgd(model: nn.Module, amp: Any) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sub_(5e-2 * p.grad.to(p.dtype))  # a raw SGD step, written out, no zero_grad
+
+
+def test_o2_raw_step_standing_at_the_step_is_refused_there_naming_the_way_out() -> None:
+    """Found at the backward after it, refused at the step (before the masters take anything)."""
+    with pytest.raises(RuntimeError, match=REFUSAL + r".*still there at its step.*refresh_masters\(force=True\)"):
+        _core(_raw_sgd)
+
+
+def test_o2_raw_step_then_a_probe_undone_is_still_refused() -> None:
+    """Two writes found before one step: the probe undone does not clear the raw step before it."""
+
+    def both(model: nn.Module, amp: Any) -> None:
+        _raw_sgd(model, amp)
+        x, y = _batch(300)
+        amp.backward(F.cross_entropy(model(x.bfloat16()).float(), y) / 2)  # the raw step found here
+        _probe_undone_by_subtraction(model, amp)
+
+    with pytest.raises(RuntimeError, match=REFUSAL):
+        _core(both)
+
+
+def test_o2_raw_step_taken_by_refresh_masters_force_after_the_backward_that_found_it_trains_on() -> None:
+    """The way out the refusal names, taken after the backward that found the write (before the step): no refusal,
+    and the write is in the masters at its half rounding (as refresh_masters promises)."""
+
+    def taken(model: nn.Module, amp: Amp) -> None:
+        _raw_sgd(model, amp)
+        x, y = _batch(300)
+        amp.backward(F.cross_entropy(model(x.bfloat16()).float(), y) / 2)
+        amp.refresh_masters(force=True)
+
+    got = _core(taken)
+    assert all(torch.isfinite(v).all() for v in got.values())
+
+
+@pytest.mark.parametrize(
+    "decay",
+    [
+        lambda p: p.mul_(1 - 0.05),
+        lambda p: p.add_(p, alpha=-0.05),
+        lambda p: p.sub_(0.05 * p),  # 0.05 * p rounded first: a second rounding
+    ],
+    ids=["mul_", "add_alpha", "sub_product"],
+)
+def test_o2_weight_decay_by_hand_under_an_l2_penalty_trains_as_fp32(decay: Callable[[torch.Tensor], Any]) -> None:
+    def between(model: nn.Module, amp: Any) -> None:
+        with torch.no_grad():
+            for p in model.parameters():
+                decay(p)
+
+    _close(_core(between, penalty=1.0), _reference(between, penalty=1.0))
+
+
+def test_o2_raw_sgd_under_an_l2_penalty_is_still_refused() -> None:
+    """The gradients are mostly the penalty's (the weights'), not only: a raw step is no one factor times them."""
+    with pytest.raises(RuntimeError, match=REFUSAL):
+        _core(_raw_sgd, penalty=1.0)
