@@ -239,15 +239,6 @@ def test_trainer_o2_in_place_edit_of_the_last_checkpoints_state_dict_ends_as_bf1
     assert all(torch.allclose(got[k].float(), v, rtol=1e-2, atol=1e-3) for k, v in want.items())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review66: stateful66's check at the step takes a delay_unscale chain whose gradients were written and are "
-    "all zero for one cleared by zero_grad(set_to_none=False) and drops what earlier blocks kept aside: at O1 a block, "
-    "then a delay_unscale block whose loss is zeroed (loss * 0, DDP's way to skip a bad batch), then "
-    "clip_grad_norm_ (which writes the zero gradients in place), then optimizer.step(), steps on nothing, where FP32 "
-    "(and the library before stateful66) steps on the first block's gradients; version counters cannot tell the clip "
-    "from a zero_grad",
-)
 def test_apex_o1_clip_after_a_zero_loss_delayed_block_keeps_the_earlier_blocks_gradients() -> None:
     from lightning_mpx.apex import _amp_state, amp
 
