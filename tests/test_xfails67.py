@@ -152,3 +152,104 @@ def test_o2_raw_sgd_under_an_l2_penalty_is_still_refused() -> None:
     """The gradients are mostly the penalty's (the weights'), not only: a raw step is no one factor times them."""
     with pytest.raises(RuntimeError, match=REFUSAL):
         _core(_raw_sgd, penalty=1.0)
+
+
+# -- 2. the Apex layer: a delay_unscale chain after an unscaled block ------------------------------------------------
+def _apex_blocks(opt_level: str, between: Callable[[nn.Module], None] | None, *, apex: bool) -> list[torch.Tensor]:
+    """A block, then a ``delay_unscale`` block whose loss is zeroed (``loss * 0``), ``between(model)``, the step."""
+    from lightning_mpx.apex import amp
+    from tests.test_rawhead66 import Net
+    from tests.test_rawhead66 import _batch as _net_batch
+
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    if apex:
+        net, opt = amp.initialize(net, opt, opt_level=opt_level, loss_scale=128.0, verbosity=0)
+    for i, (scale, delay) in enumerate([(1.0, False), (0.0, True)]):
+        x, y = _net_batch(i)
+        loss = F.mse_loss(net(x.to(next(net.parameters()).dtype)).float(), y) * scale
+        if apex:
+            with amp.scale_loss(loss, opt, delay_unscale=delay) as scaled:
+                scaled.backward()
+        else:
+            loss.backward()
+    if between is not None:
+        between(net)
+    opt.step()
+    return [p.detach().float().clone() for p in (amp.master_params(opt) if apex else net.parameters())]
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+@pytest.mark.parametrize(
+    "between",
+    [
+        lambda net: torch.nn.utils.clip_grad_norm_(list(net.parameters()), 10.0),
+        lambda net: net.zero_grad(set_to_none=False),
+    ],
+    ids=["clip_grad_norm", "zero_grad_in_place"],
+)
+def test_apex_zero_loss_delayed_block_then_an_in_place_write_steps_as_fp32(opt_level: str, between: Any) -> None:
+    """The clip (a multiply by 1 on all-zero gradients) keeps the first block's gradients; a model.zero_grad(
+    set_to_none=False) gives the batch up (the step moves nothing): both as FP32."""
+    from lightning_mpx.apex import _amp_state
+
+    want = _apex_blocks(opt_level, between, apex=False)
+    _amp_state.reset()
+    try:
+        got = _apex_blocks(opt_level, between, apex=True)
+    finally:
+        _amp_state.reset()
+    assert all(torch.allclose(g, w, atol=2e-3) for g, w in zip(got, want)), [
+        (g - w).abs().max() for g, w in zip(got, want)
+    ]
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_apex_a_step_with_no_block_since_counts_for_no_loss_scale(opt_level: str) -> None:
+    """A step before any scale_loss block (no gradient at all), then a given-up chain (optimizer.zero_grad()) and a
+    step: Apex updated a scaler only at the end of a block it unscaled."""
+    from lightning_mpx.apex import _amp_state, amp
+    from tests.test_rawhead66 import Net
+    from tests.test_rawhead66 import _batch as _net_batch
+
+    _amp_state.reset()
+    try:
+        torch.manual_seed(0)
+        net = Net()
+        net, opt = amp.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), opt_level=opt_level,
+                                  loss_scale="dynamic", verbosity=0)  # fmt: skip
+        opt.step()
+        x, y = _net_batch(0)
+        with amp.scale_loss(F.mse_loss(net(x.to(next(net.parameters()).dtype)).float(), y), opt,
+                            delay_unscale=True) as scaled:  # fmt: skip
+            scaled.backward()
+        opt.zero_grad()
+        opt.step()
+        assert amp.state_dict()["loss_scaler0"]["unskipped"] == 0
+    finally:
+        _amp_state.reset()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="xfails67: the Apex layer keeps the gradients of the blocks before a delay_unscale block aside (its stash, "
+    "added back at the step or the next block), so an in-place change of the gradients between a delay_unscale block "
+    "and the step (p.grad.mul_(0.5); a clip that bites) reaches the chain's gradients only, where FP32 (and Apex, "
+    "whose chain adds to the same tensors) changes the earlier blocks' too; Apex's docs call for a block without "
+    "delay_unscale before the step",
+)
+def test_apex_gradients_scaled_in_place_after_a_delayed_block_step_as_fp32() -> None:
+    from lightning_mpx.apex import _amp_state
+
+    def halve(net: nn.Module) -> None:
+        for p in net.parameters():
+            p.grad.mul_(0.5)
+
+    want = _apex_blocks("O1", halve, apex=False)
+    _amp_state.reset()
+    try:
+        got = _apex_blocks("O1", halve, apex=True)
+    finally:
+        _amp_state.reset()
+    assert all(torch.allclose(g, w, atol=2e-3) for g, w in zip(got, want))
