@@ -197,14 +197,6 @@ def test_fabric_setup_in_a_function_of_the_users_lets_its_temporaries_go_when_it
     assert torch.isfinite(model(x)).all()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review66: at O2 the Trainer checkpoint's state_dict holds the live FP32 masters (as bf16-mixed's holds its "
-    "live FP32 weights), so a callback's on_save_checkpoint that edits it in place writes the masters and not the half "
-    "model; a step after it carries the edit to the model (as bf16-mixed), but after the last save of a fit nothing "
-    "does, and the next refresh (fp32_state_dict, a save, the next fit) takes the model's unedited half weights for "
-    "the user's write: the run ends on the weights before the edit where bf16-mixed ends on the edited ones",
-)
 def test_trainer_o2_in_place_edit_of_the_last_checkpoints_state_dict_ends_as_bf16_mixed(tmp_path: Path) -> None:
     import lightning.pytorch as pl
 

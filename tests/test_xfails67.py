@@ -253,3 +253,46 @@ def test_apex_gradients_scaled_in_place_after_a_delayed_block_step_as_fp32() -> 
     finally:
         _amp_state.reset()
     assert all(torch.allclose(g, w, atol=2e-3) for g, w in zip(got, want))
+
+
+# -- 3. the Trainer at O2: a checkpoint's state_dict edited in place by a callback ------------------------------------
+def test_trainer_o2_in_place_edit_of_the_last_checkpoint_reaches_masters_and_model_exactly(tmp_path: Any) -> None:
+    """As "bf16-mixed", whose checkpoint state_dict holds its live weights: the edit made in on_save_checkpoint after
+    the fit's last step stands, in the FP32 masters exactly and in the half model as their rounding (was: the masters
+    kept it until the next refresh, which took the model's unedited half weights back)."""
+    import lightning.pytorch as pl
+
+    from lightning_mpx import MixedPrecisionPlugin
+    from tests.test_rawhead66 import Net
+    from tests.test_rawhead66 import _batch as _net_batch
+
+    class Tune(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Net()
+
+        def training_step(self, batch: Any, _: int) -> torch.Tensor:
+            return F.mse_loss(self.net(batch[0]).float(), batch[1])
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    edited: dict[str, torch.Tensor] = {}
+
+    class Halve(pl.Callback):
+        def on_save_checkpoint(self, trainer: Any, module: Any, checkpoint: dict[str, Any]) -> None:
+            for key, value in checkpoint["state_dict"].items():
+                value.mul_(0.5)
+                edited[key] = value.detach().clone()
+
+    module = Tune()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[Halve()],
+        plugins=[MixedPrecisionPlugin("O2", half_dtype=torch.bfloat16)],
+    )  # fmt: skip
+    trainer.fit(module, torch.utils.data.DataLoader([_net_batch(i) for i in range(2)], batch_size=None))
+    got = trainer.precision_plugin.amp.fp32_state_dict(module)
+    assert edited and all(torch.equal(got[k], v) for k, v in edited.items())
+    params = dict(module.named_parameters())
+    assert all(torch.equal(params[k], v.to(params[k].dtype)) for k, v in edited.items())
