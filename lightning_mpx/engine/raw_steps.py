@@ -27,7 +27,8 @@ Nor is a write while some of the optimizer's parameters keep their gradients (an
 teacher in ``self.parameters()`` updated, between accumulated backwards): no ``zero_grad`` ran, so those without one
 (frozen, unused by the forward, a teacher whose output is detached) never took the backward's. At O2, though, such a
 write that moved elements from their masters' rounding against their gradients nearly everywhere is a torch optimizer's
-step between accumulated backwards (:func:`stepped_along`), refused: the next step would keep its half rounding only.
+step between accumulated backwards (:func:`stepped_along`), refused at the step where it still stands (the next step
+would keep its half rounding only; a probe undone before it is let through: engine.kept_writes).
 
 A raw optimizer over parameters that no registered optimizer holds (a GAN's discriminator stepped by hand beside a
 prepared generator optimizer; a Fabric model before the plugin met its optimizer at the first step) is seen through
@@ -171,9 +172,10 @@ def stepped_along(
     masters' rounding along minus that gradient: what a torch optimizer's step writes (SGD, Adam: each element moves
     against the sign of its gradient), which the next engine step would take into the masters at its half rounding
     only (most of a small step rounds away). A clamp, a renormalisation by hand, an EMA swapped in and back, a
-    SAM-style or adversarial perturbation (along the gradient, not against it) and a write over zeroed gradients are
-    no such step. Called only where versions changed between accumulated backwards (never in the usual step);
-    without masters (O1) there is no value to compare with: nothing is found."""
+    SAM-style or adversarial perturbation (along the gradient, not against it), a write over zeroed gradients and one
+    that is one factor times the weights (a weight decay by hand: engine.kept_writes.is_scaling) are no such step.
+    Called only where versions changed between accumulated backwards (never in the usual step); without masters (O1)
+    there is no value to compare with: nothing is found."""
     found: list[torch.Tensor] = []
     if not master_weights:
         return found
