@@ -197,14 +197,6 @@ def test_fabric_setup_in_a_function_of_the_users_lets_its_temporaries_go_when_it
     assert torch.isfinite(model(x)).all()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review66: at O2 the Trainer checkpoint's state_dict holds the live FP32 masters (as bf16-mixed's holds its "
-    "live FP32 weights), so a callback's on_save_checkpoint that edits it in place writes the masters and not the half "
-    "model; a step after it carries the edit to the model (as bf16-mixed), but after the last save of a fit nothing "
-    "does, and the next refresh (fp32_state_dict, a save, the next fit) takes the model's unedited half weights for "
-    "the user's write: the run ends on the weights before the edit where bf16-mixed ends on the edited ones",
-)
 def test_trainer_o2_in_place_edit_of_the_last_checkpoints_state_dict_ends_as_bf16_mixed(tmp_path: Path) -> None:
     import lightning.pytorch as pl
 
@@ -239,15 +231,6 @@ def test_trainer_o2_in_place_edit_of_the_last_checkpoints_state_dict_ends_as_bf1
     assert all(torch.allclose(got[k].float(), v, rtol=1e-2, atol=1e-3) for k, v in want.items())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review66: stateful66's check at the step takes a delay_unscale chain whose gradients were written and are "
-    "all zero for one cleared by zero_grad(set_to_none=False) and drops what earlier blocks kept aside: at O1 a block, "
-    "then a delay_unscale block whose loss is zeroed (loss * 0, DDP's way to skip a bad batch), then "
-    "clip_grad_norm_ (which writes the zero gradients in place), then optimizer.step(), steps on nothing, where FP32 "
-    "(and the library before stateful66) steps on the first block's gradients; version counters cannot tell the clip "
-    "from a zero_grad",
-)
 def test_apex_o1_clip_after_a_zero_loss_delayed_block_keeps_the_earlier_blocks_gradients() -> None:
     from lightning_mpx.apex import _amp_state, amp
 
@@ -278,13 +261,6 @@ def test_apex_o1_clip_after_a_zero_loss_delayed_block_keeps_the_earlier_blocks_g
     assert all(torch.allclose(g, w, atol=1e-4) for g, w in zip(got, want))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review66: gap66's stepped_along (engine/raw_steps.py) takes a write between accumulated backwards at O2 "
-    "for a torch optimizer's step when the elements moved against their gradients' signs nearly everywhere; a "
-    "weight decay written by hand (p.mul_(1 - lr * wd)) moves each element towards zero, which is against its "
-    "gradient wherever an L2 penalty in the loss dominates the gradient: refused as a raw step",
-)
 def test_o2_weight_decay_by_hand_between_accumulated_backwards_with_an_l2_penalty_trains_on() -> None:
     torch.manual_seed(0)
     amp = Amp(opt_level="O2", half_dtype="bfloat16")

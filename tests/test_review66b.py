@@ -181,14 +181,6 @@ def _descent_probe(fabric: Fabric, model: Any, step: int) -> None:
     _perturbed(fabric, model, step, [-5e-2 * p.grad.float() for p in _params(model)], saved=True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review66b: a descent probe undone before the step (extragradient's extrapolation, a first-order MAML inner "
-    "step written in place and restored) is refused as a raw step at the backward made at the probed weights "
-    "(engine/raw_steps.py's stepped_along judges the write at the next backward, not at the step, by when it is "
-    "undone); bf16-mixed trains on",
-    raises=RuntimeError,
-)
 def test_fabric_o2_descent_probe_undone_before_the_step_trains_as_bf16_mixed() -> None:
     got, want = _accumulate("O2", _descent_probe), _accumulate("bf16-mixed", _descent_probe)
     assert (got - want).abs().max() < 1e-2

@@ -290,9 +290,10 @@ def scale_loss(
     if delay_unscale:
         _record_gradless(state, own)
         for wrapper in own:  # what a clear of the chain's gradients before the next block is told apart by
-            state.delayed[id(wrapper.optimizer)] = _grad_marks(
-                [p for group in wrapper.optimizer.param_groups for p in group["params"]]
-            )
+            params = [p for group in wrapper.optimizer.param_groups for p in group["params"]]
+            if id(wrapper.optimizer) in state.stash:  # earlier blocks kept aside (rare: a step is due after them)
+                _tag_zeros(params)
+            state.delayed[id(wrapper.optimizer)] = _grad_marks(params)
         return
     overflow = False
     for wrapper, before in zip(wrapped, overflowed_before):
@@ -400,7 +401,10 @@ def _chain_cleared(marks: tuple[tuple[int, int] | None, ...], params: list[torch
     """Whether every gradient the last ``delay_unscale`` block left (``marks``, noted at its end) was cleared since:
     gone (``set_to_none``), or written and now zero (``zero_grad(set_to_none=False)``). Version counters tell a
     write apart without reading the gradients; only a chain whose every gradient was written is read (one host
-    read), so that another in-place change (a scaling of the gradients) keeps what was stashed."""
+    read), so that another in-place change (a scaling of the gradients) keeps what was stashed. A negative zero left
+    proves that no clear wrote it (``zero_()`` writes +0.0): a chain with earlier blocks kept aside has its zeros
+    written as -0.0 at its end (:func:`_tag_zeros`), so the in-place multiply of ``clip_grad_norm_`` on the all-zero
+    gradients of a block whose loss was zeroed (``loss * 0``) is told from a ``zero_grad(set_to_none=False)``."""
     if all(mark is None for mark in marks):
         return False  # nothing was left to clear (a block that did not reach these parameters)
     written = []
@@ -413,8 +417,23 @@ def _chain_cleared(marks: tuple[tuple[int, int] | None, ...], params: list[torch
     if not written:
         return True
     with torch._C.DisableTorchFunction():
-        peaks = [g.detach().abs().amax().float() for p in params if (g := p.grad) is not None and g.numel()]
-        return not peaks or not bool(torch.stack(peaks).amax().item())
+        grads = [g.detach() for p in params if (g := p.grad) is not None and g.numel()]
+        if not grads:
+            return True
+        peak = torch.stack([g.abs().amax().float() for g in grads]).amax()
+        signed = torch.stack([torch.signbit(g).any() for g in grads]).any()  # a negative zero: no clear wrote it
+        nonzero, negative = torch.stack([peak != 0, signed]).tolist()
+        return not nonzero and not negative
+
+
+def _tag_zeros(params: list[torch.Tensor]) -> None:
+    """Write the zeros of ``params``' gradients as -0.0 (the same value to every use: ``x + -0.0 == x``), which a clear
+    (``zero_()``, ``fill_(0)``) writes as +0.0 and an in-place multiply keeps: see :func:`_chain_cleared`."""
+    with torch._C.DisableTorchFunction():
+        for param in params:
+            grad = param.grad
+            if grad is not None and grad.is_floating_point() and not grad.is_sparse:
+                grad.masked_fill_(grad == 0, -0.0)
 
 
 def _forget_pending(amp: Amp, optimizer: torch.optim.Optimizer) -> None:
@@ -528,11 +547,24 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> Any:
         graded = state.graded.pop(key, None)
         if engine.properties.master_weights and (graded is None or graded != _grad_versions(engine, inner)):
             engine.show_unscaled_on_model(inner)
+    # No block's gradients pending (none since its last step, or a delay_unscale chain given up): Apex updated a
+    # scaler only at the end of a block it unscaled, so the flags this step records count for no loss's scale.
+    machine = wrapper._engine._machine
+    core = machine.optimizers.get(key)
+    counted = (
+        set(machine.iteration_found)
+        if core is not None and core.loss_id is None and core.stage is _Stage.READY and not skipped
+        else None
+    )
     state.stepping = wrapper.optimizer
     try:
         stepped = wrapper._engine.step(wrapper.optimizer)
     finally:
         state.stepping = None
+    if counted is not None:
+        for loss_id in [i for i in machine.iteration_found if i not in counted]:
+            del machine.iteration_found[loss_id]
+            machine.iteration_read.pop(loss_id, None)
     # the optimizer's step's value, taken before _update's amp.update() drops it (the engine keeps no user value)
     stepper = wrapper._engine._stepper
     returned, stepper.returned = stepper.returned, None

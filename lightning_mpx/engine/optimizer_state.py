@@ -103,6 +103,8 @@ class _OptimizerState:
     # step between finds those an optimizer lightning_mpx did not prepare stepped by hand.
     backward_versions: tuple[int, ...] | None = None
     noted_at: int = 0  # the engine's count of steps (of any optimizer) when they were noted
+    # O2: writes between accumulated backwards that looked like a raw step, judged at the next step (engine.kept_writes)
+    kept_writes: list[Any] = field(default_factory=list)
     # A SAM-style two-pass optimizer (engine.raw_steps): the count of steps at which its first_step's perturbation was
     # let through (one per step: a second write with the gradients cleared before the step is its base step, raw).
     perturbed_at: int = -1

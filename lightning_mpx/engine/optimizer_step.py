@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from lightning_mpx.casting.policy import casts_off_if_on
+from lightning_mpx.engine.kept_writes import judge_kept
 from lightning_mpx.engine.optimizer_state import _OptimizerState, optimizer_params
 from lightning_mpx.engine.optimizers import StepMachine
 from lightning_mpx.engine.outcome import PendingStep, PendingSteps, StepOutcome, device_skip_refusal
@@ -122,6 +123,8 @@ class OptimizerStep:
             )
         if self.machine.unheld is not None:  # a raw optimizer stepped since the backward (engine.beside_steps)
             self.machine.unheld.before_step(self.machine, optimizer)
+        if state.kept_writes:  # a write between accumulated backwards like a raw step's: still there? (kept_writes)
+            judge_kept(state, self.machine)
         if self.machine.refused is not None and reducer is None and self.machine.sharding is None:
             refused, self.machine.refused = self.machine.refused, None  # no rank to meet (engine.unsynced)
             raise RuntimeError(refused)

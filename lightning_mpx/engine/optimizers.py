@@ -390,7 +390,7 @@ class StepMachine(UnscalePath):
         parameters between a backward and a step, which is no raw step."""
         self.written_at = self.steps_taken  # no hand update for HeldWrites to judge at the next step
         for state in self.optimizers.values():
-            state.backward_versions = None
+            state.backward_versions, state.kept_writes = None, []  # a kept write: the user's (engine.kept_writes)
         if self.unheld is not None:
             self.unheld.forget()
         if self.frozen_writes is not None:

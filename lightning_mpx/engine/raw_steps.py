@@ -27,7 +27,8 @@ Nor is a write while some of the optimizer's parameters keep their gradients (an
 teacher in ``self.parameters()`` updated, between accumulated backwards): no ``zero_grad`` ran, so those without one
 (frozen, unused by the forward, a teacher whose output is detached) never took the backward's. At O2, though, such a
 write that moved elements from their masters' rounding against their gradients nearly everywhere is a torch optimizer's
-step between accumulated backwards (:func:`stepped_along`), refused: the next step would keep its half rounding only.
+step between accumulated backwards (:func:`stepped_along`), refused at the step where it still stands (the next step
+would keep its half rounding only; a probe undone before it is let through: engine.kept_writes).
 
 A raw optimizer over parameters that no registered optimizer holds (a GAN's discriminator stepped by hand beside a
 prepared generator optimizer; a Fabric model before the plugin met its optimizer at the first step) is seen through
@@ -76,6 +77,7 @@ from torch import nn
 from lightning_mpx.engine.beside_steps import StepsBeside, held_written, written_before_step
 from lightning_mpx.engine.carried_scales import CarriedScales
 from lightning_mpx.engine.frozen_writes import warn_half_ema, watch_frozen
+from lightning_mpx.engine.kept_writes import is_scaling, keep_write
 from lightning_mpx.engine.optimizer_state import _OptimizerState
 from lightning_mpx.engine.unsynced import watch_ddp
 from lightning_mpx.masters.pairs import master_for
@@ -122,18 +124,17 @@ def refuse_raw_step(
             # so those written without one never took the backward's (frozen, unused by the forward, an EMA teacher
             # whose output is detached). A raw optimizer between accumulated backwards, at O2, is told by what it
             # wrote: a step along the gradients the backward left (:func:`stepped_along`)
+            # (engine.kept_writes: judged at the step, where a probe undone before it, extragradient's, is let through)
             stepped = stepped_along(params, noted, master_weights, renormed)
-            if not stepped:
-                return None
-            state.backward_versions = None  # raised once
-            shown = _shown(stepped, master_weights, names)
-            message = (
-                f"parameters {shown} were stepped along their gradients between two backwards of lightning_mpx, "
-                f"with the gradients kept and no step of its prepared {type(optimizer).__name__} between: {_KEPT_FIX}"
-            )
-            if defer:
-                return message
-            raise RuntimeError(message)
+            if stepped:
+                shown = _shown(stepped, master_weights, names)
+                message = (
+                    f"parameters {shown} were stepped along their gradients between two backwards of lightning_mpx, "
+                    f"with the gradients kept, no step of its prepared {type(optimizer).__name__} between, and the "
+                    f"write still there at its step: {_KEPT_FIX}"
+                )
+                keep_write(state, message, [(p, _rounding(p, master_weights)) for p in stepped])
+            return None
         stepped = [p for p, v in zip(params, noted) if p._version != v and id(p) not in renormed]
     if not stepped:
         return None
@@ -171,9 +172,10 @@ def stepped_along(
     masters' rounding along minus that gradient: what a torch optimizer's step writes (SGD, Adam: each element moves
     against the sign of its gradient), which the next engine step would take into the masters at its half rounding
     only (most of a small step rounds away). A clamp, a renormalisation by hand, an EMA swapped in and back, a
-    SAM-style or adversarial perturbation (along the gradient, not against it) and a write over zeroed gradients are
-    no such step. Called only where versions changed between accumulated backwards (never in the usual step);
-    without masters (O1) there is no value to compare with: nothing is found."""
+    SAM-style or adversarial perturbation (along the gradient, not against it), a write over zeroed gradients and one
+    that is one factor times the weights (a weight decay by hand: engine.kept_writes.is_scaling) are no such step.
+    Called only where versions changed between accumulated backwards (never in the usual step); without masters (O1)
+    there is no value to compare with: nothing is found."""
     found: list[torch.Tensor] = []
     if not master_weights:
         return found
@@ -186,10 +188,11 @@ def stepped_along(
             master = next((m.master_of(param) for m in master_weights if m.covers(param)), param)
             if master is param or master.shape != param.shape or grad.shape != param.shape:
                 continue
-            delta = param.detach().float() - master.detach().to(param.dtype).float()
+            rounded = master.detach().to(param.dtype)
+            delta = param.detach().float() - rounded.float()
             changed = delta != 0
             count = int(changed.sum())
-            if not count:
+            if not count or is_scaling(rounded, param, count):  # a weight decay by hand (engine.kept_writes)
                 continue
             along = int((changed & (torch.sign(delta) == -torch.sign(grad.float()))).sum())
             agree, moved = agree + along, moved + count
@@ -201,6 +204,12 @@ def stepped_along(
         # rounding to half keeps that sign; a write of another kind agrees by chance, about half the time.
         return []
     return found
+
+
+def _rounding(param: torch.Tensor, master_weights: Sequence[MasterWeights]) -> torch.Tensor:
+    """``param``'s FP32 master rounded to its dtype (``stepped_along`` found it: it has one)."""
+    master = next(m.master_of(param) for m in master_weights if m.covers(param))
+    return master.detach().to(param.dtype)
 
 
 def is_two_pass(optimizer: Any) -> bool:

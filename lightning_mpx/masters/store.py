@@ -196,6 +196,8 @@ class Masters:
             strays = [type(p).__name__ for p in params if not isinstance(p, torch.Tensor)]
             if strays:
                 raise TypeError(f"params holds {strays[0]}; each entry must be a parameter (a torch.Tensor).")
+        if self.lent:  # handed-out masters written since (a checkpoint's state_dict edited): the model takes them first
+            self.take_lent()
         return [name for masters in self.weights for name in masters.refresh(params, force=force)]
 
     def fp32_state_dict(self, module: nn.Module) -> dict[str, Any]:
