@@ -1,0 +1,110 @@
+"""Helper review67: attacks on stop 67's fixes, from the user's side.
+
+1. ``engine/kept_writes.py``: an O2 write between accumulated backwards that looks like a raw torch optimizer's step,
+   judged at the step. A descent probe undone before the next backward at the restored weights (extragradient under
+   accumulation) kept a copy of the weights and the write per probe until the step (6 bytes a parameter each: 42 for
+   a window of 8); now one undone is forgotten at the next backward that finds the weights written again. Under DDP a
+   write on rank 0 alone is refused on both ranks at the same step (one launch, ``tests/review67_script.py``).
+
+Tiny models on CPU, bfloat16.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_mpx import Amp
+from tests.launch import rank_results, run_script
+from tests.test_gap66 import REFUSAL, _batch
+from tests.test_xfails67 import _net
+
+
+# -- 1. kept writes --------------------------------------------------------------------------------------------------
+def _extragradient(amp: Amp | None, *, raw_at: int = -1, micro_batches: int = 8) -> tuple[dict[str, Any], list[int]]:
+    """Accumulation of ``micro_batches``: each after the first makes a descent probe along the gradients so far, a
+    backward at the probed weights, undoes the probe by subtraction and makes a backward at the restored weights;
+    ``raw_at``: the micro-batch after whose backward a raw SGD step is written by hand (gradients kept). The FP32
+    weights it ends on and the count of writes noted at each step (``None``: FP32 in plain torch)."""
+    model = _net() if amp is None else amp.prepare_model(_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if amp is not None:
+        opt = amp.prepare_optimizer(opt)
+    dtype = next(model.parameters()).dtype
+    kept = []
+
+    def backward(i: int) -> None:
+        x, y = _batch(i)
+        loss = F.cross_entropy(model(x.to(dtype)).float(), y) / (2 * micro_batches)
+        amp.backward(loss) if amp is not None else loss.backward()
+
+    for step in range(2):
+        for micro in range(micro_batches):
+            if micro:
+                moves = [-5e-2 * p.grad.float() for p in model.parameters()]
+                with torch.no_grad():
+                    for p, move in zip(model.parameters(), moves):
+                        p.add_(move.to(p.dtype))
+                backward(1000 + 10 * step + micro)
+                with torch.no_grad():
+                    for p, move in zip(model.parameters(), moves):
+                        p.sub_(move.to(p.dtype))
+            backward(10 * step + micro)
+            if micro == raw_at:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.sub_(5e-2 * p.grad.to(p.dtype))
+        if amp is None:
+            opt.step()
+        else:
+            kept.append(len(amp._machine.optimizers[id(opt)].kept_writes))
+            amp.step(opt)
+            amp.update()
+        opt.zero_grad()
+    return (model.state_dict() if amp is None else amp.fp32_state_dict(model)), kept
+
+
+def test_o2_extragradient_under_long_accumulation_keeps_no_copy_per_probe_and_trains_as_fp32() -> None:
+    """Each probe undone is forgotten at the backward at the restored weights (was: 7 copies of the weights and the
+    write kept until the step of a window of 8)."""
+    got, kept = _extragradient(Amp(opt_level="O2", half_dtype="bfloat16"))
+    want, _ = _extragradient(None)
+    assert kept == [0, 0]
+    worst = max((got[k].float() - v).abs().max().item() for k, v in want.items())
+    assert worst < 1e-2, worst
+
+
+def test_o2_raw_step_inside_a_window_of_undone_probes_is_still_refused() -> None:
+    """The forgetting keeps a write still standing: a raw step written after the third backward, probes undone
+    after it, is refused at the step."""
+    with pytest.raises(RuntimeError, match=REFUSAL + r".*still there at its step"):
+        _extragradient(Amp(opt_level="O2", half_dtype="bfloat16"), raw_at=2)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out: Path = tmp_path_factory.mktemp("review67")
+    run_script("review67_script.py", out, timeout=150)
+    return rank_results(out)
+
+
+def test_ddp_o2_raw_step_on_one_rank_is_refused_on_both_at_the_same_step(ranks: list[dict[str, Any]]) -> None:
+    """Rank 0 alone writes a raw step inside a no_backward_sync window: both ranks refuse that window's step (no
+    hang, no rank stepping alone), and meet again after it."""
+    for r in ranks:
+        assert "error" not in r["raw_rank0/O2"], r["raw_rank0/O2"]["error"]
+        assert r["raw_rank0/O2"]["refused"] == [1]
+        assert r["after"] == {"sum": 2.0}
+
+
+def test_ddp_o2_probe_undone_on_one_rank_trains_both_ranks_alike(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert "error" not in r["probe_rank0/O2"], r["probe_rank0/O2"]["error"]
+        assert r["probe_rank0/O2"]["refused"] == []
+    first, second = (torch.tensor(r["probe_rank0/O2"]["final"]) for r in ranks)
+    assert torch.isfinite(first).all() and torch.equal(first, second)
