@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from lightning_mpx import Amp
 from tests.launch import rank_results, run_script
