@@ -34,6 +34,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from lightning_mpx.health.events import read_run
 from lightning_mpx.health.plot import (
     FIRST_OVERFLOW_PREFIX,
     LOSS_TAGS,
@@ -43,7 +44,6 @@ from lightning_mpx.health.plot import (
     UNDERFLOW_PREFIX,
     ZEROS_PREFIX,
     headroom_ratios,
-    read_scalars,
 )
 
 SKIPPED_TAG = "mpx/skipped_steps"
@@ -192,11 +192,14 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
         FileNotFoundError: ``run_dir`` does not exist or holds no event files.
         NoMixedPrecisionTagsError: the events hold no ``mpx/*`` scalars.
     """
-    diagnosis = diagnose_scalars(read_scalars(run_dir), str(run_dir))
+    read = read_run(run_dir)
+    diagnosis = diagnose_scalars(read.series, str(run_dir))
+    restarted = tuple(restart.describe() for restart in read.restarts)  # the points judged are the latest run's
+    diagnosis = dataclasses.replace(diagnosis, notes=(*diagnosis.notes, *restarted))
     folders = sorted({str(path.parent) for path in Path(run_dir).rglob("events.out.tfevents.*")})
     if len(folders) > 1:
-        # read_scalars merges them (a later point at the same step wins): fine for one run's split files, not for
-        # several runs (TensorBoardLogger's version_0, version_1).
+        # read_run merges them in the order written: fine for one run's split files, not for several runs
+        # (TensorBoardLogger's version_0, version_1) logged at once.
         shown = ", ".join(folders[:4]) + (f" and {len(folders) - 4} more" if len(folders) > 4 else "")
         note = (
             f"RUN_DIR holds event files in {len(folders)} folders ({shown}), read as one run; if they are separate "

@@ -1,0 +1,101 @@
+"""Reading a run's TensorBoard scalars as one curve per tag, in the order they were written.
+
+A run folder can hold several event files: one run's files split by a restart of its writer, a resumed run that
+continues the curve, or a run started again from step 0 (a fixed ``TensorBoardLogger(version=0)``, a Fabric loop whose
+step count restarted, a resume from a checkpoint older than the last logged step). Merging the points by step alone
+(a later point at the same step wins) makes one curve of two runs: the new run's steps 0-19 and the old run's 20-39.
+Read in the order written, a point at a step at or below the previous point's starts the curve again from there: the
+points logged before at that step or later are left out, as TensorBoard does for a writer that marks its restart
+(``purge_step``), and the reader says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from lightning_mpx.common.imports import require
+
+__all__ = ["Restart", "RunScalars", "read_run"]
+
+Series = list[tuple[int, float]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Restart:
+    """The steps of a run's curves went back: the points logged before at ``to_step`` or later are left out.
+
+    Attributes:
+        folder: The folder of the event file whose point went back.
+        from_step: The last step logged before it (the largest over the tags).
+        to_step: The step the curves went back to.
+        dropped: How many points (over every tag) were left out.
+    """
+
+    folder: str
+    from_step: int
+    to_step: int
+    dropped: int
+
+    def describe(self) -> str:
+        """One line for a report."""
+        return (
+            f"the steps went back from {self.from_step} to {self.to_step} in {self.folder} (a run started again, or "
+            f"resumed from a checkpoint older than its last logged step): the {self.dropped} point(s) logged before "
+            f"at step {self.to_step} or later are left out, as TensorBoard purges a restarted writer's orphans."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RunScalars:
+    """What :func:`read_run` read: ``series`` (``tag -> [(step, value)]``, steps ascending) and the ``restarts``."""
+
+    series: dict[str, Series]
+    restarts: tuple[Restart, ...] = ()
+
+
+def read_run(run_dir: str | Path) -> RunScalars:
+    """Every scalar series in the TensorBoard event files under ``run_dir``, read in the order written (by wall
+    time, file order on ties, over every folder), a step at or below the previous point's replacing the points from
+    that step on.
+
+    Raises:
+        FileNotFoundError: ``run_dir`` does not exist or holds no event files.
+    """
+    accumulator_module = require(
+        "tensorboard.backend.event_processing.event_accumulator", extra="demo", feature="lightning-mpx plot"
+    )
+    run = Path(run_dir)
+    if not run.exists():
+        raise FileNotFoundError(f"RUN_DIR={str(run)!r} does not exist.")
+    folders = sorted({p.parent for p in run.rglob("events.out.tfevents.*")})
+    if not folders:
+        raise FileNotFoundError(f"RUN_DIR={str(run)!r} holds no TensorBoard event files (events.out.tfevents.*).")
+    written: dict[str, list[tuple[float, int, int, float, str]]] = {}
+    order = 0
+    for folder in folders:
+        # Orphans kept: the restarts are told here, over every folder, and said.
+        events = accumulator_module.EventAccumulator(
+            str(folder), size_guidance={"scalars": 0}, purge_orphaned_data=False
+        )
+        events.Reload()
+        for tag in events.Tags()["scalars"]:
+            for event in events.Scalars(tag):
+                written.setdefault(tag, []).append((event.wall_time, order, event.step, event.value, str(folder)))
+                order += 1
+    series: dict[str, Series] = {}
+    restarts: dict[tuple[str, int], list[int]] = {}  # (folder, to_step) -> [from_step, dropped]
+    for tag, points in written.items():
+        curve: Series = []
+        for _, _, step, value, folder in sorted(points, key=lambda point: (point[0], point[1])):
+            if curve and step <= curve[-1][0]:
+                kept = [point for point in curve if point[0] < step]
+                if step < curve[-1][0] or len(curve) - len(kept) > 1:  # not merely the same step written again
+                    seen = restarts.setdefault((folder, step), [curve[-1][0], 0])
+                    seen[0] = max(seen[0], curve[-1][0])
+                    seen[1] += len(curve) - len(kept)
+                curve = kept
+            curve.append((step, value))
+        series[tag] = curve
+    told = tuple(Restart(folder, start, to, dropped) for (folder, to), (start, dropped) in sorted(restarts.items()))
+    return RunScalars(series, told)
