@@ -71,31 +71,36 @@ def read_run(run_dir: str | Path) -> RunScalars:
     folders = sorted({p.parent for p in run.rglob("events.out.tfevents.*")})
     if not folders:
         raise FileNotFoundError(f"RUN_DIR={str(run)!r} holds no TensorBoard event files (events.out.tfevents.*).")
-    written: dict[str, list[tuple[float, int, int, float, str]]] = {}
-    order = 0
+    written: list[tuple[float, int, str, int, float, str]] = []
     for folder in folders:
-        # Orphans kept: the restarts are told here, over every folder, and said.
+        # Orphans kept: the restarts are told here, over every folder and every tag, and said.
         events = accumulator_module.EventAccumulator(
             str(folder), size_guidance={"scalars": 0}, purge_orphaned_data=False
         )
         events.Reload()
         for tag in events.Tags()["scalars"]:
             for event in events.Scalars(tag):
-                written.setdefault(tag, []).append((event.wall_time, order, event.step, event.value, str(folder)))
-                order += 1
+                written.append((event.wall_time, len(written), tag, event.step, event.value, str(folder)))
     series: dict[str, Series] = {}
     restarts: dict[tuple[str, int], list[int]] = {}  # (folder, to_step) -> [from_step, dropped]
-    for tag, points in written.items():
-        curve: Series = []
-        for _, _, step, value, folder in sorted(points, key=lambda point: (point[0], point[1])):
-            if curve and step <= curve[-1][0]:
-                kept = [point for point in curve if point[0] < step]
-                if step < curve[-1][0] or len(curve) - len(kept) > 1:  # not merely the same step written again
-                    seen = restarts.setdefault((folder, step), [curve[-1][0], 0])
-                    seen[0] = max(seen[0], curve[-1][0])
-                    seen[1] += len(curve) - len(kept)
-                curve = kept
-            curve.append((step, value))
-        series[tag] = curve
+    for _, _, tag, step, value, folder in sorted(written, key=lambda point: (point[0], point[1])):
+        curve = series.setdefault(tag, [])
+        if curve and step == curve[-1][0]:
+            curve.pop()  # the same step written again: the later point
+        elif curve and step < curve[-1][0]:
+            # The run started again at ``step``: every tag's points from there on are orphans (TensorBoard's purge),
+            # a tag the new run does not log (an overflow's module) too.
+            last = max(points[-1][0] for points in series.values() if points)
+            dropped = 0
+            for name, points in series.items():
+                kept = [point for point in points if point[0] < step]
+                dropped += len(points) - len(kept)
+                series[name] = kept
+            curve = series[tag]
+            seen = restarts.setdefault((folder, step), [last, 0])
+            seen[0] = max(seen[0], last)
+            seen[1] += dropped
+        curve.append((step, value))
+    series = {tag: points for tag, points in series.items() if points}
     told = tuple(Restart(folder, start, to, dropped) for (folder, to), (start, dropped) in sorted(restarts.items()))
     return RunScalars(series, told)
