@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from lightning_mpx.cli import main  # noqa: E402
 from lightning_mpx.health.plot import read_scalars  # noqa: E402
 
 
-# -- the doctor on a folder whose run started again from step 0 ---------------------------------------------------------
+# -- the doctor on a folder whose run started again from step 0 -------------------------------------------------------
 def _fabric_run(root: Path, version: int, steps: int, overflow: bool) -> list[float]:
     """A Fabric loop logging ``mpx.metrics()`` at its own step count from 0 (docs/fabric.md's loop) into
     ``root/run/version_<version>``; with ``overflow`` every loss is inf (the scale falls to its floor, every step is
