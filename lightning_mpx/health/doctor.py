@@ -34,7 +34,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from lightning_mpx.health.events import read_run
+from lightning_mpx.health.events import describe_restarts, read_run
 from lightning_mpx.health.plot import (
     FIRST_OVERFLOW_PREFIX,
     LOSS_TAGS,
@@ -194,7 +194,7 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     """
     read = read_run(run_dir)
     diagnosis = diagnose_scalars(read.series, str(run_dir))
-    restarted = tuple(restart.describe() for restart in read.restarts)  # the points judged are the latest run's
+    restarted = describe_restarts(read.restarts)  # the points judged are the latest run's
     diagnosis = dataclasses.replace(diagnosis, notes=(*diagnosis.notes, *restarted))
     folders = sorted({str(path.parent) for path in Path(run_dir).rglob("events.out.tfevents.*")})
     if len(folders) > 1:

@@ -16,7 +16,10 @@ from pathlib import Path
 
 from lightning_mpx.common.imports import require
 
-__all__ = ["Restart", "RunScalars", "read_run"]
+__all__ = ["Restart", "RunScalars", "describe_restarts", "read_run"]
+
+#: At most this many restarts are described one by one (the latest); the earlier ones are counted.
+RESTARTS_SHOWN = 3
 
 Series = list[tuple[int, float]]
 
@@ -30,17 +33,20 @@ class Restart:
         from_step: The last step logged before it (the largest over the tags).
         to_step: The step the curves went back to.
         dropped: How many points (over every tag) were left out.
+        times: How many times the steps went back to ``to_step`` there (a loop that logs each epoch from 0 again).
     """
 
     folder: str
     from_step: int
     to_step: int
     dropped: int
+    times: int = 1
 
     def describe(self) -> str:
         """One line for a report."""
         return (
-            f"the steps went back from {self.from_step} to {self.to_step} in {self.folder} (a run started again, or "
+            f"the steps went back from {self.from_step} to {self.to_step} in {self.folder}"
+            f"{f' ({self.times} times)' if self.times > 1 else ''} (a run started again, or "
             f"resumed from a checkpoint older than its last logged step): the {self.dropped} point(s) logged before "
             f"at step {self.to_step} or later are left out, as TensorBoard purges a restarted writer's orphans."
         )
@@ -82,7 +88,7 @@ def read_run(run_dir: str | Path) -> RunScalars:
             for event in events.Scalars(tag):
                 written.append((event.wall_time, len(written), tag, event.step, event.value, str(folder)))
     series: dict[str, Series] = {}
-    restarts: dict[tuple[str, int], list[int]] = {}  # (folder, to_step) -> [from_step, dropped]
+    restarts: dict[tuple[str, int], list[int]] = {}  # (folder, to_step) -> [from_step, dropped, times]
     for _, _, tag, step, value, folder in sorted(written, key=lambda point: (point[0], point[1])):
         curve = series.setdefault(tag, [])
         if curve and step == curve[-1][0]:
@@ -97,10 +103,21 @@ def read_run(run_dir: str | Path) -> RunScalars:
                 dropped += len(points) - len(kept)
                 series[name] = kept
             curve = series[tag]
-            seen = restarts.setdefault((folder, step), [last, 0])
+            seen = restarts.setdefault((folder, step), [last, 0, 0])
             seen[0] = max(seen[0], last)
             seen[1] += dropped
+            seen[2] += 1
         curve.append((step, value))
     series = {tag: points for tag, points in series.items() if points}
-    told = tuple(Restart(folder, start, to, dropped) for (folder, to), (start, dropped) in sorted(restarts.items()))
+    told = tuple(Restart(folder, start, to, *counts) for (folder, to), (start, *counts) in restarts.items())
     return RunScalars(series, told)
+
+
+def describe_restarts(restarts: tuple[Restart, ...]) -> list[str]:
+    """A report's lines for ``restarts``: the latest :data:`RESTARTS_SHOWN` described, the earlier ones counted (a
+    loop that logs each epoch from step 0 again restarts every epoch)."""
+    lines = [restart.describe() for restart in restarts[-RESTARTS_SHOWN:]]
+    if len(restarts) > RESTARTS_SHOWN:
+        earlier = len(restarts) - RESTARTS_SHOWN
+        lines.insert(0, f"the steps went back {len(restarts)} times; the {earlier} earliest are not shown one by one.")
+    return lines
