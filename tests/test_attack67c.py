@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -106,3 +107,69 @@ def test_ddp_rank_one_overflow_logged_by_a_rank_zero_only_logger_is_the_truth(dd
     assert logged[1]["mpx/overflow_first/net.inp"] == 1.0
     assert logged[3]["mpx/overflow/net.explode"] == 1.0
     assert [logged[3][f"mpx/overflow/net.{m}"] for m in ("inp", "blow", "out")] == [0.0, 0.0, 0.0]
+
+
+# -- litgpt: finetune/full.py's loop through Fabric, saved and resumed -------------------------------------------------
+_GPT = dict(block_size=16, vocab_size=64, padded_vocab_size=64, n_layer=1, n_head=2, n_embd=32, n_query_groups=2,
+            rotary_percentage=1.0, bias=False)  # fmt: skip
+
+
+def _litgpt_full(base: Path, precision: str, steps: int, load: Path | None = None, save: Path | None = None) -> Any:
+    """litgpt's ``finetune/full.py`` loop, written out: the model built under ``fabric.init_module(empty_init=True)``,
+    set up, then ``fabric.load_raw`` of the FP32 base; its optimizer and ``get_lr_scheduler`` in a state with
+    ``iter_num``/``step_count`` (and the plugin) that ``fabric.save``/``fabric.load`` carry; 2 micro-batches per step
+    under ``no_backward_sync``; ``chunked_cross_entropy`` on chunked logits. Returns the losses and the weights."""
+    litgpt = pytest.importorskip("litgpt")
+    from litgpt.finetune.full import get_lr_scheduler
+    from litgpt.utils import chunked_cross_entropy
+
+    mpx = FabricMixedPrecisionPlugin(precision, half_dtype="bfloat16") if precision.startswith("O") else None
+    fabric = Fabric(accelerator="cpu", devices=1, **({"plugins": [mpx]} if mpx else {"precision": precision}))
+    with fabric.init_module(empty_init=True):
+        model = litgpt.GPT(litgpt.Config(**_GPT))
+    model = fabric.setup(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01))
+    fabric.load_raw(str(base), model)
+    scheduler = get_lr_scheduler(optimizer, warmup_steps=2, max_steps=8)
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "iter_num": 0, "step_count": 0}
+    if mpx is not None:
+        state["mpx"] = mpx
+    if load is not None:
+        if mpx is not None:
+            mpx.setup_optimizers(optimizer)  # O2: before fabric.load (docs/fabric.md), else refused by name
+        fabric.load(str(load), state)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, 64, (2, 17), generator=g) for _ in range(2 * steps)]
+    losses = []
+    while state["step_count"] < steps:
+        batch = data[state["iter_num"]]
+        state["iter_num"] += 1
+        accumulating = state["iter_num"] % 2 != 0
+        with fabric.no_backward_sync(model, enabled=accumulating):
+            logits = model(batch[:, :-1], lm_head_chunk_size=8)
+            loss = chunked_cross_entropy(logits, batch[:, 1:])
+            fabric.backward(loss / 2)
+        if not accumulating:
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            state["step_count"] += 1
+            losses.append(loss.item())
+    if save is not None:
+        fabric.save(str(save), state)
+    return losses, {k: v.float().clone() for k, v in model.state_dict().items()}
+
+
+def test_litgpt_full_finetune_at_o2_resumes_bit_for_bit_and_tracks_bf16_mixed(tmp_path):
+    litgpt = pytest.importorskip("litgpt")
+    torch.manual_seed(0)
+    torch.save(litgpt.GPT(litgpt.Config(**_GPT)).state_dict(), tmp_path / "base.pth")
+    ref_losses, ref_weights = _litgpt_full(tmp_path / "base.pth", "bf16-mixed", 4)
+    losses, weights = _litgpt_full(tmp_path / "base.pth", "O2", 4)
+    first, _ = _litgpt_full(tmp_path / "base.pth", "O2", 2, save=tmp_path / "c.ckpt")
+    rest, resumed = _litgpt_full(tmp_path / "base.pth", "O2", 4, load=tmp_path / "c.ckpt")
+    assert first + rest == losses  # the schedule, iter_num, masters and AdamW state came back
+    assert all(torch.equal(resumed[k], weights[k]) for k in weights)
+    assert losses == pytest.approx(ref_losses, abs=2e-3)  # FP32 masters vs bf16-mixed's FP32 weights
+    assert max((weights[k] - ref_weights[k]).abs().max().item() for k in weights) < 2e-2
+    assert all(v.dtype == torch.float32 for v in weights.values())
