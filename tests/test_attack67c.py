@@ -62,6 +62,18 @@ def test_a_run_started_again_from_step_zero_is_judged_on_its_own_points(tmp_path
     assert [s for s, _ in scalars["mpx/loss_scale"]] == list(range(6))
 
 
+def test_a_run_killed_mid_write_is_diagnosed_from_what_was_written(tmp_path, capsys):
+    facts = _fabric_run(tmp_path, 0, 14, overflow=True)
+    (events,) = (tmp_path / "run" / "version_0").glob("events.out.tfevents.*")
+    events.write_bytes(events.read_bytes()[:-5])  # the last record cut mid-write
+    assert main(["doctor", str(events.parent), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    (finding,) = [f for f in report["findings"] if f["problem"]]
+    assert finding["kind"] == "persistent_overflow"
+    # The points before the cut are the run's: every step skipped, as its own counts said.
+    assert read_scalars(events.parent)["mpx/skipped_steps"][-1][1] in (facts[-1], facts[-2])
+
+
 # -- DDP: rank 1 overflows alone, a logger on rank 0 only --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory):
