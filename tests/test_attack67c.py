@@ -21,10 +21,10 @@ from lightning_mpx.health.plot import read_scalars  # noqa: E402
 
 
 # -- the doctor on a folder whose run started again from step 0 -------------------------------------------------------
-def _fabric_run(root: Path, version: int, steps: int, overflow: bool) -> list[float]:
-    """A Fabric loop logging ``mpx.metrics()`` at its own step count from 0 (docs/fabric.md's loop) into
-    ``root/run/version_<version>``; with ``overflow`` every loss is inf (the scale falls to its floor, every step is
-    skipped). Returns the skipped-step counts it logged (the run's facts)."""
+def _fabric_run(root: Path, version: int, steps: int, overflow: bool, first: int = 0) -> list[float]:
+    """A Fabric loop logging ``mpx.metrics()`` at its own step count (docs/fabric.md's loop), from step ``first`` (a
+    resumed loop's count), into ``root/run/version_<version>``; with ``overflow`` every loss is inf (the scale falls to
+    its floor, every step is skipped). Returns the skipped-step counts it logged (the run's facts)."""
     mpx = FabricMixedPrecisionPlugin("O1", half_dtype="float16", init_scale=4.0, on_floor="continue")
     logger = FabricTensorBoardLogger(str(root), name="run", version=version)
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[mpx], loggers=[logger])
@@ -39,7 +39,7 @@ def _fabric_run(root: Path, version: int, steps: int, overflow: bool) -> list[fl
         optimizer.zero_grad()
         metrics = mpx.metrics()
         skipped.append(metrics["mpx/skipped_steps"])
-        fabric.log_dict({"loss": loss.item(), **metrics}, step=step)
+        fabric.log_dict({"loss": loss.item(), **metrics}, step=first + step)
     logger.finalize("success")
     return skipped
 
@@ -72,6 +72,21 @@ def test_a_run_killed_mid_write_is_diagnosed_from_what_was_written(tmp_path, cap
     assert finding["kind"] == "persistent_overflow"
     # The points before the cut are the run's: every step skipped, as its own counts said.
     assert read_scalars(events.parent)["mpx/skipped_steps"][-1][1] in (facts[-1], facts[-2])
+
+
+@pytest.mark.parametrize("overflow", [True, False])
+def test_a_resumed_runs_first_point_counts_its_own_steps_not_every_step_since_zero(tmp_path, capsys, overflow):
+    # A resumed run in its own folder (TensorBoardLogger's next version) logs from step 100 on, every step. Its first
+    # point was taken to cover steps 0-100: "0 overflow steps in 114" for 14 steps, and a run skipping every step
+    # "since step 101", "13 of the 13 steps".
+    facts = _fabric_run(tmp_path, 1, 14, overflow=overflow, first=100)
+    assert main(["doctor", str(tmp_path / "run" / "version_1"), "--json"]) == int(overflow)
+    (finding,) = [f for f in json.loads(capsys.readouterr().out)["findings"] if f["kind"] != "constant_scale"]
+    if overflow:
+        assert finding["since_step"] == 100 and facts[-1] == 14.0
+        assert finding["evidence"][0].startswith("14 of the 14 steps 100-113 overflowed")
+    else:
+        assert "0 overflow steps in 14 (0.0%), 0 skipped in all" in finding["evidence"][0]
 
 
 # -- DDP: rank 1 overflows alone, a logger on rank 0 only --------------------------------------------------------------

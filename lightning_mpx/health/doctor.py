@@ -380,7 +380,7 @@ def _scale_summary(mpx: dict[str, Series], suffix: str) -> str:
     scale = [value for _, value in mpx[SCALE_TAG + suffix]]
     overflows = mpx.get(OVERFLOW_TAG + suffix, [])
     total = sum(value for _, value in overflows)
-    steps = mpx[SCALE_TAG + suffix][-1][0] + 1
+    steps = mpx[SCALE_TAG + suffix][-1][0] - _interval_starts(mpx[SCALE_TAG + suffix])[0] + 1
     skipped = mpx.get(SKIPPED_TAG + suffix)
     text = (
         f"loss scale{suffix} {_fmt_scale(scale[0])} throughout"
@@ -626,12 +626,17 @@ def _by_suffix(mpx: dict[str, Series], prefix: str) -> dict[str, Series]:
 
 def _interval_starts(points: Series, logged: Sequence[int] | None = None) -> list[int]:
     """The first step each logged point covers: one past the previous logging step (of ``logged``, by default the
-    points' own steps), 0 for the first. A count logged at step ``s`` covers the steps since the previous logging."""
+    points' own steps); the first one's interval back from it. A count logged at step ``s`` covers the steps since
+    the previous logging."""
     steps = sorted(set(logged if logged is not None else (step for step, _ in points)))
+    # The first covers one logging interval (the median gap, from 3 points on), not every step since 0: a run
+    # resumed at step 1000 and logging every 50 logs its first point at 1049, counting since 1000.
+    gaps = sorted(b - a for a, b in zip(steps, steps[1:]))
+    first = max(0, steps[0] - gaps[len(gaps) // 2] + 1) if len(gaps) >= 2 else 0
     starts = []
     for step, _ in points:
         index = bisect.bisect_left(steps, step)
-        starts.append(steps[index - 1] + 1 if index > 0 else 0)
+        starts.append(steps[index - 1] + 1 if index > 0 else first)
     return starts
 
 
