@@ -34,6 +34,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from lightning_mpx.health.events import describe_restarts, read_run
 from lightning_mpx.health.plot import (
     FIRST_OVERFLOW_PREFIX,
     LOSS_TAGS,
@@ -43,7 +44,6 @@ from lightning_mpx.health.plot import (
     UNDERFLOW_PREFIX,
     ZEROS_PREFIX,
     headroom_ratios,
-    read_scalars,
 )
 
 SKIPPED_TAG = "mpx/skipped_steps"
@@ -192,11 +192,14 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
         FileNotFoundError: ``run_dir`` does not exist or holds no event files.
         NoMixedPrecisionTagsError: the events hold no ``mpx/*`` scalars.
     """
-    diagnosis = diagnose_scalars(read_scalars(run_dir), str(run_dir))
+    read = read_run(run_dir)
+    diagnosis = diagnose_scalars(read.series, str(run_dir))
+    restarted = describe_restarts(read.restarts)  # the points judged are the latest run's
+    diagnosis = dataclasses.replace(diagnosis, notes=(*diagnosis.notes, *restarted))
     folders = sorted({str(path.parent) for path in Path(run_dir).rglob("events.out.tfevents.*")})
     if len(folders) > 1:
-        # read_scalars merges them (a later point at the same step wins): fine for one run's split files, not for
-        # several runs (TensorBoardLogger's version_0, version_1).
+        # read_run merges them in the order written: fine for one run's split files, not for several runs
+        # (TensorBoardLogger's version_0, version_1) logged at once.
         shown = ", ".join(folders[:4]) + (f" and {len(folders) - 4} more" if len(folders) > 4 else "")
         note = (
             f"RUN_DIR holds event files in {len(folders)} folders ({shown}), read as one run; if they are separate "
@@ -377,7 +380,7 @@ def _scale_summary(mpx: dict[str, Series], suffix: str) -> str:
     scale = [value for _, value in mpx[SCALE_TAG + suffix]]
     overflows = mpx.get(OVERFLOW_TAG + suffix, [])
     total = sum(value for _, value in overflows)
-    steps = mpx[SCALE_TAG + suffix][-1][0] + 1
+    steps = mpx[SCALE_TAG + suffix][-1][0] - _interval_starts(mpx[SCALE_TAG + suffix])[0] + 1
     skipped = mpx.get(SKIPPED_TAG + suffix)
     text = (
         f"loss scale{suffix} {_fmt_scale(scale[0])} throughout"
@@ -623,12 +626,17 @@ def _by_suffix(mpx: dict[str, Series], prefix: str) -> dict[str, Series]:
 
 def _interval_starts(points: Series, logged: Sequence[int] | None = None) -> list[int]:
     """The first step each logged point covers: one past the previous logging step (of ``logged``, by default the
-    points' own steps), 0 for the first. A count logged at step ``s`` covers the steps since the previous logging."""
+    points' own steps); the first one's interval back from it. A count logged at step ``s`` covers the steps since
+    the previous logging."""
     steps = sorted(set(logged if logged is not None else (step for step, _ in points)))
+    # The first covers one logging interval (the median gap, from 3 points on), not every step since 0: a run
+    # resumed at step 1000 and logging every 50 logs its first point at 1049, counting since 1000.
+    gaps = sorted(b - a for a, b in zip(steps, steps[1:]))
+    first = max(0, steps[0] - gaps[len(gaps) // 2] + 1) if len(gaps) >= 2 else 0
     starts = []
     for step, _ in points:
         index = bisect.bisect_left(steps, step)
-        starts.append(steps[index - 1] + 1 if index > 0 else 0)
+        starts.append(steps[index - 1] + 1 if index > 0 else first)
     return starts
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_mpx.common.imports import require
+from lightning_mpx.health.events import read_run
 
 SCALE_TAG = "mpx/loss_scale"
 OVERFLOW_TAG = "mpx/overflows"
@@ -29,24 +30,10 @@ _MAX_CURVES = 8  # per panel; the rest are left out (the title says how many)
 
 
 def read_scalars(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar series in the TensorBoard event files under ``run_dir``, as ``tag -> [(step, value)]``."""
-    accumulator_module = require(
-        "tensorboard.backend.event_processing.event_accumulator", extra="demo", feature="lightning-mpx plot"
-    )
-    run = Path(run_dir)
-    if not run.exists():
-        raise FileNotFoundError(f"RUN_DIR={str(run)!r} does not exist.")
-    folders = sorted({p.parent for p in run.rglob("events.out.tfevents.*")})
-    if not folders:
-        raise FileNotFoundError(f"RUN_DIR={str(run)!r} holds no TensorBoard event files (events.out.tfevents.*).")
-    series: dict[str, dict[int, float]] = {}
-    for folder in folders:
-        events = accumulator_module.EventAccumulator(str(folder), size_guidance={"scalars": 0})
-        events.Reload()
-        for tag in events.Tags()["scalars"]:
-            for event in events.Scalars(tag):
-                series.setdefault(tag, {})[event.step] = event.value
-    return {tag: sorted(points.items()) for tag, points in series.items()}
+    """Every scalar series in the TensorBoard event files under ``run_dir``, as ``tag -> [(step, value)]``, read in
+    the order written: a run whose steps started again keeps the points written since
+    (:func:`lightning_mpx.health.events.read_run`, which also says where)."""
+    return read_run(run_dir).series
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
