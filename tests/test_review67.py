@@ -169,3 +169,18 @@ def test_apex_gradients_cleared_through_data_after_a_delayed_block_step_as_fp32(
     want = _apex_blocks("O1", _data_zero, apex=False)
     got = _apex_blocks("O1", _data_zero, apex=True)
     assert all(torch.allclose(g, w, atol=2e-3) for g, w in zip(got, want))
+
+
+# -- 4. Accelerate: the environment's mixed precision ----------------------------------------------------------------
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize(("value", "near"), [(" bf16", "bf16"), ("BF16", "bf16"), ("No", "no"), ("o3 ", "O3")])
+def test_environment_mixed_precision_off_by_case_or_spaces_is_refused_naming_the_value_meant(
+    monkeypatch: pytest.MonkeyPatch, value: str, near: str
+) -> None:
+    """Accelerate takes these unchecked and trains without mixed precision (``"BF16" != "bf16"``); refused since stop
+    67, now with the value meant (the error listed the choices only)."""
+    from lightning_mpx.accelerate import Accelerator
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", value)
+    with pytest.raises(ValueError, match=f"ACCELERATE_MIXED_PRECISION={value!r} is not valid.*did you mean {near!r}"):
+        Accelerator(cpu=True)
