@@ -85,6 +85,46 @@ def test_o2_raw_step_inside_a_window_of_undone_probes_is_still_refused() -> None
         _extragradient(Amp(opt_level="O2", half_dtype="bfloat16"), raw_at=2)
 
 
+def _refused_then(amp: Amp | None, refused: list[int]) -> dict[str, Any]:
+    """A raw SGD step written after the first of two accumulated backwards; at O2 the step refuses it (``refused``:
+    the steps refused), the user takes the write (``refresh_masters(force=True)``, the fix the refusal names) and
+    steps again, then trains on."""
+    model = _net() if amp is None else amp.prepare_model(_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = opt if amp is None else amp.prepare_optimizer(opt)
+    dtype = next(model.parameters()).dtype
+    for step in range(3):
+        for micro in range(2):
+            x, y = _batch(2 * step + micro)
+            loss = F.cross_entropy(model(x.to(dtype)).float(), y) / 2
+            amp.backward(loss) if amp is not None else loss.backward()
+            if step == 1 and micro == 0:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.sub_(5e-2 * p.grad.to(p.dtype))
+        if amp is None:
+            opt.step()
+        else:
+            try:
+                amp.step(opt)
+            except RuntimeError as error:
+                assert "still there at its step" in str(error)
+                refused.append(step)
+                amp.refresh_masters(force=True)
+                amp.step(opt)
+            amp.update()
+        opt.zero_grad()
+    return model.state_dict() if amp is None else amp.fp32_state_dict(model)
+
+
+def test_o2_refused_kept_write_leaves_the_engine_usable_for_the_fix_it_names() -> None:
+    refused: list[int] = []
+    got, want = _refused_then(Amp(opt_level="O2", half_dtype="bfloat16"), refused), _refused_then(None, [])
+    assert refused == [1]
+    worst = max((got[k].float() - v).abs().max().item() for k, v in want.items())
+    assert worst < 1e-2, worst
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out: Path = tmp_path_factory.mktemp("review67")
