@@ -142,6 +142,8 @@ class FabricAgainstReference(RuleBasedStateMachine):
         self.clipped = False  # clipped since the last backward
         self.poisoned = False  # a non-finite gradient in the model's gradients (until zero_grad)
         self.skips = self.steps = 0
+        self.since_step = False  # an engine backward since the last step (the raw-step check's window)
+        self.due = False  # a raw step over the held head with its gradients cleared: refused at the next backward
         self.saved: dict[str, Any] = {}
         self._tmp = tempfile.TemporaryDirectory()
         for _ in range(data.draw(st.integers(1, 2)) if data is not None else 0):
@@ -176,12 +178,18 @@ class FabricAgainstReference(RuleBasedStateMachine):
     @rule(seed=st.integers(0, 50), parts=st.sampled_from([1, 2]), in_autocast=st.booleans())
     def backward(self, seed: int, parts: int, in_autocast: bool) -> None:
         """``in_autocast``: the forward, loss and ``fabric.backward`` inside ``fabric.autocast()``."""
+        if self.due:  # engine/raw_steps.py: a raw step between backwards, its gradients cleared
+            with pytest.raises(RuntimeError, match="raw|never given to"):
+                self.ours.forward_backward(seed, parts, in_autocast)
+            self.teardown()
+            self.setup(self.level, self.optimizer, self.growth)  # the user fixes the script
+            return
         loss = self.ours.forward_backward(seed, parts, in_autocast)
         want = self.ref.forward_backward(seed, parts, in_autocast)
         assert abs(loss - want) <= LOSS_RTOL[self.level] * abs(want) + 1e-4
-        self.pending = True
+        self.pending = self.since_step = True
 
-    @precondition(lambda self: self.pending and not self.clipped)
+    @precondition(lambda self: self.pending and not self.clipped and self.ours.model.module[3].weight.grad is not None)
     @rule(row=st.integers(0, 3), value=st.sampled_from([float("inf"), float("nan")]))
     def poison_gradient(self, row: int, value: float) -> None:
         """A non-finite gradient (the reference's stays finite: it never sees it, and skips its step)."""
@@ -237,7 +245,7 @@ class FabricAgainstReference(RuleBasedStateMachine):
             else:
                 assert_same_update(got, want, before["trained"], rtol)
         self._sync_reference()
-        self.pending = self.clipped = False
+        self.pending = self.clipped = self.since_step = self.due = False
 
     @precondition(lambda self: not self.clipped)
     @rule(data=st.data())
@@ -249,6 +257,8 @@ class FabricAgainstReference(RuleBasedStateMachine):
             self.zero_grad(set_to_none=data.draw(st.booleans()), through_model=False)
         self.backward(seed=data.draw(st.integers(0, 50)), parts=data.draw(st.sampled_from([1, 2])),
                       in_autocast=data.draw(st.booleans()))  # fmt: skip
+        if not self.pending:  # refused (a raw step before it), and started afresh
+            return
         if data.draw(st.integers(0, 4)) == 0:
             self.poison_gradient(row=data.draw(st.integers(0, 3)), value=float("inf"))
         if data.draw(st.booleans()):
@@ -261,6 +271,82 @@ class FabricAgainstReference(RuleBasedStateMachine):
         for run in (self.ours, self.ref):
             (run.model if through_model else run.opt).zero_grad(set_to_none=set_to_none)
         self.pending = self.clipped = self.poisoned = False
+
+    def _take_write(self, before: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+        """After a write by hand into the model's weights: what the optimizer trains took it (read through
+        ``amp.master_of``, which takes it as the next step would): exactly at O1, at O2 the write's half rounding (O2
+        keeps no FP32 value of a write it never saw: docs/master_weights.md), within a unit in the last place of
+        ``want`` (the write done in FP32); the reference then takes our values."""
+        got = [self.ours.mpx.amp.master_of(p).detach() for p in self.ours.model.parameters()]
+        for name, mine, value, was in zip(self.names, got, want, before, strict=True):
+            if self.level == "O1" or mine.dtype == torch.float32 and ".1." in f".{name}":  # FP32 weights
+                assert torch.equal(mine, value), f"{name}: a hand write not taken"
+            else:
+                assert ((mine - value).abs() <= value.abs() * 2.0**-7 + 1e-6).all(), f"{name}: a hand write not taken"
+        self._sync_reference()
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self.ours.model.module.named_parameters()]
+
+    @precondition(lambda self: not self.clipped)
+    @rule(kind=st.sampled_from(["decay", "clamp"]))
+    def hand_write(self, kind: str) -> None:
+        """``p.mul_(1 - wd)`` or a clamp over every weight, by hand, at any point (between the backwards of an
+        accumulation too): never refused, and the next step is the reference's from the written values."""
+        before = [t.detach().clone() for t in self.ours.trained()]
+        with torch.no_grad():
+            for p in self.ours.model.parameters():
+                p.mul_(1 - 1e-2) if kind == "decay" else p.clamp_(-0.2, 0.2)
+        self._take_write(before, [v * (1 - 1e-2) if kind == "decay" else v.clamp(-0.2, 0.2) for v in before])
+
+    @precondition(lambda self: not self.clipped)
+    @rule(seed=st.integers(0, 50), keys=st.sets(st.sampled_from(["0.weight", "1.weight", "3.weight", "3.bias"]),
+                                               min_size=1, max_size=3))  # fmt: skip
+    def load_subset(self, seed: int, keys: set[str]) -> None:
+        """``model.load_state_dict(subset, strict=False)`` of FP32 values at any point: the loaded weights go to what
+        the optimizer trains exactly (the O2 masters), the missing ones keep their trained values."""
+        g = torch.Generator().manual_seed(seed)
+        shapes = dict(self.ours.model.module.named_parameters())
+        state = {k: 0.3 * torch.randn(shapes[k].shape, generator=g) for k in sorted(keys)}
+        before = [t.detach().clone() for t in self.ours.trained()]
+        result = self.ours.model.load_state_dict(state, strict=False)
+        assert not result.unexpected_keys and not set(result.missing_keys) & keys
+        got = [self.ours.mpx.amp.master_of(p).detach() for p in self.ours.model.parameters()]
+        for name, mine, was in zip(self.names, got, before, strict=True):
+            assert torch.equal(mine, state[name] if name in keys else was), f"{name}: {name in keys and 'not '}loaded"
+        self._sync_reference()
+        self.due = False  # a load forgets the writes noted (engine/raw_steps.py)
+
+    @precondition(lambda self: self.pending and not self.clipped)
+    @rule(slot=st.sampled_from(["a", "b"]))
+    def save_mid_window(self, slot: str) -> None:
+        """``fabric.save`` between the backwards of an accumulation window (the run goes on, and a resume comes back
+        to that point, without the window's gradients)."""
+        pending, self.pending = self.pending, False
+        try:
+            self.save(slot)
+        finally:
+            self.pending = pending
+
+    @precondition(lambda self: not self.clipped)
+    @rule()
+    def raw_head_step(self) -> None:
+        """A second optimizer over the last layer, never prepared (its parameters held by the prepared optimizer):
+        ``SGD(head.parameters(), lr=1e-3).step()`` and its ``zero_grad()``. After the step (or before any backward): a
+        write by hand, never refused (a head held by the prepared optimizer is no raw step beside it:
+        engine/beside_steps.py). Between backwards: refused at the next backward (engine/raw_steps.py), the prepared
+        step in between lets it pass."""
+        head = self.ours.model.module[3]
+        before = [t.detach().clone() for t in self.ours.trained()]
+        grads = [None if p.grad is None else p.grad.detach().float().clone() for p in self.ours.model.parameters()]
+        raw = torch.optim.SGD(head.parameters(), lr=1e-3)
+        raw.step()
+        raw.zero_grad()
+        self.ref.model.module[3].zero_grad()
+        want = [v.add(g, alpha=-1e-3) if i >= 3 and g is not None else v for i, (v, g) in enumerate(zip(before, grads))]
+        self._take_write(before, want)
+        self.due = self.due or (self.since_step and any(g is not None for g in grads[3:]))
 
     @rule(seed=st.integers(0, 50), inference=st.booleans())
     def evaluate(self, seed: int, inference: bool) -> None:
@@ -334,7 +420,7 @@ class FabricAgainstReference(RuleBasedStateMachine):
         self.scale, self.tracker = saved["scale"].clone(), saved["tracker"].clone()
         self.scale_before = float(self.scale)
         self.skips, self.steps = saved["skips"], saved["steps"]
-        self.pending = self.clipped = self.poisoned = False
+        self.pending = self.clipped = self.poisoned = self.since_step = self.due = False
 
     # -- invariants -------------------------------------------------------------------------------------------
     @invariant()
