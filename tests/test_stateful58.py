@@ -163,7 +163,7 @@ class _AgainstTwin(RuleBasedStateMachine):
         starts both runs afresh (the user fixes the script). Returns whether it was refused."""
         if self.due is None:
             return False
-        with pytest.raises(RuntimeError, match="never given to|raw"):
+        with pytest.raises(RuntimeError, match="did not prepare"):
             call(self.runs[0])
         self._start(self.frozen_first, loose=self.loose)
         return True
@@ -239,7 +239,7 @@ class _AgainstTwin(RuleBasedStateMachine):
         with torch.no_grad():
             for mine, was, want, (name, p) in zip(ours.weights(), before, write(before), twin.model.named_parameters(),
                                                   strict=True):  # fmt: skip
-                ulp = want.abs() * 2.0**-7 + 1e-6  # bfloat16's unit in the last place (8 significant bits)
+                ulp = (want.abs() + was.abs()) * 2.0**-7 + 1e-6  # bfloat16's unit in the last place, of both
                 assert ((mine - want).abs() <= ulp).all(), f"{name}: a hand write not taken"
                 p.add_(mine - was)
 
@@ -366,6 +366,10 @@ class OptimizerHabits(_AgainstTwin):
             run.model[2].requires_grad_(True)
             run.opt.add_param_group({"params": list(run.model[2].parameters())})
         self.unfrozen, self.groups = True, 2
+        # A raw step over the loose head since the last step is no longer looked for: the head is held now, its
+        # masters start from the half weights it wrote (engine/raw_steps.py: the unheld parameters are found again
+        # when the registrations change).
+        self.due = None
 
     @rule(factor=st.sampled_from([0.1, 2.0]))
     def change_lr(self, factor: float) -> None:
