@@ -157,6 +157,9 @@ class _AgainstTwin(RuleBasedStateMachine):
         refusal due (``"step"``: at the next step or backward; ``"backward"``: at the next backward)."""
         self.head_grad = self.since_step = False
         self.due: str | None = None
+        # A write of the registered optimizers' parameters (a hand write, a load: which also forgets the notes) since
+        # the last step, and since the last backward: a raw head step beside it is not looked for (beside_steps.py).
+        self.written_since_step = self.written_since_backward = False
 
     def _refused(self, call: Any) -> bool:
         """Runs ``call`` on our run; where a refusal is due, checks it raises the beside-step ``RuntimeError`` and
@@ -182,6 +185,7 @@ class _AgainstTwin(RuleBasedStateMachine):
         assert abs(ours - twin) <= 0.03 * abs(twin) + 1e-3, (ours, twin)
         self.pending = self.since_step = True
         self.head_grad = self.head_grad or (self.loose and self.groups == 1)
+        self.written_since_backward = False
 
     @rule(set_to_none=st.booleans(), through_model=st.booleans())
     def zero_grad(self, set_to_none: bool, through_model: bool = False) -> None:
@@ -210,7 +214,10 @@ class _AgainstTwin(RuleBasedStateMachine):
             v - LR * g if i in head and g is not None else v for i, (v, g) in enumerate(zip(values, grads))
         ])  # fmt: skip
         if self.groups == 1 and self.loose and self.head_grad:
-            self.due = "step" if self.since_step else "backward"
+            if self.since_step and not self.written_since_backward:
+                self.due = "step"
+            elif not self.since_step and not self.written_since_step:
+                self.due = "backward"
         self.head_grad = False
 
     @rule(kind=st.sampled_from(["decay", "clamp"]))
@@ -228,6 +235,7 @@ class _AgainstTwin(RuleBasedStateMachine):
             (v * (1 - 1e-2) if kind == "decay" else v.clamp(-0.2, 0.2)) if t else v for v, t in zip(values, trained)
         ])  # fmt: skip
         self.due = None
+        self.written_since_step = self.written_since_backward = True
 
     def _take_half_write(self, before: list[torch.Tensor], write: Any) -> None:
         """After a write by hand into the weights (``write(values)``: what it does in FP32): ours (the masters at O2)
@@ -268,6 +276,7 @@ class _AgainstTwin(RuleBasedStateMachine):
                 if name in keys:
                     p.copy_(value.float())
         self.due = None  # a load forgets what was noted (engine/raw_steps.py)
+        self.written_since_step = self.written_since_backward = True
 
     @precondition(lambda self: self.pending)
     @rule()
@@ -346,7 +355,7 @@ class OptimizerHabits(_AgainstTwin):
         if self.due == "step" and self._refused(lambda run: run.step()):
             return
         self._both(lambda run: run.step())
-        self.since_step = False
+        self.since_step = self.written_since_step = self.written_since_backward = False
 
     @precondition(lambda self: self.pending)
     @rule(max_norm=st.sampled_from([0.05, 0.5]))
