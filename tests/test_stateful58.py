@@ -366,6 +366,8 @@ class OptimizerHabits(_AgainstTwin):
         want = torch.nn.utils.clip_grad_norm_([p for g in twin.opt.param_groups for p in g["params"]], max_norm)
         assert abs(float(norm) - float(want)) <= 0.03 * float(want) + 1e-4, (float(norm), float(want))
 
+    # A loose head with pending gradients added after a clip loses them: tests/test_stateful67.py's strict xfail.
+    @precondition(lambda self: not (self.loose and self.pending))
     @rule()
     def unfreeze_and_add_group(self) -> None:
         """``requires_grad_(True)`` on the last layer and ``add_param_group`` for it (once)."""
