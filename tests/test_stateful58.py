@@ -160,11 +160,15 @@ class _AgainstTwin(RuleBasedStateMachine):
         # A write of the registered optimizers' parameters (a hand write, a load: which also forgets the notes) since
         # the last step, and since the last backward: a raw head step beside it is not looked for (beside_steps.py).
         self.written_since_step = self.written_since_backward = False
+        # engine/raw_steps.py: after a backward with no step since (``noted``; a load forgets it), a hand write and a
+        # clear of the gradients, in either order, look as a raw optimizer's step: refused at the next backward.
+        self.noted = self.cleared = False
 
-    def _refused(self, call: Any) -> bool:
-        """Runs ``call`` on our run; where a refusal is due, checks it raises the beside-step ``RuntimeError`` and
-        starts both runs afresh (the user fixes the script). Returns whether it was refused."""
-        if self.due is None:
+    def _refused(self, call: Any, write_and_clear: bool = False) -> bool:
+        """Runs ``call`` on our run; where a refusal is due (a raw head step, or ``write_and_clear``), checks it
+        raises the raw-step ``RuntimeError`` and starts both runs afresh (the user fixes the script). Returns whether
+        it was refused."""
+        if self.due is None and not write_and_clear:
             return False
         with pytest.raises(RuntimeError, match="did not prepare"):
             call(self.runs[0])
@@ -179,13 +183,15 @@ class _AgainstTwin(RuleBasedStateMachine):
         """A forward and backward (``parts=2``: gradient accumulation over two half batches)."""
         if self.optimizer != "sgd" and not self.training:
             return
-        if self._refused(lambda run: run.backward(seed, parts)):
+        write_and_clear = self.noted and self.written_since_backward and self.cleared
+        if self._refused(lambda run: run.backward(seed, parts), write_and_clear):
             return
         ours, twin = self._both(lambda run: run.backward(seed, parts))
         assert abs(ours - twin) <= 0.03 * abs(twin) + 1e-3, (ours, twin)
         self.pending = self.since_step = True
         self.head_grad = self.head_grad or (self.loose and self.groups == 1)
-        self.written_since_backward = False
+        self.written_since_backward = self.cleared = False
+        self.noted = True
 
     @rule(set_to_none=st.booleans(), through_model=st.booleans())
     def zero_grad(self, set_to_none: bool, through_model: bool = False) -> None:
@@ -193,6 +199,7 @@ class _AgainstTwin(RuleBasedStateMachine):
         self._both(lambda run: (run.model if through_model else run.opt).zero_grad(set_to_none=set_to_none))
         self.pending = False
         self.head_grad = self.head_grad and not (through_model and set_to_none)
+        self.cleared = True
 
     @precondition(lambda self: self.groups == 1 or not self.since_step)
     @rule()
@@ -214,7 +221,7 @@ class _AgainstTwin(RuleBasedStateMachine):
             v - LR * g if i in head and g is not None else v for i, (v, g) in enumerate(zip(values, grads))
         ])  # fmt: skip
         if self.groups == 1 and self.loose and self.head_grad:
-            if self.since_step and not self.written_since_backward:
+            if self.since_step and self.noted and not self.written_since_backward:
                 self.due = "step"
             elif not self.since_step and not self.written_since_step:
                 self.due = "backward"
@@ -223,8 +230,9 @@ class _AgainstTwin(RuleBasedStateMachine):
     @rule(kind=st.sampled_from(["decay", "clamp"]))
     def hand_write(self, kind: str) -> None:
         """A write by hand into every trained weight (``p.mul_(1 - wd)``, a clamp), at any point, between backwards
-        too: never refused. A write over the registered optimizers' parameters after a raw head step hides it (the
-        documented gap of engine/beside_steps.py)."""
+        too: never refused while the gradients are kept (followed by a clear with no step: see ``backward``). A
+        write over the registered optimizers' parameters after a raw head step hides it (the documented gap of
+        engine/beside_steps.py)."""
         before = [t.clone() for t in self.runs[0].weights()]
         trained = [p.requires_grad for p in self.runs[0].model.parameters()]
         with torch.no_grad():
@@ -276,7 +284,8 @@ class _AgainstTwin(RuleBasedStateMachine):
                 if name in keys:
                     p.copy_(value.float())
         self.due = None  # a load forgets what was noted (engine/raw_steps.py)
-        self.written_since_step = self.written_since_backward = True
+        self.written_since_step = True
+        self.noted = False
 
     @precondition(lambda self: self.pending)
     @rule()
@@ -355,7 +364,7 @@ class OptimizerHabits(_AgainstTwin):
         if self.due == "step" and self._refused(lambda run: run.step()):
             return
         self._both(lambda run: run.step())
-        self.since_step = self.written_since_step = self.written_since_backward = False
+        self.since_step = self.written_since_step = self.written_since_backward = self.noted = False
 
     @precondition(lambda self: self.pending)
     @rule(max_norm=st.sampled_from([0.05, 0.5]))
