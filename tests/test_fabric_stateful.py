@@ -147,7 +147,7 @@ class FabricAgainstReference(RuleBasedStateMachine):
         # GradScaler's unscale_ records it (the library steps the next window, where GradScaler would skip it).
         self.clip_found = False
         # engine/raw_steps.py: after a backward with no step since, a write by hand (or a raw step) and a clear of
-        # every gradient, in either order, is refused at the next backward (it looks as a raw optimizer's step).
+        # every gradient (set to None), in either order, is refused at the next backward (a raw optimizer's look).
         self.noted = self.written = self.cleared = False
         self._tmp = tempfile.TemporaryDirectory()
         for _ in range(data.draw(st.integers(1, 2)) if data is not None else 0):
@@ -278,7 +278,7 @@ class FabricAgainstReference(RuleBasedStateMachine):
         for run in (self.ours, self.ref):
             (run.model if through_model else run.opt).zero_grad(set_to_none=set_to_none)
         self.pending = self.clipped = self.poisoned = False
-        self.cleared = True
+        self.cleared = self.cleared or set_to_none  # zeros in place keep the gradients: no clear to raw_steps.py
 
     def _take_write(self, before: list[torch.Tensor], want: list[torch.Tensor]) -> None:
         """After a write by hand into the model's weights: what the optimizer trains took it (read through

@@ -199,7 +199,7 @@ class _AgainstTwin(RuleBasedStateMachine):
         self._both(lambda run: (run.model if through_model else run.opt).zero_grad(set_to_none=set_to_none))
         self.pending = False
         self.head_grad = self.head_grad and not (through_model and set_to_none)
-        self.cleared = True
+        self.cleared = self.cleared or set_to_none  # zeros in place keep the gradients: no clear to raw_steps.py
 
     @precondition(lambda self: self.groups == 1 or not self.since_step)
     @rule()
