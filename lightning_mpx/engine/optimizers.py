@@ -30,6 +30,7 @@ from lightning_mpx.engine.rescale import (
     rescale_unscaled,
 )
 from lightning_mpx.engine.sharding import Sharding
+from lightning_mpx.engine.shared_grads import SharedGrads
 from lightning_mpx.engine.step_guard import BaseStepGuard, ScaledStepGuard
 from lightning_mpx.engine.unscaling import UnscalePath
 from lightning_mpx.engine.unsynced import DdpWatch, synced
@@ -85,6 +86,8 @@ class StepMachine(UnscalePath):
         self.telemetry = telemetry
         self.names = names
         self.optimizers: dict[int, _OptimizerState] = {}
+        # The parameters more than one of them holds, unscaled once per backward (engine.shared_grads)
+        self.shared = SharedGrads(self.optimizers)
         self.taken: dict[int, weakref.ref[torch.optim.Optimizer]] = {}  # optimizers another engine took over
         self.iteration_found: dict[int, torch.Tensor] = {}
         self.iteration_read: dict[int, bool | None] = {}
@@ -158,9 +161,7 @@ class StepMachine(UnscalePath):
                     f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer: pass the optimizer itself "
                     "(its step, unscale and clip cover the parameters it trains), not a model or its parameters."
                 )
-            raise RuntimeError(
-                f"optimizer={type(optimizer).__name__} was not registered; {self.register_call}."
-            )
+            raise RuntimeError(f"optimizer={type(optimizer).__name__} was not registered; {self.register_call}.")
         return state
 
     def validate(self, optimizer: torch.optim.Optimizer, *, with_masters: bool) -> None:
@@ -213,6 +214,7 @@ class StepMachine(UnscalePath):
             self.unheld.settle(state, optimizer)
         self.optimizers[key] = state
         weakref.finalize(optimizer, self.optimizers.pop, key, None)
+        self.shared.refresh()  # an overlap with the optimizers registered before (engine.shared_grads)
 
     def adopt_inners(self, state: _OptimizerState, optimizer: torch.optim.Optimizer) -> None:
         """Give the inner optimizers that share ``optimizer``'s param_groups and are not registered themselves (a
@@ -230,6 +232,7 @@ class StepMachine(UnscalePath):
             raise TypeError(f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer.")
         state = self.optimizers.pop(id(optimizer), None)
         if state is not None:
+            self.shared.refresh()
             for handle in state.hooks:
                 handle.remove()
             state_to_params(state, self.masters.weights)  # its state dict works without the hooks
@@ -423,6 +426,8 @@ class StepMachine(UnscalePath):
             self.scalers[loss_id].update(found, overflowed=self.iteration_read.get(loss_id))
         self.iteration_found.clear()
         self.iteration_read.clear()
+        if self.shared.done:  # the shared gradients' notes, held no longer than the iteration
+            self.shared.clear()
 
     def updated_scalers(self) -> list[LossScaler]:
         """The scalers as :meth:`update` would leave them now: each one it would update, a copy updated with the

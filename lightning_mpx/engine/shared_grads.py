@@ -1,0 +1,108 @@
+"""Gradients of parameters held by more than one prepared optimizer, unscaled once per backward.
+
+Without FP32 masters (O1, O3, and the parameters with no master at O2) an optimizer's unscale divides its gradients
+in place. A parameter held by two optimizers (a head in the whole model's optimizer and in its own) has one gradient:
+the second optimizer's unscale would divide it again, and its step would apply the gradient divided by the scale
+twice where FP32 steps it with its gradient (``torch.amp.GradScaler`` does the same, see docs/loss_scaling.md).
+
+:class:`SharedGrads` is the one owner of that knowledge. It finds the overlap where the optimizers' parameter sets are
+known (a registration or a release, and an unscale that finds an optimizer's parameter count changed: an
+``add_param_group``), and only when there is one does an unscale pay for it: the gradients of the shared parameters
+an unscale divided are noted (the tensor and its version after the divide); a later unscale of another optimizer
+finds them so (the same tensor, not written since: no backward, ``zero_grad`` or user write) and checks them for
+inf/NaN, clips them with its own and measures them, without dividing them again. Every optimizer holding an
+overflowed shared gradient finds the overflow in its own check, so each one's stage skips its step. A backward since
+(which writes the gradient, or replaces it) makes the note stale by itself; :meth:`SharedGrads.clear` drops the
+references at the end of the iteration.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from typing import Mapping
+
+import torch
+
+from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage
+
+_PARAMS = operator.itemgetter("params")
+
+
+class SharedGrads:
+    """The parameters more than one registered optimizer holds, and which of their gradients hold true values now.
+
+    Args:
+        optimizers: The machine's registered optimizers' states, by the optimizer's ``id`` (read, never written).
+
+    Attributes:
+        ids: The ``id`` of each parameter two or more registered optimizers hold (empty: no overlap, no cost).
+        done: By parameter ``id``: (its gradient, that gradient's version) as the unscale that divided it left it.
+    """
+
+    def __init__(self, optimizers: Mapping[int, _OptimizerState]) -> None:
+        self.optimizers = optimizers
+        self.ids: frozenset[int] = frozenset()
+        self.done: dict[int, tuple[torch.Tensor, int]] = {}
+
+    def refresh(self) -> None:
+        """Find the overlap again (a registration, a release, a parameter count changed). A parameter newly shared
+        whose gradient another optimizer already unscaled in place in this iteration (unscaled and not stepped yet,
+        or stepped and not written since) is noted as holding true values."""
+        seen: set[int] = set()
+        shared: set[int] = set()
+        held: list[tuple[_OptimizerState, list[torch.Tensor]]] = []
+        for state in list(self.optimizers.values()):
+            optimizer = state.optimizer_ref()
+            if optimizer is None:
+                continue
+            groups = itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups))
+            params = list({id(p): p for p in groups}.values())
+            held.append((state, params))
+            for param in params:
+                (shared if id(param) in seen else seen).add(id(param))
+        new = shared - self.ids
+        self.ids = frozenset(shared)
+        self.done = {key: value for key, value in self.done.items() if key in shared}
+        for state, params in held if new else ():
+            for param in params:
+                grad = param.grad
+                if id(param) in new and grad is not None and id(param) not in self.done and _true_now(state, grad):
+                    self.done[id(param)] = (grad, grad._version)
+
+    def split(self, optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``optimizer``'s gradients, in parameter order: (those to divide, those another optimizer's unscale
+        divided since the backward that made them: to check only)."""
+        fresh: list[torch.Tensor] = []
+        done: list[torch.Tensor] = []
+        for param in itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)):
+            grad = param.grad
+            if grad is None:
+                continue
+            noted = self.done.get(id(param))
+            if noted is not None and noted[0] is grad and noted[1] == grad._version:
+                done.append(grad)
+            else:
+                fresh.append(grad)
+        return fresh, done
+
+    def note(self, optimizer: torch.optim.Optimizer) -> None:
+        """Note the gradients of ``optimizer``'s shared parameters as holding true values (its unscale just ran)."""
+        ids = self.ids
+        for param in itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)):
+            if id(param) in ids and (grad := param.grad) is not None:
+                self.done[id(param)] = (grad, grad._version)
+
+    def clear(self) -> None:
+        """Drop the notes (the end of an iteration: the gradients are not held alive past it)."""
+        self.done = {}
+
+
+def _true_now(state: _OptimizerState, grad: torch.Tensor) -> bool:
+    """Whether ``grad``, a gradient of a parameter ``state``'s optimizer holds, holds true values by that optimizer's
+    stage: unscaled (and not stepped yet), or left by its step and not written since."""
+    if state.stage is _Stage.UNSCALED or state.stage is _Stage.SKIPPED:
+        return True
+    if state.stage is _Stage.STEPPED and state.stepped_true and state.stepped_marks is not None:
+        return (id(grad), grad._version) in state.stepped_marks
+    return False
