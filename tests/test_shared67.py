@@ -74,13 +74,18 @@ def _fp32(habit: str) -> list[torch.Tensor]:
             whole.zero_grad()
             head.zero_grad()
             continue
+        if habit == "clip_skip" and step == 1:  # both clipped, no step: the gradients carried to the next backward
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.1)
+            torch.nn.utils.clip_grad_norm_(net[2].parameters(), 0.1)
+            continue
         if habit == "clip_first":
             torch.nn.utils.clip_grad_norm_(net.parameters(), 0.1)
         whole.step()
         _between(habit, step, net, whole, head, lambda opt, n: torch.nn.utils.clip_grad_norm_(_params(opt), n))
         head.step()
-        whole.zero_grad()
-        head.zero_grad()
+        if habit != "no_zero":  # else gradients piled up across steps on purpose
+            whole.zero_grad()
+            head.zero_grad()
     return [p.detach().clone() for p in net.parameters()]
 
 
@@ -101,14 +106,20 @@ def _amp(habit: str, **settings: Any) -> list[torch.Tensor]:
             with amp.forward_context():
                 loss = _loss(net(amp.cast_inputs(x)), y, habit, step)
             amp.backward(loss / backwards)
+        if habit == "clip_skip" and step == 1:
+            amp.clip_grad_norm_(whole, 0.1)
+            amp.clip_grad_norm_(head, 0.1)
+            amp.update()
+            continue
         if habit == "clip_first":
             amp.clip_grad_norm_(whole, 0.1)
         amp.step(whole)
         _between(habit, step, net, whole, head, amp.clip_grad_norm_)
         amp.step(head)
         amp.update()
-        whole.zero_grad()
-        head.zero_grad()
+        if habit != "no_zero":
+            whole.zero_grad()
+            head.zero_grad()
     return [p.detach().float().clone() for p in net.parameters()]
 
 
@@ -118,12 +129,25 @@ def _close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
 
 
 @pytest.mark.parametrize(
-    "habit", ["plain", "clip", "clip_first", "zero_none", "zero_keep", "accumulate", "add_group", "overflow"]
+    "habit",
+    [
+        "plain",
+        "clip",
+        "clip_first",
+        "clip_skip",
+        "zero_none",
+        "zero_keep",
+        "accumulate",
+        "no_zero",
+        "add_group",
+        "overflow",
+    ],
 )
 def test_core_amp_two_optimizers_sharing_the_head_train_as_fp32(habit: str) -> None:
     """The core ``Amp``: the whole model's optimizer and the head's own, stepped after one backward, end as FP32's
-    (with a clip or a ``zero_grad`` between the steps, two accumulated backwards, the head's bias added to its
-    optimizer after the first step, an overflowed step skipped by both)."""
+    (with a clip or a ``zero_grad`` between the steps, both clipped and no step taken, two accumulated backwards,
+    gradients never zeroed, the head's bias added to its optimizer after the first step, an overflowed step skipped
+    by both): each gradient unscaled once per backward, and brought back up to a backward's scale once."""
     _close(_amp(habit), _fp32(habit))
 
 

@@ -323,7 +323,7 @@ class StepMachine(UnscalePath):
                     kept = any(map(operator.is_not, map(_GRAD, params), itertools.repeat(None)))
                     versions = tuple(map(_VERSION, params)) if watch else None  # engine.raw_steps' marks
                 if kept:
-                    rescale_stepped(state, loss_id, self.scalers, self.masters.weights, self.backend)
+                    rescale_stepped(state, loss_id, self.scalers, self.masters.weights, self.backend, self.shared)
                     state.backward_versions, state.noted_at = versions, self.steps_taken
                 else:  # rescale_stepped's usual case (every gradient cleared since the step), written out
                     state.reset()
@@ -333,7 +333,7 @@ class StepMachine(UnscalePath):
             elif state.stage is not _Stage.READY:
                 if state.stage is _Stage.UNSCALED:
                     self.record_found(state.found_by_loss)  # an overflow seen by unscale_() counts toward update()
-                rescale_unscaled(state, loss_id, self.scalers[loss_id], self.masters.weights, self.backend)
+                rescale_unscaled(state, loss_id, self.scalers[loss_id], self.masters.weights, self.backend, self.shared)
             elif state.loss_id is None:
                 state.loss_id = loss_id
                 optimizer = state.optimizer_ref()
@@ -368,6 +368,8 @@ class StepMachine(UnscalePath):
                     state.noted_at = self.steps_taken
                 if state.loss_id != loss_id or state.grad_scale is not None:
                     rescale_pending(state, loss_id, self.scalers, self.backend)
+        if self.shared.raised:  # settled for this backward (engine.shared_grads)
+            self.shared.raised = {}
         for ref in self.ddp:  # this backward unsynchronised by DDP (no_sync): a refusal after it waits for the step
             wrapper = ref()
             if wrapper is not None and not synced(wrapper, self.ddp_synced):

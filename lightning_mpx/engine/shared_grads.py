@@ -13,7 +13,9 @@ finds them so (the same tensor, not written since: no backward, ``zero_grad`` or
 inf/NaN, clips them with its own and measures them, without dividing them again. Every optimizer holding an
 overflowed shared gradient finds the overflow in its own check, so each one's stage skips its step. A backward since
 (which writes the gradient, or replaces it) makes the note stale by itself; :meth:`SharedGrads.clear` drops the
-references at the end of the iteration.
+references at the end of the iteration. The other way, the true values that steps leave (a loop that does not zero
+them) or that a batch unscaled without stepping leaves are brought back up to the next backward's scale once too
+(:meth:`SharedGrads.once`), not once per optimizer holding them.
 """
 
 from __future__ import annotations
@@ -38,12 +40,16 @@ class SharedGrads:
     Attributes:
         ids: The ``id`` of each parameter two or more registered optimizers hold (empty: no overlap, no cost).
         done: By parameter ``id``: (its gradient, that gradient's version) as the unscale that divided it left it.
+        raised: Before a backward, by ``id``: the gradients holding true values that an optimizer's stage brought up
+            to the backward's scale already (gradients kept across a step, or unscaled by a batch that did not step),
+            emptied once every optimizer's stage is settled for it.
     """
 
     def __init__(self, optimizers: Mapping[int, _OptimizerState]) -> None:
         self.optimizers = optimizers
         self.ids: frozenset[int] = frozenset()
         self.done: dict[int, tuple[torch.Tensor, int]] = {}
+        self.raised: dict[int, torch.Tensor] = {}
 
     def refresh(self) -> None:
         """Find the overlap again (a registration, a release, a parameter count changed). A parameter newly shared
@@ -92,6 +98,14 @@ class SharedGrads:
         for param in itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)):
             if id(param) in ids and (grad := param.grad) is not None:
                 self.done[id(param)] = (grad, grad._version)
+
+    def once(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Before a backward: those of ``grads`` (true values, about to be brought up to its scale) that no other
+        optimizer's stage brought up already; all of them are noted as brought up."""
+        raised = self.raised
+        todo = [grad for grad in grads if raised.get(id(grad)) is not grad]
+        raised.update((id(grad), grad) for grad in todo)
+        return todo
 
     def clear(self) -> None:
         """Drop the notes (the end of an iteration: the gradients are not held alive past it)."""
