@@ -49,9 +49,9 @@ def _between(habit: str, step: int, net: nn.Sequential, whole: Any, head: Any, c
     """The user's code between the whole model's step and the head's."""
     if habit == "clip":
         clip(head, 0.1)
-    elif habit == "zero_none":
+    elif habit == "zero" and step == 0:
         whole.zero_grad(set_to_none=True)  # the shared gradients gone for the head's step
-    elif habit == "zero_keep" and step == 1:
+    elif habit == "zero" and step == 1:
         whole.zero_grad(set_to_none=False)  # zeros: the head's momentum still moves it
     elif habit == "add_group" and step == 0:
         head.add_param_group({"params": [net[2].bias]})  # the head's bias, shared from the next step on
@@ -62,10 +62,10 @@ def _loss(out: torch.Tensor, y: torch.Tensor, habit: str, step: int) -> torch.Te
     return loss * 1e8 if habit == "overflow" and step == 1 else loss  # float16's gradients overflow at any scale
 
 
-def _fp32(habit: str) -> list[torch.Tensor]:
+def _fp32(habit: str, steps: int = STEPS) -> list[torch.Tensor]:
     net = _net()
     whole, head = _optimizers(net, habit)
-    for step in range(STEPS):
+    for step in range(steps):
         backwards = 2 if habit == "accumulate" else 1
         for micro in range(backwards):
             x, y = _batch(10 * step + micro)
@@ -78,7 +78,7 @@ def _fp32(habit: str) -> list[torch.Tensor]:
             torch.nn.utils.clip_grad_norm_(net.parameters(), 0.1)
             torch.nn.utils.clip_grad_norm_(net[2].parameters(), 0.1)
             continue
-        if habit == "clip_first":
+        if habit == "clip":
             torch.nn.utils.clip_grad_norm_(net.parameters(), 0.1)
         whole.step()
         _between(habit, step, net, whole, head, lambda opt, n: torch.nn.utils.clip_grad_norm_(_params(opt), n))
@@ -93,13 +93,13 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _amp(habit: str, **settings: Any) -> list[torch.Tensor]:
+def _amp(habit: str, steps: int = STEPS, **settings: Any) -> list[torch.Tensor]:
     net = _net()
     whole, head = _optimizers(net, habit)
     amp = Amp(opt_level="O1", half_dtype="float16", **settings)
     net = amp.prepare_model(net)
     whole, head = amp.prepare_optimizer(whole), amp.prepare_optimizer(head)
-    for step in range(STEPS):
+    for step in range(steps):
         backwards = 2 if habit == "accumulate" else 1
         for micro in range(backwards):
             x, y = _batch(10 * step + micro)
@@ -111,7 +111,7 @@ def _amp(habit: str, **settings: Any) -> list[torch.Tensor]:
             amp.clip_grad_norm_(head, 0.1)
             amp.update()
             continue
-        if habit == "clip_first":
+        if habit == "clip":
             amp.clip_grad_norm_(whole, 0.1)
         amp.step(whole)
         _between(habit, step, net, whole, head, amp.clip_grad_norm_)
@@ -145,7 +145,8 @@ def _close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
 )
 def test_core_amp_two_optimizers_sharing_the_head_train_as_fp32(habit: str) -> None:
     """The core ``Amp``: the whole model's optimizer and the head's own, stepped after one backward, end as FP32's
-    (with a clip or a ``zero_grad`` between the steps, both clipped and no step taken, two accumulated backwards,
+    (each clipped before its step, a ``zero_grad`` of the whole model's between the steps (``set_to_none`` either
+    way), both clipped and no step taken, two accumulated backwards,
     gradients never zeroed, the head's bias added to its optimizer after the first step, an overflowed step skipped
     by both): each gradient unscaled once per backward, and brought back up to a backward's scale once."""
     _close(_amp(habit), _fp32(habit))
@@ -153,7 +154,7 @@ def test_core_amp_two_optimizers_sharing_the_head_train_as_fp32(habit: str) -> N
 
 def test_fused_unscale_and_the_device_side_skip_with_a_shared_head() -> None:
     """The fused (Triton) unscale with a clip between the steps, and fused AdamW skipping on the device: as FP32."""
-    _close(_amp("clip", unscale_backend="triton"), _fp32("clip"))
+    _close(_amp("clip", 2, unscale_backend="triton"), _fp32("clip", 2))
     _close(_amp("fused", skip_on_device=True), _fp32("fused"))
 
 
@@ -164,6 +165,43 @@ def test_a_parameter_twice_in_one_optimizer_is_torchs_error() -> None:
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="more than one parameter group"):
         opt.add_param_group({"params": [net[2].weight]})
+
+
+def _o2_bn_run(level: str | None, keep: bool) -> list[torch.Tensor]:
+    """O2: a batch norm (FP32, no master: unscaled in place) held by the whole model's optimizer and its own."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4))
+    whole, norm = torch.optim.SGD(net.parameters(), lr=0.05), torch.optim.SGD(net[1].parameters(), lr=0.05)
+    amp = None
+    if level is not None:
+        amp = Amp(opt_level=level, half_dtype="float16")
+        net = amp.prepare_model(net)
+        whole, norm = amp.prepare_optimizer(whole), amp.prepare_optimizer(norm)
+    for step in range(STEPS):
+        x, y = _batch(10 * step)
+        if amp is None:
+            F.cross_entropy(net(x), y).backward()
+            whole.step()
+            norm.step()
+        else:
+            with amp.forward_context():
+                loss = F.cross_entropy(net(amp.cast_inputs(x)).float(), y)
+            amp.backward(loss)
+            amp.step(whole)
+            amp.step(norm)
+            amp.update()
+        if not keep:
+            whole.zero_grad()
+            norm.zero_grad()
+    values = net.state_dict() if amp is None else amp.fp32_state_dict(net)
+    return [v.float() for k, v in values.items() if "running" not in k and "num_batches" not in k]
+
+
+def test_o2_a_shared_parameter_without_a_master_trains_as_fp32() -> None:
+    """O2 float16: a batch norm's FP32 parameters (no master, unscaled in place) in two optimizers, gradients piled
+    up across steps: as FP32 (each unscaled once, and brought up to the next backward's scale once; the masters' own
+    gradients were right before)."""
+    _close(_o2_bn_run("O2", True), _o2_bn_run(None, True))
 
 
 # -- the other doors ----------------------------------------------------------------------------------------------

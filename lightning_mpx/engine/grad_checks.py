@@ -108,9 +108,9 @@ def unscale(
         note_complex(state, optimizer)
         if shared is not None:  # a group added or removed: the optimizers' overlap found again
             shared.refresh()
-    if shared is not None and shared.ids and not master_weights and not skipped and sharding is None:
-        _unscale_shared(state, optimizer, scaler, shared, backend=backend, telemetry=telemetry, names=names,
-                        max_norm=max_norm)  # fmt: skip
+    if shared is not None and shared.ids and not skipped and sharding is None:
+        _unscale_shared(state, optimizer, scaler, shared, sources, targets, copy, backend=backend, telemetry=telemetry,
+                        names=names, max_norm=max_norm)  # fmt: skip
         return
     named = sources
     if state.has_complex:  # torch's unscale kernels have no complex case: their real views (no copy)
@@ -162,36 +162,50 @@ def _unscale_shared(
     optimizer: torch.optim.Optimizer,
     scaler: LossScaler,
     shared: SharedGrads,
+    sources: list[torch.Tensor],
+    targets: list[torch.Tensor] | None,
+    copy: bool,
     *,
     backend: str,
     telemetry: GradTelemetry,
     names: Mapping[int, str],
     max_norm: float | None,
 ) -> None:
-    """:func:`unscale` without masters where some parameters are held by more than one optimizer: the gradients
-    another optimizer's unscale divided since their backward (``shared``) are checked, clipped with the others and
-    measured, not divided again; the ones divided here are noted for the other optimizers."""
+    """:func:`unscale` where some parameters are held by more than one optimizer: a gradient unscaled in place (no
+    master: O1, O3, and O2's FP32 parameters) that another optimizer's unscale divided since its backward (noted in
+    ``shared``) is checked, clipped with the others and measured, not divided again; those divided in place here are
+    noted for the other optimizers. ``sources``, ``targets`` and ``copy`` as :func:`unscale` made them (at O2 a
+    master's new gradient is made from the half one, which stays scaled: never noted)."""
     loss_id = state.loss_id or 0
-    fresh, done = shared.split(optimizer)
-    if state.has_complex:
-        fresh, done = real_views(fresh), real_views(done)
-    first = (fresh or done)[0].device if fresh or done else torch.device("cpu")
+    in_place = [targets is None or target is source for source, target in zip(sources, targets or sources)]
+    done = [i for i, source in enumerate(sources) if in_place[i] and shared.holds(source)]
+    fresh = sorted(set(range(len(sources))) - set(done))
+    work = targets if copy else sources  # unscaled in place (the masters' copies with `copy`), into `out` otherwise
+    out = None if copy or targets is None else targets
+    first = sources[0].device if sources else torch.device("cpu")
     factor = scaler.unscale_factor(first)
     if state.grad_scale is not None:  # gradients pending across an update keep the scale they were computed with
         factor = state.grad_scale.double().reciprocal().float()
     found = torch.zeros((), dtype=torch.float32, device=factor.device)
     stats = telemetry.stats() if telemetry.requested else None
     norm = None
+    fresh_work = [work[i] for i in fresh]  # type: ignore[index]
+    fresh_out = None if out is None else [out[i] for i in fresh]
+    if state.has_complex:
+        fresh_work, fresh_out = real_pairs(fresh_work, fresh_out)
     if fresh:  # divided once, here; measured (scaled) on the way when telemetry asks
-        norm = unscale_real_grads_(fresh, factor, found, max_norm=None if done else max_norm, backend=backend,
-                                   workspace=state.workspace, stats=stats)  # fmt: skip
+        norm = unscale_real_grads_(fresh_work, factor, found, out=fresh_out, max_norm=None if done else max_norm,
+                                   backend=backend, workspace=state.workspace, stats=stats)  # fmt: skip
         if stats is not None:
-            telemetry.record(id(state), fresh, optimizer_params(optimizer), names, stats)
+            telemetry.record(id(state), [sources[i] for i in fresh], optimizer_params(optimizer), names, stats)
     if done:  # true values already: checked (factor 1), and clipped with the fresh ones by their global norm
+        checked = [sources[i] for i in done]
+        checked = real_views(checked) if state.has_complex else checked
+        if max_norm is not None:
+            checked = (fresh_work if fresh_out is None else fresh_out) + checked
         ones = torch.ones((), dtype=torch.float32, device=factor.device)
-        norm = unscale_real_grads_(fresh + done if max_norm is not None else done, ones, found, max_norm=max_norm,
-                                   backend=backend)  # fmt: skip
-    shared.note(optimizer)
+        norm = unscale_real_grads_(checked, ones, found, max_norm=max_norm, backend=backend)
+    shared.note(list(itertools.compress(sources, in_place)))
     if state.found_inf is None:
         state.flags_reduced, state.found_inf, state.found_by_loss = False, found, {loss_id: found}
     else:

@@ -138,10 +138,11 @@ def rescale_unscaled(
     old_id = state.loss_id or 0
     state.clear_checks()
     pairs = leftovers(state, master_weights)
+    if shared is not None and shared.ids:  # true values in place that another optimizer brought up: not again
+        todo = set(map(id, shared.once([true for true, model_grad in pairs if true is model_grad])))
+        pairs = [(true, model_grad) for true, model_grad in pairs if true is not model_grad or id(true) in todo]
     sources = [true for true, _ in pairs]
     targets = [model_grad for _, model_grad in pairs]
-    if shared is not None and shared.ids and not master_weights:
-        sources = targets = shared.once(sources)
     if sources:
         scaler.to(sources[0].device)
         found = torch.zeros((), dtype=torch.float32, device=sources[0].device)

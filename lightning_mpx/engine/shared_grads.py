@@ -7,8 +7,8 @@ twice where FP32 steps it with its gradient (``torch.amp.GradScaler`` does the s
 
 :class:`SharedGrads` is the one owner of that knowledge. It finds the overlap where the optimizers' parameter sets are
 known (a registration or a release, and an unscale that finds an optimizer's parameter count changed: an
-``add_param_group``), and only when there is one does an unscale pay for it: the gradients of the shared parameters
-an unscale divided are noted (the tensor and its version after the divide); a later unscale of another optimizer
+``add_param_group``), and only when there is one does an unscale pay for it: the gradients an unscale divided in place
+are noted (the tensor and its version after the divide); a later unscale of another optimizer
 finds them so (the same tensor, not written since: no backward, ``zero_grad`` or user write) and checks them for
 inf/NaN, clips them with its own and measures them, without dividing them again. Every optimizer holding an
 overflowed shared gradient finds the overflow in its own check, so each one's stage skips its step. A backward since
@@ -39,7 +39,8 @@ class SharedGrads:
 
     Attributes:
         ids: The ``id`` of each parameter two or more registered optimizers hold (empty: no overlap, no cost).
-        done: By parameter ``id``: (its gradient, that gradient's version) as the unscale that divided it left it.
+        done: By gradient ``id``, while parameters are shared: each gradient an unscale divided in place, and its
+            version as that unscale left it.
         raised: Before a backward, by ``id``: the gradients holding true values that an optimizer's stage brought up
             to the backward's scale already (gradients kept across a step, or unscaled by a batch that did not step),
             emptied once every optimizer's stage is settled for it.
@@ -69,35 +70,23 @@ class SharedGrads:
                 (shared if id(param) in seen else seen).add(id(param))
         new = shared - self.ids
         self.ids = frozenset(shared)
-        self.done = {key: value for key, value in self.done.items() if key in shared}
+        if not shared:
+            self.done = {}
         for state, params in held if new else ():
             for param in params:
                 grad = param.grad
-                if id(param) in new and grad is not None and id(param) not in self.done and _true_now(state, grad):
-                    self.done[id(param)] = (grad, grad._version)
+                if id(param) in new and grad is not None and id(grad) not in self.done and _true_now(state, grad):
+                    self.done[id(grad)] = (grad, grad._version)
 
-    def split(self, optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """``optimizer``'s gradients, in parameter order: (those to divide, those another optimizer's unscale
-        divided since the backward that made them: to check only)."""
-        fresh: list[torch.Tensor] = []
-        done: list[torch.Tensor] = []
-        for param in itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)):
-            grad = param.grad
-            if grad is None:
-                continue
-            noted = self.done.get(id(param))
-            if noted is not None and noted[0] is grad and noted[1] == grad._version:
-                done.append(grad)
-            else:
-                fresh.append(grad)
-        return fresh, done
+    def holds(self, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` holds true values: an unscale divided it in place and nothing wrote it since (no
+        backward, ``zero_grad`` or user write: the same version)."""
+        noted = self.done.get(id(grad))
+        return noted is not None and noted[0] is grad and noted[1] == grad._version
 
-    def note(self, optimizer: torch.optim.Optimizer) -> None:
-        """Note the gradients of ``optimizer``'s shared parameters as holding true values (its unscale just ran)."""
-        ids = self.ids
-        for param in itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)):
-            if id(param) in ids and (grad := param.grad) is not None:
-                self.done[id(param)] = (grad, grad._version)
+    def note(self, grads: list[torch.Tensor]) -> None:
+        """Note ``grads`` as holding true values (an unscale in place just ran over them)."""
+        self.done.update((id(grad), (grad, grad._version)) for grad in grads)
 
     def once(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Before a backward: those of ``grads`` (true values, about to be brought up to its scale) that no other
