@@ -86,8 +86,7 @@ class StepMachine(UnscalePath):
         self.telemetry = telemetry
         self.names = names
         self.optimizers: dict[int, _OptimizerState] = {}
-        # The parameters more than one of them holds, unscaled once per backward (engine.shared_grads)
-        self.shared = SharedGrads(self.optimizers)
+        self.shared = SharedGrads(self.optimizers)  # parameters two of them hold: unscaled once (engine.shared_grads)
         self.taken: dict[int, weakref.ref[torch.optim.Optimizer]] = {}  # optimizers another engine took over
         self.iteration_found: dict[int, torch.Tensor] = {}
         self.iteration_read: dict[int, bool | None] = {}
@@ -214,7 +213,6 @@ class StepMachine(UnscalePath):
             self.unheld.settle(state, optimizer)
         self.optimizers[key] = state
         weakref.finalize(optimizer, self.optimizers.pop, key, None)
-        self.shared.refresh()  # an overlap with the optimizers registered before (engine.shared_grads)
 
     def adopt_inners(self, state: _OptimizerState, optimizer: torch.optim.Optimizer) -> None:
         """Give the inner optimizers that share ``optimizer``'s param_groups and are not registered themselves (a
@@ -232,7 +230,6 @@ class StepMachine(UnscalePath):
             raise TypeError(f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer.")
         state = self.optimizers.pop(id(optimizer), None)
         if state is not None:
-            self.shared.refresh()
             for handle in state.hooks:
                 handle.remove()
             state_to_params(state, self.masters.weights)  # its state dict works without the hooks
@@ -368,8 +365,6 @@ class StepMachine(UnscalePath):
                     state.noted_at = self.steps_taken
                 if state.loss_id != loss_id or state.grad_scale is not None:
                     rescale_pending(state, loss_id, self.scalers, self.backend)
-        if self.shared.raised:  # settled for this backward (engine.shared_grads)
-            self.shared.raised = {}
         for ref in self.ddp:  # this backward unsynchronised by DDP (no_sync): a refusal after it waits for the step
             wrapper = ref()
             if wrapper is not None and not synced(wrapper, self.ddp_synced):
@@ -428,8 +423,6 @@ class StepMachine(UnscalePath):
             self.scalers[loss_id].update(found, overflowed=self.iteration_read.get(loss_id))
         self.iteration_found.clear()
         self.iteration_read.clear()
-        if self.shared.done:  # the shared gradients' notes, held no longer than the iteration
-            self.shared.clear()
 
     def updated_scalers(self) -> list[LossScaler]:
         """The scalers as :meth:`update` would leave them now: each one it would update, a copy updated with the

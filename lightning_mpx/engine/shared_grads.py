@@ -43,7 +43,7 @@ class SharedGrads:
             version as that unscale left it.
         raised: Before a backward, by ``id``: the gradients holding true values that an optimizer's stage brought up
             to the backward's scale already (gradients kept across a step, or unscaled by a batch that did not step),
-            emptied once every optimizer's stage is settled for it.
+            emptied at the next unscale (the stages brought up before a backward only after one).
     """
 
     def __init__(self, optimizers: Mapping[int, _OptimizerState]) -> None:
@@ -85,8 +85,11 @@ class SharedGrads:
         return noted is not None and noted[0] is grad and noted[1] == grad._version
 
     def note(self, grads: list[torch.Tensor]) -> None:
-        """Note ``grads`` as holding true values (an unscale in place just ran over them)."""
+        """Note ``grads`` as holding true values (an unscale in place just ran over them). The gradients brought up
+        before the last backward (:meth:`once`) are forgotten: an unscale has run since, so that backward's stages are
+        settled (the next ones start from an unscale)."""
         self.done.update((id(grad), (grad, grad._version)) for grad in grads)
+        self.raised = {}
 
     def once(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Before a backward: those of ``grads`` (true values, about to be brought up to its scale) that no other
