@@ -216,11 +216,17 @@ def diagnose_scalars(series: dict[str, Series], run_dir: str = "") -> Diagnosis:
         NoMixedPrecisionTagsError: ``series`` holds no ``mpx/*`` scalars.
     """
     mpx = {tag: points for tag, points in series.items() if tag.startswith("mpx/") and points}
+    shown = ", ".join(sorted(series, key=lambda t: ("mpx/" not in t, t))[:8]) or "none"  # a renamed mpx/* first
     if not mpx:
-        shown = ", ".join(sorted(series)[:8]) or "none"
         raise NoMixedPrecisionTagsError(
             f"RUN_DIR={run_dir!r} holds no mpx/* scalars (scalars found: {shown}); was it logged by a run with "
             "MixedPrecisionPlugin or lightning_mpx.accelerate.Accelerator and a logger?"
+        )
+    if not any(tag == SCALE_TAG or tag.startswith(SCALE_TAG + "/loss") for tag in mpx):
+        # Renamed (mpx/loss_scale/rank0): nothing could be judged, which is not "healthy".
+        raise NoMixedPrecisionTagsError(
+            f"RUN_DIR={run_dir!r} holds mpx/* scalars but no {SCALE_TAG} (scalars found: {shown}): the doctor reads "
+            "the names Amp.metrics() gives; log them unchanged, without a suffix or prefix (per rank: rank 0's)."
         )
     steps = [step for points in mpx.values() for step, _ in points]
     loss = next((series[tag] for tag in LOSS_TAGS if tag in series), None)
