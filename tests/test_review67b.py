@@ -1,0 +1,204 @@
+"""review67b: what ``lightning-mpx doctor``/``plot`` report about a run, attacked from the user's side after stop 67's
+reader (``health/events.py``): the verdicts against the run's own facts (the steps the optimizer skipped, the scale)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Collection
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("tensorboard")
+from lightning.fabric import Fabric  # noqa: E402
+from lightning.fabric.loggers import TensorBoardLogger as FabricTensorBoardLogger  # noqa: E402
+
+from lightning_mpx import FabricMixedPrecisionPlugin  # noqa: E402
+from lightning_mpx.cli import main  # noqa: E402
+from lightning_mpx.health.plot import read_scalars  # noqa: E402
+
+
+def _doctor(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, dict]:
+    """``lightning-mpx doctor RUN_DIR --json``: the exit status and the report (``{"error": stderr}`` without one)."""
+    status = main(["doctor", str(run_dir), "--json"])
+    out, err = capsys.readouterr()
+    return status, (json.loads(out) if out else {"error": err})
+
+
+def _fabric_run(
+    root: Path,
+    version: int,
+    steps: int,
+    inf_from: int | None,
+    logged: Collection[int] | None = None,
+    batch_tag: str | None = None,
+    suffix: str = "",
+) -> list[float]:
+    """docs/fabric.md's loop at O1 float16 logging ``mpx.metrics()`` at its step (every step, or the steps in
+    ``logged``) into ``root/run/version_<version>``; every loss inf from step ``inf_from`` on (the scale falls to its
+    floor, every step skipped). ``batch_tag``: after each 5 steps a validation loop logs its loss at its batch index
+    (0-2), through the logger (``"logger"``) or the user's own ``SummaryWriter`` in the logger's folder (``"own"``).
+    Returns the skipped-step totals after each step (the run's facts)."""
+    mpx = FabricMixedPrecisionPlugin("O1", half_dtype="float16", init_scale=4.0, on_floor="continue")
+    logger = FabricTensorBoardLogger(str(root), name="run", version=version)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[mpx], loggers=[logger])
+    own = None
+    if batch_tag == "own":
+        from torch.utils.tensorboard import SummaryWriter
+
+        own = SummaryWriter(logger.log_dir, filename_suffix=".user")
+    torch.manual_seed(0)
+    model = fabric.setup_module(nn.Linear(4, 2))
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.01))
+    skipped = []
+    for step in range(steps):
+        loss = model(torch.randn(2, 4)).square().mean()
+        fabric.backward(loss * (float("inf") if inf_from is not None and step >= inf_from else 1.0))
+        optimizer.step()
+        optimizer.zero_grad()
+        skipped.append(float(mpx.amp.skipped_steps[0]))
+        if logged is None or step in logged:
+            fabric.log_dict({f"{k}{suffix}": v for k, v in mpx.metrics().items()}, step=step)
+        if batch_tag and step % 5 == 4:
+            for index in range(3):  # validation: its own count, from 0 each time
+                if own is not None:
+                    own.add_scalar("val/batch_loss", 0.5, index)
+                else:
+                    fabric.log("val/batch_loss", 0.5, step=index)
+    if own is not None:
+        own.close()
+    logger.finalize("success")
+    return skipped
+
+
+# -- a tag counting its own steps is no restart of the run -------------------------------------------------------------
+@pytest.mark.parametrize("batch_tag", ["logger", "own"])
+def test_a_validation_tag_at_its_batch_index_leaves_the_runs_points(tmp_path, capsys, batch_tag):
+    # A collapse from step 3 on (40 steps, each logged), a validation loop logging its loss at its batch index 0-2
+    # after each 5 steps, through Fabric's logger or a SummaryWriter of the user's in the same folder. Each validation
+    # went back to step 0: read as a restart of the run, it left the last 5 steps: "healthy" (9 overflow steps in 9,
+    # too few to persist) about a run that skipped 37 of its 40 steps.
+    facts = _fabric_run(tmp_path, 0, 40, inf_from=3, batch_tag=batch_tag)
+    status, report = _doctor(tmp_path / "run" / "version_0", capsys)
+    assert status == 1 and report["steps"] == [0, 39]
+    (finding,) = [f for f in report["findings"] if f["problem"]]
+    assert finding["kind"] == "persistent_overflow" and finding["since_step"] == 3
+    assert finding["evidence"][0].startswith(f"{facts[-1]:g} of the 37 steps 3-39 overflowed")
+    assert f"skipped steps: {facts[-1]:g} at step 39, 0 before step 3" in finding["evidence"]
+    assert not any("went back" in note for note in report["notes"])  # no restart
+    scalars = read_scalars(tmp_path / "run" / "version_0")
+    assert [v for _, v in scalars["mpx/skipped_steps"]] == facts  # what the plot draws
+    assert [s for s, _ in scalars["val/batch_loss"]] == [0, 1, 2]  # the tag's own last count
+
+
+def test_trainer_validate_after_fit_keeps_the_fits_points(tmp_path, capsys):
+    # trainer.fit, then trainer.validate into the same TensorBoardLogger: validate's step-level val_loss starts at
+    # step 0 again. Read as a restart, every mpx/* point went: "holds no mpx/* scalars", exit 2, after a collapse.
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lightning_mpx import MixedPrecisionPlugin
+    from tests.lightning_helpers import Classifier, classification_data, loader, make_trainer
+
+    class ValidatedClassifier(Classifier):
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", self._step(batch, "val"), on_step=True, on_epoch=False)
+
+    plugin = MixedPrecisionPlugin("O1", half_dtype="float16", init_scale=4.0, on_floor="continue")
+    model = ValidatedClassifier(inject_inf_at=tuple(range(2, 100)))
+    trainer = make_trainer(plugin, max_epochs=2, log_every_n_steps=1, logger=TensorBoardLogger(tmp_path, name="run"))
+    val = loader(classification_data(n=8, seed=1), batch_size=4)
+    trainer.fit(model, loader(classification_data(n=28), batch_size=4), val)
+    trainer.validate(model, val, verbose=False)
+    skipped = plugin.amp.skipped_steps[0]
+    status, report = _doctor(tmp_path / "run", capsys)
+    assert status == 1 and report["steps"] == [0, trainer.global_step - 1] == [0, 13]
+    (finding,) = [f for f in report["findings"] if f["problem"]]
+    assert finding["kind"] == "persistent_overflow" and finding["since_step"] == 2
+    assert finding["evidence"][0].startswith(f"{skipped:g} of the 12 steps 2-13 overflowed") and skipped == 12
+    assert [s for s, _ in read_scalars(tmp_path / "run")["val_loss"]] == [0, 1]  # validate's own points
+
+
+# -- a count logged twice at one step ---------------------------------------------------------------------------------
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_accelerator_log_twice_a_step_keeps_the_overflows(tmp_path, capsys):
+    # Accelerate's habit: accelerator.log({"train_loss": ...}) and accelerator.log({"eval_loss": ...}) at the same
+    # step; each call adds the mpx/* metrics, the second's overflows since the first (0). The later point alone was
+    # kept: "0 overflow steps in 12", healthy, for a run that skipped every step.
+    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+
+    accelerator = Accelerator(
+        mixed_precision="O1", log_with="tensorboard", project_dir=str(tmp_path),
+        kwargs_handlers=[MixedPrecisionKwargs(half_dtype="float16", init_scale=4.0, on_floor="continue")],
+    )  # fmt: skip
+    accelerator.init_trackers("run")
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    for step in range(12):
+        accelerator.backward(model(torch.randn(2, 4)).square().mean() * float("inf"))
+        optimizer.step()
+        optimizer.zero_grad()
+        accelerator.log({"train_loss": 1.0}, step=step)
+        accelerator.log({"eval_loss": 1.0}, step=step)
+    skipped = accelerator.amp.skipped_steps[0]
+    accelerator.end_training()
+    logged = read_scalars(tmp_path / "run")
+    assert [v for _, v in logged["mpx/overflows"]] == [1.0] * 12 and skipped == 12
+    status, report = _doctor(tmp_path / "run", capsys)
+    assert status == 1
+    (finding,) = [f for f in report["findings"] if f["problem"]]
+    assert finding["evidence"][0].startswith("12 of the 12 steps 0-11 overflowed")
+
+
+# -- which run the user is told about ----------------------------------------------------------------------------------
+def _shift_wall_times(folder: Path, seconds: float) -> None:
+    """The folder's event files as written on a machine whose clock was ``seconds`` ahead (copied here since)."""
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto import event_pb2
+    from torch.utils.tensorboard.writer import FileWriter
+
+    for path in list(folder.glob("events.out.tfevents.*")):
+        events = [event_pb2.Event.FromString(record) for record in RawEventFileLoader(str(path)).Load()]
+        path.unlink()
+        writer = FileWriter(str(folder))
+        for event in events:
+            event.wall_time += seconds
+            writer.add_event(event)
+        writer.close()
+
+
+@pytest.mark.parametrize("latest", ["healthy", "collapsed"])
+def test_version_1_is_the_run_told_about_whatever_the_clocks(tmp_path, capsys, latest):
+    # version_0 ran on a machine whose clock was an hour ahead, version_1 (the user's next run, from step 0) here.
+    # Read by wall time, version_0 came last: the doctor judged it, the old run (exit 1 for a healthy latest run).
+    _fabric_run(tmp_path, 0, 12, inf_from=0 if latest == "healthy" else None)
+    facts = _fabric_run(tmp_path, 1, 12, inf_from=0 if latest == "collapsed" else None)
+    _shift_wall_times(tmp_path / "run" / "version_0", 3600.0)
+    status, report = _doctor(tmp_path / "run", capsys)
+    assert status == (latest == "collapsed")
+    assert any("went back from 11 to 0" in note and "version_1" in note for note in report["notes"])
+    assert [v for _, v in read_scalars(tmp_path / "run")["mpx/skipped_steps"]] == facts
+
+
+def test_mpx_tags_under_a_rank_suffix_are_refused_not_called_healthy(tmp_path, capsys):
+    # A loop logging {f"{k}/rank0": v}: no mpx/loss_scale, so nothing was judged; the doctor said "healthy", exit 0,
+    # for a run that skipped every step.
+    _fabric_run(tmp_path, 0, 12, inf_from=0, suffix="/rank0")
+    status, report = _doctor(tmp_path / "run" / "version_0", capsys)
+    assert status == 2
+    error = report["error"]
+    assert "no mpx/loss_scale" in error and "mpx/loss_scale/rank0" in error
+
+
+def test_irregular_logging_every_step_then_every_tenth_counts_each_interval(tmp_path, capsys):
+    # Held: a loop logging every step for 10 steps, then every 10th; a collapse from step 26. Each count covers the
+    # steps since the previous log: the interval 20-29 overflowed on 4 of its 10 steps, not most.
+    logged = {s for s in range(60) if s < 10 or s % 10 == 9}
+    facts = _fabric_run(tmp_path, 0, 60, inf_from=26, logged=logged)
+    status, report = _doctor(tmp_path / "run" / "version_0", capsys)
+    assert status == 1
+    (finding,) = [f for f in report["findings"] if f["problem"]]
+    assert finding["since_step"] == 30 and facts[-1] == 34
+    assert finding["evidence"][0].startswith("30 of the 30 steps 30-59 overflowed")
