@@ -35,12 +35,15 @@ def _fabric_run(
     logged: Collection[int] | None = None,
     batch_tag: str | None = None,
     suffix: str = "",
+    save: Path | None = None,
+    load: Path | None = None,
 ) -> list[float]:
     """docs/fabric.md's loop at O1 float16 logging ``mpx.metrics()`` at its step (every step, or the steps in
     ``logged``) into ``root/run/version_<version>``; every loss inf from step ``inf_from`` on (the scale falls to its
     floor, every step skipped). ``batch_tag``: after each 5 steps a validation loop logs its loss at its batch index
     (0-2), through the logger (``"logger"``) or the user's own ``SummaryWriter`` in the logger's folder (``"own"``).
-    Returns the skipped-step totals after each step (the run's facts)."""
+    ``save``/``load``: ``fabric.save``/``fabric.load`` of the model, optimizer, plugin and step after/before the loop
+    (a resumed run goes on from the saved step). Returns the skipped-step totals after each step (the run's facts)."""
     mpx = FabricMixedPrecisionPlugin("O1", half_dtype="float16", init_scale=4.0, on_floor="continue")
     logger = FabricTensorBoardLogger(str(root), name="run", version=version)
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[mpx], loggers=[logger])
@@ -52,8 +55,11 @@ def _fabric_run(
     torch.manual_seed(0)
     model = fabric.setup_module(nn.Linear(4, 2))
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.01))
+    state = {"model": model, "optimizer": optimizer, "mpx": mpx, "step": 0}
+    if load is not None:
+        fabric.load(str(load), state)
     skipped = []
-    for step in range(steps):
+    for step in range(state["step"], steps):
         loss = model(torch.randn(2, 4)).square().mean()
         fabric.backward(loss * (float("inf") if inf_from is not None and step >= inf_from else 1.0))
         optimizer.step()
@@ -69,6 +75,8 @@ def _fabric_run(
                     fabric.log("val/batch_loss", 0.5, step=index)
     if own is not None:
         own.close()
+    if save is not None:
+        fabric.save(str(save), {**state, "step": steps})
     logger.finalize("success")
     return skipped
 
@@ -202,3 +210,17 @@ def test_irregular_logging_every_step_then_every_tenth_counts_each_interval(tmp_
     (finding,) = [f for f in report["findings"] if f["problem"]]
     assert finding["since_step"] == 30 and facts[-1] == 34
     assert finding["evidence"][0].startswith("30 of the 30 steps 30-59 overflowed")
+
+
+def test_a_resumed_runs_persistent_overflow_does_not_say_none_were_skipped_before(tmp_path, capsys):
+    # A run collapses at step 2 and is saved after 12 steps; the resumed run (TensorBoardLogger's next version) goes
+    # on from step 12. Its first point covers one interval (attack67c), so the overflow dates from step 12, and the
+    # doctor said "skipped steps: 22 at step 23, 0 before step 12": 10 were, its own first point says 11.
+    before = _fabric_run(tmp_path, 0, 12, inf_from=2, save=tmp_path / "c.ckpt")
+    facts = _fabric_run(tmp_path, 1, 24, inf_from=0, load=tmp_path / "c.ckpt")
+    assert before[-1] == 10 and facts[-1] == 22
+    status, report = _doctor(tmp_path / "run" / "version_1", capsys)
+    assert status == 1 and report["steps"] == [12, 23]
+    (finding,) = [f for f in report["findings"] if f["problem"]]
+    assert finding["since_step"] == 12 and finding["evidence"][0].startswith("12 of the 12 steps 12-23")
+    assert "skipped steps: 22 at step 23" in finding["evidence"]  # not ", 0 before step 12"

@@ -311,9 +311,10 @@ def _persistent_overflow(
         state = "the loss scale is collapsing"
     skipped = mpx.get(SKIPPED_TAG + suffix)
     if skipped:
-        before = next((value for step, value in reversed(skipped) if step < since), 0.0)
+        # Unknown without a point before: a resumed run's total counts the steps before its first (not 0).
+        before = next((value for step, value in reversed(skipped) if step < since), None)
         line = f"skipped steps: {skipped[-1][1]:g} at step {skipped[-1][0]}"
-        evidence.append(line + (f", {before:g} before step {since}" if since else ""))
+        evidence.append(line + (f", {before:g} before step {since}" if since and before is not None else ""))
     forward = False
     if loss is not None:
         bad = _trailing(loss, lambda i: not math.isfinite(loss[i][1]))
