@@ -37,15 +37,17 @@ def _fabric_run(
     suffix: str = "",
     save: Path | None = None,
     load: Path | None = None,
+    prefix: str = "",
 ) -> list[float]:
     """docs/fabric.md's loop at O1 float16 logging ``mpx.metrics()`` at its step (every step, or the steps in
     ``logged``) into ``root/run/version_<version>``; every loss inf from step ``inf_from`` on (the scale falls to its
     floor, every step skipped). ``batch_tag``: after each 5 steps a validation loop logs its loss at its batch index
     (0-2), through the logger (``"logger"``) or the user's own ``SummaryWriter`` in the logger's folder (``"own"``).
     ``save``/``load``: ``fabric.save``/``fabric.load`` of the model, optimizer, plugin and step after/before the loop
-    (a resumed run goes on from the saved step). Returns the skipped-step totals after each step (the run's facts)."""
+    (a resumed run goes on from the saved step). ``prefix``: the logger's (``train-mpx/loss_scale``). Returns the
+    skipped-step totals after each step (the run's facts)."""
     mpx = FabricMixedPrecisionPlugin("O1", half_dtype="float16", init_scale=4.0, on_floor="continue")
-    logger = FabricTensorBoardLogger(str(root), name="run", version=version)
+    logger = FabricTensorBoardLogger(str(root), name="run", version=version, prefix=prefix)
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[mpx], loggers=[logger])
     own = None
     if batch_tag == "own":
@@ -224,3 +226,18 @@ def test_a_resumed_runs_persistent_overflow_does_not_say_none_were_skipped_befor
     (finding,) = [f for f in report["findings"] if f["problem"]]
     assert finding["since_step"] == 12 and finding["evidence"][0].startswith("12 of the 12 steps 12-23")
     assert "skipped steps: 22 at step 23" in finding["evidence"]  # not ", 0 before step 12"
+
+
+def test_a_loggers_prefix_is_read_and_its_restart_purges(tmp_path, capsys):
+    # TensorBoardLogger(prefix="train") logs train-mpx/loss_scale: the doctor said "holds no mpx/* scalars", exit 2.
+    # Here a collapsed run, then a healthy one from step 0 in the same folder: judged on the healthy one, the collapsed
+    # run's train-mpx/overflow/_root left out with the rest (it was kept: a tag the new run does not log).
+    _fabric_run(tmp_path, 0, 14, inf_from=0, prefix="train")
+    facts = _fabric_run(tmp_path, 0, 6, inf_from=None, prefix="train")
+    status, report = _doctor(tmp_path / "run" / "version_0", capsys)
+    assert status == 0 and report["steps"] == [0, 5]
+    assert any("went back from 13 to 0" in note for note in report["notes"])
+    assert any("logged as train-mpx/*" in note for note in report["notes"])
+    scalars = read_scalars(tmp_path / "run" / "version_0")  # what the plot draws
+    assert [v for _, v in scalars["mpx/skipped_steps"]] == facts == [0.0] * 6
+    assert "mpx/overflow/_root" not in scalars

@@ -34,7 +34,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from lightning_mpx.health.events import describe_restarts, read_run
+from lightning_mpx.health.events import describe_restarts, read_run, unprefixed
 from lightning_mpx.health.plot import (
     FIRST_OVERFLOW_PREFIX,
     LOSS_TAGS,
@@ -193,8 +193,10 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
         NoMixedPrecisionTagsError: the events hold no ``mpx/*`` scalars.
     """
     read = read_run(run_dir)
-    diagnosis = diagnose_scalars(read.series, str(run_dir))
+    series, prefix = unprefixed(read.series)
+    diagnosis = diagnose_scalars(series, str(run_dir))
     restarted = describe_restarts(read.restarts)  # the points judged are the latest run's
+    restarted += [f"the mpx/* scalars were logged as {prefix}mpx/*: read without {prefix!r}."] if prefix else []
     diagnosis = dataclasses.replace(diagnosis, notes=(*diagnosis.notes, *restarted))
     folders = sorted({str(path.parent) for path in Path(run_dir).rglob("events.out.tfevents.*")})
     if len(folders) > 1:

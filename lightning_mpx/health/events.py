@@ -21,7 +21,7 @@ from pathlib import Path
 
 from lightning_mpx.common.imports import require
 
-__all__ = ["Restart", "RunScalars", "describe_restarts", "read_run"]
+__all__ = ["Restart", "RunScalars", "describe_restarts", "read_run", "unprefixed"]
 
 #: At most this many restarts are described one by one (the latest); the earlier ones are counted.
 RESTARTS_SHOWN = 3
@@ -115,13 +115,13 @@ def read_run(run_dir: str | Path) -> RunScalars:
         curve = series.setdefault(tag, [])
         if curve and step == curve[-1][0]:
             _, before = curve.pop()  # the same step written again: the later point, or both counts by one writer
-            value += before if writers[tag] == file and tag.startswith(COUNT_TAGS) else 0.0
-        elif curve and step < curve[-1][0] and not tag.startswith(RUN_PREFIX):
+            value += before if writers[tag] == file and _is_mpx(tag, COUNT_TAGS) else 0.0
+        elif curve and step < curve[-1][0] and not _is_mpx(tag):
             series[tag] = curve = [point for point in curve if point[0] < step]  # its own steps started again
         elif curve and step < curve[-1][0]:
             # The run started again at ``step``: every mpx/* tag's points from there on are orphans (TensorBoard's
             # purge), a tag the new run does not log (an overflow's module) too.
-            run = {name: points for name, points in series.items() if name.startswith(RUN_PREFIX) and points}
+            run = {name: points for name, points in series.items() if _is_mpx(name) and points}
             last = max(points[-1][0] for points in run.values())
             dropped = 0
             for name, points in run.items():
@@ -140,6 +140,11 @@ def read_run(run_dir: str | Path) -> RunScalars:
     return RunScalars(series, told)
 
 
+def _is_mpx(tag: str, names: tuple[str, ...] = (RUN_PREFIX,)) -> bool:
+    """Whether ``tag`` is one of the ``mpx/*`` ``names``, also under a logger's prefix (``train-mpx/...``)."""
+    return tag.startswith(names) or any(f"{join}{name}" in tag for join in "/-" for name in names)
+
+
 def describe_restarts(restarts: tuple[Restart, ...]) -> list[str]:
     """A report's lines for ``restarts``: the latest :data:`RESTARTS_SHOWN` described, the earlier ones counted (a
     loop that logs each epoch from step 0 again restarts every epoch)."""
@@ -148,3 +153,17 @@ def describe_restarts(restarts: tuple[Restart, ...]) -> list[str]:
         earlier = len(restarts) - RESTARTS_SHOWN
         lines.insert(0, f"the steps went back {len(restarts)} times; the {earlier} earliest are not shown one by one.")
     return lines
+
+
+def unprefixed(series: dict[str, Series]) -> tuple[dict[str, Series], str]:
+    """``series`` with a prefix put before every ``mpx/*`` tag taken off, and the prefix (``""``: none). A logger's
+    ``prefix=`` (Lightning's ``TensorBoardLogger(prefix="train")`` logs ``train-mpx/loss_scale``) or a user's
+    ``train/`` before the metrics' names: one prefix is taken off; none, or several (one per rank), leave ``series``
+    as it is."""
+    if any(tag.startswith(RUN_PREFIX) for tag in series):
+        return series, ""
+    prefixes = {tag[: -len("mpx/loss_scale")] for tag in series if tag.endswith("mpx/loss_scale")}
+    if len(prefixes) != 1:
+        return series, ""
+    (prefix,) = prefixes
+    return {tag[len(prefix) :] if tag.startswith(prefix) else tag: points for tag, points in series.items()}, prefix
