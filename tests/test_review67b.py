@@ -241,3 +241,27 @@ def test_a_loggers_prefix_is_read_and_its_restart_purges(tmp_path, capsys):
     scalars = read_scalars(tmp_path / "run" / "version_0")  # what the plot draws
     assert [v for _, v in scalars["mpx/skipped_steps"]] == facts == [0.0] * 6
     assert "mpx/overflow/_root" not in scalars
+
+
+def test_a_resumed_run_of_two_logged_points_is_judged_on_its_steps(tmp_path, capsys):
+    # Resumed at step 10 in its own folder, logging every 5th step (14, 19), every step skipped. Two points: the first
+    # was taken to cover steps 0-14, 5 overflows in 15 steps, not most; "10 overflow steps in 20", healthy, for a run
+    # that skipped each of its 10 steps.
+    logged = {s for s in range(20) if s % 5 == 4}
+    _fabric_run(tmp_path, 0, 10, inf_from=None, logged=logged, save=tmp_path / "c.ckpt")
+    facts = _fabric_run(tmp_path, 1, 20, inf_from=0, logged=logged, load=tmp_path / "c.ckpt")
+    assert facts == [float(n) for n in range(1, 11)]
+    status, report = _doctor(tmp_path / "run" / "version_1", capsys)
+    assert status == 1 and report["steps"] == [14, 19]
+    (finding,) = [f for f in report["findings"] if f["problem"]]
+    assert finding["since_step"] == 10 and finding["evidence"][0].startswith("10 of the 10 steps 10-19 overflowed")
+
+
+def test_a_fresh_run_of_two_logged_points_counts_its_first_interval_from_zero(tmp_path, capsys):
+    # Logged at step 9 and at its last, 12: one gap of 3 says nothing of the first point's interval, whose count (10
+    # overflows) says it covered at least 10 steps. Every step overflowed: "13 of the 13 steps 0-12".
+    facts = _fabric_run(tmp_path, 0, 13, inf_from=0, logged={9, 12})
+    status, report = _doctor(tmp_path / "run" / "version_0", capsys)
+    assert status == 1 and facts[-1] == 13
+    (finding,) = [f for f in report["findings"] if f["problem"]]
+    assert finding["since_step"] == 0 and finding["evidence"][0].startswith("13 of the 13 steps 0-12 overflowed")

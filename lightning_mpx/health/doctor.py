@@ -279,7 +279,7 @@ def _persistent_overflow(
     if not overflows:
         return None
     logged = [step for step, _ in overflows]  # the logging steps: each count covers the steps since the previous
-    starts = _interval_starts(overflows, logged)
+    starts = _interval_starts(overflows, logged, counts=True)
     spans = [step - start + 1 for (step, _), start in zip(overflows, starts)]
     streak = _trailing(overflows, lambda i: overflows[i][1] >= OVERFLOW_MOST_STEPS * spans[i])
     if streak is None:
@@ -341,7 +341,7 @@ def _persistent_overflow(
         if count and (hits >= MODULE_SHARE * count or (watched and hits > 0)):
             # A module's tag appears at the first logging step after its first overflow: its counts cover the
             # run's logging intervals, not the steps since its own previous point.
-            module_starts = _interval_starts(points, logged)
+            module_starts = _interval_starts(points, logged, counts=True)
             module_spans = [step - begin + 1 for (step, _), begin in zip(points, module_starts)]
             start = _trailing(points, lambda i: points[i][1] >= OVERFLOW_MOST_STEPS * module_spans[i])
             culprits.append((module_starts[start] if start is not None else since, -hits, module))
@@ -633,19 +633,21 @@ def _by_suffix(mpx: dict[str, Series], prefix: str) -> dict[str, Series]:
     return {tag[len(prefix) :]: points for tag, points in mpx.items() if tag.startswith(prefix)}
 
 
-def _interval_starts(points: Series, logged: Sequence[int] | None = None) -> list[int]:
+def _interval_starts(points: Series, logged: Sequence[int] | None = None, counts: bool = False) -> list[int]:
     """The first step each logged point covers: one past the previous logging step (of ``logged``, by default the
-    points' own steps); the first one's interval back from it. A count logged at step ``s`` covers the steps since
-    the previous logging."""
+    points' own steps); the first one's interval back from it, as long as its count at least with ``counts``. A count
+    logged at step ``s`` covers the steps since the previous logging."""
     steps = sorted(set(logged if logged is not None else (step for step, _ in points)))
-    # The first covers one logging interval (the median gap, from 3 points on), not every step since 0: a run
-    # resumed at step 1000 and logging every 50 logs its first point at 1049, counting since 1000.
+    # The first covers one logging interval (the median gap), not every step since 0: a run resumed at step 1000
+    # and logging every 50 logs its first point at 1049, counting since 1000.
     gaps = sorted(b - a for a, b in zip(steps, steps[1:]))
-    first = max(0, steps[0] - gaps[len(gaps) // 2] + 1) if len(gaps) >= 2 else 0
+    first = max(0, steps[0] - gaps[len(gaps) // 2] + 1) if gaps else 0
     starts = []
     for step, _ in points:
         index = bisect.bisect_left(steps, step)
         starts.append(steps[index - 1] + 1 if index > 0 else first)
+    if counts and points and starts[0] == first:  # a step counted once at most: a count of 10 covers 10 steps
+        starts[0] = max(0, min(first, points[0][0] - math.ceil(points[0][1]) + 1))
     return starts
 
 
