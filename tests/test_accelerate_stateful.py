@@ -150,6 +150,57 @@ class AdapterAgainstFP32(RuleBasedStateMachine):
                 ref.copy_(weight.float())
         self._step(seed, None, False)
 
+    @rule(seed=st.integers(0, 100), event=st.sampled_from(["decay", "clamp", "save", "load"]),
+          through_model=st.booleans())  # fmt: skip
+    def window_with_an_event(self, seed, event, through_model):
+        """An accumulation window of two backwards with, between them, a hand write into every weight (``p.mul_(1 -
+        wd)``, a clamp: never refused), a ``save_state``, or a ``load_state_dict(strict=False)`` of part of the model;
+        then the step and ``zero_grad`` through the optimizer or the model. The step is the FP32 loop's from the same
+        point: after a write, from what ours trained took (``amp.master_of``: at O2 the write's half rounding, within
+        a unit in the last place of the write done in FP32); after a load, the loaded values exactly (the missing
+        ones keep theirs)."""
+        x, y = _batch(seed)
+        inner = self.accelerator.unwrap_model(self.model)
+        amp = getattr(self.opt, "amp", None)
+        for part, rows in enumerate((slice(0, 8), slice(8, 16))):
+            self.accelerator.backward(F.cross_entropy(self.model(x[rows]), y[rows]) / 2)
+            (F.cross_entropy(self.ref(x[rows]), y[rows]) / 2).backward()
+            if part == 1:
+                break
+            before = [t.detach().clone() for t in self._trained()]
+            if event == "save":
+                self.accelerator.save_state(str(self._tmp / "window"))
+                continue
+            if event == "load":
+                g = torch.Generator().manual_seed(seed)
+                want = [0.3 * torch.randn(v.shape, generator=g) if i % 3 == 0 else v for i, v in enumerate(before)]
+                state = {k: v for i, (k, v) in enumerate(zip(self.ref.state_dict(), want)) if i % 3 == 0}
+                result = inner.load_state_dict(state, strict=False)
+                assert sorted(result.missing_keys) == sorted(set(self.ref.state_dict()) - set(state))
+            else:
+                with torch.no_grad():
+                    for p in inner.parameters():
+                        p.mul_(1 - 1e-2) if event == "decay" else p.clamp_(-0.2, 0.2)
+                want = [v * (1 - 1e-2) if event == "decay" else v.clamp(-0.2, 0.2) for v in before]
+            got = [amp.master_of(p).detach() if amp is not None else p.detach() for p in inner.parameters()]
+            for mine, value, was in zip(got, want, before, strict=True):
+                if event == "load" or mine.dtype == torch.float32 and self.level == "O1":
+                    assert torch.equal(mine.float(), value), "not the values written"
+                else:
+                    ulp = (value.abs() + was.abs()) * 2.0**-7 + 1e-6  # the half rounding of the write
+                    assert ((mine.float() - value).abs() <= ulp).all(), "a hand write not taken"
+            with torch.no_grad():
+                for ref, mine in zip(self.ref.parameters(), got, strict=True):
+                    ref.copy_(mine.float())
+        self.opt.step()
+        (self.model if through_model else self.opt).zero_grad()
+        self.ref_opt.step()
+        self.ref_opt.zero_grad()
+        assert not self.accelerator.optimizer_step_was_skipped
+        for got, want in zip(self._trained(), self.ref.parameters()):
+            torch.testing.assert_close(got.detach().float(), want.detach(), **TOLERANCE[self.half])
+        self._sync_reference()
+
     @rule(seed=st.integers(0, 100))
     def evaluate(self, seed):
         x, _ = _batch(seed)

@@ -326,6 +326,27 @@ class ApexAgainstReference(RuleBasedStateMachine):
             want = self.ref.clip(max_norm)
             torch.testing.assert_close(norm, want, rtol=STEP_RTOL, atol=1e-6)
 
+    @precondition(lambda self: not self.leftover)
+    @rule(kind=st.sampled_from(["decay", "clamp"]))
+    def hand_write(self, kind: str) -> None:
+        """``p.mul_(1 - wd)`` or a clamp over every weight of the model, by hand, between blocks (of a delayed chain
+        too): never refused. What the optimizer trains takes it (read through the engine's ``master_of``, as the
+        next step takes it): exactly at O1, at O2 the write's half rounding, within a unit in the last place of the
+        write done in FP32 (O2 keeps no FP32 value of a write it never saw); the reference goes on from it."""
+        before = [t.detach().clone() for t in self.ours.trained()]
+        with torch.no_grad():
+            for p in self.ours.model.parameters():
+                p.mul_(1 - 1e-2) if kind == "decay" else p.clamp_(-0.2, 0.2)
+        got = [_amp_state.amp.master_of(p).detach() for p in self.ours.model.parameters()]
+        for index, (mine, was) in enumerate(zip(got, before, strict=True)):
+            want = was * (1 - 1e-2) if kind == "decay" else was.clamp(-0.2, 0.2)
+            if self.level == "O1":
+                assert torch.equal(mine, want), f"tensor {index}: a hand write not taken"
+            else:
+                ulp = (want.abs() + was.abs()) * 2.0**-7 + 1e-6
+                assert ((mine - want).abs() <= ulp).all(), f"tensor {index}: a hand write not taken"
+        self._sync_reference()
+
     @rule(factor=st.sampled_from([0.5, 2.0]))
     def change_lr(self, factor: float) -> None:
         for opt in (self.ours.opt, self.ref.opt):

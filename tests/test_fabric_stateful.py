@@ -143,6 +143,12 @@ class FabricAgainstReference(RuleBasedStateMachine):
         self.poisoned = False  # a non-finite gradient in the model's gradients (until zero_grad)
         self.skips = self.steps = 0
         self.saved: dict[str, Any] = {}
+        # An overflow a clip found in a window then dropped (zero_grad): counted toward the next update, as
+        # GradScaler's unscale_ records it (the library steps the next window, where GradScaler would skip it).
+        self.clip_found = False
+        # engine/raw_steps.py: after a backward with no step since, a write by hand (or a raw step) and a clear of
+        # every gradient (set to None), in either order, is refused at the next backward (a raw optimizer's look).
+        self.noted = self.written = self.cleared = False
         self._tmp = tempfile.TemporaryDirectory()
         for _ in range(data.draw(st.integers(1, 2)) if data is not None else 0):
             self.iteration(data)
@@ -176,12 +182,19 @@ class FabricAgainstReference(RuleBasedStateMachine):
     @rule(seed=st.integers(0, 50), parts=st.sampled_from([1, 2]), in_autocast=st.booleans())
     def backward(self, seed: int, parts: int, in_autocast: bool) -> None:
         """``in_autocast``: the forward, loss and ``fabric.backward`` inside ``fabric.autocast()``."""
+        if self.noted and self.written and self.cleared:
+            with pytest.raises(RuntimeError, match="did not prepare"):
+                self.ours.forward_backward(seed, parts, in_autocast)
+            self.teardown()
+            self.setup(self.level, self.optimizer, self.growth)  # the user fixes the script
+            return
         loss = self.ours.forward_backward(seed, parts, in_autocast)
+        self.noted, self.written, self.cleared = True, False, False
         want = self.ref.forward_backward(seed, parts, in_autocast)
         assert abs(loss - want) <= LOSS_RTOL[self.level] * abs(want) + 1e-4
         self.pending = True
 
-    @precondition(lambda self: self.pending and not self.clipped)
+    @precondition(lambda self: self.pending and not self.clipped and self.ours.model.module[3].weight.grad is not None)
     @rule(row=st.integers(0, 3), value=st.sampled_from([float("inf"), float("nan")]))
     def poison_gradient(self, row: int, value: float) -> None:
         """A non-finite gradient (the reference's stays finite: it never sees it, and skips its step)."""
@@ -202,6 +215,7 @@ class FabricAgainstReference(RuleBasedStateMachine):
             if how != "value":
                 torch.testing.assert_close(float(norm), float(want), rtol=STEP_RTOL[self.level], atol=1e-6)
         self.clipped = True
+        self.clip_found = self.clip_found or self.poisoned
 
     @precondition(lambda self: self.pending)
     @rule()
@@ -210,7 +224,8 @@ class FabricAgainstReference(RuleBasedStateMachine):
         self.ours.opt.step()
         skipped = self.ours.mpx.step_was_skipped(self.ours.opt)
         assert skipped == self.poisoned  # GradScaler's decision: a non-finite gradient skips the step
-        self._expected_scale(skipped)
+        self._expected_scale(skipped or self.clip_found)
+        self.clip_found = self.noted = False
         if skipped:
             self.skips += 1
             after = self.ours.snapshot()
@@ -249,6 +264,8 @@ class FabricAgainstReference(RuleBasedStateMachine):
             self.zero_grad(set_to_none=data.draw(st.booleans()), through_model=False)
         self.backward(seed=data.draw(st.integers(0, 50)), parts=data.draw(st.sampled_from([1, 2])),
                       in_autocast=data.draw(st.booleans()))  # fmt: skip
+        if not self.pending:  # refused (a write and a clear since the last backward), and started afresh
+            return
         if data.draw(st.integers(0, 4)) == 0:
             self.poison_gradient(row=data.draw(st.integers(0, 3)), value=float("inf"))
         if data.draw(st.booleans()):
@@ -261,6 +278,92 @@ class FabricAgainstReference(RuleBasedStateMachine):
         for run in (self.ours, self.ref):
             (run.model if through_model else run.opt).zero_grad(set_to_none=set_to_none)
         self.pending = self.clipped = self.poisoned = False
+        self.cleared = self.cleared or set_to_none  # zeros in place keep the gradients: no clear to raw_steps.py
+
+    def _take_write(self, before: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+        """After a write by hand into the model's weights: what the optimizer trains took it (read through
+        ``amp.master_of``, which takes it as the next step would): exactly at O1, at O2 the write's half rounding (O2
+        keeps no FP32 value of a write it never saw: docs/master_weights.md), within a unit in the last place of
+        ``want`` (the write done in FP32); the reference then takes our values."""
+        got = [self.ours.mpx.amp.master_of(p).detach() for p in self.ours.model.parameters()]
+        for name, mine, value, was in zip(self.names, got, want, before, strict=True):
+            if self.level == "O1" or mine.dtype == torch.float32 and ".1." in f".{name}":  # FP32 weights
+                assert torch.equal(mine, value), f"{name}: a hand write not taken"
+            else:
+                ulp = (value.abs() + was.abs()) * 2.0**-7 + 1e-6  # bfloat16's unit in the last place, of both
+                assert ((mine - value).abs() <= ulp).all(), f"{name}: a hand write not taken"
+        self._sync_reference()
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self.ours.model.module.named_parameters()]
+
+    @precondition(lambda self: not self.clipped)
+    @rule(kind=st.sampled_from(["decay", "clamp"]))
+    def hand_write(self, kind: str) -> None:
+        """``p.mul_(1 - wd)`` or a clamp over every weight, by hand, at any point (between the backwards of an
+        accumulation too): never refused while the gradients are kept, and the next step is the reference's from the
+        written values. Followed by a clear of every gradient with no step (a dropped batch), it looks as a raw
+        optimizer's step and is refused at the next backward (engine/raw_steps.py; ``refresh_masters(force=True)``
+        after the write takes it as the user's)."""
+        before = [t.detach().clone() for t in self.ours.trained()]
+        with torch.no_grad():
+            for p in self.ours.model.parameters():
+                p.mul_(1 - 1e-2) if kind == "decay" else p.clamp_(-0.2, 0.2)
+        self._take_write(before, [v * (1 - 1e-2) if kind == "decay" else v.clamp(-0.2, 0.2) for v in before])
+        self.written = True
+
+    @precondition(lambda self: not self.clipped)
+    @rule(seed=st.integers(0, 50), keys=st.sets(st.sampled_from(["0.weight", "1.weight", "3.weight", "3.bias"]),
+                                               min_size=1, max_size=3))  # fmt: skip
+    def load_subset(self, seed: int, keys: set[str]) -> None:
+        """``model.load_state_dict(subset, strict=False)`` of FP32 values at any point: the loaded weights go to what
+        the optimizer trains exactly (the O2 masters), the missing ones keep their trained values."""
+        g = torch.Generator().manual_seed(seed)
+        shapes = dict(self.ours.model.module.named_parameters())
+        state = {k: 0.3 * torch.randn(shapes[k].shape, generator=g) for k in sorted(keys)}
+        before = [t.detach().clone() for t in self.ours.trained()]
+        result = self.ours.model.load_state_dict(state, strict=False)
+        assert not result.unexpected_keys and not set(result.missing_keys) & keys
+        got = [self.ours.mpx.amp.master_of(p).detach() for p in self.ours.model.parameters()]
+        for name, mine, was in zip(self.names, got, before, strict=True):
+            assert torch.equal(mine, state[name] if name in keys else was), f"{name}: {name in keys and 'not '}loaded"
+        self._sync_reference()
+        self.noted = False  # a load forgets what the last backward noted (engine/raw_steps.py)
+
+    @precondition(lambda self: self.pending and not self.clipped)
+    @rule(slot=st.sampled_from(["a", "b"]))
+    def save_mid_window(self, slot: str) -> None:
+        """``fabric.save`` between the backwards of an accumulation window (the run goes on, and a resume comes back
+        to that point, without the window's gradients)."""
+        pending, self.pending = self.pending, False
+        try:
+            self.save(slot)
+        finally:
+            self.pending = pending
+
+    # SGD only: AdamW's per-parameter step counts (checked by an invariant) lag where the raw zero_grad cleared a
+    # gradient. Not poisoned: the raw step would write the non-finite gradient into the weights (the user's NaN).
+    @precondition(lambda self: not self.clipped and not self.poisoned and self.optimizer == "sgd")
+    @rule()
+    def raw_head_step(self) -> None:
+        """A second optimizer over the last layer, never prepared, its parameters held by the prepared optimizer:
+        ``SGD(head.parameters(), lr=1e-3).step()`` and its ``zero_grad()``, at any point. Never refused (but as a
+        hand write followed by a clear of every gradient, see :meth:`hand_write`): a head held
+        by the prepared optimizer is no raw step beside it (engine/beside_steps.py), and a write while other
+        parameters of the optimizer keep their gradients is none between backwards either (engine/raw_steps.py: an
+        EMA teacher's habit; at O1 the step applied gradients times the loss scale, which nothing sees). The next
+        step is the reference's from the written values."""
+        head = self.ours.model.module[3]
+        before = [t.detach().clone() for t in self.ours.trained()]
+        grads = [None if p.grad is None else p.grad.detach().float().clone() for p in self.ours.model.parameters()]
+        raw = torch.optim.SGD(head.parameters(), lr=1e-3)
+        raw.step()
+        raw.zero_grad()
+        self.ref.model.module[3].zero_grad()
+        want = [v.add(g, alpha=-1e-3) if i >= 3 and g is not None else v for i, (v, g) in enumerate(zip(before, grads))]
+        self._take_write(before, want)
+        self.written = True
 
     @rule(seed=st.integers(0, 50), inference=st.booleans())
     def evaluate(self, seed: int, inference: bool) -> None:
@@ -334,7 +437,7 @@ class FabricAgainstReference(RuleBasedStateMachine):
         self.scale, self.tracker = saved["scale"].clone(), saved["tracker"].clone()
         self.scale_before = float(self.scale)
         self.skips, self.steps = saved["skips"], saved["steps"]
-        self.pending = self.clipped = self.poisoned = False
+        self.pending = self.clipped = self.poisoned = self.clip_found = self.noted = False
 
     # -- invariants -------------------------------------------------------------------------------------------
     @invariant()

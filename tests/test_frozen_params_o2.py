@@ -30,7 +30,9 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
 ]
 
-STEPS, BATCH, LR = 40, 16, 1e-2
+# 20 steps: the LoRA run's held-out loss 0.948 of the untrained model's in FP32 and at O2, 0.003% apart (40 steps:
+# 0.945, 0.005% apart, for twice the bfloat16 compute).
+STEPS, BATCH, LR = 20, 16, 1e-2
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -17,6 +17,7 @@ from lightning_mpx.engine.grad_checks import reduce_checks, unscale
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage
 from lightning_mpx.engine.rescale import follow_cleared_grads, grad_marks, leftovers, resume_stepped
 from lightning_mpx.engine.sharding import Sharding
+from lightning_mpx.engine.shared_grads import SharedGrads
 from lightning_mpx.health.telemetry import GradTelemetry
 from lightning_mpx.masters.handover import refuse_handed
 from lightning_mpx.masters.store import Masters
@@ -37,6 +38,7 @@ class UnscalePath:
     iteration_read: dict[int, bool | None]
     sharding: Sharding | None
     refused: str | None  # a raw-step refusal kept for the step, where ranks meet (engine.unsynced)
+    shared: SharedGrads  # parameters held by more than one optimizer (engine.shared_grads)
     state: Callable[[torch.optim.Optimizer], _OptimizerState]  # the machine's: the state of a registered optimizer
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -88,7 +90,7 @@ class UnscalePath:
         if state.stage is _Stage.READY:  # _unscale's usual case (a backward since the step), written out
             unscale(state, optimizer, self.scalers[state.loss_id or 0], self.masters.weights, backend=self.backend,
                     refuse_sparse=self.refuse_sparse, telemetry=self.telemetry, names=self.names,
-                    sharding=self.sharding)  # fmt: skip
+                    sharding=self.sharding, shared=self.shared)  # fmt: skip
         elif state.stage is not _Stage.UNSCALED or self.masters.weights:  # unscaled by a clip: nothing to do at O1
             self._unscaled_for_step(state, optimizer)
         try:
@@ -222,6 +224,7 @@ class UnscalePath:
             max_norm=max_norm,
             sharding=self.sharding,
             true_grads=[true for true, _ in leftovers(state, weights, optimizer)] if skipped else None,
+            shared=self.shared,
         )
         if weights and not skipped and marks and note:  # note=False: the caller notes them (unscale_)
             state.unscaled_marks = grad_marks(state, weights, optimizer)
