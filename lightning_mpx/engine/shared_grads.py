@@ -9,10 +9,10 @@ twice where FP32 steps it with its gradient (``torch.amp.GradScaler`` does the s
 known (a registration or a release, and an unscale that finds an optimizer's parameter count changed: an
 ``add_param_group``), and only when there is one does an unscale pay for it: the gradients an unscale divided in place
 are noted (the tensor and its version after the divide); a later unscale of another optimizer
-finds them so (the same tensor, not written since: no backward, ``zero_grad`` or user write) and checks them for
+finds them so (the same tensor, no backward since: a clip's or the user's write keeps true values) and checks them for
 inf/NaN, clips them with its own and measures them, without dividing them again. Every optimizer holding an
 overflowed shared gradient finds the overflow in its own check, so each one's stage skips its step. A backward since
-(which writes the gradient, or replaces it) makes the note stale by itself; :meth:`SharedGrads.clear` drops the
+voids the notes (:meth:`SharedGrads.backward`); :meth:`SharedGrads.clear` drops the
 references at the end of the iteration. The other way, the true values that steps leave (a loop that does not zero
 them) or that a batch unscaled without stepping leaves are brought back up to the next backward's scale once too
 (:meth:`SharedGrads.once`), not once per optimizer holding them.
@@ -79,10 +79,16 @@ class SharedGrads:
                     self.done[id(grad)] = (grad, grad._version)
 
     def holds(self, grad: torch.Tensor) -> bool:
-        """Whether ``grad`` holds true values: an unscale divided it in place and nothing wrote it since (no
-        backward, ``zero_grad`` or user write: the same version)."""
+        """Whether ``grad`` holds true values: an unscale divided it in place and no backward came since
+        (:meth:`backward`). A write since is the user's on true values (torch's ``clip_grad_norm_`` after
+        ``unscale_``, as ``fabric.clip_gradients`` does; ``zero_grad`` leaves zeros): not divided again."""
         noted = self.done.get(id(grad))
-        return noted is not None and noted[0] is grad and noted[1] == grad._version
+        return noted is not None and noted[0] is grad
+
+    def backward(self) -> None:
+        """A backward is coming: it adds scaled values to the gradients (brought up first), so no note holds."""
+        if self.done:
+            self.done = {}
 
     def note(self, grads: list[torch.Tensor]) -> None:
         """Note ``grads`` as holding true values (an unscale in place just ran over them). The gradients brought up

@@ -34,7 +34,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from lightning_mpx.health.events import describe_restarts, read_run
+from lightning_mpx.health.events import describe_restarts, read_run, unprefixed
 from lightning_mpx.health.plot import (
     FIRST_OVERFLOW_PREFIX,
     LOSS_TAGS,
@@ -193,8 +193,10 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
         NoMixedPrecisionTagsError: the events hold no ``mpx/*`` scalars.
     """
     read = read_run(run_dir)
-    diagnosis = diagnose_scalars(read.series, str(run_dir))
+    series, prefix = unprefixed(read.series)
+    diagnosis = diagnose_scalars(series, str(run_dir))
     restarted = describe_restarts(read.restarts)  # the points judged are the latest run's
+    restarted += [f"the mpx/* scalars were logged as {prefix}mpx/*: read without {prefix!r}."] if prefix else []
     diagnosis = dataclasses.replace(diagnosis, notes=(*diagnosis.notes, *restarted))
     folders = sorted({str(path.parent) for path in Path(run_dir).rglob("events.out.tfevents.*")})
     if len(folders) > 1:
@@ -216,11 +218,17 @@ def diagnose_scalars(series: dict[str, Series], run_dir: str = "") -> Diagnosis:
         NoMixedPrecisionTagsError: ``series`` holds no ``mpx/*`` scalars.
     """
     mpx = {tag: points for tag, points in series.items() if tag.startswith("mpx/") and points}
+    shown = ", ".join(sorted(series, key=lambda t: ("mpx/" not in t, t))[:8]) or "none"  # a renamed mpx/* first
     if not mpx:
-        shown = ", ".join(sorted(series)[:8]) or "none"
         raise NoMixedPrecisionTagsError(
             f"RUN_DIR={run_dir!r} holds no mpx/* scalars (scalars found: {shown}); was it logged by a run with "
             "MixedPrecisionPlugin or lightning_mpx.accelerate.Accelerator and a logger?"
+        )
+    if not any(tag == SCALE_TAG or tag.startswith(SCALE_TAG + "/loss") for tag in mpx):
+        # Renamed (mpx/loss_scale/rank0): nothing could be judged, which is not "healthy".
+        raise NoMixedPrecisionTagsError(
+            f"RUN_DIR={run_dir!r} holds mpx/* scalars but no {SCALE_TAG} (scalars found: {shown}): the doctor reads "
+            "the names Amp.metrics() gives; log them unchanged, without a suffix or prefix (per rank: rank 0's)."
         )
     steps = [step for points in mpx.values() for step, _ in points]
     loss = next((series[tag] for tag in LOSS_TAGS if tag in series), None)
@@ -271,7 +279,7 @@ def _persistent_overflow(
     if not overflows:
         return None
     logged = [step for step, _ in overflows]  # the logging steps: each count covers the steps since the previous
-    starts = _interval_starts(overflows, logged)
+    starts = _interval_starts(overflows, logged, counts=True)
     spans = [step - start + 1 for (step, _), start in zip(overflows, starts)]
     streak = _trailing(overflows, lambda i: overflows[i][1] >= OVERFLOW_MOST_STEPS * spans[i])
     if streak is None:
@@ -305,9 +313,10 @@ def _persistent_overflow(
         state = "the loss scale is collapsing"
     skipped = mpx.get(SKIPPED_TAG + suffix)
     if skipped:
-        before = next((value for step, value in reversed(skipped) if step < since), 0.0)
+        # Unknown without a point before: a resumed run's total counts the steps before its first (not 0).
+        before = next((value for step, value in reversed(skipped) if step < since), None)
         line = f"skipped steps: {skipped[-1][1]:g} at step {skipped[-1][0]}"
-        evidence.append(line + (f", {before:g} before step {since}" if since else ""))
+        evidence.append(line + (f", {before:g} before step {since}" if since and before is not None else ""))
     forward = False
     if loss is not None:
         bad = _trailing(loss, lambda i: not math.isfinite(loss[i][1]))
@@ -332,7 +341,7 @@ def _persistent_overflow(
         if count and (hits >= MODULE_SHARE * count or (watched and hits > 0)):
             # A module's tag appears at the first logging step after its first overflow: its counts cover the
             # run's logging intervals, not the steps since its own previous point.
-            module_starts = _interval_starts(points, logged)
+            module_starts = _interval_starts(points, logged, counts=True)
             module_spans = [step - begin + 1 for (step, _), begin in zip(points, module_starts)]
             start = _trailing(points, lambda i: points[i][1] >= OVERFLOW_MOST_STEPS * module_spans[i])
             culprits.append((module_starts[start] if start is not None else since, -hits, module))
@@ -624,19 +633,21 @@ def _by_suffix(mpx: dict[str, Series], prefix: str) -> dict[str, Series]:
     return {tag[len(prefix) :]: points for tag, points in mpx.items() if tag.startswith(prefix)}
 
 
-def _interval_starts(points: Series, logged: Sequence[int] | None = None) -> list[int]:
+def _interval_starts(points: Series, logged: Sequence[int] | None = None, counts: bool = False) -> list[int]:
     """The first step each logged point covers: one past the previous logging step (of ``logged``, by default the
-    points' own steps); the first one's interval back from it. A count logged at step ``s`` covers the steps since
-    the previous logging."""
+    points' own steps); the first one's interval back from it, as long as its count at least with ``counts``. A count
+    logged at step ``s`` covers the steps since the previous logging."""
     steps = sorted(set(logged if logged is not None else (step for step, _ in points)))
-    # The first covers one logging interval (the median gap, from 3 points on), not every step since 0: a run
-    # resumed at step 1000 and logging every 50 logs its first point at 1049, counting since 1000.
+    # The first covers one logging interval (the median gap), not every step since 0: a run resumed at step 1000
+    # and logging every 50 logs its first point at 1049, counting since 1000.
     gaps = sorted(b - a for a, b in zip(steps, steps[1:]))
-    first = max(0, steps[0] - gaps[len(gaps) // 2] + 1) if len(gaps) >= 2 else 0
+    first = max(0, steps[0] - gaps[len(gaps) // 2] + 1) if gaps else 0
     starts = []
     for step, _ in points:
         index = bisect.bisect_left(steps, step)
         starts.append(steps[index - 1] + 1 if index > 0 else first)
+    if counts and points and starts[0] == first:  # a step counted once at most: a count of 10 covers 10 steps
+        starts[0] = max(0, min(first, points[0][0] - math.ceil(points[0][1]) + 1))
     return starts
 
 

@@ -4,22 +4,32 @@ A run folder can hold several event files: one run's files split by a restart of
 continues the curve, or a run started again from step 0 (a fixed ``TensorBoardLogger(version=0)``, a Fabric loop whose
 step count restarted, a resume from a checkpoint older than the last logged step). Merging the points by step alone
 (a later point at the same step wins) makes one curve of two runs: the new run's steps 0-19 and the old run's 20-39.
-Read in the order written, a point at a step at or below the previous point's starts the curve again from there: the
-points logged before at that step or later are left out, as TensorBoard does for a writer that marks its restart
-(``purge_step``), and the reader says so.
+Read in the order written, an ``mpx/*`` point at a step below the previous one's starts the run again from there: the
+``mpx/*`` points logged before at that step or later are left out, as TensorBoard does for a writer that marks its
+restart (``purge_step``), and the reader says so. The ``mpx/*`` tags are logged at the run's step; another tag may
+count its own steps (``trainer.validate()``'s batches after ``fit``, a loop's batch index in its epoch): going back,
+it starts its own curve again and leaves the others alone. The same step written again by one writer (one event
+file) adds the counts (``mpx/overflows``, ``mpx/overflow/<module>``: since the previous log, which an
+``Accelerator.log`` per call makes twice a step) and keeps the later value of the others.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 from lightning_mpx.common.imports import require
 
-__all__ = ["Restart", "RunScalars", "describe_restarts", "read_run"]
+__all__ = ["Restart", "RunScalars", "describe_restarts", "read_run", "unprefixed"]
 
 #: At most this many restarts are described one by one (the latest); the earlier ones are counted.
 RESTARTS_SHOWN = 3
+#: The tags logged at the run's step (their steps going back is a restart of the run).
+RUN_PREFIX = "mpx/"
+#: The counts since the previous log: the same step logged twice by one writer adds them.
+COUNT_TAGS = ("mpx/overflows", "mpx/overflow/", "mpx/overflow_first/")
+_VERSION = re.compile(r"version_(\d+)")
 
 Series = list[tuple[int, float]]
 
@@ -32,7 +42,7 @@ class Restart:
         folder: The folder of the event file whose point went back.
         from_step: The last step logged before it (the largest over the tags).
         to_step: The step the curves went back to.
-        dropped: How many points (over every tag) were left out.
+        dropped: How many points (over every ``mpx/*`` tag) were left out.
         times: How many times the steps went back to ``to_step`` there (a loop that logs each epoch from 0 again).
     """
 
@@ -62,8 +72,9 @@ class RunScalars:
 
 def read_run(run_dir: str | Path) -> RunScalars:
     """Every scalar series in the TensorBoard event files under ``run_dir``, read in the order written (by wall
-    time, file order on ties, over every folder), a step at or below the previous point's replacing the points from
-    that step on.
+    time, file order on ties, over every folder): an ``mpx/*`` step below the previous one's replaces the ``mpx/*``
+    points from that step on (a restart, told), another tag's step its own; the same step again keeps the later
+    point, or the sum of a count written twice by one writer.
 
     Raises:
         FileNotFoundError: ``run_dir`` does not exist or holds no event files.
@@ -77,28 +88,43 @@ def read_run(run_dir: str | Path) -> RunScalars:
     folders = sorted({p.parent for p in run.rglob("events.out.tfevents.*")})
     if not folders:
         raise FileNotFoundError(f"RUN_DIR={str(run)!r} holds no TensorBoard event files (events.out.tfevents.*).")
-    written: list[tuple[float, int, str, int, float, str]] = []
+    written: list[tuple[float, int, str, int, float, str, str]] = []
     for folder in folders:
-        # Orphans kept: the restarts are told here, over every folder and every tag, and said.
-        events = accumulator_module.EventAccumulator(
-            str(folder), size_guidance={"scalars": 0}, purge_orphaned_data=False
-        )
-        events.Reload()
-        for tag in events.Tags()["scalars"]:
-            for event in events.Scalars(tag):
-                written.append((event.wall_time, len(written), tag, event.step, event.value, str(folder)))
+        # One writer per event file: its points at one step are one log's. Orphans kept: the restarts are told here.
+        for file in sorted(folder.glob("events.out.tfevents.*")):
+            events = accumulator_module.EventAccumulator(
+                str(file), size_guidance={"scalars": 0}, purge_orphaned_data=False
+            )
+            events.Reload()
+            for tag in events.Tags()["scalars"]:
+                for event in events.Scalars(tag):
+                    point = (event.wall_time, len(written), tag, event.step, event.value, str(folder), str(file))
+                    written.append(point)
     series: dict[str, Series] = {}
+    writers: dict[str, str] = {}  # tag -> the file of its last point
     restarts: dict[tuple[str, int], list[int]] = {}  # (folder, to_step) -> [from_step, dropped, times]
-    for _, _, tag, step, value, folder in sorted(written, key=lambda point: (point[0], point[1])):
+    # Folder by folder: TensorBoardLogger's version_<N> in N's order (a clock set apart on another machine does not
+    # reorder them), others by their first point's time; in a folder, by time (two writers at once interleave).
+    first = {}
+    for point in written:
+        first[point[5]] = min(first.get(point[5], point[0]), point[0])
+    versions = {folder: _VERSION.fullmatch(Path(folder).name) for folder in first}
+    numbered = all(versions.values())
+    rank = {f: (int(m.group(1)) if numbered and m else 0, first[f]) for f, m in versions.items()}
+    for _, _, tag, step, value, folder, file in sorted(written, key=lambda p: (rank[p[5]], p[0], p[1])):
         curve = series.setdefault(tag, [])
         if curve and step == curve[-1][0]:
-            curve.pop()  # the same step written again: the later point
+            _, before = curve.pop()  # the same step written again: the later point, or both counts by one writer
+            value += before if writers[tag] == file and _is_mpx(tag, COUNT_TAGS) else 0.0
+        elif curve and step < curve[-1][0] and not _is_mpx(tag):
+            series[tag] = curve = [point for point in curve if point[0] < step]  # its own steps started again
         elif curve and step < curve[-1][0]:
-            # The run started again at ``step``: every tag's points from there on are orphans (TensorBoard's purge),
-            # a tag the new run does not log (an overflow's module) too.
-            last = max(points[-1][0] for points in series.values() if points)
+            # The run started again at ``step``: every mpx/* tag's points from there on are orphans (TensorBoard's
+            # purge), a tag the new run does not log (an overflow's module) too.
+            run = {name: points for name, points in series.items() if _is_mpx(name) and points}
+            last = max(points[-1][0] for points in run.values())
             dropped = 0
-            for name, points in series.items():
+            for name, points in run.items():
                 kept = [point for point in points if point[0] < step]
                 dropped += len(points) - len(kept)
                 series[name] = kept
@@ -108,9 +134,15 @@ def read_run(run_dir: str | Path) -> RunScalars:
             seen[1] += dropped
             seen[2] += 1
         curve.append((step, value))
+        writers[tag] = file
     series = {tag: points for tag, points in series.items() if points}
     told = tuple(Restart(folder, start, to, *counts) for (folder, to), (start, *counts) in restarts.items())
     return RunScalars(series, told)
+
+
+def _is_mpx(tag: str, names: tuple[str, ...] = (RUN_PREFIX,)) -> bool:
+    """Whether ``tag`` is one of the ``mpx/*`` ``names``, also under a logger's prefix (``train-mpx/...``)."""
+    return tag.startswith(names) or any(f"{join}{name}" in tag for join in "/-" for name in names)
 
 
 def describe_restarts(restarts: tuple[Restart, ...]) -> list[str]:
@@ -121,3 +153,17 @@ def describe_restarts(restarts: tuple[Restart, ...]) -> list[str]:
         earlier = len(restarts) - RESTARTS_SHOWN
         lines.insert(0, f"the steps went back {len(restarts)} times; the {earlier} earliest are not shown one by one.")
     return lines
+
+
+def unprefixed(series: dict[str, Series]) -> tuple[dict[str, Series], str]:
+    """``series`` with a prefix put before every ``mpx/*`` tag taken off, and the prefix (``""``: none). A logger's
+    ``prefix=`` (Lightning's ``TensorBoardLogger(prefix="train")`` logs ``train-mpx/loss_scale``) or a user's
+    ``train/`` before the metrics' names: one prefix is taken off; none, or several (one per rank), leave ``series``
+    as it is."""
+    if any(tag.startswith(RUN_PREFIX) for tag in series):
+        return series, ""
+    prefixes = {tag[: -len("mpx/loss_scale")] for tag in series if tag.endswith("mpx/loss_scale")}
+    if len(prefixes) != 1:
+        return series, ""
+    (prefix,) = prefixes
+    return {tag[len(prefix) :] if tag.startswith(prefix) else tag: points for tag, points in series.items()}, prefix

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_mpx.common.imports import require
-from lightning_mpx.health.events import read_run
+from lightning_mpx.health.events import read_run, unprefixed
 
 SCALE_TAG = "mpx/loss_scale"
 OVERFLOW_TAG = "mpx/overflows"
@@ -32,8 +32,9 @@ _MAX_CURVES = 8  # per panel; the rest are left out (the title says how many)
 def read_scalars(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar series in the TensorBoard event files under ``run_dir``, as ``tag -> [(step, value)]``, read in
     the order written: a run whose steps started again keeps the points written since
-    (:func:`lightning_mpx.health.events.read_run`, which also says where)."""
-    return read_run(run_dir).series
+    (:func:`lightning_mpx.health.events.read_run`, which also says where); ``mpx/*`` tags logged under one prefix
+    (a logger's ``prefix=``: ``train-mpx/loss_scale``) are given without it."""
+    return unprefixed(read_run(run_dir).series)[0]
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
