@@ -133,10 +133,8 @@ def _close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
     [
         "plain",
         "clip",
-        "clip_first",
         "clip_skip",
-        "zero_none",
-        "zero_keep",
+        "zero",
         "accumulate",
         "no_zero",
         "add_group",
