@@ -83,9 +83,6 @@ def test_a_raw_head_step_after_a_partial_load_is_refused_at_once() -> None:
         run.backward(1)
 
 
-@pytest.mark.xfail(strict=True, reason="O2: a group added (add_param_group) between an unscale (amp.clip_grad_norm_) "
-                   "and the step loses its parameters' pending gradients: the step's unscale was done, and the new "
-                   "masters have no gradient, so the group does not move (FP32 and bf16-mixed step it)")  # fmt: skip
 @pytest.mark.filterwarnings("ignore:lightning_mpx")
 def test_a_head_added_to_the_optimizer_between_a_clip_and_the_step_steps_on_its_gradients() -> None:
     """A head left requiring grad out of the optimizer, a backward, ``amp.clip_grad_norm_``, then the head unfrozen

@@ -28,6 +28,7 @@ from lightning_mpx.engine.rescale import (
     rescale_pending,
     rescale_stepped,
     rescale_unscaled,
+    unscale_late,
 )
 from lightning_mpx.engine.sharding import Sharding
 from lightning_mpx.engine.step_guard import BaseStepGuard, ScaledStepGuard
@@ -329,6 +330,8 @@ class StepMachine(UnscalePath):
                     state.noted_at = self.steps_taken
             elif state.stage is not _Stage.READY:
                 if state.stage is _Stage.UNSCALED:
+                    if state.unscaled_groups is not None:  # a group added since the unscale: its gradients too
+                        unscale_late(state, self.scalers, self.masters.weights, state.optimizer, self.backend)
                     self.record_found(state.found_by_loss)  # an overflow seen by unscale_() counts toward update()
                 rescale_unscaled(state, loss_id, self.scalers[loss_id], self.masters.weights, self.backend)
             elif state.loss_id is None:

@@ -15,7 +15,14 @@ import torch
 from lightning_mpx.engine.clipping import show_unscaled
 from lightning_mpx.engine.grad_checks import reduce_checks, unscale
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage
-from lightning_mpx.engine.rescale import follow_cleared_grads, grad_marks, leftovers, resume_stepped
+from lightning_mpx.engine.rescale import (
+    follow_cleared_grads,
+    grad_marks,
+    leftovers,
+    note_groups,
+    resume_stepped,
+    unscale_late,
+)
 from lightning_mpx.engine.sharding import Sharding
 from lightning_mpx.health.telemetry import GradTelemetry
 from lightning_mpx.masters.handover import refuse_handed
@@ -89,7 +96,7 @@ class UnscalePath:
             unscale(state, optimizer, self.scalers[state.loss_id or 0], self.masters.weights, backend=self.backend,
                     refuse_sparse=self.refuse_sparse, telemetry=self.telemetry, names=self.names,
                     sharding=self.sharding)  # fmt: skip
-        elif state.stage is not _Stage.UNSCALED or self.masters.weights:  # unscaled by a clip: nothing to do at O1
+        else:  # unscaled by a clip: at O1 only a group added since (rescale.unscale_late)
             self._unscaled_for_step(state, optimizer)
         try:
             if self.sharding is not None:  # the step's collective (unless a clip made it): every rank's flags agree
@@ -120,8 +127,11 @@ class UnscalePath:
         read, see :meth:`check`; or, unscaled before, with the user's clears since taken)."""
         if state.stage is not _Stage.UNSCALED:
             self._unscale(state, marks=False, optimizer=optimizer)
-        elif self.masters.weights:
+            return
+        if self.masters.weights:
             follow_cleared_grads(state, self.masters.weights, optimizer)
+        if state.unscaled_groups is not None:  # a group added since the unscale (rescale.unscale_late)
+            unscale_late(state, self.scalers, self.masters.weights, optimizer, self.backend)
 
     def keep_marks(self, state: _OptimizerState) -> None:
         """Note the half gradients an unscale read, when :meth:`check` unscaled without noting them and its step did
@@ -225,3 +235,5 @@ class UnscalePath:
         )
         if weights and not skipped and marks and note:  # note=False: the caller notes them (unscale_)
             state.unscaled_marks = grad_marks(state, weights, optimizer)
+        if marks:  # user code may add a group before the step (rescale.unscale_late)
+            note_groups(state, optimizer)
