@@ -89,7 +89,8 @@ class _OptimizerState:
     # unscaled copy its master holds must not outlive it.
     unscaled_marks: tuple[tuple[int, int] | None, ...] = ()
     # From an unscale the user's code may follow (unscale_(), a clip) to the step: the parameter lists of the groups
-    # as it read them, and their lengths; a parameter added since (add_param_group) was not unscaled (rescale.unscale_late).
+    # as it read them, and their lengths; a parameter added since (add_param_group) was not unscaled
+    # (rescale.unscale_late).
     unscaled_groups: tuple[tuple[list[Any], ...], tuple[int, ...]] | None = None
     # STEPPED: (id, version) of each gradient the step left; one gone or written since (zero_grad) was cleared.
     stepped_marks: frozenset[tuple[int, int]] | None = None
