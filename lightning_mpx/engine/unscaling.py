@@ -8,6 +8,7 @@ stay on the machine.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Sequence
 
 import torch
@@ -19,7 +20,6 @@ from lightning_mpx.engine.rescale import (
     follow_cleared_grads,
     grad_marks,
     leftovers,
-    note_groups,
     resume_stepped,
     unscale_late,
 )
@@ -28,6 +28,8 @@ from lightning_mpx.health.telemetry import GradTelemetry
 from lightning_mpx.masters.handover import refuse_handed
 from lightning_mpx.masters.store import Masters
 from lightning_mpx.scaling.scaler import LossScaler
+
+_PARAMS = operator.itemgetter("params")
 
 
 class UnscalePath:
@@ -96,8 +98,12 @@ class UnscalePath:
             unscale(state, optimizer, self.scalers[state.loss_id or 0], self.masters.weights, backend=self.backend,
                     refuse_sparse=self.refuse_sparse, telemetry=self.telemetry, names=self.names,
                     sharding=self.sharding)  # fmt: skip
-        else:  # unscaled by a clip: at O1 only a group added since (rescale.unscale_late)
+        elif state.stage is not _Stage.UNSCALED or self.masters.weights:  # unscaled by a clip: nothing to do at O1
             self._unscaled_for_step(state, optimizer)
+        elif (noted := state.unscaled_groups) is not None and noted[1] != tuple(
+            map(len, map(_PARAMS, optimizer.param_groups))
+        ):
+            unscale_late(state, self.scalers, (), optimizer, self.backend)  # but a group added since (as below)
         try:
             if self.sharding is not None:  # the step's collective (unless a clip made it): every rank's flags agree
                 if not state.flags_reduced:
@@ -130,7 +136,10 @@ class UnscalePath:
             return
         if self.masters.weights:
             follow_cleared_grads(state, self.masters.weights, optimizer)
-        if state.unscaled_groups is not None:  # a group added since the unscale (rescale.unscale_late)
+        # a group added since the unscale (add_param_group), told by the groups' lengths: rescale.unscale_late
+        if (noted := state.unscaled_groups) is not None and noted[1] != tuple(
+            map(len, map(_PARAMS, optimizer.param_groups))
+        ):
             unscale_late(state, self.scalers, self.masters.weights, optimizer, self.backend)
 
     def keep_marks(self, state: _OptimizerState) -> None:
@@ -235,5 +244,6 @@ class UnscalePath:
         )
         if weights and not skipped and marks and note:  # note=False: the caller notes them (unscale_)
             state.unscaled_marks = grad_marks(state, weights, optimizer)
-        if marks:  # user code may add a group before the step (rescale.unscale_late)
-            note_groups(state, optimizer)
+        if marks:  # user code may add a group before the step (rescale.note_groups, written out: no call)
+            lists = tuple(map(_PARAMS, optimizer.param_groups))
+            state.unscaled_groups = (lists, tuple(map(len, lists)))
