@@ -122,15 +122,28 @@ def test_core_o2_a_group_added_after_unscale_shows_its_true_gradient() -> None:
     torch.testing.assert_close(model[2].weight.grad.float(), ref, rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.filterwarnings("ignore:lightning_mpx")
-def test_core_an_overflow_in_the_added_group_skips_the_step() -> None:
-    """The added group's gradients are checked too: an inf there skips the step (the trunk does not move)."""
-    amp, model, opt, _ = _core("O1", "float16", "clip")
+def test_core_an_overflow_in_the_added_group_skips_the_step(fused: bool) -> None:
+    """O1 float16: the added group's gradients are checked too: an inf there skips the step, on the host (SGD) or on
+    the device (a fused AdamW): the trunk does not move, the head stays finite."""
+    model = _model()
+    amp = Amp("O1", half_dtype="float16")
+    amp.prepare_model(model)
+    make = torch.optim.AdamW if fused else torch.optim.SGD
+    opt = amp.prepare_optimizer(make(_trunk(model), lr=LR, **({"fused": True} if fused else {})))
+    x, y = _batch(0)
+    with amp.forward_context():
+        amp.backward(F.mse_loss(model(amp.cast_inputs(x)).float(), y))
+    amp.clip_grad_norm_(opt, MAX_NORM)
     model[2].weight.grad[0, 0] = float("inf")
     opt.add_param_group({"params": list(model[2].parameters())})
     trunk = model[0].weight.detach().clone()
-    assert amp.step(opt) is False
+    amp.step(opt)
+    amp.update()
+    assert amp.iteration.skipped(opt)
     assert torch.equal(model[0].weight, trunk)
+    assert torch.isfinite(model[2].bias).all()
 
 
 @pytest.mark.filterwarnings("ignore:lightning_mpx")
