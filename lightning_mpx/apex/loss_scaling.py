@@ -404,7 +404,8 @@ def _chain_cleared(marks: tuple[tuple[int, int] | None, ...], params: list[torch
     read), so that another in-place change (a scaling of the gradients) keeps what was stashed. A negative zero left
     proves that no clear wrote it (``zero_()`` writes +0.0): a chain with earlier blocks kept aside has its zeros
     written as -0.0 at its end (:func:`_tag_zeros`), so the in-place multiply of ``clip_grad_norm_`` on the all-zero
-    gradients of a block whose loss was zeroed (``loss * 0``) is told from a ``zero_grad(set_to_none=False)``."""
+    gradients of a block whose loss was zeroed (``loss * 0``), which leaves every zero negative, is told from a
+    ``zero_grad(set_to_none=False)``; a clear by ``grad.mul_(0)`` leaves the positive gradients' zeros positive."""
     if all(mark is None for mark in marks):
         return False  # nothing was left to clear (a block that did not reach these parameters)
     written = []
@@ -421,8 +422,9 @@ def _chain_cleared(marks: tuple[tuple[int, int] | None, ...], params: list[torch
         if not grads:
             return True
         peak = torch.stack([g.abs().amax().float() for g in grads]).amax()
-        signed = torch.stack([torch.signbit(g).any() for g in grads]).any()  # a negative zero: no clear wrote it
-        nonzero, negative = torch.stack([peak != 0, signed]).tolist()
+        # every zero negative: the tagged zeros as the chain left them, multiplied in place (no clear writes -0.0)
+        tagged = torch.stack([torch.signbit(g).all() for g in grads]).all()
+        nonzero, negative = torch.stack([peak != 0, tagged]).tolist()
         return not nonzero and not negative
 
 

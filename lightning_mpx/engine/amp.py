@@ -156,6 +156,7 @@ class Amp(AmpMasters):
             adopt_new_parameters(self._models, optimizer)
         try:
             self._machine.register(optimizer, with_masters=self._with_masters)
+            self._machine.shared.refresh()  # an overlap with the optimizers registered before (engine.shared_grads)
         except StrayParameterError as error:  # named where a prepared model holds it (on this error's path only)
             raise self._models.name_stray(error) from None
         find_unheld(self._models, self._machine)  # the models' parameters no optimizer holds now (engine.raw_steps)
@@ -188,6 +189,7 @@ class Amp(AmpMasters):
         (``skip_on_device``) are read first."""
         self.read_step_outcomes()
         self._machine.release(optimizer)
+        self._machine.shared.refresh()
         find_unheld(self._models, self._machine)
 
     # -- forward ------------------------------------------------------------------------------------------------
@@ -394,6 +396,8 @@ class Amp(AmpMasters):
         ``torch.amp.GradScaler.update()``; one unscaled without a step keeps its gradients as true values), and
         clear the cast cache."""
         self._machine.update()
+        if self._machine.shared.done:  # the notes of gradients unscaled once, held no longer than the iteration
+            self._machine.shared.clear()
         self.iteration.close()
         self._stepper.returned = None  # the optimizer's step's value: a door that hands it on took it before
         if self.policy is not None:

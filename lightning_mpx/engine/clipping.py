@@ -33,7 +33,7 @@ def clip_norm(
             # The model's gradients, written since the unscale, are clipped.
             follow_cleared_grads(state, machine.masters.weights)
         if state.unscaled_groups is not None:  # and those of a group added since, unscaled now
-            unscale_late(state, machine.scalers, machine.masters.weights, optimizer, machine.backend)
+            unscale_late(state, machine.scalers, machine.masters.weights, optimizer, machine.backend, machine.shared)
         params = machine._unscaled_params(optimizer, with_masters)
         if machine.sharding is not None:  # the global norm: this rank's squares, summed with the flags
             device = state.found_inf.device if state.found_inf is not None else torch.device("cpu")
@@ -61,7 +61,7 @@ def clip_value_(
         if machine.masters.weights:
             follow_cleared_grads(state, machine.masters.weights)  # as in clip_grad_norm_
         if state.unscaled_groups is not None:
-            unscale_late(state, machine.scalers, machine.masters.weights, optimizer, machine.backend)
+            unscale_late(state, machine.scalers, machine.masters.weights, optimizer, machine.backend, machine.shared)
     params = machine._unscaled_params(optimizer, with_masters)
     if machine.sharding is not None:  # elementwise: each rank clamps its own shards
         for param in params:
@@ -84,7 +84,7 @@ def show_unscaled(machine: StepMachine, optimizer: torch.optim.Optimizer, *, fre
     if not fresh:
         follow_cleared_grads(state, master_weights, optimizer, paired=True)
         if state.unscaled_groups is not None:  # a group added since the unscale (rescale.unscale_late)
-            unscale_late(state, machine.scalers, master_weights, optimizer, machine.backend)
+            unscale_late(state, machine.scalers, master_weights, optimizer, machine.backend, machine.shared)
             pairs = param_pairs(state, master_weights, optimizer=optimizer)
     targets, sources = [], []
     for param, master in pairs:

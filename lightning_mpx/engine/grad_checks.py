@@ -18,6 +18,7 @@ import torch
 
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
 from lightning_mpx.engine.sharding import Sharding, local_tensors
+from lightning_mpx.engine.shared_grads import SharedGrads
 from lightning_mpx.health.telemetry import GradTelemetry
 from lightning_mpx.masters.pairs import grad_pairs
 from lightning_mpx.masters.weights import MasterWeights
@@ -53,6 +54,7 @@ def unscale(
     max_norm: float | None = None,
     sharding: Sharding | None = None,
     true_grads: list[torch.Tensor] | None = None,
+    shared: SharedGrads | None = None,
 ) -> None:
     """Unscale the gradients of ``optimizer`` (the optimizer of ``state``) with ``scaler`` (the scaler of its
     ``loss_id``), charge the overflow found and move it to UNSCALED; ``max_norm`` clips them to that global norm on
@@ -65,7 +67,11 @@ def unscale(
     user code may run before the step.
 
     ``sharding``: the gradients are FSDP shards (see :mod:`lightning_mpx.engine.sharding`); each rank works on its local
-    pieces, and a clip sums the flags and the squared norm across ranks in one all-reduce before it multiplies."""
+    pieces, and a clip sums the flags and the squared norm across ranks in one all-reduce before it multiplies.
+
+    ``shared``: the machine's :class:`~lightning_mpx.engine.shared_grads.SharedGrads`; where parameters are held by
+    more than one optimizer (and no masters), a gradient another optimizer's unscale divided since its backward is
+    checked (and clipped, measured) here but not divided again."""
     loss_id = state.loss_id or 0
     skipped = state.stage is _Stage.SKIPPED
     if skipped:
@@ -100,6 +106,12 @@ def unscale(
     # the parameter count, in C (map/len/sum: no Python call per step or per group): see note_complex
     if state.complex_groups != sum(map(len, map(_PARAMS, optimizer.param_groups))):
         note_complex(state, optimizer)
+        if shared is not None:  # a group added or removed: the optimizers' overlap found again
+            shared.refresh()
+    if shared is not None and shared.ids and not skipped and sharding is None:
+        _unscale_shared(state, optimizer, scaler, shared, sources, targets, copy, backend=backend, telemetry=telemetry,
+                        names=names, max_norm=max_norm)  # fmt: skip
+        return
     named = sources
     if state.has_complex:  # torch's unscale kernels have no complex case: their real views (no copy)
         sources, targets = real_pairs(sources, targets)
@@ -142,6 +154,63 @@ def unscale(
     # grad_scale stays: at O2 the scale the half gradients carry, for what a step leaves; at O1 (the gradients hold
     # true values now) the scale of the backward that made them, for gradients that backward left on parameters the
     # optimizer does not hold yet (a group added after the step: rescale.late_grads).
+    state.stage = _Stage.UNSCALED
+
+
+def _unscale_shared(
+    state: _OptimizerState,
+    optimizer: torch.optim.Optimizer,
+    scaler: LossScaler,
+    shared: SharedGrads,
+    sources: list[torch.Tensor],
+    targets: list[torch.Tensor] | None,
+    copy: bool,
+    *,
+    backend: str,
+    telemetry: GradTelemetry,
+    names: Mapping[int, str],
+    max_norm: float | None,
+) -> None:
+    """:func:`unscale` where some parameters are held by more than one optimizer: a gradient unscaled in place (no
+    master: O1, O3, and O2's FP32 parameters) that another optimizer's unscale divided since its backward (noted in
+    ``shared``) is checked, clipped with the others and measured, not divided again; those divided in place here are
+    noted for the other optimizers. ``sources``, ``targets`` and ``copy`` as :func:`unscale` made them (at O2 a
+    master's new gradient is made from the half one, which stays scaled: never noted)."""
+    loss_id = state.loss_id or 0
+    in_place = [targets is None or target is source for source, target in zip(sources, targets or sources)]
+    done = [i for i, source in enumerate(sources) if in_place[i] and shared.holds(source)]
+    fresh = sorted(set(range(len(sources))) - set(done))
+    work = targets if copy else sources  # unscaled in place (the masters' copies with `copy`), into `out` otherwise
+    out = None if copy or targets is None else targets
+    first = sources[0].device if sources else torch.device("cpu")
+    factor = scaler.unscale_factor(first)
+    if state.grad_scale is not None:  # gradients pending across an update keep the scale they were computed with
+        factor = state.grad_scale.double().reciprocal().float()
+    found = torch.zeros((), dtype=torch.float32, device=factor.device)
+    stats = telemetry.stats() if telemetry.requested else None
+    norm = None
+    fresh_work = [work[i] for i in fresh]  # type: ignore[index]
+    fresh_out = None if out is None else [out[i] for i in fresh]
+    if state.has_complex:
+        fresh_work, fresh_out = real_pairs(fresh_work, fresh_out)
+    if fresh:  # divided once, here; measured (scaled) on the way when telemetry asks
+        norm = unscale_real_grads_(fresh_work, factor, found, out=fresh_out, max_norm=None if done else max_norm,
+                                   backend=backend, workspace=state.workspace, stats=stats)  # fmt: skip
+        if stats is not None:
+            telemetry.record(id(state), [sources[i] for i in fresh], optimizer_params(optimizer), names, stats)
+    if done:  # true values already: checked (factor 1), and clipped with the fresh ones by their global norm
+        checked = [sources[i] for i in done]
+        checked = real_views(checked) if state.has_complex else checked
+        if max_norm is not None:
+            checked = (fresh_work if fresh_out is None else fresh_out) + checked
+        ones = torch.ones((), dtype=torch.float32, device=factor.device)
+        norm = unscale_real_grads_(checked, ones, found, max_norm=max_norm, backend=backend)
+    shared.note(list(itertools.compress(sources, in_place)))
+    if state.found_inf is None:
+        state.flags_reduced, state.found_inf, state.found_by_loss = False, found, {loss_id: found}
+    else:
+        charge(state, loss_id, found)
+    state.grad_norm = norm if max_norm is not None else None
     state.stage = _Stage.UNSCALED
 
 

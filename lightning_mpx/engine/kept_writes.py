@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["KeptWrite", "is_scaling", "judge_kept", "keep_write"]
+__all__ = ["KeptWrite", "forget_undone", "is_scaling", "judge_kept", "keep_write"]
 
 
 @dataclass
@@ -63,6 +63,13 @@ def keep_write(state: Any, message: str, found: Sequence[tuple[torch.Tensor, tor
         base = [rounded.detach().clone() for _, rounded in found]
         delta = [param.detach().float() - rounded.float() for param, rounded in found]
     state.kept_writes.append(KeptWrite(message, [param for param, _ in found], base, delta))
+
+
+def forget_undone(state: Any) -> None:
+    """At a backward that found the weights written again (before :func:`keep_write` notes a new write), forget the
+    writes noted on ``state`` that were undone since: a probe undone before the next backward at the restored weights
+    (extragradient under accumulation) keeps no copy past it, where each such backward kept one until the step."""
+    state.kept_writes = [write for write in state.kept_writes if write.stands()]
 
 
 def judge_kept(state: Any, machine: Any) -> None:

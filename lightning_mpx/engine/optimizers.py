@@ -31,6 +31,7 @@ from lightning_mpx.engine.rescale import (
     unscale_late,
 )
 from lightning_mpx.engine.sharding import Sharding
+from lightning_mpx.engine.shared_grads import SharedGrads
 from lightning_mpx.engine.step_guard import BaseStepGuard, ScaledStepGuard
 from lightning_mpx.engine.unscaling import UnscalePath
 from lightning_mpx.engine.unsynced import DdpWatch, synced
@@ -86,6 +87,7 @@ class StepMachine(UnscalePath):
         self.telemetry = telemetry
         self.names = names
         self.optimizers: dict[int, _OptimizerState] = {}
+        self.shared = SharedGrads(self.optimizers)  # parameters two of them hold: unscaled once (engine.shared_grads)
         self.taken: dict[int, weakref.ref[torch.optim.Optimizer]] = {}  # optimizers another engine took over
         self.iteration_found: dict[int, torch.Tensor] = {}
         self.iteration_read: dict[int, bool | None] = {}
@@ -160,9 +162,7 @@ class StepMachine(UnscalePath):
                     f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer: pass the optimizer itself "
                     "(its step, unscale and clip cover the parameters it trains), not a model or its parameters."
                 )
-            raise RuntimeError(
-                f"optimizer={type(optimizer).__name__} was not registered; {self.register_call}."
-            )
+            raise RuntimeError(f"optimizer={type(optimizer).__name__} was not registered; {self.register_call}.")
         return state
 
     def validate(self, optimizer: torch.optim.Optimizer, *, with_masters: bool) -> None:
@@ -322,7 +322,7 @@ class StepMachine(UnscalePath):
                     kept = any(map(operator.is_not, map(_GRAD, params), itertools.repeat(None)))
                     versions = tuple(map(_VERSION, params)) if watch else None  # engine.raw_steps' marks
                 if kept:
-                    rescale_stepped(state, loss_id, self.scalers, self.masters.weights, self.backend)
+                    rescale_stepped(state, loss_id, self.scalers, self.masters.weights, self.backend, self.shared)
                     state.backward_versions, state.noted_at = versions, self.steps_taken
                 else:  # rescale_stepped's usual case (every gradient cleared since the step), written out
                     state.reset()
@@ -332,9 +332,10 @@ class StepMachine(UnscalePath):
             elif state.stage is not _Stage.READY:
                 if state.stage is _Stage.UNSCALED:
                     if state.unscaled_groups is not None:  # a group added since the unscale: its gradients too
-                        unscale_late(state, self.scalers, self.masters.weights, state.optimizer, self.backend)
+                        weights, backend = self.masters.weights, self.backend
+                        unscale_late(state, self.scalers, weights, state.optimizer, backend, self.shared)
                     self.record_found(state.found_by_loss)  # an overflow seen by unscale_() counts toward update()
-                rescale_unscaled(state, loss_id, self.scalers[loss_id], self.masters.weights, self.backend)
+                rescale_unscaled(state, loss_id, self.scalers[loss_id], self.masters.weights, self.backend, self.shared)
             elif state.loss_id is None:
                 state.loss_id = loss_id
                 optimizer = state.optimizer_ref()

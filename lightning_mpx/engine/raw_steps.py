@@ -77,7 +77,7 @@ from torch import nn
 from lightning_mpx.engine.beside_steps import StepsBeside, held_written, written_before_step
 from lightning_mpx.engine.carried_scales import CarriedScales
 from lightning_mpx.engine.frozen_writes import warn_half_ema, watch_frozen
-from lightning_mpx.engine.kept_writes import is_scaling, keep_write
+from lightning_mpx.engine.kept_writes import forget_undone, is_scaling, keep_write
 from lightning_mpx.engine.optimizer_state import _OptimizerState
 from lightning_mpx.engine.unsynced import watch_ddp
 from lightning_mpx.masters.pairs import master_for
@@ -125,6 +125,8 @@ def refuse_raw_step(
             # whose output is detached). A raw optimizer between accumulated backwards, at O2, is told by what it
             # wrote: a step along the gradients the backward left (:func:`stepped_along`)
             # (engine.kept_writes: judged at the step, where a probe undone before it, extragradient's, is let through)
+            if state.kept_writes:
+                forget_undone(state)  # probes undone since (engine.kept_writes): no copy kept past them
             stepped = stepped_along(params, noted, master_weights, renormed)
             if stepped:
                 shown = _shown(stepped, master_weights, names)

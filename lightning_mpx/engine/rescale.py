@@ -30,6 +30,7 @@ import torch
 from lightning_mpx.engine.grad_checks import charge
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
 from lightning_mpx.engine.sharding import local_tensors
+from lightning_mpx.engine.shared_grads import SharedGrads
 from lightning_mpx.masters.pairs import param_pairs
 from lightning_mpx.masters.swap import drop_master_grads
 from lightning_mpx.masters.weights import MasterWeights
@@ -94,6 +95,7 @@ def unscale_late(
     master_weights: Sequence[MasterWeights],
     optimizer: torch.optim.Optimizer,
     backend: str,
+    shared: SharedGrads | None = None,
 ) -> None:
     """UNSCALED, before the step or a clip: the gradients of the parameters added to ``optimizer`` since the unscale
     (``add_param_group`` between a clip and the step: a backbone unfrozen in a hook there), which it never read: a
@@ -101,7 +103,9 @@ def unscale_late(
     too where the unscale showed the true values there) and checked, charged to ``loss_id``: the step applies this
     backward's gradient to them once, as FP32's does (``torch.amp.GradScaler``'s step applies them scaled). Not
     clipped: the clip before was of the parameters the optimizer held then, as FP32's. At O2 the user's clears since
-    the unscale are taken first (:func:`follow_cleared_grads`). Groups as they were: the lists compared (C-level)."""
+    the unscale are taken first (:func:`follow_cleared_grads`). Groups as they were: the lists compared (C-level).
+    ``shared`` as for :func:`rescale_unscaled`: a gradient another optimizer's unscale divided already is checked,
+    not divided again."""
     noted = state.unscaled_groups
     if noted is None:
         return
@@ -129,6 +133,14 @@ def unscale_late(
     device = late[0].grad.device  # type: ignore[union-attr]
     factor = _carried_scale(state, scalers).to(device).double().reciprocal().float()  # in FP64, as the unscale
     found = torch.zeros((), dtype=torch.float32, device=device)
+    if shared is not None:
+        shared.refresh()  # the group may hold parameters another optimizer holds
+    if shared is not None and shared.ids:
+        done = [grad for grad in inplace if shared.holds(grad)]  # true values already: checked, not divided
+        inplace = [grad for grad in inplace if not shared.holds(grad)]
+        if done:
+            unscale_grads_(done, torch.ones_like(factor), found, backend=backend, workspace=state.workspace)
+        shared.note(inplace)
     if inplace:
         unscale_grads_(inplace, factor, found, backend=backend, workspace=state.workspace)
     if halves:
@@ -185,14 +197,20 @@ def rescale_unscaled(
     scaler: LossScaler,
     master_weights: Sequence[MasterWeights],
     backend: str,
+    shared: SharedGrads | None = None,
 ) -> None:
     """Scale gradients that unscale_() left with their true values (no step followed) back up to ``scaler``'s
     scale (the scaler of ``new_loss_id``), where the coming backward adds its own; at O2 from the FP32 masters'
     gradients (the ones a clip changed and a ``zero_grad`` cleared) into the half model's. The caller has
-    recorded the overflow the unscale found."""
+    recorded the overflow the unscale found. ``shared``: the machine's
+    :class:`~lightning_mpx.engine.shared_grads.SharedGrads`, when parameters are held by more than one optimizer (a
+    gradient another optimizer's stage brought up already is not multiplied again)."""
     old_id = state.loss_id or 0
     state.clear_checks()
     pairs = leftovers(state, master_weights)
+    if shared is not None and shared.ids:  # true values in place that another optimizer brought up: not again
+        todo = set(map(id, shared.once([true for true, model_grad in pairs if true is model_grad])))
+        pairs = [(true, model_grad) for true, model_grad in pairs if true is not model_grad or id(true) in todo]
     sources = [true for true, _ in pairs]
     targets = [model_grad for _, model_grad in pairs]
     if sources:
@@ -390,9 +408,11 @@ def rescale_stepped(
     scalers: Sequence[LossScaler],
     master_weights: Sequence[MasterWeights],
     backend: str,
+    shared: SharedGrads | None = None,
 ) -> None:
     """Before a backward of ``new_loss_id``: bring the gradients a step left (and the user kept) to its scale, as
-    FP32 adds the backward to them; READY after. The usual loop (cleared) pays C-level maps, no Python per parameter."""
+    FP32 adds the backward to them; READY after. The usual loop (cleared) pays C-level maps, no Python per parameter.
+    ``shared`` as for :func:`rescale_unscaled`."""
     optimizer = state.optimizer_ref()
     grads: list[torch.Tensor] = []
     if optimizer is not None and state.stepped_marks is not None:  # present_grads, written out
@@ -403,6 +423,8 @@ def rescale_stepped(
         inplace, half = stepped_leftovers(state, master_weights, optimizer)  # type: ignore[arg-type]
         device = (inplace or half or grads)[0].device
         new = scalers[new_loss_id].to(device).scale_tensor
+        if shared is not None and shared.ids:  # a gradient two optimizers' steps left: brought up once
+            inplace = shared.once(inplace)
         _multiply(state, inplace, new, backend)
         if half:
             carried = torch.ones((), device=device) if state.stepped_true else _carried_scale(state, scalers)

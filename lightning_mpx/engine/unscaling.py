@@ -24,6 +24,7 @@ from lightning_mpx.engine.rescale import (
     unscale_late,
 )
 from lightning_mpx.engine.sharding import Sharding
+from lightning_mpx.engine.shared_grads import SharedGrads
 from lightning_mpx.health.telemetry import GradTelemetry
 from lightning_mpx.masters.handover import refuse_handed
 from lightning_mpx.masters.store import Masters
@@ -46,6 +47,7 @@ class UnscalePath:
     iteration_read: dict[int, bool | None]
     sharding: Sharding | None
     refused: str | None  # a raw-step refusal kept for the step, where ranks meet (engine.unsynced)
+    shared: SharedGrads  # parameters held by more than one optimizer (engine.shared_grads)
     state: Callable[[torch.optim.Optimizer], _OptimizerState]  # the machine's: the state of a registered optimizer
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -97,13 +99,13 @@ class UnscalePath:
         if state.stage is _Stage.READY:  # _unscale's usual case (a backward since the step), written out
             unscale(state, optimizer, self.scalers[state.loss_id or 0], self.masters.weights, backend=self.backend,
                     refuse_sparse=self.refuse_sparse, telemetry=self.telemetry, names=self.names,
-                    sharding=self.sharding)  # fmt: skip
+                    sharding=self.sharding, shared=self.shared)  # fmt: skip
         elif state.stage is not _Stage.UNSCALED or self.masters.weights:  # unscaled by a clip: nothing to do at O1
             self._unscaled_for_step(state, optimizer)
         elif (noted := state.unscaled_groups) is not None and noted[1] != tuple(
             map(len, map(_PARAMS, optimizer.param_groups))
         ):
-            unscale_late(state, self.scalers, (), optimizer, self.backend)  # but a group added since (as below)
+            unscale_late(state, self.scalers, (), optimizer, self.backend, self.shared)  # a group added since (below)
         try:
             if self.sharding is not None:  # the step's collective (unless a clip made it): every rank's flags agree
                 if not state.flags_reduced:
@@ -140,7 +142,7 @@ class UnscalePath:
         if (noted := state.unscaled_groups) is not None and noted[1] != tuple(
             map(len, map(_PARAMS, optimizer.param_groups))
         ):
-            unscale_late(state, self.scalers, self.masters.weights, optimizer, self.backend)
+            unscale_late(state, self.scalers, self.masters.weights, optimizer, self.backend, self.shared)
 
     def keep_marks(self, state: _OptimizerState) -> None:
         """Note the half gradients an unscale read, when :meth:`check` unscaled without noting them and its step did
@@ -241,6 +243,7 @@ class UnscalePath:
             max_norm=max_norm,
             sharding=self.sharding,
             true_grads=[true for true, _ in leftovers(state, weights, optimizer)] if skipped else None,
+            shared=self.shared,
         )
         if weights and not skipped and marks and note:  # note=False: the caller notes them (unscale_)
             state.unscaled_marks = grad_marks(state, weights, optimizer)

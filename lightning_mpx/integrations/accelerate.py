@@ -673,6 +673,9 @@ def _opt_level_of(mixed_precision: object) -> str | None:
             f" The opt level starts with the capital letter O, not "
             f"{'the digit zero' if text[0] == '0' else 'a lower-case o'}: did you mean 'O{text[1]}'?"
         )
+    elif (near := text.strip().lower()) in NATIVE_MIXED_PRECISION or near.upper() in OPT_LEVELS:
+        near = near if near in NATIVE_MIXED_PRECISION else near.upper()
+        hint = f" Values are matched exactly (case, spaces): did you mean {near!r}?"
     raise ValueError(
         f"{name}={value!r} is not valid; valid choices: Accelerate's "
         f"{', '.join(map(repr, NATIVE_MIXED_PRECISION))} or lightning_mpx's opt levels "

@@ -1,0 +1,114 @@
+"""Gradients of parameters held by more than one prepared optimizer, unscaled once per backward.
+
+Without FP32 masters (O1, O3, and the parameters with no master at O2) an optimizer's unscale divides its gradients
+in place. A parameter held by two optimizers (a head in the whole model's optimizer and in its own) has one gradient:
+the second optimizer's unscale would divide it again, and its step would apply the gradient divided by the scale
+twice where FP32 steps it with its gradient (``torch.amp.GradScaler`` does the same, see docs/loss_scaling.md).
+
+:class:`SharedGrads` is the one owner of that knowledge. It finds the overlap where the optimizers' parameter sets are
+known (a registration or a release, and an unscale that finds an optimizer's parameter count changed: an
+``add_param_group``), and only when there is one does an unscale pay for it: the gradients an unscale divided in place
+are noted (the tensor and its version after the divide); a later unscale of another optimizer
+finds them so (the same tensor, not written since: no backward, ``zero_grad`` or user write) and checks them for
+inf/NaN, clips them with its own and measures them, without dividing them again. Every optimizer holding an
+overflowed shared gradient finds the overflow in its own check, so each one's stage skips its step. A backward since
+(which writes the gradient, or replaces it) makes the note stale by itself; :meth:`SharedGrads.clear` drops the
+references at the end of the iteration. The other way, the true values that steps leave (a loop that does not zero
+them) or that a batch unscaled without stepping leaves are brought back up to the next backward's scale once too
+(:meth:`SharedGrads.once`), not once per optimizer holding them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from typing import Mapping
+
+import torch
+
+from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage
+
+_PARAMS = operator.itemgetter("params")
+
+
+class SharedGrads:
+    """The parameters more than one registered optimizer holds, and which of their gradients hold true values now.
+
+    Args:
+        optimizers: The machine's registered optimizers' states, by the optimizer's ``id`` (read, never written).
+
+    Attributes:
+        ids: The ``id`` of each parameter two or more registered optimizers hold (empty: no overlap, no cost).
+        done: By gradient ``id``, while parameters are shared: each gradient an unscale divided in place, and its
+            version as that unscale left it.
+        raised: Before a backward, by ``id``: the gradients holding true values that an optimizer's stage brought up
+            to the backward's scale already (gradients kept across a step, or unscaled by a batch that did not step),
+            emptied at the next unscale (the stages brought up before a backward only after one).
+    """
+
+    def __init__(self, optimizers: Mapping[int, _OptimizerState]) -> None:
+        self.optimizers = optimizers
+        self.ids: frozenset[int] = frozenset()
+        self.done: dict[int, tuple[torch.Tensor, int]] = {}
+        self.raised: dict[int, torch.Tensor] = {}
+
+    def refresh(self) -> None:
+        """Find the overlap again (a registration, a release, a parameter count changed). A parameter newly shared
+        whose gradient another optimizer already unscaled in place in this iteration (unscaled and not stepped yet,
+        or stepped and not written since) is noted as holding true values."""
+        seen: set[int] = set()
+        shared: set[int] = set()
+        held: list[tuple[_OptimizerState, list[torch.Tensor]]] = []
+        for state in list(self.optimizers.values()):
+            optimizer = state.optimizer_ref()
+            if optimizer is None:
+                continue
+            groups = itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups))
+            params = list({id(p): p for p in groups}.values())
+            held.append((state, params))
+            for param in params:
+                (shared if id(param) in seen else seen).add(id(param))
+        new = shared - self.ids
+        self.ids = frozenset(shared)
+        if not shared:
+            self.done = {}
+        for state, params in held if new else ():
+            for param in params:
+                grad = param.grad
+                if id(param) in new and grad is not None and id(grad) not in self.done and _true_now(state, grad):
+                    self.done[id(grad)] = (grad, grad._version)
+
+    def holds(self, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` holds true values: an unscale divided it in place and nothing wrote it since (no
+        backward, ``zero_grad`` or user write: the same version)."""
+        noted = self.done.get(id(grad))
+        return noted is not None and noted[0] is grad and noted[1] == grad._version
+
+    def note(self, grads: list[torch.Tensor]) -> None:
+        """Note ``grads`` as holding true values (an unscale in place just ran over them). The gradients brought up
+        before the last backward (:meth:`once`) are forgotten: an unscale has run since, so that backward's stages are
+        settled (the next ones start from an unscale)."""
+        self.done.update((id(grad), (grad, grad._version)) for grad in grads)
+        self.raised = {}
+
+    def once(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Before a backward: those of ``grads`` (true values, about to be brought up to its scale) that no other
+        optimizer's stage brought up already; all of them are noted as brought up."""
+        raised = self.raised
+        todo = [grad for grad in grads if raised.get(id(grad)) is not grad]
+        raised.update((id(grad), grad) for grad in todo)
+        return todo
+
+    def clear(self) -> None:
+        """Drop the notes (the end of an iteration: the gradients are not held alive past it)."""
+        self.done = {}
+
+
+def _true_now(state: _OptimizerState, grad: torch.Tensor) -> bool:
+    """Whether ``grad``, a gradient of a parameter ``state``'s optimizer holds, holds true values by that optimizer's
+    stage: unscaled (and not stepped yet), or left by its step and not written since."""
+    if state.stage is _Stage.UNSCALED or state.stage is _Stage.SKIPPED:
+        return True
+    if state.stage is _Stage.STEPPED and state.stepped_true and state.stepped_marks is not None:
+        return (id(grad), grad._version) in state.stepped_marks
+    return False
