@@ -289,3 +289,34 @@ def test_a_raw_head_step_after_a_load_that_lacked_the_head_is_refused() -> None:
     raw.zero_grad()
     with pytest.raises(RuntimeError, match="did not prepare"):
         run.iteration(1)
+
+
+@pytest.mark.filterwarnings("ignore:lightning_mpx")
+def test_core_o1_a_head_added_that_its_own_optimizer_unscaled_is_divided_once() -> None:
+    """O1 float16: the head in an optimizer of its own, unscaled there (``unscale_``), then added to the trunk's
+    optimizer after its clip: the trunk's step checks the head's gradient without dividing it again
+    (engine/shared_grads.py), and both steps move the head as FP32's two steps do."""
+    ref = _model()
+    ref_head = torch.optim.SGD(ref[2].parameters(), lr=LR)
+    ref_trunk = torch.optim.SGD(_trunk(ref), lr=LR)
+    x, y = _batch(0)
+    F.mse_loss(ref(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(_trunk(ref), MAX_NORM)
+    ref_trunk.add_param_group({"params": list(ref[2].parameters())})
+    ref_trunk.step()
+    ref_head.step()
+    model = _model()
+    amp = Amp("O1", half_dtype="float16")
+    amp.prepare_model(model)
+    head_opt = amp.prepare_optimizer(torch.optim.SGD(model[2].parameters(), lr=LR))
+    trunk_opt = amp.prepare_optimizer(torch.optim.SGD(_trunk(model), lr=LR))
+    with amp.forward_context():
+        amp.backward(F.mse_loss(model(amp.cast_inputs(x)).float(), y))
+    amp.unscale_(head_opt)
+    amp.clip_grad_norm_(trunk_opt, MAX_NORM)
+    trunk_opt.add_param_group({"params": list(model[2].parameters())})
+    amp.step(trunk_opt)
+    amp.step(head_opt)
+    amp.update()
+    before = _model()[2].weight.detach()
+    _close_moves(model[2].weight.detach(), before, ref[2].weight.detach(), before)
