@@ -52,28 +52,10 @@ class _LooseHead:
 
 
 @pytest.mark.filterwarnings("ignore:lightning_mpx")
-def test_a_raw_head_step_after_a_partial_load_is_refused_one_iteration_later() -> None:
-    """A step, a ``load_state_dict(strict=False)`` of the first layer, the raw head step: the load wrote parameters
-    of the prepared optimizer since the step, which the whole-model write exemption of engine/beside_steps.py takes
-    for a write over every parameter, and the load forgets what was noted; the raw step of the next iteration is
-    refused (the xfail below: not this one)."""
-    run = _LooseHead()
-    run.backward(0)
-    run.step()
-    run.load_first_layer()
-    run.raw_step()
-    run.backward(1)  # not refused: the gap below
-    run.step()
-    run.raw_step()
-    with pytest.raises(RuntimeError, match=REFUSAL):
-        run.backward(2)
-
-
-@pytest.mark.xfail(strict=True, reason="a raw head step after the prepared step is not refused when a load (or any "
-                   "write) of the prepared optimizer's parameters came since that step: engine/beside_steps.py takes "
-                   "it for a whole-model write, and a load forgets the notes; refused one iteration later")  # fmt: skip
-@pytest.mark.filterwarnings("ignore:lightning_mpx")
 def test_a_raw_head_step_after_a_partial_load_is_refused_at_once() -> None:
+    """A step, a ``load_state_dict(strict=False)`` of the first layer, the raw head step: the load's writes are
+    neither a raw step nor a whole-model write (engine/beside_steps.py leaves the parameters it wrote out of both), so
+    the next backward refuses the raw step (it was refused one iteration later: the load forgot the notes)."""
     run = _LooseHead()
     run.backward(0)
     run.step()
@@ -83,9 +65,6 @@ def test_a_raw_head_step_after_a_partial_load_is_refused_at_once() -> None:
         run.backward(1)
 
 
-@pytest.mark.xfail(strict=True, reason="O2: a group added (add_param_group) between an unscale (amp.clip_grad_norm_) "
-                   "and the step loses its parameters' pending gradients: the step's unscale was done, and the new "
-                   "masters have no gradient, so the group does not move (FP32 and bf16-mixed step it)")  # fmt: skip
 @pytest.mark.filterwarnings("ignore:lightning_mpx")
 def test_a_head_added_to_the_optimizer_between_a_clip_and_the_step_steps_on_its_gradients() -> None:
     """A head left requiring grad out of the optimizer, a backward, ``amp.clip_grad_norm_``, then the head unfrozen

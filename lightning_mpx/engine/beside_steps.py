@@ -97,6 +97,24 @@ def written_before_step(note: Any, grad_ids: tuple[int, ...], steps_taken: int) 
     ]
 
 
+def _held_params(machine: Any) -> list[torch.Tensor]:
+    """The registered optimizers' parameters, in :func:`held_versions`' order."""
+    optimizers = filter(None, map(_CALL, map(_REF, machine.optimizers.values())))
+    return list(itertools.chain.from_iterable(map(_PARAMS, itertools.chain.from_iterable(map(_GROUPS, optimizers)))))
+
+
+def _written_by_hand(machine: Any, then: tuple[int, ...]) -> bool:
+    """Whether parameters of the registered optimizers were written since their versions ``then`` (at the last
+    step) other than by a ``load_state_dict`` (a group added since: taken as written)."""
+    now = held_versions(machine)
+    if now == then:
+        return False
+    if len(now) != len(then):
+        return True
+    params = _held_params(machine)
+    return any(v != w and not machine.loaded_since_step(p, written=True) for p, v, w in zip(params, now, then))
+
+
 class StepsBeside:
     """What the last engine step left of the unheld parameters: their versions, the registered optimizers'
     parameters' versions, marks on the gradients present, and the positions of those whose gradient was freed after a
@@ -144,13 +162,18 @@ class StepsBeside:
 
     def take(self, machine: Any) -> list[torch.Tensor]:
         """At the next engine backward: the parameters whose gradient was freed after a write since the last step,
-        unless the registered optimizers' parameters were written since it too (a whole-model write)."""
+        unless the registered optimizers' parameters were written since it too (a whole-model write). A
+        ``load_state_dict`` since the step (``machine.loaded_since_step``) is neither: the parameters it loaded are
+        left out of both (a ``strict=False`` load of a few layers leaves a raw step over the others refused)."""
         written, self.written = self.written, []
         after = self.after
-        if not written or after is None or held_versions(machine) != after[1]:
+        if not written or after is None:
             return []
         params = self.params
-        return [params[i] for i in sorted(set(written))]
+        found = [params[i] for i in sorted(set(written)) if not machine.loaded_since_step(params[i], written=True)]
+        if found and _written_by_hand(machine, after[1]):
+            return []  # a whole-model write
+        return found
 
     def forget(self) -> None:
         """Forget what was noted (a stage change of the engine wrote the parameters)."""

@@ -12,7 +12,7 @@ import torch
 from lightning_mpx.common.keywords import Required
 from lightning_mpx.engine.grad_checks import local_squares, reduce_checks
 from lightning_mpx.engine.optimizer_state import _Stage
-from lightning_mpx.engine.rescale import follow_cleared_grads, grad_marks
+from lightning_mpx.engine.rescale import follow_cleared_grads, grad_marks, unscale_late
 from lightning_mpx.engine.sharding import local_tensor
 from lightning_mpx.masters.pairs import param_pairs
 
@@ -32,6 +32,8 @@ def clip_norm(
         if machine.masters.weights:
             # The model's gradients, written since the unscale, are clipped.
             follow_cleared_grads(state, machine.masters.weights)
+        if state.unscaled_groups is not None:  # and those of a group added since, unscaled now
+            unscale_late(state, machine.scalers, machine.masters.weights, optimizer, machine.backend, machine.shared)
         params = machine._unscaled_params(optimizer, with_masters)
         if machine.sharding is not None:  # the global norm: this rank's squares, summed with the flags
             device = state.found_inf.device if state.found_inf is not None else torch.device("cpu")
@@ -55,8 +57,11 @@ def clip_value_(
     clip_value = clip_limit("clip_value", clip_value)
     if state.stage is not _Stage.UNSCALED:
         machine._unscale(state)
-    elif machine.masters.weights:
-        follow_cleared_grads(state, machine.masters.weights)  # as in clip_grad_norm_
+    else:
+        if machine.masters.weights:
+            follow_cleared_grads(state, machine.masters.weights)  # as in clip_grad_norm_
+        if state.unscaled_groups is not None:
+            unscale_late(state, machine.scalers, machine.masters.weights, optimizer, machine.backend, machine.shared)
     params = machine._unscaled_params(optimizer, with_masters)
     if machine.sharding is not None:  # elementwise: each rank clamps its own shards
         for param in params:
@@ -78,6 +83,9 @@ def show_unscaled(machine: StepMachine, optimizer: torch.optim.Optimizer, *, fre
     pairs = param_pairs(state, master_weights, optimizer=optimizer)  # current for the marks below (paired=True)
     if not fresh:
         follow_cleared_grads(state, master_weights, optimizer, paired=True)
+        if state.unscaled_groups is not None:  # a group added since the unscale (rescale.unscale_late)
+            unscale_late(state, machine.scalers, master_weights, optimizer, machine.backend, machine.shared)
+            pairs = param_pairs(state, master_weights, optimizer=optimizer)
     targets, sources = [], []
     for param, master in pairs:
         if master is not param and master.grad is not None:

@@ -88,6 +88,10 @@ class _OptimizerState:
     # A half gradient that is gone or was written since (zero_grad either way) was cleared by the user, and the
     # unscaled copy its master holds must not outlive it.
     unscaled_marks: tuple[tuple[int, int] | None, ...] = ()
+    # From an unscale the user's code may follow (unscale_(), a clip) to the step: the parameter lists of the groups
+    # as it read them, and their lengths; a parameter added since (add_param_group) was not unscaled
+    # (rescale.unscale_late).
+    unscaled_groups: tuple[tuple[list[Any], ...], tuple[int, ...]] | None = None
     # STEPPED: (id, version) of each gradient the step left; one gone or written since (zero_grad) was cleared.
     stepped_marks: frozenset[tuple[int, int]] | None = None
     # STEPPED: weak references to marks those gradients hold (rescale.after_step; none to the gradients, which
@@ -158,6 +162,7 @@ class _OptimizerState:
         self.loss_id = None
         self.grad_scale = None
         self.unscaled_marks = ()
+        self.unscaled_groups = None
         self.stepped_marks = None
         self.stepped_refs = ()
         self.stepped_ids = ()

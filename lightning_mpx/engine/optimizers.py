@@ -28,6 +28,7 @@ from lightning_mpx.engine.rescale import (
     rescale_pending,
     rescale_stepped,
     rescale_unscaled,
+    unscale_late,
 )
 from lightning_mpx.engine.sharding import Sharding
 from lightning_mpx.engine.shared_grads import SharedGrads
@@ -110,9 +111,9 @@ class StepMachine(UnscalePath):
         self.held_writes: HeldWrites | None = None
         self.held_warned = False
         self.written_at = -1
-        # The parameters a load_state_dict wrote (the engine's load hooks), by id: a weak reference and the engine's
-        # count of steps then (engine.held_masters: values loaded since the last step are the user's, not stale).
-        self.loaded: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        # The parameters a load_state_dict wrote (the engine's load hooks) by id: a weak reference, the count of steps
+        # then (engine.held_masters), whether it wrote them (False: a strict=False load lacked them; beside_steps).
+        self.loaded: dict[int, tuple[weakref.ref[torch.Tensor], int, bool]] = {}
         self.loaded_kept = 0
         # A door that registers optimizers at their first step (Fabric's): before any is registered, a write over
         # the parameters no optimizer holds yet is judged there (UnheldParams.judge), not refused at the backward.
@@ -330,6 +331,7 @@ class StepMachine(UnscalePath):
                     state.noted_at = self.steps_taken
             elif state.stage is not _Stage.READY:
                 if state.stage is _Stage.UNSCALED:
+                    unscale_late(state, self.scalers, self.masters.weights, state.optimizer, self.backend, self.shared)
                     self.record_found(state.found_by_loss)  # an overflow seen by unscale_() counts toward update()
                 rescale_unscaled(state, loss_id, self.scalers[loss_id], self.masters.weights, self.backend, self.shared)
             elif state.loss_id is None:
@@ -371,29 +373,29 @@ class StepMachine(UnscalePath):
             if wrapper is not None and not synced(wrapper, self.ddp_synced):
                 self.unsynced_at = self.steps_taken
 
-    def note_loaded(self, params: Iterable[torch.Tensor]) -> None:
-        """``params`` were just written by a ``load_state_dict`` (at a load only: nothing per step)."""
+    def note_loaded(self, params: Iterable[torch.Tensor], *, written: bool = True) -> None:
+        """``params`` were just written by a ``load_state_dict`` (``written=False``: a ``strict=False`` one lacked)."""
         steps, loaded = self.steps_taken, self.loaded
         for param in params:
-            loaded[id(param)] = (weakref.ref(param), steps)
+            loaded[id(param)] = (weakref.ref(param), steps, written)
         if len(loaded) > 2 * self.loaded_kept + 64:  # those let go dropped now and then (amortised over loads)
             self.loaded = {k: noted for k, noted in loaded.items() if noted[0]() is not None}
             self.loaded_kept = len(self.loaded)
 
-    def loaded_since_step(self, param: torch.Tensor) -> bool:
-        """Whether ``param`` was written by a ``load_state_dict`` since the engine's last step."""
+    def loaded_since_step(self, param: torch.Tensor, *, written: bool = False) -> bool:
+        """Whether a ``load_state_dict`` since the last step wrote ``param`` (or, unless ``written``, lacked it)."""
         noted = self.loaded.get(id(param))
-        return noted is not None and noted[0]() is param and noted[1] == self.steps_taken
+        return noted is not None and noted[0]() is param and noted[1] == self.steps_taken and (noted[2] or not written)
 
-    def forget_writes(self) -> None:
+    def forget_writes(self, *, loaded: bool = False) -> None:
         """Forget the parameter versions noted at the backwards (engine.raw_steps): a stage change of the engine (a
-        checkpoint loaded, a model prepared, masters refreshed with ``force``, another engine taking over) writes
-        parameters between a backward and a step, which is no raw step."""
+        load, a model prepared, masters refreshed with ``force``, another engine taking over) writes parameters, which
+        is no raw step. ``loaded``: a model's load, which notes what it wrote: engine.beside_steps' notes stay."""
         self.written_at = self.steps_taken  # no hand update for HeldWrites to judge at the next step
         for state in self.optimizers.values():
             state.backward_versions, state.kept_writes = None, []  # a kept write: the user's (engine.kept_writes)
         if self.unheld is not None:
-            self.unheld.forget()
+            self.unheld.forget(loaded=loaded)
         if self.frozen_writes is not None:
             self.frozen_writes.forget()
 

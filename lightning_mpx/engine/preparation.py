@@ -565,7 +565,7 @@ class _LoadIntoMasters(_EngineHook):
             return
         if args and isinstance(args[0], dict) and args[0].get("assign_to_params_buffers"):
             _refuse_assign(models, module, state_dict, prefix)
-        models.machine.forget_writes()  # a load writes the parameters (a rollback after a backward): no raw step
+        models.machine.forget_writes(loaded=True)  # a load writes the parameters (a rollback): no raw step
         written = []
         for name, param in _unhooked_parameters(module, type(self)):
             value = state_dict.get(prefix + name)
@@ -626,7 +626,7 @@ class _ForgetWrites(_EngineHook):
     def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         models: PreparedModels | None = self.engine()
         if models is not None:
-            models.machine.forget_writes()
+            models.machine.forget_writes(loaded=True)
             models.machine.note_loaded(  # the user's values now (engine.held_masters)
                 param for name, param in _unhooked_parameters(module, type(self)) if prefix + name in state_dict
             )
@@ -642,7 +642,7 @@ class _MissingKept(_EngineHook):
         models: PreparedModels | None = self.engine()
         if models is not None and incompatible.missing_keys:  # at a load only, and one with keys missing
             missing = set(incompatible.missing_keys)
-            models.machine.note_loaded(p for name, p in module.named_parameters() if name in missing)
+            models.machine.note_loaded((p for name, p in module.named_parameters() if name in missing), written=False)
 
 
 def _refuse_assign(models: PreparedModels, module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:

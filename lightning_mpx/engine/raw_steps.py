@@ -345,10 +345,13 @@ class UnheldParams:
             what += "no FP32 master."
             warn_half_ema(module, found, what, frozen=False)
 
-    def forget(self) -> None:
-        """Forget what was noted (a stage change of the engine wrote the parameters)."""
+    def forget(self, *, loaded: bool = False) -> None:
+        """Forget what was noted (a stage change of the engine wrote the parameters); ``loaded``: a model's
+        ``load_state_dict``, whose writes the notes of the last step's :class:`StepsBeside` tell apart (by the
+        parameters it loaded), so those are kept."""
         self.note, self.suspects, self.deferred = None, frozenset(), ()
-        self.beside.forget()
+        if not loaded:
+            self.beside.forget()
 
     def judge(self, machine: Any, optimizer: torch.optim.Optimizer) -> frozenset[int]:
         """Where a door that registers optimizers at their first step (``machine.registers_at_step``: Fabric's)

@@ -82,6 +82,76 @@ def follow_cleared_grads(
         state.unscaled_marks = grad_marks(state, master_weights, optimizer)
 
 
+def note_groups(state: _OptimizerState, optimizer: torch.optim.Optimizer) -> None:
+    """At an unscale the user's code may follow before the step (``unscale_()``, a clip): the parameter lists it read,
+    for :func:`unscale_late`. C-level maps, per group."""
+    lists = tuple(map(_PARAMS, optimizer.param_groups))
+    state.unscaled_groups = (lists, tuple(map(len, lists)))
+
+
+def unscale_late(
+    state: _OptimizerState,
+    scalers: Sequence[LossScaler],
+    master_weights: Sequence[MasterWeights],
+    optimizer: torch.optim.Optimizer,
+    backend: str,
+    shared: SharedGrads | None = None,
+) -> None:
+    """UNSCALED, before the step or a clip: the gradients of the parameters added to ``optimizer`` since the unscale
+    (``add_param_group`` between a clip and the step: a backbone unfrozen in a hook there), which it never read: a
+    backward's, at the scale of ``loss_id``. Unscaled now (at O2 into their new masters, and onto the half gradients
+    too where the unscale showed the true values there) and checked, charged to ``loss_id``: the step applies this
+    backward's gradient to them once, as FP32's does (``torch.amp.GradScaler``'s step applies them scaled). Not
+    clipped: the clip before was of the parameters the optimizer held then, as FP32's. At O2 the user's clears since
+    the unscale are taken first (:func:`follow_cleared_grads`). Groups as they were: the lists compared (C-level).
+    ``shared`` as for :func:`rescale_unscaled`: a gradient another optimizer's unscale divided already is checked,
+    not divided again."""
+    noted = state.unscaled_groups
+    if noted is None:
+        return
+    lists = tuple(map(_PARAMS, optimizer.param_groups))
+    then, lengths = noted
+    if len(lists) == len(then) and all(map(operator.is_, lists, then)) and tuple(map(len, lists)) == lengths:
+        return
+    if master_weights:  # the user's clears since the unscale, taken before the marks below are made again
+        follow_cleared_grads(state, master_weights, optimizer)
+    note_groups(state, optimizer)
+    held = {id(param) for params, length in zip(then, lengths) for param in params[:length]}
+    late = [param for param in itertools.chain.from_iterable(lists) if id(param) not in held and param.grad is not None]
+    if not late:
+        return
+    master_of = {id(param): master for param, master in param_pairs(state, master_weights, optimizer=optimizer)}
+    inplace, halves, targets = [], [], []
+    for param in late:
+        master = master_of.get(id(param), param)
+        if master is param:
+            inplace.append(param.grad)
+        else:
+            halves.append(param.grad)
+            master.grad = torch.empty_like(master)
+            targets.append(master.grad)
+    device = late[0].grad.device  # type: ignore[union-attr]
+    factor = _carried_scale(state, scalers).to(device).double().reciprocal().float()  # in FP64, as the unscale
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    if shared is not None:
+        shared.refresh()  # the group may hold parameters another optimizer holds
+    if shared is not None and shared.ids:
+        done = [grad for grad in inplace if shared.holds(grad)]  # true values already: checked, not divided
+        inplace = [grad for grad in inplace if not shared.holds(grad)]
+        if done:
+            unscale_grads_(done, torch.ones_like(factor), found, backend=backend, workspace=state.workspace)
+        shared.note(inplace)
+    if inplace:
+        unscale_grads_(inplace, factor, found, backend=backend, workspace=state.workspace)
+    if halves:
+        unscale_grads_(halves, factor, found, out=targets, backend=backend, workspace=state.workspace)
+        if state.shown:
+            torch._foreach_copy_(halves, targets)
+    charge(state, state.loss_id or 0, found)
+    if master_weights:  # the half gradients read, as an unscale notes them
+        state.unscaled_marks = grad_marks(state, master_weights, optimizer)
+
+
 def leftovers(
     state: _OptimizerState, master_weights: Sequence[MasterWeights], optimizer: torch.optim.Optimizer | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -157,7 +227,7 @@ def rescale_unscaled(
         charge(state, old_id, found)
     if master_weights:
         drop_master_grads(state)  # carried into the half gradients
-    state.unscaled_marks = ()
+    state.unscaled_marks, state.unscaled_groups = (), None
     state.shown, state.clips = False, ()
     state.stage = _Stage.READY
     state.loss_id = new_loss_id

@@ -8,6 +8,7 @@ stay on the machine.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Sequence
 
 import torch
@@ -15,13 +16,21 @@ import torch
 from lightning_mpx.engine.clipping import show_unscaled
 from lightning_mpx.engine.grad_checks import reduce_checks, unscale
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage
-from lightning_mpx.engine.rescale import follow_cleared_grads, grad_marks, leftovers, resume_stepped
+from lightning_mpx.engine.rescale import (
+    follow_cleared_grads,
+    grad_marks,
+    leftovers,
+    resume_stepped,
+    unscale_late,
+)
 from lightning_mpx.engine.sharding import Sharding
 from lightning_mpx.engine.shared_grads import SharedGrads
 from lightning_mpx.health.telemetry import GradTelemetry
 from lightning_mpx.masters.handover import refuse_handed
 from lightning_mpx.masters.store import Masters
 from lightning_mpx.scaling.scaler import LossScaler
+
+_PARAMS = operator.itemgetter("params")
 
 
 class UnscalePath:
@@ -93,6 +102,10 @@ class UnscalePath:
                     sharding=self.sharding, shared=self.shared)  # fmt: skip
         elif state.stage is not _Stage.UNSCALED or self.masters.weights:  # unscaled by a clip: nothing to do at O1
             self._unscaled_for_step(state, optimizer)
+        elif (noted := state.unscaled_groups) is not None and noted[1] != tuple(
+            map(len, map(_PARAMS, optimizer.param_groups))
+        ):
+            unscale_late(state, self.scalers, (), optimizer, self.backend, self.shared)  # a group added since (below)
         try:
             if self.sharding is not None:  # the step's collective (unless a clip made it): every rank's flags agree
                 if not state.flags_reduced:
@@ -122,8 +135,14 @@ class UnscalePath:
         read, see :meth:`check`; or, unscaled before, with the user's clears since taken)."""
         if state.stage is not _Stage.UNSCALED:
             self._unscale(state, marks=False, optimizer=optimizer)
-        elif self.masters.weights:
+            return
+        if self.masters.weights:
             follow_cleared_grads(state, self.masters.weights, optimizer)
+        # a group added since the unscale (add_param_group), told by the groups' lengths: rescale.unscale_late
+        if (noted := state.unscaled_groups) is not None and noted[1] != tuple(
+            map(len, map(_PARAMS, optimizer.param_groups))
+        ):
+            unscale_late(state, self.scalers, self.masters.weights, optimizer, self.backend, self.shared)
 
     def keep_marks(self, state: _OptimizerState) -> None:
         """Note the half gradients an unscale read, when :meth:`check` unscaled without noting them and its step did
@@ -228,3 +247,6 @@ class UnscalePath:
         )
         if weights and not skipped and marks and note:  # note=False: the caller notes them (unscale_)
             state.unscaled_marks = grad_marks(state, weights, optimizer)
+        if marks:  # user code may add a group before the step (rescale.note_groups, written out: no call)
+            lists = tuple(map(_PARAMS, optimizer.param_groups))
+            state.unscaled_groups = (lists, tuple(map(len, lists)))
