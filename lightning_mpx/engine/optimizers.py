@@ -101,8 +101,7 @@ class StepMachine(UnscalePath):
         # The prepared models' parameters that require grad and no registered optimizer holds (engine.raw_steps), found
         # when the models or the registrations change (find_unheld); None when there are none (no cost at a backward).
         self.unheld: UnheldParams | None = None
-        # The check for a frozen half teacher written by hand (engine.frozen_writes): None once it ran
-        # (``frozen_checked``), so no cost at a backward after it.
+        # The check for a frozen half teacher written by hand (engine.frozen_writes): None once it ran (no cost after).
         self.frozen_writes: FrozenWrites | None = None
         self.frozen_checked = False
         # The judgment of an EMA child inside the optimizer, called by a step that took hand writes
@@ -121,8 +120,7 @@ class StepMachine(UnscalePath):
         # The ids of the weights an nn.Embedding(max_norm=...) of the prepared models renormalises in place at each
         # forward (engine.raw_steps: no raw step), found with ``unheld``.
         self.renormed: frozenset[int] = frozenset()
-        # What the error for an optimizer not registered tells the user to do: the front door's own call where it
-        # registers optimizers itself (Amp.register_call).
+        # What the error for an unregistered optimizer tells the user to do: the door's own call (Amp.register_call).
         self.register_call = "call prepare_optimizer() on it first"
         # Under DDP (engine.unsynced): the wrappers around the prepared models (weakly), the forwards' watch that finds
         # them, the ids of the models it watched, whether a wrapper's last forward with grad syncs (SyncNote); the count
