@@ -38,6 +38,7 @@ def main() -> None:
             "optimizer_steps": sorted(steps),
             "logged": logged,
             "weights_equal_finite": all(torch.isfinite(p).all().item() for p in model.parameters()),
+            "grad_kinds": model.grad_kinds,  # the reference: each backward's (synchronised) non-finite gradients
         }
     write_rank_results(results, rank=rank)
     end_ranks()

@@ -122,6 +122,19 @@ def test_core_o2_a_group_added_after_unscale_shows_its_true_gradient() -> None:
     torch.testing.assert_close(model[2].weight.grad.float(), ref, rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.filterwarnings("ignore:lightning_mpx")
+def test_core_o2_show_unscaled_on_model_after_a_group_added_shows_its_true_gradient() -> None:
+    """At O2 ``unscale_``, the head added, then ``show_unscaled_on_model`` (the Trainer's and Fabric's look before a
+    user's clip): the head's half gradient holds its true value (FP32's), not the scaled one."""
+    model = _model()
+    F.mse_loss(model(_batch(0)[0]), _batch(0)[1]).backward()
+    ref = model[2].weight.grad.clone()
+    amp, model, opt, _ = _core("O2", "float16", "unscale")
+    opt.add_param_group({"params": list(model[2].parameters())})
+    amp.show_unscaled_on_model(opt)
+    torch.testing.assert_close(model[2].weight.grad.float(), ref, rtol=2e-2, atol=2e-3)
+
+
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.filterwarnings("ignore:lightning_mpx")
 def test_core_an_overflow_in_the_added_group_skips_the_step(fused: bool) -> None:

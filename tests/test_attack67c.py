@@ -129,11 +129,16 @@ def test_ddp_rank_one_overflow_logged_by_a_rank_zero_only_logger_is_the_truth(dd
     assert [logged[s]["mpx/loss_scale"] for s in range(5)] == _grad_scaler_scales({1, 3}, 5)
     assert [logged[s]["mpx/overflows"] for s in range(5)] == [0.0, 1.0, 0.0, 1.0, 0.0]
     assert [logged[s]["mpx/skipped_steps"] for s in range(5)] == [0.0, 1.0, 1.0, 2.0, 2.0]
-    # The layer is rank 1's, told on rank 0: its forward's first non-finite module at step 1, the module whose
-    # gradients alone overflowed at step 3.
+    # The layer is rank 1's, told on rank 0: its forward's first non-finite module at step 1, and at step 3 (a finite
+    # forward) the modules whose synchronised gradients are non-finite by the model's own reference (taken after each
+    # backward, independently of lightning_mpx): explode's always; out's weight gradient is near float16's maximum
+    # here (past it in one CI run, not in local runs), so whether it overflowed is read from the reference, not assumed.
     assert logged[1]["mpx/overflow_first/net.inp"] == 1.0
-    assert logged[3]["mpx/overflow/net.explode"] == 1.0
-    assert [logged[3][f"mpx/overflow/net.{m}"] for m in ("inp", "blow", "out")] == [0.0, 0.0, 0.0]
+    nonfinite = {name.split(".")[1] for name in rank0["grad_kinds"][3]}
+    assert "explode" in nonfinite and not nonfinite & {"inp", "blow"}
+    assert {m: logged[3][f"mpx/overflow/net.{m}"] for m in ("inp", "blow", "explode", "out")} == {
+        m: float(m in nonfinite) for m in ("inp", "blow", "explode", "out")
+    }
 
 
 # -- litgpt: finetune/full.py's loop through Fabric, saved and resumed -------------------------------------------------

@@ -5,6 +5,7 @@ showing them on the half model at O2: the state each call reads and writes is th
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,6 +16,8 @@ from lightning_mpx.engine.optimizer_state import _Stage
 from lightning_mpx.engine.rescale import follow_cleared_grads, grad_marks, unscale_late
 from lightning_mpx.engine.sharding import local_tensor
 from lightning_mpx.masters.pairs import param_pairs
+
+_PARAMS = operator.itemgetter("params")
 
 if TYPE_CHECKING:
     from lightning_mpx.engine.optimizers import StepMachine
@@ -83,7 +86,12 @@ def show_unscaled(machine: StepMachine, optimizer: torch.optim.Optimizer, *, fre
     pairs = param_pairs(state, master_weights, optimizer=optimizer)  # current for the marks below (paired=True)
     if not fresh:
         follow_cleared_grads(state, master_weights, optimizer, paired=True)
-        if state.unscaled_groups is not None:  # a group added since the unscale (rescale.unscale_late)
+        noted = state.unscaled_groups  # a group added since the unscale (rescale.unscale_late); the check written
+        lists = () if noted is None else tuple(map(_PARAMS, optimizer.param_groups))  # out (C-level: no call)
+        if noted is not None and (
+            len(lists) != len(noted[0]) or not all(map(operator.is_, lists, noted[0]))
+            or tuple(map(len, lists)) != noted[1]
+        ):  # fmt: skip
             unscale_late(state, machine.scalers, master_weights, optimizer, machine.backend, machine.shared)
             pairs = param_pairs(state, master_weights, optimizer=optimizer)
     targets, sources = [], []
