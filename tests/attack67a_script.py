@@ -38,38 +38,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.fabric import Fabric
-from lightning.fabric.strategies import DDPStrategy
-from torch import nn
 
-from lightning_mpx import FabricMixedPrecisionPlugin, MixedPrecisionPlugin
+from lightning_mpx import MixedPrecisionPlugin
+from tests.attack66a_script import PRECISIONS, _batch, _fabric, _net, _sgd, _values  # the same model and Fabric set-up
 from tests.launch import case_error, finish_cases
-
-PRECISIONS = ("O2", "bf16-mixed")
-
-
-def _net(seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-
-
-def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(100 * rank + step)
-    return torch.randn(4, 8, generator=gen), torch.randint(0, 4, (4,), generator=gen)
-
-
-def _values(*modules: nn.Module) -> list[float]:
-    return torch.cat([v.detach().float().flatten() for m in modules for v in m.state_dict().values()]).tolist()
-
-
-def _fabric(precision: str, **ddp: Any) -> Fabric:
-    strategy = DDPStrategy(**ddp) if ddp else "ddp"
-    if precision == "O2":
-        return Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[FabricMixedPrecisionPlugin("O2")])
-    return Fabric(accelerator="cpu", devices=2, strategy=strategy, precision=precision)
-
-
-def _sgd(module: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
 
 
 def fabric_case(kind: str, precision: str) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from torch import nn
 
 from lightning_mpx import Amp, FabricMixedPrecisionPlugin, MixedPrecisionPlugin
 from tests.launch import rank_results, run_script
+from tests.test_attack66a import _final  # the ranks' equal final weights, read the same way
 
 
 def _net() -> nn.Sequential:
@@ -316,14 +317,6 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("attack67a")
     run_script("attack67a_script.py", out, timeout=150)
     return rank_results(out)
-
-
-def _final(ranks: list[dict[str, Any]], case: str) -> torch.Tensor:
-    for r in ranks:
-        assert "error" not in r[case], f"{case}: {r[case]['error']}"
-    first, second = (torch.tensor(r[case]["final"]) for r in ranks)
-    assert torch.equal(first, second), f"{case}: the ranks' weights differ by {(first - second).abs().max()}"
-    return first
 
 
 def test_ddp_alternating_no_backward_sync_trains_as_bf16_mixed(ranks: list[dict[str, Any]]) -> None:

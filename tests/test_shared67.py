@@ -19,19 +19,10 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from lightning_mpx import Amp, FabricMixedPrecisionPlugin, MixedPrecisionPlugin
+from tests.test_attack67a import _batch, _net  # the same model and batches as the case that found it
 
 STEPS = 3
 ATOL = 2e-3  # float16 kernels against FP32's; the bug left the head ~2e-2 off
-
-
-def _net() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-
-
-def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(i)
-    return torch.randn(4, 8, generator=gen), torch.randint(0, 4, (4,), generator=gen)
 
 
 def _optimizers(net: nn.Sequential, habit: str) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
