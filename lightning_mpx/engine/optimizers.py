@@ -121,7 +121,7 @@ class StepMachine(UnscalePath):
         # forward (engine.raw_steps: no raw step), found with ``unheld``.
         self.renormed: frozenset[int] = frozenset()
         # What the error for an unregistered optimizer tells the user to do: the door's own call (Amp.register_call).
-        self.register_call = "call prepare_optimizer() on it first"
+        self.register_call = "call prepare_optimizer() on it first"  # (engine.registry)
         # Under DDP (engine.unsynced): the wrappers around the prepared models (weakly), the forwards' watch that finds
         # them, the ids of the models it watched, whether a wrapper's last forward with grad syncs (SyncNote); the count
         # of steps at the last backward DDP did not synchronise; a raw-step refusal kept for the step (ranks meet).
@@ -130,37 +130,6 @@ class StepMachine(UnscalePath):
         self.ddp_watched, self.ddp_synced = frozenset[int](), dict[int, bool]()
         self.unsynced_at = -1
         self.refused: str | None = None
-
-    @property
-    def register_call(self) -> str:
-        return self._register_call
-
-    @register_call.setter
-    def register_call(self, value: str) -> None:
-        if not isinstance(value, str) or not value:
-            raise TypeError(f"register_call={value!r} must be a non-empty str (the words that end the error).")
-        self._register_call = value
-
-    # -- registration -------------------------------------------------------------------------------------------
-    def state(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
-        state = self.optimizers.get(id(optimizer))
-        if state is None:
-            taken = self.taken.get(id(optimizer))
-            if taken is not None and taken() is optimizer:
-                raise RuntimeError(
-                    f"optimizer={type(optimizer).__name__} was taken over by another engine that registered it since "
-                    "(a later stage's prepare_optimizer(), Trainer or fabric.setup()): an optimizer is stepped by one "
-                    "engine at a time. Step it through that engine; to step it through this one again, prepare its "
-                    f"model with this one again, then {self.register_call} (that takes both back). Two engines "
-                    "training at once need an optimizer each."
-                )
-            if not isinstance(optimizer, torch.optim.Optimizer):  # said "was not registered; call prepare_optimizer()"
-                raise TypeError(
-                    f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer: pass the optimizer itself "
-                    "(its step, unscale and clip cover the parameters it trains), not a model or its parameters."
-                )
-            raise RuntimeError(f"optimizer={type(optimizer).__name__} was not registered; {self.register_call}.")
-        return state
 
     def validate(self, optimizer: torch.optim.Optimizer, *, with_masters: bool) -> None:
         """Refuse what cannot be registered: what :func:`refuse_unregistrable` refuses, ``with_masters`` an
@@ -255,39 +224,6 @@ class StepMachine(UnscalePath):
     def mirrors(self, state: _OptimizerState, *, compare: bool) -> list[Mirror]:
         """The optimizer's half parameters and their masters, one :class:`Mirror` per prepared model."""
         return mirrors(state, self.masters.weights, compare=compare)
-
-    def found_inf(self, optimizer: torch.optim.Optimizer, loss_id: int | None) -> torch.Tensor | None:
-        """The overflow flag of ``optimizer``'s checks since its last step: all losses together, or ``loss_id``'s."""
-        state = self.state(optimizer)
-        return state.found_inf if loss_id is None else state.found_by_loss.get(loss_id)
-
-    def overflowed(self, optimizer: torch.optim.Optimizer) -> bool:
-        """:meth:`Amp.overflowed <lightning_mpx.engine.amp.Amp.overflowed>`."""
-        state = self.state(optimizer)
-        flags = state.found_by_loss
-        flag = next(iter(flags.values())) if len(flags) == 1 else state.found_inf  # the one _read_flags reads
-        if flag is None:
-            return False
-        memo = state.flag_read
-        if memo is None or memo[0] is not flag:
-            memo = state.flag_read = (flag, bool(flag.item() > 0))
-        return memo[1]
-
-    def share_overflow(self, optimizers: Sequence[torch.optim.Optimizer], loss_id: int) -> None:
-        """:meth:`Amp.share_overflow <lightning_mpx.engine.amp.Amp.share_overflow>`."""
-        if isinstance(optimizers, torch.optim.Optimizer) or not isinstance(optimizers, (list, tuple)):
-            raise TypeError(
-                f"optimizers={type(optimizers).__name__} must be a list or tuple of prepared optimizers; for one, "
-                "pass [optimizer]."
-            )
-        for optimizer in optimizers:
-            state = self.state(optimizer)
-            seen = state.found_by_loss.get(loss_id)
-            like = seen if seen is not None else state.found_inf
-            device = None if like is None else like.device
-            state.found_by_loss[loss_id] = torch.ones((), dtype=torch.float32, device=device)
-            state.shared_overflow = True
-            state.found_inf = torch.stack([f.reshape(()) for f in state.found_by_loss.values()]).amax()
 
     # -- backward -----------------------------------------------------------------------------------------------
     def before_backward(self, loss_id: int, scaled: torch.Tensor | None = None) -> None:

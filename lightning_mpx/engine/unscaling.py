@@ -2,20 +2,23 @@
 gradients of one optimizer unscaled and checked for inf/NaN in one pass (:func:`~lightning_mpx.engine.grad_checks.
 unscale`), by :meth:`~UnscalePath.unscale_` or a clip before the step, or by the step's own check, which reduces the
 overflow flags across ranks once and reads them on the host (:meth:`~UnscalePath.check`) or leaves them on the device
-(:meth:`~UnscalePath.check_on_device`). The optimizers' registration, their stages before a backward and the update
-stay on the machine.
+(:meth:`~UnscalePath.check_on_device`); and the flags read for the user (:meth:`~UnscalePath.overflowed`,
+:meth:`~UnscalePath.found_inf`, :meth:`~UnscalePath.share_overflow`). Finding a registered optimizer's state is its
+base :class:`~lightning_mpx.engine.registry.Registry`'s; registering, the stages before a backward and the update stay
+on the machine.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from lightning_mpx.engine.clipping import show_unscaled
 from lightning_mpx.engine.grad_checks import reduce_checks, unscale
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage
+from lightning_mpx.engine.registry import Registry
 from lightning_mpx.engine.rescale import (
     follow_cleared_grads,
     grad_marks,
@@ -33,7 +36,7 @@ from lightning_mpx.scaling.scaler import LossScaler
 _PARAMS = operator.itemgetter("params")
 
 
-class UnscalePath:
+class UnscalePath(Registry):
     """The base of :class:`~lightning_mpx.engine.optimizers.StepMachine` that unscales and checks an optimizer's
     gradients (the attributes below are the machine's, see it)."""
 
@@ -48,7 +51,6 @@ class UnscalePath:
     sharding: Sharding | None
     refused: str | None  # a raw-step refusal kept for the step, where ranks meet (engine.unsynced)
     shared: SharedGrads  # parameters held by more than one optimizer (engine.shared_grads)
-    state: Callable[[torch.optim.Optimizer], _OptimizerState]  # the machine's: the state of a registered optimizer
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """:meth:`Amp.unscale_ <lightning_mpx.engine.amp.Amp.unscale_>`."""
@@ -201,6 +203,40 @@ class UnscalePath:
                 read_now[loss_id] = None  # one flag of the iteration was not read: the device counts
             else:
                 read_now[loss_id] = bool(read_now[loss_id]) or known
+
+    # -- the flags, read ----------------------------------------------------------------------------------------
+    def found_inf(self, optimizer: torch.optim.Optimizer, loss_id: int | None) -> torch.Tensor | None:
+        """The overflow flag of ``optimizer``'s checks since its last step: all losses together, or ``loss_id``'s."""
+        state = self.state(optimizer)
+        return state.found_inf if loss_id is None else state.found_by_loss.get(loss_id)
+
+    def overflowed(self, optimizer: torch.optim.Optimizer) -> bool:
+        """:meth:`Amp.overflowed <lightning_mpx.engine.amp.Amp.overflowed>`."""
+        state = self.state(optimizer)
+        flags = state.found_by_loss
+        flag = next(iter(flags.values())) if len(flags) == 1 else state.found_inf  # the one _read_flags reads
+        if flag is None:
+            return False
+        memo = state.flag_read
+        if memo is None or memo[0] is not flag:
+            memo = state.flag_read = (flag, bool(flag.item() > 0))
+        return memo[1]
+
+    def share_overflow(self, optimizers: Sequence[torch.optim.Optimizer], loss_id: int) -> None:
+        """:meth:`Amp.share_overflow <lightning_mpx.engine.amp.Amp.share_overflow>`."""
+        if isinstance(optimizers, torch.optim.Optimizer) or not isinstance(optimizers, (list, tuple)):
+            raise TypeError(
+                f"optimizers={type(optimizers).__name__} must be a list or tuple of prepared optimizers; for one, "
+                "pass [optimizer]."
+            )
+        for optimizer in optimizers:
+            state = self.state(optimizer)
+            seen = state.found_by_loss.get(loss_id)
+            like = seen if seen is not None else state.found_inf
+            device = None if like is None else like.device
+            state.found_by_loss[loss_id] = torch.ones((), dtype=torch.float32, device=device)
+            state.shared_overflow = True
+            state.found_inf = torch.stack([f.reshape(()) for f in state.found_by_loss.values()]).amax()
 
     # -- internals ----------------------------------------------------------------------------------------------
     def refuse_sparse(self, param: torch.Tensor) -> None:
