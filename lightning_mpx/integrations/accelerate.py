@@ -75,13 +75,11 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from lightning_mpx.common.containers import read_floats
 from lightning_mpx.common.imports import require
 from lightning_mpx.common.keywords import Required, check_keywords, checks_method_keywords, required
 from lightning_mpx.common.weak import WeakHook
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.optimizer_state import BACKWARD_KEYWORDS
-from lightning_mpx.engine.overflow import DEFAULT_READER
 from lightning_mpx.masters.weights import refuse_lazy
 from lightning_mpx.opt_levels import OPT_LEVELS
 from lightning_mpx.settings import implicit_dtype_note
@@ -117,6 +115,7 @@ from lightning_mpx.integrations.accelerate_forward import (  # noqa: E402
 )
 from lightning_mpx.integrations.accelerate_fsdp import ShardedPreparation  # noqa: E402
 from lightning_mpx.integrations.accelerate_kwargs import FSDP_GATHER_CHOICES, MixedPrecisionKwargs  # noqa: E402, F401
+from lightning_mpx.integrations.accelerate_metrics import MpxLogging  # noqa: E402
 from lightning_mpx.integrations.accelerate_optimizer import (  # noqa: E402
     AmpOptimizer,
     check_masters_exist,
@@ -144,7 +143,10 @@ _CHECKED_METHODS = (
 # backward()'s loss when left out, or misspelt (los=): refused naming it, with no check per call (keywords.Required)
 _LOSS = required("accelerator.backward()", "loss")
 _SUPPORTED_DISTRIBUTED = (
-    DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.FSDP
+    DistributedType.NO,
+    DistributedType.MULTI_CPU,
+    DistributedType.MULTI_GPU,
+    DistributedType.FSDP,
 )
 _DEEPSPEED_HINT = (
     "DeepSpeed brings its own mixed-precision engine (FP16 master weights in its ZeRO optimizer, its own dynamic "
@@ -157,7 +159,7 @@ _DEEPSPEED_HINT = (
 # Its own methods a user calls (not per step: a clip, backward and the optimizer's step check in their body) refuse a
 # misspelt keyword naming the valid ones and the value given (Python's TypeError named no valid keyword).
 @checks_method_keywords("accelerator", _CHECKED_METHODS)
-class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseAccelerator):  # type: ignore[misc]
+class Accelerator(GradientClipping, MpxLogging, ShardedPreparation, WholeModelExport, _BaseAccelerator):  # type: ignore[misc]
     """``accelerate.Accelerator`` that also accepts the opt levels ``"O0"`` to ``"O3"`` as ``mixed_precision``.
 
     Args:
@@ -480,45 +482,7 @@ class Accelerator(GradientClipping, ShardedPreparation, WholeModelExport, _BaseA
         self.amp.backward(divided, loss_id=loss_id, **kwargs)
 
     # -- metrics ----------------------------------------------------------------------------------------------------
-    def request_mpx_telemetry(self) -> None:
-        """Measure underflow and headroom in this iteration's unscale (call it before the optimizer step); the next
-        :meth:`log` or :meth:`mpx_metrics` holds ``mpx/underflow/<module>``, ``mpx/zeros/<module>`` and
-        ``mpx/headroom_doublings/<module>``."""
-        if self.amp is None:
-            raise ValueError(
-                f"request_mpx_telemetry() needs an opt level, but mixed_precision={self.mixed_precision!r}; use "
-                f"one of {', '.join(map(repr, OPT_LEVELS))}."
-            )
-        self.amp.request_telemetry()
-
-    def mpx_metrics(self) -> dict[str, float]:
-        """``mpx/loss_scale``, ``mpx/overflows`` (since the previous call), ``mpx/skipped_steps`` and
-        ``mpx/grad_norm`` (when ``clip_grad_norm_`` computed it since the previous call) as Python floats, with a
-        ``/loss{id}`` suffix when there are several losses, and ``mpx/underflow/<module>``, ``mpx/zeros/<module>``
-        and ``mpx/headroom_doublings/<module>`` after telemetry was measured. Reads the device (one sync); empty with
-        a native value. :meth:`log` reads on its own (since the previous log): a call takes nothing from the next
-        log, and after ``load_state`` each counts on from where the saving run's left off."""
-        return self._read_mpx_metrics(DEFAULT_READER)
-
-    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
-        """As ``accelerate.Accelerator.log``; with an opt level the metrics of :meth:`mpx_metrics`, counted since the
-        previous log (whatever :meth:`mpx_metrics` calls were made between), are added to ``values`` (your own values
-        win on a name clash) unless ``MixedPrecisionKwargs(log_metrics=False)``. The device is read
-        only here, and only on the main process, which is the only one that logs."""
-        if (
-            self.amp is not None
-            and self.mpx_kwargs is not None
-            and self.mpx_kwargs.log_metrics
-            and self.is_main_process
-        ):
-            values = {**self._read_mpx_metrics(LOG_READER), **values}
-        super().log(values, step=step, log_kwargs=log_kwargs)
-
     # -- internals ----------------------------------------------------------------------------------------------------
-    def _read_mpx_metrics(self, reader: str) -> dict[str, float]:
-        """The engine's metrics since ``reader``'s previous read, as Python numbers (one host read)."""
-        return {} if self.amp is None else read_floats(self.amp.metrics(reader))
-
     def _amp_optimizers(self) -> list[AmpOptimizer]:
         return [opt for opt in self._optimizers if isinstance(opt, AmpOptimizer)]
 
@@ -572,8 +536,10 @@ def _split_handlers(kwargs_handlers: object) -> tuple[list[MixedPrecisionKwargs]
     """``kwargs_handlers`` checked, as (the :class:`MixedPrecisionKwargs`, Accelerate's handlers); anything else is
     refused naming it (Accelerate's own ``AssertionError`` before)."""
     if kwargs_handlers is not None and not isinstance(kwargs_handlers, (list, tuple)):
-        raise TypeError(f"kwargs_handlers={type(kwargs_handlers).__name__} must be a list of handlers, such as "
-                        f"[MixedPrecisionKwargs(...)]; for one, pass [handler].")
+        raise TypeError(
+            f"kwargs_handlers={type(kwargs_handlers).__name__} must be a list of handlers, such as "
+            f"[MixedPrecisionKwargs(...)]; for one, pass [handler]."
+        )
     handlers = list(kwargs_handlers or [])
     for handler in handlers:
         if not isinstance(handler, KwargsHandler):
