@@ -95,17 +95,21 @@ def show_unscaled(machine: StepMachine, optimizer: torch.optim.Optimizer, *, fre
             unscale_late(state, machine.scalers, master_weights, optimizer, machine.backend, machine.shared)
             pairs = param_pairs(state, master_weights, optimizer=optimizer)
     targets, sources = [], []
+    shared = machine.shared if machine.shared.ids else None  # parameters another optimizer holds (shared_grads)
     for param, master in pairs:
         if master is not param and master.grad is not None:
             if param.grad is None:
                 param.grad = master.grad.to(param.dtype)
-            else:
+            elif shared is None or not shared.showing(param.grad, master.grad):  # shown by another's unscale
                 targets.append(param.grad)
                 sources.append(master.grad)
     if targets:
         # One multi-tensor copy (rounding to the half dtype as copy_ does), not a kernel per parameter: the Trainer
         # calls this at every step it clips or has an on_before_optimizer_step hook.
         torch._foreach_copy_(targets, sources)
+    if shared is not None:  # they hold true values now, for the other optimizers' unscales
+        shared.shown([(param.grad, master.grad) for param, master in pairs if master is not param
+                      and param.grad is not None and master.grad is not None])  # fmt: skip
     state.shown, state.clips = True, ()  # the half gradients hold the true values now, clipped so far
     # the copies are ours, not the user's writes
     state.unscaled_marks = grad_marks(state, master_weights, optimizer, paired=True)

@@ -179,6 +179,11 @@ def _unscale_shared(
     loss_id = state.loss_id or 0
     in_place = [targets is None or target is source for source, target in zip(sources, targets or sources)]
     done = [i for i, source in enumerate(sources) if in_place[i] and shared.holds(source)]
+    if targets is not None and (shared.masters or shared.done):  # O2: a shared master's FP32 gradient made already
+        for i, (source, target) in enumerate(zip(sources, targets or sources)):
+            if not in_place[i] and (true := shared.true_of(source)) is not None:
+                target.copy_(true)  # its values, not the half gradient divided again
+                done.append(i)
     fresh = sorted(set(range(len(sources))) - set(done))
     work = targets if copy else sources  # unscaled in place (the masters' copies with `copy`), into `out` otherwise
     out = None if copy or targets is None else targets
@@ -199,13 +204,15 @@ def _unscale_shared(
         if stats is not None:
             telemetry.record(id(state), [sources[i] for i in fresh], optimizer_params(optimizer), names, stats)
     if done:  # true values already: checked (factor 1), and clipped with the fresh ones by their global norm
-        checked = [sources[i] for i in done]
+        checked = [(sources if targets is None else targets)[i] for i in done]
         checked = real_views(checked) if state.has_complex else checked
         if max_norm is not None:
             checked = (fresh_work if fresh_out is None else fresh_out) + checked
         ones = torch.ones((), dtype=torch.float32, device=factor.device)
         norm = unscale_real_grads_(checked, ones, found, max_norm=max_norm, backend=backend)
     shared.note(list(itertools.compress(sources, in_place)))
+    if targets is not None and not all(in_place):
+        shared.note_masters(sources, targets)
     if state.found_inf is None:
         state.flags_reduced, state.found_inf, state.found_by_loss = False, found, {loss_id: found}
     else:

@@ -16,6 +16,14 @@ voids the notes (:meth:`SharedGrads.backward`); :meth:`SharedGrads.clear` drops 
 references at the end of the iteration. The other way, the true values that steps leave (a loop that does not zero
 them) or that a batch unscaled without stepping leaves are brought back up to the next backward's scale once too
 (:meth:`SharedGrads.once`), not once per optimizer holding them.
+
+At O2 a shared parameter's master is shared too, and its FP32 gradient is made again by each optimizer's unscale from
+the half gradient, which an unscale before the step (``unscale_``, a clip) shows the true values in: the next
+optimizer's unscale divided them again, and the first optimizer's step freed the FP32 gradient that an optimizer
+unscaled before it was to step with. The FP32 gradient an unscale made for a shared master is noted with the half
+gradient it came from (:meth:`SharedGrads.note_masters`): a later unscale takes its values while the half gradient is
+as it was (:meth:`SharedGrads.true_of`), and a step gives it back to the master that a step freed
+(:meth:`SharedGrads.restore`).
 """
 
 from __future__ import annotations
@@ -51,6 +59,8 @@ class SharedGrads:
         self.ids: frozenset[int] = frozenset()
         self.done: dict[int, tuple[torch.Tensor, int]] = {}
         self.raised: dict[int, torch.Tensor] = {}
+        # at O2, by the half gradient's id: (half gradient, its version, the FP32 gradient an unscale made of it)
+        self.masters: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
     def refresh(self) -> None:
         """Find the overlap again (a registration, a release, a parameter count changed). A parameter newly shared
@@ -71,7 +81,7 @@ class SharedGrads:
         new = shared - self.ids
         self.ids = frozenset(shared)
         if not shared:
-            self.done = {}
+            self.done, self.masters = {}, {}
         for state, params in held if new else ():
             for param in params:
                 grad = param.grad
@@ -89,6 +99,8 @@ class SharedGrads:
         """A backward is coming: it adds scaled values to the gradients (brought up first), so no note holds."""
         if self.done:
             self.done = {}
+        if self.masters:
+            self.masters = {}
 
     def note(self, grads: list[torch.Tensor]) -> None:
         """Note ``grads`` as holding true values (an unscale in place just ran over them). The gradients brought up
@@ -96,6 +108,47 @@ class SharedGrads:
         settled (the next ones start from an unscale)."""
         self.done.update((id(grad), (grad, grad._version)) for grad in grads)
         self.raised = {}
+
+    def note_masters(self, sources: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+        """At O2: note the FP32 gradients ``targets`` an unscale just made of the half ones ``sources`` (those that
+        are the same tensor, unscaled in place, are :meth:`note`'s)."""
+        self.masters.update(
+            (id(half), (half, half._version, true)) for half, true in zip(sources, targets) if true is not half
+        )
+        self.raised = {}
+
+    def true_of(self, half: torch.Tensor) -> torch.Tensor | None:
+        """At O2, for a shared master's half gradient ``half`` about to be unscaled: the true values to take instead
+        of dividing it, or ``None``. The FP32 gradient another optimizer's unscale made of it while it is as that
+        unscale left it; else ``half`` itself where an unscale showed the true values in it (a write since is the
+        user's, on true values: :meth:`holds`)."""
+        noted = self.masters.get(id(half))
+        if noted is not None and noted[0] is half and noted[1] == half._version:
+            return noted[2]
+        return half if self.holds(half) else None
+
+    def shown(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """At O2: an unscale showed the true values in the half gradients (``(half, FP32 gradient)`` pairs, written
+        from the FP32 ones): they hold true values now, and the FP32 gradients are still theirs."""
+        self.done.update((id(half), (half, half._version)) for half, _ in pairs)
+        self.masters.update((id(half), (half, half._version, true)) for half, true in pairs)
+
+    def showing(self, half: torch.Tensor, true: torch.Tensor) -> bool:
+        """Whether ``half`` shows the values of ``true`` already (an unscale showed them, neither written since)."""
+        noted = self.masters.get(id(half))
+        return noted is not None and noted[0] is half and noted[1] == half._version and noted[2] is true and (
+            self.holds(half)
+        )
+
+    def restore(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Before the step of an optimizer unscaled earlier (``(parameter, master)`` pairs): give a shared master
+        whose FP32 gradient another optimizer's step freed since the gradient noted for its half one."""
+        for param, master in pairs:
+            half = param.grad
+            if master is not param and master.grad is None and half is not None:
+                noted = self.masters.get(id(half))
+                if noted is not None and noted[0] is half:
+                    master.grad = noted[2]
 
     def once(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Before a backward: those of ``grads`` (true values, about to be brought up to its scale) that no other
@@ -107,7 +160,7 @@ class SharedGrads:
 
     def clear(self) -> None:
         """Drop the notes (the end of an iteration: the gradients are not held alive past it)."""
-        self.done = {}
+        self.done, self.masters = {}, {}
 
 
 def _true_now(state: _OptimizerState, grad: torch.Tensor) -> bool:

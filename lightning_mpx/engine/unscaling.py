@@ -139,6 +139,8 @@ class UnscalePath(Registry):
             self._unscale(state, marks=False, optimizer=optimizer)
             return
         if self.masters.weights:
+            if self.shared.masters:  # a shared master's FP32 gradient freed by another optimizer's step since
+                self.shared.restore(state.pairs)
             follow_cleared_grads(state, self.masters.weights, optimizer)
         # a group added since the unscale (add_param_group), told by the groups' lengths: rescale.unscale_late
         if (noted := state.unscaled_groups) is not None and noted[1] != tuple(
