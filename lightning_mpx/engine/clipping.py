@@ -103,13 +103,14 @@ def show_unscaled(machine: StepMachine, optimizer: torch.optim.Optimizer, *, fre
             elif shared is None or not shared.showing(param.grad, master.grad):  # shown by another's unscale
                 targets.append(param.grad)
                 sources.append(master.grad)
+    before = None if shared is None else [(id(grad), grad._version) for grad in targets]
     if targets:
         # One multi-tensor copy (rounding to the half dtype as copy_ does), not a kernel per parameter: the Trainer
         # calls this at every step it clips or has an on_before_optimizer_step hook.
         torch._foreach_copy_(targets, sources)
-    if shared is not None:  # they hold true values now, for the other optimizers' unscales
+    if shared is not None and before is not None:  # they hold true values now, for the other optimizers' unscales
         shared.shown([(param.grad, master.grad) for param, master in pairs if master is not param
-                      and param.grad is not None and master.grad is not None])  # fmt: skip
+                      and param.grad is not None and master.grad is not None], before, state)  # fmt: skip
     state.shown, state.clips = True, ()  # the half gradients hold the true values now, clipped so far
     # the copies are ours, not the user's writes
     state.unscaled_marks = grad_marks(state, master_weights, optimizer, paired=True)

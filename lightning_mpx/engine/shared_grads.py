@@ -127,11 +127,25 @@ class SharedGrads:
             return noted[2]
         return half if self.holds(half) else None
 
-    def shown(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """At O2: an unscale showed the true values in the half gradients (``(half, FP32 gradient)`` pairs, written
-        from the FP32 ones): they hold true values now, and the FP32 gradients are still theirs."""
+    def shown(
+        self,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        before: list[tuple[int, int]],
+        state: _OptimizerState,
+    ) -> None:
+        """At O2: ``state``'s unscale showed the true values in the half gradients (``(half, FP32 gradient)`` pairs,
+        written from the FP32 ones; ``before``: the identity and version of those it wrote, before the write): they
+        hold true values now, and the FP32 gradients are still theirs. Another optimizer unscaled before, which
+        noted them as it left them, is told that the write is the engine's, not the user's (which its step would
+        take into its masters, over a clip made since)."""
         self.done.update((id(half), (half, half._version)) for half, _ in pairs)
         self.masters.update((id(half), (half, half._version, true)) for half, true in pairs)
+        now = {id(half): (id(half), half._version) for half, _ in pairs}
+        moved = {mark: now[mark[0]] for mark in before if mark[0] in now and now[mark[0]] != mark}
+        for other in list(self.optimizers.values()) if moved else ():
+            marks = other.unscaled_marks
+            if other is not state and other.stage is _Stage.UNSCALED and marks and any(m in moved for m in marks):
+                other.unscaled_marks = tuple(moved.get(mark, mark) if mark is not None else None for mark in marks)
 
     def showing(self, half: torch.Tensor, true: torch.Tensor) -> bool:
         """Whether ``half`` shows the values of ``true`` already (an unscale showed them, neither written since)."""
