@@ -99,9 +99,7 @@ def _core(sequence: tuple[str, ...], half: str | None) -> dict[str, torch.Tensor
         ("clip head", "unscale whole", "clip all", "step whole", "step head"),  # the show kept apart from a clip
     ],
 )
-def test_core_o2_a_shared_master_unscaled_before_the_steps_trains_as_fp32(
-    sequence: tuple[str, ...], half: str
-) -> None:
+def test_core_o2_a_shared_master_unscaled_before_the_steps_trains_as_fp32(sequence: tuple[str, ...], half: str) -> None:
     _close(_core(sequence, half), _core(sequence, None))
 
 

@@ -396,8 +396,9 @@ class Amp(AmpMasters):
         ``torch.amp.GradScaler.update()``; one unscaled without a step keeps its gradients as true values), and
         clear the cast cache."""
         self._machine.update()
-        if self._machine.shared.done or self._machine.shared.masters:  # the notes of gradients unscaled once, held no longer than the iteration
-            self._machine.shared.clear()
+        shared = self._machine.shared
+        if shared.done or shared.masters:  # the notes of gradients unscaled once, held no longer than the iteration
+            shared.clear()
         self.iteration.close()
         self._stepper.returned = None  # the optimizer's step's value: a door that hands it on took it before
         if self.policy is not None:

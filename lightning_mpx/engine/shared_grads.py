@@ -150,8 +150,12 @@ class SharedGrads:
     def showing(self, half: torch.Tensor, true: torch.Tensor) -> bool:
         """Whether ``half`` shows the values of ``true`` already (an unscale showed them, neither written since)."""
         noted = self.masters.get(id(half))
-        return noted is not None and noted[0] is half and noted[1] == half._version and noted[2] is true and (
-            self.holds(half)
+        return (
+            noted is not None
+            and noted[0] is half
+            and noted[1] == half._version
+            and noted[2] is true
+            and self.holds(half)
         )
 
     def restore(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
