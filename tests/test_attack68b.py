@@ -190,3 +190,54 @@ def test_apex_o2_initialize_with_overlapping_optimizers_trains_as_fp32(habit: st
     """``scale_loss(loss, [whole, head])`` unscales both at the block's end: the head was 0.12 off FP32 (the
     ``delay_unscale`` chain) and 1e-2 (a clip of the head's masters) after 3 steps, float16 O2."""
     _close(_apex("O2", habit), _apex(None, habit))
+
+
+# -- the HF Trainer: a second Trainer over the model of a first one still alive ------------------------------------
+class _Labelled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": F.mse_loss(self.net(x).float(), labels)}
+
+
+def _two_trainers(level: str, folder: str) -> dict[str, torch.Tensor]:
+    """Two Trainers over one model, one after the other, the first kept (a two-phase fine-tune's habit); with the
+    door, the second's ``train()`` is refused until the first Trainer's Accelerator lets the model go."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_mpx.accelerate import MixedPrecisionKwargs, mpx_trainer
+    from tests.accelerate_helpers import reset_accelerate_state
+
+    g = torch.Generator().manual_seed(5)
+    data = [{"x": torch.randn(8, generator=g), "labels": torch.randn(4, generator=g)} for _ in range(8)]
+    torch.manual_seed(0)
+    model = _Labelled()
+    trainers = []
+    for _ in range(2):
+        reset_accelerate_state()
+        args = transformers.TrainingArguments(
+            folder, report_to=[], use_cpu=True, max_steps=2, save_strategy="no", per_device_train_batch_size=4,
+            learning_rate=0.1, lr_scheduler_type="constant", disable_tqdm=True, optim="sgd", bf16=level == "bf16",
+        )  # fmt: skip
+        if level == "bf16":
+            trainers.append(transformers.Trainer(model=model, args=args, train_dataset=data))
+        else:
+            kwargs = {"opt_level": level, "mpx_kwargs": MixedPrecisionKwargs(half_dtype="bfloat16")}
+            trainers.append(mpx_trainer(transformers.Trainer)(model=model, args=args, train_dataset=data, **kwargs))
+        if len(trainers) == 2 and level != "bf16":
+            with pytest.raises(RuntimeError, match=r"trainer\.accelerator\.free_memory\(\) on the earlier Trainer"):
+                trainers[1].train()
+            trainers[0].accelerator.free_memory()  # as the refusal says; then train() again
+        trainers[-1].train()
+    reset_accelerate_state()
+    amp = getattr(trainers[-1].accelerator, "amp", None)
+    state = amp.fp32_state_dict(model) if amp is not None else model.state_dict()
+    return {k: v.detach().float().clone() for k, v in state.items()}
+
+
+def test_trainer_a_second_trainer_over_a_model_the_first_still_trains(tmp_path: Any) -> None:
+    """The HF Trainer trains a model again with a second Trainer while the first is alive; the door refuses it (the
+    first Trainer's engine still holds the model: "call free_memory() on the Accelerator", which the user never made),
+    and the refusal now names the Trainer's way out, after which the retried ``train()`` trains as ``bf16=True``."""
+    _close(_two_trainers("O2", str(tmp_path)), _two_trainers("bf16", str(tmp_path)))

@@ -327,5 +327,7 @@ def _refuse_if_still_trained(old: Amp, model: nn.Module) -> None:
             f"model={type(model).__name__} was prepared by another Accelerator (or Amp) whose optimizer(s) "
             f"{names} still train it: both engines would write their own weights into it (at O2 each from its own FP32 "
             "masters). Call free_memory() on the Accelerator that prepared it first (it releases its optimizers), "
-            "or go on training it with that Accelerator."
+            "or go on training it with that Accelerator. A transformers Trainer (mpx_trainer) made earlier over this "
+            "model holds that Accelerator: call trainer.accelerator.free_memory() on the earlier Trainer, or drop it "
+            "(del trainer), before the next one trains."
         )
