@@ -241,3 +241,36 @@ def test_trainer_a_second_trainer_over_a_model_the_first_still_trains(tmp_path: 
     first Trainer's engine still holds the model: "call free_memory() on the Accelerator", which the user never made),
     and the refusal now names the Trainer's way out, after which the retried ``train()`` trains as ``bf16=True``."""
     _close(_two_trainers("O2", str(tmp_path)), _two_trainers("bf16", str(tmp_path)))
+
+
+# -- Accelerate's one precision per process --------------------------------------------------------------------------
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_an_opt_level_after_an_accelerator_of_accelerates_own_precision_names_the_reset() -> None:
+    """``Accelerator(mixed_precision="bf16")`` then ``Accelerator(mixed_precision="O2")`` in one process: Accelerate
+    refused the adapter's inner ``"no"``, telling the user to "pass `mixed_precision='no'`" (which they never passed);
+    the refusal names the earlier precision and ``AcceleratorState._reset_state(True)``, after which O2 builds."""
+    from accelerate.state import AcceleratorState
+
+    from lightning_mpx.accelerate import Accelerator
+
+    Accelerator(mixed_precision="bf16", cpu=True)
+    with pytest.raises(ValueError, match=r"mixed_precision='O2': .*set Accelerate's mixed precision to 'bf16'.*_reset"):
+        Accelerator(mixed_precision="O2", cpu=True)
+    AcceleratorState._reset_state(True)
+    assert Accelerator(mixed_precision="O2", cpu=True).opt_level == "O2"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a second Accelerator() (no mixed_precision, none in the environment) after Accelerator(mixed_precision="
+    "'O2') in one process runs without mixed precision (opt_level None, FP32), silently: Accelerate's own second "
+    "Accelerator() takes the process's precision (the first one's), but the adapter's opt level is not in "
+    "Accelerate's shared state (it runs Accelerate with 'no')",
+)
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_a_second_accelerator_without_a_precision_takes_the_processs_opt_level(monkeypatch: Any) -> None:
+    from lightning_mpx.accelerate import Accelerator
+
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    Accelerator(mixed_precision="O2", cpu=True)
+    assert Accelerator(cpu=True).opt_level == "O2"

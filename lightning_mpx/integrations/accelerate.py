@@ -214,6 +214,7 @@ class Accelerator(GradientClipping, MpxLogging, ShardedPreparation, WholeModelEx
         if deepspeed is not None or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
             raise ValueError(f"mixed_precision={opt_level!r} cannot run under DeepSpeed. {_DEEPSPEED_HINT}")
         self._native_view = False  # True while Accelerate's own code prepares a model: see mixed_precision
+        _refuse_set_precision(opt_level)
         super().__init__(*args, mixed_precision="no", kwargs_handlers=theirs or None, **kwargs)
         implicit = settings.implicit_dtype(self.device.type)
         if implicit is not None:  # no half_dtype given, on a CPU: bfloat16 (float16 matmuls are often emulated there)
@@ -620,6 +621,21 @@ def _native_handler_refusal(handler: KwargsHandler, opt_level: str) -> str:
         "MixedPrecisionKwargs(cast_table=..., fp32_modules=[...]) instead, and run part of a forward pass in FP32 "
         "inside lightning_mpx.disable_casts()."
     )
+
+
+def _refuse_set_precision(opt_level: str) -> None:
+    """Refuse ``opt_level`` where an earlier Accelerator of this process set Accelerate's one precision to one of its
+    own: Accelerate would refuse the adapter's ``"no"``, telling the user to pass ``mixed_precision='no'``."""
+    from accelerate.state import AcceleratorState
+
+    held = AcceleratorState._shared_state.get("_mixed_precision")
+    if held not in (None, "no"):
+        raise ValueError(
+            f"mixed_precision={opt_level!r}: an earlier Accelerator of this process set Accelerate's mixed precision "
+            f"to {str(held)!r}, which Accelerate keeps for the whole process (its state is shared), and an opt level "
+            "runs Accelerate with 'no'. Build the opt level's Accelerator in a fresh process, or reset Accelerate's "
+            "state first: AcceleratorState._reset_state(True) (from accelerate.state)."
+        )
 
 
 def _opt_level_of(mixed_precision: object) -> str | None:
