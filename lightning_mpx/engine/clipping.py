@@ -110,7 +110,8 @@ def show_unscaled(machine: StepMachine, optimizer: torch.optim.Optimizer, *, fre
         torch._foreach_copy_(targets, sources)
     if shared is not None and before is not None:  # they hold true values now, for the other optimizers' unscales
         shared.shown([(param.grad, master.grad) for param, master in pairs if master is not param
-                      and param.grad is not None and master.grad is not None], before, state)  # fmt: skip
+                      and id(param) in shared.ids and param.grad is not None and master.grad is not None],
+                     before, state)  # fmt: skip
     state.shown, state.clips = True, ()  # the half gradients hold the true values now, clipped so far
     # the copies are ours, not the user's writes
     state.unscaled_marks = grad_marks(state, master_weights, optimizer, paired=True)
