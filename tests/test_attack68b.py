@@ -274,3 +274,30 @@ def test_a_second_accelerator_without_a_precision_takes_the_processs_opt_level(m
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
     Accelerator(mixed_precision="O2", cpu=True)
     assert Accelerator(cpu=True).opt_level == "O2"
+
+
+# -- Fabric: fabric.clip_gradients of one optimizer before both steps ------------------------------------------------
+def _fabric(level: str | None) -> dict[str, torch.Tensor]:
+    from lightning.fabric import Fabric
+
+    from lightning_mpx import FabricMixedPrecisionPlugin
+
+    torch.manual_seed(0)
+    net = _Net()
+    plugins = [FabricMixedPrecisionPlugin(level, half_dtype="float16")] if level else []
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=plugins)
+    model, whole, head = fabric.setup(net, *_pair(net))
+    for x, y in _batches(3):
+        fabric.backward(F.cross_entropy(model(x).float(), y))
+        fabric.clip_gradients(model, head, max_norm=0.05)  # the head's optimizer's: unscaled (and shown) first
+        whole.step()
+        head.step()
+        whole.zero_grad()
+        head.zero_grad()
+    state = fabric._precision.amp.fp32_state_dict(net) if level else net.state_dict()
+    return {k: v.float().clone() for k, v in state.items()}
+
+
+def test_fabric_o2_clip_of_one_optimizer_sharing_the_head_trains_as_fp32() -> None:
+    """``fabric.clip_gradients(model, head_optimizer)`` then both steps: the head was 2e-2 off FP32 at O2."""
+    _close(_fabric("O2"), _fabric(None))
