@@ -174,11 +174,19 @@ def _unscale_shared(
     """:func:`unscale` where some parameters are held by more than one optimizer: a gradient unscaled in place (no
     master: O1, O3, and O2's FP32 parameters) that another optimizer's unscale divided since its backward (noted in
     ``shared``) is checked, clipped with the others and measured, not divided again; those divided in place here are
-    noted for the other optimizers. ``sources``, ``targets`` and ``copy`` as :func:`unscale` made them (at O2 a
-    master's new gradient is made from the half one, which stays scaled: never noted)."""
+    noted for the other optimizers. ``sources``, ``targets`` and ``copy`` as :func:`unscale` made them. At O2 a
+    master's new gradient is made from the half one, which stays scaled: one another optimizer's unscale made since the
+    backward (the half gradient not written since) takes that one's values instead, as written since (its clip), and is
+    checked and clipped as the divided ones."""
     loss_id = state.loss_id or 0
     in_place = [targets is None or target is source for source, target in zip(sources, targets or sources)]
     done = [i for i, source in enumerate(sources) if in_place[i] and shared.holds(source)]
+    # at O2, a master's gradient another optimizer's unscale made since the backward: its values, as written since
+    kept = [None if inside else shared.made(source) for source, inside in zip(sources, in_place)]
+    made = [i for i, grad in enumerate(kept) if grad is not None]
+    for i in made:
+        targets[i].copy_(kept[i])  # type: ignore[index,arg-type]
+    done += made
     fresh = sorted(set(range(len(sources))) - set(done))
     work = targets if copy else sources  # unscaled in place (the masters' copies with `copy`), into `out` otherwise
     out = None if copy or targets is None else targets
@@ -199,13 +207,16 @@ def _unscale_shared(
         if stats is not None:
             telemetry.record(id(state), [sources[i] for i in fresh], optimizer_params(optimizer), names, stats)
     if done:  # true values already: checked (factor 1), and clipped with the fresh ones by their global norm
-        checked = [sources[i] for i in done]
+        checked = [sources[i] if in_place[i] else targets[i] for i in done]  # type: ignore[index]
         checked = real_views(checked) if state.has_complex else checked
         if max_norm is not None:
             checked = (fresh_work if fresh_out is None else fresh_out) + checked
         ones = torch.ones((), dtype=torch.float32, device=factor.device)
         norm = unscale_real_grads_(checked, ones, found, max_norm=max_norm, backend=backend)
     shared.note(list(itertools.compress(sources, in_place)))
+    if targets is not None and not all(in_place):  # the masters' gradients made here, for a later optimizer's unscale
+        mastered = [i for i, inside in enumerate(in_place) if not inside]
+        shared.note_made([sources[i] for i in mastered], [targets[i] for i in mastered])
     if state.found_inf is None:
         state.flags_reduced, state.found_inf, state.found_by_loss = False, found, {loss_id: found}
     else:

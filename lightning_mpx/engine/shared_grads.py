@@ -40,7 +40,8 @@ class SharedGrads:
     Attributes:
         ids: The ``id`` of each parameter two or more registered optimizers hold (empty: no overlap, no cost).
         done: By gradient ``id``, while parameters are shared: each gradient an unscale divided in place, and its
-            version as that unscale left it.
+            version as that unscale left it; at O2 each half gradient a master's was made from, its version and the
+            master's gradient (:meth:`made`).
         raised: Before a backward, by ``id``: the gradients holding true values that an optimizer's stage brought up
             to the backward's scale already (gradients kept across a step, or unscaled by a batch that did not step),
             emptied at the next unscale (the stages brought up before a backward only after one).
@@ -49,7 +50,7 @@ class SharedGrads:
     def __init__(self, optimizers: Mapping[int, _OptimizerState]) -> None:
         self.optimizers = optimizers
         self.ids: frozenset[int] = frozenset()
-        self.done: dict[int, tuple[torch.Tensor, int]] = {}
+        self.done: dict[int, tuple[torch.Tensor, ...]] = {}  # (grad, version), or (half, version, master's grad)
         self.raised: dict[int, torch.Tensor] = {}
 
     def refresh(self) -> None:
@@ -83,7 +84,23 @@ class SharedGrads:
         (:meth:`backward`). A write since is the user's on true values (torch's ``clip_grad_norm_`` after
         ``unscale_``, as ``fabric.clip_gradients`` does; ``zero_grad`` leaves zeros): not divided again."""
         noted = self.done.get(id(grad))
-        return noted is not None and noted[0] is grad
+        return noted is not None and len(noted) == 2 and noted[0] is grad
+
+    def made(self, half: torch.Tensor) -> torch.Tensor | None:
+        """At O2: the master's gradient that an unscale since the last backward made from the half gradient ``half``
+        (the same tensor, not written since), as it is now (a clip since kept), or ``None``. A master held by two
+        optimizers gets a new gradient at each unscale: the later one takes this one's values, where making it again
+        from the half gradient lost what was written to it between the two (``clip_grad_norm_`` of the first
+        optimizer, as FP32 and ``"bf16-mixed"`` step the second with the clipped gradient)."""
+        noted = self.done.get(id(half))
+        if noted is None or len(noted) < 3 or noted[0] is not half or noted[1] != half._version:
+            return None
+        return noted[2]  # type: ignore[misc]
+
+    def note_made(self, halves: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """Note the masters' gradients ``grads`` an unscale made from the half gradients ``halves`` (for
+        :meth:`made`)."""
+        self.done.update((id(half), (half, half._version, grad)) for half, grad in zip(halves, grads))
 
     def backward(self) -> None:
         """A backward is coming: it adds scaled values to the gradients (brought up first), so no note holds."""
