@@ -106,6 +106,9 @@ def show_unscaled(machine: StepMachine, optimizer: torch.optim.Optimizer, *, fre
         # One multi-tensor copy (rounding to the half dtype as copy_ does), not a kernel per parameter: the Trainer
         # calls this at every step it clips or has an on_before_optimizer_step hook.
         torch._foreach_copy_(targets, sources)
+    if machine.shared.ids:  # the copies are ours: another optimizer holding a master takes its gradient still
+        shown = [(param, master) for param, master in pairs if master is not param and master.grad is not None]
+        machine.shared.note_made([param.grad for param, _ in shown], [master.grad for _, master in shown])
     state.shown, state.clips = True, ()  # the half gradients hold the true values now, clipped so far
     # the copies are ours, not the user's writes
     state.unscaled_marks = grad_marks(state, master_weights, optimizer, paired=True)
