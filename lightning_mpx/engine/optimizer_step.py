@@ -242,6 +242,8 @@ class OptimizerStep:
         try:
             master_weights = self.machine.masters.weights
             if master_weights:
+                if self.machine.shared.ids:  # a shared master's gradient freed by another optimizer's step
+                    self.machine.shared.restore(state)
                 step = functools.partial(optimizer.step, **step_kwargs)
                 self.returned = step_on_masters(
                     state, optimizer, master_weights, step, compare=compare, judge=self.machine.held_writes

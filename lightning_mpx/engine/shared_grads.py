@@ -102,6 +102,16 @@ class SharedGrads:
         :meth:`made`)."""
         self.done.update((id(half), (half, half._version, grad)) for half, grad in zip(halves, grads))
 
+    def restore(self, state: _OptimizerState) -> None:
+        """At O2, before the step of ``state``'s optimizer (unscaled): a master it shares whose gradient another
+        optimizer's step freed since the unscale (each step frees its masters' gradients) gets back the one
+        :meth:`made` holds (the last unscale's, with its clip), the half gradient still there and unwritten: FP32
+        steps the two optimizers with the one gradient in either order."""
+        for param, master in state.pairs:
+            grad = param.grad
+            if master is not param and master.grad is None and grad is not None and id(param) in self.ids:
+                master.grad = self.made(grad)
+
     def backward(self) -> None:
         """A backward is coming: it adds scaled values to the gradients (brought up first), so no note holds."""
         if self.done:
