@@ -30,7 +30,7 @@ from torch import nn
 from lightning_mpx import Amp, FabricMixedPrecisionPlugin, MixedPrecisionPlugin
 from tests.test_attack67a import _batch, _net
 
-ATOL = 2e-3  # half kernels against FP32's over a few steps; the defects left the weights 1e-3 to 0.4 off
+ATOL = 5e-4  # bfloat16 kernels against FP32 over 3 steps (float16 ~2.5e-4); the defects left 1e-3 to 0.4
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -192,7 +192,8 @@ def test_trainer_o2_manual_optimization_shared_head_clipped_by_one_optimizer(hab
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_fabric_o2_clip_gradients_on_one_optimizer_of_two() -> None:
     """Fabric at O2: ``fabric.setup(model, whole, head)``, ``fabric.backward`` twice (two losses),
-    ``fabric.clip_gradients(model, whole, max_norm=...)`` on one only, then both steps: as FP32."""
+    ``fabric.clip_gradients(model, whole, max_norm=...)`` on one only, then both steps: as FP32 (float16: the clip's
+    true values shown on the half gradients were divided by the scale again at the head's unscale, 1.2e-2 off)."""
 
     def run(plugins: list[Any]) -> torch.Tensor:
         fabric = Fabric(accelerator="cpu", devices=1, plugins=plugins)
@@ -212,5 +213,5 @@ def test_fabric_o2_clip_gradients_on_one_optimizer_of_two() -> None:
         amp = getattr(fabric._precision, "amp", None)
         return _weights(net, amp)
 
-    got = run([FabricMixedPrecisionPlugin("O2", half_dtype="bfloat16")])
+    got = run([FabricMixedPrecisionPlugin("O2", half_dtype="float16")])  # a scale: the clip shown on the model
     torch.testing.assert_close(got, run([]), rtol=0, atol=ATOL)
