@@ -28,6 +28,8 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from lightning_mpx import Amp, FabricMixedPrecisionPlugin, MixedPrecisionPlugin
+from tests.launch import rank_results, run_script
+from tests.test_attack66a import _final  # the ranks' equal final weights, read the same way
 from tests.test_attack67a import _batch, _net
 
 ATOL = 5e-4  # bfloat16 kernels against FP32 over 3 steps (float16 ~2.5e-4); the defects left 1e-3 to 0.4
@@ -215,3 +217,36 @@ def test_fabric_o2_clip_gradients_on_one_optimizer_of_two() -> None:
 
     got = run([FabricMixedPrecisionPlugin("O2", half_dtype="float16")])  # a scale: the clip shown on the model
     torch.testing.assert_close(got, run([]), rtol=0, atol=ATOL)
+
+
+# -- DDP (tests/attack68a_script.py, one launch) ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("attack68a")
+    run_script("attack68a_script.py", out, timeout=150)
+    return rank_results(out)
+
+
+def test_ddp_shared_head_overflow_on_one_rank_skips_both_optimizers_on_both(ranks: list[dict[str, Any]]) -> None:
+    """O2 float16, a head in two optimizers, the whole one clipped, rank 1's loss overflowing at step 1: both
+    optimizers skip that step on both ranks, which end equal and as FP32 skipping it."""
+    got, want = _final(ranks, "shared_overflow/O2"), _final(ranks, "shared_overflow/32-true")
+    torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+
+
+def test_ddp_group_added_after_the_clip_on_both_ranks_trains_as_fp32(ranks: list[dict[str, Any]]) -> None:
+    """The head (held by the whole model's optimizer) added to the trunk's between its clip and its step on both
+    ranks: the ranks equal, as FP32."""
+    got, want = _final(ranks, "late_group/O2"), _final(ranks, "late_group/32-true")
+    torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+
+
+def test_ddp_kept_write_on_one_rank(ranks: list[dict[str, Any]]) -> None:
+    """Rank 0 alone steps its half weights by hand between accumulated backwards: left there, it is refused on both
+    ranks (at the step, where they meet) and they still meet; undone before the next backward, the ranks train on,
+    equal, as ``"bf16-mixed"``."""
+    for r in ranks:
+        assert "error" in r["kept_raw_rank0/O2"], r["kept_raw_rank0/O2"]
+        assert r["after"] == {"sum": 2.0}
+    got, want = _final(ranks, "kept_undone_rank0/O2"), _final(ranks, "kept_undone_rank0/bf16-mixed")
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-2)  # O2's writes at the half rounding (test_attack67a)
