@@ -5,8 +5,8 @@ per case, its final weights (FP32: the masters at O2) or the error it raised.
 * ``shared_overflow``: the whole model's optimizer and the head's own (one master), the whole one clipped, at float16;
   rank 1's loss overflows at step 1 (the gradients all-reduced: both ranks hold it), so both optimizers skip that
   step on both ranks (the reference skips it by hand);
-* ``late_group``: the whole model's optimizer and the trunk's; the head (held by the whole one) added to the trunk's
-  between its clip and its step, on both ranks;
+* ``late_group`` (float16): the whole model's optimizer and the trunk's; the head (held by the whole one) added to
+  the trunk's between its clip and its step, on both ranks;
 * ``kept_raw_rank0``: accumulation of 2 under ``no_backward_sync``; rank 0 alone steps its half weights by hand
   along the gradients between the backwards and leaves it (a raw step the engine would lose): refused on both ranks;
 * ``kept_undone_rank0``: the same write undone by rank 0 from a copy before the second backward (a descent probe):
@@ -38,7 +38,7 @@ def _fabric(precision: str, half: str) -> Fabric:
 
 
 def case(kind: str, precision: str) -> dict[str, Any]:
-    fabric = _fabric(precision, "float16" if kind == "shared_overflow" else "bfloat16")
+    fabric = _fabric(precision, "float16" if kind in ("shared_overflow", "late_group") else "bfloat16")
 
     def train(fabric: Fabric) -> dict[str, Any]:
         rank = fabric.global_rank
