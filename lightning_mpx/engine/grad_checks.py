@@ -212,7 +212,7 @@ def _unscale_shared(
         norm = unscale_real_grads_(checked, ones, found, max_norm=max_norm, backend=backend)
     shared.note(list(itertools.compress(sources, in_place)))
     if targets is not None and not all(in_place):
-        shared.note_masters(optimizer, sources, targets)
+        shared.note_masters(sources, targets)
     if state.found_inf is None:
         state.flags_reduced, state.found_inf, state.found_by_loss = False, found, {loss_id: found}
     else:

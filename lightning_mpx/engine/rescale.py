@@ -121,11 +121,18 @@ def unscale_late(
     if not late:
         return
     master_of = {id(param): master for param, master in param_pairs(state, master_weights, optimizer=optimizer)}
-    inplace, halves, targets = [], [], []
+    if shared is not None:
+        shared.refresh()  # the group may hold parameters another optimizer holds
+    inplace, halves, targets, made = [], [], [], []
+    sharing = shared is not None and bool(shared.ids)
     for param in late:
         master = master_of.get(id(param), param)
+        kept = shared.true_of(param.grad) if sharing and master is not param else None  # type: ignore[union-attr,arg-type]
         if master is param:
             inplace.append(param.grad)
+        elif kept is not None:  # another optimizer's unscale made this master's gradient since the backward (a clip)
+            master.grad = kept.to(master.dtype, copy=True)
+            made.append(master.grad)
         else:
             halves.append(param.grad)
             master.grad = torch.empty_like(master)
@@ -133,10 +140,8 @@ def unscale_late(
     device = late[0].grad.device  # type: ignore[union-attr]
     factor = _carried_scale(state, scalers).to(device).double().reciprocal().float()  # in FP64, as the unscale
     found = torch.zeros((), dtype=torch.float32, device=device)
-    if shared is not None:
-        shared.refresh()  # the group may hold parameters another optimizer holds
-    if shared is not None and shared.ids:
-        done = [grad for grad in inplace if shared.holds(grad)]  # true values already: checked, not divided
+    if sharing:
+        done = [grad for grad in inplace if shared.holds(grad)] + made  # true values already: checked, not divided
         inplace = [grad for grad in inplace if not shared.holds(grad)]
         if done:
             unscale_grads_(done, torch.ones_like(factor), found, backend=backend, workspace=state.workspace)
@@ -147,6 +152,8 @@ def unscale_late(
         unscale_grads_(halves, factor, found, out=targets, backend=backend, workspace=state.workspace)
         if state.shown:
             torch._foreach_copy_(halves, targets)
+        if sharing:  # for a later optimizer holding these masters too
+            shared.note_masters(halves, targets)  # type: ignore[union-attr]
     charge(state, state.loss_id or 0, found)
     if master_weights:  # the half gradients read, as an unscale notes them
         state.unscaled_marks = grad_marks(state, master_weights, optimizer)

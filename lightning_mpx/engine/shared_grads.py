@@ -109,19 +109,14 @@ class SharedGrads:
         self.done.update((id(grad), (grad, grad._version)) for grad in grads)
         self.raised = {}
 
-    def note_masters(
-        self, optimizer: torch.optim.Optimizer, sources: list[torch.Tensor], targets: list[torch.Tensor]
-    ) -> None:
-        """At O2: note the FP32 gradients ``targets`` an unscale of ``optimizer`` just made of the half ones
-        ``sources``, those of shared parameters (the same tensor, unscaled in place, is :meth:`note`'s); the others
-        are left to be freed by the step."""
-        ids = self.ids
-        held = {id(grad) for group in optimizer.param_groups for p in group["params"] if id(p) in ids and (
-            (grad := p.grad) is not None)}  # fmt: skip
+    def note_masters(self, sources: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+        """At O2, while parameters are shared: note the FP32 gradients ``targets`` an unscale just made of the half
+        ones ``sources`` (the same tensor, unscaled in place, is :meth:`note`'s). All of them, not only those shared
+        now: a group added after the unscale (``add_param_group`` of a parameter this optimizer holds, before the
+        other's step) makes one shared whose FP32 gradient, clipped, the step then frees. Held until the next
+        backward or the end of the iteration (:meth:`clear`), no longer than the gradients live anyway."""
         self.masters.update(
-            (id(half), (half, half._version, true))
-            for half, true in zip(sources, targets)
-            if true is not half and id(half) in held
+            (id(half), (half, half._version, true)) for half, true in zip(sources, targets) if true is not half
         )
         self.raised = {}
 
