@@ -44,6 +44,8 @@ class SharedGrads:
         raised: Before a backward, by ``id``: the gradients holding true values that an optimizer's stage brought up
             to the backward's scale already (gradients kept across a step, or unscaled by a batch that did not step),
             emptied at the next unscale (the stages brought up before a backward only after one).
+        rescaled: By gradient ``id``, while parameters are shared: each scaled gradient brought to another loss's
+            scale before its backward (:meth:`pending`), and its version then.
     """
 
     def __init__(self, optimizers: Mapping[int, _OptimizerState]) -> None:
@@ -51,6 +53,7 @@ class SharedGrads:
         self.ids: frozenset[int] = frozenset()
         self.done: dict[int, tuple[torch.Tensor, int]] = {}
         self.raised: dict[int, torch.Tensor] = {}
+        self.rescaled: dict[int, tuple[torch.Tensor, int]] = {}
 
     def refresh(self) -> None:
         """Find the overlap again (a registration, a release, a parameter count changed). A parameter newly shared
@@ -95,7 +98,7 @@ class SharedGrads:
         before the last backward (:meth:`once`) are forgotten: an unscale has run since, so that backward's stages are
         settled (the next ones start from an unscale)."""
         self.done.update((id(grad), (grad, grad._version)) for grad in grads)
-        self.raised = {}
+        self.raised, self.rescaled = {}, {}
 
     def once(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Before a backward: those of ``grads`` (true values, about to be brought up to its scale) that no other
@@ -105,9 +108,22 @@ class SharedGrads:
         raised.update((id(grad), grad) for grad in todo)
         return todo
 
+    def pending(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Before a backward of another loss (or at a scale updated since): those of ``grads`` (scaled, pending) that
+        another optimizer's stage has not brought to the backward's scale since their last write
+        (:func:`~lightning_mpx.engine.rescale.rescale_pending`, which notes them after with :meth:`rescaled_now`): a
+        gradient two optimizers hold holds two losses' contributions once, so it is brought over once."""
+        noted = self.rescaled
+        return [g for g in grads if (n := noted.get(id(g))) is None or n[0] is not g or n[1] != g._version]
+
+    def rescaled_now(self, grads: list[torch.Tensor]) -> None:
+        """Note ``grads`` as brought to the coming backward's scale (:meth:`pending`): until written again (the
+        backward adds to them)."""
+        self.rescaled.update((id(grad), (grad, grad._version)) for grad in grads)
+
     def clear(self) -> None:
         """Drop the notes (the end of an iteration: the gradients are not held alive past it)."""
-        self.done = {}
+        self.done, self.rescaled = {}, {}
 
 
 def _true_now(state: _OptimizerState, grad: torch.Tensor) -> bool:
