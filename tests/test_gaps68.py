@@ -9,6 +9,7 @@ refused); ``strict=False`` and ``assign=True`` loads into a submodule (coverage)
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -236,3 +237,56 @@ def test_o2_loads_into_a_submodule_strict_false_and_assign() -> None:
     with pytest.raises(ValueError, match=r"assign=True.*first: 'weight'"):
         net[2].load_state_dict({"weight": value, "bias": torch.zeros(4)}, assign=True)
     assert net[2].weight.dtype == torch.bfloat16 and amp.master_of(net[2].weight) is not None
+
+
+# -- two optimizers sharing parameters of an FSDP-sharded model (two ranks, one launch) ------------------------------
+FSDP_CASES = ("fsdp2-shared", "fsdp2-clip", "fsdp2-groups", "fsdp1-shared")
+
+
+@pytest.fixture(scope="module")
+def fsdp_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """One two-process launch for every multi-rank case of this file (tests/gaps68_script.py)."""
+    pytest.importorskip("lightning.fabric")
+    from tests.launch import rank_results, run_script
+
+    out = tmp_path_factory.mktemp("gaps68")
+    run_script("gaps68_script.py", out, timeout=150, MPX_CASES=",".join(FSDP_CASES))
+    return rank_results(out)
+
+
+def _fsdp_fp32(case: str) -> torch.Tensor:
+    """The same loop in FP32 on one process (the whole batch: the ranks' mean gradient)."""
+    from tests.gaps68_script import CLIP, batches, build
+
+    net = build()
+    if case == "fsdp2-groups":
+        groups = [{"params": list(net[0].parameters())}, {"params": list(net[2].parameters()), "lr": 0.3}]
+        opts = [torch.optim.SGD(groups, lr=0.05)]
+    else:
+        head = net.parameters() if case == "fsdp1-shared" else net[2].parameters()
+        opts = [torch.optim.SGD(net.parameters(), lr=0.05), torch.optim.SGD(head, lr=0.3)]
+    for x, y in batches():
+        F.mse_loss(net(x), y).backward()
+        for i, opt in enumerate(opts):
+            if i == 1 and case == "fsdp2-clip":
+                torch.nn.utils.clip_grad_norm_(net[2].parameters(), CLIP)
+            opt.step()
+        for opt in opts:
+            opt.zero_grad()
+    return torch.cat([p.detach().double().flatten() for p in net.parameters()])
+
+
+@pytest.mark.parametrize("case", FSDP_CASES)
+def test_two_optimizers_sharing_fsdp_sharded_parameters_train_as_fp32(
+    fsdp_ranks: list[dict[str, Any]], case: str
+) -> None:
+    """O1 float16 (dynamic scale 2**10) under Fabric's FSDP2 (``ModelParallelStrategy``) and FSDP1 (``FSDPStrategy``)
+    on two ranks: the whole model's optimizer and the head's own (FSDP1: two over the flat parameter), and one
+    optimizer with a group each, the head's gradients clipped between the steps: every rank ends on FP32's weights
+    (each shard unscaled once; the head's optimizer divided them again, and FP32's weights were 0.12 away)."""
+    want = _fsdp_fp32(case)
+    for rank, result in enumerate(fsdp_ranks):
+        assert "error" not in result[case], f"{case}, rank {rank}:\n{result[case].get('error')}"
+        weights = result[case]["weights"]
+        got = torch.tensor([v for w in weights for v in w] if isinstance(weights[0], list) else weights).double()
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
