@@ -172,6 +172,7 @@ def leftovers(
     out = []
     marks = state.unscaled_marks
     index = 0
+    moved: dict[int, tuple[int, int]] | None = None  # the marks by gradient, made at the first one not in its place
     for param, master in param_pairs(state, master_weights, optimizer=optimizer):
         grad = param.grad
         if master is param:
@@ -188,8 +189,11 @@ def leftovers(
                 master.grad = None
                 continue
             grad = param.grad = torch.zeros_like(param)  # unscaled without a half gradient (Apex's stash)
-        elif (id(grad), grad._version) != was:  # written since the unscale (zero_grad): the user's values stand
-            true.copy_(grad)
+        elif (key := (id(grad), grad._version)) != was:  # moved (groups reordered or replaced since: pairs in
+            # another order), or written since the unscale (zero_grad): the user's values stand
+            moved = {mark[0]: mark for mark in marks if mark is not None} if moved is None else moved
+            if moved.get(id(grad)) != key:
+                true.copy_(grad)
         out.append((true, grad))
     return out
 
