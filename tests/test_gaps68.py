@@ -285,3 +285,24 @@ def test_two_optimizers_sharing_fsdp_sharded_parameters_train_as_fp32(
         weights = result[case]["weights"]
         got = torch.tensor([v for w in weights for v in w] if isinstance(weights[0], list) else weights).double()
         torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
+
+
+@pytest.mark.filterwarnings("ignore:lightning_mpx")
+def test_a_rollback_load_between_two_backwards_is_no_raw_step() -> None:
+    """A load of the whole model between two backwards (a rollback after a loss spike), the gradients cleared, then
+    the next backward and the step: the head's write is the load's (kept note, loaded parameters left out at the
+    backward's look too), not refused."""
+    net = _net()
+    amp = Amp("O2", half_dtype="bfloat16")
+    amp.prepare_model(net)
+    opt = amp.prepare_optimizer(torch.optim.SGD(_trunk(net), lr=0.05))
+    saved = {k: v.float().clone() for k, v in net.state_dict().items()}
+    for step in range(2):
+        x, y = _batch(step)
+        _forward_backward(amp, net, x, y)
+        net.load_state_dict(saved)
+        net.zero_grad()
+        _forward_backward(amp, net, x, y)
+        amp.step(opt)
+        amp.update()
+        net.zero_grad()
