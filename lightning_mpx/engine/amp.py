@@ -397,7 +397,7 @@ class Amp(AmpMasters):
         clear the cast cache."""
         self._machine.update()
         shared = self._machine.shared
-        if shared.done or shared.masters:  # the notes of gradients unscaled once, held no longer than the iteration
+        if shared.done or shared.masters or shared.rescaled:  # its notes: held no longer than the iteration
             shared.clear()
         self.iteration.close()
         self._stepper.returned = None  # the optimizer's step's value: a door that hands it on took it before

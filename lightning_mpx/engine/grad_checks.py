@@ -108,10 +108,12 @@ def unscale(
         note_complex(state, optimizer)
         if shared is not None:  # a group added or removed: the optimizers' overlap found again
             shared.refresh()
-    if shared is not None and shared.ids and not skipped and sharding is None:
-        _unscale_shared(state, optimizer, scaler, shared, sources, targets, copy, backend=backend, telemetry=telemetry,
-                        names=names, max_norm=max_norm)  # fmt: skip
-        return
+    if shared is not None and shared.ids and not skipped:
+        if sharding is None:
+            _unscale_shared(state, optimizer, scaler, shared, sources, targets, copy, backend=backend,
+                            telemetry=telemetry, names=names, max_norm=max_norm)  # fmt: skip
+            return
+        _raise_shared_shards(state, scaler, shared, sources)  # then divided once below, with the others
     named = sources
     if state.has_complex:  # torch's unscale kernels have no complex case: their real views (no copy)
         sources, targets = real_pairs(sources, targets)
@@ -142,6 +144,8 @@ def unscale(
         squares = _unscale_shards(
             state, optimizer, sources, factor, found, sharding, max_norm is not None, backend, stats
         )
+        if shared is not None and shared.ids:  # true values now, for the other optimizers holding them
+            shared.note(sources)
     if stats is not None:
         telemetry.record(id(state), named, optimizer_params(optimizer), names, stats)
     if state.found_inf is None:  # charge's usual case (the first check since the step), written out
@@ -155,6 +159,21 @@ def unscale(
     # true values now) the scale of the backward that made them, for gradients that backward left on parameters the
     # optimizer does not hold yet (a group added after the step: rescale.late_grads).
     state.stage = _Stage.UNSCALED
+
+
+def _raise_shared_shards(
+    state: _OptimizerState, scaler: LossScaler, shared: SharedGrads, sources: list[torch.Tensor]
+) -> None:
+    """Under FSDP, where parameters are held by more than one optimizer: the gradient shards another optimizer's
+    unscale divided in place since their backward (noted in ``shared``) are brought back up to the scale, so that this
+    unscale divides them once with the others (exact for a power-of-two scale) and checks, clips and measures them
+    across the ranks as it does its own: without it the second optimizer divided them again (its step applied the
+    gradient divided by the scale twice)."""
+    done = [grad for grad in sources if shared.holds(grad)]
+    if done:
+        local = local_tensors(done)
+        scale = state.grad_scale if state.grad_scale is not None else scaler.scale_tensor
+        torch._foreach_mul_(local, scale.to(local[0].device))
 
 
 def _unscale_shared(

@@ -120,8 +120,9 @@ class _OptimizerState:
     shown: bool = False
     stepped_true: bool = False
     # O2: the clips of the masters' gradients since the unscale (or the show), which the half gradients lack:
-    # ("norm", norm, max_norm) or ("value", None, clip_value), applied to what a step leaves of them if it is used.
-    clips: tuple[tuple[str, Any, float], ...] = ()
+    # ("norm", norm, max_norm) or ("value", None, clip_value), applied to what a step leaves of them if it is used;
+    # a fourth item: the ids of the half gradients of a group added after that clip, left out (rescale.unscale_late).
+    clips: tuple[tuple[Any, ...], ...] = ()
     # Under FSDP: whether the flags in found_by_loss are already summed across ranks (by a clip's collective).
     flags_reduced: bool = False
     # Whether Amp.share_overflow charged an overflow to this optimizer since its last step (its own gradients may be

@@ -302,7 +302,7 @@ class StepMachine(UnscalePath):
                     state.backward_versions = versions if watch else None
                     state.noted_at = self.steps_taken
                 if state.loss_id != loss_id or state.grad_scale is not None:
-                    rescale_pending(state, loss_id, self.scalers, self.backend)
+                    rescale_pending(state, loss_id, self.scalers, self.backend, self.shared)
         for ref in self.ddp:  # this backward unsynchronised by DDP (no_sync): a refusal after it waits for the step
             wrapper = ref()
             if wrapper is not None and not synced(wrapper, self.ddp_synced):

@@ -348,9 +348,10 @@ class UnheldParams:
     def forget(self, *, loaded: bool = False) -> None:
         """Forget what was noted (a stage change of the engine wrote the parameters); ``loaded``: a model's
         ``load_state_dict``, whose writes the notes of the last step's :class:`StepsBeside` tell apart (by the
-        parameters it loaded), so those are kept."""
-        self.note, self.suspects, self.deferred = None, frozenset(), ()
+        parameters it loaded), so those are kept, and so is the last backward's note: the parameters the load wrote are
+        left out of its looks (:meth:`check`, :meth:`before_step`), a raw step over the others still refused."""
         if not loaded:
+            self.note, self.suspects, self.deferred = None, frozenset(), ()
             self.beside.forget()
 
     def judge(self, machine: Any, optimizer: torch.optim.Optimizer) -> frozenset[int]:
@@ -421,6 +422,7 @@ class UnheldParams:
             stepped += cleared_suspects
         held_now = _held(machine)  # one added to a registered optimizer since (add_param_group): the engine's steps
         stepped = [p for p in stepped if id(p) not in held_now and (not half_only or p.dtype in _HALF)]
+        stepped = [p for p in stepped if not machine.loaded_since_step(p, written=True)]  # a load's write: no step
         if not stepped:
             return
         if defer and not self.deferred and machine.registers_at_step and self._unmet(machine, stepped):
@@ -445,6 +447,7 @@ class UnheldParams:
         whole-model write: a weight decay by hand over every parameter). Kept in ``machine.refused``, which the step
         raises (on every rank, where they meet)."""
         stepped = written_before_step(self.note, self.grad_ids, machine.steps_taken)
+        stepped = [p for p in stepped if not machine.loaded_since_step(p, written=True)]  # a load's write: no step
         if stepped and not held_written(machine):  # a whole-model write (a weight decay by hand) is no raw step
             when = f"between a backward of lightning_mpx and the step of its prepared {type(optimizer).__name__}"
             self._refuse_beside(stepped, machine, when, at_step=True)

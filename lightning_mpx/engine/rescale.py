@@ -152,6 +152,9 @@ def unscale_late(
         unscale_grads_(halves, factor, found, out=targets, backend=backend, workspace=state.workspace)
         if state.shown:
             torch._foreach_copy_(halves, targets)
+        elif state.clips:  # the clips before are not theirs: left out where they are applied to the half gradients
+            added = frozenset(map(id, halves))
+            state.clips = tuple((*clip[:3], added | clip[3] if len(clip) > 3 else added) for clip in state.clips)
         if sharing:  # for a later optimizer holding these masters too
             shared.note_masters(halves, targets)  # type: ignore[union-attr]
     charge(state, state.loss_id or 0, found)
@@ -176,6 +179,7 @@ def leftovers(
     out = []
     marks = state.unscaled_marks
     index = 0
+    moved: dict[int, tuple[int, int]] | None = None  # the marks by gradient, made at the first one not in its place
     for param, master in param_pairs(state, master_weights, optimizer=optimizer):
         grad = param.grad
         if master is param:
@@ -192,8 +196,11 @@ def leftovers(
                 master.grad = None
                 continue
             grad = param.grad = torch.zeros_like(param)  # unscaled without a half gradient (Apex's stash)
-        elif (id(grad), grad._version) != was:  # written since the unscale (zero_grad): the user's values stand
-            true.copy_(grad)
+        elif (key := (id(grad), grad._version)) != was:  # moved (groups reordered or replaced since: pairs in
+            # another order), or written since the unscale (zero_grad): the user's values stand
+            moved = {mark[0]: mark for mark in marks if mark is not None} if moved is None else moved
+            if moved.get(id(grad)) != key:
+                true.copy_(grad)
         out.append((true, grad))
     return out
 
@@ -241,18 +248,30 @@ def rescale_unscaled(
     state.grad_scale = None
 
 
-def rescale_pending(state: _OptimizerState, new_loss_id: int, scalers: Sequence[LossScaler], backend: str) -> None:
+def rescale_pending(
+    state: _OptimizerState,
+    new_loss_id: int,
+    scalers: Sequence[LossScaler],
+    backend: str,
+    shared: SharedGrads | None = None,
+) -> None:
     """Bring gradients pending for another loss (or for this one at a scale since updated) to ``new_loss_id``'s
-    scale, checking them on the way: what they hold now is charged to the loss they came from."""
+    scale, checking them on the way: what they hold now is charged to the loss they came from. ``shared`` as for
+    :func:`rescale_unscaled`: a gradient another optimizer brought over before this backward is not multiplied
+    again."""
     old_id = state.loss_id or 0
     old_scale = state.grad_scale if state.grad_scale is not None else scalers[old_id].scale_tensor
     grads = [g for p in optimizer_params(state.optimizer) if (g := p.grad) is not None]  # the model's, still scaled
+    if shared is not None and shared.ids:  # a gradient two optimizers hold: brought over once
+        grads = shared.pending(grads)
     if grads:
         new = scalers[new_loss_id].to(grads[0].device)
         ratio = (new.scale_tensor.double() / old_scale.to(grads[0].device).double()).float()
         found = torch.zeros((), dtype=torch.float32, device=grads[0].device)
         unscale_grads_(grads, ratio, found, backend=backend, workspace=state.workspace)
         charge(state, old_id, found)
+        if shared is not None and shared.ids:
+            shared.rescaled_now(grads)
     state.loss_id = new_loss_id
     state.grad_scale = None
 
@@ -400,12 +419,15 @@ def _apply_clips(state: _OptimizerState, half: list[torch.Tensor], scale: torch.
     """O2: the clips the masters' gradients had before the step, applied to the half ones it left (at ``scale``)."""
     if not half:
         return
-    for kind, norm, limit in state.clips:
+    for kind, norm, limit, *added in state.clips:
+        grads = [g for g in half if id(g) not in added[0]] if added else half  # a group added since: not clipped
+        if not grads:
+            continue
         if kind == "norm":
-            torch._foreach_mul_(half, clip_coefficient(norm, limit).to(half[0].device))
+            torch._foreach_mul_(grads, clip_coefficient(norm, limit).to(grads[0].device))
         else:
             bound = torch.as_tensor(limit, dtype=torch.float32) * scale.cpu()
-            for grad in half:
+            for grad in grads:
                 grad.clamp_(-bound.to(grad.device), bound.to(grad.device))
 
 
@@ -498,7 +520,9 @@ def true_grad(
     value = grad.detach().to(torch.float32, copy=True)
     if not (state.shown or (state.stage is _Stage.STEPPED and state.stepped_true)):
         value.div_(_carried_scale(state, scalers).to(value.device))
-    for kind, norm, limit in state.clips:
+    for kind, norm, limit, *added in state.clips:
+        if added and id(grad) in added[0]:
+            continue  # in a group added after that clip (unscale_late)
         if kind == "norm":
             value.mul_(clip_coefficient(norm, limit).to(value.device))
         else:

@@ -52,6 +52,8 @@ class SharedGrads:
         raised: Before a backward, by ``id``: the gradients holding true values that an optimizer's stage brought up
             to the backward's scale already (gradients kept across a step, or unscaled by a batch that did not step),
             emptied at the next unscale (the stages brought up before a backward only after one).
+        rescaled: By gradient ``id``, while parameters are shared: each scaled gradient brought to another loss's
+            scale before its backward (:meth:`pending`), and its version then.
     """
 
     def __init__(self, optimizers: Mapping[int, _OptimizerState]) -> None:
@@ -61,6 +63,7 @@ class SharedGrads:
         self.raised: dict[int, torch.Tensor] = {}
         # at O2, by the half gradient's id: (half gradient, its version, the FP32 gradient an unscale made of it)
         self.masters: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self.rescaled: dict[int, tuple[torch.Tensor, int]] = {}
 
     def refresh(self) -> None:
         """Find the overlap again (a registration, a release, a parameter count changed). A parameter newly shared
@@ -81,7 +84,7 @@ class SharedGrads:
         new = shared - self.ids
         self.ids = frozenset(shared)
         if not shared:
-            self.done, self.masters = {}, {}
+            self.done, self.masters, self.rescaled = {}, {}, {}
         for state, params in held if new else ():
             for param in params:
                 grad = param.grad
@@ -107,7 +110,7 @@ class SharedGrads:
         before the last backward (:meth:`once`) are forgotten: an unscale has run since, so that backward's stages are
         settled (the next ones start from an unscale)."""
         self.done.update((id(grad), (grad, grad._version)) for grad in grads)
-        self.raised = {}
+        self.raised, self.rescaled = {}, {}
 
     def note_masters(self, sources: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
         """At O2, while parameters are shared: note the FP32 gradients ``targets`` an unscale just made of the half
@@ -118,7 +121,7 @@ class SharedGrads:
         self.masters.update(
             (id(half), (half, half._version, true)) for half, true in zip(sources, targets) if true is not half
         )
-        self.raised = {}
+        self.raised, self.rescaled = {}, {}
 
     def true_of(self, half: torch.Tensor) -> torch.Tensor | None:
         """At O2, for a shared master's half gradient ``half`` about to be unscaled: the true values to take instead
@@ -179,9 +182,22 @@ class SharedGrads:
         raised.update((id(grad), grad) for grad in todo)
         return todo
 
+    def pending(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Before a backward of another loss (or at a scale updated since): those of ``grads`` (scaled, pending) that
+        another optimizer's stage has not brought to the backward's scale since their last write
+        (:func:`~lightning_mpx.engine.rescale.rescale_pending`, which notes them after with :meth:`rescaled_now`): a
+        gradient two optimizers hold holds two losses' contributions once, so it is brought over once."""
+        noted = self.rescaled
+        return [g for g in grads if (n := noted.get(id(g))) is None or n[0] is not g or n[1] != g._version]
+
+    def rescaled_now(self, grads: list[torch.Tensor]) -> None:
+        """Note ``grads`` as brought to the coming backward's scale (:meth:`pending`): until written again (the
+        backward adds to them)."""
+        self.rescaled.update((id(grad), (grad, grad._version)) for grad in grads)
+
     def clear(self) -> None:
         """Drop the notes (the end of an iteration: the gradients are not held alive past it)."""
-        self.done, self.masters = {}, {}
+        self.done, self.masters, self.rescaled = {}, {}, {}
 
 
 def _true_now(state: _OptimizerState, grad: torch.Tensor) -> bool:

@@ -104,9 +104,10 @@ class UnscalePath(Registry):
                     sharding=self.sharding, shared=self.shared)  # fmt: skip
         elif state.stage is not _Stage.UNSCALED or self.masters.weights:  # unscaled by a clip: nothing to do at O1
             self._unscaled_for_step(state, optimizer)
-        elif (noted := state.unscaled_groups) is not None and noted[1] != tuple(
-            map(len, map(_PARAMS, optimizer.param_groups))
-        ):
+        elif (noted := state.unscaled_groups) is not None and (  # a group added or swapped since (as below)
+            len(lists := tuple(map(_PARAMS, optimizer.param_groups))) != len(noted[0])
+            or not all(map(operator.is_, lists, noted[0])) or tuple(map(len, lists)) != noted[1]
+        ):  # fmt: skip
             unscale_late(state, self.scalers, (), optimizer, self.backend, self.shared)  # a group added since (below)
         try:
             if self.sharding is not None:  # the step's collective (unless a clip made it): every rank's flags agree
@@ -142,10 +143,12 @@ class UnscalePath(Registry):
             if self.shared.masters:  # a shared master's FP32 gradient freed by another optimizer's step since
                 self.shared.restore(state.pairs)
             follow_cleared_grads(state, self.masters.weights, optimizer)
-        # a group added since the unscale (add_param_group), told by the groups' lengths: rescale.unscale_late
-        if (noted := state.unscaled_groups) is not None and noted[1] != tuple(
-            map(len, map(_PARAMS, optimizer.param_groups))
-        ):
+        # a group added since the unscale (add_param_group), or put in place of one (param_groups assigned, a list
+        # replaced, at any length): told by the lists and their lengths, C-level (rescale.unscale_late)
+        if (noted := state.unscaled_groups) is not None and (
+            len(lists := tuple(map(_PARAMS, optimizer.param_groups))) != len(noted[0])
+            or not all(map(operator.is_, lists, noted[0])) or tuple(map(len, lists)) != noted[1]
+        ):  # fmt: skip
             unscale_late(state, self.scalers, self.masters.weights, optimizer, self.backend, self.shared)
 
     def keep_marks(self, state: _OptimizerState) -> None:
