@@ -119,6 +119,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self._amp_state.stash.pop(id(self.optimizer), None)
         self._amp_state.delayed.pop(id(self.optimizer), None)
+        self._amp_state.charged.pop(id(self.optimizer), None)
         pending = self._engine._optimizers.get(id(self.optimizer))  # the core's state (a C-level getter)
         if pending is not None and pending.loss_id is not None and pending.stage is _Stage.READY:
             _forget_pending(self._engine, self.optimizer)  # a delay_unscale chain given up counts for no loss's scale
@@ -262,6 +263,8 @@ def scale_loss(
         # A new iteration began for an optimizer that already stepped: close the last one.
         _update(state)
     state.touched.update(ids)
+    for key in ids:
+        state.charged.pop(key, None)  # a block naming it checks its gradients anew
     # The core scales every unscaled gradient of this engine's optimizers back up for this block's backward, named
     # or not.
     own = [w for w in state.optimizers.values() if w._engine is amp]
@@ -308,11 +311,25 @@ def scale_loss(
             amp.unscale_(optimizer)
     if overflow:
         state.skip_next.update(dict.fromkeys(ids, loss_id))
+        _charge_unnamed(state, amp, own, ids + [id(o) for o in left], loss_id)
         _log_overflow(amp, loss_id)
     _record_gradless(state, own)
     if amp.properties.master_weights:
         for wrapper in wrapped:
             state.graded[id(wrapper.optimizer)] = _grad_versions(amp, wrapper.optimizer)
+
+
+def _charge_unnamed(state: AmpState, amp: Amp, own: list[AmpOptimizer], named: list[int], loss_id: int) -> None:
+    """After a block's overflow: note the optimizers of ``own`` not in ``named`` whose gradients its backward reached
+    (pending at ``loss_id``, as the block left them). Their step finds the same non-finite values and is skipped; the
+    block's overflow counted once for its loss (one back-off per iteration, as ``GradScaler`` stepping both), their
+    step's flags count for none (:func:`_optimizer_step`)."""
+    for wrapper in own:
+        key, core = id(wrapper.optimizer), amp._optimizers.get(id(wrapper.optimizer))
+        if key in named or core is None or core.stage is not _Stage.READY or core.loss_id != loss_id:
+            continue
+        if any(p.grad is not None for group in wrapper.optimizer.param_groups for p in group["params"]):
+            state.charged[key] = loss_id
 
 
 def _grad_versions(amp: Amp, optimizer: torch.optim.Optimizer) -> int:
@@ -558,6 +575,11 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> Any:
         if core is not None and core.loss_id is None and core.stage is _Stage.READY and not skipped
         else None
     )
+    charged = state.charged.pop(key, None)  # gradients of a block whose overflow was counted (_charge_unnamed)
+    if charged is not None and core is not None and core.stage is _Stage.READY and core.loss_id == charged:
+        before = (machine.iteration_found.get(charged), machine.iteration_read.get(charged))
+    else:
+        charged = None
     state.stepping = wrapper.optimizer
     try:
         stepped = wrapper._engine.step(wrapper.optimizer)
@@ -567,6 +589,12 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> Any:
         for loss_id in [i for i in machine.iteration_found if i not in counted]:
             del machine.iteration_found[loss_id]
             machine.iteration_read.pop(loss_id, None)
+    if charged is not None:  # the flags as they were before this step (record_found makes new tensors)
+        if before[0] is None:
+            machine.iteration_found.pop(charged, None)
+            machine.iteration_read.pop(charged, None)
+        else:
+            machine.iteration_found[charged], machine.iteration_read[charged] = before
     # the optimizer's step's value, taken before _update's amp.update() drops it (the engine keeps no user value)
     stepper = wrapper._engine._stepper
     returned, stepper.returned = stepper.returned, None
