@@ -58,3 +58,54 @@ def test_apex_o2_unnamed_optimizer_stepped_after_the_named_one_backs_off_once() 
         warnings.simplefilter("ignore")
         assert _unnamed_scales(apex=True) == _unnamed_scales(apex=False) == [65536.0, 65536.0, 32768.0, 32768.0,
                                                                                32768.0]  # fmt: skip
+
+
+# -- 2. the Apex layer: a delay_unscale chain's gradients cleared through .data -------------------------------------
+def _blocks_then(opt_level: str, delays: list[bool], clear_after: int, *, apex: bool) -> list[torch.Tensor]:
+    """Blocks (``delays``: each one's ``delay_unscale``) of one step, the gradients cleared through ``.data`` after
+    block ``clear_after``; the weights the step ends on (FP32's with ``apex=False``)."""
+    from lightning_mpx.apex import _amp_state, amp
+    from tests.test_rawhead66 import Net
+    from tests.test_rawhead66 import _batch as _net_batch
+
+    _amp_state.reset()
+    try:
+        torch.manual_seed(0)
+        net = Net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        if apex:
+            net, opt = amp.initialize(net, opt, opt_level=opt_level, loss_scale=128.0, verbosity=0)
+        for i, delay in enumerate(delays):
+            x, y = _net_batch(i)
+            loss = F.mse_loss(net(x.to(next(net.parameters()).dtype)).float(), y)
+            if apex:
+                with amp.scale_loss(loss, opt, delay_unscale=delay) as scaled:
+                    scaled.backward()
+            else:
+                loss.backward()
+            if i == clear_after:
+                for p in net.parameters():
+                    p.grad.data.zero_()
+        opt.step()
+        return [p.detach().float().clone() for p in (amp.master_params(opt) if apex else net.parameters())]
+    finally:
+        _amp_state.reset()
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+@pytest.mark.parametrize(
+    ("delays", "clear_after"),
+    [([False, True], 1), ([False, True, False], 1)],
+    ids=["then_step", "then_a_block"],
+)
+def test_apex_delayed_chain_cleared_through_data_steps_as_fp32(
+    opt_level: str, delays: list[bool], clear_after: int
+) -> None:
+    """``p.grad.data.zero_()`` after a ``delay_unscale`` block that follows an unscaled one gives up what came before
+    (at the step, or at the next block, which alone then counts), as in FP32 (was: the earlier block's gradients, kept
+    aside, added back: 0.1 off)."""
+    want = _blocks_then(opt_level, delays, clear_after, apex=False)
+    got = _blocks_then(opt_level, delays, clear_after, apex=True)
+    assert all(torch.allclose(g, w, atol=2e-3) for g, w in zip(got, want)), [
+        (g - w).abs().max() for g, w in zip(got, want)
+    ]

@@ -388,7 +388,7 @@ def _stash(
             continue
         params = [p for group in inner.param_groups for p in group["params"]]
         marks = state.delayed.pop(id(inner), None)
-        if marks is not None and _chain_cleared(marks, params):
+        if marks is not None and _chain_cleared(marks, params, id(inner) in state.stash):
             # The script cleared the gradients of the delay_unscale blocks since the last one ended (a batch dropped
             # mid-accumulation, zero_grad either way): what was stashed before goes with them, and their loss's
             # pending gradients count for nothing (Apex updated a scaler only at the end of a block it unscaled).
@@ -414,7 +414,7 @@ def _grad_marks(params: list[torch.Tensor]) -> tuple[tuple[int, int] | None, ...
         return tuple(None if (g := p.grad) is None else (id(g), g._version) for p in params)
 
 
-def _chain_cleared(marks: tuple[tuple[int, int] | None, ...], params: list[torch.Tensor]) -> bool:
+def _chain_cleared(marks: tuple[tuple[int, int] | None, ...], params: list[torch.Tensor], tagged: bool) -> bool:
     """Whether every gradient the last ``delay_unscale`` block left (``marks``, noted at its end) was cleared since:
     gone (``set_to_none``), or written and now zero (``zero_grad(set_to_none=False)``). Version counters tell a
     write apart without reading the gradients; only a chain whose every gradient was written is read (one host
@@ -422,17 +422,23 @@ def _chain_cleared(marks: tuple[tuple[int, int] | None, ...], params: list[torch
     proves that no clear wrote it (``zero_()`` writes +0.0): a chain with earlier blocks kept aside has its zeros
     written as -0.0 at its end (:func:`_tag_zeros`), so the in-place multiply of ``clip_grad_norm_`` on the all-zero
     gradients of a block whose loss was zeroed (``loss * 0``), which leaves every zero negative, is told from a
-    ``zero_grad(set_to_none=False)``; a clear by ``grad.mul_(0)`` leaves the positive gradients' zeros positive."""
+    ``zero_grad(set_to_none=False)``; a clear by ``grad.mul_(0)`` leaves the positive gradients' zeros positive.
+    ``tagged`` (earlier blocks kept aside: the zeros were tagged): a gradient whose version did not move is read too,
+    since a clear through ``.data`` (``p.grad.data.zero_()``) moves no version counter of ``p.grad``; its zeros are
+    positive, where the chain's own are negative."""
     if all(mark is None for mark in marks):
         return False  # nothing was left to clear (a block that did not reach these parameters)
-    written = []
+    written, unmoved = [], False
     for mark, now in zip(marks, _grad_marks(params)):
         if mark is None or now is None:
             continue
         if mark == now:
-            return False  # one gradient as the block left it: the chain goes on
-        written.append(now)
-    if not written:
+            if not tagged:
+                return False  # one gradient as the block left it: the chain goes on
+            unmoved = True  # as the block left it, or cleared through .data: the values tell
+        else:
+            written.append(now)
+    if not written and not unmoved:
         return True
     with torch._C.DisableTorchFunction():
         grads = [g.detach() for p in params if (g := p.grad) is not None and g.numel()]
@@ -537,7 +543,7 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> Any:
     skipped = key in state.skip_next
     marks = state.delayed.pop(key, None)  # a delay_unscale chain ends at the step
     if marks is not None and _chain_cleared(
-        marks, [p for group in wrapper.optimizer.param_groups for p in group["params"]]
+        marks, [p for group in wrapper.optimizer.param_groups for p in group["params"]], key in state.stash
     ):
         # The chain's gradients were cleared since its last block (model.zero_grad() either way: a batch dropped
         # mid-accumulation), and the step comes next: what earlier blocks kept aside goes with them, as at a next
