@@ -109,3 +109,20 @@ def test_apex_delayed_chain_cleared_through_data_steps_as_fp32(
     assert all(torch.allclose(g, w, atol=2e-3) for g, w in zip(got, want)), [
         (g - w).abs().max() for g, w in zip(got, want)
     ]
+
+
+# -- 3. the Apex layer: the gradients changed in place between a delay_unscale block and the step ------------------
+def test_apex_o1_clip_that_bites_after_a_delayed_block_steps_as_fp32() -> None:
+    """O1, a block, a ``delay_unscale`` block, ``clip_grad_norm_`` at a norm it cuts, the step: the clip scales the
+    earlier block's gradients too and sees true values, as FP32's (was: the earlier block's kept aside until the step,
+    the clip cut the chain's scaled gradients alone)."""
+    from tests.test_review67 import _apex_blocks
+
+    def clip(net: torch.nn.Module) -> None:
+        torch.nn.utils.clip_grad_norm_(list(net.parameters()), 0.05)
+
+    want = _apex_blocks("O1", clip, apex=False)
+    got = _apex_blocks("O1", clip, apex=True)
+    assert all(torch.allclose(g, w, atol=2e-3) for g, w in zip(got, want)), [
+        (g - w).abs().max() for g, w in zip(got, want)
+    ]

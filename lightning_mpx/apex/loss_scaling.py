@@ -290,6 +290,14 @@ def scale_loss(
     yield scaled
     if amp.policy is not None and amp.properties.patch_torch_functions:
         amp.policy._clear_casts()  # Apex cleared its cast cache at the end of every block (Amp.update the rest)
+    if delay_unscale and not amp.properties.master_weights and any(id(w.optimizer) in state.stash for w in wrapped):
+        # O1: earlier blocks' gradients were unscaled and kept aside (a block without delay_unscale before this one,
+        # a step due after them): unscaled at the end as a block without it, the stash added back, so that the
+        # gradients until the next block or the step are the sum's true values, as FP32's. A change of them there (a
+        # clip, p.grad.mul_(0.5), a clear through .data) then reaches the earlier blocks' too (kept aside until the
+        # step, they missed it; Apex, whose chain added into the same tensors, clipped scaled values). At O2 the step
+        # uses the masters' gradients, which a change of the model's through .data would not reach: the chain stays.
+        delay_unscale = False
     if delay_unscale:
         _record_gradless(state, own)
         for wrapper in own:  # what a clear of the chain's gradients before the next block is told apart by
