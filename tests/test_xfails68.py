@@ -126,3 +126,34 @@ def test_apex_o1_clip_that_bites_after_a_delayed_block_steps_as_fp32() -> None:
     assert all(torch.allclose(g, w, atol=2e-3) for g, w in zip(got, want)), [
         (g - w).abs().max() for g, w in zip(got, want)
     ]
+
+
+# -- 4. O2: a rollback by copy_ on a skipped batch -------------------------------------------------------------------
+def test_o2_rollback_by_copy_trains_as_the_load_state_dict_rollback() -> None:
+    """The snapshot of the last step written back with ``copy_`` (was refused as a raw step: versions moved, gradients
+    cleared) ends where ``model.load_state_dict(snapshot)`` does, masters included."""
+    from tests.test_fpb55 import _rollback_run
+
+    by_copy, copied = _rollback_run("O2", "bfloat16", "copy_")
+    by_load, loaded = _rollback_run("O2", "bfloat16", "load_state_dict")
+    got, want = by_copy.fp32_state_dict(copied), by_load.fp32_state_dict(loaded)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_o2_raw_step_with_cleared_gradients_is_still_refused() -> None:
+    """A raw SGD step on a skipped batch (the gradients then cleared) moves the half weights off their masters'
+    rounding: refused as before."""
+    from lightning_mpx import Amp
+
+    amp = Amp(opt_level="O2", half_dtype="bfloat16")
+    torch.manual_seed(0)
+    model = amp.prepare_model(torch.nn.Linear(4, 4))
+    opt = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    raw = torch.optim.SGD(model.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(0)
+    amp.backward(model(torch.randn(8, 4, generator=gen).bfloat16()).float().square().mean())
+    raw.step()
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match="were written and their gradients cleared"):
+        amp.backward(model(torch.randn(8, 4, generator=gen).bfloat16()).float().square().mean())
+        amp.step(opt)
