@@ -138,7 +138,7 @@ def refuse_raw_step(
                 keep_write(state, message, [(p, _rounding(p, master_weights)) for p in stepped])
             return None
         stepped = [p for p, v in zip(params, noted) if p._version != v and id(p) not in renormed]
-    if stepped and master_weights:
+    if stepped and master_weights and not state.two_pass:  # (a SAM-style write is counted below)
         # At O2 a half weight written back to its FP32 master's rounding (a rollback by copy_ to the last step's
         # snapshot) holds nothing the next step would lose: not a raw step (read on this path only, before refusing).
         stepped = [p for p in stepped if not _at_rounding(p, master_weights)]
