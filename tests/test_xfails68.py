@@ -3,12 +3,29 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from tests.test_attack67b import _batches, _Net
+
+class _Net(nn.Module):
+    """tests/test_attack67b.py's: a trunk and a head, each with its own optimizer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.trunk(x)))
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(n)]
 
 
 # -- 1. the Apex layer: an optimizer stepped but not named in the block that overflowed -------------------------------
@@ -61,9 +78,17 @@ def test_apex_o2_unnamed_optimizer_stepped_after_the_named_one_backs_off_once() 
 
 
 # -- 2. the Apex layer: a delay_unscale chain's gradients cleared through .data -------------------------------------
-def _blocks_then(opt_level: str, delays: list[bool], clear_after: int, *, apex: bool) -> list[torch.Tensor]:
-    """Blocks (``delays``: each one's ``delay_unscale``) of one step, the gradients cleared through ``.data`` after
-    block ``clear_after``; the weights the step ends on (FP32's with ``apex=False``)."""
+def _data_zero(net: nn.Module) -> None:
+    for p in net.parameters():
+        p.grad.data.zero_()
+
+
+def _blocks_then(
+    opt_level: str, delays: list[bool], clear_after: int, *, apex: bool, between: Any = _data_zero
+) -> list[torch.Tensor]:
+    """Blocks (``delays``: each one's ``delay_unscale``) of one step, ``between(net)`` (by default the gradients
+    cleared through ``.data``) after block ``clear_after``; the weights the step ends on (FP32's with
+    ``apex=False``)."""
     from lightning_mpx.apex import _amp_state, amp
     from tests.test_rawhead66 import Net
     from tests.test_rawhead66 import _batch as _net_batch
@@ -84,8 +109,7 @@ def _blocks_then(opt_level: str, delays: list[bool], clear_after: int, *, apex: 
             else:
                 loss.backward()
             if i == clear_after:
-                for p in net.parameters():
-                    p.grad.data.zero_()
+                between(net)
         opt.step()
         return [p.detach().float().clone() for p in (amp.master_params(opt) if apex else net.parameters())]
     finally:
@@ -116,13 +140,12 @@ def test_apex_o1_clip_that_bites_after_a_delayed_block_steps_as_fp32() -> None:
     """O1, a block, a ``delay_unscale`` block, ``clip_grad_norm_`` at a norm it cuts, the step: the clip scales the
     earlier block's gradients too and sees true values, as FP32's (was: the earlier block's kept aside until the step,
     the clip cut the chain's scaled gradients alone)."""
-    from tests.test_review67 import _apex_blocks
 
-    def clip(net: torch.nn.Module) -> None:
+    def clip(net: nn.Module) -> None:
         torch.nn.utils.clip_grad_norm_(list(net.parameters()), 0.05)
 
-    want = _apex_blocks("O1", clip, apex=False)
-    got = _apex_blocks("O1", clip, apex=True)
+    want = _blocks_then("O1", [False, True], 1, apex=False, between=clip)
+    got = _blocks_then("O1", [False, True], 1, apex=True, between=clip)
     assert all(torch.allclose(g, w, atol=2e-3) for g, w in zip(got, want)), [
         (g - w).abs().max() for g, w in zip(got, want)
     ]
