@@ -180,3 +180,76 @@ def test_o2_raw_step_with_cleared_gradients_is_still_refused() -> None:
     with pytest.raises(RuntimeError, match="were written and their gradients cleared"):
         amp.backward(model(torch.randn(8, 4, generator=gen).bfloat16()).float().square().mean())
         amp.step(opt)
+
+
+# -- 5. the Apex layer: a GAN stepping the generator first ------------------------------------------------------
+
+
+def _gan_scales(apex: bool) -> list[float]:
+    """O1 float16: the generator's block first (its backward reaches the discriminator's parameters, not zeroed before
+    the discriminator's block), an inf generator loss at the third step; the loss scale after each iteration."""
+    from lightning_mpx.apex import _amp_state, amp
+
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6))
+    disc = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt_g, opt_d = torch.optim.SGD(gen.parameters(), lr=0.05), torch.optim.SGD(disc.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    _amp_state.reset()
+    try:
+        if apex:
+            [gen, disc], [opt_g, opt_d] = amp.initialize([gen, disc], [opt_g, opt_d], opt_level="O1",
+                                                         loss_scale="dynamic", verbosity=0)  # fmt: skip
+        g, scales = torch.Generator().manual_seed(1), []
+        for i in range(4):
+            z, real = torch.randn(8, 4, generator=g), torch.randn(8, 6, generator=g)
+            opt_g.zero_grad()
+            opt_d.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16, enabled=not apex):
+                loss_g = disc(gen(z)).float().mean() * (float("inf") if i == 2 else 1.0)
+            if apex:
+                with amp.scale_loss(loss_g, opt_g) as scaled:
+                    scaled.backward()
+                opt_g.step()
+            else:
+                scaler.scale(loss_g).backward()
+                scaler.step(opt_g)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=not apex):
+                loss_d = disc(real).float().mean() - disc(gen(z).detach()).float().mean()
+            if apex:
+                with amp.scale_loss(loss_d, opt_d) as scaled:
+                    scaled.backward()
+                opt_d.step()
+                scales.append(_amp_state.loss_scalers[0].loss_scale())
+            else:
+                scaler.scale(loss_d).backward()
+                scaler.step(opt_d)
+                scaler.update()
+                scales.append(scaler.get_scale())
+        return scales
+    finally:
+        _amp_state.reset()
+
+
+def test_apex_gan_generator_first_without_zeroing_the_discriminator_backs_off_once() -> None:
+    """A GAN stepping the generator first, the discriminator's gradients zeroed before the generator's block (whose
+    backward reaches them: inf) and not before the discriminator's: one back-off, as GradScaler's one update (was
+    two: the discriminator's block found the counted inf again, after the iteration closed at the generator's
+    step)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert _gan_scales(apex=True) == _gan_scales(apex=False)
+
+
+# -- found, left ---------------------------------------------------------------------------------------------------
+@pytest.mark.xfail(
+    strict=True,
+    reason="xfails68: at O2 a clear of the model's gradients through .data (p.grad.data.zero_()) after a block that "
+    "unscaled them into the FP32 masters moves no version counter of p.grad, so the masters' gradients (what the step "
+    "uses) are kept and stepped, 0.1 off FP32 (Apex's O2 did the same); telling it needs a read of the half gradients "
+    "at every step of the usual loop. Clear with zero_grad()",
+)
+def test_apex_o2_gradients_cleared_through_data_after_a_block_step_as_fp32() -> None:
+    want = _blocks_then("O2", [False], 0, apex=False)
+    got = _blocks_then("O2", [False], 0, apex=True)
+    assert all(torch.allclose(g, w, atol=2e-3) for g, w in zip(got, want))

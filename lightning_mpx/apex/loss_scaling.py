@@ -263,8 +263,9 @@ def scale_loss(
         # A new iteration began for an optimizer that already stepped: close the last one.
         _update(state)
     state.touched.update(ids)
-    for key in ids:
-        state.charged.pop(key, None)  # a block naming it checks its gradients anew
+    for wrapper in wrapped:
+        if id(wrapper.optimizer) in state.charged:
+            _recharge(state, wrapper, loss_id)
     # The core scales every unscaled gradient of this engine's optimizers back up for this block's backward, named
     # or not.
     own = [w for w in state.optimizers.values() if w._engine is amp]
@@ -336,8 +337,21 @@ def _charge_unnamed(state: AmpState, amp: Amp, own: list[AmpOptimizer], named: l
         key, core = id(wrapper.optimizer), amp._optimizers.get(id(wrapper.optimizer))
         if key in named or core is None or core.stage is not _Stage.READY or core.loss_id != loss_id:
             continue
-        if any(p.grad is not None for group in wrapper.optimizer.param_groups for p in group["params"]):
-            state.charged[key] = loss_id
+        params = [p for group in wrapper.optimizer.param_groups for p in group["params"]]
+        if any(p.grad is not None for p in params):
+            state.charged[key] = (loss_id, _grad_marks(params))
+
+
+def _recharge(state: AmpState, wrapper: AmpOptimizer, loss_id: int) -> None:
+    """A block of ``loss_id`` names an optimizer noted by :func:`_charge_unnamed`: its gradients as that block left
+    them (not cleared: a GAN's discriminator reached by the generator's block, not zeroed before its own) hold the
+    overflow counted already, which this block's check finds again; its step is skipped, and counts for none, as one
+    ``GradScaler`` update of the iteration. Otherwise (cleared, written, another loss) forgotten."""
+    key = id(wrapper.optimizer)
+    charged, marks = state.charged[key]
+    params = [p for group in wrapper.optimizer.param_groups for p in group["params"]]
+    if charged != loss_id or _grad_marks(params) != marks:
+        del state.charged[key]
 
 
 def _grad_versions(amp: Amp, optimizer: torch.optim.Optimizer) -> int:
@@ -589,8 +603,8 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> Any:
         if core is not None and core.loss_id is None and core.stage is _Stage.READY and not skipped
         else None
     )
-    charged = state.charged.pop(key, None)  # gradients of a block whose overflow was counted (_charge_unnamed)
-    if charged is not None and core is not None and core.stage is _Stage.READY and core.loss_id == charged:
+    charged = state.charged.pop(key, (None,))[0]  # gradients of a block whose overflow was counted (_charge_unnamed)
+    if charged is not None and core is not None and core.loss_id == charged:
         before = (machine.iteration_found.get(charged), machine.iteration_read.get(charged))
     else:
         charged = None
