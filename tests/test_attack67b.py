@@ -213,16 +213,10 @@ def _scales(apex: bool) -> list[float]:
     return scales
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Apex layer: an optimizer stepped but not named in the scale_loss block whose backward reached it counts "
-    "the block's overflow again at its own step, after the iteration's update: the scale backs off twice "
-    "(65536 -> 32768 -> 16384) where GradScaler backs off once; the weights are right (both steps skipped). Same "
-    "cause: a GAN stepping the generator first, whose block reaches the zeroed discriminator's parameters. Deferring "
-    "the update to that optimizer's step lags the scale a DCGAN loop reads (tests/test_hostile_apex.py)",
-)
 def test_apex_unnamed_optimizer_overflow_backs_off_once() -> None:
-    """One overflow, one back-off, as ``GradScaler`` stepping both optimizers (the weights agree already)."""
+    """One overflow, one back-off, as ``GradScaler`` stepping both optimizers (the weights agree already). Was: the
+    optimizer not named counted the block's overflow again at its own step, after the iteration's update
+    (65536 -> 32768 -> 16384)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert _scales(apex=True) == _scales(apex=False)

@@ -107,14 +107,21 @@ def _rollback_run(opt_level: str, half_dtype: str, restore: str) -> tuple[Amp, n
     return amp, model
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine/raw_steps.py: a write with the gradients cleared and no engine step between is what a raw "
-    "optimizer step leaves; parameter versions cannot tell it from a rollback written by copy_ (the refusal names "
-    "model.load_state_dict, which forgets the writes, as the way out)",
-)
-@pytest.mark.parametrize(("opt_level", "half_dtype"), LEVELS)
+@pytest.mark.parametrize(
+    ("opt_level", "half_dtype"),
+    [
+        LEVELS[0],  # O2: the half weights written back to their masters' rounding hold nothing a step would lose
+        pytest.param(*LEVELS[1], marks=pytest.mark.xfail(
+            strict=True,
+            reason="engine/raw_steps.py: a write with the gradients cleared and no engine step between is what a raw "
+            "optimizer step leaves; at O1 (no FP32 masters: no value from before the write) parameter versions "
+            "cannot tell it from a rollback written by copy_ (the refusal names model.load_state_dict, which forgets "
+            "the writes, as the way out)",
+        )),
+    ],
+)  # fmt: skip
 def test_a_rollback_by_copy_on_a_skipped_batch_trains_on(opt_level: str, half_dtype: str) -> None:
+    """O2 since stop 68 (was refused as a raw step): the restored half weights are their masters' rounding."""
     _rollback_run(opt_level, half_dtype, "copy_")
 
 

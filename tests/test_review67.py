@@ -231,13 +231,10 @@ def test_apex_gradients_cleared_by_mul_zero_after_a_delayed_block_step_as_fp32(o
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review67: a clear through .data (p.grad.data.zero_(), the pre-1.0 habit) moves no version counter of "
-    "p.grad, so the Apex layer sees the delay_unscale chain's gradients as its block left them and adds the earlier "
-    "blocks' (kept aside) back at the step: 0.1 off FP32 (as before stop 67)",
-)
 def test_apex_gradients_cleared_through_data_after_a_delayed_block_step_as_fp32() -> None:
+    """A clear through ``.data`` (``p.grad.data.zero_()``, the pre-1.0 habit) moves no version counter of ``p.grad``:
+    the chain's gradients were taken as its block left them and the earlier blocks' (kept aside) added back at the
+    step, 0.1 off FP32. Its positive zeros (the chain's are tagged -0.0) tell it now."""
     want = _apex_blocks("O1", _data_zero, apex=False)
     got = _apex_blocks("O1", _data_zero, apex=True)
     assert all(torch.allclose(g, w, atol=2e-3) for g, w in zip(got, want))

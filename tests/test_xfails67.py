@@ -231,15 +231,9 @@ def test_apex_a_step_with_no_block_since_counts_for_no_loss_scale(opt_level: str
         _amp_state.reset()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="xfails67: the Apex layer keeps the gradients of the blocks before a delay_unscale block aside (its stash, "
-    "added back at the step or the next block), so an in-place change of the gradients between a delay_unscale block "
-    "and the step (p.grad.mul_(0.5); a clip that bites) reaches the chain's gradients only, where FP32 (and Apex, "
-    "whose chain adds to the same tensors) changes the earlier blocks' too; Apex's docs call for a block without "
-    "delay_unscale before the step",
-)
 def test_apex_gradients_scaled_in_place_after_a_delayed_block_step_as_fp32() -> None:
+    """``p.grad.mul_(0.5)`` between a ``delay_unscale`` block and the step halves the earlier block's gradients too, as
+    FP32's (was: kept aside until the step, they reached it unhalved). O1: added back into the chain's at its end."""
     from lightning_mpx.apex import _amp_state
 
     def halve(net: nn.Module) -> None:

@@ -119,6 +119,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self._amp_state.stash.pop(id(self.optimizer), None)
         self._amp_state.delayed.pop(id(self.optimizer), None)
+        self._amp_state.charged.pop(id(self.optimizer), None)
         pending = self._engine._optimizers.get(id(self.optimizer))  # the core's state (a C-level getter)
         if pending is not None and pending.loss_id is not None and pending.stage is _Stage.READY:
             _forget_pending(self._engine, self.optimizer)  # a delay_unscale chain given up counts for no loss's scale
@@ -262,6 +263,9 @@ def scale_loss(
         # A new iteration began for an optimizer that already stepped: close the last one.
         _update(state)
     state.touched.update(ids)
+    for wrapper in wrapped:
+        if id(wrapper.optimizer) in state.charged:
+            _recharge(state, wrapper, loss_id)
     # The core scales every unscaled gradient of this engine's optimizers back up for this block's backward, named
     # or not.
     own = [w for w in state.optimizers.values() if w._engine is amp]
@@ -287,6 +291,14 @@ def scale_loss(
     yield scaled
     if amp.policy is not None and amp.properties.patch_torch_functions:
         amp.policy._clear_casts()  # Apex cleared its cast cache at the end of every block (Amp.update the rest)
+    if delay_unscale and not amp.properties.master_weights and any(id(w.optimizer) in state.stash for w in wrapped):
+        # O1: earlier blocks' gradients were unscaled and kept aside (a block without delay_unscale before this one,
+        # a step due after them): unscaled at the end as a block without it, the stash added back, so that the
+        # gradients until the next block or the step are the sum's true values, as FP32's. A change of them there (a
+        # clip, p.grad.mul_(0.5), a clear through .data) then reaches the earlier blocks' too (kept aside until the
+        # step, they missed it; Apex, whose chain added into the same tensors, clipped scaled values). At O2 the step
+        # uses the masters' gradients, which a change of the model's through .data would not reach: the chain stays.
+        delay_unscale = False
     if delay_unscale:
         _record_gradless(state, own)
         for wrapper in own:  # what a clear of the chain's gradients before the next block is told apart by
@@ -308,11 +320,38 @@ def scale_loss(
             amp.unscale_(optimizer)
     if overflow:
         state.skip_next.update(dict.fromkeys(ids, loss_id))
+        _charge_unnamed(state, amp, own, ids + [id(o) for o in left], loss_id)
         _log_overflow(amp, loss_id)
     _record_gradless(state, own)
     if amp.properties.master_weights:
         for wrapper in wrapped:
             state.graded[id(wrapper.optimizer)] = _grad_versions(amp, wrapper.optimizer)
+
+
+def _charge_unnamed(state: AmpState, amp: Amp, own: list[AmpOptimizer], named: list[int], loss_id: int) -> None:
+    """After a block's overflow: note the optimizers of ``own`` not in ``named`` whose gradients its backward reached
+    (pending at ``loss_id``, as the block left them). Their step finds the same non-finite values and is skipped; the
+    block's overflow counted once for its loss (one back-off per iteration, as ``GradScaler`` stepping both), their
+    step's flags count for none (:func:`_optimizer_step`)."""
+    for wrapper in own:
+        key, core = id(wrapper.optimizer), amp._optimizers.get(id(wrapper.optimizer))
+        if key in named or core is None or core.stage is not _Stage.READY or core.loss_id != loss_id:
+            continue
+        params = [p for group in wrapper.optimizer.param_groups for p in group["params"]]
+        if any(p.grad is not None for p in params):
+            state.charged[key] = (loss_id, _grad_marks(params))
+
+
+def _recharge(state: AmpState, wrapper: AmpOptimizer, loss_id: int) -> None:
+    """A block of ``loss_id`` names an optimizer noted by :func:`_charge_unnamed`: its gradients as that block left
+    them (not cleared: a GAN's discriminator reached by the generator's block, not zeroed before its own) hold the
+    overflow counted already, which this block's check finds again; its step is skipped, and counts for none, as one
+    ``GradScaler`` update of the iteration. Otherwise (cleared, written, another loss) forgotten."""
+    key = id(wrapper.optimizer)
+    charged, marks = state.charged[key]
+    params = [p for group in wrapper.optimizer.param_groups for p in group["params"]]
+    if charged != loss_id or _grad_marks(params) != marks:
+        del state.charged[key]
 
 
 def _grad_versions(amp: Amp, optimizer: torch.optim.Optimizer) -> int:
@@ -371,7 +410,7 @@ def _stash(
             continue
         params = [p for group in inner.param_groups for p in group["params"]]
         marks = state.delayed.pop(id(inner), None)
-        if marks is not None and _chain_cleared(marks, params):
+        if marks is not None and _chain_cleared(marks, params, id(inner) in state.stash):
             # The script cleared the gradients of the delay_unscale blocks since the last one ended (a batch dropped
             # mid-accumulation, zero_grad either way): what was stashed before goes with them, and their loss's
             # pending gradients count for nothing (Apex updated a scaler only at the end of a block it unscaled).
@@ -397,7 +436,7 @@ def _grad_marks(params: list[torch.Tensor]) -> tuple[tuple[int, int] | None, ...
         return tuple(None if (g := p.grad) is None else (id(g), g._version) for p in params)
 
 
-def _chain_cleared(marks: tuple[tuple[int, int] | None, ...], params: list[torch.Tensor]) -> bool:
+def _chain_cleared(marks: tuple[tuple[int, int] | None, ...], params: list[torch.Tensor], tagged: bool) -> bool:
     """Whether every gradient the last ``delay_unscale`` block left (``marks``, noted at its end) was cleared since:
     gone (``set_to_none``), or written and now zero (``zero_grad(set_to_none=False)``). Version counters tell a
     write apart without reading the gradients; only a chain whose every gradient was written is read (one host
@@ -405,17 +444,23 @@ def _chain_cleared(marks: tuple[tuple[int, int] | None, ...], params: list[torch
     proves that no clear wrote it (``zero_()`` writes +0.0): a chain with earlier blocks kept aside has its zeros
     written as -0.0 at its end (:func:`_tag_zeros`), so the in-place multiply of ``clip_grad_norm_`` on the all-zero
     gradients of a block whose loss was zeroed (``loss * 0``), which leaves every zero negative, is told from a
-    ``zero_grad(set_to_none=False)``; a clear by ``grad.mul_(0)`` leaves the positive gradients' zeros positive."""
+    ``zero_grad(set_to_none=False)``; a clear by ``grad.mul_(0)`` leaves the positive gradients' zeros positive.
+    ``tagged`` (earlier blocks kept aside: the zeros were tagged): a gradient whose version did not move is read too,
+    since a clear through ``.data`` (``p.grad.data.zero_()``) moves no version counter of ``p.grad``; its zeros are
+    positive, where the chain's own are negative."""
     if all(mark is None for mark in marks):
         return False  # nothing was left to clear (a block that did not reach these parameters)
-    written = []
+    written, unmoved = [], False
     for mark, now in zip(marks, _grad_marks(params)):
         if mark is None or now is None:
             continue
         if mark == now:
-            return False  # one gradient as the block left it: the chain goes on
-        written.append(now)
-    if not written:
+            if not tagged:
+                return False  # one gradient as the block left it: the chain goes on
+            unmoved = True  # as the block left it, or cleared through .data: the values tell
+        else:
+            written.append(now)
+    if not written and not unmoved:
         return True
     with torch._C.DisableTorchFunction():
         grads = [g.detach() for p in params if (g := p.grad) is not None and g.numel()]
@@ -520,7 +565,7 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> Any:
     skipped = key in state.skip_next
     marks = state.delayed.pop(key, None)  # a delay_unscale chain ends at the step
     if marks is not None and _chain_cleared(
-        marks, [p for group in wrapper.optimizer.param_groups for p in group["params"]]
+        marks, [p for group in wrapper.optimizer.param_groups for p in group["params"]], key in state.stash
     ):
         # The chain's gradients were cleared since its last block (model.zero_grad() either way: a batch dropped
         # mid-accumulation), and the step comes next: what earlier blocks kept aside goes with them, as at a next
@@ -558,6 +603,11 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> Any:
         if core is not None and core.loss_id is None and core.stage is _Stage.READY and not skipped
         else None
     )
+    charged = state.charged.pop(key, (None,))[0]  # gradients of a block whose overflow was counted (_charge_unnamed)
+    if charged is not None and core is not None and core.loss_id == charged:
+        before = (machine.iteration_found.get(charged), machine.iteration_read.get(charged))
+    else:
+        charged = None
     state.stepping = wrapper.optimizer
     try:
         stepped = wrapper._engine.step(wrapper.optimizer)
@@ -567,6 +617,12 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> Any:
         for loss_id in [i for i in machine.iteration_found if i not in counted]:
             del machine.iteration_found[loss_id]
             machine.iteration_read.pop(loss_id, None)
+    if charged is not None:  # the flags as they were before this step (record_found makes new tensors)
+        if before[0] is None:
+            machine.iteration_found.pop(charged, None)
+            machine.iteration_read.pop(charged, None)
+        else:
+            machine.iteration_found[charged], machine.iteration_read[charged] = before
     # the optimizer's step's value, taken before _update's amp.update() drops it (the engine keeps no user value)
     stepper = wrapper._engine._stepper
     returned, stepper.returned = stepper.returned, None

@@ -138,6 +138,10 @@ def refuse_raw_step(
                 keep_write(state, message, [(p, _rounding(p, master_weights)) for p in stepped])
             return None
         stepped = [p for p, v in zip(params, noted) if p._version != v and id(p) not in renormed]
+    if stepped and master_weights and not state.two_pass:  # (a SAM-style write is counted below)
+        # At O2 a half weight written back to its FP32 master's rounding (a rollback by copy_ to the last step's
+        # snapshot) holds nothing the next step would lose: not a raw step (read on this path only, before refusing).
+        stepped = [p for p in stepped if not _at_rounding(p, master_weights)]
     if not stepped:
         return None
     two_pass = state.two_pass  # is_two_pass(optimizer), asked once at registration
@@ -206,6 +210,17 @@ def stepped_along(
         # rounding to half keeps that sign; a write of another kind agrees by chance, about half the time.
         return []
     return found
+
+
+def _at_rounding(param: torch.Tensor, master_weights: Sequence[MasterWeights]) -> bool:
+    """Whether ``param`` is a half weight with an FP32 master whose rounding it holds exactly."""
+    if param.dtype not in _HALF:
+        return False
+    master = next((m.master_of(param) for m in master_weights if m.covers(param)), param)
+    if master is param or master.shape != param.shape:
+        return False
+    with torch.no_grad():
+        return bool(torch.equal(master.detach().to(param.dtype), param.detach()))
 
 
 def _rounding(param: torch.Tensor, master_weights: Sequence[MasterWeights]) -> torch.Tensor:
