@@ -1,0 +1,130 @@
+"""attack68c: a hostile user of real third-party models (transformers, peft, litgpt) and of what a run reports
+(``mpx/*`` scalars, ``lightning-mpx doctor``), checked against the run's own facts and the framework's own
+``"bf16-mixed"``."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("tensorboard")
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger  # noqa: E402
+
+from lightning_mpx import MixedPrecisionPlugin, doctor  # noqa: E402
+from lightning_mpx.cli import main  # noqa: E402
+from lightning_mpx.health.events import read_run  # noqa: E402
+from lightning_mpx.scaling.scaler import LossScaleFloorError  # noqa: E402
+
+
+# -- the doctor on a run killed at the floor after a few skipped steps ------------------------------------------------
+class _Poisoned(pl.LightningModule):
+    """Two linear layers; the loss of every micro-batch whose number (``global_step * 2 + batch_idx % 2``, two
+    micro-batches a step) is in ``bad`` is inf: its step overflows."""
+
+    def __init__(self, bad: set[int]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.bad = nn.Linear(8, 8), nn.Linear(8, 1), bad
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.b(torch.relu(self.a(batch[0]))).float().square().mean()
+        if self.trainer.global_step * 2 + batch_idx % 2 in self.bad:
+            loss = loss * float("inf")
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+def _fit(root: Path, bad: set[int], steps: int, ckpt: str | None = None, save: str | None = None) -> None:
+    """A float16 O1 run logging every 3 steps with 2 micro-batches a step, to TensorBoard and CSV at once, into
+    ``root``'s ``version_0`` (a resume writes into the same folders)."""
+    loggers = [TensorBoardLogger(str(root), name="", version=0), CSVLogger(str(root), name="csv", version=0)]
+    plugin = MixedPrecisionPlugin("O1", half_dtype="float16", init_scale=2.0**10, growth_interval=2)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=steps, logger=loggers, log_every_n_steps=3, accumulate_grad_batches=2,
+        plugins=[plugin], enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(48, 8)), batch_size=2)
+    trainer.fit(_Poisoned(bad), loader, ckpt_path=ckpt)
+    if save:
+        trainer.save_checkpoint(save)
+
+
+def test_a_run_killed_at_the_floor_after_nine_skipped_steps_is_not_called_healthy(tmp_path, capsys):
+    # Every step overflows: from 2^10 the scale reaches its floor (1) at the 11th step and on_floor="raise" stops the
+    # run; the logged points (steps 2, 5, 8) show 9 skipped steps of 9 and an inf loss. Before: "healthy" (exit 0),
+    # the streak shorter than PERSISTENT_MIN_STEPS read as a scale backing off from a high start.
+    with pytest.raises(LossScaleFloorError):
+        _fit(tmp_path, set(range(48)), 12)
+    assert read_run(tmp_path).series["mpx/skipped_steps"] == [(2, 3.0), (5, 6.0), (8, 9.0)]
+    capsys.readouterr()
+    assert main(["doctor", str(tmp_path), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert not report["healthy"]
+    (finding,) = [f for f in report["findings"] if f["problem"]]
+    assert finding["kind"] == "persistent_overflow" and finding["since_step"] == 0
+    assert finding["evidence"][0].startswith("9 of the 9 steps 0-8 overflowed")
+    # The scale's first logged point is after three halvings (128 at step 2), not "before step 0".
+    assert "loss scale falling: 128 (2^7) at step 2, 2 (2^1) at step 8" in finding["evidence"][1]
+    assert any("the logged loss is inf since step 2" in line for line in finding["evidence"])
+
+
+@pytest.mark.parametrize("finite", [True, False])
+def test_a_short_overflow_streak_at_the_end_is_a_problem_only_when_the_loss_went_non_finite(finite):
+    # 100 clean steps, then 6 overflowing ones to the end: a short burst (healthy) unless the logged loss is not
+    # finite there (the forward overflows: no scale backing off makes the loss inf).
+    series = {tag: points[:106] for tag, points in _dynamic_scale(set(range(100, 106))).items()}
+    series["loss"] = [(s, 3.0 if finite or s < 100 else math.nan) for s in range(106)]
+    diagnosis = doctor.diagnose_scalars(series)
+    assert diagnosis.exit_status == (0 if finite else 1)
+    if not finite:
+        assert diagnosis.findings[0].kind == "persistent_overflow" and diagnosis.findings[0].since_step == 100
+
+
+def _dynamic_scale(overflow_steps: set[int], start: float = 2.0**10) -> dict[str, list[tuple[int, float]]]:
+    scale, skipped = start, 0
+    series: dict[str, list[tuple[int, float]]] = {"mpx/loss_scale": [], "mpx/overflows": [], "mpx/skipped_steps": []}
+    for step in range(200):
+        if step in overflow_steps:
+            scale, skipped = max(1.0, scale / 2), skipped + 1
+        series["mpx/loss_scale"].append((step, scale))
+        series["mpx/overflows"].append((step, float(step in overflow_steps)))
+        series["mpx/skipped_steps"].append((step, float(skipped)))
+    return series
+
+
+def test_accumulated_steps_logged_every_three_and_resumed_into_the_same_version_report_the_facts(tmp_path):
+    # Micro-batches 0, 5, 9, 13, 14, 17 overflow: steps 0, 2, 4, 6, 7, 8 are skipped (one skip per step, whichever
+    # micro-batch). Logged at steps 2, 5, 8, 11, each count covering the three steps since the previous log; the scale
+    # halves on a skip and doubles after two clean steps from 2^10.
+    bad = {0, 5, 9, 13, 14, 17}
+    _fit(tmp_path / "whole", bad, 12)
+    _fit(tmp_path / "resumed", bad, 6, save=str(tmp_path / "half.ckpt"))
+    _fit(tmp_path / "resumed", bad, 12, ckpt=str(tmp_path / "half.ckpt"))
+    facts = {
+        "mpx/loss_scale": [(2, 256.0), (5, 128.0), (8, 16.0), (11, 32.0)],
+        "mpx/overflows": [(2, 2.0), (5, 1.0), (8, 3.0), (11, 0.0)],
+        "mpx/skipped_steps": [(2, 2.0), (5, 3.0), (8, 6.0), (11, 6.0)],
+    }
+    for run in ("whole", "resumed"):
+        read = read_run(tmp_path / run)
+        assert read.restarts == ()
+        assert {tag: read.series[tag] for tag in facts} == facts
+        assert read.series["mpx/overflow/a"] == facts["mpx/overflows"]
+    # The CSV logger's rows of the whole run (a resume into its version_0 deletes the earlier rows: Lightning's).
+    with open(tmp_path / "whole" / "csv" / "version_0" / "metrics.csv") as file:
+        rows = [row for row in csv.DictReader(file) if row["mpx/overflows"]]
+    assert [(int(r["step"]), float(r["mpx/loss_scale"]), float(r["mpx/overflows"])) for r in rows] == [
+        (step, scale, count) for (step, scale), (_, count) in zip(facts["mpx/loss_scale"], facts["mpx/overflows"])
+    ]
+    assert doctor.diagnose(str(tmp_path / "resumed")).exit_status == 0
