@@ -128,3 +128,55 @@ def test_accumulated_steps_logged_every_three_and_resumed_into_the_same_version_
         (step, scale, count) for (step, scale), (_, count) in zip(facts["mpx/loss_scale"], facts["mpx/overflows"])
     ]
     assert doctor.diagnose(str(tmp_path / "resumed")).exit_status == 0
+
+
+# -- tied input/output embeddings at O2 -------------------------------------------------------------------------------
+def _tied_gpt2_losses(tmp_path: Path, precision: str, first: int = 0, load: bool = False, save: bool = False):
+    """A tied GPT-2 (one Parameter for ``wte`` and ``lm_head``) trained by Fabric from step ``first`` to 6;
+    ``tie_weights()`` called again at step 2 (after set-up); ``load``/``save`` the Fabric checkpoint of step 3."""
+    from lightning.fabric import Fabric
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from lightning_mpx import FabricMixedPrecisionPlugin
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, tie_word_embeddings=True)
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    net = GPT2LMHeadModel(config)
+    mpx = FabricMixedPrecisionPlugin(precision, half_dtype="bfloat16") if precision.startswith("O") else None
+    fabric = Fabric(accelerator="cpu", devices=1, **({"plugins": [mpx]} if mpx else {"precision": precision}))
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    state = {"model": model, "optimizer": optimizer, **({"mpx": mpx} if mpx else {})}
+    if load:
+        fabric.load(tmp_path / "tied.ckpt", state)
+    torch.manual_seed(1)
+    data = torch.randint(0, 64, (6, 4, 8))
+    losses = []
+    for step in range(first, 6):
+        if step == 2:
+            net.tie_weights()
+        if step == 3 and save:
+            fabric.save(tmp_path / "tied.ckpt", state)
+        loss = model(input_ids=data[step], labels=data[step]).loss
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert net.lm_head.weight is net.transformer.wte.weight
+    return losses, net, mpx
+
+
+def test_a_tied_gpt2_at_o2_keeps_one_weight_through_retie_resume_and_save_pretrained(tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    reference, _, _ = _tied_gpt2_losses(tmp_path, "bf16-mixed")
+    losses, net, mpx = _tied_gpt2_losses(tmp_path, "O2", save=True)
+    assert losses == pytest.approx(reference, abs=5e-3)
+    resumed, again, mpx_again = _tied_gpt2_losses(tmp_path, "O2", first=3, load=True)
+    assert resumed == losses[3:]  # bit for bit
+    masters = mpx.amp.fp32_state_dict(net)
+    assert torch.equal(mpx_again.amp.fp32_state_dict(again)["lm_head.weight"], masters["lm_head.weight"])
+    net.save_pretrained(tmp_path / "hf")
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight and loaded.dtype == torch.float32
+    assert torch.equal(loaded.lm_head.weight, masters["transformer.wte.weight"])
