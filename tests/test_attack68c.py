@@ -180,3 +180,44 @@ def test_a_tied_gpt2_at_o2_keeps_one_weight_through_retie_resume_and_save_pretra
     loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
     assert loaded.lm_head.weight is loaded.transformer.wte.weight and loaded.dtype == torch.float32
     assert torch.equal(loaded.lm_head.weight, masters["transformer.wte.weight"])
+
+
+# -- the underflow groups of a wrapped Hugging Face model --------------------------------------------------------------
+class _Holder(nn.Module):
+    """A user's wrapper whose one child is the Hugging Face model (a LightningModule's ``self.net``)."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.net(input_ids=ids, labels=ids).loss
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_wrapped_tied_gpt2s_underflow_groups_are_its_modules_not_the_whole_model(lora):
+    # Tied, every parameter sits under net.transformer (lm_head's weight is wte's): the groups stopped at the first
+    # lone wrapper, one group, "net.transformer" (with peft "net.base_model", adapters and all), for the whole model,
+    # and the doctor could never name the module with heavy underflow. They are the modules below the wrappers.
+    import peft
+    from lightning.fabric import Fabric
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from lightning_mpx import FabricMixedPrecisionPlugin
+
+    torch.manual_seed(0)
+    net = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    if lora:  # the adapters and a trained copy of the position embedding (modules_to_save)
+        config = peft.LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True, modules_to_save=["wpe"])
+        net = peft.get_peft_model(net, config)
+    mpx = FabricMixedPrecisionPlugin("O1", half_dtype="bfloat16")
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[mpx])
+    model = fabric.setup_module(_Holder(net))
+    optimizer = fabric.setup_optimizers(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1))
+    mpx.request_telemetry()
+    fabric.backward(model(torch.randint(0, 64, (2, 8))))
+    optimizer.step()
+    groups = {key.split("/", 2)[2] for key in mpx.metrics() if key.startswith("mpx/underflow/")}
+    body = "net.base_model.model.transformer" if lora else "net.transformer"
+    expected = {f"{body}.h", f"{body}.wpe"} if lora else {f"{body}.{m}" for m in ("h", "wte", "wpe", "ln_f")}
+    assert groups == expected
