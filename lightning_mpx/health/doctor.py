@@ -288,8 +288,10 @@ def _persistent_overflow(
     flat = _trailing(scale, lambda i: scale[i][1] == final)
     since = starts[streak]
     last = overflows[-1][0]
-    if last - since + 1 < PERSISTENT_MIN_STEPS:
-        return None  # a short burst, or a dynamic scale backing off from a high start
+    bad = _trailing(loss, lambda i: not math.isfinite(loss[i][1])) if loss is not None else None
+    forward = loss is not None and bad is not None and loss[bad][0] <= last
+    if last - since + 1 < PERSISTENT_MIN_STEPS and not forward:
+        return None  # a short burst, or a scale backing off from a high start (whose loss is finite)
     count = sum(value for _, value in overflows[streak:])
     evidence = [
         f"{count:g} of the {last - since + 1} steps {since}-{last} overflowed (mpx/overflows{suffix}): "
@@ -305,9 +307,11 @@ def _persistent_overflow(
         )
         state = "the loss scale is at its floor"
     else:
-        before = next((value for step, value in reversed(scale) if step < since), scale[0][1])
+        # No point before the streak (it began the run): its first point, at its own step (not "before step 0").
+        step, before = next(((step, value) for step, value in reversed(scale) if step < since), scale[0])
         evidence.append(
-            f"loss scale falling: {_fmt_scale(before)} before step {since}, {_fmt_scale(final)} at step {last}; "
+            f"loss scale falling: {_fmt_scale(before)} "
+            f"{f'before step {since}' if step < since else f'at step {step}'}, {_fmt_scale(final)} at step {last}; "
             "each overflow lowers it on its way to min_loss_scale"
         )
         state = "the loss scale is collapsing"
@@ -317,15 +321,11 @@ def _persistent_overflow(
         before = next((value for step, value in reversed(skipped) if step < since), None)
         line = f"skipped steps: {skipped[-1][1]:g} at step {skipped[-1][0]}"
         evidence.append(line + (f", {before:g} before step {since}" if since and before is not None else ""))
-    forward = False
-    if loss is not None:
-        bad = _trailing(loss, lambda i: not math.isfinite(loss[i][1]))
-        if bad is not None and loss[bad][0] <= last:
-            forward = True
-            evidence.append(
-                f"the logged loss is {loss[-1][1]} since step {loss[bad][0]}: the forward already produces "
-                "non-finite values"
-            )
+    if forward and loss is not None and bad is not None:
+        evidence.append(
+            f"the logged loss is {loss[-1][1]} since step {loss[bad][0]}: the forward already produces "
+            "non-finite values"
+        )
     # A forward overflow makes every gradient non-finite; where the forward was watched, the first module whose
     # output went non-finite (mpx/overflow_first/<module>) is the culprit, and the gradient counts are not.
     watched = {

@@ -16,6 +16,7 @@ file) adds the counts (``mpx/overflows``, ``mpx/overflow/<module>``: since the p
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from pathlib import Path
 
@@ -105,12 +106,22 @@ def read_run(run_dir: str | Path) -> RunScalars:
     restarts: dict[tuple[str, int], list[int]] = {}  # (folder, to_step) -> [from_step, dropped, times]
     # Folder by folder: TensorBoardLogger's version_<N> in N's order (a clock set apart on another machine does not
     # reorder them), others by their first point's time; in a folder, by time (two writers at once interleave).
-    first = {}
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
     for point in written:
         first[point[5]] = min(first.get(point[5], point[0]), point[0])
+        last[point[5]] = max(last.get(point[5], point[0]), point[0])
     versions = {folder: _VERSION.fullmatch(Path(folder).name) for folder in first}
     numbered = all(versions.values())
-    rank = {f: (int(m.group(1)) if numbered and m else 0, first[f]) for f, m in versions.items()}
+    number = {f: int(m.group(1)) if numbered and m else 0 for f, m in versions.items()}
+    # Folders of one number written at once (two loggers of one run: version_0 and second/version_0) share a rank:
+    # their points interleave by time, the same step from the other writer is no restart.
+    rank: dict[str, tuple[int, float]] = {}
+    current, end = (-1, -math.inf), -math.inf
+    for folder in sorted(first, key=lambda f: (number[f], first[f])):
+        if current[0] != number[folder] or first[folder] > end:
+            current, end = (number[folder], first[folder]), last[folder]
+        rank[folder], end = current, max(end, last[folder])
     for _, _, tag, step, value, folder, file in sorted(written, key=lambda p: (rank[p[5]], p[0], p[1])):
         curve = series.setdefault(tag, [])
         if curve and step == curve[-1][0]:

@@ -41,10 +41,11 @@ __all__ = ["GradTelemetry", "module_groups"]
 def module_groups(names: Sequence[str], all_names: Iterable[str] | None = None) -> list[str]:
     """The group of each parameter name: its top-level module.
 
-    The group is the first component of the name (``"encoder"`` for ``"encoder.layers.0.weight"``), or the first two
-    when every parameter of the model sits under one lone wrapper (``"model.encoder"`` for a LightningModule whose
-    ``self.model`` holds everything): one group for the whole model would say nothing. A parameter of the root module
-    itself (``"scale"``) is its own group.
+    The group is the first component of the name (``"encoder"`` for ``"encoder.layers.0.weight"``), or the one below
+    the lone wrappers when every parameter of the model sits under one (``"model.encoder"`` for a LightningModule
+    whose ``self.model`` holds everything, ``"net.base_model.model.transformer.h"`` for a tied GPT-2 wrapped by peft
+    in ``self.net``): one group for the whole model would say nothing. A parameter of the root module itself
+    (``"scale"``) is its own group.
 
     Args:
         names: The parameter names to group.
@@ -58,10 +59,12 @@ def module_groups(names: Sequence[str], all_names: Iterable[str] | None = None) 
         if isinstance(value, str):  # a string is a sequence of its characters: each would be a parameter name
             raise TypeError(f"{name}={value!r} must be a list of parameter names, not a string; did you mean "
                             f"{name}=[{value!r}]?")
-    every = list(names if all_names is None else all_names)
-    heads = {name.split(".", 1)[0] for name in every}
-    wrapped = len(heads) == 1 and all("." in name for name in every)
-    depth = 2 if wrapped else 1
+    every = [name.split(".") for name in (names if all_names is None else all_names)]
+    depth = 1
+    # Down a chain of lone wrappers (a peft model in a LightningModule: "net.base_model.model.transformer"), as long
+    # as every name shares the first ``depth`` components and the groups one deeper are still modules.
+    while len({tuple(parts[:depth]) for parts in every}) == 1 and all(len(p) > depth + (depth > 1) for p in every):
+        depth += 1
     return [".".join(name.split(".")[:depth]) for name in names]
 
 
