@@ -62,7 +62,10 @@ class _Run:
         self.amp: Amp | None = None
         if not fp32:
             level = setup.split("-")[0]
-            self.amp = Amp(level, half_dtype="float16", fp32_modules=["3"] if setup == "O2-fp32-head" else ())
+            # A scale that a few accumulated float16 backwards do not overflow (at 65536 three of them did: a real
+            # overflow, skipped as it should be, which this machine does not model)
+            fp32_modules = ["3"] if setup == "O2-fp32-head" else ()
+            self.amp = Amp(level, half_dtype="float16", fp32_modules=fp32_modules, init_scale=2.0**8)
             self.model = self.amp.prepare_model(self.model)
             whole, own = self.amp.prepare_optimizer(whole), self.amp.prepare_optimizer(own)
         self.opts = {"whole": whole, "own": own}
@@ -208,3 +211,36 @@ def test_a_clip_after_every_gradient_was_cleared_is_torchs_zero_norm_with_a_shar
     run.opts["whole"].zero_grad(set_to_none=True)
     assert float(run.amp.clip_grad_norm_(run.opts["whole"], 0.1)) == 0.0
     assert float(run.amp.clip_grad_norm_(run.opts["own"], 0.1)) == 0.0
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_clamp_between_backwards_after_a_clip_is_no_raw_step(level: str) -> None:
+    """One optimizer (float16, a dynamic scale): a backward, ``amp.clip_grad_norm_`` (the gradients unscaled), a
+    clamp of the weights by hand (a WGAN critic's), a backward, ``zero_grad(set_to_none=True)`` (the batch dropped),
+    a backward. Before: refused at the last backward as "written and their gradients cleared after a backward of
+    lightning_mpx with no step": a backward after an unscale did not note the parameters' versions again, so the
+    clamp before it counted against the clear after it. Without the clip it was let through, as it is now."""
+    net = _net()
+    amp = Amp(level, half_dtype="float16", init_scale=2.0**8)
+    net = amp.prepare_model(net)
+    opt = amp.prepare_optimizer(torch.optim.SGD(net.parameters(), lr=0.05))
+    before = [p.detach().float().clone() for p in net.parameters()]
+
+    def backward(seed: int) -> None:
+        x, y = _batch(seed)
+        with amp.forward_context():
+            loss = F.cross_entropy(net(amp.cast_inputs(x)).float(), y)
+        amp.backward(loss)
+
+    backward(0)
+    amp.clip_grad_norm_(opt, 1.0)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.clamp_(-0.2, 0.2)
+    backward(1)
+    opt.zero_grad(set_to_none=True)
+    backward(2)
+    amp.step(opt)
+    amp.update()
+    moved = [p.detach().float() for p in net.parameters()]
+    assert any(not torch.equal(a, b) for a, b in zip(moved, before, strict=True))
