@@ -267,7 +267,9 @@ class StepMachine(UnscalePath):
                 if state.stage is _Stage.UNSCALED:
                     unscale_late(state, self.scalers, self.masters.weights, state.optimizer, self.backend, self.shared)
                     self.record_found(state.found_by_loss)  # an overflow seen by unscale_() counts toward update()
-                    _look_for_raw_step(self, state, watch)  # as below: an unscale (a clip) between backwards too
+                    # noted again (not looked at: the Apex layer's stash clears gradients itself between blocks): a
+                    # write between an unscale (a clip) and this backward is not taken for a raw step at a later one
+                    _look_for_raw_step(self, state, watch, look=False)
                 rescale_unscaled(state, loss_id, self.scalers[loss_id], self.masters.weights, self.backend, self.shared)
             elif state.loss_id is None:
                 state.loss_id = loss_id
@@ -486,12 +488,12 @@ def _refuse_zero_redundancy(optimizer: torch.optim.Optimizer, outer: torch.optim
         )
 
 
-def _look_for_raw_step(machine: StepMachine, state: _OptimizerState, watch: bool) -> None:
+def _look_for_raw_step(machine: StepMachine, state: _OptimizerState, watch: bool, *, look: bool = True) -> None:
     """At a backward, for ``state``'s gradients of a backward no step has taken yet (pending, or unscaled by a clip
     since): stepped since by an optimizer not prepared? engine.raw_steps, its usual case (accumulation: nothing written
     since the note) written out: no Python call. A note made before an engine step of any optimizer (shared
-    parameters) is void. The versions are noted again, so that a write before this backward (a clamp between
-    accumulated backwards) is not taken for a raw step at a later one."""
+    parameters) is void. The versions are noted again (only that, without ``look``), so that a write before this
+    backward (a clamp between accumulated backwards) is not taken for a raw step at a later one."""
     noted = state.backward_versions
     if noted is None and not watch:  # nothing noted and nothing to note: no harm either way
         return
@@ -499,7 +501,7 @@ def _look_for_raw_step(machine: StepMachine, state: _OptimizerState, watch: bool
     groups = optimizer.param_groups if optimizer is not None else ()
     with torch._C.DisableTorchFunction():
         versions = tuple(map(_VERSION, itertools.chain.from_iterable(map(_PARAMS, groups))))
-    if noted is not None and versions != noted and state.noted_at == machine.steps_taken:
+    if look and noted is not None and versions != noted and state.noted_at == machine.steps_taken:
         harmful = bool(machine.masters.weights) or not machine.scalers[state.loss_id or 0]._unit
         refused = refuse_raw_step(
             state,
