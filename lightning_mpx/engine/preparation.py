@@ -22,7 +22,17 @@ from lightning_mpx.casting.loss_regions import LossRegions
 from lightning_mpx.casting.policy import CastPolicy
 from lightning_mpx.casting.replicas import carry_scope_into_replicas
 from lightning_mpx.casting.table import CastTable
-from lightning_mpx.engine.load_hooks import _EngineHook, hook_loads  # noqa: F401  (_EngineHook: its old path)
+
+# The hooks' old import path kept: _EngineHook's (lightning_mpx.apex's hooks), and the hook classes' for a model pickled
+# whole with them on it (torch.save(model)) by an earlier release, whose pickle names them here.
+from lightning_mpx.engine.load_hooks import (  # noqa: F401
+    _EngineHook,
+    _FollowModes,
+    _ForgetWrites,
+    _LoadIntoMasters,
+    _MissingKept,
+    hook_loads,
+)
 from lightning_mpx.engine.model_cast import (
     _convert,
     _fp32_buffers,
