@@ -4,14 +4,15 @@ policy at its first forward.
 
 :class:`PreparedModels` is what :meth:`Amp.prepare_model <lightning_mpx.engine.amp.Amp.prepare_model>` and
 :meth:`Amp.forward_context <lightning_mpx.engine.amp.Amp.forward_context>` do; the masters the models get are
-:class:`~lightning_mpx.masters.store.Masters`'.
+:class:`~lightning_mpx.masters.store.Masters`'. The cast itself and the FP32 values kept through it are
+:mod:`lightning_mpx.engine.model_cast`'s, the load hooks :mod:`lightning_mpx.engine.load_hooks`'.
 """
 
 from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,19 +22,37 @@ from lightning_mpx.casting.loss_regions import LossRegions
 from lightning_mpx.casting.policy import CastPolicy
 from lightning_mpx.casting.replicas import carry_scope_into_replicas
 from lightning_mpx.casting.table import CastTable
-from lightning_mpx.common.dtypes import HALF_DTYPES, set_param_data
+
+# The hooks' old import path kept: _EngineHook's (lightning_mpx.apex's hooks), and the hook classes' for a model pickled
+# whole with them on it (torch.save(model)) by an earlier release, whose pickle names them here.
+from lightning_mpx.engine.load_hooks import (  # noqa: F401
+    _EngineHook,
+    _FollowModes,
+    _ForgetWrites,
+    _LoadIntoMasters,
+    _MissingKept,
+    hook_loads,
+)
+from lightning_mpx.engine.model_cast import (
+    _convert,
+    _fp32_buffers,
+    _fp32_from_masters,
+    _keep_fp32_buffers,
+    _keep_fp32_values,
+    run_tied_in_fp32,
+    values_before_cast,
+)
 from lightning_mpx.engine.optimizers import StepMachine
 from lightning_mpx.engine.sharding import Sharding, is_sharded, parameter_names
 from lightning_mpx.engine.surgery import ForwardErrors
 from lightning_mpx.health.forensics import OverflowForensics
-from lightning_mpx.health.promotion import Promotion, _Fp32Boundary, _half_reference, _module_to_fp32, matches
+from lightning_mpx.health.promotion import Promotion
 from lightning_mpx.masters.handover import HookRelease, let_go_of, masters_of
 from lightning_mpx.masters.pairs import StrayParameterError
 from lightning_mpx.masters.rank_zero import agree_on_rank_zero, several_ranks
 from lightning_mpx.masters.store import Masters
-from lightning_mpx.masters.swap import follow_modes
-from lightning_mpx.masters.watch import WatchedParameter, release_masters
-from lightning_mpx.masters.weights import _multi_process, convert_module, refuse_lazy, refuse_meta
+from lightning_mpx.masters.watch import release_masters
+from lightning_mpx.masters.weights import _multi_process, refuse_lazy, refuse_meta
 from lightning_mpx.opt_levels import Properties
 from lightning_mpx.settings import MixedPrecisionSettings
 
@@ -146,24 +165,10 @@ class PreparedModels:
         agree = rank_zero_fp32 and props.master_weights and train and several_ranks()
         agreed = agree_on_rank_zero(module, frozen=keep_frozen_fp32) if agree else None
         masters_from_fp32 = props.master_weights and train and (agreed is not None or not _multi_process())
-        before_cast = {}
-        tied: list[nn.Module] = []
-        if props.casts_model:
-            pinned, tied = _pinned_params(module, prefix, self.promotion.patterns)
-            for param in module.parameters():
-                # A model loaded in another floating dtype (float16 for a bfloat16 run, float64) too: its values in
-                # FP32 (exact from a half dtype), not the rounding of the cast to the run's half dtype.
-                # (Not a half parameter of an earlier engine, or a deep copy's: it hands over its FP32 values.)
-                if param.dtype == props.half_dtype or not param.is_floating_point() or param.is_complex():
-                    continue
-                if param.dtype != torch.float32 and type(param) is WatchedParameter:
-                    continue
-                # Under a process group, only the values the ranks agreed on (rank zero's: see masters/rank_zero.py).
-                kept = masters_from_fp32 and (param.requires_grad or keep_frozen_fp32) and (
-                    agreed is None or id(param) in agreed
-                )
-                if id(param) in pinned or kept:
-                    before_cast[id(param)] = param.data if param.dtype == torch.float32 else param.data.float()
+        before_cast, tied = values_before_cast(
+            module, props, prefix, self.promotion.patterns, masters=masters_from_fp32, frozen=keep_frozen_fp32,
+            agreed=agreed,
+        )
         buffers = _fp32_buffers(module) if props.casts_model and self.promotion.patterns else None
         half = props.half_dtype
         converting = [p for p in module.parameters() if props.casts_model and p.is_floating_point() and p.dtype != half]
@@ -171,7 +176,7 @@ class PreparedModels:
         self._note_made_half(module, converting)
         self.promotion.add_model(module, prefix)  # fp32_modules: back to FP32 before any master is made
         if tied:
-            self._run_tied_in_fp32(module, tied)
+            run_tied_in_fp32(module, tied, self._tied_hooks, props.half_dtype)
         if buffers:
             _keep_fp32_buffers(module, buffers)
         if olds and not props.master_weights:  # O0 made them FP32 above, from the masters
@@ -204,27 +209,9 @@ class PreparedModels:
             if weights is not None:
                 tables = (self._regions_hooks, self._load_hooks, self._tied_hooks, self.promotion.hooks)
                 weights.let_go = self._releases[module] = HookRelease(module, tables, self.forget)
-            # Prepared again (a head added since): its hooks are put on anew, the new submodules' included.
-            for handle in self._load_hooks.pop(module, ()):
-                handle.remove()
-            hook = _LoadIntoMasters(self)
-            self._load_hooks[module] = [
-                sub.register_load_state_dict_pre_hook(hook)
-                for sub in module.modules()
-                if any(True for _ in sub.parameters(recurse=False))
-            ]
-            self._load_hooks[module].append(module.register_state_dict_pre_hook(_FollowModes(self)))
-            self._load_hooks[module].append(module.register_load_state_dict_post_hook(_MissingKept(self)))
+            hook_loads(self, module, self._load_hooks, masters=True)  # a load's FP32 values go to the masters
         elif train:  # no masters (O0, O1, O3): a load still writes the parameters, which is no raw step
-            for handle in self._load_hooks.pop(module, ()):
-                handle.remove()
-            forget = _ForgetWrites(self)
-            self._load_hooks[module] = [
-                sub.register_load_state_dict_pre_hook(forget)
-                for sub in module.modules()
-                if any(True for _ in sub.parameters(recurse=False))
-            ]
-            self._load_hooks[module].append(module.register_load_state_dict_post_hook(_MissingKept(self)))
+            hook_loads(self, module, self._load_hooks, masters=False)
         let_go_of(olds)  # the engines that handed over all of them take their hooks off it
         return module
 
@@ -301,26 +288,6 @@ class PreparedModels:
         another dtype since, as before."""
         self.promotion.forget_model(module)
         self._releases.pop(module, None)
-
-    def _run_tied_in_fp32(self, module: nn.Module, tied: list[nn.Module]) -> None:
-        """O2/O3: the submodules of ``module`` that share a parameter with an ``fp32_modules`` module (a tied input
-        embedding of ``lm_head``) run in FP32 as well, with that one FP32 parameter: their floating inputs are cast to
-        FP32 and their FP32 outputs to the half dtype, so the half layers after them get half inputs."""
-        for sub in tied:
-            _module_to_fp32(sub)
-        if module in self._tied_hooks:  # prepared again (evaluated, then trained): hooked once
-            return
-        half = self.properties.half_dtype
-        boundary = _Fp32Boundary(policy=False, out_dtype=half, reference=_half_reference(module, half))
-        # The same order as the pinned modules' hooks: inputs after any other pre-hook, outputs before any other hook.
-        self._tied_hooks[module] = [
-            handle
-            for sub in tied
-            for handle in (
-                sub.register_forward_pre_hook(boundary.pre, with_kwargs=True),
-                sub.register_forward_hook(boundary.post, prepend=True, always_call=True),
-            )
-        ]
 
     def before_forward(self) -> None:
         """At a forward (outside a compiled region, where it would be traced: the first eager forward does it): the
@@ -426,256 +393,6 @@ def _device_type(module: nn.Module) -> str | None:
         if tensor.is_floating_point():
             return tensor.device.type
     return None
-
-
-def _pinned_params(module: nn.Module, prefix: str, patterns: Sequence[str]) -> tuple[set[int], list[nn.Module]]:
-    """``id`` of the parameters kept FP32 at O2/O3, and the submodules tied to the pinned ones.
-
-    The pinned parameters are those of the submodules that ``fp32_modules`` patterns name, and of every submodule
-    that shares a parameter with one of those (a tied input embedding of a pinned ``lm_head``): a shared parameter is
-    one tensor, so it cannot be FP32 in one module and half in the other. Such a tied submodule runs in FP32 too
-    (see :meth:`PreparedModels._run_tied_in_fp32`), found again for the parameters it adds, until none is left.
-
-    Raises:
-        ValueError: when the module that shares a pinned parameter is the root model or holds a pinned module (it
-            cannot run in FP32 without running the pinned module's surroundings in FP32), naming the tie.
-    """
-    if not patterns:
-        return set(), []
-    modules = list(module.named_modules())
-    tops = [name for name, _ in modules if name and any(matches(prefix + name, pattern) for pattern in patterns)]
-    params = {id(p): f"{name}.{pname}" for name, sub in modules if name in tops for pname, p in sub.named_parameters()}
-    tied: list[nn.Module] = []
-    changed = True
-    while changed:
-        changed = False
-        for name, sub in modules:
-            if any(name == top or name.startswith(top + ".") for top in tops):
-                continue
-            shared = [(pname, p) for pname, p in sub.named_parameters(recurse=False) if id(p) in params]
-            if not shared:
-                continue
-            pname, param = shared[0]
-            owner = "the root model" if not name else f"{prefix + name!r}"
-            holds = [top for top in tops if not name or top.startswith(name + ".")]
-            if holds:
-                raise ValueError(
-                    f"fp32_modules pins {prefix + holds[0]!r}, whose parameter {prefix + params[id(param)]!r} is also "
-                    f"{owner}'s own parameter {prefix + (name + '.' if name else '') + pname!r} (tied weights); "
-                    f"{owner} holds the pinned module and cannot run in FP32 around it. Pin a module that holds "
-                    "both users of the parameter, untie the weights, or use opt_level='O1', whose FP32 modules keep "
-                    "every parameter FP32."
-                )
-            tops.append(name)
-            tied.append(sub)
-            for sub_pname, p in sub.named_parameters():
-                params.setdefault(id(p), f"{name}.{sub_pname}")
-            changed = True
-    return set(params), tied
-
-
-def _fp32_from_masters(module: nn.Module) -> None:
-    """O1 given an O2-trained model: its half parameters with masters become FP32 with the masters' exact values
-    (the model O1 expects, not its rounding trained in half), as ``model.float()`` would make them."""
-    with torch.no_grad():
-        for param in module.parameters():
-            if type(param) is WatchedParameter and param.dtype in HALF_DTYPES:
-                param.data = param.data.float()
-    release_masters(module)  # anything left (a frozen half parameter) stays half, let go
-
-
-def _fp32_buffers(module: nn.Module) -> dict[tuple[int, str], torch.Tensor]:
-    """The FP32 buffers of ``module``'s submodules before the cast (references: no copy), for
-    :func:`_keep_fp32_buffers`."""
-    return {
-        (id(sub), name): buffer
-        for sub in module.modules()
-        for name, buffer in sub._buffers.items()
-        if buffer is not None and buffer.dtype == torch.float32
-    }
-
-
-def _keep_fp32_buffers(module: nn.Module, before: dict[tuple[int, str], torch.Tensor]) -> None:
-    """After the cast to half: buffers FP32 again (an ``fp32_modules`` module's, a tied module's) take back the
-    exact values they held before it, not the upcast of their rounding (a constant of 3.14159 was 9.7e-4 off)."""
-    for sub in module.modules():
-        for name, buffer in sub._buffers.items():
-            value = before.get((id(sub), name))
-            if (
-                value is not None and buffer is not None and buffer is not value and buffer.dtype == torch.float32
-                and buffer.shape == value.shape and buffer.device == value.device
-            ):
-                sub._buffers[name] = value
-
-
-def _keep_fp32_values(
-    module: nn.Module,
-    before_cast: dict[int, torch.Tensor],
-    agreed: dict[int, torch.Tensor] | None = None,
-    *,
-    frozen: bool = False,
-) -> dict[int, torch.Tensor]:
-    """After the cast to half: parameters FP32 again (``fp32_modules``) take back the exact values they held
-    before it, not their rounding; returns the FP32 values of the half parameters, for their masters (``agreed``:
-    rank zero's, for the parameters half before the cast too, a second stage's; ``frozen``: the frozen ones' too)."""
-    initial = {}
-    with torch.no_grad():
-        for param in module.parameters():
-            value = before_cast.get(id(param))
-            if value is None and agreed is not None:
-                value = agreed.get(id(param))
-            if value is None or value.shape != param.shape:
-                continue
-            if param.dtype == torch.float32 and param.data_ptr() != value.data_ptr():
-                param.data = value  # pinned FP32 by fp32_modules after the cast: its own values, exactly
-            elif param.dtype in HALF_DTYPES and (param.requires_grad or frozen):
-                initial[id(param)] = value
-    return initial
-
-
-class _EngineHook:
-    """A model hook that needs its engine (or a part of it, ``amp``): held weakly, and dropped by a copy or a pickle
-    of the model (whose parameters have no masters in it). Used by :class:`_LoadIntoMasters` and by
-    ``lightning_mpx.apex``'s hooks."""
-
-    def __init__(self, amp: Any) -> None:
-        self._amp: Callable[[], Any] | None = weakref.ref(amp)
-
-    def engine(self) -> Any:
-        return self._amp() if self._amp is not None else None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self._amp = None
-
-
-class _LoadIntoMasters(_EngineHook):
-    """``load_state_dict`` pre-hook on each submodule of a model prepared at O2: a floating-point value of another
-    dtype loaded into a half parameter goes to its master (or to the value its master will be made from) as an FP32
-    model takes it (FP32 and the other half dtype exactly, float64 rounded to FP32); the model takes its rounding. A
-    value in the parameter's own dtype is its rounding already (the master takes it from the model). It acts on the
-    module it is called for (a ``copy.deepcopy`` of the model, an EMA copy, has no masters) and holds the engine's
-    :class:`PreparedModels` weakly; a copied or pickled hook holds none."""
-
-    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        models: PreparedModels | None = self.engine()
-        if models is None:
-            return
-        if args and isinstance(args[0], dict) and args[0].get("assign_to_params_buffers"):
-            _refuse_assign(models, module, state_dict, prefix)
-        models.machine.forget_writes(loaded=True)  # a load writes the parameters (a rollback): no raw step
-        written = []
-        for name, param in _unhooked_parameters(module, type(self)):
-            value = state_dict.get(prefix + name)
-            if torch.is_tensor(value):
-                written.append(param)
-            # Any floating dtype but the parameter's own (FP32 alone before: a float16 checkpoint into a bfloat16
-            # model, a float64 one, left the masters the model's half rounding)
-            if param.dtype in HALF_DTYPES and torch.is_tensor(value) and value.dtype in _LOADED_EXACTLY[param.dtype]:
-                models.masters.take_loaded(param, value, models.machine.optimizers.values())
-        models.machine.note_loaded(written)  # the user's values now (engine.held_masters)
-
-
-# By half parameter dtype, the dtypes of loaded values its master takes (an FP32 model's copy_ of them).
-_LOADED_EXACTLY = {
-    torch.bfloat16: frozenset((torch.float32, torch.float64, torch.float16)),
-    torch.float16: frozenset((torch.float32, torch.float64, torch.bfloat16)),
-}
-
-
-def _unhooked_parameters(module: nn.Module, hook: type) -> Iterator[tuple[str, nn.Parameter]]:
-    """``module``'s own parameters, and those of its submodules without a ``hook`` of their own (made since the
-    hooks were put on: ``torch.nn.utils.parametrize`` moves a weight into ``parametrizations.weight.original``, a
-    module of its own), by their names under ``module``: the parameters whose load ``module``'s hook takes."""
-    yield from module.named_parameters(recurse=False)
-    todo = [(name + ".", child) for name, child in module.named_children()]
-    while todo:
-        prefix, sub = todo.pop()
-        if any(isinstance(getattr(h, "hook", h), hook) for h in sub._load_state_dict_pre_hooks.values()):
-            continue  # its own hook takes its parameters
-        for name, param in sub.named_parameters(recurse=False):
-            yield prefix + name, param
-        todo += [(prefix + name + ".", child) for name, child in sub.named_children()]
-
-
-class _FollowModes(_EngineHook):
-    """``state_dict`` pre-hook on a model prepared at O2: a schedule-free optimizer's ``eval()``/``train()`` since the
-    last forward (which moved no half weight: its state is keyed by the masters) redone on the masters and copied into
-    the model first, so ``torch.save(model.state_dict())`` right after ``optimizer.eval()`` holds the point it asked
-    for (the Fabric and Trainer hooks of ``fp32_export`` do the same for their FP32 values). On the root module,
-    acting once per call of its own (``prefix`` empty)."""
-
-    def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        models: PreparedModels | None = self.engine()
-        if models is None:
-            return
-        for state in list(models.machine.optimizers.values()):
-            if state.train_modes is not None:
-                follow_modes(state, models.masters.weights)
-
-
-class _ForgetWrites(_EngineHook):
-    """``load_state_dict`` pre-hook on each submodule of a model prepared for training without masters (O0, O1,
-    O3): a load between a backward and the next (a rollback after a loss spike) writes the parameters, which the
-    raw-step check (:mod:`lightning_mpx.engine.raw_steps`) must not take for a step outside the engine, and the
-    parameters it writes are noted as loaded (:mod:`lightning_mpx.engine.held_masters`). At O2
-    :class:`_LoadIntoMasters` does the same."""
-
-    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        models: PreparedModels | None = self.engine()
-        if models is not None:
-            models.machine.forget_writes(loaded=True)
-            models.machine.note_loaded(  # the user's values now (engine.held_masters)
-                param for name, param in _unhooked_parameters(module, type(self)) if prefix + name in state_dict
-            )
-
-
-class _MissingKept(_EngineHook):
-    """``load_state_dict`` post-hook on a prepared model: the parameters a ``strict=False`` load lacked (a
-    checkpoint saved with ``fabric.save(..., filter=...)``) keep this run's values by the user's choice, as in an
-    FP32 model, and are noted as loaded with the others, so that the held-masters check (engine.held_masters) does not
-    take them for a model entry never loaded. On the model's root: the keys are named from it."""
-
-    def __call__(self, module: nn.Module, incompatible: Any) -> None:
-        models: PreparedModels | None = self.engine()
-        if models is not None and incompatible.missing_keys:  # at a load only, and one with keys missing
-            missing = set(incompatible.missing_keys)
-            models.machine.note_loaded((p for name, p in module.named_parameters() if name in missing), written=False)
-
-
-def _refuse_assign(models: PreparedModels, module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
-    """``load_state_dict(..., assign=True)`` into a model prepared at O2 would put the loaded tensors in place of its
-    half parameters or those with masters: the FP32 masters and the optimizer would keep the old ones, and the model
-    would hold the loaded dtype. A model made FP32 since (``model.float()`` after the fit: its masters let go) is
-    FP32's, and loads as in FP32."""
-    name = next(
-        (
-            prefix + n
-            for n, p in module.named_parameters(recurse=False)
-            if prefix + n in state_dict and (p.dtype in HALF_DTYPES or models.masters.covered(p))
-        ),
-        None,
-    )
-    if name is not None:
-        raise ValueError(
-            f"load_state_dict(..., assign=True) would replace the parameters of a model prepared at opt_level='O2' "
-            f"(first: {name!r}) with the loaded tensors, cutting them off from their FP32 masters and from the "
-            "optimizer; load with assign=False (the default): FP32 values go to the masters exactly and the model "
-            "takes their rounding."
-        )
-
-
-def _convert(module: nn.Module, props: Properties) -> None:
-    """Cast ``module`` in place for the opt level: half at O2/O3 (batch norm FP32 when ``keep_batchnorm_fp32``),
-    half parameters to FP32 at O0."""
-    if props.casts_model:
-        convert_module(module, props.half_dtype, keep_batchnorm_fp32=props.keep_batchnorm_fp32 is not False)
-    elif props.cast_model_type == torch.float32:
-        for param in module.parameters():
-            if param.dtype in (torch.float16, torch.bfloat16):
-                set_param_data(param, param.data.float())  # a tensor-parallel DTensor: its local shard too
 
 
 def _holds_other_half(module: nn.Module, half_dtype: torch.dtype) -> bool:
