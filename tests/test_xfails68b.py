@@ -105,3 +105,52 @@ def test_accelerate_o2_head_unfrozen_into_a_second_optimizer_after_the_clip() ->
         return torch.cat([v.detach().float().flatten() for v in values.values()])
 
     torch.testing.assert_close(run(True), run(False), rtol=0, atol=ATOL)
+
+
+# -- 2. a second Accelerator() of the process takes its opt level ---------------------------------------------------
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_a_second_accelerator_takes_the_processs_opt_level_and_settings_as_accelerates_own(monkeypatch: Any) -> None:
+    """Accelerate's own second ``Accelerator()`` takes the process's precision (``"bf16"``), even against
+    ``ACCELERATE_MIXED_PRECISION``; the adapter's takes the first one's opt level with its ``MixedPrecisionKwargs``
+    (``half_dtype``: the model it prepares is O2 float16 with FP32 masters), or with its own ones where it gives
+    them. Before: FP32, silently (``MixedPrecisionKwargs`` alone: refused, "mixed_precision=None")."""
+    from accelerate import Accelerator as PlainAccelerator
+
+    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from tests.accelerate_helpers import reset_accelerate_state
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # read by neither second one: the process's precision wins
+    PlainAccelerator(mixed_precision="bf16", cpu=True)
+    assert PlainAccelerator(cpu=True).mixed_precision == "bf16"  # the reference: Accelerate's own
+    reset_accelerate_state()
+
+    first = Accelerator(mixed_precision="O2", cpu=True, kwargs_handlers=[MixedPrecisionKwargs(half_dtype="float16")])
+    second = Accelerator(cpu=True)
+    assert (second.opt_level, second.mixed_precision) == ("O2", "O2")
+    assert second.mpx_kwargs == first.mpx_kwargs and second.mpx_kwargs is not first.mpx_kwargs
+    model = second.prepare(_net())
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+    assert second.amp is not None and second.amp is not first.amp and second.amp.master_weights
+    own = Accelerator(cpu=True, kwargs_handlers=[MixedPrecisionKwargs(half_dtype="bfloat16")])
+    assert (own.opt_level, own.amp.half_dtype) == ("O2", torch.bfloat16)  # type: ignore[union-attr]
+    assert Accelerator(mixed_precision="no", cpu=True).opt_level is None  # named: as asked
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_accelerates_own_precision_after_an_opt_level_names_it_and_the_reset(monkeypatch: Any) -> None:
+    """``Accelerator(mixed_precision="O2")`` then ``Accelerator(mixed_precision="bf16")``: Accelerate refused it
+    with "restart your runtime completely and pass `mixed_precision='bf16'`", the value passed. The refusal names the
+    opt level and the reset, after which ``"bf16"`` builds and a later ``Accelerator()`` takes it, not the opt
+    level."""
+    from accelerate.state import AcceleratorState
+
+    from lightning_mpx.accelerate import Accelerator
+
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    Accelerator(mixed_precision="O2", cpu=True)
+    with pytest.raises(ValueError, match=r"mixed_precision='bf16': .*the opt level 'O2'.*_reset_state\(True\)"):
+        Accelerator(mixed_precision="bf16", cpu=True)
+    AcceleratorState._reset_state(True)
+    assert Accelerator(mixed_precision="bf16", cpu=True).mixed_precision == "bf16"
+    later = Accelerator(cpu=True)
+    assert (later.opt_level, later.mixed_precision) == (None, "bf16")

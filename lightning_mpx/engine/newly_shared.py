@@ -12,7 +12,7 @@ finds a parameter count changed: before that unscale makes the masters' new grad
 the gradients of the newly shared masters as the optimizer that unscaled them has them now: the master's FP32
 gradient while it is unscaled and not stepped (clipped, as its step uses it), or, after its step freed that gradient,
 the half gradient it left (not written since) divided by the scale it carries with that optimizer's clips applied
-(:func:`~lightning_mpx.engine.rescale.true_grad`): the same values, made the same way.
+(:func:`~lightning_mpx.engine.true_grads.true_grad`): the same values, made the same way.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage
+from lightning_mpx.engine.true_grads import true_grad
 from lightning_mpx.scaling.scaler import LossScaler
 
 Noted = dict[int, tuple[torch.Tensor, int, torch.Tensor]]  # as SharedGrads.masters: by the half gradient's id
@@ -34,8 +35,6 @@ def made_before(
     gradient, its version, the true FP32 gradient) by the half gradient's ``id``, where an optimizer of ``held``
     (``(state, parameters)`` pairs) unscaled it in this iteration and it is as that unscale (or the step after it)
     left it. Nothing is changed."""
-    from lightning_mpx.engine.rescale import true_grad  # rescale imports shared_grads, which calls this
-
     noted: Noted = {}
     for state, _ in held:
         stage = state.stage
