@@ -98,11 +98,6 @@ def test_core_o2_a_shared_master_keeps_the_first_optimizers_clip(habit: str) -> 
     torch.testing.assert_close(_core("O2", habit), _core(None, habit), rtol=0, atol=ATOL)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="O2: a parameter that becomes shared by an add_param_group after the other optimizer's clip (no overlap "
-    "before) gets its master's gradient made again from the half one, unclipped (engine.rescale.unscale_late)",
-)
 def test_core_o2_a_group_that_makes_the_overlap_after_the_clip_keeps_it() -> None:
     def run(level: str | None) -> torch.Tensor:
         net = _net()

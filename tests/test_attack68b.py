@@ -260,13 +260,6 @@ def test_an_opt_level_after_an_accelerator_of_accelerates_own_precision_names_th
     assert Accelerator(mixed_precision="O2", cpu=True).opt_level == "O2"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a second Accelerator() (no mixed_precision, none in the environment) after Accelerator(mixed_precision="
-    "'O2') in one process runs without mixed precision (opt_level None, FP32), silently: Accelerate's own second "
-    "Accelerator() takes the process's precision (the first one's), but the adapter's opt level is not in "
-    "Accelerate's shared state (it runs Accelerate with 'no')",
-)
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_a_second_accelerator_without_a_precision_takes_the_processs_opt_level(monkeypatch: Any) -> None:
     from lightning_mpx.accelerate import Accelerator

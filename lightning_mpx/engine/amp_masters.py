@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lightning_mpx.engine.amp_records import AmpRecords
-from lightning_mpx.engine.rescale import true_grad, unscaled_grad
+from lightning_mpx.engine.true_grads import true_grad, unscaled_grad
 from lightning_mpx.masters.pairs import param_pairs
 from lightning_mpx.masters.swap import follow_modes
 

@@ -74,6 +74,11 @@ def unscale(
     checked (and clipped, measured) here but not divided again."""
     loss_id = state.loss_id or 0
     skipped = state.stage is _Stage.SKIPPED
+    # the parameter count, in C (map/len/sum: no Python call per step or per group): see note_complex
+    if state.complex_groups != sum(map(len, map(_PARAMS, optimizer.param_groups))):
+        note_complex(state, optimizer)
+        if shared is not None:  # a group added or removed: the optimizers' overlap found again, before the masters'
+            shared.refresh()  # new gradients are made below (a newly shared one's, another optimizer's, noted first)
     if skipped:
         # Left unscaled by a batch that did not step, and no backward since: check them (and clip), but do not
         # divide them again.
@@ -103,11 +108,6 @@ def unscale(
         if len(held) != len(state.sharded_params) or not all(map(operator.is_, held, state.sharded_params)):
             sharding.refuse_gathered(held)
             state.sharded_params = held
-    # the parameter count, in C (map/len/sum: no Python call per step or per group): see note_complex
-    if state.complex_groups != sum(map(len, map(_PARAMS, optimizer.param_groups))):
-        note_complex(state, optimizer)
-        if shared is not None:  # a group added or removed: the optimizers' overlap found again
-            shared.refresh()
     if shared is not None and shared.ids and not skipped:
         if sharding is None:
             _unscale_shared(state, optimizer, scaler, shared, sources, targets, copy, backend=backend,

@@ -87,7 +87,8 @@ class StepMachine(UnscalePath):
         self.telemetry = telemetry
         self.names = names
         self.optimizers: dict[int, _OptimizerState] = {}
-        self.shared = SharedGrads(self.optimizers)  # parameters two of them hold: unscaled once (engine.shared_grads)
+        # parameters two of them hold: unscaled once (engine.shared_grads)
+        self.shared = SharedGrads(self.optimizers, scalers)
         self.taken: dict[int, weakref.ref[torch.optim.Optimizer]] = {}  # optimizers another engine took over
         self.iteration_found: dict[int, torch.Tensor] = {}
         self.iteration_read: dict[int, bool | None] = {}

@@ -31,6 +31,7 @@ from lightning_mpx.engine.grad_checks import charge
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
 from lightning_mpx.engine.sharding import local_tensors
 from lightning_mpx.engine.shared_grads import SharedGrads
+from lightning_mpx.engine.true_grads import carried_scale as _carried_scale
 from lightning_mpx.masters.pairs import param_pairs
 from lightning_mpx.masters.swap import drop_master_grads
 from lightning_mpx.masters.weights import MasterWeights
@@ -410,11 +411,6 @@ def _multiply(state: _OptimizerState, grads: list[torch.Tensor], factor: torch.T
         unscale_grads_(grads, factor.to(grads[0].device), found, backend=backend, workspace=state.workspace)
 
 
-def _carried_scale(state: _OptimizerState, scalers: Sequence[LossScaler]) -> torch.Tensor:
-    """The scale the half gradients a step left carry (that of ``loss_id``, as it was at the step)."""
-    return state.grad_scale if state.grad_scale is not None else scalers[state.loss_id or 0].scale_tensor
-
-
 def _apply_clips(state: _OptimizerState, half: list[torch.Tensor], scale: torch.Tensor) -> None:
     """O2: the clips the masters' gradients had before the step, applied to the half ones it left (at ``scale``)."""
     if not half:
@@ -502,43 +498,6 @@ def resume_stepped(
     loss_id, grad_scale = state.loss_id, state.grad_scale
     state.reset()
     state.loss_id, state.grad_scale = loss_id, grad_scale
-
-
-def true_grad(
-    state: _OptimizerState, scalers: Sequence[LossScaler], param: torch.Tensor, master: torch.Tensor
-) -> torch.Tensor | None:
-    """O2: a new FP32 tensor of the true value of half ``param``'s gradient as the state of its optimizer has it now,
-    what FP32 training holds on ``.grad`` there (``None`` without a gradient): between an unscale and the step the
-    master's (clipped as the step uses it); otherwise the half gradient divided by the scale it carries (not where
-    the unscale showed true values on the model, or a step left them), with the clips since the unscale applied (as
-    FP32's clip wrote them into its gradients). Nothing is changed."""
-    if state.stage is _Stage.UNSCALED and master is not param and master.grad is not None:
-        return master.grad.detach().clone()
-    grad = param.grad
-    if grad is None:
-        return None
-    value = grad.detach().to(torch.float32, copy=True)
-    if not (state.shown or (state.stage is _Stage.STEPPED and state.stepped_true)):
-        value.div_(_carried_scale(state, scalers).to(value.device))
-    for kind, norm, limit, *added in state.clips:
-        if added and id(grad) in added[0]:
-            continue  # in a group added after that clip (unscale_late)
-        if kind == "norm":
-            value.mul_(clip_coefficient(norm, limit).to(value.device))
-        else:
-            value.clamp_(-limit, limit)
-    return value
-
-
-def unscaled_grad(state: _OptimizerState, scalers: Sequence[LossScaler], param: torch.Tensor) -> torch.Tensor | None:
-    """The true value of the gradient of ``param``, a parameter without a master (O1's FP32 model, batch norm or
-    ``fp32_modules`` at O2, O3's half model), as FP32 training holds it (``None`` without a gradient): after a
-    backward and before the unscale (``READY``) a new FP32 tensor, its ``.grad`` divided by the scale it carries;
-    otherwise its ``.grad`` itself (the unscale wrote the true values in place). Nothing is changed."""
-    grad = param.grad
-    if grad is None or state.stage is not _Stage.READY or state.loss_id is None:
-        return grad
-    return grad.detach().to(torch.float32, copy=True).div_(_carried_scale(state, scalers).to(grad.device))
 
 
 def hold_scale(state: _OptimizerState, scaler: LossScaler, *, masters: bool = True) -> None:

@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
+from lightning_mpx.engine.newly_shared import made_before
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage
+from lightning_mpx.scaling.scaler import LossScaler
 
 _PARAMS = operator.itemgetter("params")
 
@@ -44,6 +46,8 @@ class SharedGrads:
 
     Args:
         optimizers: The machine's registered optimizers' states, by the optimizer's ``id`` (read, never written).
+        scalers: The machine's loss scalers (read), for the true values of a master that becomes shared after
+            another optimizer's step (:func:`~lightning_mpx.engine.newly_shared.made_before`).
 
     Attributes:
         ids: The ``id`` of each parameter two or more registered optimizers hold (empty: no overlap, no cost).
@@ -56,8 +60,9 @@ class SharedGrads:
             scale before its backward (:meth:`pending`), and its version then.
     """
 
-    def __init__(self, optimizers: Mapping[int, _OptimizerState]) -> None:
+    def __init__(self, optimizers: Mapping[int, _OptimizerState], scalers: Sequence[LossScaler] = ()) -> None:
         self.optimizers = optimizers
+        self.scalers = scalers
         self.ids: frozenset[int] = frozenset()
         self.done: dict[int, tuple[torch.Tensor, int]] = {}
         self.raised: dict[int, torch.Tensor] = {}
@@ -68,7 +73,8 @@ class SharedGrads:
     def refresh(self) -> None:
         """Find the overlap again (a registration, a release, a parameter count changed). A parameter newly shared
         whose gradient another optimizer already unscaled in place in this iteration (unscaled and not stepped yet,
-        or stepped and not written since) is noted as holding true values."""
+        or stepped and not written since) is noted as holding true values; at O2 a newly shared master's FP32
+        gradient made by such an unscale, as that optimizer has it now (:mod:`~lightning_mpx.engine.newly_shared`)."""
         seen: set[int] = set()
         shared: set[int] = set()
         held: list[tuple[_OptimizerState, list[torch.Tensor]]] = []
@@ -85,6 +91,8 @@ class SharedGrads:
         self.ids = frozenset(shared)
         if not shared:
             self.done, self.masters, self.rescaled = {}, {}, {}
+        elif new:  # at O2, before this unscale makes their gradients again: the notes an unscale made while shared kept
+            self.masters = {**made_before(held, new, self.scalers), **self.masters}
         for state, params in held if new else ():
             for param in params:
                 grad = param.grad

@@ -124,6 +124,12 @@ from lightning_mpx.integrations.accelerate_optimizer import (  # noqa: E402
     pair_again,
     released_by_engine,
 )
+from lightning_mpx.integrations.accelerate_precision import (  # noqa: E402
+    held_opt_level,
+    hold_opt_level,
+    refuse_native_after_opt_level,
+    refuse_set_precision,
+)
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
 from lightning_mpx.integrations.fabric_checkpoint import shared_masters  # noqa: E402
 from lightning_mpx.integrations.fp32_export import MastersInStateDict  # noqa: E402
@@ -166,7 +172,9 @@ class Accelerator(GradientClipping, MpxLogging, ShardedPreparation, WholeModelEx
         *args: Passed to ``accelerate.Accelerator``.
         mixed_precision: An opt level (``"O0"``, ``"O1"``, ``"O2"``, ``"O3"``) or one of Accelerate's values
             (``"no"``, ``"fp16"``, ``"bf16"``, ``"fp8"``), which behave exactly as in Accelerate. ``None`` reads
-            ``ACCELERATE_MIXED_PRECISION``, which may also hold an opt level.
+            ``ACCELERATE_MIXED_PRECISION``, which may also hold an opt level; where an earlier Accelerator of this
+            process runs an opt level, ``None`` takes it and that one's :class:`MixedPrecisionKwargs` (unless given),
+            as Accelerate's own takes the process's precision (:mod:`.accelerate_precision`).
         kwargs_handlers: Accelerate's handlers, plus at most one :class:`MixedPrecisionKwargs` (opt levels only).
         **kwargs: Passed to ``accelerate.Accelerator``.
 
@@ -194,6 +202,8 @@ class Accelerator(GradientClipping, MpxLogging, ShardedPreparation, WholeModelEx
         self.amp: Amp | None = None
         self.mpx_kwargs: MixedPrecisionKwargs | None = None
         ours, theirs = _split_handlers(kwargs_handlers)
+        if mixed_precision is None and (held := held_opt_level()) is not None:  # the process's, as Accelerate's own
+            mixed_precision, ours = held[0], ours or [held[1]]
         opt_level = _opt_level_of(mixed_precision)
         if opt_level is None:
             if ours:
@@ -201,6 +211,7 @@ class Accelerator(GradientClipping, MpxLogging, ShardedPreparation, WholeModelEx
                     f"MixedPrecisionKwargs configures an opt level, but mixed_precision={mixed_precision!r}; use "
                     f"one of {', '.join(map(repr, OPT_LEVELS))}, or drop MixedPrecisionKwargs."
                 )
+            refuse_native_after_opt_level(mixed_precision)
             super().__init__(*args, mixed_precision=mixed_precision, kwargs_handlers=theirs or None, **kwargs)
             return
 
@@ -214,7 +225,7 @@ class Accelerator(GradientClipping, MpxLogging, ShardedPreparation, WholeModelEx
         if deepspeed is not None or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
             raise ValueError(f"mixed_precision={opt_level!r} cannot run under DeepSpeed. {_DEEPSPEED_HINT}")
         self._native_view = False  # True while Accelerate's own code prepares a model: see mixed_precision
-        _refuse_set_precision(opt_level)
+        refuse_set_precision(opt_level)
         super().__init__(*args, mixed_precision="no", kwargs_handlers=theirs or None, **kwargs)
         implicit = settings.implicit_dtype(self.device.type)
         if implicit is not None:  # no half_dtype given, on a CPU: bfloat16 (float16 matmuls are often emulated there)
@@ -258,6 +269,7 @@ class Accelerator(GradientClipping, MpxLogging, ShardedPreparation, WholeModelEx
         # alive after the user drops it, until the next cyclic collection (Accelerate's own is freed at once).
         self._amp_save_hook = self.register_save_state_pre_hook(WeakHook(self._save_amp_state))
         self.register_load_state_pre_hook(WeakHook(self._load_amp_state))
+        hold_opt_level(opt_level, ours[0] if ours else MixedPrecisionKwargs())  # for a later Accelerator()
 
     def register_save_state_pre_hook(self, hook: Callable[..., None]) -> Any:
         """Accelerate's ``register_save_state_pre_hook``; the engine's own hook stays the last one, so that it sees
@@ -621,21 +633,6 @@ def _native_handler_refusal(handler: KwargsHandler, opt_level: str) -> str:
         "MixedPrecisionKwargs(cast_table=..., fp32_modules=[...]) instead, and run part of a forward pass in FP32 "
         "inside lightning_mpx.disable_casts()."
     )
-
-
-def _refuse_set_precision(opt_level: str) -> None:
-    """Refuse ``opt_level`` where an earlier Accelerator of this process set Accelerate's one precision to one of its
-    own: Accelerate would refuse the adapter's ``"no"``, telling the user to pass ``mixed_precision='no'``."""
-    from accelerate.state import AcceleratorState
-
-    held = AcceleratorState._shared_state.get("_mixed_precision")
-    if held not in (None, "no"):
-        raise ValueError(
-            f"mixed_precision={opt_level!r}: an earlier Accelerator of this process set Accelerate's mixed precision "
-            f"to {str(held)!r}, which Accelerate keeps for the whole process (its state is shared), and an opt level "
-            "runs Accelerate with 'no'. Build the opt level's Accelerator in a fresh process, or reset Accelerate's "
-            "state first: AcceleratorState._reset_state(True) (from accelerate.state)."
-        )
 
 
 def _opt_level_of(mixed_precision: object) -> str | None:
