@@ -1,0 +1,68 @@
+"""An overflow counted once per loss in the Apex layer: the optimizers a block that overflowed did not name, whose
+gradients its backward reached (``AmpState.charged``), and the gradients' marks that tell whether they are still as
+that block left them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from lightning_mpx.apex._state import AmpState
+from lightning_mpx.engine.amp import Amp
+from lightning_mpx.engine.optimizer_state import _Stage
+
+if TYPE_CHECKING:
+    from lightning_mpx.apex.loss_scaling import AmpOptimizer
+
+
+def _params(wrapper: AmpOptimizer) -> list[torch.Tensor]:
+    return [p for group in wrapper.optimizer.param_groups for p in group["params"]]
+
+
+def _grad_marks(params: list[torch.Tensor]) -> tuple[tuple[int, int] | None, ...]:
+    """Identity and version of each parameter's gradient (``None`` where it has none)."""
+    with torch._C.DisableTorchFunction():  # O1's cast mode would run per parameter
+        return tuple(None if (g := p.grad) is None else (id(g), g._version) for p in params)
+
+
+def _charge_unnamed(state: AmpState, amp: Amp, own: list[AmpOptimizer], named: list[int], loss_id: int) -> None:
+    """After a block's overflow: note the optimizers of ``own`` not in ``named`` whose gradients its backward reached
+    (pending at ``loss_id``, as the block left them). Their step finds the same non-finite values and is skipped; the
+    block's overflow counted once for its loss (one back-off per iteration, as ``GradScaler`` stepping both), their
+    step's flags count for none (``loss_scaling._optimizer_step``), while the gradients are still as the block left
+    them (:func:`_charged_still`)."""
+    for wrapper in own:
+        key, core = id(wrapper.optimizer), amp._optimizers.get(id(wrapper.optimizer))
+        if key in named or core is None or core.stage is not _Stage.READY or core.loss_id != loss_id:
+            continue
+        params = _params(wrapper)
+        if any(p.grad is not None for p in params):
+            state.charged[key] = (loss_id, _grad_marks(params))
+
+
+def _recharge(state: AmpState, wrapper: AmpOptimizer, loss_id: int) -> None:
+    """A block of ``loss_id`` names an optimizer noted by :func:`_charge_unnamed`: its gradients as that block left
+    them (not cleared: a GAN's discriminator reached by the generator's block, not zeroed before its own) hold the
+    overflow counted already, which this block's check finds again; its step is skipped, and counts for none, as one
+    ``GradScaler`` update of the iteration. Otherwise (cleared, written, another loss) forgotten."""
+    key = id(wrapper.optimizer)
+    charged, marks = state.charged[key]
+    if charged != loss_id or not _charged_still(wrapper, marks):
+        del state.charged[key]
+
+
+def _renote(state: AmpState, wrapped: list[AmpOptimizer]) -> None:
+    """At the end of a block naming optimizers still charged (:func:`_recharge` kept them): their gradients as this
+    block left them are the charged ones, which :func:`_charged_still` compares at the step."""
+    for wrapper in wrapped:
+        entry = state.charged.get(id(wrapper.optimizer))
+        if entry is not None:
+            state.charged[id(wrapper.optimizer)] = (entry[0], _grad_marks(_params(wrapper)))
+
+
+def _charged_still(wrapper: AmpOptimizer, marks: tuple[tuple[int, int] | None, ...] | None) -> bool:
+    """Whether ``wrapper``'s gradients are those :func:`_charge_unnamed` noted (``marks``). An optimizer charged in
+    an iteration it did not step in (stepped every other iteration, or only later) whose gradients were cleared by
+    ``model.zero_grad()`` since holds new gradients at its step: their overflow counts (it was hidden)."""
+    return _grad_marks(_params(wrapper)) == marks
