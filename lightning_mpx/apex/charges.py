@@ -62,7 +62,14 @@ def _renote(state: AmpState, wrapped: list[AmpOptimizer]) -> None:
 
 
 def _charged_still(wrapper: AmpOptimizer, marks: tuple[tuple[int, int] | None, ...] | None) -> bool:
-    """Whether ``wrapper``'s gradients are those :func:`_charge_unnamed` noted (``marks``). An optimizer charged in
-    an iteration it did not step in (stepped every other iteration, or only later) whose gradients were cleared by
-    ``model.zero_grad()`` since holds new gradients at its step: their overflow counts (it was hidden)."""
-    return _grad_marks(_params(wrapper)) == marks
+    """Whether ``wrapper``'s gradients are the tensors :func:`_charge_unnamed` noted (``marks``), added to or not.
+    An optimizer charged in an iteration it did not step in (stepped every other iteration, or only later) whose
+    gradients ``model.zero_grad()`` set to ``None`` since holds new gradients at its step: their overflow counts (it
+    was hidden). A clear in place (``set_to_none=False`` on the model, not the optimizer) is not told apart."""
+    if marks is None:
+        return False
+    # The tensors only, not their versions: a later block's backward adds to them (accumulation), still charged.
+    now = _grad_marks(_params(wrapper))
+    return len(now) == len(marks) and all(
+        (a is None) == (b is None) and (a is None or a[0] == b[0]) for a, b in zip(now, marks)
+    )
