@@ -437,6 +437,10 @@ def _chain_cleared(marks: tuple[tuple[int, int] | None, ...], params: list[torch
         grads = [g.detach() for p in params if (g := p.grad) is not None and g.numel()]
         if not grads:
             return True
+        # A cleared gradient's first element is zero: one read of those first (one kernel, every dtype promoted), the
+        # usual accumulation's gradients end there without a read of them whole.
+        if torch.cat([g.reshape(-1)[:1] for g in grads]).ne(0).any().item():
+            return False
         peak = torch.stack([g.abs().amax().float() for g in grads]).amax()
         # every zero negative: the tagged zeros as the chain left them, multiplied in place (no clear writes -0.0)
         tagged = torch.stack([torch.signbit(g).all() for g in grads]).all()
