@@ -307,7 +307,8 @@ def scale_loss(
             if id(wrapper.optimizer) in state.stash:  # earlier blocks kept aside (rare: a step is due after them)
                 _tag_zeros(params)
             state.delayed[id(wrapper.optimizer)] = _grad_marks(params)
-        _renote(state, wrapped)
+        if state.charged:  # an overflow charged to an optimizer no block named (rare)
+            _renote(state, wrapped)
         return
     overflow = False
     for wrapper, before in zip(wrapped, overflowed_before):
@@ -328,7 +329,8 @@ def scale_loss(
     if amp.properties.master_weights:
         for wrapper in wrapped:
             state.graded[id(wrapper.optimizer)] = _grad_versions(amp, wrapper.optimizer)
-    _renote(state, wrapped)
+    if state.charged:  # an overflow charged to an optimizer no block named (rare)
+        _renote(state, wrapped)
 
 
 def _grad_versions(amp: Amp, optimizer: torch.optim.Optimizer) -> int:
