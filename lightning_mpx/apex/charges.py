@@ -4,6 +4,7 @@ that block left them."""
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,7 +39,7 @@ def _charge_unnamed(state: AmpState, amp: Amp, own: list[AmpOptimizer], named: l
             continue
         params = _params(wrapper)
         if any(p.grad is not None for p in params):
-            state.charged[key] = (loss_id, _grad_marks(params))
+            state.charged[key] = (loss_id, _held(params))
 
 
 def _recharge(state: AmpState, wrapper: AmpOptimizer, loss_id: int) -> None:
@@ -48,7 +49,7 @@ def _recharge(state: AmpState, wrapper: AmpOptimizer, loss_id: int) -> None:
     ``GradScaler`` update of the iteration. Otherwise (cleared, written, another loss) forgotten."""
     key = id(wrapper.optimizer)
     charged, marks = state.charged[key]
-    if charged != loss_id or not _charged_still(wrapper, marks):
+    if charged != loss_id or not _same(marks, _params(wrapper), versions=True):
         del state.charged[key]
 
 
@@ -58,18 +59,37 @@ def _renote(state: AmpState, wrapped: list[AmpOptimizer]) -> None:
     for wrapper in wrapped:
         entry = state.charged.get(id(wrapper.optimizer))
         if entry is not None:
-            state.charged[id(wrapper.optimizer)] = (entry[0], _grad_marks(_params(wrapper)))
+            state.charged[id(wrapper.optimizer)] = (entry[0], _held(_params(wrapper)))
 
 
-def _charged_still(wrapper: AmpOptimizer, marks: tuple[tuple[int, int] | None, ...] | None) -> bool:
+_Held = tuple[tuple[weakref.ref[torch.Tensor], int] | None, ...]  # what _held notes
+
+
+def _charged_still(wrapper: AmpOptimizer, marks: _Held | None) -> bool:
     """Whether ``wrapper``'s gradients are the tensors :func:`_charge_unnamed` noted (``marks``), added to or not.
     An optimizer charged in an iteration it did not step in (stepped every other iteration, or only later) whose
     gradients ``model.zero_grad()`` set to ``None`` since holds new gradients at its step: their overflow counts (it
     was hidden). A clear in place (``set_to_none=False`` on the model, not the optimizer) is not told apart."""
-    if marks is None:
+    return marks is not None and _same(marks, _params(wrapper), versions=False)
+
+
+def _held(params: list[torch.Tensor]) -> _Held:
+    """A weak reference to each parameter's gradient and its version (``None`` where it has none): a gradient freed
+    and another made in its place is told apart, where an ``id`` could be reused."""
+    with torch._C.DisableTorchFunction():  # O1's cast mode would run per parameter
+        return tuple(None if (g := p.grad) is None else (weakref.ref(g), g._version) for p in params)
+
+
+def _same(marks: _Held, params: list[torch.Tensor], versions: bool) -> bool:
+    """Whether ``params``' gradients are the tensors of ``marks`` (and, with ``versions``, unwritten since)."""
+    if len(marks) != len(params):
         return False
-    # The tensors only, not their versions: a later block's backward adds to them (accumulation), still charged.
-    now = _grad_marks(_params(wrapper))
-    return len(now) == len(marks) and all(
-        (a is None) == (b is None) and (a is None or a[0] == b[0]) for a, b in zip(now, marks)
-    )
+    with torch._C.DisableTorchFunction():
+        for mark, param in zip(marks, params):
+            grad = param.grad
+            if mark is None or grad is None:
+                if mark is not grad:
+                    return False
+            elif mark[0]() is not grad or (versions and mark[1] != grad._version):
+                return False
+    return True
