@@ -102,7 +102,7 @@ class AmpState:
         skip_next: Optimizers whose next ``step()`` is skipped because a block that named them overflowed, and
             the ``loss_id`` of that block.
         charged: Optimizers not named in a block that overflowed whose gradients its backward reached: the
-            ``loss_id`` of that block and their gradients' identities and versions then. The block's overflow is
+            ``loss_id`` of that block and their gradients (weak references) and versions then. The block's overflow is
             counted once, so their step's flags (and a later block's of that loss naming them, their gradients as
             it left them) count for none.
         stash: Unscaled gradients of earlier blocks (at O2 the FP32 master gradients), per optimizer, added after
@@ -144,7 +144,9 @@ class AmpState:
     touched: set[int] = field(default_factory=set)
     stepped: set[int] = field(default_factory=set)
     skip_next: dict[int, int] = field(default_factory=dict)
-    charged: dict[int, tuple[int, tuple[tuple[int, int] | None, ...]]] = field(default_factory=dict)
+    charged: dict[int, tuple[int, tuple[tuple[weakref.ref[torch.Tensor], int] | None, ...]]] = field(
+        default_factory=dict
+    )
     stash: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     after_step: set[int] = field(default_factory=set)
     idle: set[int] = field(default_factory=set)

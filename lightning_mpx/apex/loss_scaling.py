@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from lightning_mpx.apex._state import AmpState, _amp_state, is_rank_zero
+from lightning_mpx.apex.charges import _charge_unnamed, _charged_still, _grad_marks, _recharge, _renote
 from lightning_mpx.apex.fp16_utils import _HalfParameters
 from lightning_mpx.common.keywords import check_keywords, checks_keywords
 from lightning_mpx.engine.amp import Amp
@@ -306,6 +307,8 @@ def scale_loss(
             if id(wrapper.optimizer) in state.stash:  # earlier blocks kept aside (rare: a step is due after them)
                 _tag_zeros(params)
             state.delayed[id(wrapper.optimizer)] = _grad_marks(params)
+        if state.charged:  # an overflow charged to an optimizer no block named (rare)
+            _renote(state, wrapped)
         return
     overflow = False
     for wrapper, before in zip(wrapped, overflowed_before):
@@ -326,32 +329,8 @@ def scale_loss(
     if amp.properties.master_weights:
         for wrapper in wrapped:
             state.graded[id(wrapper.optimizer)] = _grad_versions(amp, wrapper.optimizer)
-
-
-def _charge_unnamed(state: AmpState, amp: Amp, own: list[AmpOptimizer], named: list[int], loss_id: int) -> None:
-    """After a block's overflow: note the optimizers of ``own`` not in ``named`` whose gradients its backward reached
-    (pending at ``loss_id``, as the block left them). Their step finds the same non-finite values and is skipped; the
-    block's overflow counted once for its loss (one back-off per iteration, as ``GradScaler`` stepping both), their
-    step's flags count for none (:func:`_optimizer_step`)."""
-    for wrapper in own:
-        key, core = id(wrapper.optimizer), amp._optimizers.get(id(wrapper.optimizer))
-        if key in named or core is None or core.stage is not _Stage.READY or core.loss_id != loss_id:
-            continue
-        params = [p for group in wrapper.optimizer.param_groups for p in group["params"]]
-        if any(p.grad is not None for p in params):
-            state.charged[key] = (loss_id, _grad_marks(params))
-
-
-def _recharge(state: AmpState, wrapper: AmpOptimizer, loss_id: int) -> None:
-    """A block of ``loss_id`` names an optimizer noted by :func:`_charge_unnamed`: its gradients as that block left
-    them (not cleared: a GAN's discriminator reached by the generator's block, not zeroed before its own) hold the
-    overflow counted already, which this block's check finds again; its step is skipped, and counts for none, as one
-    ``GradScaler`` update of the iteration. Otherwise (cleared, written, another loss) forgotten."""
-    key = id(wrapper.optimizer)
-    charged, marks = state.charged[key]
-    params = [p for group in wrapper.optimizer.param_groups for p in group["params"]]
-    if charged != loss_id or _grad_marks(params) != marks:
-        del state.charged[key]
+    if state.charged:  # an overflow charged to an optimizer no block named (rare)
+        _renote(state, wrapped)
 
 
 def _grad_versions(amp: Amp, optimizer: torch.optim.Optimizer) -> int:
@@ -430,12 +409,6 @@ def _stash(
                 param.grad = None
 
 
-def _grad_marks(params: list[torch.Tensor]) -> tuple[tuple[int, int] | None, ...]:
-    """Identity and version of each parameter's gradient (``None`` where it has none)."""
-    with torch._C.DisableTorchFunction():  # O1's cast mode would run per parameter
-        return tuple(None if (g := p.grad) is None else (id(g), g._version) for p in params)
-
-
 def _chain_cleared(marks: tuple[tuple[int, int] | None, ...], params: list[torch.Tensor], tagged: bool) -> bool:
     """Whether every gradient the last ``delay_unscale`` block left (``marks``, noted at its end) was cleared since:
     gone (``set_to_none``), or written and now zero (``zero_grad(set_to_none=False)``). Version counters tell a
@@ -466,6 +439,10 @@ def _chain_cleared(marks: tuple[tuple[int, int] | None, ...], params: list[torch
         grads = [g.detach() for p in params if (g := p.grad) is not None and g.numel()]
         if not grads:
             return True
+        # A cleared gradient's first element is zero: one read of those first (one kernel, every dtype promoted), the
+        # usual accumulation's gradients end there without a read of them whole.
+        if torch.cat([g.reshape(-1)[:1] for g in grads]).ne(0).any().item():
+            return False
         peak = torch.stack([g.abs().amax().float() for g in grads]).amax()
         # every zero negative: the tagged zeros as the chain left them, multiplied in place (no clear writes -0.0)
         tagged = torch.stack([torch.signbit(g).all() for g in grads]).all()
@@ -603,8 +580,8 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> Any:
         if core is not None and core.loss_id is None and core.stage is _Stage.READY and not skipped
         else None
     )
-    charged = state.charged.pop(key, (None,))[0]  # gradients of a block whose overflow was counted (_charge_unnamed)
-    if charged is not None and core is not None and core.loss_id == charged:
+    charged, marks = state.charged.pop(key, (None, None))  # a block's gradients whose overflow was counted
+    if charged is not None and core is not None and core.loss_id == charged and _charged_still(wrapper, marks):
         before = (machine.iteration_found.get(charged), machine.iteration_read.get(charged))
     else:
         charged = None

@@ -59,13 +59,25 @@ def module_groups(names: Sequence[str], all_names: Iterable[str] | None = None) 
         if isinstance(value, str):  # a string is a sequence of its characters: each would be a parameter name
             raise TypeError(f"{name}={value!r} must be a list of parameter names, not a string; did you mean "
                             f"{name}=[{value!r}]?")
-    every = [name.split(".") for name in (names if all_names is None else all_names)]
+    every = [_parts(name) for name in (names if all_names is None else all_names)]
     depth = 1
     # Down a chain of lone wrappers (a peft model in a LightningModule: "net.base_model.model.transformer"), as long
     # as every name shares the first ``depth`` components and the groups one deeper are still modules.
     while len({tuple(parts[:depth]) for parts in every}) == 1 and all(len(p) > depth + (depth > 1) for p in every):
         depth += 1
-    return [".".join(name.split(".")[:depth]) for name in names]
+    return [".".join(_parts(name)[:depth]) for name in names]
+
+
+_WRAPPER_SEGMENTS = frozenset(("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"))
+
+
+def _parts(name: str) -> list[str]:
+    """The components of a parameter name as the user wrote the model: without the segments ``torch.compile``, FSDP1
+    and activation checkpointing insert (a compiled run and its uncompiled resume log the same tags), an FSDP1 flat
+    parameter's ``[flat: 0.weight, ...]`` one component (its dots are not modules')."""
+    head, bracket, flat = name.partition("[")
+    parts = [part for part in head.split(".") if part and part not in _WRAPPER_SEGMENTS]
+    return parts + [bracket + flat] if bracket else parts
 
 
 @dataclass
