@@ -273,16 +273,20 @@ def test_module_groups_keep_an_fsdp1_flat_parameter_whole_and_drop_wrapper_segme
     assert module_groups(["0.0.weight", "0.0.bias", "0.2.weight"]) == ["0.0", "0.0", "0.2"]  # Sequential in Sequential
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review68b: the doctor calls a bfloat16 run whose logged loss is NaN at every step, never overflowing "
-    "(a static scale of 1), healthy (exit 0); the non-finite loss is told only beside an overflow streak. The fix "
-    "needs health/doctor.py (being split by house68)",
-)
 def test_doctor_does_not_call_a_run_with_a_nan_loss_throughout_healthy() -> None:
     from lightning_mpx import doctor
 
     steps = range(50)
     series = {"mpx/loss_scale": [(s, 1.0) for s in steps], "mpx/overflows": [(s, 0.0) for s in steps],
               "mpx/skipped_steps": [(s, 0.0) for s in steps], "loss": [(s, math.nan) for s in steps]}  # fmt: skip
-    assert doctor.diagnose_scalars(series).exit_status != 0
+    diagnosis = doctor.diagnose_scalars(series)
+    assert diagnosis.exit_status != 0
+    (finding,) = [f for f in diagnosis.findings if f.problem]
+    assert finding.kind == "non_finite_loss" and finding.since_step == 0, finding
+    # the loss NaN from step 30 on (20 steps): the same problem, since 30
+    series["loss"] = [(s, 0.5 if s < 30 else math.inf) for s in steps]
+    (finding,) = [f for f in doctor.diagnose_scalars(series).findings if f.problem]
+    assert finding.since_step == 30 and "inf" in finding.evidence[0], finding
+    # two non-finite points at the very end of a finite run: too few to call it broken (healthy, exit 0)
+    series["loss"] = [(s, 0.5 if s < 48 else math.nan) for s in steps]
+    assert doctor.diagnose_scalars(series).exit_status == 0

@@ -47,6 +47,7 @@ from lightning_mpx.health.findings import (  # noqa: F401  (re-exported: the imp
     _interval_starts,
     _trailing,
 )
+from lightning_mpx.health.loss_checks import non_finite_loss
 from lightning_mpx.health.plot import (
     FIRST_OVERFLOW_PREFIX,
     LOSS_TAGS,
@@ -201,6 +202,8 @@ def diagnose_scalars(series: dict[str, Series], run_dir: str = "") -> Diagnosis:
             problems.append(overflow)
         else:
             healthy_evidence.append(_scale_summary(mpx, suffix))
+    if not problems and (broken := non_finite_loss(loss, PERSISTENT_MIN_STEPS)) is not None:
+        problems.append(broken)  # a loss NaN to the end that no overflow explains (bfloat16, a static scale)
     underflow_findings, underflow_evidence = _underflow(mpx)
     for finding in underflow_findings:
         (problems if finding.problem else info).append(finding)

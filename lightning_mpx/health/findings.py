@@ -28,7 +28,8 @@ class Finding:
     """One finding of the doctor.
 
     Attributes:
-        kind: Problems: ``"persistent_overflow"``, ``"scale_too_low"``, ``"heavy_underflow"``. Information:
+        kind: Problems: ``"persistent_overflow"``, ``"scale_too_low"``, ``"heavy_underflow"``,
+            ``"non_finite_loss"``. Information:
             ``"healthy"``, ``"scale_climbing"``, ``"constant_scale"``, ``"promoted"``.
         problem: Whether it makes the exit status 1.
         summary: One line.
