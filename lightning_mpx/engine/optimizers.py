@@ -266,6 +266,8 @@ class StepMachine(UnscalePath):
                     state.noted_at = self.steps_taken
             elif state.stage is not _Stage.READY:
                 if state.stage is _Stage.UNSCALED:
+                    if self.masters.weights and state.noted_at == self.steps_taken:  # O2: a raw step since the clip?
+                        _look_unscaled(self, state, watch)
                     unscale_late(state, self.scalers, self.masters.weights, state.optimizer, self.backend, self.shared)
                     self.record_found(state.found_by_loss)  # an overflow seen by unscale_() counts toward update()
                 rescale_unscaled(state, loss_id, self.scalers[loss_id], self.masters.weights, self.backend, self.shared)
@@ -506,3 +508,22 @@ def _refuse_zero_redundancy(optimizer: torch.optim.Optimizer, outer: torch.optim
             "optimizer state), a plain optimizer at O2 under DDP, or FSDP (lightning_mpx.fsdp) to shard state with "
             "masters."
         )
+
+
+def _look_unscaled(machine: StepMachine, state: _OptimizerState, watch: bool) -> None:
+    """At O2, a backward after ``state``'s unscale (a clip each micro-batch) with no engine step since the backward
+    that noted its parameters' versions: a torch optimizer stepped between the clip and this backward (the half
+    gradients still scaled where the clip left them) is looked for as between any accumulated backwards
+    (:func:`~lightning_mpx.engine.raw_steps.refuse_raw_step`, judged at the step where its write still stands), and
+    the versions noted again. Not on the usual path (a clip on the last micro-batch only, before the step)."""
+    optimizer = state.optimizer_ref()
+    if state.backward_versions is not None and optimizer is not None:
+        refused = refuse_raw_step(state, machine.masters.weights, machine.names, harmful=True,
+                                  steps_taken=machine.steps_taken, renormed=machine.renormed,
+                                  defer=machine.unsynced_at == machine.steps_taken)  # fmt: skip
+        if refused is not None and machine.refused is None:
+            machine.refused = refused  # engine.unsynced: raised at the next step, on every rank
+    if watch and optimizer is not None:
+        with torch._C.DisableTorchFunction():
+            params = itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups))
+            state.backward_versions = tuple(map(_VERSION, params))
