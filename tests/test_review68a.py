@@ -87,3 +87,92 @@ def test_o1_raw_step_after_a_clip_steps_true_gradients_as_fp32() -> None:
     """At O1 the clip unscaled the gradients in place: the raw step applies true values, as FP32's (left alone)."""
     torch.testing.assert_close(_clip_each_micro_batch("O1", "raw"), _clip_each_micro_batch(None, "raw"), rtol=0,
                                atol=2e-3)  # fmt: skip
+
+
+# -- 1. O2 shared masters: the noted FP32 gradients, against FP32 and in memory --------------------------------------
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.trunk(x))
+
+
+def _shared(sequence: tuple[str, ...], half: str | None, *, update: bool = True) -> tuple[torch.Tensor, Amp | None]:
+    """The whole model's optimizer and the head's own (momentum), three iterations of ``sequence``; ``update=False``:
+    no ``amp.update()`` after the steps (Fabric's iteration ends at the next backward)."""
+    torch.manual_seed(0)
+    net: nn.Module = _Net()
+    whole = torch.optim.SGD(net.parameters(), lr=0.1)
+    head = torch.optim.SGD(net.head.parameters(), lr=0.2, momentum=0.9)
+    amp = None
+    if half is not None:
+        amp = Amp(opt_level="O2", half_dtype=half, **({"init_scale": 2.0**12} if half == "float16" else {}))
+        net = amp.prepare_model(net)
+        whole, head = amp.prepare_optimizer(whole), amp.prepare_optimizer(head)
+    opts = {"whole": whole, "head": head}
+    for x, y in _batches(3):
+        if amp is None:
+            F.cross_entropy(net(x), y).backward()
+        else:
+            with amp.forward_context():
+                loss = F.cross_entropy(net(amp.cast_inputs(x)).float(), y)
+            amp.backward(loss)
+        for call in sequence:
+            verb, name = call.split(" ")
+            opt = opts[name]
+            if verb == "unscale" and amp is not None:
+                amp.unscale_(opt)
+            elif verb == "clip":
+                amp.clip_grad_norm_(opt, 0.05) if amp else torch.nn.utils.clip_grad_norm_(net.head.parameters(), 0.05)
+            elif verb == "step":
+                amp.step(opt) if amp else opt.step()
+            elif verb in ("zero", "zeros"):  # set_to_none=True / False between the two steps
+                opt.zero_grad(set_to_none=verb == "zero")
+        if amp is not None and update:
+            amp.update()
+        whole.zero_grad()
+        head.zero_grad()
+    values = amp.fp32_state_dict(net) if amp is not None else net.state_dict()
+    return torch.cat([v.detach().float().flatten() for v in values.values()]), amp
+
+
+@pytest.mark.parametrize(
+    "sequence",
+    [
+        ("unscale whole", "unscale head", "step whole", "zero whole", "step head"),  # the head then steps nothing
+        ("unscale whole", "step whole", "zeros whole", "step head"),  # zeros: the head's momentum alone
+        ("clip head", "step head", "step whole"),
+    ],
+)
+def test_o2_shared_master_cleared_between_the_two_steps_trains_as_fp32(sequence: tuple[str, ...]) -> None:
+    got, _ = _shared(sequence, "float16")
+    torch.testing.assert_close(got, _shared(sequence, None)[0], rtol=0, atol=2e-3)
+
+
+def test_o2_shared_masters_fp32_gradients_are_freed_by_the_last_step() -> None:
+    """Were kept alive through ``zero_grad`` and the next forward (by the engine's notes, until the next backward,
+    where Fabric and Accelerate end the iteration): every master's FP32 gradient, which a step frees (unshared too)."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    amp = Amp(opt_level="O2", half_dtype="bfloat16")
+    net = amp.prepare_model(_Net())
+    whole = amp.prepare_optimizer(torch.optim.SGD(net.parameters(), lr=0.1))
+    head = amp.prepare_optimizer(torch.optim.SGD(net.head.parameters(), lr=0.2))
+    x, y = _batches(1)[0]
+    with amp.forward_context():
+        loss = F.cross_entropy(net(amp.cast_inputs(x)).float(), y)
+    amp.backward(loss)
+    amp.clip_grad_norm_(head, 0.05)
+    amp.unscale_(whole)
+    made = [weakref.ref(m.grad) for opt in (whole, head) for m in amp.master_params(opt) if m.grad is not None]
+    amp.step(whole)
+    amp.step(head)
+    whole.zero_grad()
+    head.zero_grad()
+    gc.collect()
+    assert made and [ref() for ref in made] == [None] * len(made)
