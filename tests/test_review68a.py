@@ -100,7 +100,9 @@ class _Net(nn.Module):
         return self.head(self.trunk(x))
 
 
-def _shared(sequence: tuple[str, ...], half: str | None, *, update: bool = True) -> tuple[torch.Tensor, Amp | None]:
+def _shared(
+    sequence: tuple[str, ...], half: str | None, *, update: bool = True, level: str = "O2"
+) -> tuple[torch.Tensor, Amp | None]:
     """The whole model's optimizer and the head's own (momentum), three iterations of ``sequence``; ``update=False``:
     no ``amp.update()`` after the steps (Fabric's iteration ends at the next backward)."""
     torch.manual_seed(0)
@@ -109,7 +111,7 @@ def _shared(sequence: tuple[str, ...], half: str | None, *, update: bool = True)
     head = torch.optim.SGD(net.head.parameters(), lr=0.2, momentum=0.9)
     amp = None
     if half is not None:
-        amp = Amp(opt_level="O2", half_dtype=half, **({"init_scale": 2.0**12} if half == "float16" else {}))
+        amp = Amp(opt_level=level, half_dtype=half, **({"init_scale": 2.0**12} if half == "float16" else {}))
         net = amp.prepare_model(net)
         whole, head = amp.prepare_optimizer(whole), amp.prepare_optimizer(head)
     opts = {"whole": whole, "head": head}
@@ -122,7 +124,7 @@ def _shared(sequence: tuple[str, ...], half: str | None, *, update: bool = True)
             amp.backward(loss)
         for call in sequence:
             verb, name = call.split(" ")
-            opt = opts[name]
+            opt = opts.get(name)
             if verb == "unscale" and amp is not None:
                 amp.unscale_(opt)
             elif verb == "clip":
@@ -131,11 +133,17 @@ def _shared(sequence: tuple[str, ...], half: str | None, *, update: bool = True)
                 amp.step(opt) if amp else opt.step()
             elif verb in ("zero", "zeros"):  # set_to_none=True / False between the two steps
                 opt.zero_grad(set_to_none=verb == "zero")
+            elif verb == "clone":  # the model's gradients replaced by copies (same values)
+                for p in net.parameters():
+                    p.grad = p.grad.clone()
+            elif verb == "halve":  # the gradients the optimizer steps with replaced by half of them
+                for p in amp.master_params(opt) if amp else [p for g in opt.param_groups for p in g["params"]]:
+                    p.grad = p.grad * 0.5
         if amp is not None and update:
             amp.update()
         whole.zero_grad()
         head.zero_grad()
-    values = amp.fp32_state_dict(net) if amp is not None else net.state_dict()
+    values = amp.fp32_state_dict(net) if amp is not None and level == "O2" else net.state_dict()
     return torch.cat([v.detach().float().flatten() for v in values.values()]), amp
 
 
@@ -176,3 +184,71 @@ def test_o2_shared_masters_fp32_gradients_are_freed_by_the_last_step() -> None:
     head.zero_grad()
     gc.collect()
     assert made and [ref() for ref in made] == [None] * len(made)
+
+
+# -- found and left: strict xfails ------------------------------------------------------------------------------------
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="engine/shared_grads.py: a shared parameter's gradient replaced after one optimizer's unscale_ "
+    "(p.grad = p.grad.clone(), true values) is a tensor SharedGrads never noted (told by identity): the other "
+    "optimizer's unscale divides it by the scale again (float16, O1 and O2: 0.2-0.3 off FP32; also before stop 68)",
+)
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_shared_gradient_replaced_after_an_unscale_is_not_divided_again(level: str) -> None:
+    sequence = ("unscale whole", "clone x", "step whole", "step head")
+    got, _ = _shared(sequence, "float16", level=level)
+    torch.testing.assert_close(got, _shared(sequence, None)[0], rtol=0, atol=2e-3)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="engine/shared_grads.py: at O2 a shared master's FP32 gradient replaced by the user after an unscale "
+    "(m.grad = m.grad * 0.5 over amp.master_params) is lost for the other optimizer: its unscale (or, stepped after "
+    "the first's step, SharedGrads.restore) takes the gradient the first unscale made (0.12 off FP32; also before "
+    "stop 68, when it was made again from the half one); an in-place write (m.grad.mul_) is kept",
+)
+def test_o2_shared_master_gradient_replaced_by_the_user_reaches_both_steps() -> None:
+    sequence = ("unscale whole", "halve whole", "step whole", "step head")
+    got, _ = _shared(sequence, "bfloat16")
+    torch.testing.assert_close(got, _shared(sequence, None)[0], rtol=0, atol=2e-3)
+
+
+def _clip_then_halve(level: str | None) -> torch.Tensor:
+    """One optimizer: a clip, then the model's gradients halved in place, then the step."""
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    amp = None
+    if level is not None:
+        amp = Amp(opt_level=level, half_dtype="float16", init_scale=2.0**8)
+        net, opt = amp.prepare_model(net), amp.prepare_optimizer(torch.optim.SGD(net.parameters(), lr=0.1))
+    for x, y in _batches(2):
+        if amp is None:
+            F.cross_entropy(net(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        else:
+            with amp.forward_context():
+                loss = F.cross_entropy(net(amp.cast_inputs(x)).float(), y)
+            amp.backward(loss)
+            amp.clip_grad_norm_(opt, 1.0)
+        for p in net.parameters():
+            p.grad.mul_(0.5)
+        amp.step(opt) if amp is not None else opt.step()
+        if amp is not None:
+            amp.update()
+        opt.zero_grad()
+    values = amp.fp32_state_dict(net) if amp is not None else net.state_dict()
+    return torch.cat([v.detach().float().flatten() for v in values.values()])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="engine/clipping.py, rescale.leftovers: at O2 amp.clip_grad_norm_ leaves the model's half gradients "
+    "scaled (unscale_ shows the true values there, the clip does not), and a write to them before the step "
+    "(p.grad.mul_(0.5), as after torch's clip) is taken as the user's true values: the step applies them times the "
+    "scale (float16 at 2**8: 12 off FP32 after 2 steps, 2.9e3 at 2**12 after 3; bfloat16 at scale 1: the clip lost; also before stop 68)",
+)
+def test_o2_model_gradients_halved_after_a_clip_train_as_fp32() -> None:
+    torch.testing.assert_close(_clip_then_halve("O2"), _clip_then_halve(None), rtol=0, atol=2e-3)
