@@ -248,7 +248,8 @@ def _clip_then_halve(level: str | None) -> torch.Tensor:
     reason="engine/clipping.py, rescale.leftovers: at O2 amp.clip_grad_norm_ leaves the model's half gradients "
     "scaled (unscale_ shows the true values there, the clip does not), and a write to them before the step "
     "(p.grad.mul_(0.5), as after torch's clip) is taken as the user's true values: the step applies them times the "
-    "scale (float16 at 2**8: 12 off FP32 after 2 steps, 2.9e3 at 2**12 after 3; bfloat16 at scale 1: the clip lost; also before stop 68)",
+    "scale (float16 at 2**8: 12 off FP32 after 2 steps, 2.9e3 at 2**12 after 3; bfloat16 at scale 1: the clip "
+    "lost; also before stop 68)",
 )
 def test_o2_model_gradients_halved_after_a_clip_train_as_fp32() -> None:
     torch.testing.assert_close(_clip_then_halve("O2"), _clip_then_halve(None), rtol=0, atol=2e-3)
