@@ -186,6 +186,19 @@ def test_o2_shared_masters_fp32_gradients_are_freed_by_the_last_step() -> None:
     assert made and [ref() for ref in made] == [None] * len(made)
 
 
+# -- 2. gaps68's load between the backward and the step, then a raw step over the loaded parameters ------------------
+@pytest.mark.parametrize(("level", "half"), [("O2", "bfloat16"), ("O1", "float16")])
+@pytest.mark.filterwarnings("ignore:lightning_mpx")
+def test_a_raw_step_over_parameters_a_load_wrote_between_backward_and_step_is_refused(level: str, half: str) -> None:
+    """The whole model loaded between the backward and the step, then a raw SGD step over the head (no optimizer of
+    the engine holds it; scaled gradients, at O2 no master): was let through (the load's parameters were left out of
+    the look, the raw step's write with them). A load writes each parameter once: a version past that is a write
+    after it (engine.optimizers ``loaded_since_step``)."""
+    from tests.test_gaps68 import _loose_head_run
+
+    with pytest.raises(RuntimeError, match="which no optimizer prepared by lightning_mpx holds"):
+        _loose_head_run(level, half, "whole", raw=True)
+
 # -- found and left: strict xfails ------------------------------------------------------------------------------------
 @pytest.mark.xfail(
     strict=True,
