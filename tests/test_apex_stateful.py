@@ -316,6 +316,34 @@ class ApexAgainstReference(RuleBasedStateMachine):
         self.leftover, self.dirty = False, None
         self.zeroed = True
 
+    @precondition(lambda self: self.chain is not None)
+    @rule(kind=st.sampled_from(["zero_", "none", "clip"]), max_norm=st.sampled_from([0.05, 1e4]))
+    def grads_by_hand_mid_chain(self, kind: str, max_norm: float) -> None:
+        """Between ``delay_unscale`` blocks, by hand over every parameter: ``p.grad.zero_()`` or ``p.grad = None``
+        (the chain given up, as ``zero_grad``), or ``clip_grad_norm_(model.parameters(), c)`` of the chain's still
+        scaled gradients (as Apex: the chain's gradients clipped, those kept aside from earlier blocks not)."""
+        params = list(self.ours.model.parameters())
+        if kind == "clip":
+            if any(a is not None and bool(a.any()) for a in self.ref.acc):
+                # Gradients of earlier blocks (a step left them, no zero_grad since) are in p.grad too, brought up to
+                # the chain's scale (FP32's meaning of what a step leaves); this reference keeps them apart
+                return
+            got = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            want = torch.nn.utils.clip_grad_norm_(self.ref.holders(), max_norm)
+            if self.chain is not None and not self.chain[1] and self.dirty is None:
+                torch.testing.assert_close(got.float(), want.float(), rtol=STEP_RTOL, atol=1e-6)
+            return
+        for p in params:
+            if p.grad is not None:
+                if kind == "zero_":
+                    p.grad.zero_()
+                else:
+                    p.grad = None
+        self.ref.zero_grad(kind == "none")
+        self.dropped, self.chain = True, None
+        self.leftover, self.dirty = False, None
+        self.zeroed = True
+
     @precondition(lambda self: self.used and self.chain is None and not self.zeroed)
     @rule(max_norm=st.sampled_from([0.05, 10.0]))
     def clip(self, max_norm: float) -> None:

@@ -227,10 +227,12 @@ class _AgainstTwin(RuleBasedStateMachine):
                 self.due = "backward"
         self.head_grad = False
 
-    @rule(kind=st.sampled_from(["decay", "clamp"]))
+    @rule(kind=st.sampled_from(["decay", "clamp", "undone"]))
     def hand_write(self, kind: str) -> None:
-        """A write by hand into every trained weight (``p.mul_(1 - wd)``, a clamp), at any point, between backwards
-        too: never refused while the gradients are kept (followed by a clear with no step: see ``backward``). A
+        """A write by hand into every trained weight (``p.mul_(1 - wd)``, a clamp, or a write undone from a copy before
+        anything else: the values as they were), at any point, between backwards too: never refused while the
+        gradients are kept (followed by a clear with no step: see ``backward``; an undone write too, whose versions
+        moved: the refusal's message names ``refresh_masters(force=True)``). A
         write over the registered optimizers' parameters after a raw head step hides it (the documented gap of
         engine/beside_steps.py)."""
         before = [t.clone() for t in self.runs[0].weights()]
@@ -238,9 +240,13 @@ class _AgainstTwin(RuleBasedStateMachine):
         with torch.no_grad():
             for p in self.runs[0].model.parameters():
                 if p.requires_grad:
-                    p.mul_(1 - 1e-2) if kind == "decay" else p.clamp_(-0.2, 0.2)
+                    copy = p.detach().clone()
+                    p.mul_(1 - 1e-2) if kind != "clamp" else p.clamp_(-0.2, 0.2)
+                    if kind == "undone":
+                        p.copy_(copy)
         self._take_half_write(before, lambda values: [
-            (v * (1 - 1e-2) if kind == "decay" else v.clamp(-0.2, 0.2)) if t else v for v, t in zip(values, trained)
+            (v * (1 - 1e-2) if kind == "decay" else v.clamp(-0.2, 0.2) if kind == "clamp" else v) if t else v
+            for v, t in zip(values, trained)
         ])  # fmt: skip
         self.due = None
         self.written_since_step = self.written_since_backward = True

@@ -217,7 +217,7 @@ def _unscale_shared(
     fresh_out = None if out is None else [out[i] for i in fresh]
     if state.has_complex:
         fresh_work, fresh_out = real_pairs(fresh_work, fresh_out)
-    if fresh:  # divided once, here; measured (scaled) on the way when telemetry asks
+    if fresh or not done:  # divided once, here; measured (scaled) on the way when telemetry asks (no gradients: 0)
         norm = unscale_real_grads_(fresh_work, factor, found, out=fresh_out, max_norm=None if done else max_norm,
                                    backend=backend, workspace=state.workspace, stats=stats)  # fmt: skip
         if stats is not None:

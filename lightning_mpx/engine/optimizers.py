@@ -266,10 +266,13 @@ class StepMachine(UnscalePath):
                     state.noted_at = self.steps_taken
             elif state.stage is not _Stage.READY:
                 if state.stage is _Stage.UNSCALED:
-                    if self.masters.weights and state.noted_at == self.steps_taken:  # O2: a raw step since the clip?
-                        _look_unscaled(self, state, watch)
                     unscale_late(state, self.scalers, self.masters.weights, state.optimizer, self.backend, self.shared)
                     self.record_found(state.found_by_loss)  # an overflow seen by unscale_() counts toward update()
+                    # noted again: a write between an unscale (a clip) and this backward is not taken for a raw step at
+                    # a later one. Looked at only at O2 (the Apex layer's O1 stash clears gradients itself between
+                    # blocks): a torch optimizer stepped after a micro-batch's clip, which leaves the half gradients
+                    # scaled, is found as between any accumulated backwards (refused at the step if it stands)
+                    _look_for_raw_step(self, state, watch, look=bool(self.masters.weights))
                 rescale_unscaled(state, loss_id, self.scalers[loss_id], self.masters.weights, self.backend, self.shared)
             elif state.loss_id is None:
                 state.loss_id = loss_id
@@ -281,7 +284,8 @@ class StepMachine(UnscalePath):
                     state.noted_at = self.steps_taken
             else:  # gradients of a backward no step has taken yet: stepped since by an optimizer not prepared?
                 # engine.raw_steps, its usual case (accumulation: nothing written since the note) written out: no
-                # Python call. A note made before an engine step of any optimizer (shared parameters) is void.
+                # Python call (_look_for_raw_step's). A note made before an engine step of any optimizer (shared
+                # parameters) is void.
                 noted = state.backward_versions
                 if noted is not None or watch:  # nothing noted and nothing to note: no harm either way
                     optimizer = state.optimizer_ref()
@@ -289,20 +293,10 @@ class StepMachine(UnscalePath):
                     with torch._C.DisableTorchFunction():
                         versions = tuple(map(_VERSION, itertools.chain.from_iterable(map(_PARAMS, groups))))
                     if noted is not None and versions != noted and state.noted_at == self.steps_taken:
-                        harmful = bool(self.masters.weights) or not self.scalers[state.loss_id]._unit
-                        refused = refuse_raw_step(
-                            state,
-                            self.masters.weights,
-                            self.names,
-                            harmful=harmful,
-                            steps_taken=self.steps_taken,
-                            renormed=self.renormed,
-                            defer=self.unsynced_at == self.steps_taken,
-                        )
-                        if refused is not None and self.refused is None:
-                            self.refused = refused  # engine.unsynced: raised at the next step, on every rank
-                    state.backward_versions = versions if watch else None
-                    state.noted_at = self.steps_taken
+                        _look_for_raw_step(self, state, watch)  # written: judged there (a raw step is refused)
+                    else:
+                        state.backward_versions = versions if watch else None
+                        state.noted_at = self.steps_taken
                 if state.loss_id != loss_id or state.grad_scale is not None:
                     rescale_pending(state, loss_id, self.scalers, self.backend, self.shared)
         for ref in self.ddp:  # this backward unsynchronised by DDP (no_sync): a refusal after it waits for the step
@@ -514,20 +508,31 @@ def _refuse_zero_redundancy(optimizer: torch.optim.Optimizer, outer: torch.optim
         )
 
 
-def _look_unscaled(machine: StepMachine, state: _OptimizerState, watch: bool) -> None:
-    """At O2, a backward after ``state``'s unscale (a clip each micro-batch) with no engine step since the backward
-    that noted its parameters' versions: a torch optimizer stepped between the clip and this backward (the half
-    gradients still scaled where the clip left them) is looked for as between any accumulated backwards
-    (:func:`~lightning_mpx.engine.raw_steps.refuse_raw_step`, judged at the step where its write still stands), and
-    the versions noted again. Not on the usual path (a clip on the last micro-batch only, before the step)."""
+def _look_for_raw_step(machine: StepMachine, state: _OptimizerState, watch: bool, *, look: bool = True) -> None:
+    """At a backward, for ``state``'s gradients of a backward no step has taken yet (pending, or unscaled by a clip
+    since): stepped since by an optimizer not prepared? engine.raw_steps, its usual case (accumulation: nothing written
+    since the note) written out: no Python call. A note made before an engine step of any optimizer (shared
+    parameters) is void. The versions are noted again (only that, without ``look``), so that a write before this
+    backward (a clamp between accumulated backwards) is not taken for a raw step at a later one."""
+    noted = state.backward_versions
+    if noted is None and not watch:  # nothing noted and nothing to note: no harm either way
+        return
     optimizer = state.optimizer_ref()
-    if state.backward_versions is not None and optimizer is not None:
-        refused = refuse_raw_step(state, machine.masters.weights, machine.names, harmful=True,
-                                  steps_taken=machine.steps_taken, renormed=machine.renormed,
-                                  defer=machine.unsynced_at == machine.steps_taken)  # fmt: skip
+    groups = optimizer.param_groups if optimizer is not None else ()
+    with torch._C.DisableTorchFunction():
+        versions = tuple(map(_VERSION, itertools.chain.from_iterable(map(_PARAMS, groups))))
+    if look and noted is not None and versions != noted and state.noted_at == machine.steps_taken:
+        harmful = bool(machine.masters.weights) or not machine.scalers[state.loss_id or 0]._unit
+        refused = refuse_raw_step(
+            state,
+            machine.masters.weights,
+            machine.names,
+            harmful=harmful,
+            steps_taken=machine.steps_taken,
+            renormed=machine.renormed,
+            defer=machine.unsynced_at == machine.steps_taken,
+        )
         if refused is not None and machine.refused is None:
             machine.refused = refused  # engine.unsynced: raised at the next step, on every rank
-    if watch and optimizer is not None:
-        with torch._C.DisableTorchFunction():
-            params = itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups))
-            state.backward_versions = tuple(map(_VERSION, params))
+    state.backward_versions = versions if watch else None
+    state.noted_at = machine.steps_taken
