@@ -169,6 +169,8 @@ class OptimizerStep:
                 raise
             self.machine.steps_taken += 1  # engine.raw_steps: parameters written by an engine step
             after_step(state, optimizer, masters=bool(self.machine.masters.weights))
+            if self.machine.shared.masters:  # noted FP32 gradients of shared masters: let go once all stepped
+                self.machine.shared.settled()
             if self.machine.unheld is not None:  # a raw optimizer stepped after it (engine.beside_steps)
                 self.machine.unheld.after_step(self.machine)
             self.pending.steps.append(pending)  # PendingSteps.add, written out
@@ -193,6 +195,8 @@ class OptimizerStep:
             raise
         self.machine.steps_taken += 1  # engine.raw_steps: parameters written by an engine step
         after_step(state, optimizer, masters=bool(self.machine.masters.weights))  # its gradients, left for FP32's loop
+        if self.machine.shared.masters:  # noted FP32 gradients of shared masters: let go once all stepped
+            self.machine.shared.settled()
         if self.machine.unheld is not None:  # a raw optimizer stepped after it (engine.beside_steps)
             self.machine.unheld.after_step(self.machine)
         return True
@@ -264,6 +268,8 @@ class OptimizerStep:
                 undo_pass(state, self.machine.masters.weights)
         self.machine.steps_taken += 1  # engine.raw_steps: parameters written by an engine step
         after_step(state, optimizer, masters=bool(self.machine.masters.weights))
+        if self.machine.shared.masters:  # noted FP32 gradients of shared masters: let go once all stepped
+            self.machine.shared.settled()
         if self.machine.unheld is not None:  # a raw optimizer stepped after it (engine.beside_steps)
             self.machine.unheld.after_step(self.machine)
 

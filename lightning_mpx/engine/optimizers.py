@@ -113,7 +113,7 @@ class StepMachine(UnscalePath):
         self.written_at = -1
         # The parameters a load_state_dict wrote (the engine's load hooks) by id: a weak reference, the count of steps
         # then (engine.held_masters), whether it wrote them (False: a strict=False load lacked them; beside_steps).
-        self.loaded: dict[int, tuple[weakref.ref[torch.Tensor], int, bool]] = {}
+        self.loaded: dict[int, tuple[weakref.ref[torch.Tensor], int, bool, int]] = {}
         self.loaded_kept = 0
         # A door that registers optimizers at their first step (Fabric's): before any is registered, a write over
         # the parameters no optimizer holds yet is judged there (UnheldParams.judge), not refused at the backward.
@@ -269,9 +269,11 @@ class StepMachine(UnscalePath):
                 if state.stage is _Stage.UNSCALED:
                     unscale_late(state, self.scalers, self.masters.weights, state.optimizer, self.backend, self.shared)
                     self.record_found(state.found_by_loss)  # an overflow seen by unscale_() counts toward update()
-                    # noted again (not looked at: the Apex layer's stash clears gradients itself between blocks): a
-                    # write between an unscale (a clip) and this backward is not taken for a raw step at a later one
-                    _look_for_raw_step(self, state, watch, look=False)
+                    # noted again: a write between an unscale (a clip) and this backward is not taken for a raw step at
+                    # a later one. Looked at only at O2 (the Apex layer's O1 stash clears gradients itself between
+                    # blocks): a torch optimizer stepped after a micro-batch's clip, which leaves the half gradients
+                    # scaled, is found as between any accumulated backwards (refused at the step if it stands)
+                    _look_for_raw_step(self, state, watch, look=bool(self.masters.weights))
                 rescale_unscaled(state, loss_id, self.scalers[loss_id], self.masters.weights, self.backend, self.shared)
             elif state.loss_id is None:
                 state.loss_id = loss_id
@@ -304,18 +306,22 @@ class StepMachine(UnscalePath):
                 self.unsynced_at = self.steps_taken
 
     def note_loaded(self, params: Iterable[torch.Tensor], *, written: bool = True) -> None:
-        """``params`` were just written by a ``load_state_dict`` (``written=False``: a ``strict=False`` one lacked)."""
+        """``params`` are written by a ``load_state_dict`` (its pre-hooks: ``written=False``, a ``strict=False`` one
+        lacked them); their versions before it, which its one ``copy_`` each moves by one."""
         steps, loaded = self.steps_taken, self.loaded
         for param in params:
-            loaded[id(param)] = (weakref.ref(param), steps, written)
+            loaded[id(param)] = (weakref.ref(param), steps, written, param._version)
         if len(loaded) > 2 * self.loaded_kept + 64:  # those let go dropped now and then (amortised over loads)
             self.loaded = {k: noted for k, noted in loaded.items() if noted[0]() is not None}
             self.loaded_kept = len(self.loaded)
 
     def loaded_since_step(self, param: torch.Tensor, *, written: bool = False) -> bool:
-        """Whether a ``load_state_dict`` since the last step wrote ``param`` (or, unless ``written``, lacked it)."""
+        """Whether a ``load_state_dict`` since the last step wrote ``param`` (or, unless ``written``, lacked it);
+        with ``written``, only where nothing wrote it after the load (a raw optimizer's step over loaded weights)."""
         noted = self.loaded.get(id(param))
-        return noted is not None and noted[0]() is param and noted[1] == self.steps_taken and (noted[2] or not written)
+        if noted is None or noted[0]() is not param or noted[1] != self.steps_taken:
+            return False
+        return not written or (noted[2] and param._version <= noted[3] + 1)
 
     def forget_writes(self, *, loaded: bool = False) -> None:
         """Forget the parameter versions noted at the backwards (engine.raw_steps): a stage change of the engine (a

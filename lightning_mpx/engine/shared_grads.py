@@ -182,6 +182,13 @@ class SharedGrads:
                 if noted is not None and noted[0] is half:
                     master.grad = noted[2]
 
+    def settled(self) -> None:
+        """After a step: the FP32 gradients noted (:attr:`masters`) are let go once no registered optimizer is left to
+        take them (every one stepped since the backward). The steps freed them; the notes would keep them through the
+        next forward where the iteration ends at the next backward (Fabric, a loop that calls ``update()`` late)."""
+        if all(state.stage is _Stage.STEPPED for state in self.optimizers.values()):
+            self.masters = {}
+
     def once(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Before a backward: those of ``grads`` (true values, about to be brought up to its scale) that no other
         optimizer's stage brought up already; all of them are noted as brought up."""
