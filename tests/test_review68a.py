@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_mpx import Amp
+from tests.test_attack68b import _Net  # a trunk and a head
 
 
 def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -90,14 +91,6 @@ def test_o1_raw_step_after_a_clip_steps_true_gradients_as_fp32() -> None:
 
 
 # -- 1. O2 shared masters: the noted FP32 gradients, against FP32 and in memory --------------------------------------
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.trunk = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.trunk(x))
 
 
 def _shared(

@@ -12,21 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_mpx.apex import _amp_state, amp
-
-
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.trunk = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16))
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.trunk(x)))
-
-
-def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(n)]
+from tests.test_xfails68 import _batches, _Net  # a trunk and a head, each with its own optimizer
 
 
 @pytest.fixture(autouse=True)
