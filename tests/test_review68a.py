@@ -260,8 +260,10 @@ def test_o2_shared_master_gradient_replaced_by_the_user_reaches_both_steps() -> 
     torch.testing.assert_close(got, _shared(sequence, None)[0], rtol=0, atol=2e-3)
 
 
-def _clip_then_halve(level: str | None) -> torch.Tensor:
-    """One optimizer: a clip, then the model's gradients halved in place, then the step."""
+def _clip_then_halve(level: str | None, way: str = "model") -> torch.Tensor:
+    """One optimizer: a clip, then the gradients halved in place, then the step. ``way``: ``"model"`` halves the
+    model's gradients after the engine's clip; ``"masters"`` the masters' (amp.master_params); ``"unscale"`` calls
+    unscale_ first, then torch's clip and the halving on the model's gradients."""
     net = _net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     amp = None
@@ -276,8 +278,13 @@ def _clip_then_halve(level: str | None) -> torch.Tensor:
             with amp.forward_context():
                 loss = F.cross_entropy(net(amp.cast_inputs(x)).float(), y)
             amp.backward(loss)
-            amp.clip_grad_norm_(opt, 1.0)
-        for p in net.parameters():
+            if way == "unscale":
+                amp.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            else:
+                amp.clip_grad_norm_(opt, 1.0)
+        params = amp.master_params(opt) if amp is not None and way == "masters" else list(net.parameters())
+        for p in params:
             p.grad.mul_(0.5)
         amp.step(opt) if amp is not None else opt.step()
         if amp is not None:
@@ -287,14 +294,12 @@ def _clip_then_halve(level: str | None) -> torch.Tensor:
     return torch.cat([v.detach().float().flatten() for v in values.values()])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="engine/clipping.py, rescale.leftovers: at O2 amp.clip_grad_norm_ leaves the model's half gradients "
-    "scaled (unscale_ shows the true values there, the clip does not), and a write to them before the step "
-    "(p.grad.mul_(0.5), as after torch's clip) is taken as the user's true values: the step applies them times the "
-    "scale (float16 at 2**8: 12 off FP32 after 2 steps, 2.9e3 at 2**12 after 3; bfloat16 at scale 1: the clip "
-    "lost; also before stop 68)",
-)
-def test_o2_model_gradients_halved_after_a_clip_train_as_fp32() -> None:
-    torch.testing.assert_close(_clip_then_halve("O2"), _clip_then_halve(None), rtol=0, atol=2e-3)
+def test_o2_model_gradients_written_after_the_engines_clip_are_refused_naming_the_ways_out() -> None:
+    """At O2 the engine's clip unscales into the masters' gradients only: the model's still hold the scaled, unclipped
+    values, and a write on them taken as true values stepped 12 off FP32 (float16 at 2**8; 2.9e3 at 2**12), silently.
+    Refused at the step; the two ways the error names train as FP32."""
+    with pytest.raises(RuntimeError, match=r"written between clip_grad_norm_\(\)/clip_grad_value_\(\) and step\(\)"):
+        _clip_then_halve("O2")
+    reference = _clip_then_halve(None)
+    for way in ("masters", "unscale"):
+        torch.testing.assert_close(_clip_then_halve("O2", way), reference, rtol=0, atol=2e-3)

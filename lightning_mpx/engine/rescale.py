@@ -201,6 +201,8 @@ def leftovers(
             # another order), or written since the unscale (zero_grad): the user's values stand
             moved = {mark[0]: mark for mark in marks if mark is not None} if moved is None else moved
             if moved.get(id(grad)) != key:
+                if not state.shown and bool(grad.any()):  # read only here: a write found since the unscale
+                    _refuse_scaled_write(state)
                 true.copy_(grad)
         out.append((true, grad))
     return out
@@ -514,3 +516,20 @@ def hold_scale(state: _OptimizerState, scaler: LossScaler, *, masters: bool = Tr
         return
     if state.stage is _Stage.SKIPPED or present_grads(state.optimizer):
         state.grad_scale = scaler.scale_tensor.clone()
+
+
+def _refuse_scaled_write(state: _OptimizerState) -> None:
+    """At O2, a write to the model's half gradients between a clip (``clip_grad_norm_``/``clip_grad_value_``, which
+    unscale into the FP32 masters' gradients only) and the step, other than a clear: those gradients still hold the
+    scaled, unclipped values, so the write was made on them (``p.grad.mul_(0.5)`` as after torch's clip), and taking
+    it as true values would step with it times the loss scale. Refused (the gradients are left as they are)."""
+    raise RuntimeError(
+        "a model gradient was written between clip_grad_norm_()/clip_grad_value_() and step() at O2, where the clip "
+        "unscales into the FP32 master weights' gradients only: the model's half gradients still hold the scaled, "
+        "unclipped values the write was made on, and the step would apply it times the loss scale "
+        f"({state.loss_id or 0!r} is the loss). Write the gradients the step uses instead, the masters' "
+        "(amp.master_params(optimizer): p.grad of each), or call unscale_(optimizer) before the clip and the write "
+        "(it puts the true values in the model's gradients, as torch.amp.GradScaler.unscale_ does; then clip with "
+        "torch.nn.utils.clip_grad_norm_ or the engine's clip). Clearing them (zero_grad) is fine."
+    )
+
