@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_mpx import Amp
+from tests.test_attack68a import _weights  # the weights as FP32 (the masters at O2), flat
 from tests.test_attack68b import _Net  # a trunk and a head
 
 
@@ -67,8 +68,7 @@ def _clip_each_micro_batch(level: str | None, write: str) -> torch.Tensor:
             if amp is not None:
                 amp.update()
             opt.zero_grad()
-    values = amp.fp32_state_dict(net) if amp is not None else net.state_dict()
-    return torch.cat([v.detach().float().flatten() for v in values.values()])
+    return _weights(net, amp)
 
 
 def test_o2_raw_step_between_a_clip_and_the_next_accumulated_backward_is_refused() -> None:
@@ -290,8 +290,7 @@ def _clip_then_halve(level: str | None, way: str = "model") -> torch.Tensor:
         if amp is not None:
             amp.update()
         opt.zero_grad()
-    values = amp.fp32_state_dict(net) if amp is not None else net.state_dict()
-    return torch.cat([v.detach().float().flatten() for v in values.values()])
+    return _weights(net, amp)
 
 
 def test_o2_model_gradients_written_after_the_engines_clip_are_refused_naming_the_ways_out() -> None:

@@ -25,10 +25,9 @@ def _reset():
 
 
 # -- 1. an optimizer not named in a block that overflowed --------------------------------------------------------------
-def _head_every_other(apex: bool) -> list[float]:
-    """O1: the head's optimizer never named, stepped on odd iterations, ``model.zero_grad()`` each iteration; an inf
-    loss at iteration 2 (the head not stepped then), an inf in the head's gradients alone at iteration 3. The scale
-    after each iteration (``GradScaler``'s with ``apex=False``)."""
+def _set_up(apex: bool) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.Optimizer, torch.amp.GradScaler]:
+    """The net, the trunk's and the head's SGD, and a GradScaler at 2**16; ``apex``: through ``amp.initialize`` at
+    O1 with a dynamic scale (the GradScaler then unused)."""
     torch.manual_seed(0)
     model = _Net()
     trunk = torch.optim.SGD(model.trunk.parameters(), lr=0.1)
@@ -36,6 +35,14 @@ def _head_every_other(apex: bool) -> list[float]:
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     if apex:
         model, (trunk, head) = amp.initialize(model, [trunk, head], opt_level="O1", loss_scale="dynamic", verbosity=0)
+    return model, trunk, head, scaler
+
+
+def _head_every_other(apex: bool) -> list[float]:
+    """O1: the head's optimizer never named, stepped on odd iterations, ``model.zero_grad()`` each iteration; an inf
+    loss at iteration 2 (the head not stepped then), an inf in the head's gradients alone at iteration 3. The scale
+    after each iteration (``GradScaler``'s with ``apex=False``)."""
+    model, trunk, head, scaler = _set_up(apex)
     scales = []
     for i, (x, y) in enumerate(_batches(6)):
         model.zero_grad()
@@ -71,13 +78,7 @@ def test_apex_unnamed_optimizer_charged_while_not_stepping_counts_its_own_later_
 def _two_blocks(apex: bool, delay: bool) -> list[float]:
     """O1: two blocks of loss 0 naming the trunk's optimizer per step (the head's never named), an inf in the first
     block at iteration 2; both optimizers stepped."""
-    torch.manual_seed(0)
-    model = _Net()
-    trunk = torch.optim.SGD(model.trunk.parameters(), lr=0.1)
-    head = torch.optim.SGD(model.head.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    if apex:
-        model, (trunk, head) = amp.initialize(model, [trunk, head], opt_level="O1", loss_scale="dynamic", verbosity=0)
+    model, trunk, head, scaler = _set_up(apex)
     scales = []
     for i, (x, y) in enumerate(_batches(4)):
         trunk.zero_grad()
