@@ -87,7 +87,6 @@ class NoMixedPrecisionTagsError(ValueError):
     """The run folder holds TensorBoard events but none of the ``mpx/*`` scalars the doctor reads."""
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Diagnosis:
     """What :func:`diagnose` found in one run.
@@ -250,7 +249,10 @@ def _persistent_overflow(
     last = overflows[-1][0]
     bad = _trailing(loss, lambda i: not math.isfinite(loss[i][1])) if loss is not None else None
     forward = loss is not None and bad is not None and loss[bad][0] <= last
-    if last - since + 1 < PERSISTENT_MIN_STEPS and not forward:
+    # One non-finite point after finite ones is one bad batch at the last step (skipped: a burst), not a forward that
+    # stays broken; at every logged point, or at two or more in a row, it is.
+    broken = forward and loss is not None and bad is not None and (bad == 0 or len(loss) - bad >= 2)
+    if last - since + 1 < PERSISTENT_MIN_STEPS and not broken:
         return None  # a short burst, or a scale backing off from a high start (whose loss is finite)
     count = sum(value for _, value in overflows[streak:])
     evidence = [
@@ -315,8 +317,10 @@ def _persistent_overflow(
     if culprits:
         if not watched:  # a watched module's tag starts with the watch (at the floor), not with the overflows
             since = min(first for first, _, _ in culprits)
-        where = f"module {modules[0]}" if len(modules) == 1 else f"modules {', '.join(modules[:4])}" + (
-            f" and {len(modules) - 4} more" if len(modules) > 4 else ""
+        where = (
+            f"module {modules[0]}"
+            if len(modules) == 1
+            else f"modules {', '.join(modules[:4])}" + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
         )
         summary = f"persistent overflow in {where} since step {since}"
         pin = ", ".join(f'"{m}"' for m in modules[:4])
@@ -333,7 +337,7 @@ def _persistent_overflow(
         summary = f"persistent overflow since step {since}: {state} and most steps are skipped"
         fix = (
             "find the module: the overflow warnings and amp.last_overflow name the parameters with non-finite "
-            "gradients; keep it in FP32 (fp32_modules=[...]) or on_floor=\"promote\", or train in bfloat16"
+            'gradients; keep it in FP32 (fp32_modules=[...]) or on_floor="promote", or train in bfloat16'
         )
     if forward:
         fix += "; check the data for inf/NaN too"
@@ -391,7 +395,6 @@ def _promoted(mpx: dict[str, Series], module_overflows: dict[str, Series]) -> li
             tuple(evidence), None, names, found[0][0],
         )
     ]  # fmt: skip
-
 
 
 def to_json(diagnosis: Diagnosis) -> str:

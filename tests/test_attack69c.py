@@ -1,0 +1,98 @@
+"""attack69c: a hostile user of real third-party models (transformers, peft, litgpt) and of what a run reports
+(``mpx/*`` scalars, ``lightning-mpx doctor``), checked against the run's own facts, an FP32 run and the framework's
+own ``"bf16-mixed"``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("tensorboard")
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
+
+from lightning_mpx import MixedPrecisionPlugin  # noqa: E402
+from lightning_mpx.cli import main  # noqa: E402
+from lightning_mpx.health.events import read_run  # noqa: E402
+from lightning_mpx.scaling.scaler import LossScaleFloorError  # noqa: E402
+
+
+# -- the doctor's verdicts against the run's facts --------------------------------------------------------------------
+class _Net(pl.LightningModule):
+    """Two linear layers; the inputs of the steps in ``bad`` hold an inf (a bad sample): the loss and every gradient
+    are not finite, and the float16 scaler skips the step. With ``on_epoch`` the loss is logged as users often log it
+    (Lightning then writes ``train_loss_step`` and ``train_loss_epoch``, not ``train_loss``)."""
+
+    def __init__(self, bad: set[int], on_epoch: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.bad, self.on_epoch = nn.Linear(8, 8), nn.Linear(8, 1), bad, on_epoch
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x = batch[0] * float("inf") if self.trainer.global_step in self.bad else batch[0]
+        loss = self.b(torch.relu(self.a(x))).float().square().mean()
+        self.log("train_loss", loss, on_step=True, on_epoch=self.on_epoch)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+def _fit(root: Path, bad: set[int], steps: int, on_epoch: bool = False, init_scale: float = 2.0**10) -> None:
+    """A float16 O1 run of ``steps`` steps logged at every step (stopped by ``on_floor="raise"`` at the floor)."""
+    plugin = MixedPrecisionPlugin("O1", half_dtype="float16", init_scale=init_scale, growth_interval=1000)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=steps, logger=TensorBoardLogger(str(root), name="", version=0),
+        log_every_n_steps=1, plugins=[plugin], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(2 * steps, 8)), batch_size=2)
+    try:
+        trainer.fit(_Net(bad, on_epoch), loader)
+    except LossScaleFloorError:
+        pass
+
+
+def _doctor(root: Path, capsys: pytest.CaptureFixture) -> tuple[int, dict, int, str]:
+    """The doctor's exit status and report, as JSON and as text."""
+    capsys.readouterr()
+    status = main(["doctor", str(root), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    text_status = main(["doctor", str(root)])
+    return status, report, text_status, capsys.readouterr().out
+
+
+def test_one_bad_sample_at_the_last_step_is_a_skipped_step_not_persistent_overflow(tmp_path, capsys):
+    # 19 clean steps, then a sample with an inf at the last step: its loss is NaN, the step is skipped (the weights
+    # are those of step 18) and the scale halves once. Before: "PROBLEM: persistent overflow since step 19 ... 1 of
+    # the 1 steps 19-19 overflowed" (exit 1): a one-step streak with a non-finite loss read as a broken forward.
+    _fit(tmp_path, {19}, 20)
+    series = read_run(tmp_path).series
+    assert series["mpx/overflows"][-2:] == [(18, 0.0), (19, 1.0)] and series["mpx/skipped_steps"][-1] == (19, 1.0)
+    assert [v != v for _, v in series["train_loss"]] == [False] * 19 + [True]
+    status, report, text_status, text = _doctor(tmp_path, capsys)
+    assert status == text_status == 0 and report["healthy"], text
+    assert [f["kind"] for f in report["findings"]][0] == "healthy"
+    assert "1 overflow steps in 20 (5.0%), 1 skipped in all" in report["findings"][0]["evidence"][0]
+    assert "1 overflow steps in 20 (5.0%), 1 skipped in all" in text
+
+
+def test_a_run_killed_at_the_floor_logging_train_loss_step_is_a_problem(tmp_path, capsys):
+    # Every step's input holds an inf: from 2^4 the scale halves to its floor and on_floor="raise" stops the run after
+    # 4 skipped steps, no update applied. self.log("train_loss", on_epoch=True) writes "train_loss_step": the doctor
+    # read no loss, took the 4-step streak for a scale backing off from a high start and said "healthy" (exit 0).
+    _fit(tmp_path, set(range(20)), 20, on_epoch=True, init_scale=2.0**4)
+    series = read_run(tmp_path).series
+    assert "train_loss" not in series and all(v != v for _, v in series["train_loss_step"])
+    assert series["mpx/skipped_steps"][-1][1] == len(series["mpx/skipped_steps"]) < 10
+    status, report, text_status, text = _doctor(tmp_path, capsys)
+    assert status == text_status == 1 and not report["healthy"], text
+    (finding,) = [f for f in report["findings"] if f["problem"]]
+    assert finding["kind"] == "persistent_overflow" and finding["since_step"] == 0
+    assert any("the logged loss is nan since step 0" in line for line in finding["evidence"])
+    assert "PROBLEM: " + finding["summary"] in text
