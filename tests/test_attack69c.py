@@ -96,3 +96,37 @@ def test_a_run_killed_at_the_floor_logging_train_loss_step_is_a_problem(tmp_path
     assert finding["kind"] == "persistent_overflow" and finding["since_step"] == 0
     assert any("the logged loss is nan since step 0" in line for line in finding["evidence"])
     assert "PROBLEM: " + finding["summary"] in text
+
+
+# -- underflow groups of wrapped third-party models --------------------------------------------------------------------
+def _gpt2_groups(wrap) -> list[str]:
+    """The underflow groups one telemetry step of a tied GPT-2 (every parameter under ``transformer``) logs."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from lightning_mpx import Amp
+
+    torch.manual_seed(0)
+    net = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=1, n_head=2))
+    amp = Amp("O1", half_dtype="bfloat16")
+    model = amp.prepare_model(wrap(net))
+    optimizer = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    amp.request_telemetry()
+    ids = torch.randint(0, 32, (2, 8))
+    amp.backward(model(input_ids=ids, labels=ids).loss)
+    amp.step(optimizer)
+    return sorted(key.split("/", 2)[2] for key in amp.metrics() if key.startswith("mpx/underflow/"))
+
+
+def test_a_data_parallel_models_underflow_tags_are_those_of_its_unwrapped_resume():
+    # A model given to Amp inside nn.DataParallel (its replicas carry the scope) logged
+    # mpx/underflow/module.transformer.h, its resume on one device without the wrapper mpx/underflow/transformer.h: two
+    # curves per module, the doctor's groups split. The "module" holding every parameter is left out, as _orig_mod.
+    plain = _gpt2_groups(lambda net: net)
+    assert plain == [f"transformer.{m}" for m in ("h", "ln_f", "wpe", "wte")]
+    assert _gpt2_groups(nn.DataParallel) == plain
+    from lightning_mpx.telemetry import module_groups
+
+    # compiled around the wrapper, or inside it: the same
+    assert module_groups(["_orig_mod.module.lm.weight", "module._orig_mod.head.bias"]) == ["lm", "head"]
+    # a user's own top-level "module" beside another child is theirs: kept
+    assert module_groups(["module.0.weight", "head.weight"]) == ["module", "head"]
