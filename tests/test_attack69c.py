@@ -98,6 +98,47 @@ def test_a_run_killed_at_the_floor_logging_train_loss_step_is_a_problem(tmp_path
     assert "PROBLEM: " + finding["summary"] in text
 
 
+class _Diverging(pl.LightningModule):
+    """A regression whose learning rate grows 1.6 times a step: the weights grow until the bfloat16 forward is inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.b(torch.relu(self.a(batch[0]))).float().sub(1).square().mean()
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=1e-3)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.6**k)
+        return [optimizer], [{"scheduler": schedule, "interval": "step"}]
+
+
+def test_a_bfloat16_run_diverging_to_inf_is_not_told_to_train_in_bfloat16(tmp_path, capsys):
+    # bfloat16 with on_floor="continue": the learning rate blows the weights up, the forward is inf from step 20 and
+    # every later step is skipped at the static scale of 1. The doctor found the persistent overflow but advised
+    # "keep it in FP32 (fp32_modules=["b"]), ..., or train in bfloat16" to a bfloat16 run, whose range is FP32's.
+    plugin = MixedPrecisionPlugin("O1", half_dtype="bfloat16", on_floor="continue")
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=30, logger=TensorBoardLogger(str(tmp_path), name="", version=0),
+        log_every_n_steps=1, plugins=[plugin], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    trainer.fit(_Diverging(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(60, 8)), 2))
+    series = read_run(tmp_path).series
+    assert series["mpx/skipped_steps"][-1] == (29, 9.0) and {v for _, v in series["mpx/loss_scale"]} == {1.0}
+    status, report, text_status, text = _doctor(tmp_path, capsys)
+    assert status == text_status == 1, text
+    (finding,) = [f for f in report["findings"] if f["problem"]]
+    assert finding["kind"] == "persistent_overflow" and finding["since_step"] == 21
+    assert finding["fix"].startswith("a scale of 1 at every logged step is a bfloat16 run's"), finding["fix"]
+    assert "fix: " + finding["fix"] in text
+
+
 # -- underflow groups of wrapped third-party models --------------------------------------------------------------------
 def _gpt2_groups(wrap) -> list[str]:
     """The underflow groups one telemetry step of a tied GPT-2 (every parameter under ``transformer``) logs."""

@@ -343,6 +343,12 @@ def _persistent_overflow(
         fix += "; check the data for inf/NaN too"
     else:
         fix += "; a learning rate that is too high or exploding gradients look the same: lower it or clip"
+    if flat == 0 and final == 1.0:  # bfloat16's static scale: FP32 and bfloat16 would not help there
+        fix = (
+            "a scale of 1 at every logged step is a bfloat16 run's (or a static float16 scale of 1): in bfloat16, FP32 "
+            "has the same range and overflows too (fp32_modules does not help): lower the learning rate or clip, and "
+            f"check the data and the weights for inf/NaN; in float16: {fix}"
+        )
     return Finding(
         "persistent_overflow", True, summary + (f" (loss scale{suffix})" if suffix else ""), tuple(evidence), fix,
         modules, since, suffix,
