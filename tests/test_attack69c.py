@@ -15,7 +15,7 @@ pytest.importorskip("tensorboard")
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 
-from lightning_mpx import MixedPrecisionPlugin  # noqa: E402
+from lightning_mpx import MixedPrecisionPlugin, doctor  # noqa: E402
 from lightning_mpx.cli import main  # noqa: E402
 from lightning_mpx.health.events import read_run  # noqa: E402
 from lightning_mpx.scaling.scaler import LossScaleFloorError  # noqa: E402
@@ -220,3 +220,20 @@ def test_t5_relative_attention_bias_in_half_at_o2_stays_as_close_to_fp32_as_bf16
     assert len(bias) == 2  # the encoder's and the decoder's
     for o2, mixed in zip(distances["O2"], distances["bf16-mixed"]):
         assert 0 < o2 <= 1.5 * mixed, distances
+
+
+def test_a_short_runs_one_logged_loss_nan_from_an_empty_batch_is_not_a_broken_run():
+    # max_steps=60 with Lightning's log_every_n_steps=50: one logged point, step 49, whose batch had every label
+    # masked (cross_entropy of nothing is NaN, its gradients zero: nothing skipped, nothing broken). Before:
+    # "PROBLEM: non-finite loss since step 49" (exit 1): one point was "every logged point".
+    logits = torch.randn(4, 5, requires_grad=True)
+    empty = nn.functional.cross_entropy(logits, torch.full((4,), -100))
+    empty.backward()
+    assert empty.isnan() and not logits.grad.any()
+    series = {"mpx/loss_scale": [(49, 65536.0)], "mpx/overflows": [(49, 0.0)], "mpx/skipped_steps": [(49, 0.0)]}
+    series["train_loss"] = [(49, empty.item())]
+    assert doctor.diagnose_scalars(series).exit_status == 0
+    series = {tag: [(9, 65536.0 if "scale" in tag else 0.0), *points] for tag, points in series.items()}
+    series["train_loss"][0] = (9, float("nan"))  # two points, both NaN: broken as before
+    (finding,) = [f for f in doctor.diagnose_scalars(series).findings if f.problem]
+    assert finding.kind == "non_finite_loss" and finding.since_step == 9
