@@ -237,3 +237,17 @@ def test_a_short_runs_one_logged_loss_nan_from_an_empty_batch_is_not_a_broken_ru
     series["train_loss"][0] = (9, float("nan"))  # two points, both NaN: broken as before
     (finding,) = [f for f in doctor.diagnose_scalars(series).findings if f.problem]
     assert finding.kind == "non_finite_loss" and finding.since_step == 9
+
+
+def test_a_logged_point_whose_interval_overflowed_on_most_steps_with_a_nan_loss_is_still_broken():
+    # Logged every 5 steps: steps 45-49 overflow 4 times and the loss at 49 is NaN, its one non-finite point. More than
+    # one overflowing step with a non-finite loss is no single bad batch: persistent overflow, as stop 68's rule says.
+    steps = range(4, 50, 5)
+    series = {"mpx/loss_scale": [(s, 2.0**10 if s < 49 else 2.0**6) for s in steps]}
+    series["mpx/overflows"] = [(s, 4.0 if s == 49 else 0.0) for s in steps]
+    series["mpx/skipped_steps"] = [(s, 4.0 if s == 49 else 0.0) for s in steps]
+    series["train_loss"] = [(s, float("nan") if s == 49 else 1.0) for s in steps]
+    (finding,) = [f for f in doctor.diagnose_scalars(series).findings if f.problem]
+    assert finding.kind == "persistent_overflow" and finding.since_step == 45
+    series["mpx/overflows"][-1] = series["mpx/skipped_steps"][-1] = (49, 1.0)  # one bad batch: a burst
+    assert doctor.diagnose_scalars(series).exit_status == 0

@@ -249,12 +249,10 @@ def _persistent_overflow(
     last = overflows[-1][0]
     bad = _trailing(loss, lambda i: not math.isfinite(loss[i][1])) if loss is not None else None
     forward = loss is not None and bad is not None and loss[bad][0] <= last
-    # One non-finite point after finite ones is one bad batch at the last step (skipped: a burst), not a forward that
-    # stays broken; at every logged point, or at two or more in a row, it is.
-    broken = forward and loss is not None and bad is not None and (bad == 0 or len(loss) - bad >= 2)
-    if last - since + 1 < PERSISTENT_MIN_STEPS and not broken:
-        return None  # a short burst, or a scale backing off from a high start (whose loss is finite)
     count = sum(value for _, value in overflows[streak:])
+    # One overflowing step with a non-finite loss is one bad batch (skipped: a burst), not a forward that stays broken.
+    if last - since + 1 < PERSISTENT_MIN_STEPS and not (forward and count >= 2):
+        return None  # a short burst, or a scale backing off from a high start (whose loss is finite)
     evidence = [
         f"{count:g} of the {last - since + 1} steps {since}-{last} overflowed (mpx/overflows{suffix}): "
         "the steps were skipped"
