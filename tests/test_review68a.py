@@ -216,15 +216,6 @@ def _held_raw_after_load(level: str, half: str) -> None:
         opt.zero_grad()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pytest.fail.Exception,
-    reason="engine/optimizers.py forget_writes(loaded=True): a model.load_state_dict between two backwards forgets "
-    "the backward's version note of the registered optimizers' parameters, so a raw step over them after the load "
-    "(scaled gradients, at O2 no master update) is let through at the next backward; a cheap signal exists (the "
-    "load's one copy_ per parameter: note the versions at its pre-hook plus one, as loaded_since_step now does for "
-    "parameters no optimizer holds)",
-)
 @pytest.mark.filterwarnings("ignore:lightning_mpx")
 def test_a_raw_step_over_held_parameters_after_a_load_is_refused() -> None:
     with pytest.raises(RuntimeError, match="were written and their gradients cleared"):
