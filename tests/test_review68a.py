@@ -222,16 +222,11 @@ def test_a_raw_step_over_held_parameters_after_a_load_is_refused() -> None:
         _held_raw_after_load("O2", "bfloat16")
 
 
-# -- found and left: strict xfails ------------------------------------------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="engine/shared_grads.py: a shared parameter's gradient replaced after one optimizer's unscale_ "
-    "(p.grad = p.grad.clone(), true values) is a tensor SharedGrads never noted (told by identity): the other "
-    "optimizer's unscale divides it by the scale again (float16, O1 and O2: 0.2-0.3 off FP32; also before stop 68)",
-)
+# -- a shared parameter's gradient replaced after an unscale (fixed by xfails69) --------------------------------------
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_shared_gradient_replaced_after_an_unscale_is_not_divided_again(level: str) -> None:
+    """``p.grad = p.grad.clone()`` after one optimizer's ``unscale_`` (true values): the other optimizer's unscale
+    divided the new tensor by the scale again (float16, 0.2-0.3 off FP32); now taken as true values."""
     sequence = ("unscale whole", "clone x", "step whole", "step head")
     got, _ = _shared(sequence, "float16", level=level)
     torch.testing.assert_close(got, _shared(sequence, None)[0], rtol=0, atol=2e-3)
@@ -246,6 +241,8 @@ def test_shared_gradient_replaced_after_an_unscale_is_not_divided_again(level: s
     "stop 68, when it was made again from the half one); an in-place write (m.grad.mul_) is kept",
 )
 def test_o2_shared_master_gradient_replaced_by_the_user_reaches_both_steps() -> None:
+    """``m.grad = m.grad * 0.5`` over ``amp.master_params`` after an unscale: the other optimizer stepped the FP32
+    gradient the first unscale made (0.12 off FP32); now the user's tensor."""
     sequence = ("unscale whole", "halve whole", "step whole", "step head")
     got, _ = _shared(sequence, "bfloat16")
     torch.testing.assert_close(got, _shared(sequence, None)[0], rtol=0, atol=2e-3)

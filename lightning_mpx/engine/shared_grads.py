@@ -9,8 +9,9 @@ twice where FP32 steps it with its gradient (``torch.amp.GradScaler`` does the s
 known (a registration or a release, and an unscale that finds an optimizer's parameter count changed: an
 ``add_param_group``), and only when there is one does an unscale pay for it: the gradients an unscale divided in place
 are noted (the tensor and its version after the divide); a later unscale of another optimizer
-finds them so (the same tensor, no backward since: a clip's or the user's write keeps true values) and checks them for
-inf/NaN, clips them with its own and measures them, without dividing them again. Every optimizer holding an
+finds them so (the same tensor, no backward since: a clip's or the user's write keeps true values; so does a tensor the
+user put in place of one since, ``p.grad = p.grad.clone()``, told by its parameter: :meth:`SharedGrads.replaced`) and
+checks them for inf/NaN, clips them with its own and measures them, without dividing them again. Every optimizer holding an
 overflowed shared gradient finds the overflow in its own check, so each one's stage skips its step. A backward since
 voids the notes (:meth:`SharedGrads.backward`); :meth:`SharedGrads.clear` drops the
 references at the end of the iteration. The other way, the true values that steps leave (a loop that does not zero
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -69,6 +70,9 @@ class SharedGrads:
         # at O2, by the half gradient's id: (half gradient, its version, the FP32 gradient an unscale made of it)
         self.masters: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
         self.rescaled: dict[int, tuple[torch.Tensor, int]] = {}
+        # by the parameter's id: the shared parameters whose gradient an unscale left holding true values (divided in
+        # place, or at O2 shown), for a tensor the user put in its place since (:meth:`replaced`)
+        self.params: dict[int, torch.Tensor] = {}
 
     def refresh(self) -> None:
         """Find the overlap again (a registration, a release, a parameter count changed). A parameter newly shared
@@ -90,7 +94,7 @@ class SharedGrads:
         new = shared - self.ids
         self.ids = frozenset(shared)
         if not shared:
-            self.done, self.masters, self.rescaled = {}, {}, {}
+            self.done, self.masters, self.rescaled, self.params = {}, {}, {}, {}
         elif new:  # at O2, before this unscale makes their gradients again: the notes an unscale made while shared kept
             self.masters = {**made_before(held, new, self.scalers), **self.masters}
         for state, params in held if new else ():
@@ -112,6 +116,8 @@ class SharedGrads:
             self.done = {}
         if self.masters:
             self.masters = {}
+        if self.params:
+            self.params = {}
 
     def note(self, grads: list[torch.Tensor]) -> None:
         """Note ``grads`` as holding true values (an unscale in place just ran over them). The gradients brought up
@@ -130,6 +136,18 @@ class SharedGrads:
             (id(half), (half, half._version, true)) for half, true in zip(sources, targets) if true is not half
         )
         self.raised, self.rescaled = {}, {}
+
+    def note_params(self, params: Iterable[torch.Tensor]) -> None:
+        """Note the shared ``params`` as holding true values in their gradients (an unscale just divided them in place,
+        or at O2 showed the true values in the half ones): whatever tensor the user puts in their place before the next
+        backward holds true values too (:meth:`replaced`)."""
+        self.params.update((id(param), param) for param in params)
+
+    def replaced(self, param: torch.Tensor | None) -> bool:
+        """Whether ``param``'s gradient holds true values by an unscale since the last backward though no note holds
+        the tensor: the user put another in its place since (``p.grad = p.grad.clone()``, torch's own clip returning
+        new tensors), after the unscale showed them the true values. Not divided again (as a write in place is not)."""
+        return param is not None and self.params.get(id(param)) is param
 
     def true_of(self, half: torch.Tensor) -> torch.Tensor | None:
         """At O2, for a shared master's half gradient ``half`` about to be unscaled: the true values to take instead
@@ -212,7 +230,7 @@ class SharedGrads:
 
     def clear(self) -> None:
         """Drop the notes (the end of an iteration: the gradients are not held alive past it)."""
-        self.done, self.masters, self.rescaled = {}, {}, {}
+        self.done, self.masters, self.rescaled, self.params = {}, {}, {}, {}
 
 
 def _true_now(state: _OptimizerState, grad: torch.Tensor) -> bool:
