@@ -232,14 +232,6 @@ def test_shared_gradient_replaced_after_an_unscale_is_not_divided_again(level: s
     torch.testing.assert_close(got, _shared(sequence, None)[0], rtol=0, atol=2e-3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="engine/shared_grads.py: at O2 a shared master's FP32 gradient replaced by the user after an unscale "
-    "(m.grad = m.grad * 0.5 over amp.master_params) is lost for the other optimizer: its unscale (or, stepped after "
-    "the first's step, SharedGrads.restore) takes the gradient the first unscale made (0.12 off FP32; also before "
-    "stop 68, when it was made again from the half one); an in-place write (m.grad.mul_) is kept",
-)
 def test_o2_shared_master_gradient_replaced_by_the_user_reaches_both_steps() -> None:
     """``m.grad = m.grad * 0.5`` over ``amp.master_params`` after an unscale: the other optimizer stepped the FP32
     gradient the first unscale made (0.12 off FP32); now the user's tensor."""

@@ -50,6 +50,8 @@ def test_o2_raw_step_after_a_load_between_accumulated_backwards_is_refused() -> 
         (("unscale whole", "clone x", "clip head", "step whole", "step head"), "float16", "O1"),
         # O1: replaced after the first optimizer's step, which unscaled it in place (0.23 off before)
         (("step whole", "clone x", "step head"), "float16", "O1"),
+        # O2: the masters' gradients replaced, then the other optimizer unscaled before either step (0.14 off before)
+        (("unscale whole", "halve whole", "unscale head", "step head", "step whole"), "bfloat16", "O2"),
     ],
 )
 def test_shared_gradient_replaced_after_an_unscale_trains_as_fp32(

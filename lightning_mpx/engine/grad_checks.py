@@ -96,6 +96,8 @@ def unscale(
         auto_plain = plain and backend == "auto"  # torch's kernels, in place (see auto_backend)
         copy = bool(master_weights) and (auto_plain or _unfused(backend, state.pair_masters[:1], plain))
         if master_weights:
+            if shared is not None and shared.masters:  # a shared master's FP32 gradient the user replaced since
+                shared.follow(state.pairs)
             sources, targets = grad_pairs(state, optimizer, master_weights, refuse_sparse, copy=copy)
         else:  # own_grads, written out (a call saved per step): C-level maps, no Python per parameter
             params = itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups))

@@ -11,8 +11,8 @@ known (a registration or a release, and an unscale that finds an optimizer's par
 are noted (the tensor and its version after the divide); a later unscale of another optimizer
 finds them so (the same tensor, no backward since: a clip's or the user's write keeps true values; so does a tensor the
 user put in place of one since, ``p.grad = p.grad.clone()``, told by its parameter: :meth:`SharedGrads.replaced`) and
-checks them for inf/NaN, clips them with its own and measures them, without dividing them again. Every optimizer holding an
-overflowed shared gradient finds the overflow in its own check, so each one's stage skips its step. A backward since
+checks them for inf/NaN, clips them with its own and measures them, without dividing them again. Every optimizer holding
+an overflowed shared gradient finds the overflow in its own check, so each one's stage skips its step. A backward since
 voids the notes (:meth:`SharedGrads.backward`); :meth:`SharedGrads.clear` drops the
 references at the end of the iteration. The other way, the true values that steps leave (a loop that does not zero
 them) or that a batch unscaled without stepping leaves are brought back up to the next backward's scale once too
@@ -24,7 +24,8 @@ optimizer's unscale divided them again, and the first optimizer's step freed the
 unscaled before it was to step with. The FP32 gradient an unscale made for a shared master is noted with the half
 gradient it came from (:meth:`SharedGrads.note_masters`): a later unscale takes its values while the half gradient is
 as it was (:meth:`SharedGrads.true_of`), and a step gives it back to the master that a step freed
-(:meth:`SharedGrads.restore`).
+(:meth:`SharedGrads.restore`). An FP32 gradient the user put in place of the noted one (``m.grad = m.grad * 0.5`` over
+``amp.master_params``) is noted in its place before the next unscale or step (:meth:`SharedGrads.follow`).
 """
 
 from __future__ import annotations
@@ -192,13 +193,31 @@ class SharedGrads:
 
     def restore(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Before the step of an optimizer unscaled earlier (``(parameter, master)`` pairs): give a shared master
-        whose FP32 gradient another optimizer's step freed since the gradient noted for its half one."""
+        whose FP32 gradient another optimizer's step freed since the gradient noted for its half one; one the user
+        replaced since (``m.grad = m.grad * 0.5`` over ``amp.master_params``) is noted instead (:meth:`follow`), for
+        the other optimizer's unscale or step after this step freed it."""
         for param, master in pairs:
             half = param.grad
-            if master is not param and master.grad is None and half is not None:
+            if master is not param and half is not None:
                 noted = self.masters.get(id(half))
                 if noted is not None and noted[0] is half:
-                    master.grad = noted[2]
+                    if master.grad is None:
+                        master.grad = noted[2]
+                    elif master.grad is not noted[2]:
+                        self.masters[id(half)] = (half, noted[1], master.grad)
+
+    def follow(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Before an unscale makes new FP32 gradients for ``pairs`` (``(parameter, master)``, as last paired): a
+        shared master whose FP32 gradient the user replaced since another optimizer's unscale noted it
+        (``m.grad = m.grad * 0.5``) has the user's tensor noted in its place, which this unscale then takes (an
+        in-place write is kept already: the noted tensor is the master's). Engine-made replacements hold the noted
+        values. Asked only where such notes exist (:attr:`masters`)."""
+        for param, master in pairs:
+            half, grad = param.grad, master.grad
+            if master is not param and half is not None and grad is not None:
+                noted = self.masters.get(id(half))
+                if noted is not None and noted[0] is half and noted[2] is not grad:
+                    self.masters[id(half)] = (half, noted[1], grad)
 
     def settled(self) -> None:
         """After a step: the FP32 gradients noted (:attr:`masters`) are let go once no registered optimizer is left to
