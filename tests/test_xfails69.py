@@ -76,3 +76,46 @@ def test_o2_shared_gradient_replaced_then_clipped_by_the_other_optimizer_trains_
     sequence = ("unscale whole", "clone x", "clip head", "step whole", "step head")
     got, _ = _shared(sequence, "float16", level="O2")
     torch.testing.assert_close(got, _shared(sequence, None)[0], rtol=0, atol=2e-3)
+
+
+# -- 3. Apex num_losses=2: one loss's overflow reaching the gradients another loss's block names ----------------------
+def test_apex_other_loss_block_over_charged_gradients_skips_their_step() -> None:
+    """O1, ``num_losses=2``: loss 0's block (naming the trunk's optimizer) is inf and reaches the head's gradients;
+    loss 1's block names the head's optimizer. Its check counts loss 0's inf for none, and the head's step is still
+    skipped (Apex, checking the block's own gradients only, stepped the inf into the head): the head's weights are
+    unchanged by that iteration and finite, and only loss 0's scale backs off."""
+    import math
+    import warnings
+
+    import torch.nn.functional as F
+
+    from lightning_mpx.apex import _amp_state, amp
+    from tests.test_xfails68 import _batches, _Net
+
+    _amp_state.reset()
+    torch.manual_seed(0)
+    model = _Net()
+    trunk = torch.optim.SGD(model.trunk.parameters(), lr=0.1)
+    head = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, (trunk, head) = amp.initialize(
+            model, [trunk, head], opt_level="O1", loss_scale="dynamic", verbosity=0, num_losses=2
+        )
+        try:
+            for i, (x, y) in enumerate(_batches(3)):
+                before = model.head.weight.detach().clone()
+                trunk.zero_grad()
+                head.zero_grad()
+                for loss_id, named in ((0, trunk), (1, head)):
+                    loss = F.cross_entropy(model(x), y) * (math.inf if (i, loss_id) == (1, 0) else 1.0)
+                    with amp.scale_loss(loss, named, loss_id=loss_id) as scaled:
+                        scaled.backward()
+                trunk.step()
+                head.step()
+                if i == 1:
+                    assert torch.equal(model.head.weight, before)
+            scales = [s.loss_scale() for s in _amp_state.loss_scalers]
+        finally:
+            _amp_state.reset()
+    assert torch.isfinite(model.head.weight).all() and scales == [32768.0, 65536.0]
