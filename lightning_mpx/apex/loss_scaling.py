@@ -264,8 +264,10 @@ def scale_loss(
         # A new iteration began for an optimizer that already stepped: close the last one.
         _update(state)
     state.touched.update(ids)
-    # charged by another loss's block, gradients kept: that loss's overflow, counted already (charges._recharge)
-    others = {id(w.optimizer) for w in wrapped if id(w.optimizer) in state.charged and _recharge(state, w, loss_id)}
+    others = []  # charged by another loss's block, gradients kept: its overflow, counted already (charges._recharge)
+    for wrapper in wrapped:  # a loop, not a comprehension: no Python call per block
+        if id(wrapper.optimizer) in state.charged and _recharge(state, wrapper, loss_id):
+            others.append(id(wrapper.optimizer))
     # The core scales every unscaled gradient of this engine's optimizers back up for this block's backward, named
     # or not.
     own = [w for w in state.optimizers.values() if w._engine is amp]
