@@ -61,18 +61,11 @@ def test_shared_gradient_replaced_after_an_unscale_trains_as_fp32(
     torch.testing.assert_close(got, _shared(sequence, None)[0], rtol=0, atol=2e-3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="engine/clipping.py, engine/shared_grads.py: at O2, after the whole model's unscale_ showed the true "
-    "values in the half gradients, p.grad = p.grad.clone() and then the head's own amp.clip_grad_norm_ (which "
-    "clips the shared masters' FP32 gradients, leaving the half clones unclipped): the whole model's step takes the "
-    "clones as the "
-    "user's write after its unscale (its marks) and steps the head unclipped (0.27 off FP32; also before stop 69). "
-    "Telling it needs the head's unscale to move the whole model's marks to the clones it took (as shown() does for "
-    "the engine's own writes)",
-)
 def test_o2_shared_gradient_replaced_then_clipped_by_the_other_optimizer_trains_as_fp32() -> None:
+    """At O2, after the whole model's ``unscale_`` showed the true values in the half gradients, ``p.grad =
+    p.grad.clone()``, then the head's own ``amp.clip_grad_norm_`` (which clips the shared masters' FP32 gradients, the
+    clones left unclipped): the whole model's step took the clones again as the user's write after its unscale and
+    stepped the head unclipped (0.27 off FP32). The head's unscale, taking a clone, moves the other's marks to it."""
     sequence = ("unscale whole", "clone x", "clip head", "step whole", "step head")
     got, _ = _shared(sequence, "float16", level="O2")
     torch.testing.assert_close(got, _shared(sequence, None)[0], rtol=0, atol=2e-3)

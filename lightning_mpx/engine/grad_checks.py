@@ -211,9 +211,10 @@ def _unscale_shared(
     if shared.params:  # a gradient another unscale showed the true values in, replaced by the user since: true values
         taken = set(done)
         for i, source in enumerate(sources):
-            if i not in taken and shared.replaced(owner.get(id(source))):
+            if i not in taken and shared.replaced(param := owner.get(id(source))):
                 if not in_place[i]:
                     targets[i].copy_(source)  # type: ignore[index]
+                    shared.took(param, state)  # type: ignore[arg-type]
                 done.append(i)
     fresh = sorted(set(range(len(sources))) - set(done))
     work = targets if copy else sources  # unscaled in place (the masters' copies with `copy`), into `out` otherwise

@@ -73,7 +73,7 @@ class SharedGrads:
         self.rescaled: dict[int, tuple[torch.Tensor, int]] = {}
         # by the parameter's id: the shared parameters whose gradient an unscale left holding true values (divided in
         # place, or at O2 shown), for a tensor the user put in its place since (:meth:`replaced`)
-        self.params: dict[int, torch.Tensor] = {}
+        self.params: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # (parameter, its gradient then)
 
     def refresh(self) -> None:
         """Find the overlap again (a registration, a release, a parameter count changed). A parameter newly shared
@@ -142,13 +142,28 @@ class SharedGrads:
         """Note the shared ``params`` as holding true values in their gradients (an unscale just divided them in place,
         or at O2 showed the true values in the half ones): whatever tensor the user puts in their place before the next
         backward holds true values too (:meth:`replaced`)."""
-        self.params.update((id(param), param) for param in params)
+        self.params.update((id(param), (param, param.grad)) for param in params)
 
     def replaced(self, param: torch.Tensor | None) -> bool:
         """Whether ``param``'s gradient holds true values by an unscale since the last backward though no note holds
         the tensor: the user put another in its place since (``p.grad = p.grad.clone()``, torch's own clip returning
         new tensors), after the unscale showed them the true values. Not divided again (as a write in place is not)."""
-        return param is not None and self.params.get(id(param)) is param
+        noted = None if param is None else self.params.get(id(param))
+        return noted is not None and noted[0] is param
+
+    def took(self, param: torch.Tensor, state: _OptimizerState) -> None:
+        """At O2, ``state``'s unscale took the tensor the user put in place of ``param``'s half gradient
+        (:meth:`replaced`) into the shared master's FP32 gradient: another optimizer unscaled before, whose marks hold
+        the half gradient its unscale read, is told that the new tensor is taken already (its step then steps the
+        master's gradient, with this optimizer's clip, rather than taking the tensor again over it)."""
+        noted, grad = self.params.get(id(param)), param.grad
+        if noted is None or noted[1] is None or grad is None or noted[1] is grad:
+            return
+        old, new = id(noted[1]), (id(grad), grad._version)
+        for other in list(self.optimizers.values()):
+            marks = other.unscaled_marks
+            if other is not state and other.stage is _Stage.UNSCALED and marks:
+                other.unscaled_marks = tuple(new if m is not None and m[0] == old else m for m in marks)
 
     def true_of(self, half: torch.Tensor) -> torch.Tensor | None:
         """At O2, for a shared master's half gradient ``half`` about to be unscaled: the true values to take instead
