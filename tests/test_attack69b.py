@@ -1,0 +1,154 @@
+"""attack69b: a hostile Accelerate / HF Trainer / Apex / peft user of stop 68's surfaces, against the frameworks' own
+precisions (Accelerate's ``"no"``, the Trainer's ``bf16=True``), FP32 and ``torch.amp.GradScaler``."""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _flat(values: Any) -> torch.Tensor:
+    return torch.cat([v.detach().float().flatten() for v in values])
+
+
+# -- 1. O2: a write to the model's gradients after a clip that showed them ------------------------------------------
+def _accelerate(level: str, habit: str, accumulation: int) -> torch.Tensor:
+    """Six SGD steps (momentum) of a small net through the adapter (bfloat16, a static scale of 2**10) or Accelerate's
+    own ``"no"``, with ``habit`` at each synchronising micro-batch; the FP32 weights at the end."""
+    import accelerate
+
+    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from tests.accelerate_helpers import reset_accelerate_state
+
+    reset_accelerate_state()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    if level == "no":
+        accelerator = accelerate.Accelerator(mixed_precision="no", cpu=True, gradient_accumulation_steps=accumulation)
+    else:
+        kwargs = MixedPrecisionKwargs(half_dtype="bfloat16", loss_scale=2.0**10)
+        accelerator = Accelerator(mixed_precision=level, cpu=True, gradient_accumulation_steps=accumulation,
+                                  kwargs_handlers=[kwargs])  # fmt: skip
+    model, opt = accelerator.prepare(net, opt)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+        with accelerator.accumulate(model):
+            accelerator.backward(F.mse_loss(model(x).float(), y))
+            if accelerator.sync_gradients:
+                if habit == "unscale_then_clip":
+                    accelerator.unscale_gradients()
+                    accelerator.clip_grad_norm_(model.parameters(), 0.05)
+                elif habit == "clip_value":
+                    accelerator.clip_grad_value_(model.parameters(), 0.01)
+                else:  # "clip_l1": torch's clip of the masters' gradients
+                    accelerator.clip_grad_norm_(model.parameters(), 0.2, norm_type=1)
+                for p in model.parameters():
+                    p.grad.mul_(0.5)  # a write to the model's gradients, before the step
+            opt.step()
+            opt.zero_grad()
+    state = accelerator.get_state_dict(model) if level != "no" else net.state_dict()
+    reset_accelerate_state()
+    return _flat(state.values())
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("habit", ["unscale_then_clip", "clip_value", "clip_l1"])
+def test_accelerate_o2_write_after_a_clip_of_shown_gradients_trains_as_accelerates_own(habit: str, accumulation: int):
+    """``accelerator.unscale_gradients()`` (the refusal's own way out) then ``clip_grad_norm_``, or
+    ``clip_grad_value_``, or a norm other than 2, then ``p.grad.mul_(0.5)``: at O2 the unscale showed the true values
+    on the model's gradients, the clip clipped the masters' only, and the step took the write made on the unclipped
+    values, losing the clip: 0.13 off FP32 (5e-2 with accumulation), silently. Now the clip shows the clipped ones."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got, want = _accelerate("O2", habit, accumulation), _accelerate("no", habit, accumulation)
+    assert (got - want).abs().max() < 1e-3
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_accelerate_o2_write_after_the_fused_clip_names_accelerates_way_out() -> None:
+    """The fused clip (no unscale first) leaves the model's gradients scaled: a write after it is refused at the step,
+    naming the Accelerate call that shows them first (``accelerator.unscale_gradients()``)."""
+    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+
+    accelerator = Accelerator(mixed_precision="O2", cpu=True, kwargs_handlers=[MixedPrecisionKwargs(
+        half_dtype="bfloat16", loss_scale=2.0**10)])  # fmt: skip
+    model = accelerator.prepare(nn.Linear(4, 2))
+    opt = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    accelerator.backward(model(torch.randn(3, 4)).float().square().mean())
+    accelerator.clip_grad_norm_(model.parameters(), 0.01)
+    model.weight.grad.mul_(0.5)
+    with pytest.raises(RuntimeError, match=r"accelerator\.unscale_gradients\(\)"):
+        opt.step()
+
+
+# -- 2. the HF Trainer: callbacks around the step -------------------------------------------------------------------
+class _Labelled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": F.mse_loss(self.net(x).float(), labels)}
+
+
+def _trainer(level: str, max_grad_norm: float) -> tuple[torch.Tensor, list[float]]:
+    """Three SGD steps through the Trainer (``bf16=True``, or the door at ``level`` with a static scale of 2**10) with
+    a callback that reads the gradients' norm in ``on_pre_optimizer_step`` and halves them, and reads it again in
+    ``on_optimizer_step``; the FP32 weights and the norms read."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_mpx.accelerate import MixedPrecisionKwargs, mpx_trainer
+    from tests.accelerate_helpers import reset_accelerate_state
+
+    def norm() -> float:
+        return torch.stack([p.grad.float().norm() for p in model.parameters()]).norm().item()
+
+    class HalveAndRead(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            seen.append(norm())
+            for p in model.parameters():
+                p.grad.mul_(0.5)
+
+        def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            seen.append(norm())
+
+    g = torch.Generator().manual_seed(5)
+    data = [{"x": torch.randn(8, generator=g), "labels": torch.randn(4, generator=g)} for _ in range(12)]
+    torch.manual_seed(0)
+    model, seen = _Labelled(), []
+    reset_accelerate_state()
+    args = transformers.TrainingArguments(
+        tempfile.mkdtemp(), report_to=[], use_cpu=True, max_steps=3, save_strategy="no", per_device_train_batch_size=4,
+        learning_rate=0.1, lr_scheduler_type="constant", disable_tqdm=True, optim="sgd", bf16=level == "bf16",
+        max_grad_norm=max_grad_norm,
+    )  # fmt: skip
+    kwargs = {"train_dataset": data, "callbacks": [HalveAndRead()]}
+    if level == "bf16":
+        trainer = transformers.Trainer(model=model, args=args, **kwargs)
+    else:
+        mpx = MixedPrecisionKwargs(half_dtype="bfloat16", loss_scale=2.0**10)
+        trainer = mpx_trainer(transformers.Trainer)(model=model, args=args, opt_level=level, mpx_kwargs=mpx, **kwargs)
+    trainer.train()
+    amp = getattr(trainer.accelerator, "amp", None)
+    state = amp.fp32_state_dict(model) if amp is not None else model.state_dict()
+    reset_accelerate_state()
+    return _flat(state.values()), seen
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.05, 0.0], ids=["clip", "no_clip"])
+def test_trainer_o2_callback_reading_and_writing_gradients_around_the_step_as_bf16(max_grad_norm: float) -> None:
+    """A callback's ``on_pre_optimizer_step`` read 1024 times the clipped norm at O2 (scaled, unclipped half
+    gradients) and its halving was refused at the step, with ``max_grad_norm=0`` too (the Trainer's norm-only
+    clip); ``on_optimizer_step`` read them scaled. Now the reads, the write and the weights are ``bf16=True``'s."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (got, got_seen), (want, want_seen) = _trainer("O2", max_grad_norm), _trainer("bf16", max_grad_norm)
+    assert (got - want).abs().max() < 1e-3
+    assert got_seen == pytest.approx(want_seen, rel=1e-2)
