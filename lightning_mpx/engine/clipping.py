@@ -29,11 +29,6 @@ def clip_norm(
     """:meth:`Amp.clip_grad_norm_ <lightning_mpx.engine.amp.Amp.clip_grad_norm_>` for ``machine``'s ``optimizer``."""
     state = machine.state(optimizer)
     max_norm = clip_limit("max_norm", max_norm)
-    # O2, the model's half gradients showing the true values (unscale_() before the clip, as after GradScaler's):
-    # the clip shows the clipped ones too, so that code after it reads, and writes, what the step uses (a write
-    # there was taken over the clip, which was lost, silently). Not in the usual loop (a clip that unscales: the
-    # half gradients keep the scale, and a write is refused). Inline: no call per clip.
-    showing = machine.masters.weights and state.stage is _Stage.UNSCALED and state.shown
     if state.stage is not _Stage.UNSCALED:
         machine._unscale(state, max_norm=float(max_norm))
     else:
@@ -51,9 +46,7 @@ def clip_norm(
         else:
             state.grad_norm = _clip_unscaled(params, float(max_norm))
     assert state.grad_norm is not None
-    if showing:  # the half gradients showed the true values: they show the clipped ones now
-        show_unscaled(machine, optimizer, fresh=True)
-    elif machine.masters.weights:  # the half gradients lack it (see rescale.after_step)
+    if machine.masters.weights:  # the half gradients lack it (see rescale.after_step)
         state.clips += (("norm", state.grad_norm, max_norm),)
     machine.grad_norms[state.loss_id or 0] = state.grad_norm
     return state.grad_norm
@@ -65,7 +58,6 @@ def clip_value_(
     """:meth:`Amp.clip_grad_value_ <lightning_mpx.engine.amp.Amp.clip_grad_value_>` for ``machine``'s ``optimizer``."""
     state = machine.state(optimizer)
     clip_value = clip_limit("clip_value", clip_value)
-    showing = machine.masters.weights and state.stage is _Stage.UNSCALED and state.shown  # as in clip_norm
     if state.stage is not _Stage.UNSCALED:
         machine._unscale(state)
     else:
@@ -79,9 +71,7 @@ def clip_value_(
             local_tensor(param.grad).clamp_(-clip_value, clip_value)  # type: ignore[arg-type]
     elif params:  # torch's clip refuses an empty list
         torch.nn.utils.clip_grad_value_(params, clip_value)
-    if showing:
-        show_unscaled(machine, optimizer, fresh=True)
-    elif machine.masters.weights:
+    if machine.masters.weights:
         state.clips += (("value", None, clip_value),)
 
 

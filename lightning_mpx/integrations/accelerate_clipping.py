@@ -84,8 +84,11 @@ class GradientClipping:
         if float(norm_type) == 2.0 and len(owners) == 1:
             owner = owners[0]
             if _covers(targets, self.amp.master_params(owner.optimizer)):
+                shown = owner.unscaled  # unscale_gradients() first: at O2 the model's gradients show the true values
                 norm = self.amp.clip_grad_norm_(owner.optimizer, max_norm)
                 owner.unscaled = True
+                if shown:  # ... and then the clipped ones, as Accelerate's own "fp16" leaves them
+                    self._show_clipped(owners)
                 return norm
         if self.amp.sharded:
             raise ValueError(
