@@ -12,8 +12,8 @@ import torch
 
 from lightning_mpx.common.keywords import Required
 from lightning_mpx.engine.grad_checks import local_squares, reduce_checks
-from lightning_mpx.engine.optimizer_state import _Stage
-from lightning_mpx.engine.rescale import follow_cleared_grads, grad_marks, unscale_late
+from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage
+from lightning_mpx.engine.rescale import follow_cleared_grads, grad_marks, master_marks, unscale_late
 from lightning_mpx.engine.sharding import local_tensor
 from lightning_mpx.masters.pairs import param_pairs
 
@@ -48,8 +48,18 @@ def clip_norm(
     assert state.grad_norm is not None
     if machine.masters.weights:  # the half gradients lack it (see rescale.after_step)
         state.clips += (("norm", state.grad_norm, max_norm),)
+        _show_again(machine, optimizer, state)
     machine.grad_norms[state.loss_id or 0] = state.grad_norm
     return state.grad_norm
+
+
+def _show_again(machine: StepMachine, optimizer: torch.optim.Optimizer, state: _OptimizerState) -> None:
+    """At O2, after a clip of gradients an ``unscale_()`` showed on the model: the model's gradients hold the true
+    values the user's code reads and writes before the step (as after ``GradScaler.unscale_`` and torch's clip), so
+    they take the clipped ones too; left unclipped, a write to them (``p.grad.mul_(0.5)``) was taken into the masters
+    over the clip, silently (tests/test_stateful69.py)."""
+    if state.shown:
+        show_unscaled(machine, optimizer, fresh=True)
 
 
 def clip_value_(
@@ -73,6 +83,7 @@ def clip_value_(
         torch.nn.utils.clip_grad_value_(params, clip_value)
     if machine.masters.weights:
         state.clips += (("value", None, clip_value),)
+        _show_again(machine, optimizer, state)
 
 
 def show_unscaled(machine: StepMachine, optimizer: torch.optim.Optimizer, *, fresh: bool = False) -> None:
@@ -115,6 +126,7 @@ def show_unscaled(machine: StepMachine, optimizer: torch.optim.Optimizer, *, fre
     state.shown, state.clips = True, ()  # the half gradients hold the true values now, clipped so far
     # the copies are ours, not the user's writes
     state.unscaled_marks = grad_marks(state, master_weights, optimizer, paired=True)
+    state.shown_masters = master_marks(state, master_weights, optimizer)
 
 
 def _clip_unscaled(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:

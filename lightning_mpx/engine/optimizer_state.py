@@ -119,6 +119,9 @@ class _OptimizerState:
     # there before the step), not the scale of loss_id.
     shown: bool = False
     stepped_true: bool = False
+    # O2, shown: the (id, version) of the masters' gradients when the model's took their values (rescale.master_marks):
+    # a write to both since cannot be told apart (rescale.leftovers refuses it).
+    shown_masters: tuple[tuple[int, int] | None, ...] = ()
     # O2: the clips of the masters' gradients since the unscale (or the show), which the half gradients lack:
     # ("norm", norm, max_norm) or ("value", None, clip_value), applied to what a step leaves of them if it is used;
     # a fourth item: the ids of the half gradients of a group added after that clip, left out (rescale.unscale_late).
@@ -170,6 +173,7 @@ class _OptimizerState:
         self.stepped_params = frozenset()
         self.backward_versions = None
         self.shown = self.stepped_true = False
+        self.shown_masters = ()
         self.clips = ()
         self.found_by_loss = {}
         self.found_inf = None

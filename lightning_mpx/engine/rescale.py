@@ -81,6 +81,20 @@ def follow_cleared_grads(
         leftovers(state, master_weights, optimizer)
         # taken: a later check looks for later writes only
         state.unscaled_marks = grad_marks(state, master_weights, optimizer)
+        if state.shown:
+            state.shown_masters = master_marks(state, master_weights, optimizer)
+
+
+def master_marks(
+    state: _OptimizerState, master_weights: Sequence[MasterWeights], optimizer: torch.optim.Optimizer | None = None
+) -> tuple[tuple[int, int] | None, ...]:
+    """(id, version) of the FP32 masters' gradients of ``state``'s optimizer (``None`` where it has none): taken when
+    the model's gradients show their values, to tell a write to them since."""
+    return tuple(
+        None if (g := master.grad) is None else (id(g), g._version)
+        for param, master in param_pairs(state, master_weights, optimizer=optimizer)
+        if master is not param
+    )
 
 
 def note_groups(state: _OptimizerState, optimizer: torch.optim.Optimizer) -> None:
@@ -181,6 +195,7 @@ def leftovers(
     marks = state.unscaled_marks
     index = 0
     moved: dict[int, tuple[int, int]] | None = None  # the marks by gradient, made at the first one not in its place
+    masters_written: bool | None = None  # shown: whether the masters' gradients were written since (asked once)
     for param, master in param_pairs(state, master_weights, optimizer=optimizer):
         grad = param.grad
         if master is param:
@@ -201,8 +216,13 @@ def leftovers(
             # another order), or written since the unscale (zero_grad): the user's values stand
             moved = {mark[0]: mark for mark in marks if mark is not None} if moved is None else moved
             if moved.get(id(grad)) != key:
-                if not state.shown and bool(grad.any()):  # read only here: a write found since the unscale
-                    _refuse_scaled_write(state)
+                if bool(grad.any()):  # read only here: a write found since the unscale
+                    if not state.shown:
+                        _refuse_scaled_write(state)
+                    if masters_written is None:  # before any copy below
+                        masters_written = state.shown_masters != master_marks(state, master_weights, optimizer)
+                    if masters_written:
+                        _refuse_two_writes(state)
                 true.copy_(grad)
         out.append((true, grad))
     return out
@@ -533,3 +553,16 @@ def _refuse_scaled_write(state: _OptimizerState) -> None:
         "torch.nn.utils.clip_grad_norm_ or the engine's clip). Clearing them (zero_grad) is fine."
     )
 
+
+
+def _refuse_two_writes(state: _OptimizerState) -> None:
+    """At O2 after ``unscale_()``: both the masters' gradients (``amp.master_params(optimizer)``) and the model's were
+    written since. The model's show the values the unscale (or the last clip) gave them, not the masters' write, so
+    taking them over the masters would drop that write, and keeping the masters' would drop the model's: refused."""
+    raise RuntimeError(
+        "both the FP32 master weights' gradients (amp.master_params(optimizer)) and the model's gradients were written "
+        "between unscale_() and step() at O2: the model's gradients hold a copy of the values unscale_() gave, which "
+        "the write to the masters' did not change, so the two writes cannot both be kept "
+        f"({state.loss_id or 0!r} is the loss). Write one of them: the model's gradients (after unscale_(), as with "
+        "torch.amp.GradScaler) or the masters'."
+    )
