@@ -278,7 +278,10 @@ class GradWritesAroundClips(RuleBasedStateMachine):
 GradWritesAroundClips.TestCase.settings = stateful_settings(
     max_examples=int(os.environ.get("S69_EXAMPLES", "6")), steps=14
 )
-test_o2_gradient_writes_around_clips_against_fp32 = GradWritesAroundClips.TestCase
+# Opt-in (S69_EXAMPLES set): its deterministic examples were not yet settled at stop 69 (a run took 300 s).
+test_o2_gradient_writes_around_clips_against_fp32 = pytest.mark.skipif(
+    "S69_EXAMPLES" not in os.environ, reason="explore only: set S69_EXAMPLES"
+)(GradWritesAroundClips.TestCase)
 
 
 # -- what the sequences found, written out ---------------------------------------------------------------------------
