@@ -1,0 +1,153 @@
+"""attack69a: a hostile Lightning user (Trainer and Fabric) of stop 68's surfaces, against FP32 and Lightning's own
+precisions.
+
+Found and fixed: at O2 ``fabric.clip_gradients(model, optimizer, ...)`` clipped the FP32 masters' gradients alone
+(Fabric's clip of ``main_params``), while the model's half gradients kept the unscale's unclipped values until the
+step; a write to ``p.grad`` in between (halved, noise added, torch's ``clip_grad_value_`` by the user, a
+``p.grad = p.grad * 0.5``), which the step takes into the masters, was made on the unclipped values: the clip was lost,
+2.3e-2 off FP32 in 3 steps (float16), silently. The plugin now makes that clip and shows it on the model at once
+(``integrations/fabric_clipping.py``).
+
+Found and left (strict xfail): at O2 a write through ``p.grad.data`` after the clip (Trainer or Fabric) moves no
+version counter and is lost (the step uses the masters' gradients).
+
+What held (probes; the report lists them): the Trainer's ``gradient_clip_val`` with a writing
+``on_before_optimizer_step``, ``configure_gradient_clipping`` overridden (``self.clip_gradients`` then a write,
+torch's ``clip_grad_value_`` or ``p.grad = p.grad * 0.5``), manual ``self.clip_gradients`` then ``p.grad.mul_``;
+a ``BackboneFinetuning`` subclass under clipping and ``accumulate_grad_batches=2``; ``add_param_group`` between
+``self.clip_gradients`` and ``opt.step()``; a tied embedding in two optimizers with schedulers; a checkpoint saved
+between two optimizers' steps and resumed (as ``"bf16-mixed"``); two optimizers over a shared block
+(``toggle_optimizer``, one stepped every other batch, ``fit`` twice, ``max_steps`` between the steps).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.fabric import Fabric
+from torch import nn
+
+from lightning_mpx import FabricMixedPrecisionPlugin, MixedPrecisionPlugin
+
+ATOL = 2e-4  # O2 float16 against FP32 over 3 steps: ~2e-5; the defect left 9e-3 to 4.6e-2
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(i)
+    return torch.randn(4, 8, generator=gen) * 4, torch.randint(0, 4, (4,), generator=gen)
+
+
+def _halve(params: Any) -> None:
+    for p in params:
+        p.grad.mul_(0.5)
+
+
+def _replace(params: Any) -> None:
+    for p in params:
+        p.grad = p.grad * 0.5
+
+
+def _halve_data(params: Any) -> None:
+    for p in params:
+        p.grad.data.mul_(0.5)
+
+
+def _noise(params: Any) -> None:
+    gen = torch.Generator().manual_seed(100)
+    for p in params:
+        p.grad.add_((torch.randn(p.shape, generator=gen) * 1e-3).to(p.grad.dtype))
+
+
+def _user_clip(params: Any) -> None:
+    torch.nn.utils.clip_grad_value_(list(params), 0.02)
+
+
+WRITES: dict[str, Callable[[Any], None]] = {
+    "mul_": _halve, "replace": _replace, "noise": _noise, "clip_grad_value_": _user_clip, "data": _halve_data,
+}  # fmt: skip
+
+
+def _fabric_run(precision: str | None, write: str, clip: str) -> tuple[torch.Tensor, list[float]]:
+    """3 steps of ``fabric.clip_gradients`` (by norm or by value), a write to the model's ``p.grad``, the step."""
+    if precision is None:
+        fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
+    else:
+        plugin = FabricMixedPrecisionPlugin(precision, half_dtype="float16", init_scale=2.0**8)
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = _net()
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    norms = []
+    for i in range(3):
+        x, y = _batch(i)
+        fabric.backward(F.cross_entropy(model(x).float(), y))
+        if clip == "norm":
+            norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=0.5)))
+        else:
+            fabric.clip_gradients(model, optimizer, clip_val=0.05)
+        WRITES[write](model.parameters())
+        optimizer.step()
+        optimizer.zero_grad()
+    amp = getattr(fabric._precision, "amp", None)
+    values = amp.fp32_state_dict(net) if amp is not None and amp.opt_level == "O2" else net.state_dict()
+    return torch.cat([v.float().flatten() for v in values.values()]), norms
+
+
+@pytest.mark.parametrize(
+    ("write", "clip"), [("mul_", "norm"), ("replace", "norm"), ("noise", "norm"), ("clip_grad_value_", "norm"),
+                        ("mul_", "value")],
+)  # fmt: skip
+def test_fabric_o2_a_write_to_the_model_gradients_after_clip_gradients_trains_as_fp32(write: str, clip: str) -> None:
+    """O2 float16: ``fabric.clip_gradients`` then a write to the model's gradients: the write is on the clipped values,
+    as under FP32 and ``"bf16-mixed"`` (it was on the unclipped ones: the clip lost, 2.3e-2 off); the returned norm is
+    the norm before clipping, as FP32's."""
+    got, got_norms = _fabric_run("O2", write, clip)
+    want, want_norms = _fabric_run(None, write, clip)
+    torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+    torch.testing.assert_close(got_norms, want_norms, rtol=2e-3, atol=0)
+
+
+def test_fabric_o2_clip_gradients_shows_the_clipped_values_on_the_model() -> None:
+    """What a user's code after ``fabric.clip_gradients`` reads on the model: the clipped gradients (their half
+    rounding), by norm (any norm type Fabric takes) and by value, and the norm returned is torch's over the masters."""
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricMixedPrecisionPlugin("O2", half_dtype="bfloat16")])
+    net = _net()
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    masters = fabric._precision.master_params(optimizer)
+    for norm_type in (2.0, float("inf"), 1.0):
+        x, y = _batch(0)
+        fabric.backward(F.cross_entropy(model(x).float(), y))
+        fabric._precision.unscale_gradients(optimizer)
+        want = torch.nn.utils.get_total_norm([m.grad for m in masters], norm_type)
+        norm = fabric.clip_gradients(model, optimizer, max_norm=0.1, norm_type=norm_type)
+        assert torch.equal(norm, want)
+        for p, m in zip(net.parameters(), masters):
+            assert torch.equal(p.grad, m.grad.to(p.dtype))
+        optimizer.zero_grad()
+    x, y = _batch(1)
+    fabric.backward(F.cross_entropy(model(x).float(), y))
+    assert fabric.clip_gradients(model, optimizer, clip_val=1e-3) is None
+    for p, m in zip(net.parameters(), masters):
+        assert m.grad.abs().max() <= 1e-3
+        assert torch.equal(p.grad, m.grad.to(p.dtype))
+
+
+# -- found and left: strict xfails --------------------------------------------------------------------------------
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="O2: a write through p.grad.data after the clip (Fabric's or the Trainer's, which show the clipped values "
+    "on the model) moves no version counter: the step takes the masters' FP32 gradients, the write lost (9.2e-3 off "
+    "FP32 in 3 steps). Telling it would read the gradients at every clipped step; write p.grad itself",
+)
+def test_fabric_o2_a_write_through_grad_data_after_the_clip_trains_as_fp32() -> None:
+    got, _ = _fabric_run("O2", "data", "norm")
+    torch.testing.assert_close(got, _fabric_run(None, "data", "norm")[0], rtol=0, atol=ATOL)
