@@ -32,6 +32,7 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from lightning_mpx import FabricMixedPrecisionPlugin, MixedPrecisionPlugin
+from tests.launch import case_results
 
 ATOL = 2e-4  # O2 float16 against FP32 over 3 steps: ~2e-5; the defect left 9e-3 to 4.6e-2
 
@@ -140,6 +141,40 @@ def test_fabric_o2_clip_gradients_shows_the_clipped_values_on_the_model() -> Non
         assert torch.equal(p.grad, m.grad.to(p.dtype))
 
 
+def _fabric_shared(precision: str | None, clip: str) -> torch.Tensor:
+    """The whole model's optimizer and the head's own (one master at O2): the whole one clipped, the head's gradients
+    halved in place, both steps."""
+    plugins = [FabricMixedPrecisionPlugin("O2", half_dtype="float16", init_scale=2.0**8)] if precision else []
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=plugins)
+    net = _net()
+    whole, head = torch.optim.SGD(net.parameters(), lr=0.05), torch.optim.SGD(net[2].parameters(), lr=0.3)
+    model, whole, head = fabric.setup(net, whole, head)
+    for i in range(3):
+        x, y = _batch(i)
+        fabric.backward(F.cross_entropy(model(x).float(), y))
+        if clip == "norm":
+            fabric.clip_gradients(model, whole, max_norm=0.5)
+        else:
+            fabric.clip_gradients(model, whole, clip_val=0.05)
+        _halve(net[2].parameters())
+        whole.step()
+        head.step()
+        whole.zero_grad()
+        head.zero_grad()
+    amp = getattr(fabric._precision, "amp", None)
+    values = amp.fp32_state_dict(net) if amp is not None else net.state_dict()
+    return torch.cat([v.float().flatten() for v in values.values()])
+
+
+@pytest.mark.parametrize("clip", ["norm", "value"])
+def test_fabric_o2_a_write_after_the_clip_of_one_of_two_optimizers_sharing_the_head(clip: str) -> None:
+    """O2: the head in two optimizers, ``fabric.clip_gradients(model, whole, ...)``, the head's gradients halved, both
+    steps: as FP32. The clip's values were not shown on the shared head (taken as shown already by the unscale:
+    ``SharedGrads.showing`` did not see the clip of the FP32 gradient), so the write was on the unclipped ones: 8e-2
+    to 9e-2 off (also before the fix above)."""
+    torch.testing.assert_close(_fabric_shared("O2", clip), _fabric_shared(None, clip), rtol=0, atol=ATOL)
+
+
 # -- the Trainer: writes after its clip (held) ---------------------------------------------------------------------
 class _Writer(pl.LightningModule):
     """A write to the model's gradients after the Trainer's clip: ``"manual"`` (``self.clip_gradients`` then the write,
@@ -215,3 +250,23 @@ def test_o2_a_write_through_grad_data_after_the_clip_trains_as_fp32(door: str) -
     else:
         got, want = _trainer_run("O2", "manual", "data"), _trainer_run(None, "manual", "data")
     torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+
+
+# -- DDP (tests/attack69a_script.py, one launch) ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return case_results("attack69a_script.py", tmp_path_factory.mktemp("attack69a"), timeout=150)
+
+
+@pytest.mark.parametrize("kind", ["clip_write", "shared_clip_write"])
+def test_ddp_fabric_o2_a_write_after_clip_gradients_with_an_overflow_on_one_rank(
+    ranks: list[dict[str, Any]], kind: str
+) -> None:
+    """Fabric's DDP, O2 float16: ``fabric.clip_gradients`` then a write to the model's gradients (halved in place;
+    with a head in two optimizers, the whole one clipped by value, the head's gradients halved: 9e-2 off before),
+    rank 1's loss overflowing at step 1: both ranks skip it, never part, and end equal, as FP32 skipping that step."""
+    finals = [torch.tensor(r[f"{kind}/O2"]["final"]) for r in ranks]
+    assert torch.equal(finals[0], finals[1]), (finals[0] - finals[1]).abs().max()
+    want = torch.tensor(ranks[0][f"{kind}/32-true"]["final"])
+    torch.testing.assert_close(finals[0], want, rtol=0, atol=ATOL)
+    assert all(r["after"] == {"sum": 2.0} for r in ranks)
