@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from lightning.fabric import Fabric
 from torch import nn
 
-from lightning_mpx import FabricMixedPrecisionPlugin, MixedPrecisionPlugin
+from lightning_mpx import Amp, FabricMixedPrecisionPlugin, MixedPrecisionPlugin
 from tests.launch import case_results
 
 ATOL = 2e-4  # O2 float16 against FP32 over 3 steps: ~2e-5; the defect left 9e-3 to 4.6e-2
@@ -270,3 +270,45 @@ def test_ddp_fabric_o2_a_write_after_clip_gradients_with_an_overflow_on_one_rank
     want = torch.tensor(ranks[0][f"{kind}/32-true"]["final"])
     torch.testing.assert_close(finals[0], want, rtol=0, atol=ATOL)
     assert all(r["after"] == {"sum": 2.0} for r in ranks)
+
+
+def _core_unscale_clip_write(level: str | None) -> torch.Tensor:
+    """The core loop: ``amp.unscale_``, ``amp.clip_grad_value_``, the model's gradients halved, the step."""
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    amp = None
+    if level is not None:
+        amp = Amp(opt_level=level, half_dtype="float16", init_scale=2.0**8)
+        net, opt = amp.prepare_model(net), amp.prepare_optimizer(opt)
+    for i in range(3):
+        x, y = _batch(i)
+        if amp is None:
+            F.cross_entropy(net(x), y).backward()
+            torch.nn.utils.clip_grad_value_(net.parameters(), 0.05)
+        else:
+            with amp.forward_context():
+                loss = F.cross_entropy(net(amp.cast_inputs(x)).float(), y)
+            amp.backward(loss)
+            amp.unscale_(opt)
+            amp.clip_grad_value_(opt, 0.05)
+        _halve(net.parameters())
+        amp.step(opt) if amp is not None else opt.step()
+        if amp is not None:
+            amp.update()
+        opt.zero_grad()
+    values = amp.fp32_state_dict(net) if amp is not None else net.state_dict()
+    return torch.cat([v.float().flatten() for v in values.values()])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="engine/clipping.py: at O2 amp.unscale_ (which shows the true values on the model's half gradients) then "
+    "the engine's clip_grad_norm_/clip_grad_value_ clips the masters' gradients only; the model's still show the "
+    "unclipped values (state.shown stays True), so a write to them before the step is taken as true and the clip "
+    "is lost (1.3e-2 off FP32 in 3 steps, silently; the stop-68 refusal needs shown False). Showing again after such "
+    "a clip costs the Trainer's hook-and-clip path a second copy unless its own show is skipped",
+)
+def test_core_o2_unscale_then_the_engines_clip_then_a_write_trains_as_fp32() -> None:
+    got = _core_unscale_clip_write("O2")
+    torch.testing.assert_close(got, _core_unscale_clip_write(None), rtol=0, atol=ATOL)
