@@ -529,7 +529,7 @@ def _refuse_scaled_write(state: _OptimizerState) -> None:
         "unclipped values the write was made on, and the step would apply it times the loss scale "
         f"({state.loss_id or 0!r} is the loss). Write the gradients the step uses instead, the masters' "
         "(amp.master_params(optimizer): p.grad of each), or call unscale_(optimizer) before the clip and the write "
-        "(it puts the true values in the model's gradients, as torch.amp.GradScaler.unscale_ does; then clip with "
-        "torch.nn.utils.clip_grad_norm_ or the engine's clip). Clearing them (zero_grad) is fine."
+        "(it puts the true values in the model's gradients, as torch.amp.GradScaler.unscale_ does; then clip them with "
+        "torch.nn.utils.clip_grad_norm_(model.parameters(), ...): the engine's clip after unscale_ clips the masters' "
+        "gradients only). Clearing them (zero_grad) is fine."
     )
-
