@@ -216,45 +216,25 @@ def _held_raw_after_load(level: str, half: str) -> None:
         opt.zero_grad()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pytest.fail.Exception,
-    reason="engine/optimizers.py forget_writes(loaded=True): a model.load_state_dict between two backwards forgets "
-    "the backward's version note of the registered optimizers' parameters, so a raw step over them after the load "
-    "(scaled gradients, at O2 no master update) is let through at the next backward; a cheap signal exists (the "
-    "load's one copy_ per parameter: note the versions at its pre-hook plus one, as loaded_since_step now does for "
-    "parameters no optimizer holds)",
-)
 @pytest.mark.filterwarnings("ignore:lightning_mpx")
 def test_a_raw_step_over_held_parameters_after_a_load_is_refused() -> None:
     with pytest.raises(RuntimeError, match="were written and their gradients cleared"):
         _held_raw_after_load("O2", "bfloat16")
 
 
-# -- found and left: strict xfails ------------------------------------------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="engine/shared_grads.py: a shared parameter's gradient replaced after one optimizer's unscale_ "
-    "(p.grad = p.grad.clone(), true values) is a tensor SharedGrads never noted (told by identity): the other "
-    "optimizer's unscale divides it by the scale again (float16, O1 and O2: 0.2-0.3 off FP32; also before stop 68)",
-)
+# -- a shared parameter's gradient replaced after an unscale (fixed by xfails69) --------------------------------------
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_shared_gradient_replaced_after_an_unscale_is_not_divided_again(level: str) -> None:
+    """``p.grad = p.grad.clone()`` after one optimizer's ``unscale_`` (true values): the other optimizer's unscale
+    divided the new tensor by the scale again (float16, 0.2-0.3 off FP32); now taken as true values."""
     sequence = ("unscale whole", "clone x", "step whole", "step head")
     got, _ = _shared(sequence, "float16", level=level)
     torch.testing.assert_close(got, _shared(sequence, None)[0], rtol=0, atol=2e-3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="engine/shared_grads.py: at O2 a shared master's FP32 gradient replaced by the user after an unscale "
-    "(m.grad = m.grad * 0.5 over amp.master_params) is lost for the other optimizer: its unscale (or, stepped after "
-    "the first's step, SharedGrads.restore) takes the gradient the first unscale made (0.12 off FP32; also before "
-    "stop 68, when it was made again from the half one); an in-place write (m.grad.mul_) is kept",
-)
 def test_o2_shared_master_gradient_replaced_by_the_user_reaches_both_steps() -> None:
+    """``m.grad = m.grad * 0.5`` over ``amp.master_params`` after an unscale: the other optimizer stepped the FP32
+    gradient the first unscale made (0.12 off FP32); now the user's tensor."""
     sequence = ("unscale whole", "halve whole", "step whole", "step head")
     got, _ = _shared(sequence, "bfloat16")
     torch.testing.assert_close(got, _shared(sequence, None)[0], rtol=0, atol=2e-3)

@@ -65,15 +65,19 @@ def held_written(machine: Any) -> bool:
     """Whether parameters of the registered optimizers were written since the backward that noted their versions,
     with no engine step between (``_OptimizerState.backward_versions``): a whole-model write before the step (a
     weight decay or a clamp written by hand over every parameter), no raw step over the unheld ones alone. The weights
-    an ``nn.Embedding(max_norm=...)`` renormalises at each forward (``machine.renormed``) are left out. Asked only
-    where :func:`written_before_step` found a write."""
+    an ``nn.Embedding(max_norm=...)`` renormalises at each forward (``machine.renormed``) and a load's one write of each
+    parameter it loaded are left out. Asked only where :func:`written_before_step` found a write."""
     renormed = machine.renormed
     for state in machine.optimizers.values():
         noted, optimizer = state.backward_versions, state.optimizer_ref()
         if noted is None or optimizer is None or state.noted_at != machine.steps_taken:
             continue
         params = list(itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)))
-        if len(params) == len(noted) and any(p._version != v for p, v in zip(params, noted) if id(p) not in renormed):
+        if len(params) == len(noted) and any(
+            p._version != v and not machine.loaded_since_step(p, written=True)  # a load's write: no hand write
+            for p, v in zip(params, noted)
+            if id(p) not in renormed
+        ):
             return True
     return False
 

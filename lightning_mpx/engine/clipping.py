@@ -112,6 +112,8 @@ def show_unscaled(machine: StepMachine, optimizer: torch.optim.Optimizer, *, fre
         shared.shown([(param.grad, master.grad) for param, master in pairs if master is not param
                       and id(param) in shared.ids and param.grad is not None and master.grad is not None],
                      before, state)  # fmt: skip
+        shared.note_params(param for param, master in pairs if master is not param and id(param) in shared.ids
+                           and param.grad is not None and master.grad is not None)  # fmt: skip
     state.shown, state.clips = True, ()  # the half gradients hold the true values now, clipped so far
     # the copies are ours, not the user's writes
     state.unscaled_marks = grad_marks(state, master_weights, optimizer, paired=True)

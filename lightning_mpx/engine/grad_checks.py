@@ -96,6 +96,8 @@ def unscale(
         auto_plain = plain and backend == "auto"  # torch's kernels, in place (see auto_backend)
         copy = bool(master_weights) and (auto_plain or _unfused(backend, state.pair_masters[:1], plain))
         if master_weights:
+            if shared is not None and shared.masters:  # a shared master's FP32 gradient the user replaced since
+                shared.follow(state.pairs)
             sources, targets = grad_pairs(state, optimizer, master_weights, refuse_sparse, copy=copy)
         else:  # own_grads, written out (a call saved per step): C-level maps, no Python per parameter
             params = itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups))
@@ -203,6 +205,17 @@ def _unscale_shared(
             if not in_place[i] and (true := shared.true_of(source)) is not None:
                 target.copy_(true)  # its values, not the half gradient divided again
                 done.append(i)
+    owner = {
+        id(p.grad): p for p in itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)) if p.grad is not None
+    }
+    if shared.params:  # a gradient another unscale showed the true values in, replaced by the user since: true values
+        taken = set(done)
+        for i, source in enumerate(sources):
+            if i not in taken and shared.replaced(param := owner.get(id(source))):
+                if not in_place[i]:
+                    targets[i].copy_(source)  # type: ignore[index]
+                    shared.took(param, state)  # type: ignore[arg-type]
+                done.append(i)
     fresh = sorted(set(range(len(sources))) - set(done))
     work = targets if copy else sources  # unscaled in place (the masters' copies with `copy`), into `out` otherwise
     out = None if copy or targets is None else targets
@@ -230,6 +243,9 @@ def _unscale_shared(
         ones = torch.ones((), dtype=torch.float32, device=factor.device)
         norm = unscale_real_grads_(checked, ones, found, max_norm=max_norm, backend=backend)
     shared.note(list(itertools.compress(sources, in_place)))
+    shared.note_params(
+        owner[id(s)] for s in itertools.compress(sources, in_place) if id(s) in owner and id(owner[id(s)]) in shared.ids
+    )
     if targets is not None and not all(in_place):
         shared.note_masters(sources, targets)
     if state.found_inf is None:

@@ -231,7 +231,8 @@ class StepMachine(UnscalePath):
         """Make every optimizer's gradients carry ``loss_id``'s scale before its backward (see
         :meth:`Amp.scale_loss <lightning_mpx.engine.amp.Amp.scale_loss>`); ``scaled``: the scaled loss, whose
         backward notes the parameters no registered optimizer holds (engine.raw_steps), if any."""
-        self.shared.done = self.shared.done and {}  # SharedGrads.backward, written out (no Python call per step)
+        if self.shared.done:  # SharedGrads.backward, written out (no Python call per step)
+            self.shared.done, self.shared.params = {}, {}
         if self.shared.masters:  # with the versions of the FP32 gradients shown (SharedGrads.truths)
             self.shared.masters, self.shared.truths = {}, {}
         if self.ddp_watch is not None:  # the DDP wrappers were met in the forwards before it (engine.unsynced)
@@ -327,10 +328,14 @@ class StepMachine(UnscalePath):
     def forget_writes(self, *, loaded: bool = False) -> None:
         """Forget the parameter versions noted at the backwards (engine.raw_steps): a stage change of the engine (a
         load, a model prepared, masters refreshed with ``force``, another engine taking over) writes parameters, which
-        is no raw step. ``loaded``: a model's load, which notes what it wrote: engine.beside_steps' notes stay."""
+        is no raw step. ``loaded``: a model's load, which notes what it wrote (:meth:`note_loaded`): the backwards'
+        notes stay, the load's one write of each parameter left out where they are compared (:func:`_unloaded`), so a
+        raw step after it is still told; engine.beside_steps' notes stay too."""
         self.written_at = self.steps_taken  # no hand update for HeldWrites to judge at the next step
         for state in self.optimizers.values():
-            state.backward_versions, state.kept_writes = None, []  # a kept write: the user's (engine.kept_writes)
+            if not loaded:
+                state.backward_versions = None
+            state.kept_writes = []  # a kept write: the user's (engine.kept_writes)
         if self.unheld is not None:
             self.unheld.forget(loaded=loaded)
         if self.frozen_writes is not None:
@@ -523,6 +528,8 @@ def _look_for_raw_step(machine: StepMachine, state: _OptimizerState, watch: bool
     groups = optimizer.param_groups if optimizer is not None else ()
     with torch._C.DisableTorchFunction():
         versions = tuple(map(_VERSION, itertools.chain.from_iterable(map(_PARAMS, groups))))
+    if look and noted is not None and versions != noted and state.noted_at == machine.steps_taken and machine.loaded:
+        noted = state.backward_versions = _unloaded(machine, groups, versions, noted)  # a load's write: no raw step
     if look and noted is not None and versions != noted and state.noted_at == machine.steps_taken:
         harmful = bool(machine.masters.weights) or not machine.scalers[state.loss_id or 0]._unit
         refused = refuse_raw_step(
@@ -538,3 +545,18 @@ def _look_for_raw_step(machine: StepMachine, state: _OptimizerState, watch: bool
             machine.refused = refused  # engine.unsynced: raised at the next step, on every rank
     state.backward_versions = versions if watch else None
     state.noted_at = machine.steps_taken
+
+
+def _unloaded(
+    machine: StepMachine, groups: Sequence[dict[str, Any]], versions: tuple[int, ...], noted: tuple[int, ...]
+) -> tuple[int, ...]:
+    """``noted`` (the versions at the last backward) with each parameter that a ``load_state_dict`` since the last
+    step wrote, and nothing after it, taken as noted now: the load's one ``copy_`` is no raw step, a write after it
+    (a raw optimizer stepped over the loaded weights) is still told. Asked only where versions changed."""
+    params = list(itertools.chain.from_iterable(map(_PARAMS, groups)))
+    if len(params) != len(noted):
+        return noted
+    return tuple(
+        now if now != then and machine.loaded_since_step(p, written=True) else then
+        for p, now, then in zip(params, versions, noted)
+    )

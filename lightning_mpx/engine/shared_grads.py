@@ -9,9 +9,10 @@ twice where FP32 steps it with its gradient (``torch.amp.GradScaler`` does the s
 known (a registration or a release, and an unscale that finds an optimizer's parameter count changed: an
 ``add_param_group``), and only when there is one does an unscale pay for it: the gradients an unscale divided in place
 are noted (the tensor and its version after the divide); a later unscale of another optimizer
-finds them so (the same tensor, no backward since: a clip's or the user's write keeps true values) and checks them for
-inf/NaN, clips them with its own and measures them, without dividing them again. Every optimizer holding an
-overflowed shared gradient finds the overflow in its own check, so each one's stage skips its step. A backward since
+finds them so (the same tensor, no backward since: a clip's or the user's write keeps true values; so does a tensor the
+user put in place of one since, ``p.grad = p.grad.clone()``, told by its parameter: :meth:`SharedGrads.replaced`) and
+checks them for inf/NaN, clips them with its own and measures them, without dividing them again. Every optimizer holding
+an overflowed shared gradient finds the overflow in its own check, so each one's stage skips its step. A backward since
 voids the notes (:meth:`SharedGrads.backward`); :meth:`SharedGrads.clear` drops the
 references at the end of the iteration. The other way, the true values that steps leave (a loop that does not zero
 them) or that a batch unscaled without stepping leaves are brought back up to the next backward's scale once too
@@ -23,14 +24,15 @@ optimizer's unscale divided them again, and the first optimizer's step freed the
 unscaled before it was to step with. The FP32 gradient an unscale made for a shared master is noted with the half
 gradient it came from (:meth:`SharedGrads.note_masters`): a later unscale takes its values while the half gradient is
 as it was (:meth:`SharedGrads.true_of`), and a step gives it back to the master that a step freed
-(:meth:`SharedGrads.restore`).
+(:meth:`SharedGrads.restore`). An FP32 gradient the user put in place of the noted one (``m.grad = m.grad * 0.5`` over
+``amp.master_params``) is noted in its place before the next unscale or step (:meth:`SharedGrads.follow`).
 """
 
 from __future__ import annotations
 
 import itertools
 import operator
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -71,6 +73,9 @@ class SharedGrads:
         # at O2, by the FP32 gradient's id: (it, its version) when an unscale showed it on the half one (showing)
         self.truths: dict[int, tuple[torch.Tensor, int]] = {}
         self.rescaled: dict[int, tuple[torch.Tensor, int]] = {}
+        # by the parameter's id: the shared parameters whose gradient an unscale left holding true values (divided in
+        # place, or at O2 shown), for a tensor the user put in its place since (:meth:`replaced`)
+        self.params: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # (parameter, its gradient then)
 
     def refresh(self) -> None:
         """Find the overlap again (a registration, a release, a parameter count changed). A parameter newly shared
@@ -92,7 +97,7 @@ class SharedGrads:
         new = shared - self.ids
         self.ids = frozenset(shared)
         if not shared:
-            self.done, self.masters, self.truths, self.rescaled = {}, {}, {}, {}
+            self.done, self.masters, self.truths, self.rescaled, self.params = {}, {}, {}, {}, {}
         elif new:  # at O2, before this unscale makes their gradients again: the notes an unscale made while shared kept
             self.masters = {**made_before(held, new, self.scalers), **self.masters}
         for state, params in held if new else ():
@@ -114,6 +119,8 @@ class SharedGrads:
             self.done = {}
         if self.masters:
             self.masters, self.truths = {}, {}
+        if self.params:
+            self.params = {}
 
     def note(self, grads: list[torch.Tensor]) -> None:
         """Note ``grads`` as holding true values (an unscale in place just ran over them). The gradients brought up
@@ -132,6 +139,33 @@ class SharedGrads:
             (id(half), (half, half._version, true)) for half, true in zip(sources, targets) if true is not half
         )
         self.raised, self.rescaled = {}, {}
+
+    def note_params(self, params: Iterable[torch.Tensor]) -> None:
+        """Note the shared ``params`` as holding true values in their gradients (an unscale just divided them in place,
+        or at O2 showed the true values in the half ones): whatever tensor the user puts in their place before the next
+        backward holds true values too (:meth:`replaced`)."""
+        self.params.update((id(param), (param, param.grad)) for param in params)
+
+    def replaced(self, param: torch.Tensor | None) -> bool:
+        """Whether ``param``'s gradient holds true values by an unscale since the last backward though no note holds
+        the tensor: the user put another in its place since (``p.grad = p.grad.clone()``, torch's own clip returning
+        new tensors), after the unscale showed them the true values. Not divided again (as a write in place is not)."""
+        noted = None if param is None else self.params.get(id(param))
+        return noted is not None and noted[0] is param
+
+    def took(self, param: torch.Tensor, state: _OptimizerState) -> None:
+        """At O2, ``state``'s unscale took the tensor the user put in place of ``param``'s half gradient
+        (:meth:`replaced`) into the shared master's FP32 gradient: another optimizer unscaled before, whose marks hold
+        the half gradient its unscale read, is told that the new tensor is taken already (its step then steps the
+        master's gradient, with this optimizer's clip, rather than taking the tensor again over it)."""
+        noted, grad = self.params.get(id(param)), param.grad
+        if noted is None or noted[1] is None or grad is None or noted[1] is grad:
+            return
+        old, new = id(noted[1]), (id(grad), grad._version)
+        for other in list(self.optimizers.values()):
+            marks = other.unscaled_marks
+            if other is not state and other.stage is _Stage.UNSCALED and marks:
+                other.unscaled_marks = tuple(new if m is not None and m[0] == old else m for m in marks)
 
     def true_of(self, half: torch.Tensor) -> torch.Tensor | None:
         """At O2, for a shared master's half gradient ``half`` about to be unscaled: the true values to take instead
@@ -182,13 +216,31 @@ class SharedGrads:
 
     def restore(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Before the step of an optimizer unscaled earlier (``(parameter, master)`` pairs): give a shared master
-        whose FP32 gradient another optimizer's step freed since the gradient noted for its half one."""
+        whose FP32 gradient another optimizer's step freed since the gradient noted for its half one; one the user
+        replaced since (``m.grad = m.grad * 0.5`` over ``amp.master_params``) is noted instead (:meth:`follow`), for
+        the other optimizer's unscale or step after this step freed it."""
         for param, master in pairs:
             half = param.grad
-            if master is not param and master.grad is None and half is not None:
+            if master is not param and half is not None:
                 noted = self.masters.get(id(half))
                 if noted is not None and noted[0] is half:
-                    master.grad = noted[2]
+                    if master.grad is None:
+                        master.grad = noted[2]
+                    elif master.grad is not noted[2]:
+                        self.masters[id(half)] = (half, noted[1], master.grad)
+
+    def follow(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Before an unscale makes new FP32 gradients for ``pairs`` (``(parameter, master)``, as last paired): a
+        shared master whose FP32 gradient the user replaced since another optimizer's unscale noted it
+        (``m.grad = m.grad * 0.5``) has the user's tensor noted in its place, which this unscale then takes (an
+        in-place write is kept already: the noted tensor is the master's). Engine-made replacements hold the noted
+        values. Asked only where such notes exist (:attr:`masters`)."""
+        for param, master in pairs:
+            half, grad = param.grad, master.grad
+            if master is not param and half is not None and grad is not None:
+                noted = self.masters.get(id(half))
+                if noted is not None and noted[0] is half and noted[2] is not grad:
+                    self.masters[id(half)] = (half, noted[1], grad)
 
     def settled(self) -> None:
         """After a step: the FP32 gradients noted (:attr:`masters`) are let go once no registered optimizer is left to
@@ -220,7 +272,7 @@ class SharedGrads:
 
     def clear(self) -> None:
         """Drop the notes (the end of an iteration: the gradients are not held alive past it)."""
-        self.done, self.masters, self.truths, self.rescaled = {}, {}, {}, {}
+        self.done, self.masters, self.truths, self.rescaled, self.params = {}, {}, {}, {}, {}
 
 
 def _true_now(state: _OptimizerState, grad: torch.Tensor) -> bool:

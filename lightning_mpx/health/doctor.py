@@ -87,7 +87,6 @@ class NoMixedPrecisionTagsError(ValueError):
     """The run folder holds TensorBoard events but none of the ``mpx/*`` scalars the doctor reads."""
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Diagnosis:
     """What :func:`diagnose` found in one run.
@@ -250,9 +249,10 @@ def _persistent_overflow(
     last = overflows[-1][0]
     bad = _trailing(loss, lambda i: not math.isfinite(loss[i][1])) if loss is not None else None
     forward = loss is not None and bad is not None and loss[bad][0] <= last
-    if last - since + 1 < PERSISTENT_MIN_STEPS and not forward:
-        return None  # a short burst, or a scale backing off from a high start (whose loss is finite)
     count = sum(value for _, value in overflows[streak:])
+    # One overflowing step with a non-finite loss is one bad batch (skipped: a burst), not a forward that stays broken.
+    if last - since + 1 < PERSISTENT_MIN_STEPS and not (forward and count >= 2):
+        return None  # a short burst, or a scale backing off from a high start (whose loss is finite)
     evidence = [
         f"{count:g} of the {last - since + 1} steps {since}-{last} overflowed (mpx/overflows{suffix}): "
         "the steps were skipped"
@@ -315,8 +315,10 @@ def _persistent_overflow(
     if culprits:
         if not watched:  # a watched module's tag starts with the watch (at the floor), not with the overflows
             since = min(first for first, _, _ in culprits)
-        where = f"module {modules[0]}" if len(modules) == 1 else f"modules {', '.join(modules[:4])}" + (
-            f" and {len(modules) - 4} more" if len(modules) > 4 else ""
+        where = (
+            f"module {modules[0]}"
+            if len(modules) == 1
+            else f"modules {', '.join(modules[:4])}" + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
         )
         summary = f"persistent overflow in {where} since step {since}"
         pin = ", ".join(f'"{m}"' for m in modules[:4])
@@ -333,12 +335,18 @@ def _persistent_overflow(
         summary = f"persistent overflow since step {since}: {state} and most steps are skipped"
         fix = (
             "find the module: the overflow warnings and amp.last_overflow name the parameters with non-finite "
-            "gradients; keep it in FP32 (fp32_modules=[...]) or on_floor=\"promote\", or train in bfloat16"
+            'gradients; keep it in FP32 (fp32_modules=[...]) or on_floor="promote", or train in bfloat16'
         )
     if forward:
         fix += "; check the data for inf/NaN too"
     else:
         fix += "; a learning rate that is too high or exploding gradients look the same: lower it or clip"
+    if flat == 0 and final == 1.0:  # bfloat16's static scale: FP32 and bfloat16 would not help there
+        fix = (
+            "a scale of 1 at every logged step is a bfloat16 run's (or a static float16 scale of 1): in bfloat16, FP32 "
+            "has the same range and overflows too (fp32_modules does not help): lower the learning rate or clip, and "
+            f"check the data and the weights for inf/NaN; in float16: {fix}"
+        )
     return Finding(
         "persistent_overflow", True, summary + (f" (loss scale{suffix})" if suffix else ""), tuple(evidence), fix,
         modules, since, suffix,
@@ -391,7 +399,6 @@ def _promoted(mpx: dict[str, Series], module_overflows: dict[str, Series]) -> li
             tuple(evidence), None, names, found[0][0],
         )
     ]  # fmt: skip
-
 
 
 def to_json(diagnosis: Diagnosis) -> str:

@@ -16,15 +16,16 @@ from lightning_mpx.health.findings import Finding, Series, _trailing
 
 def non_finite_loss(loss: Series | None, min_steps: int) -> Finding | None:
     """A problem where the logged ``loss`` (``[(step, value)]``) is non-finite at its last points, over at least
-    ``min_steps`` steps or at every logged point; ``None`` otherwise (no loss logged, or a finite one at the end)."""
+    ``min_steps`` steps or at every logged point (two or more); ``None`` otherwise (no loss logged, a finite one at the
+    end, or a run's one logged point: one batch, whose NaN may be an empty batch's)."""
     if not loss:
         return None
     bad = _trailing(loss, lambda i: not math.isfinite(loss[i][1]))
     if bad is None:
         return None
     since, last = loss[bad][0], loss[-1][0]
-    if bad > 0 and last - since + 1 < min_steps:
-        return None  # one or two non-finite points at the very end: too few to tell a broken run
+    if (bad > 0 or len(loss) == 1) and last - since + 1 < min_steps:
+        return None  # one or two non-finite points at the very end (or the run's one point): one bad batch
     values = sorted({repr(value) for _, value in loss[bad:]})
     return Finding(
         "non_finite_loss",

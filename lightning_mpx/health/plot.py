@@ -13,7 +13,10 @@ from lightning_mpx.health.events import read_run, unprefixed
 
 SCALE_TAG = "mpx/loss_scale"
 OVERFLOW_TAG = "mpx/overflows"
-LOSS_TAGS = ("train/loss", "train_loss", "loss")
+#: The logged loss, the first of these a run has: also with the ``_step`` Lightning adds to a value logged with
+#: ``on_epoch=True`` (``self.log("train_loss", loss, on_epoch=True)`` writes ``train_loss_step`` and
+#: ``train_loss_epoch``; the epoch's mean is not read: one bad batch makes it NaN).
+LOSS_TAGS = ("train/loss", "train_loss", "loss", "train/loss_step", "train_loss_step", "loss_step")
 UNDERFLOW_PREFIX = "mpx/underflow/"
 #: Exact zeros per group (lightning_mpx.health.telemetry); runs written before it counted them in mpx/underflow/*.
 ZEROS_PREFIX = "mpx/zeros/"
@@ -192,7 +195,7 @@ def headroom_ratios(series: dict[str, list[tuple[int, float]]]) -> dict[str, lis
     ``mpx/headroom_doublings/<group>``, or ``mpx/headroom/<group>`` as a run written before it logged it."""
     out = _by_prefix(series, HEADROOM_PREFIX)
     for group, points in _by_prefix(series, HEADROOM_DOUBLINGS_PREFIX).items():
-        out[group] = [(step, 2.0 ** -value) for step, value in points]  # -inf (overflow): inf; inf (zeros): 0
+        out[group] = [(step, 2.0**-value) for step, value in points]  # -inf (overflow): inf; inf (zeros): 0
     return out
 
 

@@ -57,6 +57,7 @@ from torch import nn
 from lightning_mpx.casting.policy import enter_fp32, exit_fp32
 from lightning_mpx.common.containers import _cast_collection
 from lightning_mpx.common.dtypes import HALF_DTYPES, set_param_data
+from lightning_mpx.health.floor_promotion import FloorDecision
 from lightning_mpx.health.forensics import OverflowRecord
 from lightning_mpx.masters.state_keys import has_own_key, put_by_param
 
@@ -183,7 +184,7 @@ def _half_reference(model: nn.Module, half: torch.dtype) -> torch.Tensor | None:
     return next((p for p in model.parameters() if p.dtype == half), None)
 
 
-class Promotion:
+class Promotion(FloorDecision):
     """The FP32 modules of one :class:`~lightning_mpx.engine.amp.Amp`: pinned by ``fp32_modules``, or promoted by
     ``on_floor="promote"``. Built by ``Amp``; reach it as ``amp.promotion``.
 
@@ -281,119 +282,7 @@ class Promotion:
             "(e.g. 'lm_head', '*.norm', 'blocks.*.attn')."
         )
 
-    # -- on_floor="promote" -------------------------------------------------------------------------------------
-    def floor_overflow(self, record: OverflowRecord | None) -> str | None:
-        """Decide what an overflow at the loss-scale floor does under ``on_floor="promote"``.
-
-        Returns ``None`` when it is handled (the culprits were promoted, or the evidence is not complete yet: the
-        step is skipped and training goes on), else why no module can be blamed (the caller raises the floor error
-        with it).
-        """
-        amp = self.amp
-        culprits, why = self._culprits(record)
-        if why is not None:
-            self._streak.clear()
-            return why
-        if not culprits:
-            self._streak.clear()
-            return (
-                "on_floor='promote' could not blame a module: no parameter had non-finite gradients on this process "
-                "(the overflow flag came from another process, or the non-finite values were cleared)"
-            )
-        self._streak = (self._streak + [culprits])[-self.patience:]
-        if len(self._streak) < self.patience:
-            if amp.log_overflows:
-                log.info(
-                    "Overflow at the loss-scale floor (%d of %d before on_floor='promote' acts) in %s",
-                    len(self._streak), self.patience, ", ".join(sorted(culprits)),
-                )
-            return None
-        why = self._why_not(self._common(), record)
-        self._streak.clear()  # a decision was made (promoted, or the floor error is raised): the next starts afresh
-        return why
-
-    def _common(self) -> frozenset[str]:
-        """The latest overflow's culprits that every earlier one in the streak blamed too: the same module, or one
-        inside or around it (an unwatched overflow blames the modules that hold the non-finite gradients, say
-        ``block.norm``; the watched one after it names the code in ``block``'s forward)."""
-        *earlier, latest = self._streak
-
-        def related(a: str, b: str) -> bool:
-            return a == b or a.startswith(b + ".") or b.startswith(a + ".")
-
-        return frozenset(c for c in latest if all(any(related(c, m) for m in other) for other in earlier))
-
-    def _culprits(self, record: OverflowRecord | None) -> tuple[frozenset[str], str | None]:
-        """The modules to promote for ``record`` (see the module docstring for code between module calls), or why
-        none can be."""
-        if record is None:
-            return frozenset(), None
-        region = record.region if record.origin == "forward" else None
-        if region is None or region.after is None or not self.amp.properties.casts_model:
-            return frozenset(record.culprits()), None
-        if region.parent is None or any(prefix.rstrip(".") == region.parent for prefix, _ in self._roots):
-            return frozenset(), (
-                f"on_floor='promote' cannot run the code {region.describe()} in FP32 at opt_level="
-                f"{self.amp.opt_level!r}: that code made the non-finite values ({region.kind}), a promoted module's "
-                "output is cast back to half before it runs, and it runs "
-                + ("outside every module" if region.parent is None else "in the root model's forward")
-                + "; compute it in FP32 (cast its inputs with .float())"
-                + (", move it into a submodule's forward, or use half_dtype='bfloat16'"
-                   if self.amp.half_dtype == torch.float16 else " or move it into a submodule's forward")
-            )
-        return frozenset({region.parent}), None  # its forward runs the code: in FP32 once it is promoted
-
-    def _why_not(self, common: frozenset[str], record: OverflowRecord | None) -> str | None:
-        """Promote the modules in ``common``, or say why they cannot be."""
-        amp = self.amp
-        if not common:
-            seen = " / ".join(", ".join(sorted(c)) for c in self._streak)
-            return (
-                f"on_floor='promote' could not blame a module: the last {self.patience} overflows at the floor came "
-                f"from different modules ({seen})"
-            )
-        if record is not None and record.origin != "forward":
-            owners = self._parameter_owners()
-            if owners and common >= owners:
-                return (
-                    f"on_floor='promote' could not blame a module: every module with parameters ({len(owners)}) had "
-                    f"non-finite gradients (origin {record.origin!r}), which points at the forward pass or the data "
-                    "rather than one layer's backward"
-                )
-        if amp.properties.casts_model and amp.found_inf_reducer is not None:
-            return (
-                f"on_floor='promote' cannot convert {', '.join(sorted(common))} to FP32 in place at "
-                f"opt_level={amp.opt_level!r} under a distributed strategy (DDP's gradient buckets are fixed when it "
-                f"wraps the model); pass fp32_modules={sorted(common)!r} when you build the plugin or adapter"
-            )
-        targets, why = self._targets(common)
-        if why is not None:
-            return why
-        self._promote(targets, record, common)
-        return None
-
-    def _targets(self, culprits: Iterable[str]) -> tuple[list[str], str | None]:
-        """The modules to promote for ``culprits``: each one, or for one that runs in FP32 already its nearest
-        ancestor that does not; never a whole model."""
-        targets: list[str] = []
-        for name in sorted(culprits):
-            found = self._root_of(name)
-            if found is None:
-                return [], f"on_floor='promote' could not find module {name!r} in the prepared model(s)"
-            prefix, _ = found
-            relative = name[len(prefix):]
-            while self.runs_fp32(prefix + relative) and relative:
-                relative = relative.rpartition(".")[0]
-            if not relative:
-                return [], (
-                    f"on_floor='promote' would have to run the whole model in FP32 to cure overflows in {name!r}; use "
-                    + ("opt_level='O0' or half_dtype='bfloat16'" if self.amp.half_dtype == torch.float16
-                       else "opt_level='O0'")
-                )
-            if prefix + relative not in targets:
-                targets.append(prefix + relative)
-        return [t for t in targets if not any(t.startswith(o + ".") for o in targets)], None
-
+    # -- on_floor="promote": the decision is FloorDecision's (floor_promotion.py), the conversion here ---------------
     def _promote(self, targets: list[str], record: OverflowRecord | None, culprits: Iterable[str]) -> None:
         amp = self.amp
         for name in targets:

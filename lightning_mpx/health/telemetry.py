@@ -45,7 +45,9 @@ def module_groups(names: Sequence[str], all_names: Iterable[str] | None = None) 
     the lone wrappers when every parameter of the model sits under one (``"model.encoder"`` for a LightningModule
     whose ``self.model`` holds everything, ``"net.base_model.model.transformer.h"`` for a tied GPT-2 wrapped by peft
     in ``self.net``): one group for the whole model would say nothing. A parameter of the root module itself
-    (``"scale"``) is its own group.
+    (``"scale"``) is its own group. The segments ``torch.compile``, FSDP1 and activation checkpointing insert are left
+    out, and so is a ``module`` that holds every parameter (``nn.DataParallel``'s, DDP's): a run with a wrapper and its
+    resume without it log the same tags.
 
     Args:
         names: The parameter names to group.
@@ -60,12 +62,17 @@ def module_groups(names: Sequence[str], all_names: Iterable[str] | None = None) 
             raise TypeError(f"{name}={value!r} must be a list of parameter names, not a string; did you mean "
                             f"{name}=[{value!r}]?")
     every = [_parts(name) for name in (names if all_names is None else all_names)]
+    # nn.DataParallel's (and DDP's) "module" holding every parameter: left out, as the segments _parts leaves out (a run
+    # with the wrapper and its resume without it log the same tags; fp32_modules=["encoder"] matches "module.encoder").
+    lead = int(bool(every) and all(len(parts) > 1 and parts[0] == "module" for parts in every))
+    every = [parts[lead:] for parts in every]
     depth = 1
     # Down a chain of lone wrappers (a peft model in a LightningModule: "net.base_model.model.transformer"), as long
     # as every name shares the first ``depth`` components and the groups one deeper are still modules.
     while len({tuple(parts[:depth]) for parts in every}) == 1 and all(len(p) > depth + (depth > 1) for p in every):
         depth += 1
-    return [".".join(_parts(name)[:depth]) for name in names]
+    cut = [_parts(name) for name in names]
+    return [".".join(parts[lead if parts[:1] == ["module"] else 0 :][:depth]) for parts in cut]
 
 
 _WRAPPER_SEGMENTS = frozenset(("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"))

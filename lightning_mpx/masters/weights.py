@@ -30,11 +30,11 @@ from lightning_mpx.masters.watch import (
     _TENSOR_DATA,  # noqa: F401  (kept import path)
     WatchedParameter,
     _DataWatch,
-    _unwatch_data,
     _watch_data,
     take_fp32_value,
 )
 from lightning_mpx.masters.weights_checkpoint import MasterCheckpoint
+from lightning_mpx.masters.weights_cover import MasterCover
 from lightning_mpx.scaling.unscale import BACKENDS, UnscaleWorkspace, cast_copy_
 
 if TYPE_CHECKING:
@@ -158,7 +158,7 @@ def refuse_unpreparable(module: nn.Module, properties: Properties, call: str) ->
         convert_module(module, properties.half_dtype)  # refuses it with its own message before it casts anything
 
 
-class MasterWeights(MasterCheckpoint):
+class MasterWeights(MasterCover, MasterCheckpoint):
     """FP32 master copies of a model's half parameters, kept coherent with the model.
 
     The optimizer keeps holding the model's own parameters (so ``optimizer.param_groups``, ``add_param_group``,
@@ -195,7 +195,9 @@ class MasterWeights(MasterCheckpoint):
             the model's value). Dropped by :meth:`drop_initial` once the masters that need them are made.
 
     Its checkpoint (the masters, and the FP32 values kept for masters not made yet) is saved and loaded by its base
-    :class:`~lightning_mpx.masters.weights_checkpoint.MasterCheckpoint`.
+    :class:`~lightning_mpx.masters.weights_checkpoint.MasterCheckpoint`; parameters that leave or join it after the
+    masters were made (handed over, released, adopted) go through its base
+    :class:`~lightning_mpx.masters.weights_cover.MasterCover`.
 
     Attributes:
         workspace: The copy kernel's table cache, kept across steps.
@@ -312,25 +314,6 @@ class MasterWeights(MasterCheckpoint):
             self._make_master(entry, param)
         return entry.master if entry.master is not None else param
 
-    def release(self, param: torch.Tensor) -> torch.Tensor | None:
-        """Forget the master of ``param``, which has become FP32 in place (a module promoted to FP32): from now on it
-        is its own master, as an FP32 parameter is. Returns the master it had (``None`` if none)."""
-        entry = self._entry(param)
-        if entry is None:
-            return None
-        master, entry.master = entry.master, None
-        _unwatch_data(param)
-        return master
-
-    def adopt(self, name: str, param: torch.Tensor, fp32: torch.Tensor) -> None:
-        """Cover ``param``, a half parameter set on the model after these masters were made whose values are the
-        rounding of ``fp32`` (an untie's clone of a parameter with a master): its master starts from a copy of
-        ``fp32``, as the same change made before preparing would have trained it."""
-        entry = _Entry(name, param)
-        entry.initial = fp32.detach().clone()
-        self._entries[id(param)] = entry
-        self._make_master(entry, param)
-
     def note_rounded(self, ids: set[int], cause: str = "frozen") -> None:
         """The parameters (by ``id``) frozen when their model was cast to half (``cause="evaluation"``: cast when it
         was prepared for evaluation only), with no FP32 value kept: a master made for one later (unfrozen, or the model
@@ -402,49 +385,6 @@ class MasterWeights(MasterCheckpoint):
         """``param``'s entry of :meth:`fp32_values` (``None`` where it has none). Nothing is changed."""
         entry = self._entry(param)
         return _fp32_of(entry, param) if entry is not None else None
-
-    def hand_over(self, param: torch.Tensor, *, converted: bool = False) -> torch.Tensor | None:
-        """Let ``param`` go to another engine that prepares its model (a second stage's new plugin): returns its
-        FP32 value (its master itself, no copy; or the value it is kept to be made from), writes made to ``param``
-        since the last step taken first. These masters cover it no more, and a step of an optimizer of this engine
-        that still holds it raises (:class:`Mirror` sees the version moved here), so that one engine steps it.
-        ``converted``: ``param`` was made another dtype (which takes the value), not prepared by another engine;
-        the refusals say so (:data:`~lightning_mpx.masters.mirror.CONVERTED_HINT`)."""
-        entry = self._entry(param)
-        if entry is None:
-            return None
-        if entry.master is not None:
-            self.refresh([param])
-        value = _fp32_of(entry, param)
-        del self._entries[id(param)]
-        self.handed[id(param)] = entry.name, entry.param
-        if converted:
-            self.converted.add(id(param))
-        entry.master = entry.initial = None
-        entry.version = _CONVERTED if converted else _HANDED_OVER
-        torch.autograd.graph.increment_version(param)  # this engine's cached step views look at it again
-        return value
-
-    def handed_names(self, params: Iterable[torch.Tensor] | None = None) -> list[str]:
-        """The names of the parameters (among ``params``; all by default) handed over since (:meth:`hand_over`) that
-        still exist."""
-        handed = self.handed
-        for key in [key for key, (_, ref) in handed.items() if ref() is None]:
-            del handed[key]
-            self.converted.discard(key)
-        if params is None:
-            return [name for name, _ in handed.values()]
-        return [handed[id(p)][0] for p in params if id(p) in handed and handed[id(p)][1]() is p]
-
-    def converted_names(self, params: Iterable[torch.Tensor]) -> list[str]:
-        """Those of :meth:`handed_names` (among ``params``) that were made another dtype rather than taken over."""
-        handed = self.handed
-        return [handed[id(p)][0] for p in params if id(p) in self.converted and id(p) in handed
-                and handed[id(p)][1]() is p]  # fmt: skip
-
-    def holds_half(self) -> bool:
-        """Whether a half parameter of the model is still covered (none: every one was handed over, or is gone)."""
-        return any(param.dtype in HALF_DTYPES for _, param in self._live())
 
     def drop_initial(self) -> None:
         """Let go of the FP32 values kept from before the cast for masters not made yet (a trainable parameter no
