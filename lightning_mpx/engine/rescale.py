@@ -544,6 +544,7 @@ def _refuse_scaled_write(state: _OptimizerState) -> None:
         f"({state.loss_id or 0!r} is the loss). Write the gradients the step uses instead, the masters' "
         "(amp.master_params(optimizer): p.grad of each), or call unscale_(optimizer) before the clip and the write "
         "(accelerator.unscale_gradients() with the Accelerate adapter, whose clip after it leaves the clipped values "
-        "there; it puts the true values in the model's gradients, as torch.amp.GradScaler.unscale_ does). Clearing "
-        "them (zero_grad) is fine."
+        "there; it puts the true values in the model's gradients, as torch.amp.GradScaler.unscale_ does; with the "
+        "core Amp, clip them with torch.nn.utils.clip_grad_norm_(model.parameters(), ...) after it, or call "
+        "amp.show_unscaled_on_model(optimizer) after the engine's clip). Clearing them (zero_grad) is fine."
     )
