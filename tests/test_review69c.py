@@ -144,13 +144,21 @@ def _apex_losses(infs: set[tuple[int, int]], named: tuple[str, ...], *, apex: bo
     return scales, [p.detach().float().clone() for p in weights]
 
 
+_COUNTED_TWICE = pytest.mark.xfail(
+    strict=True,
+    reason="review68b's num_losses counting (stop 69: xfails69's fix, cc604ef, reverted by the lead: a head stepped "
+    "an inf with three losses, weights NaN, test below): an overflow of one loss reaching gradients another loss's "
+    "block names backs that other loss off too; the steps are skipped, the weights stay FP32's",
+)
+
+
 @pytest.mark.parametrize(
     ("opt_level", "infs", "named", "order"),
     [
         ("O1", {(2, 0), (2, 1)}, ("trunk", "head"), None),  # both overflow at once, loss 1 into loss 0's inf: each once
         ("O2", {(2, 0), (2, 1)}, ("head", "trunk"), None),
-        ("O1", {(1, 1)}, ("trunk", "trunk", "head"), None),  # three losses, the middle one's
-        ("O2", {(1, 1), (2, 0), (2, 1)}, ("head", "trunk"), (1, 0)),  # loss_id given out of order
+        pytest.param("O1", {(1, 1)}, ("trunk", "trunk", "head"), None, marks=_COUNTED_TWICE),  # three, the middle
+        pytest.param("O2", {(1, 1), (2, 0), (2, 1)}, ("head", "trunk"), (1, 0), marks=_COUNTED_TWICE),  # out of order
     ],
     ids=["O1-both", "O2-both-named-head-first", "O1-three-middle", "O2-out-of-order"],
 )
@@ -174,17 +182,19 @@ def test_apex_an_inf_left_by_a_delay_unscale_block_backs_off_only_its_own_loss()
     assert scales == _apex_losses(infs, named, apex=False)[0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review69c: num_losses=3, O1: loss 0's block (naming the trunk's SGD) overflows into the head's gradients "
-    "(charged), loss 1's block names the head's SGD, loss 2's names both: loss 2's block keeps the head's inf aside "
-    "from its check and no flag is left to skip the head's step: the head steps the inf (its weights NaN, every later "
-    "iteration backs off every loss; stop 68's head skipped it). A skip forced at the step for a held charge fixes "
-    "this case but moved the weights of the three-loss middle case 0.015 off FP32: not understood in time, left.",
-)
 def test_apex_three_losses_an_overflow_charged_to_the_head_skips_its_step_when_a_later_block_names_both():
+    """num_losses=3, O1: loss 0's block (naming the trunk's SGD) overflows into the head's gradients, loss 1's block
+    names the head's SGD, loss 2's names both. With xfails69's counting fix (cc604ef) loss 2's block kept the head's
+    inf aside from its check and the head stepped it: its weights NaN, every later iteration backing off every loss
+    (review69c). Reverted: the head's step is skipped, the weights finite and near FP32's."""
     infs, named = {(1, 0), (2, 2)}, ("trunk", "head", "both")
-    scales, weights = _apex_losses(infs, named, apex=True)
-    want, reference = _apex_losses(infs, named, apex=False)
+    _, weights = _apex_losses(infs, named, apex=True)
+    _, reference = _apex_losses(infs, named, apex=False)
     assert all(w.isfinite().all() for w in weights)
-    assert scales == want
+    assert max((w - r).abs().max().item() for w, r in zip(weights, reference)) < 1e-3
+
+
+@_COUNTED_TWICE
+def test_apex_three_losses_charged_head_backs_off_each_loss_once():
+    infs, named = {(1, 0), (2, 2)}, ("trunk", "head", "both")
+    assert _apex_losses(infs, named, apex=True)[0] == _apex_losses(infs, named, apex=False)[0]

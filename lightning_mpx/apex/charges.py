@@ -42,21 +42,15 @@ def _charge_unnamed(state: AmpState, amp: Amp, own: list[AmpOptimizer], named: l
             state.charged[key] = (loss_id, _held(params))
 
 
-def _recharge(state: AmpState, wrapper: AmpOptimizer, loss_id: int) -> bool:
+def _recharge(state: AmpState, wrapper: AmpOptimizer, loss_id: int) -> None:
     """A block of ``loss_id`` names an optimizer noted by :func:`_charge_unnamed`: its gradients as that block left
     them (not cleared: a GAN's discriminator reached by the generator's block, not zeroed before its own) hold the
     overflow counted already, which this block's check finds again; its step is skipped, and counts for none, as one
-    ``GradScaler`` update of the iteration. Otherwise (cleared, written) forgotten. Returns whether the charge is
-    another loss's (``num_losses=2``: loss 0's inf reached the gradients loss 1's block names): this block's check
-    then finds that loss's overflow, not its own, and counts it for none (the caller takes it as found before the
-    block, as Apex's check of the block's own new gradients would). An overflow of this block's own in those
-    gradients is not told apart from it (they are non-finite already; the step is skipped either way)."""
+    ``GradScaler`` update of the iteration. Otherwise (cleared, written, another loss) forgotten."""
     key = id(wrapper.optimizer)
     charged, marks = state.charged[key]
-    if not _same(marks, _params(wrapper), versions=True):
+    if charged != loss_id or not _same(marks, _params(wrapper), versions=True):
         del state.charged[key]
-        return False
-    return charged != loss_id
 
 
 def _renote(state: AmpState, wrapped: list[AmpOptimizer]) -> None:
@@ -72,8 +66,7 @@ _Held = tuple[tuple[weakref.ref[torch.Tensor], int] | None, ...]  # what _held n
 
 
 def _charged_still(wrapper: AmpOptimizer, marks: _Held | None) -> bool:
-    """Whether ``wrapper``'s gradients are the tensors :func:`_charge_unnamed` noted (``marks``), added to or not (by
-    a later block of another loss too, which brought them to its scale: the charged inf stays).
+    """Whether ``wrapper``'s gradients are the tensors :func:`_charge_unnamed` noted (``marks``), added to or not.
     An optimizer charged in an iteration it did not step in (stepped every other iteration, or only later) whose
     gradients ``model.zero_grad()`` set to ``None`` since holds new gradients at its step: their overflow counts (it
     was hidden). A clear in place (``set_to_none=False`` on the model, not the optimizer) is not told apart."""

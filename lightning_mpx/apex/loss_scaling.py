@@ -264,10 +264,9 @@ def scale_loss(
         # A new iteration began for an optimizer that already stepped: close the last one.
         _update(state)
     state.touched.update(ids)
-    others = []  # charged by another loss's block, gradients kept: its overflow, counted already (charges._recharge)
-    for wrapper in wrapped:  # a loop, not a comprehension: no Python call per block
-        if id(wrapper.optimizer) in state.charged and _recharge(state, wrapper, loss_id):
-            others.append(id(wrapper.optimizer))
+    for wrapper in wrapped:
+        if id(wrapper.optimizer) in state.charged:
+            _recharge(state, wrapper, loss_id)
     # The core scales every unscaled gradient of this engine's optimizers back up for this block's backward, named
     # or not.
     own = [w for w in state.optimizers.values() if w._engine is amp]
@@ -279,8 +278,6 @@ def scale_loss(
         _stash(state, amp, own, unscaled)
         # What was kept aside is not checked again: the block's check sees its own gradients alone.
         overflowed_before = [b and id(w.optimizer) not in state.stash for w, b in zip(wrapped, overflowed_before)]
-    if others:
-        overflowed_before = [b or id(w.optimizer) in others for w, b in zip(wrapped, overflowed_before)]
     # The core brings every optimizer's pending gradients to this loss's scale, checking them. What an optimizer
     # whose step was skipped and is not named here holds is left from that step (DCGAN's netG before netG.zero_grad():
     # inf): Apex never looked at it, so the core does not see it either (else its next step would be skipped for it,
@@ -584,8 +581,8 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> Any:
         else None
     )
     charged, marks = state.charged.pop(key, (None, None))  # a block's gradients whose overflow was counted
-    if charged is not None and core is not None and _charged_still(wrapper, marks):
-        before = (dict(machine.iteration_found), dict(machine.iteration_read))  # all of them: restored after the step
+    if charged is not None and core is not None and core.loss_id == charged and _charged_still(wrapper, marks):
+        before = (machine.iteration_found.get(charged), machine.iteration_read.get(charged))
     else:
         charged = None
     state.stepping = wrapper.optimizer
@@ -597,11 +594,12 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> Any:
         for loss_id in [i for i in machine.iteration_found if i not in counted]:
             del machine.iteration_found[loss_id]
             machine.iteration_read.pop(loss_id, None)
-    if charged is not None:  # the flags as they were before this step (record_found makes new tensors), every loss's
-        machine.iteration_found.clear()  # (one brought to a later loss's scale since the charge holds the inf too)
-        machine.iteration_read.clear()
-        machine.iteration_found.update(before[0])
-        machine.iteration_read.update(before[1])
+    if charged is not None:  # the flags as they were before this step (record_found makes new tensors)
+        if before[0] is None:
+            machine.iteration_found.pop(charged, None)
+            machine.iteration_read.pop(charged, None)
+        else:
+            machine.iteration_found[charged], machine.iteration_read[charged] = before
     # the optimizer's step's value, taken before _update's amp.update() drops it (the engine keeps no user value)
     stepper = wrapper._engine._stepper
     returned, stepper.returned = stepper.returned, None
