@@ -1,0 +1,68 @@
+"""review69a: stop 69's engine fixes attacked as a hostile user (a load between two backwards, a shared gradient
+replaced after an unscale, house69's splits), against FP32.
+
+Found and fixed: at O2, a loop that keeps its gradients (no ``zero_grad``: FP32 accumulates over iterations) with two
+optimizers over a shared head, both unscaled before their steps (``unscale_`` of each, as a clip of each does): the
+next backward brought the head's half gradients (true values, shown by both unscales) up to the scale twice, once per
+optimizer's leftovers, so float16 overflowed and both steps were skipped at every iteration after the first (0.19 off
+FP32 after 2 iterations). The true values two steps left are brought up once (engine.rescale, as at O1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_mpx import Amp
+from tests.test_attack68b import _Net  # a trunk and a head
+from tests.test_review68a import _batches
+
+
+def _kept(sequence: tuple[str, ...], half: str | None, level: str = "O2", iters: int = 2) -> torch.Tensor:
+    """The whole model's optimizer and the head's own (momentum); ``iters`` iterations of ``sequence`` after each
+    backward, the gradients never cleared (FP32 accumulates them)."""
+    torch.manual_seed(0)
+    net: nn.Module = _Net()
+    whole = torch.optim.SGD(net.parameters(), lr=0.1)
+    head = torch.optim.SGD(net.head.parameters(), lr=0.2, momentum=0.9)
+    amp = None
+    if half is not None:
+        amp = Amp(opt_level=level, half_dtype=half, init_scale=2.0**12)
+        net = amp.prepare_model(net)
+        whole, head = amp.prepare_optimizer(whole), amp.prepare_optimizer(head)
+    opts = {"whole": whole, "head": head}
+    for x, y in _batches(iters):
+        if amp is None:
+            F.cross_entropy(net(x), y).backward()
+        else:
+            with amp.forward_context():
+                loss = F.cross_entropy(net(amp.cast_inputs(x)).float(), y)
+            amp.backward(loss)
+        for call in sequence:
+            verb, name = call.split(" ")
+            if verb == "unscale" and amp is not None:
+                amp.unscale_(opts[name])
+            elif verb == "step":
+                amp.step(opts[name]) if amp is not None else opts[name].step()
+            elif verb == "clone":
+                for p in net.parameters():
+                    p.grad = p.grad.clone()
+        if amp is not None:
+            amp.update()
+    values = amp.fp32_state_dict(net) if amp is not None and level == "O2" else net.state_dict()
+    return torch.cat([v.detach().float().flatten() for v in values.values()])
+
+
+# -- 2. shared gradients kept across iterations, both optimizers unscaled --------------------------------------------
+@pytest.mark.parametrize(
+    "sequence",
+    [
+        ("unscale whole", "unscale head", "step whole", "step head"),  # 0.19 off FP32 before (both steps skipped)
+        ("unscale head", "step head", "unscale whole", "step whole"),  # the same, each unscale before its step
+        ("unscale whole", "clone x", "unscale head", "step whole", "step head"),  # replaced between the two unscales
+    ],
+)
+def test_o2_shared_gradients_kept_after_two_unscales_train_as_fp32(sequence: tuple[str, ...]) -> None:
+    torch.testing.assert_close(_kept(sequence, "float16"), _kept(sequence, None), rtol=0, atol=2e-3)
