@@ -534,4 +534,3 @@ def _refuse_scaled_write(state: _OptimizerState) -> None:
         "(it puts the true values in the model's gradients, as torch.amp.GradScaler.unscale_ does; then clip with "
         "torch.nn.utils.clip_grad_norm_ or the engine's clip). Clearing them (zero_grad) is fine."
     )
-
