@@ -10,12 +10,16 @@ FP32 after 2 iterations). The true values two steps left are brought up once (en
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lightning_mpx import Amp
+from lightning_mpx.settings import MixedPrecisionSettings, ScalerSettings
 from tests.test_attack68b import _Net  # a trunk and a head
 from tests.test_review68a import _batches
 
@@ -66,3 +70,37 @@ def _kept(sequence: tuple[str, ...], half: str | None, level: str = "O2", iters:
 )
 def test_o2_shared_gradients_kept_after_two_unscales_train_as_fp32(sequence: tuple[str, ...]) -> None:
     torch.testing.assert_close(_kept(sequence, "float16"), _kept(sequence, None), rtol=0, atol=2e-3)
+
+
+# -- 3. house69's splits: the defaults a settings subclass is compared with -------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _HouseSettings(MixedPrecisionSettings):
+    """A project's own settings class: O2's ``model_writes="values"`` written as its default."""
+
+    model_writes: str = "values"
+
+
+@dataclasses.dataclass(frozen=True)
+class _HouseScaler(ScalerSettings):
+    init_scale: float = 2.0**10
+
+
+def _warned(settings: MixedPrecisionSettings) -> str:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Amp.from_settings(settings)
+    return " ".join(str(w.message) for w in caught if "ignored" in str(w.message))
+
+
+def test_a_settings_subclass_default_the_run_ignores_is_warned_as_before_the_split() -> None:
+    """``ignored_settings`` compared with ``type(settings)``'s defaults since house69's split: a subclass's own
+    default (``model_writes="values"`` at O1, ``init_scale`` at bfloat16's static scale) was no longer named, and the
+    library's default passed to it was; the library's defaults again, as at 379e417."""
+    assert "model_writes='values' is ignored" in _warned(_HouseSettings(opt_level="O1", half_dtype="bfloat16"))
+    assert "model_writes" not in _warned(_HouseSettings(opt_level="O1", half_dtype="bfloat16", model_writes="versions"))
+    assert "init_scale=1024.0" in _warned(
+        MixedPrecisionSettings(opt_level="O1", half_dtype="bfloat16", scaler=_HouseScaler())
+    )
+    assert "init_scale" not in _warned(
+        MixedPrecisionSettings(opt_level="O1", half_dtype="bfloat16", scaler=_HouseScaler(init_scale=2.0**16))
+    )
