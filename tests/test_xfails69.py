@@ -72,13 +72,11 @@ def test_o2_shared_gradient_replaced_then_clipped_by_the_other_optimizer_trains_
 
 
 # -- 3. Apex num_losses=2: one loss's overflow reaching the gradients another loss's block names ----------------------
-def test_apex_other_loss_block_over_charged_gradients_skips_their_step(caplog: pytest.LogCaptureFixture) -> None:
+def test_apex_other_loss_block_over_charged_gradients_skips_their_step() -> None:
     """O1, ``num_losses=2``: loss 0's block (naming the trunk's optimizer) is inf and reaches the head's gradients;
     loss 1's block names the head's optimizer. Its check counts loss 0's inf for none, and the head's step is still
     skipped (Apex, checking the block's own gradients only, stepped the inf into the head): the head's weights are
-    unchanged by that iteration and finite, and only loss 0's scale backs off, as the log says (it said loss 1's
-    too)."""
-    import logging
+    unchanged by that iteration and finite, and only loss 0's scale backs off."""
     import math
     import warnings
 
@@ -95,10 +93,9 @@ def test_apex_other_loss_block_over_charged_gradients_skips_their_step(caplog: p
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, (trunk, head) = amp.initialize(
-            model, [trunk, head], opt_level="O1", loss_scale="dynamic", verbosity=1, num_losses=2
+            model, [trunk, head], opt_level="O1", loss_scale="dynamic", verbosity=0, num_losses=2
         )
         try:
-            caplog.set_level(logging.INFO)
             for i, (x, y) in enumerate(_batches(3)):
                 before = model.head.weight.detach().clone()
                 trunk.zero_grad()
@@ -115,5 +112,3 @@ def test_apex_other_loss_block_over_charged_gradients_skips_their_step(caplog: p
         finally:
             _amp_state.reset()
     assert torch.isfinite(model.head.weight).all() and scales == [32768.0, 65536.0]
-    said = [r.getMessage() for r in caplog.records if "Gradient overflow" in r.getMessage()]
-    assert len(said) == 1 and "loss scaler 0" in said[0], said

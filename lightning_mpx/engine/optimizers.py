@@ -233,7 +233,8 @@ class StepMachine(UnscalePath):
         backward notes the parameters no registered optimizer holds (engine.raw_steps), if any."""
         if self.shared.done:  # SharedGrads.backward, written out (no Python call per step)
             self.shared.done, self.shared.params = {}, {}
-        self.shared.masters = self.shared.masters and {}
+        if self.shared.masters:  # with the versions of the FP32 gradients shown (SharedGrads.truths)
+            self.shared.masters, self.shared.truths = {}, {}
         if self.ddp_watch is not None:  # the DDP wrappers were met in the forwards before it (engine.unsynced)
             self.ddp_watched = self.ddp_watch.settle()  # those whose forward has not run yet stay watched
             if not self.ddp_watched:

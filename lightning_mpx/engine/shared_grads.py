@@ -70,6 +70,8 @@ class SharedGrads:
         self.raised: dict[int, torch.Tensor] = {}
         # at O2, by the half gradient's id: (half gradient, its version, the FP32 gradient an unscale made of it)
         self.masters: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        # at O2, by the FP32 gradient's id: (it, its version) when an unscale showed it on the half one (showing)
+        self.truths: dict[int, tuple[torch.Tensor, int]] = {}
         self.rescaled: dict[int, tuple[torch.Tensor, int]] = {}
         # by the parameter's id: the shared parameters whose gradient an unscale left holding true values (divided in
         # place, or at O2 shown), for a tensor the user put in its place since (:meth:`replaced`)
@@ -95,7 +97,7 @@ class SharedGrads:
         new = shared - self.ids
         self.ids = frozenset(shared)
         if not shared:
-            self.done, self.masters, self.rescaled, self.params = {}, {}, {}, {}
+            self.done, self.masters, self.truths, self.rescaled, self.params = {}, {}, {}, {}, {}
         elif new:  # at O2, before this unscale makes their gradients again: the notes an unscale made while shared kept
             self.masters = {**made_before(held, new, self.scalers), **self.masters}
         for state, params in held if new else ():
@@ -116,7 +118,7 @@ class SharedGrads:
         if self.done:
             self.done = {}
         if self.masters:
-            self.masters = {}
+            self.masters, self.truths = {}, {}
         if self.params:
             self.params = {}
 
@@ -188,6 +190,7 @@ class SharedGrads:
         take into its masters, over a clip made since)."""
         self.done.update((id(half), (half, half._version)) for half, _ in pairs)
         self.masters.update((id(half), (half, half._version, true)) for half, true in pairs)
+        self.truths.update((id(true), (true, true._version)) for _, true in pairs)
         now = {id(half): (id(half), half._version) for half, _ in pairs}
         moved = {mark: now[mark[0]] for mark in before if mark[0] in now and now[mark[0]] != mark}
         for other in list(self.optimizers.values()) if moved else ():
@@ -196,13 +199,18 @@ class SharedGrads:
                 other.unscaled_marks = tuple(moved.get(mark, mark) if mark is not None else None for mark in marks)
 
     def showing(self, half: torch.Tensor, true: torch.Tensor) -> bool:
-        """Whether ``half`` shows the values of ``true`` already (an unscale showed them, neither written since)."""
+        """Whether ``half`` shows the values of ``true`` already (an unscale showed them, neither written since: a
+        clip of ``true`` since, torch's on the masters as ``fabric.clip_gradients`` makes it, is a write)."""
         noted = self.masters.get(id(half))
+        shown = self.truths.get(id(true))
         return (
             noted is not None
             and noted[0] is half
             and noted[1] == half._version
             and noted[2] is true
+            and shown is not None
+            and shown[0] is true
+            and shown[1] == true._version
             and self.holds(half)
         )
 
@@ -239,7 +247,7 @@ class SharedGrads:
         take them (every one stepped since the backward). The steps freed them; the notes would keep them through the
         next forward where the iteration ends at the next backward (Fabric, a loop that calls ``update()`` late)."""
         if all(state.stage is _Stage.STEPPED for state in self.optimizers.values()):
-            self.masters = {}
+            self.masters, self.truths = {}, {}
 
     def once(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Before a backward: those of ``grads`` (true values, about to be brought up to its scale) that no other
@@ -264,7 +272,7 @@ class SharedGrads:
 
     def clear(self) -> None:
         """Drop the notes (the end of an iteration: the gradients are not held alive past it)."""
-        self.done, self.masters, self.rescaled, self.params = {}, {}, {}, {}
+        self.done, self.masters, self.truths, self.rescaled, self.params = {}, {}, {}, {}, {}
 
 
 def _true_now(state: _OptimizerState, grad: torch.Tensor) -> bool:

@@ -201,7 +201,10 @@ def diagnose_scalars(series: dict[str, Series], run_dir: str = "") -> Diagnosis:
             problems.append(overflow)
         else:
             healthy_evidence.append(_scale_summary(mpx, suffix))
-    if not problems and (broken := non_finite_loss(loss, PERSISTENT_MIN_STEPS)) is not None:
+    overflow_counts = [
+        points for tag, points in mpx.items() if tag == OVERFLOW_TAG or tag.startswith(OVERFLOW_TAG + "/loss")
+    ]
+    if not problems and (broken := non_finite_loss(loss, PERSISTENT_MIN_STEPS, overflow_counts)) is not None:
         problems.append(broken)  # a loss NaN to the end that no overflow explains (bfloat16, a static scale)
     underflow_findings, underflow_evidence = _underflow(mpx)
     for finding in underflow_findings:

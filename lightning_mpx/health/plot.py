@@ -13,10 +13,11 @@ from lightning_mpx.health.events import read_run, unprefixed
 
 SCALE_TAG = "mpx/loss_scale"
 OVERFLOW_TAG = "mpx/overflows"
-#: The logged loss, the first of these a run has: also with the ``_step`` Lightning adds to a value logged with
+#: The logged loss, the first of these a run has: first with the ``_step`` Lightning adds to a value logged with
 #: ``on_epoch=True`` (``self.log("train_loss", loss, on_epoch=True)`` writes ``train_loss_step`` and
-#: ``train_loss_epoch``; the epoch's mean is not read: one bad batch makes it NaN).
-LOSS_TAGS = ("train/loss", "train_loss", "loss", "train/loss_step", "train_loss_step", "loss_step")
+#: ``train_loss_epoch``), a loss of each step for sure, before a plain name that may hold an epoch's mean
+#: (``self.log("loss", loss, on_step=False, on_epoch=True)``: one bad batch makes it NaN). The ``_epoch`` ones not read.
+LOSS_TAGS = ("train/loss_step", "train_loss_step", "loss_step", "train/loss", "train_loss", "loss")
 UNDERFLOW_PREFIX = "mpx/underflow/"
 #: Exact zeros per group (lightning_mpx.health.telemetry); runs written before it counted them in mpx/underflow/*.
 ZEROS_PREFIX = "mpx/zeros/"

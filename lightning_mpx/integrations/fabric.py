@@ -98,6 +98,7 @@ from lightning_mpx.casting.checkpointing import builds_graph  # noqa: E402
 from lightning_mpx.casting.policy import casts_off_if_on as _casts_off  # noqa: E402
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
 from lightning_mpx.integrations.fabric_bookkeeping import FabricBookkeeping  # noqa: E402
+from lightning_mpx.integrations.fabric_clipping import clip_for_fabric  # noqa: E402
 from lightning_mpx.integrations.fabric_generate import install_generate  # noqa: E402
 from lightning_mpx.integrations.fabric_sharding import (  # noqa: E402
     clipped_together,
@@ -443,6 +444,10 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
                 lenient = sys._getframe(1).f_locals.get("error_if_nonfinite") is False
                 return iter(_nothing_to_clip(found.device, self._non_finite_norm(optimizer) if lenient else None))
         if self.amp.properties.master_weights and self.amp.is_unscaled(optimizer):
+            if not self.amp.sharded:  # Fabric's clip: made here and shown on the model at once (fabric_clipping)
+                clipped = clip_for_fabric(self.amp, optimizer, sys._getframe(1))
+                if clipped is not None:
+                    return iter(clipped)
             self._clipping.add(optimizer)
         return iter(self.amp.master_params(optimizer))
 

@@ -240,6 +240,20 @@ class MpxTrainerMixin:
             config.dtype = torch.float32
             config.save_pretrained(output_dir if output_dir is not None else self.args.output_dir)  # type: ignore[attr-defined]
 
+    # -- the gradients a callback sees around the step ------------------------------------------------------------
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        """The Trainer's (after its clip, which at O2 clips the FP32 masters' gradients only). At O2, with a callback
+        of ``on_pre_optimizer_step`` or ``on_optimizer_step`` (which read or write ``p.grad`` there), the model's
+        gradients then show the unscaled, clipped values the step uses, as under ``bf16=True``: a callback read
+        them scaled and unclipped, and its write was refused at the step (with no way out in the Trainer's loop)."""
+        norm = super()._get_grad_norm(model, grad_norm=grad_norm)  # type: ignore[misc]
+        amp = self.accelerator.amp
+        if amp is not None and amp.properties.master_weights and _reads_gradients(self.callback_handler.callbacks):  # type: ignore[attr-defined]
+            for owner in self.accelerator._amp_optimizers():
+                if amp.is_unscaled(owner.optimizer):
+                    amp.show_unscaled_on_model(owner.optimizer)
+        return norm
+
     # -- metrics ------------------------------------------------------------------------------------------------------
     def log(self, logs: dict[str, float] = required("trainer.log()", "logs"), *args: Any, **kwargs: Any) -> None:
         """The Trainer's ``log``; a training log (one with ``"loss"``) also gets the engine's metrics since the
@@ -264,6 +278,18 @@ class MpxTrainerMixin:
         ):
             logs = {**accelerator._read_mpx_metrics(LOG_READER), **logs}
         super().log(logs, *args, **kwargs)  # type: ignore[misc]
+
+
+def _reads_gradients(callbacks: list[Any]) -> bool:
+    """Whether one of the Trainer's ``callbacks`` has its own ``on_pre_optimizer_step`` or ``on_optimizer_step``."""
+    from transformers import TrainerCallback
+
+    base = (TrainerCallback.on_pre_optimizer_step, TrainerCallback.on_optimizer_step)
+    return any(
+        getattr(type(callback), "on_pre_optimizer_step", base[0]) is not base[0]
+        or getattr(type(callback), "on_optimizer_step", base[1]) is not base[1]
+        for callback in callbacks
+    )
 
 
 def _unset_bf16_hint(targs: Any, native: list[str]) -> str:

@@ -1,0 +1,50 @@
+"""``fabric.clip_gradients`` at O2: the clip of the FP32 masters' gradients, shown on the model's half gradients at
+once (:func:`clip_for_fabric`), for the Fabric plugin's ``main_params``.
+
+Fabric's ``Strategy.clip_gradients_norm``/``clip_gradients_value`` unscale (``unscale_gradients``: at O2 into the
+masters, a half copy of the true values onto the model's gradients), then clip what ``main_params`` returns with
+torch's clip. Handed the masters, that clip changed them alone: the model's gradients kept the unclipped values until
+the step, and a write to them in between (``p.grad.mul_(0.5)``, noise, torch's ``clip_grad_value_`` by the user, a
+``p.grad = p.grad * 0.5``), which the step takes into the masters, was a write on the unclipped values: the clip was
+lost (2e-2 off FP32 in 3 steps, silently). So the clip is made here, with torch's function and the caller's
+arguments (the masters' gradients and the returned norm as Fabric's own clip gives them), the clipped values are
+shown on the model, and Fabric's clip gets one stand-in whose gradient is that norm.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from lightning.fabric.strategies.strategy import Strategy
+
+__all__ = ["clip_for_fabric"]
+
+# Lightning's own clip methods, which clip what main_params returns right after it (a strategy's override is not one)
+_CLIPS = {Strategy.clip_gradients_norm.__code__: "norm", Strategy.clip_gradients_value.__code__: "value"}
+
+
+def clip_for_fabric(amp: Any, optimizer: torch.optim.Optimizer, caller: types.FrameType) -> list[torch.Tensor] | None:
+    """At O2, unsharded, ``optimizer`` unscaled and not overflowed, called by Lightning's own
+    ``Strategy.clip_gradients_norm``/``clip_gradients_value`` (``caller``, the frame of ``main_params``'s caller):
+    clip the masters' gradients with torch's clip and ``caller``'s arguments, show them on the model's half gradients
+    (:meth:`~lightning_mpx.engine.amp.Amp.show_unscaled_on_model`), and return the stand-in Fabric's clip then clips:
+    one FP32 tensor whose gradient is the norm (torch's norm of one element is its absolute value, exactly for the 1-,
+    2- and infinity norms) or zero (by value). ``None`` elsewhere: the masters are handed to Fabric's clip as before."""
+    kind = _CLIPS.get(caller.f_code)
+    if kind is None:
+        return None
+    args = caller.f_locals
+    masters = amp.master_params(optimizer)
+    if kind == "norm":
+        # error_if_nonfinite: Fabric's clip of the stand-in raises it (one host read of the norm, as before)
+        norm = torch.nn.utils.clip_grad_norm_(masters, args["max_norm"], norm_type=args["norm_type"])
+    else:
+        torch.nn.utils.clip_grad_value_(masters, args["clip_val"])
+        norm = None
+    amp.show_unscaled_on_model(optimizer)  # the clipped values on the model: a write to them now is on those
+    device = masters[0].device if masters else torch.device("cpu")
+    stand_in = torch.zeros(1, device=device)
+    stand_in.grad = torch.zeros(1, device=device) if norm is None else norm.detach().reshape(1).to(device).clone()
+    return [stand_in]
