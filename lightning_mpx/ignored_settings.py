@@ -45,10 +45,13 @@ def ignored_scaler_settings(settings: MixedPrecisionSettings) -> dict[str, Any]:
     ``loss_scale``); ``{}`` with a dynamic scale, which reads them all."""
     if settings.properties.dynamic_loss_scale:
         return {}
+    from lightning_mpx.settings import ScalerSettings  # at call time: settings imports this module
+
+    # the library's defaults: a subclass's own defaults are values its author gave (warned as before house69's split)
     return {
         name: getattr(settings.scaler, name)
         for name in DYNAMIC_ONLY
-        if getattr(settings.scaler, name) != getattr(type(settings.scaler), name)  # its default
+        if getattr(settings.scaler, name) != getattr(ScalerSettings, name)
     }
 
 
@@ -69,7 +72,9 @@ def ignored_level_settings(settings: MixedPrecisionSettings) -> dict[str, str]:
     dtype's range too; the scaler's settings are :func:`ignored_scaler_settings`'.)"""
     props = settings.properties
     level = f"opt_level={props.opt_level!r}"
-    defaults = type(settings)  # the dataclass, whose class attributes are its fields' defaults
+    from lightning_mpx.settings import MixedPrecisionSettings as defaults  # at call time: settings imports this
+
+    # the library's defaults (class attributes), not a subclass's: its own defaults are values its author gave
     out: dict[str, str] = {}
     if not props.master_weights and settings.model_writes != defaults.model_writes:
         out["model_writes"] = (

@@ -458,6 +458,8 @@ def rescale_stepped(
         if half:
             carried = torch.ones((), device=device) if state.stepped_true else _carried_scale(state, scalers)
             _apply_clips(state, half, carried)
+            if state.stepped_true and shared is not None and shared.ids:  # true values two steps left: up once
+                half = shared.once(half)
             _multiply(state, half, (new.double() / carried.to(device).double()).float(), backend)
     late = late_grads(state, optimizer) if grads else []  # type: ignore[arg-type]
     carried = _carried_scale(state, scalers) if late else None
