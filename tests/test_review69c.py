@@ -16,8 +16,18 @@ import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 
 from lightning_mpx import MixedPrecisionPlugin, doctor  # noqa: E402
+from lightning_mpx.apex import _amp_state  # noqa: E402
 from lightning_mpx.cli import main  # noqa: E402
 from lightning_mpx.health.events import read_run  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _reset_apex():
+    """The Apex layer's process state (``_amp_state``, its documented exception) reset around each test: an
+    ``amp.initialize`` left in place would cast the next tests' models in the same worker."""
+    _amp_state.reset()
+    yield
+    _amp_state.reset()
 
 
 # -- the doctor's loss: an epoch's mean ------------------------------------------------------------------------------
