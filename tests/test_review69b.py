@@ -9,7 +9,7 @@ Fixed: a Fabric strategy subclass whose ``clip_gradients_norm`` clips ``precisio
 ``super()``) at O2: a write to ``p.grad`` after ``fabric.clip_gradients`` was lost, silently (the plugin showed the
 masters' clipped gradients over it at the step); refused now (``fabric_clipping.note_unseen_clip``).
 
-Cheaper: the plugin's clip of the masters takes torch's kernels without its Python (Fabric O2 clip row 595 -> 502
+Cheaper: the plugin's clip of the masters takes torch's kernels without its Python (Fabric O2 clip row 595 -> 505
 calls per step), bit for bit torch's.
 """
 
@@ -166,7 +166,7 @@ def test_fabric_o2_a_strategys_own_clip_then_a_write_is_refused_and_without_one_
 @pytest.mark.parametrize("max_norm", [0.5, 1e6])
 def test_fabric_o2_clip_of_the_masters_is_torchs_bit_for_bit(norm_type: float, max_norm: float) -> None:
     """The plugin's clip of the masters' gradients (torch's kernels without its Python: the Fabric O2 clip row's
-    calls per step 595 -> 502) gives torch's ``clip_grad_norm_``'s norm and gradients bit for bit, a parameter
+    calls per step 595 -> 505) gives torch's ``clip_grad_norm_``'s norm and gradients bit for bit, a parameter
     without a gradient among them; a float64 one with them falls back to torch's clip."""
     from lightning_mpx.integrations.fabric_clipping import _clip_norm
 

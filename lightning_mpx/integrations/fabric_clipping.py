@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.strategies.strategy import Strategy
-from torch.utils._foreach_utils import _has_foreach_support
+from torch.utils._foreach_utils import _device_has_foreach_support
 
 __all__ = ["clip_for_fabric", "note_unseen_clip"]
 
@@ -66,16 +66,19 @@ def note_unseen_clip(amp: Any, optimizer: torch.optim.Optimizer) -> None:
 
 _GRAD, _DTYPE, _DEVICE = operator.attrgetter("grad"), operator.attrgetter("dtype"), operator.attrgetter("device")
 _SOME = functools.partial(operator.is_not, None)
+_PLAIN = frozenset(
+    {torch.Tensor}
+)  # the types torch's clip takes its foreach kernels for (_foreach_utils._has_foreach_support)
 
 
 def _clip_norm(masters: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_(masters, max_norm, norm_type)``: where the gradients share one device and
     dtype (the FP32 masters do) and torch's clip would take its foreach kernels, those kernels in its order (one
     ``_foreach_norm``, the norm of the norms, the coefficient, one ``_foreach_mul_``: its values bit for bit) without
-    its Python around them (a Fabric O2 clip row's calls per step 595 -> 502); torch's clip elsewhere."""
+    its Python around them (a Fabric O2 clip row's calls per step 595 -> 505); torch's clip elsewhere."""
     grads = list(filter(_SOME, map(_GRAD, masters)))
     if (not grads or len(set(map(_DTYPE, grads))) != 1 or len(set(map(_DEVICE, grads))) != 1
-            or not _has_foreach_support(grads, grads[0].device)):  # fmt: skip
+        or set(map(type, grads)) != _PLAIN or not _device_has_foreach_support(grads[0].device)):  # fmt: skip
         return torch.nn.utils.clip_grad_norm_(masters, max_norm, norm_type=norm_type)
     norm_type = float(norm_type)
     norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, norm_type)), norm_type)
