@@ -203,7 +203,7 @@ def leftovers(
             if moved.get(id(grad)) != key:
                 # read only here: a write found since the unscale, made on scaled values, or on true values shown
                 # before a clip of the masters' gradients, which the write would undo
-                if (not state.shown or state.clips) and bool(grad.any()):
+                if (not state.shown or state.clips) and bool(grad.any()) and not _clipped_nothing(state):
                     _refuse_scaled_write(state)
                 true.copy_(grad)
         out.append((true, grad))
@@ -520,6 +520,17 @@ def hold_scale(state: _OptimizerState, scaler: LossScaler, *, masters: bool = Tr
         return
     if state.stage is _Stage.SKIPPED or present_grads(state.optimizer):
         state.grad_scale = scaler.scale_tensor.clone()
+
+
+def _clipped_nothing(state: _OptimizerState) -> bool:
+    """Whether the write found is on the values the step would use: true values shown on the model, and every clip of
+    the masters' gradients since a clip by norm that changed nothing (its norm within ``max_norm``: torch's
+    coefficient 1). Read on a refusal's path only (one host read): a write after such a clip trains as FP32."""
+    if not state.shown or not state.clips:
+        return False
+    if any(clip[0] != "norm" or clip[1] is None for clip in state.clips):
+        return False
+    return all(bool(clip_coefficient(clip[1], float(clip[2])) == 1.0) for clip in state.clips)
 
 
 def _refuse_scaled_write(state: _OptimizerState) -> None:

@@ -98,7 +98,7 @@ from lightning_mpx.casting.checkpointing import builds_graph  # noqa: E402
 from lightning_mpx.casting.policy import casts_off_if_on as _casts_off  # noqa: E402
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
 from lightning_mpx.integrations.fabric_bookkeeping import FabricBookkeeping  # noqa: E402
-from lightning_mpx.integrations.fabric_clipping import clip_for_fabric  # noqa: E402
+from lightning_mpx.integrations.fabric_clipping import clip_for_fabric, note_unseen_clip  # noqa: E402
 from lightning_mpx.integrations.fabric_generate import install_generate  # noqa: E402
 from lightning_mpx.integrations.fabric_sharding import (  # noqa: E402
     clipped_together,
@@ -448,6 +448,7 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
                 clipped = clip_for_fabric(self.amp, optimizer, sys._getframe(1))
                 if clipped is not None:
                     return iter(clipped)
+                note_unseen_clip(self.amp, optimizer)  # a strategy's own clip: a write after it refused, not lost
             self._clipping.add(optimizer)
         return iter(self.amp.master_params(optimizer))
 
