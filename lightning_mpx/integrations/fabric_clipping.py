@@ -21,7 +21,14 @@ from typing import Any
 
 import torch
 from lightning.fabric.strategies.strategy import Strategy
-from torch.utils._foreach_utils import _device_has_foreach_support
+
+try:  # torch's private helper (torch >= 2.1): without it, torch's own clip is used (_clip_norm)
+    from torch.utils._foreach_utils import _device_has_foreach_support
+except ImportError:  # pragma: no cover - an older or changed torch
+
+    def _device_has_foreach_support(device: torch.device) -> bool:
+        return False
+
 
 __all__ = ["clip_for_fabric", "note_unseen_clip"]
 
