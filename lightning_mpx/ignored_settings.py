@@ -39,19 +39,28 @@ DYNAMIC_ONLY: tuple[str, ...] = (
 )
 
 
+def _library_class(settings: Any) -> type:
+    """The library's own settings class of ``settings`` (its class, or the first base defined in
+    :mod:`lightning_mpx.settings`), whose class attributes are the library's defaults: a subclass's own defaults are
+    values its author gave, warned about as given. Found without importing that module (it imports this one)."""
+    for cls in type(settings).__mro__:
+        if cls.__module__ == "lightning_mpx.settings":
+            return cls
+    return type(settings)
+
+
 def ignored_scaler_settings(settings: MixedPrecisionSettings) -> dict[str, Any]:
     """The scaler settings of ``settings`` given other than their defaults that its loss scale ignores: those of
     :data:`DYNAMIC_ONLY` when the scale is static (bfloat16's default 1.0, O0's and O3's, or a number given as
     ``loss_scale``); ``{}`` with a dynamic scale, which reads them all."""
     if settings.properties.dynamic_loss_scale:
         return {}
-    from lightning_mpx.settings import ScalerSettings  # at call time: settings imports this module
-
+    library = _library_class(settings.scaler)
     # the library's defaults: a subclass's own defaults are values its author gave (warned as before house69's split)
     return {
         name: getattr(settings.scaler, name)
         for name in DYNAMIC_ONLY
-        if getattr(settings.scaler, name) != getattr(ScalerSettings, name)
+        if getattr(settings.scaler, name) != getattr(library, name)
     }
 
 
@@ -72,7 +81,7 @@ def ignored_level_settings(settings: MixedPrecisionSettings) -> dict[str, str]:
     dtype's range too; the scaler's settings are :func:`ignored_scaler_settings`'.)"""
     props = settings.properties
     level = f"opt_level={props.opt_level!r}"
-    from lightning_mpx.settings import MixedPrecisionSettings as defaults  # at call time: settings imports this
+    defaults = _library_class(settings)
 
     # the library's defaults (class attributes), not a subclass's: its own defaults are values its author gave
     out: dict[str, str] = {}
