@@ -4,9 +4,6 @@ wrapper's ``module``) and of the Apex layer's ``num_losses=2`` charges, checked 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
@@ -17,8 +14,8 @@ from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 
 from lightning_mpx import MixedPrecisionPlugin, doctor  # noqa: E402
 from lightning_mpx.apex import _amp_state  # noqa: E402
-from lightning_mpx.cli import main  # noqa: E402
 from lightning_mpx.health.events import read_run  # noqa: E402
+from tests.test_attack69c import _doctor  # noqa: E402  (the doctor's exit status and report, JSON and text)
 
 
 @pytest.fixture(autouse=True)
@@ -49,15 +46,6 @@ class _EpochLogged(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=1e-2)
-
-
-def _doctor(root: Path, capsys: pytest.CaptureFixture) -> tuple[int, dict, int, str]:
-    """The doctor's exit status and report, as JSON and as text."""
-    capsys.readouterr()
-    status = main(["doctor", str(root), "--json"])
-    report = json.loads(capsys.readouterr().out)
-    text_status = main(["doctor", str(root)])
-    return status, report, text_status, capsys.readouterr().out
 
 
 def test_a_bad_sample_met_once_an_epoch_is_no_broken_run_when_the_loss_is_logged_as_an_epochs_mean(tmp_path, capsys):
