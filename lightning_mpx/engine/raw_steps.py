@@ -27,8 +27,8 @@ Nor is a write while some of the optimizer's parameters keep their gradients (an
 teacher in ``self.parameters()`` updated, between accumulated backwards): no ``zero_grad`` ran, so those without one
 (frozen, unused by the forward, a teacher whose output is detached) never took the backward's. At O2, though, such a
 write that moved elements from their masters' rounding against their gradients nearly everywhere is a torch optimizer's
-step between accumulated backwards (:func:`stepped_along`), refused at the step where it still stands (the next step
-would keep its half rounding only; a probe undone before it is let through: engine.kept_writes).
+step between accumulated backwards (:func:`stepped_along`, engine.half_steps), refused at the step where it still
+stands (the next step would keep its half rounding only; a probe undone before it is let through: engine.kept_writes).
 
 A raw optimizer over parameters that no registered optimizer holds (a GAN's discriminator stepped by hand beside a
 prepared generator optimizer; a Fabric model before the plugin met its optimizer at the first step) is seen through
@@ -77,19 +77,21 @@ from torch import nn
 from lightning_mpx.engine.beside_steps import StepsBeside, held_written, written_before_step
 from lightning_mpx.engine.carried_scales import CarriedScales
 from lightning_mpx.engine.frozen_writes import warn_half_ema, watch_frozen
-from lightning_mpx.engine.kept_writes import forget_undone, is_scaling, keep_write
+from lightning_mpx.engine.half_steps import at_rounding, rounding, stepped_along
+from lightning_mpx.engine.kept_writes import forget_undone, keep_write
 from lightning_mpx.engine.optimizer_state import _OptimizerState
+from lightning_mpx.engine.raw_step_messages import _BESIDE_FIX, _FIX, _KEPT_FIX, _SAM_FIX, _shown
 from lightning_mpx.engine.unsynced import watch_ddp
 from lightning_mpx.masters.pairs import master_for
 from lightning_mpx.masters.weights import MasterWeights
 
-__all__ = ["UnheldParams", "find_unheld", "is_two_pass", "refuse_base_with_sam", "refuse_raw_step"]
+# stepped_along (engine.half_steps) and _SAM_FIX (engine.raw_step_messages) were defined here: importable here still.
+__all__ = ["UnheldParams", "find_unheld", "is_two_pass", "refuse_base_with_sam", "refuse_raw_step", "stepped_along"]
 
 _PARAMS = operator.itemgetter("params")
 _VERSION = operator.attrgetter("_version")
 _GRAD = operator.attrgetter("grad")
 _HALF = (torch.float16, torch.bfloat16)
-_MOVED = 16  # elements moved below which a write is not told from a hand write (stepped_along)
 
 
 def refuse_raw_step(
@@ -135,13 +137,13 @@ def refuse_raw_step(
                     f"with the gradients kept, no step of its prepared {type(optimizer).__name__} between, and the "
                     f"write still there at its step: {_KEPT_FIX}"
                 )
-                keep_write(state, message, [(p, _rounding(p, master_weights)) for p in stepped])
+                keep_write(state, message, [(p, rounding(p, master_weights)) for p in stepped])
             return None
         stepped = [p for p, v in zip(params, noted) if p._version != v and id(p) not in renormed]
     if stepped and master_weights and not state.two_pass:  # (a SAM-style write is counted below)
         # At O2 a half weight written back to its FP32 master's rounding (a rollback by copy_ to the last step's
         # snapshot) holds nothing the next step would lose: not a raw step (read on this path only, before refusing).
-        stepped = [p for p in stepped if not _at_rounding(p, master_weights)]
+        stepped = [p for p in stepped if not at_rounding(p, master_weights)]
     if not stepped:
         return None
     two_pass = state.two_pass  # is_two_pass(optimizer), asked once at registration
@@ -165,68 +167,6 @@ def refuse_raw_step(
     if defer:
         return message
     raise RuntimeError(message)
-
-
-def stepped_along(
-    params: Sequence[torch.Tensor],
-    noted: Sequence[int],
-    master_weights: Sequence[MasterWeights],
-    renormed: frozenset[int] = frozenset(),
-) -> list[torch.Tensor]:
-    """Of ``params`` (a registered optimizer's, with their versions ``noted`` at the last engine backward), at O2 the
-    half ones written since that hold a gradient (kept: no ``zero_grad``) and whose values moved away from their FP32
-    masters' rounding along minus that gradient: what a torch optimizer's step writes (SGD, Adam: each element moves
-    against the sign of its gradient), which the next engine step would take into the masters at its half rounding
-    only (most of a small step rounds away). A clamp, a renormalisation by hand, an EMA swapped in and back, a
-    SAM-style or adversarial perturbation (along the gradient, not against it), a write over zeroed gradients and one
-    that is one factor times the weights (a weight decay by hand: engine.kept_writes.is_scaling) are no such step.
-    Called only where versions changed between accumulated backwards (never in the usual step); without masters (O1)
-    there is no value to compare with: nothing is found."""
-    found: list[torch.Tensor] = []
-    if not master_weights:
-        return found
-    agree = moved = 0
-    with torch.no_grad():
-        for param, version in zip(params, noted):
-            grad = param.grad
-            if grad is None or param._version == version or id(param) in renormed or param.dtype not in _HALF:
-                continue
-            master = next((m.master_of(param) for m in master_weights if m.covers(param)), param)
-            if master is param or master.shape != param.shape or grad.shape != param.shape:
-                continue
-            rounded = master.detach().to(param.dtype)
-            delta = param.detach().float() - rounded.float()
-            changed = delta != 0
-            count = int(changed.sum())
-            if not count or is_scaling(rounded, param, count):  # a weight decay by hand (engine.kept_writes)
-                continue
-            along = int((changed & (torch.sign(delta) == -torch.sign(grad.float()))).sum())
-            agree, moved = agree + along, moved + count
-            if along * 2 > count:
-                found.append(param)
-    if moved < _MOVED or (moved - agree) * 16 > moved:
-        # Too few elements moved to tell (a small step mostly rounds away), or not against the gradients nearly
-        # everywhere: a torch optimizer's first step moves each element against its gradient's sign, and its
-        # rounding to half keeps that sign; a write of another kind agrees by chance, about half the time.
-        return []
-    return found
-
-
-def _at_rounding(param: torch.Tensor, master_weights: Sequence[MasterWeights]) -> bool:
-    """Whether ``param`` is a half weight with an FP32 master whose rounding it holds exactly."""
-    if param.dtype not in _HALF:
-        return False
-    master = next((m.master_of(param) for m in master_weights if m.covers(param)), param)
-    if master is param or master.shape != param.shape:
-        return False
-    with torch.no_grad():
-        return bool(torch.equal(master.detach().to(param.dtype), param.detach()))
-
-
-def _rounding(param: torch.Tensor, master_weights: Sequence[MasterWeights]) -> torch.Tensor:
-    """``param``'s FP32 master rounded to its dtype (``stepped_along`` found it: it has one)."""
-    master = next(m.master_of(param) for m in master_weights if m.covers(param))
-    return master.detach().to(param.dtype)
 
 
 def is_two_pass(optimizer: Any) -> bool:
@@ -263,11 +203,6 @@ def refuse_base_with_sam(optimizer: torch.optim.Optimizer, states: Iterable[_Opt
             "accelerator.prepare(), fabric.setup() or configure_optimizers() with it alone. See 'SAM and two-pass "
             "optimizers' in docs/master_weights.md."
         )
-
-
-def _name(param: torch.Tensor, master_weights: Sequence[MasterWeights], names: dict[int, str]) -> str:
-    found = next((n for m in master_weights if (n := m.name_of(param)) is not None), None)
-    return found or names.get(id(param)) or f"<shape {tuple(param.shape)}>"
 
 
 class UnheldParams:
@@ -597,54 +532,3 @@ def _all_cleared(machine: Any) -> bool:
     optimizers = [o for state in machine.optimizers.values() if (o := state.optimizer_ref()) is not None]
     groups = itertools.chain.from_iterable(o.param_groups for o in optimizers)
     return all(p.grad is None for p in itertools.chain.from_iterable(map(_PARAMS, groups)))
-
-
-def _shown(params: Sequence[torch.Tensor], master_weights: Sequence[MasterWeights], names: dict[int, str]) -> str:
-    named = [_name(p, master_weights, names) for p in params]
-    return ", ".join(repr(n) for n in named[:5]) + (f" and {len(named) - 5} more" if len(named) > 5 else "")
-
-
-_FIX = (
-    "a torch optimizer that lightning_mpx did not prepare (or a hand-written update) stepped them, with still-scaled "
-    "gradients (at O2 the half model's, with no FP32 master update). Step a prepared optimizer instead: under the "
-    "Trainer, return it from configure_optimizers and step self.optimizers() (manual optimization); with Fabric, "
-    "fabric.setup(model, optimizer) and step the optimizer it returns; with Accelerate, "
-    "accelerator.prepare(model, optimizer); with the core Amp, amp.prepare_optimizer(optimizer) and "
-    "amp.step(optimizer). A write of your own with the gradients cleared and no step between (a rollback by copy_ "
-    "after a loss spike, a layer re-initialised by reset_parameters() on a skipped batch) looks the same: restore "
-    "with model.load_state_dict(...) instead, or call refresh_masters(force=True) right after the write (on the "
-    "Trainer's trainer.precision_plugin.amp, Fabric's plugin.amp, accelerator.amp or the Amp itself), which takes it "
-    "as yours (at O2 into the FP32 masters); neither is a raw step. A SAM-style two-pass optimizer (first_step, "
-    "second_step): see 'SAM and two-pass optimizers' in docs/master_weights.md."
-)
-_BESIDE_FIX = (
-    "a torch optimizer that lightning_mpx did not prepare (a second one, such as a head's, stepped before or after "
-    "the prepared one) stepped them with gradients still multiplied by the loss scale (at O2 the half model's, with no "
-    "FP32 master update); their weights took that step (reload them if you go on from here). Give that optimizer to "
-    "lightning_mpx too: under the Trainer, return it from configure_optimizers beside the other and step "
-    "self.optimizers() (manual optimization); with Fabric, fabric.setup(model, optimizer, head_optimizer) and step "
-    "what it returns; with Accelerate, accelerator.prepare(model, optimizer, head_optimizer); with the core Amp, "
-    "amp.prepare_optimizer(optimizer) and amp.step(optimizer). Or, at O1, unscale them before your own step: give each "
-    "parameter its true gradient (for p, g in zip(params, amp.true_grads(params)): p.grad = g, with the Trainer's "
-    "trainer.precision_plugin.amp, Fabric's plugin.amp, accelerator.amp or the Amp itself). A write of your own while "
-    "they held their gradients (a clamp) looks the same: call refresh_masters(force=True) on that amp right after it, "
-    "which takes it as yours. Parameters left out of every optimizer on purpose: freeze them (requires_grad_(False))."
-)
-_SAM_FIX = (
-    "with still-scaled gradients (at O2 the half model's, with no FP32 master update). Give the optimizer a step() "
-    "that steps its base optimizer (def step(self, closure=None): return self.base_optimizer.step(closure)); after "
-    "the second backward undo the perturbation (second_step's restore of old_p, without its base step) and step "
-    "through the door: amp.step(optimizer), or optimizer.step() on the optimizer self.optimizers(), fabric.setup() "
-    "or accelerator.prepare() returned. See 'SAM and two-pass optimizers' in docs/master_weights.md."
-)
-_KEPT_FIX = (
-    "a torch optimizer that lightning_mpx did not prepare (or a hand-written update) stepped the half weights, which "
-    "the next step takes into the FP32 masters at their half rounding only: what of that update is below the rounding "
-    "is lost, where FP32 (and bf16-mixed) keeps it. Step a prepared optimizer instead: under the Trainer, return it "
-    "from configure_optimizers and step self.optimizers() (manual optimization); with Fabric, fabric.setup(model, "
-    "optimizer, other_optimizer) and step what it returns; with Accelerate, accelerator.prepare(model, optimizer); "
-    "with the core Amp, amp.prepare_optimizer(optimizer) and amp.step(optimizer). A write of your own meant to stand "
-    "(a constraint applied by hand): call refresh_masters(force=True) right after it (on the Trainer's "
-    "trainer.precision_plugin.amp, Fabric's plugin.amp, accelerator.amp or the Amp itself), which takes it into the "
-    "FP32 masters as yours."
-)
