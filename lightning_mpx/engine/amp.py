@@ -25,16 +25,7 @@ from torch import nn
 from typing_extensions import Unpack
 
 from lightning_mpx.casting.policy import CastPolicy
-from lightning_mpx.casting.targets import (
-    _COMPILER,
-    _dynamo_compiling,
-    _no_torch_function,
-    _stack_at,
-    _stack_length,
-    cast_model_inputs,
-)
-from lightning_mpx.common.containers import _cast_collection
-from lightning_mpx.engine.amp_masters import AmpMasters
+from lightning_mpx.engine.amp_forward import AmpForward
 from lightning_mpx.engine.clipping import clip_norm, clip_value_, show_unscaled
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, backward_loss, loss_index
 from lightning_mpx.engine.optimizer_step import AUTOCAST_DEVICES, without_casts
@@ -46,7 +37,7 @@ from lightning_mpx.engine.raw_steps import find_unheld
 from lightning_mpx.engine.sharding import refuse_unfrozen_half
 from lightning_mpx.engine.surgery import adopt_new_parameters
 from lightning_mpx.masters.pairs import StrayParameterError, param_pairs
-from lightning_mpx.masters.swap import call_on_masters, follow_modes, train_modes
+from lightning_mpx.masters.swap import call_on_masters, train_modes
 
 # MODEL_WRITES is defined with the other settings; its old import path here keeps working.
 from lightning_mpx.settings import (  # noqa: F401
@@ -60,15 +51,16 @@ from lightning_mpx.settings import (  # noqa: F401
 )
 
 
-class Amp(AmpMasters):
+class Amp(AmpForward):
     """Mixed precision for one training run: a facade over parts that each own their state (the optimizers'
     :class:`~lightning_mpx.engine.optimizers.StepMachine`, the step :class:`~lightning_mpx.engine.optimizer_step.
     OptimizerStep`, the models :class:`~lightning_mpx.engine.preparation.PreparedModels`, the checkpoint
     :class:`~lightning_mpx.engine.checkpoint.EngineState`, the masters :class:`~lightning_mpx.masters.store.Masters`,
     the overflows :class:`~lightning_mpx.engine.overflow.Overflows`, the scalers, the cast policy, the promotion, the
     forensics); its records (the step outcomes read late, the metrics, the checkpoint) are read and written by its
-    base :class:`~lightning_mpx.engine.amp_records.AmpRecords`, and its FP32 masters are read (and exported) through
-    its base :class:`~lightning_mpx.engine.amp_masters.AmpMasters`.
+    base :class:`~lightning_mpx.engine.amp_records.AmpRecords`, its FP32 masters are read (and exported) through its
+    base :class:`~lightning_mpx.engine.amp_masters.AmpMasters`, and its forward's scope and casts are its base
+    :class:`~lightning_mpx.engine.amp_forward.AmpForward`'s.
 
     Args:
         opt_level, **settings: The opt level (``"O0"`` to ``"O3"``) and the settings, each documented and checked in
@@ -191,66 +183,6 @@ class Amp(AmpMasters):
         self._machine.release(optimizer)
         self._machine.shared.refresh()
         find_unheld(self._models, self._machine)
-
-    # -- forward ------------------------------------------------------------------------------------------------
-    def forward_context(self) -> ContextManager[Any]:
-        """The scope of a forward pass: the cast policy at O1; at O2, a policy that runs loss functions called inside
-        the model in FP32; nothing otherwise."""
-        models = self._models
-        if self._masters.lent:  # FP32 values a model's state_dict() handed out: written since, they go to the model
-            self._masters.take_lent()
-        if models._device_pending or models._half_marks or models.loss_regions is not None:  # else nothing to do
-            models.before_forward()  # (O1 after its first forward: a call saved per step)
-        # O2: a registered optimizer given a group since its pairs were made (torch's add_param_group calls no hook;
-        # a head added with it is still FP32): its new parameters are prepared now, before this forward. Attribute
-        # reads and C calls per optimizer (pairs_key is None without masters). A group added in place of one removed
-        # (a head replaced: the same count) has a new list as the last group's. A schedule-free optimizer (train_modes
-        # noted at registration, else None) whose eval()/train() ran on the half parameters since: redone on the
-        # masters, so this forward runs at the point it asked for. Traced by dynamo (a model compiled after the
-        # Accelerate adapter's prepare), the groups guard on their count and the last group's list only: read from the
-        # optimizer's __dict__ (an attribute read of a torch optimizer's param_groups guards on every value of every
-        # group, as does a list's truth value: a scheduler's lr, a schedule-free step count was a recompile).
-        for state in self._machine.optimizers.values():
-            key = state.pairs_key
-            if key is not None and (opt := state.optimizer_ref()) is not None:
-                if (groups := opt.__dict__.get("param_groups")) is None:
-                    groups = opt.param_groups  # (a property: a wrapper's)
-                if len(groups) != len(key) or (
-                    len(groups) and groups[-1]["params"] is not state.last_params  # (none: Lightning's mock optimizer)
-                ):
-                    self._groups_changed(opt)
-            if state.train_modes is not None:
-                follow_modes(state, self._machine.masters.weights)
-        if models._other_marks:  # O1: a model made the other half dtype since prepare_model (model.half())
-            other = models.other_half
-            for _, param in models._other_marks.values():
-                if param.dtype is other:
-                    models.other_half_met()
-                    break
-        return self.policy.forward_scope() if self.policy is not None else contextlib.nullcontext()
-
-    def cast_inputs(self, data: Any) -> Any:
-        """Floating-point tensors in ``data`` (nested in lists, tuples, dicts) cast to half when the model is (not
-        under FSDP, whose root policy casts)."""
-        if not self.properties.casts_model or self._models.sharded:  # the part: dynamo cannot trace the property
-            return data
-        return cast_model_inputs(self.policy, data, self.properties.half_dtype)  # sources noted: casting.targets
-
-    def cast_outputs(self, data: Any) -> Any:
-        """Half tensors in ``data`` cast to FP32 when the model is half, so the loss is computed in FP32 (Apex); not
-        under FSDP, whose root policy casts."""
-        if not self.properties.casts_model or self._models.sharded:  # the part: dynamo cannot trace the property
-            return data
-        half = self.properties.half_dtype
-        if type(data) is torch.Tensor:  # _cast_collection's usual case, without its call
-            # Inside forward_context with only the policy's mode on (eager), the dtype read and the cast run with
-            # torch-function handling off, as in cast_inputs: the mode passes both through, a call each.
-            if (_stack_length() == 1 and getattr(_stack_at(0), "policy", None) is self.policy
-                    and not (_dynamo_compiling() or _COMPILER._is_compiling_flag)):
-                with _no_torch_function():
-                    return data.to(torch.float32) if data.dtype == half else data
-            return data.to(torch.float32) if data.dtype == half else data
-        return _cast_collection(data, torch.float32, (half,))
 
     # -- backward -----------------------------------------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor, loss_id: int = 0) -> torch.Tensor:

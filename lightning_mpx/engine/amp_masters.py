@@ -3,7 +3,8 @@ updates, the master of one parameter, a refresh from writes made to the half mod
 
 :class:`AmpMasters` is the base of :class:`~lightning_mpx.engine.amp.Amp` over the masters' read side; the masters
 themselves are owned by :class:`~lightning_mpx.masters.store.Masters` (``self._masters``), and the training calls
-(prepare, forward, backward, step, update) stay on :class:`~lightning_mpx.engine.amp.Amp`.
+(prepare, backward, step, update) stay on :class:`~lightning_mpx.engine.amp.Amp` (the forward on its base
+:class:`~lightning_mpx.engine.amp_forward.AmpForward`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 it reports, and the checkpoint of its state (what a run saves, loads, or takes over from the engine it replaces).
 
 :class:`AmpRecords` is the base of :class:`~lightning_mpx.engine.amp.Amp` that reads and writes what the parts have
-recorded; the engine's training calls (prepare, forward, backward, step, update) stay on :class:`Amp`.
+recorded; the engine's training calls (prepare, backward, step, update) stay on :class:`Amp` (the forward on
+:class:`~lightning_mpx.engine.amp_forward.AmpForward`).
 """
 
 from __future__ import annotations
