@@ -94,10 +94,17 @@ def test_o1_raw_step_after_a_clip_steps_true_gradients_as_fp32() -> None:
 
 
 def _shared(
-    sequence: tuple[str, ...], half: str | None, *, update: bool = True, level: str = "O2"
+    sequence: tuple[str, ...],
+    half: str | None,
+    *,
+    update: bool = True,
+    level: str = "O2",
+    iters: int = 3,
+    zero: bool = True,
 ) -> tuple[torch.Tensor, Amp | None]:
-    """The whole model's optimizer and the head's own (momentum), three iterations of ``sequence``; ``update=False``:
-    no ``amp.update()`` after the steps (Fabric's iteration ends at the next backward)."""
+    """The whole model's optimizer and the head's own (momentum), ``iters`` iterations of ``sequence``;
+    ``update=False``: no ``amp.update()`` after the steps (Fabric's iteration ends at the next backward);
+    ``zero=False``: the gradients never cleared (FP32 accumulates them over the iterations; test_review69a)."""
     torch.manual_seed(0)
     net: nn.Module = _Net()
     whole = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -108,7 +115,7 @@ def _shared(
         net = amp.prepare_model(net)
         whole, head = amp.prepare_optimizer(whole), amp.prepare_optimizer(head)
     opts = {"whole": whole, "head": head}
-    for x, y in _batches(3):
+    for x, y in _batches(iters):
         if amp is None:
             F.cross_entropy(net(x), y).backward()
         else:
@@ -134,8 +141,9 @@ def _shared(
                     p.grad = p.grad * 0.5
         if amp is not None and update:
             amp.update()
-        whole.zero_grad()
-        head.zero_grad()
+        if zero:
+            whole.zero_grad()
+            head.zero_grad()
     values = amp.fp32_state_dict(net) if amp is not None and level == "O2" else net.state_dict()
     return torch.cat([v.detach().float().flatten() for v in values.values()]), amp
 

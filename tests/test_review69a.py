@@ -18,47 +18,17 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from lightning_mpx import Amp
 from lightning_mpx.settings import MixedPrecisionSettings, ScalerSettings
 from tests.test_attack68b import _Net, _pair  # a trunk and a head; the whole model's optimizer and the head's
-from tests.test_review68a import _batches
+from tests.test_review68a import _batches, _shared  # the shared head's loop: a sequence of calls per iteration
 
 
 def _kept(sequence: tuple[str, ...], half: str | None, level: str = "O2", iters: int = 2) -> torch.Tensor:
     """The whole model's optimizer and the head's own (momentum); ``iters`` iterations of ``sequence`` after each
-    backward, the gradients never cleared (FP32 accumulates them)."""
-    torch.manual_seed(0)
-    net: nn.Module = _Net()
-    whole = torch.optim.SGD(net.parameters(), lr=0.1)
-    head = torch.optim.SGD(net.head.parameters(), lr=0.2, momentum=0.9)
-    amp = None
-    if half is not None:
-        amp = Amp(opt_level=level, half_dtype=half, init_scale=2.0**12)
-        net = amp.prepare_model(net)
-        whole, head = amp.prepare_optimizer(whole), amp.prepare_optimizer(head)
-    opts = {"whole": whole, "head": head}
-    for x, y in _batches(iters):
-        if amp is None:
-            F.cross_entropy(net(x), y).backward()
-        else:
-            with amp.forward_context():
-                loss = F.cross_entropy(net(amp.cast_inputs(x)).float(), y)
-            amp.backward(loss)
-        for call in sequence:
-            verb, name = call.split(" ")
-            if verb == "unscale" and amp is not None:
-                amp.unscale_(opts[name])
-            elif verb == "step":
-                amp.step(opts[name]) if amp is not None else opts[name].step()
-            elif verb == "clone":
-                for p in net.parameters():
-                    p.grad = p.grad.clone()
-        if amp is not None:
-            amp.update()
-    values = amp.fp32_state_dict(net) if amp is not None and level == "O2" else net.state_dict()
-    return torch.cat([v.detach().float().flatten() for v in values.values()])
+    backward, the gradients never cleared (FP32 accumulates them): test_review68a's loop, without its ``zero_grad``."""
+    return _shared(sequence, half, level=level, iters=iters, zero=False)[0]
 
 
 # -- 2. shared gradients kept across iterations, both optimizers unscaled --------------------------------------------
