@@ -1,8 +1,9 @@
-"""The settings every stateful (hypothesis ``RuleBasedStateMachine``) test of the suite runs with, and the checks that
-two runs' tensors and optimizer states are the same."""
+"""The settings every stateful (hypothesis ``RuleBasedStateMachine``) test of the suite runs with, the checks that
+two runs' tensors and optimizer states are the same, and a run's checkpoint saved and loaded back."""
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import torch
@@ -30,3 +31,15 @@ def assert_same_state(got: dict[str, Any], want: dict[str, Any]) -> None:
     for index, values in want["state"].items():
         assert values.keys() == got["state"][index].keys()
         assert_same([got["state"][index][k] for k in values], list(values.values()))
+
+
+def saved_and_loaded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, amp: Any = None) -> dict[str, Any]:
+    """A run's checkpoint (the model's and the optimizer's state dicts, and the engine's where ``amp`` is given) saved
+    with ``torch.save`` and loaded back, as a resumed run reads it (tests/test_stateful58.py, test_statekeys62.py)."""
+    saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    if amp is not None:
+        saved["amp"] = amp.state_dict()
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)

@@ -16,7 +16,6 @@ FP32 weights; the loss scale stays 1 (bfloat16's static scale).
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import pytest
@@ -27,7 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from torch import nn
 
 from lightning_mpx import Amp
-from tests.stateful_helpers import stateful_settings
+from tests.stateful_helpers import saved_and_loaded, stateful_settings
 from tests.test_accel57 import ScheduleFreeSGD
 
 HALF = torch.bfloat16
@@ -113,13 +112,7 @@ class _Run:
         return list(self.amp.fp32_state_dict(self.model).values())
 
     def checkpoint(self) -> dict[str, Any]:
-        saved = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
-        if self.amp is not None:
-            saved["amp"] = self.amp.state_dict()
-        buffer = io.BytesIO()
-        torch.save(saved, buffer)
-        buffer.seek(0)
-        return torch.load(buffer, weights_only=False)
+        return saved_and_loaded(self.model, self.opt, self.amp)
 
 
 def _close(got: list[torch.Tensor], want: list[torch.Tensor], start: list[torch.Tensor], what: str) -> None:

@@ -21,7 +21,6 @@ the half weights are the rounding of their masters; the masters track the twin's
 from __future__ import annotations
 
 import copy
-import io
 from typing import Any
 
 import pytest
@@ -33,7 +32,7 @@ from torch import nn
 
 from lightning_mpx import Amp
 from lightning_mpx.masters.state_keys import has_own_key
-from tests.stateful_helpers import stateful_settings
+from tests.stateful_helpers import saved_and_loaded, stateful_settings
 
 # The last layer frozen before prepare_model and unfrozen later (a drawn start) is warned about: its master starts
 # from its half rounding, which the twin starts from too.
@@ -112,13 +111,7 @@ class _Run:
         return [t.clone() for t in self.amp.fp32_state_dict(self.model).values()]
 
     def checkpoint(self) -> dict[str, Any]:
-        saved = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
-        if self.amp is not None:
-            saved["amp"] = self.amp.state_dict()
-        buffer = io.BytesIO()
-        torch.save(saved, buffer)
-        buffer.seek(0)
-        return torch.load(buffer, weights_only=False)
+        return saved_and_loaded(self.model, self.opt, self.amp)
 
 
 def _reset(state: Any, p: torch.Tensor, how: str) -> None:
