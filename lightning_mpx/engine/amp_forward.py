@@ -6,8 +6,9 @@ optimizer's mode redone on the masters) and the casts of what goes in and comes 
 
 :class:`AmpForward` is the base of :class:`~lightning_mpx.engine.amp.Amp` over the forward, between its masters' base
 (:class:`~lightning_mpx.engine.amp_masters.AmpMasters`) and the training calls that stay on :class:`Amp` (prepare,
-backward, step, update); every front door's forward runs through it (the Lightning and Fabric plugins, the Accelerate
-adapter, the HF Trainer's, the Apex layer's, a plain loop).
+backward, step, update). The Lightning and Fabric plugins and the Accelerate adapter (the HF Trainer's door too)
+enter :meth:`~AmpForward.forward_context` around each forward, as a plain loop does (the module's docstring of
+engine.amp).
 """
 
 from __future__ import annotations
