@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - an older or changed torch
         return False
 
 
-__all__ = ["clip_for_fabric", "note_unseen_clip"]
+__all__ = ["clip_for_fabric", "forget_unseen_reads", "note_unseen_clip"]
 
 # Lightning's own clip methods, which clip what main_params returns right after it (a strategy's override is not one)
 _CLIPS = {Strategy.clip_gradients_norm.__code__: "norm", Strategy.clip_gradients_value.__code__: "value"}
@@ -61,15 +61,36 @@ def clip_for_fabric(amp: Any, optimizer: torch.optim.Optimizer, caller: types.Fr
     return [stand_in]
 
 
-def note_unseen_clip(amp: Any, optimizer: torch.optim.Optimizer) -> None:
+def note_unseen_clip(amp: Any, optimizer: torch.optim.Optimizer) -> tuple[tuple[int, int] | None, ...]:
     """At O2, unsharded, the masters handed to a clip :func:`clip_for_fabric` does not make (a strategy's own
     ``clip_gradients_norm`` clipping ``precision.main_params``): noted as a clip of the masters' gradients of unknown
     extent (by value, without bound: a no-op where clips are applied), so that a write to the model's gradients
     before the step, made on the unclipped values the unscale showed, is refused at the step (it was overwritten by
-    the show there: lost, 7.5e-2 off FP32 in 3 steps, silently), naming the ways out."""
+    the show there: lost, 7.5e-2 off FP32 in 3 steps, silently), naming the ways out. Returns the masters' gradients'
+    identities and versions now, for :func:`forget_unseen_reads` at the step."""
     state = amp._machine.state(optimizer)
-    state.clips += (("value", None, math.inf),)
+    state.clips += (_UNSEEN,)
+    return _marks(amp.master_params(optimizer))
 
+
+def forget_unseen_reads(amp: Any, optimizer: torch.optim.Optimizer, marks: tuple[Any, ...] | None) -> None:
+    """At the step, before the plugin shows the masters' gradients on the model: where no master's gradient was
+    written or replaced since :func:`note_unseen_clip` handed them out (``marks``), what took them only read them
+    (the user's own ``main_params(optimizer)`` for a log, after ``fabric.clip_gradients``): its notes are dropped, so
+    that a write to the model's gradients since is taken, as under FP32 (it was refused, naming a clip never made).
+    A clip in place (torch's) or a replaced gradient moves the marks: the note stays and such a write is refused."""
+    if marks is None or _marks(amp.master_params(optimizer)) != marks:
+        return
+    state = amp._machine.state(optimizer)
+    state.clips = tuple(clip for clip in state.clips if clip is not _UNSEEN)
+
+
+def _marks(masters: list[torch.Tensor]) -> tuple[tuple[int, int] | None, ...]:
+    return tuple(None if (grad := master.grad) is None else (id(grad), grad._version) for master in masters)
+
+
+# note_unseen_clip's note (by value, without bound), told from others by identity
+_UNSEEN = ("value", None, math.inf)
 
 _GRAD, _DTYPE, _DEVICE = operator.attrgetter("grad"), operator.attrgetter("dtype"), operator.attrgetter("device")
 _SOME = functools.partial(operator.is_not, None)
