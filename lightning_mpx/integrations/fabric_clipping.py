@@ -41,8 +41,8 @@ def clip_for_fabric(amp: Any, optimizer: torch.optim.Optimizer, caller: types.Fr
     ``Strategy.clip_gradients_norm``/``clip_gradients_value`` (``caller``, the frame of ``main_params``'s caller):
     clip the masters' gradients with torch's clip and ``caller``'s arguments, show them on the model's half gradients
     (:meth:`~lightning_mpx.engine.amp.Amp.show_unscaled_on_model`), and return the stand-in Fabric's clip then clips:
-    one FP32 tensor whose gradient is the norm (torch's norm of one element is its absolute value, exactly for the 1-,
-    2- and infinity norms) or zero (by value). ``None`` elsewhere: the masters are handed to Fabric's clip as before."""
+    one FP32 tensor whose gradient is the norm (torch's norm of one element is its absolute value, exactly for every
+    p-norm and the infinity norms) or zero (by value); for the 0-"norm" as many ones as it counts. ``None`` elsewhere: the masters are handed to Fabric's clip as before."""
     kind = _CLIPS.get(caller.f_code)
     if kind is None:
         return None
@@ -58,7 +58,18 @@ def clip_for_fabric(amp: Any, optimizer: torch.optim.Optimizer, caller: types.Fr
     device = masters[0].device if masters else torch.device("cpu")
     stand_in = torch.zeros(1, device=device)
     stand_in.grad = torch.zeros(1, device=device) if norm is None else norm.detach().reshape(1).to(device).clone()
+    if norm is not None and args["norm_type"] == 0 and bool(norm > 1):
+        # the "0-norm" (how many gradients hold a non-zero: torch's norm of the per-tensor counts) of one element is
+        # 1, not the norm: as many stand-ins as that count, each whose gradient is 1 (it returned 1.0 where "bf16-mixed"
+        # returns 4.0; a host read, for this norm type only)
+        return [_one(device) for _ in range(int(norm))]
     return [stand_in]
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    tensor = torch.zeros(1, device=device)
+    tensor.grad = torch.ones(1, device=device)
+    return tensor
 
 
 def note_unseen_clip(amp: Any, optimizer: torch.optim.Optimizer) -> tuple[tuple[int, int] | None, ...]:
