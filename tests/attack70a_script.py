@@ -4,8 +4,8 @@ per case, its norms, skips and final weights (the masters at O2); the references
 
 * ``ddp_super/O2``: a ``DDPStrategy`` subclass whose ``clip_gradients_norm`` calls ``super()`` (its frame is not
   Lightning's: the plugin tells Lightning's clip by its code object);
-* ``ddp_read/O2``: Fabric's ``"ddp"``, the user's own read of ``mpx.main_params(optimizer)`` after the clip (a log of the
-  masters' norms) before the write;
+* ``ddp_read/O2``: Fabric's ``"ddp"``, the user's own read of ``mpx.main_params(optimizer)`` after the clip (a log of
+  the masters' norms) before the write;
 * ``ddp_own/O2``: a ``DDPStrategy`` subclass that clips ``precision.main_params`` itself: the write is refused at the
   step, on every rank (no rank left waiting in a collective);
 * ``ref_ddp``: the same steps in FP32 on both ranks' batches (the overflow step left out);

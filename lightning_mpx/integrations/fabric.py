@@ -348,6 +348,8 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         """
         if not (self._modules.data or self._optimizers.data):  # sets: no call per step
             raise RuntimeError(_BEFORE_SETUP)
+        if self._clipping.data:  # main_params handed out and no step since: reads only, a write is taken
+            forget_unseen_reads(self.amp, self._clipping)
         self._begin()
         if not args and not torch._C._len_torch_function_stack() and not any(
             map(torch.is_autocast_enabled, AUTOCAST_DEVICES)
@@ -391,7 +393,7 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         if self._clipping.data and weakref.ref(optimizer) in self._clipping.data:
             # O2: fabric.clip_gradients clipped the masters' gradients with torch's clip, which the engine does not
             # see: the model's get the clipped values, what a step leaves for a loop that keeps its gradients.
-            forget_unseen_reads(self.amp, optimizer, self._clipping.pop(optimizer, None))
+            forget_unseen_reads(self.amp, self._clipping, optimizer)
             self.amp.show_unscaled_on_model(optimizer)
         self.amp.step(optimizer, **kwargs)
         # What the optimizer's step returned, as "bf16-mixed" returns it (None on a step skipped on the host, as
@@ -449,13 +451,14 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
                 lenient = sys._getframe(1).f_locals.get("error_if_nonfinite") is False
                 return iter(_nothing_to_clip(found.device, self._non_finite_norm(optimizer) if lenient else None))
         if self.amp.properties.master_weights and self.amp.is_unscaled(optimizer):
+            marks = None
             if not self.amp.sharded:  # Fabric's clip: made here and shown on the model at once (fabric_clipping)
                 clipped = clip_for_fabric(self.amp, optimizer, sys._getframe(1))
                 if clipped is not None:
                     return iter(clipped)
-                # a strategy's own clip: a write after it refused, not lost (a read only: taken, at the step)
-                self._clipping.setdefault(optimizer, note_unseen_clip(self.amp, optimizer))
-            self._clipping.setdefault(optimizer, None)
+                # a strategy's own clip: a write after it refused, not lost (a read only: taken at the step)
+                marks = note_unseen_clip(self.amp, optimizer)
+            self._clipping.setdefault(optimizer, marks)
         return iter(self.amp.master_params(optimizer))
 
     def _non_finite_norm(self, optimizer: Optimizer) -> torch.Tensor:

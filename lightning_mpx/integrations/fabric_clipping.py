@@ -17,6 +17,7 @@ import functools
 import math
 import operator
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -42,7 +43,8 @@ def clip_for_fabric(amp: Any, optimizer: torch.optim.Optimizer, caller: types.Fr
     clip the masters' gradients with torch's clip and ``caller``'s arguments, show them on the model's half gradients
     (:meth:`~lightning_mpx.engine.amp.Amp.show_unscaled_on_model`), and return the stand-in Fabric's clip then clips:
     one FP32 tensor whose gradient is the norm (torch's norm of one element is its absolute value, exactly for every
-    p-norm and the infinity norms) or zero (by value); for the 0-"norm" as many ones as it counts. ``None`` elsewhere: the masters are handed to Fabric's clip as before."""
+    p-norm and the infinity norms) or zero (by value); for the 0-"norm" as many ones as it counts. ``None``
+    elsewhere: the masters are handed to Fabric's clip as before."""
     kind = _CLIPS.get(caller.f_code)
     if kind is None:
         return None
@@ -84,16 +86,23 @@ def note_unseen_clip(amp: Any, optimizer: torch.optim.Optimizer) -> tuple[tuple[
     return _marks(amp.master_params(optimizer))
 
 
-def forget_unseen_reads(amp: Any, optimizer: torch.optim.Optimizer, marks: tuple[Any, ...] | None) -> None:
-    """At the step, before the plugin shows the masters' gradients on the model: where no master's gradient was
-    written or replaced since :func:`note_unseen_clip` handed them out (``marks``), what took them only read them
-    (the user's own ``main_params(optimizer)`` for a log, after ``fabric.clip_gradients``): its notes are dropped, so
-    that a write to the model's gradients since is taken, as under FP32 (it was refused, naming a clip never made).
-    A clip in place (torch's) or a replaced gradient moves the marks: the note stays and such a write is refused."""
-    if marks is None or _marks(amp.master_params(optimizer)) != marks:
-        return
-    state = amp._machine.state(optimizer)
-    state.clips = tuple(clip for clip in state.clips if clip is not _UNSEEN)
+def forget_unseen_reads(
+    amp: Any, handed: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any], optimizer: Any = None
+) -> None:
+    """At ``optimizer``'s step (before the plugin shows the masters' gradients on the model) or, with no
+    ``optimizer``, at a backward before any step (for every optimizer): where no master's gradient was written or
+    replaced since :func:`note_unseen_clip` handed them out (the marks ``handed`` holds, taken out of it), what took
+    them only read them (the user's own ``main_params(optimizer)`` for a log, after ``fabric.clip_gradients``): its
+    notes are dropped, so that a write to the model's gradients since is taken, as under FP32 (it was refused, naming
+    a clip never made). A clip in place (torch's) or a replaced gradient moves the marks: the note stays and such a
+    write is refused."""
+    taken = [(optimizer, handed.pop(optimizer, None))] if optimizer is not None else list(handed.items())
+    if optimizer is None:
+        handed.clear()
+    for each, marks in taken:
+        if marks is not None and _marks(amp.master_params(each)) == marks:
+            state = amp._machine.state(each)
+            state.clips = tuple(clip for clip in state.clips if clip is not _UNSEEN)
 
 
 def _marks(masters: list[torch.Tensor]) -> tuple[tuple[int, int] | None, ...]:
