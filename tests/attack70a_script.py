@@ -11,7 +11,9 @@ per case, its norms, skips and final weights (the masters at O2); the references
 * ``ref_ddp``: the same steps in FP32 on both ranks' batches (the overflow step left out);
 * ``fsdp2/O1`` and ``fsdp1/O1``: ``ModelParallelStrategy`` (``shard_model``) and ``FSDPStrategy``, an inf written into
   rank 1's shard of a gradient at :data:`INF_AT`, the clip with ``error_if_nonfinite=False``, the write, the step;
-  ``ref_sharded``: those steps unsharded in FP32 on the global batch (tests/fsdp_clip54_script.py's model and data).
+  ``ref_sharded``: those steps unsharded in FP32 on the global batch (tests/fsdp_clip54_script.py's model and data);
+* ``trainer/O2`` and ``trainer/16-mixed``: the Trainer under DDP reading Lightning's ``grad_norm`` in
+  ``on_before_optimizer_step`` (clipping, accumulating over 3 batches, rank 1 overflowing once).
 """
 
 from __future__ import annotations
@@ -145,6 +147,49 @@ def _ref_sharded() -> dict[str, Any]:
     return {"norms": norms, "final": weights(model)}
 
 
+def _trainer(precision: str) -> dict[str, Any]:
+    """The Trainer under DDP, float16, ``gradient_clip_val`` and ``accumulate_grad_batches=3``, Lightning's
+    ``grad_norm(self, 2)`` read in ``on_before_optimizer_step``; rank 1's batch 4 overflows (the second step skipped
+    on both ranks). ``precision``: O2, or Lightning's ``MixedPrecision("16-mixed")`` with a CPU ``GradScaler``."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from lightning.pytorch.utilities import grad_norm
+
+    from lightning_mpx import MixedPrecisionPlugin
+
+    class Logged(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _net()
+            self.norms: list[float] = []
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            x, y = batch
+            if index == 4 and self.global_rank == 1:
+                x = x * 1e6
+            return F.cross_entropy(self.net(x * 4).float(), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            self.norms.append(float(grad_norm(self, 2)["grad_2.0_norm_total"]))
+
+    if precision == "16-mixed":
+        plugin: Any = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))
+    else:
+        plugin = MixedPrecisionPlugin(precision, half_dtype="float16", init_scale=2.0**8)
+    module = Logged()
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         plugins=[plugin], gradient_clip_val=0.5, accumulate_grad_batches=3)  # fmt: skip
+    xs = torch.cat([_batch(i, 0)[0] for i in range(9)] + [_batch(i, 1)[0] for i in range(9)])
+    ys = torch.cat([_batch(i, 0)[1] for i in range(9)] + [_batch(i, 1)[1] for i in range(9)])
+    trainer.fit(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=4))
+    values = plugin.amp.fp32_state_dict(module) if precision == "O2" else module.state_dict()
+    return {"norms": module.norms, "final": _flat(values.values())}
+
+
 def _quiet(run: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
     def case() -> dict[str, Any]:
         with warnings.catch_warnings():
@@ -161,6 +206,10 @@ CASES = {
     "ref_ddp": _quiet(_ref_ddp),
     **{f"{strategy}/O1": _quiet(lambda strategy=strategy: _sharded(strategy)) for strategy in ("fsdp2", "fsdp1")},
     "ref_sharded": _quiet(_ref_sharded),
+    **{
+        f"trainer/{precision}": _quiet(lambda precision=precision: _trainer(precision))
+        for precision in ("O2", "16-mixed")
+    },
 }
 
 

@@ -34,7 +34,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
@@ -42,7 +41,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import SingleDeviceStrategy
 from torch import nn
 
-from lightning_mpx import FabricMixedPrecisionPlugin, MixedPrecisionPlugin
+from lightning_mpx import FabricMixedPrecisionPlugin
 from tests.launch import case_results
 
 
@@ -178,57 +177,6 @@ def test_fabric_o2_the_model_gradients_after_a_strategys_own_clip_read_clipped()
     torch.testing.assert_close(_read_after_own_clip("O2"), _read_after_own_clip("32-true"), rtol=1e-2, atol=0)
 
 
-# -- the Trainer: Lightning's grad_norm in on_before_optimizer_step, against "16-mixed"'s GradScaler -----------------
-class _Logged(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = _net()
-        self.norms: list[float] = []
-
-    def training_step(self, batch: Any, index: int) -> torch.Tensor:
-        x, y = batch
-        if index == 4:
-            x = x * 1e6  # float16 overflows at any scale: that step skipped
-        return F.mse_loss(self.net(x).float(), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def on_before_optimizer_step(self, optimizer: Any) -> None:
-        from lightning.pytorch.utilities import grad_norm
-
-        self.norms.append(float(grad_norm(self, 2)["grad_2.0_norm_total"]))
-
-
-def _trainer(precision: str) -> tuple[torch.Tensor, list[float]]:
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
-    model = _Logged()
-    if precision == "16-mixed":  # on CPU the string becomes "bf16-mixed": the float16 plugin built by hand
-        plugin: Any = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))
-    else:
-        plugin = MixedPrecisionPlugin(precision, half_dtype="float16", init_scale=2.0**8)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, plugins=[plugin],
-                         gradient_clip_val=0.5, accumulate_grad_batches=3)  # fmt: skip
-    g = torch.Generator().manual_seed(1)
-    data = torch.utils.data.TensorDataset(torch.randn(36, 6, generator=g) * 4, torch.randn(36, 3, generator=g))
-    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
-    values = plugin.amp.fp32_state_dict(model) if isinstance(plugin, MixedPrecisionPlugin) else model.state_dict()
-    return _flat(values.values()), model.norms
-
-
-def test_trainer_o2_grad_norm_in_on_before_optimizer_step_reads_16_mixeds_norms() -> None:
-    """O2 float16, ``gradient_clip_val`` and ``accumulate_grad_batches=3``: Lightning's ``grad_norm(self, 2)`` in
-    ``on_before_optimizer_step`` reads the unscaled, unclipped norms ``"16-mixed"``'s ``GradScaler`` shows (the
-    overflow step's NaN at the same step), and the weights are its."""
-    got, got_norms = _trainer("O2")
-    want, want_norms = _trainer("16-mixed")
-    assert len(got_norms) == len(want_norms) == 3 and math.isnan(got_norms[1]) and math.isnan(want_norms[1])
-    torch.testing.assert_close(torch.tensor(got_norms), torch.tensor(want_norms), rtol=2e-3, atol=0, equal_nan=True)
-    assert (got - want).abs().max() < 1e-4
-
-
 # -- two ranks, ONE launch (tests/attack70a_script.py) ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
@@ -272,3 +220,17 @@ def test_sharded_fabric_o1_clip_then_a_write_with_an_overflow_on_one_rank_trains
         assert out["final"] == ranks[0][f"{strategy}/O1"]["final"]
         assert (torch.tensor(out["final"]) - torch.tensor(ref["final"])).abs().max() < 1e-3
         torch.testing.assert_close([out["norms"][0], out["norms"][2]], ref["norms"], rtol=2e-3, atol=0)
+
+
+def test_ddp_trainer_o2_grad_norm_in_on_before_optimizer_step_reads_16_mixeds_norms(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """The Trainer under DDP, O2 float16, ``gradient_clip_val`` and ``accumulate_grad_batches=3``, rank 1 overflowing
+    once: Lightning's ``grad_norm(self, 2)`` in ``on_before_optimizer_step`` reads the unscaled, unclipped norms
+    ``"16-mixed"``'s ``GradScaler`` shows (NaN at the same step, on both ranks), and the weights are its."""
+    for rank in ranks:
+        got, want = rank["trainer/O2"], rank["trainer/16-mixed"]
+        assert len(got["norms"]) == 3 and math.isnan(got["norms"][1]) and math.isnan(want["norms"][1])
+        assert got == ranks[0]["trainer/O2"]
+        torch.testing.assert_close(got["norms"], want["norms"], rtol=2e-3, atol=0, equal_nan=True)
+        assert (torch.tensor(got["final"]) - torch.tensor(want["final"])).abs().max() < 1e-4
