@@ -142,6 +142,20 @@ def test_fabric_o2_a_strategy_calling_super_then_a_write_trains_as_fp32(norm_typ
         torch.testing.assert_close(n, m, rtol=1e-2, atol=0)
 
 
+def test_fabric_o2_an_optimizer_never_set_up_clipped_then_stepped_is_refused_naming_fabrics_call() -> None:
+    """``fabric.setup_module(model)`` and a torch optimizer never given to Fabric: ``fabric.clip_gradients`` with it
+    registers it, and its own ``step()`` is refused (O2: it would step the half parameters). The error named the
+    core's ``amp.step``, the Trainer's and Accelerate's doors, not Fabric's; it names ``fabric.setup_optimizers()``."""
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricMixedPrecisionPlugin("O2", half_dtype="bfloat16")])
+    net = _net()
+    model = fabric.setup_module(net)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    fabric.backward(F.mse_loss(model(torch.randn(4, 6)).float(), torch.zeros(4, 3)))
+    fabric.clip_gradients(model, optimizer, max_norm=0.3)
+    with pytest.raises(RuntimeError, match=r"with Fabric, the optimizer fabric\.setup\(\) or fabric\.setup_optimizers"):
+        optimizer.step()
+
+
 class _OwnClip(SingleDeviceStrategy):
     """The user's strategy that clips ``precision.main_params`` itself (not through ``super()``)."""
 
