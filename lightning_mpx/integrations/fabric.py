@@ -98,7 +98,11 @@ from lightning_mpx.casting.checkpointing import builds_graph  # noqa: E402
 from lightning_mpx.casting.policy import casts_off_if_on as _casts_off  # noqa: E402
 from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
 from lightning_mpx.integrations.fabric_bookkeeping import FabricBookkeeping  # noqa: E402
-from lightning_mpx.integrations.fabric_clipping import clip_for_fabric, note_unseen_clip  # noqa: E402
+from lightning_mpx.integrations.fabric_clipping import (  # noqa: E402
+    clip_for_fabric,
+    forget_unseen_reads,
+    note_unseen_clip,
+)
 from lightning_mpx.integrations.fabric_generate import install_generate  # noqa: E402
 from lightning_mpx.integrations.fabric_sharding import (  # noqa: E402
     clipped_together,
@@ -168,7 +172,8 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         # (fabric_sharding.fsdp1_wrapper): held until the first call after fabric.setup, then let go.
         self._setups: list[tuple[weakref.ref[nn.Module], FrameType]] = []
         self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
-        self._clipping: weakref.WeakSet[Optimizer] = weakref.WeakSet()  # main_params handed out since the unscale
+        # main_params handed out since the unscale: the masters' gradients' marks then (fabric_clipping), or None
+        self._clipping: weakref.WeakKeyDictionary[Optimizer, Any] = weakref.WeakKeyDictionary()
         # Each converted model's FSDP1 wrapper (FSDPStrategy), found at the first call after fabric.setup.
         self._wrappers: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = weakref.WeakKeyDictionary()
         self._held = self.amp._checkpoint.held  # the engine's: masters a loaded entry left to the model's entry
@@ -343,6 +348,8 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         """
         if not (self._modules.data or self._optimizers.data):  # sets: no call per step
             raise RuntimeError(_BEFORE_SETUP)
+        if self._clipping.data:  # main_params handed out and no step since: reads only, a write is taken
+            forget_unseen_reads(self.amp, self._clipping)
         self._begin()
         if not args and not torch._C._len_torch_function_stack() and not any(
             map(torch.is_autocast_enabled, AUTOCAST_DEVICES)
@@ -386,7 +393,7 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         if self._clipping.data and weakref.ref(optimizer) in self._clipping.data:
             # O2: fabric.clip_gradients clipped the masters' gradients with torch's clip, which the engine does not
             # see: the model's get the clipped values, what a step leaves for a loop that keeps its gradients.
-            self._clipping.discard(optimizer)
+            forget_unseen_reads(self.amp, self._clipping, optimizer)
             self.amp.show_unscaled_on_model(optimizer)
         self.amp.step(optimizer, **kwargs)
         # What the optimizer's step returned, as "bf16-mixed" returns it (None on a step skipped on the host, as
@@ -444,12 +451,14 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
                 lenient = sys._getframe(1).f_locals.get("error_if_nonfinite") is False
                 return iter(_nothing_to_clip(found.device, self._non_finite_norm(optimizer) if lenient else None))
         if self.amp.properties.master_weights and self.amp.is_unscaled(optimizer):
+            marks = None
             if not self.amp.sharded:  # Fabric's clip: made here and shown on the model at once (fabric_clipping)
                 clipped = clip_for_fabric(self.amp, optimizer, sys._getframe(1))
                 if clipped is not None:
                     return iter(clipped)
-                note_unseen_clip(self.amp, optimizer)  # a strategy's own clip: a write after it refused, not lost
-            self._clipping.add(optimizer)
+                # a strategy's own clip: a write after it refused, not lost (a read only: taken at the step)
+                marks = note_unseen_clip(self.amp, optimizer)
+            self._clipping.setdefault(optimizer, marks)
         return iter(self.amp.master_params(optimizer))
 
     def _non_finite_norm(self, optimizer: Optimizer) -> torch.Tensor:

@@ -17,6 +17,7 @@ import functools
 import math
 import operator
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ except ImportError:  # pragma: no cover - an older or changed torch
         return False
 
 
-__all__ = ["clip_for_fabric", "note_unseen_clip"]
+__all__ = ["clip_for_fabric", "forget_unseen_reads", "note_unseen_clip"]
 
 # Lightning's own clip methods, which clip what main_params returns right after it (a strategy's override is not one)
 _CLIPS = {Strategy.clip_gradients_norm.__code__: "norm", Strategy.clip_gradients_value.__code__: "value"}
@@ -41,8 +42,9 @@ def clip_for_fabric(amp: Any, optimizer: torch.optim.Optimizer, caller: types.Fr
     ``Strategy.clip_gradients_norm``/``clip_gradients_value`` (``caller``, the frame of ``main_params``'s caller):
     clip the masters' gradients with torch's clip and ``caller``'s arguments, show them on the model's half gradients
     (:meth:`~lightning_mpx.engine.amp.Amp.show_unscaled_on_model`), and return the stand-in Fabric's clip then clips:
-    one FP32 tensor whose gradient is the norm (torch's norm of one element is its absolute value, exactly for the 1-,
-    2- and infinity norms) or zero (by value). ``None`` elsewhere: the masters are handed to Fabric's clip as before."""
+    one FP32 tensor whose gradient is the norm (torch's norm of one element is its absolute value, exactly for every
+    p-norm and the infinity norms) or zero (by value); for the 0-"norm" as many ones as it counts. ``None``
+    elsewhere: the masters are handed to Fabric's clip as before."""
     kind = _CLIPS.get(caller.f_code)
     if kind is None:
         return None
@@ -58,18 +60,57 @@ def clip_for_fabric(amp: Any, optimizer: torch.optim.Optimizer, caller: types.Fr
     device = masters[0].device if masters else torch.device("cpu")
     stand_in = torch.zeros(1, device=device)
     stand_in.grad = torch.zeros(1, device=device) if norm is None else norm.detach().reshape(1).to(device).clone()
+    if norm is not None and args["norm_type"] == 0 and bool(norm > 1):
+        # the "0-norm" (how many gradients hold a non-zero: torch's norm of the per-tensor counts) of one element is
+        # 1, not the norm: as many stand-ins as that count, each whose gradient is 1 (it returned 1.0 where "bf16-mixed"
+        # returns 4.0; a host read, for this norm type only)
+        return [_one(device) for _ in range(int(norm))]
     return [stand_in]
 
 
-def note_unseen_clip(amp: Any, optimizer: torch.optim.Optimizer) -> None:
+def _one(device: torch.device) -> torch.Tensor:
+    tensor = torch.zeros(1, device=device)
+    tensor.grad = torch.ones(1, device=device)
+    return tensor
+
+
+def note_unseen_clip(amp: Any, optimizer: torch.optim.Optimizer) -> tuple[tuple[int, int] | None, ...]:
     """At O2, unsharded, the masters handed to a clip :func:`clip_for_fabric` does not make (a strategy's own
     ``clip_gradients_norm`` clipping ``precision.main_params``): noted as a clip of the masters' gradients of unknown
     extent (by value, without bound: a no-op where clips are applied), so that a write to the model's gradients
     before the step, made on the unclipped values the unscale showed, is refused at the step (it was overwritten by
-    the show there: lost, 7.5e-2 off FP32 in 3 steps, silently), naming the ways out."""
+    the show there: lost, 7.5e-2 off FP32 in 3 steps, silently), naming the ways out. Returns the masters' gradients'
+    identities and versions now, for :func:`forget_unseen_reads` at the step."""
     state = amp._machine.state(optimizer)
-    state.clips += (("value", None, math.inf),)
+    state.clips += (_UNSEEN,)
+    return _marks(amp.master_params(optimizer))
 
+
+def forget_unseen_reads(
+    amp: Any, handed: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any], optimizer: Any = None
+) -> None:
+    """At ``optimizer``'s step (before the plugin shows the masters' gradients on the model) or, with no
+    ``optimizer``, at a backward before any step (for every optimizer): where no master's gradient was written or
+    replaced since :func:`note_unseen_clip` handed them out (the marks ``handed`` holds, taken out of it), what took
+    them only read them (the user's own ``main_params(optimizer)`` for a log, after ``fabric.clip_gradients``): its
+    notes are dropped, so that a write to the model's gradients since is taken, as under FP32 (it was refused, naming
+    a clip never made). A clip in place (torch's) or a replaced gradient moves the marks: the note stays and such a
+    write is refused."""
+    taken = [(optimizer, handed.pop(optimizer, None))] if optimizer is not None else list(handed.items())
+    if optimizer is None:
+        handed.clear()
+    for each, marks in taken:
+        if marks is not None and _marks(amp.master_params(each)) == marks:
+            state = amp._machine.state(each)
+            state.clips = tuple(clip for clip in state.clips if clip is not _UNSEEN)
+
+
+def _marks(masters: list[torch.Tensor]) -> tuple[tuple[int, int] | None, ...]:
+    return tuple(None if (grad := master.grad) is None else (id(grad), grad._version) for master in masters)
+
+
+# note_unseen_clip's note (by value, without bound), told from others by identity
+_UNSEEN = ("value", None, math.inf)
 
 _GRAD, _DTYPE, _DEVICE = operator.attrgetter("grad"), operator.attrgetter("dtype"), operator.attrgetter("device")
 _SOME = functools.partial(operator.is_not, None)

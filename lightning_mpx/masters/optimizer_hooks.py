@@ -130,7 +130,8 @@ class MasterHooks:
                 "outside Amp.step(): its groups hold the half model parameters and their gradients are still "
                 "scaled. Call amp.step(optimizer) instead (the Lightning plugin and the Accelerate adapter do; in a "
                 "LightningModule's manual optimization, step the optimizer that self.optimizers() returns, not "
-                "self.optimizers(use_pl_optimizer=False), whose step bypasses the plugin)."
+                "self.optimizers(use_pl_optimizer=False), whose step bypasses the plugin; with Fabric, the optimizer "
+                "fabric.setup() or fabric.setup_optimizers() returned)."
             )
 
 
