@@ -410,3 +410,54 @@ def test_apex_hand_weight_decay_between_blocks_and_a_checkpoint_inside_the_accum
     resumed, resumed_scale, _ = _apex(level, resume=saved)
     assert (whole - want).abs().max() < 2e-3
     assert scale == resumed_scale == 2.0**15 and torch.equal(resumed, whole)
+
+
+# -- 7. gaps left (strict xfails) ------------------------------------------------------------------------------------
+def _clip_one_write_other(level: str) -> tuple[float, torch.Tensor]:
+    """Two prepared models with an optimizer each (float16, a static scale of 2**10; ``"no"``: Accelerate's FP32), one
+    backward through both, ``clip_grad_norm_`` of the body's parameters, then a read and a write (``+ 0.01``) of the
+    head's gradient and both steps: the norm read, the head's FP32 weight. (Accelerate's own ``"fp16"`` reads the head's
+    true gradient there too, but is no reference for the weights: its first optimizer's step updates the scaler, and
+    the second then unscales again, by the new scale.)"""
+    import accelerate
+
+    from lightning_mpx.accelerate import Accelerator, MixedPrecisionKwargs
+    from tests.accelerate_helpers import accelerate_state_reset
+
+    with accelerate_state_reset():
+        torch.manual_seed(0)
+        body, head = nn.Linear(4, 8), nn.Linear(8, 2)
+        opts = [torch.optim.SGD(body.parameters(), lr=0.1), torch.optim.SGD(head.parameters(), lr=0.1)]
+        if level == "no":
+            acc = accelerate.Accelerator(mixed_precision="no", cpu=True)
+        else:
+            kwargs = MixedPrecisionKwargs(half_dtype="float16", loss_scale=1024.0)
+            acc = Accelerator(mixed_precision=level, cpu=True, kwargs_handlers=[kwargs])
+        body, head, *opts = acc.prepare(body, head, *opts)
+        acc.backward(head(body(torch.randn(5, 4, generator=torch.Generator().manual_seed(1)))).float().square().mean())
+        acc.clip_grad_norm_(body.parameters(), 10.0)
+        read = head.weight.grad.float().norm().item()
+        head.weight.grad.add_(0.01)
+        for opt in opts:
+            opt.step()
+        weight = (acc.get_state_dict(head) if level != "no" else head.state_dict())["weight"].float()
+    return read, weight
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="attack70b: accelerator.clip_grad_norm_/clip_grad_value_ unscale only the optimizers that train the "
+    "parameters clipped, where Accelerate's own clip calls unscale_gradients() of every optimizer. After a clip of one "
+    "model's parameters another optimizer's gradients are still scaled: a read gives 1024x (740 where FP32 and 'fp16' "
+    "read 0.72) and an additive write (+ 0.01, noise) is divided by the scale at its step (lost: 1e-3 off FP32 in one "
+    "step), O1 and O2, silently (with bfloat16's default scale of 1 nothing differs). Way out: "
+    "accelerator.unscale_gradients() before the clip (then 1.5e-5 off FP32). Unscaling every optimizer at each clip "
+    "would change a GAN loop's per-step work (the other model's gradients unscaled, then scaled back at its backward)",
+)
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_accelerate_clip_of_one_optimizers_parameters_unscales_the_others_as_accelerate(level: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (got_read, got), (want_read, want) = _clip_one_write_other(level), _clip_one_write_other("no")
+    assert got_read == pytest.approx(want_read, rel=1e-2)
+    assert (got - want).abs().max() < 1e-4
