@@ -103,10 +103,10 @@ def unscale_grads_(
             only read.
         compute_norm: Return the global L2 norm of the unscaled gradients (before any clipping).
         max_norm: Also clip the unscaled gradients to this global L2 norm, as ``torch.nn.utils.clip_grad_norm_``
-            does (bit for bit), except when the norm is not finite: the gradients are then unscaled but not
+            does (bit for bit), except on an overflow (``found_inf`` set): the gradients are then unscaled but not
             clipped (the step is skipped anyway), where torch's clip would make zeros of the finite values and NaN
-            of the infinite ones, hiding which kind of value overflowed from the overflow record; implies
-            ``compute_norm``.
+            of the infinite ones, hiding which kind of value overflowed from the overflow record. An infinite norm
+            of finite gradients (their squares overflow FP32) is torch's: coefficient 0. Implies ``compute_norm``.
         backend: ``"auto"``, ``"foreach"``, ``"reference"`` or ``"triton"``.
         workspace: Where the ``"triton"`` backend keeps its tables across calls; pass the same one every step
             (without one, the tables are rebuilt on every call).
