@@ -461,3 +461,22 @@ def test_accelerate_clip_of_one_optimizers_parameters_unscales_the_others_as_acc
         (got_read, got), (want_read, want) = _clip_one_write_other(level), _clip_one_write_other("no")
     assert got_read == pytest.approx(want_read, rel=1e-2)
     assert (got - want).abs().max() < 1e-4
+
+
+def test_core_o2_write_after_a_clip_that_zeroed_huge_gradients_is_refused() -> None:
+    """After ``amp.unscale_`` showed gradients of about 3e19 on the model, the engine's clip zeroed the masters' (an
+    infinite norm of finite gradients: torch's coefficient 0), so a write to the model's gradients (made on the
+    unclipped values) is refused at the step, as after any clip that bites; it was let through as a clip that changed
+    nothing (its coefficient read as 1 for a non-finite norm) and the step applied the write: weights of 1.5e18."""
+    from lightning_mpx import Amp
+
+    amp = Amp(opt_level="O2", half_dtype="bfloat16", loss_scale=1.0)
+    model = amp.prepare_model(nn.Linear(4, 2))
+    opt = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    amp.backward(model(torch.full((3, 4), 1e19).bfloat16()).float().sum())
+    amp.unscale_(opt)
+    amp.clip_grad_norm_(opt, 1.0)
+    for p in model.parameters():
+        p.grad.mul_(0.5)
+    with pytest.raises(RuntimeError, match=r"show_unscaled_on_model"):
+        amp.step(opt)
