@@ -86,6 +86,49 @@ def test_engine_clip_on_an_overflow_still_leaves_the_gradients_for_the_record() 
     assert not amp.step(opt)
 
 
+def _trainer_bad_batch(level: str) -> tuple[torch.Tensor, list[float]]:
+    """Three SGD steps of the Trainer (``bf16=True``, or the door at ``level``, bfloat16's static scale of 1) with
+    ``max_grad_norm=1.0``, the second batch's labels at 1e25 (a bad batch: finite gradients, an infinite norm): the
+    FP32 weights and the logged ``grad_norm``."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_mpx.accelerate import MixedPrecisionKwargs, mpx_trainer
+    from tests.accelerate_helpers import accelerate_state_reset
+
+    g = torch.Generator().manual_seed(5)
+    data = [{"x": torch.randn(8, generator=g), "labels": torch.randn(4, generator=g) * (1e25 if 4 <= i < 8 else 1.0)}
+            for i in range(12)]  # fmt: skip
+    torch.manual_seed(0)
+    model = _Labelled()
+    with accelerate_state_reset():
+        args = transformers.TrainingArguments(
+            tempfile.mkdtemp(), report_to=[], use_cpu=True, max_steps=3, save_strategy="no", logging_steps=1,
+            per_device_train_batch_size=4, learning_rate=0.1, optim="sgd", lr_scheduler_type="constant",
+            disable_tqdm=True, bf16=level == "bf16", max_grad_norm=1.0,
+        )  # fmt: skip
+        if level == "bf16":
+            trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+        else:
+            mpx = MixedPrecisionKwargs(half_dtype="bfloat16")
+            trainer = mpx_trainer(transformers.Trainer)(model=model, args=args, train_dataset=data, opt_level=level,
+                                                         mpx_kwargs=mpx)  # fmt: skip
+        trainer.train()
+        amp = getattr(trainer.accelerator, "amp", None)
+        state = amp.fp32_state_dict(model) if amp is not None else model.state_dict()
+        norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    return _flat(state.values()), norms
+
+
+def test_trainer_o2_bad_batch_under_max_grad_norm_trains_on_as_bf16() -> None:
+    """A batch whose gradients are finite but whose norm is not (labels at 1e25) under ``max_grad_norm=1.0``:
+    ``bf16=True``'s clip zeroes them and trains on; the door's applied them unclipped, and the next step's gradients
+    overflowed at bfloat16's static scale: ``LossScaleFloorError``, the run stopped. Now the run is ``bf16=True``'s."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (got, got_norms), (want, want_norms) = _trainer_bad_batch("O2"), _trainer_bad_batch("bf16")
+    assert got_norms[0] == want_norms[0] == math.inf and got_norms[1:] == pytest.approx(want_norms[1:], rel=1e-2)
+    assert (got - want).abs().max() < 1e-3
+
+
 # -- 2. Accelerate: the clips of parameter subsets, generators, two models, two optimizers ---------------------------
 def _accelerate(level: str, case: str) -> tuple[torch.Tensor, list[float]]:
     """Four optimizer steps of ``gradient_accumulation_steps=3`` (SGD, momentum) through the adapter (bfloat16, a
