@@ -495,7 +495,7 @@ for cc in (80, 90):
         if not stats:  # the statistics do not depend on the alignment: two compiles fewer
             compile(K._chunk_kernel, pointers, {**flags, "ALIGNED": False}, cc)
     final = compile(K._finalize_kernel, {"partials_ptr": "*fp32", "n": "i32", "norm_ptr": "*fp32", "coef_ptr": "*fp32",
-                    "scale_ptr": "*fp32", "max_norm": "fp32"}, {"CLIP": True, "BLOCK": 1024}, cc)
+                    "scale_ptr": "*fp32", "found_ptr": "*fp32", "max_norm": "fp32"}, {"CLIP": True, "BLOCK": 1024}, cc)
     assert "sqrt.rn.f32" in final and "div.rn.f32" in final and "atom" not in final
 print("compiled")
 """  # noqa: E501 (a script run as a subprocess: its text is kept as it is)

@@ -44,7 +44,7 @@ def clip_norm(
             grads = [p.grad for p in params if p.grad is not None]
             state.grad_norm = reduce_checks(state, machine.sharding, squares, grads, float(max_norm))
         else:
-            state.grad_norm = _clip_unscaled(params, float(max_norm))
+            state.grad_norm = _clip_unscaled(params, float(max_norm), state.found_inf)
     assert state.grad_norm is not None
     if machine.masters.weights:  # the half gradients lack it (see rescale.after_step)
         state.clips += (("norm", state.grad_norm, max_norm),)
@@ -119,17 +119,21 @@ def show_unscaled(machine: StepMachine, optimizer: torch.optim.Optimizer, *, fre
     state.unscaled_marks = grad_marks(state, master_weights, optimizer, paired=True)
 
 
-def _clip_unscaled(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def _clip_unscaled(params: list[torch.Tensor], max_norm: float, found_inf: torch.Tensor | None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_(params, max_norm)`` with its two halves (torch >= 2.6), the coefficient
-    left at 1 for a non-finite norm (see :meth:`Amp.clip_grad_norm_ <lightning_mpx.engine.amp.Amp.clip_grad_norm_>`);
-    older torch: its clip as it is."""
+    left at 1 on an overflow (``found_inf`` set; without it, for a non-finite norm: see :meth:`Amp.clip_grad_norm_
+    <lightning_mpx.engine.amp.Amp.clip_grad_norm_>`); an infinite norm of finite gradients gets torch's coefficient, 0
+    (:func:`~lightning_mpx.scaling.unscale.clip_coefficient`); older torch: its clip as it is."""
     get_norm = getattr(torch.nn.utils, "get_total_norm", None)
     clip_with = getattr(torch.nn.utils, "clip_grads_with_norm_", None)
     if get_norm is None or clip_with is None:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     total = get_norm([p.grad for p in params if p.grad is not None])
     # A norm of 0 makes torch's coefficient max_norm / 1e-6, clamped to 1: the gradients are multiplied by one.
-    clip_with(params, max_norm, torch.where(torch.isfinite(total), total, 0.0))
+    if found_inf is None:
+        clip_with(params, max_norm, torch.where(torch.isfinite(total), total, 0.0))
+    else:
+        clip_with(params, max_norm, torch.where(found_inf.reshape(()).to(total.device) == 0, total, 0.0))
     return total
 
 

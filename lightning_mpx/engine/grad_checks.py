@@ -376,7 +376,7 @@ def reduce_checks(
         return None
     norm = reduced[-1].clamp(min=0).sqrt()
     if max_norm is not None:
-        coef = clip_coefficient(norm, max_norm)
+        coef = clip_coefficient(norm, max_norm, state.found_inf)  # an overflow: the gradients as they are
         local = local_tensors(grads)
         by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for tensor in local:

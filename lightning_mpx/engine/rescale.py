@@ -530,7 +530,8 @@ def _clipped_nothing(state: _OptimizerState) -> bool:
         return False
     if any(clip[0] != "norm" or clip[1] is None for clip in state.clips):
         return False
-    return all(bool(clip_coefficient(clip[1], float(clip[2])) == 1.0) for clip in state.clips)
+    # The check's flag: an infinite norm of finite gradients zeroed them (torch's coefficient), an overflow's did not
+    return all(bool(clip_coefficient(clip[1], float(clip[2]), state.found_inf) == 1.0) for clip in state.clips)
 
 
 def _refuse_scaled_write(state: _OptimizerState) -> None:

@@ -200,6 +200,7 @@ def _finalize_kernel(
     norm_ptr,
     coef_ptr,
     scale_ptr,
+    found_ptr,
     max_norm,
     CLIP: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -219,8 +220,9 @@ def _finalize_kernel(
         # reciprocal(norm + 1e-6) * max_norm, each step rounded.
         coef = tl.div_rn(1.0, norm + 1e-6) * max_norm
         coef = tl.minimum(coef, 1.0, propagate_nan=tl.PropagateNan.ALL)
-        # A non-finite norm (an overflow step, skipped) leaves the gradients unclipped, as unscale._clip_coefficient.
-        coef = tl.where(norm < float("inf"), coef, 1.0)
+        # An overflow step (skipped) leaves the gradients unclipped, as unscale.clip_coefficient; an infinite norm
+        # of finite gradients (their squares overflow FP32) gets torch's coefficient, 0.
+        coef = tl.where(tl.load(found_ptr) == 0, coef, 1.0)
         tl.store(coef_ptr, coef * tl.load(scale_ptr))
 
 
@@ -464,7 +466,7 @@ def _launch_chunks(
 
 
 def _finalize(
-    plan: _Plan, workspace: UnscaleWorkspace, scale: torch.Tensor, max_norm: float | None
+    plan: _Plan, workspace: UnscaleWorkspace, scale: torch.Tensor, max_norm: float | None, flag: torch.Tensor
 ) -> torch.Tensor:
     partials, coef = plan.partials, plan.coef
     assert partials is not None and coef is not None
@@ -476,6 +478,7 @@ def _finalize(
         norm,
         coef,
         scale,
+        flag,
         float(max_norm) if max_norm is not None else 0.0,
         CLIP=max_norm is not None,
         BLOCK=workspace.block_size,
@@ -507,11 +510,11 @@ def unscale(
         flag = found_inf if found_inf.device == device else torch.zeros(1, dtype=torch.float32, device=device)
         if max_norm is None:
             _launch_chunks(plan, workspace, scale, flag, store=True, norm=want_norm, stats_tiny=stats_tiny)
-            norm = _finalize(plan, workspace, scale, None) if want_norm else None
+            norm = _finalize(plan, workspace, scale, None, flag) if want_norm else None
         else:
             # 12-byte path: read-only pass for flag and norm, then one multiply by clip_coef * inv_scale.
             _launch_chunks(plan, workspace, scale, flag, store=False, norm=True, stats_tiny=stats_tiny)
-            norm = _finalize(plan, workspace, scale, max_norm)
+            norm = _finalize(plan, workspace, scale, max_norm, flag)
             _launch_chunks(plan, workspace, plan.coef, None, store=True, norm=False)
     if flag is not found_inf:
         found_inf.copy_(torch.maximum(found_inf, flag.to(found_inf.device).reshape(found_inf.shape)))

@@ -103,10 +103,10 @@ def unscale_grads_(
             only read.
         compute_norm: Return the global L2 norm of the unscaled gradients (before any clipping).
         max_norm: Also clip the unscaled gradients to this global L2 norm, as ``torch.nn.utils.clip_grad_norm_``
-            does (bit for bit), except when the norm is not finite: the gradients are then unscaled but not
+            does (bit for bit), except on an overflow (``found_inf`` set): the gradients are then unscaled but not
             clipped (the step is skipped anyway), where torch's clip would make zeros of the finite values and NaN
-            of the infinite ones, hiding which kind of value overflowed from the overflow record; implies
-            ``compute_norm``.
+            of the infinite ones, hiding which kind of value overflowed from the overflow record. An infinite norm
+            of finite gradients (their squares overflow FP32) is torch's: coefficient 0. Implies ``compute_norm``.
         backend: ``"auto"``, ``"foreach"``, ``"reference"`` or ``"triton"``.
         workspace: Where the ``"triton"`` backend keeps its tables across calls; pass the same one every step
             (without one, the tables are rebuilt on every call).
@@ -418,16 +418,21 @@ def _foreach(
         return None
     total = _global_norm(norms, found_inf.device)
     if max_norm is not None:
-        coef = clip_coefficient(total, max_norm)
+        coef = clip_coefficient(total, max_norm, found_inf)
         for (device, _), group in _grouped(targets).items():
             torch._foreach_mul_(group, coef.to(device))
     return total
 
 
-def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_``'s coefficient for a global norm ``total``, or 1 when ``total`` is not
-    finite (an overflow step: the gradients keep their values for the overflow record; the step is skipped)."""
-    return torch.where(torch.isfinite(total), torch.clamp(max_norm / (total + _CLIP_EPS), max=1.0), 1.0)
+def clip_coefficient(total: torch.Tensor, max_norm: float, found_inf: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``'s coefficient for a global norm ``total``, or 1 on an overflow step (the
+    gradients keep their values for the overflow record; the step is skipped): where ``found_inf`` (the check of
+    those gradients) is set, or, without it, where ``total`` is not finite. Given ``found_inf``, an infinite norm of
+    finite gradients (their squares overflow FP32: gradients above about 1.8e19, a diverging run) gets torch's
+    coefficient, 0, as the step is not skipped: left unclipped, those gradients were applied whole."""
+    if found_inf is None:
+        return torch.where(torch.isfinite(total), torch.clamp(max_norm / (total + _CLIP_EPS), max=1.0), 1.0)
+    return torch.where(found_inf.reshape(()) == 0, torch.clamp(max_norm / (total + _CLIP_EPS), max=1.0), 1.0)
 
 
 def _reference(
@@ -467,7 +472,7 @@ def _reference(
         return None
     total = squares.sqrt()
     if max_norm is not None:
-        coef = clip_coefficient(total, max_norm)
+        coef = clip_coefficient(total, max_norm, found_inf)
         for target in targets:
             target.mul_(coef.to(target.device))
     return total
