@@ -159,6 +159,7 @@ class PreparedModels:
             self.names.setdefault(id(param), prefix + name)
         self._unsharded[module] = [id(param) for param in module.parameters()]
         self.forensics.watch.add_model(module, prefix)
+        self.forensics.user_names.add_model(module, prefix)  # a data-parallel wrapper's "module": not in the tags
         # FP32 values held through the cast: the trainable parameters' for their masters (O2: one process, or rank
         # zero's on every rank, agreed by one broadcast) and the fp32_modules' own; not those of the other frozen ones
         # (a LoRA base), which would raise the cast's peak memory.
@@ -379,6 +380,7 @@ class PreparedModels:
         for name, param in parameter_names(module):  # FSDP1's wrapper segments left out of the names
             self.names.setdefault(id(param), name)
         self.forensics.watch.add_model(module, "")
+        self.forensics.user_names.add_model(module, "")
         self.sharded = True  # before the promotion: it leaves an FSDP model's dtypes to FSDP's policies
         self.promotion.add_model(module, "")
         if self.machine.sharding is None:

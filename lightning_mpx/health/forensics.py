@@ -41,6 +41,7 @@ from lightning_mpx.health.overflow_record import (  # noqa: F401  (re-exported: 
     module_of,
     overflow_tag,
 )
+from lightning_mpx.health.tags import UserNames
 
 
 class ForwardWatch:
@@ -328,6 +329,9 @@ class OverflowForensics:
         # since its own previous read, so no read takes counts from another.
         self._counts: dict[str, int] = {}  # overflow steps per module
         self._first_counts: dict[str, int] = {}  # watched forward overflows per first non-finite module
+        # The user's names of the modules in the tags (without a data-parallel wrapper's "module"); the counts keep the
+        # prepared models' names (the checkpoint's).
+        self.user_names = UserNames()
         self.diagnose = diagnose
 
     @property
@@ -477,8 +481,13 @@ class OverflowForensics:
         module (a forward overflow poisons every gradient: this names the culprit). Totals: a reader of the metrics
         reports their growth since its previous read
         (:meth:`Amp.metrics <lightning_mpx.engine.amp.Amp.metrics>`)."""
-        out = {overflow_tag(module): count for module, count in self._counts.items()}
-        out.update({FIRST_TAG + (module or ROOT_TAG): n for module, n in self._first_counts.items()})
+        out: dict[str, int] = {}
+        for module, count in self._counts.items():
+            tag = overflow_tag(self.user_names(module))
+            out[tag] = out.get(tag, 0) + count
+        for module, count in self._first_counts.items():
+            tag = FIRST_TAG + (self.user_names(module) or ROOT_TAG)
+            out[tag] = out.get(tag, 0) + count
         return out
 
     def state_dict(self) -> dict[str, dict[str, int]]:

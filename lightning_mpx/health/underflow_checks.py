@@ -53,6 +53,10 @@ def _underflow(mpx: dict[str, Series]) -> tuple[list[Finding], list[str]]:
     """The underflow findings, and the evidence lines a healthy finding shows."""
     # A group that runs in FP32 (promoted or pinned) keeps its small gradients: its underflow is not judged.
     fp32 = [module for module, points in _by_suffix(mpx, PROMOTED_PREFIX).items() if points[-1][1] >= 0.5]
+    if not any(group.split(".")[0] == "module" for group in _by_suffix(mpx, UNDERFLOW_PREFIX)):
+        # A run written before stop 70 named a data-parallel model's promoted modules "module.<name>" and its
+        # underflow groups "<name>" (the tags now agree): read so.
+        fp32 += [module[len("module.") :] for module in fp32 if module.startswith("module.")]
 
     def judged(prefix: str) -> dict[str, Series]:
         return {

@@ -1,0 +1,74 @@
+"""attack70c: a hostile user of real third-party models and of what a run reports (``mpx/*`` tags,
+``lightning-mpx doctor``), checked against the run's own facts, an FP32 run and the framework's own ``"bf16-mixed"``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_mpx import Amp
+
+
+# -- one module, one tag: forensics, promotion and telemetry name it the same, with or without nn.DataParallel ---------
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.boom, self.norm, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.boom(self.enc(x))))
+
+
+class _Holder(nn.Module):
+    """A user's own wrapper whose only child is called ``module`` (as many EMA and loss wrappers are)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.module = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+def _tags(wrap) -> dict[str, set[str]]:
+    """The modules each kind of per-module tag names in a float16 O1 run whose ``boom`` overflows in the forward from
+    step 2 on, promoted at the floor (``on_floor="promote"``), telemetry requested at every step."""
+    torch.manual_seed(0)
+    amp = Amp("O1", half_dtype="float16", init_scale=4.0, min_loss_scale=1.0, on_floor="promote")
+    net = _Net()
+    model = amp.prepare_model(wrap(net))
+    optimizer = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
+    found: dict[str, set[str]] = {}
+    for step in range(8):
+        if step == 2:
+            with torch.no_grad():
+                net.boom.weight.mul_(3e5)
+        amp.request_telemetry()
+        with amp.forward_context():
+            loss = amp.cast_outputs(model(amp.cast_inputs(torch.randn(4, 8)))).float().square().mean()
+        amp.backward(loss)
+        amp.step(optimizer)
+        amp.update()
+        optimizer.zero_grad()
+        for key in amp.metrics():
+            kind, _, module = key[len("mpx/") :].partition("/")
+            if module and kind not in ("zeros", "headroom_doublings"):
+                found.setdefault(kind, set()).add(module)
+    return found
+
+
+def test_a_modules_tags_agree_in_every_report_with_or_without_data_parallel():
+    # Stop 69: a model given to Amp inside nn.DataParallel logged mpx/overflow/module.boom, mpx/overflow_first/
+    # module.boom and mpx/promoted/module.boom but mpx/underflow/boom (the doctor then judged the promoted group's
+    # underflow), and a user's own only child called "module" lost that segment in the underflow tags alone.
+    plain = _tags(lambda net: net)
+    assert plain == {
+        "overflow": {"enc", "boom", "norm", "head"},
+        "overflow_first": {"boom"},
+        "promoted": {"boom"},
+        "underflow": {"enc", "boom", "norm", "head"},
+    }
+    assert _tags(nn.DataParallel) == plain  # the wrapper's "module" is no module of the user's
+    held = _tags(_Holder)  # the user's own "module" is kept, in every tag
+    assert held == {kind: {f"module.{name}" for name in names} for kind, names in plain.items()}
