@@ -72,3 +72,27 @@ def test_a_modules_tags_agree_in_every_report_with_or_without_data_parallel():
     assert _tags(nn.DataParallel) == plain  # the wrapper's "module" is no module of the user's
     held = _tags(_Holder)  # the user's own "module" is kept, in every tag
     assert held == {kind: {f"module.{name}" for name in names} for kind, names in plain.items()}
+
+
+def test_a_run_written_before_the_tags_agreed_is_read_with_its_promoted_module_not_judged_for_underflow():
+    # An event folder of stop 69 (a model in nn.DataParallel, boom promoted at step 10): mpx/promoted/module.boom beside
+    # mpx/underflow/boom. A promoted module runs in FP32, its small gradients kept: its underflow is not judged.
+    from lightning_mpx.doctor import diagnose_scalars
+
+    steps = range(0, 45, 5)
+    series = {
+        "mpx/loss_scale": [(s, 2.0**10) for s in steps],
+        "mpx/overflows": [(s, 0.0) for s in steps],
+        "mpx/skipped_steps": [(s, 2.0) for s in steps],
+        "mpx/promoted/module.boom": [(s, 1.0) for s in steps if s >= 10],
+        "mpx/underflow/boom": [(s, 0.9) for s in steps],
+        "mpx/headroom_doublings/boom": [(s, 20.0) for s in steps],
+        "mpx/underflow/head": [(s, 0.0) for s in steps],
+        "mpx/headroom_doublings/head": [(s, 4.0) for s in steps],
+    }
+    diagnosis = diagnose_scalars(series, "old")
+    assert diagnosis.healthy, diagnosis.format()
+    assert [f.modules for f in diagnosis.findings if f.kind == "promoted"] == [("module.boom",)]
+    # the same group not promoted is a problem: the check above is not blind
+    del series["mpx/promoted/module.boom"]
+    assert [f.kind for f in diagnose_scalars(series, "old").findings] == ["heavy_underflow"]
