@@ -96,3 +96,38 @@ def test_a_run_written_before_the_tags_agreed_is_read_with_its_promoted_module_n
     # the same group not promoted is a problem: the check above is not blind
     del series["mpx/promoted/module.boom"]
     assert [f.kind for f in diagnose_scalars(series, "old").findings] == ["heavy_underflow"]
+
+
+# -- the doctor tells a bfloat16 run from a float16 one by its own headroom --------------------------------------------
+def _collapsed(doublings: float | None) -> dict[str, list[tuple[int, float]]]:
+    """A run at a static scale of 1 whose last 12 steps all overflowed, with a finite loss, each logged point's largest
+    gradient ``doublings`` below the half maximum before the overflows (``None``: no telemetry)."""
+    series: dict[str, list[tuple[int, float]]] = {
+        "mpx/loss_scale": [(s, 1.0) for s in range(30)],
+        "mpx/overflows": [(s, float(s >= 18)) for s in range(30)],
+        "mpx/skipped_steps": [(s, float(max(0, s - 17))) for s in range(30)],
+        "train_loss": [(s, 1.0) for s in range(30)],
+    }
+    if doublings is not None:
+        series["mpx/headroom_doublings/a"] = [(s, doublings if s < 18 else -float("inf")) for s in range(30)]
+    return series
+
+
+@pytest.mark.parametrize(("doublings", "told"), [(130.0, "bfloat16"), (20.0, "float16"), (None, None)])
+def test_the_doctor_reads_the_runs_half_dtype_from_its_headroom_at_a_static_scale_of_one(doublings, told):
+    # Stop 69 left it: a scale of 1 at every step is bfloat16's static scale and a float16 static one; the advice gave
+    # both ("in bfloat16 ...; in float16: ... or train in bfloat16"). A largest gradient 130 doublings below the half
+    # maximum is past float16's whole range (40 doublings): the run says it is bfloat16.
+    from lightning_mpx.doctor import diagnose_scalars
+    from lightning_mpx.health.underflow_checks import logged_half_dtype
+
+    series = _collapsed(doublings)
+    assert logged_half_dtype(series) == told
+    (finding,) = diagnose_scalars(series, "run").findings
+    assert finding.kind == "persistent_overflow"
+    if told == "bfloat16":
+        assert finding.fix.startswith("this run is bfloat16") and "fp32_modules=" not in finding.fix, finding.fix
+    elif told == "float16":
+        assert "bfloat16 run's" not in finding.fix and "fp32_modules=[...]" in finding.fix, finding.fix
+    else:
+        assert finding.fix.startswith("a scale of 1 at every logged step is a bfloat16 run's"), finding.fix
