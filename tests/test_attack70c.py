@@ -131,3 +131,37 @@ def test_the_doctor_reads_the_runs_half_dtype_from_its_headroom_at_a_static_scal
         assert "bfloat16 run's" not in finding.fix and "fp32_modules=[...]" in finding.fix, finding.fix
     else:
         assert finding.fix.startswith("a scale of 1 at every logged step is a bfloat16 run's"), finding.fix
+
+
+def test_a_run_shorter_than_its_logging_interval_is_told_why_it_logged_nothing(tmp_path, capsys):
+    # Trainer(log_every_n_steps=50) (the default) for fewer steps logs no scalar at all: the doctor said only "was it
+    # logged by a run with MixedPrecisionPlugin ... and a logger?" to a run that had both.
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lightning_mpx import MixedPrecisionPlugin
+    from lightning_mpx.cli import main
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 1)
+
+        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+            loss = self.a(batch[0]).float().square().mean()
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=3, log_every_n_steps=50, enable_checkpointing=False, enable_progress_bar=False,
+        logger=TensorBoardLogger(str(tmp_path), name="", version=0), enable_model_summary=False,
+        plugins=[MixedPrecisionPlugin("O1", half_dtype="bfloat16")],
+    )  # fmt: skip
+    trainer.fit(Net(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(6, 4)), batch_size=2))
+    capsys.readouterr()
+    assert main(["doctor", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "scalars found: none" in err and "lower log_every_n_steps" in err, err

@@ -181,6 +181,12 @@ def diagnose_scalars(series: dict[str, Series], run_dir: str = "") -> Diagnosis:
         raise NoMixedPrecisionTagsError(
             f"RUN_DIR={run_dir!r} holds no mpx/* scalars (scalars found: {shown}); was it logged by a run with "
             "MixedPrecisionPlugin or lightning_mpx.accelerate.Accelerator and a logger?"
+            + (
+                ""
+                if series
+                else " No scalar was logged at all: a run shorter than its logging interval (Trainer(log_every_n_steps="
+                "50), the default, with fewer steps) logs none; lower log_every_n_steps."
+            )
         )
     if not any(tag == SCALE_TAG or tag.startswith(SCALE_TAG + "/loss") for tag in mpx):
         # Renamed (mpx/loss_scale/rank0): nothing could be judged, which is not "healthy".
