@@ -165,3 +165,26 @@ def test_a_run_shorter_than_its_logging_interval_is_told_why_it_logged_nothing(t
     assert main(["doctor", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "scalars found: none" in err and "lower log_every_n_steps" in err, err
+
+
+# -- Hugging Face habits at O2 -----------------------------------------------------------------------------------------
+def test_resize_token_embeddings_after_setup_at_o2_is_refused_naming_the_call_and_the_order():
+    # A user adds tokens after fabric.setup: transformers sets new half Parameters on embed_tokens and lm_head, which
+    # have no FP32 master. The refusal named only an untie by nn.Parameter(...), not the call the user made.
+    from lightning.fabric import Fabric
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_mpx import FabricMixedPrecisionPlugin
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=8)  # fmt: skip
+    net = LlamaForCausalLM(config)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricMixedPrecisionPlugin("O2", half_dtype="bfloat16")])
+    model = fabric.setup_module(net)
+    net.resize_token_embeddings(40, mean_resizing=False)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(net.parameters(), lr=1e-2))
+    ids = torch.randint(0, 40, (2, 6))
+    with pytest.raises(ValueError, match=r"resize_token_embeddings\(\).*before fabric\.setup"):
+        fabric.backward(model(input_ids=ids, labels=ids).loss)
+        optimizer.step()

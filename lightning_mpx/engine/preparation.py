@@ -277,7 +277,8 @@ class PreparedModels:
                     owner = f"{type(module.get_submodule(path)).__name__} {path!r}" if path else "the model"
                     return ValueError(
                         f"optimizer holds the half parameter {name!r} (shape {tuple(param.shape)}, {param.dtype}), "
-                        f"set on {owner} after prepare_model() (e.g. an untie by nn.Parameter(w.detach().clone())): "
+                        f"set on {owner} after prepare_model() (e.g. an untie by nn.Parameter(w.detach().clone()), or "
+                        "a Hugging Face model's resize_token_embeddings()): "
                         "it has no FP32 master, so it cannot train at O2. Make that change before prepare_model() "
                         "(Trainer: before fit; Fabric: before fabric.setup; Accelerate: before prepare)."
                     )
