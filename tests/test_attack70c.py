@@ -74,6 +74,27 @@ def test_a_modules_tags_agree_in_every_report_with_or_without_data_parallel():
     assert held == {kind: {f"module.{name}" for name in names} for kind, names in plain.items()}
 
 
+def test_a_ddp_models_tags_are_those_of_the_same_run_on_one_device():
+    # DistributedDataParallel given to Amp whole names every parameter "module.<name>" as nn.DataParallel does: one
+    # process group of one rank (gloo), so that no launch is needed; the wrapper is told by its type.
+    import socket
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        wrapped = _tags(DistributedDataParallel)
+    finally:
+        dist.destroy_process_group()
+    assert wrapped == _tags(lambda net: net)
+
+
 def test_a_run_written_before_the_tags_agreed_is_read_with_its_promoted_module_not_judged_for_underflow():
     # An event folder of stop 69 (a model in nn.DataParallel, boom promoted at step 10): mpx/promoted/module.boom beside
     # mpx/underflow/boom. A promoted module runs in FP32, its small gradients kept: its underflow is not judged.
