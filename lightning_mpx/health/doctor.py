@@ -58,6 +58,7 @@ from lightning_mpx.health.plot import (
 )
 from lightning_mpx.health.underflow_checks import (  # noqa: F401  (re-exported: the import path is kept)
     CONSTANT_SCALE_SUSPECT,
+    HALF_DTYPE_SPLIT,
     HEADROOM_LOW,
     HEADROOM_TARGET,
     SUBNORMAL_SHARE,
