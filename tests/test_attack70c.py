@@ -235,3 +235,33 @@ def test_a_compiled_models_overflow_at_the_floor_promotes_the_layer_not_the_whol
         amp.update()
         optimizer.zero_grad()
     assert [name.replace("_orig_mod.", "") for name in amp.fp32_modules] == ["boom"]
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing_overflow_is_blamed_on_the_layer_that_overflowed(reentrant):
+    # model.gradient_checkpointing_enable() (use_reentrant=True, transformers' old default) runs each block's forward
+    # under no_grad inside the training forward; the watch skipped those calls as if they were validation's, saw the
+    # first non-finite value at ln_f's input and blamed the code after transformer.drop (mpx/overflow_first/
+    # transformer.drop: on_floor="promote" would have promoted a dropout).
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)  # fmt: skip
+    net = GPT2LMHeadModel(config)
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    with torch.no_grad():
+        net.transformer.h[1].mlp.c_fc.weight.mul_(1e6)  # its output passes float16's maximum
+    amp = Amp("O2", half_dtype="float16", diagnose_overflows=True, init_scale=16.0)
+    model = amp.prepare_model(net).train()
+    optimizer = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=1e-2))
+    ids = torch.randint(0, 32, (2, 8))
+    with amp.forward_context():
+        loss = model(input_ids=ids, labels=ids).loss
+    amp.backward(loss)
+    assert not amp.step(optimizer)
+    record = amp.last_overflow
+    assert (record.origin, record.first_module, record.region) == ("forward", "transformer.h.1.mlp.c_fc", None)
+    assert [key for key in amp.metrics() if key.startswith("mpx/overflow_first/")] == [
+        "mpx/overflow_first/transformer.h.1.mlp.c_fc"
+    ]

@@ -74,6 +74,11 @@ class ForwardWatch:
         # computed on the device.
         self._last: tuple[list[tuple[weakref.ref[torch.Tensor], int]], int] | None = None
         self._stale = True  # a step has run since the calls were cleared: the next watched call clears them first
+        # Whether each module call in progress began with gradients enabled, and how many did: a call inside one that
+        # did is watched even without gradients (torch.utils.checkpoint(use_reentrant=True) runs its blocks under
+        # no_grad within the training forward); a forward that begins without them (validation) is not.
+        self._open: list[bool] = []
+        self._grad_calls = 0
         self.active = False
         self.automatic = False  # armed by an overflow at the floor (disarmed by the next step that does not overflow)
         self.complete = False  # the forwards since the last step were all watched
@@ -107,6 +112,7 @@ class ForwardWatch:
         self._names.clear()
         self._params.clear()
         self._clear()
+        self._open, self._grad_calls = [], 0
         self._values = None
         self.active = self.automatic = self.complete = False
 
@@ -115,7 +121,7 @@ class ForwardWatch:
         # watch along: its hooks then do nothing, and the models it watched are not pickled with it.
         state = dict(self.__dict__)
         state.update(_models=[], _handles=[], _names=[], _params=[], _values=None, _count=0, _calls=[], _at=[])
-        state.update(_last=None)
+        state.update(_last=None, _open=[], _grad_calls=0)
         state.update(active=False, automatic=False, complete=False)
         return state
 
@@ -127,6 +133,7 @@ class ForwardWatch:
     def step_done(self) -> None:
         """A step has read the records: the next watched call starts afresh."""
         self._stale = True
+        self._open, self._grad_calls = [], 0  # (a forward that raised left its calls open)
 
     def flags(self) -> torch.Tensor | None:
         """The device tensor of the watched calls' largest magnitudes since the last step (in call order), or
@@ -205,11 +212,20 @@ class ForwardWatch:
 
     def _on_input(self, slot: int, module: nn.Module, args: Any, kwargs: Any) -> None:
         # Every call is recorded, with floating inputs or not: decode() follows the calls' nesting.
-        if torch.is_grad_enabled() and self.active:
+        if not self.active:  # a disarmed copy
+            return
+        enabled = torch.is_grad_enabled()
+        if enabled or self._grad_calls:  # not evaluation (no gradient can come of it)
             self._record(slot, list(_floating_tensors((args, kwargs))), inputs=True)
+        self._open.append(enabled)
+        self._grad_calls += enabled
 
     def _on_output(self, slot: int, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.is_grad_enabled() and self.active:  # not evaluation (no gradient can come of it), nor a disarmed copy
+        if not self.active:
+            return
+        enabled = self._open.pop() if self._open else torch.is_grad_enabled()
+        self._grad_calls -= enabled and self._grad_calls > 0
+        if enabled or self._grad_calls:  # a call that began with gradients, or inside one that did
             self._record(slot, list(_floating_tensors(output)), outputs=True)
 
     def _clear(self) -> None:
