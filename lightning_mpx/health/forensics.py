@@ -54,7 +54,9 @@ class ForwardWatch:
     are read with the rest of the record, and the first non-finite entry names the first module (a non-finite output)
     or the code between two module calls (a non-finite input after a finite output, see :class:`CodeRegion`). A
     module whose inputs are the very tensors the module before it returned, unwritten since, shares that entry. Forwards
-    run with gradients disabled (validation) are not watched: they cannot cause an overflow. Gradient hooks on the
+    run with gradients disabled (validation) are not watched: they cannot cause an overflow; a call inside one that
+    began with gradients is (``torch.utils.checkpoint(use_reentrant=True)`` runs its blocks under ``no_grad`` within
+    the training forward). Gradient hooks on the
     parameters record each backward's own gradients the same way: before a clip changes them (at O1 the unscaled
     gradients are clipped in place) and before DDP averages them across processes. The hooks are removable handles
     owned by the watch; :meth:`disarm` removes them.
