@@ -2,6 +2,7 @@
 
 from lightning_mpx.health.doctor import (  # noqa: F401
     CONSTANT_SCALE_SUSPECT,
+    HALF_DTYPE_SPLIT,
     HEADROOM_LOW,
     HEADROOM_TARGET,
     MODULE_SHARE,
@@ -28,6 +29,6 @@ from lightning_mpx.health.doctor import (  # noqa: F401
 __all__ = [
     'SKIPPED_TAG', 'PROMOTED_PREFIX', 'OVERFLOW_MOST_STEPS', 'PERSISTENT_MIN_STEPS', 'MODULE_SHARE', 'UNDERFLOW_HEAVY',
     'ZEROS_MOVE', 'ZEROS_MOVE_MIN', 'ZEROS_CHANGES', 'SUBNORMAL_SHARE', 'HEADROOM_LOW', 'CONSTANT_SCALE_SUSPECT',
-    'HEADROOM_TARGET', 'TAIL_FRACTION', 'TAIL_MIN_POINTS', 'Series', 'NoMixedPrecisionTagsError', 'Finding',
-    'Diagnosis', 'diagnose', 'diagnose_scalars', 'to_json',
+    'HEADROOM_TARGET', 'HALF_DTYPE_SPLIT', 'TAIL_FRACTION', 'TAIL_MIN_POINTS', 'Series', 'NoMixedPrecisionTagsError',
+    'Finding', 'Diagnosis', 'diagnose', 'diagnose_scalars', 'to_json',
 ]

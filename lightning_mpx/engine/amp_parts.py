@@ -163,7 +163,8 @@ class AmpParts:
         self.found_inf_reducer: Callable[[torch.Tensor], None] | None = None
         self.forensics = OverflowForensics(settings.diagnose_overflows)
         self.promotion = Promotion(self, settings.fp32_modules)  # the modules that run in FP32
-        self.telemetry = GradTelemetry(self.properties.half_dtype)  # underflow/headroom, on request only
+        # underflow/headroom, on request only; its groups named as the forensics' tags
+        self.telemetry = GradTelemetry(self.properties.half_dtype, self.forensics.user_names)
         self._masters = Masters(settings.unscale_backend)
         self._names: dict[int, str] = {}
         self._machine = StepMachine(

@@ -159,6 +159,7 @@ class PreparedModels:
             self.names.setdefault(id(param), prefix + name)
         self._unsharded[module] = [id(param) for param in module.parameters()]
         self.forensics.watch.add_model(module, prefix)
+        self.forensics.user_names.add_model(module, prefix)  # a data-parallel wrapper's "module": not in the tags
         # FP32 values held through the cast: the trainable parameters' for their masters (O2: one process, or rank
         # zero's on every rank, agreed by one broadcast) and the fp32_modules' own; not those of the other frozen ones
         # (a LoRA base), which would raise the cast's peak memory.
@@ -276,7 +277,8 @@ class PreparedModels:
                     owner = f"{type(module.get_submodule(path)).__name__} {path!r}" if path else "the model"
                     return ValueError(
                         f"optimizer holds the half parameter {name!r} (shape {tuple(param.shape)}, {param.dtype}), "
-                        f"set on {owner} after prepare_model() (e.g. an untie by nn.Parameter(w.detach().clone())): "
+                        f"set on {owner} after prepare_model() (e.g. an untie by nn.Parameter(w.detach().clone()), or "
+                        "a Hugging Face model's resize_token_embeddings()): "
                         "it has no FP32 master, so it cannot train at O2. Make that change before prepare_model() "
                         "(Trainer: before fit; Fabric: before fabric.setup; Accelerate: before prepare)."
                     )
@@ -379,6 +381,7 @@ class PreparedModels:
         for name, param in parameter_names(module):  # FSDP1's wrapper segments left out of the names
             self.names.setdefault(id(param), name)
         self.forensics.watch.add_model(module, "")
+        self.forensics.user_names.add_model(module, "")
         self.sharded = True  # before the promotion: it leaves an FSDP model's dtypes to FSDP's policies
         self.promotion.add_model(module, "")
         if self.machine.sharding is None:

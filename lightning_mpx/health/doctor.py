@@ -58,6 +58,7 @@ from lightning_mpx.health.plot import (
 )
 from lightning_mpx.health.underflow_checks import (  # noqa: F401  (re-exported: the import path is kept)
     CONSTANT_SCALE_SUSPECT,
+    HALF_DTYPE_SPLIT,
     HEADROOM_LOW,
     HEADROOM_TARGET,
     SUBNORMAL_SHARE,
@@ -67,6 +68,7 @@ from lightning_mpx.health.underflow_checks import (  # noqa: F401  (re-exported:
     ZEROS_MOVE_MIN,
     _unchecked_constant_scales,
     _underflow,
+    logged_half_dtype,
 )
 
 #: An interval between two logged points "overflows on most steps" when at least this fraction of its steps
@@ -180,6 +182,12 @@ def diagnose_scalars(series: dict[str, Series], run_dir: str = "") -> Diagnosis:
         raise NoMixedPrecisionTagsError(
             f"RUN_DIR={run_dir!r} holds no mpx/* scalars (scalars found: {shown}); was it logged by a run with "
             "MixedPrecisionPlugin or lightning_mpx.accelerate.Accelerator and a logger?"
+            + (
+                ""
+                if series
+                else " No scalar was logged at all: a run shorter than its logging interval (Trainer(log_every_n_steps="
+                "50), the default, with fewer steps) logs none; lower log_every_n_steps."
+            )
         )
     if not any(tag == SCALE_TAG or tag.startswith(SCALE_TAG + "/loss") for tag in mpx):
         # Renamed (mpx/loss_scale/rank0): nothing could be judged, which is not "healthy".
@@ -194,9 +202,10 @@ def diagnose_scalars(series: dict[str, Series], run_dir: str = "") -> Diagnosis:
     problems: list[Finding] = []
     info: list[Finding] = []
     healthy_evidence: list[str] = []
+    half = logged_half_dtype(mpx)
     for tag in sorted(t for t in mpx if t == SCALE_TAG or t.startswith(SCALE_TAG + "/loss")):
         suffix = tag[len(SCALE_TAG) :]
-        overflow = _persistent_overflow(mpx, suffix, module_overflows, loss, first_overflows)
+        overflow = _persistent_overflow(mpx, suffix, module_overflows, loss, first_overflows, half)
         if overflow is not None:
             problems.append(overflow)
         else:
@@ -235,6 +244,7 @@ def _persistent_overflow(
     module_overflows: dict[str, Series],
     loss: Series | None,
     first_overflows: dict[str, Series] | None = None,
+    half: str | None = None,
 ) -> Finding | None:
     scale = mpx[SCALE_TAG + suffix]
     overflows = mpx.get(OVERFLOW_TAG + suffix, [])
@@ -344,7 +354,13 @@ def _persistent_overflow(
         fix += "; check the data for inf/NaN too"
     else:
         fix += "; a learning rate that is too high or exploding gradients look the same: lower it or clip"
-    if flat == 0 and final == 1.0:  # bfloat16's static scale: FP32 and bfloat16 would not help there
+    if half == "bfloat16":  # told by the run's headroom: FP32 and bfloat16 would not help there
+        fix = (
+            "this run is bfloat16 (its mpx/headroom_doublings put the half maximum at 2^128), whose range is FP32's: "
+            'FP32 overflows too (fp32_modules and on_floor="promote" do not help): lower the learning rate or clip, '
+            "and check the data and the weights for inf/NaN"
+        )
+    elif flat == 0 and final == 1.0 and half is None:  # bfloat16's static scale, or float16's: both told
         fix = (
             "a scale of 1 at every logged step is a bfloat16 run's (or a static float16 scale of 1): in bfloat16, FP32 "
             "has the same range and overflows too (fp32_modules does not help): lower the learning rate or clip, and "

@@ -41,6 +41,7 @@ from lightning_mpx.health.overflow_record import (  # noqa: F401  (re-exported: 
     module_of,
     overflow_tag,
 )
+from lightning_mpx.health.tags import UserNames
 
 
 class ForwardWatch:
@@ -53,7 +54,9 @@ class ForwardWatch:
     are read with the rest of the record, and the first non-finite entry names the first module (a non-finite output)
     or the code between two module calls (a non-finite input after a finite output, see :class:`CodeRegion`). A
     module whose inputs are the very tensors the module before it returned, unwritten since, shares that entry. Forwards
-    run with gradients disabled (validation) are not watched: they cannot cause an overflow. Gradient hooks on the
+    run with gradients disabled (validation) are not watched: they cannot cause an overflow; a call inside one that
+    began with gradients is (``torch.utils.checkpoint(use_reentrant=True)`` runs its blocks under ``no_grad`` within
+    the training forward). Gradient hooks on the
     parameters record each backward's own gradients the same way: before a clip changes them (at O1 the unscaled
     gradients are clipped in place) and before DDP averages them across processes. The hooks are removable handles
     owned by the watch; :meth:`disarm` removes them.
@@ -73,6 +76,11 @@ class ForwardWatch:
         # computed on the device.
         self._last: tuple[list[tuple[weakref.ref[torch.Tensor], int]], int] | None = None
         self._stale = True  # a step has run since the calls were cleared: the next watched call clears them first
+        # Whether each module call in progress began with gradients enabled, and how many did: a call inside one that
+        # did is watched even without gradients (torch.utils.checkpoint(use_reentrant=True) runs its blocks under
+        # no_grad within the training forward); a forward that begins without them (validation) is not.
+        self._open: list[bool] = []
+        self._grad_calls = 0
         self.active = False
         self.automatic = False  # armed by an overflow at the floor (disarmed by the next step that does not overflow)
         self.complete = False  # the forwards since the last step were all watched
@@ -106,6 +114,7 @@ class ForwardWatch:
         self._names.clear()
         self._params.clear()
         self._clear()
+        self._open, self._grad_calls = [], 0
         self._values = None
         self.active = self.automatic = self.complete = False
 
@@ -114,7 +123,7 @@ class ForwardWatch:
         # watch along: its hooks then do nothing, and the models it watched are not pickled with it.
         state = dict(self.__dict__)
         state.update(_models=[], _handles=[], _names=[], _params=[], _values=None, _count=0, _calls=[], _at=[])
-        state.update(_last=None)
+        state.update(_last=None, _open=[], _grad_calls=0)
         state.update(active=False, automatic=False, complete=False)
         return state
 
@@ -126,6 +135,7 @@ class ForwardWatch:
     def step_done(self) -> None:
         """A step has read the records: the next watched call starts afresh."""
         self._stale = True
+        self._open, self._grad_calls = [], 0  # (a forward that raised left its calls open)
 
     def flags(self) -> torch.Tensor | None:
         """The device tensor of the watched calls' largest magnitudes since the last step (in call order), or
@@ -204,11 +214,20 @@ class ForwardWatch:
 
     def _on_input(self, slot: int, module: nn.Module, args: Any, kwargs: Any) -> None:
         # Every call is recorded, with floating inputs or not: decode() follows the calls' nesting.
-        if torch.is_grad_enabled() and self.active:
+        if not self.active:  # a disarmed copy
+            return
+        enabled = torch.is_grad_enabled()
+        if enabled or self._grad_calls:  # not evaluation (no gradient can come of it)
             self._record(slot, list(_floating_tensors((args, kwargs))), inputs=True)
+        self._open.append(enabled)
+        self._grad_calls += enabled
 
     def _on_output(self, slot: int, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.is_grad_enabled() and self.active:  # not evaluation (no gradient can come of it), nor a disarmed copy
+        if not self.active:
+            return
+        enabled = self._open.pop() if self._open else torch.is_grad_enabled()
+        self._grad_calls -= enabled and self._grad_calls > 0
+        if enabled or self._grad_calls:  # a call that began with gradients, or inside one that did
             self._record(slot, list(_floating_tensors(output)), outputs=True)
 
     def _clear(self) -> None:
@@ -328,6 +347,9 @@ class OverflowForensics:
         # since its own previous read, so no read takes counts from another.
         self._counts: dict[str, int] = {}  # overflow steps per module
         self._first_counts: dict[str, int] = {}  # watched forward overflows per first non-finite module
+        # The user's names of the modules in the tags (without a data-parallel wrapper's "module"); the counts keep the
+        # prepared models' names (the checkpoint's).
+        self.user_names = UserNames()
         self.diagnose = diagnose
 
     @property
@@ -477,8 +499,13 @@ class OverflowForensics:
         module (a forward overflow poisons every gradient: this names the culprit). Totals: a reader of the metrics
         reports their growth since its previous read
         (:meth:`Amp.metrics <lightning_mpx.engine.amp.Amp.metrics>`)."""
-        out = {overflow_tag(module): count for module, count in self._counts.items()}
-        out.update({FIRST_TAG + (module or ROOT_TAG): n for module, n in self._first_counts.items()})
+        out: dict[str, int] = {}
+        for module, count in self._counts.items():
+            tag = overflow_tag(self.user_names(module))
+            out[tag] = out.get(tag, 0) + count
+        for module, count in self._first_counts.items():
+            tag = FIRST_TAG + (self.user_names(module) or ROOT_TAG)
+            out[tag] = out.get(tag, 0) + count
         return out
 
     def state_dict(self) -> dict[str, dict[str, int]]:

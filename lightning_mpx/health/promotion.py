@@ -58,7 +58,7 @@ from lightning_mpx.casting.policy import enter_fp32, exit_fp32
 from lightning_mpx.common.containers import _cast_collection
 from lightning_mpx.common.dtypes import HALF_DTYPES, set_param_data
 from lightning_mpx.health.floor_promotion import FloorDecision
-from lightning_mpx.health.forensics import OverflowRecord
+from lightning_mpx.health.forensics import ROOT_TAG, OverflowRecord
 from lightning_mpx.masters.state_keys import has_own_key, put_by_param
 
 if TYPE_CHECKING:
@@ -233,8 +233,11 @@ class Promotion(FloorDecision):
         return any(name == top or name.startswith(top + ".") for top in self.fp32_modules)
 
     def metrics(self) -> dict[str, float]:
-        """``mpx/promoted/<module>``: 1.0 for each module pinned or promoted to FP32."""
-        return {f"mpx/promoted/{name}": 1.0 for name in self.fp32_modules}
+        """``mpx/promoted/<module>``: 1.0 for each module pinned or promoted to FP32 (named as the other tags:
+        without a data-parallel wrapper's ``module``, :class:`~lightning_mpx.health.tags.UserNames`)."""
+        forensics = getattr(self.amp, "forensics", None)
+        shown = forensics.user_names if forensics is not None else str
+        return {f"mpx/promoted/{shown(name) or ROOT_TAG}": 1.0 for name in self.fp32_modules}
 
     # -- set-up (fp32_modules) ----------------------------------------------------------------------------------
     def add_model(self, module: nn.Module, prefix: str) -> None:

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from lightning_mpx.engine.sharding import local_tensor
+from lightning_mpx.health.tags import WRAPPER_SEGMENTS
 from lightning_mpx.scaling.unscale import GradStats
 
 __all__ = ["GradTelemetry", "module_groups"]
@@ -46,7 +47,9 @@ def module_groups(names: Sequence[str], all_names: Iterable[str] | None = None) 
     whose ``self.model`` holds everything, ``"net.base_model.model.transformer.h"`` for a tied GPT-2 wrapped by peft
     in ``self.net``): one group for the whole model would say nothing. A parameter of the root module itself
     (``"scale"``) is its own group. The segments ``torch.compile``, FSDP1 and activation checkpointing insert are left
-    out, and so is a ``module`` that holds every parameter (``nn.DataParallel``'s, DDP's): a run with a wrapper and its
+    out. A ``module`` that holds every parameter is a user's own child (``"module.encoder"``), kept: the engine gives
+    the names of a model prepared inside ``nn.DataParallel`` or DDP without the wrapper's ``module``
+    (:class:`~lightning_mpx.health.tags.UserNames`, told by the wrapper's type), so that a run with the wrapper and its
     resume without it log the same tags.
 
     Args:
@@ -62,20 +65,12 @@ def module_groups(names: Sequence[str], all_names: Iterable[str] | None = None) 
             raise TypeError(f"{name}={value!r} must be a list of parameter names, not a string; did you mean "
                             f"{name}=[{value!r}]?")
     every = [_parts(name) for name in (names if all_names is None else all_names)]
-    # nn.DataParallel's (and DDP's) "module" holding every parameter: left out, as the segments _parts leaves out (a run
-    # with the wrapper and its resume without it log the same tags; fp32_modules=["encoder"] matches "module.encoder").
-    lead = int(bool(every) and all(len(parts) > 1 and parts[0] == "module" for parts in every))
-    every = [parts[lead:] for parts in every]
     depth = 1
     # Down a chain of lone wrappers (a peft model in a LightningModule: "net.base_model.model.transformer"), as long
     # as every name shares the first ``depth`` components and the groups one deeper are still modules.
     while len({tuple(parts[:depth]) for parts in every}) == 1 and all(len(p) > depth + (depth > 1) for p in every):
         depth += 1
-    cut = [_parts(name) for name in names]
-    return [".".join(parts[lead if parts[:1] == ["module"] else 0 :][:depth]) for parts in cut]
-
-
-_WRAPPER_SEGMENTS = frozenset(("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"))
+    return [".".join(_parts(name)[:depth]) for name in names]
 
 
 def _parts(name: str) -> list[str]:
@@ -83,7 +78,7 @@ def _parts(name: str) -> list[str]:
     and activation checkpointing insert (a compiled run and its uncompiled resume log the same tags), an FSDP1 flat
     parameter's ``[flat: 0.weight, ...]`` one component (its dots are not modules')."""
     head, bracket, flat = name.partition("[")
-    parts = [part for part in head.split(".") if part and part not in _WRAPPER_SEGMENTS]
+    parts = [part for part in head.split(".") if part and part not in WRAPPER_SEGMENTS]
     return parts + [bracket + flat] if bracket else parts
 
 
@@ -102,13 +97,17 @@ class GradTelemetry:
 
     Args:
         half_dtype: The half dtype whose limits the scaled gradients are measured against.
+        user_names: The user's name of a parameter as the prepared models name it (the engine's
+            :class:`~lightning_mpx.health.tags.UserNames`: without a data-parallel wrapper's ``module``); default:
+            the name itself.
 
     Attributes:
         requested: Whether the unscales until the next ``Amp.update()`` measure the gradients.
         measurements: How many unscales have measured gradients (one per optimizer and logging step).
     """
 
-    def __init__(self, half_dtype: torch.dtype) -> None:
+    def __init__(self, half_dtype: torch.dtype, user_names: Callable[[str], str] | None = None) -> None:
+        self.user_names = user_names
         info = torch.finfo(half_dtype)
         self.tiny = float(info.tiny)
         self.max = float(info.max)
@@ -143,7 +142,11 @@ class GradTelemetry:
         for index, grad in enumerate(sources):
             param = owner.get(id(grad))
             tensor_names.append(names.get(id(param), f"param{index}") if param is not None else f"param{index}")
-        groups = module_groups(tensor_names, names.values() if names else None)
+        every = names.values() if names else None
+        if self.user_names is not None:
+            tensor_names = [self.user_names(name) for name in tensor_names]
+            every = [self.user_names(name) for name in every] if every is not None else None
+        groups = module_groups(tensor_names, every)
         order = list(dict.fromkeys(groups))
         position = {group: i for i, group in enumerate(order)}
         device = stats.underflow.device

@@ -49,10 +49,35 @@ CONSTANT_SCALE_SUSPECT = 2.0**10
 HEADROOM_TARGET = 2.0**-3
 
 
+#: A logged point whose largest scaled gradient (the largest over the groups of ``mpx/headroom_doublings/<group>``) is
+#: below this fraction of the half maximum is a bfloat16 run's: float16's whole range, from its maximum to its smallest
+#: subnormal, spans 40 doublings (2^16 to 2^-24), bfloat16's maximum is 2^128 and a real gradient lies far below it.
+HALF_DTYPE_SPLIT = 2.0**-64
+
+
+def logged_half_dtype(mpx: dict[str, Series]) -> str | None:
+    """The run's half dtype, as its headroom tells it: ``"bfloat16"`` when most logged points' largest scaled gradient
+    is below ``HALF_DTYPE_SPLIT`` of the half maximum, ``"float16"`` when most are above; ``None`` without headroom
+    scalars (or as many points each way). The loss scale cannot tell: bfloat16's static scale of 1 is a float16 scale
+    too."""
+    largest: dict[int, float] = {}
+    for points in headroom_ratios(mpx).values():
+        for step, ratio in points:
+            if 0.0 < ratio < 1.0:  # not a group without a non-zero gradient (0), nor an overflow step (inf, NaN)
+                largest[step] = max(largest.get(step, 0.0), ratio)
+    low = sum(ratio < HALF_DTYPE_SPLIT for ratio in largest.values())
+    high = len(largest) - low
+    return "bfloat16" if low > high else "float16" if high > low else None
+
+
 def _underflow(mpx: dict[str, Series]) -> tuple[list[Finding], list[str]]:
     """The underflow findings, and the evidence lines a healthy finding shows."""
     # A group that runs in FP32 (promoted or pinned) keeps its small gradients: its underflow is not judged.
     fp32 = [module for module, points in _by_suffix(mpx, PROMOTED_PREFIX).items() if points[-1][1] >= 0.5]
+    if not any(group.split(".")[0] == "module" for group in _by_suffix(mpx, UNDERFLOW_PREFIX)):
+        # A run written before stop 70 named a data-parallel model's promoted modules "module.<name>" and its
+        # underflow groups "<name>" (the tags now agree): read so.
+        fp32 += [module[len("module.") :] for module in fp32 if module.startswith("module.")]
 
     def judged(prefix: str) -> dict[str, Series]:
         return {
