@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from lightning_mpx.engine.frozen_writes import FrozenWrites, HeldWrites
+from lightning_mpx.engine.master_writes import hand_out
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
 from lightning_mpx.engine.raw_steps import _SAM_FIX, UnheldParams, is_two_pass, refuse_base_with_sam, refuse_raw_step
 from lightning_mpx.engine.rescale import (
@@ -220,6 +221,8 @@ class StepMachine(UnscalePath):
         for weights in self.masters.weights:
             if weights.handed:  # a second stage took masters of this engine's: they are not this engine's to give
                 refuse_handed(self.masters.weights, [param for param, _ in pairs])
+        if state.shown and state.stage is _Stage.UNSCALED:  # a write to their gradients told from the model's
+            hand_out(state, pairs, self.shared.ids)
         return [master for _, master in pairs]
 
     def mirrors(self, state: _OptimizerState, *, compare: bool) -> list[Mirror]:

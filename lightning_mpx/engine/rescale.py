@@ -28,6 +28,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from lightning_mpx.engine.grad_checks import charge
+from lightning_mpx.engine.master_writes import noted_again, refuse_both, written
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
 from lightning_mpx.engine.sharding import local_tensors
 from lightning_mpx.engine.shared_grads import SharedGrads
@@ -205,7 +206,11 @@ def leftovers(
                 # before a clip of the masters' gradients, which the write would undo
                 if (not state.shown or state.clips) and bool(grad.any()) and not _clipped_nothing(state):
                     _refuse_scaled_write(state)
+                if state.handed and written(state, master) and bool(grad.any()):  # the masters' written too
+                    refuse_both(state)
                 true.copy_(grad)
+                if state.handed:
+                    noted_again(state, master)
         out.append((true, grad))
     return out
 
