@@ -364,13 +364,12 @@ def test_a_write_through_grad_data_after_the_engines_clip_is_refused() -> None:
         ours.amp.step(ours.opts["whole"])
 
 
-@pytest.mark.xfail(strict=True, reason="O2, a shared head: unscale_ of the whole model's optimizer, a step of the "
-                   "head's only, then a backward: the whole optimizer's next clip and step are off FP32")  # fmt: skip
 def test_one_optimizer_stepped_after_the_others_unscale_then_accumulated() -> None:
     """Two optimizers over a shared head (its FP32 master shared): the whole model's ``unscale_`` (no step), the
     head's step alone, ``update()``, a backward without ``zero_grad`` (FP32 adds it to the gradients kept), the whole
-    model's clip and step: off FP32 (the clip's norm 1.31 against 2.02). With the engine's clip in place of
-    ``unscale_`` it trains as FP32."""
+    model's clip and step: off FP32 before (the clip's norm 1.31 against 2.02: the head's step took the true values
+    the whole model's unscale_ showed in the head's half gradients for scaled ones, so the backward added the new
+    gradients to them unscaled). xfails70: the step notes them (SharedGrads.settled), the backward brings them up."""
     ours, ref = _both("float16", two=True)
     ours.amp.unscale_(ours.opts["whole"])
     ours.amp.step(ours.opts["head"])

@@ -114,3 +114,27 @@ def test_apex_o2_clip_of_the_masters_then_their_halving_trains_as_fp32() -> None
         assert (run("O2") - run(None)).abs().max() < 1e-3
     finally:
         _amp_state.reset()
+
+
+# -- 2. a shared head stepped alone after the whole model's unscale_ (SharedGrads.settled, rescale._true_shown) -----
+@pytest.mark.parametrize("dtype", ["bfloat16"])
+@pytest.mark.parametrize("second", ["whole", "head"])
+def test_a_shared_head_stepped_after_the_wholes_unscale_then_accumulated_trains_as_fp32(
+    dtype: str, second: str
+) -> None:
+    """bfloat16 under a static scale of 16: the whole model's ``unscale_``, the head's step alone, ``update()``, a
+    backward without ``zero_grad``, then both steps (the whole's first, or the head's first: the head's leftovers
+    brought up once, not once per optimizer): as FP32."""
+    ours, ref = _both(dtype, two=True)
+    ours.amp.unscale_(ours.opts["whole"])
+    ours.amp.step(ours.opts["head"])
+    ours.amp.update()
+    ref.opts["head"].step()
+    for run in (ours, ref):
+        run.backward(1)
+    order = ("whole", "head") if second == "whole" else ("head", "whole")
+    for name in order:
+        ours.amp.step(ours.opts[name])
+        ref.opts[name].step()
+    ours.amp.update()
+    assert _off_fp32(ours, ref) < 0.05

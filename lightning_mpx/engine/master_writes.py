@@ -107,7 +107,8 @@ def refuse_both(state: _OptimizerState) -> None:
     raise RuntimeError(
         "both the FP32 master weights' gradients (amp.master_params(optimizer): p.grad of each, written or clipped "
         "with torch.nn.utils.clip_grad_norm_) and the model's gradients of the same parameters were written between "
-        "unscale_() (or an Apex scale_loss block) and step() at O2: the model's gradients hold a copy of the values unscale_() showed, which the "
+        "unscale_() (or an Apex scale_loss block) and step() at O2: the model's gradients hold a copy of the values "
+        "unscale_() showed, which the "
         "write to the masters' did not change, so the step cannot keep both writes "
         f"({state.loss_id or 0!r} is the loss). Write one of them (the model's, as after torch.amp.GradScaler."
         "unscale_, or the masters'), or call amp.show_unscaled_on_model(optimizer) after writing the masters' "

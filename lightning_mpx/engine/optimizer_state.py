@@ -119,6 +119,10 @@ class _OptimizerState:
     # there before the step), not the scale of loss_id.
     shown: bool = False
     stepped_true: bool = False
+    # O2, STEPPED and not stepped_true: (id, version) of the shared half gradients the step left holding true values,
+    # which another optimizer's unscale showed there (engine.shared_grads.SharedGrads.settled); the others hold the
+    # scale of loss_id.
+    stepped_shown: frozenset[tuple[int, int]] = frozenset()
     # O2, from amp.master_params(optimizer) after a show to the step: by the master's id, (master, its FP32 gradient,
     # that gradient's version) as handed out or as the engine last wrote it (engine.master_writes)
     handed: dict[int, tuple[torch.Tensor, torch.Tensor, int]] | None = None
@@ -173,6 +177,7 @@ class _OptimizerState:
         self.stepped_params = frozenset()
         self.backward_versions = None
         self.shown = self.stepped_true = False
+        self.stepped_shown = frozenset()
         self.handed = None
         self.clips = ()
         self.found_by_loss = {}

@@ -436,6 +436,26 @@ def _apply_clips(state: _OptimizerState, half: list[torch.Tensor], scale: torch.
                 grad.clamp_(-bound.to(grad.device), bound.to(grad.device))
 
 
+def _true_shown(
+    state: _OptimizerState,
+    half: list[torch.Tensor],
+    one: torch.Tensor,
+    scale: torch.Tensor,
+    backend: str,
+    shared: SharedGrads | None,
+) -> list[torch.Tensor]:
+    """O2, STEPPED: those of the half gradients ``half`` the step left that hold true values another optimizer's
+    unscale showed (``state.stepped_shown``) get the step's clips and are brought to ``scale`` (once where another
+    optimizer's stage brings them up too: ``shared``); returns the others (the scale of ``loss_id``)."""
+    shown = [g for g in half if (id(g), g._version) in state.stepped_shown]
+    if not shown:
+        return half
+    ids = set(map(id, shown))
+    _apply_clips(state, shown, one)
+    _multiply(state, shared.once(shown) if shared is not None and shared.ids else shown, scale, backend)
+    return [g for g in half if id(g) not in ids]
+
+
 def rescale_stepped(
     state: _OptimizerState,
     new_loss_id: int,
@@ -460,6 +480,8 @@ def rescale_stepped(
         if shared is not None and shared.ids:  # a gradient two optimizers' steps left: brought up once
             inplace = shared.once(inplace)
         _multiply(state, inplace, new, backend)
+        if half and state.stepped_shown:  # true values another optimizer's unscale showed: up to the new scale
+            half = _true_shown(state, half, torch.ones((), device=device), new, backend, shared)
         if half:
             carried = torch.ones((), device=device) if state.stepped_true else _carried_scale(state, scalers)
             _apply_clips(state, half, carried)
@@ -502,6 +524,8 @@ def resume_stepped(
     if inplace or half:
         carried = _carried_scale(state, scalers)
         _multiply(state, inplace, carried, backend)
+        if half and state.stepped_shown:  # as in rescale_stepped, to the scale the others carry
+            half = _true_shown(state, half, torch.ones(()), carried, backend, None)
         if half:
             _apply_clips(state, half, torch.ones(()) if state.stepped_true else carried)
             if state.stepped_true:
