@@ -212,8 +212,12 @@ class StepMachine(UnscalePath):
                     inner_state = _OptimizerState(ref)
                     state_to_params(inner_state, self.masters.weights)
 
-    def master_params(self, optimizer: torch.optim.Optimizer, *, with_masters: bool) -> list[torch.Tensor]:
-        """The tensors ``optimizer`` updates (its masters ``with_masters``, its parameters otherwise)."""
+    def master_params(
+        self, optimizer: torch.optim.Optimizer, *, with_masters: bool, hand: bool = True
+    ) -> list[torch.Tensor]:
+        """The tensors ``optimizer`` updates (its masters ``with_masters``, its parameters otherwise); ``hand``: after
+        a show, their gradients are handed out for the user's writes (engine.master_writes; ``False``: read by the
+        library only)."""
         state = self.state(optimizer)
         if not with_masters:
             return list(optimizer_params(optimizer))
@@ -221,7 +225,7 @@ class StepMachine(UnscalePath):
         for weights in self.masters.weights:
             if weights.handed:  # a second stage took masters of this engine's: they are not this engine's to give
                 refuse_handed(self.masters.weights, [param for param, _ in pairs])
-        if state.shown and state.stage is _Stage.UNSCALED:  # a write to their gradients told from the model's
+        if hand and state.shown and state.stage is _Stage.UNSCALED:  # a write to their gradients told from the model's
             hand_out(state, pairs, self.shared.ids)
         return [master for _, master in pairs]
 
