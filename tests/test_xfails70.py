@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -72,6 +75,20 @@ def test_the_engines_clip_of_nothing_after_masters_handed_out_does_not_refuse_a_
     ours.amp.step(ours.opts["whole"])
     ref.opts["whole"].step()
     assert _off_fp32(ours, ref) < 0.05
+
+
+def test_masters_handed_out_after_an_unscale_not_stepped_are_let_go_at_the_next_backward() -> None:
+    """``amp.unscale_``, ``amp.master_params`` (their FP32 gradients handed out), no step, a backward (the true values
+    carried back into the model's gradients): the masters' FP32 gradient buffer is freed, not held by the notes
+    until the next step."""
+    ours, _ = _both("bfloat16")
+    ours.amp.unscale_(ours.opts["whole"])
+    grads = [m.grad for m in ours.amp.master_params(ours.opts["whole"])]
+    buffer = weakref.ref(grads[0].untyped_storage())
+    del grads
+    ours.backward(1)
+    gc.collect()
+    assert buffer() is None
 
 
 def test_apex_o2_clip_of_the_masters_then_their_halving_trains_as_fp32() -> None:

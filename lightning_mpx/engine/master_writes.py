@@ -16,7 +16,8 @@ copy, a counter of its own) and notes its version; the engine's own writes since
 into the master) move the note along (:func:`advance`); the step's check of a model write
 (:func:`~lightning_mpx.engine.rescale.leftovers`) asks :func:`refuse_both` for that parameter. Nothing of this runs
 unless ``amp.master_params`` was called between a show and the step; a shared parameter's master (another optimizer's
-unscale may take its gradient: :mod:`~lightning_mpx.engine.shared_grads`) is left out.
+unscale may take its gradient: :mod:`~lightning_mpx.engine.shared_grads`) and a sharded one (a ``DTensor`` gradient)
+are left out. The notes go with the step, or with the backward after an ``unscale_`` not stepped.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def hand_out(
     handed = state.handed if state.handed is not None else {}
     for param, master in pairs:
         grad = master.grad
-        if master is param or grad is None or id(param) in shared:
-            continue
+        if master is param or grad is None or id(param) in shared or type(grad) is not torch.Tensor:
+            continue  # a sharded master's (a DTensor's) is not watched
         noted = handed.get(id(master))
         if noted is not None and noted[0] is master:
             continue

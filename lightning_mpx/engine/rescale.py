@@ -252,7 +252,7 @@ def rescale_unscaled(
     if master_weights:
         drop_master_grads(state)  # carried into the half gradients
     state.unscaled_marks, state.unscaled_groups = (), None
-    state.shown, state.clips = False, ()
+    state.shown, state.clips, state.handed = False, (), None
     state.stage = _Stage.READY
     state.loss_id = new_loss_id
     state.grad_scale = None
