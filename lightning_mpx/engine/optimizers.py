@@ -399,7 +399,7 @@ class StepMachine(UnscalePath):
     # -- internals ----------------------------------------------------------------------------------------------
     def _unscaled_params(self, optimizer: torch.optim.Optimizer, with_masters: bool) -> list[torch.Tensor]:
         """The tensors whose ``.grad`` holds ``optimizer``'s unscaled gradients (masters at O2), with a gradient."""
-        return [p for p in self.master_params(optimizer, with_masters=with_masters) if p.grad is not None]
+        return [p for p in self.master_params(optimizer, with_masters=with_masters, hand=False) if p.grad is not None]
 
 
 def _release_from_other_engines(optimizer: torch.optim.Optimizer, machine: StepMachine) -> None:
