@@ -152,7 +152,7 @@ class AmpState:
     idle: set[int] = field(default_factory=set)
     gradless: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     delayed: dict[int, tuple[tuple[int, int] | None, ...]] = field(default_factory=dict)
-    graded: dict[int, int] = field(default_factory=dict)  # O2: the masters' gradients' versions at a block's end
+    graded: dict[int, tuple] = field(default_factory=dict)  # O2: the masters' gradients' versions at a block's end
     allow_incoming_model_not_fp32: bool = False
     stepping: Any = None  # the optimizer whose step() the wrapper is running (its step pre-hook lets it through)
     loaded: Amp | None = None

@@ -333,11 +333,13 @@ def scale_loss(
         _renote(state, wrapped)
 
 
-def _grad_versions(amp: Amp, optimizer: torch.optim.Optimizer) -> int:
-    """The sum of the version counters of ``optimizer``'s master gradients (C-level maps, no Python per parameter):
-    an in-place write since (a clip of ``amp.master_params()``) moves it."""
+def _grad_versions(amp: Amp, optimizer: torch.optim.Optimizer) -> tuple[tuple[int, int], ...]:
+    """Identity and version of ``optimizer``'s master gradients (C-level maps, no Python per parameter): a write since
+    (a clip of ``amp.master_params()``, which hands them out as tensors of their own: engine.master_writes) moves it."""
     with torch._C.DisableTorchFunction():
-        return sum(map(_VERSION, filter(_SOME_GRAD, map(_GRAD, amp.master_params(optimizer)))))
+        masters = amp._machine.master_params(optimizer, with_masters=True, hand=False)  # not handed out to the user
+        grads = list(filter(_SOME_GRAD, map(_GRAD, masters)))
+        return tuple(zip(map(id, grads), map(_VERSION, grads)))
 
 
 def _record_gradless(state: AmpState, own: list[AmpOptimizer]) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from lightning_mpx.common.keywords import Required
 from lightning_mpx.engine.grad_checks import local_squares, reduce_checks
+from lightning_mpx.engine.master_writes import advance, clean, renote
 from lightning_mpx.engine.optimizer_state import _Stage
 from lightning_mpx.engine.rescale import follow_cleared_grads, grad_marks, unscale_late
 from lightning_mpx.engine.sharding import local_tensor
@@ -29,6 +30,7 @@ def clip_norm(
     """:meth:`Amp.clip_grad_norm_ <lightning_mpx.engine.amp.Amp.clip_grad_norm_>` for ``machine``'s ``optimizer``."""
     state = machine.state(optimizer)
     max_norm = clip_limit("max_norm", max_norm)
+    unwritten = clean(state) if state.handed else None  # masters handed out: the clip's write is the engine's
     if state.stage is not _Stage.UNSCALED:
         machine._unscale(state, max_norm=float(max_norm))
     else:
@@ -48,6 +50,8 @@ def clip_norm(
     assert state.grad_norm is not None
     if machine.masters.weights:  # the half gradients lack it (see rescale.after_step)
         state.clips += (("norm", state.grad_norm, max_norm),)
+        if unwritten is not None:
+            advance(state, unwritten)
     machine.grad_norms[state.loss_id or 0] = state.grad_norm
     return state.grad_norm
 
@@ -58,6 +62,7 @@ def clip_value_(
     """:meth:`Amp.clip_grad_value_ <lightning_mpx.engine.amp.Amp.clip_grad_value_>` for ``machine``'s ``optimizer``."""
     state = machine.state(optimizer)
     clip_value = clip_limit("clip_value", clip_value)
+    unwritten = clean(state) if state.handed else None  # as in clip_norm
     if state.stage is not _Stage.UNSCALED:
         machine._unscale(state)
     else:
@@ -73,6 +78,8 @@ def clip_value_(
         torch.nn.utils.clip_grad_value_(params, clip_value)
     if machine.masters.weights:
         state.clips += (("value", None, clip_value),)
+        if unwritten is not None:
+            advance(state, unwritten)
 
 
 def show_unscaled(machine: StepMachine, optimizer: torch.optim.Optimizer, *, fresh: bool = False) -> None:
@@ -115,6 +122,8 @@ def show_unscaled(machine: StepMachine, optimizer: torch.optim.Optimizer, *, fre
         shared.note_params(param for param, master in pairs if master is not param and id(param) in shared.ids
                            and param.grad is not None and master.grad is not None)  # fmt: skip
     state.shown, state.clips = True, ()  # the half gradients hold the true values now, clipped so far
+    if state.handed:  # the masters' writes shown too (engine.master_writes)
+        renote(state)
     # the copies are ours, not the user's writes
     state.unscaled_marks = grad_marks(state, master_weights, optimizer, paired=True)
 

@@ -119,6 +119,13 @@ class _OptimizerState:
     # there before the step), not the scale of loss_id.
     shown: bool = False
     stepped_true: bool = False
+    # O2, STEPPED and not stepped_true: (id, version) of the shared half gradients the step left holding true values,
+    # which another optimizer's unscale showed there (engine.shared_grads.SharedGrads.settled); the others hold the
+    # scale of loss_id.
+    stepped_shown: frozenset[tuple[int, int]] = frozenset()
+    # O2, from amp.master_params(optimizer) after a show to the step: by the master's id, (master, its FP32 gradient,
+    # that gradient's version) as handed out or as the engine last wrote it (engine.master_writes)
+    handed: dict[int, tuple[torch.Tensor, torch.Tensor, int]] | None = None
     # O2: the clips of the masters' gradients since the unscale (or the show), which the half gradients lack:
     # ("norm", norm, max_norm) or ("value", None, clip_value), applied to what a step leaves of them if it is used;
     # a fourth item: the ids of the half gradients of a group added after that clip, left out (rescale.unscale_late).
@@ -170,6 +177,8 @@ class _OptimizerState:
         self.stepped_params = frozenset()
         self.backward_versions = None
         self.shown = self.stepped_true = False
+        self.stepped_shown = frozenset()
+        self.handed = None
         self.clips = ()
         self.found_by_loss = {}
         self.found_inf = None

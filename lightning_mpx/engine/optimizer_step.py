@@ -170,7 +170,7 @@ class OptimizerStep:
             self.machine.steps_taken += 1  # engine.raw_steps: parameters written by an engine step
             after_step(state, optimizer, masters=bool(self.machine.masters.weights))
             if self.machine.shared.masters:  # noted FP32 gradients of shared masters: let go once all stepped
-                self.machine.shared.settled()
+                self.machine.shared.settled(state)
             if self.machine.unheld is not None:  # a raw optimizer stepped after it (engine.beside_steps)
                 self.machine.unheld.after_step(self.machine)
             self.pending.steps.append(pending)  # PendingSteps.add, written out
@@ -196,7 +196,7 @@ class OptimizerStep:
         self.machine.steps_taken += 1  # engine.raw_steps: parameters written by an engine step
         after_step(state, optimizer, masters=bool(self.machine.masters.weights))  # its gradients, left for FP32's loop
         if self.machine.shared.masters:  # noted FP32 gradients of shared masters: let go once all stepped
-            self.machine.shared.settled()
+            self.machine.shared.settled(state)
         if self.machine.unheld is not None:  # a raw optimizer stepped after it (engine.beside_steps)
             self.machine.unheld.after_step(self.machine)
         return True
@@ -269,7 +269,7 @@ class OptimizerStep:
         self.machine.steps_taken += 1  # engine.raw_steps: parameters written by an engine step
         after_step(state, optimizer, masters=bool(self.machine.masters.weights))
         if self.machine.shared.masters:  # noted FP32 gradients of shared masters: let go once all stepped
-            self.machine.shared.settled()
+            self.machine.shared.settled(state)
         if self.machine.unheld is not None:  # a raw optimizer stepped after it (engine.beside_steps)
             self.machine.unheld.after_step(self.machine)
 

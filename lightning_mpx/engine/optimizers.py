@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from lightning_mpx.engine.frozen_writes import FrozenWrites, HeldWrites
+from lightning_mpx.engine.master_writes import hand_out
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
 from lightning_mpx.engine.raw_steps import _SAM_FIX, UnheldParams, is_two_pass, refuse_base_with_sam, refuse_raw_step
 from lightning_mpx.engine.rescale import (
@@ -211,8 +212,12 @@ class StepMachine(UnscalePath):
                     inner_state = _OptimizerState(ref)
                     state_to_params(inner_state, self.masters.weights)
 
-    def master_params(self, optimizer: torch.optim.Optimizer, *, with_masters: bool) -> list[torch.Tensor]:
-        """The tensors ``optimizer`` updates (its masters ``with_masters``, its parameters otherwise)."""
+    def master_params(
+        self, optimizer: torch.optim.Optimizer, *, with_masters: bool, hand: bool = True
+    ) -> list[torch.Tensor]:
+        """The tensors ``optimizer`` updates (its masters ``with_masters``, its parameters otherwise); ``hand``: after
+        a show, their gradients are handed out for the user's writes (engine.master_writes; ``False``: read by the
+        library only)."""
         state = self.state(optimizer)
         if not with_masters:
             return list(optimizer_params(optimizer))
@@ -220,6 +225,8 @@ class StepMachine(UnscalePath):
         for weights in self.masters.weights:
             if weights.handed:  # a second stage took masters of this engine's: they are not this engine's to give
                 refuse_handed(self.masters.weights, [param for param, _ in pairs])
+        if hand and state.shown and state.stage is _Stage.UNSCALED:  # a write to their gradients told from the model's
+            hand_out(state, pairs, self.shared.ids)
         return [master for _, master in pairs]
 
     def mirrors(self, state: _OptimizerState, *, compare: bool) -> list[Mirror]:
@@ -392,7 +399,7 @@ class StepMachine(UnscalePath):
     # -- internals ----------------------------------------------------------------------------------------------
     def _unscaled_params(self, optimizer: torch.optim.Optimizer, with_masters: bool) -> list[torch.Tensor]:
         """The tensors whose ``.grad`` holds ``optimizer``'s unscaled gradients (masters at O2), with a gradient."""
-        return [p for p in self.master_params(optimizer, with_masters=with_masters) if p.grad is not None]
+        return [p for p in self.master_params(optimizer, with_masters=with_masters, hand=False) if p.grad is not None]
 
 
 def _release_from_other_engines(optimizer: torch.optim.Optimizer, machine: StepMachine) -> None:

@@ -28,6 +28,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from lightning_mpx.engine.grad_checks import charge
+from lightning_mpx.engine.master_writes import noted_again, refuse_both, written
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
 from lightning_mpx.engine.sharding import local_tensors
 from lightning_mpx.engine.shared_grads import SharedGrads
@@ -205,7 +206,11 @@ def leftovers(
                 # before a clip of the masters' gradients, which the write would undo
                 if (not state.shown or state.clips) and bool(grad.any()) and not _clipped_nothing(state):
                     _refuse_scaled_write(state)
+                if state.handed and written(state, master) and bool(grad.any()):  # the masters' written too
+                    refuse_both(state)
                 true.copy_(grad)
+                if state.handed:
+                    noted_again(state, master)
         out.append((true, grad))
     return out
 
@@ -247,7 +252,7 @@ def rescale_unscaled(
     if master_weights:
         drop_master_grads(state)  # carried into the half gradients
     state.unscaled_marks, state.unscaled_groups = (), None
-    state.shown, state.clips = False, ()
+    state.shown, state.clips, state.handed = False, (), None
     state.stage = _Stage.READY
     state.loss_id = new_loss_id
     state.grad_scale = None
@@ -431,6 +436,26 @@ def _apply_clips(state: _OptimizerState, half: list[torch.Tensor], scale: torch.
                 grad.clamp_(-bound.to(grad.device), bound.to(grad.device))
 
 
+def _true_shown(
+    state: _OptimizerState,
+    half: list[torch.Tensor],
+    one: torch.Tensor,
+    scale: torch.Tensor,
+    backend: str,
+    shared: SharedGrads | None,
+) -> list[torch.Tensor]:
+    """O2, STEPPED: those of the half gradients ``half`` the step left that hold true values another optimizer's
+    unscale showed (``state.stepped_shown``) get the step's clips and are brought to ``scale`` (once where another
+    optimizer's stage brings them up too: ``shared``); returns the others (the scale of ``loss_id``)."""
+    shown = [g for g in half if (id(g), g._version) in state.stepped_shown]
+    if not shown:
+        return half
+    ids = set(map(id, shown))
+    _apply_clips(state, shown, one)
+    _multiply(state, shared.once(shown) if shared is not None and shared.ids else shown, scale, backend)
+    return [g for g in half if id(g) not in ids]
+
+
 def rescale_stepped(
     state: _OptimizerState,
     new_loss_id: int,
@@ -455,6 +480,8 @@ def rescale_stepped(
         if shared is not None and shared.ids:  # a gradient two optimizers' steps left: brought up once
             inplace = shared.once(inplace)
         _multiply(state, inplace, new, backend)
+        if half and state.stepped_shown:  # true values another optimizer's unscale showed: up to the new scale
+            half = _true_shown(state, half, torch.ones((), device=device), new, backend, shared)
         if half:
             carried = torch.ones((), device=device) if state.stepped_true else _carried_scale(state, scalers)
             _apply_clips(state, half, carried)
@@ -497,6 +524,8 @@ def resume_stepped(
     if inplace or half:
         carried = _carried_scale(state, scalers)
         _multiply(state, inplace, carried, backend)
+        if half and state.stepped_shown:  # as in rescale_stepped, to the scale the others carry
+            half = _true_shown(state, half, torch.ones(()), carried, backend, None)
         if half:
             _apply_clips(state, half, torch.ones(()) if state.stepped_true else carried)
             if state.stepped_true:

@@ -41,6 +41,7 @@ from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage
 from lightning_mpx.scaling.scaler import LossScaler
 
 _PARAMS = operator.itemgetter("params")
+_GRAD = operator.attrgetter("grad")
 
 
 class SharedGrads:
@@ -242,10 +243,18 @@ class SharedGrads:
                 if noted is not None and noted[0] is half and noted[2] is not grad:
                     self.masters[id(half)] = (half, noted[1], grad)
 
-    def settled(self) -> None:
-        """After a step: the FP32 gradients noted (:attr:`masters`) are let go once no registered optimizer is left to
-        take them (every one stepped since the backward). The steps freed them; the notes would keep them through the
-        next forward where the iteration ends at the next backward (Fabric, a loop that calls ``update()`` late)."""
+    def settled(self, stepped: _OptimizerState) -> None:
+        """After a step (of ``stepped``'s optimizer): the FP32 gradients noted (:attr:`masters`) are let go once no
+        registered optimizer is left to take them (every one stepped since the backward). The steps freed them; the
+        notes would keep them through the next forward where the iteration ends at the next backward (Fabric, a loop
+        that calls ``update()`` late). Before that, the half gradients the step left that another optimizer's unscale
+        showed the true values in (a head's step after the whole model's ``unscale_``) are noted as such
+        (``stepped_shown``): the step's own unscale showed nothing, so its other half gradients keep the scale, and
+        the next backward brought these up by the ratio of scales, 1, as if scaled (the whole model's clip and step
+        after it 0.35 off FP32, silently)."""
+        if stepped.stage is _Stage.STEPPED and not stepped.stepped_true and self.done:
+            grads = map(_GRAD, map(stepped.pair_params.__getitem__, stepped.mastered))
+            stepped.stepped_shown = frozenset((id(g), g._version) for g in grads if g is not None and self.holds(g))
         if all(state.stage is _Stage.STEPPED for state in self.optimizers.values()):
             self.masters, self.truths = {}, {}
 

@@ -49,7 +49,7 @@ def clip_for_fabric(amp: Any, optimizer: torch.optim.Optimizer, caller: types.Fr
     if kind is None:
         return None
     args = caller.f_locals
-    masters = amp.master_params(optimizer)
+    masters = amp._machine.master_params(optimizer, with_masters=True, hand=False)  # the library's read (master_writes)
     if kind == "norm":
         # error_if_nonfinite: Fabric's clip of the stand-in raises it (one host read of the norm, as before)
         norm = _clip_norm(masters, args["max_norm"], args["norm_type"])

@@ -1,0 +1,117 @@
+"""At O2, writes to the FP32 masters' gradients (``amp.master_params(optimizer)``) after ``unscale_()`` showed the true
+values on the model's half gradients, told apart per master.
+
+After a show the model's half gradients are a copy of the masters' FP32 ones. A write to both of one parameter before
+the step (``m.grad.mul_(0.5)`` over ``amp.master_params(opt)``, then ``p.grad.mul_(0.5)`` on the model; or torch's
+``clip_grad_norm_(amp.master_params(opt), ...)`` then a write to the model's) cannot both be kept: the model's write
+was made on the copy, which lacks the masters' write, and the step takes the model's (a write to them is the user's,
+as after ``torch.amp.GradScaler.unscale_``), losing the masters' silently (2x FP32's update, or the clip undone).
+
+The signal is the version counter of each master's FP32 gradient. Those a step's unscale makes are views of one buffer
+(:class:`~lightning_mpx.masters.pairs.GradLayout`), which share the buffer's counter: a write to one master's moved
+every master's, so a version check alone refused correct code (the masters of some parameters written, the model's of
+others; a shared master's clip by another optimizer). :func:`hand_out`, called where the user gets the masters after a
+show (``amp.master_params``), gives each such gradient a tensor of its own over the same memory (``Tensor.set_``: no
+copy, a counter of its own) and notes its version; the engine's own writes since (its clips, the copy of a model write
+into the master) move the note along (:func:`advance`); the step's check of a model write
+(:func:`~lightning_mpx.engine.rescale.leftovers`) asks :func:`refuse_both` for that parameter. Nothing of this runs
+unless ``amp.master_params`` was called between a show and the step; a shared parameter's master (another optimizer's
+unscale may take its gradient: :mod:`~lightning_mpx.engine.shared_grads`) and a sharded one (a ``DTensor`` gradient)
+are left out. The notes go with the step, or with the backward after an ``unscale_`` not stepped.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from lightning_mpx.engine.optimizer_state import _OptimizerState
+
+
+def hand_out(
+    state: _OptimizerState, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], shared: frozenset[int]
+) -> None:
+    """``amp.master_params`` of ``state``'s optimizer after a show (``pairs``: its (parameter, master) pairs;
+    ``shared``: the ids of the parameters another optimizer holds, left out): each master's FP32 gradient gets a
+    version counter of its own and is noted as handed out. One noted already keeps its note (a write since stays
+    seen)."""
+    handed = state.handed if state.handed is not None else {}
+    for param, master in pairs:
+        grad = master.grad
+        if master is param or grad is None or id(param) in shared or type(grad) is not torch.Tensor:
+            continue  # a sharded master's (a DTensor's) is not watched
+        noted = handed.get(id(master))
+        if noted is not None and noted[0] is master:
+            continue
+        if grad._base is not None:  # a view of the step's one buffer: its counter is the buffer's
+            grad = grad.new_empty(0).set_(grad)
+            master.grad = grad
+        handed[id(master)] = (master, grad, grad._version)
+    state.handed = handed
+
+
+def clean(state: _OptimizerState) -> set[int] | None:
+    """Before an engine write to the masters' gradients (a clip): the ids of the masters handed out and not written
+    since (``None``: none handed out)."""
+    handed = state.handed
+    if not handed:
+        return None
+    return {key for key, (master, grad, version) in handed.items() if master.grad is grad and grad._version == version}
+
+
+def advance(state: _OptimizerState, unwritten: set[int] | None) -> None:
+    """After an engine write to the masters' gradients: those ``unwritten`` by the user before it (:func:`clean`) are
+    noted as the engine left them; a user's write before it stays seen."""
+    handed = state.handed
+    if not handed or unwritten is None:
+        return
+    for key in unwritten:
+        master, _, _ = handed[key]
+        grad = master.grad
+        if grad is not None:
+            handed[key] = (master, grad, grad._version)
+
+
+def renote(state: _OptimizerState) -> None:
+    """After a show (the model's gradients copy the masters' again, writes and all): every note starts again."""
+    handed = state.handed
+    if handed:
+        state.handed = {
+            key: (master, grad, grad._version)
+            for key, (master, _, _) in handed.items()
+            if (grad := master.grad) is not None
+        }
+
+
+def written(state: _OptimizerState, master: torch.Tensor) -> bool:
+    """Whether ``master``'s FP32 gradient was written (in place, or replaced: ``m.grad = m.grad * 0.5``) since it was
+    handed out or since the engine's last write to it."""
+    noted = state.handed.get(id(master)) if state.handed else None
+    if noted is None:
+        return False
+    grad = master.grad
+    return grad is not noted[1] or grad._version != noted[2]
+
+
+def noted_again(state: _OptimizerState, master: torch.Tensor) -> None:
+    """The engine just wrote ``master``'s FP32 gradient (a model write copied into it): noted as it left it."""
+    noted = state.handed.get(id(master)) if state.handed else None
+    grad = master.grad
+    if noted is not None and grad is not None:
+        state.handed[id(master)] = (master, grad, grad._version)  # type: ignore[index]
+
+
+def refuse_both(state: _OptimizerState) -> None:
+    """At O2 after ``unscale_()``: both a master's FP32 gradient (``amp.master_params(optimizer)``) and the model's
+    gradient of the same parameter were written since."""
+    raise RuntimeError(
+        "both the FP32 master weights' gradients (amp.master_params(optimizer): p.grad of each, written or clipped "
+        "with torch.nn.utils.clip_grad_norm_) and the model's gradients of the same parameters were written between "
+        "unscale_() (or an Apex scale_loss block) and step() at O2: the model's gradients hold a copy of the values "
+        "unscale_() showed, which the "
+        "write to the masters' did not change, so the step cannot keep both writes "
+        f"({state.loss_id or 0!r} is the loss). Write one of them (the model's, as after torch.amp.GradScaler."
+        "unscale_, or the masters'), or call amp.show_unscaled_on_model(optimizer) after writing the masters' "
+        "gradients and before writing the model's."
+    )
