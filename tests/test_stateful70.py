@@ -6,6 +6,7 @@ gradients that the gradients a step leaves lose."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.test_stateful69 import REFUSED_WRITE, _both, _off_fp32
 
@@ -74,3 +75,43 @@ def test_a_write_to_the_masters_gradients_is_kept_in_what_the_step_leaves(max_no
     ours.amp.step(ours.opts["whole"])
     ref.opts["whole"].step()
     assert _off_fp32(ours, ref) < 0.05
+
+
+@pytest.mark.xfail(strict=True, reason="Apex layer, O1: a scale_loss block without delay_unscale, zero_grad() (the "
+                   "block given up, no step), then a delay_unscale block: the core's stage stays unscaled, so the "
+                   "chain is taken as following an earlier block (an empty stash kept) and unscaled at its end; Apex "
+                   "leaves the chain's gradients scaled (a clip of model.parameters() between the blocks sees 1/64 of "
+                   "Apex's norm); found by test_apex_stateful.py's machine, --hypothesis-seed=2")  # fmt: skip
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_apex_o1_a_delay_unscale_chain_after_a_given_up_block_stays_scaled(set_to_none: bool) -> None:
+    from tests.test_apex_stateful import ApexAgainstReference
+
+    machine = ApexAgainstReference()
+    try:
+        machine.setup(level="O1", optimizer="sgd")
+        machine.block(seed=11, loss_id=0, delay=False, poison=None)
+        machine.zero_grad(set_to_none=set_to_none, through_model=False)
+        machine.block(seed=0, loss_id=0, delay=True, poison=None)
+        for param, want in zip(machine.ours.model.parameters(), machine.ref.holders(), strict=True):
+            torch.testing.assert_close(param.grad.float(), want.grad.float(), rtol=0.01, atol=1e-3)  # scaled, as Apex
+    finally:
+        machine.teardown()
+
+
+@pytest.mark.xfail(strict=True, reason="O2, a shared head: the whole model's engine clip (no step), a step of the "
+                   "head's only, then a backward: the whole optimizer's next clip measures 1.88 where FP32's is 1.13 "
+                   "(test_stateful69.py's strict xfail with unscale_ in place of the clip, whose docstring says the "
+                   "clip trains as FP32: not with a clip that bites); found by test_stateful69.py's machine once "
+                   "it ran in CI (its deterministic examples)")  # fmt: skip
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_one_optimizer_stepped_after_the_others_clip_then_accumulated(dtype: str) -> None:
+    ours, ref = _both(dtype, two=True)
+    for run in (ours, ref):
+        run.clip("whole", 0.1)
+    ours.amp.step(ours.opts["head"])
+    ref.opts["head"].step()
+    ours.amp.update()
+    for run in (ours, ref):
+        run.backward(0)
+    norm, want = ours.clip("whole", 0.1), ref.clip("whole", 0.1)
+    assert abs(norm - want) <= 0.03 * want, (norm, want)
