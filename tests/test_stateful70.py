@@ -11,25 +11,27 @@ import torch
 from tests.test_stateful69 import REFUSED_WRITE, _both, _off_fp32
 
 
-@pytest.mark.parametrize("head", ["clip", "unscale_ and clip"])
-@pytest.mark.parametrize("whole", ["clip", "unscale_"])
-def test_a_write_after_one_optimizers_clip_is_refused_at_the_others_unscale(head: str, whole: str) -> None:
+@pytest.mark.parametrize(("head", "how"), [("clip", "mul_"), ("clip", "new"), ("unscale_ and clip", "mul_")])
+@pytest.mark.parametrize("whole", ["clip", "unscale_", "step"])
+def test_a_write_after_one_optimizers_clip_is_refused_at_the_others_unscale(head: str, how: str, whole: str) -> None:
     """The head's engine clip (``amp.clip_grad_norm_(head_opt, 0.1)``, after ``amp.unscale_(head_opt)`` or not),
-    ``p.grad.mul_(0.5)`` on the model, then the whole model's clip or ``unscale_``. Before: the whole model's unscale
-    took the head's written half gradients (the unclipped values the write was made on) into the shared master: its
-    clip measured 2x FP32's norm (0.517 against 0.258) and its step stepped the head unclipped, silently; after
-    ``unscale_`` it also showed them on the model, and the head's step no longer refused the write. Now refused there,
-    as at the head's own step (docs/master_weights.md)."""
+    ``p.grad.mul_(0.5)`` (or ``p.grad = p.grad * 0.5``) on the model, then the whole model's clip, ``unscale_`` or
+    step. Before: the whole model's unscale took the head's written half gradients (the unclipped values the write was
+    made on) into the shared master: its clip measured 2x FP32's norm (0.517 against 0.258) and its step stepped the
+    head unclipped, silently; after ``unscale_`` it also showed them on the model, and the head's step no longer
+    refused the write. Now refused there, as at the head's own step (docs/master_weights.md)."""
     ours, ref = _both("float16", two=True)
     if head != "clip":
         ours.amp.unscale_(ours.opts["head"])
     assert abs(ours.clip("head", 0.1) - ref.clip("head", 0.1)) <= 3e-3
-    ours.write_model("model", "mul_")
+    ours.write_model("model", how)  # in place, or p.grad = p.grad * 0.5 (the --hypothesis-seed=6 sequence)
     with pytest.raises(RuntimeError, match=REFUSED_WRITE):
         if whole == "clip":
             ours.clip("whole", 0.1)
-        else:
+        elif whole == "unscale_":
             ours.amp.unscale_(ours.opts["whole"])
+        else:
+            ours.amp.step(ours.opts["whole"])
 
 
 def test_a_write_after_unscale_then_the_other_optimizers_clip_trains_as_fp32() -> None:

@@ -175,15 +175,18 @@ class SharedGrads:
         take it as FP32 would. That one refuses it at its step (``refuse_scaled_write``); this unscale took it
         silently (the other's clip lost: 2x FP32's norm). Not after a clip that clipped nothing (one host read,
         on this path only)."""
-        versions = {id(half): half._version for half in sources}
+        reading = set(map(id, sources))
         for other in list(self.optimizers.values()):
             if other is state or other.stage is not _Stage.UNSCALED or not other.clips:
                 continue
-            for mark in other.unscaled_marks:
-                if mark is not None and versions.get(mark[0], mark[1]) != mark[1]:
-                    half = next(h for h in sources if id(h) == mark[0])
-                    if bool(half.any()) and not clipped_nothing(other):
-                        return other
+            params = [other.pair_params[i] for i in other.mastered] if other.pair_params else []
+            for param, mark in zip(params, other.unscaled_marks):
+                # in place (a version moved) or replaced (p.grad = p.grad * 0.5: another tensor, this unscale's)
+                half = param.grad
+                if mark is None or half is None or id(half) not in reading or (id(half), half._version) == mark:
+                    continue
+                if bool(half.any()) and not clipped_nothing(other):
+                    return other
         return None
 
     def taken_written(self, halves: list[torch.Tensor], state: _OptimizerState) -> None:
