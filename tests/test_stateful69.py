@@ -190,7 +190,9 @@ class GradWritesAroundClips(RuleBasedStateMachine):
     @precondition(lambda self: self.pending)
     @rule(which=st.sampled_from(["whole", "head"]), max_norm=st.sampled_from([0.1, 10.0]))
     def clip(self, which: str, max_norm: float) -> None:
-        if which not in self.ours.opts:
+        if which not in self.ours.opts or (self.two and self.stage[which] == "shown" and self.model_writes[which]):
+            # two optimizers: unscale_, a write, this clip, the other's unscale: test_stateful70.py's strict xfail
+            # test_a_write_after_unscale_then_the_same_optimizers_clip_is_kept_at_the_others_unscale
             return
         if (refusal := self._refusal_at_unscale(which)) is not None:
             with pytest.raises(RuntimeError, match=refusal):

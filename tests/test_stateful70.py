@@ -117,3 +117,21 @@ def test_one_optimizer_stepped_after_the_others_clip_then_accumulated(dtype: str
         run.backward(0)
     norm, want = ours.clip("whole", 0.1), ref.clip("whole", 0.1)
     assert abs(norm - want) <= 0.03 * want, (norm, want)
+
+
+@pytest.mark.xfail(strict=True, reason="O2, a shared head: the head's unscale_, a write to the model's gradients, "
+                   "the head's engine clip (which takes the write and clips the shared master), then the whole "
+                   "model's unscale takes the written half gradients again over the head's clip: 3.5x FP32's travel "
+                   "off, silently (there at stop 69's head too); found by test_stateful69.py's machine, "
+                   "--hypothesis-seed=3 at stop 70")  # fmt: skip
+def test_a_write_after_unscale_then_the_same_optimizers_clip_is_kept_at_the_others_unscale() -> None:
+    ours, ref = _both("float16", two=True)
+    ours.amp.unscale_(ours.opts["head"])
+    for run in (ours, ref):
+        run.write_model("model", "mul_")
+    assert abs(ours.clip("head", 0.1) - ref.clip("head", 0.1)) <= 3e-3
+    for name in ("whole", "head"):
+        ours.amp.step(ours.opts[name])
+        ref.opts[name].step()
+    ours.amp.update()
+    assert _off_fp32(ours, ref) < 0.05
