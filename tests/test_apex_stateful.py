@@ -330,6 +330,8 @@ class ApexAgainstReference(RuleBasedStateMachine):
                 # Gradients of earlier blocks (a step left them, no zero_grad since) are in p.grad too, brought up to
                 # the chain's scale (FP32's meaning of what a step leaves); this reference keeps them apart
                 return
+            if self.used:  # a block without delay_unscale given up (zero_grad) before the chain: at O1 the library
+                return  # unscales the chain at its end (test_stateful70.py's strict xfail ..._given_up_block_...)
             got = torch.nn.utils.clip_grad_norm_(params, max_norm)
             want = torch.nn.utils.clip_grad_norm_(self.ref.holders(), max_norm)
             if self.chain is not None and not self.chain[1] and self.dirty is None:

@@ -217,6 +217,24 @@ class FabricAgainstReference(RuleBasedStateMachine):
         self.clipped = True
         self.clip_found = self.clip_found or self.poisoned
 
+    @precondition(lambda self: self.pending and self.clipped)
+    @rule(how=st.sampled_from(["mul_", "new", "value"]))
+    def write_grads_after_clip(self, how: str) -> None:
+        """After ``fabric.clip_gradients`` (by norm or by value), a write to the model's gradients before the step:
+        ``p.grad.mul_(0.5)``, ``p.grad = p.grad * 0.5`` or the user's own ``clip_grad_value_(model.parameters(),
+        0.01)``. At O2 the plugin shows the clipped values on the model (stop 69: the write was made on the unclipped
+        ones, and the clip lost), so the write is FP32's. On a poisoned step the step is still skipped (the clip found
+        the overflow, as ``GradScaler.unscale_`` records it), whatever the write makes of the non-finite value."""
+        for run in (self.ours, self.ref):
+            params = [p for p in run.model.parameters() if p.grad is not None]
+            if how == "value":
+                torch.nn.utils.clip_grad_value_(params, 0.01)
+            for param in params if how != "value" else ():
+                if how == "mul_":
+                    param.grad.mul_(0.5)
+                else:
+                    param.grad = param.grad * 0.5
+
     @precondition(lambda self: self.pending)
     @rule()
     def step(self) -> None:

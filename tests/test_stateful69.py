@@ -128,15 +128,36 @@ class GradWritesAroundClips(RuleBasedStateMachine):
         self.scaled_writes: dict[str, set[int]] = {n: set() for n in self.names}  # model writes after a clip
         self.model_writes: dict[str, set[int]] = {n: set() for n in self.names}  # model writes after unscale_
         self.master_writes = dict.fromkeys(self.names, False)  # masters' writes after unscale_
+        # Per optimizer, since its last clip: whether unscale_ came before it, whether a clip since clipped something
+        # (a norm clip within max_norm after unscale_ is no reason to refuse a write: docs/master_weights.md)
+        self.shown_first = dict.fromkeys(self.names, False)
+        self.bit = dict.fromkeys(self.names, False)
         self.pending = False  # a backward since the last step
+        self.masters_written = False  # amp.master_params' gradients written since the last backward
+        self.left_written = False  # a step left gradients whose masters were written (until a zero_grad)
 
     def _holds(self, name: str, index: int) -> bool:
         return name == "whole" or index >= 2
 
     def _refusal(self, name: str) -> str | None:
         """The documented refusal the next step, clip or backward makes for ``name``'s gradients, if any."""
-        if self.stage[name] == "clipped" and self.scaled_writes[name]:
+        if (
+            self.stage[name] == "clipped"
+            and self.scaled_writes[name]
+            and (self.bit[name] or not self.shown_first[name])
+        ):
             return REFUSED_WRITE
+        return None
+
+    def _refusal_at_unscale(self, which: str) -> str | None:
+        """The refusal ``which``'s own unscale (a clip, ``unscale_`` or step from "scaled") makes: its own, or another
+        optimizer's whose clip read a gradient ``which`` holds that the user wrote since (test_stateful70.py)."""
+        if (refusal := self._refusal(which)) is not None or self.stage[which] != "scaled":
+            return refusal
+        for name in self.names:
+            written = {i for i in self.scaled_writes[name] if self._holds(which, i)}
+            if name != which and written and self._refusal(name) is not None:
+                return REFUSED_WRITE
         return None
 
     def _forget(self, name: str) -> None:
@@ -147,6 +168,9 @@ class GradWritesAroundClips(RuleBasedStateMachine):
         self.start(self.dtype, self.two)
 
     # -- rules ----------------------------------------------------------------------------------------------------
+    # Not onto what a step left after a write to the masters' gradients (test_stateful70.py's strict xfail
+    # test_a_write_to_the_masters_gradients_is_kept_in_what_the_step_leaves): zero_grad first.
+    @precondition(lambda self: not self.left_written)
     @rule(seed=st.integers(0, 20))
     def backward(self, seed: int) -> None:
         refusals = [r for n in self.names if (r := self._refusal(n)) is not None]
@@ -158,7 +182,7 @@ class GradWritesAroundClips(RuleBasedStateMachine):
         ours = self.ours.backward(seed)
         ref = self.ref.backward(seed)
         assert abs(ours - ref) <= 0.03 * abs(ref) + 3e-3, (ours, ref)
-        self.pending = True
+        self.pending, self.masters_written = True, False
         self.stage = dict.fromkeys(self.names, "scaled")
         for name in self.names:
             self._forget(name)
@@ -166,15 +190,20 @@ class GradWritesAroundClips(RuleBasedStateMachine):
     @precondition(lambda self: self.pending)
     @rule(which=st.sampled_from(["whole", "head"]), max_norm=st.sampled_from([0.1, 10.0]))
     def clip(self, which: str, max_norm: float) -> None:
-        if which not in self.ours.opts:
+        if which not in self.ours.opts or (self.two and self.stage[which] == "shown" and self.model_writes[which]):
+            # two optimizers: unscale_, a write, this clip, the other's unscale: test_stateful70.py's strict xfail
+            # test_a_write_after_unscale_then_the_same_optimizers_clip_is_kept_at_the_others_unscale
             return
-        if (refusal := self._refusal(which)) is not None:
+        if (refusal := self._refusal_at_unscale(which)) is not None:
             with pytest.raises(RuntimeError, match=refusal):
                 self.ours.clip(which, max_norm)
             self._restart()
             return
         ours, ref = self.ours.clip(which, max_norm), self.ref.clip(which, max_norm)
         assert abs(ours - ref) <= 0.03 * ref + 1e-3, (which, ours, ref)
+        if self.stage[which] != "clipped":
+            self.shown_first[which], self.bit[which] = self.stage[which] == "shown", False
+        self.bit[which] = self.bit[which] or ours > max_norm
         if self.stage[which] in ("scaled", "left", "stepped", "shown"):
             self.stage[which] = "clipped"  # after unscale_ too: the model's gradients keep the unclipped values
         self._forget(which)
@@ -187,6 +216,11 @@ class GradWritesAroundClips(RuleBasedStateMachine):
         if self.stage[which] in ("clipped", "shown"):  # documented: once per step (torch.amp.GradScaler's rule)
             with pytest.raises(RuntimeError, match="unscale_"):
                 self.ours.amp.unscale_(self.ours.opts[which])
+            return
+        if (refusal := self._refusal_at_unscale(which)) is not None:
+            with pytest.raises(RuntimeError, match=refusal):
+                self.ours.amp.unscale_(self.ours.opts[which])
+            self._restart()
             return
         self.ours.amp.unscale_(self.ours.opts[which])
         self.stage[which] = "shown"
@@ -225,6 +259,7 @@ class GradWritesAroundClips(RuleBasedStateMachine):
                 self.master_writes[name] = True
         self.ours.write_masters(which)
         self.ref.write_masters(which)
+        self.masters_written = True
 
     @rule(which=st.sampled_from(["whole", "head", "model"]), set_to_none=st.booleans())
     def zero_grad(self, which: str, set_to_none: bool) -> None:
@@ -233,6 +268,7 @@ class GradWritesAroundClips(RuleBasedStateMachine):
         for run in (self.ours, self.ref):
             (run.model if which == "model" else run.opts[which]).zero_grad(set_to_none=set_to_none)
         cleared = set(range(4) if which != "head" else range(2, 4))
+        self.left_written = self.left_written and which == "head"
         for name in self.names:
             self.scaled_writes[name] -= cleared
             self.model_writes[name] -= cleared
@@ -241,10 +277,11 @@ class GradWritesAroundClips(RuleBasedStateMachine):
     @rule(which=st.sampled_from([("whole", "head"), ("head", "whole"), ("whole",), ("head",)]))
     def step(self, which: tuple[str, ...]) -> None:
         which = tuple(name for name in which if name in self.ours.opts) or ("whole",)
-        if any(self.stage[n] == "shown" for n in self.names if n not in which):
-            which = tuple(self.names)  # one unscale_d and not stepped: a strict xfail below
+        if any(self.stage[n] in ("shown", "clipped") for n in self.names if n not in which):
+            # one unscale_d (or clipped) and not stepped: a strict xfail below (and test_stateful70.py's for the clip)
+            which = tuple(self.names)
         for name in which:
-            if (refusal := self._refusal(name)) is not None:
+            if (refusal := self._refusal_at_unscale(name)) is not None:
                 with pytest.raises(RuntimeError, match=refusal):
                     self.ours.amp.step(self.ours.opts[name])
                 self._restart()
@@ -253,6 +290,7 @@ class GradWritesAroundClips(RuleBasedStateMachine):
             self.ref.opts[name].step()
             self.stage[name] = "stepped"
             self._forget(name)
+            self.left_written = self.left_written or self.masters_written
         self.ours.amp.update()
         for name in self.names:
             if self.stage[name] != "stepped":
@@ -271,14 +309,12 @@ class GradWritesAroundClips(RuleBasedStateMachine):
             assert error <= rtol * travelled + atol, f"tensor {index} off by {error:.3g} (travelled {travelled:.3g})"
 
 
-# S69_EXAMPLES: more sequences for a search under HYPOTHESIS_PROFILE=explore (docs/testing.md).
+# S69_EXAMPLES: more sequences for a search under HYPOTHESIS_PROFILE=explore (docs/testing.md). Settled at stop 70: the
+# deterministic examples (16) take about 2.5 s of one core (stop 69's 300 s was hypothesis shrinking a failing example).
 GradWritesAroundClips.TestCase.settings = stateful_settings(
-    max_examples=int(os.environ.get("S69_EXAMPLES", "6")), steps=14
+    max_examples=int(os.environ.get("S69_EXAMPLES", "16")), steps=14
 )
-# Opt-in (S69_EXAMPLES set): its deterministic examples were not yet settled at stop 69 (a run took 300 s).
-test_o2_gradient_writes_around_clips_against_fp32 = pytest.mark.skipif(
-    "S69_EXAMPLES" not in os.environ, reason="explore only: set S69_EXAMPLES"
-)(GradWritesAroundClips.TestCase)
+test_o2_gradient_writes_around_clips_against_fp32 = GradWritesAroundClips.TestCase
 
 
 # -- what the sequences found, written out ---------------------------------------------------------------------------

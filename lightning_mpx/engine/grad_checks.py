@@ -17,6 +17,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
+from lightning_mpx.engine.scaled_write import refuse_scaled_write
 from lightning_mpx.engine.sharding import Sharding, local_tensors
 from lightning_mpx.engine.shared_grads import SharedGrads
 from lightning_mpx.health.telemetry import GradTelemetry
@@ -200,11 +201,18 @@ def _unscale_shared(
     loss_id = state.loss_id or 0
     in_place = [targets is None or target is source for source, target in zip(sources, targets or sources)]
     done = [i for i, source in enumerate(sources) if in_place[i] and shared.holds(source)]
+    if targets is not None and (clipped := shared.written_after_clip(sources, state)) is not None:
+        refuse_scaled_write(clipped)  # another optimizer's clip read it scaled; the user wrote it since
     if targets is not None and (shared.masters or shared.done):  # O2: a shared master's FP32 gradient made already
+        written = []
         for i, (source, target) in enumerate(zip(sources, targets or sources)):
             if not in_place[i] and (true := shared.true_of(source)) is not None:
                 target.copy_(true)  # its values, not the half gradient divided again
                 done.append(i)
+                if true is source:  # shown by an earlier unscale, written by the user since: taken here
+                    written.append(source)
+        if written:
+            shared.taken_written(written, state)
     owner = {
         id(p.grad): p for p in itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)) if p.grad is not None
     }

@@ -38,6 +38,7 @@ import torch
 
 from lightning_mpx.engine.newly_shared import made_before
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage
+from lightning_mpx.engine.scaled_write import clipped_nothing
 from lightning_mpx.scaling.scaler import LossScaler
 
 _PARAMS = operator.itemgetter("params")
@@ -167,6 +168,39 @@ class SharedGrads:
             marks = other.unscaled_marks
             if other is not state and other.stage is _Stage.UNSCALED and marks:
                 other.unscaled_marks = tuple(new if m is not None and m[0] == old else m for m in marks)
+
+    def written_after_clip(self, sources: list[torch.Tensor], state: _OptimizerState) -> _OptimizerState | None:
+        """At O2, before ``state``'s unscale reads the half gradients ``sources``: another optimizer whose engine clip
+        read one of them (into the FP32 masters' gradients only), written by the user since (not cleared): the write
+        was made on the unclipped values (scaled, or true ones ``unscale_`` showed), so neither optimizer's step can
+        take it as FP32 would. That one refuses it at its step (``refuse_scaled_write``); this unscale took it
+        silently (the other's clip lost: 2x FP32's norm). Not after a clip that clipped nothing (one host read,
+        on this path only)."""
+        reading = set(map(id, sources))
+        for other in list(self.optimizers.values()):
+            if other is state or other.stage is not _Stage.UNSCALED or not other.clips:
+                continue
+            params = [other.pair_params[i] for i in other.mastered] if other.pair_params else []
+            for param, mark in zip(params, other.unscaled_marks):
+                # in place (a version moved) or replaced (p.grad = p.grad * 0.5: another tensor, this unscale's)
+                half = param.grad
+                if mark is None or half is None or id(half) not in reading or (id(half), half._version) == mark:
+                    continue
+                if bool(half.any()) and not clipped_nothing(other):
+                    return other
+        return None
+
+    def taken_written(self, halves: list[torch.Tensor], state: _OptimizerState) -> None:
+        """At O2, ``state``'s unscale took ``halves`` (shared, holding true values an earlier unscale showed, written
+        by the user since) into the shared masters' FP32 gradients: another optimizer unscaled before, whose marks hold
+        them as its unscale left them, is told the write is taken (its step then steps the masters' gradients, with
+        this optimizer's clip, rather than taking the write again over that clip)."""
+        now = {id(half): (id(half), half._version) for half in halves}
+        for other in list(self.optimizers.values()):
+            marks = other.unscaled_marks
+            # not one clipped since its unscale_: a write there is refused at its step (refuse_scaled_write)
+            if other is not state and other.stage is _Stage.UNSCALED and other.shown and not other.clips and marks:
+                other.unscaled_marks = tuple(now.get(mark[0], mark) if mark is not None else None for mark in marks)
 
     def true_of(self, half: torch.Tensor) -> torch.Tensor | None:
         """At O2, for a shared master's half gradient ``half`` about to be unscaled: the true values to take instead

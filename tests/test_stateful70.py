@@ -1,0 +1,137 @@
+"""stateful70: the sequences the O2 gradient-writes machine (tests/test_stateful69.py) found under
+``HYPOTHESIS_PROFILE=explore``, written out as plain tests: two optimizers over a shared head (its FP32 master shared),
+one clipped by the engine, a write to the model's gradients, the other's unscale; and a write to the masters'
+gradients that the gradients a step leaves lose."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_stateful69 import REFUSED_WRITE, _both, _off_fp32
+
+
+@pytest.mark.parametrize(("head", "how"), [("clip", "mul_"), ("clip", "new"), ("unscale_ and clip", "mul_")])
+@pytest.mark.parametrize("whole", ["clip", "unscale_", "step"])
+def test_a_write_after_one_optimizers_clip_is_refused_at_the_others_unscale(head: str, how: str, whole: str) -> None:
+    """The head's engine clip (``amp.clip_grad_norm_(head_opt, 0.1)``, after ``amp.unscale_(head_opt)`` or not),
+    ``p.grad.mul_(0.5)`` (or ``p.grad = p.grad * 0.5``) on the model, then the whole model's clip, ``unscale_`` or
+    step. Before: the whole model's unscale took the head's written half gradients (the unclipped values the write was
+    made on) into the shared master: its clip measured 2x FP32's norm (0.517 against 0.258) and its step stepped the
+    head unclipped, silently; after ``unscale_`` it also showed them on the model, and the head's step no longer
+    refused the write. Now refused there, as at the head's own step (docs/master_weights.md)."""
+    ours, ref = _both("float16", two=True)
+    if head != "clip":
+        ours.amp.unscale_(ours.opts["head"])
+    assert abs(ours.clip("head", 0.1) - ref.clip("head", 0.1)) <= 3e-3
+    ours.write_model("model", how)  # in place, or p.grad = p.grad * 0.5 (the --hypothesis-seed=6 sequence)
+    with pytest.raises(RuntimeError, match=REFUSED_WRITE):
+        if whole == "clip":
+            ours.clip("whole", 0.1)
+        elif whole == "unscale_":
+            ours.amp.unscale_(ours.opts["whole"])
+        else:
+            ours.amp.step(ours.opts["whole"])
+
+
+def test_a_write_after_unscale_then_the_other_optimizers_clip_trains_as_fp32() -> None:
+    """The whole model's ``amp.unscale_`` (the true values shown on the model), ``p.grad.mul_(0.5)`` on the model (FP32
+    code's habit after ``GradScaler.unscale_``), the head's engine clip (which takes the written values into the shared
+    master and clips them), both steps. Before: the whole model's step took the written head gradients again over the
+    head's clip: 3.5x FP32's travel off (found after five backwards, ``--hypothesis-seed=2``). Now it steps the clipped
+    master gradient, as FP32 steps the clipped gradient with both optimizers."""
+    for dtype in ("float16", "bfloat16"):
+        ours, ref = _both(dtype, two=True)
+        ours.amp.unscale_(ours.opts["whole"])
+        for run in (ours, ref):
+            run.write_model("model", "mul_")
+        assert abs(ours.clip("head", 0.1) - ref.clip("head", 0.1)) <= 3e-3
+        for name in ("whole", "head"):
+            ours.amp.step(ours.opts[name])
+            ref.opts[name].step()
+        ours.amp.update()
+        assert _off_fp32(ours, ref) < 0.05, dtype
+
+
+@pytest.mark.xfail(strict=True, reason="O2: a write to amp.master_params(opt)'s gradients after the engine's clip "
+                   "is lost from the gradients the step leaves on the model (they carry the scale and the clips only): "
+                   "a loop that does not zero them adds the next backward to the unwritten values (FP32 to the "
+                   "written ones); found by tests/test_stateful69.py's machine, --hypothesis-seed=3")  # fmt: skip
+@pytest.mark.parametrize("max_norm", [0.1, 10.0])
+def test_a_write_to_the_masters_gradients_is_kept_in_what_the_step_leaves(max_norm: float) -> None:
+    """``amp.clip_grad_norm_(opt, c)``, ``m.grad.mul_(0.5)`` over ``amp.master_params(opt)`` (the documented way to
+    write after the engine's clip), the step, a backward without ``zero_grad``: FP32's gradients then hold the clipped,
+    halved values plus the new ones; ours the clipped values without the write (the next clip's norm 1.13 against
+    1.08, the weights 0.23x FP32's travel off after the next step)."""
+    ours, ref = _both("float16")
+    for run in (ours, ref):
+        run.clip("whole", max_norm)
+        run.write_masters("whole")
+    ours.amp.step(ours.opts["whole"])
+    ref.opts["whole"].step()
+    ours.amp.update()
+    for run in (ours, ref):
+        run.backward(0)
+    norm, want = ours.clip("whole", 10.0), ref.clip("whole", 10.0)
+    assert abs(norm - want) <= 0.01 * want, (norm, want)
+    ours.amp.step(ours.opts["whole"])
+    ref.opts["whole"].step()
+    assert _off_fp32(ours, ref) < 0.05
+
+
+@pytest.mark.xfail(strict=True, reason="Apex layer, O1: a scale_loss block without delay_unscale, zero_grad() (the "
+                   "block given up, no step), then a delay_unscale block: the core's stage stays unscaled, so the "
+                   "chain is taken as following an earlier block (an empty stash kept) and unscaled at its end; Apex "
+                   "leaves the chain's gradients scaled (a clip of model.parameters() between the blocks sees 1/64 of "
+                   "Apex's norm); found by test_apex_stateful.py's machine, --hypothesis-seed=2")  # fmt: skip
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_apex_o1_a_delay_unscale_chain_after_a_given_up_block_stays_scaled(set_to_none: bool) -> None:
+    from tests.test_apex_stateful import ApexAgainstReference
+
+    machine = ApexAgainstReference()
+    try:
+        machine.setup(level="O1", optimizer="sgd")
+        machine.block(seed=11, loss_id=0, delay=False, poison=None)
+        machine.zero_grad(set_to_none=set_to_none, through_model=False)
+        machine.block(seed=0, loss_id=0, delay=True, poison=None)
+        for param, want in zip(machine.ours.model.parameters(), machine.ref.holders(), strict=True):
+            torch.testing.assert_close(param.grad.float(), want.grad.float(), rtol=0.01, atol=1e-3)  # scaled, as Apex
+    finally:
+        machine.teardown()
+
+
+@pytest.mark.xfail(strict=True, reason="O2, a shared head: the whole model's engine clip (no step), a step of the "
+                   "head's only, then a backward: the whole optimizer's next clip measures 1.88 where FP32's is 1.13 "
+                   "(test_stateful69.py's strict xfail with unscale_ in place of the clip, whose docstring says the "
+                   "clip trains as FP32: not with a clip that bites); found by test_stateful69.py's machine once "
+                   "it ran in CI (its deterministic examples)")  # fmt: skip
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_one_optimizer_stepped_after_the_others_clip_then_accumulated(dtype: str) -> None:
+    ours, ref = _both(dtype, two=True)
+    for run in (ours, ref):
+        run.clip("whole", 0.1)
+    ours.amp.step(ours.opts["head"])
+    ref.opts["head"].step()
+    ours.amp.update()
+    for run in (ours, ref):
+        run.backward(0)
+    norm, want = ours.clip("whole", 0.1), ref.clip("whole", 0.1)
+    assert abs(norm - want) <= 0.03 * want, (norm, want)
+
+
+@pytest.mark.xfail(strict=True, reason="O2, a shared head: the head's unscale_, a write to the model's gradients, "
+                   "the head's engine clip (which takes the write and clips the shared master), then the whole "
+                   "model's unscale takes the written half gradients again over the head's clip: 3.5x FP32's travel "
+                   "off, silently (there at stop 69's head too); found by test_stateful69.py's machine, "
+                   "--hypothesis-seed=3 at stop 70")  # fmt: skip
+def test_a_write_after_unscale_then_the_same_optimizers_clip_is_kept_at_the_others_unscale() -> None:
+    ours, ref = _both("float16", two=True)
+    ours.amp.unscale_(ours.opts["head"])
+    for run in (ours, ref):
+        run.write_model("model", "mul_")
+    assert abs(ours.clip("head", 0.1) - ref.clip("head", 0.1)) <= 3e-3
+    for name in ("whole", "head"):
+        ours.amp.step(ours.opts[name])
+        ref.opts[name].step()
+    ours.amp.update()
+    assert _off_fp32(ours, ref) < 0.05
