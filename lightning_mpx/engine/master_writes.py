@@ -11,13 +11,13 @@ The signal is the version counter of each master's FP32 gradient. Those a step's
 (:class:`~lightning_mpx.masters.pairs.GradLayout`), which share the buffer's counter: a write to one master's moved
 every master's, so a version check alone refused correct code (the masters of some parameters written, the model's of
 others; a shared master's clip by another optimizer). :func:`hand_out`, called where the user gets the masters after a
-show (``amp.master_params``), gives each such gradient a tensor of its own over the same memory (``Tensor.set_``: no
-copy, a counter of its own) and notes its version; the engine's own writes since (its clips, the copy of a model write
-into the master) move the note along (:func:`advance`); the step's check of a model write
-(:func:`~lightning_mpx.engine.rescale.leftovers`) asks :func:`refuse_both` for that parameter. Nothing of this runs
-unless ``amp.master_params`` was called between a show and the step; a shared parameter's master (another optimizer's
-unscale may take its gradient: :mod:`~lightning_mpx.engine.shared_grads`) and a sharded one (a ``DTensor`` gradient)
-are left out. The notes go with the step, or with the backward after an ``unscale_`` not stepped.
+show (``amp.master_params``), gives each such gradient a tensor of its own over the same memory (its ``.data``: no copy,
+no kernel, a counter of its own; C-level maps, no Python per parameter) and notes its version; the engine's own writes
+since (its clips, the copy of a model write into the master) move the note along (:func:`advance`); the step's check of
+a model write (:func:`~lightning_mpx.engine.rescale.leftovers`) asks :func:`refuse_both` for that parameter. Nothing of
+this runs unless ``amp.master_params`` was called between a show and the step; a shared parameter's master (another
+optimizer's unscale may take its gradient: :mod:`~lightning_mpx.engine.shared_grads`) and a sharded one (a ``DTensor``
+gradient) are left out. The notes go with the step, or with the backward after an ``unscale_`` not stepped.
 """
 
 from __future__ import annotations
