@@ -36,8 +36,12 @@ Front doors, each with its reference (the framework's own bfloat16 mixed precisi
   ``Accelerator(mixed_precision="bf16")``; habits ``plain``, ``accumulate`` (``accelerator.accumulate``, 2 batches),
   ``clip`` (``accelerator.clip_grad_norm_``); Accelerate's process-wide state is reset around every row;
 * ``loop``: the core ``Amp`` loop (``core-O1``, ``core-O2``, bfloat16) against a ``torch.autocast`` bfloat16 loop;
+  habits ``plain``, ``clip`` (``amp.unscale_(opt)``, then torch's ``clip_grad_norm_(amp.master_params(opt), 1.0)``;
+  the reference clips its parameters);
 * ``apex``: the Apex layer (``apex-O1``, ``apex-O2``: ``amp.initialize`` + ``amp.scale_loss``, float16 with dynamic
-  loss scaling as Apex has it) against a ``torch.autocast`` float16 loop with ``GradScaler``.
+  loss scaling as Apex has it) against a ``torch.autocast`` float16 loop with ``GradScaler``; habits ``plain``,
+  ``clip`` (Apex's habit: torch's ``clip_grad_norm_(amp.master_params(opt), 1.0)`` after the ``scale_loss`` block;
+  the reference clips after ``GradScaler.unscale_``).
 
 The ``-gpu`` variants (``O1-gpu`` of ``trainer``, ``fabric`` and ``accelerate``, ``core-O1-gpu`` of ``loop``) run O1
 the way it runs on a GPU. There, O1 with no table given takes ``CastTable.for_device("cuda")``: the default table
@@ -77,8 +81,8 @@ FRONTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # front -> (vari
     "trainer": (("bf16-mixed", "O1", "O1-gpu", "O2"), TRAINER_HABITS),
     "fabric": (("bf16-mixed", "O1", "O1-gpu", "O2"), ("plain", "clip", "no-backward-sync")),
     "accelerate": (("bf16", "O1", "O1-gpu", "O2"), ("plain", "accumulate", "clip")),
-    "loop": (("autocast", "core-O1", "core-O1-gpu", "core-O2"), ("plain",)),
-    "apex": (("autocast-fp16", "apex-O1", "apex-O2"), ("plain",)),
+    "loop": (("autocast", "core-O1", "core-O1-gpu", "core-O2"), ("plain", "clip")),
+    "apex": (("autocast-fp16", "apex-O1", "apex-O2"), ("plain", "clip")),
 }
 HABITS = tuple(dict.fromkeys(h for _, habits in FRONTS.values() for h in habits))
 MODELS = ("gpt", "resnet")
@@ -347,6 +351,9 @@ def _loop(variant: str, habit: str, net: nn.Module, batches: list[Any], steps: i
             with torch.autocast("cpu", dtype=torch.float16 if fp16 else torch.bfloat16):
                 loss = _loss(net(x), y)
             scaler.scale(loss).backward()
+            if habit == "clip":
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
@@ -360,6 +367,9 @@ def _loop(variant: str, habit: str, net: nn.Module, batches: list[Any], steps: i
             with amp.forward_context():
                 loss = _loss(amp.cast_outputs(model(amp.cast_inputs(x))), y)
             amp.backward(loss)
+            if habit == "clip":
+                amp.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 1.0)
             amp.step(opt)
             amp.update()
             opt.zero_grad(set_to_none=True)
@@ -372,6 +382,8 @@ def _loop(variant: str, habit: str, net: nn.Module, batches: list[Any], steps: i
             loss = _loss(model(x), y)
             with apex_amp.scale_loss(loss, opt) as scaled:
                 scaled.backward()
+            if habit == "clip":
+                torch.nn.utils.clip_grad_norm_(apex_amp.master_params(opt), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
     try:

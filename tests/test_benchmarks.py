@@ -737,8 +737,8 @@ def test_habit_census_writes_rows_findings_and_tables(tmp_path):
     import habit_census
 
     out = tmp_path / "census.json"
-    result = habit_census.main(["--fronts", "loop", "--models", "resnet", "--warmup", "1", "--steps", "1",
-                                "--depths", "1", "2", "--no-calls", "--out", str(out)])  # fmt: skip
+    result = habit_census.main(["--fronts", "loop", "--models", "resnet", "--habits", "plain", "--warmup", "1",
+                                "--steps", "1", "--depths", "1", "2", "--no-calls", "--out", str(out)])  # fmt: skip
     saved = json.loads(out.read_text())
     assert [r["variant"] for r in saved["rows"]] == ["autocast", "core-O1", "core-O1-gpu", "core-O2"] == \
         [r["variant"] for r in result["rows"]]  # fmt: skip

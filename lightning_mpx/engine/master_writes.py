@@ -11,22 +11,27 @@ The signal is the version counter of each master's FP32 gradient. Those a step's
 (:class:`~lightning_mpx.masters.pairs.GradLayout`), which share the buffer's counter: a write to one master's moved
 every master's, so a version check alone refused correct code (the masters of some parameters written, the model's of
 others; a shared master's clip by another optimizer). :func:`hand_out`, called where the user gets the masters after a
-show (``amp.master_params``), gives each such gradient a tensor of its own over the same memory (``Tensor.set_``: no
-copy, a counter of its own) and notes its version; the engine's own writes since (its clips, the copy of a model write
-into the master) move the note along (:func:`advance`); the step's check of a model write
-(:func:`~lightning_mpx.engine.rescale.leftovers`) asks :func:`refuse_both` for that parameter. Nothing of this runs
-unless ``amp.master_params`` was called between a show and the step; a shared parameter's master (another optimizer's
-unscale may take its gradient: :mod:`~lightning_mpx.engine.shared_grads`) and a sharded one (a ``DTensor`` gradient)
-are left out. The notes go with the step, or with the backward after an ``unscale_`` not stepped.
+show (``amp.master_params``), gives each such gradient a tensor of its own over the same memory (its ``.data``: no copy,
+no kernel, a counter of its own; C-level maps, no Python per parameter) and notes its version; the engine's own writes
+since (its clips, the copy of a model write into the master) move the note along (:func:`advance`); the step's check of
+a model write (:func:`~lightning_mpx.engine.rescale.leftovers`) asks :func:`refuse_both` for that parameter. Nothing of
+this runs unless ``amp.master_params`` was called between a show and the step; a shared parameter's master (another
+optimizer's unscale may take its gradient: :mod:`~lightning_mpx.engine.shared_grads`) and a sharded one (a ``DTensor``
+gradient) are left out. The notes go with the step, or with the backward after an ``unscale_`` not stepped.
 """
 
 from __future__ import annotations
 
+import itertools
+import operator
 from typing import Iterable
 
 import torch
 
 from lightning_mpx.engine.optimizer_state import _OptimizerState
+
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+_GRAD, _DATA, _VERSION = operator.attrgetter("grad"), operator.attrgetter("data"), operator.attrgetter("_version")
 
 
 def hand_out(
@@ -34,20 +39,24 @@ def hand_out(
 ) -> None:
     """``amp.master_params`` of ``state``'s optimizer after a show (``pairs``: its (parameter, master) pairs;
     ``shared``: the ids of the parameters another optimizer holds, left out): each master's FP32 gradient gets a
-    version counter of its own and is noted as handed out. One noted already keeps its note (a write since stays
-    seen)."""
+    version counter of its own (its ``.data``: a tensor over the same memory, made without a kernel) and is noted as
+    handed out. One noted already keeps its note (a write since stays seen). C-level maps: no Python per parameter
+    (the Apex habit ``clip_grad_norm_(amp.master_params(opt), ...)`` pays it every step)."""
     handed = state.handed if state.handed is not None else {}
-    for param, master in pairs:
-        grad = master.grad
-        if master is param or grad is None or id(param) in shared or type(grad) is not torch.Tensor:
-            continue  # a sharded master's (a DTensor's) is not watched
-        noted = handed.get(id(master))
-        if noted is not None and noted[0] is master:
-            continue
-        if grad._base is not None:  # a view of the step's one buffer: its counter is the buffer's
-            grad = grad.new_empty(0).set_(grad)
-            master.grad = grad
-        handed[id(master)] = (master, grad, grad._version)
+    pairs = list(pairs)
+    params, masters = list(map(_FIRST, pairs)), list(map(_SECOND, pairs))
+    with torch._C.DisableTorchFunction():  # a torch-function mode would run per tensor
+        grads = list(map(_GRAD, masters))
+        # not a parameter of its own master, with a plain gradient (a sharded one, a DTensor's, is not watched),
+        # held by this optimizer alone, not noted yet
+        taken = list(map(all, zip(map(operator.is_not, masters, params), map(operator.is_, map(type, grads),
+                                                                            itertools.repeat(torch.Tensor)),
+                                  map(operator.not_, map(shared.__contains__, map(id, params))),
+                                  map(operator.not_, map(handed.__contains__, map(id, masters))))))  # fmt: skip
+        masters = list(itertools.compress(masters, taken))
+        own = list(map(_DATA, itertools.compress(grads, taken)))  # views of the step's one buffer share its counter
+        list(map(setattr, masters, itertools.repeat("grad"), own))
+        handed.update(zip(map(id, masters), zip(masters, own, map(_VERSION, own))))
     state.handed = handed
 
 

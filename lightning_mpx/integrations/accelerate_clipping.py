@@ -83,7 +83,9 @@ class GradientClipping:
         owners, targets = gradient_targets(self.amp, self._amp_optimizers(), parameters)
         if float(norm_type) == 2.0 and len(owners) == 1:
             owner = owners[0]
-            if _covers(targets, self.amp.master_params(owner.optimizer)):
+            # the library's read: not handed out for the user's writes (engine.master_writes), nor its clip's noted
+            masters = self.amp._machine.master_params(owner.optimizer, with_masters=self.amp._with_masters, hand=False)
+            if _covers(targets, masters):
                 shown = owner.unscaled  # unscale_gradients() first: at O2 the model's gradients show the true values
                 norm = self.amp.clip_grad_norm_(owner.optimizer, max_norm)
                 owner.unscaled = True
