@@ -139,8 +139,8 @@ class _LogThenSuper(SingleDeviceStrategy):
 
 def _fabric(precision: str, strategy: type | None = None, *, write: bool = True, group: bool = False) -> torch.Tensor:
     """3 iterations: ``fabric.clip_gradients`` to 0.3, then (``group``) the masters read for a log and, at the second,
-    a frozen layer unfrozen and added to the optimizer (its gradients from the next backward), then (``write``) the model's gradients halved, a step. ``precision``: an opt
-    level (bfloat16, a scale of 2**10) or Fabric's own."""
+    a frozen layer unfrozen and added to the optimizer (its gradients from the next backward), then (``write``) the
+    model's gradients halved, a step. ``precision``: an opt level (bfloat16, a scale of 2**10) or Fabric's own."""
     kwargs: dict[str, Any] = {"strategy": strategy(device=torch.device("cpu"))} if strategy else {
         "accelerator": "cpu", "devices": 1}  # fmt: skip
     if precision.startswith("O"):
