@@ -460,8 +460,7 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
                 if clipped is not None:
                     return iter(clipped)
                 # a strategy's own clip: a write after it refused, not lost (a read only: taken at the step)
-                if (marks := note_unseen_clip(self.amp, optimizer, sys._getframe(1))) is None:  # kept to the step
-                    self._clipping[optimizer] = None
+                marks = note_unseen_clip(self.amp, optimizer, sys._getframe(1))
             self._clipping.setdefault(optimizer, marks)
         return iter(self.amp.master_params(optimizer))
 

@@ -93,21 +93,19 @@ def _one(device: torch.device) -> torch.Tensor:
 
 def note_unseen_clip(
     amp: Any, optimizer: torch.optim.Optimizer, caller: types.FrameType | None = None
-) -> tuple[tuple[torch.Tensor, ...], tuple[tuple[int, int] | None, ...]] | None:
+) -> tuple[Any, ...]:
     """At O2, unsharded, the masters handed to a clip :func:`clip_for_fabric` does not make (a strategy's own
     ``clip_gradients_norm`` clipping ``precision.main_params``): noted as a clip of the masters' gradients of unknown
     extent (by value, without bound: a no-op where clips are applied), so that a write to the model's gradients
     before the step, made on the unclipped values the unscale showed, is refused at the step (it was overwritten by
-    the show there: lost, 7.5e-2 off FP32 in 3 steps, silently), naming the ways out. Returns the masters and their
-    gradients' identities and versions now, for :func:`forget_unseen_reads` at the step; ``None`` where ``caller``
-    (the frame of ``main_params``'s caller) runs inside ``fabric.clip_gradients``: a strategy's clip, kept whatever
-    moves (one through ``.data``, the clip of older torch and Apex, moves no version: a write after it was lost)."""
+    the show there: lost, 7.5e-2 off FP32 in 3 steps, silently), naming the ways out. Returns the masters, their
+    gradients' identities and versions now and, where ``caller`` (the frame of ``main_params``'s caller) runs inside
+    ``fabric.clip_gradients`` (a strategy's clip), their norms (a clip through ``.data``, older torch's and Apex's,
+    moves no version: a write after it was lost), for :func:`forget_unseen_reads` at the step."""
     state = amp._machine.state(optimizer)
     state.clips += (_UNSEEN,)
-    if caller is not None and _in_fabric_clip(caller):
-        return None
     masters = tuple(amp.master_params(optimizer))
-    return masters, _marks(masters)
+    return masters, _marks(masters), _norms(masters) if caller is not None and _in_fabric_clip(caller) else None
 
 
 def _in_fabric_clip(frame: types.FrameType | None) -> bool:
@@ -136,13 +134,19 @@ def forget_unseen_reads(
         handed.clear()
     for each, marks in taken:
         # the masters handed out then: not those of a group added since (add_param_group), which no read handed out
-        if marks is not None and _marks(marks[0]) == marks[1]:
+        if marks is not None and _marks(marks[0]) == marks[1] and (marks[2] is None or _norms(marks[0]) == marks[2]):
             state = amp._machine.state(each)
             state.clips = tuple(clip for clip in state.clips if clip is not _UNSEEN)
 
 
 def _marks(masters: Iterable[torch.Tensor]) -> tuple[tuple[int, int] | None, ...]:
     return tuple(None if (grad := master.grad) is None else (id(grad), grad._version) for master in masters)
+
+
+def _norms(masters: Iterable[torch.Tensor]) -> list[float]:
+    """The norms of the masters' gradients (one host read): a strategy's clip told from a read, no version moved."""
+    grads = [grad.detach() for master in masters if (grad := master.grad) is not None]
+    return torch.stack([torch.linalg.vector_norm(g).to(grads[0].device) for g in grads]).tolist() if grads else []
 
 
 # note_unseen_clip's note (by value, without bound), told from others by identity
