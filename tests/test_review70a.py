@@ -237,3 +237,55 @@ def test_fabric_clip_by_the_zero_norm_on_an_overflow_returns_fabrics_count(level
     assert float(got) == float(want) == 4.0  # before: 0.0 (1.0 lenient)
     assert got.dtype == want.dtype and got.shape == want.shape
     assert unchanged  # the step skipped
+
+
+class _OwnForFirst(SingleDeviceStrategy):
+    """Clips the first optimizer's masters itself (torch's clip of ``precision.main_params``), the others through
+    Lightning's clip."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.first: Any = None
+
+    def clip_gradients_norm(self, module: Any, optimizer: Any, max_norm: Any, norm_type: Any = 2.0,
+                            error_if_nonfinite: bool = True) -> torch.Tensor:  # fmt: skip
+        if optimizer is not self.first:
+            return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+        self.precision.unscale_gradients(optimizer)
+        return torch.nn.utils.clip_grad_norm_(self.precision.main_params(optimizer), max_norm)
+
+
+def _two_in_fabric(precision: str) -> torch.Tensor:
+    """Two optimizers (one layer each): the first clipped by the strategy itself, the second by Lightning's clip and
+    its masters read for a log; the second layer's gradients halved (the first's untouched), both stepped."""
+    strategy = _OwnForFirst(device=torch.device("cpu"))
+    if precision.startswith("O"):
+        plugin = FabricMixedPrecisionPlugin(precision, half_dtype="bfloat16", loss_scale=2.0**10)
+        fabric = Fabric(strategy=strategy, plugins=[plugin])
+    else:
+        fabric = Fabric(strategy=strategy, precision=precision)  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    first, second = (torch.optim.SGD(net[i].parameters(), lr=0.1) for i in (0, 2))
+    model, first, second = fabric.setup(net, first, second)
+    strategy.first = first.optimizer
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(8, 6, generator=g) * 4, torch.randn(8, 3, generator=g)
+        fabric.backward(F.mse_loss(model(x).float(), y))
+        for optimizer in (first, second):
+            fabric.clip_gradients(model, optimizer, max_norm=0.3)
+        torch.nn.utils.get_total_norm([m.grad for m in fabric._precision.main_params(second)])
+        for p in net[2].parameters():
+            p.grad.mul_(0.5)
+        for optimizer in (first, second):
+            optimizer.step()
+            optimizer.zero_grad()
+    amp = getattr(fabric._precision, "amp", None)
+    return _flat((amp.fp32_state_dict(net) if amp is not None else net.state_dict()).values())
+
+
+def test_fabric_o2_two_optimizers_one_clipped_by_the_strategy_one_read_then_written_train_as_fp32() -> None:
+    """The first optimizer's note (a strategy's clip) does not refuse the write to the second's gradients after a
+    read of its masters."""
+    assert (_two_in_fabric("O2") - _two_in_fabric("32-true")).abs().max() < _TOL
