@@ -50,6 +50,7 @@ def clip_norm(
     assert state.grad_norm is not None
     if machine.masters.weights:  # the half gradients lack it (see rescale.after_step)
         state.clips += (("norm", state.grad_norm, max_norm),)
+        state.clips_found = state.found_inf  # its coefficient where the clip is applied to the half gradients
         if unwritten is not None:
             advance(state, unwritten)
     machine.grad_norms[state.loss_id or 0] = state.grad_norm

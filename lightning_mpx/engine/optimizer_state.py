@@ -130,6 +130,10 @@ class _OptimizerState:
     # ("norm", norm, max_norm) or ("value", None, clip_value), applied to what a step leaves of them if it is used;
     # a fourth item: the ids of the half gradients of a group added after that clip, left out (rescale.unscale_late).
     clips: tuple[tuple[Any, ...], ...] = ()
+    # O2: the overflow flag the last norm clip of ``clips`` was made under (kept across the step with them): an
+    # infinite norm of finite gradients (flag unset) zeroed the masters' gradients (torch's coefficient 0), an
+    # overflow's left them (coefficient 1); unscale.clip_coefficient
+    clips_found: torch.Tensor | None = None
     # Under FSDP: whether the flags in found_by_loss are already summed across ranks (by a clip's collective).
     flags_reduced: bool = False
     # Whether Amp.share_overflow charged an overflow to this optimizer since its last step (its own gradients may be
@@ -180,6 +184,7 @@ class _OptimizerState:
         self.stepped_shown = frozenset()
         self.handed = None
         self.clips = ()
+        self.clips_found = None
         self.found_by_loss = {}
         self.found_inf = None
         self.flag_read = None

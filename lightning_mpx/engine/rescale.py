@@ -304,13 +304,14 @@ def after_step(state: _OptimizerState, optimizer: torch.optim.Optimizer, *, mast
     loss and the scale they carry (``masters``: at O2 the half ones keep theirs unless the unscale showed the true
     values on the model) and the marks that tell a later ``zero_grad`` (either way) apart."""
     loss_id, grad_scale, shown, clips = state.loss_id, state.grad_scale, state.shown, state.clips
+    found = state.clips_found  # the flag the clips were made under (their coefficient where they are applied)
     state.reset()
     params = list(itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)))
     with torch._C.DisableTorchFunction():  # as in present_grads
         grads = list(filter(_SOME, map(_GRAD, params)))
         if grads:
             state.stage = _Stage.STEPPED
-            state.loss_id, state.grad_scale, state.clips = loss_id, grad_scale, clips
+            state.loss_id, state.grad_scale, state.clips, state.clips_found = loss_id, grad_scale, clips, found
             state.stepped_true = not masters or shown
             state.stepped_marks = frozenset(zip(map(id, grads), map(_VERSION, grads)))
             state.stepped_ids = tuple(map(id, grads))
@@ -430,7 +431,7 @@ def _apply_clips(state: _OptimizerState, half: list[torch.Tensor], scale: torch.
         if not grads:
             continue
         if kind == "norm":
-            torch._foreach_mul_(grads, clip_coefficient(norm, limit).to(grads[0].device))
+            torch._foreach_mul_(grads, clip_coefficient(norm, limit, state.clips_found).to(grads[0].device))
         else:
             bound = torch.as_tensor(limit, dtype=torch.float32) * scale.cpu()
             for grad in grads:

@@ -42,7 +42,7 @@ def true_grad(
         if added and id(grad) in added[0]:
             continue  # in a group added after that clip (unscale_late)
         if kind == "norm":
-            value.mul_(clip_coefficient(norm, limit).to(value.device))
+            value.mul_(clip_coefficient(norm, limit, state.clips_found).to(value.device))
         else:
             value.clamp_(-limit, limit)
     return value

@@ -100,6 +100,7 @@ from lightning_mpx.integrations.collectives import all_reduce_max  # noqa: E402
 from lightning_mpx.integrations.fabric_bookkeeping import FabricBookkeeping  # noqa: E402
 from lightning_mpx.integrations.fabric_clipping import (  # noqa: E402
     clip_for_fabric,
+    counted_stand_ins,
     forget_unseen_reads,
     note_unseen_clip,
 )
@@ -447,8 +448,10 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
                 all_reduce_max(found)
             # Unsharded, the read the step then takes (Amp.overflowed): one host read of the flag per step, not two.
             if found is not None and (bool(found) if self.amp.sharded else self.amp.overflowed(optimizer)):
-                # Fabric's Strategy.clip_gradients_norm (the caller) says whether the user asked for the error
-                lenient = sys._getframe(1).f_locals.get("error_if_nonfinite") is False
+                args = sys._getframe(1).f_locals  # Fabric's Strategy.clip_gradients_norm (the caller): its arguments
+                if not self.amp.sharded and type(args.get("norm_type")) in (int, float) and args["norm_type"] == 0:
+                    return iter(counted_stand_ins(self.amp.master_params(optimizer), found.device))
+                lenient = args.get("error_if_nonfinite") is False  # whether the user asked for the error
                 return iter(_nothing_to_clip(found.device, self._non_finite_norm(optimizer) if lenient else None))
         if self.amp.properties.master_weights and self.amp.is_unscaled(optimizer):
             marks = None
@@ -457,7 +460,7 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
                 if clipped is not None:
                     return iter(clipped)
                 # a strategy's own clip: a write after it refused, not lost (a read only: taken at the step)
-                marks = note_unseen_clip(self.amp, optimizer)
+                marks = note_unseen_clip(self.amp, optimizer, sys._getframe(1))
             self._clipping.setdefault(optimizer, marks)
         return iter(self.amp.master_params(optimizer))
 

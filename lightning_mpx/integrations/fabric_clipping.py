@@ -18,9 +18,10 @@ import math
 import operator
 import types
 import weakref
-from typing import Any
+from typing import Any, Iterable
 
 import torch
+from lightning.fabric import Fabric
 from lightning.fabric.strategies.strategy import Strategy
 
 try:  # torch's private helper (torch >= 2.1): without it, torch's own clip is used (_clip_norm)
@@ -31,10 +32,12 @@ except ImportError:  # pragma: no cover - an older or changed torch
         return False
 
 
-__all__ = ["clip_for_fabric", "forget_unseen_reads", "note_unseen_clip"]
+__all__ = ["clip_for_fabric", "counted_stand_ins", "forget_unseen_reads", "note_unseen_clip"]
 
 # Lightning's own clip methods, which clip what main_params returns right after it (a strategy's override is not one)
 _CLIPS = {Strategy.clip_gradients_norm.__code__: "norm", Strategy.clip_gradients_value.__code__: "value"}
+# fabric.clip_gradients, which calls the strategy's clip; how far above main_params's caller it is looked for
+_FABRIC_CLIP, _FRAMES_SEARCHED = Fabric.clip_gradients.__code__, 8
 
 
 def clip_for_fabric(amp: Any, optimizer: torch.optim.Optimizer, caller: types.FrameType) -> list[torch.Tensor] | None:
@@ -68,22 +71,52 @@ def clip_for_fabric(amp: Any, optimizer: torch.optim.Optimizer, caller: types.Fr
     return [stand_in]
 
 
+def counted_stand_ins(masters: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """On an overflow step, for a clip by the 0-"norm": as many stand-ins whose gradient is 1 as ``masters`` have
+    gradients holding a non-zero (inf and NaN included), so that Fabric's clip returns torch's count, finite, as
+    ``"16-mixed"`` does (it returned 0.0, or 1.0 with ``error_if_nonfinite=False``); none: one whose gradient is zero.
+    One host read, on such steps only. Nothing real is clipped: the step is skipped."""
+    grads = list(filter(_SOME, map(_GRAD, masters)))
+    count = int(torch.stack([(grad != 0).any() for grad in grads]).sum()) if grads else 0
+    if not count:
+        stand_in = torch.zeros(1, device=device)
+        stand_in.grad = torch.zeros(1, device=device)
+        return [stand_in]
+    return [_one(device) for _ in range(count)]
+
+
 def _one(device: torch.device) -> torch.Tensor:
     tensor = torch.zeros(1, device=device)
     tensor.grad = torch.ones(1, device=device)
     return tensor
 
 
-def note_unseen_clip(amp: Any, optimizer: torch.optim.Optimizer) -> tuple[tuple[int, int] | None, ...]:
+def note_unseen_clip(
+    amp: Any, optimizer: torch.optim.Optimizer, caller: types.FrameType | None = None
+) -> tuple[Any, ...]:
     """At O2, unsharded, the masters handed to a clip :func:`clip_for_fabric` does not make (a strategy's own
     ``clip_gradients_norm`` clipping ``precision.main_params``): noted as a clip of the masters' gradients of unknown
     extent (by value, without bound: a no-op where clips are applied), so that a write to the model's gradients
     before the step, made on the unclipped values the unscale showed, is refused at the step (it was overwritten by
-    the show there: lost, 7.5e-2 off FP32 in 3 steps, silently), naming the ways out. Returns the masters' gradients'
-    identities and versions now, for :func:`forget_unseen_reads` at the step."""
+    the show there: lost, 7.5e-2 off FP32 in 3 steps, silently), naming the ways out. Returns the masters, their
+    gradients' identities and versions now and, where ``caller`` (the frame of ``main_params``'s caller) runs inside
+    ``fabric.clip_gradients`` (a strategy's clip), their norms (a clip through ``.data``, older torch's and Apex's,
+    moves no version: a write after it was lost), for :func:`forget_unseen_reads` at the step."""
     state = amp._machine.state(optimizer)
     state.clips += (_UNSEEN,)
-    return _marks(amp.master_params(optimizer))
+    masters = tuple(amp.master_params(optimizer))
+    return masters, _marks(masters), _norms(masters) if caller is not None and _in_fabric_clip(caller) else None
+
+
+def _in_fabric_clip(frame: types.FrameType | None) -> bool:
+    """Whether ``frame`` or one of the few above it is ``Fabric.clip_gradients``'s (a strategy's clip runs there)."""
+    for _ in range(_FRAMES_SEARCHED):
+        if frame is None:
+            return False
+        if frame.f_code is _FABRIC_CLIP:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def forget_unseen_reads(
@@ -100,13 +133,20 @@ def forget_unseen_reads(
     if optimizer is None:
         handed.clear()
     for each, marks in taken:
-        if marks is not None and _marks(amp.master_params(each)) == marks:
+        # the masters handed out then: not those of a group added since (add_param_group), which no read handed out
+        if marks is not None and _marks(marks[0]) == marks[1] and (marks[2] is None or _norms(marks[0]) == marks[2]):
             state = amp._machine.state(each)
             state.clips = tuple(clip for clip in state.clips if clip is not _UNSEEN)
 
 
-def _marks(masters: list[torch.Tensor]) -> tuple[tuple[int, int] | None, ...]:
+def _marks(masters: Iterable[torch.Tensor]) -> tuple[tuple[int, int] | None, ...]:
     return tuple(None if (grad := master.grad) is None else (id(grad), grad._version) for master in masters)
+
+
+def _norms(masters: Iterable[torch.Tensor]) -> list[float]:
+    """The norms of the masters' gradients (one host read): a strategy's clip told from a read, no version moved."""
+    grads = [grad.detach() for master in masters if (grad := master.grad) is not None]
+    return torch.stack([torch.linalg.vector_norm(g).to(grads[0].device) for g in grads]).tolist() if grads else []
 
 
 # note_unseen_clip's note (by value, without bound), told from others by identity
