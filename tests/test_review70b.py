@@ -1,0 +1,73 @@
+"""review70b: a hostile user and reviewer of stop 70's one-name tags (``health/tags.py``), the forward watch under
+reentrant checkpointing, the doctor's dtype read from the headroom, and house70's splits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_mpx import Amp
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.boom, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.boom(self.enc(x)))
+
+
+def _overflow_run(state: dict | None = None, steps: int = 4, blow: tuple[int, ...] = (1, 2)) -> tuple[Amp, list[dict]]:
+    """A float16 O1 run of ``_Net`` inside ``nn.DataParallel`` (its parameters named ``module.<name>``) whose ``boom``
+    overflows in the forward at the steps ``blow``; each step's overflow metrics, read by the default reader."""
+    torch.manual_seed(0)
+    amp = Amp("O1", half_dtype="float16", init_scale=16.0, min_loss_scale=1.0, diagnose_overflows=True)
+    net = _Net()
+    model = amp.prepare_model(nn.DataParallel(net))
+    optimizer = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
+    if state is not None:
+        amp.load_state_dict(state)
+    logs = []
+    for step in range(steps):
+        kept = net.boom.weight.detach().clone()
+        if step in blow:
+            with torch.no_grad():
+                net.boom.weight.mul_(1e6)
+        with amp.forward_context():
+            loss = amp.cast_outputs(model(amp.cast_inputs(torch.randn(4, 8)))).float().square().mean()
+        amp.backward(loss)
+        amp.step(optimizer)
+        amp.update()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            net.boom.weight.copy_(kept)
+        logs.append({key: float(v) for key, v in amp.metrics().items() if key.startswith("mpx/overflow")})
+    return amp, logs
+
+
+def test_a_data_parallel_models_checkpoint_loads_and_its_first_log_counts_nothing_twice():
+    # Stop 70 named a data-parallel model's modules without the wrapper's "module" in the tags, and the readers'
+    # positions with them, but checked them against totals named from the checkpoint's "module.<name>" counts:
+    # amp.load_state_dict(amp.state_dict()) of a model given to Amp inside nn.DataParallel or DDP raised "holds
+    # mpx/overflow/enc=2, above the checkpoint's total 0". A stop-69 checkpoint (its positions under
+    # mpx/overflow/module.<name>) loaded, but its first log reported every module's overflows once more (2 where
+    # nothing overflowed) beside stray mpx/overflow/module.<name> tags.
+    amp, logs = _overflow_run()
+    assert sum(log.get("mpx/overflow_first/boom", 0.0) for log in logs) == 2.0  # the counts the checkpoint carries
+    state = amp.state_dict()
+    quiet = {"mpx/overflows", "mpx/overflow/enc", "mpx/overflow/boom", "mpx/overflow/head", "mpx/overflow_first/boom"}
+    _, resumed = _overflow_run(state, steps=1, blow=())
+    assert resumed == [dict.fromkeys(quiet, 0.0)]
+    stop69 = dict(state)
+    stop69["metric_readers"] = {
+        reader: {
+            key.replace("overflow/", "overflow/module.").replace("overflow_first/", "overflow_first/module."): value
+            for key, value in position.items()
+        }
+        for reader, position in state["metric_readers"].items()
+    }
+    assert "mpx/overflow/module.boom" in stop69["metric_readers"]["default"]
+    _, resumed = _overflow_run(stop69, steps=2, blow=(1,))
+    assert resumed == [dict.fromkeys(quiet, 0.0), dict.fromkeys(quiet, 1.0)]
