@@ -71,3 +71,91 @@ def test_a_data_parallel_models_checkpoint_loads_and_its_first_log_counts_nothin
     assert "mpx/overflow/module.boom" in stop69["metric_readers"]["default"]
     _, resumed = _overflow_run(stop69, steps=2, blow=(1,))
     assert resumed == [dict.fromkeys(quiet, 0.0), dict.fromkeys(quiet, 1.0)]
+
+
+# -- the forward watch: a forward that raises, validation, a shared block under reentrant checkpointing ----------------
+class _Raising(nn.Linear):
+    fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.fail:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return out
+
+
+def test_a_forward_that_raised_leaves_no_call_open_so_validation_is_not_blamed():
+    # A training forward that raises mid-way (an out-of-memory error the user catches and skips the batch) left its
+    # calls open in the watch: every later forward counted as inside a training one, so a validation forward under
+    # no_grad was watched, and the next overflow step blamed its bad batch (first_module "enc": the head overflowed).
+    torch.manual_seed(0)
+    amp = Amp("O1", half_dtype="float16", init_scale=16.0, diagnose_overflows=True)
+    net = _Net()
+    net.boom = _Raising(8, 8)
+    model = amp.prepare_model(net)
+    optimizer = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
+
+    def train(x: torch.Tensor) -> bool:
+        with amp.forward_context():
+            loss = amp.cast_outputs(model(amp.cast_inputs(x))).float().square().mean()
+        amp.backward(loss)
+        stepped = amp.step(optimizer)
+        amp.update()
+        optimizer.zero_grad()
+        return stepped
+
+    assert train(torch.randn(4, 8))
+    net.boom.fail = True
+    with pytest.raises(RuntimeError, match="out of memory"):
+        train(torch.randn(4, 8))
+    net.boom.fail = False
+    optimizer.zero_grad()
+    with torch.no_grad(), amp.forward_context():  # validation of a bad batch: enc's output overflows float16
+        model(amp.cast_inputs(torch.full((4, 8), 1e30)))
+    with torch.no_grad():
+        net.head.weight.mul_(1e8)
+    assert not train(torch.randn(4, 8) * 100)
+    assert (amp.last_overflow.origin, amp.last_overflow.first_module) == ("forward", "head")
+
+
+class _Shared(nn.Module):
+    """A block called twice (weights shared), each call under reentrant activation checkpointing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.block, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+        self.boom = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))  # the norm keeps a promoted layer's output small
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.enc(x)
+        h = checkpoint(self.block, h, use_reentrant=True)
+        h = checkpoint(lambda t: self.boom(self.block(t)), h, use_reentrant=True)
+        return self.head(h)
+
+
+def test_a_checkpointed_overflow_at_the_floor_promotes_the_layer_with_a_shared_block_and_validation_between():
+    # on_floor="promote" after overflows inside reentrant checkpoints (their forwards run under no_grad), with a block
+    # called twice and a validation forward between the steps: the layer that overflowed is promoted, not the code
+    # around it nor validation's.
+    torch.manual_seed(0)
+    amp = Amp("O1", half_dtype="float16", init_scale=2.0, min_loss_scale=1.0, on_floor="promote")
+    net = _Shared()
+    model = amp.prepare_model(net)
+    optimizer = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
+    for step in range(8):
+        if step == 2:
+            with torch.no_grad():
+                net.boom[0].weight.mul_(1e6)
+        x = torch.randn(4, 8).requires_grad_()
+        with amp.forward_context():
+            loss = amp.cast_outputs(model(amp.cast_inputs(x))).float().square().mean()
+        amp.backward(loss)
+        amp.step(optimizer)
+        amp.update()
+        optimizer.zero_grad()
+        with torch.no_grad(), amp.forward_context():  # validation of a bad batch: enc overflows
+            model(amp.cast_inputs(torch.full((4, 8), 1e30)))
+    assert amp.fp32_modules == ["boom.0"]
+    assert {key for key in amp.metrics() if key.startswith("mpx/promoted/")} == {"mpx/promoted/boom.0"}

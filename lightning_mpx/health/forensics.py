@@ -79,7 +79,7 @@ class ForwardWatch:
         # Whether each module call in progress began with gradients enabled, and how many did: a call inside one that
         # did is watched even without gradients (torch.utils.checkpoint(use_reentrant=True) runs its blocks under
         # no_grad within the training forward); a forward that begins without them (validation) is not.
-        self._open: list[bool] = []
+        self._open: list[tuple[int, bool]] = []  # (output slot, began with gradients) of each call in progress
         self._grad_calls = 0
         self.active = False
         self.automatic = False  # armed by an overflow at the floor (disarmed by the next step that does not overflow)
@@ -200,7 +200,9 @@ class ForwardWatch:
             slot = _HEAD + 2 * (len(self._names) - 1)
             inputs = functools.partial(self._on_input, slot + 1)
             self._handles.append(child.register_forward_pre_hook(inputs, with_kwargs=True))
-            self._handles.append(child.register_forward_hook(functools.partial(self._on_output, slot)))
+            # always_call: a forward that raises (an out-of-memory error the user catches) still closes its call
+            hook = functools.partial(self._on_output, slot)
+            self._handles.append(child.register_forward_hook(hook, always_call=True))
         for name, param in module.named_parameters():
             if param.requires_grad:
                 # A tensor hook sees this backward's own gradient: before it is accumulated, unscaled, clipped or
@@ -219,14 +221,18 @@ class ForwardWatch:
         enabled = torch.is_grad_enabled()
         if enabled or self._grad_calls:  # not evaluation (no gradient can come of it)
             self._record(slot, list(_floating_tensors((args, kwargs))), inputs=True)
-        self._open.append(enabled)
+        self._open.append((slot - 1, enabled))
         self._grad_calls += enabled
 
     def _on_output(self, slot: int, module: nn.Module, args: Any, output: Any) -> None:
         if not self.active:
             return
-        enabled = self._open.pop() if self._open else torch.is_grad_enabled()
-        self._grad_calls -= enabled and self._grad_calls > 0
+        # This module's call, and any call opened after it that never closed (a hook before ours that raised)
+        at = next((i for i in range(len(self._open) - 1, -1, -1) if self._open[i][0] == slot), None)
+        enabled = torch.is_grad_enabled() if at is None else self._open[at][1]
+        if at is not None:
+            self._grad_calls -= sum(opened for _, opened in self._open[at:])
+            del self._open[at:]
         if enabled or self._grad_calls:  # a call that began with gradients, or inside one that did
             self._record(slot, list(_floating_tensors(output)), outputs=True)
 
