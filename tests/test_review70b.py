@@ -71,6 +71,10 @@ def test_a_data_parallel_models_checkpoint_loads_and_its_first_log_counts_nothin
         }
         for reader, position in state["metric_readers"].items()
     }
+    stop69["overflow_counts"] = {
+        kind: {f"module.{module}": count for module, count in counts.items()}
+        for kind, counts in state["overflow_counts"].items()
+    }  # stop 69 counted the prepared names
     assert "mpx/overflow/module.boom" in stop69["metric_readers"]["default"]
     _, resumed = _overflow_run(stop69, steps=2, blow=(1,))
     assert resumed == [dict.fromkeys(quiet, 0.0), dict.fromkeys(quiet, 1.0)]
@@ -191,3 +195,20 @@ def test_data_parallel_runs_name_each_module_as_the_one_device_run(ranks: list[d
             tags.update(overflow_first=expected["overflow_first"], promoted=expected["promoted"])
         assert tags == expected, (case, rank[case]["tags"])
         assert underflow == (None if case == "trainer" else expected["overflow"]), (case, underflow)
+
+
+def test_a_data_parallel_runs_checkpoint_resumes_without_the_wrapper_under_the_same_tags():
+    # A model trained in nn.DataParallel (or DDP) and resumed on one device without it: stop 70 saved the counts under
+    # the wrapped names (module.enc), so the load was refused ("holds mpx/overflow/enc=2, above the checkpoint's total
+    # 0"), and a load would have logged module.enc beside enc. The counts are saved under the user's names now.
+    amp, _ = _overflow_run()
+    state = amp.state_dict()
+    assert state["overflow_counts"] == {"modules": {"enc": 2, "boom": 2, "head": 2}, "first": {"boom": 2}}
+    torch.manual_seed(0)
+    bare = Amp("O1", half_dtype="float16", init_scale=16.0, min_loss_scale=1.0, diagnose_overflows=True)
+    net = _Net()
+    bare.prepare_model(net)
+    bare.prepare_optimizer(torch.optim.SGD(net.parameters(), lr=1e-3))
+    bare.load_state_dict(state)
+    quiet = {"mpx/overflows", "mpx/overflow/enc", "mpx/overflow/boom", "mpx/overflow/head", "mpx/overflow_first/boom"}
+    assert {key: float(v) for key, v in bare.metrics().items() if "overflow" in key} == dict.fromkeys(quiet, 0.0)

@@ -46,7 +46,7 @@ def check_readers_state(state: Any, names: Callable[[str], str] = str) -> None:
     (before anything is loaded): each reader a non-empty ``str`` (as :meth:`Amp.metrics
     <lightning_mpx.engine.amp.Amp.metrics>` takes), each count a ``str`` with a whole number in int64's range. None
     (a checkpoint of a release that saved none) is fine. ``names``: the tags' name of a module the checkpoint counted
-    (the engine's :class:`~lightning_mpx.health.tags.UserNames`, :func:`user_positions`)."""
+    (:meth:`~lightning_mpx.health.forensics.OverflowForensics.loaded_names`, :func:`user_positions`)."""
     saved = user_positions(state, names)
     if saved is None:
         return
@@ -79,7 +79,8 @@ def check_readers_state(state: Any, names: Callable[[str], str] = str) -> None:
 
 def user_positions(state: Any, names: Callable[[str], str] = str) -> Any:
     """The ``metric_readers`` entry of an engine checkpoint ``state`` with its module counts under the tags that the
-    engine gives them now (``names``: the user's name of a module the checkpoint counted): a checkpoint written before
+    engine gives them now (``names``: the tags' name of a module the checkpoint counted,
+    :meth:`~lightning_mpx.health.forensics.OverflowForensics.loaded_names`): a checkpoint written before
     stop 70 named a data-parallel model's modules ``module.<name>`` in its tags, whose readers' positions would
     otherwise not be found (the first read reported the loaded totals once more). Anything malformed is returned as
     it is, for :func:`check_readers_state` to refuse."""
