@@ -212,3 +212,40 @@ def test_a_data_parallel_runs_checkpoint_resumes_without_the_wrapper_under_the_s
     bare.load_state_dict(state)
     quiet = {"mpx/overflows", "mpx/overflow/enc", "mpx/overflow/boom", "mpx/overflow/head", "mpx/overflow_first/boom"}
     assert {key: float(v) for key, v in bare.metrics().items() if "overflow" in key} == dict.fromkeys(quiet, 0.0)
+
+
+# -- the doctor's dtype from mpx/headroom_doublings ----------------------------------------------------------------------
+def _diverged(doublings: list[float]) -> dict[str, list[tuple[int, float]]]:
+    """A run at a static scale of 1 whose headroom was ``doublings`` at its first steps, then 12 overflowing steps."""
+    n = len(doublings)
+    return {
+        "mpx/loss_scale": [(s, 1.0) for s in range(n + 12)],
+        "mpx/overflows": [(s, float(s >= n)) for s in range(n + 12)],
+        "mpx/skipped_steps": [(s, float(max(0, s - n + 1))) for s in range(n + 12)],
+        "train_loss": [(s, 1.0) for s in range(n + 12)],
+        "mpx/headroom_doublings/a": [(s, d) for s, d in enumerate(doublings)]
+        + [(s, -float("inf")) for s in range(n, n + 12)],
+    }
+
+
+@pytest.mark.parametrize(
+    ("doublings", "told"),
+    [
+        ([118.0 - 4 * s for s in range(30)], "bfloat16"),  # gradients of 1e3 growing 16x a step to bfloat16's maximum
+        ([16.0 + s % 7 for s in range(30)], "float16"),  # a float16 run's gradients, tiny ones included (2^-23)
+        ([126.0] * 3 + [20.0] * 27, "bfloat16"),  # a float16 run cannot hold a largest gradient 126 doublings down
+    ],
+)
+def test_the_doctor_tells_a_diverging_bfloat16_run_from_a_float16_one(doublings: list[float], told: str) -> None:
+    # A bfloat16 run diverging at a static scale of 1: its largest gradients pass 2^-64 of bfloat16's maximum (1.8e19)
+    # on the way up, where a float16 run's sit; the majority of points read it as float16, and the fix for float16
+    # (fp32_modules=[...], train in bfloat16) was given to a bfloat16 run. A largest gradient below the split is
+    # proof: float16 has no such value; the points above it are either dtype's.
+    from lightning_mpx.doctor import diagnose_scalars
+    from lightning_mpx.health.underflow_checks import logged_half_dtype
+
+    series = _diverged(doublings)
+    assert logged_half_dtype(series) == told
+    (finding,) = diagnose_scalars(series, "run").findings
+    assert finding.kind == "persistent_overflow"
+    assert finding.fix.startswith("this run is bfloat16") == (told == "bfloat16"), finding.fix
