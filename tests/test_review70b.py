@@ -214,7 +214,7 @@ def test_a_data_parallel_runs_checkpoint_resumes_without_the_wrapper_under_the_s
     assert {key: float(v) for key, v in bare.metrics().items() if "overflow" in key} == dict.fromkeys(quiet, 0.0)
 
 
-# -- the doctor's dtype from mpx/headroom_doublings ----------------------------------------------------------------------
+# -- the doctor's dtype from mpx/headroom_doublings --------------------------------------------------------------------
 def _diverged(doublings: list[float]) -> dict[str, list[tuple[int, float]]]:
     """A run at a static scale of 1 whose headroom was ``doublings`` at its first steps, then 12 overflowing steps."""
     n = len(doublings)
