@@ -249,3 +249,14 @@ def test_the_doctor_tells_a_diverging_bfloat16_run_from_a_float16_one(doublings:
     (finding,) = diagnose_scalars(series, "run").findings
     assert finding.kind == "persistent_overflow"
     assert finding.fix.startswith("this run is bfloat16") == (told == "bfloat16"), finding.fix
+
+
+def test_a_short_trainer_run_with_hyperparameters_and_validation_is_told_why_it_has_no_mpx_scalars():
+    # Trainer(log_every_n_steps=50) for 3 steps of a module that calls save_hyperparameters() and validates: the
+    # folder holds epoch, hp_metric and val_loss (logged at the epoch's end, not at a training step), so the short-run
+    # hint (given only to a folder with no scalar at all) was left out.
+    from lightning_mpx.doctor import NoMixedPrecisionTagsError, diagnose_scalars
+
+    found = {"epoch": [(2, 0.0)], "hp_metric": [(0, -1.0)], "val_loss": [(2, 0.25)]}
+    with pytest.raises(NoMixedPrecisionTagsError, match="lower log_every_n_steps"):
+        diagnose_scalars(found, "short")
