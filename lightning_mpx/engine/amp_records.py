@@ -14,7 +14,7 @@ import torch
 
 from lightning_mpx.engine.amp_parts import AmpParts
 from lightning_mpx.engine.checkpoint import _engine_entry
-from lightning_mpx.engine.overflow import DEFAULT_READER, check_readers_state
+from lightning_mpx.engine.overflow import DEFAULT_READER, check_readers_state, user_positions
 
 if TYPE_CHECKING:
     from lightning_mpx.engine.amp import Amp
@@ -110,14 +110,16 @@ class AmpRecords(AmpParts):
         their rounding at O3). A loss scale carries over when both levels scale dynamically; otherwise this level's own
         scaling starts from its settings."""
         self.read_step_outcomes()  # steps made before the load are this run's: counted before it replaces them
-        check_readers_state(_engine_entry(state))  # a bad one is refused before anything is loaded
+        # a bad one is refused before anything is loaded; the modules under the names the tags give them now
+        names = self.forensics.loaded_names()
+        check_readers_state(_engine_entry(state), names)
         self.pick_half_dtype(None)  # loaded before any model: the provisional dtype is the run's from now on
         self._checkpoint.load_state_dict(state, with_masters=self._with_masters)
         self._machine.forget_writes()  # the load wrote the parameters: no raw step (engine.raw_steps)
         state = _engine_entry(state)
         self._checkpoint.held.loaded(self, state)  # masters left to the model's entry: loaded by the next step?
-        self.forensics.load_state_dict(state.get("overflow_counts"))  # None (older release): from zero
-        self._overflows.load_readers(state.get("metric_readers"), self.telemetry.measurements)
+        self.forensics.load_state_dict(state.get("overflow_counts"), names)  # None (older release): from zero
+        self._overflows.load_readers(user_positions(state, names), self.telemetry.measurements)
 
     def continue_from(self, other: Amp) -> None:
         """Go on from ``other``, an engine with the same settings that this one replaces before it prepares a model

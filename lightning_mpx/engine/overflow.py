@@ -41,12 +41,13 @@ def overflows_name(loss_id: int, num_losses: int) -> str:
     return "mpx/overflows" + (f"/loss{loss_id}" if num_losses > 1 else "")
 
 
-def check_readers_state(state: Any) -> None:
+def check_readers_state(state: Any, names: Callable[[str], str] = str) -> None:
     """Refuse an engine checkpoint ``state`` whose ``metric_readers`` :meth:`Overflows.readers_state` did not make
     (before anything is loaded): each reader a non-empty ``str`` (as :meth:`Amp.metrics
     <lightning_mpx.engine.amp.Amp.metrics>` takes), each count a ``str`` with a whole number in int64's range. None
-    (a checkpoint of a release that saved none) is fine."""
-    saved = state.get("metric_readers") if isinstance(state, Mapping) else None
+    (a checkpoint of a release that saved none) is fine. ``names``: the tags' name of a module the checkpoint counted
+    (:meth:`~lightning_mpx.health.forensics.OverflowForensics.loaded_names`, :func:`user_positions`)."""
+    saved = user_positions(state, names)
     if saved is None:
         return
     bad = None if isinstance(saved, Mapping) else saved
@@ -63,7 +64,7 @@ def check_readers_state(state: Any) -> None:
             f"the checkpoint's metric_readers entry {bad!r:.200} must map each reader's name (a non-empty str) to its "
             "counts' totals (str: a whole number in int64's range), as Amp.state_dict() saves them."
         )
-    totals, complete = _saved_totals(state)
+    totals, complete = _saved_totals(state, names)
     for reader, position in saved.items():
         for count, value in position.items():
             total = totals.get(count, 0 if complete else None)
@@ -76,10 +77,42 @@ def check_readers_state(state: Any) -> None:
                 )
 
 
-def _saved_totals(state: Mapping[str, Any]) -> tuple[dict[str, int], bool]:
+def user_positions(state: Any, names: Callable[[str], str] = str) -> Any:
+    """The ``metric_readers`` entry of an engine checkpoint ``state`` with its module counts under the tags that the
+    engine gives them now (``names``: the tags' name of a module the checkpoint counted,
+    :meth:`~lightning_mpx.health.forensics.OverflowForensics.loaded_names`): a checkpoint written before
+    stop 70 named a data-parallel model's modules ``module.<name>`` in its tags, whose readers' positions would
+    otherwise not be found (the first read reported the loaded totals once more). Anything malformed is returned as
+    it is, for :func:`check_readers_state` to refuse."""
+    saved = state.get("metric_readers") if isinstance(state, Mapping) else None
+    kept = state.get("overflow_counts") if isinstance(state, Mapping) else None
+    if names is str or not isinstance(saved, Mapping) or not isinstance(kept, Mapping):
+        return saved
+    renamed: dict[str, str] = {}
+    for key, prefix in (("modules", OVERFLOW_TAG), ("first", FIRST_TAG)):
+        counts = kept.get(key)
+        for module in counts if isinstance(counts, Mapping) else ():
+            old, new = prefix + (str(module) or ROOT_TAG), prefix + (names(str(module)) or ROOT_TAG)
+            if old != new:
+                renamed[old] = new
+    if not renamed:
+        return saved
+    out: dict[Any, Any] = {}
+    for reader, position in saved.items():
+        if isinstance(position, Mapping):
+            position = dict(position)
+            for old, new in renamed.items():
+                if old in position:
+                    value = position.pop(old)
+                    position.setdefault(new, value)  # (a checkpoint of this release holds the new tag itself)
+        out[reader] = position
+    return out
+
+
+def _saved_totals(state: Mapping[str, Any], names: Callable[[str], str] = str) -> tuple[dict[str, int], bool]:
     """The totals an engine checkpoint ``state`` holds, by metric name (each loss's overflows, the forensics' module
-    counts), and whether it holds every one (a count absent is 0): not when it kept no module totals (an older
-    release's)."""
+    counts under the tags of ``names``: :func:`user_positions`), and whether it holds every one (a count absent is 0):
+    not when it kept no module totals (an older release's)."""
     scalers = state.get("scalers")
     scalers = scalers if isinstance(scalers, list) else []
     out = {
@@ -95,7 +128,8 @@ def _saved_totals(state: Mapping[str, Any]) -> tuple[dict[str, int], bool]:
         counts = kept.get(key) or {}
         for module, count in counts.items() if isinstance(counts, Mapping) else ():
             if _whole_count(count):
-                out[prefix + (str(module) or ROOT_TAG)] = int(count)
+                tag = prefix + (names(str(module)) or ROOT_TAG)
+                out[tag] = out.get(tag, 0) + int(count)
     return out, complete
 
 

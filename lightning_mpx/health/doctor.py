@@ -183,7 +183,9 @@ def diagnose_scalars(series: dict[str, Series], run_dir: str = "") -> Diagnosis:
             f"RUN_DIR={run_dir!r} holds no mpx/* scalars (scalars found: {shown}); was it logged by a run with "
             "MixedPrecisionPlugin or lightning_mpx.accelerate.Accelerator and a logger?"
             + (
-                ""
+                " If it had both: the mpx/* scalars are logged at training steps, every log_every_n_steps (the "
+                "Trainer's default: 50); a shorter run logs none (an epoch's end, validation and hp_metric log theirs "
+                "still); lower log_every_n_steps."
                 if series
                 else " No scalar was logged at all: a run shorter than its logging interval (Trainer(log_every_n_steps="
                 "50), the default, with fewer steps) logs none; lower log_every_n_steps."

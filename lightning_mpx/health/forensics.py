@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import math
 import weakref
-from typing import Any, Collection, Iterable, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -79,7 +79,7 @@ class ForwardWatch:
         # Whether each module call in progress began with gradients enabled, and how many did: a call inside one that
         # did is watched even without gradients (torch.utils.checkpoint(use_reentrant=True) runs its blocks under
         # no_grad within the training forward); a forward that begins without them (validation) is not.
-        self._open: list[bool] = []
+        self._open: list[tuple[int, bool]] = []  # (output slot, began with gradients) of each call in progress
         self._grad_calls = 0
         self.active = False
         self.automatic = False  # armed by an overflow at the floor (disarmed by the next step that does not overflow)
@@ -200,7 +200,9 @@ class ForwardWatch:
             slot = _HEAD + 2 * (len(self._names) - 1)
             inputs = functools.partial(self._on_input, slot + 1)
             self._handles.append(child.register_forward_pre_hook(inputs, with_kwargs=True))
-            self._handles.append(child.register_forward_hook(functools.partial(self._on_output, slot)))
+            # always_call: a forward that raises (an out-of-memory error the user catches) still closes its call
+            hook = functools.partial(self._on_output, slot)
+            self._handles.append(child.register_forward_hook(hook, always_call=True))
         for name, param in module.named_parameters():
             if param.requires_grad:
                 # A tensor hook sees this backward's own gradient: before it is accumulated, unscaled, clipped or
@@ -219,14 +221,18 @@ class ForwardWatch:
         enabled = torch.is_grad_enabled()
         if enabled or self._grad_calls:  # not evaluation (no gradient can come of it)
             self._record(slot, list(_floating_tensors((args, kwargs))), inputs=True)
-        self._open.append(enabled)
+        self._open.append((slot - 1, enabled))
         self._grad_calls += enabled
 
     def _on_output(self, slot: int, module: nn.Module, args: Any, output: Any) -> None:
         if not self.active:
             return
-        enabled = self._open.pop() if self._open else torch.is_grad_enabled()
-        self._grad_calls -= enabled and self._grad_calls > 0
+        # This module's call, and any call opened after it that never closed (a hook before ours that raised)
+        at = next((i for i in range(len(self._open) - 1, -1, -1) if self._open[i][0] == slot), None)
+        enabled = torch.is_grad_enabled() if at is None else self._open[at][1]
+        if at is not None:
+            self._grad_calls -= sum(opened for _, opened in self._open[at:])
+            del self._open[at:]
         if enabled or self._grad_calls:  # a call that began with gradients, or inside one that did
             self._record(slot, list(_floating_tensors(output)), outputs=True)
 
@@ -347,8 +353,8 @@ class OverflowForensics:
         # since its own previous read, so no read takes counts from another.
         self._counts: dict[str, int] = {}  # overflow steps per module
         self._first_counts: dict[str, int] = {}  # watched forward overflows per first non-finite module
-        # The user's names of the modules in the tags (without a data-parallel wrapper's "module"); the counts keep the
-        # prepared models' names (the checkpoint's).
+        # The user's names of the modules in the tags (without a data-parallel wrapper's "module"), the counts' (and
+        # the checkpoint's) too.
         self.user_names = UserNames()
         self.diagnose = diagnose
 
@@ -473,6 +479,7 @@ class OverflowForensics:
     def count(self, modules: Iterable[str]) -> None:
         """Count one overflow step for each of ``modules`` (``mpx/overflow/<module>``)."""
         for module in modules:
+            module = self.user_names(module)  # counted under the tag's name: the checkpoint's too
             self._counts[module] = self._counts.get(module, 0) + 1
 
     def overflowed(self, record: OverflowRecord, *, at_floor: bool, counted: Collection[str] = ()) -> None:
@@ -480,7 +487,8 @@ class OverflowForensics:
         record, :meth:`count`) and, at the floor, watch the following forwards."""
         self.count(module for module in record.modules if module not in counted)
         if record.origin == "forward" and (record.region is not None or record.first_module is not None):
-            first = record.culprits()[0]  # the module that made the non-finite values, or fed the code that did
+            # the module that made the non-finite values, or fed the code that did
+            first = self.user_names(record.culprits()[0])
             self._first_counts[first] = self._first_counts.get(first, 0) + 1
         if at_floor and not self.watch.active:
             self.watch.arm(automatic=True)
@@ -499,22 +507,33 @@ class OverflowForensics:
         module (a forward overflow poisons every gradient: this names the culprit). Totals: a reader of the metrics
         reports their growth since its previous read
         (:meth:`Amp.metrics <lightning_mpx.engine.amp.Amp.metrics>`)."""
-        out: dict[str, int] = {}
-        for module, count in self._counts.items():
-            tag = overflow_tag(self.user_names(module))
-            out[tag] = out.get(tag, 0) + count
-        for module, count in self._first_counts.items():
-            tag = FIRST_TAG + (self.user_names(module) or ROOT_TAG)
-            out[tag] = out.get(tag, 0) + count
+        out = {overflow_tag(module): count for module, count in self._counts.items()}
+        out.update({FIRST_TAG + (module or ROOT_TAG): n for module, n in self._first_counts.items()})
         return out
 
     def state_dict(self) -> dict[str, dict[str, int]]:
-        """The totals, for the engine's checkpoint (host numbers: no device read)."""
+        """The totals, for the engine's checkpoint (host numbers: no device read), by the user's module names (a run
+        with a data-parallel wrapper and its resume without it count the same modules)."""
         return {"modules": dict(self._counts), "first": dict(self._first_counts)}
 
-    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
-        """Restore :meth:`state_dict`'s totals; ``None`` (a checkpoint of a release that kept none) starts them at
-        zero."""
+    def loaded_names(self) -> Callable[[str], str]:
+        """The tags' name of a module that an engine checkpoint counted: a name of the prepared models (a checkpoint
+        written before stop 70 counted ``module.<name>`` for a model prepared in ``nn.DataParallel`` or DDP, and
+        ``_orig_mod.<name>`` for a compiled one) as :attr:`user_names` gives it; any other (the user's names that
+        :meth:`state_dict` saves now) as it is."""
+        prepared: set[str] = set()
+        for ref, prefix in self.watch._models:
+            model = ref()
+            if model is not None:
+                prepared.update(prefix + name if name else prefix.rstrip(".") for name, _ in model.named_modules())
+        return lambda name: self.user_names(name) if name in prepared else name
+
+    def load_state_dict(self, state: Mapping[str, Any] | None, names: Callable[[str], str] = str) -> None:
+        """Restore :meth:`state_dict`'s totals, each module named by ``names`` (:meth:`loaded_names`); ``None`` (a
+        checkpoint of a release that kept none) starts them at zero."""
         state = state or {}
-        self._counts = {str(m): int(n) for m, n in dict(state.get("modules") or {}).items()}
-        self._first_counts = {str(m): int(n) for m, n in dict(state.get("first") or {}).items()}
+        self._counts, self._first_counts = {}, {}
+        for key, counts in (("modules", self._counts), ("first", self._first_counts)):
+            for module, count in dict(state.get(key) or {}).items():
+                name = names(str(module))
+                counts[name] = counts.get(name, 0) + int(count)

@@ -56,18 +56,18 @@ HALF_DTYPE_SPLIT = 2.0**-64
 
 
 def logged_half_dtype(mpx: dict[str, Series]) -> str | None:
-    """The run's half dtype, as its headroom tells it: ``"bfloat16"`` when most logged points' largest scaled gradient
-    is below ``HALF_DTYPE_SPLIT`` of the half maximum, ``"float16"`` when most are above; ``None`` without headroom
-    scalars (or as many points each way). The loss scale cannot tell: bfloat16's static scale of 1 is a float16 scale
-    too."""
+    """The run's half dtype, as its headroom tells it: ``"bfloat16"`` when a logged point's largest scaled gradient is
+    below ``HALF_DTYPE_SPLIT`` of the half maximum (past float16's whole range: no float16 run logs one), ``"float16"``
+    when every point is above; ``None`` without headroom scalars. A point above says little alone: a bfloat16 run
+    diverging passes there on its way to the maximum. The loss scale cannot tell: bfloat16's static scale of 1 is a
+    float16 scale too."""
     largest: dict[int, float] = {}
     for points in headroom_ratios(mpx).values():
         for step, ratio in points:
             if 0.0 < ratio < 1.0:  # not a group without a non-zero gradient (0), nor an overflow step (inf, NaN)
                 largest[step] = max(largest.get(step, 0.0), ratio)
-    low = sum(ratio < HALF_DTYPE_SPLIT for ratio in largest.values())
-    high = len(largest) - low
-    return "bfloat16" if low > high else "float16" if high > low else None
+    low = any(ratio < HALF_DTYPE_SPLIT for ratio in largest.values())
+    return "bfloat16" if low else "float16" if largest else None
 
 
 def _underflow(mpx: dict[str, Series]) -> tuple[list[Finding], list[str]]:
