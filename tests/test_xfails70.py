@@ -94,38 +94,11 @@ def test_masters_handed_out_after_an_unscale_not_stepped_are_let_go_at_the_next_
 def test_apex_o2_clip_of_the_masters_then_their_halving_trains_as_fp32() -> None:
     """attack69b's Apex habit written the way the refusal names: torch's clip of ``amp.master_params(opt)``, then the
     halving made on the masters' gradients (not the model's): as FP32's clip then halving."""
-    import torch.nn.functional as F
-    from torch import nn
-
-    from lightning_mpx.apex import _amp_state, amp
+    from lightning_mpx.apex import _amp_state
+    from tests.test_attack69b import _apex
 
     def run(level: str | None) -> torch.Tensor:
-        _amp_state.reset()
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
-        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-        if level:
-            net, opt = amp.initialize(net, opt, opt_level=level, loss_scale=1024.0, verbosity=0)
-        g = torch.Generator().manual_seed(1)
-        for _ in range(3):
-            x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
-            loss = F.mse_loss(net(x.to(next(net.parameters()).dtype)).float(), y)
-            if level:
-                with amp.scale_loss(loss, opt) as scaled:
-                    scaled.backward()
-            else:
-                loss.backward()
-            params = list(amp.master_params(opt)) if level else list(net.parameters())
-            torch.nn.utils.clip_grad_norm_(params, 0.05)
-            for p in params:
-                p.grad.mul_(0.5)
-            opt.step()
-            opt.zero_grad()
-        weights = torch.cat(
-            [p.detach().float().flatten() for p in (amp.master_params(opt) if level else net.parameters())]
-        )
-        _amp_state.reset()
-        return weights
+        return _apex(level, halve="masters", steps=3)
 
     try:
         assert (run("O2") - run(None)).abs().max() < 1e-3
