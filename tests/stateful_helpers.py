@@ -1,5 +1,6 @@
 """The settings every stateful (hypothesis ``RuleBasedStateMachine``) test of the suite runs with, the checks that
-two runs' tensors and optimizer states are the same, and a run's checkpoint saved and loaded back."""
+two runs' tensors and optimizer states are the same, a run's checkpoint saved and loaded back, and the backward and
+clip of a run made with the core ``Amp`` or in FP32 (:class:`AmpOrFp32Run`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import io
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, settings
 
 
@@ -43,3 +45,41 @@ def saved_and_loaded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, a
     torch.save(saved, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=False)
+
+
+def seeded_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eight inputs of width 8 and their labels out of 4 classes, drawn from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def optimizer_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every parameter of ``opt``'s groups, in order."""
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
+class AmpOrFp32Run:
+    """A run of the machines that compare the core ``Amp`` with FP32 (tests/test_stateful68.py, test_stateful69.py):
+    ``model``, ``amp`` (``None``: the FP32 reference) and ``opts`` (by name) are set by the subclass."""
+
+    model: torch.nn.Module
+    amp: Any
+    opts: dict[str, torch.optim.Optimizer]
+
+    def backward(self, seed: int) -> float:
+        """A cross-entropy backward of :func:`seeded_batch` ``seed`` (through ``amp.backward``, or FP32's)."""
+        x, y = seeded_batch(seed)
+        if self.amp is None:
+            loss = F.cross_entropy(self.model(x), y)
+            loss.backward()
+        else:
+            with self.amp.forward_context():
+                loss = F.cross_entropy(self.model(self.amp.cast_inputs(x)).float(), y)
+            self.amp.backward(loss)
+        return loss.item()
+
+    def clip(self, which: str, max_norm: float) -> float:
+        """The norm clip of optimizer ``which`` (the engine's, or torch's of its parameters): the norm."""
+        if self.amp is None:
+            return float(torch.nn.utils.clip_grad_norm_(optimizer_params(self.opts[which]), max_norm))
+        return float(self.amp.clip_grad_norm_(self.opts[which], max_norm))

@@ -27,7 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from torch import nn
 
 from lightning_mpx import Amp
-from tests.stateful_helpers import stateful_settings
+from tests.stateful_helpers import AmpOrFp32Run, optimizer_params, seeded_batch, stateful_settings
 
 # Per tensor, |ours - FP32| <= RTOL * |FP32 - start| + ATOL: float16 forwards against FP32's, a few ulps per step. A
 # gradient unscaled twice (the shared gradient divided by 65536 once more), a step lost or applied twice, a group
@@ -41,16 +41,10 @@ def _net() -> nn.Sequential:
     return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4))
 
 
-def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+_batch, _params = seeded_batch, optimizer_params
 
 
-def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in opt.param_groups for p in group["params"]]
-
-
-class _Run:
+class _Run(AmpOrFp32Run):
     """One run of ``setup`` (one of :data:`SETUPS`): the engine's, or (``fp32``) the FP32 reference's. ``whole`` holds
     every parameter, ``own`` the shared module's weight (its bias comes by ``add_group``)."""
 
@@ -69,23 +63,6 @@ class _Run:
             self.model = self.amp.prepare_model(self.model)
             whole, own = self.amp.prepare_optimizer(whole), self.amp.prepare_optimizer(own)
         self.opts = {"whole": whole, "own": own}
-
-    def backward(self, seed: int) -> float:
-        x, y = _batch(seed)
-        if self.amp is None:
-            loss = F.cross_entropy(self.model(x), y)
-            loss.backward()
-        else:
-            with self.amp.forward_context():
-                loss = F.cross_entropy(self.model(self.amp.cast_inputs(x)).float(), y)
-            self.amp.backward(loss)
-        return loss.item()
-
-    def clip(self, which: str, max_norm: float) -> float:
-        opt = self.opts[which]
-        if self.amp is None:
-            return float(torch.nn.utils.clip_grad_norm_(_params(opt), max_norm))
-        return float(self.amp.clip_grad_norm_(opt, max_norm))
 
     def step(self, which: tuple[str, ...]) -> None:
         for name in which:

@@ -24,13 +24,12 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from torch import nn
 
 from lightning_mpx import Amp
-from tests.stateful_helpers import stateful_settings
+from tests.stateful_helpers import AmpOrFp32Run, optimizer_params, seeded_batch, stateful_settings
 
 # Per tensor, |ours - FP32| <= RTOL * |FP32 - start| + ATOL: half forwards against FP32's. A write taken on scaled
 # values moves a weight by the scale (16 or 256) times an update; a write lost or applied twice by half an update.
@@ -44,16 +43,10 @@ def _net() -> nn.Sequential:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
-def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+_batch, _params = seeded_batch, optimizer_params
 
 
-def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in opt.param_groups for p in group["params"]]
-
-
-class _Run:
+class _Run(AmpOrFp32Run):
     """The engine's run (``dtype``: ``"float16"`` or ``"bfloat16"``), or (``fp32``) the FP32 reference's. ``whole``
     holds every parameter, ``head`` (with ``two``) the last layer's again."""
 
@@ -69,22 +62,6 @@ class _Run:
             self.model = self.amp.prepare_model(self.model)
             opts = {name: self.amp.prepare_optimizer(opt) for name, opt in opts.items()}
         self.opts = opts
-
-    def backward(self, seed: int) -> float:
-        x, y = _batch(seed)
-        if self.amp is None:
-            loss = F.cross_entropy(self.model(x), y)
-            loss.backward()
-        else:
-            with self.amp.forward_context():
-                loss = F.cross_entropy(self.model(self.amp.cast_inputs(x)).float(), y)
-            self.amp.backward(loss)
-        return loss.item()
-
-    def clip(self, which: str, max_norm: float) -> float:
-        if self.amp is None:
-            return float(torch.nn.utils.clip_grad_norm_(_params(self.opts[which]), max_norm))
-        return float(self.amp.clip_grad_norm_(self.opts[which], max_norm))
 
     def targets(self, which: str) -> list[torch.Tensor]:
         return list((self.model if which == "model" else self.model[2]).parameters())
