@@ -142,21 +142,13 @@ def _apex_losses(infs: set[tuple[int, int]], named: tuple[str, ...], *, apex: bo
     return scales, [p.detach().float().clone() for p in weights]
 
 
-_COUNTED_TWICE = pytest.mark.xfail(
-    strict=True,
-    reason="review68b's num_losses counting (stop 69: xfails69's fix, cc604ef, reverted by the lead: a head stepped "
-    "an inf with three losses, weights NaN, test below): an overflow of one loss reaching gradients another loss's "
-    "block names backs that other loss off too; the steps are skipped, the weights stay FP32's",
-)
-
-
 @pytest.mark.parametrize(
     ("opt_level", "infs", "named", "order"),
     [
         ("O1", {(2, 0), (2, 1)}, ("trunk", "head"), None),  # both overflow at once, loss 1 into loss 0's inf: each once
         ("O2", {(2, 0), (2, 1)}, ("head", "trunk"), None),
-        pytest.param("O1", {(1, 1)}, ("trunk", "trunk", "head"), None, marks=_COUNTED_TWICE),  # three, the middle
-        pytest.param("O2", {(1, 1), (2, 0), (2, 1)}, ("head", "trunk"), (1, 0), marks=_COUNTED_TWICE),  # out of order
+        ("O1", {(1, 1)}, ("trunk", "trunk", "head"), None),  # three, the middle
+        ("O2", {(1, 1), (2, 0), (2, 1)}, ("head", "trunk"), (1, 0)),  # out of order
     ],
     ids=["O1-both", "O2-both-named-head-first", "O1-three-middle", "O2-out-of-order"],
 )
@@ -167,14 +159,9 @@ def test_apex_each_losss_own_overflow_backs_it_off_once_as_one_grad_scaler_per_l
     assert max((w - r).abs().max().item() for w, r in zip(weights, reference)) < 1e-3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review69c: num_losses=2, delay_unscale=True on loss 0's block whose loss is inf, then loss 1's block "
-    "before the step: loss 1's scale backs off too (its block's check finds the inf the core brought to its scale at "
-    "the block's start; stop 68's head did the same); GradScaler per loss backs off loss 0 only. The steps are "
-    "skipped and the weights stay FP32's: one extra halving of loss 1's scale.",
-)
 def test_apex_an_inf_left_by_a_delay_unscale_block_backs_off_only_its_own_loss():
+    """Was: loss 1's scale backed off too (its block's check took the inf the core brought to its scale at the
+    block's start, charged to loss 0, as its own); now only loss 0's, the steps skipped."""
     infs, named = {(2, 0)}, ("trunk", "head")
     scales, _ = _apex_losses(infs, named, apex=True, delays=(0,))
     assert scales == _apex_losses(infs, named, apex=False)[0]
@@ -192,7 +179,6 @@ def test_apex_three_losses_an_overflow_charged_to_the_head_skips_its_step_when_a
     assert max((w - r).abs().max().item() for w, r in zip(weights, reference)) < 1e-3
 
 
-@_COUNTED_TWICE
 def test_apex_three_losses_charged_head_backs_off_each_loss_once():
     infs, named = {(1, 0), (2, 2)}, ("trunk", "head", "both")
     assert _apex_losses(infs, named, apex=True)[0] == _apex_losses(infs, named, apex=False)[0]

@@ -79,20 +79,31 @@ def test_a_write_to_the_masters_gradients_is_kept_in_what_the_step_leaves(max_no
     assert _off_fp32(ours, ref) < 0.05
 
 
-@pytest.mark.xfail(strict=True, reason="Apex layer, O1: a scale_loss block without delay_unscale, zero_grad() (the "
-                   "block given up, no step), then a delay_unscale block: the core's stage stays unscaled, so the "
-                   "chain is taken as following an earlier block (an empty stash kept) and unscaled at its end; Apex "
-                   "leaves the chain's gradients scaled (a clip of model.parameters() between the blocks sees 1/64 of "
-                   "Apex's norm); found by test_apex_stateful.py's machine, --hypothesis-seed=2")  # fmt: skip
-@pytest.mark.parametrize("set_to_none", [False, True])
-def test_apex_o1_a_delay_unscale_chain_after_a_given_up_block_stays_scaled(set_to_none: bool) -> None:
+@pytest.mark.parametrize(
+    ("set_to_none", "through_model"),
+    [
+        (False, False),
+        (True, False),
+        (True, True),
+        pytest.param(False, True, marks=pytest.mark.xfail(strict=True, reason=(
+            "apex/stash.py _stash: model.zero_grad(set_to_none=False) after a block given up leaves zeros the "
+            "next block keeps aside as an earlier block's (told apart only by reading them, or by marks noted at "
+            "every block's end: a cost per step), so the delay_unscale chain is unscaled at its end: a clip of "
+            "model.parameters() between the chain's blocks sees 1/64 of Apex's (scaled) norm; the step is FP32's"))),
+    ],
+)  # fmt: skip
+def test_apex_o1_a_delay_unscale_chain_after_a_given_up_block_stays_scaled(set_to_none: bool, through_model) -> None:
+    """A block without delay_unscale, the returned optimizer's zero_grad() (the block given up, no step), then a
+    delay_unscale block: the chain's gradients stay scaled, as Apex's. Was unscaled at its end (the core's stage stayed
+    unscaled, so an empty stash, or the given-up block's zeros, were kept as an earlier block's): a clip of
+    model.parameters() between the blocks saw 1/64 of Apex's norm (test_apex_stateful.py's machine, seed 2)."""
     from tests.test_apex_stateful import ApexAgainstReference
 
     machine = ApexAgainstReference()
     try:
         machine.setup(level="O1", optimizer="sgd")
         machine.block(seed=11, loss_id=0, delay=False, poison=None)
-        machine.zero_grad(set_to_none=set_to_none, through_model=False)
+        machine.zero_grad(set_to_none=set_to_none, through_model=through_model)
         machine.block(seed=0, loss_id=0, delay=True, poison=None)
         for param, want in zip(machine.ours.model.parameters(), machine.ref.holders(), strict=True):
             torch.testing.assert_close(param.grad.float(), want.grad.float(), rtol=0.01, atol=1e-3)  # scaled, as Apex

@@ -109,9 +109,11 @@ class AmpState:
             the next unscale.
         delayed: Per optimizer, the identity and version of its parameters' gradients at the end of the last
             ``delay_unscale`` block: a clear of them before the next block is told apart by them.
-        after_step: Optimizers whose step was skipped (an overflow) and that no ``scale_loss`` block named since:
-            what their parameters' gradients hold is left from that step (the script zeroes it before their next
-            block).
+        after_step: Optimizers whose step was skipped (an overflow) and that no ``scale_loss`` block named since,
+            with their gradients (weak references) and versions then: while they are unchanged, what they hold is
+            left from that step (the script zeroes it before their next block).
+        cleared: Optimizers whose returned optimizer's ``zero_grad()`` ran while a block had left their gradients
+            unscaled (the block given up, no step): the next block keeps nothing of theirs aside.
         idle: Optimizers with no ``scale_loss`` block of their engine since ``initialize`` or their last step: a
             gradient they hold came from a backward outside any block, unscaled.
         gradless: Per optimizer, the parameters without a gradient when the last ``scale_loss`` block ended: a
@@ -148,8 +150,9 @@ class AmpState:
         default_factory=dict
     )
     stash: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
-    after_step: set[int] = field(default_factory=set)
+    after_step: dict[int, tuple[tuple[weakref.ref[torch.Tensor], int] | None, ...]] = field(default_factory=dict)
     idle: set[int] = field(default_factory=set)
+    cleared: set[int] = field(default_factory=set)
     gradless: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     delayed: dict[int, tuple[tuple[int, int] | None, ...]] = field(default_factory=dict)
     graded: dict[int, tuple] = field(default_factory=dict)  # O2: the masters' gradients' versions at a block's end
@@ -188,8 +191,10 @@ class AmpState:
                 wrapper.unguard_original()
                 del self.optimizers[id(optimizer)]
         live = set(self.optimizers.keys())
-        for ids in (self.touched, self.stepped, self.after_step, self.idle):
+        for ids in (self.touched, self.stepped, self.idle, self.cleared):
             ids.intersection_update(live)
+        for key in set(self.after_step) - live:
+            del self.after_step[key]
         for key in set(self.skip_next) - live:
             del self.skip_next[key]
         for key in set(self.charged) - live:

@@ -42,15 +42,21 @@ def _charge_unnamed(state: AmpState, amp: Amp, own: list[AmpOptimizer], named: l
             state.charged[key] = (loss_id, _held(params))
 
 
-def _recharge(state: AmpState, wrapper: AmpOptimizer, loss_id: int) -> None:
+def _recharge(state: AmpState, wrapper: AmpOptimizer, loss_id: int) -> bool:
     """A block of ``loss_id`` names an optimizer noted by :func:`_charge_unnamed`: its gradients as that block left
     them (not cleared: a GAN's discriminator reached by the generator's block, not zeroed before its own) hold the
     overflow counted already, which this block's check finds again; its step is skipped, and counts for none, as one
-    ``GradScaler`` update of the iteration. Otherwise (cleared, written, another loss) forgotten."""
+    ``GradScaler`` update of the iteration. Otherwise (cleared, written) forgotten. Returns whether the charge is
+    another loss's (``num_losses=2``: loss 0's inf reached the gradients loss 1's block names): this block's check
+    then finds that loss's overflow, not its own, and counts it for none (the caller takes it as found before the
+    block, as Apex's check of the block's own new gradients would). An overflow of this block's own in those
+    gradients is not told apart from it (they are non-finite already; the step is skipped either way)."""
     key = id(wrapper.optimizer)
     charged, marks = state.charged[key]
-    if charged != loss_id or not _same(marks, _params(wrapper), versions=True):
+    if not _same(marks, _params(wrapper), versions=True):
         del state.charged[key]
+        return False
+    return charged != loss_id
 
 
 def _renote(state: AmpState, wrapped: list[AmpOptimizer]) -> None:
@@ -66,7 +72,8 @@ _Held = tuple[tuple[weakref.ref[torch.Tensor], int] | None, ...]  # what _held n
 
 
 def _charged_still(wrapper: AmpOptimizer, marks: _Held | None) -> bool:
-    """Whether ``wrapper``'s gradients are the tensors :func:`_charge_unnamed` noted (``marks``), added to or not.
+    """Whether ``wrapper``'s gradients are the tensors :func:`_charge_unnamed` noted (``marks``), added to or not (by
+    a later block of another loss too, which brought them to its scale: the charged inf stays).
     An optimizer charged in an iteration it did not step in (stepped every other iteration, or only later) whose
     gradients ``model.zero_grad()`` set to ``None`` since holds new gradients at its step: their overflow counts (it
     was hidden). A clear in place (``set_to_none=False`` on the model, not the optimizer) is not told apart."""
@@ -93,3 +100,13 @@ def _same(marks: _Held, params: list[torch.Tensor], versions: bool) -> bool:
             elif mark[0]() is not grad or (versions and mark[1] != grad._version):
                 return False
     return True
+
+
+def _left_over(state: AmpState, wrapper: AmpOptimizer) -> bool:
+    """Whether ``wrapper``'s gradients are still the ones its skipped step left (``AmpState.after_step``): the same
+    tensors, unwritten since. Otherwise (cleared, by either ``zero_grad``, or added to by a backward) forgotten."""
+    key = id(wrapper.optimizer)
+    if _same(state.after_step[key], _params(wrapper), versions=True):
+        return True
+    del state.after_step[key]
+    return False

@@ -19,8 +19,18 @@ import torch
 from torch import nn
 
 from lightning_mpx.apex._state import AmpState, _amp_state, is_rank_zero
-from lightning_mpx.apex.charges import _charge_unnamed, _charged_still, _grad_marks, _recharge, _renote
+from lightning_mpx.apex.charges import (
+    _charge_unnamed,
+    _charged_still,
+    _grad_marks,
+    _held,
+    _left_over,
+    _params,
+    _recharge,
+    _renote,
+)
 from lightning_mpx.apex.fp16_utils import _HalfParameters
+from lightning_mpx.apex.stash import _chain_cleared, _forget_pending, _restore_stash, _stash, _tag_zeros
 from lightning_mpx.common.keywords import check_keywords, checks_keywords
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.optimizer_state import _Stage
@@ -33,6 +43,7 @@ _VERSION = operator.attrgetter("_version")
 _SOME_GRAD = functools.partial(operator.is_not, None)
 _PARAMS = operator.itemgetter("params")
 _NO_GRAD = functools.partial(operator.is_, None)
+_NO_OTHERS: frozenset[int] = frozenset()
 
 
 class AmpOptimizer(torch.optim.Optimizer):
@@ -124,6 +135,8 @@ class AmpOptimizer(torch.optim.Optimizer):
         pending = self._engine._optimizers.get(id(self.optimizer))  # the core's state (a C-level getter)
         if pending is not None and pending.loss_id is not None and pending.stage is _Stage.READY:
             _forget_pending(self._engine, self.optimizer)  # a delay_unscale chain given up counts for no loss's scale
+        elif pending is not None and pending.stage is _Stage.UNSCALED:
+            self._amp_state.cleared.add(id(self.optimizer))  # a block given up: nothing of it to keep aside (_stash)
         if self._engine.properties.master_weights:
             params = itertools.chain.from_iterable(map(_PARAMS, self.optimizer.param_groups))
             for param, master in zip(params, self._engine.master_params(self.optimizer)):
@@ -166,6 +179,7 @@ class AmpOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("AmpOptimizer cannot be pickled; save optimizer.state_dict() instead.")
 
+
 def _on_masters(wrapper: AmpOptimizer, call: Callable[[], Any]) -> Any:
     """Run ``call`` (the wrapped optimizer's ``train``/``eval``) through :meth:`Amp.call_on_masters`; its result."""
     result: list[Any] = []
@@ -199,8 +213,11 @@ def _refuse_base_step(wrapper: AmpOptimizer, base: torch.optim.Optimizer, args: 
     masters, unit = engine.properties.master_weights, all(scaler._unit for scaler in engine.scalers)
     if not masters and unit:
         return
-    harm = [] if unit else ["bypass the skip of a step whose gradients overflowed (inf into the weights) and the "
-                            "loss scale's update"]
+    harm = (
+        []
+        if unit
+        else ["bypass the skip of a step whose gradients overflowed (inf into the weights) and the loss scale's update"]
+    )
     harm += ["step the half weights instead of the FP32 masters"] if masters else []
     raise RuntimeError(
         f"base_optimizer.step() ({type(base).__name__}) of the SAM-style optimizer {type(optimizer).__name__} passed "
@@ -264,9 +281,11 @@ def scale_loss(
         # A new iteration began for an optimizer that already stepped: close the last one.
         _update(state)
     state.touched.update(ids)
-    for wrapper in wrapped:
-        if id(wrapper.optimizer) in state.charged:
-            _recharge(state, wrapper, loss_id)
+    # charged by another loss's block, gradients kept: that loss's overflow, counted already (charges._recharge); a
+    # comprehension only where there is a charge (a Python call per block otherwise)
+    others = _NO_OTHERS
+    if state.charged:
+        others = {id(w.optimizer) for w in wrapped if id(w.optimizer) in state.charged and _recharge(state, w, loss_id)}
     # The core scales every unscaled gradient of this engine's optimizers back up for this block's backward, named
     # or not.
     own = [w for w in state.optimizers.values() if w._engine is amp]
@@ -278,21 +297,27 @@ def scale_loss(
         _stash(state, amp, own, unscaled)
         # What was kept aside is not checked again: the block's check sees its own gradients alone.
         overflowed_before = [b and id(w.optimizer) not in state.stash for w, b in zip(wrapped, overflowed_before)]
+    if others:
+        overflowed_before = [b or id(w.optimizer) in others for w, b in zip(wrapped, overflowed_before)]
     # The core brings every optimizer's pending gradients to this loss's scale, checking them. What an optimizer
     # whose step was skipped and is not named here holds is left from that step (DCGAN's netG before netG.zero_grad():
     # inf): Apex never looked at it, so the core does not see it either (else its next step would be skipped for it,
     # and this loss's scale backed off). A taken step's leftovers are the core's (scaled up: the backward adds to them
     # as FP32's does, for a script that steps the optimizer again without zero_grad).
-    left = [w.optimizer for w in own if id(w.optimizer) in state.after_step and id(w.optimizer) not in ids]
+    # Told by the gradients' identities and versions (charges._left_over): a clear since (either zero_grad) and the
+    # gradients of an earlier block of this iteration are new values, which the core brings to this loss's scale.
+    left = [w.optimizer for w in own if id(w.optimizer) in state.after_step and id(w.optimizer) not in ids
+            and _left_over(state, w)]  # fmt: skip
     with _hidden_grads(left, named=[w.optimizer for w in wrapped]):
         scaled = amp.scale_loss(loss, loss_id)
-    state.after_step.difference_update(ids)
+    for key in ids:
+        state.after_step.pop(key, None)
     state.idle.difference_update(id(w.optimizer) for w in own)
     state.gradless.clear()
     yield scaled
     if amp.policy is not None and amp.properties.patch_torch_functions:
         amp.policy._clear_casts()  # Apex cleared its cast cache at the end of every block (Amp.update the rest)
-    if delay_unscale and not amp.properties.master_weights and any(id(w.optimizer) in state.stash for w in wrapped):
+    if delay_unscale and not amp.properties.master_weights and any(state.stash.get(id(w.optimizer)) for w in wrapped):
         # O1: earlier blocks' gradients were unscaled and kept aside (a block without delay_unscale before this one,
         # a step due after them): unscaled at the end as a block without it, the stash added back, so that the
         # gradients until the next block or the step are the sum's true values, as FP32's. A change of them there (a
@@ -313,7 +338,12 @@ def scale_loss(
     overflow = False
     for wrapper, before in zip(wrapped, overflowed_before):
         amp.unscale_(wrapper.optimizer)
-        overflow = overflow or (not before and _overflowed(amp, wrapper.optimizer))
+        if not overflow and not before:
+            # this block's own overflow: the core charges what was non-finite before the block (another loss's inf
+            # brought to this loss's scale at its start) to that loss. One flag (the usual case): read as the step
+            # reuses it; several: this loss's
+            flags = amp._optimizers[id(wrapper.optimizer)].found_by_loss
+            overflow = _overflowed(amp, wrapper.optimizer) if len(flags) <= 1 else _loss_overflowed(flags, loss_id)
     for key in list(state.stash):
         _restore_stash(state, state.optimizers[key])
     for optimizer in unscaled:
@@ -321,6 +351,10 @@ def scale_loss(
             # Not named here: Apex left its gradients unscaled, so unscale them again (exactly where the scales are
             # powers of two, as Apex's are; an overflow there counts at its own step).
             amp.unscale_(optimizer)
+    for key in others:
+        # Another loss's overflow, counted for that loss, is in these gradients: the step is skipped all the same (the
+        # skip apart from the back-off; without it a later block's stash hid the inf from the step: weights NaN).
+        state.skip_next.setdefault(key, state.charged[key][0] if key in state.charged else loss_id)
     if overflow:
         state.skip_next.update(dict.fromkeys(ids, loss_id))
         _charge_unnamed(state, amp, own, ids + [id(o) for o in left], loss_id)
@@ -356,8 +390,13 @@ def _hidden_grads(optimizers: list[torch.optim.Optimizer], named: list[torch.opt
     """Take the gradients of ``optimizers``' parameters (but those of ``named``) away for the block, then put the
     same tensors back."""
     keep = {id(p) for opt in named for group in opt.param_groups for p in group["params"]}
-    hidden = [(p, p.grad) for opt in optimizers for group in opt.param_groups for p in group["params"]
-              if p.grad is not None and id(p) not in keep]
+    hidden = [
+        (p, p.grad)
+        for opt in optimizers
+        for group in opt.param_groups
+        for p in group["params"]
+        if p.grad is not None and id(p) not in keep
+    ]
     for param, _ in hidden:
         param.grad = None
     try:
@@ -372,122 +411,11 @@ def _overflowed(amp: Amp, optimizer: torch.optim.Optimizer) -> bool:
     return amp.overflowed(optimizer)  # the step that follows does not read the same flag again
 
 
-def _stash(
-    state: AmpState, amp: Amp, wrappers: list[AmpOptimizer], unscaled: list[torch.optim.Optimizer]
-) -> None:
-    """Take the unscaled gradients of earlier blocks out of the way of this block's backward (Apex's stash): at O2
-    the FP32 master gradients, at O1 (and for FP32 parameters at O2) the parameters' own.
-
-    The core would scale them back up for the backward (at O2 into the half gradients, where a true gradient above
-    65504 / scale overflows) and check them again at the block's end, charging a non-finite value another loss's block
-    left to this block's loss. Apex kept them aside, checked only the block's new gradients and added them after
-    unscaling; so does this (it is the core's ``scale_loss`` that finds nothing left to rescale: the gradients are
-    cleared here).
-    """
-    masters = amp.properties.master_weights
-    for wrapper in wrappers:
-        inner = wrapper.optimizer
-        if id(inner) not in state.delayed and all(inner is not u for u in unscaled):
-            continue
-        params = [p for group in inner.param_groups for p in group["params"]]
-        marks = state.delayed.pop(id(inner), None)
-        if marks is not None and _chain_cleared(marks, params, id(inner) in state.stash):
-            # The script cleared the gradients of the delay_unscale blocks since the last one ended (a batch dropped
-            # mid-accumulation, zero_grad either way): what was stashed before goes with them, and their loss's
-            # pending gradients count for nothing (Apex updated a scaler only at the end of a block it unscaled).
-            state.stash.pop(id(inner), None)
-            _forget_pending(amp, inner)
-        if all(inner is not u for u in unscaled):
-            continue
-        if masters:
-            # The masters' gradients follow a zero_grad() of the model's since the unscale (the core tells one from
-            # the half gradients' version counters): what the user cleared is not kept aside and added back.
-            amp.show_unscaled_on_model(inner)
-        kept = state.stash.setdefault(id(inner), [])
-        for param, master in zip(params, amp.master_params(inner) if masters else params):
-            if master.grad is not None:
-                kept.append((master, master.grad))
-                master.grad = None
-                param.grad = None
-
-
-def _chain_cleared(marks: tuple[tuple[int, int] | None, ...], params: list[torch.Tensor], tagged: bool) -> bool:
-    """Whether every gradient the last ``delay_unscale`` block left (``marks``, noted at its end) was cleared since:
-    gone (``set_to_none``), or written and now zero (``zero_grad(set_to_none=False)``). Version counters tell a
-    write apart without reading the gradients; only a chain whose every gradient was written is read (one host
-    read), so that another in-place change (a scaling of the gradients) keeps what was stashed. A negative zero left
-    proves that no clear wrote it (``zero_()`` writes +0.0): a chain with earlier blocks kept aside has its zeros
-    written as -0.0 at its end (:func:`_tag_zeros`), so the in-place multiply of ``clip_grad_norm_`` on the all-zero
-    gradients of a block whose loss was zeroed (``loss * 0``), which leaves every zero negative, is told from a
-    ``zero_grad(set_to_none=False)``; a clear by ``grad.mul_(0)`` leaves the positive gradients' zeros positive.
-    ``tagged`` (earlier blocks kept aside: the zeros were tagged): a gradient whose version did not move is read too,
-    since a clear through ``.data`` (``p.grad.data.zero_()``) moves no version counter of ``p.grad``; its zeros are
-    positive, where the chain's own are negative."""
-    if all(mark is None for mark in marks):
-        return False  # nothing was left to clear (a block that did not reach these parameters)
-    written, unmoved = [], False
-    for mark, now in zip(marks, _grad_marks(params)):
-        if mark is None or now is None:
-            continue
-        if mark == now:
-            if not tagged:
-                return False  # one gradient as the block left it: the chain goes on
-            unmoved = True  # as the block left it, or cleared through .data: the values tell
-        else:
-            written.append(now)
-    if not written and not unmoved:
-        return True
-    with torch._C.DisableTorchFunction():
-        grads = [g.detach() for p in params if (g := p.grad) is not None and g.numel()]
-        if not grads:
-            return True
-        # A cleared gradient's first element is zero: one read of those first (one kernel, every dtype promoted), the
-        # usual accumulation's gradients end there without a read of them whole.
-        if torch.cat([g.reshape(-1)[:1] for g in grads]).ne(0).any().item():
-            return False
-        peak = torch.stack([g.abs().amax().float() for g in grads]).amax()
-        # every zero negative: the tagged zeros as the chain left them, multiplied in place (no clear writes -0.0)
-        tagged = torch.stack([torch.signbit(g).all() for g in grads]).all()
-        nonzero, negative = torch.stack([peak != 0, tagged]).tolist()
-        return not nonzero and not negative
-
-
-def _tag_zeros(params: list[torch.Tensor]) -> None:
-    """Write the zeros of ``params``' gradients as -0.0 (the same value to every use: ``x + -0.0 == x``), which a clear
-    (``zero_()``, ``fill_(0)``) writes as +0.0 and an in-place multiply keeps: see :func:`_chain_cleared`."""
-    with torch._C.DisableTorchFunction():
-        for param in params:
-            grad = param.grad
-            if grad is not None and grad.is_floating_point() and not grad.is_sparse:
-                grad.masked_fill_(grad == 0, -0.0)
-
-
-def _forget_pending(amp: Amp, optimizer: torch.optim.Optimizer) -> None:
-    """The pending (scaled, not yet unscaled) gradients of ``optimizer`` were cleared: the core forgets the loss and
-    scale they carried and the checks made of them, so no later check counts an iteration for that loss."""
-    state = amp._optimizers.get(id(optimizer))
-    if state is not None and state.stage is _Stage.READY:
-        state.clear_checks()
-        state.loss_id = None
-        state.grad_scale = None
-
-
-def _restore_stash(state: AmpState, wrapper: AmpOptimizer) -> None:
-    """Add the stashed FP32 gradients of ``wrapper``'s optimizer to its unscaled master gradients (unscaling
-    first)."""
-    amp, optimizer = wrapper._engine, wrapper.optimizer
-    kept = state.stash.pop(id(optimizer), None)
-    if kept is None:
-        return
-    if not amp.is_unscaled(optimizer):
-        amp.unscale_(optimizer)
-    for master, grad in kept:
-        master.grad = grad if master.grad is None else master.grad.add_(grad)
-    # The model's gradients show the sums too (a half copy, as after any unscale; the step uses the masters'), made
-    # where the stash cleared them: the core then sees a later zero_grad() or `p.grad = None` as the user clearing
-    # them and drops the masters' copies. Without a half gradient, a master's would outlive the user's clearing (after
-    # a skipped step: its inf, added to the next iteration's gradients).
-    amp.show_unscaled_on_model(optimizer)
+def _loss_overflowed(flags: dict[int, torch.Tensor], loss_id: int) -> bool:
+    """Whether the checks of an optimizer's gradients charged an overflow to ``loss_id`` (``flags``: its core state's
+    ``found_by_loss``; a host read)."""
+    flag = flags.get(loss_id)
+    return flag is not None and bool(flag.item() > 0)
 
 
 def _wrapper_of(item: Any) -> AmpOptimizer | None:
@@ -541,6 +469,8 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> Any:
             "optimizer that call returned."
         )
     key = id(wrapper.optimizer)
+    if state.cleared:
+        state.cleared.discard(key)  # stepped: what its next unscale leaves is the next block's to keep aside
     skipped = key in state.skip_next
     marks = state.delayed.pop(key, None)  # a delay_unscale chain ends at the step
     if marks is not None and _chain_cleared(
@@ -583,8 +513,8 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> Any:
         else None
     )
     charged, marks = state.charged.pop(key, (None, None))  # a block's gradients whose overflow was counted
-    if charged is not None and core is not None and core.loss_id == charged and _charged_still(wrapper, marks):
-        before = (machine.iteration_found.get(charged), machine.iteration_read.get(charged))
+    if charged is not None and core is not None and _charged_still(wrapper, marks):
+        before = (dict(machine.iteration_found), dict(machine.iteration_read))  # all of them: restored after the step
     else:
         charged = None
     state.stepping = wrapper.optimizer
@@ -596,19 +526,18 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> Any:
         for loss_id in [i for i in machine.iteration_found if i not in counted]:
             del machine.iteration_found[loss_id]
             machine.iteration_read.pop(loss_id, None)
-    if charged is not None:  # the flags as they were before this step (record_found makes new tensors)
-        if before[0] is None:
-            machine.iteration_found.pop(charged, None)
-            machine.iteration_read.pop(charged, None)
-        else:
-            machine.iteration_found[charged], machine.iteration_read[charged] = before
+    if charged is not None:  # the flags as they were before this step (record_found makes new tensors), every loss's
+        machine.iteration_found.clear()  # (one brought to a later loss's scale since the charge holds the inf too)
+        machine.iteration_read.clear()
+        machine.iteration_found.update(before[0])
+        machine.iteration_read.update(before[1])
     # the optimizer's step's value, taken before _update's amp.update() drops it (the engine keeps no user value)
     stepper = wrapper._engine._stepper
     returned, stepper.returned = stepper.returned, None
     _mark_for_schedulers(wrapper, stepped=stepped)
     state.stepped.add(key)
     if skipped:
-        state.after_step.add(key)
+        state.after_step[key] = _held(_params(wrapper))
     state.idle.add(key)
     if {key for key in state.touched if key in state.optimizers} <= state.stepped:  # a dropped wrapper will not step
         _update(state)
