@@ -328,9 +328,7 @@ def test_o2_model_state_dict_is_fp32_and_the_masters_exact():
 
 def test_add_param_group_after_initialize_gets_masters():
     model = _mlp()
-    model, opt = amp.initialize(
-        model, torch.optim.SGD(model[0].parameters(), lr=0.1), opt_level="O2"
-    )
+    model, opt = amp.initialize(model, torch.optim.SGD(model[0].parameters(), lr=0.1), opt_level="O2")
     opt.add_param_group({"params": list(model[2].parameters()), "lr": 0.1})
     masters = list(amp.master_params(opt))
     assert len(masters) == 4 and all(m.dtype == torch.float32 for m in masters)
@@ -475,6 +473,7 @@ def test_reset_from_another_thread_or_under_another_mode_is_refused():
     thread.start()
     thread.join()
     assert errors and "another thread" in errors[0]
+
     class PassThrough(torch.overrides.TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
@@ -522,8 +521,9 @@ class _MixedModel(nn.Module):
 
 def test_o2_with_cast_model_type_false_keeps_the_model_and_masters_its_half_parameters():
     model = _MixedModel()
-    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
-                                cast_model_type=False)
+    model, opt = amp.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", cast_model_type=False
+    )
     assert [p.dtype for p in model.parameters()] == [torch.float16] * 2 + [torch.float32] * 2
     params, masters = list(model.parameters()), list(amp.master_params(opt))
     assert all(m.dtype == torch.float32 for m in masters)
@@ -557,3 +557,38 @@ def test_apex_scaler_entries_round_trip():
         assert _amp_state.loss_scalers[0].loss_scale() == entry["loss_scale"]
 
     round_trip()
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_master_params_costs_no_python_call_per_parameter(opt_level: str) -> None:
+    """``clip_grad_norm_(amp.master_params(opt), c)`` after each block is Apex's clip habit: the list of what the
+    optimizer updates is made by C-level maps (a generator cost a Python call per parameter, two at O1), the same
+    tensors as the groups' (O1) or their FP32 masters (O2); a bad argument is refused at the call."""
+    import sys
+
+    counts = []
+    for width in (2, 8):
+        _amp_state.reset()
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(width)])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level=opt_level, verbosity=0)
+        with amp.scale_loss(model(torch.randn(2, 4, dtype=next(model.parameters()).dtype)).float().sum(), opt) as s:
+            s.backward()
+        calls = [0]
+
+        def profile(frame, event, arg, calls=calls):
+            calls[0] += event == "call"
+
+        sys.setprofile(profile)
+        try:
+            params = list(amp.master_params(opt))
+        finally:
+            sys.setprofile(None)
+        counts.append(calls[0])
+        assert len(params) == 2 * width and all(p.grad is not None and p.dtype == torch.float32 for p in params)
+        if opt_level == "O1":
+            assert all(p is q for p, q in zip(params, model.parameters()))
+        opt.step()
+    assert counts[0] == counts[1], counts
+    with pytest.raises(TypeError, match="optimizer="):
+        amp.master_params(model)

@@ -3,6 +3,8 @@ core's) and ``amp.master_params(optimizer)``."""
 
 from __future__ import annotations
 
+import itertools
+import operator
 from typing import Any, Iterator, Mapping, NoReturn
 
 import torch
@@ -18,7 +20,10 @@ from lightning_mpx.integrations.fabric_checkpoint import lean_state_dict
 
 def master_params(optimizer: torch.optim.Optimizer, **misspelt: NoReturn) -> Iterator[torch.Tensor]:
     """The tensors ``optimizer`` updates: the FP32 masters at O2 (their ``.grad`` holds the unscaled gradients after
-    a ``scale_loss`` block), the parameters otherwise. For ``clip_grad_norm_(amp.master_params(opt), ...)``."""
+    a ``scale_loss`` block), the parameters otherwise. For ``clip_grad_norm_(amp.master_params(opt), ...)``.
+
+    An iterator over a list made at the call (no generator: resuming one is a Python call per parameter, at every
+    clip of the Apex habit); a bad argument is refused at the call."""
     if misspelt:  # refused naming the valid one (common/keywords.py: no wrapper on a per-step call)
         check_keywords("amp.master_params()", misspelt, ("optimizer",))
     inner = optimizer.optimizer if isinstance(optimizer, AmpOptimizer) else optimizer
@@ -28,10 +33,8 @@ def master_params(optimizer: torch.optim.Optimizer, **misspelt: NoReturn) -> Ite
         )
     wrapper = _wrapper_of(optimizer)
     if wrapper is None:
-        for group in inner.param_groups:
-            yield from group["params"]
-        return
-    yield from wrapper._engine.master_params(inner)
+        return iter(list(itertools.chain.from_iterable(map(operator.itemgetter("params"), inner.param_groups))))
+    return iter(wrapper._engine.master_params(inner))
 
 
 @checks_keywords("amp.state_dict()")
@@ -83,12 +86,14 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
         return
     for scaler, (scale, unskipped) in zip(amp.scalers, entries):
         current = scaler.state_dict()
-        scaler.load_state_dict({
-            "scale": scale,
-            "growth_tracker": unskipped,
-            "hysteresis_tracker": scaler.hysteresis,
-            "overflows": current["overflows"],
-        })
+        scaler.load_state_dict(
+            {
+                "scale": scale,
+                "growth_tracker": unskipped,
+                "hysteresis_tracker": scaler.hysteresis,
+                "overflows": current["overflows"],
+            }
+        )
     amp._checkpoint.held.pending = []  # nor does the engine check an earlier load's masters: the user's weights
 
 
@@ -101,8 +106,9 @@ def _loss_scaler_entries(state: Mapping[str, Any], num_losses: int) -> list[tupl
     if unexpected:
         raise ValueError(f"state has unexpected keys {unexpected}; {valid}.")
     if len(keys) != num_losses:
-        raise ValueError(f"state has {len(keys)} loss scaler(s) but amp.initialize() was called with "
-                         f"num_losses={num_losses}.")
+        raise ValueError(
+            f"state has {len(keys)} loss scaler(s) but amp.initialize() was called with num_losses={num_losses}."
+        )
     expected = [f"loss_scaler{i}" for i in range(num_losses)]
     if keys != sorted(expected):
         raise ValueError(f"state has keys {keys}; {valid} (num_losses={num_losses}).")

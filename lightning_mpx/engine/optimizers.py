@@ -219,8 +219,8 @@ class StepMachine(UnscalePath):
         a show, their gradients are handed out for the user's writes (engine.master_writes; ``False``: read by the
         library only)."""
         state = self.state(optimizer)
-        if not with_masters:
-            return list(optimizer_params(optimizer))
+        if not with_masters:  # C-level maps, no Python per parameter (the Apex habit clips this list every step)
+            return list(itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)))
         pairs = param_pairs(state, self.masters.weights)
         for weights in self.masters.weights:
             if weights.handed:  # a second stage took masters of this engine's: they are not this engine's to give
