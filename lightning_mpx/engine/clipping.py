@@ -13,9 +13,11 @@ import torch
 from lightning_mpx.common.keywords import Required
 from lightning_mpx.engine.grad_checks import local_squares, reduce_checks
 from lightning_mpx.engine.master_writes import advance, clean, renote
+from lightning_mpx.engine.masters_left import moved, note_left
 from lightning_mpx.engine.optimizer_state import _Stage
 from lightning_mpx.engine.rescale import follow_cleared_grads, grad_marks, unscale_late
 from lightning_mpx.engine.sharding import local_tensor
+from lightning_mpx.engine.shared_clips import took_written
 from lightning_mpx.masters.pairs import param_pairs
 
 _PARAMS = operator.itemgetter("params")
@@ -31,12 +33,17 @@ def clip_norm(
     state = machine.state(optimizer)
     max_norm = clip_limit("max_norm", max_norm)
     unwritten = clean(state) if state.handed else None  # masters handed out: the clip's write is the engine's
+    # the masters' gradients written since the engine left them (engine.masters_left's moved, written out): kept seen
+    left = state.masters_left
+    kept = left is not None and (left[0]._version != left[1] or (left[2] is not None and moved(state)))
     if state.stage is not _Stage.UNSCALED:
         machine._unscale(state, max_norm=float(max_norm))
     else:
         if machine.masters.weights:
             # The model's gradients, written since the unscale, are clipped.
             follow_cleared_grads(state, machine.masters.weights)
+            if machine.shared.masters:  # and taken by another optimizer's unscale clipped (engine.shared_clips)
+                took_written(machine.shared, state)
         if state.unscaled_groups is not None:  # and those of a group added since, unscaled now
             unscale_late(state, machine.scalers, machine.masters.weights, optimizer, machine.backend, machine.shared)
         params = machine._unscaled_params(optimizer, with_masters)
@@ -53,6 +60,13 @@ def clip_norm(
         state.clips_found = state.found_inf  # its coefficient where the clip is applied to the half gradients
         if unwritten is not None:
             advance(state, unwritten)
+        if not kept:  # the masters' gradients as the clip left them
+            if machine.sharding is None:  # engine.masters_left's note_left, its usual case
+                probe = state.pair_masters[state.mastered[0]].grad if state.mastered else None  # written out: no call
+                if probe is not None and probe._base is not None:
+                    state.masters_left = (probe, probe._version, None, None)
+                else:  # none where handed out (engine.master_writes watches those): no call per step either
+                    state.masters_left = None if state.handed else note_left(state)
     machine.grad_norms[state.loss_id or 0] = state.grad_norm
     return state.grad_norm
 
@@ -64,11 +78,15 @@ def clip_value_(
     state = machine.state(optimizer)
     clip_value = clip_limit("clip_value", clip_value)
     unwritten = clean(state) if state.handed else None  # as in clip_norm
+    left = state.masters_left  # as in clip_norm
+    kept = left is not None and (left[0]._version != left[1] or (left[2] is not None and moved(state)))
     if state.stage is not _Stage.UNSCALED:
         machine._unscale(state)
     else:
         if machine.masters.weights:
             follow_cleared_grads(state, machine.masters.weights)  # as in clip_grad_norm_
+            if machine.shared.masters:
+                took_written(machine.shared, state)
         if state.unscaled_groups is not None:
             unscale_late(state, machine.scalers, machine.masters.weights, optimizer, machine.backend, machine.shared)
     params = machine._unscaled_params(optimizer, with_masters)
@@ -81,6 +99,13 @@ def clip_value_(
         state.clips += (("value", None, clip_value),)
         if unwritten is not None:
             advance(state, unwritten)
+        if not kept:  # the masters' gradients as the clip left them
+            if machine.sharding is None:  # engine.masters_left's note_left, its usual case
+                probe = state.pair_masters[state.mastered[0]].grad if state.mastered else None  # written out: no call
+                if probe is not None and probe._base is not None:
+                    state.masters_left = (probe, probe._version, None, None)
+                else:  # none where handed out (engine.master_writes watches those): no call per step either
+                    state.masters_left = None if state.handed else note_left(state)
 
 
 def show_unscaled(machine: StepMachine, optimizer: torch.optim.Optimizer, *, fresh: bool = False) -> None:
@@ -125,6 +150,13 @@ def show_unscaled(machine: StepMachine, optimizer: torch.optim.Optimizer, *, fre
     state.shown, state.clips = True, ()  # the half gradients hold the true values now, clipped so far
     if state.handed:  # the masters' writes shown too (engine.master_writes)
         renote(state)
+    # and the masters' gradients as the model shows them (engine.masters_left)
+    if machine.sharding is None:  # engine.masters_left's note_left, its usual case
+        probe = state.pair_masters[state.mastered[0]].grad if state.mastered else None  # written out: no call
+        if probe is not None and probe._base is not None:
+            state.masters_left = (probe, probe._version, None, None)
+        else:  # none where handed out (engine.master_writes watches those): no call per step either
+            state.masters_left = None if state.handed else note_left(state)
     # the copies are ours, not the user's writes
     state.unscaled_marks = grad_marks(state, master_weights, optimizer, paired=True)
 

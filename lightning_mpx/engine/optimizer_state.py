@@ -123,6 +123,15 @@ class _OptimizerState:
     # which another optimizer's unscale showed there (engine.shared_grads.SharedGrads.settled); the others hold the
     # scale of loss_id.
     stepped_shown: frozenset[tuple[int, int]] = frozenset()
+    # O2, STEPPED and not stepped_true: (id, version) of the shared half gradients the step left holding the FP32
+    # values it stepped with (another optimizer's clip in them, this one's too) times the scale of loss_id, which no
+    # clip is applied to again (engine.shared_clips)
+    stepped_final: frozenset[tuple[int, int]] = frozenset()
+    # O2, no parameter shared, from an unscale the user's code may follow (unscale_(), a clip) to the step: the masters'
+    # FP32 gradients as the engine last left them, (a view of their one buffer, whose counter every view moves, and
+    # its version; or each gradient and its version where they have no one buffer): a write since, through
+    # amp.master_params() or a list of the masters kept from before, is told by it (engine.masters_left)
+    masters_left: tuple[Any, ...] | None = None
     # O2, from amp.master_params(optimizer) after a show to the step: by the master's id, (master, its FP32 gradient,
     # that gradient's version) as handed out or as the engine last wrote it (engine.master_writes)
     handed: dict[int, tuple[torch.Tensor, torch.Tensor, int]] | None = None
@@ -181,7 +190,8 @@ class _OptimizerState:
         self.stepped_params = frozenset()
         self.backward_versions = None
         self.shown = self.stepped_true = False
-        self.stepped_shown = frozenset()
+        self.stepped_shown = self.stepped_final = frozenset()
+        self.masters_left = None
         self.handed = None
         self.clips = ()
         self.clips_found = None

@@ -29,6 +29,7 @@ import torch
 
 from lightning_mpx.engine.grad_checks import charge
 from lightning_mpx.engine.master_writes import noted_again, refuse_both, written
+from lightning_mpx.engine.masters_left import moved as masters_moved
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
 from lightning_mpx.engine.scaled_write import clipped_nothing, refuse_scaled_write
 from lightning_mpx.engine.sharding import local_tensors
@@ -182,6 +183,7 @@ def leftovers(
     out = []
     marks = state.unscaled_marks
     index = 0
+    both = masters_moved(state)  # the masters' gradients written since the engine left them (engine.masters_left)
     moved: dict[int, tuple[int, int]] | None = None  # the marks by gradient, made at the first one not in its place
     for param, master in param_pairs(state, master_weights, optimizer=optimizer):
         grad = param.grad
@@ -208,6 +210,8 @@ def leftovers(
                 if (not state.shown or state.clips) and bool(grad.any()) and not clipped_nothing(state):
                     refuse_scaled_write(state)
                 if state.handed and written(state, master) and bool(grad.any()):  # the masters' written too
+                    refuse_both(state)
+                if both and bool(grad.any()):  # through a list of the masters not handed out (kept from before)
                     refuse_both(state)
                 true.copy_(grad)
                 if state.handed:
@@ -253,7 +257,7 @@ def rescale_unscaled(
     if master_weights:
         drop_master_grads(state)  # carried into the half gradients
     state.unscaled_marks, state.unscaled_groups = (), None
-    state.shown, state.clips, state.handed = False, (), None
+    state.shown, state.clips, state.handed, state.masters_left = False, (), None, None
     state.stage = _Stage.READY
     state.loss_id = new_loss_id
     state.grad_scale = None
@@ -438,6 +442,20 @@ def _apply_clips(state: _OptimizerState, half: list[torch.Tensor], scale: torch.
                 grad.clamp_(-bound.to(grad.device), bound.to(grad.device))
 
 
+def _final(
+    state: _OptimizerState, half: list[torch.Tensor], factor: torch.Tensor, backend: str, shared: SharedGrads | None
+) -> list[torch.Tensor]:
+    """O2, STEPPED: those of the half gradients ``half`` the step left that hold the values it stepped with, another
+    optimizer's clip in them (``state.stepped_final``, engine.shared_clips), at the scale of ``loss_id``: times
+    ``factor`` (once where another optimizer's stage brings them up too), no clip applied again; returns the others."""
+    final = [g for g in half if (id(g), g._version) in state.stepped_final]
+    if not final:
+        return half
+    ids = set(map(id, final))
+    _multiply(state, shared.once(final) if shared is not None and shared.ids else final, factor, backend)
+    return [g for g in half if id(g) not in ids]
+
+
 def _true_shown(
     state: _OptimizerState,
     half: list[torch.Tensor],
@@ -484,6 +502,9 @@ def rescale_stepped(
         _multiply(state, inplace, new, backend)
         if half and state.stepped_shown:  # true values another optimizer's unscale showed: up to the new scale
             half = _true_shown(state, half, torch.ones((), device=device), new, backend, shared)
+        if half and state.stepped_final:  # another optimizer's clip in them already: to the new scale, no clip
+            ratio = (new.double() / _carried_scale(state, scalers).to(device).double()).float()
+            half = _final(state, half, ratio, backend, shared)
         if half:
             carried = torch.ones((), device=device) if state.stepped_true else _carried_scale(state, scalers)
             _apply_clips(state, half, carried)
@@ -528,6 +549,9 @@ def resume_stepped(
         _multiply(state, inplace, carried, backend)
         if half and state.stepped_shown:  # as in rescale_stepped, to the scale the others carry
             half = _true_shown(state, half, torch.ones(()), carried, backend, None)
+        if half and state.stepped_final:  # at the scale the others carry already: no clip applied again
+            final = state.stepped_final
+            half = [g for g in half if (id(g), g._version) not in final]
         if half:
             _apply_clips(state, half, torch.ones(()) if state.stepped_true else carried)
             if state.stepped_true:

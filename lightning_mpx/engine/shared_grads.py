@@ -39,6 +39,7 @@ import torch
 from lightning_mpx.engine.newly_shared import made_before
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage
 from lightning_mpx.engine.scaled_write import clipped_nothing
+from lightning_mpx.engine.shared_clips import keep_clipped
 from lightning_mpx.scaling.scaler import LossScaler
 
 _PARAMS = operator.itemgetter("params")
@@ -285,10 +286,13 @@ class SharedGrads:
         showed the true values in (a head's step after the whole model's ``unscale_``) are noted as such
         (``stepped_shown``): the step's own unscale showed nothing, so its other half gradients keep the scale, and
         the next backward brought these up by the ratio of scales, 1, as if scaled (the whole model's clip and step
-        after it 0.35 off FP32, silently)."""
+        after it 0.35 off FP32, silently). Those whose FP32 gradient carries another optimizer's clip (that one
+        unscaled, not stepped) get the values stepped with (:func:`~lightning_mpx.engine.shared_clips.keep_clipped`)."""
         if stepped.stage is _Stage.STEPPED and not stepped.stepped_true and self.done:
             grads = map(_GRAD, map(stepped.pair_params.__getitem__, stepped.mastered))
             stepped.stepped_shown = frozenset((id(g), g._version) for g in grads if g is not None and self.holds(g))
+        if stepped.stage is _Stage.STEPPED and not stepped.stepped_true:  # another's clip in what it stepped with
+            keep_clipped(self, stepped)
         if all(state.stage is _Stage.STEPPED for state in self.optimizers.values()):
             self.masters, self.truths = {}, {}
 

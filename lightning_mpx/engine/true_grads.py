@@ -38,6 +38,8 @@ def true_grad(
     value = grad.detach().to(torch.float32, copy=True)
     if not (state.shown or (state.stage is _Stage.STEPPED and state.stepped_true)):
         value.div_(carried_scale(state, scalers).to(value.device))
+    if state.stage is _Stage.STEPPED and (id(grad), grad._version) in state.stepped_final:
+        return value  # another optimizer's clip in it already, and this one's (engine.shared_clips)
     for kind, norm, limit, *added in state.clips:
         if added and id(grad) in added[0]:
             continue  # in a group added after that clip (unscale_late)

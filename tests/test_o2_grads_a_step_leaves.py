@@ -1,0 +1,116 @@
+"""What an O2 step leaves in the model's half gradients when the loop does not zero them (accumulation across a step,
+FP32's habit: the next backward adds to what the step used), after writes and clips the step's values carry that the
+half gradients do not: a write to the FP32 masters' gradients (a list of the masters kept from before ``unscale_``,
+clipped with torch's ``clip_grad_norm_``), another optimizer's engine clip of a shared head. Each against an FP32 run of
+the same calls (tests/test_stateful69.py's runs: Linear-Tanh-Linear, a second optimizer over the head)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_stateful69 import _both, _off_fp32, _params
+
+
+def _next_clip_and_steps(ours, ref, names: tuple[str, ...]) -> tuple[float, float]:  # noqa: ANN001
+    """``update()``, a backward without ``zero_grad`` in both runs, the whole model's clip (its norm, ours and FP32's),
+    then a step of each of ``names``."""
+    ours.amp.update()
+    for run in (ours, ref):
+        run.backward(1)
+    norms = ours.clip("whole", 10.0), ref.clip("whole", 10.0)
+    for name in names:
+        ours.amp.step(ours.opts[name])
+        ref.opts[name].step()
+    return norms
+
+
+def test_a_master_list_kept_from_before_unscale_clipped_then_accumulated_trains_as_fp32() -> None:
+    """``masters = list(amp.master_params(opt))`` at set-up, ``amp.unscale_(opt)``, torch's ``clip_grad_norm_(masters,
+    0.1)``, the step, a backward without ``zero_grad``. Before: the model's half gradients kept the unclipped values
+    ``unscale_`` showed, so the next backward added to those (the next clip's norm 1.35 against FP32's 0.89). Now the
+    step shows the masters' written gradients on the model first (engine.masters_left)."""
+    ours, ref = _both("bfloat16")
+    kept = list(ours.amp.master_params(ours.opts["whole"]))
+    ours.amp.unscale_(ours.opts["whole"])
+    torch.nn.utils.clip_grad_norm_(kept, 0.1)
+    torch.nn.utils.clip_grad_norm_(_params(ref.opts["whole"]), 0.1)
+    ours.amp.step(ours.opts["whole"])
+    ref.opts["whole"].step()
+    norm, want = _next_clip_and_steps(ours, ref, ("whole",))
+    assert abs(norm - want) <= 0.01 * want, (norm, want)
+    assert _off_fp32(ours, ref) < 0.05
+
+
+def test_masters_written_after_the_engines_clip_then_zero_grad_leaves_nothing_to_show() -> None:
+    """The usual loop after a write to the masters' gradients (the engine's clip, ``m.grad.mul_(0.5)`` over
+    ``amp.master_params``, the step, ``zero_grad``): trains as FP32, and the gradients the step leaves are cleared
+    as in any loop (the masters' FP32 gradients freed, the model's zeroed)."""
+    ours, ref = _both("bfloat16")
+    for run in (ours, ref):
+        run.clip("whole", 0.1)
+        run.write_masters("whole")
+    ours.amp.step(ours.opts["whole"])
+    ref.opts["whole"].step()
+    for run in (ours, ref):
+        run.opts["whole"].zero_grad()
+    assert all(ours.amp.master_of(p).grad is None and p.grad is None for p in ours.model.parameters())
+    norm, want = _next_clip_and_steps(ours, ref, ("whole",))
+    assert abs(norm - want) <= 0.01 * want, (norm, want)
+    assert _off_fp32(ours, ref) < 0.05
+
+
+@pytest.mark.parametrize("clip", ["norm", "value"])
+def test_the_whole_models_clip_then_the_heads_step_alone_then_accumulated(clip: str) -> None:
+    """A shared head: the whole model's engine clip (by norm, or ``amp.clip_grad_value_``), the head's step alone,
+    ``update()``, a backward without ``zero_grad``. Before: the head's half gradients kept the values without the whole
+    model's clip (the next clip's norm 1.25 against FP32's 0.89; by value 1.26 against 0.92), silently. Now its step
+    leaves the values it stepped with (engine.shared_clips)."""
+    ours, ref = _both("bfloat16", two=True)
+    for run in (ours, ref):
+        if clip == "norm":
+            run.clip("whole", 0.1)
+        elif run.amp is None:
+            torch.nn.utils.clip_grad_value_(_params(run.opts["whole"]), 0.01)
+        else:
+            run.amp.clip_grad_value_(run.opts["whole"], 0.01)
+    ours.amp.step(ours.opts["head"])
+    ref.opts["head"].step()
+    norm, want = _next_clip_and_steps(ours, ref, ("whole", "head"))
+    assert abs(norm - want) <= 0.02 * want, (norm, want)
+    assert _off_fp32(ours, ref) < 0.05
+
+
+@pytest.mark.parametrize("then", [(), ("head",)])
+def test_the_heads_clip_then_the_whole_models_step_then_accumulated(then: tuple[str, ...]) -> None:
+    """The mirror: the head's engine clip, the whole model's step (it takes the head's clipped values for the head),
+    the head's own step or none, a backward without ``zero_grad``. Before (without the head's step): the next clip
+    measured 1.35 against FP32's 1.04. Now as FP32."""
+    ours, ref = _both("bfloat16", two=True)
+    for run in (ours, ref):
+        run.clip("head", 0.1)
+    for name in ("whole", *then):
+        ours.amp.step(ours.opts[name])
+        ref.opts[name].step()
+    norm, want = _next_clip_and_steps(ours, ref, ("whole", "head"))
+    assert abs(norm - want) <= 0.02 * want, (norm, want)
+    assert _off_fp32(ours, ref) < 0.05
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="O2: after unscale_(), a write to the gradients amp.master_params(opt) hands out (torch's clip_grad_norm_ "
+    "over them, the documented habit) is lost from what the step leaves on the model (the unclipped values unscale_ "
+    "showed): a loop that does not zero them measures 1.35 at the next clip where FP32 measures 0.89. Seeing it at the "
+    "step costs a look at every handed-out gradient and a copy at every step of the habit (the census's core and Apex "
+    "clip rows); the kept-list case is told by one counter (engine.masters_left)",
+)
+def test_the_handed_out_masters_clipped_after_unscale_then_accumulated_trains_as_fp32() -> None:
+    ours, ref = _both("bfloat16")
+    ours.amp.unscale_(ours.opts["whole"])
+    torch.nn.utils.clip_grad_norm_(ours.amp.master_params(ours.opts["whole"]), 0.1)
+    torch.nn.utils.clip_grad_norm_(_params(ref.opts["whole"]), 0.1)
+    ours.amp.step(ours.opts["whole"])
+    ref.opts["whole"].step()
+    norm, want = _next_clip_and_steps(ours, ref, ("whole",))
+    assert abs(norm - want) <= 0.01 * want, (norm, want)
