@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - an older or changed torch
         return False
 
 
-__all__ = ["clip_for_fabric", "counted_stand_ins", "forget_unseen_reads", "note_unseen_clip"]
+__all__ = ["clip_for_fabric", "counted_stand_ins", "forget_unseen_reads", "note_unseen_clip", "settle_other_reads"]
 
 # Lightning's own clip methods, which clip what main_params returns right after it (a strategy's override is not one)
 _CLIPS = {Strategy.clip_gradients_norm.__code__: "norm", Strategy.clip_gradients_value.__code__: "value"}
@@ -137,6 +137,30 @@ def forget_unseen_reads(
         if marks is not None and _marks(marks[0]) == marks[1] and (marks[2] is None or _norms(marks[0]) == marks[2]):
             state = amp._machine.state(each)
             state.clips = tuple(clip for clip in state.clips if clip is not _UNSEEN)
+
+
+def settle_other_reads(
+    amp: Any, handed: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any], optimizer: torch.optim.Optimizer
+) -> None:
+    """Before ``optimizer``'s unscale or step, where parameters are held by more than one optimizer: the other
+    optimizers' :func:`note_unseen_clip` notes told now, as :func:`forget_unseen_reads` tells them at their step.
+    That unscale or step writes the FP32 gradients of the masters ``optimizer`` shares with them (the engine's own
+    write), which moved the marks a read took: a read of the first optimizer's ``main_params`` for a log, then the
+    second's ``fabric.clip_gradients`` or step, then a write to the model's gradients was refused as a clip's
+    (``"bf16-mixed"`` trains). A read is dropped with its note; after a clip (the marks moved already) the note stays
+    to the step, which refuses a write since, and its marks are let go (nothing left to compare)."""
+    if not amp._machine.shared.ids:  # no master held twice: no other optimizer's write reaches the marks
+        return
+    for each in [other for other in list(handed.keys()) if other is not optimizer]:
+        marks = handed.get(each)
+        if marks is None:
+            continue
+        if _marks(marks[0]) == marks[1] and (marks[2] is None or _norms(marks[0]) == marks[2]):
+            state = amp._machine.state(each)
+            state.clips = tuple(clip for clip in state.clips if clip is not _UNSEEN)
+            del handed[each]  # a read only: its step has nothing of it to tell (a later main_params notes again)
+        else:
+            handed[each] = None
 
 
 def _marks(masters: Iterable[torch.Tensor]) -> tuple[tuple[int, int] | None, ...]:

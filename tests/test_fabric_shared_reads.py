@@ -1,0 +1,103 @@
+"""Fabric at O2: two optimizers that share a parameter (a layer both train), each clipped with
+``fabric.clip_gradients``, the masters' gradients read for a log (``mpx.main_params(optimizer)``) and the model's
+gradients written before the steps, as under Fabric's own ``"bf16-mixed"``.
+
+A read of ``main_params`` is told from a clip of the masters by the gradients' version counters at the step: the other
+optimizer's unscale or step, which writes the shared master's FP32 gradient (the engine's own write), moved them, and
+the read was taken for a clip whose write must be refused: the run stopped with "a model gradient was written between
+clip_grad_norm_()/clip_grad_value_() and step()" where ``"bf16-mixed"`` trains. A real clip of the masters (torch's
+``clip_grad_norm_`` on ``main_params``) followed by a write to the model's gradients is still refused.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.fabric import Fabric
+from torch import nn
+
+from lightning_mpx import FabricMixedPrecisionPlugin
+
+MAX_NORM = 0.2
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.shared, self.b = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.shared(torch.relu(self.a(x)))))
+
+
+def _run(precision: str, habit: str) -> dict[str, Any]:
+    """Three steps of ``habit``, one letter an action: ``1``/``2`` clip optimizer 1/2 (Fabric's), ``r``/``R`` read
+    ``main_params`` of optimizer 1/2 (a log of the norms), ``c`` torch's clip of ``main_params(optimizer 1)``, ``w``
+    halve every model gradient, ``S``/``T`` step optimizer 1/2."""
+    net = _Net()
+    plugin = FabricMixedPrecisionPlugin("O2", half_dtype="bfloat16") if precision == "O2" else None
+    fabric = Fabric(accelerator="cpu", devices=1, **({"plugins": [plugin]} if plugin else {"precision": precision}))
+    first = torch.optim.SGD([*net.a.parameters(), *net.shared.parameters()], lr=0.3)
+    second = torch.optim.SGD([*net.b.parameters(), *net.shared.parameters()], lr=0.3)
+    model, first, second = fabric.setup(net, first, second)
+    optimizers = {"1": first, "2": second, "r": first, "R": second, "S": first, "T": second}
+    out: dict[str, Any] = {"norms": [], "logged": []}
+    for step in range(3):
+        generator = torch.Generator().manual_seed(100 + step)
+        x, y = torch.randn(6, 8, generator=generator), torch.randint(0, 4, (6,), generator=generator)
+        fabric.backward(F.cross_entropy(model(x).float(), y))
+        for action in habit:
+            optimizer = optimizers.get(action)
+            if action in "12":
+                out["norms"].append(float(fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM)))
+            elif action in "rR":
+                params = plugin.main_params(optimizer) if plugin else optimizer.param_groups[0]["params"]
+                out["logged"].append(float(torch.nn.utils.get_total_norm([p.grad for p in params])))
+            elif action == "c":
+                params = plugin.main_params(first) if plugin else first.param_groups[0]["params"]
+                torch.nn.utils.clip_grad_norm_(list(params), MAX_NORM / 2)
+            elif action == "w":
+                for param in net.parameters():
+                    param.grad.mul_(0.5)
+            else:
+                optimizer.step()
+        first.zero_grad()
+        second.zero_grad()
+    values = plugin.fp32_state_dict(net) if plugin else net.state_dict()
+    out["final"] = torch.cat([value.float().flatten() for value in values.values()])
+    return out
+
+
+def _quiet(precision: str, habit: str) -> dict[str, Any]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _run(precision, habit)
+
+
+@pytest.mark.parametrize(
+    "habit",
+    [
+        "1r2wST",  # read the first's masters after its clip, then the second's clip, the write, the steps
+        "1rw2ST",  # the write before the second's clip
+        "12rwTS",  # read after both clips, the second stepped first
+        "12RwST",  # the second's masters read, the first stepped first
+    ],
+)
+def test_read_of_shared_masters_then_write_trains_as_bf16_mixed(habit: str) -> None:
+    ours, reference = _quiet("O2", habit), _quiet("bf16-mixed", habit)
+    # before: RuntimeError "a model gradient was written between clip_grad_norm_()/clip_grad_value_() and step()"
+    assert ours["norms"] == pytest.approx(reference["norms"], rel=2e-3)
+    assert ours["logged"] == pytest.approx(reference["logged"], rel=1e-2)
+    torch.testing.assert_close(ours["final"], reference["final"], rtol=0, atol=2e-4)
+
+
+def test_clip_of_shared_masters_then_write_still_refused() -> None:
+    """torch's clip of the first's masters, then a write to the model's gradients: made on the unclipped values, it
+    would undo the clip, so it stays refused (at the second's clip, which takes the shared gradient)."""
+    with pytest.raises(RuntimeError, match=r"written between clip_grad_norm_\(\)/clip_grad_value_\(\) and step\(\)"):
+        _quiet("O2", "1cw2ST")
