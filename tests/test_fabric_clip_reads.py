@@ -1,11 +1,13 @@
-"""Fabric at O2: two optimizers that share a parameter (a layer both train), each clipped with
-``fabric.clip_gradients``, the masters' gradients read for a log (``mpx.main_params(optimizer)``) and the model's
-gradients written before the steps, as under Fabric's own ``"bf16-mixed"``.
+"""Fabric at O2: the masters' gradients read for a log (``mpx.main_params(optimizer)``) after
+``fabric.clip_gradients``, then a write to the model's gradients before the step, as under Fabric's own
+``"bf16-mixed"``: with two optimizers that share a parameter (a layer both train), each clipped, and with one optimizer
+clipped twice in a step (a log after each clip).
 
-A read of ``main_params`` is told from a clip of the masters by the gradients' version counters at the step: the other
-optimizer's unscale or step, which writes the shared master's FP32 gradient (the engine's own write), moved them, and
-the read was taken for a clip whose write must be refused: the run stopped with "a model gradient was written between
-clip_grad_norm_()/clip_grad_value_() and step()" where ``"bf16-mixed"`` trains. A real clip of the masters (torch's
+A read of ``main_params`` is told from a clip of the masters by the gradients' version counters at the step. An
+engine write between the read and the step moved them, and the read was taken for a clip whose write must be refused:
+the run stopped with "a model gradient was written between clip_grad_norm_()/clip_grad_value_() and step()" where
+``"bf16-mixed"`` trains. Such writes: the other optimizer's unscale or step, which writes the shared master's FP32
+gradient, and the second ``fabric.clip_gradients`` of the same optimizer. A real clip of the masters (torch's
 ``clip_grad_norm_`` on ``main_params``) followed by a write to the model's gradients is still refused.
 """
 
@@ -35,16 +37,21 @@ class _Net(nn.Module):
         return self.b(torch.relu(self.shared(torch.relu(self.a(x)))))
 
 
-def _run(precision: str, habit: str) -> dict[str, Any]:
+def _run(precision: str, habit: str, *, shared: bool = True) -> dict[str, Any]:
     """Three steps of ``habit``, one letter an action: ``1``/``2`` clip optimizer 1/2 (Fabric's), ``r``/``R`` read
     ``main_params`` of optimizer 1/2 (a log of the norms), ``c`` torch's clip of ``main_params(optimizer 1)``, ``w``
-    halve every model gradient, ``S``/``T`` step optimizer 1/2."""
+    halve every model gradient, ``S``/``T`` step optimizer 1/2. ``shared=False``: the first optimizer alone, over
+    every parameter."""
     net = _Net()
     plugin = FabricMixedPrecisionPlugin("O2", half_dtype="bfloat16") if precision == "O2" else None
     fabric = Fabric(accelerator="cpu", devices=1, **({"plugins": [plugin]} if plugin else {"precision": precision}))
-    first = torch.optim.SGD([*net.a.parameters(), *net.shared.parameters()], lr=0.3)
-    second = torch.optim.SGD([*net.b.parameters(), *net.shared.parameters()], lr=0.3)
-    model, first, second = fabric.setup(net, first, second)
+    if shared:
+        first = torch.optim.SGD([*net.a.parameters(), *net.shared.parameters()], lr=0.3)
+        second = torch.optim.SGD([*net.b.parameters(), *net.shared.parameters()], lr=0.3)
+        model, first, second = fabric.setup(net, first, second)
+    else:
+        model, first = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.3))
+        second = first
     optimizers = {"1": first, "2": second, "r": first, "R": second, "S": first, "T": second}
     out: dict[str, Any] = {"norms": [], "logged": []}
     for step in range(3):
@@ -67,16 +74,17 @@ def _run(precision: str, habit: str) -> dict[str, Any]:
             else:
                 optimizer.step()
         first.zero_grad()
-        second.zero_grad()
+        if shared:
+            second.zero_grad()
     values = plugin.fp32_state_dict(net) if plugin else net.state_dict()
     out["final"] = torch.cat([value.float().flatten() for value in values.values()])
     return out
 
 
-def _quiet(precision: str, habit: str) -> dict[str, Any]:
+def _quiet(precision: str, habit: str, *, shared: bool = True) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return _run(precision, habit)
+        return _run(precision, habit, shared=shared)
 
 
 @pytest.mark.parametrize(
@@ -86,6 +94,7 @@ def _quiet(precision: str, habit: str) -> dict[str, Any]:
         "1rw2ST",  # the write before the second's clip
         "12rwTS",  # read after both clips, the second stepped first
         "12RwST",  # the second's masters read, the first stepped first
+        "1r2r1rwST",  # a read after each clip, the first clipped twice
     ],
 )
 def test_read_of_shared_masters_then_write_trains_as_bf16_mixed(habit: str) -> None:
@@ -94,6 +103,26 @@ def test_read_of_shared_masters_then_write_trains_as_bf16_mixed(habit: str) -> N
     assert ours["norms"] == pytest.approx(reference["norms"], rel=2e-3)
     assert ours["logged"] == pytest.approx(reference["logged"], rel=1e-2)
     torch.testing.assert_close(ours["final"], reference["final"], rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize(
+    "habit",
+    [
+        "1r1rwS",  # a log after each of two clips
+        "1c1rwS",  # torch's clip of the masters, then Fabric's (which shows the clipped values), a read, the write
+    ],
+)
+def test_read_after_second_clip_then_write_trains_as_bf16_mixed(habit: str) -> None:
+    ours, reference = _quiet("O2", habit, shared=False), _quiet("bf16-mixed", habit, shared=False)
+    # before: RuntimeError "a model gradient was written between clip_grad_norm_()/clip_grad_value_() and step()"
+    assert ours["norms"] == pytest.approx(reference["norms"], rel=2e-3)
+    torch.testing.assert_close(ours["final"], reference["final"], rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize("habit", ["1cwS", "1r1cwS"])
+def test_clip_of_masters_then_write_still_refused(habit: str) -> None:
+    with pytest.raises(RuntimeError, match=r"written between clip_grad_norm_\(\)/clip_grad_value_\(\) and step\(\)"):
+        _quiet("O2", habit, shared=False)
 
 
 def test_clip_of_shared_masters_then_write_still_refused() -> None:
