@@ -144,3 +144,25 @@ def test_clip_of_shared_masters_then_write_still_refused() -> None:
 def test_torch_clip_of_main_params_before_any_unscale_clips() -> None:
     ours, reference = _quiet("O2", "cS", shared=False), _quiet("bf16-mixed", "cS", shared=False)
     torch.testing.assert_close(ours["final"], reference["final"], rtol=0, atol=2e-4)
+
+
+# -- two ranks, ONE launch (tests/fabric_clip_reads_script.py) --------------------------------------------------------
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    from pathlib import Path
+
+    from tests.launch import case_results
+
+    return case_results("fabric_clip_reads_script.py", Path(tmp_path_factory.mktemp("clip_reads")), timeout=150)
+
+
+def test_ddp_rank_zero_read_of_shared_masters_changes_nothing(ranks: list[dict[str, Any]]) -> None:
+    """DDP, O2 float16, rank 1 alone overflowing at step 1, rank 0 alone reading the first optimizer's masters after
+    its clip, then the second's clip, a write and the steps: no rank refuses or waits, the overflow step is skipped
+    by both optimizers on both ranks, and the weights are those of the same run without the read, equal on the ranks
+    (before: rank 0 refused the write, rank 1 was left in a collective until the group's timeout)."""
+    for rank in ranks:
+        assert rank["read"]["skipped"] == [[False, False], [True, True], [False, False]]
+        assert rank["read"]["final"] == ranks[0]["read"]["final"]
+        assert rank["read"]["final"] == rank["plain"]["final"]
+    assert len(ranks[0]["read"]["logged"]) == 3 and not ranks[1]["read"]["logged"]
