@@ -156,10 +156,9 @@ def settle_reads(
     note; after a clip (the marks moved already) the note stays (to the step, which refuses a write since, or to the
     Fabric clip's show of ``optimizer``, which does) and its marks are let go."""
     shared = bool(amp._machine.shared.ids)  # a master held twice: another optimizer's write reaches the marks
-    for each in [other for other in list(handed.keys()) if (other is optimizer and itself) or (other is not optimizer
-                                                                                              and shared)]:  # fmt: skip
+    for each in list(handed.keys()):
         marks = handed.get(each)
-        if marks is None:
+        if marks is None or not (itself if each is optimizer else shared):
             continue
         if _marks(marks[0]) == marks[1] and (marks[2] is None or _norms(marks[0]) == marks[2]):
             state = amp._machine.state(each)
