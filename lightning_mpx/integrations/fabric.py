@@ -103,6 +103,7 @@ from lightning_mpx.integrations.fabric_clipping import (  # noqa: E402
     counted_stand_ins,
     forget_unseen_reads,
     note_unseen_clip,
+    settle_reads,
 )
 from lightning_mpx.integrations.fabric_generate import install_generate  # noqa: E402
 from lightning_mpx.integrations.fabric_sharding import (  # noqa: E402
@@ -391,6 +392,8 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
             self._register(optimizer)  # (else nothing to do: a call saved per step)
         # The engine records the outcome (a StepOutcome with skip_on_device, read when step_was_skipped() asks) and
         # the scale update it makes due; inside fabric.autocast(), Amp turns the casts off.
+        if self._clipping.data:  # main_params handed out: another's reads told before this step writes shared ones
+            settle_reads(self.amp, self._clipping, optimizer, itself=False)
         if self._clipping.data and weakref.ref(optimizer) in self._clipping.data:
             # O2: fabric.clip_gradients clipped the masters' gradients with torch's clip, which the engine does not
             # see: the model's get the clipped values, what a step leaves for a loop that keeps its gradients.
@@ -426,6 +429,8 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         wrappers = [w for w in (ref() for ref in list(self._wrappers.values())) if w is not None]
         wrappers += [m for m in list(self._modules) if type(m).__name__ == "FullyShardedDataParallel" and is_fsdp1(m)]
         together = clipped_together(optimizer, wrappers, list(self._optimizers)) if wrappers else [optimizer]
+        if self._clipping.data:  # main_params handed out: reads told before this clip (or unscale) writes them
+            settle_reads(self.amp, self._clipping, optimizer, itself=True)
         for each in together:
             if not self.amp.is_unscaled(each):
                 with _casts_off():

@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - an older or changed torch
         return False
 
 
-__all__ = ["clip_for_fabric", "counted_stand_ins", "forget_unseen_reads", "note_unseen_clip"]
+__all__ = ["clip_for_fabric", "counted_stand_ins", "forget_unseen_reads", "note_unseen_clip", "settle_reads"]
 
 # Lightning's own clip methods, which clip what main_params returns right after it (a strategy's override is not one)
 _CLIPS = {Strategy.clip_gradients_norm.__code__: "norm", Strategy.clip_gradients_value.__code__: "value"}
@@ -137,6 +137,37 @@ def forget_unseen_reads(
         if marks is not None and _marks(marks[0]) == marks[1] and (marks[2] is None or _norms(marks[0]) == marks[2]):
             state = amp._machine.state(each)
             state.clips = tuple(clip for clip in state.clips if clip is not _UNSEEN)
+
+
+def settle_reads(
+    amp: Any,
+    handed: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any],
+    optimizer: torch.optim.Optimizer,
+    *,
+    itself: bool,
+) -> None:
+    """Before an engine write to masters' FP32 gradients that reads of ``main_params`` handed out, their
+    :func:`note_unseen_clip` notes told now, as :func:`forget_unseen_reads` tells them at the step: before a Fabric
+    clip of ``optimizer`` (``itself``: its own reads, which the clip's write would make look like a clip: a log after
+    each of two ``fabric.clip_gradients`` in one step, then a write to the model's gradients, was refused) and, where
+    parameters are held by more than one optimizer, before ``optimizer``'s unscale or step, which writes the FP32
+    gradients of the masters it shares with the others (a read of the first optimizer's ``main_params`` for a log, then
+    the second's clip or step, then a write was refused; ``"bf16-mixed"`` trains both). A read is dropped with its
+    note; after a clip (the marks moved already) the note stays (to the step, which refuses a write since, or to the
+    Fabric clip's show of ``optimizer``, which does) and its marks are let go."""
+    shared = bool(amp._machine.shared.ids)  # a master held twice: another optimizer's write reaches the marks
+    for each in list(handed.keys()):
+        marks = handed.get(each)
+        if marks is None or not (itself if each is optimizer else shared):
+            continue
+        if _marks(marks[0]) == marks[1] and (marks[2] is None or _norms(marks[0]) == marks[2]):
+            state = amp._machine.state(each)
+            state.clips = tuple(clip for clip in state.clips if clip is not _UNSEEN)
+            del handed[each]  # a read only: its step has nothing of it to tell (a later main_params notes again)
+        elif each is optimizer:  # its clip's show ends the note (or refuses a write since): a read after it is told
+            del handed[each]  # by marks of its own (a strategy's own clip notes again, before it clips)
+        else:
+            handed[each] = None
 
 
 def _marks(masters: Iterable[torch.Tensor]) -> tuple[tuple[int, int] | None, ...]:
