@@ -10,7 +10,7 @@ import torch
 
 from lightning_mpx.common.imports import require
 from lightning_mpx.common.keywords import check_keywords, required
-from lightning_mpx.engine.clipping import clip_limit
+from lightning_mpx.engine.clipping import clip_limit, follow_model_writes
 
 require("accelerate", feature="lightning_mpx.accelerate")
 from lightning_mpx.integrations.accelerate_optimizer import (  # noqa: E402
@@ -143,11 +143,16 @@ class GradientClipping:
                 self.amp.show_unscaled_on_model(owner.optimizer)
 
     def _unscale(self, owners: Iterable[AmpOptimizer]) -> None:
+        """Unscale ``owners`` not unscaled since their step; at O2 the writes to the model's gradients since an
+        earlier unscale (``unscale_gradients()``, then ``p.grad.zero_()``) are taken into the masters' gradients, which
+        torch's clip then measures and clips (it ignored them: the norm of the unwritten values, the write lost)."""
         assert self.amp is not None
         for owner in owners:
             if not self.amp.is_unscaled(owner.optimizer):  # the engine's stage: a skipped batch's clip is forgotten
                 self.amp.unscale_(owner.optimizer)
                 owner.unscaled = True
+            elif self.amp.properties.master_weights:
+                follow_model_writes(self.amp._machine, owner.optimizer)
 
 
 def _covers(targets: list[torch.Tensor], params: list[torch.Tensor]) -> bool:
