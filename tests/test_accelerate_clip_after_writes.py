@@ -3,8 +3,9 @@ scaled), then ``accelerator.clip_grad_norm_`` / ``clip_grad_value_``: the clip m
 gradients, as Accelerate's own precisions and FP32 do. At O2 the clips that are not one fused pass (the model's
 parameters over two optimizers, a head two optimizers share, ``norm_type=1``, a clip by value) run torch's clip on
 the FP32 masters' gradients; they ignored the write (the norm of the unwritten gradients, 0.59 where FP32's is 0.91)
-and then showed the clipped unwritten values over it: the weights ended 0.15 off FP32's, silently. Tiny MLP, CPU,
-bfloat16, against ``mixed_precision="no"``."""
+and then showed the clipped unwritten values over it: the weights ended 0.15 off FP32's, silently. And the other
+order: a clip, ``unscale_gradients()``, a write (refused at O2 after the fused clip). Tiny MLP, CPU, bfloat16, against
+``mixed_precision="no"``."""
 
 from __future__ import annotations
 
@@ -41,7 +42,25 @@ def _write(model: nn.Sequential) -> None:
     model[0].weight.grad.mul_(3.0)
 
 
-def _run(mixed_precision: str, split: str, clip: Callable[[Any, nn.Module], Any]) -> tuple[list[float], list[Any]]:
+def _unscale_write_clip(accelerator: Any, model: nn.Module, clip: Callable[[Any, nn.Module], Any]) -> Any:
+    accelerator.unscale_gradients()
+    _write(model)
+    return clip(accelerator, model)
+
+
+def _clip_unscale_write(accelerator: Any, model: nn.Module, clip: Callable[[Any, nn.Module], Any]) -> Any:
+    norm = clip(accelerator, model)
+    accelerator.unscale_gradients()  # after the clip: unscales nothing more (Accelerate's "bf16": nothing at all)
+    _write(model)
+    return norm
+
+
+def _run(
+    mixed_precision: str,
+    split: str,
+    clip: Callable[[Any, nn.Module], Any],
+    habit: Callable[..., Any] = _unscale_write_clip,
+) -> tuple[list[float], list[Any]]:
     reset_accelerate_state()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
@@ -53,9 +72,7 @@ def _run(mixed_precision: str, split: str, clip: Callable[[Any, nn.Module], Any]
         gen = torch.Generator().manual_seed(i)
         x, y = torch.randn(6, 8, generator=gen), torch.randint(0, 4, (6,), generator=gen)
         accelerator.backward(F.cross_entropy(model(x), y))
-        accelerator.unscale_gradients()
-        _write(model)
-        norm = clip(accelerator, model)
+        norm = habit(accelerator, model, clip)
         if norm is not None:
             norms.append(float(norm))
         for optimizer in optimizers:
@@ -83,5 +100,18 @@ def test_clip_after_unscale_takes_the_models_writes(opt_level: str, split: str, 
     # the norms of the written gradients (before: 0.59 where FP32's is 0.91, the write ignored)
     assert norms == pytest.approx(ref_norms, rel=1e-2)
     # bfloat16's rounding of four steps (2e-4 here); the write lost was 0.15 off
+    for ref, got in zip(ref_weights, weights):
+        torch.testing.assert_close(got, ref, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("clip", ["norm", "norm_type_1", "value"])
+def test_clip_then_unscale_gradients_then_write_trains_as_fp32(clip: str) -> None:
+    """A clip, then ``unscale_gradients()`` (a no-op under Accelerate's ``"bf16"``), then a write to the model's
+    gradients: at O2 the clip of one optimizer by norm 2 (one fused pass into the masters' gradients) left the model's
+    gradients scaled, and ``unscale_gradients()`` did nothing more, so the write was refused at the step as made on
+    scaled values; the model's gradients now show the unscaled, clipped values there and the write trains as FP32."""
+    ref_norms, ref_weights = _run("no", "one", CLIPS[clip], _clip_unscale_write)
+    norms, weights = _run("O2", "one", CLIPS[clip], _clip_unscale_write)
+    assert norms == pytest.approx(ref_norms, rel=1e-2)
     for ref, got in zip(ref_weights, weights):
         torch.testing.assert_close(got, ref, atol=2e-3, rtol=0)

@@ -34,9 +34,11 @@ class GradientClipping:
 
     def unscale_gradients(self, optimizer: Any = None, **misspelt: NoReturn) -> None:
         """Unscale the gradients of ``optimizer`` (one, a list, or ``None``: every prepared optimizer that holds
-        gradients). At O2 the unscaled gradients are the FP32 masters' ``.grad``. Does nothing to an optimizer
-        already unscaled since its last step. Call it right before the step: a later backward would add scaled
-        gradients to unscaled ones."""
+        gradients). At O2 the unscaled gradients are the FP32 masters' ``.grad``, and the model's gradients show them.
+        An optimizer already unscaled since its last step (by a clip) is not unscaled again; at O2 the model's
+        gradients then show its unscaled, clipped ones, so a write to them after this call trains as under
+        Accelerate's own precisions. Call it right before the step: a later backward would add scaled gradients to
+        unscaled ones."""
         if misspelt:  # a keyword of none of them, refused naming them (keywords.py: no wrapper on a per-step call)
             check_keywords("accelerator.unscale_gradients()", misspelt, ("optimizer",))
         if self.amp is None:
@@ -48,7 +50,12 @@ class GradientClipping:
         else:
             optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
             owners = [owner_of(self._amp_optimizers(), opt) for opt in optimizers]
+        # unscaled already by a clip (one fused pass, into the masters' gradients only): the model's gradients still
+        # hold the scaled values; shown now, clipped, as Accelerate's own clip leaves them (a write to them was
+        # refused at the step as made on scaled values)
+        earlier = [owner for owner in owners if self.amp.is_unscaled(owner.optimizer)]
         self._unscale(owners)
+        self._show_clipped(earlier)
 
     def clip_grad_norm_(
         self,
