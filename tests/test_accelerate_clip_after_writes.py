@@ -115,3 +115,46 @@ def test_clip_then_unscale_gradients_then_write_trains_as_fp32(clip: str) -> Non
     assert norms == pytest.approx(ref_norms, rel=1e-2)
     for ref, got in zip(ref_weights, weights):
         torch.testing.assert_close(got, ref, atol=2e-3, rtol=0)
+
+
+def _two_models(mixed_precision: str, poisoned: int | None) -> tuple[list[Any], list[tuple[bool, bool]], list[float]]:
+    """Two models, an optimizer each, one loss, one clip over both models' parameters; model ``b``'s input is
+    multiplied past float16's range at iteration ``poisoned`` (FP32 reference: that iteration is not run)."""
+    reset_accelerate_state()
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 2), nn.Linear(4, 2)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9), torch.optim.SGD(b.parameters(), lr=0.1)
+    kwargs = [MixedPrecisionKwargs(half_dtype="float16", init_scale=2.0**8)] if mixed_precision != "no" else []
+    accelerator = Accelerator(mixed_precision=mixed_precision, cpu=True, kwargs_handlers=kwargs)
+    a, b, opt_a, opt_b = accelerator.prepare(a, b, opt_a, opt_b)
+    skipped, scales = [], []
+    for i in range(5):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(i))
+        if i == poisoned and mixed_precision == "no":
+            continue
+        loss = a(x).float().pow(2).mean() + b(x * (1e6 if i == poisoned else 1.0)).float().pow(2).mean()
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_([*a.parameters(), *b.parameters()], 0.5)
+        opt_a.step()
+        opt_b.step()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        if mixed_precision != "no":
+            skipped.append((opt_a.step_was_skipped, opt_b.step_was_skipped))
+            scales.append(accelerator.mpx_metrics()["mpx/loss_scale"])
+    weights = [v.float() for m in (a, b) for v in accelerator.get_state_dict(m).values()]
+    return weights, skipped, scales
+
+
+def test_one_optimizer_overflowing_under_a_joint_clip_skips_both() -> None:
+    """O2 float16, one clip over two optimizers' parameters, model ``b``'s gradients overflowing on one iteration: the
+    joint norm is NaN, and torch's clip made model ``a``'s gradients NaN, which its optimizer (its own check clean)
+    stepped on: ``a``'s weights NaN from then on, silently (as under Accelerate's own ``"fp16"``). Now both skip that
+    iteration (the norm of gradients that overflowed cannot clip anything) and train on as FP32 without it."""
+    ref, _, _ = _two_models("no", poisoned=2)
+    weights, skipped, scales = _two_models("O2", poisoned=2)
+    assert skipped[2] == (True, True)
+    assert scales[2] == scales[1] / 2  # backed off once
+    for r, w in zip(ref, weights):
+        assert torch.isfinite(w).all()
+        torch.testing.assert_close(w, r, atol=2e-3, rtol=0)

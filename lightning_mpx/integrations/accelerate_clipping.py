@@ -107,6 +107,10 @@ class GradientClipping:
                 "parameters) and norm_type=2."
             )
         self._unscale(owners)
+        if len(owners) > 1 and self._skip_together(owners):
+            # one optimizer's gradients overflowed: the joint norm is not finite, and torch's clip would multiply the
+            # others' finite gradients by 0 or NaN, which their steps (their own checks clean) would apply
+            return torch.nn.utils.get_total_norm([t.grad for t in targets if t.grad is not None], norm_type)
         norm = torch.nn.utils.clip_grad_norm_(targets, max_norm, norm_type=norm_type)
         self._show_clipped(owners)
         return norm
@@ -131,6 +135,20 @@ class GradientClipping:
         self._unscale(owners)
         torch.nn.utils.clip_grad_value_(targets, clip_value)
         self._show_clipped(owners)
+
+    def _skip_together(self, owners: list[AmpOptimizer]) -> bool:
+        """Whether any of ``owners`` (unscaled, clipped by one norm) overflowed; if so every one of them skips its
+        step, as that optimizer does (one host read per optimizer, which its step then takes instead of reading again).
+        Before, the NaN norm made the other optimizers' gradients NaN and they stepped on them: NaN weights, silently
+        (Accelerate's own ``"fp16"`` does the same: ``GradScaler`` read their flags at the unscale)."""
+        assert self.amp is not None
+        overflowed = [owner for owner in owners if self.amp.overflowed(owner.optimizer)]
+        if not overflowed:
+            return False
+        machine = self.amp._machine
+        for loss_id in {machine.state(owner.optimizer).loss_id or 0 for owner in overflowed}:
+            machine.share_overflow([owner.optimizer for owner in owners], loss_id)
+        return True
 
     def _check_sync(self, what: str) -> None:
         if not self.sync_gradients:
