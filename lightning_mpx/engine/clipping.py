@@ -108,6 +108,21 @@ def clip_value_(
                     state.masters_left = None if state.handed else note_left(state)
 
 
+def follow_model_writes(machine: StepMachine, optimizer: torch.optim.Optimizer) -> None:
+    """At O2, between ``optimizer``'s unscale and its step: the writes made to the model's half gradients since the
+    unscale showed the true values there (``p.grad.zero_()``, ``p.grad.mul_(3)``) taken into the masters' FP32
+    gradients now, as :func:`clip_norm` and :func:`clip_value_` take them first, for a clip of the masters'
+    gradients made outside the engine (the Accelerate adapter's clip over several optimizers or by another norm,
+    torch's clip on the masters): without it that clip measured and clipped the unwritten values, and the show after
+    it put them over the write. Nothing before an unscale or without masters."""
+    state = machine.state(optimizer)
+    if not machine.masters.weights or state.stage is not _Stage.UNSCALED:
+        return
+    follow_cleared_grads(state, machine.masters.weights)
+    if state.unscaled_groups is not None:  # a group added since the unscale, unscaled now (as in clip_norm)
+        unscale_late(state, machine.scalers, machine.masters.weights, optimizer, machine.backend, machine.shared)
+
+
 def show_unscaled(machine: StepMachine, optimizer: torch.optim.Optimizer, *, fresh: bool = False) -> None:
     """:meth:`Amp.show_unscaled_on_model <lightning_mpx.engine.amp.Amp.show_unscaled_on_model>` for ``machine``'s
     ``optimizer``; ``fresh``: called by the unscale itself, right after it noted the half gradients it read (no user

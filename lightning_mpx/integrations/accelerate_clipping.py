@@ -10,7 +10,7 @@ import torch
 
 from lightning_mpx.common.imports import require
 from lightning_mpx.common.keywords import check_keywords, required
-from lightning_mpx.engine.clipping import clip_limit
+from lightning_mpx.engine.clipping import clip_limit, follow_model_writes
 
 require("accelerate", feature="lightning_mpx.accelerate")
 from lightning_mpx.integrations.accelerate_optimizer import (  # noqa: E402
@@ -34,9 +34,11 @@ class GradientClipping:
 
     def unscale_gradients(self, optimizer: Any = None, **misspelt: NoReturn) -> None:
         """Unscale the gradients of ``optimizer`` (one, a list, or ``None``: every prepared optimizer that holds
-        gradients). At O2 the unscaled gradients are the FP32 masters' ``.grad``. Does nothing to an optimizer
-        already unscaled since its last step. Call it right before the step: a later backward would add scaled
-        gradients to unscaled ones."""
+        gradients). At O2 the unscaled gradients are the FP32 masters' ``.grad``, and the model's gradients show them.
+        An optimizer already unscaled since its last step (by a clip) is not unscaled again; at O2 the model's
+        gradients then show its unscaled, clipped ones, so a write to them after this call trains as under
+        Accelerate's own precisions. Call it right before the step: a later backward would add scaled gradients to
+        unscaled ones."""
         if misspelt:  # a keyword of none of them, refused naming them (keywords.py: no wrapper on a per-step call)
             check_keywords("accelerator.unscale_gradients()", misspelt, ("optimizer",))
         if self.amp is None:
@@ -48,7 +50,12 @@ class GradientClipping:
         else:
             optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
             owners = [owner_of(self._amp_optimizers(), opt) for opt in optimizers]
+        # unscaled already by a clip (one fused pass, into the masters' gradients only): the model's gradients still
+        # hold the scaled values; shown now, clipped, as Accelerate's own clip leaves them (a write to them was
+        # refused at the step as made on scaled values)
+        earlier = [owner for owner in owners if self.amp.is_unscaled(owner.optimizer)]
         self._unscale(owners)
+        self._show_clipped(earlier)
 
     def clip_grad_norm_(
         self,
@@ -100,6 +107,10 @@ class GradientClipping:
                 "parameters) and norm_type=2."
             )
         self._unscale(owners)
+        if len(owners) > 1 and self._skip_together(owners):
+            # one optimizer's gradients overflowed: the joint norm is not finite, and torch's clip would multiply the
+            # others' finite gradients by 0 or NaN, which their steps (their own checks clean) would apply
+            return torch.nn.utils.get_total_norm([t.grad for t in targets if t.grad is not None], norm_type)
         norm = torch.nn.utils.clip_grad_norm_(targets, max_norm, norm_type=norm_type)
         self._show_clipped(owners)
         return norm
@@ -125,6 +136,20 @@ class GradientClipping:
         torch.nn.utils.clip_grad_value_(targets, clip_value)
         self._show_clipped(owners)
 
+    def _skip_together(self, owners: list[AmpOptimizer]) -> bool:
+        """Whether any of ``owners`` (unscaled, clipped by one norm) overflowed; if so every one of them skips its
+        step, as that optimizer does (one host read per optimizer, which its step then takes instead of reading again).
+        Before, the NaN norm made the other optimizers' gradients NaN and they stepped on them: NaN weights, silently
+        (Accelerate's own ``"fp16"`` does the same: ``GradScaler`` read their flags at the unscale)."""
+        assert self.amp is not None
+        overflowed = [owner for owner in owners if self.amp.overflowed(owner.optimizer)]
+        if not overflowed:
+            return False
+        machine = self.amp._machine
+        for loss_id in {machine.state(owner.optimizer).loss_id or 0 for owner in overflowed}:
+            machine.share_overflow([owner.optimizer for owner in owners], loss_id)
+        return True
+
     def _check_sync(self, what: str) -> None:
         if not self.sync_gradients:
             raise RuntimeError(
@@ -143,11 +168,16 @@ class GradientClipping:
                 self.amp.show_unscaled_on_model(owner.optimizer)
 
     def _unscale(self, owners: Iterable[AmpOptimizer]) -> None:
+        """Unscale ``owners`` not unscaled since their step; at O2 the writes to the model's gradients since an
+        earlier unscale (``unscale_gradients()``, then ``p.grad.zero_()``) are taken into the masters' gradients, which
+        torch's clip then measures and clips (it ignored them: the norm of the unwritten values, the write lost)."""
         assert self.amp is not None
         for owner in owners:
             if not self.amp.is_unscaled(owner.optimizer):  # the engine's stage: a skipped batch's clip is forgotten
                 self.amp.unscale_(owner.optimizer)
                 owner.unscaled = True
+            elif self.amp.properties.master_weights:
+                follow_model_writes(self.amp._machine, owner.optimizer)
 
 
 def _covers(targets: list[torch.Tensor], params: list[torch.Tensor]) -> bool:
