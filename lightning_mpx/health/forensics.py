@@ -65,7 +65,12 @@ class ForwardWatch:
     def __init__(self) -> None:
         self._models: list[tuple[weakref.ref[nn.Module], str]] = []
         self._handles: list[Any] = []
+        # The forward hooks of the modules that torch.compile traces (inside an OptimizedModule), by id(module): put
+        # on when the model is added and kept while disarmed (they return at once), since hooks put on after the
+        # first compiled call are not traced in, and the watch armed at the floor would see only the wrapper's call.
+        self._resident: dict[int, tuple[weakref.ref[nn.Module], list[Any]]] = {}
         self._names: list[str] = []  # (slot - _HEAD) // 2 -> module name (even: its output, odd: its inputs)
+        self._slot_of: dict[str, int] = {}  # module name -> its index in _names (kept while disarmed: resident hooks)
         self._params: list[str] = []  # -1 - slot -> parameter name
         self._values: torch.Tensor | None = None  # the largest magnitudes the calls measured since the last step
         self._count = 0  # entries of _values written since the last step
@@ -90,6 +95,7 @@ class ForwardWatch:
         if any(ref() is module for ref, _ in self._models):
             return
         self._models.append((weakref.ref(module), prefix))
+        self._hook_compiled(module, prefix)
         if self.active:
             self._hook(module, prefix)
             self.complete = False
@@ -107,11 +113,11 @@ class ForwardWatch:
         self.active, self.automatic, self.complete = True, automatic, False
 
     def disarm(self) -> None:
-        """Remove every hook and drop what was recorded."""
+        """Remove every hook (but the resident ones of compiled modules, which then do nothing) and drop what was
+        recorded."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._names.clear()
         self._params.clear()
         self._clear()
         self._open, self._grad_calls = [], 0
@@ -122,7 +128,8 @@ class ForwardWatch:
         # A model pickled or deep-copied with the hooks on it (torch.save(model), an EMA copy) takes a disarmed
         # watch along: its hooks then do nothing, and the models it watched are not pickled with it.
         state = dict(self.__dict__)
-        state.update(_models=[], _handles=[], _names=[], _params=[], _values=None, _count=0, _calls=[], _at=[])
+        state.update(_models=[], _handles=[], _resident={}, _names=[], _slot_of={}, _params=[], _values=None)
+        state.update(_count=0, _calls=[], _at=[])
         state.update(_last=None, _open=[], _grad_calls=0)
         state.update(active=False, automatic=False, complete=False)
         return state
@@ -196,19 +203,43 @@ class ForwardWatch:
     # -- internals ----------------------------------------------------------------------------------------------
     def _hook(self, module: nn.Module, prefix: str) -> None:
         for name, child in module.named_modules():
-            self._names.append(prefix + name if name else prefix.rstrip("."))
-            slot = _HEAD + 2 * (len(self._names) - 1)
-            inputs = functools.partial(self._on_input, slot + 1)
-            self._handles.append(child.register_forward_pre_hook(inputs, with_kwargs=True))
-            # always_call: a forward that raises (an out-of-memory error the user catches) still closes its call
-            hook = functools.partial(self._on_output, slot)
-            self._handles.append(child.register_forward_hook(hook, always_call=True))
+            resident = self._resident.get(id(child))
+            if resident is None or resident[0]() is not child:
+                self._handles.extend(self._module_hooks(child, prefix + name if name else prefix.rstrip(".")))
         for name, param in module.named_parameters():
             if param.requires_grad:
                 # A tensor hook sees this backward's own gradient: before it is accumulated, unscaled, clipped or
                 # averaged across processes by DDP's reducer.
                 self._params.append(prefix + name)
                 self._handles.append(param.register_hook(functools.partial(self._on_grad, -len(self._params))))
+
+    def _hook_compiled(self, module: nn.Module, prefix: str) -> None:
+        """Put the resident forward hooks on the modules of ``module`` that torch.compile traces (an OptimizedModule's
+        ``_orig_mod`` and the modules inside it), before their first compiled call: a hook put on later is not traced
+        in. Inactive, they return at once (torch.compile guards on :attr:`active`: arming recompiles once)."""
+        traced: list[str] = []
+        for name, child in module.named_modules():
+            inside = any(name == t or name.startswith(t + ".") for t in traced)
+            if not inside and isinstance(getattr(child, "_orig_mod", None), nn.Module):
+                traced.append(f"{name}._orig_mod" if name else "_orig_mod")
+            elif inside and id(child) not in self._resident:
+                handles = self._module_hooks(child, prefix + name)
+                self._resident[id(child)] = (weakref.ref(child), handles)
+
+    def _module_hooks(self, child: nn.Module, name: str) -> list[Any]:
+        """Hook ``child``'s calls (its inputs and its output), named ``name``; the handles."""
+        index = self._slot_of.get(name)
+        if index is None:
+            index = self._slot_of[name] = len(self._names)
+            self._names.append(name)
+        slot = _HEAD + 2 * index
+        inputs = functools.partial(self._on_input, slot + 1)
+        # always_call: a forward that raises (an out-of-memory error the user catches) still closes its call
+        output = functools.partial(self._on_output, slot)
+        return [
+            child.register_forward_pre_hook(inputs, with_kwargs=True),
+            child.register_forward_hook(output, always_call=True),
+        ]
 
     def _on_grad(self, slot: int, grad: torch.Tensor) -> None:
         if self.active and grad.is_floating_point() and not grad.is_sparse:
