@@ -151,14 +151,18 @@ class ForwardWatch:
             return None
         return self._values[: self._count]
 
+    def called(self) -> set[str]:
+        """The modules whose calls were watched since the last step."""
+        if self._stale:
+            return set()
+        return {self._names[(slot - _HEAD) // 2] for slot in self._calls if slot > 0}
+
     @property
     def parameter_names(self) -> frozenset[str]:
         """The parameters whose gradients the hooks watch."""
         return frozenset(self._params)
 
-    def decode(
-        self, values: Sequence[float]
-    ) -> tuple[bool, dict[str, Kind], dict[str, Kind], CodeRegion | None]:
+    def decode(self, values: Sequence[float]) -> tuple[bool, dict[str, Kind], dict[str, Kind], CodeRegion | None]:
         """From the values of :meth:`flags` read on the host: whether the loss was non-finite, the modules with
         non-finite outputs and their kind in forward order (of their first non-finite output), the parameters whose
         gradients a backward produced non-finite, with their kind, in backward order, and the code between module
@@ -193,7 +197,7 @@ class ForwardWatch:
                     running.append(name)
                 else:
                     if name in running:  # a forward that raised left no output call: pop to this one
-                        del running[len(running) - 1 - running[::-1].index(name):]
+                        del running[len(running) - 1 - running[::-1].index(name) :]
                     if kind is not None:
                         outputs[name] = merge_kinds(outputs.get(name), kind)
                 forward_bad = forward_bad or kind is not None
@@ -387,6 +391,8 @@ class OverflowForensics:
         # The user's names of the modules in the tags (without a data-parallel wrapper's "module"), the counts' (and
         # the checkpoint's) too.
         self.user_names = UserNames()
+        # The last record's watched forward called the prepared models but no module inside them (_unseen_inside)
+        self.unseen_inside = False
         self.diagnose = diagnose
 
     @property
@@ -450,7 +456,8 @@ class OverflowForensics:
             loss_bad, outputs, produced, region = self.watch.decode(values[offset + len(scales) :])
             order = {name: index for index, (name, _) in enumerate(grads)}  # this optimizer's, in its order
             produced = {name: kind for name, kind in produced.items() if name in order}
-            complete = self.watch.complete
+            self.unseen_inside = self._unseen_inside()
+            complete = self.watch.complete and not self.unseen_inside
             if produced or complete:
                 own_backward = bool(produced)
             if produced and complete:
@@ -491,6 +498,22 @@ class OverflowForensics:
             backward_nonfinite=own_backward,
             region=region,
         )
+
+    def _unseen_inside(self) -> bool:
+        """Whether the watched forward since the last step called the prepared models but none of the modules inside
+        them: their hooks were not traced in (a model compiled with torch.compile after it was prepared, as
+        ``fabric.setup`` and Accelerate's ``dynamo_backend`` do, keeps the hooks put on later out of its compiled
+        code), so that the whole model would be blamed for whatever overflowed in it."""
+        called = {self.user_names(name) for name in self.watch.called()}
+        roots: set[str] = set()
+        inside = False
+        for ref, prefix in self.watch._models:
+            model = ref()
+            if model is not None:
+                root = self.user_names(prefix.rstrip("."))
+                roots.add(root)
+                inside = inside or any(self.user_names(prefix + name) != root for name, _ in model.named_modules())
+        return bool(called) and called <= roots and inside
 
     def gather(self, record: OverflowRecord) -> OverflowRecord:
         """Under an initialised process group of several processes, every rank's record merged (all ranks call
