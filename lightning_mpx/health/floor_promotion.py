@@ -36,7 +36,7 @@ class FloorDecision:
     _roots: list[tuple[str, weakref.ref[nn.Module]]]  # (name prefix, prepared model)
     runs_fp32: Callable[[str], bool]
     _root_of: Callable[[str], tuple[str, nn.Module] | None]
-    _parameter_owners: Callable[[], frozenset[str]]
+    _parameter_owners: Callable[..., frozenset[str]]
     _promote: Callable[[list[str], OverflowRecord | None, Iterable[str]], None]
 
     def floor_overflow(self, record: OverflowRecord | None) -> str | None:
@@ -74,13 +74,20 @@ class FloorDecision:
     def _common(self) -> frozenset[str]:
         """The latest overflow's culprits that every earlier one in the streak blamed too: the same module, or one
         inside or around it (an unwatched overflow blames the modules that hold the non-finite gradients, say
-        ``block.norm``; the watched one after it names the code in ``block``'s forward)."""
+        ``block.norm``; the watched one after it names the code in ``block``'s forward). An earlier overflow that
+        blamed every module with trainable parameters (the unwatched one that armed the watch, after a forward
+        overflow: all gradients non-finite) agrees with any culprit: the one a watched forward names may hold no
+        trainable parameter (a LoRA adapter's frozen ``base_layer``, a frozen backbone's layer)."""
         *earlier, latest = self._streak
+        trainable = self._parameter_owners(trainable=True) if earlier else frozenset()
 
         def related(a: str, b: str) -> bool:
             return a == b or a.startswith(b + ".") or b.startswith(a + ".")
 
-        return frozenset(c for c in latest if all(any(related(c, m) for m in other) for other in earlier))
+        def agrees(culprit: str, other: frozenset[str]) -> bool:
+            return (bool(trainable) and other >= trainable) or any(related(culprit, m) for m in other)
+
+        return frozenset(c for c in latest if all(agrees(c, other) for other in earlier))
 
     def _culprits(self, record: OverflowRecord | None) -> tuple[frozenset[str], str | None]:
         """The modules to promote for ``record`` (see the module docstring for code between module calls), or why

@@ -461,14 +461,15 @@ class Promotion(FloorDecision):
         except AttributeError:
             return None
 
-    def _parameter_owners(self) -> frozenset[str]:
-        """Names of the modules that hold parameters of their own, in every prepared model."""
+    def _parameter_owners(self, trainable: bool = False) -> frozenset[str]:
+        """Names of the modules that hold parameters of their own (``trainable``: that require gradients), in every
+        prepared model."""
         owners = set()
         for prefix, ref in self._roots:
             root = ref()
             if root is not None:
                 for name, module in root.named_modules():
-                    if any(True for _ in module.parameters(recurse=False)):
+                    if any(p.requires_grad or not trainable for p in module.parameters(recurse=False)):
                         owners.add(prefix + name)
         return frozenset(owners)
 
