@@ -512,7 +512,8 @@ class OverflowForensics:
             if model is not None:
                 root = self.user_names(prefix.rstrip("."))
                 roots.add(root)
-                inside = inside or any(self.user_names(prefix + name) != root for name, _ in model.named_modules())
+                if root in called and not inside:  # a called model with modules inside it
+                    inside = any(self.user_names(prefix + name) != root for name, _ in model.named_modules())
         return bool(called) and called <= roots and inside
 
     def gather(self, record: OverflowRecord) -> OverflowRecord:
