@@ -13,7 +13,8 @@ were made by code between two module calls (``h = self.blow(h) * 1e5`` in a forw
 sum): the record names that code (:class:`CodeRegion`) and blames the module whose output fed it.
 :class:`~lightning_mpx.Amp` watches every step with ``diagnose_overflows=True``; otherwise it watches only after an
 overflow with the loss scale at its floor, until a step that does not overflow, so that the overflows that matter (the
-ones the scale cannot absorb) get a diagnosis and a healthy run has no hook at all.
+ones the scale cannot absorb) get a diagnosis and a healthy run has no hook at all (but inactive ones inside a model
+compiled before it was prepared, traced away by ``torch.compile``).
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ class ForwardWatch:
     the training forward). Gradient hooks on the
     parameters record each backward's own gradients the same way: before a clip changes them (at O1 the unscaled
     gradients are clipped in place) and before DDP averages them across processes. The hooks are removable handles
-    owned by the watch; :meth:`disarm` removes them.
+    owned by the watch; :meth:`disarm` removes them, except the forward hooks of the modules inside a model compiled
+    before it was prepared (``torch.compile`` traces in only the hooks present at its first call): those are put on
+    when the model is added and stay, returning at once while the watch is disarmed.
     """
 
     def __init__(self) -> None:
