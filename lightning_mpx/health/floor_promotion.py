@@ -7,6 +7,7 @@ then gives). The conversion itself, the hooks and the checkpoints stay on ``Prom
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from typing import TYPE_CHECKING, Callable, Iterable
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import torch
 from torch import nn
 
-from lightning_mpx.health.forensics import OverflowRecord
+from lightning_mpx.health.forensics import CodeRegion, OverflowRecord
 
 if TYPE_CHECKING:
     from lightning_mpx.health.promotion import _Engine
@@ -35,7 +36,7 @@ class FloorDecision:
     _roots: list[tuple[str, weakref.ref[nn.Module]]]  # (name prefix, prepared model)
     runs_fp32: Callable[[str], bool]
     _root_of: Callable[[str], tuple[str, nn.Module] | None]
-    _parameter_owners: Callable[[], frozenset[str]]
+    _parameter_owners: Callable[..., frozenset[str]]
     _promote: Callable[[list[str], OverflowRecord | None, Iterable[str]], None]
 
     def floor_overflow(self, record: OverflowRecord | None) -> str | None:
@@ -73,23 +74,40 @@ class FloorDecision:
     def _common(self) -> frozenset[str]:
         """The latest overflow's culprits that every earlier one in the streak blamed too: the same module, or one
         inside or around it (an unwatched overflow blames the modules that hold the non-finite gradients, say
-        ``block.norm``; the watched one after it names the code in ``block``'s forward)."""
+        ``block.norm``; the watched one after it names the code in ``block``'s forward). An earlier overflow that
+        blamed every module with trainable parameters (the unwatched one that armed the watch, after a forward
+        overflow: all gradients non-finite) agrees with any culprit: the one a watched forward names may hold no
+        trainable parameter (a LoRA adapter's frozen ``base_layer``, a frozen backbone's layer)."""
         *earlier, latest = self._streak
+        trainable = self._parameter_owners(trainable=True) if earlier else frozenset()
 
         def related(a: str, b: str) -> bool:
             return a == b or a.startswith(b + ".") or b.startswith(a + ".")
 
-        return frozenset(c for c in latest if all(any(related(c, m) for m in other) for other in earlier))
+        def agrees(culprit: str, other: frozenset[str]) -> bool:
+            return (bool(trainable) and other >= trainable) or any(related(culprit, m) for m in other)
+
+        return frozenset(c for c in latest if all(agrees(c, other) for other in earlier))
 
     def _culprits(self, record: OverflowRecord | None) -> tuple[frozenset[str], str | None]:
         """The modules to promote for ``record`` (see the module docstring for code between module calls), or why
         none can be."""
         if record is None:
             return frozenset(), None
+        if getattr(getattr(self.amp, "forensics", None), "unseen_inside", False):
+            return frozenset(), (
+                "on_floor='promote' cannot tell which module overflowed: the forward watch armed at the floor saw the "
+                "call of the whole model but of no module inside it, as under torch.compile applied after the model "
+                "was prepared (fabric.setup and Accelerate's dynamo_backend compile after preparing it): hooks put on "
+                "after compilation are not traced in; pass diagnose_overflows=True (its hooks are put on when the "
+                "model is prepared, before it is compiled) or, with the core Amp, compile the model before preparing "
+                "it (a model class compiled before in this process reuses the code traced then: torch._dynamo.reset())"
+            )
         region = record.region if record.origin == "forward" else None
         if region is None or region.after is None or not self.amp.properties.casts_model:
             return frozenset(record.culprits()), None
-        if region.parent is None or any(prefix.rstrip(".") == region.parent for prefix, _ in self._roots):
+        if region.parent is None or any(self._whole(prefix, region.parent) for prefix, _ in self._roots):
+            region = self._shown(region)  # the user's names (as without torch.compile's _orig_mod)
             return frozenset(), (
                 f"on_floor='promote' cannot run the code {region.describe()} in FP32 at opt_level="
                 f"{self.amp.opt_level!r}: that code made the non-finite values ({region.kind}), a promoted module's "
@@ -133,6 +151,26 @@ class FloorDecision:
         self._promote(targets, record, common)
         return None
 
+    def _shown(self, region: CodeRegion) -> CodeRegion:
+        """``region`` with the user's module names (:class:`~lightning_mpx.health.tags.UserNames`)."""
+        forensics = getattr(self.amp, "forensics", None)
+        if forensics is None:
+            return region
+        names = forensics.user_names
+        return dataclasses.replace(
+            region,
+            parent=None if region.parent is None else names(region.parent),
+            after=None if region.after is None else names(region.after),
+            before=names(region.before),
+        )
+
+    def _whole(self, prefix: str, name: str) -> bool:
+        """Whether module ``name`` is the whole model prepared with ``prefix``: its root, or a wrapper's module inside
+        it (torch.compile's ``_orig_mod``, a data-parallel wrapper's ``module``: the same user's model)."""
+        forensics = getattr(self.amp, "forensics", None)
+        shown: Callable[[str], str] = forensics.user_names if forensics is not None else str
+        return name == prefix.rstrip(".") or shown(name) == shown(prefix.rstrip("."))
+
     def _targets(self, culprits: Iterable[str]) -> tuple[list[str], str | None]:
         """The modules to promote for ``culprits``: each one, or for one that runs in FP32 already its nearest
         ancestor that does not; never a whole model."""
@@ -143,9 +181,9 @@ class FloorDecision:
                 return [], f"on_floor='promote' could not find module {name!r} in the prepared model(s)"
             prefix, _ = found
             relative = name[len(prefix) :]
-            while self.runs_fp32(prefix + relative) and relative:
+            while self.runs_fp32(prefix + relative) and not self._whole(prefix, prefix + relative):
                 relative = relative.rpartition(".")[0]
-            if not relative:
+            if self._whole(prefix, prefix + relative):
                 return [], (
                     f"on_floor='promote' would have to run the whole model in FP32 to cure overflows in {name!r}; use "
                     + (

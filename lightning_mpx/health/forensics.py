@@ -13,7 +13,8 @@ were made by code between two module calls (``h = self.blow(h) * 1e5`` in a forw
 sum): the record names that code (:class:`CodeRegion`) and blames the module whose output fed it.
 :class:`~lightning_mpx.Amp` watches every step with ``diagnose_overflows=True``; otherwise it watches only after an
 overflow with the loss scale at its floor, until a step that does not overflow, so that the overflows that matter (the
-ones the scale cannot absorb) get a diagnosis and a healthy run has no hook at all.
+ones the scale cannot absorb) get a diagnosis and a healthy run has no hook at all (but inactive ones inside a model
+compiled before it was prepared, traced away by ``torch.compile``).
 """
 
 from __future__ import annotations
@@ -59,13 +60,20 @@ class ForwardWatch:
     the training forward). Gradient hooks on the
     parameters record each backward's own gradients the same way: before a clip changes them (at O1 the unscaled
     gradients are clipped in place) and before DDP averages them across processes. The hooks are removable handles
-    owned by the watch; :meth:`disarm` removes them.
+    owned by the watch; :meth:`disarm` removes them, except the forward hooks of the modules inside a model compiled
+    before it was prepared (``torch.compile`` traces in only the hooks present at its first call): those are put on
+    when the model is added and stay, returning at once while the watch is disarmed.
     """
 
     def __init__(self) -> None:
         self._models: list[tuple[weakref.ref[nn.Module], str]] = []
         self._handles: list[Any] = []
+        # The forward hooks of the modules that torch.compile traces (inside an OptimizedModule), by id(module): put
+        # on when the model is added and kept while disarmed (they return at once), since hooks put on after the
+        # first compiled call are not traced in, and the watch armed at the floor would see only the wrapper's call.
+        self._resident: dict[int, tuple[weakref.ref[nn.Module], list[Any]]] = {}
         self._names: list[str] = []  # (slot - _HEAD) // 2 -> module name (even: its output, odd: its inputs)
+        self._slot_of: dict[str, int] = {}  # module name -> its index in _names (kept while disarmed: resident hooks)
         self._params: list[str] = []  # -1 - slot -> parameter name
         self._values: torch.Tensor | None = None  # the largest magnitudes the calls measured since the last step
         self._count = 0  # entries of _values written since the last step
@@ -90,6 +98,7 @@ class ForwardWatch:
         if any(ref() is module for ref, _ in self._models):
             return
         self._models.append((weakref.ref(module), prefix))
+        self._hook_compiled(module, prefix)
         if self.active:
             self._hook(module, prefix)
             self.complete = False
@@ -107,11 +116,11 @@ class ForwardWatch:
         self.active, self.automatic, self.complete = True, automatic, False
 
     def disarm(self) -> None:
-        """Remove every hook and drop what was recorded."""
+        """Remove every hook (but the resident ones of compiled modules, which then do nothing) and drop what was
+        recorded."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._names.clear()
         self._params.clear()
         self._clear()
         self._open, self._grad_calls = [], 0
@@ -122,7 +131,8 @@ class ForwardWatch:
         # A model pickled or deep-copied with the hooks on it (torch.save(model), an EMA copy) takes a disarmed
         # watch along: its hooks then do nothing, and the models it watched are not pickled with it.
         state = dict(self.__dict__)
-        state.update(_models=[], _handles=[], _names=[], _params=[], _values=None, _count=0, _calls=[], _at=[])
+        state.update(_models=[], _handles=[], _resident={}, _names=[], _slot_of={}, _params=[], _values=None)
+        state.update(_count=0, _calls=[], _at=[])
         state.update(_last=None, _open=[], _grad_calls=0)
         state.update(active=False, automatic=False, complete=False)
         return state
@@ -144,14 +154,18 @@ class ForwardWatch:
             return None
         return self._values[: self._count]
 
+    def called(self) -> set[str]:
+        """The modules whose calls were watched since the last step."""
+        if self._stale:
+            return set()
+        return {self._names[(slot - _HEAD) // 2] for slot in self._calls if slot > 0}
+
     @property
     def parameter_names(self) -> frozenset[str]:
         """The parameters whose gradients the hooks watch."""
         return frozenset(self._params)
 
-    def decode(
-        self, values: Sequence[float]
-    ) -> tuple[bool, dict[str, Kind], dict[str, Kind], CodeRegion | None]:
+    def decode(self, values: Sequence[float]) -> tuple[bool, dict[str, Kind], dict[str, Kind], CodeRegion | None]:
         """From the values of :meth:`flags` read on the host: whether the loss was non-finite, the modules with
         non-finite outputs and their kind in forward order (of their first non-finite output), the parameters whose
         gradients a backward produced non-finite, with their kind, in backward order, and the code between module
@@ -186,7 +200,7 @@ class ForwardWatch:
                     running.append(name)
                 else:
                     if name in running:  # a forward that raised left no output call: pop to this one
-                        del running[len(running) - 1 - running[::-1].index(name):]
+                        del running[len(running) - 1 - running[::-1].index(name) :]
                     if kind is not None:
                         outputs[name] = merge_kinds(outputs.get(name), kind)
                 forward_bad = forward_bad or kind is not None
@@ -196,19 +210,43 @@ class ForwardWatch:
     # -- internals ----------------------------------------------------------------------------------------------
     def _hook(self, module: nn.Module, prefix: str) -> None:
         for name, child in module.named_modules():
-            self._names.append(prefix + name if name else prefix.rstrip("."))
-            slot = _HEAD + 2 * (len(self._names) - 1)
-            inputs = functools.partial(self._on_input, slot + 1)
-            self._handles.append(child.register_forward_pre_hook(inputs, with_kwargs=True))
-            # always_call: a forward that raises (an out-of-memory error the user catches) still closes its call
-            hook = functools.partial(self._on_output, slot)
-            self._handles.append(child.register_forward_hook(hook, always_call=True))
+            resident = self._resident.get(id(child))
+            if resident is None or resident[0]() is not child:
+                self._handles.extend(self._module_hooks(child, prefix + name if name else prefix.rstrip(".")))
         for name, param in module.named_parameters():
             if param.requires_grad:
                 # A tensor hook sees this backward's own gradient: before it is accumulated, unscaled, clipped or
                 # averaged across processes by DDP's reducer.
                 self._params.append(prefix + name)
                 self._handles.append(param.register_hook(functools.partial(self._on_grad, -len(self._params))))
+
+    def _hook_compiled(self, module: nn.Module, prefix: str) -> None:
+        """Put the resident forward hooks on the modules of ``module`` that torch.compile traces (an OptimizedModule's
+        ``_orig_mod`` and the modules inside it), before their first compiled call: a hook put on later is not traced
+        in. Inactive, they return at once (torch.compile guards on :attr:`active`: arming recompiles once)."""
+        traced: list[str] = []
+        for name, child in module.named_modules():
+            inside = any(name == t or name.startswith(t + ".") for t in traced)
+            if not inside and isinstance(getattr(child, "_orig_mod", None), nn.Module):
+                traced.append(f"{name}._orig_mod" if name else "_orig_mod")
+            elif inside and id(child) not in self._resident:
+                handles = self._module_hooks(child, prefix + name)
+                self._resident[id(child)] = (weakref.ref(child), handles)
+
+    def _module_hooks(self, child: nn.Module, name: str) -> list[Any]:
+        """Hook ``child``'s calls (its inputs and its output), named ``name``; the handles."""
+        index = self._slot_of.get(name)
+        if index is None:
+            index = self._slot_of[name] = len(self._names)
+            self._names.append(name)
+        slot = _HEAD + 2 * index
+        inputs = functools.partial(self._on_input, slot + 1)
+        # always_call: a forward that raises (an out-of-memory error the user catches) still closes its call
+        output = functools.partial(self._on_output, slot)
+        return [
+            child.register_forward_pre_hook(inputs, with_kwargs=True),
+            child.register_forward_hook(output, always_call=True),
+        ]
 
     def _on_grad(self, slot: int, grad: torch.Tensor) -> None:
         if self.active and grad.is_floating_point() and not grad.is_sparse:
@@ -356,6 +394,8 @@ class OverflowForensics:
         # The user's names of the modules in the tags (without a data-parallel wrapper's "module"), the counts' (and
         # the checkpoint's) too.
         self.user_names = UserNames()
+        # The last record's watched forward called the prepared models but no module inside them (_unseen_inside)
+        self.unseen_inside = False
         self.diagnose = diagnose
 
     @property
@@ -419,7 +459,8 @@ class OverflowForensics:
             loss_bad, outputs, produced, region = self.watch.decode(values[offset + len(scales) :])
             order = {name: index for index, (name, _) in enumerate(grads)}  # this optimizer's, in its order
             produced = {name: kind for name, kind in produced.items() if name in order}
-            complete = self.watch.complete
+            self.unseen_inside = self._unseen_inside()
+            complete = self.watch.complete and not self.unseen_inside
             if produced or complete:
                 own_backward = bool(produced)
             if produced and complete:
@@ -460,6 +501,23 @@ class OverflowForensics:
             backward_nonfinite=own_backward,
             region=region,
         )
+
+    def _unseen_inside(self) -> bool:
+        """Whether the watched forward since the last step called the prepared models but none of the modules inside
+        them: their hooks were not traced in (a model compiled with torch.compile after it was prepared, as
+        ``fabric.setup`` and Accelerate's ``dynamo_backend`` do, keeps the hooks put on later out of its compiled
+        code), so that the whole model would be blamed for whatever overflowed in it."""
+        called = {self.user_names(name) for name in self.watch.called()}
+        roots: set[str] = set()
+        inside = False
+        for ref, prefix in self.watch._models:
+            model = ref()
+            if model is not None:
+                root = self.user_names(prefix.rstrip("."))
+                roots.add(root)
+                if root in called and not inside:  # a called model with modules inside it
+                    inside = any(self.user_names(prefix + name) != root for name, _ in model.named_modules())
+        return bool(called) and called <= roots and inside
 
     def gather(self, record: OverflowRecord) -> OverflowRecord:
         """Under an initialised process group of several processes, every rank's record merged (all ranks call

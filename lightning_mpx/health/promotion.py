@@ -85,6 +85,7 @@ class _Engine(Protocol):
     @property
     def half_dtype(self) -> torch.dtype: ...
 
+
 #: How many overflows in a row at the loss-scale floor must share a culprit before ``on_floor="promote"`` promotes
 #: it (the default of :attr:`Promotion.patience`): one overflow at the floor can be a bad batch, two from the same
 #: module are a pattern.
@@ -276,8 +277,13 @@ class Promotion(FloorDecision):
         unmatched = [pattern for pattern in self.patterns if pattern not in self._matched]
         if not unmatched:
             return
-        names = [prefix + name for prefix, ref in self._roots if (root := ref()) is not None
-                 for name, _ in root.named_modules() if name]
+        names = [
+            prefix + name
+            for prefix, ref in self._roots
+            if (root := ref()) is not None
+            for name, _ in root.named_modules()
+            if name
+        ]
         shown = ", ".join(map(repr, names[:12])) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
         raise ValueError(
             f"fp32_modules pattern(s) {', '.join(map(repr, unmatched))} match no module of the prepared model(s); "
@@ -295,8 +301,7 @@ class Promotion(FloorDecision):
             if amp.properties.casts_model:
                 self._module_to_fp32_in_place(module)
             params = (
-                {} if record is None
-                else {p: kind for p, kind in record.parameters.items() if p.startswith(name + ".")}
+                {} if record is None else {p: kind for p, kind in record.parameters.items() if p.startswith(name + ".")}
             )
             region = record.region if record is not None and record.origin == "forward" else None
             self.promoted[name] = {
@@ -314,9 +319,14 @@ class Promotion(FloorDecision):
                     "on_floor='promote': running %s in FP32 from now on (step %s, opt_level %s): the loss scale is at "
                     "its floor (%s) and the last %d overflows there came from %s (origin %s; non-finite gradients: "
                     "%s)",
-                    name, self.promoted[name]["step"], amp.opt_level, self.promoted[name]["scale"], self.patience,
+                    name,
+                    self.promoted[name]["step"],
+                    amp.opt_level,
+                    self.promoted[name]["scale"],
+                    self.patience,
                     "it" if blamed == [name] else ", ".join(blamed) + ", which already ran in FP32",
-                    self.promoted[name]["origin"] + made, shown,
+                    self.promoted[name]["origin"] + made,
+                    shown,
                 )
         self._rehook()
 
@@ -366,7 +376,7 @@ class Promotion(FloorDecision):
     def check_state_dict(self, state: dict[str, Any] | None) -> None:
         """Raise, changing nothing, if a promoted module of ``state`` is not in the prepared model(s)."""
         for name in (state or {}).get("promoted", {}):
-            if self._module(name) is None:
+            if self._local_name(name) is None:
                 raise KeyError(
                     f"the checkpoint promoted module {name!r} to FP32, but the prepared model(s) have no module of "
                     "that name; resume with the same model."
@@ -375,16 +385,18 @@ class Promotion(FloorDecision):
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """Promote the modules ``state`` promoted (those not promoted yet; they were promoted in the run that
         saved it)."""
-        new = [n for n in (state or {}).get("promoted", {}) if not self.runs_fp32(n)]
         if not state:
             return
+        # by this run's names: a run compiled or in a data-parallel wrapper and its resume without (or the reverse)
+        promoted = {self._local_name(n) or n: evidence for n, evidence in state.get("promoted", {}).items()}
+        new = [n for n in promoted if not self.runs_fp32(n)]
         amp = self.amp
         for name in new:
             module = self._module(name)
             assert module is not None
             if amp.properties.casts_model:
                 self._module_to_fp32_in_place(module)
-        for name, evidence in state["promoted"].items():
+        for name, evidence in promoted.items():
             self.promoted.setdefault(name, dict(evidence))
         self._rehook()
 
@@ -393,14 +405,16 @@ class Promotion(FloorDecision):
         weights = (state or {}).get("weights", {})
         if not weights:
             return
+        saved = {self._local_name(n) or n: n for n in (state or {}).get("promoted", {})}  # this run's: the saved
         with torch.no_grad():
             for name in self.promoted:
                 module = self._module(name)
                 if module is None:
                     continue
-                for param_name, param in module.named_parameters(prefix=name):
-                    if param_name in weights:
-                        param.copy_(weights[param_name])
+                for param_name, param in module.named_parameters():
+                    key = f"{saved.get(name, name)}.{param_name}"
+                    if key in weights:
+                        param.copy_(weights[key])
 
     def remove_hooks(self) -> None:
         """Remove the forward hooks of the FP32 modules (at O2/O3 such a module then gets half inputs it cannot
@@ -439,10 +453,12 @@ class Promotion(FloorDecision):
                 )
             # Inputs: after any other pre-hook (an adapter's boundary cast to half). Outputs: before any other
             # forward hook (an adapter's boundary cast to FP32 must see the half output last).
-            self.hooks.setdefault(found[1], []).extend((
-                module.register_forward_pre_hook(boundary.pre, with_kwargs=True),
-                module.register_forward_hook(boundary.post, prepend=True, always_call=True),
-            ))
+            self.hooks.setdefault(found[1], []).extend(
+                (
+                    module.register_forward_pre_hook(boundary.pre, with_kwargs=True),
+                    module.register_forward_hook(boundary.post, prepend=True, always_call=True),
+                )
+            )
 
     def _root_of(self, name: str) -> tuple[str, nn.Module] | None:
         for prefix, ref in reversed(self._roots):  # longest prefixes ("model1.") were added last
@@ -451,24 +467,44 @@ class Promotion(FloorDecision):
                 return prefix, root
         return None
 
+    def _local_name(self, name: str) -> str | None:
+        """This run's name of the module a checkpoint named ``name``: itself, or the module the user calls the same
+        (:class:`~lightning_mpx.health.tags.UserNames`: a checkpoint of a compiled or data-parallel run names it
+        ``_orig_mod.<name>`` or ``module.<name>``); ``None`` when there is none."""
+        if self._module(name) is not None:
+            return name
+        forensics = getattr(self.amp, "forensics", None)
+        if forensics is None:
+            return None
+        shown = forensics.user_names
+        wanted = shown(name)
+        for prefix, ref in self._roots:
+            root = ref()
+            if root is not None:
+                for local, _ in root.named_modules(prefix=prefix.rstrip(".")):
+                    if local and shown(local) == wanted:
+                        return local
+        return None
+
     def _module(self, name: str) -> nn.Module | None:
         found = self._root_of(name)
         if found is None:
             return None
         prefix, root = found
         try:
-            return root.get_submodule(name[len(prefix):])
+            return root.get_submodule(name[len(prefix) :])
         except AttributeError:
             return None
 
-    def _parameter_owners(self) -> frozenset[str]:
-        """Names of the modules that hold parameters of their own, in every prepared model."""
+    def _parameter_owners(self, trainable: bool = False) -> frozenset[str]:
+        """Names of the modules that hold parameters of their own (``trainable``: that require gradients), in every
+        prepared model."""
         owners = set()
         for prefix, ref in self._roots:
             root = ref()
             if root is not None:
                 for name, module in root.named_modules():
-                    if any(True for _ in module.parameters(recurse=False)):
+                    if any(p.requires_grad or not trainable for p in module.parameters(recurse=False)):
                         owners.add(prefix + name)
         return frozenset(owners)
 
