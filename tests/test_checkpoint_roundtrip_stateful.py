@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from hypothesis import assume
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from torch import nn
 
 from lightning_mpx import Amp
@@ -161,9 +162,15 @@ class RoundTripChangesNothing(RuleBasedStateMachine):
 
     @rule(order=st.sampled_from(ORDERS))
     def resume_fresh(self, order: tuple[str, ...]) -> None:
-        """Every gradient cleared (both runs), then the tripped run saved and resumed into fresh objects."""
+        """Every gradient cleared (both runs), then the tripped run saved and resumed into fresh objects. Only where
+        no check of any optimizer's gradients is held since its last step (``amp.found_inf`` is ``None``): an
+        ``unscale_``'s or clip's finding is not saved (as ``GradScaler``'s per-optimizer state is not), so a resume
+        there steps where the twin skips on purpose; and an overflow charged to gradients that are cleared since is
+        the strict xfail ``test_an_overflow_in_cleared_leftovers_does_not_skip_the_next_step``
+        (tests/test_leftover_grads.py), left out here."""
         self._both(lambda run: run.model.zero_grad(set_to_none=True))
         self._both(lambda run: [opt.zero_grad(set_to_none=True) for opt in run.opts.values()] and None)
+        assume(all(self.twin.amp.found_inf(opt) is None for opt in self.twin.opts.values()))
         state = self.tripped.saved()
         self.tripped = _Run(self.level, self.kind)
         self.tripped.load(state, order)
