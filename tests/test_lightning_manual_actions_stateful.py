@@ -2,8 +2,8 @@
 each a hypothesis-chosen list of what a training step does, against an FP32 twin driven in lockstep inside the same
 ``training_step``.
 
-The LightningModule holds two optimizers (SGD with momentum over the body, AdamW over the head) and, outside its
-registered modules, an FP32 copy of itself with the same two optimizers in plain torch. Each training step runs its
+The LightningModule holds two optimizers (SGD with momentum over the body, Nesterov SGD with weight decay over the
+head) and, outside its registered modules, an FP32 copy of itself with the same two optimizers in plain torch. Each training step runs its
 drawn actions in order on both: ``self.manual_backward(loss)``, ``self.clip_gradients(opt, 0.05, "norm")`` of either
 optimizer, ``opt.step()`` of either, ``opt.zero_grad()`` of either (gradients left by a step and added to by the next
 backward are part of the draws, issue 48's semantics). After each step of one optimizer what it trains (the FP32
@@ -47,7 +47,9 @@ def _data(batches: int) -> torch.utils.data.DataLoader:
 
 def _optimizers(net: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
     return (torch.optim.SGD(net[0].parameters(), lr=0.1, momentum=0.5),
-            torch.optim.AdamW(net[2].parameters(), lr=1e-2, weight_decay=0.1))  # fmt: skip
+            # Not Adam: its first step is lr * sign(g), which bfloat16's noise in a near-zero gradient flips (off by
+            # 2 * lr against FP32, found at stop 71), and it is blind to a wrong gradient scale
+            torch.optim.SGD(net[2].parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01))  # fmt: skip
 
 
 class ActionsInLockstep(pl.LightningModule):
@@ -102,7 +104,7 @@ class ActionsInLockstep(pl.LightningModule):
 
 @given(level=st.sampled_from(["O1", "O2"]),
        plans=st.lists(st.lists(st.sampled_from(ACTIONS), min_size=2, max_size=7), min_size=2, max_size=4))  # fmt: skip
-@stateful_settings(max_examples=int(os.environ.get("MANUAL_ACTIONS_EXAMPLES", "4")), steps=1)
+@stateful_settings(max_examples=int(os.environ.get("MANUAL_ACTIONS_EXAMPLES", "20")), steps=1)
 def test_manual_actions_track_fp32(level: str, plans: list[list[str]]) -> None:
     plugin = MixedPrecisionPlugin(level, half_dtype="bfloat16")
     module = ActionsInLockstep(plans, plugin)
