@@ -27,15 +27,18 @@ import itertools
 import os
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import assume
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from torch import nn
 
 from lightning_mpx import Amp
 from tests.stateful_helpers import assert_same, assert_same_state, seeded_batch, stateful_settings
+
+# The rules step the scheduler wherever they like (before the first optimizer step too): torch's warning says so.
+pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 
 ORDERS = list(itertools.permutations(("model", "optimizer", "amp")))
 
@@ -170,7 +173,8 @@ class RoundTripChangesNothing(RuleBasedStateMachine):
         (tests/test_leftover_grads.py), left out here."""
         self._both(lambda run: run.model.zero_grad(set_to_none=True))
         self._both(lambda run: [opt.zero_grad(set_to_none=True) for opt in run.opts.values()] and None)
-        assume(all(self.twin.amp.found_inf(opt) is None for opt in self.twin.opts.values()))
+        if any(self.twin.amp.found_inf(opt) is not None for opt in self.twin.opts.values()):
+            return  # the sequence goes on from the cleared gradients, without the resume
         state = self.tripped.saved()
         self.tripped = _Run(self.level, self.kind)
         self.tripped.load(state, order)
@@ -205,6 +209,6 @@ def _same_nested(got: Any, want: Any, where: str) -> None:
 
 
 RoundTripChangesNothing.TestCase.settings = stateful_settings(
-    max_examples=int(os.environ.get("CKPT_RT_EXAMPLES", "8")), steps=14
+    max_examples=int(os.environ.get("CKPT_RT_EXAMPLES", "40")), steps=20
 )
 TestRoundTripChangesNothing = RoundTripChangesNothing.TestCase
