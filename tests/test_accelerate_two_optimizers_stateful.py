@@ -1,23 +1,23 @@
 """Random sequences of an Accelerate GAN-style loop with two optimizers, through
 ``lightning_mpx.integrations.accelerate.Accelerator`` at O1 and O2, against the same loop in plain FP32 PyTorch.
 
-The set-up (drawn): O1 or O2; bfloat16 under a dynamic scale, or float16; ``gradient_accumulation_steps`` 1 or 2;
-a body optimizer (SGD with momentum over the first Linear, a StepLR on it) and a head optimizer (AdamW over the last
-Linear), all passed through ``accelerator.prepare``. Rules, each a user habit: a window of Accelerate's documented loop
-(``with accelerator.accumulate(model):`` a backward, then on the synchronising micro-step an optional
+The set-up (drawn): O1 or O2; bfloat16 under a dynamic scale, or float16; ``gradient_accumulation_steps`` 1 or 2; a body
+optimizer (SGD with momentum over the first Linear, a StepLR on it) and a head optimizer (Nesterov SGD with weight decay
+over the last Linear), all passed through ``accelerator.prepare``. Rules, each a user habit: a window of Accelerate's
+documented loop (``with accelerator.accumulate(model):`` a backward, then on the synchronising micro-step an optional
 ``accelerator.unscale_gradients`` of one optimizer or all, an optional ``accelerator.clip_grad_norm_`` of one
 optimizer's parameters or the whole model's, or ``clip_grad_value_``; then on every micro-step the steps of both
-optimizers or of one (the scheduler's step with the body's), both ``zero_grad``), optionally with a bad batch (an infinite loss in one
-micro-step); ``accelerator.save_state`` to one of two directories, and later ``load_state`` of one.
+optimizers or of one (the scheduler's step with the body's), both ``zero_grad``), optionally with a bad batch (an
+infinite loss in one micro-step); ``accelerator.save_state`` to one of two directories, and later ``load_state`` of one.
 
 After every window what the optimizers train (the FP32 masters at O2) matches the FP32 loop within half-precision
-rounding, and the reference then takes those values, so that each window is compared from the same point; a bad
-window leaves everything (weights, masters, the learning rate) as it was, bit for bit, and halves the scale (at
-once when both optimizers stepped, docs/accelerate.md); a resume
-restores the trained values, the model's weights, the learning rate and the loss scale exactly.
+rounding, and the reference then takes those values, so that each window is compared from the same point; a bad window
+leaves everything (weights, masters, the learning rate) as it was, bit for bit, and halves the scale (at once when both
+optimizers stepped, else at the next backward: docs/accelerate.md); a resume restores the trained values, the model's weights, the learning rate
+and the loss scale exactly.
 
-CI runs a few derandomized examples (tests/conftest.py's profile). To explore, run by hand:
-``HYPOTHESIS_PROFILE=explore ACCEL2_EXAMPLES=200 PYTHONPATH=$PWD python -m pytest -q -p no:cacheprovider
+CI runs a few derandomized examples (tests/conftest.py's profile). To explore, run by hand: ``HYPOTHESIS_PROFILE=explore
+ACCEL2_EXAMPLES=200 PYTHONPATH=$PWD python -m pytest -q -p no:cacheprovider
 tests/test_accelerate_two_optimizers_stateful.py --hypothesis-seed=N`` for a few seeds N.
 """
 
@@ -59,7 +59,10 @@ def _fresh_state() -> None:
 
 def _optimizers(net: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer, Any]:
     body = torch.optim.SGD(net[0].parameters(), lr=0.1, momentum=0.5)
-    head = torch.optim.AdamW(net[2].parameters(), lr=1e-2, weight_decay=0.1)
+    # Not Adam: its first step is lr * sign(g), which half precision's noise in a near-zero gradient flips (off by
+    # 2 * lr against FP32, found at stop 71); Adam's state through a checkpoint is
+    # tests/test_checkpoint_roundtrip_stateful.py's
+    head = torch.optim.SGD(net[2].parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)
     return body, head, torch.optim.lr_scheduler.StepLR(body, step_size=2, gamma=0.5)
 
 
@@ -91,8 +94,9 @@ class TwoOptimizersAgainstFP32(RuleBasedStateMachine):
         return [self.accelerator.amp.master_of(p).detach().clone() for p in self._params()]
 
     def _snapshot(self) -> dict[str, Any]:
-        return {"trained": self._trained(), "weights": [p.detach().clone() for p in self._params()],
-                "scale": self.accelerator.amp.scalers[0].get_scale(), "lr": self.body.param_groups[0]["lr"]}  # fmt: skip
+        weights = [p.detach().clone() for p in self._params()]
+        scale, lr = self.accelerator.amp.scalers[0].get_scale(), self.body.param_groups[0]["lr"]
+        return {"trained": self._trained(), "weights": weights, "scale": scale, "lr": lr}
 
     def _sync_reference(self) -> None:
         with torch.no_grad():
@@ -170,7 +174,8 @@ class TwoOptimizersAgainstFP32(RuleBasedStateMachine):
         self.ref_head.zero_grad()
         assert self.body.param_groups[0]["lr"] == self.ref_body.param_groups[0]["lr"]
         for index, (got, want) in enumerate(zip(self._trained(), self.ref.parameters(), strict=True)):
-            torch.testing.assert_close(got.float(), want.detach(), **TOLERANCE[self.half], msg=f"tensor {index}")
+            torch.testing.assert_close(got.float(), want.detach(), **TOLERANCE[self.half],
+                                       msg=lambda m, i=index: f"tensor {i}: {m}")  # fmt: skip
         for weight, trained in zip(self._params(), self._trained(), strict=True):
             assert torch.equal(weight.detach(), trained.to(weight.dtype)), "the weights are not the trained values"
         self._sync_reference()

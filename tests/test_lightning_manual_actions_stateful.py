@@ -2,16 +2,16 @@
 each a hypothesis-chosen list of what a training step does, against an FP32 twin driven in lockstep inside the same
 ``training_step``.
 
-The LightningModule holds two optimizers (SGD with momentum over the body, Nesterov SGD with weight decay over the
-head) and, outside its registered modules, an FP32 copy of itself with the same two optimizers in plain torch. Each training step runs its
-drawn actions in order on both: ``self.manual_backward(loss)``, ``self.clip_gradients(opt, 0.05, "norm")`` of either
-optimizer, ``opt.step()`` of either, ``opt.zero_grad()`` of either (gradients left by a step and added to by the next
-backward are part of the draws, issue 48's semantics). After each step of one optimizer what it trains (the FP32
-masters at O2, the weights at O1) matches the twin's within bfloat16's rounding, and the twin then takes our values,
-so that each step is compared from the same point.
+The LightningModule holds two optimizers (SGD with momentum over the body, Nesterov SGD with weight decay over the head)
+and, outside its registered modules, an FP32 copy of itself with the same two optimizers in plain torch. Each training
+step runs its drawn actions in order on both: ``self.manual_backward(loss)``, ``self.clip_gradients(opt, 0.05, "norm")``
+of either optimizer, ``opt.step()`` of either, ``opt.zero_grad()`` of either (gradients left by a step and added to by
+the next backward are part of the draws, issue 48's semantics). After each step of one optimizer what it trains (the
+FP32 masters at O2, the weights at O1) matches the twin's within bfloat16's rounding, and the twin then takes our
+values, so that each step is compared from the same point.
 
-CI runs a few derandomized examples (tests/conftest.py's profile). To explore, run by hand:
-``HYPOTHESIS_PROFILE=explore MANUAL_ACTIONS_EXAMPLES=40 PYTHONPATH=$PWD python -m pytest -q -p no:cacheprovider
+CI runs a few derandomized examples (tests/conftest.py's profile). To explore, run by hand: ``HYPOTHESIS_PROFILE=explore
+MANUAL_ACTIONS_EXAMPLES=40 PYTHONPATH=$PWD python -m pytest -q -p no:cacheprovider
 tests/test_lightning_manual_actions_stateful.py --hypothesis-seed=N`` for a few seeds N.
 """
 
@@ -94,8 +94,10 @@ class ActionsInLockstep(pl.LightningModule):
                 with casts_off_if_on():
                     ref_opt.step()
                 for index, (got, want) in enumerate(zip(self._trained(mine), twin.parameters(), strict=True)):
-                    torch.testing.assert_close(got.float(), want.detach(), **TOLERANCE,
-                                               msg=lambda m, i=index: f"{action} at batch {batch_idx}, tensor {i}: {m}")  # fmt: skip
+                    where = f"{action} at batch {batch_idx}, tensor {index}"
+                    torch.testing.assert_close(
+                        got.float(), want.detach(), **TOLERANCE, msg=lambda m, w=where: f"{w}: {m}"
+                    )
                 with torch.no_grad():  # the twin goes on from our values
                     for got, want in zip(self._trained(mine), twin.parameters(), strict=True):
                         want.copy_(got.float())
