@@ -13,8 +13,8 @@ infinite loss in one micro-step); ``accelerator.save_state`` to one of two direc
 After every window what the optimizers train (the FP32 masters at O2) matches the FP32 loop within half-precision
 rounding, and the reference then takes those values, so that each window is compared from the same point; a bad window
 leaves everything (weights, masters, the learning rate) as it was, bit for bit, and halves the scale (at once when both
-optimizers stepped, else at the next backward: docs/accelerate.md); a resume restores the trained values, the model's weights, the learning rate
-and the loss scale exactly.
+optimizers stepped, else at the next backward: docs/accelerate.md); a resume restores the trained values, the model's
+weights, the learning rate and the loss scale exactly.
 
 CI runs a few derandomized examples (tests/conftest.py's profile). To explore, run by hand: ``HYPOTHESIS_PROFILE=explore
 ACCEL2_EXAMPLES=200 PYTHONPATH=$PWD python -m pytest -q -p no:cacheprovider
