@@ -179,7 +179,8 @@ def run(args: argparse.Namespace) -> None:
             summary = _pytest(suite, paths, extra, {"MPX_ALL": "1", "MPX_OL": level}, stem, args)
             failed = sorted(k for k, v in summary["outcomes"].items() if v in ("failed", "error"))
             if failed and not args.no_rerun:
-                _pytest(suite, [_from_suite_dir(f, suite) for f in failed], [], {"MPX_OFF": "1"}, out / f"{group}-{level}-off", args)
+                ids = [_from_suite_dir(f, suite) for f in failed]
+                _pytest(suite, ids, [], {"MPX_OFF": "1"}, out / f"{group}-{level}-off", args)
 
 
 def main() -> None:
