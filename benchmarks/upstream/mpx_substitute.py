@@ -5,6 +5,7 @@ Load it with ``-p mpx_substitute`` (this folder on ``PYTHONPATH``). Environment:
 - ``MPX_OL``: the opt level put in place (``O2`` by default; ``O1``, ``O0``, ``O3`` also).
 - ``MPX_ALL=1``: substitute also where a test asks for no mixed precision (``precision=None``/``"32-true"``,
   ``mixed_precision=None``/``"no"``), which is most of the frameworks' tests.
+- ``MPX_HF=1``: substitute ``transformers.Trainer`` too (see :func:`_patch_transformers`).
 - ``MPX_OFF=1``: substitute nothing (the rerun of a failure without the plugin, to classify it).
 
 Where a test builds
@@ -163,11 +164,42 @@ def _patch_accelerate() -> None:
     accelerate.accelerator.Accelerator = MpxHarnessAccelerator
 
 
+def _patch_transformers() -> None:
+    """``transformers.Trainer`` -> a ``MpxTrainerMixin`` subclass with ``MPX_OL`` (``MPX_HF=1`` only: importing
+    transformers costs seconds). Every Trainer is substituted; ``TrainingArguments(fp16=True)`` (or its
+    ``*_full_eval``) gives float16 and is turned off (the mixin refuses both precisions at once), else bfloat16.
+    Patched before the test modules import, so a test's ``class MyTrainer(Trainer)`` subclasses it too."""
+    import transformers
+    import transformers.trainer
+
+    from lightning_mpx.integrations.accelerate import MixedPrecisionKwargs
+    from lightning_mpx.integrations.hf_trainer import MpxTrainerMixin
+
+    class MpxHarnessTrainer(MpxTrainerMixin, transformers.trainer.Trainer):  # type: ignore[misc,name-defined]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            targs = kwargs.get("args", args[1] if len(args) > 1 else None)
+            half = "bfloat16"
+            if targs is not None:
+                if targs.fp16 or targs.fp16_full_eval:
+                    half = "float16"
+                for name in ("fp16", "bf16", "fp16_full_eval", "bf16_full_eval"):
+                    setattr(targs, name, False)
+            kwargs.setdefault("opt_level", _level())
+            kwargs.setdefault("mpx_kwargs", MixedPrecisionKwargs(half_dtype=half))
+            _COUNTS["Trainer(transformers)"] += 1
+            super().__init__(*args, **kwargs)
+
+    transformers.Trainer = MpxHarnessTrainer
+    transformers.trainer.Trainer = MpxHarnessTrainer
+
+
 def pytest_configure(config: Any) -> None:
     if _off():
         return
     _patch_lightning()
     _patch_accelerate()
+    if os.environ.get("MPX_HF", "") == "1":
+        _patch_transformers()
 
 
 def pytest_runtest_logreport(report: Any) -> None:
