@@ -5,7 +5,7 @@ Load it with ``-p mpx_substitute`` (this folder on ``PYTHONPATH``). Environment:
 - ``MPX_OL``: the opt level put in place (``O2`` by default; ``O1``, ``O0``, ``O3`` also).
 - ``MPX_ALL=1``: substitute also where a test asks for no mixed precision (``precision=None``/``"32-true"``,
   ``mixed_precision=None``/``"no"``), which is most of the frameworks' tests.
-- ``MPX_HF=1``: substitute ``transformers.Trainer`` too (see :func:`_patch_transformers`).
+- ``MPX_HF=1``: substitute ``transformers.Trainer`` (see :func:`_patch_transformers`) instead of Accelerate's class.
 - ``MPX_OFF=1``: substitute nothing (the rerun of a failure without the plugin, to classify it).
 
 Where a test builds
@@ -197,9 +197,12 @@ def pytest_configure(config: Any) -> None:
     if _off():
         return
     _patch_lightning()
-    _patch_accelerate()
     if os.environ.get("MPX_HF", "") == "1":
+        # Not Accelerate's class as well: the Trainer builds Accelerate's own Accelerator first (mixed_precision "no",
+        # which MPX_ALL would turn into an opt level) before the mixin replaces it with ours.
         _patch_transformers()
+    else:
+        _patch_accelerate()
 
 
 def pytest_runtest_logreport(report: Any) -> None:
