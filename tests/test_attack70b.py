@@ -456,7 +456,7 @@ def test_apex_hand_weight_decay_between_blocks_and_a_checkpoint_inside_the_accum
 
 
 # -- 7. gaps left (strict xfails) ------------------------------------------------------------------------------------
-def _clip_one_write_other(level: str) -> tuple[float, torch.Tensor]:
+def _clip_one_write_other(level: str, clip: str = "norm") -> tuple[float, torch.Tensor]:
     """Two prepared models with an optimizer each (float16, a static scale of 2**10; ``"no"``: Accelerate's FP32), one
     backward through both, ``clip_grad_norm_`` of the body's parameters, then a read and a write (``+ 0.01``) of the
     head's gradient and both steps: the norm read, the head's FP32 weight. (Accelerate's own ``"fp16"`` reads the head's
@@ -478,7 +478,10 @@ def _clip_one_write_other(level: str) -> tuple[float, torch.Tensor]:
             acc = Accelerator(mixed_precision=level, cpu=True, kwargs_handlers=[kwargs])
         body, head, *opts = acc.prepare(body, head, *opts)
         acc.backward(head(body(torch.randn(5, 4, generator=torch.Generator().manual_seed(1)))).float().square().mean())
-        acc.clip_grad_norm_(body.parameters(), 10.0)
+        if clip == "value":
+            acc.clip_grad_value_(body.parameters(), 10.0)
+        else:  # norm type 1: torch's clip of the masters, not the engine's fused one
+            acc.clip_grad_norm_(body.parameters(), 10.0, norm_type=1 if clip == "norm1" else 2)
         read = head.weight.grad.float().norm().item()
         head.weight.grad.add_(0.01)
         for opt in opts:
@@ -487,21 +490,15 @@ def _clip_one_write_other(level: str) -> tuple[float, torch.Tensor]:
     return read, weight
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack70b: accelerator.clip_grad_norm_/clip_grad_value_ unscale only the optimizers that train the "
-    "parameters clipped, where Accelerate's own clip calls unscale_gradients() of every optimizer. After a clip of one "
-    "model's parameters another optimizer's gradients are still scaled: a read gives 1024x (740 where FP32 and 'fp16' "
-    "read 0.72) and an additive write (+ 0.01, noise) is divided by the scale at its step (lost: 1e-3 off FP32 in one "
-    "step), O1 and O2, silently (with bfloat16's default scale of 1 nothing differs). Way out: "
-    "accelerator.unscale_gradients() before the clip (then 1.5e-5 off FP32). Unscaling every optimizer at each clip "
-    "would change a GAN loop's per-step work (the other model's gradients unscaled, then scaled back at its backward)",
-)
+@pytest.mark.parametrize("clip", ["norm", "norm1", "value"])
 @pytest.mark.parametrize("level", ["O1", "O2"])
-def test_accelerate_clip_of_one_optimizers_parameters_unscales_the_others_as_accelerate(level: str) -> None:
+def test_accelerate_clip_of_one_optimizers_parameters_unscales_the_others_as_accelerate(level: str, clip: str) -> None:
+    """``accelerator.clip_grad_norm_`` of one model's parameters unscales every prepared optimizer, as Accelerate's own
+    clip calls ``unscale_gradients()``: before, the other optimizer's gradients stayed scaled (a read gave 740 where FP32
+    reads 0.72, and a ``+ 0.01`` write was divided by the scale at its step: 1e-3 off FP32), O1 and O2, silently."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        (got_read, got), (want_read, want) = _clip_one_write_other(level), _clip_one_write_other("no")
+        (got_read, got), (want_read, want) = _clip_one_write_other(level, clip), _clip_one_write_other("no", clip)
     assert got_read == pytest.approx(want_read, rel=1e-2)
     assert (got - want).abs().max() < 1e-4
 

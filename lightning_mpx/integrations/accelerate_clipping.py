@@ -98,6 +98,7 @@ class GradientClipping:
                 owner.unscaled = True
                 if shown:  # ... and then the clipped ones, as Accelerate's own "fp16" leaves them
                     self._show_clipped(owners)
+                self._unscale_others(owners)
                 return norm
         if self.amp.sharded:
             raise ValueError(
@@ -113,6 +114,7 @@ class GradientClipping:
             return torch.nn.utils.get_total_norm([t.grad for t in targets if t.grad is not None], norm_type)
         norm = torch.nn.utils.clip_grad_norm_(targets, max_norm, norm_type=norm_type)
         self._show_clipped(owners)
+        self._unscale_others(owners)
         return norm
 
     def clip_grad_value_(
@@ -135,6 +137,7 @@ class GradientClipping:
         self._unscale(owners)
         torch.nn.utils.clip_grad_value_(targets, clip_value)
         self._show_clipped(owners)
+        self._unscale_others(owners)
 
     def _skip_together(self, owners: list[AmpOptimizer]) -> bool:
         """Whether any of ``owners`` (unscaled, clipped by one norm) overflowed; if so every one of them skips its
@@ -166,6 +169,15 @@ class GradientClipping:
         if self.amp.properties.master_weights:
             for owner in owners:
                 self.amp.show_unscaled_on_model(owner.optimizer)
+
+    def _unscale_others(self, owners: list[AmpOptimizer]) -> None:
+        """After a clip of ``owners``' parameters: the other prepared optimizers that hold gradients are unscaled too
+        (at O2 the model's gradients show the true values), as Accelerate's own clip calls ``unscale_gradients()`` of
+        every optimizer: a read of another model's gradients after the clip gave them times the loss scale (740 for
+        0.72), and an additive write to them was divided by it at their step. Nothing to look at with one optimizer."""
+        others = [o for o in self._amp_optimizers() if all(o is not owner for owner in owners)]
+        if others:
+            self._unscale([o for o in others if any(p.grad is not None for p in params_of(o.optimizer))])
 
     def _unscale(self, owners: Iterable[AmpOptimizer]) -> None:
         """Unscale ``owners`` not unscaled since their step; at O2 the writes to the model's gradients since an
