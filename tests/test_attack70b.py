@@ -493,9 +493,9 @@ def _clip_one_write_other(level: str, clip: str = "norm") -> tuple[float, torch.
 @pytest.mark.parametrize("clip", ["norm", "norm1", "value"])
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_accelerate_clip_of_one_optimizers_parameters_unscales_the_others_as_accelerate(level: str, clip: str) -> None:
-    """``accelerator.clip_grad_norm_`` of one model's parameters unscales every prepared optimizer, as Accelerate's own
-    clip calls ``unscale_gradients()``: before, the other optimizer's gradients stayed scaled (a read gave 740 where FP32
-    reads 0.72, and a ``+ 0.01`` write was divided by the scale at its step: 1e-3 off FP32), O1 and O2, silently."""
+    """``accelerator.clip_grad_norm_`` of one model's parameters unscales every prepared optimizer, as Accelerate's
+    own clip calls ``unscale_gradients()``: before, the other optimizer's gradients stayed scaled (a read gave 740
+    where FP32 reads 0.72, and a ``+ 0.01`` write was divided by the scale at its step: 1e-3 off FP32), O1 and O2."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         (got_read, got), (want_read, want) = _clip_one_write_other(level, clip), _clip_one_write_other("no", clip)
