@@ -13,7 +13,7 @@ import torch
 from lightning_mpx.common.keywords import Required
 from lightning_mpx.engine.grad_checks import local_squares, reduce_checks
 from lightning_mpx.engine.master_writes import advance, clean, renote
-from lightning_mpx.engine.masters_left import moved, note_left
+from lightning_mpx.engine.masters_left import moved, note_after
 from lightning_mpx.engine.optimizer_state import _Stage
 from lightning_mpx.engine.rescale import follow_cleared_grads, grad_marks, unscale_late
 from lightning_mpx.engine.sharding import local_tensor
@@ -33,9 +33,7 @@ def clip_norm(
     state = machine.state(optimizer)
     max_norm = clip_limit("max_norm", max_norm)
     unwritten = clean(state) if state.handed else None  # masters handed out: the clip's write is the engine's
-    # the masters' gradients written since the engine left them (engine.masters_left's moved, written out): kept seen
-    left = state.masters_left
-    kept = left is not None and (left[0]._version != left[1] or (left[2] is not None and moved(state)))
+    kept = moved(state)  # the masters' gradients written since the engine left them
     if state.stage is not _Stage.UNSCALED:
         machine._unscale(state, max_norm=float(max_norm))
     else:
@@ -61,12 +59,8 @@ def clip_norm(
         if unwritten is not None:
             advance(state, unwritten)
         if not kept:  # the masters' gradients as the clip left them
-            if machine.sharding is None:  # engine.masters_left's note_left, its usual case
-                probe = state.pair_masters[state.mastered[0]].grad if state.mastered else None  # written out: no call
-                if probe is not None and probe._base is not None:
-                    state.masters_left = (probe, probe._version, None, None)
-                else:  # none where handed out (engine.master_writes watches those): no call per step either
-                    state.masters_left = None if state.handed else note_left(state)
+            if machine.sharding is None:
+                note_after(state)
     machine.grad_norms[state.loss_id or 0] = state.grad_norm
     return state.grad_norm
 
@@ -78,8 +72,7 @@ def clip_value_(
     state = machine.state(optimizer)
     clip_value = clip_limit("clip_value", clip_value)
     unwritten = clean(state) if state.handed else None  # as in clip_norm
-    left = state.masters_left  # as in clip_norm
-    kept = left is not None and (left[0]._version != left[1] or (left[2] is not None and moved(state)))
+    kept = moved(state)  # the masters' gradients written since the engine left them
     if state.stage is not _Stage.UNSCALED:
         machine._unscale(state)
     else:
@@ -100,12 +93,8 @@ def clip_value_(
         if unwritten is not None:
             advance(state, unwritten)
         if not kept:  # the masters' gradients as the clip left them
-            if machine.sharding is None:  # engine.masters_left's note_left, its usual case
-                probe = state.pair_masters[state.mastered[0]].grad if state.mastered else None  # written out: no call
-                if probe is not None and probe._base is not None:
-                    state.masters_left = (probe, probe._version, None, None)
-                else:  # none where handed out (engine.master_writes watches those): no call per step either
-                    state.masters_left = None if state.handed else note_left(state)
+            if machine.sharding is None:
+                note_after(state)
 
 
 def follow_model_writes(machine: StepMachine, optimizer: torch.optim.Optimizer) -> None:
@@ -166,12 +155,8 @@ def show_unscaled(machine: StepMachine, optimizer: torch.optim.Optimizer, *, fre
     if state.handed:  # the masters' writes shown too (engine.master_writes)
         renote(state)
     # and the masters' gradients as the model shows them (engine.masters_left)
-    if machine.sharding is None:  # engine.masters_left's note_left, its usual case
-        probe = state.pair_masters[state.mastered[0]].grad if state.mastered else None  # written out: no call
-        if probe is not None and probe._base is not None:
-            state.masters_left = (probe, probe._version, None, None)
-        else:  # none where handed out (engine.master_writes watches those): no call per step either
-            state.masters_left = None if state.handed else note_left(state)
+    if machine.sharding is None:
+        note_after(state)
     # the copies are ours, not the user's writes
     state.unscaled_marks = grad_marks(state, master_weights, optimizer, paired=True)
 

@@ -13,7 +13,7 @@ and a write to the model's gradients after one made with a list kept from before
 :func:`note_left` notes the masters' gradients as the engine leaves them (at the end of a show and of a clip); the
 unscale makes them views of one buffer (:class:`~lightning_mpx.masters.pairs.GradLayout`), which share one version
 counter, so one view and its version tell a write to any of them, with no call per parameter (the show and the clip
-write the note out inline for that case; the step's check is an attribute read). The step then shows the masters'
+note through :func:`note_after`, one call; the step's check is written out, attribute reads). The step then shows the masters'
 gradients on the model before it steps (:func:`moved`: one multi-tensor copy, only after such a write), so that they
 hold what it stepped with; the step's check of a write to the model's gradients refuses both writes
 (:func:`~lightning_mpx.engine.master_writes.refuse_both`). Only where no parameter is shared between optimizers (a
@@ -45,6 +45,17 @@ def note_left(state: _OptimizerState) -> tuple[Any, ...] | None:
         return (probe, probe._version, None, None)
     grads = tuple(map(_GRAD, map(masters.__getitem__, mastered)))
     return (probe, probe._version, grads, tuple(-1 if g is None else g._version for g in grads))
+
+
+def note_after(state: _OptimizerState) -> None:
+    """At the end of a show or an engine clip (not sharded): ``state.masters_left`` noted, one view of the masters'
+    buffer and its version in the usual case, written out so that it costs one call; none where the gradients were
+    handed out (:mod:`~lightning_mpx.engine.master_writes` watches those)."""
+    probe = state.pair_masters[state.mastered[0]].grad if state.mastered else None
+    if probe is not None and probe._base is not None:
+        state.masters_left = (probe, probe._version, None, None)
+    else:
+        state.masters_left = None if state.handed else note_left(state)
 
 
 def moved(state: _OptimizerState) -> bool:
