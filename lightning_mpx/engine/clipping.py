@@ -59,7 +59,7 @@ def clip_norm(
         if unwritten is not None:
             advance(state, unwritten)
         if not kept:  # the masters' gradients as the clip left them
-            if machine.sharding is None:
+            if machine.sharding is None and not machine.shared.ids:  # engine.masters_left: not shared, not sharded
                 note_after(state)
     machine.grad_norms[state.loss_id or 0] = state.grad_norm
     return state.grad_norm
@@ -93,7 +93,7 @@ def clip_value_(
         if unwritten is not None:
             advance(state, unwritten)
         if not kept:  # the masters' gradients as the clip left them
-            if machine.sharding is None:
+            if machine.sharding is None and not machine.shared.ids:  # engine.masters_left: not shared, not sharded
                 note_after(state)
 
 
@@ -155,7 +155,7 @@ def show_unscaled(machine: StepMachine, optimizer: torch.optim.Optimizer, *, fre
     if state.handed:  # the masters' writes shown too (engine.master_writes)
         renote(state)
     # and the masters' gradients as the model shows them (engine.masters_left)
-    if machine.sharding is None:
+    if machine.sharding is None and not machine.shared.ids:  # engine.masters_left: not shared, not sharded
         note_after(state)
     # the copies are ours, not the user's writes
     state.unscaled_marks = grad_marks(state, master_weights, optimizer, paired=True)

@@ -13,9 +13,9 @@ and a write to the model's gradients after one made with a list kept from before
 :func:`note_left` notes the masters' gradients as the engine leaves them (at the end of a show and of a clip); the
 unscale makes them views of one buffer (:class:`~lightning_mpx.masters.pairs.GradLayout`), which share one version
 counter, so one view and its version tell a write to any of them, with no call per parameter (the show and the clip
-note through :func:`note_after`, one call; the step's check is written out, attribute reads). The step then shows the masters'
-gradients on the model before it steps (:func:`moved`: one multi-tensor copy, only after such a write), so that they
-hold what it stepped with; the step's check of a write to the model's gradients refuses both writes
+note through :func:`note_after`, one call; the step's check is written out, attribute reads). The step then shows the
+masters' gradients on the model before it steps (:func:`moved`: one multi-tensor copy, only after such a write), so
+that they hold what it stepped with; the step's check of a write to the model's gradients refuses both writes
 (:func:`~lightning_mpx.engine.master_writes.refuse_both`). Only where no parameter is shared between optimizers (a
 shared master's gradient is another optimizer's unscale's: :mod:`~lightning_mpx.engine.shared_grads`) and not
 sharded. Not told: a write through ``.data`` (a counter of its own), a master's gradient replaced by another tensor
