@@ -13,7 +13,7 @@ import torch
 from lightning_mpx.common.keywords import Required
 from lightning_mpx.engine.grad_checks import local_squares, reduce_checks
 from lightning_mpx.engine.master_writes import advance, clean, renote
-from lightning_mpx.engine.masters_left import moved, note_after
+from lightning_mpx.engine.masters_left import moved, note_after, note_left
 from lightning_mpx.engine.optimizer_state import _Stage
 from lightning_mpx.engine.rescale import follow_cleared_grads, grad_marks, unscale_late
 from lightning_mpx.engine.sharding import local_tensor
@@ -154,9 +154,14 @@ def show_unscaled(machine: StepMachine, optimizer: torch.optim.Optimizer, *, fre
     state.shown, state.clips = True, ()  # the half gradients hold the true values now, clipped so far
     if state.handed:  # the masters' writes shown too (engine.master_writes)
         renote(state)
-    # and the masters' gradients as the model shows them (engine.masters_left)
-    if machine.sharding is None and not machine.shared.ids:  # engine.masters_left: not shared, not sharded
-        note_after(state)
+    # and the masters' gradients as the model shows them: masters_left.note_after written out (the show's call budget,
+    # tests/test_step_calls57.py), not shared, not sharded
+    if machine.sharding is None and not machine.shared.ids:
+        probe = state.pair_masters[state.mastered[0]].grad if state.mastered else None
+        if probe is not None and probe._base is not None:
+            state.masters_left = (probe, probe._version, None, None)
+        else:
+            state.masters_left = None if state.handed else note_left(state)
     # the copies are ours, not the user's writes
     state.unscaled_marks = grad_marks(state, master_weights, optimizer, paired=True)
 
