@@ -19,17 +19,16 @@ per case, its norms, skips and final weights (the masters at O2); the references
 from __future__ import annotations
 
 import os
-import warnings
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy
 
 from lightning_mpx import FabricMixedPrecisionPlugin
 from tests.attack66a_script import _batch, _net
+from tests.launch import quiet_case as _quiet
 from tests.launch import run_cases
 
 STEPS = 3
@@ -188,17 +187,6 @@ def _trainer(precision: str) -> dict[str, Any]:
     trainer.fit(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=4))
     values = plugin.amp.fp32_state_dict(module) if precision == "O2" else module.state_dict()
     return {"norms": module.norms, "final": _flat(values.values())}
-
-
-def _quiet(run: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
-    def case() -> dict[str, Any]:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = run()
-        dist.barrier()  # a rank that raised alone would leave the other here: the group's timeout, not a hang
-        return out
-
-    return case
 
 
 CASES = {

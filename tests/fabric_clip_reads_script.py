@@ -6,15 +6,14 @@ clip (rank-0-only logging); case ``plain``: no read. Each rank writes its skips 
 from __future__ import annotations
 
 import os
-import warnings
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.fabric import Fabric
 
 from lightning_mpx import FabricMixedPrecisionPlugin
+from tests.launch import quiet_case as _quiet
 from tests.launch import run_cases
 from tests.test_fabric_clip_reads import MAX_NORM, _Net
 
@@ -51,17 +50,6 @@ def _ddp(read: bool) -> dict[str, Any]:
         second.zero_grad()
     out["final"] = torch.cat([v.float().flatten() for v in plugin.fp32_state_dict(net).values()]).tolist()
     return out
-
-
-def _quiet(run: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
-    def case() -> dict[str, Any]:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = run()
-        dist.barrier()  # a rank that raised alone would leave the other here: the group's timeout, not a hang
-        return out
-
-    return case
 
 
 CASES = {"read": _quiet(lambda: _ddp(True)), "plain": _quiet(lambda: _ddp(False))}

@@ -250,6 +250,24 @@ def run_cases(cases: Mapping[str, Callable[[], dict[str, Any]]], *, timeout_s: f
     finish_cases(results)
 
 
+def quiet_case(run: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+    """``run`` as a case of :func:`run_cases` in a script: its warnings ignored, then a barrier, so that a rank that
+    raised alone leaves the other at the group's timeout, not in a hang."""
+
+    def case() -> dict[str, Any]:
+        import warnings
+
+        import torch.distributed as dist
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = run()
+        dist.barrier()
+        return out
+
+    return case
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a process group's ``MASTER_PORT``)."""
     with socket.socket() as s:

@@ -7,13 +7,13 @@ modules as the one-device run does (``enc``, ``boom``, ``norm``, ``head``: tests
 from __future__ import annotations
 
 import os
-import warnings
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.launch import quiet_case as _quiet
 from tests.launch import run_cases
 
 STEPS = 6
@@ -127,17 +127,6 @@ def _fabric() -> dict[str, Any]:
         optimizer.zero_grad()
         keys.update(plugin.metrics())
     return {"tags": _kinds(keys)}
-
-
-def _quiet(run: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
-    def case() -> dict[str, Any]:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = run()
-        dist.barrier()  # a rank that raised alone would leave the other here: the group's timeout, not a hang
-        return out
-
-    return case
 
 
 CASES = {
