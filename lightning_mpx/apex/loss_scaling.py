@@ -294,7 +294,7 @@ def scale_loss(
     # checked only the block's own new gradients).
     overflowed_before = [_overflowed(amp, w.optimizer) for w in wrapped]
     if unscaled or state.delayed:  # else nothing to keep aside (the usual block: one per step)
-        _stash(state, amp, own, unscaled)
+        _stash(state, amp, own, unscaled, delay_unscale)
         # What was kept aside is not checked again: the block's check sees its own gradients alone.
         overflowed_before = [b and id(w.optimizer) not in state.stash for w, b in zip(wrapped, overflowed_before)]
     if others:

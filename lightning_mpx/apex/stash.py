@@ -18,7 +18,13 @@ if TYPE_CHECKING:
     from lightning_mpx.apex.loss_scaling import AmpOptimizer
 
 
-def _stash(state: AmpState, amp: Amp, wrappers: list[AmpOptimizer], unscaled: list[torch.optim.Optimizer]) -> None:
+def _stash(
+    state: AmpState,
+    amp: Amp,
+    wrappers: list[AmpOptimizer],
+    unscaled: list[torch.optim.Optimizer],
+    delay_unscale: bool = False,
+) -> None:
     """Take the unscaled gradients of earlier blocks out of the way of this block's backward (Apex's stash): at O2
     the FP32 master gradients, at O1 (and for FP32 parameters at O2) the parameters' own.
 
@@ -53,11 +59,31 @@ def _stash(state: AmpState, amp: Amp, wrappers: list[AmpOptimizer], unscaled: li
             # aside (its zeros, with set_to_none=False), so a delay_unscale chain that follows stays scaled, as Apex's.
             state.cleared.discard(id(inner))
             continue
+        if delay_unscale and not masters and _all_zero(params):
+            # O1, a delay_unscale block: gradients all zero are a clear since the block that left them unscaled
+            # (model.zero_grad(set_to_none=False), which runs no code of ours; or a block whose loss was zero): kept in
+            # place, nothing is set aside, so the chain stays scaled as Apex's (whose stash then held zeros). One host
+            # read, on this path only (a delay_unscale block after an unscaled block with no step between).
+            continue
         for param, master in zip(params, amp.master_params(inner) if masters else params):
             if master.grad is not None:
                 kept.append((master, master.grad))
                 master.grad = None
                 param.grad = None
+
+
+def _all_zero(params: list[torch.Tensor]) -> bool:
+    """Whether every gradient of ``params`` is zero (``True`` without gradients): the first elements read first (one
+    host read, every dtype promoted), so gradients with values end there."""
+    with torch._C.DisableTorchFunction():
+        grads = [g.detach() for p in params if (g := p.grad) is not None and g.numel()]
+        if not grads:
+            return True
+        if any(g.is_sparse for g in grads):
+            return False  # kept aside, as before
+        if torch.cat([g.reshape(-1)[:1] for g in grads]).ne(0).any().item():
+            return False
+        return not torch.stack([g.ne(0).any() for g in grads]).any().item()
 
 
 def _chain_cleared(marks: tuple[tuple[int, int] | None, ...], params: list[torch.Tensor], tagged: bool) -> bool:
