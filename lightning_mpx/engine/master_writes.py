@@ -93,6 +93,18 @@ def renote(state: _OptimizerState) -> None:
         }
 
 
+def any_written(state: _OptimizerState) -> bool:
+    """Whether any master's FP32 gradient handed out was written (in place, or replaced) since it was handed out or
+    since the engine's last write to it: the step then shows them on the model, so that what it leaves there is what it
+    stepped with (torch's clip of ``amp.master_params(opt)`` after ``unscale_()``, a loop that does not zero the
+    gradients: the next clip 1.35 where FP32's is 0.89). C-level maps over the notes, no Python per master."""
+    handed = state.handed
+    if not handed:
+        return False
+    masters, grads, versions = zip(*handed.values())
+    return any(map(operator.is_not, map(_GRAD, masters), grads)) or tuple(map(_VERSION, grads)) != versions
+
+
 def written(state: _OptimizerState, master: torch.Tensor) -> bool:
     """Whether ``master``'s FP32 gradient was written (in place, or replaced: ``m.grad = m.grad * 0.5``) since it was
     handed out or since the engine's last write to it."""

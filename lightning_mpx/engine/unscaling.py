@@ -17,6 +17,7 @@ import torch
 
 from lightning_mpx.engine.clipping import show_unscaled
 from lightning_mpx.engine.grad_checks import reduce_checks, unscale
+from lightning_mpx.engine.master_writes import any_written
 from lightning_mpx.engine.masters_left import moved
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage
 from lightning_mpx.engine.registry import Registry
@@ -147,6 +148,7 @@ class UnscalePath(Registry):
             # told before the model's writes are taken into them
             left = state.masters_left
             written = left is not None and (left[0]._version != left[1] or (left[2] is not None and moved(state)))
+            written = written or any_written(state)  # or those amp.master_params() handed out (engine.master_writes)
             follow_cleared_grads(state, self.masters.weights, optimizer)
             if written:  # shown on the model: what the step leaves there is what it steps with, as FP32's
                 show_unscaled(self, optimizer, fresh=True)
