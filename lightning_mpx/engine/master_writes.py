@@ -28,6 +28,7 @@ from typing import Iterable
 
 import torch
 
+from lightning_mpx.engine.grad_checks import charge
 from lightning_mpx.engine.optimizer_state import _OptimizerState
 
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
@@ -103,6 +104,20 @@ def any_written(state: _OptimizerState) -> bool:
         return False
     masters, grads, versions = zip(*handed.values())
     return any(map(operator.is_not, map(_GRAD, masters), grads)) or tuple(map(_VERSION, grads)) != versions
+
+
+def charge_written(state: _OptimizerState) -> None:
+    """At the step, after a write to the masters' gradients handed out (:func:`any_written`) where the engine holds
+    several optimizers: their non-finite values are charged to the step's loss, which then skips. A clip over several
+    optimizers' masters (torch's ``clip_grad_norm_(amp.master_params(o1) + amp.master_params(o2), ...)``), one of them
+    overflowing, has a NaN norm that makes the others' finite gradients NaN after ``unscale_()`` checked them; their
+    steps applied them: NaN weights, silently (``torch.amp.GradScaler`` does the same). Now every optimizer the NaN
+    reached skips, as the Accelerate adapter's joint clip makes them (one max-norm pass; one optimizer's clip of its own
+    finite gradients cannot make them non-finite, so the usual loop of one optimizer pays nothing)."""
+    grads = [grad for master, _, _ in state.handed.values() if (grad := master.grad) is not None]  # type: ignore[union-attr]
+    if grads:
+        largest = torch.nn.utils.get_total_norm(grads, float("inf"))  # NaN or inf where one holds it
+        charge(state, state.loss_id or 0, torch.isfinite(largest).logical_not().float())
 
 
 def written(state: _OptimizerState, master: torch.Tensor) -> bool:
