@@ -97,15 +97,11 @@ def test_the_heads_clip_then_the_whole_models_step_then_accumulated(then: tuple[
     assert _off_fp32(ours, ref) < 0.05
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="O2: after unscale_(), a write to the gradients amp.master_params(opt) hands out (torch's clip_grad_norm_ "
-    "over them, the documented habit) is lost from what the step leaves on the model (the unclipped values unscale_ "
-    "showed): a loop that does not zero them measures 1.35 at the next clip where FP32 measures 0.89. Seeing it at the "
-    "step costs a look at every handed-out gradient and a copy at every step of the habit (the census's core and Apex "
-    "clip rows); the kept-list case is told by one counter (engine.masters_left)",
-)
 def test_the_handed_out_masters_clipped_after_unscale_then_accumulated_trains_as_fp32() -> None:
+    """``amp.unscale_(opt)``, torch's ``clip_grad_norm_(amp.master_params(opt), 0.1)`` (the documented habit), the step,
+    a backward without ``zero_grad``. Before: the model's half gradients kept the unclipped values ``unscale_`` showed
+    (the next clip's norm 1.35 against FP32's 0.89). Now the step shows the handed-out masters' written gradients on
+    the model first (engine.master_writes.any_written)."""
     ours, ref = _both("bfloat16")
     ours.amp.unscale_(ours.opts["whole"])
     torch.nn.utils.clip_grad_norm_(ours.amp.master_params(ours.opts["whole"]), 0.1)

@@ -19,8 +19,8 @@ that they hold what it stepped with; the step's check of a write to the model's 
 (:func:`~lightning_mpx.engine.master_writes.refuse_both`). Only where no parameter is shared between optimizers (a
 shared master's gradient is another optimizer's unscale's: :mod:`~lightning_mpx.engine.shared_grads`) and not
 sharded. Not told: a write through ``.data`` (a counter of its own), a master's gradient replaced by another tensor
-(``m.grad = m.grad * 0.5``), and (for what the step leaves) a write to the gradients ``amp.master_params()`` handed out
-after ``unscale_()`` (tensors of their own, watched by engine.master_writes for the step's refusal only).
+(``m.grad = m.grad * 0.5``). A write to the gradients ``amp.master_params()`` handed out after ``unscale_()`` (tensors
+of their own) is told by engine.master_writes (:func:`~lightning_mpx.engine.master_writes.any_written`) and shown alike.
 """
 
 from __future__ import annotations

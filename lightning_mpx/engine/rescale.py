@@ -271,9 +271,12 @@ def rescale_pending(
     shared: SharedGrads | None = None,
 ) -> None:
     """Bring gradients pending for another loss (or for this one at a scale since updated) to ``new_loss_id``'s
-    scale, checking them on the way: what they hold now is charged to the loss they came from. ``shared`` as for
-    :func:`rescale_unscaled`: a gradient another optimizer brought over before this backward is not multiplied
-    again."""
+    scale, checking them on the way: what they hold now is charged to the loss they came from. The same loss at a
+    scale since updated is not charged: a non-finite value stays so under the multiplication and the backwards that
+    add to it, so the step's own check finds it where the user kept the gradients; charged here, it outlived a
+    ``zero_grad`` (either way) that dropped it, and the next step, on finite gradients, was skipped and the scale
+    halved (GradScaler steps). ``shared`` as for :func:`rescale_unscaled`: a gradient another optimizer brought over
+    before this backward is not multiplied again."""
     old_id = state.loss_id or 0
     old_scale = state.grad_scale if state.grad_scale is not None else scalers[old_id].scale_tensor
     grads = [g for p in optimizer_params(state.optimizer) if (g := p.grad) is not None]  # the model's, still scaled
@@ -284,7 +287,8 @@ def rescale_pending(
         ratio = (new.scale_tensor.double() / old_scale.to(grads[0].device).double()).float()
         found = torch.zeros((), dtype=torch.float32, device=grads[0].device)
         unscale_grads_(grads, ratio, found, backend=backend, workspace=state.workspace)
-        charge(state, old_id, found)
+        if new_loss_id != old_id:  # another loss's overflow: its scaler's, not the one the step's check charges
+            charge(state, old_id, found)
         if shared is not None and shared.ids:
             shared.rescaled_now(grads)
     state.loss_id = new_loss_id

@@ -17,6 +17,7 @@ import torch
 
 from lightning_mpx.engine.clipping import show_unscaled
 from lightning_mpx.engine.grad_checks import reduce_checks, unscale
+from lightning_mpx.engine.master_writes import any_written, charge_written
 from lightning_mpx.engine.masters_left import moved
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage
 from lightning_mpx.engine.registry import Registry
@@ -147,9 +148,12 @@ class UnscalePath(Registry):
             # told before the model's writes are taken into them
             left = state.masters_left
             written = left is not None and (left[0]._version != left[1] or (left[2] is not None and moved(state)))
+            handed = any_written(state)  # or those amp.master_params() handed out (engine.master_writes)
             follow_cleared_grads(state, self.masters.weights, optimizer)
-            if written:  # shown on the model: what the step leaves there is what it steps with, as FP32's
+            if written or handed:  # shown on the model: what the step leaves there is what it steps with, as FP32's
                 show_unscaled(self, optimizer, fresh=True)
+            if handed and len(self.optimizers) > 1:  # a clip over several optimizers' masters: NaN from another's inf
+                charge_written(state)
         # a group added since the unscale (add_param_group), or put in place of one (param_groups assigned, a list
         # replaced, at any length): told by the lists and their lengths, C-level (rescale.unscale_late)
         if (noted := state.unscaled_groups) is not None and (

@@ -103,6 +103,7 @@ from lightning_mpx.integrations.fabric_clipping import (  # noqa: E402
     counted_stand_ins,
     forget_unseen_reads,
     note_unseen_clip,
+    scaled_for_user,
     settle_reads,
 )
 from lightning_mpx.integrations.fabric_generate import install_generate  # noqa: E402
@@ -445,6 +446,8 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         ``"16-mixed"`` raises). Reading the overflow flag waits for the device, as the clip's norm does."""
         optimizer = _unwrap(optimizer)
         self._register(optimizer)
+        if scaled_for_user(self.amp, optimizer):  # the user's clip right after fabric.backward: unscaled first
+            self.unscale_gradients(optimizer)
         if self.amp.is_unscaled(optimizer):
             found = self.amp.found_inf(optimizer)
             if found is not None and self.amp.sharded:

@@ -24,6 +24,8 @@ import torch
 from lightning.fabric import Fabric
 from lightning.fabric.strategies.strategy import Strategy
 
+from lightning_mpx.engine.optimizer_state import _Stage
+
 try:  # torch's private helper (torch >= 2.1): without it, torch's own clip is used (_clip_norm)
     from torch.utils._foreach_utils import _device_has_foreach_support
 except ImportError:  # pragma: no cover - an older or changed torch
@@ -32,12 +34,33 @@ except ImportError:  # pragma: no cover - an older or changed torch
         return False
 
 
-__all__ = ["clip_for_fabric", "counted_stand_ins", "forget_unseen_reads", "note_unseen_clip", "settle_reads"]
+__all__ = [
+    "clip_for_fabric",
+    "counted_stand_ins",
+    "forget_unseen_reads",
+    "note_unseen_clip",
+    "scaled_for_user",
+    "settle_reads",
+]
 
 # Lightning's own clip methods, which clip what main_params returns right after it (a strategy's override is not one)
 _CLIPS = {Strategy.clip_gradients_norm.__code__: "norm", Strategy.clip_gradients_value.__code__: "value"}
 # fabric.clip_gradients, which calls the strategy's clip; how far above main_params's caller it is looked for
 _FABRIC_CLIP, _FRAMES_SEARCHED = Fabric.clip_gradients.__code__, 8
+
+
+def scaled_for_user(amp: Any, optimizer: torch.optim.Optimizer) -> bool:
+    """At O2, unsharded: whether ``optimizer``'s gradients are a backward's, still scaled (no unscale since), when the
+    user asks for ``main_params``: torch's ``clip_grad_norm_(mpx.main_params(optimizer), ...)`` right after
+    ``fabric.backward`` (Apex's ``master_params`` habit) found the masters without gradients and clipped nothing
+    (7.8e-2 off ``"bf16-mixed"`` in 3 steps, silently), and a read for a log found ``grad`` None; the plugin unscales
+    first, as ``fabric.clip_gradients`` does (per rank, no collective: the step reduces the flags as after any
+    unscale). Fabric's own clip unscales before it asks: nothing then. Not after a step (its gradients are the step's)
+    nor before any backward."""
+    if not amp.properties.master_weights or amp.sharded:
+        return False
+    state = amp._machine.state(optimizer)
+    return state.stage is _Stage.READY and state.loss_id is not None
 
 
 def clip_for_fabric(amp: Any, optimizer: torch.optim.Optimizer, caller: types.FrameType) -> list[torch.Tensor] | None:
