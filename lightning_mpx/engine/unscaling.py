@@ -148,7 +148,8 @@ class UnscalePath(Registry):
             # told before the model's writes are taken into them
             left = state.masters_left
             written = left is not None and (left[0]._version != left[1] or (left[2] is not None and moved(state)))
-            handed = any_written(state)  # or those amp.master_params() handed out (engine.master_writes)
+            # or those amp.master_params() handed out (engine.master_writes); tested inline: no call on a plain step
+            handed = bool(state.handed) and any_written(state)
             follow_cleared_grads(state, self.masters.weights, optimizer)
             if written or handed:  # shown on the model: what the step leaves there is what it steps with, as FP32's
                 show_unscaled(self, optimizer, fresh=True)
