@@ -489,18 +489,24 @@ LeftGradients.TestCase.settings = settings(
 test_random_sequences_match_fp32 = LeftGradients.TestCase
 
 
-# -- found by tests/test_checkpoint_roundtrip_stateful.py (stop 71) --------------------------------------------------
-@pytest.mark.parametrize("level", ["O1", "O2"])
-def test_an_overflow_in_cleared_leftovers_does_not_skip_the_next_step(level):
-    """Before: the overflow in the body's leftovers was charged when the next backward rescaled them and outlived
-    ``zero_grad(set_to_none=True)``: the next step, on finite gradients only, was skipped and the scale halved (256 ->
-    128) where ``torch.amp.GradScaler`` steps (engine/rescale.py rescale_pending)."""
+def _body_and_head(level: str) -> tuple[Amp, nn.Sequential, torch.optim.SGD, torch.optim.SGD]:
+    """A two-layer model whose body and head have optimizers of their own (a GAN-style loop), dynamic scale 256."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
     amp = Amp(level, half_dtype="bfloat16", loss_scale="dynamic", init_scale=256.0)
     model = amp.prepare_model(model)
     body = amp.prepare_optimizer(torch.optim.SGD(model[0].parameters(), lr=LR))
     head = amp.prepare_optimizer(torch.optim.SGD(model[2].parameters(), lr=LR))
+    return amp, model, body, head
+
+
+# -- found by tests/test_checkpoint_roundtrip_stateful.py (stop 71) --------------------------------------------------
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_an_overflow_in_cleared_leftovers_does_not_skip_the_next_step(level):
+    """Before: the overflow in the body's leftovers was charged when the next backward rescaled them and outlived
+    ``zero_grad(set_to_none=True)``: the next step, on finite gradients only, was skipped and the scale halved (256 ->
+    128) where ``torch.amp.GradScaler`` steps (engine/rescale.py rescale_pending)."""
+    amp, model, body, head = _body_and_head(level)
 
     def backward(i: int, poison: bool = False) -> None:
         x, y = batch(i)
@@ -530,12 +536,7 @@ def test_an_overflow_in_cleared_leftovers_does_not_skip_the_next_step(level):
 def test_an_overflow_in_kept_leftovers_still_skips_the_step(level):
     """The same without the ``zero_grad``: the inf is still in the gradients the step uses, so it skips and the scale
     halves (as ``torch.amp.GradScaler``'s check of the same gradients would)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
-    amp = Amp(level, half_dtype="bfloat16", loss_scale="dynamic", init_scale=256.0)
-    model = amp.prepare_model(model)
-    body = amp.prepare_optimizer(torch.optim.SGD(model[0].parameters(), lr=LR))
-    head = amp.prepare_optimizer(torch.optim.SGD(model[2].parameters(), lr=LR))
+    amp, model, body, head = _body_and_head(level)
     for i in range(2):
         x, y = batch(i)
         with amp.forward_context():
