@@ -158,3 +158,81 @@ def test_one_optimizer_overflowing_under_a_joint_clip_skips_both() -> None:
     for r, w in zip(ref, weights):
         assert torch.isfinite(w).all()
         torch.testing.assert_close(w, r, atol=2e-3, rtol=0)
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Host reads while ``on``: ``.item()``/``bool()``/``float()`` of a tensor (``aten._local_scalar_dense``) and
+    ``Tensor.tolist`` (no aten op on CPU, seen by :class:`_ToList`): each one a host sync on a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on, self.reads = False, 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.reads += self.on and func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+class _ToList(torch.overrides.TorchFunctionMode):
+    def __init__(self, counter: _HostReads) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.counter.reads += self.counter.on and func is torch.Tensor.tolist
+        return func(*args, **(kwargs or {}))
+
+
+def _reads_of_joint_clip(front: str) -> list[int]:
+    """Host reads of each iteration's clip and steps: two models, an optimizer each, one loss, one clip over both
+    models' parameters, float16 with a dynamic scale; ``front``: the adapter at O2, or ``torch.amp.GradScaler`` (the
+    reference: Accelerate's own ``"fp16"`` unscales and steps each optimizer through it)."""
+    reset_accelerate_state()
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 2), nn.Linear(4, 2)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9), torch.optim.SGD(b.parameters(), lr=0.1)
+    scaler = None
+    if front == "GradScaler":
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    else:
+        accelerator = Accelerator(mixed_precision="O2", cpu=True, kwargs_handlers=[
+            MixedPrecisionKwargs(half_dtype="float16", init_scale=2.0**8)])
+        a, b, opt_a, opt_b = accelerator.prepare(a, b, opt_a, opt_b)
+    counter = _HostReads()
+    reads = []
+    with counter, _ToList(counter):
+        for i in range(3):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(i))
+            loss = a(x).float().pow(2).mean() + b(x).float().pow(2).mean()
+            params = [*a.parameters(), *b.parameters()]
+            if scaler is None:
+                accelerator.backward(loss)
+                counter.on, counter.reads = True, 0
+                accelerator.clip_grad_norm_(params, 0.5)
+                opt_a.step()
+                opt_b.step()
+            else:
+                scaler.scale(loss).backward()
+                counter.on, counter.reads = True, 0
+                scaler.unscale_(opt_a)
+                scaler.unscale_(opt_b)
+                torch.nn.utils.clip_grad_norm_(params, 0.5)
+                scaler.step(opt_a)
+                scaler.step(opt_b)
+                scaler.update()
+            counter.on = False
+            reads.append(counter.reads)
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+    return reads
+
+
+def test_a_joint_clip_over_two_optimizers_reads_their_flags_once() -> None:
+    """O2 float16, one clip over two optimizers' parameters, no overflow: the clip looks at both optimizers' overflow
+    flags before clipping (an overflow in one skips both), and read them one host read each (2 per iteration, as
+    ``GradScaler``'s one per optimizer's step); now one read for both, which their steps take without reading
+    again."""
+    reference = _reads_of_joint_clip("GradScaler")
+    reads = _reads_of_joint_clip("O2")
+    assert reference[1:] == [2, 2]
+    assert reads[1:] == [1, 1]  # (the first step's set-up reads its own)
