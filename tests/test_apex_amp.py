@@ -592,3 +592,61 @@ def test_master_params_costs_no_python_call_per_parameter(opt_level: str) -> Non
     assert counts[0] == counts[1], counts
     with pytest.raises(TypeError, match="optimizer="):
         amp.master_params(model)
+
+
+def _cast_mode_calls(run) -> int:
+    """How many torch calls made by ``run()`` went through a cast policy's torch-function mode (its
+    ``__torch_function__``: two Python calls each, with the table's lookup)."""
+    import sys
+
+    from lightning_mpx.casting.mode import _CastMode
+
+    code = _CastMode.__torch_function__.__code__
+    calls = [0]
+
+    def profile(frame, event, arg):
+        calls[0] += event == "call" and frame.f_code is code
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return calls[0]
+
+
+def test_o1_unscale_step_and_zero_grad_pay_no_cast_mode_call_per_torch_call() -> None:
+    """Apex's O1 is one cast scope for the whole run, so the layer's own unscale at a block's end, the optimizer's
+    step (with casts off) and its zero_grad met the O1 mode at every torch call (115 times in this loop's first step
+    without the zero_grad; the core O1 loop, whose scope is the forward alone: 0), two Python calls each and more: the
+    census's GPT step made 921 Python calls, now 494 (core O1: 403). They now run with the mode set aside, as the core
+    loop's do, and train exactly as before (float16 Adam, an overflowing step skipped, bit for bit the core O1 loop's
+    weights)."""
+    results = {}
+    for front in ("core", "apex"):
+        _amp_state.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        if front == "apex":
+            model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+        else:
+            core = lightning_mpx.Amp("O1", half_dtype=torch.float16)
+            model, opt = core.prepare_model(model), core.prepare_optimizer(opt)
+        modes = []
+        for i in range(4):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) * (1e6 if i == 2 else 1.0)
+            if front == "apex":
+                block = amp.scale_loss(F.cross_entropy(model(x), torch.tensor([0, 1, 0, 1])), opt)
+                block.__enter__().backward()
+                modes.append(_cast_mode_calls(lambda: (block.__exit__(None, None, None), opt.step(), opt.zero_grad())))
+            else:
+                with core.forward_context():
+                    loss = F.cross_entropy(model(x), torch.tensor([0, 1, 0, 1]))
+                core.backward(loss)
+                modes.append(_cast_mode_calls(lambda: (core.step(opt), core.update(), opt.zero_grad())))
+        results[front] = modes, [p.detach().clone() for p in model.parameters()]
+    _amp_state.reset()
+    assert results["apex"][0] == results["core"][0] == [0, 0, 0, 0]
+    for got, ref in zip(results["apex"][1], results["core"][1]):
+        assert torch.equal(got, ref)

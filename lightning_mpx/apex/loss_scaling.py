@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from lightning_mpx.apex._state import AmpState, _amp_state, is_rank_zero
+from lightning_mpx.apex.cast_mode_aside import put_back, set_aside, stack_depth
 from lightning_mpx.apex.charges import (
     _charge_unnamed,
     _charged_still,
@@ -31,6 +32,7 @@ from lightning_mpx.apex.charges import (
 )
 from lightning_mpx.apex.fp16_utils import _HalfParameters
 from lightning_mpx.apex.stash import _chain_cleared, _forget_pending, _restore_stash, _stash, _tag_zeros
+from lightning_mpx.apex.step_refusals import refuse_original_step, refuse_unscaled_step
 from lightning_mpx.common.keywords import check_keywords, checks_keywords
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.optimizer_state import _Stage
@@ -66,7 +68,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         """Refuse ``step()`` of the wrapped optimizer itself: Apex patched it in place, so old scripts step the one
         they passed in; its step would bypass the skip and the scale's update (inf/NaN into the weights at O1).
         Registered before the engine's own hooks, so that its message is the one seen at O2 too."""
-        hooks = [self.optimizer.register_step_pre_hook(_refuse_original_step)]
+        hooks = [self.optimizer.register_step_pre_hook(refuse_original_step)]
         base = getattr(self.optimizer, "base_optimizer", None) if is_two_pass(self.optimizer) else None
         if isinstance(base, torch.optim.Optimizer):
             # davda54's second_step steps its base optimizer itself: at O1 that step bypassed the skip of an
@@ -120,7 +122,12 @@ class AmpOptimizer(torch.optim.Optimizer):
                 "closure: Currently, Amp does not support closure use with optimizers (loss scaling cannot re-run "
                 "the closure inside the step); run the closure first, then call step() without it."
             )
-        return _optimizer_step(self._amp_state, self)
+        aside = set_aside() if stack_depth() else None  # the O1 cast mode: its calls per torch call saved
+        try:
+            return _optimizer_step(self._amp_state, self)
+        finally:
+            if aside is not None:
+                put_back(aside)
 
     def zero_grad(self, set_to_none: bool = True, **misspelt: NoReturn) -> None:
         """The wrapped optimizer's; at O2 the FP32 masters' gradients (zeroed or set to None alike) and the stash of
@@ -128,7 +135,12 @@ class AmpOptimizer(torch.optim.Optimizer):
         the next step, and a clip of ``amp.master_params()`` before the next block sees no gradient)."""
         if misspelt:
             check_keywords("optimizer.zero_grad()", misspelt, ("set_to_none",))
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        aside = set_aside() if stack_depth() else None  # the O1 cast mode, as for step(): the optimizer's own calls
+        try:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+        finally:
+            if aside is not None:
+                put_back(aside)
         self._amp_state.stash.pop(id(self.optimizer), None)
         self._amp_state.delayed.pop(id(self.optimizer), None)
         self._amp_state.charged.pop(id(self.optimizer), None)
@@ -185,20 +197,6 @@ def _on_masters(wrapper: AmpOptimizer, call: Callable[[], Any]) -> Any:
     result: list[Any] = []
     wrapper._engine.call_on_masters(wrapper.optimizer, lambda: result.append(call()))
     return result[0] if result else None
-
-
-def _refuse_original_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    wrapper = _amp_state.optimizers.get(id(optimizer))
-    if _amp_state.stepping is optimizer or wrapper is None or wrapper.optimizer is not optimizer:
-        return  # the wrapper's own step, or no live wrapper (the script dropped it: the optimizer is its own again)
-    if id(optimizer) not in wrapper._engine._optimizers:
-        return  # another engine took it over (a core Amp's prepare_optimizer): that engine's hooks guard its steps
-    raise RuntimeError(
-        f"step() of the {type(optimizer).__name__} passed to amp.initialize(): step the optimizer amp.initialize() "
-        "returned (`model, optimizer = amp.initialize(model, optimizer, ...)`). Apex patched the optimizer in place; "
-        "here initialize() returns a wrapper whose step() skips a step whose gradients overflowed and updates the "
-        "loss scale, which this step would bypass."
-    )
 
 
 def _refuse_base_step(wrapper: AmpOptimizer, base: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -315,56 +313,66 @@ def scale_loss(
     state.idle.difference_update(id(w.optimizer) for w in own)
     state.gradless.clear()
     yield scaled
-    if amp.policy is not None and amp.properties.patch_torch_functions:
-        amp.policy._clear_casts()  # Apex cleared its cast cache at the end of every block (Amp.update the rest)
-    if delay_unscale and not amp.properties.master_weights and any(state.stash.get(id(w.optimizer)) for w in wrapped):
-        # O1: earlier blocks' gradients were unscaled and kept aside (a block without delay_unscale before this one,
-        # a step due after them): unscaled at the end as a block without it, the stash added back, so that the
-        # gradients until the next block or the step are the sum's true values, as FP32's. A change of them there (a
-        # clip, p.grad.mul_(0.5), a clear through .data) then reaches the earlier blocks' too (kept aside until the
-        # step, they missed it; Apex, whose chain added into the same tensors, clipped scaled values). At O2 the step
-        # uses the masters' gradients, which a change of the model's through .data would not reach: the chain stays.
-        delay_unscale = False
-    if delay_unscale:
+    # The layer's own work from here on meets no O1 cast mode (apex.cast_mode_aside): the mode is back in the finally.
+    aside = set_aside() if stack_depth() else None
+    try:
+        if amp.policy is not None and amp.properties.patch_torch_functions:
+            amp.policy._clear_casts()  # Apex cleared its cast cache at the end of every block (Amp.update the rest)
+        if delay_unscale and not amp.properties.master_weights and any(
+            state.stash.get(id(w.optimizer)) for w in wrapped
+        ):
+            # O1: earlier blocks' gradients were unscaled and kept aside (a block without delay_unscale before this
+            # one, a step due after them): unscaled at the end as a block without it, the stash added back, so that
+            # the gradients until the next block or the step are the sum's true values, as FP32's. A change of them
+            # there (a clip, p.grad.mul_(0.5), a clear through .data) then reaches the earlier blocks' too (kept aside
+            # until the step, they missed it; Apex, whose chain added into the same tensors, clipped scaled values).
+            # At O2 the step uses the masters' gradients, which a change of the model's through .data would not
+            # reach: the chain stays.
+            delay_unscale = False
+        if delay_unscale:
+            _record_gradless(state, own)
+            for wrapper in own:  # what a clear of the chain's gradients before the next block is told apart by
+                params = [p for group in wrapper.optimizer.param_groups for p in group["params"]]
+                if id(wrapper.optimizer) in state.stash:  # earlier blocks kept aside (rare: a step is due after them)
+                    _tag_zeros(params)
+                state.delayed[id(wrapper.optimizer)] = _grad_marks(params)
+            if state.charged:  # an overflow charged to an optimizer no block named (rare)
+                _renote(state, wrapped)
+            return
+        overflow = False
+        for wrapper, before in zip(wrapped, overflowed_before):
+            amp.unscale_(wrapper.optimizer)
+            if not overflow and not before:
+                # this block's own overflow: the core charges what was non-finite before the block (another loss's inf
+                # brought to this loss's scale at its start) to that loss. One flag (the usual case): read as the step
+                # reuses it; several: this loss's
+                flags = amp._optimizers[id(wrapper.optimizer)].found_by_loss
+                overflow = _overflowed(amp, wrapper.optimizer) if len(flags) <= 1 else _loss_overflowed(flags, loss_id)
+        for key in list(state.stash):
+            _restore_stash(state, state.optimizers[key])
+        for optimizer in unscaled:
+            if not amp.is_unscaled(optimizer):
+                # Not named here: Apex left its gradients unscaled, so unscale them again (exactly where the scales are
+                # powers of two, as Apex's are; an overflow there counts at its own step).
+                amp.unscale_(optimizer)
+        for key in others:
+            # Another loss's overflow, counted for that loss, is in these gradients: the step is skipped all the same
+            # (the skip apart from the back-off; without it a later block's stash hid the inf from the step: weights
+            # NaN).
+            state.skip_next.setdefault(key, state.charged[key][0] if key in state.charged else loss_id)
+        if overflow:
+            state.skip_next.update(dict.fromkeys(ids, loss_id))
+            _charge_unnamed(state, amp, own, ids + [id(o) for o in left], loss_id)
+            _log_overflow(amp, loss_id)
         _record_gradless(state, own)
-        for wrapper in own:  # what a clear of the chain's gradients before the next block is told apart by
-            params = [p for group in wrapper.optimizer.param_groups for p in group["params"]]
-            if id(wrapper.optimizer) in state.stash:  # earlier blocks kept aside (rare: a step is due after them)
-                _tag_zeros(params)
-            state.delayed[id(wrapper.optimizer)] = _grad_marks(params)
+        if amp.properties.master_weights:
+            for wrapper in wrapped:
+                state.graded[id(wrapper.optimizer)] = _grad_versions(amp, wrapper.optimizer)
         if state.charged:  # an overflow charged to an optimizer no block named (rare)
             _renote(state, wrapped)
-        return
-    overflow = False
-    for wrapper, before in zip(wrapped, overflowed_before):
-        amp.unscale_(wrapper.optimizer)
-        if not overflow and not before:
-            # this block's own overflow: the core charges what was non-finite before the block (another loss's inf
-            # brought to this loss's scale at its start) to that loss. One flag (the usual case): read as the step
-            # reuses it; several: this loss's
-            flags = amp._optimizers[id(wrapper.optimizer)].found_by_loss
-            overflow = _overflowed(amp, wrapper.optimizer) if len(flags) <= 1 else _loss_overflowed(flags, loss_id)
-    for key in list(state.stash):
-        _restore_stash(state, state.optimizers[key])
-    for optimizer in unscaled:
-        if not amp.is_unscaled(optimizer):
-            # Not named here: Apex left its gradients unscaled, so unscale them again (exactly where the scales are
-            # powers of two, as Apex's are; an overflow there counts at its own step).
-            amp.unscale_(optimizer)
-    for key in others:
-        # Another loss's overflow, counted for that loss, is in these gradients: the step is skipped all the same (the
-        # skip apart from the back-off; without it a later block's stash hid the inf from the step: weights NaN).
-        state.skip_next.setdefault(key, state.charged[key][0] if key in state.charged else loss_id)
-    if overflow:
-        state.skip_next.update(dict.fromkeys(ids, loss_id))
-        _charge_unnamed(state, amp, own, ids + [id(o) for o in left], loss_id)
-        _log_overflow(amp, loss_id)
-    _record_gradless(state, own)
-    if amp.properties.master_weights:
-        for wrapper in wrapped:
-            state.graded[id(wrapper.optimizer)] = _grad_versions(amp, wrapper.optimizer)
-    if state.charged:  # an overflow charged to an optimizer no block named (rare)
-        _renote(state, wrapped)
+    finally:
+        if aside is not None:
+            put_back(aside)
 
 
 def _grad_versions(amp: Amp, optimizer: torch.optim.Optimizer) -> tuple[tuple[int, int], ...]:
@@ -482,7 +490,7 @@ def _optimizer_step(state: AmpState, wrapper: AmpOptimizer) -> Any:
         state.stash.pop(key, None)
         _forget_pending(wrapper._engine, wrapper.optimizer)
     if key in state.idle or any(p.grad is not None for p in state.gradless.pop(key, ())):
-        _refuse_unscaled_step(wrapper)
+        refuse_unscaled_step(wrapper)
     if key in state.skip_next:
         # A block that named it overflowed (in its gradients or another optimizer's): the block charged the overflow
         # to it, so the engine's step skips it, as Apex did, and counts, records and acts on it (on_floor) as any
@@ -553,23 +561,6 @@ def _mark_for_schedulers(wrapper: AmpOptimizer, stepped: bool) -> None:
         marks["_took_a_step"] = True
     elif not marks.get("_took_a_step"):
         marks.pop("_opt_called", None)
-
-
-def _refuse_unscaled_step(wrapper: AmpOptimizer) -> None:
-    """A step after a backward outside any ``scale_loss`` block: the step would divide the gradients by the loss
-    scale (Apex's O1 stepped them as they were, its O2 not at all): refused while the scale is not 1."""
-    amp, optimizer = wrapper._engine, wrapper.optimizer
-    if not any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
-        return
-    scale = amp.scalers[0].get_scale()
-    if scale != 1.0:
-        raise RuntimeError(
-            "step(): no amp.scale_loss() block ran since this optimizer's last step (or amp.initialize()), or its "
-            "parameters' gradients appeared after the last block ended: a backward outside a block is not scaled, "
-            f"and the step would divide it by "
-            f"the loss scale ({scale:g}). Backward inside `with amp.scale_loss(loss, optimizer) as scaled_loss: "
-            "scaled_loss.backward()`."
-        )
 
 
 def _update(state: AmpState) -> None:
