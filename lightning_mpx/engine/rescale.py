@@ -87,7 +87,7 @@ def follow_cleared_grads(
         leftovers(state, master_weights, optimizer)
         # taken: a later check looks for later writes only
         state.unscaled_marks = grad_marks(state, master_weights, optimizer)
-        if state.data_habit:
+        if state.data_watch is not None or state.data_habit:  # the copies too: a .data write after this is told
             data_writes.note(state)
 
 
