@@ -53,7 +53,9 @@ class DataWatch:
 
 def note(state: _OptimizerState) -> None:
     """Where the engine notes ``state``'s half gradients for user code that may follow: a copy of them, at the first
-    such point (the look) or at each once the habit was found."""
+    such point (the look) or at each once the habit was found; and where it takes writes made since and notes their
+    counters again while looking (``rescale.follow_cleared_grads``: torch's clip of the model's gradients, then the
+    engine's clip), or a ``.data`` write after that would be compared against stale marks and skipped."""
     grads = [state.pair_params[i].grad for i in state.mastered]
     state.data_watch = DataWatch([g for g in grads if g is not None and not g.is_sparse])
 
