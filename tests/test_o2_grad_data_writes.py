@@ -127,8 +127,8 @@ def test_a_write_after_torchs_clip_then_the_engines_clip_is_refused_through_data
     reason="engine/data_writes.py:ended: O2, a p.grad.data write habit that starts after an optimizer's first "
     "unscale or clip (a callback from step 100, a warm-up) is never seen: the first look found no write and ended, "
     "the step applies the masters' unwritten gradients (6.8e-3 off FP32 after 3 such steps, float16; 9.8e-3 in "
-    "Fabric's and Accelerate's clip loops), silently. Looking at every clipped step costs a copy and a host read there (stop 71's "
-    "design, rejected); write p.grad itself (p.grad.mul_), which costs nothing",
+    "Fabric's and Accelerate's clip loops), silently. Looking at every clipped step costs a copy and a host read "
+    "there (stop 71's design, rejected); write p.grad itself (p.grad.mul_), which costs nothing",
 )
 def test_a_grad_data_habit_from_the_second_step_trains_as_fp32() -> None:
     with warnings.catch_warnings():
