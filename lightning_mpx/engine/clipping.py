@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lightning_mpx.common.keywords import Required
+from lightning_mpx.engine import data_writes
 from lightning_mpx.engine.grad_checks import local_squares, reduce_checks
 from lightning_mpx.engine.master_writes import advance, clean, renote
 from lightning_mpx.engine.masters_left import moved, note_after, note_left
@@ -164,6 +165,8 @@ def show_unscaled(machine: StepMachine, optimizer: torch.optim.Optimizer, *, fre
             state.masters_left = None if state.handed else note_left(state)
     # the copies are ours, not the user's writes
     state.unscaled_marks = grad_marks(state, master_weights, optimizer, paired=True)
+    if state.data_habit is not False:  # looked at for writes through .data (engine.data_writes)
+        data_writes.note(state)
 
 
 def _clip_unscaled(params: list[torch.Tensor], max_norm: float, found_inf: torch.Tensor | None) -> torch.Tensor:

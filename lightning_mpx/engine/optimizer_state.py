@@ -163,6 +163,11 @@ class _OptimizerState:
     # no such flag). Its own ``eval()``/``train()`` called where the groups hold the half parameters moves nothing
     # (its state is keyed by the masters): a flag changed since is redone on the masters (masters.swap.follow_modes).
     train_modes: tuple[Any, ...] | None = None
+    # O2: writes through p.grad.data between an unscale and the step (engine.data_writes): None, not looked at yet;
+    # False, looked at once and none found (nothing more is paid); True, found (compared at every step). The copy of
+    # the half gradients the look compares against, from the note to the step.
+    data_habit: bool | None = None
+    data_watch: Any = None
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

@@ -27,6 +27,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from lightning_mpx.engine import data_writes
 from lightning_mpx.engine.grad_checks import charge
 from lightning_mpx.engine.master_writes import noted_again, refuse_both, written
 from lightning_mpx.engine.masters_left import moved as masters_moved
@@ -80,10 +81,14 @@ def follow_cleared_grads(
     """Between an unscale and the step, the user may clear the half gradients (``zero_grad`` either way, a skipped
     batch): the FP32 master gradients the step would use follow them (see :func:`leftovers`). A step that finds
     them as the unscale left them compares one tuple. ``optimizer`` and ``paired`` as for :func:`grad_marks`."""
+    if state.data_watch is not None:  # writes through p.grad.data, looked for (engine.data_writes)
+        data_writes.told(state)
     if grad_marks(state, master_weights, optimizer, paired=paired) != state.unscaled_marks:
         leftovers(state, master_weights, optimizer)
         # taken: a later check looks for later writes only
         state.unscaled_marks = grad_marks(state, master_weights, optimizer)
+        if state.data_watch is not None or state.data_habit:  # the copies too: a .data write after this is told
+            data_writes.note(state)
 
 
 def note_groups(state: _OptimizerState, optimizer: torch.optim.Optimizer) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
+from lightning_mpx.engine import data_writes
 from lightning_mpx.engine.clipping import show_unscaled
 from lightning_mpx.engine.grad_checks import reduce_checks, unscale
 from lightning_mpx.engine.master_writes import any_written, charge_written
@@ -155,6 +156,8 @@ class UnscalePath(Registry):
                 show_unscaled(self, optimizer, fresh=True)
             if handed and len(self.optimizers) > 1:  # a clip over several optimizers' masters: NaN from another's inf
                 charge_written(state)
+            if state.data_watch is not None:  # told above (engine.data_writes)
+                data_writes.ended(state)
         # a group added since the unscale (add_param_group), or put in place of one (param_groups assigned, a list
         # replaced, at any length): told by the lists and their lengths, C-level (rescale.unscale_late)
         if (noted := state.unscaled_groups) is not None and (
@@ -300,6 +303,8 @@ class UnscalePath(Registry):
         )
         if weights and not skipped and marks and note:  # note=False: the caller notes them (unscale_)
             state.unscaled_marks = grad_marks(state, weights, optimizer)
+            if state.data_habit is not False:  # looked at for writes through .data (engine.data_writes)
+                data_writes.note(state)
         if marks:  # user code may add a group before the step (rescale.note_groups, written out: no call)
             lists = tuple(map(_PARAMS, optimizer.param_groups))
             state.unscaled_groups = (lists, tuple(map(len, lists)))

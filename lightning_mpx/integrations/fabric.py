@@ -73,7 +73,7 @@ from typing_extensions import Unpack
 
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
-from lightning_mpx.engine.clipping import clip_limit
+from lightning_mpx.engine.clipping import clip_limit, follow_model_writes
 from lightning_mpx.engine.optimizer_step import AUTOCAST_DEVICES
 from lightning_mpx.engine.sharding import is_sharded
 from lightning_mpx.masters.weights import MasterWeights, convert_module, has_floating_parameters
@@ -436,6 +436,8 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
             if not self.amp.is_unscaled(each):
                 with _casts_off():
                     self.amp.unscale_(each)
+            elif self.amp.properties.master_weights:  # unscaled before (by the user): the model's writes since are
+                follow_model_writes(self.amp._machine, each)  # what the clip that follows clips, as "bf16-mixed"'s
 
     def main_params(self, optimizer: Optimizer) -> Iterator[torch.Tensor]:  # type: ignore[override]
         """The tensors the optimizer updates (the FP32 masters at O2), whose gradients ``fabric.clip_gradients``
