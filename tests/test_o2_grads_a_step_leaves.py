@@ -110,3 +110,38 @@ def test_the_handed_out_masters_clipped_after_unscale_then_accumulated_trains_as
     ref.opts["whole"].step()
     norm, want = _next_clip_and_steps(ours, ref, ("whole",))
     assert abs(norm - want) <= 0.01 * want, (norm, want)
+
+
+@pytest.mark.parametrize("clear", [True, False, None])
+def test_the_heads_step_skipped_for_an_overflow_after_the_whole_models_clip(clear: bool | None) -> None:
+    """A shared head's gradient overflows: the whole model's engine clip (it clips nothing: an overflow), the head's
+    step, skipped (its step leaves the masters' values, inf and all, in the half gradients: engine.shared_clips.
+    keep_clipped), ``update()``. The loop's ``zero_grad`` (``clear``: ``set_to_none``) then trains as FP32, whose
+    optimizers holding the inf skipped; without it the inf stays in what the next steps use, which skip again (as
+    FP32's would), the weights finite."""
+    ours, ref = _both("float16", two=True)
+    ours.model[2].weight.grad[0, 0] = float("inf")
+    ours.clip("whole", 0.1)
+    assert not ours.amp.step(ours.opts["head"])
+    ours.amp.update()
+    for run in (ours, ref):
+        for optimizer in run.opts.values() if clear is not None else ():
+            optimizer.zero_grad(set_to_none=clear)
+        if clear is None and run is ref:
+            continue
+        run.backward(1)
+    before = ours.trained()
+    ours.clip("whole", 0.1)
+    stepped = [bool(ours.amp.step(ours.opts[name])) for name in ("whole", "head")]
+    ours.amp.update()
+    assert all(torch.isfinite(w).all() for w in ours.trained())
+    if clear is None:
+        assert stepped == [False, False]
+        for got, want in zip(ours.trained(), before, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        return
+    ref.clip("whole", 0.1)
+    for name in ("whole", "head"):
+        ref.opts[name].step()
+    assert stepped == [True, True]
+    assert _off_fp32(ours, ref) < 0.05
