@@ -59,3 +59,44 @@ def test_share_overflow_skips_both_and_keeps_the_weights_finite() -> None:
     stepped, weight = _run(share=True)
     assert stepped == [True, True, False]
     assert torch.isfinite(weight).all()
+
+
+def _three(share: bool) -> tuple[list[list[bool]], list[torch.Tensor]]:
+    """As :func:`_run` with a third model ``c`` whose optimizer has no gradients after the first iteration (its loss
+    term dropped: a branch not used), its masters in the joint clip all the same."""
+    torch.manual_seed(0)
+    amp = Amp("O2", half_dtype="float16", init_scale=2.0**8)
+    models = [amp.prepare_model(nn.Linear(4, 2)) for _ in range(3)]
+    opts = [amp.prepare_optimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)) for m in models]
+    stepped = []
+    for i in range(3):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(i))
+        with amp.forward_context():
+            outs = [amp.cast_outputs(m(amp.cast_inputs(x * (1e6 if i == 2 and k == 1 else 1.0))))
+                    for k, m in enumerate(models[: 3 if i == 0 else 2])]  # fmt: skip
+            loss = sum(out.float().pow(2).mean() for out in outs)
+        amp.backward(loss)
+        for opt in opts:
+            amp.unscale_(opt)
+        if share and any(amp.overflowed(opt) for opt in opts):
+            amp.share_overflow(opts[:2])
+        torch.nn.utils.clip_grad_norm_([m for opt in opts for m in amp.master_params(opt)], 0.5)
+        stepped.append([bool(amp.step(opt)) for opt in opts])
+        amp.update()
+        for opt in opts:
+            opt.zero_grad()
+    return stepped, [amp.master_of(p).detach().clone() for m in models for p in m.parameters()]
+
+
+def test_a_joint_clip_over_three_optimizers_one_without_gradients() -> None:
+    """engine.master_writes.charge_written with a third optimizer that has no gradients this step: the two whose
+    masters the NaN reached skip together (as with ``amp.share_overflow`` over them), the third's step moves nothing
+    (no gradient: momentum alone never starts; ``torch.amp.GradScaler`` refuses to step it, 'No inf checks were
+    recorded'), every weight finite."""
+    stepped, weights = _three(share=False)
+    shared_stepped, shared_weights = _three(share=True)
+    assert stepped == shared_stepped
+    assert [s[:2] for s in stepped] == [[True, True], [True, True], [False, False]]
+    for got, want in zip(weights, shared_weights, strict=True):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -11,14 +11,17 @@ import glob
 import os
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
 
 from lightning_mpx import MixedPrecisionPlugin
 from tests.hostile_manual_ddp_script import DDP_OVERFLOWS, ManualGAN, gan_data
 from tests.launch import rank_results, run_script
-from tests.lightning_helpers import make_trainer
+from tests.lightning_helpers import classification_data, make_trainer
 
 #: batch index -> the optimizer whose gradient gets an inf (on the only process)
 OVERFLOWS: dict[int, tuple[str, None]] = {1: ("d", None), 4: ("g", None)}
@@ -196,3 +199,62 @@ def test_ddp_overflow_on_one_rank(tmp_path):
     # O2 under DDP, where the step is reached through DDP's forward: the generator called on noise made in the step
     # trains (it raised a dtype error), and skipping on the device is the host read's run exactly
     assert ranks[0]["o2_fused"]["params"] == ranks[0]["o2_host"]["params"]
+
+
+class _TwoLosses(pl.LightningModule):
+    """Manual optimization with a loss per optimizer's turn (``num_losses=2``): batch 0's loss-0 backward overflows in
+    the body (an inf put in its gradient), only the head steps; batch 1's loss-1 backward before the loop's
+    ``zero_grad`` (``clear``: ``set_to_none``), another loss-1 backward, both steps. ``mpx``: our plugin (``loss_id``
+    given); else Lightning's ``"bf16-mixed"`` (batch 0's inf left out, its head step taken on the same values)."""
+
+    def __init__(self, clear: bool, mpx: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.automatic_optimization = False
+        self.clear, self.mpx, self.stepped = clear, mpx, []
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [torch.optim.SGD(self.net[0].parameters(), lr=0.05), torch.optim.SGD(self.net[2].parameters(), lr=0.05)]
+
+    def training_step(self, batch: Any, index: int) -> None:
+        body, head = self.optimizers()
+        x, y = batch
+
+        def backward(inputs: torch.Tensor, loss_id: int) -> None:
+            loss = F.cross_entropy(self.net(inputs).float(), y)
+            self.manual_backward(loss, **({"loss_id": loss_id} if self.mpx else {}))
+
+        if index == 0:
+            backward(x, 0)
+            if self.mpx:
+                self.net[0].weight.grad[0, 0] = float("inf")
+            head.step()
+            return
+        backward(x, 1)
+        body.zero_grad(set_to_none=self.clear)
+        head.zero_grad(set_to_none=self.clear)
+        backward(x * 0.5, 1)
+        before = self.net[0].weight.detach().float().clone()
+        body.step()
+        head.step()
+        self.stepped.append(not torch.equal(self.net[0].weight.detach().float(), before))
+
+
+@pytest.mark.parametrize("clear", [True, False])
+def test_another_losses_backward_then_zero_grad_drops_the_bodys_overflow(clear: bool) -> None:
+    """Before: the body's inf, found when the loss-1 backward brought its gradients to loss 1's scale, was charged
+    there and outlived the ``zero_grad``: the body's step at batch 1, on finite gradients, was skipped and loss 0's
+    scale halved (256 -> 128) where ``"bf16-mixed"`` (and one ``torch.amp.GradScaler`` per loss) steps it."""
+    runs = {}
+    for mpx in (True, False):
+        module = _TwoLosses(clear, mpx)
+        plugin = _plugin("O1", "bfloat16", num_losses=2) if mpx else None
+        trainer = make_trainer(plugin, max_steps=2, limit_train_batches=2, precision=None if mpx else "bf16-mixed")
+        trainer.fit(module, torch.utils.data.DataLoader(classification_data(), batch_size=16))
+        runs[mpx] = module, plugin
+    (ours, plugin), (ref, _) = runs[True], runs[False]
+    assert ours.stepped == ref.stepped == [True]
+    assert [scaler.get_scale() for scaler in plugin.amp.scalers] == [256.0, 256.0]
+    for got, want in zip(ours.net.parameters(), ref.net.parameters(), strict=True):
+        torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=5e-3)  # bf16 autocast's rounding

@@ -551,3 +551,88 @@ def test_an_overflow_in_kept_leftovers_still_skips_the_step(level):
     amp.update()
     assert torch.equal(amp.master_of(model[0].weight), before)
     assert amp.scalers[0].get_scale() == 128.0
+
+
+# -- an overflow a later backward's rescale found, then dropped by zero_grad (stop 73) -----------------------------
+def _overflow_then_clear(level: str | None, how: str, clear: bool | None) -> tuple[bool, list[float], torch.Tensor]:
+    """The body's gradients overflow (loss 0) and it does not step (only the head does, then the update); a backward
+    of loss ``1`` (``how``: "pending" or "unscaled, other loss") or loss 0 ("unscaled") follows, before the loop's
+    ``zero_grad`` (``clear``: ``set_to_none``; ``None``: kept), another backward, and both steps. ``level=None``: FP32
+    with one ``torch.amp.GradScaler`` per loss (its ``unscale_`` for the "unscaled" ones). Returns whether the body
+    stepped, the two scales and the body's weight."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    body_params, head_params = model[0].parameters(), model[2].parameters()
+    if level is None:
+        scalers = [torch.amp.GradScaler("cpu", init_scale=256.0) for _ in range(2)]
+        body, head = torch.optim.SGD(body_params, lr=LR), torch.optim.SGD(head_params, lr=LR)
+    else:
+        amp = Amp(level, half_dtype="bfloat16", loss_scale="dynamic", init_scale=256.0, num_losses=2)
+        model = amp.prepare_model(model)
+        body = amp.prepare_optimizer(torch.optim.SGD(model[0].parameters(), lr=LR))
+        head = amp.prepare_optimizer(torch.optim.SGD(model[2].parameters(), lr=LR))
+    second = 0 if how == "unscaled" else 1
+
+    def backward(i: int, loss_id: int) -> None:
+        x, y = batch(i)
+        if level is None:
+            scalers[loss_id].scale(F.mse_loss(model(x), y)).backward()
+            return
+        with amp.forward_context():
+            loss = F.mse_loss(model(amp.cast_inputs(x)).float(), y)
+        amp.backward(loss, loss_id=loss_id)
+
+    backward(0, 0)
+    model[0].weight.grad[0, 0] = float("inf")  # the body's gradients overflow
+    if how != "pending":  # the loop looks at them (unscale_) and does not step the body
+        scalers[0].unscale_(body) if level is None else amp.unscale_(body)
+    if level is None:
+        scalers[0].step(head)
+        scalers[0].update()
+    else:
+        assert amp.step(head)
+        amp.update()
+    backward(1, second)  # another backward before the loop's zero_grad
+    if clear is not None:
+        for optimizer in (body, head):
+            optimizer.zero_grad(set_to_none=clear)
+    backward(2, second)
+    before = model[0].weight.detach().float().clone()
+    if level is None:
+        scalers[second].step(body)
+        scalers[second].step(head)
+        scalers[second].update()
+        return not torch.equal(model[0].weight, before), [s.get_scale() for s in scalers], model[0].weight.detach()
+    stepped = amp.step(body)
+    amp.step(head)
+    amp.update()
+    return stepped, [s.get_scale() for s in amp.scalers], model[0].weight.detach().float()
+
+
+@pytest.mark.parametrize("clear", [True, False])
+@pytest.mark.parametrize("how", ["pending", "unscaled", "unscaled, other loss"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_an_overflow_a_later_backward_carried_is_dropped_with_the_gradients(level, how, clear):
+    """The body's overflow was found again where the next backward brought its gradients to its scale (another loss's,
+    or the same one's after ``unscale_``) and charged there: it outlived the ``zero_grad`` that dropped it, so the next
+    step, on finite gradients, was skipped and loss 0's scale halved (256 -> 128, or 128 -> 64) where one
+    ``torch.amp.GradScaler`` per loss steps (engine/rescale.py rescale_pending, rescale_unscaled)."""
+    ours = _overflow_then_clear(level, how, clear)
+    ref = _overflow_then_clear(None, how, clear)
+    assert ref[0], "GradScaler steps the body"
+    assert ours[0], f"a step on finite gradients was skipped (scales {ours[1]}, GradScaler's {ref[1]})"
+    assert ours[1] == ref[1]
+    torch.testing.assert_close(ours[2], ref[2], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("how", ["pending", "unscaled", "unscaled, other loss"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_an_overflow_a_later_backward_carried_and_kept_still_skips(level, how):
+    """The same with the gradients kept: the inf is in what the step uses, so it skips, as ``GradScaler``'s check of
+    the same gradients does, with as many back-offs (ours are the loss's whose backward made the inf, GradScaler's
+    the one's whose scaler steps: across two losses the same halvings, charged to the other scale)."""
+    ours = _overflow_then_clear(level, how, None)
+    ref = _overflow_then_clear(None, how, None)
+    assert not ref[0] and not ours[0]
+    assert ours[1][0] * ours[1][1] == ref[1][0] * ref[1][1]
+    torch.testing.assert_close(ours[2], ref[2], atol=ATOL, rtol=0)

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
+from lightning_mpx import Amp
 from tests.test_stateful69 import _both, _off_fp32, _params
 
 
@@ -110,3 +113,87 @@ def test_the_handed_out_masters_clipped_after_unscale_then_accumulated_trains_as
     ref.opts["whole"].step()
     norm, want = _next_clip_and_steps(ours, ref, ("whole",))
     assert abs(norm - want) <= 0.01 * want, (norm, want)
+
+
+@pytest.mark.parametrize("clear", [True, False, None])
+def test_the_heads_step_skipped_for_an_overflow_after_the_whole_models_clip(clear: bool | None) -> None:
+    """A shared head's gradient overflows: the whole model's engine clip (it clips nothing: an overflow), the head's
+    step, skipped (its step leaves the masters' values, inf and all, in the half gradients: engine.shared_clips.
+    keep_clipped), ``update()``. The loop's ``zero_grad`` (``clear``: ``set_to_none``) then trains as FP32, whose
+    optimizers holding the inf skipped; without it the inf stays in what the next steps use, which skip again (as
+    FP32's would), the weights finite."""
+    ours, ref = _both("float16", two=True)
+    ours.model[2].weight.grad[0, 0] = float("inf")
+    ours.clip("whole", 0.1)
+    assert not ours.amp.step(ours.opts["head"])
+    ours.amp.update()
+    for run in (ours, ref):
+        for optimizer in run.opts.values() if clear is not None else ():
+            optimizer.zero_grad(set_to_none=clear)
+        if clear is None and run is ref:
+            continue
+        run.backward(1)
+    before = ours.trained()
+    ours.clip("whole", 0.1)
+    stepped = [bool(ours.amp.step(ours.opts[name])) for name in ("whole", "head")]
+    ours.amp.update()
+    assert all(torch.isfinite(w).all() for w in ours.trained())
+    if clear is None:
+        assert stepped == [False, False]
+        for got, want in zip(ours.trained(), before, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        return
+    ref.clip("whole", 0.1)
+    for name in ("whole", "head"):
+        ref.opts[name].step()
+    assert stepped == [True, True]
+    assert _off_fp32(ours, ref) < 0.05
+
+
+def _handed_out_clip_run(level: str | None, clear: bool | None) -> tuple[list[torch.Tensor], float]:
+    """Four iterations of ``unscale_``, torch's ``clip_grad_norm_`` of ``amp.master_params(opt)`` (``level=None``: FP32
+    with ``torch.amp.GradScaler`` and the model's parameters), the step, the update, ``zero_grad`` (``clear``:
+    ``set_to_none``; ``None``: none), an inf in a gradient at the second: returns the weights and the scale."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    amp = scaler = None
+    if level is None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    else:
+        amp = Amp(level, half_dtype="float16", init_scale=256.0)
+        model = amp.prepare_model(model)
+        opt = amp.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    for i in range(4):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+        if amp is None:
+            scaler.scale(F.cross_entropy(model(x), y)).backward()
+        else:
+            with amp.forward_context():
+                out = amp.cast_outputs(model(amp.cast_inputs(x)))
+            amp.backward(F.cross_entropy(out.float(), y))
+        if i == 1:
+            model[0].weight.grad[0, 0] = float("inf")
+        (scaler or amp).unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()) if amp is None else amp.master_params(opt), 0.5)
+        (scaler or amp).step(opt)
+        (scaler or amp).update()
+        if clear is not None:
+            opt.zero_grad(set_to_none=clear)
+    weights = [p if amp is None else amp.master_of(p) for p in model.parameters()]
+    return [w.detach().float().clone() for w in weights], (scaler or amp.scalers[0]).get_scale()
+
+
+@pytest.mark.parametrize("clear", [True, False, None])
+def test_handed_out_masters_clipped_over_an_overflow_then_the_next_steps_train_as_grad_scaler(clear) -> None:
+    """The Apex habit in the core loop: torch's clip of ``amp.master_params(opt)`` over an overflow (NaN in them, the
+    step skipped: engine.master_writes.any_written shows them on the model), then the next iterations: as
+    ``GradScaler``'s loop of the same calls, with the loop's ``zero_grad`` either way (trained on) or without (the NaN
+    kept, every later step skipped, the scale halved each time), the weights finite."""
+    ours, scale = _handed_out_clip_run("O2", clear)
+    ref, ref_scale = _handed_out_clip_run(None, clear)
+    assert scale == ref_scale
+    for got, want in zip(ours, ref, strict=True):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)  # float16's forward; a step moves ~1e-2

@@ -206,7 +206,9 @@ def test_a_write_through_data_of_the_masters_then_the_models_is_refused() -> Non
     "(which clears the model's gradients, not seen by the engine), then a write to the model's: FP32 trains on the "
     "last write alone, the step refuses both writes (the masters' was superseded by the zero_grad): a false refusal. "
     "Stop 71 left it: zero_grad runs no engine code and moves the version as a write does; telling it needs a copy "
-    "of the shown values at every show or the optimizer's zero_grad patched (the refusal names the ways out)",
+    "of the shown values at every show or the optimizer's zero_grad patched (the refusal names the ways out). The Apex "
+    "layer's own optimizer zero_grad tells the engine since stop 73 (tests/test_apex_writes_after_zero_grad.py); a "
+    "torch optimizer's (the core loop, Lightning, Fabric, Accelerate) runs no engine code",
 )
 def test_masters_written_then_zero_grad_then_the_models_written_trains_as_fp32() -> None:
     ours, ref = _both("bfloat16")

@@ -35,6 +35,7 @@ from lightning_mpx.apex.stash import _chain_cleared, _forget_pending, _restore_s
 from lightning_mpx.apex.step_refusals import refuse_original_step, refuse_unscaled_step
 from lightning_mpx.common.keywords import check_keywords, checks_keywords
 from lightning_mpx.engine.amp import Amp
+from lightning_mpx.engine.master_writes import cleared
 from lightning_mpx.engine.optimizer_state import _Stage
 from lightning_mpx.engine.raw_steps import is_two_pass
 
@@ -157,6 +158,8 @@ class AmpOptimizer(torch.optim.Optimizer):
                         master.grad = None
                     else:
                         master.grad.zero_()  # as the model's: a step then moves by momentum alone, as FP32's
+            if pending is not None and pending.stage is _Stage.UNSCALED:  # the writes to the masters' before: gone
+                cleared(pending)
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()

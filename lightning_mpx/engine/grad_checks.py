@@ -151,7 +151,7 @@ def unscale(
             shared.note(sources)
     if stats is not None:
         telemetry.record(id(state), named, optimizer_params(optimizer), names, stats)
-    if state.found_inf is None:  # charge's usual case (the first check since the step), written out
+    if state.found_inf is None and state.carried_found is None:  # charge's usual case (the first check), written out
         state.flags_reduced, state.found_inf, state.found_by_loss = False, found, {loss_id: found}
     else:
         charge(state, loss_id, found)
@@ -256,7 +256,7 @@ def _unscale_shared(
     )
     if targets is not None and not all(in_place):
         shared.note_masters(sources, targets)
-    if state.found_inf is None:
+    if state.found_inf is None and state.carried_found is None:  # charge's usual case, written out
         state.flags_reduced, state.found_inf, state.found_by_loss = False, found, {loss_id: found}
     else:
         charge(state, loss_id, found)
@@ -281,7 +281,13 @@ def _param_count(optimizer: torch.optim.Optimizer) -> int:
 
 def charge(state: _OptimizerState, loss_id: int, found: torch.Tensor) -> None:
     """Charge the overflow that one check of the gradients found to ``loss_id``, whose backward ran since the
-    previous check; non-finite values found before belong to the loss they were charged to then."""
+    previous check; non-finite values found before belong to the loss they were charged to then. The overflow a
+    backward's rescale carried (:func:`carry`) is charged first, to its loss, where this check finds one still."""
+    carried = state.carried_found
+    if carried is not None:
+        state.carried_found = None
+        for old_id, flag in carried.items():
+            charge(state, old_id, flag.to(found.device) * found)
     state.flags_reduced = False
     if state.found_inf is None:
         state.found_inf = found
@@ -291,6 +297,23 @@ def charge(state: _OptimizerState, loss_id: int, found: torch.Tensor) -> None:
     seen = state.found_by_loss.get(loss_id)
     state.found_by_loss[loss_id] = new if seen is None else torch.maximum(seen, new)
     state.found_inf = torch.maximum(state.found_inf, found)
+
+
+def carry(state: _OptimizerState, loss_id: int, found: torch.Tensor) -> None:
+    """Keep the overflow found where a backward brought pending gradients to its scale (engine.rescale: unscaled ones
+    no step followed, or another loss's) for ``loss_id``, their loss, until the next check, which charges it there
+    only if it finds an overflow still (:func:`charge`): non-finite values stay so under the multiplication and the
+    backwards that add to them, so a loop that keeps the gradients skips and backs ``loss_id`` off, while a
+    ``zero_grad`` (either way) before the step drops them with the overflow, as ``torch.amp.GradScaler`` never sees
+    it (charged at once, it skipped the next step, on finite gradients, and halved the scale: 256 -> 128). A new
+    overflow of the next backward where the carried one was dropped is charged to ``loss_id`` too (not told apart:
+    the step is skipped either way)."""
+    carried = state.carried_found
+    if carried is None:
+        state.carried_found = {loss_id: found}
+        return
+    seen = carried.get(loss_id)
+    carried[loss_id] = found if seen is None else torch.maximum(seen, found)
 
 
 def own_grads(optimizer: torch.optim.Optimizer, refuse_sparse: Callable[[torch.Tensor], None]) -> list[torch.Tensor]:

@@ -29,6 +29,7 @@ from typing import Iterable
 import torch
 
 from lightning_mpx.engine.grad_checks import charge
+from lightning_mpx.engine.masters_left import note_left
 from lightning_mpx.engine.optimizer_state import _OptimizerState
 
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
@@ -118,6 +119,16 @@ def charge_written(state: _OptimizerState) -> None:
     if grads:
         largest = torch.nn.utils.get_total_norm(grads, float("inf"))  # NaN or inf where one holds it
         charge(state, state.loss_id or 0, torch.isfinite(largest).logical_not().float())
+
+
+def cleared(state: _OptimizerState) -> None:
+    """A front door's ``zero_grad`` (the Apex layer's optimizer) cleared the masters' gradients with the model's
+    between an unscale and the step: the writes to the masters' before it (``amp.master_params(opt)``'s, torch's clip
+    of them) are gone with them, so a write to the model's after it is the only one, taken as FP32 steps with it.
+    Without this note the step refused it as 'both written' (the zeroing moved the masters' counters as a write)."""
+    renote(state)
+    if state.masters_left is not None:
+        state.masters_left = note_left(state)
 
 
 def written(state: _OptimizerState, master: torch.Tensor) -> bool:

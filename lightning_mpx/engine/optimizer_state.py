@@ -51,6 +51,9 @@ class _OptimizerState:
     # non-finite), so that one loss's overflow does not back off another's scale.
     found_by_loss: dict[int, torch.Tensor] = field(default_factory=dict)
     found_inf: torch.Tensor | None = None  # all of them together: the skip decision
+    # The overflow a backward found where it brought pending gradients to its scale, by their loss: charged at the next
+    # check only where that check finds one still (grad_checks.carry); a zero_grad since dropped it.
+    carried_found: dict[int, torch.Tensor] | None = None
     # The flag a host read of Amp.overflowed() read, and what it said: the step reads that flag again only if it is
     # another tensor. Sound because a flag is never written after the check that made it (each check charges a new
     # tensor, grad_checks.charge); the one write in place, a reducer's across processes, forgets it.
@@ -179,7 +182,7 @@ class _OptimizerState:
     def clear_checks(self) -> None:
         """Forget the overflow flags and the norm of the checks since the last step."""
         self.found_by_loss, self.found_inf, self.grad_norm = {}, None, None
-        self.flag_read = None
+        self.carried_found = self.flag_read = None
         self.flags_reduced = False
 
     def reset(self) -> None:
@@ -202,7 +205,7 @@ class _OptimizerState:
         self.clips_found = None
         self.found_by_loss = {}
         self.found_inf = None
-        self.flag_read = None
+        self.carried_found = self.flag_read = None
         self.grad_norm = None
         self.flags_reduced = False
         self.shared_overflow = False

@@ -28,7 +28,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from lightning_mpx.engine import data_writes
-from lightning_mpx.engine.grad_checks import charge
+from lightning_mpx.engine.grad_checks import carry, charge
 from lightning_mpx.engine.master_writes import noted_again, refuse_both, written
 from lightning_mpx.engine.masters_left import moved as masters_moved
 from lightning_mpx.engine.optimizer_state import _OptimizerState, _Stage, optimizer_params
@@ -236,7 +236,8 @@ def rescale_unscaled(
     """Scale gradients that unscale_() left with their true values (no step followed) back up to ``scaler``'s
     scale (the scaler of ``new_loss_id``), where the coming backward adds its own; at O2 from the FP32 masters'
     gradients (the ones a clip changed and a ``zero_grad`` cleared) into the half model's. The caller has
-    recorded the overflow the unscale found. ``shared``: the machine's
+    recorded the overflow the unscale found; one found again here is charged by the step's check where it is there
+    still (:func:`~lightning_mpx.engine.grad_checks.carry`: a ``zero_grad`` since drops it). ``shared``: the machine's
     :class:`~lightning_mpx.engine.shared_grads.SharedGrads`, when parameters are held by more than one optimizer (a
     gradient another optimizer's stage brought up already is not multiplied again)."""
     old_id = state.loss_id or 0
@@ -258,7 +259,7 @@ def rescale_unscaled(
             backend=backend,
             workspace=state.workspace,
         )
-        charge(state, old_id, found)
+        carry(state, old_id, found)  # charged at the step's check if it is there still (a zero_grad drops it)
     if master_weights:
         drop_master_grads(state)  # carried into the half gradients
     state.unscaled_marks, state.unscaled_groups = (), None
@@ -276,7 +277,8 @@ def rescale_pending(
     shared: SharedGrads | None = None,
 ) -> None:
     """Bring gradients pending for another loss (or for this one at a scale since updated) to ``new_loss_id``'s
-    scale, checking them on the way: what they hold now is charged to the loss they came from. The same loss at a
+    scale, checking them on the way: an overflow they hold now is the loss's they came from, charged to it by the
+    step's check where that check finds it still (:func:`~lightning_mpx.engine.grad_checks.carry`). The same loss at a
     scale since updated is not charged: a non-finite value stays so under the multiplication and the backwards that
     add to it, so the step's own check finds it where the user kept the gradients; charged here, it outlived a
     ``zero_grad`` (either way) that dropped it, and the next step, on finite gradients, was skipped and the scale
@@ -292,8 +294,8 @@ def rescale_pending(
         ratio = (new.scale_tensor.double() / old_scale.to(grads[0].device).double()).float()
         found = torch.zeros((), dtype=torch.float32, device=grads[0].device)
         unscale_grads_(grads, ratio, found, backend=backend, workspace=state.workspace)
-        if new_loss_id != old_id:  # another loss's overflow: its scaler's, not the one the step's check charges
-            charge(state, old_id, found)
+        if new_loss_id != old_id:  # another loss's overflow: its scaler's, where the step's check finds it still
+            carry(state, old_id, found)
         if shared is not None and shared.ids:
             shared.rescaled_now(grads)
     state.loss_id = new_loss_id
