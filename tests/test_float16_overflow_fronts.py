@@ -12,7 +12,6 @@ model (its weights are what autocast casts): the weights match the reference exa
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -207,7 +206,6 @@ def _trainer(level: str, kind: str) -> tuple[Record, dict[str, torch.Tensor]]:
     plugin: Any = (MixedPrecisionPlugin(level, half_dtype="float16") if level != "16-mixed"
                    else MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu")))  # fmt: skip
     module = Module()
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     trainer = pl.Trainer(accelerator="cpu", max_epochs=1, plugins=[plugin], gradient_clip_val=MAX_NORM, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     with warnings.catch_warnings():

@@ -8,7 +8,6 @@ the KV cache; and ``litgpt.lora.GPT`` with ``mark_only_lora_as_trainable`` and t
 
 from __future__ import annotations
 
-import logging
 import warnings
 from pathlib import Path
 from typing import Any
@@ -76,7 +75,6 @@ def _fit(precision: str, tmp: Path, *, half: str = "bfloat16", with_lora: bool =
         plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
     module = _Module(with_lora, overflow=half == "float16")
     settings: dict[str, Any] = {"plugins": [plugin]} if plugin is not None else {"precision": precision}
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     trainer = pl.Trainer(accelerator="cpu", max_epochs=1, accumulate_grad_batches=2, gradient_clip_val=0.5,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, **settings)  # fmt: skip
@@ -124,7 +122,8 @@ def test_litgpt_lora_float16_overflow_masters_for_the_adapters_only(tmp_path):
     alone (the optimizer holds the frozen base too), the scale backed off once as under ``"16-mixed"``, the LoRA
     weights (the masters) within float16's tolerance of ``"16-mixed"``'s, and ``merge_lora_weights`` after training
     as near ``"32-true"``'s merge as ``"16-mixed"``'s is."""
-    ours, theirs = _fit("O2", tmp_path, half="float16", with_lora=True), _fit("16-mixed", tmp_path, half="float16", with_lora=True)
+    ours = _fit("O2", tmp_path, half="float16", with_lora=True)
+    theirs = _fit("16-mixed", tmp_path, half="float16", with_lora=True)
     amp, model = ours["amp"], ours["module"].model
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)

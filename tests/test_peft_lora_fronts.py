@@ -11,7 +11,6 @@ loop. (Core ``Amp``'s ``save_pretrained`` writes the half values on purpose: doc
 
 from __future__ import annotations
 
-import logging
 import warnings
 from pathlib import Path
 from typing import Any
@@ -32,16 +31,18 @@ ACCUMULATION, OVERFLOW_AT, STEPS = 2, 3, 4  # micro-batch 3: the second of step 
 def _peft_model(kind: str) -> Any:
     torch.manual_seed(0)
     if kind == "llama":
-        base = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32))
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)  # fmt: skip
+        base = LlamaForCausalLM(config)
         targets = ["q_proj", "v_proj"]
     else:
-        base = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32, resid_pdrop=0.0,
-                                          embd_pdrop=0.0, attn_pdrop=0.0))  # no dropout: fronts draw it apart
+        config = GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip  # no dropout: the fronts draw it apart
+        base = GPT2LMHeadModel(config)
         targets = ["c_attn"]  # a Conv1D: peft's fan_in_fan_out
     torch.manual_seed(1)  # random A and B: the merge then moves the weights
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)
-    return peft.get_peft_model(base, config)
+    lora_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)
+    return peft.get_peft_model(base, lora_config)
 
 
 def _batches(n: int) -> list[torch.Tensor]:
@@ -115,7 +116,6 @@ def _trainer(precision: str, kind: str, half: str) -> dict[str, Any]:
 
     plugin = MixedPrecisionPlugin(precision, half_dtype=half)
     module = Module()
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     trainer = pl.Trainer(accelerator="cpu", max_epochs=1, plugins=[plugin], accumulate_grad_batches=ACCUMULATION,
                          gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)  # fmt: skip
