@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # Accelerate's process-wide state: none left
+
 STEPS, OVERFLOW_AT, MAX_NORM = 5, 2, 1.0
 SCALES = [2.0**16, 2.0**16, 2.0**15, 2.0**15, 2.0**15]  # GradScaler's: the back-off at the overflow
 Record = list[tuple[float, float, bool]]  # per step: scale after it, the learning rate after it, weights unchanged

@@ -25,6 +25,8 @@ pytest.importorskip("safetensors")
 from safetensors.torch import load_file  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # Accelerate's process-wide state: none left
+
 ACCUMULATION, OVERFLOW_AT, STEPS = 2, 3, 4  # micro-batch 3: the second of step 1
 
 
