@@ -222,7 +222,7 @@ def _check(record: Record, weights: dict[str, torch.Tensor], reference: tuple[Re
     assert [r[2] for r in record] == [s == OVERFLOW_AT for s in range(STEPS)]  # only that step left them in place
     assert [r[1] for r in record] == pytest.approx([r[1] for r in reference[0]], rel=1e-12)
     for name, value in reference[1].items():
-        torch.testing.assert_close(weights[name], value, rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=1e-5, msg=name)  # same kernels here; room for another CPU
 
 
 @pytest.fixture(scope="module")
