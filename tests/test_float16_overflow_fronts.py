@@ -222,7 +222,8 @@ def _check(record: Record, weights: dict[str, torch.Tensor], reference: tuple[Re
     assert [r[2] for r in record] == [s == OVERFLOW_AT for s in range(STEPS)]  # only that step left them in place
     assert [r[1] for r in record] == pytest.approx([r[1] for r in reference[0]], rel=1e-12)
     for name, value in reference[1].items():
-        torch.testing.assert_close(weights[name], value, rtol=0, atol=1e-5, msg=name)  # same kernels here; room for another CPU
+        # the same kernels here (0.0 apart); room for another CPU, a float16 rounding (~1e-3) still fails
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=1e-5, msg=name)
 
 
 @pytest.fixture(scope="module")
