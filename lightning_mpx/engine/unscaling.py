@@ -242,6 +242,25 @@ class UnscalePath(Registry):
             memo = state.flag_read = (flag, bool(flag.item() > 0))
         return memo[1]
 
+    def overflowed_together(self, optimizers: Sequence[torch.optim.Optimizer]) -> list[bool]:
+        """:meth:`overflowed` for each of ``optimizers``, from one host read instead of one each (a joint clip over
+        several optimizers): the flags not read yet are stacked and read together, and each read is noted as
+        :meth:`overflowed` notes it, so that the optimizer's step does not read its flag again. Flags on different
+        devices are read one by one."""
+        unread: list[tuple[_OptimizerState, torch.Tensor]] = []
+        for optimizer in optimizers:
+            state = self.state(optimizer)
+            flags = state.found_by_loss
+            flag = next(iter(flags.values())) if len(flags) == 1 else state.found_inf
+            memo = state.flag_read
+            if flag is not None and (memo is None or memo[0] is not flag):
+                unread.append((state, flag))
+        if len(unread) > 1 and all(flag.device == unread[0][1].device for _, flag in unread):
+            values = torch.stack([flag.reshape(()) for _, flag in unread]).tolist()
+            for (state, flag), value in zip(unread, values):
+                state.flag_read = (flag, value > 0)
+        return [self.overflowed(optimizer) for optimizer in optimizers]  # noted: no read left but a lone flag's
+
     def share_overflow(self, optimizers: Sequence[torch.optim.Optimizer], loss_id: int) -> None:
         """:meth:`Amp.share_overflow <lightning_mpx.engine.amp.Amp.share_overflow>`."""
         if isinstance(optimizers, torch.optim.Optimizer) or not isinstance(optimizers, (list, tuple)):

@@ -142,12 +142,13 @@ class GradientClipping:
     def _skip_together(self, owners: list[AmpOptimizer]) -> bool:
         """Whether any of ``owners`` (unscaled, clipped by one norm) overflowed; if so every one of them skips its
         step, as that optimizer does (one host read for them all, which their steps then take instead of reading
-        again: :func:`_overflowed_together`). Before, the NaN norm made the other optimizers' gradients NaN and they
-        stepped on them: NaN weights, silently (Accelerate's own ``"fp16"`` does the same: ``GradScaler`` read their
-        flags at the unscale)."""
+        again: the engine's ``overflowed_together``). Before, the NaN norm made the other optimizers' gradients NaN
+        and they stepped on them: NaN weights, silently (Accelerate's own ``"fp16"`` does the same: ``GradScaler``
+        read their flags at the unscale)."""
         assert self.amp is not None
         machine = self.amp._machine
-        overflowed = [owner for owner, hit in zip(owners, _overflowed_together(machine, owners)) if hit]
+        hits = machine.overflowed_together([owner.optimizer for owner in owners])
+        overflowed = [owner for owner, hit in zip(owners, hits) if hit]
         if not overflowed:
             return False
         for loss_id in {machine.state(owner.optimizer).loss_id or 0 for owner in overflowed}:
@@ -191,28 +192,6 @@ class GradientClipping:
                 owner.unscaled = True
             elif self.amp.properties.master_weights:
                 follow_model_writes(self.amp._machine, owner.optimizer)
-
-
-def _overflowed_together(machine: Any, owners: list[AmpOptimizer]) -> list[bool]:
-    """``machine.overflowed(owner.optimizer)`` for each of ``owners``, from one host read instead of one each: the
-    flags that ``overflowed`` reads (an optimizer's one loss's flag, else the flag of all its losses) stacked, read
-    together, and each read noted in the optimizer's state as ``overflowed`` notes it, so that its step does not read
-    the flag again. An optimizer already read (its note on the same flag) or with nothing checked is not read; flags
-    on different devices are read one by one, as before."""
-    flags: list[torch.Tensor | None] = []
-    for owner in owners:
-        state = machine.state(owner.optimizer)
-        found = state.found_by_loss
-        flag = next(iter(found.values())) if len(found) == 1 else state.found_inf
-        memo = state.flag_read
-        flags.append(None if flag is None or (memo is not None and memo[0] is flag) else flag)
-    unread = [flag for flag in flags if flag is not None]
-    if len(unread) > 1 and all(flag.device == unread[0].device for flag in unread):  # one read for them all
-        values = iter(torch.stack([flag.reshape(()) for flag in unread]).tolist())
-        for owner, flag in zip(owners, flags):
-            if flag is not None:
-                machine.state(owner.optimizer).flag_read = (flag, next(values) > 0)
-    return [machine.overflowed(owner.optimizer) for owner in owners]  # noted: no read left but a lone flag's
 
 
 def _covers(targets: list[torch.Tensor], params: list[torch.Tensor]) -> bool:
