@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import sys
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
@@ -73,6 +74,7 @@ class _Engine(Protocol):
     protocol, so that this module never imports the engine back."""
 
     properties: Properties
+    policy: Any  # the O1 cast policy (a CastPolicy), None at the other levels
     log_overflows: bool
     found_inf_reducer: Callable[[torch.Tensor], None] | None
     master_weights: list[MasterWeights]
@@ -459,6 +461,8 @@ class Promotion(FloorDecision):
                     module.register_forward_hook(boundary.post, prepend=True, always_call=True),
                 )
             )
+        for root, handles in self.hooks.items():
+            handles.extend(_hand_off_compiled(amp, root))
 
     def _root_of(self, name: str) -> tuple[str, nn.Module] | None:
         for prefix, ref in reversed(self._roots):  # longest prefixes ("model1.") were added last
@@ -507,6 +511,20 @@ class Promotion(FloorDecision):
                     if any(p.requires_grad or not trainable for p in module.parameters(recurse=False)):
                         owners.add(prefix + name)
         return frozenset(owners)
+
+
+def _hand_off_compiled(amp: _Engine, root: nn.Module) -> list[Any]:
+    """O1: the cast policy handed off to the ``torch.compile``'d modules of ``root`` that hold FP32 modules
+    (:meth:`CastPolicy.hand_off_compiled <lightning_mpx.casting.policy.CastPolicy.hand_off_compiled>`); the handles.
+
+    An FP32 module's hooks, traced into a compiled graph, raise the FP32 count of the mode traced there, not of the
+    mode left on the stack while the graph runs: under a backend that runs the graph's torch calls as they are
+    (``backend="eager"``, a backend of the user's that returns ``gm.forward``) that mode cast them to half again, and a
+    module pinned to FP32 ran in half (its overflow made every loss NaN). Handed off, no mode is on the stack there."""
+    policy = amp.policy
+    if policy is None or not amp.properties.patch_torch_functions or "torch._dynamo.eval_frame" not in sys.modules:
+        return []  # (no module was compiled before dynamo was loaded)
+    return policy.hand_off_compiled(root)
 
 
 def _module_to_fp32(module: nn.Module) -> None:
