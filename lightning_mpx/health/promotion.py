@@ -214,6 +214,8 @@ class Promotion(FloorDecision):
         self._streak: list[frozenset[str]] = []
         # The boundary hooks by prepared model: the engine that hands a model over takes its own off (masters.handover).
         self.hooks: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+        # A prepared model's torch.compile'd wrapper made after the prepare (fabric.setup's), by prepared model.
+        self._compiled: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = weakref.WeakKeyDictionary()
 
     @property
     def amp(self) -> _Engine:
@@ -269,6 +271,14 @@ class Promotion(FloorDecision):
                 if target is not None:
                     _module_to_fp32(target)
         self._rehook()
+
+    def add_compiled(self, module: nn.Module, wrapper: nn.Module) -> None:
+        """``wrapper``, made after ``module`` was prepared, holds it ``torch.compile``'d (``fabric.setup`` compiles the
+        model it converted again): at O1 the cast policy is handed off to it as to a model compiled before the
+        prepare, while ``module`` holds FP32 modules (:func:`_hand_off_compiled`)."""
+        self._compiled[module] = weakref.ref(wrapper)
+        if module in self.hooks:
+            self._rehook()
 
     def check_patterns_matched(self) -> None:
         """Raise if a pattern matched no module of the models prepared so far.
@@ -463,6 +473,9 @@ class Promotion(FloorDecision):
             )
         for root, handles in self.hooks.items():
             handles.extend(_hand_off_compiled(amp, root))
+            wrapper = self._compiled[root]() if root in self._compiled else None
+            if wrapper is not None:
+                handles.extend(_hand_off_compiled(amp, wrapper))
 
     def _root_of(self, name: str) -> tuple[str, nn.Module] | None:
         for prefix, ref in reversed(self._roots):  # longest prefixes ("model1.") were added last
