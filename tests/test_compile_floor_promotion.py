@@ -197,3 +197,4 @@ def test_a_pinned_fp32_module_of_a_compiled_model_runs_in_fp32_from_the_first_st
     eager = _pinned_losses(door, None)
     assert all(torch.isfinite(torch.tensor(eager)))  # the reference trains
     assert _pinned_losses(door, "eager") == pytest.approx(eager, rel=1e-3)
+
