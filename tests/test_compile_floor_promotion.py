@@ -209,7 +209,8 @@ def test_a_pinned_fp32_module_of_a_compiled_model_runs_in_fp32_from_the_first_st
     reason="health/promotion._Fp32Boundary.pre (casting/scopes.enter_fp32 traced): fp32_modules=['boom'] on a model "
     "torch.compile'd AFTER Amp.prepare_model, backend='eager': the compiled wrapper is made after the prepare, so no "
     "hand-off; the cast mode on the stack while the graph runs casts boom's matmul to half: losses [nan, nan, nan] "
-    "where uncompiled [0.320, 0.751, 0.791] (aot_eager and inductor run aten calls the mode never sees: correct)",
+    "where uncompiled [0.320, 0.751, 0.791] (aot_eager and inductor run aten calls the mode never sees: correct; "
+    "amp.policy.hand_off_compiled(compiled) by hand fixes it)",
 )
 def test_a_pinned_fp32_module_of_a_model_compiled_after_the_prepare_runs_in_fp32():
     eager = _pinned_losses("core_after", None)
