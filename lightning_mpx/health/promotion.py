@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import sys
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
@@ -73,6 +74,7 @@ class _Engine(Protocol):
     protocol, so that this module never imports the engine back."""
 
     properties: Properties
+    policy: Any  # the O1 cast policy (a CastPolicy), None at the other levels
     log_overflows: bool
     found_inf_reducer: Callable[[torch.Tensor], None] | None
     master_weights: list[MasterWeights]
@@ -212,6 +214,8 @@ class Promotion(FloorDecision):
         self._streak: list[frozenset[str]] = []
         # The boundary hooks by prepared model: the engine that hands a model over takes its own off (masters.handover).
         self.hooks: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+        # A prepared model's torch.compile'd wrapper made after the prepare (fabric.setup's), by prepared model.
+        self._compiled: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = weakref.WeakKeyDictionary()
 
     @property
     def amp(self) -> _Engine:
@@ -267,6 +271,14 @@ class Promotion(FloorDecision):
                 if target is not None:
                     _module_to_fp32(target)
         self._rehook()
+
+    def add_compiled(self, module: nn.Module, wrapper: nn.Module) -> None:
+        """``wrapper``, made after ``module`` was prepared, holds it ``torch.compile``'d (``fabric.setup`` compiles the
+        model it converted again): at O1 the cast policy is handed off to it as to a model compiled before the
+        prepare, while ``module`` holds FP32 modules (:func:`_hand_off_compiled`)."""
+        self._compiled[module] = weakref.ref(wrapper)
+        if module in self.hooks:
+            self._rehook()
 
     def check_patterns_matched(self) -> None:
         """Raise if a pattern matched no module of the models prepared so far.
@@ -459,6 +471,11 @@ class Promotion(FloorDecision):
                     module.register_forward_hook(boundary.post, prepend=True, always_call=True),
                 )
             )
+        for root, handles in self.hooks.items():
+            handles.extend(_hand_off_compiled(amp, root))
+            wrapper = self._compiled[root]() if root in self._compiled else None
+            if wrapper is not None:
+                handles.extend(_hand_off_compiled(amp, wrapper))
 
     def _root_of(self, name: str) -> tuple[str, nn.Module] | None:
         for prefix, ref in reversed(self._roots):  # longest prefixes ("model1.") were added last
@@ -507,6 +524,20 @@ class Promotion(FloorDecision):
                     if any(p.requires_grad or not trainable for p in module.parameters(recurse=False)):
                         owners.add(prefix + name)
         return frozenset(owners)
+
+
+def _hand_off_compiled(amp: _Engine, root: nn.Module) -> list[Any]:
+    """O1: the cast policy handed off to the ``torch.compile``'d modules of ``root`` that hold FP32 modules
+    (:meth:`CastPolicy.hand_off_compiled <lightning_mpx.casting.policy.CastPolicy.hand_off_compiled>`); the handles.
+
+    An FP32 module's hooks, traced into a compiled graph, raise the FP32 count of the mode traced there, not of the
+    mode left on the stack while the graph runs: under a backend that runs the graph's torch calls as they are
+    (``backend="eager"``, a backend of the user's that returns ``gm.forward``) that mode cast them to half again, and a
+    module pinned to FP32 ran in half (its overflow made every loss NaN). Handed off, no mode is on the stack there."""
+    policy = amp.policy
+    if policy is None or not amp.properties.patch_torch_functions or "torch._dynamo.eval_frame" not in sys.modules:
+        return []  # (no module was compiled before dynamo was loaded)
+    return policy.hand_off_compiled(root)
 
 
 def _module_to_fp32(module: nn.Module) -> None:

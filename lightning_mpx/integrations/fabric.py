@@ -174,6 +174,8 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         # ...and the frames of the fabric.setup calls that converted them, where the FSDP1 wrapper is found after
         # (fabric_sharding.fsdp1_wrapper): held until the first call after fabric.setup, then let go.
         self._setups: list[tuple[weakref.ref[nn.Module], FrameType]] = []
+        # ...and those whose fabric.setup compiles them again after it (the compiled wrapper: one of its locals after).
+        self._compiled_setups: list[tuple[weakref.ref[nn.Module], FrameType]] = []
         self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         # main_params handed out since the unscale: the masters' gradients' marks then (fabric_clipping), or None
         self._clipping: weakref.WeakKeyDictionary[Optimizer, Any] = weakref.WeakKeyDictionary()
@@ -300,6 +302,8 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         # taken again from the set-up model at the next call into the plugin.
         self._unsynced += [(masters, agree) for masters in self.amp.master_weights if id(masters) not in before]
         self._unchecked.append(weakref.ref(module))
+        if setup is not None and given.get("compile_kwargs") is not None:  # fabric.setup compiles it after this
+            self._compiled_setups.append((weakref.ref(module), setup))
         if setup is not None and isinstance(getattr(caller, "strategy", None), FSDPStrategy):
             # The wrapper FSDPStrategy puts around the model is one of its locals after it. Only there: the frame holds
             # its callers' (a function of the user's that returned, with its temporaries) until the next call.

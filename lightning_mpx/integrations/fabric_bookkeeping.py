@@ -50,6 +50,7 @@ class FabricBookkeeping:
     # masters made by convert_module, to take from the set-up model; True: the ranks agreed on their FP32 values
     _unsynced: list[tuple[MasterWeights, bool]]
     _unchecked: list[weakref.ref[nn.Module]]  # prepared by convert_module; sharded by the strategy?
+    _compiled_setups: list[tuple[weakref.ref[nn.Module], Any]]  # ...and those fabric.setup compiled after
     _setups: list[tuple[weakref.ref[nn.Module], Any]]  # ...and the frames of the fabric.setup calls that did
     _optimizers: weakref.WeakSet[Optimizer]  # the optimizers registered with the engine
     _held: HeldMasters  # the engine's: masters a loaded entry left to the model's entry
@@ -161,6 +162,11 @@ class FabricBookkeeping:
         models' masters from the set-up model (moved to its device; under a process group, rank zero's weights: taken
         where they differ when the ranks agreed on the FP32 values at set-up, which keeps masters an optimizer
         registered there made from them exact)."""
+        for ref, frame in self._compiled_setups:  # the compiled wrapper fabric.setup made: O1's FP32 modules run in
+            module, wrapper = ref(), frame.f_locals.get("module")  # FP32 in it (health.promotion._hand_off_compiled)
+            if module is not None and isinstance(wrapper, nn.Module) and wrapper is not module:
+                self.amp.promotion.add_compiled(module, wrapper)
+        self._compiled_setups.clear()
         if self._unchecked:
             adopt_sharded(self)
         if self._unsynced:
