@@ -20,7 +20,6 @@ import torch
 
 peft = pytest.importorskip("peft")
 pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
 
 from safetensors.torch import load_file  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
