@@ -101,6 +101,7 @@ from lightning_mpx.integrations.fabric_bookkeeping import FabricBookkeeping  # n
 from lightning_mpx.integrations.fabric_clipping import (  # noqa: E402
     clip_for_fabric,
     counted_stand_ins,
+    for_fabric_clip,
     forget_unseen_reads,
     note_unseen_clip,
     scaled_for_user,
@@ -451,11 +452,19 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         if self.amp.is_unscaled(optimizer):
             found = self.amp.found_inf(optimizer)
             if found is not None and self.amp.sharded:
-                # Found on this rank's shards: every rank must hand its clip the same (a DTensor norm is a collective).
-                found = found.clone()
-                all_reduce_max(found)
+                if for_fabric_clip(sys._getframe(1)):
+                    # Found on this rank's shards: every rank must hand its clip the same (a DTensor norm is a
+                    # collective).
+                    found = found.clone()
+                    all_reduce_max(found)
+                else:  # the user's own read (a log on rank 0 alone): no collective, the parameters as they are
+                    found = None
             # Unsharded, the read the step then takes (Amp.overflowed): one host read of the flag per step, not two.
-            if found is not None and (bool(found) if self.amp.sharded else self.amp.overflowed(optimizer)):
+            # The stand-in is for Fabric's clip alone: the user's own read (a log of the gradients' or weights' norm,
+            # torch's clip) got one zero on an overflow step, a norm of 0.0 where GradScaler's unscale_ leaves inf or
+            # NaN, a weight norm of 0.0; it gets the parameters, their gradients non-finite, as GradScaler's.
+            if (found is not None and (bool(found) if self.amp.sharded else self.amp.overflowed(optimizer))
+                    and (self.amp.sharded or for_fabric_clip(sys._getframe(1)))):  # fmt: skip
                 args = sys._getframe(1).f_locals  # Fabric's Strategy.clip_gradients_norm (the caller): its arguments
                 if not self.amp.sharded and type(args.get("norm_type")) in (int, float) and args["norm_type"] == 0:
                     return iter(counted_stand_ins(self.amp.master_params(optimizer), found.device))
