@@ -92,7 +92,8 @@ def _quiet(precision: str, habit: str, **kwargs: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("level", "loss_scale", "habit"), [("O1", 128.0, "c"), ("O1", "dynamic", "rc"), ("O3", "dynamic", "c"), ("O3", 128.0, "rc")]
+    ("level", "loss_scale", "habit"),
+    [("O1", 128.0, "c"), ("O1", "dynamic", "rc"), ("O3", "dynamic", "c"), ("O3", 128.0, "rc")],
 )
 def test_torch_clip_of_main_params_with_a_loss_scale_clips_the_true_gradients(
     level: str, loss_scale: Any, habit: str

@@ -74,6 +74,7 @@ from typing_extensions import Unpack
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.clipping import clip_limit
+from lightning_mpx.engine.optimizer_state import _Stage
 from lightning_mpx.engine.optimizer_step import AUTOCAST_DEVICES
 from lightning_mpx.engine.sharding import is_sharded
 from lightning_mpx.masters.weights import MasterWeights, convert_module, has_floating_parameters
@@ -447,9 +448,11 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         ``"16-mixed"`` raises). Reading the overflow flag waits for the device, as the clip's norm does."""
         optimizer = _unwrap(optimizer)
         self._register(optimizer)
-        if scaled_for_user(self.amp, optimizer):  # the user's clip right after fabric.backward: unscaled first
+        state = self.amp._machine.state(optimizer)  # its stage, read here (is_unscaled's call saved, twice at O2)
+        if scaled_for_user(self.amp, state):  # the user's clip right after fabric.backward: unscaled first
             self.unscale_gradients(optimizer)
-        if self.amp.is_unscaled(optimizer):
+        unscaled = state.stage is _Stage.UNSCALED
+        if unscaled:
             found = self.amp.found_inf(optimizer)
             if found is not None and self.amp.sharded:
                 if for_fabric_clip(sys._getframe(1)):
@@ -470,7 +473,7 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
                     return iter(counted_stand_ins(self.amp.master_params(optimizer), found.device))
                 lenient = args.get("error_if_nonfinite") is False  # whether the user asked for the error
                 return iter(_nothing_to_clip(found.device, self._non_finite_norm(optimizer) if lenient else None))
-        if self.amp.properties.master_weights and self.amp.is_unscaled(optimizer):
+        if unscaled and self.amp.properties.master_weights:
             marks = None
             if not self.amp.sharded:  # Fabric's clip: made here and shown on the model at once (fabric_clipping)
                 clipped = clip_for_fabric(self.amp, optimizer, sys._getframe(1))

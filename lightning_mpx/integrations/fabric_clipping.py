@@ -50,8 +50,8 @@ _CLIPS = {Strategy.clip_gradients_norm.__code__: "norm", Strategy.clip_gradients
 _FABRIC_CLIP, _FRAMES_SEARCHED = Fabric.clip_gradients.__code__, 8
 
 
-def scaled_for_user(amp: Any, optimizer: torch.optim.Optimizer) -> bool:
-    """Unsharded: whether ``optimizer``'s gradients are a backward's, still scaled (no unscale since), when the user
+def scaled_for_user(amp: Any, state: Any) -> bool:
+    """Unsharded: whether an optimizer's gradients are a backward's, still scaled (no unscale since), when the user
     asks for ``main_params``: torch's ``clip_grad_norm_(mpx.main_params(optimizer), ...)`` right after
     ``fabric.backward`` (Apex's ``master_params`` habit) found at O2 the masters without gradients and clipped nothing
     (7.8e-2 off ``"bf16-mixed"`` in 3 steps, silently), and a read for a log found ``grad`` None; at O1/O3 with a
@@ -59,11 +59,9 @@ def scaled_for_user(amp: Any, optimizer: torch.optim.Optimizer) -> bool:
     divided them by the scale (3.3e-2 off in 3 steps, the norm returned and logged 128 times too big at a scale of
     128). The plugin unscales first, as ``fabric.clip_gradients`` does (per rank, no collective: the step reduces the
     flags as after any unscale). Fabric's own clip unscales before it asks: nothing then. Not after a step (its
-    gradients are the step's) nor before any backward."""
-    if amp.sharded:
-        return False
-    state = amp._machine.state(optimizer)
-    return state.stage is _Stage.READY and state.loss_id is not None
+    gradients are the step's) nor before any backward. ``state``: the optimizer's
+    (:class:`~lightning_mpx.engine.optimizer_state._OptimizerState`)."""
+    return state.stage is _Stage.READY and state.loss_id is not None and not amp.sharded
 
 
 def for_fabric_clip(caller: types.FrameType) -> bool:
