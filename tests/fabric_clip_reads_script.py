@@ -9,7 +9,9 @@ alone overflowing at :data:`INF_AT`, each case against the same run without the 
 * ``ddp:<level>:read``: DDP, the read right after ``fabric.backward`` (before ``fabric.clip_gradients``).
 * ``accumulate:<level>:read``: DDP, two micro-batches under ``fabric.no_backward_sync``, the read on the first
   (non-final) one, where rank 1 overflows alone (the gradients not reduced yet).
-* ``fsdp2:read``: ``ModelParallelStrategy`` (FSDP2) at O1, the read after ``fabric.clip_gradients``."""
+* ``fsdp2:read``: ``ModelParallelStrategy`` (FSDP2) at O1 (the optimizer set up apart), the read after
+  ``fabric.clip_gradients``; ``fsdp2:early_read``: the read right after ``fabric.backward``, then the clip;
+  ``fsdp2:torch_clip``: no read, torch's clip of ``main_params`` right after ``fabric.backward`` on both ranks."""
 
 from __future__ import annotations
 
@@ -107,7 +109,7 @@ def _ddp_read(level: str, read: bool, micro: int) -> dict[str, Any]:
     return out
 
 
-def _fsdp2(read: bool) -> dict[str, Any]:
+def _fsdp2(read: bool, clip: str = "fabric") -> dict[str, Any]:
     plugin = FabricMixedPrecisionPlugin("O1", half_dtype="bfloat16", loss_scale="dynamic", init_scale=2.0**8)
 
     def parallelize(model: nn.Module, mesh: Any) -> nn.Module:
@@ -125,7 +127,12 @@ def _fsdp2(read: bool) -> dict[str, Any]:
         x, y = _batch(step, 0, rank)
         loss = F.cross_entropy(model(x).float(), y)
         fabric.backward(loss * float("inf") if (step == INF_AT and rank == 1) else loss)
-        fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM, error_if_nonfinite=False)
+        if clip == "early_read" and rank == 0:  # rank 0 alone, right after the backward: no collective either
+            out["logged"].append(len(list(plugin.main_params(optimizer))))
+        if clip == "torch":  # torch's clip of main_params right after fabric.backward, on both ranks (over DTensors)
+            torch.nn.utils.clip_grad_norm_(list(plugin.main_params(optimizer)), MAX_NORM)
+        else:
+            fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM, error_if_nonfinite=False)
         if read and rank == 0:  # rank 0 alone: must not enter a collective the other rank never joins
             out["logged"].append(len(list(plugin.main_params(optimizer))))
         optimizer.step()
@@ -143,6 +150,8 @@ CASES = {
     **{f"accumulate:{level}:{kind}": _quiet(lambda level=level, kind=kind: _ddp_read(level, kind == "read", 2))
        for level in ("O1", "O2") for kind in ("read", "plain")},
     **{f"fsdp2:{kind}": _quiet(lambda kind=kind: _fsdp2(kind == "read")) for kind in ("read", "plain")},
+    "fsdp2:torch_clip": _quiet(lambda: _fsdp2(False, clip="torch")),
+    "fsdp2:early_read": _quiet(lambda: _fsdp2(False, clip="early_read")),
 }  # fmt: skip
 
 

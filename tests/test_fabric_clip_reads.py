@@ -216,3 +216,23 @@ def test_fsdp2_rank_zero_read_of_main_params_enters_no_collective(ranks: list[di
     for rank in ranks:
         assert rank["fsdp2:read"]["skipped"] == [False, True, False]
     assert ranks[0]["fsdp2:read"]["logged"] == [4, 4, 4]  # the model's four parameters, the overflow step's too
+
+
+def test_fsdp2_torch_clip_of_main_params_after_backward_clips_as_fabrics(ranks: list[dict[str, Any]]) -> None:
+    """FSDP2 at O1 (bfloat16, dynamic scale 256), the optimizer set up apart: torch's
+    ``clip_grad_norm_(mpx.main_params(opt))`` right after ``fabric.backward`` on both ranks gives the weights of the
+    run clipped with ``fabric.clip_gradients``. Before: 2.2e-2 off (sharded, ``main_params`` did not unscale first,
+    and the optimizer met at that read carried no loss: the scaled gradients were clipped)."""
+    for final, fabric_clip in zip(_finals(ranks, "fsdp2:torch_clip"), _finals(ranks, "fsdp2:plain"), strict=True):
+        torch.testing.assert_close(final, fabric_clip, rtol=0, atol=1e-4)
+
+
+def test_fsdp2_rank_zero_read_right_after_backward_changes_nothing(ranks: list[dict[str, Any]]) -> None:
+    """FSDP2 at O1, ``mpx.main_params(opt)`` read on rank 0 alone right after ``fabric.backward`` (it unscales there,
+    on that rank alone), then ``fabric.clip_gradients`` on both, rank 1 alone overflowing at step 1: the weights are
+    those of the run without the read, the overflow step skipped on both ranks."""
+    for final, plain in zip(_finals(ranks, "fsdp2:early_read"), _finals(ranks, "fsdp2:plain"), strict=True):
+        torch.testing.assert_close(final, plain, rtol=0, atol=0)
+    for rank in ranks:
+        assert rank["fsdp2:early_read"]["skipped"] == [False, True, False]
+    assert ranks[0]["fsdp2:early_read"]["logged"] == [4, 4, 4]

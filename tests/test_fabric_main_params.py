@@ -9,6 +9,10 @@ opt level, against Fabric's own ``"bf16-mixed"`` or an FP32 run with ``torch.amp
 * On an overflow step ``main_params`` handed the user's code the one zero that stands in for the parameters in
   Fabric's clip: a gradient norm of 0.0 where GradScaler's ``unscale_`` leaves NaN, a weight norm of 0.0, one tensor
   for four. The user's code gets the parameters now (their gradients non-finite, the step skipped as before).
+* An optimizer set up apart (``fabric.setup_optimizers``) is met by the plugin at its first unscale, step or
+  ``main_params``: at the first step, after the backward, its gradients were taken for no loss's and not unscaled
+  (torch's clip returned 0.0 at O2 and clipped nothing, 8.0e-2 off in 3 steps; at O1 it clipped the scaled ones,
+  1.8e-2). They are unscaled now, as ``fabric.clip_gradients`` takes them.
 """
 
 from __future__ import annotations
@@ -42,11 +46,12 @@ def _norm(tensors: list[torch.Tensor]) -> float:
     return float(torch.nn.utils.get_total_norm(tensors))
 
 
-def _run(precision: str, habit: str, *, inf_at: int = -1, **settings: Any) -> dict[str, Any]:
+def _run(precision: str, habit: str, *, inf_at: int = -1, apart: bool = False, **settings: Any) -> dict[str, Any]:
     """Three steps: ``fabric.backward`` (the loss times inf at step ``inf_at``), then ``habit``, one letter an action
     on ``main_params`` (the optimizer's parameters under Fabric's own precisions): ``r`` a log of the gradients'
     norm, ``W`` a log of the weights' norm, ``c`` torch's ``clip_grad_norm_`` (its norm logged); then the step.
-    ``precision="GradScaler"``: FP32 with ``torch.amp.GradScaler`` (``unscale_`` right after the backward)."""
+    ``precision="GradScaler"``: FP32 with ``torch.amp.GradScaler`` (``unscale_`` right after the backward).
+    ``apart``: the optimizer set up apart (``fabric.setup_module``, then ``fabric.setup_optimizers``)."""
     net = _net()
     plugin = None
     if precision.startswith("O"):
@@ -54,7 +59,11 @@ def _run(precision: str, habit: str, *, inf_at: int = -1, **settings: Any) -> di
         fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     else:
         fabric = Fabric(accelerator="cpu", devices=1, precision="32-true" if precision == "GradScaler" else precision)
-    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.3))
+    if apart:
+        model = fabric.setup_module(net)
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(net.parameters(), lr=0.3))
+    else:
+        model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.3))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if precision == "GradScaler" else None
     out: dict[str, Any] = {"logged": [], "counts": []}
     for step in range(3):
@@ -116,4 +125,14 @@ def test_user_read_of_main_params_on_an_overflow_step_gets_the_parameters(habit:
     assert ours["counts"] == reference["counts"]
     for mine, theirs in zip(ours["logged"], reference["logged"], strict=True):
         assert mine == pytest.approx(theirs, rel=2e-3, nan_ok=True)
+    torch.testing.assert_close(ours["final"], reference["final"], rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize(("level", "settings"), [("O2", {}), ("O1", {"loss_scale": "dynamic"})])
+@pytest.mark.parametrize("habit", ["c", "rc"])
+def test_torch_clip_of_main_params_of_an_optimizer_set_up_apart(level: str, settings: Any, habit: str) -> None:
+    ours = _quiet(level, habit, apart=True, half_dtype="bfloat16", **settings)
+    reference = _quiet("bf16-mixed", habit, apart=True)
+    # before: at the first step 0.0 (O2) or 71571 (O1, 1.09 times 65536) for 1.09, the weights 8.0e-2 / 1.8e-2 off
+    assert ours["logged"] == pytest.approx(reference["logged"], rel=1e-2)
     torch.testing.assert_close(ours["final"], reference["final"], rtol=0, atol=2e-4)

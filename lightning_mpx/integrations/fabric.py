@@ -449,7 +449,7 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         optimizer = _unwrap(optimizer)
         self._register(optimizer)
         state = self.amp._machine.state(optimizer)  # its stage, read here (is_unscaled's call saved, twice at O2)
-        if scaled_for_user(self.amp, state):  # the user's clip right after fabric.backward: unscaled first
+        if scaled_for_user(state):  # the user's clip right after fabric.backward: unscaled first
             self.unscale_gradients(optimizer)
         unscaled = state.stage is _Stage.UNSCALED
         if unscaled:
