@@ -6,7 +6,8 @@ clip (rank-0-only logging); case ``plain``: no read. Each rank writes its skips 
 The user's own reads of ``mpx.main_params(optimizer)`` on rank 0 alone (a log of the gradients' norm), float16, rank 1
 alone overflowing at :data:`INF_AT`, each case against the same run without the read (``<case>:plain``):
 
-* ``ddp:<level>:read``: DDP, the read right after ``fabric.backward`` (before ``fabric.clip_gradients``).
+* ``ddp:<level>:read``: DDP, the read right after ``fabric.backward`` (before ``fabric.clip_gradients``);
+  ``apart:O2:read``: the same with the optimizer set up apart (``fabric.setup_optimizers``).
 * ``accumulate:<level>:read``: DDP, two micro-batches under ``fabric.no_backward_sync``, the read on the first
   (non-final) one, where rank 1 overflows alone (the gradients not reduced yet).
 * ``fsdp2:read``: ``ModelParallelStrategy`` (FSDP2) at O1 (the optimizer set up apart), the read after
@@ -84,13 +85,17 @@ def _norm(params: Any) -> float:
     return float(torch.nn.utils.get_total_norm([g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads]))
 
 
-def _ddp_read(level: str, read: bool, micro: int) -> dict[str, Any]:
+def _ddp_read(level: str, read: bool, micro: int, *, apart: bool = False) -> dict[str, Any]:
     plugin = FabricMixedPrecisionPlugin(level, **_FLOAT16)
     fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp", plugins=[plugin])
     fabric.launch()
     rank = fabric.global_rank
     net = _net()
-    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.3))
+    if apart:  # met by the plugin at rank 0's read (rank 1: at its clip)
+        model = fabric.setup_module(net)
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(net.parameters(), lr=0.3))
+    else:
+        model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.3))
     out: dict[str, Any] = {"skipped": [], "logged": [], "clipped": []}
     for step in range(STEPS):
         for m in range(micro):
@@ -147,6 +152,8 @@ CASES = {
     "plain": _quiet(lambda: _ddp(False)),
     **{f"ddp:{level}:{kind}": _quiet(lambda level=level, kind=kind: _ddp_read(level, kind == "read", 1))
        for level in ("O1", "O2") for kind in ("read", "plain")},
+    **{f"apart:O2:{kind}": _quiet(lambda kind=kind: _ddp_read("O2", kind == "read", 1, apart=True))
+       for kind in ("read", "plain")},
     **{f"accumulate:{level}:{kind}": _quiet(lambda level=level, kind=kind: _ddp_read(level, kind == "read", 2))
        for level in ("O1", "O2") for kind in ("read", "plain")},
     **{f"fsdp2:{kind}": _quiet(lambda kind=kind: _fsdp2(kind == "read")) for kind in ("read", "plain")},

@@ -170,15 +170,16 @@ def _finals(ranks: list[dict[str, Any]], case: str) -> list[torch.Tensor]:
     return [torch.tensor(rank[case]["final"]) for rank in ranks]
 
 
-@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("level", ["O1", "O2", "apart:O2"])
 def test_ddp_rank_zero_log_of_main_params_after_backward(ranks: list[dict[str, Any]], level: str) -> None:
     """DDP float16, rank 0 alone logging the norm of ``mpx.main_params(opt)``'s gradients right after
     ``fabric.backward`` (before ``fabric.clip_gradients``), rank 1 alone overflowing at step 1. The weights are those of
     the run without the log, equal on the ranks, the overflow step skipped on both; the logged norm is the one the clip
     then returns (the reduced, true gradients'), non-finite on the overflow step. Before: at O1 the log read the scaled
-    gradients (193.2 for 0.755 at a scale of 256), at O2 it read 0.0 on the overflow step (a zero stand-in)."""
-    case = f"ddp:{level}:read"
-    for final, plain in zip(_finals(ranks, case), _finals(ranks, f"ddp:{level}:plain"), strict=True):
+    gradients (193.2 for 0.755 at a scale of 256), at O2 it read 0.0 on the overflow step (a zero stand-in).
+    ``apart:O2``: the optimizer set up apart, met by the plugin at rank 0's first read (rank 1: at its clip)."""
+    case = f"{level}:read" if level.startswith("apart") else f"ddp:{level}:read"
+    for final, plain in zip(_finals(ranks, case), _finals(ranks, case[: -len("read")] + "plain"), strict=True):
         torch.testing.assert_close(final, plain, rtol=0, atol=0)
         torch.testing.assert_close(final, _finals(ranks, case)[0], rtol=0, atol=0)
     for rank in ranks:
