@@ -23,7 +23,8 @@ class _Net(nn.Module):
 
 def _pinned_losses(door: str, backend: str | None) -> list[float]:
     """Three O1 float16 steps of ``_Net`` with ``fp32_modules=["boom"]`` (boom's weight x3e5: its output passes
-    float16's maximum, not FP32's), compiled by ``backend`` before it is handed to ``door`` (None: eager): the losses."""
+    float16's maximum, not FP32's), compiled by ``backend`` before it is handed to ``door`` (None: eager): the
+    losses."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     net = _Net()

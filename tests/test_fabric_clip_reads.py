@@ -13,6 +13,7 @@ gradient, and the second ``fabric.clip_gradients`` of the same optimizer. A real
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -167,7 +168,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
     from tests.launch import case_results
 
-    return case_results("fabric_clip_reads_script.py", Path(tmp_path_factory.mktemp("clip_reads")), timeout=150)
+    return case_results("fabric_clip_reads_script.py", Path(tmp_path_factory.mktemp("clip_reads")), timeout=240)
 
 
 def test_ddp_rank_zero_read_of_shared_masters_changes_nothing(ranks: list[dict[str, Any]]) -> None:
@@ -180,3 +181,76 @@ def test_ddp_rank_zero_read_of_shared_masters_changes_nothing(ranks: list[dict[s
         assert rank["read"]["final"] == ranks[0]["read"]["final"]
         assert rank["read"]["final"] == rank["plain"]["final"]
     assert len(ranks[0]["read"]["logged"]) == 3 and not ranks[1]["read"]["logged"]
+
+
+def _finals(ranks: list[dict[str, Any]], case: str) -> list[torch.Tensor]:
+    return [torch.tensor(rank[case]["final"]) for rank in ranks]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "apart:O2"])
+def test_ddp_rank_zero_log_of_main_params_after_backward(ranks: list[dict[str, Any]], level: str) -> None:
+    """DDP float16, rank 0 alone logging the norm of ``mpx.main_params(opt)``'s gradients right after
+    ``fabric.backward`` (before ``fabric.clip_gradients``), rank 1 alone overflowing at step 1. The weights are those of
+    the run without the log, equal on the ranks, the overflow step skipped on both; the logged norm is the one the clip
+    then returns (the reduced, true gradients'), non-finite on the overflow step. Before: at O1 the log read the scaled
+    gradients (193.2 for 0.755 at a scale of 256), at O2 it read 0.0 on the overflow step (a zero stand-in).
+    ``apart:O2``: the optimizer set up apart, met by the plugin at rank 0's first read (rank 1: at its clip)."""
+    case = f"{level}:read" if level.startswith("apart") else f"ddp:{level}:read"
+    for final, plain in zip(_finals(ranks, case), _finals(ranks, case[: -len("read")] + "plain"), strict=True):
+        torch.testing.assert_close(final, plain, rtol=0, atol=0)
+        torch.testing.assert_close(final, _finals(ranks, case)[0], rtol=0, atol=0)
+    for rank in ranks:
+        assert rank[case]["skipped"] == [False, True, False]
+    logged, clipped = ranks[0][case]["logged"], ranks[0][case]["clipped"]
+    assert not math.isfinite(logged[1])
+    assert [logged[0], logged[2]] == pytest.approx([clipped[0], clipped[2]], rel=1e-3)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_ddp_rank_zero_log_on_a_non_final_micro_batch(ranks: list[dict[str, Any]], level: str) -> None:
+    """DDP float16, two micro-batches under ``fabric.no_backward_sync``, rank 0 alone logging ``main_params`` on the
+    first (which unscales its gradients there, on that rank alone), rank 1 alone overflowing on its first micro-batch
+    at step 1: no rank waits, both skip step 1, and the weights are those of the run without the log, equal on the
+    ranks. Before: the same weights, but at O1 the log read the scaled gradients (139.8 at a scale of 256)."""
+    case = f"accumulate:{level}:read"
+    for final, plain in zip(_finals(ranks, case), _finals(ranks, f"accumulate:{level}:plain"), strict=True):
+        torch.testing.assert_close(final, plain, rtol=0, atol=0)
+        torch.testing.assert_close(final, _finals(ranks, case)[0], rtol=0, atol=0)
+    for rank in ranks:
+        assert rank[case]["skipped"] == [False, True, False]
+    # rank 0's own first micro-batch, unreduced: finite, of the size of the step's reduced norm (not times the scale)
+    logged, clipped = ranks[0][case]["logged"], ranks[0][case]["clipped"]
+    assert all(math.isfinite(norm) and norm < 4 * max(clipped[0], clipped[2]) for norm in logged)
+
+
+def test_fsdp2_rank_zero_read_of_main_params_enters_no_collective(ranks: list[dict[str, Any]]) -> None:
+    """``ModelParallelStrategy`` (FSDP2) at O1, ``fabric.clip_gradients`` on both ranks, then ``mpx.main_params(opt)``
+    read on rank 0 alone (a log), rank 1 alone overflowing at step 1. Before: on the overflow check the read reduced
+    the flag across ranks, a collective rank 1 never joined: it paired with rank 1's next one and the run died at the
+    group's timeout. Now rank 0 gets its parameters (no collective) and the weights are those of the run without the
+    read, equal on the ranks."""
+    for final, plain in zip(_finals(ranks, "fsdp2:read"), _finals(ranks, "fsdp2:plain"), strict=True):
+        torch.testing.assert_close(final, plain, rtol=0, atol=0)
+    for rank in ranks:
+        assert rank["fsdp2:read"]["skipped"] == [False, True, False]
+    assert ranks[0]["fsdp2:read"]["logged"] == [4, 4, 4]  # the model's four parameters, the overflow step's too
+
+
+def test_fsdp2_torch_clip_of_main_params_after_backward_clips_as_fabrics(ranks: list[dict[str, Any]]) -> None:
+    """FSDP2 at O1 (bfloat16, dynamic scale 256), the optimizer set up apart: torch's
+    ``clip_grad_norm_(mpx.main_params(opt))`` right after ``fabric.backward`` on both ranks gives the weights of the
+    run clipped with ``fabric.clip_gradients``. Before: 2.2e-2 off (sharded, ``main_params`` did not unscale first,
+    and the optimizer met at that read carried no loss: the scaled gradients were clipped)."""
+    for final, fabric_clip in zip(_finals(ranks, "fsdp2:torch_clip"), _finals(ranks, "fsdp2:plain"), strict=True):
+        torch.testing.assert_close(final, fabric_clip, rtol=0, atol=1e-4)
+
+
+def test_fsdp2_rank_zero_read_right_after_backward_changes_nothing(ranks: list[dict[str, Any]]) -> None:
+    """FSDP2 at O1, ``mpx.main_params(opt)`` read on rank 0 alone right after ``fabric.backward`` (it unscales there,
+    on that rank alone), then ``fabric.clip_gradients`` on both, rank 1 alone overflowing at step 1: the weights are
+    those of the run without the read, the overflow step skipped on both ranks."""
+    for final, plain in zip(_finals(ranks, "fsdp2:early_read"), _finals(ranks, "fsdp2:plain"), strict=True):
+        torch.testing.assert_close(final, plain, rtol=0, atol=0)
+    for rank in ranks:
+        assert rank["fsdp2:early_read"]["skipped"] == [False, True, False]
+    assert ranks[0]["fsdp2:early_read"]["logged"] == [4, 4, 4]

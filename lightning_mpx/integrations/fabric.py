@@ -74,6 +74,7 @@ from typing_extensions import Unpack
 from lightning_mpx.common.imports import require
 from lightning_mpx.engine.amp import Amp
 from lightning_mpx.engine.clipping import clip_limit, follow_model_writes
+from lightning_mpx.engine.optimizer_state import _Stage
 from lightning_mpx.engine.optimizer_step import AUTOCAST_DEVICES
 from lightning_mpx.engine.sharding import is_sharded
 from lightning_mpx.masters.weights import MasterWeights, convert_module, has_floating_parameters
@@ -101,6 +102,7 @@ from lightning_mpx.integrations.fabric_bookkeeping import FabricBookkeeping  # n
 from lightning_mpx.integrations.fabric_clipping import (  # noqa: E402
     clip_for_fabric,
     counted_stand_ins,
+    for_fabric_clip,
     forget_unseen_reads,
     note_unseen_clip,
     scaled_for_user,
@@ -452,22 +454,32 @@ class FabricMixedPrecisionPlugin(FabricBookkeeping, FSDPPrecision):
         ``"16-mixed"`` raises). Reading the overflow flag waits for the device, as the clip's norm does."""
         optimizer = _unwrap(optimizer)
         self._register(optimizer)
-        if scaled_for_user(self.amp, optimizer):  # the user's clip right after fabric.backward: unscaled first
+        state = self.amp._machine.state(optimizer)  # its stage, read here (is_unscaled's call saved, twice at O2)
+        if scaled_for_user(state):  # the user's clip right after fabric.backward: unscaled first
             self.unscale_gradients(optimizer)
-        if self.amp.is_unscaled(optimizer):
+        unscaled = state.stage is _Stage.UNSCALED
+        if unscaled:
             found = self.amp.found_inf(optimizer)
             if found is not None and self.amp.sharded:
-                # Found on this rank's shards: every rank must hand its clip the same (a DTensor norm is a collective).
-                found = found.clone()
-                all_reduce_max(found)
+                if for_fabric_clip(sys._getframe(1)):
+                    # Found on this rank's shards: every rank must hand its clip the same (a DTensor norm is a
+                    # collective).
+                    found = found.clone()
+                    all_reduce_max(found)
+                else:  # the user's own read (a log on rank 0 alone): no collective, the parameters as they are
+                    found = None
             # Unsharded, the read the step then takes (Amp.overflowed): one host read of the flag per step, not two.
-            if found is not None and (bool(found) if self.amp.sharded else self.amp.overflowed(optimizer)):
+            # The stand-in is for Fabric's clip alone: the user's own read (a log of the gradients' or weights' norm,
+            # torch's clip) got one zero on an overflow step, a norm of 0.0 where GradScaler's unscale_ leaves inf or
+            # NaN, a weight norm of 0.0; it gets the parameters, their gradients non-finite, as GradScaler's.
+            if (found is not None and (bool(found) if self.amp.sharded else self.amp.overflowed(optimizer))
+                    and (self.amp.sharded or for_fabric_clip(sys._getframe(1)))):  # fmt: skip
                 args = sys._getframe(1).f_locals  # Fabric's Strategy.clip_gradients_norm (the caller): its arguments
                 if not self.amp.sharded and type(args.get("norm_type")) in (int, float) and args["norm_type"] == 0:
                     return iter(counted_stand_ins(self.amp.master_params(optimizer), found.device))
                 lenient = args.get("error_if_nonfinite") is False  # whether the user asked for the error
                 return iter(_nothing_to_clip(found.device, self._non_finite_norm(optimizer) if lenient else None))
-        if self.amp.properties.master_weights and self.amp.is_unscaled(optimizer):
+        if unscaled and self.amp.properties.master_weights:
             marks = None
             if not self.amp.sharded:  # Fabric's clip: made here and shown on the model at once (fabric_clipping)
                 clipped = clip_for_fabric(self.amp, optimizer, sys._getframe(1))

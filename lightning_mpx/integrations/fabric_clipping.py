@@ -37,6 +37,7 @@ except ImportError:  # pragma: no cover - an older or changed torch
 __all__ = [
     "clip_for_fabric",
     "counted_stand_ins",
+    "for_fabric_clip",
     "forget_unseen_reads",
     "note_unseen_clip",
     "scaled_for_user",
@@ -49,18 +50,38 @@ _CLIPS = {Strategy.clip_gradients_norm.__code__: "norm", Strategy.clip_gradients
 _FABRIC_CLIP, _FRAMES_SEARCHED = Fabric.clip_gradients.__code__, 8
 
 
-def scaled_for_user(amp: Any, optimizer: torch.optim.Optimizer) -> bool:
-    """At O2, unsharded: whether ``optimizer``'s gradients are a backward's, still scaled (no unscale since), when the
-    user asks for ``main_params``: torch's ``clip_grad_norm_(mpx.main_params(optimizer), ...)`` right after
-    ``fabric.backward`` (Apex's ``master_params`` habit) found the masters without gradients and clipped nothing
-    (7.8e-2 off ``"bf16-mixed"`` in 3 steps, silently), and a read for a log found ``grad`` None; the plugin unscales
-    first, as ``fabric.clip_gradients`` does (per rank, no collective: the step reduces the flags as after any
-    unscale). Fabric's own clip unscales before it asks: nothing then. Not after a step (its gradients are the step's)
-    nor before any backward."""
-    if not amp.properties.master_weights or amp.sharded:
+def scaled_for_user(state: Any) -> bool:
+    """Whether an optimizer's gradients are a backward's, still scaled (no unscale since), when the user
+    asks for ``main_params``: torch's ``clip_grad_norm_(mpx.main_params(optimizer), ...)`` right after
+    ``fabric.backward`` (Apex's ``master_params`` habit) found at O2 the masters without gradients and clipped nothing
+    (7.8e-2 off ``"bf16-mixed"`` in 3 steps, silently), and a read for a log found ``grad`` None; at O1/O3 with a
+    loss scale (float16's dynamic one, a static one) it clipped the scaled gradients to ``max_norm`` and the step then
+    divided them by the scale (3.3e-2 off in 3 steps, the norm returned and logged 128 times too big at a scale of
+    128). The plugin unscales first, as ``fabric.clip_gradients`` does (per rank, no collective: the step reduces the
+    flags as after any unscale; sharded too, where a read on rank 0 alone must enter no collective). Fabric's own
+    clip unscales before it asks: nothing then. Not after a step (its gradients are the step's) nor before any
+    backward. ``state``: the optimizer's (:class:`~lightning_mpx.engine.optimizer_state._OptimizerState`).
+
+    An optimizer set up apart (``fabric.setup_optimizers``) is met at its first unscale or step, or at this read: after
+    the first ``fabric.backward`` it carries no loss yet, and its gradients, that backward's, were taken for none (the
+    first step's clip clipped nothing at O2, 8.0e-2 off ``"bf16-mixed"`` in 3 steps; the scaled ones at O1, 1.8e-2);
+    gradients present then are unscaled, as ``fabric.clip_gradients``'s unscale takes them (one look at the
+    gradients, before an optimizer's first backward only)."""
+    if state.stage is not _Stage.READY:
         return False
-    state = amp._machine.state(optimizer)
-    return state.stage is _Stage.READY and state.loss_id is not None
+    if state.loss_id is not None:
+        return True
+    optimizer = state.optimizer_ref()
+    params = (param for group in optimizer.param_groups for param in group["params"]) if optimizer is not None else ()
+    return any(param.grad is not None for param in params)
+
+
+def for_fabric_clip(caller: types.FrameType) -> bool:
+    """Whether ``caller`` (the frame of ``main_params``'s caller) is Fabric's clip: Lightning's
+    ``Strategy.clip_gradients_norm``/``clip_gradients_value``, or a strategy's own clip inside
+    ``fabric.clip_gradients``, which every rank calls and which clips what it is handed. Not the user's own code (a
+    log of the gradients' or the weights' norm, torch's clip), which gets the parameters as they are."""
+    return caller.f_code in _CLIPS or _in_fabric_clip(caller)
 
 
 def clip_for_fabric(amp: Any, optimizer: torch.optim.Optimizer, caller: types.FrameType) -> list[torch.Tensor] | None:
