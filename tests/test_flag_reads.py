@@ -28,7 +28,7 @@ def _loss(amp, model, poison: float = 1.0):
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_the_step_takes_the_read_of_overflowed(opt_level):
     amp, model, optimizer = _setup(opt_level)
-    for _ in range(2):
+    for iteration in range(3):
         optimizer.zero_grad()
         amp.backward(_loss(amp, model))
         amp.unscale_(optimizer)
@@ -37,7 +37,9 @@ def test_the_step_takes_the_read_of_overflowed(opt_level):
             assert amp.overflowed(optimizer) is False
             assert amp.step(optimizer) is True
         amp.update()
-        assert reads.count == 1
+        # O2's first step after an unscale also reads once whether user code wrote the half gradients through
+        # .data (engine/data_writes.py: one look per optimizer, found clean, never again)
+        assert reads.count == (2 if iteration == 0 and opt_level == "O2" else 1)
 
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
@@ -117,7 +119,7 @@ def _fabric_clip_step_reads(**fabric_kwargs) -> list[int]:
     model = nn.Linear(4, 2)
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     counts = []
-    for _ in range(2):
+    for _ in range(3):
         optimizer.zero_grad()
         fabric.backward(model(torch.randn(8, 4)).float().pow(2).mean())
         reads = _HostReads()
@@ -137,4 +139,7 @@ def test_fabric_clip_and_step_read_the_flag_once(opt_level):
     own = _fabric_clip_step_reads(precision="bf16-mixed")
     ours = _fabric_clip_step_reads(plugins=[FabricMixedPrecisionPlugin(opt_level, half_dtype="bfloat16",
                                                                         loss_scale="dynamic")])
-    assert ours == [n + 1 for n in own]
+    # O2's first iteration also reads, at the clip and at the step, whether user code wrote the half gradients
+    # through .data (engine/data_writes.py: one look per optimizer, found clean, never again)
+    first = 2 if opt_level == "O2" else 0
+    assert ours == [n + 1 + (first if i == 0 else 0) for i, n in enumerate(own)]
