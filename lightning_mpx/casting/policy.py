@@ -193,6 +193,12 @@ class CastPolicy(ArgumentCasts):
         # The _actions_stamp whose torch.autocast was found enabled (its arguments checked): forward_scope then
         # switches autocast on without constructing one (see casting.scopes._AutocastSwitch).
         self._autocast_checked = -1
+        # An O1 table run by the Python policy: the device whose torch.autocast a scope turns on as a marker of the
+        # user's code (off inside the user's torch.autocast(enabled=False) blocks: see casting.scopes.policy_scope),
+        # and the functions run with it off (those autocast casts otherwise, and backward calls). Set by
+        # _refresh_actions.
+        self._marker_device: str | None = None
+        self._marker_off: frozenset[Callable[..., Any]] = frozenset()
         # Whether a forward pass in a scope ran a cast that a backward pass recomputes (an activation checkpoint's):
         # only then does a backward pass enter a recompute mode, which is handed every torch call it makes (FSDP's
         # gathers and reductions among them). Set by the forward's mode (with _recomputes_seen, this iteration's
@@ -235,7 +241,8 @@ class CastPolicy(ArgumentCasts):
             # torch.utils.checkpoint restores torch.autocast's state for the recomputation itself.
             yield self
             return
-        with _CastMode(self, recompute_only=True, autocast_device=self._autocast_device):
+        with _CastMode(self, recompute_only=True, autocast_device=self._autocast_device,
+                       marker=self._marker_device):
             yield self
 
     def backward(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
@@ -378,6 +385,19 @@ class CastPolicy(ArgumentCasts):
                     )
                     if inplace is not None and inplace not in actions:
                         actions[inplace] = _INPLACE_FLOAT
+            marker, marker_off = None, frozenset()
+            device = self.device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+            if autocast_device is None and device in ("cpu", "cuda") and self.table.entries("half"):
+                # An O1 table run by Python: its scope turns torch.autocast on as a marker (code in a user's
+                # torch.autocast(enabled=False) then runs as given), and the functions that autocast would cast
+                # differently from the table run with it off (each agreeing one is cast to what autocast gives).
+                marker = device
+                differences = autocast_differences(self.table, device, allow_banned=self.allow_banned,
+                                                   half_dtype=self.half_dtype)
+                for function in differences:
+                    actions.setdefault(function, _PLAIN)
+                marker_off = frozenset(differences) | _BACKWARD_ENTRIES
+            self._marker_device, self._marker_off = marker, marker_off
             if autocast_device is not None and actions.keys() <= _BACKWARD_ENTRIES | _BODY_CALLS:
                 actions = {}  # no mode at all: torch's checkpoint restores autocast for recomputation itself
             self._actions = actions
