@@ -84,3 +84,4 @@ def test_core_o1_keeps_a_user_autocast_off_block_in_fp32() -> None:
         out = block(a, b)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, a @ b)
+

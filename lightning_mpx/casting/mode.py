@@ -223,6 +223,11 @@ class _CastMode(TorchFunctionMode):
                     # a backward pass outside every autocast block, building a graph, is cast as before.)
                     return func(*args, **kwargs) if kwargs else func(*args)
                 marker = None
+            elif torch.compiler._is_compiling_flag:  # traced (compiled code in an eager scope): dynamo traces
+                # autocast's context manager, not its global setter, and guards on no set of functions (the table's
+                # ~330 would each be a guard)
+                with torch.autocast(marker, enabled=False):
+                    return self._apply(func, action, args, kwargs)
             elif func in policy._marker_off:  # autocast would cast this call (or run a backward pass) on top
                 _set_autocast_enabled(marker, False)
             else:
