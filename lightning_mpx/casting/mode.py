@@ -66,7 +66,6 @@ class _Policy(Protocol):
     _action_lookup: Callable[[Callable[..., Any], int], int]
     _noted: Notes
     _marker_device: str | None
-    _marker_off: frozenset[Callable[..., Any]]
 
     def scope(self) -> AbstractContextManager[Any]: ...
 
@@ -223,15 +222,9 @@ class _CastMode(TorchFunctionMode):
                     # a backward pass outside every autocast block, building a graph, is cast as before.)
                     return func(*args, **kwargs) if kwargs else func(*args)
                 marker = None
-            elif torch.compiler._is_compiling_flag:  # traced (compiled code in an eager scope): dynamo traces
-                # autocast's context manager, not its global setter, and guards on no set of functions (the table's
-                # ~330 would each be a guard)
-                with torch.autocast(marker, enabled=False):
-                    return self._apply(func, action, args, kwargs)
-            elif func in policy._marker_off:  # autocast would cast this call (or run a backward pass) on top
+            else:  # the table's call, without autocast's casts on top (inside a Python function of the table too);
+                # dynamo traces the C setter (compiled code in an eager scope)
                 _set_autocast_enabled(marker, False)
-            else:
-                marker = None
         try:
             if action <= _PROMOTE_NATIVE and self.autocast_device is None:
                 # The hot path, inline (a call saved here is saved per op); what it leaves goes to _apply, which decides
@@ -333,9 +326,14 @@ class _CastMode(TorchFunctionMode):
                 # the mode on it would be handed to the mode again). Dynamo refuses a change of the mode stack inside
                 # the body unless the traced code changed it before (a scope entered inside the compiled region does),
                 # so the mode is entered and left once here, outside the body.
-                with self:
+                mode = self
+                if self.marker is not None:  # turned off around this call: the body runs without a marker, as
+                    # before the marker (dynamo refuses autocast's C setter in a checkpoint's body)
+                    mode = _CastMode(policy, recompute_only=self.recompute_only, autocast_device=self.autocast_device)
+                    mode.fp32, mode.disabled = self.fp32, self.disabled
+                with mode:
                     pass
-                return func(_InMode(self, args[0]), *args[1:], **(kwargs or {}))
+                return func(_InMode(mode, args[0]), *args[1:], **(kwargs or {}))
             device = self.autocast_device
             if device is None or action == _BACKWARD:
                 return self._apply(func, action, args, kwargs)
