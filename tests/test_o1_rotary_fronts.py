@@ -2,8 +2,9 @@
 ``inv_freq.float() @ positions.float()``) at O1 through the Lightning Trainer and the Apex front, on the CPU (the
 Python cast policy): the cos table the model trains with is FP32's, as under Lightning's own ``"bf16-mixed"``
 (``torch.autocast``). Before the O1 scope's marker (casting.scopes.policy_scope) the policy ignored the block: the
-rotary angles (position times frequency, up to 255 here) ran in the half dtype, the cos table off by up to 1.1 in
-bfloat16 (0.03 in float16 at the Apex front). Tiny models from configs."""
+rotary angles (position times frequency, up to 255 here) ran in bfloat16. Apex's O1 table leaves the rotary
+``Tensor.__matmul__`` alone (that test guards it); its ``torch.mm`` in a disabled block was cast to float16. Tiny models
+from configs."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pl = pytest.importorskip("lightning.pytorch")
 
-from lightning_mpx.apex import amp  # noqa: E402
+from lightning_mpx.apex import _amp_state, amp  # noqa: E402
 from lightning_mpx.integrations.lightning import MixedPrecisionPlugin  # noqa: E402
 from tests.lightning_helpers import make_trainer  # noqa: E402
 
@@ -85,6 +86,15 @@ def test_trainer_o1_trains_with_bf16_mixeds_rotary_table(name: str) -> None:
     torch.testing.assert_close(module.cos[0], _fp32_cos(name), atol=0, rtol=0)
 
 
+@pytest.fixture
+def apex_state() -> Any:
+    """Apex's process-wide state (as Apex keeps it), reset after the test."""
+    yield
+    _amp_state.reset()
+    _amp_state.registrations.clear()
+
+
+@pytest.mark.usefixtures("apex_state")
 def test_apex_o1_front_runs_the_rotary_block_in_fp32() -> None:
     model = _model("llama")
     seen: list[torch.Tensor] = []
@@ -97,3 +107,29 @@ def test_apex_o1_front_runs_the_rotary_block_in_fp32() -> None:
     optimizer.step()
     torch.testing.assert_close(seen[0], _fp32_cos("llama"), atol=0, rtol=0)
     assert torch.isfinite(loss)
+
+
+class _Angles(torch.nn.Module):
+    """Rotary angles as users write them with ``torch.mm`` (a function on Apex's O1 half list) in an FP32 block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.freq = torch.nn.Parameter(torch.full((1, 4), 0.9999))
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return torch.mm(positions.float(), self.freq.float())
+
+
+@pytest.mark.usefixtures("apex_state")
+def test_apex_o1_front_keeps_a_user_autocast_off_block_in_fp32() -> None:
+    """Apex's O1 front (float16): ``torch.mm`` in the user's disabled block stays FP32 (it came back float16, whose
+    spacing is 2 above 2048)."""
+    model = _Angles()
+    positions = torch.arange(4096.0)[:, None]
+    expected = model(positions)
+    model, optimizer = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1",
+                                      verbosity=0)
+    out = model(positions)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
