@@ -147,12 +147,19 @@ def disable_casts() -> Iterator[None]:
             cpu_off, cuda_off = _autocast_off_contexts()
             with cpu_off, cuda_off:
                 yield
-        else:
-            devices = _autocast_turn_off()
+        else:  # (torch's C switches, written out: an O1 scope's marker is on here)
+            cpu, cuda = _autocast_enabled("cpu"), _autocast_enabled("cuda")
+            if cpu:
+                _set_autocast_enabled("cpu", False)
+            if cuda:
+                _set_autocast_enabled("cuda", False)
             try:
                 yield
             finally:
-                _autocast_turn_on(devices)
+                if cpu:
+                    _set_autocast_enabled("cpu", True)
+                if cuda:
+                    _set_autocast_enabled("cuda", True)
     finally:
         for mode in modes:
             mode.disabled -= 1
