@@ -17,7 +17,6 @@ from torch.utils.checkpoint import checkpoint
 from lightning_mpx import Amp
 
 
-
 class _Nested(torch.nn.Module):
     """Disabled, re-enabled and another device's blocks, nested as users and libraries write them."""
 
