@@ -147,4 +147,3 @@ def test_a_compiled_runs_promotion_resumes_without_compile_as_the_uncompiled_run
     assert {k for k in resumed.metrics() if "promoted" in k} == {"mpx/promoted/boom"}
     assert resumed_losses == pytest.approx(reference_losses, rel=1e-4)
     assert all(torch.isfinite(torch.tensor(resumed_losses)))
-

@@ -2,11 +2,12 @@
 transformers' rotary embeddings (LLaMA, Mistral, Qwen, Gemma: ``maybe_autocast(device_type, enabled=False)`` around
 ``inv_freq.float() @ positions.float()``) and users' own code write to keep a computation out of the half dtype.
 Under Accelerate's own ``"bf16"`` (``torch.autocast``) that block runs in FP32. At O1 with the Python cast policy
-(the default table on the CPU, and any table not aligned with autocast on a GPU) the policy ignores the block and
-casts the matmul to bfloat16: the rotary angles (position times frequency, up to 512 here) lose all but 8 bits, and
-the cos table is off by up to 1.27 (strict xfails). The ways out, held here: ``fp32_modules=["*rotary_emb"]``, or the
-autocast-aligned table (``CastTable.autocast_aligned(device)``, the GPU's default), whose scope is ``torch.autocast``
-itself. Tiny LLaMA from a config, CPU, bfloat16."""
+(the default table on the CPU, and any table not aligned with autocast on a GPU) the policy ignored the block and cast
+the matmul to bfloat16: the rotary angles (position times frequency, up to 512 here) lost all but 8 bits, and the cos
+table was off by up to 1.27. The scope now turns torch.autocast on as a marker (casting.scopes.policy_scope), so the
+block turns it off and runs as given. The earlier ways out still hold: ``fp32_modules=["*rotary_emb"]``, or the
+autocast-aligned table (``CastTable.autocast_aligned(device)``, the GPU's default). Tiny LLaMA from a config, CPU,
+bfloat16."""
 
 from __future__ import annotations
 
@@ -54,12 +55,6 @@ def test_bf16_runs_the_rotary_block_in_fp32() -> None:
     torch.testing.assert_close(_rotary_cos("bf16"), _rotary_cos("no"), atol=0, rtol=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="casting/mode.py _CastMode: at O1 with the Python policy (the CPU's default table) a torch.autocast(enabled="
-    "False) block inside the forward is ignored: LLaMA's rotary inv_freq @ positions runs in bfloat16, its cos table "
-    "off FP32's by 1.27 at positions < 512 (1.81 at < 1024; Accelerate's 'bf16': 0.0; O2: 0.002)",
-)
 def test_o1_runs_the_rotary_block_in_fp32() -> None:
     assert (_rotary_cos("O1") - _rotary_cos("no")).abs().max().item() <= 2**-8
 
@@ -81,11 +76,6 @@ class _Fp32Block(torch.nn.Module):
             return a.float() @ b.float()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="casting/mode.py _CastMode: the core Amp('O1') forward_context ignores a torch.autocast('cpu', "
-    "enabled=False) block: a.float() @ b.float() comes back bfloat16, 8.4 off FP32 for positions 0..4095 times 0.9999",
-)
 def test_core_o1_keeps_a_user_autocast_off_block_in_fp32() -> None:
     amp = Amp("O1", half_dtype="bfloat16")
     block = amp.prepare_model(_Fp32Block())
@@ -94,3 +84,4 @@ def test_core_o1_keeps_a_user_autocast_off_block_in_fp32() -> None:
         out = block(a, b)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, a @ b)
+

@@ -95,7 +95,8 @@ def _run_backward(policy: _Policy, func: Callable[..., Any], args: tuple[Any, ..
                 grads: tuple[Any, ...] = (torch.ones_like(root, memory_format=torch.preserve_format),)  # a loss
             else:
                 grads = _make_grads((root,), (gradient,), is_grads_batched=False)
-            with _CastMode(policy, recompute_only=True, autocast_device=policy._autocast_device):
+            with _CastMode(policy, recompute_only=True, autocast_device=policy._autocast_device,
+                           marker=policy._marker_device):
                 _engine_run_backward((root,), grads, create_graph if retain_graph is None else retain_graph,
                                      create_graph, engine_inputs, allow_unreachable=True, accumulate_grad=True)
             return None
@@ -110,13 +111,15 @@ def _run_backward(policy: _Policy, func: Callable[..., Any], args: tuple[Any, ..
         if gradient is None and root_tensors[0].numel() == 1:
             # What the engine would make for a scalar, made here: inside the mode it would be a call into the hook.
             gradient = torch.ones_like(root_tensors[0], memory_format=torch.preserve_format)
-        with _CastMode(policy, recompute_only=True, autocast_device=policy._autocast_device):
+        with _CastMode(policy, recompute_only=True, autocast_device=policy._autocast_device,
+                       marker=policy._marker_device):
             return torch.autograd.backward(
                 edges[0], None if gradient is None else (gradient,), retain_graph, create_graph,
                 inputs=arguments.get("inputs"),
             )
     assert bound is not None
-    with _CastMode(policy, recompute_only=True, autocast_device=policy._autocast_device):
+    with _CastMode(policy, recompute_only=True, autocast_device=policy._autocast_device,
+                   marker=policy._marker_device):
         return func(*bound.args, **bound.kwargs)
 
 
@@ -176,7 +179,7 @@ def checkpoint_contexts() -> tuple[contextlib.AbstractContextManager[Any], conte
     non-reentrant checkpoints.
     """
     states = [
-        (mode.policy, mode.recompute_only, mode.disabled, mode.fp32, mode.autocast_device)
+        (mode.policy, mode.recompute_only, mode.disabled, mode.fp32, mode.autocast_device, mode.marker)
         for mode in torch.overrides._get_current_function_mode_stack()
         if isinstance(mode, _CastMode)
     ]
@@ -191,7 +194,7 @@ class _Reentry:
     the forward did: the recorded state decides. Re-enterable: a backward pass with ``retain_graph=True`` followed by
     another recomputes a checkpoint once per pass."""
 
-    def __init__(self, states: list[tuple[_Policy, bool, int, int, str | None]]) -> None:
+    def __init__(self, states: list[tuple[_Policy, bool, int, int, str | None, str | None]]) -> None:
         self.states = states
         self._open: list[tuple[contextlib.ExitStack, list[Any]]] = []
 
@@ -205,9 +208,9 @@ class _Reentry:
             popped.append(torch._C._pop_torch_function_stack())
         stack = contextlib.ExitStack()
         try:
-            for policy, recompute_only, disabled, fp32, autocast_device in self.states:
+            for policy, recompute_only, disabled, fp32, autocast_device, marker in self.states:
                 policy._refresh_actions()
-                mode = _CastMode(policy, recompute_only=recompute_only, autocast_device=autocast_device)
+                mode = _CastMode(policy, recompute_only=recompute_only, autocast_device=autocast_device, marker=marker)
                 mode.disabled, mode.fp32 = disabled, fp32
                 stack.enter_context(mode)
         except BaseException:

@@ -121,9 +121,18 @@ class _HandOff:
         if not popped:
             return self.compiled(*args, **kwargs)
         previous, policy._handed_off = policy._handed_off, True
+        # The scope's marker (an O1 table run by Python: casting.scopes.policy_scope) off while the compiled code runs:
+        # its own scope, traced, takes none (its graph is the one compiled without it).
+        marker = popped[0].marker
+        if marker is not None and torch.is_autocast_enabled(marker):
+            torch.set_autocast_enabled(marker, False)
+        else:
+            marker = None
         try:
             return self.compiled(*args, **kwargs)
         finally:
+            if marker is not None:
+                torch.set_autocast_enabled(marker, True)
             policy._handed_off = previous
             for mode in reversed(popped):
                 torch._C._push_on_torch_function_stack(mode)

@@ -65,6 +65,7 @@ class _Policy(Protocol):
     _recomputes_seen: bool
     _action_lookup: Callable[[Callable[..., Any], int], int]
     _noted: Notes
+    _marker_device: str | None
 
     def scope(self) -> AbstractContextManager[Any]: ...
 
@@ -123,6 +124,8 @@ _BODY_CALLS = frozenset(
 )
 
 _top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_autocast_enabled = torch._C.is_autocast_enabled  # C functions: no Python call per op
+_set_autocast_enabled = torch._C.set_autocast_enabled
 _tracing_context = torch._guards.TracingContext.try_get  # dynamo's, set while it traces a frame
 
 
@@ -170,12 +173,26 @@ def _in_reentrant_recompute() -> bool:
     return node is not None and type(node).__name__ == "CheckpointFunctionBackward"
 
 
+def _in_autocast_block() -> bool:
+    """Whether code runs inside a ``torch.autocast`` context (its nesting counter, read and left as it was): a
+    recomputation by ``torch.utils.checkpoint``, which restores the forward's autocast state in one, or a user's
+    block; a backward pass outside every scope runs in none."""
+    torch.autocast_increment_nesting()
+    return torch.autocast_decrement_nesting() > 0
+
+
 class _CastMode(TorchFunctionMode):
     """The torch-function mode behind :meth:`~lightning_mpx.casting.policy.CastPolicy.scope`; one per scope entry."""
 
-    def __init__(self, policy: _Policy, *, recompute_only: bool = False, autocast_device: str | None = None) -> None:
+    def __init__(self, policy: _Policy, *, recompute_only: bool = False, autocast_device: str | None = None,
+                 marker: str | None = None) -> None:
         # TorchFunctionMode.__init__ does nothing (a call saved per scope).
         self.policy = policy
+        # The device whose torch.autocast the scope turned on as a marker (an O1 table run by this mode: see
+        # scopes.policy_scope): while it is on, the user's code runs in the scope, and the calls autocast would cast
+        # run with it off; while it is off, the user's code turned it off (torch.autocast(device, enabled=False), as
+        # transformers' rotary embeddings do), and calls run as given. None: no marker.
+        self.marker = marker
         # The device whose torch.autocast runs beside this mode: the functions the mode handles run with it off.
         self.autocast_device = autocast_device
         self.disabled = 0
@@ -196,121 +213,147 @@ class _CastMode(TorchFunctionMode):
         action = policy._action_lookup(func, policy._actions_stamp)
         if not action or self.disabled:  # _PASS
             return func(*args, **kwargs) if kwargs else func(*args)
-        if action <= _PROMOTE_NATIVE and self.autocast_device is None:
-            # The hot path, inline (a call saved here is saved per op); what it leaves goes to _apply, which decides
-            # the same way.
-            if action < _PROMOTE and not self.recompute_only:  # _HALF, _FLOAT
-                if kwargs and kwargs.get("out") is not None:
-                    # Casting the out= tensor would write the result into a copy that the caller never sees.
-                    return func(*args, **kwargs)
-                if action == _HALF and not self.fp32:
-                    dtype, castable, exact = policy.half_dtype, policy._to_half, False
-                else:  # _FLOAT, or a half op inside an FP32 module
-                    dtype, castable = torch.float32, _LOW
-                    # O2's loss on a target that the model boundary cast to half takes its FP32 source's values
-                    exact = action == _FLOAT and policy.table.exact_sources
-                # policy._cast_all, inline with its cache lookup and _cached_cast: positions are ints, keywords str.
-                cache = compiling = _UNSET
-                new_args = new_kwargs = None  # copies, made at the first argument that changes
-                for where, item in chain(enumerate(args), kwargs.items()) if kwargs else enumerate(args):
-                    if isinstance(item, torch.Tensor):
-                        current = item.dtype
-                        if current is dtype or current not in castable:
-                            continue
-                        if item.requires_grad and item.is_leaf:  # a parameter: cached
-                            if cache is _UNSET:  # policy._cache_now(), inline
-                                compiling = torch.compiler.is_compiling()
-                                cache = None if compiling or not policy.cache_casts else (
-                                    policy._grad_cache if torch.is_grad_enabled() else policy._no_grad_cache
-                                )
-                            if cache is None:
-                                item = item.to(dtype=dtype)
-                            else:
-                                key = (id(item), dtype)
-                                hit = cache.get(key)
-                                try:
-                                    version, address = item._version, item.data_ptr()
-                                except RuntimeError:  # no version or storage: see policy._cached_cast
-                                    version = None
-                                if version is None:
-                                    item = item.to(dtype=dtype)
-                                elif hit is not None and hit[0] == version and hit[1] == address:
-                                    item = hit[2]
-                                else:
-                                    cast = item.to(dtype=dtype)
-                                    cache[key] = (version, address, cast, item, item.untyped_storage())
-                                    item = cast
-                        else:
-                            source = exact_source(item, dtype, policy._noted) if exact else None
-                            item = item.to(dtype=dtype) if source is None else source
-                    elif isinstance(item, (list, tuple)):
-                        for inner in item:
-                            if isinstance(inner, _CONTAINERS):
-                                break
-                        else:
-                            continue  # no tensor and no sequence inside (a stride, a shape): nothing to cast
-                        item = policy._cast_changed(item, dtype, castable, cache)
-                        if item is None:
-                            continue
-                    else:
-                        continue
-                    if type(where) is int:
-                        if new_args is None:
-                            new_args = list(args)
-                        new_args[where] = item
-                    else:
-                        if new_kwargs is None:
-                            new_kwargs = dict(kwargs)
-                        new_kwargs[where] = item
-                if new_args is not None:
-                    args = tuple(new_args)
-                if new_kwargs is not None:
-                    kwargs = new_kwargs
-                if (
-                    # _may_be_recomputed() inline where this call is known to run eagerly (a parameter was cast):
-                    # dynamo cannot trace the saved-tensor hooks' getter, and keeps the function's result instead.
-                    (_top_saved_tensors_hooks(False) is not None if torch.is_grad_enabled()
-                     else not torch.is_inference_mode_enabled())
-                    if compiling is False else _may_be_recomputed()
-                ) and not policy._recomputes_seen:  # the flag read last: a graph traced otherwise guards on it, and
-                    # recompiled at the second step after an evaluation under no_grad had set it
-                    policy._recomputes = policy._recomputes_seen = True  # a checkpoint's: recomputed in a backward
-                return func(*args, **kwargs) if kwargs else func(*args)
-            if action != _SEQUENCE and action >= _PROMOTE and not kwargs and len(args) == 2:  # _PROMOTE(_NATIVE)
-                # The binary call that casts nothing (x + y of one dtype, x * 2.0, a native promotion), as _apply
-                # finds it.
-                a, b = args
-                if isinstance(a, torch.Tensor):
-                    if isinstance(b, torch.Tensor):
-                        a_dtype, b_dtype = a.dtype, b.dtype
-                        if (a_dtype is b_dtype or not (a_dtype.is_floating_point and b_dtype.is_floating_point)
-                                or (action == _PROMOTE_NATIVE and (a.ndim == 0) is (b.ndim == 0))):
-                            return func(a, b)
-                    elif not isinstance(b, (list, tuple)):
-                        return func(a, b)
-                elif isinstance(b, torch.Tensor) and not isinstance(a, (list, tuple)):
-                    return func(a, b)
-            return self._apply(func, action, args, kwargs)
-        if action == _BODY and args and callable(args[0]):
-            # The checkpointed function runs under this mode, as in eager mode; the call itself runs as given (with
-            # the mode on it would be handed to the mode again). Dynamo refuses a change of the mode stack inside
-            # the body unless the traced code changed it before (a scope entered inside the compiled region does),
-            # so the mode is entered and left once here, outside the body.
-            with self:
-                pass
-            return func(_InMode(self, args[0]), *args[1:], **(kwargs or {}))
-        device = self.autocast_device
-        if device is None or action == _BACKWARD or not torch.is_autocast_enabled(device):
-            return self._apply(func, action, args, kwargs)
-        # The table's own action, as the Python policy applies it, without autocast's casts on top.
-        if torch.compiler.is_compiling():  # dynamo traces autocast's context manager, not its global setter
-            with torch.autocast(device, enabled=False):
-                return self._apply(func, action, args, kwargs)
-        torch.set_autocast_enabled(device, False)
+        marker = self.marker
+        if marker is not None:  # an O1 scope's torch.autocast, on while the user's code runs (scopes.policy_scope)
+            if not _autocast_enabled(marker):
+                if not self.fp32 and action != _BACKWARD and (not self.recompute_only or _in_autocast_block()):
+                    # Inside the user's torch.autocast(marker, enabled=False) (or a block that turned it off): no
+                    # casts, as torch.autocast gives none there. (Inside an FP32 module the table's FP32 casts run;
+                    # a backward pass outside every autocast block, building a graph, is cast as before.)
+                    return func(*args, **kwargs) if kwargs else func(*args)
+                marker = None
+            else:  # the table's call, without autocast's casts on top (inside a Python function of the table too);
+                # dynamo traces the C setter (compiled code in an eager scope)
+                _set_autocast_enabled(marker, False)
         try:
-            return self._apply(func, action, args, kwargs)
+            if action <= _PROMOTE_NATIVE and self.autocast_device is None:
+                # The hot path, inline (a call saved here is saved per op); what it leaves goes to _apply, which decides
+                # the same way.
+                if action < _PROMOTE and not self.recompute_only:  # _HALF, _FLOAT
+                    if kwargs and kwargs.get("out") is not None:
+                        # Casting the out= tensor would write the result into a copy that the caller never sees.
+                        return func(*args, **kwargs)
+                    if action == _HALF and not self.fp32:
+                        dtype, castable, exact = policy.half_dtype, policy._to_half, False
+                    else:  # _FLOAT, or a half op inside an FP32 module
+                        dtype, castable = torch.float32, _LOW
+                        # O2's loss on a target that the model boundary cast to half takes its FP32 source's values
+                        exact = action == _FLOAT and policy.table.exact_sources
+                    # policy._cast_all, inline with its cache lookup and _cached_cast: positions are ints, keywords str.
+                    cache = compiling = _UNSET
+                    new_args = new_kwargs = None  # copies, made at the first argument that changes
+                    for where, item in chain(enumerate(args), kwargs.items()) if kwargs else enumerate(args):
+                        if isinstance(item, torch.Tensor):
+                            current = item.dtype
+                            if current is dtype or current not in castable:
+                                continue
+                            if item.requires_grad and item.is_leaf:  # a parameter: cached
+                                if cache is _UNSET:  # policy._cache_now(), inline
+                                    compiling = torch.compiler.is_compiling()
+                                    cache = None if compiling or not policy.cache_casts else (
+                                        policy._grad_cache if torch.is_grad_enabled() else policy._no_grad_cache
+                                    )
+                                if cache is None:
+                                    item = item.to(dtype=dtype)
+                                else:
+                                    key = (id(item), dtype)
+                                    hit = cache.get(key)
+                                    try:
+                                        version, address = item._version, item.data_ptr()
+                                    except RuntimeError:  # no version or storage: see policy._cached_cast
+                                        version = None
+                                    if version is None:
+                                        item = item.to(dtype=dtype)
+                                    elif hit is not None and hit[0] == version and hit[1] == address:
+                                        item = hit[2]
+                                    else:
+                                        cast = item.to(dtype=dtype)
+                                        cache[key] = (version, address, cast, item, item.untyped_storage())
+                                        item = cast
+                            else:
+                                source = exact_source(item, dtype, policy._noted) if exact else None
+                                item = item.to(dtype=dtype) if source is None else source
+                        elif isinstance(item, (list, tuple)):
+                            for inner in item:
+                                if isinstance(inner, _CONTAINERS):
+                                    break
+                            else:
+                                continue  # no tensor and no sequence inside (a stride, a shape): nothing to cast
+                            item = policy._cast_changed(item, dtype, castable, cache)
+                            if item is None:
+                                continue
+                        else:
+                            continue
+                        if type(where) is int:
+                            if new_args is None:
+                                new_args = list(args)
+                            new_args[where] = item
+                        else:
+                            if new_kwargs is None:
+                                new_kwargs = dict(kwargs)
+                            new_kwargs[where] = item
+                    if new_args is not None:
+                        args = tuple(new_args)
+                    if new_kwargs is not None:
+                        kwargs = new_kwargs
+                    if (
+                        # _may_be_recomputed() inline where this call is known to run eagerly (a parameter was cast):
+                        # dynamo cannot trace the saved-tensor hooks' getter, and keeps the function's result instead.
+                        (_top_saved_tensors_hooks(False) is not None if torch.is_grad_enabled()
+                         else not torch.is_inference_mode_enabled())
+                        if compiling is False else _may_be_recomputed()
+                    ) and not policy._recomputes_seen:  # the flag read last: a graph traced otherwise guards on it, and
+                        # recompiled at the second step after an evaluation under no_grad had set it
+                        policy._recomputes = policy._recomputes_seen = True  # a checkpoint's: recomputed in a backward
+                    return func(*args, **kwargs) if kwargs else func(*args)
+                if action != _SEQUENCE and action >= _PROMOTE and not kwargs and len(args) == 2:  # _PROMOTE(_NATIVE)
+                    # The binary call that casts nothing (x + y of one dtype, x * 2.0, a native promotion), as _apply
+                    # finds it.
+                    a, b = args
+                    if isinstance(a, torch.Tensor):
+                        if isinstance(b, torch.Tensor):
+                            a_dtype, b_dtype = a.dtype, b.dtype
+                            if (a_dtype is b_dtype or not (a_dtype.is_floating_point and b_dtype.is_floating_point)
+                                    or (action == _PROMOTE_NATIVE and (a.ndim == 0) is (b.ndim == 0))):
+                                return func(a, b)
+                        elif not isinstance(b, (list, tuple)):
+                            return func(a, b)
+                    elif isinstance(b, torch.Tensor) and not isinstance(a, (list, tuple)):
+                        return func(a, b)
+                return self._apply(func, action, args, kwargs)
+            if action == _BODY and args and callable(args[0]):
+                # The checkpointed function runs under this mode, as in eager mode; the call itself runs as given (with
+                # the mode on it would be handed to the mode again). Dynamo refuses a change of the mode stack inside
+                # the body unless the traced code changed it before (a scope entered inside the compiled region does),
+                # so the mode is entered and left once here, outside the body.
+                mode = self
+                if self.marker is not None:  # turned off around this call: the body runs without a marker, as
+                    # before the marker (dynamo refuses autocast's C setter in a checkpoint's body)
+                    mode = _CastMode(policy, recompute_only=self.recompute_only, autocast_device=self.autocast_device)
+                    mode.fp32, mode.disabled = self.fp32, self.disabled
+                with mode:
+                    pass
+                return func(_InMode(mode, args[0]), *args[1:], **(kwargs or {}))
+            device = self.autocast_device
+            if device is None or action == _BACKWARD:
+                return self._apply(func, action, args, kwargs)
+            if not _autocast_enabled(device):
+                if not self.fp32 and (not self.recompute_only or _in_autocast_block()):
+                    # the user's torch.autocast(device, enabled=False) block: no casts, as torch.autocast gives none
+                    return func(*args, **kwargs) if kwargs else func(*args)
+                return self._apply(func, action, args, kwargs)
+            # The table's own action, as the Python policy applies it, without autocast's casts on top.
+            if torch.compiler.is_compiling():  # dynamo traces autocast's context manager, not its global setter
+                with torch.autocast(device, enabled=False):
+                    return self._apply(func, action, args, kwargs)
+            torch.set_autocast_enabled(device, False)
+            try:
+                return self._apply(func, action, args, kwargs)
+            finally:
+                torch.set_autocast_enabled(device, True)
         finally:
-            torch.set_autocast_enabled(device, True)
+            if marker is not None:
+                _set_autocast_enabled(marker, True)
 
     def _apply(self, func: Callable[..., Any], action: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None
                ) -> Any:

@@ -193,6 +193,10 @@ class CastPolicy(ArgumentCasts):
         # The _actions_stamp whose torch.autocast was found enabled (its arguments checked): forward_scope then
         # switches autocast on without constructing one (see casting.scopes._AutocastSwitch).
         self._autocast_checked = -1
+        # An O1 table run by the Python policy: the device whose torch.autocast a scope turns on as a marker of the
+        # user's code (off inside the user's torch.autocast(enabled=False) blocks: see casting.scopes.policy_scope);
+        # None otherwise. Set by _refresh_actions.
+        self._marker_device: str | None = None
         # Whether a forward pass in a scope ran a cast that a backward pass recomputes (an activation checkpoint's):
         # only then does a backward pass enter a recompute mode, which is handed every torch call it makes (FSDP's
         # gathers and reductions among them). Set by the forward's mode (with _recomputes_seen, this iteration's
@@ -235,7 +239,8 @@ class CastPolicy(ArgumentCasts):
             # torch.utils.checkpoint restores torch.autocast's state for the recomputation itself.
             yield self
             return
-        with _CastMode(self, recompute_only=True, autocast_device=self._autocast_device):
+        with _CastMode(self, recompute_only=True, autocast_device=self._autocast_device,
+                       marker=self._marker_device):
             yield self
 
     def backward(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
@@ -378,6 +383,18 @@ class CastPolicy(ArgumentCasts):
                     )
                     if inplace is not None and inplace not in actions:
                         actions[inplace] = _INPLACE_FLOAT
+            marker = None
+            device = self.device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+            if autocast_device is None and device in ("cpu", "cuda") and self.table.entries("half"):
+                # An O1 table run by Python: its scope turns torch.autocast on as a marker (code in a user's
+                # torch.autocast(enabled=False) then runs as given). The mode runs the table's calls with it off, and
+                # the functions that autocast casts and the table does not list too (as given).
+                marker = device
+                for function, (_, theirs) in autocast_differences(
+                        self.table, device, allow_banned=self.allow_banned, half_dtype=self.half_dtype).items():
+                    if theirs is not None:
+                        actions.setdefault(function, _PLAIN)
+            self._marker_device = marker
             if autocast_device is not None and actions.keys() <= _BACKWARD_ENTRIES | _BODY_CALLS:
                 actions = {}  # no mode at all: torch's checkpoint restores autocast for recomputation itself
             self._actions = actions

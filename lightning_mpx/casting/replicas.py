@@ -55,7 +55,8 @@ class _Scope:
         for device, dtype, cache in self.autocasts:
             stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=cache))
         for mode in self.modes:
-            fresh = _CastMode(mode.policy, recompute_only=mode.recompute_only, autocast_device=mode.autocast_device)
+            fresh = _CastMode(mode.policy, recompute_only=mode.recompute_only, autocast_device=mode.autocast_device,
+                              marker=mode.marker)
             fresh.fp32, fresh.disabled = mode.fp32, mode.disabled
             stack.enter_context(fresh)
 

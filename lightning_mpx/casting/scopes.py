@@ -20,6 +20,11 @@ from lightning_mpx.casting.targets import forget_scope
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 _NOTHING = contextlib.nullcontext()  # stateless and reentrant: one for every call (no __init__ call per step)
 _new_object = object.__new__
+# torch.autocast's C switches, called directly where a scope turns its marker on and off (no Python call)
+_set_autocast_enabled, _set_autocast_dtype = torch._C.set_autocast_enabled, torch._C.set_autocast_dtype
+_autocast_dtype, _autocast_cache_enabled = torch._C.get_autocast_dtype, torch._C.is_autocast_cache_enabled
+_autocast_enabled = torch._C.is_autocast_enabled
+_set_autocast_cache_enabled = torch._C.set_autocast_cache_enabled
 
 
 class Fp32State(NamedTuple):
@@ -31,9 +36,16 @@ class Fp32State(NamedTuple):
 
 def _autocast_turn_off() -> tuple[str, ...]:
     """Turn torch.autocast off on every device where it is on (this thread); returns those devices."""
-    devices = tuple(d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d))
-    if devices:
-        (_set_autocast_between_graphs() if torch.compiler.is_compiling() else _set_autocast)(devices, False)
+    # (written out, without a generator or a helper: an O1 scope's marker is on in every FP32 module's hooks)
+    cpu, cuda = torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda")
+    if not (cpu or cuda):
+        return ()
+    devices = ("cpu", "cuda") if cpu and cuda else ("cpu",) if cpu else ("cuda",)
+    if torch.compiler.is_compiling():
+        _set_autocast_between_graphs()(devices, False)
+    else:
+        for device in devices:
+            _set_autocast_enabled(device, False)
     return devices
 
 
@@ -89,7 +101,12 @@ def exit_fp32(state: Fp32State | list[Any] | None = None) -> None:
         modes = [mode for mode in torch.overrides._get_current_function_mode_stack() if isinstance(mode, _CastMode)]
     for mode in modes:
         mode.fp32 = max(0, mode.fp32 - 1)
-    _autocast_turn_on(devices)
+    if devices:  # _autocast_turn_on(devices), written out
+        if torch.compiler.is_compiling():
+            _set_autocast_between_graphs()(devices, True)
+        else:
+            for device in devices:
+                _set_autocast_enabled(device, True)
 
 
 def casts_off_if_on() -> contextlib.AbstractContextManager[Any]:
@@ -130,12 +147,19 @@ def disable_casts() -> Iterator[None]:
             cpu_off, cuda_off = _autocast_off_contexts()
             with cpu_off, cuda_off:
                 yield
-        else:
-            devices = _autocast_turn_off()
+        else:  # (torch's C switches, written out: an O1 scope's marker is on here)
+            cpu, cuda = _autocast_enabled("cpu"), _autocast_enabled("cuda")
+            if cpu:
+                _set_autocast_enabled("cpu", False)
+            if cuda:
+                _set_autocast_enabled("cuda", False)
             try:
                 yield
             finally:
-                _autocast_turn_on(devices)
+                if cpu:
+                    _set_autocast_enabled("cpu", True)
+                if cuda:
+                    _set_autocast_enabled("cuda", True)
     finally:
         for mode in modes:
             mode.disabled -= 1
@@ -226,12 +250,25 @@ def policy_scope(policy: _Policy) -> Iterator[Any]:
         policy._no_grad_cache.clear()
         device = policy._autocast_device
         if device is None:
-            if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+            # An O1 table (half ops) in eager code: torch.autocast is turned on on the policy's device as a marker
+            # while the user's code runs (the mode runs the calls autocast would cast differently with it off), so
+            # that a torch.autocast(device, enabled=False) block of the user's (transformers' rotary embeddings,
+            # entered only where autocast is on) turns it off and its calls run as given, as under torch.autocast.
+            # Traced code takes no marker: a compiled graph keeps the casts it had.
+            marker = None if traced else policy._marker_device
+            # autocast on a device other than the marker's (the marker's own, a scope's around this one or the user's,
+            # is switched below as it is)
+            if (torch.is_autocast_enabled("cpu") and marker != "cpu") or (
+                    torch.is_autocast_enabled("cuda") and marker != "cuda"):
                 # An autocast around this scope (another policy's autocast engine, or the user's own torch.autocast)
                 # would cast the half arguments this policy made to its own dtype: the innermost policy decides.
                 try:
-                    with _outer_autocast_off(), _CastMode(policy):
-                        yield policy
+                    with _outer_autocast_off(), _CastMode(policy, marker=marker):
+                        if marker is None:
+                            yield policy
+                        else:
+                            with torch.autocast(marker, dtype=policy.half_dtype, cache_enabled=False):
+                                yield policy
                 finally:
                     if policy._noted:
                         forget_scope(policy)
@@ -240,12 +277,22 @@ def policy_scope(policy: _Policy) -> Iterator[Any]:
                 with _CastMode(policy):
                     yield policy
                 return
-            # Eager code pushes and pops the mode itself, as TorchFunctionMode.__enter__/__exit__ do (4 calls a scope).
-            torch._C._push_on_torch_function_stack(_CastMode(policy))
+            # Eager code pushes and pops the mode itself, as TorchFunctionMode.__enter__/__exit__ do (4 calls a scope),
+            # and switches the marker with torch's C setters (torch.autocast's own, less its checks: no Python call).
+            if marker is not None:
+                saved = _autocast_dtype(marker), _autocast_cache_enabled(), _autocast_enabled(marker)
+                _set_autocast_enabled(marker, True)
+                _set_autocast_dtype(marker, policy.half_dtype)
+                _set_autocast_cache_enabled(False)
+            torch._C._push_on_torch_function_stack(_CastMode(policy, marker=marker))
             try:
                 yield policy
             finally:
                 torch._C._pop_torch_function_stack()
+                if marker is not None:
+                    _set_autocast_enabled(marker, saved[2])
+                    _set_autocast_dtype(marker, saved[0])
+                    _set_autocast_cache_enabled(saved[1])
                 if policy._noted:  # Amp.cast_inputs' sources (casting.targets) go with the forward
                     forget_scope(policy)
             return
