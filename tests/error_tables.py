@@ -1,7 +1,7 @@
-"""What the tests of error tables share (tests/test_errors54.py, test_badinput62.py, test_smallfix63.py): a table's
-rows ``(id, call, error, pattern)`` as a test's parameters, the check that each call raises ``error`` matching
-``pattern``, and the Apex front end's process-wide state emptied around each test of a module that imports
-:func:`fresh_apex_state`."""
+"""What the tests of error tables share (tests/test_core_bad_input.py, test_core_bad_input_entry_points.py,
+test_core_misspelt_keywords.py): a table's rows ``(id, call, error, pattern)`` as a test's parameters, the check that
+each call raises ``error`` matching ``pattern``, and the Apex front end's process-wide state emptied around each test of
+a module that imports :func:`fresh_apex_state`."""
 
 from __future__ import annotations
 

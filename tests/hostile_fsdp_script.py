@@ -1,4 +1,4 @@
-"""Run by tests/test_hostile_issue41_fsdp.py (its cases in the Trainer script's launch,
+"""Run by tests/test_core_fsdp2_device_skip.py (its cases in the Trainer script's launch,
 tests/hostile_lightning_fsdp_script.py, through :func:`run_case`), or alone: hostile attacks on FSDP2's device skip
 (a fused AdamW on a model sharded with ``fully_shard``, ``skip_on_device=None``), two gloo processes, each case
 against the same run with ``skip_on_device=False`` (the host read).

@@ -1,4 +1,4 @@
-"""Run by tests/test_hostile_issue41_fsdp.py: the Trainer with a fused AdamW under Lightning's FSDP strategies, two
+"""Run by tests/test_core_fsdp2_device_skip.py: the Trainer with a fused AdamW under Lightning's FSDP strategies, two
 CPU processes (gloo), against ``skip_on_device=False``. ``$MPX_CASES``: ``sched`` (ModelParallelStrategy, a StepLR
 stepped every optimizer step, ``accumulate_grad_batches=2``, logging every step, an inf on rank 0 only),
 ``fsdp1`` (FSDPStrategy, nothing set: the host path) and ``fsdp1_true`` (``skip_on_device=True``: refused). Every

@@ -37,7 +37,8 @@ def assert_same_state(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 def saved_and_loaded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, amp: Any = None) -> dict[str, Any]:
     """A run's checkpoint (the model's and the optimizer's state dicts, and the engine's where ``amp`` is given) saved
-    with ``torch.save`` and loaded back, as a resumed run reads it (tests/test_stateful58.py, test_statekeys62.py)."""
+    with ``torch.save`` and loaded back, as a resumed run reads it (tests/test_core_optimizer_habits_stateful.py,
+    test_core_state_by_param_stateful.py)."""
     saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     if amp is not None:
         saved["amp"] = amp.state_dict()
@@ -59,8 +60,9 @@ def optimizer_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 class AmpOrFp32Run:
-    """A run of the machines that compare the core ``Amp`` with FP32 (tests/test_stateful68.py, test_stateful69.py):
-    ``model``, ``amp`` (``None``: the FP32 reference) and ``opts`` (by name) are set by the subclass."""
+    """A run of the machines that compare the core ``Amp`` with FP32 (tests/test_core_shared_params_stateful.py,
+    test_core_gradient_writes_stateful.py): ``model``, ``amp`` (``None``: the FP32 reference) and ``opts`` (by name) are
+    set by the subclass."""
 
     model: torch.nn.Module
     amp: Any

@@ -135,7 +135,7 @@ def test_arguments_are_validated():
     opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(NotImplementedError, match="closure"):
         opt.step(closure=lambda: 0)
-    with pytest.raises(ValueError, match="norm_type='l2'"):  # any positive norm works (test_hostile_apex51)
+    with pytest.raises(ValueError, match="norm_type='l2'"):  # any positive norm works (test_apex_scaler_settings)
         opt.clip_master_grads(1.0, norm_type="l2")
 
 

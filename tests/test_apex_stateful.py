@@ -43,7 +43,8 @@ from lightning_mpx.apex import _amp_state, amp
 
 # Under the names the rules use: hypothesis derandomizes from the machine's source. (At stop 65 other examples failed:
 # FlakyStrategyDefinition was pytest-timeout's 300 s stopping hypothesis mid-run; the failures under it were the
-# machine's model of a step after a delay_unscale chain given up, and a library defect: tests/test_stateful66.py.)
+# machine's model of a step after a delay_unscale chain given up, and a library defect:
+# tests/test_apex_delayed_chain_sequences.py.)
 from tests.stateful_helpers import assert_same as _assert_same
 from tests.stateful_helpers import assert_same_state as _assert_same_state
 from tests.stateful_helpers import stateful_settings
@@ -331,7 +332,9 @@ class ApexAgainstReference(RuleBasedStateMachine):
                 # the chain's scale (FP32's meaning of what a step leaves); this reference keeps them apart
                 return
             if self.used:  # a block without delay_unscale given up (zero_grad) before the chain: at O1 the library
-                return  # unscales the chain at its end (test_stateful70.py's strict xfail ..._given_up_block_...)
+                # unscales the chain at its end (test_core_gradient_writes_sequences.py's strict xfail
+                # ..._given_up_block_...)
+                return
             got = torch.nn.utils.clip_grad_norm_(params, max_norm)
             want = torch.nn.utils.clip_grad_norm_(self.ref.holders(), max_norm)
             if self.chain is not None and not self.chain[1] and self.dirty is None:

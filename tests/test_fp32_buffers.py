@@ -1,10 +1,11 @@
 """O2/O3 keep the rotary inverse frequencies FP32, as transformers' own bfloat16 models do, and cast every other
 floating buffer (``lightning_mpx/masters/fp32_buffers.py``, applied by ``convert_module``). Tiny configs, bfloat16.
 
-The Accelerate adapter's LLaMA at O2/O3 against transformers' bfloat16 model is in ``tests/test_hostile_real51.py``;
-litgpt's cos/sin tables, cast as ``bf16-true`` casts them, in ``tests/test_hostile_third_party.py``. Two strict
-expected failures, open findings in other sessions' modules: O2 under FSDP casts the buffers its own way
-(integrations/fsdp.py), and ``fp32_modules`` gives a pinned module's buffers back from their half rounding.
+The Accelerate adapter's LLaMA at O2/O3 against transformers' bfloat16 model is in
+``tests/test_accelerate_hf_losses.py``; litgpt's cos/sin tables, cast as ``bf16-true`` casts them, in
+``tests/test_hostile_third_party.py``. Two strict expected failures, open findings in other sessions' modules: O2 under
+FSDP casts the buffers its own way (integrations/fsdp.py), and ``fp32_modules`` gives a pinned module's buffers back
+from their half rounding.
 """
 
 from __future__ import annotations

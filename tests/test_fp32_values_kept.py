@@ -137,7 +137,7 @@ def test_taking_the_masters_again_from_the_set_up_model_keeps_them_exact_in_one_
 def test_under_a_process_group_the_masters_are_the_half_rounding(tmp_path, monkeypatch):
     """Each rank's FP32 values may differ, and DDP broadcasts rank 0's half weights: masters taken from the
     model's rounding are equal on every rank. (A group of one rank standing for two: its world size reads 2. A real
-    group of one rank keeps the FP32 values, as one process does: tests/test_attack52.py.)"""
+    group of one rank keeps the FP32 values, as one process does: tests/test_lightning_masters_start.py.)"""
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
     try:

@@ -1,7 +1,7 @@
 """``transformers.Trainer`` with an opt level, used as a Hugging Face user trains every day: ``load_best_model_at_end``
 (a full model and a peft LoRA adapter) and ``save_only_model`` checkpoints resumed (what a partly frozen model exports
-at O2: ``tests/test_accel52.py``). Each run is held to a reference: the checkpoint the Trainer chose (its files,
-exactly) or transformers' own Trainer. Tiny GPT-2 built from a config (nothing downloaded), bfloat16, on CPU."""
+at O2: ``tests/test_accelerate_user_loops.py``). Each run is held to a reference: the checkpoint the Trainer chose (its
+files, exactly) or transformers' own Trainer. Tiny GPT-2 built from a config (nothing downloaded), bfloat16, on CPU."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ a LLaMA-shaped ``litgpt.GPT`` (RoPE, RMSNorm, SwiGLU, grouped queries) with ``ma
 accumulation, ``gradient_clip_val``, a per-step schedule, ``trainer.save_checkpoint``, then greedy ``generate`` with
 the KV cache; and ``litgpt.lora.GPT`` with ``mark_only_lora_as_trainable`` and the optimizer over all its parameters
 (litgpt's habit), in float16 with an overflow forced in one micro-batch. Against Lightning's own ``"bf16-mixed"`` /
-``"16-mixed"`` (a CPU ``GradScaler``) and ``"32-true"``. Fabric's litgpt rows are in ``tests/test_litgpt54.py``.
+``"16-mixed"`` (a CPU ``GradScaler``) and ``"32-true"``. Fabric's litgpt rows are in
+``tests/test_fabric_litgpt_lora.py``.
 """
 
 from __future__ import annotations

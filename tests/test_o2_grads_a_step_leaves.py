@@ -2,7 +2,8 @@
 FP32's habit: the next backward adds to what the step used), after writes and clips the step's values carry that the
 half gradients do not: a write to the FP32 masters' gradients (a list of the masters kept from before ``unscale_``,
 clipped with torch's ``clip_grad_norm_``), another optimizer's engine clip of a shared head. Each against an FP32 run of
-the same calls (tests/test_stateful69.py's runs: Linear-Tanh-Linear, a second optimizer over the head)."""
+the same calls (tests/test_core_gradient_writes_stateful.py's runs: Linear-Tanh-Linear, a second optimizer over the
+head)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_mpx import Amp
-from tests.test_stateful69 import _both, _off_fp32, _params
+from tests.test_core_gradient_writes_stateful import _both, _off_fp32, _params
 
 
 def _next_clip_and_steps(ours, ref, names: tuple[str, ...]) -> tuple[float, float]:  # noqa: ANN001

@@ -2,7 +2,7 @@
 output of the boundary, a target made in the model's half dtype) runs in the widest, exactly as on the target cast
 first; a loss on arguments of one dtype runs as given (a loss on the half logits inside the model stays half, as at
 Apex's O3, which patches nothing); nothing changes outside the forward scope. The core ``Amp`` and the Accelerate
-adapter; the Trainer and Fabric plugins are in tests/test_hostile_attack50_lightning.py."""
+adapter; the Trainer and Fabric plugins are in tests/test_lightning_self_dtype.py."""
 
 from __future__ import annotations
 

@@ -94,7 +94,10 @@ def test_every_package_a_test_skips_without_is_installed_by_the_dev_extra():
             skipped_on.setdefault(name, set()).add(path.name)
     assert "peft" in skipped_on and "sklearn" in skipped_on  # the scan sees the tests it guards
     # Not in the dev extra on purpose, each with the reason: CI skips these tests until the package joins it.
-    waived = {"trl": "tests/test_trl62.py; trl upgrades huggingface_hub for every test, its joining the extra is open"}
+    waived = {
+        "trl": "tests/test_hf_trainer_trl.py; trl upgrades huggingface_hub for every test, its joining the extra is "
+               "open"
+    }
     missing = {}
     for name, files in skipped_on.items():
         dist = distribution.get(name, name.split(".")[0])

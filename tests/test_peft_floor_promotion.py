@@ -12,7 +12,8 @@ def test_a_lora_models_frozen_base_layer_that_overflows_is_promoted_at_the_floor
     # The first overflow at the floor (unwatched) blamed the 8 LoRA adapters (the only gradients, all NaN after the
     # forward overflow); the watched one after it named h.1.mlp.c_fc.base_layer, a sibling of them: "on_floor='promote'
     # could not blame a module: the last 2 overflows at the floor came from different modules (...lora_A.default, ...
-    # / ...c_fc.base_layer)". A model without frozen layers is promoted (test_attack70c): LoRA fine-tuning was not.
+    # / ...c_fc.base_layer)". A model without frozen layers is promoted (test_core_doctor_tags_agree): LoRA fine-tuning
+    # was not.
     from peft import LoraConfig, get_peft_model
     from transformers import GPT2Config, GPT2LMHeadModel
 

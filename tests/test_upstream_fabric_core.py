@@ -70,7 +70,8 @@ def test_clip_gradients(level, half, clip_type):
 
     Ours, every case: the clip is on the unscaled FP32 gradients the step uses (``mpx.main_params``: the model's own
     at O1, the FP32 masters' at O2). At O2 the model's half gradients show the clipped values at once,
-    as upstream's clip leaves them (a write to them before the step is on those: tests/test_attack69a.py)."""
+    as upstream's clip leaves them (a write to them before the step is on those:
+    tests/test_fabric_write_after_clip.py)."""
     fabric, plugin = _fabric(level, half)
     in_features, out_features = 32, 2
     model = torch.nn.Linear(in_features, out_features, bias=False)

@@ -156,7 +156,7 @@ def show_unscaled(machine: StepMachine, optimizer: torch.optim.Optimizer, *, fre
     if state.handed:  # the masters' writes shown too (engine.master_writes)
         renote(state)
     # and the masters' gradients as the model shows them: masters_left.note_after written out (the show's call budget,
-    # tests/test_step_calls57.py), not shared, not sharded
+    # tests/test_core_step_calls_show_unscaled.py), not shared, not sharded
     if machine.sharding is None and not machine.shared.ids:
         probe = state.pair_masters[state.mastered[0]].grad if state.mastered else None
         if probe is not None and probe._base is not None:

@@ -169,7 +169,7 @@ class StepMachine(UnscalePath):
             key_by_masters(state, optimizer)  # optimizer.state[p] by a half parameter: its master's entry
             # an inner optimizer made on its groups later (add_param_group gives each group a new list) at the next
             # making of its pairs: no call per step (the state is passed, not held: no cycle keeping it and its masters
-            # alive once the optimizer is gone, tests/test_leaks54.py)
+            # alive once the optimizer is gone, tests/test_core_leaks.py)
             state.on_new_pairs = functools.partial(_adopt_later, weakref.ref(self))
         else:  # a direct step with scaled gradients is refused (masters' hooks refuse any direct step)
             guard = ScaledStepGuard(state, self.scalers, owner=weakref.ref(self))

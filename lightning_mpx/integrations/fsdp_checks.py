@@ -227,7 +227,7 @@ def check_sharded_model(module: nn.Module, settings: object) -> None:
                 island_half.append(name)
         elif param.dtype in HALF_DTYPES:
             # At O2 a frozen half parameter (a LoRA model's base loaded in half) needs no master, as without FSDP:
-            # the policy gathers it in half like the rest (tests/test_fsdplora62.py).
+            # the policy gathers it in half like the rest (tests/test_accelerate_fsdp2_lora.py).
             if mode.name != "masters" or param.requires_grad:
                 stored_half.append(name)
         else:
