@@ -7,18 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from lightning_mpx import Amp, FabricMixedPrecisionPlugin
-
-
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.enc, self.boom, self.norm, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(self.boom(self.enc(x))))
+from tests.test_compile_floor_promotion import _Net  # enc, boom (pinned), norm, head
 
 
 def _pinned_losses(door: str, backend: str | None) -> list[float]:

@@ -14,22 +14,14 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from lightning_mpx import Amp
+from tests.test_fabric_write_after_clip import _batch, _net  # the same small classifier and batches
 
 HABIT = "a write through p.grad.data"
 REFUSED = r"between clip_grad_norm_\(\)/clip_grad_value_\(\) and step\(\)"
 
 
-def _net() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-
-
-def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(i)
-    return torch.randn(4, 8, generator=gen) * 4, torch.randint(0, 4, (4,), generator=gen)
 
 
 def _halve(params: list[torch.Tensor], how: str) -> None:
